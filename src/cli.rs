@@ -1,0 +1,105 @@
+//! Command-line interface. Exit status everywhere: 0 success, 1 bad
+//! configuration or a failed request, 2 usage error, 3 the VM failed.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "torpor",
+    version,
+    about = "microVM sandboxes that hibernate when idle"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run one microVM in this process, or control a running one.
+    Vmm(VmmCommand),
+    /// Check this host: KVM, virtualization kind, userfaultfd, huge pages, cgroups.
+    Doctor {
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write the built-in probe guest kernel (an ELF) to a file.
+    ProbeImage {
+        /// Where to write it.
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+#[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct VmmCommand {
+    #[command(subcommand)]
+    pub action: Option<VmmAction>,
+    #[command(flatten)]
+    pub run: VmmRunArgs,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum VmmAction {
+    /// Print a running VM's status as JSON.
+    Status(SocketArg),
+    /// Pause every vCPU of a running VM.
+    Pause(SocketArg),
+    /// Resume a paused VM.
+    Resume(SocketArg),
+    /// Stop a running VM (the VMM exits with status 0).
+    Shutdown(SocketArg),
+}
+
+#[derive(Debug, Args)]
+pub struct SocketArg {
+    /// The VM's control socket.
+    #[arg(long)]
+    pub socket: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum MemoryBackendArg {
+    /// Fresh anonymous memory (a cold boot).
+    Anonymous,
+}
+
+#[derive(Debug, Args)]
+pub struct VmmRunArgs {
+    /// Kernel image: an ELF vmlinux or a bzImage, or `builtin:probe` for the
+    /// probe guest built into torpor.
+    #[arg(long)]
+    pub kernel: Option<String>,
+    /// Initial ramdisk, loaded at the top of low memory.
+    #[arg(long)]
+    pub initrd: Option<PathBuf>,
+    /// Kernel command line.
+    #[arg(long, default_value = torpor_vmm::DEFAULT_CMDLINE)]
+    pub cmdline: String,
+    /// Guest memory in MiB (at least 16, at most the host's RAM).
+    #[arg(long, default_value_t = 256)]
+    pub mem_mib: u64,
+    /// Number of vCPUs (1 to the KVM maximum).
+    #[arg(long, default_value_t = 1)]
+    pub vcpus: u16,
+    /// Write the guest console to this file instead of stdout.
+    #[arg(long)]
+    pub serial: Option<PathBuf>,
+    /// Discard the guest console.
+    #[arg(long, conflicts_with = "serial")]
+    pub no_serial: bool,
+    /// Serve the control protocol on this unix socket.
+    #[arg(long)]
+    pub control_socket: Option<PathBuf>,
+    /// How guest memory is backed.
+    #[arg(long, value_enum, default_value = "anonymous")]
+    pub memory_backend: MemoryBackendArg,
+    /// At exit, print boot phase timings and the exit reason as one JSON
+    /// line on stderr.
+    #[arg(long)]
+    pub report: bool,
+}

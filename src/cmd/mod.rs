@@ -1,0 +1,24 @@
+//! One module per top-level subcommand.
+
+mod doctor;
+mod vmm;
+
+use crate::cli::{Cli, Command};
+
+/// Exit statuses shared by all subcommands.
+pub const EXIT_OK: i32 = 0;
+pub const EXIT_FAILURE: i32 = 1;
+
+pub fn dispatch(cli: Cli) -> i32 {
+    match cli.command {
+        Command::Vmm(v) => vmm::run(v),
+        Command::Doctor { json } => doctor::run(json),
+        Command::ProbeImage { out } => match std::fs::write(&out, torpor_probe::PROBE_ELF) {
+            Ok(()) => EXIT_OK,
+            Err(e) => {
+                eprintln!("torpor: error: cannot write {}: {e}", out.display());
+                EXIT_FAILURE
+            }
+        },
+    }
+}

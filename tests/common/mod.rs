@@ -1,0 +1,132 @@
+//! Helpers shared by the integration tests: run `torpor`, watch a serial
+//! console file, and clean up after ourselves.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub const TORPOR: &str = env!("CARGO_BIN_EXE_torpor");
+
+/// A scratch directory removed on drop.
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    pub fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("torpor-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs `torpor` to completion with a time limit; kills it if it overstays.
+pub fn torpor(args: &[&str], limit: Duration) -> Output {
+    let child = Command::new(TORPOR)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn torpor");
+    wait_output(child, limit)
+}
+
+/// Waits for a child to exit within `limit`, killing it otherwise.
+pub fn wait_output(mut child: Child, limit: Duration) -> Output {
+    let deadline = Instant::now() + limit;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "torpor did not exit within {limit:?}\nstdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.wait_with_output().unwrap()
+}
+
+pub fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+pub fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Waits until `path` holds a line for which `pred` holds, returning it.
+pub fn wait_for_line(path: &Path, limit: Duration, pred: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + limit;
+    loop {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        if let Some(l) = text.lines().find(|l| pred(l)) {
+            return l.to_string();
+        }
+        if Instant::now() > deadline {
+            panic!(
+                "no matching line in {} within {limit:?}; it holds:\n{text}",
+                path.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A VMM process killed on drop, so a failing test leaves nothing behind.
+pub struct Vmm(pub Option<Child>);
+
+impl Vmm {
+    pub fn spawn(args: &[&str]) -> Self {
+        let child = Command::new(TORPOR)
+            .arg("vmm")
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn torpor vmm");
+        Self(Some(child))
+    }
+
+    pub fn wait(mut self, limit: Duration) -> Output {
+        wait_output(self.0.take().unwrap(), limit)
+    }
+
+    pub fn try_status(&mut self) -> Option<ExitStatus> {
+        self.0.as_mut().unwrap().try_wait().unwrap()
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Parses `TORPOR-PROBE ITER n=<n> sum=<hex>` lines into (n, sum).
+pub fn probe_iterations(console: &str) -> Vec<(u64, u64)> {
+    console
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("TORPOR-PROBE ITER n=")?;
+            let (n, sum) = rest.split_once(" sum=")?;
+            Some((n.parse().ok()?, u64::from_str_radix(sum.trim(), 16).ok()?))
+        })
+        .collect()
+}

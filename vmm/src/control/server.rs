@@ -1,0 +1,207 @@
+//! Control socket server: one thread accepting connections and answering
+//! requests against the VM's controller.
+
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use super::{Request, Response, VmStatus};
+
+/// What the control server may ask of the VM.
+pub trait VmController: Send + Sync + 'static {
+    fn status(&self) -> VmStatus;
+    fn pause(&self) -> Result<VmStatus, String>;
+    fn resume(&self) -> Result<VmStatus, String>;
+    fn shutdown(&self) -> Result<VmStatus, String>;
+}
+
+/// Errors while binding the control socket.
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    #[error("control socket {0} is already in use by a running process")]
+    InUse(PathBuf),
+    #[error("cannot bind control socket {path}: {source}")]
+    Bind {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// Binds `path`. A socket file nobody answers on is stale and replaced;
+/// one that answers belongs to a live VMM and is an error.
+pub fn bind(path: &Path) -> Result<UnixListener, BindError> {
+    let bind_err = |source| BindError::Bind {
+        path: path.to_path_buf(),
+        source,
+    };
+    match UnixListener::bind(path) {
+        Ok(l) => Ok(l),
+        Err(e) if e.kind() == ErrorKind::AddrInUse => {
+            if UnixStream::connect(path).is_ok() {
+                return Err(BindError::InUse(path.to_path_buf()));
+            }
+            std::fs::remove_file(path).map_err(bind_err)?;
+            UnixListener::bind(path).map_err(bind_err)
+        }
+        Err(e) => Err(bind_err(e)),
+    }
+}
+
+/// The running control server; removes its socket file when dropped.
+pub struct ControlServer {
+    path: PathBuf,
+    _thread: JoinHandle<()>,
+}
+
+impl ControlServer {
+    pub fn start(
+        listener: UnixListener,
+        path: PathBuf,
+        vm: Arc<dyn VmController>,
+    ) -> std::io::Result<Self> {
+        let thread = std::thread::Builder::new()
+            .name("control".into())
+            .spawn(move || {
+                for stream in listener.incoming() {
+                    match stream {
+                        Ok(s) => {
+                            if let Err(e) = serve_connection(s, vm.as_ref()) {
+                                tracing::debug!("control connection ended: {e}");
+                            }
+                        }
+                        Err(e) => tracing::warn!("control accept failed: {e}"),
+                    }
+                }
+            })?;
+        Ok(Self {
+            path,
+            _thread: thread,
+        })
+    }
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Answers requests on one connection until the client closes it.
+/// Connections are served one at a time; a silent client is dropped after
+/// the timeout so it cannot block the others.
+fn serve_connection(stream: UnixStream, vm: &dyn VmController) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut writer = stream.try_clone()?;
+    let reader = BufReader::new(stream).take(64 * 1024);
+    for line in reader.lines() {
+        let line = line?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let response = answer(&line, vm);
+        let mut out = serde_json::to_string(&response).map_err(std::io::Error::other)?;
+        out.push('\n');
+        writer.write_all(out.as_bytes())?;
+    }
+    Ok(())
+}
+
+fn answer(line: &str, vm: &dyn VmController) -> Response {
+    let result = match serde_json::from_str::<Request>(line) {
+        Err(e) => Err(format!("invalid request: {e}")),
+        Ok(Request::Status) => Ok(vm.status()),
+        Ok(Request::Pause) => vm.pause(),
+        Ok(Request::Resume) => vm.resume(),
+        Ok(Request::Shutdown) => vm.shutdown(),
+    };
+    match result {
+        Ok(status) => Response::Ok { ok: true, status },
+        Err(error) => Response::Err { ok: false, error },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{request, ClientError, VmState};
+    use super::*;
+    use std::sync::Mutex;
+
+    struct FakeVm(Mutex<VmState>);
+    impl FakeVm {
+        fn with(&self, s: VmState) -> VmStatus {
+            *self.0.lock().unwrap() = s;
+            self.status()
+        }
+    }
+    impl VmController for FakeVm {
+        fn status(&self) -> VmStatus {
+            VmStatus {
+                protocol: 1,
+                state: *self.0.lock().unwrap(),
+                pid: 1,
+                vcpus: 1,
+                mem_mib: 1,
+                kernel: "k".into(),
+                uptime_ms: 0,
+            }
+        }
+        fn pause(&self) -> Result<VmStatus, String> {
+            Ok(self.with(VmState::Paused))
+        }
+        fn resume(&self) -> Result<VmStatus, String> {
+            Ok(self.with(VmState::Running))
+        }
+        fn shutdown(&self) -> Result<VmStatus, String> {
+            Err("no".into())
+        }
+    }
+
+    #[test]
+    fn serves_requests_and_refuses_a_second_owner() {
+        let dir = std::env::temp_dir().join(format!("torpor-ctl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ctl.sock");
+        let listener = bind(&path).unwrap();
+        let _server = ControlServer::start(
+            listener,
+            path.clone(),
+            Arc::new(FakeVm(Mutex::new(VmState::Running))),
+        )
+        .unwrap();
+        let t = Duration::from_secs(2);
+        assert_eq!(
+            request(&path, &Request::Pause, t).unwrap().state,
+            VmState::Paused
+        );
+        assert_eq!(
+            request(&path, &Request::Status, t).unwrap().state,
+            VmState::Paused
+        );
+        assert!(matches!(
+            request(&path, &Request::Shutdown, t),
+            Err(ClientError::Refused(_))
+        ));
+        assert!(matches!(bind(&path), Err(BindError::InUse(_))));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn stale_socket_file_is_replaced() {
+        let dir = std::env::temp_dir().join(format!("torpor-ctl-stale-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ctl.sock");
+        drop(UnixListener::bind(&path).unwrap());
+        assert!(path.exists());
+        assert!(bind(&path).is_ok());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn garbage_gets_an_error_answer() {
+        let vm = FakeVm(Mutex::new(VmState::Running));
+        assert!(matches!(answer("{not json", &vm), Response::Err { .. }));
+    }
+}

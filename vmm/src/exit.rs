@@ -1,0 +1,93 @@
+//! How a VM ends: the first reason recorded wins and wakes the main thread.
+
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+use vmm_sys_util::eventfd::EventFd;
+
+/// Why the VMM is stopping. Each maps to a documented process exit status.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "reason", content = "detail")]
+pub enum ExitReason {
+    /// The guest reset the machine (i8042 0xFE, triple fault) or powered off.
+    GuestShutdown,
+    /// A `shutdown` request on the control socket.
+    ControlShutdown,
+    /// A vCPU hit an error the VMM cannot recover from.
+    VcpuError(String),
+}
+
+impl ExitReason {
+    /// Process exit status: 0 for an orderly end, 3 for a VM failure.
+    /// (1 is a configuration error before boot, 2 a usage error.)
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            ExitReason::GuestShutdown | ExitReason::ControlShutdown => 0,
+            ExitReason::VcpuError(_) => 3,
+        }
+    }
+}
+
+/// Shared by vCPUs, devices and the control server to end the VM.
+#[derive(Clone)]
+pub struct ExitSignal {
+    reason: Arc<Mutex<Option<ExitReason>>>,
+    evt: Arc<EventFd>,
+}
+
+impl ExitSignal {
+    pub fn new() -> std::io::Result<Self> {
+        Ok(Self {
+            reason: Arc::new(Mutex::new(None)),
+            evt: Arc::new(EventFd::new(libc::EFD_CLOEXEC)?),
+        })
+    }
+
+    /// Records `reason` unless another was recorded first, and wakes the waiter.
+    pub fn exit(&self, reason: ExitReason) {
+        let mut slot = self.reason.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_none() {
+            *slot = Some(reason);
+        }
+        // A full eventfd counter still leaves it readable, so ignoring the
+        // error cannot lose the wake-up.
+        let _ = self.evt.write(1);
+    }
+
+    /// Blocks until some party calls `exit`, then returns the first reason.
+    pub fn wait(&self) -> ExitReason {
+        loop {
+            if let Some(r) = self
+                .reason
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+            {
+                return r;
+            }
+            let _ = self.evt.read();
+        }
+    }
+
+    /// The reason, if the VM is already ending.
+    pub fn reason(&self) -> Option<ExitReason> {
+        self.reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_reason_wins() {
+        let s = ExitSignal::new().unwrap();
+        s.exit(ExitReason::GuestShutdown);
+        s.exit(ExitReason::VcpuError("late".into()));
+        assert_eq!(s.wait(), ExitReason::GuestShutdown);
+        assert_eq!(ExitReason::VcpuError(String::new()).exit_code(), 3);
+    }
+}

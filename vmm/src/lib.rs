@@ -1,0 +1,22 @@
+//! torpor's VMM: one process per microVM on the rust-vmm crates.
+//!
+//! Boot order (see docs/design.md): [`vstate::kvm`] opens KVM,
+//! [`vstate::vm`] creates the VM, [`vstate::memory`] maps guest RAM,
+//! [`boot`] loads the kernel, [`devices`] wires serial and i8042,
+//! [`vstate::vcpu`] configures and runs the vCPUs, [`control`] serves the
+//! per-VM socket, and [`microvm`] ties them together until the VM exits.
+
+pub mod boot;
+pub mod builder;
+pub mod control;
+pub mod devices;
+pub mod doctor;
+pub mod exit;
+pub mod layout;
+pub mod microvm;
+pub mod mptable;
+pub mod vstate;
+
+pub use builder::{SerialOutput, VmConfig, DEFAULT_CMDLINE};
+pub use exit::ExitReason;
+pub use microvm::{run, RunError, RunReport};

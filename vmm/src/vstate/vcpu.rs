@@ -1,0 +1,297 @@
+//! vCPUs: creation and configuration, the run loop on a thread of its own,
+//! and the gate that pauses and resumes all of them together.
+
+use std::cell::Cell;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use kvm_bindings::CpuId;
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+
+use super::cpuid;
+use super::regs::{self, RegsError};
+use super::vm::Vm;
+use crate::devices::PioBus;
+use crate::exit::{ExitReason, ExitSignal};
+
+/// Signal used to kick a vCPU thread out of KVM_RUN.
+pub fn kick_signal() -> i32 {
+    SIGRTMIN()
+}
+
+thread_local! {
+    /// This thread's `kvm_run.immediate_exit`, for the kick signal handler.
+    static IMMEDIATE_EXIT: Cell<*mut u8> = const { Cell::new(std::ptr::null_mut()) };
+}
+
+extern "C" fn handle_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    let flag = IMMEDIATE_EXIT.with(|f| f.get());
+    if !flag.is_null() {
+        // SAFETY: the pointer targets this thread's mmap'd kvm_run, set while
+        // the owning VcpuFd is alive on this thread and cleared before it is
+        // dropped; a volatile byte store is async-signal-safe.
+        unsafe { std::ptr::write_volatile(flag, 1) };
+    }
+}
+
+/// Installs the kick handler once per process.
+pub fn register_kick_handler() -> Result<(), VcpuError> {
+    register_signal_handler(kick_signal(), handle_kick).map_err(VcpuError::Signal)
+}
+
+/// Errors while creating, configuring or running a vCPU.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    #[error("cannot create vCPU {index}: {source}")]
+    Create {
+        index: u8,
+        source: kvm_ioctls::Error,
+    },
+    #[error("cannot set CPUID of vCPU {index}: {source}")]
+    Cpuid {
+        index: u8,
+        source: kvm_ioctls::Error,
+    },
+    #[error("cannot set up vCPU {index}: {source}")]
+    Regs { index: u8, source: RegsError },
+    #[error("cannot install the vCPU kick signal handler: {0}")]
+    Signal(vmm_sys_util::errno::Error),
+    #[error("cannot start the thread of vCPU {index}: {source}")]
+    Spawn { index: u8, source: std::io::Error },
+}
+
+/// A configured vCPU, not yet running.
+pub struct Vcpu {
+    pub index: u8,
+    pub fd: VcpuFd,
+}
+
+impl Vcpu {
+    /// Creates vCPU `index` and gives it CPUID, MSRs, FPU and LAPIC state.
+    pub fn create(vm: &Vm, index: u8, count: u8, supported: &CpuId) -> Result<Self, VcpuError> {
+        let fd = vm
+            .fd
+            .create_vcpu(u64::from(index))
+            .map_err(|source| VcpuError::Create { index, source })?;
+        let mut cpuid = supported.clone();
+        cpuid::normalize(&mut cpuid, index, count);
+        fd.set_cpuid2(&cpuid)
+            .map_err(|source| VcpuError::Cpuid { index, source })?;
+        let regs_err = |source| VcpuError::Regs { index, source };
+        regs::setup_msrs(&fd).map_err(regs_err)?;
+        regs::setup_fpu(&fd).map_err(regs_err)?;
+        regs::setup_lapic(&fd).map_err(regs_err)?;
+        Ok(Self { index, fd })
+    }
+}
+
+/// What the VMM wants the vCPUs to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Target {
+    Run,
+    Pause,
+    Exit,
+}
+
+#[derive(Debug)]
+struct GateState {
+    target: Target,
+    /// vCPU threads currently parked (paused or finished).
+    parked: usize,
+}
+
+/// Pauses and resumes every vCPU thread together.
+pub struct RunGate {
+    state: Mutex<GateState>,
+    changed: Condvar,
+}
+
+impl RunGate {
+    fn new() -> Self {
+        Self {
+            state: Mutex::new(GateState {
+                target: Target::Run,
+                parked: 0,
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Called by a vCPU thread before each KVM_RUN. Blocks while paused;
+    /// returns false when the thread must exit.
+    fn proceed(&self) -> bool {
+        let mut s = self.lock();
+        if s.target == Target::Pause {
+            s.parked += 1;
+            self.changed.notify_all();
+            while s.target == Target::Pause {
+                s = self.changed.wait(s).unwrap_or_else(|e| e.into_inner());
+            }
+            s.parked -= 1;
+            self.changed.notify_all();
+        }
+        s.target != Target::Exit
+    }
+}
+
+/// The running vCPU threads of one VM.
+pub struct VcpuSet {
+    gate: Arc<RunGate>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    count: usize,
+}
+
+impl VcpuSet {
+    /// Starts one thread per vCPU, each running until the VM exits.
+    /// `first_run` records when the first vCPU first entered KVM_RUN.
+    pub fn start(
+        vcpus: Vec<Vcpu>,
+        bus: Arc<PioBus>,
+        exit: ExitSignal,
+        first_run: Arc<OnceLock<Instant>>,
+    ) -> Result<Self, VcpuError> {
+        let gate = Arc::new(RunGate::new());
+        let mut threads = Vec::with_capacity(vcpus.len());
+        for vcpu in vcpus {
+            let index = vcpu.index;
+            let (gate, bus, exit, first_run) =
+                (gate.clone(), bus.clone(), exit.clone(), first_run.clone());
+            let handle = std::thread::Builder::new()
+                .name(format!("vcpu{index}"))
+                .spawn(move || run_vcpu(vcpu, &gate, &bus, &exit, &first_run))
+                .map_err(|source| VcpuError::Spawn { index, source })?;
+            threads.push(handle);
+        }
+        let count = threads.len();
+        Ok(Self {
+            gate,
+            threads: Mutex::new(threads),
+            count,
+        })
+    }
+
+    fn kick_all(&self) {
+        for t in self
+            .threads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            // A thread that already exited cannot be kicked; nothing to do.
+            let _ = t.kill(kick_signal());
+        }
+    }
+
+    /// Stops every vCPU outside KVM_RUN; returns once all are parked.
+    pub fn pause(&self) {
+        let mut s = self.gate.lock();
+        if s.target != Target::Run {
+            return;
+        }
+        s.target = Target::Pause;
+        drop(s);
+        self.kick_all();
+        let mut s = self.gate.lock();
+        // Finished threads count as parked, so this cannot wait forever.
+        while s.target == Target::Pause && s.parked < self.count {
+            s = self.gate.changed.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Lets paused vCPUs run again.
+    pub fn resume(&self) {
+        let mut s = self.gate.lock();
+        if s.target == Target::Pause {
+            s.target = Target::Run;
+            self.gate.changed.notify_all();
+        }
+    }
+
+    /// True while the vCPUs are held outside KVM_RUN.
+    pub fn is_paused(&self) -> bool {
+        self.gate.lock().target == Target::Pause
+    }
+
+    /// Stops all vCPU threads and waits for them.
+    pub fn stop(&self) {
+        self.gate.lock().target = Target::Exit;
+        self.gate.changed.notify_all();
+        self.kick_all();
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The vCPU thread: KVM_RUN until the gate says exit or the guest ends.
+fn run_vcpu(
+    mut vcpu: Vcpu,
+    gate: &RunGate,
+    bus: &PioBus,
+    exit: &ExitSignal,
+    first_run: &OnceLock<Instant>,
+) {
+    let run_flag: *mut u8 = &mut vcpu.fd.get_kvm_run().immediate_exit;
+    IMMEDIATE_EXIT.with(|f| f.set(run_flag));
+    while gate.proceed() {
+        first_run.get_or_init(Instant::now);
+        match vcpu.fd.run() {
+            Ok(VcpuExit::IoIn(port, data)) => bus.read(port, data),
+            Ok(VcpuExit::IoOut(port, data)) => bus.write(port, data),
+            Ok(VcpuExit::MmioRead(_, data)) => data.fill(0xff),
+            Ok(VcpuExit::MmioWrite(..)) | Ok(VcpuExit::Hlt) => {}
+            Ok(VcpuExit::Shutdown) => {
+                exit.exit(ExitReason::GuestShutdown);
+                break;
+            }
+            Ok(VcpuExit::SystemEvent(kind, _)) => {
+                tracing::info!(vcpu = vcpu.index, kind, "guest system event");
+                exit.exit(ExitReason::GuestShutdown);
+                break;
+            }
+            Ok(VcpuExit::FailEntry(reason, cpu)) => {
+                exit.exit(ExitReason::VcpuError(format!(
+                    "vCPU {} failed to enter the guest (hardware reason {reason:#x}, cpu {cpu})",
+                    vcpu.index
+                )));
+                break;
+            }
+            Ok(VcpuExit::InternalError) => {
+                exit.exit(ExitReason::VcpuError(format!(
+                    "vCPU {} hit a KVM internal error (an instruction KVM cannot emulate?)",
+                    vcpu.index
+                )));
+                break;
+            }
+            Ok(other) => {
+                exit.exit(ExitReason::VcpuError(format!(
+                    "vCPU {} stopped on an unexpected exit: {other:?}",
+                    vcpu.index
+                )));
+                break;
+            }
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                vcpu.fd.set_kvm_immediate_exit(0);
+            }
+            Err(e) => {
+                exit.exit(ExitReason::VcpuError(format!(
+                    "vCPU {} KVM_RUN failed: {e}",
+                    vcpu.index
+                )));
+                break;
+            }
+        }
+    }
+    IMMEDIATE_EXIT.with(|f| f.set(std::ptr::null_mut()));
+    // Count this thread as parked so a pause in progress does not wait for it.
+    let mut s = gate.lock();
+    s.parked += 1;
+    gate.changed.notify_all();
+}
