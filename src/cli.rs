@@ -19,7 +19,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run one microVM in this process, or control a running one.
-    Vmm(VmmCommand),
+    Vmm(Box<VmmCommand>),
     /// Check this host: KVM, virtualization kind, userfaultfd, huge pages, cgroups.
     Doctor {
         /// Print the report as JSON.
@@ -53,6 +53,22 @@ pub enum VmmAction {
     Resume(SocketArg),
     /// Stop a running VM (the VMM exits with status 0).
     Shutdown(SocketArg),
+    /// Snapshot a paused VM into a directory (`state` + sparse `memory`).
+    Snapshot(SnapshotArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct SnapshotArgs {
+    /// The VM's control socket.
+    #[arg(long)]
+    pub socket: PathBuf,
+    /// Directory to write the snapshot into (created if missing).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Write only the pages dirtied since the snapshot this VM was restored
+    /// from or last took (a diff layer that names its parent).
+    #[arg(long)]
+    pub diff: bool,
 }
 
 #[derive(Debug, Args)]
@@ -62,18 +78,41 @@ pub struct SocketArg {
     pub socket: PathBuf,
 }
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum MemoryBackendArg {
-    /// Fresh anonymous memory (a cold boot).
+    /// Fresh anonymous memory (cold boot only).
     Anonymous,
+    /// Private mapping of the snapshot's memory files: page-cache sharing
+    /// between clones, kernel copy-on-write (restore only; the default).
+    File,
+    /// Anonymous memory filled on first touch by a userfaultfd page server
+    /// (restore only).
+    Uffd,
+    /// Template in shmem mapped privately, first touches seen through
+    /// userfaultfd minor faults (restore only).
+    UffdShared,
 }
 
 #[derive(Debug, Args)]
 pub struct VmmRunArgs {
     /// Kernel image: an ELF vmlinux or a bzImage, or `builtin:probe` for the
     /// probe guest built into torpor.
-    #[arg(long)]
+    #[arg(long, required_unless_present = "restore")]
     pub kernel: Option<String>,
+    /// Restore this snapshot directory instead of booting a kernel.
+    #[arg(long, conflicts_with_all = ["kernel", "initrd", "cmdline", "mem_mib", "vcpus"])]
+    pub restore: Option<PathBuf>,
+    /// With --restore: keep the vCPUs paused until a `resume` request.
+    #[arg(long, requires = "restore")]
+    pub paused: bool,
+    /// With --restore and a uffd backend: install the snapshot's recorded
+    /// working set eagerly.
+    #[arg(long, requires = "restore")]
+    pub prefetch: bool,
+    /// With --restore and a uffd backend: record the pages first touched in
+    /// this many milliseconds after restore as the snapshot's working set.
+    #[arg(long, requires = "restore")]
+    pub record_working_set_ms: Option<u64>,
     /// Initial ramdisk, loaded at the top of low memory.
     #[arg(long)]
     pub initrd: Option<PathBuf>,
@@ -95,9 +134,10 @@ pub struct VmmRunArgs {
     /// Serve the control protocol on this unix socket.
     #[arg(long)]
     pub control_socket: Option<PathBuf>,
-    /// How guest memory is backed.
-    #[arg(long, value_enum, default_value = "anonymous")]
-    pub memory_backend: MemoryBackendArg,
+    /// How guest memory is backed (default: anonymous to boot, file to
+    /// restore).
+    #[arg(long, value_enum)]
+    pub memory_backend: Option<MemoryBackendArg>,
     /// At exit, print boot phase timings and the exit reason as one JSON
     /// line on stderr.
     #[arg(long)]

@@ -23,15 +23,27 @@ fn verdict_and_exit_status_agree() {
             verdict,
             "probe guests only (Linux needs hardware virtualization or the nested host)"
         ),
-        Some(1) => assert!(verdict.starts_with("no guests (KVM unusable: "), "{verdict}"),
+        Some(1) => assert!(
+            verdict.starts_with("no guests (KVM unusable: "),
+            "{verdict}"
+        ),
         other => panic!("unexpected exit status {other:?}:\n{text}"),
     }
     if Path::new("/sys/module/kvm_pvm").exists() {
         assert_eq!(code, Some(10), "PVM host must be probe-only:\n{text}");
         assert!(text.contains("PVM"), "{text}");
     }
-    for section in ["kvm", "virtualization", "userfaultfd", "huge pages", "cgroup"] {
-        assert!(text.lines().any(|l| l == section), "missing section {section}:\n{text}");
+    for section in [
+        "kvm",
+        "virtualization",
+        "userfaultfd",
+        "huge pages",
+        "cgroup",
+    ] {
+        assert!(
+            text.lines().any(|l| l == section),
+            "missing section {section}:\n{text}"
+        );
     }
 }
 

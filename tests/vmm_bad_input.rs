@@ -35,8 +35,30 @@ fn probe_elf(dir: &Scratch) -> String {
 }
 
 #[test]
-fn kernel_is_required() {
-    expect_error(&[], 2, "--kernel is required");
+fn kernel_or_restore_is_required() {
+    expect_error(
+        &[],
+        2,
+        "required arguments were not provided:\n  --kernel <KERNEL>",
+    );
+}
+
+#[test]
+fn restore_and_kernel_conflict() {
+    expect_error(
+        &["--restore", "/tmp/x", "--kernel", "builtin:probe"],
+        2,
+        "'--restore <RESTORE>' cannot be used with '--kernel <KERNEL>'",
+    );
+}
+
+#[test]
+fn snapshot_backends_need_restore() {
+    expect_error(
+        &["--kernel", "builtin:probe", "--memory-backend", "uffd"],
+        2,
+        "use it with --restore",
+    );
 }
 
 #[test]

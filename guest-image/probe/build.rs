@@ -94,6 +94,7 @@ fn abi_header() -> String {
         ("READY_PREFIX", abi::READY_PREFIX),
         ("ITER_PREFIX", abi::ITER_PREFIX),
         ("DONE_PREFIX", abi::DONE_PREFIX),
+        ("IDENTITY_PREFIX", abi::IDENTITY_PREFIX),
         ("ERROR_PREFIX", abi::ERROR_PREFIX),
         ("ERROR_NO_FIT", abi::ERROR_NO_FIT),
         ("FAULT_PREFIX", abi::FAULT_PREFIX),
@@ -113,6 +114,12 @@ fn abi_header() -> String {
         ("DEFAULT_HZ", u64::from(abi::DEFAULT_HZ)),
         ("MAX_HZ", u64::from(abi::MAX_HZ)),
         ("WORKLOAD_BASE", abi::WORKLOAD_BASE),
+        ("IDENTITY_PAGE_ADDR", abi::IDENTITY_PAGE_ADDR),
+        ("IDENTITY_MAGIC_OFFSET", abi::IDENTITY_MAGIC_OFFSET),
+        ("IDENTITY_MAGIC", abi::IDENTITY_MAGIC),
+        ("IDENTITY_GEN_OFFSET", abi::IDENTITY_GEN_OFFSET),
+        ("IDENTITY_SEED_OFFSET", abi::IDENTITY_SEED_OFFSET),
+        ("IDENTITY_CLOCK_OFFSET", abi::IDENTITY_CLOCK_OFFSET),
     ];
     for (name, value) in numbers {
         writeln!(h, "#define {name} {value:#x}UL").unwrap();

@@ -11,7 +11,7 @@ pub const EXIT_FAILURE: i32 = 1;
 
 pub fn dispatch(cli: Cli) -> i32 {
     match cli.command {
-        Command::Vmm(v) => vmm::run(v),
+        Command::Vmm(v) => vmm::run(*v),
         Command::Doctor { json } => doctor::run(json),
         Command::ProbeImage { out } => match std::fs::write(&out, torpor_probe::PROBE_ELF) {
             Ok(()) => EXIT_OK,

@@ -5,13 +5,15 @@ use std::time::Duration;
 
 use torpor_vmm::boot::KernelImage;
 use torpor_vmm::control::{self, Request};
+use torpor_vmm::restore::{RestoreBackend, RestoreOptions};
 use torpor_vmm::vstate::memory::AnonymousBackend;
-use torpor_vmm::{SerialOutput, VmConfig};
+use torpor_vmm::{RunError, RunReport, SerialOutput, VmConfig};
 
 use super::{EXIT_FAILURE, EXIT_OK};
 use crate::cli::{MemoryBackendArg, VmmAction, VmmCommand, VmmRunArgs};
 
 const BUILTIN_PREFIX: &str = "builtin:";
+const EXIT_USAGE: i32 = 2;
 
 pub fn run(cmd: VmmCommand) -> i32 {
     match cmd.action {
@@ -26,10 +28,18 @@ fn control_request(action: VmmAction) -> i32 {
         VmmAction::Pause(s) => (s.socket, Request::Pause),
         VmmAction::Resume(s) => (s.socket, Request::Resume),
         VmmAction::Shutdown(s) => (s.socket, Request::Shutdown),
+        VmmAction::Snapshot(s) => (
+            s.socket,
+            Request::Snapshot {
+                path: s.out,
+                diff: s.diff,
+            },
+        ),
     };
-    match control::request(&socket, &req, Duration::from_secs(10)) {
-        Ok(status) => {
-            println!("{}", serde_json::to_string(&status).unwrap_or_default());
+    // Snapshots of large guests take as long as the disk needs.
+    match control::call(&socket, &req, Duration::from_secs(600)) {
+        Ok(response) => {
+            println!("{}", serde_json::to_string(&response).unwrap_or_default());
             EXIT_OK
         }
         Err(e) => {
@@ -52,47 +62,98 @@ fn kernel_image(spec: &str) -> Result<KernelImage, String> {
     }
 }
 
-fn run_vm(args: VmmRunArgs) -> i32 {
-    let Some(kernel) = args.kernel.as_deref() else {
-        eprintln!("torpor: error: --kernel is required (a vmlinux/bzImage path, or builtin:probe)");
-        return 2;
-    };
-    let kernel = match kernel_image(kernel) {
-        Ok(k) => k,
-        Err(e) => {
-            eprintln!("torpor: error: {e}");
-            return EXIT_FAILURE;
-        }
-    };
-    let serial = match (args.serial, args.no_serial) {
-        (Some(path), _) => SerialOutput::File(path),
+fn serial_output(args: &VmmRunArgs) -> SerialOutput {
+    match (&args.serial, args.no_serial) {
+        (Some(path), _) => SerialOutput::File(path.clone()),
         (None, true) => SerialOutput::Discard,
         (None, false) => SerialOutput::Stdout,
+    }
+}
+
+fn run_vm(args: VmmRunArgs) -> i32 {
+    let result = match &args.restore {
+        Some(dir) => restore_vm(&args, dir.clone()),
+        None => boot_vm(&args),
     };
-    let config = VmConfig {
-        kernel,
-        initrd: args.initrd,
-        cmdline: args.cmdline,
-        mem_mib: args.mem_mib,
-        vcpus: args.vcpus,
-        serial,
-    };
-    let backend = match args.memory_backend {
-        MemoryBackendArg::Anonymous => AnonymousBackend,
-    };
-    match torpor_vmm::run(&config, &backend, args.control_socket) {
+    match result {
         Ok(report) => {
             if args.report {
                 eprintln!("{}", serde_json::to_string(&report).unwrap_or_default());
             }
-            if let torpor_vmm::ExitReason::VcpuError(e) = &report.exit {
-                eprintln!("torpor: error: the VM failed: {e}");
+            match &report.exit {
+                torpor_vmm::ExitReason::VcpuError(e) => {
+                    eprintln!("torpor: error: the VM failed: {e}")
+                }
+                torpor_vmm::ExitReason::PageServerFailed(e) => {
+                    eprintln!(
+                        "torpor: error: the VM was stopped because its page server failed: {e}"
+                    )
+                }
+                _ => {}
             }
             report.exit.exit_code()
         }
-        Err(e) => {
-            eprintln!("torpor: error: {e}");
-            EXIT_FAILURE
+        Err((code, message)) => {
+            eprintln!("torpor: error: {message}");
+            code
         }
     }
+}
+
+type Failure = (i32, String);
+
+fn failed(e: RunError) -> Failure {
+    (EXIT_FAILURE, e.to_string())
+}
+
+fn boot_vm(args: &VmmRunArgs) -> Result<RunReport, Failure> {
+    let Some(kernel) = args.kernel.as_deref() else {
+        return Err((
+            EXIT_USAGE,
+            "--kernel is required (a vmlinux/bzImage path, or builtin:probe)".into(),
+        ));
+    };
+    let kernel = kernel_image(kernel).map_err(|e| (EXIT_FAILURE, e))?;
+    match args.memory_backend {
+        None | Some(MemoryBackendArg::Anonymous) => {}
+        Some(other) => {
+            return Err((
+                EXIT_USAGE,
+                format!("--memory-backend {other:?} maps a snapshot; use it with --restore")
+                    .to_lowercase(),
+            ))
+        }
+    }
+    let config = VmConfig {
+        kernel,
+        initrd: args.initrd.clone(),
+        cmdline: args.cmdline.clone(),
+        mem_mib: args.mem_mib,
+        vcpus: args.vcpus,
+        serial: serial_output(args),
+    };
+    torpor_vmm::boot(&config, &AnonymousBackend, args.control_socket.clone()).map_err(failed)
+}
+
+fn restore_vm(args: &VmmRunArgs, snapshot: PathBuf) -> Result<RunReport, Failure> {
+    let backend = match args.memory_backend {
+        None | Some(MemoryBackendArg::File) => RestoreBackend::File,
+        Some(MemoryBackendArg::Uffd) => RestoreBackend::Uffd,
+        Some(MemoryBackendArg::UffdShared) => RestoreBackend::UffdShared,
+        Some(MemoryBackendArg::Anonymous) => {
+            return Err((
+                EXIT_USAGE,
+                "--memory-backend anonymous is for cold boots; a restore maps memory with file, uffd or uffd-shared"
+                    .into(),
+            ))
+        }
+    };
+    let opts = RestoreOptions {
+        snapshot,
+        backend,
+        serial: serial_output(args),
+        prefetch: args.prefetch,
+        record_working_set_ms: args.record_working_set_ms,
+    };
+    torpor_vmm::restore(&opts, args.control_socket.clone(), args.paused).map_err(failed)
 }

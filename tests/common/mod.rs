@@ -2,6 +2,8 @@
 //! console file, and clean up after ourselves.
 #![allow(dead_code)]
 
+pub mod snap;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -24,8 +26,11 @@ impl Scratch {
 }
 
 impl Drop for Scratch {
+    /// Set TORPOR_KEEP_SCRATCH=1 to keep consoles and snapshots for a look.
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        if std::env::var_os("TORPOR_KEEP_SCRATCH").is_none() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
     }
 }
 
@@ -67,12 +72,19 @@ pub fn stdout(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// Waits until `path` holds a line for which `pred` holds, returning it.
+/// The complete lines of a console: the UART writes byte by byte, so the
+/// last line may still be in progress (or cut by a pause or snapshot).
+pub fn complete_lines(text: &str) -> impl Iterator<Item = &str> {
+    let end = text.rfind('\n').map_or(0, |i| i + 1);
+    text[..end].lines()
+}
+
+/// Waits until `path` holds a complete line for which `pred` holds.
 pub fn wait_for_line(path: &Path, limit: Duration, pred: impl Fn(&str) -> bool) -> String {
     let deadline = Instant::now() + limit;
     loop {
         let text = std::fs::read_to_string(path).unwrap_or_default();
-        if let Some(l) = text.lines().find(|l| pred(l)) {
+        if let Some(l) = complete_lines(&text).find(|l| pred(l)) {
             return l.to_string();
         }
         if Instant::now() > deadline {
@@ -81,6 +93,18 @@ pub fn wait_for_line(path: &Path, limit: Duration, pred: impl Fn(&str) -> bool) 
                 path.display()
             );
         }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Polls `cond` until it holds, failing the test after `limit`.
+pub fn wait_for(limit: Duration, cond: impl Fn() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !cond() {
+        assert!(
+            Instant::now() < deadline,
+            "condition not met within {limit:?}"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
 }
@@ -121,8 +145,7 @@ impl Drop for Vmm {
 
 /// Parses `TORPOR-PROBE ITER n=<n> sum=<hex>` lines into (n, sum).
 pub fn probe_iterations(console: &str) -> Vec<(u64, u64)> {
-    console
-        .lines()
+    complete_lines(console)
         .filter_map(|l| {
             let rest = l.strip_prefix("TORPOR-PROBE ITER n=")?;
             let (n, sum) = rest.split_once(" sum=")?;

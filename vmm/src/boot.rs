@@ -14,7 +14,7 @@ use vm_memory::{
     ReadVolatile,
 };
 
-use crate::layout::{CMDLINE_MAX_SIZE, CMDLINE_START, EBDA_START, HIMEM_START, ZERO_PAGE};
+use crate::layout::{CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START, IDENTITY_PAGE, ZERO_PAGE};
 use crate::vstate::memory::MMIO_GAP_START;
 
 const E820_RAM: u32 = 1;
@@ -205,12 +205,13 @@ fn load_initrd(mem: &GuestMemoryMmap, path: &Path) -> Result<(GuestAddress, u64)
     Ok((GuestAddress(addr), size))
 }
 
-/// e820: conventional memory, the EBDA/BIOS hole reserved, then every RAM
+/// e820: conventional memory, then the identity page, EBDA and BIOS hole
+/// reserved, then every RAM
 /// region from 1 MiB up.
 fn add_e820_entries(params: &mut boot_params, mem: &GuestMemoryMmap) {
     let mut entries = vec![
-        (0, EBDA_START, E820_RAM),
-        (EBDA_START, HIMEM_START - EBDA_START, E820_RESERVED),
+        (0, IDENTITY_PAGE, E820_RAM),
+        (IDENTITY_PAGE, HIMEM_START - IDENTITY_PAGE, E820_RESERVED),
     ];
     for region in mem.iter() {
         let start = region.start_addr().0.max(HIMEM_START);

@@ -14,8 +14,11 @@ use crate::devices::i8042::{I8042, I8042_DATA_PORT};
 use crate::devices::serial::{SerialDevice, COM1_BASE, COM1_IRQ, COM1_PORTS};
 use crate::devices::{BusError, PioBus};
 use crate::exit::ExitSignal;
+use crate::identity;
 use crate::layout::EBDA_START;
 use crate::mptable::{self, MptableError};
+use crate::persist::{self, MachineConfig};
+use crate::snapshot::PageRuns;
 use crate::vstate::kvm::{KvmContext, KvmError};
 use crate::vstate::memory::{ram_ranges, validate_mem_size, MemoryBackend, MemoryError};
 use crate::vstate::regs::{self, RegsError};
@@ -82,17 +85,45 @@ pub enum BuildError {
     },
     #[error("cannot create an eventfd: {0}")]
     EventFd(std::io::Error),
+    #[error(transparent)]
+    State(#[from] crate::persist::StateError),
+    #[error(transparent)]
+    Identity(#[from] crate::identity::IdentityError),
 }
 
-/// Microseconds spent in each build phase.
-#[derive(Debug, Default, Clone, serde::Serialize)]
-pub struct BuildTimings {
-    pub kvm_open_us: u64,
-    pub vm_create_us: u64,
-    pub memory_us: u64,
-    pub load_us: u64,
-    pub devices_us: u64,
-    pub vcpu_setup_us: u64,
+/// Microseconds spent in each start-up phase, in order.
+#[derive(Debug, Default, Clone)]
+pub struct Timings {
+    phases: Vec<(&'static str, u64)>,
+    clock: Option<Instant>,
+}
+
+impl Timings {
+    /// Starts timing; the first phase runs from now.
+    pub fn start() -> Self {
+        Self {
+            phases: Vec::new(),
+            clock: Some(Instant::now()),
+        }
+    }
+
+    /// Ends phase `name` and starts the next one.
+    pub fn phase(&mut self, name: &'static str) {
+        let now = Instant::now();
+        let since = self.clock.replace(now).unwrap_or(now);
+        self.phases
+            .push((name, now.duration_since(since).as_micros() as u64));
+    }
+
+    pub fn phases(&self) -> &[(&'static str, u64)] {
+        &self.phases
+    }
+}
+
+impl serde::Serialize for Timings {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(self.phases.iter().map(|(k, v)| (format!("{k}_us"), v)))
+    }
 }
 
 /// A built microVM whose vCPUs are ready to start.
@@ -101,14 +132,19 @@ pub struct BuiltVm {
     pub mem: vm_memory::GuestMemoryMmap,
     pub vcpus: Vec<Vcpu>,
     pub bus: Arc<PioBus>,
-    pub timings: BuildTimings,
-}
-
-fn elapsed_us(since: &mut Instant) -> u64 {
-    let now = Instant::now();
-    let us = now.duration_since(*since).as_micros() as u64;
-    *since = now;
-    us
+    pub serial: Arc<Mutex<SerialDevice>>,
+    pub timings: Timings,
+    pub machine: MachineConfig,
+    /// 0 for a cold boot; the snapshot's generation + 1 for a restore.
+    pub generation: u64,
+    /// The snapshot this VM was restored from, base of its next diff.
+    pub base_snapshot: Option<PathBuf>,
+    /// Pages the VMM wrote that KVM's dirty log does not see.
+    pub vmm_dirty: PageRuns,
+    pub backend: &'static str,
+    /// Whatever must outlive the vCPUs (a userfaultfd page server).
+    pub keepalive: Option<Box<dyn std::any::Any + Send>>,
+    pub msr_indices: Vec<u32>,
 }
 
 /// Checks what can be checked without touching KVM or the disk.
@@ -121,63 +157,90 @@ pub fn validate(config: &VmConfig) -> Result<(), BuildError> {
     Ok(())
 }
 
+/// Opens KVM and checks the vCPU count against what it and the MP table allow.
+pub fn open_kvm(vcpus: u16) -> Result<(KvmContext, u8), BuildError> {
+    if vcpus == 0 {
+        return Err(BuildError::NoVcpus);
+    }
+    let kvm = KvmContext::open()?;
+    let max = kvm.max_vcpus.min(MAX_VCPUS);
+    let count = u8::try_from(vcpus)
+        .ok()
+        .filter(|n| usize::from(*n) <= max)
+        .ok_or(BuildError::TooManyVcpus {
+            requested: vcpus,
+            max,
+            kvm_max: kvm.max_vcpus,
+        })?;
+    Ok((kvm, count))
+}
+
 /// Builds the VM in boot order.
 pub fn build(
     config: &VmConfig,
     backend: &dyn MemoryBackend,
     exit: &ExitSignal,
 ) -> Result<BuiltVm, BuildError> {
-    let mut t = BuildTimings::default();
-    let mut clock = Instant::now();
+    let mut t = Timings::start();
     validate(config)?;
-    let kvm = KvmContext::open()?;
-    let max = kvm.max_vcpus.min(MAX_VCPUS);
-    let vcpu_count = u8::try_from(config.vcpus)
-        .ok()
-        .filter(|n| usize::from(*n) <= max)
-        .ok_or(BuildError::TooManyVcpus {
-            requested: config.vcpus,
-            max,
-            kvm_max: kvm.max_vcpus,
-        })?;
+    let (kvm, vcpu_count) = open_kvm(config.vcpus)?;
     let supported_cpuid = kvm.supported_cpuid()?;
-    t.kvm_open_us = elapsed_us(&mut clock);
+    let msr_indices = persist::saveable_msrs(&kvm.kvm)?;
+    t.phase("kvm_open");
 
     let vm = Vm::create(&kvm)?;
-    t.vm_create_us = elapsed_us(&mut clock);
+    t.phase("vm_create");
 
     let mem_bytes = validate_mem_size(config.mem_mib)?;
     let mem = backend.map(&ram_ranges(mem_bytes))?;
     vm.register_memory(&mem)?;
-    t.memory_us = elapsed_us(&mut clock);
+    t.phase("memory");
 
     let cmdline = boot::parse_cmdline(&config.cmdline)?;
     let boot_info = boot::load(&mem, &config.kernel, config.initrd.as_deref(), &cmdline)?;
     regs::write_boot_tables(&mem)?;
     mptable::write(&mem, EBDA_START, vcpu_count)?;
-    t.load_us = elapsed_us(&mut clock);
+    identity::write(&mem, 0)?;
+    t.phase("load");
 
-    let bus = Arc::new(build_devices(&vm, config, exit)?);
-    t.devices_us = elapsed_us(&mut clock);
+    let serial = Arc::new(Mutex::new(SerialDevice::new(
+        serial_irq(&vm)?,
+        serial_output(&config.serial)?,
+    )));
+    let bus = Arc::new(build_bus(serial.clone(), exit)?);
+    t.phase("devices");
 
     let mut vcpus = Vec::with_capacity(config.vcpus.into());
     for index in 0..vcpu_count {
         vcpus.push(Vcpu::create(&vm, index, vcpu_count, &supported_cpuid)?);
     }
     regs::setup_boot_vcpu(&vcpus[0].fd, boot_info.entry)?;
-    t.vcpu_setup_us = elapsed_us(&mut clock);
+    t.phase("vcpu_setup");
 
     Ok(BuiltVm {
         vm,
         mem,
         vcpus,
         bus,
+        serial,
         timings: t,
+        machine: MachineConfig {
+            mem_mib: config.mem_mib,
+            vcpus: config.vcpus,
+            kernel: config.kernel.to_string(),
+        },
+        generation: 0,
+        base_snapshot: None,
+        vmm_dirty: PageRuns::default(),
+        backend: backend.name(),
+        keepalive: None,
+        msr_indices,
     })
 }
 
-fn build_devices(vm: &Vm, config: &VmConfig, exit: &ExitSignal) -> Result<PioBus, BuildError> {
-    let out: Box<dyn Write + Send> = match &config.serial {
+/// Opens the console sink.
+pub fn serial_output(serial: &SerialOutput) -> Result<Box<dyn Write + Send>, BuildError> {
+    Ok(match serial {
         SerialOutput::Stdout => Box::new(std::io::stdout()),
         SerialOutput::Discard => Box::new(std::io::sink()),
         SerialOutput::File(path) => {
@@ -187,15 +250,23 @@ fn build_devices(vm: &Vm, config: &VmConfig, exit: &ExitSignal) -> Result<PioBus
             })?;
             Box::new(LineWriter::new(f))
         }
-    };
+    })
+}
+
+/// The serial interrupt line: an eventfd KVM turns into GSI 4.
+pub fn serial_irq(vm: &Vm) -> Result<EventFd, BuildError> {
     let irq = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(BuildError::EventFd)?;
     vm.register_irqfd(&irq, COM1_IRQ)?;
+    Ok(irq)
+}
+
+/// The port-I/O bus with COM1 and the i8042.
+pub fn build_bus(
+    serial: Arc<Mutex<SerialDevice>>,
+    exit: &ExitSignal,
+) -> Result<PioBus, BuildError> {
     let mut bus = PioBus::default();
-    bus.insert(
-        COM1_BASE,
-        COM1_PORTS,
-        Arc::new(Mutex::new(SerialDevice::new(irq, out))),
-    )?;
+    bus.insert(COM1_BASE, COM1_PORTS, serial)?;
     bus.insert(
         I8042_DATA_PORT,
         5,

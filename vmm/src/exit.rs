@@ -15,6 +15,9 @@ pub enum ExitReason {
     ControlShutdown,
     /// A vCPU hit an error the VMM cannot recover from.
     VcpuError(String),
+    /// The userfaultfd page server failed; guest memory can no longer be
+    /// served, so the VM is stopped rather than left hanging.
+    PageServerFailed(String),
 }
 
 impl ExitReason {
@@ -23,7 +26,7 @@ impl ExitReason {
     pub fn exit_code(&self) -> i32 {
         match self {
             ExitReason::GuestShutdown | ExitReason::ControlShutdown => 0,
-            ExitReason::VcpuError(_) => 3,
+            ExitReason::VcpuError(_) | ExitReason::PageServerFailed(_) => 3,
         }
     }
 }

@@ -26,3 +26,6 @@ pub const HIMEM_START: u64 = 0x10_0000;
 /// Local APIC and IOAPIC MMIO bases.
 pub const APIC_BASE: u32 = 0xfee0_0000;
 pub const IOAPIC_BASE: u32 = 0xfec0_0000;
+/// The identity page: generation, per-clone seed and wall clock, written by
+/// the VMM at boot and at every restore (see `identity.rs`).
+pub const IDENTITY_PAGE: u64 = 0x9e000;

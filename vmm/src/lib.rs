@@ -12,11 +12,17 @@ pub mod control;
 pub mod devices;
 pub mod doctor;
 pub mod exit;
+pub mod identity;
 pub mod layout;
 pub mod microvm;
 pub mod mptable;
+pub mod persist;
+pub mod restore;
+pub mod snapshot;
+pub mod uffd;
+mod uffd_backend;
 pub mod vstate;
 
 pub use builder::{SerialOutput, VmConfig, DEFAULT_CMDLINE};
 pub use exit::ExitReason;
-pub use microvm::{run, RunError, RunReport};
+pub use microvm::{boot, restore, RunError, RunReport};

@@ -1,15 +1,24 @@
-//! A running microVM: its vCPU threads, its control socket, and the wait
-//! for whatever ends it.
+//! A running microVM: its vCPU threads, its control socket, snapshots of
+//! it, and the wait for whatever ends it.
 
-use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
-use crate::builder::{self, BuildError, BuildTimings, VmConfig};
-use crate::control::{self, ControlServer, VmController, VmState, VmStatus, PROTOCOL_VERSION};
+use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+
+use crate::builder::{BuildError, BuiltVm, Timings};
+use crate::control::{
+    self, ControlServer, SnapshotInfo, VmController, VmState, VmStatus, PROTOCOL_VERSION,
+};
+use crate::devices::serial::SerialDevice;
 use crate::exit::{ExitReason, ExitSignal};
-use crate::vstate::memory::MemoryBackend;
+use crate::persist::{
+    self, DeviceStates, MachineConfig, MemoryLayer, MicrovmState, Persist, VcpuState,
+};
+use crate::snapshot::{self, PageRuns, PAGE_SIZE};
 use crate::vstate::vcpu::{register_kick_handler, VcpuSet};
+use crate::vstate::vm::Vm;
 
 /// Errors of a VMM run, before the guest starts.
 #[derive(Debug, thiserror::Error)]
@@ -24,24 +33,175 @@ pub enum RunError {
     ControlThread(std::io::Error),
     #[error("cannot create the exit event: {0}")]
     ExitEvent(std::io::Error),
+    #[error(transparent)]
+    Restore(#[from] crate::restore::RestoreError),
 }
 
-/// How a run ended, with the boot timings.
+/// How a run ended, with the start-up timings.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct RunReport {
     pub exit: ExitReason,
-    pub timings: BuildTimings,
+    pub timings: Timings,
     /// From the start of the run to the first KVM_RUN, in microseconds.
     pub first_kvm_run_us: Option<u64>,
 }
 
+/// Host views of guest RAM in memory-file order.
+///
+/// Only for a paused VM: no vCPU writes while the slices live.
+fn guest_slices(mem: &GuestMemoryMmap) -> Vec<&[u8]> {
+    mem.iter()
+        .map(|r| {
+            // SAFETY: the region is a live mapping of `len()` bytes owned by
+            // `mem`, which outlives the slices; the VM is paused, so no vCPU
+            // writes it concurrently (a userfaultfd server may still fill
+            // pages in, which only replaces zeros the reader would not see).
+            unsafe { std::slice::from_raw_parts(r.as_ptr(), r.len() as usize) }
+        })
+        .collect()
+}
+
+/// One vCPU's saved state, filled in by its own thread.
+type SavedVcpu = Option<Result<VcpuState, String>>;
+
+/// State that changes with each snapshot.
+struct SnapshotLineage {
+    /// The snapshot the next diff is based on.
+    base: Option<PathBuf>,
+    /// Pages the VMM itself wrote since `base` (KVM's dirty log misses them).
+    vmm_dirty: PageRuns,
+}
+
 struct Controller {
+    vm: Arc<Vm>,
+    mem: Arc<GuestMemoryMmap>,
     vcpus: Arc<VcpuSet>,
+    serial: Arc<Mutex<SerialDevice>>,
     exit: ExitSignal,
     started: Instant,
-    vcpu_count: u16,
-    mem_mib: u64,
-    kernel: String,
+    machine: MachineConfig,
+    generation: u64,
+    backend: &'static str,
+    msr_indices: Vec<u32>,
+    lineage: Mutex<SnapshotLineage>,
+}
+
+impl Controller {
+    fn refuse_if_ending(&self) -> Result<(), String> {
+        match self.exit.reason() {
+            Some(r) => Err(format!("the VM is shutting down ({r:?})")),
+            None => Ok(()),
+        }
+    }
+
+    fn save_vcpus(&self) -> Result<Vec<VcpuState>, String> {
+        let count = usize::from(self.machine.vcpus);
+        let results: Arc<Mutex<Vec<SavedVcpu>>> =
+            Arc::new(Mutex::new((0..count).map(|_| None).collect()));
+        let (sink, msrs) = (results.clone(), self.msr_indices.clone());
+        let ran = self.vcpus.run_on_paused(Arc::new(move |index, fd| {
+            let r = persist::save_vcpu(fd, &msrs).map_err(|e| format!("vCPU {index}: {e}"));
+            sink.lock().unwrap_or_else(|e| e.into_inner())[usize::from(index)] = Some(r);
+        }));
+        if !ran {
+            return Err("the VM must be paused to snapshot it".into());
+        }
+        let results = std::mem::take(&mut *results.lock().unwrap_or_else(|e| e.into_inner()));
+        results
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| {
+                r.unwrap_or_else(|| Err(format!("vCPU {i} has stopped and cannot be saved")))
+            })
+            .collect()
+    }
+
+    /// Pages KVM saw dirtied since the last call, in memory-file page numbers.
+    fn take_dirty_pages(&self) -> Result<PageRuns, String> {
+        let mut dirty = PageRuns::default();
+        let mut first_page = 0u64;
+        for (slot, region) in self.mem.iter().enumerate() {
+            let bitmap = self
+                .vm
+                .fd
+                .get_dirty_log(slot as u32, region.len() as usize)
+                .map_err(|e| format!("KVM_GET_DIRTY_LOG of slot {slot}: {e}"))?;
+            dirty = dirty.union(&PageRuns::from_bitmap(&bitmap, first_page));
+            first_page += region.len() / PAGE_SIZE;
+        }
+        Ok(dirty)
+    }
+
+    fn write_snapshot(&self, dir: &Path, diff: bool) -> Result<SnapshotInfo, String> {
+        let started = Instant::now();
+        if !self.vcpus.is_paused() {
+            return Err("the VM must be paused to snapshot it (send pause first)".into());
+        }
+        let mut lineage = self.lineage.lock().unwrap_or_else(|e| e.into_inner());
+        let parent = match (diff, &lineage.base) {
+            (true, None) => {
+                return Err("a diff snapshot needs a base: this VM was not restored from a snapshot and has taken none; take a full snapshot first".into())
+            }
+            (true, Some(base)) => Some(base.clone()),
+            (false, _) => None,
+        };
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        let dir = dir
+            .canonicalize()
+            .map_err(|e| format!("cannot resolve {}: {e}", dir.display()))?;
+        let vcpus = self.save_vcpus()?;
+        let vm = persist::save_vm(&self.vm.fd).map_err(|e| e.to_string())?;
+        let devices = DeviceStates {
+            serial: self.serial.lock().unwrap_or_else(|e| e.into_inner()).save(),
+        };
+        // Reading the dirty log also resets it: the next diff starts here.
+        let dirty = self.take_dirty_pages()?.union(&lineage.vmm_dirty);
+        let slices = guest_slices(&self.mem);
+        let memory_path = dir.join(snapshot::MEMORY_FILE);
+        let (memory, info) = match parent {
+            None => (
+                MemoryLayer::Full,
+                snapshot::write_full_memory(&memory_path, &slices).map_err(|e| e.to_string())?,
+            ),
+            Some(parent) => {
+                let info = snapshot::write_memory_pages(&memory_path, &slices, &dirty)
+                    .map_err(|e| e.to_string())?;
+                (
+                    MemoryLayer::Diff {
+                        parent,
+                        pages: dirty.clone(),
+                    },
+                    info,
+                )
+            }
+        };
+        let state = MicrovmState {
+            machine: self.machine.clone(),
+            memory,
+            vcpus,
+            vm,
+            devices,
+            generation: self.generation,
+            taken_unix_ns: crate::identity::unix_now_ns(),
+        };
+        let state_bytes = snapshot::write_state(&dir.join(snapshot::STATE_FILE), &state)
+            .map_err(|e| e.to_string())?;
+        lineage.base = Some(dir.clone());
+        lineage.vmm_dirty = PageRuns::default();
+        Ok(SnapshotInfo {
+            path: dir,
+            diff,
+            pages: if diff {
+                dirty.page_count()
+            } else {
+                info.data_pages
+            },
+            memory_allocated_bytes: info.allocated_bytes,
+            state_bytes,
+            duration_us: started.elapsed().as_micros() as u64,
+        })
+    }
 }
 
 impl VmController for Controller {
@@ -57,10 +217,19 @@ impl VmController for Controller {
             protocol: PROTOCOL_VERSION,
             state,
             pid: std::process::id(),
-            vcpus: self.vcpu_count,
-            mem_mib: self.mem_mib,
-            kernel: self.kernel.clone(),
+            vcpus: self.machine.vcpus,
+            mem_mib: self.machine.mem_mib,
+            kernel: self.machine.kernel.clone(),
             uptime_ms: self.started.elapsed().as_millis() as u64,
+            generation: self.generation,
+            memory_backend: self.backend.to_string(),
+            base_snapshot: self
+                .lineage
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .base
+                .clone(),
+            guest_clock_ns: persist::guest_clock_ns(&self.vm.fd).ok(),
         }
     }
 
@@ -80,57 +249,61 @@ impl VmController for Controller {
         self.exit.exit(ExitReason::ControlShutdown);
         Ok(self.status())
     }
-}
 
-impl Controller {
-    fn refuse_if_ending(&self) -> Result<(), String> {
-        match self.exit.reason() {
-            Some(r) => Err(format!("the VM is shutting down ({r:?})")),
-            None => Ok(()),
-        }
+    fn snapshot(&self, path: &Path, diff: bool) -> Result<SnapshotInfo, String> {
+        self.refuse_if_ending()?;
+        self.write_snapshot(path, diff)
     }
 }
 
-/// Boots `config` and runs it until the guest or a control request ends it.
-pub fn run(
-    config: &VmConfig,
-    backend: &dyn MemoryBackend,
-    control_socket: Option<PathBuf>,
+/// Runs a built VM until the guest or a control request ends it.
+/// `started` is when the run began (process start, for restores).
+pub fn run_built(
+    built: BuiltVm,
+    listener: Option<(std::os::unix::net::UnixListener, PathBuf)>,
+    start_paused: bool,
+    exit: ExitSignal,
+    started: Instant,
 ) -> Result<RunReport, RunError> {
-    let started = Instant::now();
-    builder::validate(config)?;
-    // Bind first: a socket in use must fail before any expensive work.
-    let listener = control_socket.as_deref().map(control::bind).transpose()?;
-    let exit = ExitSignal::new().map_err(RunError::ExitEvent)?;
-    let built = builder::build(config, backend, &exit)?;
     register_kick_handler()?;
     let first_run = Arc::new(OnceLock::new());
+    let vm = Arc::new(built.vm);
+    let mem = Arc::new(built.mem);
     let vcpus = Arc::new(VcpuSet::start(
         built.vcpus,
         built.bus.clone(),
         exit.clone(),
         first_run.clone(),
+        start_paused,
     )?);
     let controller = Arc::new(Controller {
+        vm: vm.clone(),
+        mem: mem.clone(),
         vcpus: vcpus.clone(),
+        serial: built.serial,
         exit: exit.clone(),
         started,
-        vcpu_count: config.vcpus,
-        mem_mib: config.mem_mib,
-        kernel: config.kernel.to_string(),
+        machine: built.machine,
+        generation: built.generation,
+        backend: built.backend,
+        msr_indices: built.msr_indices,
+        lineage: Mutex::new(SnapshotLineage {
+            base: built.base_snapshot,
+            vmm_dirty: built.vmm_dirty,
+        }),
     });
-    let _server = match (listener, control_socket) {
-        (Some(l), Some(path)) => {
+    let server = match listener {
+        Some((l, path)) => {
             Some(ControlServer::start(l, path, controller).map_err(RunError::ControlThread)?)
         }
-        _ => None,
+        None => None,
     };
     tracing::info!(timings = ?built.timings, "microVM started");
     let reason = exit.wait();
-    vcpus.stop();
-    // Guest memory and the VM stay alive until every vCPU thread is gone.
-    drop(built.mem);
-    drop(built.vm);
+    vcpus.stop(std::time::Duration::from_millis(500));
+    let _quiet = server.as_ref().map(|s| s.quiesce());
+    // The page server (if any) must outlive every vCPU thread.
+    drop(built.keepalive);
     Ok(RunReport {
         exit: reason,
         timings: built.timings,
@@ -138,4 +311,52 @@ pub fn run(
             .get()
             .map(|t| t.duration_since(started).as_micros() as u64),
     })
+}
+
+/// Cold-boots `config` and runs it until the guest or a control request
+/// ends it.
+pub fn boot(
+    config: &crate::VmConfig,
+    backend: &dyn crate::vstate::memory::MemoryBackend,
+    control_socket: Option<PathBuf>,
+) -> Result<RunReport, RunError> {
+    let started = Instant::now();
+    crate::builder::validate(config)?;
+    // Bind first: a socket in use must fail before any expensive work.
+    let listener = bind_control(control_socket)?;
+    let exit = ExitSignal::new().map_err(RunError::ExitEvent)?;
+    let built = crate::builder::build(config, backend, &exit)?;
+    run_built(built, listener, false, exit, started)
+}
+
+/// Binds the control socket, if one was asked for.
+pub fn bind_control(
+    path: Option<PathBuf>,
+) -> Result<Option<(std::os::unix::net::UnixListener, PathBuf)>, RunError> {
+    Ok(match path {
+        Some(p) => Some((control::bind(&p)?, p)),
+        None => None,
+    })
+}
+
+/// Restores a snapshot into a fresh shell and runs it. With `paused`, the
+/// vCPUs wait for a `resume` request.
+pub fn restore(
+    opts: &crate::restore::RestoreOptions,
+    control_socket: Option<PathBuf>,
+    paused: bool,
+) -> Result<RunReport, RunError> {
+    let started = Instant::now();
+    let listener = bind_control(control_socket)?;
+    let mut t = Timings::start();
+    let chain = crate::restore::load_chain(&opts.snapshot)?;
+    t.phase("read_state");
+    let exit = ExitSignal::new().map_err(RunError::ExitEvent)?;
+    let shell = crate::restore::create_shell(
+        chain.state.machine.mem_mib,
+        chain.state.machine.vcpus,
+        &mut t,
+    )?;
+    let built = crate::restore::restore_into(shell, chain, opts, &exit, t)?;
+    run_built(built, listener, paused, exit, started)
 }

@@ -1,5 +1,6 @@
 /*
- * probe.c - the probe's ring-3 part: cmdline, e820, the workload, printing.
+ * probe.c - the probe's ring-3 part: cmdline, e820, the workload, the
+ * identity page, printing.
  *
  * It all runs in ring 3 because there PVM runs it natively; ring 0 is
  * emulated. The TSS I/O bitmap lets this code use COM1 and the i8042 directly,
@@ -184,6 +185,51 @@ static u64 iterate(u64 *mem, u64 words, u64 n)
 	return sum;
 }
 
+/*
+ * The identity page (IDENTITY_PAGE_ADDR), written by the VMM at boot and
+ * after every restore. Volatile loads: it changes under our feet (while the
+ * VM is paused), never through this code, so the compiler must not cache it.
+ */
+static u64 identity_u64(u64 off)
+{
+	return *(volatile const u64 *)(IDENTITY_PAGE_ADDR + off);
+}
+
+struct identity_state {
+	u64 gen;		/* last generation printed, if printed */
+	int printed;		/* a gen=<N> line was printed */
+	int none_printed;	/* the gen=none line was printed */
+};
+
+/*
+ * Print an IDENTITY line if the page's generation differs from the last
+ * one printed (or none was printed yet). Without the magic, print gen=none
+ * once per boot and nothing after that until a page with the magic shows up.
+ * Called only between lines, so the line never lands inside another one.
+ */
+static void identity_check(struct identity_state *st)
+{
+	if (identity_u64(IDENTITY_MAGIC_OFFSET) != IDENTITY_MAGIC) {
+		if (!st->none_printed) {
+			put_str(IDENTITY_PREFIX "gen=none\n");
+			st->none_printed = 1;
+		}
+		return;
+	}
+	u64 gen = identity_u64(IDENTITY_GEN_OFFSET);
+	if (st->printed && gen == st->gen)
+		return;
+	u64 seed = identity_u64(IDENTITY_SEED_OFFSET);
+	u64 clock_ns = identity_u64(IDENTITY_CLOCK_OFFSET);
+	put_kv(IDENTITY_PREFIX "gen=", gen);
+	put_str(" seed=");
+	put_hex16(seed);
+	put_kv(" clock_ns=", clock_ns);
+	put_char('\n');
+	st->gen = gen;
+	st->printed = 1;
+}
+
 /* Ring-3 entry, from entry.S's iretq. */
 __attribute__((noreturn)) void probe_main(const u8 *bp)
 {
@@ -221,10 +267,19 @@ __attribute__((noreturn)) void probe_main(const u8 *bp)
 	put_kv(" ram_mib=", ram / MIB);
 	put_char('\n');
 
+	/*
+	 * The identity page is checked at the top of every iteration (for n = 1
+	 * that is right after READY; later, after idling, where a paused VM is
+	 * most likely snapshotted or restored) and again just before the ITER
+	 * line, so a restore during the workload still shows before that line.
+	 */
+	struct identity_state id = { 0, 0, 0 };
 	u64 *mem = (u64 *)WORKLOAD_BASE;
 	u64 n;
 	for (n = 1;; n++) {
+		identity_check(&id);
 		u64 sum = iterate(mem, mib * MIB / 8, n);
+		identity_check(&id);
 		put_kv(ITER_PREFIX "n=", n);
 		put_str(" sum=");
 		put_hex16(sum);

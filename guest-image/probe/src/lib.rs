@@ -35,13 +35,30 @@
 //! | `probe.ticks=N`| [`DEFAULT_TICKS`]  | timer ticks halted between iterations     |
 //! | `probe.hz=N`   | [`DEFAULT_HZ`]     | LAPIC timer Hz, clamped to 1..=[`MAX_HZ`] |
 //!
+//! # Identity page
+//!
+//! At [`IDENTITY_PAGE_ADDR`] (0x9e000, below the EBDA, reserved in e820) the
+//! VMM writes, at boot and after every snapshot restore, 56 little-endian
+//! bytes ([`IDENTITY_LEN`]; the rest of the 4 KiB page is reserved):
+//!
+//! | offset | field      | contents                                              |
+//! |--------|------------|-------------------------------------------------------|
+//! | 0      | magic      | ASCII `TORPORID` ([`IDENTITY_MAGIC`] as a u64)        |
+//! | 8      | generation | u64: 0 at cold boot, +1 on every restore              |
+//! | 16     | seed       | 32 random bytes, fresh at boot and at every restore   |
+//! | 48     | clock      | u64: host wall clock at boot/restore, ns since epoch  |
+//!
+//! so each clone of one snapshot can tell that it was restored and get a
+//! seed of its own. [`identity_page`] builds these bytes.
+//!
 //! # Output (`\n`-terminated lines)
 //!
 //! With `probe.iters=3` in a 256 MiB guest (`ram_mib` is the e820 RAM in
-//! whole MiB, rounded down):
+//! whole MiB, rounded down) on a VMM that writes the identity page:
 //!
 //! ```text
 //! TORPOR-PROBE READY mib=4 iters=3 ticks=1 hz=100 ram_mib=255
+//! TORPOR-PROBE IDENTITY gen=0 seed=3f1c09a2d4e5b687 clock_ns=1718000000123456789
 //! TORPOR-PROBE ITER n=1 sum=0000000000000001
 //! TORPOR-PROBE ITER n=2 sum=107c7ec2a49e378b
 //! TORPOR-PROBE ITER n=3 sum=df43233265090f8d
@@ -52,11 +69,25 @@
 //! before anything wrote it, so it also checks that fresh guest memory is
 //! zero (which a reused VM shell must guarantee).
 //!
+//! IDENTITY lines: the probe reads the page's generation (volatile loads,
+//! in ring 3) right after READY, then at the top of every iteration (after
+//! idling) and again just before each ITER line. Whenever the generation
+//! differs from the last one it printed (or it has printed none yet) it
+//! prints `TORPOR-PROBE IDENTITY gen=<decimal> seed=<hex16> clock_ns=<decimal>`
+//! on a line of its own, where `seed` is the first 8 seed bytes read as a
+//! little-endian u64. So after a restore during the idle wait the next ITER
+//! line is preceded by the new generation's IDENTITY line. Without the magic
+//! (a VMM that does not write the page) it prints `TORPOR-PROBE IDENTITY
+//! gen=none` once, right after READY, and keeps running; should the magic
+//! appear later, the page is reported from then on. IDENTITY lines never
+//! change the ITER/DONE sequence; [`parse_identity_line`] reads them.
+//!
 //! Instead of READY the probe may print
 //! `TORPOR-PROBE ERROR workload does not fit in RAM`, and at any time
 //! `TORPOR-PROBE FAULT vec=<n> rip=<hex16> err=<hex16> cr2=<hex16>`, each
 //! followed by a reset. With the same cmdline and memory size the output is
-//! byte-identical on every run; [`expected_checksums`] predicts the sums.
+//! byte-identical on every run apart from IDENTITY lines (the seed and clock
+//! are fresh every boot); [`expected_checksums`] predicts the sums.
 
 mod abi;
 
@@ -114,6 +145,105 @@ pub fn parse_iter_line(line: &str) -> Option<(u64, u64)> {
         return None;
     }
     Some((n.parse().ok()?, u64::from_str_radix(sum, 16).ok()?))
+}
+
+/// What an IDENTITY line reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Identity {
+    /// The page's generation; `None` for `gen=none` (no identity page).
+    pub gen: Option<u64>,
+    /// The first 8 seed bytes as a little-endian u64 (0 when `gen` is None).
+    pub seed: u64,
+    /// The host wall clock at boot/restore, ns since the Unix epoch (0 when
+    /// `gen` is None).
+    pub clock_ns: u64,
+}
+
+impl Identity {
+    /// What the probe reports for identity page bytes `page` (at least
+    /// [`IDENTITY_LEN`] bytes from [`IDENTITY_PAGE_ADDR`]): `gen: None` when
+    /// the magic is absent.
+    pub fn from_page(page: &[u8]) -> Identity {
+        let at = |off: u64| {
+            let off = off as usize;
+            u64::from_le_bytes(page[off..off + 8].try_into().unwrap())
+        };
+        if at(IDENTITY_MAGIC_OFFSET) != IDENTITY_MAGIC {
+            return Identity {
+                gen: None,
+                seed: 0,
+                clock_ns: 0,
+            };
+        }
+        Identity {
+            gen: Some(at(IDENTITY_GEN_OFFSET)),
+            seed: at(IDENTITY_SEED_OFFSET),
+            clock_ns: at(IDENTITY_CLOCK_OFFSET),
+        }
+    }
+}
+
+/// The bytes the VMM writes at [`IDENTITY_PAGE_ADDR`]: magic, `gen`,
+/// `seed`, `clock_ns`, little-endian at the `IDENTITY_*_OFFSET`s.
+pub fn identity_page(
+    gen: u64,
+    seed: &[u8; IDENTITY_SEED_LEN],
+    clock_ns: u64,
+) -> [u8; IDENTITY_LEN] {
+    let mut page = [0u8; IDENTITY_LEN];
+    let mut put = |off: u64, bytes: &[u8]| {
+        let off = off as usize;
+        page[off..off + bytes.len()].copy_from_slice(bytes);
+    };
+    put(IDENTITY_MAGIC_OFFSET, &IDENTITY_MAGIC.to_le_bytes());
+    put(IDENTITY_GEN_OFFSET, &gen.to_le_bytes());
+    put(IDENTITY_SEED_OFFSET, seed);
+    put(IDENTITY_CLOCK_OFFSET, &clock_ns.to_le_bytes());
+    page
+}
+
+/// The exact IDENTITY line (without `\n`) the probe prints for `id`.
+pub fn identity_line(id: &Identity) -> String {
+    match id.gen {
+        None => format!("{IDENTITY_PREFIX}gen=none"),
+        Some(gen) => format!(
+            "{IDENTITY_PREFIX}gen={gen} seed={:016x} clock_ns={}",
+            id.seed, id.clock_ns
+        ),
+    }
+}
+
+/// Parses an IDENTITY line; `None` for any other line or a malformed one.
+/// `gen=none` gives `Identity { gen: None, seed: 0, clock_ns: 0 }`.
+pub fn parse_identity_line(line: &str) -> Option<Identity> {
+    let rest = line.trim_end().strip_prefix(IDENTITY_PREFIX)?;
+    if rest == "gen=none" {
+        return Some(Identity {
+            gen: None,
+            seed: 0,
+            clock_ns: 0,
+        });
+    }
+    let (gen, rest) = rest.strip_prefix("gen=")?.split_once(" seed=")?;
+    let (seed, clock_ns) = rest.split_once(" clock_ns=")?;
+    let decimal = |s: &str| -> Option<u64> {
+        if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        s.parse().ok()
+    };
+    let hex_ok = seed.len() == 16
+        && seed
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    if !hex_ok {
+        return None;
+    }
+    Some(Identity {
+        gen: Some(decimal(gen)?),
+        seed: u64::from_str_radix(seed, 16).ok()?,
+        clock_ns: decimal(clock_ns)?,
+    })
 }
 
 #[cfg(test)]
@@ -273,9 +403,143 @@ mod tests {
     }
 
     #[test]
+    fn identity_line_round_trips() {
+        let id = Identity {
+            gen: Some(7),
+            seed: 0x0123_4567_89ab_cdef,
+            clock_ns: 1_718_000_000_123_456_789,
+        };
+        let line = identity_line(&id);
+        assert_eq!(
+            line,
+            "TORPOR-PROBE IDENTITY gen=7 seed=0123456789abcdef clock_ns=1718000000123456789"
+        );
+        assert_eq!(parse_identity_line(&line), Some(id));
+        assert_eq!(parse_identity_line(&format!("{line}\r\n")), Some(id));
+        let max = Identity {
+            gen: Some(u64::MAX),
+            seed: u64::MAX,
+            clock_ns: u64::MAX,
+        };
+        assert_eq!(parse_identity_line(&identity_line(&max)), Some(max));
+        let zero = Identity {
+            gen: Some(0),
+            seed: 0,
+            clock_ns: 0,
+        };
+        assert_eq!(
+            identity_line(&zero),
+            "TORPOR-PROBE IDENTITY gen=0 seed=0000000000000000 clock_ns=0"
+        );
+        assert_eq!(parse_identity_line(&identity_line(&zero)), Some(zero));
+    }
+
+    #[test]
+    fn identity_none_line() {
+        let none = Identity {
+            gen: None,
+            seed: 0,
+            clock_ns: 0,
+        };
+        assert_eq!(identity_line(&none), "TORPOR-PROBE IDENTITY gen=none");
+        assert_eq!(
+            parse_identity_line("TORPOR-PROBE IDENTITY gen=none\n"),
+            Some(none)
+        );
+    }
+
+    #[test]
+    fn identity_parser_rejects_malformed_lines() {
+        for bad in [
+            "",
+            "TORPOR-PROBE IDENTITY",
+            "TORPOR-PROBE IDENTITY ",
+            "TORPOR-PROBE IDENTITY gen=",
+            "TORPOR-PROBE IDENTITY gen=None",
+            "TORPOR-PROBE IDENTITY gen=none seed=0000000000000000 clock_ns=0",
+            "TORPOR-PROBE IDENTITY gen=1",
+            "TORPOR-PROBE IDENTITY gen=1 seed=00000000000000ab",
+            "TORPOR-PROBE IDENTITY gen=1 seed=ab clock_ns=5",
+            "TORPOR-PROBE IDENTITY gen=1 seed=00000000000000AB clock_ns=5",
+            "TORPOR-PROBE IDENTITY gen=1 seed=+0000000000000ab clock_ns=5",
+            "TORPOR-PROBE IDENTITY gen=1 seed=00000000000000ab0 clock_ns=5",
+            "TORPOR-PROBE IDENTITY gen=+1 seed=00000000000000ab clock_ns=5",
+            "TORPOR-PROBE IDENTITY gen=1 seed=00000000000000ab clock_ns=",
+            "TORPOR-PROBE IDENTITY gen=1 seed=00000000000000ab clock_ns=5x",
+            "TORPOR-PROBE IDENTITY gen=18446744073709551616 seed=00000000000000ab clock_ns=5",
+            "TORPOR-PROBE IDENTITY  gen=1 seed=00000000000000ab clock_ns=5",
+            "TORPOR-PROBE ITER n=1 sum=0000000000000001",
+            "TORPOR-PROBE READY mib=4 iters=3 ticks=1 hz=100 ram_mib=255",
+        ] {
+            assert_eq!(parse_identity_line(bad), None, "{bad:?}");
+        }
+        assert_eq!(
+            parse_identity_line("TORPOR-PROBE IDENTITY gen=1 seed=00000000000000ab clock_ns=5"),
+            Some(Identity {
+                gen: Some(1),
+                seed: 0xab,
+                clock_ns: 5
+            })
+        );
+    }
+
+    #[test]
+    fn identity_page_layout() {
+        assert_eq!(&IDENTITY_MAGIC.to_le_bytes(), b"TORPORID");
+        assert_eq!(IDENTITY_PAGE_ADDR % 4096, 0);
+        // Below the EBDA (0x9fc00) and the probe's image, in the first 2 MiB
+        // page the probe maps for ring 3.
+        const {
+            assert!(IDENTITY_PAGE_ADDR + 4096 <= 0x9_fc00);
+            assert!(IDENTITY_PAGE_ADDR + 4096 <= LOAD_ADDR);
+        }
+        assert_eq!(
+            IDENTITY_SEED_OFFSET as usize + IDENTITY_SEED_LEN,
+            IDENTITY_CLOCK_OFFSET as usize
+        );
+        assert_eq!(IDENTITY_CLOCK_OFFSET as usize + 8, IDENTITY_LEN);
+
+        let mut seed = [0u8; IDENTITY_SEED_LEN];
+        for (i, b) in seed.iter_mut().enumerate() {
+            *b = i as u8 + 1;
+        }
+        let page = identity_page(3, &seed, 1_700_000_000_000_000_000);
+        assert_eq!(&page[..8], b"TORPORID");
+        assert_eq!(&page[8..16], &3u64.to_le_bytes());
+        assert_eq!(&page[16..48], &seed);
+        assert_eq!(&page[48..56], &1_700_000_000_000_000_000u64.to_le_bytes());
+        let id = Identity::from_page(&page);
+        assert_eq!(
+            id,
+            Identity {
+                gen: Some(3),
+                seed: 0x0807_0605_0403_0201,
+                clock_ns: 1_700_000_000_000_000_000
+            }
+        );
+        assert_eq!(
+            identity_line(&id),
+            "TORPOR-PROBE IDENTITY gen=3 seed=0807060504030201 clock_ns=1700000000000000000"
+        );
+        assert_eq!(Identity::from_page(&[0u8; IDENTITY_LEN]).gen, None);
+    }
+
+    #[test]
+    fn elf_reads_the_identity_page() {
+        // The probe's code addresses the page: its absolute address shows up
+        // as an imm32/disp32 somewhere in the image.
+        let addr = (IDENTITY_PAGE_ADDR as u32).to_le_bytes();
+        assert!(PROBE_ELF.windows(4).any(|w| w == addr));
+        assert!(PROBE_ELF
+            .windows(8)
+            .any(|w| w == IDENTITY_MAGIC.to_le_bytes()));
+    }
+
+    #[test]
     fn prefixes_share_the_line_prefix() {
         for p in [
             READY_PREFIX,
+            IDENTITY_PREFIX,
             ITER_PREFIX,
             DONE_PREFIX,
             ERROR_PREFIX,

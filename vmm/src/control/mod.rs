@@ -14,7 +14,7 @@ pub mod server;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -32,12 +32,49 @@ pub enum Request {
     Pause,
     Resume,
     Shutdown,
+    /// Snapshot the paused VM into directory `path` (created if missing).
+    /// `diff` writes only the pages dirtied since the snapshot or restore
+    /// this VM last started from.
+    Snapshot {
+        path: PathBuf,
+        #[serde(default)]
+        diff: bool,
+    },
+    /// Only for a standby VMM (`torpor vmm --standby`): restore `snapshot`
+    /// into the pre-created VM. The answer comes once a vCPU runs (or, with
+    /// `paused`, once it is ready to).
+    Restore {
+        snapshot: PathBuf,
+        #[serde(default = "default_backend")]
+        backend: String,
+        /// Console file; none discards the console.
+        #[serde(default)]
+        serial: Option<PathBuf>,
+        #[serde(default)]
+        paused: bool,
+    },
+}
+
+fn default_backend() -> String {
+    "file".into()
+}
+
+/// Timings of a restore into a standby VMM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestoreInfo {
+    /// From the request arriving to the first vCPU entering KVM_RUN (or, if
+    /// restored paused, to the VM being ready).
+    pub request_to_running_us: u64,
+    /// Per-phase microseconds of the restore itself.
+    pub phases: Vec<(String, u64)>,
 }
 
 /// Run state as seen from outside.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum VmState {
+    /// A pre-created VM waiting for a `restore` request.
+    Standby,
     Running,
     Paused,
     ShuttingDown,
@@ -53,14 +90,44 @@ pub struct VmStatus {
     pub mem_mib: u64,
     pub kernel: String,
     pub uptime_ms: u64,
+    /// 0 for a cold boot, +1 for every restore in this VM's history.
+    pub generation: u64,
+    /// How guest memory is mapped ("anonymous", "file", "uffd", ...).
+    pub memory_backend: String,
+    /// The snapshot a diff snapshot of this VM would be based on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_snapshot: Option<PathBuf>,
+    /// kvmclock as the guest sees it, in ns.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_clock_ns: Option<u64>,
 }
 
-/// One response line.
+/// What a snapshot request wrote.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(untagged)]
-pub enum Response {
-    Ok { ok: bool, status: VmStatus },
-    Err { ok: bool, error: String },
+pub struct SnapshotInfo {
+    pub path: PathBuf,
+    pub diff: bool,
+    /// Pages recorded in this snapshot's memory layer.
+    pub pages: u64,
+    /// Bytes the memory file occupies on disk.
+    pub memory_allocated_bytes: u64,
+    pub state_bytes: u64,
+    pub duration_us: u64,
+}
+
+/// One response line: `ok` with the VM's status (and what a snapshot
+/// wrote), or not `ok` with an error message.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Response {
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<VmStatus>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<SnapshotInfo>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore: Option<RestoreInfo>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// Errors of a control-socket client.
@@ -81,8 +148,15 @@ pub enum ClientError {
     Refused(String),
 }
 
-/// Sends one request and waits for its answer.
+/// Sends one request and returns the VM's status from the answer.
 pub fn request(socket: &Path, req: &Request, timeout: Duration) -> Result<VmStatus, ClientError> {
+    call(socket, req, timeout)?
+        .status
+        .ok_or(ClientError::NoAnswer)
+}
+
+/// Sends one request and returns the whole successful answer.
+pub fn call(socket: &Path, req: &Request, timeout: Duration) -> Result<Response, ClientError> {
     let mut stream = UnixStream::connect(socket).map_err(|source| ClientError::Connect {
         path: socket.display().to_string(),
         source,
@@ -96,9 +170,11 @@ pub fn request(socket: &Path, req: &Request, timeout: Duration) -> Result<VmStat
     if BufReader::new(stream).read_line(&mut answer)? == 0 {
         return Err(ClientError::NoAnswer);
     }
-    match serde_json::from_str(&answer)? {
-        Response::Ok { status, .. } => Ok(status),
-        Response::Err { error, .. } => Err(ClientError::Refused(error)),
+    let response: Response = serde_json::from_str(&answer)?;
+    if response.ok {
+        Ok(response)
+    } else {
+        Err(ClientError::Refused(response.error.unwrap_or_default()))
     }
 }
 
@@ -116,6 +192,14 @@ mod tests {
         assert_eq!(r, Request::Shutdown);
         assert!(serde_json::from_str::<Request>(r#"{"op":"explode"}"#).is_err());
         let e: Response = serde_json::from_str(r#"{"ok":false,"error":"x"}"#).unwrap();
-        assert!(matches!(e, Response::Err { .. }));
+        assert!(!e.ok);
+        let s: Request = serde_json::from_str(r#"{"op":"snapshot","path":"/s"}"#).unwrap();
+        assert_eq!(
+            s,
+            Request::Snapshot {
+                path: "/s".into(),
+                diff: false
+            }
+        );
     }
 }

@@ -4,11 +4,11 @@
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::{Request, Response, VmStatus};
+use super::{Request, Response, SnapshotInfo, VmStatus};
 
 /// What the control server may ask of the VM.
 pub trait VmController: Send + Sync + 'static {
@@ -16,6 +16,7 @@ pub trait VmController: Send + Sync + 'static {
     fn pause(&self) -> Result<VmStatus, String>;
     fn resume(&self) -> Result<VmStatus, String>;
     fn shutdown(&self) -> Result<VmStatus, String>;
+    fn snapshot(&self, path: &Path, diff: bool) -> Result<SnapshotInfo, String>;
 }
 
 /// Errors while binding the control socket.
@@ -53,6 +54,9 @@ pub fn bind(path: &Path) -> Result<UnixListener, BindError> {
 /// The running control server; removes its socket file when dropped.
 pub struct ControlServer {
     path: PathBuf,
+    /// Held while a request is answered, so the VMM can let an answer in
+    /// flight (e.g. to `shutdown`) reach the client before it exits.
+    answering: Arc<Mutex<()>>,
     _thread: JoinHandle<()>,
 }
 
@@ -62,13 +66,15 @@ impl ControlServer {
         path: PathBuf,
         vm: Arc<dyn VmController>,
     ) -> std::io::Result<Self> {
+        let answering = Arc::new(Mutex::new(()));
+        let lock = answering.clone();
         let thread = std::thread::Builder::new()
             .name("control".into())
             .spawn(move || {
                 for stream in listener.incoming() {
                     match stream {
                         Ok(s) => {
-                            if let Err(e) = serve_connection(s, vm.as_ref()) {
+                            if let Err(e) = serve_connection(s, vm.as_ref(), &lock) {
                                 tracing::debug!("control connection ended: {e}");
                             }
                         }
@@ -78,8 +84,15 @@ impl ControlServer {
             })?;
         Ok(Self {
             path,
+            answering,
             _thread: thread,
         })
+    }
+
+    /// Waits for the answer being written, if any; no answer starts while
+    /// the guard lives.
+    pub fn quiesce(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.answering.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -92,7 +105,11 @@ impl Drop for ControlServer {
 /// Answers requests on one connection until the client closes it.
 /// Connections are served one at a time; a silent client is dropped after
 /// the timeout so it cannot block the others.
-fn serve_connection(stream: UnixStream, vm: &dyn VmController) -> std::io::Result<()> {
+fn serve_connection(
+    stream: UnixStream,
+    vm: &dyn VmController,
+    answering: &Mutex<()>,
+) -> std::io::Result<()> {
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
     let mut writer = stream.try_clone()?;
     let reader = BufReader::new(stream).take(64 * 1024);
@@ -101,6 +118,7 @@ fn serve_connection(stream: UnixStream, vm: &dyn VmController) -> std::io::Resul
         if line.trim().is_empty() {
             continue;
         }
+        let _answering = answering.lock().unwrap_or_else(|e| e.into_inner());
         let response = answer(&line, vm);
         let mut out = serde_json::to_string(&response).map_err(std::io::Error::other)?;
         out.push('\n');
@@ -112,14 +130,29 @@ fn serve_connection(stream: UnixStream, vm: &dyn VmController) -> std::io::Resul
 fn answer(line: &str, vm: &dyn VmController) -> Response {
     let result = match serde_json::from_str::<Request>(line) {
         Err(e) => Err(format!("invalid request: {e}")),
-        Ok(Request::Status) => Ok(vm.status()),
-        Ok(Request::Pause) => vm.pause(),
-        Ok(Request::Resume) => vm.resume(),
-        Ok(Request::Shutdown) => vm.shutdown(),
+        Ok(Request::Status) => Ok((vm.status(), None)),
+        Ok(Request::Pause) => vm.pause().map(|s| (s, None)),
+        Ok(Request::Resume) => vm.resume().map(|s| (s, None)),
+        Ok(Request::Shutdown) => vm.shutdown().map(|s| (s, None)),
+        Ok(Request::Snapshot { path, diff }) => {
+            vm.snapshot(&path, diff).map(|i| (vm.status(), Some(i)))
+        }
+        Ok(Request::Restore { .. }) => {
+            Err("this VMM already runs a VM; restore goes to a standby VMM".into())
+        }
     };
     match result {
-        Ok(status) => Response::Ok { ok: true, status },
-        Err(error) => Response::Err { ok: false, error },
+        Ok((status, snapshot)) => Response {
+            ok: true,
+            status: Some(status),
+            snapshot,
+            ..Default::default()
+        },
+        Err(error) => Response {
+            ok: false,
+            error: Some(error),
+            ..Default::default()
+        },
     }
 }
 
@@ -146,6 +179,10 @@ mod tests {
                 mem_mib: 1,
                 kernel: "k".into(),
                 uptime_ms: 0,
+                generation: 0,
+                memory_backend: "anonymous".into(),
+                base_snapshot: None,
+                guest_clock_ns: None,
             }
         }
         fn pause(&self) -> Result<VmStatus, String> {
@@ -155,6 +192,9 @@ mod tests {
             Ok(self.with(VmState::Running))
         }
         fn shutdown(&self) -> Result<VmStatus, String> {
+            Err("no".into())
+        }
+        fn snapshot(&self, _: &Path, _: bool) -> Result<SnapshotInfo, String> {
             Err("no".into())
         }
     }
@@ -202,6 +242,6 @@ mod tests {
     #[test]
     fn garbage_gets_an_error_answer() {
         let vm = FakeVm(Mutex::new(VmState::Running));
-        assert!(matches!(answer("{not json", &vm), Response::Err { .. }));
+        assert!(!answer("{not json", &vm).ok);
     }
 }

@@ -17,7 +17,7 @@ use crate::devices::PioBus;
 use crate::exit::{ExitReason, ExitSignal};
 
 /// Signal used to kick a vCPU thread out of KVM_RUN.
-pub fn kick_signal() -> i32 {
+pub(crate) fn kick_signal() -> i32 {
     SIGRTMIN()
 }
 
@@ -95,25 +95,37 @@ enum Target {
     Exit,
 }
 
-#[derive(Debug)]
+/// Work for parked vCPU threads to do on their own vCPU (e.g. save state).
+pub type ParkedTask = Arc<dyn Fn(u8, &VcpuFd) + Send + Sync>;
+
 struct GateState {
     target: Target,
     /// vCPU threads currently parked (paused or finished).
     parked: usize,
+    /// vCPU threads that have left their run loop for good.
+    finished: usize,
+    task: Option<ParkedTask>,
+    task_seq: u64,
+    task_done: usize,
 }
 
-/// Pauses and resumes every vCPU thread together.
+/// Pauses and resumes every vCPU thread together, and runs tasks on
+/// parked vCPUs (KVM wants vCPU ioctls from the vCPU's own thread).
 pub struct RunGate {
     state: Mutex<GateState>,
     changed: Condvar,
 }
 
 impl RunGate {
-    fn new() -> Self {
+    fn new(paused: bool) -> Self {
         Self {
             state: Mutex::new(GateState {
-                target: Target::Run,
+                target: if paused { Target::Pause } else { Target::Run },
                 parked: 0,
+                finished: 0,
+                task: None,
+                task_seq: 0,
+                task_done: 0,
             }),
             changed: Condvar::new(),
         }
@@ -123,15 +135,40 @@ impl RunGate {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Called by a vCPU thread before each KVM_RUN. Blocks while paused;
-    /// returns false when the thread must exit.
-    fn proceed(&self) -> bool {
+    fn wait<'a>(
+        &self,
+        guard: std::sync::MutexGuard<'a, GateState>,
+    ) -> std::sync::MutexGuard<'a, GateState> {
+        self.changed.wait(guard).unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Called by a vCPU thread before each KVM_RUN. Blocks while paused,
+    /// running any task posted meanwhile; returns false when the thread
+    /// must exit.
+    fn proceed(&self, vcpu: &mut Vcpu) -> bool {
         let mut s = self.lock();
+        if s.target == Target::Pause {
+            drop(s);
+            complete_pending_io(vcpu);
+            s = self.lock();
+        }
         if s.target == Target::Pause {
             s.parked += 1;
             self.changed.notify_all();
+            let mut seen = s.task_seq;
             while s.target == Target::Pause {
-                s = self.changed.wait(s).unwrap_or_else(|e| e.into_inner());
+                if s.task_seq != seen {
+                    seen = s.task_seq;
+                    if let Some(task) = s.task.clone() {
+                        drop(s);
+                        task(vcpu.index, &vcpu.fd);
+                        s = self.lock();
+                    }
+                    s.task_done += 1;
+                    self.changed.notify_all();
+                    continue;
+                }
+                s = self.wait(s);
             }
             s.parked -= 1;
             self.changed.notify_all();
@@ -149,14 +186,16 @@ pub struct VcpuSet {
 
 impl VcpuSet {
     /// Starts one thread per vCPU, each running until the VM exits.
-    /// `first_run` records when the first vCPU first entered KVM_RUN.
+    /// `first_run` records when the first vCPU first entered KVM_RUN;
+    /// with `paused` the threads park until `resume`.
     pub fn start(
         vcpus: Vec<Vcpu>,
         bus: Arc<PioBus>,
         exit: ExitSignal,
         first_run: Arc<OnceLock<Instant>>,
+        paused: bool,
     ) -> Result<Self, VcpuError> {
-        let gate = Arc::new(RunGate::new());
+        let gate = Arc::new(RunGate::new(paused));
         let mut threads = Vec::with_capacity(vcpus.len());
         for vcpu in vcpus {
             let index = vcpu.index;
@@ -200,8 +239,26 @@ impl VcpuSet {
         let mut s = self.gate.lock();
         // Finished threads count as parked, so this cannot wait forever.
         while s.target == Target::Pause && s.parked < self.count {
-            s = self.gate.changed.wait(s).unwrap_or_else(|e| e.into_inner());
+            s = self.gate.wait(s);
         }
+    }
+
+    /// Runs `task` on every paused vCPU, each on its own thread, and waits
+    /// for all of them. Returns false if the vCPUs are not paused.
+    pub fn run_on_paused(&self, task: ParkedTask) -> bool {
+        let mut s = self.gate.lock();
+        if s.target != Target::Pause {
+            return false;
+        }
+        s.task = Some(task);
+        s.task_seq += 1;
+        s.task_done = 0;
+        self.gate.changed.notify_all();
+        while s.task_done < s.parked - s.finished && s.target == Target::Pause {
+            s = self.gate.wait(s);
+        }
+        s.task = None;
+        s.target == Target::Pause
     }
 
     /// Lets paused vCPUs run again.
@@ -218,16 +275,43 @@ impl VcpuSet {
         self.gate.lock().target == Target::Pause
     }
 
-    /// Stops all vCPU threads and waits for them.
-    pub fn stop(&self) {
+    /// Stops all vCPU threads and waits for them, at most `limit`: a vCPU
+    /// stuck where no signal reaches it (a userfaultfd fault nobody will
+    /// answer) must not keep the VMM alive; it dies with the process.
+    pub fn stop(&self, limit: std::time::Duration) {
         self.gate.lock().target = Target::Exit;
         self.gate.changed.notify_all();
         self.kick_all();
+        let deadline = Instant::now() + limit;
         let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
         for t in threads {
-            let _ = t.join();
+            while !t.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            } else {
+                tracing::warn!(
+                    "a vCPU thread did not stop within {limit:?}; leaving it to process exit"
+                );
+            }
         }
     }
+}
+
+/// Lets KVM finish an I/O instruction whose exit we just handled (an `in`
+/// gets its value into RAX only on the next KVM_RUN), without running any
+/// guest code, so a saved state never holds a half-done instruction.
+fn complete_pending_io(vcpu: &mut Vcpu) {
+    vcpu.fd.set_kvm_immediate_exit(1);
+    match vcpu.fd.run() {
+        Err(e) if e.errno() == libc::EINTR => {}
+        other => tracing::warn!(
+            vcpu = vcpu.index,
+            "unexpected result completing I/O: {other:?}"
+        ),
+    }
+    vcpu.fd.set_kvm_immediate_exit(0);
 }
 
 /// The vCPU thread: KVM_RUN until the gate says exit or the guest ends.
@@ -240,7 +324,7 @@ fn run_vcpu(
 ) {
     let run_flag: *mut u8 = &mut vcpu.fd.get_kvm_run().immediate_exit;
     IMMEDIATE_EXIT.with(|f| f.set(run_flag));
-    while gate.proceed() {
+    while gate.proceed(&mut vcpu) {
         first_run.get_or_init(Instant::now);
         match vcpu.fd.run() {
             Ok(VcpuExit::IoIn(port, data)) => bus.read(port, data),
@@ -293,5 +377,6 @@ fn run_vcpu(
     // Count this thread as parked so a pause in progress does not wait for it.
     let mut s = gate.lock();
     s.parked += 1;
+    s.finished += 1;
     gate.changed.notify_all();
 }

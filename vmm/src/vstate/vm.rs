@@ -1,6 +1,8 @@
 //! The KVM VM: in-kernel irqchip and PIT, TSS and identity map, memory slots.
 
-use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
+use kvm_bindings::{
+    kvm_pit_config, kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY,
+};
 use kvm_ioctls::VmFd;
 use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
@@ -56,13 +58,14 @@ impl Vm {
         Ok(Self { fd })
     }
 
-    /// Registers every region of `mem` as a KVM memory slot, in order.
+    /// Registers every region of `mem` as a KVM memory slot, in order, with
+    /// dirty logging on: diff snapshots are built from KVM's dirty log.
     pub fn register_memory(&self, mem: &GuestMemoryMmap) -> Result<(), VmError> {
         for (slot, region) in mem.iter().enumerate() {
             let slot = slot as u32;
             let desc = kvm_userspace_memory_region {
                 slot,
-                flags: 0,
+                flags: KVM_MEM_LOG_DIRTY_PAGES,
                 guest_phys_addr: region.start_addr().0,
                 memory_size: region.len(),
                 userspace_addr: region.as_ptr() as u64,

@@ -3,7 +3,9 @@ use std::io::Write;
 use vm_superio::{serial::NoEvents, Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
+use super::persist::SerialPersistState;
 use crate::devices::PioDevice;
+use crate::persist::Persist;
 
 pub const COM1_BASE: u16 = 0x3f8;
 pub const COM1_PORTS: u16 = 8;
@@ -51,12 +53,39 @@ pub struct SerialDevice {
     uart: Serial<IrqTrigger, NoEvents, ConsoleSink>,
 }
 
+/// Errors while restoring the serial device.
+#[derive(Debug, thiserror::Error)]
+pub enum SerialError {
+    #[error("saved serial state is invalid: {0:?}")]
+    InvalidState(vm_superio::serial::Error<std::io::Error>),
+}
+
 impl SerialDevice {
     pub fn new(irq: EventFd, out: Box<dyn Write + Send>) -> Self {
         let sink = ConsoleSink { out, broken: false };
         Self {
             uart: Serial::new(IrqTrigger(irq), sink),
         }
+    }
+}
+
+impl Persist for SerialDevice {
+    type State = SerialPersistState;
+    type ConstructorArgs = (EventFd, Box<dyn Write + Send>);
+    type Error = SerialError;
+
+    fn save(&self) -> Self::State {
+        SerialPersistState::from(&self.uart.state())
+    }
+
+    fn restore(
+        (irq, out): Self::ConstructorArgs,
+        state: &Self::State,
+    ) -> Result<Self, Self::Error> {
+        let sink = ConsoleSink { out, broken: false };
+        let uart = Serial::from_state(&state.into(), IrqTrigger(irq), NoEvents, sink)
+            .map_err(SerialError::InvalidState)?;
+        Ok(Self { uart })
     }
 }
 
@@ -111,5 +140,19 @@ mod tests {
         let mut lsr = [0u8];
         dev.read(5, &mut lsr);
         assert_ne!(lsr[0] & 0x20, 0, "THR empty");
+    }
+
+    #[test]
+    fn state_round_trips() {
+        let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let mut dev = SerialDevice::new(irq.try_clone().unwrap(), Box::new(std::io::sink()));
+        dev.write(3, &[0x83]); // LCR with DLAB
+        dev.write(7, &[0x5a]); // scratch
+        let state = dev.save();
+        let mut back = SerialDevice::restore((irq, Box::new(std::io::sink())), &state).unwrap();
+        assert_eq!(back.save(), state);
+        let mut b = [0u8];
+        back.read(7, &mut b);
+        assert_eq!(b[0], 0x5a);
     }
 }

@@ -1,5 +1,7 @@
 //! 16550A UART (COM1) on vm-superio, its interrupt wired to an irqfd.
 
 mod device;
+mod persist;
 
-pub use device::{IrqTrigger, SerialDevice, COM1_BASE, COM1_IRQ, COM1_PORTS};
+pub use device::{IrqTrigger, SerialDevice, SerialError, COM1_BASE, COM1_IRQ, COM1_PORTS};
+pub use persist::SerialPersistState;

@@ -1,0 +1,190 @@
+//! The snapshot on-disk format: what a snapshot directory holds and how each
+//! file is framed, checked and written.
+//!
+//! A snapshot directory holds two files (see `docs/snapshot-format.md`):
+//!
+//! - `state`: a 32-byte header (magic, format version, lengths, CRC32s)
+//!   followed by a bincode-encoded payload, the `MicrovmState` of
+//!   `persist.rs`. [`write_state`] / [`read_state`] frame and check it; the
+//!   payload type is the caller's.
+//! - `memory`: guest RAM laid out linearly, region after region in
+//!   guest-physical order, 4 KiB pages; all-zero pages are holes. A diff
+//!   snapshot's `memory` has the same length and layout but holds only the
+//!   pages its state lists ([`PageRuns`]).
+//!
+//! Every file is written atomically (temporary file in the same directory,
+//! fsync, rename, fsync of the directory), so a crash never leaves a
+//! half-written file under its final name.
+
+mod atomic;
+mod format;
+mod memory;
+mod page_runs;
+
+use std::path::PathBuf;
+
+pub use format::{
+    encode, read_state, read_state_bytes, read_state_with_header, write_state, StateHeader,
+    FORMAT_MAJOR, FORMAT_MINOR, HEADER_LEN, MAGIC, MAX_STATE_BYTES,
+};
+pub use memory::{
+    check_memory_file, read_page, read_pages, write_full_memory, write_memory_pages, MemoryFileInfo,
+};
+pub use page_runs::PageRuns;
+
+/// Size of a guest page in the memory file: page `p` is at byte `p * PAGE_SIZE`.
+pub const PAGE_SIZE: u64 = 4096;
+
+/// File name of the state file inside a snapshot directory.
+pub const STATE_FILE: &str = "state";
+/// File name of the memory file inside a snapshot directory.
+pub const MEMORY_FILE: &str = "memory";
+
+/// Everything that can go wrong reading or writing snapshot files. Every
+/// variant names the file it is about.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    #[error("snapshot file {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("snapshot file {path} is truncated: expected {expected} bytes, found {actual}")]
+    Truncated {
+        path: PathBuf,
+        expected: u64,
+        actual: u64,
+    },
+    #[error("{path} is not a torpor snapshot state file (bad magic)")]
+    NotASnapshot { path: PathBuf },
+    #[error(
+        "snapshot state {path} has a corrupt header: header CRC32 {computed:#010x}, \
+         header says {stored:#010x}"
+    )]
+    Corrupt {
+        path: PathBuf,
+        stored: u32,
+        computed: u32,
+    },
+    #[error(
+        "snapshot state {path} has format version {found_major}.{found_minor}; \
+         this torpor reads up to {supported_major}.x"
+    )]
+    UnsupportedVersion {
+        path: PathBuf,
+        found_major: u16,
+        found_minor: u16,
+        supported_major: u16,
+    },
+    #[error(
+        "snapshot state {path} has a payload of {len} bytes, more than the limit of {max} bytes"
+    )]
+    TooLarge { path: PathBuf, len: u64, max: u64 },
+    #[error(
+        "snapshot state {path} is corrupt: payload CRC32 {computed:#010x}, \
+         header says {stored:#010x}"
+    )]
+    CrcMismatch {
+        path: PathBuf,
+        stored: u32,
+        computed: u32,
+    },
+    #[error("snapshot state {path} has {actual} bytes, but its header accounts for {expected}")]
+    TrailingData {
+        path: PathBuf,
+        expected: u64,
+        actual: u64,
+    },
+    #[error("cannot decode snapshot state {path}: {source}")]
+    Decode {
+        path: PathBuf,
+        #[source]
+        source: bincode::Error,
+    },
+    #[error("cannot encode snapshot state for {path}: {source}")]
+    Encode {
+        path: PathBuf,
+        #[source]
+        source: bincode::Error,
+    },
+    #[error("snapshot memory file {path} is missing")]
+    MemoryFileMissing { path: PathBuf },
+    #[error(
+        "snapshot memory file {path} is {actual} bytes, but the snapshot's guest memory \
+         is {expected} bytes"
+    )]
+    MemoryFileSize {
+        path: PathBuf,
+        expected: u64,
+        actual: u64,
+    },
+    #[error(
+        "cannot write snapshot memory {path}: guest memory region {index} is {len} bytes, \
+         not a multiple of the {PAGE_SIZE}-byte page"
+    )]
+    UnalignedRegion {
+        path: PathBuf,
+        index: usize,
+        len: u64,
+    },
+    #[error(
+        "cannot write snapshot memory {path}: page {page} is beyond guest memory \
+         ({total_pages} pages)"
+    )]
+    PageOutOfRange {
+        path: PathBuf,
+        page: u64,
+        total_pages: u64,
+    },
+}
+
+impl SnapshotError {
+    pub(crate) fn io(path: &std::path::Path, source: std::io::Error) -> Self {
+        SnapshotError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}
+
+/// A fresh directory under the system temp dir, removed on drop.
+#[cfg(test)]
+pub(crate) struct TestDir(pub PathBuf);
+
+#[cfg(test)]
+impl TestDir {
+    pub(crate) fn new(tag: &str) -> Self {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!(
+            "torpor-snapshot-test-{tag}-{}-{n}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TestDir(dir)
+    }
+
+    pub(crate) fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+
+    /// Names of every entry in the directory, sorted.
+    pub(crate) fn entries(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(&self.0)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+}
+
+#[cfg(test)]
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

@@ -1,0 +1,234 @@
+//! Glue between a restore and the userfaultfd page server: regions from
+//! guest memory, layers from the snapshot chain, the shmem template for
+//! `uffd-shared`, working-set prefetch and recording.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+
+use crate::exit::{ExitReason, ExitSignal};
+use crate::restore::{
+    map_fixed_private, RestoreBackend, RestoreError, RestoreOptions, SnapshotChain,
+};
+use crate::snapshot::{self, PAGE_SIZE};
+use crate::uffd::{Layers, Mode, PageServer, Region, ServerOptions};
+
+/// The working set recorded after a restore, next to the snapshot's state:
+/// little-endian u64 page numbers.
+pub const WORKING_SET_FILE: &str = "working-set";
+/// Where `uffd-shared` keeps shmem copies of templates, one per template.
+pub const SHM_DIR: &str = "/dev/shm";
+/// Longest working set we read back (a corrupt file must not eat memory).
+const MAX_WORKING_SET_PAGES: u64 = 1 << 22;
+
+fn backend_err(backend: RestoreBackend, reason: impl Into<String>) -> RestoreError {
+    RestoreError::Backend {
+        backend: backend.name(),
+        reason: reason.into(),
+    }
+}
+
+/// Reads a recorded working set; a missing file is an empty set.
+pub fn read_working_set(dir: &Path) -> Vec<u64> {
+    let path = dir.join(WORKING_SET_FILE);
+    let Ok(bytes) = std::fs::read(&path) else {
+        return Vec::new();
+    };
+    if bytes.len() as u64 > MAX_WORKING_SET_PAGES * 8 || bytes.len() % 8 != 0 {
+        tracing::warn!("ignoring malformed working set {}", path.display());
+        return Vec::new();
+    }
+    bytes
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+        .collect()
+}
+
+/// Writes a working set atomically (temp name, then rename).
+fn write_working_set(dir: &Path, pages: &[u64]) -> std::io::Result<()> {
+    let tmp = dir.join(format!(".{WORKING_SET_FILE}.{}", std::process::id()));
+    let mut f = File::create(&tmp)?;
+    let bytes: Vec<u8> = pages.iter().flat_map(|p| p.to_le_bytes()).collect();
+    f.write_all(&bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, dir.join(WORKING_SET_FILE))
+}
+
+/// A shmem copy of the base memory file, made once per template and shared
+/// by every `uffd-shared` clone. Named after the template's device, inode,
+/// size and mtime, so a rewritten template gets a new copy.
+fn shmem_template(base: &File, base_path: &Path) -> Result<(File, PathBuf), RestoreError> {
+    use std::os::unix::fs::MetadataExt;
+    let io_err = |what: &str, e: std::io::Error| {
+        backend_err(RestoreBackend::UffdShared, format!("{what}: {e}"))
+    };
+    let meta = base.metadata().map_err(|e| io_err("stat template", e))?;
+    let name = format!(
+        "torpor-template-{:x}-{:x}-{:x}-{:x}.mem",
+        meta.dev(),
+        meta.ino(),
+        meta.size(),
+        meta.mtime_nsec() as u64 ^ (meta.mtime() as u64) << 30
+    );
+    let path = Path::new(SHM_DIR).join(name);
+    if let Ok(f) = File::open(&path) {
+        if f.metadata().map(|m| m.len()).ok() == Some(meta.len()) {
+            return Ok((f, path));
+        }
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let mut out = File::create(&tmp).map_err(|e| io_err("create shmem copy", e))?;
+    copy_sparse(base, &mut out, meta.len())
+        .map_err(|e| io_err(&format!("copy {} to shmem", base_path.display()), e))?;
+    std::fs::rename(&tmp, &path).map_err(|e| io_err("publish shmem copy", e))?;
+    let f = File::open(&path).map_err(|e| io_err("open shmem copy", e))?;
+    Ok((f, path))
+}
+
+/// Copies only the data extents of `src`, so holes stay holes (zero pages
+/// cost no shmem).
+fn copy_sparse(src: &File, dst: &mut File, len: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    dst.set_len(len)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut pos = 0i64;
+    while (pos as u64) < len {
+        // SAFETY: lseek on a file descriptor we own; no memory is involved.
+        let data = unsafe { libc::lseek(src.as_raw_fd(), pos, libc::SEEK_DATA) };
+        if data < 0 {
+            break; // ENXIO: no data after `pos`.
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(src.as_raw_fd(), data, libc::SEEK_HOLE) };
+        let end = if hole < 0 { len as i64 } else { hole };
+        let mut off = data;
+        while off < end {
+            let n = ((end - off) as usize).min(buf.len());
+            src.read_exact_at(&mut buf[..n], off as u64)?;
+            dst.write_all_at(&buf[..n], off as u64)?;
+            off += n as i64;
+        }
+        pos = end;
+    }
+    Ok(())
+}
+
+/// What keeps a uffd-backed VM's memory served.
+pub struct UffdMemory {
+    _server: Arc<PageServer>,
+}
+
+/// Starts serving the chain's pages into `mem`.
+pub fn start(
+    mem: &GuestMemoryMmap,
+    chain: &SnapshotChain,
+    opts: &RestoreOptions,
+    exit: &ExitSignal,
+) -> Result<Box<dyn std::any::Any + Send>, RestoreError> {
+    let backend = opts.backend;
+    let clone = |f: &File| {
+        f.try_clone()
+            .map_err(|e| backend_err(backend, format!("dup memory file: {e}")))
+    };
+    let (base_layer, diff_layers) = chain
+        .layers
+        .split_first()
+        .expect("a chain has a base layer");
+    let mut regions = Vec::new();
+    let mut first_page = 0u64;
+    for r in mem.iter() {
+        regions.push(Region {
+            host_addr: r.as_ptr() as usize,
+            len: r.len() as usize,
+            first_page,
+        });
+        first_page += r.len() / PAGE_SIZE;
+    }
+    let base = match backend {
+        RestoreBackend::UffdShared => {
+            let base_path = base_layer.dir.join(snapshot::MEMORY_FILE);
+            let (shm, shm_path) = shmem_template(&base_layer.file, &base_path)?;
+            for r in &regions {
+                map_fixed_private(
+                    r.host_addr as *mut u8,
+                    r.len,
+                    &shm,
+                    r.first_page * PAGE_SIZE,
+                    &shm_path,
+                )?;
+            }
+            shm
+        }
+        _ => clone(&base_layer.file)?,
+    };
+    let mut diffs = Vec::with_capacity(diff_layers.len());
+    for layer in diff_layers {
+        let pages = layer.pages.clone().unwrap_or_default();
+        diffs.push((clone(&layer.file)?, pages));
+    }
+    let server_opts = ServerOptions {
+        mode: if backend == RestoreBackend::UffdShared {
+            Mode::Minor
+        } else {
+            Mode::Missing
+        },
+        prefetch: if opts.prefetch {
+            read_working_set(&chain.top_dir)
+        } else {
+            Vec::new()
+        },
+        record_for: opts.record_working_set_ms.map(Duration::from_millis),
+    };
+    let exit = exit.clone();
+    let on_failure = Box::new(move |msg: String| exit.exit(ExitReason::PageServerFailed(msg)));
+    // SAFETY: the regions are this VM's guest RAM, untouched since they were
+    // mapped (anonymous, or privately mapped from the shmem template), and
+    // they stay mapped until the returned value (which owns the server) is
+    // dropped after every vCPU has stopped.
+    let server =
+        unsafe { PageServer::start(regions, Layers::new(base, diffs), server_opts, on_failure) }
+            .map_err(|e| backend_err(backend, e.to_string()))?;
+    let server = Arc::new(server);
+    if let Some(ms) = opts.record_working_set_ms {
+        spawn_recorder(
+            Arc::downgrade(&server),
+            chain.top_dir.clone(),
+            Duration::from_millis(ms),
+        );
+    }
+    Ok(Box::new(UffdMemory { _server: server }))
+}
+
+/// After the recording window, saves the pages first touched in it next to
+/// the snapshot, for `--prefetch` on later restores. Prefetched pages never
+/// fault, so the saved set is the union with what was prefetched.
+fn spawn_recorder(server: Weak<PageServer>, dir: PathBuf, after: Duration) {
+    let spawned = std::thread::Builder::new()
+        .name("working-set".into())
+        .spawn(move || {
+            std::thread::sleep(after + Duration::from_millis(5));
+            let Some(server) = server.upgrade() else {
+                return;
+            };
+            let mut pages = server.working_set();
+            pages.extend(read_working_set(&dir));
+            pages.sort_unstable();
+            pages.dedup();
+            match write_working_set(&dir, &pages) {
+                Ok(()) => tracing::info!(
+                    pages = pages.len(),
+                    "recorded working set in {}",
+                    dir.display()
+                ),
+                Err(e) => tracing::warn!("cannot record working set in {}: {e}", dir.display()),
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("cannot start the working-set recorder: {e}");
+    }
+}
