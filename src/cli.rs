@@ -97,8 +97,13 @@ pub enum MemoryBackendArg {
 pub struct VmmRunArgs {
     /// Kernel image: an ELF vmlinux or a bzImage, or `builtin:probe` for the
     /// probe guest built into torpor.
-    #[arg(long, required_unless_present = "restore")]
+    #[arg(long, required_unless_present_any = ["restore", "standby"])]
     pub kernel: Option<String>,
+    /// Create the VM (vCPUs, memory slots) now and wait on the control
+    /// socket for a `restore` request: a pre-created shell for fast restores.
+    /// Uses --mem-mib and --vcpus; needs --control-socket.
+    #[arg(long, requires = "control_socket", conflicts_with_all = ["kernel", "restore", "initrd"])]
+    pub standby: bool,
     /// Restore this snapshot directory instead of booting a kernel.
     #[arg(long, conflicts_with_all = ["kernel", "initrd", "cmdline", "mem_mib", "vcpus"])]
     pub restore: Option<PathBuf>,

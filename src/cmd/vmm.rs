@@ -71,9 +71,12 @@ fn serial_output(args: &VmmRunArgs) -> SerialOutput {
 }
 
 fn run_vm(args: VmmRunArgs) -> i32 {
-    let result = match &args.restore {
-        Some(dir) => restore_vm(&args, dir.clone()),
-        None => boot_vm(&args),
+    let result = match (&args.restore, args.standby, &args.control_socket) {
+        (Some(dir), _, _) => restore_vm(&args, dir.clone()),
+        (None, true, Some(socket)) => {
+            torpor_vmm::standby(args.mem_mib, args.vcpus, socket.clone()).map_err(failed)
+        }
+        _ => boot_vm(&args),
     };
     match result {
         Ok(report) => {

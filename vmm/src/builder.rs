@@ -195,6 +195,8 @@ pub fn build(
     let mem = backend.map(&ram_ranges(mem_bytes))?;
     vm.register_memory(&mem)?;
     t.phase("memory");
+    vm.create_irqchip()?;
+    t.phase("irqchip");
 
     let cmdline = boot::parse_cmdline(&config.cmdline)?;
     let boot_info = boot::load(&mem, &config.kernel, config.initrd.as_deref(), &cmdline)?;

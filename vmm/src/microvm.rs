@@ -258,14 +258,22 @@ impl VmController for Controller {
 
 /// Runs a built VM until the guest or a control request ends it.
 /// `started` is when the run began (process start, for restores).
+/// A restore request of a standby VMM, answered once the vCPUs run.
+pub struct PendingRestore {
+    pub stream: std::os::unix::net::UnixStream,
+    pub request_started: Instant,
+}
+
 pub fn run_built(
     built: BuiltVm,
     listener: Option<(std::os::unix::net::UnixListener, PathBuf)>,
     start_paused: bool,
     exit: ExitSignal,
     started: Instant,
+    pending: Option<PendingRestore>,
 ) -> Result<RunReport, RunError> {
     register_kick_handler()?;
+    let mut timings = built.timings;
     let first_run = Arc::new(OnceLock::new());
     let vm = Arc::new(built.vm);
     let mem = Arc::new(built.mem);
@@ -276,6 +284,7 @@ pub fn run_built(
         first_run.clone(),
         start_paused,
     )?);
+    timings.phase("vcpu_threads");
     let controller = Arc::new(Controller {
         vm: vm.clone(),
         mem: mem.clone(),
@@ -292,13 +301,16 @@ pub fn run_built(
             vmm_dirty: built.vmm_dirty,
         }),
     });
+    if let Some(p) = pending {
+        answer_restore(p, &first_run, start_paused, &controller, &timings);
+    }
     let server = match listener {
         Some((l, path)) => {
             Some(ControlServer::start(l, path, controller).map_err(RunError::ControlThread)?)
         }
         None => None,
     };
-    tracing::info!(timings = ?built.timings, "microVM started");
+    tracing::info!(?timings, "microVM started");
     let reason = exit.wait();
     vcpus.stop(std::time::Duration::from_millis(500));
     let _quiet = server.as_ref().map(|s| s.quiesce());
@@ -306,7 +318,7 @@ pub fn run_built(
     drop(built.keepalive);
     Ok(RunReport {
         exit: reason,
-        timings: built.timings,
+        timings,
         first_kvm_run_us: first_run
             .get()
             .map(|t| t.duration_since(started).as_micros() as u64),
@@ -326,7 +338,7 @@ pub fn boot(
     let listener = bind_control(control_socket)?;
     let exit = ExitSignal::new().map_err(RunError::ExitEvent)?;
     let built = crate::builder::build(config, backend, &exit)?;
-    run_built(built, listener, false, exit, started)
+    run_built(built, listener, false, exit, started, None)
 }
 
 /// Binds the control socket, if one was asked for.
@@ -358,5 +370,48 @@ pub fn restore(
         &mut t,
     )?;
     let built = crate::restore::restore_into(shell, chain, opts, &exit, t)?;
-    run_built(built, listener, paused, exit, started)
+    run_built(built, listener, paused, exit, started, None)
+}
+
+/// Answers a standby restore request once a vCPU has entered KVM_RUN (or at
+/// once when restored paused), with the request-to-running time.
+fn answer_restore(
+    p: PendingRestore,
+    first_run: &OnceLock<Instant>,
+    paused: bool,
+    controller: &Controller,
+    timings: &Timings,
+) {
+    use std::io::Write;
+    let deadline = Instant::now() + std::time::Duration::from_secs(1);
+    let running_at = loop {
+        if paused {
+            break Instant::now();
+        }
+        if let Some(t) = first_run.get() {
+            break *t;
+        }
+        if Instant::now() > deadline {
+            break Instant::now();
+        }
+        std::hint::spin_loop();
+    };
+    let response = control::Response {
+        ok: true,
+        status: Some(controller.status()),
+        restore: Some(control::RestoreInfo {
+            request_to_running_us: running_at.duration_since(p.request_started).as_micros() as u64,
+            phases: timings
+                .phases()
+                .iter()
+                .map(|(k, v)| (k.to_string(), *v))
+                .collect(),
+        }),
+        ..Default::default()
+    };
+    let mut stream = p.stream;
+    let line = serde_json::to_string(&response).unwrap_or_default() + "\n";
+    if let Err(e) = stream.write_all(line.as_bytes()) {
+        tracing::warn!("cannot answer the restore request: {e}");
+    }
 }

@@ -225,6 +225,8 @@ pub fn create_shell(mem_mib: u64, vcpus: u16, t: &mut Timings) -> Result<Shell, 
     let mem = AnonymousBackend.map(&ram_ranges(validate_mem_size(mem_mib)?))?;
     vm.register_memory(&mem)?;
     t.phase("memory_slots");
+    vm.create_irqchip()?;
+    t.phase("irqchip");
     let mut fds = Vec::with_capacity(usize::from(count));
     for index in 0..count {
         fds.push(
@@ -365,6 +367,21 @@ fn copy_from_file(
         })
 }
 
+/// Checks that a snapshot has the shell's shape.
+pub fn check_fits(shell: &Shell, chain: &SnapshotChain) -> Result<(), RestoreError> {
+    let m = &chain.state.machine;
+    if m.mem_mib != shell.mem_mib || m.vcpus != shell.vcpu_count {
+        return Err(RestoreError::ShellMismatch {
+            snapshot: chain.top_dir.clone(),
+            snapshot_mib: m.mem_mib,
+            snapshot_vcpus: m.vcpus,
+            shell_mib: shell.mem_mib,
+            shell_vcpus: shell.vcpu_count,
+        });
+    }
+    Ok(())
+}
+
 /// Restores `chain` into `shell`: memory, vCPU and VM state, devices, and a
 /// fresh identity. Returns a VM ready to run.
 pub fn restore_into(
@@ -374,16 +391,8 @@ pub fn restore_into(
     exit: &ExitSignal,
     mut t: Timings,
 ) -> Result<BuiltVm, RestoreError> {
+    check_fits(&shell, &chain)?;
     let state = &chain.state;
-    if state.machine.mem_mib != shell.mem_mib || state.machine.vcpus != shell.vcpu_count {
-        return Err(RestoreError::ShellMismatch {
-            snapshot: chain.top_dir.clone(),
-            snapshot_mib: state.machine.mem_mib,
-            snapshot_vcpus: state.machine.vcpus,
-            shell_mib: shell.mem_mib,
-            shell_vcpus: shell.vcpu_count,
-        });
-    }
     let keepalive = match opts.backend {
         RestoreBackend::File => {
             map_file_layers(&shell.mem, &chain)?;

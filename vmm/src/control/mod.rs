@@ -52,6 +52,9 @@ pub enum Request {
         serial: Option<PathBuf>,
         #[serde(default)]
         paused: bool,
+        /// Install the snapshot's recorded working set eagerly (uffd backends).
+        #[serde(default)]
+        prefetch: bool,
     },
 }
 

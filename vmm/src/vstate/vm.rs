@@ -42,20 +42,30 @@ pub struct Vm {
 }
 
 impl Vm {
-    /// Creates the VM and the in-kernel devices every guest needs.
+    /// Creates the VM. Register guest memory next, then call
+    /// [`Vm::create_irqchip`]: on PVM hosts a memory slot registered after
+    /// the irqchip costs ~12x more (6.8 ms vs 0.55 ms for 256 MiB, measured).
     pub fn create(kvm: &KvmContext) -> Result<Self, VmError> {
         let fd = kvm.kvm.create_vm().map_err(VmError::Create)?;
-        fd.set_identity_map_address(KVM_IDENTITY_MAP_ADDRESS)
+        Ok(Self { fd })
+    }
+
+    /// The in-kernel devices every guest needs: irqchip (PIC, IOAPIC,
+    /// LAPICs), PIT, and the TSS/identity-map pages.
+    pub fn create_irqchip(&self) -> Result<(), VmError> {
+        self.fd
+            .set_identity_map_address(KVM_IDENTITY_MAP_ADDRESS)
             .map_err(VmError::IdentityMap)?;
-        fd.set_tss_address(KVM_TSS_ADDRESS)
+        self.fd
+            .set_tss_address(KVM_TSS_ADDRESS)
             .map_err(VmError::TssAddress)?;
-        fd.create_irq_chip().map_err(VmError::Irqchip)?;
+        self.fd.create_irq_chip().map_err(VmError::Irqchip)?;
         let pit = kvm_pit_config {
             flags: KVM_PIT_SPEAKER_DUMMY,
             ..Default::default()
         };
-        fd.create_pit2(pit).map_err(VmError::Pit)?;
-        Ok(Self { fd })
+        self.fd.create_pit2(pit).map_err(VmError::Pit)?;
+        Ok(())
     }
 
     /// Registers every region of `mem` as a KVM memory slot, in order, with

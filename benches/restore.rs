@@ -1,0 +1,395 @@
+//! Restore benchmark: for 256 MiB and 2 GiB probe guests and every memory
+//! backend, restore latency (cold `torpor vmm --restore` and a standby
+//! shell), snapshot latency and size (full; diff at ~1/10/50% dirty), and
+//! PSS per clone with 20 clones of one template.
+//!
+//! `cargo bench --bench restore [-- --runs N --quick]` prints tables of
+//! medians. Compare rows of one run; the machine's noise (2 shared cores)
+//! moves absolute numbers from run to run.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const TORPOR: &str = env!("CARGO_BIN_EXE_torpor");
+const BACKENDS: &[&str] = &["file", "uffd", "uffd-shared"];
+
+struct Dir(PathBuf);
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn spawn(args: &[&str]) -> Child {
+    Command::new(TORPOR)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn torpor")
+}
+
+fn call(sock: &Path, req: &str) -> serde_json::Value {
+    let mut s =
+        UnixStream::connect(sock).unwrap_or_else(|e| panic!("connect {}: {e}", sock.display()));
+    s.write_all(format!("{req}\n").as_bytes()).unwrap();
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(v["ok"], true, "{req} -> {v}");
+    v
+}
+
+fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+fn wait_socket(sock: &Path) {
+    wait_until(Duration::from_secs(30), || {
+        UnixStream::connect(sock).is_ok()
+    });
+}
+
+fn iter_lines(console: &Path) -> usize {
+    let text = std::fs::read_to_string(console).unwrap_or_default();
+    let end = text.rfind('\n').map_or(0, |i| i + 1);
+    text[..end]
+        .lines()
+        .filter(|l| l.starts_with("TORPOR-PROBE ITER"))
+        .count()
+}
+
+fn shutdown(sock: &Path, mut child: Child) -> String {
+    call(sock, r#"{"op":"shutdown"}"#);
+    let out = std::mem::take(&mut child.stderr);
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    if let Some(mut e) = out {
+        let _ = std::io::Read::read_to_string(&mut e, &mut err);
+    }
+    assert!(status.success(), "{err}");
+    err
+}
+
+/// Boots a probe with `mib` MiB of workload, lets it run `iters` iterations,
+/// and takes a full snapshot. Returns (snapshot dir, snapshot answer).
+fn make_template(dir: &Path, name: &str, mem: u64, mib: u64) -> (PathBuf, serde_json::Value) {
+    let sock = dir.join(format!("{name}.sock"));
+    let console = dir.join(format!("{name}.log"));
+    let child = spawn(&[
+        "vmm",
+        "--kernel",
+        "builtin:probe",
+        "--mem-mib",
+        &mem.to_string(),
+        "--cmdline",
+        &format!("probe.mib={mib} probe.ticks=1"),
+        "--serial",
+        console.to_str().unwrap(),
+        "--control-socket",
+        sock.to_str().unwrap(),
+    ]);
+    wait_socket(&sock);
+    wait_until(Duration::from_secs(60), || iter_lines(&console) >= 2);
+    call(&sock, r#"{"op":"pause"}"#);
+    let snap = dir.join(name);
+    let v = call(
+        &sock,
+        &format!(r#"{{"op":"snapshot","path":"{}"}}"#, snap.display()),
+    );
+    shutdown(&sock, child);
+    (snap, v)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+/// Cold restore: (process start -> first KVM_RUN, process start -> next ITER line), µs.
+fn cold_restore(dir: &Path, snap: &Path, backend: &str, prefetch: bool) -> (f64, f64) {
+    let sock = dir.join("cold.sock");
+    let console = dir.join("cold.log");
+    let _ = std::fs::remove_file(&console);
+    let t0 = Instant::now();
+    let mut args = vec![
+        "vmm",
+        "--restore",
+        snap.to_str().unwrap(),
+        "--memory-backend",
+        backend,
+        "--report",
+        "--serial",
+        console.to_str().unwrap(),
+        "--control-socket",
+        sock.to_str().unwrap(),
+    ];
+    if prefetch {
+        args.push("--prefetch");
+    }
+    let child = spawn(&args);
+    wait_until(Duration::from_secs(60), || iter_lines(&console) >= 1);
+    let to_line = t0.elapsed().as_micros() as f64;
+    wait_socket(&sock);
+    let err = shutdown(&sock, child);
+    let report: serde_json::Value = err
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .expect("report");
+    (report["first_kvm_run_us"].as_f64().unwrap(), to_line)
+}
+
+/// Restores once with working-set recording, so `--prefetch` rows have a
+/// recorded set to install.
+fn record_working_set(dir: &Path, snap: &Path) {
+    let sock = dir.join("record.sock");
+    let console = dir.join("record.log");
+    let child = spawn(&[
+        "vmm",
+        "--restore",
+        snap.to_str().unwrap(),
+        "--memory-backend",
+        "uffd",
+        "--record-working-set-ms",
+        "500",
+        "--serial",
+        console.to_str().unwrap(),
+        "--control-socket",
+        sock.to_str().unwrap(),
+    ]);
+    wait_until(Duration::from_secs(60), || {
+        snap.join("working-set").exists()
+    });
+    shutdown(&sock, child);
+}
+
+/// Standby restore: (request -> vCPU running, request -> next ITER line), µs.
+fn standby_restore(dir: &Path, snap: &Path, backend: &str, mem: u64, prefetch: bool) -> (f64, f64) {
+    let sock = dir.join("standby.sock");
+    let console = dir.join("standby.log");
+    let _ = std::fs::remove_file(&console);
+    let child = spawn(&[
+        "vmm",
+        "--standby",
+        "--mem-mib",
+        &mem.to_string(),
+        "--control-socket",
+        sock.to_str().unwrap(),
+    ]);
+    wait_socket(&sock);
+    let t0 = Instant::now();
+    let v = call(
+        &sock,
+        &format!(
+            r#"{{"op":"restore","snapshot":"{}","backend":"{backend}","serial":"{}","prefetch":{prefetch}}}"#,
+            snap.display(),
+            console.display()
+        ),
+    );
+    wait_until(Duration::from_secs(60), || iter_lines(&console) >= 1);
+    let to_line = t0.elapsed().as_micros() as f64;
+    shutdown(&sock, child);
+    (
+        v["restore"]["request_to_running_us"].as_f64().unwrap(),
+        to_line,
+    )
+}
+
+fn pss_kib(pid: u32) -> f64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    text.lines()
+        .find(|l| l.starts_with("Pss:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// 20 clones of one template: median PSS (MiB) restored paused (never ran),
+/// and running (after two iterations of the workload).
+fn clone_pss(dir: &Path, snap: &Path, backend: &str) -> (f64, f64) {
+    let clones: Vec<(Child, PathBuf, PathBuf)> = (0..20)
+        .map(|i| {
+            let sock = dir.join(format!("pss{i}.sock"));
+            let console = dir.join(format!("pss{i}.log"));
+            let child = spawn(&[
+                "vmm",
+                "--restore",
+                snap.to_str().unwrap(),
+                "--memory-backend",
+                backend,
+                "--paused",
+                "--serial",
+                console.to_str().unwrap(),
+                "--control-socket",
+                sock.to_str().unwrap(),
+            ]);
+            (child, sock, console)
+        })
+        .collect();
+    let pss = |clones: &[(Child, PathBuf, PathBuf)]| {
+        median(
+            clones
+                .iter()
+                .map(|(c, _, _)| pss_kib(c.id()) / 1024.0)
+                .collect(),
+        )
+    };
+    for (_, sock, _) in &clones {
+        wait_socket(sock);
+    }
+    let paused = pss(&clones);
+    for (_, sock, console) in &clones {
+        call(sock, r#"{"op":"resume"}"#);
+        wait_until(Duration::from_secs(60), || iter_lines(console) >= 2);
+    }
+    let running = pss(&clones);
+    for (child, sock, _) in clones {
+        shutdown(&sock, child);
+    }
+    (paused, running)
+}
+
+/// Restores `snap`, lets one full iteration run, pauses and takes a diff.
+fn diff_snapshot(dir: &Path, snap: &Path, name: &str) -> serde_json::Value {
+    let sock = dir.join("diff.sock");
+    let console = dir.join("diff.log");
+    let _ = std::fs::remove_file(&console);
+    let child = spawn(&[
+        "vmm",
+        "--restore",
+        snap.to_str().unwrap(),
+        "--serial",
+        console.to_str().unwrap(),
+        "--control-socket",
+        sock.to_str().unwrap(),
+    ]);
+    wait_socket(&sock);
+    wait_until(Duration::from_secs(120), || iter_lines(&console) >= 2);
+    call(&sock, r#"{"op":"pause"}"#);
+    let out = dir.join(name);
+    let v = call(
+        &sock,
+        &format!(
+            r#"{{"op":"snapshot","path":"{}","diff":true}}"#,
+            out.display()
+        ),
+    );
+    shutdown(&sock, child);
+    v
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let runs: usize = args
+        .iter()
+        .position(|a| a == "--runs")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10);
+    let quick = args.iter().any(|a| a == "--quick");
+    let dir =
+        Dir(std::env::temp_dir().join(format!("torpor-bench-restore-{}", std::process::id())));
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let sizes: &[u64] = if quick { &[256] } else { &[256, 2048] };
+    println!("torpor restore benchmark ({runs} runs per cell, medians)");
+    for &mem in sizes {
+        let (snap, _) = make_template(&dir.0, &format!("t{mem}"), mem, 8);
+        println!("\n== guest memory {mem} MiB (probe workload 8 MiB)");
+        println!(
+            "{:<21} {:>16} {:>16} {:>18} {:>18}",
+            "backend", "cold->running", "cold->next line", "standby->running", "standby->next line"
+        );
+        record_working_set(&dir.0, &snap);
+        let rows = [
+            ("file", false),
+            ("uffd", false),
+            ("uffd-shared", false),
+            ("uffd", true),
+            ("uffd-shared", true),
+        ];
+        for (backend, prefetch) in rows {
+            let cold: Vec<(f64, f64)> = (0..runs)
+                .map(|_| cold_restore(&dir.0, &snap, backend, prefetch))
+                .collect();
+            let warm: Vec<(f64, f64)> = (0..runs)
+                .map(|_| standby_restore(&dir.0, &snap, backend, mem, prefetch))
+                .collect();
+            let label = if prefetch {
+                format!("{backend}+prefetch")
+            } else {
+                backend.to_string()
+            };
+            println!(
+                "{label:<21} {:>13.0} µs {:>13.0} µs {:>15.0} µs {:>15.0} µs",
+                median(cold.iter().map(|x| x.0).collect()),
+                median(cold.iter().map(|x| x.1).collect()),
+                median(warm.iter().map(|x| x.0).collect()),
+                median(warm.iter().map(|x| x.1).collect()),
+            );
+        }
+
+        println!("\nsnapshots ({mem} MiB guest)");
+        println!(
+            "{:<22} {:>12} {:>14} {:>12}",
+            "kind", "latency", "on disk", "pages"
+        );
+        for (label, pct) in [
+            ("diff ~1% dirty", 1u64),
+            ("diff ~10% dirty", 10),
+            ("diff ~50% dirty", 50),
+        ] {
+            let mib = (mem * pct / 100).max(1);
+            let (base, full) = make_template(&dir.0, &format!("d{mem}-{pct}"), mem, mib);
+            if pct == 50 {
+                let f = &full["snapshot"];
+                println!(
+                    "{:<22} {:>9.1} ms {:>10.1} MiB {:>12}",
+                    format!("full ({mib} MiB data)"),
+                    f["duration_us"].as_f64().unwrap() / 1000.0,
+                    f["memory_allocated_bytes"].as_f64().unwrap() / 1048576.0,
+                    f["pages"]
+                );
+            }
+            let d = &diff_snapshot(&dir.0, &base, &format!("diff{mem}-{pct}"))["snapshot"];
+            println!(
+                "{:<22} {:>9.1} ms {:>10.1} MiB {:>12}",
+                format!("{label} ({mib} MiB)"),
+                d["duration_us"].as_f64().unwrap() / 1000.0,
+                d["memory_allocated_bytes"].as_f64().unwrap() / 1048576.0,
+                d["pages"]
+            );
+            let _ = std::fs::remove_dir_all(&base);
+        }
+
+        if mem == 256 {
+            let (pss_snap, _) = make_template(&dir.0, "pss", mem, 2);
+            println!(
+                "\nPSS per clone, 20 clones of one template ({mem} MiB guest, 2 MiB workload)"
+            );
+            println!(
+                "{:<12} {:>14} {:>14} {:>26}",
+                "backend", "paused", "running", "running - 2 MiB dirtied"
+            );
+            for backend in BACKENDS {
+                let (paused, running) = clone_pss(&dir.0, &pss_snap, backend);
+                println!(
+                    "{backend:<12} {paused:>10.2} MiB {running:>10.2} MiB {:>22.2} MiB",
+                    running - 2.0
+                );
+            }
+        }
+    }
+}

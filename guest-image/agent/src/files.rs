@@ -1,0 +1,239 @@
+//! File operations: `read_file`, `write_file`, `list_dir`, `stat`. Every
+//! failure is an [`ErrorReply`] naming the path; nothing here panics on input.
+
+use crate::proto::{
+    DirListing, ErrorReply, FileData, FileKind, FileStat, ReadFileRequest, StatRequest,
+    WriteFileRequest, Written, MAX_DIR_ENTRIES, MAX_IO_CHUNK,
+};
+use std::fs::{self, File, Metadata, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::Path;
+
+/// Paths must be absolute: the agent's own working directory is no business
+/// of the host's.
+fn absolute(path: &str) -> Result<&Path, ErrorReply> {
+    if path.is_empty() || !path.starts_with('/') {
+        return Err(ErrorReply::new(
+            libc::EINVAL,
+            format!("path must be absolute: {path:?}"),
+        ));
+    }
+    if path.contains('\0') {
+        return Err(ErrorReply::new(libc::EINVAL, "path contains a NUL byte"));
+    }
+    Ok(Path::new(path))
+}
+
+/// FIFOs and sockets would block the connection (opening a FIFO waits for a
+/// writer), so they are refused up front.
+fn refuse_fifo(path: &Path, name: &str) -> Result<(), ErrorReply> {
+    if let Ok(meta) = fs::metadata(path) {
+        let ft = meta.file_type();
+        if ft.is_fifo() || ft.is_socket() {
+            return Err(ErrorReply::new(
+                libc::EINVAL,
+                format!("{name}: is a FIFO or socket"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `read_file`: up to `max_bytes` (capped at [`MAX_IO_CHUNK`]) from `offset`.
+pub fn read_file(req: &ReadFileRequest) -> Result<FileData, ErrorReply> {
+    let path = absolute(&req.path)?;
+    let err = |e: std::io::Error| ErrorReply::io(&req.path, &e);
+    refuse_fifo(path, &req.path)?;
+    let mut file = File::open(path).map_err(err)?;
+    let meta = file.metadata().map_err(err)?;
+    if meta.is_dir() {
+        return Err(ErrorReply::new(
+            libc::EISDIR,
+            format!("{}: is a directory", req.path),
+        ));
+    }
+    let size = meta.len();
+    let want = req
+        .max_bytes
+        .unwrap_or(MAX_IO_CHUNK as u64)
+        .min(MAX_IO_CHUNK as u64) as usize;
+    if req.offset > 0 {
+        file.seek(SeekFrom::Start(req.offset)).map_err(err)?;
+    }
+    // Read until `want` or EOF; files in /proc report size 0, so do not
+    // trust `size` for how much there is.
+    let mut data = Vec::with_capacity(want.min(size.saturating_sub(req.offset) as usize));
+    let mut limited = (&mut file).take(want as u64);
+    limited.read_to_end(&mut data).map_err(err)?;
+    // EOF when fewer bytes than asked came back, or when asking stopped
+    // exactly at the (regular) file's end.
+    let end = req.offset + data.len() as u64;
+    let eof = data.len() < want || (meta.is_file() && size > 0 && end >= size);
+    Ok(FileData {
+        data,
+        offset: req.offset,
+        size,
+        eof,
+    })
+}
+
+/// `write_file`: create/truncate (or append), optionally creating parents
+/// and setting the mode exactly.
+pub fn write_file(req: &WriteFileRequest) -> Result<Written, ErrorReply> {
+    let path = absolute(&req.path)?;
+    let err = |e: std::io::Error| ErrorReply::io(&req.path, &e);
+    if req.data.len() > MAX_IO_CHUNK {
+        return Err(ErrorReply::new(
+            libc::EFBIG,
+            format!(
+                "{} bytes in one write_file (limit {MAX_IO_CHUNK}); append in chunks",
+                req.data.len()
+            ),
+        ));
+    }
+    if let Some(mode) = req.mode {
+        if mode & !0o7777 != 0 {
+            return Err(ErrorReply::new(
+                libc::EINVAL,
+                format!("mode {mode:#o} has bits outside 0o7777"),
+            ));
+        }
+    }
+    if req.create_parents {
+        if let Some(parent) = path.parent() {
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o755)
+                .create(parent)
+                .map_err(|e| ErrorReply::io(&parent.to_string_lossy(), &e))?;
+        }
+    }
+    refuse_fifo(path, &req.path)?;
+    let mut opts = OpenOptions::new();
+    opts.write(true)
+        .create(true)
+        .mode(req.mode.unwrap_or(0o644));
+    if req.append {
+        opts.append(true);
+    } else {
+        opts.truncate(true);
+    }
+    let mut file = opts.open(path).map_err(err)?;
+    if let Some(mode) = req.mode {
+        // The open mode is filtered by the umask and ignored for existing
+        // files; the caller asked for exactly this.
+        file.set_permissions(fs::Permissions::from_mode(mode))
+            .map_err(err)?;
+    }
+    file.write_all(&req.data).map_err(err)?;
+    let size = file.metadata().map_err(err)?.len();
+    Ok(Written {
+        bytes: req.data.len() as u64,
+        size,
+    })
+}
+
+fn kind_of(meta: &Metadata) -> FileKind {
+    let ft = meta.file_type();
+    if ft.is_symlink() {
+        FileKind::Symlink
+    } else if ft.is_dir() {
+        FileKind::Dir
+    } else if ft.is_file() {
+        FileKind::File
+    } else {
+        FileKind::Other
+    }
+}
+
+fn to_stat(name: String, meta: &Metadata, full: &Path) -> FileStat {
+    let kind = kind_of(meta);
+    let link_target = if kind == FileKind::Symlink {
+        fs::read_link(full)
+            .ok()
+            .map(|t| t.to_string_lossy().into_owned())
+    } else {
+        None
+    };
+    FileStat {
+        name,
+        kind,
+        size: meta.len(),
+        mode: meta.mode() & 0o7777,
+        mtime_ns: meta
+            .mtime()
+            .saturating_mul(1_000_000_000)
+            .saturating_add(meta.mtime_nsec()),
+        link_target,
+    }
+}
+
+/// `list_dir`: entries sorted by name, symlinks not followed. Entries that
+/// vanish while listing are skipped.
+pub fn list_dir(path: &str) -> Result<DirListing, ErrorReply> {
+    let dir = absolute(path)?;
+    let err = |e: std::io::Error| ErrorReply::io(path, &e);
+    let mut entries = Vec::new();
+    let mut truncated = false;
+    for entry in fs::read_dir(dir).map_err(err)? {
+        let entry = entry.map_err(err)?;
+        if entries.len() == MAX_DIR_ENTRIES {
+            truncated = true;
+            break;
+        }
+        let full = entry.path();
+        let Ok(meta) = fs::symlink_metadata(&full) else {
+            continue;
+        };
+        let name = entry.file_name().to_string_lossy().into_owned();
+        entries.push(to_stat(name, &meta, &full));
+    }
+    entries.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(DirListing { entries, truncated })
+}
+
+/// `stat`: one path, following symlinks unless asked not to.
+pub fn stat(req: &StatRequest) -> Result<FileStat, ErrorReply> {
+    let path = absolute(&req.path)?;
+    let meta = if req.follow_symlinks {
+        fs::metadata(path)
+    } else {
+        fs::symlink_metadata(path)
+    }
+    .map_err(|e| ErrorReply::io(&req.path, &e))?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "/".to_string());
+    Ok(to_stat(name, &meta, path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_paths_are_refused() {
+        let e = list_dir("tmp").unwrap_err();
+        assert_eq!(e.code, "EINVAL");
+        let e = stat(&StatRequest {
+            path: String::new(),
+            follow_symlinks: true,
+        })
+        .unwrap_err();
+        assert_eq!(e.code, "EINVAL");
+    }
+
+    #[test]
+    fn proc_files_read_despite_zero_size() {
+        let d = read_file(&ReadFileRequest {
+            path: "/proc/self/status".into(),
+            offset: 0,
+            max_bytes: None,
+        })
+        .unwrap();
+        assert!(d.eof);
+        assert!(String::from_utf8_lossy(&d.data).contains("Pid:"));
+    }
+}

@@ -1,0 +1,146 @@
+//! File operations over a unix socket against an in-process agent.
+
+mod common;
+
+use common::*;
+use std::os::unix::fs::PermissionsExt;
+use torpor_agent::proto::{FileKind, WriteFileRequest, MAX_IO_CHUNK};
+use torpor_agent::ClientError;
+
+fn agent_error<T: std::fmt::Debug>(r: Result<T, ClientError>) -> torpor_agent::proto::ErrorReply {
+    match r {
+        Err(ClientError::Agent(e)) => e,
+        other => panic!("expected an agent error, got {other:?}"),
+    }
+}
+
+#[test]
+fn binary_round_trip() {
+    let agent = default_agent();
+    let mut c = agent.client();
+    let dir = TempDir::new("files");
+    let path = dir.file("bin");
+    let data: Vec<u8> = (0..=255u8).rev().cycle().take(70_001).collect();
+    let size = c.write_file_all(&path, &data, None, false).unwrap();
+    assert_eq!(size, data.len() as u64);
+    assert!(std::fs::read(&path).unwrap() == data);
+    assert!(c.read_file_all(&path).unwrap() == data);
+
+    // Partial reads: offset and max_bytes, eof at the end.
+    let part = c.read_file(&path, 100, Some(10)).unwrap();
+    assert_eq!(part.data, &data[100..110]);
+    assert_eq!((part.offset, part.size, part.eof), (100, 70_001, false));
+    let tail = c.read_file(&path, 70_000, Some(10)).unwrap();
+    assert_eq!((tail.data.len(), tail.eof), (1, true));
+    let past = c.read_file(&path, 80_000, None).unwrap();
+    assert!(past.data.is_empty() && past.eof);
+}
+
+#[test]
+fn files_larger_than_one_frame_go_in_chunks() {
+    let agent = default_agent();
+    let mut c = agent.client();
+    let dir = TempDir::new("big");
+    let path = dir.file("big");
+    let data: Vec<u8> = (0..MAX_IO_CHUNK + 12_345)
+        .map(|i| (i * 7 % 251) as u8)
+        .collect();
+    c.write_file_all(&path, &data, Some(0o600), false).unwrap();
+    assert!(c.read_file_all(&path).unwrap() == data);
+}
+
+#[test]
+fn append_mode_and_parents() {
+    let agent = default_agent();
+    let mut c = agent.client();
+    let dir = TempDir::new("opts");
+    let path = dir.file("a/b/c.txt");
+    let write = |data: &[u8], append, mode, create_parents| WriteFileRequest {
+        path: path.clone(),
+        data: data.to_vec(),
+        mode,
+        create_parents,
+        append,
+    };
+    let e = agent_error(c.write_file(write(b"x", false, None, false)));
+    assert_eq!(e.code, "ENOENT");
+    c.write_file(write(b"one\n", false, Some(0o640), true))
+        .unwrap();
+    let w = c.write_file(write(b"two\n", true, None, false)).unwrap();
+    assert_eq!((w.bytes, w.size), (4, 8));
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "one\ntwo\n");
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode, 0o640, "mode is exact, not masked by the umask");
+    c.write_file(write(b"", false, Some(0o755), false)).unwrap();
+    let st = c.stat(&path, true).unwrap();
+    assert_eq!((st.size, st.mode, st.kind), (0, 0o755, FileKind::File));
+    let e = agent_error(c.write_file(write(b"", false, Some(0o10000), false)));
+    assert_eq!(e.code, "EINVAL");
+}
+
+#[test]
+fn list_dir_and_stat() {
+    let agent = default_agent();
+    let mut c = agent.client();
+    let dir = TempDir::new("list");
+    std::fs::write(dir.path().join("f"), b"12345").unwrap();
+    std::fs::create_dir(dir.path().join("d")).unwrap();
+    std::os::unix::fs::symlink("f", dir.path().join("l")).unwrap();
+    let listing = c.list_dir(dir.path().to_str().unwrap()).unwrap();
+    assert!(!listing.truncated);
+    let names: Vec<_> = listing.entries.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(names, ["d", "f", "l"]);
+    let (d, f, l) = (
+        &listing.entries[0],
+        &listing.entries[1],
+        &listing.entries[2],
+    );
+    assert_eq!(d.kind, FileKind::Dir);
+    assert_eq!((f.kind, f.size), (FileKind::File, 5));
+    assert!(f.mtime_ns > 1_500_000_000_000_000_000);
+    assert_eq!(l.kind, FileKind::Symlink);
+    assert_eq!(l.link_target.as_deref(), Some("f"));
+
+    let link = dir.file("l");
+    assert_eq!(c.stat(&link, true).unwrap().kind, FileKind::File);
+    assert_eq!(c.stat(&link, false).unwrap().kind, FileKind::Symlink);
+    assert_eq!(c.stat("/", true).unwrap().name, "/");
+}
+
+#[test]
+fn errors_are_structured() {
+    let agent = default_agent();
+    let mut c = agent.client();
+    let dir = TempDir::new("errs");
+    let missing = dir.file("missing");
+    let e = agent_error(c.read_file(&missing, 0, None));
+    assert_eq!((e.code.as_str(), e.errno), ("ENOENT", Some(libc::ENOENT)));
+    assert!(e.message.contains("missing"), "{e}");
+    assert_eq!(agent_error(c.stat(&missing, true)).code, "ENOENT");
+    assert_eq!(agent_error(c.list_dir(&missing)).code, "ENOENT");
+    std::fs::write(dir.path().join("file"), b"x").unwrap();
+    assert_eq!(agent_error(c.list_dir(&dir.file("file"))).code, "ENOTDIR");
+    let d = dir.path().to_str().unwrap();
+    assert_eq!(agent_error(c.read_file(d, 0, None)).code, "EISDIR");
+    assert_eq!(
+        agent_error(c.read_file("relative/path", 0, None)).code,
+        "EINVAL"
+    );
+    let fifo = std::ffi::CString::new(dir.file("fifo")).unwrap();
+    // SAFETY: a valid C string.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    assert_eq!(
+        agent_error(c.read_file(&dir.file("fifo"), 0, None)).code,
+        "EINVAL"
+    );
+    let w = WriteFileRequest {
+        path: dir.file("fifo"),
+        data: b"x".to_vec(),
+        mode: None,
+        create_parents: false,
+        append: false,
+    };
+    assert_eq!(agent_error(c.write_file(w)).code, "EINVAL");
+    // The connection is still good.
+    c.ping().unwrap();
+}

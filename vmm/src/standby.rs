@@ -1,0 +1,177 @@
+//! Standby VMMs: a VM shell made before anyone asks for it (KVM VM, vCPUs,
+//! memory slots registered: the costly part of a restore on these hosts),
+//! waiting on its control socket for a `restore` request. A pod keeps a few
+//! per memory size so that a restore only maps memory and loads state.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::builder::{SerialOutput, Timings};
+use crate::control::{self, Request, Response, VmState, VmStatus, PROTOCOL_VERSION};
+use crate::exit::{ExitReason, ExitSignal};
+use crate::microvm::{run_built, PendingRestore, RunError, RunReport};
+use crate::restore::{self, RestoreBackend, RestoreOptions};
+use crate::vstate::vcpu::register_kick_handler;
+
+fn backend(name: &str) -> Result<RestoreBackend, String> {
+    match name {
+        "file" => Ok(RestoreBackend::File),
+        "uffd" => Ok(RestoreBackend::Uffd),
+        "uffd-shared" => Ok(RestoreBackend::UffdShared),
+        other => Err(format!(
+            "unknown memory backend `{other}` (file, uffd, uffd-shared)"
+        )),
+    }
+}
+
+fn standby_status(mem_mib: u64, vcpus: u16, started: Instant) -> VmStatus {
+    VmStatus {
+        protocol: PROTOCOL_VERSION,
+        state: VmState::Standby,
+        pid: std::process::id(),
+        vcpus,
+        mem_mib,
+        kernel: String::new(),
+        uptime_ms: started.elapsed().as_millis() as u64,
+        generation: 0,
+        memory_backend: String::new(),
+        base_snapshot: None,
+        guest_clock_ns: None,
+    }
+}
+
+fn reply(stream: &mut UnixStream, response: &Response) {
+    let line = serde_json::to_string(response).unwrap_or_default() + "\n";
+    if let Err(e) = stream.write_all(line.as_bytes()) {
+        tracing::debug!("standby answer lost: {e}");
+    }
+}
+
+fn refuse(stream: &mut UnixStream, error: String) {
+    reply(
+        stream,
+        &Response {
+            ok: false,
+            error: Some(error),
+            ..Default::default()
+        },
+    );
+}
+
+/// Makes a shell for `mem_mib`/`vcpus`, serves `socket` until a restore
+/// request arrives, then runs the restored VM like any other.
+pub fn standby(mem_mib: u64, vcpus: u16, socket: PathBuf) -> Result<RunReport, RunError> {
+    let started = Instant::now();
+    let listener = control::bind(&socket)?;
+    let mut shell_timings = Timings::start();
+    let shell = restore::create_shell(mem_mib, vcpus, &mut shell_timings)?;
+    register_kick_handler()?;
+    let exit = ExitSignal::new().map_err(RunError::ExitEvent)?;
+    tracing::info!(timings = ?shell_timings, "standby shell ready");
+    loop {
+        let mut stream = match listener.accept() {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::warn!("standby accept failed: {e}");
+                continue;
+            }
+        };
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+        let mut line = String::new();
+        let read = stream
+            .try_clone()
+            .map(|s| BufReader::new(s).read_line(&mut line));
+        if !matches!(read, Ok(Ok(n)) if n > 0) {
+            continue;
+        }
+        let request_started = Instant::now();
+        match serde_json::from_str::<Request>(&line) {
+            Err(e) => refuse(&mut stream, format!("invalid request: {e}")),
+            Ok(Request::Status) => reply(
+                &mut stream,
+                &Response {
+                    ok: true,
+                    status: Some(standby_status(mem_mib, vcpus, started)),
+                    ..Default::default()
+                },
+            ),
+            Ok(Request::Shutdown) => {
+                reply(
+                    &mut stream,
+                    &Response {
+                        ok: true,
+                        status: Some(standby_status(mem_mib, vcpus, started)),
+                        ..Default::default()
+                    },
+                );
+                let _ = std::fs::remove_file(&socket);
+                return Ok(RunReport {
+                    exit: ExitReason::ControlShutdown,
+                    timings: shell_timings,
+                    first_kvm_run_us: None,
+                });
+            }
+            Ok(Request::Restore {
+                snapshot,
+                backend: name,
+                serial,
+                paused,
+                prefetch,
+            }) => {
+                let backend = match backend(&name) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        refuse(&mut stream, e);
+                        continue;
+                    }
+                };
+                // Validate everything before the shell is consumed, so a bad
+                // request leaves this standby VMM usable.
+                let mut timings = Timings::start();
+                let chain = match restore::load_chain(&snapshot)
+                    .and_then(|c| restore::check_fits(&shell, &c).map(|()| c))
+                {
+                    Ok(c) => c,
+                    Err(e) => {
+                        refuse(&mut stream, e.to_string());
+                        continue;
+                    }
+                };
+                let opts = RestoreOptions {
+                    snapshot,
+                    backend,
+                    serial: serial.map_or(SerialOutput::Discard, SerialOutput::File),
+                    prefetch,
+                    record_working_set_ms: None,
+                };
+                timings.phase("read_state");
+                let built = match restore::restore_into(shell, chain, &opts, &exit, timings) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        // The shell is spent: answer, then end this VMM.
+                        refuse(&mut stream, e.to_string());
+                        return Err(e.into());
+                    }
+                };
+                let pending = PendingRestore {
+                    stream,
+                    request_started,
+                };
+                return run_built(
+                    built,
+                    Some((listener, socket)),
+                    paused,
+                    exit,
+                    started,
+                    Some(pending),
+                );
+            }
+            Ok(_) => refuse(
+                &mut stream,
+                "this VMM is on standby: it answers status, restore and shutdown".into(),
+            ),
+        }
+    }
+}
