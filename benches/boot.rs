@@ -14,9 +14,11 @@ const PHASES: &[&str] = &[
     "kvm_open_us",
     "vm_create_us",
     "memory_us",
+    "irqchip_us",
     "load_us",
     "devices_us",
     "vcpu_setup_us",
+    "vcpu_threads_us",
     "first_kvm_run_us",
 ];
 
