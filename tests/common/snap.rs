@@ -21,24 +21,7 @@ pub struct Vm {
 
 impl Vm {
     pub fn boot(dir: &Scratch, name: &str, extra: &[&str]) -> Self {
-        let console = dir.path(&format!("{name}.log"));
-        let socket = dir.path(&format!("{name}.sock"));
-        let mut args = vec![
-            "--kernel",
-            "builtin:probe",
-            "--serial",
-            console.to_str().unwrap(),
-            "--control-socket",
-            socket.to_str().unwrap(),
-        ];
-        args.extend_from_slice(extra);
-        let vm = Self {
-            vmm: Vmm::spawn(&args),
-            console,
-            socket,
-        };
-        vm.wait_ready();
-        vm
+        Self::spawn(dir, name, &["--kernel", "builtin:probe"], extra)
     }
 
     pub fn restore(
@@ -48,18 +31,23 @@ impl Vm {
         backend: &str,
         extra: &[&str],
     ) -> Self {
+        let snapshot = snapshot.to_str().unwrap();
+        let head = ["--restore", snapshot, "--memory-backend", backend];
+        Self::spawn(dir, name, &head, extra)
+    }
+
+    /// Starts `torpor vmm HEAD --serial NAME.log --control-socket NAME.sock
+    /// EXTRA` and waits for its control socket.
+    fn spawn(dir: &Scratch, name: &str, head: &[&str], extra: &[&str]) -> Self {
         let console = dir.path(&format!("{name}.log"));
         let socket = dir.path(&format!("{name}.sock"));
-        let mut args = vec![
-            "--restore",
-            snapshot.to_str().unwrap(),
-            "--memory-backend",
-            backend,
+        let mut args = head.to_vec();
+        args.extend_from_slice(&[
             "--serial",
             console.to_str().unwrap(),
             "--control-socket",
             socket.to_str().unwrap(),
-        ];
+        ]);
         args.extend_from_slice(extra);
         let vm = Self {
             vmm: Vmm::spawn(&args),

@@ -1,0 +1,69 @@
+//! torpor's scheduler: what a sandbox is, which state changes are legal, and
+//! the durable store that records them.
+//!
+//! - [`model`]: the plain serde types (templates, sandboxes, pods,
+//!   checkpoints) and their ids.
+//! - [`state`]: the sandbox state machine: one table of legal transitions,
+//!   and which API operations each state allows.
+//! - [`store`]: SQLite in the data directory (`<data_dir>/torpor.db`): every
+//!   mutating call is one transaction, committed (and fsynced) before it
+//!   returns; an operations journal lets a restarted service find the work
+//!   a crash interrupted.
+//! - [`files`]: crash-safe files for snapshots: atomic writes, and removal of
+//!   temp files and snapshot directories the store no longer references.
+//!
+//! Dependencies point one way: this crate may use `torpor-vmm`'s control
+//! types, never the reverse. The API sits on top of it.
+
+/// An enum stored and shown as one lowercase word: `as_str`, `Display`,
+/// `FromStr` and the list of all variants (`ALL`).
+macro_rules! str_enum {
+    ($(#[$meta:meta])* $vis:vis enum $name:ident { $($(#[$vmeta:meta])* $variant:ident => $text:literal,)+ }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord,
+                 serde::Serialize, serde::Deserialize)]
+        #[serde(rename_all = "snake_case")]
+        $vis enum $name { $($(#[$vmeta])* $variant,)+ }
+
+        impl $name {
+            /// Every variant, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$variant,)+];
+
+            /// The word this value is stored and shown as.
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$variant => $text,)+ }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = $crate::model::UnknownValue;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                match s {
+                    $($text => Ok($name::$variant),)+
+                    _ => Err($crate::model::UnknownValue {
+                        kind: stringify!($name),
+                        value: s.to_string(),
+                    }),
+                }
+            }
+        }
+    };
+}
+
+pub mod files;
+pub mod model;
+pub mod state;
+pub mod store;
+
+pub use model::{
+    Checkpoint, CheckpointId, OperationId, Pod, PodAddress, PodId, Sandbox, SandboxId, Template,
+    TemplateId, TemplateKind, TemplateState, Timestamp, VmmHandle,
+};
+pub use state::{can, transition, IllegalTransition, Operation, SandboxState};
+pub use store::{Store, StoreError};

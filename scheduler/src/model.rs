@@ -1,0 +1,462 @@
+//! The scheduler's plain data: ids, templates, sandboxes, pods, checkpoints.
+//!
+//! These are what the store keeps and what the API will show (serde, JSON).
+//! They hold no behaviour beyond small helpers; the rules live in
+//! [`crate::state`] and [`crate::store`].
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::io;
+use std::path::PathBuf;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+pub use crate::state::SandboxState;
+
+/// A stored or received word that names no variant of an enum.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {kind} value {value:?}")]
+pub struct UnknownValue {
+    /// The enum's name.
+    pub kind: &'static str,
+    /// What was found.
+    pub value: String,
+}
+
+/// Milliseconds since the Unix epoch (UTC). Stored as an integer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Timestamp(pub i64);
+
+impl Timestamp {
+    /// The current wall-clock time.
+    pub fn now() -> Self {
+        let ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis())
+            .unwrap_or(0);
+        Timestamp(i64::try_from(ms).unwrap_or(i64::MAX))
+    }
+
+    /// Milliseconds since the epoch.
+    pub fn millis(self) -> i64 {
+        self.0
+    }
+}
+
+/// Fills `buf` from the kernel's CSPRNG (getrandom(2), blocking only until
+/// the pool is initialised at boot).
+pub fn random_bytes(buf: &mut [u8]) -> io::Result<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let rest = &mut buf[filled..];
+        // SAFETY: the pointer and length describe `rest`, a live, writable slice.
+        let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        filled += n as usize;
+    }
+    Ok(())
+}
+
+/// `bytes` random bytes as lowercase hex (2 × `bytes` characters).
+///
+/// # Panics
+/// If getrandom(2) fails, which Linux ≥ 3.17 does only for a bad buffer.
+pub fn random_hex(bytes: usize) -> String {
+    let mut buf = vec![0u8; bytes];
+    random_bytes(&mut buf).expect("getrandom(2) failed");
+    buf.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Number of random hex characters after an id's prefix.
+pub const ID_HEX_LEN: usize = 16;
+
+macro_rules! id_type {
+    ($(#[$meta:meta])* $name:ident, $prefix:literal) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+        #[serde(transparent)]
+        pub struct $name(String);
+
+        impl $name {
+            /// What every generated id of this kind starts with.
+            pub const PREFIX: &'static str = $prefix;
+
+            /// A new random id: the prefix and 16 random hex characters.
+            pub fn generate() -> Self {
+                $name(format!("{}{}", $prefix, random_hex(ID_HEX_LEN / 2)))
+            }
+
+            /// An id from a string as given (read back from the store, or a
+            /// fixed name such as the local pod's). No check is made; see
+            /// [`Self::is_well_formed`] for input from clients.
+            pub fn new(id: impl Into<String>) -> Self {
+                $name(id.into())
+            }
+
+            /// True for what [`Self::generate`] makes: the prefix and 16
+            /// lowercase hex characters.
+            pub fn is_well_formed(id: &str) -> bool {
+                id.strip_prefix($prefix).is_some_and(|hex| {
+                    hex.len() == ID_HEX_LEN
+                        && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+                })
+            }
+
+            /// The id as text.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl AsRef<str> for $name {
+            fn as_ref(&self) -> &str {
+                &self.0
+            }
+        }
+    };
+}
+
+id_type!(
+    /// A sandbox: `sbx_` and 16 hex characters.
+    SandboxId,
+    "sbx_"
+);
+id_type!(
+    /// A template: `tpl_` and 16 hex characters.
+    TemplateId,
+    "tpl_"
+);
+id_type!(
+    /// A pod: `pod_` and 16 hex characters (the local pod may use a fixed id).
+    PodId,
+    "pod_"
+);
+id_type!(
+    /// A named checkpoint: `ckp_` and 16 hex characters.
+    CheckpointId,
+    "ckp_"
+);
+id_type!(
+    /// An entry of the operations journal: `op_` and 16 hex characters.
+    OperationId,
+    "op_"
+);
+
+str_enum! {
+    /// What a template boots.
+    pub enum TemplateKind {
+        /// The freestanding probe guest (runs natively, even on PVM hosts).
+        Probe => "probe",
+        /// A Linux kernel and rootfs with torpor-agent.
+        Linux => "linux",
+    }
+}
+
+/// Where a template is in its life. Serialised as `{"state": "failed",
+/// "reason": "..."}` (the reason only for `failed`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "state", content = "reason", rename_all = "snake_case")]
+pub enum TemplateState {
+    /// Booting once to take its snapshot.
+    Building,
+    /// Its snapshot exists; sandboxes can be created from it.
+    Ready,
+    /// The build failed, for this reason.
+    Failed(String),
+    /// Deleted (kept as a row so that old sandboxes still name it).
+    Deleted,
+}
+
+impl TemplateState {
+    /// The word stored in the `state` column.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            TemplateState::Building => "building",
+            TemplateState::Ready => "ready",
+            TemplateState::Failed(_) => "failed",
+            TemplateState::Deleted => "deleted",
+        }
+    }
+
+    /// The failure reason, for `Failed`.
+    pub fn reason(&self) -> Option<&str> {
+        match self {
+            TemplateState::Failed(reason) => Some(reason),
+            _ => None,
+        }
+    }
+
+    /// From the stored word and reason.
+    pub fn from_parts(state: &str, reason: Option<String>) -> Result<Self, UnknownValue> {
+        Ok(match state {
+            "building" => TemplateState::Building,
+            "ready" => TemplateState::Ready,
+            "failed" => TemplateState::Failed(reason.unwrap_or_default()),
+            "deleted" => TemplateState::Deleted,
+            other => {
+                return Err(UnknownValue {
+                    kind: "TemplateState",
+                    value: other.to_string(),
+                })
+            }
+        })
+    }
+}
+
+impl fmt::Display for TemplateState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TemplateState::Failed(reason) => write!(f, "failed ({reason})"),
+            other => f.write_str(other.as_str()),
+        }
+    }
+}
+
+/// A snapshot of a booted, idle guest that sandboxes are restored from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Template {
+    pub id: TemplateId,
+    /// Unique among templates that are not deleted.
+    pub name: String,
+    /// Kernel image path, or `builtin:probe`.
+    pub kernel: String,
+    /// Root filesystem image (Linux templates).
+    pub rootfs: Option<PathBuf>,
+    /// The snapshot directory, once built.
+    pub snapshot_dir: Option<PathBuf>,
+    pub mem_mib: u32,
+    pub vcpus: u32,
+    pub kind: TemplateKind,
+    pub created_at: Timestamp,
+    #[serde(flatten)]
+    pub state: TemplateState,
+}
+
+/// The VMM process that runs a sandbox now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmmHandle {
+    pub pid: u32,
+    pub control_socket: PathBuf,
+}
+
+/// One microVM session, running or not.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sandbox {
+    pub id: SandboxId,
+    pub template: TemplateId,
+    /// The pod it is placed on (none before placement).
+    pub pod: Option<PodId>,
+    pub mem_mib: u32,
+    pub vcpus: u32,
+    /// Idle time (no API activity, guest idle) after which it is hibernated.
+    pub keep_alive_ms: u64,
+    /// When it is deleted whatever its activity (the API's timeout).
+    pub expires_at: Option<Timestamp>,
+    pub metadata: BTreeMap<String, String>,
+    pub state: SandboxState,
+    /// Why it failed (kept when a failed sandbox is deleted).
+    pub failure_reason: Option<String>,
+    pub created_at: Timestamp,
+    pub last_active_at: Timestamp,
+    /// Its latest snapshot directory (hibernation or checkpoint), if any.
+    pub snapshot: Option<PathBuf>,
+    /// Its VMM process, while one runs.
+    pub vmm: Option<VmmHandle>,
+    /// Incremented by the store on every state change.
+    pub generation: u64,
+}
+
+impl Sandbox {
+    /// A new sandbox in `creating`, not yet placed, active now.
+    pub fn new(template: TemplateId, mem_mib: u32, vcpus: u32, keep_alive_ms: u64) -> Self {
+        let now = Timestamp::now();
+        Sandbox {
+            id: SandboxId::generate(),
+            template,
+            pod: None,
+            mem_mib,
+            vcpus,
+            keep_alive_ms,
+            expires_at: None,
+            metadata: BTreeMap::new(),
+            state: SandboxState::Creating,
+            failure_reason: None,
+            created_at: now,
+            last_active_at: now,
+            snapshot: None,
+            vmm: None,
+            generation: 0,
+        }
+    }
+}
+
+/// How the scheduler reaches a pod.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum PodAddress {
+    /// Inside the `torpor serve` process.
+    Local,
+    /// A `torpor pod` on this host.
+    Unix { path: PathBuf },
+    /// A remote `torpor pod` (`host:port`), with a token.
+    Tcp { addr: String },
+}
+
+impl PodAddress {
+    /// The stored form: `local`, `unix:PATH` or `tcp:HOST:PORT`.
+    pub fn to_text(&self) -> Option<String> {
+        match self {
+            PodAddress::Local => Some("local".to_string()),
+            PodAddress::Unix { path } => path.to_str().map(|p| format!("unix:{p}")),
+            PodAddress::Tcp { addr } => Some(format!("tcp:{addr}")),
+        }
+    }
+
+    /// Parses the stored form.
+    pub fn from_text(text: &str) -> Result<Self, UnknownValue> {
+        if text == "local" {
+            Ok(PodAddress::Local)
+        } else if let Some(path) = text.strip_prefix("unix:") {
+            Ok(PodAddress::Unix { path: path.into() })
+        } else if let Some(addr) = text.strip_prefix("tcp:") {
+            Ok(PodAddress::Tcp { addr: addr.into() })
+        } else {
+            Err(UnknownValue {
+                kind: "PodAddress",
+                value: text.to_string(),
+            })
+        }
+    }
+}
+
+/// Largest oversubscription ratio the store accepts.
+pub const MAX_OVERSUBSCRIPTION_RATIO: f64 = 100.0;
+
+/// One host's capacity, served by a `torpor pod`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Pod {
+    pub id: PodId,
+    pub address: PodAddress,
+    /// Hash of the token a remote pod presents; never shown by the API.
+    #[serde(skip_serializing, default)]
+    pub token_hash: Option<String>,
+    /// Physical memory available to sandboxes.
+    pub memory_bytes: u64,
+    pub vcpus: u32,
+    /// Disk for snapshots.
+    pub disk_bytes: u64,
+    /// Committed sandbox memory ÷ physical memory allowed (0 < r ≤ 100).
+    pub oversubscription_ratio: f64,
+    /// Fraction of physical memory in use (measured PSS) past which idle
+    /// sandboxes are hibernated, least recently used first (0 < w ≤ 1).
+    pub high_watermark: f64,
+    pub created_at: Timestamp,
+}
+
+/// A named snapshot of a sandbox it can be restored or forked from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    pub id: CheckpointId,
+    pub sandbox: SandboxId,
+    /// Unique per sandbox.
+    pub name: String,
+    pub snapshot_dir: PathBuf,
+    /// The checkpoint this one's diff layer sits on, if any.
+    pub parent: Option<CheckpointId>,
+    pub created_at: Timestamp,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_prefixed_random_hex() {
+        let a = SandboxId::generate();
+        let b = SandboxId::generate();
+        assert_ne!(a, b);
+        assert!(a.as_str().starts_with("sbx_"));
+        assert!(SandboxId::is_well_formed(a.as_str()));
+        assert!(TemplateId::is_well_formed(TemplateId::generate().as_str()));
+        assert!(!SandboxId::is_well_formed("sbx_0123"));
+        assert!(!SandboxId::is_well_formed("tpl_0123456789abcdef"));
+        assert!(!SandboxId::is_well_formed("sbx_0123456789ABCDEF"));
+        assert_eq!(serde_json::to_string(&a).unwrap(), format!("\"{a}\""));
+    }
+
+    #[test]
+    fn template_state_json() {
+        let mut t = Template {
+            id: TemplateId::new("tpl_x"),
+            name: "probe".into(),
+            kernel: "builtin:probe".into(),
+            rootfs: None,
+            snapshot_dir: None,
+            mem_mib: 64,
+            vcpus: 1,
+            kind: TemplateKind::Probe,
+            created_at: Timestamp(5),
+            state: TemplateState::Ready,
+        };
+        let v = serde_json::to_value(&t).unwrap();
+        assert_eq!(v["state"], "ready");
+        assert_eq!(v["kind"], "probe");
+        t.state = TemplateState::Failed("no agent".into());
+        let v = serde_json::to_value(&t).unwrap();
+        assert_eq!(v["state"], "failed");
+        assert_eq!(v["reason"], "no agent");
+        let back: Template = serde_json::from_value(v).unwrap();
+        assert_eq!(back, t);
+    }
+
+    #[test]
+    fn pod_address_text_round_trips_and_token_stays_hidden() {
+        for a in [
+            PodAddress::Local,
+            PodAddress::Unix {
+                path: "/run/torpor/pod.sock".into(),
+            },
+            PodAddress::Tcp {
+                addr: "127.0.0.1:7070".into(),
+            },
+        ] {
+            assert_eq!(PodAddress::from_text(&a.to_text().unwrap()).unwrap(), a);
+        }
+        assert!(PodAddress::from_text("udp:x").is_err());
+        let pod = Pod {
+            id: PodId::new("pod_local"),
+            address: PodAddress::Local,
+            token_hash: Some("secret".into()),
+            memory_bytes: 1,
+            vcpus: 1,
+            disk_bytes: 1,
+            oversubscription_ratio: 1.5,
+            high_watermark: 0.9,
+            created_at: Timestamp(0),
+        };
+        let json = serde_json::to_string(&pod).unwrap();
+        assert!(!json.contains("secret"), "{json}");
+    }
+
+    #[test]
+    fn str_enums_parse_their_words() {
+        for k in TemplateKind::ALL {
+            assert_eq!(k.as_str().parse::<TemplateKind>().unwrap(), *k);
+        }
+        assert!("windows".parse::<TemplateKind>().is_err());
+    }
+}

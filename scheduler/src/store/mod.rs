@@ -1,0 +1,339 @@
+//! The durable store: SQLite in the data directory (`<data_dir>/torpor.db`).
+//!
+//! - WAL journal, `synchronous=FULL`: a commit is on disk (WAL fsynced)
+//!   before the call returns, so the API may answer once a call is back.
+//! - Every mutating call is one `IMMEDIATE` transaction; several calls that
+//!   must land together go through [`Store::write`] with one closure (for
+//!   example "sandbox → hibernating" and "journal: hibernate started").
+//! - Foreign keys on; `CHECK` constraints repeat the model's invariants so a
+//!   bug cannot store nonsense.
+//! - `schema_version` and forward-only migrations ([`schema`]); a database
+//!   written by a newer torpor is refused rather than guessed at.
+//! - The `operations` journal ([`journal`]) records every multi-step
+//!   operation as started, then done or rolled back: after a crash,
+//!   [`Store::interrupted_operations`] lists what must be finished or undone.
+//! - An exclusive `flock` on `<data_dir>/torpor.lock` keeps a second
+//!   `torpor serve` off the same data directory (released by the kernel when
+//!   the process dies, even by SIGKILL).
+//!
+//! Threads: [`Store`] is `Send + Sync` and serialises calls on one
+//! connection behind a mutex. Calls are short (well under a millisecond,
+//! plus an fsync per commit) but they block: async callers run them in
+//! `tokio::task::spawn_blocking`.
+
+mod catalog;
+pub mod journal;
+mod sandboxes;
+pub mod schema;
+mod sql;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, HashSet};
+use std::fs::{self, File};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use rusqlite::{Connection, ErrorCode, OpenFlags, TransactionBehavior};
+
+pub use journal::{OperationKind, OperationRecord, OperationStatus, StateChange};
+pub use sandboxes::SandboxFilter;
+
+use crate::model::{
+    Checkpoint, CheckpointId, OperationId, Pod, PodId, Sandbox, SandboxId, Template, TemplateId,
+    TemplateState, Timestamp, VmmHandle,
+};
+use crate::state::{IllegalTransition, SandboxState};
+
+/// The database file in the data directory.
+pub const DB_FILE: &str = "torpor.db";
+/// The lock file in the data directory.
+pub const LOCK_FILE: &str = "torpor.lock";
+/// How long a statement waits for a lock held by another connection.
+pub const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Everything the store refuses or fails at.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("{kind} {id} not found")]
+    NotFound { kind: &'static str, id: String },
+    #[error("{kind} {id} already exists")]
+    AlreadyExists { kind: &'static str, id: String },
+    /// A compare-and-set found another state than the caller expected.
+    #[error("sandbox {id} is {current}, not {expected}")]
+    Conflict {
+        id: SandboxId,
+        expected: SandboxState,
+        current: SandboxState,
+    },
+    /// The transition table does not allow the change (`from` is current).
+    #[error(transparent)]
+    IllegalTransition(#[from] IllegalTransition),
+    #[error("template {id} is {current}")]
+    TemplateConflict {
+        id: TemplateId,
+        current: TemplateState,
+    },
+    #[error("{kind} {id} is in use by {users}")]
+    InUse {
+        kind: &'static str,
+        id: String,
+        users: String,
+    },
+    #[error("oversubscription ratio {0} is outside (0, 100]")]
+    InvalidRatio(f64),
+    #[error("invalid {what}: {detail}")]
+    Invalid { what: &'static str, detail: String },
+    #[error("sandbox {id} has no snapshot to resume from")]
+    NoSnapshot { id: SandboxId },
+    #[error("operation {id} is already {status}")]
+    OperationFinished { id: String, status: OperationStatus },
+    #[error("data directory {} is in use by another process", dir.display())]
+    Locked { dir: PathBuf },
+    #[error("store schema version {found} is newer than this torpor supports ({supported})")]
+    TooNew { found: i64, supported: i64 },
+    #[error("store is corrupt: {0}")]
+    Corrupt(String),
+    #[error("sqlite: {0}")]
+    Sqlite(rusqlite::Error),
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl From<rusqlite::Error> for StoreError {
+    fn from(err: rusqlite::Error) -> Self {
+        use rusqlite::Error as E;
+        match &err {
+            E::FromSqlConversionFailure(..)
+            | E::IntegralValueOutOfRange(..)
+            | E::InvalidColumnType(..)
+            | E::Utf8Error(..) => StoreError::Corrupt(err.to_string()),
+            E::SqliteFailure(e, _)
+                if matches!(e.code, ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase) =>
+            {
+                StoreError::Corrupt(err.to_string())
+            }
+            _ => StoreError::Sqlite(err),
+        }
+    }
+}
+
+impl StoreError {
+    fn io(context: impl Into<String>, source: io::Error) -> Self {
+        StoreError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn not_found(kind: &'static str, id: impl ToString) -> Self {
+        StoreError::NotFound {
+            kind,
+            id: id.to_string(),
+        }
+    }
+}
+
+/// Shorthand for store results.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// The scheduler's durable state. See the module documentation.
+pub struct Store {
+    conn: Mutex<Connection>,
+    dir: PathBuf,
+    /// Holds the data directory's flock for as long as the store lives.
+    _lock: File,
+}
+
+/// One open transaction: every read and write of the store is a method of
+/// `Tx`, run inside [`Store::write`] or [`Store::read`].
+pub struct Tx<'c> {
+    conn: &'c Connection,
+}
+
+impl Store {
+    /// Opens (creating if needed) the store in `dir`: takes the directory's
+    /// lock, configures SQLite, checks integrity and migrates the schema.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Store> {
+        let dir = dir.as_ref().to_path_buf();
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|e| StoreError::io(format!("creating {}", dir.display()), e))?;
+        let lock = lock_dir(&dir)?;
+        let db = dir.join(DB_FILE);
+        let mut conn = Connection::open_with_flags(
+            &db,
+            OpenFlags::SQLITE_OPEN_READ_WRITE
+                | OpenFlags::SQLITE_OPEN_CREATE
+                | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        conn.busy_timeout(BUSY_TIMEOUT)?;
+        schema::configure(&conn)?;
+        schema::check_integrity(&conn)?;
+        let version = schema::migrate(&mut conn)?;
+        fs::set_permissions(&db, fs::Permissions::from_mode(0o600))
+            .map_err(|e| StoreError::io(format!("chmod {}", db.display()), e))?;
+        crate::files::fsync_dir(&dir)
+            .map_err(|e| StoreError::io(format!("fsync {}", dir.display()), e))?;
+        tracing::debug!(db = %db.display(), version, "store open");
+        Ok(Store {
+            conn: Mutex::new(conn),
+            dir,
+            _lock: lock,
+        })
+    }
+
+    /// The data directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Connection> {
+        // A panic inside a closure unwinds through the transaction's drop,
+        // which rolls it back: the connection is still sound.
+        self.conn
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Runs `f` in one transaction, committed (durably) if `f` returns Ok and
+    /// rolled back if it returns an error or panics.
+    pub fn write<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
+        let mut conn = self.lock();
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let out = f(&Tx { conn: &tx })?;
+        tx.commit()?;
+        Ok(out)
+    }
+
+    /// Runs `f` on one consistent snapshot of the store. Anything `f` writes
+    /// is rolled back: use [`Store::write`] to change the store.
+    pub fn read<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
+        let mut conn = self.lock();
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Deferred)?;
+        let out = f(&Tx { conn: &tx })?;
+        tx.rollback()?;
+        Ok(out)
+    }
+
+    /// The schema version the store is at.
+    pub fn schema_version(&self) -> Result<i64> {
+        schema::version(&self.lock())
+    }
+}
+
+/// Takes the exclusive, non-blocking flock on `<dir>/torpor.lock`.
+fn lock_dir(dir: &Path) -> Result<File> {
+    let path = dir.join(LOCK_FILE);
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| StoreError::io(format!("opening {}", path.display()), e))?;
+    // SAFETY: flock on a file descriptor we own; no memory is involved.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let err = io::Error::last_os_error();
+        return Err(if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            StoreError::Locked {
+                dir: dir.to_path_buf(),
+            }
+        } else {
+            StoreError::io(format!("locking {}", path.display()), err)
+        });
+    }
+    Ok(file)
+}
+
+/// The store's calls, one transaction each. Each is `self.write(|tx| tx.…)`
+/// (or `read`); the documentation is on [`Tx`]'s methods of the same name.
+macro_rules! delegate {
+    ($($via:ident fn $name:ident(&self $(, $arg:ident: $ty:ty)*) -> $ret:ty;)+) => {
+        impl Store {$(
+            #[doc = concat!("One transaction of [`Tx::", stringify!($name), "`].")]
+            pub fn $name(&self $(, $arg: $ty)*) -> Result<$ret> {
+                self.$via(|tx| tx.$name($($arg),*))
+            }
+        )+}
+    };
+}
+
+delegate! {
+    write fn insert_template(&self, template: &Template) -> ();
+    read fn get_template(&self, id: &TemplateId) -> Template;
+    read fn list_templates(&self, include_deleted: bool) -> Vec<Template>;
+    write fn set_template_state(&self, id: &TemplateId, state: &TemplateState) -> Template;
+    write fn set_template_snapshot(&self, id: &TemplateId, dir: Option<&Path>) -> ();
+    write fn delete_template(&self, id: &TemplateId) -> Template;
+
+    write fn insert_sandbox(&self, sandbox: &Sandbox) -> ();
+    read fn get_sandbox(&self, id: &SandboxId) -> Sandbox;
+    read fn list_sandboxes(&self, filter: &SandboxFilter) -> Vec<Sandbox>;
+    write fn update_sandbox_state(
+        &self,
+        id: &SandboxId,
+        expected_from: SandboxState,
+        to: SandboxState,
+        reason: Option<&str>
+    ) -> Sandbox;
+    write fn touch(&self, id: &SandboxId, now: Timestamp) -> ();
+    write fn set_sandbox_snapshot(&self, id: &SandboxId, dir: Option<&Path>) -> ();
+    write fn set_sandbox_vmm(&self, id: &SandboxId, vmm: Option<&VmmHandle>) -> ();
+    write fn set_sandbox_pod(&self, id: &SandboxId, pod: Option<&PodId>) -> ();
+    write fn set_sandbox_timeout(
+        &self,
+        id: &SandboxId,
+        keep_alive_ms: u64,
+        expires_at: Option<Timestamp>
+    ) -> ();
+    write fn set_sandbox_metadata(&self, id: &SandboxId, metadata: &BTreeMap<String, String>) -> ();
+    write fn purge_sandbox(&self, id: &SandboxId) -> ();
+
+    write fn insert_pod(&self, pod: &Pod) -> ();
+    read fn get_pod(&self, id: &PodId) -> Pod;
+    read fn list_pods(&self) -> Vec<Pod>;
+    write fn set_ratio(&self, id: &PodId, ratio: f64) -> Pod;
+    write fn set_high_watermark(&self, id: &PodId, watermark: f64) -> Pod;
+    write fn set_pod_capacity(
+        &self,
+        id: &PodId,
+        memory_bytes: u64,
+        vcpus: u32,
+        disk_bytes: u64
+    ) -> Pod;
+    write fn delete_pod(&self, id: &PodId) -> ();
+
+    write fn insert_checkpoint(&self, checkpoint: &Checkpoint) -> ();
+    read fn get_checkpoint(&self, id: &CheckpointId) -> Checkpoint;
+    read fn list_checkpoints(&self, sandbox: &SandboxId) -> Vec<Checkpoint>;
+    write fn delete_checkpoint(&self, id: &CheckpointId) -> ();
+    read fn referenced_paths(&self) -> HashSet<PathBuf>;
+
+    write fn begin_operation(
+        &self,
+        sandbox: Option<&SandboxId>,
+        kind: OperationKind,
+        detail: &serde_json::Value,
+        change: Option<&StateChange>
+    ) -> OperationRecord;
+    write fn finish_operation(
+        &self,
+        id: &OperationId,
+        outcome: OperationStatus,
+        detail: Option<&serde_json::Value>,
+        change: Option<&StateChange>
+    ) -> OperationRecord;
+    read fn get_operation(&self, id: &OperationId) -> OperationRecord;
+    read fn interrupted_operations(&self) -> Vec<OperationRecord>;
+    write fn prune_operations(&self, finished_before: Timestamp) -> usize;
+}

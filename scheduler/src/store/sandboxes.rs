@@ -1,0 +1,371 @@
+//! Sandboxes: insert, read, filter, and the compare-and-set state change.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use rusqlite::types::Value;
+use rusqlite::{params, params_from_iter, OptionalExtension, Row};
+
+use super::sql::{get_path, get_u64, opt_path_text, path_text, u64_sql};
+use super::{Result, StoreError, Tx};
+use crate::model::{PodId, Sandbox, SandboxId, TemplateId, TemplateState, Timestamp, VmmHandle};
+use crate::state::{transition, SandboxState};
+
+const COLUMNS: &str = "id, template, pod, mem_mib, vcpus, keep_alive_ms, expires_at, state, \
+    failure_reason, created_at, last_active_at, snapshot, vmm_pid, vmm_socket, generation";
+
+/// Which sandboxes [`Tx::list_sandboxes`] returns; every field set must match.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SandboxFilter {
+    /// Any of these states; empty means every state but deleted.
+    pub states: Vec<SandboxState>,
+    pub template: Option<TemplateId>,
+    pub pod: Option<PodId>,
+    /// Every pair must be in the sandbox's metadata.
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// A row without its metadata (read separately).
+fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
+    let pid: Option<u32> = row.get("vmm_pid")?;
+    let socket = get_path(row, "vmm_socket")?;
+    Ok(Sandbox {
+        id: row.get("id")?,
+        template: row.get("template")?,
+        pod: row.get("pod")?,
+        mem_mib: row.get("mem_mib")?,
+        vcpus: row.get("vcpus")?,
+        keep_alive_ms: get_u64(row, "keep_alive_ms")?,
+        expires_at: row.get("expires_at")?,
+        metadata: BTreeMap::new(),
+        state: row.get("state")?,
+        failure_reason: row.get("failure_reason")?,
+        created_at: row.get("created_at")?,
+        last_active_at: row.get("last_active_at")?,
+        snapshot: get_path(row, "snapshot")?,
+        vmm: pid.zip(socket).map(|(pid, control_socket)| VmmHandle {
+            pid,
+            control_socket,
+        }),
+        generation: get_u64(row, "generation")?,
+    })
+}
+
+fn check_shape(s: &Sandbox) -> Result<()> {
+    if s.mem_mib == 0 || s.vcpus == 0 {
+        return Err(StoreError::Invalid {
+            what: "sandbox",
+            detail: format!("mem_mib {} and vcpus {} must be > 0", s.mem_mib, s.vcpus),
+        });
+    }
+    if s.vmm.as_ref().is_some_and(|v| v.pid == 0) {
+        return Err(StoreError::Invalid {
+            what: "vmm",
+            detail: "pid 0".into(),
+        });
+    }
+    Ok(())
+}
+
+impl Tx<'_> {
+    /// Inserts a new sandbox with its metadata. Its template must exist and
+    /// be ready, and its pod (if any) must exist; the id must be new.
+    pub fn insert_sandbox(&self, s: &Sandbox) -> Result<()> {
+        check_shape(s)?;
+        if self.sandbox_state_opt(&s.id)?.is_some() {
+            return Err(StoreError::AlreadyExists {
+                kind: "sandbox",
+                id: s.id.to_string(),
+            });
+        }
+        let template = self.get_template(&s.template)?;
+        if template.state != TemplateState::Ready {
+            return Err(StoreError::TemplateConflict {
+                id: template.id,
+                current: template.state,
+            });
+        }
+        if let Some(pod) = &s.pod {
+            self.get_pod(pod)?;
+        }
+        self.conn
+            .prepare_cached(&format!(
+                "INSERT INTO sandboxes ({COLUMNS}) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)"
+            ))?
+            .execute(params![
+                s.id,
+                s.template,
+                s.pod,
+                s.mem_mib,
+                s.vcpus,
+                u64_sql(s.keep_alive_ms, "keep_alive_ms")?,
+                s.expires_at,
+                s.state,
+                s.failure_reason,
+                s.created_at,
+                s.last_active_at,
+                opt_path_text(s.snapshot.as_deref(), "snapshot")?,
+                s.vmm.as_ref().map(|v| v.pid),
+                opt_path_text(
+                    s.vmm.as_ref().map(|v| v.control_socket.as_path()),
+                    "vmm socket"
+                )?,
+                u64_sql(s.generation, "generation")?,
+            ])?;
+        self.write_metadata(&s.id, &s.metadata)
+    }
+
+    fn write_metadata(&self, id: &SandboxId, metadata: &BTreeMap<String, String>) -> Result<()> {
+        self.conn
+            .prepare_cached("DELETE FROM sandbox_metadata WHERE sandbox = ?1")?
+            .execute([id])?;
+        let mut insert = self.conn.prepare_cached(
+            "INSERT INTO sandbox_metadata (sandbox, key, value) VALUES (?1, ?2, ?3)",
+        )?;
+        for (key, value) in metadata {
+            insert.execute(params![id, key, value])?;
+        }
+        Ok(())
+    }
+
+    fn read_metadata(&self, id: &SandboxId) -> Result<BTreeMap<String, String>> {
+        let mut stmt = self
+            .conn
+            .prepare_cached("SELECT key, value FROM sandbox_metadata WHERE sandbox = ?1")?;
+        let pairs = stmt
+            .query_map([id], |r| Ok((r.get(0)?, r.get(1)?)))?
+            .collect::<rusqlite::Result<_>>()?;
+        Ok(pairs)
+    }
+
+    /// One sandbox, whatever its state (deleted ones included).
+    pub fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox> {
+        let mut s = self
+            .conn
+            .prepare_cached(&format!("SELECT {COLUMNS} FROM sandboxes WHERE id = ?1"))?
+            .query_row([id], from_row)
+            .optional()?
+            .ok_or_else(|| StoreError::not_found("sandbox", id))?;
+        s.metadata = self.read_metadata(id)?;
+        Ok(s)
+    }
+
+    fn sandbox_state_opt(&self, id: &SandboxId) -> Result<Option<SandboxState>> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT state FROM sandboxes WHERE id = ?1")?
+            .query_row([id], |r| r.get(0))
+            .optional()?)
+    }
+
+    /// A sandbox's current state.
+    pub fn sandbox_state(&self, id: &SandboxId) -> Result<SandboxState> {
+        self.sandbox_state_opt(id)?
+            .ok_or_else(|| StoreError::not_found("sandbox", id))
+    }
+
+    /// Sandboxes matching `filter`, oldest first.
+    pub fn list_sandboxes(&self, filter: &SandboxFilter) -> Result<Vec<Sandbox>> {
+        let mut sql = format!("SELECT {COLUMNS} FROM sandboxes s WHERE 1");
+        let mut args: Vec<Value> = Vec::new();
+        fn arg(v: String, args: &mut Vec<Value>) -> String {
+            args.push(Value::Text(v));
+            format!("?{}", args.len())
+        }
+        if filter.states.is_empty() {
+            sql.push_str(" AND state != 'deleted'");
+        } else {
+            let list: Vec<String> = filter
+                .states
+                .iter()
+                .map(|s| arg(s.as_str().to_string(), &mut args))
+                .collect();
+            sql.push_str(&format!(" AND state IN ({})", list.join(", ")));
+        }
+        if let Some(t) = &filter.template {
+            sql.push_str(&format!(
+                " AND template = {}",
+                arg(t.to_string(), &mut args)
+            ));
+        }
+        if let Some(p) = &filter.pod {
+            sql.push_str(&format!(" AND pod = {}", arg(p.to_string(), &mut args)));
+        }
+        for (key, value) in &filter.metadata {
+            let (k, v) = (arg(key.clone(), &mut args), arg(value.clone(), &mut args));
+            sql.push_str(&format!(
+                " AND EXISTS (SELECT 1 FROM sandbox_metadata m \
+                 WHERE m.sandbox = s.id AND m.key = {k} AND m.value = {v})"
+            ));
+        }
+        sql.push_str(" ORDER BY created_at, id");
+        let mut stmt = self.conn.prepare(&sql)?;
+        let mut found = stmt
+            .query_map(params_from_iter(args), from_row)?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        for s in &mut found {
+            s.metadata = self.read_metadata(&s.id)?;
+        }
+        Ok(found)
+    }
+
+    /// Compare-and-set of a sandbox's state: refused with `Conflict` (and the
+    /// current state) unless it is `expected_from`, and with
+    /// `IllegalTransition` unless the table allows `expected_from → to`.
+    /// Going to `resuming` needs a snapshot. Going to `failed` records
+    /// `reason`; leaving `failed` (except to deleted) clears it. Bumps the
+    /// generation. Returns the updated sandbox.
+    pub fn update_sandbox_state(
+        &self,
+        id: &SandboxId,
+        expected_from: SandboxState,
+        to: SandboxState,
+        reason: Option<&str>,
+    ) -> Result<Sandbox> {
+        let current = self.sandbox_state(id)?;
+        if current != expected_from {
+            return Err(StoreError::Conflict {
+                id: id.clone(),
+                expected: expected_from,
+                current,
+            });
+        }
+        transition(current, to)?;
+        let sandbox = self.get_sandbox(id)?;
+        if to == SandboxState::Resuming && sandbox.snapshot.is_none() {
+            return Err(StoreError::NoSnapshot { id: id.clone() });
+        }
+        let failure_reason = match to {
+            SandboxState::Failed => Some(reason.unwrap_or("unknown").to_string()),
+            SandboxState::Deleted => sandbox.failure_reason,
+            _ => None,
+        };
+        self.conn
+            .prepare_cached(
+                "UPDATE sandboxes SET state = ?2, failure_reason = ?3, generation = generation + 1 \
+                 WHERE id = ?1 AND state = ?4",
+            )?
+            .execute(params![id, to, failure_reason, current])?;
+        tracing::debug!(sandbox = %id, from = %current, %to, "sandbox state");
+        self.get_sandbox(id)
+    }
+
+    fn update_one(&self, id: &SandboxId, sql: &str, params: &[&dyn rusqlite::ToSql]) -> Result<()> {
+        let mut all: Vec<&dyn rusqlite::ToSql> = vec![id];
+        all.extend_from_slice(params);
+        match self.conn.prepare_cached(sql)?.execute(&*all)? {
+            0 => Err(StoreError::not_found("sandbox", id)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Records activity at `now` (never moves `last_active_at` backwards).
+    pub fn touch(&self, id: &SandboxId, now: Timestamp) -> Result<()> {
+        self.update_one(
+            id,
+            "UPDATE sandboxes SET last_active_at = max(last_active_at, ?2) WHERE id = ?1",
+            &[&now],
+        )
+    }
+
+    /// Sets (or clears) the sandbox's latest snapshot directory.
+    pub fn set_sandbox_snapshot(&self, id: &SandboxId, dir: Option<&Path>) -> Result<()> {
+        let dir = opt_path_text(dir, "snapshot")?;
+        self.update_one(
+            id,
+            "UPDATE sandboxes SET snapshot = ?2 WHERE id = ?1",
+            &[&dir],
+        )
+    }
+
+    /// Sets (or clears) the VMM process that runs the sandbox.
+    pub fn set_sandbox_vmm(&self, id: &SandboxId, vmm: Option<&VmmHandle>) -> Result<()> {
+        let (pid, socket) = match vmm {
+            Some(v) if v.pid == 0 => {
+                return Err(StoreError::Invalid {
+                    what: "vmm",
+                    detail: "pid 0".into(),
+                })
+            }
+            Some(v) => (
+                Some(v.pid),
+                Some(path_text(&v.control_socket, "vmm socket")?),
+            ),
+            None => (None, None),
+        };
+        self.update_one(
+            id,
+            "UPDATE sandboxes SET vmm_pid = ?2, vmm_socket = ?3 WHERE id = ?1",
+            &[&pid, &socket],
+        )
+    }
+
+    /// Places the sandbox on a pod (which must exist), or unplaces it.
+    pub fn set_sandbox_pod(&self, id: &SandboxId, pod: Option<&PodId>) -> Result<()> {
+        if let Some(pod) = pod {
+            self.get_pod(pod)?;
+        }
+        self.update_one(id, "UPDATE sandboxes SET pod = ?2 WHERE id = ?1", &[&pod])
+    }
+
+    /// Sets the keep-alive (idle time before hibernation) and the deadline.
+    pub fn set_sandbox_timeout(
+        &self,
+        id: &SandboxId,
+        keep_alive_ms: u64,
+        expires_at: Option<Timestamp>,
+    ) -> Result<()> {
+        let keep_alive = u64_sql(keep_alive_ms, "keep_alive_ms")?;
+        self.update_one(
+            id,
+            "UPDATE sandboxes SET keep_alive_ms = ?2, expires_at = ?3 WHERE id = ?1",
+            &[&keep_alive, &expires_at],
+        )
+    }
+
+    /// Replaces the sandbox's metadata.
+    pub fn set_sandbox_metadata(
+        &self,
+        id: &SandboxId,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<()> {
+        self.sandbox_state(id)?;
+        self.write_metadata(id, metadata)
+    }
+
+    /// Removes a deleted sandbox's row, its metadata and its checkpoints.
+    /// Refused (`Conflict`) unless the sandbox is deleted.
+    pub fn purge_sandbox(&self, id: &SandboxId) -> Result<()> {
+        let current = self.sandbox_state(id)?;
+        if current != SandboxState::Deleted {
+            return Err(StoreError::Conflict {
+                id: id.clone(),
+                expected: SandboxState::Deleted,
+                current,
+            });
+        }
+        let children: i64 = self.conn.query_row(
+            "SELECT count(*) FROM checkpoints c JOIN checkpoints p ON c.parent = p.id \
+             WHERE p.sandbox = ?1 AND c.sandbox != ?1",
+            [id],
+            |r| r.get(0),
+        )?;
+        if children > 0 {
+            return Err(StoreError::InUse {
+                kind: "sandbox",
+                id: id.to_string(),
+                users: format!("{children} checkpoints of other sandboxes"),
+            });
+        }
+        // Checkpoints of this sandbox may chain to each other: drop the links
+        // first so the cascade never trips over the parent foreign key.
+        self.conn.execute(
+            "UPDATE checkpoints SET parent = NULL WHERE sandbox = ?1",
+            [id],
+        )?;
+        self.conn
+            .execute("DELETE FROM sandboxes WHERE id = ?1", [id])?;
+        Ok(())
+    }
+}

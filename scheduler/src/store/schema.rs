@@ -1,0 +1,197 @@
+//! Connection settings, integrity check and the schema's forward-only
+//! migrations.
+//!
+//! `MIGRATIONS[i]` takes the schema from version `i` to `i + 1`. Migrations
+//! are only ever appended, never edited: a released one has run on someone's
+//! data. All pending ones run in one transaction with the version update, so
+//! a crash mid-migration leaves the old version intact.
+
+use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
+
+use super::{Result, StoreError};
+
+/// Version 1: templates, pods, sandboxes (+ metadata), checkpoints, and the
+/// operations journal.
+const V1: &str = r#"
+CREATE TABLE templates (
+    id             TEXT PRIMARY KEY,
+    name           TEXT NOT NULL,
+    kernel         TEXT NOT NULL,
+    rootfs         TEXT,
+    snapshot_dir   TEXT,
+    mem_mib        INTEGER NOT NULL CHECK (mem_mib > 0),
+    vcpus          INTEGER NOT NULL CHECK (vcpus > 0),
+    kind           TEXT NOT NULL CHECK (kind IN ('probe', 'linux')),
+    state          TEXT NOT NULL
+                   CHECK (state IN ('building', 'ready', 'failed', 'deleted')),
+    failure_reason TEXT,
+    created_at     INTEGER NOT NULL
+) STRICT;
+-- Names are unique among templates that are not deleted.
+CREATE UNIQUE INDEX templates_live_name ON templates (name) WHERE state != 'deleted';
+
+CREATE TABLE pods (
+    id                     TEXT PRIMARY KEY,
+    address                TEXT NOT NULL,
+    token_hash             TEXT,
+    memory_bytes           INTEGER NOT NULL CHECK (memory_bytes >= 0),
+    vcpus                  INTEGER NOT NULL CHECK (vcpus >= 0),
+    disk_bytes             INTEGER NOT NULL CHECK (disk_bytes >= 0),
+    oversubscription_ratio REAL NOT NULL
+                           CHECK (oversubscription_ratio > 0 AND oversubscription_ratio <= 100),
+    high_watermark         REAL NOT NULL CHECK (high_watermark > 0 AND high_watermark <= 1),
+    created_at             INTEGER NOT NULL
+) STRICT;
+
+CREATE TABLE sandboxes (
+    id             TEXT PRIMARY KEY,
+    template       TEXT NOT NULL REFERENCES templates (id),
+    pod            TEXT REFERENCES pods (id),
+    mem_mib        INTEGER NOT NULL CHECK (mem_mib > 0),
+    vcpus          INTEGER NOT NULL CHECK (vcpus > 0),
+    keep_alive_ms  INTEGER NOT NULL CHECK (keep_alive_ms >= 0),
+    expires_at     INTEGER,
+    state          TEXT NOT NULL CHECK (state IN ('creating', 'running', 'paused',
+                   'hibernating', 'hibernated', 'resuming', 'deleted', 'failed')),
+    failure_reason TEXT,
+    created_at     INTEGER NOT NULL,
+    last_active_at INTEGER NOT NULL,
+    snapshot       TEXT,
+    vmm_pid        INTEGER CHECK (vmm_pid > 0),
+    vmm_socket     TEXT,
+    generation     INTEGER NOT NULL DEFAULT 0 CHECK (generation >= 0),
+    CHECK ((vmm_pid IS NULL) = (vmm_socket IS NULL))
+) STRICT;
+CREATE INDEX sandboxes_state ON sandboxes (state);
+CREATE INDEX sandboxes_template ON sandboxes (template);
+CREATE INDEX sandboxes_pod ON sandboxes (pod);
+
+CREATE TABLE sandbox_metadata (
+    sandbox TEXT NOT NULL REFERENCES sandboxes (id) ON DELETE CASCADE,
+    key     TEXT NOT NULL,
+    value   TEXT NOT NULL,
+    PRIMARY KEY (sandbox, key)
+) STRICT, WITHOUT ROWID;
+CREATE INDEX sandbox_metadata_pair ON sandbox_metadata (key, value);
+
+CREATE TABLE checkpoints (
+    id           TEXT PRIMARY KEY,
+    sandbox      TEXT NOT NULL REFERENCES sandboxes (id) ON DELETE CASCADE,
+    name         TEXT NOT NULL,
+    snapshot_dir TEXT NOT NULL,
+    parent       TEXT REFERENCES checkpoints (id),
+    created_at   INTEGER NOT NULL,
+    UNIQUE (sandbox, name)
+) STRICT;
+CREATE INDEX checkpoints_parent ON checkpoints (parent);
+
+-- The journal of multi-step operations. `sandbox` is deliberately not a
+-- foreign key: the journal outlives purged sandboxes.
+CREATE TABLE operations (
+    id          TEXT PRIMARY KEY,
+    sandbox     TEXT,
+    kind        TEXT NOT NULL,
+    state       TEXT NOT NULL CHECK (state IN ('started', 'done', 'rolled_back')),
+    started_at  INTEGER NOT NULL,
+    finished_at INTEGER,
+    detail      TEXT NOT NULL DEFAULT '{}',
+    CHECK ((state = 'started') = (finished_at IS NULL))
+) STRICT;
+CREATE INDEX operations_started ON operations (started_at) WHERE state = 'started';
+CREATE INDEX operations_sandbox ON operations (sandbox);
+"#;
+
+/// Every migration, in order.
+pub const MIGRATIONS: &[&str] = &[V1];
+
+/// The schema version this build writes.
+pub const CURRENT_VERSION: i64 = MIGRATIONS.len() as i64;
+
+/// WAL, synchronous=FULL, foreign keys; each read back to make sure it took.
+pub(super) fn configure(conn: &Connection) -> Result<()> {
+    let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(StoreError::Invalid {
+            what: "journal mode",
+            detail: format!("SQLite kept {mode:?} instead of WAL"),
+        });
+    }
+    conn.pragma_update(None, "synchronous", "FULL")?;
+    conn.pragma_update(None, "foreign_keys", true)?;
+    let sync: i64 = conn.query_row("PRAGMA synchronous", [], |r| r.get(0))?;
+    let fk: i64 = conn.query_row("PRAGMA foreign_keys", [], |r| r.get(0))?;
+    if sync != 2 || fk != 1 {
+        return Err(StoreError::Invalid {
+            what: "pragmas",
+            detail: format!("synchronous={sync} foreign_keys={fk}"),
+        });
+    }
+    Ok(())
+}
+
+/// `PRAGMA quick_check`: anything but "ok" is corruption.
+pub(super) fn check_integrity(conn: &Connection) -> Result<()> {
+    let mut stmt = conn.prepare("PRAGMA quick_check")?;
+    let problems: Vec<String> = stmt
+        .query_map([], |r| r.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    if problems.len() == 1 && problems[0] == "ok" {
+        Ok(())
+    } else {
+        Err(StoreError::Corrupt(problems.join("; ")))
+    }
+}
+
+/// The stored schema version (0 for a new database).
+pub(super) fn version(conn: &Connection) -> Result<i64> {
+    let exists: bool = conn.query_row(
+        "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version')",
+        [],
+        |r| r.get(0),
+    )?;
+    if !exists {
+        return Ok(0);
+    }
+    let rows: i64 = conn.query_row("SELECT count(*) FROM schema_version", [], |r| r.get(0))?;
+    if rows > 1 {
+        return Err(StoreError::Corrupt(format!(
+            "schema_version has {rows} rows"
+        )));
+    }
+    Ok(conn
+        .query_row("SELECT version FROM schema_version", [], |r| r.get(0))
+        .optional()?
+        .unwrap_or(0))
+}
+
+/// Applies every pending migration in one transaction; returns the version.
+pub(super) fn migrate(conn: &mut Connection) -> Result<i64> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let found = version(&tx)?;
+    if found > CURRENT_VERSION {
+        return Err(StoreError::TooNew {
+            found,
+            supported: CURRENT_VERSION,
+        });
+    }
+    if found < 0 {
+        return Err(StoreError::Corrupt(format!("schema version {found}")));
+    }
+    if found == CURRENT_VERSION {
+        return Ok(found);
+    }
+    tx.execute_batch(
+        "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL) STRICT",
+    )?;
+    for (from, sql) in MIGRATIONS.iter().enumerate().skip(found as usize) {
+        tracing::info!(from, to = from + 1, "migrating store schema");
+        tx.execute_batch(sql)?;
+    }
+    tx.execute("DELETE FROM schema_version", [])?;
+    tx.execute(
+        "INSERT INTO schema_version (version) VALUES (?1)",
+        [CURRENT_VERSION],
+    )?;
+    tx.commit()?;
+    Ok(CURRENT_VERSION)
+}
