@@ -1,8 +1,11 @@
 //! Emulated devices and the port-I/O bus that routes guest accesses to them.
 //! One folder per device.
 
+pub mod block;
 pub mod i8042;
 pub mod serial;
+pub mod virtio;
+pub mod vsock;
 
 use std::sync::{Arc, Mutex};
 

@@ -1,0 +1,337 @@
+//! torpor-nested: a nested hardware-virtualization host for end-to-end tests
+//! that need a real Linux guest.
+//!
+//! On PVM hosts a stock Linux guest cannot boot under torpor's VMM. This crate
+//! boots QEMU with TCG and `-cpu max` (an emulated AMD CPU with SVM and NPT),
+//! runs Debian's cloud kernel in it with `kvm_amd` loaded, so a real
+//! `/dev/kvm` exists inside ("L1"), carries files in, runs a shell script
+//! there and hands back its exit code and output.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use torpor_nested::NestedHost;
+//!
+//! let out = NestedHost::builder()
+//!     .file("target/debug/torpor", "/opt/torpor/torpor")
+//!     .run("/opt/torpor/torpor vmm --kernel builtin:probe --cmdline probe.iters=3",
+//!          Duration::from_secs(600))?;
+//! assert_eq!(out.exit_code, 0);
+//! print!("{}", out.stdout);
+//! # Ok::<(), torpor_nested::NestedError>(())
+//! ```
+//!
+//! The L1 kernel, its modules and busybox come from `scripts/nested-host
+//! prepare` (see [`assets`]); QEMU from Debian's `qemu-system-x86`.
+
+pub mod assets;
+mod cpio;
+pub mod image;
+mod qemu;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+pub use assets::{find_qemu, L1Assets};
+use image::Carried;
+
+/// Why a nested run could not give a result.
+#[derive(Debug, thiserror::Error)]
+pub enum NestedError {
+    #[error(
+        "QEMU is missing: looked for {searched}; install Debian's qemu-system-x86 \
+         (scripts/nested-host prepare does)"
+    )]
+    QemuMissing { searched: String },
+    #[error("{what} of the nested host is missing at {path}: run scripts/nested-host prepare")]
+    L1Missing { what: String, path: PathBuf },
+    #[error("file to carry into L1 is missing: {path}")]
+    FileMissing { path: PathBuf },
+    #[error("bad guest path {path:?}: {why}")]
+    BadGuestPath { path: String, why: String },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{tool} failed: {detail}")]
+    Tool { tool: String, detail: String },
+    #[error(
+        "nested host timed out after {after:?} during {phase}; last console lines:\n{console_tail}"
+    )]
+    Timeout {
+        after: Duration,
+        phase: &'static str,
+        console_tail: String,
+    },
+    #[error(
+        "nested host gave no result ({reached}); QEMU exit: {status}; QEMU stderr: {qemu_stderr}\n\
+         last console lines:\n{console_tail}"
+    )]
+    NoResult {
+        status: String,
+        reached: &'static str,
+        qemu_stderr: String,
+        console_tail: String,
+    },
+}
+
+pub(crate) fn io_err(path: &Path, source: std::io::Error) -> NestedError {
+    NestedError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// What one run in L1 produced.
+#[derive(Debug, Clone)]
+pub struct RunOutput {
+    /// The script's exit status inside L1.
+    pub exit_code: i32,
+    /// What the script wrote (stdout and stderr interleaved, as on a
+    /// console; kernel warnings printed meanwhile may appear too).
+    pub stdout: String,
+    /// The whole L1 console, kernel messages included.
+    pub console: String,
+    /// QEMU start to the L1 init's first line.
+    pub kernel_to_init: Option<Duration>,
+    /// QEMU start to the script's start (modules loaded, disk mounted).
+    pub boot: Duration,
+    /// The script's own run time.
+    pub script: Duration,
+    /// QEMU start to QEMU exit.
+    pub total: Duration,
+}
+
+/// Configures a nested host; see [`NestedHost::builder`].
+#[derive(Debug, Clone)]
+pub struct NestedHostBuilder {
+    files: Vec<(PathBuf, String)>,
+    memory_mib: u32,
+    cpus: u32,
+    echo: bool,
+    l1_dir: Option<PathBuf>,
+    qemu: Option<PathBuf>,
+    extra_cmdline: String,
+}
+
+impl Default for NestedHostBuilder {
+    fn default() -> Self {
+        Self {
+            files: Vec::new(),
+            memory_mib: 3072,
+            cpus: 2,
+            echo: std::env::var_os("TORPOR_NESTED_ECHO").is_some_and(|v| v == "1"),
+            l1_dir: None,
+            qemu: None,
+            extra_cmdline: String::new(),
+        }
+    }
+}
+
+impl NestedHostBuilder {
+    /// Carries a host file into L1 at `guest_path` (absolute). Dynamically
+    /// linked executables bring their loader and libraries along.
+    pub fn file(mut self, host_path: impl Into<PathBuf>, guest_path: impl Into<String>) -> Self {
+        self.files.push((host_path.into(), guest_path.into()));
+        self
+    }
+
+    /// L1 memory (default 3072 MiB).
+    pub fn memory_mib(mut self, mib: u32) -> Self {
+        self.memory_mib = mib;
+        self
+    }
+
+    /// L1 vCPUs (default 2).
+    pub fn cpus(mut self, n: u32) -> Self {
+        self.cpus = n;
+        self
+    }
+
+    /// Copies every L1 console line to stderr as it arrives (default: only
+    /// when `TORPOR_NESTED_ECHO=1`).
+    pub fn echo(mut self, on: bool) -> Self {
+        self.echo = on;
+        self
+    }
+
+    /// Uses L1 assets from `dir` instead of the cache.
+    pub fn l1_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.l1_dir = Some(dir.into());
+        self
+    }
+
+    /// Uses this QEMU binary.
+    pub fn qemu(mut self, path: impl Into<PathBuf>) -> Self {
+        self.qemu = Some(path.into());
+        self
+    }
+
+    /// Appends to the L1 kernel command line.
+    pub fn cmdline(mut self, extra: impl Into<String>) -> Self {
+        self.extra_cmdline = extra.into();
+        self
+    }
+
+    /// Checks that QEMU, the L1 assets and every carried file exist.
+    pub fn build(self) -> Result<NestedHost, NestedError> {
+        let qemu = match self.qemu {
+            Some(q) if q.is_file() => q,
+            Some(q) => {
+                return Err(NestedError::QemuMissing {
+                    searched: q.display().to_string(),
+                })
+            }
+            None => find_qemu()?,
+        };
+        let assets = match &self.l1_dir {
+            Some(dir) => L1Assets::from_dir(dir)?,
+            None => L1Assets::locate()?,
+        };
+        let mut carried = Vec::new();
+        for (host, guest) in self.files {
+            if !host.is_file() {
+                return Err(NestedError::FileMissing { path: host });
+            }
+            image::check_guest_path(&guest)?;
+            carried.push(Carried { host, guest });
+        }
+        Ok(NestedHost {
+            qemu,
+            assets,
+            carried,
+            memory_mib: self.memory_mib,
+            cpus: self.cpus,
+            echo: self.echo,
+            extra_cmdline: self.extra_cmdline,
+        })
+    }
+
+    /// Builds the host and runs `script` in it (see [`NestedHost::run`]).
+    pub fn run(self, script: &str, timeout: Duration) -> Result<RunOutput, NestedError> {
+        self.build()?.run(script, timeout)
+    }
+}
+
+/// A configured nested host; every [`run`](Self::run) boots a fresh L1.
+#[derive(Debug, Clone)]
+pub struct NestedHost {
+    qemu: PathBuf,
+    assets: L1Assets,
+    carried: Vec<Carried>,
+    memory_mib: u32,
+    cpus: u32,
+    echo: bool,
+    extra_cmdline: String,
+}
+
+impl NestedHost {
+    pub fn builder() -> NestedHostBuilder {
+        NestedHostBuilder::default()
+    }
+
+    /// The L1 assets in use.
+    pub fn assets(&self) -> &L1Assets {
+        &self.assets
+    }
+
+    /// Boots L1, runs `script` with busybox `sh` (PATH has busybox; carried
+    /// files are in place; `/dev/kvm` is there when the emulated CPU allows),
+    /// and returns its exit code and output. The whole run, boot included,
+    /// must end within `timeout`.
+    pub fn run(&self, script: &str, timeout: Duration) -> Result<RunOutput, NestedError> {
+        let work = WorkDir::new()?;
+        let payload = !self.carried.is_empty();
+        let initrd = work.0.join("initrd.cpio");
+        let cpio = image::initramfs(&self.assets, script, &self.carried, payload)?;
+        fs::write(&initrd, cpio).map_err(|e| io_err(&initrd, e))?;
+        let disk = if payload {
+            Some(image::payload_disk(&work.0, &self.carried)?)
+        } else {
+            None
+        };
+        let mut cmdline =
+            "console=ttyS0 panic=-1 quiet mitigations=off rdinit=/init tsc=unstable".to_string();
+        if !self.extra_cmdline.is_empty() {
+            cmdline.push(' ');
+            cmdline.push_str(&self.extra_cmdline);
+        }
+        let launch = qemu::Launch {
+            qemu: self.qemu.clone(),
+            kernel: self.assets.kernel.clone(),
+            initrd,
+            disk,
+            memory_mib: self.memory_mib,
+            cpus: self.cpus,
+            cmdline,
+            echo: self.echo,
+        };
+        qemu::run(&launch, timeout)
+    }
+}
+
+/// A scratch directory for one run's images, removed afterwards (kept when
+/// `TORPOR_NESTED_KEEP=1`, for debugging).
+struct WorkDir(PathBuf);
+
+impl WorkDir {
+    fn new() -> Result<Self, NestedError> {
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let dir = std::env::temp_dir().join(format!(
+            "torpor-nested-{}-{}-{nanos}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        fs::create_dir_all(&dir).map_err(|e| io_err(&dir, e))?;
+        Ok(Self(dir))
+    }
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        if std::env::var_os("TORPOR_NESTED_KEEP").is_some_and(|v| v == "1") {
+            eprintln!("torpor-nested: kept {}", self.0.display());
+        } else {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_files_are_named_before_booting() {
+        let dir = std::env::temp_dir().join(format!("torpor-nested-lib-{}", std::process::id()));
+        fs::create_dir_all(dir.join("modules")).unwrap();
+        for f in ["vmlinuz", "busybox", "modules/kvm.ko", "modules/kvm-amd.ko"] {
+            fs::write(dir.join(f), b"x").unwrap();
+        }
+        fs::write(dir.join("modules/load-order"), "kvm.ko\nkvm-amd.ko\n").unwrap();
+        let err = NestedHost::builder()
+            .l1_dir(&dir)
+            .qemu("/bin/sh")
+            .file("/nonexistent/torpor", "/opt/torpor")
+            .build()
+            .unwrap_err();
+        fs::remove_dir_all(&dir).unwrap();
+        assert!(err.to_string().contains("/nonexistent/torpor"), "{err}");
+    }
+
+    #[test]
+    fn a_missing_qemu_is_named() {
+        let err = NestedHost::builder()
+            .qemu("/nonexistent/qemu")
+            .build()
+            .unwrap_err();
+        assert!(err.to_string().contains("qemu-system-x86"), "{err}");
+    }
+}

@@ -1,0 +1,243 @@
+//! Runs QEMU with a deadline and reads the L1 console line by line.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::image::{MARK_BEGIN, MARK_END, MARK_INIT};
+use crate::{NestedError, RunOutput};
+
+/// Everything QEMU is started with.
+#[derive(Debug, Clone)]
+pub struct Launch {
+    pub qemu: PathBuf,
+    pub kernel: PathBuf,
+    pub initrd: PathBuf,
+    pub disk: Option<PathBuf>,
+    pub memory_mib: u32,
+    pub cpus: u32,
+    pub cmdline: String,
+    pub echo: bool,
+}
+
+impl Launch {
+    /// The QEMU arguments: TCG with `-cpu max` (AMD SVM + NPT emulated).
+    pub fn args(&self) -> Vec<String> {
+        let mut a: Vec<String> = [
+            "-accel",
+            "tcg,thread=multi",
+            "-cpu",
+            "max",
+            "-nographic",
+            "-no-reboot",
+            "-nic",
+            "none",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        a.extend([
+            "-m".into(),
+            format!("{}M", self.memory_mib),
+            "-smp".into(),
+            self.cpus.to_string(),
+            "-kernel".into(),
+            self.kernel.display().to_string(),
+            "-initrd".into(),
+            self.initrd.display().to_string(),
+            "-append".into(),
+            self.cmdline.clone(),
+        ]);
+        if let Some(disk) = &self.disk {
+            a.push("-drive".into());
+            a.push(format!(
+                "file={},if=virtio,format=raw,cache=unsafe",
+                disk.display()
+            ));
+        }
+        a
+    }
+}
+
+/// Kills QEMU if the caller goes away early (panic, error).
+struct Reaper(Child);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Boots L1 and waits for the script's end marker, QEMU's exit or the deadline.
+pub fn run(launch: &Launch, timeout: Duration) -> Result<RunOutput, NestedError> {
+    let start = Instant::now();
+    let mut child = Command::new(&launch.qemu)
+        .args(launch.args())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| NestedError::Tool {
+            tool: launch.qemu.display().to_string(),
+            detail: e.to_string(),
+        })?;
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut stderr = child.stderr.take().expect("piped stderr");
+    let mut reaper = Reaper(child);
+
+    let (tx, rx) = mpsc::channel::<(String, Instant)>();
+    thread::spawn(move || {
+        let mut reader = BufReader::new(stdout);
+        let mut buf = Vec::new();
+        while let Ok(n) = reader.read_until(b'\n', &mut buf) {
+            if n == 0 {
+                break;
+            }
+            let line = String::from_utf8_lossy(&buf)
+                .trim_end_matches(['\r', '\n'])
+                .replace('\r', "");
+            if tx.send((line, Instant::now())).is_err() {
+                break;
+            }
+            buf.clear();
+        }
+    });
+    let err_thread = thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+
+    let deadline = start + timeout;
+    let mut console = Vec::<String>::new();
+    let mut script_out = Vec::<String>::new();
+    let (mut init_at, mut begin_at, mut end) = (None, None, None);
+    loop {
+        let now = Instant::now();
+        // Once the script has reported, QEMU gets a short grace to power off.
+        let limit = match end {
+            Some((_, at)) => deadline.min(at + Duration::from_secs(20)),
+            None => deadline,
+        };
+        if now >= limit && end.is_some() {
+            break;
+        }
+        if now >= limit {
+            return Err(NestedError::Timeout {
+                after: timeout,
+                phase: if begin_at.is_none() { "boot" } else { "script" },
+                console_tail: tail(&console),
+            });
+        }
+        match rx.recv_timeout(limit - now) {
+            Ok((line, at)) => {
+                if launch.echo {
+                    eprintln!("L1| {line}");
+                }
+                if end.is_some() {
+                    // After the end marker only the power-off follows.
+                } else if begin_at.is_some() {
+                    // The console may put escape sequences before a marker.
+                    match line.find(MARK_END) {
+                        Some(i) => {
+                            let rc = line[i + MARK_END.len()..].trim();
+                            end = Some((rc.parse::<i32>().unwrap_or(-1), at));
+                        }
+                        None => script_out.push(line.clone()),
+                    }
+                } else if line.trim_end().ends_with(MARK_BEGIN) {
+                    begin_at = Some(at);
+                } else if line.contains(MARK_INIT) {
+                    init_at = Some(at);
+                }
+                console.push(line);
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    // QEMU closed its console: it has powered off (or died). Give it a moment.
+    let status = wait_with_deadline(&mut reaper.0, Duration::from_secs(10));
+    let qemu_stderr = err_thread.join().unwrap_or_default();
+    let total = start.elapsed();
+    let Some((exit_code, end_at)) = end else {
+        return Err(NestedError::NoResult {
+            status,
+            reached: if begin_at.is_some() {
+                "the script started but its end marker never came"
+            } else if init_at.is_some() {
+                "the L1 init started but the script never began"
+            } else {
+                "the L1 kernel never reached its init"
+            },
+            qemu_stderr: qemu_stderr.trim().to_string(),
+            console_tail: tail(&console),
+        });
+    };
+    let begin_at = begin_at.expect("end implies begin");
+    let mut stdout = script_out.join("\n");
+    if !stdout.is_empty() {
+        stdout.push('\n');
+    }
+    Ok(RunOutput {
+        exit_code,
+        stdout,
+        console: console.join("\n"),
+        kernel_to_init: init_at.map(|t| t - start),
+        boot: begin_at - start,
+        script: end_at - begin_at,
+        total,
+    })
+}
+
+fn wait_with_deadline(child: &mut Child, limit: Duration) -> String {
+    let until = Instant::now() + limit;
+    loop {
+        match child.try_wait() {
+            Ok(Some(s)) => return s.to_string(),
+            Ok(None) if Instant::now() < until => thread::sleep(Duration::from_millis(20)),
+            Ok(None) => return "still running (killed)".into(),
+            Err(e) => return format!("unknown ({e})"),
+        }
+    }
+}
+
+fn tail(lines: &[String]) -> String {
+    let from = lines.len().saturating_sub(60);
+    lines[from..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn args_use_tcg_max_and_the_disk() {
+        let l = Launch {
+            qemu: "qemu".into(),
+            kernel: "/k".into(),
+            initrd: "/i".into(),
+            disk: Some("/d.ext4".into()),
+            memory_mib: 3072,
+            cpus: 2,
+            cmdline: "console=ttyS0".into(),
+            echo: false,
+        };
+        let a = l.args().join(" ");
+        assert!(a.contains("-accel tcg,thread=multi -cpu max"), "{a}");
+        assert!(a.contains("-m 3072M -smp 2"), "{a}");
+        assert!(a.contains("-no-reboot"), "{a}");
+        assert!(a.contains("file=/d.ext4,if=virtio,format=raw"), "{a}");
+    }
+
+    #[test]
+    fn tail_keeps_the_last_lines() {
+        let lines: Vec<String> = (0..100).map(|i| i.to_string()).collect();
+        let t = tail(&lines);
+        assert!(t.starts_with("40\n") && t.ends_with("99"));
+    }
+}

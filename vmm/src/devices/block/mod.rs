@@ -1,0 +1,22 @@
+//! virtio-blk backed by a raw disk image with a per-VM copy-on-write
+//! overlay, so clones of one template never write the template's disk.
+
+mod device;
+mod disk;
+mod persist;
+#[cfg(test)]
+mod tests;
+
+pub use device::{
+    BlockConfig, BlockDevice, BlockError, MAX_REQUEST_BYTES, QUEUE_SIZE, SEG_MAX, SIZE_MAX,
+    VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX,
+    VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH,
+    VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+};
+pub use disk::{copy_overlay, CowDisk, DiskError, OverlayMap, CHUNK_SIZE, SECTOR_SIZE};
+pub use persist::{BlockRestoreArgs, BlockState};
+
+use crate::devices::virtio::MmioTransport;
+
+/// A block device on its virtio-mmio transport: what goes on the MMIO bus.
+pub type BlockMmio = MmioTransport<BlockDevice>;

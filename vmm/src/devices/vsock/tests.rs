@@ -1,0 +1,378 @@
+//! vsock device tests: real unix sockets in a temporary directory, guest
+//! packets crafted on mock queues, the device pumped one epoll round at a
+//! time. Every wait is bounded (see `Rig::pump_until`).
+
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::time::Duration;
+
+use vm_memory::{Bytes, GuestAddress};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::packet::*;
+use super::testrig::{Rig, GUEST_CID};
+use super::*;
+use crate::devices::virtio::testutil::{guest_mem, read32, write32};
+use crate::devices::virtio::{MmioRestoreArgs, VirtioMmioState};
+use crate::persist::Persist;
+
+const MEM: usize = 4 << 20;
+
+fn read_exact_timeout(s: &mut UnixStream, n: usize) -> Vec<u8> {
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = vec![0u8; n];
+    s.read_exact(&mut buf).unwrap();
+    buf
+}
+
+fn assert_eof(s: &mut UnixStream) {
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut b = [0u8; 16];
+    match s.read(&mut b) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("expected EOF, got {other:?}"),
+    }
+}
+
+#[test]
+fn config_space_holds_the_guest_cid() {
+    let mem = guest_mem(MEM);
+    let r = Rig::new(&mem, "vsock-cfg");
+    let mut t = r.t.lock().unwrap();
+    assert_eq!(read32(&mut *t, 0x08), 19);
+    assert_eq!(read32(&mut *t, 0x100), GUEST_CID as u32);
+    assert_eq!(read32(&mut *t, 0x104), 0);
+    drop(t);
+    let bad = VsockConfig {
+        cid: 2,
+        uds_path: r.dir.path().join("x.sock"),
+    };
+    assert!(matches!(
+        VsockDevice::new(&bad),
+        Err(VsockError::ReservedCid(2))
+    ));
+}
+
+#[test]
+fn host_connect_handshake_relays_both_ways() {
+    let mem = guest_mem(MEM);
+    let mut r = Rig::new(&mem, "vsock-host");
+    // Bytes right behind the CONNECT line are kept for the guest.
+    let (mut host, port) = r.host_connect(52, b"early ");
+    host.write_all(b"hello").unwrap();
+    let mut got = Vec::new();
+    r.pump_until(|r| {
+        got.extend(r.take_data(port, 52));
+        got.len() >= 11
+    });
+    assert_eq!(got, b"early hello");
+    r.send(Rig::hdr(52, port, OP_RW), b"world");
+    r.pump();
+    assert_eq!(read_exact_timeout(&mut host, 5), b"world");
+    assert_eq!(r.connections(), 1);
+    // Interrupts were raised for the rx queue.
+    assert_ne!(read32(&mut *r.t.lock().unwrap(), 0x60) & 1, 0);
+}
+
+#[test]
+fn guest_connects_to_a_host_port_and_closes() {
+    let mem = guest_mem(MEM);
+    let mut r = Rig::new(&mem, "vsock-guest");
+    let listener = UnixListener::bind(guest_target(&r.uds, 1234)).unwrap();
+    r.send(Rig::hdr(5000, 1234, OP_REQUEST), &[]);
+    let resp = r.expect(OP_RESPONSE);
+    assert_eq!((resp.hdr.src_port, resp.hdr.dst_port), (1234, 5000));
+    assert_eq!(resp.hdr.buf_alloc, CONN_BUF_ALLOC);
+    let (mut host, _) = listener.accept().unwrap();
+    r.send(Rig::hdr(5000, 1234, OP_RW), b"ping");
+    r.pump();
+    assert_eq!(read_exact_timeout(&mut host, 4), b"ping");
+    host.write_all(b"pong").unwrap();
+    let mut got = Vec::new();
+    r.pump_until(|r| {
+        got.extend(r.take_data(1234, 5000));
+        got.len() >= 4
+    });
+    assert_eq!(got, b"pong");
+
+    // Nobody listens on 9999: refused with RST.
+    r.send(Rig::hdr(5001, 9999, OP_REQUEST), &[]);
+    let rst = r.expect(OP_RST);
+    assert_eq!((rst.hdr.src_port, rst.hdr.dst_port), (9999, 5001));
+
+    // The guest closes: the host sees EOF and the guest gets its RST.
+    let mut shut = Rig::hdr(5000, 1234, OP_SHUTDOWN);
+    shut.flags = SHUTDOWN_RCV | SHUTDOWN_SEND;
+    r.send(shut, &[]);
+    let rst = r.expect(OP_RST);
+    assert_eq!((rst.hdr.src_port, rst.hdr.dst_port), (1234, 5000));
+    assert_eof(&mut host);
+    assert_eq!(r.connections(), 0);
+}
+
+#[test]
+fn resets_close_the_other_side() {
+    let mem = guest_mem(MEM);
+    let mut r = Rig::new(&mem, "vsock-rst");
+    // Guest RST: the host stream ends, nothing is answered.
+    let (mut host, port) = r.host_connect(52, b"");
+    r.send(Rig::hdr(52, port, OP_RST), &[]);
+    r.pump();
+    assert_eof(&mut host);
+    assert_eq!(r.connections(), 0);
+    assert!(r.take(OP_RST).is_none());
+
+    // The guest refuses a host connection: the host gets no OK, only EOF.
+    let mut host = UnixStream::connect(&r.uds).unwrap();
+    host.write_all(b"CONNECT 53\n").unwrap();
+    let req = r.expect(OP_REQUEST);
+    r.send(Rig::hdr(53, req.hdr.src_port, OP_RST), &[]);
+    r.pump();
+    assert_eof(&mut host);
+
+    // The host closes: the guest is told (SHUTDOWN, send side), then RSTs.
+    let (host, port) = r.host_connect(54, b"");
+    drop(host);
+    let shut = r.expect(OP_SHUTDOWN);
+    assert_eq!(shut.hdr.flags, SHUTDOWN_SEND);
+    assert_eq!(shut.hdr.src_port, port);
+    r.send(Rig::hdr(54, port, OP_RST), &[]);
+    r.pump();
+    assert_eq!(r.connections(), 0);
+
+    // Garbage instead of CONNECT: the host stream is dropped.
+    let mut host = UnixStream::connect(&r.uds).unwrap();
+    host.write_all(b"HELLO 1\n").unwrap();
+    r.pump();
+    r.pump();
+    assert_eof(&mut host);
+}
+
+#[test]
+fn credit_limits_what_the_guest_is_sent() {
+    let mem = guest_mem(MEM);
+    let mut r = Rig::new(&mem, "vsock-credit");
+    let listener = UnixListener::bind(guest_target(&r.uds, 77)).unwrap();
+    let mut req = Rig::hdr(6000, 77, OP_REQUEST);
+    req.buf_alloc = 100;
+    r.send(req, &[]);
+    r.expect(OP_RESPONSE);
+    let (mut host, _) = listener.accept().unwrap();
+    host.write_all(&[7u8; 300]).unwrap();
+    // Only 100 bytes fit the guest's buffer; then the device asks.
+    let creq = r.expect(OP_CREDIT_REQUEST);
+    assert_eq!(creq.hdr.dst_port, 6000);
+    assert_eq!(r.take_data(77, 6000).len(), 100);
+    // The guest consumed them: 100 more.
+    let mut upd = Rig::hdr(6000, 77, OP_CREDIT_UPDATE);
+    upd.buf_alloc = 100;
+    upd.fwd_cnt = 100;
+    r.send(upd, &[]);
+    let mut got = 0;
+    r.pump_until(|r| {
+        got += r.take_data(77, 6000).len();
+        got == 100
+    });
+    upd.fwd_cnt = 200;
+    upd.buf_alloc = 1000;
+    r.send(upd, &[]);
+    r.pump_until(|r| {
+        got += r.take_data(77, 6000).len();
+        got == 200
+    });
+
+    // A credit request is answered with what was forwarded.
+    r.send(Rig::hdr(6000, 77, OP_RW), &[1u8; 1000]);
+    r.send(Rig::hdr(6000, 77, OP_CREDIT_REQUEST), &[]);
+    let upd = r.expect(OP_CREDIT_UPDATE);
+    assert_eq!((upd.hdr.buf_alloc, upd.hdr.fwd_cnt), (CONN_BUF_ALLOC, 1000));
+    assert_eq!(read_exact_timeout(&mut host, 1000), [1u8; 1000]);
+
+    // Forwarding a quarter of the buffer is announced unasked.
+    let chunk = vec![2u8; 40 * 1024];
+    r.send(Rig::hdr(6000, 77, OP_RW), &chunk);
+    r.send(Rig::hdr(6000, 77, OP_RW), &chunk);
+    let upd = r.expect(OP_CREDIT_UPDATE);
+    assert_eq!(upd.hdr.fwd_cnt, 1000 + 80 * 1024);
+    assert_eq!(read_exact_timeout(&mut host, 80 * 1024).len(), 80 * 1024);
+}
+
+#[test]
+fn a_guest_overrunning_its_credit_is_reset() {
+    let mem = guest_mem(MEM);
+    let mut r = Rig::new(&mem, "vsock-overrun");
+    let listener = UnixListener::bind(guest_target(&r.uds, 78)).unwrap();
+    r.send(Rig::hdr(6001, 78, OP_REQUEST), &[]);
+    r.expect(OP_RESPONSE);
+    let (mut host, _) = listener.accept().unwrap();
+    // The host never reads: its socket buffer fills, then ours.
+    let chunk = vec![3u8; MAX_PKT_PAYLOAD as usize];
+    for _ in 0..64 {
+        r.send(Rig::hdr(6001, 78, OP_RW), &chunk);
+        r.pump();
+        if r.connections() == 0 {
+            break;
+        }
+    }
+    assert_eq!(r.connections(), 0, "connection reset");
+    assert_eq!(r.expect(OP_RST).hdr.dst_port, 6001);
+    host.set_nonblocking(true).unwrap();
+    let mut sink = vec![0u8; 1 << 20];
+    while matches!(host.read(&mut sink), Ok(n) if n > 0) {}
+}
+
+#[test]
+fn bad_packets_are_refused() {
+    let mem = guest_mem(MEM);
+    let mut r = Rig::new(&mem, "vsock-bad");
+    let (mut host, port) = r.host_connect(52, b"");
+
+    // Unknown operation on a live connection: RST, and the host sees EOF.
+    r.send(Rig::hdr(52, port, 42), &[]);
+    assert_eq!(r.expect(OP_RST).hdr.src_port, port);
+    assert_eof(&mut host);
+
+    // RW longer than the packet limit, or than the payload present.
+    for (len, desc) in [(MAX_PKT_PAYLOAD + 1, MAX_PKT_PAYLOAD + 1), (100, 50)] {
+        let (mut host, port) = r.host_connect(52, b"");
+        let mut h = Rig::hdr(52, port, OP_RW);
+        h.len = len;
+        r.send_raw(h, &[0u8; 8], Some(desc));
+        assert_eq!(r.expect(OP_RST).hdr.src_port, port);
+        assert_eof(&mut host);
+    }
+    // A control packet with a payload; a packet of another socket type.
+    let mut h = Rig::hdr(1, 2, OP_CREDIT_REQUEST);
+    h.len = 4;
+    r.send_raw(h, &[0u8; 4], Some(4));
+    assert_eq!(r.expect(OP_RST).hdr.dst_port, 1);
+    let mut h = Rig::hdr(3, 4, OP_REQUEST);
+    h.kind = 2;
+    r.send(h, &[]);
+    assert_eq!(r.expect(OP_RST).hdr.dst_port, 3);
+    // Data or credit packets for connections that do not exist.
+    r.send(Rig::hdr(5, 6, OP_RW), b"x");
+    assert_eq!(r.expect(OP_RST).hdr.dst_port, 5);
+    r.send(Rig::hdr(7, 8, OP_CREDIT_UPDATE), &[]);
+    assert_eq!(r.expect(OP_RST).hdr.dst_port, 7);
+    // Foreign CIDs and a stray RST are dropped without an answer.
+    let mut h = Rig::hdr(9, 10, OP_REQUEST);
+    h.src_cid = 99;
+    r.send(h, &[]);
+    r.send(Rig::hdr(11, 12, OP_RST), &[]);
+    // A tx chain with only half a header, and one with a writable part.
+    r.tx.push(&[(0x30_0000, 20, false)]);
+    r.tx.push(&[(0x30_0000, 44, false), (0x30_1000, 8, true)]);
+    r.notify(1);
+    for _ in 0..5 {
+        r.pump();
+    }
+    assert!(r.got.is_empty(), "unexpected {:?}", r.got);
+    assert_eq!(r.connections(), 0);
+    // The device still works.
+    r.host_connect(52, b"");
+}
+
+#[test]
+fn unanswered_requests_and_silent_hosts_time_out() {
+    let mem = guest_mem(MEM);
+    let mut r = Rig::new(&mem, "vsock-timeout");
+    {
+        let mut t = r.t.lock().unwrap();
+        let dev = t.device_mut();
+        dev.timeouts.connect = Duration::from_millis(50);
+        dev.timeouts.handshake = Duration::from_millis(50);
+    }
+    let mut host = UnixStream::connect(&r.uds).unwrap();
+    host.write_all(b"CONNECT 60\n").unwrap();
+    let req = r.expect(OP_REQUEST);
+    // The guest never answers: RST after the deadline, host stream closed.
+    let rst = r.expect(OP_RST);
+    assert_eq!(rst.hdr.src_port, req.hdr.src_port);
+    assert_eof(&mut host);
+    // A host that never says CONNECT is dropped too.
+    let mut quiet = UnixStream::connect(&r.uds).unwrap();
+    quiet.write_all(b"CONN").unwrap();
+    for _ in 0..10 {
+        r.pump();
+    }
+    assert_eof(&mut quiet);
+}
+
+#[test]
+fn driver_reset_drops_connections() {
+    let mem = guest_mem(MEM);
+    let mut r = Rig::new(&mem, "vsock-reset");
+    let (mut host, _) = r.host_connect(52, b"");
+    write32(&mut *r.t.lock().unwrap(), 0x70, 0);
+    assert_eq!(r.connections(), 0);
+    assert_eof(&mut host);
+}
+
+#[test]
+fn restore_resets_the_transport_and_serves_again() {
+    let mem = guest_mem(MEM);
+    let mut r = Rig::new(&mem, "vsock-restore");
+    let (mut old_host, _) = r.host_connect(52, b"");
+    let state = r.t.lock().unwrap().save();
+    let bytes = bincode::serialize(&state).unwrap();
+    let state: VirtioMmioState<VsockState> = bincode::deserialize(&bytes).unwrap();
+    assert_eq!(state.device.cid, GUEST_CID);
+    assert_eq!(state.transport.queues.len(), 3);
+
+    // Restore into another "VM" whose memory is a copy, on a new socket.
+    let mem2 = guest_mem(MEM);
+    let mut r2 = r.clone_into(&mem2, |uds| {
+        let args = MmioRestoreArgs {
+            mem: mem2.clone(),
+            irq: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+            device: VsockRestoreArgs {
+                uds_path: Some(uds),
+                cid: None,
+            },
+        };
+        VsockMmio::restore(args, &state).unwrap()
+    });
+    assert!(r2.t.lock().unwrap().is_activated());
+    drop(r);
+    assert_eof(&mut old_host);
+
+    // The guest gets VIRTIO_VSOCK_EVENT_TRANSPORT_RESET once it offers an
+    // event buffer.
+    r2.ev.push(&[(0x3f_0000, 4, true)]);
+    r2.notify(2);
+    r2.pump_until(|r| match r.ev.take_used().first() {
+        Some(&(_, len)) => {
+            assert_eq!(len, 4);
+            true
+        }
+        None => false,
+    });
+    let event: u32 = mem2.read_obj(GuestAddress(0x3f_0000)).unwrap();
+    assert_eq!(event, EVENT_TRANSPORT_RESET);
+    // New connections work on the new socket, with the old rx buffers.
+    r2.host_connect(52, b"");
+}
+
+#[test]
+fn worker_thread_serves_the_handshake() {
+    let mem = guest_mem(MEM);
+    let mut r = Rig::new(&mem, "vsock-worker");
+    let worker = VsockWorker::spawn(r.t.clone()).unwrap();
+    let mut host = UnixStream::connect(&r.uds).unwrap();
+    host.write_all(b"CONNECT 52\n").unwrap();
+    // The thread delivers the REQUEST into an rx buffer on its own.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while r.rx.take_used().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "worker delivered nothing"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    worker.stop();
+    // The stopped thread no longer holds anything: the rig still works.
+    r.send(Rig::hdr(1, 2, OP_RW), b"x");
+    assert_eq!(r.expect(OP_RST).hdr.dst_port, 1);
+}
