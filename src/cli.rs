@@ -26,6 +26,8 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Run the sandbox service: REST API, scheduler, store and a local pod.
+    Serve(ServeArgs),
     /// Write the built-in probe guest kernel (an ELF) to a file.
     ProbeImage {
         /// Where to write it.
@@ -147,4 +149,25 @@ pub struct VmmRunArgs {
     /// line on stderr.
     #[arg(long)]
     pub report: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Address and port of the REST API.
+    #[arg(long, default_value = "127.0.0.1:7700")]
+    pub listen: std::net::SocketAddr,
+    /// Where the store, templates and snapshots live (default:
+    /// $TORPOR_DATA_DIR, /var/lib/torpor as root, else ~/.local/share/torpor).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// API bearer token (repeatable). Without one, a token is read from (or
+    /// created in) DATA_DIR/token.
+    #[arg(long)]
+    pub token: Vec<String>,
+    /// How often the hibernation policy runs, in ms (0 turns it off).
+    #[arg(long, default_value_t = 1000)]
+    pub policy_interval_ms: u64,
+    /// Default keep-alive of a sandbox before it is hibernated when idle.
+    #[arg(long, default_value_t = 300_000)]
+    pub keep_alive_ms: u64,
 }

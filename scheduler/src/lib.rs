@@ -58,6 +58,7 @@ macro_rules! str_enum {
 
 pub mod files;
 pub mod model;
+pub mod service;
 pub mod state;
 pub mod store;
 

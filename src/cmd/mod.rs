@@ -1,6 +1,7 @@
 //! One module per top-level subcommand.
 
 mod doctor;
+mod serve;
 mod vmm;
 
 use crate::cli::{Cli, Command};
@@ -13,6 +14,7 @@ pub fn dispatch(cli: Cli) -> i32 {
     match cli.command {
         Command::Vmm(v) => vmm::run(*v),
         Command::Doctor { json } => doctor::run(json),
+        Command::Serve(args) => serve::run(args),
         Command::ProbeImage { out } => match std::fs::write(&out, torpor_probe::PROBE_ELF) {
             Ok(()) => EXIT_OK,
             Err(e) => {

@@ -2,6 +2,7 @@
 //! console file, and clean up after ourselves.
 #![allow(dead_code)]
 
+pub mod http;
 pub mod snap;
 
 use std::path::{Path, PathBuf};

@@ -1,0 +1,104 @@
+//! What the API needs from the service: [`SandboxApi`], implemented here for
+//! the real [`Service`] and, in tests, by an in-memory fake.
+//!
+//! Every method is synchronous and may block (store writes, VMM control
+//! requests, snapshots); the handlers call them through
+//! `tokio::task::spawn_blocking`.
+
+use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template, TemplateId};
+
+use crate::service::{
+    CreateSandbox, CreateTemplate, Outcome, PodView, SandboxFilter, Service, ServiceError,
+};
+
+/// The sandbox service as the API sees it. Mirrors
+/// `torpor_scheduler::service::Service` one method for one.
+pub trait SandboxApi: Send + Sync + 'static {
+    fn list_templates(&self) -> Result<Vec<Template>, ServiceError>;
+    fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError>;
+    fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError>;
+    fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError>;
+
+    fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError>;
+    fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError>;
+    fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError>;
+    fn pause(&self, id: &SandboxId) -> Result<Outcome, ServiceError>;
+    fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError>;
+    fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError>;
+    fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError>;
+    fn set_timeout(
+        &self,
+        id: &SandboxId,
+        keep_alive_ms: Option<u64>,
+        timeout_ms: Option<u64>,
+    ) -> Result<Sandbox, ServiceError>;
+
+    fn list_pods(&self) -> Result<Vec<PodView>, ServiceError>;
+    fn set_pod(
+        &self,
+        id: &PodId,
+        ratio: Option<f64>,
+        high_watermark: Option<f64>,
+    ) -> Result<PodView, ServiceError>;
+
+    /// Prometheus text exposition.
+    fn metrics(&self) -> String;
+}
+
+impl SandboxApi for Service {
+    fn list_templates(&self) -> Result<Vec<Template>, ServiceError> {
+        Service::list_templates(self)
+    }
+    fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError> {
+        Service::get_template(self, id)
+    }
+    fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError> {
+        Service::create_template(self, req)
+    }
+    fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError> {
+        Service::delete_template(self, id)
+    }
+    fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
+        Service::create_sandbox(self, req)
+    }
+    fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
+        Service::get_sandbox(self, id)
+    }
+    fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
+        Service::list_sandboxes(self, filter)
+    }
+    fn pause(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        Service::pause(self, id)
+    }
+    fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        Service::resume(self, id)
+    }
+    fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        Service::hibernate(self, id)
+    }
+    fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
+        Service::delete_sandbox(self, id)
+    }
+    fn set_timeout(
+        &self,
+        id: &SandboxId,
+        keep_alive_ms: Option<u64>,
+        timeout_ms: Option<u64>,
+    ) -> Result<Sandbox, ServiceError> {
+        Service::set_timeout(self, id, keep_alive_ms, timeout_ms)
+    }
+    fn list_pods(&self) -> Result<Vec<PodView>, ServiceError> {
+        Service::list_pods(self)
+    }
+    fn set_pod(
+        &self,
+        id: &PodId,
+        ratio: Option<f64>,
+        high_watermark: Option<f64>,
+    ) -> Result<PodView, ServiceError> {
+        Service::set_pod(self, id, ratio, high_watermark)
+    }
+    fn metrics(&self) -> String {
+        Service::metrics(self)
+    }
+}

@@ -1,0 +1,324 @@
+//! One error body everywhere: `{"error": {"code", "message", "state"?}}`.
+//!
+//! [`ApiError`] is what handlers return; [`From<ServiceError>`] is the
+//! service-to-HTTP mapping (the table in the crate docs), and
+//! [`normalize`] is a last-line middleware that rewrites any error response
+//! axum produced on its own (405, a path that did not decode, ...) into the
+//! same body, so a client never has to parse two error shapes.
+
+use axum::body::{to_bytes, Body};
+use axum::extract::Request;
+use axum::http::header::{self, HeaderValue};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use torpor_scheduler::model::SandboxState;
+
+use crate::service::ServiceError;
+
+/// Error codes: the `code` field of every error body.
+pub mod code {
+    pub const INVALID_REQUEST: &str = "invalid_request";
+    pub const UNAUTHORIZED: &str = "unauthorized";
+    pub const NOT_FOUND: &str = "not_found";
+    pub const METHOD_NOT_ALLOWED: &str = "method_not_allowed";
+    pub const CONFLICT: &str = "conflict";
+    pub const UNSUPPORTED: &str = "unsupported";
+    pub const PAYLOAD_TOO_LARGE: &str = "payload_too_large";
+    pub const UNSUPPORTED_MEDIA_TYPE: &str = "unsupported_media_type";
+    pub const ADMISSION_REFUSED: &str = "admission_refused";
+    pub const INTERNAL: &str = "internal";
+    pub const NOT_IMPLEMENTED: &str = "not_implemented";
+    pub const TIMEOUT: &str = "timeout";
+
+    /// Every code (the OpenAPI document lists the same).
+    pub const ALL: &[&str] = &[
+        INVALID_REQUEST,
+        UNAUTHORIZED,
+        NOT_FOUND,
+        METHOD_NOT_ALLOWED,
+        CONFLICT,
+        UNSUPPORTED,
+        PAYLOAD_TOO_LARGE,
+        UNSUPPORTED_MEDIA_TYPE,
+        ADMISSION_REFUSED,
+        INTERNAL,
+        NOT_IMPLEMENTED,
+        TIMEOUT,
+    ];
+}
+
+/// An error answer: status, code, message and, for conflicts, the
+/// sandbox's current state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+    pub state: Option<SandboxState>,
+}
+
+#[derive(Serialize)]
+struct Envelope<'a> {
+    error: ErrorFields<'a>,
+}
+
+#[derive(Serialize)]
+struct ErrorFields<'a> {
+    code: &'a str,
+    message: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    state: Option<SandboxState>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+            state: None,
+        }
+    }
+
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, code::INVALID_REQUEST, message)
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, code::INTERNAL, message)
+    }
+
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, code::UNAUTHORIZED, message)
+    }
+
+    /// An error for an HTTP status that axum (or a layer) chose, with the
+    /// code that status stands for.
+    pub fn from_status(status: StatusCode, message: impl Into<String>) -> Self {
+        Self::new(status, code_for_status(status), message)
+    }
+
+    /// The JSON text of the body.
+    pub fn body_json(&self) -> String {
+        let envelope = Envelope {
+            error: ErrorFields {
+                code: self.code,
+                message: &self.message,
+                state: self.state,
+            },
+        };
+        serde_json::to_string(&envelope).unwrap_or_else(|_| {
+            r#"{"error":{"code":"internal","message":"error body"}}"#.to_string()
+        })
+    }
+}
+
+/// The code an HTTP status stands for when nothing more specific is known.
+pub fn code_for_status(status: StatusCode) -> &'static str {
+    match status {
+        StatusCode::UNAUTHORIZED => code::UNAUTHORIZED,
+        StatusCode::NOT_FOUND => code::NOT_FOUND,
+        StatusCode::METHOD_NOT_ALLOWED => code::METHOD_NOT_ALLOWED,
+        StatusCode::CONFLICT => code::CONFLICT,
+        StatusCode::PAYLOAD_TOO_LARGE => code::PAYLOAD_TOO_LARGE,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => code::UNSUPPORTED_MEDIA_TYPE,
+        StatusCode::TOO_MANY_REQUESTS => code::ADMISSION_REFUSED,
+        StatusCode::NOT_IMPLEMENTED => code::NOT_IMPLEMENTED,
+        StatusCode::REQUEST_TIMEOUT | StatusCode::GATEWAY_TIMEOUT => code::TIMEOUT,
+        s if s.is_client_error() => code::INVALID_REQUEST,
+        _ => code::INTERNAL,
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {}: {}",
+            self.status.as_u16(),
+            self.code,
+            self.message
+        )
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+impl From<ServiceError> for ApiError {
+    fn from(err: ServiceError) -> Self {
+        let message = err.to_string();
+        match err {
+            ServiceError::NotFound { .. } => {
+                ApiError::new(StatusCode::NOT_FOUND, code::NOT_FOUND, message)
+            }
+            ServiceError::Conflict { state, .. } => ApiError {
+                state: Some(state),
+                ..ApiError::new(StatusCode::CONFLICT, code::CONFLICT, message)
+            },
+            ServiceError::Admission { .. } => ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                code::ADMISSION_REFUSED,
+                message,
+            ),
+            ServiceError::Invalid(_) => ApiError::invalid(message),
+            ServiceError::Unsupported(_) => {
+                ApiError::new(StatusCode::NOT_IMPLEMENTED, code::UNSUPPORTED, message)
+            }
+            ServiceError::Internal(_) => {
+                tracing::error!(error = %message, "internal error");
+                ApiError::internal(message)
+            }
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, self.body_json()).into_response();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if self.status == StatusCode::UNAUTHORIZED {
+            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+/// Largest original body kept as the message when an error is rewritten.
+const MAX_REWRITTEN_MESSAGE: usize = 1024;
+
+/// Middleware: an error response (4xx/5xx) that is not JSON yet is rewritten
+/// into the error body; its headers (`Allow` on a 405, ...) are kept, and
+/// its text, if any, becomes the message.
+pub async fn normalize(request: Request, next: Next) -> Response {
+    let response = next.run(request).await;
+    let status = response.status();
+    if !(status.is_client_error() || status.is_server_error()) || is_json(&response) {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    let text = match to_bytes(body, MAX_REWRITTEN_MESSAGE * 4).await {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).trim().to_string(),
+        Err(_) => String::new(),
+    };
+    let mut message = if text.is_empty() {
+        status
+            .canonical_reason()
+            .unwrap_or("request failed")
+            .to_string()
+    } else {
+        text
+    };
+    if message.len() > MAX_REWRITTEN_MESSAGE {
+        let mut end = MAX_REWRITTEN_MESSAGE;
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        message.truncate(end);
+    }
+    let error = ApiError::from_status(status, message);
+    parts.headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    parts.headers.remove(header::CONTENT_LENGTH);
+    Response::from_parts(parts, Body::from(error.body_json()))
+}
+
+fn is_json(response: &Response) -> bool {
+    response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"))
+}
+
+/// The fallback for paths no route matches.
+pub async fn no_route(request: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        code::NOT_FOUND,
+        format!("no route for {} {}", request.method(), request.uri().path()),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn service_errors_map_to_statuses_and_codes() {
+        let cases = [
+            (
+                ServiceError::NotFound {
+                    kind: "sandbox",
+                    id: "sbx_1".into(),
+                },
+                404,
+                "not_found",
+            ),
+            (
+                ServiceError::Conflict {
+                    id: "sbx_1".into(),
+                    state: SandboxState::Hibernated,
+                    message: "cannot pause".into(),
+                },
+                409,
+                "conflict",
+            ),
+            (
+                ServiceError::Admission {
+                    message: "full".into(),
+                },
+                429,
+                "admission_refused",
+            ),
+            (ServiceError::Invalid("bad".into()), 400, "invalid_request"),
+            (
+                ServiceError::Unsupported("probe".into()),
+                501,
+                "unsupported",
+            ),
+            (ServiceError::Internal("disk".into()), 500, "internal"),
+        ];
+        for (err, status, code) in cases {
+            let api = ApiError::from(err);
+            assert_eq!(api.status.as_u16(), status, "{api}");
+            assert_eq!(api.code, code);
+        }
+    }
+
+    #[test]
+    fn body_carries_state_only_for_conflicts() {
+        let api = ApiError::from(ServiceError::Conflict {
+            id: "sbx_1".into(),
+            state: SandboxState::Paused,
+            message: "sandbox is paused".into(),
+        });
+        let v: serde_json::Value = serde_json::from_str(&api.body_json()).unwrap();
+        assert_eq!(v["error"]["state"], "paused");
+        assert_eq!(v["error"]["code"], "conflict");
+        let v: serde_json::Value =
+            serde_json::from_str(&ApiError::invalid("x").body_json()).unwrap();
+        assert!(v["error"].get("state").is_none());
+        assert_eq!(v["error"]["message"], "x");
+    }
+
+    #[test]
+    fn statuses_have_codes() {
+        assert_eq!(
+            code_for_status(StatusCode::UNPROCESSABLE_ENTITY),
+            "invalid_request"
+        );
+        assert_eq!(code_for_status(StatusCode::BAD_GATEWAY), "internal");
+        assert_eq!(
+            code_for_status(StatusCode::PAYLOAD_TOO_LARGE),
+            "payload_too_large"
+        );
+    }
+}

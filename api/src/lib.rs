@@ -1,0 +1,311 @@
+//! torpor's REST API: axum routes over the sandbox service.
+//!
+//! [`router`] builds the app from [`ROUTES`] (the one list of routes, also
+//! checked against the OpenAPI document in `api/openapi.json`, served at
+//! `/v1/openapi.json`); [`serve`] runs it on a listener until a shutdown
+//! future completes. The service is reached through [`SandboxApi`]
+//! (implemented for `torpor_scheduler::service::Service`), on tokio's
+//! blocking pool.
+//!
+//! Every route but `/healthz` and `/v1/openapi.json` needs
+//! `Authorization: Bearer <token>` ([`auth`]). Every error, the service's
+//! and axum's own, is one JSON body ([`error`]):
+//! `{"error": {"code": "...", "message": "...", "state": "..."}}`.
+//!
+//! | cause                                      | status | code                     |
+//! |--------------------------------------------|--------|--------------------------|
+//! | bad JSON (syntax, types, unknown fields), bad query, `Invalid` | 400 | `invalid_request` |
+//! | missing or wrong bearer token              | 401    | `unauthorized`           |
+//! | `NotFound`, unknown route                  | 404    | `not_found`              |
+//! | wrong method on a known route              | 405    | `method_not_allowed`     |
+//! | `Conflict` (illegal transition; `state`)   | 409    | `conflict`               |
+//! | body over `max_body_bytes`                 | 413    | `payload_too_large`      |
+//! | JSON body without `application/json`       | 415    | `unsupported_media_type` |
+//! | `Admission` (pod past its ratio)           | 429    | `admission_refused`      |
+//! | `Internal`, a panicking service call       | 500    | `internal`               |
+//! | exec and files (guest agent not wired yet) | 501    | `not_implemented`        |
+//! | `Unsupported` (e.g. a Linux template here) | 501    | `unsupported`            |
+//! | request past `request_timeout`             | 504    | `timeout`                |
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, Method, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{on, MethodFilter, MethodRouter};
+use axum::serve::ListenerExt;
+use axum::Router;
+
+pub mod auth;
+pub mod backend;
+pub mod error;
+mod handlers;
+pub mod openapi;
+pub mod service;
+pub mod wire;
+
+pub use backend::SandboxApi;
+pub use error::ApiError;
+
+use handlers::AppState;
+
+/// How the API runs. `Debug` shows how many tokens there are, not them.
+#[derive(Clone)]
+pub struct ApiConfig {
+    /// Bearer tokens accepted on every authenticated route. Empty: every
+    /// authenticated route answers 401 (fail closed).
+    pub tokens: Vec<String>,
+    /// Largest request body; bigger is 413 (checked on `Content-Length`
+    /// before reading, and while reading).
+    pub max_body_bytes: usize,
+    /// Longest a request may take, body and service call included; past it
+    /// the answer is 504. The service call itself runs on to its end (its
+    /// result is in the store): read the resource to see it.
+    pub request_timeout: Duration,
+}
+
+/// Default [`ApiConfig::max_body_bytes`]: 1 MiB.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
+/// Default [`ApiConfig::request_timeout`]: long enough for a template build.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+
+impl std::fmt::Debug for ApiConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiConfig")
+            .field("tokens", &format_args!("[{} redacted]", self.tokens.len()))
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("request_timeout", &self.request_timeout)
+            .finish()
+    }
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        ApiConfig {
+            tokens: Vec::new(),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+        }
+    }
+}
+
+/// One route: method, path (axum syntax, as in the OpenAPI document), the
+/// OpenAPI `operationId`, and whether it needs a bearer token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Route {
+    pub method: &'static str,
+    pub path: &'static str,
+    pub operation: &'static str,
+    pub auth: bool,
+}
+
+const fn route(method: &'static str, path: &'static str, operation: &'static str) -> Route {
+    Route {
+        method,
+        path,
+        operation,
+        auth: true,
+    }
+}
+
+const fn public(method: &'static str, path: &'static str, operation: &'static str) -> Route {
+    Route {
+        method,
+        path,
+        operation,
+        auth: false,
+    }
+}
+
+/// Every route the API serves. The router is built from this list and the
+/// OpenAPI document is checked against it.
+pub const ROUTES: &[Route] = &[
+    public("GET", "/healthz", "health"),
+    public("GET", "/v1/openapi.json", "openapi"),
+    route("GET", "/metrics", "metrics"),
+    route("GET", "/v1/templates", "listTemplates"),
+    route("POST", "/v1/templates", "createTemplate"),
+    route("GET", "/v1/templates/{id}", "getTemplate"),
+    route("DELETE", "/v1/templates/{id}", "deleteTemplate"),
+    route("GET", "/v1/sandboxes", "listSandboxes"),
+    route("POST", "/v1/sandboxes", "createSandbox"),
+    route("GET", "/v1/sandboxes/{id}", "getSandbox"),
+    route("PATCH", "/v1/sandboxes/{id}", "updateSandbox"),
+    route("DELETE", "/v1/sandboxes/{id}", "deleteSandbox"),
+    route("POST", "/v1/sandboxes/{id}/pause", "pauseSandbox"),
+    route("POST", "/v1/sandboxes/{id}/resume", "resumeSandbox"),
+    route("POST", "/v1/sandboxes/{id}/hibernate", "hibernateSandbox"),
+    route("POST", "/v1/sandboxes/{id}/exec", "execSandbox"),
+    route("GET", "/v1/sandboxes/{id}/files", "readFile"),
+    route("PUT", "/v1/sandboxes/{id}/files", "writeFile"),
+    route("GET", "/v1/pods", "listPods"),
+    route("PATCH", "/v1/pods/{id}", "updatePod"),
+];
+
+/// The handler of an operation, for the given method.
+fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<AppState<S>> {
+    use handlers::*;
+    match operation {
+        "health" => on(m, health),
+        "openapi" => on(m, openapi),
+        "metrics" => on(m, metrics::<S>),
+        "listTemplates" => on(m, list_templates::<S>),
+        "createTemplate" => on(m, create_template::<S>),
+        "getTemplate" => on(m, get_template::<S>),
+        "deleteTemplate" => on(m, delete_template::<S>),
+        "listSandboxes" => on(m, list_sandboxes::<S>),
+        "createSandbox" => on(m, create_sandbox::<S>),
+        "getSandbox" => on(m, get_sandbox::<S>),
+        "updateSandbox" => on(m, update_sandbox::<S>),
+        "deleteSandbox" => on(m, delete_sandbox::<S>),
+        "pauseSandbox" => on(m, pause_sandbox::<S>),
+        "resumeSandbox" => on(m, resume_sandbox::<S>),
+        "hibernateSandbox" => on(m, hibernate_sandbox::<S>),
+        "execSandbox" | "readFile" | "writeFile" => on(m, not_wired),
+        "listPods" => on(m, list_pods::<S>),
+        "updatePod" => on(m, update_pod::<S>),
+        other => panic!("route table names unknown operation {other:?}"),
+    }
+}
+
+fn method_filter(method: &str) -> MethodFilter {
+    match method {
+        "GET" => MethodFilter::GET,
+        "POST" => MethodFilter::POST,
+        "PUT" => MethodFilter::PUT,
+        "PATCH" => MethodFilter::PATCH,
+        "DELETE" => MethodFilter::DELETE,
+        other => panic!("route table names unknown method {other:?}"),
+    }
+}
+
+/// Limits every request shares: `max_body_bytes` and `request_timeout`.
+#[derive(Clone, Copy)]
+struct Limits {
+    max_body_bytes: usize,
+    request_timeout: Duration,
+}
+
+async fn limits(State(limits): State<Limits>, request: Request, next: Next) -> Response {
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limits.max_body_bytes as u64) {
+        return ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            error::code::PAYLOAD_TOO_LARGE,
+            format!(
+                "request body is larger than the limit of {} bytes",
+                limits.max_body_bytes
+            ),
+        )
+        .into_response();
+    }
+    let method: Method = request.method().clone();
+    let path = request.uri().path().to_string();
+    match tokio::time::timeout(limits.request_timeout, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => {
+            tracing::warn!(%method, %path, "request timed out");
+            ApiError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                error::code::TIMEOUT,
+                format!(
+                    "the request took longer than {:?}; an operation it started may still \
+                     complete: read the resource to see its state",
+                    limits.request_timeout
+                ),
+            )
+            .into_response()
+        }
+    }
+}
+
+/// The API as an axum router.
+pub fn router<S: SandboxApi>(service: Arc<S>, config: ApiConfig) -> Router {
+    let tokens = auth::Tokens::new(&config.tokens);
+    if tokens.is_empty() {
+        tracing::warn!("no API tokens configured: every authenticated route answers 401");
+    }
+    let mut app: Router<AppState<S>> = Router::new();
+    for r in ROUTES {
+        let mut endpoint = endpoint::<S>(r.operation, method_filter(r.method));
+        if r.auth {
+            endpoint = endpoint.route_layer(middleware::from_fn_with_state(
+                tokens.clone(),
+                auth::require,
+            ));
+        }
+        app = app.route(r.path, endpoint);
+    }
+    let limits_state = Limits {
+        max_body_bytes: config.max_body_bytes,
+        request_timeout: config.request_timeout,
+    };
+    app.fallback(error::no_route)
+        .layer(DefaultBodyLimit::max(config.max_body_bytes))
+        .layer(middleware::from_fn_with_state(limits_state, limits))
+        .layer(middleware::from_fn(error::normalize))
+        .with_state(AppState { service })
+}
+
+/// Serves the API on `listener` until `shutdown` completes, then lets
+/// requests in flight finish.
+pub async fn serve<S, F>(
+    listener: tokio::net::TcpListener,
+    service: Arc<S>,
+    config: ApiConfig,
+    shutdown: F,
+) -> std::io::Result<()>
+where
+    S: SandboxApi,
+    F: Future<Output = ()> + Send + 'static,
+{
+    let app = router(service, config);
+    let listener = listener.tap_io(|stream| {
+        if let Err(err) = stream.set_nodelay(true) {
+            tracing::debug!(error = %err, "TCP_NODELAY");
+        }
+    });
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn route_table_is_well_formed() {
+        let mut seen = std::collections::BTreeSet::new();
+        for r in ROUTES {
+            assert!(
+                seen.insert((r.method, r.path)),
+                "{} {} twice",
+                r.method,
+                r.path
+            );
+            assert!(r.path.starts_with("/v1/") || !r.auth || r.path == "/metrics");
+            method_filter(r.method);
+        }
+        let public: Vec<_> = ROUTES.iter().filter(|r| !r.auth).map(|r| r.path).collect();
+        assert_eq!(public, ["/healthz", "/v1/openapi.json"]);
+    }
+
+    #[test]
+    fn config_debug_hides_tokens() {
+        let config = ApiConfig {
+            tokens: vec!["s3cret".into()],
+            ..ApiConfig::default()
+        };
+        let text = format!("{config:?}");
+        assert!(!text.contains("s3cret"), "{text}");
+        assert!(text.contains("1 redacted"), "{text}");
+    }
+}

@@ -1,0 +1,8 @@
+//! The service types the API speaks, from `torpor_scheduler::service` (and
+//! the store's list filter), re-exported so that implementers of
+//! [`crate::SandboxApi`] need only this crate.
+
+pub use torpor_scheduler::service::{
+    CreateSandbox, CreateTemplate, Outcome, PodView, Service, ServiceError,
+};
+pub use torpor_scheduler::store::SandboxFilter;

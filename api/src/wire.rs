@@ -1,0 +1,331 @@
+//! The JSON the API reads and writes (what `openapi.json` describes).
+//!
+//! Request bodies are the API's own types (unknown fields refused, so a
+//! misspelt option is an error rather than silently ignored), converted to
+//! the service's requests. Responses wrap the scheduler's model types, which
+//! serialise as they are stored.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{FromRequest, Request};
+use axum::http::StatusCode;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use torpor_scheduler::model::{
+    Pod, PodId, Sandbox, SandboxState, Template, TemplateId, TemplateKind,
+};
+
+use crate::error::{code, ApiError};
+use crate::service::{CreateSandbox, CreateTemplate, Outcome, PodView, SandboxFilter};
+
+/// `POST /v1/templates`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateTemplateBody {
+    pub name: String,
+    pub kind: TemplateKind,
+    #[serde(default)]
+    pub kernel: Option<PathBuf>,
+    #[serde(default)]
+    pub rootfs: Option<PathBuf>,
+    #[serde(default = "default_template_mem_mib")]
+    pub mem_mib: u32,
+    #[serde(default = "default_template_vcpus")]
+    pub vcpus: u32,
+    #[serde(default)]
+    pub cmdline: Option<String>,
+}
+
+/// Template memory when none is given (the service's default too).
+fn default_template_mem_mib() -> u32 {
+    64
+}
+
+fn default_template_vcpus() -> u32 {
+    1
+}
+
+impl From<CreateTemplateBody> for CreateTemplate {
+    fn from(b: CreateTemplateBody) -> Self {
+        CreateTemplate {
+            name: b.name,
+            kind: b.kind,
+            kernel: b.kernel,
+            rootfs: b.rootfs,
+            mem_mib: b.mem_mib,
+            vcpus: b.vcpus,
+            cmdline: b.cmdline,
+        }
+    }
+}
+
+/// `POST /v1/sandboxes`. Memory and vCPUs are the template's: a sandbox is
+/// restored from the template's snapshot.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandboxBody {
+    /// Template id or name.
+    pub template: String,
+    #[serde(default)]
+    pub keep_alive_ms: Option<u64>,
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    /// Wait for capacity instead of being refused with 429.
+    #[serde(default)]
+    pub queue: bool,
+}
+
+impl From<CreateSandboxBody> for CreateSandbox {
+    fn from(b: CreateSandboxBody) -> Self {
+        CreateSandbox {
+            template: b.template,
+            keep_alive_ms: b.keep_alive_ms,
+            timeout_ms: b.timeout_ms,
+            metadata: b.metadata,
+            queue: b.queue,
+        }
+    }
+}
+
+/// `PATCH /v1/sandboxes/{id}`: at least one field.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxPatch {
+    #[serde(default)]
+    pub keep_alive_ms: Option<u64>,
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+}
+
+/// `PATCH /v1/pods/{id}`: at least one field.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PodPatch {
+    #[serde(default)]
+    pub oversubscription_ratio: Option<f64>,
+    #[serde(default)]
+    pub high_watermark: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Health {
+    pub status: &'static str,
+    pub version: &'static str,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TemplateList {
+    pub templates: Vec<Template>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct SandboxList {
+    pub sandboxes: Vec<Sandbox>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PodList {
+    pub pods: Vec<PodBody>,
+}
+
+/// A sandbox after pause, resume or hibernate, and whether answering it
+/// meant waking it from hibernation (and how long that took).
+#[derive(Debug, Serialize)]
+pub struct OutcomeBody {
+    pub sandbox: Sandbox,
+    pub resumed: bool,
+    pub resume_ms: Option<f64>,
+}
+
+impl From<Outcome> for OutcomeBody {
+    fn from(o: Outcome) -> Self {
+        OutcomeBody {
+            sandbox: o.sandbox,
+            resumed: o.resumed,
+            resume_ms: o.resume_ms,
+        }
+    }
+}
+
+/// A pod with its measured use.
+#[derive(Debug, Serialize)]
+pub struct PodBody {
+    #[serde(flatten)]
+    pub pod: Pod,
+    /// Nominal memory of the sandboxes placed on it.
+    pub committed_mib: u64,
+    /// Measured proportional set size of its VMM processes.
+    pub pss_mib: f64,
+    /// Sandboxes on it, by state.
+    pub sandboxes: BTreeMap<String, u64>,
+}
+
+impl From<PodView> for PodBody {
+    fn from(v: PodView) -> Self {
+        PodBody {
+            pod: v.pod,
+            committed_mib: v.committed_mib,
+            pss_mib: v.pss_mib,
+            sandboxes: v.sandboxes,
+        }
+    }
+}
+
+/// A JSON body whose rejections are API errors: malformed or mistyped JSON
+/// is 400 `invalid_request` with the parser's message, a missing or wrong
+/// content type 415 `unsupported_media_type`, a body over the limit 413
+/// `payload_too_large`.
+#[derive(Debug)]
+pub struct ApiJson<T>(pub T);
+
+impl<S, T> FromRequest<S> for ApiJson<T>
+where
+    T: DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::Json::<T>::from_request(req, state).await {
+            Ok(axum::Json(value)) => Ok(ApiJson(value)),
+            Err(rejection) => Err(json_rejection(rejection)),
+        }
+    }
+}
+
+fn json_rejection(rejection: JsonRejection) -> ApiError {
+    let message = rejection.body_text();
+    match rejection {
+        JsonRejection::JsonDataError(_) | JsonRejection::JsonSyntaxError(_) => {
+            ApiError::invalid(message)
+        }
+        JsonRejection::MissingJsonContentType(_) => ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            code::UNSUPPORTED_MEDIA_TYPE,
+            "expected `Content-Type: application/json`",
+        ),
+        other => ApiError::from_status(other.status(), message),
+    }
+}
+
+/// The sandbox list filter from query pairs: `state` (repeated or
+/// comma-separated, any of), `template`, `pod`, `metadata.KEY=VALUE` (all
+/// must match). Unknown parameters are refused.
+pub fn sandbox_filter(pairs: Vec<(String, String)>) -> Result<SandboxFilter, ApiError> {
+    let mut filter = SandboxFilter::default();
+    for (key, value) in pairs {
+        match key.as_str() {
+            "state" => {
+                for word in value.split(',').map(str::trim).filter(|w| !w.is_empty()) {
+                    let state: SandboxState = word.parse().map_err(|_| {
+                        ApiError::invalid(format!(
+                            "unknown state {word:?} (one of {})",
+                            SandboxState::ALL
+                                .iter()
+                                .map(|s| s.as_str())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ))
+                    })?;
+                    if !filter.states.contains(&state) {
+                        filter.states.push(state);
+                    }
+                }
+            }
+            "template" => set_once(&mut filter.template, "template", TemplateId::new(value))?,
+            "pod" => set_once(&mut filter.pod, "pod", PodId::new(value))?,
+            _ => {
+                let Some(meta) = key.strip_prefix("metadata.").filter(|k| !k.is_empty()) else {
+                    return Err(ApiError::invalid(format!(
+                        "unknown query parameter {key:?} (state, template, pod, metadata.KEY)"
+                    )));
+                };
+                if let Some(old) = filter.metadata.insert(meta.to_string(), value) {
+                    if filter.metadata[meta] != old {
+                        return Err(ApiError::invalid(format!(
+                            "metadata.{meta} given twice with different values"
+                        )));
+                    }
+                }
+            }
+        }
+    }
+    Ok(filter)
+}
+
+fn set_once<T: PartialEq>(slot: &mut Option<T>, name: &str, value: T) -> Result<(), ApiError> {
+    match slot {
+        Some(old) if *old != value => Err(ApiError::invalid(format!(
+            "query parameter {name} given twice with different values"
+        ))),
+        _ => {
+            *slot = Some(value);
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
+        list.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn filter_from_query() {
+        let f = sandbox_filter(pairs(&[
+            ("state", "running,paused"),
+            ("state", "hibernated"),
+            ("state", "running"),
+            ("template", "tpl_a"),
+            ("pod", "pod_local"),
+            ("metadata.team", "ml"),
+            ("metadata.user", "ada"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            f.states,
+            vec![
+                SandboxState::Running,
+                SandboxState::Paused,
+                SandboxState::Hibernated
+            ]
+        );
+        assert_eq!(f.template, Some(TemplateId::new("tpl_a")));
+        assert_eq!(f.pod, Some(PodId::new("pod_local")));
+        assert_eq!(f.metadata["team"], "ml");
+        assert_eq!(f.metadata["user"], "ada");
+        assert_eq!(sandbox_filter(vec![]).unwrap(), SandboxFilter::default());
+    }
+
+    #[test]
+    fn bad_filters_are_refused() {
+        for bad in [
+            pairs(&[("state", "asleep")]),
+            pairs(&[("colour", "red")]),
+            pairs(&[("metadata.", "x")]),
+            pairs(&[("template", "a"), ("template", "b")]),
+            pairs(&[("metadata.k", "a"), ("metadata.k", "b")]),
+        ] {
+            let err = sandbox_filter(bad.clone()).unwrap_err();
+            assert_eq!(err.status, StatusCode::BAD_REQUEST, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn request_bodies_refuse_unknown_fields() {
+        let ok: CreateSandboxBody = serde_json::from_str(r#"{"template":"probe"}"#).unwrap();
+        assert!(!ok.queue);
+        assert!(ok.metadata.is_empty());
+        assert!(serde_json::from_str::<CreateSandboxBody>(r#"{"template":"p","mem":1}"#).is_err());
+        assert!(serde_json::from_str::<PodPatch>(r#"{"ratio":2}"#).is_err());
+    }
+}

@@ -1,0 +1,593 @@
+//! Test harness: an in-memory [`SandboxApi`], a real server on
+//! 127.0.0.1:0, and a minimal HTTP/1.1 client over a raw TCP stream (one
+//! request per connection, `Connection: close`).
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use torpor_api::service::{
+    CreateSandbox, CreateTemplate, Outcome, PodView, SandboxFilter, ServiceError,
+};
+use torpor_api::{ApiConfig, SandboxApi};
+use torpor_scheduler::model::{
+    Pod, PodAddress, PodId, Sandbox, SandboxId, SandboxState, Template, TemplateId, TemplateKind,
+    TemplateState, Timestamp,
+};
+
+pub const TOKEN: &str = "test-token-0123456789";
+pub const OTHER_TOKEN: &str = "second-token";
+pub const TEMPLATE_ID: &str = "tpl_00000000000000aa";
+pub const POD_ID: &str = "pod_local";
+/// The fake pod's physical memory.
+pub const POD_MIB: u64 = 1024;
+
+/// What the fake holds.
+pub struct FakeState {
+    pub templates: BTreeMap<TemplateId, Template>,
+    pub sandboxes: BTreeMap<SandboxId, Sandbox>,
+    pub pod: Pod,
+    /// The filter of the last list_sandboxes call.
+    pub last_filter: Option<SandboxFilter>,
+    /// The last set_timeout call.
+    pub last_timeout: Option<(SandboxId, Option<u64>, Option<u64>)>,
+}
+
+/// An in-memory service with the real state rules for the operations the
+/// API exposes, a pod whose admission follows its ratio, and two test
+/// hooks: a template named `panic` panics, and metadata `sleep_ms` makes
+/// create_sandbox sleep.
+pub struct Fake {
+    pub state: Mutex<FakeState>,
+}
+
+impl Fake {
+    pub fn new() -> Self {
+        let template = Template {
+            id: TemplateId::new(TEMPLATE_ID),
+            name: "probe".into(),
+            kernel: "builtin:probe".into(),
+            rootfs: None,
+            snapshot_dir: Some("/tmp/none".into()),
+            mem_mib: 256,
+            vcpus: 1,
+            kind: TemplateKind::Probe,
+            created_at: Timestamp(1),
+            state: TemplateState::Ready,
+        };
+        let pod = Pod {
+            id: PodId::new(POD_ID),
+            address: PodAddress::Local,
+            token_hash: None,
+            memory_bytes: POD_MIB << 20,
+            vcpus: 2,
+            disk_bytes: 1 << 40,
+            oversubscription_ratio: 1.0,
+            high_watermark: 0.9,
+            created_at: Timestamp(0),
+        };
+        Fake {
+            state: Mutex::new(FakeState {
+                templates: BTreeMap::from([(template.id.clone(), template)]),
+                sandboxes: BTreeMap::new(),
+                pod,
+                last_filter: None,
+                last_timeout: None,
+            }),
+        }
+    }
+
+    fn view(st: &FakeState) -> PodView {
+        let mut sandboxes = BTreeMap::new();
+        for s in st.sandboxes.values() {
+            *sandboxes.entry(s.state.to_string()).or_insert(0) += 1;
+        }
+        PodView {
+            pod: st.pod.clone(),
+            committed_mib: committed(st),
+            pss_mib: 12.5,
+            sandboxes,
+        }
+    }
+
+    fn sandbox<'a>(st: &'a mut FakeState, id: &SandboxId) -> Result<&'a mut Sandbox, ServiceError> {
+        st.sandboxes
+            .get_mut(id)
+            .ok_or_else(|| ServiceError::NotFound {
+                kind: "sandbox",
+                id: id.to_string(),
+            })
+    }
+
+    /// Moves `id` from one of `from` to `to`, or a conflict naming its state.
+    fn transition(
+        &self,
+        id: &SandboxId,
+        from: &[SandboxState],
+        to: SandboxState,
+    ) -> Result<(Sandbox, SandboxState), ServiceError> {
+        let mut st = self.state.lock().unwrap();
+        let sandbox = Self::sandbox(&mut st, id)?;
+        let was = sandbox.state;
+        if !from.contains(&was) {
+            return Err(ServiceError::Conflict {
+                id: id.to_string(),
+                state: was,
+                message: format!("sandbox {id} is {was}: cannot go to {to}"),
+            });
+        }
+        sandbox.state = to;
+        sandbox.generation += 1;
+        Ok((sandbox.clone(), was))
+    }
+}
+
+/// Memory of sandboxes that hold a VMM.
+fn committed(st: &FakeState) -> u64 {
+    st.sandboxes
+        .values()
+        .filter(|s| matches!(s.state, SandboxState::Running | SandboxState::Paused))
+        .map(|s| u64::from(s.mem_mib))
+        .sum()
+}
+
+fn outcome(sandbox: Sandbox, resumed: bool) -> Outcome {
+    Outcome {
+        sandbox,
+        resumed,
+        resume_ms: resumed.then_some(3.5),
+    }
+}
+
+impl SandboxApi for Fake {
+    fn list_templates(&self) -> Result<Vec<Template>, ServiceError> {
+        Ok(self
+            .state
+            .lock()
+            .unwrap()
+            .templates
+            .values()
+            .cloned()
+            .collect())
+    }
+
+    fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError> {
+        self.state
+            .lock()
+            .unwrap()
+            .templates
+            .get(id)
+            .cloned()
+            .ok_or_else(|| ServiceError::NotFound {
+                kind: "template",
+                id: id.to_string(),
+            })
+    }
+
+    fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError> {
+        if req.name == "panic" {
+            panic!("test hook: template named panic");
+        }
+        if req.name.is_empty() {
+            return Err(ServiceError::Invalid("template name is empty".into()));
+        }
+        if req.kind == TemplateKind::Linux {
+            return Err(ServiceError::Unsupported(
+                "no Linux templates in this build".into(),
+            ));
+        }
+        let template = Template {
+            id: TemplateId::generate(),
+            name: req.name,
+            kernel: "builtin:probe".into(),
+            rootfs: req.rootfs,
+            snapshot_dir: None,
+            mem_mib: req.mem_mib,
+            vcpus: req.vcpus,
+            kind: req.kind,
+            created_at: Timestamp::now(),
+            state: TemplateState::Building,
+        };
+        let mut st = self.state.lock().unwrap();
+        st.templates.insert(template.id.clone(), template.clone());
+        Ok(template)
+    }
+
+    fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError> {
+        let mut st = self.state.lock().unwrap();
+        if !st.templates.contains_key(id) {
+            return Err(ServiceError::NotFound {
+                kind: "template",
+                id: id.to_string(),
+            });
+        }
+        if st
+            .sandboxes
+            .values()
+            .any(|s| &s.template == id && s.state != SandboxState::Deleted)
+        {
+            return Err(ServiceError::Invalid(format!("template {id} is in use")));
+        }
+        st.templates.remove(id);
+        Ok(())
+    }
+
+    fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
+        if let Some(ms) = req.metadata.get("sleep_ms") {
+            std::thread::sleep(Duration::from_millis(ms.parse().unwrap()));
+        }
+        let mut st = self.state.lock().unwrap();
+        let template = st
+            .templates
+            .values()
+            .find(|t| t.id.as_str() == req.template || t.name == req.template)
+            .cloned()
+            .ok_or_else(|| ServiceError::NotFound {
+                kind: "template",
+                id: req.template.clone(),
+            })?;
+        let mem = template.mem_mib;
+        let capacity = (POD_MIB as f64 * st.pod.oversubscription_ratio) as u64;
+        let fits = committed(&st) + u64::from(mem) <= capacity;
+        if !fits && !req.queue {
+            return Err(ServiceError::Admission {
+                message: format!(
+                    "pod {POD_ID} is full: {} MiB committed of {capacity} MiB allowed",
+                    committed(&st)
+                ),
+            });
+        }
+        let mut sandbox = Sandbox::new(
+            template.id,
+            mem,
+            template.vcpus,
+            req.keep_alive_ms.unwrap_or(60_000),
+        );
+        sandbox.metadata = req.metadata;
+        sandbox.pod = Some(st.pod.id.clone());
+        if fits {
+            sandbox.state = SandboxState::Running;
+        }
+        st.sandboxes.insert(sandbox.id.clone(), sandbox.clone());
+        Ok(sandbox)
+    }
+
+    fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
+        let mut st = self.state.lock().unwrap();
+        Self::sandbox(&mut st, id).map(|s| s.clone())
+    }
+
+    fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
+        let mut st = self.state.lock().unwrap();
+        st.last_filter = Some(filter.clone());
+        Ok(st
+            .sandboxes
+            .values()
+            .filter(|s| {
+                (filter.states.is_empty() && s.state != SandboxState::Deleted
+                    || filter.states.contains(&s.state))
+                    && filter.template.as_ref().is_none_or(|t| &s.template == t)
+                    && filter
+                        .pod
+                        .as_ref()
+                        .is_none_or(|p| s.pod.as_ref() == Some(p))
+                    && filter
+                        .metadata
+                        .iter()
+                        .all(|(k, v)| s.metadata.get(k) == Some(v))
+            })
+            .cloned()
+            .collect())
+    }
+
+    fn pause(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        let (s, _) = self.transition(id, &[SandboxState::Running], SandboxState::Paused)?;
+        Ok(outcome(s, false))
+    }
+
+    fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        let (s, was) = self.transition(
+            id,
+            &[SandboxState::Paused, SandboxState::Hibernated],
+            SandboxState::Running,
+        )?;
+        Ok(outcome(s, was == SandboxState::Hibernated))
+    }
+
+    fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        let (s, _) = self.transition(
+            id,
+            &[SandboxState::Running, SandboxState::Paused],
+            SandboxState::Hibernated,
+        )?;
+        Ok(outcome(s, false))
+    }
+
+    fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
+        use SandboxState::*;
+        let from = [Creating, Running, Paused, Hibernated, Failed];
+        self.transition(id, &from, Deleted).map(|_| ())
+    }
+
+    fn set_timeout(
+        &self,
+        id: &SandboxId,
+        keep_alive_ms: Option<u64>,
+        timeout_ms: Option<u64>,
+    ) -> Result<Sandbox, ServiceError> {
+        let mut st = self.state.lock().unwrap();
+        st.last_timeout = Some((id.clone(), keep_alive_ms, timeout_ms));
+        let sandbox = Self::sandbox(&mut st, id)?;
+        if let Some(k) = keep_alive_ms {
+            sandbox.keep_alive_ms = k;
+        }
+        if let Some(t) = timeout_ms {
+            sandbox.expires_at = Some(Timestamp(Timestamp::now().0 + t as i64));
+        }
+        Ok(sandbox.clone())
+    }
+
+    fn list_pods(&self) -> Result<Vec<PodView>, ServiceError> {
+        Ok(vec![Self::view(&self.state.lock().unwrap())])
+    }
+
+    fn set_pod(
+        &self,
+        id: &PodId,
+        ratio: Option<f64>,
+        high_watermark: Option<f64>,
+    ) -> Result<PodView, ServiceError> {
+        let mut st = self.state.lock().unwrap();
+        if id != &st.pod.id {
+            return Err(ServiceError::NotFound {
+                kind: "pod",
+                id: id.to_string(),
+            });
+        }
+        if let Some(r) = ratio {
+            if !(r > 0.0 && r <= 100.0) {
+                return Err(ServiceError::Invalid(format!(
+                    "oversubscription ratio {r} is outside (0, 100]"
+                )));
+            }
+            st.pod.oversubscription_ratio = r;
+        }
+        if let Some(w) = high_watermark {
+            st.pod.high_watermark = w;
+        }
+        Ok(Self::view(&st))
+    }
+
+    fn metrics(&self) -> String {
+        let st = self.state.lock().unwrap();
+        format!(
+            "# TYPE torpor_sandboxes gauge\ntorpor_sandboxes{{state=\"running\"}} {}\n",
+            st.sandboxes
+                .values()
+                .filter(|s| s.state == SandboxState::Running)
+                .count()
+        )
+    }
+}
+
+/// A server on 127.0.0.1:0 over a [`Fake`].
+pub struct Server {
+    pub addr: SocketAddr,
+    pub fake: Arc<Fake>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<std::io::Result<()>>>,
+}
+
+impl Server {
+    /// A config with [`TOKEN`] and [`OTHER_TOKEN`] and the default limits.
+    pub fn config() -> ApiConfig {
+        ApiConfig {
+            tokens: vec![TOKEN.into(), OTHER_TOKEN.into()],
+            ..ApiConfig::default()
+        }
+    }
+
+    pub async fn start() -> Server {
+        Self::start_with(Self::config()).await
+    }
+
+    pub async fn start_with(config: ApiConfig) -> Server {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let fake = Arc::new(Fake::new());
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(torpor_api::serve(
+            listener,
+            Arc::clone(&fake),
+            config,
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        Server {
+            addr,
+            fake,
+            stop: Some(stop),
+            task: Some(task),
+        }
+    }
+
+    /// Asks for a graceful shutdown and waits for `serve` to return.
+    pub async fn shutdown(mut self) -> std::io::Result<()> {
+        let _ = self.stop.take().unwrap().send(());
+        let task = self.task.take().unwrap();
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("serve returns after shutdown")
+            .unwrap()
+    }
+
+    /// `method path` with the test token and, if given, a JSON body.
+    pub async fn call(&self, method: &str, path: &str, json: Option<Value>) -> Reply {
+        let body = json.map(|v| v.to_string());
+        let mut headers = vec![("Authorization", format!("Bearer {TOKEN}"))];
+        if body.is_some() {
+            headers.push(("Content-Type", "application/json".into()));
+        }
+        self.request(method, path, &headers, body.as_deref().map(str::as_bytes))
+            .await
+    }
+
+    /// A request with exactly these headers (plus Host, Connection and,
+    /// with a body, Content-Length).
+    pub async fn request(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, String)],
+        body: Option<&[u8]>,
+    ) -> Reply {
+        let mut head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n",
+            self.addr
+        );
+        for (name, value) in headers {
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        if let Some(body) = body {
+            head.push_str(&format!("Content-Length: {}\r\n", body.len()));
+        }
+        head.push_str("\r\n");
+        let mut raw = head.into_bytes();
+        raw.extend_from_slice(body.unwrap_or_default());
+        self.raw(&raw).await
+    }
+
+    /// Sends `raw` as is and reads the answer to the end of the connection.
+    pub async fn raw(&self, raw: &[u8]) -> Reply {
+        let exchange = async {
+            let mut stream = TcpStream::connect(self.addr).await.unwrap();
+            // The server may answer (413) and close before taking it all.
+            if let Err(e) = stream.write_all(raw).await {
+                eprintln!("write: {e}");
+            }
+            // A server that answers before reading a whole body may close
+            // with a reset after its answer: keep what arrived.
+            let mut answer = Vec::new();
+            let mut buf = [0u8; 16384];
+            loop {
+                match stream.read(&mut buf).await {
+                    Ok(0) => break,
+                    Ok(n) => answer.extend_from_slice(&buf[..n]),
+                    Err(e) if !answer.is_empty() => {
+                        eprintln!("read after {} bytes: {e}", answer.len());
+                        break;
+                    }
+                    Err(e) => panic!("read: {e}"),
+                }
+            }
+            answer
+        };
+        let answer = tokio::time::timeout(Duration::from_secs(20), exchange)
+            .await
+            .expect("the server answers within 20 s");
+        Reply::parse(&answer)
+    }
+}
+
+/// A parsed HTTP/1.1 answer.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    fn parse(raw: &[u8]) -> Reply {
+        let end = raw
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .unwrap_or_else(|| panic!("no header end in {:?}", String::from_utf8_lossy(raw)));
+        let head = std::str::from_utf8(&raw[..end]).unwrap();
+        let mut lines = head.split("\r\n");
+        let status_line = lines.next().unwrap();
+        let status = status_line.split(' ').nth(1).unwrap().parse().unwrap();
+        let headers: Vec<(String, String)> = lines
+            .map(|l| {
+                let (n, v) = l.split_once(':').unwrap();
+                (n.trim().to_ascii_lowercase(), v.trim().to_string())
+            })
+            .collect();
+        let rest = &raw[end + 4..];
+        let chunked = headers
+            .iter()
+            .any(|(n, v)| n == "transfer-encoding" && v.contains("chunked"));
+        let body = if chunked {
+            dechunk(rest)
+        } else {
+            rest.to_vec()
+        };
+        Reply {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        let name = name.to_ascii_lowercase();
+        self.headers
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", self.text()))
+    }
+
+    /// Asserts the standard error body with this status and code, and
+    /// returns its `error` object.
+    #[track_caller]
+    pub fn assert_error(&self, status: u16, code: &str) -> Value {
+        assert_eq!(self.status, status, "body: {}", self.text());
+        assert!(
+            self.header("content-type")
+                .is_some_and(|c| c.starts_with("application/json")),
+            "error content type: {:?}",
+            self.header("content-type")
+        );
+        let v = self.json();
+        let error = v["error"].clone();
+        assert_eq!(error["code"], code, "body: {v}");
+        assert!(
+            error["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "message in {v}"
+        );
+        error
+    }
+}
+
+fn dechunk(mut raw: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let line_end = raw.windows(2).position(|w| w == b"\r\n").unwrap();
+        let size_text = std::str::from_utf8(&raw[..line_end]).unwrap();
+        let size = usize::from_str_radix(size_text.split(';').next().unwrap().trim(), 16).unwrap();
+        raw = &raw[line_end + 2..];
+        if size == 0 {
+            return out;
+        }
+        out.extend_from_slice(&raw[..size]);
+        raw = &raw[size + 2..];
+    }
+}

@@ -1,0 +1,260 @@
+//! The sandbox service: lifecycle operations on sandboxes and templates,
+//! run on the local pod, with every state change journaled in the store
+//! before it is acknowledged.
+//!
+//! Blocking by design (store calls, control sockets, process spawns): the
+//! async API calls it through `spawn_blocking`. Operations on one sandbox
+//! are serialised by a per-sandbox lock; different sandboxes proceed
+//! concurrently.
+
+mod ops;
+mod policy;
+mod recovery;
+mod template;
+pub mod vmm;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::process::Child;
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::{Pod, PodAddress, PodId, SandboxId, TemplateKind, Timestamp};
+use crate::state::{IllegalTransition, SandboxState};
+use crate::store::{Store, StoreError};
+
+pub use policy::Metrics;
+
+/// The local pod's id.
+pub const LOCAL_POD: &str = "pod_local";
+/// The built-in probe template's name.
+pub const PROBE_TEMPLATE: &str = "probe";
+
+/// How the service runs.
+#[derive(Debug, Clone)]
+pub struct ServiceConfig {
+    pub data_dir: PathBuf,
+    /// The `torpor` executable whose `vmm` subcommand runs each sandbox.
+    pub vmm_exe: PathBuf,
+    /// Default keep-alive before an idle sandbox is hibernated.
+    pub default_keep_alive_ms: u64,
+    /// Oversubscription ratio of the local pod when it is first created.
+    pub default_ratio: f64,
+    /// Run the idle-hibernation and watermark policy every this many ms
+    /// (0 disables it).
+    pub policy_interval_ms: u64,
+}
+
+impl ServiceConfig {
+    pub fn new(data_dir: PathBuf, vmm_exe: PathBuf) -> Self {
+        Self {
+            data_dir,
+            vmm_exe,
+            default_keep_alive_ms: 5 * 60 * 1000,
+            default_ratio: 4.0,
+            policy_interval_ms: 1000,
+        }
+    }
+}
+
+/// Errors the API maps to HTTP statuses.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error("{kind} {id} not found")]
+    NotFound { kind: &'static str, id: String },
+    #[error("sandbox {id} is {state}: {message}")]
+    Conflict {
+        id: String,
+        state: SandboxState,
+        message: String,
+    },
+    #[error("{message}")]
+    Admission { message: String },
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("{0}")]
+    Unsupported(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl From<StoreError> for ServiceError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::NotFound { kind, id } => ServiceError::NotFound { kind, id },
+            StoreError::Conflict { id, current, .. } => ServiceError::Conflict {
+                id: id.to_string(),
+                state: current,
+                message: "the sandbox changed state meanwhile".into(),
+            },
+            StoreError::InUse { .. } | StoreError::TemplateConflict { .. } => {
+                ServiceError::Invalid(e.to_string())
+            }
+            StoreError::InvalidRatio(_) | StoreError::Invalid { .. } => {
+                ServiceError::Invalid(e.to_string())
+            }
+            other => ServiceError::Internal(other.to_string()),
+        }
+    }
+}
+
+impl ServiceError {
+    fn illegal(id: &SandboxId, e: IllegalTransition, op: &str) -> Self {
+        ServiceError::Conflict {
+            id: id.to_string(),
+            state: e.from,
+            message: format!("cannot {op} a sandbox that is {}", e.from),
+        }
+    }
+}
+
+/// Creating a template.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CreateTemplate {
+    pub name: String,
+    pub kind: TemplateKind,
+    #[serde(default)]
+    pub kernel: Option<PathBuf>,
+    #[serde(default)]
+    pub rootfs: Option<PathBuf>,
+    #[serde(default = "default_mem")]
+    pub mem_mib: u32,
+    #[serde(default = "default_vcpus")]
+    pub vcpus: u32,
+    #[serde(default)]
+    pub cmdline: Option<String>,
+}
+
+fn default_mem() -> u32 {
+    64
+}
+fn default_vcpus() -> u32 {
+    1
+}
+
+/// Creating a sandbox.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct CreateSandbox {
+    /// Template id or name.
+    pub template: String,
+    #[serde(default)]
+    pub keep_alive_ms: Option<u64>,
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    /// Wait (up to 30 s) for capacity instead of refusing at once.
+    #[serde(default)]
+    pub queue: bool,
+}
+
+/// The result of an operation, and whether it had to wake the sandbox.
+#[derive(Debug, Clone, Serialize)]
+pub struct Outcome {
+    pub sandbox: crate::model::Sandbox,
+    pub resumed: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resume_ms: Option<f64>,
+}
+
+/// A pod with its load.
+#[derive(Debug, Clone, Serialize)]
+pub struct PodView {
+    #[serde(flatten)]
+    pub pod: Pod,
+    /// Memory of sandboxes holding a VMM (not hibernated), MiB.
+    pub committed_mib: u64,
+    /// Measured PSS of all its VMM processes, MiB.
+    pub pss_mib: f64,
+    pub sandboxes: BTreeMap<String, u64>,
+}
+
+/// The service.
+pub struct Service {
+    config: ServiceConfig,
+    store: Store,
+    /// Per-sandbox operation locks.
+    locks: Mutex<HashMap<SandboxId, Arc<Mutex<()>>>>,
+    /// VMM processes this service started (others were re-attached).
+    children: Mutex<HashMap<SandboxId, Child>>,
+    metrics: Metrics,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Service {
+    /// Opens the store, recovers from an unclean stop, makes sure the local
+    /// pod and the built-in probe template exist, and starts the policy.
+    pub fn open(config: ServiceConfig) -> Result<Arc<Self>, ServiceError> {
+        for sub in ["sandboxes", "templates"] {
+            std::fs::create_dir_all(config.data_dir.join(sub))
+                .map_err(|e| ServiceError::Internal(format!("create data dir: {e}")))?;
+        }
+        let store = Store::open(&config.data_dir)?;
+        let service = Arc::new(Self {
+            config,
+            store,
+            locks: Mutex::new(HashMap::new()),
+            children: Mutex::new(HashMap::new()),
+            metrics: Metrics::default(),
+            stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        });
+        service.ensure_local_pod()?;
+        service.recover()?;
+        service.ensure_probe_template()?;
+        if service.config.policy_interval_ms > 0 {
+            policy::start(&service);
+        }
+        Ok(service)
+    }
+
+    /// Stops the policy thread; VMMs keep running (a restarted service
+    /// re-attaches to them).
+    pub fn close(&self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    fn ensure_local_pod(&self) -> Result<(), ServiceError> {
+        let id = PodId::new(LOCAL_POD);
+        if self.store.get_pod(&id).is_ok() {
+            return Ok(());
+        }
+        let memory_bytes = torpor_vmm::vstate::memory::host_memory_bytes()
+            .map_err(|e| ServiceError::Internal(format!("host memory: {e}")))?;
+        let vcpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+        self.store.insert_pod(&Pod {
+            id,
+            address: PodAddress::Local,
+            token_hash: None,
+            memory_bytes,
+            vcpus,
+            disk_bytes: 0,
+            oversubscription_ratio: self.config.default_ratio,
+            high_watermark: 0.9,
+            created_at: Timestamp::now(),
+        })?;
+        Ok(())
+    }
+
+    /// The lock serialising operations on one sandbox.
+    fn lock_for(&self, id: &SandboxId) -> Arc<Mutex<()>> {
+        self.locks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(id.clone())
+            .or_default()
+            .clone()
+    }
+
+    fn sandbox_dir(&self, id: &SandboxId) -> PathBuf {
+        self.config.data_dir.join("sandboxes").join(id.as_str())
+    }
+
+    pub fn metrics_registry(&self) -> &Metrics {
+        &self.metrics
+    }
+}

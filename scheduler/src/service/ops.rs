@@ -1,0 +1,491 @@
+//! Sandbox and template operations. Each journals its start (with the state
+//! change it begins), does the work, then journals the end with the final
+//! state, so a crash in between leaves a record recovery can act on.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use torpor_vmm::control::Request;
+
+use super::vmm::{self, VmmFiles};
+use super::{CreateSandbox, CreateTemplate, Outcome, PodView, Service, ServiceError, LOCAL_POD};
+use crate::model::{PodId, Sandbox, SandboxId, Template, TemplateId, TemplateState, Timestamp};
+use crate::state::{can, Operation, SandboxState};
+use crate::store::{OperationKind, OperationStatus, SandboxFilter, StateChange};
+
+/// Diff snapshots on top of each other before a hibernation writes a full
+/// one instead (restores read every layer of the chain).
+const MAX_DIFF_DEPTH: usize = 16;
+
+impl Service {
+    pub fn list_templates(&self) -> Result<Vec<Template>, ServiceError> {
+        Ok(self.store.list_templates(false)?)
+    }
+
+    pub fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError> {
+        Ok(self.store.get_template(id)?)
+    }
+
+    /// A template by id, or by name among live templates.
+    fn find_template(&self, key: &str) -> Result<Template, ServiceError> {
+        if let Ok(t) = self.store.get_template(&TemplateId::new(key)) {
+            return Ok(t);
+        }
+        self.list_templates()?
+            .into_iter()
+            .find(|t| t.name == key)
+            .ok_or(ServiceError::NotFound {
+                kind: "template",
+                id: key.to_string(),
+            })
+    }
+
+    pub fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError> {
+        self.build_template(req)
+    }
+
+    pub fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError> {
+        let t = self.store.delete_template(id)?;
+        if let Some(dir) = t
+            .snapshot_dir
+            .and_then(|d| d.parent().map(Path::to_path_buf))
+        {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        Ok(())
+    }
+
+    pub fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
+        Ok(self.store.get_sandbox(id)?)
+    }
+
+    pub fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
+        Ok(self.store.list_sandboxes(&filter)?)
+    }
+
+    /// Memory (MiB) of sandboxes on the pod that hold a VMM.
+    fn committed_mib(&self) -> Result<u64, ServiceError> {
+        let holding = [
+            SandboxState::Creating,
+            SandboxState::Running,
+            SandboxState::Paused,
+            SandboxState::Hibernating,
+            SandboxState::Resuming,
+        ];
+        let filter = SandboxFilter {
+            states: holding.to_vec(),
+            ..Default::default()
+        };
+        Ok(self
+            .store
+            .list_sandboxes(&filter)?
+            .iter()
+            .map(|s| u64::from(s.mem_mib))
+            .sum())
+    }
+
+    /// Refuses (or, with `queue`, waits for) memory beyond the pod's ratio.
+    fn admit(&self, mem_mib: u32, queue: bool) -> Result<(), ServiceError> {
+        let pod = self.store.get_pod(&PodId::new(LOCAL_POD))?;
+        let limit = (pod.memory_bytes >> 20) as f64 * pod.oversubscription_ratio;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let committed = self.committed_mib()?;
+            if (committed + u64::from(mem_mib)) as f64 <= limit {
+                return Ok(());
+            }
+            if !queue || Instant::now() > deadline {
+                return Err(ServiceError::Admission {
+                    message: format!(
+                        "pod {} is full: {committed} MiB committed + {mem_mib} MiB asked > {limit:.0} MiB \
+                         (ratio {} x {} MiB); hibernate sandboxes or raise the ratio",
+                        pod.id,
+                        pod.oversubscription_ratio,
+                        pod.memory_bytes >> 20
+                    ),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Creates a sandbox from a ready template: restore of its snapshot.
+    pub fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
+        let template = self.find_template(&req.template)?;
+        let Some(snapshot) = template
+            .snapshot_dir
+            .clone()
+            .filter(|_| template.state == TemplateState::Ready)
+        else {
+            return Err(ServiceError::Invalid(format!(
+                "template {} is not ready",
+                template.id
+            )));
+        };
+        self.admit(template.mem_mib, req.queue)?;
+        let keep_alive = req
+            .keep_alive_ms
+            .unwrap_or(self.config.default_keep_alive_ms);
+        let mut sandbox = Sandbox::new(
+            template.id.clone(),
+            template.mem_mib,
+            template.vcpus,
+            keep_alive,
+        );
+        sandbox.metadata = req.metadata;
+        sandbox.pod = Some(PodId::new(LOCAL_POD));
+        sandbox.expires_at = req
+            .timeout_ms
+            .map(|t| Timestamp(Timestamp::now().0 + t as i64));
+        let lock = self.lock_for(&sandbox.id);
+        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.store.insert_sandbox(&sandbox)?;
+        let op = self.store.begin_operation(
+            Some(&sandbox.id),
+            OperationKind::Create,
+            &json!({ "snapshot": snapshot }),
+            None,
+        )?;
+        match self.start_vmm(&sandbox.id, &snapshot) {
+            Ok(()) => {
+                let change = StateChange::new(SandboxState::Creating, SandboxState::Running);
+                self.store
+                    .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
+                self.store
+                    .set_sandbox_snapshot(&sandbox.id, Some(&snapshot))?;
+                Ok(self.store.get_sandbox(&sandbox.id)?)
+            }
+            Err(e) => {
+                let change = StateChange {
+                    from: SandboxState::Creating,
+                    to: SandboxState::Failed,
+                    reason: Some(e.to_string()),
+                };
+                self.store.finish_operation(
+                    &op.id,
+                    OperationStatus::RolledBack,
+                    None,
+                    Some(&change),
+                )?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Spawns the sandbox's VMM restoring `snapshot` and records it.
+    fn start_vmm(&self, id: &SandboxId, snapshot: &Path) -> Result<(), ServiceError> {
+        let dir = self.sandbox_dir(id);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| ServiceError::Internal(format!("create {}: {e}", dir.display())))?;
+        let files = VmmFiles::in_dir(&dir);
+        let snap = snapshot.to_string_lossy();
+        let (child, handle) = vmm::spawn(
+            &self.config.vmm_exe,
+            &["--restore", &snap, "--memory-backend", "file"],
+            &files,
+        )?;
+        self.store.set_sandbox_vmm(id, Some(&handle))?;
+        self.children
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.clone(), child);
+        Ok(())
+    }
+
+    /// Stops the sandbox's VMM, if it has one.
+    fn stop_vmm(&self, sandbox: &Sandbox) -> Result<(), ServiceError> {
+        if let Some(handle) = &sandbox.vmm {
+            let child = self
+                .children
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&sandbox.id);
+            vmm::stop(handle, child);
+            self.store.set_sandbox_vmm(&sandbox.id, None)?;
+        }
+        Ok(())
+    }
+
+    fn running_handle(sandbox: &Sandbox) -> Result<&crate::model::VmmHandle, ServiceError> {
+        sandbox
+            .vmm
+            .as_ref()
+            .ok_or_else(|| ServiceError::Internal(format!("sandbox {} has no VMM", sandbox.id)))
+    }
+
+    pub fn pause(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        self.simple_transition(id, Operation::Pause, OperationKind::Pause, Request::Pause)
+    }
+
+    /// Resumes a paused sandbox, or wakes a hibernated one.
+    pub fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let sandbox = self.store.get_sandbox(id)?;
+        if sandbox.state == SandboxState::Hibernated {
+            return self.wake_locked(sandbox);
+        }
+        drop(_guard);
+        self.simple_transition(
+            id,
+            Operation::Resume,
+            OperationKind::Resume,
+            Request::Resume,
+        )
+    }
+
+    /// Pause or resume: one control request and one state change.
+    fn simple_transition(
+        &self,
+        id: &SandboxId,
+        op: Operation,
+        kind: OperationKind,
+        req: Request,
+    ) -> Result<Outcome, ServiceError> {
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let sandbox = self.store.get_sandbox(id)?;
+        let path =
+            can(op, sandbox.state).map_err(|e| ServiceError::illegal(id, e, kind.as_str()))?;
+        let Some(&to) = path.last() else {
+            return Ok(Outcome {
+                sandbox,
+                resumed: false,
+                resume_ms: None,
+            });
+        };
+        let handle = Self::running_handle(&sandbox)?;
+        vmm::call(handle, &req)?;
+        let sandbox = self
+            .store
+            .update_sandbox_state(id, sandbox.state, to, None)?;
+        self.store.touch(id, Timestamp::now())?;
+        Ok(Outcome {
+            sandbox,
+            resumed: false,
+            resume_ms: None,
+        })
+    }
+
+    /// Restores a hibernated sandbox from its snapshot (lock held).
+    fn wake_locked(&self, sandbox: Sandbox) -> Result<Outcome, ServiceError> {
+        let started = Instant::now();
+        let snapshot = sandbox.snapshot.clone().ok_or_else(|| {
+            ServiceError::Internal(format!("hibernated sandbox {} has no snapshot", sandbox.id))
+        })?;
+        self.admit(sandbox.mem_mib, false)?;
+        let change = StateChange::new(SandboxState::Hibernated, SandboxState::Resuming);
+        let op = self.store.begin_operation(
+            Some(&sandbox.id),
+            OperationKind::Wake,
+            &json!({}),
+            Some(&change),
+        )?;
+        match self.start_vmm(&sandbox.id, &snapshot) {
+            Ok(()) => {
+                let change = StateChange::new(SandboxState::Resuming, SandboxState::Running);
+                self.store
+                    .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
+                self.store.touch(&sandbox.id, Timestamp::now())?;
+                let ms = started.elapsed().as_secs_f64() * 1000.0;
+                self.metrics.observe_resume(ms);
+                Ok(Outcome {
+                    sandbox: self.store.get_sandbox(&sandbox.id)?,
+                    resumed: true,
+                    resume_ms: Some(ms),
+                })
+            }
+            Err(e) => {
+                let change = StateChange::new(SandboxState::Resuming, SandboxState::Hibernated);
+                self.store.finish_operation(
+                    &op.id,
+                    OperationStatus::RolledBack,
+                    None,
+                    Some(&change),
+                )?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Makes sure the sandbox runs (waking it if hibernated) and marks it
+    /// active: what every guest-facing request does first.
+    pub fn ensure_running(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let sandbox = self.store.get_sandbox(id)?;
+        can(Operation::Exec, sandbox.state).map_err(|e| ServiceError::illegal(id, e, "reach"))?;
+        if sandbox.state == SandboxState::Hibernated {
+            return self.wake_locked(sandbox);
+        }
+        self.store.touch(id, Timestamp::now())?;
+        Ok(Outcome {
+            sandbox,
+            resumed: false,
+            resume_ms: None,
+        })
+    }
+
+    /// Hibernates: pause, diff snapshot on the snapshot it runs from (full
+    /// past `MAX_DIFF_DEPTH` layers), end the VMM.
+    pub fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let started = Instant::now();
+        let sandbox = self.store.get_sandbox(id)?;
+        let path = can(Operation::Hibernate, sandbox.state)
+            .map_err(|e| ServiceError::illegal(id, e, "hibernate"))?;
+        if path.is_empty() {
+            return Ok(Outcome {
+                sandbox,
+                resumed: false,
+                resume_ms: None,
+            });
+        }
+        let handle = Self::running_handle(&sandbox)?.clone();
+        let target = self
+            .sandbox_dir(id)
+            .join(format!("snap-{}", sandbox.generation + 1));
+        let change = StateChange::new(sandbox.state, SandboxState::Hibernating);
+        let op = self.store.begin_operation(
+            Some(id),
+            OperationKind::Hibernate,
+            &json!({ "snapshot": target, "from": sandbox.state }),
+            Some(&change),
+        )?;
+        let diff = sandbox
+            .snapshot
+            .as_deref()
+            .map(|s| {
+                torpor_vmm::restore::load_chain(s).map_or(MAX_DIFF_DEPTH, |c| c.layers.len())
+                    < MAX_DIFF_DEPTH
+            })
+            .unwrap_or(false);
+        let result = vmm::call(&handle, &Request::Pause).and_then(|_| {
+            vmm::call(
+                &handle,
+                &Request::Snapshot {
+                    path: target.clone(),
+                    diff,
+                },
+            )
+        });
+        match result {
+            Ok(_) => {
+                self.stop_vmm(&sandbox)?;
+                self.store.set_sandbox_snapshot(id, Some(&target))?;
+                let change = StateChange::new(SandboxState::Hibernating, SandboxState::Hibernated);
+                self.store
+                    .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
+                self.metrics
+                    .observe_hibernate(started.elapsed().as_secs_f64() * 1000.0);
+                Ok(Outcome {
+                    sandbox: self.store.get_sandbox(id)?,
+                    resumed: false,
+                    resume_ms: None,
+                })
+            }
+            Err(e) => {
+                let _ = vmm::call(&handle, &Request::Resume);
+                let _ = std::fs::remove_dir_all(&target);
+                let change = StateChange::new(SandboxState::Hibernating, SandboxState::Running);
+                self.store.finish_operation(
+                    &op.id,
+                    OperationStatus::RolledBack,
+                    None,
+                    Some(&change),
+                )?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Deletes a sandbox: its VMM and files go, its row stays as deleted.
+    pub fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let sandbox = self.store.get_sandbox(id)?;
+        if sandbox.state == SandboxState::Deleted {
+            return Ok(());
+        }
+        let op = self
+            .store
+            .begin_operation(Some(id), OperationKind::Delete, &json!({}), None)?;
+        self.stop_vmm(&sandbox)?;
+        let change = StateChange::new(sandbox.state, SandboxState::Deleted);
+        self.store
+            .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
+        let _ = std::fs::remove_dir_all(self.sandbox_dir(id));
+        Ok(())
+    }
+
+    pub fn set_timeout(
+        &self,
+        id: &SandboxId,
+        keep_alive_ms: Option<u64>,
+        timeout_ms: Option<u64>,
+    ) -> Result<Sandbox, ServiceError> {
+        let sandbox = self.store.get_sandbox(id)?;
+        let keep_alive = keep_alive_ms.unwrap_or(sandbox.keep_alive_ms);
+        let expires = match timeout_ms {
+            Some(t) => Some(Timestamp(Timestamp::now().0 + t as i64)),
+            None => sandbox.expires_at,
+        };
+        self.store.set_sandbox_timeout(id, keep_alive, expires)?;
+        Ok(self.store.get_sandbox(id)?)
+    }
+
+    pub fn list_pods(&self) -> Result<Vec<PodView>, ServiceError> {
+        let pods = self.store.list_pods()?;
+        let sandboxes = self.store.list_sandboxes(&SandboxFilter::default())?;
+        pods.into_iter()
+            .map(|pod| {
+                let mine: Vec<&Sandbox> = sandboxes
+                    .iter()
+                    .filter(|s| s.pod.as_ref() == Some(&pod.id))
+                    .collect();
+                let mut by_state = std::collections::BTreeMap::new();
+                for s in &mine {
+                    *by_state.entry(s.state.to_string()).or_insert(0) += 1;
+                }
+                Ok(PodView {
+                    committed_mib: self.committed_mib()?,
+                    pss_mib: mine
+                        .iter()
+                        .filter_map(|s| s.vmm.as_ref())
+                        .map(|h| vmm::pss_kib(h.pid) as f64 / 1024.0)
+                        .sum(),
+                    sandboxes: by_state,
+                    pod,
+                })
+            })
+            .collect()
+    }
+
+    pub fn set_pod(
+        &self,
+        id: &PodId,
+        ratio: Option<f64>,
+        high_watermark: Option<f64>,
+    ) -> Result<PodView, ServiceError> {
+        if let Some(r) = ratio {
+            self.store.set_ratio(id, r)?;
+        }
+        if let Some(w) = high_watermark {
+            self.store.set_high_watermark(id, w)?;
+        }
+        self.list_pods()?
+            .into_iter()
+            .find(|p| &p.pod.id == id)
+            .ok_or(ServiceError::NotFound {
+                kind: "pod",
+                id: id.to_string(),
+            })
+    }
+
+    /// Where templates keep their files.
+    pub(super) fn template_dir(&self, id: &TemplateId) -> PathBuf {
+        self.config.data_dir.join("templates").join(id.as_str())
+    }
+}

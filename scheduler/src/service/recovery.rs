@@ -1,0 +1,146 @@
+//! After an unclean stop (kill -9 of `torpor serve`): finish or roll back
+//! interrupted operations, re-attach to VMMs that still answer, mark the
+//! sandboxes whose VMM is gone failed, and remove orphaned files.
+
+use std::collections::HashSet;
+
+use super::vmm;
+use super::{Service, ServiceError};
+use crate::files::cleanup_orphans;
+use crate::model::Sandbox;
+use crate::state::SandboxState;
+use crate::store::{OperationKind, OperationStatus, SandboxFilter, StateChange};
+
+impl Service {
+    pub(super) fn recover(&self) -> Result<(), ServiceError> {
+        for op in self.store.interrupted_operations()? {
+            let Some(id) = op.sandbox.clone() else {
+                self.store
+                    .finish_operation(&op.id, OperationStatus::RolledBack, None, None)?;
+                continue;
+            };
+            let sandbox = self.store.get_sandbox(&id)?;
+            let answers = sandbox.vmm.as_ref().and_then(vmm::status).is_some();
+            let snapshot_done = op
+                .detail
+                .get("snapshot")
+                .and_then(|s| s.as_str())
+                .map(|s| {
+                    std::path::Path::new(s)
+                        .join(torpor_vmm::snapshot::STATE_FILE)
+                        .exists()
+                })
+                .unwrap_or(false);
+            let (outcome, to, reason) = match (op.kind, sandbox.state) {
+                (OperationKind::Create, SandboxState::Creating) if answers => {
+                    (OperationStatus::Done, SandboxState::Running, None)
+                }
+                (OperationKind::Create, SandboxState::Creating) => (
+                    OperationStatus::RolledBack,
+                    SandboxState::Failed,
+                    Some("the service stopped while creating it"),
+                ),
+                (OperationKind::Hibernate, SandboxState::Hibernating) if snapshot_done => {
+                    (OperationStatus::Done, SandboxState::Hibernated, None)
+                }
+                (OperationKind::Hibernate, SandboxState::Hibernating) if answers => {
+                    (OperationStatus::RolledBack, SandboxState::Running, None)
+                }
+                (OperationKind::Hibernate, SandboxState::Hibernating) => (
+                    OperationStatus::RolledBack,
+                    SandboxState::Failed,
+                    Some("the service and the VMM stopped while hibernating it"),
+                ),
+                (OperationKind::Wake, SandboxState::Resuming) if answers => {
+                    (OperationStatus::Done, SandboxState::Running, None)
+                }
+                (OperationKind::Wake, SandboxState::Resuming) => {
+                    (OperationStatus::RolledBack, SandboxState::Hibernated, None)
+                }
+                // Pause, resume, delete: the state change is made at the
+                // end, so the row still holds the state before the operation.
+                (_, current) => (OperationStatus::RolledBack, current, None),
+            };
+            if to == SandboxState::Hibernated {
+                if let Some(snapshot) = op.detail.get("snapshot").and_then(|s| s.as_str()) {
+                    if sandbox.state == SandboxState::Hibernating {
+                        self.store
+                            .set_sandbox_snapshot(&id, Some(std::path::Path::new(snapshot)))?;
+                    }
+                }
+                if let Some(handle) = &sandbox.vmm {
+                    vmm::stop(handle, None);
+                    self.store.set_sandbox_vmm(&id, None)?;
+                }
+            }
+            let change = (to != sandbox.state).then(|| StateChange {
+                from: sandbox.state,
+                to,
+                reason: reason.map(String::from),
+            });
+            tracing::warn!(op = %op.id, kind = %op.kind, sandbox = %id, %outcome, "finishing an interrupted operation");
+            self.store
+                .finish_operation(&op.id, outcome, None, change.as_ref())?;
+        }
+        self.reattach()?;
+        self.remove_orphans()
+    }
+
+    /// Running or paused sandboxes keep their VMM if it still answers.
+    fn reattach(&self) -> Result<(), ServiceError> {
+        let filter = SandboxFilter {
+            states: vec![SandboxState::Running, SandboxState::Paused],
+            ..Default::default()
+        };
+        for sandbox in self.store.list_sandboxes(&filter)? {
+            self.reattach_one(&sandbox)?;
+        }
+        Ok(())
+    }
+
+    fn reattach_one(&self, sandbox: &Sandbox) -> Result<(), ServiceError> {
+        match sandbox.vmm.as_ref().map(|h| (h, vmm::status(h))) {
+            Some((h, Some(_))) => {
+                tracing::info!(sandbox = %sandbox.id, pid = h.pid, "re-attached to its VMM")
+            }
+            _ => {
+                tracing::warn!(sandbox = %sandbox.id, "its VMM is gone; marking it failed");
+                self.store.set_sandbox_vmm(&sandbox.id, None)?;
+                self.store.update_sandbox_state(
+                    &sandbox.id,
+                    sandbox.state,
+                    SandboxState::Failed,
+                    Some("its VMM process ended while the service was down"),
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Snapshot layers and temp files no sandbox or template references.
+    fn remove_orphans(&self) -> Result<(), ServiceError> {
+        let mut live: HashSet<std::path::PathBuf> = self.store.referenced_paths()?;
+        // Every layer of every referenced chain is live too.
+        for path in live.clone() {
+            if let Ok(chain) = torpor_vmm::restore::load_chain(&path) {
+                live.extend(chain.layers.into_iter().map(|l| l.dir));
+            }
+        }
+        // Sandbox directories of sandboxes that are not deleted hold their
+        // VMM's socket and console.
+        for s in self.store.list_sandboxes(&SandboxFilter::default())? {
+            live.insert(self.sandbox_dir(&s.id).join("ctl.sock"));
+            live.insert(self.sandbox_dir(&s.id).join("console.log"));
+        }
+        for sub in ["sandboxes", "templates"] {
+            let dir = self.config.data_dir.join(sub);
+            match cleanup_orphans(&dir, &live) {
+                Ok(report) => {
+                    tracing::info!(?report, "removed orphaned files in {}", dir.display())
+                }
+                Err(e) => tracing::warn!("cannot clean {}: {e}", dir.display()),
+            }
+        }
+        Ok(())
+    }
+}

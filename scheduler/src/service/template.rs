@@ -1,0 +1,163 @@
+//! Templates: boot once, wait until the guest is ready, snapshot it.
+//! Probe templates run here natively; Linux templates need the guest image
+//! and, on hosts without hardware virtualization, the nested host.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use torpor_vmm::control::Request;
+
+use super::vmm::{self, VmmFiles};
+use super::{CreateTemplate, Service, ServiceError, PROBE_TEMPLATE};
+use crate::model::{Template, TemplateId, TemplateKind, TemplateState, Timestamp};
+use crate::store::{OperationKind, OperationStatus};
+
+/// How long a template's first boot may take to print its ready line.
+const READY_LIMIT: Duration = Duration::from_secs(60);
+/// The probe's workload and pace in templates: 1 MiB, one iteration a second.
+const PROBE_CMDLINE: &str = "probe.mib=1 probe.ticks=100 probe.hz=100";
+
+impl Service {
+    /// Makes sure the built-in probe template exists and is ready.
+    pub(super) fn ensure_probe_template(&self) -> Result<(), ServiceError> {
+        let ready = self
+            .list_templates()?
+            .into_iter()
+            .any(|t| t.name == PROBE_TEMPLATE && t.state == TemplateState::Ready);
+        if ready {
+            return Ok(());
+        }
+        for stale in self
+            .list_templates()?
+            .into_iter()
+            .filter(|t| t.name == PROBE_TEMPLATE)
+        {
+            let _ = self.store.delete_template(&stale.id);
+        }
+        self.build_template(CreateTemplate {
+            name: PROBE_TEMPLATE.into(),
+            kind: TemplateKind::Probe,
+            kernel: None,
+            rootfs: None,
+            mem_mib: 64,
+            vcpus: 1,
+            cmdline: None,
+        })
+        .map(|_| ())
+    }
+
+    /// Registers a template and builds its snapshot.
+    pub(super) fn build_template(&self, req: CreateTemplate) -> Result<Template, ServiceError> {
+        if req.name.is_empty() || req.name.len() > 64 {
+            return Err(ServiceError::Invalid(
+                "template names are 1 to 64 characters".into(),
+            ));
+        }
+        if req.kind == TemplateKind::Linux {
+            return Err(ServiceError::Unsupported(
+                "Linux templates need the guest image and virtio devices wired into the VMM; \
+                 on hosts without hardware virtualization they run in the nested host. \
+                 Not available in this build yet; use kind \"probe\""
+                    .into(),
+            ));
+        }
+        if !(16..=65536).contains(&req.mem_mib) || !(1..=254).contains(&req.vcpus) {
+            return Err(ServiceError::Invalid(
+                "mem_mib must be 16..65536 and vcpus 1..254".into(),
+            ));
+        }
+        let template = Template {
+            id: TemplateId::generate(),
+            name: req.name,
+            kernel: "builtin:probe".into(),
+            rootfs: None,
+            snapshot_dir: None,
+            mem_mib: req.mem_mib,
+            vcpus: req.vcpus,
+            kind: req.kind,
+            created_at: Timestamp::now(),
+            state: TemplateState::Building,
+        };
+        self.store.insert_template(&template)?;
+        let op = self.store.begin_operation(
+            None,
+            OperationKind::BuildTemplate,
+            &json!({ "template": template.id }),
+            None,
+        )?;
+        let cmdline = req.cmdline.unwrap_or_else(|| PROBE_CMDLINE.into());
+        match self.boot_and_snapshot(&template, &cmdline) {
+            Ok(snapshot) => {
+                self.store
+                    .set_template_snapshot(&template.id, Some(&snapshot))?;
+                self.store
+                    .set_template_state(&template.id, &TemplateState::Ready)?;
+                self.store
+                    .finish_operation(&op.id, OperationStatus::Done, None, None)?;
+            }
+            Err(e) => {
+                self.store
+                    .set_template_state(&template.id, &TemplateState::Failed(e.to_string()))?;
+                self.store
+                    .finish_operation(&op.id, OperationStatus::RolledBack, None, None)?;
+                return Err(e);
+            }
+        }
+        Ok(self.store.get_template(&template.id)?)
+    }
+
+    fn boot_and_snapshot(
+        &self,
+        template: &Template,
+        cmdline: &str,
+    ) -> Result<std::path::PathBuf, ServiceError> {
+        let dir = self.template_dir(&template.id);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| ServiceError::Internal(format!("create {}: {e}", dir.display())))?;
+        let files = VmmFiles::in_dir(&dir);
+        let (mem, vcpus) = (template.mem_mib.to_string(), template.vcpus.to_string());
+        let args = [
+            "--kernel",
+            "builtin:probe",
+            "--mem-mib",
+            &mem,
+            "--vcpus",
+            &vcpus,
+            "--cmdline",
+            cmdline,
+        ];
+        let (child, handle) = vmm::spawn(&self.config.vmm_exe, &args, &files)?;
+        let result = wait_ready(&files).and_then(|()| {
+            vmm::call(&handle, &Request::Pause)?;
+            let snapshot = dir.join("snapshot");
+            vmm::call(
+                &handle,
+                &Request::Snapshot {
+                    path: snapshot.clone(),
+                    diff: false,
+                },
+            )?;
+            Ok(snapshot)
+        });
+        vmm::stop(&handle, Some(child));
+        result
+    }
+}
+
+/// Waits for the probe's first iteration: booted, timer running, idle.
+fn wait_ready(files: &VmmFiles) -> Result<(), ServiceError> {
+    let deadline = Instant::now() + READY_LIMIT;
+    loop {
+        let console = std::fs::read_to_string(&files.console).unwrap_or_default();
+        if console.contains("TORPOR-PROBE ITER n=1 ") {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(ServiceError::Internal(format!(
+                "the template's guest did not become ready within {READY_LIMIT:?}: {}",
+                vmm::log_tail(&files.log)
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}

@@ -1,0 +1,323 @@
+//! `torpor serve` on loopback with probe templates: lifecycle, illegal
+//! transitions, auth, malformed input, idle hibernation and wake-up,
+//! watermark order, ratio changes, and recovery after kill -9.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::http::{request, HttpResponse};
+use common::{Scratch, TORPOR};
+
+const TOKEN: &str = "test-token-0123456789";
+
+/// A running `torpor serve`, killed on drop.
+struct Serve {
+    child: Child,
+    addr: String,
+}
+
+impl Serve {
+    fn start(data: &Path, extra: &[&str]) -> Self {
+        let mut child = Command::new(TORPOR)
+            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(data)
+            .args(["--token", TOKEN, "--policy-interval-ms", "200"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn torpor serve");
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let addr = loop {
+            let line = lines
+                .next()
+                .expect("torpor serve exited before listening")
+                .unwrap();
+            if let Some(rest) = line.split("listening on http://").nth(1) {
+                break rest.trim().to_string();
+            }
+        };
+        // Keep draining stdout so the service never blocks on it.
+        std::thread::spawn(move || for _ in lines {});
+        Serve { child, addr }
+    }
+
+    fn call(&self, method: &str, path: &str, body: Option<&str>) -> HttpResponse {
+        request(&self.addr, method, path, Some(TOKEN), body)
+    }
+
+    fn ok(&self, method: &str, path: &str, body: Option<&str>) -> serde_json::Value {
+        let r = self.call(method, path, body);
+        assert!(
+            (200..300).contains(&r.status),
+            "{method} {path} -> {} {}",
+            r.status,
+            r.body
+        );
+        if r.body.is_empty() {
+            serde_json::Value::Null
+        } else {
+            r.json()
+        }
+    }
+
+    fn create(&self, body: &str) -> String {
+        let v = self.ok("POST", "/v1/sandboxes", Some(body));
+        assert_eq!(v["state"], "running", "{v}");
+        v["id"].as_str().unwrap().to_string()
+    }
+
+    fn state(&self, id: &str) -> String {
+        self.ok("GET", &format!("/v1/sandboxes/{id}"), None)["state"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    }
+
+    fn wait_state(&self, id: &str, want: &str, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while self.state(id) != want {
+            assert!(
+                Instant::now() < deadline,
+                "{id} never became {want} (is {})",
+                self.state(id)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn kill9(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Kills every VMM a test's data directory still has running.
+struct DataDir(Scratch);
+
+impl Drop for DataDir {
+    fn drop(&mut self) {
+        let out = Command::new("pkill")
+            .args(["-9", "-f", &self.0 .0.to_string_lossy()])
+            .output();
+        let _ = out;
+    }
+}
+
+fn data(name: &str) -> DataDir {
+    DataDir(Scratch::new(name))
+}
+
+#[test]
+fn lifecycle_and_illegal_transitions() {
+    let d = data("serve-lifecycle");
+    let s = Serve::start(&d.0 .0, &[]);
+    assert_eq!(request(&s.addr, "GET", "/healthz", None, None).status, 200);
+    let templates = s.ok("GET", "/v1/templates", None);
+    let probe = templates["templates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "probe")
+        .expect("built-in probe template");
+    assert_eq!(probe["state"], "ready");
+
+    let id = s.create(r#"{"template":"probe","metadata":{"team":"a"}}"#);
+    let listed = s.ok("GET", "/v1/sandboxes?metadata.team=a", None);
+    assert_eq!(listed["sandboxes"].as_array().unwrap().len(), 1);
+    let none = s.ok("GET", "/v1/sandboxes?metadata.team=b", None);
+    assert_eq!(none["sandboxes"].as_array().unwrap().len(), 0);
+
+    assert_eq!(
+        s.ok("POST", &format!("/v1/sandboxes/{id}/pause"), None)["sandbox"]["state"],
+        "paused"
+    );
+    assert_eq!(
+        s.ok("POST", &format!("/v1/sandboxes/{id}/resume"), None)["sandbox"]["state"],
+        "running"
+    );
+    let h = s.ok("POST", &format!("/v1/sandboxes/{id}/hibernate"), None);
+    assert_eq!(h["sandbox"]["state"], "hibernated");
+
+    // Pausing a hibernated sandbox is illegal: 409 with the current state.
+    let r = s.call("POST", &format!("/v1/sandboxes/{id}/pause"), None);
+    assert_eq!(r.status, 409, "{}", r.body);
+    assert_eq!(r.json()["error"]["state"], "hibernated", "{}", r.body);
+
+    let w = s.ok("POST", &format!("/v1/sandboxes/{id}/resume"), None);
+    assert_eq!(w["sandbox"]["state"], "running");
+    assert_eq!(w["resumed"], true);
+    assert!(w["resume_ms"].as_f64().unwrap() > 0.0);
+
+    let r = s.call("DELETE", &format!("/v1/sandboxes/{id}"), None);
+    assert!(
+        r.status == 200 || r.status == 204,
+        "{} {}",
+        r.status,
+        r.body
+    );
+    let r = s.call("POST", &format!("/v1/sandboxes/{id}/resume"), None);
+    assert_eq!(r.status, 409, "{}", r.body);
+    assert_eq!(
+        s.call("GET", "/v1/sandboxes/sbx_doesnotexist", None).status,
+        404
+    );
+    assert_eq!(
+        s.call("POST", "/v1/sandboxes", Some(r#"{"template":"nope"}"#))
+            .status,
+        404
+    );
+}
+
+#[test]
+fn auth_and_malformed_requests() {
+    let d = data("serve-auth");
+    let s = Serve::start(&d.0 .0, &[]);
+    assert_eq!(
+        request(&s.addr, "GET", "/v1/sandboxes", None, None).status,
+        401
+    );
+    assert_eq!(
+        request(&s.addr, "GET", "/v1/sandboxes", Some("wrong"), None).status,
+        401
+    );
+    assert_eq!(request(&s.addr, "GET", "/metrics", None, None).status, 401);
+    assert_eq!(
+        request(&s.addr, "GET", "/v1/openapi.json", None, None).status,
+        200
+    );
+    let r = s.call("POST", "/v1/sandboxes", Some("{not json"));
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.json()["error"]["code"].is_string());
+    let big = format!(
+        r#"{{"template":"probe","metadata":{{"x":"{}"}}}}"#,
+        "y".repeat(2 << 20)
+    );
+    assert_eq!(s.call("POST", "/v1/sandboxes", Some(&big)).status, 413);
+    let m = s.call("GET", "/metrics", None);
+    assert_eq!(m.status, 200);
+    assert!(
+        m.body.contains("torpor_sandboxes{state=\"running\"}"),
+        "{}",
+        m.body
+    );
+}
+
+#[test]
+fn idle_sandboxes_hibernate_and_wake_on_request() {
+    let d = data("serve-idle");
+    let s = Serve::start(&d.0 .0, &[]);
+    let id = s.create(r#"{"template":"probe","keep_alive_ms":300}"#);
+    s.wait_state(&id, "hibernated", Duration::from_secs(30));
+    let w = s.ok("POST", &format!("/v1/sandboxes/{id}/resume"), None);
+    assert_eq!(w["resumed"], true);
+    assert_eq!(s.state(&id), "running");
+}
+
+#[test]
+fn ratio_changes_gate_admission() {
+    let d = data("serve-ratio");
+    let s = Serve::start(&d.0 .0, &[]);
+    let pods = s.ok("GET", "/v1/pods", None);
+    let pod = pods["pods"][0]["id"].as_str().unwrap().to_string();
+    let v = s.ok(
+        "PATCH",
+        &format!("/v1/pods/{pod}"),
+        Some(r#"{"oversubscription_ratio":0.000001}"#),
+    );
+    assert_eq!(v["oversubscription_ratio"], 0.000001);
+    let r = s.call("POST", "/v1/sandboxes", Some(r#"{"template":"probe"}"#));
+    assert_eq!(r.status, 429, "{}", r.body);
+    let bad = s.call(
+        "PATCH",
+        &format!("/v1/pods/{pod}"),
+        Some(r#"{"oversubscription_ratio":-1}"#),
+    );
+    assert_eq!(bad.status, 400, "{}", bad.body);
+    s.ok(
+        "PATCH",
+        &format!("/v1/pods/{pod}"),
+        Some(r#"{"oversubscription_ratio":4}"#),
+    );
+    s.create(r#"{"template":"probe"}"#);
+}
+
+#[test]
+fn watermark_hibernates_least_recently_used_first() {
+    let d = data("serve-watermark");
+    let s = Serve::start(&d.0 .0, &[]);
+    let old = s.create(r#"{"template":"probe"}"#);
+    let young = s.create(r#"{"template":"probe"}"#);
+    // Make `young` the most recently used.
+    s.ok("POST", &format!("/v1/sandboxes/{young}/pause"), None);
+    s.ok("POST", &format!("/v1/sandboxes/{young}/resume"), None);
+    let pod = &s.ok("GET", "/v1/pods", None)["pods"][0];
+    let (pss, mem) = (
+        pod["pss_mib"].as_f64().unwrap(),
+        pod["memory_bytes"].as_f64().unwrap(),
+    );
+    // A watermark just under the current use: hibernating one clears it.
+    let mark = (pss * 0.75) * 1048576.0 / mem;
+    let id = pod["id"].as_str().unwrap();
+    s.ok(
+        "PATCH",
+        &format!("/v1/pods/{id}"),
+        Some(&format!(r#"{{"high_watermark":{mark}}}"#)),
+    );
+    s.wait_state(&old, "hibernated", Duration::from_secs(30));
+    assert_eq!(s.state(&young), "running");
+}
+
+#[test]
+fn kill_9_of_serve_loses_nothing() {
+    let d = data("serve-kill9");
+    let s = Serve::start(&d.0 .0, &[]);
+    let running = s.create(r#"{"template":"probe"}"#);
+    let hibernated = s.create(r#"{"template":"probe"}"#);
+    s.ok(
+        "POST",
+        &format!("/v1/sandboxes/{hibernated}/hibernate"),
+        None,
+    );
+    let pid = s.ok("GET", &format!("/v1/sandboxes/{running}"), None)["vmm"]["pid"].clone();
+    s.kill9();
+
+    let s = Serve::start(&d.0 .0, &[]);
+    let v = s.ok("GET", &format!("/v1/sandboxes/{running}"), None);
+    assert_eq!(v["state"], "running", "{v}");
+    assert_eq!(v["vmm"]["pid"], pid, "re-attached to the same VMM");
+    assert_eq!(s.state(&hibernated), "hibernated");
+    s.ok("POST", &format!("/v1/sandboxes/{running}/pause"), None);
+    s.ok("POST", &format!("/v1/sandboxes/{hibernated}/resume"), None);
+    assert_eq!(s.state(&hibernated), "running");
+}
+
+#[test]
+fn kill_9_of_one_vmm_fails_only_its_sandbox() {
+    let d = data("serve-vmm-kill");
+    let s = Serve::start(&d.0 .0, &[]);
+    let victim = s.create(r#"{"template":"probe"}"#);
+    let bystander = s.create(r#"{"template":"probe"}"#);
+    let pid = s.ok("GET", &format!("/v1/sandboxes/{victim}"), None)["vmm"]["pid"]
+        .as_u64()
+        .unwrap();
+    // SAFETY-free: a plain kill(1) of the VMM process.
+    Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap();
+    s.wait_state(&victim, "failed", Duration::from_secs(30));
+    assert_eq!(s.state(&bystander), "running");
+}
