@@ -274,3 +274,75 @@ fn a_failed_page_server_stops_the_vm_with_a_clear_error() {
     assert_eq!(out.status.code(), Some(3), "{err}");
     assert!(err.contains("page server failed"), "{err}");
 }
+
+#[test]
+fn virtio_devices_survive_snapshot_and_restore() {
+    // The probe does not drive virtio, but the VMM must build, save and
+    // restore the devices around it: a disk with a private overlay per
+    // clone, and a vsock socket per clone.
+    let dir = Scratch::new("virtio-devices");
+    let image = dir.path("disk.img");
+    std::fs::write(&image, vec![0xabu8; 1 << 20]).unwrap();
+    let (disk, overlay, uds) = (
+        image.to_str().unwrap(),
+        dir.path("src.overlay"),
+        dir.path("src.vsock"),
+    );
+    let (template, last) = make_template(
+        &dir,
+        &[
+            "--disk",
+            disk,
+            "--disk-overlay",
+            overlay.to_str().unwrap(),
+            "--vsock-uds",
+            uds.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        template.join("disk0.overlay").exists(),
+        "the snapshot froze the overlay"
+    );
+    // A clone needs its own overlay: refused without one.
+    let out = common::torpor(
+        &[
+            "vmm",
+            "--restore",
+            template.to_str().unwrap(),
+            "--no-serial",
+        ],
+        std::time::Duration::from_secs(30),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        common::stderr(&out).contains("--disk-overlay"),
+        "{}",
+        common::stderr(&out)
+    );
+    let (c_overlay, c_uds) = (dir.path("clone.overlay"), dir.path("clone.vsock"));
+    let vm = Vm::restore(
+        &dir,
+        "clone",
+        &template,
+        "file",
+        &[
+            "--disk-overlay",
+            c_overlay.to_str().unwrap(),
+            "--vsock-uds",
+            c_uds.to_str().unwrap(),
+        ],
+    );
+    vm.wait_iter(last + 2);
+    assert_exact_sequence(&vm.iterations(), MIB);
+    assert!(c_overlay.exists(), "the clone got its own overlay");
+    assert!(
+        std::os::unix::net::UnixStream::connect(&c_uds).is_ok(),
+        "the clone's vsock socket answers"
+    );
+    assert_eq!(
+        std::fs::read(&image).unwrap(),
+        vec![0xabu8; 1 << 20],
+        "the base image is untouched"
+    );
+    vm.shutdown();
+}

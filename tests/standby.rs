@@ -50,6 +50,8 @@ fn standby_restores(backend: &str) {
         serial: Some(dir.path("clone.log")),
         paused: false,
         prefetch: false,
+        disk_overlay: None,
+        vsock_uds: None,
     };
     // Wrong size, unknown backend, missing snapshot: refused, still standby.
     let err = call(&sock, &restore(&other_size, backend), T)

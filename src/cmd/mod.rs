@@ -1,7 +1,12 @@
 //! One module per top-level subcommand.
 
+mod client;
 mod doctor;
+mod guest;
+mod pod;
+mod sandbox;
 mod serve;
+mod template;
 mod vmm;
 
 use crate::cli::{Cli, Command};
@@ -15,6 +20,9 @@ pub fn dispatch(cli: Cli) -> i32 {
         Command::Vmm(v) => vmm::run(*v),
         Command::Doctor { json } => doctor::run(json),
         Command::Serve(args) => serve::run(args),
+        Command::Sandbox(c) => sandbox::run(c),
+        Command::Template(c) => template::run(c),
+        Command::Pod(c) => pod::run(c),
         Command::ProbeImage { out } => match std::fs::write(&out, torpor_probe::PROBE_ELF) {
             Ok(()) => EXIT_OK,
             Err(e) => {

@@ -6,6 +6,7 @@ use std::time::Duration;
 use torpor_vmm::boot::KernelImage;
 use torpor_vmm::control::{self, Request};
 use torpor_vmm::restore::{RestoreBackend, RestoreOptions};
+use torpor_vmm::virtio_devices::{DiskConfig, VirtioConfig, VirtioRestorePaths};
 use torpor_vmm::vstate::memory::AnonymousBackend;
 use torpor_vmm::{RunError, RunReport, SerialOutput, VmConfig};
 
@@ -17,6 +18,7 @@ const EXIT_USAGE: i32 = 2;
 
 pub fn run(cmd: VmmCommand) -> i32 {
     match cmd.action {
+        Some(VmmAction::Exec(args)) => super::guest::exec(args),
         Some(action) => control_request(action),
         None => run_vm(cmd.run),
     }
@@ -28,6 +30,7 @@ fn control_request(action: VmmAction) -> i32 {
         VmmAction::Pause(s) => (s.socket, Request::Pause),
         VmmAction::Resume(s) => (s.socket, Request::Resume),
         VmmAction::Shutdown(s) => (s.socket, Request::Shutdown),
+        VmmAction::Exec(args) => return super::guest::exec(args),
         VmmAction::Snapshot(s) => (
             s.socket,
             Request::Snapshot {
@@ -134,6 +137,14 @@ fn boot_vm(args: &VmmRunArgs) -> Result<RunReport, Failure> {
         mem_mib: args.mem_mib,
         vcpus: args.vcpus,
         serial: serial_output(args),
+        virtio: VirtioConfig {
+            disk: args.disk.clone().map(|image| DiskConfig {
+                image,
+                overlay: args.disk_overlay.clone().unwrap_or_default(),
+                read_only: args.disk_read_only,
+            }),
+            vsock_uds: args.vsock_uds.clone(),
+        },
     };
     torpor_vmm::boot(&config, &AnonymousBackend, args.control_socket.clone()).map_err(failed)
 }
@@ -157,6 +168,10 @@ fn restore_vm(args: &VmmRunArgs, snapshot: PathBuf) -> Result<RunReport, Failure
         serial: serial_output(args),
         prefetch: args.prefetch,
         record_working_set_ms: args.record_working_set_ms,
+        virtio: VirtioRestorePaths {
+            disk_overlay: args.disk_overlay.clone(),
+            vsock_uds: args.vsock_uds.clone(),
+        },
     };
     torpor_vmm::restore(&opts, args.control_socket.clone(), args.paused).map_err(failed)
 }

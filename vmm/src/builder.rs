@@ -19,6 +19,7 @@ use crate::layout::EBDA_START;
 use crate::mptable::{self, MptableError};
 use crate::persist::{self, MachineConfig};
 use crate::snapshot::PageRuns;
+use crate::virtio_devices::VirtioDevices;
 use crate::vstate::kvm::{KvmContext, KvmError};
 use crate::vstate::memory::{ram_ranges, validate_mem_size, MemoryBackend, MemoryError};
 use crate::vstate::regs::{self, RegsError};
@@ -49,6 +50,7 @@ pub struct VmConfig {
     pub mem_mib: u64,
     pub vcpus: u16,
     pub serial: SerialOutput,
+    pub virtio: crate::virtio_devices::VirtioConfig,
 }
 
 /// Errors while building a microVM, before any guest code runs.
@@ -89,6 +91,8 @@ pub enum BuildError {
     State(#[from] crate::persist::StateError),
     #[error(transparent)]
     Identity(#[from] crate::identity::IdentityError),
+    #[error(transparent)]
+    Virtio(#[from] crate::virtio_devices::VirtioDevicesError),
 }
 
 /// Microseconds spent in each start-up phase, in order.
@@ -145,6 +149,7 @@ pub struct BuiltVm {
     /// Whatever must outlive the vCPUs (a userfaultfd page server).
     pub keepalive: Option<Box<dyn std::any::Any + Send>>,
     pub msr_indices: Vec<u32>,
+    pub virtio: crate::virtio_devices::VirtioDevices,
 }
 
 /// Checks what can be checked without touching KVM or the disk.
@@ -198,7 +203,8 @@ pub fn build(
     vm.create_irqchip()?;
     t.phase("irqchip");
 
-    let cmdline = boot::parse_cmdline(&config.cmdline)?;
+    let (virtio, devices_cmdline) = VirtioDevices::build(&vm, &mem, &config.virtio)?;
+    let cmdline = boot::parse_cmdline(&format!("{}{devices_cmdline}", config.cmdline))?;
     let boot_info = boot::load(&mem, &config.kernel, config.initrd.as_deref(), &cmdline)?;
     regs::write_boot_tables(&mem)?;
     mptable::write(&mem, EBDA_START, vcpu_count)?;
@@ -237,6 +243,7 @@ pub fn build(
         backend: backend.name(),
         keepalive: None,
         msr_indices,
+        virtio,
     })
 }
 

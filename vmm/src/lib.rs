@@ -22,6 +22,7 @@ pub mod snapshot;
 pub mod standby;
 pub mod uffd;
 mod uffd_backend;
+pub mod virtio_devices;
 pub mod vstate;
 
 pub use builder::{SerialOutput, VmConfig, DEFAULT_CMDLINE};

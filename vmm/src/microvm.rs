@@ -83,6 +83,7 @@ struct Controller {
     generation: u64,
     backend: &'static str,
     msr_indices: Vec<u32>,
+    virtio: Arc<crate::virtio_devices::VirtioDevices>,
     lineage: Mutex<SnapshotLineage>,
 }
 
@@ -152,11 +153,17 @@ impl Controller {
             .map_err(|e| format!("cannot resolve {}: {e}", dir.display()))?;
         let vcpus = self.save_vcpus()?;
         let vm = persist::save_vm(&self.vm.fd).map_err(|e| e.to_string())?;
+        let (virtio, device_dirty) = self.virtio.save(&dir).map_err(|e| e.to_string())?;
         let devices = DeviceStates {
             serial: self.serial.lock().unwrap_or_else(|e| e.into_inner()).save(),
+            virtio,
         };
         // Reading the dirty log also resets it: the next diff starts here.
-        let dirty = self.take_dirty_pages()?.union(&lineage.vmm_dirty);
+        // Device writes to guest memory are not in it: add them.
+        let dirty = self
+            .take_dirty_pages()?
+            .union(&lineage.vmm_dirty)
+            .union(&device_dirty);
         let slices = guest_slices(&self.mem);
         let memory_path = dir.join(snapshot::MEMORY_FILE);
         let (memory, info) = match parent {
@@ -277,9 +284,12 @@ pub fn run_built(
     let first_run = Arc::new(OnceLock::new());
     let vm = Arc::new(built.vm);
     let mem = Arc::new(built.mem);
+    let virtio = Arc::new(built.virtio);
+    virtio.start().map_err(|e| RunError::Build(e.into()))?;
     let vcpus = Arc::new(VcpuSet::start(
         built.vcpus,
         built.bus.clone(),
+        virtio.mmio.clone(),
         exit.clone(),
         first_run.clone(),
         start_paused,
@@ -296,6 +306,7 @@ pub fn run_built(
         generation: built.generation,
         backend: built.backend,
         msr_indices: built.msr_indices,
+        virtio,
         lineage: Mutex::new(SnapshotLineage {
             base: built.base_snapshot,
             vmm_dirty: built.vmm_dirty,

@@ -75,6 +75,7 @@ pub struct VmState {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct DeviceStates {
     pub serial: SerialPersistState,
+    pub virtio: crate::virtio_devices::VirtioStates,
 }
 
 /// Where guest memory comes from.

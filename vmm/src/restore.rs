@@ -63,6 +63,8 @@ pub struct RestoreOptions {
     pub prefetch: bool,
     /// Record pages first touched in this window after restore (uffd).
     pub record_working_set_ms: Option<u64>,
+    /// The clone's own disk overlay and vsock socket.
+    pub virtio: crate::virtio_devices::VirtioRestorePaths,
 }
 
 /// Errors while restoring.
@@ -117,6 +119,8 @@ pub enum RestoreError {
     Serial(#[from] crate::devices::serial::SerialError),
     #[error(transparent)]
     Identity(#[from] identity::IdentityError),
+    #[error(transparent)]
+    Virtio(#[from] crate::virtio_devices::VirtioDevicesError),
 }
 
 /// One memory layer of a chain, bottom (the full snapshot) first.
@@ -421,6 +425,12 @@ pub fn restore_into(
         &state.devices.serial,
     )?));
     let bus = Arc::new(builder::build_bus(serial.clone(), exit)?);
+    let virtio = crate::virtio_devices::VirtioDevices::restore(
+        &shell.vm,
+        &shell.mem,
+        &state.devices.virtio,
+        &opts.virtio,
+    )?;
     let generation = state.generation + 1;
     identity::write(&shell.mem, generation)?;
     let mut vmm_dirty = PageRuns::default();
@@ -441,6 +451,7 @@ pub fn restore_into(
         backend: opts.backend.name(),
         keepalive,
         msr_indices: shell.msr_indices,
+        virtio,
     })
 }
 

@@ -119,6 +119,8 @@ pub fn standby(mem_mib: u64, vcpus: u16, socket: PathBuf) -> Result<RunReport, R
                 serial,
                 paused,
                 prefetch,
+                disk_overlay,
+                vsock_uds,
             }) => {
                 let backend = match backend(&name) {
                     Ok(b) => b,
@@ -145,6 +147,10 @@ pub fn standby(mem_mib: u64, vcpus: u16, socket: PathBuf) -> Result<RunReport, R
                     serial: serial.map_or(SerialOutput::Discard, SerialOutput::File),
                     prefetch,
                     record_working_set_ms: None,
+                    virtio: crate::virtio_devices::VirtioRestorePaths {
+                        disk_overlay,
+                        vsock_uds,
+                    },
                 };
                 timings.phase("read_state");
                 let built = match restore::restore_into(shell, chain, &opts, &exit, timings) {

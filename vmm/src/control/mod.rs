@@ -55,6 +55,12 @@ pub enum Request {
         /// Install the snapshot's recorded working set eagerly (uffd backends).
         #[serde(default)]
         prefetch: bool,
+        /// The clone's own disk overlay (snapshots with a disk).
+        #[serde(default)]
+        disk_overlay: Option<PathBuf>,
+        /// The clone's own vsock host socket (snapshots with vsock).
+        #[serde(default)]
+        vsock_uds: Option<PathBuf>,
     },
 }
 

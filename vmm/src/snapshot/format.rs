@@ -27,8 +27,9 @@ use std::os::unix::fs::FileExt;
 
 /// First eight bytes of every state file.
 pub const MAGIC: [u8; 8] = *b"TORPSNAP";
-/// Incompatible format changes bump this; readers refuse a newer major.
-pub const FORMAT_MAJOR: u16 = 1;
+/// Incompatible format changes bump this; readers refuse any other major
+/// (2: device state gained virtio-blk and virtio-vsock).
+pub const FORMAT_MAJOR: u16 = 2;
 /// Additive format changes bump this; readers accept a newer minor.
 pub const FORMAT_MINOR: u16 = 0;
 /// Largest payload written or read: device and vCPU state is kilobytes, so
@@ -85,7 +86,7 @@ impl StateHeader {
             payload_len: u64::from_le_bytes(h[16..24].try_into().unwrap()),
             payload_crc32: u32::from_le_bytes(h[24..28].try_into().unwrap()),
         };
-        if header.major > FORMAT_MAJOR {
+        if header.major != FORMAT_MAJOR {
             return Err(SnapshotError::UnsupportedVersion {
                 path: path.to_path_buf(),
                 found_major: header.major,

@@ -58,7 +58,10 @@ fn round_trip() {
     assert_eq!(read_state::<Sample>(&path).unwrap(), sample());
     assert_eq!(read_state_bytes::<Sample>(&path, &bytes).unwrap(), sample());
     let (_, header) = read_state_with_header::<Sample>(&path).unwrap();
-    assert_eq!((header.major, header.minor, header.flags), (1, 0, 0));
+    assert_eq!(
+        (header.major, header.minor, header.flags),
+        (FORMAT_MAJOR, 0, 0)
+    );
     assert_eq!(header.payload_len as usize, bytes.len() - HEADER_LEN);
     assert_eq!(&bytes[..8], b"TORPSNAP");
     assert_eq!(encode(&sample()).unwrap(), bytes);
@@ -164,27 +167,29 @@ fn flipped_payload_byte_is_crc_mismatch() {
 }
 
 #[test]
-fn newer_major_is_refused_with_both_versions_named() {
-    let dir = TestDir::new("state-major");
-    let (path, mut bytes) = written(&dir);
-    bytes[8..10].copy_from_slice(&2u16.to_le_bytes());
-    fix_header_crc(&mut bytes);
-    let (err, _) = read_both(&path, &bytes);
-    assert!(
-        matches!(
-            err,
-            SnapshotError::UnsupportedVersion {
-                found_major: 2,
-                found_minor: 0,
-                supported_major: 1,
-                ..
-            }
-        ),
-        "{err}"
-    );
-    let msg = err.to_string();
-    assert!(msg.contains("format version 2.0"), "{msg}");
-    assert!(msg.contains("reads up to 1.x"), "{msg}");
+fn other_majors_are_refused_with_both_versions_named() {
+    for major in [FORMAT_MAJOR + 1, FORMAT_MAJOR - 1] {
+        let dir = TestDir::new("state-major");
+        let (path, mut bytes) = written(&dir);
+        bytes[8..10].copy_from_slice(&major.to_le_bytes());
+        fix_header_crc(&mut bytes);
+        let (err, _) = read_both(&path, &bytes);
+        assert!(
+            matches!(
+                err,
+                SnapshotError::UnsupportedVersion {
+                    found_major,
+                    found_minor: 0,
+                    supported_major,
+                    ..
+                } if found_major == major && supported_major == FORMAT_MAJOR
+            ),
+            "{err}"
+        );
+        let msg = err.to_string();
+        assert!(msg.contains(&format!("format version {major}.0")), "{msg}");
+        assert!(msg.contains(&format!("reads {FORMAT_MAJOR}.x")), "{msg}");
+    }
 }
 
 #[test]
@@ -214,7 +219,10 @@ fn newer_minor_is_accepted_and_ignores_appended_fields() {
     std::fs::write(&path, &bytes).unwrap();
     let (state, header) = read_state_with_header::<Sample>(&path).unwrap();
     assert_eq!(state, sample());
-    assert_eq!((header.major, header.minor, header.flags), (1, 7, 1));
+    assert_eq!(
+        (header.major, header.minor, header.flags),
+        (FORMAT_MAJOR, 7, 1)
+    );
 }
 
 #[test]

@@ -69,7 +69,7 @@ pub enum SnapshotError {
     },
     #[error(
         "snapshot state {path} has format version {found_major}.{found_minor}; \
-         this torpor reads up to {supported_major}.x"
+         this torpor reads {supported_major}.x"
     )]
     UnsupportedVersion {
         path: PathBuf,

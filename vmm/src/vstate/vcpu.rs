@@ -13,6 +13,7 @@ use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 use super::cpuid;
 use super::regs::{self, RegsError};
 use super::vm::Vm;
+use crate::devices::virtio::MmioBus;
 use crate::devices::PioBus;
 use crate::exit::{ExitReason, ExitSignal};
 
@@ -191,6 +192,7 @@ impl VcpuSet {
     pub fn start(
         vcpus: Vec<Vcpu>,
         bus: Arc<PioBus>,
+        mmio: Arc<MmioBus>,
         exit: ExitSignal,
         first_run: Arc<OnceLock<Instant>>,
         paused: bool,
@@ -199,11 +201,11 @@ impl VcpuSet {
         let mut threads = Vec::with_capacity(vcpus.len());
         for vcpu in vcpus {
             let index = vcpu.index;
-            let (gate, bus, exit, first_run) =
-                (gate.clone(), bus.clone(), exit.clone(), first_run.clone());
+            let (gate, exit, first_run) = (gate.clone(), exit.clone(), first_run.clone());
+            let buses = (bus.clone(), mmio.clone());
             let handle = std::thread::Builder::new()
                 .name(format!("vcpu{index}"))
-                .spawn(move || run_vcpu(vcpu, &gate, &bus, &exit, &first_run))
+                .spawn(move || run_vcpu(vcpu, &gate, &buses, &exit, &first_run))
                 .map_err(|source| VcpuError::Spawn { index, source })?;
             threads.push(handle);
         }
@@ -318,7 +320,7 @@ fn complete_pending_io(vcpu: &mut Vcpu) {
 fn run_vcpu(
     mut vcpu: Vcpu,
     gate: &RunGate,
-    bus: &PioBus,
+    (bus, mmio): &(Arc<PioBus>, Arc<MmioBus>),
     exit: &ExitSignal,
     first_run: &OnceLock<Instant>,
 ) {
@@ -329,8 +331,13 @@ fn run_vcpu(
         match vcpu.fd.run() {
             Ok(VcpuExit::IoIn(port, data)) => bus.read(port, data),
             Ok(VcpuExit::IoOut(port, data)) => bus.write(port, data),
-            Ok(VcpuExit::MmioRead(_, data)) => data.fill(0xff),
-            Ok(VcpuExit::MmioWrite(..)) | Ok(VcpuExit::Hlt) => {}
+            Ok(VcpuExit::MmioRead(addr, data)) => {
+                mmio.read(addr, data);
+            }
+            Ok(VcpuExit::MmioWrite(addr, data)) => {
+                mmio.write(addr, data);
+            }
+            Ok(VcpuExit::Hlt) => {}
             Ok(VcpuExit::Shutdown) => {
                 exit.exit(ExitReason::GuestShutdown);
                 break;

@@ -1,0 +1,160 @@
+//! End to end with a real Linux guest on hardware virtualization: inside the
+//! nested host, `torpor vmm` boots our guest kernel with the Debian rootfs
+//! on virtio-blk (a copy-on-write overlay over the image), torpor-agent
+//! starts as init's first service, and commands run through the agent over
+//! virtio-vsock: echo, python3, a non-zero exit, a timeout.
+//!
+//! Needs the guest kernel (`scripts/build-guest-kernel`), the agent
+//! (`scripts/build-agent`) and the rootfs (`scripts/build-rootfs`); `.ci/run`
+//! builds them (cached outside the repository). Missing pieces fail the test
+//! with the command that makes them; `TORPOR_SKIP_NESTED=1` leaves it out.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use torpor_nested::NestedHost;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// Runs a build script that prints the path of what it built (instant when
+/// cached).
+fn built(script: &str, args: &[&str]) -> PathBuf {
+    let out = Command::new(repo().join("scripts").join(script))
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run scripts/{script}: {e}"));
+    assert!(
+        out.status.success(),
+        "scripts/{script} failed; run it by hand to see why:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let path = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .unwrap_or("")
+        .trim()
+        .to_string();
+    let path = PathBuf::from(path);
+    assert!(
+        path.is_file(),
+        "scripts/{script} printed no file: {}",
+        path.display()
+    );
+    path
+}
+
+fn torpor_binary() -> PathBuf {
+    if let Some(bin) = std::env::var_os("TORPOR_BIN") {
+        return PathBuf::from(bin);
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    exe.parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>/deps")
+        .join("torpor")
+}
+
+#[test]
+fn linux_guest_boots_and_runs_commands_through_the_agent() {
+    if std::env::var("TORPOR_SKIP_NESTED").as_deref() == Ok("1") {
+        eprintln!("linux_guest_boots_and_runs_commands_through_the_agent: SKIPPED by request (TORPOR_SKIP_NESTED=1)");
+        return;
+    }
+    let torpor = torpor_binary();
+    assert!(
+        torpor.is_file(),
+        "the torpor binary is missing at {}",
+        torpor.display()
+    );
+    let kernel = built("build-guest-kernel", &[]);
+    let agent = built("build-agent", &[]);
+    let rootfs_dir =
+        std::env::temp_dir().join(format!("torpor-nested-linux-{}", std::process::id()));
+    std::fs::create_dir_all(&rootfs_dir).unwrap();
+    let rootfs = rootfs_dir.join("rootfs.ext4");
+    let out = Command::new(repo().join("scripts/build-rootfs"))
+        .args([
+            "--agent",
+            agent.to_str().unwrap(),
+            "--out",
+            rootfs.to_str().unwrap(),
+        ])
+        .output()
+        .expect("run scripts/build-rootfs");
+    assert!(
+        out.status.success(),
+        "scripts/build-rootfs failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let host = NestedHost::builder()
+        .file(&torpor, "/opt/torpor/torpor")
+        .file(&kernel, "/opt/torpor/vmlinux")
+        .file(&rootfs, "/opt/torpor/rootfs.ext4")
+        .build()
+        .unwrap_or_else(|e| {
+            panic!("the nested hardware-virtualization host is not available: {e}")
+        });
+    let script = r#"
+test -c /dev/kvm || { echo 'L1 has no /dev/kvm'; exit 97; }
+T=/opt/torpor/torpor
+$T vmm --kernel /opt/torpor/vmlinux --disk /opt/torpor/rootfs.ext4 --disk-overlay /tmp/overlay \
+   --vsock-uds /tmp/v.sock --mem-mib 512 --vcpus 2 \
+   --cmdline "console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda rw init=/sbin/init" \
+   --serial /tmp/console.log --control-socket /tmp/c.sock &
+x() { $T vmm exec --vsock-uds /tmp/v.sock --wait-ms 300000 --timeout-ms "${TMO:-60000}" -- "$@"; echo "rc=$?"; }
+t0=$(cut -d' ' -f1 /proc/uptime)
+x echo hello-from-the-guest
+t1=$(cut -d' ' -f1 /proc/uptime)
+echo "boot-to-exec: L1 uptime $t0 -> $t1"
+x python3 -c 'import os; print("py", 6 * 7, os.cpu_count())'
+x sh -c 'echo to-stderr >&2; exit 3'
+TMO=500 x sleep 30
+x sh -c 'echo data > /root/f && cat /root/f && cat /proc/sys/kernel/random/boot_id'
+$T vmm shutdown --socket /tmp/c.sock >/dev/null
+wait
+"#;
+    let out = host
+        .run(script, Duration::from_secs(900))
+        .unwrap_or_else(|e| panic!("nested run failed: {e}"));
+    eprintln!(
+        "nested_linux: L1 boot {:.1}s, script {:.1}s, total {:.1}s",
+        out.boot.as_secs_f64(),
+        out.script.as_secs_f64(),
+        out.total.as_secs_f64()
+    );
+    let o = &out.stdout;
+    assert_ne!(out.exit_code, 97, "{o}");
+    assert!(
+        o.contains("hello-from-the-guest\nrc=0"),
+        "echo through the agent failed:\n{o}"
+    );
+    assert!(
+        o.contains("py 42 2\nrc=0"),
+        "python3 in the guest (2 vCPUs) failed:\n{o}"
+    );
+    assert!(
+        o.contains("to-stderr\nrc=3"),
+        "non-zero exit not reported:\n{o}"
+    );
+    assert!(
+        o.contains("data\n"),
+        "file write and read in the guest failed:\n{o}"
+    );
+    let timeout_rc = o
+        .lines()
+        .skip_while(|l| !l.contains("py 42"))
+        .filter(|l| l.starts_with("rc="))
+        .nth(2);
+    assert!(
+        timeout_rc.is_some_and(|l| l != "rc=0"),
+        "the timed-out command did not fail:\n{o}"
+    );
+    let _ = std::fs::remove_dir_all(&rootfs_dir);
+}

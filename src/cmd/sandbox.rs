@@ -1,0 +1,346 @@
+//! `torpor sandbox create|list|get|exec|pause|resume|hibernate|rm`: the
+//! sandbox routes of the REST API, as tables or `--json`.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Map, Value};
+
+use super::client::{encode, Client, Error};
+use super::template;
+use crate::cli::{SandboxAction, SandboxCommand, SandboxCreateArgs, SandboxListArgs};
+
+pub fn run(cmd: SandboxCommand) -> i32 {
+    Client::run(&cmd.client, |c| act(c, cmd.action))
+}
+
+fn act(c: &Client, action: SandboxAction) -> Result<(), Error> {
+    match action {
+        SandboxAction::Create(args) => create(c, args),
+        SandboxAction::List(args) => list(c, args),
+        SandboxAction::Get(a) => {
+            if let Some(v) = c.show("GET", &path(&a.id, ""), None)? {
+                print!("{}", describe(&v, &template::names(c)));
+            }
+            Ok(())
+        }
+        SandboxAction::Exec(a) => {
+            let body = json!({ "argv": a.argv });
+            if let Some(v) = c.show("POST", &path(&a.id, "/exec"), Some(&body))? {
+                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            }
+            Ok(())
+        }
+        SandboxAction::Pause(a) => transition(c, &a.id, "pause"),
+        SandboxAction::Resume(a) => transition(c, &a.id, "resume"),
+        SandboxAction::Hibernate(a) => transition(c, &a.id, "hibernate"),
+        SandboxAction::Rm(a) => {
+            if c.show("DELETE", &path(&a.id, ""), None)?.is_some() {
+                println!("{}: deleted", a.id);
+            }
+            Ok(())
+        }
+    }
+}
+
+fn path(id: &str, rest: &str) -> String {
+    format!("/v1/sandboxes/{}{rest}", encode(id))
+}
+
+fn create(c: &Client, args: SandboxCreateArgs) -> Result<(), Error> {
+    let mut body = Map::new();
+    body.insert("template".into(), args.template.into());
+    if let Some(ms) = args.keep_alive_ms {
+        body.insert("keep_alive_ms".into(), ms.into());
+    }
+    if let Some(ms) = args.timeout_ms {
+        body.insert("timeout_ms".into(), ms.into());
+    }
+    if !args.meta.is_empty() {
+        let meta: Map<String, Value> = args.meta.into_iter().map(|(k, v)| (k, v.into())).collect();
+        body.insert("metadata".into(), meta.into());
+    }
+    if args.queue {
+        body.insert("queue".into(), true.into());
+    }
+    let Some(v) = c.show("POST", "/v1/sandboxes", Some(&Value::Object(body)))? else {
+        return Ok(());
+    };
+    println!("{}", text(&v["id"]));
+    if v["state"] != "running" {
+        eprintln!(
+            "torpor: {} is {} (see `torpor sandbox get {}`)",
+            text(&v["id"]),
+            text(&v["state"]),
+            text(&v["id"])
+        );
+    }
+    Ok(())
+}
+
+fn list(c: &Client, args: SandboxListArgs) -> Result<(), Error> {
+    let mut query = Vec::new();
+    for s in &args.state {
+        query.push(format!("state={}", encode(s)));
+    }
+    if let Some(t) = &args.template {
+        query.push(format!("template={}", encode(&template::resolve(c, t)?)));
+    }
+    for (k, v) in &args.meta {
+        query.push(format!("metadata.{}={}", encode(k), encode(v)));
+    }
+    let mut url = "/v1/sandboxes".to_string();
+    if !query.is_empty() {
+        url = format!("{url}?{}", query.join("&"));
+    }
+    let Some(v) = c.show("GET", &url, None)? else {
+        return Ok(());
+    };
+    let names = template::names(c);
+    let rows: Vec<Vec<String>> = v["sandboxes"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .map(|s| {
+            vec![
+                text(&s["id"]),
+                text(&s["state"]),
+                template::name_of(&names, &s["template"]),
+                mib(&s["mem_mib"]),
+                age(&s["created_at"]),
+                age(&s["last_active_at"]),
+                pairs(&s["metadata"]),
+            ]
+        })
+        .collect();
+    let header = [
+        "ID",
+        "STATE",
+        "TEMPLATE",
+        "MEM",
+        "AGE",
+        "LAST ACTIVE",
+        "METADATA",
+    ];
+    print!("{}", table(&header, &rows));
+    Ok(())
+}
+
+fn mib(v: &Value) -> String {
+    v.as_u64().map_or_else(|| "-".into(), |n| format!("{n}MiB"))
+}
+
+/// pause, resume or hibernate: the new state and, for a wake, its time.
+fn transition(c: &Client, id: &str, op: &str) -> Result<(), Error> {
+    let Some(v) = c.show("POST", &path(id, &format!("/{op}")), None)? else {
+        return Ok(());
+    };
+    let sandbox = &v["sandbox"];
+    let mut line = format!("{}: {}", text(&sandbox["id"]), text(&sandbox["state"]));
+    if v["resumed"] == true {
+        match v["resume_ms"].as_f64() {
+            Some(ms) => line.push_str(&format!(" (woke it from hibernation in {ms:.1} ms)")),
+            None => line.push_str(" (woke it from hibernation)"),
+        }
+    } else if op == "resume" {
+        line.push_str(" (it was not hibernated: nothing to wake)");
+    }
+    println!("{line}");
+    Ok(())
+}
+
+/// One sandbox as `key: value` lines.
+fn describe(s: &Value, names: &Value) -> String {
+    let mut rows = vec![
+        ("id", text(&s["id"])),
+        ("state", text(&s["state"])),
+        ("template", template::name_of(names, &s["template"])),
+        ("pod", text(&s["pod"])),
+        ("memory", mib(&s["mem_mib"])),
+        ("vcpus", text(&s["vcpus"])),
+        ("keep alive", format!("{} ms", text(&s["keep_alive_ms"]))),
+        ("expires", when(&s["expires_at"])),
+        ("created", when(&s["created_at"])),
+        ("last active", when(&s["last_active_at"])),
+        ("metadata", pairs(&s["metadata"])),
+    ];
+    if !s["failure_reason"].is_null() {
+        rows.push(("failure", text(&s["failure_reason"])));
+    }
+    rows.push(("vmm pid", text(&s["vmm"]["pid"])));
+    rows.push(("snapshot", text(&s["snapshot"])));
+    fields(&rows)
+}
+
+// Output shared by `torpor sandbox`, `template` and `pod`.
+
+/// Re-indents compact JSON text (two spaces), keeping its field order.
+pub fn pretty(raw: &str) -> String {
+    let (mut out, mut depth, mut in_str, mut esc) = (String::new(), 0usize, false, false);
+    let newline = |out: &mut String, depth: usize| {
+        out.push('\n');
+        out.push_str(&"  ".repeat(depth));
+    };
+    let mut chars = raw.trim().chars().peekable();
+    while let Some(ch) = chars.next() {
+        if in_str {
+            out.push(ch);
+            if esc {
+                esc = false;
+            } else if ch == '\\' {
+                esc = true;
+            } else if ch == '"' {
+                in_str = false;
+            }
+            continue;
+        }
+        match ch {
+            '"' => {
+                in_str = true;
+                out.push(ch);
+            }
+            '{' | '[' => {
+                out.push(ch);
+                while chars.next_if(|c| c.is_whitespace()).is_some() {}
+                if let Some(close) = chars.next_if(|c| matches!(c, '}' | ']')) {
+                    out.push(close);
+                } else {
+                    depth += 1;
+                    newline(&mut out, depth);
+                }
+            }
+            '}' | ']' => {
+                depth = depth.saturating_sub(1);
+                newline(&mut out, depth);
+                out.push(ch);
+            }
+            ',' => {
+                out.push(ch);
+                newline(&mut out, depth);
+            }
+            ':' => out.push_str(": "),
+            c if c.is_whitespace() => {}
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Rows under a header, columns padded to align (two spaces between).
+pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut width: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in width.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let mut out = String::new();
+        for (i, (cell, w)) in cells.iter().zip(&width).enumerate() {
+            if i + 1 == cells.len() {
+                out.push_str(cell);
+            } else {
+                out.push_str(&format!("{cell:<w$}  "));
+            }
+        }
+        out.trim_end().to_string() + "\n"
+    };
+    let mut out = line(header.to_vec());
+    for row in rows {
+        out.push_str(&line(row.iter().map(String::as_str).collect()));
+    }
+    out
+}
+
+/// `key: value` lines, values aligned.
+pub fn fields(pairs: &[(&str, String)]) -> String {
+    let w = pairs.iter().map(|(k, _)| k.len() + 1).max().unwrap_or(0);
+    pairs
+        .iter()
+        .map(|(k, v)| format!("{:<w$} {v}\n", format!("{k}:")))
+        .collect()
+}
+
+/// A JSON field as display text: strings bare, null as `-`.
+pub fn text(v: &Value) -> String {
+    match v {
+        Value::Null => "-".into(),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+fn since(v: &Value) -> Option<i64> {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
+    v.as_i64().map(|then| (now - then) / 1000)
+}
+
+fn span(s: i64) -> String {
+    match s {
+        0..=59 => format!("{s}s"),
+        60..=3599 => format!("{}m", s / 60),
+        3600..=86399 => format!("{}h", s / 3600),
+        _ => format!("{}d", s / 86400),
+    }
+}
+
+/// Time since a millisecond Unix timestamp, short (`42s`, `5m`, `3h`, `2d`).
+pub fn age(v: &Value) -> String {
+    since(v).map_or_else(|| "-".into(), |s| span(s.max(0)))
+}
+
+/// A millisecond Unix timestamp relative to now (`5m ago`, `in 2h`).
+pub fn when(v: &Value) -> String {
+    match since(v) {
+        None => "-".into(),
+        Some(s) if s < 0 => format!("in {}", span(-s)),
+        Some(s) => format!("{} ago", span(s)),
+    }
+}
+
+/// A `{k: v}` object as `k=v,k=v` (`-` when empty).
+pub fn pairs(v: &Value) -> String {
+    match v.as_object() {
+        Some(m) if !m.is_empty() => m
+            .iter()
+            .map(|(k, v)| format!("{k}={}", text(v)))
+            .collect::<Vec<_>>()
+            .join(","),
+        _ => "-".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tables_align() {
+        let rows = [vec!["a".into(), "running".into(), "1".into()]];
+        let t = table(&["ID", "STATE", "X"], &rows);
+        assert_eq!(t, "ID  STATE    X\na   running  1\n");
+        let f = fields(&[("id", "a".into()), ("state", "b".into())]);
+        assert_eq!(f, "id:    a\nstate: b\n");
+        assert_eq!(encode("a b/é"), "a%20b%2F%C3%A9");
+        assert_eq!(pairs(&json!({"k": "v", "n": 1})), "k=v,n=1");
+        assert_eq!(when(&json!(null)), "-");
+        assert_eq!(span(61), "1m");
+        let raw = r#"{"z":[],"a":{"s":"x,\\\"{:"},"l":[1, 2]}"#;
+        let text = pretty(raw);
+        let want = r#"{
+  "z": [],
+  "a": {
+    "s": "x,\\\"{:"
+  },
+  "l": [
+    1,
+    2
+  ]
+}"#;
+        assert_eq!(text, want);
+        let back: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, serde_json::from_str::<Value>(raw).unwrap());
+    }
+}

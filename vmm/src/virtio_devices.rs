@@ -1,0 +1,221 @@
+//! The virtio devices of one VM (virtio-blk, virtio-vsock on virtio-mmio):
+//! built at boot, saved with snapshots, restored into clones.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::devices::block::{
+    BlockConfig, BlockDevice, BlockError, BlockMmio, BlockRestoreArgs, BlockState,
+};
+use crate::devices::virtio::{
+    MmioBus, MmioBusError, MmioRestoreArgs, MmioSlot, VirtioError, VirtioMmioState,
+};
+use crate::devices::vsock::{
+    VsockConfig, VsockDevice, VsockError, VsockMmio, VsockRestoreArgs, VsockState, VsockWorker,
+};
+use crate::persist::Persist;
+use crate::snapshot::PageRuns;
+use crate::vstate::vm::{Vm, VmError};
+
+/// Slot 0 is the disk (so Linux names it /dev/vda), slot 1 vsock.
+const BLOCK_SLOT: usize = 0;
+const VSOCK_SLOT: usize = 1;
+/// Name of the frozen disk overlay inside a snapshot directory.
+pub const OVERLAY_FILE: &str = "disk0.overlay";
+
+/// A disk: a base image never written, and this VM's own overlay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskConfig {
+    pub image: PathBuf,
+    pub overlay: PathBuf,
+    pub read_only: bool,
+}
+
+/// Which virtio devices a cold boot gets.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VirtioConfig {
+    pub disk: Option<DiskConfig>,
+    /// Host unix socket of the vsock device (Firecracker's hybrid vsock).
+    pub vsock_uds: Option<PathBuf>,
+}
+
+/// Where a clone's devices keep their host-side files.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VirtioRestorePaths {
+    pub disk_overlay: Option<PathBuf>,
+    pub vsock_uds: Option<PathBuf>,
+}
+
+/// Saved virtio state, part of `DeviceStates`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct VirtioStates {
+    pub block: Option<(MmioSlot, VirtioMmioState<BlockState>)>,
+    pub vsock: Option<(MmioSlot, VirtioMmioState<VsockState>)>,
+}
+
+/// Errors of the virtio devices.
+#[derive(Debug, thiserror::Error)]
+pub enum VirtioDevicesError {
+    #[error(transparent)]
+    Virtio(#[from] VirtioError),
+    #[error(transparent)]
+    Bus(#[from] MmioBusError),
+    #[error("virtio-blk: {0}")]
+    Block(#[from] BlockError),
+    #[error("virtio-vsock: {0}")]
+    Vsock(#[from] VsockError),
+    #[error(transparent)]
+    Vm(#[from] VmError),
+    #[error("cannot create an eventfd: {0}")]
+    EventFd(std::io::Error),
+    #[error("a snapshot with a disk needs --disk-overlay for the clone's own overlay")]
+    OverlayNeeded,
+}
+
+/// The devices, their MMIO bus, and the vsock thread once started.
+#[derive(Default)]
+pub struct VirtioDevices {
+    pub mmio: Arc<MmioBus>,
+    block: Option<(MmioSlot, Arc<Mutex<BlockMmio>>)>,
+    vsock: Option<(MmioSlot, Arc<Mutex<VsockMmio>>)>,
+    worker: Mutex<Option<VsockWorker>>,
+}
+
+fn irq_for(vm: &Vm, slot: &MmioSlot) -> Result<EventFd, VirtioDevicesError> {
+    let irq = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
+        .map_err(VirtioDevicesError::EventFd)?;
+    vm.register_irqfd(&irq, slot.irq)?;
+    Ok(irq)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl VirtioDevices {
+    /// Builds the devices of a cold boot; returns them and the kernel
+    /// command line words that tell Linux where they are.
+    pub fn build(
+        vm: &Vm,
+        mem: &GuestMemoryMmap,
+        config: &VirtioConfig,
+    ) -> Result<(Self, String), VirtioDevicesError> {
+        let mut bus = MmioBus::default();
+        let mut cmdline = String::new();
+        let mut devices = VirtioDevices::default();
+        if let Some(disk) = &config.disk {
+            let slot = MmioSlot::nth(BLOCK_SLOT)?;
+            let dev = BlockDevice::new(&BlockConfig {
+                id: "rootfs".into(),
+                base: disk.image.clone(),
+                overlay: Some(disk.overlay.clone()),
+                read_only: disk.read_only,
+            })?;
+            let blk = Arc::new(Mutex::new(BlockMmio::new(
+                dev,
+                mem.clone(),
+                irq_for(vm, &slot)?,
+            )?));
+            bus.insert(slot.base, slot.size, blk.clone())?;
+            cmdline.push(' ');
+            cmdline.push_str(&slot.cmdline());
+            devices.block = Some((slot, blk));
+        }
+        if let Some(uds) = &config.vsock_uds {
+            let slot = MmioSlot::nth(VSOCK_SLOT)?;
+            let dev = VsockDevice::new(&VsockConfig::new(uds.clone()))?;
+            let vsock = Arc::new(Mutex::new(VsockMmio::new(
+                dev,
+                mem.clone(),
+                irq_for(vm, &slot)?,
+            )?));
+            bus.insert(slot.base, slot.size, vsock.clone())?;
+            cmdline.push(' ');
+            cmdline.push_str(&slot.cmdline());
+            devices.vsock = Some((slot, vsock));
+        }
+        devices.mmio = Arc::new(bus);
+        Ok((devices, cmdline))
+    }
+
+    /// Rebuilds saved devices for a clone, at the same slots, with the
+    /// clone's own overlay and vsock socket. Touches no guest memory.
+    pub fn restore(
+        vm: &Vm,
+        mem: &GuestMemoryMmap,
+        states: &VirtioStates,
+        paths: &VirtioRestorePaths,
+    ) -> Result<Self, VirtioDevicesError> {
+        let mut bus = MmioBus::default();
+        let mut devices = VirtioDevices::default();
+        if let Some((slot, state)) = &states.block {
+            let overlay = paths
+                .disk_overlay
+                .clone()
+                .ok_or(VirtioDevicesError::OverlayNeeded)?;
+            let args = MmioRestoreArgs {
+                mem: mem.clone(),
+                irq: irq_for(vm, slot)?,
+                device: BlockRestoreArgs {
+                    overlay_path: Some(overlay),
+                    base_path: None,
+                },
+            };
+            let blk = Arc::new(Mutex::new(BlockMmio::restore(args, state)?));
+            bus.insert(slot.base, slot.size, blk.clone())?;
+            devices.block = Some((*slot, blk));
+        }
+        if let Some((slot, state)) = &states.vsock {
+            let args = MmioRestoreArgs {
+                mem: mem.clone(),
+                irq: irq_for(vm, slot)?,
+                device: VsockRestoreArgs {
+                    uds_path: paths.vsock_uds.clone(),
+                    cid: None,
+                },
+            };
+            let vsock = Arc::new(Mutex::new(VsockMmio::restore(args, state)?));
+            bus.insert(slot.base, slot.size, vsock.clone())?;
+            devices.vsock = Some((*slot, vsock));
+        }
+        devices.mmio = Arc::new(bus);
+        Ok(devices)
+    }
+
+    /// Starts the vsock device thread (once guest memory can be touched).
+    pub fn start(&self) -> Result<(), VirtioDevicesError> {
+        if let Some((_, vsock)) = &self.vsock {
+            *lock(&self.worker) = Some(VsockWorker::spawn(vsock.clone())?);
+        }
+        Ok(())
+    }
+
+    /// Saves every device (vCPUs paused); freezes the disk overlay into
+    /// `dir`; returns the state and the pages the devices wrote since the
+    /// last snapshot (KVM's dirty log does not see them).
+    pub fn save(
+        &self,
+        dir: &std::path::Path,
+    ) -> Result<(VirtioStates, PageRuns), VirtioDevicesError> {
+        let mut states = VirtioStates::default();
+        let mut dirty = PageRuns::default();
+        // Hold both locks together: the vsock thread stays off guest memory.
+        let mut blk = self.block.as_ref().map(|(s, d)| (*s, lock(d)));
+        let mut vsock = self.vsock.as_ref().map(|(s, d)| (*s, lock(d)));
+        if let Some((slot, t)) = blk.as_mut() {
+            let mut state = t.save();
+            state.device.copy_overlay_to(&dir.join(OVERLAY_FILE))?;
+            dirty = dirty.union(&t.take_dirty_pages());
+            states.block = Some((*slot, state));
+        }
+        if let Some((slot, t)) = vsock.as_mut() {
+            states.vsock = Some((*slot, t.save()));
+            dirty = dirty.union(&t.take_dirty_pages());
+        }
+        Ok((states, dirty))
+    }
+}
