@@ -84,7 +84,7 @@ fn write_returns_size_and_replaces_existing_file() {
 fn header_layout_is_little_endian_at_fixed_offsets() {
     let bytes = encode(&42u32).unwrap();
     assert_eq!(bytes.len(), HEADER_LEN + 4);
-    assert_eq!(&bytes[8..10], &1u16.to_le_bytes());
+    assert_eq!(&bytes[8..10], &FORMAT_MAJOR.to_le_bytes());
     assert_eq!(&bytes[10..12], &0u16.to_le_bytes());
     assert_eq!(&bytes[12..16], &[0; 4]);
     assert_eq!(&bytes[16..24], &4u64.to_le_bytes());
