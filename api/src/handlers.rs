@@ -13,9 +13,10 @@ use torpor_scheduler::model::{PodId, SandboxId, SandboxState, TemplateId, Templa
 use crate::backend::SandboxApi;
 use crate::error::{code, ApiError};
 use crate::service::ServiceError;
+use crate::service::{CreateSandbox, CreateTemplate};
 use crate::wire::{
-    sandbox_filter, ApiJson, CreateSandboxBody, CreateTemplateBody, Health, OutcomeBody, PodBody,
-    PodList, PodPatch, SandboxList, SandboxPatch, TemplateList,
+    sandbox_filter, ApiJson, Health, OutcomeBody, PodBody, PodList, PodPatch, SandboxList,
+    SandboxPatch, TemplateList,
 };
 
 /// The service, shared by every handler.
@@ -104,9 +105,9 @@ pub async fn list_templates<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Json<
 
 pub async fn create_template<S: SandboxApi>(
     State(st): Api<S>,
-    ApiJson(body): ApiJson<CreateTemplateBody>,
+    ApiJson(body): ApiJson<CreateTemplate>,
 ) -> ApiResult<Response> {
-    let template = call(&st, move |s| s.create_template(body.into())).await?;
+    let template = call(&st, move |s| s.create_template(body)).await?;
     let building = template.state == TemplateState::Building;
     Ok(created(
         format!("/v1/templates/{}", template.id),
@@ -147,9 +148,9 @@ pub async fn list_sandboxes<S: SandboxApi>(
 
 pub async fn create_sandbox<S: SandboxApi>(
     State(st): Api<S>,
-    ApiJson(body): ApiJson<CreateSandboxBody>,
+    ApiJson(body): ApiJson<CreateSandbox>,
 ) -> ApiResult<Response> {
-    let sandbox = call(&st, move |s| s.create_sandbox(body.into())).await?;
+    let sandbox = call(&st, move |s| s.create_sandbox(body)).await?;
     let building = sandbox.state == SandboxState::Creating;
     Ok(created(
         format!("/v1/sandboxes/{}", sandbox.id),

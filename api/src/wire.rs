@@ -6,90 +6,16 @@
 //! serialise as they are stored.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, Request};
 use axum::http::StatusCode;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use torpor_scheduler::model::{
-    Pod, PodId, Sandbox, SandboxState, Template, TemplateId, TemplateKind,
-};
+use torpor_scheduler::model::{Pod, PodId, Sandbox, SandboxState, Template, TemplateId};
 
 use crate::error::{code, ApiError};
-use crate::service::{CreateSandbox, CreateTemplate, Outcome, PodView, SandboxFilter};
-
-/// `POST /v1/templates`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CreateTemplateBody {
-    pub name: String,
-    pub kind: TemplateKind,
-    #[serde(default)]
-    pub kernel: Option<PathBuf>,
-    #[serde(default)]
-    pub rootfs: Option<PathBuf>,
-    #[serde(default = "default_template_mem_mib")]
-    pub mem_mib: u32,
-    #[serde(default = "default_template_vcpus")]
-    pub vcpus: u32,
-    #[serde(default)]
-    pub cmdline: Option<String>,
-}
-
-/// Template memory when none is given (the service's default too).
-fn default_template_mem_mib() -> u32 {
-    64
-}
-
-fn default_template_vcpus() -> u32 {
-    1
-}
-
-impl From<CreateTemplateBody> for CreateTemplate {
-    fn from(b: CreateTemplateBody) -> Self {
-        CreateTemplate {
-            name: b.name,
-            kind: b.kind,
-            kernel: b.kernel,
-            rootfs: b.rootfs,
-            mem_mib: b.mem_mib,
-            vcpus: b.vcpus,
-            cmdline: b.cmdline,
-        }
-    }
-}
-
-/// `POST /v1/sandboxes`. Memory and vCPUs are the template's: a sandbox is
-/// restored from the template's snapshot.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CreateSandboxBody {
-    /// Template id or name.
-    pub template: String,
-    #[serde(default)]
-    pub keep_alive_ms: Option<u64>,
-    #[serde(default)]
-    pub timeout_ms: Option<u64>,
-    #[serde(default)]
-    pub metadata: BTreeMap<String, String>,
-    /// Wait for capacity instead of being refused with 429.
-    #[serde(default)]
-    pub queue: bool,
-}
-
-impl From<CreateSandboxBody> for CreateSandbox {
-    fn from(b: CreateSandboxBody) -> Self {
-        CreateSandbox {
-            template: b.template,
-            keep_alive_ms: b.keep_alive_ms,
-            timeout_ms: b.timeout_ms,
-            metadata: b.metadata,
-            queue: b.queue,
-        }
-    }
-}
+use crate::service::{Outcome, PodView, SandboxFilter};
 
 /// `PATCH /v1/sandboxes/{id}`: at least one field.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -322,10 +248,14 @@ mod tests {
 
     #[test]
     fn request_bodies_refuse_unknown_fields() {
-        let ok: CreateSandboxBody = serde_json::from_str(r#"{"template":"probe"}"#).unwrap();
+        let ok: crate::service::CreateSandbox =
+            serde_json::from_str(r#"{"template":"probe"}"#).unwrap();
         assert!(!ok.queue);
         assert!(ok.metadata.is_empty());
-        assert!(serde_json::from_str::<CreateSandboxBody>(r#"{"template":"p","mem":1}"#).is_err());
+        assert!(serde_json::from_str::<crate::service::CreateSandbox>(
+            r#"{"template":"p","mem":1}"#
+        )
+        .is_err());
         assert!(serde_json::from_str::<PodPatch>(r#"{"ratio":2}"#).is_err());
     }
 }

@@ -5,7 +5,6 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::path::PathBuf;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -22,23 +21,6 @@ const IO_TIMEOUT: Duration = Duration::from_secs(150);
 /// Largest response head and body we accept.
 const MAX_HEAD: usize = 64 << 10;
 const MAX_BODY: u64 = 64 << 20;
-
-/// The data directory `torpor serve` uses by default (mirrors its
-/// `default_data_dir`): $TORPOR_DATA_DIR, /var/lib/torpor as root, else
-/// ~/.local/share/torpor.
-fn default_data_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("TORPOR_DATA_DIR") {
-        return dir.into();
-    }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        return "/var/lib/torpor".into();
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| ".".into());
-    home.join(".local/share/torpor")
-}
 
 /// Why a request failed.
 #[derive(Debug)]
@@ -74,7 +56,7 @@ impl Client {
             .or_else(|| std::env::var("TORPOR_API").ok().filter(|s| !s.is_empty()))
             .unwrap_or_else(|| DEFAULT_API.to_string());
         let (authority, prefix) = parse_url(&url)?;
-        let file = default_data_dir().join("token");
+        let file = super::serve::default_data_dir().join("token");
         let env = std::env::var("TORPOR_TOKEN").ok().filter(|s| !s.is_empty());
         let (token, token_source) = if let Some(t) = &args.token {
             (Some(t.clone()), "the token given with --token".to_string())
@@ -282,7 +264,7 @@ impl Client {
                          $TORPOR_TOKEN, or the token file in `torpor serve`'s data directory \
                          (DATA_DIR/token; by default {}): use one the server was started with.",
                         self.url,
-                        default_data_dir().join("token").display()
+                        super::serve::default_data_dir().join("token").display()
                     );
                 }
             }

@@ -12,7 +12,7 @@ use super::{EXIT_FAILURE, EXIT_OK};
 use crate::cli::ServeArgs;
 
 /// Where state lives unless `--data-dir` or TORPOR_DATA_DIR says otherwise.
-fn default_data_dir() -> PathBuf {
+pub(crate) fn default_data_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("TORPOR_DATA_DIR") {
         return dir.into();
     }

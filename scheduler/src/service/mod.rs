@@ -109,8 +109,10 @@ impl ServiceError {
     }
 }
 
-/// Creating a template.
+/// Creating a template (also the API's request body: unknown fields are
+/// refused).
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct CreateTemplate {
     pub name: String,
     pub kind: TemplateKind,
@@ -133,8 +135,10 @@ fn default_vcpus() -> u32 {
     1
 }
 
-/// Creating a sandbox.
+/// Creating a sandbox (also the API's request body: unknown fields are
+/// refused). Memory and vCPUs are the template's.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct CreateSandbox {
     /// Template id or name.
     pub template: String,
