@@ -33,6 +33,12 @@ fn verdict_and_exit_status_agree() {
         assert_eq!(code, Some(10), "PVM host must be probe-only:\n{text}");
         assert!(text.contains("PVM"), "{text}");
     }
+    if code == Some(10) {
+        assert!(
+            text.contains("scripts/nested-host"),
+            "probe-only hosts point to the nested host:\n{text}"
+        );
+    }
     for section in [
         "kvm",
         "virtualization",

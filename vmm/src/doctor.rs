@@ -582,6 +582,16 @@ impl fmt::Display for Report {
             CgroupMode::V1 => "v1 only",
         });
         row(f, "mode", show(&cgroup))?;
+        if self.verdict == Verdict::ProbeOnly {
+            // Hosts without VMX/SVM still run Linux guests one level down.
+            writeln!(f, "nested host")?;
+            row(
+                f,
+                "Linux guests",
+                "run them in the nested host: QEMU/TCG with SVM+NPT and kvm_amd \
+                 (scripts/nested-host check; tests: nested/tests/)",
+            )?;
+        }
         writeln!(f, "\nverdict: {}", self.summary)
     }
 }
