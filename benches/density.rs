@@ -19,7 +19,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, Once, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -35,7 +35,6 @@ const CREATE: &str = r#"{"template":"probe","metadata":{"bench":"density"}}"#;
 
 /// What `die` cleans up: the scratch directory and the serve process.
 static SCRATCH: OnceLock<PathBuf> = OnceLock::new();
-static SERVE_PID: AtomicU32 = AtomicU32::new(0);
 static SERVE: Mutex<Option<Child>> = Mutex::new(None);
 static ADDR: OnceLock<String> = OnceLock::new();
 
@@ -79,9 +78,8 @@ fn kill_vmms() -> usize {
     let me = std::process::id();
     let mut n = 0;
     for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
+        let pid = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok());
+        let pid = pid.unwrap_or(me);
         let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
         if pid != me && String::from_utf8_lossy(&cmd).contains(&needle) {
             // SAFETY: a VMM started (through torpor serve) by this bench.
@@ -94,7 +92,7 @@ fn kill_vmms() -> usize {
 
 /// Aborts the benchmark: message, the service log's tail, cleanup, exit 1.
 fn die(msg: &str) -> ! {
-    static DYING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    static DYING: AtomicBool = AtomicBool::new(false);
     if DYING.swap(true, Ordering::SeqCst) {
         // Another thread is already reporting and cleaning up; it exits.
         loop {
@@ -112,44 +110,27 @@ fn die(msg: &str) -> ! {
     std::process::exit(1);
 }
 
-/// One HTTP/1.1 request on its own connection, with an overall deadline.
+/// One HTTP/1.1 request on its own connection. The service writes its
+/// answer once it is ready, so the read timeout bounds the whole request.
 fn http(method: &str, path: &str, body: Option<&str>) -> Result<(u16, String), String> {
     let addr = ADDR.get().expect("serve address");
     let sock: SocketAddr = addr.parse().map_err(|e| format!("address {addr}: {e}"))?;
-    let deadline = Instant::now() + REQUEST_LIMIT;
     let mut s = TcpStream::connect_timeout(&sock, Duration::from_secs(10))
         .map_err(|e| format!("connect {addr}: {e}"))?;
     let _ = s.set_write_timeout(Some(Duration::from_secs(10)));
+    let _ = s.set_read_timeout(Some(REQUEST_LIMIT));
     let body = body.unwrap_or("");
-    let mut req = format!(
+    let req = format!(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
-         Authorization: Bearer {TOKEN}\r\n"
+         Authorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
     );
-    if !body.is_empty() || matches!(method, "POST" | "PUT" | "PATCH") {
-        req.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n",
-            body.len()
-        ));
-    }
-    req.push_str("\r\n");
-    req.push_str(body);
     s.write_all(req.as_bytes())
         .map_err(|e| format!("send: {e}"))?;
     let mut raw = Vec::new();
-    let mut buf = [0u8; 16384];
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(format!("no complete answer within {REQUEST_LIMIT:?}"));
-        }
-        s.set_read_timeout(Some(left)).map_err(|e| e.to_string())?;
-        match s.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => raw.extend_from_slice(&buf[..n]),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(format!("read: {e}")),
-        }
-    }
+    s.read_to_end(&mut raw)
+        .map_err(|e| format!("no complete answer (limit {REQUEST_LIMIT:?}): {e}"))?;
     let text = String::from_utf8_lossy(&raw).into_owned();
     let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok());
@@ -233,7 +214,8 @@ fn meminfo(name: &str) -> f64 {
     kb_field("/proc/meminfo", name)
 }
 
-/// Kernel memory that is not reclaimable (where KVM's per-VM state goes).
+/// Kernel memory that is not reclaimable (where KVM's per-VM state goes);
+/// host-wide, so other tenants of a shared machine move it too.
 fn kernel_mem() -> f64 {
     let fields = "SUnreclaim: KernelStack: PageTables: SecPageTables: VmallocUsed:";
     fields.split(' ').map(meminfo).sum()
@@ -290,7 +272,6 @@ fn start_serve() {
         .stderr(log)
         .spawn()
         .unwrap_or_else(|e| die(&format!("spawn {TORPOR} serve: {e}")));
-    SERVE_PID.store(child.id(), Ordering::SeqCst);
     let out = child.stdout.take().expect("stdout");
     *SERVE.lock().unwrap() = Some(child);
     let (tx, rx) = std::sync::mpsc::channel();
@@ -336,12 +317,16 @@ fn main() {
     std::fs::create_dir_all(&dir).expect("scratch dir");
     SCRATCH.set(dir).expect("once");
     let host_ram = meminfo("MemTotal:");
-    let (avail0, kern0) = (meminfo("MemAvailable:"), kernel_mem());
+    let kern0 = kernel_mem();
     eprintln!("density: starting torpor serve in {}", scratch().display());
     let t = Instant::now();
     start_serve();
     let serve_start_ms = ms(t);
-    let serve_pid = SERVE_PID.load(Ordering::SeqCst) as u64;
+    let serve_pid = SERVE
+        .lock()
+        .unwrap()
+        .as_ref()
+        .map_or(0, |c| u64::from(c.id()));
 
     // Admission: the pod must allow `total` sandboxes to hold a VMM at once.
     let tmpl = api("GET", "/v1/templates", None)["templates"]
@@ -372,7 +357,7 @@ fn main() {
         "density: creating {total} probe sandboxes, hibernating {sleeping}, batches of {batch}"
     );
     let (mut created, mut hib_lat) = (Vec::new(), Vec::new());
-    let (mut create_s, mut hib_s, mut peak) = (0.0, 0.0, (0, 0.0, 0.0, 0.0, 0.0));
+    let (mut create_s, mut hib_s, mut peak) = (0.0, 0.0, (0, 0.0, 0.0, 0.0));
     while created.len() < total {
         let (start, n) = (created.len(), batch.min(total - created.len()));
         let t = Instant::now();
@@ -396,8 +381,7 @@ fn main() {
             let pids: Vec<u64> = on.map(|(_, c)| c.2).collect();
             let cpu = cpu_cores(&pids, Duration::from_secs(3));
             let pss = api("GET", "/v1/pods", None)["pods"][0]["pss_mib"].as_f64();
-            let (avail, kern) = (meminfo("MemAvailable:"), kernel_mem());
-            peak = (running, cpu, pss.unwrap_or(f64::NAN), kern, avail);
+            peak = (running, cpu, pss.unwrap_or(f64::NAN), kernel_mem());
         }
         let (from, base) = (start.max(active), hib_lat.len());
         let t = Instant::now();
@@ -417,7 +401,7 @@ fn main() {
         hib_s += t.elapsed().as_secs_f64();
     }
     let create_lat: Vec<f64> = created.iter().map(|c| c.1).collect();
-    let (peak_n, cpu_all, pss_all, kern_all, avail_all) = peak;
+    let (peak_n, cpu_all, pss_all, kern_all) = peak;
 
     // 3. Memory with `active` running and the rest hibernated.
     let running = ids(&api("GET", "/v1/sandboxes?state=running", None));
@@ -438,7 +422,7 @@ fn main() {
         .map(|(_, pid)| pss_rss(*pid))
         .fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
     let (serve_pss, serve_rss) = pss_rss(serve_pid);
-    let (avail_now, kern_now) = (meminfo("MemAvailable:"), kernel_mem());
+    let kern_now = kernel_mem();
     let sbx_dir = data_dir().join("sandboxes");
     let hib_disk: u64 = hibernated.iter().map(|(id, _)| du(&sbx_dir.join(id))).sum();
     let run_disk: u64 = running.iter().map(|(id, _)| du(&sbx_dir.join(id))).sum();
@@ -501,9 +485,8 @@ fn main() {
         ("create (4 client threads)", format!("{} (batches of {batch})", rate(total, create_s))),
         ("  create latency", lat(&create_lat)),
         ("  peak running: count; CPU of the VMMs", format!("{peak_n}; {cpu_all:.2} cores")),
-        ("  peak running: pod PSS; kernel; MemAvail.",
-            format!("{pss_all:.0} MiB; +{:.0} MiB; -{:.0} MiB (host-wide, shared machine)",
-                mib(kern_all - kern0), mib(avail0 - avail_all))),
+        ("  peak running: pod PSS; kernel growth", format!("{pss_all:.0} MiB; {:.0} MiB (host-wide)",
+            mib(kern_all - kern0))),
         ("hibernate (4 client threads)", rate(sleeping, hib_s)),
         ("  hibernate latency", lat(&hib_lat)),
         ("PSS of active VMMs (ours / pod pss_mib)",
@@ -516,8 +499,6 @@ fn main() {
             format!("{:.2} MiB = (VMMs + serve PSS) / {total}", mib(per(ram_total, total)))),
         ("  kernel memory growth (host-wide)", format!("{:.0} MiB = {:.2} MiB each",
             mib(kern_now - kern0), mib(per(kern_now - kern0, total)))),
-        ("  host MemAvailable drop (host-wide)", format!("{:.0} MiB = {:.2} MiB each",
-            mib(avail0 - avail_now), mib(per(avail0 - avail_now, total)))),
         ("disk per hibernated sandbox (du)",
             format!("{:.2} MiB ({:.1} MiB in all)", mib(per(hib_disk, sleeping)), mib(hib_disk))),
         ("disk per active sandbox / template",

@@ -60,12 +60,8 @@ fn torpor_binary() -> PathBuf {
         .join("torpor")
 }
 
-#[test]
-fn linux_guest_boots_and_runs_commands_through_the_agent() {
-    if std::env::var("TORPOR_SKIP_NESTED").as_deref() == Ok("1") {
-        eprintln!("linux_guest_boots_and_runs_commands_through_the_agent: SKIPPED by request (TORPOR_SKIP_NESTED=1)");
-        return;
-    }
+/// The nested host carrying torpor, the guest kernel and a fresh rootfs.
+fn linux_host(tag: &str) -> (NestedHost, PathBuf) {
     let torpor = torpor_binary();
     assert!(
         torpor.is_file(),
@@ -75,7 +71,7 @@ fn linux_guest_boots_and_runs_commands_through_the_agent() {
     let kernel = built("build-guest-kernel", &[]);
     let agent = built("build-agent", &[]);
     let rootfs_dir =
-        std::env::temp_dir().join(format!("torpor-nested-linux-{}", std::process::id()));
+        std::env::temp_dir().join(format!("torpor-nested-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&rootfs_dir).unwrap();
     let rootfs = rootfs_dir.join("rootfs.ext4");
     let out = Command::new(repo().join("scripts/build-rootfs"))
@@ -101,6 +97,23 @@ fn linux_guest_boots_and_runs_commands_through_the_agent() {
         .unwrap_or_else(|e| {
             panic!("the nested hardware-virtualization host is not available: {e}")
         });
+    (host, rootfs_dir)
+}
+
+fn skipped(test: &str) -> bool {
+    let skip = std::env::var("TORPOR_SKIP_NESTED").as_deref() == Ok("1");
+    if skip {
+        eprintln!("{test}: SKIPPED by request (TORPOR_SKIP_NESTED=1)");
+    }
+    skip
+}
+
+#[test]
+fn linux_guest_boots_and_runs_commands_through_the_agent() {
+    if skipped("linux_guest_boots_and_runs_commands_through_the_agent") {
+        return;
+    }
+    let (host, rootfs_dir) = linux_host("linux");
     let script = r#"
 test -c /dev/kvm || { echo 'L1 has no /dev/kvm'; exit 97; }
 T=/opt/torpor/torpor
@@ -155,6 +168,74 @@ wait
     assert!(
         timeout_rc.is_some_and(|l| l != "rc=0"),
         "the timed-out command did not fail:\n{o}"
+    );
+    let _ = std::fs::remove_dir_all(&rootfs_dir);
+}
+
+#[test]
+fn linux_template_snapshot_restores_into_isolated_clones() {
+    if skipped("linux_template_snapshot_restores_into_isolated_clones") {
+        return;
+    }
+    let (host, rootfs_dir) = linux_host("clones");
+    let script = r#"
+test -c /dev/kvm || { echo 'L1 has no /dev/kvm'; exit 97; }
+T=/opt/torpor/torpor
+$T vmm --kernel /opt/torpor/vmlinux --disk /opt/torpor/rootfs.ext4 --disk-overlay /tmp/ov0 \
+   --vsock-uds /tmp/v0.sock --mem-mib 512 \
+   --cmdline "console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda rw init=/sbin/init" \
+   --serial /tmp/c0.log --control-socket /tmp/c0.sock &
+$T vmm exec --vsock-uds /tmp/v0.sock --wait-ms 300000 -- sh -c 'echo base > /root/mark; sync; echo template-ready'
+$T vmm pause --socket /tmp/c0.sock >/dev/null
+$T vmm snapshot --socket /tmp/c0.sock --out /tmp/tpl >/dev/null && echo snapshot-taken
+$T vmm shutdown --socket /tmp/c0.sock >/dev/null; wait
+for i in 1 2 3; do
+  $T vmm --restore /tmp/tpl --disk-overlay /tmp/ov$i --vsock-uds /tmp/v$i.sock \
+     --serial /tmp/c$i.log --control-socket /tmp/c$i.sock &
+done
+for i in 1 2 3; do
+  $T vmm exec --vsock-uds /tmp/v$i.sock --wait-ms 120000 -- \
+     sh -c "echo clone-$i saw \$(cat /root/mark); echo clone$i > /root/mark; echo rng-\$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+  echo "rc=$?"
+done
+for i in 1 2 3; do
+  $T vmm exec --vsock-uds /tmp/v$i.sock -- sh -c "echo final-$i \$(cat /root/mark)"
+done
+for i in 1 2 3; do $T vmm shutdown --socket /tmp/c$i.sock >/dev/null; done
+wait
+"#;
+    let out = host
+        .run(script, Duration::from_secs(900))
+        .unwrap_or_else(|e| panic!("nested run failed: {e}"));
+    eprintln!(
+        "nested_linux clones: L1 boot {:.1}s, script {:.1}s, total {:.1}s",
+        out.boot.as_secs_f64(),
+        out.script.as_secs_f64(),
+        out.total.as_secs_f64()
+    );
+    let o = &out.stdout;
+    assert!(
+        o.contains("template-ready") && o.contains("snapshot-taken"),
+        "{o}"
+    );
+    for i in 1..=3 {
+        // Each clone starts from the template's disk and memory, and its
+        // writes stay its own.
+        assert!(
+            o.contains(&format!("clone-{i} saw base")),
+            "clone {i} did not see the template's disk:\n{o}"
+        );
+        assert!(
+            o.contains(&format!("final-{i} clone{i}\n")),
+            "clone {i}'s disk is not its own:\n{o}"
+        );
+    }
+    let rngs: std::collections::HashSet<&str> =
+        o.lines().filter(|l| l.starts_with("rng-")).collect();
+    assert_eq!(
+        rngs.len(),
+        3,
+        "clones must not produce the same random bytes:\n{o}"
     );
     let _ = std::fs::remove_dir_all(&rootfs_dir);
 }
