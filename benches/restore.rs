@@ -3,6 +3,7 @@
 //! shell), snapshot latency and size (full; diff at ~1/10/50% dirty), and
 //! PSS per clone with 20 clones of one template.
 //!
+//! Under `cargo test` (no `--bench` argument) it makes a one-run smoke pass.
 //! `cargo bench --bench restore [-- --runs N --quick]` prints tables of
 //! medians. Compare rows of one run; the machine's noise (2 shared cores)
 //! moves absolute numbers from run to run.
@@ -299,7 +300,11 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(10);
-    let quick = args.iter().any(|a| a == "--quick");
+    // `cargo test --all-targets` runs benches without `--bench`: then one
+    // run per cell at 256 MiB only, a smoke test of the harness.
+    let smoke = !args.iter().any(|a| a == "--bench");
+    let runs = if smoke { 1 } else { runs };
+    let quick = smoke || args.iter().any(|a| a == "--quick");
     let dir =
         Dir(std::env::temp_dir().join(format!("torpor-bench-restore-{}", std::process::id())));
     std::fs::create_dir_all(&dir.0).unwrap();
