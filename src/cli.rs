@@ -67,6 +67,23 @@ pub enum VmmAction {
     /// Run a command in the guest through torpor-agent over the VM's vsock
     /// socket; prints its output and exits with its status.
     Exec(GuestExecArgs),
+    /// Tell the guest agent it was restored: it reads the identity page,
+    /// sets the wall clock and reseeds the kernel RNG. Prints its report;
+    /// exits 1 unless the clock and the RNG steps succeeded.
+    Resumed(GuestAgentArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct GuestAgentArgs {
+    /// The VM's vsock host socket (`--vsock-uds` of the VMM).
+    #[arg(long)]
+    pub vsock_uds: PathBuf,
+    /// The agent's vsock port.
+    #[arg(long, default_value_t = 52)]
+    pub port: u32,
+    /// Keep trying to reach the agent for this long.
+    #[arg(long, default_value_t = 60_000)]
+    pub wait_ms: u64,
 }
 
 #[derive(Debug, Args)]

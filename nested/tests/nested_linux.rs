@@ -194,6 +194,9 @@ for i in 1 2 3; do
      --serial /tmp/c$i.log --control-socket /tmp/c$i.sock &
 done
 for i in 1 2 3; do
+  $T vmm resumed --vsock-uds /tmp/v$i.sock --wait-ms 120000 | sed "s/^/resumed-$i /"
+done
+for i in 1 2 3; do
   $T vmm exec --vsock-uds /tmp/v$i.sock --wait-ms 120000 -- \
      sh -c "echo clone-$i saw \$(cat /root/mark); echo clone$i > /root/mark; echo rng-\$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')"
   echo "rc=$?"
@@ -229,6 +232,16 @@ wait
             o.contains(&format!("final-{i} clone{i}\n")),
             "clone {i}'s disk is not its own:\n{o}"
         );
+    }
+    for i in 1..=3 {
+        // The host's post-restore hook: the agent read the identity page
+        // (generation 1), set the clock and reseeded the RNG.
+        let line = o
+            .lines()
+            .find(|l| l.starts_with(&format!("resumed-{i} ")))
+            .unwrap_or_else(|| panic!("no resumed report from clone {i}:\n{o}"));
+        assert!(line.contains("\"generation\":1"), "{line}");
+        assert!(line.contains("\"clock\":{\"status\":\"ok\""), "{line}");
     }
     let rngs: std::collections::HashSet<&str> =
         o.lines().filter(|l| l.starts_with("rng-")).collect();

@@ -1,53 +1,89 @@
-//! `torpor vmm exec`: a command in the guest through torpor-agent, over the
-//! VM's hybrid vsock socket (`CONNECT <port>` then the agent protocol).
+//! `torpor vmm exec` and `torpor vmm resumed`: talk to torpor-agent in a
+//! Linux guest over the VM's hybrid vsock socket (`CONNECT <port>`, then the
+//! agent protocol).
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use torpor_agent::proto::ExecRequest;
+use torpor_agent::proto::{ExecRequest, ResumedRequest, Step, StepStatus};
 use torpor_agent::AgentClient;
 
 use super::EXIT_FAILURE;
-use crate::cli::GuestExecArgs;
+use crate::cli::{GuestAgentArgs, GuestExecArgs};
 
 /// Connects to guest port `port` through the VMM's vsock socket.
-fn connect(args: &GuestExecArgs) -> Result<UnixStream, String> {
-    let mut stream = UnixStream::connect(&args.vsock_uds)
-        .map_err(|e| format!("cannot connect to {}: {e}", args.vsock_uds.display()))?;
+fn connect(uds: &Path, port: u32) -> Result<UnixStream, String> {
+    let mut stream = UnixStream::connect(uds)
+        .map_err(|e| format!("cannot connect to {}: {e}", uds.display()))?;
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .map_err(|e| e.to_string())?;
     stream
-        .write_all(format!("CONNECT {}\n", args.port).as_bytes())
+        .write_all(format!("CONNECT {port}\n").as_bytes())
         .map_err(|e| e.to_string())?;
     let mut line = String::new();
     BufReader::new(&stream)
         .read_line(&mut line)
         .map_err(|e| e.to_string())?;
     if !line.starts_with("OK ") {
-        return Err(format!(
-            "the guest refused port {}: {:?}",
-            args.port,
-            line.trim()
-        ));
+        return Err(format!("the guest refused port {port}: {:?}", line.trim()));
     }
     stream.set_read_timeout(None).map_err(|e| e.to_string())?;
     Ok(stream)
 }
 
-pub fn exec(args: GuestExecArgs) -> i32 {
-    let deadline = Instant::now() + Duration::from_millis(args.wait_ms);
-    let mut client = loop {
-        match connect(&args)
-            .and_then(|s| AgentClient::connect(s, "torpor-cli").map_err(|e| e.to_string()))
-        {
-            Ok(c) => break c,
-            Err(e) if Instant::now() >= deadline => {
-                eprintln!("torpor: error: no agent reachable: {e}");
-                return EXIT_FAILURE;
-            }
+/// Connects and greets the agent, retrying until `wait_ms` has passed (the
+/// guest may still be booting, or re-accepting after a restore).
+fn agent(uds: &Path, port: u32, wait_ms: u64) -> Result<AgentClient<UnixStream>, String> {
+    let deadline = Instant::now() + Duration::from_millis(wait_ms);
+    loop {
+        let attempt = connect(uds, port)
+            .and_then(|s| AgentClient::connect(s, "torpor-cli").map_err(|e| e.to_string()));
+        match attempt {
+            Ok(c) => return Ok(c),
+            Err(e) if Instant::now() >= deadline => return Err(format!("no agent reachable: {e}")),
             Err(_) => std::thread::sleep(Duration::from_millis(200)),
+        }
+    }
+}
+
+/// `torpor vmm resumed`: the agent's post-restore hook, with the values
+/// from the identity page the VMM wrote at restore.
+pub fn resumed(args: GuestAgentArgs) -> i32 {
+    let mut client = match agent(&args.vsock_uds, args.port, args.wait_ms) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("torpor: error: {e}");
+            return EXIT_FAILURE;
+        }
+    };
+    match client.resumed(ResumedRequest::default()) {
+        Ok(reply) => {
+            println!("{}", serde_json::to_string(&reply).unwrap_or_default());
+            let ok = |s: &Step| s.status == StepStatus::Ok;
+            if ok(&reply.clock) && ok(&reply.rng_write) {
+                0
+            } else {
+                eprintln!("torpor: error: the agent could not set the clock or reseed its RNG");
+                EXIT_FAILURE
+            }
+        }
+        Err(e) => {
+            eprintln!("torpor: error: resumed failed: {e}");
+            EXIT_FAILURE
+        }
+    }
+}
+
+/// `torpor vmm exec`: prints the command's output, exits with its status.
+pub fn exec(args: GuestExecArgs) -> i32 {
+    let mut client = match agent(&args.vsock_uds, args.port, args.wait_ms) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("torpor: error: {e}");
+            return EXIT_FAILURE;
         }
     };
     let req = ExecRequest {

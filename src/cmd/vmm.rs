@@ -19,6 +19,7 @@ const EXIT_USAGE: i32 = 2;
 pub fn run(cmd: VmmCommand) -> i32 {
     match cmd.action {
         Some(VmmAction::Exec(args)) => super::guest::exec(args),
+        Some(VmmAction::Resumed(args)) => super::guest::resumed(args),
         Some(action) => control_request(action),
         None => run_vm(cmd.run),
     }
@@ -31,6 +32,7 @@ fn control_request(action: VmmAction) -> i32 {
         VmmAction::Resume(s) => (s.socket, Request::Resume),
         VmmAction::Shutdown(s) => (s.socket, Request::Shutdown),
         VmmAction::Exec(args) => return super::guest::exec(args),
+        VmmAction::Resumed(args) => return super::guest::resumed(args),
         VmmAction::Snapshot(s) => (
             s.socket,
             Request::Snapshot {
