@@ -5,76 +5,33 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-const TORPOR: &str = env!("CARGO_BIN_EXE_torpor");
+mod common;
+
+use common::serve::{DataDir, ServeProcess};
+
+use common::TORPOR;
 const TOKEN: &str = "cli-test-token-0123456789";
 
-/// A scratch directory; on drop, every process still running from it (serve
-/// and its VMMs) is killed and it is removed.
-struct DataDir(PathBuf);
-
-impl DataDir {
-    fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("torpor-test-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        DataDir(dir)
-    }
-}
-
-impl Drop for DataDir {
-    fn drop(&mut self) {
-        let _ = Command::new("pkill")
-            .args(["-9", "-f", &self.0.to_string_lossy()])
-            .output();
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A running `torpor serve`, killed on drop.
+/// A `torpor serve` for the client to talk to.
 struct Serve {
-    child: Child,
+    _process: ServeProcess,
     url: String,
 }
 
 impl Serve {
     fn start(data: &Path) -> Self {
-        let mut child = Command::new(TORPOR)
-            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-            .arg(data)
-            .args(["--token", TOKEN, "--policy-interval-ms", "0"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn torpor serve");
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let addr = loop {
-            let line = lines
-                .next()
-                .expect("torpor serve exited before listening")
-                .unwrap();
-            if let Some(rest) = line.split("listening on http://").nth(1) {
-                break rest.trim().to_string();
-            }
-        };
-        std::thread::spawn(move || for _ in lines {});
+        let process = ServeProcess::start(data, &["--token", TOKEN, "--policy-interval-ms", "0"]);
+        let url = process.url();
         Serve {
-            child,
-            url: format!("http://{addr}"),
+            _process: process,
+            url,
         }
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

@@ -4,51 +4,27 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::http::{request, HttpResponse};
-use common::{Scratch, TORPOR};
+use common::serve::{DataDir, ServeProcess};
 
 const TOKEN: &str = "test-token-0123456789";
 
-/// A running `torpor serve`, killed on drop.
-struct Serve {
-    child: Child,
-    addr: String,
-}
+/// The service under test, with the requests the tests make of it.
+struct Serve(ServeProcess);
 
 impl Serve {
     fn start(data: &Path, extra: &[&str]) -> Self {
-        let mut child = Command::new(TORPOR)
-            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-            .arg(data)
-            .args(["--token", TOKEN, "--policy-interval-ms", "200"])
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn torpor serve");
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let addr = loop {
-            let line = lines
-                .next()
-                .expect("torpor serve exited before listening")
-                .unwrap();
-            if let Some(rest) = line.split("listening on http://").nth(1) {
-                break rest.trim().to_string();
-            }
-        };
-        // Keep draining stdout so the service never blocks on it.
-        std::thread::spawn(move || for _ in lines {});
-        Serve { child, addr }
+        let mut args = vec!["--token", TOKEN, "--policy-interval-ms", "200"];
+        args.extend_from_slice(extra);
+        Serve(ServeProcess::start(data, &args))
     }
 
     fn call(&self, method: &str, path: &str, body: Option<&str>) -> HttpResponse {
-        request(&self.addr, method, path, Some(TOKEN), body)
+        request(&self.0.addr, method, path, Some(TOKEN), body)
     }
 
     fn ok(&self, method: &str, path: &str, body: Option<&str>) -> serde_json::Value {
@@ -91,40 +67,23 @@ impl Serve {
         }
     }
 
-    fn kill9(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Kills every VMM a test's data directory still has running.
-struct DataDir(Scratch);
-
-impl Drop for DataDir {
-    fn drop(&mut self) {
-        let out = Command::new("pkill")
-            .args(["-9", "-f", &self.0 .0.to_string_lossy()])
-            .output();
-        let _ = out;
+    fn kill9(self) {
+        self.0.kill9();
     }
 }
 
 fn data(name: &str) -> DataDir {
-    DataDir(Scratch::new(name))
+    DataDir::new(name)
 }
 
 #[test]
 fn lifecycle_and_illegal_transitions() {
     let d = data("serve-lifecycle");
-    let s = Serve::start(&d.0 .0, &[]);
-    assert_eq!(request(&s.addr, "GET", "/healthz", None, None).status, 200);
+    let s = Serve::start(&d.0, &[]);
+    assert_eq!(
+        request(&s.0.addr, "GET", "/healthz", None, None).status,
+        200
+    );
     let templates = s.ok("GET", "/v1/templates", None);
     let probe = templates["templates"]
         .as_array()
@@ -184,18 +143,21 @@ fn lifecycle_and_illegal_transitions() {
 #[test]
 fn auth_and_malformed_requests() {
     let d = data("serve-auth");
-    let s = Serve::start(&d.0 .0, &[]);
+    let s = Serve::start(&d.0, &[]);
     assert_eq!(
-        request(&s.addr, "GET", "/v1/sandboxes", None, None).status,
+        request(&s.0.addr, "GET", "/v1/sandboxes", None, None).status,
         401
     );
     assert_eq!(
-        request(&s.addr, "GET", "/v1/sandboxes", Some("wrong"), None).status,
+        request(&s.0.addr, "GET", "/v1/sandboxes", Some("wrong"), None).status,
         401
     );
-    assert_eq!(request(&s.addr, "GET", "/metrics", None, None).status, 401);
     assert_eq!(
-        request(&s.addr, "GET", "/v1/openapi.json", None, None).status,
+        request(&s.0.addr, "GET", "/metrics", None, None).status,
+        401
+    );
+    assert_eq!(
+        request(&s.0.addr, "GET", "/v1/openapi.json", None, None).status,
         200
     );
     let r = s.call("POST", "/v1/sandboxes", Some("{not json"));
@@ -218,7 +180,7 @@ fn auth_and_malformed_requests() {
 #[test]
 fn idle_sandboxes_hibernate_and_wake_on_request() {
     let d = data("serve-idle");
-    let s = Serve::start(&d.0 .0, &[]);
+    let s = Serve::start(&d.0, &[]);
     let id = s.create(r#"{"template":"probe","keep_alive_ms":300}"#);
     s.wait_state(&id, "hibernated", Duration::from_secs(30));
     let w = s.ok("POST", &format!("/v1/sandboxes/{id}/resume"), None);
@@ -229,7 +191,7 @@ fn idle_sandboxes_hibernate_and_wake_on_request() {
 #[test]
 fn ratio_changes_gate_admission() {
     let d = data("serve-ratio");
-    let s = Serve::start(&d.0 .0, &[]);
+    let s = Serve::start(&d.0, &[]);
     let pods = s.ok("GET", "/v1/pods", None);
     let pod = pods["pods"][0]["id"].as_str().unwrap().to_string();
     let v = s.ok(
@@ -257,7 +219,7 @@ fn ratio_changes_gate_admission() {
 #[test]
 fn watermark_hibernates_least_recently_used_first() {
     let d = data("serve-watermark");
-    let s = Serve::start(&d.0 .0, &[]);
+    let s = Serve::start(&d.0, &[]);
     let old = s.create(r#"{"template":"probe"}"#);
     let young = s.create(r#"{"template":"probe"}"#);
     // Make `young` the most recently used.
@@ -283,7 +245,7 @@ fn watermark_hibernates_least_recently_used_first() {
 #[test]
 fn kill_9_of_serve_loses_nothing() {
     let d = data("serve-kill9");
-    let s = Serve::start(&d.0 .0, &[]);
+    let s = Serve::start(&d.0, &[]);
     let running = s.create(r#"{"template":"probe"}"#);
     let hibernated = s.create(r#"{"template":"probe"}"#);
     s.ok(
@@ -294,7 +256,7 @@ fn kill_9_of_serve_loses_nothing() {
     let pid = s.ok("GET", &format!("/v1/sandboxes/{running}"), None)["vmm"]["pid"].clone();
     s.kill9();
 
-    let s = Serve::start(&d.0 .0, &[]);
+    let s = Serve::start(&d.0, &[]);
     let v = s.ok("GET", &format!("/v1/sandboxes/{running}"), None);
     assert_eq!(v["state"], "running", "{v}");
     assert_eq!(v["vmm"]["pid"], pid, "re-attached to the same VMM");
@@ -307,7 +269,7 @@ fn kill_9_of_serve_loses_nothing() {
 #[test]
 fn kill_9_of_one_vmm_fails_only_its_sandbox() {
     let d = data("serve-vmm-kill");
-    let s = Serve::start(&d.0 .0, &[]);
+    let s = Serve::start(&d.0, &[]);
     let victim = s.create(r#"{"template":"probe"}"#);
     let bystander = s.create(r#"{"template":"probe"}"#);
     let pid = s.ok("GET", &format!("/v1/sandboxes/{victim}"), None)["vmm"]["pid"]

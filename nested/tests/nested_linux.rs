@@ -100,6 +100,20 @@ fn linux_host(tag: &str) -> (NestedHost, PathBuf) {
     (host, rootfs_dir)
 }
 
+/// Runs `script` in the nested host and logs how long each part took.
+fn run_logged(host: &NestedHost, what: &str, script: &str) -> torpor_nested::RunOutput {
+    let out = host
+        .run(script, Duration::from_secs(900))
+        .unwrap_or_else(|e| panic!("nested run failed: {e}"));
+    eprintln!(
+        "{what}: L1 boot {:.1}s, script {:.1}s, total {:.1}s",
+        out.boot.as_secs_f64(),
+        out.script.as_secs_f64(),
+        out.total.as_secs_f64()
+    );
+    out
+}
+
 fn skipped(test: &str) -> bool {
     let skip = std::env::var("TORPOR_SKIP_NESTED").as_deref() == Ok("1");
     if skip {
@@ -133,15 +147,7 @@ x sh -c 'echo data > /root/f && cat /root/f && cat /proc/sys/kernel/random/boot_
 $T vmm shutdown --socket /tmp/c.sock >/dev/null
 wait
 "#;
-    let out = host
-        .run(script, Duration::from_secs(900))
-        .unwrap_or_else(|e| panic!("nested run failed: {e}"));
-    eprintln!(
-        "nested_linux: L1 boot {:.1}s, script {:.1}s, total {:.1}s",
-        out.boot.as_secs_f64(),
-        out.script.as_secs_f64(),
-        out.total.as_secs_f64()
-    );
+    let out = run_logged(&host, "nested_linux", script);
     let o = &out.stdout;
     assert_ne!(out.exit_code, 97, "{o}");
     assert!(
@@ -207,15 +213,7 @@ done
 for i in 1 2 3; do $T vmm shutdown --socket /tmp/c$i.sock >/dev/null; done
 wait
 "#;
-    let out = host
-        .run(script, Duration::from_secs(900))
-        .unwrap_or_else(|e| panic!("nested run failed: {e}"));
-    eprintln!(
-        "nested_linux clones: L1 boot {:.1}s, script {:.1}s, total {:.1}s",
-        out.boot.as_secs_f64(),
-        out.script.as_secs_f64(),
-        out.total.as_secs_f64()
-    );
+    let out = run_logged(&host, "nested_linux clones", script);
     let o = &out.stdout;
     assert!(
         o.contains("template-ready") && o.contains("snapshot-taken"),

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod http;
+pub mod serve;
 pub mod snap;
 
 use std::path::{Path, PathBuf};

@@ -19,6 +19,19 @@ use crate::store::{OperationKind, OperationStatus, SandboxFilter, StateChange};
 const MAX_DIFF_DEPTH: usize = 16;
 
 impl Service {
+    /// Journals `op` rolled back with its compensating state change, and
+    /// returns the error that caused it.
+    fn roll_back<T>(
+        &self,
+        op: &crate::model::OperationId,
+        change: &StateChange,
+        e: ServiceError,
+    ) -> Result<T, ServiceError> {
+        self.store
+            .finish_operation(op, OperationStatus::RolledBack, None, Some(change))?;
+        Err(e)
+    }
+
     pub fn list_templates(&self) -> Result<Vec<Template>, ServiceError> {
         Ok(self.store.list_templates(false)?)
     }
@@ -162,13 +175,7 @@ impl Service {
                     to: SandboxState::Failed,
                     reason: Some(e.to_string()),
                 };
-                self.store.finish_operation(
-                    &op.id,
-                    OperationStatus::RolledBack,
-                    None,
-                    Some(&change),
-                )?;
-                Err(e)
+                self.roll_back(&op.id, &change, e)
             }
         }
     }
@@ -298,13 +305,7 @@ impl Service {
             }
             Err(e) => {
                 let change = StateChange::new(SandboxState::Resuming, SandboxState::Hibernated);
-                self.store.finish_operation(
-                    &op.id,
-                    OperationStatus::RolledBack,
-                    None,
-                    Some(&change),
-                )?;
-                Err(e)
+                self.roll_back(&op.id, &change, e)
             }
         }
     }
@@ -390,13 +391,7 @@ impl Service {
                 let _ = vmm::call(&handle, &Request::Resume);
                 let _ = std::fs::remove_dir_all(&target);
                 let change = StateChange::new(SandboxState::Hibernating, SandboxState::Running);
-                self.store.finish_operation(
-                    &op.id,
-                    OperationStatus::RolledBack,
-                    None,
-                    Some(&change),
-                )?;
-                Err(e)
+                self.roll_back(&op.id, &change, e)
             }
         }
     }

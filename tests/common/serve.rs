@@ -1,0 +1,83 @@
+//! A `torpor serve` on loopback for tests, and a data directory whose
+//! processes (serve and its VMMs) are killed when the test ends.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use super::TORPOR;
+
+/// `torpor serve --listen 127.0.0.1:0 --data-dir DATA ARGS`, killed on drop.
+pub struct ServeProcess {
+    pub child: Child,
+    /// `host:port` it listens on.
+    pub addr: String,
+}
+
+impl ServeProcess {
+    pub fn start(data: &Path, args: &[&str]) -> Self {
+        let mut child = Command::new(TORPOR)
+            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(data)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn torpor serve");
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let addr = loop {
+            let line = lines
+                .next()
+                .expect("torpor serve exited before listening")
+                .unwrap();
+            if let Some(rest) = line.split("listening on http://").nth(1) {
+                break rest.trim().to_string();
+            }
+        };
+        // Keep draining stdout so the service never blocks on it.
+        std::thread::spawn(move || for _ in lines {});
+        ServeProcess { child, addr }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Ends the service the hard way (its VMMs live on).
+    pub fn kill9(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A scratch data directory; on drop every process still running from it
+/// (serve and its VMMs) is killed and it is removed.
+pub struct DataDir(pub PathBuf);
+
+impl DataDir {
+    pub fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("torpor-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        DataDir(dir)
+    }
+}
+
+impl Drop for DataDir {
+    fn drop(&mut self) {
+        let _ = Command::new("pkill")
+            .args(["-9", "-f", &self.0.to_string_lossy()])
+            .output();
+        if std::env::var_os("TORPOR_KEEP_SCRATCH").is_none() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
