@@ -18,7 +18,7 @@ const TEMPLATE_COLUMNS: &str = "id, name, kernel, rootfs, snapshot_dir, mem_mib,
     state, failure_reason, created_at";
 const POD_COLUMNS: &str = "id, address, token_hash, memory_bytes, vcpus, disk_bytes, \
     oversubscription_ratio, high_watermark, created_at";
-const CHECKPOINT_COLUMNS: &str = "id, sandbox, name, snapshot_dir, parent, created_at";
+pub(super) const CHECKPOINT_COLUMNS: &str = "id, sandbox, name, snapshot_dir, parent, created_at";
 
 fn corrupt(
     col: &str,
@@ -62,7 +62,7 @@ fn pod_from_row(row: &Row<'_>) -> rusqlite::Result<Pod> {
     })
 }
 
-fn checkpoint_from_row(row: &Row<'_>) -> rusqlite::Result<Checkpoint> {
+pub(super) fn checkpoint_from_row(row: &Row<'_>) -> rusqlite::Result<Checkpoint> {
     Ok(Checkpoint {
         id: row.get("id")?,
         sandbox: row.get("sandbox")?,

@@ -23,6 +23,7 @@
 
 mod catalog;
 pub mod journal;
+mod layers;
 mod sandboxes;
 pub mod schema;
 mod sql;
@@ -318,6 +319,12 @@ delegate! {
     read fn list_checkpoints(&self, sandbox: &SandboxId) -> Vec<Checkpoint>;
     write fn delete_checkpoint(&self, id: &CheckpointId) -> ();
     read fn referenced_paths(&self) -> HashSet<PathBuf>;
+    read fn find_checkpoint(&self, sandbox: &SandboxId, name: &str) -> Checkpoint;
+    write fn remove_checkpoint(&self, id: &CheckpointId) -> ();
+    write fn remove_checkpoints_of_deleted(&self) -> usize;
+    write fn register_layers(&self, chain: &[(PathBuf, Option<PathBuf>)]) -> ();
+    read fn layer_registered(&self, dir: &Path) -> bool;
+    write fn collect_dead_layers(&self) -> Vec<PathBuf>;
 
     write fn begin_operation(
         &self,

@@ -101,8 +101,20 @@ CREATE INDEX operations_started ON operations (started_at) WHERE state = 'starte
 CREATE INDEX operations_sandbox ON operations (sandbox);
 "#;
 
+/// Version 2: snapshot layers and their parents, so that layers shared by
+/// sandboxes, forks and checkpoints are removed only when nothing needs
+/// them any more (see `store/layers.rs`).
+const V2: &str = r#"
+CREATE TABLE snapshot_layers (
+    dir        TEXT PRIMARY KEY,
+    parent     TEXT REFERENCES snapshot_layers (dir),
+    created_at INTEGER NOT NULL
+) STRICT;
+CREATE INDEX snapshot_layers_parent ON snapshot_layers (parent);
+"#;
+
 /// Every migration, in order.
-pub const MIGRATIONS: &[&str] = &[V1];
+pub const MIGRATIONS: &[&str] = &[V1, V2];
 
 /// The schema version this build writes.
 pub const CURRENT_VERSION: i64 = MIGRATIONS.len() as i64;

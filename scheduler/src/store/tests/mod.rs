@@ -2,6 +2,7 @@
 //! locking and corruption here; the rest in the submodules.
 
 mod catalog;
+mod layers;
 mod sandboxes;
 
 use std::collections::BTreeMap;

@@ -1,0 +1,139 @@
+//! Snapshot layers shared between templates, sandboxes, forks and
+//! checkpoints, and the reference counting that decides when a layer's
+//! files may go.
+//!
+//! A diff layer is only readable with every layer under it, and since
+//! checkpoints and forks a layer can sit under several chains: a fork
+//! restored from a checkpoint writes its hibernation diffs on the source's
+//! checkpoint layer, which sits on the source's older layers and the
+//! template's snapshot. `snapshot_layers` records every layer with its
+//! parent. The *roots* are the snapshots the rest of the store names:
+//! templates that are not deleted, sandboxes that are not deleted (the
+//! snapshot their VMM runs from or will wake from) and checkpoints of
+//! sandboxes that are not deleted. A layer is live while some root's chain
+//! reaches it; [`Tx::collect_dead_layers`] forgets the others, in the same
+//! transaction as nothing else, and returns their directories for the
+//! caller to remove after the commit (a crash in between leaves directories
+//! that no root reaches, which start-up's orphan sweep removes).
+
+use std::path::{Path, PathBuf};
+
+use rusqlite::{params, OptionalExtension};
+
+use super::catalog::{checkpoint_from_row, CHECKPOINT_COLUMNS};
+use super::sql::path_text;
+use super::{Result, StoreError, Tx};
+use crate::model::{Checkpoint, CheckpointId, SandboxId, Timestamp};
+
+/// Every layer some root reaches: the roots, then parents, recursively.
+const LIVE_LAYERS: &str = "WITH RECURSIVE live(dir) AS (
+        SELECT snapshot_dir FROM templates
+            WHERE state != 'deleted' AND snapshot_dir IS NOT NULL
+        UNION SELECT snapshot FROM sandboxes
+            WHERE state != 'deleted' AND snapshot IS NOT NULL
+        UNION SELECT c.snapshot_dir FROM checkpoints c
+            JOIN sandboxes s ON s.id = c.sandbox WHERE s.state != 'deleted'
+        UNION SELECT l.parent FROM snapshot_layers l JOIN live ON l.dir = live.dir
+            WHERE l.parent IS NOT NULL
+    )";
+
+impl Tx<'_> {
+    /// A sandbox's checkpoint by name (`NotFound` if it has none so named).
+    pub fn find_checkpoint(&self, sandbox: &SandboxId, name: &str) -> Result<Checkpoint> {
+        self.conn
+            .prepare_cached(&format!(
+                "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE sandbox = ?1 AND name = ?2"
+            ))?
+            .query_row(params![sandbox, name], checkpoint_from_row)
+            .optional()?
+            .ok_or_else(|| StoreError::not_found("checkpoint", format!("{sandbox}/{name}")))
+    }
+
+    /// Removes a checkpoint's row. Checkpoints that named it as their parent
+    /// lose the link: their layers stay readable through `snapshot_layers`,
+    /// which is what keeps files, not the parent link.
+    pub fn remove_checkpoint(&self, id: &CheckpointId) -> Result<()> {
+        self.get_checkpoint(id)?;
+        self.conn.execute(
+            "UPDATE checkpoints SET parent = NULL WHERE parent = ?1",
+            [id],
+        )?;
+        self.conn
+            .execute("DELETE FROM checkpoints WHERE id = ?1", [id])?;
+        Ok(())
+    }
+
+    /// Removes the checkpoints of deleted sandboxes (a delete interrupted
+    /// between its two transactions leaves some); returns how many.
+    pub fn remove_checkpoints_of_deleted(&self) -> Result<usize> {
+        self.conn.execute(
+            "UPDATE checkpoints SET parent = NULL WHERE parent IN (SELECT c.id FROM checkpoints c \
+             JOIN sandboxes s ON s.id = c.sandbox WHERE s.state = 'deleted')",
+            [],
+        )?;
+        Ok(self.conn.execute(
+            "DELETE FROM checkpoints WHERE sandbox IN \
+             (SELECT id FROM sandboxes WHERE state = 'deleted')",
+            [],
+        )?)
+    }
+
+    /// Records a chain of layers, base first: `(dir, parent)` where each
+    /// parent is the previous entry's dir (or already recorded). Layers
+    /// already recorded are left as they are (a layer never changes).
+    pub fn register_layers(&self, chain: &[(PathBuf, Option<PathBuf>)]) -> Result<()> {
+        let now = Timestamp::now();
+        for (dir, parent) in chain {
+            let dir = path_text(dir, "layer")?;
+            let parent = parent
+                .as_deref()
+                .map(|p| path_text(p, "layer parent"))
+                .transpose()?;
+            if let Some(parent) = parent {
+                if !self.layer_registered(Path::new(parent))? {
+                    return Err(StoreError::Invalid {
+                        what: "snapshot layer",
+                        detail: format!("{dir} sits on {parent}, which is not recorded"),
+                    });
+                }
+            }
+            self.conn
+                .prepare_cached(
+                    "INSERT INTO snapshot_layers (dir, parent, created_at) VALUES (?1, ?2, ?3) \
+                     ON CONFLICT (dir) DO NOTHING",
+                )?
+                .execute(params![dir, parent, now])?;
+        }
+        Ok(())
+    }
+
+    /// Whether `dir` is a recorded layer.
+    pub fn layer_registered(&self, dir: &Path) -> Result<bool> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT EXISTS (SELECT 1 FROM snapshot_layers WHERE dir = ?1)")?
+            .query_row([path_text(dir, "layer")?], |r| r.get(0))?)
+    }
+
+    /// Forgets every recorded layer no root reaches and returns their
+    /// directories, whose files the caller removes after the commit.
+    pub fn collect_dead_layers(&self) -> Result<Vec<PathBuf>> {
+        let dead: Vec<PathBuf> = self
+            .conn
+            .prepare(&format!(
+                "{LIVE_LAYERS} SELECT dir FROM snapshot_layers \
+                 WHERE dir NOT IN (SELECT dir FROM live) ORDER BY dir"
+            ))?
+            .query_map([], |r| r.get::<_, String>(0).map(PathBuf::from))?
+            .collect::<rusqlite::Result<_>>()?;
+        // One statement: a dead layer's children are dead too, so the
+        // foreign key holds once it is done.
+        self.conn.execute(
+            &format!(
+                "{LIVE_LAYERS} DELETE FROM snapshot_layers WHERE dir NOT IN (SELECT dir FROM live)"
+            ),
+            [],
+        )?;
+        Ok(dead)
+    }
+}
