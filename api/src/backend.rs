@@ -5,11 +5,16 @@
 //! requests, snapshots); the handlers call them through
 //! `tokio::task::spawn_blocking`.
 
-use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template, TemplateId};
+use torpor_scheduler::model::{Checkpoint, PodId, Sandbox, SandboxId, Template, TemplateId};
 
 use crate::service::{
-    CreateSandbox, CreateTemplate, Outcome, PodView, SandboxFilter, Service, ServiceError,
+    CreateCheckpoint, CreateSandbox, CreateTemplate, ForkSandbox, Outcome, PodView,
+    RestoreCheckpoint, SandboxFilter, Service, ServiceError,
 };
+
+fn no_checkpoints() -> ServiceError {
+    ServiceError::Unsupported("this backend keeps no checkpoints".into())
+}
 
 /// The sandbox service as the API sees it. Mirrors
 /// `torpor_scheduler::service::Service` one method for one.
@@ -43,6 +48,34 @@ pub trait SandboxApi: Send + Sync + 'static {
 
     /// Prometheus text exposition.
     fn metrics(&self) -> String;
+
+    // Checkpoints, restore and fork need snapshots: a backend without them
+    // (the API tests' in-memory fake) keeps these defaults, which answer
+    // 501 `unsupported`.
+
+    fn list_checkpoints(&self, _id: &SandboxId) -> Result<Vec<Checkpoint>, ServiceError> {
+        Err(no_checkpoints())
+    }
+    fn create_checkpoint(
+        &self,
+        _id: &SandboxId,
+        _req: CreateCheckpoint,
+    ) -> Result<Checkpoint, ServiceError> {
+        Err(no_checkpoints())
+    }
+    fn delete_checkpoint(&self, _id: &SandboxId, _name: &str) -> Result<(), ServiceError> {
+        Err(no_checkpoints())
+    }
+    fn restore_checkpoint(
+        &self,
+        _id: &SandboxId,
+        _req: RestoreCheckpoint,
+    ) -> Result<Outcome, ServiceError> {
+        Err(no_checkpoints())
+    }
+    fn fork_sandbox(&self, _id: &SandboxId, _req: ForkSandbox) -> Result<Sandbox, ServiceError> {
+        Err(no_checkpoints())
+    }
 }
 
 impl SandboxApi for Service {
@@ -100,5 +133,28 @@ impl SandboxApi for Service {
     }
     fn metrics(&self) -> String {
         Service::metrics(self)
+    }
+    fn list_checkpoints(&self, id: &SandboxId) -> Result<Vec<Checkpoint>, ServiceError> {
+        Service::list_checkpoints(self, id)
+    }
+    fn create_checkpoint(
+        &self,
+        id: &SandboxId,
+        req: CreateCheckpoint,
+    ) -> Result<Checkpoint, ServiceError> {
+        Service::create_checkpoint(self, id, req)
+    }
+    fn delete_checkpoint(&self, id: &SandboxId, name: &str) -> Result<(), ServiceError> {
+        Service::delete_checkpoint(self, id, name)
+    }
+    fn restore_checkpoint(
+        &self,
+        id: &SandboxId,
+        req: RestoreCheckpoint,
+    ) -> Result<Outcome, ServiceError> {
+        Service::restore_checkpoint(self, id, req)
+    }
+    fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
+        Service::fork_sandbox(self, id, req)
     }
 }

@@ -162,6 +162,9 @@ impl From<ServiceError> for ApiError {
                 code::ADMISSION_REFUSED,
                 message,
             ),
+            ServiceError::ResourceConflict(_) => {
+                ApiError::new(StatusCode::CONFLICT, code::CONFLICT, message)
+            }
             ServiceError::Invalid(_) => ApiError::invalid(message),
             ServiceError::Unsupported(_) => {
                 ApiError::new(StatusCode::NOT_IMPLEMENTED, code::UNSUPPORTED, message)
@@ -277,6 +280,11 @@ mod tests {
                 },
                 429,
                 "admission_refused",
+            ),
+            (
+                ServiceError::ResourceConflict("template tpl_1 is in use".into()),
+                409,
+                "conflict",
             ),
             (ServiceError::Invalid("bad".into()), 400, "invalid_request"),
             (

@@ -32,12 +32,12 @@ impl<S> Clone for AppState<S> {
     }
 }
 
-type Api<S> = State<AppState<S>>;
-type ApiResult<T> = Result<T, ApiError>;
+pub(crate) type Api<S> = State<AppState<S>>;
+pub(crate) type ApiResult<T> = Result<T, ApiError>;
 
 /// Runs `f` on the service on tokio's blocking pool (service calls block on
 /// the store, VMM sockets and snapshot files).
-async fn call<S, T, F>(state: &AppState<S>, f: F) -> ApiResult<T>
+pub(crate) async fn call<S, T, F>(state: &AppState<S>, f: F) -> ApiResult<T>
 where
     S: SandboxApi,
     T: Send + 'static,
@@ -56,7 +56,7 @@ where
 }
 
 /// 201 with `Location`, or 202 while the resource is still being built.
-fn created(location: String, building: bool, body: impl serde::Serialize) -> Response {
+pub(crate) fn created(location: String, building: bool, body: impl serde::Serialize) -> Response {
     let status = if building {
         StatusCode::ACCEPTED
     } else {

@@ -19,6 +19,7 @@
 //! | `NotFound`, unknown route                  | 404    | `not_found`              |
 //! | wrong method on a known route              | 405    | `method_not_allowed`     |
 //! | `Conflict` (illegal transition; `state`)   | 409    | `conflict`               |
+//! | `ResourceConflict` (template in use, name taken) | 409 | `conflict`         |
 //! | body over `max_body_bytes`                 | 413    | `payload_too_large`      |
 //! | JSON body without `application/json`       | 415    | `unsupported_media_type` |
 //! | `Admission` (pod past its ratio)           | 429    | `admission_refused`      |
@@ -41,6 +42,7 @@ use axum::Router;
 
 pub mod auth;
 pub mod backend;
+mod checkpoint_routes;
 pub mod error;
 mod handlers;
 pub mod openapi;
@@ -138,6 +140,15 @@ pub const ROUTES: &[Route] = &[
     route("POST", "/v1/sandboxes/{id}/pause", "pauseSandbox"),
     route("POST", "/v1/sandboxes/{id}/resume", "resumeSandbox"),
     route("POST", "/v1/sandboxes/{id}/hibernate", "hibernateSandbox"),
+    route("GET", "/v1/sandboxes/{id}/checkpoints", "listCheckpoints"),
+    route("POST", "/v1/sandboxes/{id}/checkpoints", "createCheckpoint"),
+    route(
+        "DELETE",
+        "/v1/sandboxes/{id}/checkpoints/{name}",
+        "deleteCheckpoint",
+    ),
+    route("POST", "/v1/sandboxes/{id}/restore", "restoreSandbox"),
+    route("POST", "/v1/sandboxes/{id}/fork", "forkSandbox"),
     route("POST", "/v1/sandboxes/{id}/exec", "execSandbox"),
     route("GET", "/v1/sandboxes/{id}/files", "readFile"),
     route("PUT", "/v1/sandboxes/{id}/files", "writeFile"),
@@ -164,6 +175,11 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "pauseSandbox" => on(m, pause_sandbox::<S>),
         "resumeSandbox" => on(m, resume_sandbox::<S>),
         "hibernateSandbox" => on(m, hibernate_sandbox::<S>),
+        "listCheckpoints" => on(m, checkpoint_routes::list::<S>),
+        "createCheckpoint" => on(m, checkpoint_routes::create::<S>),
+        "deleteCheckpoint" => on(m, checkpoint_routes::delete::<S>),
+        "restoreSandbox" => on(m, checkpoint_routes::restore::<S>),
+        "forkSandbox" => on(m, checkpoint_routes::fork::<S>),
         "execSandbox" | "readFile" | "writeFile" => on(m, not_wired),
         "listPods" => on(m, list_pods::<S>),
         "updatePod" => on(m, update_pod::<S>),

@@ -3,6 +3,7 @@
 //! [`crate::SandboxApi`] need only this crate.
 
 pub use torpor_scheduler::service::{
-    CreateSandbox, CreateTemplate, Outcome, PodView, Service, ServiceError,
+    CreateCheckpoint, CreateSandbox, CreateTemplate, ForkSandbox, Outcome, PodView,
+    RestoreCheckpoint, Service, ServiceError,
 };
 pub use torpor_scheduler::store::SandboxFilter;

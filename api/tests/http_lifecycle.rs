@@ -202,6 +202,14 @@ async fn sandbox_lifecycle_and_illegal_transitions() {
     assert_eq!(last.0.as_str(), id);
     assert_eq!((last.1, last.2), (Some(1234), Some(60000)));
 
+    // Its template cannot go while it lives: 409, no sandbox state.
+    let r = server
+        .call("DELETE", &format!("/v1/templates/{TEMPLATE_ID}"), None)
+        .await;
+    let e = r.assert_error(409, "conflict");
+    assert!(e["message"].as_str().unwrap().contains("in use"), "{e}");
+    assert!(e.get("state").is_none_or(Value::is_null), "{e}");
+
     let r = server
         .call("DELETE", &format!("/v1/sandboxes/{id}"), None)
         .await;

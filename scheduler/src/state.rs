@@ -44,11 +44,14 @@ pub const TRANSITIONS: &[(SandboxState, SandboxState)] = &[
     // running.
     (Running, Paused),
     (Running, Hibernating),
+    // restore from a checkpoint replaces the VMM.
+    (Running, Resuming),
     (Running, Failed),
     (Running, Deleted),
     // paused.
     (Paused, Running),
     (Paused, Hibernating),
+    (Paused, Resuming),
     (Paused, Failed),
     (Paused, Deleted),
     // hibernating: done, or rolled back while the VMM still lives (the
@@ -62,7 +65,8 @@ pub const TRANSITIONS: &[(SandboxState, SandboxState)] = &[
     (Hibernated, Resuming),
     (Hibernated, Failed),
     (Hibernated, Deleted),
-    // resuming: done, or rolled back with the snapshot intact.
+    // resuming (a wake, or a restore from a checkpoint): done, or rolled
+    // back with the snapshot intact.
     (Resuming, Running),
     (Resuming, Hibernated),
     (Resuming, Failed),
@@ -199,8 +203,8 @@ mod tests {
     fn expected_legal(from: SandboxState, to: SandboxState) -> bool {
         match from {
             Creating => matches!(to, Running | Failed | Deleted),
-            Running => matches!(to, Paused | Hibernating | Failed | Deleted),
-            Paused => matches!(to, Running | Hibernating | Failed | Deleted),
+            Running => matches!(to, Paused | Hibernating | Resuming | Failed | Deleted),
+            Paused => matches!(to, Running | Hibernating | Resuming | Failed | Deleted),
             Hibernating => matches!(to, Hibernated | Running | Paused | Failed | Deleted),
             Hibernated => matches!(to, Resuming | Failed | Deleted),
             Resuming => matches!(to, Running | Hibernated | Failed | Deleted),

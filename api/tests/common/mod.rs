@@ -214,7 +214,9 @@ impl SandboxApi for Fake {
             .values()
             .any(|s| &s.template == id && s.state != SandboxState::Deleted)
         {
-            return Err(ServiceError::Invalid(format!("template {id} is in use")));
+            return Err(ServiceError::ResourceConflict(format!(
+                "template {id} is in use by sandboxes; delete them first"
+            )));
         }
         st.templates.remove(id);
         Ok(())

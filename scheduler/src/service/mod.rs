@@ -7,6 +7,8 @@
 //! are serialised by a per-sandbox lock; different sandboxes proceed
 //! concurrently.
 
+mod checkpoint;
+mod layers;
 mod ops;
 mod policy;
 mod recovery;
@@ -24,6 +26,10 @@ use crate::model::{Pod, PodAddress, PodId, SandboxId, TemplateKind, Timestamp};
 use crate::state::{IllegalTransition, SandboxState};
 use crate::store::{Store, StoreError};
 
+pub use checkpoint::{
+    validate_checkpoint_name, CreateCheckpoint, ForkSandbox, RestoreCheckpoint, MAX_CHECKPOINT_NAME,
+    STALL_ENV,
+};
 pub use policy::Metrics;
 
 /// The local pod's id.
@@ -71,6 +77,10 @@ pub enum ServiceError {
     },
     #[error("{message}")]
     Admission { message: String },
+    /// A conflict with another resource rather than with the sandbox's
+    /// state: a template still in use, a name already taken.
+    #[error("{0}")]
+    ResourceConflict(String),
     #[error("invalid request: {0}")]
     Invalid(String),
     #[error("{0}")]
@@ -88,9 +98,11 @@ impl From<StoreError> for ServiceError {
                 state: current,
                 message: "the sandbox changed state meanwhile".into(),
             },
-            StoreError::InUse { .. } | StoreError::TemplateConflict { .. } => {
-                ServiceError::Invalid(e.to_string())
-            }
+            StoreError::InUse { kind, id, users } => ServiceError::ResourceConflict(format!(
+                "{kind} {id} is in use by {users}; delete them first"
+            )),
+            StoreError::AlreadyExists { .. } => ServiceError::ResourceConflict(e.to_string()),
+            StoreError::TemplateConflict { .. } => ServiceError::Invalid(e.to_string()),
             StoreError::InvalidRatio(_) | StoreError::Invalid { .. } => {
                 ServiceError::Invalid(e.to_string())
             }
@@ -189,11 +201,15 @@ pub struct Service {
 impl Service {
     /// Opens the store, recovers from an unclean stop, makes sure the local
     /// pod and the built-in probe template exist, and starts the policy.
-    pub fn open(config: ServiceConfig) -> Result<Arc<Self>, ServiceError> {
+    pub fn open(mut config: ServiceConfig) -> Result<Arc<Self>, ServiceError> {
         for sub in ["sandboxes", "templates"] {
             std::fs::create_dir_all(config.data_dir.join(sub))
                 .map_err(|e| ServiceError::Internal(format!("create data dir: {e}")))?;
         }
+        // Snapshot layers are compared by path, and the VMM records diff
+        // parents canonicalised: every path the service makes must be too.
+        config.data_dir = std::fs::canonicalize(&config.data_dir)
+            .map_err(|e| ServiceError::Internal(format!("resolve data dir: {e}")))?;
         let store = Store::open(&config.data_dir)?;
         let service = Arc::new(Self {
             config,

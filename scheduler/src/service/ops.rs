@@ -16,12 +16,12 @@ use crate::store::{OperationKind, OperationStatus, SandboxFilter, StateChange};
 
 /// Diff snapshots on top of each other before a hibernation writes a full
 /// one instead (restores read every layer of the chain).
-const MAX_DIFF_DEPTH: usize = 16;
+pub(super) const MAX_DIFF_DEPTH: usize = 16;
 
 impl Service {
     /// Journals `op` rolled back with its compensating state change, and
     /// returns the error that caused it.
-    fn roll_back<T>(
+    pub(super) fn roll_back<T>(
         &self,
         op: &crate::model::OperationId,
         change: &StateChange,
@@ -99,7 +99,7 @@ impl Service {
     }
 
     /// Refuses (or, with `queue`, waits for) memory beyond the pod's ratio.
-    fn admit(&self, mem_mib: u32, queue: bool) -> Result<(), ServiceError> {
+    pub(super) fn admit(&self, mem_mib: u32, queue: bool) -> Result<(), ServiceError> {
         let pod = self.store.get_pod(&PodId::new(LOCAL_POD))?;
         let limit = (pod.memory_bytes >> 20) as f64 * pod.oversubscription_ratio;
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -181,7 +181,7 @@ impl Service {
     }
 
     /// Spawns the sandbox's VMM restoring `snapshot` and records it.
-    fn start_vmm(&self, id: &SandboxId, snapshot: &Path) -> Result<(), ServiceError> {
+    pub(super) fn start_vmm(&self, id: &SandboxId, snapshot: &Path) -> Result<(), ServiceError> {
         let dir = self.sandbox_dir(id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| ServiceError::Internal(format!("create {}: {e}", dir.display())))?;
@@ -201,7 +201,7 @@ impl Service {
     }
 
     /// Stops the sandbox's VMM, if it has one.
-    fn stop_vmm(&self, sandbox: &Sandbox) -> Result<(), ServiceError> {
+    pub(super) fn stop_vmm(&self, sandbox: &Sandbox) -> Result<(), ServiceError> {
         if let Some(handle) = &sandbox.vmm {
             let child = self
                 .children
@@ -214,7 +214,7 @@ impl Service {
         Ok(())
     }
 
-    fn running_handle(sandbox: &Sandbox) -> Result<&crate::model::VmmHandle, ServiceError> {
+    pub(super) fn running_handle(sandbox: &Sandbox) -> Result<&crate::model::VmmHandle, ServiceError> {
         sandbox
             .vmm
             .as_ref()
@@ -375,12 +375,14 @@ impl Service {
         match result {
             Ok(_) => {
                 self.stop_vmm(&sandbox)?;
-                self.store.set_sandbox_snapshot(id, Some(&target))?;
+                self.set_snapshot_and_layers(id, &target)?;
                 let change = StateChange::new(SandboxState::Hibernating, SandboxState::Hibernated);
                 self.store
                     .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
                 self.metrics
                     .observe_hibernate(started.elapsed().as_secs_f64() * 1000.0);
+                // A full snapshot leaves the old chain to nothing.
+                self.remove_dead_layers();
                 Ok(Outcome {
                     sandbox: self.store.get_sandbox(id)?,
                     resumed: false,
@@ -411,7 +413,8 @@ impl Service {
         let change = StateChange::new(sandbox.state, SandboxState::Deleted);
         self.store
             .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
-        let _ = std::fs::remove_dir_all(self.sandbox_dir(id));
+        // Layers forks or other chains sit on stay.
+        self.remove_sandbox_files(id);
         Ok(())
     }
 

@@ -20,6 +20,9 @@ impl Service {
                 continue;
             };
             let sandbox = self.store.get_sandbox(&id)?;
+            if self.recover_snapshot_op(&op, &sandbox)? {
+                continue;
+            }
             let answers = sandbox.vmm.as_ref().and_then(vmm::status).is_some();
             let snapshot_done = op
                 .detail
@@ -83,6 +86,7 @@ impl Service {
                 .finish_operation(&op.id, outcome, None, change.as_ref())?;
         }
         self.reattach()?;
+        self.recover_layers()?;
         self.remove_orphans()
     }
 

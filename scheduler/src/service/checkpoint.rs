@@ -1,0 +1,446 @@
+//! Named checkpoints of a sandbox, restoring a sandbox from one, and
+//! forking a new sandbox from one.
+//!
+//! A checkpoint of a running or paused sandbox is a diff snapshot taken on
+//! the paused VMM (full past `MAX_DIFF_DEPTH` layers), after which the
+//! sandbox is left as it was; the VMM then diffs against the checkpoint, so
+//! the sandbox's next hibernation sits on it. A checkpoint of a hibernated
+//! sandbox is a reference to its hibernation snapshot, which nothing ever
+//! writes again: no copy. Either way the checkpoint's layer chain is shared
+//! (with the sandbox, with forks, with the template) and kept by the
+//! store's layer reference counting, not by whoever wrote it.
+//!
+//! A checkpoint is journaled (operation `checkpoint`, with its id, name and
+//! directory) before the VMM is paused, and listed in the same transaction
+//! that ends the operation. The snapshot's `state` file, written last and
+//! atomically by the VMM, is the commit point: after a crash, recovery
+//! lists a checkpoint whose `state` exists (the VMM already diffs against
+//! it) and removes the directory of one whose `state` does not.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use torpor_vmm::control::Request;
+
+use super::layers::{commit_layer, diff_allowed, layer_chain, parent_checkpoint};
+use super::{vmm, Outcome, Service, ServiceError, LOCAL_POD};
+use crate::model::{Checkpoint, CheckpointId, PodId, Sandbox, SandboxId, Timestamp};
+use crate::state::SandboxState;
+use crate::store::{OperationKind, OperationStatus, StateChange};
+
+/// Longest checkpoint name.
+pub const MAX_CHECKPOINT_NAME: usize = 64;
+
+/// Test hook: when this environment variable names a stall point
+/// (`checkpoint-paused`: journaled and paused, nothing written;
+/// `checkpoint-written`: the snapshot complete, not yet listed), the
+/// operation creates `<data_dir>/stalled-<point>` and waits there for good,
+/// so a test can kill the service at exactly that point.
+pub const STALL_ENV: &str = "TORPOR_TEST_STALL_AT";
+
+/// Taking a checkpoint (the API's request body).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateCheckpoint {
+    pub name: String,
+}
+
+/// Restoring a sandbox from one of its checkpoints (the API's request body).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreCheckpoint {
+    pub checkpoint: String,
+}
+
+/// Forking a new sandbox (the API's request body): from the named
+/// checkpoint, or without one from a fresh snapshot of the current state.
+/// Memory, vCPUs and template are the source's.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkSandbox {
+    #[serde(default)]
+    pub checkpoint: Option<String>,
+    #[serde(default)]
+    pub keep_alive_ms: Option<u64>,
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    /// Wait (up to 30 s) for capacity instead of refusing at once.
+    #[serde(default)]
+    pub queue: bool,
+}
+
+/// 1 to 64 characters of `A-Z a-z 0-9 . _ -`, starting with a letter or
+/// digit (names appear in URLs and file listings).
+pub fn validate_checkpoint_name(name: &str) -> Result<(), ServiceError> {
+    let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    let valid = (1..=MAX_CHECKPOINT_NAME).contains(&name.len())
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name.chars().all(ok_char);
+    if valid {
+        Ok(())
+    } else {
+        Err(ServiceError::Invalid(format!(
+            "checkpoint name {name:?} must be 1 to {MAX_CHECKPOINT_NAME} characters of \
+             A-Z a-z 0-9 . _ -, starting with a letter or digit"
+        )))
+    }
+}
+
+fn refuse(sandbox: &Sandbox, what: &str) -> ServiceError {
+    ServiceError::Conflict {
+        id: sandbox.id.to_string(),
+        state: sandbox.state,
+        message: format!(
+            "cannot {what} a sandbox that is {}: it must be running, paused or hibernated",
+            sandbox.state
+        ),
+    }
+}
+
+fn holds_snapshot(state: SandboxState) -> bool {
+    matches!(
+        state,
+        SandboxState::Running | SandboxState::Paused | SandboxState::Hibernated
+    )
+}
+
+/// A snapshot just written by a live VMM, not yet committed.
+struct Written {
+    op: crate::model::OperationId,
+    dir: PathBuf,
+}
+
+impl Service {
+    pub fn list_checkpoints(&self, id: &SandboxId) -> Result<Vec<Checkpoint>, ServiceError> {
+        Ok(self.store.list_checkpoints(id)?)
+    }
+
+    pub fn get_checkpoint(&self, id: &SandboxId, name: &str) -> Result<Checkpoint, ServiceError> {
+        Ok(self.store.find_checkpoint(id, name)?)
+    }
+
+    /// Takes a named checkpoint of a running, paused or hibernated sandbox
+    /// and leaves it in the state it was in.
+    pub fn create_checkpoint(
+        &self,
+        id: &SandboxId,
+        req: CreateCheckpoint,
+    ) -> Result<Checkpoint, ServiceError> {
+        validate_checkpoint_name(&req.name)?;
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let sandbox = self.store.get_sandbox(id)?;
+        if !holds_snapshot(sandbox.state) {
+            return Err(refuse(&sandbox, "checkpoint"));
+        }
+        if self.store.find_checkpoint(id, &req.name).is_ok() {
+            return Err(ServiceError::ResourceConflict(format!(
+                "sandbox {id} already has a checkpoint named {:?}",
+                req.name
+            )));
+        }
+        let checkpoint_id = CheckpointId::generate();
+        let mut checkpoint = Checkpoint {
+            id: checkpoint_id.clone(),
+            sandbox: id.clone(),
+            name: req.name.clone(),
+            snapshot_dir: PathBuf::new(),
+            parent: None,
+            created_at: Timestamp::now(),
+        };
+        if sandbox.state == SandboxState::Hibernated {
+            // Its hibernation snapshot is immutable: reference it.
+            let dir = self.hibernation_snapshot(&sandbox)?;
+            let chain = layer_chain(&dir)?;
+            checkpoint.snapshot_dir = dir;
+            self.store.write(|tx| {
+                tx.register_layers(&chain)?;
+                let mut c = checkpoint.clone();
+                c.parent = parent_checkpoint(tx, id, &chain)?;
+                tx.insert_checkpoint(&c)
+            })?;
+        } else {
+            let target = self.sandbox_dir(id).join(format!(
+                "ckpt-{}",
+                checkpoint_id.as_str().trim_start_matches(CheckpointId::PREFIX)
+            ));
+            let detail = json!({ "checkpoint": checkpoint_id, "name": req.name });
+            let written = self.snapshot_live(&sandbox, OperationKind::Checkpoint, target, detail)?;
+            checkpoint.snapshot_dir = written.dir.clone();
+            self.commit_written(&sandbox, &written, Some(&checkpoint))?;
+        }
+        Ok(self.store.find_checkpoint(id, &req.name)?)
+    }
+
+    /// Removes a checkpoint's name; its layers stay while anything else
+    /// (the sandbox's later snapshots, forks) sits on them.
+    pub fn delete_checkpoint(&self, id: &SandboxId, name: &str) -> Result<(), ServiceError> {
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let checkpoint = self.store.find_checkpoint(id, name)?;
+        self.store.remove_checkpoint(&checkpoint.id)?;
+        self.remove_dead_layers();
+        Ok(())
+    }
+
+    /// Replaces the sandbox's VM with one restored from its checkpoint
+    /// `name`; the sandbox runs afterwards.
+    pub fn restore_checkpoint(
+        &self,
+        id: &SandboxId,
+        req: RestoreCheckpoint,
+    ) -> Result<Outcome, ServiceError> {
+        let started = Instant::now();
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let sandbox = self.store.get_sandbox(id)?;
+        if !holds_snapshot(sandbox.state) {
+            return Err(refuse(&sandbox, "restore"));
+        }
+        let checkpoint = self.store.find_checkpoint(id, &req.checkpoint)?;
+        if sandbox.state == SandboxState::Hibernated {
+            self.admit(sandbox.mem_mib, false)?;
+        }
+        let from = sandbox.state;
+        let snapshot = checkpoint.snapshot_dir.clone();
+        let op = self.store.begin_operation(
+            Some(id),
+            OperationKind::Restore,
+            &json!({ "checkpoint": checkpoint.id, "snapshot": snapshot, "from": from }),
+            Some(&StateChange::new(from, SandboxState::Resuming)),
+        )?;
+        self.stop_vmm(&sandbox)?;
+        match self.start_vmm(id, &snapshot) {
+            Ok(()) => {
+                let chain = layer_chain(&snapshot)?;
+                self.store.write(|tx| {
+                    tx.register_layers(&chain)?;
+                    tx.set_sandbox_snapshot(id, Some(&snapshot))?;
+                    let change = StateChange::new(SandboxState::Resuming, SandboxState::Running);
+                    tx.finish_operation(&op.id, OperationStatus::Done, None, Some(&change))
+                })?;
+                self.store.touch(id, Timestamp::now())?;
+                // What the old VM ran from may be needed by nothing now.
+                self.remove_dead_layers();
+                Ok(Outcome {
+                    sandbox: self.store.get_sandbox(id)?,
+                    resumed: from == SandboxState::Hibernated,
+                    resume_ms: Some(started.elapsed().as_secs_f64() * 1000.0),
+                })
+            }
+            Err(e) => {
+                // A hibernated sandbox still has its snapshot; a live one's
+                // VM is gone.
+                let change = match from {
+                    SandboxState::Hibernated => {
+                        StateChange::new(SandboxState::Resuming, SandboxState::Hibernated)
+                    }
+                    _ => StateChange {
+                        from: SandboxState::Resuming,
+                        to: SandboxState::Failed,
+                        reason: Some(format!(
+                            "restore from checkpoint {:?} failed: {e}",
+                            checkpoint.name
+                        )),
+                    },
+                };
+                self.roll_back(&op.id, &change, e)
+            }
+        }
+    }
+
+    /// Creates a new sandbox from the source's checkpoint, or from a fresh
+    /// snapshot of its current state; the source goes on as it was.
+    pub fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
+        if let Some(name) = &req.checkpoint {
+            validate_checkpoint_name(name)?;
+        }
+        let source = self.store.get_sandbox(id)?;
+        self.admit(source.mem_mib, req.queue)?;
+        let source_lock = self.lock_for(id);
+        let source_guard = source_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let source = self.store.get_sandbox(id)?;
+        let mut fork = Sandbox::new(
+            source.template.clone(),
+            source.mem_mib,
+            source.vcpus,
+            req.keep_alive_ms
+                .unwrap_or(self.config.default_keep_alive_ms),
+        );
+        fork.metadata = req.metadata;
+        fork.pod = Some(PodId::new(LOCAL_POD));
+        fork.expires_at = req
+            .timeout_ms
+            .map(|t| Timestamp(Timestamp::now().0 + t as i64));
+        let snapshot = match &req.checkpoint {
+            Some(name) => {
+                if matches!(source.state, SandboxState::Deleted) {
+                    return Err(refuse(&source, "fork"));
+                }
+                self.store.find_checkpoint(id, name)?.snapshot_dir
+            }
+            None if !holds_snapshot(source.state) => return Err(refuse(&source, "fork")),
+            None if source.state == SandboxState::Hibernated => {
+                self.hibernation_snapshot(&source)?
+            }
+            None => {
+                let target = self.sandbox_dir(id).join(format!(
+                    "fork-{}",
+                    fork.id.as_str().trim_start_matches(SandboxId::PREFIX)
+                ));
+                let detail = json!({ "fork": fork.id });
+                let written = self.snapshot_live(&source, OperationKind::Fork, target, detail)?;
+                self.commit_written(&source, &written, None)?;
+                written.dir
+            }
+        };
+        // The fork's row references the snapshot before the source's lock
+        // goes: from here on the layers are the fork's too.
+        fork.snapshot = Some(snapshot.clone());
+        let fork_lock = self.lock_for(&fork.id);
+        let _fork_guard = fork_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let chain = layer_chain(&snapshot)?;
+        let op = self.store.write(|tx| {
+            tx.register_layers(&chain)?;
+            tx.insert_sandbox(&fork)?;
+            tx.begin_operation(
+                Some(&fork.id),
+                OperationKind::Create,
+                &json!({ "snapshot": snapshot, "fork_of": id }),
+                None,
+            )
+        })?;
+        drop(source_guard);
+        match self.start_vmm(&fork.id, &snapshot) {
+            Ok(()) => {
+                let change = StateChange::new(SandboxState::Creating, SandboxState::Running);
+                self.store
+                    .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
+                Ok(self.store.get_sandbox(&fork.id)?)
+            }
+            Err(e) => {
+                let change = StateChange {
+                    from: SandboxState::Creating,
+                    to: SandboxState::Failed,
+                    reason: Some(e.to_string()),
+                };
+                self.roll_back(&op.id, &change, e)
+            }
+        }
+    }
+
+    fn hibernation_snapshot(&self, sandbox: &Sandbox) -> Result<PathBuf, ServiceError> {
+        sandbox.snapshot.clone().ok_or_else(|| {
+            ServiceError::Internal(format!("hibernated sandbox {} has no snapshot", sandbox.id))
+        })
+    }
+
+    /// Journals the operation, pauses the VMM (if running), writes a diff
+    /// snapshot on what it runs from into `target`, and lets it run again;
+    /// the caller commits the result. On failure nothing is left.
+    fn snapshot_live(
+        &self,
+        sandbox: &Sandbox,
+        kind: OperationKind,
+        target: PathBuf,
+        mut detail: serde_json::Value,
+    ) -> Result<Written, ServiceError> {
+        let handle = Self::running_handle(sandbox)?.clone();
+        detail["snapshot"] = json!(target);
+        detail["from"] = json!(sandbox.state);
+        let op = self
+            .store
+            .begin_operation(Some(&sandbox.id), kind, &detail, None)?;
+        let was_running = sandbox.state == SandboxState::Running;
+        let diff = diff_allowed(sandbox.snapshot.as_deref());
+        let result = (|| {
+            if was_running {
+                vmm::call(&handle, &Request::Pause)?;
+            }
+            self.stall("checkpoint-paused");
+            vmm::call(
+                &handle,
+                &Request::Snapshot {
+                    path: target.clone(),
+                    diff,
+                },
+            )?;
+            self.stall("checkpoint-written");
+            Ok(())
+        })();
+        let resumed = if was_running {
+            vmm::call(&handle, &Request::Resume).map(|_| ())
+        } else {
+            Ok(())
+        };
+        match result.and(resumed) {
+            Ok(()) => Ok(Written { op: op.id, dir: target }),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&target);
+                self.store
+                    .finish_operation(&op.id, OperationStatus::RolledBack, None, None)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Records a written snapshot's layers, points the source at it, lists
+    /// the checkpoint (if any) and ends the operation: one transaction.
+    fn commit_written(
+        &self,
+        sandbox: &Sandbox,
+        written: &Written,
+        checkpoint: Option<&Checkpoint>,
+    ) -> Result<(), ServiceError> {
+        let chain = layer_chain(&written.dir)?;
+        self.store.write(|tx| {
+            commit_layer(tx, &sandbox.id, &written.dir, &chain, checkpoint)?;
+            tx.finish_operation(&written.op, OperationStatus::Done, None, None)
+        })?;
+        Ok(())
+    }
+
+    /// The test hook of [`STALL_ENV`].
+    fn stall(&self, point: &str) {
+        if std::env::var(STALL_ENV).as_deref() != Ok(point) {
+            return;
+        }
+        let marker = self.config.data_dir.join(format!("stalled-{point}"));
+        let _ = std::fs::write(&marker, b"");
+        tracing::warn!(point, "stalled by {STALL_ENV}");
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checkpoint_names() {
+        for ok in ["a", "before-upgrade", "v1.2_rc", &"x".repeat(64), "9lives"] {
+            validate_checkpoint_name(ok).unwrap();
+        }
+        for bad in ["", "-x", ".hidden", "a/b", "a b", "é", &"x".repeat(65), "..", "a\n"] {
+            assert!(
+                matches!(validate_checkpoint_name(bad), Err(ServiceError::Invalid(_))),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn fork_body_defaults_and_refuses_unknown_fields() {
+        let f: ForkSandbox = serde_json::from_str("{}").unwrap();
+        assert!(f.checkpoint.is_none() && !f.queue && f.metadata.is_empty());
+        assert!(serde_json::from_str::<ForkSandbox>(r#"{"template":"x"}"#).is_err());
+        assert!(serde_json::from_str::<CreateCheckpoint>(r#"{"name":"a","x":1}"#).is_err());
+    }
+}
