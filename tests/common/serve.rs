@@ -16,10 +16,16 @@ pub struct ServeProcess {
 
 impl ServeProcess {
     pub fn start(data: &Path, args: &[&str]) -> Self {
+        Self::start_with_env(data, args, &[])
+    }
+
+    /// [`Self::start`] with extra environment variables (test hooks).
+    pub fn start_with_env(data: &Path, args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(TORPOR)
             .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
             .arg(data)
             .args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

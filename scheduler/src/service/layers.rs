@@ -29,14 +29,12 @@ pub(super) fn layer_chain(top: &Path) -> Result<LayerChain, ServiceError> {
         .iter()
         .map(|l| std::fs::canonicalize(&l.dir).unwrap_or_else(|_| l.dir.clone()))
         .collect();
-    // `layers` is newest first; each layer's parent is the next one.
-    let mut out: LayerChain = dirs
+    // `layers` is base first; each layer's parent is the one before it.
+    Ok(dirs
         .iter()
         .enumerate()
-        .map(|(i, d)| (d.clone(), dirs.get(i + 1).cloned()))
-        .collect();
-    out.reverse();
-    Ok(out)
+        .map(|(i, d)| (d.clone(), i.checked_sub(1).map(|p| dirs[p].clone())))
+        .collect())
 }
 
 /// Whether a new snapshot on top of `base` may be a diff: the chain under
