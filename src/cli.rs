@@ -279,9 +279,57 @@ pub enum SandboxAction {
     Resume(SandboxId),
     /// Hibernate a sandbox: snapshot it and end its VMM.
     Hibernate(SandboxId),
-    /// Delete a sandbox (its VMM and snapshots go).
+    /// Delete a sandbox (its VMM and snapshots go, but for layers its forks
+    /// still sit on).
     #[command(visible_alias = "delete")]
     Rm(SandboxId),
+    /// Take a named checkpoint of a running, paused or hibernated sandbox
+    /// (it stays in the state it was in).
+    Checkpoint(CheckpointArgs),
+    /// List a sandbox's checkpoints: NAME, ID, PARENT, AGE.
+    Checkpoints(SandboxId),
+    /// Delete a checkpoint (its snapshot layers stay while forks or the
+    /// sandbox's later snapshots sit on them).
+    RmCheckpoint(CheckpointArgs),
+    /// Replace a sandbox's VM with one restored from its checkpoint NAME;
+    /// it runs afterwards.
+    Restore(CheckpointArgs),
+    /// Create a new sandbox from the checkpoint NAME of sandbox ID or,
+    /// without NAME, from a fresh snapshot of its current state; print the
+    /// new sandbox's id.
+    Fork(ForkArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct CheckpointArgs {
+    /// The sandbox id (sbx_...).
+    #[arg(value_name = "ID")]
+    pub id: String,
+    /// The checkpoint's name (1-64 of A-Z a-z 0-9 . _ -).
+    #[arg(value_name = "NAME")]
+    pub name: String,
+}
+
+#[derive(Debug, Args)]
+pub struct ForkArgs {
+    /// The source sandbox id (sbx_...).
+    #[arg(value_name = "ID")]
+    pub id: String,
+    /// The source's checkpoint [default: a fresh snapshot of its state].
+    #[arg(value_name = "NAME")]
+    pub name: Option<String>,
+    /// Idle time after which the fork is hibernated, in ms.
+    #[arg(long, value_name = "N")]
+    pub keep_alive_ms: Option<u64>,
+    /// Delete the fork this many ms after creation.
+    #[arg(long, value_name = "N")]
+    pub timeout_ms: Option<u64>,
+    /// Metadata pair of the fork (repeatable).
+    #[arg(long = "meta", value_name = "K=V", value_parser = key_value)]
+    pub meta: Vec<(String, String)>,
+    /// Wait for capacity instead of being refused when the pod is full.
+    #[arg(long)]
+    pub queue: bool,
 }
 
 #[derive(Debug, Args)]

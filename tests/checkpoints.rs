@@ -478,3 +478,60 @@ fn kill_9_after_the_snapshot_keeps_a_whole_checkpoint() {
     s.wait_iteration(&id, 3);
     assert!(assert_continuous(&s.iterations(&id)) <= now + 2);
 }
+
+/// `torpor sandbox ...` against this service; stdout, asserting success.
+fn cli(s: &Serve, args: &[&str]) -> String {
+    let url = s.process.url();
+    let out = Command::new(common::TORPOR)
+        .arg("sandbox")
+        .args(["--api", &url, "--token", TOKEN])
+        .args(args)
+        .env_remove("TORPOR_API")
+        .env_remove("TORPOR_TOKEN")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "torpor sandbox {args:?}: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn cli_checkpoint_restore_fork() {
+    let d = DataDir::new("ckpt-cli");
+    let s = Serve::start(&d.0, &[]);
+    let template = s.fast_template("fast");
+    let id = s.create(&template);
+    s.wait_iteration(&id, 2);
+
+    let said = cli(&s, &["checkpoint", &id, "first"]);
+    assert!(said.contains("checkpoint first (ckp_"), "{said}");
+    let v: Value = serde_json::from_str(&cli(&s, &["checkpoint", &id, "second", "--json"])).unwrap();
+    assert_eq!(v["name"], "second");
+
+    let table = cli(&s, &["checkpoints", &id]);
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(lines[0].starts_with("NAME "), "{table}");
+    assert!(lines[1].starts_with("first "), "{table}");
+    // `second` sits on `first`'s layer: its parent, by name.
+    assert!(lines[2].starts_with("second ") && lines[2].contains(" first "), "{table}");
+    let v: Value = serde_json::from_str(&cli(&s, &["checkpoints", &id, "--json"])).unwrap();
+    assert_eq!(v["checkpoints"].as_array().unwrap().len(), 2);
+
+    let said = cli(&s, &["restore", &id, "first"]);
+    assert!(said.contains(": running (restored from checkpoint first in "), "{said}");
+
+    let fork = cli(&s, &["fork", &id, "second", "--meta", "k=v"]);
+    let fork = fork.trim();
+    assert!(fork.starts_with("sbx_"), "{fork}");
+    assert_eq!(s.sandbox(fork)["metadata"]["k"], "v");
+    let fresh = cli(&s, &["fork", &id]);
+    assert_eq!(s.sandbox(fresh.trim())["state"], "running");
+
+    let said = cli(&s, &["rm-checkpoint", &id, "first"]);
+    assert!(said.contains("checkpoint first deleted"), "{said}");
+    assert_eq!(s.checkpoint_names(&id), ["second"]);
+}

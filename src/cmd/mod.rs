@@ -1,5 +1,6 @@
 //! One module per top-level subcommand.
 
+mod checkpoint;
 mod client;
 mod doctor;
 mod guest;

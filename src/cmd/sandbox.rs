@@ -1,10 +1,12 @@
-//! `torpor sandbox create|list|get|exec|pause|resume|hibernate|rm`: the
-//! sandbox routes of the REST API, as tables or `--json`.
+//! `torpor sandbox create|list|get|exec|pause|resume|hibernate|rm` (and the
+//! checkpoint commands, in `checkpoint.rs`): the sandbox routes of the REST
+//! API, as tables or `--json`.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Map, Value};
 
+use super::checkpoint;
 use super::client::{encode, Client, Error};
 use super::template;
 use crate::cli::{SandboxAction, SandboxCommand, SandboxCreateArgs, SandboxListArgs};
@@ -39,10 +41,15 @@ fn act(c: &Client, action: SandboxAction) -> Result<(), Error> {
             }
             Ok(())
         }
+        SandboxAction::Checkpoint(a) => checkpoint::create(c, &a),
+        SandboxAction::Checkpoints(a) => checkpoint::list(c, &a.id),
+        SandboxAction::RmCheckpoint(a) => checkpoint::delete(c, &a),
+        SandboxAction::Restore(a) => checkpoint::restore(c, &a),
+        SandboxAction::Fork(a) => checkpoint::fork(c, a),
     }
 }
 
-fn path(id: &str, rest: &str) -> String {
+pub(super) fn path(id: &str, rest: &str) -> String {
     format!("/v1/sandboxes/{}{rest}", encode(id))
 }
 
