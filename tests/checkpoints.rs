@@ -71,7 +71,10 @@ impl Serve {
         let id = t["id"].as_str().unwrap().to_string();
         let deadline = Instant::now() + WAIT;
         while self.ok("GET", &format!("/v1/templates/{id}"), None)["state"] != "ready" {
-            assert!(Instant::now() < deadline, "template {id} never became ready");
+            assert!(
+                Instant::now() < deadline,
+                "template {id} never became ready"
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
         id
@@ -319,7 +322,12 @@ fn illegal_checkpoint_requests() {
         s.refused("POST", &at("checkpoints"), Some(&body), 400);
     }
     s.refused("POST", &at("checkpoints"), Some(r#"{"nom":"x"}"#), 400);
-    s.refused("POST", &at("restore"), Some(r#"{"checkpoint":"nope"}"#), 404);
+    s.refused(
+        "POST",
+        &at("restore"),
+        Some(r#"{"checkpoint":"nope"}"#),
+        404,
+    );
     s.refused("POST", &at("fork"), Some(r#"{"checkpoint":"nope"}"#), 404);
     s.refused("DELETE", &at("checkpoints/nope"), None, 404);
     s.refused(
@@ -509,7 +517,8 @@ fn cli_checkpoint_restore_fork() {
 
     let said = cli(&s, &["checkpoint", &id, "first"]);
     assert!(said.contains("checkpoint first (ckp_"), "{said}");
-    let v: Value = serde_json::from_str(&cli(&s, &["checkpoint", &id, "second", "--json"])).unwrap();
+    let v: Value =
+        serde_json::from_str(&cli(&s, &["checkpoint", &id, "second", "--json"])).unwrap();
     assert_eq!(v["name"], "second");
 
     let table = cli(&s, &["checkpoints", &id]);
@@ -517,12 +526,18 @@ fn cli_checkpoint_restore_fork() {
     assert!(lines[0].starts_with("NAME "), "{table}");
     assert!(lines[1].starts_with("first "), "{table}");
     // `second` sits on `first`'s layer: its parent, by name.
-    assert!(lines[2].starts_with("second ") && lines[2].contains(" first "), "{table}");
+    assert!(
+        lines[2].starts_with("second ") && lines[2].contains(" first "),
+        "{table}"
+    );
     let v: Value = serde_json::from_str(&cli(&s, &["checkpoints", &id, "--json"])).unwrap();
     assert_eq!(v["checkpoints"].as_array().unwrap().len(), 2);
 
     let said = cli(&s, &["restore", &id, "first"]);
-    assert!(said.contains(": running (restored from checkpoint first in "), "{said}");
+    assert!(
+        said.contains(": running (restored from checkpoint first in "),
+        "{said}"
+    );
 
     let fork = cli(&s, &["fork", &id, "second", "--meta", "k=v"]);
     let fork = fork.trim();

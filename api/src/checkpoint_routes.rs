@@ -70,5 +70,9 @@ pub async fn fork<S: SandboxApi>(
 ) -> ApiResult<Response> {
     let id = SandboxId::new(id);
     let sandbox = call(&st, move |s| s.fork_sandbox(&id, body)).await?;
-    Ok(created(format!("/v1/sandboxes/{}", sandbox.id), false, sandbox))
+    Ok(created(
+        format!("/v1/sandboxes/{}", sandbox.id),
+        false,
+        sandbox,
+    ))
 }

@@ -10,7 +10,12 @@ use crate::cli::{CheckpointArgs, ForkArgs};
 pub fn create(c: &Client, a: &CheckpointArgs) -> Result<(), Error> {
     let body = json!({ "name": a.name });
     if let Some(v) = c.show("POST", &path(&a.id, "/checkpoints"), Some(&body))? {
-        println!("{}: checkpoint {} ({})", a.id, text(&v["name"]), text(&v["id"]));
+        println!(
+            "{}: checkpoint {} ({})",
+            a.id,
+            text(&v["name"]),
+            text(&v["id"])
+        );
     }
     Ok(())
 }
@@ -19,7 +24,10 @@ pub fn list(c: &Client, id: &str) -> Result<(), Error> {
     let Some(v) = c.show("GET", &path(id, "/checkpoints"), None)? else {
         return Ok(());
     };
-    let all = v["checkpoints"].as_array().map(Vec::as_slice).unwrap_or_default();
+    let all = v["checkpoints"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default();
     // The parent link is an id: show the parent's name.
     let name_of = |parent: &Value| {
         all.iter()

@@ -167,10 +167,13 @@ impl Service {
         } else {
             let target = self.sandbox_dir(id).join(format!(
                 "ckpt-{}",
-                checkpoint_id.as_str().trim_start_matches(CheckpointId::PREFIX)
+                checkpoint_id
+                    .as_str()
+                    .trim_start_matches(CheckpointId::PREFIX)
             ));
             let detail = json!({ "checkpoint": checkpoint_id, "name": req.name });
-            let written = self.snapshot_live(&sandbox, OperationKind::Checkpoint, target, detail)?;
+            let written =
+                self.snapshot_live(&sandbox, OperationKind::Checkpoint, target, detail)?;
             checkpoint.snapshot_dir = written.dir.clone();
             self.commit_written(&sandbox, &written, Some(&checkpoint))?;
         }
@@ -379,7 +382,10 @@ impl Service {
             Ok(())
         };
         match result.and(resumed) {
-            Ok(()) => Ok(Written { op: op.id, dir: target }),
+            Ok(()) => Ok(Written {
+                op: op.id,
+                dir: target,
+            }),
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&target);
                 self.store
@@ -428,7 +434,17 @@ mod tests {
         for ok in ["a", "before-upgrade", "v1.2_rc", &"x".repeat(64), "9lives"] {
             validate_checkpoint_name(ok).unwrap();
         }
-        for bad in ["", "-x", ".hidden", "a/b", "a b", "é", &"x".repeat(65), "..", "a\n"] {
+        for bad in [
+            "",
+            "-x",
+            ".hidden",
+            "a/b",
+            "a b",
+            "é",
+            &"x".repeat(65),
+            "..",
+            "a\n",
+        ] {
             assert!(
                 matches!(validate_checkpoint_name(bad), Err(ServiceError::Invalid(_))),
                 "{bad:?}"

@@ -83,7 +83,9 @@ impl Service {
                 }
             }
             if let Some(parent) = dir.parent() {
-                let owner = parent.file_name().map(|n| SandboxId::new(n.to_string_lossy()));
+                let owner = parent
+                    .file_name()
+                    .map(|n| SandboxId::new(n.to_string_lossy()));
                 let deleted = owner.is_some_and(|o| {
                     self.store
                         .get_sandbox(&o)

@@ -27,8 +27,8 @@ use crate::state::{IllegalTransition, SandboxState};
 use crate::store::{Store, StoreError};
 
 pub use checkpoint::{
-    validate_checkpoint_name, CreateCheckpoint, ForkSandbox, RestoreCheckpoint, MAX_CHECKPOINT_NAME,
-    STALL_ENV,
+    validate_checkpoint_name, CreateCheckpoint, ForkSandbox, RestoreCheckpoint,
+    MAX_CHECKPOINT_NAME, STALL_ENV,
 };
 pub use policy::Metrics;
 

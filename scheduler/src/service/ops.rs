@@ -214,7 +214,9 @@ impl Service {
         Ok(())
     }
 
-    pub(super) fn running_handle(sandbox: &Sandbox) -> Result<&crate::model::VmmHandle, ServiceError> {
+    pub(super) fn running_handle(
+        sandbox: &Sandbox,
+    ) -> Result<&crate::model::VmmHandle, ServiceError> {
         sandbox
             .vmm
             .as_ref()

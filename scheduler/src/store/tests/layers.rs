@@ -11,9 +11,7 @@ fn p(s: &str) -> PathBuf {
 
 /// Records `dir` on `parent` (which must be recorded, or None).
 fn layer(store: &Store, dir: &str, parent: Option<&str>) {
-    store
-        .register_layers(&[(p(dir), parent.map(p))])
-        .unwrap();
+    store.register_layers(&[(p(dir), parent.map(p))]).unwrap();
 }
 
 fn checkpoint(sandbox: &Sandbox, name: &str, dir: &str) -> Checkpoint {
@@ -28,7 +26,9 @@ fn checkpoint(sandbox: &Sandbox, name: &str, dir: &str) -> Checkpoint {
 }
 
 fn set_snapshot(store: &Store, s: &Sandbox, dir: &str) {
-    store.set_sandbox_snapshot(&s.id, Some(Path::new(dir))).unwrap();
+    store
+        .set_sandbox_snapshot(&s.id, Some(Path::new(dir)))
+        .unwrap();
 }
 
 fn delete(store: &Store, s: &Sandbox) {
@@ -115,8 +115,12 @@ fn a_layer_needs_its_parent_recorded_and_names_are_per_sandbox() {
     store.register_layers(&chain).unwrap();
     let a = sandbox_in(&store, &t, Running);
     let b = sandbox_in(&store, &t, Running);
-    store.insert_checkpoint(&checkpoint(&a, "n", "/x/diff")).unwrap();
-    store.insert_checkpoint(&checkpoint(&b, "n", "/x/diff")).unwrap();
+    store
+        .insert_checkpoint(&checkpoint(&a, "n", "/x/diff"))
+        .unwrap();
+    store
+        .insert_checkpoint(&checkpoint(&b, "n", "/x/diff"))
+        .unwrap();
     assert!(matches!(
         store.insert_checkpoint(&checkpoint(&a, "n", "/x/diff")),
         Err(StoreError::AlreadyExists { .. })
