@@ -550,3 +550,49 @@ fn cli_checkpoint_restore_fork() {
     assert!(said.contains("checkpoint first deleted"), "{said}");
     assert_eq!(s.checkpoint_names(&id), ["second"]);
 }
+
+#[test]
+fn kill_9_mid_restore_is_finished_at_restart() {
+    let d = DataDir::new("ckpt-kill-restore");
+    let s = Serve::start(&d.0, &[(STALL_ENV, "restore-stopped")]);
+    let template = s.fast_template("fast");
+    let id = s.create(&template);
+    s.wait_iteration(&id, 3);
+    let before = s.last_iteration(&id);
+    s.checkpoint(&id, "c1");
+    let after = s.last_iteration(&id);
+    s.wait_iteration(&id, after + 10);
+    let addr = s.process.addr.clone();
+    let path = format!("/v1/sandboxes/{id}/restore");
+    let caller = std::thread::spawn(move || {
+        request(
+            &addr,
+            "POST",
+            &path,
+            Some(TOKEN),
+            Some(r#"{"checkpoint":"c1"}"#),
+        )
+    });
+    let marker = d.0.join("stalled-restore-stopped");
+    let deadline = Instant::now() + WAIT;
+    while !marker.exists() {
+        assert!(Instant::now() < deadline, "never stalled");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The old VMM is gone, the new one not started.
+    assert_eq!(s.sandbox(&id)["state"], "resuming");
+    s.kill9();
+    let _ = caller.join();
+
+    let s = Serve::start(&d.0, &[]);
+    let v = s.sandbox(&id);
+    assert_eq!(v["state"], "running", "{v}");
+    s.wait_iteration(&id, 1);
+    let first = s.iterations(&id)[0].0;
+    assert!(
+        (before + 1..=after + 2).contains(&first),
+        "restored at {first}, checkpoint taken between {before} and {after}"
+    );
+    s.wait_iteration(&id, first + 3);
+    assert_continuous(&s.iterations(&id));
+}

@@ -15,7 +15,9 @@
 //! that ends the operation. The snapshot's `state` file, written last and
 //! atomically by the VMM, is the commit point: after a crash, recovery
 //! lists a checkpoint whose `state` exists (the VMM already diffs against
-//! it) and removes the directory of one whose `state` does not.
+//! it) and removes the directory of one whose `state` does not. A restore
+//! interrupted by a crash is finished by recovery (the checkpoint it names
+//! is intact), whichever VMM the crash left.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -36,7 +38,8 @@ pub const MAX_CHECKPOINT_NAME: usize = 64;
 
 /// Test hook: when this environment variable names a stall point
 /// (`checkpoint-paused`: journaled and paused, nothing written;
-/// `checkpoint-written`: the snapshot complete, not yet listed), the
+/// `checkpoint-written`: the snapshot complete, not yet listed;
+/// `restore-stopped`: the old VMM stopped, the new one not started), the
 /// operation creates `<data_dir>/stalled-<point>` and waits there for good,
 /// so a test can kill the service at exactly that point.
 pub const STALL_ENV: &str = "TORPOR_TEST_STALL_AT";
@@ -218,6 +221,7 @@ impl Service {
             Some(&StateChange::new(from, SandboxState::Resuming)),
         )?;
         self.stop_vmm(&sandbox)?;
+        self.stall("restore-stopped");
         match self.start_vmm(id, &snapshot) {
             Ok(()) => {
                 let chain = layer_chain(&snapshot)?;

@@ -179,38 +179,51 @@ impl Service {
                 Ok(true)
             }
             OperationKind::Restore if sandbox.state == SandboxState::Resuming => {
+                // The restore was asked for and its checkpoint is intact:
+                // finish it, whichever VMM (old, new, none) the crash left.
                 let status = sandbox.vmm.as_ref().and_then(vmm::status);
                 let canonical = |p: &Path| std::fs::canonicalize(p).unwrap_or(p.to_path_buf());
-                let new_vmm = match (&status, &snapshot) {
+                let mut restored = match (&status, &snapshot) {
                     (Some(st), Some(want)) => st
                         .base_snapshot
                         .as_deref()
                         .is_some_and(|b| canonical(b) == canonical(want)),
                     _ => false,
                 };
-                let (outcome, to, reason) = if new_vmm {
-                    (OperationStatus::Done, SandboxState::Running, None)
-                } else if status.is_some() {
-                    // The old VMM was never stopped: nothing changed.
-                    let back = from.unwrap_or(SandboxState::Running);
-                    (OperationStatus::RolledBack, back, None)
+                let mut failure = None;
+                if !restored {
+                    if let Some(handle) = &sandbox.vmm {
+                        vmm::stop(handle, None);
+                        self.store.set_sandbox_vmm(&sandbox.id, None)?;
+                    }
+                    match &snapshot {
+                        Some(snapshot) => match self.start_vmm(&sandbox.id, snapshot) {
+                            Ok(()) => restored = true,
+                            Err(e) => failure = Some(e.to_string()),
+                        },
+                        None => failure = Some("the journal names no snapshot".into()),
+                    }
+                }
+                let (outcome, change) = if restored {
+                    if let Some(snapshot) = &snapshot {
+                        self.set_snapshot_and_layers(&sandbox.id, snapshot)?;
+                    }
+                    let change = StateChange::new(SandboxState::Resuming, SandboxState::Running);
+                    (OperationStatus::Done, change)
                 } else if from == Some(SandboxState::Hibernated) {
-                    (OperationStatus::RolledBack, SandboxState::Hibernated, None)
+                    let change = StateChange::new(SandboxState::Resuming, SandboxState::Hibernated);
+                    (OperationStatus::RolledBack, change)
                 } else {
-                    let why = "the service stopped while restoring it from a checkpoint";
-                    (OperationStatus::RolledBack, SandboxState::Failed, Some(why))
+                    let change = StateChange {
+                        from: SandboxState::Resuming,
+                        to: SandboxState::Failed,
+                        reason: Some(format!(
+                            "restore from a checkpoint interrupted and not finished: {}",
+                            failure.unwrap_or_default()
+                        )),
+                    };
+                    (OperationStatus::RolledBack, change)
                 };
-                if status.is_none() && sandbox.vmm.is_some() {
-                    self.store.set_sandbox_vmm(&sandbox.id, None)?;
-                }
-                let change = StateChange {
-                    from: SandboxState::Resuming,
-                    to,
-                    reason: reason.map(String::from),
-                };
-                if let (true, Some(snapshot)) = (new_vmm, &snapshot) {
-                    self.set_snapshot_and_layers(&sandbox.id, snapshot)?;
-                }
                 tracing::warn!(op = %op.id, sandbox = %sandbox.id, %outcome, "finished an interrupted restore");
                 self.store
                     .finish_operation(&op.id, outcome, None, Some(&change))?;
