@@ -403,6 +403,10 @@ fn shared_layers_outlive_their_source_and_go_with_the_last_user() {
     let kept = snapshot_entries(&s.sandbox_dir(&src));
     assert_eq!(kept, checkpoint_layers, "the source's needed layers went");
     assert!(!s.sandbox_dir(&src).join("console.log").exists());
+    // So does the orphan sweep of a restart.
+    s.kill9();
+    let s = Serve::start(&d.0, &[]);
+    assert_eq!(snapshot_entries(&s.sandbox_dir(&src)), checkpoint_layers);
 
     // The fork still wakes, its memory intact across the hibernation.
     let w = s.ok("POST", &format!("/v1/sandboxes/{fork}/resume"), None);
