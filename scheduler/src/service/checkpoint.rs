@@ -380,13 +380,21 @@ impl Service {
             self.stall("checkpoint-written");
             Ok(())
         })();
-        let resumed = if was_running {
-            vmm::call(&handle, &Request::Resume).map(|_| ())
-        } else {
-            Ok(())
-        };
-        match result.and(resumed) {
+        if was_running {
+            if let Err(e) = vmm::call(&handle, &Request::Resume) {
+                // The policy fails the sandbox if its VMM is gone.
+                tracing::warn!(sandbox = %sandbox.id, "cannot resume after the snapshot: {e}");
+            }
+        }
+        // Once `state` is written the VMM diffs against this snapshot,
+        // whatever the answer said (a reply lost to a timeout): keep it.
+        let written = target.join(torpor_vmm::snapshot::STATE_FILE).exists();
+        match result {
             Ok(()) => Ok(Written {
+                op: op.id,
+                dir: target,
+            }),
+            Err(_) if written => Ok(Written {
                 op: op.id,
                 dir: target,
             }),
