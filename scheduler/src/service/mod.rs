@@ -7,6 +7,8 @@
 //! are serialised by a per-sandbox lock; different sandboxes proceed
 //! concurrently.
 
+pub mod guest;
+mod linux;
 mod ops;
 mod policy;
 mod recovery;
@@ -24,6 +26,8 @@ use crate::model::{Pod, PodAddress, PodId, SandboxId, TemplateKind, Timestamp};
 use crate::state::{IllegalTransition, SandboxState};
 use crate::store::{Store, StoreError};
 
+pub use guest::{GuestCall, GuestError};
+pub use linux::{host_guests, HostGuests};
 pub use policy::Metrics;
 
 /// The local pod's id.
@@ -77,6 +81,9 @@ pub enum ServiceError {
     Unsupported(String),
     #[error("internal error: {0}")]
     Internal(String),
+    /// Exec and files: the guest agent could not do it (see [`GuestError`]).
+    #[error(transparent)]
+    Guest(#[from] GuestError),
 }
 
 impl From<StoreError> for ServiceError {
