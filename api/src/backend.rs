@@ -8,7 +8,8 @@
 use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template, TemplateId};
 
 use crate::service::{
-    CreateSandbox, CreateTemplate, Outcome, PodView, SandboxFilter, Service, ServiceError,
+    CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest, ExitReply, GuestCall,
+    Outcome, OutputKind, PodView, SandboxFilter, Service, ServiceError,
 };
 
 /// The sandbox service as the API sees it. Mirrors
@@ -43,6 +44,27 @@ pub trait SandboxApi: Send + Sync + 'static {
 
     /// Prometheus text exposition.
     fn metrics(&self) -> String;
+
+    // Guest access (exec and files), each waking a hibernated sandbox first.
+    fn exec(&self, id: &SandboxId, req: ExecRequest)
+        -> Result<GuestCall<ExecOutput>, ServiceError>;
+    /// `on_start` runs once the sandbox runs, before any output.
+    fn exec_streaming(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+        on_start: &mut dyn FnMut(&Outcome),
+        on_output: &mut dyn FnMut(OutputKind, &[u8]),
+    ) -> Result<GuestCall<ExitReply>, ServiceError>;
+    fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError>;
+    fn write_file(
+        &self,
+        id: &SandboxId,
+        path: &str,
+        data: &[u8],
+        mode: Option<u32>,
+    ) -> Result<GuestCall<u64>, ServiceError>;
+    fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError>;
 }
 
 impl SandboxApi for Service {
@@ -100,5 +122,36 @@ impl SandboxApi for Service {
     }
     fn metrics(&self) -> String {
         Service::metrics(self)
+    }
+    fn exec(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+    ) -> Result<GuestCall<ExecOutput>, ServiceError> {
+        Service::exec(self, id, req)
+    }
+    fn exec_streaming(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+        on_start: &mut dyn FnMut(&Outcome),
+        on_output: &mut dyn FnMut(OutputKind, &[u8]),
+    ) -> Result<GuestCall<ExitReply>, ServiceError> {
+        Service::exec_streaming(self, id, req, on_start, on_output)
+    }
+    fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
+        Service::read_file(self, id, path)
+    }
+    fn write_file(
+        &self,
+        id: &SandboxId,
+        path: &str,
+        data: &[u8],
+        mode: Option<u32>,
+    ) -> Result<GuestCall<u64>, ServiceError> {
+        Service::write_file(self, id, path, data, mode)
+    }
+    fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError> {
+        Service::list_dir(self, id, path)
     }
 }

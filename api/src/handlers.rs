@@ -11,7 +11,7 @@ use axum::Json;
 use torpor_scheduler::model::{PodId, SandboxId, SandboxState, TemplateId, TemplateState};
 
 use crate::backend::SandboxApi;
-use crate::error::{code, ApiError};
+use crate::error::ApiError;
 use crate::service::ServiceError;
 use crate::service::{CreateSandbox, CreateTemplate};
 use crate::wire::{
@@ -32,12 +32,12 @@ impl<S> Clone for AppState<S> {
     }
 }
 
-type Api<S> = State<AppState<S>>;
-type ApiResult<T> = Result<T, ApiError>;
+pub(crate) type Api<S> = State<AppState<S>>;
+pub(crate) type ApiResult<T> = Result<T, ApiError>;
 
 /// Runs `f` on the service on tokio's blocking pool (service calls block on
 /// the store, VMM sockets and snapshot files).
-async fn call<S, T, F>(state: &AppState<S>, f: F) -> ApiResult<T>
+pub(crate) async fn call<S, T, F>(state: &AppState<S>, f: F) -> ApiResult<T>
 where
     S: SandboxApi,
     T: Send + 'static,
@@ -217,16 +217,6 @@ pub async fn hibernate_sandbox<S: SandboxApi>(
 ) -> ApiResult<Json<OutcomeBody>> {
     let id = SandboxId::new(id);
     Ok(Json(call(&st, move |s| s.hibernate(&id)).await?.into()))
-}
-
-/// Exec and files: routed and authenticated, not wired to the guest agent yet.
-pub async fn not_wired() -> ApiError {
-    ApiError::new(
-        StatusCode::NOT_IMPLEMENTED,
-        code::NOT_IMPLEMENTED,
-        "exec and file access need the Linux guest agent path, which is not wired \
-         into the service yet",
-    )
 }
 
 // Pods.

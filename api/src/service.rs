@@ -2,7 +2,10 @@
 //! the store's list filter), re-exported so that implementers of
 //! [`crate::SandboxApi`] need only this crate.
 
+pub use torpor_scheduler::service::guest::{
+    DirListing, ExecOutput, ExecRequest, ExitReply, FileKind, FileStat, OutputKind,
+};
 pub use torpor_scheduler::service::{
-    CreateSandbox, CreateTemplate, Outcome, PodView, Service, ServiceError,
+    CreateSandbox, CreateTemplate, GuestCall, GuestError, Outcome, PodView, Service, ServiceError,
 };
 pub use torpor_scheduler::store::SandboxFilter;
