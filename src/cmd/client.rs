@@ -128,6 +128,26 @@ impl Client {
         Ok(None)
     }
 
+    /// Sends one request with a raw body (`content_type`, bytes); 2xx
+    /// answers give their raw body, others an [`Error::Api`].
+    pub fn raw(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<(&str, &[u8])>,
+    ) -> Result<Vec<u8>, Error> {
+        let (status, bytes) = self.send_bytes(method, path, body)?;
+        if (200..300).contains(&status) {
+            return Ok(bytes);
+        }
+        Err(api_error(
+            method,
+            path,
+            status,
+            &String::from_utf8_lossy(&bytes),
+        ))
+    }
+
     fn exchange(
         &self,
         method: &str,
@@ -147,25 +167,21 @@ impl Client {
                 ))),
             };
         }
-        let parsed: Option<Value> = serde_json::from_str(&text).ok();
-        let field = |k: &str| {
-            parsed
-                .as_ref()
-                .and_then(|v| v["error"][k].as_str())
-                .map(str::to_string)
-        };
-        let message = field("message")
-            .or_else(|| Some(text.trim().chars().take(400).collect()))
-            .filter(|m: &String| !m.is_empty())
-            .unwrap_or_else(|| format!("{method} {path} failed"));
-        Err(Error::Api {
-            status,
-            code: field("code").unwrap_or_default(),
-            message,
-        })
+        Err(api_error(method, path, status, &text))
     }
 
     fn send(&self, method: &str, path: &str, body: Option<&str>) -> Result<(u16, String), Error> {
+        let body = body.map(|b| ("application/json", b.as_bytes()));
+        let (status, bytes) = self.send_bytes(method, path, body)?;
+        Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
+    }
+
+    fn send_bytes(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<(&str, &[u8])>,
+    ) -> Result<(u16, Vec<u8>), Error> {
         let mut stream = self.connect()?;
         let io = |e: std::io::Error| {
             if matches!(
@@ -191,20 +207,20 @@ impl Client {
         if let Some(t) = &self.token {
             head.push_str(&format!("Authorization: Bearer {t}\r\n"));
         }
-        if let Some(b) = body {
+        if let Some((content_type, b)) = body {
             head.push_str(&format!(
-                "Content-Type: application/json\r\nContent-Length: {}\r\n",
+                "Content-Type: {content_type}\r\nContent-Length: {}\r\n",
                 b.len()
             ));
         } else if matches!(method, "POST" | "PUT" | "PATCH") {
             head.push_str("Content-Length: 0\r\n");
         }
         head.push_str("\r\n");
-        head.push_str(body.unwrap_or(""));
-        stream.write_all(head.as_bytes()).map_err(io)?;
+        let mut request = head.into_bytes();
+        request.extend_from_slice(body.map_or(&[][..], |(_, b)| b));
+        stream.write_all(&request).map_err(io)?;
         stream.flush().map_err(io)?;
-        let (status, bytes) = read_response(&mut BufReader::new(stream), method).map_err(io)?;
-        Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
+        read_response(&mut BufReader::new(stream), method).map_err(io)
     }
 
     fn connect(&self) -> Result<TcpStream, Error> {
@@ -270,6 +286,27 @@ impl Client {
             }
         }
         EXIT_FAILURE
+    }
+}
+
+/// An error answer as [`Error::Api`]: the error body's code and message,
+/// else the start of the text.
+fn api_error(method: &str, path: &str, status: u16, text: &str) -> Error {
+    let parsed: Option<Value> = serde_json::from_str(text).ok();
+    let field = |k: &str| {
+        parsed
+            .as_ref()
+            .and_then(|v| v["error"][k].as_str())
+            .map(str::to_string)
+    };
+    let message = field("message")
+        .or_else(|| Some(text.trim().chars().take(400).collect()))
+        .filter(|m: &String| !m.is_empty())
+        .unwrap_or_else(|| format!("{method} {path} failed"));
+    Error::Api {
+        status,
+        code: field("code").unwrap_or_default(),
+        message,
     }
 }
 

@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use torpor_vmm::control::Request;
-use torpor_vmm::doctor::{self, Verdict};
+use torpor_vmm::doctor::{self, Verdict, VirtKind};
 
 use super::guest::{AgentLink, VSOCK_FILE};
 use super::vmm::{self, VmmFiles};
@@ -42,6 +42,8 @@ const MIN_LINUX_MIB: u32 = 128;
 #[derive(Debug, Clone)]
 pub struct HostGuests {
     pub verdict: Verdict,
+    /// What backs /dev/kvm.
+    pub virt: VirtKind,
     /// Doctor's one-line summary.
     pub summary: String,
 }
@@ -51,12 +53,19 @@ impl HostGuests {
     pub fn linux_refusal(&self) -> Option<String> {
         match self.verdict {
             Verdict::LinuxAndProbe => None,
-            _ => Some(format!(
-                "Linux guests need hardware virtualization (VMX/SVM) and this host has {}; \
-                 run Linux templates on a host with VMX/SVM, e.g. the nested host \
-                 (scripts/nested-host). Probe templates run here.",
-                self.summary
-            )),
+            _ => {
+                let host = match self.virt {
+                    VirtKind::Pvm => "this host's KVM is PVM (software, no VMX/SVM)".to_string(),
+                    VirtKind::Hardware | VirtKind::Unknown => {
+                        format!("this host runs {}", self.summary)
+                    }
+                };
+                Some(format!(
+                    "Linux templates need hardware virtualization (VMX/SVM) and {host}; run \
+                     them on a host with VMX/SVM, such as the nested host \
+                     (scripts/nested-host). Probe templates run here."
+                ))
+            }
         }
     }
 
@@ -77,6 +86,7 @@ pub fn host_guests() -> &'static HostGuests {
         let report = doctor::run();
         HostGuests {
             verdict: report.verdict(),
+            virt: report.virtualization.kind,
             summary: report.summary.clone(),
         }
     })
