@@ -212,7 +212,7 @@ fn sandboxes_templates_and_pods_through_the_api() {
 
     let exec = c.fails(&["sandbox", "exec", id, "--", "echo", "hi"]);
     assert!(exec.starts_with("torpor: error: "), "{exec}");
-    assert!(exec.contains("(HTTP 501 not_implemented)"), "{exec}");
+    assert!(exec.contains("(HTTP 422 no_agent)"), "{exec}");
 
     let missing = c.fails(&["sandbox", "resume", "sbx_doesnotexist"]);
     assert!(missing.contains("(HTTP 404 not_found)"), "{missing}");

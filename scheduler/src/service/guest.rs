@@ -11,6 +11,7 @@
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 pub use torpor_agent::proto::{
@@ -21,7 +22,7 @@ use torpor_agent::{AgentClient, ClientError, DEFAULT_VSOCK_PORT};
 pub use torpor_agent::{ExecOutput, OutputKind};
 
 use super::{Outcome, Service, ServiceError};
-use crate::model::{SandboxId, TemplateKind};
+use crate::model::{SandboxId, TemplateKind, Timestamp};
 
 /// The hybrid vsock socket's name in a sandbox or template directory.
 pub const VSOCK_FILE: &str = "vsock.sock";
@@ -30,9 +31,11 @@ const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
 /// Longest wait for one file request's answer.
 const FILE_LIMIT: Duration = Duration::from_secs(60);
 /// How long after a restore the agent may take to accept again.
-const AGENT_WAIT: Duration = Duration::from_secs(30);
+const AGENT_WAIT: Duration = Duration::from_secs(60);
 /// Largest file `read_file` returns whole.
 pub const MAX_READ_BYTES: u64 = 64 << 20;
+/// How often a sandbox with a guest request in flight is marked active.
+const ACTIVE_TICK: Duration = Duration::from_secs(1);
 /// The agent connection's client name, in its logs.
 const CLIENT_NAME: &str = "torpor-service";
 
@@ -336,8 +339,9 @@ impl Service {
         ))
     }
 
-    /// Wakes the sandbox if needed, then runs `f` on its agent and marks
-    /// the sandbox active again at the end (a long exec is activity).
+    /// Wakes the sandbox if needed, then runs `f` on its agent. The
+    /// sandbox counts as active for as long as `f` runs, so the idle policy
+    /// never hibernates it under a long exec.
     fn with_agent<T>(
         &self,
         id: &SandboxId,
@@ -345,8 +349,18 @@ impl Service {
     ) -> Result<GuestCall<T>, ServiceError> {
         let link = self.agent_link(id)?;
         let outcome = self.ensure_running(id)?;
-        let value = f(&link, &outcome);
-        let _ = self.store.touch(id, crate::model::Timestamp::now());
+        let (done, until_done) = mpsc::channel::<()>();
+        let value = std::thread::scope(|scope| {
+            scope.spawn(move || {
+                while let Err(RecvTimeoutError::Timeout) = until_done.recv_timeout(ACTIVE_TICK) {
+                    let _ = self.store.touch(id, Timestamp::now());
+                }
+            });
+            let value = f(&link, &outcome);
+            drop(done);
+            value
+        });
+        let _ = self.store.touch(id, Timestamp::now());
         Ok(GuestCall {
             outcome,
             value: value?,
