@@ -360,6 +360,10 @@ pub struct ExecArgs {
     /// Send this command's stdin to the command's stdin.
     #[arg(long)]
     pub stdin: bool,
+    /// Print output as the command writes it (the API's NDJSON stream)
+    /// instead of when it ends.
+    #[arg(long)]
+    pub stream: bool,
     /// The program and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "ARGV")]
     pub argv: Vec<String>,

@@ -136,12 +136,34 @@ impl Client {
         path: &str,
         body: Option<(&str, &[u8])>,
     ) -> Result<Vec<u8>, Error> {
-        let (status, bytes) = self.send_bytes(method, path, body)?;
+        let (status, bytes) = self.send_bytes(method, path, body, None)?;
         if (200..300).contains(&status) {
             return Ok(bytes);
         }
         Err(api_error(
             method,
+            path,
+            status,
+            &String::from_utf8_lossy(&bytes),
+        ))
+    }
+
+    /// Sends a JSON request whose 2xx answer is streamed: each chunk of
+    /// the body goes to `on_chunk` as it arrives.
+    pub fn stream(
+        &self,
+        path: &str,
+        body: &Value,
+        on_chunk: &mut dyn FnMut(&[u8]),
+    ) -> Result<(), Error> {
+        let text = body.to_string();
+        let body = Some(("application/json", text.as_bytes()));
+        let (status, bytes) = self.send_bytes("POST", path, body, Some(on_chunk))?;
+        if (200..300).contains(&status) {
+            return Ok(());
+        }
+        Err(api_error(
+            "POST",
             path,
             status,
             &String::from_utf8_lossy(&bytes),
@@ -172,7 +194,7 @@ impl Client {
 
     fn send(&self, method: &str, path: &str, body: Option<&str>) -> Result<(u16, String), Error> {
         let body = body.map(|b| ("application/json", b.as_bytes()));
-        let (status, bytes) = self.send_bytes(method, path, body)?;
+        let (status, bytes) = self.send_bytes(method, path, body, None)?;
         Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
     }
 
@@ -181,6 +203,7 @@ impl Client {
         method: &str,
         path: &str,
         body: Option<(&str, &[u8])>,
+        on_chunk: Option<&mut dyn FnMut(&[u8])>,
     ) -> Result<(u16, Vec<u8>), Error> {
         let mut stream = self.connect()?;
         let io = |e: std::io::Error| {
@@ -220,7 +243,7 @@ impl Client {
         request.extend_from_slice(body.map_or(&[][..], |(_, b)| b));
         stream.write_all(&request).map_err(io)?;
         stream.flush().map_err(io)?;
-        read_response(&mut BufReader::new(stream), method).map_err(io)
+        read_response(&mut BufReader::new(stream), method, on_chunk).map_err(io)
     }
 
     fn connect(&self) -> Result<TcpStream, Error> {
@@ -344,8 +367,13 @@ fn parse_url(url: &str) -> Result<(String, String), String> {
     Ok((authority, path.to_string()))
 }
 
-/// Reads one response (skipping 1xx): status and body.
-fn read_response(r: &mut impl BufRead, method: &str) -> std::io::Result<(u16, Vec<u8>)> {
+/// Reads one response (skipping 1xx): status and body. With `on_chunk`, a
+/// 2xx chunked body goes to it chunk by chunk as it arrives instead.
+fn read_response(
+    r: &mut impl BufRead,
+    method: &str,
+    mut on_chunk: Option<&mut dyn FnMut(&[u8])>,
+) -> std::io::Result<(u16, Vec<u8>)> {
     let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
     loop {
         let mut head_len = 0;
@@ -388,7 +416,8 @@ fn read_response(r: &mut impl BufRead, method: &str) -> std::io::Result<(u16, Ve
         let mut body = Vec::new();
         if method == "HEAD" || status == 204 || status == 304 {
         } else if chunked {
-            read_chunked(r, &mut body)?;
+            let sink = on_chunk.take().filter(|_| (200..300).contains(&status));
+            read_chunked(r, &mut body, sink)?;
         } else if let Some(n) = length {
             if n > MAX_BODY {
                 return Err(bad(format!("response body of {n} bytes is too large")));
@@ -404,7 +433,11 @@ fn read_response(r: &mut impl BufRead, method: &str) -> std::io::Result<(u16, Ve
     }
 }
 
-fn read_chunked(r: &mut impl BufRead, body: &mut Vec<u8>) -> std::io::Result<()> {
+fn read_chunked(
+    r: &mut impl BufRead,
+    body: &mut Vec<u8>,
+    mut sink: Option<&mut dyn FnMut(&[u8])>,
+) -> std::io::Result<()> {
     let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string());
     let mut line = String::new();
     loop {
@@ -428,6 +461,10 @@ fn read_chunked(r: &mut impl BufRead, body: &mut Vec<u8>) -> std::io::Result<()>
         r.take(n).read_to_end(body)?;
         if (body.len() - before) as u64 != n {
             return Err(bad("the connection closed inside a chunk"));
+        }
+        if let Some(sink) = sink.as_mut() {
+            sink(&body[before..]);
+            body.truncate(before);
         }
         line.clear();
         r.take(2).read_line(&mut line)?;

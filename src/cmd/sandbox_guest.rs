@@ -43,7 +43,11 @@ pub fn exec(args: &ClientArgs, a: ExecArgs) -> i32 {
         }
         body.insert("stdin_base64".into(), b64::encode(&input).into());
     }
-    let answer = match client.show("POST", &path(&a.id, "/exec"), Some(&Value::Object(body))) {
+    let body = Value::Object(body);
+    if a.stream && !client.json {
+        return stream(&client, &a.id, &body);
+    }
+    let answer = match client.show("POST", &path(&a.id, "/exec"), Some(&body)) {
         Ok(Some(v)) => v,
         // --json: printed as it came.
         Ok(None) => return super::EXIT_OK,
@@ -60,6 +64,12 @@ pub fn exec(args: &ClientArgs, a: ExecArgs) -> i32 {
     let _ = std::io::stdout().write_all(&decode(&answer["stdout"]));
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().write_all(&decode(&answer["stderr"]));
+    finish(&answer)
+}
+
+/// The exit status for an exec's end (`exit` fields), saying on stderr why
+/// it is not the command's own.
+fn finish(answer: &Value) -> i32 {
     if answer["truncated"] == true {
         eprintln!(
             "torpor: output truncated ({} bytes of stdout, {} of stderr written by the command)",
@@ -78,6 +88,57 @@ pub fn exec(args: &ClientArgs, a: ExecArgs) -> i32 {
             128 + sig as i32
         }
         _ => EXIT_FAILURE,
+    }
+}
+
+/// `exec --stream`: NDJSON lines as the agent sends output.
+fn stream(client: &Client, id: &str, body: &Value) -> i32 {
+    let mut pending: Vec<u8> = Vec::new();
+    let mut end: Option<Value> = None;
+    let mut on_chunk = |chunk: &[u8]| {
+        pending.extend_from_slice(chunk);
+        while let Some(nl) = pending.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = pending.drain(..=nl).collect();
+            let Ok(event) = serde_json::from_slice::<Value>(&line) else {
+                continue;
+            };
+            let data =
+                || b64::decode(event["data"].as_str().unwrap_or_default()).unwrap_or_default();
+            match event["type"].as_str() {
+                Some("stdout") => {
+                    let mut out = std::io::stdout();
+                    let _ = out.write_all(&data()).and_then(|()| out.flush());
+                }
+                Some("stderr") => {
+                    let _ = std::io::stderr().write_all(&data());
+                }
+                Some("start") if event["resumed"] == true => eprintln!(
+                    "torpor: woke {id} from hibernation in {:.1} ms",
+                    event["resume_ms"].as_f64().unwrap_or_default()
+                ),
+                Some("exit") | Some("error") => end = Some(event),
+                _ => {}
+            }
+        }
+    };
+    if let Err(e) = client.stream(&path(id, "/exec/stream"), body, &mut on_chunk) {
+        return client.fail(e);
+    }
+    match end {
+        Some(e) if e["type"] == "exit" => finish(&e),
+        Some(e) => {
+            eprintln!(
+                "torpor: error: {} (HTTP {} {})",
+                text(&e["message"]),
+                text(&e["status"]),
+                text(&e["code"])
+            );
+            EXIT_FAILURE
+        }
+        None => {
+            eprintln!("torpor: error: the stream ended before the command did");
+            EXIT_FAILURE
+        }
     }
 }
 
