@@ -231,6 +231,10 @@ pub struct ServeArgs {
     /// Default keep-alive of a sandbox before it is hibernated when idle.
     #[arg(long, default_value_t = 300_000)]
     pub keep_alive_ms: u64,
+    /// Longest a request may take (template builds boot a guest; under
+    /// emulation that can take minutes); past it the answer is 504.
+    #[arg(long, default_value_t = 120_000, value_name = "N")]
+    pub request_timeout_ms: u64,
 }
 
 /// How the `sandbox`, `template` and `pod` commands reach the API. Errors

@@ -73,7 +73,8 @@ test -c /dev/kvm || { echo 'L1 has no /dev/kvm'; exit 97; }
 ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up
 T=/opt/torpor/torpor
 export TORPOR_API=http://127.0.0.1:7700 TORPOR_TOKEN=nested-token
-$T serve --data-dir /tmp/data --token nested-token --keep-alive-ms 3600000 >/tmp/serve.log 2>&1 &
+$T serve --data-dir /tmp/data --token nested-token --keep-alive-ms 3600000 \
+   --request-timeout-ms 600000 >/tmp/serve.log 2>&1 &
 SERVE=$!
 i=0; until $T template list >/dev/null 2>&1 || [ $i -ge 150 ]; do sleep 0.2; i=$((i+1)); done
 sed 's/^/serve-log /' /tmp/serve.log
@@ -88,6 +89,9 @@ $T sandbox exec "$SBX" -- echo hello-through-the-api; echo "exec1 rc=$?"
 $T sandbox exec "$SBX" -- python3 -c 'import os, socket; print("py", 6 * 7, os.cpu_count(), socket.gethostname())'
 echo "exec2 rc=$?"
 $T sandbox exec "$SBX" -- sh -c 'echo to-stderr >&2; exit 5'; echo "exec3 rc=$?"
+$T sandbox exec "$SBX" --stream -- sh -c 'echo s1; sleep 3; echo s2' |
+  while read -r l; do echo "streamed $l at=$(cut -d' ' -f1 /proc/uptime)"; done
+$T sandbox exec "$SBX" --stream -- sh -c 'echo stream-err >&2; exit 4'; echo "stream rc=$?"
 printf 'file-through-the-api\n' >/tmp/note.txt
 $T sandbox files put "$SBX" /root/api/note.txt --from /tmp/note.txt; echo "put rc=$?"
 echo "get: $($T sandbox files get "$SBX" /root/api/note.txt)"
@@ -193,6 +197,17 @@ fn linux_sandbox_through_the_api_exec_files_hibernate_wake() {
     assert!(
         o.contains("to-stderr\nexec3 rc=5"),
         "exit status not passed through:\n{o}"
+    );
+    // The stream delivered s1 while the command still ran (3 s before s2).
+    let at = |tag: &str| -> f64 {
+        field(o, &format!("streamed {tag}"), "at")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no streamed {tag}:\n{o}"))
+    };
+    assert!(at("s2") - at("s1") >= 2.0, "output was not streamed:\n{o}");
+    assert!(
+        o.contains("stream-err\nstream rc=4"),
+        "stream exit status:\n{o}"
     );
     assert!(o.contains("put rc=0"), "{o}");
     assert!(

@@ -16,11 +16,16 @@ use crate::cli::ClientArgs;
 const DEFAULT_API: &str = "http://127.0.0.1:7700";
 /// Longest wait for a TCP connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// Longest wait for an answer: past the server's own 120 s request limit.
-const IO_TIMEOUT: Duration = Duration::from_secs(150);
+/// Longest wait for an answer (or, streaming, for the next chunk): the
+/// server ends requests at its own limit (`serve --request-timeout-ms`,
+/// 120 s by default), so this is only a backstop against a hung server.
+const IO_TIMEOUT: Duration = Duration::from_secs(900);
 /// Largest response head and body we accept.
 const MAX_HEAD: usize = 64 << 10;
 const MAX_BODY: u64 = 64 << 20;
+
+/// Where a streamed response body goes, chunk by chunk.
+type ChunkSink<'a> = &'a mut dyn FnMut(&[u8]);
 
 /// Why a request failed.
 #[derive(Debug)]
@@ -203,7 +208,7 @@ impl Client {
         method: &str,
         path: &str,
         body: Option<(&str, &[u8])>,
-        on_chunk: Option<&mut dyn FnMut(&[u8])>,
+        on_chunk: Option<ChunkSink<'_>>,
     ) -> Result<(u16, Vec<u8>), Error> {
         let mut stream = self.connect()?;
         let io = |e: std::io::Error| {
@@ -372,7 +377,7 @@ fn parse_url(url: &str) -> Result<(String, String), String> {
 fn read_response(
     r: &mut impl BufRead,
     method: &str,
-    mut on_chunk: Option<&mut dyn FnMut(&[u8])>,
+    mut on_chunk: Option<ChunkSink<'_>>,
 ) -> std::io::Result<(u16, Vec<u8>)> {
     let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
     loop {
@@ -436,7 +441,7 @@ fn read_response(
 fn read_chunked(
     r: &mut impl BufRead,
     body: &mut Vec<u8>,
-    mut sink: Option<&mut dyn FnMut(&[u8])>,
+    mut sink: Option<ChunkSink<'_>>,
 ) -> std::io::Result<()> {
     let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string());
     let mut line = String::new();

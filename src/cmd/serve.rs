@@ -98,6 +98,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     let listen: SocketAddr = args.listen;
     let api = torpor_api::ApiConfig {
         tokens,
+        request_timeout: std::time::Duration::from_millis(args.request_timeout_ms.max(1)),
         ..Default::default()
     };
     let result = runtime.block_on(async move {
