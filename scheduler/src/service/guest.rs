@@ -152,9 +152,10 @@ impl AgentLink {
             .map_err(|e| self.unreachable(format!("{}: {e}", self.uds.display())))?;
         let mut client =
             AgentClient::connect(stream, CLIENT_NAME).map_err(|e| self.client_error(e))?;
-        client
-            .stream_mut()
+        let stream = client.stream_mut();
+        stream
             .set_read_timeout(io_limit)
+            .and_then(|()| stream.set_write_timeout(Some(FILE_LIMIT)))
             .map_err(|e| self.unreachable(e))?;
         Ok(client)
     }
