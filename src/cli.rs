@@ -231,6 +231,10 @@ pub struct ServeArgs {
     /// Default keep-alive of a sandbox before it is hibernated when idle.
     #[arg(long, default_value_t = 300_000)]
     pub keep_alive_ms: u64,
+    /// Longest a request may take (template builds boot a guest; under
+    /// emulation that can take minutes); past it the answer is 504.
+    #[arg(long, default_value_t = 120_000, value_name = "N")]
+    pub request_timeout_ms: u64,
 }
 
 /// How the `sandbox`, `template` and `pod` commands reach the API. Errors
@@ -270,8 +274,13 @@ pub enum SandboxAction {
     List(SandboxListArgs),
     /// Show one sandbox.
     Get(SandboxId),
-    /// Run a command in a sandbox (not served yet: the API answers 501).
+    /// Run a command in a sandbox (Linux templates) and exit with its
+    /// status (128+N when killed by signal N, 124 when it timed out).
+    /// Wakes a hibernated sandbox.
     Exec(ExecArgs),
+    /// Read, write or list files in a sandbox (Linux templates).
+    #[command(subcommand)]
+    Files(FilesAction),
     /// Pause a running sandbox's vCPUs (its VMM stays).
     Pause(SandboxId),
     /// Resume a paused sandbox, or wake a hibernated one (says which, and
@@ -390,9 +399,73 @@ pub struct ExecArgs {
     /// The sandbox id (sbx_...).
     #[arg(value_name = "ID")]
     pub id: String,
+    /// Kill the command after this many ms (0: no limit; the API still
+    /// ends the request after its own limit, 120 s by default).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub timeout_ms: u64,
+    /// Working directory in the guest.
+    #[arg(long, value_name = "DIR")]
+    pub cwd: Option<String>,
+    /// Environment variable for the command (repeatable).
+    #[arg(long = "env", value_name = "K=V", value_parser = key_value)]
+    pub env: Vec<(String, String)>,
+    /// Send this command's stdin to the command's stdin.
+    #[arg(long)]
+    pub stdin: bool,
+    /// Print output as the command writes it (the API's NDJSON stream)
+    /// instead of when it ends.
+    #[arg(long)]
+    pub stream: bool,
     /// The program and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "ARGV")]
     pub argv: Vec<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum FilesAction {
+    /// Print a file of the guest (or write it to --out).
+    Get(FileGetArgs),
+    /// Write a file of the guest from --from (default: stdin); parent
+    /// directories are created.
+    Put(FilePutArgs),
+    /// List a directory of the guest: KIND, MODE, SIZE, NAME.
+    Ls(FileLsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct FileGetArgs {
+    #[arg(value_name = "ID")]
+    pub id: String,
+    /// Absolute path in the guest.
+    #[arg(value_name = "PATH")]
+    pub path: String,
+    /// Write it here instead of stdout.
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct FilePutArgs {
+    #[arg(value_name = "ID")]
+    pub id: String,
+    /// Absolute path in the guest.
+    #[arg(value_name = "PATH")]
+    pub path: String,
+    /// The local file to send [default: stdin].
+    #[arg(long, value_name = "FILE")]
+    pub from: Option<PathBuf>,
+    /// Permission bits, octal (e.g. 755).
+    #[arg(long, value_name = "OCTAL")]
+    pub mode: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct FileLsArgs {
+    #[arg(value_name = "ID")]
+    pub id: String,
+    /// Absolute path of a directory in the guest.
+    #[arg(value_name = "PATH")]
+    pub path: String,
 }
 
 /// `K=V` into its two halves.
@@ -436,7 +509,8 @@ pub struct TemplateId {
 pub enum TemplateKindArg {
     /// The freestanding probe guest (runs natively, even on PVM hosts).
     Probe,
-    /// A Linux kernel and rootfs with torpor-agent (not served yet).
+    /// A Linux kernel and rootfs with torpor-agent (needs VMX/SVM: on a
+    /// PVM host, run the service in the nested host).
     Linux,
 }
 
@@ -454,6 +528,16 @@ pub struct TemplateCreateArgs {
     /// Number of vCPUs [default: the service's, 1].
     #[arg(long, value_name = "N")]
     pub vcpus: Option<u32>,
+    /// Linux: the kernel image (a path on the server).
+    #[arg(long, value_name = "PATH")]
+    pub kernel: Option<PathBuf>,
+    /// Linux: the root filesystem image with torpor-agent (a path on the
+    /// server; never written: the guest writes to its own overlay).
+    #[arg(long, value_name = "PATH")]
+    pub rootfs: Option<PathBuf>,
+    /// The kernel command line [default: the service's for the kind].
+    #[arg(long, value_name = "ARGS")]
+    pub cmdline: Option<String>,
 }
 
 #[derive(Debug, Args)]

@@ -212,7 +212,11 @@ fn sandboxes_templates_and_pods_through_the_api() {
 
     let exec = c.fails(&["sandbox", "exec", id, "--", "echo", "hi"]);
     assert!(exec.starts_with("torpor: error: "), "{exec}");
-    assert!(exec.contains("(HTTP 501 not_implemented)"), "{exec}");
+    assert!(exec.contains("(HTTP 422 no_agent)"), "{exec}");
+    let stream = c.fails(&["sandbox", "exec", id, "--stream", "--", "echo", "hi"]);
+    assert!(stream.contains("(HTTP 422 no_agent)"), "{stream}");
+    let get = c.fails(&["sandbox", "files", "get", id, "/etc/hostname"]);
+    assert!(get.contains("(HTTP 422 no_agent)"), "{get}");
 
     let missing = c.fails(&["sandbox", "resume", "sbx_doesnotexist"]);
     assert!(missing.contains("(HTTP 404 not_found)"), "{missing}");

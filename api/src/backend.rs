@@ -8,8 +8,9 @@
 use torpor_scheduler::model::{Checkpoint, PodId, Sandbox, SandboxId, Template, TemplateId};
 
 use crate::service::{
-    CreateCheckpoint, CreateSandbox, CreateTemplate, ForkSandbox, Outcome, PodView,
-    RestoreCheckpoint, SandboxFilter, Service, ServiceError,
+    CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
+    ExitReply, ForkSandbox, GuestCall, Outcome, OutputKind, PodView, RestoreCheckpoint,
+    SandboxFilter, Service, ServiceError,
 };
 
 fn no_checkpoints() -> ServiceError {
@@ -76,6 +77,26 @@ pub trait SandboxApi: Send + Sync + 'static {
     fn fork_sandbox(&self, _id: &SandboxId, _req: ForkSandbox) -> Result<Sandbox, ServiceError> {
         Err(no_checkpoints())
     }
+    // Guest access (exec and files), each waking a hibernated sandbox first.
+    fn exec(&self, id: &SandboxId, req: ExecRequest)
+        -> Result<GuestCall<ExecOutput>, ServiceError>;
+    /// `on_start` runs once the sandbox runs, before any output.
+    fn exec_streaming(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+        on_start: &mut dyn FnMut(&Outcome),
+        on_output: &mut dyn FnMut(OutputKind, &[u8]),
+    ) -> Result<GuestCall<ExitReply>, ServiceError>;
+    fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError>;
+    fn write_file(
+        &self,
+        id: &SandboxId,
+        path: &str,
+        data: &[u8],
+        mode: Option<u32>,
+    ) -> Result<GuestCall<u64>, ServiceError>;
+    fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError>;
 }
 
 impl SandboxApi for Service {
@@ -156,5 +177,36 @@ impl SandboxApi for Service {
     }
     fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
         Service::fork_sandbox(self, id, req)
+    }
+    fn exec(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+    ) -> Result<GuestCall<ExecOutput>, ServiceError> {
+        Service::exec(self, id, req)
+    }
+    fn exec_streaming(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+        on_start: &mut dyn FnMut(&Outcome),
+        on_output: &mut dyn FnMut(OutputKind, &[u8]),
+    ) -> Result<GuestCall<ExitReply>, ServiceError> {
+        Service::exec_streaming(self, id, req, on_start, on_output)
+    }
+    fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
+        Service::read_file(self, id, path)
+    }
+    fn write_file(
+        &self,
+        id: &SandboxId,
+        path: &str,
+        data: &[u8],
+        mode: Option<u32>,
+    ) -> Result<GuestCall<u64>, ServiceError> {
+        Service::write_file(self, id, path, data, mode)
+    }
+    fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError> {
+        Service::list_dir(self, id, path)
     }
 }

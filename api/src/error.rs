@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use torpor_scheduler::model::SandboxState;
 
-use crate::service::ServiceError;
+use crate::service::{GuestError, ServiceError};
 
 /// Error codes: the `code` field of every error body.
 pub mod code {
@@ -31,6 +31,9 @@ pub mod code {
     pub const INTERNAL: &str = "internal";
     pub const NOT_IMPLEMENTED: &str = "not_implemented";
     pub const TIMEOUT: &str = "timeout";
+    pub const FORBIDDEN: &str = "forbidden";
+    pub const NO_AGENT: &str = "no_agent";
+    pub const AGENT_ERROR: &str = "agent_error";
 
     /// Every code (the OpenAPI document lists the same).
     pub const ALL: &[&str] = &[
@@ -46,6 +49,9 @@ pub mod code {
         INTERNAL,
         NOT_IMPLEMENTED,
         TIMEOUT,
+        FORBIDDEN,
+        NO_AGENT,
+        AGENT_ERROR,
     ];
 }
 
@@ -119,6 +125,7 @@ impl ApiError {
 pub fn code_for_status(status: StatusCode) -> &'static str {
     match status {
         StatusCode::UNAUTHORIZED => code::UNAUTHORIZED,
+        StatusCode::FORBIDDEN => code::FORBIDDEN,
         StatusCode::NOT_FOUND => code::NOT_FOUND,
         StatusCode::METHOD_NOT_ALLOWED => code::METHOD_NOT_ALLOWED,
         StatusCode::CONFLICT => code::CONFLICT,
@@ -173,8 +180,32 @@ impl From<ServiceError> for ApiError {
                 tracing::error!(error = %message, "internal error");
                 ApiError::internal(message)
             }
+            ServiceError::Guest(g) => guest_error(&g, message),
         }
     }
+}
+
+/// Guest (exec and files) errors: the agent's errno picks the status.
+fn guest_error(err: &GuestError, message: String) -> ApiError {
+    let (status, code) = match err {
+        GuestError::NoAgent { .. } => (StatusCode::UNPROCESSABLE_ENTITY, code::NO_AGENT),
+        GuestError::TooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, code::PAYLOAD_TOO_LARGE),
+        GuestError::Agent { error, .. } => match error.code.as_str() {
+            "ENOENT" => (StatusCode::NOT_FOUND, code::NOT_FOUND),
+            "EACCES" | "EPERM" | "EROFS" => (StatusCode::FORBIDDEN, code::FORBIDDEN),
+            "EEXIST" | "ENOTEMPTY" | "EBUSY" | "ETXTBSY" => (StatusCode::CONFLICT, code::CONFLICT),
+            "EINVAL" | "EISDIR" | "ENOTDIR" | "ENAMETOOLONG" | "ELOOP" | "E2BIG" | "ENOEXEC" => {
+                (StatusCode::BAD_REQUEST, code::INVALID_REQUEST)
+            }
+            "EFBIG" => (StatusCode::PAYLOAD_TOO_LARGE, code::PAYLOAD_TOO_LARGE),
+            _ => (StatusCode::BAD_GATEWAY, code::AGENT_ERROR),
+        },
+        GuestError::Unreachable { .. } | GuestError::ResumeHook { .. } => {
+            tracing::warn!(error = %message, "guest agent");
+            (StatusCode::BAD_GATEWAY, code::AGENT_ERROR)
+        }
+    };
+    ApiError::new(status, code, message)
 }
 
 impl IntoResponse for ApiError {
@@ -254,6 +285,17 @@ pub async fn no_route(request: Request) -> ApiError {
 mod tests {
     use super::*;
 
+    fn agent(code: &str) -> ServiceError {
+        ServiceError::Guest(GuestError::Agent {
+            id: "sbx_1".into(),
+            error: torpor_scheduler::service::guest::ErrorReply {
+                code: code.into(),
+                errno: None,
+                message: "x".into(),
+            },
+        })
+    }
+
     #[test]
     fn service_errors_map_to_statuses_and_codes() {
         let cases = [
@@ -293,6 +335,27 @@ mod tests {
                 "unsupported",
             ),
             (ServiceError::Internal("disk".into()), 500, "internal"),
+            (
+                ServiceError::Guest(GuestError::NoAgent {
+                    id: "sbx_1".into(),
+                    kind: torpor_scheduler::model::TemplateKind::Probe,
+                }),
+                422,
+                "no_agent",
+            ),
+            (agent("ENOENT"), 404, "not_found"),
+            (agent("EACCES"), 403, "forbidden"),
+            (agent("EISDIR"), 400, "invalid_request"),
+            (agent("EEXIST"), 409, "conflict"),
+            (agent("EIO"), 502, "agent_error"),
+            (
+                ServiceError::Guest(GuestError::Unreachable {
+                    id: "sbx_1".into(),
+                    reason: "gone".into(),
+                }),
+                502,
+                "agent_error",
+            ),
         ];
         for (err, status, code) in cases {
             let api = ApiError::from(err);

@@ -11,7 +11,7 @@ use axum::Json;
 use torpor_scheduler::model::{PodId, SandboxId, SandboxState, TemplateId, TemplateState};
 
 use crate::backend::SandboxApi;
-use crate::error::{code, ApiError};
+use crate::error::ApiError;
 use crate::service::ServiceError;
 use crate::service::{CreateSandbox, CreateTemplate};
 use crate::wire::{
@@ -217,16 +217,6 @@ pub async fn hibernate_sandbox<S: SandboxApi>(
 ) -> ApiResult<Json<OutcomeBody>> {
     let id = SandboxId::new(id);
     Ok(Json(call(&st, move |s| s.hibernate(&id)).await?.into()))
-}
-
-/// Exec and files: routed and authenticated, not wired to the guest agent yet.
-pub async fn not_wired() -> ApiError {
-    ApiError::new(
-        StatusCode::NOT_IMPLEMENTED,
-        code::NOT_IMPLEMENTED,
-        "exec and file access need the Linux guest agent path, which is not wired \
-         into the service yet",
-    )
 }
 
 // Pods.

@@ -14,18 +14,20 @@
 //!
 //! | cause                                      | status | code                     |
 //! |--------------------------------------------|--------|--------------------------|
-//! | bad JSON (syntax, types, unknown fields), bad query, `Invalid` | 400 | `invalid_request` |
+//! | bad JSON (syntax, types, unknown fields), bad query, `Invalid`, bad exec body (empty argv, bad base64), relative file path, agent `EINVAL`/`EISDIR`/`ENOTDIR`/`ENAMETOOLONG`/`ELOOP` | 400 | `invalid_request` |
 //! | missing or wrong bearer token              | 401    | `unauthorized`           |
-//! | `NotFound`, unknown route                  | 404    | `not_found`              |
+//! | agent `EACCES`/`EPERM`/`EROFS`             | 403    | `forbidden`              |
+//! | `NotFound`, unknown route, agent `ENOENT`  | 404    | `not_found`              |
 //! | wrong method on a known route              | 405    | `method_not_allowed`     |
-//! | `Conflict` (illegal transition; `state`)   | 409    | `conflict`               |
+//! | `Conflict` (illegal transition; `state`), agent `EEXIST`/`ENOTEMPTY`/`EBUSY`/`ETXTBSY` | 409 | `conflict` |
 //! | `ResourceConflict` (template in use, name taken) | 409 | `conflict`         |
-//! | body over `max_body_bytes`                 | 413    | `payload_too_large`      |
+//! | body over `max_body_bytes`, file over the read limit, agent `EFBIG` | 413 | `payload_too_large` |
 //! | JSON body without `application/json`       | 415    | `unsupported_media_type` |
+//! | exec or files on a sandbox without an agent (probe) | 422 | `no_agent`        |
 //! | `Admission` (pod past its ratio)           | 429    | `admission_refused`      |
 //! | `Internal`, a panicking service call       | 500    | `internal`               |
-//! | exec and files (guest agent not wired yet) | 501    | `not_implemented`        |
-//! | `Unsupported` (e.g. a Linux template here) | 501    | `unsupported`            |
+//! | `Unsupported` (e.g. a Linux template on a PVM host) | 501 | `unsupported`     |
+//! | agent unreachable (guest gone), other agent errors, failed post-restore hook | 502 | `agent_error` |
 //! | request past `request_timeout`             | 504    | `timeout`                |
 
 use std::future::Future;
@@ -44,6 +46,7 @@ pub mod auth;
 pub mod backend;
 mod checkpoint_routes;
 pub mod error;
+pub mod guest_routes;
 mod handlers;
 pub mod openapi;
 pub mod service;
@@ -150,8 +153,14 @@ pub const ROUTES: &[Route] = &[
     route("POST", "/v1/sandboxes/{id}/restore", "restoreSandbox"),
     route("POST", "/v1/sandboxes/{id}/fork", "forkSandbox"),
     route("POST", "/v1/sandboxes/{id}/exec", "execSandbox"),
+    route(
+        "POST",
+        "/v1/sandboxes/{id}/exec/stream",
+        "execSandboxStream",
+    ),
     route("GET", "/v1/sandboxes/{id}/files", "readFile"),
     route("PUT", "/v1/sandboxes/{id}/files", "writeFile"),
+    route("GET", "/v1/sandboxes/{id}/files/list", "listFiles"),
     route("GET", "/v1/pods", "listPods"),
     route("PATCH", "/v1/pods/{id}", "updatePod"),
 ];
@@ -180,7 +189,11 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "deleteCheckpoint" => on(m, checkpoint_routes::delete::<S>),
         "restoreSandbox" => on(m, checkpoint_routes::restore::<S>),
         "forkSandbox" => on(m, checkpoint_routes::fork::<S>),
-        "execSandbox" | "readFile" | "writeFile" => on(m, not_wired),
+        "execSandbox" => on(m, guest_routes::exec::<S>),
+        "execSandboxStream" => on(m, guest_routes::exec_stream::<S>),
+        "readFile" => on(m, guest_routes::read_file::<S>),
+        "writeFile" => on(m, guest_routes::write_file::<S>),
+        "listFiles" => on(m, guest_routes::list_files::<S>),
         "listPods" => on(m, list_pods::<S>),
         "updatePod" => on(m, update_pod::<S>),
         other => panic!("route table names unknown operation {other:?}"),

@@ -2,8 +2,11 @@
 //! the store's list filter), re-exported so that implementers of
 //! [`crate::SandboxApi`] need only this crate.
 
+pub use torpor_scheduler::service::guest::{
+    DirListing, ExecOutput, ExecRequest, ExitReply, FileKind, FileStat, OutputKind,
+};
 pub use torpor_scheduler::service::{
-    CreateCheckpoint, CreateSandbox, CreateTemplate, ForkSandbox, Outcome, PodView,
-    RestoreCheckpoint, Service, ServiceError,
+    CreateCheckpoint, CreateSandbox, CreateTemplate, ForkSandbox, GuestCall, GuestError, Outcome,
+    PodView, RestoreCheckpoint, Service, ServiceError,
 };
 pub use torpor_scheduler::store::SandboxFilter;

@@ -299,33 +299,6 @@ async fn no_configured_token_locks_every_authenticated_route() {
 }
 
 #[tokio::test]
-async fn exec_and_files_answer_501_until_wired() {
-    let server = Server::start().await;
-    for (method, path, body) in [
-        (
-            "POST",
-            "/v1/sandboxes/sbx_1/exec",
-            Some(json!({"cmd": ["true"]})),
-        ),
-        ("GET", "/v1/sandboxes/sbx_1/files?path=/etc/hostname", None),
-        (
-            "PUT",
-            "/v1/sandboxes/sbx_1/files?path=/tmp/x",
-            Some(json!("data")),
-        ),
-    ] {
-        let r = server.call(method, path, body).await;
-        let e = r.assert_error(501, "not_implemented");
-        assert!(
-            e["message"].as_str().unwrap().contains("guest agent"),
-            "{e}"
-        );
-        let r = server.request(method, path, &[], None).await;
-        r.assert_error(401, "unauthorized");
-    }
-}
-
-#[tokio::test]
 async fn serve_stops_on_shutdown() {
     let server = Server::start().await;
     let r = server.request("GET", "/healthz", &[], None).await;

@@ -16,11 +16,16 @@ use crate::cli::ClientArgs;
 const DEFAULT_API: &str = "http://127.0.0.1:7700";
 /// Longest wait for a TCP connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// Longest wait for an answer: past the server's own 120 s request limit.
-const IO_TIMEOUT: Duration = Duration::from_secs(150);
+/// Longest wait for an answer (or, streaming, for the next chunk): the
+/// server ends requests at its own limit (`serve --request-timeout-ms`,
+/// 120 s by default), so this is only a backstop against a hung server.
+const IO_TIMEOUT: Duration = Duration::from_secs(900);
 /// Largest response head and body we accept.
 const MAX_HEAD: usize = 64 << 10;
 const MAX_BODY: u64 = 64 << 20;
+
+/// Where a streamed response body goes, chunk by chunk.
+type ChunkSink<'a> = &'a mut dyn FnMut(&[u8]);
 
 /// Why a request failed.
 #[derive(Debug)]
@@ -128,6 +133,48 @@ impl Client {
         Ok(None)
     }
 
+    /// Sends one request with a raw body (`content_type`, bytes); 2xx
+    /// answers give their raw body, others an [`Error::Api`].
+    pub fn raw(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<(&str, &[u8])>,
+    ) -> Result<Vec<u8>, Error> {
+        let (status, bytes) = self.send_bytes(method, path, body, None)?;
+        if (200..300).contains(&status) {
+            return Ok(bytes);
+        }
+        Err(api_error(
+            method,
+            path,
+            status,
+            &String::from_utf8_lossy(&bytes),
+        ))
+    }
+
+    /// Sends a JSON request whose 2xx answer is streamed: each chunk of
+    /// the body goes to `on_chunk` as it arrives.
+    pub fn stream(
+        &self,
+        path: &str,
+        body: &Value,
+        on_chunk: &mut dyn FnMut(&[u8]),
+    ) -> Result<(), Error> {
+        let text = body.to_string();
+        let body = Some(("application/json", text.as_bytes()));
+        let (status, bytes) = self.send_bytes("POST", path, body, Some(on_chunk))?;
+        if (200..300).contains(&status) {
+            return Ok(());
+        }
+        Err(api_error(
+            "POST",
+            path,
+            status,
+            &String::from_utf8_lossy(&bytes),
+        ))
+    }
+
     fn exchange(
         &self,
         method: &str,
@@ -147,25 +194,22 @@ impl Client {
                 ))),
             };
         }
-        let parsed: Option<Value> = serde_json::from_str(&text).ok();
-        let field = |k: &str| {
-            parsed
-                .as_ref()
-                .and_then(|v| v["error"][k].as_str())
-                .map(str::to_string)
-        };
-        let message = field("message")
-            .or_else(|| Some(text.trim().chars().take(400).collect()))
-            .filter(|m: &String| !m.is_empty())
-            .unwrap_or_else(|| format!("{method} {path} failed"));
-        Err(Error::Api {
-            status,
-            code: field("code").unwrap_or_default(),
-            message,
-        })
+        Err(api_error(method, path, status, &text))
     }
 
     fn send(&self, method: &str, path: &str, body: Option<&str>) -> Result<(u16, String), Error> {
+        let body = body.map(|b| ("application/json", b.as_bytes()));
+        let (status, bytes) = self.send_bytes(method, path, body, None)?;
+        Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
+    }
+
+    fn send_bytes(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<(&str, &[u8])>,
+        on_chunk: Option<ChunkSink<'_>>,
+    ) -> Result<(u16, Vec<u8>), Error> {
         let mut stream = self.connect()?;
         let io = |e: std::io::Error| {
             if matches!(
@@ -191,20 +235,20 @@ impl Client {
         if let Some(t) = &self.token {
             head.push_str(&format!("Authorization: Bearer {t}\r\n"));
         }
-        if let Some(b) = body {
+        if let Some((content_type, b)) = body {
             head.push_str(&format!(
-                "Content-Type: application/json\r\nContent-Length: {}\r\n",
+                "Content-Type: {content_type}\r\nContent-Length: {}\r\n",
                 b.len()
             ));
         } else if matches!(method, "POST" | "PUT" | "PATCH") {
             head.push_str("Content-Length: 0\r\n");
         }
         head.push_str("\r\n");
-        head.push_str(body.unwrap_or(""));
-        stream.write_all(head.as_bytes()).map_err(io)?;
+        let mut request = head.into_bytes();
+        request.extend_from_slice(body.map_or(&[][..], |(_, b)| b));
+        stream.write_all(&request).map_err(io)?;
         stream.flush().map_err(io)?;
-        let (status, bytes) = read_response(&mut BufReader::new(stream), method).map_err(io)?;
-        Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
+        read_response(&mut BufReader::new(stream), method, on_chunk).map_err(io)
     }
 
     fn connect(&self) -> Result<TcpStream, Error> {
@@ -273,6 +317,27 @@ impl Client {
     }
 }
 
+/// An error answer as [`Error::Api`]: the error body's code and message,
+/// else the start of the text.
+fn api_error(method: &str, path: &str, status: u16, text: &str) -> Error {
+    let parsed: Option<Value> = serde_json::from_str(text).ok();
+    let field = |k: &str| {
+        parsed
+            .as_ref()
+            .and_then(|v| v["error"][k].as_str())
+            .map(str::to_string)
+    };
+    let message = field("message")
+        .or_else(|| Some(text.trim().chars().take(400).collect()))
+        .filter(|m: &String| !m.is_empty())
+        .unwrap_or_else(|| format!("{method} {path} failed"));
+    Error::Api {
+        status,
+        code: field("code").unwrap_or_default(),
+        message,
+    }
+}
+
 /// `http://host[:port][/prefix]` (the scheme may be left out) to the
 /// `host:port` to connect to and the path prefix to put before `/v1/...`.
 fn parse_url(url: &str) -> Result<(String, String), String> {
@@ -307,8 +372,13 @@ fn parse_url(url: &str) -> Result<(String, String), String> {
     Ok((authority, path.to_string()))
 }
 
-/// Reads one response (skipping 1xx): status and body.
-fn read_response(r: &mut impl BufRead, method: &str) -> std::io::Result<(u16, Vec<u8>)> {
+/// Reads one response (skipping 1xx): status and body. With `on_chunk`, a
+/// 2xx chunked body goes to it chunk by chunk as it arrives instead.
+fn read_response(
+    r: &mut impl BufRead,
+    method: &str,
+    mut on_chunk: Option<ChunkSink<'_>>,
+) -> std::io::Result<(u16, Vec<u8>)> {
     let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
     loop {
         let mut head_len = 0;
@@ -351,7 +421,8 @@ fn read_response(r: &mut impl BufRead, method: &str) -> std::io::Result<(u16, Ve
         let mut body = Vec::new();
         if method == "HEAD" || status == 204 || status == 304 {
         } else if chunked {
-            read_chunked(r, &mut body)?;
+            let sink = on_chunk.take().filter(|_| (200..300).contains(&status));
+            read_chunked(r, &mut body, sink)?;
         } else if let Some(n) = length {
             if n > MAX_BODY {
                 return Err(bad(format!("response body of {n} bytes is too large")));
@@ -367,7 +438,11 @@ fn read_response(r: &mut impl BufRead, method: &str) -> std::io::Result<(u16, Ve
     }
 }
 
-fn read_chunked(r: &mut impl BufRead, body: &mut Vec<u8>) -> std::io::Result<()> {
+fn read_chunked(
+    r: &mut impl BufRead,
+    body: &mut Vec<u8>,
+    mut sink: Option<ChunkSink<'_>>,
+) -> std::io::Result<()> {
     let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string());
     let mut line = String::new();
     loop {
@@ -391,6 +466,10 @@ fn read_chunked(r: &mut impl BufRead, body: &mut Vec<u8>) -> std::io::Result<()>
         r.take(n).read_to_end(body)?;
         if (body.len() - before) as u64 != n {
             return Err(bad("the connection closed inside a chunk"));
+        }
+        if let Some(sink) = sink.as_mut() {
+            sink(&body[before..]);
+            body.truncate(before);
         }
         line.clear();
         r.take(2).read_line(&mut line)?;

@@ -6,6 +6,7 @@ mod doctor;
 mod guest;
 mod pod;
 mod sandbox;
+mod sandbox_guest;
 mod serve;
 mod template;
 mod vmm;

@@ -1,10 +1,10 @@
-//! `torpor sandbox create|list|get|exec|pause|resume|hibernate|rm` (and the
-//! checkpoint commands, in `checkpoint.rs`): the sandbox routes of the REST
-//! API, as tables or `--json`.
+//! `torpor sandbox create|list|get|pause|resume|hibernate|rm`: the
+//! sandbox routes of the REST API, as tables or `--json` (`exec` and
+//! `files`: `sandbox_guest.rs`; the checkpoint commands: `checkpoint.rs`).
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 
 use super::checkpoint;
 use super::client::{encode, Client, Error};
@@ -12,7 +12,10 @@ use super::template;
 use crate::cli::{SandboxAction, SandboxCommand, SandboxCreateArgs, SandboxListArgs};
 
 pub fn run(cmd: SandboxCommand) -> i32 {
-    Client::run(&cmd.client, |c| act(c, cmd.action))
+    match cmd.action {
+        SandboxAction::Exec(a) => super::sandbox_guest::exec(&cmd.client, a),
+        action => Client::run(&cmd.client, |c| act(c, action)),
+    }
 }
 
 fn act(c: &Client, action: SandboxAction) -> Result<(), Error> {
@@ -25,13 +28,9 @@ fn act(c: &Client, action: SandboxAction) -> Result<(), Error> {
             }
             Ok(())
         }
-        SandboxAction::Exec(a) => {
-            let body = json!({ "argv": a.argv });
-            if let Some(v) = c.show("POST", &path(&a.id, "/exec"), Some(&body))? {
-                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
-            }
-            Ok(())
-        }
+        SandboxAction::Files(a) => super::sandbox_guest::files(c, a),
+        // Exits with the command's status, so `run` takes it first.
+        SandboxAction::Exec(_) => unreachable!("exec is dispatched by run"),
         SandboxAction::Pause(a) => transition(c, &a.id, "pause"),
         SandboxAction::Resume(a) => transition(c, &a.id, "resume"),
         SandboxAction::Hibernate(a) => transition(c, &a.id, "hibernate"),
@@ -322,6 +321,7 @@ pub fn pairs(v: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn tables_align() {

@@ -75,13 +75,19 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     config.policy_interval_ms = args.policy_interval_ms;
     config.default_keep_alive_ms = args.keep_alive_ms;
     println!("torpor serve: data dir {}", data_dir.display());
-    let report = torpor_vmm::doctor::run();
-    println!("torpor serve: this host runs {}", report.summary);
-    if report.exit_code() != 0 {
-        println!(
-            "torpor serve: Linux templates need hardware virtualization (run them in the nested host, \
-             scripts/nested-host); probe templates run natively"
-        );
+    let host = torpor_scheduler::service::host_guests();
+    let kinds: Vec<&str> = host.kinds().iter().map(|k| k.as_str()).collect();
+    println!(
+        "torpor serve: the local pod runs template kinds: {} ({})",
+        if kinds.is_empty() {
+            "none".to_string()
+        } else {
+            kinds.join(", ")
+        },
+        host.summary
+    );
+    if let Some(why) = host.linux_refusal() {
+        println!("torpor serve: no Linux templates here: {why}");
     }
     let service: Arc<Service> = Service::open(config).map_err(|e| e.to_string())?;
     println!("torpor serve: built-in template `probe` is ready");
@@ -92,6 +98,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     let listen: SocketAddr = args.listen;
     let api = torpor_api::ApiConfig {
         tokens,
+        request_timeout: std::time::Duration::from_millis(args.request_timeout_ms.max(1)),
         ..Default::default()
     };
     let result = runtime.block_on(async move {

@@ -102,6 +102,14 @@ fn create(c: &Client, args: TemplateCreateArgs) -> Result<(), Error> {
     if let Some(n) = args.vcpus {
         body.insert("vcpus".into(), n.into());
     }
+    for (key, path) in [("kernel", &args.kernel), ("rootfs", &args.rootfs)] {
+        if let Some(p) = path {
+            body.insert(key.into(), p.to_string_lossy().into_owned().into());
+        }
+    }
+    if let Some(c) = args.cmdline {
+        body.insert("cmdline".into(), c.into());
+    }
     let Some(v) = c.show("POST", "/v1/templates", Some(&Value::Object(body)))? else {
         return Ok(());
     };

@@ -15,13 +15,15 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use torpor_api::service::{
-    CreateSandbox, CreateTemplate, Outcome, PodView, SandboxFilter, ServiceError,
+    CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest, ExitReply, FileKind,
+    FileStat, GuestCall, GuestError, Outcome, OutputKind, PodView, SandboxFilter, ServiceError,
 };
 use torpor_api::{ApiConfig, SandboxApi};
 use torpor_scheduler::model::{
     Pod, PodAddress, PodId, Sandbox, SandboxId, SandboxState, Template, TemplateId, TemplateKind,
     TemplateState, Timestamp,
 };
+use torpor_scheduler::service::guest::ErrorReply;
 
 pub const TOKEN: &str = "test-token-0123456789";
 pub const OTHER_TOKEN: &str = "second-token";
@@ -39,12 +41,16 @@ pub struct FakeState {
     pub last_filter: Option<SandboxFilter>,
     /// The last set_timeout call.
     pub last_timeout: Option<(SandboxId, Option<u64>, Option<u64>)>,
+    /// Files of the fake agent, by path.
+    pub files: BTreeMap<String, Vec<u8>>,
 }
 
 /// An in-memory service with the real state rules for the operations the
 /// API exposes, a pod whose admission follows its ratio, and two test
 /// hooks: a template named `panic` panics, and metadata `sleep_ms` makes
-/// create_sandbox sleep.
+/// create_sandbox sleep. Sandboxes have no agent (as probe sandboxes)
+/// unless their metadata says `agent=fake`: then exec runs `echo` (streamed
+/// one argument per chunk), and files live in memory.
 pub struct Fake {
     pub state: Mutex<FakeState>,
 }
@@ -81,6 +87,7 @@ impl Fake {
                 pod,
                 last_filter: None,
                 last_timeout: None,
+                files: BTreeMap::new(),
             }),
         }
     }
@@ -137,6 +144,53 @@ fn committed(st: &FakeState) -> u64 {
         .filter(|s| matches!(s.state, SandboxState::Running | SandboxState::Paused))
         .map(|s| u64::from(s.mem_mib))
         .sum()
+}
+
+fn agent_error(code: &str) -> ServiceError {
+    ServiceError::Guest(GuestError::Agent {
+        id: "fake".into(),
+        error: ErrorReply {
+            code: code.into(),
+            errno: None,
+            message: format!("fake agent: {code}"),
+        },
+    })
+}
+
+fn exit(code: i32) -> ExitReply {
+    ExitReply {
+        code: Some(code),
+        signal: None,
+        timed_out: false,
+        truncated: false,
+        duration_us: 1000,
+        stdout_bytes: 0,
+        stderr_bytes: 0,
+    }
+}
+
+impl Fake {
+    /// The fake agent's sandbox, woken if hibernated.
+    fn guest(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        let mut st = self.state.lock().unwrap();
+        let sandbox = Self::sandbox(&mut st, id)?;
+        if sandbox.metadata.get("agent").map(String::as_str) != Some("fake") {
+            return Err(ServiceError::Guest(GuestError::NoAgent {
+                id: id.to_string(),
+                kind: TemplateKind::Probe,
+            }));
+        }
+        let woke = sandbox.state == SandboxState::Hibernated;
+        sandbox.state = SandboxState::Running;
+        Ok(outcome(sandbox.clone(), woke))
+    }
+
+    fn echo(argv: &[String]) -> Result<Vec<String>, ServiceError> {
+        match argv.split_first() {
+            Some((p, rest)) if p == "echo" => Ok(rest.to_vec()),
+            _ => Err(agent_error("ENOENT")),
+        }
+    }
 }
 
 fn outcome(sandbox: Sandbox, resumed: bool) -> Outcome {
@@ -377,6 +431,94 @@ impl SandboxApi for Fake {
                 .filter(|s| s.state == SandboxState::Running)
                 .count()
         )
+    }
+
+    fn exec(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+    ) -> Result<GuestCall<ExecOutput>, ServiceError> {
+        let outcome = self.guest(id)?;
+        let words = Self::echo(&req.argv)?;
+        Ok(GuestCall {
+            outcome,
+            value: ExecOutput {
+                stdout: format!("{}\n", words.join(" ")).into_bytes(),
+                stderr: Vec::new(),
+                exit: exit(0),
+            },
+        })
+    }
+
+    fn exec_streaming(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+        on_start: &mut dyn FnMut(&Outcome),
+        on_output: &mut dyn FnMut(OutputKind, &[u8]),
+    ) -> Result<GuestCall<ExitReply>, ServiceError> {
+        let outcome = self.guest(id)?;
+        let words = Self::echo(&req.argv)?;
+        on_start(&outcome);
+        for w in &words {
+            on_output(OutputKind::Stdout, format!("{w}\n").as_bytes());
+        }
+        on_output(OutputKind::Stderr, b"done\n");
+        Ok(GuestCall {
+            outcome,
+            value: exit(3),
+        })
+    }
+
+    fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
+        let outcome = self.guest(id)?;
+        let data = self.state.lock().unwrap().files.get(path).cloned();
+        Ok(GuestCall {
+            outcome,
+            value: data.ok_or_else(|| agent_error("ENOENT"))?,
+        })
+    }
+
+    fn write_file(
+        &self,
+        id: &SandboxId,
+        path: &str,
+        data: &[u8],
+        _mode: Option<u32>,
+    ) -> Result<GuestCall<u64>, ServiceError> {
+        let outcome = self.guest(id)?;
+        let mut st = self.state.lock().unwrap();
+        st.files.insert(path.to_string(), data.to_vec());
+        Ok(GuestCall {
+            outcome,
+            value: data.len() as u64,
+        })
+    }
+
+    fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError> {
+        let outcome = self.guest(id)?;
+        let st = self.state.lock().unwrap();
+        let prefix = format!("{}/", path.trim_end_matches('/'));
+        let entries = (st.files.iter())
+            .filter_map(|(p, data)| {
+                let name = p.strip_prefix(&prefix)?;
+                Some(FileStat {
+                    name: name.to_string(),
+                    kind: FileKind::File,
+                    size: data.len() as u64,
+                    mode: 0o644,
+                    mtime_ns: 0,
+                    link_target: None,
+                })
+            })
+            .collect();
+        Ok(GuestCall {
+            outcome,
+            value: DirListing {
+                entries,
+                truncated: false,
+            },
+        })
     }
 }
 

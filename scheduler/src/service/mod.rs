@@ -8,7 +8,9 @@
 //! concurrently.
 
 mod checkpoint;
+pub mod guest;
 mod layers;
+mod linux;
 mod ops;
 mod policy;
 mod recovery;
@@ -30,6 +32,8 @@ pub use checkpoint::{
     validate_checkpoint_name, CreateCheckpoint, ForkSandbox, RestoreCheckpoint,
     MAX_CHECKPOINT_NAME, STALL_ENV,
 };
+pub use guest::{GuestCall, GuestError};
+pub use linux::{host_guests, HostGuests};
 pub use policy::Metrics;
 
 /// The local pod's id.
@@ -87,6 +91,9 @@ pub enum ServiceError {
     Unsupported(String),
     #[error("internal error: {0}")]
     Internal(String),
+    /// Exec and files: the guest agent could not do it (see [`GuestError`]).
+    #[error(transparent)]
+    Guest(#[from] GuestError),
 }
 
 impl From<StoreError> for ServiceError {

@@ -187,17 +187,16 @@ impl Service {
             .map_err(|e| ServiceError::Internal(format!("create {}: {e}", dir.display())))?;
         let files = VmmFiles::in_dir(&dir);
         let snap = snapshot.to_string_lossy();
-        let (child, handle) = vmm::spawn(
-            &self.config.vmm_exe,
-            &["--restore", &snap, "--memory-backend", "file"],
-            &files,
-        )?;
+        let guest_args = self.guest_restore_args(id)?;
+        let mut args = vec!["--restore", &snap, "--memory-backend", "file"];
+        args.extend(guest_args.iter().map(String::as_str));
+        let (child, handle) = vmm::spawn(&self.config.vmm_exe, &args, &files)?;
         self.store.set_sandbox_vmm(id, Some(&handle))?;
         self.children
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(id.clone(), child);
-        Ok(())
+        self.after_restore(id)
     }
 
     /// Stops the sandbox's VMM, if it has one.

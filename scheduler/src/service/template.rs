@@ -1,12 +1,13 @@
 //! Templates: boot once, wait until the guest is ready, snapshot it.
-//! Probe templates run here natively; Linux templates need the guest image
-//! and, on hosts without hardware virtualization, the nested host.
+//! Probe templates run here natively; Linux templates (see `linux.rs`) need
+//! hardware virtualization: on PVM hosts, the nested host.
 
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 use torpor_vmm::control::Request;
 
+use super::linux::LINUX_CMDLINE;
 use super::vmm::{self, VmmFiles};
 use super::{CreateTemplate, Service, ServiceError, PROBE_TEMPLATE};
 use crate::model::{Template, TemplateId, TemplateKind, TemplateState, Timestamp};
@@ -53,14 +54,7 @@ impl Service {
                 "template names are 1 to 64 characters".into(),
             ));
         }
-        if req.kind == TemplateKind::Linux {
-            return Err(ServiceError::Unsupported(
-                "Linux templates need the guest image and virtio devices wired into the VMM; \
-                 on hosts without hardware virtualization they run in the nested host. \
-                 Not available in this build yet; use kind \"probe\""
-                    .into(),
-            ));
-        }
+        let linux = self.linux_image(&req)?;
         if !(16..=65536).contains(&req.mem_mib) || !(1..=254).contains(&req.vcpus) {
             return Err(ServiceError::Invalid(
                 "mem_mib must be 16..65536 and vcpus 1..254".into(),
@@ -69,8 +63,11 @@ impl Service {
         let template = Template {
             id: TemplateId::generate(),
             name: req.name,
-            kernel: "builtin:probe".into(),
-            rootfs: None,
+            kernel: linux.as_ref().map_or_else(
+                || "builtin:probe".into(),
+                |l| l.kernel.to_string_lossy().into_owned(),
+            ),
+            rootfs: linux.map(|l| l.rootfs),
             snapshot_dir: None,
             mem_mib: req.mem_mib,
             vcpus: req.vcpus,
@@ -85,8 +82,16 @@ impl Service {
             &json!({ "template": template.id }),
             None,
         )?;
-        let cmdline = req.cmdline.unwrap_or_else(|| PROBE_CMDLINE.into());
-        match self.boot_and_snapshot(&template, &cmdline) {
+        let built = match template.kind {
+            TemplateKind::Probe => {
+                self.boot_and_snapshot(&template, req.cmdline.as_deref().unwrap_or(PROBE_CMDLINE))
+            }
+            TemplateKind::Linux => self.boot_linux_and_snapshot(
+                &template,
+                req.cmdline.as_deref().unwrap_or(LINUX_CMDLINE),
+            ),
+        };
+        match built {
             Ok(snapshot) => {
                 self.store
                     .set_template_snapshot(&template.id, Some(&snapshot))?;

@@ -1,0 +1,259 @@
+//! End to end through the REST API with a real Linux guest: inside the
+//! nested host (hardware virtualization), `torpor serve` builds a Linux
+//! template from the guest kernel and the Debian rootfs, creates a sandbox
+//! from it, runs commands and moves files through the API (the `torpor
+//! sandbox` CLI is the HTTP client), hibernates it, and checks that the next
+//! exec woke it transparently, with its disk and a wall clock the
+//! post-restore hook set.
+//!
+//! Needs the guest kernel, the agent and the rootfs like `nested_linux.rs`
+//! (`.ci/run` builds them); `TORPOR_SKIP_NESTED=1` leaves it out.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use torpor_nested::NestedHost;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// Runs a build script that prints the path of what it built (instant when
+/// cached).
+fn built(script: &str, args: &[&str]) -> PathBuf {
+    let out = Command::new(repo().join("scripts").join(script))
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run scripts/{script}: {e}"));
+    assert!(
+        out.status.success(),
+        "scripts/{script} failed; run it by hand to see why:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let path = PathBuf::from(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .last()
+            .unwrap_or("")
+            .trim(),
+    );
+    assert!(
+        path.is_file(),
+        "scripts/{script} printed no file: {}",
+        path.display()
+    );
+    path
+}
+
+fn torpor_binary() -> PathBuf {
+    if let Some(bin) = std::env::var_os("TORPOR_BIN") {
+        return PathBuf::from(bin);
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    exe.parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>/deps")
+        .join("torpor")
+}
+
+/// The value after `key=` on the line starting with `tag `.
+fn field<'a>(out: &'a str, tag: &str, key: &str) -> Option<&'a str> {
+    out.lines()
+        .find(|l| l.starts_with(&format!("{tag} ")))?
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{key}=")))
+}
+
+const SCRIPT: &str = r#"
+test -c /dev/kvm || { echo 'L1 has no /dev/kvm'; exit 97; }
+ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up
+T=/opt/torpor/torpor
+export TORPOR_API=http://127.0.0.1:7700 TORPOR_TOKEN=nested-token
+$T serve --data-dir /tmp/data --token nested-token --keep-alive-ms 3600000 \
+   --request-timeout-ms 600000 >/tmp/serve.log 2>&1 &
+SERVE=$!
+i=0; until $T template list >/dev/null 2>&1 || [ $i -ge 150 ]; do sleep 0.2; i=$((i+1)); done
+sed 's/^/serve-log /' /tmp/serve.log
+t0=$(cut -d' ' -f1 /proc/uptime)
+$T template create --name debian --kind linux --kernel /opt/torpor/vmlinux \
+   --rootfs /opt/torpor/rootfs.ext4 --mem-mib 512 --vcpus 2 >/tmp/tpl 2>&1
+echo "template rc=$? id=$(cat /tmp/tpl) uptime=$t0..$(cut -d' ' -f1 /proc/uptime)"
+$T template get debian | sed 's/^/template-info /'
+SBX=$($T sandbox create --template debian 2>/tmp/create.err)
+echo "sandbox rc=$? id=$SBX err=$(cat /tmp/create.err)"
+$T sandbox exec "$SBX" -- echo hello-through-the-api; echo "exec1 rc=$?"
+$T sandbox exec "$SBX" -- python3 -c 'import os, socket; print("py", 6 * 7, os.cpu_count(), socket.gethostname())'
+echo "exec2 rc=$?"
+$T sandbox exec "$SBX" -- sh -c 'echo to-stderr >&2; exit 5'; echo "exec3 rc=$?"
+$T sandbox exec "$SBX" --stream -- sh -c 'echo s1; sleep 3; echo s2' |
+  while read -r l; do echo "streamed $l at=$(cut -d' ' -f1 /proc/uptime)"; done
+$T sandbox exec "$SBX" --stream -- sh -c 'echo stream-err >&2; exit 4'; echo "stream rc=$?"
+printf 'file-through-the-api\n' >/tmp/note.txt
+$T sandbox files put "$SBX" /root/api/note.txt --from /tmp/note.txt; echo "put rc=$?"
+echo "get: $($T sandbox files get "$SBX" /root/api/note.txt)"
+$T sandbox files ls "$SBX" /root/api | sed 's/^/ls /'
+$T sandbox files get "$SBX" /root/api/missing; echo "missing rc=$?"
+$T sandbox hibernate "$SBX"
+$T sandbox get "$SBX" | grep '^state' | sed 's/^/after-hibernate /'
+sleep 20
+$T sandbox exec "$SBX" --json -- date +%s >/tmp/woke.json; echo "woke rc=$?"
+tr -d '\n ' </tmp/woke.json; echo
+echo "clock host=$(date +%s) guest=$(sed -n 's/.*"stdout": *"\([0-9]*\).*/\1/p' /tmp/woke.json)"
+echo "after-wake: $($T sandbox exec "$SBX" -- cat /root/api/note.txt)"
+$T sandbox exec "$SBX" -- cat /proc/sys/kernel/hostname | sed 's/^/hostname /'
+$T sandbox rm "$SBX"
+kill $SERVE; wait
+"#;
+
+#[test]
+fn linux_sandbox_through_the_api_exec_files_hibernate_wake() {
+    if std::env::var("TORPOR_SKIP_NESTED").as_deref() == Ok("1") {
+        eprintln!("nested_service: SKIPPED by request (TORPOR_SKIP_NESTED=1)");
+        return;
+    }
+    let torpor = torpor_binary();
+    assert!(
+        torpor.is_file(),
+        "the torpor binary is missing at {}",
+        torpor.display()
+    );
+    let kernel = built("build-guest-kernel", &[]);
+    let agent = built("build-agent", &[]);
+    let rootfs_dir =
+        std::env::temp_dir().join(format!("torpor-nested-service-{}", std::process::id()));
+    std::fs::create_dir_all(&rootfs_dir).unwrap();
+    let rootfs = rootfs_dir.join("rootfs.ext4");
+    let out = Command::new(repo().join("scripts/build-rootfs"))
+        .args([
+            "--agent",
+            agent.to_str().unwrap(),
+            "--out",
+            rootfs.to_str().unwrap(),
+        ])
+        .output()
+        .expect("run scripts/build-rootfs");
+    assert!(
+        out.status.success(),
+        "scripts/build-rootfs failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let host = NestedHost::builder()
+        .file(&torpor, "/opt/torpor/torpor")
+        .file(&kernel, "/opt/torpor/vmlinux")
+        .file(&rootfs, "/opt/torpor/rootfs.ext4")
+        .build()
+        .unwrap_or_else(|e| {
+            panic!("the nested hardware-virtualization host is not available: {e}")
+        });
+    let run = host
+        .run(SCRIPT, Duration::from_secs(1500))
+        .unwrap_or_else(|e| panic!("nested run failed: {e}"));
+    let _ = std::fs::remove_dir_all(&rootfs_dir);
+    eprintln!(
+        "nested_service: L1 boot {:.1}s, script {:.1}s, total {:.1}s",
+        run.boot.as_secs_f64(),
+        run.script.as_secs_f64(),
+        run.total.as_secs_f64()
+    );
+    let o = &run.stdout;
+    eprintln!("{o}");
+    assert_ne!(run.exit_code, 97, "{o}");
+
+    // The pod says it runs Linux templates here (hardware virtualization).
+    assert!(
+        o.contains("serve-log torpor serve: the local pod runs template kinds: probe, linux"),
+        "{o}"
+    );
+    assert_eq!(
+        field(o, "template", "rc"),
+        Some("0"),
+        "template create failed:\n{o}"
+    );
+    assert!(
+        o.contains("template-info state") && o.contains("ready"),
+        "{o}"
+    );
+    assert_eq!(
+        field(o, "sandbox", "rc"),
+        Some("0"),
+        "sandbox create failed:\n{o}"
+    );
+    let sbx = field(o, "sandbox", "id").unwrap();
+    assert!(sbx.starts_with("sbx_"), "{o}");
+
+    assert!(
+        o.contains("hello-through-the-api\nexec1 rc=0"),
+        "echo failed:\n{o}"
+    );
+    let hostname = sbx.replace('_', "-");
+    assert!(
+        o.contains(&format!("py 42 2 {hostname}\nexec2 rc=0")),
+        "python3 (2 vCPUs, hostname set by the resumed hook) failed:\n{o}"
+    );
+    assert!(
+        o.contains("to-stderr\nexec3 rc=5"),
+        "exit status not passed through:\n{o}"
+    );
+    // The stream delivered s1 while the command still ran (3 s before s2).
+    let at = |tag: &str| -> f64 {
+        field(o, &format!("streamed {tag}"), "at")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no streamed {tag}:\n{o}"))
+    };
+    assert!(at("s2") - at("s1") >= 2.0, "output was not streamed:\n{o}");
+    assert!(
+        o.contains("stream-err\nstream rc=4"),
+        "stream exit status:\n{o}"
+    );
+    assert!(o.contains("put rc=0"), "{o}");
+    assert!(
+        o.contains("get: file-through-the-api\n"),
+        "file round trip failed:\n{o}"
+    );
+    assert!(
+        o.lines()
+            .any(|l| l.starts_with("ls file") && l.ends_with("note.txt")),
+        "listing failed:\n{o}"
+    );
+    assert!(
+        o.contains("(HTTP 404 not_found)\nmissing rc=1"),
+        "missing file is not 404:\n{o}"
+    );
+    assert!(
+        o.contains("after-hibernate state") && o.contains("hibernated"),
+        "{o}"
+    );
+
+    // The exec after hibernation woke it, said so, and the clock is the
+    // host's again (without the hook it would lag by the 20 s asleep).
+    assert!(o.contains("woke rc=0"), "{o}");
+    assert!(
+        o.contains("\"resumed\":true"),
+        "the exec did not report the wake:\n{o}"
+    );
+    let resume_ms: f64 = o
+        .split("\"resume_ms\":")
+        .nth(1)
+        .and_then(|r| r.split([',', '}']).next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no resume_ms:\n{o}"));
+    assert!(resume_ms > 0.0, "{o}");
+    let host_s: i64 = field(o, "clock", "host").unwrap().parse().unwrap();
+    let guest_s: i64 = field(o, "clock", "guest")
+        .and_then(|g| g.parse().ok())
+        .unwrap_or_else(|| panic!("no guest clock:\n{o}"));
+    assert!(
+        (host_s - guest_s).abs() <= 5,
+        "guest clock {guest_s} vs host {host_s}: not set after the wake:\n{o}"
+    );
+    assert!(
+        o.contains("after-wake: file-through-the-api"),
+        "disk lost across hibernation:\n{o}"
+    );
+    assert!(o.contains(&format!("hostname {hostname}")), "{o}");
+    eprintln!("nested_service: wake through the API resume_ms={resume_ms:.1}");
+}

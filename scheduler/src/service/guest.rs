@@ -1,0 +1,426 @@
+//! Guest access: exec and files in a sandbox's Linux guest through
+//! torpor-agent, and the agent's `resumed` hook after every restore.
+//!
+//! The host reaches the agent over the VMM's hybrid vsock socket
+//! (`<sandbox dir>/vsock.sock`): connect, send `CONNECT <port>\n`, read
+//! `OK <host port>\n`, then speak the agent protocol ([`AgentLink`]). One
+//! connection per request, so concurrent requests on one sandbox never
+//! share a stream. Every request first wakes a hibernated sandbox
+//! (`ensure_running`) and says whether it did ([`GuestCall`]).
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+pub use torpor_agent::proto::{
+    DirListing, ErrorReply, ExecRequest, ExitReply, FileKind, FileStat, ResumedReply,
+};
+use torpor_agent::proto::{ResumedRequest, Step, StepStatus};
+use torpor_agent::{AgentClient, ClientError, DEFAULT_VSOCK_PORT};
+pub use torpor_agent::{ExecOutput, OutputKind};
+
+use super::{Outcome, Service, ServiceError};
+use crate::model::{SandboxId, TemplateKind, Timestamp};
+
+/// The hybrid vsock socket's name in a sandbox or template directory.
+pub const VSOCK_FILE: &str = "vsock.sock";
+/// Longest wait for the `CONNECT` answer and the agent's hello.
+const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+/// Longest wait for one file request's answer.
+const FILE_LIMIT: Duration = Duration::from_secs(60);
+/// How long after a restore the agent may take to accept again.
+const AGENT_WAIT: Duration = Duration::from_secs(60);
+/// Largest file `read_file` returns whole.
+pub const MAX_READ_BYTES: u64 = 64 << 20;
+/// How often a sandbox with a guest request in flight is marked active.
+const ACTIVE_TICK: Duration = Duration::from_secs(1);
+/// The agent connection's client name, in its logs.
+const CLIENT_NAME: &str = "torpor-service";
+
+/// Why a guest request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum GuestError {
+    /// The sandbox's template has no agent (probe guests).
+    #[error(
+        "sandbox {id} runs a {kind} template, which has no guest agent: exec and files \
+         need a sandbox of a Linux template"
+    )]
+    NoAgent { id: String, kind: TemplateKind },
+    /// No connection to the agent, or it broke (guest gone, agent dead).
+    #[error("the guest agent of sandbox {id} is unreachable: {reason}")]
+    Unreachable { id: String, reason: String },
+    /// The agent answered with an error (`error.code` is an errno name).
+    #[error("in sandbox {id}: {error}")]
+    Agent { id: String, error: ErrorReply },
+    /// A file too large to return in one answer.
+    #[error(
+        "{path} in sandbox {id} is {size} bytes, more than the {limit} bytes one read returns"
+    )]
+    TooLarge {
+        id: String,
+        path: String,
+        size: u64,
+        limit: u64,
+    },
+    /// The post-restore hook did not set the clock, entropy or identity.
+    #[error("the guest agent's post-restore hook failed in sandbox {id}: {detail}")]
+    ResumeHook { id: String, detail: String },
+}
+
+/// A guest request's answer, and whether answering it woke the sandbox.
+#[derive(Debug, Clone)]
+pub struct GuestCall<T> {
+    pub outcome: Outcome,
+    pub value: T,
+}
+
+/// Connects to guest port `port` through the hybrid vsock socket `uds`.
+/// The `OK` line is read a byte at a time: what follows belongs to the
+/// agent protocol.
+pub fn connect_vsock(uds: &Path, port: u32) -> std::io::Result<UnixStream> {
+    let mut stream = UnixStream::connect(uds)?;
+    stream.set_read_timeout(Some(HANDSHAKE_LIMIT))?;
+    stream.set_write_timeout(Some(HANDSHAKE_LIMIT))?;
+    stream.write_all(format!("CONNECT {port}\n").as_bytes())?;
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while line.len() < 64 {
+        if stream.read(&mut byte)? == 0 {
+            break;
+        }
+        if byte[0] == b'\n' {
+            break;
+        }
+        line.push(byte[0]);
+    }
+    if !line.starts_with(b"OK ") {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            format!(
+                "the guest refused vsock port {port}: {:?}",
+                String::from_utf8_lossy(&line)
+            ),
+        ));
+    }
+    Ok(stream)
+}
+
+/// The agent of one guest, reached through its hybrid vsock socket.
+#[derive(Debug, Clone)]
+pub struct AgentLink {
+    /// The sandbox (or template) id, for messages.
+    pub id: String,
+    pub uds: PathBuf,
+    pub port: u32,
+}
+
+impl AgentLink {
+    pub fn new(id: impl Into<String>, uds: PathBuf) -> Self {
+        AgentLink {
+            id: id.into(),
+            uds,
+            port: DEFAULT_VSOCK_PORT,
+        }
+    }
+
+    fn unreachable(&self, reason: impl std::fmt::Display) -> GuestError {
+        GuestError::Unreachable {
+            id: self.id.clone(),
+            reason: reason.to_string(),
+        }
+    }
+
+    fn client_error(&self, e: ClientError) -> GuestError {
+        match e {
+            ClientError::Agent(error) => GuestError::Agent {
+                id: self.id.clone(),
+                error,
+            },
+            other => self.unreachable(other),
+        }
+    }
+
+    /// One greeted connection; `io_limit` bounds every later read (`None`:
+    /// no bound, for execs without a timeout).
+    pub fn connect(
+        &self,
+        io_limit: Option<Duration>,
+    ) -> Result<AgentClient<UnixStream>, GuestError> {
+        let stream = connect_vsock(&self.uds, self.port)
+            .map_err(|e| self.unreachable(format!("{}: {e}", self.uds.display())))?;
+        let mut client =
+            AgentClient::connect(stream, CLIENT_NAME).map_err(|e| self.client_error(e))?;
+        let stream = client.stream_mut();
+        stream
+            .set_read_timeout(io_limit)
+            .and_then(|()| stream.set_write_timeout(Some(FILE_LIMIT)))
+            .map_err(|e| self.unreachable(e))?;
+        Ok(client)
+    }
+
+    /// Connects, retrying until `wait` has passed (a guest still booting,
+    /// or re-accepting after a restore), or until `alive` says the VM is
+    /// gone.
+    pub fn connect_waiting(
+        &self,
+        wait: Duration,
+        mut alive: impl FnMut() -> Result<(), String>,
+    ) -> Result<AgentClient<UnixStream>, GuestError> {
+        let deadline = Instant::now() + wait;
+        loop {
+            match self.connect(Some(FILE_LIMIT)) {
+                Ok(c) => return Ok(c),
+                Err(GuestError::Unreachable { reason, .. }) => {
+                    alive().map_err(|why| self.unreachable(why))?;
+                    if Instant::now() >= deadline {
+                        return Err(
+                            self.unreachable(format!("no answer within {wait:?} (last: {reason})"))
+                        );
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(other) => return Err(other),
+            }
+        }
+    }
+
+    /// Read limit for an exec: its own timeout plus slack, else none.
+    fn exec_limit(req: &ExecRequest) -> Option<Duration> {
+        req.timeout_ms
+            .filter(|&t| t > 0)
+            .map(|t| Duration::from_millis(t) + Duration::from_secs(30))
+    }
+
+    /// Runs a command, collecting its output.
+    pub fn exec(&self, req: ExecRequest) -> Result<ExecOutput, GuestError> {
+        let mut client = self.connect(Self::exec_limit(&req))?;
+        client.exec_collect(req).map_err(|e| self.client_error(e))
+    }
+
+    /// Runs a command, handing each output chunk to `on_output` as the
+    /// agent streams it.
+    pub fn exec_streaming(
+        &self,
+        req: ExecRequest,
+        on_output: &mut dyn FnMut(OutputKind, &[u8]),
+    ) -> Result<ExitReply, GuestError> {
+        let mut client = self.connect(Self::exec_limit(&req))?;
+        client
+            .exec(req, |kind, data| on_output(kind, data))
+            .map_err(|e| self.client_error(e))
+    }
+
+    /// A whole file, refused past `limit` bytes.
+    pub fn read_file(&self, path: &str, limit: u64) -> Result<Vec<u8>, GuestError> {
+        let mut client = self.connect(Some(FILE_LIMIT))?;
+        let mut out = Vec::new();
+        loop {
+            let d = client
+                .read_file(path, out.len() as u64, None)
+                .map_err(|e| self.client_error(e))?;
+            if d.size > limit {
+                return Err(GuestError::TooLarge {
+                    id: self.id.clone(),
+                    path: path.into(),
+                    size: d.size,
+                    limit,
+                });
+            }
+            let empty = d.data.is_empty();
+            out.extend_from_slice(&d.data);
+            if d.eof || empty {
+                return Ok(out);
+            }
+        }
+    }
+
+    /// Writes (replaces) a file, creating missing parents; its final size.
+    pub fn write_file(
+        &self,
+        path: &str,
+        data: &[u8],
+        mode: Option<u32>,
+    ) -> Result<u64, GuestError> {
+        let mut client = self.connect(Some(FILE_LIMIT))?;
+        client
+            .write_file_all(path, data, mode, true)
+            .map_err(|e| self.client_error(e))
+    }
+
+    pub fn list_dir(&self, path: &str) -> Result<DirListing, GuestError> {
+        let mut client = self.connect(Some(FILE_LIMIT))?;
+        client.list_dir(path).map_err(|e| self.client_error(e))
+    }
+
+    /// The post-restore hook: the host's wall clock, the RNG reseeded from
+    /// the clone's own seed (the identity page the VMM wrote at restore),
+    /// the hostname and identity file. Fails unless the clock, the reseed,
+    /// the hostname and the identity all took.
+    pub fn resumed(
+        &self,
+        sandbox_id: &str,
+        alive: impl FnMut() -> Result<(), String>,
+    ) -> Result<ResumedReply, GuestError> {
+        let mut client = self.connect_waiting(AGENT_WAIT, alive)?;
+        let wall_clock_ns = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let req = ResumedRequest {
+            wall_clock_ns: Some(wall_clock_ns),
+            seed: None,
+            hostname: Some(hostname_for(sandbox_id)),
+            sandbox_id: Some(sandbox_id.to_string()),
+        };
+        let reply = client.resumed(req).map_err(|e| self.client_error(e))?;
+        let steps: [(&str, &Step); 5] = [
+            ("identity page", &reply.identity_page),
+            ("clock", &reply.clock),
+            ("rng reseed", &reply.rng_write),
+            ("hostname", &reply.hostname),
+            ("identity", &reply.identity),
+        ];
+        let failed: Vec<String> = steps
+            .iter()
+            .filter(|(_, s)| s.status != StepStatus::Ok)
+            .map(|(name, s)| {
+                let why = s
+                    .error
+                    .as_ref()
+                    .map(ToString::to_string)
+                    .or_else(|| s.detail.clone())
+                    .unwrap_or_default();
+                format!("{name} {:?}: {why}", s.status)
+            })
+            .collect();
+        if !failed.is_empty() {
+            return Err(GuestError::ResumeHook {
+                id: sandbox_id.to_string(),
+                detail: failed.join("; "),
+            });
+        }
+        Ok(reply)
+    }
+}
+
+/// A sandbox id as a hostname: `_` is not allowed there, so `sbx_12ab`
+/// becomes `sbx-12ab`.
+pub fn hostname_for(sandbox_id: &str) -> String {
+    sandbox_id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '.' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(64)
+        .collect()
+}
+
+impl Service {
+    /// The agent of a sandbox whose template has one (checked before any
+    /// wake, so a probe sandbox is never woken for nothing).
+    fn agent_link(&self, id: &SandboxId) -> Result<AgentLink, ServiceError> {
+        let sandbox = self.store.get_sandbox(id)?;
+        let template = self.store.get_template(&sandbox.template)?;
+        if template.kind != TemplateKind::Linux {
+            return Err(GuestError::NoAgent {
+                id: id.to_string(),
+                kind: template.kind,
+            }
+            .into());
+        }
+        Ok(AgentLink::new(
+            id.as_str(),
+            self.sandbox_dir(id).join(VSOCK_FILE),
+        ))
+    }
+
+    /// Wakes the sandbox if needed, then runs `f` on its agent. The
+    /// sandbox counts as active for as long as `f` runs, so the idle policy
+    /// never hibernates it under a long exec.
+    fn with_agent<T>(
+        &self,
+        id: &SandboxId,
+        f: impl FnOnce(&AgentLink, &Outcome) -> Result<T, GuestError>,
+    ) -> Result<GuestCall<T>, ServiceError> {
+        let link = self.agent_link(id)?;
+        let outcome = self.ensure_running(id)?;
+        let (done, until_done) = mpsc::channel::<()>();
+        let value = std::thread::scope(|scope| {
+            scope.spawn(move || {
+                while let Err(RecvTimeoutError::Timeout) = until_done.recv_timeout(ACTIVE_TICK) {
+                    let _ = self.store.touch(id, Timestamp::now());
+                }
+            });
+            let value = f(&link, &outcome);
+            drop(done);
+            value
+        });
+        let _ = self.store.touch(id, Timestamp::now());
+        Ok(GuestCall {
+            outcome,
+            value: value?,
+        })
+    }
+
+    /// Runs a command in the sandbox and collects its output.
+    pub fn exec(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+    ) -> Result<GuestCall<ExecOutput>, ServiceError> {
+        self.with_agent(id, |link, _| link.exec(req))
+    }
+
+    /// Runs a command; `on_start` hears that the sandbox runs (and whether
+    /// it was woken) before the first chunk goes to `on_output`.
+    pub fn exec_streaming(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+        on_start: &mut dyn FnMut(&Outcome),
+        on_output: &mut dyn FnMut(OutputKind, &[u8]),
+    ) -> Result<GuestCall<ExitReply>, ServiceError> {
+        self.with_agent(id, |link, outcome| {
+            on_start(outcome);
+            link.exec_streaming(req, on_output)
+        })
+    }
+
+    pub fn read_file(
+        &self,
+        id: &SandboxId,
+        path: &str,
+    ) -> Result<GuestCall<Vec<u8>>, ServiceError> {
+        self.with_agent(id, |link, _| link.read_file(path, MAX_READ_BYTES))
+    }
+
+    /// Writes (replaces) a file, creating missing parent directories;
+    /// answers its size.
+    pub fn write_file(
+        &self,
+        id: &SandboxId,
+        path: &str,
+        data: &[u8],
+        mode: Option<u32>,
+    ) -> Result<GuestCall<u64>, ServiceError> {
+        self.with_agent(id, |link, _| link.write_file(path, data, mode))
+    }
+
+    pub fn list_dir(
+        &self,
+        id: &SandboxId,
+        path: &str,
+    ) -> Result<GuestCall<DirListing>, ServiceError> {
+        self.with_agent(id, |link, _| link.list_dir(path))
+    }
+}
+
+#[cfg(test)]
+#[path = "guest_tests.rs"]
+mod tests;

@@ -1,0 +1,304 @@
+//! The service's agent glue against the real torpor-agent server, behind a
+//! unix socket that speaks the VMM's hybrid vsock handshake (`CONNECT
+//! <port>` → `OK <n>`) the way `torpor vmm --vsock-uds` does.
+
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use torpor_agent::server::Stream;
+use torpor_agent::{Agent, AgentConfig, FakeCall, FakeOps, IdentityPage};
+
+use super::*;
+use crate::model::random_hex;
+
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Self {
+        let dir = std::env::temp_dir().join(format!("torpor-guest-{}", random_hex(6)));
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+    fn file(&self, name: &str) -> String {
+        self.0.join(name).to_string_lossy().into_owned()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Reads the handshake line a byte at a time.
+fn read_line(s: &mut UnixStream) -> String {
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while s.read(&mut b).unwrap_or(0) == 1 && b[0] != b'\n' {
+        line.push(b[0]);
+    }
+    String::from_utf8_lossy(&line).into_owned()
+}
+
+/// What the fake VMM socket does with each connection.
+#[derive(Clone, Copy)]
+enum Behaviour {
+    /// Answer `CONNECT 52` with OK and hand the stream to the agent.
+    Agent,
+    /// Refuse every port (no listener in the guest).
+    Refuse,
+    /// Say OK, then hang up (the agent died).
+    HangUp,
+}
+
+/// A hybrid vsock socket in `dir` in front of a real agent with `ops`.
+fn vsock_agent(dir: &Path, ops: Arc<FakeOps>, behaviour: Behaviour) -> AgentLink {
+    let uds = dir.join(VSOCK_FILE);
+    let listener = UnixListener::bind(&uds).unwrap();
+    let agent = Agent::new(AgentConfig::new(ops));
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let agent = Arc::clone(&agent);
+            std::thread::spawn(move || {
+                let line = read_line(&mut conn);
+                match behaviour {
+                    Behaviour::Agent if line == format!("CONNECT {DEFAULT_VSOCK_PORT}") => {
+                        conn.write_all(b"OK 1073741824\n").unwrap();
+                        agent.serve_connection(Stream::Unix(conn));
+                    }
+                    Behaviour::HangUp => {
+                        let _ = conn.write_all(b"OK 1073741825\n");
+                    }
+                    _ => drop(conn),
+                }
+            });
+        }
+    });
+    AgentLink::new("sbx_0123456789abcdef", uds)
+}
+
+fn exec_req(argv: &[&str]) -> ExecRequest {
+    ExecRequest {
+        argv: argv.iter().map(|s| s.to_string()).collect(),
+        timeout_ms: Some(20_000),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn exec_collects_output_status_stdin_env_and_cwd() {
+    let dir = Scratch::new();
+    let link = vsock_agent(&dir.0, Arc::new(FakeOps::new()), Behaviour::Agent);
+    let mut req = exec_req(&[
+        "sh",
+        "-c",
+        "read line; echo \"$line $GREETING $(pwd)\"; echo oops >&2; exit 7",
+    ]);
+    req.stdin = Some(b"from-stdin\n".to_vec());
+    req.env.insert("GREETING".into(), "hi".into());
+    req.cwd = Some(dir.0.to_string_lossy().into_owned());
+    let out = link.exec(req).unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        format!("from-stdin hi {}\n", dir.0.display())
+    );
+    assert_eq!(out.stderr, b"oops\n");
+    assert_eq!(out.exit.code, Some(7));
+    assert!(!out.exit.timed_out && !out.exit.truncated);
+
+    // A timeout kills it and says so; a size limit truncates and says so.
+    let mut slow = exec_req(&["sleep", "30"]);
+    slow.timeout_ms = Some(200);
+    let out = link.exec(slow).unwrap();
+    assert!(out.exit.timed_out, "{:?}", out.exit);
+    assert_eq!(out.exit.code, None);
+    let mut big = exec_req(&["sh", "-c", "head -c 100000 /dev/zero"]);
+    big.max_output_bytes = Some(1000);
+    let out = link.exec(big).unwrap();
+    assert!(out.exit.truncated);
+    assert_eq!(out.stdout.len(), 1000);
+    assert_eq!(out.exit.stdout_bytes, 100_000);
+
+    // A program that does not exist is the agent's error, with its errno.
+    match link.exec(exec_req(&["/no/such/program"])) {
+        Err(GuestError::Agent { error, .. }) => assert_eq!(error.code, "ENOENT"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn exec_streams_chunks_as_they_come() {
+    let dir = Scratch::new();
+    let link = vsock_agent(&dir.0, Arc::new(FakeOps::new()), Behaviour::Agent);
+    let started = Instant::now();
+    let mut chunks: Vec<(OutputKind, Vec<u8>, Duration)> = Vec::new();
+    let exit = link
+        .exec_streaming(
+            exec_req(&[
+                "sh",
+                "-c",
+                "echo one; sleep 0.5; echo two >&2; sleep 0.5; echo three",
+            ]),
+            &mut |kind, data| chunks.push((kind, data.to_vec(), started.elapsed())),
+        )
+        .unwrap();
+    assert_eq!(exit.code, Some(0));
+    let text = |k: OutputKind| -> String {
+        chunks
+            .iter()
+            .filter(|c| c.0 == k)
+            .map(|c| String::from_utf8_lossy(&c.1).into_owned())
+            .collect()
+    };
+    assert_eq!(text(OutputKind::Stdout), "one\nthree\n");
+    assert_eq!(text(OutputKind::Stderr), "two\n");
+    // "one" arrived before the command ended: streamed, not collected.
+    let first = chunks.first().expect("no chunk");
+    assert_eq!(first.1, b"one\n");
+    let last = chunks.last().unwrap();
+    assert!(first.2 < last.2, "{chunks:?}");
+}
+
+#[test]
+fn files_write_read_list_and_errors() {
+    let dir = Scratch::new();
+    let link = vsock_agent(&dir.0, Arc::new(FakeOps::new()), Behaviour::Agent);
+    let path = dir.file("sub/dir/data.bin");
+    let data: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
+    assert_eq!(link.write_file(&path, &data, Some(0o600)).unwrap(), 70_000);
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        data,
+        "written through the agent"
+    );
+    assert_eq!(link.read_file(&path, MAX_READ_BYTES).unwrap(), data);
+
+    let listing = link.list_dir(&dir.file("sub/dir")).unwrap();
+    assert_eq!(listing.entries.len(), 1);
+    assert_eq!(listing.entries[0].name, "data.bin");
+    assert_eq!(listing.entries[0].size, 70_000);
+    assert_eq!(listing.entries[0].mode, 0o600);
+    assert_eq!(listing.entries[0].kind, FileKind::File);
+
+    match link.read_file(&path, 1000) {
+        Err(GuestError::TooLarge { size, limit, .. }) => assert_eq!((size, limit), (70_000, 1000)),
+        other => panic!("{other:?}"),
+    }
+    match link.read_file(&dir.file("missing"), MAX_READ_BYTES) {
+        Err(GuestError::Agent { error, .. }) => assert_eq!(error.code, "ENOENT"),
+        other => panic!("{other:?}"),
+    }
+    match link.list_dir(&path) {
+        Err(GuestError::Agent { error, .. }) => assert_eq!(error.code, "ENOTDIR"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn resumed_sets_clock_reseeds_from_the_page_and_names_the_host() {
+    let dir = Scratch::new();
+    let page = IdentityPage {
+        generation: 3,
+        seed: [7; 32],
+        wall_clock_ns: 1,
+    };
+    let ops = Arc::new(FakeOps::new().root(true).page(page));
+    let link = vsock_agent(&dir.0, ops.clone(), Behaviour::Agent);
+    let before = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
+    let reply = link.resumed("sbx_0123456789abcdef", || Ok(())).unwrap();
+    assert_eq!(reply.generation, Some(3));
+    let calls = ops.calls();
+    let clock = calls.iter().find_map(|c| match c {
+        FakeCall::SetWallClock(ns) => Some(*ns),
+        _ => None,
+    });
+    // The host's clock now, not the page's (older) time.
+    assert!(clock.is_some_and(|ns| ns >= before), "{calls:?}");
+    assert!(
+        calls.contains(&FakeCall::WriteUrandom(vec![7; 32])),
+        "{calls:?}"
+    );
+    assert!(calls.contains(&FakeCall::SetHostname("sbx-0123456789abcdef".into())));
+    assert!(calls.contains(&FakeCall::WriteIdentity("sbx_0123456789abcdef".into())));
+}
+
+#[test]
+fn resumed_fails_clearly_when_a_step_fails() {
+    let dir = Scratch::new();
+    let ops = Arc::new(
+        FakeOps::new()
+            .failing("SetWallClock", libc::EPERM)
+            .page(IdentityPage {
+                generation: 1,
+                seed: [1; 32],
+                wall_clock_ns: 1,
+            }),
+    );
+    let link = vsock_agent(&dir.0, ops, Behaviour::Agent);
+    match link.resumed("sbx_0123456789abcdef", || Ok(())) {
+        Err(e @ GuestError::ResumeHook { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains("clock") && text.contains("EPERM"), "{text}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // No identity page: the seed is missing, so the reseed did not happen.
+    let dir = Scratch::new();
+    let link = vsock_agent(&dir.0, Arc::new(FakeOps::new()), Behaviour::Agent);
+    match link.resumed("sbx_0123456789abcdef", || Ok(())) {
+        Err(e @ GuestError::ResumeHook { .. }) => {
+            assert!(e.to_string().contains("rng reseed"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_gone_agent_is_unreachable_not_a_hang() {
+    // No socket at all.
+    let dir = Scratch::new();
+    let link = AgentLink::new("sbx_x", dir.0.join(VSOCK_FILE));
+    assert!(matches!(
+        link.exec(exec_req(&["true"])),
+        Err(GuestError::Unreachable { .. })
+    ));
+    // A VMM whose guest has no listener on the port.
+    let refused = vsock_agent(&dir.0, Arc::new(FakeOps::new()), Behaviour::Refuse);
+    match refused.list_dir("/") {
+        Err(e @ GuestError::Unreachable { .. }) => {
+            assert!(e.to_string().contains("refused"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // The agent accepts, then dies.
+    let dir2 = Scratch::new();
+    let hangup = vsock_agent(&dir2.0, Arc::new(FakeOps::new()), Behaviour::HangUp);
+    assert!(matches!(
+        hangup.read_file("/etc/hostname", MAX_READ_BYTES),
+        Err(GuestError::Unreachable { .. })
+    ));
+    // Waiting for an agent stops as soon as the VM is known to be gone.
+    let started = Instant::now();
+    match refused.resumed("sbx_x", || Err("the sandbox's VMM exited".into())) {
+        Err(e @ GuestError::Unreachable { .. }) => {
+            assert!(e.to_string().contains("VMM exited"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(started.elapsed() < AGENT_WAIT);
+}
+
+#[test]
+fn hostnames_from_sandbox_ids() {
+    assert_eq!(hostname_for("sbx_00ff"), "sbx-00ff");
+    assert!(torpor_agent::resumed::valid_hostname(&hostname_for(
+        crate::model::SandboxId::generate().as_str()
+    )));
+}

@@ -1,0 +1,284 @@
+//! Linux templates and sandboxes on the local pod.
+//!
+//! A Linux template boots the kernel with the rootfs as a virtio-blk disk
+//! (through a copy-on-write overlay: the user's image is never written) and
+//! virtio-vsock, waits until torpor-agent answers `hello`, pauses and takes
+//! a full snapshot. The VMM freezes the overlay into the snapshot
+//! (`disk0.overlay`); every restore copies the frozen overlay to the
+//! sandbox's own `disk.overlay` and gives it its own `vsock.sock`, and the
+//! next snapshot (hibernation) freezes that overlay again, so the disk
+//! travels with the sandbox through hibernate and wake. After every restore
+//! the agent's `resumed` hook runs before the operation answers.
+//!
+//! Linux guests need VMX/SVM: on a PVM host (software KVM) they are refused
+//! with `Unsupported` and pointed to the nested host.
+
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use torpor_vmm::control::Request;
+use torpor_vmm::doctor::{self, Verdict, VirtKind};
+
+use super::guest::{AgentLink, VSOCK_FILE};
+use super::vmm::{self, VmmFiles};
+use super::{CreateTemplate, Service, ServiceError};
+use crate::model::{SandboxId, Template, TemplateKind};
+
+/// The overlay file in a sandbox or template directory.
+pub const OVERLAY_FILE: &str = "disk.overlay";
+/// The kernel command line of Linux templates unless one is given.
+pub const LINUX_CMDLINE: &str =
+    "console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda rw init=/sbin/init";
+/// How long a Linux template's first boot may take until the agent answers
+/// (nested hosts emulate the CPU: tens of seconds are normal).
+const AGENT_READY_LIMIT: Duration = Duration::from_secs(300);
+/// Smallest memory a Linux template boots with.
+const MIN_LINUX_MIB: u32 = 128;
+
+/// Which template kinds this host's local pod runs, from `torpor doctor`'s
+/// probe of /dev/kvm (made once per process).
+#[derive(Debug, Clone)]
+pub struct HostGuests {
+    pub verdict: Verdict,
+    /// What backs /dev/kvm.
+    pub virt: VirtKind,
+    /// Doctor's one-line summary.
+    pub summary: String,
+}
+
+impl HostGuests {
+    /// Why Linux templates cannot run here, or `None` when they can.
+    pub fn linux_refusal(&self) -> Option<String> {
+        match self.verdict {
+            Verdict::LinuxAndProbe => None,
+            _ => {
+                let host = match self.virt {
+                    VirtKind::Pvm => "this host's KVM is PVM (software, no VMX/SVM)".to_string(),
+                    VirtKind::Hardware | VirtKind::Unknown => {
+                        format!("this host runs {}", self.summary)
+                    }
+                };
+                Some(format!(
+                    "Linux templates need hardware virtualization (VMX/SVM) and {host}; run \
+                     them on a host with VMX/SVM, such as the nested host \
+                     (scripts/nested-host). Probe templates run here."
+                ))
+            }
+        }
+    }
+
+    /// The template kinds the local pod runs.
+    pub fn kinds(&self) -> Vec<TemplateKind> {
+        match self.verdict {
+            Verdict::LinuxAndProbe => vec![TemplateKind::Probe, TemplateKind::Linux],
+            Verdict::ProbeOnly => vec![TemplateKind::Probe],
+            Verdict::None => vec![],
+        }
+    }
+}
+
+/// This host's guest support.
+pub fn host_guests() -> &'static HostGuests {
+    static HOST: OnceLock<HostGuests> = OnceLock::new();
+    HOST.get_or_init(|| {
+        let report = doctor::run();
+        HostGuests {
+            verdict: report.verdict(),
+            virt: report.virtualization.kind,
+            summary: report.summary.clone(),
+        }
+    })
+}
+
+/// A Linux template's checked inputs.
+pub(super) struct LinuxImage {
+    pub kernel: PathBuf,
+    pub rootfs: PathBuf,
+}
+
+fn existing_file(what: &str, path: Option<&PathBuf>) -> Result<PathBuf, ServiceError> {
+    let path = path.ok_or_else(|| {
+        ServiceError::Invalid(format!(
+            "a Linux template needs `{what}` (a path on the server)"
+        ))
+    })?;
+    let abs = std::fs::canonicalize(path)
+        .map_err(|e| ServiceError::Invalid(format!("{what} {}: {e}", path.display())))?;
+    if !abs.is_file() {
+        return Err(ServiceError::Invalid(format!(
+            "{what} {} is not a regular file",
+            abs.display()
+        )));
+    }
+    Ok(abs)
+}
+
+impl Service {
+    /// Checks a template request: `None` for probe templates; for Linux
+    /// ones, refusal on hosts without VMX/SVM, else the absolute kernel and
+    /// rootfs paths.
+    pub(super) fn linux_image(
+        &self,
+        req: &CreateTemplate,
+    ) -> Result<Option<LinuxImage>, ServiceError> {
+        if req.kind != TemplateKind::Linux {
+            if req.kernel.is_some() || req.rootfs.is_some() {
+                return Err(ServiceError::Invalid(
+                    "kernel and rootfs are for Linux templates; probe templates boot the \
+                     built-in probe"
+                        .into(),
+                ));
+            }
+            return Ok(None);
+        }
+        if let Some(why) = host_guests().linux_refusal() {
+            return Err(ServiceError::Unsupported(why));
+        }
+        if req.mem_mib < MIN_LINUX_MIB {
+            return Err(ServiceError::Invalid(format!(
+                "Linux templates need mem_mib >= {MIN_LINUX_MIB}"
+            )));
+        }
+        Ok(Some(LinuxImage {
+            kernel: existing_file("kernel", req.kernel.as_ref())?,
+            rootfs: existing_file("rootfs", req.rootfs.as_ref())?,
+        }))
+    }
+
+    /// Boots a Linux template once, waits for its agent, snapshots it.
+    pub(super) fn boot_linux_and_snapshot(
+        &self,
+        template: &Template,
+        cmdline: &str,
+    ) -> Result<PathBuf, ServiceError> {
+        let rootfs = template
+            .rootfs
+            .as_ref()
+            .ok_or_else(|| ServiceError::Internal("Linux template without rootfs".into()))?;
+        let dir = self.template_dir(&template.id);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| ServiceError::Internal(format!("create {}: {e}", dir.display())))?;
+        let files = VmmFiles::in_dir(&dir);
+        let overlay = dir.join(OVERLAY_FILE);
+        let uds = dir.join(VSOCK_FILE);
+        let _ = std::fs::remove_file(&uds);
+        let (mem, vcpus) = (template.mem_mib.to_string(), template.vcpus.to_string());
+        let args = [
+            "--kernel",
+            &template.kernel,
+            "--disk",
+            &rootfs.to_string_lossy(),
+            "--disk-overlay",
+            &overlay.to_string_lossy(),
+            "--vsock-uds",
+            &uds.to_string_lossy(),
+            "--mem-mib",
+            &mem,
+            "--vcpus",
+            &vcpus,
+            "--cmdline",
+            cmdline,
+        ]
+        .map(|s| s.to_string());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (mut child, handle) = vmm::spawn(&self.config.vmm_exe, &args, &files)?;
+        let link = AgentLink::new(template.id.as_str(), uds.clone());
+        let result = link
+            .connect_waiting(AGENT_READY_LIMIT, || vm_alive(&mut child, &files))
+            .map_err(|e| {
+                ServiceError::Internal(format!(
+                    "the template's Linux guest did not get its agent up: {e}; console: {}",
+                    console_tail(&files.console)
+                ))
+            })
+            .and_then(|client| {
+                // The agent's connection closes before the snapshot: clones
+                // start with no stale host connection.
+                drop(client);
+                vmm::call(&handle, &Request::Pause)?;
+                let snapshot = dir.join("snapshot");
+                vmm::call(
+                    &handle,
+                    &Request::Snapshot {
+                        path: snapshot.clone(),
+                        diff: false,
+                    },
+                )?;
+                Ok(snapshot)
+            });
+        vmm::stop(&handle, Some(child));
+        // The snapshot holds the frozen overlay; the live one is no use now.
+        let _ = std::fs::remove_file(&overlay);
+        let _ = std::fs::remove_file(&uds);
+        result
+    }
+
+    /// Whether sandbox `id` runs a Linux guest.
+    fn is_linux(&self, id: &SandboxId) -> Result<bool, ServiceError> {
+        let sandbox = self.store.get_sandbox(id)?;
+        let template = self.store.get_template(&sandbox.template)?;
+        Ok(template.kind == TemplateKind::Linux)
+    }
+
+    /// Extra `torpor vmm --restore` arguments of a sandbox: a Linux guest's
+    /// own disk overlay and vsock socket, in its directory.
+    pub(super) fn guest_restore_args(&self, id: &SandboxId) -> Result<Vec<String>, ServiceError> {
+        if !self.is_linux(id)? {
+            return Ok(Vec::new());
+        }
+        let dir = self.sandbox_dir(id);
+        let uds = dir.join(VSOCK_FILE);
+        let _ = std::fs::remove_file(&uds);
+        Ok(vec![
+            "--disk-overlay".into(),
+            dir.join(OVERLAY_FILE).to_string_lossy().into_owned(),
+            "--vsock-uds".into(),
+            uds.to_string_lossy().into_owned(),
+        ])
+    }
+
+    /// After a restore (create, wake): a Linux guest's `resumed` hook. On
+    /// failure the VMM just started is stopped and the error returned.
+    pub(super) fn after_restore(&self, id: &SandboxId) -> Result<(), ServiceError> {
+        if !self.is_linux(id)? {
+            return Ok(());
+        }
+        let sandbox = self.store.get_sandbox(id)?;
+        let pid = sandbox.vmm.as_ref().map(|h| h.pid);
+        let link = AgentLink::new(id.as_str(), self.sandbox_dir(id).join(VSOCK_FILE));
+        let alive = || match pid {
+            Some(pid) if vmm::alive(pid) => Ok(()),
+            _ => Err("the sandbox's VMM exited".to_string()),
+        };
+        match link.resumed(id.as_str(), alive) {
+            Ok(reply) => {
+                tracing::debug!(sandbox = %id, generation = ?reply.generation, "resumed hook ran");
+                Ok(())
+            }
+            Err(e) => {
+                let _ = self.stop_vmm(&sandbox);
+                Err(e.into())
+            }
+        }
+    }
+}
+
+/// `Ok` while the VMM process runs; its exit and log otherwise.
+fn vm_alive(child: &mut Child, files: &VmmFiles) -> Result<(), String> {
+    match child.try_wait() {
+        Ok(None) => Ok(()),
+        Ok(Some(status)) => Err(format!(
+            "the VMM exited ({status}): {}; console: {}",
+            vmm::log_tail(&files.log),
+            console_tail(&files.console)
+        )),
+        Err(e) => Err(format!("cannot check the VMM: {e}")),
+    }
+}
+
+/// The console's last lines, for error messages.
+fn console_tail(path: &Path) -> String {
+    vmm::log_tail(path)
+}
