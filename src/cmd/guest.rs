@@ -1,6 +1,6 @@
-//! `torpor vmm exec` and `torpor vmm resumed`: talk to torpor-agent in a
+//! `torpor vmm exec`, `resumed` and `ping`: talk to torpor-agent in a
 //! Linux guest over the VM's hybrid vsock socket (`CONNECT <port>`, then the
-//! agent protocol).
+//! agent protocol). `torpor vmm files` is in `files.rs`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -34,9 +34,17 @@ fn connect(uds: &Path, port: u32) -> Result<UnixStream, String> {
     Ok(stream)
 }
 
+/// Between attempts to reach the agent: short, because `torpor vmm ping`
+/// and the first exec after a restore are timed by scripts.
+const RETRY_INTERVAL: Duration = Duration::from_millis(25);
+
 /// Connects and greets the agent, retrying until `wait_ms` has passed (the
 /// guest may still be booting, or re-accepting after a restore).
-fn agent(uds: &Path, port: u32, wait_ms: u64) -> Result<AgentClient<UnixStream>, String> {
+pub(super) fn agent(
+    uds: &Path,
+    port: u32,
+    wait_ms: u64,
+) -> Result<AgentClient<UnixStream>, String> {
     let deadline = Instant::now() + Duration::from_millis(wait_ms);
     loop {
         let attempt = connect(uds, port)
@@ -44,7 +52,7 @@ fn agent(uds: &Path, port: u32, wait_ms: u64) -> Result<AgentClient<UnixStream>,
         match attempt {
             Ok(c) => return Ok(c),
             Err(e) if Instant::now() >= deadline => return Err(format!("no agent reachable: {e}")),
-            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+            Err(_) => std::thread::sleep(RETRY_INTERVAL),
         }
     }
 }
@@ -72,6 +80,25 @@ pub fn resumed(args: GuestAgentArgs) -> i32 {
         }
         Err(e) => {
             eprintln!("torpor: error: resumed failed: {e}");
+            EXIT_FAILURE
+        }
+    }
+}
+
+/// `torpor vmm ping`: waits for the agent's hello, prints its protocol and
+/// version.
+pub fn ping(args: GuestAgentArgs) -> i32 {
+    match agent(&args.vsock_uds, args.port, args.wait_ms) {
+        Ok(client) => {
+            let hello = client.agent();
+            println!(
+                "torpor-agent {} protocol {}",
+                hello.agent_version, hello.protocol
+            );
+            0
+        }
+        Err(e) => {
+            eprintln!("torpor: error: {e}");
             EXIT_FAILURE
         }
     }

@@ -2,6 +2,7 @@
 
 mod client;
 mod doctor;
+mod files;
 mod guest;
 mod pod;
 mod sandbox;
