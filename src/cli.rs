@@ -67,8 +67,9 @@ pub enum VmmAction {
     /// Run a command in the guest through torpor-agent over the VM's vsock
     /// socket; prints its output and exits with its status.
     Exec(GuestExecArgs),
-    /// Tell the guest agent it was restored: it reads the identity page,
-    /// sets the wall clock and reseeds the kernel RNG. Prints its report;
+    /// Tell the guest agent it was restored: it sets the wall clock to this
+    /// host's time, reads the identity page (generation, seed) and reseeds
+    /// the kernel RNG. Prints its report;
     /// exits 1 unless the clock and the RNG steps succeeded.
     Resumed(GuestAgentArgs),
     /// Wait until the guest agent answers; prints its protocol and version.

@@ -5,7 +5,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use torpor_agent::proto::{ExecRequest, ResumedRequest, Step, StepStatus};
 use torpor_agent::AgentClient;
@@ -67,7 +67,17 @@ pub fn resumed(args: GuestAgentArgs) -> i32 {
             return EXIT_FAILURE;
         }
     };
-    match client.resumed(ResumedRequest::default()) {
+    // The identity page's clock is the restore's moment; by now (an exec or
+    // a slow guest in between) it may be seconds old, so send ours.
+    let now_ns = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .ok()
+        .and_then(|d| u64::try_from(d.as_nanos()).ok());
+    let req = ResumedRequest {
+        wall_clock_ns: now_ns,
+        ..Default::default()
+    };
+    match client.resumed(req) {
         Ok(reply) => {
             println!("{}", serde_json::to_string(&reply).unwrap_or_default());
             let ok = |s: &Step| s.status == StepStatus::Ok;
