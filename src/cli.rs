@@ -67,10 +67,58 @@ pub enum VmmAction {
     /// Run a command in the guest through torpor-agent over the VM's vsock
     /// socket; prints its output and exits with its status.
     Exec(GuestExecArgs),
-    /// Tell the guest agent it was restored: it reads the identity page,
-    /// sets the wall clock and reseeds the kernel RNG. Prints its report;
+    /// Tell the guest agent it was restored: it sets the wall clock to this
+    /// host's time, reads the identity page (generation, seed) and reseeds
+    /// the kernel RNG. Prints its report;
     /// exits 1 unless the clock and the RNG steps succeeded.
     Resumed(GuestAgentArgs),
+    /// Wait until the guest agent answers; prints its protocol and version.
+    Ping(GuestAgentArgs),
+    /// Copy files into and out of the guest, list and stat guest paths,
+    /// through torpor-agent over the VM's vsock socket.
+    Files(GuestFilesArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct GuestFilesArgs {
+    #[command(flatten)]
+    pub agent: GuestAgentArgs,
+    #[command(subcommand)]
+    pub action: GuestFilesAction,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum GuestFilesAction {
+    /// Copy a local file to GUEST_PATH (absolute; replaced if it exists).
+    Put {
+        /// The local file.
+        local: PathBuf,
+        /// Where it goes in the guest.
+        guest_path: String,
+        /// Permission bits in octal (e.g. 755); default 644 for a new file.
+        #[arg(long)]
+        mode: Option<String>,
+        /// Create missing parent directories.
+        #[arg(long)]
+        parents: bool,
+    },
+    /// Copy GUEST_PATH out of the guest to LOCAL (`-` or absent: stdout).
+    Get {
+        /// The guest file.
+        guest_path: String,
+        /// Where to write it (`-`: stdout).
+        local: Option<PathBuf>,
+    },
+    /// List a guest directory: kind, mode, size, name (one entry a line).
+    Ls {
+        /// The guest directory.
+        guest_dir: String,
+    },
+    /// Print a guest path's metadata as JSON (symlinks not followed).
+    Stat {
+        /// The guest path.
+        guest_path: String,
+    },
 }
 
 #[derive(Debug, Args)]

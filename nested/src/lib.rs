@@ -31,6 +31,7 @@ mod qemu;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub use assets::{find_qemu, L1Assets};
@@ -241,8 +242,13 @@ impl NestedHost {
     /// Boots L1, runs `script` with busybox `sh` (PATH has busybox; carried
     /// files are in place; `/dev/kvm` is there when the emulated CPU allows),
     /// and returns its exit code and output. The whole run, boot included,
-    /// must end within `timeout`.
+    /// must end within `timeout`. Runs from one process take turns.
     pub fn run(&self, script: &str, timeout: Duration) -> Result<RunOutput, NestedError> {
+        // One L1 at a time per process: tests run on parallel threads, and
+        // two TCG hosts sharing the CPUs only make both slower (and their
+        // timeouts likelier). A panicked holder leaves nothing to repair.
+        static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
         let work = WorkDir::new()?;
         let payload = !self.carried.is_empty();
         let initrd = work.0.join("initrd.cpio");

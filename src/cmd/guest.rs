@@ -1,11 +1,11 @@
-//! `torpor vmm exec` and `torpor vmm resumed`: talk to torpor-agent in a
+//! `torpor vmm exec`, `resumed` and `ping`: talk to torpor-agent in a
 //! Linux guest over the VM's hybrid vsock socket (`CONNECT <port>`, then the
-//! agent protocol).
+//! agent protocol). `torpor vmm files` is in `files.rs`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use torpor_agent::proto::{ExecRequest, ResumedRequest, Step, StepStatus};
 use torpor_agent::AgentClient;
@@ -34,9 +34,17 @@ fn connect(uds: &Path, port: u32) -> Result<UnixStream, String> {
     Ok(stream)
 }
 
+/// Between attempts to reach the agent: short, because `torpor vmm ping`
+/// and the first exec after a restore are timed by scripts.
+const RETRY_INTERVAL: Duration = Duration::from_millis(25);
+
 /// Connects and greets the agent, retrying until `wait_ms` has passed (the
 /// guest may still be booting, or re-accepting after a restore).
-fn agent(uds: &Path, port: u32, wait_ms: u64) -> Result<AgentClient<UnixStream>, String> {
+pub(super) fn agent(
+    uds: &Path,
+    port: u32,
+    wait_ms: u64,
+) -> Result<AgentClient<UnixStream>, String> {
     let deadline = Instant::now() + Duration::from_millis(wait_ms);
     loop {
         let attempt = connect(uds, port)
@@ -44,7 +52,7 @@ fn agent(uds: &Path, port: u32, wait_ms: u64) -> Result<AgentClient<UnixStream>,
         match attempt {
             Ok(c) => return Ok(c),
             Err(e) if Instant::now() >= deadline => return Err(format!("no agent reachable: {e}")),
-            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+            Err(_) => std::thread::sleep(RETRY_INTERVAL),
         }
     }
 }
@@ -59,7 +67,17 @@ pub fn resumed(args: GuestAgentArgs) -> i32 {
             return EXIT_FAILURE;
         }
     };
-    match client.resumed(ResumedRequest::default()) {
+    // The identity page's clock is the restore's moment; by now (an exec or
+    // a slow guest in between) it may be seconds old, so send ours.
+    let now_ns = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .ok()
+        .and_then(|d| u64::try_from(d.as_nanos()).ok());
+    let req = ResumedRequest {
+        wall_clock_ns: now_ns,
+        ..Default::default()
+    };
+    match client.resumed(req) {
         Ok(reply) => {
             println!("{}", serde_json::to_string(&reply).unwrap_or_default());
             let ok = |s: &Step| s.status == StepStatus::Ok;
@@ -72,6 +90,25 @@ pub fn resumed(args: GuestAgentArgs) -> i32 {
         }
         Err(e) => {
             eprintln!("torpor: error: resumed failed: {e}");
+            EXIT_FAILURE
+        }
+    }
+}
+
+/// `torpor vmm ping`: waits for the agent's hello, prints its protocol and
+/// version.
+pub fn ping(args: GuestAgentArgs) -> i32 {
+    match agent(&args.vsock_uds, args.port, args.wait_ms) {
+        Ok(client) => {
+            let hello = client.agent();
+            println!(
+                "torpor-agent {} protocol {}",
+                hello.agent_version, hello.protocol
+            );
+            0
+        }
+        Err(e) => {
+            eprintln!("torpor: error: {e}");
             EXIT_FAILURE
         }
     }

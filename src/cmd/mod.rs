@@ -3,6 +3,7 @@
 mod checkpoint;
 mod client;
 mod doctor;
+mod files;
 mod guest;
 mod pod;
 mod sandbox;

@@ -20,6 +20,8 @@ pub fn run(cmd: VmmCommand) -> i32 {
     match cmd.action {
         Some(VmmAction::Exec(args)) => super::guest::exec(args),
         Some(VmmAction::Resumed(args)) => super::guest::resumed(args),
+        Some(VmmAction::Ping(args)) => super::guest::ping(args),
+        Some(VmmAction::Files(args)) => super::files::run(args),
         Some(action) => control_request(action),
         None => run_vm(cmd.run),
     }
@@ -33,6 +35,8 @@ fn control_request(action: VmmAction) -> i32 {
         VmmAction::Shutdown(s) => (s.socket, Request::Shutdown),
         VmmAction::Exec(args) => return super::guest::exec(args),
         VmmAction::Resumed(args) => return super::guest::resumed(args),
+        VmmAction::Ping(args) => return super::guest::ping(args),
+        VmmAction::Files(args) => return super::files::run(args),
         VmmAction::Snapshot(s) => (
             s.socket,
             Request::Snapshot {

@@ -1,0 +1,149 @@
+//! What the Linux-guest tests and the Linux benchmark share: the built
+//! guest pieces (kernel, agent, a fresh rootfs) and a nested host carrying
+//! them with the torpor binary. Included by path from `tests/` and
+//! `benches/`.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use torpor_nested::{NestedHost, RunOutput};
+
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// Runs a build script that prints the path of what it built (instant when
+/// cached).
+pub fn built(script: &str, args: &[&str]) -> PathBuf {
+    let out = Command::new(repo().join("scripts").join(script))
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run scripts/{script}: {e}"));
+    assert!(
+        out.status.success(),
+        "scripts/{script} failed; run it by hand to see why:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let path = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .unwrap_or("")
+        .trim()
+        .to_string();
+    let path = PathBuf::from(path);
+    assert!(
+        path.is_file(),
+        "scripts/{script} printed no file: {}",
+        path.display()
+    );
+    path
+}
+
+/// `TORPOR_BIN`, else the torpor binary cargo built beside this test or
+/// bench (they live in target/<profile>/deps/, the binary in
+/// target/<profile>/).
+pub fn torpor_binary() -> PathBuf {
+    if let Some(bin) = std::env::var_os("TORPOR_BIN") {
+        return PathBuf::from(bin);
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    exe.parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>/deps")
+        .join("torpor")
+}
+
+/// A scratch directory on this host, removed on drop.
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    pub fn new(tag: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("torpor-nested-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The nested host carrying torpor (`/opt/torpor/torpor`), the guest kernel
+/// (`/opt/torpor/vmlinux`), a fresh rootfs (`/opt/torpor/rootfs.ext4`) and
+/// `extra` files (host path, L1 path).
+pub fn linux_host(tag: &str, extra: &[(PathBuf, &str)]) -> (NestedHost, Scratch) {
+    let torpor = torpor_binary();
+    assert!(
+        torpor.is_file(),
+        "the torpor binary is missing at {} (build it, or set TORPOR_BIN)",
+        torpor.display()
+    );
+    let kernel = built("build-guest-kernel", &[]);
+    let agent = built("build-agent", &[]);
+    let scratch = Scratch::new(tag);
+    let rootfs = scratch.0.join("rootfs.ext4");
+    let out = Command::new(repo().join("scripts/build-rootfs"))
+        .args([
+            "--agent",
+            agent.to_str().unwrap(),
+            "--out",
+            rootfs.to_str().unwrap(),
+        ])
+        .output()
+        .expect("run scripts/build-rootfs");
+    assert!(
+        out.status.success(),
+        "scripts/build-rootfs failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let mut builder = NestedHost::builder()
+        .file(&torpor, "/opt/torpor/torpor")
+        .file(&kernel, "/opt/torpor/vmlinux")
+        .file(&rootfs, "/opt/torpor/rootfs.ext4");
+    for (host, guest) in extra {
+        builder = builder.file(host, *guest);
+    }
+    let host = builder.build().unwrap_or_else(|e| {
+        panic!("the nested hardware-virtualization host is not available: {e}")
+    });
+    (host, scratch)
+}
+
+/// Runs `script` in the nested host (boot included, within `timeout`) and
+/// logs how long each part took.
+pub fn run_logged(host: &NestedHost, what: &str, script: &str, timeout: Duration) -> RunOutput {
+    let out = host
+        .run(script, timeout)
+        .unwrap_or_else(|e| panic!("nested run failed: {e}"));
+    eprintln!(
+        "{what}: L1 boot {:.1}s, script {:.1}s, total {:.1}s",
+        out.boot.as_secs_f64(),
+        out.script.as_secs_f64(),
+        out.total.as_secs_f64()
+    );
+    out
+}
+
+/// Every byte value, then pseudo-random bytes up to `len` (no short period,
+/// so a chunk put in the wrong place shows).
+pub fn binary_content(len: usize) -> Vec<u8> {
+    let mut data: Vec<u8> = (0..=255u8).collect();
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    while data.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        data.push((x >> 24) as u8);
+    }
+    data
+}

@@ -1,0 +1,3 @@
+//! Helpers shared by the nested integration tests.
+
+pub mod linux;
