@@ -38,7 +38,12 @@ impl Central {
 
     fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
         let r = self.call(method, path, body);
-        assert!((200..300).contains(&r.status), "{method} {path}: {} {}", r.status, r.body);
+        assert!(
+            (200..300).contains(&r.status),
+            "{method} {path}: {} {}",
+            r.status,
+            r.body
+        );
         if r.body.is_empty() {
             Value::Null
         } else {
@@ -60,7 +65,10 @@ impl Central {
 }
 
 fn error_code(r: &HttpResponse) -> String {
-    r.json()["error"]["code"].as_str().unwrap_or_default().to_string()
+    r.json()["error"]["code"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
 }
 
 fn ids_and_pods(list: &Value) -> Vec<(String, String)> {
@@ -68,7 +76,12 @@ fn ids_and_pods(list: &Value) -> Vec<(String, String)> {
         .as_array()
         .unwrap()
         .iter()
-        .map(|s| (s["id"].as_str().unwrap().into(), s["pod"].as_str().unwrap().into()))
+        .map(|s| {
+            (
+                s["id"].as_str().unwrap().into(),
+                s["pod"].as_str().unwrap().into(),
+            )
+        })
         .collect();
     v.sort();
     v
@@ -100,16 +113,35 @@ fn unix_and_tcp_pods_are_placed_on_routed_to_and_listed() {
     );
     assert_eq!(gone.status, 502, "{}", gone.body);
     assert_eq!(error_code(&gone), "pod_unreachable");
-    let bad = central.call("POST", "/v1/pods", Some(json!({"address": "http://x:1", "token": "x"})));
+    let bad = central.call(
+        "POST",
+        "/v1/pods",
+        Some(json!({"address": "http://x:1", "token": "x"})),
+    );
     assert_eq!(bad.status, 400, "{}", bad.body);
-    assert_eq!(central.ok("GET", "/v1/pods", None)["pods"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        central.ok("GET", "/v1/pods", None)["pods"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
 
     let u = central.register(&unix_pod);
     let t = central.register(&tcp_pod);
     let pods = central.ok("GET", "/v1/pods", None);
-    let listed: Vec<&str> = pods["pods"].as_array().unwrap().iter().map(|p| p["id"].as_str().unwrap()).collect();
+    let listed: Vec<&str> = pods["pods"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["id"].as_str().unwrap())
+        .collect();
     assert_eq!(listed.len(), 3, "{pods}");
-    assert!(listed.contains(&"pod_local") && listed.contains(&u.as_str()) && listed.contains(&t.as_str()));
+    assert!(
+        listed.contains(&"pod_local")
+            && listed.contains(&u.as_str())
+            && listed.contains(&t.as_str())
+    );
 
     // Templates are per pod, merged with their pod.
     let templates = central.ok("GET", "/v1/templates", None);
@@ -126,25 +158,52 @@ fn unix_and_tcp_pods_are_placed_on_routed_to_and_listed() {
     assert_eq!(probe_pods, want);
 
     // The local pod admits nothing: placement goes to a remote pod.
-    central.ok("PATCH", "/v1/pods/pod_local", Some(json!({"oversubscription_ratio": 0.000001})));
+    central.ok(
+        "PATCH",
+        "/v1/pods/pod_local",
+        Some(json!({"oversubscription_ratio": 0.000001})),
+    );
     let placed = central.ok("POST", "/v1/sandboxes", Some(json!({"template": "probe"})));
     let placed_pod = placed["pod"].as_str().unwrap().to_string();
     assert!(placed_pod == u || placed_pod == t, "{placed}");
-    assert!(placed["metadata"]["torpor.placement"].is_string(), "{placed}");
+    assert!(
+        placed["metadata"]["torpor.placement"].is_string(),
+        "{placed}"
+    );
     let pinned_local = central.call(
         "POST",
         "/v1/sandboxes",
         Some(json!({"template": "probe", "pod": "pod_local"})),
     );
     assert_eq!(pinned_local.status, 429, "{}", pinned_local.body);
-    central.ok("PATCH", "/v1/pods/pod_local", Some(json!({"oversubscription_ratio": 4.0})));
-    let on_unix = central.ok("POST", "/v1/sandboxes", Some(json!({"template": "probe", "pod": u})));
+    central.ok(
+        "PATCH",
+        "/v1/pods/pod_local",
+        Some(json!({"oversubscription_ratio": 4.0})),
+    );
+    let on_unix = central.ok(
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"template": "probe", "pod": u})),
+    );
     assert_eq!(on_unix["pod"], u.as_str());
-    let on_tcp = central.ok("POST", "/v1/sandboxes", Some(json!({"template": "probe", "pod": t})));
+    let on_tcp = central.ok(
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"template": "probe", "pod": t})),
+    );
     assert_eq!(on_tcp["pod"], t.as_str());
-    let local = central.ok("POST", "/v1/sandboxes", Some(json!({"template": "probe", "pod": "pod_local"})));
+    let local = central.ok(
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"template": "probe", "pod": "pod_local"})),
+    );
     assert_eq!(local["pod"], "pod_local");
-    let unknown_pod = central.call("POST", "/v1/sandboxes", Some(json!({"template": "probe", "pod": "pod_nope"})));
+    let unknown_pod = central.call(
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"template": "probe", "pod": "pod_nope"})),
+    );
     assert_eq!(unknown_pod.status, 404, "{}", unknown_pod.body);
 
     // The unix pod holds it (as its own pod_local).
@@ -155,12 +214,18 @@ fn unix_and_tcp_pods_are_placed_on_routed_to_and_listed() {
 
     // Lifecycle through the central API.
     let base = format!("/v1/sandboxes/{sid}");
-    assert_eq!(central.ok("POST", &format!("{base}/pause"), None)["sandbox"]["state"], "paused");
+    assert_eq!(
+        central.ok("POST", &format!("{base}/pause"), None)["sandbox"]["state"],
+        "paused"
+    );
     // The pod's own errors pass through.
     let bad_ckpt = central.call("DELETE", &format!("{base}/checkpoints/nope"), None);
     assert_eq!(bad_ckpt.status, 404, "{}", bad_ckpt.body);
     assert!(bad_ckpt.body.contains("nope"), "{}", bad_ckpt.body);
-    assert_eq!(central.ok("POST", &format!("{base}/resume"), None)["sandbox"]["state"], "running");
+    assert_eq!(
+        central.ok("POST", &format!("{base}/resume"), None)["sandbox"]["state"],
+        "running"
+    );
     let hib = central.ok("POST", &format!("{base}/hibernate"), None);
     assert_eq!(hib["sandbox"]["state"], "hibernated");
     assert_eq!(hib["sandbox"]["pod"], u.as_str());
@@ -169,7 +234,11 @@ fn unix_and_tcp_pods_are_placed_on_routed_to_and_listed() {
     assert_eq!(woke["sandbox"]["state"], "running");
     let patched = central.ok("PATCH", &base, Some(json!({"keep_alive_ms": 12345})));
     assert_eq!(patched["keep_alive_ms"], 12345);
-    let no_agent = central.call("POST", &format!("{base}/exec"), Some(json!({"argv": ["true"]})));
+    let no_agent = central.call(
+        "POST",
+        &format!("{base}/exec"),
+        Some(json!({"argv": ["true"]})),
+    );
     assert_eq!(no_agent.status, 422, "{}", no_agent.body);
     assert_eq!(error_code(&no_agent), "no_agent");
 
@@ -177,34 +246,54 @@ fn unix_and_tcp_pods_are_placed_on_routed_to_and_listed() {
     let fork = central.ok("POST", &format!("{base}/fork"), Some(json!({})));
     assert_eq!(fork["pod"], u.as_str(), "{fork}");
     let fid = fork["id"].as_str().unwrap().to_string();
-    assert_eq!(central.ok("GET", &format!("/v1/sandboxes/{fid}"), None)["pod"], u.as_str());
+    assert_eq!(
+        central.ok("GET", &format!("/v1/sandboxes/{fid}"), None)["pod"],
+        u.as_str()
+    );
 
     // Lists merge every pod; filters apply.
     let all = ids_and_pods(&central.ok("GET", "/v1/sandboxes", None));
     let mut want = vec![
-        (placed["id"].as_str().unwrap().to_string(), placed_pod.clone()),
+        (
+            placed["id"].as_str().unwrap().to_string(),
+            placed_pod.clone(),
+        ),
         (sid.clone(), u.clone()),
         (fid.clone(), u.clone()),
         (on_tcp["id"].as_str().unwrap().to_string(), t.clone()),
-        (local["id"].as_str().unwrap().to_string(), "pod_local".to_string()),
+        (
+            local["id"].as_str().unwrap().to_string(),
+            "pod_local".to_string(),
+        ),
     ];
     want.sort();
     assert_eq!(all, want);
     let only_tcp = ids_and_pods(&central.ok("GET", &format!("/v1/sandboxes?pod={t}"), None));
-    assert!(only_tcp.iter().all(|(_, p)| *p == t) && !only_tcp.is_empty(), "{only_tcp:?}");
+    assert!(
+        only_tcp.iter().all(|(_, p)| *p == t) && !only_tcp.is_empty(),
+        "{only_tcp:?}"
+    );
     let paused = central.ok("POST", &format!("{base}/pause"), None);
     assert_eq!(paused["sandbox"]["state"], "paused");
     let only_paused = ids_and_pods(&central.ok("GET", "/v1/sandboxes?state=paused", None));
     assert_eq!(only_paused, vec![(sid.clone(), u.clone())]);
 
     // A ratio change is forwarded to the pod that owns it.
-    let set = central.ok("PATCH", &format!("/v1/pods/{t}"), Some(json!({"oversubscription_ratio": 3.5})));
+    let set = central.ok(
+        "PATCH",
+        &format!("/v1/pods/{t}"),
+        Some(json!({"oversubscription_ratio": 3.5})),
+    );
     assert_eq!(set["id"], t.as_str());
     assert_eq!(set["oversubscription_ratio"], 3.5);
     let on_pod = tcp_pod.request("GET", "/v1/pods", None).json();
     assert_eq!(on_pod["pods"][0]["oversubscription_ratio"], 3.5);
 
-    let bad_ratio = central.call("PATCH", &format!("/v1/pods/{t}"), Some(json!({"oversubscription_ratio": 1000.0})));
+    let bad_ratio = central.call(
+        "PATCH",
+        &format!("/v1/pods/{t}"),
+        Some(json!({"oversubscription_ratio": 1000.0})),
+    );
     assert_eq!(bad_ratio.status, 400, "{}", bad_ratio.body);
 
     // Unregistering a pod with live sandboxes is refused.
@@ -220,34 +309,83 @@ fn unix_and_tcp_pods_are_placed_on_routed_to_and_listed() {
     let dead_pause = central.call("POST", &format!("/v1/sandboxes/{tid}/pause"), None);
     assert_eq!(error_code(&dead_pause), "pod_unreachable");
     let lid = local["id"].as_str().unwrap();
-    assert_eq!(central.ok("POST", &format!("/v1/sandboxes/{lid}/pause"), None)["sandbox"]["state"], "paused");
-    assert_eq!(central.ok("POST", &format!("{base}/resume"), None)["sandbox"]["state"], "running");
+    assert_eq!(
+        central.ok("POST", &format!("/v1/sandboxes/{lid}/pause"), None)["sandbox"]["state"],
+        "paused"
+    );
+    assert_eq!(
+        central.ok("POST", &format!("{base}/resume"), None)["sandbox"]["state"],
+        "running"
+    );
     let pods = central.ok("GET", "/v1/pods", None);
-    let entry = pods["pods"].as_array().unwrap().iter().find(|p| p["id"] == t.as_str()).unwrap().clone();
+    let entry = pods["pods"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["id"] == t.as_str())
+        .unwrap()
+        .clone();
     assert_eq!(entry["reachable"], false, "{entry}");
-    assert!(entry["error"].as_str().unwrap().contains("unreachable"), "{entry}");
+    assert!(
+        entry["error"].as_str().unwrap().contains("unreachable"),
+        "{entry}"
+    );
     let listed = ids_and_pods(&central.ok("GET", "/v1/sandboxes", None));
     assert!(listed.iter().all(|(_, p)| *p != t), "{listed:?}");
 
     // Deleting through the central API, then the pod can go.
     for id in [sid.as_str(), fid.as_str()] {
-        assert_eq!(central.call("DELETE", &format!("/v1/sandboxes/{id}"), None).status, 204);
+        assert_eq!(
+            central
+                .call("DELETE", &format!("/v1/sandboxes/{id}"), None)
+                .status,
+            204
+        );
     }
     if placed_pod == u {
         let pid = placed["id"].as_str().unwrap();
-        assert_eq!(central.call("DELETE", &format!("/v1/sandboxes/{pid}"), None).status, 204);
+        assert_eq!(
+            central
+                .call("DELETE", &format!("/v1/sandboxes/{pid}"), None)
+                .status,
+            204
+        );
     }
-    assert_eq!(unix_pod.request("GET", "/v1/sandboxes", None).json()["sandboxes"], json!([]));
-    assert_eq!(central.call("DELETE", &format!("/v1/pods/{u}"), None).status, 204);
-    assert_eq!(central.call("DELETE", "/v1/pods/pod_local", None).status, 400);
-    let left: Vec<Value> = central.ok("GET", "/v1/pods", None)["pods"].as_array().unwrap().clone();
+    assert_eq!(
+        unix_pod.request("GET", "/v1/sandboxes", None).json()["sandboxes"],
+        json!([])
+    );
+    assert_eq!(
+        central
+            .call("DELETE", &format!("/v1/pods/{u}"), None)
+            .status,
+        204
+    );
+    assert_eq!(
+        central.call("DELETE", "/v1/pods/pod_local", None).status,
+        400
+    );
+    let left: Vec<Value> = central.ok("GET", "/v1/pods", None)["pods"]
+        .as_array()
+        .unwrap()
+        .clone();
     assert!(left.iter().all(|p| p["id"] != u.as_str()), "{left:?}");
     // The dead pod's registration survives a restart of the central.
     let data_central = data.0.join("central");
     drop(central);
-    let again = ServeProcess::start(&data_central, &["--token", TOKEN, "--policy-interval-ms", "0"]);
+    let again = ServeProcess::start(
+        &data_central,
+        &["--token", TOKEN, "--policy-interval-ms", "0"],
+    );
     let pods = request(&again.addr, "GET", "/v1/pods", Some(TOKEN), None).json();
-    assert!(pods["pods"].as_array().unwrap().iter().any(|p| p["id"] == t.as_str()), "{pods}");
+    assert!(
+        pods["pods"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["id"] == t.as_str()),
+        "{pods}"
+    );
 }
 
 #[test]
@@ -260,7 +398,12 @@ fn central_killed_mid_create_adopts_the_sandbox_on_restart() {
     );
     let token_file = PodProcess::token_file(&data.0.join("u"));
     let token_file = token_file.to_str().unwrap();
-    let flags = ["--pod", pod.address.as_str(), "--pod-token-file", token_file];
+    let flags = [
+        "--pod",
+        pod.address.as_str(),
+        "--pod-token-file",
+        token_file,
+    ];
     let central = Central::start(&data.0, &flags, &[("TORPOR_STALL_PLACEMENT_MS", "600000")]);
     let pods = central.ok("GET", "/v1/pods", None);
     let pod_id = pods["pods"][1]["id"].as_str().unwrap().to_string();
@@ -269,7 +412,9 @@ fn central_killed_mid_create_adopts_the_sandbox_on_restart() {
     let body = json!({"template": "probe", "pod": pod_id}).to_string();
     let create = std::thread::spawn(move || {
         // Answered only if the central survives, which it does not.
-        std::panic::catch_unwind(|| request(&addr, "POST", "/v1/sandboxes", Some(TOKEN), Some(&body)).status)
+        std::panic::catch_unwind(|| {
+            request(&addr, "POST", "/v1/sandboxes", Some(TOKEN), Some(&body)).status
+        })
     });
     let deadline = Instant::now() + Duration::from_secs(60);
     let made = loop {
@@ -288,11 +433,28 @@ fn central_killed_mid_create_adopts_the_sandbox_on_restart() {
     let id = made["id"].as_str().unwrap();
     let got = central.ok("GET", &format!("/v1/sandboxes/{id}"), None);
     assert_eq!(got["pod"], pod_id.as_str());
-    assert_eq!(ids_and_pods(&central.ok("GET", "/v1/sandboxes", None)), vec![(id.to_string(), pod_id.clone())]);
-    assert_eq!(central.ok("POST", &format!("/v1/sandboxes/{id}/pause"), None)["sandbox"]["state"], "paused");
-    assert_eq!(central.call("DELETE", &format!("/v1/sandboxes/{id}"), None).status, 204);
+    assert_eq!(
+        ids_and_pods(&central.ok("GET", "/v1/sandboxes", None)),
+        vec![(id.to_string(), pod_id.clone())]
+    );
+    assert_eq!(
+        central.ok("POST", &format!("/v1/sandboxes/{id}/pause"), None)["sandbox"]["state"],
+        "paused"
+    );
+    assert_eq!(
+        central
+            .call("DELETE", &format!("/v1/sandboxes/{id}"), None)
+            .status,
+        204
+    );
     // Restarting with the same --pod flags registers nothing new.
-    assert_eq!(central.ok("GET", "/v1/pods", None)["pods"].as_array().unwrap().len(), 2);
+    assert_eq!(
+        central.ok("GET", "/v1/pods", None)["pods"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
 }
 
 fn cli(args: &[&str], api: &str) -> (bool, String, String) {
@@ -321,10 +483,28 @@ fn cli_pod_add_list_rm() {
     let wrong = data.0.join("wrong-token");
     std::fs::write(&wrong, "nope").unwrap();
 
-    let (ok, _, err) = cli(&["pod", "add", &pod.address, "--pod-token-file", wrong.to_str().unwrap()], &api);
+    let (ok, _, err) = cli(
+        &[
+            "pod",
+            "add",
+            &pod.address,
+            "--pod-token-file",
+            wrong.to_str().unwrap(),
+        ],
+        &api,
+    );
     assert!(!ok);
     assert!(err.contains("refused the token"), "{err}");
-    let (ok, out, err) = cli(&["pod", "add", &pod.address, "--pod-token-file", token_file.to_str().unwrap()], &api);
+    let (ok, out, err) = cli(
+        &[
+            "pod",
+            "add",
+            &pod.address,
+            "--pod-token-file",
+            token_file.to_str().unwrap(),
+        ],
+        &api,
+    );
     assert!(ok, "{err}");
     let id = out.trim().to_string();
     assert!(id.starts_with("pod_") && id != "pod_local", "{out}");
@@ -333,7 +513,10 @@ fn cli_pod_add_list_rm() {
     assert!(out.contains(&id) && out.contains("pod_local"), "{out}");
     let (ok, out, err) = cli(&["pod", "set", &id, "--ratio", "2"], &api);
     assert!(ok, "{err}");
-    assert!(out.contains(&format!("tcp:{}", pod.address.trim_start_matches("tcp:"))), "{out}");
+    assert!(
+        out.contains(&format!("tcp:{}", pod.address.trim_start_matches("tcp:"))),
+        "{out}"
+    );
     let (ok, _, err) = cli(&["pod", "rm", &id], &api);
     assert!(ok, "{err}");
     let (_, out, _) = cli(&["pod", "list"], &api);

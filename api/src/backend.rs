@@ -92,8 +92,8 @@ pub trait SandboxApi: Send + Sync + 'static {
         self.list_templates()?
             .into_iter()
             .map(|t| {
-                let mut v = serde_json::to_value(t)
-                    .map_err(|e| ServiceError::Internal(e.to_string()))?;
+                let mut v =
+                    serde_json::to_value(t).map_err(|e| ServiceError::Internal(e.to_string()))?;
                 v["pod"] = json!(LOCAL_POD);
                 Ok(v)
             })
@@ -120,7 +120,12 @@ pub trait SandboxApi: Send + Sync + 'static {
     }
     /// Forwards a fork of a sandbox on `pod` (`path` on the pod, JSON
     /// `body`), recording the new sandbox as the pod's before answering.
-    fn forward_fork(&self, _pod: &RemotePod, _path: &str, _body: Value) -> Result<Value, ServiceError> {
+    fn forward_fork(
+        &self,
+        _pod: &RemotePod,
+        _path: &str,
+        _body: Value,
+    ) -> Result<Value, ServiceError> {
         Err(no_remote_pods())
     }
 

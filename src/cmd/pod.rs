@@ -28,7 +28,15 @@ fn act(c: &Client, action: PodAction) -> Result<(), Error> {
                 .map(|p| {
                     if p["reachable"] == false {
                         let why = format!("unreachable: {}", text(&p["error"]));
-                        return vec![text(&p["id"]), "-".into(), "-".into(), "-".into(), "-".into(), "-".into(), why];
+                        return vec![
+                            text(&p["id"]),
+                            "-".into(),
+                            "-".into(),
+                            "-".into(),
+                            "-".into(),
+                            "-".into(),
+                            why,
+                        ];
                     }
                     vec![
                         text(&p["id"]),

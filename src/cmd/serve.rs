@@ -142,8 +142,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     )?;
     let tokens = tokens(&args, &data_dir)?;
     let request_timeout = Duration::from_millis(args.request_timeout_ms.max(1));
-    let federation = Federation::open(service.clone(), &data_dir, request_timeout)
-        .map_err(|e| e.to_string())?;
+    let federation =
+        Federation::open(service.clone(), &data_dir, request_timeout).map_err(|e| e.to_string())?;
     for (address, file) in args.pods.iter().zip(&args.pod_token_files) {
         let token = std::fs::read_to_string(file)
             .map_err(|e| format!("cannot read the pod token file {}: {e}", file.display()))?;
@@ -194,7 +194,10 @@ fn serve_pod(args: PodServeArgs) -> Result<(), String> {
     )?;
     let (token, created) = token_file(&args.token_file)?;
     if created {
-        println!("torpor pod: created a token in {}", args.token_file.display());
+        println!(
+            "torpor pod: created a token in {}",
+            args.token_file.display()
+        );
     }
     let api = torpor_api::ApiConfig {
         tokens: vec![token],

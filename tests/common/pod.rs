@@ -26,7 +26,14 @@ impl PodProcess {
         let token_file = data.join("pod-token");
         std::fs::write(&token_file, token).unwrap();
         let mut child = Command::new(TORPOR)
-            .args(["pod", "serve", "--listen", listen, "--policy-interval-ms", "0"])
+            .args([
+                "pod",
+                "serve",
+                "--listen",
+                listen,
+                "--policy-interval-ms",
+                "0",
+            ])
             .arg("--data-dir")
             .arg(data.join("pod"))
             .arg("--token-file")
@@ -77,8 +84,15 @@ impl PodProcess {
         let mut raw = String::new();
         let _ = s.read_to_string(&mut raw);
         let (head, rest) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-        let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap();
-        assert!(!head.to_ascii_lowercase().contains("chunked"), "chunked answer from the pod");
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap();
+        assert!(
+            !head.to_ascii_lowercase().contains("chunked"),
+            "chunked answer from the pod"
+        );
         HttpResponse {
             status,
             body: rest.to_string(),

@@ -75,11 +75,18 @@ impl<L: SandboxApi> Federation<L> {
     /// Opens the federation's store in `data_dir`, loads the remote pods and
     /// settles placements a crash left pending. `io_timeout` bounds each
     /// call to a pod.
-    pub fn open(local: Arc<L>, data_dir: &Path, io_timeout: Duration) -> Result<Arc<Self>, ServiceError> {
+    pub fn open(
+        local: Arc<L>,
+        data_dir: &Path,
+        io_timeout: Duration,
+    ) -> Result<Arc<Self>, ServiceError> {
         let store = FederationStore::open(data_dir).map_err(internal)?;
         let mut pods = BTreeMap::new();
         for p in store.pods().map_err(internal)? {
-            pods.insert(p.id.clone(), RemotePod::new(p.id, &p.address, &p.token, io_timeout)?);
+            pods.insert(
+                p.id.clone(),
+                RemotePod::new(p.id, &p.address, &p.token, io_timeout)?,
+            );
         }
         let owners = store.owners().map_err(internal)?.into_iter().collect();
         let fed = Arc::new(Federation {
@@ -94,15 +101,28 @@ impl<L: SandboxApi> Federation<L> {
     }
 
     fn pod(&self, id: &PodId) -> Option<RemotePod> {
-        self.pods.read().unwrap_or_else(|p| p.into_inner()).get(id).cloned()
+        self.pods
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
     }
 
     fn remote_pods(&self) -> Vec<RemotePod> {
-        self.pods.read().unwrap_or_else(|p| p.into_inner()).values().cloned().collect()
+        self.pods
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect()
     }
 
     fn owner(&self, id: &SandboxId) -> Option<PodId> {
-        self.owners.read().unwrap_or_else(|p| p.into_inner()).get(id).cloned()
+        self.owners
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
     }
 
     fn owned_by(&self, pod: &PodId) -> Vec<SandboxId> {
@@ -166,8 +186,14 @@ impl<L: SandboxApi> Federation<L> {
     }
 
     /// Ends a placement in the store and, for a made sandbox, in memory.
-    fn record(&self, placement: &str, made: Option<(&SandboxId, &PodId)>) -> Result<(), ServiceError> {
-        self.store.end_placement(placement, made).map_err(internal)?;
+    fn record(
+        &self,
+        placement: &str,
+        made: Option<(&SandboxId, &PodId)>,
+    ) -> Result<(), ServiceError> {
+        self.store
+            .end_placement(placement, made)
+            .map_err(internal)?;
         if let Some((sandbox, pod)) = made {
             self.owners
                 .write()
@@ -181,7 +207,11 @@ impl<L: SandboxApi> Federation<L> {
     /// for an address already registered with the same token.
     pub fn register(&self, req: AddPod) -> Result<Value, ServiceError> {
         pods::pod_address(&req.address)?;
-        if let Some(known) = self.remote_pods().into_iter().find(|p| p.address == req.address) {
+        if let Some(known) = self
+            .remote_pods()
+            .into_iter()
+            .find(|p| p.address == req.address)
+        {
             let same = self
                 .store
                 .pods()
@@ -226,7 +256,9 @@ impl<L: SandboxApi> Federation<L> {
     /// pod that does not answer can be removed (its sandboxes are forgotten).
     pub fn unregister(&self, id: &PodId) -> Result<(), ServiceError> {
         if id.as_str() == LOCAL_POD {
-            return Err(ServiceError::Invalid("the local pod cannot be removed".into()));
+            return Err(ServiceError::Invalid(
+                "the local pod cannot be removed".into(),
+            ));
         }
         let pod = self.pod(id).ok_or_else(|| ServiceError::NotFound {
             kind: "pod",
@@ -252,7 +284,10 @@ impl<L: SandboxApi> Federation<L> {
             }
         }
         self.store.remove_pod(id).map_err(internal)?;
-        self.pods.write().unwrap_or_else(|p| p.into_inner()).remove(id);
+        self.pods
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
         self.owners
             .write()
             .unwrap_or_else(|p| p.into_inner())
@@ -333,14 +368,21 @@ impl<L: SandboxApi> Federation<L> {
                     })
                 })
                 .collect();
-            handles.into_iter().filter_map(|h| h.join().ok().flatten()).collect()
+            handles
+                .into_iter()
+                .filter_map(|h| h.join().ok().flatten())
+                .collect()
         });
         out.extend(remote.into_iter().map(|(h, p)| (h, Some(p))));
         out.sort_by(|a, b| b.0.total_cmp(&a.0));
         out
     }
 
-    fn create_remote(&self, pod: &RemotePod, mut req: CreateSandbox) -> Result<Sandbox, ServiceError> {
+    fn create_remote(
+        &self,
+        pod: &RemotePod,
+        mut req: CreateSandbox,
+    ) -> Result<Sandbox, ServiceError> {
         req.pod = None;
         let body = serde_json::to_value(&req).map_err(internal)?;
         let v = self.place_remote(pod, "POST", "/v1/sandboxes", body)?;
@@ -351,7 +393,9 @@ impl<L: SandboxApi> Federation<L> {
     fn place(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
         if let Some(pinned) = req.pod.clone() {
             if pinned.as_str() == LOCAL_POD {
-                return self.local.create_sandbox(CreateSandbox { pod: None, ..req });
+                return self
+                    .local
+                    .create_sandbox(CreateSandbox { pod: None, ..req });
             }
             let pod = self.pod(&pinned).ok_or_else(|| ServiceError::NotFound {
                 kind: "pod",
@@ -372,7 +416,11 @@ impl<L: SandboxApi> Federation<L> {
             };
             match result {
                 Err(ServiceError::Admission { message }) => refusals.push(message),
-                Err(ServiceError::Pod { status: 429, message, .. }) => refusals.push(message),
+                Err(ServiceError::Pod {
+                    status: 429,
+                    message,
+                    ..
+                }) => refusals.push(message),
                 other => return other,
             }
         }
@@ -382,7 +430,11 @@ impl<L: SandboxApi> Federation<L> {
     }
 
     /// Remote sandboxes of ours matching `filter` (`pod` already applied).
-    fn list_remote(&self, pod: &RemotePod, filter: &SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
+    fn list_remote(
+        &self,
+        pod: &RemotePod,
+        filter: &SandboxFilter,
+    ) -> Result<Vec<Sandbox>, ServiceError> {
         let mut query: Vec<String> = Vec::new();
         if !filter.states.is_empty() {
             let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
@@ -417,19 +469,29 @@ impl<L: SandboxApi> Federation<L> {
         for pod in self.remote_pods() {
             match pod.call("GET", "/v1/templates", None) {
                 Ok(mut list) => {
-                    for mut t in list["templates"].as_array_mut().map(std::mem::take).unwrap_or_default() {
+                    for mut t in list["templates"]
+                        .as_array_mut()
+                        .map(std::mem::take)
+                        .unwrap_or_default()
+                    {
                         t["pod"] = json!(pod.id);
                         out.push(t);
                     }
                 }
-                Err(e) => tracing::warn!(pod = %pod.id, error = %e, "templates of an unreachable pod left out"),
+                Err(e) => {
+                    tracing::warn!(pod = %pod.id, error = %e, "templates of an unreachable pod left out")
+                }
             }
         }
         Ok(out)
     }
 
     /// The first remote pod that knows template `id`, and its answer.
-    fn remote_template(&self, method: &str, id: &TemplateId) -> Result<Option<Value>, ServiceError> {
+    fn remote_template(
+        &self,
+        method: &str,
+        id: &TemplateId,
+    ) -> Result<Option<Value>, ServiceError> {
         for pod in self.remote_pods() {
             let path = format!("/v1/templates/{}", encode(id.as_str()));
             match pod.call(method, &path, None) {
@@ -456,23 +518,28 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
     }
     fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError> {
         match self.local.get_template(id) {
-            Err(ServiceError::NotFound { kind, id: missing }) => match self.remote_template("GET", id)? {
-                Some(v) => serde_json::from_value(v).map_err(internal),
-                None => Err(ServiceError::NotFound { kind, id: missing }),
-            },
+            Err(ServiceError::NotFound { kind, id: missing }) => {
+                match self.remote_template("GET", id)? {
+                    Some(v) => serde_json::from_value(v).map_err(internal),
+                    None => Err(ServiceError::NotFound { kind, id: missing }),
+                }
+            }
             other => other,
         }
     }
     fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError> {
         match req.pod.clone() {
             None => self.local.create_template(req),
-            Some(p) if p.as_str() == LOCAL_POD => self.local.create_template(CreateTemplate { pod: None, ..req }),
+            Some(p) if p.as_str() == LOCAL_POD => self
+                .local
+                .create_template(CreateTemplate { pod: None, ..req }),
             Some(p) => {
                 let pod = self.pod(&p).ok_or_else(|| ServiceError::NotFound {
                     kind: "pod",
                     id: p.to_string(),
                 })?;
-                let body = serde_json::to_value(CreateTemplate { pod: None, ..req }).map_err(internal)?;
+                let body =
+                    serde_json::to_value(CreateTemplate { pod: None, ..req }).map_err(internal)?;
                 let v = pod.call("POST", "/v1/templates", Some(&body))?;
                 serde_json::from_value(v).map_err(internal)
             }
@@ -480,10 +547,12 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
     }
     fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError> {
         match self.local.delete_template(id) {
-            Err(ServiceError::NotFound { kind, id: missing }) => match self.remote_template("DELETE", id)? {
-                Some(_) => Ok(()),
-                None => Err(ServiceError::NotFound { kind, id: missing }),
-            },
+            Err(ServiceError::NotFound { kind, id: missing }) => {
+                match self.remote_template("DELETE", id)? {
+                    Some(_) => Ok(()),
+                    None => Err(ServiceError::NotFound { kind, id: missing }),
+                }
+            }
             other => other,
         }
     }
@@ -506,7 +575,9 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
             }
             match self.list_remote(&pod, &filter) {
                 Ok(list) => out.extend(list),
-                Err(e) => tracing::warn!(pod = %pod.id, error = %e, "sandboxes of an unreachable pod left out"),
+                Err(e) => {
+                    tracing::warn!(pod = %pod.id, error = %e, "sandboxes of an unreachable pod left out")
+                }
             }
         }
         out.sort_by(|a, b| a.created_at.cmp(&b.created_at));
@@ -524,7 +595,12 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
         self.local.delete_sandbox(id)
     }
-    fn set_timeout(&self, id: &SandboxId, keep_alive_ms: Option<u64>, timeout_ms: Option<u64>) -> Result<Sandbox, ServiceError> {
+    fn set_timeout(
+        &self,
+        id: &SandboxId,
+        keep_alive_ms: Option<u64>,
+        timeout_ms: Option<u64>,
+    ) -> Result<Sandbox, ServiceError> {
         self.local.set_timeout(id, keep_alive_ms, timeout_ms)
     }
     fn list_pods(&self) -> Result<Vec<PodView>, ServiceError> {
@@ -543,7 +619,12 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
         out.extend(remote);
         Ok(out)
     }
-    fn set_pod(&self, id: &PodId, ratio: Option<f64>, high_watermark: Option<f64>) -> Result<PodView, ServiceError> {
+    fn set_pod(
+        &self,
+        id: &PodId,
+        ratio: Option<f64>,
+        high_watermark: Option<f64>,
+    ) -> Result<PodView, ServiceError> {
         self.local.set_pod(id, ratio, high_watermark)
     }
     fn add_pod(&self, req: AddPod) -> Result<Value, ServiceError> {
@@ -558,7 +639,12 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
     fn remote_pod(&self, id: &PodId) -> Option<RemotePod> {
         self.pod(id)
     }
-    fn forward_fork(&self, pod: &RemotePod, path: &str, body: Value) -> Result<Value, ServiceError> {
+    fn forward_fork(
+        &self,
+        pod: &RemotePod,
+        path: &str,
+        body: Value,
+    ) -> Result<Value, ServiceError> {
         self.place_remote(pod, "POST", path, body)
     }
     fn metrics(&self) -> String {
@@ -567,19 +653,31 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
     fn list_checkpoints(&self, id: &SandboxId) -> Result<Vec<Checkpoint>, ServiceError> {
         self.local.list_checkpoints(id)
     }
-    fn create_checkpoint(&self, id: &SandboxId, req: CreateCheckpoint) -> Result<Checkpoint, ServiceError> {
+    fn create_checkpoint(
+        &self,
+        id: &SandboxId,
+        req: CreateCheckpoint,
+    ) -> Result<Checkpoint, ServiceError> {
         self.local.create_checkpoint(id, req)
     }
     fn delete_checkpoint(&self, id: &SandboxId, name: &str) -> Result<(), ServiceError> {
         self.local.delete_checkpoint(id, name)
     }
-    fn restore_checkpoint(&self, id: &SandboxId, req: RestoreCheckpoint) -> Result<Outcome, ServiceError> {
+    fn restore_checkpoint(
+        &self,
+        id: &SandboxId,
+        req: RestoreCheckpoint,
+    ) -> Result<Outcome, ServiceError> {
         self.local.restore_checkpoint(id, req)
     }
     fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
         self.local.fork_sandbox(id, req)
     }
-    fn exec(&self, id: &SandboxId, req: ExecRequest) -> Result<GuestCall<ExecOutput>, ServiceError> {
+    fn exec(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+    ) -> Result<GuestCall<ExecOutput>, ServiceError> {
         self.local.exec(id, req)
     }
     fn exec_streaming(
@@ -594,7 +692,13 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
     fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
         self.local.read_file(id, path)
     }
-    fn write_file(&self, id: &SandboxId, path: &str, data: &[u8], mode: Option<u32>) -> Result<GuestCall<u64>, ServiceError> {
+    fn write_file(
+        &self,
+        id: &SandboxId,
+        path: &str,
+        data: &[u8],
+        mode: Option<u32>,
+    ) -> Result<GuestCall<u64>, ServiceError> {
         self.local.write_file(id, path, data, mode)
     }
     fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError> {

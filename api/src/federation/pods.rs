@@ -27,10 +27,10 @@ pub fn pod_address(address: &str) -> Result<PodAddress, ServiceError> {
     if let Some(path) = address.strip_prefix("unix:").filter(|p| p.starts_with('/')) {
         return Ok(PodAddress::Unix { path: path.into() });
     }
-    if let Some(addr) = address
-        .strip_prefix("tcp:")
-        .filter(|a| a.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok()))
-    {
+    if let Some(addr) = address.strip_prefix("tcp:").filter(|a| {
+        a.rsplit_once(':')
+            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+    }) {
         return Ok(PodAddress::Tcp { addr: addr.into() });
     }
     Err(ServiceError::Invalid(format!(
@@ -46,7 +46,8 @@ impl RemotePod {
         io_timeout: Duration,
     ) -> Result<Self, ServiceError> {
         pod_address(address)?;
-        let endpoint = Endpoint::parse(address).map_err(|e| ServiceError::Invalid(e.to_string()))?;
+        let endpoint =
+            Endpoint::parse(address).map_err(|e| ServiceError::Invalid(e.to_string()))?;
         let client = HttpClient::new(endpoint, Some(token.to_string()), io_timeout)
             .map_err(|e| ServiceError::Invalid(e.to_string()))?;
         Ok(RemotePod {
@@ -66,7 +67,12 @@ impl RemotePod {
     }
 
     /// One request with a JSON body (or none); the raw answer.
-    pub fn send(&self, method: &str, path: &str, body: Option<&Value>) -> Result<Answer, ServiceError> {
+    pub fn send(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Answer, ServiceError> {
         let text = body.map(|b| b.to_string());
         let body = text.as_deref().map(|t| ("application/json", t.as_bytes()));
         self.client
@@ -76,7 +82,12 @@ impl RemotePod {
 
     /// One JSON request; 2xx answers give their JSON (`Null` when empty),
     /// error answers the pod's status, code and message.
-    pub fn call(&self, method: &str, path: &str, body: Option<&Value>) -> Result<Value, ServiceError> {
+    pub fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Value, ServiceError> {
         let answer = self.send(method, path, body)?;
         if !answer.is_success() {
             return Err(self.error(&answer));
@@ -87,7 +98,10 @@ impl RemotePod {
         serde_json::from_slice(&answer.body).map_err(|e| ServiceError::Pod {
             status: 502,
             code: code::POD_UNREACHABLE.into(),
-            message: format!("pod {}: the answer to {method} {path} is not JSON ({e})", self.id),
+            message: format!(
+                "pod {}: the answer to {method} {path} is not JSON ({e})",
+                self.id
+            ),
         })
     }
 
@@ -96,7 +110,10 @@ impl RemotePod {
         let (code, message) = error_fields(&answer.body).unwrap_or_else(|| {
             (
                 String::new(),
-                String::from_utf8_lossy(&answer.body).chars().take(400).collect(),
+                String::from_utf8_lossy(&answer.body)
+                    .chars()
+                    .take(400)
+                    .collect(),
             )
         });
         ServiceError::Pod {
@@ -175,12 +192,19 @@ mod tests {
 
     #[test]
     fn addresses_and_headroom() {
-        assert!(matches!(pod_address("unix:/run/p.sock"), Ok(PodAddress::Unix { .. })));
-        assert!(matches!(pod_address("tcp:10.1.2.3:7701"), Ok(PodAddress::Tcp { .. })));
+        assert!(matches!(
+            pod_address("unix:/run/p.sock"),
+            Ok(PodAddress::Unix { .. })
+        ));
+        assert!(matches!(
+            pod_address("tcp:10.1.2.3:7701"),
+            Ok(PodAddress::Tcp { .. })
+        ));
         for bad in ["unix:rel", "tcp:host", "tcp::7", "http://h:1", "h:1"] {
             assert!(pod_address(bad).is_err(), "{bad}");
         }
-        let e = json!({"memory_bytes": 1u64 << 30, "oversubscription_ratio": 2.0, "committed_mib": 48});
+        let e =
+            json!({"memory_bytes": 1u64 << 30, "oversubscription_ratio": 2.0, "committed_mib": 48});
         assert_eq!(headroom_mib(&e), 2000.0);
         let mut v = json!({"sandboxes": [{"id": "sbx_1", "pod": "pod_local"}], "sandbox": {"pod": "pod_x"}});
         rewrite_pod_ids(&mut v, &PodId::new("pod_r"));

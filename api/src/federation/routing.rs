@@ -55,14 +55,20 @@ pub async fn forward<S: SandboxApi>(
         (Some("sandboxes"), Some(id)) => service
             .remote_sandbox(&SandboxId::new(id))
             .map(|p| (p, Target::Sandbox)),
-        (Some("pods"), Some(id)) => service.remote_pod(&PodId::new(id)).map(|p| (p, Target::Pod)),
+        (Some("pods"), Some(id)) => service
+            .remote_pod(&PodId::new(id))
+            .map(|p| (p, Target::Pod)),
         _ => None,
     };
     let Some((pod, target)) = target else {
         return next.run(request).await;
     };
     let method = request.method().as_str().to_string();
-    let query = request.uri().query().map(|q| format!("?{q}")).unwrap_or_default();
+    let query = request
+        .uri()
+        .query()
+        .map(|q| format!("?{q}"))
+        .unwrap_or_default();
     let content_type = request
         .headers()
         .get(header::CONTENT_TYPE)
@@ -70,7 +76,9 @@ pub async fn forward<S: SandboxApi>(
         .map(str::to_string);
     let body = match axum::body::to_bytes(request.into_body(), MAX_FORWARDED_BODY).await {
         Ok(b) => b,
-        Err(e) => return ApiError::invalid(format!("cannot read the request body: {e}")).into_response(),
+        Err(e) => {
+            return ApiError::invalid(format!("cannot read the request body: {e}")).into_response()
+        }
     };
     let remote_path = match target {
         Target::Pod => format!("/v1/pods/{LOCAL_POD}{query}"),
@@ -84,7 +92,7 @@ pub async fn forward<S: SandboxApi>(
     }
     let call_pod = pod.clone();
     let answer = tokio::task::spawn_blocking(move || {
-        let body = content_type.as_deref().map(|ct| (ct, &body[..]));
+        let body = outgoing(content_type.as_deref(), &body);
         call_pod.client.request(&method, &remote_path, body, None)
     })
     .await;
@@ -92,6 +100,16 @@ pub async fn forward<S: SandboxApi>(
         Ok(Ok(answer)) => pass_back(&pod, target, answer),
         Ok(Err(e)) => ApiError::from(pod.unreachable(&e)).into_response(),
         Err(join) => ApiError::internal(format!("forwarding failed: {join}")).into_response(),
+    }
+}
+
+/// The body to send on: as it came, typed as it came (raw bytes when
+/// untyped, as the file routes take them).
+fn outgoing<'a>(content_type: Option<&'a str>, body: &'a [u8]) -> Option<(&'a str, &'a [u8])> {
+    match content_type {
+        Some(ct) => Some((ct, body)),
+        None if body.is_empty() => None,
+        None => Some(("application/octet-stream", body)),
     }
 }
 
@@ -123,13 +141,21 @@ fn copy_headers(from: &[(String, String)], response: &mut Response) {
         if !keep {
             continue;
         }
-        if let (Ok(n), Ok(v)) = (HeaderName::try_from(name.as_str()), HeaderValue::from_str(value)) {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::try_from(name.as_str()),
+            HeaderValue::from_str(value),
+        ) {
             response.headers_mut().insert(n, v);
         }
     }
 }
 
-async fn fork<S: SandboxApi>(service: Arc<S>, pod: RemotePod, path: String, body: Bytes) -> Response {
+async fn fork<S: SandboxApi>(
+    service: Arc<S>,
+    pod: RemotePod,
+    path: String,
+    body: Bytes,
+) -> Response {
     let body: Value = if body.is_empty() {
         Value::Object(Default::default())
     } else {
@@ -142,7 +168,10 @@ async fn fork<S: SandboxApi>(service: Arc<S>, pod: RemotePod, path: String, body
     match result {
         Ok(Ok(sandbox)) => {
             let building = sandbox["state"] == "creating";
-            let location = format!("/v1/sandboxes/{}", sandbox["id"].as_str().unwrap_or_default());
+            let location = format!(
+                "/v1/sandboxes/{}",
+                sandbox["id"].as_str().unwrap_or_default()
+            );
             crate::handlers::created(location, building, sandbox)
         }
         Ok(Err(e)) => ApiError::from(e).into_response(),
@@ -151,7 +180,12 @@ async fn fork<S: SandboxApi>(service: Arc<S>, pod: RemotePod, path: String, body
 }
 
 /// Relays an NDJSON exec stream as the pod sends it.
-async fn stream(pod: RemotePod, path: String, content_type: Option<String>, body: Bytes) -> Response {
+async fn stream(
+    pod: RemotePod,
+    path: String,
+    content_type: Option<String>,
+    body: Bytes,
+) -> Response {
     let (head_tx, head_rx) = oneshot::channel::<(u16, Vec<(String, String)>)>();
     let (chunk_tx, chunk_rx) = mpsc::channel::<Bytes>(16);
     let call_pod = pod.clone();
@@ -166,7 +200,7 @@ async fn stream(pod: RemotePod, path: String, content_type: Option<String>, body
             // A client gone away drops the receiver: the rest is discarded.
             let _ = chunk_tx.blocking_send(Bytes::copy_from_slice(chunk));
         };
-        let body = content_type.as_deref().map(|ct| (ct, &body[..]));
+        let body = outgoing(content_type.as_deref(), &body);
         call_pod.client.request(
             "POST",
             &path,
@@ -190,8 +224,10 @@ async fn stream(pod: RemotePod, path: String, content_type: Option<String>, body
         _ => match task.await {
             Ok(Ok(answer)) => pass_back(&pod, Target::Sandbox, answer),
             Ok(Err(e)) => ApiError::from(pod.unreachable(&e)).into_response(),
-            Err(join) => ApiError::from(ServiceError::Internal(format!("forwarding failed: {join}")))
-                .into_response(),
+            Err(join) => {
+                ApiError::from(ServiceError::Internal(format!("forwarding failed: {join}")))
+                    .into_response()
+            }
         },
     }
 }

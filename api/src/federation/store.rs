@@ -99,7 +99,8 @@ impl FederationStore {
 
     pub fn pods(&self) -> Result<Vec<StoredPod>> {
         let conn = self.conn();
-        let mut st = conn.prepare("SELECT id, address, token FROM remote_pods ORDER BY created_at")?;
+        let mut st =
+            conn.prepare("SELECT id, address, token FROM remote_pods ORDER BY created_at")?;
         let rows = st.query_map([], |r| {
             Ok(StoredPod {
                 id: PodId::new(r.get::<_, String>(0)?),
@@ -209,7 +210,10 @@ mod tests {
         assert_eq!(store.pods().unwrap(), vec![pod.clone()]);
         store.remove_pod(&pod.id).unwrap();
         assert!(store.owners().unwrap().is_empty());
-        let mode = std::fs::metadata(dir.join(FEDERATION_DB)).unwrap().permissions().mode();
+        let mode = std::fs::metadata(dir.join(FEDERATION_DB))
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o600);
         let _ = std::fs::remove_dir_all(&dir);
     }
