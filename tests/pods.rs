@@ -523,4 +523,51 @@ fn cli_pod_add_list_rm() {
     assert!(!out.contains(&id), "{out}");
     let (ok, _, err) = cli(&["pod", "rm", &id], &api);
     assert!(!ok && err.contains("HTTP 404"), "{err}");
+
+    // The CLI reaches a pod's API on its unix socket too.
+    let sock = data.0.join("cli.sock");
+    let unix_pod = PodProcess::start(
+        &data.0.join("u"),
+        &format!("unix:{}", sock.display()),
+        "unix-cli-token",
+    );
+    let out = Command::new(TORPOR)
+        .args([
+            "pod",
+            "list",
+            "--json",
+            "--api",
+            &unix_pod.address,
+            "--token",
+            "unix-cli-token",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["pods"][0]["id"], "pod_local");
+    let refused = Command::new(TORPOR)
+        .args([
+            "pod",
+            "add",
+            "unix:/x.sock",
+            "--pod-token",
+            "t",
+            "--api",
+            &unix_pod.address,
+            "--token",
+            "unix-cli-token",
+        ])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("HTTP 501"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
 }

@@ -125,9 +125,14 @@ impl Answer {
 /// they are read; a 2xx chunked body then goes to `on_chunk` chunk by chunk
 /// as it arrives (any other body is collected into the [`Answer`]).
 pub struct Streaming<'a> {
-    pub on_head: &'a mut dyn FnMut(u16, &[(String, String)]),
-    pub on_chunk: &'a mut dyn FnMut(&[u8]),
+    pub on_head: HeadSink<'a>,
+    pub on_chunk: ChunkSink<'a>,
 }
+
+/// Sees a response's status and headers.
+pub type HeadSink<'a> = &'a mut dyn FnMut(u16, &[(String, String)]);
+/// Sees a response body's chunks.
+pub type ChunkSink<'a> = &'a mut dyn FnMut(&[u8]);
 
 /// An endpoint, its bearer token and its I/O timeout.
 #[derive(Clone)]
@@ -364,7 +369,7 @@ fn read_response(
 fn read_chunked(
     r: &mut impl BufRead,
     body: &mut Vec<u8>,
-    mut sink: Option<&mut dyn FnMut(&[u8])>,
+    mut sink: Option<ChunkSink<'_>>,
 ) -> std::io::Result<()> {
     let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string());
     let mut line = String::new();

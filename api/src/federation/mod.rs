@@ -580,7 +580,7 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
                 }
             }
         }
-        out.sort_by(|a, b| a.created_at.cmp(&b.created_at));
+        out.sort_by_key(|s| s.created_at);
         Ok(out)
     }
     fn pause(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
