@@ -37,10 +37,15 @@ mod tempdir {
 }
 
 async fn pair(name: &str) -> Pair {
+    pair_with(name, Duration::from_secs(20)).await
+}
+
+/// `io_timeout`: how long the central waits for the pod.
+async fn pair_with(name: &str, io_timeout: Duration) -> Pair {
     let dir = tempdir::Dir::new(name);
     let pod = Server::start().await;
     let local = Arc::new(Fake::new());
-    let federation = Federation::open(Arc::clone(&local), &dir.0, Duration::from_secs(20)).unwrap();
+    let federation = Federation::open(Arc::clone(&local), &dir.0, io_timeout).unwrap();
     let central = Server::start_over(federation, local, Server::config()).await;
     let r = central
         .call(
@@ -195,4 +200,38 @@ async fn a_pod_alone_refuses_registration() {
         .call("DELETE", "/v1/pods/pod_x", None)
         .await
         .assert_error(501, "unsupported");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_pod_is_listed_unreachable_without_failing_the_lists() {
+    let p = pair_with("hung", Duration::from_secs(2)).await;
+    let r = p
+        .central
+        .call(
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"template": "probe", "pod": "pod_local"})),
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let addr = p.pod.addr;
+    p.pod.shutdown().await.unwrap();
+    // Accepts connections (the kernel's backlog) and never answers.
+    let _hung = std::net::TcpListener::bind(addr).unwrap();
+    let pods = p.central.call("GET", "/v1/pods", None).await;
+    assert_eq!(pods.status, 200, "{}", pods.text());
+    let v = pods.json();
+    assert_eq!(v["pods"][0]["reachable"], true);
+    assert_eq!(v["pods"][1]["id"], p.pod_id.as_str());
+    assert_eq!(v["pods"][1]["reachable"], false);
+    assert!(
+        v["pods"][1]["error"]
+            .as_str()
+            .unwrap()
+            .contains("did not answer"),
+        "{v}"
+    );
+    let list = p.central.call("GET", "/v1/sandboxes", None).await;
+    assert_eq!(list.status, 200, "{}", list.text());
+    assert_eq!(list.json()["sandboxes"].as_array().unwrap().len(), 1);
 }

@@ -156,7 +156,7 @@ impl<L: SandboxApi> Federation<L> {
                 encode(PLACEMENT_KEY),
                 encode(&placement.id)
             );
-            let found = match pod.call("GET", &path, None) {
+            let found = match pod.look(&path) {
                 Ok(v) => v,
                 Err(e) => {
                     tracing::warn!(placement = %placement.id, error = %e, "pending placement kept: pod unreachable");
@@ -266,7 +266,7 @@ impl<L: SandboxApi> Federation<L> {
         })?;
         let ours = self.owned_by(id);
         if !ours.is_empty() {
-            match pod.call("GET", "/v1/sandboxes", None) {
+            match pod.look("/v1/sandboxes") {
                 Ok(list) => {
                     let live = list["sandboxes"]
                         .as_array()
@@ -354,7 +354,7 @@ impl<L: SandboxApi> Federation<L> {
                 .into_iter()
                 .map(|pod| {
                     scope.spawn(move || {
-                        let templates = pod.call("GET", "/v1/templates", None).ok()?;
+                        let templates = pod.look("/v1/templates").ok()?;
                         let has = templates["templates"]
                             .as_array()
                             .into_iter()
@@ -451,7 +451,7 @@ impl<L: SandboxApi> Federation<L> {
         } else {
             format!("/v1/sandboxes?{}", query.join("&"))
         };
-        let mut v = pod.call("GET", &path, None)?;
+        let mut v = pod.look(&path)?;
         pods::rewrite_pod_ids(&mut v, &pod.id);
         let all: Vec<Sandbox> = serde_json::from_value(v["sandboxes"].take()).map_err(internal)?;
         let ours = self.owned_by(&pod.id);
@@ -467,7 +467,7 @@ impl<L: SandboxApi> Federation<L> {
             out.push(v);
         }
         for pod in self.remote_pods() {
-            match pod.call("GET", "/v1/templates", None) {
+            match pod.look("/v1/templates") {
                 Ok(mut list) => {
                     for mut t in list["templates"]
                         .as_array_mut()
@@ -569,15 +569,30 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
         } else {
             Vec::new()
         };
-        for pod in self.remote_pods() {
-            if filter.pod.as_ref().is_some_and(|p| *p != pod.id) {
-                continue;
-            }
-            match self.list_remote(&pod, &filter) {
+        let pods: Vec<RemotePod> = self
+            .remote_pods()
+            .into_iter()
+            .filter(|pod| filter.pod.as_ref().is_none_or(|p| *p == pod.id))
+            .collect();
+        let filter = &filter;
+        let lists = std::thread::scope(|scope| {
+            let handles: Vec<_> = pods
+                .iter()
+                .map(|pod| scope.spawn(move || (pod, self.list_remote(pod, filter))))
+                .collect();
+            handles
+                .into_iter()
+                .filter_map(|h| h.join().ok())
+                .collect::<Vec<_>>()
+        });
+        for (pod, list) in lists {
+            match list {
                 Ok(list) => out.extend(list),
-                Err(e) => {
-                    tracing::warn!(pod = %pod.id, error = %e, "sandboxes of an unreachable pod left out")
-                }
+                Err(e) => tracing::warn!(
+                    pod = %pod.id,
+                    error = %e,
+                    "sandboxes of an unreachable pod left out"
+                ),
             }
         }
         out.sort_by_key(|s| s.created_at);

@@ -19,8 +19,16 @@ pub struct RemotePod {
     pub id: PodId,
     /// As registered: `unix:PATH` or `tcp:HOST:PORT`.
     pub address: String,
+    /// For requests forwarded and operations (bounded by the API's request
+    /// timeout).
     pub client: HttpClient,
+    /// For reads that other answers wait on (lists, loads, placement): a
+    /// pod that hangs must not hold up the other pods' part.
+    lookup: HttpClient,
 }
+
+/// Longest a lookup (list, load) waits for a pod.
+pub const LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// `unix:PATH` or `tcp:HOST:PORT` as the model's address.
 pub fn pod_address(address: &str) -> Result<PodAddress, ServiceError> {
@@ -50,10 +58,17 @@ impl RemotePod {
             Endpoint::parse(address).map_err(|e| ServiceError::Invalid(e.to_string()))?;
         let client = HttpClient::new(endpoint, Some(token.to_string()), io_timeout)
             .map_err(|e| ServiceError::Invalid(e.to_string()))?;
+        let lookup = HttpClient::new(
+            client.endpoint.clone(),
+            Some(token.to_string()),
+            io_timeout.min(LOOKUP_TIMEOUT),
+        )
+        .map_err(|e| ServiceError::Invalid(e.to_string()))?;
         Ok(RemotePod {
             id,
             address: address.to_string(),
             client,
+            lookup,
         })
     }
 
@@ -73,11 +88,27 @@ impl RemotePod {
         path: &str,
         body: Option<&Value>,
     ) -> Result<Answer, ServiceError> {
+        self.send_with(&self.client, method, path, body)
+    }
+
+    fn send_with(
+        &self,
+        client: &HttpClient,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Answer, ServiceError> {
         let text = body.map(|b| b.to_string());
         let body = text.as_deref().map(|t| ("application/json", t.as_bytes()));
-        self.client
+        client
             .request(method, path, body, None)
             .map_err(|e| self.unreachable(&e))
+    }
+
+    /// A `GET` other answers wait on, within [`LOOKUP_TIMEOUT`].
+    pub fn look(&self, path: &str) -> Result<Value, ServiceError> {
+        let answer = self.send_with(&self.lookup, "GET", path, None)?;
+        self.json(answer, "GET", path)
     }
 
     /// One JSON request; 2xx answers give their JSON (`Null` when empty),
@@ -89,6 +120,10 @@ impl RemotePod {
         body: Option<&Value>,
     ) -> Result<Value, ServiceError> {
         let answer = self.send(method, path, body)?;
+        self.json(answer, method, path)
+    }
+
+    fn json(&self, answer: Answer, method: &str, path: &str) -> Result<Value, ServiceError> {
         if !answer.is_success() {
             return Err(self.error(&answer));
         }
@@ -126,7 +161,7 @@ impl RemotePod {
     /// The pod's own entry from its `GET /v1/pods`, as this federation names
     /// it (id and address), with `reachable`; or the error.
     pub fn load(&self) -> Result<Value, ServiceError> {
-        let answer = self.call("GET", "/v1/pods", None)?;
+        let answer = self.look("/v1/pods")?;
         let mut entry = answer["pods"]
             .as_array()
             .and_then(|pods| pods.iter().find(|p| p["id"] == LOCAL_POD).or(pods.first()))
