@@ -33,7 +33,8 @@ pub enum Command {
     Sandbox(SandboxCommand),
     /// Templates, through the REST API: list, get, create, rm.
     Template(TemplateCommand),
-    /// Pods (the hosts sandboxes run on), through the REST API: list, set.
+    /// Pods (the hosts sandboxes run on): list, set, add, rm through the
+    /// REST API; `pod serve` runs one.
     Pod(PodCommand),
     /// Write the built-in probe guest kernel (an ELF) to a file.
     ProbeImage {
@@ -412,6 +413,10 @@ pub struct SandboxCreateArgs {
     /// full.
     #[arg(long)]
     pub queue: bool,
+    /// Place it on this pod (see `torpor pod list`) instead of letting the
+    /// server choose.
+    #[arg(long, value_name = "ID")]
+    pub pod: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -571,6 +576,9 @@ pub struct TemplateCreateArgs {
     /// The kernel command line [default: the service's for the kind].
     #[arg(long, value_name = "ARGS")]
     pub cmdline: Option<String>,
+    /// Build it on this pod (templates are per pod) [default: the local pod].
+    #[arg(long, value_name = "ID")]
+    pub pod: Option<String>,
 }
 
 #[derive(Debug, Args)]

@@ -517,6 +517,30 @@ fn cli_pod_add_list_rm() {
         out.contains(&format!("tcp:{}", pod.address.trim_start_matches("tcp:"))),
         "{out}"
     );
+    // Templates show their pod; a sandbox pinned with --pod lands there.
+    let (ok, out, err) = cli(&["template", "list"], &api);
+    assert!(ok, "{err}");
+    assert!(
+        out.lines()
+            .any(|l| l.contains(" probe ") && l.ends_with(&id)),
+        "{out}"
+    );
+    let (ok, out, err) = cli(
+        &["sandbox", "create", "--template", "probe", "--pod", &id],
+        &api,
+    );
+    assert!(ok, "{err}");
+    let sandbox = out.trim().to_string();
+    let (ok, out, err) = cli(&["sandbox", "get", &sandbox, "--json"], &api);
+    assert!(ok, "{err}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&out).unwrap()["pod"],
+        id.as_str()
+    );
+    let (ok, _, err) = cli(&["pod", "rm", &id], &api);
+    assert!(!ok && err.contains("HTTP 409"), "{err}");
+    let (ok, _, err) = cli(&["sandbox", "rm", &sandbox], &api);
+    assert!(ok, "{err}");
     let (ok, _, err) = cli(&["pod", "rm", &id], &api);
     assert!(ok, "{err}");
     let (_, out, _) = cli(&["pod", "list"], &api);

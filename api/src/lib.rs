@@ -28,6 +28,8 @@
 //! | `Internal`, a panicking service call       | 500    | `internal`               |
 //! | `Unsupported` (e.g. a Linux template on a PVM host) | 501 | `unsupported`     |
 //! | agent unreachable (guest gone), other agent errors, failed post-restore hook | 502 | `agent_error` |
+//! | a remote pod that does not answer (the federation) | 502 | `pod_unreachable` |
+//! | a remote pod's own error answer            | its status | its code     |
 //! | request past `request_timeout`             | 504    | `timeout`                |
 
 use std::future::Future;
