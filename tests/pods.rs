@@ -242,6 +242,12 @@ fn unix_and_tcp_pods_are_placed_on_routed_to_and_listed() {
     assert_eq!(no_agent.status, 422, "{}", no_agent.body);
     assert_eq!(error_code(&no_agent), "no_agent");
 
+    let bad_fork = central.call(
+        "POST",
+        &format!("{base}/fork"),
+        Some(json!({"metadata": "x"})),
+    );
+    assert_eq!(bad_fork.status, 400, "{}", bad_fork.body);
     // Fork lands on the source's pod.
     let fork = central.ok("POST", &format!("{base}/fork"), Some(json!({})));
     assert_eq!(fork["pod"], u.as_str(), "{fork}");

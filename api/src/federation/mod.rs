@@ -304,6 +304,11 @@ impl<L: SandboxApi> Federation<L> {
         path: &str,
         mut body: Value,
     ) -> Result<Value, ServiceError> {
+        if !(body["metadata"].is_null() || body["metadata"].is_object()) {
+            return Err(ServiceError::Invalid(
+                "metadata must be an object of strings".into(),
+            ));
+        }
         let placement = self.store.begin_placement(&pod.id).map_err(internal)?;
         body["metadata"][PLACEMENT_KEY] = json!(placement.id);
         let answer = pod.send(method, path, Some(&body));
