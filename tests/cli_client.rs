@@ -230,6 +230,7 @@ fn sandboxes_templates_and_pods_through_the_api() {
         header,
         [
             "ID",
+            "ADDRESS",
             "MEMORY",
             "RATIO",
             "WATERMARK",

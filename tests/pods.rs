@@ -517,6 +517,8 @@ fn cli_pod_add_list_rm() {
     let (ok, out, err) = cli(&["pod", "list"], &api);
     assert!(ok, "{err}");
     assert!(out.contains(&id) && out.contains("pod_local"), "{out}");
+    let row = out.lines().find(|l| l.starts_with(&id)).unwrap();
+    assert!(row.contains(&pod.address), "{out}");
     let (ok, out, err) = cli(&["pod", "set", &id, "--ratio", "2"], &api);
     assert!(ok, "{err}");
     assert!(

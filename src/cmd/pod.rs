@@ -30,6 +30,7 @@ fn act(c: &Client, action: PodAction) -> Result<(), Error> {
                         let why = format!("unreachable: {}", text(&p["error"]));
                         return vec![
                             text(&p["id"]),
+                            address(&p["address"]),
                             "-".into(),
                             "-".into(),
                             "-".into(),
@@ -40,6 +41,7 @@ fn act(c: &Client, action: PodAction) -> Result<(), Error> {
                     }
                     vec![
                         text(&p["id"]),
+                        address(&p["address"]),
                         bytes(&p["memory_bytes"]),
                         text(&p["oversubscription_ratio"]),
                         text(&p["high_watermark"]),
@@ -51,6 +53,7 @@ fn act(c: &Client, action: PodAction) -> Result<(), Error> {
                 .collect();
             let header = [
                 "ID",
+                "ADDRESS",
                 "MEMORY",
                 "RATIO",
                 "WATERMARK",
@@ -101,11 +104,7 @@ fn set(c: &Client, args: PodSetArgs) -> Result<(), Error> {
     let Some(p) = c.show("PATCH", &path, Some(&Value::Object(body)))? else {
         return Ok(());
     };
-    let address = match p["address"]["kind"].as_str() {
-        Some("unix") => format!("unix:{}", text(&p["address"]["path"])),
-        Some("tcp") => format!("tcp:{}", text(&p["address"]["addr"])),
-        _ => text(&p["address"]["kind"]),
-    };
+    let address = address(&p["address"]);
     print!(
         "{}",
         fields(&[
@@ -123,6 +122,15 @@ fn set(c: &Client, args: PodSetArgs) -> Result<(), Error> {
         ])
     );
     Ok(())
+}
+
+/// `local`, `unix:PATH` or `tcp:HOST:PORT`.
+fn address(a: &Value) -> String {
+    match a["kind"].as_str() {
+        Some("unix") => format!("unix:{}", text(&a["path"])),
+        Some("tcp") => format!("tcp:{}", text(&a["addr"])),
+        _ => text(&a["kind"]),
+    }
 }
 
 /// Bytes as MiB or GiB.
