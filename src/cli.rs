@@ -276,8 +276,8 @@ pub struct PodServeArgs {
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "API access")]
 pub struct ClientArgs {
-    /// Base URL of the API, http only [default: $TORPOR_API, else
-    /// http://127.0.0.1:7700].
+    /// Base URL of the API: http://HOST[:PORT] or unix:/PATH (a pod's
+    /// socket) [default: $TORPOR_API, else http://127.0.0.1:7700].
     #[arg(long, global = true, value_name = "URL")]
     pub api: Option<String>,
     /// API bearer token [default: $TORPOR_TOKEN, else the token file of the
@@ -591,7 +591,8 @@ pub struct PodCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum PodAction {
-    /// List pods: ID, MEMORY, RATIO, WATERMARK, COMMITTED, PSS, SANDBOXES.
+    /// List pods: ID, ADDRESS, MEMORY, RATIO, WATERMARK, COMMITTED, PSS,
+    /// SANDBOXES (a remote pod that does not answer: `unreachable` and why).
     #[command(visible_alias = "ls")]
     List,
     /// Change a pod's oversubscription ratio and/or high watermark.
