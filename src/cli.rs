@@ -33,7 +33,8 @@ pub enum Command {
     Sandbox(SandboxCommand),
     /// Templates, through the REST API: list, get, create, rm.
     Template(TemplateCommand),
-    /// Pods (the hosts sandboxes run on), through the REST API: list, set.
+    /// Pods (the hosts sandboxes run on): list, set, add, rm through the
+    /// REST API; `pod serve` runs one.
     Pod(PodCommand),
     /// Write the built-in probe guest kernel (an ELF) to a file.
     ProbeImage {
@@ -283,6 +284,39 @@ pub struct ServeArgs {
     /// emulation that can take minutes); past it the answer is 504.
     #[arg(long, default_value_t = 120_000, value_name = "N")]
     pub request_timeout_ms: u64,
+    /// Register a remote pod (`torpor pod serve`) at start-up:
+    /// unix:/PATH or tcp:HOST:PORT (repeatable; each with a --pod-token-file,
+    /// in the same order). Pods registered before stay registered.
+    #[arg(long = "pod", value_name = "ADDR")]
+    pub pods: Vec<String>,
+    /// The file holding the token of the --pod at the same position.
+    #[arg(long = "pod-token-file", value_name = "F")]
+    pub pod_token_files: Vec<PathBuf>,
+}
+
+/// `torpor pod serve`.
+#[derive(Debug, Args)]
+pub struct PodServeArgs {
+    /// Where the pod's API listens: unix:/PATH or tcp:ADDR:PORT.
+    #[arg(long, value_name = "unix:PATH|tcp:ADDR:PORT")]
+    pub listen: String,
+    /// Where the pod's store, templates and snapshots live (default as for
+    /// `torpor serve`).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// The file holding the pod's bearer token (created with a random one,
+    /// mode 0600, if missing); `torpor serve` registers the pod with it.
+    #[arg(long, value_name = "F")]
+    pub token_file: PathBuf,
+    /// How often the hibernation policy runs, in ms (0 turns it off).
+    #[arg(long, default_value_t = 1000)]
+    pub policy_interval_ms: u64,
+    /// Default keep-alive of a sandbox before it is hibernated when idle.
+    #[arg(long, default_value_t = 300_000)]
+    pub keep_alive_ms: u64,
+    /// Longest a request may take; past it the answer is 504.
+    #[arg(long, default_value_t = 120_000, value_name = "N")]
+    pub request_timeout_ms: u64,
 }
 
 /// How the `sandbox`, `template` and `pod` commands reach the API. Errors
@@ -290,8 +324,8 @@ pub struct ServeArgs {
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "API access")]
 pub struct ClientArgs {
-    /// Base URL of the API, http only [default: $TORPOR_API, else
-    /// http://127.0.0.1:7700].
+    /// Base URL of the API: http://HOST[:PORT] or unix:/PATH (a pod's
+    /// socket) [default: $TORPOR_API, else http://127.0.0.1:7700].
     #[arg(long, global = true, value_name = "URL")]
     pub api: Option<String>,
     /// API bearer token [default: $TORPOR_TOKEN, else the token file of the
@@ -427,6 +461,10 @@ pub struct SandboxCreateArgs {
     /// full.
     #[arg(long)]
     pub queue: bool,
+    /// Place it on this pod (see `torpor pod list`) instead of letting the
+    /// server choose.
+    #[arg(long, value_name = "ID")]
+    pub pod: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -586,6 +624,9 @@ pub struct TemplateCreateArgs {
     /// The kernel command line [default: the service's for the kind].
     #[arg(long, value_name = "ARGS")]
     pub cmdline: Option<String>,
+    /// Build it on this pod (templates are per pod) [default: the local pod].
+    #[arg(long, value_name = "ID")]
+    pub pod: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -598,11 +639,40 @@ pub struct PodCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum PodAction {
-    /// List pods: ID, MEMORY, RATIO, WATERMARK, COMMITTED, PSS, SANDBOXES.
+    /// List pods: ID, ADDRESS, MEMORY, RATIO, WATERMARK, COMMITTED, PSS,
+    /// SANDBOXES (a remote pod that does not answer: `unreachable` and why).
     #[command(visible_alias = "ls")]
     List,
     /// Change a pod's oversubscription ratio and/or high watermark.
     Set(PodSetArgs),
+    /// Register a remote pod with the API's `torpor serve`.
+    Add(PodAddArgs),
+    /// Unregister a remote pod (refused while it holds live sandboxes).
+    #[command(visible_alias = "remove")]
+    Rm {
+        /// The pod id.
+        #[arg(value_name = "ID")]
+        id: String,
+    },
+    /// Run a pod: the sandbox service of this host (its VMMs, store and
+    /// hibernation policy) behind the REST API on a unix socket or TCP, for
+    /// a `torpor serve` to register. It registers no pods of its own.
+    Serve(PodServeArgs),
+}
+
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("secret").required(true)))]
+pub struct PodAddArgs {
+    /// Where the pod listens: unix:/PATH or tcp:HOST:PORT.
+    #[arg(value_name = "ADDR")]
+    pub address: String,
+    /// The pod's token, from this file.
+    #[arg(long, value_name = "F", group = "secret")]
+    pub pod_token_file: Option<PathBuf>,
+    /// The pod's token (visible to other users in the process list; prefer
+    /// --pod-token-file).
+    #[arg(long, value_name = "T", group = "secret")]
+    pub pod_token: Option<String>,
 }
 
 #[derive(Debug, Args)]

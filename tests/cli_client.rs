@@ -136,7 +136,7 @@ fn sandboxes_templates_and_pods_through_the_api() {
         .unwrap()
         .split_whitespace()
         .collect();
-    assert_eq!(header, ["ID", "NAME", "KIND", "STATE", "MEM"]);
+    assert_eq!(header, ["ID", "NAME", "KIND", "STATE", "MEM", "POD"]);
     let probe = templates.lines().find(|l| l.contains(" probe ")).unwrap();
     assert!(probe.contains("ready"), "{templates}");
     let listed = c.json(&["template", "list"]);
@@ -230,6 +230,7 @@ fn sandboxes_templates_and_pods_through_the_api() {
         header,
         [
             "ID",
+            "ADDRESS",
             "MEMORY",
             "RATIO",
             "WATERMARK",

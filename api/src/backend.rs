@@ -5,7 +5,11 @@
 //! requests, snapshots); the handlers call them through
 //! `tokio::task::spawn_blocking`.
 
+use serde_json::{json, Value};
 use torpor_scheduler::model::{Checkpoint, PodId, Sandbox, SandboxId, Template, TemplateId};
+use torpor_scheduler::service::LOCAL_POD;
+
+use crate::federation::{AddPod, RemotePod};
 
 use crate::service::{
     CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
@@ -15,6 +19,25 @@ use crate::service::{
 
 fn no_checkpoints() -> ServiceError {
     ServiceError::Unsupported("this backend keeps no checkpoints".into())
+}
+
+fn no_remote_pods() -> ServiceError {
+    ServiceError::Unsupported(
+        "this server runs one pod and registers no others (`torpor pod serve`); \
+         register pods with the `torpor serve` they should join"
+            .into(),
+    )
+}
+
+/// A request pinned to a pod other than this one.
+fn not_here(pod: &Option<PodId>) -> Result<(), ServiceError> {
+    match pod {
+        Some(p) if p.as_str() != LOCAL_POD => Err(ServiceError::NotFound {
+            kind: "pod",
+            id: p.to_string(),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// The sandbox service as the API sees it. Mirrors
@@ -49,6 +72,62 @@ pub trait SandboxApi: Send + Sync + 'static {
 
     /// Prometheus text exposition.
     fn metrics(&self) -> String;
+
+    // Pods and templates as listed (`GET /v1/pods`, `GET /v1/templates`):
+    // JSON objects, so that the federation can add remote pods' entries
+    // (`reachable`, `error`) and each template's `pod`.
+
+    fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
+        self.list_pods()?
+            .into_iter()
+            .map(|v| {
+                let mut e = serde_json::to_value(crate::wire::PodBody::from(v))
+                    .map_err(|e| ServiceError::Internal(e.to_string()))?;
+                e["reachable"] = Value::Bool(true);
+                Ok(e)
+            })
+            .collect()
+    }
+    fn template_entries(&self) -> Result<Vec<Value>, ServiceError> {
+        self.list_templates()?
+            .into_iter()
+            .map(|t| {
+                let mut v =
+                    serde_json::to_value(t).map_err(|e| ServiceError::Internal(e.to_string()))?;
+                v["pod"] = json!(LOCAL_POD);
+                Ok(v)
+            })
+            .collect()
+    }
+
+    // Remote pods (the federation; see `crate::federation`). A single pod
+    // keeps these defaults: nothing is remote, registration is refused.
+
+    /// Registers a remote pod; its listing entry.
+    fn add_pod(&self, _req: AddPod) -> Result<Value, ServiceError> {
+        Err(no_remote_pods())
+    }
+    fn remove_pod(&self, _id: &PodId) -> Result<(), ServiceError> {
+        Err(no_remote_pods())
+    }
+    /// The remote pod that owns this sandbox: its routes are forwarded there.
+    fn remote_sandbox(&self, _id: &SandboxId) -> Option<RemotePod> {
+        None
+    }
+    /// The remote pod with this id: `PATCH /v1/pods/{id}` is forwarded there.
+    fn remote_pod(&self, _id: &PodId) -> Option<RemotePod> {
+        None
+    }
+    /// Forwards a fork of a sandbox on `pod` (`path` on the pod, JSON
+    /// `body`), recording the new sandbox as the pod's before answering.
+    fn forward_fork(
+        &self,
+        _pod: &RemotePod,
+        _path: &str,
+        _body: Value,
+    ) -> Result<Value, ServiceError> {
+        Err(no_remote_pods())
+    }
 
     // Checkpoints, restore and fork need snapshots: a backend without them
     // (the API tests' in-memory fake) keeps these defaults, which answer
@@ -107,12 +186,14 @@ impl SandboxApi for Service {
         Service::get_template(self, id)
     }
     fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError> {
+        not_here(&req.pod)?;
         Service::create_template(self, req)
     }
     fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError> {
         Service::delete_template(self, id)
     }
     fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
+        not_here(&req.pod)?;
         Service::create_sandbox(self, req)
     }
     fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {

@@ -34,6 +34,8 @@ pub mod code {
     pub const FORBIDDEN: &str = "forbidden";
     pub const NO_AGENT: &str = "no_agent";
     pub const AGENT_ERROR: &str = "agent_error";
+    /// A remote pod did not answer (its sandboxes cannot be reached).
+    pub const POD_UNREACHABLE: &str = "pod_unreachable";
 
     /// Every code (the OpenAPI document lists the same).
     pub const ALL: &[&str] = &[
@@ -52,6 +54,7 @@ pub mod code {
         FORBIDDEN,
         NO_AGENT,
         AGENT_ERROR,
+        POD_UNREACHABLE,
     ];
 }
 
@@ -181,6 +184,18 @@ impl From<ServiceError> for ApiError {
                 ApiError::internal(message)
             }
             ServiceError::Guest(g) => guest_error(&g, message),
+            ServiceError::Pod { status, code, .. } => {
+                let status = StatusCode::from_u16(status)
+                    .ok()
+                    .filter(|s| s.is_client_error() || s.is_server_error())
+                    .unwrap_or(StatusCode::BAD_GATEWAY);
+                let code = code::ALL
+                    .iter()
+                    .copied()
+                    .find(|c| *c == code)
+                    .unwrap_or_else(|| code_for_status(status));
+                ApiError::new(status, code, message)
+            }
         }
     }
 }

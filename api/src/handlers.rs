@@ -99,7 +99,7 @@ pub async fn metrics<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Response> {
 // Templates.
 
 pub async fn list_templates<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Json<TemplateList>> {
-    let templates = call(&st, |s| s.list_templates()).await?;
+    let templates = call(&st, |s| s.template_entries()).await?;
     Ok(Json(TemplateList { templates }))
 }
 
@@ -222,10 +222,26 @@ pub async fn hibernate_sandbox<S: SandboxApi>(
 // Pods.
 
 pub async fn list_pods<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Json<PodList>> {
-    let pods = call(&st, |s| s.list_pods()).await?;
-    Ok(Json(PodList {
-        pods: pods.into_iter().map(PodBody::from).collect(),
-    }))
+    let pods = call(&st, |s| s.pod_entries()).await?;
+    Ok(Json(PodList { pods }))
+}
+
+pub async fn add_pod<S: SandboxApi>(
+    State(st): Api<S>,
+    ApiJson(body): ApiJson<crate::federation::AddPod>,
+) -> ApiResult<Response> {
+    let entry = call(&st, move |s| s.add_pod(body)).await?;
+    let location = format!("/v1/pods/{}", entry["id"].as_str().unwrap_or_default());
+    Ok(created(location, false, entry))
+}
+
+pub async fn remove_pod<S: SandboxApi>(
+    State(st): Api<S>,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    let id = PodId::new(id);
+    call(&st, move |s| s.remove_pod(&id)).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 pub async fn update_pod<S: SandboxApi>(

@@ -28,6 +28,8 @@
 //! | `Internal`, a panicking service call       | 500    | `internal`               |
 //! | `Unsupported` (e.g. a Linux template on a PVM host) | 501 | `unsupported`     |
 //! | agent unreachable (guest gone), other agent errors, failed post-restore hook | 502 | `agent_error` |
+//! | a remote pod that does not answer (the federation) | 502 | `pod_unreachable` |
+//! | a remote pod's own error answer            | its status | its code     |
 //! | request past `request_timeout`             | 504    | `timeout`                |
 
 use std::future::Future;
@@ -45,7 +47,9 @@ use axum::Router;
 pub mod auth;
 pub mod backend;
 mod checkpoint_routes;
+pub mod client;
 pub mod error;
+pub mod federation;
 pub mod guest_routes;
 mod handlers;
 pub mod openapi;
@@ -162,7 +166,9 @@ pub const ROUTES: &[Route] = &[
     route("PUT", "/v1/sandboxes/{id}/files", "writeFile"),
     route("GET", "/v1/sandboxes/{id}/files/list", "listFiles"),
     route("GET", "/v1/pods", "listPods"),
+    route("POST", "/v1/pods", "addPod"),
     route("PATCH", "/v1/pods/{id}", "updatePod"),
+    route("DELETE", "/v1/pods/{id}", "removePod"),
 ];
 
 /// The handler of an operation, for the given method.
@@ -196,6 +202,8 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "listFiles" => on(m, guest_routes::list_files::<S>),
         "listPods" => on(m, list_pods::<S>),
         "updatePod" => on(m, update_pod::<S>),
+        "addPod" => on(m, add_pod::<S>),
+        "removePod" => on(m, remove_pod::<S>),
         other => panic!("route table names unknown operation {other:?}"),
     }
 }
@@ -264,6 +272,14 @@ pub fn router<S: SandboxApi>(service: Arc<S>, config: ApiConfig) -> Router {
     let mut app: Router<AppState<S>> = Router::new();
     for r in ROUTES {
         let mut endpoint = endpoint::<S>(r.operation, method_filter(r.method));
+        if federation::routing::forwards(r) {
+            // Inside the auth layer: only authenticated requests are
+            // forwarded (with the pod's own token).
+            endpoint = endpoint.route_layer(middleware::from_fn_with_state(
+                Arc::clone(&service),
+                federation::routing::forward::<S>,
+            ));
+        }
         if r.auth {
             endpoint = endpoint.route_layer(middleware::from_fn_with_state(
                 tokens.clone(),
@@ -302,6 +318,24 @@ where
         }
     });
     axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// [`serve`] on a unix socket (a `torpor pod` reached by a `torpor serve`
+/// on the same host). Access is the bearer token, as over TCP; the socket
+/// file's mode is the umask's.
+pub async fn serve_unix<S, F>(
+    listener: tokio::net::UnixListener,
+    service: Arc<S>,
+    config: ApiConfig,
+    shutdown: F,
+) -> std::io::Result<()>
+where
+    S: SandboxApi,
+    F: Future<Output = ()> + Send + 'static,
+{
+    axum::serve(listener, router(service, config))
         .with_graceful_shutdown(shutdown)
         .await
 }

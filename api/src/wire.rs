@@ -12,7 +12,7 @@ use axum::extract::{FromRequest, Request};
 use axum::http::StatusCode;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use torpor_scheduler::model::{Pod, PodId, Sandbox, SandboxState, Template, TemplateId};
+use torpor_scheduler::model::{Pod, PodId, Sandbox, SandboxState, TemplateId};
 
 use crate::error::{code, ApiError};
 use crate::service::{Outcome, PodView, SandboxFilter};
@@ -43,9 +43,10 @@ pub struct Health {
     pub version: &'static str,
 }
 
+/// Templates, each with the `pod` it is on.
 #[derive(Debug, Serialize)]
 pub struct TemplateList {
-    pub templates: Vec<Template>,
+    pub templates: Vec<serde_json::Value>,
 }
 
 #[derive(Debug, Serialize)]
@@ -53,9 +54,11 @@ pub struct SandboxList {
     pub sandboxes: Vec<Sandbox>,
 }
 
+/// Pod entries: a [`PodBody`] with `reachable: true`, or for a remote pod
+/// that does not answer `id`, `address`, `reachable: false` and `error`.
 #[derive(Debug, Serialize)]
 pub struct PodList {
-    pub pods: Vec<PodBody>,
+    pub pods: Vec<serde_json::Value>,
 }
 
 /// A sandbox after pause, resume or hibernate, and whether answering it

@@ -5,9 +5,12 @@ use serde_json::{Map, Value};
 
 use super::client::{encode, Client, Error};
 use super::sandbox::{fields, table, text, when};
-use crate::cli::{PodAction, PodCommand, PodSetArgs};
+use crate::cli::{PodAction, PodAddArgs, PodCommand, PodSetArgs};
 
 pub fn run(cmd: PodCommand) -> i32 {
+    if let PodAction::Serve(args) = cmd.action {
+        return super::serve::run_pod(args);
+    }
     Client::run(&cmd.client, |c| act(c, cmd.action))
 }
 
@@ -23,8 +26,22 @@ fn act(c: &Client, action: PodAction) -> Result<(), Error> {
                 .unwrap_or_default()
                 .iter()
                 .map(|p| {
+                    if p["reachable"] == false {
+                        let why = format!("unreachable: {}", text(&p["error"]));
+                        return vec![
+                            text(&p["id"]),
+                            address(&p["address"]),
+                            "-".into(),
+                            "-".into(),
+                            "-".into(),
+                            "-".into(),
+                            "-".into(),
+                            why,
+                        ];
+                    }
                     vec![
                         text(&p["id"]),
+                        address(&p["address"]),
                         bytes(&p["memory_bytes"]),
                         text(&p["oversubscription_ratio"]),
                         text(&p["high_watermark"]),
@@ -36,6 +53,7 @@ fn act(c: &Client, action: PodAction) -> Result<(), Error> {
                 .collect();
             let header = [
                 "ID",
+                "ADDRESS",
                 "MEMORY",
                 "RATIO",
                 "WATERMARK",
@@ -47,7 +65,31 @@ fn act(c: &Client, action: PodAction) -> Result<(), Error> {
             Ok(())
         }
         PodAction::Set(args) => set(c, args),
+        PodAction::Add(args) => add(c, args),
+        PodAction::Rm { id } => {
+            c.call("DELETE", &format!("/v1/pods/{}", encode(&id)), None)?;
+            println!("{id}");
+            Ok(())
+        }
+        PodAction::Serve(_) => unreachable!("`pod serve` runs a pod, handled in run"),
     }
+}
+
+fn add(c: &Client, args: PodAddArgs) -> Result<(), Error> {
+    let token = match (args.pod_token, args.pod_token_file) {
+        (Some(t), _) => t,
+        (None, Some(f)) => std::fs::read_to_string(&f)
+            .map_err(|e| Error::Transport(format!("cannot read {}: {e}", f.display())))?
+            .trim()
+            .to_string(),
+        (None, None) => unreachable!("clap requires one of them"),
+    };
+    let body = serde_json::json!({"address": args.address, "token": token});
+    let Some(p) = c.show("POST", "/v1/pods", Some(&body))? else {
+        return Ok(());
+    };
+    println!("{}", text(&p["id"]));
+    Ok(())
 }
 
 fn set(c: &Client, args: PodSetArgs) -> Result<(), Error> {
@@ -62,11 +104,7 @@ fn set(c: &Client, args: PodSetArgs) -> Result<(), Error> {
     let Some(p) = c.show("PATCH", &path, Some(&Value::Object(body)))? else {
         return Ok(());
     };
-    let address = match p["address"]["kind"].as_str() {
-        Some("unix") => format!("unix:{}", text(&p["address"]["path"])),
-        Some("tcp") => format!("tcp:{}", text(&p["address"]["addr"])),
-        _ => text(&p["address"]["kind"]),
-    };
+    let address = address(&p["address"]);
     print!(
         "{}",
         fields(&[
@@ -84,6 +122,15 @@ fn set(c: &Client, args: PodSetArgs) -> Result<(), Error> {
         ])
     );
     Ok(())
+}
+
+/// `local`, `unix:PATH` or `tcp:HOST:PORT`.
+fn address(a: &Value) -> String {
+    match a["kind"].as_str() {
+        Some("unix") => format!("unix:{}", text(&a["path"])),
+        Some("tcp") => format!("tcp:{}", text(&a["addr"])),
+        _ => text(&a["kind"]),
+    }
 }
 
 /// Bytes as MiB or GiB.

@@ -68,6 +68,9 @@ fn create(c: &Client, args: SandboxCreateArgs) -> Result<(), Error> {
     if args.queue {
         body.insert("queue".into(), true.into());
     }
+    if let Some(pod) = args.pod {
+        body.insert("pod".into(), pod.into());
+    }
     let Some(v) = c.show("POST", "/v1/sandboxes", Some(&Value::Object(body)))? else {
         return Ok(());
     };

@@ -1,15 +1,19 @@
 //! `torpor serve`: the REST API, the scheduler and the store, with one local
-//! pod, in this process. Embedded defaults: SQLite in the data directory
-//! and the built-in probe template.
+//! pod in this process and the remote pods registered with it (the
+//! federation). Embedded defaults: SQLite in the data directory and the
+//! built-in probe template. `torpor pod serve`: one pod alone, its API on a
+//! unix socket or TCP, for a `torpor serve` to register.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
+use torpor_api::federation::{AddPod, Federation};
 use torpor_scheduler::service::{Service, ServiceConfig};
 
 use super::{EXIT_FAILURE, EXIT_OK};
-use crate::cli::ServeArgs;
+use crate::cli::{PodServeArgs, ServeArgs};
 
 /// Where state lives unless `--data-dir` or TORPOR_DATA_DIR says otherwise.
 pub(crate) fn default_data_dir() -> PathBuf {
@@ -26,15 +30,28 @@ pub(crate) fn default_data_dir() -> PathBuf {
     home.join(".local/share/torpor")
 }
 
-/// Tokens from flags, else from the token file in the data directory
-/// (created with a random token on first start, mode 0600).
-fn tokens(args: &ServeArgs, data_dir: &std::path::Path) -> Result<Vec<String>, String> {
+/// Tokens from flags, else from the token file in the data directory.
+fn tokens(args: &ServeArgs, data_dir: &Path) -> Result<Vec<String>, String> {
     if !args.token.is_empty() {
         return Ok(args.token.clone());
     }
     let path = data_dir.join("token");
-    if let Ok(t) = std::fs::read_to_string(&path) {
-        return Ok(vec![t.trim().to_string()]);
+    let (token, created) = token_file(&path)?;
+    if created {
+        println!("torpor serve: created an API token in {}", path.display());
+    }
+    Ok(vec![token])
+}
+
+/// The token in `path`, or a new random one written there (mode 0600);
+/// whether it was created.
+pub(crate) fn token_file(path: &Path) -> Result<(String, bool), String> {
+    if let Ok(t) = std::fs::read_to_string(path) {
+        let t = t.trim().to_string();
+        if t.is_empty() {
+            return Err(format!("{} is empty", path.display()));
+        }
+        return Ok((t, false));
     }
     let mut raw = [0u8; 24];
     // SAFETY: getrandom writes at most raw.len() bytes into raw.
@@ -47,15 +64,22 @@ fn tokens(args: &ServeArgs, data_dir: &std::path::Path) -> Result<Vec<String>, S
         .create_new(true)
         .write(true)
         .mode(0o600)
-        .open(&path)
+        .open(path)
         .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
     std::io::Write::write_all(&mut f, token.as_bytes()).map_err(|e| e.to_string())?;
-    println!("torpor serve: created an API token in {}", path.display());
-    Ok(vec![token])
+    Ok((token, true))
 }
 
 pub fn run(args: ServeArgs) -> i32 {
-    match serve(args) {
+    exit_status(serve(args))
+}
+
+pub fn run_pod(args: PodServeArgs) -> i32 {
+    exit_status(serve_pod(args))
+}
+
+fn exit_status(result: Result<(), String>) -> i32 {
+    match result {
         Ok(()) => EXIT_OK,
         Err(e) => {
             eprintln!("torpor: error: {e}");
@@ -64,21 +88,25 @@ pub fn run(args: ServeArgs) -> i32 {
     }
 }
 
-fn serve(args: ServeArgs) -> Result<(), String> {
-    let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
-    std::fs::create_dir_all(&data_dir)
+/// The local pod's service in `data_dir`; `who` prefixes what it prints.
+fn open_service(
+    who: &str,
+    data_dir: &Path,
+    policy_interval_ms: u64,
+    keep_alive_ms: u64,
+) -> Result<Arc<Service>, String> {
+    std::fs::create_dir_all(data_dir)
         .map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
-    let tokens = tokens(&args, &data_dir)?;
     let exe =
         std::env::current_exe().map_err(|e| format!("cannot find the torpor executable: {e}"))?;
-    let mut config = ServiceConfig::new(data_dir.clone(), exe);
-    config.policy_interval_ms = args.policy_interval_ms;
-    config.default_keep_alive_ms = args.keep_alive_ms;
-    println!("torpor serve: data dir {}", data_dir.display());
+    let mut config = ServiceConfig::new(data_dir.to_path_buf(), exe);
+    config.policy_interval_ms = policy_interval_ms;
+    config.default_keep_alive_ms = keep_alive_ms;
+    println!("{who}: data dir {}", data_dir.display());
     let host = torpor_scheduler::service::host_guests();
     let kinds: Vec<&str> = host.kinds().iter().map(|k| k.as_str()).collect();
     println!(
-        "torpor serve: the local pod runs template kinds: {} ({})",
+        "{who}: the local pod runs template kinds: {} ({})",
         if kinds.is_empty() {
             "none".to_string()
         } else {
@@ -87,34 +115,124 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         host.summary
     );
     if let Some(why) = host.linux_refusal() {
-        println!("torpor serve: no Linux templates here: {why}");
+        println!("{who}: no Linux templates here: {why}");
     }
-    let service: Arc<Service> = Service::open(config).map_err(|e| e.to_string())?;
-    println!("torpor serve: built-in template `probe` is ready");
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    let service = Service::open(config).map_err(|e| e.to_string())?;
+    println!("{who}: built-in template `probe` is ready");
+    Ok(service)
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .map_err(|e| format!("cannot start the async runtime: {e}"))?;
-    let listen: SocketAddr = args.listen;
+        .map_err(|e| format!("cannot start the async runtime: {e}"))
+}
+
+fn serve(args: ServeArgs) -> Result<(), String> {
+    let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
+    if args.pods.len() != args.pod_token_files.len() {
+        return Err("give one --pod-token-file for each --pod, in the same order".into());
+    }
+    let service = open_service(
+        "torpor serve",
+        &data_dir,
+        args.policy_interval_ms,
+        args.keep_alive_ms,
+    )?;
+    let tokens = tokens(&args, &data_dir)?;
+    let request_timeout = Duration::from_millis(args.request_timeout_ms.max(1));
+    let federation =
+        Federation::open(service.clone(), &data_dir, request_timeout).map_err(|e| e.to_string())?;
+    for (address, file) in args.pods.iter().zip(&args.pod_token_files) {
+        let token = std::fs::read_to_string(file)
+            .map_err(|e| format!("cannot read the pod token file {}: {e}", file.display()))?;
+        let req = AddPod {
+            address: address.clone(),
+            token: token.trim().to_string(),
+        };
+        let entry = federation
+            .register(req)
+            .map_err(|e| format!("cannot register the pod at {address}: {e}"))?;
+        println!(
+            "torpor serve: pod {} at {address}",
+            entry["id"].as_str().unwrap_or_default()
+        );
+    }
     let api = torpor_api::ApiConfig {
         tokens,
-        request_timeout: std::time::Duration::from_millis(args.request_timeout_ms.max(1)),
+        request_timeout,
         ..Default::default()
     };
-    let result = runtime.block_on(async move {
+    let listen: SocketAddr = args.listen;
+    runtime()?.block_on(async move {
         let listener = tokio::net::TcpListener::bind(listen)
             .await
             .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
         println!("torpor serve: listening on http://{addr}");
-        let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
-        };
-        torpor_api::serve(listener, service.clone(), api, shutdown)
+        torpor_api::serve(listener, federation, api, ctrl_c())
             .await
             .map_err(|e| e.to_string())?;
         service.close();
         Ok::<(), String>(())
-    });
-    result
+    })
+}
+
+async fn ctrl_c() {
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+/// `torpor pod serve`: the same service and API, one pod, no federation.
+fn serve_pod(args: PodServeArgs) -> Result<(), String> {
+    let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
+    let service = open_service(
+        "torpor pod",
+        &data_dir,
+        args.policy_interval_ms,
+        args.keep_alive_ms,
+    )?;
+    let (token, created) = token_file(&args.token_file)?;
+    if created {
+        println!(
+            "torpor pod: created a token in {}",
+            args.token_file.display()
+        );
+    }
+    let api = torpor_api::ApiConfig {
+        tokens: vec![token],
+        request_timeout: Duration::from_millis(args.request_timeout_ms.max(1)),
+        ..Default::default()
+    };
+    runtime()?.block_on(async move {
+        if let Some(path) = args.listen.strip_prefix("unix:") {
+            // A socket left by a pod that died: nothing listens on it.
+            if std::os::unix::net::UnixStream::connect(path).is_err() {
+                let _ = std::fs::remove_file(path);
+            }
+            let listener = tokio::net::UnixListener::bind(path)
+                .map_err(|e| format!("cannot listen on {path}: {e}"))?;
+            println!("torpor pod: listening on unix:{path}");
+            torpor_api::serve_unix(listener, service.clone(), api, ctrl_c())
+                .await
+                .map_err(|e| e.to_string())?;
+            let _ = std::fs::remove_file(path);
+        } else if let Some(addr) = args.listen.strip_prefix("tcp:") {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+            let addr = listener.local_addr().map_err(|e| e.to_string())?;
+            println!("torpor pod: listening on tcp:{addr}");
+            torpor_api::serve(listener, service.clone(), api, ctrl_c())
+                .await
+                .map_err(|e| e.to_string())?;
+        } else {
+            return Err(format!(
+                "--listen {}: expected unix:/PATH or tcp:ADDR:PORT",
+                args.listen
+            ));
+        }
+        service.close();
+        Ok::<(), String>(())
+    })
 }

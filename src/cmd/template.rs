@@ -26,10 +26,12 @@ fn act(c: &Client, action: TemplateAction) -> Result<(), Error> {
                         text(&t["kind"]),
                         text(&t["state"]),
                         format!("{}MiB", text(&t["mem_mib"])),
+                        text(&t["pod"]),
                     ]
                 })
                 .collect();
-            print!("{}", table(&["ID", "NAME", "KIND", "STATE", "MEM"], &rows));
+            let header = ["ID", "NAME", "KIND", "STATE", "MEM", "POD"];
+            print!("{}", table(&header, &rows));
             Ok(())
         }
         TemplateAction::Get(a) => {
@@ -109,6 +111,9 @@ fn create(c: &Client, args: TemplateCreateArgs) -> Result<(), Error> {
     }
     if let Some(c) = args.cmdline {
         body.insert("cmdline".into(), c.into());
+    }
+    if let Some(pod) = args.pod {
+        body.insert("pod".into(), pod.into());
     }
     let Some(v) = c.show("POST", "/v1/templates", Some(&Value::Object(body)))? else {
         return Ok(());

@@ -544,18 +544,22 @@ impl Server {
     }
 
     pub async fn start_with(config: ApiConfig) -> Server {
+        let fake = Arc::new(Fake::new());
+        Self::start_over(Arc::clone(&fake), fake, config).await
+    }
+
+    /// A server over `service` (a federation over `fake`, say).
+    pub async fn start_over<S: SandboxApi>(
+        service: Arc<S>,
+        fake: Arc<Fake>,
+        config: ApiConfig,
+    ) -> Server {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let fake = Arc::new(Fake::new());
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(torpor_api::serve(
-            listener,
-            Arc::clone(&fake),
-            config,
-            async {
-                let _ = stopped.await;
-            },
-        ));
+        let task = tokio::spawn(torpor_api::serve(listener, service, config, async {
+            let _ = stopped.await;
+        }));
         Server {
             addr,
             fake,

@@ -94,6 +94,15 @@ pub enum ServiceError {
     /// Exec and files: the guest agent could not do it (see [`GuestError`]).
     #[error(transparent)]
     Guest(#[from] GuestError),
+    /// A remote pod's own error answer, passed through by the federation
+    /// (`torpor serve` with remote pods); `pod_unreachable` (502) when the
+    /// pod does not answer.
+    #[error("{message}")]
+    Pod {
+        status: u16,
+        code: String,
+        message: String,
+    },
 }
 
 impl From<StoreError> for ServiceError {
@@ -145,6 +154,10 @@ pub struct CreateTemplate {
     pub vcpus: u32,
     #[serde(default)]
     pub cmdline: Option<String>,
+    /// The pod to build it on (`torpor serve` with remote pods); the local
+    /// pod when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<PodId>,
 }
 
 fn default_mem() -> u32 {
@@ -170,6 +183,10 @@ pub struct CreateSandbox {
     /// Wait (up to 30 s) for capacity instead of refusing at once.
     #[serde(default)]
     pub queue: bool,
+    /// Pin it to this pod (`torpor serve` with remote pods) instead of
+    /// letting placement choose.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<PodId>,
 }
 
 /// The result of an operation, and whether it had to wake the sandbox.

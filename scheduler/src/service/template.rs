@@ -43,6 +43,7 @@ impl Service {
             mem_mib: 64,
             vcpus: 1,
             cmdline: None,
+            pod: None,
         })
         .map(|_| ())
     }

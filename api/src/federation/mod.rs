@@ -1,0 +1,727 @@
+//! The federation: `torpor serve`'s [`SandboxApi`] over its local pod (the
+//! in-process [`Service`]) and remote pods (`torpor pod serve`, reached
+//! through their own REST API with their token).
+//!
+//! Each pod is an autonomous service deciding admission and hibernation for
+//! its own memory; the federation only places sandboxes on pods and routes
+//! requests to the owning pod:
+//!
+//! - placement (`create_sandbox`): among pods that have the template (or
+//!   the one pinned with `pod`), by most free admission headroom; a pod's
+//!   429 moves on to the next, 429 when every pod refuses;
+//! - routing ([`routing`]): every sandbox route of a remote sandbox, and
+//!   `PATCH /v1/pods/{id}` of a remote pod, is forwarded as it came and its
+//!   answer passed back (a pod that does not answer: 502 `pod_unreachable`);
+//! - lists merge the pods (templates with a `pod` field);
+//! - crash safety ([`store`]): a forwarded create or fork is recorded as a
+//!   pending placement first and tagged `torpor.placement` on the sandbox;
+//!   the owner is recorded before the API answers; on start, pending
+//!   placements are matched against what the pods hold and adopted or
+//!   dropped.
+
+pub mod pods;
+pub mod routing;
+pub mod store;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+use torpor_scheduler::model::{Checkpoint, PodId, Sandbox, SandboxId, Template, TemplateId};
+use torpor_scheduler::service::LOCAL_POD;
+
+use crate::backend::SandboxApi;
+use crate::client::encode;
+use crate::service::{
+    CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
+    ExitReply, ForkSandbox, GuestCall, Outcome, OutputKind, PodView, RestoreCheckpoint,
+    SandboxFilter, ServiceError,
+};
+pub use pods::RemotePod;
+use store::{FederationStore, StoredPod};
+
+/// The metadata key a forwarded create or fork is tagged with.
+pub const PLACEMENT_KEY: &str = "torpor.placement";
+/// Test hook: sleep this many ms after a pod answered a create and before
+/// the owner is recorded (the crash window the placement records cover).
+pub const STALL_PLACEMENT_ENV: &str = "TORPOR_STALL_PLACEMENT_MS";
+
+/// `POST /v1/pods`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AddPod {
+    /// `unix:/PATH` or `tcp:HOST:PORT`.
+    pub address: String,
+    pub token: String,
+}
+
+/// The local pod and the remote pods.
+pub struct Federation<L: SandboxApi> {
+    local: Arc<L>,
+    store: FederationStore,
+    pods: RwLock<BTreeMap<PodId, RemotePod>>,
+    owners: RwLock<HashMap<SandboxId, PodId>>,
+    io_timeout: Duration,
+}
+
+fn internal(e: impl std::fmt::Display) -> ServiceError {
+    ServiceError::Internal(e.to_string())
+}
+
+impl<L: SandboxApi> Federation<L> {
+    /// Opens the federation's store in `data_dir`, loads the remote pods and
+    /// settles placements a crash left pending. `io_timeout` bounds each
+    /// call to a pod.
+    pub fn open(
+        local: Arc<L>,
+        data_dir: &Path,
+        io_timeout: Duration,
+    ) -> Result<Arc<Self>, ServiceError> {
+        let store = FederationStore::open(data_dir).map_err(internal)?;
+        let mut pods = BTreeMap::new();
+        for p in store.pods().map_err(internal)? {
+            pods.insert(
+                p.id.clone(),
+                RemotePod::new(p.id, &p.address, &p.token, io_timeout)?,
+            );
+        }
+        let owners = store.owners().map_err(internal)?.into_iter().collect();
+        let fed = Arc::new(Federation {
+            local,
+            store,
+            pods: RwLock::new(pods),
+            owners: RwLock::new(owners),
+            io_timeout,
+        });
+        fed.settle_placements();
+        Ok(fed)
+    }
+
+    fn pod(&self, id: &PodId) -> Option<RemotePod> {
+        self.pods
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
+    }
+
+    fn remote_pods(&self) -> Vec<RemotePod> {
+        self.pods
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    fn owner(&self, id: &SandboxId) -> Option<PodId> {
+        self.owners
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
+    }
+
+    fn owned_by(&self, pod: &PodId) -> Vec<SandboxId> {
+        self.owners
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|(_, p)| *p == pod)
+            .map(|(s, _)| s.clone())
+            .collect()
+    }
+
+    /// After a crash: a pending placement whose tagged sandbox is on its pod
+    /// is adopted, one whose pod answers without it is dropped, one whose pod
+    /// does not answer stays for the next start.
+    fn settle_placements(&self) {
+        let pending = match self.store.placements() {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read pending placements");
+                return;
+            }
+        };
+        for placement in pending {
+            let Some(pod) = self.pod(&placement.pod) else {
+                let _ = self.store.end_placement(&placement.id, None);
+                continue;
+            };
+            let path = format!(
+                "/v1/sandboxes?metadata.{}={}",
+                encode(PLACEMENT_KEY),
+                encode(&placement.id)
+            );
+            let found = match pod.look(&path) {
+                Ok(v) => v,
+                Err(e) => {
+                    tracing::warn!(placement = %placement.id, error = %e, "pending placement kept: pod unreachable");
+                    continue;
+                }
+            };
+            let made: Vec<SandboxId> = found["sandboxes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|s| s["id"].as_str().map(SandboxId::new))
+                .collect();
+            let result = match made.first() {
+                Some(sandbox) => {
+                    tracing::info!(placement = %placement.id, %sandbox, pod = %pod.id, "adopted a sandbox placed before a restart");
+                    self.record(&placement.id, Some((sandbox, &pod.id)))
+                }
+                None => {
+                    tracing::info!(placement = %placement.id, pod = %pod.id, "dropped a placement the pod never made");
+                    self.record(&placement.id, None)
+                }
+            };
+            if let Err(e) = result {
+                tracing::error!(placement = %placement.id, error = %e, "cannot settle a placement");
+            }
+        }
+    }
+
+    /// Ends a placement in the store and, for a made sandbox, in memory.
+    fn record(
+        &self,
+        placement: &str,
+        made: Option<(&SandboxId, &PodId)>,
+    ) -> Result<(), ServiceError> {
+        self.store
+            .end_placement(placement, made)
+            .map_err(internal)?;
+        if let Some((sandbox, pod)) = made {
+            self.owners
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(sandbox.clone(), pod.clone());
+        }
+        Ok(())
+    }
+
+    /// Registers a pod after checking it answers with `token`; idempotent
+    /// for an address already registered with the same token.
+    pub fn register(&self, req: AddPod) -> Result<Value, ServiceError> {
+        pods::pod_address(&req.address)?;
+        if let Some(known) = self
+            .remote_pods()
+            .into_iter()
+            .find(|p| p.address == req.address)
+        {
+            let same = self
+                .store
+                .pods()
+                .map_err(internal)?
+                .iter()
+                .any(|p| p.id == known.id && p.token == req.token);
+            if same {
+                return Ok(known.entry());
+            }
+            return Err(ServiceError::ResourceConflict(format!(
+                "pod address {} is already registered as {}",
+                req.address, known.id
+            )));
+        }
+        let pod = RemotePod::new(PodId::generate(), &req.address, &req.token, self.io_timeout)?;
+        let entry = match pod.load() {
+            Ok(v) => v,
+            Err(ServiceError::Pod { status: 401, .. }) => {
+                return Err(ServiceError::Invalid(format!(
+                    "the pod at {} refused the token (401)",
+                    req.address
+                )))
+            }
+            Err(e) => return Err(e),
+        };
+        self.store
+            .add_pod(&StoredPod {
+                id: pod.id.clone(),
+                address: req.address.clone(),
+                token: req.token,
+            })
+            .map_err(internal)?;
+        tracing::info!(pod = %pod.id, address = %req.address, "registered a remote pod");
+        self.pods
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(pod.id.clone(), pod);
+        Ok(entry)
+    }
+
+    /// Unregisters a pod: refused while it holds live sandboxes of ours; a
+    /// pod that does not answer can be removed (its sandboxes are forgotten).
+    pub fn unregister(&self, id: &PodId) -> Result<(), ServiceError> {
+        if id.as_str() == LOCAL_POD {
+            return Err(ServiceError::Invalid(
+                "the local pod cannot be removed".into(),
+            ));
+        }
+        let pod = self.pod(id).ok_or_else(|| ServiceError::NotFound {
+            kind: "pod",
+            id: id.to_string(),
+        })?;
+        let ours = self.owned_by(id);
+        if !ours.is_empty() {
+            match pod.look("/v1/sandboxes") {
+                Ok(list) => {
+                    let live = list["sandboxes"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter(|s| ours.iter().any(|o| s["id"] == o.as_str()))
+                        .count();
+                    if live > 0 {
+                        return Err(ServiceError::ResourceConflict(format!(
+                            "pod {id} holds {live} live sandbox(es); delete them first"
+                        )));
+                    }
+                }
+                Err(e) => tracing::warn!(pod = %id, error = %e, "removing an unreachable pod"),
+            }
+        }
+        self.store.remove_pod(id).map_err(internal)?;
+        self.pods
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+        self.owners
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, p| p != id);
+        Ok(())
+    }
+
+    /// Sends a create or fork to a remote pod, tagged with a placement that
+    /// is recorded first; the sandbox becomes the pod's before returning.
+    fn place_remote(
+        &self,
+        pod: &RemotePod,
+        method: &str,
+        path: &str,
+        mut body: Value,
+    ) -> Result<Value, ServiceError> {
+        if !(body["metadata"].is_null() || body["metadata"].is_object()) {
+            return Err(ServiceError::Invalid(
+                "metadata must be an object of strings".into(),
+            ));
+        }
+        let placement = self.store.begin_placement(&pod.id).map_err(internal)?;
+        body["metadata"][PLACEMENT_KEY] = json!(placement.id);
+        let answer = pod.send(method, path, Some(&body));
+        let made = match &answer {
+            Ok(a) if a.is_success() => serde_json::from_slice::<Value>(&a.body)
+                .ok()
+                .and_then(|v| v["id"].as_str().map(SandboxId::new)),
+            _ => None,
+        };
+        if let Ok(ms) = std::env::var(STALL_PLACEMENT_ENV) {
+            std::thread::sleep(Duration::from_millis(ms.parse().unwrap_or(0)));
+        }
+        match (&answer, &made) {
+            // No answer: the pod may still have made it; the placement stays
+            // pending and is settled at the next start.
+            (Err(_), _) => {}
+            (Ok(_), made) => self.record(&placement.id, made.as_ref().map(|s| (s, &pod.id)))?,
+        }
+        let answer = answer?;
+        if !answer.is_success() {
+            return Err(pod.error(&answer));
+        }
+        let mut v: Value = serde_json::from_slice(&answer.body).map_err(internal)?;
+        pods::rewrite_pod_ids(&mut v, &pod.id);
+        Ok(v)
+    }
+
+    /// Pods that can take a sandbox of `template`, most free headroom first.
+    fn candidates(&self, template: &str) -> Vec<(f64, Option<RemotePod>)> {
+        let mut out = Vec::new();
+        let has_local = self.local.get_template(&TemplateId::new(template)).is_ok()
+            || self
+                .local
+                .list_templates()
+                .is_ok_and(|ts| ts.iter().any(|t| t.name == template));
+        if has_local {
+            let headroom = self
+                .local
+                .list_pods()
+                .ok()
+                .and_then(|p| p.into_iter().next())
+                .map_or(0.0, |v| pods::headroom_mib(&view_json(v)));
+            out.push((headroom, None));
+        }
+        let remote: Vec<(f64, RemotePod)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = self
+                .remote_pods()
+                .into_iter()
+                .map(|pod| {
+                    scope.spawn(move || {
+                        let templates = pod.look("/v1/templates").ok()?;
+                        let has = templates["templates"]
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .any(|t| t["id"] == template || t["name"] == template);
+                        if !has {
+                            return None;
+                        }
+                        let load = pod.load().ok()?;
+                        Some((pods::headroom_mib(&load), pod))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .filter_map(|h| h.join().ok().flatten())
+                .collect()
+        });
+        out.extend(remote.into_iter().map(|(h, p)| (h, Some(p))));
+        out.sort_by(|a, b| b.0.total_cmp(&a.0));
+        out
+    }
+
+    fn create_remote(
+        &self,
+        pod: &RemotePod,
+        mut req: CreateSandbox,
+    ) -> Result<Sandbox, ServiceError> {
+        req.pod = None;
+        let body = serde_json::to_value(&req).map_err(internal)?;
+        let v = self.place_remote(pod, "POST", "/v1/sandboxes", body)?;
+        serde_json::from_value(v).map_err(internal)
+    }
+
+    /// Placement; see the module documentation.
+    fn place(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
+        if let Some(pinned) = req.pod.clone() {
+            if pinned.as_str() == LOCAL_POD {
+                return self
+                    .local
+                    .create_sandbox(CreateSandbox { pod: None, ..req });
+            }
+            let pod = self.pod(&pinned).ok_or_else(|| ServiceError::NotFound {
+                kind: "pod",
+                id: pinned.to_string(),
+            })?;
+            return self.create_remote(&pod, req);
+        }
+        let candidates = self.candidates(&req.template);
+        if candidates.is_empty() {
+            // No pod has it: the local pod's answer (404) says so.
+            return self.local.create_sandbox(req);
+        }
+        let mut refusals = Vec::new();
+        for (_, pod) in candidates {
+            let result = match &pod {
+                None => self.local.create_sandbox(req.clone()),
+                Some(pod) => self.create_remote(pod, req.clone()),
+            };
+            match result {
+                Err(ServiceError::Admission { message }) => refusals.push(message),
+                Err(ServiceError::Pod {
+                    status: 429,
+                    message,
+                    ..
+                }) => refusals.push(message),
+                other => return other,
+            }
+        }
+        Err(ServiceError::Admission {
+            message: format!("every pod refused the sandbox: {}", refusals.join("; ")),
+        })
+    }
+
+    /// Remote sandboxes of ours matching `filter` (`pod` already applied).
+    fn list_remote(
+        &self,
+        pod: &RemotePod,
+        filter: &SandboxFilter,
+    ) -> Result<Vec<Sandbox>, ServiceError> {
+        let mut query: Vec<String> = Vec::new();
+        if !filter.states.is_empty() {
+            let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
+            query.push(format!("state={}", states.join(",")));
+        }
+        if let Some(t) = &filter.template {
+            query.push(format!("template={}", encode(t.as_str())));
+        }
+        for (k, v) in &filter.metadata {
+            query.push(format!("metadata.{}={}", encode(k), encode(v)));
+        }
+        let path = if query.is_empty() {
+            "/v1/sandboxes".to_string()
+        } else {
+            format!("/v1/sandboxes?{}", query.join("&"))
+        };
+        let mut v = pod.look(&path)?;
+        pods::rewrite_pod_ids(&mut v, &pod.id);
+        let all: Vec<Sandbox> = serde_json::from_value(v["sandboxes"].take()).map_err(internal)?;
+        let ours = self.owned_by(&pod.id);
+        Ok(all.into_iter().filter(|s| ours.contains(&s.id)).collect())
+    }
+
+    /// Templates of every pod that answers, each with its `pod`.
+    fn templates_everywhere(&self) -> Result<Vec<Value>, ServiceError> {
+        let mut out = Vec::new();
+        for t in self.local.list_templates()? {
+            let mut v = serde_json::to_value(t).map_err(internal)?;
+            v["pod"] = json!(LOCAL_POD);
+            out.push(v);
+        }
+        for pod in self.remote_pods() {
+            match pod.look("/v1/templates") {
+                Ok(mut list) => {
+                    for mut t in list["templates"]
+                        .as_array_mut()
+                        .map(std::mem::take)
+                        .unwrap_or_default()
+                    {
+                        t["pod"] = json!(pod.id);
+                        out.push(t);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(pod = %pod.id, error = %e, "templates of an unreachable pod left out")
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The first remote pod that knows template `id`, and its answer.
+    fn remote_template(
+        &self,
+        method: &str,
+        id: &TemplateId,
+    ) -> Result<Option<Value>, ServiceError> {
+        for pod in self.remote_pods() {
+            let path = format!("/v1/templates/{}", encode(id.as_str()));
+            match pod.call(method, &path, None) {
+                Ok(v) => return Ok(Some(v)),
+                Err(ServiceError::Pod { status: 404, .. }) => continue,
+                Err(ServiceError::Pod { status: 502, .. }) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(None)
+    }
+}
+
+fn view_json(v: PodView) -> Value {
+    serde_json::to_value(crate::wire::PodBody::from(v)).unwrap_or(Value::Null)
+}
+
+impl<L: SandboxApi> SandboxApi for Federation<L> {
+    fn list_templates(&self) -> Result<Vec<Template>, ServiceError> {
+        self.local.list_templates()
+    }
+    fn template_entries(&self) -> Result<Vec<Value>, ServiceError> {
+        self.templates_everywhere()
+    }
+    fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError> {
+        match self.local.get_template(id) {
+            Err(ServiceError::NotFound { kind, id: missing }) => {
+                match self.remote_template("GET", id)? {
+                    Some(v) => serde_json::from_value(v).map_err(internal),
+                    None => Err(ServiceError::NotFound { kind, id: missing }),
+                }
+            }
+            other => other,
+        }
+    }
+    fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError> {
+        match req.pod.clone() {
+            None => self.local.create_template(req),
+            Some(p) if p.as_str() == LOCAL_POD => self
+                .local
+                .create_template(CreateTemplate { pod: None, ..req }),
+            Some(p) => {
+                let pod = self.pod(&p).ok_or_else(|| ServiceError::NotFound {
+                    kind: "pod",
+                    id: p.to_string(),
+                })?;
+                let body =
+                    serde_json::to_value(CreateTemplate { pod: None, ..req }).map_err(internal)?;
+                let v = pod.call("POST", "/v1/templates", Some(&body))?;
+                serde_json::from_value(v).map_err(internal)
+            }
+        }
+    }
+    fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError> {
+        match self.local.delete_template(id) {
+            Err(ServiceError::NotFound { kind, id: missing }) => {
+                match self.remote_template("DELETE", id)? {
+                    Some(_) => Ok(()),
+                    None => Err(ServiceError::NotFound { kind, id: missing }),
+                }
+            }
+            other => other,
+        }
+    }
+    fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
+        self.place(req)
+    }
+    fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
+        self.local.get_sandbox(id)
+    }
+    fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
+        let local_pod = filter.pod.as_ref().is_none_or(|p| p.as_str() == LOCAL_POD);
+        let mut out = if local_pod {
+            self.local.list_sandboxes(filter.clone())?
+        } else {
+            Vec::new()
+        };
+        let pods: Vec<RemotePod> = self
+            .remote_pods()
+            .into_iter()
+            .filter(|pod| filter.pod.as_ref().is_none_or(|p| *p == pod.id))
+            .collect();
+        let filter = &filter;
+        let lists = std::thread::scope(|scope| {
+            let handles: Vec<_> = pods
+                .iter()
+                .map(|pod| scope.spawn(move || (pod, self.list_remote(pod, filter))))
+                .collect();
+            handles
+                .into_iter()
+                .filter_map(|h| h.join().ok())
+                .collect::<Vec<_>>()
+        });
+        for (pod, list) in lists {
+            match list {
+                Ok(list) => out.extend(list),
+                Err(e) => tracing::warn!(
+                    pod = %pod.id,
+                    error = %e,
+                    "sandboxes of an unreachable pod left out"
+                ),
+            }
+        }
+        out.sort_by_key(|s| s.created_at);
+        Ok(out)
+    }
+    fn pause(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        self.local.pause(id)
+    }
+    fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        self.local.resume(id)
+    }
+    fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        self.local.hibernate(id)
+    }
+    fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
+        self.local.delete_sandbox(id)
+    }
+    fn set_timeout(
+        &self,
+        id: &SandboxId,
+        keep_alive_ms: Option<u64>,
+        timeout_ms: Option<u64>,
+    ) -> Result<Sandbox, ServiceError> {
+        self.local.set_timeout(id, keep_alive_ms, timeout_ms)
+    }
+    fn list_pods(&self) -> Result<Vec<PodView>, ServiceError> {
+        self.local.list_pods()
+    }
+    fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
+        let mut out = self.local.pod_entries()?;
+        let remote: Vec<Value> = std::thread::scope(|scope| {
+            let handles: Vec<_> = self
+                .remote_pods()
+                .into_iter()
+                .map(|pod| scope.spawn(move || pod.entry()))
+                .collect();
+            handles.into_iter().filter_map(|h| h.join().ok()).collect()
+        });
+        out.extend(remote);
+        Ok(out)
+    }
+    fn set_pod(
+        &self,
+        id: &PodId,
+        ratio: Option<f64>,
+        high_watermark: Option<f64>,
+    ) -> Result<PodView, ServiceError> {
+        self.local.set_pod(id, ratio, high_watermark)
+    }
+    fn add_pod(&self, req: AddPod) -> Result<Value, ServiceError> {
+        self.register(req)
+    }
+    fn remove_pod(&self, id: &PodId) -> Result<(), ServiceError> {
+        self.unregister(id)
+    }
+    fn remote_sandbox(&self, id: &SandboxId) -> Option<RemotePod> {
+        self.owner(id).and_then(|p| self.pod(&p))
+    }
+    fn remote_pod(&self, id: &PodId) -> Option<RemotePod> {
+        self.pod(id)
+    }
+    fn forward_fork(
+        &self,
+        pod: &RemotePod,
+        path: &str,
+        body: Value,
+    ) -> Result<Value, ServiceError> {
+        self.place_remote(pod, "POST", path, body)
+    }
+    fn metrics(&self) -> String {
+        self.local.metrics()
+    }
+    fn list_checkpoints(&self, id: &SandboxId) -> Result<Vec<Checkpoint>, ServiceError> {
+        self.local.list_checkpoints(id)
+    }
+    fn create_checkpoint(
+        &self,
+        id: &SandboxId,
+        req: CreateCheckpoint,
+    ) -> Result<Checkpoint, ServiceError> {
+        self.local.create_checkpoint(id, req)
+    }
+    fn delete_checkpoint(&self, id: &SandboxId, name: &str) -> Result<(), ServiceError> {
+        self.local.delete_checkpoint(id, name)
+    }
+    fn restore_checkpoint(
+        &self,
+        id: &SandboxId,
+        req: RestoreCheckpoint,
+    ) -> Result<Outcome, ServiceError> {
+        self.local.restore_checkpoint(id, req)
+    }
+    fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
+        self.local.fork_sandbox(id, req)
+    }
+    fn exec(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+    ) -> Result<GuestCall<ExecOutput>, ServiceError> {
+        self.local.exec(id, req)
+    }
+    fn exec_streaming(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+        on_start: &mut dyn FnMut(&Outcome),
+        on_output: &mut dyn FnMut(OutputKind, &[u8]),
+    ) -> Result<GuestCall<ExitReply>, ServiceError> {
+        self.local.exec_streaming(id, req, on_start, on_output)
+    }
+    fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
+        self.local.read_file(id, path)
+    }
+    fn write_file(
+        &self,
+        id: &SandboxId,
+        path: &str,
+        data: &[u8],
+        mode: Option<u32>,
+    ) -> Result<GuestCall<u64>, ServiceError> {
+        self.local.write_file(id, path, data, mode)
+    }
+    fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError> {
+        self.local.list_dir(id, path)
+    }
+}

@@ -1,0 +1,249 @@
+//! Remote pods: how `torpor serve` calls a `torpor pod` (its REST API with
+//! the pod's token), registration, and their load for listing and
+//! placement.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use torpor_scheduler::model::{PodAddress, PodId};
+use torpor_scheduler::service::LOCAL_POD;
+
+use crate::client::{error_fields, Answer, ClientError, Endpoint, HttpClient};
+use crate::error::code;
+use crate::service::ServiceError;
+
+/// A registered remote pod and a client for it.
+#[derive(Debug, Clone)]
+pub struct RemotePod {
+    /// Its id here (each pod calls itself `pod_local`).
+    pub id: PodId,
+    /// As registered: `unix:PATH` or `tcp:HOST:PORT`.
+    pub address: String,
+    /// For requests forwarded and operations (bounded by the API's request
+    /// timeout).
+    pub client: HttpClient,
+    /// For reads that other answers wait on (lists, loads, placement): a
+    /// pod that hangs must not hold up the other pods' part.
+    lookup: HttpClient,
+}
+
+/// Longest a lookup (list, load) waits for a pod.
+pub const LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `unix:PATH` or `tcp:HOST:PORT` as the model's address.
+pub fn pod_address(address: &str) -> Result<PodAddress, ServiceError> {
+    if let Some(path) = address.strip_prefix("unix:").filter(|p| p.starts_with('/')) {
+        return Ok(PodAddress::Unix { path: path.into() });
+    }
+    if let Some(addr) = address.strip_prefix("tcp:").filter(|a| {
+        a.rsplit_once(':')
+            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+    }) {
+        return Ok(PodAddress::Tcp { addr: addr.into() });
+    }
+    Err(ServiceError::Invalid(format!(
+        "pod address {address:?}: expected unix:/ABSOLUTE/PATH or tcp:HOST:PORT"
+    )))
+}
+
+impl RemotePod {
+    pub fn new(
+        id: PodId,
+        address: &str,
+        token: &str,
+        io_timeout: Duration,
+    ) -> Result<Self, ServiceError> {
+        pod_address(address)?;
+        let endpoint =
+            Endpoint::parse(address).map_err(|e| ServiceError::Invalid(e.to_string()))?;
+        let client = HttpClient::new(endpoint, Some(token.to_string()), io_timeout)
+            .map_err(|e| ServiceError::Invalid(e.to_string()))?;
+        let lookup = HttpClient::new(
+            client.endpoint.clone(),
+            Some(token.to_string()),
+            io_timeout.min(LOOKUP_TIMEOUT),
+        )
+        .map_err(|e| ServiceError::Invalid(e.to_string()))?;
+        Ok(RemotePod {
+            id,
+            address: address.to_string(),
+            client,
+            lookup,
+        })
+    }
+
+    /// The error for a pod that did not answer.
+    pub fn unreachable(&self, err: &ClientError) -> ServiceError {
+        ServiceError::Pod {
+            status: 502,
+            code: code::POD_UNREACHABLE.into(),
+            message: format!("pod {} ({}) is unreachable: {err}", self.id, self.address),
+        }
+    }
+
+    /// One request with a JSON body (or none); the raw answer.
+    pub fn send(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Answer, ServiceError> {
+        self.send_with(&self.client, method, path, body)
+    }
+
+    fn send_with(
+        &self,
+        client: &HttpClient,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Answer, ServiceError> {
+        let text = body.map(|b| b.to_string());
+        let body = text.as_deref().map(|t| ("application/json", t.as_bytes()));
+        client
+            .request(method, path, body, None)
+            .map_err(|e| self.unreachable(&e))
+    }
+
+    /// A `GET` other answers wait on, within [`LOOKUP_TIMEOUT`].
+    pub fn look(&self, path: &str) -> Result<Value, ServiceError> {
+        let answer = self.send_with(&self.lookup, "GET", path, None)?;
+        self.json(answer, "GET", path)
+    }
+
+    /// One JSON request; 2xx answers give their JSON (`Null` when empty),
+    /// error answers the pod's status, code and message.
+    pub fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Value, ServiceError> {
+        let answer = self.send(method, path, body)?;
+        self.json(answer, method, path)
+    }
+
+    fn json(&self, answer: Answer, method: &str, path: &str) -> Result<Value, ServiceError> {
+        if !answer.is_success() {
+            return Err(self.error(&answer));
+        }
+        if answer.body.iter().all(u8::is_ascii_whitespace) {
+            return Ok(Value::Null);
+        }
+        serde_json::from_slice(&answer.body).map_err(|e| ServiceError::Pod {
+            status: 502,
+            code: code::POD_UNREACHABLE.into(),
+            message: format!(
+                "pod {}: the answer to {method} {path} is not JSON ({e})",
+                self.id
+            ),
+        })
+    }
+
+    /// A pod's error answer as passed on.
+    pub fn error(&self, answer: &Answer) -> ServiceError {
+        let (code, message) = error_fields(&answer.body).unwrap_or_else(|| {
+            (
+                String::new(),
+                String::from_utf8_lossy(&answer.body)
+                    .chars()
+                    .take(400)
+                    .collect(),
+            )
+        });
+        ServiceError::Pod {
+            status: answer.status,
+            code,
+            message: format!("pod {}: {message}", self.id),
+        }
+    }
+
+    /// The pod's own entry from its `GET /v1/pods`, as this federation names
+    /// it (id and address), with `reachable`; or the error.
+    pub fn load(&self) -> Result<Value, ServiceError> {
+        let answer = self.look("/v1/pods")?;
+        let mut entry = answer["pods"]
+            .as_array()
+            .and_then(|pods| pods.iter().find(|p| p["id"] == LOCAL_POD).or(pods.first()))
+            .cloned()
+            .ok_or_else(|| ServiceError::Pod {
+                status: 502,
+                code: code::POD_UNREACHABLE.into(),
+                message: format!("pod {} answered GET /v1/pods without a pod", self.id),
+            })?;
+        self.rename(&mut entry);
+        entry["reachable"] = Value::Bool(true);
+        Ok(entry)
+    }
+
+    /// The listing entry: the load, or `reachable: false` and the error.
+    pub fn entry(&self) -> Value {
+        match self.load() {
+            Ok(v) => v,
+            Err(e) => json!({
+                "id": self.id,
+                "address": pod_address(&self.address).ok(),
+                "reachable": false,
+                "error": e.to_string(),
+            }),
+        }
+    }
+
+    /// A pod entry the pod wrote about itself, renamed as registered here.
+    pub fn rename(&self, entry: &mut Value) {
+        entry["id"] = json!(self.id);
+        entry["address"] = json!(pod_address(&self.address).ok());
+    }
+}
+
+/// Free admission headroom of a pod entry, MiB: ratio × memory − committed.
+pub fn headroom_mib(entry: &Value) -> f64 {
+    let memory_mib = entry["memory_bytes"].as_f64().unwrap_or(0.0) / (1u64 << 20) as f64;
+    let ratio = entry["oversubscription_ratio"].as_f64().unwrap_or(0.0);
+    let committed = entry["committed_mib"].as_f64().unwrap_or(0.0);
+    ratio * memory_mib - committed
+}
+
+/// Sets every `"pod": "pod_local"` in a pod's answer to the pod's id here.
+pub fn rewrite_pod_ids(v: &mut Value, pod: &PodId) {
+    match v {
+        Value::Object(map) => {
+            for (key, value) in map.iter_mut() {
+                if key == "pod" && value == LOCAL_POD {
+                    *value = json!(pod);
+                } else {
+                    rewrite_pod_ids(value, pod);
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|i| rewrite_pod_ids(i, pod)),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_and_headroom() {
+        assert!(matches!(
+            pod_address("unix:/run/p.sock"),
+            Ok(PodAddress::Unix { .. })
+        ));
+        assert!(matches!(
+            pod_address("tcp:10.1.2.3:7701"),
+            Ok(PodAddress::Tcp { .. })
+        ));
+        for bad in ["unix:rel", "tcp:host", "tcp::7", "http://h:1", "h:1"] {
+            assert!(pod_address(bad).is_err(), "{bad}");
+        }
+        let e =
+            json!({"memory_bytes": 1u64 << 30, "oversubscription_ratio": 2.0, "committed_mib": 48});
+        assert_eq!(headroom_mib(&e), 2000.0);
+        let mut v = json!({"sandboxes": [{"id": "sbx_1", "pod": "pod_local"}], "sandbox": {"pod": "pod_x"}});
+        rewrite_pod_ids(&mut v, &PodId::new("pod_r"));
+        assert_eq!(v["sandboxes"][0]["pod"], "pod_r");
+        assert_eq!(v["sandbox"]["pod"], "pod_x");
+    }
+}

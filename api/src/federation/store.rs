@@ -1,0 +1,220 @@
+//! The federation's own durable state, in `DATA_DIR/federation.db` (SQLite,
+//! WAL, `synchronous=FULL`, mode 0600: it holds the pods' tokens):
+//!
+//! - `remote_pods`: id, address (`unix:PATH` or `tcp:HOST:PORT`), token;
+//! - `remote_sandboxes`: which remote pod owns a sandbox, written before the
+//!   API answers the create or fork that made it;
+//! - `placements`: creates and forks sent to a pod and not yet answered,
+//!   each tagged on the sandbox (`torpor.placement` metadata) so that a
+//!   restart after a crash can adopt what the pod made.
+//!
+//! Kept apart from the local pod's `torpor.db` so that the service's schema
+//! and migrations know nothing of remote pods.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::Mutex;
+
+use rusqlite::{params, Connection};
+use torpor_scheduler::model::{random_hex, PodId, SandboxId, Timestamp};
+
+/// The database file in the data directory.
+pub const FEDERATION_DB: &str = "federation.db";
+
+#[derive(Debug, thiserror::Error)]
+pub enum FederationStoreError {
+    #[error("federation store: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    #[error("federation store {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+type Result<T> = std::result::Result<T, FederationStoreError>;
+
+/// A registered remote pod as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredPod {
+    pub id: PodId,
+    pub address: String,
+    pub token: String,
+}
+
+/// A create or fork sent to a pod, not yet recorded as answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    pub id: String,
+    pub pod: PodId,
+}
+
+pub struct FederationStore {
+    conn: Mutex<Connection>,
+}
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS remote_pods (
+    id         TEXT PRIMARY KEY,
+    address    TEXT NOT NULL UNIQUE,
+    token      TEXT NOT NULL,
+    created_at INTEGER NOT NULL
+) STRICT;
+CREATE TABLE IF NOT EXISTS remote_sandboxes (
+    sandbox_id TEXT PRIMARY KEY,
+    pod_id     TEXT NOT NULL REFERENCES remote_pods (id) ON DELETE CASCADE
+) STRICT;
+CREATE TABLE IF NOT EXISTS placements (
+    id         TEXT PRIMARY KEY,
+    pod_id     TEXT NOT NULL REFERENCES remote_pods (id) ON DELETE CASCADE,
+    created_at INTEGER NOT NULL
+) STRICT;
+";
+
+impl FederationStore {
+    pub fn open(dir: &Path) -> Result<Self> {
+        let path = dir.join(FEDERATION_DB);
+        let conn = Connection::open(&path)?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).map_err(
+            |source| FederationStoreError::Io {
+                path: path.display().to_string(),
+                source,
+            },
+        )?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "FULL")?;
+        conn.pragma_update(None, "foreign_keys", "ON")?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.execute_batch(SCHEMA)?;
+        Ok(FederationStore {
+            conn: Mutex::new(conn),
+        })
+    }
+
+    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
+        // A panic while holding the lock leaves SQLite consistent (every
+        // change is one statement or transaction).
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn pods(&self) -> Result<Vec<StoredPod>> {
+        let conn = self.conn();
+        let mut st =
+            conn.prepare("SELECT id, address, token FROM remote_pods ORDER BY created_at")?;
+        let rows = st.query_map([], |r| {
+            Ok(StoredPod {
+                id: PodId::new(r.get::<_, String>(0)?),
+                address: r.get(1)?,
+                token: r.get(2)?,
+            })
+        })?;
+        Ok(rows.collect::<std::result::Result<_, _>>()?)
+    }
+
+    pub fn add_pod(&self, pod: &StoredPod) -> Result<()> {
+        self.conn().execute(
+            "INSERT INTO remote_pods (id, address, token, created_at) VALUES (?1, ?2, ?3, ?4)",
+            params![pod.id.as_str(), pod.address, pod.token, Timestamp::now().0],
+        )?;
+        Ok(())
+    }
+
+    /// Removes the pod with its sandboxes' and placements' records.
+    pub fn remove_pod(&self, id: &PodId) -> Result<()> {
+        self.conn()
+            .execute("DELETE FROM remote_pods WHERE id = ?1", [id.as_str()])?;
+        Ok(())
+    }
+
+    pub fn owners(&self) -> Result<Vec<(SandboxId, PodId)>> {
+        let conn = self.conn();
+        let mut st = conn.prepare("SELECT sandbox_id, pod_id FROM remote_sandboxes")?;
+        let rows = st.query_map([], |r| {
+            Ok((
+                SandboxId::new(r.get::<_, String>(0)?),
+                PodId::new(r.get::<_, String>(1)?),
+            ))
+        })?;
+        Ok(rows.collect::<std::result::Result<_, _>>()?)
+    }
+
+    /// Records a placement before the request goes to the pod.
+    pub fn begin_placement(&self, pod: &PodId) -> Result<Placement> {
+        let placement = Placement {
+            id: format!("plc_{}", random_hex(8)),
+            pod: pod.clone(),
+        };
+        self.conn().execute(
+            "INSERT INTO placements (id, pod_id, created_at) VALUES (?1, ?2, ?3)",
+            params![placement.id, pod.as_str(), Timestamp::now().0],
+        )?;
+        Ok(placement)
+    }
+
+    /// Ends a placement: the sandbox it made (if any) becomes the pod's, in
+    /// the same transaction.
+    pub fn end_placement(&self, placement: &str, made: Option<(&SandboxId, &PodId)>) -> Result<()> {
+        let mut conn = self.conn();
+        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+        if let Some((sandbox, pod)) = made {
+            tx.execute(
+                "INSERT OR REPLACE INTO remote_sandboxes (sandbox_id, pod_id) VALUES (?1, ?2)",
+                [sandbox.as_str(), pod.as_str()],
+            )?;
+        }
+        tx.execute("DELETE FROM placements WHERE id = ?1", [placement])?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    pub fn placements(&self) -> Result<Vec<Placement>> {
+        let conn = self.conn();
+        let mut st = conn.prepare("SELECT id, pod_id FROM placements ORDER BY created_at")?;
+        let rows = st.query_map([], |r| {
+            Ok(Placement {
+                id: r.get(0)?,
+                pod: PodId::new(r.get::<_, String>(1)?),
+            })
+        })?;
+        Ok(rows.collect::<std::result::Result<_, _>>()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placements_become_owners_and_pods_cascade() {
+        let dir = std::env::temp_dir().join(format!("torpor-fedstore-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let store = FederationStore::open(&dir).unwrap();
+        let pod = StoredPod {
+            id: PodId::new("pod_a"),
+            address: "unix:/tmp/a.sock".into(),
+            token: "t".into(),
+        };
+        store.add_pod(&pod).unwrap();
+        assert!(store.add_pod(&pod).is_err(), "same id twice");
+        let p1 = store.begin_placement(&pod.id).unwrap();
+        let p2 = store.begin_placement(&pod.id).unwrap();
+        assert_eq!(store.placements().unwrap().len(), 2);
+        let sbx = SandboxId::new("sbx_1");
+        store.end_placement(&p1.id, Some((&sbx, &pod.id))).unwrap();
+        store.end_placement(&p2.id, None).unwrap();
+        assert!(store.placements().unwrap().is_empty());
+        assert_eq!(store.owners().unwrap(), vec![(sbx, pod.id.clone())]);
+        drop(store);
+        let store = FederationStore::open(&dir).unwrap();
+        assert_eq!(store.pods().unwrap(), vec![pod.clone()]);
+        store.remove_pod(&pod.id).unwrap();
+        assert!(store.owners().unwrap().is_empty());
+        let mode = std::fs::metadata(dir.join(FEDERATION_DB))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
