@@ -235,6 +235,10 @@ pub struct ServeArgs {
     /// emulation that can take minutes); past it the answer is 504.
     #[arg(long, default_value_t = 120_000, value_name = "N")]
     pub request_timeout_ms: u64,
+    /// Timeout of an exec that names none, and the longest one may name
+    /// (larger ones are refused): no exec runs for ever.
+    #[arg(long, default_value_t = torpor_scheduler::service::DEFAULT_EXEC_TIMEOUT_MS, value_name = "N")]
+    pub exec_timeout_ms: u64,
 }
 
 /// How the `sandbox`, `template` and `pod` commands reach the API. Errors

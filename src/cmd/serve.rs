@@ -74,6 +74,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     let mut config = ServiceConfig::new(data_dir.clone(), exe);
     config.policy_interval_ms = args.policy_interval_ms;
     config.default_keep_alive_ms = args.keep_alive_ms;
+    config.exec_timeout_ms = args.exec_timeout_ms.max(1);
     println!("torpor serve: data dir {}", data_dir.display());
     let host = torpor_scheduler::service::host_guests();
     let kinds: Vec<&str> = host.kinds().iter().map(|k| k.as_str()).collect();
