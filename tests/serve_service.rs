@@ -301,13 +301,18 @@ fn the_policy_leaves_sandboxes_with_a_request_in_flight() {
         .set_high_watermark(&PodId::new(LOCAL_POD), 1e-9)
         .unwrap();
 
+    // The execs run until the test lets them end (the agent runs them on
+    // this host), or 40 s at most: no race with the policy rounds below.
+    let release = h.data.0.join("release");
+    let script = format!(
+        "i=0; while [ ! -e {} ] && [ $i -lt 2000 ]; do sleep 0.02; i=$((i+1)); done; echo done",
+        release.display()
+    );
     let execs: Vec<_> = [idle.clone(), busy.clone()]
         .into_iter()
         .map(|id| {
-            let service = h.service.clone();
-            std::thread::spawn(move || {
-                service.exec(&id, exec_req("sleep 2; echo done", Some(20_000)))
-            })
+            let (service, script) = (h.service.clone(), script.clone());
+            std::thread::spawn(move || service.exec(&id, exec_req(&script, Some(50_000))))
         })
         .collect();
     let deadline = Instant::now() + WAIT;
@@ -322,6 +327,7 @@ fn the_policy_leaves_sandboxes_with_a_request_in_flight() {
         assert_eq!(h.state(&busy), SandboxState::Running);
         std::thread::sleep(Duration::from_millis(100));
     }
+    std::fs::write(&release, b"").unwrap();
     for exec in execs {
         let call = exec.join().unwrap().expect("the exec");
         assert!(!call.outcome.resumed);
