@@ -261,6 +261,25 @@ pub struct VmmRunArgs {
     pub report: bool,
 }
 
+/// How the local pod's service runs: `torpor serve` and `torpor pod serve`.
+#[derive(Debug, Args)]
+pub struct ServiceFlags {
+    /// How often the hibernation policy runs, in ms (0 turns it off).
+    #[arg(long, default_value_t = 1000)]
+    pub policy_interval_ms: u64,
+    /// Default keep-alive of a sandbox before it is hibernated when idle.
+    #[arg(long, default_value_t = 300_000)]
+    pub keep_alive_ms: u64,
+    /// Longest a request may take (template builds boot a guest; under
+    /// emulation that can take minutes); past it the answer is 504.
+    #[arg(long, default_value_t = 120_000, value_name = "N")]
+    pub request_timeout_ms: u64,
+    /// Timeout of an exec that names none, and the longest one may name
+    /// (larger ones are refused): no exec runs for ever.
+    #[arg(long, default_value_t = torpor_scheduler::service::DEFAULT_EXEC_TIMEOUT_MS, value_name = "N")]
+    pub exec_timeout_ms: u64,
+}
+
 #[derive(Debug, Args)]
 pub struct ServeArgs {
     /// Address and port of the REST API.
@@ -274,16 +293,8 @@ pub struct ServeArgs {
     /// created in) DATA_DIR/token.
     #[arg(long)]
     pub token: Vec<String>,
-    /// How often the hibernation policy runs, in ms (0 turns it off).
-    #[arg(long, default_value_t = 1000)]
-    pub policy_interval_ms: u64,
-    /// Default keep-alive of a sandbox before it is hibernated when idle.
-    #[arg(long, default_value_t = 300_000)]
-    pub keep_alive_ms: u64,
-    /// Longest a request may take (template builds boot a guest; under
-    /// emulation that can take minutes); past it the answer is 504.
-    #[arg(long, default_value_t = 120_000, value_name = "N")]
-    pub request_timeout_ms: u64,
+    #[command(flatten)]
+    pub service: ServiceFlags,
     /// Register a remote pod (`torpor pod serve`) at start-up:
     /// unix:/PATH or tcp:HOST:PORT (repeatable; each with a --pod-token-file,
     /// in the same order). Pods registered before stay registered.
@@ -308,15 +319,8 @@ pub struct PodServeArgs {
     /// mode 0600, if missing); `torpor serve` registers the pod with it.
     #[arg(long, value_name = "F")]
     pub token_file: PathBuf,
-    /// How often the hibernation policy runs, in ms (0 turns it off).
-    #[arg(long, default_value_t = 1000)]
-    pub policy_interval_ms: u64,
-    /// Default keep-alive of a sandbox before it is hibernated when idle.
-    #[arg(long, default_value_t = 300_000)]
-    pub keep_alive_ms: u64,
-    /// Longest a request may take; past it the answer is 504.
-    #[arg(long, default_value_t = 120_000, value_name = "N")]
-    pub request_timeout_ms: u64,
+    #[command(flatten)]
+    pub service: ServiceFlags,
 }
 
 /// How the `sandbox`, `template` and `pod` commands reach the API. Errors

@@ -1,6 +1,7 @@
 //! Exec, files and Linux templates against a real `torpor serve` on this
 //! host: a probe sandbox has no agent (422 `no_agent`, and a hibernated one
-//! is not woken for nothing), bad exec bodies are 400, and Linux templates
+//! is not woken for nothing), bad exec bodies and exec timeouts past
+//! `--exec-timeout-ms` are 400, and Linux templates
 //! are refused where doctor says the host has no VMX/SVM (PVM) — or, on a
 //! host with them, get as far as checking their paths. The real guest path
 //! runs in the nested host (`nested/tests/nested_service.rs`).
@@ -99,6 +100,38 @@ fn bad_exec_bodies_and_paths_are_400() {
     for query in ["", "?path=etc/hostname", "?path=/x&mode=1234567"] {
         let r = call(&s, "GET", &format!("/v1/sandboxes/{id}/files{query}"), None);
         error(&r, 400, "invalid_request");
+    }
+}
+
+/// `--exec-timeout-ms` bounds what an exec may ask for (checked before
+/// the sandbox's kind, so a probe sandbox shows it); the default run of the
+/// limit on a real agent is in `serve_service.rs`.
+#[test]
+fn exec_timeouts_past_the_services_limit_are_400() {
+    let data = DataDir::new("guest-exec-limit");
+    let s = ServeProcess::start(
+        &data.0,
+        &[
+            "--token",
+            TOKEN,
+            "--policy-interval-ms",
+            "0",
+            "--exec-timeout-ms",
+            "1500",
+        ],
+    );
+    let id = probe_sandbox(&s);
+    for path in [
+        format!("/v1/sandboxes/{id}/exec"),
+        format!("/v1/sandboxes/{id}/exec/stream"),
+    ] {
+        let body = Some(r#"{"argv":["true"],"timeout_ms":1501}"#);
+        let e = error(&call(&s, "POST", &path, body), 400, "invalid_request");
+        let message = e["message"].as_str().unwrap();
+        assert!(message.contains("1500 ms"), "{message}");
+        // Within the limit the request goes on (to the missing agent).
+        let body = Some(r#"{"argv":["true"],"timeout_ms":1500}"#);
+        error(&call(&s, "POST", &path, body), 422, "no_agent");
     }
 }
 

@@ -59,7 +59,9 @@ pub struct ExecBody {
     /// The same as base64, for bytes that are not text.
     #[serde(default)]
     pub stdin_base64: Option<String>,
-    /// Kill the command's process group after this long (0: no limit).
+    /// Kill the command's process group after this long (absent or 0: the
+    /// service's `--exec-timeout-ms`, default 10 min, which is also the
+    /// most one may ask for; more is refused with 400).
     #[serde(default)]
     pub timeout_ms: Option<u64>,
     /// stdout + stderr kept at most; the rest is dropped and flagged.

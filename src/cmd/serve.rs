@@ -13,7 +13,7 @@ use torpor_api::federation::{AddPod, Federation};
 use torpor_scheduler::service::{Service, ServiceConfig};
 
 use super::{EXIT_FAILURE, EXIT_OK};
-use crate::cli::{PodServeArgs, ServeArgs};
+use crate::cli::{PodServeArgs, ServeArgs, ServiceFlags};
 
 /// Where state lives unless `--data-dir` or TORPOR_DATA_DIR says otherwise.
 pub(crate) fn default_data_dir() -> PathBuf {
@@ -89,19 +89,15 @@ fn exit_status(result: Result<(), String>) -> i32 {
 }
 
 /// The local pod's service in `data_dir`; `who` prefixes what it prints.
-fn open_service(
-    who: &str,
-    data_dir: &Path,
-    policy_interval_ms: u64,
-    keep_alive_ms: u64,
-) -> Result<Arc<Service>, String> {
+fn open_service(who: &str, data_dir: &Path, flags: &ServiceFlags) -> Result<Arc<Service>, String> {
     std::fs::create_dir_all(data_dir)
         .map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
     let exe =
         std::env::current_exe().map_err(|e| format!("cannot find the torpor executable: {e}"))?;
     let mut config = ServiceConfig::new(data_dir.to_path_buf(), exe);
-    config.policy_interval_ms = policy_interval_ms;
-    config.default_keep_alive_ms = keep_alive_ms;
+    config.policy_interval_ms = flags.policy_interval_ms;
+    config.default_keep_alive_ms = flags.keep_alive_ms;
+    config.exec_timeout_ms = flags.exec_timeout_ms.max(1);
     println!("{who}: data dir {}", data_dir.display());
     let host = torpor_scheduler::service::host_guests();
     let kinds: Vec<&str> = host.kinds().iter().map(|k| k.as_str()).collect();
@@ -134,14 +130,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     if args.pods.len() != args.pod_token_files.len() {
         return Err("give one --pod-token-file for each --pod, in the same order".into());
     }
-    let service = open_service(
-        "torpor serve",
-        &data_dir,
-        args.policy_interval_ms,
-        args.keep_alive_ms,
-    )?;
+    let service = open_service("torpor serve", &data_dir, &args.service)?;
     let tokens = tokens(&args, &data_dir)?;
-    let request_timeout = Duration::from_millis(args.request_timeout_ms.max(1));
+    let request_timeout = Duration::from_millis(args.service.request_timeout_ms.max(1));
     let federation =
         Federation::open(service.clone(), &data_dir, request_timeout).map_err(|e| e.to_string())?;
     for (address, file) in args.pods.iter().zip(&args.pod_token_files) {
@@ -186,12 +177,7 @@ async fn ctrl_c() {
 /// `torpor pod serve`: the same service and API, one pod, no federation.
 fn serve_pod(args: PodServeArgs) -> Result<(), String> {
     let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
-    let service = open_service(
-        "torpor pod",
-        &data_dir,
-        args.policy_interval_ms,
-        args.keep_alive_ms,
-    )?;
+    let service = open_service("torpor pod", &data_dir, &args.service)?;
     let (token, created) = token_file(&args.token_file)?;
     if created {
         println!(
@@ -201,7 +187,7 @@ fn serve_pod(args: PodServeArgs) -> Result<(), String> {
     }
     let api = torpor_api::ApiConfig {
         tokens: vec![token],
-        request_timeout: Duration::from_millis(args.request_timeout_ms.max(1)),
+        request_timeout: Duration::from_millis(args.service.request_timeout_ms.max(1)),
         ..Default::default()
     };
     runtime()?.block_on(async move {

@@ -341,14 +341,17 @@ impl Service {
     }
 
     /// Wakes the sandbox if needed, then runs `f` on its agent. The
-    /// sandbox counts as active for as long as `f` runs, so the idle policy
-    /// never hibernates it under a long exec.
+    /// request is marked in flight before the wake takes the sandbox's
+    /// lock and until `f` ends, so the policy (idle or watermark) never
+    /// hibernates the sandbox under it; the sandbox is also marked active
+    /// while `f` runs, so its keep-alive counts from the request's end.
     fn with_agent<T>(
         &self,
         id: &SandboxId,
         f: impl FnOnce(&AgentLink, &Outcome) -> Result<T, GuestError>,
     ) -> Result<GuestCall<T>, ServiceError> {
         let link = self.agent_link(id)?;
+        let _in_flight = self.in_flight.enter(id);
         let outcome = self.ensure_running(id)?;
         let (done, until_done) = mpsc::channel::<()>();
         let value = std::thread::scope(|scope| {
@@ -368,13 +371,39 @@ impl Service {
         })
     }
 
+    /// The exec's timeout: the service's (`exec_timeout_ms`) when it names
+    /// none, refused past it, so an exec never holds a thread for ever.
+    fn bounded_exec(&self, mut req: ExecRequest) -> Result<ExecRequest, ServiceError> {
+        let max = self.config.exec_timeout_ms.max(1);
+        match req.timeout_ms {
+            None | Some(0) => req.timeout_ms = Some(max),
+            Some(t) if t > max => {
+                return Err(ServiceError::Invalid(format!(
+                    "timeout_ms {t} is above this service's exec limit of {max} ms"
+                )))
+            }
+            Some(_) => {}
+        }
+        Ok(req)
+    }
+
+    /// Runs `exec` and counts it, with its duration, in the metrics.
+    fn timed_exec<T>(&self, exec: impl FnOnce() -> Result<T, GuestError>) -> Result<T, GuestError> {
+        let started = Instant::now();
+        let result = exec();
+        self.metrics
+            .observe_exec(started.elapsed().as_secs_f64() * 1000.0, result.is_ok());
+        result
+    }
+
     /// Runs a command in the sandbox and collects its output.
     pub fn exec(
         &self,
         id: &SandboxId,
         req: ExecRequest,
     ) -> Result<GuestCall<ExecOutput>, ServiceError> {
-        self.with_agent(id, |link, _| link.exec(req))
+        let req = self.bounded_exec(req)?;
+        self.with_agent(id, |link, _| self.timed_exec(|| link.exec(req)))
     }
 
     /// Runs a command; `on_start` hears that the sandbox runs (and whether
@@ -386,9 +415,10 @@ impl Service {
         on_start: &mut dyn FnMut(&Outcome),
         on_output: &mut dyn FnMut(OutputKind, &[u8]),
     ) -> Result<GuestCall<ExitReply>, ServiceError> {
+        let req = self.bounded_exec(req)?;
         self.with_agent(id, |link, outcome| {
             on_start(outcome);
-            link.exec_streaming(req, on_output)
+            self.timed_exec(|| link.exec_streaming(req, on_output))
         })
     }
 

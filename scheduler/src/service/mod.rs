@@ -41,6 +41,9 @@ pub const LOCAL_POD: &str = "pod_local";
 /// The built-in probe template's name.
 pub const PROBE_TEMPLATE: &str = "probe";
 
+/// Default (and largest) exec timeout: 10 minutes.
+pub const DEFAULT_EXEC_TIMEOUT_MS: u64 = 10 * 60 * 1000;
+
 /// How the service runs.
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
@@ -54,6 +57,9 @@ pub struct ServiceConfig {
     /// Run the idle-hibernation and watermark policy every this many ms
     /// (0 disables it).
     pub policy_interval_ms: u64,
+    /// Timeout of an exec that names none, and the longest one may name
+    /// (so no exec holds a blocking thread for ever).
+    pub exec_timeout_ms: u64,
 }
 
 impl ServiceConfig {
@@ -64,6 +70,7 @@ impl ServiceConfig {
             default_keep_alive_ms: 5 * 60 * 1000,
             default_ratio: 4.0,
             policy_interval_ms: 1000,
+            exec_timeout_ms: DEFAULT_EXEC_TIMEOUT_MS,
         }
     }
 }
@@ -219,6 +226,8 @@ pub struct Service {
     /// VMM processes this service started (others were re-attached).
     children: Mutex<HashMap<SandboxId, Child>>,
     metrics: Metrics,
+    /// Sandboxes with guest requests in flight (the policy leaves them).
+    in_flight: policy::InFlight,
     stop: Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -241,6 +250,7 @@ impl Service {
             locks: Mutex::new(HashMap::new()),
             children: Mutex::new(HashMap::new()),
             metrics: Metrics::default(),
+            in_flight: policy::InFlight::default(),
             stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         });
         service.ensure_local_pod()?;

@@ -207,6 +207,7 @@ impl Service {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&sandbox.id);
+            self.metrics.vmm_ending(handle.pid);
             vmm::stop(handle, child);
             self.store.set_sandbox_vmm(&sandbox.id, None)?;
         }
@@ -305,6 +306,7 @@ impl Service {
                 })
             }
             Err(e) => {
+                self.metrics.wake_failed();
                 let change = StateChange::new(SandboxState::Resuming, SandboxState::Hibernated);
                 self.roll_back(&op.id, &change, e)
             }
@@ -334,6 +336,11 @@ impl Service {
     pub fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
         let lock = self.lock_for(id);
         let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.hibernate_locked(id)
+    }
+
+    /// [`Self::hibernate`] with the sandbox's lock held.
+    pub(super) fn hibernate_locked(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
         let started = Instant::now();
         let sandbox = self.store.get_sandbox(id)?;
         let path = can(Operation::Hibernate, sandbox.state)
@@ -391,6 +398,7 @@ impl Service {
                 })
             }
             Err(e) => {
+                self.metrics.hibernate_failed();
                 let _ = vmm::call(&handle, &Request::Resume);
                 let _ = std::fs::remove_dir_all(&target);
                 let change = StateChange::new(SandboxState::Hibernating, SandboxState::Running);

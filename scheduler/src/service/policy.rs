@@ -1,15 +1,18 @@
 //! The policy thread: hibernate sandboxes idle past their keep-alive, then,
 //! while the pod's measured PSS is above its high watermark, hibernate the
 //! least recently used running sandboxes; delete sandboxes past their
-//! timeout; notice VMMs that died. And the Prometheus metrics.
+//! timeout; notice VMMs that died. The policy never hibernates a sandbox
+//! with an operation or a guest request (exec, files) in flight. And the
+//! Prometheus metrics.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, TryLockError, Weak};
 use std::time::Duration;
 
-use super::vmm;
-use super::{Service, LOCAL_POD};
-use crate::model::{PodId, Timestamp};
+use super::vmm::{self, PageFaults};
+use super::{Outcome, Service, ServiceError, LOCAL_POD};
+use crate::model::{PodId, SandboxId, Timestamp};
 use crate::state::SandboxState;
 use crate::store::SandboxFilter;
 
@@ -39,8 +42,8 @@ impl Histogram {
         self.count += 1;
     }
 
-    fn render(&self, name: &str, out: &mut String) {
-        out.push_str(&format!("# TYPE {name} histogram\n"));
+    fn render(&self, name: &str, help: &str, out: &mut String) {
+        header(out, name, help, "histogram");
         for (i, b) in BUCKETS_MS.iter().enumerate() {
             let c = self.counts.get(i).copied().unwrap_or(0);
             out.push_str(&format!("{name}_bucket{{le=\"{b}\"}} {c}\n"));
@@ -53,38 +56,188 @@ impl Histogram {
     }
 }
 
-/// Latency histograms the operations feed.
+/// The `# HELP` and `# TYPE` lines of a metric family.
+fn header(out: &mut String, name: &str, help: &str, kind: &str) {
+    out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+}
+
+/// Operation counts by outcome.
+#[derive(Default, Clone, Copy)]
+struct Outcomes {
+    ok: u64,
+    failed: u64,
+}
+
+impl Outcomes {
+    fn count(&mut self, ok: bool) {
+        if ok {
+            self.ok += 1;
+        } else {
+            self.failed += 1;
+        }
+    }
+
+    fn render(&self, name: &str, help: &str, out: &mut String) {
+        header(out, name, help, "counter");
+        out.push_str(&format!("{name}{{result=\"ok\"}} {}\n", self.ok));
+        out.push_str(&format!("{name}{{result=\"failed\"}} {}\n", self.failed));
+    }
+}
+
+/// Page faults of the pod's sandbox VMMs, as counters that never go back:
+/// what ended VMMs took stays in `ended`.
+#[derive(Default)]
+struct FaultBook {
+    /// Totals of VMMs that have ended.
+    ended: PageFaults,
+    /// Last reading of each live VMM, by pid.
+    live: HashMap<u32, PageFaults>,
+    /// VMMs already moved to `ended` whose pid the store may still name
+    /// for a moment (a stop in progress): not sampled again.
+    retired: HashSet<u32>,
+}
+
+impl FaultBook {
+    /// A VMM about to end: its final reading moves to `ended`.
+    fn retire(&mut self, pid: u32) {
+        if !self.retired.insert(pid) {
+            return;
+        }
+        let last = self.live.remove(&pid).unwrap_or_default();
+        let now = vmm::page_faults(pid).unwrap_or_default();
+        self.ended.add(last.max(now));
+    }
+
+    /// Samples the VMMs the store names now; VMMs no longer named ended
+    /// unnoticed (they died): their last reading moves to `ended`.
+    fn sample(&mut self, pids: &HashSet<u32>) -> PageFaults {
+        let gone: Vec<u32> = self
+            .live
+            .keys()
+            .filter(|p| !pids.contains(p))
+            .copied()
+            .collect();
+        for pid in gone {
+            if let Some(last) = self.live.remove(&pid) {
+                self.ended.add(last);
+            }
+        }
+        self.retired.retain(|p| pids.contains(p));
+        let mut total = self.ended;
+        for &pid in pids.iter().filter(|p| !self.retired.contains(p)) {
+            let last = self.live.get(&pid).copied().unwrap_or_default();
+            let now = vmm::page_faults(pid).map_or(last, |f| f.max(last));
+            self.live.insert(pid, now);
+            total.add(now);
+        }
+        total
+    }
+}
+
+/// What the operations feed the metrics with.
 #[derive(Default)]
 pub struct Metrics {
     resume: Mutex<Histogram>,
     hibernate: Mutex<Histogram>,
+    exec: Mutex<Histogram>,
+    wakes: Mutex<Outcomes>,
+    hibernations: Mutex<Outcomes>,
+    execs: Mutex<Outcomes>,
+    faults: Mutex<FaultBook>,
+}
+
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Metrics {
+    /// A wake that restored the sandbox, in `ms`.
     pub fn observe_resume(&self, ms: f64) {
-        self.resume
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .observe(ms);
+        locked(&self.resume).observe(ms);
+        locked(&self.wakes).count(true);
     }
 
-    pub fn observe_hibernate(&self, ms: f64) {
-        self.hibernate
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .observe(ms);
+    /// A wake that failed (the sandbox went back to hibernated).
+    pub fn wake_failed(&self) {
+        locked(&self.wakes).count(false);
     }
+
+    /// A hibernation that completed, in `ms`.
+    pub fn observe_hibernate(&self, ms: f64) {
+        locked(&self.hibernate).observe(ms);
+        locked(&self.hibernations).count(true);
+    }
+
+    /// A hibernation that failed (the sandbox was resumed).
+    pub fn hibernate_failed(&self) {
+        locked(&self.hibernations).count(false);
+    }
+
+    /// An exec the agent was asked to run, its duration, and whether it
+    /// answered with an exit (a non-zero exit status is still `ok`).
+    pub fn observe_exec(&self, ms: f64, ok: bool) {
+        locked(&self.exec).observe(ms);
+        locked(&self.execs).count(ok);
+    }
+
+    /// A sandbox VMM about to be stopped: its page faults stay counted.
+    pub fn vmm_ending(&self, pid: u32) {
+        locked(&self.faults).retire(pid);
+    }
+}
+
+/// Sandboxes with a guest request in flight, with how many.
+#[derive(Default)]
+pub struct InFlight(Mutex<HashMap<SandboxId, usize>>);
+
+/// Marks one request in flight until dropped.
+pub struct InFlightGuard<'a> {
+    set: &'a InFlight,
+    id: SandboxId,
+}
+
+impl InFlight {
+    pub fn enter(&self, id: &SandboxId) -> InFlightGuard<'_> {
+        *locked(&self.0).entry(id.clone()).or_default() += 1;
+        InFlightGuard {
+            set: self,
+            id: id.clone(),
+        }
+    }
+
+    pub fn contains(&self, id: &SandboxId) -> bool {
+        locked(&self.0).contains_key(id)
+    }
+}
+
+impl Drop for InFlightGuard<'_> {
+    fn drop(&mut self) {
+        let mut map = locked(&self.set.0);
+        if let Some(n) = map.get_mut(&self.id) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.id);
+            }
+        }
+    }
+}
+
+/// Why the policy hibernates a sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PolicyReason {
+    Idle,
+    Watermark,
 }
 
 impl Service {
     /// Prometheus text exposition.
     pub fn metrics(&self) -> String {
         let mut out = String::new();
-        out.push_str("# TYPE torpor_sandboxes gauge\n");
         let all = self
             .store
             .list_sandboxes(&SandboxFilter::default())
             .unwrap_or_default();
+        header(&mut out, "torpor_sandboxes", "Sandboxes by state.", "gauge");
         for state in SandboxState::ALL
             .iter()
             .filter(|s| **s != SandboxState::Deleted)
@@ -93,7 +246,12 @@ impl Service {
             out.push_str(&format!("torpor_sandboxes{{state=\"{state}\"}} {n}\n"));
         }
         if let Ok(pods) = self.list_pods() {
-            out.push_str("# TYPE torpor_pod_pss_bytes gauge\n");
+            header(
+                &mut out,
+                "torpor_pod_pss_bytes",
+                "Measured PSS of the pod's VMM processes.",
+                "gauge",
+            );
             for p in &pods {
                 out.push_str(&format!(
                     "torpor_pod_pss_bytes{{pod=\"{}\"}} {}\n",
@@ -101,7 +259,12 @@ impl Service {
                     (p.pss_mib * 1048576.0) as u64
                 ));
             }
-            out.push_str("# TYPE torpor_pod_committed_bytes gauge\n");
+            header(
+                &mut out,
+                "torpor_pod_committed_bytes",
+                "Memory of the pod's sandboxes that hold a VMM.",
+                "gauge",
+            );
             for p in &pods {
                 out.push_str(&format!(
                     "torpor_pod_committed_bytes{{pod=\"{}\"}} {}\n",
@@ -110,17 +273,94 @@ impl Service {
                 ));
             }
         }
-        self.metrics
-            .resume
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .render("torpor_resume_ms", &mut out);
-        self.metrics
-            .hibernate
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .render("torpor_hibernate_ms", &mut out);
+        // Only the local pod runs VMMs this service can measure.
+        let pids: HashSet<u32> = all
+            .iter()
+            .filter_map(|s| s.vmm.as_ref().map(|h| h.pid))
+            .collect();
+        let faults = locked(&self.metrics.faults).sample(&pids);
+        for (name, help, n) in [
+            (
+                "torpor_pod_vmm_minor_page_faults_total",
+                "Minor page faults of the pod's sandbox VMM processes, ended ones included.",
+                faults.minor,
+            ),
+            (
+                "torpor_pod_vmm_major_page_faults_total",
+                "Major page faults of the pod's sandbox VMM processes, ended ones included.",
+                faults.major,
+            ),
+        ] {
+            header(&mut out, name, help, "counter");
+            out.push_str(&format!("{name}{{pod=\"{LOCAL_POD}\"}} {n}\n"));
+        }
+        let m = &self.metrics;
+        locked(&m.wakes).render(
+            "torpor_wakes_total",
+            "Wakes of hibernated sandboxes by result.",
+            &mut out,
+        );
+        locked(&m.hibernations).render(
+            "torpor_hibernations_total",
+            "Hibernations by result.",
+            &mut out,
+        );
+        locked(&m.execs).render(
+            "torpor_execs_total",
+            "Execs through the guest agent by result (failed: no exit status).",
+            &mut out,
+        );
+        locked(&m.resume).render(
+            "torpor_resume_ms",
+            "Latency of waking a hibernated sandbox, in ms.",
+            &mut out,
+        );
+        locked(&m.hibernate).render(
+            "torpor_hibernate_ms",
+            "Latency of hibernating a sandbox, in ms.",
+            &mut out,
+        );
+        locked(&m.exec).render(
+            "torpor_exec_ms",
+            "Duration of execs through the guest agent, in ms.",
+            &mut out,
+        );
         out
+    }
+
+    /// Whether sandbox `id` has a guest request in flight.
+    pub fn has_request_in_flight(&self, id: &SandboxId) -> bool {
+        self.in_flight.contains(id)
+    }
+
+    /// Hibernates `id` for the policy, unless an operation holds it (its
+    /// lock is taken) or a guest request is in flight, or, for idleness,
+    /// it was used meanwhile. `None` when it was left alone. The in-flight
+    /// check runs under the sandbox's lock, and guest requests mark
+    /// themselves before they take it, so one cannot slip in between.
+    fn policy_hibernate(
+        &self,
+        id: &SandboxId,
+        reason: PolicyReason,
+    ) -> Option<Result<Outcome, ServiceError>> {
+        let lock = self.lock_for(id);
+        let _guard = match lock.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(TryLockError::WouldBlock) => return None,
+        };
+        if self.in_flight.contains(id) {
+            tracing::debug!(sandbox = %id, "a guest request is in flight; not hibernating");
+            return None;
+        }
+        if reason == PolicyReason::Idle {
+            let s = self.store.get_sandbox(id).ok()?;
+            if Timestamp::now().0 - s.last_active_at.0 < s.keep_alive_ms as i64 {
+                return None;
+            }
+        }
+        tracing::info!(sandbox = %id, ?reason, "hibernating by policy");
+        Some(self.hibernate_locked(id))
     }
 
     /// One policy round.
@@ -144,8 +384,7 @@ impl Service {
             } else if s.state == SandboxState::Running
                 && now.0 - s.last_active_at.0 >= s.keep_alive_ms as i64
             {
-                tracing::info!(sandbox = %s.id, "idle past its keep-alive; hibernating");
-                if let Err(e) = self.hibernate(&s.id) {
+                if let Some(Err(e)) = self.policy_hibernate(&s.id, PolicyReason::Idle) {
                     tracing::warn!(sandbox = %s.id, "idle hibernation failed: {e}");
                 }
             } else if s.state != SandboxState::Hibernated {
@@ -214,8 +453,8 @@ impl Service {
                 break;
             }
             let freed = pss(&s);
-            tracing::info!(sandbox = %s.id, "pod above its high watermark; hibernating the least recently used");
-            if self.hibernate(&s.id).is_ok() {
+            if let Some(Ok(_)) = self.policy_hibernate(&s.id, PolicyReason::Watermark) {
+                tracing::info!(sandbox = %s.id, "pod above its high watermark; hibernated the least recently used");
                 total = total.saturating_sub(freed);
             }
         }

@@ -159,3 +159,64 @@ pub fn pss_kib(pid: u32) -> u64 {
         })
         .unwrap_or(0)
 }
+
+/// Page faults a process has taken, its threads included.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PageFaults {
+    pub minor: u64,
+    pub major: u64,
+}
+
+impl PageFaults {
+    /// The larger of each count (counts of one process only grow).
+    pub fn max(self, other: PageFaults) -> PageFaults {
+        PageFaults {
+            minor: self.minor.max(other.minor),
+            major: self.major.max(other.major),
+        }
+    }
+
+    pub fn add(&mut self, other: PageFaults) {
+        self.minor += other.minor;
+        self.major += other.major;
+    }
+}
+
+/// A process's page faults from `/proc/PID/stat` (`None` if it is gone).
+pub fn page_faults(pid: u32) -> Option<PageFaults> {
+    parse_stat_faults(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// `minflt` and `majflt` (fields 10 and 12) of a stat line. The command
+/// name (field 2) may hold spaces and parentheses, so fields are counted
+/// from after its last `)`.
+fn parse_stat_faults(stat: &str) -> Option<PageFaults> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // `fields[0]` is field 3 (state).
+    Some(PageFaults {
+        minor: fields.get(10 - 3)?.parse().ok()?,
+        major: fields.get(12 - 3)?.parse().ok()?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_faults_are_counted_after_the_command_name() {
+        let line = "4242 (torpor vmm (x)) S 1 4242 4242 0 -1 4194560 1234 99 7 0 5 6 0 0 20 0 3 0";
+        assert_eq!(
+            parse_stat_faults(line),
+            Some(PageFaults {
+                minor: 1234,
+                major: 7
+            })
+        );
+        assert_eq!(parse_stat_faults("4242 (short) S 1 2"), None);
+        let me = page_faults(std::process::id()).expect("own stat");
+        assert!(me.minor > 0, "{me:?}");
+        assert_eq!(page_faults(u32::MAX), None);
+    }
+}

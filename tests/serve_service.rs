@@ -1,0 +1,394 @@
+//! The service in process, driving real VMMs, for what needs a guest agent
+//! on a host that runs only probe guests (PVM): a "Linux" template row whose
+//! snapshot is the probe template's, so every create and wake spawns a real
+//! `torpor vmm --restore ... --vsock-uds SANDBOX/vsock.sock` (the probe
+//! snapshot has no vsock device, so the VMM ignores the path), and this
+//! test answers that socket with the real torpor-agent server (its hybrid
+//! vsock handshake, then the agent protocol), with `FakeOps` deciding
+//! whether the clock/entropy/identity steps of `resumed` work. Everything
+//! else is the service's own path: the journaled create and wake, the
+//! `resumed` hook and its failure handling, exec, the policy.
+//!
+//! Covered: a failing `resumed` hook (create → failed with the reason and
+//! the VMM stopped; wake → back to hibernated), the policy leaving sandboxes
+//! with a guest request in flight alone (idle and watermark), the exec
+//! timeout limit, and exec metrics.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::serve::DataDir;
+use common::TORPOR;
+use torpor_agent::server::Stream;
+use torpor_agent::{Agent, AgentConfig, FakeOps, IdentityPage, DEFAULT_VSOCK_PORT};
+use torpor_scheduler::model::{SandboxId, Template, TemplateId, TemplateState, Timestamp};
+use torpor_scheduler::service::guest::{hostname_for, ExecRequest, VSOCK_FILE};
+use torpor_scheduler::service::{
+    CreateSandbox, GuestError, Service, ServiceConfig, ServiceError, LOCAL_POD, PROBE_TEMPLATE,
+};
+use torpor_scheduler::store::SandboxFilter;
+use torpor_scheduler::{PodId, SandboxState, TemplateKind};
+
+const LINUX: &str = "linux-on-probe";
+const WAIT: Duration = Duration::from_secs(60);
+
+/// An agent whose post-restore steps all work.
+fn good_ops() -> Arc<FakeOps> {
+    Arc::new(FakeOps::new().root(true).page(IdentityPage {
+        generation: 1,
+        seed: [9; 32],
+        wall_clock_ns: 1,
+    }))
+}
+
+/// An agent that cannot set the clock.
+fn clockless_ops() -> Arc<FakeOps> {
+    Arc::new(
+        FakeOps::new()
+            .root(true)
+            .failing("SetWallClock", libc::EPERM)
+            .page(IdentityPage {
+                generation: 1,
+                seed: [9; 32],
+                wall_clock_ns: 1,
+            }),
+    )
+}
+
+/// The service with a Linux-kind template over the probe snapshot, and a
+/// thread that answers each new VMM's vsock socket with an agent.
+struct Harness {
+    service: Arc<Service>,
+    /// The agent the next VMM's socket gets.
+    ops: Arc<Mutex<Arc<FakeOps>>>,
+    /// VMM pids whose socket got an agent, in order.
+    served: Arc<Mutex<Vec<(SandboxId, u32)>>>,
+    stop: Arc<AtomicBool>,
+    data: DataDir,
+}
+
+impl Harness {
+    fn new(name: &str, exec_timeout_ms: u64) -> Self {
+        let data = DataDir::new(name);
+        let mut config = ServiceConfig::new(data.0.clone(), PathBuf::from(TORPOR));
+        config.policy_interval_ms = 0; // the tests run the policy themselves
+        config.exec_timeout_ms = exec_timeout_ms;
+        let service = Service::open(config).expect("open the service");
+        let probe = service
+            .list_templates()
+            .unwrap()
+            .into_iter()
+            .find(|t| t.name == PROBE_TEMPLATE && t.state == TemplateState::Ready)
+            .expect("the probe template");
+        service
+            .store()
+            .insert_template(&Template {
+                id: TemplateId::generate(),
+                name: LINUX.into(),
+                kind: TemplateKind::Linux,
+                rootfs: None,
+                created_at: Timestamp::now(),
+                ..probe
+            })
+            .unwrap();
+        let h = Harness {
+            service,
+            ops: Arc::new(Mutex::new(good_ops())),
+            served: Arc::default(),
+            stop: Arc::default(),
+            data,
+        };
+        h.spawn_binder();
+        h
+    }
+
+    /// Binds the vsock socket of every VMM a create or wake just started
+    /// (the service removes a stale socket before it spawns the VMM, and
+    /// records the VMM before it runs the hook, which retries connecting).
+    fn spawn_binder(&self) {
+        let (service, ops, served, stop) = (
+            self.service.clone(),
+            self.ops.clone(),
+            self.served.clone(),
+            self.stop.clone(),
+        );
+        let data_dir = self.data.0.clone();
+        std::thread::spawn(move || {
+            let filter = SandboxFilter {
+                states: vec![SandboxState::Creating, SandboxState::Resuming],
+                ..Default::default()
+            };
+            while !stop.load(Ordering::SeqCst) {
+                for s in service.store().list_sandboxes(&filter).unwrap_or_default() {
+                    let Some(vmm) = s.vmm else { continue };
+                    let mut served = served.lock().unwrap();
+                    if served.iter().any(|(_, pid)| *pid == vmm.pid) {
+                        continue;
+                    }
+                    let uds = data_dir
+                        .canonicalize()
+                        .unwrap()
+                        .join("sandboxes")
+                        .join(s.id.as_str())
+                        .join(VSOCK_FILE);
+                    let ops = ops.lock().unwrap().clone();
+                    serve_agent(UnixListener::bind(&uds).expect("bind vsock socket"), ops);
+                    served.push((s.id.clone(), vmm.pid));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        });
+    }
+
+    fn set_ops(&self, ops: Arc<FakeOps>) {
+        *self.ops.lock().unwrap() = ops;
+    }
+
+    fn create(&self, keep_alive_ms: Option<u64>) -> Result<SandboxId, ServiceError> {
+        self.service
+            .create_sandbox(CreateSandbox {
+                template: LINUX.into(),
+                keep_alive_ms,
+                ..Default::default()
+            })
+            .map(|s| s.id)
+    }
+
+    fn state(&self, id: &SandboxId) -> SandboxState {
+        self.service.get_sandbox(id).unwrap().state
+    }
+
+    /// The VMM pid the last agent was bound for.
+    fn last_vmm(&self) -> (SandboxId, u32) {
+        self.served.lock().unwrap().last().cloned().expect("a VMM")
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.service.close();
+        for s in self
+            .service
+            .list_sandboxes(SandboxFilter::default())
+            .unwrap()
+        {
+            let _ = self.service.delete_sandbox(&s.id);
+        }
+    }
+}
+
+/// Accepts hybrid vsock connections (`CONNECT <port>` → `OK <n>`) and hands
+/// them to a real agent.
+fn serve_agent(listener: UnixListener, ops: Arc<FakeOps>) {
+    let agent = Agent::new(AgentConfig::new(ops));
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let agent = agent.clone();
+            std::thread::spawn(move || {
+                if read_line(&mut conn) == format!("CONNECT {DEFAULT_VSOCK_PORT}") {
+                    let _ = conn.write_all(b"OK 1073741824\n");
+                    agent.serve_connection(Stream::Unix(conn));
+                }
+            });
+        }
+    });
+}
+
+fn read_line(s: &mut UnixStream) -> String {
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while s.read(&mut b).unwrap_or(0) == 1 && b[0] != b'\n' {
+        line.push(b[0]);
+    }
+    String::from_utf8_lossy(&line).into_owned()
+}
+
+fn alive(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    unsafe { libc::kill(pid as libc::pid_t, 0) == 0 }
+}
+
+fn exec_req(script: &str, timeout_ms: Option<u64>) -> ExecRequest {
+    ExecRequest {
+        argv: vec!["sh".into(), "-c".into(), script.into()],
+        timeout_ms,
+        ..Default::default()
+    }
+}
+
+fn hook_failure(e: &ServiceError) -> bool {
+    matches!(e, ServiceError::Guest(GuestError::ResumeHook { .. }))
+        && e.to_string().contains("clock")
+        && e.to_string().contains("EPERM")
+}
+
+#[test]
+fn a_failing_resumed_hook_fails_a_create_and_rolls_back_a_wake() {
+    let h = Harness::new("svc-hook", 60_000);
+
+    // Create: the hook fails, so the sandbox is failed, with the reason,
+    // and the VMM that was started is gone.
+    h.set_ops(clockless_ops());
+    let err = h.create(None).expect_err("a create whose hook fails");
+    assert!(hook_failure(&err), "{err}");
+    let (id, pid) = h.last_vmm();
+    let sandbox = h.service.get_sandbox(&id).unwrap();
+    assert_eq!(sandbox.state, SandboxState::Failed);
+    let reason = sandbox.failure_reason.unwrap_or_default();
+    assert!(
+        reason.contains("post-restore hook") && reason.contains("clock"),
+        "{reason}"
+    );
+    assert_eq!(sandbox.vmm, None);
+    assert!(!alive(pid), "the VMM {pid} still runs");
+
+    // A working hook: created, hostname and identity set by the hook.
+    let ops = good_ops();
+    h.set_ops(ops.clone());
+    let id = h.create(None).unwrap();
+    assert_eq!(h.state(&id), SandboxState::Running);
+    let calls = format!("{:?}", ops.calls());
+    assert!(calls.contains(&hostname_for(id.as_str())), "{calls}");
+    h.service.hibernate(&id).unwrap();
+    assert_eq!(h.state(&id), SandboxState::Hibernated);
+
+    // Wake: the hook fails, so the sandbox goes back to hibernated and the
+    // VMM the wake started is stopped.
+    h.set_ops(clockless_ops());
+    let err = h.service.resume(&id).expect_err("a wake whose hook fails");
+    assert!(hook_failure(&err), "{err}");
+    let (woken, pid) = h.last_vmm();
+    assert_eq!(woken, id);
+    let sandbox = h.service.get_sandbox(&id).unwrap();
+    assert_eq!(sandbox.state, SandboxState::Hibernated);
+    assert_eq!(sandbox.vmm, None);
+    assert!(!alive(pid), "the VMM {pid} still runs");
+    let metrics = h.service.metrics();
+    assert!(
+        metrics.contains("torpor_wakes_total{result=\"failed\"} 1\n"),
+        "{metrics}"
+    );
+
+    // Its snapshot is intact: with a working hook it wakes.
+    h.set_ops(good_ops());
+    let outcome = h.service.resume(&id).unwrap();
+    assert!(outcome.resumed);
+    assert_eq!(h.state(&id), SandboxState::Running);
+    let metrics = h.service.metrics();
+    assert!(
+        metrics.contains("torpor_wakes_total{result=\"ok\"} 1\n"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn the_policy_leaves_sandboxes_with_a_request_in_flight() {
+    let h = Harness::new("svc-inflight", 60_000);
+    // One sandbox idle past its keep-alive at once, one never idle; the
+    // pod's watermark so low that any running VMM is above it.
+    let idle = h.create(Some(1)).unwrap();
+    let busy = h.create(None).unwrap();
+    h.service
+        .store()
+        .set_high_watermark(&PodId::new(LOCAL_POD), 1e-9)
+        .unwrap();
+
+    // The execs run until the test lets them end (the agent runs them on
+    // this host), or 40 s at most: no race with the policy rounds below.
+    let release = h.data.0.join("release");
+    let script = format!(
+        "i=0; while [ ! -e {} ] && [ $i -lt 2000 ]; do sleep 0.02; i=$((i+1)); done; echo done",
+        release.display()
+    );
+    let execs: Vec<_> = [idle.clone(), busy.clone()]
+        .into_iter()
+        .map(|id| {
+            let (service, script) = (h.service.clone(), script.clone());
+            std::thread::spawn(move || service.exec(&id, exec_req(&script, Some(50_000))))
+        })
+        .collect();
+    let deadline = Instant::now() + WAIT;
+    while !(h.service.has_request_in_flight(&idle) && h.service.has_request_in_flight(&busy)) {
+        assert!(Instant::now() < deadline, "the execs never started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Policy rounds while the execs run: both stay running.
+    for _ in 0..5 {
+        h.service.run_policy();
+        assert_eq!(h.state(&idle), SandboxState::Running);
+        assert_eq!(h.state(&busy), SandboxState::Running);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::fs::write(&release, b"").unwrap();
+    for exec in execs {
+        let call = exec.join().unwrap().expect("the exec");
+        assert!(!call.outcome.resumed);
+        assert_eq!(call.value.stdout, b"done\n");
+        assert_eq!(call.value.exit.code, Some(0));
+    }
+    assert!(!h.service.has_request_in_flight(&idle));
+
+    // Done: the next round hibernates both, one as idle, one as the pod
+    // is above its watermark.
+    h.service.run_policy();
+    assert_eq!(h.state(&idle), SandboxState::Hibernated);
+    assert_eq!(h.state(&busy), SandboxState::Hibernated);
+
+    let metrics = h.service.metrics();
+    assert!(
+        metrics.contains("torpor_execs_total{result=\"ok\"} 2\n"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("torpor_exec_ms_count 2\n"), "{metrics}");
+    assert!(
+        metrics.contains("torpor_hibernations_total{result=\"ok\"} 2\n"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn execs_get_the_services_timeout_and_cannot_ask_for_more() {
+    let h = Harness::new("svc-exec-limit", 500);
+    let id = h.create(None).unwrap();
+
+    // No timeout given: the service's 500 ms applies, the agent kills it.
+    let out = h
+        .service
+        .exec(&id, exec_req("sleep 30", None))
+        .unwrap()
+        .value;
+    assert!(out.exit.timed_out, "{:?}", out.exit);
+    assert_eq!(out.exit.code, None);
+
+    // Within the limit: as asked.
+    let out = h
+        .service
+        .exec(&id, exec_req("echo ok", Some(400)))
+        .unwrap()
+        .value;
+    assert_eq!(
+        (out.stdout.as_slice(), out.exit.code),
+        (&b"ok\n"[..], Some(0))
+    );
+
+    // Past the limit: refused before anything runs.
+    let err = h
+        .service
+        .exec(&id, exec_req("true", Some(10_000)))
+        .expect_err("a timeout past the limit");
+    assert!(matches!(err, ServiceError::Invalid(_)), "{err}");
+    assert!(err.to_string().contains("500 ms"), "{err}");
+    let metrics = h.service.metrics();
+    assert!(
+        metrics.contains("torpor_execs_total{result=\"ok\"} 2\n"),
+        "{metrics}"
+    );
+}
