@@ -13,6 +13,7 @@ use crate::boot::{self, BootError, KernelImage};
 use crate::devices::i8042::{I8042, I8042_DATA_PORT};
 use crate::devices::serial::{SerialDevice, COM1_BASE, COM1_IRQ, COM1_PORTS};
 use crate::devices::{BusError, PioBus};
+use crate::dirty::{DirtyError, DirtyTracking, WpTracker};
 use crate::exit::ExitSignal;
 use crate::identity;
 use crate::layout::EBDA_START;
@@ -51,6 +52,8 @@ pub struct VmConfig {
     pub vcpus: u16,
     pub serial: SerialOutput,
     pub virtio: crate::virtio_devices::VirtioConfig,
+    /// Where diff snapshots take their dirty pages from.
+    pub dirty_tracking: DirtyTracking,
 }
 
 /// Errors while building a microVM, before any guest code runs.
@@ -93,6 +96,8 @@ pub enum BuildError {
     Identity(#[from] crate::identity::IdentityError),
     #[error(transparent)]
     Virtio(#[from] crate::virtio_devices::VirtioDevicesError),
+    #[error(transparent)]
+    Dirty(#[from] DirtyError),
 }
 
 /// Microseconds spent in each start-up phase, in order.
@@ -150,6 +155,9 @@ pub struct BuiltVm {
     pub keepalive: Option<Box<dyn std::any::Any + Send>>,
     pub msr_indices: Vec<u32>,
     pub virtio: crate::virtio_devices::VirtioDevices,
+    pub dirty_tracking: DirtyTracking,
+    /// Reads uffd-wp dirty pages (`dirty_tracking.uffd_wp()`).
+    pub wp_tracker: Option<WpTracker>,
 }
 
 /// Checks what can be checked without touching KVM or the disk.
@@ -198,7 +206,14 @@ pub fn build(
 
     let mem_bytes = validate_mem_size(config.mem_mib)?;
     let mem = backend.map(&ram_ranges(mem_bytes))?;
-    vm.register_memory(&mem)?;
+    vm.register_memory(&mem, config.dirty_tracking.kvm_log())?;
+    let wp_tracker = if config.dirty_tracking.uffd_wp() {
+        // SAFETY: `mem` is this VM's fresh guest RAM; it lives in the
+        // BuiltVm as long as the tracker does.
+        Some(unsafe { WpTracker::start(crate::dirty::guest_spans(&mem)) }?)
+    } else {
+        None
+    };
     t.phase("memory");
     vm.create_irqchip()?;
     t.phase("irqchip");
@@ -244,6 +259,8 @@ pub fn build(
         keepalive: None,
         msr_indices,
         virtio,
+        dirty_tracking: config.dirty_tracking,
+        wp_tracker,
     })
 }
 

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::builder::{SerialOutput, Timings};
 use crate::control::{self, Request, Response, VmState, VmStatus, PROTOCOL_VERSION};
+use crate::dirty::DirtyTracking;
 use crate::exit::{ExitReason, ExitSignal};
 use crate::microvm::{run_built, PendingRestore, RunError, RunReport};
 use crate::restore::{self, RestoreBackend, RestoreOptions};
@@ -39,6 +40,7 @@ fn standby_status(mem_mib: u64, vcpus: u16, started: Instant) -> VmStatus {
         memory_backend: String::new(),
         base_snapshot: None,
         guest_clock_ns: None,
+        dirty_tracking: String::new(),
     }
 }
 
@@ -61,12 +63,18 @@ fn refuse(stream: &mut UnixStream, error: String) {
 }
 
 /// Makes a shell for `mem_mib`/`vcpus`, serves `socket` until a restore
-/// request arrives, then runs the restored VM like any other.
-pub fn standby(mem_mib: u64, vcpus: u16, socket: PathBuf) -> Result<RunReport, RunError> {
+/// request arrives, then runs the restored VM like any other, its diff
+/// snapshots tracked with `dirty_tracking`.
+pub fn standby(
+    mem_mib: u64,
+    vcpus: u16,
+    socket: PathBuf,
+    dirty_tracking: DirtyTracking,
+) -> Result<RunReport, RunError> {
     let started = Instant::now();
     let listener = control::bind(&socket)?;
     let mut shell_timings = Timings::start();
-    let shell = restore::create_shell(mem_mib, vcpus, &mut shell_timings)?;
+    let shell = restore::create_shell(mem_mib, vcpus, dirty_tracking, &mut shell_timings)?;
     register_kick_handler()?;
     let exit = ExitSignal::new().map_err(RunError::ExitEvent)?;
     tracing::info!(timings = ?shell_timings, "standby shell ready");
@@ -151,6 +159,7 @@ pub fn standby(mem_mib: u64, vcpus: u16, socket: PathBuf) -> Result<RunReport, R
                         disk_overlay,
                         vsock_uds,
                     },
+                    dirty_tracking,
                 };
                 timings.phase("read_state");
                 let built = match restore::restore_into(shell, chain, &opts, &exit, timings) {

@@ -183,6 +183,7 @@ pub fn start(
             Vec::new()
         },
         record_for: opts.record_working_set_ms.map(Duration::from_millis),
+        write_protect: opts.dirty_tracking.uffd_wp(),
     };
     let exit = exit.clone();
     let on_failure = Box::new(move |msg: String| exit.exit(ExitReason::PageServerFailed(msg)));

@@ -194,6 +194,10 @@ pub struct ServerOptions {
     pub prefetch: Vec<u64>,
     /// Record the pages that fault within this long after `start`.
     pub record_for: Option<Duration>,
+    /// Also register for asynchronous write-protect faults and protect every
+    /// page, installed pages included, so that [`crate::dirty::WpTracker`]
+    /// sees exactly the pages written after start (uffd-wp dirty tracking).
+    pub write_protect: bool,
 }
 
 /// Called once, from the server thread, when the server fails.
@@ -293,4 +297,6 @@ pub enum UffdError {
     StopEvent(#[source] std::io::Error),
     #[error("cannot start the page server thread: {0}")]
     Spawn(#[source] std::io::Error),
+    #[error(transparent)]
+    WriteProtect(crate::dirty::DirtyError),
 }
