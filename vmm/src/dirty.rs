@@ -272,8 +272,9 @@ impl WpTracker {
     }
 
     /// A tracker over ranges another userfaultfd (the page server's) has
-    /// registered with write-protection and protected. Scans once, so a host
-    /// without PAGEMAP_SCAN is refused here rather than at the first diff.
+    /// registered with write-protection. Checks (without resetting anything)
+    /// that PAGEMAP_SCAN works on them, so a host without it is refused here
+    /// rather than at the first diff.
     pub fn attach(spans: Vec<Span>) -> Result<Self, DirtyError> {
         let pagemap = File::open("/proc/self/pagemap").map_err(DirtyError::Pagemap)?;
         let tracker = Self {
@@ -281,26 +282,33 @@ impl WpTracker {
             spans,
             _uffd: None,
         };
-        tracker.take_written()?;
+        tracker.scan(false)?;
         Ok(tracker)
     }
 
     /// Pages written since the last call (or since start), in memory-file
     /// page numbers; protects them again.
     pub fn take_written(&self) -> Result<PageRuns, DirtyError> {
+        self.scan(true)
+    }
+
+    /// Lists written pages; with `reset` protects them again, without it
+    /// only checks the ranges (first page found only).
+    fn scan(&self, reset: bool) -> Result<PageRuns, DirtyError> {
         let mut runs = PageRuns::default();
-        let mut vec = vec![PageRegion::default(); SCAN_BATCH];
+        let mut vec = vec![PageRegion::default(); if reset { SCAN_BATCH } else { 1 }];
         for &(addr, len, first_page) in &self.spans {
             let end = (addr + len) as u64;
             let mut start = addr as u64;
             while start < end {
                 let mut arg = PmScanArg {
                     size: std::mem::size_of::<PmScanArg>() as u64,
-                    flags: PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
+                    flags: PM_SCAN_CHECK_WPASYNC | if reset { PM_SCAN_WP_MATCHING } else { 0 },
                     start,
                     end,
                     vec: vec.as_mut_ptr() as u64,
                     vec_len: vec.len() as u64,
+                    max_pages: if reset { 0 } else { 1 },
                     category_mask: PAGE_IS_WRITTEN,
                     return_mask: PAGE_IS_WRITTEN,
                     ..Default::default()
@@ -334,7 +342,7 @@ impl WpTracker {
                     let first = first_page + (r.start - addr as u64) / PAGE_SIZE;
                     runs.push_run(first, (r.end - r.start) / PAGE_SIZE);
                 }
-                if arg.walk_end <= start {
+                if !reset || arg.walk_end <= start {
                     break;
                 }
                 start = arg.walk_end;

@@ -194,9 +194,11 @@ pub struct ServerOptions {
     pub prefetch: Vec<u64>,
     /// Record the pages that fault within this long after `start`.
     pub record_for: Option<Duration>,
-    /// Also register for asynchronous write-protect faults and protect every
-    /// page, installed pages included, so that [`crate::dirty::WpTracker`]
-    /// sees exactly the pages written after start (uffd-wp dirty tracking).
+    /// Also register for asynchronous write-protect faults and install every
+    /// page write-protected (unless a write fault asked for it), so that
+    /// [`crate::dirty::WpTracker`] sees exactly the pages written after start
+    /// (uffd-wp dirty tracking). Zero pages are then installed as copies of
+    /// zeros, since `UFFDIO_ZEROPAGE` has no write-protect mode.
     pub write_protect: bool,
 }
 

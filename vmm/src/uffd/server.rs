@@ -180,6 +180,10 @@ impl PageServer {
             register(&uffd, mode, opts.write_protect, index, r)?;
         }
         if opts.write_protect {
+            // Pages the server installs come protected, but PAGEMAP_SCAN
+            // reports a never-populated page without a uffd-wp marker as
+            // written (seen on 6.18): protect the whole range once, which
+            // installs markers (page tables and an entry per page).
             let spans: Vec<_> = regions
                 .iter()
                 .map(|(_, r)| (r.host_addr, r.len, r.first_page))
