@@ -200,8 +200,10 @@ fn measure(dir: &Path, mem: u64, mib: u64, source: &str, runs: usize) -> Cell {
         vm.pause_after_next_line();
         let diff = dir.join(format!("diff{run}"));
         let d = vm.snapshot(&diff, true);
-        cell.collect_us.push(d["dirty_collect_us"].as_f64().unwrap());
-        cell.diff_ms.push(d["duration_us"].as_f64().unwrap() / 1000.0);
+        cell.collect_us
+            .push(d["dirty_collect_us"].as_f64().unwrap());
+        cell.diff_ms
+            .push(d["duration_us"].as_f64().unwrap() / 1000.0);
         cell.diff_mib
             .push(d["memory_allocated_bytes"].as_f64().unwrap() / 1048576.0);
         cell.pages.push(d["pages"].as_f64().unwrap());

@@ -178,8 +178,7 @@ fn standby_shell_keeps_its_dirty_tracking() {
     ]);
     let limit = common::snap::LIMIT;
     common::wait_for(limit, || {
-        torpor_vmm::control::request(&socket, &torpor_vmm::control::Request::Status, limit)
-            .is_ok()
+        torpor_vmm::control::request(&socket, &torpor_vmm::control::Request::Status, limit).is_ok()
     });
     let request = torpor_vmm::control::Request::Restore {
         snapshot: template.clone(),

@@ -79,15 +79,13 @@ fn serial_output(args: &VmmRunArgs) -> SerialOutput {
 fn run_vm(args: VmmRunArgs) -> i32 {
     let result = match (&args.restore, args.standby, &args.control_socket) {
         (Some(dir), _, _) => restore_vm(&args, dir.clone()),
-        (None, true, Some(socket)) => {
-            torpor_vmm::standby(
-                args.mem_mib,
-                args.vcpus,
-                socket.clone(),
-                dirty_tracking(args.dirty_tracking),
-            )
-            .map_err(failed)
-        }
+        (None, true, Some(socket)) => torpor_vmm::standby(
+            args.mem_mib,
+            args.vcpus,
+            socket.clone(),
+            dirty_tracking(args.dirty_tracking),
+        )
+        .map_err(failed),
         _ => boot_vm(&args),
     };
     match result {

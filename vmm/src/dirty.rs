@@ -258,12 +258,16 @@ impl WpTracker {
             .create()
             .map_err(|e| DirtyError::Userfaultfd(e.to_string()))?;
         for &(addr, len, _) in &spans {
-            uffd.register_with_mode(addr as *mut libc::c_void, len, RegisterMode::from_bits_retain(REGISTER_MODE_WP))
-                .map_err(|e| DirtyError::Register {
-                    addr,
-                    len,
-                    reason: e.to_string(),
-                })?;
+            uffd.register_with_mode(
+                addr as *mut libc::c_void,
+                len,
+                RegisterMode::from_bits_retain(REGISTER_MODE_WP),
+            )
+            .map_err(|e| DirtyError::Register {
+                addr,
+                len,
+                reason: e.to_string(),
+            })?;
         }
         protect(&uffd, &spans)?;
         let mut tracker = Self::attach(spans)?;
@@ -541,7 +545,11 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for t in [DirtyTracking::Kvm, DirtyTracking::UffdWp, DirtyTracking::Both] {
+        for t in [
+            DirtyTracking::Kvm,
+            DirtyTracking::UffdWp,
+            DirtyTracking::Both,
+        ] {
             assert_eq!(DirtyTracking::parse(t.name()), Some(t));
         }
         assert_eq!(DirtyTracking::parse("soft-dirty"), None);

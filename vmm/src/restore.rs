@@ -418,7 +418,11 @@ pub fn restore_into(
     check_fits(&shell, &chain)?;
     if shell.kvm_dirty_log != opts.dirty_tracking.kvm_log() {
         return Err(RestoreError::DirtyTrackingMismatch {
-            shell: if shell.kvm_dirty_log { "kvm" } else { "uffd-wp" },
+            shell: if shell.kvm_dirty_log {
+                "kvm"
+            } else {
+                "uffd-wp"
+            },
             requested: opts.dirty_tracking.name(),
         });
     }

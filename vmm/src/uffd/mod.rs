@@ -117,6 +117,12 @@
 //! writes are. A diff taken from the dirty log after a restore from a diff
 //! chain therefore holds only the newly dirtied pages: the next snapshot must
 //! keep (or merge) the older diffs.
+//!
+//! With [`ServerOptions::write_protect`] (uffd-wp dirty tracking, see
+//! `crate::dirty`) the regions are also registered for asynchronous
+//! write-protect faults and protected once at start; every fill then
+//! installs the page protected unless a write fault asked for it, so
+//! `PAGEMAP_SCAN` reports exactly the pages written after the restore.
 
 mod layers;
 mod regions;

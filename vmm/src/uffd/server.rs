@@ -735,10 +735,9 @@ impl Worker {
         while k < pages {
             let (page_op, addr) = (op.advance(k * PAGE_SIZE), dst + k * PAGE_SIZE);
             let result = match self.fill_page(page_op, addr, protect) {
-                Err(libc::EFAULT) if hole_as_zero && matches!(op, Fill::Continue) => {
-                    self.fill_page(Fill::Zero, addr, protect)
-                        .map(|r| (r, Fill::Zero))
-                }
+                Err(libc::EFAULT) if hole_as_zero && matches!(op, Fill::Continue) => self
+                    .fill_page(Fill::Zero, addr, protect)
+                    .map(|r| (r, Fill::Zero)),
                 other => other.map(|r| (r, page_op)),
             };
             match result {

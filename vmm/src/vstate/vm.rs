@@ -75,7 +75,11 @@ impl Vm {
             let slot = slot as u32;
             let desc = kvm_userspace_memory_region {
                 slot,
-                flags: if log_dirty { KVM_MEM_LOG_DIRTY_PAGES } else { 0 },
+                flags: if log_dirty {
+                    KVM_MEM_LOG_DIRTY_PAGES
+                } else {
+                    0
+                },
                 guest_phys_addr: region.start_addr().0,
                 memory_size: region.len(),
                 userspace_addr: region.as_ptr() as u64,
