@@ -230,6 +230,8 @@ fn measure(dir: &Path, mem: u64, mib: u64, source: &str, runs: usize) -> Cell {
 /// Cold restore (file backend) to first KVM_RUN, µs.
 fn cold_restore(dir: &Path, snap: &Path, source: &str) -> f64 {
     let sock = dir.join("cold.sock");
+    let console = dir.join("cold.log");
+    let _ = std::fs::remove_file(&console);
     let child = spawn(&[
         "vmm",
         "--restore",
@@ -237,10 +239,13 @@ fn cold_restore(dir: &Path, snap: &Path, source: &str) -> f64 {
         "--dirty-tracking",
         source,
         "--report",
-        "--no-serial",
+        "--serial",
+        console.to_str().unwrap(),
         "--control-socket",
         sock.to_str().unwrap(),
     ]);
+    // The guest has run once it prints; only then is there a first KVM_RUN.
+    wait_until(LIMIT, || iter_lines(&console) >= 1);
     wait_until(LIMIT, || UnixStream::connect(&sock).is_ok());
     let err = shutdown(&sock, child);
     let report: serde_json::Value = err
@@ -264,13 +269,14 @@ fn main() {
     let quick = args.iter().any(|a| a == "--quick");
     let dir = Dir(std::env::temp_dir().join(format!("torpor-bench-dirty-{}", std::process::id())));
     std::fs::create_dir_all(&dir.0).unwrap();
-    let cells: Vec<(u64, u64)> = if smoke {
-        vec![(64, 2)]
+    // (guest MiB, dirty %, probe workload MiB)
+    let cells: Vec<(u64, u64, u64)> = if smoke {
+        vec![(64, 3, 2)]
     } else {
         let sizes: &[u64] = if quick { &[256] } else { &[256, 2048] };
         sizes
             .iter()
-            .flat_map(|&mem| [1u64, 10, 50].map(|pct| (mem, (mem * pct / 100).max(1))))
+            .flat_map(|&mem| [1u64, 10, 50].map(|pct| (mem, pct, (mem * pct / 100).max(1))))
             .collect()
     };
     println!("torpor dirty-tracking benchmark ({runs} runs per cell, medians)");
@@ -289,7 +295,7 @@ fn main() {
         "per page",
         "restore"
     );
-    for (mem, mib) in cells {
+    for (mem, pct, mib) in cells {
         for source in SOURCES {
             let c = measure(&dir.0, mem, mib, source, runs);
             let (rearmed, plain) = (median(c.rearmed_us), median(c.plain_us));
@@ -298,7 +304,7 @@ fn main() {
             println!(
                 "{:<9} {:>5} {:<8} {:>7.0} µs {:>7.1} ms {:>6.1} MiB {:>8.0} {:>9.1} ms {:>9.1} ms {:>8.1} ms {:>8.2} µs {:>8.2} ms",
                 format!("{mem} MiB"),
-                format!("{}%", mib * 100 / mem),
+                format!("{pct}%"),
                 source,
                 median(c.collect_us),
                 median(c.diff_ms),
