@@ -327,6 +327,7 @@ pub fn run_built(
     exit: ExitSignal,
     started: Instant,
     pending: Option<PendingRestore>,
+    spares: Option<crate::vstate::vcpu::SpareThreads>,
 ) -> Result<RunReport, RunError> {
     register_kick_handler()?;
     let mut timings = built.timings;
@@ -342,6 +343,7 @@ pub fn run_built(
         exit.clone(),
         first_run.clone(),
         start_paused,
+        spares,
     )?);
     timings.phase("vcpu_threads");
     let controller = Arc::new(Controller {
@@ -400,7 +402,7 @@ pub fn boot(
     let listener = bind_control(control_socket)?;
     let exit = ExitSignal::new().map_err(RunError::ExitEvent)?;
     let built = crate::builder::build(config, backend, &exit)?;
-    run_built(built, listener, false, exit, started, None)
+    run_built(built, listener, false, exit, started, None, None)
 }
 
 /// Binds the control socket, if one was asked for.
@@ -433,7 +435,7 @@ pub fn restore(
         &mut t,
     )?;
     let built = crate::restore::restore_into(shell, chain, opts, &exit, t)?;
-    run_built(built, listener, paused, exit, started, None)
+    run_built(built, listener, paused, exit, started, None, None)
 }
 
 /// Answers a standby restore request once a vCPU has entered KVM_RUN (or at

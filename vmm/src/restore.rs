@@ -465,7 +465,8 @@ pub fn restore_into(
     persist::restore_vm(&shell.vm.fd, &state.vm)?;
     t.phase("state");
 
-    let out = builder::serial_output(&opts.serial)?;
+    let out = builder::serial_output_deferred(&opts.serial)?;
+    t.phase("console_open");
     let serial = Arc::new(Mutex::new(SerialDevice::restore(
         (shell.serial_irq, out),
         &state.devices.serial,
@@ -477,11 +478,12 @@ pub fn restore_into(
         &state.devices.virtio,
         &opts.virtio,
     )?;
+    t.phase("devices");
     let generation = state.generation + 1;
     identity::write(&shell.mem, generation)?;
     let mut vmm_dirty = PageRuns::default();
     vmm_dirty.push_run(identity::page_index(), 1);
-    t.phase("devices");
+    t.phase("identity");
 
     Ok(BuiltVm {
         vm: shell.vm,

@@ -14,7 +14,7 @@ use crate::dirty::DirtyTracking;
 use crate::exit::{ExitReason, ExitSignal};
 use crate::microvm::{run_built, PendingRestore, RunError, RunReport};
 use crate::restore::{self, RestoreBackend, RestoreOptions};
-use crate::vstate::vcpu::register_kick_handler;
+use crate::vstate::vcpu::{register_kick_handler, SpareThreads};
 
 fn backend(name: &str) -> Result<RestoreBackend, String> {
     match name {
@@ -76,6 +76,9 @@ pub fn standby(
     let mut shell_timings = Timings::start();
     let shell = restore::create_shell(mem_mib, vcpus, dirty_tracking, &mut shell_timings)?;
     register_kick_handler()?;
+    // The vCPU threads too: a restore wakes them instead of creating them.
+    let spares = SpareThreads::spawn(shell.vcpus.len() as u8)?;
+    let mut spares = Some(spares);
     let exit = ExitSignal::new().map_err(RunError::ExitEvent)?;
     tracing::info!(timings = ?shell_timings, "standby shell ready");
     loop {
@@ -181,6 +184,7 @@ pub fn standby(
                     exit,
                     started,
                     Some(pending),
+                    spares.take(),
                 );
             }
             Ok(_) => refuse(
