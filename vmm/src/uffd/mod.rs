@@ -200,6 +200,10 @@ pub struct ServerOptions {
     pub prefetch: Vec<u64>,
     /// Record the pages that fault within this long after `start`.
     pub record_for: Option<Duration>,
+    /// Pages installed by `start` itself, on the calling thread, before it
+    /// returns (counted as prefetched): pages the caller writes next, such
+    /// as the identity page, then cost no fault round trip.
+    pub install_first: Vec<u64>,
     /// Also register for asynchronous write-protect faults and install every
     /// page write-protected (unless a write fault asked for it), so that
     /// [`crate::dirty::WpTracker`] sees exactly the pages written after start
@@ -307,4 +311,6 @@ pub enum UffdError {
     Spawn(#[source] std::io::Error),
     #[error(transparent)]
     WriteProtect(crate::dirty::DirtyError),
+    #[error("cannot install a page at start: {0}")]
+    InstallFirst(String),
 }

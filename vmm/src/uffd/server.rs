@@ -199,13 +199,13 @@ impl PageServer {
             .prefetch_done
             .store(opts.prefetch.is_empty(), Ordering::Release);
         let registered = Instant::now();
-        let worker = Worker {
+        let mut worker = Worker {
             uffd,
             mode,
             write_protect: opts.write_protect,
             regions,
             layers,
-            prefetch: opts.prefetch,
+            prefetch: opts.install_first,
             next_prefetch: 0,
             prefetch_skipped: 0,
             record_until: opts.record_for.and_then(|d| registered.checked_add(d)),
@@ -213,6 +213,16 @@ impl PageServer {
             buf: PageBuf::new_boxed(),
             pending: Vec::with_capacity(EVENT_BATCH),
         };
+        // Pages the caller is about to touch, installed on this thread: no
+        // fault round trip through a server thread that may not be running.
+        while worker.next_prefetch < worker.prefetch.len() {
+            worker.prefetch_step().map_err(UffdError::InstallFirst)?;
+        }
+        shared
+            .prefetch_done
+            .store(opts.prefetch.is_empty(), Ordering::Release);
+        worker.prefetch = opts.prefetch;
+        (worker.next_prefetch, worker.prefetch_skipped) = (0, 0);
         let thread = std::thread::Builder::new()
             .name("uffd-pages".into())
             .spawn(move || supervise(worker, thread_stop, on_failure))

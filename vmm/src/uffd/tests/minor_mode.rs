@@ -29,6 +29,7 @@ pub(super) fn minor(prefetch: Vec<u64>) -> ServerOptions {
         prefetch,
         record_for: None,
         write_protect: false,
+        install_first: Vec::new(),
     }
 }
 

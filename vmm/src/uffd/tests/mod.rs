@@ -268,6 +268,7 @@ fn missing(prefetch: Vec<u64>, record_for: Option<Duration>) -> ServerOptions {
         prefetch,
         record_for,
         write_protect: false,
+        install_first: Vec::new(),
     }
 }
 
