@@ -190,6 +190,18 @@ pub enum MemoryBackendArg {
     UffdShared,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DirtyTrackingArg {
+    /// KVM's dirty log (KVM_MEM_LOG_DIRTY_PAGES).
+    Kvm,
+    /// userfaultfd asynchronous write-protection read with PAGEMAP_SCAN
+    /// (Linux 6.7+).
+    UffdWp,
+    /// uffd-wp writes the diff; KVM's dirty log is kept too and each
+    /// snapshot reports where they differ (a check; costs both).
+    Both,
+}
+
 #[derive(Debug, Args)]
 pub struct VmmRunArgs {
     /// Kernel image: an ELF vmlinux or a bzImage, or `builtin:probe` for the
@@ -255,6 +267,10 @@ pub struct VmmRunArgs {
     /// restore).
     #[arg(long, value_enum)]
     pub memory_backend: Option<MemoryBackendArg>,
+    /// Where diff snapshots of this VM take their dirty pages from (boot,
+    /// --restore and --standby).
+    #[arg(long, value_enum, default_value_t = DirtyTrackingArg::Kvm)]
+    pub dirty_tracking: DirtyTrackingArg,
     /// At exit, print boot phase timings and the exit reason as one JSON
     /// line on stderr.
     #[arg(long)]

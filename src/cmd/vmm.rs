@@ -11,7 +11,8 @@ use torpor_vmm::vstate::memory::AnonymousBackend;
 use torpor_vmm::{RunError, RunReport, SerialOutput, VmConfig};
 
 use super::{EXIT_FAILURE, EXIT_OK};
-use crate::cli::{MemoryBackendArg, VmmAction, VmmCommand, VmmRunArgs};
+use crate::cli::{DirtyTrackingArg, MemoryBackendArg, VmmAction, VmmCommand, VmmRunArgs};
+use torpor_vmm::dirty::DirtyTracking;
 
 const BUILTIN_PREFIX: &str = "builtin:";
 const EXIT_USAGE: i32 = 2;
@@ -82,9 +83,13 @@ fn serial_output(args: &VmmRunArgs) -> SerialOutput {
 fn run_vm(args: VmmRunArgs) -> i32 {
     let result = match (&args.restore, args.standby, &args.control_socket) {
         (Some(dir), _, _) => restore_vm(&args, dir.clone()),
-        (None, true, Some(socket)) => {
-            torpor_vmm::standby(args.mem_mib, args.vcpus, socket.clone()).map_err(failed)
-        }
+        (None, true, Some(socket)) => torpor_vmm::standby(
+            args.mem_mib,
+            args.vcpus,
+            socket.clone(),
+            dirty_tracking(args.dirty_tracking),
+        )
+        .map_err(failed),
         _ => boot_vm(&args),
     };
     match result {
@@ -113,6 +118,14 @@ fn run_vm(args: VmmRunArgs) -> i32 {
 }
 
 type Failure = (i32, String);
+
+fn dirty_tracking(arg: DirtyTrackingArg) -> DirtyTracking {
+    match arg {
+        DirtyTrackingArg::Kvm => DirtyTracking::Kvm,
+        DirtyTrackingArg::UffdWp => DirtyTracking::UffdWp,
+        DirtyTrackingArg::Both => DirtyTracking::Both,
+    }
+}
 
 fn failed(e: RunError) -> Failure {
     (EXIT_FAILURE, e.to_string())
@@ -151,6 +164,7 @@ fn boot_vm(args: &VmmRunArgs) -> Result<RunReport, Failure> {
             }),
             vsock_uds: args.vsock_uds.clone(),
         },
+        dirty_tracking: dirty_tracking(args.dirty_tracking),
     };
     torpor_vmm::boot(&config, &AnonymousBackend, args.control_socket.clone()).map_err(failed)
 }
@@ -178,6 +192,7 @@ fn restore_vm(args: &VmmRunArgs, snapshot: PathBuf) -> Result<RunReport, Failure
             disk_overlay: args.disk_overlay.clone(),
             vsock_uds: args.vsock_uds.clone(),
         },
+        dirty_tracking: dirty_tracking(args.dirty_tracking),
     };
     torpor_vmm::restore(&opts, args.control_socket.clone(), args.paused).map_err(failed)
 }

@@ -10,6 +10,7 @@ pub mod boot;
 pub mod builder;
 pub mod control;
 pub mod devices;
+pub mod dirty;
 pub mod doctor;
 pub mod exit;
 pub mod identity;

@@ -16,6 +16,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::builder::{self, BuildError, BuiltVm, SerialOutput, Timings};
 use crate::devices::serial::SerialDevice;
+use crate::dirty::{DirtyError, DirtyTracking, WpTracker};
 use crate::exit::ExitSignal;
 use crate::identity;
 use crate::persist::{self, MemoryLayer, MicrovmState, Persist};
@@ -65,6 +66,9 @@ pub struct RestoreOptions {
     pub record_working_set_ms: Option<u64>,
     /// The clone's own disk overlay and vsock socket.
     pub virtio: crate::virtio_devices::VirtioRestorePaths,
+    /// Where this VM's diff snapshots take their dirty pages from; the
+    /// shell's KVM slots must have been made for it (`create_shell`).
+    pub dirty_tracking: DirtyTracking,
 }
 
 /// Errors while restoring.
@@ -121,6 +125,13 @@ pub enum RestoreError {
     Identity(#[from] identity::IdentityError),
     #[error(transparent)]
     Virtio(#[from] crate::virtio_devices::VirtioDevicesError),
+    #[error(transparent)]
+    Dirty(#[from] DirtyError),
+    #[error("this shell was made for {shell} dirty tracking, the restore asks for {requested}")]
+    DirtyTrackingMismatch {
+        shell: &'static str,
+        requested: &'static str,
+    },
 }
 
 /// One memory layer of a chain, bottom (the full snapshot) first.
@@ -215,11 +226,19 @@ pub struct Shell {
     pub vcpu_count: u16,
     pub msr_indices: Vec<u32>,
     pub xsave_size: i32,
+    /// Whether the memory slots log dirty pages (KVM_MEM_LOG_DIRTY_PAGES).
+    pub kvm_dirty_log: bool,
 }
 
 /// Creates a shell: KVM VM, placeholder memory registered as KVM slots,
-/// vCPUs, the serial interrupt line.
-pub fn create_shell(mem_mib: u64, vcpus: u16, t: &mut Timings) -> Result<Shell, BuildError> {
+/// vCPUs, the serial interrupt line. The slots log dirty pages if
+/// `dirty_tracking` reads KVM's dirty log.
+pub fn create_shell(
+    mem_mib: u64,
+    vcpus: u16,
+    dirty_tracking: DirtyTracking,
+    t: &mut Timings,
+) -> Result<Shell, BuildError> {
     let (kvm, count) = builder::open_kvm(vcpus)?;
     let msr_indices = persist::saveable_msrs(&kvm.kvm)?;
     let xsave_size = kvm.kvm.check_extension_int(Cap::Xsave2);
@@ -227,7 +246,7 @@ pub fn create_shell(mem_mib: u64, vcpus: u16, t: &mut Timings) -> Result<Shell, 
     let vm = Vm::create(&kvm)?;
     t.phase("vm_create");
     let mem = AnonymousBackend.map(&ram_ranges(validate_mem_size(mem_mib)?))?;
-    vm.register_memory(&mem)?;
+    vm.register_memory(&mem, dirty_tracking.kvm_log())?;
     t.phase("memory_slots");
     vm.create_irqchip()?;
     t.phase("irqchip");
@@ -251,6 +270,7 @@ pub fn create_shell(mem_mib: u64, vcpus: u16, t: &mut Timings) -> Result<Shell, 
         vcpu_count: vcpus,
         msr_indices,
         xsave_size,
+        kvm_dirty_log: dirty_tracking.kvm_log(),
     })
 }
 
@@ -396,14 +416,40 @@ pub fn restore_into(
     mut t: Timings,
 ) -> Result<BuiltVm, RestoreError> {
     check_fits(&shell, &chain)?;
+    if shell.kvm_dirty_log != opts.dirty_tracking.kvm_log() {
+        return Err(RestoreError::DirtyTrackingMismatch {
+            shell: if shell.kvm_dirty_log {
+                "kvm"
+            } else {
+                "uffd-wp"
+            },
+            requested: opts.dirty_tracking.name(),
+        });
+    }
     let state = &chain.state;
-    let keepalive = match opts.backend {
+    let spans = crate::dirty::guest_spans(&shell.mem);
+    let (keepalive, wp_tracker) = match opts.backend {
         RestoreBackend::File => {
             map_file_layers(&shell.mem, &chain)?;
-            None
+            let tracker = if opts.dirty_tracking.uffd_wp() {
+                // SAFETY: the spans are this VM's guest RAM, which lives in
+                // the BuiltVm next to the tracker; nothing else registers it.
+                Some(unsafe { WpTracker::start(spans) }?)
+            } else {
+                None
+            };
+            (None, tracker)
         }
         RestoreBackend::Uffd | RestoreBackend::UffdShared => {
-            Some(crate::uffd_backend::start(&shell.mem, &chain, opts, exit)?)
+            // The page server registers and protects the memory itself
+            // (one userfaultfd per range), installing pages protected.
+            let server = crate::uffd_backend::start(&shell.mem, &chain, opts, exit)?;
+            let tracker = if opts.dirty_tracking.uffd_wp() {
+                Some(WpTracker::attach(spans)?)
+            } else {
+                None
+            };
+            (Some(server), tracker)
         }
     };
     t.phase("memory_map");
@@ -419,7 +465,8 @@ pub fn restore_into(
     persist::restore_vm(&shell.vm.fd, &state.vm)?;
     t.phase("state");
 
-    let out = builder::serial_output(&opts.serial)?;
+    let out = builder::serial_output_deferred(&opts.serial)?;
+    t.phase("console_open");
     let serial = Arc::new(Mutex::new(SerialDevice::restore(
         (shell.serial_irq, out),
         &state.devices.serial,
@@ -431,11 +478,12 @@ pub fn restore_into(
         &state.devices.virtio,
         &opts.virtio,
     )?;
+    t.phase("devices");
     let generation = state.generation + 1;
     identity::write(&shell.mem, generation)?;
     let mut vmm_dirty = PageRuns::default();
     vmm_dirty.push_run(identity::page_index(), 1);
-    t.phase("devices");
+    t.phase("identity");
 
     Ok(BuiltVm {
         vm: shell.vm,
@@ -452,6 +500,8 @@ pub fn restore_into(
         keepalive,
         msr_indices: shell.msr_indices,
         virtio,
+        dirty_tracking: opts.dirty_tracking,
+        wp_tracker,
     })
 }
 

@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 
 use crate::builder::{SerialOutput, Timings};
 use crate::control::{self, Request, Response, VmState, VmStatus, PROTOCOL_VERSION};
+use crate::dirty::DirtyTracking;
 use crate::exit::{ExitReason, ExitSignal};
 use crate::microvm::{run_built, PendingRestore, RunError, RunReport};
 use crate::restore::{self, RestoreBackend, RestoreOptions};
-use crate::vstate::vcpu::register_kick_handler;
+use crate::vstate::vcpu::{register_kick_handler, SpareThreads};
 
 fn backend(name: &str) -> Result<RestoreBackend, String> {
     match name {
@@ -39,6 +40,7 @@ fn standby_status(mem_mib: u64, vcpus: u16, started: Instant) -> VmStatus {
         memory_backend: String::new(),
         base_snapshot: None,
         guest_clock_ns: None,
+        dirty_tracking: String::new(),
     }
 }
 
@@ -61,13 +63,22 @@ fn refuse(stream: &mut UnixStream, error: String) {
 }
 
 /// Makes a shell for `mem_mib`/`vcpus`, serves `socket` until a restore
-/// request arrives, then runs the restored VM like any other.
-pub fn standby(mem_mib: u64, vcpus: u16, socket: PathBuf) -> Result<RunReport, RunError> {
+/// request arrives, then runs the restored VM like any other, its diff
+/// snapshots tracked with `dirty_tracking`.
+pub fn standby(
+    mem_mib: u64,
+    vcpus: u16,
+    socket: PathBuf,
+    dirty_tracking: DirtyTracking,
+) -> Result<RunReport, RunError> {
     let started = Instant::now();
     let listener = control::bind(&socket)?;
     let mut shell_timings = Timings::start();
-    let shell = restore::create_shell(mem_mib, vcpus, &mut shell_timings)?;
+    let shell = restore::create_shell(mem_mib, vcpus, dirty_tracking, &mut shell_timings)?;
     register_kick_handler()?;
+    // The vCPU threads too: a restore wakes them instead of creating them.
+    let spares = SpareThreads::spawn(shell.vcpus.len() as u8)?;
+    let mut spares = Some(spares);
     let exit = ExitSignal::new().map_err(RunError::ExitEvent)?;
     tracing::info!(timings = ?shell_timings, "standby shell ready");
     loop {
@@ -151,6 +162,7 @@ pub fn standby(mem_mib: u64, vcpus: u16, socket: PathBuf) -> Result<RunReport, R
                         disk_overlay,
                         vsock_uds,
                     },
+                    dirty_tracking,
                 };
                 timings.phase("read_state");
                 let built = match restore::restore_into(shell, chain, &opts, &exit, timings) {
@@ -172,6 +184,7 @@ pub fn standby(mem_mib: u64, vcpus: u16, socket: PathBuf) -> Result<RunReport, R
                     exit,
                     started,
                     Some(pending),
+                    spares.take(),
                 );
             }
             Ok(_) => refuse(

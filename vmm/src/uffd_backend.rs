@@ -183,6 +183,9 @@ pub fn start(
             Vec::new()
         },
         record_for: opts.record_working_set_ms.map(Duration::from_millis),
+        write_protect: opts.dirty_tracking.uffd_wp(),
+        // The VMM writes the identity page right after this.
+        install_first: vec![crate::identity::page_index()],
     };
     let exit = exit.clone();
     let on_failure = Box::new(move |msg: String| exit.exit(ExitReason::PageServerFailed(msg)));

@@ -109,6 +109,9 @@ pub struct VmStatus {
     /// kvmclock as the guest sees it, in ns.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest_clock_ns: Option<u64>,
+    /// Where diff snapshots take dirty pages from ("kvm", "uffd-wp", "both").
+    #[serde(default)]
+    pub dirty_tracking: String,
 }
 
 /// What a snapshot request wrote.
@@ -122,6 +125,15 @@ pub struct SnapshotInfo {
     pub memory_allocated_bytes: u64,
     pub state_bytes: u64,
     pub duration_us: u64,
+    /// The dirty-page source ("kvm", "uffd-wp", "both").
+    #[serde(default)]
+    pub dirty_tracking: String,
+    /// Time spent reading (and resetting) the dirty set, in microseconds.
+    #[serde(default)]
+    pub dirty_collect_us: u64,
+    /// With "both": where uffd-wp and KVM's dirty log disagreed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dirty_crosscheck: Option<crate::dirty::Crosscheck>,
 }
 
 /// One response line: `ok` with the VM's status (and what a snapshot

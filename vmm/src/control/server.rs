@@ -172,6 +172,7 @@ mod tests {
     impl VmController for FakeVm {
         fn status(&self) -> VmStatus {
             VmStatus {
+                dirty_tracking: String::new(),
                 protocol: 1,
                 state: *self.0.lock().unwrap(),
                 pid: 1,

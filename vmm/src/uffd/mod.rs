@@ -117,6 +117,12 @@
 //! writes are. A diff taken from the dirty log after a restore from a diff
 //! chain therefore holds only the newly dirtied pages: the next snapshot must
 //! keep (or merge) the older diffs.
+//!
+//! With [`ServerOptions::write_protect`] (uffd-wp dirty tracking, see
+//! `crate::dirty`) the regions are also registered for asynchronous
+//! write-protect faults and protected once at start; every fill then
+//! installs the page protected unless a write fault asked for it, so
+//! `PAGEMAP_SCAN` reports exactly the pages written after the restore.
 
 mod layers;
 mod regions;
@@ -194,6 +200,16 @@ pub struct ServerOptions {
     pub prefetch: Vec<u64>,
     /// Record the pages that fault within this long after `start`.
     pub record_for: Option<Duration>,
+    /// Pages installed by `start` itself, on the calling thread, before it
+    /// returns (counted as prefetched): pages the caller writes next, such
+    /// as the identity page, then cost no fault round trip.
+    pub install_first: Vec<u64>,
+    /// Also register for asynchronous write-protect faults and install every
+    /// page write-protected (unless a write fault asked for it), so that
+    /// [`crate::dirty::WpTracker`] sees exactly the pages written after start
+    /// (uffd-wp dirty tracking). Zero pages are then installed as copies of
+    /// zeros, since `UFFDIO_ZEROPAGE` has no write-protect mode.
+    pub write_protect: bool,
 }
 
 /// Called once, from the server thread, when the server fails.
@@ -293,4 +309,8 @@ pub enum UffdError {
     StopEvent(#[source] std::io::Error),
     #[error("cannot start the page server thread: {0}")]
     Spawn(#[source] std::io::Error),
+    #[error(transparent)]
+    WriteProtect(crate::dirty::DirtyError),
+    #[error("cannot install a page at start: {0}")]
+    InstallFirst(String),
 }

@@ -33,6 +33,9 @@ const IOCTL_BIT_WAKE: u64 = 1 << 2;
 const IOCTL_BIT_COPY: u64 = 1 << 3;
 const IOCTL_BIT_ZEROPAGE: u64 = 1 << 4;
 const IOCTL_BIT_CONTINUE: u64 = 1 << 7;
+const IOCTL_BIT_WRITEPROTECT: u64 = 1 << 6;
+const UFFDIO_COPY_MODE_WP: u64 = 1 << 1;
+const UFFDIO_CONTINUE_MODE_WP: u64 = 1 << 1;
 /// `f_type` of tmpfs and of memfds (statfs(2)).
 const TMPFS_MAGIC: i64 = 0x0102_1994;
 
@@ -66,10 +69,16 @@ struct UffdioContinue {
 }
 
 /// The source of the zeroed `UFFDIO_COPY` that answers a write fault on a
-/// zero page.
+/// zero page, and of zero runs installed write-protected (UFFDIO_ZEROPAGE
+/// has no write-protect mode).
 #[repr(C, align(4096))]
-struct ZeroPage([u8; PAGE_SIZE]);
-static ZERO_PAGE: ZeroPage = ZeroPage([0; PAGE_SIZE]);
+struct ZeroPages([u8; PAGE_SIZE * PREFETCH_BATCH]);
+static ZERO_PAGES: ZeroPages = ZeroPages([0; PAGE_SIZE * PREFETCH_BATCH]);
+
+fn is_zero_source(src: usize) -> bool {
+    let start = ZERO_PAGES.0.as_ptr() as usize;
+    (start..start + ZERO_PAGES.0.len()).contains(&src)
+}
 
 /// Fault events read from the userfaultfd at once.
 const EVENT_BATCH: usize = 16;
@@ -166,9 +175,20 @@ impl PageServer {
         }
         regions.check_mappings(mode, &layers.base().file, &layers.base().name)?;
 
-        let uffd = create_uffd(mode)?;
+        let uffd = create_uffd(mode, opts.write_protect)?;
         for (index, r) in regions.iter() {
-            register(&uffd, mode, index, r)?;
+            register(&uffd, mode, opts.write_protect, index, r)?;
+        }
+        if opts.write_protect {
+            // Pages the server installs come protected, but PAGEMAP_SCAN
+            // reports a never-populated page without a uffd-wp marker as
+            // written (seen on 6.18): protect the whole range once, which
+            // installs markers (page tables and an entry per page).
+            let spans: Vec<_> = regions
+                .iter()
+                .map(|(_, r)| (r.host_addr, r.len, r.first_page))
+                .collect();
+            crate::dirty::protect(&uffd, &spans).map_err(UffdError::WriteProtect)?;
         }
 
         let stop =
@@ -179,12 +199,13 @@ impl PageServer {
             .prefetch_done
             .store(opts.prefetch.is_empty(), Ordering::Release);
         let registered = Instant::now();
-        let worker = Worker {
+        let mut worker = Worker {
             uffd,
             mode,
+            write_protect: opts.write_protect,
             regions,
             layers,
-            prefetch: opts.prefetch,
+            prefetch: opts.install_first,
             next_prefetch: 0,
             prefetch_skipped: 0,
             record_until: opts.record_for.and_then(|d| registered.checked_add(d)),
@@ -192,6 +213,16 @@ impl PageServer {
             buf: PageBuf::new_boxed(),
             pending: Vec::with_capacity(EVENT_BATCH),
         };
+        // Pages the caller is about to touch, installed on this thread: no
+        // fault round trip through a server thread that may not be running.
+        while worker.next_prefetch < worker.prefetch.len() {
+            worker.prefetch_step().map_err(UffdError::InstallFirst)?;
+        }
+        shared
+            .prefetch_done
+            .store(opts.prefetch.is_empty(), Ordering::Release);
+        worker.prefetch = opts.prefetch;
+        (worker.next_prefetch, worker.prefetch_skipped) = (0, 0);
         let thread = std::thread::Builder::new()
             .name("uffd-pages".into())
             .spawn(move || supervise(worker, thread_stop, on_failure))
@@ -278,7 +309,7 @@ fn check_shmem(base: &LayerFile) -> Result<(), UffdError> {
     Ok(())
 }
 
-fn create_uffd(mode: Mode) -> Result<Uffd, UffdError> {
+fn create_uffd(mode: Mode, write_protect: bool) -> Result<Uffd, UffdError> {
     let mut builder = UffdBuilder::new();
     builder
         .close_on_exec(true)
@@ -290,6 +321,21 @@ fn create_uffd(mode: Mode) -> Result<Uffd, UffdError> {
         builder.require_features(FeatureFlags::from_bits_retain(
             UFFD_FEATURE_MINOR_SHMEM | UFFD_FEATURE_MISSING_SHMEM,
         ));
+    }
+    if write_protect {
+        use crate::dirty::{
+            UFFD_FEATURE_WP_ASYNC, UFFD_FEATURE_WP_HUGETLBFS_SHMEM, UFFD_FEATURE_WP_UNPOPULATED,
+        };
+        let offered = crate::dirty::check_wp_async().map_err(|e| UffdError::Create {
+            mode: mode.name(),
+            reason: e.to_string(),
+        })?;
+        let mut wp = UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED;
+        if mode == Mode::Minor {
+            // Write-protection of shmem-backed ranges.
+            wp |= UFFD_FEATURE_WP_HUGETLBFS_SHMEM & offered;
+        }
+        builder.require_features(FeatureFlags::from_bits_retain(wp));
     }
     builder.create().map_err(|e| UffdError::Create {
         mode: mode.name(),
@@ -310,8 +356,14 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     text
 }
 
-fn register(uffd: &Uffd, mode: Mode, index: usize, r: &Region) -> Result<(), UffdError> {
-    let (reg_mode, hint, mut need) = match mode {
+fn register(
+    uffd: &Uffd,
+    mode: Mode,
+    write_protect: bool,
+    index: usize,
+    r: &Region,
+) -> Result<(), UffdError> {
+    let (mut reg_mode, hint, mut need) = match mode {
         Mode::Missing => (
             RegisterMode::MISSING,
             " (missing mode needs private anonymous memory)",
@@ -328,6 +380,10 @@ fn register(uffd: &Uffd, mode: Mode, index: usize, r: &Region) -> Result<(), Uff
     };
     need.push(("UFFDIO_ZEROPAGE", IOCTL_BIT_ZEROPAGE));
     need.push(("UFFDIO_WAKE", IOCTL_BIT_WAKE));
+    if write_protect {
+        reg_mode |= RegisterMode::from_bits_retain(crate::dirty::REGISTER_MODE_WP);
+        need.push(("UFFDIO_WRITEPROTECT", IOCTL_BIT_WRITEPROTECT));
+    }
     let offered = uffd
         .register_with_mode(r.host_addr as *mut libc::c_void, r.len, reg_mode)
         .map_err(|e| UffdError::Register {
@@ -438,20 +494,27 @@ impl Fill {
 }
 
 /// Issues one fill ioctl for `len` bytes at `dst`. Returns the bytes filled
-/// and, if it stopped short, the errno.
-fn fill(uffd: RawFd, op: Fill, dst: usize, len: usize) -> (usize, Option<i32>) {
+/// and, if it stopped short, the errno. With `protect`, the pages are
+/// installed write-protected (uffd-wp dirty tracking: not yet written); zero
+/// runs then become copies of zeros, at most `PREFETCH_BATCH` pages.
+fn fill(uffd: RawFd, op: Fill, dst: usize, len: usize, protect: bool) -> (usize, Option<i32>) {
+    let op = match op {
+        Fill::Zero if protect => Fill::Copy(ZERO_PAGES.0.as_ptr() as usize),
+        other => other,
+    };
     let (ret, done) = match op {
         Fill::Copy(src) => {
+            debug_assert!(!is_zero_source(src) || len <= ZERO_PAGES.0.len());
             let mut arg = UffdioCopy {
                 dst: dst as u64,
                 src: src as u64,
                 len: len as u64,
-                mode: 0,
+                mode: if protect { UFFDIO_COPY_MODE_WP } else { 0 },
                 copy: 0,
             };
             // SAFETY: UFFDIO_COPY reads and writes one `struct uffdio_copy`
             // (`arg`, live for the call). The kernel reads `len` bytes at
-            // `src`, which is the server's page buffer or ZERO_PAGE (both at
+            // `src`, which is the server's page buffer or ZERO_PAGES (both at
             // least `len` long), and writes only into unpopulated pages of a
             // registered range, which `start`'s contract reserves for guest RAM.
             let ret = unsafe { libc::ioctl(uffd, UFFDIO_COPY as _, &mut arg as *mut UffdioCopy) };
@@ -479,7 +542,7 @@ fn fill(uffd: RawFd, op: Fill, dst: usize, len: usize) -> (usize, Option<i32>) {
                     start: dst as u64,
                     len: len as u64,
                 },
-                mode: 0,
+                mode: if protect { UFFDIO_CONTINUE_MODE_WP } else { 0 },
                 mapped: 0,
             };
             // SAFETY: UFFDIO_CONTINUE reads and writes one `struct
@@ -529,6 +592,8 @@ type RunError = (usize, &'static str, i32);
 struct Worker {
     uffd: Uffd,
     mode: Mode,
+    /// Install pages write-protected unless a write fault asked for them.
+    write_protect: bool,
     regions: RegionTable,
     layers: Layers,
     prefetch: Vec<u64>,
@@ -629,7 +694,7 @@ impl Worker {
 
     fn count(&self, op: Fill, pages: u64) {
         let counter = match op {
-            Fill::Copy(src) if src == ZERO_PAGE.0.as_ptr() as usize => &self.shared.zero_pages,
+            Fill::Copy(src) if is_zero_source(src) => &self.shared.zero_pages,
             Fill::Copy(_) => &self.shared.copies,
             Fill::Zero => &self.shared.zero_pages,
             Fill::Continue => &self.shared.continues,
@@ -638,10 +703,10 @@ impl Worker {
     }
 
     /// Fills one page, retrying on EAGAIN and waking waiters on EEXIST.
-    fn fill_page(&self, op: Fill, dst: usize) -> Result<PageFill, i32> {
+    fn fill_page(&self, op: Fill, dst: usize, protect: bool) -> Result<PageFill, i32> {
         let fd = self.uffd.as_raw_fd();
         for _ in 0..EAGAIN_RETRIES {
-            match fill(fd, op, dst, PAGE_SIZE) {
+            match fill(fd, op, dst, PAGE_SIZE, protect) {
                 (_, None) => return Ok(PageFill::Installed),
                 (n, Some(libc::EAGAIN)) if n == PAGE_SIZE => return Ok(PageFill::Installed),
                 (_, Some(libc::EAGAIN)) => std::thread::yield_now(),
@@ -669,7 +734,8 @@ impl Worker {
         pages: usize,
         hole_as_zero: bool,
     ) -> Result<u64, RunError> {
-        let (bytes, errno) = fill(self.uffd.as_raw_fd(), op, dst, pages * PAGE_SIZE);
+        let protect = self.write_protect;
+        let (bytes, errno) = fill(self.uffd.as_raw_fd(), op, dst, pages * PAGE_SIZE, protect);
         let mut k = bytes / PAGE_SIZE;
         self.count(op, k as u64);
         let mut installed = k as u64;
@@ -678,10 +744,10 @@ impl Worker {
         }
         while k < pages {
             let (page_op, addr) = (op.advance(k * PAGE_SIZE), dst + k * PAGE_SIZE);
-            let result = match self.fill_page(page_op, addr) {
-                Err(libc::EFAULT) if hole_as_zero && matches!(op, Fill::Continue) => {
-                    self.fill_page(Fill::Zero, addr).map(|r| (r, Fill::Zero))
-                }
+            let result = match self.fill_page(page_op, addr, protect) {
+                Err(libc::EFAULT) if hole_as_zero && matches!(op, Fill::Continue) => self
+                    .fill_page(Fill::Zero, addr, protect)
+                    .map(|r| (r, Fill::Zero)),
                 other => other.map(|r| (r, page_op)),
             };
             match result {
@@ -721,7 +787,8 @@ impl Worker {
                 }
             }
         };
-        match self.fill_page(op, dst) {
+        // A page a write asked for is dirty: install it writable.
+        match self.fill_page(op, dst, self.write_protect && !write) {
             Ok(PageFill::Installed) => {
                 self.count(op, 1);
                 Ok(())
@@ -847,7 +914,7 @@ impl Worker {
 /// page mapping would take next.
 fn zero_fill(write: bool) -> Fill {
     if write {
-        Fill::Copy(ZERO_PAGE.0.as_ptr() as usize)
+        Fill::Copy(ZERO_PAGES.0.as_ptr() as usize)
     } else {
         Fill::Zero
     }

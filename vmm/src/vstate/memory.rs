@@ -59,8 +59,18 @@ pub fn validate_mem_size(mem_mib: u64) -> Result<u64, MemoryError> {
     Ok(mem_mib << 20)
 }
 
-/// Total physical RAM of the host, in bytes.
+/// Total physical RAM of the host, in bytes. Read once per process: every
+/// restore validates its size, and reading /proc/meminfo is not free.
 pub fn host_memory_bytes() -> std::io::Result<u64> {
+    static HOST_BYTES: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    if let Some(&bytes) = HOST_BYTES.get() {
+        return Ok(bytes);
+    }
+    let bytes = read_host_memory_bytes()?;
+    Ok(*HOST_BYTES.get_or_init(|| bytes))
+}
+
+fn read_host_memory_bytes() -> std::io::Result<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo")?;
     parse_mem_total(&meminfo).ok_or_else(|| {
         std::io::Error::new(

@@ -178,6 +178,50 @@ impl RunGate {
     }
 }
 
+type ThreadJob = Box<dyn FnOnce() + Send>;
+
+/// Threads made ahead of time (by a standby shell) that become vCPU
+/// threads: a restore then wakes a parked thread instead of creating one.
+pub struct SpareThreads {
+    threads: Vec<(JoinHandle<()>, std::sync::mpsc::Sender<ThreadJob>)>,
+}
+
+impl SpareThreads {
+    /// Spawns `count` threads, named `vcpu0..`, each waiting for one job.
+    pub fn spawn(count: u8) -> Result<Self, VcpuError> {
+        let mut threads = Vec::with_capacity(usize::from(count));
+        for index in 0..count {
+            let (tx, rx) = std::sync::mpsc::channel::<ThreadJob>();
+            let handle = std::thread::Builder::new()
+                .name(format!("vcpu{index}"))
+                .spawn(move || {
+                    if let Ok(job) = rx.recv() {
+                        job();
+                    }
+                })
+                .map_err(|source| VcpuError::Spawn { index, source })?;
+            threads.push((handle, tx));
+        }
+        Ok(Self { threads })
+    }
+
+    /// Runs `job` on the next spare thread, or on a new one when none is
+    /// left (or the spare is gone).
+    fn run(&mut self, index: u8, job: ThreadJob) -> Result<JoinHandle<()>, VcpuError> {
+        let job = match self.threads.pop() {
+            Some((handle, tx)) => match tx.send(job) {
+                Ok(()) => return Ok(handle),
+                Err(std::sync::mpsc::SendError(job)) => job,
+            },
+            None => job,
+        };
+        std::thread::Builder::new()
+            .name(format!("vcpu{index}"))
+            .spawn(job)
+            .map_err(|source| VcpuError::Spawn { index, source })
+    }
+}
+
 /// The running vCPU threads of one VM.
 pub struct VcpuSet {
     gate: Arc<RunGate>,
@@ -188,7 +232,8 @@ pub struct VcpuSet {
 impl VcpuSet {
     /// Starts one thread per vCPU, each running until the VM exits.
     /// `first_run` records when the first vCPU first entered KVM_RUN;
-    /// with `paused` the threads park until `resume`.
+    /// with `paused` the threads park until `resume`. Threads in `spares`
+    /// are used before new ones are made.
     pub fn start(
         vcpus: Vec<Vcpu>,
         bus: Arc<PioBus>,
@@ -196,18 +241,21 @@ impl VcpuSet {
         exit: ExitSignal,
         first_run: Arc<OnceLock<Instant>>,
         paused: bool,
+        spares: Option<SpareThreads>,
     ) -> Result<Self, VcpuError> {
         let gate = Arc::new(RunGate::new(paused));
+        let mut spares = spares.unwrap_or(SpareThreads {
+            threads: Vec::new(),
+        });
+        // Hand out spares so that vCPU i runs on the thread named vcpu{i}.
+        spares.threads.reverse();
         let mut threads = Vec::with_capacity(vcpus.len());
         for vcpu in vcpus {
             let index = vcpu.index;
             let (gate, exit, first_run) = (gate.clone(), exit.clone(), first_run.clone());
             let buses = (bus.clone(), mmio.clone());
-            let handle = std::thread::Builder::new()
-                .name(format!("vcpu{index}"))
-                .spawn(move || run_vcpu(vcpu, &gate, &buses, &exit, &first_run))
-                .map_err(|source| VcpuError::Spawn { index, source })?;
-            threads.push(handle);
+            let job: ThreadJob = Box::new(move || run_vcpu(vcpu, &gate, &buses, &exit, &first_run));
+            threads.push(spares.run(index, job)?);
         }
         let count = threads.len();
         Ok(Self {

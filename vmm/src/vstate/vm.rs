@@ -69,13 +69,17 @@ impl Vm {
     }
 
     /// Registers every region of `mem` as a KVM memory slot, in order, with
-    /// dirty logging on: diff snapshots are built from KVM's dirty log.
-    pub fn register_memory(&self, mem: &GuestMemoryMmap) -> Result<(), VmError> {
+    /// dirty logging on when diff snapshots are built from KVM's dirty log.
+    pub fn register_memory(&self, mem: &GuestMemoryMmap, log_dirty: bool) -> Result<(), VmError> {
         for (slot, region) in mem.iter().enumerate() {
             let slot = slot as u32;
             let desc = kvm_userspace_memory_region {
                 slot,
-                flags: KVM_MEM_LOG_DIRTY_PAGES,
+                flags: if log_dirty {
+                    KVM_MEM_LOG_DIRTY_PAGES
+                } else {
+                    0
+                },
                 guest_phys_addr: region.start_addr().0,
                 memory_size: region.len(),
                 userspace_addr: region.as_ptr() as u64,

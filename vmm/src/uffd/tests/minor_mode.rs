@@ -28,6 +28,8 @@ pub(super) fn minor(prefetch: Vec<u64>) -> ServerOptions {
         mode: Mode::Minor,
         prefetch,
         record_for: None,
+        write_protect: false,
+        install_first: Vec::new(),
     }
 }
 

@@ -450,3 +450,23 @@ fn drop_stops_the_server_and_unregisters() {
     // Plain anonymous memory again: zeros, no server needed.
     assert_eq!(read_pages(&mem, 0, &[0]), vec![Some(0)]);
 }
+
+#[test]
+fn pages_installed_by_start_need_no_fault() {
+    let fx = Fixture::new();
+    let mem = Mapping::anonymous(PAGES as usize * PS);
+    let mut opts = missing(vec![], None);
+    opts.install_first = vec![3, 7, 1_000_000];
+    let (server, failures) = start(vec![mem.region(0)], fx.layers(), opts);
+    // Installed before start returned: present now, and read without a fault.
+    assert_eq!(mem.resident()[3..8], [true, false, false, false, true]);
+    let s = server.stats();
+    assert_eq!((s.prefetched, s.faults), (2, 0), "{s:?}");
+    assert!(s.prefetch_done);
+    assert_eq!(
+        read_pages(&mem, 0, &[3, 7]),
+        vec![Some(Fixture::expected(3)), Some(0)]
+    );
+    assert_eq!(server.stats().faults, 0);
+    assert!(failures.try_recv().is_err());
+}

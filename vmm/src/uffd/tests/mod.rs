@@ -267,6 +267,8 @@ fn missing(prefetch: Vec<u64>, record_for: Option<Duration>) -> ServerOptions {
         mode: Mode::Missing,
         prefetch,
         record_for,
+        write_protect: false,
+        install_first: Vec::new(),
     }
 }
 
@@ -330,3 +332,4 @@ const PROBE_PAGES: [u64; 12] = [0, 1, 2, 3, 5, 7, 10, 50, 51, 100, 1500, 2047];
 mod minor_mode;
 mod missing_mode;
 mod rates;
+mod write_protect;
