@@ -8,77 +8,14 @@
 //! medians. Compare rows of one run; the machine's noise (2 shared cores)
 //! moves absolute numbers from run to run.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
-const TORPOR: &str = env!("CARGO_BIN_EXE_torpor");
+mod common;
+
+use common::{call, iter_lines, median, shutdown, spawn, wait_socket, wait_until, Dir};
 const BACKENDS: &[&str] = &["file", "uffd", "uffd-shared"];
-
-struct Dir(PathBuf);
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn spawn(args: &[&str]) -> Child {
-    Command::new(TORPOR)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn torpor")
-}
-
-fn call(sock: &Path, req: &str) -> serde_json::Value {
-    let mut s =
-        UnixStream::connect(sock).unwrap_or_else(|e| panic!("connect {}: {e}", sock.display()));
-    s.write_all(format!("{req}\n").as_bytes()).unwrap();
-    let mut line = String::new();
-    BufReader::new(s).read_line(&mut line).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-    assert_eq!(v["ok"], true, "{req} -> {v}");
-    v
-}
-
-fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out");
-        std::thread::sleep(Duration::from_micros(200));
-    }
-}
-
-fn wait_socket(sock: &Path) {
-    wait_until(Duration::from_secs(30), || {
-        UnixStream::connect(sock).is_ok()
-    });
-}
-
-fn iter_lines(console: &Path) -> usize {
-    let text = std::fs::read_to_string(console).unwrap_or_default();
-    let end = text.rfind('\n').map_or(0, |i| i + 1);
-    text[..end]
-        .lines()
-        .filter(|l| l.starts_with("TORPOR-PROBE ITER"))
-        .count()
-}
-
-fn shutdown(sock: &Path, mut child: Child) -> String {
-    call(sock, r#"{"op":"shutdown"}"#);
-    let out = std::mem::take(&mut child.stderr);
-    let status = child.wait().unwrap();
-    let mut err = String::new();
-    if let Some(mut e) = out {
-        let _ = std::io::Read::read_to_string(&mut e, &mut err);
-    }
-    assert!(status.success(), "{err}");
-    err
-}
 
 /// Boots a probe with `mib` MiB of workload, lets it run `iters` iterations,
 /// and takes a full snapshot. Returns (snapshot dir, snapshot answer).
@@ -108,15 +45,6 @@ fn make_template(dir: &Path, name: &str, mem: u64, mib: u64) -> (PathBuf, serde_
     );
     shutdown(&sock, child);
     (snap, v)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    if v.is_empty() {
-        f64::NAN
-    } else {
-        v[v.len() / 2]
-    }
 }
 
 /// Cold restore: (process start -> first KVM_RUN, process start -> next ITER line), µs.

@@ -375,6 +375,7 @@ pub fn run_built(
         None => None,
     };
     tracing::info!(?timings, "microVM started");
+    release_freed_heap();
     let reason = exit.wait();
     vcpus.stop(std::time::Duration::from_millis(500));
     let _quiet = server.as_ref().map(|s| s.quiesce());
@@ -387,6 +388,15 @@ pub fn run_built(
             .get()
             .map(|t| t.duration_since(started).as_micros() as u64),
     })
+}
+
+/// Hands the heap pages freed by start-up (snapshot state, page maps) back
+/// to the kernel: an idle clone should hold only what it still uses, and
+/// start-up's garbage is a third of a paused clone's private memory.
+fn release_freed_heap() {
+    // SAFETY: malloc_trim only releases free heap memory; no pointer we hold
+    // is affected.
+    unsafe { libc::malloc_trim(0) };
 }
 
 /// Cold-boots `config` and runs it until the guest or a control request

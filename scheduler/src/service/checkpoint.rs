@@ -370,13 +370,7 @@ impl Service {
                 vmm::call(&handle, &Request::Pause)?;
             }
             self.stall("checkpoint-paused");
-            vmm::call(
-                &handle,
-                &Request::Snapshot {
-                    path: target.clone(),
-                    diff,
-                },
-            )?;
+            vmm::snapshot(&handle, &target, diff)?;
             self.stall("checkpoint-written");
             Ok(())
         })();

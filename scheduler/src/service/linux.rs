@@ -18,7 +18,6 @@ use std::process::Child;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use torpor_vmm::control::Request;
 use torpor_vmm::doctor::{self, Verdict, VirtKind};
 
 use super::guest::{AgentLink, VSOCK_FILE};
@@ -197,16 +196,8 @@ impl Service {
                 // The agent's connection closes before the snapshot: clones
                 // start with no stale host connection.
                 drop(client);
-                vmm::call(&handle, &Request::Pause)?;
                 let snapshot = dir.join("snapshot");
-                vmm::call(
-                    &handle,
-                    &Request::Snapshot {
-                        path: snapshot.clone(),
-                        diff: false,
-                    },
-                )?;
-                Ok(snapshot)
+                vmm::pause_and_snapshot_full(&handle, &snapshot).map(|()| snapshot)
             });
         vmm::stop(&handle, Some(child));
         // The snapshot holds the frozen overlay; the live one is no use now.

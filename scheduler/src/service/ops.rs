@@ -363,23 +363,9 @@ impl Service {
             &json!({ "snapshot": target, "from": sandbox.state }),
             Some(&change),
         )?;
-        let diff = sandbox
-            .snapshot
-            .as_deref()
-            .map(|s| {
-                torpor_vmm::restore::load_chain(s).map_or(MAX_DIFF_DEPTH, |c| c.layers.len())
-                    < MAX_DIFF_DEPTH
-            })
-            .unwrap_or(false);
-        let result = vmm::call(&handle, &Request::Pause).and_then(|_| {
-            vmm::call(
-                &handle,
-                &Request::Snapshot {
-                    path: target.clone(),
-                    diff,
-                },
-            )
-        });
+        let diff = super::layers::diff_allowed(sandbox.snapshot.as_deref());
+        let result =
+            vmm::call(&handle, &Request::Pause).and_then(|_| vmm::snapshot(&handle, &target, diff));
         match result {
             Ok(_) => {
                 self.stop_vmm(&sandbox)?;

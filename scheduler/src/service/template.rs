@@ -5,7 +5,6 @@
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use torpor_vmm::control::Request;
 
 use super::linux::LINUX_CMDLINE;
 use super::vmm::{self, VmmFiles};
@@ -133,18 +132,10 @@ impl Service {
             cmdline,
         ];
         let (child, handle) = vmm::spawn(&self.config.vmm_exe, &args, &files)?;
-        let result = wait_ready(&files).and_then(|()| {
-            vmm::call(&handle, &Request::Pause)?;
-            let snapshot = dir.join("snapshot");
-            vmm::call(
-                &handle,
-                &Request::Snapshot {
-                    path: snapshot.clone(),
-                    diff: false,
-                },
-            )?;
-            Ok(snapshot)
-        });
+        let snapshot = dir.join("snapshot");
+        let result = wait_ready(&files)
+            .and_then(|()| vmm::pause_and_snapshot_full(&handle, &snapshot))
+            .map(|()| snapshot);
         vmm::stop(&handle, Some(child));
         result
     }

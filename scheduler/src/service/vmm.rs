@@ -102,6 +102,24 @@ pub fn call(handle: &VmmHandle, req: &Request) -> Result<Response, ServiceError>
         .map_err(|e| ServiceError::Internal(format!("VMM {}: {e}", handle.pid)))
 }
 
+/// Snapshots the paused VM to `path` (a diff on the snapshot it runs from
+/// or last took, when `diff`).
+pub fn snapshot(handle: &VmmHandle, path: &Path, diff: bool) -> Result<Response, ServiceError> {
+    call(
+        handle,
+        &Request::Snapshot {
+            path: path.to_path_buf(),
+            diff,
+        },
+    )
+}
+
+/// Pauses the VM and takes a full snapshot at `path`: a template's.
+pub fn pause_and_snapshot_full(handle: &VmmHandle, path: &Path) -> Result<(), ServiceError> {
+    call(handle, &Request::Pause)?;
+    snapshot(handle, path, false).map(drop)
+}
+
 /// The VMM's status, if it answers.
 pub fn status(handle: &VmmHandle) -> Option<VmStatus> {
     control::request(
