@@ -178,6 +178,9 @@ fn clone_pss(dir: &Path, snap: &Path, backend: &str) -> (f64, f64) {
     };
     for (_, sock, _) in &clones {
         wait_socket(sock);
+        // The socket listens from the start; an answer means the restore
+        // is done (and start-up's heap returned).
+        call(sock, r#"{"op":"status"}"#);
     }
     let paused = pss(&clones);
     for (_, sock, console) in &clones {

@@ -368,6 +368,8 @@ pub fn run_built(
     if let Some(p) = pending {
         answer_restore(p, &first_run, start_paused, &controller, &timings);
     }
+    // Before the control server answers: a status answer means it is done.
+    release_freed_heap();
     let server = match listener {
         Some((l, path)) => {
             Some(ControlServer::start(l, path, controller).map_err(RunError::ControlThread)?)
@@ -375,7 +377,6 @@ pub fn run_built(
         None => None,
     };
     tracing::info!(?timings, "microVM started");
-    release_freed_heap();
     let reason = exit.wait();
     vcpus.stop(std::time::Duration::from_millis(500));
     let _quiet = server.as_ref().map(|s| s.quiesce());
