@@ -432,7 +432,7 @@ impl<L: SandboxApi> Federation<L> {
         if let Some(why) = coming {
             return Err(ServiceError::Pod {
                 status: 503,
-                code: "template_unavailable".into(),
+                code: crate::error::code::UNAVAILABLE.into(),
                 message: format!("template {} is not available yet: {why}", req.template),
             });
         }
