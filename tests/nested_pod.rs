@@ -293,6 +293,55 @@ fn serve_runs_linux_templates_in_the_nested_pod() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
+
+    // The next serve on the same data directory forgets that pod (its L1
+    // and sandboxes are gone) and, without --nested-pod, says how to get
+    // Linux templates.
+    let again = data.0.join("serve-again.log");
+    let mut serve = KillOnDrop(
+        Command::new(TORPOR)
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--token",
+                TOKEN,
+                "--data-dir",
+            ])
+            .arg(data.0.join("data"))
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&again).unwrap())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn torpor serve"),
+    );
+    let listening = wait_line(&again, &mut serve.0, Duration::from_secs(60), |l| {
+        l.contains("listening on http://")
+    });
+    let api = format!(
+        "http://{}",
+        listening
+            .split("listening on http://")
+            .nth(1)
+            .unwrap()
+            .trim()
+    );
+    let text = std::fs::read_to_string(&again).unwrap();
+    assert!(
+        text.contains(&format!(
+            "unregistered {pod}, the nested pod of an earlier run"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains("to run Linux templates, start with --nested-pod"),
+        "{text}"
+    );
+    let pods = ok(
+        &cli(&api, &["pod", "list"], Duration::from_secs(60)),
+        "pod list",
+    );
+    assert!(!pods.contains(&pod), "{pods}");
 }
 
 /// Kills `torpor serve` when the test ends (its nested host dies with it).

@@ -5,7 +5,9 @@
 //! boots QEMU with TCG and `-cpu max` (an emulated AMD CPU with SVM and NPT),
 //! runs Debian's cloud kernel in it with `kvm_amd` loaded, so a real
 //! `/dev/kvm` exists inside ("L1"), carries files in, runs a shell script
-//! there and hands back its exit code and output.
+//! there and hands back its exit code and output ([`NestedHost::run`]), or
+//! leaves it running as a service reachable over forwarded TCP ports
+//! ([`NestedHost::start`], used by `torpor serve --nested-pod`).
 //!
 //! ```no_run
 //! use std::time::Duration;

@@ -78,7 +78,6 @@ pub fn start(
         .file(&token_path, "/opt/torpor/pod.token")
         .build()
         .map_err(|e| format!("the nested pod cannot start: {e}"))?;
-    forget_previous(&federation, data_dir);
     federation.template_coming(
         TEMPLATE,
         Some("the nested host (torpor serve --nested-pod) is still booting".into()),
@@ -128,15 +127,21 @@ fn fail(federation: &Federation<Service>, why: String) {
     federation.template_coming(TEMPLATE, Some(why));
 }
 
-/// A nested pod of an earlier run: its L1 is gone (with its sandboxes).
-fn forget_previous(federation: &Federation<Service>, data_dir: &Path) {
-    let Ok(id) = std::fs::read_to_string(data_dir.join("nested-pod")) else {
+/// Unregisters the nested pod of an earlier run, if any: its L1 died with
+/// that `torpor serve` (and its sandboxes with it).
+pub fn forget_previous(federation: &Federation<Service>, data_dir: &Path) {
+    let file = data_dir.join("nested-pod");
+    let Ok(id) = std::fs::read_to_string(&file) else {
         return;
     };
     let id = PodId::new(id.trim());
-    if let Err(e) = federation.unregister(&id) {
-        tracing::warn!(pod = %id, error = %e, "cannot unregister the previous nested pod");
+    match federation.unregister(&id) {
+        Ok(()) => println!("torpor serve: unregistered {id}, the nested pod of an earlier run"),
+        Err(e) => {
+            tracing::warn!(pod = %id, error = %e, "cannot unregister the previous nested pod")
+        }
     }
+    let _ = std::fs::remove_file(file);
 }
 
 /// Waits for the pod to answer, registers it, then waits for its template.

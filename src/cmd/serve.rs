@@ -161,6 +161,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             entry["id"].as_str().unwrap_or_default()
         );
     }
+    super::nested_pod::forget_previous(&federation, &data_dir);
     if let (true, Some(kernel), Some(rootfs)) = (
         args.nested_pod,
         args.nested_kernel.clone(),
