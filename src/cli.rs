@@ -319,6 +319,23 @@ pub struct ServeArgs {
     /// The file holding the token of the --pod at the same position.
     #[arg(long = "pod-token-file", value_name = "F")]
     pub pod_token_files: Vec<PathBuf>,
+    /// Run Linux templates in a nested hardware-virtualization host (QEMU/TCG
+    /// with kvm_amd, from `scripts/nested-host prepare`) for hosts whose
+    /// /dev/kvm cannot boot Linux (PVM): it boots in the background as a
+    /// pod with a ready template `linux`. Costs about a core while it runs.
+    #[arg(long, requires_all = ["nested_kernel", "nested_rootfs"])]
+    pub nested_pod: bool,
+    /// The guest kernel of the nested pod's `linux` template
+    /// (scripts/build-guest-kernel).
+    #[arg(long, value_name = "VMLINUX")]
+    pub nested_kernel: Option<PathBuf>,
+    /// The root filesystem of the nested pod's `linux` template
+    /// (scripts/build-rootfs --agent ...).
+    #[arg(long, value_name = "EXT4")]
+    pub nested_rootfs: Option<PathBuf>,
+    /// Memory of the nested host in MiB (its sandboxes live in it).
+    #[arg(long, default_value_t = 3072, value_name = "MIB")]
+    pub nested_mem_mib: u32,
 }
 
 /// `torpor pod serve`.

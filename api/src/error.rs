@@ -36,6 +36,8 @@ pub mod code {
     pub const AGENT_ERROR: &str = "agent_error";
     /// A remote pod did not answer (its sandboxes cannot be reached).
     pub const POD_UNREACHABLE: &str = "pod_unreachable";
+    /// Something coming is not there yet (the nested pod's template).
+    pub const UNAVAILABLE: &str = "unavailable";
 
     /// Every code (the OpenAPI document lists the same).
     pub const ALL: &[&str] = &[
@@ -55,6 +57,7 @@ pub mod code {
         NO_AGENT,
         AGENT_ERROR,
         POD_UNREACHABLE,
+        UNAVAILABLE,
     ];
 }
 
@@ -137,6 +140,7 @@ pub fn code_for_status(status: StatusCode) -> &'static str {
         StatusCode::TOO_MANY_REQUESTS => code::ADMISSION_REFUSED,
         StatusCode::NOT_IMPLEMENTED => code::NOT_IMPLEMENTED,
         StatusCode::REQUEST_TIMEOUT | StatusCode::GATEWAY_TIMEOUT => code::TIMEOUT,
+        StatusCode::SERVICE_UNAVAILABLE => code::UNAVAILABLE,
         s if s.is_client_error() => code::INVALID_REQUEST,
         _ => code::INTERNAL,
     }
@@ -370,6 +374,15 @@ mod tests {
                 }),
                 502,
                 "agent_error",
+            ),
+            (
+                ServiceError::Pod {
+                    status: 503,
+                    code: "unavailable".into(),
+                    message: "template linux is not available yet".into(),
+                },
+                503,
+                "unavailable",
             ),
         ];
         for (err, status, code) in cases {

@@ -30,6 +30,7 @@
 //! | agent unreachable (guest gone), other agent errors, failed post-restore hook | 502 | `agent_error` |
 //! | a remote pod that does not answer (the federation) | 502 | `pod_unreachable` |
 //! | a remote pod's own error answer            | its status | its code     |
+//! | a template still coming (`serve --nested-pod` booting) | 503 | `unavailable` |
 //! | request past `request_timeout`             | 504    | `timeout`                |
 
 use std::future::Future;

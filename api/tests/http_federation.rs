@@ -235,3 +235,30 @@ async fn a_hung_pod_is_listed_unreachable_without_failing_the_lists() {
     assert_eq!(list.status, 200, "{}", list.text());
     assert_eq!(list.json()["sandboxes"].as_array().unwrap().len(), 1);
 }
+
+/// A template marked as coming (the nested pod's `linux` while it boots)
+/// answers 503 `unavailable` with the reason; once marked there, placement
+/// goes on as usual (here: no pod has it, 404).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_coming_template_answers_503_until_it_is_there() {
+    let dir = tempdir::Dir::new("coming");
+    let local = Arc::new(Fake::new());
+    let federation = Federation::open(Arc::clone(&local), &dir.0, Duration::from_secs(20)).unwrap();
+    federation.template_coming("linux", Some("the nested host is still booting".into()));
+    let central = Server::start_over(Arc::clone(&federation), local, Server::config()).await;
+    let create = json!({"template": "linux"});
+    let r = central
+        .call("POST", "/v1/sandboxes", Some(create.clone()))
+        .await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "unavailable");
+    let message = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(
+        message.contains("template linux is not available yet")
+            && message.contains("the nested host is still booting"),
+        "{message}"
+    );
+    federation.template_coming("linux", None);
+    let r = central.call("POST", "/v1/sandboxes", Some(create)).await;
+    assert_eq!(r.status, 404, "{}", r.text());
+}

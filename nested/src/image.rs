@@ -46,6 +46,14 @@ if [ -f /nested/payload ]; then
     ln -sf "/payload/files$g" "$g"
   done </nested/links
 fi
+if [ -f /nested/net ]; then
+  # QEMU's user network: the guest is 10.0.2.15, the gateway 10.0.2.2.
+  ip link set lo up
+  i=0
+  while [ ! -e /sys/class/net/eth0 ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i + 1)); done
+  ip link set eth0 up && ip addr add 10.0.2.15/24 dev eth0 && ip route add default via 10.0.2.2 ||
+    echo "TORPOR-NESTED: cannot bring up eth0"
+fi
 echo "TORPOR-NESTED-READY uptime=$(cut -d' ' -f1 /proc/uptime)"
 cd /root
 echo TORPOR-NESTED-BEGIN
@@ -95,6 +103,7 @@ pub fn initramfs(
     script: &str,
     carried: &[Carried],
     payload: bool,
+    net: bool,
 ) -> Result<Vec<u8>, NestedError> {
     let mut cpio = Cpio::new();
     cpio.file("init", 0o755, INIT.as_bytes());
@@ -111,6 +120,9 @@ pub fn initramfs(
     }
     cpio.file("lib/modules/load-order", 0o644, order.as_bytes());
     cpio.file("nested/run.sh", 0o755, script.as_bytes());
+    if net {
+        cpio.file("nested/net", 0o644, b"");
+    }
     if payload {
         cpio.file("nested/payload", 0o644, b"");
         let links: String = carried.iter().map(|c| format!("{}\n", c.guest)).collect();

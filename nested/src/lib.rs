@@ -5,7 +5,9 @@
 //! boots QEMU with TCG and `-cpu max` (an emulated AMD CPU with SVM and NPT),
 //! runs Debian's cloud kernel in it with `kvm_amd` loaded, so a real
 //! `/dev/kvm` exists inside ("L1"), carries files in, runs a shell script
-//! there and hands back its exit code and output.
+//! there and hands back its exit code and output ([`NestedHost::run`]), or
+//! leaves it running as a service reachable over forwarded TCP ports
+//! ([`NestedHost::start`], used by `torpor serve --nested-pod`).
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -27,6 +29,7 @@ pub mod assets;
 mod cpio;
 pub mod image;
 mod qemu;
+mod running;
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -36,6 +39,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub use assets::{find_qemu, L1Assets};
 use image::Carried;
+pub use running::RunningHost;
 
 /// Why a nested run could not give a result.
 #[derive(Debug, thiserror::Error)]
@@ -250,9 +254,33 @@ impl NestedHost {
         static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
         let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
         let work = WorkDir::new()?;
+        let launch = self.launch(&work, script, Vec::new())?;
+        qemu::run(&launch, timeout)
+    }
+
+    /// The images for one boot in `work` and how QEMU starts with them.
+    fn launch(
+        &self,
+        work: &WorkDir,
+        script: &str,
+        forwards: Vec<(u16, u16)>,
+    ) -> Result<qemu::Launch, NestedError> {
         let payload = !self.carried.is_empty();
+        let net = !forwards.is_empty();
+        if net
+            && !self
+                .assets
+                .modules
+                .iter()
+                .any(|m| m.ends_with("virtio_net.ko"))
+        {
+            return Err(NestedError::L1Missing {
+                what: "virtio_net.ko (the network of a long-running L1)".into(),
+                path: self.assets.dir.join("modules"),
+            });
+        }
         let initrd = work.0.join("initrd.cpio");
-        let cpio = image::initramfs(&self.assets, script, &self.carried, payload)?;
+        let cpio = image::initramfs(&self.assets, script, &self.carried, payload, net)?;
         fs::write(&initrd, cpio).map_err(|e| io_err(&initrd, e))?;
         let disk = if payload {
             Some(image::payload_disk(&work.0, &self.carried)?)
@@ -265,7 +293,7 @@ impl NestedHost {
             cmdline.push(' ');
             cmdline.push_str(&self.extra_cmdline);
         }
-        let launch = qemu::Launch {
+        Ok(qemu::Launch {
             qemu: self.qemu.clone(),
             kernel: self.assets.kernel.clone(),
             initrd,
@@ -274,17 +302,17 @@ impl NestedHost {
             cpus: self.cpus,
             cmdline,
             echo: self.echo,
-        };
-        qemu::run(&launch, timeout)
+            forwards,
+        })
     }
 }
 
 /// A scratch directory for one run's images, removed afterwards (kept when
 /// `TORPOR_NESTED_KEEP=1`, for debugging).
-struct WorkDir(PathBuf);
+pub(crate) struct WorkDir(PathBuf);
 
 impl WorkDir {
-    fn new() -> Result<Self, NestedError> {
+    pub(crate) fn new() -> Result<Self, NestedError> {
         static SEQ: AtomicU32 = AtomicU32::new(0);
         let nanos = SystemTime::now()
             .duration_since(UNIX_EPOCH)

@@ -21,6 +21,9 @@ pub struct Launch {
     pub cpus: u32,
     pub cmdline: String,
     pub echo: bool,
+    /// TCP forwards from 127.0.0.1:host to L1's guest port, (host, guest),
+    /// over QEMU's user network; none: L1 has no network card.
+    pub forwards: Vec<(u16, u16)>,
 }
 
 impl Launch {
@@ -33,12 +36,21 @@ impl Launch {
             "max",
             "-nographic",
             "-no-reboot",
-            "-nic",
-            "none",
         ]
         .iter()
         .map(|s| s.to_string())
         .collect();
+        a.push("-nic".into());
+        if self.forwards.is_empty() {
+            a.push("none".into());
+        } else {
+            let fwd: String = self
+                .forwards
+                .iter()
+                .map(|(host, guest)| format!(",hostfwd=tcp:127.0.0.1:{host}-:{guest}"))
+                .collect();
+            a.push(format!("user,model=virtio-net-pci{fwd}"));
+        }
         a.extend([
             "-m".into(),
             format!("{}M", self.memory_mib),
@@ -206,7 +218,7 @@ fn wait_with_deadline(child: &mut Child, limit: Duration) -> String {
     }
 }
 
-fn tail(lines: &[String]) -> String {
+pub(crate) fn tail(lines: &[String]) -> String {
     let from = lines.len().saturating_sub(60);
     lines[from..].join("\n")
 }
@@ -226,12 +238,34 @@ mod tests {
             cpus: 2,
             cmdline: "console=ttyS0".into(),
             echo: false,
+            forwards: Vec::new(),
         };
         let a = l.args().join(" ");
         assert!(a.contains("-accel tcg,thread=multi -cpu max"), "{a}");
         assert!(a.contains("-m 3072M -smp 2"), "{a}");
         assert!(a.contains("-no-reboot"), "{a}");
         assert!(a.contains("file=/d.ext4,if=virtio,format=raw"), "{a}");
+        assert!(a.contains("-nic none"), "{a}");
+    }
+
+    #[test]
+    fn forwards_give_l1_a_user_network() {
+        let l = Launch {
+            qemu: "qemu".into(),
+            kernel: "/k".into(),
+            initrd: "/i".into(),
+            disk: None,
+            memory_mib: 1024,
+            cpus: 1,
+            cmdline: String::new(),
+            echo: false,
+            forwards: vec![(40123, 7801)],
+        };
+        let a = l.args().join(" ");
+        assert!(
+            a.contains("-nic user,model=virtio-net-pci,hostfwd=tcp:127.0.0.1:40123-:7801"),
+            "{a}"
+        );
     }
 
     #[test]

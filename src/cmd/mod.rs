@@ -5,6 +5,7 @@ mod client;
 mod doctor;
 mod files;
 mod guest;
+mod nested_pod;
 mod pod;
 mod sandbox;
 mod sandbox_guest;

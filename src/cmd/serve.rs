@@ -89,7 +89,12 @@ fn exit_status(result: Result<(), String>) -> i32 {
 }
 
 /// The local pod's service in `data_dir`; `who` prefixes what it prints.
-fn open_service(who: &str, data_dir: &Path, flags: &ServiceFlags) -> Result<Arc<Service>, String> {
+fn open_service(
+    who: &str,
+    data_dir: &Path,
+    flags: &ServiceFlags,
+    nested_pod: bool,
+) -> Result<Arc<Service>, String> {
     std::fs::create_dir_all(data_dir)
         .map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
     let exe =
@@ -112,6 +117,12 @@ fn open_service(who: &str, data_dir: &Path, flags: &ServiceFlags) -> Result<Arc<
     );
     if let Some(why) = host.linux_refusal() {
         println!("{who}: no Linux templates here: {why}");
+        if who == "torpor serve" && !nested_pod {
+            println!(
+                "{who}: to run Linux templates, start with --nested-pod --nested-kernel VMLINUX \
+                 --nested-rootfs EXT4: a nested host under QEMU/TCG (about a core while it runs)"
+            );
+        }
     }
     let service = Service::open(config).map_err(|e| e.to_string())?;
     println!("{who}: built-in template `probe` is ready");
@@ -130,7 +141,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     if args.pods.len() != args.pod_token_files.len() {
         return Err("give one --pod-token-file for each --pod, in the same order".into());
     }
-    let service = open_service("torpor serve", &data_dir, &args.service)?;
+    let service = open_service("torpor serve", &data_dir, &args.service, args.nested_pod)?;
     let tokens = tokens(&args, &data_dir)?;
     let request_timeout = Duration::from_millis(args.service.request_timeout_ms.max(1));
     let federation =
@@ -149,6 +160,31 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             "torpor serve: pod {} at {address}",
             entry["id"].as_str().unwrap_or_default()
         );
+    }
+    super::nested_pod::forget_previous(&federation, &data_dir);
+    if let (true, Some(kernel), Some(rootfs)) = (
+        args.nested_pod,
+        args.nested_kernel.clone(),
+        args.nested_rootfs.clone(),
+    ) {
+        if torpor_scheduler::service::host_guests()
+            .linux_refusal()
+            .is_none()
+        {
+            println!("torpor serve: the local pod runs Linux itself; --nested-pod is not needed");
+        } else {
+            let config = super::nested_pod::NestedPodConfig {
+                kernel,
+                rootfs,
+                mem_mib: args.nested_mem_mib,
+            };
+            super::nested_pod::start(federation.clone(), &data_dir, config)?;
+            println!(
+                "torpor serve: starting the nested host for Linux templates (QEMU/TCG, about a \
+                 core while it runs); template `{}` follows in a few minutes",
+                super::nested_pod::TEMPLATE
+            );
+        }
     }
     let api = torpor_api::ApiConfig {
         tokens,
@@ -177,7 +213,7 @@ async fn ctrl_c() {
 /// `torpor pod serve`: the same service and API, one pod, no federation.
 fn serve_pod(args: PodServeArgs) -> Result<(), String> {
     let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
-    let service = open_service("torpor pod", &data_dir, &args.service)?;
+    let service = open_service("torpor pod", &data_dir, &args.service, false)?;
     let (token, created) = token_file(&args.token_file)?;
     if created {
         println!(

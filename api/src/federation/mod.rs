@@ -65,6 +65,10 @@ pub struct Federation<L: SandboxApi> {
     pods: RwLock<BTreeMap<PodId, RemotePod>>,
     owners: RwLock<HashMap<SandboxId, PodId>>,
     io_timeout: Duration,
+    /// Templates a pod on its way up will have (the nested pod's `linux`),
+    /// with why they are not there yet: creating a sandbox from one answers
+    /// 503 with that, rather than a 404 or a wait.
+    coming: RwLock<HashMap<String, String>>,
 }
 
 fn internal(e: impl std::fmt::Display) -> ServiceError {
@@ -95,6 +99,7 @@ impl<L: SandboxApi> Federation<L> {
             pods: RwLock::new(pods),
             owners: RwLock::new(owners),
             io_timeout,
+            coming: RwLock::new(HashMap::new()),
         });
         fed.settle_placements();
         Ok(fed)
@@ -201,6 +206,16 @@ impl<L: SandboxApi> Federation<L> {
                 .insert(sandbox.clone(), pod.clone());
         }
         Ok(())
+    }
+
+    /// Marks template `name` as coming (`why`: not there yet, and why) or
+    /// there (`None`); see the `coming` field.
+    pub fn template_coming(&self, name: &str, why: Option<String>) {
+        let mut coming = self.coming.write().unwrap_or_else(|p| p.into_inner());
+        match why {
+            Some(why) => coming.insert(name.to_string(), why),
+            None => coming.remove(name),
+        };
     }
 
     /// Registers a pod after checking it answers with `token`; idempotent
@@ -407,6 +422,19 @@ impl<L: SandboxApi> Federation<L> {
                 id: pinned.to_string(),
             })?;
             return self.create_remote(&pod, req);
+        }
+        let coming = self
+            .coming
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&req.template)
+            .cloned();
+        if let Some(why) = coming {
+            return Err(ServiceError::Pod {
+                status: 503,
+                code: crate::error::code::UNAVAILABLE.into(),
+                message: format!("template {} is not available yet: {why}", req.template),
+            });
         }
         let candidates = self.candidates(&req.template);
         if candidates.is_empty() {
