@@ -405,6 +405,9 @@ pub enum SandboxAction {
     /// Resume a paused sandbox, or wake a hibernated one (says which, and
     /// how long the wake took).
     Resume(SandboxId),
+    /// Connect to a sandbox: it runs afterwards (resumed or woken as
+    /// needed) and counts as active.
+    Connect(SandboxId),
     /// Hibernate a sandbox: snapshot it and end its VMM.
     Hibernate(SandboxId),
     /// Delete a sandbox (its VMM and snapshots go, but for layers its forks

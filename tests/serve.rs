@@ -189,6 +189,35 @@ fn idle_sandboxes_hibernate_and_wake_on_request() {
 }
 
 #[test]
+fn connect_runs_the_sandbox_whatever_it_was_doing() {
+    let d = data("serve-connect");
+    let s = Serve::start(&d.0, &[]);
+    let id = s.create(r#"{"template":"probe"}"#);
+    let connect = format!("/v1/sandboxes/{id}/connect");
+    // Running: nothing to wake, it stays running.
+    let c = s.ok("POST", &connect, None);
+    assert_eq!(c["resumed"], false, "{c}");
+    assert_eq!(c["sandbox"]["state"], "running");
+    // Paused: resumed, without a wake from hibernation.
+    s.ok("POST", &format!("/v1/sandboxes/{id}/pause"), None);
+    let c = s.ok("POST", &connect, None);
+    assert_eq!(c["resumed"], false, "{c}");
+    assert_eq!(s.state(&id), "running");
+    // Hibernated: woken from its snapshot, and says how long it took.
+    s.ok("POST", &format!("/v1/sandboxes/{id}/hibernate"), None);
+    let c = s.ok("POST", &connect, None);
+    assert_eq!(c["resumed"], true, "{c}");
+    assert!(c["resume_ms"].as_f64().unwrap() > 0.0, "{c}");
+    assert_eq!(s.state(&id), "running");
+    // Deleted: nothing to connect to.
+    let r = s.call("DELETE", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    let r = s.call("POST", &connect, None);
+    assert_eq!(r.status, 409, "{}", r.body);
+    assert_eq!(r.json()["error"]["state"], "deleted", "{}", r.body);
+}
+
+#[test]
 fn ratio_changes_gate_admission() {
     let d = data("serve-ratio");
     let s = Serve::start(&d.0, &[]);

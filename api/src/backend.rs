@@ -53,6 +53,8 @@ pub trait SandboxApi: Send + Sync + 'static {
     fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError>;
     fn pause(&self, id: &SandboxId) -> Result<Outcome, ServiceError>;
     fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError>;
+    /// Resume or wake, and count as activity.
+    fn connect(&self, id: &SandboxId) -> Result<Outcome, ServiceError>;
     fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError>;
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError>;
     fn set_timeout(
@@ -207,6 +209,9 @@ impl SandboxApi for Service {
     }
     fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
         Service::resume(self, id)
+    }
+    fn connect(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        Service::connect(self, id)
     }
     fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
         Service::hibernate(self, id)

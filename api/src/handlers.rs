@@ -211,6 +211,14 @@ pub async fn resume_sandbox<S: SandboxApi>(
     Ok(Json(call(&st, move |s| s.resume(&id)).await?.into()))
 }
 
+pub async fn connect_sandbox<S: SandboxApi>(
+    State(st): Api<S>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<OutcomeBody>> {
+    let id = SandboxId::new(id);
+    Ok(Json(call(&st, move |s| s.connect(&id)).await?.into()))
+}
+
 pub async fn hibernate_sandbox<S: SandboxApi>(
     State(st): Api<S>,
     Path(id): Path<String>,

@@ -33,6 +33,7 @@ fn act(c: &Client, action: SandboxAction) -> Result<(), Error> {
         SandboxAction::Exec(_) => unreachable!("exec is dispatched by run"),
         SandboxAction::Pause(a) => transition(c, &a.id, "pause"),
         SandboxAction::Resume(a) => transition(c, &a.id, "resume"),
+        SandboxAction::Connect(a) => transition(c, &a.id, "connect"),
         SandboxAction::Hibernate(a) => transition(c, &a.id, "hibernate"),
         SandboxAction::Rm(a) => {
             if c.show("DELETE", &path(&a.id, ""), None)?.is_some() {

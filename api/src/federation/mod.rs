@@ -637,6 +637,9 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
     fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
         self.local.resume(id)
     }
+    fn connect(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        self.local.connect(id)
+    }
     fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
         self.local.hibernate(id)
     }

@@ -358,6 +358,13 @@ impl SandboxApi for Fake {
         Ok(outcome(s, was == SandboxState::Hibernated))
     }
 
+    fn connect(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        if self.get_sandbox(id)?.state == SandboxState::Running {
+            return Ok(outcome(self.get_sandbox(id)?, false));
+        }
+        self.resume(id)
+    }
+
     fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
         let (s, _) = self.transition(
             id,

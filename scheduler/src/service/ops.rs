@@ -313,6 +313,14 @@ impl Service {
         }
     }
 
+    /// A client (re)connects: the sandbox runs afterwards, resumed if
+    /// paused, woken if hibernated, and counts as active (E2B's `connect`).
+    pub fn connect(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        let outcome = self.resume(id)?;
+        self.store.touch(id, Timestamp::now())?;
+        Ok(outcome)
+    }
+
     /// Makes sure the sandbox runs (waking it if hibernated) and marks it
     /// active: what every guest-facing request does first.
     pub fn ensure_running(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
