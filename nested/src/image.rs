@@ -17,6 +17,10 @@ use crate::{io_err, NestedError};
 pub const MARK_INIT: &str = "TORPOR-NESTED-INIT";
 pub const MARK_BEGIN: &str = "TORPOR-NESTED-BEGIN";
 pub const MARK_END: &str = "TORPOR-NESTED-END rc=";
+/// What L1's init prints every [`HEARTBEAT_SECS`] while the script runs:
+/// an L1 whose console goes silent is frozen, not busy.
+pub const MARK_ALIVE: &str = "TORPOR-NESTED-ALIVE";
+pub const HEARTBEAT_SECS: u64 = 60;
 
 /// The L1 init: mount the pseudo filesystems, load kvm (and virtio for the
 /// payload disk), link carried files into place, run the script between
@@ -57,6 +61,7 @@ fi
 echo "TORPOR-NESTED-READY uptime=$(cut -d' ' -f1 /proc/uptime)"
 cd /root
 echo TORPOR-NESTED-BEGIN
+(while sleep 60; do echo "TORPOR-NESTED-ALIVE uptime=$(cut -d' ' -f1 /proc/uptime)"; done) &
 sh /nested/run.sh </dev/null 2>&1
 rc=$?
 echo "TORPOR-NESTED-END rc=$rc"
@@ -263,6 +268,9 @@ mod tests {
     fn init_prints_the_markers_the_parser_expects() {
         assert!(INIT.contains(MARK_INIT));
         assert!(INIT.contains(&format!("echo {MARK_BEGIN}")));
+        assert!(INIT.contains(&format!(
+            "while sleep {HEARTBEAT_SECS}; do echo \"{MARK_ALIVE}"
+        )));
         assert!(INIT.contains(&format!("\"{MARK_END}$rc\"")));
     }
 }

@@ -72,6 +72,14 @@ pub enum NestedError {
         console_tail: String,
     },
     #[error(
+        "the nested host froze: its console (heartbeat included) was silent for {silent:?} \
+         during the script; last console lines:\n{console_tail}"
+    )]
+    Stalled {
+        silent: Duration,
+        console_tail: String,
+    },
+    #[error(
         "nested host gave no result ({reached}); QEMU exit: {status}; QEMU stderr: {qemu_stderr}\n\
          last console lines:\n{console_tail}"
     )]
@@ -253,9 +261,23 @@ impl NestedHost {
         // timeouts likelier). A panicked holder leaves nothing to repair.
         static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
         let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-        let work = WorkDir::new()?;
-        let launch = self.launch(&work, script, Vec::new())?;
-        qemu::run(&launch, timeout)
+        let started = std::time::Instant::now();
+        let run = || {
+            let work = WorkDir::new()?;
+            let launch = self.launch(&work, script, Vec::new())?;
+            qemu::run(&launch, timeout.saturating_sub(started.elapsed()))
+        };
+        match run() {
+            // Seen twice in a day of runs on 2 shared cores: L1 under
+            // multi-threaded TCG froze with both vCPUs spinning right as the
+            // script began. A frozen L1 says nothing about the code under
+            // test; boot a fresh one once, and say so.
+            Err(e @ NestedError::Stalled { .. }) => {
+                eprintln!("torpor-nested: {e}\ntorpor-nested: booting a fresh L1 once more");
+                run()
+            }
+            other => other,
+        }
     }
 
     /// The images for one boot in `work` and how QEMU starts with them.

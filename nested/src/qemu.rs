@@ -7,7 +7,11 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::image::{MARK_BEGIN, MARK_END, MARK_INIT};
+use crate::image::{HEARTBEAT_SECS, MARK_ALIVE, MARK_BEGIN, MARK_END, MARK_INIT};
+
+/// Console silence (several missed heartbeats) after which L1 counts as
+/// frozen.
+const STALL_LIMIT: Duration = Duration::from_secs(HEARTBEAT_SECS * 4);
 use crate::{NestedError, RunOutput};
 
 /// Everything QEMU is started with.
@@ -128,6 +132,7 @@ pub fn run(launch: &Launch, timeout: Duration) -> Result<RunOutput, NestedError>
     let mut console = Vec::<String>::new();
     let mut script_out = Vec::<String>::new();
     let (mut init_at, mut begin_at, mut end) = (None, None, None);
+    let mut last_line = Instant::now();
     loop {
         let now = Instant::now();
         // Once the script has reported, QEMU gets a short grace to power off.
@@ -138,6 +143,12 @@ pub fn run(launch: &Launch, timeout: Duration) -> Result<RunOutput, NestedError>
         if now >= limit && end.is_some() {
             break;
         }
+        if begin_at.is_some() && end.is_none() && now >= last_line + STALL_LIMIT {
+            return Err(NestedError::Stalled {
+                silent: now - last_line,
+                console_tail: tail(&console),
+            });
+        }
         if now >= limit {
             return Err(NestedError::Timeout {
                 after: timeout,
@@ -145,8 +156,17 @@ pub fn run(launch: &Launch, timeout: Duration) -> Result<RunOutput, NestedError>
                 console_tail: tail(&console),
             });
         }
-        match rx.recv_timeout(limit - now) {
+        let wake = if begin_at.is_some() && end.is_none() {
+            limit.min(last_line + STALL_LIMIT)
+        } else {
+            limit
+        };
+        match rx.recv_timeout(wake.saturating_duration_since(now)) {
             Ok((line, at)) => {
+                last_line = at;
+                if line.contains(MARK_ALIVE) {
+                    continue;
+                }
                 if launch.echo {
                     eprintln!("L1| {line}");
                 }
