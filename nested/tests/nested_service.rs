@@ -9,56 +9,11 @@
 //! Needs the guest kernel, the agent and the rootfs like `nested_linux.rs`
 //! (`.ci/run` builds them); `TORPOR_SKIP_NESTED=1` leaves it out.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
+
 use std::time::Duration;
 
-use torpor_nested::NestedHost;
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-/// Runs a build script that prints the path of what it built (instant when
-/// cached).
-fn built(script: &str, args: &[&str]) -> PathBuf {
-    let out = Command::new(repo().join("scripts").join(script))
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run scripts/{script}: {e}"));
-    assert!(
-        out.status.success(),
-        "scripts/{script} failed; run it by hand to see why:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let path = PathBuf::from(
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .last()
-            .unwrap_or("")
-            .trim(),
-    );
-    assert!(
-        path.is_file(),
-        "scripts/{script} printed no file: {}",
-        path.display()
-    );
-    path
-}
-
-fn torpor_binary() -> PathBuf {
-    if let Some(bin) = std::env::var_os("TORPOR_BIN") {
-        return PathBuf::from(bin);
-    }
-    let exe = std::env::current_exe().expect("current_exe");
-    exe.parent()
-        .and_then(|d| d.parent())
-        .expect("target/<profile>/deps")
-        .join("torpor")
-}
+use common::linux::{linux_host, run_logged};
 
 /// The value after `key=` on the line starting with `tag `.
 fn field<'a>(out: &'a str, tag: &str, key: &str) -> Option<&'a str> {
@@ -115,50 +70,8 @@ fn linux_sandbox_through_the_api_exec_files_hibernate_wake() {
         eprintln!("nested_service: SKIPPED by request (TORPOR_SKIP_NESTED=1)");
         return;
     }
-    let torpor = torpor_binary();
-    assert!(
-        torpor.is_file(),
-        "the torpor binary is missing at {}",
-        torpor.display()
-    );
-    let kernel = built("build-guest-kernel", &[]);
-    let agent = built("build-agent", &[]);
-    let rootfs_dir =
-        std::env::temp_dir().join(format!("torpor-nested-service-{}", std::process::id()));
-    std::fs::create_dir_all(&rootfs_dir).unwrap();
-    let rootfs = rootfs_dir.join("rootfs.ext4");
-    let out = Command::new(repo().join("scripts/build-rootfs"))
-        .args([
-            "--agent",
-            agent.to_str().unwrap(),
-            "--out",
-            rootfs.to_str().unwrap(),
-        ])
-        .output()
-        .expect("run scripts/build-rootfs");
-    assert!(
-        out.status.success(),
-        "scripts/build-rootfs failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let host = NestedHost::builder()
-        .file(&torpor, "/opt/torpor/torpor")
-        .file(&kernel, "/opt/torpor/vmlinux")
-        .file(&rootfs, "/opt/torpor/rootfs.ext4")
-        .build()
-        .unwrap_or_else(|e| {
-            panic!("the nested hardware-virtualization host is not available: {e}")
-        });
-    let run = host
-        .run(SCRIPT, Duration::from_secs(1500))
-        .unwrap_or_else(|e| panic!("nested run failed: {e}"));
-    let _ = std::fs::remove_dir_all(&rootfs_dir);
-    eprintln!(
-        "nested_service: L1 boot {:.1}s, script {:.1}s, total {:.1}s",
-        run.boot.as_secs_f64(),
-        run.script.as_secs_f64(),
-        run.total.as_secs_f64()
-    );
+    let (host, _scratch) = linux_host("service", &[]);
+    let run = run_logged(&host, "nested_service", SCRIPT, Duration::from_secs(1500));
     let o = &run.stdout;
     eprintln!("{o}");
     assert_ne!(run.exit_code, 97, "{o}");
