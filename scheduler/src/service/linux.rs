@@ -62,7 +62,8 @@ impl HostGuests {
                 Some(format!(
                     "Linux templates need hardware virtualization (VMX/SVM) and {host}; run \
                      them on a host with VMX/SVM, such as the nested host \
-                     (scripts/nested-host). Probe templates run here."
+                     (scripts/nested-host; `torpor serve --nested-pod` runs one as a pod). \
+                     Probe templates run here."
                 ))
             }
         }
