@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::snap::{assert_exact_sequence, Vm};
+use common::snap::Vm;
 use common::Scratch;
 use torpor_vmm::control::SnapshotInfo;
 
@@ -81,10 +81,7 @@ fn uffd_wp_diffs_restore_exactly(backend: &str) {
         backend,
         &["--dirty-tracking", "uffd-wp"],
     );
-    vm.wait_iter(last1 + 3);
-    let seen = vm.iterations();
-    assert_eq!(seen[0].0, last1 + 1);
-    assert_exact_sequence(&seen, MIB);
+    vm.assert_continues(last1, 3, MIB);
     vm.pause();
     let diff2 = dir.path("diff2");
     let info = vm.snapshot(&diff2, true).snapshot.unwrap();
@@ -95,10 +92,7 @@ fn uffd_wp_diffs_restore_exactly(backend: &str) {
     vm.shutdown();
 
     let vm = Vm::restore(&dir, "gen3", &diff2, backend, &[]);
-    vm.wait_iter(last2 + 2);
-    let seen = vm.iterations();
-    assert_eq!(seen[0].0, last2 + 1);
-    assert_exact_sequence(&seen, MIB);
+    vm.assert_continues(last2, 2, MIB);
     assert_eq!(vm.status().generation, 3);
     vm.shutdown();
 }
@@ -153,10 +147,7 @@ fn uffd_wp_after_cold_boot() {
     let last = vm.iterations().last().unwrap().0;
     vm.shutdown();
     let vm = Vm::restore(&dir, "clone", &last_diff, "file", &[]);
-    vm.wait_iter(last + 2);
-    let seen = vm.iterations();
-    assert_eq!(seen[0].0, last + 1);
-    assert_exact_sequence(&seen, MIB);
+    vm.assert_continues(last, 2, MIB);
     vm.shutdown();
 }
 

@@ -97,10 +97,7 @@ fn diff_chain(backend: &str) {
 
     // Restore the diff (template + diff1), run, and diff again on diff1.
     let vm = Vm::restore(&dir, "gen2", &diff1, backend, &[]);
-    vm.wait_iter(last1 + 3);
-    let seen = vm.iterations();
-    assert_eq!(seen[0].0, last1 + 1);
-    assert_exact_sequence(&seen, MIB);
+    vm.assert_continues(last1, 3, MIB);
     assert_eq!(vm.status().generation, 2);
     vm.pause();
     let diff2 = dir.path("diff2");
@@ -110,10 +107,7 @@ fn diff_chain(backend: &str) {
 
     // A three-layer chain: template ← diff1 ← diff2.
     let vm = Vm::restore(&dir, "gen3", &diff2, backend, &[]);
-    vm.wait_iter(last2 + 2);
-    let seen = vm.iterations();
-    assert_eq!(seen[0].0, last2 + 1);
-    assert_exact_sequence(&seen, MIB);
+    vm.assert_continues(last2, 2, MIB);
     assert_eq!(vm.status().generation, 3);
     vm.shutdown();
 }
@@ -141,10 +135,7 @@ fn twenty_clones(backend: &str) {
         .collect();
     let mut seeds = std::collections::HashSet::new();
     for vm in &clones {
-        vm.wait_iter(last + 2);
-        let seen = vm.iterations();
-        assert_eq!(seen[0].0, last + 1);
-        assert_exact_sequence(&seen, MIB);
+        vm.assert_continues(last, 2, MIB);
         let id = vm
             .console()
             .lines()
@@ -175,10 +166,7 @@ fn snapshot_and_restore_with_four_vcpus() {
     let (template, last) = make_template(&dir, &["--vcpus", "4"]);
     let vm = Vm::restore(&dir, "clone", &template, "file", &[]);
     assert_eq!(vm.status().vcpus, 4);
-    vm.wait_iter(last + 3);
-    let seen = vm.iterations();
-    assert_eq!(seen[0].0, last + 1);
-    assert_exact_sequence(&seen, MIB);
+    vm.assert_continues(last, 3, MIB);
     vm.shutdown();
 }
 
@@ -247,10 +235,7 @@ fn working_set_is_recorded_and_prefetched() {
             backend,
             &["--prefetch"],
         );
-        vm.wait_iter(last + 3);
-        let seen = vm.iterations();
-        assert_eq!(seen[0].0, last + 1);
-        assert_exact_sequence(&seen, MIB);
+        vm.assert_continues(last, 3, MIB);
         vm.shutdown();
     }
 }

@@ -109,6 +109,17 @@ impl Vm {
         wait_for_line(&self.console, LIMIT, |l| l.starts_with(&prefix));
     }
 
+    /// Waits until `more` iterations past `last` ran, then checks the VM
+    /// took up exactly where the snapshot left off (iteration `last` + 1)
+    /// and runs the exact sequence of a `mib` MiB workload.
+    pub fn assert_continues(&self, last: u64, more: u64, mib: u32) -> Vec<(u64, u64)> {
+        self.wait_iter(last + more);
+        let seen = self.iterations();
+        assert_eq!(seen[0].0, last + 1);
+        assert_exact_sequence(&seen, mib);
+        seen
+    }
+
     pub fn shutdown(self) -> std::process::Output {
         request(&self.socket, &Request::Shutdown, CTL).unwrap();
         let out = self.vmm.wait(LIMIT);
