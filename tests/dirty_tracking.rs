@@ -172,13 +172,12 @@ fn standby_shell_keeps_its_dirty_tracking() {
         torpor_vmm::control::request(&socket, &torpor_vmm::control::Request::Status, limit).is_ok()
     });
     let request = torpor_vmm::control::Request::Restore {
-        snapshot: template.clone(),
-        backend: "uffd".into(),
-        serial: Some(console.clone()),
+        restore: torpor_vmm_api::RestoreSpec::new(
+            template.clone(),
+            torpor_vmm_api::MemoryBackend::Uffd,
+        ),
+        console: torpor_vmm_api::Console::file(console.clone()),
         paused: false,
-        prefetch: false,
-        disk_overlay: None,
-        vsock_uds: None,
     };
     let answer = torpor_vmm::control::call(&socket, &request, limit).unwrap();
     assert!(answer.ok, "{answer:?}");

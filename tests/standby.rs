@@ -8,6 +8,7 @@ use std::time::Duration;
 use common::snap::{assert_exact_sequence, Vm};
 use common::{wait_for, wait_for_line, Scratch, Vmm};
 use torpor_vmm::control::{call, request, Request, VmState};
+use torpor_vmm_api::{Console, ErrorKind, MemoryBackend, RestoreSpec};
 
 const T: Duration = Duration::from_secs(30);
 
@@ -44,28 +45,27 @@ fn standby_restores(backend: &str) {
         VmState::Standby
     );
 
-    let restore = |snapshot: &std::path::Path, backend: &str| Request::Restore {
-        snapshot: snapshot.to_path_buf(),
-        backend: backend.into(),
-        serial: Some(dir.path("clone.log")),
+    let backend: MemoryBackend = backend.parse().unwrap();
+    let restore = |snapshot: &std::path::Path, backend: MemoryBackend| Request::Restore {
+        restore: RestoreSpec::new(snapshot, backend),
+        console: Console::file(dir.path("clone.log")),
         paused: false,
-        prefetch: false,
-        disk_overlay: None,
-        vsock_uds: None,
     };
-    // Wrong size, unknown backend, missing snapshot: refused, still standby.
-    let err = call(&sock, &restore(&other_size, backend), T)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("is for 32 MiB"), "{err}");
-    let err = call(&sock, &restore(&snap, "floppy"), T)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("unknown memory backend `floppy`"), "{err}");
-    let err = call(&sock, &restore(&dir.path("nope"), backend), T)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("nope/state"), "{err}");
+    // Wrong size, unknown backend, missing snapshot: refused with their
+    // kinds, still standby.
+    let err = call(&sock, &restore(&other_size, backend), T).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidRequest, "{err}");
+    assert!(err.to_string().contains("is for 32 MiB"), "{err}");
+    let floppy = format!(
+        r#"{{"op":"restore","snapshot":"{}","backend":"floppy"}}"#,
+        snap.display()
+    );
+    let answer = raw_request(&sock, &floppy);
+    assert!(answer.contains(r#""kind":"invalid_request""#), "{answer}");
+    assert!(answer.contains("floppy"), "{answer}");
+    let err = call(&sock, &restore(&dir.path("nope"), backend), T).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::BadSnapshot, "{err}");
+    assert!(err.to_string().contains("nope/state"), "{err}");
     assert_eq!(
         request(&sock, &Request::Status, T).unwrap().state,
         VmState::Standby
@@ -95,6 +95,19 @@ fn standby_restores(backend: &str) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// One raw request line and its raw answer line.
+fn raw_request(sock: &std::path::Path, line: &str) -> String {
+    use std::io::{BufRead, Write};
+    let mut stream = std::os::unix::net::UnixStream::connect(sock).unwrap();
+    stream.set_read_timeout(Some(T)).unwrap();
+    stream.write_all(format!("{line}\n").as_bytes()).unwrap();
+    let mut answer = String::new();
+    std::io::BufReader::new(stream)
+        .read_line(&mut answer)
+        .unwrap();
+    answer
 }
 
 #[test]

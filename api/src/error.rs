@@ -38,6 +38,12 @@ pub mod code {
     pub const POD_UNREACHABLE: &str = "pod_unreachable";
     /// Something coming is not there yet (the nested pod's template).
     pub const UNAVAILABLE: &str = "unavailable";
+    /// The pod's disk (or quota) is full: a snapshot could not be written.
+    pub const INSUFFICIENT_STORAGE: &str = "insufficient_storage";
+    /// A snapshot layer is corrupt or unreadable; the message names it.
+    pub const BAD_SNAPSHOT: &str = "bad_snapshot";
+    /// The sandbox's VM has ended (it failed or was stopped underneath us).
+    pub const VM_GONE: &str = "vm_gone";
 
     /// Every code (the OpenAPI document lists the same).
     pub const ALL: &[&str] = &[
@@ -58,7 +64,62 @@ pub mod code {
         AGENT_ERROR,
         POD_UNREACHABLE,
         UNAVAILABLE,
+        INSUFFICIENT_STORAGE,
+        BAD_SNAPSHOT,
+        VM_GONE,
     ];
+}
+
+/// A VMM's classified failure as an answer. The VMM's message (host
+/// paths in it) goes to the log; the client gets the kind and, for a bad
+/// snapshot, the layer's name.
+fn vm_error(e: &torpor_vmm_api::VmError) -> ApiError {
+    use torpor_vmm_api::ErrorKind as K;
+    tracing::warn!(kind = %e.kind, layer = ?e.layer, "VMM failure: {}", e.message);
+    let layer = e
+        .layer
+        .as_deref()
+        .and_then(|l| l.file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "?".into());
+    let (status, code, message) = match e.kind {
+        K::InvalidRequest => (
+            StatusCode::BAD_REQUEST,
+            code::INVALID_REQUEST,
+            "the VMM refused the request as invalid".to_string(),
+        ),
+        K::NotPaused | K::WrongState => (
+            StatusCode::CONFLICT,
+            code::CONFLICT,
+            format!("the VM is in the wrong state for this ({})", e.kind),
+        ),
+        K::NoSpace => (
+            StatusCode::INSUFFICIENT_STORAGE,
+            code::INSUFFICIENT_STORAGE,
+            "the pod's disk is full: the snapshot could not be written".to_string(),
+        ),
+        K::BadSnapshot => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            code::BAD_SNAPSHOT,
+            format!("snapshot layer `{layer}` is corrupt or unreadable"),
+        ),
+        K::GuestGone => (
+            StatusCode::GONE,
+            code::VM_GONE,
+            "the sandbox's VM has ended".to_string(),
+        ),
+        K::Unsupported => (
+            StatusCode::NOT_IMPLEMENTED,
+            code::UNSUPPORTED,
+            "this pod's host cannot do that".to_string(),
+        ),
+        K::Io | K::Internal => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            code::INTERNAL,
+            format!("the VMM failed ({})", e.kind),
+        ),
+    };
+    ApiError::new(status, code, message)
 }
 
 /// An error answer: status, code, message and, for conflicts, the
@@ -141,6 +202,8 @@ pub fn code_for_status(status: StatusCode) -> &'static str {
         StatusCode::NOT_IMPLEMENTED => code::NOT_IMPLEMENTED,
         StatusCode::REQUEST_TIMEOUT | StatusCode::GATEWAY_TIMEOUT => code::TIMEOUT,
         StatusCode::SERVICE_UNAVAILABLE => code::UNAVAILABLE,
+        StatusCode::INSUFFICIENT_STORAGE => code::INSUFFICIENT_STORAGE,
+        StatusCode::GONE => code::VM_GONE,
         s if s.is_client_error() => code::INVALID_REQUEST,
         _ => code::INTERNAL,
     }
@@ -188,6 +251,7 @@ impl From<ServiceError> for ApiError {
                 ApiError::internal(message)
             }
             ServiceError::Guest(g) => guest_error(&g, message),
+            ServiceError::Vm(e) => vm_error(&e),
             ServiceError::Pod { status, code, .. } => {
                 let status = StatusCode::from_u16(status)
                     .ok()
@@ -354,6 +418,30 @@ mod tests {
                 "unsupported",
             ),
             (ServiceError::Internal("disk".into()), 500, "internal"),
+            (
+                ServiceError::Vm(torpor_vmm_api::VmError::new(
+                    torpor_vmm_api::ErrorKind::NoSpace,
+                    "write /data/x: No space left on device",
+                )),
+                507,
+                "insufficient_storage",
+            ),
+            (
+                ServiceError::Vm(torpor_vmm_api::VmError::new(
+                    torpor_vmm_api::ErrorKind::NotPaused,
+                    "run",
+                )),
+                409,
+                "conflict",
+            ),
+            (
+                ServiceError::Vm(
+                    torpor_vmm_api::VmError::new(torpor_vmm_api::ErrorKind::BadSnapshot, "crc")
+                        .with_layer("/var/lib/torpor/sandboxes/sb_1/snap-3"),
+                ),
+                500,
+                "bad_snapshot",
+            ),
             (
                 ServiceError::Guest(GuestError::NoAgent {
                     id: "sbx_1".into(),

@@ -73,6 +73,7 @@ pub fn start(
     let host = NestedHost::builder()
         .memory_mib(config.mem_mib)
         .file(exe, "/opt/torpor/torpor")
+        .file(super::serve::vmm_exe()?, "/opt/torpor/torpor-vmm")
         .file(&config.kernel, "/opt/torpor/vmlinux")
         .file(&config.rootfs, "/opt/torpor/rootfs.ext4")
         .file(&token_path, "/opt/torpor/pod.token")

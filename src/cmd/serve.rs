@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use torpor_api::federation::{AddPod, Federation};
-use torpor_scheduler::service::{Service, ServiceConfig};
+use torpor_scheduler::service::{HostGuests, Service, ServiceConfig};
 
 use super::{EXIT_FAILURE, EXIT_OK};
 use crate::cli::{PodServeArgs, ServeArgs, ServiceFlags};
@@ -97,14 +97,13 @@ fn open_service(
 ) -> Result<Arc<Service>, String> {
     std::fs::create_dir_all(data_dir)
         .map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
-    let exe =
-        std::env::current_exe().map_err(|e| format!("cannot find the torpor executable: {e}"))?;
-    let mut config = ServiceConfig::new(data_dir.to_path_buf(), exe);
+    let mut config = ServiceConfig::new(data_dir.to_path_buf(), vmm_exe()?);
+    config.host = host_guests().clone();
     config.policy_interval_ms = flags.policy_interval_ms;
     config.default_keep_alive_ms = flags.keep_alive_ms;
     config.exec_timeout_ms = flags.exec_timeout_ms.max(1);
     println!("{who}: data dir {}", data_dir.display());
-    let host = torpor_scheduler::service::host_guests();
+    let host = &config.host;
     let kinds: Vec<&str> = host.kinds().iter().map(|k| k.as_str()).collect();
     println!(
         "{who}: the local pod runs template kinds: {} ({})",
@@ -167,10 +166,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         args.nested_kernel.clone(),
         args.nested_rootfs.clone(),
     ) {
-        if torpor_scheduler::service::host_guests()
-            .linux_refusal()
-            .is_none()
-        {
+        if host_guests().linux_refusal().is_none() {
             println!("torpor serve: the local pod runs Linux itself; --nested-pod is not needed");
         } else {
             let config = super::nested_pod::NestedPodConfig {
@@ -256,5 +252,38 @@ fn serve_pod(args: PodServeArgs) -> Result<(), String> {
         }
         service.close();
         Ok::<(), String>(())
+    })
+}
+
+/// The `torpor-vmm` binary beside this executable: the per-VM process,
+/// which links only the VMM crates.
+pub fn vmm_exe() -> Result<std::path::PathBuf, String> {
+    let me =
+        std::env::current_exe().map_err(|e| format!("cannot find the torpor executable: {e}"))?;
+    let vmm = me.with_file_name("torpor-vmm");
+    if vmm.is_file() {
+        Ok(vmm)
+    } else {
+        Err(format!(
+            "{} is missing: torpor-vmm is installed beside torpor (cargo builds both)",
+            vmm.display()
+        ))
+    }
+}
+
+/// This host's guest support, from `torpor doctor`'s probe of /dev/kvm
+/// (made once per process).
+pub fn host_guests() -> &'static HostGuests {
+    use torpor_vmm::doctor::{self, Verdict, VirtKind};
+    static HOST: std::sync::OnceLock<HostGuests> = std::sync::OnceLock::new();
+    HOST.get_or_init(|| {
+        let report = doctor::run();
+        let verdict = report.verdict();
+        HostGuests {
+            linux: verdict == Verdict::LinuxAndProbe,
+            probe: verdict != Verdict::None,
+            pvm: report.virtualization.kind == VirtKind::Pvm,
+            summary: report.summary.clone(),
+        }
     })
 }

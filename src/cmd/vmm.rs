@@ -1,20 +1,16 @@
 //! `torpor vmm`: the per-VM process, and its control-socket client.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
-use torpor_vmm::boot::KernelImage;
 use torpor_vmm::control::{self, Request};
-use torpor_vmm::restore::{RestoreBackend, RestoreOptions};
-use torpor_vmm::virtio_devices::{DiskConfig, VirtioConfig, VirtioRestorePaths};
-use torpor_vmm::vstate::memory::AnonymousBackend;
-use torpor_vmm::{RunError, RunReport, SerialOutput, VmConfig};
+use torpor_vmm_api::launch::{
+    Console, DirtyTracking, DiskSpec, KernelSource, LaunchMode, LaunchSpec, MemoryBackend,
+    RestoreSpec,
+};
 
 use super::{EXIT_FAILURE, EXIT_OK};
 use crate::cli::{DirtyTrackingArg, MemoryBackendArg, VmmAction, VmmCommand, VmmRunArgs};
-use torpor_vmm::dirty::DirtyTracking;
 
-const BUILTIN_PREFIX: &str = "builtin:";
 const EXIT_USAGE: i32 = 2;
 
 pub fn run(cmd: VmmCommand) -> i32 {
@@ -59,60 +55,36 @@ fn control_request(action: VmmAction) -> i32 {
     }
 }
 
-fn kernel_image(spec: &str) -> Result<KernelImage, String> {
-    match spec.strip_prefix(BUILTIN_PREFIX) {
-        Some("probe") => Ok(KernelImage::Embedded {
-            name: "probe",
-            bytes: torpor_probe::PROBE_ELF,
-        }),
-        Some(other) => Err(format!(
-            "unknown built-in kernel `{other}` (available: probe)"
-        )),
-        None => Ok(KernelImage::Path(PathBuf::from(spec))),
-    }
-}
-
-fn serial_output(args: &VmmRunArgs) -> SerialOutput {
+fn console(args: &VmmRunArgs) -> Console {
     match (&args.serial, args.no_serial) {
-        (Some(path), _) => SerialOutput::File(path.clone()),
-        (None, true) => SerialOutput::Discard,
-        (None, false) => SerialOutput::Stdout,
+        (Some(path), _) => Console::file(path.clone()),
+        (None, true) => Console::Discard,
+        (None, false) => Console::Stdout,
     }
 }
 
 fn run_vm(args: VmmRunArgs) -> i32 {
-    let result = match (&args.restore, args.standby, &args.control_socket) {
-        (Some(dir), _, _) => restore_vm(&args, dir.clone()),
-        (None, true, Some(socket)) => torpor_vmm::standby(
-            args.mem_mib,
-            args.vcpus,
-            socket.clone(),
-            dirty_tracking(args.dirty_tracking),
-        )
-        .map_err(failed),
-        _ => boot_vm(&args),
+    let spec = match launch_spec(&args) {
+        Ok(spec) => spec,
+        Err((code, message)) => {
+            eprintln!("torpor: error: {message}");
+            return code;
+        }
     };
-    match result {
+    let builtins = [("probe", torpor_probe::PROBE_ELF)];
+    match torpor_vmm::launch::run(&spec, &builtins, || {}) {
         Ok(report) => {
             if args.report {
                 eprintln!("{}", serde_json::to_string(&report).unwrap_or_default());
             }
-            match &report.exit {
-                torpor_vmm::ExitReason::VcpuError(e) => {
-                    eprintln!("torpor: error: the VM failed: {e}")
-                }
-                torpor_vmm::ExitReason::PageServerFailed(e) => {
-                    eprintln!(
-                        "torpor: error: the VM was stopped because its page server failed: {e}"
-                    )
-                }
-                _ => {}
+            if let Some(message) = report.exit.failure() {
+                eprintln!("torpor: error: {message}");
             }
             report.exit.exit_code()
         }
-        Err((code, message)) => {
-            eprintln!("torpor: error: {message}");
-            code
+        Err(e) => {
+            eprintln!("torpor: error: {e}");
+            EXIT_FAILURE
         }
     }
 }
@@ -127,18 +99,46 @@ fn dirty_tracking(arg: DirtyTrackingArg) -> DirtyTracking {
     }
 }
 
-fn failed(e: RunError) -> Failure {
-    (EXIT_FAILURE, e.to_string())
+/// The flags as the same `LaunchSpec` a pod hands `torpor-vmm`.
+fn launch_spec(args: &VmmRunArgs) -> Result<LaunchSpec, Failure> {
+    let mode = match (&args.restore, args.standby) {
+        (Some(dir), _) => LaunchMode::Restore {
+            restore: RestoreSpec {
+                snapshot: dir.clone(),
+                backend: restore_backend(args.memory_backend)?,
+                prefetch: args.prefetch,
+                disk_overlay: args.disk_overlay.clone(),
+                vsock_uds: args.vsock_uds.clone(),
+            },
+            paused: args.paused,
+            record_working_set_ms: args.record_working_set_ms,
+        },
+        (None, true) => {
+            if args.control_socket.is_none() {
+                return Err((EXIT_USAGE, "--standby needs --control-socket".into()));
+            }
+            LaunchMode::Standby {
+                mem_mib: args.mem_mib,
+                vcpus: args.vcpus,
+            }
+        }
+        (None, false) => boot_mode(args)?,
+    };
+    Ok(LaunchSpec {
+        control_socket: args.control_socket.clone(),
+        mode,
+        console: console(args),
+        dirty_tracking: dirty_tracking(args.dirty_tracking),
+    })
 }
 
-fn boot_vm(args: &VmmRunArgs) -> Result<RunReport, Failure> {
+fn boot_mode(args: &VmmRunArgs) -> Result<LaunchMode, Failure> {
     let Some(kernel) = args.kernel.as_deref() else {
         return Err((
             EXIT_USAGE,
             "--kernel is required (a vmlinux/bzImage path, or builtin:probe)".into(),
         ));
     };
-    let kernel = kernel_image(kernel).map_err(|e| (EXIT_FAILURE, e))?;
     match args.memory_backend {
         None | Some(MemoryBackendArg::Anonymous) => {}
         Some(other) => {
@@ -149,50 +149,30 @@ fn boot_vm(args: &VmmRunArgs) -> Result<RunReport, Failure> {
             ))
         }
     }
-    let config = VmConfig {
-        kernel,
+    Ok(LaunchMode::Boot {
+        kernel: KernelSource::parse(kernel),
         initrd: args.initrd.clone(),
-        cmdline: args.cmdline.clone(),
+        cmdline: Some(args.cmdline.clone()),
         mem_mib: args.mem_mib,
         vcpus: args.vcpus,
-        serial: serial_output(args),
-        virtio: VirtioConfig {
-            disk: args.disk.clone().map(|image| DiskConfig {
-                image,
-                overlay: args.disk_overlay.clone().unwrap_or_default(),
-                read_only: args.disk_read_only,
-            }),
-            vsock_uds: args.vsock_uds.clone(),
-        },
-        dirty_tracking: dirty_tracking(args.dirty_tracking),
-    };
-    torpor_vmm::boot(&config, &AnonymousBackend, args.control_socket.clone()).map_err(failed)
+        disk: args.disk.clone().map(|image| DiskSpec {
+            image,
+            overlay: args.disk_overlay.clone().unwrap_or_default(),
+            read_only: args.disk_read_only,
+        }),
+        vsock_uds: args.vsock_uds.clone(),
+    })
 }
 
-fn restore_vm(args: &VmmRunArgs, snapshot: PathBuf) -> Result<RunReport, Failure> {
-    let backend = match args.memory_backend {
-        None | Some(MemoryBackendArg::File) => RestoreBackend::File,
-        Some(MemoryBackendArg::Uffd) => RestoreBackend::Uffd,
-        Some(MemoryBackendArg::UffdShared) => RestoreBackend::UffdShared,
-        Some(MemoryBackendArg::Anonymous) => {
-            return Err((
-                EXIT_USAGE,
-                "--memory-backend anonymous is for cold boots; a restore maps memory with file, uffd or uffd-shared"
-                    .into(),
-            ))
-        }
-    };
-    let opts = RestoreOptions {
-        snapshot,
-        backend,
-        serial: serial_output(args),
-        prefetch: args.prefetch,
-        record_working_set_ms: args.record_working_set_ms,
-        virtio: VirtioRestorePaths {
-            disk_overlay: args.disk_overlay.clone(),
-            vsock_uds: args.vsock_uds.clone(),
-        },
-        dirty_tracking: dirty_tracking(args.dirty_tracking),
-    };
-    torpor_vmm::restore(&opts, args.control_socket.clone(), args.paused).map_err(failed)
+fn restore_backend(arg: Option<MemoryBackendArg>) -> Result<MemoryBackend, Failure> {
+    match arg {
+        None | Some(MemoryBackendArg::File) => Ok(MemoryBackend::File),
+        Some(MemoryBackendArg::Uffd) => Ok(MemoryBackend::Uffd),
+        Some(MemoryBackendArg::UffdShared) => Ok(MemoryBackend::UffdShared),
+        Some(MemoryBackendArg::Anonymous) => Err((
+            EXIT_USAGE,
+            "--memory-backend anonymous is for cold boots; a restore maps memory with file, uffd or uffd-shared"
+                .into(),
+        )),
+    }
 }

@@ -34,13 +34,9 @@ pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off nomod
 /// The MP table numbers CPUs with 8-bit APIC ids, one id kept for the IOAPIC.
 pub const MAX_VCPUS: usize = 254;
 
-/// Where the guest console goes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SerialOutput {
-    Stdout,
-    File(PathBuf),
-    Discard,
-}
+/// Where the guest console goes (the contract's `Console`: a file is
+/// capped at `max_bytes`).
+pub use torpor_vmm_api::Console as SerialOutput;
 
 /// Everything needed to boot a microVM.
 #[derive(Debug, Clone)]
@@ -100,6 +96,25 @@ pub enum BuildError {
     Dirty(#[from] DirtyError),
 }
 
+impl BuildError {
+    /// Classified for the pod: bad input (sizes, kernel, files) is the
+    /// request's fault; a host without what KVM needs cannot do it.
+    pub fn vm_error(&self) -> torpor_vmm_api::VmError {
+        use torpor_vmm_api::{ErrorKind, VmError};
+        let kind = match self {
+            BuildError::NoVcpus
+            | BuildError::TooManyVcpus { .. }
+            | BuildError::Memory(_)
+            | BuildError::Boot(_) => ErrorKind::InvalidRequest,
+            BuildError::SerialOutput { source, .. } => ErrorKind::of_io(source),
+            BuildError::Kvm(_) | BuildError::Dirty(_) => ErrorKind::Unsupported,
+            BuildError::State(_) => ErrorKind::BadSnapshot,
+            _ => ErrorKind::Internal,
+        };
+        VmError::new(kind, self.to_string())
+    }
+}
+
 /// Microseconds spent in each start-up phase, in order.
 #[derive(Debug, Default, Clone)]
 pub struct Timings {
@@ -147,7 +162,9 @@ pub struct BuiltVm {
     /// 0 for a cold boot; the snapshot's generation + 1 for a restore.
     pub generation: u64,
     /// The snapshot this VM was restored from, base of its next diff.
-    pub base_snapshot: Option<PathBuf>,
+    /// The chain of the snapshot this VM runs from, base first (None for a
+    /// cold boot): a diff snapshot's parent and lineage.
+    pub base_chain: Option<Vec<PathBuf>>,
     /// Pages the VMM wrote that KVM's dirty log does not see.
     pub vmm_dirty: PageRuns,
     pub backend: &'static str,
@@ -253,7 +270,7 @@ pub fn build(
             kernel: config.kernel.to_string(),
         },
         generation: 0,
-        base_snapshot: None,
+        base_chain: None,
         vmm_dirty: PageRuns::default(),
         backend: backend.name(),
         keepalive: None,
@@ -269,12 +286,12 @@ pub fn serial_output(serial: &SerialOutput) -> Result<Box<dyn Write + Send>, Bui
     Ok(match serial {
         SerialOutput::Stdout => Box::new(std::io::stdout()),
         SerialOutput::Discard => Box::new(std::io::sink()),
-        SerialOutput::File(path) => {
+        SerialOutput::File { path, max_bytes } => {
             let f = File::create(path).map_err(|source| BuildError::SerialOutput {
                 path: path.clone(),
                 source,
             })?;
-            Box::new(LineWriter::new(f))
+            Box::new(Capped::new(LineWriter::new(f), *max_bytes))
         }
     })
 }
@@ -285,7 +302,7 @@ pub fn serial_output(serial: &SerialOutput) -> Result<Box<dyn Write + Send>, Bui
 /// first write waits for the open. The directory is checked here, so the
 /// usual mistake (a missing directory) still fails the restore up front.
 pub fn serial_output_deferred(serial: &SerialOutput) -> Result<Box<dyn Write + Send>, BuildError> {
-    let SerialOutput::File(path) = serial else {
+    let SerialOutput::File { path, max_bytes } = serial else {
         return serial_output(serial);
     };
     let dir = match path.parent() {
@@ -309,11 +326,67 @@ pub fn serial_output_deferred(serial: &SerialOutput) -> Result<Box<dyn Write + S
             path: path.clone(),
             source,
         })?;
-    Ok(Box::new(DeferredFile {
-        path: path.clone(),
-        pending: Some(pending),
-        file: None,
-    }))
+    Ok(Box::new(Capped::new(
+        DeferredFile {
+            path: path.clone(),
+            pending: Some(pending),
+            file: None,
+        },
+        *max_bytes,
+    )))
+}
+
+/// Bytes the guest wrote to consoles past their limit, in this process.
+static CONSOLE_DROPPED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Console bytes dropped at the limit so far (reported in the VM status).
+pub fn console_dropped_bytes() -> u64 {
+    CONSOLE_DROPPED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// A console sink that takes `limit` bytes, then one notice line, then
+/// drops (and counts) the rest: the guest never blocks on its console and
+/// never fills the host's disk through it.
+struct Capped<W> {
+    inner: W,
+    left: u64,
+    noticed: bool,
+}
+
+impl<W: Write> Capped<W> {
+    fn new(inner: W, limit: u64) -> Self {
+        Self {
+            inner,
+            left: limit,
+            noticed: false,
+        }
+    }
+}
+
+impl<W: Write> Write for Capped<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let take = buf
+            .len()
+            .min(usize::try_from(self.left).unwrap_or(usize::MAX));
+        if take > 0 {
+            let n = self.inner.write(&buf[..take])?;
+            self.left -= n as u64;
+            return Ok(n);
+        }
+        if !self.noticed {
+            self.noticed = true;
+            let _ = self
+                .inner
+                .write_all(b"\n[torpor: console limit reached; further output dropped]\n");
+            let _ = self.inner.flush();
+        }
+        CONSOLE_DROPPED.fetch_add(buf.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 /// A console file being created on another thread.
@@ -382,7 +455,7 @@ mod console_tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("console.log");
         std::fs::write(&path, "stale content from an earlier run\n").unwrap();
-        let mut out = serial_output_deferred(&SerialOutput::File(path.clone())).unwrap();
+        let mut out = serial_output_deferred(&SerialOutput::file(path.clone())).unwrap();
         out.write_all(b"first line\nsecond ").unwrap();
         out.write_all(b"line\n").unwrap();
         out.flush().unwrap();
@@ -394,9 +467,34 @@ mod console_tests {
     }
 
     #[test]
+    fn console_files_stop_at_their_limit() {
+        let dir = std::env::temp_dir().join(format!("torpor-console-cap-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("console.log");
+        let before = console_dropped_bytes();
+        let console = SerialOutput::File {
+            path: path.clone(),
+            max_bytes: 10,
+        };
+        let mut out = serial_output(&console).unwrap();
+        for _ in 0..100 {
+            out.write_all(b"0123456789abcdef\n").unwrap();
+        }
+        out.flush().unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(
+            text.starts_with("0123456789\n[torpor: console limit"),
+            "{text}"
+        );
+        assert!(text.len() < 80, "{} bytes", text.len());
+        assert!(console_dropped_bytes() - before >= 100 * 17 - 10);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn deferred_console_in_a_missing_directory_is_refused_up_front() {
         let path = PathBuf::from("/nonexistent-torpor-dir/console.log");
-        let err = match serial_output_deferred(&SerialOutput::File(path)) {
+        let err = match serial_output_deferred(&SerialOutput::file(path)) {
             Err(e) => e,
             Ok(_) => panic!("a console in a missing directory was accepted"),
         };

@@ -89,43 +89,7 @@ struct PageRegion {
     categories: u64,
 }
 
-/// Which source a VM's diff snapshots take their dirty pages from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum DirtyTracking {
-    /// KVM's dirty log.
-    #[default]
-    Kvm,
-    /// userfaultfd asynchronous write-protection, read with PAGEMAP_SCAN.
-    UffdWp,
-    /// uffd-wp writes the diff; KVM's dirty log is kept too and compared.
-    Both,
-}
-
-impl DirtyTracking {
-    pub fn name(self) -> &'static str {
-        match self {
-            DirtyTracking::Kvm => "kvm",
-            DirtyTracking::UffdWp => "uffd-wp",
-            DirtyTracking::Both => "both",
-        }
-    }
-
-    pub fn parse(name: &str) -> Option<Self> {
-        [Self::Kvm, Self::UffdWp, Self::Both]
-            .into_iter()
-            .find(|t| t.name() == name)
-    }
-
-    /// Whether KVM memory slots need `KVM_MEM_LOG_DIRTY_PAGES`.
-    pub fn kvm_log(self) -> bool {
-        matches!(self, DirtyTracking::Kvm | DirtyTracking::Both)
-    }
-
-    /// Whether guest RAM is write-protected through userfaultfd.
-    pub fn uffd_wp(self) -> bool {
-        matches!(self, DirtyTracking::UffdWp | DirtyTracking::Both)
-    }
-}
+pub use torpor_vmm_api::launch::DirtyTracking;
 
 /// Errors of uffd-wp dirty tracking: each names why this host or mapping
 /// cannot do it.
@@ -385,27 +349,16 @@ pub(crate) fn protect(uffd: &Uffd, spans: &[Span]) -> Result<(), DirtyError> {
     Ok(())
 }
 
-/// Where the dirty log and uffd-wp disagree, from one snapshot in
-/// [`DirtyTracking::Both`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-pub struct Crosscheck {
-    pub kvm_pages: u64,
-    pub uffd_wp_pages: u64,
-    /// Pages in KVM's log that uffd-wp did not report (a diff would lose them).
-    pub missed_by_uffd_wp: u64,
-    /// Pages uffd-wp reported that KVM's log does not hold.
-    pub only_in_uffd_wp: u64,
-}
+pub use torpor_vmm_api::control::Crosscheck;
 
-impl Crosscheck {
-    pub fn compare(kvm: &PageRuns, uffd_wp: &PageRuns) -> Self {
-        let both = kvm.union(uffd_wp).page_count();
-        Self {
-            kvm_pages: kvm.page_count(),
-            uffd_wp_pages: uffd_wp.page_count(),
-            missed_by_uffd_wp: both - uffd_wp.page_count(),
-            only_in_uffd_wp: both - kvm.page_count(),
-        }
+/// Where KVM's log (`kvm`) and uffd-wp (`uffd_wp`) disagree.
+pub fn crosscheck(kvm: &PageRuns, uffd_wp: &PageRuns) -> Crosscheck {
+    let both = kvm.union(uffd_wp).page_count();
+    Crosscheck {
+        kvm_pages: kvm.page_count(),
+        uffd_wp_pages: uffd_wp.page_count(),
+        missed_by_uffd_wp: both - uffd_wp.page_count(),
+        only_in_uffd_wp: both - kvm.page_count(),
     }
 }
 
@@ -536,7 +489,7 @@ mod tests {
     fn crosscheck_counts_each_side() {
         let kvm = runs(&[(0, 10), (20, 1)]);
         let wp = runs(&[(0, 12)]);
-        let c = Crosscheck::compare(&kvm, &wp);
+        let c = crosscheck(&kvm, &wp);
         assert_eq!(c.kvm_pages, 11);
         assert_eq!(c.uffd_wp_pages, 12);
         assert_eq!(c.missed_by_uffd_wp, 1);

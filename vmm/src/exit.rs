@@ -13,6 +13,8 @@ pub enum ExitReason {
     GuestShutdown,
     /// A `shutdown` request on the control socket.
     ControlShutdown,
+    /// A `hibernate` request: the VM's snapshot is written, the VMM ends.
+    Hibernated,
     /// A vCPU hit an error the VMM cannot recover from.
     VcpuError(String),
     /// The userfaultfd page server failed; guest memory can no longer be
@@ -25,8 +27,21 @@ impl ExitReason {
     /// (1 is a configuration error before boot, 2 a usage error.)
     pub fn exit_code(&self) -> i32 {
         match self {
-            ExitReason::GuestShutdown | ExitReason::ControlShutdown => 0,
+            ExitReason::GuestShutdown | ExitReason::ControlShutdown | ExitReason::Hibernated => 0,
             ExitReason::VcpuError(_) | ExitReason::PageServerFailed(_) => 3,
+        }
+    }
+}
+
+impl ExitReason {
+    /// What to tell people when the VM failed while running.
+    pub fn failure(&self) -> Option<String> {
+        match self {
+            ExitReason::VcpuError(e) => Some(format!("the VM failed: {e}")),
+            ExitReason::PageServerFailed(e) => Some(format!(
+                "the VM was stopped because its page server failed: {e}"
+            )),
+            _ => None,
         }
     }
 }

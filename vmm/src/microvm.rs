@@ -20,6 +20,8 @@ use crate::persist::{
 use crate::snapshot::{self, PageRuns, PAGE_SIZE};
 use crate::vstate::vcpu::{register_kick_handler, VcpuSet};
 use crate::vstate::vm::Vm;
+use torpor_vmm_api::lineage::Lineage;
+use torpor_vmm_api::{ErrorKind, VmError};
 
 /// Errors of a VMM run, before the guest starts.
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +38,21 @@ pub enum RunError {
     ExitEvent(std::io::Error),
     #[error(transparent)]
     Restore(#[from] crate::restore::RestoreError),
+    #[error(transparent)]
+    Launch(torpor_vmm_api::VmError),
+}
+
+impl RunError {
+    /// Classified for the pod.
+    pub fn vm_error(&self) -> VmError {
+        match self {
+            RunError::Build(e) => e.vm_error(),
+            RunError::Restore(e) => e.vm_error(),
+            RunError::Launch(e) => e.clone(),
+            RunError::Bind(e) => VmError::new(ErrorKind::InvalidRequest, e.to_string()),
+            other => VmError::internal(other.to_string()),
+        }
+    }
 }
 
 /// How a run ended, with the start-up timings.
@@ -67,8 +84,8 @@ type SavedVcpu = Option<Result<VcpuState, String>>;
 
 /// State that changes with each snapshot.
 struct SnapshotLineage {
-    /// The snapshot the next diff is based on.
-    base: Option<PathBuf>,
+    /// The chain of the snapshot the next diff is based on, base first.
+    base: Option<Vec<PathBuf>>,
     /// Pages the VMM itself wrote since `base` (KVM's dirty log misses them).
     vmm_dirty: PageRuns,
 }
@@ -98,14 +115,17 @@ struct DirtySet {
 }
 
 impl Controller {
-    fn refuse_if_ending(&self) -> Result<(), String> {
+    fn refuse_if_ending(&self) -> Result<(), VmError> {
         match self.exit.reason() {
-            Some(r) => Err(format!("the VM is shutting down ({r:?})")),
+            Some(r) => Err(VmError::new(
+                ErrorKind::GuestGone,
+                format!("the VM is shutting down ({r:?})"),
+            )),
             None => Ok(()),
         }
     }
 
-    fn save_vcpus(&self) -> Result<Vec<VcpuState>, String> {
+    fn save_vcpus(&self) -> Result<Vec<VcpuState>, VmError> {
         let count = usize::from(self.machine.vcpus);
         let results: Arc<Mutex<Vec<SavedVcpu>>> =
             Arc::new(Mutex::new((0..count).map(|_| None).collect()));
@@ -115,7 +135,10 @@ impl Controller {
             sink.lock().unwrap_or_else(|e| e.into_inner())[usize::from(index)] = Some(r);
         }));
         if !ran {
-            return Err("the VM must be paused to snapshot it".into());
+            return Err(VmError::new(
+                ErrorKind::NotPaused,
+                "the VM must be paused to snapshot it",
+            ));
         }
         let results = std::mem::take(&mut *results.lock().unwrap_or_else(|e| e.into_inner()));
         results
@@ -124,15 +147,19 @@ impl Controller {
             .map(|(i, r)| {
                 r.unwrap_or_else(|| Err(format!("vCPU {i} has stopped and cannot be saved")))
             })
-            .collect()
+            .collect::<Result<_, _>>()
+            .map_err(VmError::internal)
     }
 
     /// Pages written since the last call, from the VM's dirty-tracking
     /// source; reading resets it.
-    fn take_dirty(&self) -> Result<DirtySet, String> {
+    fn take_dirty(&self) -> Result<DirtySet, VmError> {
         let started = Instant::now();
         let uffd_wp = match &self.wp_tracker {
-            Some(t) => Some(t.take_written().map_err(|e| e.to_string())?),
+            Some(t) => Some(
+                t.take_written()
+                    .map_err(|e| VmError::internal(e.to_string()))?,
+            ),
             None => None,
         };
         let collect_us = started.elapsed().as_micros() as u64;
@@ -143,7 +170,7 @@ impl Controller {
         };
         Ok(match (uffd_wp, kvm) {
             (Some(wp), Some(kvm)) => DirtySet {
-                crosscheck: Some(Crosscheck::compare(&kvm, &wp)),
+                crosscheck: Some(crate::dirty::crosscheck(&kvm, &wp)),
                 pages: wp,
                 collect_us,
             },
@@ -157,12 +184,12 @@ impl Controller {
                 collect_us: started.elapsed().as_micros() as u64,
                 crosscheck: None,
             },
-            (None, None) => return Err("this VM tracks no dirty pages".into()),
+            (None, None) => return Err(VmError::internal("this VM tracks no dirty pages")),
         })
     }
 
     /// Pages KVM saw dirtied since the last call, in memory-file page numbers.
-    fn take_kvm_dirty_log(&self) -> Result<PageRuns, String> {
+    fn take_kvm_dirty_log(&self) -> Result<PageRuns, VmError> {
         let mut dirty = PageRuns::default();
         let mut first_page = 0u64;
         for (slot, region) in self.mem.iter().enumerate() {
@@ -170,34 +197,63 @@ impl Controller {
                 .vm
                 .fd
                 .get_dirty_log(slot as u32, region.len() as usize)
-                .map_err(|e| format!("KVM_GET_DIRTY_LOG of slot {slot}: {e}"))?;
+                .map_err(|e| VmError::internal(format!("KVM_GET_DIRTY_LOG of slot {slot}: {e}")))?;
             dirty = dirty.union(&PageRuns::from_bitmap(&bitmap, first_page));
             first_page += region.len() / PAGE_SIZE;
         }
         Ok(dirty)
     }
 
-    fn write_snapshot(&self, dir: &Path, diff: bool) -> Result<SnapshotInfo, String> {
+    fn write_snapshot(&self, dir: &Path, diff: bool) -> Result<SnapshotInfo, VmError> {
         let started = Instant::now();
         if !self.vcpus.is_paused() {
-            return Err("the VM must be paused to snapshot it (send pause first)".into());
+            return Err(VmError::new(
+                ErrorKind::NotPaused,
+                "the VM must be paused to snapshot it (send pause first)",
+            ));
         }
         let mut lineage = self.lineage.lock().unwrap_or_else(|e| e.into_inner());
         let parent = match (diff, &lineage.base) {
             (true, None) => {
-                return Err("a diff snapshot needs a base: this VM was not restored from a snapshot and has taken none; take a full snapshot first".into())
+                return Err(VmError::new(ErrorKind::InvalidRequest, "a diff snapshot needs a base: this VM was not restored from a snapshot and has taken none; take a full snapshot first"))
             }
-            (true, Some(base)) => Some(base.clone()),
+            (true, Some(base)) => Some(canonical_chain(base)),
             (false, _) => None,
         };
-        std::fs::create_dir_all(dir)
-            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-        let dir = dir
-            .canonicalize()
-            .map_err(|e| format!("cannot resolve {}: {e}", dir.display()))?;
+        let io = |what: &str, e: std::io::Error| {
+            VmError::new(
+                ErrorKind::of_io(&e),
+                format!("cannot {what} {}: {e}", dir.display()),
+            )
+            .with_layer(dir)
+        };
+        std::fs::create_dir_all(dir).map_err(|e| io("create", e))?;
+        let dir = dir.canonicalize().map_err(|e| io("resolve", e))?;
+        let record = match &parent {
+            Some(chain) => Lineage {
+                version: Lineage::base(&dir).version,
+                layers: chain.clone(),
+            }
+            .child(&dir),
+            None => Lineage::base(&dir),
+        };
+        if record.depth() > crate::restore::MAX_CHAIN_DEPTH {
+            return Err(VmError::new(
+                ErrorKind::InvalidRequest,
+                format!(
+                    "a diff here would make a chain of {} layers (at most {})",
+                    record.depth(),
+                    crate::restore::MAX_CHAIN_DEPTH
+                ),
+            ));
+        }
+        let parent = parent.and_then(|chain| chain.last().cloned());
         let vcpus = self.save_vcpus()?;
-        let vm = persist::save_vm(&self.vm.fd).map_err(|e| e.to_string())?;
-        let (virtio, device_dirty) = self.virtio.save(&dir).map_err(|e| e.to_string())?;
+        let vm = persist::save_vm(&self.vm.fd).map_err(|e| VmError::internal(e.to_string()))?;
+        let (virtio, device_dirty) = self
+            .virtio
+            .save(&dir)
+            .map_err(|e| VmError::internal(e.to_string()))?;
         let devices = DeviceStates {
             serial: self.serial.lock().unwrap_or_else(|e| e.into_inner()).save(),
             virtio,
@@ -214,11 +270,11 @@ impl Controller {
         let (memory, info) = match parent {
             None => (
                 MemoryLayer::Full,
-                snapshot::write_full_memory(&memory_path, &slices).map_err(|e| e.to_string())?,
+                snapshot::write_full_memory(&memory_path, &slices).map_err(|e| e.vm_error())?,
             ),
             Some(parent) => {
                 let info = snapshot::write_memory_pages(&memory_path, &slices, &dirty)
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| e.vm_error())?;
                 (
                     MemoryLayer::Diff {
                         parent,
@@ -237,9 +293,15 @@ impl Controller {
             generation: self.generation,
             taken_unix_ns: crate::identity::unix_now_ns(),
         };
+        record.write(&dir).map_err(|e| match e {
+            torpor_vmm_api::lineage::LineageError::Write { source, .. } => {
+                io("write the lineage record in", source)
+            }
+            other => VmError::internal(other.to_string()),
+        })?;
         let state_bytes = snapshot::write_state(&dir.join(snapshot::STATE_FILE), &state)
-            .map_err(|e| e.to_string())?;
-        lineage.base = Some(dir.clone());
+            .map_err(|e| e.vm_error())?;
+        lineage.base = Some(record.layers.clone());
         lineage.vmm_dirty = PageRuns::default();
         Ok(SnapshotInfo {
             path: dir,
@@ -255,8 +317,19 @@ impl Controller {
             dirty_tracking: self.dirty_tracking.name().to_string(),
             dirty_collect_us: dirty_set.collect_us,
             dirty_crosscheck: dirty_set.crosscheck,
+            lineage: record.layers,
         })
     }
+}
+
+/// A chain's layers as canonical paths (the lineage record's form); the
+/// restore path records them as given, and resolving waits until a
+/// snapshot needs them, off the restore's hot path.
+fn canonical_chain(chain: &[PathBuf]) -> Vec<PathBuf> {
+    chain
+        .iter()
+        .map(|d| d.canonicalize().unwrap_or_else(|_| d.clone()))
+        .collect()
 }
 
 impl VmController for Controller {
@@ -283,32 +356,54 @@ impl VmController for Controller {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .base
-                .clone(),
+                .as_ref()
+                .and_then(|chain| chain.last().cloned()),
             guest_clock_ns: persist::guest_clock_ns(&self.vm.fd).ok(),
             dirty_tracking: self.dirty_tracking.name().to_string(),
+            console_dropped_bytes: crate::builder::console_dropped_bytes(),
         }
     }
 
-    fn pause(&self) -> Result<VmStatus, String> {
+    fn pause(&self) -> Result<VmStatus, VmError> {
         self.refuse_if_ending()?;
         self.vcpus.pause();
         Ok(self.status())
     }
 
-    fn resume(&self) -> Result<VmStatus, String> {
+    fn resume(&self) -> Result<VmStatus, VmError> {
         self.refuse_if_ending()?;
         self.vcpus.resume();
         Ok(self.status())
     }
 
-    fn shutdown(&self) -> Result<VmStatus, String> {
+    fn shutdown(&self) -> Result<VmStatus, VmError> {
         self.exit.exit(ExitReason::ControlShutdown);
         Ok(self.status())
     }
 
-    fn snapshot(&self, path: &Path, diff: bool) -> Result<SnapshotInfo, String> {
+    fn snapshot(&self, path: &Path, diff: bool) -> Result<SnapshotInfo, VmError> {
         self.refuse_if_ending()?;
         self.write_snapshot(path, diff)
+    }
+
+    fn hibernate(&self, path: &Path, diff: bool) -> Result<SnapshotInfo, VmError> {
+        self.refuse_if_ending()?;
+        let was_running = !self.vcpus.is_paused();
+        self.vcpus.pause();
+        match self.write_snapshot(path, diff) {
+            Ok(info) => {
+                // The control server holds its answer lock while this
+                // answer is written; the VMM ends after it.
+                self.exit.exit(ExitReason::Hibernated);
+                Ok(info)
+            }
+            Err(e) => {
+                if was_running {
+                    self.vcpus.resume();
+                }
+                Err(e)
+            }
+        }
     }
 }
 
@@ -359,7 +454,7 @@ pub fn run_built(
         msr_indices: built.msr_indices,
         virtio,
         lineage: Mutex::new(SnapshotLineage {
-            base: built.base_snapshot,
+            base: built.base_chain,
             vmm_dirty: built.vmm_dirty,
         }),
         dirty_tracking: built.dirty_tracking,
@@ -376,6 +471,7 @@ pub fn run_built(
         }
         None => None,
     };
+    crate::launch::serving();
     tracing::info!(?timings, "microVM started");
     let reason = exit.wait();
     vcpus.stop(std::time::Duration::from_millis(500));

@@ -27,32 +27,13 @@ use crate::vstate::vcpu::Vcpu;
 use crate::vstate::vm::Vm;
 
 /// Longest chain of diff snapshots we follow before assuming a loop.
-pub const MAX_CHAIN_DEPTH: usize = 64;
+pub use torpor_vmm_api::lineage::MAX_CHAIN_DEPTH;
 /// Diff runs mapped individually over the base; beyond this many, the rest
 /// are copied so the process stays well inside the kernel's mapping limit.
 const MAX_OVERLAY_MAPPINGS: usize = 16_384;
 
-/// How restored guest memory is backed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RestoreBackend {
-    /// MAP_PRIVATE of the memory files: page-cache sharing, kernel CoW.
-    File,
-    /// Anonymous memory filled on demand by a userfaultfd page server.
-    Uffd,
-    /// Template in shmem mapped privately, MINOR faults answered with
-    /// UFFDIO_CONTINUE: shared like `File`, observed like `Uffd`.
-    UffdShared,
-}
-
-impl RestoreBackend {
-    pub fn name(self) -> &'static str {
-        match self {
-            RestoreBackend::File => "file",
-            RestoreBackend::Uffd => "uffd",
-            RestoreBackend::UffdShared => "uffd-shared",
-        }
-    }
-}
+/// How restored guest memory is backed (the contract's `MemoryBackend`).
+pub use torpor_vmm_api::launch::MemoryBackend as RestoreBackend;
 
 /// What to restore and how.
 #[derive(Debug, Clone)]
@@ -132,6 +113,42 @@ pub enum RestoreError {
         shell: &'static str,
         requested: &'static str,
     },
+}
+
+impl RestoreError {
+    /// Classified for the pod: which layer is bad, a request that does not
+    /// fit, a backend this host lacks, or an I/O failure.
+    pub fn vm_error(&self) -> torpor_vmm_api::VmError {
+        use torpor_vmm_api::{ErrorKind, VmError};
+        let msg = self.to_string();
+        match self {
+            RestoreError::Snapshot(e) => e.vm_error(),
+            RestoreError::Build(e) => e.vm_error(),
+            RestoreError::ChainTooDeep(dir) => {
+                VmError::new(ErrorKind::BadSnapshot, msg).with_layer(dir)
+            }
+            RestoreError::ParentMismatch { child, .. } => {
+                VmError::new(ErrorKind::BadSnapshot, msg).with_layer(child)
+            }
+            RestoreError::VcpuCount { snapshot, .. } => {
+                VmError::new(ErrorKind::BadSnapshot, msg).with_layer(snapshot)
+            }
+            RestoreError::State(_) => VmError::new(ErrorKind::BadSnapshot, msg),
+            RestoreError::ShellMismatch { .. } | RestoreError::DirtyTrackingMismatch { .. } => {
+                VmError::new(ErrorKind::InvalidRequest, msg)
+            }
+            RestoreError::Map { path, source } | RestoreError::Copy { path, source } => {
+                VmError::new(ErrorKind::of_io(source), msg)
+                    .with_layer(path.parent().unwrap_or(path))
+            }
+            RestoreError::Backend { .. } | RestoreError::Dirty(_) => {
+                VmError::new(ErrorKind::Unsupported, msg)
+            }
+            RestoreError::Serial(_) | RestoreError::Identity(_) | RestoreError::Virtio(_) => {
+                VmError::internal(msg)
+            }
+        }
+    }
 }
 
 /// One memory layer of a chain, bottom (the full snapshot) first.
@@ -494,7 +511,7 @@ pub fn restore_into(
         timings: t,
         machine: chain.state.machine.clone(),
         generation,
-        base_snapshot: Some(chain.top_dir.clone()),
+        base_chain: Some(chain.layers.iter().map(|l| l.dir.clone()).collect()),
         vmm_dirty,
         backend: opts.backend.name(),
         keepalive,

@@ -8,24 +8,14 @@ use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crate::builder::{SerialOutput, Timings};
+use crate::builder::Timings;
 use crate::control::{self, Request, Response, VmState, VmStatus, PROTOCOL_VERSION};
 use crate::dirty::DirtyTracking;
 use crate::exit::{ExitReason, ExitSignal};
 use crate::microvm::{run_built, PendingRestore, RunError, RunReport};
-use crate::restore::{self, RestoreBackend, RestoreOptions};
+use crate::restore::{self, RestoreOptions};
 use crate::vstate::vcpu::{register_kick_handler, SpareThreads};
-
-fn backend(name: &str) -> Result<RestoreBackend, String> {
-    match name {
-        "file" => Ok(RestoreBackend::File),
-        "uffd" => Ok(RestoreBackend::Uffd),
-        "uffd-shared" => Ok(RestoreBackend::UffdShared),
-        other => Err(format!(
-            "unknown memory backend `{other}` (file, uffd, uffd-shared)"
-        )),
-    }
-}
+use torpor_vmm_api::{ErrorKind, VmError};
 
 fn standby_status(mem_mib: u64, vcpus: u16, started: Instant) -> VmStatus {
     VmStatus {
@@ -41,6 +31,7 @@ fn standby_status(mem_mib: u64, vcpus: u16, started: Instant) -> VmStatus {
         base_snapshot: None,
         guest_clock_ns: None,
         dirty_tracking: String::new(),
+        console_dropped_bytes: 0,
     }
 }
 
@@ -51,15 +42,8 @@ fn reply(stream: &mut UnixStream, response: &Response) {
     }
 }
 
-fn refuse(stream: &mut UnixStream, error: String) {
-    reply(
-        stream,
-        &Response {
-            ok: false,
-            error: Some(error),
-            ..Default::default()
-        },
-    );
+fn refuse(stream: &mut UnixStream, error: VmError) {
+    reply(stream, &Response::refusal(error));
 }
 
 /// Makes a shell for `mem_mib`/`vcpus`, serves `socket` until a restore
@@ -81,6 +65,7 @@ pub fn standby(
     let mut spares = Some(spares);
     let exit = ExitSignal::new().map_err(RunError::ExitEvent)?;
     tracing::info!(timings = ?shell_timings, "standby shell ready");
+    crate::launch::serving();
     loop {
         let mut stream = match listener.accept() {
             Ok((s, _)) => s,
@@ -99,7 +84,10 @@ pub fn standby(
         }
         let request_started = Instant::now();
         match serde_json::from_str::<Request>(&line) {
-            Err(e) => refuse(&mut stream, format!("invalid request: {e}")),
+            Err(e) => refuse(
+                &mut stream,
+                VmError::new(ErrorKind::InvalidRequest, format!("invalid request: {e}")),
+            ),
             Ok(Request::Status) => reply(
                 &mut stream,
                 &Response {
@@ -125,42 +113,35 @@ pub fn standby(
                 });
             }
             Ok(Request::Restore {
-                snapshot,
-                backend: name,
-                serial,
+                restore: spec,
+                console,
                 paused,
-                prefetch,
-                disk_overlay,
-                vsock_uds,
             }) => {
-                let backend = match backend(&name) {
-                    Ok(b) => b,
-                    Err(e) => {
-                        refuse(&mut stream, e);
-                        continue;
-                    }
-                };
+                if let Err(e) = spec.check() {
+                    refuse(&mut stream, e);
+                    continue;
+                }
                 // Validate everything before the shell is consumed, so a bad
                 // request leaves this standby VMM usable.
                 let mut timings = Timings::start();
-                let chain = match restore::load_chain(&snapshot)
+                let chain = match restore::load_chain(&spec.snapshot)
                     .and_then(|c| restore::check_fits(&shell, &c).map(|()| c))
                 {
                     Ok(c) => c,
                     Err(e) => {
-                        refuse(&mut stream, e.to_string());
+                        refuse(&mut stream, e.vm_error());
                         continue;
                     }
                 };
                 let opts = RestoreOptions {
-                    snapshot,
-                    backend,
-                    serial: serial.map_or(SerialOutput::Discard, SerialOutput::File),
-                    prefetch,
+                    snapshot: spec.snapshot,
+                    backend: spec.backend,
+                    serial: console,
+                    prefetch: spec.prefetch,
                     record_working_set_ms: None,
                     virtio: crate::virtio_devices::VirtioRestorePaths {
-                        disk_overlay,
-                        vsock_uds,
+                        disk_overlay: spec.disk_overlay,
+                        vsock_uds: spec.vsock_uds,
                     },
                     dirty_tracking,
                 };
@@ -169,7 +150,7 @@ pub fn standby(
                     Ok(b) => b,
                     Err(e) => {
                         // The shell is spent: answer, then end this VMM.
-                        refuse(&mut stream, e.to_string());
+                        refuse(&mut stream, e.vm_error());
                         return Err(e.into());
                     }
                 };
@@ -189,7 +170,10 @@ pub fn standby(
             }
             Ok(_) => refuse(
                 &mut stream,
-                "this VMM is on standby: it answers status, restore and shutdown".into(),
+                VmError::new(
+                    ErrorKind::WrongState,
+                    "this VMM is on standby: it answers status, restore and shutdown",
+                ),
             ),
         }
     }

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use torpor_vmm::control::Request;
+use torpor_vmm_api::control::Request;
 
 use super::layers::{commit_layer, diff_allowed, layer_chain, parent_checkpoint};
 use super::{vmm, Outcome, Service, ServiceError, LOCAL_POD};
@@ -382,7 +382,7 @@ impl Service {
         }
         // Once `state` is written the VMM diffs against this snapshot,
         // whatever the answer said (a reply lost to a timeout): keep it.
-        let written = target.join(torpor_vmm::snapshot::STATE_FILE).exists();
+        let written = target.join(torpor_vmm_api::lineage::STATE_FILE).exists();
         match result {
             Ok(()) => Ok(Written {
                 op: op.id,

@@ -7,7 +7,9 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use torpor_vmm::control::Request;
+use torpor_vmm_api::control::Request;
+use torpor_vmm_api::lineage::Lineage;
+use torpor_vmm_api::{ErrorKind, VmError};
 
 use super::vmm;
 use super::{Service, ServiceError};
@@ -22,12 +24,19 @@ pub(super) type LayerChain = Vec<(PathBuf, Option<PathBuf>)>;
 /// (the VMM records parents canonicalised; the service's own paths are
 /// under the canonical data directory).
 pub(super) fn layer_chain(top: &Path) -> Result<LayerChain, ServiceError> {
-    let chain = torpor_vmm::restore::load_chain(top)
-        .map_err(|e| ServiceError::Internal(format!("snapshot {}: {e}", top.display())))?;
-    let dirs: Vec<PathBuf> = chain
+    let lineage = Lineage::read(top).map_err(|e| {
+        ServiceError::Vm(
+            VmError::new(
+                ErrorKind::BadSnapshot,
+                format!("snapshot {}: {e}", top.display()),
+            )
+            .with_layer(top),
+        )
+    })?;
+    let dirs: Vec<PathBuf> = lineage
         .layers
         .iter()
-        .map(|l| std::fs::canonicalize(&l.dir).unwrap_or_else(|_| l.dir.clone()))
+        .map(|l| std::fs::canonicalize(l).unwrap_or_else(|_| l.clone()))
         .collect();
     // `layers` is base first; each layer's parent is the one before it.
     Ok(dirs
@@ -41,7 +50,7 @@ pub(super) fn layer_chain(top: &Path) -> Result<LayerChain, ServiceError> {
 /// it stays shorter than `MAX_DIFF_DEPTH` (else a full one starts afresh).
 pub(super) fn diff_allowed(base: Option<&Path>) -> bool {
     base.map(|s| {
-        torpor_vmm::restore::load_chain(s).map_or(super::ops::MAX_DIFF_DEPTH, |c| c.layers.len())
+        Lineage::read(s).map_or(super::ops::MAX_DIFF_DEPTH, |l| l.depth())
             < super::ops::MAX_DIFF_DEPTH
     })
     .unwrap_or(false)
@@ -161,7 +170,7 @@ impl Service {
                         .finish_operation(&op.id, OperationStatus::RolledBack, None, None)?;
                     return Ok(true);
                 };
-                let written = snapshot.join(torpor_vmm::snapshot::STATE_FILE).exists();
+                let written = snapshot.join(torpor_vmm_api::lineage::STATE_FILE).exists();
                 // Written means the VMM now diffs against it: keep it.
                 let kept = written && self.finish_snapshot_op(op, sandbox, &snapshot).is_ok();
                 if !kept {

@@ -15,10 +15,11 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Child;
-use std::sync::OnceLock;
 use std::time::Duration;
 
-use torpor_vmm::doctor::{self, Verdict, VirtKind};
+use torpor_vmm_api::launch::{
+    Console, DiskSpec, KernelSource, LaunchMode, LaunchSpec, RestoreSpec,
+};
 
 use super::guest::{AgentLink, VSOCK_FILE};
 use super::vmm::{self, VmmFiles};
@@ -36,60 +37,61 @@ const AGENT_READY_LIMIT: Duration = Duration::from_secs(300);
 /// Smallest memory a Linux template boots with.
 const MIN_LINUX_MIB: u32 = 128;
 
-/// Which template kinds this host's local pod runs, from `torpor doctor`'s
-/// probe of /dev/kvm (made once per process).
+/// Which template kinds this host's local pod runs: the binary fills it
+/// from `torpor doctor`'s probe of /dev/kvm (the scheduler does not link
+/// the VMM's KVM code).
 #[derive(Debug, Clone)]
 pub struct HostGuests {
-    pub verdict: Verdict,
-    /// What backs /dev/kvm.
-    pub virt: VirtKind,
+    /// Linux guests boot here (VMX/SVM).
+    pub linux: bool,
+    /// Probe guests run here (any usable KVM).
+    pub probe: bool,
+    /// /dev/kvm is PVM (software nested virtualization).
+    pub pvm: bool,
     /// Doctor's one-line summary.
     pub summary: String,
 }
 
 impl HostGuests {
+    /// Probe guests only, nothing known: what a service assumes unless told.
+    pub fn probe_only(summary: impl Into<String>) -> Self {
+        Self {
+            linux: false,
+            probe: true,
+            pvm: false,
+            summary: summary.into(),
+        }
+    }
+
     /// Why Linux templates cannot run here, or `None` when they can.
     pub fn linux_refusal(&self) -> Option<String> {
-        match self.verdict {
-            Verdict::LinuxAndProbe => None,
-            _ => {
-                let host = match self.virt {
-                    VirtKind::Pvm => "this host's KVM is PVM (software, no VMX/SVM)".to_string(),
-                    VirtKind::Hardware | VirtKind::Unknown => {
-                        format!("this host runs {}", self.summary)
-                    }
-                };
-                Some(format!(
-                    "Linux templates need hardware virtualization (VMX/SVM) and {host}; run \
-                     them on a host with VMX/SVM, such as the nested host \
-                     (scripts/nested-host; `torpor serve --nested-pod` runs one as a pod). \
-                     Probe templates run here."
-                ))
-            }
+        if self.linux {
+            return None;
         }
+        let host = if self.pvm {
+            "this host's KVM is PVM (software, no VMX/SVM)".to_string()
+        } else {
+            format!("this host runs {}", self.summary)
+        };
+        Some(format!(
+            "Linux templates need hardware virtualization (VMX/SVM) and {host}; run \
+             them on a host with VMX/SVM, such as the nested host \
+             (scripts/nested-host; `torpor serve --nested-pod` runs one as a pod). \
+             Probe templates run here."
+        ))
     }
 
     /// The template kinds the local pod runs.
     pub fn kinds(&self) -> Vec<TemplateKind> {
-        match self.verdict {
-            Verdict::LinuxAndProbe => vec![TemplateKind::Probe, TemplateKind::Linux],
-            Verdict::ProbeOnly => vec![TemplateKind::Probe],
-            Verdict::None => vec![],
+        let mut kinds = Vec::new();
+        if self.probe {
+            kinds.push(TemplateKind::Probe);
         }
+        if self.linux {
+            kinds.push(TemplateKind::Linux);
+        }
+        kinds
     }
-}
-
-/// This host's guest support.
-pub fn host_guests() -> &'static HostGuests {
-    static HOST: OnceLock<HostGuests> = OnceLock::new();
-    HOST.get_or_init(|| {
-        let report = doctor::run();
-        HostGuests {
-            verdict: report.verdict(),
-            virt: report.virtualization.kind,
-            summary: report.summary.clone(),
-        }
-    })
 }
 
 /// A Linux template's checked inputs.
@@ -133,7 +135,7 @@ impl Service {
             }
             return Ok(None);
         }
-        if let Some(why) = host_guests().linux_refusal() {
+        if let Some(why) = self.config.host.linux_refusal() {
             return Err(ServiceError::Unsupported(why));
         }
         if req.mem_mib < MIN_LINUX_MIB {
@@ -164,26 +166,27 @@ impl Service {
         let overlay = dir.join(OVERLAY_FILE);
         let uds = dir.join(VSOCK_FILE);
         let _ = std::fs::remove_file(&uds);
-        let (mem, vcpus) = (template.mem_mib.to_string(), template.vcpus.to_string());
-        let args = [
-            "--kernel",
-            &template.kernel,
-            "--disk",
-            &rootfs.to_string_lossy(),
-            "--disk-overlay",
-            &overlay.to_string_lossy(),
-            "--vsock-uds",
-            &uds.to_string_lossy(),
-            "--mem-mib",
-            &mem,
-            "--vcpus",
-            &vcpus,
-            "--cmdline",
-            cmdline,
-        ]
-        .map(|s| s.to_string());
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let (mut child, handle) = vmm::spawn(&self.config.vmm_exe, &args, &files)?;
+        let spec = LaunchSpec {
+            control_socket: Some(files.socket.clone()),
+            mode: LaunchMode::Boot {
+                kernel: KernelSource::Path(PathBuf::from(&template.kernel)),
+                initrd: None,
+                cmdline: Some(cmdline.to_string()),
+                mem_mib: u64::from(template.mem_mib),
+                vcpus: u16::try_from(template.vcpus).unwrap_or(u16::MAX),
+                disk: Some(DiskSpec {
+                    image: rootfs.to_path_buf(),
+                    overlay: overlay.clone(),
+                    read_only: false,
+                }),
+                vsock_uds: Some(uds.clone()),
+            },
+            console: Console::file(&files.console),
+            dirty_tracking: Default::default(),
+        };
+        let vmm::Spawned {
+            mut child, handle, ..
+        } = vmm::spawn(&self.config.vmm_exe, &spec, &files.log)?;
         let link = AgentLink::new(template.id.as_str(), uds.clone());
         let result = link
             .connect_waiting(AGENT_READY_LIMIT, || vm_alive(&mut child, &files))
@@ -216,19 +219,22 @@ impl Service {
 
     /// Extra `torpor vmm --restore` arguments of a sandbox: a Linux guest's
     /// own disk overlay and vsock socket, in its directory.
-    pub(super) fn guest_restore_args(&self, id: &SandboxId) -> Result<Vec<String>, ServiceError> {
+    /// A clone's own device files in `spec` (its disk overlay and vsock
+    /// socket), for a Linux sandbox.
+    pub(super) fn guest_restore_paths(
+        &self,
+        id: &SandboxId,
+        spec: &mut RestoreSpec,
+    ) -> Result<(), ServiceError> {
         if !self.is_linux(id)? {
-            return Ok(Vec::new());
+            return Ok(());
         }
         let dir = self.sandbox_dir(id);
         let uds = dir.join(VSOCK_FILE);
         let _ = std::fs::remove_file(&uds);
-        Ok(vec![
-            "--disk-overlay".into(),
-            dir.join(OVERLAY_FILE).to_string_lossy().into_owned(),
-            "--vsock-uds".into(),
-            uds.to_string_lossy().into_owned(),
-        ])
+        spec.disk_overlay = Some(dir.join(OVERLAY_FILE));
+        spec.vsock_uds = Some(uds);
+        Ok(())
     }
 
     /// After a restore (create, wake): a Linux guest's `resumed` hook. On

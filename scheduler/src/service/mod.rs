@@ -33,7 +33,7 @@ pub use checkpoint::{
     MAX_CHECKPOINT_NAME, STALL_ENV,
 };
 pub use guest::{GuestCall, GuestError};
-pub use linux::{host_guests, HostGuests};
+pub use linux::HostGuests;
 pub use policy::Metrics;
 
 /// The local pod's id.
@@ -48,8 +48,11 @@ pub const DEFAULT_EXEC_TIMEOUT_MS: u64 = 10 * 60 * 1000;
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
     pub data_dir: PathBuf,
-    /// The `torpor` executable whose `vmm` subcommand runs each sandbox.
+    /// The `torpor-vmm` executable that runs each sandbox (one process per
+    /// VM, started from a `LaunchSpec` on its stdin).
     pub vmm_exe: PathBuf,
+    /// Which guests this host runs.
+    pub host: HostGuests,
     /// Default keep-alive before an idle sandbox is hibernated.
     pub default_keep_alive_ms: u64,
     /// Oversubscription ratio of the local pod when it is first created.
@@ -67,6 +70,7 @@ impl ServiceConfig {
         Self {
             data_dir,
             vmm_exe,
+            host: HostGuests::probe_only("not probed"),
             default_keep_alive_ms: 5 * 60 * 1000,
             default_ratio: 4.0,
             policy_interval_ms: 1000,
@@ -101,6 +105,9 @@ pub enum ServiceError {
     /// Exec and files: the guest agent could not do it (see [`GuestError`]).
     #[error(transparent)]
     Guest(#[from] GuestError),
+    /// A VMM's classified failure (full disk, wrong state, bad snapshot...).
+    #[error("{0}")]
+    Vm(torpor_vmm_api::VmError),
     /// A remote pod's own error answer, passed through by the federation
     /// (`torpor serve` with remote pods); `pod_unreachable` (502) when the
     /// pod does not answer.
@@ -277,7 +284,7 @@ impl Service {
         if self.store.get_pod(&id).is_ok() {
             return Ok(());
         }
-        let memory_bytes = torpor_vmm::vstate::memory::host_memory_bytes()
+        let memory_bytes = torpor_vmm_api::host::memory_bytes()
             .map_err(|e| ServiceError::Internal(format!("host memory: {e}")))?;
         let vcpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
         self.store.insert_pod(&Pod {

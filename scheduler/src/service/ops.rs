@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use torpor_vmm::control::Request;
+use torpor_vmm_api::control::Request;
+use torpor_vmm_api::launch::{Console, LaunchMode, LaunchSpec, MemoryBackend, RestoreSpec};
 
 use super::vmm::{self, VmmFiles};
 use super::{CreateSandbox, CreateTemplate, Outcome, PodView, Service, ServiceError, LOCAL_POD};
@@ -186,11 +187,20 @@ impl Service {
         std::fs::create_dir_all(&dir)
             .map_err(|e| ServiceError::Internal(format!("create {}: {e}", dir.display())))?;
         let files = VmmFiles::in_dir(&dir);
-        let snap = snapshot.to_string_lossy();
-        let guest_args = self.guest_restore_args(id)?;
-        let mut args = vec!["--restore", &snap, "--memory-backend", "file"];
-        args.extend(guest_args.iter().map(String::as_str));
-        let (child, handle) = vmm::spawn(&self.config.vmm_exe, &args, &files)?;
+        let mut restore = RestoreSpec::new(snapshot, MemoryBackend::File);
+        self.guest_restore_paths(id, &mut restore)?;
+        let spec = LaunchSpec {
+            control_socket: Some(files.socket.clone()),
+            mode: LaunchMode::Restore {
+                restore,
+                paused: false,
+                record_working_set_ms: None,
+            },
+            console: Console::file(&files.console),
+            dirty_tracking: Default::default(),
+        };
+        let vmm::Spawned { child, handle, .. } =
+            vmm::spawn(&self.config.vmm_exe, &spec, &files.log)?;
         self.store.set_sandbox_vmm(id, Some(&handle))?;
         self.children
             .lock()
@@ -372,9 +382,9 @@ impl Service {
             Some(&change),
         )?;
         let diff = super::layers::diff_allowed(sandbox.snapshot.as_deref());
-        let result =
-            vmm::call(&handle, &Request::Pause).and_then(|_| vmm::snapshot(&handle, &target, diff));
-        match result {
+        // One request: pause, snapshot and exit in the VMM; on failure the
+        // VMM leaves the VM as it was (running or paused).
+        match vmm::hibernate(&handle, &target, diff) {
             Ok(_) => {
                 self.stop_vmm(&sandbox)?;
                 self.set_snapshot_and_layers(id, &target)?;
@@ -393,9 +403,9 @@ impl Service {
             }
             Err(e) => {
                 self.metrics.hibernate_failed();
-                let _ = vmm::call(&handle, &Request::Resume);
                 let _ = std::fs::remove_dir_all(&target);
-                let change = StateChange::new(SandboxState::Hibernating, SandboxState::Running);
+                // Back to where it came from: a paused sandbox stays paused.
+                let change = StateChange::new(SandboxState::Hibernating, sandbox.state);
                 self.roll_back(&op.id, &change, e)
             }
         }

@@ -30,7 +30,7 @@ impl Service {
                 .and_then(|s| s.as_str())
                 .map(|s| {
                     std::path::Path::new(s)
-                        .join(torpor_vmm::snapshot::STATE_FILE)
+                        .join(torpor_vmm_api::lineage::STATE_FILE)
                         .exists()
                 })
                 .unwrap_or(false);
@@ -46,9 +46,12 @@ impl Service {
                 (OperationKind::Hibernate, SandboxState::Hibernating) if snapshot_done => {
                     (OperationStatus::Done, SandboxState::Hibernated, None)
                 }
-                (OperationKind::Hibernate, SandboxState::Hibernating) if answers => {
-                    (OperationStatus::RolledBack, SandboxState::Running, None)
-                }
+                // Back where it came from: a paused sandbox stays paused.
+                (OperationKind::Hibernate, SandboxState::Hibernating) if answers => (
+                    OperationStatus::RolledBack,
+                    hibernated_from(&op.detail),
+                    None,
+                ),
                 (OperationKind::Hibernate, SandboxState::Hibernating) => (
                     OperationStatus::RolledBack,
                     SandboxState::Failed,
@@ -126,8 +129,8 @@ impl Service {
         let mut live: HashSet<std::path::PathBuf> = self.store.referenced_paths()?;
         // Every layer of every referenced chain is live too.
         for path in live.clone() {
-            if let Ok(chain) = torpor_vmm::restore::load_chain(&path) {
-                live.extend(chain.layers.into_iter().map(|l| l.dir));
+            if let Ok(lineage) = torpor_vmm_api::lineage::Lineage::read(&path) {
+                live.extend(lineage.layers);
             }
         }
         // Sandbox directories of sandboxes that are not deleted hold their
@@ -147,4 +150,14 @@ impl Service {
         }
         Ok(())
     }
+}
+
+/// The state a hibernation started from (its operation's `from`), Running
+/// for records that do not say.
+fn hibernated_from(detail: &serde_json::Value) -> SandboxState {
+    detail
+        .get("from")
+        .and_then(|v| serde_json::from_value(v.clone()).ok())
+        .filter(|s| matches!(s, SandboxState::Paused | SandboxState::Running))
+        .unwrap_or(SandboxState::Running)
 }

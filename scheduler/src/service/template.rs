@@ -6,6 +6,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
+use torpor_vmm_api::launch::{Console, KernelSource, LaunchMode, LaunchSpec};
+
 use super::linux::LINUX_CMDLINE;
 use super::vmm::{self, VmmFiles};
 use super::{CreateTemplate, Service, ServiceError, PROBE_TEMPLATE};
@@ -120,18 +122,22 @@ impl Service {
         std::fs::create_dir_all(&dir)
             .map_err(|e| ServiceError::Internal(format!("create {}: {e}", dir.display())))?;
         let files = VmmFiles::in_dir(&dir);
-        let (mem, vcpus) = (template.mem_mib.to_string(), template.vcpus.to_string());
-        let args = [
-            "--kernel",
-            "builtin:probe",
-            "--mem-mib",
-            &mem,
-            "--vcpus",
-            &vcpus,
-            "--cmdline",
-            cmdline,
-        ];
-        let (child, handle) = vmm::spawn(&self.config.vmm_exe, &args, &files)?;
+        let spec = LaunchSpec {
+            control_socket: Some(files.socket.clone()),
+            mode: LaunchMode::Boot {
+                kernel: KernelSource::Builtin(PROBE_TEMPLATE.into()),
+                initrd: None,
+                cmdline: Some(cmdline.to_string()),
+                mem_mib: u64::from(template.mem_mib),
+                vcpus: u16::try_from(template.vcpus).unwrap_or(u16::MAX),
+                disk: None,
+                vsock_uds: None,
+            },
+            console: Console::file(&files.console),
+            dirty_tracking: Default::default(),
+        };
+        let vmm::Spawned { child, handle, .. } =
+            vmm::spawn(&self.config.vmm_exe, &spec, &files.log)?;
         let snapshot = dir.join("snapshot");
         let result = wait_ready(&files)
             .and_then(|()| vmm::pause_and_snapshot_full(&handle, &snapshot))

@@ -1,18 +1,24 @@
-//! VMM processes of the local pod: spawning `torpor vmm`, talking to its
-//! control socket, watching it, and measuring its memory.
+//! VMM processes of the local pod: starting `torpor-vmm` from a typed
+//! [`LaunchSpec`] (JSON on its stdin, one [`LaunchReply`] line back on its
+//! stdout), talking to its control socket, watching it, and measuring its
+//! memory. This and `torpor_vmm_api` are the only way the scheduler starts
+//! or drives a VMM.
 
 use std::fs::File;
+use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use torpor_vmm::control::{self, Request, Response, VmStatus};
+use torpor_vmm_api::control::{self, Request, Response, SnapshotInfo, VmStatus};
+use torpor_vmm_api::{LaunchReply, LaunchSpec, VmError};
 
 use super::ServiceError;
 use crate::model::VmmHandle;
 
-/// How long a VMM may take to answer on its control socket after spawn.
+/// How long a VMM may take to answer `ready` after spawn.
 const START_LIMIT: Duration = Duration::from_secs(20);
 /// Control requests; snapshots of large guests take as long as the disk.
 const CONTROL_LIMIT: Duration = Duration::from_secs(300);
@@ -34,58 +40,109 @@ impl VmmFiles {
     }
 }
 
-/// Spawns `torpor vmm ARGS` with its control socket and console in
-/// `files`, in a process group of its own (a restart of the service must
-/// not take running VMMs with it), and waits until it answers.
-pub fn spawn(
-    exe: &Path,
-    args: &[&str],
-    files: &VmmFiles,
-) -> Result<(Child, VmmHandle), ServiceError> {
-    let _ = std::fs::remove_file(&files.socket);
-    let log = File::create(&files.log).map_err(|e| internal("create VMM log", e))?;
+/// A started VMM: its process, its handle, and how long it took.
+pub struct Spawned {
+    pub child: Child,
+    pub handle: VmmHandle,
+    /// From spawn to its `ready` line.
+    pub spawn_us: u64,
+}
+
+/// Starts `torpor-vmm` with `spec` (its control socket must be in
+/// `spec`; stderr goes to `log`), in a process group of its own (a restart
+/// of the service must not take running VMMs with it), and waits for its
+/// `ready` line. A VMM that cannot start answers why, typed.
+pub fn spawn(exe: &Path, spec: &LaunchSpec, log: &Path) -> Result<Spawned, ServiceError> {
+    let started = Instant::now();
+    let Some(socket) = spec.control_socket.clone() else {
+        return Err(ServiceError::Internal(
+            "a pod's VMM needs a control socket".into(),
+        ));
+    };
+    let _ = std::fs::remove_file(&socket);
+    let log_file = File::create(log).map_err(|e| internal("create VMM log", e))?;
     let mut child = Command::new(exe)
-        .arg("vmm")
-        .args(args)
-        .arg("--serial")
-        .arg(&files.console)
-        .arg("--control-socket")
-        .arg(&files.socket)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(log_file)
         .process_group(0)
         .spawn()
         .map_err(|e| internal(&format!("spawn {}", exe.display()), e))?;
-    let deadline = Instant::now() + START_LIMIT;
-    loop {
-        if let Ok(Some(status)) = child.try_wait() {
-            return Err(ServiceError::Internal(format!(
-                "the VMM exited at start ({status}): {}",
-                log_tail(&files.log)
-            )));
-        }
-        if control::request(&files.socket, &Request::Status, Duration::from_secs(2)).is_ok() {
-            break;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(ServiceError::Internal(format!(
-                "the VMM did not answer within {START_LIMIT:?}: {}",
-                log_tail(&files.log)
-            )));
-        }
-        std::thread::sleep(Duration::from_millis(2));
+    let text = serde_json::to_vec(spec).map_err(|e| internal("encode the launch spec", e))?;
+    let written = child
+        .stdin
+        .take()
+        .map(|mut stdin| stdin.write_all(&text))
+        .unwrap_or(Ok(()));
+    let reply = match written {
+        Ok(()) => read_reply(&mut child, START_LIMIT),
+        Err(e) => Err(internal("hand the VMM its launch spec", e)),
+    };
+    let failed = |child: &mut Child, e: ServiceError| {
+        let _ = child.kill();
+        let _ = child.wait();
+        Err(e)
+    };
+    match reply {
+        Ok(LaunchReply::Ready { .. }) => {}
+        Ok(LaunchReply::Failed(e)) => return failed(&mut child, ServiceError::Vm(e)),
+        Err(e) => return failed(&mut child, e),
     }
     let handle = VmmHandle {
         pid: child.id(),
-        control_socket: files.socket.clone(),
+        control_socket: socket,
     };
-    Ok((child, handle))
+    Ok(Spawned {
+        child,
+        handle,
+        spawn_us: started.elapsed().as_micros() as u64,
+    })
 }
 
-/// The last lines of a VMM's stderr log, for error messages.
+/// Waits up to `limit` for the VMM's one reply line on its stdout.
+fn read_reply(child: &mut Child, limit: Duration) -> Result<LaunchReply, ServiceError> {
+    let Some(stdout) = child.stdout.take() else {
+        return Err(ServiceError::Internal(
+            "the VMM's stdout is not a pipe".into(),
+        ));
+    };
+    let mut pfd = libc::pollfd {
+        fd: stdout.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let deadline = Instant::now() + limit;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ServiceError::Internal(format!(
+                "the VMM did not start within {limit:?}"
+            )));
+        }
+        // SAFETY: one valid pollfd for a pipe we own, for the call's length.
+        let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(1000) as i32) };
+        if n > 0 {
+            break;
+        }
+        if n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return Err(internal(
+                "wait for the VMM",
+                std::io::Error::last_os_error(),
+            ));
+        }
+    }
+    match LaunchReply::read_from(stdout).map_err(ServiceError::Vm)? {
+        Some(reply) => Ok(reply),
+        None => {
+            let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
+            Err(ServiceError::Internal(format!(
+                "the VMM exited at start ({status}) without a reply"
+            )))
+        }
+    }
+}
+
+/// The last lines of a VMM's stderr log, for operators' messages.
 pub fn log_tail(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().rev().take(5).collect();
@@ -96,22 +153,47 @@ fn internal(what: &str, e: impl std::fmt::Display) -> ServiceError {
     ServiceError::Internal(format!("{what}: {e}"))
 }
 
-/// One control request; an unreachable VMM is an internal error.
+/// One control request; a refusal keeps the VMM's kind.
 pub fn call(handle: &VmmHandle, req: &Request) -> Result<Response, ServiceError> {
     control::call(&handle.control_socket, req, CONTROL_LIMIT)
-        .map_err(|e| ServiceError::Internal(format!("VMM {}: {e}", handle.pid)))
+        .map_err(|e| ServiceError::Vm(vm_error(handle, e)))
+}
+
+fn vm_error(handle: &VmmHandle, e: control::ClientError) -> VmError {
+    let mut e = e.into_vm_error();
+    e.message = format!("VMM {}: {}", handle.pid, e.message);
+    e
+}
+
+/// The snapshot info of an answer that must carry one.
+fn snapshot_info(r: Response) -> Result<SnapshotInfo, ServiceError> {
+    r.snapshot.ok_or_else(|| {
+        ServiceError::Internal("the VMM answered a snapshot without its info".into())
+    })
 }
 
 /// Snapshots the paused VM to `path` (a diff on the snapshot it runs from
 /// or last took, when `diff`).
-pub fn snapshot(handle: &VmmHandle, path: &Path, diff: bool) -> Result<Response, ServiceError> {
-    call(
-        handle,
-        &Request::Snapshot {
-            path: path.to_path_buf(),
-            diff,
-        },
-    )
+pub fn snapshot(handle: &VmmHandle, path: &Path, diff: bool) -> Result<SnapshotInfo, ServiceError> {
+    let req = Request::Snapshot {
+        path: path.to_path_buf(),
+        diff,
+    };
+    call(handle, &req).and_then(snapshot_info)
+}
+
+/// Pause + snapshot + exit in one request: the VMM ends once it answers;
+/// on failure it is left as it was.
+pub fn hibernate(
+    handle: &VmmHandle,
+    path: &Path,
+    diff: bool,
+) -> Result<SnapshotInfo, ServiceError> {
+    let req = Request::Hibernate {
+        path: path.to_path_buf(),
+        diff,
+    };
+    call(handle, &req).and_then(snapshot_info)
 }
 
 /// Pauses the VM and takes a full snapshot at `path`: a template's.

@@ -8,15 +8,19 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::{Request, Response, SnapshotInfo, VmStatus};
+use super::{Request, Response, SnapshotInfo, VmStatus, MAX_LINE};
+use torpor_vmm_api::{ErrorKind as VmErrorKind, VmError};
 
-/// What the control server may ask of the VM.
+/// What the control server may ask of the VM; failures carry their kind.
 pub trait VmController: Send + Sync + 'static {
     fn status(&self) -> VmStatus;
-    fn pause(&self) -> Result<VmStatus, String>;
-    fn resume(&self) -> Result<VmStatus, String>;
-    fn shutdown(&self) -> Result<VmStatus, String>;
-    fn snapshot(&self, path: &Path, diff: bool) -> Result<SnapshotInfo, String>;
+    fn pause(&self) -> Result<VmStatus, VmError>;
+    fn resume(&self) -> Result<VmStatus, VmError>;
+    fn shutdown(&self) -> Result<VmStatus, VmError>;
+    fn snapshot(&self, path: &Path, diff: bool) -> Result<SnapshotInfo, VmError>;
+    /// Pause, snapshot, and end the VMM once the answer is out; on failure
+    /// the VM is left as it was (running or paused).
+    fn hibernate(&self, path: &Path, diff: bool) -> Result<SnapshotInfo, VmError>;
 }
 
 /// Errors while binding the control socket.
@@ -112,7 +116,7 @@ fn serve_connection(
 ) -> std::io::Result<()> {
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
     let mut writer = stream.try_clone()?;
-    let reader = BufReader::new(stream).take(64 * 1024);
+    let reader = BufReader::new(stream).take(MAX_LINE);
     for line in reader.lines() {
         let line = line?;
         if line.trim().is_empty() {
@@ -129,7 +133,10 @@ fn serve_connection(
 
 fn answer(line: &str, vm: &dyn VmController) -> Response {
     let result = match serde_json::from_str::<Request>(line) {
-        Err(e) => Err(format!("invalid request: {e}")),
+        Err(e) => Err(VmError::new(
+            VmErrorKind::InvalidRequest,
+            format!("invalid request: {e}"),
+        )),
         Ok(Request::Status) => Ok((vm.status(), None)),
         Ok(Request::Pause) => vm.pause().map(|s| (s, None)),
         Ok(Request::Resume) => vm.resume().map(|s| (s, None)),
@@ -137,9 +144,13 @@ fn answer(line: &str, vm: &dyn VmController) -> Response {
         Ok(Request::Snapshot { path, diff }) => {
             vm.snapshot(&path, diff).map(|i| (vm.status(), Some(i)))
         }
-        Ok(Request::Restore { .. }) => {
-            Err("this VMM already runs a VM; restore goes to a standby VMM".into())
+        Ok(Request::Hibernate { path, diff }) => {
+            vm.hibernate(&path, diff).map(|i| (vm.status(), Some(i)))
         }
+        Ok(Request::Restore { .. }) => Err(VmError::new(
+            VmErrorKind::WrongState,
+            "this VMM already runs a VM; restore goes to a standby VMM",
+        )),
     };
     match result {
         Ok((status, snapshot)) => Response {
@@ -148,11 +159,7 @@ fn answer(line: &str, vm: &dyn VmController) -> Response {
             snapshot,
             ..Default::default()
         },
-        Err(error) => Response {
-            ok: false,
-            error: Some(error),
-            ..Default::default()
-        },
+        Err(e) => Response::refusal(e),
     }
 }
 
@@ -184,19 +191,23 @@ mod tests {
                 memory_backend: "anonymous".into(),
                 base_snapshot: None,
                 guest_clock_ns: None,
+                console_dropped_bytes: 0,
             }
         }
-        fn pause(&self) -> Result<VmStatus, String> {
+        fn pause(&self) -> Result<VmStatus, VmError> {
             Ok(self.with(VmState::Paused))
         }
-        fn resume(&self) -> Result<VmStatus, String> {
+        fn resume(&self) -> Result<VmStatus, VmError> {
             Ok(self.with(VmState::Running))
         }
-        fn shutdown(&self) -> Result<VmStatus, String> {
-            Err("no".into())
+        fn shutdown(&self) -> Result<VmStatus, VmError> {
+            Err(VmError::new(VmErrorKind::GuestGone, "no"))
         }
-        fn snapshot(&self, _: &Path, _: bool) -> Result<SnapshotInfo, String> {
-            Err("no".into())
+        fn snapshot(&self, _: &Path, _: bool) -> Result<SnapshotInfo, VmError> {
+            Err(VmError::new(VmErrorKind::NotPaused, "no"))
+        }
+        fn hibernate(&self, _: &Path, _: bool) -> Result<SnapshotInfo, VmError> {
+            Err(VmError::new(VmErrorKind::NoSpace, "full"))
         }
     }
 
@@ -223,8 +234,17 @@ mod tests {
         );
         assert!(matches!(
             request(&path, &Request::Shutdown, t),
-            Err(ClientError::Refused(_))
+            Err(ClientError::Refused(VmError {
+                kind: VmErrorKind::GuestGone,
+                ..
+            }))
         ));
+        let hibernate = Request::Hibernate {
+            path: "/h".into(),
+            diff: true,
+        };
+        let refused = request(&path, &hibernate, t).unwrap_err();
+        assert_eq!(refused.kind(), VmErrorKind::NoSpace, "{refused}");
         assert!(matches!(bind(&path), Err(BindError::InUse(_))));
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -243,6 +263,9 @@ mod tests {
     #[test]
     fn garbage_gets_an_error_answer() {
         let vm = FakeVm(Mutex::new(VmState::Running));
-        assert!(!answer("{not json", &vm).ok);
+        let a = answer("{not json", &vm);
+        assert_eq!(a.vm_error().unwrap().kind, VmErrorKind::InvalidRequest);
+        let r = answer(r#"{"op":"restore","snapshot":"/s"}"#, &vm);
+        assert_eq!(r.vm_error().unwrap().kind, VmErrorKind::WrongState);
     }
 }

@@ -140,6 +140,46 @@ pub enum SnapshotError {
 }
 
 impl SnapshotError {
+    /// The file this error is about.
+    pub fn path(&self) -> &std::path::Path {
+        match self {
+            SnapshotError::Io { path, .. }
+            | SnapshotError::Truncated { path, .. }
+            | SnapshotError::NotASnapshot { path }
+            | SnapshotError::Corrupt { path, .. }
+            | SnapshotError::UnsupportedVersion { path, .. }
+            | SnapshotError::TooLarge { path, .. }
+            | SnapshotError::CrcMismatch { path, .. }
+            | SnapshotError::TrailingData { path, .. }
+            | SnapshotError::Decode { path, .. }
+            | SnapshotError::Encode { path, .. }
+            | SnapshotError::MemoryFileMissing { path }
+            | SnapshotError::MemoryFileSize { path, .. }
+            | SnapshotError::UnalignedRegion { path, .. }
+            | SnapshotError::PageOutOfRange { path, .. } => path,
+        }
+    }
+
+    /// Classified for the pod: a host I/O failure (a full disk told apart)
+    /// or a bad layer, named by its directory.
+    pub fn vm_error(&self) -> torpor_vmm_api::VmError {
+        use torpor_vmm_api::{ErrorKind, VmError};
+        let layer = self.path().parent().unwrap_or(self.path());
+        match self {
+            // A layer that is not there is a broken chain, not a host fault.
+            SnapshotError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                VmError::new(ErrorKind::BadSnapshot, self.to_string()).with_layer(layer)
+            }
+            SnapshotError::Io { source, .. } => {
+                VmError::new(ErrorKind::of_io(source), self.to_string()).with_layer(layer)
+            }
+            SnapshotError::Encode { .. }
+            | SnapshotError::UnalignedRegion { .. }
+            | SnapshotError::PageOutOfRange { .. } => VmError::internal(self.to_string()),
+            _ => VmError::new(ErrorKind::BadSnapshot, self.to_string()).with_layer(layer),
+        }
+    }
+
     pub(crate) fn io(path: &std::path::Path, source: std::io::Error) -> Self {
         SnapshotError::Io {
             path: path.to_path_buf(),

@@ -61,30 +61,7 @@ pub fn validate_mem_size(mem_mib: u64) -> Result<u64, MemoryError> {
 
 /// Total physical RAM of the host, in bytes. Read once per process: every
 /// restore validates its size, and reading /proc/meminfo is not free.
-pub fn host_memory_bytes() -> std::io::Result<u64> {
-    static HOST_BYTES: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    if let Some(&bytes) = HOST_BYTES.get() {
-        return Ok(bytes);
-    }
-    let bytes = read_host_memory_bytes()?;
-    Ok(*HOST_BYTES.get_or_init(|| bytes))
-}
-
-fn read_host_memory_bytes() -> std::io::Result<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo")?;
-    parse_mem_total(&meminfo).ok_or_else(|| {
-        std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            "no MemTotal in /proc/meminfo",
-        )
-    })
-}
-
-fn parse_mem_total(meminfo: &str) -> Option<u64> {
-    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
+pub use torpor_vmm_api::host::memory_bytes as host_memory_bytes;
 
 /// How guest RAM is mapped into the VMM. Later backends map a snapshot's
 /// memory file privately or serve pages through userfaultfd.
@@ -141,13 +118,6 @@ mod tests {
             Err(MemoryError::LargerThanHost { .. })
         ));
         assert_eq!(validate_mem_size(64).unwrap(), 64 << 20);
-    }
-
-    #[test]
-    fn parses_meminfo() {
-        let s = "MemTotal:       24607384 kB\nMemFree: 1 kB\n";
-        assert_eq!(parse_mem_total(s), Some(24607384 * 1024));
-        assert_eq!(parse_mem_total("nothing"), None);
     }
 
     #[test]

@@ -1,0 +1,70 @@
+//! `torpor-vmm`: the process a pod starts for each microVM. It links only
+//! the VMM crates (no HTTP, no async runtime, no SQLite), so it execs fast
+//! and a paused clone holds little.
+//!
+//! It reads one `LaunchSpec` (JSON, at most 64 KiB) from stdin, and writes
+//! one `LaunchReply` line to stdout: `ready` once its control socket
+//! serves, or `failed` with the typed reason. Exit status as `torpor vmm`:
+//! 0 when the VM ended in order, 1 when it could not start, 3 when it
+//! failed while running. Logs go to stderr (`TORPOR_LOG`).
+
+use std::io::Write;
+use std::time::Instant;
+
+use torpor_vmm_api::{LaunchReply, LaunchSpec};
+
+const EXIT_FAILURE: i32 = 1;
+
+fn main() {
+    let started = Instant::now();
+    if let Some(arg) = std::env::args().nth(1) {
+        let usage = "usage: torpor-vmm < LAUNCH_SPEC.json  (torpor's per-VM process; \
+                     people use `torpor vmm`)";
+        match arg.as_str() {
+            "--version" => println!("torpor-vmm {}", env!("CARGO_PKG_VERSION")),
+            _ => eprintln!("{usage}"),
+        }
+        std::process::exit(if arg == "--version" { 0 } else { 2 });
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TORPOR_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let spec = match LaunchSpec::read_from(std::io::stdin().lock()) {
+        Ok(spec) => spec,
+        Err(e) => {
+            reply(&LaunchReply::Failed(e));
+            std::process::exit(EXIT_FAILURE);
+        }
+    };
+    let builtins = [("probe", torpor_probe::PROBE_ELF)];
+    let result = torpor_vmm::launch::run(&spec, &builtins, move || {
+        reply(&LaunchReply::Ready {
+            pid: std::process::id(),
+            start_us: started.elapsed().as_micros() as u64,
+        })
+    });
+    match result {
+        Ok(report) => {
+            if let Some(message) = report.exit.failure() {
+                eprintln!("torpor-vmm: error: {message}");
+            }
+            std::process::exit(report.exit.exit_code())
+        }
+        Err(e) => {
+            eprintln!("torpor-vmm: error: {e}");
+            reply(&LaunchReply::Failed(e.vm_error()));
+            std::process::exit(EXIT_FAILURE)
+        }
+    }
+}
+
+/// Writes the reply line; a pod that stopped listening is no error here.
+fn reply(r: &LaunchReply) {
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(r.to_line().as_bytes());
+    let _ = out.flush();
+}

@@ -1,0 +1,490 @@
+//! The [`LaunchSpec`]: everything a VMM process starts from, handed to it
+//! as one JSON document on its stdin (never as argv strings), and the one
+//! [`LaunchReply`] line it writes on stdout when it serves or cannot.
+
+use std::io::{BufRead, Read};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ErrorKind, VmError};
+
+/// Largest launch spec a VMM reads.
+pub const MAX_SPEC_BYTES: u64 = 64 * 1024;
+/// Largest launch reply a pod reads.
+pub const MAX_REPLY_BYTES: u64 = 16 * 1024;
+/// Console bytes a VM may write to its file before the rest is dropped
+/// (a guest must not fill the host's disk through its serial port).
+pub const DEFAULT_CONSOLE_LIMIT: u64 = 16 << 20;
+/// Longest kernel command line.
+pub const MAX_CMDLINE: usize = 4096;
+/// Longest working-set recording window.
+pub const MAX_RECORD_WORKING_SET_MS: u64 = 60_000;
+
+/// One VMM process's whole configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LaunchSpec {
+    /// The control socket the VMM binds (a live one there is an error).
+    /// Only people run a VM without one; a standby shell needs one.
+    #[serde(default)]
+    pub control_socket: Option<PathBuf>,
+    pub mode: LaunchMode,
+    /// Where the guest console goes.
+    #[serde(default)]
+    pub console: Console,
+    /// Where diff snapshots take their dirty pages from.
+    #[serde(default)]
+    pub dirty_tracking: DirtyTracking,
+}
+
+/// Boot a kernel, restore a snapshot, or wait as a standby shell.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum LaunchMode {
+    Boot {
+        kernel: KernelSource,
+        #[serde(default)]
+        initrd: Option<PathBuf>,
+        /// None: the VMM's default Linux command line.
+        #[serde(default)]
+        cmdline: Option<String>,
+        mem_mib: u64,
+        vcpus: u16,
+        #[serde(default)]
+        disk: Option<DiskSpec>,
+        /// Host side of virtio-vsock (Firecracker's hybrid unix socket).
+        #[serde(default)]
+        vsock_uds: Option<PathBuf>,
+    },
+    Restore {
+        restore: RestoreSpec,
+        /// Restore and stay paused.
+        #[serde(default)]
+        paused: bool,
+        /// Record the pages first touched in this window after the restore
+        /// as the snapshot's working set (uffd backends).
+        #[serde(default)]
+        record_working_set_ms: Option<u64>,
+    },
+    /// A pre-created VM shell for `mem_mib`/`vcpus` that restores on a
+    /// control `restore` request.
+    Standby { mem_mib: u64, vcpus: u16 },
+}
+
+/// What a restore maps and attaches.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreSpec {
+    /// The snapshot directory (the top layer of its chain).
+    pub snapshot: PathBuf,
+    #[serde(default)]
+    pub backend: MemoryBackend,
+    /// Install the snapshot's recorded working set eagerly (uffd backends).
+    #[serde(default)]
+    pub prefetch: bool,
+    /// The clone's own disk overlay (snapshots with a disk).
+    #[serde(default)]
+    pub disk_overlay: Option<PathBuf>,
+    /// The clone's own vsock host socket (snapshots with vsock).
+    #[serde(default)]
+    pub vsock_uds: Option<PathBuf>,
+}
+
+/// A kernel to boot: a file, or one built into the VMM binary.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KernelSource {
+    Path(PathBuf),
+    Builtin(String),
+}
+
+impl KernelSource {
+    /// `builtin:NAME` or a path, as people write it.
+    pub fn parse(spec: &str) -> Self {
+        match spec.strip_prefix("builtin:") {
+            Some(name) => KernelSource::Builtin(name.to_string()),
+            None => KernelSource::Path(PathBuf::from(spec)),
+        }
+    }
+}
+
+/// A virtio-blk disk: the image is never written; `overlay` is this VM's
+/// copy-on-write layer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskSpec {
+    pub image: PathBuf,
+    pub overlay: PathBuf,
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+/// Where the guest console goes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "to", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Console {
+    Stdout,
+    #[default]
+    Discard,
+    /// A file (truncated at start) that takes at most `max_bytes`; what the
+    /// guest writes past that is dropped and counted.
+    File {
+        path: PathBuf,
+        #[serde(default = "default_console_limit")]
+        max_bytes: u64,
+    },
+}
+
+fn default_console_limit() -> u64 {
+    DEFAULT_CONSOLE_LIMIT
+}
+
+impl Console {
+    /// A console file with the default limit.
+    pub fn file(path: impl Into<PathBuf>) -> Self {
+        Console::File {
+            path: path.into(),
+            max_bytes: DEFAULT_CONSOLE_LIMIT,
+        }
+    }
+}
+
+/// How restored guest memory is backed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MemoryBackend {
+    /// MAP_PRIVATE of the memory files: page-cache sharing, kernel CoW.
+    #[default]
+    File,
+    /// Anonymous memory filled on demand by a userfaultfd page server.
+    Uffd,
+    /// Template in shmem mapped privately, MINOR faults answered with
+    /// UFFDIO_CONTINUE: shared like `File`, observed like `Uffd`.
+    UffdShared,
+}
+
+impl MemoryBackend {
+    pub const ALL: [MemoryBackend; 3] = [Self::File, Self::Uffd, Self::UffdShared];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryBackend::File => "file",
+            MemoryBackend::Uffd => "uffd",
+            MemoryBackend::UffdShared => "uffd-shared",
+        }
+    }
+}
+
+impl FromStr for MemoryBackend {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|b| b.name() == s)
+            .ok_or_else(|| format!("unknown memory backend `{s}` (file, uffd, uffd-shared)"))
+    }
+}
+
+impl std::fmt::Display for MemoryBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Which source a VM's diff snapshots take their dirty pages from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DirtyTracking {
+    /// KVM's dirty log.
+    #[default]
+    Kvm,
+    /// userfaultfd asynchronous write-protection, read with PAGEMAP_SCAN.
+    UffdWp,
+    /// uffd-wp writes the diff; KVM's dirty log is kept too and compared.
+    Both,
+}
+
+impl DirtyTracking {
+    pub fn name(self) -> &'static str {
+        match self {
+            DirtyTracking::Kvm => "kvm",
+            DirtyTracking::UffdWp => "uffd-wp",
+            DirtyTracking::Both => "both",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Self> {
+        [Self::Kvm, Self::UffdWp, Self::Both]
+            .into_iter()
+            .find(|t| t.name() == name)
+    }
+
+    /// Whether KVM memory slots need `KVM_MEM_LOG_DIRTY_PAGES`.
+    pub fn kvm_log(self) -> bool {
+        matches!(self, DirtyTracking::Kvm | DirtyTracking::Both)
+    }
+
+    /// Whether guest RAM is write-protected through userfaultfd.
+    pub fn uffd_wp(self) -> bool {
+        matches!(self, DirtyTracking::UffdWp | DirtyTracking::Both)
+    }
+}
+
+impl LaunchSpec {
+    /// Reads a spec of at most [`MAX_SPEC_BYTES`] and checks it.
+    pub fn read_from(input: impl Read) -> Result<Self, VmError> {
+        let mut text = Vec::new();
+        input
+            .take(MAX_SPEC_BYTES + 1)
+            .read_to_end(&mut text)
+            .map_err(|e| {
+                VmError::new(ErrorKind::Io, format!("cannot read the launch spec: {e}"))
+            })?;
+        if text.len() as u64 > MAX_SPEC_BYTES {
+            return Err(invalid(format!(
+                "the launch spec is longer than {MAX_SPEC_BYTES} bytes"
+            )));
+        }
+        let spec: LaunchSpec = serde_json::from_slice(&text)
+            .map_err(|e| invalid(format!("malformed launch spec: {e}")))?;
+        spec.check()?;
+        Ok(spec)
+    }
+
+    /// Bounds a VMM checks before it touches KVM (it checks memory against
+    /// the host and vCPUs against KVM itself).
+    pub fn check(&self) -> Result<(), VmError> {
+        match &self.control_socket {
+            Some(p) => absolute("control_socket", p)?,
+            None if matches!(self.mode, LaunchMode::Standby { .. }) => {
+                return Err(invalid("a standby VMM needs a control socket"))
+            }
+            None => {}
+        }
+        if let Console::File { path, .. } = &self.console {
+            absolute("console file", path)?;
+        }
+        match &self.mode {
+            LaunchMode::Boot {
+                kernel,
+                initrd,
+                cmdline,
+                vcpus,
+                disk,
+                vsock_uds,
+                ..
+            } => {
+                if let KernelSource::Path(p) = kernel {
+                    absolute("kernel", p)?;
+                }
+                if let Some(p) = initrd {
+                    absolute("initrd", p)?;
+                }
+                if cmdline.as_ref().is_some_and(|c| c.len() > MAX_CMDLINE) {
+                    return Err(invalid(format!(
+                        "the command line is longer than {MAX_CMDLINE} bytes"
+                    )));
+                }
+                if *vcpus == 0 {
+                    return Err(invalid("a VM needs at least one vCPU"));
+                }
+                if let Some(d) = disk {
+                    absolute("disk image", &d.image)?;
+                    absolute("disk overlay", &d.overlay)?;
+                }
+                if let Some(p) = vsock_uds {
+                    absolute("vsock socket", p)?;
+                }
+            }
+            LaunchMode::Restore {
+                restore,
+                record_working_set_ms,
+                ..
+            } => {
+                restore.check()?;
+                if record_working_set_ms.is_some_and(|ms| ms > MAX_RECORD_WORKING_SET_MS) {
+                    return Err(invalid(format!(
+                        "record_working_set_ms is above {MAX_RECORD_WORKING_SET_MS}"
+                    )));
+                }
+            }
+            LaunchMode::Standby { vcpus, .. } => {
+                if *vcpus == 0 {
+                    return Err(invalid("a VM needs at least one vCPU"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl RestoreSpec {
+    pub fn new(snapshot: impl Into<PathBuf>, backend: MemoryBackend) -> Self {
+        Self {
+            snapshot: snapshot.into(),
+            backend,
+            prefetch: false,
+            disk_overlay: None,
+            vsock_uds: None,
+        }
+    }
+
+    pub fn check(&self) -> Result<(), VmError> {
+        absolute("snapshot", &self.snapshot)?;
+        if let Some(p) = &self.disk_overlay {
+            absolute("disk overlay", p)?;
+        }
+        if let Some(p) = &self.vsock_uds {
+            absolute("vsock socket", p)?;
+        }
+        Ok(())
+    }
+}
+
+fn invalid(message: impl Into<String>) -> VmError {
+    VmError::new(ErrorKind::InvalidRequest, message)
+}
+
+/// Paths in a spec are absolute: the VMM may run in another directory (or,
+/// jailed, another root) than whoever wrote the spec.
+fn absolute(what: &str, path: &Path) -> Result<(), VmError> {
+    if path.is_absolute() {
+        Ok(())
+    } else {
+        Err(invalid(format!(
+            "the {what} path must be absolute: {}",
+            path.display()
+        )))
+    }
+}
+
+/// The one line a VMM writes on stdout: it serves its control socket, or
+/// it could not start and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LaunchReply {
+    Ready {
+        pid: u32,
+        /// Microseconds from the process's start to serving.
+        start_us: u64,
+    },
+    Failed(VmError),
+}
+
+impl LaunchReply {
+    /// The reply as one line.
+    pub fn to_line(&self) -> String {
+        let mut line = serde_json::to_string(self).unwrap_or_else(|_| "{}".into());
+        line.push('\n');
+        line
+    }
+
+    /// Reads one reply line (bounded); EOF without one is `None`.
+    pub fn read_from(input: impl Read) -> Result<Option<Self>, VmError> {
+        let mut line = String::new();
+        let n = std::io::BufReader::new(input.take(MAX_REPLY_BYTES))
+            .read_line(&mut line)
+            .map_err(|e| VmError::new(ErrorKind::Io, format!("reading the VMM's reply: {e}")))?;
+        if n == 0 {
+            return Ok(None);
+        }
+        serde_json::from_str(&line)
+            .map(Some)
+            .map_err(|e| VmError::internal(format!("malformed reply from the VMM: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn restore_spec() -> LaunchSpec {
+        LaunchSpec {
+            control_socket: Some("/run/s/ctl.sock".into()),
+            mode: LaunchMode::Restore {
+                restore: RestoreSpec::new("/d/snap", MemoryBackend::UffdShared),
+                paused: false,
+                record_working_set_ms: Some(200),
+            },
+            console: Console::file("/run/s/console.log"),
+            dirty_tracking: DirtyTracking::Kvm,
+        }
+    }
+
+    #[test]
+    fn a_spec_round_trips_and_is_checked() {
+        let spec = restore_spec();
+        let json = serde_json::to_string(&spec).unwrap();
+        assert!(json.contains(r#""backend":"uffd-shared""#), "{json}");
+        assert!(json.contains(r#""kind":"restore""#), "{json}");
+        assert_eq!(LaunchSpec::read_from(json.as_bytes()).unwrap(), spec);
+    }
+
+    #[test]
+    fn bad_specs_are_invalid_requests() {
+        let mut relative = restore_spec();
+        relative.control_socket = Some("ctl.sock".into());
+        let json = serde_json::to_string(&relative).unwrap();
+        let e = LaunchSpec::read_from(json.as_bytes()).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidRequest);
+        assert!(e.message.contains("absolute"), "{e}");
+
+        let unknown =
+            r#"{"control_socket":"/c","mode":{"kind":"standby","mem_mib":1,"vcpus":1},"jail":1}"#;
+        let e = LaunchSpec::read_from(unknown.as_bytes()).unwrap_err();
+        assert!(e.message.contains("jail"), "{e}");
+
+        let huge = vec![b' '; MAX_SPEC_BYTES as usize + 2];
+        let e = LaunchSpec::read_from(&huge[..]).unwrap_err();
+        assert!(e.message.contains("longer"), "{e}");
+
+        let zero = r#"{"control_socket":"/c","mode":{"kind":"standby","mem_mib":1,"vcpus":0}}"#;
+        assert!(LaunchSpec::read_from(zero.as_bytes()).is_err());
+        let blind = r#"{"mode":{"kind":"standby","mem_mib":1,"vcpus":1}}"#;
+        assert!(LaunchSpec::read_from(blind.as_bytes()).is_err());
+
+        let mut long = restore_spec();
+        long.mode = LaunchMode::Restore {
+            restore: RestoreSpec::new("/s", MemoryBackend::File),
+            paused: false,
+            record_working_set_ms: Some(u64::MAX),
+        };
+        let json = serde_json::to_string(&long).unwrap();
+        assert!(LaunchSpec::read_from(json.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn replies_are_one_bounded_line() {
+        let ready = LaunchReply::Ready {
+            pid: 7,
+            start_us: 900,
+        };
+        let line = ready.to_line();
+        assert!(line.ends_with('\n') && line.matches('\n').count() == 1);
+        assert_eq!(
+            LaunchReply::read_from(line.as_bytes()).unwrap(),
+            Some(ready)
+        );
+        assert_eq!(LaunchReply::read_from(&b""[..]).unwrap(), None);
+        let failed = LaunchReply::Failed(VmError::new(ErrorKind::NoSpace, "full"));
+        assert_eq!(
+            LaunchReply::read_from(failed.to_line().as_bytes()).unwrap(),
+            Some(failed)
+        );
+        let endless = vec![b'x'; MAX_REPLY_BYTES as usize * 2];
+        assert!(LaunchReply::read_from(&endless[..]).is_err());
+    }
+
+    #[test]
+    fn names_parse() {
+        assert_eq!("uffd".parse::<MemoryBackend>(), Ok(MemoryBackend::Uffd));
+        assert!("mmap".parse::<MemoryBackend>().is_err());
+        assert_eq!(
+            KernelSource::parse("builtin:probe"),
+            KernelSource::Builtin("probe".into())
+        );
+        assert_eq!(DirtyTracking::parse("uffd-wp"), Some(DirtyTracking::UffdWp));
+    }
+}

@@ -1,0 +1,28 @@
+//! What torpor's pod and its VMM processes share, and nothing else.
+//!
+//! - [`launch`]: the [`LaunchSpec`] a VMM process starts from (read as one
+//!   JSON document on its stdin) and the one-line [`LaunchReply`] it
+//!   answers with on stdout once its control socket serves, or with the
+//!   typed reason it could not start.
+//! - [`control`]: the per-VM control socket's requests and answers, and a
+//!   blocking client.
+//! - [`error`]: [`ErrorKind`], how the VMM classifies a failure so the API
+//!   can answer with the right status.
+//! - [`lineage`]: the small record written with each snapshot layer that
+//!   names its chain, so nobody reads layers' state to list it.
+//!
+//! Depends on serde only: the scheduler links this, not KVM, vm-memory or
+//! userfaultfd.
+
+pub mod control;
+pub mod error;
+pub mod host;
+pub mod launch;
+pub mod lineage;
+
+pub use error::{ErrorKind, VmError};
+pub use launch::{
+    Console, DirtyTracking, DiskSpec, KernelSource, LaunchMode, LaunchReply, LaunchSpec,
+    MemoryBackend, RestoreSpec,
+};
+pub use lineage::Lineage;

@@ -1,0 +1,124 @@
+//! Starting a VMM from a [`LaunchSpec`]: the one entry point the pod's
+//! `torpor-vmm` process and the `torpor vmm` command for people share.
+//!
+//! The spec becomes a boot, a restore or a standby shell; [`serving`] is
+//! called once the control socket answers (the VM built, or the shell
+//! made), which is when `torpor-vmm` writes its `ready` line.
+
+use std::sync::Mutex;
+
+use torpor_vmm_api::launch::{DiskSpec, KernelSource, LaunchMode, LaunchSpec};
+use torpor_vmm_api::{ErrorKind, VmError};
+
+use crate::boot::KernelImage;
+use crate::microvm::{RunError, RunReport};
+use crate::restore::RestoreOptions;
+use crate::virtio_devices::{DiskConfig, VirtioConfig, VirtioRestorePaths};
+use crate::vstate::memory::AnonymousBackend;
+use crate::VmConfig;
+
+/// A kernel built into the VMM binary, by name (`builtin:NAME`).
+pub type Builtin = (&'static str, &'static [u8]);
+
+type ReadyHook = Box<dyn FnOnce() + Send>;
+static READY: Mutex<Option<ReadyHook>> = Mutex::new(None);
+
+/// Called by the VMM when its control socket serves: runs the launch's
+/// ready hook, once.
+pub(crate) fn serving() {
+    let hook = READY.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if let Some(hook) = hook {
+        hook();
+    }
+}
+
+/// Runs the VM `spec` describes until it ends; `on_ready` runs once its
+/// control socket serves. Built-in kernels are looked up in `builtins`.
+pub fn run(
+    spec: &LaunchSpec,
+    builtins: &[Builtin],
+    on_ready: impl FnOnce() + Send + 'static,
+) -> Result<RunReport, RunError> {
+    *READY.lock().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(on_ready));
+    let socket = spec.control_socket.clone();
+    match &spec.mode {
+        LaunchMode::Boot {
+            kernel,
+            initrd,
+            cmdline,
+            mem_mib,
+            vcpus,
+            disk,
+            vsock_uds,
+        } => {
+            let config = VmConfig {
+                kernel: kernel_image(kernel, builtins)?,
+                initrd: initrd.clone(),
+                cmdline: cmdline
+                    .clone()
+                    .unwrap_or_else(|| crate::DEFAULT_CMDLINE.to_string()),
+                mem_mib: *mem_mib,
+                vcpus: *vcpus,
+                serial: spec.console.clone(),
+                virtio: VirtioConfig {
+                    disk: disk.as_ref().map(|d: &DiskSpec| DiskConfig {
+                        image: d.image.clone(),
+                        overlay: d.overlay.clone(),
+                        read_only: d.read_only,
+                    }),
+                    vsock_uds: vsock_uds.clone(),
+                },
+                dirty_tracking: spec.dirty_tracking,
+            };
+            crate::microvm::boot(&config, &AnonymousBackend, socket)
+        }
+        LaunchMode::Restore {
+            restore,
+            paused,
+            record_working_set_ms,
+        } => {
+            let opts = RestoreOptions {
+                snapshot: restore.snapshot.clone(),
+                backend: restore.backend,
+                serial: spec.console.clone(),
+                prefetch: restore.prefetch,
+                record_working_set_ms: *record_working_set_ms,
+                virtio: VirtioRestorePaths {
+                    disk_overlay: restore.disk_overlay.clone(),
+                    vsock_uds: restore.vsock_uds.clone(),
+                },
+                dirty_tracking: spec.dirty_tracking,
+            };
+            crate::microvm::restore(&opts, socket, *paused)
+        }
+        LaunchMode::Standby { mem_mib, vcpus } => {
+            let Some(socket) = socket else {
+                return Err(RunError::Launch(VmError::new(
+                    ErrorKind::InvalidRequest,
+                    "a standby VMM needs a control socket",
+                )));
+            };
+            crate::standby::standby(*mem_mib, *vcpus, socket, spec.dirty_tracking)
+        }
+    }
+}
+
+fn kernel_image(kernel: &KernelSource, builtins: &[Builtin]) -> Result<KernelImage, RunError> {
+    match kernel {
+        KernelSource::Path(p) => Ok(KernelImage::Path(p.clone())),
+        KernelSource::Builtin(name) => builtins
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|&(name, bytes)| KernelImage::Embedded { name, bytes })
+            .ok_or_else(|| {
+                let known: Vec<&str> = builtins.iter().map(|(n, _)| *n).collect();
+                RunError::Launch(VmError::new(
+                    ErrorKind::InvalidRequest,
+                    format!(
+                        "unknown built-in kernel `{name}` (available: {})",
+                        known.join(", ")
+                    ),
+                ))
+            }),
+    }
+}
