@@ -335,7 +335,9 @@ pub fn run_built(
     let vm = Arc::new(built.vm);
     let mem = Arc::new(built.mem);
     let virtio = Arc::new(built.virtio);
-    virtio.start().map_err(|e| RunError::Build(e.into()))?;
+    virtio
+        .start(start_paused)
+        .map_err(|e| RunError::Build(e.into()))?;
     let vcpus = Arc::new(VcpuSet::start(
         built.vcpus,
         built.bus.clone(),
