@@ -12,6 +12,7 @@ use crate::control::{
     self, ControlServer, SnapshotInfo, VmController, VmState, VmStatus, PROTOCOL_VERSION,
 };
 use crate::devices::serial::SerialDevice;
+use crate::devices::Pausable;
 use crate::dirty::{Crosscheck, DirtyTracking, WpTracker};
 use crate::exit::{ExitReason, ExitSignal};
 use crate::persist::{
@@ -179,7 +180,9 @@ impl Controller {
 
     fn write_snapshot(&self, dir: &Path, diff: bool) -> Result<SnapshotInfo, String> {
         let started = Instant::now();
-        if !self.vcpus.is_paused() {
+        // Device threads too: one writing guest memory while it is copied
+        // leaves it out of step with the saved queues and the dirty set.
+        if !self.vcpus.is_paused() || !self.virtio.is_paused() {
             return Err("the VM must be paused to snapshot it (send pause first)".into());
         }
         let mut lineage = self.lineage.lock().unwrap_or_else(|e| e.into_inner());
@@ -289,14 +292,30 @@ impl VmController for Controller {
         }
     }
 
+    /// vCPUs first, so no new work reaches the devices; then the device
+    /// threads, which finish what they hold (used rings, interrupts into
+    /// the in-kernel irqchip) before anything is saved.
     fn pause(&self) -> Result<VmStatus, String> {
         self.refuse_if_ending()?;
+        let was_paused = self.vcpus.is_paused();
         self.vcpus.pause();
+        if let Err(e) = self.virtio.pause() {
+            // Not left half paused: the device runs on, so do the vCPUs.
+            if !was_paused {
+                self.vcpus.resume();
+            }
+            return Err(format!("cannot pause the devices: {e}"));
+        }
         Ok(self.status())
     }
 
+    /// The reverse: devices first, so the guest never runs against a
+    /// stopped device.
     fn resume(&self) -> Result<VmStatus, String> {
         self.refuse_if_ending()?;
+        self.virtio
+            .resume()
+            .map_err(|e| format!("cannot resume the devices: {e}"))?;
         self.vcpus.resume();
         Ok(self.status())
     }
