@@ -12,6 +12,7 @@ use crate::control::{
     self, ControlServer, SnapshotInfo, VmController, VmState, VmStatus, PROTOCOL_VERSION,
 };
 use crate::devices::serial::SerialDevice;
+use crate::devices::Pausable;
 use crate::dirty::{Crosscheck, DirtyTracking, WpTracker};
 use crate::exit::{ExitReason, ExitSignal};
 use crate::persist::{
@@ -206,7 +207,9 @@ impl Controller {
 
     fn write_snapshot(&self, dir: &Path, diff: bool) -> Result<SnapshotInfo, VmError> {
         let started = Instant::now();
-        if !self.vcpus.is_paused() {
+        // Device threads too: one writing guest memory while it is copied
+        // leaves it out of step with the saved queues and the dirty set.
+        if !self.vcpus.is_paused() || !self.virtio.is_paused() {
             return Err(VmError::new(
                 ErrorKind::NotPaused,
                 "the VM must be paused to snapshot it (send pause first)",
@@ -364,14 +367,30 @@ impl VmController for Controller {
         }
     }
 
+    /// vCPUs first, so no new work reaches the devices; then the device
+    /// threads, which finish what they hold (used rings, interrupts into
+    /// the in-kernel irqchip) before anything is saved.
     fn pause(&self) -> Result<VmStatus, VmError> {
         self.refuse_if_ending()?;
+        let was_paused = self.vcpus.is_paused();
         self.vcpus.pause();
+        if let Err(e) = self.virtio.pause() {
+            // Not left half paused: the device runs on, so do the vCPUs.
+            if !was_paused {
+                self.vcpus.resume();
+            }
+            return Err(VmError::internal(format!("cannot pause the devices: {e}")));
+        }
         Ok(self.status())
     }
 
+    /// The reverse: devices first, so the guest never runs against a
+    /// stopped device.
     fn resume(&self) -> Result<VmStatus, VmError> {
         self.refuse_if_ending()?;
+        self.virtio
+            .resume()
+            .map_err(|e| VmError::internal(format!("cannot resume the devices: {e}")))?;
         self.vcpus.resume();
         Ok(self.status())
     }
@@ -387,9 +406,8 @@ impl VmController for Controller {
     }
 
     fn hibernate(&self, path: &Path, diff: bool) -> Result<SnapshotInfo, VmError> {
-        self.refuse_if_ending()?;
         let was_running = !self.vcpus.is_paused();
-        self.vcpus.pause();
+        self.pause()?;
         match self.write_snapshot(path, diff) {
             Ok(info) => {
                 // The control server holds its answer lock while this
@@ -399,7 +417,7 @@ impl VmController for Controller {
             }
             Err(e) => {
                 if was_running {
-                    self.vcpus.resume();
+                    let _ = self.resume();
                 }
                 Err(e)
             }
@@ -430,7 +448,9 @@ pub fn run_built(
     let vm = Arc::new(built.vm);
     let mem = Arc::new(built.mem);
     let virtio = Arc::new(built.virtio);
-    virtio.start().map_err(|e| RunError::Build(e.into()))?;
+    virtio
+        .start(start_paused)
+        .map_err(|e| RunError::Build(e.into()))?;
     let vcpus = Arc::new(VcpuSet::start(
         built.vcpus,
         built.bus.clone(),

@@ -11,6 +11,7 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::devices::block::{
     BlockConfig, BlockDevice, BlockError, BlockMmio, BlockRestoreArgs, BlockState,
 };
+use crate::devices::pausable::{Pausable, PauseError};
 use crate::devices::virtio::{
     MmioBus, MmioBusError, MmioRestoreArgs, MmioSlot, VirtioError, VirtioMmioState,
 };
@@ -74,6 +75,8 @@ pub enum VirtioDevicesError {
     EventFd(std::io::Error),
     #[error("a snapshot with a disk needs --disk-overlay for the clone's own overlay")]
     OverlayNeeded,
+    #[error(transparent)]
+    Pause(#[from] PauseError),
 }
 
 /// The devices, their MMIO bus, and the vsock thread once started.
@@ -186,24 +189,39 @@ impl VirtioDevices {
         Ok(devices)
     }
 
-    /// Starts the vsock device thread (once guest memory can be touched).
-    pub fn start(&self) -> Result<(), VirtioDevicesError> {
+    /// Starts the vsock device thread (once guest memory can be touched),
+    /// parked if `paused` (a VM whose vCPUs start paused).
+    pub fn start(&self, paused: bool) -> Result<(), VirtioDevicesError> {
         if let Some((_, vsock)) = &self.vsock {
-            *lock(&self.worker) = Some(VsockWorker::spawn(vsock.clone())?);
+            let worker = if paused {
+                VsockWorker::spawn_paused(vsock.clone())?
+            } else {
+                VsockWorker::spawn(vsock.clone())?
+            };
+            *lock(&self.worker) = Some(worker);
         }
         Ok(())
     }
 
-    /// Saves every device (vCPUs paused); freezes the disk overlay into
-    /// `dir`; returns the state and the pages the devices wrote since the
-    /// last snapshot (KVM's dirty log does not see them).
+    /// True when no device thread runs (all parked, or none): the devices
+    /// touch neither guest memory nor interrupts.
+    pub fn is_paused(&self) -> bool {
+        lock(&self.worker)
+            .as_ref()
+            .is_none_or(VsockWorker::is_paused)
+    }
+
+    /// Saves every device (vCPUs and devices paused); freezes the disk
+    /// overlay into `dir`; returns the state and the pages the devices
+    /// wrote since the last snapshot (KVM's dirty log does not see them).
     pub fn save(
         &self,
         dir: &std::path::Path,
     ) -> Result<(VirtioStates, PageRuns), VirtioDevicesError> {
         let mut states = VirtioStates::default();
         let mut dirty = PageRuns::default();
-        // Hold both locks together: the vsock thread stays off guest memory.
+        // The device threads are paused; holding both locks keeps even a
+        // running one off guest memory while the state is taken.
         let mut blk = self.block.as_ref().map(|(s, d)| (*s, lock(d)));
         let mut vsock = self.vsock.as_ref().map(|(s, d)| (*s, lock(d)));
         if let Some((slot, t)) = blk.as_mut() {
@@ -217,5 +235,54 @@ impl VirtioDevices {
             dirty = dirty.union(&t.take_dirty_pages());
         }
         Ok((states, dirty))
+    }
+}
+
+/// Pauses the device threads. virtio-blk has none: it serves requests on
+/// the vCPU thread that notified it, so paused vCPUs stop it.
+impl Pausable for VirtioDevices {
+    type Error = VirtioDevicesError;
+
+    fn pause(&self) -> Result<(), VirtioDevicesError> {
+        if let Some(worker) = lock(&self.worker).as_ref() {
+            worker.pause()?;
+        }
+        Ok(())
+    }
+
+    fn resume(&self) -> Result<(), VirtioDevicesError> {
+        if let Some(worker) = lock(&self.worker).as_ref() {
+            worker.resume()?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::virtio::testutil::{guest_mem, TempDir};
+
+    #[test]
+    fn pause_and_resume_reach_the_vsock_thread() {
+        let dir = TempDir::new("virtio-pause");
+        let dev = VsockDevice::new(&VsockConfig::new(dir.path().join("v.sock"))).unwrap();
+        let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let t = VsockMmio::new(dev, guest_mem(1 << 20), irq).unwrap();
+        let devices = VirtioDevices {
+            vsock: Some((MmioSlot::nth(VSOCK_SLOT).unwrap(), Arc::new(Mutex::new(t)))),
+            ..Default::default()
+        };
+        assert!(devices.is_paused(), "no thread runs before start");
+        devices.pause().unwrap();
+        devices.start(true).unwrap();
+        devices.pause().unwrap();
+        assert!(devices.is_paused(), "started parked");
+        devices.resume().unwrap();
+        assert!(!devices.is_paused());
+        devices.pause().unwrap();
+        assert!(devices.is_paused());
+        devices.resume().unwrap();
+        assert!(!devices.is_paused());
     }
 }

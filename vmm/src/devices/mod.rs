@@ -3,11 +3,14 @@
 
 pub mod block;
 pub mod i8042;
+pub mod pausable;
 pub mod serial;
 pub mod virtio;
 pub mod vsock;
 
 use std::sync::{Arc, Mutex};
+
+pub use pausable::{Pausable, PauseError, PauseGate};
 
 /// A device reached through x86 port I/O.
 pub trait PioDevice: Send {

@@ -28,8 +28,8 @@ pub const QUEUE_SIZE: u16 = 256;
 
 /// Epoll tokens: the queue eventfds are 0..3.
 const TOKEN_LISTENER: u64 = 3;
-/// Reserved for the device thread's stop eventfd.
-pub const TOKEN_STOP: u64 = 4;
+/// Reserved for the device thread's wake eventfd (stop, pause).
+pub const TOKEN_WAKE: u64 = 4;
 const FIRST_DYNAMIC_TOKEN: u64 = 16;
 
 pub const MAX_CONNECTIONS: usize = 1024;
@@ -227,7 +227,7 @@ impl VsockDevice {
                     kick_tx |= t as usize == TXQ;
                 }
                 TOKEN_LISTENER => self.accept_all(),
-                TOKEN_STOP => {}
+                TOKEN_WAKE => {}
                 token => self.endpoint_event(token, ev.event_set()),
             }
         }

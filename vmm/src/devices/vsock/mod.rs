@@ -17,7 +17,7 @@ mod worker;
 
 pub use conn::{ConnError, ConnKey, CONN_BUF_ALLOC, CREDIT_UPDATE_THRESHOLD};
 pub use device::{
-    VsockConfig, VsockDevice, VsockError, EVQ, MAX_CONNECTIONS, QUEUE_SIZE, RXQ, TOKEN_STOP, TXQ,
+    VsockConfig, VsockDevice, VsockError, EVQ, MAX_CONNECTIONS, QUEUE_SIZE, RXQ, TOKEN_WAKE, TXQ,
 };
 pub use packet::*;
 pub use persist::{VsockRestoreArgs, VsockState};

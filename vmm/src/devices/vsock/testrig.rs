@@ -1,26 +1,28 @@
 //! A test rig for the vsock device: guest memory with rx/tx/event queues
 //! driven through virtio-queue's mock, the device driven one epoll round at
-//! a time, and a temporary directory for the unix sockets.
+//! a time (or by its own thread, see `Rig::start_worker`), and a temporary
+//! directory for the unix sockets.
 
 use std::collections::HashMap;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::epoll::Epoll;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::packet::*;
-use super::{poll_once, VsockConfig, VsockDevice, VsockMmio};
+use super::{poll_once, VsockConfig, VsockDevice, VsockMmio, VsockWorker};
 use crate::devices::virtio::testutil::{activate, copy_mem, write32, Driver, TempDir};
 use crate::devices::virtio::VIRTIO_F_VERSION_1;
 
 pub const GUEST_CID: u64 = 3;
 pub const QSIZE: u16 = 32;
-const RX_BUFS: u64 = 8;
-const RX_BASE: u64 = 0x10_0000;
+pub const RX_BUFS: u64 = 8;
+/// The rx buffers, 8 KiB apart: only the device writes there.
+pub const RX_BASE: u64 = 0x10_0000;
 const RX_PAYLOAD: u32 = 4096;
 const TX_BASE: u64 = 0x20_0000;
 const TX_SLOT: u64 = 0x1_1000;
@@ -44,6 +46,8 @@ pub struct Rig<'a> {
     pub got: Vec<Pkt>,
     pub dir: TempDir,
     pub uds: PathBuf,
+    /// The device thread, once started: then `pump` no longer polls.
+    pub worker: Option<VsockWorker>,
 }
 
 impl<'a> Rig<'a> {
@@ -70,6 +74,7 @@ impl<'a> Rig<'a> {
             got: Vec::new(),
             dir,
             uds,
+            worker: None,
         };
         for i in 0..RX_BUFS {
             rig.post_rx(RX_BASE + i * 0x2000);
@@ -107,7 +112,13 @@ impl<'a> Rig<'a> {
             got: Vec::new(),
             dir,
             uds,
+            worker: None,
         }
+    }
+
+    /// Hands the device to its own thread, as the VMM runs it.
+    pub fn start_worker(&mut self) {
+        self.worker = Some(VsockWorker::spawn(self.t.clone()).unwrap());
     }
 
     /// Offers one rx buffer laid out as Linux 6.1 does: header, then 4 KiB.
@@ -164,9 +175,20 @@ impl<'a> Rig<'a> {
         self.send_raw(hdr, payload, None);
     }
 
-    /// One epoll round, then collects (and re-offers) used rx buffers.
+    /// One epoll round (or, with the device thread running, a short
+    /// sleep), then collects used rx buffers.
     pub fn pump(&mut self) {
-        poll_once(&self.t, &self.epoll, Some(20)).unwrap();
+        if self.worker.is_some() {
+            std::thread::sleep(Duration::from_millis(1));
+        } else {
+            poll_once(&self.t, &self.epoll, Some(20)).unwrap();
+        }
+        self.collect();
+    }
+
+    /// What the guest's rx interrupt handler does: takes the packets in
+    /// used rx buffers, offers the buffers again, notifies.
+    pub fn collect(&mut self) {
         let used = self.rx.take_used();
         if used.is_empty() {
             return;
@@ -189,9 +211,10 @@ impl<'a> Rig<'a> {
         self.notify(0);
     }
 
-    /// Pumps until `cond` holds (at most about 5 s).
+    /// Pumps until `cond` holds (at most 5 s).
     pub fn pump_until(&mut self, mut cond: impl FnMut(&mut Self) -> bool) {
-        for _ in 0..250 {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
             if cond(self) {
                 return;
             }
