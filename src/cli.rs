@@ -294,6 +294,34 @@ pub struct ServiceFlags {
     /// (larger ones are refused): no exec runs for ever.
     #[arg(long, default_value_t = torpor_scheduler::service::DEFAULT_EXEC_TIMEOUT_MS, value_name = "N")]
     pub exec_timeout_ms: u64,
+    /// Standby VMM shells kept ready per (memory, vCPUs) shape of the
+    /// pod's templates; creates and wakes take one instead of starting a
+    /// VMM (0 turns the pool off).
+    #[arg(long, default_value_t = torpor_scheduler::service::DEFAULT_STANDBY_POOL, value_name = "N")]
+    pub standby_pool: usize,
+    /// How restored guest memory is mapped: `file` (page-cache sharing,
+    /// the default), `uffd-shared` (shared, faults observed, working set
+    /// prefetched) or `uffd` (private copies of every touched page).
+    #[arg(long, value_enum, default_value_t = PodBackendArg::File)]
+    pub memory_backend: PodBackendArg,
+}
+
+/// The memory backends a pod restores with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PodBackendArg {
+    File,
+    Uffd,
+    UffdShared,
+}
+
+impl PodBackendArg {
+    pub fn backend(self) -> torpor_vmm_api::MemoryBackend {
+        match self {
+            PodBackendArg::File => torpor_vmm_api::MemoryBackend::File,
+            PodBackendArg::Uffd => torpor_vmm_api::MemoryBackend::Uffd,
+            PodBackendArg::UffdShared => torpor_vmm_api::MemoryBackend::UffdShared,
+        }
+    }
 }
 
 #[derive(Debug, Args)]

@@ -24,7 +24,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::serve::DataDir;
-use common::TORPOR;
 use torpor_agent::server::Stream;
 use torpor_agent::{Agent, AgentConfig, FakeOps, IdentityPage, DEFAULT_VSOCK_PORT};
 use torpor_scheduler::model::{SandboxId, Template, TemplateId, TemplateState, Timestamp};
@@ -76,7 +75,10 @@ struct Harness {
 impl Harness {
     fn new(name: &str, exec_timeout_ms: u64) -> Self {
         let data = DataDir::new(name);
-        let mut config = ServiceConfig::new(data.0.clone(), PathBuf::from(TORPOR));
+        let mut config = ServiceConfig::new(
+            data.0.clone(),
+            PathBuf::from(env!("CARGO_BIN_EXE_torpor-vmm")),
+        );
         config.policy_interval_ms = 0; // the tests run the policy themselves
         config.exec_timeout_ms = exec_timeout_ms;
         let service = Service::open(config).expect("open the service");

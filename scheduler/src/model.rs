@@ -278,6 +278,43 @@ pub struct Sandbox {
     pub vmm: Option<VmmHandle>,
     /// Incremented by the store on every state change.
     pub generation: u64,
+    /// How the VMM came up, in the answer to the create or wake that
+    /// started it (not stored).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore: Option<RestoreReport>,
+}
+
+/// How a create or wake brought a sandbox's VM up.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RestoreReport {
+    /// `standby` (a pre-made shell took the snapshot) or `cold` (a new
+    /// VMM process restored it).
+    pub path: RestorePath,
+    /// The memory backend (`file`, `uffd`, `uffd-shared`).
+    pub backend: String,
+    /// Service side: from the start of the restore step to the guest
+    /// running, in ms.
+    pub ms: f64,
+    /// VMM side: the shell's request-to-running, or a cold VMM's spawn to
+    /// ready, in ms.
+    pub vmm_ms: f64,
+}
+
+/// Which way a VM came up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RestorePath {
+    Standby,
+    Cold,
+}
+
+impl RestorePath {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RestorePath::Standby => "standby",
+            RestorePath::Cold => "cold",
+        }
+    }
 }
 
 impl Sandbox {
@@ -300,6 +337,7 @@ impl Sandbox {
             snapshot: None,
             vmm: None,
             generation: 0,
+            restore: None,
         }
     }
 }

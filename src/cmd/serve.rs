@@ -102,6 +102,8 @@ fn open_service(
     config.policy_interval_ms = flags.policy_interval_ms;
     config.default_keep_alive_ms = flags.keep_alive_ms;
     config.exec_timeout_ms = flags.exec_timeout_ms.max(1);
+    config.standby_pool = flags.standby_pool;
+    config.memory_backend = flags.memory_backend.backend();
     println!("{who}: data dir {}", data_dir.display());
     let host = &config.host;
     let kinds: Vec<&str> = host.kinds().iter().map(|k| k.as_str()).collect();

@@ -223,7 +223,7 @@ impl Service {
         self.stop_vmm(&sandbox)?;
         self.stall("restore-stopped");
         match self.start_vmm(id, &snapshot) {
-            Ok(()) => {
+            Ok(_) => {
                 let chain = layer_chain(&snapshot)?;
                 self.store.write(|tx| {
                     tx.register_layers(&chain)?;
@@ -324,7 +324,7 @@ impl Service {
         })?;
         drop(source_guard);
         match self.start_vmm(&fork.id, &snapshot) {
-            Ok(()) => {
+            Ok(_) => {
                 let change = StateChange::new(SandboxState::Creating, SandboxState::Running);
                 self.store
                     .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;

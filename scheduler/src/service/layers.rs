@@ -207,7 +207,7 @@ impl Service {
                     }
                     match &snapshot {
                         Some(snapshot) => match self.start_vmm(&sandbox.id, snapshot) {
-                            Ok(()) => restored = true,
+                            Ok(_) => restored = true,
                             Err(e) => failure = Some(e.to_string()),
                         },
                         None => failure = Some("the journal names no snapshot".into()),

@@ -13,6 +13,7 @@ mod layers;
 mod linux;
 mod ops;
 mod policy;
+pub mod pool;
 mod recovery;
 mod template;
 pub mod vmm;
@@ -41,6 +42,11 @@ pub const LOCAL_POD: &str = "pod_local";
 /// The built-in probe template's name.
 pub const PROBE_TEMPLATE: &str = "probe";
 
+/// Standby shells per shape unless configured: enough to absorb a burst
+/// of creates on a small host while the pool refills (a shell is a KVM VM
+/// with untouched memory: it costs page tables, not guest RAM).
+pub const DEFAULT_STANDBY_POOL: usize = 4;
+
 /// Default (and largest) exec timeout: 10 minutes.
 pub const DEFAULT_EXEC_TIMEOUT_MS: u64 = 10 * 60 * 1000;
 
@@ -60,6 +66,13 @@ pub struct ServiceConfig {
     /// Run the idle-hibernation and watermark policy every this many ms
     /// (0 disables it).
     pub policy_interval_ms: u64,
+    /// How restored guest memory is mapped (`file` by default: pages shared
+    /// through the page cache, the fastest restore and the smallest clone
+    /// here; see docs/design.md).
+    pub memory_backend: torpor_vmm_api::MemoryBackend,
+    /// Standby shells kept per (memory, vCPUs) shape of the templates; 0
+    /// turns the pool off.
+    pub standby_pool: usize,
     /// Timeout of an exec that names none, and the longest one may name
     /// (so no exec holds a blocking thread for ever).
     pub exec_timeout_ms: u64,
@@ -71,6 +84,8 @@ impl ServiceConfig {
             data_dir,
             vmm_exe,
             host: HostGuests::probe_only("not probed"),
+            memory_backend: torpor_vmm_api::MemoryBackend::File,
+            standby_pool: DEFAULT_STANDBY_POOL,
             default_keep_alive_ms: 5 * 60 * 1000,
             default_ratio: 4.0,
             policy_interval_ms: 1000,
@@ -236,6 +251,8 @@ pub struct Service {
     /// Sandboxes with guest requests in flight (the policy leaves them).
     in_flight: policy::InFlight,
     stop: Arc<std::sync::atomic::AtomicBool>,
+    /// Standby VMM shells for creates and wakes.
+    pool: Arc<pool::StandbyPool>,
 }
 
 impl Service {
@@ -251,6 +268,11 @@ impl Service {
         config.data_dir = std::fs::canonicalize(&config.data_dir)
             .map_err(|e| ServiceError::Internal(format!("resolve data dir: {e}")))?;
         let store = Store::open(&config.data_dir)?;
+        let pool = pool::StandbyPool::new(
+            config.data_dir.join("pool"),
+            config.vmm_exe.clone(),
+            config.standby_pool,
+        )?;
         let service = Arc::new(Self {
             config,
             store,
@@ -259,10 +281,17 @@ impl Service {
             metrics: Metrics::default(),
             in_flight: policy::InFlight::default(),
             stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            pool,
         });
         service.ensure_local_pod()?;
         service.recover()?;
         service.ensure_probe_template()?;
+        for t in service.store.list_templates(false)? {
+            if t.state == crate::model::TemplateState::Ready {
+                service.pool.want((t.mem_mib, t.vcpus));
+            }
+        }
+        service.pool.start();
         if service.config.policy_interval_ms > 0 {
             policy::start(&service);
         }
@@ -273,6 +302,7 @@ impl Service {
     /// re-attaches to them).
     pub fn close(&self) {
         self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.pool.stop();
     }
 
     pub fn store(&self) -> &Store {

@@ -9,9 +9,13 @@ use serde_json::json;
 use torpor_vmm_api::control::Request;
 use torpor_vmm_api::launch::{Console, LaunchMode, LaunchSpec, MemoryBackend, RestoreSpec};
 
+use super::pool::Shell;
 use super::vmm::{self, VmmFiles};
 use super::{CreateSandbox, CreateTemplate, Outcome, PodView, Service, ServiceError, LOCAL_POD};
-use crate::model::{PodId, Sandbox, SandboxId, Template, TemplateId, TemplateState, Timestamp};
+use crate::model::{
+    PodId, RestorePath, RestoreReport, Sandbox, SandboxId, Template, TemplateId, TemplateState,
+    Timestamp, VmmHandle,
+};
 use crate::state::{can, Operation, SandboxState};
 use crate::store::{OperationKind, OperationStatus, SandboxFilter, StateChange};
 
@@ -162,13 +166,15 @@ impl Service {
             None,
         )?;
         match self.start_vmm(&sandbox.id, &snapshot) {
-            Ok(()) => {
+            Ok(report) => {
                 let change = StateChange::new(SandboxState::Creating, SandboxState::Running);
                 self.store
                     .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
                 self.store
                     .set_sandbox_snapshot(&sandbox.id, Some(&snapshot))?;
-                Ok(self.store.get_sandbox(&sandbox.id)?)
+                let mut created = self.store.get_sandbox(&sandbox.id)?;
+                created.restore = Some(report);
+                Ok(created)
             }
             Err(e) => {
                 let change = StateChange {
@@ -181,32 +187,67 @@ impl Service {
         }
     }
 
-    /// Spawns the sandbox's VMM restoring `snapshot` and records it.
-    pub(super) fn start_vmm(&self, id: &SandboxId, snapshot: &Path) -> Result<(), ServiceError> {
+    /// Brings up the sandbox's VMM restoring `snapshot` (from a standby
+    /// shell of its shape when the pool has one, else a cold `torpor-vmm`)
+    /// and records it.
+    pub(super) fn start_vmm(
+        &self,
+        id: &SandboxId,
+        snapshot: &Path,
+    ) -> Result<RestoreReport, ServiceError> {
+        let started = Instant::now();
+        let sandbox = self.store.get_sandbox(id)?;
         let dir = self.sandbox_dir(id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| ServiceError::Internal(format!("create {}: {e}", dir.display())))?;
         let files = VmmFiles::in_dir(&dir);
-        let mut restore = RestoreSpec::new(snapshot, MemoryBackend::File);
+        let backend = self.config.memory_backend;
+        let mut restore = RestoreSpec::new(snapshot, backend);
+        // The template's recorded working set, installed eagerly (uffd
+        // backends; `file` maps the page cache, which needs no prefetch).
+        restore.prefetch = backend != MemoryBackend::File;
         self.guest_restore_paths(id, &mut restore)?;
-        let spec = LaunchSpec {
-            control_socket: Some(files.socket.clone()),
-            mode: LaunchMode::Restore {
-                restore,
-                paused: false,
-                record_working_set_ms: None,
-            },
-            console: Console::file(&files.console),
-            dirty_tracking: Default::default(),
+        let shape = (sandbox.mem_mib, sandbox.vcpus);
+        let from_shell = self.pool.take(shape).and_then(|shell| {
+            match restore_into_shell(shell, &files, &restore) {
+                Ok(up) => Some(up),
+                Err(e) => {
+                    tracing::warn!(sandbox = %id, "standby restore failed, restoring cold: {e}");
+                    None
+                }
+            }
+        });
+        let (child, handle, path, vmm_us) = match from_shell {
+            Some((child, handle, us)) => (child, handle, RestorePath::Standby, us),
+            None => {
+                let spec = LaunchSpec {
+                    control_socket: Some(files.socket.clone()),
+                    mode: LaunchMode::Restore {
+                        restore,
+                        paused: false,
+                        record_working_set_ms: None,
+                    },
+                    console: Console::file(&files.console),
+                    dirty_tracking: Default::default(),
+                };
+                let up = vmm::spawn(&self.config.vmm_exe, &spec, &files.log)?;
+                (up.child, up.handle, RestorePath::Cold, up.spawn_us)
+            }
         };
-        let vmm::Spawned { child, handle, .. } =
-            vmm::spawn(&self.config.vmm_exe, &spec, &files.log)?;
         self.store.set_sandbox_vmm(id, Some(&handle))?;
         self.children
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(id.clone(), child);
-        self.after_restore(id)
+        self.after_restore(id)?;
+        let report = RestoreReport {
+            path,
+            backend: backend.name().to_string(),
+            ms: started.elapsed().as_secs_f64() * 1000.0,
+            vmm_ms: vmm_us as f64 / 1000.0,
+        };
+        self.metrics.observe_restore(&report);
+        Ok(report)
     }
 
     /// Stops the sandbox's VMM, if it has one.
@@ -302,15 +343,17 @@ impl Service {
             Some(&change),
         )?;
         match self.start_vmm(&sandbox.id, &snapshot) {
-            Ok(()) => {
+            Ok(report) => {
                 let change = StateChange::new(SandboxState::Resuming, SandboxState::Running);
                 self.store
                     .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
                 self.store.touch(&sandbox.id, Timestamp::now())?;
                 let ms = started.elapsed().as_secs_f64() * 1000.0;
                 self.metrics.observe_resume(ms);
+                let mut woken = self.store.get_sandbox(&sandbox.id)?;
+                woken.restore = Some(report);
                 Ok(Outcome {
-                    sandbox: self.store.get_sandbox(&sandbox.id)?,
+                    sandbox: woken,
                     resumed: true,
                     resume_ms: Some(ms),
                 })
@@ -498,5 +541,48 @@ impl Service {
     /// Where templates keep their files.
     pub(super) fn template_dir(&self, id: &TemplateId) -> PathBuf {
         self.config.data_dir.join("templates").join(id.as_str())
+    }
+}
+
+/// Hands a standby shell the sandbox's files and snapshot: its socket and
+/// log move into the sandbox's directory (the open files follow), then one
+/// `restore` request. A shell that refuses is stopped.
+fn restore_into_shell(
+    shell: Shell,
+    files: &VmmFiles,
+    restore: &RestoreSpec,
+) -> Result<(std::process::Child, VmmHandle, u64), ServiceError> {
+    let Shell {
+        child,
+        handle: shell_handle,
+        log,
+    } = shell;
+    let moved = std::fs::rename(&shell_handle.control_socket, &files.socket)
+        .and_then(|()| std::fs::rename(&log, &files.log));
+    let handle = VmmHandle {
+        pid: shell_handle.pid,
+        control_socket: files.socket.clone(),
+    };
+    if let Err(e) = moved {
+        vmm::stop(&shell_handle, Some(child));
+        let _ = std::fs::remove_file(&files.socket);
+        return Err(ServiceError::Internal(format!(
+            "move the shell's files: {e}"
+        )));
+    }
+    let req = Request::Restore {
+        restore: restore.clone(),
+        console: Console::file(&files.console),
+        paused: false,
+    };
+    match vmm::call(&handle, &req) {
+        Ok(answer) => {
+            let us = answer.restore.map_or(0, |r| r.request_to_running_us);
+            Ok((child, handle, us))
+        }
+        Err(e) => {
+            vmm::stop(&handle, Some(child));
+            Err(e)
+        }
     }
 }

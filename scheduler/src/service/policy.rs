@@ -137,6 +137,9 @@ impl FaultBook {
 /// What the operations feed the metrics with.
 #[derive(Default)]
 pub struct Metrics {
+    /// Restores by (path, backend): count, and the VMM-side ms histogram.
+    restores: Mutex<std::collections::BTreeMap<(&'static str, String), u64>>,
+    restore_vmm: Mutex<Histogram>,
     resume: Mutex<Histogram>,
     hibernate: Mutex<Histogram>,
     exec: Mutex<Histogram>,
@@ -151,6 +154,15 @@ fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Metrics {
+    /// A create or wake's restore: which path, which backend, how long
+    /// the VMM took.
+    pub fn observe_restore(&self, r: &crate::model::RestoreReport) {
+        *locked(&self.restores)
+            .entry((r.path.as_str(), r.backend.clone()))
+            .or_default() += 1;
+        locked(&self.restore_vmm).observe(r.vmm_ms);
+    }
+
     /// A wake that restored the sandbox, in `ms`.
     pub fn observe_resume(&self, ms: f64) {
         locked(&self.resume).observe(ms);
@@ -295,6 +307,52 @@ impl Service {
             out.push_str(&format!("{name}{{pod=\"{LOCAL_POD}\"}} {n}\n"));
         }
         let m = &self.metrics;
+        header(
+            &mut out,
+            "torpor_restores_total",
+            "Restores of creates and wakes, by path (standby shell or cold VMM) and memory backend.",
+            "counter",
+        );
+        for ((path, backend), n) in locked(&m.restores).iter() {
+            out.push_str(&format!(
+                "torpor_restores_total{{path=\"{path}\",backend=\"{backend}\"}} {n}\n"
+            ));
+        }
+        locked(&m.restore_vmm).render(
+            "torpor_restore_vmm_ms",
+            "VMM-side restore time of creates and wakes (shell request to running, or cold spawn to ready), in ms.",
+            &mut out,
+        );
+        let pool = self.pool.stats();
+        for (name, help, kind, n) in [
+            (
+                "torpor_standby_shells",
+                "Standby shells ready in the pool.",
+                "gauge",
+                pool.ready as u64,
+            ),
+            (
+                "torpor_standby_shells_made_total",
+                "Standby shells made.",
+                "counter",
+                pool.made,
+            ),
+            (
+                "torpor_standby_shells_taken_total",
+                "Creates and wakes that took a standby shell.",
+                "counter",
+                pool.taken,
+            ),
+            (
+                "torpor_standby_shells_missed_total",
+                "Creates and wakes that found no standby shell ready.",
+                "counter",
+                pool.missed,
+            ),
+        ] {
+            header(&mut out, name, help, kind);
+            out.push_str(&format!("{name}{{pod=\"{LOCAL_POD}\"}} {n}\n"));
+        }
         locked(&m.wakes).render(
             "torpor_wakes_total",
             "Wakes of hibernated sandboxes by result.",

@@ -101,6 +101,7 @@ impl Service {
                     .set_template_state(&template.id, &TemplateState::Ready)?;
                 self.store
                     .finish_operation(&op.id, OperationStatus::Done, None, None)?;
+                self.pool.want((template.mem_mib, template.vcpus));
             }
             Err(e) => {
                 self.store

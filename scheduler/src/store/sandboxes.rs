@@ -48,6 +48,7 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
             control_socket,
         }),
         generation: get_u64(row, "generation")?,
+        restore: None,
     })
 }
 

@@ -1,0 +1,260 @@
+//! The pod's pool of standby VMM shells: VMs made ahead of time (KVM VM,
+//! vCPUs, memory slots: the costly part of a restore here) per (memory,
+//! vCPUs) shape its templates use, refilled in the background. A create
+//! or a wake takes a shell when one is there and hands it the snapshot in
+//! one control request; else it pays for a cold `torpor-vmm` restore.
+//!
+//! Shells are named by a counter that is never reused (`shell-N.sock`):
+//! a shell's VMM removes the socket path it was started with when it ends,
+//! and must not remove a later shell's.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use torpor_vmm_api::control::{self, Request};
+use torpor_vmm_api::launch::{LaunchMode, LaunchSpec};
+
+use super::vmm;
+use super::ServiceError;
+use crate::model::VmmHandle;
+
+/// A guest shape: memory MiB and vCPUs.
+pub type Shape = (u32, u32);
+
+/// A shell waiting for a restore.
+pub struct Shell {
+    pub child: Child,
+    pub handle: VmmHandle,
+    pub log: PathBuf,
+}
+
+/// The pool; `target` shells per wanted shape (0: no pool).
+pub struct StandbyPool {
+    dir: PathBuf,
+    exe: PathBuf,
+    target: usize,
+    next: AtomicU64,
+    state: Mutex<PoolState>,
+    /// Wakes the refill thread: a shell was taken, a shape is wanted, or
+    /// the pool stops.
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct PoolState {
+    shells: HashMap<Shape, Vec<Shell>>,
+    wanted: Vec<Shape>,
+    stopped: bool,
+    /// Shells made and taken, for metrics.
+    made: u64,
+    taken: u64,
+    missed: u64,
+}
+
+/// Counts for metrics.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PoolStats {
+    pub ready: usize,
+    pub made: u64,
+    pub taken: u64,
+    pub missed: u64,
+}
+
+impl StandbyPool {
+    /// A pool of `target` shells per shape in `dir`, started with `exe`.
+    /// Shells left by an earlier run of the service are stopped first.
+    pub fn new(dir: PathBuf, exe: PathBuf, target: usize) -> Result<Arc<Self>, ServiceError> {
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| ServiceError::Internal(format!("create the standby pool dir: {e}")))?;
+        clear_stale(&dir);
+        Ok(Arc::new(Self {
+            dir,
+            exe,
+            target,
+            next: AtomicU64::new(0),
+            state: Mutex::new(PoolState::default()),
+            changed: Condvar::new(),
+        }))
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.target > 0
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps shells of `shape` from now on.
+    pub fn want(&self, shape: Shape) {
+        if !self.enabled() {
+            return;
+        }
+        let mut st = self.state();
+        if !st.wanted.contains(&shape) {
+            st.wanted.push(shape);
+            self.changed.notify_all();
+        }
+    }
+
+    /// A live shell of `shape`, if one is ready.
+    pub fn take(&self, shape: Shape) -> Option<Shell> {
+        if !self.enabled() {
+            return None;
+        }
+        let mut st = self.state();
+        let shell = loop {
+            match st.shells.get_mut(&shape).and_then(Vec::pop) {
+                // One that died meanwhile is dropped (reaped) and skipped.
+                Some(mut s) => {
+                    if matches!(s.child.try_wait(), Ok(None)) {
+                        break Some(s);
+                    }
+                    let _ = std::fs::remove_file(&s.handle.control_socket);
+                }
+                None => break None,
+            }
+        };
+        if shell.is_some() {
+            st.taken += 1;
+        } else {
+            st.missed += 1;
+        }
+        self.changed.notify_all();
+        shell
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        let st = self.state();
+        PoolStats {
+            ready: st.shells.values().map(Vec::len).sum(),
+            made: st.made,
+            taken: st.taken,
+            missed: st.missed,
+        }
+    }
+
+    /// Starts the refill thread (nothing when the pool is off).
+    pub fn start(self: &Arc<Self>) {
+        if !self.enabled() {
+            return;
+        }
+        let pool = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("standby-pool".into())
+            .spawn(move || pool.refill_loop());
+        if let Err(e) = spawned {
+            tracing::error!("cannot start the standby pool: {e}");
+        }
+    }
+
+    /// Stops refilling and ends every waiting shell.
+    pub fn stop(&self) {
+        let shells: Vec<Shell> = {
+            let mut st = self.state();
+            st.stopped = true;
+            self.changed.notify_all();
+            st.shells.drain().flat_map(|(_, v)| v).collect()
+        };
+        for s in shells {
+            vmm::stop(&s.handle, Some(s.child));
+        }
+    }
+
+    fn refill_loop(&self) {
+        let mut failures = 0u32;
+        loop {
+            let need = {
+                let mut st = self.state();
+                loop {
+                    if st.stopped {
+                        return;
+                    }
+                    let short = st
+                        .wanted
+                        .iter()
+                        .copied()
+                        .find(|s| st.shells.get(s).map_or(0, Vec::len) < self.target);
+                    match short {
+                        Some(shape) => break shape,
+                        None => {
+                            st = self
+                                .changed
+                                .wait_timeout(st, Duration::from_secs(5))
+                                .unwrap_or_else(|e| e.into_inner())
+                                .0
+                        }
+                    }
+                }
+            };
+            match self.make(need) {
+                Ok(shell) => {
+                    failures = 0;
+                    let mut st = self.state();
+                    if st.stopped {
+                        drop(st);
+                        vmm::stop(&shell.handle, Some(shell.child));
+                        return;
+                    }
+                    st.made += 1;
+                    st.shells.entry(need).or_default().push(shell);
+                }
+                Err(e) => {
+                    // A host that cannot make shells (out of memory, no
+                    // KVM) must not be hammered: back off, creates go cold.
+                    failures += 1;
+                    tracing::warn!(shape = ?need, "cannot make a standby shell: {e}");
+                    std::thread::sleep(Duration::from_millis(100 << failures.min(6)));
+                }
+            }
+        }
+    }
+
+    fn make(&self, (mem_mib, vcpus): Shape) -> Result<Shell, ServiceError> {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let socket = self
+            .dir
+            .join(format!("shell-{}-{n}.sock", std::process::id()));
+        let log = socket.with_extension("log");
+        let spec = LaunchSpec {
+            control_socket: Some(socket),
+            mode: LaunchMode::Standby {
+                mem_mib: u64::from(mem_mib),
+                vcpus: u16::try_from(vcpus).unwrap_or(u16::MAX),
+            },
+            console: Default::default(),
+            dirty_tracking: Default::default(),
+        };
+        let spawned = vmm::spawn(&self.exe, &spec, &log)?;
+        Ok(Shell {
+            child: spawned.child,
+            handle: spawned.handle,
+            log,
+        })
+    }
+}
+
+impl Drop for StandbyPool {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Ends shells an earlier run left (they wait for a restore that will not
+/// come) and removes their files.
+fn clear_stale(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.extension().is_some_and(|e| e == "sock") {
+            let _ = control::request(&path, &Request::Shutdown, Duration::from_secs(1));
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+}
