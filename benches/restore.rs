@@ -123,7 +123,7 @@ fn standby_restore(dir: &Path, snap: &Path, backend: &str, mem: u64, prefetch: b
     let v = call(
         &sock,
         &format!(
-            r#"{{"op":"restore","snapshot":"{}","backend":"{backend}","serial":"{}","prefetch":{prefetch}}}"#,
+            r#"{{"op":"restore","snapshot":"{}","backend":"{backend}","console":{{"to":"file","path":"{}"}},"prefetch":{prefetch}}}"#,
             snap.display(),
             console.display()
         ),

@@ -313,7 +313,12 @@ impl Service {
             "Restores of creates and wakes, by path (standby shell or cold VMM) and memory backend.",
             "counter",
         );
-        for ((path, backend), n) in locked(&m.restores).iter() {
+        let mut restores = locked(&m.restores).clone();
+        for path in ["standby", "cold"] {
+            let backend = self.config.memory_backend.name().to_string();
+            restores.entry((path, backend)).or_default();
+        }
+        for ((path, backend), n) in restores.iter() {
             out.push_str(&format!(
                 "torpor_restores_total{{path=\"{path}\",backend=\"{backend}\"}} {n}\n"
             ));

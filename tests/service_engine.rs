@@ -1,0 +1,249 @@
+//! The service uses its engine: creates and wakes take standby shells from
+//! the pool (and say so), fall back to a cold `torpor-vmm` when the pool
+//! has none, and VMM failures reach the caller typed. Runs the service in
+//! process with real VMMs (probe guests).
+//!
+//! Covered: the standby and cold paths of create and wake (in answers and
+//! metrics) with each memory backend; a hibernation that fails leaves a
+//! paused sandbox paused (it used to come back running) and a running one
+//! running; a full disk under a hibernation is `NoSpace` (507 in the API),
+//! not an internal error.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::serve::DataDir;
+use torpor_scheduler::model::RestorePath;
+use torpor_scheduler::service::{CreateSandbox, Service, ServiceConfig, ServiceError};
+use torpor_scheduler::SandboxState;
+use torpor_vmm_api::{ErrorKind, MemoryBackend};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn service(data: &DataDir, pool: usize, backend: MemoryBackend) -> Arc<Service> {
+    let mut config = ServiceConfig::new(
+        data.0.clone(),
+        PathBuf::from(env!("CARGO_BIN_EXE_torpor-vmm")),
+    );
+    config.policy_interval_ms = 0;
+    config.standby_pool = pool;
+    config.memory_backend = backend;
+    Service::open(config).expect("open the service")
+}
+
+fn create(service: &Service) -> torpor_scheduler::model::Sandbox {
+    service
+        .create_sandbox(CreateSandbox {
+            template: "probe".into(),
+            ..Default::default()
+        })
+        .expect("create")
+}
+
+/// Waits until the pool holds a shell (it fills in the background).
+fn wait_for_shell(service: &Service) {
+    let deadline = Instant::now() + WAIT;
+    while !service
+        .metrics()
+        .lines()
+        .any(|l| l.starts_with("torpor_standby_shells{") && !l.ends_with(" 0"))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the pool made no shell in {WAIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The probe's console in the sandbox's directory grows: the guest runs.
+fn guest_runs(data: &DataDir, id: &str) {
+    let console = data.0.join("sandboxes").join(id).join("console.log");
+    let lines = |p: &Path| {
+        std::fs::read_to_string(p)
+            .unwrap_or_default()
+            .matches("TORPOR-PROBE ITER")
+            .count()
+    };
+    let before = lines(&console);
+    let deadline = Instant::now() + WAIT;
+    while lines(&console) <= before {
+        assert!(
+            Instant::now() < deadline,
+            "the restored guest printed nothing new in {WAIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn creates_and_wakes_take_standby_shells(backend: MemoryBackend) {
+    let data = DataDir::new(&format!("engine-pool-{backend}"));
+    let service = service(&data, 1, backend);
+    wait_for_shell(&service);
+    let sandbox = create(&service);
+    let report = sandbox
+        .restore
+        .clone()
+        .expect("a create reports its restore");
+    assert_eq!(report.path, RestorePath::Standby, "{report:?}");
+    assert_eq!(report.backend, backend.name());
+    assert!(
+        report.vmm_ms > 0.0 && report.ms >= report.vmm_ms,
+        "{report:?}"
+    );
+    guest_runs(&data, sandbox.id.as_str());
+
+    service.hibernate(&sandbox.id).expect("hibernate");
+    wait_for_shell(&service);
+    let woken = service.resume(&sandbox.id).expect("wake");
+    assert!(woken.resumed);
+    let report = woken.sandbox.restore.expect("a wake reports its restore");
+    assert_eq!(report.path, RestorePath::Standby, "{report:?}");
+    guest_runs(&data, sandbox.id.as_str());
+
+    let metrics = service.metrics();
+    let line = format!(
+        "torpor_restores_total{{path=\"standby\",backend=\"{}\"}} 2",
+        backend.name()
+    );
+    assert!(metrics.contains(&line), "{line} missing from:\n{metrics}");
+    service.delete_sandbox(&sandbox.id).unwrap();
+    service.close();
+}
+
+#[test]
+fn standby_shells_serve_the_file_backend() {
+    creates_and_wakes_take_standby_shells(MemoryBackend::File);
+}
+
+#[test]
+fn standby_shells_serve_the_uffd_shared_backend() {
+    creates_and_wakes_take_standby_shells(MemoryBackend::UffdShared);
+}
+
+#[test]
+fn standby_shells_serve_the_uffd_backend() {
+    creates_and_wakes_take_standby_shells(MemoryBackend::Uffd);
+}
+
+#[test]
+fn without_a_pool_creates_restore_cold() {
+    let data = DataDir::new("engine-cold");
+    let service = service(&data, 0, MemoryBackend::File);
+    let sandbox = create(&service);
+    let report = sandbox.restore.clone().unwrap();
+    assert_eq!(report.path, RestorePath::Cold, "{report:?}");
+    guest_runs(&data, sandbox.id.as_str());
+    let metrics = service.metrics();
+    assert!(
+        metrics.contains("torpor_restores_total{path=\"cold\",backend=\"file\"} 1"),
+        "{metrics}"
+    );
+    service.delete_sandbox(&sandbox.id).unwrap();
+}
+
+/// The directory the next hibernation of `sandbox` writes.
+fn next_snapshot_dir(data: &DataDir, s: &torpor_scheduler::model::Sandbox) -> PathBuf {
+    data.0
+        .canonicalize()
+        .unwrap()
+        .join("sandboxes")
+        .join(s.id.as_str())
+        .join(format!("snap-{}", s.generation + 1))
+}
+
+#[test]
+fn a_failed_hibernation_returns_to_the_state_it_came_from() {
+    let data = DataDir::new("engine-rollback");
+    let service = service(&data, 0, MemoryBackend::File);
+    for paused in [true, false] {
+        let sandbox = create(&service);
+        if paused {
+            service.pause(&sandbox.id).expect("pause");
+        }
+        let sandbox = service.get_sandbox(&sandbox.id).unwrap();
+        // A file where the snapshot directory goes: the VMM cannot write it.
+        std::fs::write(next_snapshot_dir(&data, &sandbox), b"in the way").unwrap();
+        let err = service
+            .hibernate(&sandbox.id)
+            .expect_err("hibernate must fail");
+        assert!(
+            matches!(&err, ServiceError::Vm(e) if e.kind == ErrorKind::Io),
+            "{err:?}"
+        );
+        let after = service.get_sandbox(&sandbox.id).unwrap();
+        let want = if paused {
+            SandboxState::Paused
+        } else {
+            SandboxState::Running
+        };
+        assert_eq!(after.state, want, "paused={paused}");
+        // The VMM is still there and in that state.
+        let status = torpor_vmm_api::control::request(
+            &after.vmm.as_ref().unwrap().control_socket,
+            &torpor_vmm_api::control::Request::Status,
+            WAIT,
+        )
+        .unwrap();
+        let vm_state = if paused {
+            torpor_vmm_api::control::VmState::Paused
+        } else {
+            torpor_vmm_api::control::VmState::Running
+        };
+        assert_eq!(status.state, vm_state);
+        service.delete_sandbox(&sandbox.id).unwrap();
+    }
+}
+
+/// A tmpfs of `kib` KiB mounted at `dir` for the test's life.
+struct SmallDisk(PathBuf);
+
+impl SmallDisk {
+    fn mount(dir: &Path, kib: u64) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={kib}k"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .expect("run mount");
+        assert!(
+            out.status.success(),
+            "this test mounts a small tmpfs (needs root): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        SmallDisk(dir.to_path_buf())
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn a_full_disk_under_a_hibernation_is_no_space() {
+    let data = DataDir::new("engine-enospc");
+    let service = service(&data, 0, MemoryBackend::File);
+    let sandbox = create(&service);
+    guest_runs(&data, sandbox.id.as_str());
+    let sandbox = service.get_sandbox(&sandbox.id).unwrap();
+    let err = {
+        let _disk = SmallDisk::mount(&next_snapshot_dir(&data, &sandbox), 16);
+        service
+            .hibernate(&sandbox.id)
+            .expect_err("16 KiB cannot hold it")
+    };
+    assert!(
+        matches!(&err, ServiceError::Vm(e) if e.kind == ErrorKind::NoSpace),
+        "{err:?}"
+    );
+    assert_eq!(
+        service.get_sandbox(&sandbox.id).unwrap().state,
+        SandboxState::Running
+    );
+    service.delete_sandbox(&sandbox.id).unwrap();
+}
