@@ -31,7 +31,7 @@ use super::layers::{commit_layer, diff_allowed, layer_chain, parent_checkpoint};
 use super::{vmm, Outcome, Service, ServiceError, LOCAL_POD};
 use crate::model::{Checkpoint, CheckpointId, PodId, Sandbox, SandboxId, Timestamp};
 use crate::state::SandboxState;
-use crate::store::{OperationKind, OperationStatus, StateChange};
+use crate::store::{OperationKind, OperationStatus, StateChange, Tx};
 
 /// Longest checkpoint name.
 pub const MAX_CHECKPOINT_NAME: usize = 64;
@@ -209,17 +209,22 @@ impl Service {
             return Err(refuse(&sandbox, "restore"));
         }
         let checkpoint = self.store.find_checkpoint(id, &req.checkpoint)?;
-        if sandbox.state == SandboxState::Hibernated {
-            self.admit(sandbox.mem_mib, false)?;
-        }
         let from = sandbox.state;
         let snapshot = checkpoint.snapshot_dir.clone();
-        let op = self.store.begin_operation(
-            Some(id),
-            OperationKind::Restore,
-            &json!({ "checkpoint": checkpoint.id, "snapshot": snapshot, "from": from }),
-            Some(&StateChange::new(from, SandboxState::Resuming)),
-        )?;
+        let begin = |tx: &Tx<'_>| {
+            tx.begin_operation(
+                Some(id),
+                OperationKind::Restore,
+                &json!({ "checkpoint": checkpoint.id, "snapshot": snapshot, "from": from }),
+                Some(&StateChange::new(from, SandboxState::Resuming)),
+            )
+        };
+        // A hibernated sandbox's memory counts again once it is resuming.
+        let op = if from == SandboxState::Hibernated {
+            self.admit_with(sandbox.mem_mib, false, begin)?
+        } else {
+            self.store.write(begin)?
+        };
         self.stop_vmm(&sandbox)?;
         self.stall("restore-stopped");
         match self.start_vmm(id, &snapshot) {
@@ -268,6 +273,8 @@ impl Service {
             validate_checkpoint_name(name)?;
         }
         let source = self.store.get_sandbox(id)?;
+        // Early, so that a full pod refuses before a snapshot is taken; the
+        // admission that counts is the fork's insert below.
         self.admit(source.mem_mib, req.queue)?;
         let source_lock = self.lock_for(id);
         let source_guard = source_lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -312,7 +319,7 @@ impl Service {
         let fork_lock = self.lock_for(&fork.id);
         let _fork_guard = fork_lock.lock().unwrap_or_else(|e| e.into_inner());
         let chain = layer_chain(&snapshot)?;
-        let op = self.store.write(|tx| {
+        let op = self.admit_with(fork.mem_mib, false, |tx| {
             tx.register_layers(&chain)?;
             tx.insert_sandbox(&fork)?;
             tx.begin_operation(

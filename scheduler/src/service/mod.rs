@@ -126,6 +126,9 @@ impl From<StoreError> for ServiceError {
             )),
             StoreError::AlreadyExists { .. } => ServiceError::ResourceConflict(e.to_string()),
             StoreError::TemplateConflict { .. } => ServiceError::Invalid(e.to_string()),
+            StoreError::Full { .. } => ServiceError::Admission {
+                message: e.to_string(),
+            },
             StoreError::InvalidRatio(_) | StoreError::Invalid { .. } => {
                 ServiceError::Invalid(e.to_string())
             }

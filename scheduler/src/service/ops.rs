@@ -12,11 +12,19 @@ use super::vmm::{self, VmmFiles};
 use super::{CreateSandbox, CreateTemplate, Outcome, PodView, Service, ServiceError, LOCAL_POD};
 use crate::model::{PodId, Sandbox, SandboxId, Template, TemplateId, TemplateState, Timestamp};
 use crate::state::{can, Operation, SandboxState};
-use crate::store::{OperationKind, OperationStatus, SandboxFilter, StateChange};
+use crate::store::{
+    OperationKind, OperationStatus, Result as StoreResult, SandboxFilter, StateChange, StoreError,
+    Tx,
+};
 
 /// Diff snapshots on top of each other before a hibernation writes a full
 /// one instead (restores read every layer of the chain).
 pub(super) const MAX_DIFF_DEPTH: usize = 16;
+
+/// How long a create or fork with `queue` waits for room on the pod.
+const QUEUE_LIMIT: Duration = Duration::from_secs(30);
+/// How often a queued create or fork looks for room again.
+const QUEUE_POLL: Duration = Duration::from_millis(100);
 
 impl Service {
     /// Journals `op` rolled back with its compensating state change, and
@@ -79,47 +87,50 @@ impl Service {
 
     /// Memory (MiB) of sandboxes on the pod that hold a VMM.
     fn committed_mib(&self) -> Result<u64, ServiceError> {
-        let holding = [
-            SandboxState::Creating,
-            SandboxState::Running,
-            SandboxState::Paused,
-            SandboxState::Hibernating,
-            SandboxState::Resuming,
-        ];
-        let filter = SandboxFilter {
-            states: holding.to_vec(),
-            ..Default::default()
-        };
-        Ok(self
-            .store
-            .list_sandboxes(&filter)?
-            .iter()
-            .map(|s| u64::from(s.mem_mib))
-            .sum())
+        Ok(self.store.committed_mib()?)
     }
 
-    /// Refuses (or, with `queue`, waits for) memory beyond the pod's ratio.
+    /// Runs `f` in one transaction with the admission of `mem_mib` more on
+    /// the local pod, so that the check and what makes the memory count (an
+    /// insert, a state change in `f`) land together. A full pod is refused
+    /// (429), or with `queue` retried for up to [`QUEUE_LIMIT`].
+    pub(super) fn admit_with<T>(
+        &self,
+        mem_mib: u32,
+        queue: bool,
+        f: impl Fn(&Tx<'_>) -> StoreResult<T>,
+    ) -> Result<T, ServiceError> {
+        let pod = PodId::new(LOCAL_POD);
+        self.admission_loop(queue, || {
+            self.store.write(|tx| {
+                tx.admit(&pod, mem_mib)?;
+                f(tx)
+            })
+        })
+    }
+
+    /// Whether `mem_mib` more fits on the local pod now (or, with `queue`,
+    /// within [`QUEUE_LIMIT`]), without counting it: a cheap early refusal
+    /// before expensive work; the admission that counts is
+    /// [`Self::admit_with`].
     pub(super) fn admit(&self, mem_mib: u32, queue: bool) -> Result<(), ServiceError> {
-        let pod = self.store.get_pod(&PodId::new(LOCAL_POD))?;
-        let limit = (pod.memory_bytes >> 20) as f64 * pod.oversubscription_ratio;
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let pod = PodId::new(LOCAL_POD);
+        self.admission_loop(queue, || self.store.read(|tx| tx.admit(&pod, mem_mib)))
+    }
+
+    fn admission_loop<T>(
+        &self,
+        queue: bool,
+        mut attempt: impl FnMut() -> StoreResult<T>,
+    ) -> Result<T, ServiceError> {
+        let deadline = Instant::now() + QUEUE_LIMIT;
         loop {
-            let committed = self.committed_mib()?;
-            if (committed + u64::from(mem_mib)) as f64 <= limit {
-                return Ok(());
+            match attempt() {
+                Err(StoreError::Full { .. }) if queue && Instant::now() <= deadline => {
+                    std::thread::sleep(QUEUE_POLL);
+                }
+                other => return Ok(other?),
             }
-            if !queue || Instant::now() > deadline {
-                return Err(ServiceError::Admission {
-                    message: format!(
-                        "pod {} is full: {committed} MiB committed + {mem_mib} MiB asked > {limit:.0} MiB \
-                         (ratio {} x {} MiB); hibernate sandboxes or raise the ratio",
-                        pod.id,
-                        pod.oversubscription_ratio,
-                        pod.memory_bytes >> 20
-                    ),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(100));
         }
     }
 
@@ -136,7 +147,6 @@ impl Service {
                 template.id
             )));
         };
-        self.admit(template.mem_mib, req.queue)?;
         let keep_alive = req
             .keep_alive_ms
             .unwrap_or(self.config.default_keep_alive_ms);
@@ -153,13 +163,15 @@ impl Service {
             .map(|t| Timestamp(Timestamp::now().0 + t as i64));
         let lock = self.lock_for(&sandbox.id);
         let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.store.insert_sandbox(&sandbox)?;
-        let op = self.store.begin_operation(
-            Some(&sandbox.id),
-            OperationKind::Create,
-            &json!({ "snapshot": snapshot }),
-            None,
-        )?;
+        let op = self.admit_with(template.mem_mib, req.queue, |tx| {
+            tx.insert_sandbox(&sandbox)?;
+            tx.begin_operation(
+                Some(&sandbox.id),
+                OperationKind::Create,
+                &json!({ "snapshot": snapshot }),
+                None,
+            )
+        })?;
         match self.start_vmm(&sandbox.id, &snapshot) {
             Ok(()) => {
                 let change = StateChange::new(SandboxState::Creating, SandboxState::Running);
@@ -283,14 +295,15 @@ impl Service {
         let snapshot = sandbox.snapshot.clone().ok_or_else(|| {
             ServiceError::Internal(format!("hibernated sandbox {} has no snapshot", sandbox.id))
         })?;
-        self.admit(sandbox.mem_mib, false)?;
         let change = StateChange::new(SandboxState::Hibernated, SandboxState::Resuming);
-        let op = self.store.begin_operation(
-            Some(&sandbox.id),
-            OperationKind::Wake,
-            &json!({}),
-            Some(&change),
-        )?;
+        let op = self.admit_with(sandbox.mem_mib, false, |tx| {
+            tx.begin_operation(
+                Some(&sandbox.id),
+                OperationKind::Wake,
+                &json!({}),
+                Some(&change),
+            )
+        })?;
         match self.start_vmm(&sandbox.id, &snapshot) {
             Ok(()) => {
                 let change = StateChange::new(SandboxState::Resuming, SandboxState::Running);
