@@ -1,19 +1,25 @@
 //! The service in process over real probe VMMs: what concurrent lifecycle
-//! requests may and may not do. Admission under 200 parallel creates.
+//! requests may and may not do. Admission under 200 parallel creates, and
+//! lifetimes past their maximum through the HTTP API.
 
 mod common;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Barrier};
 
+use common::http::request;
 use common::serve::DataDir;
 use common::TORPOR;
+use serde_json::json;
 use torpor_scheduler::model::SandboxId;
 use torpor_scheduler::service::{
-    CreateSandbox, Service, ServiceConfig, ServiceError, LOCAL_POD, PROBE_TEMPLATE,
+    CreateSandbox, Service, ServiceConfig, ServiceError, LOCAL_POD, MAX_KEEP_ALIVE_MS,
+    MAX_TIMEOUT_MS, PROBE_TEMPLATE,
 };
 use torpor_scheduler::store::SandboxFilter;
 use torpor_scheduler::{PodId, SandboxState};
+
+const TOKEN: &str = "test-token-0123456789";
 
 /// A service on its own data directory, its policy off (tests run it
 /// themselves); its sandboxes are deleted when the test ends.
@@ -32,6 +38,10 @@ impl Harness {
             service,
             _data: data,
         }
+    }
+
+    fn state(&self, id: &SandboxId) -> SandboxState {
+        self.service.get_sandbox(id).unwrap().state
     }
 
     fn create(&self) -> Result<SandboxId, ServiceError> {
@@ -144,4 +154,87 @@ fn a_queued_create_waits_for_room() {
         let sandbox = queued.join().unwrap().expect("the queued create");
         assert_eq!(sandbox.state, SandboxState::Running);
     });
+}
+
+/// `timeout_ms` and `keep_alive_ms` past their maximum are 400 wherever
+/// they enter (create, fork, PATCH), and leave the sandbox as it was: a
+/// `timeout_ms` of u64::MAX used to wrap to an expiry in the past, and the
+/// next policy round deleted the sandbox.
+#[test]
+fn lifetimes_past_their_maximum_are_400_and_the_sandbox_lives_on() {
+    let h = Harness::new("svc-lifetimes");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let config = torpor_api::ApiConfig {
+        tokens: vec![TOKEN.into()],
+        ..Default::default()
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = runtime.spawn(torpor_api::serve(
+        listener,
+        h.service.clone(),
+        config,
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    let call = |method: &str, path: &str, body: serde_json::Value| {
+        let body = (!body.is_null()).then(|| body.to_string());
+        request(&addr, method, path, Some(TOKEN), body.as_deref())
+    };
+
+    let r = call("POST", "/v1/sandboxes", json!({"template": PROBE_TEMPLATE}));
+    assert_eq!(r.status, 201, "{}", r.body);
+    let created = r.json();
+    let id = created["id"].as_str().unwrap().to_string();
+    let path = format!("/v1/sandboxes/{id}");
+
+    for (field, max) in [
+        ("timeout_ms", MAX_TIMEOUT_MS),
+        ("keep_alive_ms", MAX_KEEP_ALIVE_MS),
+    ] {
+        for ms in [u64::MAX, i64::MAX as u64, i64::MAX as u64 + 1, max + 1] {
+            let r = call("PATCH", &path, json!({ field: ms }));
+            assert_eq!(r.status, 400, "PATCH {field} {ms}: {}", r.body);
+            assert_eq!(r.json()["error"]["code"], "invalid_request", "{}", r.body);
+            let body = json!({"template": PROBE_TEMPLATE, field: ms});
+            let r = call("POST", "/v1/sandboxes", body);
+            assert_eq!(r.status, 400, "create with {field} {ms}: {}", r.body);
+            let r = call("POST", &format!("{path}/fork"), json!({ field: ms }));
+            assert_eq!(r.status, 400, "fork with {field} {ms}: {}", r.body);
+        }
+    }
+    // Nothing changed, and a policy round leaves it alone.
+    h.service.run_policy();
+    let r = call("GET", &path, serde_json::Value::Null);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let now = r.json();
+    assert_eq!(now["state"], "running", "{now}");
+    assert_eq!(now["expires_at"], created["expires_at"], "{now}");
+    assert_eq!(now["keep_alive_ms"], created["keep_alive_ms"], "{now}");
+    let all = h.service.list_sandboxes(SandboxFilter::default()).unwrap();
+    assert_eq!(all.len(), 1, "no sandbox was created by a refused request");
+
+    // The maximum itself is taken.
+    let r = call(
+        "PATCH",
+        &path,
+        json!({"timeout_ms": MAX_TIMEOUT_MS, "keep_alive_ms": MAX_KEEP_ALIVE_MS}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let patched = r.json();
+    assert_eq!(patched["keep_alive_ms"], MAX_KEEP_ALIVE_MS);
+    assert!(patched["expires_at"].as_i64().unwrap() > now["created_at"].as_i64().unwrap());
+    h.service.run_policy();
+    assert_eq!(h.state(&SandboxId::new(id)), SandboxState::Running);
+
+    let _ = stop.send(());
+    runtime.block_on(server).unwrap().unwrap();
 }

@@ -28,6 +28,7 @@ use serde_json::json;
 use torpor_vmm::control::Request;
 
 use super::layers::{commit_layer, diff_allowed, layer_chain, parent_checkpoint};
+use super::lifetime::{check_lifetimes, expiry};
 use super::{vmm, Outcome, Service, ServiceError, LOCAL_POD};
 use crate::model::{Checkpoint, CheckpointId, PodId, Sandbox, SandboxId, Timestamp};
 use crate::state::SandboxState;
@@ -66,8 +67,10 @@ pub struct RestoreCheckpoint {
 pub struct ForkSandbox {
     #[serde(default)]
     pub checkpoint: Option<String>,
+    /// At most [`super::MAX_KEEP_ALIVE_MS`].
     #[serde(default)]
     pub keep_alive_ms: Option<u64>,
+    /// At most [`super::MAX_TIMEOUT_MS`].
     #[serde(default)]
     pub timeout_ms: Option<u64>,
     #[serde(default)]
@@ -269,6 +272,7 @@ impl Service {
     /// Creates a new sandbox from the source's checkpoint, or from a fresh
     /// snapshot of its current state; the source goes on as it was.
     pub fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
+        check_lifetimes(req.keep_alive_ms, req.timeout_ms)?;
         if let Some(name) = &req.checkpoint {
             validate_checkpoint_name(name)?;
         }
@@ -290,7 +294,8 @@ impl Service {
         fork.pod = Some(PodId::new(LOCAL_POD));
         fork.expires_at = req
             .timeout_ms
-            .map(|t| Timestamp(Timestamp::now().0 + t as i64));
+            .map(|t| expiry(Timestamp::now(), t))
+            .transpose()?;
         let snapshot = match &req.checkpoint {
             Some(name) => {
                 if matches!(source.state, SandboxState::Deleted) {

@@ -10,6 +10,7 @@
 mod checkpoint;
 pub mod guest;
 mod layers;
+mod lifetime;
 mod linux;
 mod ops;
 mod policy;
@@ -33,6 +34,7 @@ pub use checkpoint::{
     MAX_CHECKPOINT_NAME, STALL_ENV,
 };
 pub use guest::{GuestCall, GuestError};
+pub use lifetime::{check_lifetimes, MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS};
 pub use linux::{host_guests, HostGuests};
 pub use policy::Metrics;
 
@@ -50,7 +52,8 @@ pub struct ServiceConfig {
     pub data_dir: PathBuf,
     /// The `torpor` executable whose `vmm` subcommand runs each sandbox.
     pub vmm_exe: PathBuf,
-    /// Default keep-alive before an idle sandbox is hibernated.
+    /// Default keep-alive before an idle sandbox is hibernated (at most
+    /// [`MAX_KEEP_ALIVE_MS`]).
     pub default_keep_alive_ms: u64,
     /// Oversubscription ratio of the local pod when it is first created.
     pub default_ratio: f64,
@@ -184,8 +187,10 @@ fn default_vcpus() -> u32 {
 pub struct CreateSandbox {
     /// Template id or name.
     pub template: String,
+    /// Idle time before it is hibernated; at most [`MAX_KEEP_ALIVE_MS`].
     #[serde(default)]
     pub keep_alive_ms: Option<u64>,
+    /// Deleted this long after creation; at most [`MAX_TIMEOUT_MS`].
     #[serde(default)]
     pub timeout_ms: Option<u64>,
     #[serde(default)]
@@ -238,6 +243,7 @@ impl Service {
     /// Opens the store, recovers from an unclean stop, makes sure the local
     /// pod and the built-in probe template exist, and starts the policy.
     pub fn open(mut config: ServiceConfig) -> Result<Arc<Self>, ServiceError> {
+        check_lifetimes(Some(config.default_keep_alive_ms), None)?;
         for sub in ["sandboxes", "templates"] {
             std::fs::create_dir_all(config.data_dir.join(sub))
                 .map_err(|e| ServiceError::Internal(format!("create data dir: {e}")))?;

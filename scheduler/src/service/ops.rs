@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use torpor_vmm::control::Request;
 
+use super::lifetime::{check_lifetimes, expiry};
 use super::vmm::{self, VmmFiles};
 use super::{CreateSandbox, CreateTemplate, Outcome, PodView, Service, ServiceError, LOCAL_POD};
 use crate::model::{PodId, Sandbox, SandboxId, Template, TemplateId, TemplateState, Timestamp};
@@ -136,6 +137,7 @@ impl Service {
 
     /// Creates a sandbox from a ready template: restore of its snapshot.
     pub fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
+        check_lifetimes(req.keep_alive_ms, req.timeout_ms)?;
         let template = self.find_template(&req.template)?;
         let Some(snapshot) = template
             .snapshot_dir
@@ -160,7 +162,8 @@ impl Service {
         sandbox.pod = Some(PodId::new(LOCAL_POD));
         sandbox.expires_at = req
             .timeout_ms
-            .map(|t| Timestamp(Timestamp::now().0 + t as i64));
+            .map(|t| expiry(Timestamp::now(), t))
+            .transpose()?;
         let lock = self.lock_for(&sandbox.id);
         let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
         let op = self.admit_with(template.mem_mib, req.queue, |tx| {
@@ -434,16 +437,19 @@ impl Service {
         Ok(())
     }
 
+    /// Sets the keep-alive and (from now) the timeout; each at most its
+    /// maximum ([`super::MAX_KEEP_ALIVE_MS`], [`super::MAX_TIMEOUT_MS`]).
     pub fn set_timeout(
         &self,
         id: &SandboxId,
         keep_alive_ms: Option<u64>,
         timeout_ms: Option<u64>,
     ) -> Result<Sandbox, ServiceError> {
+        check_lifetimes(keep_alive_ms, timeout_ms)?;
         let sandbox = self.store.get_sandbox(id)?;
         let keep_alive = keep_alive_ms.unwrap_or(sandbox.keep_alive_ms);
         let expires = match timeout_ms {
-            Some(t) => Some(Timestamp(Timestamp::now().0 + t as i64)),
+            Some(t) => Some(expiry(Timestamp::now(), t)?),
             None => sandbox.expires_at,
         };
         self.store.set_sandbox_timeout(id, keep_alive, expires)?;

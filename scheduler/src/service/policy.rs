@@ -10,6 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, TryLockError, Weak};
 use std::time::Duration;
 
+use super::lifetime::idle_past_keep_alive;
 use super::vmm::{self, PageFaults};
 use super::{Outcome, Service, ServiceError, LOCAL_POD};
 use crate::model::{PodId, SandboxId, Timestamp};
@@ -355,7 +356,7 @@ impl Service {
         }
         if reason == PolicyReason::Idle {
             let s = self.store.get_sandbox(id).ok()?;
-            if Timestamp::now().0 - s.last_active_at.0 < s.keep_alive_ms as i64 {
+            if !idle_past_keep_alive(&s, Timestamp::now()) {
                 return None;
             }
         }
@@ -381,9 +382,7 @@ impl Service {
             if s.expires_at.is_some_and(|t| t.0 <= now.0) {
                 tracing::info!(sandbox = %s.id, "timeout reached; deleting");
                 let _ = self.delete_sandbox(&s.id);
-            } else if s.state == SandboxState::Running
-                && now.0 - s.last_active_at.0 >= s.keep_alive_ms as i64
-            {
+            } else if s.state == SandboxState::Running && idle_past_keep_alive(s, now) {
                 if let Some(Err(e)) = self.policy_hibernate(&s.id, PolicyReason::Idle) {
                     tracing::warn!(sandbox = %s.id, "idle hibernation failed: {e}");
                 }
