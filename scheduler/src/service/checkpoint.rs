@@ -138,8 +138,7 @@ impl Service {
         req: CreateCheckpoint,
     ) -> Result<Checkpoint, ServiceError> {
         validate_checkpoint_name(&req.name)?;
-        let lock = self.lock_for(id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.lock_sandbox(id)?;
         let sandbox = self.store.get_sandbox(id)?;
         if !holds_snapshot(sandbox.state) {
             return Err(refuse(&sandbox, "checkpoint"));
@@ -189,8 +188,7 @@ impl Service {
     /// Removes a checkpoint's name; its layers stay while anything else
     /// (the sandbox's later snapshots, forks) sits on them.
     pub fn delete_checkpoint(&self, id: &SandboxId, name: &str) -> Result<(), ServiceError> {
-        let lock = self.lock_for(id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.lock_sandbox(id)?;
         let checkpoint = self.store.find_checkpoint(id, name)?;
         self.store.remove_checkpoint(&checkpoint.id)?;
         self.remove_dead_layers();
@@ -205,8 +203,7 @@ impl Service {
         req: RestoreCheckpoint,
     ) -> Result<Outcome, ServiceError> {
         let started = Instant::now();
-        let lock = self.lock_for(id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.lock_sandbox(id)?;
         let sandbox = self.store.get_sandbox(id)?;
         if !holds_snapshot(sandbox.state) {
             return Err(refuse(&sandbox, "restore"));
@@ -280,8 +277,7 @@ impl Service {
         // Early, so that a full pod refuses before a snapshot is taken; the
         // admission that counts is the fork's insert below.
         self.admit(source.mem_mib, req.queue)?;
-        let source_lock = self.lock_for(id);
-        let source_guard = source_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let source_guard = self.lock_sandbox(id)?;
         let source = self.store.get_sandbox(id)?;
         let mut fork = Sandbox::new(
             source.template.clone(),
@@ -321,8 +317,7 @@ impl Service {
         // The fork's row references the snapshot before the source's lock
         // goes: from here on the layers are the fork's too.
         fork.snapshot = Some(snapshot.clone());
-        let fork_lock = self.lock_for(&fork.id);
-        let _fork_guard = fork_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _fork_guard = self.lock_sandbox(&fork.id)?;
         let chain = layer_chain(&snapshot)?;
         let op = self.admit_with(fork.mem_mib, false, |tx| {
             tx.register_layers(&chain)?;

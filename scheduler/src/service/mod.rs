@@ -12,6 +12,7 @@ pub mod guest;
 mod layers;
 mod lifetime;
 mod linux;
+mod locks;
 mod ops;
 mod policy;
 mod recovery;
@@ -229,8 +230,8 @@ pub struct PodView {
 pub struct Service {
     config: ServiceConfig,
     store: Store,
-    /// Per-sandbox operation locks.
-    locks: Mutex<HashMap<SandboxId, Arc<Mutex<()>>>>,
+    /// Per-sandbox operation locks (only held ones are kept).
+    locks: locks::SandboxLocks,
     /// VMM processes this service started (others were re-attached).
     children: Mutex<HashMap<SandboxId, Child>>,
     metrics: Metrics,
@@ -256,7 +257,7 @@ impl Service {
         let service = Arc::new(Self {
             config,
             store,
-            locks: Mutex::new(HashMap::new()),
+            locks: locks::SandboxLocks::default(),
             children: Mutex::new(HashMap::new()),
             metrics: Metrics::default(),
             in_flight: policy::InFlight::default(),
@@ -303,14 +304,23 @@ impl Service {
         Ok(())
     }
 
-    /// The lock serialising operations on one sandbox.
-    fn lock_for(&self, id: &SandboxId) -> Arc<Mutex<()>> {
-        self.locks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(id.clone())
-            .or_default()
-            .clone()
+    /// Takes the lock serialising operations on sandbox `id`, waiting for
+    /// the operation that holds it. An id that is not a sandbox id (`sbx_`
+    /// and 16 hex characters) names no sandbox: not found, and no lock.
+    fn lock_sandbox(&self, id: &SandboxId) -> Result<locks::SandboxGuard<'_>, ServiceError> {
+        if !SandboxId::is_well_formed(id.as_str()) {
+            return Err(ServiceError::NotFound {
+                kind: "sandbox",
+                id: id.to_string(),
+            });
+        }
+        Ok(self.locks.lock(id))
+    }
+
+    /// How many per-sandbox locks the service keeps (those held).
+    #[cfg(test)]
+    pub(crate) fn lock_entries(&self) -> usize {
+        self.locks.len()
     }
 
     fn sandbox_dir(&self, id: &SandboxId) -> PathBuf {
@@ -321,3 +331,6 @@ impl Service {
         &self.metrics
     }
 }
+
+#[cfg(test)]
+mod lifecycle_tests;

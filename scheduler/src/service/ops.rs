@@ -164,8 +164,7 @@ impl Service {
             .timeout_ms
             .map(|t| expiry(Timestamp::now(), t))
             .transpose()?;
-        let lock = self.lock_for(&sandbox.id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.lock_sandbox(&sandbox.id)?;
         let op = self.admit_with(template.mem_mib, req.queue, |tx| {
             tx.insert_sandbox(&sandbox)?;
             tx.begin_operation(
@@ -244,8 +243,7 @@ impl Service {
 
     /// Resumes a paused sandbox, or wakes a hibernated one.
     pub fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        let lock = self.lock_for(id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.lock_sandbox(id)?;
         let sandbox = self.store.get_sandbox(id)?;
         if sandbox.state == SandboxState::Hibernated {
             return self.wake_locked(sandbox);
@@ -267,8 +265,7 @@ impl Service {
         kind: OperationKind,
         req: Request,
     ) -> Result<Outcome, ServiceError> {
-        let lock = self.lock_for(id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.lock_sandbox(id)?;
         let sandbox = self.store.get_sandbox(id)?;
         let path =
             can(op, sandbox.state).map_err(|e| ServiceError::illegal(id, e, kind.as_str()))?;
@@ -340,8 +337,7 @@ impl Service {
     /// Makes sure the sandbox runs (waking it if hibernated) and marks it
     /// active: what every guest-facing request does first.
     pub fn ensure_running(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        let lock = self.lock_for(id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.lock_sandbox(id)?;
         let sandbox = self.store.get_sandbox(id)?;
         can(Operation::Exec, sandbox.state).map_err(|e| ServiceError::illegal(id, e, "reach"))?;
         if sandbox.state == SandboxState::Hibernated {
@@ -358,8 +354,7 @@ impl Service {
     /// Hibernates: pause, diff snapshot on the snapshot it runs from (full
     /// past `MAX_DIFF_DEPTH` layers), end the VMM.
     pub fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        let lock = self.lock_for(id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.lock_sandbox(id)?;
         self.hibernate_locked(id)
     }
 
@@ -419,8 +414,7 @@ impl Service {
 
     /// Deletes a sandbox: its VMM and files go, its row stays as deleted.
     pub fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
-        let lock = self.lock_for(id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.lock_sandbox(id)?;
         let sandbox = self.store.get_sandbox(id)?;
         if sandbox.state == SandboxState::Deleted {
             return Ok(());

@@ -7,7 +7,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, TryLockError, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use super::lifetime::idle_past_keep_alive;
@@ -344,12 +344,7 @@ impl Service {
         id: &SandboxId,
         reason: PolicyReason,
     ) -> Option<Result<Outcome, ServiceError>> {
-        let lock = self.lock_for(id);
-        let _guard = match lock.try_lock() {
-            Ok(g) => g,
-            Err(TryLockError::Poisoned(e)) => e.into_inner(),
-            Err(TryLockError::WouldBlock) => return None,
-        };
+        let _guard = self.locks.try_lock(id)?;
         if self.in_flight.contains(id) {
             tracing::debug!(sandbox = %id, "a guest request is in flight; not hibernating");
             return None;
@@ -406,8 +401,7 @@ impl Service {
         if !gone {
             return;
         }
-        let lock = self.lock_for(&s.id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.locks.lock(&s.id);
         let Ok(current) = self.store.get_sandbox(&s.id) else {
             return;
         };
