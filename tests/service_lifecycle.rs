@@ -1,6 +1,7 @@
 //! The service in process over real probe VMMs: what concurrent lifecycle
-//! requests may and may not do. Admission under 200 parallel creates, and
-//! lifetimes past their maximum through the HTTP API.
+//! requests may and may not do. Admission under 200 parallel creates, a
+//! resume racing a hibernate, and lifetimes past their maximum through the
+//! HTTP API.
 
 mod common;
 
@@ -154,6 +155,83 @@ fn a_queued_create_waits_for_room() {
         let sandbox = queued.join().unwrap().expect("the queued create");
         assert_eq!(sandbox.state, SandboxState::Running);
     });
+}
+
+/// The first CPU this thread may run on.
+fn first_cpu() -> usize {
+    // SAFETY: a zeroed cpu_set_t is an empty set; sched_getaffinity fills it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        assert_eq!(
+            libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set),
+            0
+        );
+        (0..libc::CPU_SETSIZE as usize)
+            .find(|&c| libc::CPU_ISSET(c, &set))
+            .expect("a CPU")
+    }
+}
+
+/// Pins the calling thread to `cpu`.
+fn pin_to(cpu: usize) {
+    // SAFETY: as above; sched_setaffinity(0) affects the calling thread only.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set),
+            0
+        );
+    }
+}
+
+/// A resume of a paused sandbox holds its lock from the state it reads to
+/// the state it writes: a hibernate racing it runs wholly before or after,
+/// never in between (which answered 500: "sandbox ... has no VMM"). Both
+/// threads run on one CPU, where the resume's release of the lock wakes
+/// the hibernate onto the CPU the resume is on (before the fix, one run of
+/// 60 rounds hit it about two times in three; the deterministic version is
+/// the scheduler's `a_hibernate_waiting_for_the_lock_cannot_come_between_a_resume`).
+#[test]
+fn resume_racing_hibernate_on_a_paused_sandbox_never_fails() {
+    const ROUNDS: usize = 60;
+    let h = Harness::new("svc-resume-race");
+    let id = h.create().unwrap();
+    let cpu = first_cpu();
+    for round in 0..ROUNDS {
+        if h.state(&id) != SandboxState::Running {
+            h.service.resume(&id).unwrap();
+        }
+        h.service.pause(&id).unwrap();
+        let start = Barrier::new(2);
+        let (resumed, hibernated) = std::thread::scope(|scope| {
+            let resume = scope.spawn(|| {
+                pin_to(cpu);
+                start.wait();
+                h.service.resume(&id)
+            });
+            let hibernate = scope.spawn(|| {
+                pin_to(cpu);
+                start.wait();
+                h.service.hibernate(&id)
+            });
+            (resume.join().unwrap(), hibernate.join().unwrap())
+        });
+        for (what, r) in [
+            ("resume", resumed.map(drop)),
+            ("hibernate", hibernated.map(drop)),
+        ] {
+            match r {
+                Ok(()) | Err(ServiceError::Conflict { .. }) => {}
+                Err(e) => panic!("round {round}: {what} failed: {e}"),
+            }
+        }
+        let state = h.state(&id);
+        assert!(
+            matches!(state, SandboxState::Running | SandboxState::Hibernated),
+            "round {round}: {state}"
+        );
+    }
 }
 
 /// `timeout_ms` and `keep_alive_ms` past their maximum are 400 wherever

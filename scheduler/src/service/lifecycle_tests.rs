@@ -2,11 +2,14 @@
 //! ready probe template (so opening boots nothing) and sandboxes written
 //! straight to the store. For what needs no guest: locks and lookups.
 
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
+use std::process::{Child, Command};
 use std::sync::Arc;
 
 use super::*;
-use crate::model::{random_hex, Sandbox, Template, TemplateId, TemplateState};
+use crate::model::{random_hex, Sandbox, Template, TemplateId, TemplateState, VmmHandle};
 
 /// A data directory removed when the test ends.
 struct Scratch(PathBuf);
@@ -135,4 +138,87 @@ fn a_deleted_sandbox_leaves_no_lock_behind() {
     let errors = every_locking_operation(&service, &id);
     assert!(!errors.is_empty());
     assert_eq!(service.lock_entries(), 0);
+}
+
+/// A stand-in VMM: a harmless process for the pid and a control socket
+/// that answers every request `{"ok":true}`.
+struct FakeVmm {
+    process: Child,
+    handle: VmmHandle,
+}
+
+impl FakeVmm {
+    fn start(dir: &std::path::Path) -> Self {
+        let socket = dir.join(format!("fake-{}.sock", random_hex(4)));
+        let listener = UnixListener::bind(&socket).unwrap();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { return };
+                let mut line = String::new();
+                if BufReader::new(&conn).read_line(&mut line).is_ok() {
+                    let _ = conn.write_all(b"{\"ok\":true}\n");
+                }
+            }
+        });
+        let process = Command::new("sleep").arg("600").spawn().unwrap();
+        let handle = VmmHandle {
+            pid: process.id(),
+            control_socket: socket,
+        };
+        FakeVmm { process, handle }
+    }
+}
+
+impl Drop for FakeVmm {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
+
+/// A resume of a paused sandbox holds the sandbox's lock from the state it
+/// reads to the state it writes. It used to release it in between and
+/// take it again: a hibernate waiting for the lock got it there, and the
+/// resume then found a hibernated sandbox without a VMM (500). The hook
+/// runs that hibernate (its store changes) at the first release.
+#[test]
+fn a_hibernate_waiting_for_the_lock_cannot_come_between_a_resume() {
+    let (dir, service, template) = service();
+    let vmm = FakeVmm::start(&dir.0);
+    let mut s = Sandbox::new(template.id.clone(), 64, 1, 60_000);
+    s.state = SandboxState::Paused;
+    s.pod = Some(PodId::new(LOCAL_POD));
+    s.snapshot = template.snapshot_dir.clone();
+    s.vmm = Some(vmm.handle.clone());
+    service.store().insert_sandbox(&s).unwrap();
+
+    let weak = Arc::downgrade(&service);
+    service.locks.on_next_release(move |id| {
+        let Some(service) = weak.upgrade() else {
+            return;
+        };
+        let _guard = service.locks.lock(id);
+        let from = service.store().get_sandbox(id).unwrap().state;
+        service
+            .store()
+            .write(|tx| {
+                tx.update_sandbox_state(id, from, SandboxState::Hibernating, None)?;
+                tx.set_sandbox_vmm(id, None)?;
+                tx.update_sandbox_state(
+                    id,
+                    SandboxState::Hibernating,
+                    SandboxState::Hibernated,
+                    None,
+                )
+            })
+            .unwrap();
+    });
+    let outcome = service.resume(&s.id).expect("the resume");
+    assert_eq!(outcome.sandbox.state, SandboxState::Running);
+    assert!(!outcome.resumed);
+    // The hibernate ran after it.
+    assert_eq!(
+        service.get_sandbox(&s.id).unwrap().state,
+        SandboxState::Hibernated
+    );
 }

@@ -14,7 +14,13 @@ use crate::model::SandboxId;
 pub(super) struct SandboxLocks {
     held: Mutex<HashSet<SandboxId>>,
     released: Condvar,
+    /// Tests: run once by the next release of a lock, right after it.
+    #[cfg(test)]
+    on_release: Mutex<Option<ReleaseHook>>,
 }
+
+#[cfg(test)]
+type ReleaseHook = Box<dyn FnOnce(&SandboxId) + Send>;
 
 /// One held sandbox lock; released when dropped.
 pub(super) struct SandboxGuard<'a> {
@@ -55,12 +61,31 @@ impl SandboxLocks {
     pub(super) fn len(&self) -> usize {
         self.held().len()
     }
+
+    /// Runs `hook` once, right after the next release of any lock: what
+    /// another request waiting for the lock would do first.
+    #[cfg(test)]
+    pub(super) fn on_next_release(&self, hook: impl FnOnce(&SandboxId) + Send + 'static) {
+        *self.on_release.lock().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(hook));
+    }
 }
 
 impl Drop for SandboxGuard<'_> {
     fn drop(&mut self) {
         self.locks.held().remove(&self.id);
         self.locks.released.notify_all();
+        #[cfg(test)]
+        {
+            let hook = self
+                .locks
+                .on_release
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+            if let Some(hook) = hook {
+                hook(&self.id);
+            }
+        }
     }
 }
 

@@ -9,6 +9,7 @@ use serde_json::json;
 use torpor_vmm::control::Request;
 
 use super::lifetime::{check_lifetimes, expiry};
+use super::locks::SandboxGuard;
 use super::vmm::{self, VmmFiles};
 use super::{CreateSandbox, CreateTemplate, Outcome, PodView, Service, ServiceError, LOCAL_POD};
 use crate::model::{PodId, Sandbox, SandboxId, Template, TemplateId, TemplateState, Timestamp};
@@ -238,35 +239,47 @@ impl Service {
     }
 
     pub fn pause(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        self.simple_transition(id, Operation::Pause, OperationKind::Pause, Request::Pause)
+        let held = self.lock_sandbox(id)?;
+        let sandbox = self.store.get_sandbox(id)?;
+        self.transition_locked(
+            &held,
+            sandbox,
+            Operation::Pause,
+            OperationKind::Pause,
+            Request::Pause,
+        )
     }
 
-    /// Resumes a paused sandbox, or wakes a hibernated one.
+    /// Resumes a paused sandbox, or wakes a hibernated one; the sandbox's
+    /// lock is held from the state read to the state written, so nothing
+    /// (a hibernate) comes in between.
     pub fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        let _guard = self.lock_sandbox(id)?;
+        let held = self.lock_sandbox(id)?;
         let sandbox = self.store.get_sandbox(id)?;
         if sandbox.state == SandboxState::Hibernated {
             return self.wake_locked(sandbox);
         }
-        drop(_guard);
-        self.simple_transition(
-            id,
+        self.transition_locked(
+            &held,
+            sandbox,
             Operation::Resume,
             OperationKind::Resume,
             Request::Resume,
         )
     }
 
-    /// Pause or resume: one control request and one state change.
-    fn simple_transition(
+    /// Pause or resume of `sandbox` as read under its lock, which the
+    /// caller holds (`_held`) until this returns: one control request and
+    /// one state change.
+    fn transition_locked(
         &self,
-        id: &SandboxId,
+        _held: &SandboxGuard<'_>,
+        sandbox: Sandbox,
         op: Operation,
         kind: OperationKind,
         req: Request,
     ) -> Result<Outcome, ServiceError> {
-        let _guard = self.lock_sandbox(id)?;
-        let sandbox = self.store.get_sandbox(id)?;
+        let id = &sandbox.id;
         let path =
             can(op, sandbox.state).map_err(|e| ServiceError::illegal(id, e, kind.as_str()))?;
         let Some(&to) = path.last() else {
