@@ -283,8 +283,10 @@ pub struct ServiceFlags {
     /// How often the hibernation policy runs, in ms (0 turns it off).
     #[arg(long, default_value_t = 1000)]
     pub policy_interval_ms: u64,
-    /// Default keep-alive of a sandbox before it is hibernated when idle.
-    #[arg(long, default_value_t = 300_000)]
+    /// Default keep-alive of a sandbox before it is hibernated when idle
+    /// (at most 30 days).
+    #[arg(long, default_value_t = 300_000,
+          value_parser = clap::value_parser!(u64).range(..=torpor_scheduler::service::MAX_KEEP_ALIVE_MS))]
     pub keep_alive_ms: u64,
     /// Longest a request may take (template builds boot a guest; under
     /// emulation that can take minutes); past it the answer is 504.

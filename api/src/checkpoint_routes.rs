@@ -9,7 +9,7 @@ use torpor_scheduler::model::{Checkpoint, SandboxId};
 
 use crate::backend::SandboxApi;
 use crate::handlers::{call, created, Api, ApiResult};
-use crate::service::{CreateCheckpoint, ForkSandbox, RestoreCheckpoint};
+use crate::service::{check_lifetimes, CreateCheckpoint, ForkSandbox, RestoreCheckpoint};
 use crate::wire::{ApiJson, OutcomeBody};
 
 /// `GET /v1/sandboxes/{id}/checkpoints`.
@@ -68,6 +68,7 @@ pub async fn fork<S: SandboxApi>(
     Path(id): Path<String>,
     ApiJson(body): ApiJson<ForkSandbox>,
 ) -> ApiResult<Response> {
+    check_lifetimes(body.keep_alive_ms, body.timeout_ms)?;
     let id = SandboxId::new(id);
     let sandbox = call(&st, move |s| s.fork_sandbox(&id, body)).await?;
     Ok(created(

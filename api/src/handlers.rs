@@ -13,7 +13,7 @@ use torpor_scheduler::model::{PodId, SandboxId, SandboxState, TemplateId, Templa
 use crate::backend::SandboxApi;
 use crate::error::ApiError;
 use crate::service::ServiceError;
-use crate::service::{CreateSandbox, CreateTemplate};
+use crate::service::{check_lifetimes, CreateSandbox, CreateTemplate};
 use crate::wire::{
     sandbox_filter, ApiJson, Health, OutcomeBody, PodBody, PodList, PodPatch, SandboxList,
     SandboxPatch, TemplateList,
@@ -150,6 +150,8 @@ pub async fn create_sandbox<S: SandboxApi>(
     State(st): Api<S>,
     ApiJson(body): ApiJson<CreateSandbox>,
 ) -> ApiResult<Response> {
+    // Here too, not only in the service: a federation forwards the body.
+    check_lifetimes(body.keep_alive_ms, body.timeout_ms)?;
     let sandbox = call(&st, move |s| s.create_sandbox(body)).await?;
     let building = sandbox.state == SandboxState::Creating;
     Ok(created(
@@ -187,6 +189,7 @@ pub async fn update_sandbox<S: SandboxApi>(
             "nothing to change: give keep_alive_ms and/or timeout_ms",
         ));
     }
+    check_lifetimes(patch.keep_alive_ms, patch.timeout_ms)?;
     let id = SandboxId::new(id);
     let sandbox = call(&st, move |s| {
         s.set_timeout(&id, patch.keep_alive_ms, patch.timeout_ms)

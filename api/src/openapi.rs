@@ -135,6 +135,21 @@ mod tests {
         }
     }
 
+    /// The lifetimes' documented maxima are the service's.
+    #[test]
+    fn lifetime_maxima_match_the_service() {
+        use crate::service::{MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS};
+        let d = doc();
+        for schema in ["CreateSandbox", "SandboxPatch", "ForkSandbox"] {
+            let props = &d["components"]["schemas"][schema]["properties"];
+            assert_eq!(
+                props["keep_alive_ms"]["maximum"], MAX_KEEP_ALIVE_MS,
+                "{schema}"
+            );
+            assert_eq!(props["timeout_ms"]["maximum"], MAX_TIMEOUT_MS, "{schema}");
+        }
+    }
+
     #[test]
     fn sandbox_states_match_the_state_machine() {
         let d = doc();

@@ -5,7 +5,7 @@ mod common;
 
 use common::{Server, POD_ID, TEMPLATE_ID};
 use serde_json::{json, Value};
-use torpor_api::service::SandboxFilter;
+use torpor_api::service::{SandboxFilter, MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS};
 use torpor_scheduler::model::{PodId, SandboxState, TemplateId};
 
 async fn create(server: &Server, body: Value) -> Value {
@@ -363,4 +363,42 @@ async fn list_filters_reach_the_service() {
         .clone()
         .unwrap();
     assert_eq!(filter, SandboxFilter::default());
+}
+
+#[tokio::test]
+async fn lifetimes_past_their_maximum_are_400_before_the_service() {
+    let server = Server::start().await;
+    let sandbox = create(&server, json!({"template": "probe"})).await;
+    let id = sandbox["id"].as_str().unwrap();
+    let path = format!("/v1/sandboxes/{id}");
+    for (field, max) in [
+        ("timeout_ms", MAX_TIMEOUT_MS),
+        ("keep_alive_ms", MAX_KEEP_ALIVE_MS),
+    ] {
+        for ms in [u64::MAX, i64::MAX as u64, max + 1] {
+            let r = server
+                .call("PATCH", &path, Some(json!({ field: ms })))
+                .await;
+            let e = r.assert_error(400, "invalid_request");
+            assert!(e["message"].as_str().unwrap().contains(field), "{e}");
+            let body = json!({"template": "probe", field: ms});
+            let r = server.call("POST", "/v1/sandboxes", Some(body)).await;
+            r.assert_error(400, "invalid_request");
+            let fork = format!("{path}/fork");
+            let r = server.call("POST", &fork, Some(json!({ field: ms }))).await;
+            r.assert_error(400, "invalid_request");
+        }
+    }
+    // The service was never asked; the sandbox is as it was.
+    assert!(server.fake.state.lock().unwrap().last_timeout.is_none());
+    let r = server.call("GET", &path, None).await;
+    assert_eq!(r.json(), sandbox);
+    let r = server.call("GET", "/v1/sandboxes", None).await;
+    assert_eq!(r.json()["sandboxes"].as_array().unwrap().len(), 1);
+
+    // The maxima themselves are taken.
+    let body = json!({"timeout_ms": MAX_TIMEOUT_MS, "keep_alive_ms": MAX_KEEP_ALIVE_MS});
+    let r = server.call("PATCH", &path, Some(body)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["keep_alive_ms"], MAX_KEEP_ALIVE_MS);
 }

@@ -28,10 +28,11 @@ use serde_json::json;
 use torpor_vmm_api::control::Request;
 
 use super::layers::{commit_layer, diff_allowed, layer_chain, parent_checkpoint};
+use super::lifetime::{check_lifetimes, expiry};
 use super::{vmm, Outcome, Service, ServiceError, LOCAL_POD};
 use crate::model::{Checkpoint, CheckpointId, PodId, Sandbox, SandboxId, Timestamp};
 use crate::state::SandboxState;
-use crate::store::{OperationKind, OperationStatus, StateChange};
+use crate::store::{OperationKind, OperationStatus, StateChange, Tx};
 
 /// Longest checkpoint name.
 pub const MAX_CHECKPOINT_NAME: usize = 64;
@@ -66,8 +67,10 @@ pub struct RestoreCheckpoint {
 pub struct ForkSandbox {
     #[serde(default)]
     pub checkpoint: Option<String>,
+    /// At most [`super::MAX_KEEP_ALIVE_MS`].
     #[serde(default)]
     pub keep_alive_ms: Option<u64>,
+    /// At most [`super::MAX_TIMEOUT_MS`].
     #[serde(default)]
     pub timeout_ms: Option<u64>,
     #[serde(default)]
@@ -135,8 +138,7 @@ impl Service {
         req: CreateCheckpoint,
     ) -> Result<Checkpoint, ServiceError> {
         validate_checkpoint_name(&req.name)?;
-        let lock = self.lock_for(id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.lock_sandbox(id)?;
         let sandbox = self.store.get_sandbox(id)?;
         if !holds_snapshot(sandbox.state) {
             return Err(refuse(&sandbox, "checkpoint"));
@@ -186,8 +188,7 @@ impl Service {
     /// Removes a checkpoint's name; its layers stay while anything else
     /// (the sandbox's later snapshots, forks) sits on them.
     pub fn delete_checkpoint(&self, id: &SandboxId, name: &str) -> Result<(), ServiceError> {
-        let lock = self.lock_for(id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.lock_sandbox(id)?;
         let checkpoint = self.store.find_checkpoint(id, name)?;
         self.store.remove_checkpoint(&checkpoint.id)?;
         self.remove_dead_layers();
@@ -202,24 +203,28 @@ impl Service {
         req: RestoreCheckpoint,
     ) -> Result<Outcome, ServiceError> {
         let started = Instant::now();
-        let lock = self.lock_for(id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.lock_sandbox(id)?;
         let sandbox = self.store.get_sandbox(id)?;
         if !holds_snapshot(sandbox.state) {
             return Err(refuse(&sandbox, "restore"));
         }
         let checkpoint = self.store.find_checkpoint(id, &req.checkpoint)?;
-        if sandbox.state == SandboxState::Hibernated {
-            self.admit(sandbox.mem_mib, false)?;
-        }
         let from = sandbox.state;
         let snapshot = checkpoint.snapshot_dir.clone();
-        let op = self.store.begin_operation(
-            Some(id),
-            OperationKind::Restore,
-            &json!({ "checkpoint": checkpoint.id, "snapshot": snapshot, "from": from }),
-            Some(&StateChange::new(from, SandboxState::Resuming)),
-        )?;
+        let begin = |tx: &Tx<'_>| {
+            tx.begin_operation(
+                Some(id),
+                OperationKind::Restore,
+                &json!({ "checkpoint": checkpoint.id, "snapshot": snapshot, "from": from }),
+                Some(&StateChange::new(from, SandboxState::Resuming)),
+            )
+        };
+        // A hibernated sandbox's memory counts again once it is resuming.
+        let op = if from == SandboxState::Hibernated {
+            self.admit_with(sandbox.mem_mib, false, begin)?
+        } else {
+            self.store.write(begin)?
+        };
         self.stop_vmm(&sandbox)?;
         self.stall("restore-stopped");
         match self.start_vmm(id, &snapshot) {
@@ -264,13 +269,15 @@ impl Service {
     /// Creates a new sandbox from the source's checkpoint, or from a fresh
     /// snapshot of its current state; the source goes on as it was.
     pub fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
+        check_lifetimes(req.keep_alive_ms, req.timeout_ms)?;
         if let Some(name) = &req.checkpoint {
             validate_checkpoint_name(name)?;
         }
         let source = self.store.get_sandbox(id)?;
+        // Early, so that a full pod refuses before a snapshot is taken; the
+        // admission that counts is the fork's insert below.
         self.admit(source.mem_mib, req.queue)?;
-        let source_lock = self.lock_for(id);
-        let source_guard = source_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let source_guard = self.lock_sandbox(id)?;
         let source = self.store.get_sandbox(id)?;
         let mut fork = Sandbox::new(
             source.template.clone(),
@@ -283,7 +290,8 @@ impl Service {
         fork.pod = Some(PodId::new(LOCAL_POD));
         fork.expires_at = req
             .timeout_ms
-            .map(|t| Timestamp(Timestamp::now().0 + t as i64));
+            .map(|t| expiry(Timestamp::now(), t))
+            .transpose()?;
         let snapshot = match &req.checkpoint {
             Some(name) => {
                 if matches!(source.state, SandboxState::Deleted) {
@@ -309,10 +317,9 @@ impl Service {
         // The fork's row references the snapshot before the source's lock
         // goes: from here on the layers are the fork's too.
         fork.snapshot = Some(snapshot.clone());
-        let fork_lock = self.lock_for(&fork.id);
-        let _fork_guard = fork_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _fork_guard = self.lock_sandbox(&fork.id)?;
         let chain = layer_chain(&snapshot)?;
-        let op = self.store.write(|tx| {
+        let op = self.admit_with(fork.mem_mib, false, |tx| {
             tx.register_layers(&chain)?;
             tx.insert_sandbox(&fork)?;
             tx.begin_operation(

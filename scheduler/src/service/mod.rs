@@ -10,7 +10,9 @@
 mod checkpoint;
 pub mod guest;
 mod layers;
+mod lifetime;
 mod linux;
+mod locks;
 mod ops;
 mod policy;
 pub mod pool;
@@ -34,6 +36,7 @@ pub use checkpoint::{
     MAX_CHECKPOINT_NAME, STALL_ENV,
 };
 pub use guest::{GuestCall, GuestError};
+pub use lifetime::{check_lifetimes, MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS};
 pub use linux::HostGuests;
 pub use policy::Metrics;
 
@@ -59,7 +62,8 @@ pub struct ServiceConfig {
     pub vmm_exe: PathBuf,
     /// Which guests this host runs.
     pub host: HostGuests,
-    /// Default keep-alive before an idle sandbox is hibernated.
+    /// Default keep-alive before an idle sandbox is hibernated (at most
+    /// [`MAX_KEEP_ALIVE_MS`]).
     pub default_keep_alive_ms: u64,
     /// Oversubscription ratio of the local pod when it is first created.
     pub default_ratio: f64,
@@ -148,6 +152,9 @@ impl From<StoreError> for ServiceError {
             )),
             StoreError::AlreadyExists { .. } => ServiceError::ResourceConflict(e.to_string()),
             StoreError::TemplateConflict { .. } => ServiceError::Invalid(e.to_string()),
+            StoreError::Full { .. } => ServiceError::Admission {
+                message: e.to_string(),
+            },
             StoreError::InvalidRatio(_) | StoreError::Invalid { .. } => {
                 ServiceError::Invalid(e.to_string())
             }
@@ -203,8 +210,10 @@ fn default_vcpus() -> u32 {
 pub struct CreateSandbox {
     /// Template id or name.
     pub template: String,
+    /// Idle time before it is hibernated; at most [`MAX_KEEP_ALIVE_MS`].
     #[serde(default)]
     pub keep_alive_ms: Option<u64>,
+    /// Deleted this long after creation; at most [`MAX_TIMEOUT_MS`].
     #[serde(default)]
     pub timeout_ms: Option<u64>,
     #[serde(default)]
@@ -243,8 +252,8 @@ pub struct PodView {
 pub struct Service {
     config: ServiceConfig,
     store: Store,
-    /// Per-sandbox operation locks.
-    locks: Mutex<HashMap<SandboxId, Arc<Mutex<()>>>>,
+    /// Per-sandbox operation locks (only held ones are kept).
+    locks: locks::SandboxLocks,
     /// VMM processes this service started (others were re-attached).
     children: Mutex<HashMap<SandboxId, Child>>,
     metrics: Metrics,
@@ -259,6 +268,7 @@ impl Service {
     /// Opens the store, recovers from an unclean stop, makes sure the local
     /// pod and the built-in probe template exist, and starts the policy.
     pub fn open(mut config: ServiceConfig) -> Result<Arc<Self>, ServiceError> {
+        check_lifetimes(Some(config.default_keep_alive_ms), None)?;
         for sub in ["sandboxes", "templates"] {
             std::fs::create_dir_all(config.data_dir.join(sub))
                 .map_err(|e| ServiceError::Internal(format!("create data dir: {e}")))?;
@@ -276,7 +286,7 @@ impl Service {
         let service = Arc::new(Self {
             config,
             store,
-            locks: Mutex::new(HashMap::new()),
+            locks: locks::SandboxLocks::default(),
             children: Mutex::new(HashMap::new()),
             metrics: Metrics::default(),
             in_flight: policy::InFlight::default(),
@@ -331,14 +341,23 @@ impl Service {
         Ok(())
     }
 
-    /// The lock serialising operations on one sandbox.
-    fn lock_for(&self, id: &SandboxId) -> Arc<Mutex<()>> {
-        self.locks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(id.clone())
-            .or_default()
-            .clone()
+    /// Takes the lock serialising operations on sandbox `id`, waiting for
+    /// the operation that holds it. An id that is not a sandbox id (`sbx_`
+    /// and 16 hex characters) names no sandbox: not found, and no lock.
+    fn lock_sandbox(&self, id: &SandboxId) -> Result<locks::SandboxGuard<'_>, ServiceError> {
+        if !SandboxId::is_well_formed(id.as_str()) {
+            return Err(ServiceError::NotFound {
+                kind: "sandbox",
+                id: id.to_string(),
+            });
+        }
+        Ok(self.locks.lock(id))
+    }
+
+    /// How many per-sandbox locks the service keeps (those held).
+    #[cfg(test)]
+    pub(crate) fn lock_entries(&self) -> usize {
+        self.locks.len()
     }
 
     fn sandbox_dir(&self, id: &SandboxId) -> PathBuf {
@@ -349,3 +368,6 @@ impl Service {
         &self.metrics
     }
 }
+
+#[cfg(test)]
+mod lifecycle_tests;

@@ -9,6 +9,8 @@ use serde_json::json;
 use torpor_vmm_api::control::Request;
 use torpor_vmm_api::launch::{Console, LaunchMode, LaunchSpec, MemoryBackend, RestoreSpec};
 
+use super::lifetime::{check_lifetimes, expiry};
+use super::locks::SandboxGuard;
 use super::pool::Shell;
 use super::vmm::{self, VmmFiles};
 use super::{CreateSandbox, CreateTemplate, Outcome, PodView, Service, ServiceError, LOCAL_POD};
@@ -17,11 +19,19 @@ use crate::model::{
     Timestamp, VmmHandle,
 };
 use crate::state::{can, Operation, SandboxState};
-use crate::store::{OperationKind, OperationStatus, SandboxFilter, StateChange};
+use crate::store::{
+    OperationKind, OperationStatus, Result as StoreResult, SandboxFilter, StateChange, StoreError,
+    Tx,
+};
 
 /// Diff snapshots on top of each other before a hibernation writes a full
 /// one instead (restores read every layer of the chain).
 pub(super) const MAX_DIFF_DEPTH: usize = 16;
+
+/// How long a create or fork with `queue` waits for room on the pod.
+const QUEUE_LIMIT: Duration = Duration::from_secs(30);
+/// How often a queued create or fork looks for room again.
+const QUEUE_POLL: Duration = Duration::from_millis(100);
 
 impl Service {
     /// Journals `op` rolled back with its compensating state change, and
@@ -84,52 +94,56 @@ impl Service {
 
     /// Memory (MiB) of sandboxes on the pod that hold a VMM.
     fn committed_mib(&self) -> Result<u64, ServiceError> {
-        let holding = [
-            SandboxState::Creating,
-            SandboxState::Running,
-            SandboxState::Paused,
-            SandboxState::Hibernating,
-            SandboxState::Resuming,
-        ];
-        let filter = SandboxFilter {
-            states: holding.to_vec(),
-            ..Default::default()
-        };
-        Ok(self
-            .store
-            .list_sandboxes(&filter)?
-            .iter()
-            .map(|s| u64::from(s.mem_mib))
-            .sum())
+        Ok(self.store.committed_mib()?)
     }
 
-    /// Refuses (or, with `queue`, waits for) memory beyond the pod's ratio.
+    /// Runs `f` in one transaction with the admission of `mem_mib` more on
+    /// the local pod, so that the check and what makes the memory count (an
+    /// insert, a state change in `f`) land together. A full pod is refused
+    /// (429), or with `queue` retried for up to [`QUEUE_LIMIT`].
+    pub(super) fn admit_with<T>(
+        &self,
+        mem_mib: u32,
+        queue: bool,
+        f: impl Fn(&Tx<'_>) -> StoreResult<T>,
+    ) -> Result<T, ServiceError> {
+        let pod = PodId::new(LOCAL_POD);
+        self.admission_loop(queue, || {
+            self.store.write(|tx| {
+                tx.admit(&pod, mem_mib)?;
+                f(tx)
+            })
+        })
+    }
+
+    /// Whether `mem_mib` more fits on the local pod now (or, with `queue`,
+    /// within [`QUEUE_LIMIT`]), without counting it: a cheap early refusal
+    /// before expensive work; the admission that counts is
+    /// [`Self::admit_with`].
     pub(super) fn admit(&self, mem_mib: u32, queue: bool) -> Result<(), ServiceError> {
-        let pod = self.store.get_pod(&PodId::new(LOCAL_POD))?;
-        let limit = (pod.memory_bytes >> 20) as f64 * pod.oversubscription_ratio;
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let pod = PodId::new(LOCAL_POD);
+        self.admission_loop(queue, || self.store.read(|tx| tx.admit(&pod, mem_mib)))
+    }
+
+    fn admission_loop<T>(
+        &self,
+        queue: bool,
+        mut attempt: impl FnMut() -> StoreResult<T>,
+    ) -> Result<T, ServiceError> {
+        let deadline = Instant::now() + QUEUE_LIMIT;
         loop {
-            let committed = self.committed_mib()?;
-            if (committed + u64::from(mem_mib)) as f64 <= limit {
-                return Ok(());
+            match attempt() {
+                Err(StoreError::Full { .. }) if queue && Instant::now() <= deadline => {
+                    std::thread::sleep(QUEUE_POLL);
+                }
+                other => return Ok(other?),
             }
-            if !queue || Instant::now() > deadline {
-                return Err(ServiceError::Admission {
-                    message: format!(
-                        "pod {} is full: {committed} MiB committed + {mem_mib} MiB asked > {limit:.0} MiB \
-                         (ratio {} x {} MiB); hibernate sandboxes or raise the ratio",
-                        pod.id,
-                        pod.oversubscription_ratio,
-                        pod.memory_bytes >> 20
-                    ),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(100));
         }
     }
 
     /// Creates a sandbox from a ready template: restore of its snapshot.
     pub fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
+        check_lifetimes(req.keep_alive_ms, req.timeout_ms)?;
         let template = self.find_template(&req.template)?;
         let Some(snapshot) = template
             .snapshot_dir
@@ -141,7 +155,6 @@ impl Service {
                 template.id
             )));
         };
-        self.admit(template.mem_mib, req.queue)?;
         let keep_alive = req
             .keep_alive_ms
             .unwrap_or(self.config.default_keep_alive_ms);
@@ -155,16 +168,18 @@ impl Service {
         sandbox.pod = Some(PodId::new(LOCAL_POD));
         sandbox.expires_at = req
             .timeout_ms
-            .map(|t| Timestamp(Timestamp::now().0 + t as i64));
-        let lock = self.lock_for(&sandbox.id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.store.insert_sandbox(&sandbox)?;
-        let op = self.store.begin_operation(
-            Some(&sandbox.id),
-            OperationKind::Create,
-            &json!({ "snapshot": snapshot }),
-            None,
-        )?;
+            .map(|t| expiry(Timestamp::now(), t))
+            .transpose()?;
+        let _guard = self.lock_sandbox(&sandbox.id)?;
+        let op = self.admit_with(template.mem_mib, req.queue, |tx| {
+            tx.insert_sandbox(&sandbox)?;
+            tx.begin_operation(
+                Some(&sandbox.id),
+                OperationKind::Create,
+                &json!({ "snapshot": snapshot }),
+                None,
+            )
+        })?;
         match self.start_vmm(&sandbox.id, &snapshot) {
             Ok(report) => {
                 let change = StateChange::new(SandboxState::Creating, SandboxState::Running);
@@ -275,37 +290,47 @@ impl Service {
     }
 
     pub fn pause(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        self.simple_transition(id, Operation::Pause, OperationKind::Pause, Request::Pause)
+        let held = self.lock_sandbox(id)?;
+        let sandbox = self.store.get_sandbox(id)?;
+        self.transition_locked(
+            &held,
+            sandbox,
+            Operation::Pause,
+            OperationKind::Pause,
+            Request::Pause,
+        )
     }
 
-    /// Resumes a paused sandbox, or wakes a hibernated one.
+    /// Resumes a paused sandbox, or wakes a hibernated one; the sandbox's
+    /// lock is held from the state read to the state written, so nothing
+    /// (a hibernate) comes in between.
     pub fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        let lock = self.lock_for(id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let held = self.lock_sandbox(id)?;
         let sandbox = self.store.get_sandbox(id)?;
         if sandbox.state == SandboxState::Hibernated {
             return self.wake_locked(sandbox);
         }
-        drop(_guard);
-        self.simple_transition(
-            id,
+        self.transition_locked(
+            &held,
+            sandbox,
             Operation::Resume,
             OperationKind::Resume,
             Request::Resume,
         )
     }
 
-    /// Pause or resume: one control request and one state change.
-    fn simple_transition(
+    /// Pause or resume of `sandbox` as read under its lock, which the
+    /// caller holds (`_held`) until this returns: one control request and
+    /// one state change.
+    fn transition_locked(
         &self,
-        id: &SandboxId,
+        _held: &SandboxGuard<'_>,
+        sandbox: Sandbox,
         op: Operation,
         kind: OperationKind,
         req: Request,
     ) -> Result<Outcome, ServiceError> {
-        let lock = self.lock_for(id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
-        let sandbox = self.store.get_sandbox(id)?;
+        let id = &sandbox.id;
         let path =
             can(op, sandbox.state).map_err(|e| ServiceError::illegal(id, e, kind.as_str()))?;
         let Some(&to) = path.last() else {
@@ -334,14 +359,15 @@ impl Service {
         let snapshot = sandbox.snapshot.clone().ok_or_else(|| {
             ServiceError::Internal(format!("hibernated sandbox {} has no snapshot", sandbox.id))
         })?;
-        self.admit(sandbox.mem_mib, false)?;
         let change = StateChange::new(SandboxState::Hibernated, SandboxState::Resuming);
-        let op = self.store.begin_operation(
-            Some(&sandbox.id),
-            OperationKind::Wake,
-            &json!({}),
-            Some(&change),
-        )?;
+        let op = self.admit_with(sandbox.mem_mib, false, |tx| {
+            tx.begin_operation(
+                Some(&sandbox.id),
+                OperationKind::Wake,
+                &json!({}),
+                Some(&change),
+            )
+        })?;
         match self.start_vmm(&sandbox.id, &snapshot) {
             Ok(report) => {
                 let change = StateChange::new(SandboxState::Resuming, SandboxState::Running);
@@ -377,8 +403,7 @@ impl Service {
     /// Makes sure the sandbox runs (waking it if hibernated) and marks it
     /// active: what every guest-facing request does first.
     pub fn ensure_running(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        let lock = self.lock_for(id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.lock_sandbox(id)?;
         let sandbox = self.store.get_sandbox(id)?;
         can(Operation::Exec, sandbox.state).map_err(|e| ServiceError::illegal(id, e, "reach"))?;
         if sandbox.state == SandboxState::Hibernated {
@@ -395,8 +420,7 @@ impl Service {
     /// Hibernates: pause, diff snapshot on the snapshot it runs from (full
     /// past `MAX_DIFF_DEPTH` layers), end the VMM.
     pub fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        let lock = self.lock_for(id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.lock_sandbox(id)?;
         self.hibernate_locked(id)
     }
 
@@ -456,8 +480,7 @@ impl Service {
 
     /// Deletes a sandbox: its VMM and files go, its row stays as deleted.
     pub fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
-        let lock = self.lock_for(id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.lock_sandbox(id)?;
         let sandbox = self.store.get_sandbox(id)?;
         if sandbox.state == SandboxState::Deleted {
             return Ok(());
@@ -474,16 +497,19 @@ impl Service {
         Ok(())
     }
 
+    /// Sets the keep-alive and (from now) the timeout; each at most its
+    /// maximum ([`super::MAX_KEEP_ALIVE_MS`], [`super::MAX_TIMEOUT_MS`]).
     pub fn set_timeout(
         &self,
         id: &SandboxId,
         keep_alive_ms: Option<u64>,
         timeout_ms: Option<u64>,
     ) -> Result<Sandbox, ServiceError> {
+        check_lifetimes(keep_alive_ms, timeout_ms)?;
         let sandbox = self.store.get_sandbox(id)?;
         let keep_alive = keep_alive_ms.unwrap_or(sandbox.keep_alive_ms);
         let expires = match timeout_ms {
-            Some(t) => Some(Timestamp(Timestamp::now().0 + t as i64)),
+            Some(t) => Some(expiry(Timestamp::now(), t)?),
             None => sandbox.expires_at,
         };
         self.store.set_sandbox_timeout(id, keep_alive, expires)?;

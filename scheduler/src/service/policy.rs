@@ -7,9 +7,10 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, TryLockError, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use super::lifetime::idle_past_keep_alive;
 use super::vmm::{self, PageFaults};
 use super::{Outcome, Service, ServiceError, LOCAL_POD};
 use crate::model::{PodId, SandboxId, Timestamp};
@@ -406,19 +407,14 @@ impl Service {
         id: &SandboxId,
         reason: PolicyReason,
     ) -> Option<Result<Outcome, ServiceError>> {
-        let lock = self.lock_for(id);
-        let _guard = match lock.try_lock() {
-            Ok(g) => g,
-            Err(TryLockError::Poisoned(e)) => e.into_inner(),
-            Err(TryLockError::WouldBlock) => return None,
-        };
+        let _guard = self.locks.try_lock(id)?;
         if self.in_flight.contains(id) {
             tracing::debug!(sandbox = %id, "a guest request is in flight; not hibernating");
             return None;
         }
         if reason == PolicyReason::Idle {
             let s = self.store.get_sandbox(id).ok()?;
-            if Timestamp::now().0 - s.last_active_at.0 < s.keep_alive_ms as i64 {
+            if !idle_past_keep_alive(&s, Timestamp::now()) {
                 return None;
             }
         }
@@ -444,9 +440,7 @@ impl Service {
             if s.expires_at.is_some_and(|t| t.0 <= now.0) {
                 tracing::info!(sandbox = %s.id, "timeout reached; deleting");
                 let _ = self.delete_sandbox(&s.id);
-            } else if s.state == SandboxState::Running
-                && now.0 - s.last_active_at.0 >= s.keep_alive_ms as i64
-            {
+            } else if s.state == SandboxState::Running && idle_past_keep_alive(s, now) {
                 if let Some(Err(e)) = self.policy_hibernate(&s.id, PolicyReason::Idle) {
                     tracing::warn!(sandbox = %s.id, "idle hibernation failed: {e}");
                 }
@@ -470,8 +464,7 @@ impl Service {
         if !gone {
             return;
         }
-        let lock = self.lock_for(&s.id);
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.locks.lock(&s.id);
         let Ok(current) = self.store.get_sandbox(&s.id) else {
             return;
         };

@@ -21,6 +21,7 @@
 //! plus an fsync per commit) but they block: async callers run them in
 //! `tokio::task::spawn_blocking`.
 
+pub mod admission;
 mod catalog;
 pub mod journal;
 mod layers;
@@ -84,6 +85,19 @@ pub enum StoreError {
         kind: &'static str,
         id: String,
         users: String,
+    },
+    /// Admission refused: the pod has no room for the memory asked.
+    #[error(
+        "pod {pod} is full: {committed_mib} MiB committed + {asked_mib} MiB asked > {limit_mib:.0} MiB \
+         (ratio {ratio} x {memory_mib} MiB); hibernate sandboxes or raise the ratio"
+    )]
+    Full {
+        pod: PodId,
+        committed_mib: u64,
+        asked_mib: u32,
+        limit_mib: f64,
+        ratio: f64,
+        memory_mib: u64,
     },
     #[error("oversubscription ratio {0} is outside (0, 100]")]
     InvalidRatio(f64),
@@ -299,6 +313,8 @@ delegate! {
     ) -> ();
     write fn set_sandbox_metadata(&self, id: &SandboxId, metadata: &BTreeMap<String, String>) -> ();
     write fn purge_sandbox(&self, id: &SandboxId) -> ();
+
+    read fn committed_mib(&self) -> u64;
 
     write fn insert_pod(&self, pod: &Pod) -> ();
     read fn get_pod(&self, id: &PodId) -> Pod;

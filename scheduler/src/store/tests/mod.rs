@@ -1,6 +1,7 @@
 //! Store unit tests, each on its own data directory: opening, durability,
 //! locking and corruption here; the rest in the submodules.
 
+mod admission;
 mod catalog;
 mod layers;
 mod sandboxes;

@@ -1,0 +1,224 @@
+//! The service without VMMs: a data directory whose store already holds a
+//! ready probe template (so opening boots nothing) and sandboxes written
+//! straight to the store. For what needs no guest: locks and lookups.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::sync::Arc;
+
+use super::*;
+use crate::model::{random_hex, Sandbox, Template, TemplateId, TemplateState, VmmHandle};
+
+/// A data directory removed when the test ends.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A service whose VMM executable does not exist, over a store with a
+/// ready probe template.
+fn service() -> (Scratch, Arc<Service>, Template) {
+    let dir = Scratch(std::env::temp_dir().join(format!("torpor-svc-{}", random_hex(8))));
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let template = Template {
+        id: TemplateId::generate(),
+        name: PROBE_TEMPLATE.into(),
+        kernel: "builtin:probe".into(),
+        rootfs: None,
+        snapshot_dir: Some(dir.0.join("templates").join("probe").join("snapshot")),
+        mem_mib: 64,
+        vcpus: 1,
+        kind: TemplateKind::Probe,
+        created_at: Timestamp::now(),
+        state: TemplateState::Ready,
+    };
+    Store::open(&dir.0)
+        .unwrap()
+        .insert_template(&template)
+        .unwrap();
+    let mut config = ServiceConfig::new(dir.0.clone(), PathBuf::from("/nonexistent/torpor"));
+    config.policy_interval_ms = 0;
+    let service = Service::open(config).unwrap();
+    (dir, service, template)
+}
+
+/// A running sandbox row without a VMM.
+fn running(service: &Service, template: &Template) -> SandboxId {
+    let mut s = Sandbox::new(template.id.clone(), 64, 1, 60_000);
+    s.state = SandboxState::Running;
+    s.pod = Some(PodId::new(LOCAL_POD));
+    service.store().insert_sandbox(&s).unwrap();
+    s.id
+}
+
+/// Every operation that takes a sandbox's lock, on `id`; their errors.
+fn every_locking_operation(service: &Service, id: &SandboxId) -> Vec<(&'static str, ServiceError)> {
+    let results: Vec<(&str, Result<(), ServiceError>)> = vec![
+        ("pause", service.pause(id).map(drop)),
+        ("resume", service.resume(id).map(drop)),
+        ("connect", service.connect(id).map(drop)),
+        ("hibernate", service.hibernate(id).map(drop)),
+        ("ensure_running", service.ensure_running(id).map(drop)),
+        (
+            "create_checkpoint",
+            service
+                .create_checkpoint(id, CreateCheckpoint { name: "c".into() })
+                .map(drop),
+        ),
+        ("delete_checkpoint", service.delete_checkpoint(id, "c")),
+        (
+            "restore_checkpoint",
+            service
+                .restore_checkpoint(
+                    id,
+                    RestoreCheckpoint {
+                        checkpoint: "c".into(),
+                    },
+                )
+                .map(drop),
+        ),
+        (
+            "fork_sandbox",
+            service.fork_sandbox(id, ForkSandbox::default()).map(drop),
+        ),
+        ("delete_sandbox", service.delete_sandbox(id)),
+    ];
+    results
+        .into_iter()
+        .filter_map(|(what, r)| r.err().map(|e| (what, e)))
+        .collect()
+}
+
+#[test]
+fn requests_on_bogus_ids_are_404_and_leave_no_lock_behind() {
+    let (_dir, service, _) = service();
+    let mut bogus: Vec<SandboxId> = [
+        "",
+        "nope",
+        "sbx_",
+        "sbx_0123",
+        "../../etc/passwd",
+        "sbx_0123456789ABCDEF",
+        "tpl_0123456789abcdef",
+    ]
+    .into_iter()
+    .map(SandboxId::new)
+    .collect();
+    // Well formed, but no such sandbox.
+    bogus.extend((0..100).map(|_| SandboxId::generate()));
+    for id in &bogus {
+        let errors = every_locking_operation(&service, id);
+        assert_eq!(errors.len(), 10, "{id:?}: every operation fails");
+        for (what, e) in errors {
+            assert!(
+                matches!(e, ServiceError::NotFound { .. }),
+                "{what} {id:?}: {e}"
+            );
+        }
+    }
+    assert_eq!(service.lock_entries(), 0);
+}
+
+#[test]
+fn a_deleted_sandbox_leaves_no_lock_behind() {
+    let (_dir, service, template) = service();
+    let id = running(&service, &template);
+    service.delete_sandbox(&id).unwrap();
+    assert_eq!(
+        service.get_sandbox(&id).unwrap().state,
+        SandboxState::Deleted
+    );
+    assert_eq!(service.lock_entries(), 0);
+    // Operations on it after its deletion leave none either.
+    let errors = every_locking_operation(&service, &id);
+    assert!(!errors.is_empty());
+    assert_eq!(service.lock_entries(), 0);
+}
+
+/// A stand-in VMM: a harmless process for the pid and a control socket
+/// that answers every request `{"ok":true}`.
+struct FakeVmm {
+    process: Child,
+    handle: VmmHandle,
+}
+
+impl FakeVmm {
+    fn start(dir: &std::path::Path) -> Self {
+        let socket = dir.join(format!("fake-{}.sock", random_hex(4)));
+        let listener = UnixListener::bind(&socket).unwrap();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { return };
+                let mut line = String::new();
+                if BufReader::new(&conn).read_line(&mut line).is_ok() {
+                    let _ = conn.write_all(b"{\"ok\":true}\n");
+                }
+            }
+        });
+        let process = Command::new("sleep").arg("600").spawn().unwrap();
+        let handle = VmmHandle {
+            pid: process.id(),
+            control_socket: socket,
+        };
+        FakeVmm { process, handle }
+    }
+}
+
+impl Drop for FakeVmm {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
+
+/// A resume of a paused sandbox holds the sandbox's lock from the state it
+/// reads to the state it writes. It used to release it in between and
+/// take it again: a hibernate waiting for the lock got it there, and the
+/// resume then found a hibernated sandbox without a VMM (500). The hook
+/// runs that hibernate (its store changes) at the first release.
+#[test]
+fn a_hibernate_waiting_for_the_lock_cannot_come_between_a_resume() {
+    let (dir, service, template) = service();
+    let vmm = FakeVmm::start(&dir.0);
+    let mut s = Sandbox::new(template.id.clone(), 64, 1, 60_000);
+    s.state = SandboxState::Paused;
+    s.pod = Some(PodId::new(LOCAL_POD));
+    s.snapshot = template.snapshot_dir.clone();
+    s.vmm = Some(vmm.handle.clone());
+    service.store().insert_sandbox(&s).unwrap();
+
+    let weak = Arc::downgrade(&service);
+    service.locks.on_next_release(move |id| {
+        let Some(service) = weak.upgrade() else {
+            return;
+        };
+        let _guard = service.locks.lock(id);
+        let from = service.store().get_sandbox(id).unwrap().state;
+        service
+            .store()
+            .write(|tx| {
+                tx.update_sandbox_state(id, from, SandboxState::Hibernating, None)?;
+                tx.set_sandbox_vmm(id, None)?;
+                tx.update_sandbox_state(
+                    id,
+                    SandboxState::Hibernating,
+                    SandboxState::Hibernated,
+                    None,
+                )
+            })
+            .unwrap();
+    });
+    let outcome = service.resume(&s.id).expect("the resume");
+    assert_eq!(outcome.sandbox.state, SandboxState::Running);
+    assert!(!outcome.resumed);
+    // The hibernate ran after it.
+    assert_eq!(
+        service.get_sandbox(&s.id).unwrap().state,
+        SandboxState::Hibernated
+    );
+}
