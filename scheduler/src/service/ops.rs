@@ -177,12 +177,14 @@ impl Service {
         })?;
         match self.start_vmm(&sandbox.id, &snapshot) {
             Ok(()) => {
+                // The operation's end, the state and the snapshot the VMM
+                // runs from: one commit.
                 let change = StateChange::new(SandboxState::Creating, SandboxState::Running);
-                self.store
-                    .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
-                self.store
-                    .set_sandbox_snapshot(&sandbox.id, Some(&snapshot))?;
-                Ok(self.store.get_sandbox(&sandbox.id)?)
+                Ok(self.store.write(|tx| {
+                    tx.set_sandbox_snapshot(&sandbox.id, Some(&snapshot))?;
+                    tx.finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
+                    tx.get_sandbox(&sandbox.id)
+                })?)
             }
             Err(e) => {
                 let change = StateChange {
@@ -291,10 +293,11 @@ impl Service {
         };
         let handle = Self::running_handle(&sandbox)?;
         vmm::call(handle, &req)?;
-        let sandbox = self
-            .store
-            .update_sandbox_state(id, sandbox.state, to, None)?;
-        self.store.touch(id, Timestamp::now())?;
+        let sandbox = self.store.write(|tx| {
+            tx.update_sandbox_state(id, sandbox.state, to, None)?;
+            tx.touch(id, Timestamp::now())?;
+            tx.get_sandbox(id)
+        })?;
         Ok(Outcome {
             sandbox,
             resumed: false,
@@ -320,13 +323,15 @@ impl Service {
         match self.start_vmm(&sandbox.id, &snapshot) {
             Ok(()) => {
                 let change = StateChange::new(SandboxState::Resuming, SandboxState::Running);
-                self.store
-                    .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
-                self.store.touch(&sandbox.id, Timestamp::now())?;
+                let woken = self.store.write(|tx| {
+                    tx.finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
+                    tx.touch(&sandbox.id, Timestamp::now())?;
+                    tx.get_sandbox(&sandbox.id)
+                })?;
                 let ms = started.elapsed().as_secs_f64() * 1000.0;
                 self.metrics.observe_resume(ms);
                 Ok(Outcome {
-                    sandbox: self.store.get_sandbox(&sandbox.id)?,
+                    sandbox: woken,
                     resumed: true,
                     resume_ms: Some(ms),
                 })

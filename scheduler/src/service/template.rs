@@ -75,13 +75,15 @@ impl Service {
             created_at: Timestamp::now(),
             state: TemplateState::Building,
         };
-        self.store.insert_template(&template)?;
-        let op = self.store.begin_operation(
-            None,
-            OperationKind::BuildTemplate,
-            &json!({ "template": template.id }),
-            None,
-        )?;
+        let op = self.store.write(|tx| {
+            tx.insert_template(&template)?;
+            tx.begin_operation(
+                None,
+                OperationKind::BuildTemplate,
+                &json!({ "template": template.id }),
+                None,
+            )
+        })?;
         let built = match template.kind {
             TemplateKind::Probe => {
                 self.boot_and_snapshot(&template, req.cmdline.as_deref().unwrap_or(PROBE_CMDLINE))
@@ -92,19 +94,18 @@ impl Service {
             ),
         };
         match built {
-            Ok(snapshot) => {
-                self.store
-                    .set_template_snapshot(&template.id, Some(&snapshot))?;
-                self.store
-                    .set_template_state(&template.id, &TemplateState::Ready)?;
-                self.store
-                    .finish_operation(&op.id, OperationStatus::Done, None, None)?;
-            }
+            // The snapshot, the state and the operation's end: one commit.
+            Ok(snapshot) => self.store.write(|tx| {
+                tx.set_template_snapshot(&template.id, Some(&snapshot))?;
+                tx.set_template_state(&template.id, &TemplateState::Ready)?;
+                tx.finish_operation(&op.id, OperationStatus::Done, None, None)?;
+                Ok(())
+            })?,
             Err(e) => {
-                self.store
-                    .set_template_state(&template.id, &TemplateState::Failed(e.to_string()))?;
-                self.store
-                    .finish_operation(&op.id, OperationStatus::RolledBack, None, None)?;
+                self.store.write(|tx| {
+                    tx.set_template_state(&template.id, &TemplateState::Failed(e.to_string()))?;
+                    tx.finish_operation(&op.id, OperationStatus::RolledBack, None, None)
+                })?;
                 return Err(e);
             }
         }
