@@ -202,6 +202,16 @@ pub enum DirtyTrackingArg {
     Both,
 }
 
+impl DirtyTrackingArg {
+    pub fn tracking(self) -> torpor_vmm_api::DirtyTracking {
+        match self {
+            DirtyTrackingArg::Kvm => torpor_vmm_api::DirtyTracking::Kvm,
+            DirtyTrackingArg::UffdWp => torpor_vmm_api::DirtyTracking::UffdWp,
+            DirtyTrackingArg::Both => torpor_vmm_api::DirtyTracking::Both,
+        }
+    }
+}
+
 #[derive(Debug, Args)]
 pub struct VmmRunArgs {
     /// Kernel image: an ELF vmlinux or a bzImage, or `builtin:probe` for the
@@ -306,6 +316,10 @@ pub struct ServiceFlags {
     /// prefetched) or `uffd` (private copies of every touched page).
     #[arg(long, value_enum, default_value_t = PodBackendArg::File)]
     pub memory_backend: PodBackendArg,
+    /// Where hibernation diffs take dirty pages from: KVM's dirty log (the
+    /// default: cheapest to collect here) or userfaultfd write-protection.
+    #[arg(long, value_enum, default_value_t = DirtyTrackingArg::Kvm)]
+    pub dirty_tracking: DirtyTrackingArg,
 }
 
 /// The memory backends a pod restores with.

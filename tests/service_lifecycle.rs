@@ -10,7 +10,6 @@ use std::sync::{Arc, Barrier};
 
 use common::http::request;
 use common::serve::DataDir;
-use common::TORPOR;
 use serde_json::json;
 use torpor_scheduler::model::SandboxId;
 use torpor_scheduler::service::{
@@ -32,7 +31,10 @@ struct Harness {
 impl Harness {
     fn new(name: &str) -> Self {
         let data = DataDir::new(name);
-        let mut config = ServiceConfig::new(data.0.clone(), PathBuf::from(TORPOR));
+        let mut config = ServiceConfig::new(
+            data.0.clone(),
+            PathBuf::from(env!("CARGO_BIN_EXE_torpor-vmm")),
+        );
         config.policy_interval_ms = 0;
         let service = Service::open(config).expect("open the service");
         Harness {
@@ -315,4 +317,31 @@ fn lifetimes_past_their_maximum_are_400_and_the_sandbox_lives_on() {
 
     let _ = stop.send(());
     runtime.block_on(server).unwrap().unwrap();
+}
+
+/// What belongs together is one commit (one fsync): a create is three, the
+/// admission with the row and the journal's start, the VMM, then the
+/// journal's end with the state and the snapshot it runs from; a pause or
+/// a resume one; a wake three (its end with the activity).
+#[test]
+fn operations_commit_what_belongs_together_at_once() {
+    let h = Harness::new("svc-commits");
+    let store = h.service.store();
+    let commits = |f: &dyn Fn()| {
+        let before = store.commits();
+        f();
+        store.commits() - before
+    };
+    let before = store.commits();
+    let id = h.create().unwrap();
+    let create = store.commits() - before;
+    let sandbox = h.service.get_sandbox(&id).unwrap();
+    assert_eq!(sandbox.state, SandboxState::Running);
+    assert!(sandbox.snapshot.is_some() && sandbox.vmm.is_some());
+    assert!(store.interrupted_operations().unwrap().is_empty());
+    let pause = commits(&|| drop(h.service.pause(&id).unwrap()));
+    let resume = commits(&|| drop(h.service.resume(&id).unwrap()));
+    h.service.hibernate(&id).unwrap();
+    let wake = commits(&|| assert!(h.service.resume(&id).unwrap().resumed));
+    assert_eq!((create, pause, resume, wake), (3, 1, 1, 3));
 }

@@ -104,6 +104,7 @@ fn open_service(
     config.exec_timeout_ms = flags.exec_timeout_ms.max(1);
     config.standby_pool = flags.standby_pool;
     config.memory_backend = flags.memory_backend.backend();
+    config.dirty_tracking = flags.dirty_tracking.tracking();
     println!("{who}: data dir {}", data_dir.display());
     let host = &config.host;
     let kinds: Vec<&str> = host.kinds().iter().map(|k| k.as_str()).collect();

@@ -4,12 +4,11 @@ use std::time::Duration;
 
 use torpor_vmm::control::{self, Request};
 use torpor_vmm_api::launch::{
-    Console, DirtyTracking, DiskSpec, KernelSource, LaunchMode, LaunchSpec, MemoryBackend,
-    RestoreSpec,
+    Console, DiskSpec, KernelSource, LaunchMode, LaunchSpec, MemoryBackend, RestoreSpec,
 };
 
 use super::{EXIT_FAILURE, EXIT_OK};
-use crate::cli::{DirtyTrackingArg, MemoryBackendArg, VmmAction, VmmCommand, VmmRunArgs};
+use crate::cli::{MemoryBackendArg, VmmAction, VmmCommand, VmmRunArgs};
 
 const EXIT_USAGE: i32 = 2;
 
@@ -91,14 +90,6 @@ fn run_vm(args: VmmRunArgs) -> i32 {
 
 type Failure = (i32, String);
 
-fn dirty_tracking(arg: DirtyTrackingArg) -> DirtyTracking {
-    match arg {
-        DirtyTrackingArg::Kvm => DirtyTracking::Kvm,
-        DirtyTrackingArg::UffdWp => DirtyTracking::UffdWp,
-        DirtyTrackingArg::Both => DirtyTracking::Both,
-    }
-}
-
 /// The flags as the same `LaunchSpec` a pod hands `torpor-vmm`.
 fn launch_spec(args: &VmmRunArgs) -> Result<LaunchSpec, Failure> {
     let mode = match (&args.restore, args.standby) {
@@ -128,7 +119,7 @@ fn launch_spec(args: &VmmRunArgs) -> Result<LaunchSpec, Failure> {
         control_socket: args.control_socket.clone(),
         mode,
         console: console(args),
-        dirty_tracking: dirty_tracking(args.dirty_tracking),
+        dirty_tracking: args.dirty_tracking.tracking(),
     })
 }
 

@@ -10,6 +10,9 @@ use serde::{Deserialize, Serialize};
 
 /// The file that commits a snapshot layer (written last).
 pub const STATE_FILE: &str = "state";
+/// Pages a restore touched first, recorded beside a snapshot (u64 page
+/// numbers, little endian) and prefetched by later restores.
+pub const WORKING_SET_FILE: &str = "working-set";
 /// The layer's lineage record.
 pub const LINEAGE_FILE: &str = "lineage.json";
 /// Deepest chain a VMM restores or records.

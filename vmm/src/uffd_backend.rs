@@ -20,7 +20,7 @@ use crate::uffd::{Layers, Mode, PageServer, Region, ServerOptions};
 
 /// The working set recorded after a restore, next to the snapshot's state:
 /// little-endian u64 page numbers.
-pub const WORKING_SET_FILE: &str = "working-set";
+pub use torpor_vmm_api::lineage::WORKING_SET_FILE;
 /// Where `uffd-shared` keeps shmem copies of templates, one per template.
 pub const SHM_DIR: &str = "/dev/shm";
 /// Longest working set we read back (a corrupt file must not eat memory).
@@ -47,6 +47,18 @@ pub fn read_working_set(dir: &Path) -> Vec<u64> {
         .chunks_exact(8)
         .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
         .collect()
+}
+
+/// The working set of the newest layer of `chain` that has one: a wake
+/// from a sandbox's diff layer prefetches what its template recorded.
+fn chain_working_set(chain: &SnapshotChain) -> Vec<u64> {
+    chain
+        .layers
+        .iter()
+        .rev()
+        .map(|l| read_working_set(&l.dir))
+        .find(|set| !set.is_empty())
+        .unwrap_or_default()
 }
 
 /// Writes a working set atomically (temp name, then rename).
@@ -178,7 +190,7 @@ pub fn start(
             Mode::Missing
         },
         prefetch: if opts.prefetch {
-            read_working_set(&chain.top_dir)
+            chain_working_set(chain)
         } else {
             Vec::new()
         },

@@ -234,9 +234,9 @@ impl Service {
                     tx.register_layers(&chain)?;
                     tx.set_sandbox_snapshot(id, Some(&snapshot))?;
                     let change = StateChange::new(SandboxState::Resuming, SandboxState::Running);
-                    tx.finish_operation(&op.id, OperationStatus::Done, None, Some(&change))
+                    tx.finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
+                    tx.touch(id, Timestamp::now())
                 })?;
-                self.store.touch(id, Timestamp::now())?;
                 // What the old VM ran from may be needed by nothing now.
                 self.remove_dead_layers();
                 Ok(Outcome {
@@ -333,9 +333,10 @@ impl Service {
         match self.start_vmm(&fork.id, &snapshot) {
             Ok(_) => {
                 let change = StateChange::new(SandboxState::Creating, SandboxState::Running);
-                self.store
-                    .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
-                Ok(self.store.get_sandbox(&fork.id)?)
+                Ok(self.store.write(|tx| {
+                    tx.finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
+                    tx.get_sandbox(&fork.id)
+                })?)
             }
             Err(e) => {
                 let change = StateChange {

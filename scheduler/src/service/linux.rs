@@ -182,7 +182,7 @@ impl Service {
                 vsock_uds: Some(uds.clone()),
             },
             console: Console::file(&files.console),
-            dirty_tracking: Default::default(),
+            dirty_tracking: self.config.dirty_tracking,
         };
         let vmm::Spawned {
             mut child, handle, ..

@@ -77,6 +77,8 @@ pub struct ServiceConfig {
     /// Standby shells kept per (memory, vCPUs) shape of the templates; 0
     /// turns the pool off.
     pub standby_pool: usize,
+    /// Where every VMM's diff snapshots take dirty pages from.
+    pub dirty_tracking: torpor_vmm_api::DirtyTracking,
     /// Timeout of an exec that names none, and the longest one may name
     /// (so no exec holds a blocking thread for ever).
     pub exec_timeout_ms: u64,
@@ -90,6 +92,7 @@ impl ServiceConfig {
             host: HostGuests::probe_only("not probed"),
             memory_backend: torpor_vmm_api::MemoryBackend::File,
             standby_pool: DEFAULT_STANDBY_POOL,
+            dirty_tracking: torpor_vmm_api::DirtyTracking::Kvm,
             default_keep_alive_ms: 5 * 60 * 1000,
             default_ratio: 4.0,
             policy_interval_ms: 1000,
@@ -282,6 +285,7 @@ impl Service {
             config.data_dir.join("pool"),
             config.vmm_exe.clone(),
             config.standby_pool,
+            config.dirty_tracking,
         )?;
         let service = Arc::new(Self {
             config,

@@ -182,12 +182,14 @@ impl Service {
         })?;
         match self.start_vmm(&sandbox.id, &snapshot) {
             Ok(report) => {
+                // The operation's end, the state and the snapshot the VMM
+                // runs from: one commit.
                 let change = StateChange::new(SandboxState::Creating, SandboxState::Running);
-                self.store
-                    .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
-                self.store
-                    .set_sandbox_snapshot(&sandbox.id, Some(&snapshot))?;
-                let mut created = self.store.get_sandbox(&sandbox.id)?;
+                let mut created = self.store.write(|tx| {
+                    tx.set_sandbox_snapshot(&sandbox.id, Some(&snapshot))?;
+                    tx.finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
+                    tx.get_sandbox(&sandbox.id)
+                })?;
                 created.restore = Some(report);
                 Ok(created)
             }
@@ -243,7 +245,7 @@ impl Service {
                         record_working_set_ms: None,
                     },
                     console: Console::file(&files.console),
-                    dirty_tracking: Default::default(),
+                    dirty_tracking: self.config.dirty_tracking,
                 };
                 let up = vmm::spawn(&self.config.vmm_exe, &spec, &files.log)?;
                 (up.child, up.handle, RestorePath::Cold, up.spawn_us)
@@ -342,10 +344,11 @@ impl Service {
         };
         let handle = Self::running_handle(&sandbox)?;
         vmm::call(handle, &req)?;
-        let sandbox = self
-            .store
-            .update_sandbox_state(id, sandbox.state, to, None)?;
-        self.store.touch(id, Timestamp::now())?;
+        let sandbox = self.store.write(|tx| {
+            tx.update_sandbox_state(id, sandbox.state, to, None)?;
+            tx.touch(id, Timestamp::now())?;
+            tx.get_sandbox(id)
+        })?;
         Ok(Outcome {
             sandbox,
             resumed: false,
@@ -371,12 +374,13 @@ impl Service {
         match self.start_vmm(&sandbox.id, &snapshot) {
             Ok(report) => {
                 let change = StateChange::new(SandboxState::Resuming, SandboxState::Running);
-                self.store
-                    .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
-                self.store.touch(&sandbox.id, Timestamp::now())?;
+                let mut woken = self.store.write(|tx| {
+                    tx.finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
+                    tx.touch(&sandbox.id, Timestamp::now())?;
+                    tx.get_sandbox(&sandbox.id)
+                })?;
                 let ms = started.elapsed().as_secs_f64() * 1000.0;
                 self.metrics.observe_resume(ms);
-                let mut woken = self.store.get_sandbox(&sandbox.id)?;
                 woken.restore = Some(report);
                 Ok(Outcome {
                     sandbox: woken,

@@ -16,7 +16,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use torpor_vmm_api::control::{self, Request};
-use torpor_vmm_api::launch::{LaunchMode, LaunchSpec};
+use torpor_vmm_api::launch::{DirtyTracking, LaunchMode, LaunchSpec};
 
 use super::vmm;
 use super::ServiceError;
@@ -37,6 +37,9 @@ pub struct StandbyPool {
     dir: PathBuf,
     exe: PathBuf,
     target: usize,
+    /// Shells are made for one dirty-tracking source (their KVM slots log
+    /// or not), the pod's.
+    dirty_tracking: DirtyTracking,
     next: AtomicU64,
     state: Mutex<PoolState>,
     /// Wakes the refill thread: a shell was taken, a shape is wanted, or
@@ -67,7 +70,12 @@ pub struct PoolStats {
 impl StandbyPool {
     /// A pool of `target` shells per shape in `dir`, started with `exe`.
     /// Shells left by an earlier run of the service are stopped first.
-    pub fn new(dir: PathBuf, exe: PathBuf, target: usize) -> Result<Arc<Self>, ServiceError> {
+    pub fn new(
+        dir: PathBuf,
+        exe: PathBuf,
+        target: usize,
+        dirty_tracking: DirtyTracking,
+    ) -> Result<Arc<Self>, ServiceError> {
         std::fs::create_dir_all(&dir)
             .map_err(|e| ServiceError::Internal(format!("create the standby pool dir: {e}")))?;
         clear_stale(&dir);
@@ -75,6 +83,7 @@ impl StandbyPool {
             dir,
             exe,
             target,
+            dirty_tracking,
             next: AtomicU64::new(0),
             state: Mutex::new(PoolState::default()),
             changed: Condvar::new(),
@@ -227,7 +236,7 @@ impl StandbyPool {
                 vcpus: u16::try_from(vcpus).unwrap_or(u16::MAX),
             },
             console: Default::default(),
-            dirty_tracking: Default::default(),
+            dirty_tracking: self.dirty_tracking,
         };
         let spawned = vmm::spawn(&self.exe, &spec, &log)?;
         Ok(Shell {

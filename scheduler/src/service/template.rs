@@ -2,13 +2,23 @@
 //! Probe templates run here natively; Linux templates (see `linux.rs`) need
 //! hardware virtualization: on PVM hosts, the nested host.
 
+use std::path::Path;
 use std::time::{Duration, Instant};
+
+use torpor_vmm_api::lineage::WORKING_SET_FILE;
 
 use serde_json::json;
 
-use torpor_vmm_api::launch::{Console, KernelSource, LaunchMode, LaunchSpec};
+use torpor_vmm_api::launch::{
+    Console, KernelSource, LaunchMode, LaunchSpec, MemoryBackend, RestoreSpec,
+};
 
 use super::linux::LINUX_CMDLINE;
+
+/// The window after a template's first restore whose page touches are its
+/// working set.
+pub const WORKING_SET_MS: u64 = 300;
+
 use super::vmm::{self, VmmFiles};
 use super::{CreateTemplate, Service, ServiceError, PROBE_TEMPLATE};
 use crate::model::{Template, TemplateId, TemplateKind, TemplateState, Timestamp};
@@ -77,13 +87,15 @@ impl Service {
             created_at: Timestamp::now(),
             state: TemplateState::Building,
         };
-        self.store.insert_template(&template)?;
-        let op = self.store.begin_operation(
-            None,
-            OperationKind::BuildTemplate,
-            &json!({ "template": template.id }),
-            None,
-        )?;
+        let op = self.store.write(|tx| {
+            tx.insert_template(&template)?;
+            tx.begin_operation(
+                None,
+                OperationKind::BuildTemplate,
+                &json!({ "template": template.id }),
+                None,
+            )
+        })?;
         let built = match template.kind {
             TemplateKind::Probe => {
                 self.boot_and_snapshot(&template, req.cmdline.as_deref().unwrap_or(PROBE_CMDLINE))
@@ -93,21 +105,25 @@ impl Service {
                 req.cmdline.as_deref().unwrap_or(LINUX_CMDLINE),
             ),
         };
+        if let Ok(snapshot) = &built {
+            self.record_working_set(&template, snapshot);
+        }
         match built {
+            // The snapshot, the state and the operation's end: one commit.
             Ok(snapshot) => {
-                self.store
-                    .set_template_snapshot(&template.id, Some(&snapshot))?;
-                self.store
-                    .set_template_state(&template.id, &TemplateState::Ready)?;
-                self.store
-                    .finish_operation(&op.id, OperationStatus::Done, None, None)?;
+                self.store.write(|tx| {
+                    tx.set_template_snapshot(&template.id, Some(&snapshot))?;
+                    tx.set_template_state(&template.id, &TemplateState::Ready)?;
+                    tx.finish_operation(&op.id, OperationStatus::Done, None, None)?;
+                    Ok(())
+                })?;
                 self.pool.want((template.mem_mib, template.vcpus));
             }
             Err(e) => {
-                self.store
-                    .set_template_state(&template.id, &TemplateState::Failed(e.to_string()))?;
-                self.store
-                    .finish_operation(&op.id, OperationStatus::RolledBack, None, None)?;
+                self.store.write(|tx| {
+                    tx.set_template_state(&template.id, &TemplateState::Failed(e.to_string()))?;
+                    tx.finish_operation(&op.id, OperationStatus::RolledBack, None, None)
+                })?;
                 return Err(e);
             }
         }
@@ -135,7 +151,7 @@ impl Service {
                 vsock_uds: None,
             },
             console: Console::file(&files.console),
-            dirty_tracking: Default::default(),
+            dirty_tracking: self.config.dirty_tracking,
         };
         let vmm::Spawned { child, handle, .. } =
             vmm::spawn(&self.config.vmm_exe, &spec, &files.log)?;
@@ -145,6 +161,63 @@ impl Service {
             .map(|()| snapshot);
         vmm::stop(&handle, Some(child));
         result
+    }
+}
+
+impl Service {
+    /// Records the template's working set: restores it once with a uffd
+    /// backend that notes the pages the guest touches in its first
+    /// [`WORKING_SET_MS`] (`working-set` beside the snapshot), which every
+    /// create and wake with a uffd backend then installs eagerly. Best
+    /// effort: a host that cannot (no userfaultfd) builds templates
+    /// without one, and restores fault pages in on demand.
+    fn record_working_set(&self, template: &Template, snapshot: &Path) {
+        let dir = self.template_dir(&template.id);
+        let files = VmmFiles {
+            socket: dir.join("record.sock"),
+            console: dir.join("record.log"),
+            log: dir.join("record-vmm.log"),
+        };
+        let mut restore = RestoreSpec::new(snapshot, MemoryBackend::UffdShared);
+        if template.kind == TemplateKind::Linux {
+            // The clone's own device files, thrown away afterwards.
+            restore.disk_overlay = Some(dir.join("record-overlay"));
+            restore.vsock_uds = Some(dir.join("record-vsock.sock"));
+        }
+        let spec = LaunchSpec {
+            control_socket: Some(files.socket.clone()),
+            mode: LaunchMode::Restore {
+                restore,
+                paused: false,
+                record_working_set_ms: Some(WORKING_SET_MS),
+            },
+            console: Console::Discard,
+            dirty_tracking: self.config.dirty_tracking,
+        };
+        let recorded = snapshot.join(WORKING_SET_FILE);
+        match vmm::spawn(&self.config.vmm_exe, &spec, &files.log) {
+            Ok(up) => {
+                let deadline = Instant::now()
+                    + Duration::from_millis(WORKING_SET_MS)
+                    + Duration::from_secs(10);
+                while !recorded.exists() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                vmm::stop(&up.handle, Some(up.child));
+                if recorded.exists() {
+                    tracing::info!(template = %template.name, "working set recorded");
+                } else {
+                    tracing::warn!(template = %template.name, "no working set was recorded");
+                }
+            }
+            Err(e) => tracing::warn!(
+                template = %template.name,
+                "cannot record the working set ({e}); restores fault pages in on demand"
+            ),
+        }
+        for f in [&files.console, &files.log, &dir.join("record-overlay")] {
+            let _ = std::fs::remove_file(f);
+        }
     }
 }
 

@@ -37,6 +37,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -164,6 +165,8 @@ pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 pub struct Store {
     conn: Mutex<Connection>,
     dir: PathBuf,
+    /// Write transactions committed since the store was opened.
+    commits: AtomicU64,
     /// Holds the data directory's flock for as long as the store lives.
     _lock: File,
 }
@@ -204,6 +207,7 @@ impl Store {
         Ok(Store {
             conn: Mutex::new(conn),
             dir,
+            commits: AtomicU64::new(0),
             _lock: lock,
         })
     }
@@ -228,7 +232,14 @@ impl Store {
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let out = f(&Tx { conn: &tx })?;
         tx.commit()?;
+        self.commits.fetch_add(1, Ordering::Relaxed);
         Ok(out)
+    }
+
+    /// How many write transactions (each one fsync of the WAL) this store
+    /// has committed since it was opened: what an operation costs.
+    pub fn commits(&self) -> u64 {
+        self.commits.load(Ordering::Relaxed)
     }
 
     /// Runs `f` on one consistent snapshot of the store. Anything `f` writes

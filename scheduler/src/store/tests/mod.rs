@@ -216,3 +216,28 @@ fn a_stored_value_that_does_not_parse_is_corrupt() {
         Err(StoreError::Corrupt(_))
     ));
 }
+
+#[test]
+fn commits_count_committed_writes_only() {
+    let (_dir, store, t) = setup();
+    let before = store.commits();
+    let s = sandbox_in(&store, &t, Running);
+    assert_eq!(store.commits(), before + 1);
+    store.get_sandbox(&s.id).unwrap();
+    store.read(|tx| tx.committed_mib()).unwrap();
+    assert!(store
+        .update_sandbox_state(&s.id, Paused, Running, None)
+        .is_err());
+    assert_eq!(
+        store.commits(),
+        before + 1,
+        "reads and refusals commit nothing"
+    );
+    store
+        .write(|tx| {
+            tx.update_sandbox_state(&s.id, Running, Paused, None)?;
+            tx.touch(&s.id, Timestamp::now())
+        })
+        .unwrap();
+    assert_eq!(store.commits(), before + 2);
+}
