@@ -14,8 +14,7 @@
 //! numbers move from run to run. Without `--bench` (as `cargo test
 //! --all-targets` runs it) it makes a smoke run with 4 sandboxes.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::{BufRead, BufReader};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -25,7 +24,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-const TORPOR: &str = env!("CARGO_BIN_EXE_torpor");
+mod common;
+
+use common::{percentile as pct, TORPOR};
+
 const TOKEN: &str = "density-bench-token";
 const THREADS: usize = 4;
 /// Every request must be answered within this.
@@ -110,36 +112,10 @@ fn die(msg: &str) -> ! {
     std::process::exit(1);
 }
 
-/// One HTTP/1.1 request on its own connection. The service writes its
-/// answer once it is ready, so the read timeout bounds the whole request.
+/// One request to the service (the benches' shared client).
 fn http(method: &str, path: &str, body: Option<&str>) -> Result<(u16, String), String> {
     let addr = ADDR.get().expect("serve address");
-    let sock: SocketAddr = addr.parse().map_err(|e| format!("address {addr}: {e}"))?;
-    let mut s = TcpStream::connect_timeout(&sock, Duration::from_secs(10))
-        .map_err(|e| format!("connect {addr}: {e}"))?;
-    let _ = s.set_write_timeout(Some(Duration::from_secs(10)));
-    let _ = s.set_read_timeout(Some(REQUEST_LIMIT));
-    let body = body.unwrap_or("");
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
-         Authorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes())
-        .map_err(|e| format!("send: {e}"))?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw)
-        .map_err(|e| format!("no complete answer (limit {REQUEST_LIMIT:?}): {e}"))?;
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok());
-    let status = status.ok_or_else(|| format!("no status line in {head:?}"))?;
-    // The API answers whole JSON documents with a Content-Length.
-    if head.to_ascii_lowercase().contains("chunked") {
-        return Err(format!("unexpected chunked answer: {text}"));
-    }
-    Ok((status, rest.to_string()))
+    common::http::request(addr, TOKEN, method, path, body, REQUEST_LIMIT)
 }
 
 /// A request that must succeed (2xx); its JSON body (Null when empty).
@@ -180,16 +156,6 @@ fn par_map<T: Send>(n: usize, what: (&str, usize, usize), f: impl Fn(usize) -> T
         }
     });
     out.into_inner().unwrap().into_iter().flatten().collect()
-}
-
-/// Nearest-rank percentile of `v` (ms).
-fn pct(v: &[f64], q: f64) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    if s.is_empty() {
-        return f64::NAN;
-    }
-    s[((q * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1]
 }
 
 fn ms(t: Instant) -> f64 {

@@ -138,12 +138,7 @@ fn standby_restore(dir: &Path, snap: &Path, backend: &str, mem: u64, prefetch: b
 }
 
 fn pss_kib(pid: u32) -> f64 {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
-    text.lines()
-        .find(|l| l.starts_with("Pss:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(f64::NAN)
+    common::pss_kib(pid).unwrap_or(f64::NAN)
 }
 
 /// 20 clones of one template: median PSS (MiB) restored paused (never ran),

@@ -1,6 +1,9 @@
-//! Helpers shared by the VMM benches (`restore`, `dirty`): run `torpor vmm`,
-//! talk to its control socket, watch the probe's console.
+//! Helpers shared by the benches: run `torpor vmm`, talk to its control
+//! socket, watch the probe's console (`restore`, `dirty`); talk HTTP to
+//! `torpor serve` (`http`: `density`, `api`); percentiles and PSS.
 #![allow(dead_code)]
+
+pub mod http;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -85,4 +88,23 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     } else {
         v[v.len() / 2]
     }
+}
+
+/// Nearest-rank percentile of `v` (`q` in 0..=1; NaN when empty).
+pub fn percentile(v: &[f64], q: f64) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    if s.is_empty() {
+        return f64::NAN;
+    }
+    s[((q * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1]
+}
+
+/// PSS of a process from /proc/PID/smaps_rollup, KiB (None if it is gone).
+pub fn pss_kib(pid: u32) -> Option<f64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    text.lines()
+        .find(|l| l.starts_with("Pss:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
 }
