@@ -298,6 +298,20 @@ pub struct RestoreReport {
     /// VMM side: the shell's request-to-running, or a cold VMM's spawn to
     /// ready, in ms.
     pub vmm_ms: f64,
+    /// Where the request's time went, in ms, in order: `admit` (admission
+    /// and the journal's start, one commit), `prepare` (store reads,
+    /// directory, taking a shell), `vmm` (the restore request or cold
+    /// spawn, round trip), `record` (the VMM's handle, one commit), `hook`
+    /// (a Linux guest's post-restore hook), `commit` (the operation's end).
+    #[serde(default)]
+    pub phases: Vec<(String, f64)>,
+}
+
+impl RestoreReport {
+    /// Adds phase `name` of `ms`.
+    pub fn phase(&mut self, name: &str, ms: f64) {
+        self.phases.push((name.to_string(), ms));
+    }
 }
 
 /// Which way a VM came up.

@@ -17,6 +17,28 @@ use crate::restore::{self, RestoreOptions};
 use crate::vstate::vcpu::{register_kick_handler, SpareThreads};
 use torpor_vmm_api::{ErrorKind, VmError};
 
+/// Whether this process gets SIGKILL when the thread that started it
+/// ends. Set, it also ends now if that parent went while it was set.
+fn die_with_parent(on: bool) {
+    // SAFETY: getppid has no preconditions.
+    let parent = unsafe { libc::getppid() };
+    let signal = if on { libc::SIGKILL } else { 0 };
+    // SAFETY: PR_SET_PDEATHSIG with a signal number (or 0) changes only
+    // this process's own death signal.
+    let set = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong, 0, 0, 0) };
+    if set != 0 {
+        tracing::warn!(
+            "cannot set the standby shell's parent-death signal: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    // SAFETY: as above.
+    if on && unsafe { libc::getppid() } != parent {
+        tracing::warn!("the pod that made this standby shell is gone");
+        std::process::exit(0);
+    }
+}
+
 fn standby_status(mem_mib: u64, vcpus: u16, started: Instant) -> VmStatus {
     VmStatus {
         protocol: PROTOCOL_VERSION,
@@ -56,6 +78,10 @@ pub fn standby(
     dirty_tracking: DirtyTracking,
 ) -> Result<RunReport, RunError> {
     let started = Instant::now();
+    // A shell is its pod's: if the process that made it ends (a test, a
+    // crashed service), nothing will ever hand it a snapshot, so it goes
+    // too. Once restored it is a sandbox, which outlives service restarts.
+    die_with_parent(true);
     let listener = control::bind(&socket)?;
     let mut shell_timings = Timings::start();
     let shell = restore::create_shell(mem_mib, vcpus, dirty_tracking, &mut shell_timings)?;
@@ -121,6 +147,7 @@ pub fn standby(
                     refuse(&mut stream, e);
                     continue;
                 }
+                die_with_parent(false);
                 // Validate everything before the shell is consumed, so a bad
                 // request leaves this standby VMM usable.
                 let mut timings = Timings::start();

@@ -43,6 +43,7 @@ fn service() -> (Scratch, Arc<Service>, Template) {
         .unwrap();
     let mut config = ServiceConfig::new(dir.0.clone(), PathBuf::from("/nonexistent/torpor"));
     config.policy_interval_ms = 0;
+    config.standby_pool = 0; // no VMM binary here
     let service = Service::open(config).unwrap();
     (dir, service, template)
 }

@@ -171,6 +171,7 @@ impl Service {
             .map(|t| expiry(Timestamp::now(), t))
             .transpose()?;
         let _guard = self.lock_sandbox(&sandbox.id)?;
+        let mut lap = Lap::new();
         let op = self.admit_with(template.mem_mib, req.queue, |tx| {
             tx.insert_sandbox(&sandbox)?;
             tx.begin_operation(
@@ -180,16 +181,20 @@ impl Service {
                 None,
             )
         })?;
+        let admit_ms = lap.next();
         match self.start_vmm(&sandbox.id, &snapshot) {
-            Ok(report) => {
+            Ok(mut report) => {
                 // The operation's end, the state and the snapshot the VMM
                 // runs from: one commit.
+                lap.next();
                 let change = StateChange::new(SandboxState::Creating, SandboxState::Running);
                 let mut created = self.store.write(|tx| {
                     tx.set_sandbox_snapshot(&sandbox.id, Some(&snapshot))?;
                     tx.finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
                     tx.get_sandbox(&sandbox.id)
                 })?;
+                report.phases.insert(0, ("admit".into(), admit_ms));
+                report.phase("commit", lap.next());
                 created.restore = Some(report);
                 Ok(created)
             }
@@ -213,6 +218,7 @@ impl Service {
         snapshot: &Path,
     ) -> Result<RestoreReport, ServiceError> {
         let started = Instant::now();
+        let mut lap = Lap::new();
         let sandbox = self.store.get_sandbox(id)?;
         let dir = self.sandbox_dir(id);
         std::fs::create_dir_all(&dir)
@@ -224,16 +230,16 @@ impl Service {
         // backends; `file` maps the page cache, which needs no prefetch).
         restore.prefetch = backend != MemoryBackend::File;
         self.guest_restore_paths(id, &mut restore)?;
-        let shape = (sandbox.mem_mib, sandbox.vcpus);
-        let from_shell = self.pool.take(shape).and_then(|shell| {
-            match restore_into_shell(shell, &files, &restore) {
+        let shell = self.pool.take((sandbox.mem_mib, sandbox.vcpus));
+        let prepare_ms = lap.next();
+        let from_shell =
+            shell.and_then(|shell| match restore_into_shell(shell, &files, &restore) {
                 Ok(up) => Some(up),
                 Err(e) => {
                     tracing::warn!(sandbox = %id, "standby restore failed, restoring cold: {e}");
                     None
                 }
-            }
-        });
+            });
         let (child, handle, path, vmm_us) = match from_shell {
             Some((child, handle, us)) => (child, handle, RestorePath::Standby, us),
             None => {
@@ -251,18 +257,25 @@ impl Service {
                 (up.child, up.handle, RestorePath::Cold, up.spawn_us)
             }
         };
+        let vmm_ms = lap.next();
         self.store.set_sandbox_vmm(id, Some(&handle))?;
         self.children
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(id.clone(), child);
+        let record_ms = lap.next();
         self.after_restore(id)?;
-        let report = RestoreReport {
+        let mut report = RestoreReport {
             path,
             backend: backend.name().to_string(),
             ms: started.elapsed().as_secs_f64() * 1000.0,
             vmm_ms: vmm_us as f64 / 1000.0,
+            phases: Vec::new(),
         };
+        report.phase("prepare", prepare_ms);
+        report.phase("vmm", vmm_ms);
+        report.phase("record", record_ms);
+        report.phase("hook", lap.next());
         self.metrics.observe_restore(&report);
         Ok(report)
     }
@@ -363,6 +376,7 @@ impl Service {
             ServiceError::Internal(format!("hibernated sandbox {} has no snapshot", sandbox.id))
         })?;
         let change = StateChange::new(SandboxState::Hibernated, SandboxState::Resuming);
+        let mut lap = Lap::new();
         let op = self.admit_with(sandbox.mem_mib, false, |tx| {
             tx.begin_operation(
                 Some(&sandbox.id),
@@ -371,14 +385,18 @@ impl Service {
                 Some(&change),
             )
         })?;
+        let admit_ms = lap.next();
         match self.start_vmm(&sandbox.id, &snapshot) {
-            Ok(report) => {
+            Ok(mut report) => {
+                lap.next();
                 let change = StateChange::new(SandboxState::Resuming, SandboxState::Running);
                 let mut woken = self.store.write(|tx| {
                     tx.finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
                     tx.touch(&sandbox.id, Timestamp::now())?;
                     tx.get_sandbox(&sandbox.id)
                 })?;
+                report.phases.insert(0, ("admit".into(), admit_ms));
+                report.phase("commit", lap.next());
                 let ms = started.elapsed().as_secs_f64() * 1000.0;
                 self.metrics.observe_resume(ms);
                 woken.restore = Some(report);
@@ -614,5 +632,21 @@ fn restore_into_shell(
             vmm::stop(&handle, Some(child));
             Err(e)
         }
+    }
+}
+
+/// Milliseconds between successive calls.
+struct Lap(Instant);
+
+impl Lap {
+    fn new() -> Self {
+        Lap(Instant::now())
+    }
+
+    fn next(&mut self) -> f64 {
+        let now = Instant::now();
+        let ms = now.duration_since(self.0).as_secs_f64() * 1000.0;
+        self.0 = now;
+        ms
     }
 }

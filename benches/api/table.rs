@@ -1,0 +1,313 @@
+//! The API benchmark's table: one column per configuration, targets
+//! marked met or missed.
+
+use super::*;
+
+#[derive(Clone, Copy)]
+enum Fmt {
+    Ms,
+    Pct,
+    Rate,
+    Mib,
+    Count,
+}
+
+struct Target {
+    text: &'static str,
+    /// Applies to pool configurations (and the defaults) only.
+    pool_only: bool,
+    met: fn(f64) -> bool,
+}
+
+struct Row {
+    label: String,
+    fmt: Fmt,
+    target: Option<Target>,
+    value: fn(&Results) -> Option<f64>,
+}
+
+fn p(v: &[f64], q: f64) -> Option<f64> {
+    (!v.is_empty()).then(|| percentile(v, q))
+}
+
+fn api_p(v: &[Sample], q: f64) -> Option<f64> {
+    p(&v.iter().map(|s| s.api_ms).collect::<Vec<_>>(), q)
+}
+
+fn vmm_p50(v: &[Sample]) -> Option<f64> {
+    p(
+        &v.iter().filter_map(Sample::vmm_ms).collect::<Vec<_>>(),
+        0.5,
+    )
+}
+
+/// p50 of one service phase of the answers.
+fn phase_p50(v: &[Sample], name: &str) -> Option<f64> {
+    let ms: Vec<f64> = v
+        .iter()
+        .filter_map(|s| s.restore.as_ref()?.phases.get(name).copied())
+        .collect();
+    p(&ms, 0.5)
+}
+
+/// p50 of what the phases do not account for: HTTP, JSON, the blocking
+/// pool hand-off, locks.
+fn rest_p50(v: &[Sample]) -> Option<f64> {
+    let ms: Vec<f64> = v
+        .iter()
+        .filter_map(|s| {
+            let phases = &s.restore.as_ref()?.phases;
+            (!phases.is_empty()).then(|| s.api_ms - phases.values().sum::<f64>())
+        })
+        .collect();
+    p(&ms, 0.5)
+}
+
+fn service_p50(v: &[Sample]) -> Option<f64> {
+    p(
+        &v.iter().filter_map(Sample::service_ms).collect::<Vec<_>>(),
+        0.5,
+    )
+}
+
+/// p50 of API time - vmm_ms, per sample.
+fn overhead_p50(v: &[Sample]) -> Option<f64> {
+    let d: Vec<f64> = v
+        .iter()
+        .filter_map(|s| s.vmm_ms().map(|m| s.api_ms - m))
+        .collect();
+    p(&d, 0.5)
+}
+
+/// Percent of creates that took the standby path: from the answers, else
+/// from the metrics.
+fn standby_pct(r: &Results) -> Option<f64> {
+    let paths: Vec<&str> = r.create.iter().filter_map(Sample::path).collect();
+    if !paths.is_empty() {
+        let n = paths.iter().filter(|p| **p == "standby").count();
+        return Some(100.0 * n as f64 / paths.len() as f64);
+    }
+    let m = r.create_metrics.as_ref()?;
+    let all: f64 = m.values().sum();
+    (all > 0.0).then(|| 100.0 * m.get("standby").copied().unwrap_or(0.0) / all)
+}
+
+fn rows(o: &Opts) -> Vec<Row> {
+    fn row(label: &str, fmt: Fmt, value: fn(&Results) -> Option<f64>) -> Row {
+        Row {
+            label: label.to_string(),
+            fmt,
+            target: None,
+            value,
+        }
+    }
+    fn goal(mut r: Row, text: &'static str, pool_only: bool, met: fn(f64) -> bool) -> Row {
+        r.target = Some(Target {
+            text,
+            pool_only,
+            met,
+        });
+        r
+    }
+    let t = o.threads;
+    vec![
+        goal(
+            row("create p50", Fmt::Ms, |r| api_p(&r.create, 0.5)),
+            "<= 3 ms (pool)",
+            true,
+            |v| v <= 3.0,
+        ),
+        row("create p90", Fmt::Ms, |r| api_p(&r.create, 0.9)),
+        goal(
+            row("create p99", Fmt::Ms, |r| api_p(&r.create, 0.99)),
+            "<= 15 ms (pool)",
+            true,
+            |v| v <= 15.0,
+        ),
+        row("  VMM restore (vmm_ms) p50", Fmt::Ms, |r| {
+            vmm_p50(&r.create)
+        }),
+        row("  service (restore.ms) p50", Fmt::Ms, |r| {
+            service_p50(&r.create)
+        }),
+        row("    admit: admission commit p50", Fmt::Ms, |r| {
+            phase_p50(&r.create, "admit")
+        }),
+        row("    prepare: reads, shell p50", Fmt::Ms, |r| {
+            phase_p50(&r.create, "prepare")
+        }),
+        row("    vmm: restore round trip p50", Fmt::Ms, |r| {
+            phase_p50(&r.create, "vmm")
+        }),
+        row("    record: VMM handle commit p50", Fmt::Ms, |r| {
+            phase_p50(&r.create, "record")
+        }),
+        row("    commit: operation end p50", Fmt::Ms, |r| {
+            phase_p50(&r.create, "commit")
+        }),
+        row("    HTTP, JSON, hand-offs p50", Fmt::Ms, |r| {
+            rest_p50(&r.create)
+        }),
+        goal(
+            row("  API overhead p50", Fmt::Ms, |r| overhead_p50(&r.create)),
+            "<= 1.5 ms",
+            false,
+            |v| v <= 1.5,
+        ),
+        row("  creates via standby", Fmt::Pct, standby_pct),
+        goal(
+            row("wake p50", Fmt::Ms, |r| api_p(&r.wake, 0.5)),
+            "<= 3 ms",
+            false,
+            |v| v <= 3.0,
+        ),
+        row("wake p90", Fmt::Ms, |r| api_p(&r.wake, 0.9)),
+        goal(
+            row("wake p99", Fmt::Ms, |r| api_p(&r.wake, 0.99)),
+            "<= 15 ms",
+            false,
+            |v| v <= 15.0,
+        ),
+        row("  VMM restore (vmm_ms) p50", Fmt::Ms, |r| vmm_p50(&r.wake)),
+        row("  service (restore.ms) p50", Fmt::Ms, |r| {
+            service_p50(&r.wake)
+        }),
+        goal(
+            row("  API overhead p50", Fmt::Ms, |r| overhead_p50(&r.wake)),
+            "<= 1.5 ms",
+            false,
+            |v| v <= 1.5,
+        ),
+        row("  wake -> first new line p50", Fmt::Ms, |r| {
+            p(&r.wake_line, 0.5)
+        }),
+        row("  wake -> first new line p99", Fmt::Ms, |r| {
+            p(&r.wake_line, 0.99)
+        }),
+        row("pause p50", Fmt::Ms, |r| p(&r.pause, 0.5)),
+        row("resume (paused) p50", Fmt::Ms, |r| p(&r.resume, 0.5)),
+        row("hibernate p50", Fmt::Ms, |r| p(&r.hibernate, 0.5)),
+        goal(
+            row(&format!("creates/s ({t} threads)"), Fmt::Rate, |r| {
+                let s = r.sustained.as_ref()?;
+                (s.creates > 0).then(|| s.creates as f64 / s.secs)
+            }),
+            ">= 200/s",
+            false,
+            |v| v >= 200.0,
+        ),
+        row("  create p50 under load", Fmt::Ms, |r| {
+            p(&r.sustained.as_ref()?.lat, 0.5)
+        }),
+        row("  create p99 under load", Fmt::Ms, |r| {
+            p(&r.sustained.as_ref()?.lat, 0.99)
+        }),
+        row("  via standby under load", Fmt::Pct, |r| {
+            let s = r.sustained.as_ref()?;
+            (s.with_path > 0).then(|| 100.0 * s.standby as f64 / s.with_path as f64)
+        }),
+        goal(
+            row("PSS / paused clone", Fmt::Mib, |r| r.pss_paused),
+            "<= 0.8 MiB",
+            false,
+            |v| v <= 0.8,
+        ),
+        row("PSS / running clone", Fmt::Mib, |r| r.pss_running),
+        row("standby shells (count)", Fmt::Count, |r| {
+            r.shells_pss.map(|s| s.0 as f64)
+        }),
+        row("standby shells PSS, all", Fmt::Mib, |r| {
+            r.shells_pss.map(|s| s.1)
+        }),
+    ]
+}
+
+fn cell(v: Option<f64>, fmt: Fmt) -> String {
+    match v.filter(|v| v.is_finite()) {
+        None => "-".into(),
+        Some(v) => match fmt {
+            Fmt::Ms => format!("{v:.2}"),
+            Fmt::Pct => format!("{v:.0}%"),
+            Fmt::Rate => format!("{v:.0}"),
+            Fmt::Mib => format!("{v:.2}"),
+            Fmt::Count => format!("{v:.0}"),
+        },
+    }
+}
+
+const LABEL_W: usize = 36;
+const COL_W: usize = 14;
+
+/// One table for one guest size: a row per measurement, a column per
+/// configuration, the target in the last column.
+pub(super) fn print_table(mem: u32, done: &[(Config, Results)], o: &Opts) -> Vec<String> {
+    let mut summary = Vec::new();
+    println!(
+        "\n== probe template {mem} MiB: through the REST API (ms unless said; {} samples per \
+         latency, {} clones, {} s sustained)",
+        o.runs, o.clones, o.secs
+    );
+    let head = |last: &str, f: &dyn Fn(&Config, &Results) -> String| {
+        let cols: String = done
+            .iter()
+            .map(|(c, r)| format!("{:>COL_W$}", f(c, r)))
+            .collect();
+        println!("{:<LABEL_W$}{cols}  {last}", "");
+    };
+    head("target", &|c, _| match c.pool {
+        Some(p) => pool_word(p).to_string(),
+        None => "default".into(),
+    });
+    head("", &|c, r| match c.backend {
+        Some(b) => b.to_string(),
+        None => match r.backend_seen.keys().next() {
+            Some(b) => format!("({b})"),
+            None => "(no flags)".into(),
+        },
+    });
+    let mut score: Vec<(usize, usize, Vec<String>)> = vec![(0, 0, Vec::new()); done.len()];
+    let mut section = String::new();
+    for row in rows(o) {
+        if !row.label.starts_with(' ') {
+            section = row.label.split(' ').next().unwrap_or_default().to_string();
+        }
+        let mut line = format!("{:<LABEL_W$}", row.label);
+        for (i, (c, r)) in done.iter().enumerate() {
+            let v = (row.value)(r).filter(|v| v.is_finite());
+            let mut text = cell(v, row.fmt);
+            if let (Some(t), Some(v)) = (&row.target, v) {
+                if !t.pool_only || c.pool_targets() {
+                    let met = (t.met)(v);
+                    text.push_str(if met { " ok" } else { " MISS" });
+                    score[i].1 += 1;
+                    if met {
+                        score[i].0 += 1;
+                    } else {
+                        let what = row.label.trim();
+                        score[i].2.push(if row.label.starts_with(' ') {
+                            format!("{section} {what}")
+                        } else {
+                            what.to_string()
+                        });
+                    }
+                }
+            }
+            line.push_str(&format!("{text:>COL_W$}"));
+        }
+        if let Some(t) = &row.target {
+            line.push_str(&format!("  {}", t.text));
+        }
+        println!("{line}");
+    }
+    for ((c, r), (met, of, missed)) in done.iter().zip(&score) {
+        let mut line = format!("{}: {met} of {of} targets met", c.name());
+        if r.failed {
+            line.push_str(" (FAILED part-way: its column holds what was measured)");
+        }
+        if !missed.is_empty() {
+            line.push_str(&format!(" (missed: {})", missed.join(", ")));
+        }
+        summary.push(line);
+    }
+    summary
+}
