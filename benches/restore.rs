@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{call, iter_lines, median, shutdown, spawn, wait_socket, wait_until, Dir};
+use common::{call, iter_lines, median, shutdown, spawn, wait_socket, wait_until, Dir, TORPOR_VMM};
 const BACKENDS: &[&str] = &["file", "uffd", "uffd-shared"];
 
 /// Boots a probe with `mib` MiB of workload, lets it run `iters` iterations,
@@ -218,6 +218,51 @@ fn diff_snapshot(dir: &Path, snap: &Path, name: &str) -> serde_json::Value {
     v
 }
 
+/// A standby VMM process from spawn: to its control socket accepting, and
+/// (for `torpor-vmm`, which answers one) to its `ready` line, in µs.
+fn vmm_start(dir: &Path, mem: u64, small: bool, i: usize) -> (f64, Option<f64>) {
+    use std::io::{BufRead, Write};
+    use std::process::{Command, Stdio};
+    let sock = dir.join(format!("start-{i}.sock"));
+    let _ = std::fs::remove_file(&sock);
+    let t0 = Instant::now();
+    let mut child = if small {
+        let mut c = Command::new(TORPOR_VMM)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn torpor-vmm");
+        let spec = serde_json::json!({
+            "control_socket": sock,
+            "mode": {"kind": "standby", "mem_mib": mem, "vcpus": 1}
+        });
+        let mut stdin = c.stdin.take().unwrap();
+        stdin.write_all(spec.to_string().as_bytes()).unwrap();
+        drop(stdin);
+        c
+    } else {
+        spawn(&[
+            "vmm",
+            "--standby",
+            "--mem-mib",
+            &mem.to_string(),
+            "--control-socket",
+            sock.to_str().unwrap(),
+        ])
+    };
+    wait_socket(&sock);
+    let to_socket = t0.elapsed().as_micros() as f64;
+    let to_ready = child.stdout.take().map(|out| {
+        let mut line = String::new();
+        std::io::BufReader::new(out).read_line(&mut line).unwrap();
+        assert!(line.contains("ready"), "{line}");
+        t0.elapsed().as_micros() as f64
+    });
+    shutdown(&sock, child);
+    (to_socket, to_ready)
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let runs: usize = args
@@ -236,6 +281,32 @@ fn main() {
     std::fs::create_dir_all(&dir.0).unwrap();
     let sizes: &[u64] = if quick { &[256] } else { &[256, 2048] };
     println!("torpor restore benchmark ({runs} runs per cell, medians)");
+    println!(
+        "\n== VMM process start, standby 256 MiB ({} runs)",
+        runs.max(5)
+    );
+    println!(
+        "{:<26} {:>18} {:>18}",
+        "process", "spawn->socket", "spawn->ready"
+    );
+    for (label, small) in [
+        ("torpor-vmm (LaunchSpec)", true),
+        ("torpor vmm --standby", false),
+    ] {
+        let starts: Vec<(f64, Option<f64>)> = (0..runs.max(5))
+            .map(|i| vmm_start(&dir.0, 256, small, i))
+            .collect();
+        let ready: Vec<f64> = starts.iter().filter_map(|s| s.1).collect();
+        println!(
+            "{label:<26} {:>15.0} µs {:>18}",
+            median(starts.iter().map(|s| s.0).collect()),
+            if ready.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{:.0} µs", median(ready))
+            }
+        );
+    }
     for &mem in sizes {
         let (snap, _) = make_template(&dir.0, &format!("t{mem}"), mem, 8);
         println!("\n== guest memory {mem} MiB (probe workload 8 MiB)");

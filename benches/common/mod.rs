@@ -12,6 +12,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub const TORPOR: &str = env!("CARGO_BIN_EXE_torpor");
+/// The per-VM process a pod starts (VMM crates only).
+pub const TORPOR_VMM: &str = env!("CARGO_BIN_EXE_torpor-vmm");
 
 /// A scratch directory removed on drop.
 pub struct Dir(pub PathBuf);

@@ -70,7 +70,7 @@ fn linux_sandbox_through_the_api_exec_files_hibernate_wake() {
         eprintln!("nested_service: SKIPPED by request (TORPOR_SKIP_NESTED=1)");
         return;
     }
-    let (host, _scratch) = linux_host("service", &[]);
+    let (host, _scratch) = linux_host("service", &[common::linux::torpor_vmm()]);
     let run = run_logged(&host, "nested_service", SCRIPT, Duration::from_secs(1500));
     let o = &run.stdout;
     eprintln!("{o}");

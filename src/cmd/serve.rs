@@ -268,7 +268,8 @@ pub fn vmm_exe() -> Result<std::path::PathBuf, String> {
         Ok(vmm)
     } else {
         Err(format!(
-            "{} is missing: torpor-vmm is installed beside torpor (cargo builds both)",
+            "{} is missing: torpor-vmm, the per-VM process, is installed beside torpor \
+             (`cargo build --release` builds both; `cargo run` builds only torpor)",
             vmm.display()
         ))
     }

@@ -77,6 +77,16 @@ impl Drop for Scratch {
     }
 }
 
+/// `torpor-vmm` (the per-VM process `torpor serve` starts) for `extra`:
+/// carried only by tests that run the service in L1, since everything
+/// carried sits in L1's RAM (initramfs).
+pub fn torpor_vmm() -> (PathBuf, &'static str) {
+    (
+        torpor_binary().with_file_name("torpor-vmm"),
+        "/opt/torpor/torpor-vmm",
+    )
+}
+
 /// The nested host carrying torpor (`/opt/torpor/torpor`), the guest kernel
 /// (`/opt/torpor/vmlinux`), a fresh rootfs (`/opt/torpor/rootfs.ext4`) and
 /// `extra` files (host path, L1 path).
