@@ -105,7 +105,8 @@ impl Service {
                 req.cmdline.as_deref().unwrap_or(LINUX_CMDLINE),
             ),
         };
-        if let Ok(snapshot) = &built {
+        // Only uffd backends prefetch; `file` restores map the page cache.
+        if let (Ok(snapshot), true) = (&built, self.config.memory_backend != MemoryBackend::File) {
             self.record_working_set(&template, snapshot);
         }
         match built {
@@ -165,8 +166,8 @@ impl Service {
 }
 
 impl Service {
-    /// Records the template's working set: restores it once with a uffd
-    /// backend that notes the pages the guest touches in its first
+    /// Records the template's working set: restores it once with the pod's
+    /// uffd backend, which notes the pages the guest touches in its first
     /// [`WORKING_SET_MS`] (`working-set` beside the snapshot), which every
     /// create and wake with a uffd backend then installs eagerly. Best
     /// effort: a host that cannot (no userfaultfd) builds templates
@@ -178,7 +179,7 @@ impl Service {
             console: dir.join("record.log"),
             log: dir.join("record-vmm.log"),
         };
-        let mut restore = RestoreSpec::new(snapshot, MemoryBackend::UffdShared);
+        let mut restore = RestoreSpec::new(snapshot, self.config.memory_backend);
         if template.kind == TemplateKind::Linux {
             // The clone's own device files, thrown away afterwards.
             restore.disk_overlay = Some(dir.join("record-overlay"));
