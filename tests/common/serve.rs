@@ -82,8 +82,30 @@ impl Drop for DataDir {
         let _ = Command::new("pkill")
             .args(["-9", "-f", &self.0.to_string_lossy()])
             .output();
+        // VMMs get their spec on stdin, so their command lines name no
+        // path: find them by their stderr, a log inside the directory.
+        for pid in processes_logging_under(&self.0) {
+            // SAFETY: SIGKILL to a process of this test's data directory.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
         if std::env::var_os("TORPOR_KEEP_SCRATCH").is_none() {
             let _ = std::fs::remove_dir_all(&self.0);
         }
     }
+}
+
+/// Pids whose stderr is a file under `dir` (or under its canonical path).
+fn processes_logging_under(dir: &std::path::Path) -> Vec<i32> {
+    let roots = [dir.to_path_buf(), dir.canonicalize().unwrap_or_default()];
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_link(format!("/proc/{pid}/fd/2"))
+                .is_ok_and(|target| roots.iter().any(|r| target.starts_with(r)))
+        })
+        .collect()
 }

@@ -118,10 +118,6 @@ pub fn linux_host(tag: &str, extra: &[(PathBuf, &str)]) -> (NestedHost, Scratch)
 
     let mut builder = NestedHost::builder()
         .file(&torpor, "/opt/torpor/torpor")
-        .file(
-            torpor.with_file_name("torpor-vmm"),
-            "/opt/torpor/torpor-vmm",
-        )
         .file(&kernel, "/opt/torpor/vmlinux")
         .file(&rootfs, "/opt/torpor/rootfs.ext4");
     for (host, guest) in extra {
