@@ -110,14 +110,7 @@ fn standby_restore(dir: &Path, snap: &Path, backend: &str, mem: u64, prefetch: b
     let sock = dir.join("standby.sock");
     let console = dir.join("standby.log");
     let _ = std::fs::remove_file(&console);
-    let child = spawn(&[
-        "vmm",
-        "--standby",
-        "--mem-mib",
-        &mem.to_string(),
-        "--control-socket",
-        sock.to_str().unwrap(),
-    ]);
+    let child = spawn_standby(mem, &sock);
     wait_socket(&sock);
     let t0 = Instant::now();
     let v = call(
@@ -218,6 +211,18 @@ fn diff_snapshot(dir: &Path, snap: &Path, name: &str) -> serde_json::Value {
     v
 }
 
+/// `torpor vmm --standby` for `mem` MiB on `sock`.
+fn spawn_standby(mem: u64, sock: &Path) -> Child {
+    spawn(&[
+        "vmm",
+        "--standby",
+        "--mem-mib",
+        &mem.to_string(),
+        "--control-socket",
+        sock.to_str().unwrap(),
+    ])
+}
+
 /// A standby VMM process from spawn: to its control socket accepting, and
 /// (for `torpor-vmm`, which answers one) to its `ready` line, in µs.
 fn vmm_start(dir: &Path, mem: u64, small: bool, i: usize) -> (f64, Option<f64>) {
@@ -242,14 +247,7 @@ fn vmm_start(dir: &Path, mem: u64, small: bool, i: usize) -> (f64, Option<f64>) 
         drop(stdin);
         c
     } else {
-        spawn(&[
-            "vmm",
-            "--standby",
-            "--mem-mib",
-            &mem.to_string(),
-            "--control-socket",
-            sock.to_str().unwrap(),
-        ])
+        spawn_standby(mem, &sock)
     };
     wait_socket(&sock);
     let to_socket = t0.elapsed().as_micros() as f64;
