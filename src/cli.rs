@@ -363,6 +363,21 @@ pub struct ServeArgs {
     /// The file holding the token of the --pod at the same position.
     #[arg(long = "pod-token-file", value_name = "F")]
     pub pod_token_files: Vec<PathBuf>,
+    /// The certificate fingerprint (SHA-256) of each tls: --pod, in the
+    /// order of the tls: pods.
+    #[arg(long = "pod-fingerprint", value_name = "SHA256")]
+    pub pod_fingerprints: Vec<String>,
+    /// Serve the API over TLS with a self-signed certificate made on first
+    /// start in DATA_DIR/tls (its fingerprint is printed; clients pin it
+    /// with --api-fingerprint), or with --tls-cert/--tls-key.
+    #[arg(long)]
+    pub tls: bool,
+    /// Serve TLS with this certificate (PEM; with --tls-key).
+    #[arg(long, value_name = "PEM", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "PEM", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
     /// Run Linux templates in a nested hardware-virtualization host (QEMU/TCG
     /// with kvm_amd, from `scripts/nested-host prepare`) for hosts whose
     /// /dev/kvm cannot boot Linux (PVM): it boots in the background as a
@@ -385,7 +400,8 @@ pub struct ServeArgs {
 /// `torpor pod serve`.
 #[derive(Debug, Args)]
 pub struct PodServeArgs {
-    /// Where the pod's API listens: unix:/PATH or tcp:ADDR:PORT.
+    /// Where the pod's API listens: unix:/PATH or tcp:ADDR:PORT (TLS, with
+    /// a certificate made on first start; see --plain-tcp).
     #[arg(long, value_name = "unix:PATH|tcp:ADDR:PORT")]
     pub listen: String,
     /// Where the pod's store, templates and snapshots live (default as for
@@ -396,6 +412,17 @@ pub struct PodServeArgs {
     /// mode 0600, if missing); `torpor serve` registers the pod with it.
     #[arg(long, value_name = "F")]
     pub token_file: PathBuf,
+    /// On tcp:, serve plain HTTP instead of TLS: allowed on a loopback
+    /// address only (the token and the sandboxes' traffic cross in clear).
+    #[arg(long)]
+    pub plain_tcp: bool,
+    /// On tcp:, serve TLS with this certificate instead of the one made on
+    /// first start in DATA_DIR/tls (PEM; with --tls-key).
+    #[arg(long, value_name = "PEM", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "PEM", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
     #[command(flatten)]
     pub service: ServiceFlags,
 }
@@ -405,10 +432,15 @@ pub struct PodServeArgs {
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "API access")]
 pub struct ClientArgs {
-    /// Base URL of the API: http://HOST[:PORT] or unix:/PATH (a pod's
-    /// socket) [default: $TORPOR_API, else http://127.0.0.1:7700].
+    /// Base URL of the API: http://HOST[:PORT], https://HOST[:PORT] (with
+    /// --api-fingerprint) or unix:/PATH (a pod's socket) [default: $TORPOR_API,
+    /// else http://127.0.0.1:7700].
     #[arg(long, global = true, value_name = "URL")]
     pub api: Option<String>,
+    /// The SHA-256 fingerprint of an https:// API's certificate, the only
+    /// one trusted [default: $TORPOR_API_FINGERPRINT].
+    #[arg(long, global = true, value_name = "SHA256")]
+    pub api_fingerprint: Option<String>,
     /// API bearer token [default: $TORPOR_TOKEN, else the token file of the
     /// default data directory: $TORPOR_DATA_DIR/token, /var/lib/torpor/token
     /// as root, else ~/.local/share/torpor/token].
@@ -747,9 +779,14 @@ pub enum PodAction {
 #[derive(Debug, Args)]
 #[command(group(ArgGroup::new("secret").required(true)))]
 pub struct PodAddArgs {
-    /// Where the pod listens: unix:/PATH or tcp:HOST:PORT.
+    /// Where the pod listens: unix:/PATH, tls:HOST:PORT (with
+    /// --fingerprint) or tcp:LOOPBACK:PORT.
     #[arg(value_name = "ADDR")]
     pub address: String,
+    /// The SHA-256 fingerprint of a tls: pod's certificate (printed by
+    /// `torpor pod serve` at start).
+    #[arg(long, value_name = "SHA256")]
+    pub fingerprint: Option<String>,
     /// The pod's token, from this file.
     #[arg(long, value_name = "F", group = "secret")]
     pub pod_token_file: Option<PathBuf>,

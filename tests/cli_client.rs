@@ -278,7 +278,13 @@ fn dead_api_and_bad_urls() {
     assert!(text.contains("connection refused") && text.contains("torpor serve"));
     let o = torpor_env(&["pod", "list"], &[("TORPOR_API", "https://x:1")]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(err(&o).contains("https is not supported"), "{}", err(&o));
+    assert!(err(&o).contains("needs its certificate"), "{}", err(&o));
+    let o = torpor_env(
+        &["pod", "list", "--api-fingerprint", "nope"],
+        &[("TORPOR_API", "https://x:1")],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(err(&o).contains("not a SHA-256 fingerprint"), "{}", err(&o));
 }
 
 /// Serves one canned answer per connection; gives the requests it read.

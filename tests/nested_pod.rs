@@ -279,7 +279,7 @@ fn serve_runs_linux_templates_in_the_nested_pod() {
     let text = std::fs::read_to_string(&log).unwrap();
     let port = text
         .lines()
-        .find_map(|l| l.split(" at tcp:127.0.0.1:").nth(1))
+        .find_map(|l| l.split(" at tls:127.0.0.1:").nth(1))
         .and_then(|r| r.split_whitespace().next())
         .unwrap_or_else(|| panic!("no nested pod address in:\n{text}"))
         .to_string();

@@ -1,4 +1,4 @@
-//! Remote pods: `torpor pod serve` on a unix socket and on loopback TCP,
+//! Remote pods: `torpor pod serve` on a unix socket and over TLS,
 //! registered with a `torpor serve` (probe templates). Placement, routing
 //! through the central API, merged lists, a ratio change forwarded to its
 //! pod, a pod that dies, a central killed -9 in the middle of a create, and
@@ -55,7 +55,9 @@ impl Central {
         let r = self.call(
             "POST",
             "/v1/pods",
-            Some(json!({"address": pod.address, "token": pod.token})),
+            Some(
+                json!({"address": pod.address, "token": pod.token, "fingerprint": pod.fingerprint}),
+            ),
         );
         assert_eq!(r.status, 201, "{}", r.body);
         let v = r.json();
@@ -489,11 +491,14 @@ fn cli_pod_add_list_rm() {
     let wrong = data.0.join("wrong-token");
     std::fs::write(&wrong, "nope").unwrap();
 
+    let fingerprint = pod.fingerprint.clone().unwrap();
     let (ok, _, err) = cli(
         &[
             "pod",
             "add",
             &pod.address,
+            "--fingerprint",
+            &fingerprint,
             "--pod-token-file",
             wrong.to_str().unwrap(),
         ],
@@ -506,6 +511,8 @@ fn cli_pod_add_list_rm() {
             "pod",
             "add",
             &pod.address,
+            "--fingerprint",
+            &fingerprint,
             "--pod-token-file",
             token_file.to_str().unwrap(),
         ],
@@ -522,7 +529,7 @@ fn cli_pod_add_list_rm() {
     let (ok, out, err) = cli(&["pod", "set", &id, "--ratio", "2"], &api);
     assert!(ok, "{err}");
     assert!(
-        out.contains(&format!("tcp:{}", pod.address.trim_start_matches("tcp:"))),
+        out.contains(&format!("tls:{}", pod.address.trim_start_matches("tls:"))),
         "{out}"
     );
     // Templates show their pod; a sandbox pinned with --pod lands there.

@@ -1,6 +1,7 @@
 //! A tiny blocking HTTP/1.1 client for the REST API, over TCP or a unix
 //! socket: one request per connection; `Content-Length`, chunked or
-//! read-to-end bodies; timeouts. Used by the CLI (`torpor sandbox|template|pod`)
+//! read-to-end bodies; timeouts; TLS (rustls) to a server whose
+//! certificate fingerprint is pinned ([`crate::tls`]). Used by the CLI (`torpor sandbox|template|pod`)
 //! and by the federation to call remote pods (whose protocol is this API).
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -8,6 +9,10 @@ use std::net::{TcpStream, ToSocketAddrs};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::time::Duration;
+
+use rustls::pki_types::ServerName;
+
+use crate::tls::{pinned_client_config, Fingerprint};
 
 /// Longest wait for a connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -18,8 +23,13 @@ const MAX_BODY: u64 = 64 << 20;
 /// Where an API listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Endpoint {
-    /// `host:port`, and a path prefix put before `/v1/...`.
-    Tcp { authority: String, prefix: String },
+    /// `host:port`, a path prefix put before `/v1/...`, and whether the
+    /// connection is TLS (`https://`, `tls:`).
+    Tcp {
+        authority: String,
+        prefix: String,
+        tls: bool,
+    },
     /// A unix socket.
     Unix { path: PathBuf },
 }
@@ -38,11 +48,16 @@ pub enum ClientError {
     /// The connection broke, timed out or the answer was not HTTP.
     #[error("{0}")]
     Transport(String),
+    /// The TLS handshake failed: a certificate other than the pinned one,
+    /// or a server that does not speak TLS.
+    #[error("TLS to {target}: {message}")]
+    Tls { target: String, message: String },
 }
 
 impl Endpoint {
     /// `http://host[:port][/prefix]` (the scheme may be left out),
-    /// `tcp:host:port` or `unix:/path`.
+    /// `https://host[:port][/prefix]`, `tcp:host:port` (plain),
+    /// `tls:host:port` or `unix:/path`.
     pub fn parse(address: &str) -> Result<Endpoint, ClientError> {
         if let Some(path) = address.strip_prefix("unix:") {
             if !path.starts_with('/') {
@@ -52,30 +67,42 @@ impl Endpoint {
             }
             return Ok(Endpoint::Unix { path: path.into() });
         }
-        let url = address.strip_prefix("tcp:").unwrap_or(address);
-        let (authority, prefix) = parse_url(url).map_err(ClientError::BadAddress)?;
-        Ok(Endpoint::Tcp { authority, prefix })
+        let (url, tls) = if let Some(rest) = address.strip_prefix("tls:") {
+            (rest, true)
+        } else if let Some(rest) = address.strip_prefix("https://") {
+            (rest, true)
+        } else {
+            (address.strip_prefix("tcp:").unwrap_or(address), false)
+        };
+        let (authority, prefix) = parse_url(url, tls).map_err(ClientError::BadAddress)?;
+        Ok(Endpoint::Tcp {
+            authority,
+            prefix,
+            tls,
+        })
     }
 
     /// How the endpoint is written in messages.
     pub fn describe(&self) -> String {
         match self {
-            Endpoint::Tcp { authority, prefix } => format!("http://{authority}{prefix}"),
+            Endpoint::Tcp {
+                authority,
+                prefix,
+                tls,
+            } => {
+                let scheme = if *tls { "https" } else { "http" };
+                format!("{scheme}://{authority}{prefix}")
+            }
             Endpoint::Unix { path } => format!("unix:{}", path.display()),
         }
     }
 }
 
-/// `http://host[:port][/prefix]` to the `host:port` to connect to and the
-/// path prefix to put before `/v1/...`.
-fn parse_url(url: &str) -> Result<(String, String), String> {
-    let rest = if let Some(r) = url.strip_prefix("http://") {
+/// `[http://]host[:port][/prefix]` to the `host:port` to connect to and the
+/// path prefix to put before `/v1/...` (the default port is 443 for TLS).
+fn parse_url(url: &str, tls: bool) -> Result<(String, String), String> {
+    let rest = if let Some(r) = url.strip_prefix("http://").filter(|_| !tls) {
         r
-    } else if url.starts_with("https://") {
-        return Err(format!(
-            "{url}: https is not supported by this client; use http:// (put a TLS proxy \
-             in front of it if the API is remote)"
-        ));
     } else if url.contains("://") {
         return Err(format!("{url}: not an http:// URL"));
     } else {
@@ -95,7 +122,7 @@ fn parse_url(url: &str) -> Result<(String, String), String> {
     let authority = if has_port {
         authority.to_string()
     } else {
-        format!("{authority}:80")
+        format!("{authority}:{}", if tls { 443 } else { 80 })
     };
     Ok((authority, path.to_string()))
 }
@@ -140,6 +167,8 @@ pub struct HttpClient {
     pub endpoint: Endpoint,
     token: Option<String>,
     io_timeout: Duration,
+    /// The only certificate a TLS endpoint may present.
+    pin: Option<Fingerprint>,
 }
 
 impl std::fmt::Debug for HttpClient {
@@ -147,12 +176,14 @@ impl std::fmt::Debug for HttpClient {
         f.debug_struct("HttpClient")
             .field("endpoint", &self.endpoint)
             .field("token", &self.token.as_ref().map(|_| "[redacted]"))
+            .field("pin", &self.pin)
             .finish()
     }
 }
 
 enum Stream {
     Tcp(TcpStream),
+    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
     Unix(UnixStream),
 }
 
@@ -160,6 +191,7 @@ impl Read for Stream {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.read(buf),
+            Stream::Tls(s) => s.read(buf),
             Stream::Unix(s) => s.read(buf),
         }
     }
@@ -169,12 +201,14 @@ impl Write for Stream {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.write(buf),
+            Stream::Tls(s) => s.write(buf),
             Stream::Unix(s) => s.write(buf),
         }
     }
     fn flush(&mut self) -> std::io::Result<()> {
         match self {
             Stream::Tcp(s) => s.flush(),
+            Stream::Tls(s) => s.flush(),
             Stream::Unix(s) => s.flush(),
         }
     }
@@ -199,7 +233,15 @@ impl HttpClient {
             endpoint,
             token,
             io_timeout,
+            pin: None,
         })
+    }
+
+    /// Trusts exactly the certificate with this fingerprint on a TLS
+    /// endpoint (a TLS endpoint without a pin is refused at connect).
+    pub fn pinned(mut self, pin: Option<Fingerprint>) -> Self {
+        self.pin = pin;
+        self
     }
 
     /// Sends one request (`body`: content type and bytes; `path` with its
@@ -214,6 +256,15 @@ impl HttpClient {
         let mut stream = self.connect()?;
         let target = self.endpoint.describe();
         let io = |e: std::io::Error| {
+            if let Some(tls) = e
+                .get_ref()
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+            {
+                return ClientError::Tls {
+                    target: target.clone(),
+                    message: tls.to_string(),
+                };
+            }
             if matches!(
                 e.kind(),
                 std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
@@ -227,7 +278,9 @@ impl HttpClient {
             }
         };
         let (host, prefix) = match &self.endpoint {
-            Endpoint::Tcp { authority, prefix } => (authority.as_str(), prefix.as_str()),
+            Endpoint::Tcp {
+                authority, prefix, ..
+            } => (authority.as_str(), prefix.as_str()),
             Endpoint::Unix { .. } => ("localhost", ""),
         };
         let mut head = format!(
@@ -268,24 +321,52 @@ impl HttpClient {
                     .map_err(connect)?;
                 Ok(Stream::Unix(s))
             }
-            Endpoint::Tcp { authority, .. } => {
-                let addrs = authority.to_socket_addrs().map_err(connect)?;
-                let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
-                for addr in addrs {
-                    match TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT) {
-                        Ok(s) => {
-                            let _ = s.set_nodelay(true);
-                            s.set_read_timeout(Some(self.io_timeout)).map_err(connect)?;
-                            s.set_write_timeout(Some(self.io_timeout))
-                                .map_err(connect)?;
-                            return Ok(Stream::Tcp(s));
-                        }
-                        Err(e) => last = e,
-                    }
+            Endpoint::Tcp { authority, tls, .. } => {
+                if !tls {
+                    return Ok(Stream::Tcp(self.connect_tcp(authority, &connect)?));
                 }
-                Err(connect(last))
+                let Some(pin) = self.pin else {
+                    return Err(ClientError::BadAddress(format!(
+                        "{target}: a TLS endpoint needs its certificate's SHA-256 \
+                         fingerprint (printed by the server when it starts)"
+                    )));
+                };
+                let tcp = self.connect_tcp(authority, &connect)?;
+                let host = authority
+                    .rsplit_once(':')
+                    .map_or(authority.as_str(), |(h, _)| h)
+                    .trim_start_matches('[')
+                    .trim_end_matches(']');
+                // The pin is the trust; the name only fills the handshake.
+                let name = ServerName::try_from(host.to_string())
+                    .unwrap_or_else(|_| ServerName::try_from("torpor.invalid").expect("valid"));
+                let conn = rustls::ClientConnection::new(pinned_client_config(pin), name)
+                    .map_err(|e| ClientError::Transport(format!("TLS to {target}: {e}")))?;
+                Ok(Stream::Tls(Box::new(rustls::StreamOwned::new(conn, tcp))))
             }
         }
+    }
+
+    fn connect_tcp(
+        &self,
+        authority: &str,
+        connect: &dyn Fn(std::io::Error) -> ClientError,
+    ) -> Result<TcpStream, ClientError> {
+        let addrs = authority.to_socket_addrs().map_err(connect)?;
+        let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
+        for addr in addrs {
+            match TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT) {
+                Ok(s) => {
+                    let _ = s.set_nodelay(true);
+                    s.set_read_timeout(Some(self.io_timeout)).map_err(connect)?;
+                    s.set_write_timeout(Some(self.io_timeout))
+                        .map_err(connect)?;
+                    return Ok(s);
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(connect(last))
     }
 }
 
@@ -441,17 +522,32 @@ mod tests {
             Endpoint::parse("tcp:10.0.0.2:7701").unwrap(),
             Endpoint::Tcp {
                 authority: "10.0.0.2:7701".into(),
-                prefix: String::new()
+                prefix: String::new(),
+                tls: false
             }
         );
         assert_eq!(
             Endpoint::parse("http://h/api/").unwrap(),
             Endpoint::Tcp {
                 authority: "h:80".into(),
-                prefix: "/api".into()
+                prefix: "/api".into(),
+                tls: false
             }
         );
-        assert!(Endpoint::parse("https://h").is_err());
+        assert_eq!(
+            Endpoint::parse("https://h").unwrap(),
+            Endpoint::Tcp {
+                authority: "h:443".into(),
+                prefix: String::new(),
+                tls: true
+            }
+        );
+        assert_eq!(
+            Endpoint::parse("tls:10.0.0.2:7701").unwrap().describe(),
+            "https://10.0.0.2:7701"
+        );
+        assert!(Endpoint::parse("ftp://h").is_err());
+        assert!(Endpoint::parse("https://http://h").is_err());
     }
 
     #[test]

@@ -55,6 +55,7 @@ pub mod guest_routes;
 mod handlers;
 pub mod openapi;
 pub mod service;
+pub mod tls;
 pub mod wire;
 
 pub use backend::SandboxApi;
@@ -321,6 +322,28 @@ where
         }
     });
     axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// [`serve`] over TLS with `identity`'s certificate (a pod on a
+/// non-loopback address, or the API with `--tls`).
+pub async fn serve_tls<S, F>(
+    listener: tokio::net::TcpListener,
+    identity: &tls::Identity,
+    service: Arc<S>,
+    config: ApiConfig,
+    shutdown: F,
+) -> std::io::Result<()>
+where
+    S: SandboxApi,
+    F: Future<Output = ()> + Send + 'static,
+{
+    let server = identity
+        .server_config()
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let listener = tls::TlsListener::new(listener, server)?;
+    axum::serve(listener, router(service, config))
         .with_graceful_shutdown(shutdown)
         .await
 }

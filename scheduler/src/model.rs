@@ -364,17 +364,22 @@ pub enum PodAddress {
     Local,
     /// A `torpor pod` on this host.
     Unix { path: PathBuf },
-    /// A remote `torpor pod` (`host:port`), with a token.
+    /// A `torpor pod` on loopback (`host:port`), plain TCP, with a token.
     Tcp { addr: String },
+    /// A remote `torpor pod` (`host:port`) over TLS, its certificate
+    /// pinned, with a token.
+    Tls { addr: String },
 }
 
 impl PodAddress {
-    /// The stored form: `local`, `unix:PATH` or `tcp:HOST:PORT`.
+    /// The stored form: `local`, `unix:PATH`, `tcp:HOST:PORT` or
+    /// `tls:HOST:PORT`.
     pub fn to_text(&self) -> Option<String> {
         match self {
             PodAddress::Local => Some("local".to_string()),
             PodAddress::Unix { path } => path.to_str().map(|p| format!("unix:{p}")),
             PodAddress::Tcp { addr } => Some(format!("tcp:{addr}")),
+            PodAddress::Tls { addr } => Some(format!("tls:{addr}")),
         }
     }
 
@@ -386,6 +391,8 @@ impl PodAddress {
             Ok(PodAddress::Unix { path: path.into() })
         } else if let Some(addr) = text.strip_prefix("tcp:") {
             Ok(PodAddress::Tcp { addr: addr.into() })
+        } else if let Some(addr) = text.strip_prefix("tls:") {
+            Ok(PodAddress::Tls { addr: addr.into() })
         } else {
             Err(UnknownValue {
                 kind: "PodAddress",

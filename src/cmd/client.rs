@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use torpor_api::client::{ClientError, Endpoint, HttpClient, Streaming};
+use torpor_api::tls::Fingerprint;
 
 use super::EXIT_FAILURE;
 use crate::cli::ClientArgs;
@@ -77,8 +78,20 @@ impl Client {
         {
             return Err(format!("{token_source} holds control characters"));
         }
+        let pin = args
+            .api_fingerprint
+            .clone()
+            .or_else(|| {
+                std::env::var("TORPOR_API_FINGERPRINT")
+                    .ok()
+                    .filter(|s| !s.is_empty())
+            })
+            .map(|f| Fingerprint::parse(&f))
+            .transpose()
+            .map_err(|e| e.to_string())?;
         let http = HttpClient::new(endpoint, token.clone(), IO_TIMEOUT)
-            .map_err(|_| format!("{token_source} holds control characters"))?;
+            .map_err(|_| format!("{token_source} holds control characters"))?
+            .pinned(pin);
         Ok(Client {
             url: url.trim_end_matches('/').to_string(),
             http,

@@ -18,6 +18,7 @@ use torpor_scheduler::model::PodId;
 use torpor_scheduler::service::Service;
 
 use super::serve::token_file;
+use torpor_api::tls::{self, Fingerprint, Identity};
 
 /// The template the nested pod builds.
 pub const TEMPLATE: &str = "linux";
@@ -37,15 +38,16 @@ pub struct NestedPodConfig {
 }
 
 /// The script L1 runs: the pod, and the template built through its API.
-fn script() -> String {
+fn script(fingerprint: &Fingerprint) -> String {
     format!(
         r#"
 test -c /dev/kvm || {{ echo '{MARK_FAILED} L1 has no /dev/kvm'; exit 97; }}
 T=/opt/torpor/torpor
 $T pod serve --listen tcp:0.0.0.0:{POD_PORT} --token-file /opt/torpor/pod.token \
-   --data-dir /tmp/pod --request-timeout-ms 1800000 >/tmp/pod.log 2>&1 &
+   --tls-cert /opt/torpor/pod-cert.pem --tls-key /opt/torpor/pod-key.pem --data-dir /tmp/pod --request-timeout-ms 1800000 >/tmp/pod.log 2>&1 &
 POD=$!
-export TORPOR_API=http://127.0.0.1:{POD_PORT} TORPOR_TOKEN="$(cat /opt/torpor/pod.token)"
+export TORPOR_API=https://127.0.0.1:{POD_PORT} TORPOR_API_FINGERPRINT={fingerprint} \
+   TORPOR_TOKEN="$(cat /opt/torpor/pod.token)"
 i=0; until $T template list >/dev/null 2>&1 || [ $i -ge 600 ]; do sleep 0.2; i=$((i+1)); done
 if $T template create --name {TEMPLATE} --kind linux --kernel /opt/torpor/vmlinux \
      --rootfs /opt/torpor/rootfs.ext4 --mem-mib 512 --vcpus 2 >/tmp/template.out 2>&1; then
@@ -70,6 +72,12 @@ pub fn start(
         std::env::current_exe().map_err(|e| format!("cannot find the torpor executable: {e}"))?;
     let token_path = data_dir.join("nested-pod.token");
     let (token, _) = token_file(&token_path)?;
+    // The pod in L1 serves TLS with an identity made here, so that the
+    // federation knows the fingerprint it pins.
+    let tls_dir = data_dir.join("nested-pod-tls");
+    let (identity, _) = Identity::load_or_create(&tls_dir, &tls::default_names())
+        .map_err(|e| format!("the nested pod's TLS identity: {e}"))?;
+    let fingerprint = identity.fingerprint();
     let host = NestedHost::builder()
         .memory_mib(config.mem_mib)
         .file(exe, "/opt/torpor/torpor")
@@ -77,6 +85,8 @@ pub fn start(
         .file(&config.kernel, "/opt/torpor/vmlinux")
         .file(&config.rootfs, "/opt/torpor/rootfs.ext4")
         .file(&token_path, "/opt/torpor/pod.token")
+        .file(tls_dir.join(tls::CERT_FILE), "/opt/torpor/pod-cert.pem")
+        .file(tls_dir.join(tls::KEY_FILE), "/opt/torpor/pod-key.pem")
         .build()
         .map_err(|e| format!("the nested pod cannot start: {e}"))?;
     federation.template_coming(
@@ -90,11 +100,11 @@ pub fn start(
             // This thread owns QEMU (it dies with the thread: see
             // NestedHost::start) and lives as long as it.
             let started = Instant::now();
-            let mut running = match host.start(&script(), &[POD_PORT]) {
+            let mut running = match host.start(&script(&fingerprint), &[POD_PORT]) {
                 Ok(r) => r,
                 Err(e) => return fail(&federation, format!("cannot start the nested host: {e}")),
             };
-            match bring_up(&federation, &mut running, &token, &id_file) {
+            match bring_up(&federation, &mut running, &token, fingerprint, &id_file) {
                 Ok(pod) => {
                     federation.template_coming(TEMPLATE, None);
                     println!(
@@ -150,12 +160,13 @@ fn bring_up(
     federation: &Federation<Service>,
     running: &mut RunningHost,
     token: &str,
+    fingerprint: Fingerprint,
     id_file: &Path,
 ) -> Result<PodId, String> {
     let port = running
         .host_port(POD_PORT)
         .ok_or("the nested host has no forwarded port")?;
-    let address = format!("tcp:127.0.0.1:{port}");
+    let address = format!("tls:127.0.0.1:{port}");
     let started = Instant::now();
     let mut last_error = String::new();
     let pod = loop {
@@ -172,6 +183,7 @@ fn bring_up(
         let req = AddPod {
             address: address.clone(),
             token: token.to_string(),
+            fingerprint: Some(fingerprint.to_string()),
         };
         match federation.register(req) {
             Ok(entry) => break PodId::new(entry["id"].as_str().unwrap_or_default()),

@@ -84,7 +84,11 @@ fn add(c: &Client, args: PodAddArgs) -> Result<(), Error> {
             .to_string(),
         (None, None) => unreachable!("clap requires one of them"),
     };
-    let body = serde_json::json!({"address": args.address, "token": token});
+    let body = serde_json::json!({
+        "address": args.address,
+        "token": token,
+        "fingerprint": args.fingerprint,
+    });
     let Some(p) = c.show("POST", "/v1/pods", Some(&body))? else {
         return Ok(());
     };
@@ -129,6 +133,7 @@ fn address(a: &Value) -> String {
     match a["kind"].as_str() {
         Some("unix") => format!("unix:{}", text(&a["path"])),
         Some("tcp") => format!("tcp:{}", text(&a["addr"])),
+        Some("tls") => format!("tls:{}", text(&a["addr"])),
         _ => text(&a["kind"]),
     }
 }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use torpor_api::federation::{AddPod, Federation};
+use torpor_api::tls::{self, Identity};
 use torpor_scheduler::service::{HostGuests, Service, ServiceConfig};
 
 use super::{EXIT_FAILURE, EXIT_OK};
@@ -148,12 +149,23 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     let request_timeout = Duration::from_millis(args.service.request_timeout_ms.max(1));
     let federation =
         Federation::open(service.clone(), &data_dir, request_timeout).map_err(|e| e.to_string())?;
+    let tls_pods = args.pods.iter().filter(|a| a.starts_with("tls:")).count();
+    if tls_pods != args.pod_fingerprints.len() {
+        return Err("give one --pod-fingerprint for each tls: --pod, in their order".into());
+    }
+    let mut fingerprints = args.pod_fingerprints.iter();
     for (address, file) in args.pods.iter().zip(&args.pod_token_files) {
         let token = std::fs::read_to_string(file)
             .map_err(|e| format!("cannot read the pod token file {}: {e}", file.display()))?;
+        let fingerprint = if address.starts_with("tls:") {
+            fingerprints.next().cloned()
+        } else {
+            None
+        };
         let req = AddPod {
             address: address.clone(),
             token: token.trim().to_string(),
+            fingerprint,
         };
         let entry = federation
             .register(req)
@@ -191,15 +203,32 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         ..Default::default()
     };
     let listen: SocketAddr = args.listen;
+    let identity = if args.tls || args.tls_cert.is_some() {
+        Some(identity(
+            "torpor serve",
+            &data_dir,
+            &args.tls_cert,
+            &args.tls_key,
+        )?)
+    } else {
+        None
+    };
     runtime()?.block_on(async move {
         let listener = tokio::net::TcpListener::bind(listen)
             .await
             .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
-        println!("torpor serve: listening on http://{addr}");
-        torpor_api::serve(listener, federation, api, ctrl_c())
-            .await
-            .map_err(|e| e.to_string())?;
+        match identity {
+            Some(identity) => {
+                println!("torpor serve: listening on https://{addr}");
+                torpor_api::serve_tls(listener, &identity, federation, api, ctrl_c()).await
+            }
+            None => {
+                println!("torpor serve: listening on http://{addr}");
+                torpor_api::serve(listener, federation, api, ctrl_c()).await
+            }
+        }
+        .map_err(|e| e.to_string())?;
         service.close();
         Ok::<(), String>(())
     })
@@ -239,14 +268,25 @@ fn serve_pod(args: PodServeArgs) -> Result<(), String> {
                 .map_err(|e| e.to_string())?;
             let _ = std::fs::remove_file(path);
         } else if let Some(addr) = args.listen.strip_prefix("tcp:") {
+            if args.plain_tcp && !torpor_api::federation::is_loopback(addr) {
+                return Err(format!(
+                    "--plain-tcp on {addr}: plain TCP is for loopback addresses only (the \
+                     token and the sandboxes' traffic would cross the network in clear)"
+                ));
+            }
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
             let addr = listener.local_addr().map_err(|e| e.to_string())?;
-            println!("torpor pod: listening on tcp:{addr}");
-            torpor_api::serve(listener, service.clone(), api, ctrl_c())
-                .await
-                .map_err(|e| e.to_string())?;
+            if args.plain_tcp {
+                println!("torpor pod: listening on tcp:{addr} (plain, loopback)");
+                torpor_api::serve(listener, service.clone(), api, ctrl_c()).await
+            } else {
+                let identity = identity("torpor pod", &data_dir, &args.tls_cert, &args.tls_key)?;
+                println!("torpor pod: listening on tls:{addr}");
+                torpor_api::serve_tls(listener, &identity, service.clone(), api, ctrl_c()).await
+            }
+            .map_err(|e| e.to_string())?;
         } else {
             return Err(format!(
                 "--listen {}: expected unix:/PATH or tcp:ADDR:PORT",
@@ -256,6 +296,33 @@ fn serve_pod(args: PodServeArgs) -> Result<(), String> {
         service.close();
         Ok::<(), String>(())
     })
+}
+
+/// The TLS identity given by `cert`/`key`, else the one in DATA_DIR/tls
+/// (made on first start); prints its fingerprint, which clients pin.
+fn identity(
+    who: &str,
+    data_dir: &Path,
+    cert: &Option<PathBuf>,
+    key: &Option<PathBuf>,
+) -> Result<Identity, String> {
+    let identity = match (cert, key) {
+        (Some(cert), Some(key)) => Identity::from_files(cert, key).map_err(|e| e.to_string())?,
+        _ => {
+            let dir = data_dir.join("tls");
+            let (identity, made) =
+                Identity::load_or_create(&dir, &tls::default_names()).map_err(|e| e.to_string())?;
+            if made {
+                println!("{who}: made a TLS certificate in {}", dir.display());
+            }
+            identity
+        }
+    };
+    println!(
+        "{who}: TLS certificate fingerprint {}",
+        identity.fingerprint()
+    );
+    Ok(identity)
 }
 
 /// The `torpor-vmm` binary beside this executable: the per-VM process,

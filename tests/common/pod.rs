@@ -1,5 +1,5 @@
-//! A `torpor pod serve` for tests (unix socket or loopback TCP), killed on
-//! drop, and requests straight to it.
+//! A `torpor pod serve` for tests (unix socket, TLS or plain loopback
+//! TCP), killed on drop, and requests straight to it.
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -13,15 +13,26 @@ use super::TORPOR;
 
 pub struct PodProcess {
     pub child: Child,
-    /// As registered: `unix:PATH` or `tcp:HOST:PORT`.
+    /// As registered: `unix:PATH`, `tls:HOST:PORT` or `tcp:HOST:PORT`.
     pub address: String,
     pub token: String,
+    /// The fingerprint a TLS pod printed.
+    pub fingerprint: Option<String>,
 }
 
 impl PodProcess {
-    /// `listen`: `unix:PATH` or `tcp:127.0.0.1:0`. The token is written to
-    /// `data/pod-token` (mode 0600) first.
+    /// `listen`: `unix:PATH` or `tcp:127.0.0.1:0` (TLS). The token is
+    /// written to `data/pod-token` (mode 0600) first.
     pub fn start(data: &Path, listen: &str, token: &str) -> Self {
+        Self::start_with(data, listen, token, &[])
+    }
+
+    /// Plain TCP on loopback (`--plain-tcp`).
+    pub fn start_plain(data: &Path, listen: &str, token: &str) -> Self {
+        Self::start_with(data, listen, token, &["--plain-tcp"])
+    }
+
+    pub fn start_with(data: &Path, listen: &str, token: &str, extra: &[&str]) -> Self {
         std::fs::create_dir_all(data).unwrap();
         let token_file = data.join("pod-token");
         std::fs::write(&token_file, token).unwrap();
@@ -38,19 +49,24 @@ impl PodProcess {
             .arg(data.join("pod"))
             .arg("--token-file")
             .arg(&token_file)
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("spawn torpor pod serve");
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut fingerprint = None;
         let address = loop {
             let line = lines
                 .next()
                 .expect("torpor pod exited before listening")
                 .unwrap();
+            if let Some(rest) = line.split("certificate fingerprint ").nth(1) {
+                fingerprint = Some(rest.trim().to_string());
+            }
             if let Some(rest) = line.split("listening on ").nth(1) {
-                break rest.trim().to_string();
+                break rest.split_whitespace().next().unwrap().to_string();
             }
         };
         std::thread::spawn(move || for _ in lines {});
@@ -58,6 +74,7 @@ impl PodProcess {
             child,
             address,
             token: token.to_string(),
+            fingerprint,
         }
     }
 
@@ -69,6 +86,24 @@ impl PodProcess {
     pub fn request(&self, method: &str, path: &str, body: Option<&str>) -> HttpResponse {
         if let Some(addr) = self.address.strip_prefix("tcp:") {
             return request(addr, method, path, Some(&self.token), body);
+        }
+        if self.address.starts_with("tls:") {
+            let pin =
+                torpor_api::tls::Fingerprint::parse(self.fingerprint.as_deref().unwrap()).unwrap();
+            let endpoint = torpor_api::client::Endpoint::parse(&self.address).unwrap();
+            let client = torpor_api::client::HttpClient::new(
+                endpoint,
+                Some(self.token.clone()),
+                Duration::from_secs(120),
+            )
+            .unwrap()
+            .pinned(Some(pin));
+            let body = body.map(|b| ("application/json", b.as_bytes()));
+            let answer = client.request(method, path, body, None).unwrap();
+            return HttpResponse {
+                status: answer.status,
+                body: String::from_utf8_lossy(&answer.body).into_owned(),
+            };
         }
         let socket = self.address.strip_prefix("unix:").unwrap();
         let mut s = UnixStream::connect(socket).unwrap_or_else(|e| panic!("connect {socket}: {e}"));

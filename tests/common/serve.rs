@@ -12,6 +12,8 @@ pub struct ServeProcess {
     pub child: Child,
     /// `host:port` it listens on.
     pub addr: String,
+    /// What it printed up to "listening on".
+    pub banner: Vec<String>,
 }
 
 impl ServeProcess {
@@ -32,18 +34,39 @@ impl ServeProcess {
             .spawn()
             .expect("spawn torpor serve");
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut banner = Vec::new();
         let addr = loop {
             let line = lines
                 .next()
                 .expect("torpor serve exited before listening")
                 .unwrap();
-            if let Some(rest) = line.split("listening on http://").nth(1) {
-                break rest.trim().to_string();
+            let rest = line
+                .split("listening on http://")
+                .nth(1)
+                .or_else(|| line.split("listening on https://").nth(1))
+                .map(|r| r.trim().to_string());
+            banner.push(line);
+            if let Some(rest) = rest {
+                break rest;
             }
         };
         // Keep draining stdout so the service never blocks on it.
         std::thread::spawn(move || for _ in lines {});
-        ServeProcess { child, addr }
+        ServeProcess {
+            child,
+            addr,
+            banner,
+        }
+    }
+
+    /// The rest of the first line it printed before listening that holds
+    /// `after`.
+    #[allow(dead_code)]
+    pub fn stdout_line(&self, after: &str) -> Option<String> {
+        self.banner
+            .iter()
+            .find_map(|l| l.split(after).nth(1))
+            .map(|r| r.trim().to_string())
     }
 
     pub fn url(&self) -> String {

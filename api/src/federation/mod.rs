@@ -34,13 +34,14 @@ use torpor_scheduler::model::{Checkpoint, PodId, Sandbox, SandboxId, Template, T
 use torpor_scheduler::service::LOCAL_POD;
 
 use crate::backend::SandboxApi;
-use crate::client::encode;
+use crate::client::{encode, ClientError};
 use crate::service::{
     CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
     ExitReply, ForkSandbox, GuestCall, Outcome, OutputKind, PodView, RestoreCheckpoint,
     SandboxFilter, ServiceError,
 };
-pub use pods::RemotePod;
+use crate::tls::Fingerprint;
+pub use pods::{is_loopback, RemotePod};
 use store::{FederationStore, StoredPod};
 
 /// The metadata key a forwarded create or fork is tagged with.
@@ -53,9 +54,13 @@ pub const STALL_PLACEMENT_ENV: &str = "TORPOR_STALL_PLACEMENT_MS";
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AddPod {
-    /// `unix:/PATH` or `tcp:HOST:PORT`.
+    /// `unix:/PATH`, `tls:HOST:PORT` or `tcp:LOOPBACK:PORT`.
     pub address: String,
     pub token: String,
+    /// SHA-256 fingerprint of a `tls:` pod's certificate, which is the only
+    /// certificate trusted for it.
+    #[serde(default)]
+    pub fingerprint: Option<String>,
 }
 
 /// The local pod and the remote pods.
@@ -87,10 +92,25 @@ impl<L: SandboxApi> Federation<L> {
         let store = FederationStore::open(data_dir).map_err(internal)?;
         let mut pods = BTreeMap::new();
         for p in store.pods().map_err(internal)? {
-            pods.insert(
-                p.id.clone(),
-                RemotePod::new(p.id, &p.address, &p.token, io_timeout)?,
-            );
+            let pin = match p.fingerprint.as_deref().map(Fingerprint::parse).transpose() {
+                Ok(pin) => pin,
+                Err(e) => {
+                    tracing::error!(pod = %p.id, error = %e, "a stored pod's fingerprint; skipped");
+                    continue;
+                }
+            };
+            match RemotePod::new(p.id.clone(), &p.address, &p.token, pin, io_timeout) {
+                Ok(pod) => {
+                    pods.insert(p.id, pod);
+                }
+                // A pod registered before plain TCP was limited to
+                // loopback: it stays unused until registered again.
+                Err(e) => tracing::error!(
+                    pod = %p.id,
+                    error = %e,
+                    "a registered pod is no longer accepted; remove it and register it again"
+                ),
+            }
         }
         let owners = store.owners().map_err(internal)?.into_iter().collect();
         let fed = Arc::new(Federation {
@@ -241,7 +261,29 @@ impl<L: SandboxApi> Federation<L> {
                 req.address, known.id
             )));
         }
-        let pod = RemotePod::new(PodId::generate(), &req.address, &req.token, self.io_timeout)?;
+        let pin = req
+            .fingerprint
+            .as_deref()
+            .map(Fingerprint::parse)
+            .transpose()
+            .map_err(|e| ServiceError::Invalid(e.to_string()))?;
+        let pod = RemotePod::new(
+            PodId::generate(),
+            &req.address,
+            &req.token,
+            pin,
+            self.io_timeout,
+        )?;
+        // A certificate other than the pinned one is the registrant's
+        // mistake (or an attack), not an unreachable pod.
+        if let Err(ClientError::Tls { message, .. }) =
+            pod.client.request("GET", "/healthz", None, None)
+        {
+            return Err(ServiceError::Invalid(format!(
+                "the pod at {} failed TLS verification: {message}",
+                req.address
+            )));
+        }
         let entry = match pod.load() {
             Ok(v) => v,
             Err(ServiceError::Pod { status: 401, .. }) => {
@@ -257,6 +299,7 @@ impl<L: SandboxApi> Federation<L> {
                 id: pod.id.clone(),
                 address: req.address.clone(),
                 token: req.token,
+                fingerprint: pin.map(|f| f.to_string()),
             })
             .map_err(internal)?;
         tracing::info!(pod = %pod.id, address = %req.address, "registered a remote pod");

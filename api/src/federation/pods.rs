@@ -11,13 +11,15 @@ use torpor_scheduler::service::LOCAL_POD;
 use crate::client::{error_fields, Answer, ClientError, Endpoint, HttpClient};
 use crate::error::code;
 use crate::service::ServiceError;
+use crate::tls::Fingerprint;
 
 /// A registered remote pod and a client for it.
 #[derive(Debug, Clone)]
 pub struct RemotePod {
     /// Its id here (each pod calls itself `pod_local`).
     pub id: PodId,
-    /// As registered: `unix:PATH` or `tcp:HOST:PORT`.
+    /// As registered: `unix:PATH`, `tcp:HOST:PORT` (loopback) or
+    /// `tls:HOST:PORT`.
     pub address: String,
     /// For requests forwarded and operations (bounded by the API's request
     /// timeout).
@@ -30,40 +32,85 @@ pub struct RemotePod {
 /// Longest a lookup (list, load) waits for a pod.
 pub const LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// `unix:PATH` or `tcp:HOST:PORT` as the model's address.
+/// `unix:PATH`, `tcp:HOST:PORT` (a loopback host only: plain TCP carries
+/// the pod's token and the sandboxes' traffic in clear) or `tls:HOST:PORT`
+/// as the model's address.
 pub fn pod_address(address: &str) -> Result<PodAddress, ServiceError> {
     if let Some(path) = address.strip_prefix("unix:").filter(|p| p.starts_with('/')) {
         return Ok(PodAddress::Unix { path: path.into() });
     }
-    if let Some(addr) = address.strip_prefix("tcp:").filter(|a| {
+    let host_port = |a: &&str| {
         a.rsplit_once(':')
             .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
-    }) {
+    };
+    if let Some(addr) = address.strip_prefix("tls:").filter(host_port) {
+        return Ok(PodAddress::Tls { addr: addr.into() });
+    }
+    if let Some(addr) = address.strip_prefix("tcp:").filter(host_port) {
+        if !is_loopback(addr) {
+            return Err(ServiceError::Invalid(format!(
+                "pod address {address:?}: plain TCP is for loopback only; a remote pod \
+                 serves TLS: register tls:HOST:PORT with its certificate's fingerprint"
+            )));
+        }
         return Ok(PodAddress::Tcp { addr: addr.into() });
     }
     Err(ServiceError::Invalid(format!(
-        "pod address {address:?}: expected unix:/ABSOLUTE/PATH or tcp:HOST:PORT"
+        "pod address {address:?}: expected unix:/ABSOLUTE/PATH, tls:HOST:PORT or \
+         tcp:LOOPBACK:PORT"
     )))
 }
 
+/// Whether `host:port` names a loopback address (by literal or as
+/// `localhost`).
+pub fn is_loopback(host_port: &str) -> bool {
+    let host = host_port
+        .rsplit_once(':')
+        .map_or(host_port, |(h, _)| h)
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 impl RemotePod {
+    /// A client for the pod at `address`; a `tls:` address needs the
+    /// fingerprint of the pod's certificate, the others take none.
     pub fn new(
         id: PodId,
         address: &str,
         token: &str,
+        fingerprint: Option<Fingerprint>,
         io_timeout: Duration,
     ) -> Result<Self, ServiceError> {
-        pod_address(address)?;
+        match (pod_address(address)?, fingerprint) {
+            (PodAddress::Tls { .. }, None) => {
+                return Err(ServiceError::Invalid(format!(
+                    "pod address {address}: a TLS pod is registered with its certificate's \
+                     fingerprint (printed by `torpor pod serve` when it starts)"
+                )))
+            }
+            (PodAddress::Unix { .. } | PodAddress::Tcp { .. }, Some(_)) => {
+                return Err(ServiceError::Invalid(format!(
+                    "pod address {address}: a fingerprint applies to tls: addresses only"
+                )))
+            }
+            _ => {}
+        }
         let endpoint =
             Endpoint::parse(address).map_err(|e| ServiceError::Invalid(e.to_string()))?;
         let client = HttpClient::new(endpoint, Some(token.to_string()), io_timeout)
-            .map_err(|e| ServiceError::Invalid(e.to_string()))?;
+            .map_err(|e| ServiceError::Invalid(e.to_string()))?
+            .pinned(fingerprint);
         let lookup = HttpClient::new(
             client.endpoint.clone(),
             Some(token.to_string()),
             io_timeout.min(LOOKUP_TIMEOUT),
         )
-        .map_err(|e| ServiceError::Invalid(e.to_string()))?;
+        .map_err(|e| ServiceError::Invalid(e.to_string()))?
+        .pinned(fingerprint);
         Ok(RemotePod {
             id,
             address: address.to_string(),
@@ -232,10 +279,27 @@ mod tests {
             Ok(PodAddress::Unix { .. })
         ));
         assert!(matches!(
-            pod_address("tcp:10.1.2.3:7701"),
+            pod_address("tcp:127.0.0.1:7701"),
             Ok(PodAddress::Tcp { .. })
         ));
-        for bad in ["unix:rel", "tcp:host", "tcp::7", "http://h:1", "h:1"] {
+        assert!(matches!(
+            pod_address("tcp:[::1]:7701"),
+            Ok(PodAddress::Tcp { .. })
+        ));
+        assert!(matches!(
+            pod_address("tls:10.1.2.3:7701"),
+            Ok(PodAddress::Tls { .. })
+        ));
+        for bad in [
+            "unix:rel",
+            "tcp:host",
+            "tcp::7",
+            "http://h:1",
+            "h:1",
+            "tcp:10.1.2.3:7701",
+            "tcp:example.com:7701",
+            "tls:h",
+        ] {
             assert!(pod_address(bad).is_err(), "{bad}");
         }
         let e =

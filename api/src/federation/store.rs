@@ -40,6 +40,8 @@ pub struct StoredPod {
     pub id: PodId,
     pub address: String,
     pub token: String,
+    /// The pinned certificate of a `tls:` pod (`sha256:HEX`).
+    pub fingerprint: Option<String>,
 }
 
 /// A create or fork sent to a pod, not yet recorded as answered.
@@ -86,6 +88,15 @@ impl FederationStore {
         conn.pragma_update(None, "foreign_keys", "ON")?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         conn.execute_batch(SCHEMA)?;
+        // Stores made before pods spoke TLS have no fingerprint column.
+        let has_fingerprint: bool = conn.query_row(
+            "SELECT COUNT(*) > 0 FROM pragma_table_info('remote_pods') WHERE name = 'fingerprint'",
+            [],
+            |r| r.get(0),
+        )?;
+        if !has_fingerprint {
+            conn.execute_batch("ALTER TABLE remote_pods ADD COLUMN fingerprint TEXT")?;
+        }
         Ok(FederationStore {
             conn: Mutex::new(conn),
         })
@@ -99,13 +110,15 @@ impl FederationStore {
 
     pub fn pods(&self) -> Result<Vec<StoredPod>> {
         let conn = self.conn();
-        let mut st =
-            conn.prepare("SELECT id, address, token FROM remote_pods ORDER BY created_at")?;
+        let mut st = conn.prepare(
+            "SELECT id, address, token, fingerprint FROM remote_pods ORDER BY created_at",
+        )?;
         let rows = st.query_map([], |r| {
             Ok(StoredPod {
                 id: PodId::new(r.get::<_, String>(0)?),
                 address: r.get(1)?,
                 token: r.get(2)?,
+                fingerprint: r.get(3)?,
             })
         })?;
         Ok(rows.collect::<std::result::Result<_, _>>()?)
@@ -113,8 +126,15 @@ impl FederationStore {
 
     pub fn add_pod(&self, pod: &StoredPod) -> Result<()> {
         self.conn().execute(
-            "INSERT INTO remote_pods (id, address, token, created_at) VALUES (?1, ?2, ?3, ?4)",
-            params![pod.id.as_str(), pod.address, pod.token, Timestamp::now().0],
+            "INSERT INTO remote_pods (id, address, token, fingerprint, created_at) \
+             VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![
+                pod.id.as_str(),
+                pod.address,
+                pod.token,
+                pod.fingerprint,
+                Timestamp::now().0
+            ],
         )?;
         Ok(())
     }
@@ -194,6 +214,7 @@ mod tests {
             id: PodId::new("pod_a"),
             address: "unix:/tmp/a.sock".into(),
             token: "t".into(),
+            fingerprint: None,
         };
         store.add_pod(&pod).unwrap();
         assert!(store.add_pod(&pod).is_err(), "same id twice");
