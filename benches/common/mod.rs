@@ -102,11 +102,7 @@ pub fn percentile(v: &[f64], q: f64) -> f64 {
     s[((q * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1]
 }
 
-/// PSS of a process from /proc/PID/smaps_rollup, KiB (None if it is gone).
+/// PSS of a process, KiB (None if it is gone): the pod's own reader.
 pub fn pss_kib(pid: u32) -> Option<f64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
-    text.lines()
-        .find(|l| l.starts_with("Pss:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
+    torpor_scheduler::service::vmm::pss_kib(pid).map(|k| k as f64)
 }

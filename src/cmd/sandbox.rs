@@ -236,30 +236,20 @@ pub fn pretty(raw: &str) -> String {
     out
 }
 
-/// Rows under a header, columns padded to align (two spaces between).
+/// Rows under a header, columns padded to align (two spaces between), no
+/// borders, no wrapping (output stays greppable when piped).
 pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
-    let mut width: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
-    for row in rows {
-        for (w, cell) in width.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
+    use comfy_table::{presets::NOTHING, ContentArrangement, Table};
+    let mut t = Table::new();
+    t.load_style(NOTHING)
+        .set_content_arrangement(ContentArrangement::Disabled)
+        .set_header(header.iter().copied())
+        .add_rows(rows.iter().cloned());
+    let last = header.len().saturating_sub(1);
+    for (i, column) in t.column_iter_mut().enumerate() {
+        column.set_padding((0, if i == last { 0 } else { 2 }));
     }
-    let line = |cells: Vec<&str>| {
-        let mut out = String::new();
-        for (i, (cell, w)) in cells.iter().zip(&width).enumerate() {
-            if i + 1 == cells.len() {
-                out.push_str(cell);
-            } else {
-                out.push_str(&format!("{cell:<w$}  "));
-            }
-        }
-        out.trim_end().to_string() + "\n"
-    };
-    let mut out = line(header.to_vec());
-    for row in rows {
-        out.push_str(&line(row.iter().map(String::as_str).collect()));
-    }
-    out
+    t.lines().map(|l| l.trim_end().to_string() + "\n").collect()
 }
 
 /// `key: value` lines, values aligned.

@@ -556,7 +556,7 @@ impl Service {
                     pss_mib: mine
                         .iter()
                         .filter_map(|s| s.vmm.as_ref())
-                        .map(|h| vmm::pss_kib(h.pid) as f64 / 1024.0)
+                        .map(|h| vmm::pss_kib(h.pid).unwrap_or(0) as f64 / 1024.0)
                         .sum(),
                     sandboxes: by_state,
                     pod,

@@ -500,8 +500,12 @@ impl Service {
         let Ok(mut live) = self.store.list_sandboxes(&filter) else {
             return;
         };
-        let pss =
-            |s: &crate::model::Sandbox| s.vmm.as_ref().map_or(0, |h| vmm::pss_kib(h.pid)) * 1024;
+        let pss = |s: &crate::model::Sandbox| {
+            s.vmm
+                .as_ref()
+                .map_or(0, |h| vmm::pss_kib(h.pid).unwrap_or(0))
+                * 1024
+        };
         let mut total: u64 = live.iter().map(pss).sum();
         live.sort_by_key(|s| s.last_active_at.0);
         for s in live {

@@ -247,17 +247,15 @@ pub fn stop(handle: &VmmHandle, child: Option<Child>) {
     let _ = std::fs::remove_file(&handle.control_socket);
 }
 
-/// Proportional set size of a process in KiB (0 if it is gone).
-pub fn pss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("Pss:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
+/// Proportional set size of a process in KiB, from
+/// /proc/PID/smaps_rollup (None if it is gone). The one reader of PSS:
+/// the pod's policy and metrics, and the benches.
+pub fn pss_kib(pid: u32) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    text.lines()
+        .find(|l| l.starts_with("Pss:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
 }
 
 /// Page faults a process has taken, its threads included.
