@@ -24,70 +24,21 @@
 //! read-only touches are not reported in any of them.
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 
 use userfaultfd::{FeatureFlags, RegisterMode, Uffd, UffdBuilder};
 
 use crate::snapshot::{PageRuns, PAGE_SIZE};
 
-// Kernel ABI (include/uapi/linux/userfaultfd.h, fs.h), newer than the
-// userfaultfd crate's bindings.
-pub(crate) const UFFD_FEATURE_WP_HUGETLBFS_SHMEM: u64 = 1 << 12;
-pub(crate) const UFFD_FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
-pub(crate) const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
-const UFFDIO_API: u64 = 0xc018_aa3f;
-const UFFDIO_WRITEPROTECT: u64 = 0xc018_aa06;
-const UFFDIO_WRITEPROTECT_MODE_WP: u64 = 1 << 0;
-/// `UFFDIO_REGISTER_MODE_WP` (the crate gates it behind a feature).
-pub(crate) const REGISTER_MODE_WP: u64 = 1 << 1;
-const UFFD_API: u64 = 0xaa;
-/// `_IOWR('f', 16, struct pm_scan_arg)`.
-const PAGEMAP_SCAN: u64 = 0xc060_6610;
-const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
-const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
-const PAGE_IS_WRITTEN: u64 = 1 << 1;
+use crate::uffd::abi::{
+    new_userfaultfd, offered_features, uffdio_range, uffdio_writeprotect, PageRegion, PmScanArg,
+    PAGEMAP_SCAN, PAGE_IS_WRITTEN, PM_SCAN_CHECK_WPASYNC, PM_SCAN_WP_MATCHING,
+    UFFDIO_REGISTER_MODE_WP, UFFDIO_WRITEPROTECT, UFFDIO_WRITEPROTECT_MODE_WP,
+    UFFD_FEATURE_WP_ASYNC, UFFD_FEATURE_WP_UNPOPULATED,
+};
+
 /// Page ranges read back per PAGEMAP_SCAN call (24 bytes each).
 const SCAN_BATCH: usize = 8192;
-
-#[repr(C)]
-#[derive(Default)]
-struct UffdioApi {
-    api: u64,
-    features: u64,
-    ioctls: u64,
-}
-
-#[repr(C)]
-struct UffdioWriteprotect {
-    start: u64,
-    len: u64,
-    mode: u64,
-}
-
-#[repr(C)]
-#[derive(Default)]
-struct PmScanArg {
-    size: u64,
-    flags: u64,
-    start: u64,
-    end: u64,
-    walk_end: u64,
-    vec: u64,
-    vec_len: u64,
-    max_pages: u64,
-    category_inverted: u64,
-    category_mask: u64,
-    category_anyof_mask: u64,
-    return_mask: u64,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct PageRegion {
-    start: u64,
-    end: u64,
-    categories: u64,
-}
 
 pub use torpor_vmm_api::launch::DirtyTracking;
 
@@ -128,30 +79,9 @@ pub enum DirtyError {
 /// The userfaultfd features this kernel offers (a UFFDIO_API handshake with
 /// none requested, on a descriptor used for nothing else).
 pub fn offered_uffd_features() -> Result<u64, DirtyError> {
-    // SAFETY: userfaultfd(2) takes only flags and returns a new descriptor
-    // (or -1), which is owned below.
-    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
-    if fd < 0 {
-        return Err(DirtyError::Userfaultfd(
-            std::io::Error::last_os_error().to_string(),
-        ));
-    }
-    // SAFETY: `fd` was just returned by the kernel and nothing else owns it.
-    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
-    let mut api = UffdioApi {
-        api: UFFD_API,
-        ..Default::default()
-    };
-    // SAFETY: UFFDIO_API reads and writes one `struct uffdio_api` (`api`,
-    // live for the call) on a userfaultfd this function owns.
-    let ret = unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API as _, &mut api as *mut UffdioApi) };
-    if ret != 0 {
-        return Err(DirtyError::Userfaultfd(format!(
-            "UFFDIO_API: {}",
-            std::io::Error::last_os_error()
-        )));
-    }
-    Ok(api.features)
+    let fd = new_userfaultfd(libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .map_err(|e| DirtyError::Userfaultfd(e.to_string()))?;
+    offered_features(fd.as_fd()).map_err(|e| DirtyError::Userfaultfd(format!("UFFDIO_API: {e}")))
 }
 
 /// Checks that this kernel can track writes asynchronously; returns the
@@ -225,7 +155,7 @@ impl WpTracker {
             uffd.register_with_mode(
                 addr as *mut libc::c_void,
                 len,
-                RegisterMode::from_bits_retain(REGISTER_MODE_WP),
+                RegisterMode::from_bits_retain(UFFDIO_REGISTER_MODE_WP),
             )
             .map_err(|e| DirtyError::Register {
                 addr,
@@ -323,9 +253,11 @@ impl WpTracker {
 /// Write-protects every span (unpopulated pages too, with WP_UNPOPULATED).
 pub(crate) fn protect(uffd: &Uffd, spans: &[Span]) -> Result<(), DirtyError> {
     for &(addr, len, _) in spans {
-        let mut arg = UffdioWriteprotect {
-            start: addr as u64,
-            len: len as u64,
+        let mut arg = uffdio_writeprotect {
+            range: uffdio_range {
+                start: addr as u64,
+                len: len as u64,
+            },
             mode: UFFDIO_WRITEPROTECT_MODE_WP,
         };
         // SAFETY: UFFDIO_WRITEPROTECT reads one `struct uffdio_writeprotect`
@@ -335,7 +267,7 @@ pub(crate) fn protect(uffd: &Uffd, spans: &[Span]) -> Result<(), DirtyError> {
             libc::ioctl(
                 uffd.as_raw_fd(),
                 UFFDIO_WRITEPROTECT as _,
-                &mut arg as *mut UffdioWriteprotect,
+                &mut arg as *mut uffdio_writeprotect,
             )
         };
         if ret != 0 {

@@ -51,29 +51,24 @@ const KVM_CAPS: [(&str, c_ulong, bool); 15] = [
     ("SplitIrqchip", Cap::SplitIrqchip as _, false),
 ];
 
-// From the Linux uapi header <linux/userfaultfd.h>; libc does not export them.
-const UFFD_API: u64 = 0xAA;
-const UFFD_USER_MODE_ONLY: libc::c_int = 1;
-/// `_IOWR(0xAA, 0x3F, struct uffdio_api)`, a 24-byte argument.
-const UFFDIO_API: c_ulong = 0xC018_AA3F;
-/// `_IO(0xAA, 0x00)`, on /dev/userfaultfd.
-const USERFAULTFD_IOC_NEW: c_ulong = 0xAA00;
+use crate::uffd::abi::{
+    new_userfaultfd, offered_features, UFFD_FEATURE_EVENT_REMOVE, UFFD_FEATURE_MINOR_HUGETLBFS,
+    UFFD_FEATURE_MINOR_SHMEM, UFFD_FEATURE_MISSING_SHMEM, UFFD_FEATURE_MOVE,
+    UFFD_FEATURE_PAGEFAULT_FLAG_WP, UFFD_FEATURE_POISON, UFFD_FEATURE_WP_ASYNC,
+    UFFD_FEATURE_WP_HUGETLBFS_SHMEM, UFFD_FEATURE_WP_UNPOPULATED, UFFD_USER_MODE_ONLY,
+    USERFAULTFD_IOC_NEW,
+};
+
 /// The `UFFD_FEATURE_*` bits worth reporting. MISSING mode has no bit: every
 /// userfaultfd that completes the UFFDIO_API handshake supports it.
 #[rustfmt::skip]
 const UFFD_FEATURES: [(&str, u64); 10] = [
-    ("PAGEFAULT_FLAG_WP", 1 << 0), ("EVENT_REMOVE", 1 << 3), ("MISSING_SHMEM", 1 << 5),
-    ("MINOR_HUGETLBFS", 1 << 9), ("MINOR_SHMEM", 1 << 10), ("WP_HUGETLBFS_SHMEM", 1 << 12),
-    ("WP_UNPOPULATED", 1 << 13), ("POISON", 1 << 14), ("WP_ASYNC", 1 << 15), ("MOVE", 1 << 16),
+    ("PAGEFAULT_FLAG_WP", UFFD_FEATURE_PAGEFAULT_FLAG_WP), ("EVENT_REMOVE", UFFD_FEATURE_EVENT_REMOVE),
+    ("MISSING_SHMEM", UFFD_FEATURE_MISSING_SHMEM), ("MINOR_HUGETLBFS", UFFD_FEATURE_MINOR_HUGETLBFS),
+    ("MINOR_SHMEM", UFFD_FEATURE_MINOR_SHMEM), ("WP_HUGETLBFS_SHMEM", UFFD_FEATURE_WP_HUGETLBFS_SHMEM),
+    ("WP_UNPOPULATED", UFFD_FEATURE_WP_UNPOPULATED), ("POISON", UFFD_FEATURE_POISON),
+    ("WP_ASYNC", UFFD_FEATURE_WP_ASYNC), ("MOVE", UFFD_FEATURE_MOVE),
 ];
-
-/// `struct uffdio_api` from <linux/userfaultfd.h>.
-#[repr(C)]
-struct UffdioApi {
-    api: u64,
-    features: u64,
-    ioctls: u64,
-}
 
 // statfs(2) magic numbers from <linux/magic.h>.
 const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
@@ -338,11 +333,8 @@ fn capability(name: &str, required: bool, value: i32) -> Capability {
 }
 
 fn new_uffd(flags: libc::c_int) -> Probe<OwnedFd> {
-    let flags = libc::O_CLOEXEC | libc::O_NONBLOCK | flags;
-    // SAFETY: userfaultfd(2) takes one integer flags argument and returns a
-    // new descriptor or -1; no memory is shared with the kernel.
-    let ret = unsafe { libc::syscall(libc::SYS_userfaultfd, flags) };
-    owned_fd(ret, "userfaultfd(2)")
+    new_userfaultfd(libc::O_CLOEXEC | libc::O_NONBLOCK | flags)
+        .map_err(|e| format!("userfaultfd(2): {e}"))
 }
 
 fn new_uffd_from_dev() -> Probe<OwnedFd> {
@@ -359,15 +351,7 @@ fn new_uffd_from_dev() -> Probe<OwnedFd> {
 /// The UFFDIO_API handshake, asking for no feature: the kernel then answers
 /// with every feature it supports.
 fn uffd_features(fd: &OwnedFd) -> Probe<u64> {
-    let mut arg = UffdioApi {
-        api: UFFD_API,
-        features: 0,
-        ioctls: 0,
-    };
-    // SAFETY: UFFDIO_API reads and writes one `struct uffdio_api`; `arg` has
-    // that layout (repr(C), three u64) and outlives the call.
-    let ret = unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API as _, &mut arg as *mut UffdioApi) };
-    os_ret(ret.into(), "UFFDIO_API").map(|_| arg.features)
+    offered_features(std::os::fd::AsFd::as_fd(fd)).map_err(|e| format!("UFFDIO_API: {e}"))
 }
 
 fn probe_uffd() -> UffdReport {

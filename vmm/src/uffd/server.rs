@@ -19,54 +19,18 @@ use super::{
     PREFETCH_BATCH,
 };
 
-// Kernel ABI, include/uapi/linux/userfaultfd.h. The userfaultfd crate is used
-// to create the descriptor, register ranges and read events; the fill ioctls
-// are issued directly because the crate loses the byte count of a partial
-// UFFDIO_ZEROPAGE and reports errnos through three different error variants.
-const UFFD_FEATURE_MISSING_SHMEM: u64 = 1 << 5;
-const UFFD_FEATURE_MINOR_SHMEM: u64 = 1 << 10;
-const UFFDIO_WAKE: u64 = 0x8010_aa02;
-const UFFDIO_COPY: u64 = 0xc028_aa03;
-const UFFDIO_ZEROPAGE: u64 = 0xc020_aa04;
-const UFFDIO_CONTINUE: u64 = 0xc020_aa07;
-const IOCTL_BIT_WAKE: u64 = 1 << 2;
-const IOCTL_BIT_COPY: u64 = 1 << 3;
-const IOCTL_BIT_ZEROPAGE: u64 = 1 << 4;
-const IOCTL_BIT_CONTINUE: u64 = 1 << 7;
-const IOCTL_BIT_WRITEPROTECT: u64 = 1 << 6;
-const UFFDIO_COPY_MODE_WP: u64 = 1 << 1;
-const UFFDIO_CONTINUE_MODE_WP: u64 = 1 << 1;
+// The userfaultfd crate creates the descriptor, registers ranges and reads
+// events; the fill ioctls are issued directly because the crate loses the
+// byte count of a partial UFFDIO_ZEROPAGE and reports errnos through three
+// different error variants.
+use super::abi::{
+    ioctl_bit, uffdio_continue, uffdio_copy, uffdio_range, uffdio_zeropage, _UFFDIO_CONTINUE,
+    _UFFDIO_COPY, _UFFDIO_WAKE, _UFFDIO_WRITEPROTECT, _UFFDIO_ZEROPAGE, UFFDIO_CONTINUE,
+    UFFDIO_CONTINUE_MODE_WP, UFFDIO_COPY, UFFDIO_COPY_MODE_WP, UFFDIO_REGISTER_MODE_WP,
+    UFFDIO_WAKE, UFFDIO_ZEROPAGE, UFFD_FEATURE_MINOR_SHMEM, UFFD_FEATURE_MISSING_SHMEM,
+};
 /// `f_type` of tmpfs and of memfds (statfs(2)).
 const TMPFS_MAGIC: i64 = 0x0102_1994;
-
-#[repr(C)]
-struct UffdioRange {
-    start: u64,
-    len: u64,
-}
-
-#[repr(C)]
-struct UffdioCopy {
-    dst: u64,
-    src: u64,
-    len: u64,
-    mode: u64,
-    copy: i64,
-}
-
-#[repr(C)]
-struct UffdioZeropage {
-    range: UffdioRange,
-    mode: u64,
-    zeropage: i64,
-}
-
-#[repr(C)]
-struct UffdioContinue {
-    range: UffdioRange,
-    mode: u64,
-    mapped: i64,
-}
 
 /// The source of the zeroed `UFFDIO_COPY` that answers a write fault on a
 /// zero page, and of zero runs installed write-protected (UFFDIO_ZEROPAGE
@@ -323,7 +287,7 @@ fn create_uffd(mode: Mode, write_protect: bool) -> Result<Uffd, UffdError> {
         ));
     }
     if write_protect {
-        use crate::dirty::{
+        use super::abi::{
             UFFD_FEATURE_WP_ASYNC, UFFD_FEATURE_WP_HUGETLBFS_SHMEM, UFFD_FEATURE_WP_UNPOPULATED,
         };
         let offered = crate::dirty::check_wp_async().map_err(|e| UffdError::Create {
@@ -367,22 +331,22 @@ fn register(
         Mode::Missing => (
             RegisterMode::MISSING,
             " (missing mode needs private anonymous memory)",
-            vec![("UFFDIO_COPY", IOCTL_BIT_COPY)],
+            vec![("UFFDIO_COPY", ioctl_bit(_UFFDIO_COPY))],
         ),
         Mode::Minor => (
             RegisterMode::MISSING | RegisterMode::MINOR,
             " (minor mode needs a MAP_PRIVATE mapping of the base shmem file)",
             vec![
-                ("UFFDIO_COPY", IOCTL_BIT_COPY),
-                ("UFFDIO_CONTINUE", IOCTL_BIT_CONTINUE),
+                ("UFFDIO_COPY", ioctl_bit(_UFFDIO_COPY)),
+                ("UFFDIO_CONTINUE", ioctl_bit(_UFFDIO_CONTINUE)),
             ],
         ),
     };
-    need.push(("UFFDIO_ZEROPAGE", IOCTL_BIT_ZEROPAGE));
-    need.push(("UFFDIO_WAKE", IOCTL_BIT_WAKE));
+    need.push(("UFFDIO_ZEROPAGE", ioctl_bit(_UFFDIO_ZEROPAGE)));
+    need.push(("UFFDIO_WAKE", ioctl_bit(_UFFDIO_WAKE)));
     if write_protect {
-        reg_mode |= RegisterMode::from_bits_retain(crate::dirty::REGISTER_MODE_WP);
-        need.push(("UFFDIO_WRITEPROTECT", IOCTL_BIT_WRITEPROTECT));
+        reg_mode |= RegisterMode::from_bits_retain(UFFDIO_REGISTER_MODE_WP);
+        need.push(("UFFDIO_WRITEPROTECT", ioctl_bit(_UFFDIO_WRITEPROTECT)));
     }
     let offered = uffd
         .register_with_mode(r.host_addr as *mut libc::c_void, r.len, reg_mode)
@@ -505,7 +469,7 @@ fn fill(uffd: RawFd, op: Fill, dst: usize, len: usize, protect: bool) -> (usize,
     let (ret, done) = match op {
         Fill::Copy(src) => {
             debug_assert!(!is_zero_source(src) || len <= ZERO_PAGES.0.len());
-            let mut arg = UffdioCopy {
+            let mut arg = uffdio_copy {
                 dst: dst as u64,
                 src: src as u64,
                 len: len as u64,
@@ -517,12 +481,12 @@ fn fill(uffd: RawFd, op: Fill, dst: usize, len: usize, protect: bool) -> (usize,
             // `src`, which is the server's page buffer or ZERO_PAGES (both at
             // least `len` long), and writes only into unpopulated pages of a
             // registered range, which `start`'s contract reserves for guest RAM.
-            let ret = unsafe { libc::ioctl(uffd, UFFDIO_COPY as _, &mut arg as *mut UffdioCopy) };
+            let ret = unsafe { libc::ioctl(uffd, UFFDIO_COPY as _, &mut arg as *mut uffdio_copy) };
             (ret, arg.copy)
         }
         Fill::Zero => {
-            let mut arg = UffdioZeropage {
-                range: UffdioRange {
+            let mut arg = uffdio_zeropage {
+                range: uffdio_range {
                     start: dst as u64,
                     len: len as u64,
                 },
@@ -532,13 +496,14 @@ fn fill(uffd: RawFd, op: Fill, dst: usize, len: usize, protect: bool) -> (usize,
             // SAFETY: UFFDIO_ZEROPAGE reads and writes one `struct
             // uffdio_zeropage` (`arg`, live for the call) and maps zero pages
             // only where a registered range (guest RAM) has none.
-            let ret =
-                unsafe { libc::ioctl(uffd, UFFDIO_ZEROPAGE as _, &mut arg as *mut UffdioZeropage) };
+            let ret = unsafe {
+                libc::ioctl(uffd, UFFDIO_ZEROPAGE as _, &mut arg as *mut uffdio_zeropage)
+            };
             (ret, arg.zeropage)
         }
         Fill::Continue => {
-            let mut arg = UffdioContinue {
-                range: UffdioRange {
+            let mut arg = uffdio_continue {
+                range: uffdio_range {
                     start: dst as u64,
                     len: len as u64,
                 },
@@ -548,8 +513,9 @@ fn fill(uffd: RawFd, op: Fill, dst: usize, len: usize, protect: bool) -> (usize,
             // SAFETY: UFFDIO_CONTINUE reads and writes one `struct
             // uffdio_continue` (`arg`, live for the call) and maps the file's
             // existing page-cache pages where a registered range has none.
-            let ret =
-                unsafe { libc::ioctl(uffd, UFFDIO_CONTINUE as _, &mut arg as *mut UffdioContinue) };
+            let ret = unsafe {
+                libc::ioctl(uffd, UFFDIO_CONTINUE as _, &mut arg as *mut uffdio_continue)
+            };
             (ret, arg.mapped)
         }
     };
@@ -561,13 +527,13 @@ fn fill(uffd: RawFd, op: Fill, dst: usize, len: usize, protect: bool) -> (usize,
 }
 
 fn wake(uffd: RawFd, dst: usize, len: usize) -> Result<(), i32> {
-    let mut range = UffdioRange {
+    let mut range = uffdio_range {
         start: dst as u64,
         len: len as u64,
     };
     // SAFETY: UFFDIO_WAKE reads one `struct uffdio_range` (`range`, live for
     // the call) and only wakes threads waiting on faults in it.
-    let ret = unsafe { libc::ioctl(uffd, UFFDIO_WAKE as _, &mut range as *mut UffdioRange) };
+    let ret = unsafe { libc::ioctl(uffd, UFFDIO_WAKE as _, &mut range as *mut uffdio_range) };
     if ret == 0 {
         Ok(())
     } else {
