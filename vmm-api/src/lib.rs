@@ -8,6 +8,8 @@
 //!   blocking client.
 //! - [`error`]: [`ErrorKind`], how the VMM classifies a failure so the API
 //!   can answer with the right status.
+//! - [`jail`]: the [`JailSpec`] a VMM confines itself to before any guest
+//!   code runs.
 //! - [`lineage`]: the small record written with each snapshot layer that
 //!   names its chain, so nobody reads layers' state to list it.
 //!
@@ -17,10 +19,12 @@
 pub mod control;
 pub mod error;
 pub mod host;
+pub mod jail;
 pub mod launch;
 pub mod lineage;
 
 pub use error::{ErrorKind, VmError};
+pub use jail::JailSpec;
 pub use launch::{
     Console, DirtyTracking, DiskSpec, KernelSource, LaunchMode, LaunchReply, LaunchSpec,
     MemoryBackend, RestoreSpec,
