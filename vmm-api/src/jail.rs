@@ -291,7 +291,7 @@ impl JailSpec {
 /// directories it writes in (control socket, console, overlays, vsock
 /// sockets) read-write, every layer of the snapshot's chain (from its
 /// lineage record), kernel, initrd and disk image read-only, and
-/// `/dev/shm` for `uffd-shared`'s shmem templates. A restore that records
+/// `/dev/shm` (read-only) for `uffd-shared`'s shmem templates. A restore that records
 /// its working set writes beside the snapshot: that layer is read-write.
 /// A standby shell's restore paths come with its restore request: see
 /// the pod's standby pool.
@@ -364,8 +364,9 @@ pub fn restore_exposes(restore: &RestoreSpec, writes_working_set: bool) -> Vec<E
     if let Some(p) = &restore.vsock_uds {
         out.push(Expose::read_write(parent(p)));
     }
-    if matches!(restore.backend, MemoryBackend::UffdShared) {
-        out.push(Expose::read_write("/dev/shm"));
+    if restore.backend == MemoryBackend::UffdShared {
+        // The pod makes the shmem copies: see crate::shmem.
+        out.push(Expose::read_only(crate::shmem::SHM_DIR));
     }
     out
 }

@@ -13,7 +13,9 @@
 //! - [`lineage`]: the small record written with each snapshot layer that
 //!   names its chain, so nobody reads layers' state to list it.
 //!
-//! Depends on serde only: the scheduler links this, not KVM, vm-memory or
+//! - [`shmem`]: `uffd-shared`'s shared template copies.
+//!
+//! Depends on serde (and libc): the scheduler links this, not KVM, vm-memory or
 //! userfaultfd.
 
 pub mod control;
@@ -22,6 +24,7 @@ pub mod host;
 pub mod jail;
 pub mod launch;
 pub mod lineage;
+pub mod shmem;
 
 pub use error::{ErrorKind, VmError};
 pub use jail::JailSpec;

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use torpor_vmm_api::jail::{self, Expose, JailSpec};
-use torpor_vmm_api::LaunchSpec;
+use torpor_vmm_api::{LaunchSpec, Lineage, MemoryBackend, RestoreSpec};
 
 use super::{vmm, ServiceError};
 
@@ -449,6 +449,27 @@ mod tests {
     }
 }
 
+/// For `uffd-shared`: the shmem copy of the snapshot's base memory file,
+/// made by the pod (root-owned, read-only to VMMs) before a jailed VMM
+/// maps it.
+pub fn ensure_shared_copy(restore: &RestoreSpec) -> Result<(), ServiceError> {
+    if restore.backend != MemoryBackend::UffdShared {
+        return Ok(());
+    }
+    let base = Lineage::read(&restore.snapshot)
+        .ok()
+        .and_then(|l| l.layers.first().cloned())
+        .unwrap_or_else(|| restore.snapshot.clone());
+    // The VMM reports a snapshot without memory as such.
+    let memory = base.join("memory");
+    if !memory.exists() {
+        return Ok(());
+    }
+    torpor_vmm_api::shmem::ensure(&memory)
+        .map(drop)
+        .map_err(|e| internal(&format!("make the shmem copy of {}", memory.display()), e))
+}
+
 /// Starts a VMM of `spec` (a guest of `mem_mib` and `vcpus`), in its own
 /// jail when the pod jails (`extra`: paths beyond those the spec names).
 pub fn spawn(
@@ -462,6 +483,9 @@ pub fn spawn(
     let Some(jails) = jails else {
         return vmm::spawn(exe, &spec, log).map(|s| (s, None));
     };
+    if let torpor_vmm_api::LaunchMode::Restore { restore, .. } = &spec.mode {
+        ensure_shared_copy(restore)?;
+    }
     let slot = jails.reserve()?;
     let jail = jails.spec_for(slot, &spec, mem_mib, vcpus, extra);
     let started = jails.prepare(slot.uid, &jail.exposes).and_then(|()| {

@@ -326,6 +326,7 @@ impl Service {
                 .filter(|e| !e.path.starts_with("/dev") && e.path != dir),
         );
         exposes.extend_from_slice(template_files);
+        super::jail::ensure_shared_copy(restore)?;
         jails.prepare(uid, &exposes)?;
         super::jail::inject(shell.handle.pid, &exposes)
     }

@@ -257,7 +257,9 @@ impl StandbyPool {
             jail: None,
         };
         let extra = match &self.jail {
-            Some((_, MemoryBackend::UffdShared)) => vec![Expose::read_write("/dev/shm")],
+            Some((_, MemoryBackend::UffdShared)) => {
+                vec![Expose::read_only(torpor_vmm_api::shmem::SHM_DIR)]
+            }
             _ => Vec::new(),
         };
         let spawned = super::jail::spawn(

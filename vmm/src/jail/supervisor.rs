@@ -3,8 +3,23 @@
 //! outside, unprivileged work aside: it waits for the VMM, reports an OOM
 //! kill by its exit status, removes the cgroup, and exits as the VMM did.
 
+use std::sync::atomic::{AtomicI32, Ordering};
+
 use super::cgroup::Cgroup;
 use super::{sys, JailError, EXIT_OOM};
+
+/// The VMM's pid, for the supervisor's signal handler.
+static VMM_PID: AtomicI32 = AtomicI32::new(0);
+
+/// Passes a termination signal on to the VMM, so the supervisor outlives
+/// it and cleans up.
+extern "C" fn forward(signal: libc::c_int) {
+    let pid = VMM_PID.load(Ordering::Relaxed);
+    if pid > 0 {
+        // SAFETY: kill is async-signal-safe.
+        unsafe { libc::kill(pid, signal) };
+    }
+}
 
 /// Forks the VMM into a new pid namespace. Returns, in the VMM, its pid as
 /// seen from outside; the supervisor never returns.
@@ -53,6 +68,11 @@ pub fn fork_supervised(cgroup: Option<&Cgroup>) -> Result<u32, JailError> {
             libc::dup2(null, 1);
             libc::close(null);
         }
+    }
+    VMM_PID.store(pid, Ordering::Relaxed);
+    for signal in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+        // SAFETY: the handler only loads an atomic and calls kill.
+        unsafe { libc::signal(signal, forward as *const () as libc::sighandler_t) };
     }
     let code = wait_for(pid, cgroup, baseline);
     if let Some(c) = cgroup {
