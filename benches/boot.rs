@@ -32,6 +32,7 @@ fn one_boot(mem_mib: u64) -> Sample {
     let mut child = Command::new(TORPOR)
         .args([
             "vmm",
+            "--no-jail",
             "--kernel",
             "builtin:probe",
             "--mem-mib",

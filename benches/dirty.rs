@@ -46,6 +46,7 @@ impl Probe {
         let _ = std::fs::remove_file(&console);
         let child = spawn(&[
             "vmm",
+            "--no-jail",
             "--kernel",
             "builtin:probe",
             "--mem-mib",
@@ -169,6 +170,7 @@ fn cold_restore(dir: &Path, snap: &Path, source: &str) -> f64 {
     let _ = std::fs::remove_file(&console);
     let child = spawn(&[
         "vmm",
+        "--no-jail",
         "--restore",
         snap.to_str().unwrap(),
         "--dirty-tracking",

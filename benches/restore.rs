@@ -24,6 +24,7 @@ fn make_template(dir: &Path, name: &str, mem: u64, mib: u64) -> (PathBuf, serde_
     let console = dir.join(format!("{name}.log"));
     let child = spawn(&[
         "vmm",
+        "--no-jail",
         "--kernel",
         "builtin:probe",
         "--mem-mib",
@@ -55,6 +56,7 @@ fn cold_restore(dir: &Path, snap: &Path, backend: &str, prefetch: bool) -> (f64,
     let t0 = Instant::now();
     let mut args = vec![
         "vmm",
+        "--no-jail",
         "--restore",
         snap.to_str().unwrap(),
         "--memory-backend",
@@ -88,6 +90,7 @@ fn record_working_set(dir: &Path, snap: &Path) {
     let console = dir.join("record.log");
     let child = spawn(&[
         "vmm",
+        "--no-jail",
         "--restore",
         snap.to_str().unwrap(),
         "--memory-backend",
@@ -143,6 +146,7 @@ fn clone_pss(dir: &Path, snap: &Path, backend: &str) -> (f64, f64) {
             let console = dir.join(format!("pss{i}.log"));
             let child = spawn(&[
                 "vmm",
+                "--no-jail",
                 "--restore",
                 snap.to_str().unwrap(),
                 "--memory-backend",
@@ -189,6 +193,7 @@ fn diff_snapshot(dir: &Path, snap: &Path, name: &str) -> serde_json::Value {
     let _ = std::fs::remove_file(&console);
     let child = spawn(&[
         "vmm",
+        "--no-jail",
         "--restore",
         snap.to_str().unwrap(),
         "--serial",
@@ -215,6 +220,7 @@ fn diff_snapshot(dir: &Path, snap: &Path, name: &str) -> serde_json::Value {
 fn spawn_standby(mem: u64, sock: &Path) -> Child {
     spawn(&[
         "vmm",
+        "--no-jail",
         "--standby",
         "--mem-mib",
         &mem.to_string(),

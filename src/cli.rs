@@ -285,6 +285,24 @@ pub struct VmmRunArgs {
     /// line on stderr.
     #[arg(long)]
     pub report: bool,
+    /// Run the VMM jailed as this uid (the default; see docs/design.md,
+    /// "The jail"): own namespaces, `pivot_root` into a root holding only
+    /// the paths it uses, no capabilities, a cgroup. The directories it
+    /// writes in (control socket, console, overlay) must be writable by it.
+    #[arg(long, value_name = "UID", default_value_t = torpor_vmm_api::jail::CLI_JAIL_UID,
+          conflicts_with = "no_jail")]
+    pub jail_uid: u32,
+    /// The jail's gid (default: the uid).
+    #[arg(long, value_name = "GID", conflicts_with = "no_jail")]
+    pub jail_gid: Option<u32>,
+    /// Another host path visible in the jail at the same path (`PATH`, or
+    /// `PATH:ro` read-only), e.g. where snapshots are written.
+    #[arg(long, value_name = "PATH[:ro]", conflicts_with = "no_jail")]
+    pub jail_expose: Vec<String>,
+    /// Run without a jail, with the caller's privileges (development only:
+    /// a guest that escapes owns what the caller owns).
+    #[arg(long)]
+    pub no_jail: bool,
 }
 
 /// How the local pod's service runs: `torpor serve` and `torpor pod serve`.
@@ -320,6 +338,16 @@ pub struct ServiceFlags {
     /// default: cheapest to collect here) or userfaultfd write-protection.
     #[arg(long, value_enum, default_value_t = DirtyTrackingArg::Kvm)]
     pub dirty_tracking: DirtyTrackingArg,
+    /// First uid of the range jailed VMMs run as (one uid per VMM).
+    #[arg(long, default_value_t = torpor_vmm_api::jail::DEFAULT_JAIL_UID_BASE, value_name = "UID")]
+    pub jail_uid_base: u32,
+    /// Number of uids in that range: at most this many VMMs at once.
+    #[arg(long, default_value_t = torpor_vmm_api::jail::DEFAULT_JAIL_UIDS, value_name = "N")]
+    pub jail_uids: u32,
+    /// Run every VMM without a jail, with the service's privileges
+    /// (development machines only: a guest that escapes owns the host).
+    #[arg(long)]
+    pub no_jail: bool,
 }
 
 /// The memory backends a pod restores with.

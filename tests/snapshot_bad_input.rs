@@ -43,6 +43,7 @@ fn expect_refused(dir: &Scratch, snap: &Path, needle: &str) {
     let out = torpor(
         &[
             "vmm",
+            "--no-jail",
             "--restore",
             snap.to_str().unwrap(),
             "--serial",

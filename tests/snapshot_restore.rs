@@ -292,6 +292,7 @@ fn virtio_devices_survive_snapshot_and_restore() {
     let out = common::torpor(
         &[
             "vmm",
+            "--no-jail",
             "--restore",
             template.to_str().unwrap(),
             "--no-serial",

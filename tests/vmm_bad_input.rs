@@ -11,7 +11,7 @@ const LIMIT: Duration = Duration::from_secs(20);
 
 /// Runs `torpor vmm ARGS`, expecting failure with `status` and `needle` in stderr.
 fn expect_error(args: &[&str], status: i32, needle: &str) {
-    let mut full = vec!["vmm"];
+    let mut full = vec!["vmm", "--no-jail"];
     full.extend_from_slice(args);
     let out = torpor(&full, LIMIT);
     let err = stderr(&out);

@@ -41,9 +41,9 @@ fn main() {
         }
     };
     let builtins = [("probe", torpor_probe::PROBE_ELF)];
-    let result = torpor_vmm::launch::run(&spec, &builtins, move || {
+    let result = torpor_vmm::launch::run(&spec, &builtins, move |pid| {
         reply(&LaunchReply::Ready {
-            pid: std::process::id(),
+            pid,
             start_us: started.elapsed().as_micros() as u64,
         })
     });

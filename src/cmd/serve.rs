@@ -96,9 +96,31 @@ fn open_service(
     flags: &ServiceFlags,
     nested_pod: bool,
 ) -> Result<Arc<Service>, String> {
-    std::fs::create_dir_all(data_dir)
-        .map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
+    // What the service creates is its own: sockets, overlays, logs, the
+    // store, the token (VMMs' files are handed to their uids explicitly).
+    // SAFETY: umask takes and returns a mode only.
+    unsafe { libc::umask(0o077) };
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(data_dir)
+            .map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
+    }
     let mut config = ServiceConfig::new(data_dir.to_path_buf(), vmm_exe()?);
+    config.jail = if flags.no_jail {
+        eprintln!(
+            "{who}: warning: VMMs run without a jail (--no-jail), with the service's \
+             privileges: a guest that escapes its VMM owns this host"
+        );
+        None
+    } else {
+        Some(torpor_scheduler::service::jail::JailConfig {
+            uid_base: flags.jail_uid_base,
+            uids: flags.jail_uids,
+        })
+    };
     config.host = host_guests().clone();
     config.policy_interval_ms = flags.policy_interval_ms;
     config.default_keep_alive_ms = flags.keep_alive_ms;

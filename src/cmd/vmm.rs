@@ -1,8 +1,11 @@
 //! `torpor vmm`: the per-VM process, and its control-socket client.
 
+use std::os::unix::fs::DirBuilderExt;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use torpor_vmm::control::{self, Request};
+use torpor_vmm_api::jail::{self, Expose, JailSpec};
 use torpor_vmm_api::launch::{
     Console, DiskSpec, KernelSource, LaunchMode, LaunchSpec, MemoryBackend, RestoreSpec,
 };
@@ -11,6 +14,9 @@ use super::{EXIT_FAILURE, EXIT_OK};
 use crate::cli::{MemoryBackendArg, VmmAction, VmmCommand, VmmRunArgs};
 
 const EXIT_USAGE: i32 = 2;
+/// The empty directory `torpor vmm`'s jail root is mounted on (in the
+/// VMM's own mount namespace).
+const CLI_JAIL_ROOT: &str = "/run/torpor/jail-root";
 
 pub fn run(cmd: VmmCommand) -> i32 {
     match cmd.action {
@@ -71,7 +77,7 @@ fn run_vm(args: VmmRunArgs) -> i32 {
         }
     };
     let builtins = [("probe", torpor_probe::PROBE_ELF)];
-    match torpor_vmm::launch::run(&spec, &builtins, || {}) {
+    match torpor_vmm::launch::run(&spec, &builtins, |_| {}) {
         Ok(report) => {
             if args.report {
                 eprintln!("{}", serde_json::to_string(&report).unwrap_or_default());
@@ -115,11 +121,65 @@ fn launch_spec(args: &VmmRunArgs) -> Result<LaunchSpec, Failure> {
         }
         (None, false) => boot_mode(args)?,
     };
-    Ok(LaunchSpec {
+    let mut spec = LaunchSpec {
         control_socket: args.control_socket.clone(),
         mode,
         console: console(args),
         dirty_tracking: args.dirty_tracking.tracking(),
+        jail: None,
+    };
+    if args.no_jail {
+        eprintln!(
+            "torpor: warning: running the VMM without a jail (--no-jail): a guest that \
+             escapes its VMM gets this process's privileges"
+        );
+    } else {
+        spec.jail = Some(cli_jail(args, &spec)?);
+        // Jailed, every path must be absolute and exposed.
+        spec.check().map_err(|e| (EXIT_USAGE, e.to_string()))?;
+    }
+    Ok(spec)
+}
+
+/// `torpor vmm`'s own jail: the paths the spec names, the extra
+/// `--jail-expose` ones, a cgroup when the guest's size is known.
+fn cli_jail(args: &VmmRunArgs, spec: &LaunchSpec) -> Result<JailSpec, Failure> {
+    let mut exposes = jail::exposes_for(spec);
+    for e in &args.jail_expose {
+        let (path, read_only) = match e.strip_suffix(":ro") {
+            Some(p) => (p, true),
+            None => (e.as_str(), false),
+        };
+        exposes.push(Expose {
+            path: PathBuf::from(path),
+            read_only,
+        });
+    }
+    let root = PathBuf::from(CLI_JAIL_ROOT);
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&root)
+        .map_err(|e| (EXIT_FAILURE, format!("cannot create {CLI_JAIL_ROOT}: {e}")))?;
+    let cgroup = match &spec.mode {
+        LaunchMode::Boot { mem_mib, vcpus, .. } | LaunchMode::Standby { mem_mib, vcpus } => {
+            Some(jail::cgroup_for(
+                format!("torpor/cli-{}", std::process::id()),
+                *mem_mib,
+                u64::from(*vcpus),
+            ))
+        }
+        LaunchMode::Restore { .. } => None,
+    };
+    Ok(JailSpec {
+        uid: args.jail_uid,
+        gid: args.jail_gid.unwrap_or(args.jail_uid),
+        root,
+        exposes,
+        devices: jail::devices_for(spec),
+        cgroup,
+        rlimits: Default::default(),
+        namespaces: Default::default(),
     })
 }
 

@@ -118,7 +118,7 @@ pub struct Vmm(pub Option<Child>);
 impl Vmm {
     pub fn spawn(args: &[&str]) -> Self {
         let child = Command::new(TORPOR)
-            .arg("vmm")
+            .args(["vmm", "--no-jail"])
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -9,6 +9,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ErrorKind, VmError};
+use crate::jail::JailSpec;
 
 /// Largest launch spec a VMM reads.
 pub const MAX_SPEC_BYTES: u64 = 64 * 1024;
@@ -19,6 +20,9 @@ pub const MAX_REPLY_BYTES: u64 = 16 * 1024;
 pub const DEFAULT_CONSOLE_LIMIT: u64 = 16 << 20;
 /// Longest kernel command line.
 pub const MAX_CMDLINE: usize = 4096;
+/// Exit status of a jailed VMM its cgroup's OOM killer ended (the memory
+/// limit of its jail was reached).
+pub const EXIT_OOM: i32 = 4;
 /// Longest working-set recording window.
 pub const MAX_RECORD_WORKING_SET_MS: u64 = 60_000;
 
@@ -37,6 +41,11 @@ pub struct LaunchSpec {
     /// Where diff snapshots take their dirty pages from.
     #[serde(default)]
     pub dirty_tracking: DirtyTracking,
+    /// The jail the VMM confines itself to before any guest code runs
+    /// (None: no jail, for people who pass `--no-jail`). Every path above
+    /// must resolve inside it: see [`crate::jail`].
+    #[serde(default)]
+    pub jail: Option<JailSpec>,
 }
 
 /// Boot a kernel, restore a snapshot, or wait as a standby shell.
@@ -316,6 +325,56 @@ impl LaunchSpec {
                 }
             }
         }
+        if let Some(jail) = &self.jail {
+            jail.check()?;
+            self.check_jailed(jail)?;
+        }
+        Ok(())
+    }
+
+    /// Every path the VMM opens resolves in its jail (writable where it
+    /// writes). A standby shell is handed its paths later, in the restore
+    /// request, once the pod exposed them.
+    fn check_jailed(&self, jail: &JailSpec) -> Result<(), VmError> {
+        if let Some(p) = &self.control_socket {
+            jail.check_path("control socket", p, true)?;
+        }
+        if let Console::File { path, .. } = &self.console {
+            jail.check_path("console file", path, true)?;
+        }
+        match &self.mode {
+            LaunchMode::Boot {
+                kernel,
+                initrd,
+                disk,
+                vsock_uds,
+                ..
+            } => {
+                if let KernelSource::Path(p) = kernel {
+                    jail.check_path("kernel", p, false)?;
+                }
+                if let Some(p) = initrd {
+                    jail.check_path("initrd", p, false)?;
+                }
+                if let Some(d) = disk {
+                    jail.check_path("disk image", &d.image, false)?;
+                    jail.check_path("disk overlay", &d.overlay, true)?;
+                }
+                if let Some(p) = vsock_uds {
+                    jail.check_path("vsock socket", p, true)?;
+                }
+            }
+            LaunchMode::Restore { restore, .. } => {
+                jail.check_path("snapshot", &restore.snapshot, false)?;
+                if let Some(p) = &restore.disk_overlay {
+                    jail.check_path("disk overlay", p, true)?;
+                }
+                if let Some(p) = &restore.vsock_uds {
+                    jail.check_path("vsock socket", p, true)?;
+                }
+            }
+            LaunchMode::Standby { .. } => {}
+        }
         Ok(())
     }
 }
@@ -410,6 +469,7 @@ mod tests {
             },
             console: Console::file("/run/s/console.log"),
             dirty_tracking: DirtyTracking::Kvm,
+            jail: None,
         }
     }
 
@@ -432,9 +492,9 @@ mod tests {
         assert!(e.message.contains("absolute"), "{e}");
 
         let unknown =
-            r#"{"control_socket":"/c","mode":{"kind":"standby","mem_mib":1,"vcpus":1},"jail":1}"#;
+            r#"{"control_socket":"/c","mode":{"kind":"standby","mem_mib":1,"vcpus":1},"prison":1}"#;
         let e = LaunchSpec::read_from(unknown.as_bytes()).unwrap_err();
-        assert!(e.message.contains("jail"), "{e}");
+        assert!(e.message.contains("prison"), "{e}");
 
         let huge = vec![b' '; MAX_SPEC_BYTES as usize + 2];
         let e = LaunchSpec::read_from(&huge[..]).unwrap_err();
@@ -453,6 +513,30 @@ mod tests {
         };
         let json = serde_json::to_string(&long).unwrap();
         assert!(LaunchSpec::read_from(json.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn jailed_specs_name_only_exposed_paths() {
+        let mut spec = restore_spec();
+        let mut jail = crate::jail::tests::jail();
+        jail.exposes = vec![
+            crate::jail::Expose::read_write("/run/s"),
+            crate::jail::Expose::read_only("/d/snap"),
+        ];
+        spec.jail = Some(jail.clone());
+        let json = serde_json::to_string(&spec).unwrap();
+        assert_eq!(LaunchSpec::read_from(json.as_bytes()).unwrap(), spec);
+
+        jail.exposes.pop();
+        spec.jail = Some(jail.clone());
+        let e = spec.check().unwrap_err();
+        assert!(e.message.contains("snapshot"), "{e}");
+
+        jail.exposes = vec![crate::jail::Expose::read_only("/run/s")];
+        jail.exposes.push(crate::jail::Expose::read_only("/d/snap"));
+        spec.jail = Some(jail);
+        let e = spec.check().unwrap_err();
+        assert!(e.message.contains("read-only"), "{e}");
     }
 
     #[test]

@@ -8,19 +8,26 @@
 //!   blocking client.
 //! - [`error`]: [`ErrorKind`], how the VMM classifies a failure so the API
 //!   can answer with the right status.
+//! - [`jail`]: the [`JailSpec`] a VMM confines itself to before any guest
+//!   code runs.
 //! - [`lineage`]: the small record written with each snapshot layer that
 //!   names its chain, so nobody reads layers' state to list it.
 //!
-//! Depends on serde only: the scheduler links this, not KVM, vm-memory or
+//! - [`shmem`]: `uffd-shared`'s shared template copies.
+//!
+//! Depends on serde (and libc): the scheduler links this, not KVM, vm-memory or
 //! userfaultfd.
 
 pub mod control;
 pub mod error;
 pub mod host;
+pub mod jail;
 pub mod launch;
 pub mod lineage;
+pub mod shmem;
 
 pub use error::{ErrorKind, VmError};
+pub use jail::JailSpec;
 pub use launch::{
     Console, DirtyTracking, DiskSpec, KernelSource, LaunchMode, LaunchReply, LaunchSpec,
     MemoryBackend, RestoreSpec,

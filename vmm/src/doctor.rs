@@ -201,6 +201,16 @@ pub enum CgroupMode {
     V1,
 }
 
+/// What the jail would use, and a trial jail set up in a child process.
+#[derive(Debug, Clone, Serialize)]
+pub struct JailReport {
+    /// The cgroup version jails use here (`v1`, `v2`), or why none works.
+    pub cgroup_version: Probe<String>,
+    /// A jail like a VMM's (cgroup, namespaces, pivot_root, devices, uid,
+    /// no capabilities) set up by a child of `torpor doctor`.
+    pub trial: Probe<()>,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Host {
     pub kernel: Probe<String>,
@@ -219,6 +229,8 @@ pub struct Report {
     pub userfaultfd: UffdReport,
     pub huge_pages: HugePages,
     pub cgroup: Probe<CgroupMode>,
+    /// Whether VMMs can be jailed here (see [`crate::jail`]).
+    pub jail: JailReport,
     /// Worked out from `kvm` and `virtualization` when the report was built.
     pub verdict: Verdict,
     /// The verdict as one line of text.
@@ -273,8 +285,90 @@ pub fn run() -> Report {
             hugetlb_page_kib: mem("Hugepagesize"),
         },
         cgroup: classify_cgroup(fs_magic("/sys/fs/cgroup"), unified),
+        jail: probe_jail(),
         verdict,
         summary,
+    }
+}
+
+/// The jail's cgroup version, and a trial jail in a forked child.
+fn probe_jail() -> JailReport {
+    use torpor_vmm_api::jail::{self as spec, CgroupVersion, JailSpec};
+    let cgroup_version = crate::jail::cgroup::detect(CgroupVersion::Auto)
+        .map(|h| match h.version() {
+            CgroupVersion::V2 => "v2".to_string(),
+            _ => "v1".to_string(),
+        })
+        .map_err(|e| e.to_string());
+    let root = std::path::PathBuf::from("/run/torpor/jail-root");
+    let trial = std::fs::create_dir_all(&root)
+        .map_err(|e| format!("create {}: {e}", root.display()))
+        .and_then(|()| {
+            trial_jail(&JailSpec {
+                uid: spec::CLI_JAIL_UID,
+                gid: spec::CLI_JAIL_UID,
+                root,
+                exposes: Vec::new(),
+                devices: vec![spec::Device::Kvm],
+                cgroup: Some(spec::cgroup_for(
+                    format!("torpor/doctor-{}", std::process::id()),
+                    16,
+                    1,
+                )),
+                rlimits: Default::default(),
+                namespaces: Default::default(),
+            })
+        });
+    JailReport {
+        cgroup_version,
+        trial,
+    }
+}
+
+/// Sets up `jail` in a forked child, which reports its error (if any) on a
+/// pipe and exits.
+fn trial_jail(jail: &torpor_vmm_api::JailSpec) -> Probe<()> {
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe2 writes two descriptors into the array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(format!("pipe: {}", IoError::last_os_error()));
+    }
+    // SAFETY: `torpor doctor` is single-threaded when it probes.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(format!("fork: {}", IoError::last_os_error()));
+    }
+    if pid == 0 {
+        let status = match crate::jail::enter(jail) {
+            Ok(_) => 0,
+            Err(e) => {
+                let text = e.to_string();
+                // SAFETY: writes `text` to the pipe's write end.
+                unsafe { libc::write(fds[1], text.as_ptr().cast(), text.len()) };
+                1
+            }
+        };
+        // SAFETY: ends the child without running the parent's atexit work.
+        unsafe { libc::_exit(status) };
+    }
+    // SAFETY: closes our copy of the write end.
+    unsafe { libc::close(fds[1]) };
+    // SAFETY: the read end is ours; the File owns it from here.
+    let mut reader = unsafe { std::fs::File::from_raw_fd(fds[0]) };
+    let mut text = String::new();
+    let _ = std::io::Read::read_to_string(&mut reader, &mut text);
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    match (
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        text,
+    ) {
+        (true, t) if t.is_empty() => Ok(()),
+        (_, t) if !t.is_empty() => Err(t),
+        _ => Err(format!(
+            "the trial jail's process ended with status {status:#x}"
+        )),
     }
 }
 
@@ -566,6 +660,13 @@ impl fmt::Display for Report {
             CgroupMode::V1 => "v1 only",
         });
         row(f, "mode", show(&cgroup))?;
+        writeln!(f, "jail")?;
+        row(f, "cgroup version", show(&self.jail.cgroup_version))?;
+        let trial = match &self.jail.trial {
+            Ok(()) => "ok: VMMs are jailed".to_string(),
+            Err(e) => format!("CANNOT set up jails: {e} (VMMs only run with --no-jail)"),
+        };
+        row(f, "trial jail", trial)?;
         if self.verdict == Verdict::ProbeOnly {
             // Hosts without VMX/SVM still run Linux guests one level down.
             writeln!(f, "nested host")?;

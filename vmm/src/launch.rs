@@ -1,9 +1,11 @@
 //! Starting a VMM from a [`LaunchSpec`]: the one entry point the pod's
 //! `torpor-vmm` process and the `torpor vmm` command for people share.
 //!
-//! The spec becomes a boot, a restore or a standby shell; [`serving`] is
-//! called once the control socket answers (the VM built, or the shell
-//! made), which is when `torpor-vmm` writes its `ready` line.
+//! A spec with a jail confines the process first ([`crate::jail::enter`]),
+//! before anything of the guest is read. The spec then becomes a boot, a
+//! restore or a standby shell; [`serving`] is called once the control
+//! socket answers (the VM built, or the shell made), which is when
+//! `torpor-vmm` writes its `ready` line.
 
 use std::sync::Mutex;
 
@@ -20,26 +22,32 @@ use crate::VmConfig;
 /// A kernel built into the VMM binary, by name (`builtin:NAME`).
 pub type Builtin = (&'static str, &'static [u8]);
 
-type ReadyHook = Box<dyn FnOnce() + Send>;
-static READY: Mutex<Option<ReadyHook>> = Mutex::new(None);
+type ReadyHook = Box<dyn FnOnce(u32) + Send>;
+static READY: Mutex<Option<(ReadyHook, u32)>> = Mutex::new(None);
 
 /// Called by the VMM when its control socket serves: runs the launch's
 /// ready hook, once.
 pub(crate) fn serving() {
     let hook = READY.lock().unwrap_or_else(|e| e.into_inner()).take();
-    if let Some(hook) = hook {
-        hook();
+    if let Some((hook, pid)) = hook {
+        hook(pid);
     }
 }
 
-/// Runs the VM `spec` describes until it ends; `on_ready` runs once its
-/// control socket serves. Built-in kernels are looked up in `builtins`.
+/// Runs the VM `spec` describes until it ends, in its jail when it has
+/// one; `on_ready` runs once its control socket serves, with the VMM's
+/// pid as its starter sees it. Built-in kernels are looked up in
+/// `builtins`. Must be called before the process starts any thread.
 pub fn run(
     spec: &LaunchSpec,
     builtins: &[Builtin],
-    on_ready: impl FnOnce() + Send + 'static,
+    on_ready: impl FnOnce(u32) + Send + 'static,
 ) -> Result<RunReport, RunError> {
-    *READY.lock().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(on_ready));
+    let pid = match &spec.jail {
+        Some(jail) => crate::jail::enter(jail)?.host_pid,
+        None => std::process::id(),
+    };
+    *READY.lock().unwrap_or_else(|e| e.into_inner()) = Some((Box::new(on_ready), pid));
     let socket = spec.control_socket.clone();
     match &spec.mode {
         LaunchMode::Boot {

@@ -14,6 +14,7 @@ pub mod dirty;
 pub mod doctor;
 pub mod exit;
 pub mod identity;
+pub mod jail;
 pub mod launch;
 pub mod layout;
 pub mod microvm;

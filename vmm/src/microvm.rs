@@ -41,6 +41,8 @@ pub enum RunError {
     Restore(#[from] crate::restore::RestoreError),
     #[error(transparent)]
     Launch(torpor_vmm_api::VmError),
+    #[error(transparent)]
+    Jail(#[from] crate::jail::JailError),
 }
 
 impl RunError {
@@ -50,6 +52,7 @@ impl RunError {
             RunError::Build(e) => e.vm_error(),
             RunError::Restore(e) => e.vm_error(),
             RunError::Launch(e) => e.clone(),
+            RunError::Jail(e) => e.vm_error(),
             RunError::Bind(e) => VmError::new(ErrorKind::InvalidRequest, e.to_string()),
             other => VmError::internal(other.to_string()),
         }

@@ -4,7 +4,6 @@
 
 use std::fs::File;
 use std::io::Write;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -21,8 +20,6 @@ use crate::uffd::{Layers, Mode, PageServer, Region, ServerOptions};
 /// The working set recorded after a restore, next to the snapshot's state:
 /// little-endian u64 page numbers.
 pub use torpor_vmm_api::lineage::WORKING_SET_FILE;
-/// Where `uffd-shared` keeps shmem copies of templates, one per template.
-pub const SHM_DIR: &str = "/dev/shm";
 /// Longest working set we read back (a corrupt file must not eat memory).
 const MAX_WORKING_SET_PAGES: u64 = 1 << 22;
 
@@ -71,63 +68,16 @@ fn write_working_set(dir: &Path, pages: &[u64]) -> std::io::Result<()> {
     std::fs::rename(&tmp, dir.join(WORKING_SET_FILE))
 }
 
-/// A shmem copy of the base memory file, made once per template and shared
-/// by every `uffd-shared` clone. Named after the template's device, inode,
-/// size and mtime, so a rewritten template gets a new copy.
+/// The shared shmem copy of the base memory file (see
+/// [`torpor_vmm_api::shmem`]): opened when the pod made it (a jailed VMM
+/// sees `/dev/shm` read-only), made here otherwise.
 fn shmem_template(base: &File, base_path: &Path) -> Result<(File, PathBuf), RestoreError> {
-    use std::os::unix::fs::MetadataExt;
-    let io_err = |what: &str, e: std::io::Error| {
-        backend_err(RestoreBackend::UffdShared, format!("{what}: {e}"))
-    };
-    let meta = base.metadata().map_err(|e| io_err("stat template", e))?;
-    let name = format!(
-        "torpor-template-{:x}-{:x}-{:x}-{:x}.mem",
-        meta.dev(),
-        meta.ino(),
-        meta.size(),
-        meta.mtime_nsec() as u64 ^ (meta.mtime() as u64) << 30
-    );
-    let path = Path::new(SHM_DIR).join(name);
-    if let Ok(f) = File::open(&path) {
-        if f.metadata().map(|m| m.len()).ok() == Some(meta.len()) {
-            return Ok((f, path));
-        }
-    }
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    let mut out = File::create(&tmp).map_err(|e| io_err("create shmem copy", e))?;
-    copy_sparse(base, &mut out, meta.len())
-        .map_err(|e| io_err(&format!("copy {} to shmem", base_path.display()), e))?;
-    std::fs::rename(&tmp, &path).map_err(|e| io_err("publish shmem copy", e))?;
-    let f = File::open(&path).map_err(|e| io_err("open shmem copy", e))?;
-    Ok((f, path))
-}
-
-/// Copies only the data extents of `src`, so holes stay holes (zero pages
-/// cost no shmem).
-fn copy_sparse(src: &File, dst: &mut File, len: u64) -> std::io::Result<()> {
-    use std::os::unix::fs::FileExt;
-    dst.set_len(len)?;
-    let mut buf = vec![0u8; 1 << 20];
-    let mut pos = 0i64;
-    while (pos as u64) < len {
-        // SAFETY: lseek on a file descriptor we own; no memory is involved.
-        let data = unsafe { libc::lseek(src.as_raw_fd(), pos, libc::SEEK_DATA) };
-        if data < 0 {
-            break; // ENXIO: no data after `pos`.
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(src.as_raw_fd(), data, libc::SEEK_HOLE) };
-        let end = if hole < 0 { len as i64 } else { hole };
-        let mut off = data;
-        while off < end {
-            let n = ((end - off) as usize).min(buf.len());
-            src.read_exact_at(&mut buf[..n], off as u64)?;
-            dst.write_all_at(&buf[..n], off as u64)?;
-            off += n as i64;
-        }
-        pos = end;
-    }
-    Ok(())
+    torpor_vmm_api::shmem::open_or_make(base).map_err(|e| {
+        backend_err(
+            RestoreBackend::UffdShared,
+            format!("shmem copy of {}: {e}", base_path.display()),
+        )
+    })
 }
 
 /// What keeps a uffd-backed VM's memory served.

@@ -183,10 +183,21 @@ impl Service {
             },
             console: Console::file(&files.console),
             dirty_tracking: self.config.dirty_tracking,
+            jail: None,
         };
-        let vmm::Spawned {
-            mut child, handle, ..
-        } = vmm::spawn(&self.config.vmm_exe, &spec, &files.log)?;
+        let (
+            vmm::Spawned {
+                mut child, handle, ..
+            },
+            _,
+        ) = super::jail::spawn(
+            self.jails.as_deref(),
+            &self.config.vmm_exe,
+            spec,
+            &files.log,
+            (u64::from(template.mem_mib), u64::from(template.vcpus)),
+            &[],
+        )?;
         let link = AgentLink::new(template.id.as_str(), uds.clone());
         let result = link
             .connect_waiting(AGENT_READY_LIMIT, || vm_alive(&mut child, &files))

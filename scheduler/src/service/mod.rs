@@ -9,6 +9,7 @@
 
 mod checkpoint;
 pub mod guest;
+pub mod jail;
 mod layers;
 mod lifetime;
 mod linux;
@@ -82,6 +83,9 @@ pub struct ServiceConfig {
     /// Timeout of an exec that names none, and the longest one may name
     /// (so no exec holds a blocking thread for ever).
     pub exec_timeout_ms: u64,
+    /// Every VMM runs jailed as its own uid from this range (None: no
+    /// jail, `serve --no-jail`, development machines only).
+    pub jail: Option<jail::JailConfig>,
 }
 
 impl ServiceConfig {
@@ -97,6 +101,7 @@ impl ServiceConfig {
             default_ratio: 4.0,
             policy_interval_ms: 1000,
             exec_timeout_ms: DEFAULT_EXEC_TIMEOUT_MS,
+            jail: Some(jail::JailConfig::default()),
         }
     }
 }
@@ -265,6 +270,8 @@ pub struct Service {
     stop: Arc<std::sync::atomic::AtomicBool>,
     /// Standby VMM shells for creates and wakes.
     pool: Arc<pool::StandbyPool>,
+    /// Uids and jails of VMMs (None: VMMs run unjailed).
+    jails: Option<Arc<jail::Jails>>,
 }
 
 impl Service {
@@ -272,8 +279,14 @@ impl Service {
     /// pod and the built-in probe template exist, and starts the policy.
     pub fn open(mut config: ServiceConfig) -> Result<Arc<Self>, ServiceError> {
         check_lifetimes(Some(config.default_keep_alive_ms), None)?;
-        for sub in ["sandboxes", "templates"] {
-            std::fs::create_dir_all(config.data_dir.join(sub))
+        // Only the service reads its data: sandboxes' files, the store, the
+        // API token.
+        for sub in ["", "sandboxes", "templates"] {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(config.data_dir.join(sub))
                 .map_err(|e| ServiceError::Internal(format!("create data dir: {e}")))?;
         }
         // Snapshot layers are compared by path, and the VMM records diff
@@ -281,11 +294,16 @@ impl Service {
         config.data_dir = std::fs::canonicalize(&config.data_dir)
             .map_err(|e| ServiceError::Internal(format!("resolve data dir: {e}")))?;
         let store = Store::open(&config.data_dir)?;
+        let jails = config
+            .jail
+            .map(|c| jail::Jails::new(&config.data_dir, c).map(Arc::new))
+            .transpose()?;
         let pool = pool::StandbyPool::new(
             config.data_dir.join("pool"),
             config.vmm_exe.clone(),
             config.standby_pool,
             config.dirty_tracking,
+            jails.clone().map(|j| (j, config.memory_backend)),
         )?;
         let service = Arc::new(Self {
             config,
@@ -296,6 +314,7 @@ impl Service {
             in_flight: policy::InFlight::default(),
             stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             pool,
+            jails,
         });
         service.ensure_local_pod()?;
         service.recover()?;

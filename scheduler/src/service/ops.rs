@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use torpor_vmm_api::control::Request;
+use torpor_vmm_api::jail::Expose;
 use torpor_vmm_api::launch::{Console, LaunchMode, LaunchSpec, MemoryBackend, RestoreSpec};
 
 use super::lifetime::{check_lifetimes, expiry};
@@ -231,15 +232,20 @@ impl Service {
         restore.prefetch = backend != MemoryBackend::File;
         self.guest_restore_paths(id, &mut restore)?;
         let shell = self.pool.take((sandbox.mem_mib, sandbox.vcpus));
+        let template_files = self.template_files(&sandbox.template);
         let prepare_ms = lap.next();
-        let from_shell =
-            shell.and_then(|shell| match restore_into_shell(shell, &files, &restore) {
+        let from_shell = shell.and_then(|shell| {
+            let up = self
+                .jail_shell(&shell, &dir, &restore, &template_files)
+                .and_then(|()| restore_into_shell(shell, &files, &restore));
+            match up {
                 Ok(up) => Some(up),
                 Err(e) => {
                     tracing::warn!(sandbox = %id, "standby restore failed, restoring cold: {e}");
                     None
                 }
-            });
+            }
+        });
         let (child, handle, path, vmm_us) = match from_shell {
             Some((child, handle, us)) => (child, handle, RestorePath::Standby, us),
             None => {
@@ -252,8 +258,16 @@ impl Service {
                     },
                     console: Console::file(&files.console),
                     dirty_tracking: self.config.dirty_tracking,
+                    jail: None,
                 };
-                let up = vmm::spawn(&self.config.vmm_exe, &spec, &files.log)?;
+                let (up, _) = super::jail::spawn(
+                    self.jails.as_deref(),
+                    &self.config.vmm_exe,
+                    spec,
+                    &files.log,
+                    (u64::from(sandbox.mem_mib), u64::from(sandbox.vcpus)),
+                    &template_files,
+                )?;
                 (up.child, up.handle, RestorePath::Cold, up.spawn_us)
             }
         };
@@ -278,6 +292,43 @@ impl Service {
         report.phase("hook", lap.next());
         self.metrics.observe_restore(&report);
         Ok(report)
+    }
+
+    /// Files of a template a VMM of its sandboxes reads besides snapshot
+    /// layers: a Linux template's root disk image.
+    pub(super) fn template_files(&self, template: &TemplateId) -> Vec<Expose> {
+        self.store
+            .get_template(template)
+            .ok()
+            .and_then(|t| t.rootfs)
+            .map(|r| vec![Expose::read_only(PathBuf::from(r))])
+            .unwrap_or_default()
+    }
+
+    /// Hands a jailed standby shell what a restore of `restore` into the
+    /// sandbox directory `dir` needs: `dir` becomes the shell's uid's, and
+    /// it and the snapshot's layers are mounted into the shell's jail.
+    fn jail_shell(
+        &self,
+        shell: &Shell,
+        dir: &Path,
+        restore: &RestoreSpec,
+        template_files: &[Expose],
+    ) -> Result<(), ServiceError> {
+        let (Some(jails), Some(uid)) = (&self.jails, shell.uid) else {
+            return Ok(());
+        };
+        let mut exposes = vec![Expose::read_write(dir)];
+        exposes.extend(
+            torpor_vmm_api::jail::restore_exposes(restore, false)
+                .into_iter()
+                // The shell has /dev/shm already when the pod uses it.
+                .filter(|e| !e.path.starts_with("/dev") && e.path != dir),
+        );
+        exposes.extend_from_slice(template_files);
+        super::jail::ensure_shared_copy(restore)?;
+        jails.prepare(uid, &exposes)?;
+        super::jail::inject(shell.handle.pid, &exposes)
     }
 
     /// Stops the sandbox's VMM, if it has one.
@@ -604,9 +655,14 @@ fn restore_into_shell(
         child,
         handle: shell_handle,
         log,
+        uid: _,
     } = shell;
     let moved = std::fs::rename(&shell_handle.control_socket, &files.socket)
         .and_then(|()| std::fs::rename(&log, &files.log));
+    if let Some(shell_dir) = shell_handle.control_socket.parent() {
+        // Empty now; in the shell's jail the mount goes with it.
+        let _ = std::fs::remove_dir(shell_dir);
+    }
     let handle = VmmHandle {
         pid: shell_handle.pid,
         control_socket: files.socket.clone(),

@@ -476,6 +476,11 @@ impl Service {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&s.id);
         let reason = match exited {
+            Some(status) if status.code() == Some(torpor_vmm_api::launch::EXIT_OOM) => format!(
+                "its VMM was killed by the OOM killer: the sandbox went over its memory limit \
+                 (guest memory + {} MiB of VMM overhead)",
+                torpor_vmm_api::jail::VMM_OVERHEAD_MIB
+            ),
             Some(status) => format!("its VMM exited unexpectedly ({status})"),
             None => "its VMM process disappeared".into(),
         };

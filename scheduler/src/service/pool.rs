@@ -4,9 +4,15 @@
 //! or a wake takes a shell when one is there and hands it the snapshot in
 //! one control request; else it pays for a cold `torpor-vmm` restore.
 //!
-//! Shells are named by a counter that is never reused (`shell-N.sock`):
-//! a shell's VMM removes the socket path it was started with when it ends,
-//! and must not remove a later shell's.
+//! Shells are named by a counter that is never reused (`shell-P-N/`, its
+//! control socket and log inside): a shell's VMM removes the socket path
+//! it was started with when it ends, and must not remove a later shell's.
+//!
+//! Jailed, a shell is jailed generically when it is made (its uid, cgroup
+//! sized for its shape, namespaces, devices, its own directory as the only
+//! path it sees), which is the costly part; when it is taken, the pod
+//! mounts the sandbox's directory and snapshot layers into its jail (see
+//! `jail::inject`), then sends the restore.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -16,8 +22,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use torpor_vmm_api::control::{self, Request};
-use torpor_vmm_api::launch::{DirtyTracking, LaunchMode, LaunchSpec};
+use torpor_vmm_api::jail::Expose;
+use torpor_vmm_api::launch::{DirtyTracking, LaunchMode, LaunchSpec, MemoryBackend};
 
+use super::jail::Jails;
 use super::vmm;
 use super::ServiceError;
 use crate::model::VmmHandle;
@@ -30,6 +38,8 @@ pub struct Shell {
     pub child: Child,
     pub handle: VmmHandle,
     pub log: PathBuf,
+    /// The jail's uid (None: unjailed).
+    pub uid: Option<u32>,
 }
 
 /// The pool; `target` shells per wanted shape (0: no pool).
@@ -40,6 +50,9 @@ pub struct StandbyPool {
     /// Shells are made for one dirty-tracking source (their KVM slots log
     /// or not), the pod's.
     dirty_tracking: DirtyTracking,
+    /// The pod's jails and memory backend (`uffd-shared` shells see
+    /// `/dev/shm`).
+    jail: Option<(Arc<Jails>, MemoryBackend)>,
     next: AtomicU64,
     state: Mutex<PoolState>,
     /// Wakes the refill thread: a shell was taken, a shape is wanted, or
@@ -75,6 +88,7 @@ impl StandbyPool {
         exe: PathBuf,
         target: usize,
         dirty_tracking: DirtyTracking,
+        jail: Option<(Arc<Jails>, MemoryBackend)>,
     ) -> Result<Arc<Self>, ServiceError> {
         std::fs::create_dir_all(&dir)
             .map_err(|e| ServiceError::Internal(format!("create the standby pool dir: {e}")))?;
@@ -84,6 +98,7 @@ impl StandbyPool {
             exe,
             target,
             dirty_tracking,
+            jail,
             next: AtomicU64::new(0),
             state: Mutex::new(PoolState::default()),
             changed: Condvar::new(),
@@ -123,7 +138,7 @@ impl StandbyPool {
                     if matches!(s.child.try_wait(), Ok(None)) {
                         break Some(s);
                     }
-                    let _ = std::fs::remove_file(&s.handle.control_socket);
+                    remove_shell_dir(&s.handle);
                 }
                 None => break None,
             }
@@ -171,6 +186,7 @@ impl StandbyPool {
         };
         for s in shells {
             vmm::stop(&s.handle, Some(s.child));
+            remove_shell_dir(&s.handle);
         }
     }
 
@@ -225,10 +241,11 @@ impl StandbyPool {
 
     fn make(&self, (mem_mib, vcpus): Shape) -> Result<Shell, ServiceError> {
         let n = self.next.fetch_add(1, Ordering::Relaxed);
-        let socket = self
-            .dir
-            .join(format!("shell-{}-{n}.sock", std::process::id()));
-        let log = socket.with_extension("log");
+        let dir = self.dir.join(format!("shell-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| ServiceError::Internal(format!("create {}: {e}", dir.display())))?;
+        let socket = dir.join("ctl.sock");
+        let log = dir.join("vmm.log");
         let spec = LaunchSpec {
             control_socket: Some(socket),
             mode: LaunchMode::Standby {
@@ -237,12 +254,34 @@ impl StandbyPool {
             },
             console: Default::default(),
             dirty_tracking: self.dirty_tracking,
+            jail: None,
         };
-        let spawned = vmm::spawn(&self.exe, &spec, &log)?;
+        let extra = match &self.jail {
+            Some((_, MemoryBackend::UffdShared)) => {
+                vec![Expose::read_only(torpor_vmm_api::shmem::SHM_DIR)]
+            }
+            _ => Vec::new(),
+        };
+        let spawned = super::jail::spawn(
+            self.jail.as_ref().map(|(j, _)| j.as_ref()),
+            &self.exe,
+            spec,
+            &log,
+            (u64::from(mem_mib), u64::from(vcpus)),
+            &extra,
+        );
+        let (spawned, uid) = match spawned {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
         Ok(Shell {
             child: spawned.child,
             handle: spawned.handle,
             log,
+            uid,
         })
     }
 }
@@ -250,6 +289,13 @@ impl StandbyPool {
 impl Drop for StandbyPool {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// A shell's own directory, once it is gone.
+fn remove_shell_dir(handle: &VmmHandle) {
+    if let Some(dir) = handle.control_socket.parent() {
+        let _ = std::fs::remove_dir_all(dir);
     }
 }
 
@@ -261,9 +307,14 @@ fn clear_stale(dir: &Path) {
     };
     for entry in entries.flatten() {
         let path = entry.path();
-        if path.extension().is_some_and(|e| e == "sock") {
-            let _ = control::request(&path, &Request::Shutdown, Duration::from_secs(1));
+        let socket = path.join("ctl.sock");
+        if socket.exists() {
+            let _ = control::request(&socket, &Request::Shutdown, Duration::from_secs(1));
         }
-        let _ = std::fs::remove_file(&path);
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            let _ = std::fs::remove_dir_all(&path);
+        } else {
+            let _ = std::fs::remove_file(&path);
+        }
     }
 }

@@ -108,6 +108,9 @@ impl Service {
     fn reattach_one(&self, sandbox: &Sandbox) -> Result<(), ServiceError> {
         match sandbox.vmm.as_ref().map(|h| (h, vmm::status(h))) {
             Some((h, Some(_))) => {
+                if let Some(jails) = &self.jails {
+                    jails.note_running(h.pid);
+                }
                 tracing::info!(sandbox = %sandbox.id, pid = h.pid, "re-attached to its VMM")
             }
             _ => {

@@ -153,9 +153,16 @@ impl Service {
             },
             console: Console::file(&files.console),
             dirty_tracking: self.config.dirty_tracking,
+            jail: None,
         };
-        let vmm::Spawned { child, handle, .. } =
-            vmm::spawn(&self.config.vmm_exe, &spec, &files.log)?;
+        let (vmm::Spawned { child, handle, .. }, _) = super::jail::spawn(
+            self.jails.as_deref(),
+            &self.config.vmm_exe,
+            spec,
+            &files.log,
+            (u64::from(template.mem_mib), u64::from(template.vcpus)),
+            &[],
+        )?;
         let snapshot = dir.join("snapshot");
         let result = wait_ready(&files)
             .and_then(|()| vmm::pause_and_snapshot_full(&handle, &snapshot))
@@ -194,10 +201,19 @@ impl Service {
             },
             console: Console::Discard,
             dirty_tracking: self.config.dirty_tracking,
+            jail: None,
         };
         let recorded = snapshot.join(WORKING_SET_FILE);
-        match vmm::spawn(&self.config.vmm_exe, &spec, &files.log) {
-            Ok(up) => {
+        let spawned = super::jail::spawn(
+            self.jails.as_deref(),
+            &self.config.vmm_exe,
+            spec,
+            &files.log,
+            (u64::from(template.mem_mib), u64::from(template.vcpus)),
+            &self.template_files(&template.id),
+        );
+        match spawned {
+            Ok((up, _)) => {
                 let deadline = Instant::now()
                     + Duration::from_millis(WORKING_SET_MS)
                     + Duration::from_secs(10);

@@ -51,7 +51,8 @@ pub struct Spawned {
 /// Starts `torpor-vmm` with `spec` (its control socket must be in
 /// `spec`; stderr goes to `log`), in a process group of its own (a restart
 /// of the service must not take running VMMs with it), and waits for its
-/// `ready` line. A VMM that cannot start answers why, typed.
+/// `ready` line. A VMM that cannot start answers why, typed. The handle's
+/// pid is the VMM's own (a jailed VMM runs under a supervisor, `child`).
 pub fn spawn(exe: &Path, spec: &LaunchSpec, log: &Path) -> Result<Spawned, ServiceError> {
     let started = Instant::now();
     let Some(socket) = spec.control_socket.clone() else {
@@ -60,7 +61,8 @@ pub fn spawn(exe: &Path, spec: &LaunchSpec, log: &Path) -> Result<Spawned, Servi
         ));
     };
     let _ = std::fs::remove_file(&socket);
-    let log_file = File::create(log).map_err(|e| internal("create VMM log", e))?;
+    let log_file = create_private(log, spec.jail.as_ref().map(|j| j.uid))
+        .map_err(|e| internal(&format!("create VMM log {}", log.display()), e))?;
     let mut child = Command::new(exe)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -83,13 +85,13 @@ pub fn spawn(exe: &Path, spec: &LaunchSpec, log: &Path) -> Result<Spawned, Servi
         let _ = child.wait();
         Err(e)
     };
-    match reply {
-        Ok(LaunchReply::Ready { .. }) => {}
+    let pid = match reply {
+        Ok(LaunchReply::Ready { pid, .. }) => pid,
         Ok(LaunchReply::Failed(e)) => return failed(&mut child, ServiceError::Vm(e)),
         Err(e) => return failed(&mut child, e),
-    }
+    };
     let handle = VmmHandle {
-        pid: child.id(),
+        pid,
         control_socket: socket,
     };
     Ok(Spawned {
@@ -97,6 +99,24 @@ pub fn spawn(exe: &Path, spec: &LaunchSpec, log: &Path) -> Result<Spawned, Servi
         handle,
         spawn_us: started.elapsed().as_micros() as u64,
     })
+}
+
+/// A new file only its owner reads (0600, `uid`'s when given), never
+/// through a link: an old one is removed first, then created with
+/// `O_EXCL|O_NOFOLLOW`.
+pub fn create_private(path: &Path, uid: Option<u32>) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::remove_file(path);
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?;
+    if let Some(uid) = uid {
+        std::os::unix::fs::fchown(&file, Some(uid), Some(uid))?;
+    }
+    Ok(file)
 }
 
 /// Waits up to `limit` for the VMM's one reply line on its stdout.

@@ -1,0 +1,505 @@
+//! The pod's side of VMM jails: which uid each VMM runs as (one per VMM
+//! from the configured range), the [`JailSpec`] it is started with (what
+//! it sees, its devices, its cgroup's limits), the ownership of the files
+//! it writes and reads, and the paths a standby shell is given when it is
+//! taken (mounted into its jail: the shell was jailed when it was made).
+//! See docs/design.md, "The jail".
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use torpor_vmm_api::jail::{self, Expose, JailSpec};
+use torpor_vmm_api::{LaunchSpec, Lineage, MemoryBackend, RestoreSpec};
+
+use super::{vmm, ServiceError};
+
+/// The range of uids jailed VMMs run as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JailConfig {
+    pub uid_base: u32,
+    /// How many uids: at most this many VMMs (shells included) at once.
+    pub uids: u32,
+}
+
+impl Default for JailConfig {
+    fn default() -> Self {
+        Self {
+            uid_base: jail::DEFAULT_JAIL_UID_BASE,
+            uids: jail::DEFAULT_JAIL_UIDS,
+        }
+    }
+}
+
+/// The pod's jails.
+pub struct Jails {
+    config: JailConfig,
+    data_dir: PathBuf,
+    /// The empty directory every jail's root tmpfs is mounted on.
+    root: PathBuf,
+    /// uid → the pid of the VMM that has it (None: being started).
+    slots: Mutex<HashMap<u32, Option<u32>>>,
+    cursor: AtomicU32,
+    /// Names cgroups uniquely per VMM.
+    started: AtomicU64,
+}
+
+/// A uid taken for a VMM about to start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slot {
+    pub uid: u32,
+}
+
+impl Jails {
+    pub fn new(data_dir: &Path, config: JailConfig) -> Result<Self, ServiceError> {
+        if config.uid_base == 0
+            || config.uids == 0
+            || config.uid_base.checked_add(config.uids).is_none()
+        {
+            return Err(ServiceError::Invalid(format!(
+                "bad jail uid range {} + {}",
+                config.uid_base, config.uids
+            )));
+        }
+        let root = data_dir.join("jail-root");
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&root)
+            .map_err(|e| internal(&format!("create {}", root.display()), e))?;
+        Ok(Self {
+            config,
+            data_dir: data_dir.to_path_buf(),
+            root,
+            slots: Mutex::new(HashMap::new()),
+            cursor: AtomicU32::new(0),
+            started: AtomicU64::new(0),
+        })
+    }
+
+    fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Option<u32>>> {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A uid no live VMM of this pod has. A slot is free again once its
+    /// VMM's process is gone: nothing needs to give it back.
+    pub fn reserve(&self) -> Result<Slot, ServiceError> {
+        let mut slots = self.slots();
+        let n = self.config.uids;
+        let start = self.cursor.fetch_add(1, Ordering::Relaxed);
+        for i in 0..n {
+            let uid = self.config.uid_base + (start.wrapping_add(i) % n);
+            let free = match slots.get(&uid) {
+                None => true,
+                Some(None) => false,
+                Some(Some(pid)) => !vmm::alive(*pid),
+            };
+            if free {
+                slots.insert(uid, None);
+                return Ok(Slot { uid });
+            }
+        }
+        Err(ServiceError::Admission {
+            message: format!("all {n} jail uids are in use by running VMMs"),
+        })
+    }
+
+    /// The VMM started with `slot` has host pid `pid`.
+    pub fn assign(&self, slot: Slot, pid: u32) {
+        self.slots().insert(slot.uid, Some(pid));
+    }
+
+    /// The VMM of `slot` did not start.
+    pub fn release(&self, slot: Slot) {
+        self.slots().remove(&slot.uid);
+    }
+
+    /// A VMM an earlier run of the service started keeps its uid.
+    pub fn note_running(&self, pid: u32) {
+        if let Some(uid) = process_uid(pid) {
+            let range = self.config.uid_base..self.config.uid_base + self.config.uids;
+            if range.contains(&uid) {
+                self.slots().insert(uid, Some(pid));
+            }
+        }
+    }
+
+    /// The jail of a VMM of `spec` (a guest of `mem_mib` and `vcpus`),
+    /// with `extra` paths beyond those the spec names.
+    pub fn spec_for(
+        &self,
+        slot: Slot,
+        spec: &LaunchSpec,
+        mem_mib: u64,
+        vcpus: u64,
+        extra: &[Expose],
+    ) -> JailSpec {
+        let mut exposes = jail::exposes_for(spec);
+        exposes.extend_from_slice(extra);
+        // The largest file it writes: a snapshot's memory (guest memory) or
+        // a disk overlay (its image's size), plus room; a runaway log or
+        // console stops there.
+        let largest_image = exposes
+            .iter()
+            .filter_map(|e| std::fs::metadata(&e.path).ok())
+            .filter(|m| m.is_file())
+            .map(|m| m.len())
+            .max()
+            .unwrap_or(0);
+        let fsize = (mem_mib << 20).max(largest_image) + (1 << 30);
+        let n = self.started.fetch_add(1, Ordering::Relaxed);
+        let name = format!("torpor/{}-{n}-{}", std::process::id(), slot.uid);
+        JailSpec {
+            uid: slot.uid,
+            gid: slot.uid,
+            root: self.root.clone(),
+            exposes,
+            devices: jail::devices_for(spec),
+            cgroup: Some(jail::cgroup_for(name, mem_mib, vcpus)),
+            rlimits: jail::Rlimits {
+                fsize: Some(fsize),
+                ..Default::default()
+            },
+            namespaces: Default::default(),
+        }
+    }
+
+    /// Makes `exposes` usable by `uid` and nothing more: directories it
+    /// writes in (under the data directory) become its own, mode 0700,
+    /// with the files directly in them; what it only reads there (snapshot
+    /// layers) becomes root's, 0755/0644, so no VMM can change a layer.
+    pub fn prepare(&self, uid: u32, exposes: &[Expose]) -> Result<(), ServiceError> {
+        for e in exposes {
+            if !e.path.starts_with(&self.data_dir) {
+                continue; // host paths (/dev/shm, a rootfs image) stay as they are
+            }
+            if e.read_only {
+                seal(&e.path)?;
+            } else {
+                own(&e.path, uid)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn internal(what: &str, e: impl std::fmt::Display) -> ServiceError {
+    ServiceError::Internal(format!("{what}: {e}"))
+}
+
+/// The real uid of a process, from `/proc/PID/status`.
+fn process_uid(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+fn lchown(path: &Path, uid: u32) -> Result<(), ServiceError> {
+    std::os::unix::fs::lchown(path, Some(uid), Some(uid))
+        .map_err(|e| internal(&format!("chown {}", path.display()), e))
+}
+
+/// `dir` and the files directly in it belong to `uid` (never following a
+/// link); its subdirectories (layers) are left alone.
+fn own(dir: &Path, uid: u32) -> Result<(), ServiceError> {
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| internal("stat", e))?;
+    if !meta.is_dir() {
+        return Err(ServiceError::Internal(format!(
+            "{} is exposed writable but is not a directory",
+            dir.display()
+        )));
+    }
+    if meta.uid() != uid {
+        lchown(dir, uid)?;
+    }
+    if meta.mode() & 0o777 != 0o700 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| internal("chmod", e))?;
+    }
+    let entries = std::fs::read_dir(dir).map_err(|e| internal("list", e))?;
+    for entry in entries.flatten() {
+        let Ok(m) = entry.metadata() else { continue };
+        if !m.is_dir() && m.uid() != uid {
+            lchown(&entry.path(), uid)?;
+        }
+    }
+    Ok(())
+}
+
+/// A read-only layer: root's, directories 0755, files 0644 (once: a sealed
+/// layer is left as it is).
+fn seal(path: &Path) -> Result<(), ServiceError> {
+    let meta = std::fs::symlink_metadata(path).map_err(|e| internal("stat", e))?;
+    let want = if meta.is_dir() { 0o755 } else { 0o644 };
+    if meta.file_type().is_symlink() {
+        return Ok(());
+    }
+    if meta.uid() != 0 || meta.gid() != 0 {
+        std::os::unix::fs::lchown(path, Some(0), Some(0))
+            .map_err(|e| internal(&format!("chown {}", path.display()), e))?;
+    }
+    if meta.mode() & 0o777 != want {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(want))
+            .map_err(|e| internal("chmod", e))?;
+    }
+    if meta.is_dir() {
+        let entries = std::fs::read_dir(path).map_err(|e| internal("list", e))?;
+        for entry in entries.flatten() {
+            seal(&entry.path())?;
+        }
+    }
+    Ok(())
+}
+
+fn cstring(path: &Path) -> Result<CString, ServiceError> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| ServiceError::Internal(format!("path with NUL: {}", path.display())))
+}
+
+// Kernel ABI (include/uapi/linux/mount.h).
+const OPEN_TREE_CLONE: libc::c_uint = 1;
+const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 4;
+
+/// Mounts `exposes` into the jail of the running VMM `pid` (a standby
+/// shell being handed a sandbox), each at its own path, read-only where
+/// asked. The trees are cloned here, in the host's mount namespace, then
+/// attached from a thread that enters the jail's (a thread of its own: it
+/// leaves the service's file system context with `unshare(CLONE_FS)`).
+pub fn inject(pid: u32, exposes: &[Expose]) -> Result<(), ServiceError> {
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/mnt"))
+        .map_err(|e| internal("open the jail's mount namespace", e))?;
+    let mut sorted = exposes.to_vec();
+    sorted.sort_by_key(|e| e.path.components().count());
+    let mut trees = Vec::with_capacity(sorted.len());
+    for e in &sorted {
+        let c = cstring(&e.path)?;
+        // SAFETY: a NUL-terminated path alive for the call; the returned
+        // descriptor is owned below.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_open_tree,
+                libc::AT_FDCWD,
+                c.as_ptr(),
+                OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
+            )
+        };
+        if fd < 0 {
+            return Err(internal(
+                &format!("clone the mount of {}", e.path.display()),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: a descriptor the kernel just returned, owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        let is_dir = std::fs::metadata(&e.path)
+            .map(|m| m.is_dir())
+            .unwrap_or(true);
+        trees.push((e.clone(), fd, is_dir));
+    }
+    std::thread::Builder::new()
+        .name("jail-inject".into())
+        .spawn(move || attach(ns, trees))
+        .map_err(|e| internal("start the jail injector", e))?
+        .join()
+        .map_err(|_| ServiceError::Internal("the jail injector panicked".into()))?
+}
+
+/// Runs on its own thread, which never leaves the jail's namespace again.
+fn attach(ns: std::fs::File, trees: Vec<(Expose, OwnedFd, bool)>) -> Result<(), ServiceError> {
+    let sys = |ret: libc::c_long, what: &str| {
+        if ret < 0 {
+            Err(internal(what, std::io::Error::last_os_error()))
+        } else {
+            Ok(())
+        }
+    };
+    // SAFETY: unshare and setns take flags and a descriptor we own.
+    sys(
+        unsafe { libc::unshare(libc::CLONE_FS) } as _,
+        "unshare CLONE_FS",
+    )?;
+    // SAFETY: as above.
+    sys(
+        unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNS) } as _,
+        "enter the jail's mount namespace",
+    )?;
+    let root = c"/";
+    let remount = |flags: libc::c_ulong| {
+        // SAFETY: NUL-terminated literal; null source, type and data.
+        let ret = unsafe {
+            libc::mount(
+                std::ptr::null(),
+                root.as_ptr(),
+                std::ptr::null(),
+                libc::MS_REMOUNT | libc::MS_NOSUID | libc::MS_NOEXEC | flags,
+                std::ptr::null(),
+            )
+        };
+        sys(ret as _, "remount the jail's root")
+    };
+    // The jail's root tmpfs is read-only; mount points are made in it.
+    remount(0)?;
+    let result = (|| {
+        for (e, fd, is_dir) in &trees {
+            if *is_dir {
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o755)
+                    .create(&e.path)
+                    .map_err(|err| {
+                        internal(&format!("mkdir {} in the jail", e.path.display()), err)
+                    })?;
+            } else if !e.path.exists() {
+                if let Some(p) = e.path.parent() {
+                    let _ = std::fs::DirBuilder::new()
+                        .recursive(true)
+                        .mode(0o755)
+                        .create(p);
+                }
+                std::fs::File::create(&e.path).map_err(|err| {
+                    internal(&format!("create {} in the jail", e.path.display()), err)
+                })?;
+            }
+            let target = cstring(&e.path)?;
+            // SAFETY: a detached tree's descriptor we own, an empty path
+            // and a NUL-terminated target, alive for the call.
+            let ret = unsafe {
+                libc::syscall(
+                    libc::SYS_move_mount,
+                    fd.as_raw_fd(),
+                    c"".as_ptr(),
+                    libc::AT_FDCWD,
+                    target.as_ptr(),
+                    MOVE_MOUNT_F_EMPTY_PATH,
+                )
+            };
+            sys(ret, &format!("mount {} into the jail", e.path.display()))?;
+            let mut flags = libc::MS_BIND
+                | libc::MS_REMOUNT
+                | libc::MS_NOSUID
+                | libc::MS_NODEV
+                | libc::MS_NOEXEC;
+            if e.read_only {
+                flags |= libc::MS_RDONLY;
+            }
+            // SAFETY: a NUL-terminated target; null source, type and data.
+            let ret = unsafe {
+                libc::mount(
+                    std::ptr::null(),
+                    target.as_ptr(),
+                    std::ptr::null(),
+                    flags,
+                    std::ptr::null(),
+                )
+            };
+            sys(
+                ret as _,
+                &format!("restrict {} in the jail", e.path.display()),
+            )?;
+        }
+        Ok(())
+    })();
+    remount(libc::MS_RDONLY)?;
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uids_are_taken_once_and_freed_with_their_vmm() {
+        let dir = std::env::temp_dir().join(format!("torpor-jails-{}", std::process::id()));
+        let jails = Jails::new(
+            &dir,
+            JailConfig {
+                uid_base: 300_000,
+                uids: 2,
+            },
+        )
+        .unwrap();
+        let a = jails.reserve().unwrap();
+        let b = jails.reserve().unwrap();
+        assert_ne!(a, b);
+        assert!(jails.reserve().is_err(), "only two uids");
+        jails.release(a);
+        let c = jails.reserve().unwrap();
+        assert_eq!(c, a);
+        // A slot whose VMM is gone is free; a live one is not.
+        jails.assign(c, u32::MAX - 1);
+        jails.assign(b, std::process::id());
+        assert_eq!(jails.reserve().unwrap(), c);
+        assert!(jails.reserve().is_err());
+        // SAFETY: getuid cannot fail.
+        assert_eq!(
+            process_uid(std::process::id()),
+            Some(unsafe { libc::getuid() })
+        );
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+/// For `uffd-shared`: the shmem copy of the snapshot's base memory file,
+/// made by the pod (root-owned, read-only to VMMs) before a jailed VMM
+/// maps it.
+pub fn ensure_shared_copy(restore: &RestoreSpec) -> Result<(), ServiceError> {
+    if restore.backend != MemoryBackend::UffdShared {
+        return Ok(());
+    }
+    let base = Lineage::read(&restore.snapshot)
+        .ok()
+        .and_then(|l| l.layers.first().cloned())
+        .unwrap_or_else(|| restore.snapshot.clone());
+    // The VMM reports a snapshot without memory as such.
+    let memory = base.join("memory");
+    if !memory.exists() {
+        return Ok(());
+    }
+    torpor_vmm_api::shmem::ensure(&memory)
+        .map(drop)
+        .map_err(|e| internal(&format!("make the shmem copy of {}", memory.display()), e))
+}
+
+/// Starts a VMM of `spec` (a guest of `mem_mib` and `vcpus`), in its own
+/// jail when the pod jails (`extra`: paths beyond those the spec names).
+pub fn spawn(
+    jails: Option<&Jails>,
+    exe: &Path,
+    mut spec: LaunchSpec,
+    log: &Path,
+    (mem_mib, vcpus): (u64, u64),
+    extra: &[Expose],
+) -> Result<(vmm::Spawned, Option<u32>), ServiceError> {
+    let Some(jails) = jails else {
+        return vmm::spawn(exe, &spec, log).map(|s| (s, None));
+    };
+    if let torpor_vmm_api::LaunchMode::Restore { restore, .. } = &spec.mode {
+        ensure_shared_copy(restore)?;
+    }
+    let slot = jails.reserve()?;
+    let jail = jails.spec_for(slot, &spec, mem_mib, vcpus, extra);
+    let started = jails.prepare(slot.uid, &jail.exposes).and_then(|()| {
+        spec.jail = Some(jail);
+        vmm::spawn(exe, &spec, log)
+    });
+    match started {
+        Ok(s) => {
+            jails.assign(slot, s.handle.pid);
+            Ok((s, Some(slot.uid)))
+        }
+        Err(e) => {
+            jails.release(slot);
+            Err(e)
+        }
+    }
+}
