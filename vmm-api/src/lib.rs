@@ -23,6 +23,6 @@ pub mod lineage;
 pub use error::{ErrorKind, VmError};
 pub use launch::{
     Console, DirtyTracking, DiskSpec, KernelSource, LaunchMode, LaunchReply, LaunchSpec,
-    MemoryBackend, RestoreSpec,
+    MemoryBackend, RestoreSpec, SeccompLevel,
 };
 pub use lineage::Lineage;

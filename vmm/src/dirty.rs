@@ -36,13 +36,13 @@ pub(crate) const UFFD_FEATURE_WP_HUGETLBFS_SHMEM: u64 = 1 << 12;
 pub(crate) const UFFD_FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
 pub(crate) const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
 const UFFDIO_API: u64 = 0xc018_aa3f;
-const UFFDIO_WRITEPROTECT: u64 = 0xc018_aa06;
+pub(crate) const UFFDIO_WRITEPROTECT: u64 = 0xc018_aa06;
 const UFFDIO_WRITEPROTECT_MODE_WP: u64 = 1 << 0;
 /// `UFFDIO_REGISTER_MODE_WP` (the crate gates it behind a feature).
 pub(crate) const REGISTER_MODE_WP: u64 = 1 << 1;
 const UFFD_API: u64 = 0xaa;
 /// `_IOWR('f', 16, struct pm_scan_arg)`.
-const PAGEMAP_SCAN: u64 = 0xc060_6610;
+pub(crate) const PAGEMAP_SCAN: u64 = 0xc060_6610;
 const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
 const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
 const PAGE_IS_WRITTEN: u64 = 1 << 1;

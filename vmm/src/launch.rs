@@ -40,6 +40,8 @@ pub fn run(
     on_ready: impl FnOnce() + Send + 'static,
 ) -> Result<RunReport, RunError> {
     *READY.lock().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(on_ready));
+    // Compiled now, installed by each thread as it starts (crate::seccomp).
+    crate::seccomp::init(spec.seccomp)?;
     let socket = spec.control_socket.clone();
     match &spec.mode {
         LaunchMode::Boot {

@@ -183,6 +183,7 @@ impl Service {
             },
             console: Console::file(&files.console),
             dirty_tracking: self.config.dirty_tracking,
+            seccomp: torpor_vmm_api::SeccompLevel::Enforce,
         };
         let vmm::Spawned {
             mut child, handle, ..

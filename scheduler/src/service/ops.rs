@@ -252,6 +252,7 @@ impl Service {
                     },
                     console: Console::file(&files.console),
                     dirty_tracking: self.config.dirty_tracking,
+                    seccomp: torpor_vmm_api::SeccompLevel::Enforce,
                 };
                 let up = vmm::spawn(&self.config.vmm_exe, &spec, &files.log)?;
                 (up.child, up.handle, RestorePath::Cold, up.spawn_us)

@@ -476,7 +476,7 @@ impl Service {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&s.id);
         let reason = match exited {
-            Some(status) => format!("its VMM exited unexpectedly ({status})"),
+            Some(status) => vmm::exit_reason(status),
             None => "its VMM process disappeared".into(),
         };
         tracing::warn!(sandbox = %s.id, "{reason}");

@@ -237,6 +237,7 @@ impl StandbyPool {
             },
             console: Default::default(),
             dirty_tracking: self.dirty_tracking,
+            seccomp: torpor_vmm_api::SeccompLevel::Enforce,
         };
         let spawned = vmm::spawn(&self.exe, &spec, &log)?;
         Ok(Shell {

@@ -153,6 +153,7 @@ impl Service {
             },
             console: Console::file(&files.console),
             dirty_tracking: self.config.dirty_tracking,
+            seccomp: torpor_vmm_api::SeccompLevel::Enforce,
         };
         let vmm::Spawned { child, handle, .. } =
             vmm::spawn(&self.config.vmm_exe, &spec, &files.log)?;
@@ -194,6 +195,7 @@ impl Service {
             },
             console: Console::Discard,
             dirty_tracking: self.config.dirty_tracking,
+            seccomp: torpor_vmm_api::SeccompLevel::Enforce,
         };
         let recorded = snapshot.join(WORKING_SET_FILE);
         match vmm::spawn(&self.config.vmm_exe, &spec, &files.log) {
