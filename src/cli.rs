@@ -202,6 +202,27 @@ pub enum DirtyTrackingArg {
     Both,
 }
 
+/// The VMM's per-thread seccomp filters (docs/security.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SeccompArg {
+    /// A system call outside its thread's allow-list kills the VMM.
+    Enforce,
+    /// Such calls are allowed and logged by the kernel (dmesg): debugging.
+    Log,
+    /// No filters: debugging only.
+    Off,
+}
+
+impl SeccompArg {
+    pub fn level(self) -> torpor_vmm_api::SeccompLevel {
+        match self {
+            SeccompArg::Enforce => torpor_vmm_api::SeccompLevel::Enforce,
+            SeccompArg::Log => torpor_vmm_api::SeccompLevel::Log,
+            SeccompArg::Off => torpor_vmm_api::SeccompLevel::Off,
+        }
+    }
+}
+
 impl DirtyTrackingArg {
     pub fn tracking(self) -> torpor_vmm_api::DirtyTracking {
         match self {
@@ -281,6 +302,11 @@ pub struct VmmRunArgs {
     /// --restore and --standby).
     #[arg(long, value_enum, default_value_t = DirtyTrackingArg::Kvm)]
     pub dirty_tracking: DirtyTrackingArg,
+    /// Per-thread seccomp filters: `enforce` (the default), or `log` /
+    /// `off` for debugging (both print a warning: the VMM is then not
+    /// confined).
+    #[arg(long, value_enum, default_value_t = SeccompArg::Enforce)]
+    pub seccomp: SeccompArg,
     /// At exit, print boot phase timings and the exit reason as one JSON
     /// line on stderr.
     #[arg(long)]

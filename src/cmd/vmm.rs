@@ -76,6 +76,13 @@ fn run_vm(args: VmmRunArgs) -> i32 {
             return code;
         }
     };
+    if spec.seccomp != torpor_vmm_api::SeccompLevel::Enforce {
+        eprintln!(
+            "torpor: warning: --seccomp {}: this VMM's threads are not confined by seccomp; \
+             a guest that escapes into it can make any system call",
+            spec.seccomp.name()
+        );
+    }
     let builtins = [("probe", torpor_probe::PROBE_ELF)];
     match torpor_vmm::launch::run(&spec, &builtins, |_| {}) {
         Ok(report) => {
@@ -127,6 +134,7 @@ fn launch_spec(args: &VmmRunArgs) -> Result<LaunchSpec, Failure> {
         console: console(args),
         dirty_tracking: args.dirty_tracking.tracking(),
         jail: None,
+        seccomp: args.seccomp.level(),
     };
     if args.no_jail {
         eprintln!(

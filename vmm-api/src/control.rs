@@ -57,6 +57,11 @@ pub enum Request {
         #[serde(default)]
         paused: bool,
     },
+    /// Test hook, in debug builds only (release builds have no such
+    /// request): the control thread makes a system call its seccomp
+    /// filter forbids, so tests can watch the VMM die of SIGSYS.
+    #[cfg(debug_assertions)]
+    DebugForbiddenSyscall,
 }
 
 /// Timings of a restore into a standby VMM.

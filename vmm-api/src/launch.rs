@@ -46,6 +46,47 @@ pub struct LaunchSpec {
     /// must resolve inside it: see [`crate::jail`].
     #[serde(default)]
     pub jail: Option<JailSpec>,
+    /// The per-thread seccomp filters (docs/security.md): enforced unless
+    /// a person debugging asks otherwise.
+    #[serde(default)]
+    pub seccomp: SeccompLevel,
+}
+
+/// What the VMM's per-thread seccomp filters do with a system call outside
+/// a thread's allow-list.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SeccompLevel {
+    /// Kill the whole VMM process (SIGSYS). What the service runs.
+    #[default]
+    Enforce,
+    /// Allow the call and have the kernel log it (audit type 1326, in
+    /// `dmesg`): for finding what a filter misses. Not a protection.
+    Log,
+    /// No filters at all: debugging only.
+    Off,
+}
+
+impl SeccompLevel {
+    pub const ALL: [SeccompLevel; 3] = [Self::Enforce, Self::Log, Self::Off];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SeccompLevel::Enforce => "enforce",
+            SeccompLevel::Log => "log",
+            SeccompLevel::Off => "off",
+        }
+    }
+}
+
+impl FromStr for SeccompLevel {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|l| l.name() == s)
+            .ok_or_else(|| format!("unknown seccomp level `{s}` (enforce, log, off)"))
+    }
 }
 
 /// Boot a kernel, restore a snapshot, or wait as a standby shell.
@@ -470,6 +511,7 @@ mod tests {
             console: Console::file("/run/s/console.log"),
             dirty_tracking: DirtyTracking::Kvm,
             jail: None,
+            seccomp: SeccompLevel::Enforce,
         }
     }
 
@@ -570,5 +612,21 @@ mod tests {
             KernelSource::Builtin("probe".into())
         );
         assert_eq!(DirtyTracking::parse("uffd-wp"), Some(DirtyTracking::UffdWp));
+        assert_eq!("off".parse::<SeccompLevel>(), Ok(SeccompLevel::Off));
+        assert!("none".parse::<SeccompLevel>().is_err());
+    }
+
+    #[test]
+    fn seccomp_is_enforced_unless_a_spec_says_otherwise() {
+        let plain = r#"{"control_socket":"/c","mode":{"kind":"standby","mem_mib":1,"vcpus":1}}"#;
+        let spec = LaunchSpec::read_from(plain.as_bytes()).unwrap();
+        assert_eq!(spec.seccomp, SeccompLevel::Enforce);
+        let off = r#"{"control_socket":"/c","mode":{"kind":"standby","mem_mib":1,"vcpus":1},"seccomp":"off"}"#;
+        assert_eq!(
+            LaunchSpec::read_from(off.as_bytes()).unwrap().seccomp,
+            SeccompLevel::Off
+        );
+        let bogus = r#"{"control_socket":"/c","mode":{"kind":"standby","mem_mib":1,"vcpus":1},"seccomp":"lax"}"#;
+        assert!(LaunchSpec::read_from(bogus.as_bytes()).is_err());
     }
 }

@@ -30,6 +30,6 @@ pub use error::{ErrorKind, VmError};
 pub use jail::JailSpec;
 pub use launch::{
     Console, DirtyTracking, DiskSpec, KernelSource, LaunchMode, LaunchReply, LaunchSpec,
-    MemoryBackend, RestoreSpec,
+    MemoryBackend, RestoreSpec, SeccompLevel,
 };
 pub use lineage::Lineage;

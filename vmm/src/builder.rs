@@ -321,7 +321,10 @@ pub fn serial_output_deferred(serial: &SerialOutput) -> Result<Box<dyn Write + S
     let open_path = path.clone();
     let pending = std::thread::Builder::new()
         .name("console-open".into())
-        .spawn(move || File::create(open_path))
+        .spawn(move || {
+            crate::seccomp::enter(crate::seccomp::ThreadKind::ConsoleOpen);
+            File::create(open_path)
+        })
         .map_err(|source| BuildError::SerialOutput {
             path: path.clone(),
             source,

@@ -48,6 +48,8 @@ pub fn run(
         None => std::process::id(),
     };
     *READY.lock().unwrap_or_else(|e| e.into_inner()) = Some((Box::new(on_ready), pid));
+    // Compiled now, installed by each thread as it starts (crate::seccomp).
+    crate::seccomp::init(spec.seccomp)?;
     let socket = spec.control_socket.clone();
     match &spec.mode {
         LaunchMode::Boot {

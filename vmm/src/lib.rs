@@ -21,6 +21,7 @@ pub mod microvm;
 pub mod mptable;
 pub mod persist;
 pub mod restore;
+pub mod seccomp;
 pub mod snapshot;
 pub mod standby;
 pub mod uffd;

@@ -43,6 +43,8 @@ pub enum RunError {
     Launch(torpor_vmm_api::VmError),
     #[error(transparent)]
     Jail(#[from] crate::jail::JailError),
+    #[error(transparent)]
+    Seccomp(#[from] crate::seccomp::SeccompError),
 }
 
 impl RunError {
@@ -483,17 +485,25 @@ pub fn run_built(
         dirty_tracking: built.dirty_tracking,
         wp_tracker: built.wp_tracker,
     });
-    if let Some(p) = pending {
-        answer_restore(p, &first_run, start_paused, &controller, &timings);
-    }
     // Before the control server answers: a status answer means it is done.
     release_freed_heap();
     let server = match listener {
-        Some((l, path)) => {
-            Some(ControlServer::start(l, path, controller).map_err(RunError::ControlThread)?)
-        }
+        Some((l, path)) => Some(
+            ControlServer::start(l, path, controller.clone()).map_err(RunError::ControlThread)?,
+        ),
         None => None,
     };
+    // Every long-lived thread runs (each under its own filter): confine
+    // this one, then let the guest run.
+    if let Err(e) = crate::seccomp::install(crate::seccomp::ThreadKind::Main) {
+        vcpus.stop(std::time::Duration::from_millis(500));
+        return Err(e.into());
+    }
+    vcpus.release();
+    if let Some(p) = pending {
+        answer_restore(p, &first_run, start_paused, &controller, &timings);
+    }
+    drop(controller);
     crate::launch::serving();
     tracing::info!(?timings, "microVM started");
     let reason = exit.wait();

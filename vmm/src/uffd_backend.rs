@@ -176,6 +176,7 @@ fn spawn_recorder(server: Weak<PageServer>, dir: PathBuf, after: Duration) {
     let spawned = std::thread::Builder::new()
         .name("working-set".into())
         .spawn(move || {
+            crate::seccomp::enter(crate::seccomp::ThreadKind::WorkingSet);
             std::thread::sleep(after + Duration::from_millis(5));
             let Some(server) = server.upgrade() else {
                 return;

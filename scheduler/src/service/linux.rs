@@ -184,6 +184,7 @@ impl Service {
             console: Console::file(&files.console),
             dirty_tracking: self.config.dirty_tracking,
             jail: None,
+            seccomp: torpor_vmm_api::SeccompLevel::Enforce,
         };
         let (
             vmm::Spawned {

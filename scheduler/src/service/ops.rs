@@ -259,6 +259,7 @@ impl Service {
                     console: Console::file(&files.console),
                     dirty_tracking: self.config.dirty_tracking,
                     jail: None,
+                    seccomp: torpor_vmm_api::SeccompLevel::Enforce,
                 };
                 let (up, _) = super::jail::spawn(
                     self.jails.as_deref(),

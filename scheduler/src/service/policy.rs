@@ -481,7 +481,7 @@ impl Service {
                  (guest memory + {} MiB of VMM overhead)",
                 torpor_vmm_api::jail::VMM_OVERHEAD_MIB
             ),
-            Some(status) => format!("its VMM exited unexpectedly ({status})"),
+            Some(status) => vmm::exit_reason(status),
             None => "its VMM process disappeared".into(),
         };
         tracing::warn!(sandbox = %s.id, "{reason}");

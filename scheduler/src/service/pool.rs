@@ -255,6 +255,7 @@ impl StandbyPool {
             console: Default::default(),
             dirty_tracking: self.dirty_tracking,
             jail: None,
+            seccomp: torpor_vmm_api::SeccompLevel::Enforce,
         };
         let extra = match &self.jail {
             Some((_, MemoryBackend::UffdShared)) => {

@@ -154,6 +154,7 @@ impl Service {
             console: Console::file(&files.console),
             dirty_tracking: self.config.dirty_tracking,
             jail: None,
+            seccomp: torpor_vmm_api::SeccompLevel::Enforce,
         };
         let (vmm::Spawned { child, handle, .. }, _) = super::jail::spawn(
             self.jails.as_deref(),
@@ -202,6 +203,7 @@ impl Service {
             console: Console::Discard,
             dirty_tracking: self.config.dirty_tracking,
             jail: None,
+            seccomp: torpor_vmm_api::SeccompLevel::Enforce,
         };
         let recorded = snapshot.join(WORKING_SET_FILE);
         let spawned = super::jail::spawn(

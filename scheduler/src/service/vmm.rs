@@ -232,6 +232,18 @@ pub fn status(handle: &VmmHandle) -> Option<VmStatus> {
     .ok()
 }
 
+/// Why a VMM that nobody stopped ended, for its sandbox's error.
+pub fn exit_reason(status: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    if status.signal() == Some(libc::SIGSYS) {
+        return format!(
+            "its VMM was killed by its seccomp filter: a system call outside its \
+             allow-list (seccomp violation, SIGSYS; {status})"
+        );
+    }
+    format!("its VMM exited unexpectedly ({status})")
+}
+
 /// Whether a process with this pid exists.
 pub fn alive(pid: u32) -> bool {
     // SAFETY: kill with signal 0 only checks for the process.
@@ -321,6 +333,15 @@ fn parse_stat_faults(stat: &str) -> Option<PageFaults> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_seccomp_kill_is_named() {
+        use std::os::unix::process::ExitStatusExt;
+        let sigsys = exit_reason(std::process::ExitStatus::from_raw(libc::SIGSYS));
+        assert!(sigsys.contains("seccomp violation"), "{sigsys}");
+        let other = exit_reason(std::process::ExitStatus::from_raw(3 << 8));
+        assert!(!other.contains("seccomp"), "{other}");
+    }
 
     #[test]
     fn stat_faults_are_counted_after_the_command_name() {

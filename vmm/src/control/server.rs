@@ -75,6 +75,7 @@ impl ControlServer {
         let thread = std::thread::Builder::new()
             .name("control".into())
             .spawn(move || {
+                crate::seccomp::enter(crate::seccomp::ThreadKind::Control);
                 for stream in listener.incoming() {
                     match stream {
                         Ok(s) => {
@@ -151,6 +152,16 @@ fn answer(line: &str, vm: &dyn VmController) -> Response {
             VmErrorKind::WrongState,
             "this VMM already runs a VM; restore goes to a standby VMM",
         )),
+        // Under an enforced filter this does not return.
+        #[cfg(debug_assertions)]
+        Ok(Request::DebugForbiddenSyscall) => match crate::seccomp::forbidden_syscall() {
+            Ok(()) => Err(VmError::internal(
+                "the forbidden system call succeeded: this VMM's seccomp filters are off",
+            )),
+            Err(e) => Err(VmError::internal(format!(
+                "the forbidden system call failed ({e}) instead of killing the VMM"
+            ))),
+        },
     };
     match result {
         Ok((status, snapshot)) => Response {

@@ -189,7 +189,10 @@ impl PageServer {
         (worker.next_prefetch, worker.prefetch_skipped) = (0, 0);
         let thread = std::thread::Builder::new()
             .name("uffd-pages".into())
-            .spawn(move || supervise(worker, thread_stop, on_failure))
+            .spawn(move || {
+                crate::seccomp::enter(crate::seccomp::ThreadKind::UffdPages);
+                supervise(worker, thread_stop, on_failure)
+            })
             .map_err(UffdError::Spawn)?;
         tracing::debug!(
             mode = mode.name(),

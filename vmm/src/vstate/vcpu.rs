@@ -91,6 +91,9 @@ impl Vcpu {
 /// What the VMM wants the vCPUs to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Target {
+    /// Started, not yet let into the guest: the VMM confines its main
+    /// thread first (see [`VcpuSet::release`]).
+    Hold,
     Run,
     Pause,
     Exit,
@@ -121,7 +124,7 @@ impl RunGate {
     fn new(paused: bool) -> Self {
         Self {
             state: Mutex::new(GateState {
-                target: if paused { Target::Pause } else { Target::Run },
+                target: if paused { Target::Pause } else { Target::Hold },
                 parked: 0,
                 finished: 0,
                 task: None,
@@ -148,6 +151,9 @@ impl RunGate {
     /// must exit.
     fn proceed(&self, vcpu: &mut Vcpu) -> bool {
         let mut s = self.lock();
+        while s.target == Target::Hold {
+            s = self.wait(s);
+        }
         if s.target == Target::Pause {
             drop(s);
             complete_pending_io(vcpu);
@@ -195,6 +201,9 @@ impl SpareThreads {
             let handle = std::thread::Builder::new()
                 .name(format!("vcpu{index}"))
                 .spawn(move || {
+                    // Confined before it waits, so a restore does not pay
+                    // for it; the job (run_vcpu) finds it done.
+                    crate::seccomp::enter(crate::seccomp::ThreadKind::Vcpu);
                     if let Ok(job) = rx.recv() {
                         job();
                     }
@@ -230,9 +239,10 @@ pub struct VcpuSet {
 }
 
 impl VcpuSet {
-    /// Starts one thread per vCPU, each running until the VM exits.
-    /// `first_run` records when the first vCPU first entered KVM_RUN;
-    /// with `paused` the threads park until `resume`. Threads in `spares`
+    /// Starts one thread per vCPU, each running until the VM exits, once
+    /// [`VcpuSet::release`]d. `first_run` records when the first vCPU
+    /// first entered KVM_RUN; with `paused` the threads park until
+    /// `resume`. Threads in `spares`
     /// are used before new ones are made.
     pub fn start(
         vcpus: Vec<Vcpu>,
@@ -277,13 +287,24 @@ impl VcpuSet {
         }
     }
 
+    /// Lets vCPUs started by [`VcpuSet::start`] (not paused) into the
+    /// guest; a pause or stop requested meanwhile stands.
+    pub fn release(&self) {
+        let mut s = self.gate.lock();
+        if s.target == Target::Hold {
+            s.target = Target::Run;
+            self.gate.changed.notify_all();
+        }
+    }
+
     /// Stops every vCPU outside KVM_RUN; returns once all are parked.
     pub fn pause(&self) {
         let mut s = self.gate.lock();
-        if s.target != Target::Run {
+        if s.target != Target::Run && s.target != Target::Hold {
             return;
         }
         s.target = Target::Pause;
+        self.gate.changed.notify_all();
         drop(s);
         self.kick_all();
         let mut s = self.gate.lock();
@@ -372,6 +393,8 @@ fn run_vcpu(
     exit: &ExitSignal,
     first_run: &OnceLock<Instant>,
 ) {
+    // Before anything the guest controls: its first KVM_RUN.
+    crate::seccomp::enter(crate::seccomp::ThreadKind::Vcpu);
     let run_flag: *mut u8 = &mut vcpu.fd.get_kvm_run().immediate_exit;
     IMMEDIATE_EXIT.with(|f| f.set(run_flag));
     while gate.proceed(&mut vcpu) {

@@ -102,6 +102,7 @@ impl VsockWorker {
         let thread = std::thread::Builder::new()
             .name("vsock".into())
             .spawn(move || {
+                crate::seccomp::enter(crate::seccomp::ThreadKind::Vsock);
                 let gate = finished.0.clone();
                 while gate.park_if_paused() {
                     match poll_once(&transport, &epoll, None) {

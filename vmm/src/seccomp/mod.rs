@@ -1,0 +1,223 @@
+//! Per-thread seccomp filters (docs/security.md).
+//!
+//! Every thread of a VMM runs under an allow-list made for what it does:
+//! the main thread once the VM runs ([`ThreadKind::Main`]), the control
+//! server, each vCPU, each device worker, the userfaultfd page server and
+//! the short-lived helpers. A call outside the list kills the whole VMM
+//! with SIGSYS (`SECCOMP_RET_KILL_PROCESS`): a guest that takes over one
+//! thread cannot make the host do anything that thread was not already
+//! doing.
+//!
+//! Filters are per thread (no TSYNC), so each thread installs its own with
+//! [`enter`] at its start, before it touches anything the guest controls;
+//! the main thread installs its own last, after it has spawned every other
+//! long-lived thread (a thread inherits the filters of the thread that
+//! spawns it, and the intersection would leave it less than it needs),
+//! and before the vCPUs first enter the guest. [`init`] compiles all of
+//! them once, at launch, so installing one is a single `seccomp(2)` call.
+
+mod control;
+mod ioctls;
+mod rules;
+mod vcpu;
+mod workers;
+
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+
+use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
+use torpor_vmm_api::SeccompLevel;
+
+pub(crate) use rules::Rules;
+
+/// The kinds of thread a VMM runs, each with its own allow-list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ThreadKind {
+    /// The main thread once the VM runs: waits for the end, stops the
+    /// vCPUs, cleans up.
+    Main,
+    /// The control-socket server: status, pause/resume, snapshots.
+    Control,
+    /// A vCPU: KVM_RUN, port and MMIO exits, virtio-blk I/O (done on the
+    /// vCPU that notified the queue), console output.
+    Vcpu,
+    /// The virtio-vsock worker: the guest's packets and the host's unix
+    /// sockets.
+    Vsock,
+    /// The virtio-net worker (reserved: the net device adds its tap calls
+    /// to this list when it lands).
+    Net,
+    /// The userfaultfd page server of the uffd memory backends.
+    UffdPages,
+    /// Saves a restore's working set after its recording window.
+    WorkingSet,
+    /// Opens (truncates) a restore's console file off the restore path.
+    ConsoleOpen,
+}
+
+impl ThreadKind {
+    pub const ALL: [ThreadKind; 8] = [
+        Self::Main,
+        Self::Control,
+        Self::Vcpu,
+        Self::Vsock,
+        Self::Net,
+        Self::UffdPages,
+        Self::WorkingSet,
+        Self::ConsoleOpen,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ThreadKind::Main => "main",
+            ThreadKind::Control => "control",
+            ThreadKind::Vcpu => "vcpu",
+            ThreadKind::Vsock => "vsock",
+            ThreadKind::Net => "net",
+            ThreadKind::UffdPages => "uffd-pages",
+            ThreadKind::WorkingSet => "working-set",
+            ThreadKind::ConsoleOpen => "console-open",
+        }
+    }
+
+    /// This kind's allow-list: syscall number to the argument rules that
+    /// allow it (an empty list allows it whatever its arguments).
+    pub fn rules(self) -> Result<Rules, SeccompError> {
+        match self {
+            ThreadKind::Main => control::main_rules(),
+            ThreadKind::Control => control::control_rules(),
+            ThreadKind::Vcpu => vcpu::rules(),
+            ThreadKind::Vsock => workers::vsock_rules(),
+            ThreadKind::Net => workers::net_rules(),
+            ThreadKind::UffdPages => workers::uffd_rules(),
+            ThreadKind::WorkingSet => workers::working_set_rules(),
+            ThreadKind::ConsoleOpen => workers::console_open_rules(),
+        }
+    }
+}
+
+/// Errors building or installing a filter.
+#[derive(Debug, thiserror::Error)]
+pub enum SeccompError {
+    #[error("seccomp rule for syscall {syscall} is malformed: {source}")]
+    Rule {
+        syscall: i64,
+        source: seccompiler::BackendError,
+    },
+    #[error("cannot compile the {kind} seccomp filter: {source}")]
+    Compile {
+        kind: &'static str,
+        source: seccompiler::BackendError,
+    },
+    #[error("cannot install the {kind} seccomp filter: {source}")]
+    Install {
+        kind: &'static str,
+        source: seccompiler::Error,
+    },
+    #[error("seccomp filters were already set up for this process")]
+    AlreadyInitialized,
+}
+
+/// The compiled filters of one process.
+struct Filters {
+    programs: BTreeMap<ThreadKind, BpfProgram>,
+}
+
+static FILTERS: OnceLock<Filters> = OnceLock::new();
+
+thread_local! {
+    /// The kind whose filter this thread runs under, once installed.
+    static INSTALLED: Cell<Option<ThreadKind>> = const { Cell::new(None) };
+}
+
+/// Compiles `kind`'s filter: calls outside its list get `on_mismatch`.
+pub fn compile(kind: ThreadKind, on_mismatch: SeccompAction) -> Result<BpfProgram, SeccompError> {
+    let arch =
+        TargetArch::try_from(std::env::consts::ARCH).map_err(|source| SeccompError::Compile {
+            kind: kind.name(),
+            source,
+        })?;
+    let compile_err = |source| SeccompError::Compile {
+        kind: kind.name(),
+        source,
+    };
+    let filter = SeccompFilter::new(
+        kind.rules()?.into_map(),
+        on_mismatch,
+        SeccompAction::Allow,
+        arch,
+    )
+    .map_err(compile_err)?;
+    BpfProgram::try_from(filter).map_err(compile_err)
+}
+
+/// Sets this process's filters up for `level`; with [`SeccompLevel::Off`]
+/// every later [`enter`] does nothing. Call once, before any VMM thread
+/// starts.
+pub fn init(level: SeccompLevel) -> Result<(), SeccompError> {
+    let on_mismatch = match level {
+        SeccompLevel::Off => return Ok(()),
+        SeccompLevel::Enforce => SeccompAction::KillProcess,
+        SeccompLevel::Log => SeccompAction::Log,
+    };
+    let mut programs = BTreeMap::new();
+    for kind in ThreadKind::ALL {
+        programs.insert(kind, compile(kind, on_mismatch.clone())?);
+    }
+    FILTERS
+        .set(Filters { programs })
+        .map_err(|_| SeccompError::AlreadyInitialized)
+}
+
+/// Whether [`init`] set filters up (a level other than `off`).
+pub fn active() -> bool {
+    FILTERS.get().is_some()
+}
+
+/// Installs `kind`'s filter on the calling thread, once: a thread that
+/// already runs under it (a spare vCPU thread given its job) is left as
+/// it is. Does nothing when filters are off.
+pub fn install(kind: ThreadKind) -> Result<(), SeccompError> {
+    let Some(filters) = FILTERS.get() else {
+        return Ok(());
+    };
+    if INSTALLED.with(|k| k.get()) == Some(kind) {
+        return Ok(());
+    }
+    let program = &filters.programs[&kind];
+    seccompiler::apply_filter(program).map_err(|source| SeccompError::Install {
+        kind: kind.name(),
+        source,
+    })?;
+    INSTALLED.with(|k| k.set(Some(kind)));
+    Ok(())
+}
+
+/// [`install`] for a thread with no error path: a thread that cannot be
+/// confined must not run (fail closed), so the process ends.
+pub fn enter(kind: ThreadKind) {
+    if let Err(e) = install(kind) {
+        eprintln!("torpor-vmm: {e}; stopping");
+        std::process::abort();
+    }
+}
+
+/// Makes one system call that no thread's filter allows (a TCP socket),
+/// for tests: under an enforced filter the process dies with SIGSYS.
+/// Returns what the call returned when it was let through (filters off).
+#[cfg(debug_assertions)]
+pub fn forbidden_syscall() -> std::io::Result<()> {
+    // SAFETY: socket(2) takes no pointers; the fd it may return is closed
+    // at once.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is the socket just created, owned by nothing else.
+    unsafe { libc::close(fd) };
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

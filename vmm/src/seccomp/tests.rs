@@ -1,0 +1,143 @@
+//! The filters compile, and confine: each case runs in a forked child
+//! that installs one filter and makes one call; the parent checks how the
+//! child ended.
+
+use super::*;
+
+/// Forks; the child installs `kind`'s enforcing filter, runs `call` and
+/// exits 0. Returns the child's wait status.
+fn in_confined_child(kind: ThreadKind, call: impl FnOnce()) -> i32 {
+    let program = compile(kind, SeccompAction::KillProcess).unwrap();
+    // SAFETY: the child only makes raw system calls (no allocation, no
+    // locks another thread may hold) before it _exits.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        if seccompiler::apply_filter(&program).is_err() {
+            // SAFETY: _exit ends the child at once.
+            unsafe { libc::_exit(3) };
+        }
+        call();
+        // SAFETY: as above.
+        unsafe { libc::_exit(0) };
+    }
+    let mut status = 0;
+    // SAFETY: waiting for our own child with a valid status pointer.
+    let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert_eq!(waited, pid);
+    status
+}
+
+fn killed_by_sigsys(status: i32) -> bool {
+    libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSYS
+}
+
+fn exited_cleanly(status: i32) -> bool {
+    libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0
+}
+
+#[test]
+fn every_kind_compiles_for_every_level() {
+    for kind in ThreadKind::ALL {
+        for action in [SeccompAction::KillProcess, SeccompAction::Log] {
+            let program = compile(kind, action).unwrap();
+            assert!(!program.is_empty(), "{kind:?}");
+        }
+    }
+}
+
+#[test]
+fn nobody_may_exec_fork_or_open_network_sockets() {
+    for kind in ThreadKind::ALL {
+        let rules = kind.rules().unwrap();
+        for forbidden in [
+            libc::SYS_execve,
+            libc::SYS_execveat,
+            libc::SYS_fork,
+            libc::SYS_vfork,
+            libc::SYS_clone,
+            libc::SYS_clone3,
+            libc::SYS_ptrace,
+            libc::SYS_bind,
+            libc::SYS_listen,
+        ] {
+            assert!(
+                !rules.allows(forbidden),
+                "{kind:?} allows syscall {forbidden}"
+            );
+        }
+        if rules.allows(libc::SYS_socket) {
+            assert!(rules.is_conditional(libc::SYS_socket), "{kind:?}");
+        }
+        assert!(rules.is_conditional(libc::SYS_mmap), "{kind:?}");
+        assert!(rules.is_conditional(libc::SYS_mprotect), "{kind:?}");
+        if rules.allows(libc::SYS_ioctl) {
+            assert!(rules.is_conditional(libc::SYS_ioctl), "{kind:?}");
+        }
+    }
+}
+
+#[test]
+fn an_allowed_call_runs_and_a_forbidden_one_kills() {
+    let ok = in_confined_child(ThreadKind::Vcpu, || {
+        // SAFETY: getpid has no preconditions.
+        unsafe { libc::getpid() };
+    });
+    assert!(exited_cleanly(ok), "status {ok:#x}");
+    let killed = in_confined_child(ThreadKind::Vcpu, || {
+        // SAFETY: socket(2) takes no pointers.
+        unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0) };
+    });
+    assert!(killed_by_sigsys(killed), "status {killed:#x}");
+}
+
+#[test]
+fn ioctls_are_filtered_by_request() {
+    let run = in_confined_child(ThreadKind::Vcpu, || {
+        // SAFETY: an ioctl on fd -1 fails with EBADF; nothing is touched.
+        unsafe { libc::ioctl(-1, ioctls::kvm_run() as _, 0) };
+    });
+    assert!(exited_cleanly(run), "KVM_RUN: status {run:#x}");
+    let tiocsti = in_confined_child(ThreadKind::Vcpu, || {
+        // SAFETY: as above.
+        unsafe { libc::ioctl(-1, libc::TIOCSTI as _, 0) };
+    });
+    assert!(killed_by_sigsys(tiocsti), "TIOCSTI: status {tiocsti:#x}");
+}
+
+#[test]
+fn memory_may_not_become_executable() {
+    let map = |prot: i32| {
+        move || {
+            // SAFETY: a fresh anonymous mapping, never dereferenced.
+            unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    4096,
+                    prot,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+        }
+    };
+    let rw = in_confined_child(ThreadKind::Control, map(libc::PROT_READ | libc::PROT_WRITE));
+    assert!(exited_cleanly(rw), "status {rw:#x}");
+    let rx = in_confined_child(ThreadKind::Control, map(libc::PROT_READ | libc::PROT_EXEC));
+    assert!(killed_by_sigsys(rx), "status {rx:#x}");
+}
+
+#[test]
+fn vsock_may_open_unix_sockets_only() {
+    let socket = |family: i32| {
+        move || {
+            // SAFETY: socket(2) takes no pointers.
+            unsafe { libc::socket(family, libc::SOCK_STREAM, 0) };
+        }
+    };
+    let unix = in_confined_child(ThreadKind::Vsock, socket(libc::AF_UNIX));
+    assert!(exited_cleanly(unix), "status {unix:#x}");
+    let inet = in_confined_child(ThreadKind::Vsock, socket(libc::AF_INET));
+    assert!(killed_by_sigsys(inet), "status {inet:#x}");
+}

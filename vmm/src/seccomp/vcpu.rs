@@ -1,0 +1,26 @@
+//! The vCPU threads' allow-list.
+//!
+//! A vCPU runs the guest (KVM_RUN) and handles its exits: port and MMIO
+//! accesses to the emulated devices, virtio-blk requests (read and write
+//! the disk image and overlay, which are already open), console output,
+//! and eventfd writes that wake a device worker or raise an interrupt.
+//! Snapshots read its state on its own thread while it is parked.
+
+use super::ioctls;
+use super::rules::{base, Rules};
+use super::SeccompError;
+
+pub fn rules() -> Result<Rules, SeccompError> {
+    let mut r = base()?;
+    r.allow(&[
+        // Block requests: data at an offset, flushes.
+        libc::SYS_pread64,
+        libc::SYS_pwrite64,
+        libc::SYS_fdatasync,
+        libc::SYS_fsync,
+    ]);
+    let mut requests = vec![ioctls::kvm_run()];
+    requests.extend(ioctls::vcpu_save());
+    r.allow_values(libc::SYS_ioctl, 1, &requests)?;
+    Ok(r)
+}
