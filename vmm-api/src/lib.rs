@@ -22,7 +22,7 @@ pub mod lineage;
 
 pub use error::{ErrorKind, VmError};
 pub use launch::{
-    Console, DirtyTracking, DiskSpec, KernelSource, LaunchMode, LaunchReply, LaunchSpec,
-    MemoryBackend, RestoreSpec,
+    Console, DirtyTracking, DiskSpec, KernelSource, LaunchMode, LaunchReply, LaunchSpec, MacAddr,
+    MemoryBackend, NetSpec, RateLimit, RestoreSpec, TokenRate,
 };
 pub use lineage::Lineage;

@@ -51,8 +51,6 @@ pub enum VsockError {
     Epoll(std::io::Error),
     #[error("cannot create an eventfd: {0}")]
     EventFd(std::io::Error),
-    #[error("cannot start the vsock thread: {0}")]
-    Thread(std::io::Error),
 }
 
 /// How to build a vsock device.
