@@ -153,7 +153,7 @@ fn boot_mode(args: &VmmRunArgs) -> Result<LaunchMode, Failure> {
             read_only: args.disk_read_only,
         }),
         vsock_uds: args.vsock_uds.clone(),
-        net: args.net.clone(),
+        net: args.net.clone().map(Box::new),
     })
 }
 

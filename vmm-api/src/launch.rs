@@ -57,9 +57,9 @@ pub enum LaunchMode {
         /// Host side of virtio-vsock (Firecracker's hybrid unix socket).
         #[serde(default)]
         vsock_uds: Option<PathBuf>,
-        /// virtio-net on a tap device.
+        /// virtio-net on a tap device (boxed: keeps the modes' sizes close).
         #[serde(default)]
-        net: Option<NetSpec>,
+        net: Option<Box<NetSpec>>,
     },
     Restore {
         restore: RestoreSpec,
@@ -149,6 +149,11 @@ pub struct NetSpec {
     /// Guest → host (what the guest sends).
     #[serde(default)]
     pub tx: RateLimit,
+    /// The network namespace to open the tap in (a namespace file such as
+    /// `/run/netns/torpor-sbx-3`); default: the VMM's own. Only the tap
+    /// comes from there: the VMM process stays where it is.
+    #[serde(default)]
+    pub netns: Option<PathBuf>,
 }
 
 impl NetSpec {
@@ -158,11 +163,15 @@ impl NetSpec {
             mac: None,
             rx: RateLimit::default(),
             tx: RateLimit::default(),
+            netns: None,
         }
     }
 
     pub fn check(&self) -> Result<(), VmError> {
         check_ifname(&self.tap)?;
+        if let Some(p) = &self.netns {
+            absolute("network namespace", p)?;
+        }
         if let Some(mac) = &self.mac {
             mac.check()?;
         }
@@ -170,23 +179,26 @@ impl NetSpec {
         self.tx.check("tx")
     }
 
-    /// `tap=NAME[,mac=MAC]`, as `torpor vmm --net` takes it.
+    /// `tap=NAME[,mac=MAC][,netns=PATH]`, as `torpor vmm --net` takes it.
     pub fn parse(text: &str) -> Result<Self, VmError> {
         let mut tap = None;
         let mut mac = None;
+        let mut netns = None;
         for part in text.split(',') {
             match part.split_once('=') {
                 Some(("tap", v)) => tap = Some(v.to_string()),
                 Some(("mac", v)) => mac = Some(v.parse::<MacAddr>()?),
+                Some(("netns", v)) => netns = Some(PathBuf::from(v)),
                 _ => {
                     return Err(invalid(format!(
-                        "unknown --net part `{part}` (tap=NAME[,mac=MAC])"
+                        "unknown --net part `{part}` (tap=NAME[,mac=MAC][,netns=PATH])"
                     )))
                 }
             }
         }
         let spec = NetSpec {
             mac,
+            netns,
             ..NetSpec::new(tap.ok_or_else(|| invalid("--net needs tap=NAME"))?)
         };
         spec.check()?;
@@ -672,8 +684,9 @@ mod tests {
 
     #[test]
     fn net_specs_parse_and_are_checked() {
-        let spec = NetSpec::parse("tap=tap0,mac=06:00:AC:10:00:07").unwrap();
+        let spec = NetSpec::parse("tap=tap0,mac=06:00:AC:10:00:07,netns=/run/netns/x").unwrap();
         assert_eq!(spec.tap, "tap0");
+        assert_eq!(spec.netns.as_deref(), Some(Path::new("/run/netns/x")));
         assert_eq!(spec.mac, Some(MacAddr([6, 0, 0xac, 0x10, 0, 7])));
         let json = serde_json::to_string(&spec).unwrap();
         assert!(json.contains(r#""mac":"06:00:ac:10:00:07""#), "{json}");
@@ -688,6 +701,7 @@ mod tests {
             "tap=t,mac=06:00:ac:10:00:07:08",
             "tap=t,mac=g6:00:ac:10:00:07",
             "tap=t,speed=10",
+            "tap=t,netns=relative/ns",
         ] {
             assert!(NetSpec::parse(bad).is_err(), "{bad}");
         }

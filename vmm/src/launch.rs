@@ -68,7 +68,7 @@ pub fn run(
                         read_only: d.read_only,
                     }),
                     vsock_uds: vsock_uds.clone(),
-                    net: net.clone(),
+                    net: net.as_deref().cloned(),
                 },
                 dirty_tracking: spec.dirty_tracking,
             };

@@ -247,6 +247,28 @@ fn ignore_gone(r: Result<String, NetError>) -> Result<(), NetError> {
     }
 }
 
+impl SandboxNet {
+    /// The namespace file the VMM opens the tap in.
+    pub fn netns_path(&self) -> std::path::PathBuf {
+        std::path::Path::new("/run/netns").join(&self.netns)
+    }
+
+    /// What the sandbox's VMM is given (`LaunchSpec` boot or restore net),
+    /// with the sandbox's rate limits.
+    pub fn net_spec(
+        &self,
+        rx: torpor_vmm_api::RateLimit,
+        tx: torpor_vmm_api::RateLimit,
+    ) -> torpor_vmm_api::NetSpec {
+        torpor_vmm_api::NetSpec {
+            rx,
+            tx,
+            netns: Some(self.netns_path()),
+            ..torpor_vmm_api::NetSpec::new(&self.tap)
+        }
+    }
+}
+
 impl NetManager {
     pub fn new(config: NetConfig) -> Result<Self, NetError> {
         if config.veth_prefix.is_empty() || config.veth_prefix.len() > 9 {
@@ -437,6 +459,17 @@ impl NetManager {
     pub fn set_policy(&self, net: &SandboxNet, policy: &EgressPolicy) -> Result<(), NetError> {
         self.delete_rules(Some(&net.sandbox))?;
         self.apply_policy(net, policy)
+    }
+
+    /// Packets the sandbox's egress policy dropped (both chains).
+    pub fn policy_drops(&self, net: &SandboxNet) -> Result<u64, NetError> {
+        let mut dropped = 0;
+        for chain in rules::POLICY_CHAINS {
+            let listing =
+                self.host_nft(&["list", "chain", "ip", &self.config.table, chain], None)?;
+            dropped += rules::dropped_packets(&listing, &net.sandbox);
+        }
+        Ok(dropped)
     }
 
     /// Deletes the rules tagged for `sandbox` (every tagged rule: `None`).

@@ -57,13 +57,13 @@ pub fn host_policy(table: &str, id: &str, veth: &str, policy: &EgressPolicy) -> 
         };
         rule("ct state established,related accept");
         if !policy.deny_out.is_empty() {
-            rule(&format!("ip daddr {} drop", set(&policy.deny_out)));
+            rule(&format!("ip daddr {} counter drop", set(&policy.deny_out)));
         }
         if !policy.allow_out.is_empty() {
             rule(&format!("ip daddr {} accept", set(&policy.allow_out)));
         }
         if !policy.allow_internet {
-            rule("drop");
+            rule("counter drop");
         }
     }
     out
@@ -86,6 +86,20 @@ pub fn sandbox_nat(sandbox_addr: Ipv4Addr, uplink: &str) -> String {
          \t}}\n\
          }}\n"
     )
+}
+
+/// Packets dropped by the policy rules tagged for `id` in the output of
+/// `nft list chain` (their counters).
+pub fn dropped_packets(listing: &str, id: &str) -> u64 {
+    let tag = format!("comment \"{RULE_TAG}{id}\"");
+    listing
+        .lines()
+        .filter(|l| l.contains(&tag) && l.contains(" drop "))
+        .filter_map(|l| {
+            let rest = l.split_once("counter packets ")?.1;
+            rest.split_whitespace().next()?.parse::<u64>().ok()
+        })
+        .sum()
 }
 
 /// Handles of the rules tagged for sandbox `id` (or, with `None`, for any
@@ -120,9 +134,9 @@ mod tests {
         let forward: Vec<&str> = script.lines().filter(|l| l.contains(" forward ")).collect();
         assert_eq!(forward.len(), 4, "{script}");
         assert!(forward[0].contains("ct state established,related accept"));
-        assert!(forward[1].contains("ip daddr { 10.1.2.0/24, 8.8.8.8/32 } drop"));
+        assert!(forward[1].contains("ip daddr { 10.1.2.0/24, 8.8.8.8/32 } counter drop"));
         assert!(forward[2].contains("ip daddr { 10.1.0.0/16 } accept"));
-        assert!(forward[3].ends_with("drop comment \"torpor:sbx-1\""));
+        assert!(forward[3].ends_with("counter drop comment \"torpor:sbx-1\""));
         assert!(script.lines().all(|l| l.contains("iifname \"tpv3\"")));
         assert_eq!(script.lines().filter(|l| l.contains(" input ")).count(), 4);
         // The open default: only the established rule per chain.
@@ -141,6 +155,10 @@ mod tests {
         assert_eq!(tagged_handles(listing, Some("a")), vec![7]);
         assert_eq!(tagged_handles(listing, Some("ab")), vec![9]);
         assert_eq!(tagged_handles(listing, None), vec![7, 9]);
+        let counted = "iifname \"v\" ip daddr { 1.2.3.4 } counter packets 3 bytes 180 drop comment \"torpor:a\"\n\
+            iifname \"v\" counter packets 2 bytes 120 drop comment \"torpor:a\"\n\
+            iifname \"w\" counter packets 9 bytes 1 drop comment \"torpor:b\"\n";
+        assert_eq!(dropped_packets(counted, "a"), 5);
     }
 
     #[test]

@@ -53,6 +53,47 @@ pub enum WorkerError {
     Thread(std::io::Error),
 }
 
+/// `N` queue-notification eventfds, registered in `epoll` under tokens
+/// `0..N` (the queue indexes).
+pub fn queue_eventfds<const N: usize>(epoll: &Epoll) -> Result<[EventFd; N], WorkerError> {
+    let mut evts = Vec::with_capacity(N);
+    for token in 0..N {
+        let evt =
+            EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(WorkerError::EventFd)?;
+        epoll
+            .ctl(
+                ControlOperation::Add,
+                evt.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, token as u64),
+            )
+            .map_err(WorkerError::Epoll)?;
+        evts.push(evt);
+    }
+    match evts.try_into() {
+        Ok(evts) => Ok(evts),
+        Err(_) => unreachable!("exactly N eventfds were made"),
+    }
+}
+
+/// `VirtioDevice::queue_notify` of a threaded device: wakes its thread.
+pub fn kick_queue(evts: &[EventFd], index: usize, thread: &str) {
+    if let Some(evt) = evts.get(index) {
+        if let Err(e) = evt.write(1) {
+            tracing::warn!("cannot wake the {thread} thread: {e}");
+        }
+    }
+}
+
+/// Wakes the thread for every queue (activation, restore: notifications
+/// from before a snapshot are lost).
+pub fn kick_all(evts: &[EventFd]) -> Result<(), crate::devices::virtio::VirtioError> {
+    for evt in evts {
+        evt.write(1)
+            .map_err(crate::devices::virtio::VirtioError::Signal)?;
+    }
+    Ok(())
+}
+
 fn lock<D: EpollDevice>(t: &Mutex<MmioTransport<D>>) -> MutexGuard<'_, MmioTransport<D>> {
     t.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -4,7 +4,6 @@
 //! which passes between guest and tap unchanged: the offloads the guest
 //! negotiates (checksum, TSO, UFO) are the tap's offloads.
 
-use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -60,8 +59,8 @@ pub enum NetError {
     Tap(#[from] TapError),
     #[error("epoll failed: {0}")]
     Epoll(std::io::Error),
-    #[error("cannot create an eventfd: {0}")]
-    EventFd(std::io::Error),
+    #[error(transparent)]
+    Worker(#[from] crate::devices::worker::WorkerError),
     #[error("the snapshot's guest MAC is {saved}; a clone keeps it (asked for {asked})")]
     MacChanged { saved: MacAddr, asked: MacAddr },
     #[error("descriptor chain has more than {MAX_FRAME_DESCRIPTORS} descriptors")]
@@ -123,6 +122,7 @@ pub struct NetDevice {
     pub(super) mac: MacAddr,
     pub(super) rx_limit: RateLimit,
     pub(super) tx_limit: RateLimit,
+    pub(super) netns: Option<std::path::PathBuf>,
     rx_limiter: RateLimiter,
     tx_limiter: RateLimiter,
     clock: Arc<dyn Clock>,
@@ -139,10 +139,6 @@ pub struct NetDevice {
     tx_wait_until: Option<u64>,
     tx_buf: Vec<u8>,
     metrics: NetMetrics,
-}
-
-fn new_evt() -> Result<EventFd, NetError> {
-    EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(NetError::EventFd)
 }
 
 /// `TUN_F_*` offloads for what the guest takes (GUEST_* features); TSO
@@ -172,18 +168,9 @@ impl NetDevice {
 
     /// `new` with the rate limiters on `clock`.
     pub fn with_clock(spec: &NetSpec, clock: Arc<dyn Clock>) -> Result<Self, NetError> {
-        let tap = Tap::open(&spec.tap)?;
+        let tap = Tap::open_in(&spec.tap, spec.netns.as_deref())?;
         let epoll = Epoll::new().map_err(NetError::Epoll)?;
-        let queue_evts = [new_evt()?, new_evt()?];
-        for (token, evt) in queue_evts.iter().enumerate() {
-            epoll
-                .ctl(
-                    ControlOperation::Add,
-                    evt.as_raw_fd(),
-                    EpollEvent::new(EventSet::IN, token as u64),
-                )
-                .map_err(NetError::Epoll)?;
-        }
+        let queue_evts = crate::devices::worker::queue_eventfds(&epoll)?;
         epoll
             .ctl(
                 ControlOperation::Add,
@@ -197,6 +184,7 @@ impl NetDevice {
             tx_limiter: RateLimiter::new(&spec.tx, clock.clone()),
             rx_limit: spec.rx.clone(),
             tx_limit: spec.tx.clone(),
+            netns: spec.netns.clone(),
             clock,
             tap,
             epoll: Arc::new(epoll),
@@ -456,13 +444,7 @@ impl VirtioDevice for NetDevice {
         // struct virtio_net_config: mac[6], then fields of features not
         // offered (status, queue pairs, mtu) that read as 0.
         let config = self.mac.0;
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = usize::try_from(offset)
-                .ok()
-                .and_then(|o| config.get(o.checked_add(i)?))
-                .copied()
-                .unwrap_or(0);
-        }
+        crate::devices::virtio::read_config_bytes(&config, offset, data);
     }
 
     /// Sets the tap's offloads to what the guest takes and wakes the
@@ -474,18 +456,11 @@ impl VirtioDevice for NetDevice {
             .map_err(|e| VirtioError::Activate(e.to_string()))?;
         self.acked = acked_features;
         self.tap_readable = true;
-        for evt in &self.queue_evts {
-            evt.write(1).map_err(VirtioError::Signal)?;
-        }
-        Ok(())
+        crate::devices::worker::kick_all(&self.queue_evts)
     }
 
     fn queue_notify(&mut self, index: usize, _ctx: &mut QueueContext<'_>) {
-        if let Some(evt) = self.queue_evts.get(index) {
-            if let Err(e) = evt.write(1) {
-                tracing::warn!("cannot wake the net thread: {e}");
-            }
-        }
+        crate::devices::worker::kick_queue(&self.queue_evts, index, "net");
     }
 
     fn reset(&mut self) {

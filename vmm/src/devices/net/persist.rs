@@ -5,6 +5,7 @@
 //! not saved: one read from the tap but not yet delivered is lost, as on a
 //! lossy link, and TCP resends it.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -20,6 +21,8 @@ pub struct NetState {
     pub mac: [u8; 6],
     pub rx: RateLimit,
     pub tx: RateLimit,
+    /// The namespace the tap was opened in (`None`: the VMM's own).
+    pub netns: Option<PathBuf>,
 }
 
 /// What restoring a net device needs besides its state.
@@ -43,6 +46,7 @@ impl Persist for NetDevice {
             mac: self.mac.0,
             rx: self.rx_limit.clone(),
             tx: self.tx_limit.clone(),
+            netns: self.netns.clone(),
         }
     }
 
@@ -63,6 +67,7 @@ impl Persist for NetDevice {
                 mac: Some(saved),
                 rx: state.rx.clone(),
                 tx: state.tx.clone(),
+                netns: state.netns.clone(),
             },
         };
         let clock = args

@@ -8,6 +8,7 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
 
 use torpor_vmm_api::launch::MAX_IFNAME;
 
@@ -25,6 +26,11 @@ pub enum TapError {
     #[error("cannot attach to tap `{name}` (TUNSETIFF): {source}")]
     SetIff {
         name: String,
+        source: std::io::Error,
+    },
+    #[error("cannot enter network namespace {path}: {source}")]
+    Netns {
+        path: PathBuf,
         source: std::io::Error,
     },
     #[error("tap `{name}`: {what} failed: {source}")]
@@ -54,6 +60,33 @@ fn ifreq_for(name: &str, flags: libc::c_short) -> libc::ifreq {
 }
 
 impl Tap {
+    /// `open` in network namespace `netns` (a namespace file), from a
+    /// short-lived thread that joins it: the tap belongs there, the
+    /// descriptor works from any thread, the process stays where it is.
+    pub fn open_in(name: &str, netns: Option<&Path>) -> Result<Self, TapError> {
+        let Some(path) = netns else {
+            return Self::open(name);
+        };
+        let fail = |source| TapError::Netns {
+            path: path.to_path_buf(),
+            source,
+        };
+        let ns = std::fs::File::open(path).map_err(fail)?;
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // SAFETY: setns on a namespace descriptor we hold; it
+                // changes only this thread's network namespace, and the
+                // thread ends right after opening the tap.
+                if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                    return Err(fail(std::io::Error::last_os_error()));
+                }
+                Self::open(name)
+            })
+            .join()
+            .unwrap_or_else(|_| Err(fail(std::io::Error::other("the tap thread panicked"))))
+        })
+    }
+
     /// Attaches to (or creates) tap `name` in this thread's network
     /// namespace, non-blocking, with 12-byte virtio-net headers.
     pub fn open(name: &str) -> Result<Self, TapError> {

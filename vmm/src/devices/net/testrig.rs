@@ -68,6 +68,11 @@ impl NetNs {
         }
     }
 
+    /// The namespace file.
+    pub fn path(&self) -> std::path::PathBuf {
+        format!("/run/netns/{}", self.name).into()
+    }
+
     /// Runs `ip -n <ns> args`, which must succeed.
     pub fn ip(&self, args: &[&str]) {
         let out = Command::new("ip")
@@ -285,11 +290,14 @@ impl<'a> Rig<'a> {
         ns.add_tap();
         let clock = Arc::new(ManualClock::default());
         let dyn_clock: Arc<dyn Clock> = clock.clone();
-        let (dev, sock) = ns.enter(|| {
-            let dev = NetDevice::with_clock(&spec, dyn_clock).unwrap();
-            let sock = UdpSocket::bind(SocketAddrV4::new(HOST_IP, 0)).unwrap();
-            (dev, sock)
-        });
+        // The tap is opened the way the VMM does it: by name, in the
+        // namespace the spec names; the host's socket from inside it.
+        let spec = NetSpec {
+            netns: Some(ns.path()),
+            ..spec
+        };
+        let dev = NetDevice::with_clock(&spec, dyn_clock).unwrap();
+        let sock = ns.enter(|| UdpSocket::bind(SocketAddrV4::new(HOST_IP, 0)).unwrap());
         sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         ns.wait_carrier();
         let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();

@@ -396,3 +396,18 @@ fn wait_used(r: &mut Rig<'_>) {
         std::thread::sleep(Duration::from_millis(2));
     }
 }
+
+#[test]
+fn a_missing_namespace_is_a_clear_error() {
+    let spec = NetSpec {
+        netns: Some("/nonexistent/netns/x".into()),
+        ..spec()
+    };
+    match NetDevice::new(&spec) {
+        Err(NetError::Tap(e @ TapError::Netns { .. })) => {
+            assert!(e.to_string().contains("/nonexistent/netns/x"), "{e}");
+        }
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("a tap opened in a namespace that does not exist"),
+    }
+}
