@@ -10,6 +10,15 @@ use super::*;
 
 struct HostNs(String);
 
+/// Removes what a failing test left (the host namespace goes after it).
+struct Cleanup<'a>(&'a NetManager);
+
+impl Drop for Cleanup<'_> {
+    fn drop(&mut self) {
+        let _ = self.0.recover();
+    }
+}
+
 impl Drop for HostNs {
     fn drop(&mut self) {
         let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
@@ -73,6 +82,7 @@ fn networks_are_created_counted_and_removed_without_leftovers() {
     let Some((m, host)) = manager("life") else {
         return;
     };
+    let _cleanup = Cleanup(&m);
     assert_eq!(m.leftovers().unwrap(), Leftovers::default());
     let closed = EgressPolicy {
         allow_internet: false,
