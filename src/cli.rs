@@ -285,6 +285,12 @@ pub struct VmmRunArgs {
     /// `CONNECT <port>`). With --restore: the clone's own socket.
     #[arg(long)]
     pub vsock_uds: Option<PathBuf>,
+    /// virtio-net on a tap: `tap=NAME[,mac=MAC]` (the tap is opened by name
+    /// in this process's network namespace, created if missing). With
+    /// --restore: the clone's tap (default: the saved name); the MAC stays
+    /// the snapshot's.
+    #[arg(long, value_parser = parse_net)]
+    pub net: Option<torpor_vmm_api::NetSpec>,
     /// Write the guest console to this file instead of stdout.
     #[arg(long)]
     pub serial: Option<PathBuf>,
@@ -864,4 +870,8 @@ pub struct PodSetArgs {
     /// are hibernated, least recently used first (0 < F <= 1).
     #[arg(long, value_name = "F", group = "change")]
     pub high_watermark: Option<f64>,
+}
+
+fn parse_net(text: &str) -> Result<torpor_vmm_api::NetSpec, String> {
+    torpor_vmm_api::NetSpec::parse(text).map_err(|e| e.message)
 }

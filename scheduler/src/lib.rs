@@ -11,6 +11,8 @@
 //!   a crash interrupted.
 //! - [`files`]: crash-safe files for snapshots: atomic writes, and removal of
 //!   temp files and snapshot directories the store no longer references.
+//! - [`net`]: the host side of sandbox networking: a namespace, tap, veth
+//!   pair and NAT per sandbox, egress policy in nftables, leftover recovery.
 //!
 //! Dependencies point one way: this crate may use `torpor-vmm`'s control
 //! types, never the reverse. The API sits on top of it.
@@ -58,6 +60,7 @@ macro_rules! str_enum {
 
 pub mod files;
 pub mod model;
+pub mod net;
 pub mod service;
 pub mod state;
 pub mod store;

@@ -113,6 +113,7 @@ fn launch_spec(args: &VmmRunArgs) -> Result<LaunchSpec, Failure> {
                 prefetch: args.prefetch,
                 disk_overlay: args.disk_overlay.clone(),
                 vsock_uds: args.vsock_uds.clone(),
+                net: args.net.clone().map(Box::new),
             },
             paused: args.paused,
             record_working_set_ms: args.record_working_set_ms,
@@ -220,6 +221,7 @@ fn boot_mode(args: &VmmRunArgs) -> Result<LaunchMode, Failure> {
             read_only: args.disk_read_only,
         }),
         vsock_uds: args.vsock_uds.clone(),
+        net: args.net.clone().map(Box::new),
     })
 }
 

@@ -107,6 +107,9 @@ pub enum LaunchMode {
         /// Host side of virtio-vsock (Firecracker's hybrid unix socket).
         #[serde(default)]
         vsock_uds: Option<PathBuf>,
+        /// virtio-net on a tap device (boxed: keeps the modes' sizes close).
+        #[serde(default)]
+        net: Option<Box<NetSpec>>,
     },
     Restore {
         restore: RestoreSpec,
@@ -140,6 +143,12 @@ pub struct RestoreSpec {
     /// The clone's own vsock host socket (snapshots with vsock).
     #[serde(default)]
     pub vsock_uds: Option<PathBuf>,
+    /// The clone's tap and rate limits (snapshots with virtio-net); `None`
+    /// reopens the saved tap name with the saved limits. The MAC is the
+    /// snapshot's: a `mac` here must equal it. (Boxed: it keeps the
+    /// control protocol's restore request small.)
+    #[serde(default)]
+    pub net: Option<Box<NetSpec>>,
 }
 
 /// A kernel to boot: a file, or one built into the VMM binary.
@@ -169,6 +178,194 @@ pub struct DiskSpec {
     pub overlay: PathBuf,
     #[serde(default)]
     pub read_only: bool,
+}
+
+/// Longest network interface name (IFNAMSIZ - 1).
+pub const MAX_IFNAME: usize = 15;
+
+/// virtio-net backed by a tap device, opened by name in the VMM's network
+/// namespace (`IFF_TAP | IFF_NO_PI | IFF_VNET_HDR`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetSpec {
+    /// The tap's name (created if missing, which needs CAP_NET_ADMIN).
+    pub tap: String,
+    /// The guest's MAC; default [`MacAddr::DEFAULT_GUEST`].
+    #[serde(default)]
+    pub mac: Option<MacAddr>,
+    /// Host → guest (what the guest receives).
+    #[serde(default)]
+    pub rx: RateLimit,
+    /// Guest → host (what the guest sends).
+    #[serde(default)]
+    pub tx: RateLimit,
+    /// The network namespace to open the tap in (a namespace file such as
+    /// `/run/netns/torpor-sbx-3`); default: the VMM's own. Only the tap
+    /// comes from there: the VMM process stays where it is.
+    #[serde(default)]
+    pub netns: Option<PathBuf>,
+}
+
+impl NetSpec {
+    pub fn new(tap: impl Into<String>) -> Self {
+        Self {
+            tap: tap.into(),
+            mac: None,
+            rx: RateLimit::default(),
+            tx: RateLimit::default(),
+            netns: None,
+        }
+    }
+
+    pub fn check(&self) -> Result<(), VmError> {
+        check_ifname(&self.tap)?;
+        if let Some(p) = &self.netns {
+            absolute("network namespace", p)?;
+        }
+        if let Some(mac) = &self.mac {
+            mac.check()?;
+        }
+        self.rx.check("rx")?;
+        self.tx.check("tx")
+    }
+
+    /// `tap=NAME[,mac=MAC][,netns=PATH]`, as `torpor vmm --net` takes it.
+    pub fn parse(text: &str) -> Result<Self, VmError> {
+        let mut tap = None;
+        let mut mac = None;
+        let mut netns = None;
+        for part in text.split(',') {
+            match part.split_once('=') {
+                Some(("tap", v)) => tap = Some(v.to_string()),
+                Some(("mac", v)) => mac = Some(v.parse::<MacAddr>()?),
+                Some(("netns", v)) => netns = Some(PathBuf::from(v)),
+                _ => {
+                    return Err(invalid(format!(
+                        "unknown --net part `{part}` (tap=NAME[,mac=MAC][,netns=PATH])"
+                    )))
+                }
+            }
+        }
+        let spec = NetSpec {
+            mac,
+            netns,
+            ..NetSpec::new(tap.ok_or_else(|| invalid("--net needs tap=NAME"))?)
+        };
+        spec.check()?;
+        Ok(spec)
+    }
+}
+
+fn check_ifname(name: &str) -> Result<(), VmError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_IFNAME
+        && name != "."
+        && name != ".."
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && b != b'/' && b != b':');
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(format!(
+            "`{name}` is not an interface name (1 to {MAX_IFNAME} printable characters, no `/` or `:`)"
+        )))
+    }
+}
+
+/// An Ethernet address, written `52:54:00:12:34:56`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct MacAddr(pub [u8; 6]);
+
+impl MacAddr {
+    /// What a guest gets when nobody says: locally administered, unicast.
+    /// Every clone of a snapshot keeps its template's.
+    pub const DEFAULT_GUEST: MacAddr = MacAddr([0x06, 0x00, 0xac, 0x10, 0x00, 0x02]);
+
+    /// Unicast (a multicast source address is not an address).
+    pub fn check(&self) -> Result<(), VmError> {
+        if self.0[0] & 1 != 0 {
+            return Err(invalid(format!("{self} is a multicast address")));
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for MacAddr {
+    type Err = VmError;
+    fn from_str(s: &str) -> Result<Self, VmError> {
+        let bad = || {
+            invalid(format!(
+                "`{s}` is not a MAC address (like 06:00:ac:10:00:02)"
+            ))
+        };
+        let mut out = [0u8; 6];
+        let mut parts = s.split(':');
+        for b in &mut out {
+            let p = parts.next().filter(|p| p.len() == 2).ok_or_else(bad)?;
+            *b = u8::from_str_radix(p, 16).map_err(|_| bad())?;
+        }
+        if parts.next().is_some() {
+            return Err(bad());
+        }
+        Ok(MacAddr(out))
+    }
+}
+
+impl std::fmt::Display for MacAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let [a, b, c, d, e, g] = self.0;
+        write!(f, "{a:02x}:{b:02x}:{c:02x}:{d:02x}:{e:02x}:{g:02x}")
+    }
+}
+
+impl TryFrom<String> for MacAddr {
+    type Error = VmError;
+    fn try_from(s: String) -> Result<Self, VmError> {
+        s.parse()
+    }
+}
+
+impl From<MacAddr> for String {
+    fn from(m: MacAddr) -> String {
+        m.to_string()
+    }
+}
+
+/// Limits of one direction: bytes and packets a second, each optional.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimit {
+    #[serde(default)]
+    pub bytes: Option<TokenRate>,
+    #[serde(default)]
+    pub packets: Option<TokenRate>,
+}
+
+/// A token bucket: `per_sec` tokens a second, at most `burst` saved up
+/// (default: one second's worth).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenRate {
+    pub per_sec: u64,
+    #[serde(default)]
+    pub burst: Option<u64>,
+}
+
+impl RateLimit {
+    pub fn check(&self, direction: &str) -> Result<(), VmError> {
+        for (what, rate) in [("bytes", &self.bytes), ("packets", &self.packets)] {
+            if let Some(r) = rate {
+                if r.per_sec == 0 || r.burst == Some(0) {
+                    return Err(invalid(format!(
+                        "the {direction} {what} rate and burst must be above 0 (leave it out for no limit)"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Where the guest console goes.
@@ -324,6 +521,7 @@ impl LaunchSpec {
                 vcpus,
                 disk,
                 vsock_uds,
+                net,
                 ..
             } => {
                 if let KernelSource::Path(p) = kernel {
@@ -346,6 +544,9 @@ impl LaunchSpec {
                 }
                 if let Some(p) = vsock_uds {
                     absolute("vsock socket", p)?;
+                }
+                if let Some(n) = net {
+                    n.check()?;
                 }
             }
             LaunchMode::Restore {
@@ -428,6 +629,7 @@ impl RestoreSpec {
             prefetch: false,
             disk_overlay: None,
             vsock_uds: None,
+            net: None,
         }
     }
 
@@ -438,6 +640,9 @@ impl RestoreSpec {
         }
         if let Some(p) = &self.vsock_uds {
             absolute("vsock socket", p)?;
+        }
+        if let Some(n) = &self.net {
+            n.check()?;
         }
         Ok(())
     }
@@ -601,6 +806,43 @@ mod tests {
         );
         let endless = vec![b'x'; MAX_REPLY_BYTES as usize * 2];
         assert!(LaunchReply::read_from(&endless[..]).is_err());
+    }
+
+    #[test]
+    fn net_specs_parse_and_are_checked() {
+        let spec = NetSpec::parse("tap=tap0,mac=06:00:AC:10:00:07,netns=/run/netns/x").unwrap();
+        assert_eq!(spec.tap, "tap0");
+        assert_eq!(spec.netns.as_deref(), Some(Path::new("/run/netns/x")));
+        assert_eq!(spec.mac, Some(MacAddr([6, 0, 0xac, 0x10, 0, 7])));
+        let json = serde_json::to_string(&spec).unwrap();
+        assert!(json.contains(r#""mac":"06:00:ac:10:00:07""#), "{json}");
+        assert_eq!(serde_json::from_str::<NetSpec>(&json).unwrap(), spec);
+        for bad in [
+            "mac=06:00:ac:10:00:07",
+            "tap=",
+            "tap=a/b",
+            "tap=sixteen-chars-xx",
+            "tap=t,mac=01:00:00:00:00:00",
+            "tap=t,mac=06:00:ac:10:00",
+            "tap=t,mac=06:00:ac:10:00:07:08",
+            "tap=t,mac=g6:00:ac:10:00:07",
+            "tap=t,speed=10",
+            "tap=t,netns=relative/ns",
+        ] {
+            assert!(NetSpec::parse(bad).is_err(), "{bad}");
+        }
+        let zero = r#"{"tap":"t","rx":{"bytes":{"per_sec":0}}}"#;
+        let spec: NetSpec = serde_json::from_str(zero).unwrap();
+        assert_eq!(spec.check().unwrap_err().kind, ErrorKind::InvalidRequest);
+        let unknown = r#"{"tap":"t","tx":{"bits":{"per_sec":1}}}"#;
+        assert!(serde_json::from_str::<NetSpec>(unknown).is_err());
+        // Checked inside a whole launch spec too.
+        let boot = r#"{"mode":{"kind":"boot","kernel":{"builtin":"probe"},"mem_mib":64,"vcpus":1,
+            "net":{"tap":"way-too-long-a-name"}}}"#;
+        assert!(LaunchSpec::read_from(boot.as_bytes()).is_err());
+        let boot = boot.replace("way-too-long-a-name", "tap0");
+        let spec = LaunchSpec::read_from(boot.as_bytes()).unwrap();
+        assert!(matches!(spec.mode, LaunchMode::Boot { net: Some(_), .. }));
     }
 
     #[test]

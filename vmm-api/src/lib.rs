@@ -29,7 +29,7 @@ pub mod shmem;
 pub use error::{ErrorKind, VmError};
 pub use jail::JailSpec;
 pub use launch::{
-    Console, DirtyTracking, DiskSpec, KernelSource, LaunchMode, LaunchReply, LaunchSpec,
-    MemoryBackend, RestoreSpec, SeccompLevel,
+    Console, DirtyTracking, DiskSpec, KernelSource, LaunchMode, LaunchReply, LaunchSpec, MacAddr,
+    MemoryBackend, NetSpec, RateLimit, RestoreSpec, SeccompLevel, TokenRate,
 };
 pub use lineage::Lineage;

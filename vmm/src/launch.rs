@@ -60,6 +60,7 @@ pub fn run(
             vcpus,
             disk,
             vsock_uds,
+            net,
         } => {
             let config = VmConfig {
                 kernel: kernel_image(kernel, builtins)?,
@@ -77,6 +78,7 @@ pub fn run(
                         read_only: d.read_only,
                     }),
                     vsock_uds: vsock_uds.clone(),
+                    net: net.as_deref().cloned(),
                 },
                 dirty_tracking: spec.dirty_tracking,
             };
@@ -96,6 +98,7 @@ pub fn run(
                 virtio: VirtioRestorePaths {
                     disk_overlay: restore.disk_overlay.clone(),
                     vsock_uds: restore.vsock_uds.clone(),
+                    net: restore.net.as_deref().cloned(),
                 },
                 dirty_tracking: spec.dirty_tracking,
             };

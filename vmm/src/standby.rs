@@ -169,6 +169,7 @@ pub fn standby(
                     virtio: crate::virtio_devices::VirtioRestorePaths {
                         disk_overlay: spec.disk_overlay,
                         vsock_uds: spec.vsock_uds,
+                        net: spec.net.map(|n| *n),
                     },
                     dirty_tracking,
                 };

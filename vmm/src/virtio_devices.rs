@@ -1,30 +1,36 @@
-//! The virtio devices of one VM (virtio-blk, virtio-vsock on virtio-mmio):
+//! The virtio devices of one VM (virtio-blk, virtio-vsock, virtio-net on
+//! virtio-mmio):
 //! built at boot, saved with snapshots, restored into clones.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
+use torpor_vmm_api::launch::NetSpec;
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::devices::block::{
     BlockConfig, BlockDevice, BlockError, BlockMmio, BlockRestoreArgs, BlockState,
 };
+use crate::devices::net::{NetDevice, NetError, NetMmio, NetRestoreArgs, NetState};
 use crate::devices::pausable::{Pausable, PauseError};
 use crate::devices::virtio::{
     MmioBus, MmioBusError, MmioRestoreArgs, MmioSlot, VirtioError, VirtioMmioState,
 };
 use crate::devices::vsock::{
-    VsockConfig, VsockDevice, VsockError, VsockMmio, VsockRestoreArgs, VsockState, VsockWorker,
+    VsockConfig, VsockDevice, VsockError, VsockMmio, VsockRestoreArgs, VsockState,
 };
+use crate::devices::worker::{DeviceWorker, WorkerError};
 use crate::persist::Persist;
 use crate::snapshot::PageRuns;
 use crate::vstate::vm::{Vm, VmError};
 
-/// Slot 0 is the disk (so Linux names it /dev/vda), slot 1 vsock.
+/// Slot 0 is the disk (so Linux names it /dev/vda), slot 1 vsock, slot 2
+/// the network card (eth0).
 const BLOCK_SLOT: usize = 0;
 const VSOCK_SLOT: usize = 1;
+const NET_SLOT: usize = 2;
 /// Name of the frozen disk overlay inside a snapshot directory.
 pub const OVERLAY_FILE: &str = "disk0.overlay";
 
@@ -42,6 +48,8 @@ pub struct VirtioConfig {
     pub disk: Option<DiskConfig>,
     /// Host unix socket of the vsock device (Firecracker's hybrid vsock).
     pub vsock_uds: Option<PathBuf>,
+    /// virtio-net on a tap.
+    pub net: Option<NetSpec>,
 }
 
 /// Where a clone's devices keep their host-side files.
@@ -49,6 +57,9 @@ pub struct VirtioConfig {
 pub struct VirtioRestorePaths {
     pub disk_overlay: Option<PathBuf>,
     pub vsock_uds: Option<PathBuf>,
+    /// The clone's tap (by name, in its network namespace) and limits;
+    /// `None` reopens the saved tap name.
+    pub net: Option<NetSpec>,
 }
 
 /// Saved virtio state, part of `DeviceStates`.
@@ -56,6 +67,7 @@ pub struct VirtioRestorePaths {
 pub struct VirtioStates {
     pub block: Option<(MmioSlot, VirtioMmioState<BlockState>)>,
     pub vsock: Option<(MmioSlot, VirtioMmioState<VsockState>)>,
+    pub net: Option<(MmioSlot, VirtioMmioState<NetState>)>,
 }
 
 /// Errors of the virtio devices.
@@ -69,6 +81,10 @@ pub enum VirtioDevicesError {
     Block(#[from] BlockError),
     #[error("virtio-vsock: {0}")]
     Vsock(#[from] VsockError),
+    #[error("virtio-net: {0}")]
+    Net(#[from] NetError),
+    #[error(transparent)]
+    Worker(#[from] WorkerError),
     #[error(transparent)]
     Vm(#[from] VmError),
     #[error("cannot create an eventfd: {0}")]
@@ -79,13 +95,15 @@ pub enum VirtioDevicesError {
     Pause(#[from] PauseError),
 }
 
-/// The devices, their MMIO bus, and the vsock thread once started.
+/// The devices, their MMIO bus, and the device threads (vsock, net) once
+/// started.
 #[derive(Default)]
 pub struct VirtioDevices {
     pub mmio: Arc<MmioBus>,
     block: Option<(MmioSlot, Arc<Mutex<BlockMmio>>)>,
     vsock: Option<(MmioSlot, Arc<Mutex<VsockMmio>>)>,
-    worker: Mutex<Option<VsockWorker>>,
+    net: Option<(MmioSlot, Arc<Mutex<NetMmio>>)>,
+    workers: Mutex<Vec<DeviceWorker>>,
 }
 
 fn irq_for(vm: &Vm, slot: &MmioSlot) -> Result<EventFd, VirtioDevicesError> {
@@ -93,6 +111,17 @@ fn irq_for(vm: &Vm, slot: &MmioSlot) -> Result<EventFd, VirtioDevicesError> {
         .map_err(VirtioDevicesError::EventFd)?;
     vm.register_irqfd(&irq, slot.irq)?;
     Ok(irq)
+}
+
+fn spawn_worker<D: crate::devices::worker::EpollDevice>(
+    transport: &Arc<Mutex<crate::devices::virtio::MmioTransport<D>>>,
+    paused: bool,
+) -> Result<DeviceWorker, WorkerError> {
+    if paused {
+        DeviceWorker::spawn_paused(transport.clone())
+    } else {
+        DeviceWorker::spawn(transport.clone())
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -141,6 +170,19 @@ impl VirtioDevices {
             cmdline.push_str(&slot.cmdline());
             devices.vsock = Some((slot, vsock));
         }
+        if let Some(spec) = &config.net {
+            let slot = MmioSlot::nth(NET_SLOT)?;
+            let dev = NetDevice::new(spec)?;
+            let net = Arc::new(Mutex::new(NetMmio::new(
+                dev,
+                mem.clone(),
+                irq_for(vm, &slot)?,
+            )?));
+            bus.insert(slot.base, slot.size, net.clone())?;
+            cmdline.push(' ');
+            cmdline.push_str(&slot.cmdline());
+            devices.net = Some((slot, net));
+        }
         devices.mmio = Arc::new(bus);
         Ok((devices, cmdline))
     }
@@ -185,20 +227,32 @@ impl VirtioDevices {
             bus.insert(slot.base, slot.size, vsock.clone())?;
             devices.vsock = Some((*slot, vsock));
         }
+        if let Some((slot, state)) = &states.net {
+            let args = MmioRestoreArgs {
+                mem: mem.clone(),
+                irq: irq_for(vm, slot)?,
+                device: NetRestoreArgs {
+                    spec: paths.net.clone(),
+                    clock: None,
+                },
+            };
+            let net = Arc::new(Mutex::new(NetMmio::restore(args, state)?));
+            bus.insert(slot.base, slot.size, net.clone())?;
+            devices.net = Some((*slot, net));
+        }
         devices.mmio = Arc::new(bus);
         Ok(devices)
     }
 
-    /// Starts the vsock device thread (once guest memory can be touched),
-    /// parked if `paused` (a VM whose vCPUs start paused).
+    /// Starts the device threads (vsock, net) once guest memory can be
+    /// touched, parked if `paused` (a VM whose vCPUs start paused).
     pub fn start(&self, paused: bool) -> Result<(), VirtioDevicesError> {
+        let mut workers = lock(&self.workers);
         if let Some((_, vsock)) = &self.vsock {
-            let worker = if paused {
-                VsockWorker::spawn_paused(vsock.clone())?
-            } else {
-                VsockWorker::spawn(vsock.clone())?
-            };
-            *lock(&self.worker) = Some(worker);
+            workers.push(spawn_worker(vsock, paused)?);
+        }
+        if let Some((_, net)) = &self.net {
+            workers.push(spawn_worker(net, paused)?);
         }
         Ok(())
     }
@@ -206,9 +260,12 @@ impl VirtioDevices {
     /// True when no device thread runs (all parked, or none): the devices
     /// touch neither guest memory nor interrupts.
     pub fn is_paused(&self) -> bool {
-        lock(&self.worker)
-            .as_ref()
-            .is_none_or(VsockWorker::is_paused)
+        lock(&self.workers).iter().all(DeviceWorker::is_paused)
+    }
+
+    /// The net device's counters, if the VM has one.
+    pub fn net_metrics(&self) -> Option<crate::devices::net::NetMetrics> {
+        self.net.as_ref().map(|(_, t)| lock(t).device().metrics())
     }
 
     /// Saves every device (vCPUs and devices paused); freezes the disk
@@ -224,6 +281,7 @@ impl VirtioDevices {
         // running one off guest memory while the state is taken.
         let mut blk = self.block.as_ref().map(|(s, d)| (*s, lock(d)));
         let mut vsock = self.vsock.as_ref().map(|(s, d)| (*s, lock(d)));
+        let mut net = self.net.as_ref().map(|(s, d)| (*s, lock(d)));
         if let Some((slot, t)) = blk.as_mut() {
             let mut state = t.save();
             state.device.copy_overlay_to(&dir.join(OVERLAY_FILE))?;
@@ -232,6 +290,10 @@ impl VirtioDevices {
         }
         if let Some((slot, t)) = vsock.as_mut() {
             states.vsock = Some((*slot, t.save()));
+            dirty = dirty.union(&t.take_dirty_pages());
+        }
+        if let Some((slot, t)) = net.as_mut() {
+            states.net = Some((*slot, t.save()));
             dirty = dirty.union(&t.take_dirty_pages());
         }
         Ok((states, dirty))
@@ -243,15 +305,23 @@ impl VirtioDevices {
 impl Pausable for VirtioDevices {
     type Error = VirtioDevicesError;
 
+    /// Pauses every thread; if one cannot be paused, those already
+    /// paused run on again (nothing is left half paused).
     fn pause(&self) -> Result<(), VirtioDevicesError> {
-        if let Some(worker) = lock(&self.worker).as_ref() {
-            worker.pause()?;
+        let workers = lock(&self.workers);
+        for (i, worker) in workers.iter().enumerate() {
+            if let Err(e) = worker.pause() {
+                for w in &workers[..i] {
+                    let _ = w.resume();
+                }
+                return Err(e.into());
+            }
         }
         Ok(())
     }
 
     fn resume(&self) -> Result<(), VirtioDevicesError> {
-        if let Some(worker) = lock(&self.worker).as_ref() {
+        for worker in lock(&self.workers).iter() {
             worker.resume()?;
         }
         Ok(())

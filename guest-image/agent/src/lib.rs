@@ -9,6 +9,7 @@
 //! std + serde only, no async runtime: the binary is linked statically and
 //! runs as the first service of the guest.
 
+pub mod announce;
 pub mod b64;
 pub mod client;
 pub mod exec;

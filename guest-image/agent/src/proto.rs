@@ -371,6 +371,10 @@ pub struct ResumedReply {
     pub hostname: Step,
     /// Writing the identity file.
     pub identity: Step,
+    /// Gratuitous ARP for the guest's addresses (absent from agents older
+    /// than the network device).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<Step>,
 }
 
 /// Outcome of one sub-step.

@@ -117,6 +117,16 @@ pub fn run(req: &ResumedRequest, ops: &dyn SystemOps) -> ResumedReply {
         },
     };
 
+    // Last: announcing the address is what lets traffic reach this clone;
+    // TCP connections from before the snapshot are gone either way (their
+    // peers timed out or reset them), which the agent itself never has:
+    // it talks over vsock, and vsock resets its connections on restore.
+    let network = Some(match ops.announce_network() {
+        Ok(done) if done.is_empty() => Step::skipped("no interface with an IPv4 address is up"),
+        Ok(done) => Step::ok(format!("gratuitous ARP for {}", done.join(", "))),
+        Err(e) => Step::failed(ErrorReply::io("gratuitous ARP", &e)),
+    });
+
     ResumedReply {
         generation: page.map(|p| p.generation),
         identity_page,
@@ -125,6 +135,7 @@ pub fn run(req: &ResumedRequest, ops: &dyn SystemOps) -> ResumedReply {
         rng_credit,
         hostname,
         identity,
+        network,
     }
 }
 
@@ -164,8 +175,12 @@ mod tests {
                 FakeCall::CreditEntropy(vec![1, 2]),
                 FakeCall::SetHostname("sbx-1".into()),
                 FakeCall::WriteIdentity("sbx-1".into()),
+                FakeCall::AnnounceNetwork,
             ]
         );
+        let network = r.network.unwrap();
+        assert_eq!(network.status, StepStatus::Ok);
+        assert!(network.detail.unwrap().contains("eth0 172.16.0.2"));
     }
 
     #[test]
@@ -196,6 +211,7 @@ mod tests {
                 FakeCall::ReadIdentityPage,
                 FakeCall::SetWallClock(99),
                 FakeCall::WriteUrandom(vec![8; 32]),
+                FakeCall::AnnounceNetwork,
             ]
         );
     }
@@ -208,6 +224,9 @@ mod tests {
         assert_eq!(r.clock.status, StepStatus::Skipped);
         assert_eq!(r.rng_write.status, StepStatus::Skipped);
         assert_eq!(r.generation, None);
+        let failing = FakeOps::new().failing("AnnounceNetwork", libc::EPERM);
+        let r = run(&ResumedRequest::default(), &failing);
+        assert_eq!(r.network.unwrap().error.unwrap().code, "EPERM");
     }
 
     #[test]

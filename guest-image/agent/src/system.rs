@@ -124,6 +124,9 @@ pub trait SystemOps: Send + Sync {
     fn write_identity(&self, sandbox_id: &str) -> io::Result<PathBuf>;
     /// Reads the VMM's identity page.
     fn read_identity_page(&self) -> Result<IdentityPage, IdentityPageError>;
+    /// Sends a gratuitous ARP for every IPv4 address of every interface
+    /// that is up (not loopback); returns them as `interface address`.
+    fn announce_network(&self) -> io::Result<Vec<String>>;
 }
 
 /// The real system calls.
@@ -219,6 +222,15 @@ impl SystemOps for RealOps {
         f.read_exact_at(&mut buf, addr).map_err(io_err)?;
         IdentityPage::parse(&buf, addr)
     }
+
+    fn announce_network(&self) -> io::Result<Vec<String>> {
+        let mut done = Vec::new();
+        for a in crate::announce::ipv4_addresses()? {
+            crate::announce::send(&a)?;
+            done.push(format!("{} {}", a.interface, a.ip));
+        }
+        Ok(done)
+    }
 }
 
 /// Writes `data` to a temporary sibling and renames it over `path`, creating
@@ -253,6 +265,8 @@ pub enum FakeCall {
     WriteIdentity(String),
     /// `read_identity_page()`.
     ReadIdentityPage,
+    /// `announce_network()`.
+    AnnounceNetwork,
 }
 
 /// A [`SystemOps`] that changes nothing and records every call (tests, and
@@ -337,6 +351,10 @@ impl SystemOps for FakeOps {
         res.map_err(err)?;
         self.page
             .ok_or_else(|| err(io::Error::from_raw_os_error(libc::ENOENT)))
+    }
+    fn announce_network(&self) -> io::Result<Vec<String>> {
+        self.record(FakeCall::AnnounceNetwork, "AnnounceNetwork")?;
+        Ok(vec!["eth0 172.16.0.2".into()])
     }
 }
 

@@ -183,8 +183,10 @@ fn resumed_with_host_values() {
             FakeCall::CreditEntropy(vec![0xaa; 32]),
             FakeCall::SetHostname("sbx-7".into()),
             FakeCall::WriteIdentity("sbx-7".into()),
+            FakeCall::AnnounceNetwork,
         ]
     );
+    assert_eq!(r.network.unwrap().status, StepStatus::Ok);
 }
 
 #[test]

@@ -180,6 +180,7 @@ impl Service {
                     read_only: false,
                 }),
                 vsock_uds: Some(uds.clone()),
+                net: None,
             },
             console: Console::file(&files.console),
             dirty_tracking: self.config.dirty_tracking,

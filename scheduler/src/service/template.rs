@@ -150,6 +150,7 @@ impl Service {
                 vcpus: u16::try_from(template.vcpus).unwrap_or(u16::MAX),
                 disk: None,
                 vsock_uds: None,
+                net: None,
             },
             console: Console::file(&files.console),
             dirty_tracking: self.config.dirty_tracking,

@@ -3,10 +3,13 @@
 
 pub mod block;
 pub mod i8042;
+pub mod net;
 pub mod pausable;
+pub mod rate_limiter;
 pub mod serial;
 pub mod virtio;
 pub mod vsock;
+pub mod worker;
 
 use std::sync::{Arc, Mutex};
 

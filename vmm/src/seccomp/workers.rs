@@ -38,8 +38,8 @@ pub fn vsock_rules() -> Result<Rules, SeccompError> {
     Ok(r)
 }
 
-/// virtio-net (not built yet): the event loop; the net device adds its
-/// tap reads and writes (readv/writev) here when it lands.
+/// virtio-net: the event loop, and the tap's frames in and out
+/// (readv/writev on the tap descriptor opened before the guest ran).
 pub fn net_rules() -> Result<Rules, SeccompError> {
     let mut r = event_loop()?;
     r.allow(&[libc::SYS_readv, libc::SYS_writev]);

@@ -301,13 +301,7 @@ impl VirtioDevice for BlockDevice {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         let config = self.config_space();
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = usize::try_from(offset)
-                .ok()
-                .and_then(|o| config.get(o.checked_add(i)?))
-                .copied()
-                .unwrap_or(0);
-        }
+        crate::devices::virtio::read_config_bytes(&config, offset, data);
     }
 
     fn activate(&mut self, _acked_features: u64) -> Result<(), VirtioError> {

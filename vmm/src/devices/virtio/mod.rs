@@ -89,6 +89,18 @@ pub enum VirtioError {
     Signal(std::io::Error),
 }
 
+/// Fills `data` from a device's configuration space `config` at `offset`;
+/// bytes past its end read as 0.
+pub fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = usize::try_from(offset)
+            .ok()
+            .and_then(|o| config.get(o.checked_add(i)?))
+            .copied()
+            .unwrap_or(0);
+    }
+}
+
 /// A virtio device model; the transport drives it.
 pub trait VirtioDevice: Send {
     /// virtio device id (`TYPE_*`).

@@ -49,10 +49,8 @@ pub enum VsockError {
     ReservedCid(u64),
     #[error("epoll failed: {0}")]
     Epoll(std::io::Error),
-    #[error("cannot create an eventfd: {0}")]
-    EventFd(std::io::Error),
-    #[error("cannot start the vsock thread: {0}")]
-    Thread(std::io::Error),
+    #[error(transparent)]
+    Worker(#[from] crate::devices::worker::WorkerError),
 }
 
 /// How to build a vsock device.
@@ -117,10 +115,6 @@ pub struct VsockDevice {
     pub(super) timeouts: Timeouts,
 }
 
-fn new_evt() -> Result<EventFd, VsockError> {
-    EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(VsockError::EventFd)
-}
-
 fn conn_events() -> EventSet {
     EventSet::IN | EventSet::OUT | EventSet::READ_HANG_UP | EventSet::EDGE_TRIGGERED
 }
@@ -133,16 +127,7 @@ impl VsockDevice {
         }
         let listener = Listener::bind(&config.uds_path)?;
         let epoll = Epoll::new().map_err(VsockError::Epoll)?;
-        let queue_evts = [new_evt()?, new_evt()?, new_evt()?];
-        for (token, evt) in queue_evts.iter().enumerate() {
-            epoll
-                .ctl(
-                    ControlOperation::Add,
-                    evt.as_raw_fd(),
-                    EpollEvent::new(EventSet::IN, token as u64),
-                )
-                .map_err(VsockError::Epoll)?;
-        }
+        let queue_evts = crate::devices::worker::queue_eventfds(&epoll)?;
         epoll
             .ctl(
                 ControlOperation::Add,
@@ -497,30 +482,17 @@ impl VirtioDevice for VsockDevice {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         let config = self.cid.to_le_bytes();
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = usize::try_from(offset)
-                .ok()
-                .and_then(|o| config.get(o.checked_add(i)?))
-                .copied()
-                .unwrap_or(0);
-        }
+        crate::devices::virtio::read_config_bytes(&config, offset, data);
     }
 
     /// Wakes the device thread to look at every queue (after a restore,
     /// notifications from before the snapshot are lost).
     fn activate(&mut self, _acked_features: u64) -> Result<(), VirtioError> {
-        for evt in &self.queue_evts {
-            evt.write(1).map_err(VirtioError::Signal)?;
-        }
-        Ok(())
+        crate::devices::worker::kick_all(&self.queue_evts)
     }
 
     fn queue_notify(&mut self, index: usize, _ctx: &mut QueueContext<'_>) {
-        if let Some(evt) = self.queue_evts.get(index) {
-            if let Err(e) = evt.write(1) {
-                tracing::warn!("cannot wake the vsock thread: {e}");
-            }
-        }
+        crate::devices::worker::kick_queue(&self.queue_evts, index, "vsock");
     }
 
     fn reset(&mut self) {

@@ -1,0 +1,173 @@
+//! Gratuitous ARP after a restore. Every clone of a snapshot comes up with
+//! its template's MAC and IPv4 address behind a new tap: the host side's
+//! neighbour cache may hold nothing (a new namespace) or a stale entry, so
+//! the agent's `resumed` hook announces each configured IPv4 address once
+//! (an ARP request for the address itself, to the broadcast address, as
+//! `arping -U` does), through an `AF_PACKET` socket.
+
+use std::ffi::CStr;
+use std::io;
+use std::net::Ipv4Addr;
+
+/// Ethernet + ARP request: 42 bytes.
+pub const ARP_FRAME_LEN: usize = 42;
+const ETH_P_ARP: u16 = 0x0806;
+
+/// The gratuitous ARP request announcing `ip` at `mac`.
+pub fn gratuitous_arp(mac: [u8; 6], ip: Ipv4Addr) -> [u8; ARP_FRAME_LEN] {
+    let mut f = [0u8; ARP_FRAME_LEN];
+    f[0..6].copy_from_slice(&[0xff; 6]);
+    f[6..12].copy_from_slice(&mac);
+    f[12..14].copy_from_slice(&ETH_P_ARP.to_be_bytes());
+    f[14..16].copy_from_slice(&1u16.to_be_bytes()); // Ethernet
+    f[16..18].copy_from_slice(&0x0800u16.to_be_bytes()); // IPv4
+    f[18] = 6;
+    f[19] = 4;
+    f[20..22].copy_from_slice(&1u16.to_be_bytes()); // request
+    f[22..28].copy_from_slice(&mac);
+    f[28..32].copy_from_slice(&ip.octets());
+    // Target hardware address unknown (zero), target protocol address the
+    // sender's own.
+    f[38..42].copy_from_slice(&ip.octets());
+    f
+}
+
+/// One interface address to announce.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Announce {
+    pub interface: String,
+    pub ip: Ipv4Addr,
+}
+
+/// IPv4 addresses of interfaces that are up, not loopback.
+pub fn ipv4_addresses() -> io::Result<Vec<Announce>> {
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list we free below.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut out = Vec::new();
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of the list getifaddrs returned, alive
+        // until freeifaddrs.
+        let ifa = unsafe { &*cur };
+        cur = ifa.ifa_next;
+        let flags = ifa.ifa_flags as libc::c_int;
+        if ifa.ifa_addr.is_null() || flags & libc::IFF_UP == 0 || flags & libc::IFF_LOOPBACK != 0 {
+            continue;
+        }
+        // SAFETY: ifa_addr is non-null and points at a sockaddr.
+        if i32::from(unsafe { (*ifa.ifa_addr).sa_family }) != libc::AF_INET {
+            continue;
+        }
+        // SAFETY: an AF_INET address is a sockaddr_in.
+        let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+        // SAFETY: ifa_name is a NUL-terminated string owned by the list.
+        let name = unsafe { CStr::from_ptr(ifa.ifa_name) };
+        out.push(Announce {
+            interface: name.to_string_lossy().into_owned(),
+            ip: Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)),
+        });
+    }
+    // SAFETY: `head` came from getifaddrs and is freed once.
+    unsafe { libc::freeifaddrs(head) };
+    Ok(out)
+}
+
+fn parse_mac(text: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = text.trim().split(':');
+    for b in &mut mac {
+        *b = u8::from_str_radix(parts.next()?, 16).ok()?;
+    }
+    parts.next().is_none().then_some(mac)
+}
+
+/// Sends the gratuitous ARP for `a` out of its interface.
+pub fn send(a: &Announce) -> io::Result<()> {
+    let mac_text = std::fs::read_to_string(format!("/sys/class/net/{}/address", a.interface))?;
+    let mac = parse_mac(&mac_text)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no Ethernet address"))?;
+    let name = std::ffi::CString::new(a.interface.as_str())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: `name` is a NUL-terminated string.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    if index == 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: plain socket creation; the descriptor is closed below.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_PACKET,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            i32::from(ETH_P_ARP.to_be()),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: sockaddr_ll is plain data; all-zero is valid.
+    let mut to: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    to.sll_family = libc::AF_PACKET as u16;
+    to.sll_protocol = ETH_P_ARP.to_be();
+    to.sll_ifindex = index as i32;
+    to.sll_halen = 6;
+    to.sll_addr[..6].copy_from_slice(&[0xff; 6]);
+    let frame = gratuitous_arp(mac, a.ip);
+    // SAFETY: `frame` and `to` are valid for the lengths given; `fd` is
+    // the socket opened above.
+    let rc = unsafe {
+        libc::sendto(
+            fd,
+            frame.as_ptr().cast(),
+            frame.len(),
+            0,
+            (&to as *const libc::sockaddr_ll).cast(),
+            std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+        )
+    };
+    let res = if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    };
+    // SAFETY: `fd` is ours and closed once.
+    unsafe { libc::close(fd) };
+    res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_frame_is_an_arp_request_for_our_own_address() {
+        let mac = [6, 0, 0xac, 0x10, 0, 2];
+        let f = gratuitous_arp(mac, Ipv4Addr::new(172, 16, 0, 2));
+        assert_eq!(&f[..6], &[0xff; 6], "broadcast");
+        assert_eq!(&f[6..12], &mac);
+        assert_eq!(&f[12..14], &[0x08, 0x06]);
+        assert_eq!(&f[20..22], &[0, 1], "request");
+        assert_eq!(&f[22..28], &mac, "sender MAC");
+        assert_eq!(&f[28..32], &[172, 16, 0, 2], "sender IP");
+        assert_eq!(&f[32..38], &[0; 6], "target MAC unknown");
+        assert_eq!(&f[38..42], &[172, 16, 0, 2], "target IP = sender IP");
+    }
+
+    #[test]
+    fn macs_parse() {
+        assert_eq!(
+            parse_mac("06:00:ac:10:00:02\n"),
+            Some([6, 0, 0xac, 0x10, 0, 2])
+        );
+        assert_eq!(parse_mac("06:00:ac:10:00"), None);
+        assert_eq!(parse_mac("06:00:ac:10:00:02:03"), None);
+    }
+
+    #[test]
+    fn loopback_is_never_announced() {
+        let list = ipv4_addresses().unwrap();
+        assert!(list.iter().all(|a| !a.ip.is_loopback()), "{list:?}");
+    }
+}
