@@ -460,7 +460,7 @@ impl Service {
                 None => None,
             }
         };
-        let gone = exited.is_some() || s.vmm.as_ref().is_some_and(|h| !vmm::alive(h.pid));
+        let gone = exited.is_some() || s.vmm.as_ref().is_some_and(|h| !vmm::alive(h));
         if !gone {
             return;
         }
