@@ -16,6 +16,7 @@ pub mod exit;
 pub mod identity;
 pub mod launch;
 pub mod layout;
+pub mod logging;
 pub mod microvm;
 pub mod mptable;
 pub mod persist;

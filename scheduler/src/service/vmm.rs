@@ -18,6 +18,11 @@ use torpor_vmm_api::{LaunchReply, LaunchSpec, VmError};
 use super::ServiceError;
 use crate::model::VmmHandle;
 
+/// Largest VMM log (its stderr) kept: past it the policy rotates the log
+/// ([`cap_log`]), so a VMM that logs in a loop holds at most about
+/// 1.5 times this on disk.
+pub const MAX_LOG_BYTES: u64 = 4 << 20;
+
 /// How long a VMM may take to answer `ready` after spawn.
 const START_LIMIT: Duration = Duration::from_secs(20);
 /// Control requests; snapshots of large guests take as long as the disk.
@@ -60,7 +65,7 @@ pub fn spawn(exe: &Path, spec: &LaunchSpec, log: &Path) -> Result<Spawned, Servi
         ));
     };
     let _ = std::fs::remove_file(&socket);
-    let log_file = File::create(log).map_err(|e| internal("create VMM log", e))?;
+    let log_file = create_log(log).map_err(|e| internal("create VMM log", e))?;
     let mut child = Command::new(exe)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -143,6 +148,50 @@ fn read_reply(child: &mut Child, limit: Duration) -> Result<LaunchReply, Service
             )))
         }
     }
+}
+
+/// A new VMM log, opened for appending: the VMM's writes always go to the
+/// file's current end, so [`cap_log`] can truncate it under a running VMM.
+fn create_log(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+}
+
+/// Rotates a VMM log longer than `max` bytes: its last `max / 2` bytes
+/// replace `<log>.1` and the log is truncated; the VMM, appending, goes on
+/// at the new end. Lines written between the copy and the truncation are
+/// lost. Returns whether it rotated.
+pub fn cap_log(path: &Path, max: u64) -> std::io::Result<bool> {
+    use std::io::{Read, Seek, SeekFrom};
+    let len = match std::fs::metadata(path) {
+        Ok(m) => m.len(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    if len <= max {
+        return Ok(false);
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)?;
+    let keep = max / 2;
+    file.seek(SeekFrom::Start(len - keep))?;
+    let mut tail = Vec::with_capacity(keep as usize);
+    Read::by_ref(&mut file).take(keep).read_to_end(&mut tail)?;
+    let mut old = path.as_os_str().to_owned();
+    old.push(".1");
+    std::fs::write(&old, &tail)?;
+    file.set_len(0)?;
+    Ok(true)
 }
 
 /// The last lines of a VMM's stderr log, for operators' messages.
@@ -381,6 +430,35 @@ fn parse_stat_faults(stat: &str) -> Option<PageFaults> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A VMM that logs without end leaves at most `max` plus `max / 2`
+    /// bytes: the log rotates under its appending writer.
+    #[test]
+    fn a_flooded_log_is_rotated_under_its_writer() {
+        let dir = std::env::temp_dir().join(format!("torpor-log-{}", crate::model::random_hex(6)));
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("vmm.log");
+        let mut writer = create_log(&log).unwrap();
+        let line = [b'w'; 1000];
+        for round in 0..20 {
+            for _ in 0..100 {
+                writer.write_all(&line).unwrap();
+            }
+            let rotated = cap_log(&log, 64_000).unwrap();
+            assert!(rotated, "round {round}: 100 KB is past 64 KB");
+            assert_eq!(std::fs::metadata(&log).unwrap().len(), 0);
+        }
+        writer.write_all(b"last\n").unwrap();
+        // Appends go to the new end: no hole where the old bytes were.
+        assert_eq!(std::fs::read(&log).unwrap(), b"last\n");
+        assert_eq!(
+            std::fs::metadata(dir.join("vmm.log.1")).unwrap().len(),
+            32_000
+        );
+        assert!(!cap_log(&log, 64_000).unwrap());
+        assert!(!cap_log(&dir.join("missing"), 64_000).unwrap());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn start_time_is_field_22() {
