@@ -283,7 +283,10 @@ fn guest_error(err: &GuestError, message: String) -> ApiError {
             "EFBIG" => (StatusCode::PAYLOAD_TOO_LARGE, code::PAYLOAD_TOO_LARGE),
             _ => (StatusCode::BAD_GATEWAY, code::AGENT_ERROR),
         },
-        GuestError::Unreachable { .. } | GuestError::ResumeHook { .. } => {
+        GuestError::Deadline { .. } => (StatusCode::GATEWAY_TIMEOUT, code::TIMEOUT),
+        GuestError::Unreachable { .. }
+        | GuestError::ResumeHook { .. }
+        | GuestError::Misbehaved { .. } => {
             tracing::warn!(error = %message, "guest agent");
             (StatusCode::BAD_GATEWAY, code::AGENT_ERROR)
         }

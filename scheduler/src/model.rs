@@ -246,10 +246,16 @@ pub struct Template {
     pub state: TemplateState,
 }
 
-/// The VMM process that runs a sandbox now.
+/// The VMM process that runs a sandbox now: its pid, and the process's
+/// start time so that a recycled pid is never taken for it (signals go
+/// through a pidfd checked against both; see `service::vmm::stop`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VmmHandle {
     pub pid: u32,
+    /// `/proc/PID/stat` field 22 (clock ticks after boot) when recorded;
+    /// `None` in rows written before it was.
+    #[serde(default)]
+    pub start_time: Option<u64>,
     pub control_socket: PathBuf,
 }
 

@@ -17,6 +17,7 @@ pub mod identity;
 pub mod jail;
 pub mod launch;
 pub mod layout;
+pub mod logging;
 pub mod microvm;
 pub mod mptable;
 pub mod persist;

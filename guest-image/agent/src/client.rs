@@ -3,7 +3,13 @@
 //! through the typed calls; [`AgentClient::send`] and [`AgentClient::recv`]
 //! allow several in flight (e.g. concurrent execs).
 //!
-//! Timeouts are the stream's business (`set_read_timeout` on sockets).
+//! The host does not trust the guest: an exec's output past its
+//! `max_output_bytes` (the agent's own cap) and file data past the caller's
+//! limit fail the call instead of growing without bound, file reads count
+//! the bytes received rather than the size the agent claims, and guest
+//! text that ends up in an error is cut to [`MAX_GUEST_TEXT`] bytes.
+//! Timeouts are the stream's business (`set_read_timeout` on sockets; the
+//! service wraps its stream with an overall deadline).
 
 use crate::frame::{read_message, write_message, FrameError, MAX_FRAME};
 use crate::proto::{
@@ -12,6 +18,25 @@ use crate::proto::{
     ResumedRequest, StatRequest, WriteFileRequest, Written, MAX_IO_CHUNK, PROTOCOL_VERSION,
 };
 use std::io::{Read, Write};
+
+/// Longest guest-supplied text kept in an error.
+pub const MAX_GUEST_TEXT: usize = 256;
+
+/// The output cap of an exec that names none (the agent's default).
+pub const DEFAULT_MAX_OUTPUT: u64 = 16 << 20;
+
+/// `text` cut to at most [`MAX_GUEST_TEXT`] bytes (at a character
+/// boundary), marked when cut.
+pub fn guest_text(text: &str) -> String {
+    if text.len() <= MAX_GUEST_TEXT {
+        return text.to_string();
+    }
+    let mut end = MAX_GUEST_TEXT;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", &text[..end], text.len())
+}
 
 /// Why a client call failed.
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +61,23 @@ pub enum ClientError {
     /// A reply that does not fit the request.
     #[error("unexpected reply: {0}")]
     Unexpected(String),
+    /// The agent sent more exec output than the request's cap allows.
+    #[error("the agent sent more than the {cap} bytes of output the exec allows")]
+    OutputOverflow {
+        /// The request's `max_output_bytes`.
+        cap: u64,
+    },
+    /// A file larger than the caller accepts: the agent said so, or sent
+    /// more bytes than that.
+    #[error("{path} is {size} bytes, more than the {limit} accepted")]
+    TooMuchData {
+        /// The file.
+        path: String,
+        /// The larger of the size the agent claims and the bytes received.
+        size: u64,
+        /// The caller's limit.
+        limit: u64,
+    },
 }
 
 /// Which output stream a chunk came from.
@@ -67,9 +109,16 @@ pub struct AgentClient<S> {
 }
 
 fn unexpected(body: &ReplyBody) -> ClientError {
-    let json = serde_json::to_string(body).unwrap_or_default();
-    let short: String = json.chars().take(200).collect();
-    ClientError::Unexpected(short)
+    ClientError::Unexpected(guest_text(&serde_json::to_string(body).unwrap_or_default()))
+}
+
+/// An agent's error with its text cut to size.
+fn agent_error(e: ErrorReply) -> ClientError {
+    ClientError::Agent(ErrorReply {
+        code: guest_text(&e.code),
+        errno: e.errno,
+        message: guest_text(&e.message),
+    })
 }
 
 impl<S: Read + Write> AgentClient<S> {
@@ -131,7 +180,7 @@ impl<S: Read + Write> AgentClient<S> {
             Reply {
                 body: ReplyBody::Error(e),
                 id: rid,
-            } if rid == Some(id) || rid.is_none() => Err(ClientError::Agent(e)),
+            } if rid == Some(id) || rid.is_none() => Err(agent_error(e)),
             Reply {
                 id: Some(rid),
                 body,
@@ -139,7 +188,7 @@ impl<S: Read + Write> AgentClient<S> {
             other => Err(ClientError::Unexpected(format!(
                 "reply for {:?} while waiting for {id}: {}",
                 other.id,
-                serde_json::to_string(&other.body).unwrap_or_default()
+                guest_text(&serde_json::to_string(&other.body).unwrap_or_default())
             ))),
         }
     }
@@ -166,16 +215,35 @@ impl<S: Read + Write> AgentClient<S> {
     }
 
     /// `exec`, handing each output chunk to `on_output` as it arrives.
+    /// More output than the request's `max_output_bytes` (default
+    /// [`DEFAULT_MAX_OUTPUT`]) is an error: the agent drops what is past
+    /// it, so only a misbehaving guest sends it.
     pub fn exec(
         &mut self,
         req: ExecRequest,
         mut on_output: impl FnMut(OutputKind, &[u8]),
     ) -> Result<ExitReply, ClientError> {
+        let cap = req.max_output_bytes.unwrap_or(DEFAULT_MAX_OUTPUT);
+        let mut received = 0u64;
         let id = self.send(Op::Exec(req))?;
+        let mut count = |len: usize| {
+            received = received.saturating_add(len as u64);
+            if received > cap {
+                Err(ClientError::OutputOverflow { cap })
+            } else {
+                Ok(())
+            }
+        };
         loop {
             match self.recv_for(id)? {
-                ReplyBody::Stdout(c) => on_output(OutputKind::Stdout, &c.data),
-                ReplyBody::Stderr(c) => on_output(OutputKind::Stderr, &c.data),
+                ReplyBody::Stdout(c) => {
+                    count(c.data.len())?;
+                    on_output(OutputKind::Stdout, &c.data)
+                }
+                ReplyBody::Stderr(c) => {
+                    count(c.data.len())?;
+                    on_output(OutputKind::Stderr, &c.data)
+                }
                 ReplyBody::Exit(e) => return Ok(e),
                 other => return Err(unexpected(&other)),
             }
@@ -214,11 +282,24 @@ impl<S: Read + Write> AgentClient<S> {
         }
     }
 
-    /// A whole file, in as many `read_file` requests as it takes.
-    pub fn read_file_all(&mut self, path: &str) -> Result<Vec<u8>, ClientError> {
+    /// A whole file, in as many `read_file` requests as it takes, refused
+    /// once the agent says it is larger than `limit` or more than `limit`
+    /// bytes have arrived (the bytes received count, whatever size the
+    /// agent claims; each request asks for no more than is left).
+    pub fn read_file_all(&mut self, path: &str, limit: u64) -> Result<Vec<u8>, ClientError> {
         let mut out = Vec::new();
         loop {
-            let d = self.read_file(path, out.len() as u64, None)?;
+            let got = out.len() as u64;
+            let ask = (limit - got).saturating_add(1).min(MAX_IO_CHUNK as u64);
+            let d = self.read_file(path, got, Some(ask))?;
+            let received = got.saturating_add(d.data.len() as u64);
+            if received > limit || d.size > limit {
+                return Err(ClientError::TooMuchData {
+                    path: guest_text(path),
+                    size: received.max(d.size),
+                    limit,
+                });
+            }
             let empty = d.data.is_empty();
             out.extend_from_slice(&d.data);
             if d.eof || empty {

@@ -24,7 +24,7 @@ fn binary_round_trip() {
     let size = c.write_file_all(&path, &data, None, false).unwrap();
     assert_eq!(size, data.len() as u64);
     assert!(std::fs::read(&path).unwrap() == data);
-    assert!(c.read_file_all(&path).unwrap() == data);
+    assert!(c.read_file_all(&path, u64::MAX).unwrap() == data);
 
     // Partial reads: offset and max_bytes, eof at the end.
     let part = c.read_file(&path, 100, Some(10)).unwrap();
@@ -46,7 +46,7 @@ fn files_larger_than_one_frame_go_in_chunks() {
         .map(|i| (i * 7 % 251) as u8)
         .collect();
     c.write_file_all(&path, &data, Some(0o600), false).unwrap();
-    assert!(c.read_file_all(&path).unwrap() == data);
+    assert!(c.read_file_all(&path, u64::MAX).unwrap() == data);
 }
 
 #[test]

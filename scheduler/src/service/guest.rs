@@ -8,17 +8,18 @@
 //! share a stream. Every request first wakes a hibernated sandbox
 //! (`ensure_running`) and says whether it did ([`GuestCall`]).
 
-use std::io::{Read, Write};
+use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use torpor_agent::client::guest_text;
 pub use torpor_agent::proto::{
     DirListing, ErrorReply, ExecRequest, ExitReply, FileKind, FileStat, ResumedReply,
 };
 use torpor_agent::proto::{ResumedRequest, Step, StepStatus};
-use torpor_agent::{AgentClient, ClientError, DEFAULT_VSOCK_PORT};
+use torpor_agent::{AgentClient, ClientError, FrameError, DEFAULT_VSOCK_PORT};
 pub use torpor_agent::{ExecOutput, OutputKind};
 
 use super::{Outcome, Service, ServiceError};
@@ -28,8 +29,11 @@ use crate::model::{SandboxId, TemplateKind, Timestamp};
 pub const VSOCK_FILE: &str = "vsock.sock";
 /// Longest wait for the `CONNECT` answer and the agent's hello.
 const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
-/// Longest wait for one file request's answer.
+/// Longest a file request (read, write, list) may take in all, however
+/// the guest paces its answer.
 const FILE_LIMIT: Duration = Duration::from_secs(60);
+/// How long past its own timeout an exec's answer may take.
+const EXEC_SLACK: Duration = Duration::from_secs(30);
 /// How long after a restore the agent may take to accept again.
 const AGENT_WAIT: Duration = Duration::from_secs(60);
 /// Largest file `read_file` returns whole.
@@ -64,6 +68,14 @@ pub enum GuestError {
         size: u64,
         limit: u64,
     },
+    /// The request's deadline passed before the agent finished answering.
+    #[error("the guest agent of sandbox {id} did not answer within {limit:?}")]
+    Deadline { id: String, limit: Duration },
+    /// The agent broke the protocol (more output than the cap, garbage or
+    /// oversized frames, answers to other requests): this request fails,
+    /// the guest's text in `reason` cut short.
+    #[error("the guest agent of sandbox {id} misbehaved: {reason}")]
+    Misbehaved { id: String, reason: String },
     /// The post-restore hook did not set the clock, entropy or identity.
     #[error("the guest agent's post-restore hook failed in sandbox {id}: {detail}")]
     ResumeHook { id: String, detail: String },
@@ -107,6 +119,66 @@ pub fn connect_vsock(uds: &Path, port: u32) -> std::io::Result<UnixStream> {
     Ok(stream)
 }
 
+/// The connection to one guest's agent under the request's overall
+/// deadline: each read or write waits at most for what is left of it, so
+/// a guest that dribbles bytes or never answers fails the request on time.
+#[derive(Debug)]
+pub struct GuestStream {
+    inner: UnixStream,
+    deadline: Option<Instant>,
+}
+
+impl GuestStream {
+    pub fn new(inner: UnixStream, deadline: Option<Instant>) -> Self {
+        GuestStream { inner, deadline }
+    }
+
+    /// What is left of the deadline (`None`: no deadline).
+    fn left(&self) -> io::Result<Option<Duration>> {
+        let Some(deadline) = self.deadline else {
+            return Ok(None);
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the request's deadline passed",
+            ));
+        }
+        Ok(Some(left))
+    }
+}
+
+/// A socket timeout reads as `WouldBlock`: both are the deadline.
+fn timed_out(e: io::Error) -> io::Error {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            io::Error::new(io::ErrorKind::TimedOut, "the request's deadline passed")
+        }
+        _ => e,
+    }
+}
+
+impl Read for GuestStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.inner.set_read_timeout(left)?;
+        self.inner.read(buf).map_err(timed_out)
+    }
+}
+
+impl Write for GuestStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.inner.set_write_timeout(left)?;
+        self.inner.write(buf).map_err(timed_out)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
 /// The agent of one guest, reached through its hybrid vsock socket.
 #[derive(Debug, Clone)]
 pub struct AgentLink {
@@ -114,6 +186,11 @@ pub struct AgentLink {
     pub id: String,
     pub uds: PathBuf,
     pub port: u32,
+    /// Overall deadline of a file request (read, write, list, the
+    /// post-restore hook), handshake included.
+    pub file_limit: Duration,
+    /// How long past its own timeout an exec may take in all.
+    pub exec_slack: Duration,
 }
 
 impl AgentLink {
@@ -122,6 +199,8 @@ impl AgentLink {
             id: id.into(),
             uds,
             port: DEFAULT_VSOCK_PORT,
+            file_limit: FILE_LIMIT,
+            exec_slack: EXEC_SLACK,
         }
     }
 
@@ -132,32 +211,43 @@ impl AgentLink {
         }
     }
 
-    fn client_error(&self, e: ClientError) -> GuestError {
+    fn client_error(&self, e: ClientError, limit: Option<Duration>) -> GuestError {
+        let id = self.id.clone();
         match e {
-            ClientError::Agent(error) => GuestError::Agent {
-                id: self.id.clone(),
-                error,
+            ClientError::Agent(error) => GuestError::Agent { id, error },
+            ClientError::TooMuchData { path, size, limit } => GuestError::TooLarge {
+                id,
+                path,
+                size,
+                limit,
+            },
+            ClientError::Frame(FrameError::Io(e)) if e.kind() == io::ErrorKind::TimedOut => {
+                GuestError::Deadline {
+                    id,
+                    limit: limit.unwrap_or_default(),
+                }
+            }
+            e @ (ClientError::OutputOverflow { .. }
+            | ClientError::Unexpected(_)
+            | ClientError::Frame(
+                FrameError::TooLarge { .. } | FrameError::Empty | FrameError::Json(_),
+            )) => GuestError::Misbehaved {
+                id,
+                reason: guest_text(&e.to_string()),
             },
             other => self.unreachable(other),
         }
     }
 
-    /// One greeted connection; `io_limit` bounds every later read (`None`:
-    /// no bound, for execs without a timeout).
-    pub fn connect(
-        &self,
-        io_limit: Option<Duration>,
-    ) -> Result<AgentClient<UnixStream>, GuestError> {
+    /// One greeted connection under an overall deadline `limit` from now
+    /// (`None`: no deadline, for execs without a timeout), handshake
+    /// included.
+    pub fn connect(&self, limit: Option<Duration>) -> Result<AgentClient<GuestStream>, GuestError> {
+        let deadline = limit.map(|l| Instant::now() + l);
         let stream = connect_vsock(&self.uds, self.port)
             .map_err(|e| self.unreachable(format!("{}: {e}", self.uds.display())))?;
-        let mut client =
-            AgentClient::connect(stream, CLIENT_NAME).map_err(|e| self.client_error(e))?;
-        let stream = client.stream_mut();
-        stream
-            .set_read_timeout(io_limit)
-            .and_then(|()| stream.set_write_timeout(Some(FILE_LIMIT)))
-            .map_err(|e| self.unreachable(e))?;
-        Ok(client)
+        AgentClient::connect(GuestStream::new(stream, deadline), CLIENT_NAME)
+            .map_err(|e| self.client_error(e, limit))
     }
 
     /// Connects, retrying until `wait` has passed (a guest still booting,
@@ -167,10 +257,10 @@ impl AgentLink {
         &self,
         wait: Duration,
         mut alive: impl FnMut() -> Result<(), String>,
-    ) -> Result<AgentClient<UnixStream>, GuestError> {
+    ) -> Result<AgentClient<GuestStream>, GuestError> {
         let deadline = Instant::now() + wait;
         loop {
-            match self.connect(Some(FILE_LIMIT)) {
+            match self.connect(Some(self.file_limit)) {
                 Ok(c) => return Ok(c),
                 Err(GuestError::Unreachable { reason, .. }) => {
                     alive().map_err(|why| self.unreachable(why))?;
@@ -186,17 +276,21 @@ impl AgentLink {
         }
     }
 
-    /// Read limit for an exec: its own timeout plus slack, else none.
-    fn exec_limit(req: &ExecRequest) -> Option<Duration> {
+    /// An exec's deadline: its own timeout plus slack, else none.
+    fn exec_limit(&self, req: &ExecRequest) -> Option<Duration> {
         req.timeout_ms
             .filter(|&t| t > 0)
-            .map(|t| Duration::from_millis(t) + Duration::from_secs(30))
+            .map(|t| Duration::from_millis(t) + self.exec_slack)
     }
 
-    /// Runs a command, collecting its output.
+    /// Runs a command, collecting its output (at most the request's
+    /// `max_output_bytes`: a guest that sends more fails the request).
     pub fn exec(&self, req: ExecRequest) -> Result<ExecOutput, GuestError> {
-        let mut client = self.connect(Self::exec_limit(&req))?;
-        client.exec_collect(req).map_err(|e| self.client_error(e))
+        let limit = self.exec_limit(&req);
+        let mut client = self.connect(limit)?;
+        client
+            .exec_collect(req)
+            .map_err(|e| self.client_error(e, limit))
     }
 
     /// Runs a command, handing each output chunk to `on_output` as the
@@ -206,34 +300,19 @@ impl AgentLink {
         req: ExecRequest,
         on_output: &mut dyn FnMut(OutputKind, &[u8]),
     ) -> Result<ExitReply, GuestError> {
-        let mut client = self.connect(Self::exec_limit(&req))?;
+        let limit = self.exec_limit(&req);
+        let mut client = self.connect(limit)?;
         client
             .exec(req, |kind, data| on_output(kind, data))
-            .map_err(|e| self.client_error(e))
+            .map_err(|e| self.client_error(e, limit))
     }
 
-    /// A whole file, refused past `limit` bytes.
+    /// A whole file, refused past `limit` bytes (claimed or received).
     pub fn read_file(&self, path: &str, limit: u64) -> Result<Vec<u8>, GuestError> {
-        let mut client = self.connect(Some(FILE_LIMIT))?;
-        let mut out = Vec::new();
-        loop {
-            let d = client
-                .read_file(path, out.len() as u64, None)
-                .map_err(|e| self.client_error(e))?;
-            if d.size > limit {
-                return Err(GuestError::TooLarge {
-                    id: self.id.clone(),
-                    path: path.into(),
-                    size: d.size,
-                    limit,
-                });
-            }
-            let empty = d.data.is_empty();
-            out.extend_from_slice(&d.data);
-            if d.eof || empty {
-                return Ok(out);
-            }
-        }
+        let mut client = self.connect(Some(self.file_limit))?;
+        client
+            .read_file_all(path, limit)
+            .map_err(|e| self.client_error(e, Some(self.file_limit)))
     }
 
     /// Writes (replaces) a file, creating missing parents; its final size.
@@ -243,15 +322,17 @@ impl AgentLink {
         data: &[u8],
         mode: Option<u32>,
     ) -> Result<u64, GuestError> {
-        let mut client = self.connect(Some(FILE_LIMIT))?;
+        let mut client = self.connect(Some(self.file_limit))?;
         client
             .write_file_all(path, data, mode, true)
-            .map_err(|e| self.client_error(e))
+            .map_err(|e| self.client_error(e, Some(self.file_limit)))
     }
 
     pub fn list_dir(&self, path: &str) -> Result<DirListing, GuestError> {
-        let mut client = self.connect(Some(FILE_LIMIT))?;
-        client.list_dir(path).map_err(|e| self.client_error(e))
+        let mut client = self.connect(Some(self.file_limit))?;
+        client
+            .list_dir(path)
+            .map_err(|e| self.client_error(e, Some(self.file_limit)))
     }
 
     /// The post-restore hook: the host's wall clock, the RNG reseeded from
@@ -274,7 +355,9 @@ impl AgentLink {
             hostname: Some(hostname_for(sandbox_id)),
             sandbox_id: Some(sandbox_id.to_string()),
         };
-        let reply = client.resumed(req).map_err(|e| self.client_error(e))?;
+        let reply = client
+            .resumed(req)
+            .map_err(|e| self.client_error(e, Some(self.file_limit)))?;
         let steps: [(&str, &Step); 5] = [
             ("identity page", &reply.identity_page),
             ("clock", &reply.clock),
@@ -454,3 +537,7 @@ impl Service {
 #[cfg(test)]
 #[path = "guest_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "guest_hostile_tests.rs"]
+mod hostile_tests;

@@ -43,7 +43,7 @@ pub struct Jails {
     /// The empty directory every jail's root tmpfs is mounted on.
     root: PathBuf,
     /// uid → the pid of the VMM that has it (None: being started).
-    slots: Mutex<HashMap<u32, Option<u32>>>,
+    slots: Mutex<HashMap<u32, Option<(u32, Option<u64>)>>>,
     cursor: AtomicU32,
     /// Names cgroups uniquely per VMM.
     started: AtomicU64,
@@ -82,7 +82,7 @@ impl Jails {
         })
     }
 
-    fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Option<u32>>> {
+    fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Option<(u32, Option<u64>)>>> {
         self.slots.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -97,7 +97,7 @@ impl Jails {
             let free = match slots.get(&uid) {
                 None => true,
                 Some(None) => false,
-                Some(Some(pid)) => !vmm::alive(*pid),
+                Some(Some((pid, start))) => !vmm::is_process(*pid, *start),
             };
             if free {
                 slots.insert(uid, None);
@@ -111,7 +111,8 @@ impl Jails {
 
     /// The VMM started with `slot` has host pid `pid`.
     pub fn assign(&self, slot: Slot, pid: u32) {
-        self.slots().insert(slot.uid, Some(pid));
+        let start = vmm::start_time(pid);
+        self.slots().insert(slot.uid, Some((pid, start)));
     }
 
     /// The VMM of `slot` did not start.
@@ -124,7 +125,7 @@ impl Jails {
         if let Some(uid) = process_uid(pid) {
             let range = self.config.uid_base..self.config.uid_base + self.config.uids;
             if range.contains(&uid) {
-                self.slots().insert(uid, Some(pid));
+                self.slots().insert(uid, Some((pid, vmm::start_time(pid))));
             }
         }
     }

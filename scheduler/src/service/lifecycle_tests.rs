@@ -164,6 +164,7 @@ impl FakeVmm {
         let process = Command::new("sleep").arg("600").spawn().unwrap();
         let handle = VmmHandle {
             pid: process.id(),
+            start_time: vmm::start_time(process.id()),
             control_socket: socket,
         };
         FakeVmm { process, handle }

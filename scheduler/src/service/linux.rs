@@ -257,10 +257,10 @@ impl Service {
             return Ok(());
         }
         let sandbox = self.store.get_sandbox(id)?;
-        let pid = sandbox.vmm.as_ref().map(|h| h.pid);
+        let handle = sandbox.vmm.clone();
         let link = AgentLink::new(id.as_str(), self.sandbox_dir(id).join(VSOCK_FILE));
-        let alive = || match pid {
-            Some(pid) if vmm::alive(pid) => Ok(()),
+        let alive = || match &handle {
+            Some(h) if vmm::alive(h) => Ok(()),
             _ => Err("the sandbox's VMM exited".to_string()),
         };
         match link.resumed(id.as_str(), alive) {

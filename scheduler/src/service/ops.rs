@@ -666,6 +666,7 @@ fn restore_into_shell(
     }
     let handle = VmmHandle {
         pid: shell_handle.pid,
+        start_time: shell_handle.start_time,
         control_socket: files.socket.clone(),
     };
     if let Err(e) = moved {

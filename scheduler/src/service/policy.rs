@@ -446,6 +446,10 @@ impl Service {
                 }
             } else if s.state != SandboxState::Hibernated {
                 self.check_vmm_alive(s);
+                let log = vmm::VmmFiles::in_dir(&self.sandbox_dir(&s.id)).log;
+                if let Err(e) = vmm::cap_log(&log, vmm::MAX_LOG_BYTES) {
+                    tracing::warn!(sandbox = %s.id, "cannot rotate {}: {e}", log.display());
+                }
             }
         }
         self.enforce_watermark();
@@ -460,7 +464,7 @@ impl Service {
                 None => None,
             }
         };
-        let gone = exited.is_some() || s.vmm.as_ref().is_some_and(|h| !vmm::alive(h.pid));
+        let gone = exited.is_some() || s.vmm.as_ref().is_some_and(|h| !vmm::alive(h));
         if !gone {
             return;
         }

@@ -18,6 +18,11 @@ use torpor_vmm_api::{LaunchReply, LaunchSpec, VmError};
 use super::ServiceError;
 use crate::model::VmmHandle;
 
+/// Largest VMM log (its stderr) kept: past it the policy rotates the log
+/// ([`cap_log`]), so a VMM that logs in a loop holds at most about
+/// 1.5 times this on disk.
+pub const MAX_LOG_BYTES: u64 = 4 << 20;
+
 /// How long a VMM may take to answer `ready` after spawn.
 const START_LIMIT: Duration = Duration::from_secs(20);
 /// Control requests; snapshots of large guests take as long as the disk.
@@ -90,8 +95,11 @@ pub fn spawn(exe: &Path, spec: &LaunchSpec, log: &Path) -> Result<Spawned, Servi
         Ok(LaunchReply::Failed(e)) => return failed(&mut child, ServiceError::Vm(e)),
         Err(e) => return failed(&mut child, e),
     };
+    // The VMM just answered: its pid cannot have been recycled, so this is
+    // its start time.
     let handle = VmmHandle {
         pid,
+        start_time: start_time(pid),
         control_socket: socket,
     };
     Ok(Spawned {
@@ -107,8 +115,9 @@ pub fn spawn(exe: &Path, spec: &LaunchSpec, log: &Path) -> Result<Spawned, Servi
 pub fn create_private(path: &Path, uid: Option<u32>) -> std::io::Result<File> {
     use std::os::unix::fs::OpenOptionsExt;
     let _ = std::fs::remove_file(path);
+    // Appending: the pod rotates a VMM log under the VMM (cap_log).
     let file = std::fs::OpenOptions::new()
-        .write(true)
+        .append(true)
         .create_new(true)
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW)
@@ -160,6 +169,35 @@ fn read_reply(child: &mut Child, limit: Duration) -> Result<LaunchReply, Service
             )))
         }
     }
+}
+
+/// Rotates a VMM log longer than `max` bytes: its last `max / 2` bytes
+/// replace `<log>.1` and the log is truncated; the VMM, appending, goes on
+/// at the new end. Lines written between the copy and the truncation are
+/// lost. Returns whether it rotated.
+pub fn cap_log(path: &Path, max: u64) -> std::io::Result<bool> {
+    use std::io::{Read, Seek, SeekFrom};
+    let len = match std::fs::metadata(path) {
+        Ok(m) => m.len(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    if len <= max {
+        return Ok(false);
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)?;
+    let keep = max / 2;
+    file.seek(SeekFrom::Start(len - keep))?;
+    let mut tail = Vec::with_capacity(keep as usize);
+    Read::by_ref(&mut file).take(keep).read_to_end(&mut tail)?;
+    let mut old = path.as_os_str().to_owned();
+    old.push(".1");
+    std::fs::write(&old, &tail)?;
+    file.set_len(0)?;
+    Ok(true)
 }
 
 /// The last lines of a VMM's stderr log, for operators' messages.
@@ -244,10 +282,94 @@ pub fn exit_reason(status: std::process::ExitStatus) -> String {
     format!("its VMM exited unexpectedly ({status})")
 }
 
-/// Whether a process with this pid exists.
-pub fn alive(pid: u32) -> bool {
-    // SAFETY: kill with signal 0 only checks for the process.
-    unsafe { libc::kill(pid as libc::pid_t, 0) == 0 }
+/// A process's start time: `/proc/PID/stat` field 22, in clock ticks
+/// after boot (`None` if it is gone).
+pub fn start_time(pid: u32) -> Option<u64> {
+    parse_stat_start(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// Field 22 (`starttime`) of a stat line, counted after the command name.
+fn parse_stat_start(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(22 - 3)?.parse().ok()
+}
+
+/// Whether `pid` is still the process `handle` recorded: same start time
+/// or, for a handle recorded without one, a `torpor-vmm` process.
+fn is_recorded(handle: &VmmHandle) -> bool {
+    is_process(handle.pid, handle.start_time)
+}
+
+/// Whether `pid` is the process that had start time `start` (for `None`,
+/// any `torpor-vmm` process): a recycled pid does not count.
+pub fn is_process(pid: u32, start: Option<u64>) -> bool {
+    match start {
+        Some(t) => start_time(pid) == Some(t),
+        None => std::fs::read_to_string(format!("/proc/{pid}/comm"))
+            .is_ok_and(|c| c.trim_end() == "torpor-vmm"),
+    }
+}
+
+/// Whether the VMM of `handle` still runs (a recycled pid does not count).
+pub fn alive(handle: &VmmHandle) -> bool {
+    is_recorded(handle)
+}
+
+/// A pidfd: a reference to one process that a recycled pid cannot
+/// redirect.
+struct PidFd(std::os::fd::OwnedFd);
+
+impl PidFd {
+    fn open(pid: u32) -> std::io::Result<Self> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just returned by pidfd_open and nothing else owns it.
+        Ok(PidFd(unsafe {
+            std::os::fd::OwnedFd::from_raw_fd(fd as libc::c_int)
+        }))
+    }
+
+    fn signal(&self, sig: libc::c_int) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a pidfd we own, a signal number, no siginfo, no flags.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.0.as_raw_fd(),
+                sig,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+        if rc < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
+
+/// Sends `sig` to the VMM of `handle`, never to another process that now
+/// has its pid: a pidfd is opened on the pid first, then the pid is checked
+/// to still be the recorded process (start time). A process recorded
+/// before the pidfd was opened cannot have been replaced by one that
+/// passes the check, so the signal reaches the VMM or no one. Returns
+/// whether it was sent.
+pub fn signal(handle: &VmmHandle, sig: libc::c_int) -> bool {
+    let Ok(pidfd) = PidFd::open(handle.pid) else {
+        return false;
+    };
+    if !is_recorded(handle) {
+        tracing::warn!(
+            pid = handle.pid,
+            "not signalling pid: it is no longer the VMM recorded (recycled)"
+        );
+        return false;
+    }
+    pidfd.signal(sig).is_ok()
 }
 
 /// Asks the VMM to stop, then makes sure it has: SIGKILL after a grace time.
@@ -267,13 +389,10 @@ pub fn stop(handle: &VmmHandle, child: Option<Child>) {
             let _ = c.wait();
         }
         None => {
-            while alive(handle.pid) && Instant::now() < deadline {
+            while alive(handle) && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(5));
             }
-            if alive(handle.pid) {
-                // SAFETY: signalling a pid we recorded as our VMM.
-                unsafe { libc::kill(handle.pid as libc::pid_t, libc::SIGKILL) };
-            }
+            signal(handle, libc::SIGKILL);
         }
     }
     let _ = std::fs::remove_file(&handle.control_socket);
@@ -333,6 +452,93 @@ fn parse_stat_faults(stat: &str) -> Option<PageFaults> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A VMM that logs without end leaves at most `max` plus `max / 2`
+    /// bytes: the log rotates under its appending writer.
+    #[test]
+    fn a_flooded_log_is_rotated_under_its_writer() {
+        let dir = std::env::temp_dir().join(format!("torpor-log-{}", crate::model::random_hex(6)));
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("vmm.log");
+        let mut writer = create_private(&log, None).unwrap();
+        let line = [b'w'; 1000];
+        for round in 0..20 {
+            for _ in 0..100 {
+                writer.write_all(&line).unwrap();
+            }
+            let rotated = cap_log(&log, 64_000).unwrap();
+            assert!(rotated, "round {round}: 100 KB is past 64 KB");
+            assert_eq!(std::fs::metadata(&log).unwrap().len(), 0);
+        }
+        writer.write_all(b"last\n").unwrap();
+        // Appends go to the new end: no hole where the old bytes were.
+        assert_eq!(std::fs::read(&log).unwrap(), b"last\n");
+        assert_eq!(
+            std::fs::metadata(dir.join("vmm.log.1")).unwrap().len(),
+            32_000
+        );
+        assert!(!cap_log(&log, 64_000).unwrap());
+        assert!(!cap_log(&dir.join("missing"), 64_000).unwrap());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn start_time_is_field_22() {
+        let line = "4242 (torpor vmm (x)) S 1 4242 4242 0 -1 4194560 1234 99 7 0 5 6 0 0 20 0 3 0 987654 1000";
+        assert_eq!(parse_stat_start(line), Some(987_654));
+        assert_eq!(parse_stat_start("4242 (short) S 1 2"), None);
+        assert!(start_time(std::process::id()).is_some());
+    }
+
+    /// A handle whose pid now belongs to another process (a recycled pid:
+    /// same pid, other start time) is neither alive nor signalled; the
+    /// right start time is.
+    #[test]
+    fn a_recycled_pid_is_not_killed() {
+        let mut other = std::process::Command::new("sleep")
+            .arg("600")
+            .spawn()
+            .unwrap();
+        let pid = other.id();
+        let real = start_time(pid).expect("start time");
+        let stale = VmmHandle {
+            pid,
+            start_time: Some(real.wrapping_sub(1)),
+            control_socket: PathBuf::from("/nonexistent/ctl.sock"),
+        };
+        assert!(!alive(&stale));
+        assert!(
+            !signal(&stale, libc::SIGKILL),
+            "a recycled pid was signalled"
+        );
+        stop(&stale, None);
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(
+            other.try_wait().unwrap().is_none(),
+            "the other process died"
+        );
+        // Without a start time only a torpor-vmm process is taken for one.
+        let legacy = VmmHandle {
+            start_time: None,
+            ..stale.clone()
+        };
+        assert!(!alive(&legacy));
+        assert!(!signal(&legacy, libc::SIGKILL));
+        assert!(
+            other.try_wait().unwrap().is_none(),
+            "the other process died"
+        );
+
+        let right = VmmHandle {
+            start_time: Some(real),
+            ..stale
+        };
+        assert!(alive(&right));
+        assert!(signal(&right, libc::SIGKILL));
+        let status = other.wait().unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(libc::SIGKILL));
+    }
 
     #[test]
     fn a_seccomp_kill_is_named() {

@@ -12,7 +12,8 @@ use crate::model::{PodId, Sandbox, SandboxId, TemplateId, TemplateState, Timesta
 use crate::state::{transition, SandboxState};
 
 const COLUMNS: &str = "id, template, pod, mem_mib, vcpus, keep_alive_ms, expires_at, state, \
-    failure_reason, created_at, last_active_at, snapshot, vmm_pid, vmm_socket, generation";
+    failure_reason, created_at, last_active_at, snapshot, vmm_pid, vmm_socket, generation, \
+    vmm_start";
 
 /// Which sandboxes [`Tx::list_sandboxes`] returns; every field set must match.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -28,6 +29,9 @@ pub struct SandboxFilter {
 /// A row without its metadata (read separately).
 fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
     let pid: Option<u32> = row.get("vmm_pid")?;
+    let start_time = row
+        .get::<_, Option<i64>>("vmm_start")?
+        .and_then(|t| u64::try_from(t).ok());
     let socket = get_path(row, "vmm_socket")?;
     Ok(Sandbox {
         id: row.get("id")?,
@@ -45,11 +49,19 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
         snapshot: get_path(row, "snapshot")?,
         vmm: pid.zip(socket).map(|(pid, control_socket)| VmmHandle {
             pid,
+            start_time,
             control_socket,
         }),
         generation: get_u64(row, "generation")?,
         restore: None,
     })
+}
+
+/// A VMM's start time as SQL.
+fn vmm_start(vmm: Option<&VmmHandle>) -> Result<Option<i64>> {
+    vmm.and_then(|v| v.start_time)
+        .map(|t| u64_sql(t, "vmm start time"))
+        .transpose()
 }
 
 fn check_shape(s: &Sandbox) -> Result<()> {
@@ -92,7 +104,7 @@ impl Tx<'_> {
         self.conn
             .prepare_cached(&format!(
                 "INSERT INTO sandboxes ({COLUMNS}) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)"
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)"
             ))?
             .execute(params![
                 s.id,
@@ -113,6 +125,7 @@ impl Tx<'_> {
                     "vmm socket"
                 )?,
                 u64_sql(s.generation, "generation")?,
+                vmm_start(s.vmm.as_ref())?,
             ])?;
         self.write_metadata(&s.id, &s.metadata)
     }
@@ -282,6 +295,7 @@ impl Tx<'_> {
 
     /// Sets (or clears) the VMM process that runs the sandbox.
     pub fn set_sandbox_vmm(&self, id: &SandboxId, vmm: Option<&VmmHandle>) -> Result<()> {
+        let start = vmm_start(vmm)?;
         let (pid, socket) = match vmm {
             Some(v) if v.pid == 0 => {
                 return Err(StoreError::Invalid {
@@ -297,8 +311,8 @@ impl Tx<'_> {
         };
         self.update_one(
             id,
-            "UPDATE sandboxes SET vmm_pid = ?2, vmm_socket = ?3 WHERE id = ?1",
-            &[&pid, &socket],
+            "UPDATE sandboxes SET vmm_pid = ?2, vmm_socket = ?3, vmm_start = ?4 WHERE id = ?1",
+            &[&pid, &socket, &start],
         )
     }
 

@@ -113,8 +113,14 @@ CREATE TABLE snapshot_layers (
 CREATE INDEX snapshot_layers_parent ON snapshot_layers (parent);
 "#;
 
+/// Version 3: the VMM's start time next to its pid, so that a recycled
+/// pid is never signalled as the sandbox's VMM.
+const V3: &str = r#"
+ALTER TABLE sandboxes ADD COLUMN vmm_start INTEGER CHECK (vmm_start >= 0);
+"#;
+
 /// Every migration, in order.
-pub const MIGRATIONS: &[&str] = &[V1, V2];
+pub const MIGRATIONS: &[&str] = &[V1, V2, V3];
 
 /// The schema version this build writes.
 pub const CURRENT_VERSION: i64 = MIGRATIONS.len() as i64;

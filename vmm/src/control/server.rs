@@ -132,7 +132,9 @@ fn serve_connection(
     Ok(())
 }
 
-fn answer(line: &str, vm: &dyn VmController) -> Response {
+/// The answer to one request line: a refusal for anything that is not a
+/// request this server takes (also what `fuzz/` drives).
+pub fn answer(line: &str, vm: &dyn VmController) -> Response {
     let result = match serde_json::from_str::<Request>(line) {
         Err(e) => Err(VmError::new(
             VmErrorKind::InvalidRequest,

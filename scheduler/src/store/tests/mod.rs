@@ -123,6 +123,7 @@ fn everything_survives_reopen() {
         s.expires_at = Some(Timestamp(1_900_000_000_000));
         s.vmm = Some(VmmHandle {
             pid: 4242,
+            start_time: Some(123_456),
             control_socket: "/run/torpor/x.sock".into(),
         });
         store.insert_sandbox(&s).unwrap();

@@ -281,6 +281,7 @@ fn setters_and_touch() {
     );
     let vmm = VmmHandle {
         pid: 77,
+        start_time: None,
         control_socket: "/run/torpor/77.sock".into(),
     };
     store.set_sandbox_vmm(&s.id, Some(&vmm)).unwrap();

@@ -203,7 +203,7 @@ impl<D: VirtioDevice> MmioTransport<D> {
         }
         let old = self.status;
         if new & old != old {
-            tracing::warn!(
+            crate::guest_warn!(
                 old,
                 new,
                 "virtio driver cleared status bits without a reset"
@@ -216,7 +216,7 @@ impl<D: VirtioDevice> MmioTransport<D> {
             || needs(status::FEATURES_OK, status::DRIVER)
             || needs(status::DRIVER_OK, status::FEATURES_OK)
         {
-            tracing::warn!(old, new, "virtio driver skipped a status step");
+            crate::guest_warn!(old, new, "virtio driver skipped a status step");
             return;
         }
         let mut new = new;
@@ -234,7 +234,7 @@ impl<D: VirtioDevice> MmioTransport<D> {
         self.status = new;
         if added & status::DRIVER_OK != 0 {
             if let Err(e) = self.activate() {
-                tracing::warn!(device = self.device.device_type(), "activation failed: {e}");
+                crate::guest_warn!(device = self.device.device_type(), "activation failed: {e}");
                 self.status |= status::DEVICE_NEEDS_RESET;
                 self.interrupt.signal_config_change();
             }
@@ -266,7 +266,7 @@ impl<D: VirtioDevice> MmioTransport<D> {
 
     fn write_driver_features(&mut self, value: u32) {
         if self.status & status::DRIVER == 0 || self.status & status::FEATURES_OK != 0 {
-            tracing::warn!("virtio driver wrote features outside feature negotiation");
+            crate::guest_warn!("virtio driver wrote features outside feature negotiation");
             return;
         }
         let shift = match self.driver_features_select {
@@ -280,7 +280,7 @@ impl<D: VirtioDevice> MmioTransport<D> {
 
     fn write_queue_reg(&mut self, offset: u64, value: u32) {
         if !self.queue_config_allowed() {
-            tracing::warn!(offset, "virtio queue register written outside setup");
+            crate::guest_warn!(offset, "virtio queue register written outside setup");
             return;
         }
         let Some(q) = self.selected_queue() else {
@@ -291,7 +291,7 @@ impl<D: VirtioDevice> MmioTransport<D> {
             return;
         }
         if q.ready() {
-            tracing::warn!(
+            crate::guest_warn!(
                 offset,
                 "virtio queue register written while the queue is ready"
             );
@@ -300,7 +300,7 @@ impl<D: VirtioDevice> MmioTransport<D> {
         match offset {
             reg::QUEUE_NUM => match u16::try_from(value) {
                 Ok(size) => q.set_size(size),
-                Err(_) => tracing::warn!(value, "virtio queue size too large"),
+                Err(_) => crate::guest_warn!(value, "virtio queue size too large"),
             },
             reg::QUEUE_DESC_LOW => q.set_desc_table_address(Some(value), None),
             reg::QUEUE_DESC_HIGH => q.set_desc_table_address(None, Some(value)),

@@ -10,6 +10,8 @@
 //! for how the VMM wires a device in.
 
 pub mod bus;
+#[cfg(any(test, fuzzing))]
+pub mod driver;
 pub mod mmio;
 pub mod persist;
 pub mod queue;

@@ -281,7 +281,7 @@ impl<'a> QueueContext<'a> {
             return;
         };
         if let Err(e) = q.add_used(self.mem, head, len) {
-            tracing::warn!(queue = index, "cannot add to the used ring: {e}");
+            crate::guest_warn!(queue = index, "cannot add to the used ring: {e}");
         }
         self.mark_used_ring(index);
     }
@@ -295,7 +295,7 @@ impl<'a> QueueContext<'a> {
             Ok(true) => self.interrupt.signal_used_queue(),
             Ok(false) => {}
             Err(e) => {
-                tracing::warn!(queue = index, "cannot read the used-event index: {e}");
+                crate::guest_warn!(queue = index, "cannot read the used-event index: {e}");
                 self.interrupt.signal_used_queue();
             }
         }
@@ -308,7 +308,7 @@ impl<'a> QueueContext<'a> {
             return false;
         };
         let more = q.enable_notification(self.mem).unwrap_or_else(|e| {
-            tracing::warn!(queue = index, "cannot enable notifications: {e}");
+            crate::guest_warn!(queue = index, "cannot enable notifications: {e}");
             false
         });
         self.mark_used_ring(index);
@@ -318,7 +318,7 @@ impl<'a> QueueContext<'a> {
     pub fn disable_notification(&mut self, index: usize) {
         if let Some(q) = ready_queue(self.queues, index) {
             if let Err(e) = q.disable_notification(self.mem) {
-                tracing::warn!(queue = index, "cannot disable notifications: {e}");
+                crate::guest_warn!(queue = index, "cannot disable notifications: {e}");
             }
         }
         self.mark_used_ring(index);
@@ -347,7 +347,7 @@ impl<'a> QueueContext<'a> {
             }
             empty_passes = if handled == 0 { empty_passes + 1 } else { 0 };
             if empty_passes >= 2 {
-                tracing::warn!(queue = index, "available ring index is inconsistent");
+                crate::guest_warn!(queue = index, "available ring index is inconsistent");
                 break;
             }
         }

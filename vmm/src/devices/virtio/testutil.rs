@@ -12,8 +12,7 @@ use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
 use virtio_queue::mock::{AvailRing, DescriptorTable, UsedRing};
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 
-use super::bus::MmioDevice;
-use super::status;
+pub use super::driver::{activate, negotiate, read32, write32, QueueAddrs};
 
 pub const F_NEXT: u16 = 1;
 pub const F_WRITE: u16 = 2;
@@ -58,52 +57,6 @@ pub fn copy_mem(src: &GuestMemoryMmap, dst: &GuestMemoryMmap) {
         src.read_slice(&mut buf, region.start_addr()).unwrap();
         dst.write_slice(&buf, region.start_addr()).unwrap();
     }
-}
-
-pub fn write32(dev: &mut dyn MmioDevice, offset: u64, value: u32) {
-    dev.write(offset, &value.to_le_bytes());
-}
-
-pub fn read32(dev: &mut dyn MmioDevice, offset: u64) -> u32 {
-    let mut b = [0u8; 4];
-    dev.read(offset, &mut b);
-    u32::from_le_bytes(b)
-}
-
-/// Negotiates `features` and sets up one queue per mock queue, as Linux's
-/// virtio-mmio driver does, up to (not including) DRIVER_OK.
-pub fn negotiate(dev: &mut dyn MmioDevice, features: u64, queues: &[&Driver<'_>], size: u16) {
-    write32(dev, 0x70, 0);
-    write32(dev, 0x70, status::ACKNOWLEDGE);
-    write32(dev, 0x70, status::ACKNOWLEDGE | status::DRIVER);
-    for (sel, half) in [(0u32, features as u32), (1, (features >> 32) as u32)] {
-        write32(dev, 0x24, sel);
-        write32(dev, 0x20, half);
-    }
-    let s = status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK;
-    write32(dev, 0x70, s);
-    assert_eq!(read32(dev, 0x70), s, "features accepted");
-    for (i, q) in queues.iter().enumerate() {
-        write32(dev, 0x30, i as u32);
-        write32(dev, 0x38, u32::from(size));
-        for (lo, addr) in [
-            (0x80, q.desc_addr),
-            (0x90, q.avail_addr),
-            (0xa0, q.used_addr),
-        ] {
-            write32(dev, lo, addr as u32);
-            write32(dev, lo + 4, (addr >> 32) as u32);
-        }
-        write32(dev, 0x44, 1);
-    }
-}
-
-/// `negotiate`, then DRIVER_OK.
-pub fn activate(dev: &mut dyn MmioDevice, features: u64, queues: &[&Driver<'_>], size: u16) {
-    negotiate(dev, features, queues, size);
-    let s = status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK | status::DRIVER_OK;
-    write32(dev, 0x70, s);
-    assert_eq!(read32(dev, 0x70), s, "device activated");
 }
 
 /// Driver side of one queue: places chains at increasing descriptor
@@ -187,5 +140,11 @@ impl<'a> Driver<'a> {
             self.seen_used = self.seen_used.wrapping_add(1);
         }
         out
+    }
+}
+
+impl QueueAddrs for Driver<'_> {
+    fn addrs(&self) -> (u64, u64, u64) {
+        (self.desc_addr, self.avail_addr, self.used_addr)
     }
 }

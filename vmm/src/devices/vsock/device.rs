@@ -401,7 +401,7 @@ impl VsockDevice {
 
     pub(super) fn push_control(&mut self, key: ConnKey, op: u16, flags: u32) {
         if self.control.len() >= MAX_CONTROL {
-            tracing::warn!(?key, op, "vsock control queue full; packet dropped");
+            crate::guest_warn!(?key, op, "vsock control queue full; packet dropped");
             return;
         }
         self.control.push_back(Control { key, op, flags });
