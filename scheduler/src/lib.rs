@@ -57,6 +57,7 @@ macro_rules! str_enum {
 }
 
 pub mod files;
+pub mod images;
 pub mod model;
 pub mod service;
 pub mod state;

@@ -82,6 +82,9 @@ pub struct ServiceConfig {
     /// Timeout of an exec that names none, and the longest one may name
     /// (so no exec holds a blocking thread for ever).
     pub exec_timeout_ms: u64,
+    /// Where images (`NAME/vmlinux`, `NAME/rootfs.ext4`) are installed;
+    /// `DATA_DIR/images` unless the operator names another.
+    pub images_dir: Option<PathBuf>,
 }
 
 impl ServiceConfig {
@@ -97,6 +100,7 @@ impl ServiceConfig {
             default_ratio: 4.0,
             policy_interval_ms: 1000,
             exec_timeout_ms: DEFAULT_EXEC_TIMEOUT_MS,
+            images_dir: None,
         }
     }
 }
@@ -139,6 +143,30 @@ pub enum ServiceError {
         code: String,
         message: String,
     },
+    /// A body or upload over its limit (413).
+    #[error("{0}")]
+    TooLarge(String),
+    /// A tenant's quota would be exceeded (429, `quota_exceeded`).
+    #[error("tenant {tenant} is at its {quota} quota: {used} used of {limit}, {asked} more asked")]
+    Quota {
+        tenant: String,
+        quota: &'static str,
+        limit: u64,
+        used: u64,
+        asked: u64,
+    },
+}
+
+impl From<crate::images::ImageError> for ServiceError {
+    fn from(e: crate::images::ImageError) -> Self {
+        use crate::images::ImageError as E;
+        match e {
+            E::BadName | E::BadPart(_) | E::Unusable { .. } => ServiceError::Invalid(e.to_string()),
+            E::TooLarge { .. } => ServiceError::TooLarge(e.to_string()),
+            E::InUse { .. } => ServiceError::ResourceConflict(e.to_string()),
+            E::Io(_) => ServiceError::Internal(e.to_string()),
+        }
+    }
 }
 
 impl From<StoreError> for ServiceError {
@@ -183,10 +211,10 @@ impl ServiceError {
 pub struct CreateTemplate {
     pub name: String,
     pub kind: TemplateKind,
-    #[serde(default)]
-    pub kernel: Option<PathBuf>,
-    #[serde(default)]
-    pub rootfs: Option<PathBuf>,
+    /// A Linux template's image: the name of a directory in the images
+    /// directory holding `vmlinux` and `rootfs.ext4` (never a host path).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
     #[serde(default = "default_mem")]
     pub mem_mib: u32,
     #[serde(default = "default_vcpus")]
@@ -197,6 +225,27 @@ pub struct CreateTemplate {
     /// pod when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<PodId>,
+    /// Who asks (set by the API from the token, never from the body): a
+    /// tenant's template is that tenant's; an admin's, or one without an
+    /// owner, is shared.
+    #[serde(skip)]
+    pub owner: Option<Owner>,
+}
+
+/// Who makes a sandbox or a template: the tenant it will belong to, and
+/// whether that caller is an admin (who may use every template).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    pub tenant: String,
+    pub admin: bool,
+}
+
+impl Owner {
+    /// Whether this caller may use (restore, see) `template`: shared ones,
+    /// its own, and every one for an admin.
+    pub fn may_use(&self, template: &crate::model::Template) -> bool {
+        self.admin || template.tenant.as_deref().is_none_or(|t| t == self.tenant)
+    }
 }
 
 fn default_mem() -> u32 {
@@ -228,6 +277,10 @@ pub struct CreateSandbox {
     /// letting placement choose.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<PodId>,
+    /// Who asks (set by the API from the token, never from the body); the
+    /// sandbox is `owner.tenant`'s.
+    #[serde(skip)]
+    pub owner: Option<Owner>,
 }
 
 /// The result of an operation, and whether it had to wake the sandbox.
@@ -265,6 +318,11 @@ pub struct Service {
     stop: Arc<std::sync::atomic::AtomicBool>,
     /// Standby VMM shells for creates and wakes.
     pool: Arc<pool::StandbyPool>,
+    /// The images Linux templates are built from.
+    images: crate::images::Images,
+    /// Memory (MiB) of template builds booting now: counted by admission
+    /// with the sandboxes' (a build boots a VM too).
+    building_mib: Mutex<u64>,
 }
 
 impl Service {
@@ -281,6 +339,13 @@ impl Service {
         config.data_dir = std::fs::canonicalize(&config.data_dir)
             .map_err(|e| ServiceError::Internal(format!("resolve data dir: {e}")))?;
         let store = Store::open(&config.data_dir)?;
+        let images = crate::images::Images::open(
+            config
+                .images_dir
+                .clone()
+                .unwrap_or_else(|| config.data_dir.join("images")),
+        )
+        .map_err(|e| ServiceError::Internal(e.to_string()))?;
         let pool = pool::StandbyPool::new(
             config.data_dir.join("pool"),
             config.vmm_exe.clone(),
@@ -296,6 +361,8 @@ impl Service {
             in_flight: policy::InFlight::default(),
             stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             pool,
+            images,
+            building_mib: Mutex::new(0),
         });
         service.ensure_local_pod()?;
         service.recover()?;
@@ -321,6 +388,11 @@ impl Service {
 
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// The images directory.
+    pub fn images(&self) -> &crate::images::Images {
+        &self.images
     }
 
     fn ensure_local_pod(&self) -> Result<(), ServiceError> {

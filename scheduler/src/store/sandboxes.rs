@@ -12,7 +12,7 @@ use crate::model::{PodId, Sandbox, SandboxId, TemplateId, TemplateState, Timesta
 use crate::state::{transition, SandboxState};
 
 const COLUMNS: &str = "id, template, pod, mem_mib, vcpus, keep_alive_ms, expires_at, state, \
-    failure_reason, created_at, last_active_at, snapshot, vmm_pid, vmm_socket, generation";
+    failure_reason, created_at, last_active_at, snapshot, vmm_pid, vmm_socket, generation, tenant";
 
 /// Which sandboxes [`Tx::list_sandboxes`] returns; every field set must match.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -23,6 +23,8 @@ pub struct SandboxFilter {
     pub pod: Option<PodId>,
     /// Every pair must be in the sandbox's metadata.
     pub metadata: BTreeMap<String, String>,
+    /// Only this tenant's sandboxes.
+    pub tenant: Option<String>,
 }
 
 /// A row without its metadata (read separately).
@@ -49,6 +51,7 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
         }),
         generation: get_u64(row, "generation")?,
         restore: None,
+        tenant: row.get("tenant")?,
     })
 }
 
@@ -92,7 +95,7 @@ impl Tx<'_> {
         self.conn
             .prepare_cached(&format!(
                 "INSERT INTO sandboxes ({COLUMNS}) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)"
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)"
             ))?
             .execute(params![
                 s.id,
@@ -113,6 +116,7 @@ impl Tx<'_> {
                     "vmm socket"
                 )?,
                 u64_sql(s.generation, "generation")?,
+                s.tenant,
             ])?;
         self.write_metadata(&s.id, &s.metadata)
     }
@@ -192,6 +196,9 @@ impl Tx<'_> {
         }
         if let Some(p) = &filter.pod {
             sql.push_str(&format!(" AND pod = {}", arg(p.to_string(), &mut args)));
+        }
+        if let Some(t) = &filter.tenant {
+            sql.push_str(&format!(" AND tenant = {}", arg(t.clone(), &mut args)));
         }
         for (key, value) in &filter.metadata {
             let (k, v) = (arg(key.clone(), &mut args), arg(value.clone(), &mut args));

@@ -113,8 +113,19 @@ CREATE TABLE snapshot_layers (
 CREATE INDEX snapshot_layers_parent ON snapshot_layers (parent);
 "#;
 
+/// Version 3: tenants. Every sandbox and every template a tenant built
+/// belongs to that tenant (`NULL`: rows made before tenants existed, and
+/// shared templates such as the built-in probe, which every tenant may
+/// use); a Linux template records the image it was built from by name.
+const V3: &str = r#"
+ALTER TABLE sandboxes ADD COLUMN tenant TEXT;
+CREATE INDEX sandboxes_tenant ON sandboxes (tenant);
+ALTER TABLE templates ADD COLUMN tenant TEXT;
+ALTER TABLE templates ADD COLUMN image TEXT;
+"#;
+
 /// Every migration, in order.
-pub const MIGRATIONS: &[&str] = &[V1, V2];
+pub const MIGRATIONS: &[&str] = &[V1, V2, V3];
 
 /// The schema version this build writes.
 pub const CURRENT_VERSION: i64 = MIGRATIONS.len() as i64;
