@@ -96,6 +96,7 @@ impl PodProcess {
         HttpResponse {
             status,
             body: rest.to_string(),
+            head: head.to_string(),
         }
     }
 

@@ -214,6 +214,19 @@ pub fn rewrite_pod_ids(v: &mut Value, pod: &PodId) {
     }
 }
 
+/// A pod's text as we pass it on: printable characters only, at most 200.
+pub fn sanitized(text: &str) -> String {
+    let mut out: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .take(200)
+        .collect();
+    if text.chars().count() > 200 {
+        out.push_str("...");
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -239,17 +252,4 @@ mod tests {
         assert_eq!(v["sandboxes"][0]["pod"], "pod_r");
         assert_eq!(v["sandbox"]["pod"], "pod_x");
     }
-}
-
-/// A pod's text as we pass it on: printable characters only, at most 200.
-pub fn sanitized(text: &str) -> String {
-    let mut out: String = text
-        .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .take(200)
-        .collect();
-    if text.chars().count() > 200 {
-        out.push_str("...");
-    }
-    out
 }

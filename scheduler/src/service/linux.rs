@@ -124,7 +124,9 @@ impl Service {
                 "a Linux template needs `image`: the name of an installed image".into(),
             )
         })?;
-        crate::images::check_name(name)?;
+        // The image is checked first: a bad name or file is 400 on every
+        // host, before anything else is looked at.
+        let files = self.images.resolve(name)?;
         if let Some(why) = self.config.host.linux_refusal() {
             return Err(ServiceError::Unsupported(why));
         }
@@ -133,7 +135,6 @@ impl Service {
                 "Linux templates need mem_mib >= {MIN_LINUX_MIB}"
             )));
         }
-        let files = self.images.resolve(name)?;
         Ok(Some(LinuxImage {
             name: name.to_string(),
             kernel: files.kernel,
