@@ -330,6 +330,9 @@ pub struct ServiceFlags {
     /// (NAME/vmlinux, NAME/rootfs.ext4) [default: DATA_DIR/images].
     #[arg(long, value_name = "DIR")]
     pub images_dir: Option<PathBuf>,
+    /// How long a deleted sandbox's row is kept before it is pruned.
+    #[arg(long, default_value_t = torpor_scheduler::service::DEFAULT_DELETED_RETENTION_MS, value_name = "N")]
+    pub deleted_retention_ms: u64,
 }
 
 /// The memory backends a pod restores with.

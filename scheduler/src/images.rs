@@ -69,15 +69,20 @@ impl ImagePart {
     }
 }
 
-/// Refuses anything but a plain name: no `/`, no `..`, no leading dot.
-pub fn check_name(name: &str) -> Result<(), ImageError> {
-    let ok = !name.is_empty()
+/// A plain name (images, tenants): 1 to 64 characters of a-z, A-Z, 0-9,
+/// `.`, `_` and `-`, not starting with `.` (so no `/`, no `..`).
+pub fn is_plain_name(name: &str) -> bool {
+    !name.is_empty()
         && name.len() <= MAX_IMAGE_NAME
         && !name.starts_with('.')
         && name
             .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if ok {
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+/// Refuses anything but a plain name ([`is_plain_name`]).
+pub fn check_name(name: &str) -> Result<(), ImageError> {
+    if is_plain_name(name) {
         Ok(())
     } else {
         Err(ImageError::BadName)

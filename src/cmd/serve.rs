@@ -132,6 +132,7 @@ fn open_service(
     config.memory_backend = flags.memory_backend.backend();
     config.dirty_tracking = flags.dirty_tracking.tracking();
     config.images_dir = flags.images_dir.clone();
+    config.deleted_retention_ms = flags.deleted_retention_ms;
     println!("{who}: data dir {}", data_dir.display());
     let host = &config.host;
     let kinds: Vec<&str> = host.kinds().iter().map(|k| k.as_str()).collect();

@@ -95,13 +95,7 @@ pub fn random_token() -> Result<String, TokensError> {
 
 /// Tenant names: like image names (plain, no path characters).
 pub fn check_tenant(name: &str) -> Result<(), TokensError> {
-    let ok = !name.is_empty()
-        && name.len() <= 64
-        && !name.starts_with('.')
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if ok {
+    if torpor_scheduler::images::is_plain_name(name) {
         Ok(())
     } else {
         Err(TokensError::BadTenant)

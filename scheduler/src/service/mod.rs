@@ -50,6 +50,9 @@ pub const PROBE_TEMPLATE: &str = "probe";
 /// with untouched memory: it costs page tables, not guest RAM).
 pub const DEFAULT_STANDBY_POOL: usize = 4;
 
+/// How long a deleted sandbox's row is kept (to read why it ended): 7 days.
+pub const DEFAULT_DELETED_RETENTION_MS: u64 = 7 * 24 * 3600 * 1000;
+
 /// Default (and largest) exec timeout: 10 minutes.
 pub const DEFAULT_EXEC_TIMEOUT_MS: u64 = 10 * 60 * 1000;
 
@@ -82,6 +85,8 @@ pub struct ServiceConfig {
     /// Timeout of an exec that names none, and the longest one may name
     /// (so no exec holds a blocking thread for ever).
     pub exec_timeout_ms: u64,
+    /// Deleted sandboxes' rows are pruned this long after their deletion.
+    pub deleted_retention_ms: u64,
     /// Where images (`NAME/vmlinux`, `NAME/rootfs.ext4`) are installed;
     /// `DATA_DIR/images` unless the operator names another.
     pub images_dir: Option<PathBuf>,
@@ -101,6 +106,7 @@ impl ServiceConfig {
             policy_interval_ms: 1000,
             exec_timeout_ms: DEFAULT_EXEC_TIMEOUT_MS,
             images_dir: None,
+            deleted_retention_ms: DEFAULT_DELETED_RETENTION_MS,
         }
     }
 }

@@ -342,6 +342,22 @@ impl Tx<'_> {
         self.write_metadata(id, metadata)
     }
 
+    /// Deleted sandboxes deleted before `cutoff` (when the last operation
+    /// on them ended; rows without one by their last activity), oldest
+    /// first: what retention prunes.
+    pub fn deleted_before(&self, cutoff: Timestamp) -> Result<Vec<SandboxId>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT s.id FROM sandboxes s WHERE s.state = 'deleted' AND \
+             COALESCE((SELECT max(o.finished_at) FROM operations o WHERE o.sandbox = s.id), \
+                      s.last_active_at) < ?1 \
+             ORDER BY s.last_active_at, s.id",
+        )?;
+        let rows = stmt
+            .query_map([cutoff], |r| r.get(0))?
+            .collect::<rusqlite::Result<Vec<SandboxId>>>()?;
+        Ok(rows)
+    }
+
     /// Removes a deleted sandbox's row, its metadata and its checkpoints.
     /// Refused (`Conflict`) unless the sandbox is deleted.
     pub fn purge_sandbox(&self, id: &SandboxId) -> Result<()> {
@@ -375,5 +391,29 @@ impl Tx<'_> {
         self.conn
             .execute("DELETE FROM sandboxes WHERE id = ?1", [id])?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod retention_tests {
+    use super::super::tests::{sandbox_in, setup};
+    use crate::model::Timestamp;
+    use crate::state::SandboxState;
+
+    #[test]
+    fn only_deleted_rows_older_than_the_cutoff_are_listed_and_purged() {
+        let (_d, store, t) = setup();
+        let live = sandbox_in(&store, &t, SandboxState::Running);
+        let gone = sandbox_in(&store, &t, SandboxState::Running);
+        store
+            .update_sandbox_state(&gone.id, SandboxState::Running, SandboxState::Deleted, None)
+            .unwrap();
+        let later = Timestamp(Timestamp::now().0 + 1000);
+        assert!(store.deleted_before(Timestamp(0)).unwrap().is_empty());
+        assert_eq!(store.deleted_before(later).unwrap(), vec![gone.id.clone()]);
+        store.purge_sandbox(&gone.id).unwrap();
+        assert!(store.deleted_before(later).unwrap().is_empty());
+        assert!(store.get_sandbox(&gone.id).is_err());
+        assert!(store.get_sandbox(&live.id).is_ok());
     }
 }
