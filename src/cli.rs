@@ -33,6 +33,12 @@ pub enum Command {
     Sandbox(SandboxCommand),
     /// Templates, through the REST API: list, get, create, rm.
     Template(TemplateCommand),
+    /// Images (kernels and root filesystems Linux templates are built
+    /// from), through the REST API: list, upload, rm (admin).
+    Image(ImageCommand),
+    /// API tokens, through the REST API: create, list, rm (admin). A
+    /// token is shown once, when it is created.
+    Token(TokenCommand),
     /// Pods (the hosts sandboxes run on): list, set, add, rm through the
     /// REST API; `pod serve` runs one.
     Pod(PodCommand),
@@ -380,6 +386,13 @@ pub struct ServiceFlags {
     /// (development machines only: a guest that escapes owns the host).
     #[arg(long)]
     pub no_jail: bool,
+    /// Where images Linux templates are built from are installed
+    /// (NAME/vmlinux, NAME/rootfs.ext4) [default: DATA_DIR/images].
+    #[arg(long, value_name = "DIR")]
+    pub images_dir: Option<PathBuf>,
+    /// How long a deleted sandbox's row is kept before it is pruned.
+    #[arg(long, default_value_t = torpor_scheduler::service::DEFAULT_DELETED_RETENTION_MS, value_name = "N")]
+    pub deleted_retention_ms: u64,
 }
 
 /// The memory backends a pod restores with.
@@ -409,8 +422,9 @@ pub struct ServeArgs {
     /// $TORPOR_DATA_DIR, /var/lib/torpor as root, else ~/.local/share/torpor).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
-    /// API bearer token (repeatable). Without one, a token is read from (or
-    /// created in) DATA_DIR/token.
+    /// Admin API bearer token (repeatable), besides the tokens in
+    /// DATA_DIR/tenants.json (`torpor token create`). Without one, a first
+    /// start creates an admin token there and prints it once.
     #[arg(long)]
     pub token: Vec<String>,
     #[command(flatten)]
@@ -790,19 +804,83 @@ pub struct TemplateCreateArgs {
     /// Number of vCPUs [default: the service's, 1].
     #[arg(long, value_name = "N")]
     pub vcpus: Option<u32>,
-    /// Linux: the kernel image (a path on the server).
-    #[arg(long, value_name = "PATH")]
-    pub kernel: Option<PathBuf>,
-    /// Linux: the root filesystem image with torpor-agent (a path on the
-    /// server; never written: the guest writes to its own overlay).
-    #[arg(long, value_name = "PATH")]
-    pub rootfs: Option<PathBuf>,
+    /// Linux: the image to build it from (its name: `torpor image list`;
+    /// a kernel and a root filesystem with torpor-agent, never written:
+    /// the guest writes to its own overlay).
+    #[arg(long, value_name = "NAME")]
+    pub image: Option<String>,
     /// The kernel command line [default: the service's for the kind].
     #[arg(long, value_name = "ARGS")]
     pub cmdline: Option<String>,
     /// Build it on this pod (templates are per pod) [default: the local pod].
     #[arg(long, value_name = "ID")]
     pub pod: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct ImageCommand {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    #[command(subcommand)]
+    pub action: ImageAction,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ImageAction {
+    /// List installed images.
+    #[command(visible_alias = "ls")]
+    List,
+    /// Upload an image's kernel and/or root filesystem (admin).
+    #[command(group(ArgGroup::new("part").required(true).multiple(true)))]
+    Upload {
+        /// The image's name.
+        #[arg(value_name = "NAME")]
+        name: String,
+        /// The kernel (vmlinux) to upload.
+        #[arg(long, value_name = "FILE", group = "part")]
+        kernel: Option<PathBuf>,
+        /// The root filesystem (ext4, with torpor-agent) to upload.
+        #[arg(long, value_name = "FILE", group = "part")]
+        rootfs: Option<PathBuf>,
+    },
+    /// Remove an image no template uses (admin).
+    #[command(visible_alias = "remove")]
+    Rm {
+        #[arg(value_name = "NAME")]
+        name: String,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct TokenCommand {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    #[command(subcommand)]
+    pub action: TokenAction,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TokenAction {
+    /// Create a token for a tenant and print it (shown this once).
+    Create {
+        /// The tenant it acts for.
+        #[arg(long, value_name = "T")]
+        tenant: String,
+        /// An admin token (every tenant, pods, images, tokens, quotas)
+        /// instead of a tenant token.
+        #[arg(long)]
+        admin: bool,
+    },
+    /// List tokens: ID, TENANT, SCOPE, CREATED (never the tokens).
+    #[command(visible_alias = "ls")]
+    List,
+    /// Revoke a token.
+    #[command(visible_alias = "remove")]
+    Rm {
+        /// The token's id (tok_...).
+        #[arg(value_name = "ID")]
+        id: String,
+    },
 }
 
 #[derive(Debug, Args)]

@@ -10,6 +10,7 @@ use torpor_scheduler::model::{Checkpoint, PodId, Sandbox, SandboxId, Template, T
 use torpor_scheduler::service::LOCAL_POD;
 
 use crate::federation::{AddPod, RemotePod};
+use torpor_scheduler::images::ImagePart;
 
 use crate::service::{
     CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
@@ -19,6 +20,10 @@ use crate::service::{
 
 fn no_checkpoints() -> ServiceError {
     ServiceError::Unsupported("this backend keeps no checkpoints".into())
+}
+
+fn no_images() -> ServiceError {
+    ServiceError::Unsupported("this backend keeps no images".into())
 }
 
 fn no_remote_pods() -> ServiceError {
@@ -100,6 +105,34 @@ pub trait SandboxApi: Send + Sync + 'static {
                 Ok(v)
             })
             .collect()
+    }
+
+    /// The tenant sandbox `id` belongs to (`None`: made before tenants);
+    /// `NotFound` if there is no such sandbox. The API's ownership check.
+    fn sandbox_tenant(&self, id: &SandboxId) -> Result<Option<String>, ServiceError> {
+        self.get_sandbox(id).map(|s| s.tenant)
+    }
+
+    // Images (Linux templates' kernels and root filesystems). A backend
+    // without them (the API tests' fake) answers 501.
+
+    /// Installed images' names.
+    fn list_images(&self) -> Result<Vec<String>, ServiceError> {
+        Err(no_images())
+    }
+    /// Installs one file of an image from `body` (at most `limit` bytes);
+    /// its size.
+    fn install_image(
+        &self,
+        _name: &str,
+        _part: ImagePart,
+        _body: &mut dyn std::io::Read,
+        _limit: u64,
+    ) -> Result<u64, ServiceError> {
+        Err(no_images())
+    }
+    fn remove_image(&self, _name: &str) -> Result<(), ServiceError> {
+        Err(no_images())
     }
 
     // Remote pods (the federation; see `crate::federation`). A single pod
@@ -294,5 +327,20 @@ impl SandboxApi for Service {
     }
     fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError> {
         Service::list_dir(self, id, path)
+    }
+    fn list_images(&self) -> Result<Vec<String>, ServiceError> {
+        Ok(self.images().list())
+    }
+    fn install_image(
+        &self,
+        name: &str,
+        part: ImagePart,
+        body: &mut dyn std::io::Read,
+        limit: u64,
+    ) -> Result<u64, ServiceError> {
+        Ok(self.images().install(name, part, body, limit)?)
+    }
+    fn remove_image(&self, name: &str) -> Result<(), ServiceError> {
+        Service::remove_image(self, name)
     }
 }

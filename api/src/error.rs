@@ -44,6 +44,10 @@ pub mod code {
     pub const BAD_SNAPSHOT: &str = "bad_snapshot";
     /// The sandbox's VM has ended (it failed or was stopped underneath us).
     pub const VM_GONE: &str = "vm_gone";
+    /// A tenant's quota is used up (the body's `quota` names which).
+    pub const QUOTA_EXCEEDED: &str = "quota_exceeded";
+    /// Too many requests from one token (`Retry-After` says when to retry).
+    pub const RATE_LIMITED: &str = "rate_limited";
 
     /// Every code (the OpenAPI document lists the same).
     pub const ALL: &[&str] = &[
@@ -67,6 +71,8 @@ pub mod code {
         INSUFFICIENT_STORAGE,
         BAD_SNAPSHOT,
         VM_GONE,
+        QUOTA_EXCEEDED,
+        RATE_LIMITED,
     ];
 }
 
@@ -130,6 +136,18 @@ pub struct ApiError {
     pub code: &'static str,
     pub message: String,
     pub state: Option<SandboxState>,
+    /// A `quota_exceeded` answer's quota and its use.
+    pub quota: Option<QuotaInfo>,
+    /// `Retry-After` (seconds) of a `rate_limited` answer.
+    pub retry_after: Option<u64>,
+}
+
+/// Which quota a 429 `quota_exceeded` hit, its limit and the current use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct QuotaInfo {
+    pub quota: &'static str,
+    pub limit: u64,
+    pub used: u64,
 }
 
 #[derive(Serialize)]
@@ -143,6 +161,8 @@ struct ErrorFields<'a> {
     message: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
     state: Option<SandboxState>,
+    #[serde(skip_serializing_if = "Option::is_none", flatten)]
+    quota: Option<QuotaInfo>,
 }
 
 impl ApiError {
@@ -152,6 +172,8 @@ impl ApiError {
             code,
             message: message.into(),
             state: None,
+            quota: None,
+            retry_after: None,
         }
     }
 
@@ -180,6 +202,7 @@ impl ApiError {
                 code: self.code,
                 message: &self.message,
                 state: self.state,
+                quota: self.quota,
             },
         };
         serde_json::to_string(&envelope).unwrap_or_else(|_| {
@@ -247,9 +270,21 @@ impl From<ServiceError> for ApiError {
                 ApiError::new(StatusCode::NOT_IMPLEMENTED, code::UNSUPPORTED, message)
             }
             ServiceError::Internal(_) => {
+                // The detail names host paths and processes: the log has it.
                 tracing::error!(error = %message, "internal error");
-                ApiError::internal(message)
+                ApiError::internal("internal error (the server's log has the details)")
             }
+            ServiceError::TooLarge(_) => ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                code::PAYLOAD_TOO_LARGE,
+                message,
+            ),
+            ServiceError::Quota {
+                quota, limit, used, ..
+            } => ApiError {
+                quota: Some(QuotaInfo { quota, limit, used }),
+                ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, code::QUOTA_EXCEEDED, message)
+            },
             ServiceError::Guest(g) => guest_error(&g, message),
             ServiceError::Vm(e) => vm_error(&e),
             ServiceError::Pod { status, code, .. } => {
@@ -304,6 +339,12 @@ impl IntoResponse for ApiError {
         );
         if self.status == StatusCode::UNAUTHORIZED {
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if let Some(v) = self
+            .retry_after
+            .and_then(|s| HeaderValue::from_str(&s.to_string()).ok())
+        {
+            headers.insert(header::RETRY_AFTER, v);
         }
         response
     }

@@ -3,31 +3,40 @@
 use std::sync::Arc;
 
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Extension, Path, Query, State};
 use axum::http::header::{self, HeaderValue};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use torpor_scheduler::model::{PodId, SandboxId, SandboxState, TemplateId, TemplateState};
 
+use crate::auth::{forbidden, Principal};
 use crate::backend::SandboxApi;
 use crate::error::ApiError;
+use crate::pagination::{page, Page};
+use crate::quota::Usage;
 use crate::service::ServiceError;
 use crate::service::{check_lifetimes, CreateSandbox, CreateTemplate};
+use crate::tenancy::{Limited, Tenancy};
 use crate::wire::{
     sandbox_filter, ApiJson, Health, OutcomeBody, PodBody, PodList, PodPatch, SandboxList,
     SandboxPatch, TemplateList,
 };
 
-/// The service, shared by every handler.
+/// The service, shared by every handler, with the tenancy state.
 pub struct AppState<S> {
     pub service: Arc<S>,
+    pub tenancy: Tenancy<S>,
+    /// Largest image upload.
+    pub max_upload_bytes: u64,
 }
 
 impl<S> Clone for AppState<S> {
     fn clone(&self) -> Self {
         AppState {
             service: Arc::clone(&self.service),
+            tenancy: self.tenancy.clone(),
+            max_upload_bytes: self.max_upload_bytes,
         }
     }
 }
@@ -98,16 +107,50 @@ pub async fn metrics<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Response> {
 
 // Templates.
 
-pub async fn list_templates<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Json<TemplateList>> {
-    let templates = call(&st, |s| s.template_entries()).await?;
-    Ok(Json(TemplateList { templates }))
+/// Whether `p` sees a template entry: shared ones (no `tenant`) and its
+/// tenant's; an admin every one.
+fn sees_template(p: &Principal, entry: &serde_json::Value) -> bool {
+    p.is_admin() || entry["tenant"].as_str().is_none_or(|t| t == p.tenant)
+}
+
+pub async fn list_templates<S: SandboxApi>(
+    State(st): Api<S>,
+    Extension(p): Extension<Principal>,
+    query: Result<Query<Vec<(String, String)>>, QueryRejection>,
+) -> ApiResult<Response> {
+    let Query(pairs) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
+    let (_, paging) = Page::split(pairs)?;
+    let mut templates = call(&st, |s| s.template_entries()).await?;
+    templates.retain(|t| sees_template(&p, t));
+    let (templates, next) = page(templates, &paging);
+    Ok(Page::respond(
+        TemplateList {
+            templates,
+            next: next.clone(),
+        },
+        next,
+    ))
 }
 
 pub async fn create_template<S: SandboxApi>(
     State(st): Api<S>,
-    ApiJson(body): ApiJson<CreateTemplate>,
+    Extension(p): Extension<Principal>,
+    ApiJson(mut body): ApiJson<CreateTemplate>,
 ) -> ApiResult<Response> {
-    let template = call(&st, move |s| s.create_template(body)).await?;
+    if body.pod.is_some() && !p.is_admin() {
+        return Err(forbidden(
+            "building a template on a chosen pod needs an admin token",
+        ));
+    }
+    let _permit = st.tenancy.limiter.acquire(&p).map_err(Limited)?;
+    body.owner = Some(p.owner());
+    let tenancy = st.tenancy.clone();
+    let template = call(&st, move |s| {
+        // A build boots a VM: admitted against the tenant's quotas too.
+        let _ticket = crate::tenancy::admit(&tenancy, &p, Usage::sandbox(u64::from(body.mem_mib)))?;
+        s.create_template(body)
+    })
+    .await?;
     let building = template.state == TemplateState::Building;
     Ok(created(
         format!("/v1/templates/{}", template.id),
@@ -116,21 +159,57 @@ pub async fn create_template<S: SandboxApi>(
     ))
 }
 
+fn template_not_found(id: &TemplateId) -> ServiceError {
+    ServiceError::NotFound {
+        kind: "template",
+        id: id.to_string(),
+    }
+}
+
 pub async fn get_template<S: SandboxApi>(
     State(st): Api<S>,
+    Extension(p): Extension<Principal>,
     Path(id): Path<String>,
 ) -> ApiResult<Response> {
     let id = TemplateId::new(id);
-    let template = call(&st, move |s| s.get_template(&id)).await?;
+    let template = call(&st, move |s| {
+        let t = s.get_template(&id)?;
+        if p.is_admin() || t.tenant.as_deref().is_none_or(|t| t == p.tenant) {
+            Ok(t)
+        } else {
+            Err(template_not_found(&id))
+        }
+    })
+    .await?;
     Ok(Json(template).into_response())
 }
 
 pub async fn delete_template<S: SandboxApi>(
     State(st): Api<S>,
+    Extension(p): Extension<Principal>,
     Path(id): Path<String>,
 ) -> ApiResult<StatusCode> {
     let id = TemplateId::new(id);
-    call(&st, move |s| s.delete_template(&id)).await?;
+    call(&st, move |s| {
+        if !p.is_admin() {
+            // A tenant deletes its own templates; shared ones are read-only
+            // (their existence is no secret: 403), another tenant's absent.
+            let t = s.get_template(&id)?;
+            match t.tenant.as_deref() {
+                Some(owner) if owner == p.tenant => {}
+                Some(_) => return Err(template_not_found(&id)),
+                None => {
+                    return Err(ServiceError::Pod {
+                        status: 403,
+                        code: crate::error::code::FORBIDDEN.into(),
+                        message: "shared templates are read-only for tenants".into(),
+                    })
+                }
+            }
+        }
+        s.delete_template(&id)
+    })
+    .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -138,27 +217,71 @@ pub async fn delete_template<S: SandboxApi>(
 
 pub async fn list_sandboxes<S: SandboxApi>(
     State(st): Api<S>,
+    Extension(p): Extension<Principal>,
     query: Result<Query<Vec<(String, String)>>, QueryRejection>,
-) -> ApiResult<Json<SandboxList>> {
+) -> ApiResult<Response> {
     let Query(pairs) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
-    let filter = sandbox_filter(pairs)?;
+    let (pairs, paging) = Page::split(pairs)?;
+    let mut filter = sandbox_filter(pairs)?;
+    if !p.is_admin() {
+        filter.tenant = Some(p.tenant.clone());
+    }
     let sandboxes = call(&st, move |s| s.list_sandboxes(filter)).await?;
-    Ok(Json(SandboxList { sandboxes }))
+    let (sandboxes, next) = page(sandboxes, &paging);
+    Ok(Page::respond(
+        SandboxList {
+            sandboxes,
+            next: next.clone(),
+        },
+        next,
+    ))
 }
 
 pub async fn create_sandbox<S: SandboxApi>(
     State(st): Api<S>,
-    ApiJson(body): ApiJson<CreateSandbox>,
+    Extension(p): Extension<Principal>,
+    ApiJson(mut body): ApiJson<CreateSandbox>,
 ) -> ApiResult<Response> {
     // Here too, not only in the service: a federation forwards the body.
     check_lifetimes(body.keep_alive_ms, body.timeout_ms)?;
-    let sandbox = call(&st, move |s| s.create_sandbox(body)).await?;
+    if body.pod.is_some() && !p.is_admin() {
+        return Err(forbidden(
+            "placing a sandbox on a chosen pod needs an admin token",
+        ));
+    }
+    let _permit = st.tenancy.limiter.acquire(&p).map_err(Limited)?;
+    body.owner = Some(p.owner());
+    let tenancy = st.tenancy.clone();
+    let sandbox = call(&st, move |s| {
+        let limited = tenancy.auth.quota(&p.tenant).memory_mib.is_some();
+        let mem = if limited {
+            template_mem(s, &body.template)
+        } else {
+            0
+        };
+        let _ticket = crate::tenancy::admit(&tenancy, &p, Usage::sandbox(mem))?;
+        s.create_sandbox(body)
+    })
+    .await?;
     let building = sandbox.state == SandboxState::Creating;
     Ok(created(
         format!("/v1/sandboxes/{}", sandbox.id),
         building,
         sandbox,
     ))
+}
+
+/// Memory of template `key` (id or name) as listed; 0 if unknown (the
+/// create then answers 404 itself).
+fn template_mem<S: SandboxApi>(s: &S, key: &str) -> u64 {
+    s.template_entries()
+        .ok()
+        .and_then(|list| {
+            list.into_iter()
+                .find(|t| t["id"] == key || t["name"] == key)
+                .and_then(|t| t["mem_mib"].as_u64())
+        })
+        .unwrap_or(0)
 }
 
 pub async fn get_sandbox<S: SandboxApi>(

@@ -45,6 +45,7 @@ use axum::routing::{on, MethodFilter, MethodRouter};
 use axum::serve::ListenerExt;
 use axum::Router;
 
+mod admin_routes;
 pub mod auth;
 pub mod backend;
 mod checkpoint_routes;
@@ -54,7 +55,10 @@ pub mod federation;
 pub mod guest_routes;
 mod handlers;
 pub mod openapi;
+pub mod pagination;
+pub mod quota;
 pub mod service;
+pub mod tenancy;
 pub mod tls;
 pub mod wire;
 
@@ -66,9 +70,17 @@ use handlers::AppState;
 /// How the API runs. `Debug` shows how many tokens there are, not them.
 #[derive(Clone)]
 pub struct ApiConfig {
-    /// Bearer tokens accepted on every authenticated route. Empty: every
-    /// authenticated route answers 401 (fail closed).
+    /// Admin bearer tokens (tenant `admin`) from the command line or a
+    /// pod's token file. With no tokens file either, every authenticated
+    /// route answers 401 (fail closed).
     pub tokens: Vec<String>,
+    /// The tokens file (`DATA_DIR/tenants.json`): tenants' and admins'
+    /// tokens, stored hashed, and the tenants' quotas.
+    pub tenants_file: Option<std::path::PathBuf>,
+    /// Largest image upload (`PUT /v1/images/{name}/{part}`).
+    pub max_upload_bytes: u64,
+    /// Per-token limits on expensive routes.
+    pub rate_limit: tenancy::RateLimit,
     /// Largest request body; bigger is 413 (checked on `Content-Length`
     /// before reading, and while reading).
     pub max_body_bytes: usize,
@@ -78,6 +90,8 @@ pub struct ApiConfig {
     pub request_timeout: Duration,
 }
 
+/// Default [`ApiConfig::max_upload_bytes`]: 8 GiB.
+pub const DEFAULT_MAX_UPLOAD_BYTES: u64 = 8 << 30;
 /// Default [`ApiConfig::max_body_bytes`]: 1 MiB.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
 /// Default [`ApiConfig::request_timeout`]: long enough for a template build.
@@ -87,6 +101,9 @@ impl std::fmt::Debug for ApiConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ApiConfig")
             .field("tokens", &format_args!("[{} redacted]", self.tokens.len()))
+            .field("tenants_file", &self.tenants_file)
+            .field("max_upload_bytes", &self.max_upload_bytes)
+            .field("rate_limit", &self.rate_limit)
             .field("max_body_bytes", &self.max_body_bytes)
             .field("request_timeout", &self.request_timeout)
             .finish()
@@ -97,6 +114,9 @@ impl Default for ApiConfig {
     fn default() -> Self {
         ApiConfig {
             tokens: Vec::new(),
+            tenants_file: None,
+            max_upload_bytes: DEFAULT_MAX_UPLOAD_BYTES,
+            rate_limit: tenancy::RateLimit::default(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
         }
@@ -104,13 +124,15 @@ impl Default for ApiConfig {
 }
 
 /// One route: method, path (axum syntax, as in the OpenAPI document), the
-/// OpenAPI `operationId`, and whether it needs a bearer token.
+/// OpenAPI `operationId`, whether it needs a bearer token, and whether
+/// that token must be an admin's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Route {
     pub method: &'static str,
     pub path: &'static str,
     pub operation: &'static str,
     pub auth: bool,
+    pub admin: bool,
 }
 
 const fn route(method: &'static str, path: &'static str, operation: &'static str) -> Route {
@@ -119,6 +141,18 @@ const fn route(method: &'static str, path: &'static str, operation: &'static str
         path,
         operation,
         auth: true,
+        admin: false,
+    }
+}
+
+/// A route only admin tokens may use (403 `forbidden` for tenants).
+const fn admin(method: &'static str, path: &'static str, operation: &'static str) -> Route {
+    Route {
+        method,
+        path,
+        operation,
+        auth: true,
+        admin: true,
     }
 }
 
@@ -128,6 +162,7 @@ const fn public(method: &'static str, path: &'static str, operation: &'static st
         path,
         operation,
         auth: false,
+        admin: false,
     }
 }
 
@@ -136,7 +171,7 @@ const fn public(method: &'static str, path: &'static str, operation: &'static st
 pub const ROUTES: &[Route] = &[
     public("GET", "/healthz", "health"),
     public("GET", "/v1/openapi.json", "openapi"),
-    route("GET", "/metrics", "metrics"),
+    admin("GET", "/metrics", "metrics"),
     route("GET", "/v1/templates", "listTemplates"),
     route("POST", "/v1/templates", "createTemplate"),
     route("GET", "/v1/templates/{id}", "getTemplate"),
@@ -168,10 +203,20 @@ pub const ROUTES: &[Route] = &[
     route("GET", "/v1/sandboxes/{id}/files", "readFile"),
     route("PUT", "/v1/sandboxes/{id}/files", "writeFile"),
     route("GET", "/v1/sandboxes/{id}/files/list", "listFiles"),
-    route("GET", "/v1/pods", "listPods"),
-    route("POST", "/v1/pods", "addPod"),
-    route("PATCH", "/v1/pods/{id}", "updatePod"),
-    route("DELETE", "/v1/pods/{id}", "removePod"),
+    admin("GET", "/v1/pods", "listPods"),
+    admin("POST", "/v1/pods", "addPod"),
+    admin("PATCH", "/v1/pods/{id}", "updatePod"),
+    admin("DELETE", "/v1/pods/{id}", "removePod"),
+    route("GET", "/v1/images", "listImages"),
+    // Admin only, checked in the handler: the body is streamed, and the
+    // check must come before any of it is read.
+    route("PUT", "/v1/images/{name}/{part}", "uploadImage"),
+    admin("DELETE", "/v1/images/{name}", "deleteImage"),
+    admin("GET", "/v1/tokens", "listTokens"),
+    admin("POST", "/v1/tokens", "createToken"),
+    admin("DELETE", "/v1/tokens/{id}", "deleteToken"),
+    route("GET", "/v1/tenants/{tenant}", "getTenant"),
+    admin("PUT", "/v1/tenants/{tenant}/quota", "setQuota"),
 ];
 
 /// The handler of an operation, for the given method.
@@ -208,6 +253,14 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "updatePod" => on(m, update_pod::<S>),
         "addPod" => on(m, add_pod::<S>),
         "removePod" => on(m, remove_pod::<S>),
+        "listImages" => on(m, admin_routes::list_images::<S>),
+        "uploadImage" => on(m, admin_routes::upload_image::<S>),
+        "deleteImage" => on(m, admin_routes::delete_image::<S>),
+        "listTokens" => on(m, admin_routes::list_tokens::<S>),
+        "createToken" => on(m, admin_routes::create_token::<S>),
+        "deleteToken" => on(m, admin_routes::delete_token::<S>),
+        "getTenant" => on(m, admin_routes::get_tenant::<S>),
+        "setQuota" => on(m, admin_routes::set_quota::<S>),
         other => panic!("route table names unknown operation {other:?}"),
     }
 }
@@ -223,11 +276,28 @@ fn method_filter(method: &str) -> MethodFilter {
     }
 }
 
-/// Limits every request shares: `max_body_bytes` and `request_timeout`.
+/// Limits every request shares: `max_body_bytes` (image uploads:
+/// `max_upload_bytes`) and `request_timeout`.
 #[derive(Clone, Copy)]
 struct Limits {
     max_body_bytes: usize,
+    max_upload_bytes: u64,
     request_timeout: Duration,
+}
+
+/// Whether `path` is an image upload (its own size limit, no timeout).
+fn is_upload(method: &Method, path: &str) -> bool {
+    method == Method::PUT && path.starts_with("/v1/images/")
+}
+
+/// 413 `payload_too_large` for a body over `limit` bytes.
+pub(crate) fn too_large(limit: u64) -> Response {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        error::code::PAYLOAD_TOO_LARGE,
+        format!("request body is larger than the limit of {limit} bytes"),
+    )
+    .into_response()
 }
 
 async fn limits(State(limits): State<Limits>, request: Request, next: Next) -> Response {
@@ -236,16 +306,18 @@ async fn limits(State(limits): State<Limits>, request: Request, next: Next) -> R
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limits.max_body_bytes as u64) {
-        return ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            error::code::PAYLOAD_TOO_LARGE,
-            format!(
-                "request body is larger than the limit of {} bytes",
-                limits.max_body_bytes
-            ),
-        )
-        .into_response();
+    let upload = is_upload(request.method(), request.uri().path());
+    let limit = if upload {
+        limits.max_upload_bytes
+    } else {
+        limits.max_body_bytes as u64
+    };
+    if declared.is_some_and(|n| n > limit) {
+        return too_large(limit);
+    }
+    if upload {
+        // Streamed to disk at its own pace, capped by size.
+        return next.run(request).await;
     }
     let method: Method = request.method().clone();
     let path = request.uri().path().to_string();
@@ -269,38 +341,66 @@ async fn limits(State(limits): State<Limits>, request: Request, next: Next) -> R
 
 /// The API as an axum router.
 pub fn router<S: SandboxApi>(service: Arc<S>, config: ApiConfig) -> Router {
-    let tokens = auth::Tokens::new(&config.tokens);
-    if tokens.is_empty() {
+    let auth = match auth::Auth::new(&config.tokens, config.tenants_file.clone()) {
+        Ok(a) => a,
+        Err(e) => {
+            // Fail closed: an unreadable tokens file accepts no token of it.
+            tracing::error!(error = %e, "the tokens file cannot be read: only command-line tokens are accepted");
+            auth::Auth::new(&config.tokens, None).expect("no file to read")
+        }
+    };
+    if auth.is_empty() {
         tracing::warn!("no API tokens configured: every authenticated route answers 401");
     }
+    let tenancy = tenancy::Tenancy {
+        service: Arc::clone(&service),
+        auth: auth.clone(),
+        quotas: Arc::new(quota::Quotas::default()),
+        limiter: tenancy::Limiter::new(config.rate_limit),
+    };
     let mut app: Router<AppState<S>> = Router::new();
     for r in ROUTES {
         let mut endpoint = endpoint::<S>(r.operation, method_filter(r.method));
+        // Layers run outside in: auth, admin, redaction, the sandbox's
+        // ownership (and quotas, limits), forwarding to a remote pod.
         if federation::routing::forwards(r) {
             // Inside the auth layer: only authenticated requests are
             // forwarded (with the pod's own token).
             endpoint = endpoint.route_layer(middleware::from_fn_with_state(
-                Arc::clone(&service),
+                (Arc::clone(&service), config.max_body_bytes),
                 federation::routing::forward::<S>,
             ));
         }
-        if r.auth {
+        if r.path.starts_with("/v1/sandboxes/{id}") {
             endpoint = endpoint.route_layer(middleware::from_fn_with_state(
-                tokens.clone(),
-                auth::require,
+                tenancy.clone(),
+                tenancy::sandbox_guard::<S>,
             ));
+        }
+        if r.auth {
+            endpoint = endpoint.route_layer(middleware::from_fn(tenancy::redact));
+            if r.admin {
+                endpoint = endpoint.route_layer(middleware::from_fn(auth::admin_only));
+            }
+            endpoint =
+                endpoint.route_layer(middleware::from_fn_with_state(auth.clone(), auth::require));
         }
         app = app.route(r.path, endpoint);
     }
     let limits_state = Limits {
         max_body_bytes: config.max_body_bytes,
+        max_upload_bytes: config.max_upload_bytes,
         request_timeout: config.request_timeout,
     };
     app.fallback(error::no_route)
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
         .layer(middleware::from_fn_with_state(limits_state, limits))
         .layer(middleware::from_fn(error::normalize))
-        .with_state(AppState { service })
+        .with_state(AppState {
+            service,
+            tenancy,
+            max_upload_bytes: config.max_upload_bytes,
+        })
 }
 
 /// Serves the API on `listener` until `shutdown` completes, then lets

@@ -47,11 +47,17 @@ pub struct Health {
 #[derive(Debug, Serialize)]
 pub struct TemplateList {
     pub templates: Vec<serde_json::Value>,
+    /// The next page's token (also in `X-Next-Token`); absent on the last.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
 pub struct SandboxList {
     pub sandboxes: Vec<Sandbox>,
+    /// The next page's token (also in `X-Next-Token`); absent on the last.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next: Option<String>,
 }
 
 /// Pod entries: a [`PodBody`] with `reachable: true`, or for a remote pod

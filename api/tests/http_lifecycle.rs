@@ -36,7 +36,7 @@ async fn templates_list_get_create_delete() {
     assert_eq!(r.json()["name"], "probe");
 
     // What the service cannot do in this build is 501 `unsupported`.
-    let body = json!({"name": "py", "kind": "linux", "kernel": "/k", "rootfs": "/r",
+    let body = json!({"name": "py", "kind": "linux", "image": "debian",
                       "mem_mib": 512, "vcpus": 2, "cmdline": "quiet"});
     let r = server.call("POST", "/v1/templates", Some(body)).await;
     r.assert_error(501, "unsupported");
@@ -335,6 +335,7 @@ async fn list_filters_reach_the_service() {
                 ("user".to_string(), "ada".to_string())
             ]
             .into(),
+            tenant: None,
         }
     );
 

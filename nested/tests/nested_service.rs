@@ -29,14 +29,16 @@ test -c /dev/kvm || { echo 'L1 has no /dev/kvm'; exit 97; }
 ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up
 T=/opt/torpor/torpor
 export TORPOR_API=http://127.0.0.1:7700 TORPOR_TOKEN=nested-token
+mkdir -p /opt/torpor/images/debian
+mv /opt/torpor/vmlinux /opt/torpor/rootfs.ext4 /opt/torpor/images/debian/
 $T serve --data-dir /tmp/data --token nested-token --keep-alive-ms 3600000 \
-   --request-timeout-ms 600000 >/tmp/serve.log 2>&1 &
+   --images-dir /opt/torpor/images --request-timeout-ms 600000 >/tmp/serve.log 2>&1 &
 SERVE=$!
 i=0; until $T template list >/dev/null 2>&1 || [ $i -ge 150 ]; do sleep 0.2; i=$((i+1)); done
 sed 's/^/serve-log /' /tmp/serve.log
 t0=$(cut -d' ' -f1 /proc/uptime)
-$T template create --name debian --kind linux --kernel /opt/torpor/vmlinux \
-   --rootfs /opt/torpor/rootfs.ext4 --mem-mib 512 --vcpus 2 >/tmp/tpl 2>&1
+$T template create --name debian --kind linux --image debian \
+   --mem-mib 512 --vcpus 2 >/tmp/tpl 2>&1
 echo "template rc=$? id=$(cat /tmp/tpl) uptime=$t0..$(cut -d' ' -f1 /proc/uptime)"
 $T template get debian | sed 's/^/template-info /'
 SBX=$($T sandbox create --template debian 2>/tmp/create.err)

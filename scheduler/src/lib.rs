@@ -59,6 +59,7 @@ macro_rules! str_enum {
 }
 
 pub mod files;
+pub mod images;
 pub mod model;
 pub mod net;
 pub mod service;

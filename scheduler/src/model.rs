@@ -244,6 +244,14 @@ pub struct Template {
     pub created_at: Timestamp,
     #[serde(flatten)]
     pub state: TemplateState,
+    /// The tenant that built it; none for shared templates (the built-in
+    /// probe, an admin's), which every tenant may use.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    /// The installed image (`DATA_DIR/images/NAME`) a Linux template was
+    /// built from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
 }
 
 /// The VMM process that runs a sandbox now: its pid, and the process's
@@ -284,6 +292,10 @@ pub struct Sandbox {
     pub vmm: Option<VmmHandle>,
     /// Incremented by the store on every state change.
     pub generation: u64,
+    /// The tenant it belongs to (none: made before tenants existed, only
+    /// an admin sees it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
     /// How the VMM came up, in the answer to the create or wake that
     /// started it (not stored).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -358,6 +370,7 @@ impl Sandbox {
             vmm: None,
             generation: 0,
             restore: None,
+            tenant: None,
         }
     }
 }
@@ -476,6 +489,8 @@ mod tests {
             kind: TemplateKind::Probe,
             created_at: Timestamp(5),
             state: TemplateState::Ready,
+            tenant: None,
+            image: None,
         };
         let v = serde_json::to_value(&t).unwrap();
         assert_eq!(v["state"], "ready");

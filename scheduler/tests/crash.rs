@@ -62,6 +62,8 @@ fn template() -> Template {
         kind: TemplateKind::Probe,
         created_at: Timestamp::now(),
         state: TemplateState::Ready,
+        tenant: None,
+        image: None,
     }
 }
 

@@ -5,12 +5,14 @@ mod client;
 mod doctor;
 mod files;
 mod guest;
+mod image;
 mod nested_pod;
 mod pod;
 mod sandbox;
 mod sandbox_guest;
 mod serve;
 mod template;
+mod token;
 mod vmm;
 
 use crate::cli::{Cli, Command};
@@ -26,6 +28,8 @@ pub fn dispatch(cli: Cli) -> i32 {
         Command::Serve(args) => serve::run(args),
         Command::Sandbox(c) => sandbox::run(c),
         Command::Template(c) => template::run(c),
+        Command::Image(c) => image::run(c),
+        Command::Token(c) => token::run(c),
         Command::Pod(c) => pod::run(c),
         Command::ProbeImage { out } => match std::fs::write(&out, torpor_probe::PROBE_ELF) {
             Ok(()) => EXIT_OK,

@@ -43,14 +43,20 @@ fn script(fingerprint: &Fingerprint) -> String {
         r#"
 test -c /dev/kvm || {{ echo '{MARK_FAILED} L1 has no /dev/kvm'; exit 97; }}
 T=/opt/torpor/torpor
+# The image the template is built from, installed in the pod's images
+# directory (a rename: same filesystem, no copy of the rootfs in L1's RAM).
+mkdir -p /opt/torpor/images/{TEMPLATE}
+mv /opt/torpor/vmlinux /opt/torpor/rootfs.ext4 /opt/torpor/images/{TEMPLATE}/
 $T pod serve --listen tcp:0.0.0.0:{POD_PORT} --token-file /opt/torpor/pod.token \
-   --tls-cert /opt/torpor/pod-cert.pem --tls-key /opt/torpor/pod-key.pem --data-dir /tmp/pod --request-timeout-ms 1800000 >/tmp/pod.log 2>&1 &
+   --tls-cert /opt/torpor/pod-cert.pem --tls-key /opt/torpor/pod-key.pem \
+   --data-dir /tmp/pod --images-dir /opt/torpor/images --request-timeout-ms 1800000 \
+   >/tmp/pod.log 2>&1 &
 POD=$!
 export TORPOR_API=https://127.0.0.1:{POD_PORT} TORPOR_API_FINGERPRINT={fingerprint} \
    TORPOR_TOKEN="$(cat /opt/torpor/pod.token)"
 i=0; until $T template list >/dev/null 2>&1 || [ $i -ge 600 ]; do sleep 0.2; i=$((i+1)); done
-if $T template create --name {TEMPLATE} --kind linux --kernel /opt/torpor/vmlinux \
-     --rootfs /opt/torpor/rootfs.ext4 --mem-mib 512 --vcpus 2 >/tmp/template.out 2>&1; then
+if $T template create --name {TEMPLATE} --kind linux --image {TEMPLATE} \
+     --mem-mib 512 --vcpus 2 >/tmp/template.out 2>&1; then
   echo '{MARK_READY}'
 else
   echo "{MARK_FAILED} $(tr '\n' ' ' </tmp/template.out)"

@@ -31,17 +31,43 @@ pub(crate) fn default_data_dir() -> PathBuf {
     home.join(".local/share/torpor")
 }
 
-/// Tokens from flags, else from the token file in the data directory.
-fn tokens(args: &ServeArgs, data_dir: &Path) -> Result<Vec<String>, String> {
+/// The tokens file of `data_dir`, set up for a first start: unless admin
+/// tokens are given on the command line, a tokens file without tokens gets
+/// an admin token, printed once (or, in a data directory from before the
+/// tokens file, its `token` becomes that admin token, stored hashed).
+fn tenants_file(args: &ServeArgs, data_dir: &Path) -> Result<PathBuf, String> {
+    use torpor_api::auth::tokens::{TenantsFile, TENANTS_FILE};
+    use torpor_api::auth::{Auth, Scope, ADMIN_TENANT};
+    let path = data_dir.join(TENANTS_FILE);
     if !args.token.is_empty() {
-        return Ok(args.token.clone());
+        return Ok(path);
     }
-    let path = data_dir.join("token");
-    let (token, created) = token_file(&path)?;
-    if created {
-        println!("torpor serve: created an API token in {}", path.display());
+    let legacy = data_dir.join("token");
+    let mut file = TenantsFile::load(&path).map_err(|e| e.to_string())?;
+    if file.tokens.is_empty() {
+        if let Ok(old) = std::fs::read_to_string(&legacy) {
+            let old = old.trim();
+            if !old.is_empty() {
+                file.import(ADMIN_TENANT, Scope::Admin, old)
+                    .map_err(|e| e.to_string())?;
+                file.save(&path).map_err(|e| e.to_string())?;
+                println!(
+                    "torpor serve: the token in {} is now an admin token (stored hashed in {})",
+                    legacy.display(),
+                    path.display()
+                );
+                return Ok(path);
+            }
+        }
     }
-    Ok(vec![token])
+    if let Some(token) = Auth::bootstrap(&path).map_err(|e| e.to_string())? {
+        println!("torpor serve: created the first admin token; it is shown this once, keep it:");
+        println!("torpor serve: admin token: {token}");
+        println!(
+            "torpor serve: (TORPOR_TOKEN=... torpor token create --tenant NAME makes a tenant's)"
+        );
+    }
+    Ok(path)
 }
 
 /// The token in `path`, or a new random one written there (mode 0600);
@@ -128,6 +154,8 @@ fn open_service(
     config.standby_pool = flags.standby_pool;
     config.memory_backend = flags.memory_backend.backend();
     config.dirty_tracking = flags.dirty_tracking.tracking();
+    config.images_dir = flags.images_dir.clone();
+    config.deleted_retention_ms = flags.deleted_retention_ms;
     println!("{who}: data dir {}", data_dir.display());
     let host = &config.host;
     let kinds: Vec<&str> = host.kinds().iter().map(|k| k.as_str()).collect();
@@ -167,7 +195,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         return Err("give one --pod-token-file for each --pod, in the same order".into());
     }
     let service = open_service("torpor serve", &data_dir, &args.service, args.nested_pod)?;
-    let tokens = tokens(&args, &data_dir)?;
+    let tenants_file = tenants_file(&args, &data_dir)?;
     let request_timeout = Duration::from_millis(args.service.request_timeout_ms.max(1));
     let federation =
         Federation::open(service.clone(), &data_dir, request_timeout).map_err(|e| e.to_string())?;
@@ -220,7 +248,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         }
     }
     let api = torpor_api::ApiConfig {
-        tokens,
+        tokens: args.token.clone(),
+        tenants_file: Some(tenants_file),
         request_timeout,
         ..Default::default()
     };

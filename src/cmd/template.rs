@@ -104,10 +104,8 @@ fn create(c: &Client, args: TemplateCreateArgs) -> Result<(), Error> {
     if let Some(n) = args.vcpus {
         body.insert("vcpus".into(), n.into());
     }
-    for (key, path) in [("kernel", &args.kernel), ("rootfs", &args.rootfs)] {
-        if let Some(p) = path {
-            body.insert(key.into(), p.to_string_lossy().into_owned().into());
-        }
+    if let Some(image) = args.image {
+        body.insert("image".into(), image.into());
     }
     if let Some(c) = args.cmdline {
         body.insert("cmdline".into(), c.into());
@@ -144,6 +142,8 @@ fn describe(t: &Value) -> String {
     rows.extend([
         ("memory", format!("{}MiB", text(&t["mem_mib"]))),
         ("vcpus", text(&t["vcpus"])),
+        ("image", text(&t["image"])),
+        ("tenant", text(&t["tenant"])),
         ("kernel", text(&t["kernel"])),
         ("rootfs", text(&t["rootfs"])),
         ("snapshot", text(&t["snapshot_dir"])),

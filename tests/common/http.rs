@@ -10,9 +10,21 @@ use std::time::Duration;
 pub struct HttpResponse {
     pub status: u16,
     pub body: String,
+    /// The status line and headers.
+    pub head: String,
 }
 
 impl HttpResponse {
+    /// A header's value (name matched case-insensitively).
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.head.lines().find_map(|l| {
+            let (n, v) = l.split_once(':')?;
+            n.trim()
+                .eq_ignore_ascii_case(name)
+                .then(|| v.trim().to_string())
+        })
+    }
+
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
     }
@@ -61,7 +73,11 @@ pub fn request(
     } else {
         rest.to_string()
     };
-    HttpResponse { status, body }
+    HttpResponse {
+        status,
+        body,
+        head: head.to_string(),
+    }
 }
 
 fn dechunk(mut s: &str) -> String {

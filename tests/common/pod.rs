@@ -100,9 +100,14 @@ impl PodProcess {
             .pinned(Some(pin));
             let body = body.map(|b| ("application/json", b.as_bytes()));
             let answer = client.request(method, path, body, None).unwrap();
+            let mut head = format!("HTTP/1.1 {}\r\n", answer.status);
+            for (name, value) in &answer.headers {
+                head.push_str(&format!("{name}: {value}\r\n"));
+            }
             return HttpResponse {
                 status: answer.status,
                 body: String::from_utf8_lossy(&answer.body).into_owned(),
+                head,
             };
         }
         let socket = self.address.strip_prefix("unix:").unwrap();
@@ -131,6 +136,7 @@ impl PodProcess {
         HttpResponse {
             status,
             body: rest.to_string(),
+            head: head.to_string(),
         }
     }
 

@@ -68,7 +68,8 @@ pub struct Federation<L: SandboxApi> {
     local: Arc<L>,
     store: FederationStore,
     pods: RwLock<BTreeMap<PodId, RemotePod>>,
-    owners: RwLock<HashMap<SandboxId, PodId>>,
+    /// Remote sandboxes: their pod and tenant.
+    owners: RwLock<HashMap<SandboxId, store::Owner>>,
     io_timeout: Duration,
     /// Templates a pod on its way up will have (the nested pod's `linux`),
     /// with why they are not there yet: creating a sandbox from one answers
@@ -142,7 +143,7 @@ impl<L: SandboxApi> Federation<L> {
             .collect()
     }
 
-    fn owner(&self, id: &SandboxId) -> Option<PodId> {
+    fn owner(&self, id: &SandboxId) -> Option<store::Owner> {
         self.owners
             .read()
             .unwrap_or_else(|p| p.into_inner())
@@ -150,12 +151,13 @@ impl<L: SandboxApi> Federation<L> {
             .cloned()
     }
 
-    fn owned_by(&self, pod: &PodId) -> Vec<SandboxId> {
+    /// Remote sandboxes of `pod` (of `tenant` only, if given).
+    fn owned_by(&self, pod: &PodId, tenant: Option<&str>) -> Vec<SandboxId> {
         self.owners
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
-            .filter(|(_, p)| *p == pod)
+            .filter(|(_, (p, t))| p == pod && tenant.is_none_or(|want| t.as_deref() == Some(want)))
             .map(|(s, _)| s.clone())
             .collect()
     }
@@ -194,14 +196,18 @@ impl<L: SandboxApi> Federation<L> {
                 .flatten()
                 .filter_map(|s| s["id"].as_str().map(SandboxId::new))
                 .collect();
+            let made: Vec<SandboxId> = made
+                .into_iter()
+                .filter(|id| self.claimable(id, &pod.id))
+                .collect();
             let result = match made.first() {
                 Some(sandbox) => {
                     tracing::info!(placement = %placement.id, %sandbox, pod = %pod.id, "adopted a sandbox placed before a restart");
-                    self.record(&placement.id, Some((sandbox, &pod.id)))
+                    self.record(&placement, Some((sandbox, &pod.id)))
                 }
                 None => {
                     tracing::info!(placement = %placement.id, pod = %pod.id, "dropped a placement the pod never made");
-                    self.record(&placement.id, None)
+                    self.record(&placement, None)
                 }
             };
             if let Err(e) = result {
@@ -213,19 +219,28 @@ impl<L: SandboxApi> Federation<L> {
     /// Ends a placement in the store and, for a made sandbox, in memory.
     fn record(
         &self,
-        placement: &str,
+        placement: &store::Placement,
         made: Option<(&SandboxId, &PodId)>,
     ) -> Result<(), ServiceError> {
         self.store
-            .end_placement(placement, made)
+            .end_placement(&placement.id, made)
             .map_err(internal)?;
         if let Some((sandbox, pod)) = made {
             self.owners
                 .write()
                 .unwrap_or_else(|p| p.into_inner())
-                .insert(sandbox.clone(), pod.clone());
+                .insert(sandbox.clone(), (pod.clone(), placement.tenant.clone()));
         }
         Ok(())
+    }
+
+    /// Whether `id`, which pod `pod` says it made, may become its: a
+    /// well-formed sandbox id that no other pod (the local one included)
+    /// and no earlier record owns.
+    fn claimable(&self, id: &SandboxId, pod: &PodId) -> bool {
+        SandboxId::is_well_formed(id.as_str())
+            && self.owner(id).is_none_or(|(p, _)| p == *pod)
+            && self.local.get_sandbox(id).is_err()
     }
 
     /// Marks template `name` as coming (`why`: not there yet, and why) or
@@ -322,7 +337,7 @@ impl<L: SandboxApi> Federation<L> {
             kind: "pod",
             id: id.to_string(),
         })?;
-        let ours = self.owned_by(id);
+        let ours = self.owned_by(id, None);
         if !ours.is_empty() {
             match pod.look("/v1/sandboxes") {
                 Ok(list) => {
@@ -349,7 +364,7 @@ impl<L: SandboxApi> Federation<L> {
         self.owners
             .write()
             .unwrap_or_else(|p| p.into_inner())
-            .retain(|_, p| p != id);
+            .retain(|_, (p, _)| p != id);
         Ok(())
     }
 
@@ -361,13 +376,17 @@ impl<L: SandboxApi> Federation<L> {
         method: &str,
         path: &str,
         mut body: Value,
+        tenant: Option<&str>,
     ) -> Result<Value, ServiceError> {
         if !(body["metadata"].is_null() || body["metadata"].is_object()) {
             return Err(ServiceError::Invalid(
                 "metadata must be an object of strings".into(),
             ));
         }
-        let placement = self.store.begin_placement(&pod.id).map_err(internal)?;
+        let placement = self
+            .store
+            .begin_placement(&pod.id, tenant)
+            .map_err(internal)?;
         body["metadata"][PLACEMENT_KEY] = json!(placement.id);
         let answer = pod.send(method, path, Some(&body));
         let made = match &answer {
@@ -376,6 +395,20 @@ impl<L: SandboxApi> Federation<L> {
                 .and_then(|v| v["id"].as_str().map(SandboxId::new)),
             _ => None,
         };
+        // A pod answers for its own new sandboxes only: an id that is
+        // malformed or someone else's is refused, never recorded.
+        if let Some(id) = made.as_ref().filter(|id| !self.claimable(id, &pod.id)) {
+            tracing::warn!(pod = %pod.id, sandbox = %pods::sanitized(id.as_str()), "a pod answered with a sandbox id it does not own; refused");
+            self.record(&placement, None)?;
+            return Err(ServiceError::Pod {
+                status: 502,
+                code: crate::error::code::POD_UNREACHABLE.into(),
+                message: format!(
+                    "pod {} answered with a sandbox id that is malformed or not its own",
+                    pod.id
+                ),
+            });
+        }
         if let Ok(ms) = std::env::var(STALL_PLACEMENT_ENV) {
             std::thread::sleep(Duration::from_millis(ms.parse().unwrap_or(0)));
         }
@@ -383,7 +416,7 @@ impl<L: SandboxApi> Federation<L> {
             // No answer: the pod may still have made it; the placement stays
             // pending and is settled at the next start.
             (Err(_), _) => {}
-            (Ok(_), made) => self.record(&placement.id, made.as_ref().map(|s| (s, &pod.id)))?,
+            (Ok(_), made) => self.record(&placement, made.as_ref().map(|s| (s, &pod.id)))?,
         }
         let answer = answer?;
         if !answer.is_success() {
@@ -447,8 +480,9 @@ impl<L: SandboxApi> Federation<L> {
         mut req: CreateSandbox,
     ) -> Result<Sandbox, ServiceError> {
         req.pod = None;
+        let tenant = req.owner.as_ref().map(|o| o.tenant.clone());
         let body = serde_json::to_value(&req).map_err(internal)?;
-        let v = self.place_remote(pod, "POST", "/v1/sandboxes", body)?;
+        let v = self.place_remote(pod, "POST", "/v1/sandboxes", body, tenant.as_deref())?;
         serde_json::from_value(v).map_err(internal)
     }
 
@@ -530,7 +564,7 @@ impl<L: SandboxApi> Federation<L> {
         let mut v = pod.look(&path)?;
         pods::rewrite_pod_ids(&mut v, &pod.id);
         let all: Vec<Sandbox> = serde_json::from_value(v["sandboxes"].take()).map_err(internal)?;
-        let ours = self.owned_by(&pod.id);
+        let ours = self.owned_by(&pod.id, filter.tenant.as_deref());
         Ok(all.into_iter().filter(|s| ours.contains(&s.id)).collect())
     }
 
@@ -728,7 +762,28 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
         self.unregister(id)
     }
     fn remote_sandbox(&self, id: &SandboxId) -> Option<RemotePod> {
-        self.owner(id).and_then(|p| self.pod(&p))
+        self.owner(id).and_then(|(p, _)| self.pod(&p))
+    }
+    fn sandbox_tenant(&self, id: &SandboxId) -> Result<Option<String>, ServiceError> {
+        match self.owner(id) {
+            Some((_, tenant)) => Ok(tenant),
+            None => self.local.sandbox_tenant(id),
+        }
+    }
+    fn list_images(&self) -> Result<Vec<String>, ServiceError> {
+        self.local.list_images()
+    }
+    fn install_image(
+        &self,
+        name: &str,
+        part: torpor_scheduler::images::ImagePart,
+        body: &mut dyn std::io::Read,
+        limit: u64,
+    ) -> Result<u64, ServiceError> {
+        self.local.install_image(name, part, body, limit)
+    }
+    fn remove_image(&self, name: &str) -> Result<(), ServiceError> {
+        self.local.remove_image(name)
     }
     fn remote_pod(&self, id: &PodId) -> Option<RemotePod> {
         self.pod(id)
@@ -739,7 +794,10 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
         path: &str,
         body: Value,
     ) -> Result<Value, ServiceError> {
-        self.place_remote(pod, "POST", path, body)
+        // The fork is its source's tenant's.
+        let source = SandboxId::new(path.split('/').nth(3).unwrap_or_default());
+        let tenant = self.owner(&source).and_then(|(_, t)| t);
+        self.place_remote(pod, "POST", path, body, tenant.as_deref())
     }
     fn metrics(&self) -> String {
         self.local.metrics()

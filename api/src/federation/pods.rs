@@ -189,19 +189,12 @@ impl RemotePod {
 
     /// A pod's error answer as passed on.
     pub fn error(&self, answer: &Answer) -> ServiceError {
-        let (code, message) = error_fields(&answer.body).unwrap_or_else(|| {
-            (
-                String::new(),
-                String::from_utf8_lossy(&answer.body)
-                    .chars()
-                    .take(400)
-                    .collect(),
-            )
-        });
+        let (code, message) = error_fields(&answer.body)
+            .unwrap_or_else(|| (String::new(), String::from_utf8_lossy(&answer.body).into()));
         ServiceError::Pod {
             status: answer.status,
             code,
-            message: format!("pod {}: {message}", self.id),
+            message: format!("pod {}: {}", self.id, sanitized(&message)),
         }
     }
 
@@ -266,6 +259,19 @@ pub fn rewrite_pod_ids(v: &mut Value, pod: &PodId) {
         Value::Array(items) => items.iter_mut().for_each(|i| rewrite_pod_ids(i, pod)),
         _ => {}
     }
+}
+
+/// A pod's text as we pass it on: printable characters only, at most 200.
+pub fn sanitized(text: &str) -> String {
+    let mut out: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .take(200)
+        .collect();
+    if text.chars().count() > 200 {
+        out.push_str("...");
+    }
+    out
 }
 
 #[cfg(test)]

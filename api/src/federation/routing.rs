@@ -28,10 +28,6 @@ use crate::error::ApiError;
 use crate::service::ServiceError;
 use crate::Route;
 
-/// Largest request body forwarded (the API's own limit applies first to
-/// declared lengths).
-const MAX_FORWARDED_BODY: usize = 64 << 20;
-
 /// Whether a route may be forwarded: a sandbox's own routes, and a pod's
 /// update.
 pub fn forwards(route: &Route) -> bool {
@@ -44,8 +40,11 @@ enum Target {
     Pod,
 }
 
+/// The layer; `max_body` is the API's body limit, applied while the body
+/// is read (a chunked body has no declared length): past it, 413 and the
+/// rest is never read.
 pub async fn forward<S: SandboxApi>(
-    State(service): State<Arc<S>>,
+    State((service, max_body)): State<(Arc<S>, usize)>,
     request: Request,
     next: Next,
 ) -> Response {
@@ -74,11 +73,9 @@ pub async fn forward<S: SandboxApi>(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
-    let body = match axum::body::to_bytes(request.into_body(), MAX_FORWARDED_BODY).await {
+    let body = match read_limited(request.into_body(), max_body).await {
         Ok(b) => b,
-        Err(e) => {
-            return ApiError::invalid(format!("cannot read the request body: {e}")).into_response()
-        }
+        Err(e) => return e,
     };
     let remote_path = match target {
         Target::Pod => format!("/v1/pods/{LOCAL_POD}{query}"),
@@ -100,6 +97,32 @@ pub async fn forward<S: SandboxApi>(
         Ok(Ok(answer)) => pass_back(&pod, target, answer),
         Ok(Err(e)) => ApiError::from(pod.unreachable(&e)).into_response(),
         Err(join) => ApiError::internal(format!("forwarding failed: {join}")).into_response(),
+    }
+}
+
+/// The whole body, or 413 as soon as more than `max` bytes came (what is
+/// past the limit is never read), or 400 if it broke off.
+async fn read_limited(body: Body, max: usize) -> Result<Bytes, Response> {
+    let mut stream = body.into_data_stream();
+    let mut out = Vec::new();
+    loop {
+        let next =
+            std::future::poll_fn(|cx| futures_core::Stream::poll_next(Pin::new(&mut stream), cx))
+                .await;
+        match next {
+            None => return Ok(Bytes::from(out)),
+            Some(Ok(chunk)) => {
+                if out.len() + chunk.len() > max {
+                    return Err(crate::too_large(max as u64));
+                }
+                out.extend_from_slice(&chunk);
+            }
+            Some(Err(e)) => {
+                return Err(
+                    ApiError::invalid(format!("cannot read the request body: {e}")).into_response(),
+                )
+            }
+        }
     }
 }
 

@@ -49,7 +49,12 @@ pub struct StoredPod {
 pub struct Placement {
     pub id: String,
     pub pod: PodId,
+    /// The tenant the sandbox will belong to.
+    pub tenant: Option<String>,
 }
+
+/// A remote sandbox's record: its pod and its tenant.
+pub type Owner = (PodId, Option<String>);
 
 pub struct FederationStore {
     conn: Mutex<Connection>,
@@ -96,6 +101,17 @@ impl FederationStore {
         )?;
         if !has_fingerprint {
             conn.execute_batch("ALTER TABLE remote_pods ADD COLUMN fingerprint TEXT")?;
+        }
+        // Tenants came later: stores made before get the column.
+        for table in ["remote_sandboxes", "placements"] {
+            let has: bool = conn.query_row(
+                &format!("SELECT EXISTS (SELECT 1 FROM pragma_table_info('{table}') WHERE name = 'tenant')"),
+                [],
+                |r| r.get(0),
+            )?;
+            if !has {
+                conn.execute_batch(&format!("ALTER TABLE {table} ADD COLUMN tenant TEXT"))?;
+            }
         }
         Ok(FederationStore {
             conn: Mutex::new(conn),
@@ -146,27 +162,33 @@ impl FederationStore {
         Ok(())
     }
 
-    pub fn owners(&self) -> Result<Vec<(SandboxId, PodId)>> {
+    pub fn owners(&self) -> Result<Vec<(SandboxId, Owner)>> {
         let conn = self.conn();
-        let mut st = conn.prepare("SELECT sandbox_id, pod_id FROM remote_sandboxes")?;
+        let mut st = conn.prepare("SELECT sandbox_id, pod_id, tenant FROM remote_sandboxes")?;
         let rows = st.query_map([], |r| {
             Ok((
                 SandboxId::new(r.get::<_, String>(0)?),
-                PodId::new(r.get::<_, String>(1)?),
+                (PodId::new(r.get::<_, String>(1)?), r.get(2)?),
             ))
         })?;
         Ok(rows.collect::<std::result::Result<_, _>>()?)
     }
 
     /// Records a placement before the request goes to the pod.
-    pub fn begin_placement(&self, pod: &PodId) -> Result<Placement> {
+    pub fn begin_placement(&self, pod: &PodId, tenant: Option<&str>) -> Result<Placement> {
         let placement = Placement {
             id: format!("plc_{}", random_hex(8)),
             pod: pod.clone(),
+            tenant: tenant.map(str::to_string),
         };
         self.conn().execute(
-            "INSERT INTO placements (id, pod_id, created_at) VALUES (?1, ?2, ?3)",
-            params![placement.id, pod.as_str(), Timestamp::now().0],
+            "INSERT INTO placements (id, pod_id, created_at, tenant) VALUES (?1, ?2, ?3, ?4)",
+            params![
+                placement.id,
+                pod.as_str(),
+                Timestamp::now().0,
+                placement.tenant
+            ],
         )?;
         Ok(placement)
     }
@@ -178,8 +200,9 @@ impl FederationStore {
         let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
         if let Some((sandbox, pod)) = made {
             tx.execute(
-                "INSERT OR REPLACE INTO remote_sandboxes (sandbox_id, pod_id) VALUES (?1, ?2)",
-                [sandbox.as_str(), pod.as_str()],
+                "INSERT OR REPLACE INTO remote_sandboxes (sandbox_id, pod_id, tenant) \
+                 SELECT ?1, ?2, (SELECT tenant FROM placements WHERE id = ?3)",
+                [sandbox.as_str(), pod.as_str(), placement],
             )?;
         }
         tx.execute("DELETE FROM placements WHERE id = ?1", [placement])?;
@@ -189,11 +212,13 @@ impl FederationStore {
 
     pub fn placements(&self) -> Result<Vec<Placement>> {
         let conn = self.conn();
-        let mut st = conn.prepare("SELECT id, pod_id FROM placements ORDER BY created_at")?;
+        let mut st =
+            conn.prepare("SELECT id, pod_id, tenant FROM placements ORDER BY created_at")?;
         let rows = st.query_map([], |r| {
             Ok(Placement {
                 id: r.get(0)?,
                 pod: PodId::new(r.get::<_, String>(1)?),
+                tenant: r.get(2)?,
             })
         })?;
         Ok(rows.collect::<std::result::Result<_, _>>()?)
@@ -218,14 +243,17 @@ mod tests {
         };
         store.add_pod(&pod).unwrap();
         assert!(store.add_pod(&pod).is_err(), "same id twice");
-        let p1 = store.begin_placement(&pod.id).unwrap();
-        let p2 = store.begin_placement(&pod.id).unwrap();
+        let p1 = store.begin_placement(&pod.id, Some("acme")).unwrap();
+        let p2 = store.begin_placement(&pod.id, None).unwrap();
         assert_eq!(store.placements().unwrap().len(), 2);
         let sbx = SandboxId::new("sbx_1");
         store.end_placement(&p1.id, Some((&sbx, &pod.id))).unwrap();
         store.end_placement(&p2.id, None).unwrap();
         assert!(store.placements().unwrap().is_empty());
-        assert_eq!(store.owners().unwrap(), vec![(sbx, pod.id.clone())]);
+        assert_eq!(
+            store.owners().unwrap(),
+            vec![(sbx, (pod.id.clone(), Some("acme".to_string())))]
+        );
         drop(store);
         let store = FederationStore::open(&dir).unwrap();
         assert_eq!(store.pods().unwrap(), vec![pod.clone()]);

@@ -68,6 +68,8 @@ impl Fake {
             kind: TemplateKind::Probe,
             created_at: Timestamp(1),
             state: TemplateState::Ready,
+            tenant: None,
+            image: None,
         };
         let pod = Pod {
             id: PodId::new(POD_ID),
@@ -242,13 +244,15 @@ impl SandboxApi for Fake {
             id: TemplateId::generate(),
             name: req.name,
             kernel: "builtin:probe".into(),
-            rootfs: req.rootfs,
+            rootfs: None,
             snapshot_dir: None,
             mem_mib: req.mem_mib,
             vcpus: req.vcpus,
             kind: req.kind,
             created_at: Timestamp::now(),
             state: TemplateState::Building,
+            tenant: req.owner.filter(|o| !o.admin).map(|o| o.tenant),
+            image: req.image,
         };
         let mut st = self.state.lock().unwrap();
         st.templates.insert(template.id.clone(), template.clone());

@@ -287,6 +287,7 @@ impl Service {
                 .unwrap_or(self.config.default_keep_alive_ms),
         );
         fork.metadata = req.metadata;
+        fork.tenant = source.tenant.clone();
         fork.pod = Some(PodId::new(LOCAL_POD));
         fork.expires_at = req
             .timeout_ms

@@ -36,6 +36,8 @@ fn service() -> (Scratch, Arc<Service>, Template) {
         kind: TemplateKind::Probe,
         created_at: Timestamp::now(),
         state: TemplateState::Ready,
+        tenant: None,
+        image: None,
     };
     Store::open(&dir.0)
         .unwrap()

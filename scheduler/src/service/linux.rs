@@ -94,47 +94,39 @@ impl HostGuests {
     }
 }
 
-/// A Linux template's checked inputs.
+/// A Linux template's checked inputs: its image's name and files.
 pub(super) struct LinuxImage {
+    pub name: String,
     pub kernel: PathBuf,
     pub rootfs: PathBuf,
 }
 
-fn existing_file(what: &str, path: Option<&PathBuf>) -> Result<PathBuf, ServiceError> {
-    let path = path.ok_or_else(|| {
-        ServiceError::Invalid(format!(
-            "a Linux template needs `{what}` (a path on the server)"
-        ))
-    })?;
-    let abs = std::fs::canonicalize(path)
-        .map_err(|e| ServiceError::Invalid(format!("{what} {}: {e}", path.display())))?;
-    if !abs.is_file() {
-        return Err(ServiceError::Invalid(format!(
-            "{what} {} is not a regular file",
-            abs.display()
-        )));
-    }
-    Ok(abs)
-}
-
 impl Service {
     /// Checks a template request: `None` for probe templates; for Linux
-    /// ones, refusal on hosts without VMX/SVM, else the absolute kernel and
-    /// rootfs paths.
+    /// ones, the image's name and files (see `crate::images`: a bad name is
+    /// refused before anything is opened), then refusal on hosts without
+    /// VMX/SVM.
     pub(super) fn linux_image(
         &self,
         req: &CreateTemplate,
     ) -> Result<Option<LinuxImage>, ServiceError> {
         if req.kind != TemplateKind::Linux {
-            if req.kernel.is_some() || req.rootfs.is_some() {
+            if req.image.is_some() {
                 return Err(ServiceError::Invalid(
-                    "kernel and rootfs are for Linux templates; probe templates boot the \
-                     built-in probe"
+                    "images are for Linux templates; probe templates boot the built-in probe"
                         .into(),
                 ));
             }
             return Ok(None);
         }
+        let name = req.image.as_deref().ok_or_else(|| {
+            ServiceError::Invalid(
+                "a Linux template needs `image`: the name of an installed image".into(),
+            )
+        })?;
+        // The image is checked first: a bad name or file is 400 on every
+        // host, before anything else is looked at.
+        let files = self.images.resolve(name)?;
         if let Some(why) = self.config.host.linux_refusal() {
             return Err(ServiceError::Unsupported(why));
         }
@@ -144,8 +136,9 @@ impl Service {
             )));
         }
         Ok(Some(LinuxImage {
-            kernel: existing_file("kernel", req.kernel.as_ref())?,
-            rootfs: existing_file("rootfs", req.rootfs.as_ref())?,
+            name: name.to_string(),
+            kernel: files.kernel,
+            rootfs: files.rootfs,
         }))
     }
 

@@ -51,6 +51,9 @@ pub const PROBE_TEMPLATE: &str = "probe";
 /// with untouched memory: it costs page tables, not guest RAM).
 pub const DEFAULT_STANDBY_POOL: usize = 4;
 
+/// How long a deleted sandbox's row is kept (to read why it ended): 7 days.
+pub const DEFAULT_DELETED_RETENTION_MS: u64 = 7 * 24 * 3600 * 1000;
+
 /// Default (and largest) exec timeout: 10 minutes.
 pub const DEFAULT_EXEC_TIMEOUT_MS: u64 = 10 * 60 * 1000;
 
@@ -86,6 +89,11 @@ pub struct ServiceConfig {
     /// Every VMM runs jailed as its own uid from this range (None: no
     /// jail, `serve --no-jail`, development machines only).
     pub jail: Option<jail::JailConfig>,
+    /// Deleted sandboxes' rows are pruned this long after their deletion.
+    pub deleted_retention_ms: u64,
+    /// Where images (`NAME/vmlinux`, `NAME/rootfs.ext4`) are installed;
+    /// `DATA_DIR/images` unless the operator names another.
+    pub images_dir: Option<PathBuf>,
 }
 
 impl ServiceConfig {
@@ -102,6 +110,8 @@ impl ServiceConfig {
             policy_interval_ms: 1000,
             exec_timeout_ms: DEFAULT_EXEC_TIMEOUT_MS,
             jail: Some(jail::JailConfig::default()),
+            images_dir: None,
+            deleted_retention_ms: DEFAULT_DELETED_RETENTION_MS,
         }
     }
 }
@@ -144,6 +154,30 @@ pub enum ServiceError {
         code: String,
         message: String,
     },
+    /// A body or upload over its limit (413).
+    #[error("{0}")]
+    TooLarge(String),
+    /// A tenant's quota would be exceeded (429, `quota_exceeded`).
+    #[error("tenant {tenant} is at its {quota} quota: {used} used of {limit}, {asked} more asked")]
+    Quota {
+        tenant: String,
+        quota: &'static str,
+        limit: u64,
+        used: u64,
+        asked: u64,
+    },
+}
+
+impl From<crate::images::ImageError> for ServiceError {
+    fn from(e: crate::images::ImageError) -> Self {
+        use crate::images::ImageError as E;
+        match e {
+            E::BadName | E::BadPart(_) | E::Unusable { .. } => ServiceError::Invalid(e.to_string()),
+            E::TooLarge { .. } => ServiceError::TooLarge(e.to_string()),
+            E::InUse { .. } => ServiceError::ResourceConflict(e.to_string()),
+            E::Io(_) => ServiceError::Internal(e.to_string()),
+        }
+    }
 }
 
 impl From<StoreError> for ServiceError {
@@ -188,10 +222,10 @@ impl ServiceError {
 pub struct CreateTemplate {
     pub name: String,
     pub kind: TemplateKind,
-    #[serde(default)]
-    pub kernel: Option<PathBuf>,
-    #[serde(default)]
-    pub rootfs: Option<PathBuf>,
+    /// A Linux template's image: the name of a directory in the images
+    /// directory holding `vmlinux` and `rootfs.ext4` (never a host path).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
     #[serde(default = "default_mem")]
     pub mem_mib: u32,
     #[serde(default = "default_vcpus")]
@@ -202,6 +236,27 @@ pub struct CreateTemplate {
     /// pod when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<PodId>,
+    /// Who asks (set by the API from the token, never from the body): a
+    /// tenant's template is that tenant's; an admin's, or one without an
+    /// owner, is shared.
+    #[serde(skip)]
+    pub owner: Option<Owner>,
+}
+
+/// Who makes a sandbox or a template: the tenant it will belong to, and
+/// whether that caller is an admin (who may use every template).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    pub tenant: String,
+    pub admin: bool,
+}
+
+impl Owner {
+    /// Whether this caller may use (restore, see) `template`: shared ones,
+    /// its own, and every one for an admin.
+    pub fn may_use(&self, template: &crate::model::Template) -> bool {
+        self.admin || template.tenant.as_deref().is_none_or(|t| t == self.tenant)
+    }
 }
 
 fn default_mem() -> u32 {
@@ -233,6 +288,10 @@ pub struct CreateSandbox {
     /// letting placement choose.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<PodId>,
+    /// Who asks (set by the API from the token, never from the body); the
+    /// sandbox is `owner.tenant`'s.
+    #[serde(skip)]
+    pub owner: Option<Owner>,
 }
 
 /// The result of an operation, and whether it had to wake the sandbox.
@@ -272,6 +331,11 @@ pub struct Service {
     pool: Arc<pool::StandbyPool>,
     /// Uids and jails of VMMs (None: VMMs run unjailed).
     jails: Option<Arc<jail::Jails>>,
+    /// The images Linux templates are built from.
+    images: crate::images::Images,
+    /// Memory (MiB) of template builds booting now: counted by admission
+    /// with the sandboxes' (a build boots a VM too).
+    building_mib: Mutex<u64>,
 }
 
 impl Service {
@@ -298,6 +362,13 @@ impl Service {
             .jail
             .map(|c| jail::Jails::new(&config.data_dir, c).map(Arc::new))
             .transpose()?;
+        let images = crate::images::Images::open(
+            config
+                .images_dir
+                .clone()
+                .unwrap_or_else(|| config.data_dir.join("images")),
+        )
+        .map_err(|e| ServiceError::Internal(e.to_string()))?;
         let pool = pool::StandbyPool::new(
             config.data_dir.join("pool"),
             config.vmm_exe.clone(),
@@ -315,6 +386,8 @@ impl Service {
             stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             pool,
             jails,
+            images,
+            building_mib: Mutex::new(0),
         });
         service.ensure_local_pod()?;
         service.recover()?;
@@ -340,6 +413,11 @@ impl Service {
 
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// The images directory.
+    pub fn images(&self) -> &crate::images::Images {
+        &self.images
     }
 
     fn ensure_local_pod(&self) -> Result<(), ServiceError> {

@@ -146,6 +146,13 @@ impl Service {
     pub fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
         check_lifetimes(req.keep_alive_ms, req.timeout_ms)?;
         let template = self.find_template(&req.template)?;
+        // Another tenant's template is not there for this caller.
+        if req.owner.as_ref().is_some_and(|o| !o.may_use(&template)) {
+            return Err(ServiceError::NotFound {
+                kind: "template",
+                id: req.template.clone(),
+            });
+        }
         let Some(snapshot) = template
             .snapshot_dir
             .clone()
@@ -166,6 +173,7 @@ impl Service {
             keep_alive,
         );
         sandbox.metadata = req.metadata;
+        sandbox.tenant = req.owner.map(|o| o.tenant);
         sandbox.pod = Some(PodId::new(LOCAL_POD));
         sandbox.expires_at = req
             .timeout_ms

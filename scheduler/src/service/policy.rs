@@ -453,6 +453,23 @@ impl Service {
             }
         }
         self.enforce_watermark();
+        self.prune_deleted(now);
+    }
+
+    /// Removes the rows of sandboxes deleted more than the retention ago.
+    fn prune_deleted(&self, now: Timestamp) {
+        let retention = i64::try_from(self.config.deleted_retention_ms).unwrap_or(i64::MAX);
+        let cutoff = Timestamp(now.0.saturating_sub(retention));
+        let Ok(old) = self.store.deleted_before(cutoff) else {
+            return;
+        };
+        for id in old.into_iter().take(256) {
+            match self.store.purge_sandbox(&id) {
+                Ok(()) => tracing::debug!(sandbox = %id, "pruned a deleted sandbox's row"),
+                // Checkpoints of other sandboxes still chain to it: kept.
+                Err(e) => tracing::debug!(sandbox = %id, "deleted sandbox kept: {e}"),
+            }
+        }
     }
 
     /// A VMM that exited without being asked marks only its sandbox failed.

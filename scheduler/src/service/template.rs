@@ -49,12 +49,12 @@ impl Service {
         self.build_template(CreateTemplate {
             name: PROBE_TEMPLATE.into(),
             kind: TemplateKind::Probe,
-            kernel: None,
-            rootfs: None,
+            image: None,
             mem_mib: 64,
             vcpus: 1,
             cmdline: None,
             pod: None,
+            owner: None,
         })
         .map(|_| ())
     }
@@ -72,6 +72,9 @@ impl Service {
                 "mem_mib must be 16..65536 and vcpus 1..254".into(),
             ));
         }
+        // A build boots a VM of the template's size: admitted like a
+        // create, and counted until it ends.
+        let _building = self.admit_build(req.mem_mib)?;
         let template = Template {
             id: TemplateId::generate(),
             name: req.name,
@@ -79,6 +82,8 @@ impl Service {
                 || "builtin:probe".into(),
                 |l| l.kernel.to_string_lossy().into_owned(),
             ),
+            image: linux.as_ref().map(|l| l.name.clone()),
+            tenant: req.owner.filter(|o| !o.admin).map(|o| o.tenant),
             rootfs: linux.map(|l| l.rootfs),
             snapshot_dir: None,
             mem_mib: req.mem_mib,
@@ -174,7 +179,55 @@ impl Service {
     }
 }
 
+/// Memory a template build holds in admission until dropped.
+pub(super) struct BuildReservation<'a> {
+    service: &'a Service,
+    mem_mib: u64,
+}
+
+impl Drop for BuildReservation<'_> {
+    fn drop(&mut self) {
+        let mut building = self
+            .service
+            .building_mib
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        *building = building.saturating_sub(self.mem_mib);
+    }
+}
+
 impl Service {
+    /// Removes an installed image unless a live template was built from it
+    /// (its snapshot's disk still reads the rootfs).
+    pub fn remove_image(&self, name: &str) -> Result<(), ServiceError> {
+        crate::images::check_name(name)?;
+        if let Some(t) = self
+            .list_templates()?
+            .into_iter()
+            .find(|t| t.image.as_deref() == Some(name))
+        {
+            return Err(crate::images::ImageError::InUse {
+                name: name.to_string(),
+                template: t.name,
+            }
+            .into());
+        }
+        Ok(self.images.remove(name)?)
+    }
+
+    /// Admits a template build of `mem_mib`: refused (429) when it does not
+    /// fit with the sandboxes' memory and the other builds'.
+    pub(super) fn admit_build(&self, mem_mib: u32) -> Result<BuildReservation<'_>, ServiceError> {
+        let mut building = self.building_mib.lock().unwrap_or_else(|p| p.into_inner());
+        let asked = u32::try_from(*building + u64::from(mem_mib)).unwrap_or(u32::MAX);
+        self.admit(asked, false)?;
+        *building += u64::from(mem_mib);
+        Ok(BuildReservation {
+            service: self,
+            mem_mib: u64::from(mem_mib),
+        })
+    }
+
     /// Records the template's working set: restores it once with the pod's
     /// uffd backend, which notes the pages the guest touches in its first
     /// [`WORKING_SET_MS`] (`working-set` beside the snapshot), which every

@@ -15,7 +15,7 @@ use crate::model::{
 use crate::state::SandboxState;
 
 const TEMPLATE_COLUMNS: &str = "id, name, kernel, rootfs, snapshot_dir, mem_mib, vcpus, kind, \
-    state, failure_reason, created_at";
+    state, failure_reason, created_at, tenant, image";
 const POD_COLUMNS: &str = "id, address, token_hash, memory_bytes, vcpus, disk_bytes, \
     oversubscription_ratio, high_watermark, created_at";
 pub(super) const CHECKPOINT_COLUMNS: &str = "id, sandbox, name, snapshot_dir, parent, created_at";
@@ -44,6 +44,8 @@ fn template_from_row(row: &Row<'_>) -> rusqlite::Result<Template> {
         kind: row.get("kind")?,
         created_at: row.get("created_at")?,
         state,
+        tenant: row.get("tenant")?,
+        image: row.get("image")?,
     })
 }
 
@@ -126,7 +128,7 @@ impl Tx<'_> {
         self.conn.execute(
             &format!(
                 "INSERT INTO templates ({TEMPLATE_COLUMNS}) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)"
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)"
             ),
             params![
                 t.id,
@@ -140,6 +142,8 @@ impl Tx<'_> {
                 t.state.as_str(),
                 t.state.reason(),
                 t.created_at,
+                t.tenant,
+                t.image,
             ],
         )?;
         Ok(())

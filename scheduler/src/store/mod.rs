@@ -324,6 +324,7 @@ delegate! {
     ) -> ();
     write fn set_sandbox_metadata(&self, id: &SandboxId, metadata: &BTreeMap<String, String>) -> ();
     write fn purge_sandbox(&self, id: &SandboxId) -> ();
+    read fn deleted_before(&self, cutoff: Timestamp) -> Vec<SandboxId>;
 
     read fn committed_mib(&self) -> u64;
 

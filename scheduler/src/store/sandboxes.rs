@@ -13,7 +13,7 @@ use crate::state::{transition, SandboxState};
 
 const COLUMNS: &str = "id, template, pod, mem_mib, vcpus, keep_alive_ms, expires_at, state, \
     failure_reason, created_at, last_active_at, snapshot, vmm_pid, vmm_socket, generation, \
-    vmm_start";
+    vmm_start, tenant";
 
 /// Which sandboxes [`Tx::list_sandboxes`] returns; every field set must match.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -24,6 +24,8 @@ pub struct SandboxFilter {
     pub pod: Option<PodId>,
     /// Every pair must be in the sandbox's metadata.
     pub metadata: BTreeMap<String, String>,
+    /// Only this tenant's sandboxes.
+    pub tenant: Option<String>,
 }
 
 /// A row without its metadata (read separately).
@@ -54,6 +56,7 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
         }),
         generation: get_u64(row, "generation")?,
         restore: None,
+        tenant: row.get("tenant")?,
     })
 }
 
@@ -104,7 +107,7 @@ impl Tx<'_> {
         self.conn
             .prepare_cached(&format!(
                 "INSERT INTO sandboxes ({COLUMNS}) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)"
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)"
             ))?
             .execute(params![
                 s.id,
@@ -126,6 +129,7 @@ impl Tx<'_> {
                 )?,
                 u64_sql(s.generation, "generation")?,
                 vmm_start(s.vmm.as_ref())?,
+                s.tenant,
             ])?;
         self.write_metadata(&s.id, &s.metadata)
     }
@@ -205,6 +209,9 @@ impl Tx<'_> {
         }
         if let Some(p) = &filter.pod {
             sql.push_str(&format!(" AND pod = {}", arg(p.to_string(), &mut args)));
+        }
+        if let Some(t) = &filter.tenant {
+            sql.push_str(&format!(" AND tenant = {}", arg(t.clone(), &mut args)));
         }
         for (key, value) in &filter.metadata {
             let (k, v) = (arg(key.clone(), &mut args), arg(value.clone(), &mut args));
@@ -349,6 +356,22 @@ impl Tx<'_> {
         self.write_metadata(id, metadata)
     }
 
+    /// Deleted sandboxes deleted before `cutoff` (when the last operation
+    /// on them ended; rows without one by their last activity), oldest
+    /// first: what retention prunes.
+    pub fn deleted_before(&self, cutoff: Timestamp) -> Result<Vec<SandboxId>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT s.id FROM sandboxes s WHERE s.state = 'deleted' AND \
+             COALESCE((SELECT max(o.finished_at) FROM operations o WHERE o.sandbox = s.id), \
+                      s.last_active_at) < ?1 \
+             ORDER BY s.last_active_at, s.id",
+        )?;
+        let rows = stmt
+            .query_map([cutoff], |r| r.get(0))?
+            .collect::<rusqlite::Result<Vec<SandboxId>>>()?;
+        Ok(rows)
+    }
+
     /// Removes a deleted sandbox's row, its metadata and its checkpoints.
     /// Refused (`Conflict`) unless the sandbox is deleted.
     pub fn purge_sandbox(&self, id: &SandboxId) -> Result<()> {
@@ -382,5 +405,29 @@ impl Tx<'_> {
         self.conn
             .execute("DELETE FROM sandboxes WHERE id = ?1", [id])?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod retention_tests {
+    use super::super::tests::{sandbox_in, setup};
+    use crate::model::Timestamp;
+    use crate::state::SandboxState;
+
+    #[test]
+    fn only_deleted_rows_older_than_the_cutoff_are_listed_and_purged() {
+        let (_d, store, t) = setup();
+        let live = sandbox_in(&store, &t, SandboxState::Running);
+        let gone = sandbox_in(&store, &t, SandboxState::Running);
+        store
+            .update_sandbox_state(&gone.id, SandboxState::Running, SandboxState::Deleted, None)
+            .unwrap();
+        let later = Timestamp(Timestamp::now().0 + 1000);
+        assert!(store.deleted_before(Timestamp(0)).unwrap().is_empty());
+        assert_eq!(store.deleted_before(later).unwrap(), vec![gone.id.clone()]);
+        store.purge_sandbox(&gone.id).unwrap();
+        assert!(store.deleted_before(later).unwrap().is_empty());
+        assert!(store.get_sandbox(&gone.id).is_err());
+        assert!(store.get_sandbox(&live.id).is_ok());
     }
 }

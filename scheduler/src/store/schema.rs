@@ -113,14 +113,25 @@ CREATE TABLE snapshot_layers (
 CREATE INDEX snapshot_layers_parent ON snapshot_layers (parent);
 "#;
 
-/// Version 3: the VMM's start time next to its pid, so that a recycled
-/// pid is never signalled as the sandbox's VMM.
+/// Version 3: tenants. Every sandbox and every template a tenant built
+/// belongs to that tenant (`NULL`: rows made before tenants existed, and
+/// shared templates such as the built-in probe, which every tenant may
+/// use); a Linux template records the image it was built from by name.
 const V3: &str = r#"
+ALTER TABLE sandboxes ADD COLUMN tenant TEXT;
+CREATE INDEX sandboxes_tenant ON sandboxes (tenant);
+ALTER TABLE templates ADD COLUMN tenant TEXT;
+ALTER TABLE templates ADD COLUMN image TEXT;
+"#;
+
+/// Version 4: the VMM's start time next to its pid, so that a recycled
+/// pid is never signalled as the sandbox's VMM.
+const V4: &str = r#"
 ALTER TABLE sandboxes ADD COLUMN vmm_start INTEGER CHECK (vmm_start >= 0);
 "#;
 
 /// Every migration, in order.
-pub const MIGRATIONS: &[&str] = &[V1, V2, V3];
+pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4];
 
 /// The schema version this build writes.
 pub const CURRENT_VERSION: i64 = MIGRATIONS.len() as i64;

@@ -44,6 +44,8 @@ pub(super) fn template(name: &str) -> Template {
         kind: TemplateKind::Probe,
         created_at: Timestamp::now(),
         state: TemplateState::Ready,
+        tenant: None,
+        image: None,
     }
 }
 

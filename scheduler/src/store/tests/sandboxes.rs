@@ -222,6 +222,7 @@ fn list_filters() {
         template: Some(t.id.clone()),
         pod: Some(p.id.clone()),
         metadata: meta(&[("env", "ci")]).metadata,
+        tenant: None,
     };
     assert_eq!(ids(all), vec![a.clone()]);
 
@@ -308,4 +309,49 @@ fn setters_and_touch() {
         store.set_sandbox_snapshot(&missing, None),
         Err(StoreError::NotFound { .. })
     ));
+}
+
+#[test]
+fn tenants_own_sandboxes_and_templates_and_lists_filter_by_them() {
+    let (_d, store, t) = setup();
+    let mut mine = Sandbox::new(t.id.clone(), 64, 1, 60_000);
+    mine.tenant = Some("acme".into());
+    store.insert_sandbox(&mine).unwrap();
+    let mut theirs = Sandbox::new(t.id.clone(), 64, 1, 60_000);
+    theirs.tenant = Some("other".into());
+    store.insert_sandbox(&theirs).unwrap();
+    sandbox_in(&store, &t, Running);
+    assert_eq!(
+        store.get_sandbox(&mine.id).unwrap().tenant.as_deref(),
+        Some("acme")
+    );
+    let of = |tenant: &str| -> Vec<SandboxId> {
+        store
+            .list_sandboxes(&SandboxFilter {
+                tenant: Some(tenant.into()),
+                ..Default::default()
+            })
+            .unwrap()
+            .into_iter()
+            .map(|s| s.id)
+            .collect()
+    };
+    assert_eq!(of("acme"), vec![mine.id.clone()]);
+    assert_eq!(of("other"), vec![theirs.id.clone()]);
+    assert!(of("' OR 1=1 --").is_empty());
+    assert_eq!(
+        store
+            .list_sandboxes(&SandboxFilter::default())
+            .unwrap()
+            .len(),
+        3
+    );
+
+    let mut tpl = super::template("private");
+    tpl.tenant = Some("acme".into());
+    tpl.image = Some("debian".into());
+    store.insert_template(&tpl).unwrap();
+    let back = store.get_template(&tpl.id).unwrap();
+    assert_eq!(back.tenant.as_deref(), Some("acme"));
+    assert_eq!(back.image.as_deref(), Some("debian"));
 }

@@ -1,0 +1,280 @@
+//! Tokens, tenants' quotas and images: the admin's routes (and what a
+//! tenant may read of them: its own quota and use, the images' names).
+
+use std::io::Read;
+use std::pin::Pin;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Extension, Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+use torpor_scheduler::images::ImagePart;
+
+use crate::auth::tokens::{TokenRecord, TokensError};
+use crate::auth::{forbidden, Principal, Scope};
+use crate::backend::SandboxApi;
+use crate::error::{code, ApiError};
+use crate::handlers::{call, created, Api, ApiResult};
+use crate::quota::{Quota, Quotas, Usage};
+use crate::wire::ApiJson;
+
+fn tokens_error(e: TokensError) -> ApiError {
+    match e {
+        TokensError::BadTenant | TokensError::LastAdmin(_) => ApiError::invalid(e.to_string()),
+        TokensError::NotFound(_) => {
+            ApiError::new(StatusCode::NOT_FOUND, code::NOT_FOUND, e.to_string())
+        }
+        TokensError::File { .. } => {
+            tracing::error!(error = %e, "tokens file");
+            ApiError::internal("the tokens file could not be written (the server's log has why)")
+        }
+    }
+}
+
+/// `POST /v1/tokens`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateToken {
+    pub tenant: String,
+    #[serde(default = "tenant_scope")]
+    pub scope: Scope,
+}
+
+fn tenant_scope() -> Scope {
+    Scope::Tenant
+}
+
+/// A new token: its record and, this once, the token.
+#[derive(Debug, Serialize)]
+pub struct NewToken {
+    #[serde(flatten)]
+    pub record: TokenView,
+    pub token: String,
+}
+
+/// A token as listed: never the token nor its digest.
+#[derive(Debug, Serialize)]
+pub struct TokenView {
+    pub id: String,
+    pub tenant: String,
+    pub scope: Scope,
+    pub created_at: torpor_scheduler::model::Timestamp,
+}
+
+impl From<TokenRecord> for TokenView {
+    fn from(r: TokenRecord) -> Self {
+        TokenView {
+            id: r.id,
+            tenant: r.tenant,
+            scope: r.scope,
+            created_at: r.created_at,
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct TokenList {
+    pub tokens: Vec<TokenView>,
+}
+
+pub async fn list_tokens<S: SandboxApi>(State(st): Api<S>) -> Json<TokenList> {
+    let tokens = st
+        .tenancy
+        .auth
+        .tokens()
+        .into_iter()
+        .map(Into::into)
+        .collect();
+    Json(TokenList { tokens })
+}
+
+pub async fn create_token<S: SandboxApi>(
+    State(st): Api<S>,
+    ApiJson(body): ApiJson<CreateToken>,
+) -> ApiResult<Response> {
+    let (record, token) = st
+        .tenancy
+        .auth
+        .create_token(&body.tenant, body.scope)
+        .map_err(tokens_error)?;
+    tracing::info!(id = %record.id, tenant = %record.tenant, scope = record.scope.as_str(), "token created");
+    let location = format!("/v1/tokens/{}", record.id);
+    Ok(created(
+        location,
+        false,
+        NewToken {
+            record: record.into(),
+            token,
+        },
+    ))
+}
+
+pub async fn delete_token<S: SandboxApi>(
+    State(st): Api<S>,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    st.tenancy.auth.remove_token(&id).map_err(tokens_error)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `GET /v1/tenants/{tenant}`: quotas and use.
+#[derive(Debug, Serialize)]
+pub struct TenantBody {
+    pub tenant: String,
+    pub quota: Quota,
+    pub usage: Usage,
+}
+
+pub async fn get_tenant<S: SandboxApi>(
+    State(st): Api<S>,
+    Extension(p): Extension<Principal>,
+    Path(tenant): Path<String>,
+) -> ApiResult<Json<TenantBody>> {
+    if !p.is_admin() && p.tenant != tenant {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            code::NOT_FOUND,
+            format!(
+                "tenant {} not found",
+                crate::federation::pods::sanitized(&tenant)
+            ),
+        ));
+    }
+    let quota = st.tenancy.auth.quota(&tenant);
+    let who = tenant.clone();
+    let usage = call(&st, move |s| Quotas::usage(s, &who, true)).await?;
+    Ok(Json(TenantBody {
+        tenant,
+        quota,
+        usage,
+    }))
+}
+
+pub async fn set_quota<S: SandboxApi>(
+    State(st): Api<S>,
+    Path(tenant): Path<String>,
+    ApiJson(quota): ApiJson<Quota>,
+) -> ApiResult<Json<TenantBody>> {
+    st.tenancy
+        .auth
+        .set_quota(&tenant, quota)
+        .map_err(tokens_error)?;
+    let who = tenant.clone();
+    let usage = call(&st, move |s| Quotas::usage(s, &who, true)).await?;
+    Ok(Json(TenantBody {
+        tenant,
+        quota,
+        usage,
+    }))
+}
+
+#[derive(Debug, Serialize)]
+pub struct ImageList {
+    pub images: Vec<String>,
+}
+
+pub async fn list_images<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Json<ImageList>> {
+    let images = call(&st, |s| s.list_images()).await?;
+    Ok(Json(ImageList { images }))
+}
+
+pub async fn delete_image<S: SandboxApi>(
+    State(st): Api<S>,
+    Path(name): Path<String>,
+) -> ApiResult<StatusCode> {
+    call(&st, move |s| s.remove_image(&name)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `PUT /v1/images/{name}/{part}`: the raw body, streamed to the image's
+/// file (at most the configured upload size) and installed once complete.
+pub async fn upload_image<S: SandboxApi>(
+    State(st): Api<S>,
+    Extension(p): Extension<Principal>,
+    Path((name, part)): Path<(String, String)>,
+    body: Body,
+) -> ApiResult<Response> {
+    if !p.is_admin() {
+        return Err(forbidden("uploading images needs an admin token"));
+    }
+    let part = ImagePart::parse(&part).map_err(|e| ApiError::invalid(e.to_string()))?;
+    torpor_scheduler::images::check_name(&name).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let limit = st.max_upload_bytes;
+    let (tx, rx) = mpsc::channel::<Result<Bytes, String>>(4);
+    let pump = tokio::spawn(pump(body, tx));
+    let stored = name.clone();
+    let size = call(&st, move |s| {
+        let mut reader = ChannelReader {
+            rx,
+            buf: Bytes::new(),
+        };
+        s.install_image(&stored, part, &mut reader, limit)
+    })
+    .await;
+    pump.abort();
+    let size = size?;
+    #[derive(Serialize)]
+    struct Installed {
+        image: String,
+        part: &'static str,
+        bytes: u64,
+    }
+    let part = match part {
+        ImagePart::Kernel => "kernel",
+        ImagePart::Rootfs => "rootfs",
+    };
+    Ok(created(
+        format!("/v1/images/{name}"),
+        false,
+        Installed {
+            image: name,
+            part,
+            bytes: size,
+        },
+    )
+    .into_response())
+}
+
+/// Moves the body's frames to the blocking reader, one at a time.
+async fn pump(body: Body, tx: mpsc::Sender<Result<Bytes, String>>) {
+    let mut stream = body.into_data_stream();
+    loop {
+        let next =
+            std::future::poll_fn(|cx| futures_core::Stream::poll_next(Pin::new(&mut stream), cx))
+                .await;
+        let item = match next {
+            None => return,
+            Some(Ok(b)) => Ok(b),
+            Some(Err(e)) => Err(e.to_string()),
+        };
+        let failed = item.is_err();
+        if tx.send(item).await.is_err() || failed {
+            return;
+        }
+    }
+}
+
+/// The request body as a blocking `Read` (on the blocking pool).
+struct ChannelReader {
+    rx: mpsc::Receiver<Result<Bytes, String>>,
+    buf: Bytes,
+}
+
+impl Read for ChannelReader {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        while self.buf.is_empty() {
+            match self.rx.blocking_recv() {
+                None => return Ok(0),
+                Some(Ok(b)) => self.buf = b,
+                Some(Err(e)) => return Err(std::io::Error::other(e)),
+            }
+        }
+        let n = out.len().min(self.buf.len());
+        out[..n].copy_from_slice(&self.buf[..n]);
+        self.buf = self.buf.slice(n..);
+        Ok(n)
+    }
+}

@@ -1,0 +1,365 @@
+//! Tenancy on the routes: whose a sandbox is, what a tenant sees of an
+//! answer, and the per-token limits on expensive routes.
+//!
+//! - [`sandbox_guard`] runs on every `/v1/sandboxes/{id}...` route, outside
+//!   the federation's forwarding: another tenant's sandbox (or one that
+//!   does not exist) answers 404 `not_found` the same way, never 403; a
+//!   fork is admitted against the tenant's quotas, a checkpoint against its
+//!   snapshot disk; exec, checkpoint and fork pass the [`Limiter`].
+//! - [`redact`] removes host paths and process ids (`vmm`, `snapshot`,
+//!   `snapshot_dir`, `kernel`, `rootfs`) from a tenant's JSON answers;
+//!   admins see them (the `torpor` CLI shows them to operators).
+//! - [`Limiter`]: per token, at most `concurrent` expensive requests at
+//!   once and `per_second` of them on average (bursts of `burst`); past
+//!   either, 429 `rate_limited` with `Retry-After`. Admin tokens are not
+//!   limited.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::{to_bytes, Body};
+use axum::extract::{Request, State};
+use axum::http::header;
+use axum::http::{Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use serde_json::Value;
+use torpor_scheduler::model::SandboxId;
+
+use crate::auth::{Auth, Principal};
+use crate::backend::SandboxApi;
+use crate::error::{code, ApiError};
+use crate::quota::{Quotas, Ticket, Usage};
+use crate::service::ServiceError;
+
+/// Per-token limits on expensive routes (create, exec, checkpoint, fork,
+/// template build).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RateLimit {
+    /// At most this many at once per token.
+    pub concurrent: usize,
+    /// Sustained rate per token.
+    pub per_second: f64,
+    /// Requests a token may make at once after being idle.
+    pub burst: u32,
+}
+
+impl Default for RateLimit {
+    fn default() -> Self {
+        RateLimit {
+            concurrent: 16,
+            per_second: 10.0,
+            burst: 40,
+        }
+    }
+}
+
+struct Bucket {
+    tokens: f64,
+    last: Instant,
+    in_flight: usize,
+}
+
+/// The per-token limiter.
+pub struct Limiter {
+    limit: RateLimit,
+    buckets: Mutex<HashMap<String, Bucket>>,
+}
+
+/// One admitted expensive request; its slot is freed on drop.
+pub struct Permit {
+    limiter: Arc<Limiter>,
+    key: String,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let mut b = self
+            .limiter
+            .buckets
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(bucket) = b.get_mut(&self.key) {
+            bucket.in_flight = bucket.in_flight.saturating_sub(1);
+        }
+    }
+}
+
+impl Limiter {
+    pub fn new(limit: RateLimit) -> Arc<Self> {
+        Arc::new(Limiter {
+            limit,
+            buckets: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// A slot for `principal`'s token, or how long to wait. Admins pass.
+    pub fn acquire(self: &Arc<Self>, principal: &Principal) -> Result<Option<Permit>, Duration> {
+        if principal.is_admin() {
+            return Ok(None);
+        }
+        let now = Instant::now();
+        let burst = f64::from(self.limit.burst.max(1));
+        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        let b = buckets.entry(principal.token.clone()).or_insert(Bucket {
+            tokens: burst,
+            last: now,
+            in_flight: 0,
+        });
+        let rate = self.limit.per_second.max(0.001);
+        b.tokens = (b.tokens + now.duration_since(b.last).as_secs_f64() * rate).min(burst);
+        b.last = now;
+        if b.in_flight >= self.limit.concurrent.max(1) {
+            return Err(Duration::from_secs(1));
+        }
+        if b.tokens < 1.0 {
+            return Err(Duration::from_secs_f64((1.0 - b.tokens) / rate));
+        }
+        b.tokens -= 1.0;
+        b.in_flight += 1;
+        Ok(Some(Permit {
+            limiter: Arc::clone(self),
+            key: principal.token.clone(),
+        }))
+    }
+}
+
+/// A rate-limit refusal: 429 `rate_limited` with `Retry-After` (whole
+/// seconds, at least 1).
+pub struct Limited(pub Duration);
+
+impl From<Limited> for ApiError {
+    fn from(l: Limited) -> Self {
+        let secs = l.0.as_secs_f64().ceil().max(1.0) as u64;
+        ApiError {
+            retry_after: Some(secs),
+            ..ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                code::RATE_LIMITED,
+                format!("too many expensive requests from this token; retry in {secs} s"),
+            )
+        }
+    }
+}
+
+/// What [`sandbox_guard`] and the create handlers need.
+pub struct Tenancy<S> {
+    pub service: Arc<S>,
+    pub auth: Auth,
+    pub quotas: Arc<Quotas>,
+    pub limiter: Arc<Limiter>,
+}
+
+impl<S> Clone for Tenancy<S> {
+    fn clone(&self) -> Self {
+        Tenancy {
+            service: Arc::clone(&self.service),
+            auth: self.auth.clone(),
+            quotas: Arc::clone(&self.quotas),
+            limiter: Arc::clone(&self.limiter),
+        }
+    }
+}
+
+/// The principal [`crate::auth::require`] put in the request.
+pub fn principal(request: &Request) -> Result<Principal, ApiError> {
+    request
+        .extensions()
+        .get::<Principal>()
+        .cloned()
+        .ok_or_else(|| ApiError::unauthorized("no principal (auth layer missing)"))
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        code::NOT_FOUND,
+        format!("sandbox {id} not found"),
+    )
+}
+
+/// Ok if `principal` may reach sandbox `id`: an admin always (the service
+/// answers for ids that do not exist), a tenant only its own; 404 for
+/// every other id alike. Blocking: call it on the blocking pool.
+pub fn owns<S: SandboxApi>(
+    service: &S,
+    principal: &Principal,
+    id: &SandboxId,
+) -> Result<(), ApiError> {
+    if principal.is_admin() {
+        return Ok(());
+    }
+    match service.sandbox_tenant(id) {
+        Ok(t) if principal.sees(t.as_deref()) => Ok(()),
+        _ => Err(not_found(id.as_str())),
+    }
+}
+
+/// Admits `asked` for `principal`'s tenant (blocking). Admins are
+/// counted too: quotas are per tenant, whoever asks.
+pub fn admit<S: SandboxApi>(
+    t: &Tenancy<S>,
+    principal: &Principal,
+    asked: Usage,
+) -> Result<Option<Ticket>, ServiceError> {
+    let quota = t.auth.quota(&principal.tenant);
+    t.quotas
+        .admit(&*t.service, &principal.tenant, &quota, asked)
+}
+
+/// Route layer on `/v1/sandboxes/{id}...`; see the module documentation.
+pub async fn sandbox_guard<S: SandboxApi>(
+    State(t): State<Tenancy<S>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let p = match principal(&request) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let path = request.uri().path().to_string();
+    let id = SandboxId::new(path.split('/').nth(3).unwrap_or_default());
+    let post = request.method() == Method::POST;
+    let fork = post && path.ends_with("/fork");
+    let checkpoint = post && path.ends_with("/checkpoints");
+    let expensive =
+        post && (fork || checkpoint || path.ends_with("/exec") || path.ends_with("/exec/stream"));
+    let _permit = if expensive {
+        match t.limiter.acquire(&p) {
+            Ok(permit) => permit,
+            Err(wait) => return ApiError::from(Limited(wait)).into_response(),
+        }
+    } else {
+        None
+    };
+    let guard = t.clone();
+    let checked = tokio::task::spawn_blocking(move || {
+        owns(&*guard.service, &p, &id)?;
+        if !(fork || checkpoint) {
+            return Ok(None);
+        }
+        let mem = guard
+            .service
+            .get_sandbox(&id)
+            .map_or(0, |s| u64::from(s.mem_mib));
+        let asked = if fork {
+            Usage::sandbox(mem)
+        } else {
+            Usage::snapshot(mem)
+        };
+        admit(&guard, &p, asked).map_err(ApiError::from)
+    })
+    .await;
+    let _ticket = match checked {
+        Ok(Ok(ticket)) => ticket,
+        Ok(Err(e)) => return e.into_response(),
+        Err(_) => return ApiError::internal("the ownership check failed").into_response(),
+    };
+    next.run(request).await
+}
+
+/// Keys of host paths and processes in the API's JSON answers.
+const HOST_KEYS: &[&str] = &["vmm", "snapshot", "snapshot_dir", "kernel", "rootfs"];
+
+/// Largest JSON answer [`redact`] rewrites (lists are paginated well below).
+const MAX_REDACTED: usize = 32 << 20;
+
+fn strip(v: &mut Value) {
+    match v {
+        Value::Object(map) => {
+            for k in HOST_KEYS {
+                map.remove(*k);
+            }
+            // A sandbox's metadata is the client's own.
+            map.iter_mut()
+                .filter(|(k, _)| k.as_str() != "metadata")
+                .for_each(|(_, v)| strip(v));
+        }
+        Value::Array(items) => items.iter_mut().for_each(strip),
+        _ => {}
+    }
+}
+
+/// Route layer inside [`crate::auth::require`]: a tenant's JSON answers
+/// without host paths or pids (see the module documentation).
+pub async fn redact(request: Request, next: Next) -> Response {
+    let admin = request
+        .extensions()
+        .get::<Principal>()
+        .is_none_or(Principal::is_admin);
+    let response = next.run(request).await;
+    let json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|c| c.starts_with("application/json"));
+    if admin || !json {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    let bytes = match to_bytes(body, MAX_REDACTED).await {
+        Ok(b) => b,
+        Err(_) => return ApiError::internal("answer too large").into_response(),
+    };
+    let out = match serde_json::from_slice::<Value>(&bytes) {
+        Ok(mut v) => {
+            strip(&mut v);
+            v.to_string().into_bytes()
+        }
+        Err(_) => bytes.to_vec(),
+    };
+    parts.headers.remove(header::CONTENT_LENGTH);
+    Response::from_parts(parts, Body::from(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tenant(token: &str) -> Principal {
+        Principal {
+            tenant: "t".into(),
+            scope: crate::auth::Scope::Tenant,
+            token: token.into(),
+        }
+    }
+
+    #[test]
+    fn limiter_bounds_concurrency_and_rate_per_token() {
+        let l = Limiter::new(RateLimit {
+            concurrent: 2,
+            per_second: 0.5,
+            burst: 3,
+        });
+        let a = tenant("a");
+        let p1 = l.acquire(&a).unwrap();
+        let _p2 = l.acquire(&a).unwrap();
+        assert!(l.acquire(&a).is_err(), "third at once");
+        // Another token has its own slots.
+        let _b = l.acquire(&tenant("b")).unwrap();
+        drop(p1);
+        let _p3 = l.acquire(&a).unwrap();
+        // Burst of 3 used: the next waits about 2 s (0.5/s).
+        drop(_p3);
+        let wait = l.acquire(&a).err().expect("rate");
+        assert!(wait > Duration::from_millis(1500), "{wait:?}");
+        let admin = Principal {
+            tenant: "admin".into(),
+            scope: crate::auth::Scope::Admin,
+            token: "a".into(),
+        };
+        assert!(l.acquire(&admin).unwrap().is_none());
+    }
+
+    #[test]
+    fn strip_removes_host_keys_everywhere() {
+        let mut v = serde_json::json!({"sandboxes": [{"id": "sbx_1", "vmm": {"pid": 5},
+            "snapshot": "/data/x", "metadata": {"kernel": "k"}}], "kernel": "/boot/x"});
+        strip(&mut v);
+        assert_eq!(
+            v,
+            serde_json::json!({"sandboxes": [{"id": "sbx_1", "metadata": {"kernel": "k"}}]})
+        );
+    }
+}

@@ -1,0 +1,667 @@
+//! Tenants, scopes, images and abuse limits against `torpor serve` on
+//! loopback (probe templates): attacks that must fail. A first start's
+//! admin token, tenant tokens, another tenant's sandbox (404 for every
+//! route, and unchanged), admin-only routes (403), templates naming host
+//! paths, `..` or a symlink out of the images directory (400), 200
+//! parallel creates past a quota (exactly the quota admitted, the rest
+//! 429), pagination, a rogue pod (refused without admin; its foreign or
+//! malformed sandbox ids refused) and a 64 MiB chunked body to a forwarded
+//! route (413 without buffering it).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use common::http::{request, HttpResponse};
+use common::serve::{DataDir, ServeProcess};
+
+/// The service under test and its admin token.
+struct Serve {
+    process: ServeProcess,
+    admin: String,
+}
+
+impl Serve {
+    /// A first start (no `--token`): the admin token is read from what
+    /// `serve` printed.
+    fn first_start(data: &Path) -> Self {
+        let process = ServeProcess::start(data, &["--policy-interval-ms", "0"]);
+        let admin = process
+            .banner
+            .iter()
+            .find_map(|l| l.split("admin token: ").nth(1))
+            .unwrap_or_else(|| panic!("no admin token printed: {:?}", process.banner))
+            .trim()
+            .to_string();
+        Serve { process, admin }
+    }
+
+    fn call(&self, token: &str, method: &str, path: &str, body: Option<Value>) -> HttpResponse {
+        let body = body.map(|b| b.to_string());
+        request(
+            &self.process.addr,
+            method,
+            path,
+            Some(token),
+            body.as_deref(),
+        )
+    }
+
+    fn ok(&self, token: &str, method: &str, path: &str, body: Option<Value>) -> Value {
+        let r = self.call(token, method, path, body);
+        assert!(
+            (200..300).contains(&r.status),
+            "{method} {path}: {} {}",
+            r.status,
+            r.body
+        );
+        if r.body.is_empty() {
+            Value::Null
+        } else {
+            r.json()
+        }
+    }
+
+    /// A new tenant token.
+    fn tenant(&self, name: &str) -> String {
+        let v = self.ok(
+            &self.admin,
+            "POST",
+            "/v1/tokens",
+            Some(json!({"tenant": name})),
+        );
+        assert_eq!(
+            (v["tenant"].as_str(), v["scope"].as_str()),
+            (Some(name), Some("tenant"))
+        );
+        v["token"].as_str().unwrap().to_string()
+    }
+}
+
+fn code(r: &HttpResponse) -> String {
+    r.json()["error"]["code"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+fn ids(list: &Value) -> Vec<String> {
+    list["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn tenants_see_only_their_own_and_cannot_reach_host_paths() {
+    let data = DataDir::new("tenants");
+    let s = Serve::first_start(&data.0);
+    // Stored hashed: the token is nowhere in the data directory's files.
+    let stored = std::fs::read_to_string(data.0.join("tenants.json")).unwrap();
+    assert!(!stored.contains(&s.admin), "{stored}");
+    assert!(stored.contains("\"admin\""), "{stored}");
+    let a = s.tenant("acme");
+    let b = s.tenant("bravo");
+    assert!(!std::fs::read_to_string(data.0.join("tenants.json"))
+        .unwrap()
+        .contains(&a));
+    assert_eq!(
+        s.call("wrong-token", "GET", "/v1/sandboxes", None).status,
+        401
+    );
+
+    let sa = s.ok(
+        &a,
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"template": "probe"})),
+    );
+    let id = sa["id"].as_str().unwrap().to_string();
+    assert_eq!(sa["tenant"], "acme");
+    // No host paths or pids in a tenant's answers; the admin sees them.
+    assert!(
+        sa.get("vmm").is_none() && sa.get("snapshot").is_none(),
+        "{sa}"
+    );
+    let mine = s.ok(&a, "GET", &format!("/v1/sandboxes/{id}"), None);
+    assert!(mine.get("vmm").is_none(), "{mine}");
+    let seen = s.ok(&s.admin, "GET", &format!("/v1/sandboxes/{id}"), None);
+    assert!(seen["vmm"]["pid"].as_u64().is_some(), "{seen}");
+    let tpl = s.ok(&a, "GET", "/v1/templates", None);
+    assert!(tpl["templates"][0].get("snapshot_dir").is_none(), "{tpl}");
+    assert!(
+        !tpl.to_string().contains(&data.0.display().to_string()),
+        "{tpl}"
+    );
+
+    // Tenant B: A's sandbox is not there, whatever the route.
+    assert!(ids(&s.ok(&b, "GET", "/v1/sandboxes", None)).is_empty());
+    let probes: [(&str, String, Option<Value>); 9] = [
+        ("GET", format!("/v1/sandboxes/{id}"), None),
+        (
+            "POST",
+            format!("/v1/sandboxes/{id}/exec"),
+            Some(json!({"cmd": ["true"]})),
+        ),
+        (
+            "POST",
+            format!("/v1/sandboxes/{id}/checkpoints"),
+            Some(json!({"name": "b"})),
+        ),
+        ("GET", format!("/v1/sandboxes/{id}/checkpoints"), None),
+        ("POST", format!("/v1/sandboxes/{id}/fork"), Some(json!({}))),
+        ("POST", format!("/v1/sandboxes/{id}/pause"), None),
+        (
+            "PATCH",
+            format!("/v1/sandboxes/{id}"),
+            Some(json!({"keep_alive_ms": 1})),
+        ),
+        (
+            "GET",
+            format!("/v1/sandboxes/{id}/files?path=/etc/hostname"),
+            None,
+        ),
+        ("DELETE", format!("/v1/sandboxes/{id}"), None),
+    ];
+    let missing = s.call(&b, "GET", "/v1/sandboxes/sbx_0123456789abcdef", None);
+    assert_eq!(missing.status, 404);
+    for (method, path, body) in probes {
+        let r = s.call(&b, method, &path, body);
+        assert_eq!(r.status, 404, "B {method} {path}: {}", r.body);
+        assert_eq!(code(&r), "not_found", "{}", r.body);
+        // Word for word what a sandbox that does not exist answers.
+        let template = r.body.replace(&id, "ID");
+        let absent = missing.body.replace("sbx_0123456789abcdef", "ID");
+        assert_eq!(template, absent);
+    }
+    let after = s.ok(&s.admin, "GET", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!(after["state"], "running");
+    assert_eq!(
+        after["generation"], seen["generation"],
+        "A's sandbox unchanged"
+    );
+    assert_eq!(after["vmm"]["pid"], seen["vmm"]["pid"]);
+    assert!(
+        s.ok(&a, "GET", &format!("/v1/sandboxes/{id}/checkpoints"), None)["checkpoints"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+
+    // Admin-only routes: 403 for a tenant, before anything is done.
+    for (method, path, body) in [
+        (
+            "PATCH",
+            "/v1/pods/pod_local",
+            Some(json!({"oversubscription_ratio": 100.0})),
+        ),
+        (
+            "POST",
+            "/v1/pods",
+            Some(json!({"address": "tcp:127.0.0.1:9", "token": "x"})),
+        ),
+        ("GET", "/v1/pods", None),
+        ("DELETE", "/v1/pods/pod_local", None),
+        ("GET", "/metrics", None),
+        (
+            "POST",
+            "/v1/tokens",
+            Some(json!({"tenant": "bravo", "scope": "admin"})),
+        ),
+        ("GET", "/v1/tokens", None),
+        ("PUT", "/v1/tenants/bravo/quota", Some(json!({}))),
+        ("DELETE", "/v1/images/x", None),
+    ] {
+        let r = s.call(&b, method, path, body);
+        assert_eq!(r.status, 403, "B {method} {path}: {}", r.body);
+        assert_eq!(code(&r), "forbidden");
+    }
+    let pods = s.ok(&s.admin, "GET", "/v1/pods", None);
+    assert_ne!(pods["pods"][0]["oversubscription_ratio"], 100.0, "{pods}");
+    let put = request(
+        &s.process.addr,
+        "PUT",
+        "/v1/images/evil/kernel",
+        Some(&b),
+        Some("not a kernel"),
+    );
+    assert_eq!(put.status, 403, "{}", put.body);
+    assert!(!data.0.join("images/evil").exists());
+    // A tenant reads its own quota and use, not another's.
+    let own = s.ok(&b, "GET", "/v1/tenants/bravo", None);
+    assert_eq!(own["usage"]["total_sandboxes"], 0, "{own}");
+    assert_eq!(s.call(&b, "GET", "/v1/tenants/acme", None).status, 404);
+
+    // Templates never name host paths: these are refused (400) for the
+    // admin as for a tenant, and what they name is never opened.
+    let images = data.0.join("images");
+    let other = data.0.join("sandboxes").join(&id);
+    let evil = images.join("evil");
+    std::fs::create_dir_all(&evil).unwrap();
+    std::os::unix::fs::symlink("/etc/shadow", evil.join("vmlinux")).unwrap();
+    std::os::unix::fs::symlink(&other, evil.join("rootfs.ext4")).unwrap();
+    std::os::unix::fs::symlink(&other, images.join("overlay")).unwrap();
+    let absent = s.call(
+        &s.admin,
+        "POST",
+        "/v1/templates",
+        Some(json!({"name": "x", "kind": "linux", "image": "absent", "mem_mib": 256})),
+    );
+    assert_eq!(absent.status, 400, "{}", absent.body);
+    for token in [&s.admin, &a] {
+        for body in [
+            json!({"name": "x", "kind": "linux", "kernel": "/etc/shadow", "rootfs": "/etc/shadow"}),
+            json!({"name": "x", "kind": "linux", "image": "/etc/shadow"}),
+            json!({"name": "x", "kind": "linux", "image": "../sandboxes"}),
+            json!({"name": "x", "kind": "linux", "image": ".."}),
+            json!({"name": "x", "kind": "linux", "image": format!("../sandboxes/{id}")}),
+            json!({"name": "x", "kind": "linux", "image": "evil", "mem_mib": 256}),
+            json!({"name": "x", "kind": "linux", "image": "overlay", "mem_mib": 256}),
+        ] {
+            let r = s.call(token, "POST", "/v1/templates", Some(body.clone()));
+            assert_eq!(r.status, 400, "{body}: {}", r.body);
+            assert!(
+                !r.body.contains("/etc") && !r.body.contains(&data.0.display().to_string()),
+                "{body}: {}",
+                r.body
+            );
+            if body["image"] == "evil" || body["image"] == "overlay" {
+                // A symlink answers exactly as a missing image does.
+                let name = body["image"].as_str().unwrap();
+                assert_eq!(
+                    r.body.replace(name, "N"),
+                    absent.body.replace("absent", "N")
+                );
+            }
+        }
+    }
+    assert!(s.ok(&s.admin, "GET", "/v1/templates", None)["templates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|t| t["name"] != "x"));
+    let listed = s.ok(&a, "GET", "/v1/images", None);
+    assert_eq!(
+        listed["images"],
+        json!([]),
+        "symlinked images are not images: {listed}"
+    );
+
+    // Pagination: one at a time, with the token in body and header.
+    let second = s.ok(
+        &a,
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"template": "probe"})),
+    );
+    let r = s.call(&a, "GET", "/v1/sandboxes?limit=1", None);
+    let page1 = r.json();
+    let next = page1["next"].as_str().expect("a next page").to_string();
+    assert_eq!(r.header("x-next-token").as_deref(), Some(next.as_str()));
+    let page2 = s.ok(
+        &a,
+        "GET",
+        &format!("/v1/sandboxes?limit=1&next={next}"),
+        None,
+    );
+    assert!(page2.get("next").is_none(), "{page2}");
+    let mut both = ids(&page1);
+    both.extend(ids(&page2));
+    assert_eq!(
+        both,
+        vec![id.clone(), second["id"].as_str().unwrap().to_string()]
+    );
+    assert_eq!(s.call(&a, "GET", "/v1/sandboxes?limit=0", None).status, 400);
+
+    // Quotas: 200 parallel creates past `running_sandboxes` 3 (two run):
+    // exactly one more admitted, every other one 429.
+    let q = s.ok(
+        &s.admin,
+        "PUT",
+        "/v1/tenants/acme/quota",
+        Some(json!({"running_sandboxes": 3})),
+    );
+    assert_eq!(q["usage"]["running_sandboxes"], 2, "{q}");
+    let results: Vec<HttpResponse> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..200)
+            .map(|_| {
+                scope.spawn(|| {
+                    s.call(
+                        &a,
+                        "POST",
+                        "/v1/sandboxes",
+                        Some(json!({"template": "probe"})),
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut by_code: BTreeMap<String, usize> = BTreeMap::new();
+    for r in &results {
+        let key = if r.status == 201 {
+            "created".to_string()
+        } else {
+            assert_eq!(r.status, 429, "{}", r.body);
+            if code(r) == "rate_limited" {
+                assert!(r
+                    .header("retry-after")
+                    .is_some_and(|v| v.parse::<u64>().unwrap() >= 1));
+            } else {
+                assert_eq!(code(r), "quota_exceeded", "{}", r.body);
+                let e = &r.json()["error"];
+                assert_eq!(
+                    (e["quota"].as_str(), e["limit"].as_u64()),
+                    (Some("running_sandboxes"), Some(3))
+                );
+            }
+            code(r)
+        };
+        *by_code.entry(key).or_default() += 1;
+    }
+    assert_eq!(by_code.get("created"), Some(&1), "{by_code:?}");
+    assert!(
+        by_code.get("quota_exceeded").is_some_and(|n| *n > 0),
+        "{by_code:?}"
+    );
+    assert_eq!(ids(&s.ok(&a, "GET", "/v1/sandboxes", None)).len(), 3);
+    assert_eq!(
+        ids(&s.ok(&s.admin, "GET", "/v1/sandboxes", None)).len(),
+        3,
+        "nothing else runs"
+    );
+
+    // A revoked token is refused.
+    let tokens = s.ok(&s.admin, "GET", "/v1/tokens", None);
+    assert!(!tokens.to_string().contains(&b), "tokens are never listed");
+    let bravo = tokens["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tenant"] == "bravo")
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    s.ok(&s.admin, "DELETE", &format!("/v1/tokens/{bravo}"), None);
+    assert_eq!(s.call(&b, "GET", "/v1/sandboxes", None).status, 401);
+
+    // The admin token is printed on the first start only.
+    drop(s);
+    let again = ServeProcess::start(&data.0, &["--policy-interval-ms", "0"]);
+    assert!(
+        !again.banner.iter().any(|l| l.contains("admin token:")),
+        "{:?}",
+        again.banner
+    );
+}
+
+/// A pod of our own making: answers like `torpor pod serve` with unlimited
+/// headroom and the `probe` template; a create answers `sandbox_id`.
+struct FakePod {
+    addr: String,
+    sandbox_id: Arc<Mutex<String>>,
+    seen: Arc<Mutex<Vec<String>>>,
+}
+
+fn sandbox_json(id: &str) -> Value {
+    json!({"id": id, "template": "tpl_0123456789abcdef", "pod": "pod_local", "mem_mib": 64,
+           "vcpus": 1, "keep_alive_ms": 1000, "expires_at": null, "metadata": {},
+           "state": "running", "failure_reason": null, "created_at": 1, "last_active_at": 1,
+           "snapshot": null, "vmm": null, "generation": 1})
+}
+
+impl FakePod {
+    fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let sandbox_id = Arc::new(Mutex::new(String::new()));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (id, log) = (Arc::clone(&sandbox_id), Arc::clone(&seen));
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let (id, log) = (Arc::clone(&id), Arc::clone(&log));
+                std::thread::spawn(move || serve_fake(stream, &id, &log));
+            }
+        });
+        FakePod {
+            addr,
+            sandbox_id,
+            seen,
+        }
+    }
+}
+
+fn serve_fake(stream: TcpStream, id: &Mutex<String>, seen: &Mutex<Vec<String>>) {
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            return;
+        }
+        let mut parts = line.split_whitespace();
+        let (method, path) = (
+            parts.next().unwrap_or_default().to_string(),
+            parts.next().unwrap_or_default().to_string(),
+        );
+        let mut length = 0usize;
+        loop {
+            let mut h = String::new();
+            if reader.read_line(&mut h).unwrap_or(0) == 0 {
+                return;
+            }
+            if h == "\r\n" {
+                break;
+            }
+            if let Some((n, v)) = h.split_once(':') {
+                if n.eq_ignore_ascii_case("content-length") {
+                    length = v.trim().parse().unwrap_or(0);
+                }
+            }
+        }
+        let mut body = vec![0u8; length];
+        let _ = reader.read_exact(&mut body);
+        seen.lock().unwrap().push(format!("{method} {path}"));
+        let now = id.lock().unwrap().clone();
+        let answer = match (method.as_str(), path.split('?').next().unwrap_or_default()) {
+            ("GET", "/v1/pods") => {
+                json!({"pods": [{"id": "pod_local", "address": {"kind": "local"},
+                "memory_bytes": 1u64 << 50, "vcpus": 64, "disk_bytes": 0,
+                "oversubscription_ratio": 100.0, "high_watermark": 0.9, "created_at": 1,
+                "committed_mib": 0, "pss_mib": 0.0, "sandboxes": {}}]})
+            }
+            ("GET", "/v1/templates") => json!({"templates": [{"id": "tpl_0123456789abcdef",
+                "name": "probe", "kernel": "builtin:probe", "mem_mib": 64, "vcpus": 1,
+                "kind": "probe", "created_at": 1, "state": "ready"}]}),
+            ("GET", "/v1/sandboxes") => json!({"sandboxes": []}),
+            ("POST", "/v1/sandboxes") | ("GET", _) => sandbox_json(&now),
+            _ => json!({"error": {"code": "invalid_request", "message": "fake pod"}}),
+        };
+        let status = if method == "POST" {
+            "201 Created"
+        } else {
+            "200 OK"
+        };
+        let text = answer.to_string();
+        let reply = format!(
+            "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{text}",
+            text.len()
+        );
+        if (&stream).write_all(reply.as_bytes()).is_err() {
+            return;
+        }
+    }
+}
+
+/// Peak resident memory of a process, KiB.
+fn hwm_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// `PUT path` with a chunked body of `total` bytes, written by a thread
+/// while the answer is read; the answer's status and how much was sent.
+fn chunked_put(addr: &str, token: &str, path: &str, total: usize) -> (u16, usize) {
+    let stream = TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    stream
+        .set_write_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut writer = stream.try_clone().unwrap();
+    let head = format!(
+        "PUT {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\n\
+         Content-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    );
+    writer.write_all(head.as_bytes()).unwrap();
+    let sender = std::thread::spawn(move || {
+        let chunk = vec![b'x'; 1 << 20];
+        let mut sent = 0;
+        while sent < total {
+            let frame = [format!("{:x}\r\n", chunk.len()).as_bytes(), &chunk, b"\r\n"].concat();
+            if writer.write_all(&frame).is_err() {
+                break;
+            }
+            sent += chunk.len();
+        }
+        let _ = writer.write_all(b"0\r\n\r\n");
+        sent
+    });
+    let mut reader = BufReader::new(stream);
+    let mut status_line = String::new();
+    reader.read_line(&mut status_line).unwrap();
+    let status = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status: {status_line:?}"));
+    drop(reader);
+    (status, sender.join().unwrap())
+}
+
+#[test]
+fn rogue_pods_and_oversized_forwarded_bodies_are_refused() {
+    let data = DataDir::new("tenants-pods");
+    let s = Serve::first_start(&data.0);
+    let a = s.tenant("acme");
+    let local = s.ok(
+        &a,
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"template": "probe"})),
+    );
+    let local_id = local["id"].as_str().unwrap().to_string();
+    let fake = FakePod::start();
+    let address = format!("tcp:{}", fake.addr);
+
+    // Without an admin token a pod is not even contacted.
+    let r = s.call(
+        &a,
+        "POST",
+        "/v1/pods",
+        Some(json!({"address": address, "token": "t"})),
+    );
+    assert_eq!(r.status, 403, "{}", r.body);
+    assert!(
+        fake.seen.lock().unwrap().is_empty(),
+        "the pod was contacted"
+    );
+    let pod = s.ok(
+        &s.admin,
+        "POST",
+        "/v1/pods",
+        Some(json!({"address": address, "token": "t"})),
+    );
+    let pod_id = pod["id"].as_str().unwrap().to_string();
+
+    // The pod answers creates with an existing sandbox's id, or garbage:
+    // refused, never recorded; the local sandbox stays the local pod's.
+    for claimed in [local_id.as_str(), "../../etc/passwd", "sbx_XYZ"] {
+        *fake.sandbox_id.lock().unwrap() = claimed.to_string();
+        let r = s.call(
+            &s.admin,
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"template": "probe", "pod": pod_id})),
+        );
+        assert_eq!(r.status, 502, "{claimed}: {}", r.body);
+        assert!(!r.body.contains("passwd"), "{}", r.body);
+        let got = s.ok(&a, "GET", &format!("/v1/sandboxes/{local_id}"), None);
+        assert_eq!(
+            (got["pod"].as_str(), got["state"].as_str()),
+            (Some("pod_local"), Some("running"))
+        );
+    }
+    // Only admins pin pods.
+    let r = s.call(
+        &a,
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"template": "probe", "pod": pod_id})),
+    );
+    assert_eq!(r.status, 403, "{}", r.body);
+
+    // A tenant's sandbox placed on the pod (it claims the most headroom):
+    // routed there for its tenant, 404 for another.
+    let fresh = "sbx_00000000000000ff";
+    *fake.sandbox_id.lock().unwrap() = fresh.to_string();
+    let placed = s.ok(
+        &a,
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"template": "probe"})),
+    );
+    assert_eq!(
+        (placed["id"].as_str(), placed["pod"].as_str()),
+        (Some(fresh), Some(pod_id.as_str()))
+    );
+    let b = s.tenant("bravo");
+    assert_eq!(
+        s.call(&b, "GET", &format!("/v1/sandboxes/{fresh}"), None)
+            .status,
+        404
+    );
+    assert_eq!(
+        s.ok(&a, "GET", &format!("/v1/sandboxes/{fresh}"), None)["id"],
+        fresh
+    );
+    assert!(ids(&s.ok(&b, "GET", "/v1/sandboxes", None)).is_empty());
+
+    // 64 MiB chunked to a forwarded route: 413 once past the limit, not
+    // buffered (the server's peak memory does not grow by the body), never
+    // forwarded.
+    let pid = s.process.child.id();
+    let before = hwm_kib(pid);
+    let path = format!("/v1/sandboxes/{fresh}/files?path=/big");
+    let (status, sent) = chunked_put(&s.process.addr, &a, &path, 64 << 20);
+    assert_eq!(status, 413);
+    let grown = hwm_kib(pid).saturating_sub(before);
+    assert!(
+        grown < 24 << 10,
+        "peak RSS grew by {grown} KiB (sent {sent} bytes)"
+    );
+    assert!(
+        !fake
+            .seen
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|r| r.starts_with("PUT")),
+        "{:?}",
+        fake.seen.lock().unwrap()
+    );
+}
