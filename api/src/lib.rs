@@ -49,6 +49,7 @@ pub mod auth;
 pub mod backend;
 mod checkpoint_routes;
 pub mod client;
+pub mod e2b;
 pub mod error;
 pub mod federation;
 pub mod guest_routes;
@@ -211,7 +212,7 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
     }
 }
 
-fn method_filter(method: &str) -> MethodFilter {
+pub(crate) fn method_filter(method: &str) -> MethodFilter {
     match method {
         "GET" => MethodFilter::GET,
         "POST" => MethodFilter::POST,
@@ -224,12 +225,21 @@ fn method_filter(method: &str) -> MethodFilter {
 
 /// Limits every request shares: `max_body_bytes` and `request_timeout`.
 #[derive(Clone, Copy)]
-struct Limits {
-    max_body_bytes: usize,
-    request_timeout: Duration,
+pub(crate) struct Limits {
+    pub(crate) max_body_bytes: usize,
+    pub(crate) request_timeout: Duration,
 }
 
-async fn limits(State(limits): State<Limits>, request: Request, next: Next) -> Response {
+impl Limits {
+    fn of(config: &ApiConfig) -> Self {
+        Limits {
+            max_body_bytes: config.max_body_bytes,
+            request_timeout: config.request_timeout,
+        }
+    }
+}
+
+pub(crate) async fn limits(State(limits): State<Limits>, request: Request, next: Next) -> Response {
     let declared = request
         .headers()
         .get(header::CONTENT_LENGTH)
@@ -291,15 +301,21 @@ pub fn router<S: SandboxApi>(service: Arc<S>, config: ApiConfig) -> Router {
         }
         app = app.route(r.path, endpoint);
     }
-    let limits_state = Limits {
-        max_body_bytes: config.max_body_bytes,
-        request_timeout: config.request_timeout,
-    };
+    let limits_state = Limits::of(&config);
+    let e2b = e2b::router(Arc::clone(&service), tokens, limits_state);
     app.fallback(error::no_route)
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
         .layer(middleware::from_fn_with_state(limits_state, limits))
         .layer(middleware::from_fn(error::normalize))
         .with_state(AppState { service })
+        .merge(e2b)
+}
+
+/// The E2B routes alone ([`e2b`]), for a listener of their own
+/// (`torpor serve --e2b-listen`): unknown paths are 404 in E2B's shape.
+pub fn e2b_router<S: SandboxApi>(service: Arc<S>, config: ApiConfig) -> Router {
+    let tokens = auth::Tokens::new(&config.tokens);
+    e2b::router(service, tokens, Limits::of(&config)).fallback(e2b::no_route)
 }
 
 /// Serves the API on `listener` until `shutdown` completes, then lets
@@ -321,6 +337,22 @@ where
         }
     });
     axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// Serves [`e2b_router`] on `listener` until `shutdown` completes.
+pub async fn serve_e2b<S, F>(
+    listener: tokio::net::TcpListener,
+    service: Arc<S>,
+    config: ApiConfig,
+    shutdown: F,
+) -> std::io::Result<()>
+where
+    S: SandboxApi,
+    F: Future<Output = ()> + Send + 'static,
+{
+    axum::serve(listener, e2b_router(service, config))
         .with_graceful_shutdown(shutdown)
         .await
 }

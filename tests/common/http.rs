@@ -10,9 +10,19 @@ use std::time::Duration;
 pub struct HttpResponse {
     pub status: u16,
     pub body: String,
+    /// Header names in lower case, in order.
+    pub headers: Vec<(String, String)>,
 }
 
 impl HttpResponse {
+    /// The first header of this (lower-case) name.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
     }
@@ -26,11 +36,28 @@ pub fn request(
     token: Option<&str>,
     body: Option<&str>,
 ) -> HttpResponse {
+    let auth = token.map(|t| format!("Bearer {t}"));
+    let headers: Vec<(&str, &str)> = auth
+        .as_deref()
+        .map(|a| ("Authorization", a))
+        .into_iter()
+        .collect();
+    request_with(addr, method, path, &headers, body)
+}
+
+/// Sends one request with these extra headers.
+pub fn request_with(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> HttpResponse {
     let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
     let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
-    if let Some(t) = token {
-        req.push_str(&format!("Authorization: Bearer {t}\r\n"));
+    for (name, value) in headers {
+        req.push_str(&format!("{name}: {value}\r\n"));
     }
     let body = body.unwrap_or("");
     if !body.is_empty() || matches!(method, "POST" | "PUT" | "PATCH") {
@@ -61,7 +88,17 @@ pub fn request(
     } else {
         rest.to_string()
     };
-    HttpResponse { status, body }
+    let headers = head
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    HttpResponse {
+        status,
+        body,
+        headers,
+    }
 }
 
 fn dechunk(mut s: &str) -> String {

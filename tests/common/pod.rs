@@ -96,6 +96,7 @@ impl PodProcess {
         HttpResponse {
             status,
             body: rest.to_string(),
+            headers: Vec::new(),
         }
     }
 

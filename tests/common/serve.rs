@@ -12,6 +12,8 @@ pub struct ServeProcess {
     pub child: Child,
     /// `host:port` it listens on.
     pub addr: String,
+    /// What it printed before it listened.
+    pub banner: Vec<String>,
 }
 
 impl ServeProcess {
@@ -32,6 +34,7 @@ impl ServeProcess {
             .spawn()
             .expect("spawn torpor serve");
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut banner = Vec::new();
         let addr = loop {
             let line = lines
                 .next()
@@ -40,10 +43,15 @@ impl ServeProcess {
             if let Some(rest) = line.split("listening on http://").nth(1) {
                 break rest.trim().to_string();
             }
+            banner.push(line);
         };
         // Keep draining stdout so the service never blocks on it.
         std::thread::spawn(move || for _ in lines {});
-        ServeProcess { child, addr }
+        ServeProcess {
+            child,
+            addr,
+            banner,
+        }
     }
 
     pub fn url(&self) -> String {

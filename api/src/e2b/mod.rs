@@ -1,0 +1,156 @@
+//! E2B-compatible control plane: the REST routes the `e2b` SDKs (PyPI and
+//! npm `e2b`, pinned in `.ci/run`) call, with E2B's JSON field names and
+//! status codes, over the same [`SandboxApi`] as torpor's own `/v1` routes.
+//!
+//! Served beside `/v1` on the API's listener (E2B's paths do not overlap
+//! ours) and, with `torpor serve --e2b-listen ADDR`, alone on a listener of
+//! its own. Every route needs `X-API-KEY: <key>`, checked by
+//! [`key_accepted`] against the API's tokens. Every error answer is E2B's
+//! `{"code": <status>, "message": "..."}` ([`error`]), with torpor's
+//! status mapping (the table in `lib.rs`). What each route and field maps
+//! to, and what is not offered, is in `docs/e2b.md`; the routes are
+//! described in `api/e2b-openapi.json`.
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{on, MethodRouter};
+use axum::Router;
+
+use crate::auth::Tokens;
+use crate::backend::SandboxApi;
+use crate::handlers::AppState;
+use crate::{method_filter, Limits, Route};
+
+pub mod error;
+mod routes;
+mod snapshot_id;
+pub mod time;
+pub mod wire;
+
+pub use error::E2bError;
+pub use snapshot_id::SnapshotId;
+
+/// The header E2B's SDKs carry the API key in.
+pub const API_KEY_HEADER: &str = "x-api-key";
+
+const fn route(method: &'static str, path: &'static str, operation: &'static str) -> Route {
+    Route {
+        method,
+        path,
+        operation,
+        auth: true,
+    }
+}
+
+/// Every E2B route served (paths in axum syntax, operation ids as in
+/// `api/e2b-openapi.json`).
+pub const ROUTES: &[Route] = &[
+    route("POST", "/sandboxes", "e2bCreateSandbox"),
+    route("GET", "/sandboxes", "e2bListSandboxes"),
+    route("POST", "/v2/sandboxes", "e2bCreateSandboxV2"),
+    route("GET", "/v2/sandboxes", "e2bListSandboxesV2"),
+    route("GET", "/sandboxes/{id}", "e2bGetSandbox"),
+    route("DELETE", "/sandboxes/{id}", "e2bKillSandbox"),
+    route("POST", "/sandboxes/{id}/pause", "e2bPauseSandbox"),
+    route("POST", "/sandboxes/{id}/resume", "e2bResumeSandbox"),
+    route("POST", "/sandboxes/{id}/connect", "e2bConnectSandbox"),
+    route("POST", "/v2/sandboxes/{id}/connect", "e2bConnectSandboxV2"),
+    route("POST", "/sandboxes/{id}/timeout", "e2bSetTimeout"),
+    route("POST", "/sandboxes/{id}/refreshes", "e2bRefreshSandbox"),
+    route("GET", "/sandboxes/{id}/metrics", "e2bSandboxMetrics"),
+    route("POST", "/sandboxes/{id}/fork", "e2bForkSandbox"),
+    route("POST", "/sandboxes/{id}/snapshots", "e2bCreateSnapshot"),
+    route("GET", "/snapshots", "e2bListSnapshots"),
+    route("DELETE", "/templates/{id}", "e2bDeleteTemplate"),
+];
+
+fn endpoint<S: SandboxApi>(r: &Route) -> MethodRouter<AppState<S>> {
+    let m = method_filter(r.method);
+    match r.operation {
+        "e2bCreateSandbox" | "e2bCreateSandboxV2" => on(m, routes::create::<S>),
+        "e2bListSandboxes" => on(m, routes::list_v1::<S>),
+        "e2bListSandboxesV2" => on(m, routes::list_v2::<S>),
+        "e2bGetSandbox" => on(m, routes::get::<S>),
+        "e2bKillSandbox" => on(m, routes::kill::<S>),
+        "e2bPauseSandbox" => on(m, routes::pause::<S>),
+        "e2bResumeSandbox" => on(m, routes::resume::<S>),
+        "e2bConnectSandbox" | "e2bConnectSandboxV2" => on(m, routes::connect::<S>),
+        "e2bSetTimeout" => on(m, routes::set_timeout::<S>),
+        "e2bRefreshSandbox" => on(m, routes::refresh::<S>),
+        "e2bSandboxMetrics" => on(m, routes::metrics::<S>),
+        "e2bForkSandbox" => on(m, routes::fork::<S>),
+        "e2bCreateSnapshot" => on(m, routes::create_snapshot::<S>),
+        "e2bListSnapshots" => on(m, routes::list_snapshots::<S>),
+        "e2bDeleteTemplate" => on(m, routes::delete_template::<S>),
+        other => panic!("E2B route table names unknown operation {other:?}"),
+    }
+}
+
+/// Whether an E2B API key may use the API: the API's token check. The one
+/// place E2B keys meet torpor's auth (tenants plug in here).
+pub fn key_accepted(tokens: &Tokens, key: &[u8]) -> bool {
+    tokens.accepts(key)
+}
+
+/// Route middleware: 401 unless `X-API-KEY` carries an accepted key.
+async fn require_key(State(tokens): State<Tokens>, request: Request, next: Next) -> Response {
+    match request.headers().get(API_KEY_HEADER) {
+        Some(key) if key_accepted(&tokens, key.as_bytes().trim_ascii()) => next.run(request).await,
+        Some(_) => {
+            E2bError::new(axum::http::StatusCode::UNAUTHORIZED, "Invalid API key").into_response()
+        }
+        None => E2bError::new(
+            axum::http::StatusCode::UNAUTHORIZED,
+            "missing X-API-KEY header",
+        )
+        .into_response(),
+    }
+}
+
+/// The fallback of [`crate::e2b_router`]: 404 in E2B's shape.
+pub(crate) async fn no_route(request: Request) -> E2bError {
+    E2bError::not_found(format!(
+        "no route for {} {}",
+        request.method(),
+        request.uri().path()
+    ))
+}
+
+/// The E2B routes, with their auth, the API's limits and E2B's error shape.
+/// No fallback: merged into the API's router, unknown paths are the API's.
+pub(crate) fn router<S: SandboxApi>(service: Arc<S>, tokens: Tokens, limits: Limits) -> Router {
+    let mut app: Router<AppState<S>> = Router::new();
+    for r in ROUTES {
+        let endpoint = endpoint::<S>(r)
+            .route_layer(middleware::from_fn_with_state(tokens.clone(), require_key));
+        app = app.route(r.path, endpoint);
+    }
+    app.layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
+        .layer(middleware::from_fn_with_state(limits, crate::limits))
+        .layer(middleware::from_fn(error::normalize))
+        .with_state(AppState { service })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn route_table_is_well_formed_and_apart_from_ours() {
+        let mut seen = std::collections::BTreeSet::new();
+        for r in ROUTES {
+            assert!(seen.insert((r.method, r.path)), "{} {}", r.method, r.path);
+            assert!(r.auth);
+            assert!(!r.path.starts_with("/v1/"), "{}", r.path);
+            assert!(
+                !crate::ROUTES.iter().any(|o| o.path == r.path),
+                "{} is also a torpor route",
+                r.path
+            );
+            method_filter(r.method);
+        }
+    }
+}
