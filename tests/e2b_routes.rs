@@ -524,3 +524,83 @@ fn e2b_listen_serves_only_e2b_routes() {
     assert_e2b_error(&s.call("GET", "/v1/sandboxes", None), 404);
     s.expect(204, "DELETE", &format!("/sandboxes/{id}"), None);
 }
+
+/// Polls `GET /sandboxes/{id}` until `done` holds of (status, body).
+fn wait_until(s: &E2b, id: &str, what: &str, done: impl Fn(u16, &Value) -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let r = s.call("GET", &format!("/sandboxes/{id}"), None);
+        let v = if r.body.is_empty() {
+            Value::Null
+        } else {
+            r.json()
+        };
+        if done(r.status, &v) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{id} never {what}: {} {v}",
+            r.status
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn timeout_kills_or_with_auto_pause_hibernates() {
+    let data = DataDir::new("e2b-timeout");
+    let s = E2b::start(&data.0, &[]);
+    let kill = id_of(&s.create(r#"{"templateID":"probe","timeout":1}"#));
+    let pause = id_of(&s.create(r#"{"templateID":"probe","timeout":1,"autoPause":true}"#));
+    let info = s.expect(200, "GET", &format!("/sandboxes/{pause}"), None);
+    assert_eq!(info["lifecycle"]["onTimeout"], "pause", "{info}");
+    assert_eq!(info["lifecycle"]["autoResume"], false, "{info}");
+    let info = s.expect(200, "GET", &format!("/sandboxes/{kill}"), None);
+    assert_eq!(info["lifecycle"]["onTimeout"], "kill", "{info}");
+
+    wait_until(&s, &kill, "killed by its timeout", |status, _| {
+        status == 404
+    });
+    wait_until(&s, &pause, "paused by its timeout", |_, v| {
+        v["state"] == "paused"
+    });
+    let native = request(
+        &s.addr,
+        "GET",
+        &format!("/v1/sandboxes/{pause}"),
+        Some(KEY),
+        None,
+    )
+    .json();
+    assert_eq!(native["state"], "hibernated", "{native}");
+    // It stays paused past its deadline (not deleted by later rounds).
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    assert_eq!(
+        s.expect(200, "GET", &format!("/sandboxes/{pause}"), None)["state"],
+        "paused"
+    );
+
+    // Connect wakes it with a new deadline (E2B's default when none given).
+    s.expect(
+        201,
+        "POST",
+        &format!("/v2/sandboxes/{pause}/connect"),
+        Some("{}"),
+    );
+    let info = s.expect(200, "GET", &format!("/sandboxes/{pause}"), None);
+    assert_eq!(info["state"], "running");
+    let end = torpor_api::e2b::time::parse(info["endAt"].as_str().unwrap()).unwrap();
+    let left = end.0 - torpor_scheduler::model::Timestamp::now().0;
+    assert!((5_000..=15_500).contains(&left), "{info}");
+    // Asking to reboot instead of restoring memory is refused.
+    assert_e2b_error(
+        &s.call(
+            "POST",
+            &format!("/v2/sandboxes/{pause}/connect"),
+            Some(r#"{"memory":false}"#),
+        ),
+        400,
+    );
+    s.expect(204, "DELETE", &format!("/sandboxes/{pause}"), None);
+}

@@ -121,6 +121,15 @@ for f in forks:
     check(f.get_info().metadata == {"run": run, "role": "main"}, "fork keeps metadata")
     f.kill()
 
+# envs are stored (applied to commands: tests/serve_service.rs); lifecycle
+# on_timeout=pause is hibernation on timeout
+auto = Sandbox.create(
+    template=TEMPLATE, timeout=60, envs={"A": "b"}, lifecycle={"on_timeout": "pause"}
+)
+check(auto.get_info().lifecycle["on_timeout"] == "pause", f"lifecycle {auto.get_info().lifecycle}")
+check(sbx.get_info().lifecycle["on_timeout"] == "kill", "default lifecycle")
+auto.kill()
+
 # kill, then the SDK's not-found paths
 check(sbx.kill() is True, "kill")
 check(Sandbox.kill(sbx.sandbox_id) is False, "second kill: not found")

@@ -11,7 +11,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::de::DeserializeOwned;
-use torpor_scheduler::model::{Sandbox, SandboxId, Template, TemplateId, TemplateState, Timestamp};
+use torpor_scheduler::model::{
+    OnTimeout, Sandbox, SandboxId, Template, TemplateId, TemplateState, Timestamp,
+};
 
 use super::error::E2bError;
 use super::snapshot_id::SnapshotId;
@@ -89,12 +91,12 @@ fn detail<S: SandboxApi>(s: &S, sandbox: &Sandbox) -> Option<SandboxDetail> {
 }
 
 /// Moves the sandbox's timeout to `secs` from now, unless it already ends
-/// later (E2B's connect never shortens a sandbox's life).
+/// later or never (E2B's connect never shortens a sandbox's life).
 fn extend<S: SandboxApi>(s: &S, id: &SandboxId, secs: u64) -> Result<(), ServiceError> {
     let ms = seconds(secs, "timeout")?;
     let current = s.get_sandbox(id)?.expires_at;
     let wanted = Timestamp::now().0.saturating_add(ms as i64);
-    if current.is_none_or(|c| c.0 < wanted) {
+    if current.is_some_and(|c| c.0 < wanted) {
         s.set_timeout(id, None, Some(ms))?;
     }
     Ok(())
@@ -109,18 +111,14 @@ fn created(status: StatusCode, body: impl serde::Serialize) -> Response {
 pub async fn create<S: SandboxApi>(state: Api<S>, bytes: Bytes) -> E2bResult<Response> {
     let req: NewSandbox = body(&bytes)?;
     req.refuse_unoffered()?;
-    if req.env_vars.as_ref().is_some_and(|e| !e.is_empty()) {
-        return Err(E2bError::bad_request(
-            "`envVars` are not stored yet (see docs/e2b.md)",
-        ));
-    }
-    if req.auto_pause == Some(true) {
-        return Err(E2bError::bad_request(
-            "`autoPause` is not offered yet (see docs/e2b.md)",
-        ));
-    }
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
     let metadata = req.metadata.clone().unwrap_or_default();
+    let env = req.env_vars.clone().unwrap_or_default();
+    let on_timeout = if req.auto_pause == Some(true) {
+        OnTimeout::Hibernate
+    } else {
+        OnTimeout::Delete
+    };
     let out = call(&state, move |s| {
         let timeout_ms = Some(seconds(timeout, "timeout")?);
         let sandbox = match SnapshotId::parse(&req.template_id) {
@@ -130,6 +128,8 @@ pub async fn create<S: SandboxApi>(state: Api<S>, bytes: Bytes) -> E2bResult<Res
                     checkpoint: Some(snap.name),
                     timeout_ms,
                     metadata,
+                    env,
+                    on_timeout: Some(on_timeout),
                     ..ForkSandbox::default()
                 },
             )?,
@@ -137,6 +137,8 @@ pub async fn create<S: SandboxApi>(state: Api<S>, bytes: Bytes) -> E2bResult<Res
                 template: req.template_id,
                 timeout_ms,
                 metadata,
+                env,
+                on_timeout,
                 ..CreateSandbox::default()
             })?,
         };
@@ -192,7 +194,8 @@ pub async fn connect<S: SandboxApi>(
     Path(id): Path<String>,
     bytes: Bytes,
 ) -> E2bResult<Response> {
-    let req: ConnectBody = optional_body(&bytes)?;
+    let mut req: ConnectBody = optional_body(&bytes)?;
+    req.timeout.get_or_insert(DEFAULT_TIMEOUT_S);
     wake(state, id, req, false).await
 }
 
@@ -215,6 +218,12 @@ async fn wake<S: SandboxApi>(
     req: ConnectBody,
     refuse_running: bool,
 ) -> E2bResult<Response> {
+    if req.memory == Some(false) {
+        return Err(E2bError::bad_request(
+            "resuming by a reboot from disk (`on_resume=\"reboot\"`) is not offered: \
+             torpor always restores the memory it kept",
+        ));
+    }
     let (resumed, out) = call(&state, move |s| {
         let sandbox = live(s, &id)?;
         if refuse_running && e2b_state(sandbox.state) == Some("running") {

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use torpor_scheduler::model::{Sandbox, SandboxState, Timestamp};
+use torpor_scheduler::model::{OnTimeout, Sandbox, SandboxState, Timestamp};
 
 use super::error::E2bError;
 use super::time;
@@ -36,7 +36,7 @@ pub struct NewSandbox {
     /// Seconds until the sandbox's timeout ([`DEFAULT_TIMEOUT_S`]).
     #[serde(default)]
     pub timeout: Option<u64>,
-    /// On timeout: hibernate (`true`) or kill (`false`, the default).
+    /// On timeout: hibernate (`true`) or delete (`false`, the default).
     #[serde(default)]
     pub auto_pause: Option<bool>,
     #[serde(default)]
@@ -87,8 +87,12 @@ fn is_set(v: &Value) -> bool {
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ConnectBody {
+    /// Seconds from now; E2B's default ([`DEFAULT_TIMEOUT_S`]) when absent.
     #[serde(default)]
     pub timeout: Option<u64>,
+    /// `false`: reboot from disk instead of restoring memory (refused).
+    #[serde(default)]
+    pub memory: Option<bool>,
 }
 
 /// `POST /sandboxes/{id}/timeout`.
@@ -163,6 +167,31 @@ pub struct SandboxDetail {
     pub state: &'static str,
     pub metadata: BTreeMap<String, String>,
     pub domain: Option<String>,
+    pub lifecycle: Lifecycle,
+}
+
+/// What the sandbox's timeout does (`SandboxLifecycle`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Lifecycle {
+    /// Traffic to a paused sandbox does not resume it (torpor's own routes
+    /// wake it; E2B's traffic proxy is not offered).
+    #[serde(rename = "autoResume")]
+    pub auto_resume: bool,
+    /// `kill` or `pause` (torpor: delete or hibernate).
+    #[serde(rename = "onTimeout")]
+    pub on_timeout: &'static str,
+}
+
+impl Lifecycle {
+    fn of(s: &Sandbox) -> Self {
+        Lifecycle {
+            auto_resume: false,
+            on_timeout: match s.on_timeout {
+                OnTimeout::Delete => "kill",
+                OnTimeout::Hibernate => "pause",
+            },
+        }
+    }
 }
 
 /// `GET /sandboxes/{id}/metrics` entries (`SandboxMetric`).
@@ -269,6 +298,7 @@ impl SandboxDetail {
             state: e2b_state(s.state)?,
             metadata: s.metadata.clone(),
             domain: None,
+            lifecycle: Lifecycle::of(s),
         })
     }
 }

@@ -221,6 +221,12 @@ pub struct CreateSandbox {
     pub timeout_ms: Option<u64>,
     #[serde(default)]
     pub metadata: BTreeMap<String, String>,
+    /// Environment variables for every command run in it.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// What its timeout does: delete (the default) or hibernate.
+    #[serde(default)]
+    pub on_timeout: crate::model::OnTimeout,
     /// Wait (up to 30 s) for capacity instead of refusing at once.
     #[serde(default)]
     pub queue: bool,

@@ -165,6 +165,8 @@ impl Service {
             keep_alive,
         );
         sandbox.metadata = req.metadata;
+        sandbox.env = req.env;
+        sandbox.on_timeout = req.on_timeout;
         sandbox.pod = Some(PodId::new(LOCAL_POD));
         sandbox.expires_at = req
             .timeout_ms

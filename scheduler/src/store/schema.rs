@@ -113,8 +113,22 @@ CREATE TABLE snapshot_layers (
 CREATE INDEX snapshot_layers_parent ON snapshot_layers (parent);
 "#;
 
+/// Version 3: what a sandbox's timeout does (`on_timeout`: delete, the
+/// old behaviour and the default for existing rows, or hibernate), and the
+/// environment variables set for every command run in it.
+const V3: &str = r#"
+ALTER TABLE sandboxes ADD COLUMN on_timeout TEXT NOT NULL DEFAULT 'delete'
+    CHECK (on_timeout IN ('delete', 'hibernate'));
+CREATE TABLE sandbox_env (
+    sandbox TEXT NOT NULL REFERENCES sandboxes (id) ON DELETE CASCADE,
+    key     TEXT NOT NULL,
+    value   TEXT NOT NULL,
+    PRIMARY KEY (sandbox, key)
+) STRICT, WITHOUT ROWID;
+"#;
+
 /// Every migration, in order.
-pub const MIGRATIONS: &[&str] = &[V1, V2];
+pub const MIGRATIONS: &[&str] = &[V1, V2, V3];
 
 /// The schema version this build writes.
 pub const CURRENT_VERSION: i64 = MIGRATIONS.len() as i64;
