@@ -33,6 +33,10 @@ pub mod wire;
 pub use error::E2bError;
 pub use snapshot_id::SnapshotId;
 
+/// The OpenAPI document of the E2B routes (`api/e2b-openapi.json`), apart
+/// from torpor's own: another auth scheme, another error body.
+pub const OPENAPI: &str = include_str!("../../e2b-openapi.json");
+
 /// The header E2B's SDKs carry the API key in.
 pub const API_KEY_HEADER: &str = "x-api-key";
 
@@ -151,6 +155,53 @@ mod tests {
                 r.path
             );
             method_filter(r.method);
+        }
+    }
+
+    #[test]
+    fn openapi_documents_exactly_these_routes_with_e2b_errors() {
+        let d: serde_json::Value = serde_json::from_str(OPENAPI).unwrap();
+        assert_eq!(d["info"]["version"], env!("CARGO_PKG_VERSION"));
+        let mut documented = std::collections::BTreeSet::new();
+        for (path, item) in d["paths"].as_object().unwrap() {
+            for (method, op) in item.as_object().unwrap() {
+                let id = op["operationId"].as_str().unwrap().to_string();
+                documented.insert((method.to_uppercase(), path.clone(), id));
+                let responses = op["responses"].as_object().unwrap();
+                assert!(
+                    responses.contains_key("401"),
+                    "{method} {path} documents 401"
+                );
+                assert!(
+                    responses.keys().any(|k| k.starts_with('2')),
+                    "{method} {path}"
+                );
+                for (status, r) in responses {
+                    if !status.starts_with('2') {
+                        let target = r["$ref"].as_str().unwrap();
+                        let pointer = target.strip_prefix('#').unwrap();
+                        let schema = &d.pointer(pointer).unwrap()["content"]["application/json"];
+                        assert_eq!(schema["schema"]["$ref"], "#/components/schemas/Error");
+                    }
+                }
+            }
+        }
+        let routed: std::collections::BTreeSet<_> = ROUTES
+            .iter()
+            .map(|r| {
+                (
+                    r.method.to_string(),
+                    r.path.to_string(),
+                    r.operation.to_string(),
+                )
+            })
+            .collect();
+        assert_eq!(documented, routed);
+        // Every $ref resolves.
+        let text = OPENAPI;
+        for piece in text.split("\"$ref\": \"").skip(1) {
+            let target = &piece[..piece.find('"').unwrap()];
+            assert!(d.pointer(&target[1..]).is_some(), "dangling {target}");
         }
     }
 }
