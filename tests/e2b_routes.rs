@@ -604,3 +604,74 @@ fn timeout_kills_or_with_auto_pause_hibernates() {
     );
     s.expect(204, "DELETE", &format!("/sandboxes/{pause}"), None);
 }
+
+#[test]
+fn envd_health_and_connect_errors() {
+    use torpor_api::e2b::envd::envelope::{decode_all, Envelope};
+    let data = DataDir::new("e2b-envd");
+    let s = E2b::start(&data.0, &[]);
+    let id = id_of(&s.create(r#"{"templateID":"probe","timeout":300}"#));
+    let health = |sandbox: Option<&str>| {
+        let headers: Vec<(&str, &str)> =
+            sandbox.map(|v| ("E2b-Sandbox-Id", v)).into_iter().collect();
+        request_with(&s.addr, "GET", "/health", &headers, None)
+    };
+    assert_eq!(health(Some(&id)).status, 204);
+    s.expect(204, "POST", &format!("/sandboxes/{id}/pause"), None);
+    assert_e2b_error(&health(Some(&id)), 502);
+    assert_eq!(
+        s.expect(200, "GET", &format!("/sandboxes/{id}"), None)["state"],
+        "paused",
+        "health does not wake"
+    );
+    assert_e2b_error(&health(Some("sbx_0000000000000000")), 502);
+    assert_e2b_error(&health(Some("nope")), 502);
+    assert_e2b_error(&health(None), 400);
+
+    // A unary RPC: Connect's error body and status.
+    let sandbox = [("E2b-Sandbox-Id", id.as_str())];
+    let r = request_with(
+        &s.addr,
+        "POST",
+        "/filesystem.Filesystem/Stat",
+        &sandbox,
+        Some(r#"{"path":"/"}"#),
+    );
+    assert_eq!(r.status, 501, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["code"], "unimplemented", "{v}");
+    assert!(
+        v["message"]
+            .as_str()
+            .unwrap()
+            .contains("filesystem.Filesystem/Stat"),
+        "{v}"
+    );
+
+    // A streaming RPC: 200 and an end-of-stream envelope with the error.
+    let req =
+        String::from_utf8(Envelope::message(br#"{"process":{"cmd":"true"}}"#.to_vec()).encode())
+            .unwrap();
+    let headers = [
+        ("E2b-Sandbox-Id", id.as_str()),
+        ("Content-Type", "application/connect+json"),
+    ];
+    let r = request_with(
+        &s.addr,
+        "POST",
+        "/process.Process/Start",
+        &headers,
+        Some(&req),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("content-type"), Some("application/connect+json"));
+    let envelopes = decode_all(r.body.as_bytes(), 1 << 20).expect("well-formed envelopes");
+    assert_eq!(envelopes.len(), 1);
+    assert!(envelopes[0].is_end_stream());
+    let end: Value = serde_json::from_slice(&envelopes[0].payload).unwrap();
+    assert_eq!(end["error"]["code"], "unimplemented", "{end}");
+
+    // Not an envd service: the API's 404.
+    let r = request_with(&s.addr, "POST", "/nope.Service/Call", &sandbox, Some("{}"));
+    assert_eq!(r.status, 404, "{}", r.body);
+}

@@ -61,10 +61,13 @@ pub fn request_with(
     }
     let body = body.unwrap_or("");
     if !body.is_empty() || matches!(method, "POST" | "PUT" | "PATCH") {
-        req.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n",
-            body.len()
-        ));
+        let typed = headers
+            .iter()
+            .any(|(k, _)| k.eq_ignore_ascii_case("content-type"));
+        if !typed {
+            req.push_str("Content-Type: application/json\r\n");
+        }
+        req.push_str(&format!("Content-Length: {}\r\n", body.len()));
     }
     req.push_str("\r\n");
     s.write_all(req.as_bytes()).unwrap();

@@ -50,6 +50,8 @@ const lifetime = (info.endAt - info.startedAt) / 1000
 check(lifetime >= 119 && lifetime <= 121, `endAt - startedAt = ${lifetime}`)
 check(info.lifecycle?.onTimeout === 'kill', `lifecycle ${JSON.stringify(info.lifecycle)}`)
 
+check((await sbx.isRunning()) === true, 'isRunning while running')
+
 await sbx.setTimeout(30_000)
 const left = ((await Sandbox.getInfo(sbx.sandboxId)).endAt - Date.now()) / 1000
 check(left >= 20 && left <= 31, `after setTimeout(30 s): ${left} s left`)
@@ -80,6 +82,7 @@ check(JSON.stringify(ids(seen)) === JSON.stringify(ids(listed)), `listed ${ids(s
 check((await sbx.pause()) === true, 'pause')
 check((await Sandbox.getInfo(sbx.sandboxId)).state === 'paused', 'paused state')
 check((await Sandbox.pause(sbx.sandboxId)) === false, 'second pause: already paused (409)')
+check((await sbx.isRunning()) === false, 'isRunning while paused')
 const paused = await Sandbox.list({ query: { metadata: { run }, state: ['paused'] } }).nextItems()
 check(JSON.stringify(ids(paused)) === JSON.stringify([sbx.sandboxId]), `paused list ${ids(paused)}`)
 const same = await Sandbox.connect(sbx.sandboxId, { timeoutMs: 600_000 })
@@ -116,6 +119,7 @@ await auto.kill()
 // kill, then not-found paths
 check((await sbx.kill()) === true, 'kill')
 check((await Sandbox.kill(sbx.sandboxId)) === false, 'second kill: not found')
+check((await sbx.isRunning()) === false, 'isRunning after kill')
 await raises(NotFoundError, () => Sandbox.getInfo(sbx.sandboxId), 'getInfo after kill')
 await raises(NotFoundError, () => Sandbox.connect(sbx.sandboxId), 'connect after kill')
 await raises(SandboxError, () => Sandbox.create('no-such-template'), 'unknown template')

@@ -55,6 +55,9 @@ check(info.name == TEMPLATE, f"template name {info.name}")
 lifetime = (info.end_at - info.started_at).total_seconds()
 check(119 <= lifetime <= 121, f"end_at - started_at = {lifetime}")
 
+# envd's /health through E2B_SANDBOX_URL
+check(sbx.is_running() is True, "is_running while running")
+
 # set_timeout moves end_at to `timeout` s from now
 sbx.set_timeout(30)
 left = (Sandbox.get_info(sbx.sandbox_id).end_at.timestamp() - time.time())
@@ -90,6 +93,7 @@ check(len(workers) == 2, f"workers {workers}")
 check(sbx.pause() is True, "pause")
 check(Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED, "paused state")
 check(Sandbox.pause(sbx.sandbox_id) is False, "second pause answers already paused (409)")
+check(sbx.is_running() is False, "is_running while paused")
 paused = Sandbox.list(
     query=SandboxQuery(metadata={"run": run}, state=[SandboxState.PAUSED])
 ).next_items()
@@ -133,6 +137,7 @@ auto.kill()
 # kill, then the SDK's not-found paths
 check(sbx.kill() is True, "kill")
 check(Sandbox.kill(sbx.sandbox_id) is False, "second kill: not found")
+check(sbx.is_running() is False, "is_running after kill")
 raises(NotFoundException, lambda: Sandbox.get_info(sbx.sandbox_id), "get_info after kill")
 raises(NotFoundException, lambda: Sandbox.connect(sbx.sandbox_id), "connect after kill")
 raises(NotFoundException, lambda: Sandbox.set_timeout(sbx.sandbox_id, 10), "timeout after kill")

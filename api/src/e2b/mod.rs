@@ -24,6 +24,7 @@ use crate::backend::SandboxApi;
 use crate::handlers::AppState;
 use crate::{method_filter, Limits, Route};
 
+pub mod envd;
 pub mod error;
 mod routes;
 mod snapshot_id;
@@ -132,10 +133,16 @@ pub(crate) fn router<S: SandboxApi>(service: Arc<S>, tokens: Tokens, limits: Lim
             .route_layer(middleware::from_fn_with_state(tokens.clone(), require_key));
         app = app.route(r.path, endpoint);
     }
-    app.layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
-        .layer(middleware::from_fn_with_state(limits, crate::limits))
-        .layer(middleware::from_fn(error::normalize))
-        .with_state(AppState { service })
+    let with_limits = |r: Router| {
+        r.layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
+            .layer(middleware::from_fn_with_state(limits, crate::limits))
+    };
+    let control = with_limits(app.with_state(AppState {
+        service: Arc::clone(&service),
+    }))
+    .layer(middleware::from_fn(error::normalize));
+    // envd's answers are Connect's, not E2B's error body: no `normalize`.
+    control.merge(with_limits(envd::router(service)))
 }
 
 #[cfg(test)]
