@@ -428,18 +428,23 @@ fn snapshots_and_forks() {
     let s = E2b::start(&data.0, &[]);
     let id = id_of(&s.create(r#"{"templateID":"probe","timeout":300,"metadata":{"k":"v"}}"#));
 
+    // A snapshot is a template of the sandbox's state.
     let snap = s.expect(
         201,
         "POST",
         &format!("/sandboxes/{id}/snapshots"),
         Some(r#"{"name":"first"}"#),
     );
-    assert_eq!(snap["snapshotID"], format!("{id}:first"));
+    let first = snap["snapshotID"].as_str().unwrap().to_string();
+    assert!(first.starts_with("tpl_"), "{snap}");
     assert_eq!(snap["names"], serde_json::json!(["first"]));
     let unnamed = s.expect(201, "POST", &format!("/sandboxes/{id}/snapshots"), None);
     let unnamed_id = unnamed["snapshotID"].as_str().unwrap().to_string();
     assert!(
-        unnamed_id.starts_with(&format!("{id}:snapshot-")),
+        unnamed["names"][0]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("{id}-")),
         "{unnamed}"
     );
     assert_e2b_error(
@@ -450,11 +455,31 @@ fn snapshots_and_forks() {
         ),
         409,
     );
+    // Native: the same templates, and no checkpoint left behind.
+    let native = request(
+        &s.addr,
+        "GET",
+        &format!("/v1/templates/{first}"),
+        Some(KEY),
+        None,
+    )
+    .json();
+    assert_eq!(native["name"], "first", "{native}");
+    assert_eq!(native["state"], "ready", "{native}");
+    let ckpts = request(
+        &s.addr,
+        "GET",
+        &format!("/v1/sandboxes/{id}/checkpoints"),
+        Some(KEY),
+        None,
+    )
+    .json();
+    assert_eq!(ckpts["checkpoints"], serde_json::json!([]), "{ckpts}");
 
     let all = s.expect(200, "GET", &format!("/snapshots?sandboxID={id}"), None);
     assert_eq!(all.as_array().unwrap().len(), 2, "{all}");
     let r = s.call("GET", "/snapshots?limit=1", None);
-    assert_eq!(r.json().as_array().unwrap().len(), 1);
+    assert_eq!(r.json()[0]["snapshotID"], first.as_str());
     let token = r.header("x-next-token").expect("a second page").to_string();
     let second = s.expect(
         200,
@@ -462,18 +487,17 @@ fn snapshots_and_forks() {
         &format!("/snapshots?limit=1&nextToken={token}"),
         None,
     );
-    assert_eq!(second.as_array().unwrap().len(), 1);
-    assert_ne!(second[0]["snapshotID"], r.json()[0]["snapshotID"]);
+    assert_eq!(second[0]["snapshotID"], unnamed_id.as_str(), "{second}");
     let named = s.expect(200, "GET", "/snapshots?name=first", None);
-    assert_eq!(named[0]["snapshotID"], format!("{id}:first"));
-
-    // A sandbox from the snapshot: the snapshot id as templateID.
-    let from = s.create(&format!(r#"{{"templateID":"{id}:first","timeout":60}}"#));
-    let from_id = id_of(&from);
-    assert_eq!(from["alias"], "probe");
+    assert_eq!(named[0]["snapshotID"], first.as_str());
     assert_eq!(
-        s.expect(200, "GET", &format!("/sandboxes/{from_id}"), None)["state"],
-        "running"
+        s.expect(
+            200,
+            "GET",
+            "/snapshots?sandboxID=sbx_0000000000000000",
+            None
+        ),
+        serde_json::json!([])
     );
 
     // Fork: `count` sandboxes, each with the source's metadata.
@@ -492,17 +516,59 @@ fn snapshots_and_forks() {
         let info = s.expect(200, "GET", &format!("/sandboxes/{fid}"), None);
         assert_eq!(info["state"], "running");
         assert_eq!(info["metadata"]["k"], "v");
+        s.expect(204, "DELETE", &format!("/sandboxes/{fid}"), None);
     }
 
-    // Deleting a snapshot: DELETE /templates/{snapshotID}, then 404.
+    // The snapshot outlives its sandbox: kill it, then create from it.
+    s.expect(204, "DELETE", &format!("/sandboxes/{id}"), None);
+    let source_dir = data.0.join("sandboxes").join(&id);
+    assert!(source_dir.exists(), "the snapshots' layers stay");
+    let from = s.create(&format!(r#"{{"templateID":"{first}","timeout":60}}"#));
+    let from_id = id_of(&from);
+    assert_eq!(from["templateID"], first.as_str());
+    assert_eq!(from["alias"], "first");
+    assert_eq!(
+        s.expect(200, "GET", &format!("/sandboxes/{from_id}"), None)["state"],
+        "running"
+    );
+    // It hibernates and wakes on the snapshot's layers.
+    s.expect(204, "POST", &format!("/sandboxes/{from_id}/pause"), None);
+    s.expect(
+        201,
+        "POST",
+        &format!("/v2/sandboxes/{from_id}/connect"),
+        None,
+    );
+    assert_eq!(
+        s.expect(200, "GET", &format!("/snapshots?sandboxID={id}"), None)
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
+
+    // Deleting: refused while a sandbox uses it, then 204, then 404.
+    assert_e2b_error(&s.call("DELETE", &format!("/templates/{first}"), None), 409);
     s.expect(204, "DELETE", &format!("/templates/{unnamed_id}"), None);
     assert_e2b_error(
         &s.call("DELETE", &format!("/templates/{unnamed_id}"), None),
         404,
     );
+    s.expect(204, "DELETE", &format!("/sandboxes/{from_id}"), None);
+    s.expect(204, "DELETE", "/templates/first", None);
     assert_e2b_error(&s.call("DELETE", "/templates/no-such-template", None), 404);
-    let left = s.expect(200, "GET", &format!("/snapshots?sandboxID={id}"), None);
-    assert_eq!(left.as_array().unwrap().len(), 1, "{left}");
+    assert_eq!(
+        s.expect(200, "GET", "/snapshots", None),
+        serde_json::json!([])
+    );
+    assert!(!source_dir.exists(), "the layers go with their last user");
+    // The probe template is untouched.
+    s.expect(
+        201,
+        "POST",
+        "/v2/sandboxes",
+        Some(r#"{"templateID":"probe"}"#),
+    );
 }
 
 #[test]
@@ -565,15 +631,24 @@ fn timeout_kills_or_with_auto_pause_hibernates() {
     wait_until(&s, &pause, "paused by its timeout", |_, v| {
         v["state"] == "paused"
     });
-    let native = request(
-        &s.addr,
-        "GET",
-        &format!("/v1/sandboxes/{pause}"),
-        Some(KEY),
-        None,
-    )
-    .json();
-    assert_eq!(native["state"], "hibernated", "{native}");
+    // Paused to E2B from `hibernating` on; hibernated soon after.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let native = request(
+            &s.addr,
+            "GET",
+            &format!("/v1/sandboxes/{pause}"),
+            Some(KEY),
+            None,
+        )
+        .json();
+        if native["state"] == "hibernated" {
+            break;
+        }
+        assert_eq!(native["state"], "hibernating", "{native}");
+        assert!(std::time::Instant::now() < deadline, "{native}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
     // It stays paused past its deadline (not deleted by later rounds).
     std::thread::sleep(std::time::Duration::from_millis(600));
     assert_eq!(

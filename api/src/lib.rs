@@ -159,6 +159,7 @@ pub const ROUTES: &[Route] = &[
     ),
     route("POST", "/v1/sandboxes/{id}/restore", "restoreSandbox"),
     route("POST", "/v1/sandboxes/{id}/fork", "forkSandbox"),
+    route("POST", "/v1/sandboxes/{id}/template", "templateFromSandbox"),
     route("POST", "/v1/sandboxes/{id}/exec", "execSandbox"),
     route(
         "POST",
@@ -199,6 +200,7 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "deleteCheckpoint" => on(m, checkpoint_routes::delete::<S>),
         "restoreSandbox" => on(m, checkpoint_routes::restore::<S>),
         "forkSandbox" => on(m, checkpoint_routes::fork::<S>),
+        "templateFromSandbox" => on(m, checkpoint_routes::template::<S>),
         "execSandbox" => on(m, guest_routes::exec::<S>),
         "execSandboxStream" => on(m, guest_routes::exec_stream::<S>),
         "readFile" => on(m, guest_routes::read_file::<S>),

@@ -91,7 +91,7 @@ check((await sbx.getInfo()).state === 'running', 'running after connect')
 
 // snapshot -> create from it -> delete
 const snap = await sbx.createSnapshot()
-check(snap.snapshotId.startsWith(`${sbx.sandboxId}:`), `snapshot ${JSON.stringify(snap)}`)
+check(snap.snapshotId.startsWith("tpl_"), `snapshot ${JSON.stringify(snap)}`)
 const restored = await Sandbox.create(snap.snapshotId, { timeoutMs: 60_000 })
 check((await restored.getInfo()).state === 'running', 'sandbox from a snapshot')
 await restored.kill()

@@ -108,7 +108,7 @@ check(sbx.get_info().state == SandboxState.RUNNING, "running after instance conn
 
 # snapshot -> create from it -> list -> delete
 snap = sbx.create_snapshot()
-check(snap.snapshot_id.startswith(sbx.sandbox_id + ":"), f"snapshot {snap}")
+check(snap.snapshot_id.startswith("tpl_"), f"snapshot {snap}")
 snaps = Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items()
 check([s.snapshot_id for s in snaps] == [snap.snapshot_id], f"snapshots {snaps}")
 restored = Sandbox.create(template=snap.snapshot_id, timeout=60)

@@ -27,12 +27,10 @@ use crate::{method_filter, Limits, Route};
 pub mod envd;
 pub mod error;
 mod routes;
-mod snapshot_id;
 pub mod time;
 pub mod wire;
 
 pub use error::E2bError;
-pub use snapshot_id::SnapshotId;
 
 /// The OpenAPI document of the E2B routes (`api/e2b-openapi.json`), apart
 /// from torpor's own: another auth scheme, another error body.

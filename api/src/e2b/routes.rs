@@ -16,7 +16,6 @@ use torpor_scheduler::model::{
 };
 
 use super::error::E2bError;
-use super::snapshot_id::SnapshotId;
 use super::wire::{
     e2b_state, metadata_query, page, torpor_states, ConnectBody, CreatedSandbox, Cursor, ForkBody,
     ForkResult, NewSandbox, RefreshBody, SandboxDetail, SandboxMetric, SnapshotBody, SnapshotInfo,
@@ -24,7 +23,9 @@ use super::wire::{
 };
 use crate::backend::SandboxApi;
 use crate::handlers::{call, Api};
-use crate::service::{CreateCheckpoint, CreateSandbox, ForkSandbox, SandboxFilter, ServiceError};
+use crate::service::{
+    CreateSandbox, ForkSandbox, SandboxFilter, ServiceError, TemplateFromSandbox,
+};
 
 type E2bResult<T> = Result<T, E2bError>;
 
@@ -107,41 +108,25 @@ fn created(status: StatusCode, body: impl serde::Serialize) -> Response {
 }
 
 /// `POST /sandboxes`, `POST /v2/sandboxes`: a sandbox from a template (id
-/// or name), or from a snapshot (`templateID` is a snapshot id).
+/// or name; a snapshot is a template).
 pub async fn create<S: SandboxApi>(state: Api<S>, bytes: Bytes) -> E2bResult<Response> {
     let req: NewSandbox = body(&bytes)?;
     req.refuse_unoffered()?;
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
-    let metadata = req.metadata.clone().unwrap_or_default();
-    let env = req.env_vars.clone().unwrap_or_default();
     let on_timeout = if req.auto_pause == Some(true) {
         OnTimeout::Hibernate
     } else {
         OnTimeout::Delete
     };
     let out = call(&state, move |s| {
-        let timeout_ms = Some(seconds(timeout, "timeout")?);
-        let sandbox = match SnapshotId::parse(&req.template_id) {
-            Some(snap) => s.fork_sandbox(
-                &snap.sandbox,
-                ForkSandbox {
-                    checkpoint: Some(snap.name),
-                    timeout_ms,
-                    metadata,
-                    env,
-                    on_timeout: Some(on_timeout),
-                    ..ForkSandbox::default()
-                },
-            )?,
-            None => s.create_sandbox(CreateSandbox {
-                template: req.template_id,
-                timeout_ms,
-                metadata,
-                env,
-                on_timeout,
-                ..CreateSandbox::default()
-            })?,
-        };
+        let sandbox = s.create_sandbox(CreateSandbox {
+            template: req.template_id,
+            timeout_ms: Some(seconds(timeout, "timeout")?),
+            metadata: req.metadata.unwrap_or_default(),
+            env: req.env_vars.unwrap_or_default(),
+            on_timeout,
+            ..CreateSandbox::default()
+        })?;
         Ok(CreatedSandbox::new(&sandbox, alias(s, &sandbox.template)))
     })
     .await?;
@@ -356,6 +341,15 @@ fn limit(q: &BTreeMap<String, String>) -> E2bResult<usize> {
     }
 }
 
+/// A page as JSON, with the next page's token in `x-next-token`.
+fn paged<T: serde::Serialize>(items: Vec<T>, next: Option<String>) -> Response {
+    let mut response = Json(items).into_response();
+    if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
+        response.headers_mut().insert("x-next-token", token);
+    }
+    response
+}
+
 fn sandbox_cursor(d: &SandboxDetail, created_at: i64) -> Cursor {
     Cursor {
         created_at,
@@ -431,11 +425,7 @@ pub async fn list_v2<S: SandboxApi>(state: Api<S>, RawQuery(raw): RawQuery) -> E
         Ok((page.into_iter().map(|(d, _)| d).collect::<Vec<_>>(), next))
     })
     .await?;
-    let mut response = Json(items).into_response();
-    if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
-        response.headers_mut().insert("x-next-token", token);
-    }
-    Ok(response)
+    Ok(paged(items, next))
 }
 
 /// `GET /sandboxes` (E2B's v1 list): running sandboxes, `metadata` filter.
@@ -505,8 +495,9 @@ pub async fn fork<S: SandboxApi>(
     Ok(created(StatusCode::CREATED, out))
 }
 
-/// `POST /sandboxes/{id}/snapshots`: a named checkpoint of the sandbox,
-/// which `templateID` can name to create sandboxes from.
+/// `POST /sandboxes/{id}/snapshots`: a template of the sandbox's current
+/// state (snapshot-as-template); `snapshotID` is its id, `templateID` of a
+/// create takes it, it outlives the sandbox.
 pub async fn create_snapshot<S: SandboxApi>(
     state: Api<S>,
     Path(id): Path<String>,
@@ -515,24 +506,18 @@ pub async fn create_snapshot<S: SandboxApi>(
     let req: SnapshotBody = optional_body(&bytes)?;
     let out = call(&state, move |s| {
         let sandbox = live(s, &id)?;
-        let name = req
-            .name
-            .unwrap_or_else(|| format!("snapshot-{}", torpor_scheduler::model::random_hex(4)));
-        let checkpoint = s.create_checkpoint(&sandbox.id, CreateCheckpoint { name })?;
+        let t = s.template_from_sandbox(&sandbox.id, TemplateFromSandbox { name: req.name })?;
         Ok(SnapshotInfo {
-            snapshot_id: SnapshotId {
-                sandbox: sandbox.id,
-                name: checkpoint.name.clone(),
-            }
-            .to_string(),
-            names: vec![checkpoint.name],
+            snapshot_id: t.id.to_string(),
+            names: vec![t.name],
         })
     })
     .await?;
     Ok(created(StatusCode::CREATED, out))
 }
 
-/// `GET /snapshots`: `sandboxID`, `name`, `limit`, `nextToken`.
+/// `GET /snapshots`: templates made from sandboxes; `sandboxID`, `name`,
+/// `limit`, `nextToken`.
 pub async fn list_snapshots<S: SandboxApi>(
     state: Api<S>,
     RawQuery(raw): RawQuery,
@@ -542,69 +527,47 @@ pub async fn list_snapshots<S: SandboxApi>(
     let after = q.get("nextToken").map(|t| Cursor::decode(t)).transpose()?;
     let (sandbox, name) = (q.get("sandboxID").cloned(), q.get("name").cloned());
     let (items, next) = call(&state, move |s| {
-        let sandboxes = match sandbox {
-            Some(id) => vec![live(s, &id)?],
-            None => s.list_sandboxes(SandboxFilter::default())?,
-        };
-        let mut all = Vec::new();
-        for x in sandboxes {
-            for c in s.list_checkpoints(&x.id)? {
-                if name.as_ref().is_none_or(|n| *n == c.name) {
-                    let id = SnapshotId {
-                        sandbox: x.id.clone(),
-                        name: c.name.clone(),
-                    };
-                    all.push((c.created_at.0, id.to_string(), c.name));
-                }
-            }
-        }
-        all.sort();
-        let key = |t: &(i64, String, String)| Cursor {
-            created_at: t.0,
-            id: t.1.clone(),
+        let source = sandbox.map(SandboxId::new);
+        let all: Vec<Template> = s
+            .sandbox_templates(source.as_ref())?
+            .into_iter()
+            .map(|(t, _)| t)
+            .filter(|t| name.as_ref().is_none_or(|n| *n == t.name))
+            .collect();
+        let key = |t: &Template| Cursor {
+            created_at: t.created_at.0,
+            id: t.id.to_string(),
         };
         let (page, next) = page(all, key, false, after.as_ref(), limit);
         let infos: Vec<SnapshotInfo> = page
             .into_iter()
-            .map(|(_, snapshot_id, name)| SnapshotInfo {
-                snapshot_id,
-                names: vec![name],
+            .map(|t| SnapshotInfo {
+                snapshot_id: t.id.to_string(),
+                names: vec![t.name],
             })
             .collect();
         Ok((infos, next))
     })
     .await?;
-    let mut response = Json(items).into_response();
-    if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
-        response.headers_mut().insert("x-next-token", token);
-    }
-    Ok(response)
+    Ok(paged(items, next))
 }
 
-/// `DELETE /templates/{id}`: a snapshot (the SDK's `delete_snapshot`), or a
-/// template by id or name; 204, 404 when unknown.
+/// `DELETE /templates/{id}`: a template by id or name (a snapshot is one:
+/// the SDK's `delete_snapshot`); 204, 404 when unknown.
 pub async fn delete_template<S: SandboxApi>(
     state: Api<S>,
     Path(id): Path<String>,
 ) -> E2bResult<StatusCode> {
-    call(&state, move |s| match SnapshotId::parse(&id) {
-        Some(snap) => {
-            live(s, snap.sandbox.as_str())?;
-            s.delete_checkpoint(&snap.sandbox, &snap.name)
-        }
-        None => {
-            let template = s
-                .list_templates()?
-                .into_iter()
-                .find(|t| {
-                    t.state != TemplateState::Deleted && (t.id.as_str() == id || t.name == id)
-                })
-                .ok_or(ServiceError::NotFound {
-                    kind: "template",
-                    id: id.clone(),
-                })?;
-            s.delete_template(&template.id)
-        }
+    call(&state, move |s| {
+        let template = s
+            .list_templates()?
+            .into_iter()
+            .find(|t| t.state != TemplateState::Deleted && (t.id.as_str() == id || t.name == id))
+            .ok_or(ServiceError::NotFound {
+                kind: "template",
+                id: id.clone(),
+            })?;
+        s.delete_template(&template.id)
     })
     .await?;
     Ok(StatusCode::NO_CONTENT)

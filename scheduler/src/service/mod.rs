@@ -17,6 +17,7 @@ mod ops;
 mod policy;
 pub mod pool;
 mod recovery;
+mod sandbox_template;
 mod template;
 pub mod vmm;
 
@@ -39,6 +40,7 @@ pub use guest::{GuestCall, GuestError};
 pub use lifetime::{check_lifetimes, MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS};
 pub use linux::HostGuests;
 pub use policy::Metrics;
+pub use sandbox_template::TemplateFromSandbox;
 
 /// The local pod's id.
 pub const LOCAL_POD: &str = "pod_local";

@@ -329,6 +329,7 @@ fn env_and_on_timeout_round_trip_and_a_version_2_store_upgrades() {
     let conn = rusqlite::Connection::open(dir.0.join(DB_FILE)).unwrap();
     conn.execute_batch(
         "ALTER TABLE sandboxes DROP COLUMN on_timeout; DROP TABLE sandbox_env; \
+         DROP TABLE template_sources; \
          UPDATE schema_version SET version = 2;",
     )
     .unwrap();
