@@ -218,10 +218,12 @@ async fn wake<S: SandboxApi>(
                 message: "the sandbox is already running".into(),
             });
         }
-        let outcome = s.connect(&sandbox.id)?;
+        // The new deadline first: a sandbox woken past its old one would
+        // meet the policy's timeout before it.
         if let Some(t) = req.timeout {
             extend(s, &sandbox.id, t)?;
         }
+        let outcome = s.connect(&sandbox.id)?;
         let resumed = outcome.resumed;
         let alias = alias(s, &outcome.sandbox.template);
         Ok((resumed, CreatedSandbox::new(&outcome.sandbox, alias)))
