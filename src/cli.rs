@@ -418,6 +418,10 @@ pub struct ServeArgs {
     /// Address and port of the REST API.
     #[arg(long, default_value = "127.0.0.1:7700")]
     pub listen: std::net::SocketAddr,
+    /// Also serve the E2B-compatible routes alone on this address (they are
+    /// on --listen too, beside /v1): `E2B_API_URL=http://ADDR`.
+    #[arg(long, value_name = "ADDR")]
+    pub e2b_listen: Option<std::net::SocketAddr>,
     /// Where the store, templates and snapshots live (default:
     /// $TORPOR_DATA_DIR, /var/lib/torpor as root, else ~/.local/share/torpor).
     #[arg(long)]

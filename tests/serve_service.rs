@@ -394,3 +394,62 @@ fn execs_get_the_services_timeout_and_cannot_ask_for_more() {
         "{metrics}"
     );
 }
+
+#[test]
+fn a_sandboxs_env_is_under_every_exec_and_forks_keep_it() {
+    let h = Harness::new("svc-exec-env", 10_000);
+    let mut env = std::collections::BTreeMap::new();
+    env.insert("FROM_SANDBOX".to_string(), "sbx".to_string());
+    env.insert("BOTH".to_string(), "sbx".to_string());
+    let id = h
+        .service
+        .create_sandbox(CreateSandbox {
+            template: LINUX.into(),
+            env,
+            ..Default::default()
+        })
+        .unwrap()
+        .id;
+    // Stored, never shown.
+    let stored = h.service.get_sandbox(&id).unwrap();
+    assert_eq!(stored.env["FROM_SANDBOX"], "sbx");
+    let shown = serde_json::to_string(&stored).unwrap();
+    assert!(!shown.contains("FROM_SANDBOX"), "{shown}");
+
+    let mut req = exec_req("echo \"$FROM_SANDBOX $BOTH\"", Some(5_000));
+    req.env.insert("BOTH".into(), "request".into());
+    let out = h.service.exec(&id, req).unwrap().value;
+    assert_eq!(out.stdout, b"sbx request\n", "the request's own win");
+    // Streaming execs too.
+    let mut streamed = Vec::new();
+    h.service
+        .exec_streaming(
+            &id,
+            exec_req("echo \"$FROM_SANDBOX\"", Some(5_000)),
+            &mut |_| {},
+            &mut |_, data| streamed.extend_from_slice(data),
+        )
+        .unwrap();
+    assert_eq!(streamed, b"sbx\n");
+
+    // A fork keeps the source's, under its own.
+    let mut extra = std::collections::BTreeMap::new();
+    extra.insert("BOTH".to_string(), "fork".to_string());
+    let fork = h
+        .service
+        .fork_sandbox(
+            &id,
+            torpor_scheduler::service::ForkSandbox {
+                env: extra,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+        .id;
+    let out = h
+        .service
+        .exec(&fork, exec_req("echo \"$FROM_SANDBOX $BOTH\"", Some(5_000)))
+        .unwrap()
+        .value;
+    assert_eq!(out.stdout, b"sbx fork\n");
+}

@@ -15,7 +15,7 @@ use torpor_scheduler::images::ImagePart;
 use crate::service::{
     CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
     ExitReply, ForkSandbox, GuestCall, Outcome, OutputKind, PodView, RestoreCheckpoint,
-    SandboxFilter, Service, ServiceError,
+    SandboxFilter, Service, ServiceError, TemplateFromSandbox,
 };
 
 fn no_checkpoints() -> ServiceError {
@@ -191,6 +191,22 @@ pub trait SandboxApi: Send + Sync + 'static {
     fn fork_sandbox(&self, _id: &SandboxId, _req: ForkSandbox) -> Result<Sandbox, ServiceError> {
         Err(no_checkpoints())
     }
+    /// Snapshot-as-template (`POST /v1/sandboxes/{id}/template`).
+    fn template_from_sandbox(
+        &self,
+        _id: &SandboxId,
+        _req: TemplateFromSandbox,
+    ) -> Result<Template, ServiceError> {
+        Err(no_checkpoints())
+    }
+    /// Templates made from sandboxes (from `source` only, if given), each
+    /// with its source.
+    fn sandbox_templates(
+        &self,
+        _source: Option<&SandboxId>,
+    ) -> Result<Vec<(Template, SandboxId)>, ServiceError> {
+        Ok(Vec::new())
+    }
     // Guest access (exec and files), each waking a hibernated sandbox first.
     fn exec(&self, id: &SandboxId, req: ExecRequest)
         -> Result<GuestCall<ExecOutput>, ServiceError>;
@@ -296,6 +312,19 @@ impl SandboxApi for Service {
     }
     fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
         Service::fork_sandbox(self, id, req)
+    }
+    fn template_from_sandbox(
+        &self,
+        id: &SandboxId,
+        req: TemplateFromSandbox,
+    ) -> Result<Template, ServiceError> {
+        Service::template_from_sandbox(self, id, req)
+    }
+    fn sandbox_templates(
+        &self,
+        source: Option<&SandboxId>,
+    ) -> Result<Vec<(Template, SandboxId)>, ServiceError> {
+        Service::sandbox_templates(self, source)
     }
     fn exec(
         &self,

@@ -9,7 +9,9 @@ use torpor_scheduler::model::{Checkpoint, SandboxId};
 
 use crate::backend::SandboxApi;
 use crate::handlers::{call, created, Api, ApiResult};
-use crate::service::{check_lifetimes, CreateCheckpoint, ForkSandbox, RestoreCheckpoint};
+use crate::service::{
+    check_lifetimes, CreateCheckpoint, ForkSandbox, RestoreCheckpoint, TemplateFromSandbox,
+};
 use crate::wire::{ApiJson, OutcomeBody};
 
 /// `GET /v1/sandboxes/{id}/checkpoints`.
@@ -75,5 +77,20 @@ pub async fn fork<S: SandboxApi>(
         format!("/v1/sandboxes/{}", sandbox.id),
         false,
         sandbox,
+    ))
+}
+
+/// `POST /v1/sandboxes/{id}/template`: snapshot-as-template.
+pub async fn template<S: SandboxApi>(
+    State(st): Api<S>,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<TemplateFromSandbox>,
+) -> ApiResult<Response> {
+    let id = SandboxId::new(id);
+    let template = call(&st, move |s| s.template_from_sandbox(&id, body)).await?;
+    Ok(created(
+        format!("/v1/templates/{}", template.id),
+        false,
+        template,
     ))
 }

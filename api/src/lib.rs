@@ -50,6 +50,7 @@ pub mod auth;
 pub mod backend;
 mod checkpoint_routes;
 pub mod client;
+pub mod e2b;
 pub mod error;
 pub mod federation;
 pub mod guest_routes;
@@ -194,6 +195,7 @@ pub const ROUTES: &[Route] = &[
     ),
     route("POST", "/v1/sandboxes/{id}/restore", "restoreSandbox"),
     route("POST", "/v1/sandboxes/{id}/fork", "forkSandbox"),
+    route("POST", "/v1/sandboxes/{id}/template", "templateFromSandbox"),
     route("POST", "/v1/sandboxes/{id}/exec", "execSandbox"),
     route(
         "POST",
@@ -244,6 +246,7 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "deleteCheckpoint" => on(m, checkpoint_routes::delete::<S>),
         "restoreSandbox" => on(m, checkpoint_routes::restore::<S>),
         "forkSandbox" => on(m, checkpoint_routes::fork::<S>),
+        "templateFromSandbox" => on(m, checkpoint_routes::template::<S>),
         "execSandbox" => on(m, guest_routes::exec::<S>),
         "execSandboxStream" => on(m, guest_routes::exec_stream::<S>),
         "readFile" => on(m, guest_routes::read_file::<S>),
@@ -265,7 +268,7 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
     }
 }
 
-fn method_filter(method: &str) -> MethodFilter {
+pub(crate) fn method_filter(method: &str) -> MethodFilter {
     match method {
         "GET" => MethodFilter::GET,
         "POST" => MethodFilter::POST,
@@ -279,10 +282,20 @@ fn method_filter(method: &str) -> MethodFilter {
 /// Limits every request shares: `max_body_bytes` (image uploads:
 /// `max_upload_bytes`) and `request_timeout`.
 #[derive(Clone, Copy)]
-struct Limits {
-    max_body_bytes: usize,
-    max_upload_bytes: u64,
-    request_timeout: Duration,
+pub(crate) struct Limits {
+    pub(crate) max_body_bytes: usize,
+    pub(crate) max_upload_bytes: u64,
+    pub(crate) request_timeout: Duration,
+}
+
+impl Limits {
+    fn of(config: &ApiConfig) -> Self {
+        Limits {
+            max_body_bytes: config.max_body_bytes,
+            max_upload_bytes: config.max_upload_bytes,
+            request_timeout: config.request_timeout,
+        }
+    }
 }
 
 /// Whether `path` is an image upload (its own size limit, no timeout).
@@ -300,7 +313,7 @@ pub(crate) fn too_large(limit: u64) -> Response {
     .into_response()
 }
 
-async fn limits(State(limits): State<Limits>, request: Request, next: Next) -> Response {
+pub(crate) async fn limits(State(limits): State<Limits>, request: Request, next: Next) -> Response {
     let declared = request
         .headers()
         .get(header::CONTENT_LENGTH)
@@ -339,8 +352,9 @@ async fn limits(State(limits): State<Limits>, request: Request, next: Next) -> R
     }
 }
 
-/// The API as an axum router.
-pub fn router<S: SandboxApi>(service: Arc<S>, config: ApiConfig) -> Router {
+/// The tokens (command line and tokens file), quotas and rate limits the
+/// routes share.
+fn tenancy_of<S: SandboxApi>(service: &Arc<S>, config: &ApiConfig) -> tenancy::Tenancy<S> {
     let auth = match auth::Auth::new(&config.tokens, config.tenants_file.clone()) {
         Ok(a) => a,
         Err(e) => {
@@ -352,12 +366,18 @@ pub fn router<S: SandboxApi>(service: Arc<S>, config: ApiConfig) -> Router {
     if auth.is_empty() {
         tracing::warn!("no API tokens configured: every authenticated route answers 401");
     }
-    let tenancy = tenancy::Tenancy {
+    tenancy::Tenancy {
         service: Arc::clone(&service),
         auth: auth.clone(),
         quotas: Arc::new(quota::Quotas::default()),
         limiter: tenancy::Limiter::new(config.rate_limit),
-    };
+    }
+}
+
+/// The API as an axum router.
+pub fn router<S: SandboxApi>(service: Arc<S>, config: ApiConfig) -> Router {
+    let tenancy = tenancy_of(&service, &config);
+    let auth = tenancy.auth.clone();
     let mut app: Router<AppState<S>> = Router::new();
     for r in ROUTES {
         let mut endpoint = endpoint::<S>(r.operation, method_filter(r.method));
@@ -387,11 +407,8 @@ pub fn router<S: SandboxApi>(service: Arc<S>, config: ApiConfig) -> Router {
         }
         app = app.route(r.path, endpoint);
     }
-    let limits_state = Limits {
-        max_body_bytes: config.max_body_bytes,
-        max_upload_bytes: config.max_upload_bytes,
-        request_timeout: config.request_timeout,
-    };
+    let limits_state = Limits::of(&config);
+    let e2b = e2b::router(Arc::clone(&service), tenancy.clone(), limits_state);
     app.fallback(error::no_route)
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
         .layer(middleware::from_fn_with_state(limits_state, limits))
@@ -401,6 +418,14 @@ pub fn router<S: SandboxApi>(service: Arc<S>, config: ApiConfig) -> Router {
             tenancy,
             max_upload_bytes: config.max_upload_bytes,
         })
+        .merge(e2b)
+}
+
+/// The E2B routes alone ([`e2b`]), for a listener of their own
+/// (`torpor serve --e2b-listen`): unknown paths are 404 in E2B's shape.
+pub fn e2b_router<S: SandboxApi>(service: Arc<S>, config: ApiConfig) -> Router {
+    let tenancy = tenancy_of(&service, &config);
+    e2b::router(service, tenancy, Limits::of(&config)).fallback(e2b::no_route)
 }
 
 /// Serves the API on `listener` until `shutdown` completes, then lets
@@ -444,6 +469,22 @@ where
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
     let listener = tls::TlsListener::new(listener, server)?;
     axum::serve(listener, router(service, config))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// Serves [`e2b_router`] on `listener` until `shutdown` completes.
+pub async fn serve_e2b<S, F>(
+    listener: tokio::net::TcpListener,
+    service: Arc<S>,
+    config: ApiConfig,
+    shutdown: F,
+) -> std::io::Result<()>
+where
+    S: SandboxApi,
+    F: Future<Output = ()> + Send + 'static,
+{
+    axum::serve(listener, e2b_router(service, config))
         .with_graceful_shutdown(shutdown)
         .await
 }

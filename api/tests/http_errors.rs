@@ -120,8 +120,9 @@ async fn unknown_routes_and_methods_get_the_error_body() {
     let r = server.call("GET", "/v1/nothing-here", None).await;
     let e = r.assert_error(404, "not_found");
     assert!(e["message"].as_str().unwrap().contains("/v1/nothing-here"));
-    // Unknown routes say 404 with or without a token.
-    let r = server.request("GET", "/v2/sandboxes", &[], None).await;
+    // Unknown routes say 404 with or without a token. (`/v2/sandboxes` is
+    // E2B's: see e2b_routes.)
+    let r = server.request("GET", "/v3/sandboxes", &[], None).await;
     r.assert_error(404, "not_found");
 
     let r = server.call("PUT", "/v1/sandboxes", Some(json!({}))).await;

@@ -67,8 +67,8 @@ pub mod state;
 pub mod store;
 
 pub use model::{
-    Checkpoint, CheckpointId, OperationId, Pod, PodAddress, PodId, Sandbox, SandboxId, Template,
-    TemplateId, TemplateKind, TemplateState, Timestamp, VmmHandle,
+    Checkpoint, CheckpointId, OnTimeout, OperationId, Pod, PodAddress, PodId, Sandbox, SandboxId,
+    Template, TemplateId, TemplateKind, TemplateState, Timestamp, VmmHandle,
 };
 pub use state::{can, transition, IllegalTransition, Operation, SandboxState};
 pub use store::{Store, StoreError};

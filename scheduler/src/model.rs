@@ -166,6 +166,19 @@ str_enum! {
     }
 }
 
+str_enum! {
+    /// What the policy does when a sandbox's timeout (`expires_at`) passes.
+    #[derive(Default)]
+    pub enum OnTimeout {
+        /// Delete it (the default).
+        #[default]
+        Delete => "delete",
+        /// Hibernate it (E2B's `autoPause`); it stays hibernated until it
+        /// is woken and given a new timeout.
+        Hibernate => "hibernate",
+    }
+}
+
 /// Where a template is in its life. Serialised as `{"state": "failed",
 /// "reason": "..."}` (the reason only for `failed`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -278,9 +291,17 @@ pub struct Sandbox {
     pub vcpus: u32,
     /// Idle time (no API activity, guest idle) after which it is hibernated.
     pub keep_alive_ms: u64,
-    /// When it is deleted whatever its activity (the API's timeout).
+    /// When it is deleted (or hibernated, see `on_timeout`) whatever its
+    /// activity (the API's timeout).
     pub expires_at: Option<Timestamp>,
+    /// What happens when `expires_at` passes.
+    #[serde(default)]
+    pub on_timeout: OnTimeout,
     pub metadata: BTreeMap<String, String>,
+    /// Environment variables set for every command run in it (under the
+    /// command's own). Never shown: they may hold secrets.
+    #[serde(default, skip_serializing)]
+    pub env: BTreeMap<String, String>,
     pub state: SandboxState,
     /// Why it failed (kept when a failed sandbox is deleted).
     pub failure_reason: Option<String>,
@@ -361,7 +382,9 @@ impl Sandbox {
             vcpus,
             keep_alive_ms,
             expires_at: None,
+            on_timeout: OnTimeout::Delete,
             metadata: BTreeMap::new(),
+            env: BTreeMap::new(),
             state: SandboxState::Creating,
             failure_reason: None,
             created_at: now,

@@ -269,6 +269,19 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             .await
             .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        if let Some(e2b_listen) = args.e2b_listen {
+            let e2b = tokio::net::TcpListener::bind(e2b_listen)
+                .await
+                .map_err(|e| format!("cannot listen on {e2b_listen}: {e}"))?;
+            let e2b_addr = e2b.local_addr().map_err(|e| e.to_string())?;
+            println!("torpor serve: E2B API on http://{e2b_addr}");
+            let (service, api) = (federation.clone(), api.clone());
+            tokio::spawn(async move {
+                if let Err(e) = torpor_api::serve_e2b(e2b, service, api, ctrl_c()).await {
+                    tracing::error!("E2B listener: {e}");
+                }
+            });
+        }
         match identity {
             Some(identity) => {
                 println!("torpor serve: listening on https://{addr}");

@@ -12,17 +12,17 @@ pub struct HttpResponse {
     pub body: String,
     /// The status line and headers.
     pub head: String,
+    /// Header names in lower case, in order.
+    pub headers: Vec<(String, String)>,
 }
 
 impl HttpResponse {
-    /// A header's value (name matched case-insensitively).
-    pub fn header(&self, name: &str) -> Option<String> {
-        self.head.lines().find_map(|l| {
-            let (n, v) = l.split_once(':')?;
-            n.trim()
-                .eq_ignore_ascii_case(name)
-                .then(|| v.trim().to_string())
-        })
+    /// The first header of this name (matched case-insensitively).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
     }
 
     pub fn json(&self) -> serde_json::Value {
@@ -38,18 +38,38 @@ pub fn request(
     token: Option<&str>,
     body: Option<&str>,
 ) -> HttpResponse {
+    let auth = token.map(|t| format!("Bearer {t}"));
+    let headers: Vec<(&str, &str)> = auth
+        .as_deref()
+        .map(|a| ("Authorization", a))
+        .into_iter()
+        .collect();
+    request_with(addr, method, path, &headers, body)
+}
+
+/// Sends one request with these extra headers.
+pub fn request_with(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> HttpResponse {
     let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
     let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
-    if let Some(t) = token {
-        req.push_str(&format!("Authorization: Bearer {t}\r\n"));
+    for (name, value) in headers {
+        req.push_str(&format!("{name}: {value}\r\n"));
     }
     let body = body.unwrap_or("");
     if !body.is_empty() || matches!(method, "POST" | "PUT" | "PATCH") {
-        req.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n",
-            body.len()
-        ));
+        let typed = headers
+            .iter()
+            .any(|(k, _)| k.eq_ignore_ascii_case("content-type"));
+        if !typed {
+            req.push_str("Content-Type: application/json\r\n");
+        }
+        req.push_str(&format!("Content-Length: {}\r\n", body.len()));
     }
     req.push_str("\r\n");
     s.write_all(req.as_bytes()).unwrap();
@@ -73,10 +93,17 @@ pub fn request(
     } else {
         rest.to_string()
     };
+    let headers = head
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
     HttpResponse {
         status,
         body,
         head: head.to_string(),
+        headers,
     }
 }
 

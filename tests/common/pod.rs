@@ -108,6 +108,7 @@ impl PodProcess {
                 status: answer.status,
                 body: String::from_utf8_lossy(&answer.body).into_owned(),
                 head,
+                headers: answer.headers.clone(),
             };
         }
         let socket = self.address.strip_prefix("unix:").unwrap();
@@ -137,6 +138,7 @@ impl PodProcess {
             status,
             body: rest.to_string(),
             head: head.to_string(),
+            headers: Vec::new(),
         }
     }
 

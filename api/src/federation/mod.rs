@@ -825,6 +825,19 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
     fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
         self.local.fork_sandbox(id, req)
     }
+    fn template_from_sandbox(
+        &self,
+        id: &SandboxId,
+        req: crate::service::TemplateFromSandbox,
+    ) -> Result<torpor_scheduler::model::Template, ServiceError> {
+        self.local.template_from_sandbox(id, req)
+    }
+    fn sandbox_templates(
+        &self,
+        source: Option<&SandboxId>,
+    ) -> Result<Vec<(torpor_scheduler::model::Template, SandboxId)>, ServiceError> {
+        self.local.sandbox_templates(source)
+    }
     fn exec(
         &self,
         id: &SandboxId,

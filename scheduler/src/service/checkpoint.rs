@@ -75,6 +75,13 @@ pub struct ForkSandbox {
     pub timeout_ms: Option<u64>,
     #[serde(default)]
     pub metadata: BTreeMap<String, String>,
+    /// Environment variables for every command, over the source's (which
+    /// the fork keeps).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// What the fork's timeout does; the source's when absent.
+    #[serde(default)]
+    pub on_timeout: Option<crate::model::OnTimeout>,
     /// Wait (up to 30 s) for capacity instead of refusing at once.
     #[serde(default)]
     pub queue: bool,
@@ -288,6 +295,9 @@ impl Service {
         );
         fork.metadata = req.metadata;
         fork.tenant = source.tenant.clone();
+        fork.env = source.env.clone();
+        fork.env.extend(req.env);
+        fork.on_timeout = req.on_timeout.unwrap_or(source.on_timeout);
         fork.pod = Some(PodId::new(LOCAL_POD));
         fork.expires_at = req
             .timeout_ms

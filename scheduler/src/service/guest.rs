@@ -454,6 +454,19 @@ impl Service {
         })
     }
 
+    /// The sandbox's environment variables under the request's own (the
+    /// request's win; with `clear_env` too, they are the sandbox's).
+    fn with_sandbox_env(
+        &self,
+        id: &SandboxId,
+        mut req: ExecRequest,
+    ) -> Result<ExecRequest, ServiceError> {
+        let mut env = self.store.get_sandbox(id)?.env;
+        env.append(&mut req.env);
+        req.env = env;
+        Ok(req)
+    }
+
     /// The exec's timeout: the service's (`exec_timeout_ms`) when it names
     /// none, refused past it, so an exec never holds a thread for ever.
     fn bounded_exec(&self, mut req: ExecRequest) -> Result<ExecRequest, ServiceError> {
@@ -485,7 +498,7 @@ impl Service {
         id: &SandboxId,
         req: ExecRequest,
     ) -> Result<GuestCall<ExecOutput>, ServiceError> {
-        let req = self.bounded_exec(req)?;
+        let req = self.with_sandbox_env(id, self.bounded_exec(req)?)?;
         self.with_agent(id, |link, _| self.timed_exec(|| link.exec(req)))
     }
 
@@ -498,7 +511,7 @@ impl Service {
         on_start: &mut dyn FnMut(&Outcome),
         on_output: &mut dyn FnMut(OutputKind, &[u8]),
     ) -> Result<GuestCall<ExitReply>, ServiceError> {
-        let req = self.bounded_exec(req)?;
+        let req = self.with_sandbox_env(id, self.bounded_exec(req)?)?;
         self.with_agent(id, |link, outcome| {
             on_start(outcome);
             self.timed_exec(|| link.exec_streaming(req, on_output))

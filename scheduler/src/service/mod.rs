@@ -18,6 +18,7 @@ mod ops;
 mod policy;
 pub mod pool;
 mod recovery;
+mod sandbox_template;
 mod template;
 pub mod vmm;
 
@@ -40,6 +41,7 @@ pub use guest::{GuestCall, GuestError};
 pub use lifetime::{check_lifetimes, MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS};
 pub use linux::HostGuests;
 pub use policy::Metrics;
+pub use sandbox_template::TemplateFromSandbox;
 
 /// The local pod's id.
 pub const LOCAL_POD: &str = "pod_local";
@@ -281,6 +283,12 @@ pub struct CreateSandbox {
     pub timeout_ms: Option<u64>,
     #[serde(default)]
     pub metadata: BTreeMap<String, String>,
+    /// Environment variables for every command run in it.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// What its timeout does: delete (the default) or hibernate.
+    #[serde(default)]
+    pub on_timeout: crate::model::OnTimeout,
     /// Wait (up to 30 s) for capacity instead of refusing at once.
     #[serde(default)]
     pub queue: bool,

@@ -74,13 +74,21 @@ impl Service {
         self.build_template(req)
     }
 
+    /// Deletes a template: a built one's directory goes; a sandbox's
+    /// (snapshot-as-template) leaves its layers to the layer collection,
+    /// which removes them once nothing else sits on them.
     pub fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError> {
         let t = self.store.delete_template(id)?;
-        if let Some(dir) = t
+        let own = self.template_dir(id);
+        match t
             .snapshot_dir
             .and_then(|d| d.parent().map(Path::to_path_buf))
         {
-            let _ = std::fs::remove_dir_all(dir);
+            Some(dir) if dir == own => {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+            Some(_) => self.remove_dead_layers(),
+            None => {}
         }
         Ok(())
     }
@@ -174,6 +182,8 @@ impl Service {
         );
         sandbox.metadata = req.metadata;
         sandbox.tenant = req.owner.map(|o| o.tenant);
+        sandbox.env = req.env;
+        sandbox.on_timeout = req.on_timeout;
         sandbox.pod = Some(PodId::new(LOCAL_POD));
         sandbox.expires_at = req
             .timeout_ms

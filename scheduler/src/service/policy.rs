@@ -13,7 +13,7 @@ use std::time::Duration;
 use super::lifetime::idle_past_keep_alive;
 use super::vmm::{self, PageFaults};
 use super::{Outcome, Service, ServiceError, LOCAL_POD};
-use crate::model::{PodId, SandboxId, Timestamp};
+use crate::model::{OnTimeout, PodId, SandboxId, Timestamp};
 use crate::state::SandboxState;
 use crate::store::SandboxFilter;
 
@@ -240,6 +240,8 @@ impl Drop for InFlightGuard<'_> {
 enum PolicyReason {
     Idle,
     Watermark,
+    /// The timeout of a sandbox whose `on_timeout` is hibernate.
+    Timeout,
 }
 
 impl Service {
@@ -438,8 +440,20 @@ impl Service {
         };
         for s in &sandboxes {
             if s.expires_at.is_some_and(|t| t.0 <= now.0) {
-                tracing::info!(sandbox = %s.id, "timeout reached; deleting");
-                let _ = self.delete_sandbox(&s.id);
+                match s.on_timeout {
+                    OnTimeout::Delete => {
+                        tracing::info!(sandbox = %s.id, "timeout reached; deleting");
+                        let _ = self.delete_sandbox(&s.id);
+                    }
+                    // Hibernated it stays, past its deadline, until woken
+                    // and given a new one.
+                    OnTimeout::Hibernate if s.state == SandboxState::Hibernated => {}
+                    OnTimeout::Hibernate => {
+                        if let Some(Err(e)) = self.policy_hibernate(&s.id, PolicyReason::Timeout) {
+                            tracing::warn!(sandbox = %s.id, "timeout hibernation failed: {e}");
+                        }
+                    }
+                }
             } else if s.state == SandboxState::Running && idle_past_keep_alive(s, now) {
                 if let Some(Err(e)) = self.policy_hibernate(&s.id, PolicyReason::Idle) {
                     tracing::warn!(sandbox = %s.id, "idle hibernation failed: {e}");

@@ -149,6 +149,38 @@ impl Tx<'_> {
         Ok(())
     }
 
+    /// Inserts a template snapshotted from `source` (see
+    /// [`Tx::insert_template`]) and records where it came from.
+    pub fn insert_sandbox_template(&self, t: &Template, source: &SandboxId) -> Result<()> {
+        self.insert_template(t)?;
+        self.conn.execute(
+            "INSERT INTO template_sources (template, sandbox) VALUES (?1, ?2)",
+            params![t.id, source],
+        )?;
+        Ok(())
+    }
+
+    /// Templates snapshotted from sandboxes (of `source` only, if given)
+    /// that are not deleted, oldest first, each with its source.
+    pub fn sandbox_templates(
+        &self,
+        source: Option<&SandboxId>,
+    ) -> Result<Vec<(Template, SandboxId)>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT t.id, s.sandbox FROM templates t JOIN template_sources s ON s.template = t.id \
+             WHERE t.state != 'deleted' AND (?1 IS NULL OR s.sandbox = ?1) \
+             ORDER BY t.created_at, t.id",
+        )?;
+        let ids = stmt
+            .query_map(params![source], |r| {
+                Ok((r.get::<_, TemplateId>(0)?, r.get::<_, SandboxId>(1)?))
+            })?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        ids.into_iter()
+            .map(|(t, s)| Ok((self.get_template(&t)?, s)))
+            .collect()
+    }
+
     fn template_opt(&self, id: &TemplateId) -> Result<Option<Template>> {
         Ok(self
             .conn

@@ -301,6 +301,8 @@ delegate! {
     write fn set_template_state(&self, id: &TemplateId, state: &TemplateState) -> Template;
     write fn set_template_snapshot(&self, id: &TemplateId, dir: Option<&Path>) -> ();
     write fn delete_template(&self, id: &TemplateId) -> Template;
+    write fn insert_sandbox_template(&self, template: &Template, source: &SandboxId) -> ();
+    read fn sandbox_templates(&self, source: Option<&SandboxId>) -> Vec<(Template, SandboxId)>;
 
     write fn insert_sandbox(&self, sandbox: &Sandbox) -> ();
     read fn get_sandbox(&self, id: &SandboxId) -> Sandbox;

@@ -13,7 +13,23 @@ use crate::state::{transition, SandboxState};
 
 const COLUMNS: &str = "id, template, pod, mem_mib, vcpus, keep_alive_ms, expires_at, state, \
     failure_reason, created_at, last_active_at, snapshot, vmm_pid, vmm_socket, generation, \
-    vmm_start, tenant";
+    vmm_start, tenant, on_timeout";
+
+/// A sandbox's key/value tables.
+#[derive(Clone, Copy)]
+enum Pairs {
+    Metadata,
+    Env,
+}
+
+impl Pairs {
+    fn table(self) -> &'static str {
+        match self {
+            Pairs::Metadata => "sandbox_metadata",
+            Pairs::Env => "sandbox_env",
+        }
+    }
+}
 
 /// Which sandboxes [`Tx::list_sandboxes`] returns; every field set must match.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -28,7 +44,7 @@ pub struct SandboxFilter {
     pub tenant: Option<String>,
 }
 
-/// A row without its metadata (read separately).
+/// A row without its metadata and environment (read separately).
 fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
     let pid: Option<u32> = row.get("vmm_pid")?;
     let start_time = row
@@ -43,7 +59,9 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
         vcpus: row.get("vcpus")?,
         keep_alive_ms: get_u64(row, "keep_alive_ms")?,
         expires_at: row.get("expires_at")?,
+        on_timeout: row.get("on_timeout")?,
         metadata: BTreeMap::new(),
+        env: BTreeMap::new(),
         state: row.get("state")?,
         failure_reason: row.get("failure_reason")?,
         created_at: row.get("created_at")?,
@@ -107,7 +125,7 @@ impl Tx<'_> {
         self.conn
             .prepare_cached(&format!(
                 "INSERT INTO sandboxes ({COLUMNS}) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)"
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)"
             ))?
             .execute(params![
                 s.id,
@@ -130,31 +148,52 @@ impl Tx<'_> {
                 u64_sql(s.generation, "generation")?,
                 vmm_start(s.vmm.as_ref())?,
                 s.tenant,
+                s.on_timeout,
             ])?;
-        self.write_metadata(&s.id, &s.metadata)
+        self.write_pairs(Pairs::Metadata, &s.id, &s.metadata)?;
+        self.write_pairs(Pairs::Env, &s.id, &s.env)
     }
 
     fn write_metadata(&self, id: &SandboxId, metadata: &BTreeMap<String, String>) -> Result<()> {
+        self.write_pairs(Pairs::Metadata, id, metadata)
+    }
+
+    /// Replaces a sandbox's key/value pairs of one kind.
+    fn write_pairs(
+        &self,
+        table: Pairs,
+        id: &SandboxId,
+        pairs: &BTreeMap<String, String>,
+    ) -> Result<()> {
+        let table = table.table();
         self.conn
-            .prepare_cached("DELETE FROM sandbox_metadata WHERE sandbox = ?1")?
+            .prepare_cached(&format!("DELETE FROM {table} WHERE sandbox = ?1"))?
             .execute([id])?;
-        let mut insert = self.conn.prepare_cached(
-            "INSERT INTO sandbox_metadata (sandbox, key, value) VALUES (?1, ?2, ?3)",
-        )?;
-        for (key, value) in metadata {
+        let mut insert = self.conn.prepare_cached(&format!(
+            "INSERT INTO {table} (sandbox, key, value) VALUES (?1, ?2, ?3)"
+        ))?;
+        for (key, value) in pairs {
             insert.execute(params![id, key, value])?;
         }
         Ok(())
     }
 
-    fn read_metadata(&self, id: &SandboxId) -> Result<BTreeMap<String, String>> {
-        let mut stmt = self
-            .conn
-            .prepare_cached("SELECT key, value FROM sandbox_metadata WHERE sandbox = ?1")?;
+    fn read_pairs(&self, table: Pairs, id: &SandboxId) -> Result<BTreeMap<String, String>> {
+        let mut stmt = self.conn.prepare_cached(&format!(
+            "SELECT key, value FROM {} WHERE sandbox = ?1",
+            table.table()
+        ))?;
         let pairs = stmt
             .query_map([id], |r| Ok((r.get(0)?, r.get(1)?)))?
             .collect::<rusqlite::Result<_>>()?;
         Ok(pairs)
+    }
+
+    /// The row's metadata and environment.
+    fn read_details(&self, s: &mut Sandbox) -> Result<()> {
+        s.metadata = self.read_pairs(Pairs::Metadata, &s.id)?;
+        s.env = self.read_pairs(Pairs::Env, &s.id)?;
+        Ok(())
     }
 
     /// One sandbox, whatever its state (deleted ones included).
@@ -165,7 +204,7 @@ impl Tx<'_> {
             .query_row([id], from_row)
             .optional()?
             .ok_or_else(|| StoreError::not_found("sandbox", id))?;
-        s.metadata = self.read_metadata(id)?;
+        self.read_details(&mut s)?;
         Ok(s)
     }
 
@@ -226,7 +265,7 @@ impl Tx<'_> {
             .query_map(params_from_iter(args), from_row)?
             .collect::<rusqlite::Result<Vec<_>>>()?;
         for s in &mut found {
-            s.metadata = self.read_metadata(&s.id)?;
+            self.read_details(s)?;
         }
         Ok(found)
     }

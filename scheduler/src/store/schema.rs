@@ -130,8 +130,29 @@ const V4: &str = r#"
 ALTER TABLE sandboxes ADD COLUMN vmm_start INTEGER CHECK (vmm_start >= 0);
 "#;
 
+/// Version 5: what a sandbox's timeout does (`on_timeout`: delete, the
+/// old behaviour and the default for existing rows, or hibernate), the
+/// environment variables set for every command run in it, and the sandbox
+/// a template was snapshotted from (`POST /v1/sandboxes/{id}/template`; not
+/// a foreign key: the template outlives it).
+const V5: &str = r#"
+CREATE TABLE template_sources (
+    template TEXT PRIMARY KEY REFERENCES templates (id),
+    sandbox  TEXT NOT NULL
+) STRICT, WITHOUT ROWID;
+CREATE INDEX template_sources_sandbox ON template_sources (sandbox);
+ALTER TABLE sandboxes ADD COLUMN on_timeout TEXT NOT NULL DEFAULT 'delete'
+    CHECK (on_timeout IN ('delete', 'hibernate'));
+CREATE TABLE sandbox_env (
+    sandbox TEXT NOT NULL REFERENCES sandboxes (id) ON DELETE CASCADE,
+    key     TEXT NOT NULL,
+    value   TEXT NOT NULL,
+    PRIMARY KEY (sandbox, key)
+) STRICT, WITHOUT ROWID;
+"#;
+
 /// Every migration, in order.
-pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4];
+pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5];
 
 /// The schema version this build writes.
 pub const CURRENT_VERSION: i64 = MIGRATIONS.len() as i64;

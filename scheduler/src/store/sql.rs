@@ -10,7 +10,7 @@ use rusqlite::Row;
 use super::journal::{OperationKind, OperationStatus};
 use super::StoreError;
 use crate::model::{
-    CheckpointId, OperationId, PodId, SandboxId, TemplateId, TemplateKind, Timestamp,
+    CheckpointId, OnTimeout, OperationId, PodId, SandboxId, TemplateId, TemplateKind, Timestamp,
 };
 use crate::state::SandboxState;
 
@@ -44,7 +44,13 @@ macro_rules! sql_word {
         }
     )+};
 }
-sql_word!(SandboxState, TemplateKind, OperationKind, OperationStatus);
+sql_word!(
+    SandboxState,
+    TemplateKind,
+    OnTimeout,
+    OperationKind,
+    OperationStatus
+);
 
 impl ToSql for Timestamp {
     fn to_sql(&self) -> rusqlite::Result<ToSqlOutput<'_>> {

@@ -355,3 +355,39 @@ fn tenants_own_sandboxes_and_templates_and_lists_filter_by_them() {
     assert_eq!(back.tenant.as_deref(), Some("acme"));
     assert_eq!(back.image.as_deref(), Some("debian"));
 }
+
+#[test]
+fn env_and_on_timeout_round_trip_and_a_version_2_store_upgrades() {
+    use crate::model::OnTimeout;
+    let (dir, store, t) = setup();
+    let mut s = Sandbox::new(t.id.clone(), 64, 1, 60_000);
+    s.env.insert("API_KEY".into(), "secret".into());
+    s.on_timeout = OnTimeout::Hibernate;
+    store.insert_sandbox(&s).unwrap();
+    let back = store.get_sandbox(&s.id).unwrap();
+    assert_eq!(back.env, s.env);
+    assert_eq!(back.on_timeout, OnTimeout::Hibernate);
+    let listed = store.list_sandboxes(&SandboxFilter::default()).unwrap();
+    assert_eq!(listed[0].env, s.env);
+    let plain = sandbox_in(&store, &t, Running);
+    drop(store);
+
+    // The same data as a version 2 store wrote it: no column, no table.
+    let conn = rusqlite::Connection::open(dir.0.join(DB_FILE)).unwrap();
+    conn.execute_batch(
+        "ALTER TABLE sandboxes DROP COLUMN on_timeout; DROP TABLE sandbox_env; \
+         DROP TABLE template_sources; ALTER TABLE sandboxes DROP COLUMN vmm_start; \
+         DROP INDEX sandboxes_tenant; ALTER TABLE sandboxes DROP COLUMN tenant; \
+         ALTER TABLE templates DROP COLUMN tenant; ALTER TABLE templates DROP COLUMN image; \
+         UPDATE schema_version SET version = 2;",
+    )
+    .unwrap();
+    drop(conn);
+    let store = Store::open(&dir.0).unwrap();
+    assert_eq!(store.schema_version().unwrap(), schema::CURRENT_VERSION);
+    for id in [&s.id, &plain.id] {
+        let old = store.get_sandbox(id).unwrap();
+        assert_eq!(old.on_timeout, OnTimeout::Delete, "the old behaviour");
+        assert!(old.env.is_empty());
+    }
+}

@@ -1,0 +1,176 @@
+//! E2B's in-sandbox API ("envd"), which the SDKs reach at
+//! `E2B_SANDBOX_URL` with the sandbox named by the `E2b-Sandbox-Id` header:
+//! plain HTTP (`GET /health`, `/files`) and Connect-protocol RPCs
+//! (`/process.Process/*`, `/filesystem.Filesystem/*`), translated to
+//! torpor-agent. Served on the API's listener (its paths do not overlap
+//! `/v1` or E2B's control plane) and on `--e2b-listen`.
+//!
+//! Done: `GET /health`, the Connect envelope codec ([`envelope`]) and
+//! Connect's error answers; every RPC answers `unimplemented` (Connect's
+//! shape, so the SDKs raise a clear error). Not yet: files, processes,
+//! watches, and per-sandbox access tokens (`X-Access-Token`; the create
+//! answer issues none, so the SDKs send none). See `docs/e2b.md`.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Request};
+use axum::http::header::{self, HeaderMap, HeaderValue};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde::Serialize;
+use torpor_scheduler::model::SandboxId;
+
+use super::error::E2bError;
+use super::wire::e2b_state;
+use crate::backend::SandboxApi;
+use crate::handlers::{call, Api, AppState};
+
+pub mod envelope;
+
+/// The header naming the sandbox a request is for.
+pub const SANDBOX_HEADER: &str = "e2b-sandbox-id";
+/// Content type of Connect's streaming calls (enveloped JSON).
+pub const CONNECT_STREAM_JSON: &str = "application/connect+json";
+
+/// Connect's error codes, with the HTTP status a unary call answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Code {
+    Canceled,
+    Unknown,
+    InvalidArgument,
+    DeadlineExceeded,
+    NotFound,
+    AlreadyExists,
+    PermissionDenied,
+    ResourceExhausted,
+    FailedPrecondition,
+    Aborted,
+    OutOfRange,
+    Unimplemented,
+    Internal,
+    Unavailable,
+    DataLoss,
+    Unauthenticated,
+}
+
+impl Code {
+    /// The HTTP status of a unary error (Connect's table).
+    pub fn http_status(self) -> StatusCode {
+        match self {
+            Code::Canceled => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
+            Code::Unknown | Code::Internal | Code::DataLoss => StatusCode::INTERNAL_SERVER_ERROR,
+            Code::InvalidArgument | Code::FailedPrecondition | Code::OutOfRange => {
+                StatusCode::BAD_REQUEST
+            }
+            Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
+            Code::NotFound => StatusCode::NOT_FOUND,
+            Code::AlreadyExists | Code::Aborted => StatusCode::CONFLICT,
+            Code::PermissionDenied => StatusCode::FORBIDDEN,
+            Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
+            Code::Unimplemented => StatusCode::NOT_IMPLEMENTED,
+            Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+        }
+    }
+}
+
+/// Whether a request is a Connect streaming call (enveloped).
+fn is_streaming(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with(CONNECT_STREAM_JSON))
+}
+
+/// A Connect error answer: for a unary call its status and
+/// `{"code", "message"}`; for a streaming call 200 and an end-of-stream
+/// envelope carrying it (Connect's rule for streams).
+pub fn connect_error(streaming: bool, error: envelope::ConnectError) -> Response {
+    if streaming {
+        let body = envelope::end_stream(Some(&error)).encode();
+        let mut r = (StatusCode::OK, body).into_response();
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(CONNECT_STREAM_JSON),
+        );
+        r
+    } else {
+        (error.code.http_status(), axum::Json(&error)).into_response()
+    }
+}
+
+/// The sandbox a request names, or why not (400 without the header).
+fn sandbox_of(headers: &HeaderMap) -> Result<String, E2bError> {
+    headers
+        .get(SANDBOX_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .map(str::to_string)
+        .ok_or_else(|| E2bError::bad_request("missing E2b-Sandbox-Id header"))
+}
+
+/// `GET /health`: 204 when the sandbox runs; 502 (what E2B's proxy answers
+/// and the SDKs' `is_running` reads as false) when it is paused, unknown
+/// or gone. It does not wake a paused sandbox.
+async fn health<S: SandboxApi>(state: Api<S>, headers: HeaderMap) -> Response {
+    let id = match sandbox_of(&headers) {
+        Ok(id) => id,
+        Err(e) => return e.into_response(),
+    };
+    let running = call(&state, move |s| {
+        if !SandboxId::is_well_formed(&id) {
+            return Ok(false);
+        }
+        Ok(s.get_sandbox(&SandboxId::new(&id))
+            .ok()
+            .is_some_and(|x| e2b_state(x.state) == Some("running") && x.vmm.is_some()))
+    })
+    .await;
+    match running {
+        Ok(true) => StatusCode::NO_CONTENT.into_response(),
+        Ok(false) => {
+            E2bError::new(StatusCode::BAD_GATEWAY, "the sandbox is not running").into_response()
+        }
+        Err(e) => E2bError::from(e).into_response(),
+    }
+}
+
+/// The Connect services of envd.
+pub const SERVICES: &[&str] = &["process.Process", "filesystem.Filesystem"];
+
+/// Every envd RPC for now: Connect's `unimplemented`.
+async fn rpc(service: &'static str, method: String, request: Request) -> Response {
+    let streaming = is_streaming(request.headers());
+    connect_error(
+        streaming,
+        envelope::ConnectError {
+            code: Code::Unimplemented,
+            message: format!("{service}/{method} is not offered yet"),
+        },
+    )
+}
+
+/// The envd routes.
+pub(crate) fn router<S: SandboxApi>(
+    service: Arc<S>,
+    tenancy: crate::tenancy::Tenancy<S>,
+    limits: crate::Limits,
+) -> Router {
+    // `AppState` for `health`; the RPC routes need none.
+    let mut app = Router::new().route("/health", get(health::<S>));
+    for &name in SERVICES {
+        app = app.route(
+            &format!("/{name}/{{method}}"),
+            post(move |Path(method): Path<String>, request: Request| rpc(name, method, request)),
+        );
+    }
+    app.with_state(AppState {
+        service,
+        tenancy,
+        max_upload_bytes: limits.max_upload_bytes,
+    })
+}

@@ -1,0 +1,259 @@
+//! E2B-compatible control plane: the REST routes the `e2b` SDKs (PyPI and
+//! npm `e2b`, pinned in `.ci/run`) call, with E2B's JSON field names and
+//! status codes, over the same [`SandboxApi`] as torpor's own `/v1` routes.
+//!
+//! Served beside `/v1` on the API's listener (E2B's paths do not overlap
+//! ours) and, with `torpor serve --e2b-listen ADDR`, alone on a listener of
+//! its own. Every route needs `X-API-KEY: <key>`, checked by
+//! [`key_accepted`] against the API's tokens. Every error answer is E2B's
+//! `{"code": <status>, "message": "..."}` ([`error`]), with torpor's
+//! status mapping (the table in `lib.rs`). What each route and field maps
+//! to, and what is not offered, is in `docs/e2b.md`; the routes are
+//! described in `api/e2b-openapi.json`.
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{on, MethodRouter};
+use axum::Router;
+
+use crate::auth::Principal;
+use crate::backend::SandboxApi;
+use crate::handlers::AppState;
+use crate::tenancy::{owns, Tenancy};
+use crate::{method_filter, Limits, Route};
+use torpor_scheduler::model::SandboxId;
+
+pub mod envd;
+pub mod error;
+mod routes;
+pub mod time;
+pub mod wire;
+
+pub use error::E2bError;
+
+/// The OpenAPI document of the E2B routes (`api/e2b-openapi.json`), apart
+/// from torpor's own: another auth scheme, another error body.
+pub const OPENAPI: &str = include_str!("../../e2b-openapi.json");
+
+/// The header E2B's SDKs carry the API key in.
+pub const API_KEY_HEADER: &str = "x-api-key";
+
+const fn route(method: &'static str, path: &'static str, operation: &'static str) -> Route {
+    Route {
+        method,
+        path,
+        operation,
+        auth: true,
+        admin: false,
+    }
+}
+
+/// Every E2B route served (paths in axum syntax, operation ids as in
+/// `api/e2b-openapi.json`).
+pub const ROUTES: &[Route] = &[
+    route("POST", "/sandboxes", "e2bCreateSandbox"),
+    route("GET", "/sandboxes", "e2bListSandboxes"),
+    route("POST", "/v2/sandboxes", "e2bCreateSandboxV2"),
+    route("GET", "/v2/sandboxes", "e2bListSandboxesV2"),
+    route("GET", "/sandboxes/{id}", "e2bGetSandbox"),
+    route("DELETE", "/sandboxes/{id}", "e2bKillSandbox"),
+    route("POST", "/sandboxes/{id}/pause", "e2bPauseSandbox"),
+    route("POST", "/sandboxes/{id}/resume", "e2bResumeSandbox"),
+    route("POST", "/sandboxes/{id}/connect", "e2bConnectSandbox"),
+    route("POST", "/v2/sandboxes/{id}/connect", "e2bConnectSandboxV2"),
+    route("POST", "/sandboxes/{id}/timeout", "e2bSetTimeout"),
+    route("POST", "/sandboxes/{id}/refreshes", "e2bRefreshSandbox"),
+    route("GET", "/sandboxes/{id}/metrics", "e2bSandboxMetrics"),
+    route("POST", "/sandboxes/{id}/fork", "e2bForkSandbox"),
+    route("POST", "/sandboxes/{id}/snapshots", "e2bCreateSnapshot"),
+    route("GET", "/snapshots", "e2bListSnapshots"),
+    route("DELETE", "/templates/{id}", "e2bDeleteTemplate"),
+];
+
+fn endpoint<S: SandboxApi>(r: &Route) -> MethodRouter<AppState<S>> {
+    let m = method_filter(r.method);
+    match r.operation {
+        "e2bCreateSandbox" | "e2bCreateSandboxV2" => on(m, routes::create::<S>),
+        "e2bListSandboxes" => on(m, routes::list_v1::<S>),
+        "e2bListSandboxesV2" => on(m, routes::list_v2::<S>),
+        "e2bGetSandbox" => on(m, routes::get::<S>),
+        "e2bKillSandbox" => on(m, routes::kill::<S>),
+        "e2bPauseSandbox" => on(m, routes::pause::<S>),
+        "e2bResumeSandbox" => on(m, routes::resume::<S>),
+        "e2bConnectSandbox" | "e2bConnectSandboxV2" => on(m, routes::connect::<S>),
+        "e2bSetTimeout" => on(m, routes::set_timeout::<S>),
+        "e2bRefreshSandbox" => on(m, routes::refresh::<S>),
+        "e2bSandboxMetrics" => on(m, routes::metrics::<S>),
+        "e2bForkSandbox" => on(m, routes::fork::<S>),
+        "e2bCreateSnapshot" => on(m, routes::create_snapshot::<S>),
+        "e2bListSnapshots" => on(m, routes::list_snapshots::<S>),
+        "e2bDeleteTemplate" => on(m, routes::delete_template::<S>),
+        other => panic!("E2B route table names unknown operation {other:?}"),
+    }
+}
+
+/// Route middleware: 401 unless `X-API-KEY` carries a key the API's
+/// tokens accept; the key's [`Principal`] (tenant and scope) goes into the
+/// request, as with the bearer token on `/v1`.
+async fn require_key<S: SandboxApi>(
+    State(t): State<Tenancy<S>>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let principal = match request.headers().get(API_KEY_HEADER) {
+        Some(key) => match t.auth.principal(key.as_bytes().trim_ascii()) {
+            Some(p) => p,
+            None => {
+                return E2bError::new(axum::http::StatusCode::UNAUTHORIZED, "Invalid API key")
+                    .into_response()
+            }
+        },
+        None => {
+            return E2bError::new(
+                axum::http::StatusCode::UNAUTHORIZED,
+                "missing X-API-KEY header",
+            )
+            .into_response()
+        }
+    };
+    request.extensions_mut().insert(principal);
+    next.run(request).await
+}
+
+/// Route middleware on `/sandboxes/{id}...`: another tenant's sandbox is
+/// 404, worded as a missing one.
+async fn sandbox_guard<S: SandboxApi>(
+    State(t): State<Tenancy<S>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let Some(p) = request.extensions().get::<Principal>().cloned() else {
+        return E2bError::new(axum::http::StatusCode::UNAUTHORIZED, "no API key").into_response();
+    };
+    let id = SandboxId::new(request.uri().path().split('/').nth(2).unwrap_or_default());
+    let service = Arc::clone(&t.service);
+    let (checked_id, owner) = (id.clone(), p);
+    let owned = tokio::task::spawn_blocking(move || owns(&*service, &owner, &checked_id).is_ok())
+        .await
+        .unwrap_or(false);
+    if !owned {
+        return E2bError::not_found(format!("sandbox {} not found", id.as_str())).into_response();
+    }
+    next.run(request).await
+}
+
+/// The fallback of [`crate::e2b_router`]: 404 in E2B's shape.
+pub(crate) async fn no_route(request: Request) -> E2bError {
+    E2bError::not_found(format!(
+        "no route for {} {}",
+        request.method(),
+        request.uri().path()
+    ))
+}
+
+/// The E2B routes, with their auth, the API's limits and E2B's error shape.
+/// No fallback: merged into the API's router, unknown paths are the API's.
+pub(crate) fn router<S: SandboxApi>(
+    service: Arc<S>,
+    tenancy: Tenancy<S>,
+    limits: Limits,
+) -> Router {
+    let mut app: Router<AppState<S>> = Router::new();
+    for r in ROUTES {
+        let mut endpoint = endpoint::<S>(r);
+        if r.path.starts_with("/sandboxes/{id}") {
+            endpoint = endpoint.route_layer(middleware::from_fn_with_state(
+                tenancy.clone(),
+                sandbox_guard::<S>,
+            ));
+        }
+        endpoint = endpoint.route_layer(middleware::from_fn_with_state(
+            tenancy.clone(),
+            require_key::<S>,
+        ));
+        app = app.route(r.path, endpoint);
+    }
+    let with_limits = |r: Router| {
+        r.layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
+            .layer(middleware::from_fn_with_state(limits, crate::limits))
+    };
+    let control = with_limits(app.with_state(AppState {
+        service: Arc::clone(&service),
+        tenancy: tenancy.clone(),
+        max_upload_bytes: limits.max_upload_bytes,
+    }))
+    .layer(middleware::from_fn(error::normalize));
+    // envd's answers are Connect's, not E2B's error body: no `normalize`.
+    control.merge(with_limits(envd::router(service, tenancy, limits)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn route_table_is_well_formed_and_apart_from_ours() {
+        let mut seen = std::collections::BTreeSet::new();
+        for r in ROUTES {
+            assert!(seen.insert((r.method, r.path)), "{} {}", r.method, r.path);
+            assert!(r.auth);
+            assert!(!r.path.starts_with("/v1/"), "{}", r.path);
+            assert!(
+                !crate::ROUTES.iter().any(|o| o.path == r.path),
+                "{} is also a torpor route",
+                r.path
+            );
+            method_filter(r.method);
+        }
+    }
+
+    #[test]
+    fn openapi_documents_exactly_these_routes_with_e2b_errors() {
+        let d: serde_json::Value = serde_json::from_str(OPENAPI).unwrap();
+        assert_eq!(d["info"]["version"], env!("CARGO_PKG_VERSION"));
+        let mut documented = std::collections::BTreeSet::new();
+        for (path, item) in d["paths"].as_object().unwrap() {
+            for (method, op) in item.as_object().unwrap() {
+                let id = op["operationId"].as_str().unwrap().to_string();
+                documented.insert((method.to_uppercase(), path.clone(), id));
+                let responses = op["responses"].as_object().unwrap();
+                assert!(
+                    responses.contains_key("401"),
+                    "{method} {path} documents 401"
+                );
+                assert!(
+                    responses.keys().any(|k| k.starts_with('2')),
+                    "{method} {path}"
+                );
+                for (status, r) in responses {
+                    if !status.starts_with('2') {
+                        let target = r["$ref"].as_str().unwrap();
+                        let pointer = target.strip_prefix('#').unwrap();
+                        let schema = &d.pointer(pointer).unwrap()["content"]["application/json"];
+                        assert_eq!(schema["schema"]["$ref"], "#/components/schemas/Error");
+                    }
+                }
+            }
+        }
+        let routed: std::collections::BTreeSet<_> = ROUTES
+            .iter()
+            .map(|r| {
+                (
+                    r.method.to_string(),
+                    r.path.to_string(),
+                    r.operation.to_string(),
+                )
+            })
+            .collect();
+        assert_eq!(documented, routed);
+        // Every $ref resolves.
+        let text = OPENAPI;
+        for piece in text.split("\"$ref\": \"").skip(1) {
+            let target = &piece[..piece.find('"').unwrap()];
+            assert!(d.pointer(&target[1..]).is_some(), "dangling {target}");
+        }
+    }
+}

@@ -1,0 +1,576 @@
+//! The E2B control-plane handlers: decode E2B's JSON, call the service on
+//! the blocking pool ([`crate::handlers::call`]), answer with E2B's JSON and
+//! status codes. What each route maps to is in `docs/e2b.md`.
+
+use std::collections::BTreeMap;
+
+use axum::body::Bytes;
+use axum::extract::{Path, RawQuery};
+use axum::http::header::HeaderValue;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::de::DeserializeOwned;
+use torpor_scheduler::model::{
+    OnTimeout, Sandbox, SandboxId, Template, TemplateId, TemplateState, Timestamp,
+};
+
+use super::error::E2bError;
+use super::wire::{
+    e2b_state, metadata_query, page, torpor_states, ConnectBody, CreatedSandbox, Cursor, ForkBody,
+    ForkResult, NewSandbox, RefreshBody, SandboxDetail, SandboxMetric, SnapshotBody, SnapshotInfo,
+    TimeoutBody, DEFAULT_TIMEOUT_S, MAX_FORK_COUNT, MAX_LIMIT,
+};
+use crate::backend::SandboxApi;
+use crate::handlers::{call, Api};
+use crate::service::{
+    CreateSandbox, ForkSandbox, SandboxFilter, ServiceError, TemplateFromSandbox,
+};
+
+type E2bResult<T> = Result<T, E2bError>;
+
+/// A required JSON body; 400 with serde's reason when it does not parse.
+fn body<T: DeserializeOwned>(bytes: &Bytes) -> E2bResult<T> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| E2bError::bad_request(format!("invalid request body: {e}")))
+}
+
+/// An optional JSON body: empty is the default.
+fn optional_body<T: DeserializeOwned + Default>(bytes: &Bytes) -> E2bResult<T> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        Ok(T::default())
+    } else {
+        body(bytes)
+    }
+}
+
+/// Seconds to ms, 400 past what fits.
+fn seconds(s: u64, what: &str) -> Result<u64, ServiceError> {
+    s.checked_mul(1000)
+        .ok_or_else(|| ServiceError::Invalid(format!("{what} {s} s is too large")))
+}
+
+fn gone(id: &str) -> ServiceError {
+    ServiceError::NotFound {
+        kind: "sandbox",
+        id: id.to_string(),
+    }
+}
+
+/// The sandbox if E2B would show it: not failed, not deleted (404).
+fn live<S: SandboxApi>(s: &S, id: &str) -> Result<Sandbox, ServiceError> {
+    if !SandboxId::is_well_formed(id) {
+        return Err(gone(id));
+    }
+    let sandbox = s.get_sandbox(&SandboxId::new(id))?;
+    match e2b_state(sandbox.state) {
+        Some(_) => Ok(sandbox),
+        None => Err(gone(id)),
+    }
+}
+
+/// The template's name, E2B's `alias`.
+fn alias<S: SandboxApi>(s: &S, id: &TemplateId) -> String {
+    s.get_template(id).map(|t| t.name).unwrap_or_default()
+}
+
+/// Root filesystem size in MiB (0 for the probe, which has none).
+fn disk_mb(t: Option<&Template>) -> u64 {
+    t.and_then(|t| t.rootfs.as_ref())
+        .and_then(|p| std::fs::metadata(p).ok())
+        .map(|m| m.len() >> 20)
+        .unwrap_or(0)
+}
+
+fn detail<S: SandboxApi>(s: &S, sandbox: &Sandbox) -> Option<SandboxDetail> {
+    let template = s.get_template(&sandbox.template).ok();
+    let name = template
+        .as_ref()
+        .map(|t| t.name.clone())
+        .unwrap_or_default();
+    SandboxDetail::new(sandbox, name, disk_mb(template.as_ref()))
+}
+
+/// Moves the sandbox's timeout to `secs` from now, unless it already ends
+/// later or never (E2B's connect never shortens a sandbox's life).
+fn extend<S: SandboxApi>(s: &S, id: &SandboxId, secs: u64) -> Result<(), ServiceError> {
+    let ms = seconds(secs, "timeout")?;
+    let current = s.get_sandbox(id)?.expires_at;
+    let wanted = Timestamp::now().0.saturating_add(ms as i64);
+    if current.is_some_and(|c| c.0 < wanted) {
+        s.set_timeout(id, None, Some(ms))?;
+    }
+    Ok(())
+}
+
+fn created(status: StatusCode, body: impl serde::Serialize) -> Response {
+    (status, Json(body)).into_response()
+}
+
+/// `POST /sandboxes`, `POST /v2/sandboxes`: a sandbox from a template (id
+/// or name; a snapshot is a template).
+pub async fn create<S: SandboxApi>(state: Api<S>, bytes: Bytes) -> E2bResult<Response> {
+    let req: NewSandbox = body(&bytes)?;
+    req.refuse_unoffered()?;
+    let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
+    let on_timeout = if req.auto_pause == Some(true) {
+        OnTimeout::Hibernate
+    } else {
+        OnTimeout::Delete
+    };
+    let out = call(&state, move |s| {
+        let sandbox = s.create_sandbox(CreateSandbox {
+            template: req.template_id,
+            timeout_ms: Some(seconds(timeout, "timeout")?),
+            metadata: req.metadata.unwrap_or_default(),
+            env: req.env_vars.unwrap_or_default(),
+            on_timeout,
+            ..CreateSandbox::default()
+        })?;
+        Ok(CreatedSandbox::new(&sandbox, alias(s, &sandbox.template)))
+    })
+    .await?;
+    Ok(created(StatusCode::CREATED, out))
+}
+
+/// `GET /sandboxes/{id}`.
+pub async fn get<S: SandboxApi>(state: Api<S>, Path(id): Path<String>) -> E2bResult<Response> {
+    let out = call(&state, move |s| {
+        let sandbox = live(s, &id)?;
+        detail(s, &sandbox).ok_or_else(|| gone(&id))
+    })
+    .await?;
+    Ok(Json(out).into_response())
+}
+
+/// `DELETE /sandboxes/{id}`: 204, 404 when unknown or already killed.
+pub async fn kill<S: SandboxApi>(state: Api<S>, Path(id): Path<String>) -> E2bResult<StatusCode> {
+    call(&state, move |s| {
+        let sandbox = live(s, &id)?;
+        s.delete_sandbox(&sandbox.id)
+    })
+    .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /sandboxes/{id}/pause`: hibernation (memory and disk kept, VMM
+/// gone); 409 when it is paused already.
+pub async fn pause<S: SandboxApi>(state: Api<S>, Path(id): Path<String>) -> E2bResult<StatusCode> {
+    call(&state, move |s| {
+        let sandbox = live(s, &id)?;
+        if e2b_state(sandbox.state) == Some("paused") {
+            return Err(ServiceError::Conflict {
+                id: id.clone(),
+                state: sandbox.state,
+                message: "the sandbox is already paused".into(),
+            });
+        }
+        s.hibernate(&sandbox.id).map(|_| ())
+    })
+    .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /sandboxes/{id}/connect`, `POST /v2/sandboxes/{id}/connect`:
+/// wakes a paused sandbox (201) or finds it running (200); `timeout`
+/// extends its life.
+pub async fn connect<S: SandboxApi>(
+    state: Api<S>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> E2bResult<Response> {
+    let mut req: ConnectBody = optional_body(&bytes)?;
+    req.timeout.get_or_insert(DEFAULT_TIMEOUT_S);
+    wake(state, id, req, false).await
+}
+
+/// `POST /sandboxes/{id}/resume` (E2B's deprecated resume): like connect,
+/// but 409 on a running sandbox and E2B's default timeout when none is
+/// given.
+pub async fn resume<S: SandboxApi>(
+    state: Api<S>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> E2bResult<Response> {
+    let mut req: ConnectBody = optional_body(&bytes)?;
+    req.timeout.get_or_insert(DEFAULT_TIMEOUT_S);
+    wake(state, id, req, true).await
+}
+
+async fn wake<S: SandboxApi>(
+    state: Api<S>,
+    id: String,
+    req: ConnectBody,
+    refuse_running: bool,
+) -> E2bResult<Response> {
+    if req.memory == Some(false) {
+        return Err(E2bError::bad_request(
+            "resuming by a reboot from disk (`on_resume=\"reboot\"`) is not offered: \
+             torpor always restores the memory it kept",
+        ));
+    }
+    let (resumed, out) = call(&state, move |s| {
+        let sandbox = live(s, &id)?;
+        if refuse_running && e2b_state(sandbox.state) == Some("running") {
+            return Err(ServiceError::Conflict {
+                id: id.clone(),
+                state: sandbox.state,
+                message: "the sandbox is already running".into(),
+            });
+        }
+        // The new deadline first: a sandbox woken past its old one would
+        // meet the policy's timeout before it.
+        if let Some(t) = req.timeout {
+            extend(s, &sandbox.id, t)?;
+        }
+        let outcome = s.connect(&sandbox.id)?;
+        let resumed = outcome.resumed;
+        let alias = alias(s, &outcome.sandbox.template);
+        Ok((resumed, CreatedSandbox::new(&outcome.sandbox, alias)))
+    })
+    .await?;
+    let status = if resumed {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok(created(status, out))
+}
+
+/// `POST /sandboxes/{id}/timeout`: the sandbox ends `timeout` s from now.
+pub async fn set_timeout<S: SandboxApi>(
+    state: Api<S>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> E2bResult<StatusCode> {
+    let req: TimeoutBody = body(&bytes)?;
+    call(&state, move |s| {
+        let sandbox = live(s, &id)?;
+        let ms = seconds(req.timeout, "timeout")?;
+        s.set_timeout(&sandbox.id, None, Some(ms)).map(|_| ())
+    })
+    .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /sandboxes/{id}/refreshes`: extends the life to `duration` s from
+/// now (E2B's default when absent), never shortening it.
+pub async fn refresh<S: SandboxApi>(
+    state: Api<S>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> E2bResult<StatusCode> {
+    let req: RefreshBody = optional_body(&bytes)?;
+    call(&state, move |s| {
+        let sandbox = live(s, &id)?;
+        extend(s, &sandbox.id, req.duration.unwrap_or(DEFAULT_TIMEOUT_S))
+    })
+    .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// CPU time of a process over its life, as a percentage of `vcpus` CPUs
+/// (from `/proc/PID/stat` and `/proc/uptime`).
+fn cpu_used_pct(pid: u32, vcpus: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command, which is in parentheses and may hold spaces.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i)?.parse::<f64>().ok();
+    // utime and stime are fields 14 and 15 of stat(5), starttime 22; the
+    // list starts at field 3.
+    let (utime, stime, start) = (ticks(11)?, ticks(12)?, ticks(19)?);
+    let uptime: f64 = std::fs::read_to_string("/proc/uptime")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    // SAFETY: sysconf only reads a configuration value.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let alive = uptime - start / hz;
+    (alive > 0.0 && hz > 0.0)
+        .then(|| ((utime + stime) / hz / alive / f64::from(vcpus.max(1)) * 100.0).min(100.0))
+}
+
+/// `GET /sandboxes/{id}/metrics`: one sample, now, of a running sandbox
+/// (memory in use is its VMM's PSS, CPU its VMM's average since it
+/// started); none for a paused one.
+pub async fn metrics<S: SandboxApi>(state: Api<S>, Path(id): Path<String>) -> E2bResult<Response> {
+    let out = call(&state, move |s| {
+        let sandbox = live(s, &id)?;
+        let Some(vmm) = sandbox
+            .vmm
+            .as_ref()
+            .filter(|_| e2b_state(sandbox.state) == Some("running"))
+        else {
+            return Ok(Vec::new());
+        };
+        let now = Timestamp::now();
+        let template = s.get_template(&sandbox.template).ok();
+        let disk = disk_mb(template.as_ref()) << 20;
+        Ok(vec![SandboxMetric {
+            timestamp: super::time::format(now),
+            timestamp_unix: now.0 / 1000,
+            cpu_count: sandbox.vcpus,
+            cpu_used_pct: cpu_used_pct(vmm.pid, sandbox.vcpus).unwrap_or(0.0),
+            mem_used: torpor_scheduler::service::vmm::pss_kib(vmm.pid).unwrap_or(0) << 10,
+            mem_total: u64::from(sandbox.mem_mib) << 20,
+            mem_cache: 0,
+            disk_used: disk,
+            disk_total: disk,
+        }])
+    })
+    .await?;
+    Ok(Json(out).into_response())
+}
+
+/// The query of a list: its pairs, percent-decoded.
+fn query_pairs(raw: Option<String>) -> BTreeMap<String, String> {
+    form_urlencoded::parse(raw.unwrap_or_default().as_bytes())
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect()
+}
+
+fn limit(q: &BTreeMap<String, String>) -> E2bResult<usize> {
+    match q.get("limit") {
+        None => Ok(MAX_LIMIT),
+        Some(l) => match l.parse::<usize>() {
+            Ok(n) if (1..=MAX_LIMIT).contains(&n) => Ok(n),
+            _ => Err(E2bError::bad_request(format!(
+                "limit {l:?} is not a number from 1 to {MAX_LIMIT}"
+            ))),
+        },
+    }
+}
+
+/// A page as JSON, with the next page's token in `x-next-token`.
+fn paged<T: serde::Serialize>(items: Vec<T>, next: Option<String>) -> Response {
+    let mut response = Json(items).into_response();
+    if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
+        response.headers_mut().insert("x-next-token", token);
+    }
+    response
+}
+
+fn sandbox_cursor(d: &SandboxDetail, created_at: i64) -> Cursor {
+    Cursor {
+        created_at,
+        id: d.sandbox_id.clone(),
+    }
+}
+
+/// `GET /v2/sandboxes`: `state` (`running,paused`, both by default),
+/// `metadata`, `template` (id or name), `startedAfter`, `order`
+/// (`asc` by default), `limit` (at most 100) and `nextToken`; the next
+/// page's token in `x-next-token`.
+pub async fn list_v2<S: SandboxApi>(state: Api<S>, RawQuery(raw): RawQuery) -> E2bResult<Response> {
+    let q = query_pairs(raw);
+    let mut filter = SandboxFilter::default();
+    for word in q
+        .get("state")
+        .map(String::as_str)
+        .unwrap_or("running,paused")
+        .split(',')
+        .map(str::trim)
+        .filter(|w| !w.is_empty())
+    {
+        let states = torpor_states(word).ok_or_else(|| {
+            E2bError::bad_request(format!("unknown state {word:?} (running, paused)"))
+        })?;
+        filter.states.extend_from_slice(states);
+    }
+    if let Some(m) = q.get("metadata") {
+        filter.metadata = metadata_query(m)?;
+    }
+    let started_after = match q.get("startedAfter") {
+        Some(t) => Some(super::time::parse(t).ok_or_else(|| {
+            E2bError::bad_request(format!("startedAfter {t:?} is not an RFC 3339 time"))
+        })?),
+        None => None,
+    };
+    let descending = match q.get("order").map(String::as_str) {
+        None | Some("asc") => false,
+        Some("desc") => true,
+        Some(o) => return Err(E2bError::bad_request(format!("order {o:?} (asc, desc)"))),
+    };
+    let limit = limit(&q)?;
+    let after = q.get("nextToken").map(|t| Cursor::decode(t)).transpose()?;
+    let template = q.get("template").cloned();
+    let (items, next) = call(&state, move |s| {
+        if let Some(t) = template {
+            let found = s
+                .list_templates()?
+                .into_iter()
+                .find(|x| x.state != TemplateState::Deleted && (x.id.as_str() == t || x.name == t));
+            match found {
+                Some(found) => filter.template = Some(found.id),
+                None => return Ok((Vec::new(), None)),
+            }
+        }
+        let mut sandboxes = s.list_sandboxes(filter)?;
+        sandboxes.retain(|x| started_after.is_none_or(|t| x.created_at >= t));
+        sandboxes.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+        if descending {
+            sandboxes.reverse();
+        }
+        let with_time: Vec<(SandboxDetail, i64)> = sandboxes
+            .iter()
+            .filter_map(|x| detail(s, x).map(|d| (d, x.created_at.0)))
+            .collect();
+        let (page, next) = page(
+            with_time,
+            |(d, at)| sandbox_cursor(d, *at),
+            descending,
+            after.as_ref(),
+            limit,
+        );
+        Ok((page.into_iter().map(|(d, _)| d).collect::<Vec<_>>(), next))
+    })
+    .await?;
+    Ok(paged(items, next))
+}
+
+/// `GET /sandboxes` (E2B's v1 list): running sandboxes, `metadata` filter.
+pub async fn list_v1<S: SandboxApi>(state: Api<S>, RawQuery(raw): RawQuery) -> E2bResult<Response> {
+    let q = query_pairs(raw);
+    let mut filter = SandboxFilter::default();
+    filter
+        .states
+        .extend_from_slice(torpor_states("running").unwrap_or(&[]));
+    if let Some(m) = q.get("metadata") {
+        filter.metadata = metadata_query(m)?;
+    }
+    let out = call(&state, move |s| {
+        let sandboxes = s.list_sandboxes(filter)?;
+        Ok(sandboxes
+            .iter()
+            .filter_map(|x| detail(s, x))
+            .collect::<Vec<_>>())
+    })
+    .await?;
+    Ok(Json(out).into_response())
+}
+
+/// `POST /sandboxes/{id}/fork`: `count` (1 by default, at most 20) new
+/// sandboxes from a snapshot of this one's current state; 201 with one
+/// entry per fork, the sandbox or its error.
+pub async fn fork<S: SandboxApi>(
+    state: Api<S>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> E2bResult<Response> {
+    let req: ForkBody = optional_body(&bytes)?;
+    let count = req.count.unwrap_or(1);
+    if !(1..=MAX_FORK_COUNT).contains(&count) {
+        return Err(E2bError::bad_request(format!(
+            "count {count} is not from 1 to {MAX_FORK_COUNT}"
+        )));
+    }
+    let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
+    let out = call(&state, move |s| {
+        let source = live(s, &id)?;
+        let timeout_ms = Some(seconds(timeout, "timeout")?);
+        let mut results = Vec::new();
+        for _ in 0..count {
+            let fork = s.fork_sandbox(
+                &source.id,
+                ForkSandbox {
+                    timeout_ms,
+                    metadata: source.metadata.clone(),
+                    ..ForkSandbox::default()
+                },
+            );
+            results.push(match fork {
+                Ok(f) => ForkResult {
+                    sandbox: Some(CreatedSandbox::new(&f, alias(s, &f.template))),
+                    error: None,
+                },
+                Err(e) => ForkResult {
+                    sandbox: None,
+                    error: Some(e.into()),
+                },
+            });
+        }
+        Ok(results)
+    })
+    .await?;
+    Ok(created(StatusCode::CREATED, out))
+}
+
+/// `POST /sandboxes/{id}/snapshots`: a template of the sandbox's current
+/// state (snapshot-as-template); `snapshotID` is its id, `templateID` of a
+/// create takes it, it outlives the sandbox.
+pub async fn create_snapshot<S: SandboxApi>(
+    state: Api<S>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> E2bResult<Response> {
+    let req: SnapshotBody = optional_body(&bytes)?;
+    let out = call(&state, move |s| {
+        let sandbox = live(s, &id)?;
+        let t = s.template_from_sandbox(&sandbox.id, TemplateFromSandbox { name: req.name })?;
+        Ok(SnapshotInfo {
+            snapshot_id: t.id.to_string(),
+            names: vec![t.name],
+        })
+    })
+    .await?;
+    Ok(created(StatusCode::CREATED, out))
+}
+
+/// `GET /snapshots`: templates made from sandboxes; `sandboxID`, `name`,
+/// `limit`, `nextToken`.
+pub async fn list_snapshots<S: SandboxApi>(
+    state: Api<S>,
+    RawQuery(raw): RawQuery,
+) -> E2bResult<Response> {
+    let q = query_pairs(raw);
+    let limit = limit(&q)?;
+    let after = q.get("nextToken").map(|t| Cursor::decode(t)).transpose()?;
+    let (sandbox, name) = (q.get("sandboxID").cloned(), q.get("name").cloned());
+    let (items, next) = call(&state, move |s| {
+        let source = sandbox.map(SandboxId::new);
+        let all: Vec<Template> = s
+            .sandbox_templates(source.as_ref())?
+            .into_iter()
+            .map(|(t, _)| t)
+            .filter(|t| name.as_ref().is_none_or(|n| *n == t.name))
+            .collect();
+        let key = |t: &Template| Cursor {
+            created_at: t.created_at.0,
+            id: t.id.to_string(),
+        };
+        let (page, next) = page(all, key, false, after.as_ref(), limit);
+        let infos: Vec<SnapshotInfo> = page
+            .into_iter()
+            .map(|t| SnapshotInfo {
+                snapshot_id: t.id.to_string(),
+                names: vec![t.name],
+            })
+            .collect();
+        Ok((infos, next))
+    })
+    .await?;
+    Ok(paged(items, next))
+}
+
+/// `DELETE /templates/{id}`: a template by id or name (a snapshot is one:
+/// the SDK's `delete_snapshot`); 204, 404 when unknown.
+pub async fn delete_template<S: SandboxApi>(
+    state: Api<S>,
+    Path(id): Path<String>,
+) -> E2bResult<StatusCode> {
+    call(&state, move |s| {
+        let template = s
+            .list_templates()?
+            .into_iter()
+            .find(|t| t.state != TemplateState::Deleted && (t.id.as_str() == id || t.name == id))
+            .ok_or(ServiceError::NotFound {
+                kind: "template",
+                id: id.clone(),
+            })?;
+        s.delete_template(&template.id)
+    })
+    .await?;
+    Ok(StatusCode::NO_CONTENT)
+}

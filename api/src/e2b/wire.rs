@@ -1,0 +1,444 @@
+//! E2B's JSON, with E2B's field names (`sandboxID`, `templateID`,
+//! `envVars`, ...), as the `e2b` SDKs' generated clients read and write it,
+//! and the conversions from torpor's model.
+//!
+//! Request bodies ignore fields they do not know (E2B adds fields often and
+//! the SDKs send what they have); fields that ask for something torpor does
+//! not offer (network rules, volume mounts, MCP, IAM) are refused with 400
+//! when they are set, rather than ignored.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use torpor_scheduler::model::{OnTimeout, Sandbox, SandboxState, Timestamp};
+
+use super::error::E2bError;
+use super::time;
+
+/// The envd version the create answer names. The SDKs gate features on it
+/// (`0.1.0` at least to create at all); see `docs/e2b.md`.
+pub const ENVD_VERSION: &str = "0.5.7";
+/// E2B's default `timeout` (seconds) when a create leaves it out.
+pub const DEFAULT_TIMEOUT_S: u64 = 15;
+/// Largest page of a list.
+pub const MAX_LIMIT: usize = 100;
+/// Largest `count` of a fork (the SDK's `MAX_FORK_COUNT`).
+pub const MAX_FORK_COUNT: u32 = 20;
+
+/// `POST /sandboxes` (v1, `NewSandbox`) and `POST /v2/sandboxes`
+/// (`NewSandboxV2`): the same fields here.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NewSandbox {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    /// Seconds until the sandbox's timeout ([`DEFAULT_TIMEOUT_S`]).
+    #[serde(default)]
+    pub timeout: Option<u64>,
+    /// On timeout: hibernate (`true`) or delete (`false`, the default).
+    #[serde(default)]
+    pub auto_pause: Option<bool>,
+    #[serde(default)]
+    pub metadata: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    pub env_vars: Option<BTreeMap<String, String>>,
+    // Asked for but not offered: refused when set (see `refuse_unoffered`).
+    #[serde(default)]
+    pub network: Option<Value>,
+    #[serde(default)]
+    pub volume_mounts: Option<Value>,
+    #[serde(default)]
+    pub mcp: Option<Value>,
+    #[serde(default)]
+    pub iam: Option<Value>,
+}
+
+impl NewSandbox {
+    /// 400 for a field that asks for something torpor does not offer.
+    pub fn refuse_unoffered(&self) -> Result<(), E2bError> {
+        for (name, value) in [
+            ("network", &self.network),
+            ("volumeMounts", &self.volume_mounts),
+            ("mcp", &self.mcp),
+            ("iam", &self.iam),
+        ] {
+            if value.as_ref().is_some_and(is_set) {
+                return Err(E2bError::bad_request(format!(
+                    "`{name}` is not offered by torpor (see docs/e2b.md)"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Set to something other than null or an empty object/array.
+fn is_set(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Object(m) => !m.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        _ => true,
+    }
+}
+
+/// `POST /sandboxes/{id}/connect`, `/v2/.../connect`, `/resume`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConnectBody {
+    /// Seconds from now; E2B's default ([`DEFAULT_TIMEOUT_S`]) when absent.
+    #[serde(default)]
+    pub timeout: Option<u64>,
+    /// `false`: reboot from disk instead of restoring memory (refused).
+    #[serde(default)]
+    pub memory: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/timeout`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct TimeoutBody {
+    pub timeout: u64,
+}
+
+/// `POST /sandboxes/{id}/refreshes`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct RefreshBody {
+    #[serde(default)]
+    pub duration: Option<u64>,
+}
+
+/// `POST /sandboxes/{id}/snapshots`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct SnapshotBody {
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// `POST /sandboxes/{id}/fork`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ForkBody {
+    #[serde(default)]
+    pub timeout: Option<u64>,
+    #[serde(default)]
+    pub count: Option<u32>,
+}
+
+/// What create, connect, resume and fork answer (E2B's `Sandbox`).
+#[derive(Debug, Clone, Serialize)]
+pub struct CreatedSandbox {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    /// The template's name.
+    pub alias: String,
+    #[serde(rename = "clientID")]
+    pub client_id: String,
+    #[serde(rename = "envdVersion")]
+    pub envd_version: &'static str,
+    /// Sandboxes are reached through `E2B_SANDBOX_URL`: no domain.
+    pub domain: Option<String>,
+}
+
+/// `GET /sandboxes/{id}` (`SandboxDetail`) and list entries
+/// (`ListedSandbox`; `domain` is ignored there).
+#[derive(Debug, Clone, Serialize)]
+pub struct SandboxDetail {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    pub alias: String,
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    #[serde(rename = "clientID")]
+    pub client_id: String,
+    #[serde(rename = "startedAt")]
+    pub started_at: String,
+    #[serde(rename = "endAt")]
+    pub end_at: String,
+    #[serde(rename = "envdVersion")]
+    pub envd_version: &'static str,
+    #[serde(rename = "cpuCount")]
+    pub cpu_count: u32,
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: u32,
+    #[serde(rename = "diskSizeMB")]
+    pub disk_size_mb: u64,
+    pub state: &'static str,
+    pub metadata: BTreeMap<String, String>,
+    pub domain: Option<String>,
+    pub lifecycle: Lifecycle,
+}
+
+/// What the sandbox's timeout does (`SandboxLifecycle`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Lifecycle {
+    /// Traffic to a paused sandbox does not resume it (torpor's own routes
+    /// wake it; E2B's traffic proxy is not offered).
+    #[serde(rename = "autoResume")]
+    pub auto_resume: bool,
+    /// `kill` or `pause` (torpor: delete or hibernate).
+    #[serde(rename = "onTimeout")]
+    pub on_timeout: &'static str,
+}
+
+impl Lifecycle {
+    fn of(s: &Sandbox) -> Self {
+        Lifecycle {
+            auto_resume: false,
+            on_timeout: match s.on_timeout {
+                OnTimeout::Delete => "kill",
+                OnTimeout::Hibernate => "pause",
+            },
+        }
+    }
+}
+
+/// `GET /sandboxes/{id}/metrics` entries (`SandboxMetric`).
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxMetric {
+    pub timestamp: String,
+    pub timestamp_unix: i64,
+    pub cpu_count: u32,
+    pub cpu_used_pct: f64,
+    pub mem_used: u64,
+    pub mem_total: u64,
+    pub mem_cache: u64,
+    pub disk_used: u64,
+    pub disk_total: u64,
+}
+
+/// `POST /sandboxes/{id}/snapshots` and `GET /snapshots` entries.
+#[derive(Debug, Clone, Serialize)]
+pub struct SnapshotInfo {
+    #[serde(rename = "snapshotID")]
+    pub snapshot_id: String,
+    pub names: Vec<String>,
+}
+
+/// One entry of a fork's answer: the sandbox, or why that one failed.
+#[derive(Debug, Clone, Serialize)]
+pub struct ForkResult {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<CreatedSandbox>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<E2bError>,
+}
+
+/// E2B's two states: `running` (running, being created or resumed) and
+/// `paused` (paused, hibernating, hibernated). Failed and deleted
+/// sandboxes have none: E2B shows them as gone (404, not listed).
+pub fn e2b_state(state: SandboxState) -> Option<&'static str> {
+    match state {
+        SandboxState::Creating | SandboxState::Running | SandboxState::Resuming => Some("running"),
+        SandboxState::Paused | SandboxState::Hibernating | SandboxState::Hibernated => {
+            Some("paused")
+        }
+        SandboxState::Failed | SandboxState::Deleted => None,
+    }
+}
+
+/// The torpor states an E2B state stands for.
+pub fn torpor_states(e2b: &str) -> Option<&'static [SandboxState]> {
+    match e2b {
+        "running" => Some(&[
+            SandboxState::Creating,
+            SandboxState::Running,
+            SandboxState::Resuming,
+        ]),
+        "paused" => Some(&[
+            SandboxState::Paused,
+            SandboxState::Hibernating,
+            SandboxState::Hibernated,
+        ]),
+        _ => None,
+    }
+}
+
+/// A sandbox without a timeout never ends: `endAt` is the last instant
+/// RFC 3339 can write.
+const NEVER: Timestamp = Timestamp(253_402_300_799_999);
+
+/// `clientID`: the pod the sandbox is on (E2B's legacy client id).
+fn client_id(s: &Sandbox) -> String {
+    s.pod
+        .as_ref()
+        .map(|p| p.to_string())
+        .unwrap_or_else(|| torpor_scheduler::service::LOCAL_POD.to_string())
+}
+
+impl CreatedSandbox {
+    pub fn new(s: &Sandbox, alias: String) -> Self {
+        CreatedSandbox {
+            template_id: s.template.to_string(),
+            sandbox_id: s.id.to_string(),
+            alias,
+            client_id: client_id(s),
+            envd_version: ENVD_VERSION,
+            domain: None,
+        }
+    }
+}
+
+impl SandboxDetail {
+    /// `None` for a failed or deleted sandbox (gone, to E2B).
+    pub fn new(s: &Sandbox, alias: String, disk_size_mb: u64) -> Option<Self> {
+        Some(SandboxDetail {
+            template_id: s.template.to_string(),
+            alias,
+            sandbox_id: s.id.to_string(),
+            client_id: client_id(s),
+            started_at: time::format(s.created_at),
+            end_at: time::format(s.expires_at.unwrap_or(NEVER)),
+            envd_version: ENVD_VERSION,
+            cpu_count: s.vcpus,
+            memory_mb: s.mem_mib,
+            disk_size_mb,
+            state: e2b_state(s.state)?,
+            metadata: s.metadata.clone(),
+            domain: None,
+            lifecycle: Lifecycle::of(s),
+        })
+    }
+}
+
+/// The `metadata` query parameter of a list: the SDKs send
+/// `urlencode({quote(k): quote(v)})`, so after the query's own decoding
+/// the value is a form (`k=v&k2=v2`) whose keys and values are
+/// percent-encoded once more.
+pub fn metadata_query(text: &str) -> Result<BTreeMap<String, String>, E2bError> {
+    let mut out = BTreeMap::new();
+    for (k, v) in form_urlencoded::parse(text.as_bytes()) {
+        let decode = |s: &str| {
+            percent_encoding::percent_decode_str(s)
+                .decode_utf8()
+                .map(|c| c.into_owned())
+                .map_err(|_| E2bError::bad_request(format!("metadata {s:?} is not UTF-8")))
+        };
+        let (k, v) = (decode(&k)?, decode(&v)?);
+        if k.is_empty() {
+            return Err(E2bError::bad_request("metadata filter with an empty key"));
+        }
+        out.insert(k, v);
+    }
+    Ok(out)
+}
+
+/// A list's page cursor (`nextToken`, `x-next-token`): the creation time
+/// and id of the last entry given; the next page starts after it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Cursor {
+    pub created_at: i64,
+    pub id: String,
+}
+
+impl Cursor {
+    pub fn encode(&self) -> String {
+        format!("{}.{}", self.created_at, self.id)
+    }
+
+    pub fn decode(token: &str) -> Result<Self, E2bError> {
+        let bad = || E2bError::bad_request(format!("nextToken {token:?} is not a token we gave"));
+        let (at, id) = token.split_once('.').ok_or_else(bad)?;
+        let created_at = at.parse().map_err(|_| bad())?;
+        if id.is_empty() {
+            return Err(bad());
+        }
+        Ok(Cursor {
+            created_at,
+            id: id.to_string(),
+        })
+    }
+}
+
+/// The page of `items` (sorted in the list's order, keyed by `key`) after
+/// `after`, at most `limit` long, and the token of the next page if there
+/// is one.
+pub fn page<T>(
+    items: Vec<T>,
+    key: impl Fn(&T) -> Cursor,
+    descending: bool,
+    after: Option<&Cursor>,
+    limit: usize,
+) -> (Vec<T>, Option<String>) {
+    let mut rest: Vec<T> = items
+        .into_iter()
+        .filter(|t| match after {
+            None => true,
+            Some(c) if descending => key(t) < *c,
+            Some(c) => key(t) > *c,
+        })
+        .collect();
+    let more = rest.len() > limit;
+    rest.truncate(limit);
+    let next = if more {
+        rest.last().map(|t| key(t).encode())
+    } else {
+        None
+    };
+    (rest, next)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_filter_decodes_the_sdks_double_encoding() {
+        // The Python SDK: urlencode({quote("team a"): quote("x&y=z")}).
+        let m = metadata_query("team%2520a=x%2526y%253Dz&k=v").unwrap();
+        assert_eq!(m["team a"], "x&y=z");
+        assert_eq!(m["k"], "v");
+        assert!(metadata_query("").unwrap().is_empty());
+        assert!(metadata_query("=v").is_err());
+        assert!(metadata_query("k=%25FF").is_err());
+    }
+
+    #[test]
+    fn pages_follow_the_cursor() {
+        let items: Vec<(i64, &str)> = vec![(1, "a"), (2, "b"), (2, "c"), (3, "d")];
+        let key = |t: &(i64, &str)| Cursor {
+            created_at: t.0,
+            id: t.1.to_string(),
+        };
+        let (p1, next) = page(items.clone(), key, false, None, 2);
+        assert_eq!(p1, [(1, "a"), (2, "b")]);
+        let c = Cursor::decode(&next.unwrap()).unwrap();
+        let (p2, next) = page(items.clone(), key, false, Some(&c), 2);
+        assert_eq!(p2, [(2, "c"), (3, "d")]);
+        assert_eq!(next, None);
+        let mut desc = items.clone();
+        desc.reverse();
+        let (p1, next) = page(desc.clone(), key, true, None, 3);
+        assert_eq!(p1, [(3, "d"), (2, "c"), (2, "b")]);
+        let c = Cursor::decode(&next.unwrap()).unwrap();
+        assert_eq!(page(desc, key, true, Some(&c), 3).0, [(1, "a")]);
+        for bad in ["", "x", "12", "12.", "a.b"] {
+            assert!(Cursor::decode(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn states_map_both_ways() {
+        for s in SandboxState::ALL {
+            match e2b_state(*s) {
+                Some(e) => assert!(torpor_states(e).unwrap().contains(s)),
+                None => assert!(matches!(s, SandboxState::Failed | SandboxState::Deleted)),
+            }
+        }
+        assert!(torpor_states("killed").is_none());
+    }
+
+    #[test]
+    fn unoffered_fields_are_refused_when_set() {
+        let body: NewSandbox = serde_json::from_str(
+            r#"{"templateID":"probe","network":null,"mcp":{},"volumeMounts":[],"secure":true}"#,
+        )
+        .unwrap();
+        body.refuse_unoffered().unwrap();
+        let body: NewSandbox =
+            serde_json::from_str(r#"{"templateID":"probe","network":{"allowOut":["x"]}}"#).unwrap();
+        assert_eq!(body.refuse_unoffered().unwrap_err().code, 400);
+    }
+}

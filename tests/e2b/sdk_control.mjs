@@ -1,0 +1,136 @@
+// The E2B control plane through the real JS SDK (npm `e2b`, pinned in
+// tests/e2b/package.json, installed by .ci/run), against `torpor serve` on
+// loopback with the probe template. Run by tests/e2b_sdk.rs with node,
+// NODE_PATH naming the install's node_modules, E2B_API_URL, E2B_API_KEY and
+// E2B_SANDBOX_URL set; exits non-zero on the first failed check.
+
+import { createRequire } from 'node:module'
+import { randomUUID } from 'node:crypto'
+import path from 'node:path'
+
+// ESM ignores NODE_PATH: resolve the SDK from the install it names.
+const require = createRequire(path.join(process.env.NODE_PATH, 'noop.js'))
+const { Sandbox, NotFoundError, SandboxError, AuthenticationError } =
+  require('e2b')
+const { version } = require('e2b/package.json')
+
+const TEMPLATE = 'probe'
+let checks = 0
+
+function check(cond, what) {
+  if (!cond) {
+    console.error(`e2b-sdk-js: FAILED: ${what}`)
+    process.exit(1)
+  }
+  checks += 1
+}
+
+async function raises(cls, fn, what) {
+  try {
+    await fn()
+  } catch (e) {
+    check(e instanceof cls, `${what}: raised ${e?.constructor?.name}: ${e?.message}`)
+    return
+  }
+  check(false, `${what}: did not raise ${cls.name}`)
+}
+
+console.log(`e2b-sdk-js: version ${version}`)
+const run = randomUUID().slice(0, 8)
+const ids = (xs) => xs.map((s) => s.sandboxId).sort()
+
+const sbx = await Sandbox.create(TEMPLATE, { timeoutMs: 120_000, metadata: { run, role: 'main' } })
+check(sbx.sandboxId.startsWith('sbx_'), `sandbox id ${sbx.sandboxId}`)
+let info = await sbx.getInfo()
+check(info.sandboxId === sbx.sandboxId, 'getInfo id')
+check(info.state === 'running', `state ${info.state}`)
+check(info.metadata.run === run && info.metadata.role === 'main', `metadata ${JSON.stringify(info.metadata)}`)
+check(info.name === TEMPLATE, `template name ${info.name}`)
+const lifetime = (info.endAt - info.startedAt) / 1000
+check(lifetime >= 119 && lifetime <= 121, `endAt - startedAt = ${lifetime}`)
+check(info.lifecycle?.onTimeout === 'kill', `lifecycle ${JSON.stringify(info.lifecycle)}`)
+
+check((await sbx.isRunning()) === true, 'isRunning while running')
+
+await sbx.setTimeout(30_000)
+const left = ((await Sandbox.getInfo(sbx.sandboxId)).endAt - Date.now()) / 1000
+check(left >= 20 && left <= 31, `after setTimeout(30 s): ${left} s left`)
+await sbx.setTimeout(300_000)
+
+const metrics = await sbx.getMetrics()
+check(metrics.length === 1 && metrics[0].memUsed > 0, `metrics ${JSON.stringify(metrics)}`)
+
+// list with a metadata filter (a space and reserved characters) and paging
+const meta = { 'run id': `${run}&x=y` }
+const listed = []
+for (let i = 0; i < 3; i++) {
+  listed.push(await Sandbox.create(TEMPLATE, { timeoutMs: 300_000, metadata: meta }))
+}
+const paginator = Sandbox.list({ query: { metadata: meta }, limit: 2 })
+const seen = []
+let pages = 0
+while (paginator.hasNext) {
+  const items = await paginator.nextItems()
+  check(items.length <= 2, `page of ${items.length}`)
+  seen.push(...items)
+  pages += 1
+}
+check(pages === 2, `${pages} pages`)
+check(JSON.stringify(ids(seen)) === JSON.stringify(ids(listed)), `listed ${ids(seen)}`)
+
+// pause (hibernation) -> already paused -> connect wakes it
+check((await sbx.pause()) === true, 'pause')
+check((await Sandbox.getInfo(sbx.sandboxId)).state === 'paused', 'paused state')
+check((await Sandbox.pause(sbx.sandboxId)) === false, 'second pause: already paused (409)')
+check((await sbx.isRunning()) === false, 'isRunning while paused')
+const paused = await Sandbox.list({ query: { metadata: { run }, state: ['paused'] } }).nextItems()
+check(JSON.stringify(ids(paused)) === JSON.stringify([sbx.sandboxId]), `paused list ${ids(paused)}`)
+const same = await Sandbox.connect(sbx.sandboxId, { timeoutMs: 600_000 })
+check(same.sandboxId === sbx.sandboxId, 'connect id')
+check((await sbx.getInfo()).state === 'running', 'running after connect')
+
+// snapshot -> create from it -> delete
+const snap = await sbx.createSnapshot()
+check(snap.snapshotId.startsWith("tpl_"), `snapshot ${JSON.stringify(snap)}`)
+const restored = await Sandbox.create(snap.snapshotId, { timeoutMs: 60_000 })
+check((await restored.getInfo()).state === 'running', 'sandbox from a snapshot')
+await restored.kill()
+check((await Sandbox.deleteSnapshot(snap.snapshotId)) === true, 'delete snapshot')
+check((await Sandbox.deleteSnapshot(snap.snapshotId)) === false, 'snapshot gone')
+
+// fork with a count
+const forks = await sbx.fork({ count: 2, timeoutMs: 60_000 })
+check(forks.length === 2, `forks ${forks.length}`)
+for (const f of forks) {
+  check(f instanceof Sandbox, `fork result ${f}`)
+  check((await f.getInfo()).metadata.run === run, 'fork keeps metadata')
+  await f.kill()
+}
+
+// envs and lifecycle on_timeout=pause
+const auto = await Sandbox.create(TEMPLATE, {
+  timeoutMs: 60_000,
+  envs: { A: 'b' },
+  lifecycle: { onTimeout: 'pause' },
+})
+check((await auto.getInfo()).lifecycle?.onTimeout === 'pause', 'autoPause lifecycle')
+await auto.kill()
+
+// kill, then not-found paths
+check((await sbx.kill()) === true, 'kill')
+check((await Sandbox.kill(sbx.sandboxId)) === false, 'second kill: not found')
+check((await sbx.isRunning()) === false, 'isRunning after kill')
+await raises(NotFoundError, () => Sandbox.getInfo(sbx.sandboxId), 'getInfo after kill')
+await raises(NotFoundError, () => Sandbox.connect(sbx.sandboxId), 'connect after kill')
+await raises(SandboxError, () => Sandbox.create('no-such-template'), 'unknown template')
+await raises(AuthenticationError, () => Sandbox.list({ apiKey: 'wrong' }).nextItems(), 'wrong key')
+// This SDK leaves the count to the server: 400.
+try {
+  await Sandbox.fork(listed[0].sandboxId, { count: 0 })
+  check(false, 'fork count 0 accepted')
+} catch (e) {
+  check(e instanceof SandboxError && /count 0/.test(e.message), `fork count 0: ${e?.message}`)
+}
+for (const s of listed) await s.kill()
+
+console.log(`e2b-sdk-js: ${checks} passed, 0 failed`)

@@ -1,0 +1,151 @@
+"""The E2B control plane through the real Python SDK (`e2b`, pinned in
+.ci/run), against `torpor serve` on loopback with the probe template (no
+guest agent: control plane only). Run by tests/e2b_sdk.rs with
+E2B_API_URL, E2B_API_KEY and E2B_SANDBOX_URL set; exits non-zero on the
+first failed check.
+"""
+
+import importlib.metadata
+import sys
+import time
+import uuid
+
+from e2b import Sandbox, SandboxQuery, SandboxState
+from e2b.exceptions import (
+    AuthenticationException,
+    InvalidArgumentException,
+    NotFoundException,
+    SandboxException,
+)
+
+TEMPLATE = "probe"
+checks = 0
+
+
+def check(cond, what):
+    global checks
+    if not cond:
+        print(f"e2b-sdk: FAILED: {what}", file=sys.stderr)
+        sys.exit(1)
+    checks += 1
+
+
+def raises(exc, fn, what):
+    try:
+        fn()
+    except exc:
+        check(True, what)
+        return
+    except Exception as e:  # the wrong exception
+        check(False, f"{what}: raised {type(e).__name__}: {e}")
+    check(False, f"{what}: did not raise {exc.__name__}")
+
+
+print(f"e2b-sdk: version {importlib.metadata.version('e2b')}")
+run = uuid.uuid4().hex[:8]
+
+# create, get_info
+sbx = Sandbox.create(template=TEMPLATE, timeout=120, metadata={"run": run, "role": "main"})
+check(sbx.sandbox_id.startswith("sbx_"), f"sandbox id {sbx.sandbox_id}")
+info = sbx.get_info()
+check(info.sandbox_id == sbx.sandbox_id, "get_info id")
+check(info.state == SandboxState.RUNNING, f"state {info.state}")
+check(info.metadata == {"run": run, "role": "main"}, f"metadata {info.metadata}")
+check(info.name == TEMPLATE, f"template name {info.name}")
+lifetime = (info.end_at - info.started_at).total_seconds()
+check(119 <= lifetime <= 121, f"end_at - started_at = {lifetime}")
+
+# envd's /health through E2B_SANDBOX_URL
+check(sbx.is_running() is True, "is_running while running")
+
+# set_timeout moves end_at to `timeout` s from now
+sbx.set_timeout(30)
+left = (Sandbox.get_info(sbx.sandbox_id).end_at.timestamp() - time.time())
+check(20 <= left <= 31, f"after set_timeout(30): {left} s left")
+sbx.set_timeout(300)
+
+# metrics of a running sandbox
+metrics = sbx.get_metrics()
+check(len(metrics) == 1 and metrics[0].mem_used > 0, f"metrics {metrics}")
+
+# list with a metadata filter and paging
+others = [
+    Sandbox.create(template=TEMPLATE, timeout=300, metadata={"run": run, "role": "worker"})
+    for _ in range(2)
+]
+Sandbox.create(template=TEMPLATE, timeout=60, metadata={"run": "other"}).kill()
+paginator = Sandbox.list(query=SandboxQuery(metadata={"run": run}), limit=2)
+seen, pages = [], 0
+while paginator.has_next:
+    items = paginator.next_items()
+    check(len(items) <= 2, f"page of {len(items)}")
+    seen += [s.sandbox_id for s in items]
+    pages += 1
+check(pages == 2, f"{pages} pages")
+check(
+    sorted(seen) == sorted([sbx.sandbox_id] + [o.sandbox_id for o in others]),
+    f"listed {seen}",
+)
+workers = Sandbox.list(query=SandboxQuery(metadata={"run": run, "role": "worker"})).next_items()
+check(len(workers) == 2, f"workers {workers}")
+
+# pause (hibernation) -> 409 on the second -> connect wakes it
+check(sbx.pause() is True, "pause")
+check(Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED, "paused state")
+check(Sandbox.pause(sbx.sandbox_id) is False, "second pause answers already paused (409)")
+check(sbx.is_running() is False, "is_running while paused")
+paused = Sandbox.list(
+    query=SandboxQuery(metadata={"run": run}, state=[SandboxState.PAUSED])
+).next_items()
+check([s.sandbox_id for s in paused] == [sbx.sandbox_id], f"paused list {paused}")
+check(sbx.get_metrics() == [], "no metrics while paused")
+same = Sandbox.connect(sbx.sandbox_id, timeout=600)
+check(same.sandbox_id == sbx.sandbox_id, "connect id")
+check(sbx.get_info().state == SandboxState.RUNNING, "running after connect")
+check(sbx.beta_pause() is True, "beta_pause")
+sbx.connect()
+check(sbx.get_info().state == SandboxState.RUNNING, "running after instance connect")
+
+# snapshot -> create from it -> list -> delete
+snap = sbx.create_snapshot()
+check(snap.snapshot_id.startswith("tpl_"), f"snapshot {snap}")
+snaps = Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items()
+check([s.snapshot_id for s in snaps] == [snap.snapshot_id], f"snapshots {snaps}")
+restored = Sandbox.create(template=snap.snapshot_id, timeout=60)
+check(restored.get_info().state == SandboxState.RUNNING, "sandbox from a snapshot")
+restored.kill()
+check(Sandbox.delete_snapshot(snap.snapshot_id) is True, "delete snapshot")
+check(Sandbox.delete_snapshot(snap.snapshot_id) is False, "snapshot gone")
+
+# fork with a count
+forks = sbx.fork(count=2, timeout=60)
+check(len(forks) == 2, f"forks {forks}")
+for f in forks:
+    check(isinstance(f, Sandbox), f"fork result {f!r}")
+    check(f.get_info().metadata == {"run": run, "role": "main"}, "fork keeps metadata")
+    f.kill()
+
+# envs are stored (applied to commands: tests/serve_service.rs); lifecycle
+# on_timeout=pause is hibernation on timeout
+auto = Sandbox.create(
+    template=TEMPLATE, timeout=60, envs={"A": "b"}, lifecycle={"on_timeout": "pause"}
+)
+check(auto.get_info().lifecycle["on_timeout"] == "pause", f"lifecycle {auto.get_info().lifecycle}")
+check(sbx.get_info().lifecycle["on_timeout"] == "kill", "default lifecycle")
+auto.kill()
+
+# kill, then the SDK's not-found paths
+check(sbx.kill() is True, "kill")
+check(Sandbox.kill(sbx.sandbox_id) is False, "second kill: not found")
+check(sbx.is_running() is False, "is_running after kill")
+raises(NotFoundException, lambda: Sandbox.get_info(sbx.sandbox_id), "get_info after kill")
+raises(NotFoundException, lambda: Sandbox.connect(sbx.sandbox_id), "connect after kill")
+raises(NotFoundException, lambda: Sandbox.set_timeout(sbx.sandbox_id, 10), "timeout after kill")
+raises(NotFoundException, lambda: Sandbox.pause(sbx.sandbox_id), "pause after kill")
+raises(SandboxException, lambda: Sandbox.create(template="no-such-template"), "unknown template")
+raises(InvalidArgumentException, lambda: sbx.fork(count=0), "fork count 0")
+raises(AuthenticationException, lambda: Sandbox.list(api_key="wrong").next_items(), "wrong key")
+for o in others:
+    o.kill()
+
+print(f"e2b-sdk: {checks} passed, 0 failed")

@@ -1,0 +1,752 @@
+//! The E2B-compatible control plane of `torpor serve` on loopback with the
+//! probe template (no guest agent needed): each route's fields and status
+//! codes, E2B's error body, auth by `X-API-KEY`, paging, pause as
+//! hibernation, snapshots and forks, and `--e2b-listen`.
+
+mod common;
+
+use std::path::Path;
+
+use common::http::{request, request_with, HttpResponse};
+use common::serve::{DataDir, ServeProcess};
+use serde_json::Value;
+
+const KEY: &str = "e2b-test-key-0123456789";
+
+struct E2b {
+    serve: ServeProcess,
+    /// Where the E2B routes are asked (the main listener or --e2b-listen).
+    addr: String,
+}
+
+impl E2b {
+    fn start(data: &Path, extra: &[&str]) -> Self {
+        let mut args = vec!["--token", KEY, "--policy-interval-ms", "200"];
+        args.extend_from_slice(extra);
+        let serve = ServeProcess::start(data, &args);
+        let addr = serve.addr.clone();
+        E2b { serve, addr }
+    }
+
+    fn with_key(
+        &self,
+        key: Option<&str>,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+    ) -> HttpResponse {
+        let headers: Vec<(&str, &str)> = key.map(|k| ("X-API-KEY", k)).into_iter().collect();
+        request_with(&self.addr, method, path, &headers, body)
+    }
+
+    fn call(&self, method: &str, path: &str, body: Option<&str>) -> HttpResponse {
+        self.with_key(Some(KEY), method, path, body)
+    }
+
+    /// Asserts the status; the body as JSON (null when empty).
+    fn expect(&self, status: u16, method: &str, path: &str, body: Option<&str>) -> Value {
+        let r = self.call(method, path, body);
+        assert_eq!(
+            r.status, status,
+            "{method} {path} -> {} {}",
+            r.status, r.body
+        );
+        if r.body.is_empty() {
+            Value::Null
+        } else {
+            r.json()
+        }
+    }
+
+    fn create(&self, body: &str) -> Value {
+        self.expect(201, "POST", "/v2/sandboxes", Some(body))
+    }
+}
+
+/// E2B's error body: the status as `code`, a message.
+fn assert_e2b_error(r: &HttpResponse, status: u16) {
+    assert_eq!(r.status, status, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["code"], status, "{v}");
+    assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert_eq!(
+        v.as_object().unwrap().len(),
+        2,
+        "only code and message: {v}"
+    );
+}
+
+fn id_of(v: &Value) -> String {
+    v["sandboxID"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{v}"))
+        .to_string()
+}
+
+#[test]
+fn create_get_timeout_kill() {
+    let data = DataDir::new("e2b-lifecycle");
+    let s = E2b::start(&data.0, &[]);
+
+    let created =
+        s.create(r#"{"templateID":"probe","timeout":120,"metadata":{"team":"a"},"envVars":{}}"#);
+    let id = id_of(&created);
+    assert!(id.starts_with("sbx_"), "{created}");
+    assert!(
+        created["templateID"].as_str().unwrap().starts_with("tpl_"),
+        "{created}"
+    );
+    assert_eq!(created["alias"], "probe");
+    assert_eq!(created["clientID"], torpor_scheduler::service::LOCAL_POD);
+    assert_eq!(created["envdVersion"], torpor_api::e2b::wire::ENVD_VERSION);
+    assert!(created["domain"].is_null(), "{created}");
+
+    // v1 create takes the same body.
+    let v1 = s.expect(201, "POST", "/sandboxes", Some(r#"{"templateID":"probe"}"#));
+    let v1_id = id_of(&v1);
+
+    let info = s.expect(200, "GET", &format!("/sandboxes/{id}"), None);
+    assert_eq!(info["sandboxID"], id.as_str());
+    assert_eq!(info["state"], "running");
+    assert_eq!(info["metadata"]["team"], "a");
+    assert_eq!(info["cpuCount"], 1);
+    assert!(info["memoryMB"].as_u64().unwrap() > 0, "{info}");
+    let started = torpor_api::e2b::time::parse(info["startedAt"].as_str().unwrap()).unwrap();
+    let end = torpor_api::e2b::time::parse(info["endAt"].as_str().unwrap()).unwrap();
+    let lifetime = end.0 - started.0;
+    assert!((119_000..=121_000).contains(&lifetime), "{info}");
+
+    // The timeout moves the end to `timeout` s from now (shorter too).
+    s.expect(
+        204,
+        "POST",
+        &format!("/sandboxes/{id}/timeout"),
+        Some(r#"{"timeout":30}"#),
+    );
+    let info = s.expect(200, "GET", &format!("/sandboxes/{id}"), None);
+    let end = torpor_api::e2b::time::parse(info["endAt"].as_str().unwrap()).unwrap();
+    let left = end.0 - torpor_scheduler::model::Timestamp::now().0;
+    assert!((20_000..=30_500).contains(&left), "{info}");
+    // A refresh never shortens it.
+    s.expect(
+        204,
+        "POST",
+        &format!("/sandboxes/{id}/refreshes"),
+        Some(r#"{"duration":1}"#),
+    );
+    let again = s.expect(200, "GET", &format!("/sandboxes/{id}"), None);
+    assert_eq!(again["endAt"], info["endAt"]);
+
+    let metrics = s.expect(200, "GET", &format!("/sandboxes/{id}/metrics"), None);
+    let m = &metrics[0];
+    assert_eq!(m["cpuCount"], 1, "{metrics}");
+    assert!(m["memUsed"].as_u64().unwrap() > 0, "{metrics}");
+    assert_eq!(
+        m["memTotal"].as_u64().unwrap(),
+        info["memoryMB"].as_u64().unwrap() << 20
+    );
+
+    // The v1 list has both running sandboxes.
+    let listed = s.expect(200, "GET", "/sandboxes", None);
+    let ids: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["sandboxID"].as_str().unwrap())
+        .collect();
+    assert!(
+        ids.contains(&id.as_str()) && ids.contains(&v1_id.as_str()),
+        "{listed}"
+    );
+
+    s.expect(204, "DELETE", &format!("/sandboxes/{id}"), None);
+    for (method, path, body) in [
+        ("GET", format!("/sandboxes/{id}"), None),
+        ("DELETE", format!("/sandboxes/{id}"), None),
+        ("POST", format!("/sandboxes/{id}/pause"), None),
+        (
+            "POST",
+            format!("/sandboxes/{id}/timeout"),
+            Some(r#"{"timeout":5}"#),
+        ),
+        (
+            "POST",
+            format!("/v2/sandboxes/{id}/connect"),
+            Some(r#"{"timeout":5}"#),
+        ),
+        ("GET", format!("/sandboxes/{id}/metrics"), None),
+        ("POST", format!("/sandboxes/{id}/fork"), None),
+        ("POST", format!("/sandboxes/{id}/snapshots"), None),
+    ] {
+        assert_e2b_error(&s.call(method, &path, body), 404);
+    }
+    s.expect(204, "DELETE", &format!("/sandboxes/{v1_id}"), None);
+}
+
+#[test]
+fn pause_is_hibernation_and_connect_wakes() {
+    let data = DataDir::new("e2b-pause");
+    let s = E2b::start(&data.0, &[]);
+    let id = id_of(&s.create(r#"{"templateID":"probe","timeout":300}"#));
+
+    // Connecting to a running sandbox: 200, nothing to wake.
+    let c = s.expect(
+        200,
+        "POST",
+        &format!("/v2/sandboxes/{id}/connect"),
+        Some(r#"{"timeout":300}"#),
+    );
+    assert_eq!(c["sandboxID"], id.as_str());
+
+    s.expect(
+        204,
+        "POST",
+        &format!("/sandboxes/{id}/pause"),
+        Some(r#"{"memory":true}"#),
+    );
+    assert_e2b_error(
+        &s.call("POST", &format!("/sandboxes/{id}/pause"), None),
+        409,
+    );
+    let info = s.expect(200, "GET", &format!("/sandboxes/{id}"), None);
+    assert_eq!(info["state"], "paused");
+    // Under the E2B name, torpor's state: hibernated (no VMM).
+    let native = request(
+        &s.addr,
+        "GET",
+        &format!("/v1/sandboxes/{id}"),
+        Some(KEY),
+        None,
+    )
+    .json();
+    assert_eq!(native["state"], "hibernated", "{native}");
+    assert!(native["vmm"].is_null(), "{native}");
+    assert_eq!(
+        s.expect(200, "GET", &format!("/sandboxes/{id}/metrics"), None),
+        serde_json::json!([])
+    );
+
+    // Connect wakes it: 201, running again; the timeout is extended.
+    let c = s.expect(
+        201,
+        "POST",
+        &format!("/v2/sandboxes/{id}/connect"),
+        Some(r#"{"timeout":600}"#),
+    );
+    assert_eq!(c["sandboxID"], id.as_str());
+    let info = s.expect(200, "GET", &format!("/sandboxes/{id}"), None);
+    assert_eq!(info["state"], "running");
+    let end = torpor_api::e2b::time::parse(info["endAt"].as_str().unwrap()).unwrap();
+    assert!(
+        end.0 - torpor_scheduler::model::Timestamp::now().0 > 500_000,
+        "{info}"
+    );
+
+    // v1 connect and the deprecated resume: resume refuses a running one.
+    s.expect(
+        200,
+        "POST",
+        &format!("/sandboxes/{id}/connect"),
+        Some(r#"{"timeout":600}"#),
+    );
+    assert_e2b_error(
+        &s.call("POST", &format!("/sandboxes/{id}/resume"), None),
+        409,
+    );
+    s.expect(204, "POST", &format!("/sandboxes/{id}/pause"), None);
+    s.expect(
+        201,
+        "POST",
+        &format!("/sandboxes/{id}/resume"),
+        Some(r#"{"timeout":600}"#),
+    );
+    assert_eq!(
+        s.expect(200, "GET", &format!("/sandboxes/{id}"), None)["state"],
+        "running"
+    );
+    s.expect(204, "DELETE", &format!("/sandboxes/{id}"), None);
+}
+
+#[test]
+fn list_filters_and_pages() {
+    let data = DataDir::new("e2b-list");
+    let s = E2b::start(&data.0, &[]);
+    let mut ours = Vec::new();
+    for _ in 0..3 {
+        ours.push(id_of(&s.create(
+            r#"{"templateID":"probe","timeout":300,"metadata":{"team a":"x&y=z"}}"#,
+        )));
+    }
+    let other =
+        id_of(&s.create(r#"{"templateID":"probe","timeout":300,"metadata":{"team a":"b"}}"#));
+    s.expect(204, "POST", &format!("/sandboxes/{}/pause", ours[2]), None);
+
+    // The SDKs' encoding: urlencode({quote(k): quote(v)}), then the query's.
+    let meta = "metadata=team%252520a%3Dx%252526y%25253Dz";
+    let mut seen = Vec::new();
+    let mut token: Option<String> = None;
+    let mut pages = 0;
+    loop {
+        let mut path = format!("/v2/sandboxes?{meta}&limit=2");
+        if let Some(t) = &token {
+            path.push_str(&format!("&nextToken={t}"));
+        }
+        let r = s.call("GET", &path, None);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let page = r.json();
+        assert!(page.as_array().unwrap().len() <= 2, "{page}");
+        for x in page.as_array().unwrap() {
+            assert_eq!(x["metadata"]["team a"], "x&y=z", "{x}");
+            seen.push(x["sandboxID"].as_str().unwrap().to_string());
+        }
+        pages += 1;
+        token = r.header("x-next-token").map(str::to_string);
+        if token.is_none() {
+            break;
+        }
+    }
+    assert_eq!(pages, 2);
+    assert_eq!(
+        seen, ours,
+        "oldest first, each once, only the filtered ones"
+    );
+
+    let running = s.expect(
+        200,
+        "GET",
+        &format!("/v2/sandboxes?{meta}&state=running"),
+        None,
+    );
+    assert_eq!(running.as_array().unwrap().len(), 2, "{running}");
+    let paused = s.expect(
+        200,
+        "GET",
+        &format!("/v2/sandboxes?{meta}&state=paused"),
+        None,
+    );
+    assert_eq!(paused[0]["sandboxID"], ours[2].as_str(), "{paused}");
+    assert_eq!(paused[0]["state"], "paused");
+    let desc = s.expect(200, "GET", "/v2/sandboxes?order=desc&limit=1", None);
+    assert_eq!(desc[0]["sandboxID"], other.as_str(), "{desc}");
+    let by_name = s.expect(200, "GET", "/v2/sandboxes?template=probe", None);
+    assert_eq!(by_name.as_array().unwrap().len(), 4, "{by_name}");
+    let none = s.expect(200, "GET", "/v2/sandboxes?template=nope", None);
+    assert_eq!(none, serde_json::json!([]));
+    let later = s.expect(
+        200,
+        "GET",
+        "/v2/sandboxes?startedAfter=2999-01-01T00:00:00Z",
+        None,
+    );
+    assert_eq!(later, serde_json::json!([]));
+
+    for bad in [
+        "/v2/sandboxes?state=killed",
+        "/v2/sandboxes?limit=0",
+        "/v2/sandboxes?limit=101",
+        "/v2/sandboxes?limit=x",
+        "/v2/sandboxes?nextToken=garbage",
+        "/v2/sandboxes?order=sideways",
+        "/v2/sandboxes?startedAfter=yesterday",
+        "/v2/sandboxes?metadata=%3Dv",
+    ] {
+        assert_e2b_error(&s.call("GET", bad, None), 400);
+    }
+}
+
+#[test]
+fn bad_input_and_auth() {
+    let data = DataDir::new("e2b-bad");
+    let s = E2b::start(&data.0, &[]);
+    let id = id_of(&s.create(r#"{"templateID":"probe"}"#));
+
+    // Missing and wrong keys: 401 on every route, E2B's body.
+    for key in [None, Some("wrong-key"), Some("")] {
+        for (method, path) in [
+            ("POST", "/v2/sandboxes".to_string()),
+            ("GET", "/v2/sandboxes".to_string()),
+            ("GET", format!("/sandboxes/{id}")),
+            ("DELETE", format!("/sandboxes/{id}")),
+            ("GET", "/snapshots".to_string()),
+        ] {
+            let r = s.with_key(key, method, &path, Some(r#"{"templateID":"probe"}"#));
+            assert_e2b_error(&r, 401);
+        }
+    }
+    // torpor's bearer token is not an E2B key header.
+    let r = request(&s.addr, "GET", "/v2/sandboxes", Some(KEY), None);
+    assert_e2b_error(&r, 401);
+
+    for body in [
+        "{",
+        "[]",
+        r#"{"timeout":5}"#,
+        r#"{"templateID":5}"#,
+        r#"{"templateID":"probe","timeout":-1}"#,
+        r#"{"templateID":"probe","metadata":{"a":1}}"#,
+        r#"{"templateID":"probe","network":{"denyOut":["0.0.0.0/0"]}}"#,
+        r#"{"templateID":"probe","timeout":2592001}"#,
+    ] {
+        assert_e2b_error(&s.call("POST", "/v2/sandboxes", Some(body)), 400);
+    }
+    assert_e2b_error(
+        &s.call("POST", "/v2/sandboxes", Some(r#"{"templateID":"nope"}"#)),
+        404,
+    );
+    for body in ["", "{", r#"{"timeout":"x"}"#] {
+        assert_e2b_error(
+            &s.call("POST", &format!("/sandboxes/{id}/timeout"), Some(body)),
+            400,
+        );
+    }
+    for body in [r#"{"count":0}"#, r#"{"count":21}"#] {
+        assert_e2b_error(
+            &s.call("POST", &format!("/sandboxes/{id}/fork"), Some(body)),
+            400,
+        );
+    }
+    for unknown in ["sbx_0000000000000000", "nope", "sbx_"] {
+        assert_e2b_error(&s.call("GET", &format!("/sandboxes/{unknown}"), None), 404);
+        assert_e2b_error(
+            &s.call("DELETE", &format!("/sandboxes/{unknown}"), None),
+            404,
+        );
+    }
+    // Wrong method on an E2B route: 405 in E2B's shape.
+    assert_e2b_error(&s.call("PUT", &format!("/sandboxes/{id}/pause"), None), 405);
+    // A body past the API's limit: 413 in E2B's shape.
+    let big = format!(
+        r#"{{"templateID":"probe","metadata":{{"x":"{}"}}}}"#,
+        "a".repeat(2 << 20)
+    );
+    assert_e2b_error(&s.call("POST", "/v2/sandboxes", Some(&big)), 413);
+}
+
+#[test]
+fn snapshots_and_forks() {
+    let data = DataDir::new("e2b-snap");
+    let s = E2b::start(&data.0, &[]);
+    let id = id_of(&s.create(r#"{"templateID":"probe","timeout":300,"metadata":{"k":"v"}}"#));
+
+    // A snapshot is a template of the sandbox's state.
+    let snap = s.expect(
+        201,
+        "POST",
+        &format!("/sandboxes/{id}/snapshots"),
+        Some(r#"{"name":"first"}"#),
+    );
+    let first = snap["snapshotID"].as_str().unwrap().to_string();
+    assert!(first.starts_with("tpl_"), "{snap}");
+    assert_eq!(snap["names"], serde_json::json!(["first"]));
+    let unnamed = s.expect(201, "POST", &format!("/sandboxes/{id}/snapshots"), None);
+    let unnamed_id = unnamed["snapshotID"].as_str().unwrap().to_string();
+    assert!(
+        unnamed["names"][0]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("{id}-")),
+        "{unnamed}"
+    );
+    assert_e2b_error(
+        &s.call(
+            "POST",
+            &format!("/sandboxes/{id}/snapshots"),
+            Some(r#"{"name":"first"}"#),
+        ),
+        409,
+    );
+    // Native: the same templates, and no checkpoint left behind.
+    let native = request(
+        &s.addr,
+        "GET",
+        &format!("/v1/templates/{first}"),
+        Some(KEY),
+        None,
+    )
+    .json();
+    assert_eq!(native["name"], "first", "{native}");
+    assert_eq!(native["state"], "ready", "{native}");
+    let ckpts = request(
+        &s.addr,
+        "GET",
+        &format!("/v1/sandboxes/{id}/checkpoints"),
+        Some(KEY),
+        None,
+    )
+    .json();
+    assert_eq!(ckpts["checkpoints"], serde_json::json!([]), "{ckpts}");
+
+    let all = s.expect(200, "GET", &format!("/snapshots?sandboxID={id}"), None);
+    assert_eq!(all.as_array().unwrap().len(), 2, "{all}");
+    let r = s.call("GET", "/snapshots?limit=1", None);
+    assert_eq!(r.json()[0]["snapshotID"], first.as_str());
+    let token = r.header("x-next-token").expect("a second page").to_string();
+    let second = s.expect(
+        200,
+        "GET",
+        &format!("/snapshots?limit=1&nextToken={token}"),
+        None,
+    );
+    assert_eq!(second[0]["snapshotID"], unnamed_id.as_str(), "{second}");
+    let named = s.expect(200, "GET", "/snapshots?name=first", None);
+    assert_eq!(named[0]["snapshotID"], first.as_str());
+    assert_eq!(
+        s.expect(
+            200,
+            "GET",
+            "/snapshots?sandboxID=sbx_0000000000000000",
+            None
+        ),
+        serde_json::json!([])
+    );
+
+    // Fork: `count` sandboxes, each with the source's metadata.
+    let forks = s.expect(
+        201,
+        "POST",
+        &format!("/sandboxes/{id}/fork"),
+        Some(r#"{"count":2,"timeout":60}"#),
+    );
+    let forks = forks.as_array().unwrap();
+    assert_eq!(forks.len(), 2);
+    for f in forks {
+        assert!(f["error"].is_null(), "{f}");
+        let fid = id_of(&f["sandbox"]);
+        assert_ne!(fid, id);
+        let info = s.expect(200, "GET", &format!("/sandboxes/{fid}"), None);
+        assert_eq!(info["state"], "running");
+        assert_eq!(info["metadata"]["k"], "v");
+        s.expect(204, "DELETE", &format!("/sandboxes/{fid}"), None);
+    }
+
+    // The snapshot outlives its sandbox: kill it, then create from it.
+    s.expect(204, "DELETE", &format!("/sandboxes/{id}"), None);
+    let source_dir = data.0.join("sandboxes").join(&id);
+    assert!(source_dir.exists(), "the snapshots' layers stay");
+    let from = s.create(&format!(r#"{{"templateID":"{first}","timeout":60}}"#));
+    let from_id = id_of(&from);
+    assert_eq!(from["templateID"], first.as_str());
+    assert_eq!(from["alias"], "first");
+    assert_eq!(
+        s.expect(200, "GET", &format!("/sandboxes/{from_id}"), None)["state"],
+        "running"
+    );
+    // It hibernates and wakes on the snapshot's layers.
+    s.expect(204, "POST", &format!("/sandboxes/{from_id}/pause"), None);
+    s.expect(
+        201,
+        "POST",
+        &format!("/v2/sandboxes/{from_id}/connect"),
+        None,
+    );
+    assert_eq!(
+        s.expect(200, "GET", &format!("/snapshots?sandboxID={id}"), None)
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
+
+    // Deleting: refused while a sandbox uses it, then 204, then 404.
+    assert_e2b_error(&s.call("DELETE", &format!("/templates/{first}"), None), 409);
+    s.expect(204, "DELETE", &format!("/templates/{unnamed_id}"), None);
+    assert_e2b_error(
+        &s.call("DELETE", &format!("/templates/{unnamed_id}"), None),
+        404,
+    );
+    s.expect(204, "DELETE", &format!("/sandboxes/{from_id}"), None);
+    s.expect(204, "DELETE", "/templates/first", None);
+    assert_e2b_error(&s.call("DELETE", "/templates/no-such-template", None), 404);
+    assert_eq!(
+        s.expect(200, "GET", "/snapshots", None),
+        serde_json::json!([])
+    );
+    assert!(!source_dir.exists(), "the layers go with their last user");
+    // The probe template is untouched.
+    s.expect(
+        201,
+        "POST",
+        "/v2/sandboxes",
+        Some(r#"{"templateID":"probe"}"#),
+    );
+}
+
+#[test]
+fn e2b_listen_serves_only_e2b_routes() {
+    let data = DataDir::new("e2b-listen");
+    let mut s = E2b::start(&data.0, &["--e2b-listen", "127.0.0.1:0"]);
+    let line = s
+        .serve
+        .banner
+        .iter()
+        .find_map(|l| l.split("E2B API on http://").nth(1))
+        .unwrap_or_else(|| panic!("no E2B listener line in {:?}", s.serve.banner))
+        .trim()
+        .to_string();
+    s.addr = line;
+    let id = id_of(&s.create(r#"{"templateID":"probe"}"#));
+    s.expect(200, "GET", &format!("/sandboxes/{id}"), None);
+    // Not torpor's routes: 404 in E2B's shape.
+    assert_e2b_error(&s.call("GET", "/v1/sandboxes", None), 404);
+    s.expect(204, "DELETE", &format!("/sandboxes/{id}"), None);
+}
+
+/// Polls `GET /sandboxes/{id}` until `done` holds of (status, body).
+fn wait_until(s: &E2b, id: &str, what: &str, done: impl Fn(u16, &Value) -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let r = s.call("GET", &format!("/sandboxes/{id}"), None);
+        let v = if r.body.is_empty() {
+            Value::Null
+        } else {
+            r.json()
+        };
+        if done(r.status, &v) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{id} never {what}: {} {v}",
+            r.status
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn timeout_kills_or_with_auto_pause_hibernates() {
+    let data = DataDir::new("e2b-timeout");
+    let s = E2b::start(&data.0, &[]);
+    let kill = id_of(&s.create(r#"{"templateID":"probe","timeout":1}"#));
+    let pause = id_of(&s.create(r#"{"templateID":"probe","timeout":1,"autoPause":true}"#));
+    let info = s.expect(200, "GET", &format!("/sandboxes/{pause}"), None);
+    assert_eq!(info["lifecycle"]["onTimeout"], "pause", "{info}");
+    assert_eq!(info["lifecycle"]["autoResume"], false, "{info}");
+    let info = s.expect(200, "GET", &format!("/sandboxes/{kill}"), None);
+    assert_eq!(info["lifecycle"]["onTimeout"], "kill", "{info}");
+
+    wait_until(&s, &kill, "killed by its timeout", |status, _| {
+        status == 404
+    });
+    wait_until(&s, &pause, "paused by its timeout", |_, v| {
+        v["state"] == "paused"
+    });
+    // Paused to E2B from `hibernating` on; hibernated soon after.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let native = request(
+            &s.addr,
+            "GET",
+            &format!("/v1/sandboxes/{pause}"),
+            Some(KEY),
+            None,
+        )
+        .json();
+        if native["state"] == "hibernated" {
+            break;
+        }
+        assert_eq!(native["state"], "hibernating", "{native}");
+        assert!(std::time::Instant::now() < deadline, "{native}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    // It stays paused past its deadline (not deleted by later rounds).
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    assert_eq!(
+        s.expect(200, "GET", &format!("/sandboxes/{pause}"), None)["state"],
+        "paused"
+    );
+
+    // Connect wakes it with a new deadline (E2B's default when none given).
+    s.expect(
+        201,
+        "POST",
+        &format!("/v2/sandboxes/{pause}/connect"),
+        Some("{}"),
+    );
+    let info = s.expect(200, "GET", &format!("/sandboxes/{pause}"), None);
+    assert_eq!(info["state"], "running");
+    let end = torpor_api::e2b::time::parse(info["endAt"].as_str().unwrap()).unwrap();
+    let left = end.0 - torpor_scheduler::model::Timestamp::now().0;
+    assert!((5_000..=15_500).contains(&left), "{info}");
+    // Asking to reboot instead of restoring memory is refused.
+    assert_e2b_error(
+        &s.call(
+            "POST",
+            &format!("/v2/sandboxes/{pause}/connect"),
+            Some(r#"{"memory":false}"#),
+        ),
+        400,
+    );
+    s.expect(204, "DELETE", &format!("/sandboxes/{pause}"), None);
+}
+
+#[test]
+fn envd_health_and_connect_errors() {
+    use torpor_api::e2b::envd::envelope::{decode_all, Envelope};
+    let data = DataDir::new("e2b-envd");
+    let s = E2b::start(&data.0, &[]);
+    let id = id_of(&s.create(r#"{"templateID":"probe","timeout":300}"#));
+    let health = |sandbox: Option<&str>| {
+        let headers: Vec<(&str, &str)> =
+            sandbox.map(|v| ("E2b-Sandbox-Id", v)).into_iter().collect();
+        request_with(&s.addr, "GET", "/health", &headers, None)
+    };
+    assert_eq!(health(Some(&id)).status, 204);
+    s.expect(204, "POST", &format!("/sandboxes/{id}/pause"), None);
+    assert_e2b_error(&health(Some(&id)), 502);
+    assert_eq!(
+        s.expect(200, "GET", &format!("/sandboxes/{id}"), None)["state"],
+        "paused",
+        "health does not wake"
+    );
+    assert_e2b_error(&health(Some("sbx_0000000000000000")), 502);
+    assert_e2b_error(&health(Some("nope")), 502);
+    assert_e2b_error(&health(None), 400);
+
+    // A unary RPC: Connect's error body and status.
+    let sandbox = [("E2b-Sandbox-Id", id.as_str())];
+    let r = request_with(
+        &s.addr,
+        "POST",
+        "/filesystem.Filesystem/Stat",
+        &sandbox,
+        Some(r#"{"path":"/"}"#),
+    );
+    assert_eq!(r.status, 501, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["code"], "unimplemented", "{v}");
+    assert!(
+        v["message"]
+            .as_str()
+            .unwrap()
+            .contains("filesystem.Filesystem/Stat"),
+        "{v}"
+    );
+
+    // A streaming RPC: 200 and an end-of-stream envelope with the error.
+    let req =
+        String::from_utf8(Envelope::message(br#"{"process":{"cmd":"true"}}"#.to_vec()).encode())
+            .unwrap();
+    let headers = [
+        ("E2b-Sandbox-Id", id.as_str()),
+        ("Content-Type", "application/connect+json"),
+    ];
+    let r = request_with(
+        &s.addr,
+        "POST",
+        "/process.Process/Start",
+        &headers,
+        Some(&req),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("content-type"), Some("application/connect+json"));
+    let envelopes = decode_all(r.body.as_bytes(), 1 << 20).expect("well-formed envelopes");
+    assert_eq!(envelopes.len(), 1);
+    assert!(envelopes[0].is_end_stream());
+    let end: Value = serde_json::from_slice(&envelopes[0].payload).unwrap();
+    assert_eq!(end["error"]["code"], "unimplemented", "{end}");
+
+    // Not an envd service: the API's 404.
+    let r = request_with(&s.addr, "POST", "/nope.Service/Call", &sandbox, Some("{}"));
+    assert_eq!(r.status, 404, "{}", r.body);
+}

@@ -1,0 +1,162 @@
+//! The E2B control plane through the real, pinned E2B SDKs, Python
+//! (`tests/e2b/requirements.txt`) and JS (`tests/e2b/package.json`), each
+//! installed by `.ci/run` outside the repository:
+//! `tests/e2b/sdk_control.py` and `tests/e2b/sdk_control.mjs` against
+//! `torpor serve` on loopback with the probe template: create, get_info, set_timeout,
+//! metrics, list with a metadata filter and paging, pause (hibernation) →
+//! 409 on a second pause → connect, snapshot → create from it → delete,
+//! fork with a count, kill, and the SDK's not-found and auth errors.
+//!
+//! The venv: `$TORPOR_E2B_VENV`, else
+//! `${TORPOR_CACHE:-/var/cache/torpor}/venv-e2b-<version>`; the npm install:
+//! `$TORPOR_E2B_NODE`, else `.../node-e2b-<version>`. Without one, its test
+//! skips loudly.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::serve::{DataDir, ServeProcess};
+
+const KEY: &str = "e2b-sdk-key-0123456789";
+const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b");
+
+/// The pinned Python `e2b` version, from `tests/e2b/requirements.txt`.
+fn pinned_python() -> String {
+    let text = std::fs::read_to_string(format!("{DIR}/requirements.txt")).unwrap();
+    text.lines()
+        .find_map(|l| l.trim().strip_prefix("e2b=="))
+        .expect("requirements.txt pins e2b==VERSION")
+        .trim()
+        .to_string()
+}
+
+/// The pinned npm `e2b` version, from `tests/e2b/package.json`.
+fn pinned_js() -> String {
+    let text = std::fs::read_to_string(format!("{DIR}/package.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["dependencies"]["e2b"]
+        .as_str()
+        .expect("package.json pins e2b")
+        .to_string()
+}
+
+/// `$var`, else `${TORPOR_CACHE:-/var/cache/torpor}/<name>`.
+fn install_dir(var: &str, name: String) -> PathBuf {
+    if let Some(v) = std::env::var_os(var) {
+        return v.into();
+    }
+    let cache = std::env::var_os("TORPOR_CACHE").unwrap_or_else(|| "/var/cache/torpor".into());
+    PathBuf::from(cache).join(name)
+}
+
+/// Runs `program args` against a fresh `torpor serve` with the E2B
+/// variables set (and `extra_env`); its stdout, after asserting success,
+/// the pinned version and the closing line (`<tag>: N passed, 0 failed`).
+fn run_sdk_script(
+    name: &str,
+    program: &Path,
+    script: &str,
+    extra_env: &[(&str, &Path)],
+    tag: &str,
+    version: &str,
+) {
+    let data = DataDir::new(name);
+    let serve = ServeProcess::start(&data.0, &["--token", KEY, "--policy-interval-ms", "200"]);
+    let url = serve.url();
+    let mut cmd = Command::new(program);
+    cmd.arg(format!("{DIR}/{script}"))
+        .env("E2B_API_URL", &url)
+        .env("E2B_SANDBOX_URL", &url)
+        .env("E2B_API_KEY", KEY)
+        .env_remove("E2B_DEBUG")
+        .env_remove("E2B_DOMAIN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in extra_env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("run the SDK script");
+    // Bounded: the script's own requests time out, this is the backstop.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stdout}{stderr}");
+    assert!(out.status.success(), "the SDK script failed: {stderr}");
+    assert!(
+        stdout.contains(&format!("{tag}: version {version}\n")),
+        "the installed e2b is not the pinned {version}: {stdout}"
+    );
+    let closing = format!("{tag}: ");
+    assert!(
+        stdout.lines().any(|l| l
+            .strip_prefix(&closing)
+            .is_some_and(|r| r.ends_with(" passed, 0 failed"))),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn python_sdk_control_plane() {
+    let version = pinned_python();
+    let python = install_dir("TORPOR_E2B_VENV", format!("venv-e2b-{version}")).join("bin/python");
+    if !python.exists() {
+        eprintln!(
+            "SKIP e2b_sdk: venv missing ({}): run .ci/run",
+            python.display()
+        );
+        return;
+    }
+    run_sdk_script(
+        "e2b-sdk-py",
+        &python,
+        "sdk_control.py",
+        &[],
+        "e2b-sdk",
+        &version,
+    );
+}
+
+#[test]
+fn js_sdk_control_plane() {
+    let version = pinned_js();
+    let modules =
+        install_dir("TORPOR_E2B_NODE", format!("node-e2b-{version}")).join("node_modules");
+    if !modules.join("e2b/package.json").exists() {
+        eprintln!(
+            "SKIP e2b_sdk: npm e2b missing ({}): run .ci/run",
+            modules.display()
+        );
+        return;
+    }
+    let Some(node) = which("node") else {
+        eprintln!("SKIP e2b_sdk: node is not installed: run .ci/run");
+        return;
+    };
+    run_sdk_script(
+        "e2b-sdk-js",
+        &node,
+        "sdk_control.mjs",
+        &[("NODE_PATH", &modules)],
+        "e2b-sdk-js",
+        &version,
+    );
+}
+
+/// The first `name` on `PATH`.
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
