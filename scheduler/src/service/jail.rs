@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use torpor_vmm_api::jail::{self, Expose, JailSpec};
-use torpor_vmm_api::{LaunchSpec, Lineage, MemoryBackend, RestoreSpec};
+use torpor_vmm_api::{LaunchMode, LaunchSpec, Lineage, MemoryBackend, RestoreSpec};
 
 use super::{vmm, ServiceError};
 
@@ -25,6 +25,11 @@ pub struct JailConfig {
     pub uid_base: u32,
     /// How many uids: at most this many VMMs (shells included) at once.
     pub uids: u32,
+    /// The memory limit of a sandbox's VMM (standby shells included)
+    /// instead of its guest memory + [`jail::VMM_OVERHEAD_MIB`]: lower to
+    /// oversubscribe (a guest that touches more is OOM-killed alone).
+    /// Template builds keep guest memory + overhead.
+    pub sandbox_memory_max_mib: Option<u64>,
 }
 
 impl Default for JailConfig {
@@ -32,6 +37,7 @@ impl Default for JailConfig {
         Self {
             uid_base: jail::DEFAULT_JAIL_UID_BASE,
             uids: jail::DEFAULT_JAIL_UIDS,
+            sandbox_memory_max_mib: None,
         }
     }
 }
@@ -47,7 +53,11 @@ pub struct Jails {
     cursor: AtomicU32,
     /// Names cgroups uniquely per VMM.
     started: AtomicU64,
+    instance: u64,
 }
+
+/// Pods opened by this process so far.
+static INSTANCES: AtomicU64 = AtomicU64::new(0);
 
 /// A uid taken for a VMM about to start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,6 +89,7 @@ impl Jails {
             slots: Mutex::new(HashMap::new()),
             cursor: AtomicU32::new(0),
             started: AtomicU64::new(0),
+            instance: INSTANCES.fetch_add(1, Ordering::Relaxed),
         })
     }
 
@@ -152,15 +163,34 @@ impl Jails {
             .max()
             .unwrap_or(0);
         let fsize = (mem_mib << 20).max(largest_image) + (1 << 30);
+        // Unique on the host: this process, this pod (a process may run
+        // several, tests do), this VMM.
         let n = self.started.fetch_add(1, Ordering::Relaxed);
-        let name = format!("torpor/{}-{n}-{}", std::process::id(), slot.uid);
+        let name = format!(
+            "torpor/{}-{}-{n}-{}",
+            std::process::id(),
+            self.instance,
+            slot.uid
+        );
+        let mut cgroup = jail::cgroup_for(name, mem_mib, vcpus);
+        let sandbox = matches!(
+            spec.mode,
+            LaunchMode::Standby { .. }
+                | LaunchMode::Restore {
+                    record_working_set_ms: None,
+                    ..
+                }
+        );
+        if let (true, Some(max)) = (sandbox, self.config.sandbox_memory_max_mib) {
+            cgroup.memory_max_bytes = Some(max << 20);
+        }
         JailSpec {
             uid: slot.uid,
             gid: slot.uid,
             root: self.root.clone(),
             exposes,
             devices: jail::devices_for(spec),
-            cgroup: Some(jail::cgroup_for(name, mem_mib, vcpus)),
+            cgroup: Some(cgroup),
             rlimits: jail::Rlimits {
                 fsize: Some(fsize),
                 ..Default::default()
@@ -425,6 +455,7 @@ mod tests {
             JailConfig {
                 uid_base: 300_000,
                 uids: 2,
+                sandbox_memory_max_mib: None,
             },
         )
         .unwrap();
@@ -483,7 +514,7 @@ pub fn spawn(
     let Some(jails) = jails else {
         return vmm::spawn(exe, &spec, log).map(|s| (s, None));
     };
-    if let torpor_vmm_api::LaunchMode::Restore { restore, .. } = &spec.mode {
+    if let LaunchMode::Restore { restore, .. } = &spec.mode {
         ensure_shared_copy(restore)?;
     }
     let slot = jails.reserve()?;
