@@ -76,6 +76,7 @@ impl Jails {
                 config.uid_base, config.uids
             )));
         }
+        sweep_stale_cgroups();
         let root = data_dir.join("jail-root");
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -215,6 +216,33 @@ impl Jails {
             }
         }
         Ok(())
+    }
+}
+
+/// Removes the cgroups of VMMs whose supervisor was killed before it could
+/// (`torpor/<starter pid>-...`, `torpor/cli-<pid>`: the starter is gone
+/// and the cgroup empty; a cgroup with processes cannot be removed).
+fn sweep_stale_cgroups() {
+    let mut parents = vec![PathBuf::from("/sys/fs/cgroup/torpor")];
+    if let Ok(entries) = std::fs::read_dir("/sys/fs/cgroup") {
+        parents.extend(entries.flatten().map(|e| e.path().join("torpor")));
+    }
+    for parent in parents {
+        let Ok(entries) = std::fs::read_dir(&parent) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let starter = name
+                .trim_start_matches("cli-")
+                .trim_start_matches("doctor-")
+                .split('-')
+                .next()
+                .and_then(|p| p.parse::<u32>().ok());
+            if starter.is_some_and(|pid| !vmm::alive(pid)) {
+                let _ = std::fs::remove_dir(entry.path());
+            }
+        }
     }
 }
 
@@ -358,6 +386,10 @@ fn attach(ns: std::fs::File, trees: Vec<(Expose, OwnedFd, bool)>) -> Result<(), 
         unsafe { libc::unshare(libc::CLONE_FS) } as _,
         "unshare CLONE_FS",
     )?;
+    // This thread's own umask now (CLONE_FS holds it): mount points get
+    // 0755 whatever the service's is.
+    // SAFETY: umask takes and returns a mode only.
+    unsafe { libc::umask(0) };
     // SAFETY: as above.
     sys(
         unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNS) } as _,
