@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 
 mod common;
 
+use torpor_vmm_api::jail::CLI_JAIL_UID;
+
 use common::{call, iter_lines, median, shutdown, spawn, wait_socket, wait_until, Dir, TORPOR_VMM};
 const BACKENDS: &[&str] = &["file", "uffd", "uffd-shared"];
 
@@ -49,14 +51,13 @@ fn make_template(dir: &Path, name: &str, mem: u64, mib: u64) -> (PathBuf, serde_
 }
 
 /// Cold restore: (process start -> first KVM_RUN, process start -> next ITER line), µs.
-fn cold_restore(dir: &Path, snap: &Path, backend: &str, prefetch: bool) -> (f64, f64) {
+fn cold_restore(dir: &Path, snap: &Path, backend: &str, prefetch: bool, jail: bool) -> (f64, f64) {
     let sock = dir.join("cold.sock");
     let console = dir.join("cold.log");
     let _ = std::fs::remove_file(&console);
     let t0 = Instant::now();
     let mut args = vec![
         "vmm",
-        "--no-jail",
         "--restore",
         snap.to_str().unwrap(),
         "--memory-backend",
@@ -69,6 +70,9 @@ fn cold_restore(dir: &Path, snap: &Path, backend: &str, prefetch: bool) -> (f64,
     ];
     if prefetch {
         args.push("--prefetch");
+    }
+    if !jail {
+        args.push("--no-jail");
     }
     let child = spawn(&args);
     wait_until(Duration::from_secs(60), || iter_lines(&console) >= 1);
@@ -109,11 +113,18 @@ fn record_working_set(dir: &Path, snap: &Path) {
 }
 
 /// Standby restore: (request -> vCPU running, request -> next ITER line), µs.
-fn standby_restore(dir: &Path, snap: &Path, backend: &str, mem: u64, prefetch: bool) -> (f64, f64) {
+fn standby_restore(
+    dir: &Path,
+    snap: &Path,
+    backend: &str,
+    mem: u64,
+    prefetch: bool,
+    jail: bool,
+) -> (f64, f64) {
     let sock = dir.join("standby.sock");
     let console = dir.join("standby.log");
     let _ = std::fs::remove_file(&console);
-    let child = spawn_standby(mem, &sock);
+    let child = spawn_standby(mem, &sock, jail);
     wait_socket(&sock);
     let t0 = Instant::now();
     let v = call(
@@ -217,21 +228,25 @@ fn diff_snapshot(dir: &Path, snap: &Path, name: &str) -> serde_json::Value {
 }
 
 /// `torpor vmm --standby` for `mem` MiB on `sock`.
-fn spawn_standby(mem: u64, sock: &Path) -> Child {
-    spawn(&[
+fn spawn_standby(mem: u64, sock: &Path, jail: bool) -> Child {
+    let mem = mem.to_string();
+    let mut args = vec![
         "vmm",
-        "--no-jail",
         "--standby",
         "--mem-mib",
-        &mem.to_string(),
+        &mem,
         "--control-socket",
         sock.to_str().unwrap(),
-    ])
+    ];
+    if !jail {
+        args.push("--no-jail");
+    }
+    spawn(&args)
 }
 
 /// A standby VMM process from spawn: to its control socket accepting, and
 /// (for `torpor-vmm`, which answers one) to its `ready` line, in µs.
-fn vmm_start(dir: &Path, mem: u64, small: bool, i: usize) -> (f64, Option<f64>) {
+fn vmm_start(dir: &Path, mem: u64, small: bool, jail: bool, i: usize) -> (f64, Option<f64>) {
     use std::io::{BufRead, Write};
     use std::process::{Command, Stdio};
     let sock = dir.join(format!("start-{i}.sock"));
@@ -253,7 +268,7 @@ fn vmm_start(dir: &Path, mem: u64, small: bool, i: usize) -> (f64, Option<f64>) 
         drop(stdin);
         c
     } else {
-        spawn_standby(mem, &sock)
+        spawn_standby(mem, &sock, jail)
     };
     wait_socket(&sock);
     let to_socket = t0.elapsed().as_micros() as f64;
@@ -265,6 +280,33 @@ fn vmm_start(dir: &Path, mem: u64, small: bool, i: usize) -> (f64, Option<f64>) 
     });
     shutdown(&sock, child);
     (to_socket, to_ready)
+}
+
+/// The jail's cost at the VMM level, file backend: the same restores
+/// without a jail and in `torpor vmm`'s own (cgroup, namespaces,
+/// pivot_root, uid; a standby shell is jailed when it starts, so its
+/// restore pays nothing more).
+fn jail_cost(dir: &Path, snap: &Path, mem: u64, runs: usize) {
+    println!("\njail cost ({mem} MiB guest, file backend)");
+    println!(
+        "{:<21} {:>16} {:>16} {:>18} {:>18}",
+        "", "cold->running", "cold->next line", "standby->running", "standby->next line"
+    );
+    for (label, jail) in [("no jail", false), ("jail", true)] {
+        let cold: Vec<(f64, f64)> = (0..runs)
+            .map(|_| cold_restore(dir, snap, "file", false, jail))
+            .collect();
+        let warm: Vec<(f64, f64)> = (0..runs)
+            .map(|_| standby_restore(dir, snap, "file", mem, false, jail))
+            .collect();
+        println!(
+            "{label:<21} {:>13.0} µs {:>13.0} µs {:>15.0} µs {:>15.0} µs",
+            median(cold.iter().map(|x| x.0).collect()),
+            median(cold.iter().map(|x| x.1).collect()),
+            median(warm.iter().map(|x| x.0).collect()),
+            median(warm.iter().map(|x| x.1).collect()),
+        );
+    }
 }
 
 fn main() {
@@ -293,12 +335,16 @@ fn main() {
         "{:<26} {:>18} {:>18}",
         "process", "spawn->socket", "spawn->ready"
     );
-    for (label, small) in [
-        ("torpor-vmm (LaunchSpec)", true),
-        ("torpor vmm --standby", false),
+    // Jailed runs are `torpor vmm`'s own jail (uid CLI_JAIL_UID): the
+    // directory it writes in must be its.
+    std::os::unix::fs::chown(&dir.0, Some(CLI_JAIL_UID), Some(CLI_JAIL_UID)).unwrap();
+    for (label, small, jail) in [
+        ("torpor-vmm (LaunchSpec)", true, false),
+        ("torpor vmm --standby", false, false),
+        ("torpor vmm --standby, jail", false, true),
     ] {
         let starts: Vec<(f64, Option<f64>)> = (0..runs.max(5))
-            .map(|i| vmm_start(&dir.0, 256, small, i))
+            .map(|i| vmm_start(&dir.0, 256, small, jail, i))
             .collect();
         let ready: Vec<f64> = starts.iter().filter_map(|s| s.1).collect();
         println!(
@@ -328,10 +374,10 @@ fn main() {
         ];
         for (backend, prefetch) in rows {
             let cold: Vec<(f64, f64)> = (0..runs)
-                .map(|_| cold_restore(&dir.0, &snap, backend, prefetch))
+                .map(|_| cold_restore(&dir.0, &snap, backend, prefetch, false))
                 .collect();
             let warm: Vec<(f64, f64)> = (0..runs)
-                .map(|_| standby_restore(&dir.0, &snap, backend, mem, prefetch))
+                .map(|_| standby_restore(&dir.0, &snap, backend, mem, prefetch, false))
                 .collect();
             let label = if prefetch {
                 format!("{backend}+prefetch")
@@ -346,6 +392,8 @@ fn main() {
                 median(warm.iter().map(|x| x.1).collect()),
             );
         }
+
+        jail_cost(&dir.0, &snap, mem, runs);
 
         println!("\nsnapshots ({mem} MiB guest)");
         println!(

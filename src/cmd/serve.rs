@@ -145,6 +145,7 @@ fn open_service(
         Some(torpor_scheduler::service::jail::JailConfig {
             uid_base: flags.jail_uid_base,
             uids: flags.jail_uids,
+            sandbox_memory_max_mib: None,
         })
     };
     config.host = host_guests().clone();

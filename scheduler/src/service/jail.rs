@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use torpor_vmm_api::jail::{self, Expose, JailSpec};
-use torpor_vmm_api::{LaunchSpec, Lineage, MemoryBackend, RestoreSpec};
+use torpor_vmm_api::{LaunchMode, LaunchSpec, Lineage, MemoryBackend, RestoreSpec};
 
 use super::{vmm, ServiceError};
 
@@ -25,6 +25,11 @@ pub struct JailConfig {
     pub uid_base: u32,
     /// How many uids: at most this many VMMs (shells included) at once.
     pub uids: u32,
+    /// The memory limit of a sandbox's VMM (standby shells included)
+    /// instead of its guest memory + [`jail::VMM_OVERHEAD_MIB`]: lower to
+    /// oversubscribe (a guest that touches more is OOM-killed alone).
+    /// Template builds keep guest memory + overhead.
+    pub sandbox_memory_max_mib: Option<u64>,
 }
 
 impl Default for JailConfig {
@@ -32,6 +37,7 @@ impl Default for JailConfig {
         Self {
             uid_base: jail::DEFAULT_JAIL_UID_BASE,
             uids: jail::DEFAULT_JAIL_UIDS,
+            sandbox_memory_max_mib: None,
         }
     }
 }
@@ -47,7 +53,11 @@ pub struct Jails {
     cursor: AtomicU32,
     /// Names cgroups uniquely per VMM.
     started: AtomicU64,
+    instance: u64,
 }
+
+/// Pods opened by this process so far.
+static INSTANCES: AtomicU64 = AtomicU64::new(0);
 
 /// A uid taken for a VMM about to start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +76,7 @@ impl Jails {
                 config.uid_base, config.uids
             )));
         }
+        sweep_stale_cgroups();
         let root = data_dir.join("jail-root");
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -79,6 +90,7 @@ impl Jails {
             slots: Mutex::new(HashMap::new()),
             cursor: AtomicU32::new(0),
             started: AtomicU64::new(0),
+            instance: INSTANCES.fetch_add(1, Ordering::Relaxed),
         })
     }
 
@@ -153,15 +165,34 @@ impl Jails {
             .max()
             .unwrap_or(0);
         let fsize = (mem_mib << 20).max(largest_image) + (1 << 30);
+        // Unique on the host: this process, this pod (a process may run
+        // several, tests do), this VMM.
         let n = self.started.fetch_add(1, Ordering::Relaxed);
-        let name = format!("torpor/{}-{n}-{}", std::process::id(), slot.uid);
+        let name = format!(
+            "torpor/{}-{}-{n}-{}",
+            std::process::id(),
+            self.instance,
+            slot.uid
+        );
+        let mut cgroup = jail::cgroup_for(name, mem_mib, vcpus);
+        let sandbox = matches!(
+            spec.mode,
+            LaunchMode::Standby { .. }
+                | LaunchMode::Restore {
+                    record_working_set_ms: None,
+                    ..
+                }
+        );
+        if let (true, Some(max)) = (sandbox, self.config.sandbox_memory_max_mib) {
+            cgroup.memory_max_bytes = Some(max << 20);
+        }
         JailSpec {
             uid: slot.uid,
             gid: slot.uid,
             root: self.root.clone(),
             exposes,
             devices: jail::devices_for(spec),
-            cgroup: Some(jail::cgroup_for(name, mem_mib, vcpus)),
+            cgroup: Some(cgroup),
             rlimits: jail::Rlimits {
                 fsize: Some(fsize),
                 ..Default::default()
@@ -186,6 +217,33 @@ impl Jails {
             }
         }
         Ok(())
+    }
+}
+
+/// Removes the cgroups of VMMs whose supervisor was killed before it could
+/// (`torpor/<starter pid>-...`, `torpor/cli-<pid>`: the starter is gone
+/// and the cgroup empty; a cgroup with processes cannot be removed).
+fn sweep_stale_cgroups() {
+    let mut parents = vec![PathBuf::from("/sys/fs/cgroup/torpor")];
+    if let Ok(entries) = std::fs::read_dir("/sys/fs/cgroup") {
+        parents.extend(entries.flatten().map(|e| e.path().join("torpor")));
+    }
+    for parent in parents {
+        let Ok(entries) = std::fs::read_dir(&parent) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let starter = name
+                .trim_start_matches("cli-")
+                .trim_start_matches("doctor-")
+                .split('-')
+                .next()
+                .and_then(|p| p.parse::<u32>().ok());
+            if starter.is_some_and(|pid| !vmm::alive(pid)) {
+                let _ = std::fs::remove_dir(entry.path());
+            }
+        }
     }
 }
 
@@ -329,6 +387,10 @@ fn attach(ns: std::fs::File, trees: Vec<(Expose, OwnedFd, bool)>) -> Result<(), 
         unsafe { libc::unshare(libc::CLONE_FS) } as _,
         "unshare CLONE_FS",
     )?;
+    // This thread's own umask now (CLONE_FS holds it): mount points get
+    // 0755 whatever the service's is.
+    // SAFETY: umask takes and returns a mode only.
+    unsafe { libc::umask(0) };
     // SAFETY: as above.
     sys(
         unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNS) } as _,
@@ -426,6 +488,7 @@ mod tests {
             JailConfig {
                 uid_base: 300_000,
                 uids: 2,
+                sandbox_memory_max_mib: None,
             },
         )
         .unwrap();
@@ -484,7 +547,7 @@ pub fn spawn(
     let Some(jails) = jails else {
         return vmm::spawn(exe, &spec, log).map(|s| (s, None));
     };
-    if let torpor_vmm_api::LaunchMode::Restore { restore, .. } = &spec.mode {
+    if let LaunchMode::Restore { restore, .. } = &spec.mode {
         ensure_shared_copy(restore)?;
     }
     let slot = jails.reserve()?;

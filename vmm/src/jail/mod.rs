@@ -134,5 +134,12 @@ pub fn enter(spec: &JailSpec) -> Result<Entered, JailError> {
     mounts::build(spec, &nodes)?;
     creds::limit(&spec.rlimits)?;
     creds::drop_privileges(spec)?;
+    if spec.namespaces.pid {
+        // Changing credentials cleared the parent-death signal the fork
+        // set: set it again, so the VMM dies with its supervisor.
+        // SAFETY: prctl with integer arguments only.
+        let ret = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+        sys(ret, || "set the parent-death signal".into())?;
+    }
     Ok(Entered { host_pid })
 }

@@ -77,6 +77,10 @@ fn under(root: &Path, path: &Path) -> PathBuf {
 /// a fresh mount namespace.
 pub fn build(spec: &JailSpec, nodes: &[DeviceNode]) -> Result<(), JailError> {
     let root = spec.root.as_path();
+    // The jail's directories get exactly the modes asked (the pod's umask
+    // is 077); the VMM's own umask is set when it drops privileges.
+    // SAFETY: umask takes and returns a mode only.
+    unsafe { libc::umask(0) };
     // Nothing mounted here may propagate back to the host.
     mount(
         None,
