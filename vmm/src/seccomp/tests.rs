@@ -141,3 +141,33 @@ fn vsock_may_open_unix_sockets_only() {
     let inet = in_confined_child(ThreadKind::Vsock, socket(libc::AF_INET));
     assert!(killed_by_sigsys(inet), "status {inet:#x}");
 }
+
+/// `| `kind` | syscalls | with argument rules | ioctl requests |` rows of
+/// docs/security.md: the documented counts are the filters' own.
+#[test]
+fn the_documented_counts_are_the_filters() {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/security.md"))
+        .expect("docs/security.md");
+    let missing: Vec<String> = ThreadKind::ALL
+        .into_iter()
+        .map(|kind| {
+            let rules = kind.rules().unwrap();
+            let syscalls = rules.syscalls().count();
+            let conditional = rules
+                .syscalls()
+                .filter(|&s| rules.is_conditional(s))
+                .count();
+            let ioctls = rules.rule_count(libc::SYS_ioctl);
+            format!(
+                "| `{}` | {syscalls} | {conditional} | {ioctls} |",
+                kind.name()
+            )
+        })
+        .filter(|row| !doc.lines().any(|l| l.starts_with(row)))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "docs/security.md lacks rows starting:\n{}",
+        missing.join("\n")
+    );
+}
