@@ -220,4 +220,4 @@ pub fn forbidden_syscall() -> std::io::Result<()> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

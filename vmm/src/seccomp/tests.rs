@@ -4,6 +4,45 @@
 
 use super::*;
 
+/// Set in the environment of a test process started by
+/// [`run_in_confined_child`].
+const CHILD_ENV: &str = "TORPOR_SECCOMP_TEST_CHILD";
+
+/// For a test that checks real device code under its filter: true in the
+/// child process [`run_in_confined_child`] started, with the filters set
+/// up (enforced) so the device's threads install theirs as they start.
+/// The test then runs its scenario; in the parent it calls
+/// [`run_in_confined_child`] instead.
+pub(crate) fn confined_child() -> bool {
+    if std::env::var_os(CHILD_ENV).is_none() {
+        return false;
+    }
+    init(SeccompLevel::Enforce).expect("set the filters up");
+    true
+}
+
+/// Runs test `name` (its full path) alone in a new process of this test
+/// binary where [`confined_child`] is true; a system call outside a
+/// filter kills that process with SIGSYS and fails this test.
+pub(crate) fn run_in_confined_child(name: &str) {
+    let exe = std::env::current_exe().expect("the test binary");
+    let status = std::process::Command::new(exe)
+        .args([name, "--exact", "--test-threads=1", "--nocapture"])
+        .env(CHILD_ENV, "1")
+        .status()
+        .expect("run the confined test");
+    use std::os::unix::process::ExitStatusExt;
+    assert!(
+        status.success(),
+        "{name} under enforced seccomp filters: {status}{}",
+        if status.signal() == Some(libc::SIGSYS) {
+            " (a system call outside the allow-list; `dmesg | grep type=1326` names it)"
+        } else {
+            ""
+        }
+    );
+}
+
 /// Forks; the child installs `kind`'s enforcing filter, runs `call` and
 /// exits 0. Returns the child's wait status.
 fn in_confined_child(kind: ThreadKind, call: impl FnOnce()) -> i32 {

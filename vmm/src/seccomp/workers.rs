@@ -30,6 +30,12 @@ pub fn vsock_rules() -> Result<Rules, SeccompError> {
         libc::SYS_shutdown,
         libc::SYS_getsockopt,
         libc::SYS_setsockopt,
+        // The device removes its host socket file when it ends, if the
+        // file is still the one it bound (the thread holding the last
+        // reference drops it).
+        libc::SYS_statx,
+        libc::SYS_newfstatat,
+        libc::SYS_unlink,
     ]);
     allow_fd_flags(&mut r)?;
     // Unix sockets only: no path to the host's network.
