@@ -107,10 +107,22 @@ fn record_working_set(dir: &Path, snap: &Path) {
 
 /// Standby restore: (request -> vCPU running, request -> next ITER line), µs.
 fn standby_restore(dir: &Path, snap: &Path, backend: &str, mem: u64, prefetch: bool) -> (f64, f64) {
+    standby_restore_with(dir, snap, backend, mem, prefetch, &[])
+}
+
+/// [`standby_restore`] of a shell started with `extra` flags.
+fn standby_restore_with(
+    dir: &Path,
+    snap: &Path,
+    backend: &str,
+    mem: u64,
+    prefetch: bool,
+    extra: &[&str],
+) -> (f64, f64) {
     let sock = dir.join("standby.sock");
     let console = dir.join("standby.log");
     let _ = std::fs::remove_file(&console);
-    let child = spawn_standby(mem, &sock);
+    let child = spawn_standby(mem, &sock, extra);
     wait_socket(&sock);
     let t0 = Instant::now();
     let v = call(
@@ -212,15 +224,18 @@ fn diff_snapshot(dir: &Path, snap: &Path, name: &str) -> serde_json::Value {
 }
 
 /// `torpor vmm --standby` for `mem` MiB on `sock`.
-fn spawn_standby(mem: u64, sock: &Path) -> Child {
-    spawn(&[
+fn spawn_standby(mem: u64, sock: &Path, extra: &[&str]) -> Child {
+    let mem = mem.to_string();
+    let mut args = vec![
         "vmm",
         "--standby",
         "--mem-mib",
-        &mem.to_string(),
+        &mem,
         "--control-socket",
         sock.to_str().unwrap(),
-    ])
+    ];
+    args.extend_from_slice(extra);
+    spawn(&args)
 }
 
 /// A standby VMM process from spawn: to its control socket accepting, and
@@ -247,7 +262,7 @@ fn vmm_start(dir: &Path, mem: u64, small: bool, i: usize) -> (f64, Option<f64>) 
         drop(stdin);
         c
     } else {
-        spawn_standby(mem, &sock)
+        spawn_standby(mem, &sock, &[])
     };
     wait_socket(&sock);
     let to_socket = t0.elapsed().as_micros() as f64;
@@ -305,6 +320,28 @@ fn main() {
             }
         );
     }
+    // What the per-thread seccomp filters cost a standby restore (the main
+    // thread installs its filter, one seccomp(2) call, on that path).
+    let (snap, _) = make_template(&dir.0, "seccomp", 256, 8);
+    println!("\n== seccomp, standby restore 256 MiB, file backend ({runs} runs)");
+    println!(
+        "{:<21} {:>18} {:>18}",
+        "filters", "standby->running", "standby->next line"
+    );
+    for (label, flags) in [
+        ("enforce", &["--seccomp", "enforce"]),
+        ("off", &["--seccomp", "off"]),
+    ] {
+        let warm: Vec<(f64, f64)> = (0..runs)
+            .map(|_| standby_restore_with(&dir.0, &snap, "file", 256, false, flags))
+            .collect();
+        println!(
+            "{label:<21} {:>15.0} µs {:>15.0} µs",
+            median(warm.iter().map(|x| x.0).collect()),
+            median(warm.iter().map(|x| x.1).collect()),
+        );
+    }
+    let _ = std::fs::remove_dir_all(&snap);
     for &mem in sizes {
         let (snap, _) = make_template(&dir.0, &format!("t{mem}"), mem, 8);
         println!("\n== guest memory {mem} MiB (probe workload 8 MiB)");
