@@ -121,10 +121,23 @@ fn standby_restore(
     prefetch: bool,
     jail: bool,
 ) -> (f64, f64) {
+    let extra: &[&str] = if jail { &[] } else { &["--no-jail"] };
+    standby_restore_with(dir, snap, backend, mem, prefetch, extra)
+}
+
+/// [`standby_restore`] of a shell started with `extra` flags.
+fn standby_restore_with(
+    dir: &Path,
+    snap: &Path,
+    backend: &str,
+    mem: u64,
+    prefetch: bool,
+    extra: &[&str],
+) -> (f64, f64) {
     let sock = dir.join("standby.sock");
     let console = dir.join("standby.log");
     let _ = std::fs::remove_file(&console);
-    let child = spawn_standby(mem, &sock, jail);
+    let child = spawn_standby(mem, &sock, extra);
     wait_socket(&sock);
     let t0 = Instant::now();
     let v = call(
@@ -228,7 +241,7 @@ fn diff_snapshot(dir: &Path, snap: &Path, name: &str) -> serde_json::Value {
 }
 
 /// `torpor vmm --standby` for `mem` MiB on `sock`.
-fn spawn_standby(mem: u64, sock: &Path, jail: bool) -> Child {
+fn spawn_standby(mem: u64, sock: &Path, extra: &[&str]) -> Child {
     let mem = mem.to_string();
     let mut args = vec![
         "vmm",
@@ -238,9 +251,7 @@ fn spawn_standby(mem: u64, sock: &Path, jail: bool) -> Child {
         "--control-socket",
         sock.to_str().unwrap(),
     ];
-    if !jail {
-        args.push("--no-jail");
-    }
+    args.extend_from_slice(extra);
     spawn(&args)
 }
 
@@ -268,7 +279,7 @@ fn vmm_start(dir: &Path, mem: u64, small: bool, jail: bool, i: usize) -> (f64, O
         drop(stdin);
         c
     } else {
-        spawn_standby(mem, &sock, jail)
+        spawn_standby(mem, &sock, if jail { &[] } else { &["--no-jail"] })
     };
     wait_socket(&sock);
     let to_socket = t0.elapsed().as_micros() as f64;
@@ -357,6 +368,28 @@ fn main() {
             }
         );
     }
+    // What the per-thread seccomp filters cost a standby restore (the main
+    // thread installs its filter, one seccomp(2) call, on that path).
+    let (snap, _) = make_template(&dir.0, "seccomp", 256, 8);
+    println!("\n== seccomp, standby restore 256 MiB, file backend ({runs} runs)");
+    println!(
+        "{:<21} {:>18} {:>18}",
+        "filters", "standby->running", "standby->next line"
+    );
+    for (label, flags) in [
+        ("enforce", &["--seccomp", "enforce", "--no-jail"]),
+        ("off", &["--seccomp", "off", "--no-jail"]),
+    ] {
+        let warm: Vec<(f64, f64)> = (0..runs)
+            .map(|_| standby_restore_with(&dir.0, &snap, "file", 256, false, flags))
+            .collect();
+        println!(
+            "{label:<21} {:>15.0} µs {:>15.0} µs",
+            median(warm.iter().map(|x| x.0).collect()),
+            median(warm.iter().map(|x| x.1).collect()),
+        );
+    }
+    let _ = std::fs::remove_dir_all(&snap);
     for &mem in sizes {
         let (snap, _) = make_template(&dir.0, &format!("t{mem}"), mem, 8);
         println!("\n== guest memory {mem} MiB (probe workload 8 MiB)");

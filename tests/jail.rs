@@ -337,8 +337,8 @@ fn a_guest_over_its_memory_limit_is_oom_killed_alone() {
         .create_template(CreateTemplate {
             name: "hungry".into(),
             kind: torpor_scheduler::model::TemplateKind::Probe,
-            kernel: None,
-            rootfs: None,
+            image: None,
+            owner: None,
             mem_mib: 128,
             vcpus: 1,
             cmdline: Some("probe.mib=96 probe.ticks=20 probe.hz=100".into()),

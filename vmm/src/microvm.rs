@@ -438,6 +438,13 @@ pub struct PendingRestore {
     pub request_started: Instant,
 }
 
+/// Threads a standby shell made ahead, each already under its filter: the
+/// vCPU threads and the control server's.
+pub struct Spares {
+    pub vcpus: crate::vstate::vcpu::SpareThreads,
+    pub control: control::SpareControl,
+}
+
 pub fn run_built(
     built: BuiltVm,
     listener: Option<(std::os::unix::net::UnixListener, PathBuf)>,
@@ -445,8 +452,12 @@ pub fn run_built(
     exit: ExitSignal,
     started: Instant,
     pending: Option<PendingRestore>,
-    spares: Option<crate::vstate::vcpu::SpareThreads>,
+    spares: Option<Spares>,
 ) -> Result<RunReport, RunError> {
+    let (spare_vcpus, spare_control) = match spares {
+        Some(s) => (Some(s.vcpus), Some(s.control)),
+        None => (None, None),
+    };
     register_kick_handler()?;
     let mut timings = built.timings;
     let first_run = Arc::new(OnceLock::new());
@@ -463,7 +474,7 @@ pub fn run_built(
         exit.clone(),
         first_run.clone(),
         start_paused,
-        spares,
+        spare_vcpus,
     )?);
     timings.phase("vcpu_threads");
     let controller = Arc::new(Controller {
@@ -489,7 +500,8 @@ pub fn run_built(
     release_freed_heap();
     let server = match listener {
         Some((l, path)) => Some(
-            ControlServer::start(l, path, controller.clone()).map_err(RunError::ControlThread)?,
+            ControlServer::start(l, path, controller.clone(), spare_control)
+                .map_err(RunError::ControlThread)?,
         ),
         None => None,
     };

@@ -12,7 +12,7 @@ use crate::builder::Timings;
 use crate::control::{self, Request, Response, VmState, VmStatus, PROTOCOL_VERSION};
 use crate::dirty::DirtyTracking;
 use crate::exit::{ExitReason, ExitSignal};
-use crate::microvm::{run_built, PendingRestore, RunError, RunReport};
+use crate::microvm::{run_built, PendingRestore, RunError, RunReport, Spares};
 use crate::restore::{self, RestoreOptions};
 use crate::vstate::vcpu::{register_kick_handler, SpareThreads};
 use torpor_vmm_api::{ErrorKind, VmError};
@@ -87,8 +87,11 @@ pub fn standby(
     let shell = restore::create_shell(mem_mib, vcpus, dirty_tracking, &mut shell_timings)?;
     register_kick_handler()?;
     // The vCPU threads too: a restore wakes them instead of creating them.
-    let spares = SpareThreads::spawn(shell.vcpus.len() as u8)?;
-    let mut spares = Some(spares);
+    // And the control server's, so a restore spawns no thread at all.
+    let mut spares = Some(Spares {
+        vcpus: SpareThreads::spawn(shell.vcpus.len() as u8)?,
+        control: control::SpareControl::spawn().map_err(RunError::ControlThread)?,
+    });
     let exit = ExitSignal::new().map_err(RunError::ExitEvent)?;
     tracing::info!(timings = ?shell_timings, "standby shell ready");
     crate::launch::serving();

@@ -240,7 +240,8 @@ fn sweep_stale_cgroups() {
                 .split('-')
                 .next()
                 .and_then(|p| p.parse::<u32>().ok());
-            if starter.is_some_and(|pid| !vmm::alive(pid)) {
+            // A cgroup with processes in it cannot be removed anyway.
+            if starter.is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists()) {
                 let _ = std::fs::remove_dir(entry.path());
             }
         }

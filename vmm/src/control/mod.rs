@@ -4,5 +4,5 @@
 
 pub mod server;
 
-pub use server::{bind, ControlServer, VmController};
+pub use server::{bind, ControlServer, SpareControl, VmController};
 pub use torpor_vmm_api::control::*;

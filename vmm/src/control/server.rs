@@ -64,28 +64,68 @@ pub struct ControlServer {
     _thread: JoinHandle<()>,
 }
 
-impl ControlServer {
-    pub fn start(
-        listener: UnixListener,
-        path: PathBuf,
-        vm: Arc<dyn VmController>,
-    ) -> std::io::Result<Self> {
+/// What a spare control thread waits for: the socket and the VM to serve.
+type Handover = (UnixListener, Arc<dyn VmController>);
+
+/// A control-server thread made ahead of time (by a standby shell), under
+/// its seccomp filter, waiting for the VM it will serve: a restore hands
+/// it the listener instead of spawning a thread on its critical path.
+pub struct SpareControl {
+    handover: std::sync::mpsc::Sender<Handover>,
+    answering: Arc<Mutex<()>>,
+    thread: JoinHandle<()>,
+}
+
+impl SpareControl {
+    pub fn spawn() -> std::io::Result<Self> {
+        let (handover, wait) = std::sync::mpsc::channel::<Handover>();
         let answering = Arc::new(Mutex::new(()));
         let lock = answering.clone();
         let thread = std::thread::Builder::new()
             .name("control".into())
             .spawn(move || {
                 crate::seccomp::enter(crate::seccomp::ThreadKind::Control);
-                for stream in listener.incoming() {
-                    match stream {
-                        Ok(s) => {
-                            if let Err(e) = serve_connection(s, vm.as_ref(), &lock) {
-                                tracing::debug!("control connection ended: {e}");
-                            }
-                        }
-                        Err(e) => tracing::warn!("control accept failed: {e}"),
-                    }
+                if let Ok((listener, vm)) = wait.recv() {
+                    serve(listener, vm.as_ref(), &lock);
                 }
+            })?;
+        Ok(Self {
+            handover,
+            answering,
+            thread,
+        })
+    }
+}
+
+impl ControlServer {
+    /// Serves `listener` on the `spare` thread, or on a new one.
+    pub fn start(
+        listener: UnixListener,
+        path: PathBuf,
+        vm: Arc<dyn VmController>,
+        spare: Option<SpareControl>,
+    ) -> std::io::Result<Self> {
+        let (listener, vm) = match spare {
+            Some(spare) => match spare.handover.send((listener, vm)) {
+                Ok(()) => {
+                    return Ok(Self {
+                        path,
+                        answering: spare.answering,
+                        _thread: spare.thread,
+                    })
+                }
+                // The spare is gone: serve on a new thread.
+                Err(std::sync::mpsc::SendError(handover)) => handover,
+            },
+            None => (listener, vm),
+        };
+        let answering = Arc::new(Mutex::new(()));
+        let lock = answering.clone();
+        let thread = std::thread::Builder::new()
+            .name("control".into())
+            .spawn(move || {
+                crate::seccomp::enter(crate::seccomp::ThreadKind::Control);
+                serve(listener, vm.as_ref(), &lock);
             })?;
         Ok(Self {
             path,
@@ -104,6 +144,20 @@ impl ControlServer {
 impl Drop for ControlServer {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// The control thread: accepts and answers, one connection at a time.
+fn serve(listener: UnixListener, vm: &dyn VmController, answering: &Mutex<()>) {
+    for stream in listener.incoming() {
+        match stream {
+            Ok(s) => {
+                if let Err(e) = serve_connection(s, vm, answering) {
+                    tracing::debug!("control connection ended: {e}");
+                }
+            }
+            Err(e) => tracing::warn!("control accept failed: {e}"),
+        }
     }
 }
 
@@ -234,6 +288,7 @@ mod tests {
             listener,
             path.clone(),
             Arc::new(FakeVm(Mutex::new(VmState::Running))),
+            None,
         )
         .unwrap();
         let t = Duration::from_secs(2);

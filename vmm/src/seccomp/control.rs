@@ -7,7 +7,7 @@
 //! write, sync, rename) and disk overlay copies.
 
 use super::ioctls;
-use super::rules::{base, Rules};
+use super::rules::{allow_fd_flags, base, Rules};
 use super::SeccompError;
 use crate::vstate::vcpu::kick_signal;
 
@@ -37,7 +37,6 @@ pub fn control_rules() -> Result<Rules, SeccompError> {
         libc::SYS_recvfrom,
         libc::SYS_sendto,
         libc::SYS_setsockopt,
-        libc::SYS_fcntl,
         // Snapshot files and disk overlay copies.
         libc::SYS_openat,
         libc::SYS_pread64,
@@ -55,6 +54,7 @@ pub fn control_rules() -> Result<Rules, SeccompError> {
         libc::SYS_readlink,
         libc::SYS_getcwd,
     ]);
+    allow_fd_flags(&mut r)?;
     r.allow_values(libc::SYS_tgkill, 2, &[kick_signal() as u64])?;
     let mut requests = ioctls::vm_read();
     requests.extend(ioctls::dirty_scan());

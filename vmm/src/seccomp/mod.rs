@@ -170,11 +170,6 @@ pub fn init(level: SeccompLevel) -> Result<(), SeccompError> {
         .map_err(|_| SeccompError::AlreadyInitialized)
 }
 
-/// Whether [`init`] set filters up (a level other than `off`).
-pub fn active() -> bool {
-    FILTERS.get().is_some()
-}
-
 /// Installs `kind`'s filter on the calling thread, once: a thread that
 /// already runs under it (a spare vCPU thread given its job) is left as
 /// it is. Does nothing when filters are off.
@@ -220,4 +215,4 @@ pub fn forbidden_syscall() -> std::io::Result<()> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -91,6 +91,12 @@ impl Rules {
         self.conditional.contains(&syscall)
     }
 
+    /// How many alternative argument rules allow `syscall` (for ioctl:
+    /// how many request numbers).
+    pub fn rule_count(&self, syscall: libc::c_long) -> usize {
+        self.map.get(&syscall).map_or(0, Vec::len)
+    }
+
     /// The allowed syscall numbers.
     pub fn syscalls(&self) -> impl Iterator<Item = i64> + '_ {
         self.map.keys().copied()
@@ -114,7 +120,6 @@ pub fn base() -> Result<Rules, SeccompError> {
         libc::SYS_exit,
         libc::SYS_exit_group,
         libc::SYS_munmap,
-        libc::SYS_madvise,
         libc::SYS_brk,
         libc::SYS_mremap,
         libc::SYS_sched_yield,
@@ -134,8 +139,28 @@ pub fn base() -> Result<Rules, SeccompError> {
     // A thread may abort itself (a failed assertion dies as SIGABRT, not
     // as a seccomp kill).
     r.allow_if(libc::SYS_tgkill, &[Arg::Eq(2, libc::SIGABRT as u64)])?;
+    // Giving memory back: freed heap, a finished thread's stack.
+    r.allow_if(libc::SYS_madvise, &[Arg::Eq(2, libc::MADV_DONTNEED as u64)])?;
     // Debug builds of std check that a descriptor is open before closing
     // it (F_GETFD reads one flag of the caller's own descriptor).
     r.allow_if(libc::SYS_fcntl, &[Arg::Eq(1, libc::F_GETFD as u64)])?;
     Ok(r)
+}
+
+/// fcntl as std uses it on descriptors a thread owns: descriptor and
+/// status flags, and `try_clone` (F_DUPFD_CLOEXEC). No locks, no owners,
+/// no signals.
+pub fn allow_fd_flags(r: &mut Rules) -> Result<(), SeccompError> {
+    r.allow_values(
+        libc::SYS_fcntl,
+        1,
+        &[
+            libc::F_GETFD as u64,
+            libc::F_SETFD as u64,
+            libc::F_GETFL as u64,
+            libc::F_SETFL as u64,
+            libc::F_DUPFD_CLOEXEC as u64,
+        ],
+    )?;
+    Ok(())
 }

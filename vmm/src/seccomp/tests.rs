@@ -4,6 +4,45 @@
 
 use super::*;
 
+/// Set in the environment of a test process started by
+/// [`run_in_confined_child`].
+const CHILD_ENV: &str = "TORPOR_SECCOMP_TEST_CHILD";
+
+/// For a test that checks real device code under its filter: true in the
+/// child process [`run_in_confined_child`] started, with the filters set
+/// up (enforced) so the device's threads install theirs as they start.
+/// The test then runs its scenario; in the parent it calls
+/// [`run_in_confined_child`] instead.
+pub(crate) fn confined_child() -> bool {
+    if std::env::var_os(CHILD_ENV).is_none() {
+        return false;
+    }
+    init(SeccompLevel::Enforce).expect("set the filters up");
+    true
+}
+
+/// Runs test `name` (its full path) alone in a new process of this test
+/// binary where [`confined_child`] is true; a system call outside a
+/// filter kills that process with SIGSYS and fails this test.
+pub(crate) fn run_in_confined_child(name: &str) {
+    let exe = std::env::current_exe().expect("the test binary");
+    let status = std::process::Command::new(exe)
+        .args([name, "--exact", "--test-threads=1", "--nocapture"])
+        .env(CHILD_ENV, "1")
+        .status()
+        .expect("run the confined test");
+    use std::os::unix::process::ExitStatusExt;
+    assert!(
+        status.success(),
+        "{name} under enforced seccomp filters: {status}{}",
+        if status.signal() == Some(libc::SIGSYS) {
+            " (a system call outside the allow-list; `dmesg | grep type=1326` names it)"
+        } else {
+            ""
+        }
+    );
+}
+
 /// Forks; the child installs `kind`'s enforcing filter, runs `call` and
 /// exits 0. Returns the child's wait status.
 fn in_confined_child(kind: ThreadKind, call: impl FnOnce()) -> i32 {
@@ -140,4 +179,34 @@ fn vsock_may_open_unix_sockets_only() {
     assert!(exited_cleanly(unix), "status {unix:#x}");
     let inet = in_confined_child(ThreadKind::Vsock, socket(libc::AF_INET));
     assert!(killed_by_sigsys(inet), "status {inet:#x}");
+}
+
+/// `| `kind` | syscalls | with argument rules | ioctl requests |` rows of
+/// docs/security.md: the documented counts are the filters' own.
+#[test]
+fn the_documented_counts_are_the_filters() {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/security.md"))
+        .expect("docs/security.md");
+    let missing: Vec<String> = ThreadKind::ALL
+        .into_iter()
+        .map(|kind| {
+            let rules = kind.rules().unwrap();
+            let syscalls = rules.syscalls().count();
+            let conditional = rules
+                .syscalls()
+                .filter(|&s| rules.is_conditional(s))
+                .count();
+            let ioctls = rules.rule_count(libc::SYS_ioctl);
+            format!(
+                "| `{}` | {syscalls} | {conditional} | {ioctls} |",
+                kind.name()
+            )
+        })
+        .filter(|row| !doc.lines().any(|l| l.starts_with(row)))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "docs/security.md lacks rows starting:\n{}",
+        missing.join("\n")
+    );
 }

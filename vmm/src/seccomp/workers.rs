@@ -1,7 +1,7 @@
 //! Device workers' and helper threads' allow-lists.
 
 use super::ioctls;
-use super::rules::{base, Arg, Rules};
+use super::rules::{allow_fd_flags, base, Arg, Rules};
 use super::SeccompError;
 
 /// The epoll loop every device worker runs: wait, read its eventfds,
@@ -30,8 +30,14 @@ pub fn vsock_rules() -> Result<Rules, SeccompError> {
         libc::SYS_shutdown,
         libc::SYS_getsockopt,
         libc::SYS_setsockopt,
-        libc::SYS_fcntl,
+        // The device removes its host socket file when it ends, if the
+        // file is still the one it bound (the thread holding the last
+        // reference drops it).
+        libc::SYS_statx,
+        libc::SYS_newfstatat,
+        libc::SYS_unlink,
     ]);
+    allow_fd_flags(&mut r)?;
     // Unix sockets only: no path to the host's network.
     r.allow_if(libc::SYS_socket, &[Arg::Eq(0, libc::AF_UNIX as u64)])?;
     r.allow_values(libc::SYS_ioctl, 1, &[ioctls::fionbio()])?;
@@ -55,8 +61,8 @@ pub fn uffd_rules() -> Result<Rules, SeccompError> {
         libc::SYS_poll,
         libc::SYS_ppoll,
         libc::SYS_pread64,
-        libc::SYS_fcntl,
     ]);
+    allow_fd_flags(&mut r)?;
     r.allow_values(libc::SYS_ioctl, 1, &ioctls::uffd_serve())?;
     Ok(r)
 }
@@ -75,8 +81,8 @@ pub fn working_set_rules() -> Result<Rules, SeccompError> {
         libc::SYS_statx,
         libc::SYS_newfstatat,
         libc::SYS_fstat,
-        libc::SYS_fcntl,
     ]);
+    allow_fd_flags(&mut r)?;
     Ok(r)
 }
 

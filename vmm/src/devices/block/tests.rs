@@ -388,3 +388,36 @@ fn overlay_map_runs_round_trip_and_reject_garbage() {
         Err(DiskError::Unaligned { .. })
     ));
 }
+
+/// Requests run on the vCPU thread that notified the queue: the same
+/// reads, copy-ups, writes and flushes on a thread under the vCPU filter.
+#[test]
+fn requests_run_under_the_vcpu_seccomp_filter() {
+    if !crate::seccomp::tests::confined_child() {
+        crate::seccomp::tests::run_in_confined_child(
+            "devices::block::tests::requests_run_under_the_vcpu_seccomp_filter",
+        );
+        return;
+    }
+    let dir = TempDir::new("blk-seccomp");
+    let base = make_base(dir.path());
+    let mem = guest_mem(MEM);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // Opened first, as the VMM opens its disks before the vCPUs run.
+            let mut r = rig(&mem, writable(dir.path(), &base, "a.overlay"));
+            crate::seccomp::enter(crate::seccomp::ThreadKind::Vcpu);
+            let (st, _, data) = r.read(0, 8192);
+            assert_eq!(st, VIRTIO_BLK_S_OK);
+            assert_eq!(data, expected(0..8192));
+            assert_eq!(r.write(3, &[0x11; 1024]), (VIRTIO_BLK_S_OK, 1));
+            assert_eq!(r.write(15, &[0x22; 4096]), (VIRTIO_BLK_S_OK, 1));
+            let (st, _, data) = r.read(0, 512 * 4);
+            assert_eq!(st, VIRTIO_BLK_S_OK);
+            assert_eq!(&data[1536..2048], &[0x11; 512]);
+            assert_eq!(r.simple(VIRTIO_BLK_T_FLUSH), (VIRTIO_BLK_S_OK, 1));
+        })
+        .join()
+        .expect("the confined vCPU-side thread");
+    });
+}

@@ -58,8 +58,17 @@ fn config_space_holds_the_guest_cid() {
 
 #[test]
 fn host_connect_handshake_relays_both_ways() {
+    host_connect_relays(false);
+}
+
+/// With `worker`, the device thread (and its seccomp filter, if set up)
+/// does the device's side.
+fn host_connect_relays(worker: bool) {
     let mem = guest_mem(MEM);
     let mut r = Rig::new(&mem, "vsock-host");
+    if worker {
+        r.start_worker();
+    }
     // Bytes right behind the CONNECT line are kept for the guest.
     let (mut host, port) = r.host_connect(52, b"early ");
     host.write_all(b"hello").unwrap();
@@ -79,8 +88,32 @@ fn host_connect_handshake_relays_both_ways() {
 
 #[test]
 fn guest_connects_to_a_host_port_and_closes() {
+    guest_connects_and_closes(false);
+}
+
+/// The worker thread does the device's side under its own seccomp filter:
+/// host- and guest-initiated connections, data both ways, refusals,
+/// shutdowns, pausing under traffic.
+#[test]
+fn the_worker_thread_runs_under_its_seccomp_filter() {
+    if !crate::seccomp::tests::confined_child() {
+        crate::seccomp::tests::run_in_confined_child(
+            "devices::vsock::tests::the_worker_thread_runs_under_its_seccomp_filter",
+        );
+        return;
+    }
+    host_connect_relays(true);
+    guest_connects_and_closes(true);
+    worker_thread_serves_the_handshake();
+    paused_worker_leaves_memory_and_queues_alone_under_traffic();
+}
+
+fn guest_connects_and_closes(worker: bool) {
     let mem = guest_mem(MEM);
     let mut r = Rig::new(&mem, "vsock-guest");
+    if worker {
+        r.start_worker();
+    }
     let listener = UnixListener::bind(guest_target(&r.uds, 1234)).unwrap();
     r.send(Rig::hdr(5000, 1234, OP_REQUEST), &[]);
     let resp = r.expect(OP_RESPONSE);

@@ -47,7 +47,7 @@ fn pfn(addr: usize) -> Option<u64> {
 }
 
 #[test]
-fn minor_mode_shares_base_pages_and_privatises_the_rest() {
+pub(super) fn minor_mode_shares_base_pages_and_privatises_the_rest() {
     let fx = Fixture::new();
     let (base, layers) = minor_layers(&fx);
     let blocks_before = allocated_blocks(&base);
@@ -109,7 +109,7 @@ fn minor_mode_shares_base_pages_and_privatises_the_rest() {
 }
 
 #[test]
-fn minor_mode_prefetch() {
+pub(super) fn minor_mode_prefetch() {
     let fx = Fixture::new();
     let (base, layers) = minor_layers(&fx);
     let blocks_before = allocated_blocks(&base);

@@ -35,7 +35,7 @@ fn newest_diff_wins() {
 }
 
 #[test]
-fn missing_mode_serves_each_page_from_its_layer() {
+pub(super) fn missing_mode_serves_each_page_from_its_layer() {
     let fx = Fixture::new();
     let mem = Mapping::anonymous(PAGES as usize * PS);
     let (server, failures) = start(vec![mem.region(0)], fx.layers(), missing(vec![], None));
@@ -57,7 +57,7 @@ fn missing_mode_serves_each_page_from_its_layer() {
 }
 
 #[test]
-fn write_faults_install_the_page_then_the_write() {
+pub(super) fn write_faults_install_the_page_then_the_write() {
     let fx = Fixture::new();
     let mem = Mapping::anonymous(PAGES as usize * PS);
     let (server, _failures) = start(vec![mem.region(0)], fx.layers(), missing(vec![], None));
@@ -131,7 +131,7 @@ fn prefetched_pages_need_no_fault() {
 }
 
 #[test]
-fn prefetch_and_faults_interleave() {
+pub(super) fn prefetch_and_faults_interleave() {
     // Every page prefetched in ascending order while another thread reads
     // them in descending order: each page is installed exactly once, by
     // whichever gets there first, and every read is right.
@@ -194,7 +194,7 @@ fn no_recording_without_a_window() {
 }
 
 #[test]
-fn truncated_base_fails_loudly_and_stops_answering() {
+pub(super) fn truncated_base_fails_loudly_and_stops_answering() {
     let fx = Fixture::new();
     let mem = Mapping::anonymous(PAGES as usize * PS);
     let (server, failures) = start(vec![mem.region(0)], fx.layers(), missing(vec![], None));
@@ -274,7 +274,7 @@ fn panics_and_errors_reach_on_failure_once() {
 }
 
 #[test]
-fn kernel_mode_faults_are_served() {
+pub(super) fn kernel_mode_faults_are_served() {
     // KVM reaches guest memory through get_user_pages and devices through
     // system calls: both fault in kernel mode.
     let fx = Fixture::new();

@@ -333,3 +333,25 @@ mod minor_mode;
 mod missing_mode;
 mod rates;
 mod write_protect;
+
+/// The page server thread does its work under its own seccomp filter:
+/// missing and minor faults from user and kernel mode, prefetch,
+/// write-protected installs, a failure.
+#[test]
+fn the_page_server_runs_under_its_seccomp_filter() {
+    if !crate::seccomp::tests::confined_child() {
+        crate::seccomp::tests::run_in_confined_child(
+            "uffd::tests::the_page_server_runs_under_its_seccomp_filter",
+        );
+        return;
+    }
+    missing_mode::missing_mode_serves_each_page_from_its_layer();
+    missing_mode::write_faults_install_the_page_then_the_write();
+    missing_mode::prefetch_and_faults_interleave();
+    missing_mode::kernel_mode_faults_are_served();
+    missing_mode::truncated_base_fails_loudly_and_stops_answering();
+    minor_mode::minor_mode_shares_base_pages_and_privatises_the_rest();
+    minor_mode::minor_mode_prefetch();
+    write_protect::missing_mode_installs_pages_protected();
+    write_protect::minor_mode_installs_pages_protected();
+}

@@ -39,7 +39,7 @@ fn reports_only_written_pages(mem: &Mapping, server: &PageServer) {
 }
 
 #[test]
-fn missing_mode_installs_pages_protected() {
+pub(super) fn missing_mode_installs_pages_protected() {
     let fx = Fixture::new();
     let mem = Mapping::anonymous(PAGES as usize * PS);
     let mut opts = missing(vec![], None);
@@ -50,7 +50,7 @@ fn missing_mode_installs_pages_protected() {
 }
 
 #[test]
-fn minor_mode_installs_pages_protected() {
+pub(super) fn minor_mode_installs_pages_protected() {
     let fx = Fixture::new();
     let (base, layers) = minor_layers(&fx);
     let mem = Mapping::private_file(&base, PAGES as usize * PS, 0);
