@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use torpor_vmm::devices::virtio::driver::{negotiate, write32};
-use torpor_vmm::devices::virtio::{status, MmioDevice, VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1};
+use torpor_vmm::devices::virtio::{
+    status, MmioDevice, VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1,
+};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 /// Guest RAM of every device target: small, so that fuzzed addresses often
@@ -47,7 +49,8 @@ impl<'a> Input<'a> {
 pub fn guest_mem(image: &[u8]) -> GuestMemoryMmap {
     let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).expect("guest memory");
     let n = image.len().min(MEM_SIZE);
-    mem.write_slice(&image[..n], GuestAddress(0)).expect("fill guest memory");
+    mem.write_slice(&image[..n], GuestAddress(0))
+        .expect("fill guest memory");
     mem
 }
 
