@@ -100,11 +100,21 @@ pub fn notify(dev: &mut dyn MmioDevice, index: u32) {
     write32(dev, 0x50, index);
 }
 
-/// A scratch directory of this fuzz process, made once.
+/// A scratch directory of this fuzz process, made once. libFuzzer ends
+/// the process without unwinding, so the directories of fuzz processes
+/// that are gone are removed here instead.
 pub fn scratch() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("torpor-fuzz-{}", std::process::id()));
+        let tmp = std::env::temp_dir();
+        for entry in std::fs::read_dir(&tmp).into_iter().flatten().flatten() {
+            let name = entry.file_name();
+            let pid = name.to_str().and_then(|n| n.strip_prefix("torpor-fuzz-"));
+            if pid.is_some_and(|p| !Path::new("/proc").join(p).exists()) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+        let dir = tmp.join(format!("torpor-fuzz-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("scratch directory");
         dir
