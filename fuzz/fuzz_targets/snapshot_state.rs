@@ -30,7 +30,9 @@ fn base() -> &'static Path {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(mut state) = read_state_bytes::<MicrovmState>(Path::new("fuzz/state"), &state_input(data)) else {
+    let Ok(mut state) =
+        read_state_bytes::<MicrovmState>(Path::new("fuzz/state"), &state_input(data))
+    else {
         return;
     };
     let mem = guest_mem(&[]);

@@ -20,7 +20,7 @@ fn base() -> &'static std::path::Path {
     static BASE: OnceLock<std::path::PathBuf> = OnceLock::new();
     BASE.get_or_init(|| {
         let path = scratch().join("base.img");
-        let bytes: Vec<u8> = (0..DISK).map(|i| (i / 512 ^ i) as u8).collect();
+        let bytes: Vec<u8> = (0..DISK).map(|i| ((i / 512) ^ i) as u8).collect();
         std::fs::write(&path, bytes).expect("base image");
         path
     })

@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use torpor_vmm::devices::virtio::driver::{negotiate, write32};
-use torpor_vmm::devices::virtio::{status, MmioDevice, VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1};
+use torpor_vmm::devices::virtio::{
+    status, MmioDevice, VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1,
+};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 /// Guest RAM of every device target: small, so that fuzzed addresses often
@@ -47,7 +49,8 @@ impl<'a> Input<'a> {
 pub fn guest_mem(image: &[u8]) -> GuestMemoryMmap {
     let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).expect("guest memory");
     let n = image.len().min(MEM_SIZE);
-    mem.write_slice(&image[..n], GuestAddress(0)).expect("fill guest memory");
+    mem.write_slice(&image[..n], GuestAddress(0))
+        .expect("fill guest memory");
     mem
 }
 
@@ -97,11 +100,21 @@ pub fn notify(dev: &mut dyn MmioDevice, index: u32) {
     write32(dev, 0x50, index);
 }
 
-/// A scratch directory of this fuzz process, made once.
+/// A scratch directory of this fuzz process, made once. libFuzzer ends
+/// the process without unwinding, so the directories of fuzz processes
+/// that are gone are removed here instead.
 pub fn scratch() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("torpor-fuzz-{}", std::process::id()));
+        let tmp = std::env::temp_dir();
+        for entry in std::fs::read_dir(&tmp).into_iter().flatten().flatten() {
+            let name = entry.file_name();
+            let pid = name.to_str().and_then(|n| n.strip_prefix("torpor-fuzz-"));
+            if pid.is_some_and(|p| !Path::new("/proc").join(p).exists()) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+        let dir = tmp.join(format!("torpor-fuzz-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("scratch directory");
         dir

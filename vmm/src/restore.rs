@@ -79,6 +79,8 @@ pub enum RestoreError {
         shell_mib: u64,
         shell_vcpus: u16,
     },
+    #[error("snapshot {layer}'s diff pages are invalid: {detail}")]
+    BadPages { layer: PathBuf, detail: String },
     #[error("snapshot {snapshot} has {found} vCPU states but describes {expected} vCPUs")]
     VcpuCount {
         snapshot: PathBuf,
@@ -130,9 +132,10 @@ impl RestoreError {
             RestoreError::ParentMismatch { child, .. } => {
                 VmError::new(ErrorKind::BadSnapshot, msg).with_layer(child)
             }
-            RestoreError::VcpuCount { snapshot, .. } => {
-                VmError::new(ErrorKind::BadSnapshot, msg).with_layer(snapshot)
-            }
+            RestoreError::VcpuCount { snapshot, .. }
+            | RestoreError::BadPages {
+                layer: snapshot, ..
+            } => VmError::new(ErrorKind::BadSnapshot, msg).with_layer(snapshot),
             RestoreError::State(_) => VmError::new(ErrorKind::BadSnapshot, msg),
             RestoreError::ShellMismatch { .. } | RestoreError::DirtyTrackingMismatch { .. } => {
                 VmError::new(ErrorKind::InvalidRequest, msg)
@@ -198,6 +201,7 @@ pub fn load_chain(dir: &Path) -> Result<SnapshotChain, RestoreError> {
                 break;
             }
             MemoryLayer::Diff { parent, pages } => {
+                check_pages(&layer_dir, &pages, mem_len)?;
                 let parent = if parent.is_absolute() {
                     parent
                 } else {
@@ -229,6 +233,26 @@ pub fn load_chain(dir: &Path) -> Result<SnapshotChain, RestoreError> {
         top_dir,
         state,
         layers,
+    })
+}
+
+/// A diff layer's pages, decoded from its state file, must be sorted,
+/// disjoint and inside guest memory before anything maps or serves them.
+fn check_pages(layer: &Path, pages: &PageRuns, mem_len: u64) -> Result<(), RestoreError> {
+    let total = mem_len / PAGE_SIZE;
+    let detail = if !pages.is_well_formed() {
+        "runs not sorted, empty, touching or overflowing".to_string()
+    } else if pages.end_page() > total {
+        format!(
+            "pages up to {} in {total} pages of memory",
+            pages.end_page()
+        )
+    } else {
+        return Ok(());
+    };
+    Err(RestoreError::BadPages {
+        layer: layer.to_path_buf(),
+        detail,
     })
 }
 
@@ -537,5 +561,34 @@ mod tests {
         assert_eq!(out[0], (a.wrapping_add(2 * 4096), 2 * 4096, 2 * 4096));
         assert_eq!(out[1], (b, 2 * 4096, 4 * 4096));
         assert!(run_spans(&spans, 8, 1).is_empty());
+    }
+}
+
+/// A diff layer's pages come from its state file: they are checked before
+/// anything maps or serves them (review of the fuzz target
+/// snapshot_layers, which asserts this of every chain that loads).
+#[cfg(test)]
+mod page_checks {
+    use super::*;
+
+    fn runs(r: &[(u64, u64)]) -> PageRuns {
+        bincode::deserialize(&bincode::serialize(&r.to_vec()).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn diff_pages_must_be_sorted_and_inside_memory() {
+        let dir = Path::new("/snap");
+        let mem = 64 * PAGE_SIZE;
+        assert!(check_pages(dir, &runs(&[(0, 2), (10, 54)]), mem).is_ok());
+        for bad in [
+            &[(0, 65)][..],
+            &[(u64::MAX, 2)],
+            &[(10, 1), (2, 1)],
+            &[(3, 0)],
+        ] {
+            let e = check_pages(dir, &runs(bad), mem).expect_err("bad runs accepted");
+            assert!(matches!(e, RestoreError::BadPages { .. }), "{e}");
+            assert_eq!(e.vm_error().kind, torpor_vmm_api::ErrorKind::BadSnapshot);
+        }
     }
 }

@@ -95,14 +95,20 @@ impl OverlayMap {
         runs
     }
 
+    /// The map of sorted, disjoint `(first, count)` runs within `chunks`
+    /// (so building it costs at most `chunks` steps, whatever the runs).
     pub fn from_runs(chunks: u64, runs: &[(u64, u64)]) -> Result<Self, DiskError> {
         let mut map = Self::new(chunks);
+        let mut done = 0;
         for &(first, count) in runs {
             match first.checked_add(count) {
-                Some(end) if end <= chunks => (first..end).for_each(|c| map.set(c)),
+                Some(end) if end <= chunks && first >= done => {
+                    (first..end).for_each(|c| map.set(c));
+                    done = end;
+                }
                 _ => {
                     return Err(DiskError::BadMap(format!(
-                        "run {first}+{count} beyond {chunks} chunks"
+                        "run {first}+{count} beyond {chunks} chunks or not after chunk {done}"
                     )))
                 }
             }
@@ -135,6 +141,25 @@ fn open_base(path: &Path) -> Result<(File, u64), DiskError> {
         });
     }
     Ok((base, size))
+}
+
+/// The base image, which must have `size` bytes.
+fn open_base_sized(path: &Path, size: u64) -> Result<File, DiskError> {
+    let (base, actual) = open_base(path)?;
+    if actual != size {
+        return Err(DiskError::SizeChanged {
+            path: path.into(),
+            actual,
+            expected: size,
+        });
+    }
+    Ok(base)
+}
+
+/// Checks that the base image at `path` has `size` bytes: a saved disk
+/// size is checked against the real file before anything is sized by it.
+pub fn check_base(path: &Path, size: u64) -> Result<(), DiskError> {
+    open_base_sized(path, size).map(drop)
 }
 
 fn open_overlay(path: &Path, truncate: bool) -> Result<File, DiskError> {
@@ -181,14 +206,7 @@ impl CowDisk {
         size: u64,
         map: OverlayMap,
     ) -> Result<Self, DiskError> {
-        let (base_file, actual) = open_base(base)?;
-        if actual != size {
-            return Err(DiskError::SizeChanged {
-                path: base.into(),
-                actual,
-                expected: size,
-            });
-        }
+        let base_file = open_base_sized(base, size)?;
         if map.chunks() != size.div_ceil(CHUNK_SIZE) {
             return Err(DiskError::BadMap(format!(
                 "{} chunks for a disk of {size} bytes",

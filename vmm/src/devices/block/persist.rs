@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::device::{BlockDevice, BlockError};
-use super::disk::{copy_overlay, CowDisk, OverlayMap, CHUNK_SIZE};
+use super::disk::{check_base, copy_overlay, CowDisk, OverlayMap, CHUNK_SIZE};
 use crate::persist::Persist;
 
 /// Plain-data state of a block device.
@@ -88,8 +88,10 @@ impl Persist for BlockDevice {
             ))
             .into());
         }
-        let map = state.map()?;
         let base = args.base_path.as_ref().unwrap_or(&state.base_path);
+        // The saved size sizes the overlay map: check it first.
+        check_base(base, state.disk_size)?;
+        let map = state.map()?;
         let overlay = match (&state.overlay_path, args.overlay_path) {
             (None, _) => None,
             (Some(saved), Some(own)) if own != *saved => {

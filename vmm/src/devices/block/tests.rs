@@ -421,3 +421,46 @@ fn requests_run_under_the_vcpu_seccomp_filter() {
         .expect("the confined vCPU-side thread");
     });
 }
+
+/// Fuzzing found (`fuzz/`, target snapshot_state): a state file's disk
+/// size sized the overlay map before it was checked against the base
+/// image, so a huge one aborted the VMM on allocation. Now the size is
+/// checked first, and overlapping runs (which made building the map cost
+/// runs x chunks) are refused.
+#[test]
+fn saved_sizes_and_runs_are_checked_before_use() {
+    let dir = TempDir::new("blk-fuzzed-state");
+    let base = make_base(dir.path());
+    let mem = guest_mem(MEM);
+    let a = rig(&mem, writable(dir.path(), &base, "a.overlay"));
+    let state = a.t.save();
+    let restore = |state: &crate::devices::virtio::VirtioMmioState<BlockState>| {
+        let args = MmioRestoreArgs {
+            mem: mem.clone(),
+            irq: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+            device: BlockRestoreArgs {
+                overlay_path: Some(dir.path().join("own.overlay")),
+                base_path: None,
+            },
+        };
+        BlockMmio::restore(args, state).map(drop)
+    };
+    restore(&state).expect("the saved state restores");
+
+    let mut huge = state.clone();
+    huge.device.disk_size = 0x11c0_0000_0000_0000;
+    match restore(&huge) {
+        Err(e) => assert!(e.to_string().contains("saved disk"), "{e}"),
+        Ok(()) => panic!("a disk size the base does not have was restored"),
+    }
+
+    let mut overlapping = state.clone();
+    let chunks = DISK / CHUNK_SIZE;
+    overlapping.device.overlay_chunks = vec![(0, chunks); 100_000];
+    match restore(&overlapping) {
+        Err(e) => assert!(e.to_string().contains("not after chunk"), "{e}"),
+        Ok(()) => panic!("overlapping runs were accepted"),
+    }
+    assert!(OverlayMap::from_runs(8, &[(0, 2), (2, 3), (6, 2)]).is_ok());
+    assert!(OverlayMap::from_runs(8, &[(2, 2), (0, 1)]).is_err());
+}
