@@ -156,15 +156,37 @@ fn networks_are_created_counted_and_removed_without_leftovers() {
     let d = m.create("sbx-d", &EgressPolicy::default()).unwrap();
     assert_eq!(d.index, 0);
 
+    // A restarted service whose sandbox b still runs keeps b's network
+    // (found by its rule tags) and removes the rest.
+    let restarted = NetManager::new(m.config().clone()).unwrap();
+    let kept = restarted.adopt(&|id| id == "sbx-b").unwrap();
+    assert_eq!(kept, vec![b.clone()]);
+    assert_eq!(
+        restarted.leftovers().unwrap(),
+        Leftovers {
+            namespaces: 1,
+            veths: 1,
+            rules: 2
+        }
+    );
+    assert!(matches!(
+        restarted.create("sbx-b", &EgressPolicy::default()),
+        Err(NetError::Exists(_))
+    ));
+    let f = restarted.create("sbx-f", &EgressPolicy::default()).unwrap();
+    assert_ne!(f.index, b.index, "the adopted slot stays taken");
+    restarted.delete(&f).unwrap();
+    let m = restarted;
+
     // A restarted service knows nothing: it removes everything left.
     let restarted = NetManager::new(m.config().clone()).unwrap();
     let found = restarted.recover().unwrap();
     assert_eq!(
         found,
         Leftovers {
-            namespaces: 3,
-            veths: 3,
-            rules: 6
+            namespaces: 1,
+            veths: 1,
+            rules: 2
         }
     );
     assert_eq!(restarted.leftovers().unwrap(), Leftovers::default());
