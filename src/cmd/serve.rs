@@ -88,6 +88,26 @@ fn exit_status(result: Result<(), String>) -> i32 {
     }
 }
 
+/// `--sandbox-network` and its egress flags.
+fn sandbox_networking(
+    flags: &ServiceFlags,
+) -> Result<torpor_scheduler::service::SandboxNetworking, String> {
+    use torpor_scheduler::net::{Cidr, EgressPolicy};
+    let cidrs = |list: &[String]| -> Result<Vec<Cidr>, String> {
+        list.iter()
+            .map(|c| c.parse::<Cidr>().map_err(|e| e.to_string()))
+            .collect()
+    };
+    Ok(torpor_scheduler::service::SandboxNetworking {
+        names: Default::default(),
+        egress: EgressPolicy {
+            allow_internet: !flags.no_internet,
+            allow_out: cidrs(&flags.allow_out)?,
+            deny_out: cidrs(&flags.deny_out)?,
+        },
+    })
+}
+
 /// The local pod's service in `data_dir`; `who` prefixes what it prints.
 fn open_service(
     who: &str,
@@ -105,6 +125,9 @@ fn open_service(
     config.standby_pool = flags.standby_pool;
     config.memory_backend = flags.memory_backend.backend();
     config.dirty_tracking = flags.dirty_tracking.tracking();
+    if flags.sandbox_network {
+        config.net = Some(sandbox_networking(flags)?);
+    }
     println!("{who}: data dir {}", data_dir.display());
     let host = &config.host;
     let kinds: Vec<&str> = host.kinds().iter().map(|k| k.as_str()).collect();

@@ -13,6 +13,7 @@ mod layers;
 mod lifetime;
 mod linux;
 mod locks;
+mod network;
 mod ops;
 mod policy;
 pub mod pool;
@@ -82,6 +83,18 @@ pub struct ServiceConfig {
     /// Timeout of an exec that names none, and the longest one may name
     /// (so no exec holds a blocking thread for ever).
     pub exec_timeout_ms: u64,
+    /// Networking for Linux sandboxes (a namespace, tap and NAT each);
+    /// `None`: they have no network device.
+    pub net: Option<SandboxNetworking>,
+}
+
+/// How Linux sandboxes are networked (see `crate::net`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SandboxNetworking {
+    /// Names and the address pool on the host.
+    pub names: crate::net::NetConfig,
+    /// Every sandbox's egress policy (open by default).
+    pub egress: crate::net::EgressPolicy,
 }
 
 impl ServiceConfig {
@@ -97,6 +110,7 @@ impl ServiceConfig {
             default_ratio: 4.0,
             policy_interval_ms: 1000,
             exec_timeout_ms: DEFAULT_EXEC_TIMEOUT_MS,
+            net: None,
         }
     }
 }
@@ -265,6 +279,9 @@ pub struct Service {
     stop: Arc<std::sync::atomic::AtomicBool>,
     /// Standby VMM shells for creates and wakes.
     pool: Arc<pool::StandbyPool>,
+    /// Sandbox networks, when `config.net` is set.
+    net: Option<crate::net::NetManager>,
+    nets: Mutex<HashMap<SandboxId, crate::net::SandboxNet>>,
 }
 
 impl Service {
@@ -287,7 +304,16 @@ impl Service {
             config.standby_pool,
             config.dirty_tracking,
         )?;
+        let net = match &config.net {
+            Some(n) => Some(
+                crate::net::NetManager::new(n.names.clone())
+                    .map_err(|e| ServiceError::Internal(format!("sandbox network: {e}")))?,
+            ),
+            None => None,
+        };
         let service = Arc::new(Self {
+            net,
+            nets: Mutex::new(HashMap::new()),
             config,
             store,
             locks: locks::SandboxLocks::default(),
@@ -299,6 +325,7 @@ impl Service {
         });
         service.ensure_local_pod()?;
         service.recover()?;
+        service.adopt_networks()?;
         service.ensure_probe_template()?;
         for t in service.store.list_templates(false)? {
             if t.state == crate::model::TemplateState::Ready {
@@ -375,3 +402,5 @@ impl Service {
 
 #[cfg(test)]
 mod lifecycle_tests;
+#[cfg(test)]
+mod network_tests;
