@@ -15,7 +15,7 @@
 
 mod rules;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::collections::BTreeMap;
 use std::io::Write;

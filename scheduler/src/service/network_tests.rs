@@ -3,48 +3,19 @@
 //! (kill -9), a sandbox's network is made once for its VMM and goes when
 //! the VMM stops. Skips (loudly) without root, nft or /dev/net/tun.
 
-use std::process::Command;
-
 use super::lifecycle_tests::{running, service_with};
 use super::*;
-use crate::net::{EgressPolicy, Leftovers, NetConfig, NetManager};
-
-struct HostNs(String);
-
-impl Drop for HostNs {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
+use crate::net::tests::{manager, Cleanup};
+use crate::net::{EgressPolicy, Leftovers};
 
 #[test]
 fn the_service_recovers_leftovers_and_ties_networks_to_vmms() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("SKIP service networking: needs root");
+    let Some((before, _host)) = manager("svc", "10.203.0.0/24") else {
         return;
-    }
-    let nft = Command::new("nft").arg("--version").output();
-    if !nft.is_ok_and(|o| o.status.success()) || !std::path::Path::new("/dev/net/tun").exists() {
-        eprintln!("SKIP service networking: needs nft and /dev/net/tun");
-        return;
-    }
-    let tag = format!("{:x}", std::process::id() & 0xffff);
-    let host = HostNs(format!("tsvc-host-{tag}"));
-    assert!(Command::new("ip")
-        .args(["netns", "add", &host.0])
-        .status()
-        .unwrap()
-        .success());
-    let names = NetConfig {
-        netns_prefix: format!("tsvc-{tag}-"),
-        veth_prefix: format!("c{tag}v"),
-        table: "torpor_svc".into(),
-        host_netns: Some(host.0.clone()),
-        pool: "10.203.0.0/24".parse().unwrap(),
     };
+    let _cleanup = Cleanup(&before);
+    let names = before.config().clone();
     // What a service killed with -9 left behind.
-    let before = NetManager::new(names.clone()).unwrap();
     before.create("old-1", &EgressPolicy::default()).unwrap();
     before.create("old-2", &EgressPolicy::default()).unwrap();
     assert_eq!(before.leftovers().unwrap().namespaces, 2);
