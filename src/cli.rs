@@ -393,6 +393,23 @@ pub struct ServiceFlags {
     /// How long a deleted sandbox's row is kept before it is pruned.
     #[arg(long, default_value_t = torpor_scheduler::service::DEFAULT_DELETED_RETENTION_MS, value_name = "N")]
     pub deleted_retention_ms: u64,
+    /// Give Linux sandboxes a network: a namespace each (torpor-sbx-N)
+    /// with tap0, a veth to the host (10.200.0.0/16) and NAT; needs root,
+    /// `ip` and `nft`. Egress is open; see docs/design.md (Networking).
+    #[arg(long)]
+    pub sandbox_network: bool,
+    /// With --sandbox-network: sandboxes reach only their host and the
+    /// networks given with --allow-out.
+    #[arg(long, requires = "sandbox_network")]
+    pub no_internet: bool,
+    /// With --sandbox-network: a network (a.b.c.d/len) sandboxes may reach;
+    /// repeatable.
+    #[arg(long, value_name = "CIDR", requires = "sandbox_network")]
+    pub allow_out: Vec<String>,
+    /// With --sandbox-network: a network sandboxes may not reach (wins over
+    /// --allow-out); repeatable.
+    #[arg(long, value_name = "CIDR", requires = "sandbox_network")]
+    pub deny_out: Vec<String>,
 }
 
 /// The memory backends a pod restores with.

@@ -115,6 +115,26 @@ fn exit_status(result: Result<(), String>) -> i32 {
     }
 }
 
+/// `--sandbox-network` and its egress flags.
+fn sandbox_networking(
+    flags: &ServiceFlags,
+) -> Result<torpor_scheduler::service::SandboxNetworking, String> {
+    use torpor_scheduler::net::{Cidr, EgressPolicy};
+    let cidrs = |list: &[String]| -> Result<Vec<Cidr>, String> {
+        list.iter()
+            .map(|c| c.parse::<Cidr>().map_err(|e| e.to_string()))
+            .collect()
+    };
+    Ok(torpor_scheduler::service::SandboxNetworking {
+        names: Default::default(),
+        egress: EgressPolicy {
+            allow_internet: !flags.no_internet,
+            allow_out: cidrs(&flags.allow_out)?,
+            deny_out: cidrs(&flags.deny_out)?,
+        },
+    })
+}
+
 /// The local pod's service in `data_dir`; `who` prefixes what it prints.
 fn open_service(
     who: &str,
@@ -157,6 +177,9 @@ fn open_service(
     config.dirty_tracking = flags.dirty_tracking.tracking();
     config.images_dir = flags.images_dir.clone();
     config.deleted_retention_ms = flags.deleted_retention_ms;
+    if flags.sandbox_network {
+        config.net = Some(sandbox_networking(flags)?);
+    }
     println!("{who}: data dir {}", data_dir.display());
     let host = &config.host;
     let kinds: Vec<&str> = host.kinds().iter().map(|k| k.as_str()).collect();

@@ -8,6 +8,7 @@
 use std::ffi::CStr;
 use std::io;
 use std::net::Ipv4Addr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 /// Ethernet + ARP request: 42 bytes.
 pub const ARP_FRAME_LEN: usize = 42;
@@ -75,20 +76,32 @@ pub fn ipv4_addresses() -> io::Result<Vec<Announce>> {
     Ok(out)
 }
 
-fn parse_mac(text: &str) -> Option<[u8; 6]> {
-    let mut mac = [0u8; 6];
-    let mut parts = text.trim().split(':');
-    for b in &mut mac {
-        *b = u8::from_str_radix(parts.next()?, 16).ok()?;
+/// The interface's Ethernet address (`SIOCGIFHWADDR` on socket `fd`).
+fn hardware_address(fd: libc::c_int, name: &str) -> io::Result<[u8; 6]> {
+    // SAFETY: ifreq is plain data; all-zero is valid.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    if name.len() >= req.ifr_name.len() {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
     }
-    parts.next().is_none().then_some(mac)
+    for (dst, &src) in req.ifr_name.iter_mut().zip(name.as_bytes()) {
+        *dst = src as libc::c_char;
+    }
+    // SAFETY: SIOCGIFHWADDR reads the name and writes the address into
+    // `req`, which lives across the call.
+    if unsafe { libc::ioctl(fd, libc::SIOCGIFHWADDR, &mut req) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel filled the hardware-address member of the union.
+    let data = unsafe { req.ifr_ifru.ifru_hwaddr.sa_data };
+    let mut mac = [0u8; 6];
+    for (m, &d) in mac.iter_mut().zip(&data) {
+        *m = d as u8;
+    }
+    Ok(mac)
 }
 
 /// Sends the gratuitous ARP for `a` out of its interface.
 pub fn send(a: &Announce) -> io::Result<()> {
-    let mac_text = std::fs::read_to_string(format!("/sys/class/net/{}/address", a.interface))?;
-    let mac = parse_mac(&mac_text)
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no Ethernet address"))?;
     let name = std::ffi::CString::new(a.interface.as_str())
         .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
     // SAFETY: `name` is a NUL-terminated string.
@@ -96,17 +109,20 @@ pub fn send(a: &Announce) -> io::Result<()> {
     if index == 0 {
         return Err(io::Error::last_os_error());
     }
-    // SAFETY: plain socket creation; the descriptor is closed below.
-    let fd = unsafe {
+    // SAFETY: plain socket creation; the descriptor is owned right away.
+    let raw = unsafe {
         libc::socket(
             libc::AF_PACKET,
             libc::SOCK_RAW | libc::SOCK_CLOEXEC,
             i32::from(ETH_P_ARP.to_be()),
         )
     };
-    if fd < 0 {
+    if raw < 0 {
         return Err(io::Error::last_os_error());
     }
+    // SAFETY: `raw` is a new descriptor nobody else owns.
+    let sock = unsafe { OwnedFd::from_raw_fd(raw) };
+    let mac = hardware_address(sock.as_raw_fd(), &a.interface)?;
     // SAFETY: sockaddr_ll is plain data; all-zero is valid.
     let mut to: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
     to.sll_family = libc::AF_PACKET as u16;
@@ -115,11 +131,11 @@ pub fn send(a: &Announce) -> io::Result<()> {
     to.sll_halen = 6;
     to.sll_addr[..6].copy_from_slice(&[0xff; 6]);
     let frame = gratuitous_arp(mac, a.ip);
-    // SAFETY: `frame` and `to` are valid for the lengths given; `fd` is
-    // the socket opened above.
+    // SAFETY: `frame` and `to` are valid for the lengths given; the socket
+    // is open.
     let rc = unsafe {
         libc::sendto(
-            fd,
+            sock.as_raw_fd(),
             frame.as_ptr().cast(),
             frame.len(),
             0,
@@ -127,14 +143,10 @@ pub fn send(a: &Announce) -> io::Result<()> {
             std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
         )
     };
-    let res = if rc < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    };
-    // SAFETY: `fd` is ours and closed once.
-    unsafe { libc::close(fd) };
-    res
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -155,14 +167,124 @@ mod tests {
         assert_eq!(&f[38..42], &[172, 16, 0, 2], "target IP = sender IP");
     }
 
+    /// A namespace with a veth pair: the agent announces on one end, the
+    /// test reads the other with a packet socket. Skips without root.
     #[test]
-    fn macs_parse() {
+    fn the_announcement_leaves_through_the_interface() {
+        use std::process::Command;
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("SKIP announce: needs root for a network namespace");
+            return;
+        }
+        let ns = format!("tga-{}", std::process::id());
+        let ip = |args: &[&str]| {
+            Command::new("ip")
+                .args(["-n", &ns])
+                .args(args)
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if !Command::new("ip")
+            .args(["netns", "add", &ns])
+            .status()
+            .is_ok_and(|s| s.success())
+        {
+            eprintln!("SKIP announce: cannot create a network namespace");
+            return;
+        }
+        struct Del(String);
+        impl Drop for Del {
+            fn drop(&mut self) {
+                let _ = std::process::Command::new("ip")
+                    .args(["netns", "del", &self.0])
+                    .status();
+            }
+        }
+        let _del = Del(ns.clone());
+        assert!(ip(&[
+            "link", "add", "ga0", "type", "veth", "peer", "name", "gb0"
+        ]));
+        assert!(ip(&["addr", "add", "192.0.2.5/24", "dev", "ga0"]));
+        assert!(ip(&["link", "set", "ga0", "up"]));
+        assert!(ip(&["link", "set", "gb0", "up"]));
+        let file = std::fs::File::open(format!("/run/netns/{ns}")).unwrap();
+        let got = std::thread::scope(|s| {
+            s.spawn(|| {
+                // SAFETY: setns on a namespace descriptor we hold; only
+                // this thread moves.
+                assert_eq!(
+                    unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) },
+                    0
+                );
+                let name = std::ffi::CString::new("gb0").unwrap();
+                // SAFETY: `name` is NUL-terminated.
+                let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+                // SAFETY: plain socket creation; closed below.
+                let fd = unsafe {
+                    libc::socket(
+                        libc::AF_PACKET,
+                        libc::SOCK_RAW,
+                        i32::from(ETH_P_ARP.to_be()),
+                    )
+                };
+                assert!(fd >= 0);
+                // SAFETY: all-zero sockaddr_ll is valid; filled below.
+                let mut at: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+                at.sll_family = libc::AF_PACKET as u16;
+                at.sll_protocol = ETH_P_ARP.to_be();
+                at.sll_ifindex = index as i32;
+                let timeout = libc::timeval {
+                    tv_sec: 5,
+                    tv_usec: 0,
+                };
+                // SAFETY: `at` and `timeout` are valid for the sizes given.
+                unsafe {
+                    assert_eq!(
+                        libc::bind(
+                            fd,
+                            (&at as *const libc::sockaddr_ll).cast(),
+                            std::mem::size_of::<libc::sockaddr_ll>() as u32
+                        ),
+                        0
+                    );
+                    libc::setsockopt(
+                        fd,
+                        libc::SOL_SOCKET,
+                        libc::SO_RCVTIMEO,
+                        (&timeout as *const libc::timeval).cast(),
+                        std::mem::size_of::<libc::timeval>() as u32,
+                    );
+                }
+                let list = ipv4_addresses().unwrap();
+                let ours = list
+                    .iter()
+                    .find(|a| a.interface == "ga0")
+                    .expect("ga0's address listed")
+                    .clone();
+                assert_eq!(ours.ip, Ipv4Addr::new(192, 0, 2, 5));
+                send(&ours).unwrap();
+                let mut buf = [0u8; 128];
+                // SAFETY: `buf` is writable for its length.
+                let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0) };
+                assert!(
+                    n >= ARP_FRAME_LEN as isize,
+                    "no frame: {}",
+                    std::io::Error::last_os_error()
+                );
+                let mac = hardware_address(fd, "ga0").unwrap();
+                // SAFETY: `fd` is ours, closed once.
+                unsafe { libc::close(fd) };
+                (buf[..ARP_FRAME_LEN].to_vec(), mac)
+            })
+            .join()
+            .unwrap()
+        });
+        let (frame, mac) = got;
         assert_eq!(
-            parse_mac("06:00:ac:10:00:02\n"),
-            Some([6, 0, 0xac, 0x10, 0, 2])
+            frame,
+            gratuitous_arp(mac, Ipv4Addr::new(192, 0, 2, 5)).to_vec()
         );
-        assert_eq!(parse_mac("06:00:ac:10:00"), None);
-        assert_eq!(parse_mac("06:00:ac:10:00:02:03"), None);
     }
 
     #[test]

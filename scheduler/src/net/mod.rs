@@ -15,7 +15,7 @@
 
 mod rules;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -546,6 +546,55 @@ impl NetManager {
             veths: self.our_veths()?.len(),
             rules,
         })
+    }
+
+    /// After a restart: keeps the networks of sandboxes `keep` says still
+    /// run (their VMMs outlived the old service; owners are read back
+    /// from the rule tags) and removes every other namespace, veth and rule
+    /// with this manager's names. Returns the networks kept.
+    pub fn adopt(&self, keep: &dyn Fn(&str) -> bool) -> Result<Vec<SandboxNet>, NetError> {
+        let mut owners = Vec::new();
+        match self.host_nft(
+            &["list", "chain", "ip", &self.config.table, "forward"],
+            None,
+        ) {
+            Ok(listing) => owners = rules::tagged_veths(&listing),
+            Err(e) if is_gone(&e) => {}
+            Err(e) => return Err(e),
+        }
+        let namespaces = self.our_namespaces()?;
+        let mut kept = Vec::new();
+        for (veth, id) in owners {
+            let index = veth
+                .strip_prefix(&self.config.veth_prefix)
+                .and_then(|i| i.parse::<u32>().ok());
+            let Some(index) = index else { continue };
+            let net = self.plan(&id, index);
+            if keep(&id) && namespaces.contains(&net.netns) {
+                self.slots
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(index, id.clone());
+                kept.push(net);
+            } else {
+                self.delete_rules(Some(&id))?;
+            }
+        }
+        if kept.is_empty() {
+            self.recover()?;
+            return Ok(kept);
+        }
+        for ns in namespaces {
+            if !kept.iter().any(|n| n.netns == ns) {
+                ignore_gone(run("ip", &["netns", "del", &ns], None))?;
+            }
+        }
+        for veth in self.our_veths()? {
+            if !kept.iter().any(|n| n.host_veth == veth) {
+                ignore_gone(self.host_ip(&["link", "del", &veth]))?;
+            }
+        }
+        Ok(kept)
     }
 
     /// After a restart (the VMMs are gone with the old service): removes

@@ -102,6 +102,26 @@ pub fn dropped_packets(listing: &str, id: &str) -> u64 {
         .sum()
 }
 
+/// `(veth, sandbox id)` of every tagged rule in an `nft list chain`
+/// output: which sandbox owns which veth, as a restarted service finds it.
+pub fn tagged_veths(listing: &str) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = listing
+        .lines()
+        .filter_map(|l| {
+            let veth = l.split_once("iifname \"")?.1.split_once('"')?.0;
+            let id = l
+                .split_once(&format!("comment \"{RULE_TAG}"))?
+                .1
+                .split_once('"')?
+                .0;
+            Some((veth.to_string(), id.to_string()))
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
 /// Handles of the rules tagged for sandbox `id` (or, with `None`, for any
 /// sandbox) in the output of `nft -a list chain`.
 pub fn tagged_handles(listing: &str, id: Option<&str>) -> Vec<u64> {
@@ -159,6 +179,13 @@ mod tests {
             iifname \"v\" counter packets 2 bytes 120 drop comment \"torpor:a\"\n\
             iifname \"w\" counter packets 9 bytes 1 drop comment \"torpor:b\"\n";
         assert_eq!(dropped_packets(counted, "a"), 5);
+        assert_eq!(
+            tagged_veths(counted),
+            vec![
+                ("v".to_string(), "a".to_string()),
+                ("w".to_string(), "b".to_string())
+            ]
+        );
     }
 
     #[test]

@@ -8,10 +8,11 @@ use std::process::Command;
 
 use super::*;
 
-struct HostNs(String);
+/// A namespace standing in for the host, deleted on drop.
+pub(crate) struct HostNs(pub(crate) String);
 
 /// Removes what a failing test left (the host namespace goes after it).
-struct Cleanup<'a>(&'a NetManager);
+pub(crate) struct Cleanup<'a>(pub(crate) &'a NetManager);
 
 impl Drop for Cleanup<'_> {
     fn drop(&mut self) {
@@ -32,8 +33,9 @@ fn tool(name: &str) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-/// A manager whose "host" is a fresh namespace, or `None` (said why).
-fn manager(tag: &str) -> Option<(NetManager, HostNs)> {
+/// A manager whose "host" is a fresh namespace, with names of its own and
+/// addresses from `pool`, or `None` (said why).
+pub(crate) fn manager(tag: &str, pool: &str) -> Option<(NetManager, HostNs)> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("SKIP {tag}: needs root for namespaces, veths and nftables");
@@ -58,12 +60,12 @@ fn manager(tag: &str) -> Option<(NetManager, HostNs)> {
         veth_prefix: format!("v{id}x"),
         table: "torpor_test".into(),
         host_netns: Some(host.0.clone()),
-        pool: "10.201.0.0/24".parse().unwrap(),
+        pool: pool.parse().unwrap(),
     };
     Some((NetManager::new(config).unwrap(), host))
 }
 
-fn in_ns(ns: &str, args: &[&str]) -> String {
+pub(crate) fn in_ns(ns: &str, args: &[&str]) -> String {
     let out = Command::new("ip")
         .args(["netns", "exec", ns])
         .args(args)
@@ -79,7 +81,7 @@ fn in_ns(ns: &str, args: &[&str]) -> String {
 
 #[test]
 fn networks_are_created_counted_and_removed_without_leftovers() {
-    let Some((m, host)) = manager("life") else {
+    let Some((m, host)) = manager("life", "10.201.0.0/24") else {
         return;
     };
     let _cleanup = Cleanup(&m);
@@ -156,15 +158,37 @@ fn networks_are_created_counted_and_removed_without_leftovers() {
     let d = m.create("sbx-d", &EgressPolicy::default()).unwrap();
     assert_eq!(d.index, 0);
 
+    // A restarted service whose sandbox b still runs keeps b's network
+    // (found by its rule tags) and removes the rest.
+    let restarted = NetManager::new(m.config().clone()).unwrap();
+    let kept = restarted.adopt(&|id| id == "sbx-b").unwrap();
+    assert_eq!(kept, vec![b.clone()]);
+    assert_eq!(
+        restarted.leftovers().unwrap(),
+        Leftovers {
+            namespaces: 1,
+            veths: 1,
+            rules: 2
+        }
+    );
+    assert!(matches!(
+        restarted.create("sbx-b", &EgressPolicy::default()),
+        Err(NetError::Exists(_))
+    ));
+    let f = restarted.create("sbx-f", &EgressPolicy::default()).unwrap();
+    assert_ne!(f.index, b.index, "the adopted slot stays taken");
+    restarted.delete(&f).unwrap();
+    let m = restarted;
+
     // A restarted service knows nothing: it removes everything left.
     let restarted = NetManager::new(m.config().clone()).unwrap();
     let found = restarted.recover().unwrap();
     assert_eq!(
         found,
         Leftovers {
-            namespaces: 3,
-            veths: 3,
-            rules: 6
+            namespaces: 1,
+            veths: 1,
+            rules: 2
         }
     );
     assert_eq!(restarted.leftovers().unwrap(), Leftovers::default());

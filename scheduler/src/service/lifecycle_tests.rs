@@ -12,7 +12,7 @@ use super::*;
 use crate::model::{random_hex, Sandbox, Template, TemplateId, TemplateState, VmmHandle};
 
 /// A data directory removed when the test ends.
-struct Scratch(PathBuf);
+pub(super) struct Scratch(PathBuf);
 
 impl Drop for Scratch {
     fn drop(&mut self) {
@@ -23,6 +23,13 @@ impl Drop for Scratch {
 /// A service whose VMM executable does not exist, over a store with a
 /// ready probe template.
 fn service() -> (Scratch, Arc<Service>, Template) {
+    service_with(|_| {})
+}
+
+/// `service` with `tweak` applied to its configuration.
+pub(super) fn service_with(
+    tweak: impl FnOnce(&mut ServiceConfig),
+) -> (Scratch, Arc<Service>, Template) {
     let dir = Scratch(std::env::temp_dir().join(format!("torpor-svc-{}", random_hex(8))));
     std::fs::create_dir_all(&dir.0).unwrap();
     let template = Template {
@@ -46,12 +53,13 @@ fn service() -> (Scratch, Arc<Service>, Template) {
     let mut config = ServiceConfig::new(dir.0.clone(), PathBuf::from("/nonexistent/torpor"));
     config.policy_interval_ms = 0;
     config.standby_pool = 0; // no VMM binary here
+    tweak(&mut config);
     let service = Service::open(config).unwrap();
     (dir, service, template)
 }
 
 /// A running sandbox row without a VMM.
-fn running(service: &Service, template: &Template) -> SandboxId {
+pub(super) fn running(service: &Service, template: &Template) -> SandboxId {
     let mut s = Sandbox::new(template.id.clone(), 64, 1, 60_000);
     s.state = SandboxState::Running;
     s.pod = Some(PodId::new(LOCAL_POD));

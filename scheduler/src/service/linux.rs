@@ -159,6 +159,9 @@ impl Service {
         let overlay = dir.join(OVERLAY_FILE);
         let uds = dir.join(VSOCK_FILE);
         let _ = std::fs::remove_file(&uds);
+        // The network device must be in the snapshot for clones to have
+        // one; the template's namespace goes once it is taken.
+        let net = self.template_net(template.id.as_str())?;
         let spec = LaunchSpec {
             control_socket: Some(files.socket.clone()),
             mode: LaunchMode::Boot {
@@ -173,26 +176,35 @@ impl Service {
                     read_only: false,
                 }),
                 vsock_uds: Some(uds.clone()),
-                net: None,
+                net: net
+                    .as_ref()
+                    .map(|n| Box::new(n.net_spec(Default::default(), Default::default()))),
             },
             console: Console::file(&files.console),
             dirty_tracking: self.config.dirty_tracking,
             jail: None,
             seccomp: torpor_vmm_api::SeccompLevel::Enforce,
         };
-        let (
-            vmm::Spawned {
-                mut child, handle, ..
-            },
-            _,
-        ) = super::jail::spawn(
+        let spawned = super::jail::spawn(
             self.jails.as_deref(),
             &self.config.vmm_exe,
             spec,
             &files.log,
             (u64::from(template.mem_mib), u64::from(template.vcpus)),
             &[],
-        )?;
+        );
+        let (
+            vmm::Spawned {
+                mut child, handle, ..
+            },
+            _,
+        ) = match spawned {
+            Ok(spawned) => spawned,
+            Err(e) => {
+                self.drop_template_net(net);
+                return Err(e);
+            }
+        };
         let link = AgentLink::new(template.id.as_str(), uds.clone());
         let result = link
             .connect_waiting(AGENT_READY_LIMIT, || vm_alive(&mut child, &files))
@@ -210,6 +222,7 @@ impl Service {
                 vmm::pause_and_snapshot_full(&handle, &snapshot).map(|()| snapshot)
             });
         vmm::stop(&handle, Some(child));
+        self.drop_template_net(net);
         // The snapshot holds the frozen overlay; the live one is no use now.
         let _ = std::fs::remove_file(&overlay);
         let _ = std::fs::remove_file(&uds);
@@ -226,7 +239,8 @@ impl Service {
     /// Extra `torpor vmm --restore` arguments of a sandbox: a Linux guest's
     /// own disk overlay and vsock socket, in its directory.
     /// A clone's own device files in `spec` (its disk overlay and vsock
-    /// socket), for a Linux sandbox.
+    /// socket, and its network when the service has networking), for a
+    /// Linux sandbox.
     pub(super) fn guest_restore_paths(
         &self,
         id: &SandboxId,
@@ -240,6 +254,7 @@ impl Service {
         let _ = std::fs::remove_file(&uds);
         spec.disk_overlay = Some(dir.join(OVERLAY_FILE));
         spec.vsock_uds = Some(uds);
+        spec.net = self.sandbox_net_spec(id)?.map(Box::new);
         Ok(())
     }
 

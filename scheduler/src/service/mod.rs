@@ -14,6 +14,7 @@ mod layers;
 mod lifetime;
 mod linux;
 mod locks;
+mod network;
 mod ops;
 mod policy;
 pub mod pool;
@@ -96,6 +97,18 @@ pub struct ServiceConfig {
     /// Where images (`NAME/vmlinux`, `NAME/rootfs.ext4`) are installed;
     /// `DATA_DIR/images` unless the operator names another.
     pub images_dir: Option<PathBuf>,
+    /// Networking for Linux sandboxes (a namespace, tap and NAT each);
+    /// `None`: they have no network device.
+    pub net: Option<SandboxNetworking>,
+}
+
+/// How Linux sandboxes are networked (see `crate::net`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SandboxNetworking {
+    /// Names and the address pool on the host.
+    pub names: crate::net::NetConfig,
+    /// Every sandbox's egress policy (open by default).
+    pub egress: crate::net::EgressPolicy,
 }
 
 impl ServiceConfig {
@@ -114,6 +127,7 @@ impl ServiceConfig {
             jail: Some(jail::JailConfig::default()),
             images_dir: None,
             deleted_retention_ms: DEFAULT_DELETED_RETENTION_MS,
+            net: None,
         }
     }
 }
@@ -344,6 +358,9 @@ pub struct Service {
     /// Memory (MiB) of template builds booting now: counted by admission
     /// with the sandboxes' (a build boots a VM too).
     building_mib: Mutex<u64>,
+    /// Sandbox networks, when `config.net` is set.
+    net: Option<crate::net::NetManager>,
+    nets: Mutex<HashMap<SandboxId, crate::net::SandboxNet>>,
 }
 
 impl Service {
@@ -384,7 +401,16 @@ impl Service {
             config.dirty_tracking,
             jails.clone().map(|j| (j, config.memory_backend)),
         )?;
+        let net = match &config.net {
+            Some(n) => Some(
+                crate::net::NetManager::new(n.names.clone())
+                    .map_err(|e| ServiceError::Internal(format!("sandbox network: {e}")))?,
+            ),
+            None => None,
+        };
         let service = Arc::new(Self {
+            net,
+            nets: Mutex::new(HashMap::new()),
             config,
             store,
             locks: locks::SandboxLocks::default(),
@@ -399,6 +425,7 @@ impl Service {
         });
         service.ensure_local_pod()?;
         service.recover()?;
+        service.adopt_networks()?;
         service.ensure_probe_template()?;
         for t in service.store.list_templates(false)? {
             if t.state == crate::model::TemplateState::Ready {
@@ -480,3 +507,5 @@ impl Service {
 
 #[cfg(test)]
 mod lifecycle_tests;
+#[cfg(test)]
+mod network_tests;

@@ -362,6 +362,7 @@ impl Service {
             vmm::stop(handle, child);
             self.store.set_sandbox_vmm(&sandbox.id, None)?;
         }
+        self.drop_sandbox_net(&sandbox.id);
         Ok(())
     }
 

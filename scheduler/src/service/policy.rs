@@ -521,6 +521,7 @@ impl Service {
         };
         tracing::warn!(sandbox = %s.id, "{reason}");
         let _ = self.store.set_sandbox_vmm(&s.id, None);
+        self.drop_sandbox_net(&s.id);
         let _ =
             self.store
                 .update_sandbox_state(&s.id, s.state, SandboxState::Failed, Some(&reason));

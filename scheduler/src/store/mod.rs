@@ -267,9 +267,20 @@ fn lock_dir(dir: &Path) -> Result<File> {
         .write(true)
         .open(&path)
         .map_err(|e| StoreError::io(format!("opening {}", path.display()), e))?;
-    // SAFETY: flock on a file descriptor we own; no memory is involved.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+    // A child this process forks elsewhere shares the lock of a store just
+    // dropped until it execs (the descriptor is close-on-exec, not
+    // close-on-fork): held locks are retried for a moment before `Locked`.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(500);
+    loop {
+        // SAFETY: flock on a file descriptor we own; no memory is involved.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(file);
+        }
         let err = io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::EWOULDBLOCK) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            continue;
+        }
         return Err(if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
             StoreError::Locked {
                 dir: dir.to_path_buf(),
@@ -278,7 +289,6 @@ fn lock_dir(dir: &Path) -> Result<File> {
             StoreError::io(format!("locking {}", path.display()), err)
         });
     }
-    Ok(file)
 }
 
 /// The store's calls, one transaction each. Each is `self.write(|tx| tx.…)`
