@@ -99,7 +99,11 @@ pub fn key_accepted(tokens: &Tokens, key: &[u8]) -> bool {
 }
 
 /// Route middleware: 401 unless `X-API-KEY` carries an accepted key.
-async fn require_key(State(tokens): State<Tokens>, request: Request, next: Next) -> Response {
+pub(crate) async fn require_key(
+    State(tokens): State<Tokens>,
+    request: Request,
+    next: Next,
+) -> Response {
     match request.headers().get(API_KEY_HEADER) {
         Some(key) if key_accepted(&tokens, key.as_bytes().trim_ascii()) => next.run(request).await,
         Some(_) => {
@@ -140,7 +144,7 @@ pub(crate) fn router<S: SandboxApi>(service: Arc<S>, tokens: Tokens, limits: Lim
     }))
     .layer(middleware::from_fn(error::normalize));
     // envd's answers are Connect's, not E2B's error body: no `normalize`.
-    control.merge(with_limits(envd::router(service)))
+    control.merge(with_limits(envd::router(service, tokens)))
 }
 
 #[cfg(test)]

@@ -5,9 +5,10 @@
 //! torpor-agent. Served on the API's listener (its paths do not overlap
 //! `/v1` or E2B's control plane) and on `--e2b-listen`.
 //!
-//! Done: `GET /health`, the Connect envelope codec ([`envelope`]) and
-//! Connect's error answers; every RPC answers `unimplemented` (Connect's
-//! shape, so the SDKs raise a clear error). Not yet: files, processes,
+//! Done: `GET /health`, `GET /files` and octet-stream `POST /files`
+//! ([`files`]), the Connect envelope codec ([`envelope`]) and Connect's
+//! error answers; every RPC answers `unimplemented` (Connect's shape, so
+//! the SDKs raise a clear error). Not yet: multipart uploads, processes,
 //! watches, and per-sandbox access tokens (`X-Access-Token`; the create
 //! answer issues none, so the SDKs send none). See `docs/e2b.md`.
 
@@ -28,6 +29,7 @@ use crate::backend::SandboxApi;
 use crate::handlers::{call, Api, AppState};
 
 pub mod envelope;
+pub mod files;
 
 /// The header naming the sandbox a request is for.
 pub const SANDBOX_HEADER: &str = "e2b-sandbox-id";
@@ -155,9 +157,19 @@ async fn rpc(service: &'static str, method: String, request: Request) -> Respons
 }
 
 /// The envd routes.
-pub(crate) fn router<S: SandboxApi>(service: Arc<S>) -> Router {
+pub(crate) fn router<S: SandboxApi>(service: Arc<S>, tokens: crate::auth::Tokens) -> Router {
     // `AppState` for `health`; the RPC routes need none.
-    let mut app = Router::new().route("/health", get(health::<S>));
+    // Files need the API key until per-sandbox access tokens are issued
+    // (the SDKs send `X-Access-Token` only when the create answer has one).
+    let files = get(files::download::<S>)
+        .post(files::upload::<S>)
+        .route_layer(axum::middleware::from_fn_with_state(
+            tokens,
+            super::require_key,
+        ));
+    let mut app = Router::new()
+        .route("/health", get(health::<S>))
+        .route("/files", files);
     for &name in SERVICES {
         app = app.route(
             &format!("/{name}/{{method}}"),
