@@ -149,3 +149,55 @@ async fn files_refuse_what_is_not_offered_and_need_the_key() {
         .await;
     e2b_error(&r, 401);
 }
+
+#[tokio::test]
+async fn the_access_token_of_the_create_answer_opens_that_sandboxs_files() {
+    let server = Server::start().await;
+    let create = |agent: bool| {
+        let server = &server;
+        async move {
+            let body = if agent {
+                br#"{"templateID":"probe","metadata":{"agent":"fake"}}"#.as_slice()
+            } else {
+                br#"{"templateID":"probe"}"#.as_slice()
+            };
+            let h = headers(Some(TOKEN), None, &[("Content-Type", "application/json")]);
+            let r = server
+                .request("POST", "/v2/sandboxes", &h, Some(body))
+                .await;
+            assert_eq!(r.status, 201, "{}", r.text());
+            r.json()
+        }
+    };
+    let a = create(true).await;
+    let b = create(false).await;
+    let (id, token) = (
+        a["sandboxID"].as_str().unwrap().to_string(),
+        a["envdAccessToken"].as_str().unwrap().to_string(),
+    );
+    let other = b["envdAccessToken"].as_str().unwrap().to_string();
+    assert_eq!(token.len(), 32);
+    assert_ne!(token, other);
+    let post = |t: &str| {
+        let h = headers(None, Some(&id), &[OCTETS, ("X-Access-Token", t)]);
+        let server = &server;
+        async move {
+            server
+                .request("POST", "/files?path=/t", &h, Some(b"via token"))
+                .await
+        }
+    };
+    assert_eq!(post(&token).await.status, 200);
+    let h = headers(None, Some(&id), &[("X-Access-Token", &token)]);
+    let r = server.request("GET", "/files?path=/t", &h, None).await;
+    assert_eq!(r.body, b"via token");
+    // Another sandbox's token, a wrong one, none: 401.
+    e2b_error(&post(&other).await, 401);
+    e2b_error(&post("0123").await, 401);
+    e2b_error(&post("").await, 401);
+    // Never shown by the native API.
+    let r = server
+        .call("GET", &format!("/v1/sandboxes/{id}"), None)
+        .await;
+    assert!(!r.text().contains(&token), "{}", r.text());
+}

@@ -5,20 +5,23 @@
 //! path is under the user's home (`/home/<user>`, `/root` for root; `user`
 //! when no username is given). Not offered yet: `multipart/form-data`
 //! uploads (the SDKs' default for in-memory data) and gzip bodies, both
-//! refused with 400 rather than misread.
+//! refused with 400 rather than misread. The caller shows the sandbox's
+//! access token (`X-Access-Token`) or an API key (`X-API-KEY`).
 
 use axum::body::Bytes;
 use axum::extract::RawQuery;
 use axum::http::header::{self, HeaderMap, HeaderValue};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use axum::Json;
 use serde::Serialize;
-use torpor_scheduler::model::SandboxId;
+use torpor_scheduler::model::{Sandbox, SandboxId};
 
 use super::super::error::E2bError;
 use super::super::wire::e2b_state;
 use super::sandbox_of;
+use crate::auth::Tokens;
 use crate::backend::SandboxApi;
 use crate::handlers::{call, Api};
 
@@ -59,35 +62,90 @@ fn query(raw: Option<String>) -> (Option<String>, Option<String>) {
     (path, user)
 }
 
-/// The sandbox an envd request is for, `None` when it is unknown, failed or
-/// killed (E2B's proxy answers those 502: [`gone`]).
-fn target<S: SandboxApi>(s: &S, id: &str) -> Option<SandboxId> {
-    if !SandboxId::is_well_formed(id) {
-        return None;
-    }
-    let sandbox = s.get_sandbox(&SandboxId::new(id)).ok()?;
-    e2b_state(sandbox.state).map(|_| sandbox.id)
+/// Who a request is: an accepted API key, or the access token it shows.
+struct Caller {
+    key: bool,
+    token: Option<Vec<u8>>,
 }
 
-fn gone() -> E2bError {
-    E2bError::new(StatusCode::BAD_GATEWAY, "the sandbox is not found")
+impl Caller {
+    fn of(headers: &HeaderMap, tokens: &Tokens) -> Self {
+        let key = headers
+            .get(super::super::API_KEY_HEADER)
+            .is_some_and(|k| super::super::key_accepted(tokens, k.as_bytes().trim_ascii()));
+        let token = headers
+            .get(ACCESS_TOKEN_HEADER)
+            .map(|v| v.as_bytes().trim_ascii().to_vec());
+        Caller { key, token }
+    }
+
+    /// The API key, or the sandbox's own access token (compared in
+    /// constant time).
+    fn may_use(&self, sandbox: &Sandbox) -> bool {
+        if self.key {
+            return true;
+        }
+        match (&self.token, &sandbox.access_token) {
+            (Some(shown), Some(issued)) => Tokens::new(std::slice::from_ref(issued)).accepts(shown),
+            _ => false,
+        }
+    }
+}
+
+/// The header of a sandbox's envd access token.
+pub const ACCESS_TOKEN_HEADER: &str = "x-access-token";
+
+/// Why a request cannot reach a sandbox's files.
+enum Refused {
+    /// Unknown, failed or killed: 502, as E2B's proxy answers.
+    Gone,
+    /// Neither the API key nor the sandbox's access token: 401.
+    Unauthorized,
+}
+
+impl From<Refused> for E2bError {
+    fn from(r: Refused) -> Self {
+        match r {
+            Refused::Gone => E2bError::new(StatusCode::BAD_GATEWAY, "the sandbox is not found"),
+            Refused::Unauthorized => E2bError::new(
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong X-Access-Token (or X-API-KEY)",
+            ),
+        }
+    }
+}
+
+/// The sandbox an envd request is for, if the caller may use it.
+fn target<S: SandboxApi>(s: &S, id: &str, caller: &Caller) -> Result<SandboxId, Refused> {
+    if !SandboxId::is_well_formed(id) {
+        return Err(Refused::Gone);
+    }
+    let sandbox = s
+        .get_sandbox(&SandboxId::new(id))
+        .map_err(|_| Refused::Gone)?;
+    e2b_state(sandbox.state).ok_or(Refused::Gone)?;
+    if !caller.may_use(&sandbox) {
+        return Err(Refused::Unauthorized);
+    }
+    Ok(sandbox.id)
 }
 
 /// `GET /files`.
 pub async fn download<S: SandboxApi>(
     state: Api<S>,
+    Extension(tokens): Extension<Tokens>,
     headers: HeaderMap,
     RawQuery(raw): RawQuery,
 ) -> Result<Response, E2bError> {
     let id = sandbox_of(&headers)?;
+    let caller = Caller::of(&headers, &tokens);
     let (path, user) = query(raw);
     let path = resolve(path.as_deref().unwrap_or_default(), user.as_deref())?;
-    let data = call(&state, move |s| match target(s, &id) {
-        Some(id) => Ok(Some(s.read_file(&id, &path)?.value)),
-        None => Ok(None),
+    let data = call(&state, move |s| match target(s, &id, &caller) {
+        Ok(id) => Ok(Ok(s.read_file(&id, &path)?.value)),
+        Err(refused) => Ok(Err(refused)),
     })
-    .await?
-    .ok_or_else(gone)?;
+    .await??;
     let mut r = (StatusCode::OK, data).into_response();
     r.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -108,11 +166,13 @@ pub struct Written {
 /// `POST /files` (octet-stream).
 pub async fn upload<S: SandboxApi>(
     state: Api<S>,
+    Extension(tokens): Extension<Tokens>,
     headers: HeaderMap,
     RawQuery(raw): RawQuery,
     body: Bytes,
 ) -> Result<Response, E2bError> {
     let id = sandbox_of(&headers)?;
+    let caller = Caller::of(&headers, &tokens);
     let content_type = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -134,19 +194,19 @@ pub async fn upload<S: SandboxApi>(
     let (path, user) = query(raw);
     let path = resolve(path.as_deref().unwrap_or_default(), user.as_deref())?;
     let written = call(&state, move |s| {
-        let Some(id) = target(s, &id) else {
-            return Ok(None);
+        let id = match target(s, &id, &caller) {
+            Ok(id) => id,
+            Err(refused) => return Ok(Err(refused)),
         };
         s.write_file(&id, &path, &body, None)?;
         let name = path.rsplit('/').next().unwrap_or_default().to_string();
-        Ok(Some(vec![Written {
+        Ok(Ok(vec![Written {
             name,
             kind: "file",
             path,
         }]))
     })
-    .await?
-    .ok_or_else(gone)?;
+    .await??;
     Ok(Json(written).into_response())
 }
 

@@ -8,9 +8,9 @@
 //! Done: `GET /health`, `GET /files` and octet-stream `POST /files`
 //! ([`files`]), the Connect envelope codec ([`envelope`]) and Connect's
 //! error answers; every RPC answers `unimplemented` (Connect's shape, so
-//! the SDKs raise a clear error). Not yet: multipart uploads, processes,
-//! watches, and per-sandbox access tokens (`X-Access-Token`; the create
-//! answer issues none, so the SDKs send none). See `docs/e2b.md`.
+//! the SDKs raise a clear error). `/files` takes the sandbox's access token
+//! (`X-Access-Token`, issued at create as `envdAccessToken`) or an API key.
+//! Not yet: multipart uploads, processes, watches. See `docs/e2b.md`.
 
 use std::sync::Arc;
 
@@ -159,14 +159,10 @@ async fn rpc(service: &'static str, method: String, request: Request) -> Respons
 /// The envd routes.
 pub(crate) fn router<S: SandboxApi>(service: Arc<S>, tokens: crate::auth::Tokens) -> Router {
     // `AppState` for `health`; the RPC routes need none.
-    // Files need the API key until per-sandbox access tokens are issued
-    // (the SDKs send `X-Access-Token` only when the create answer has one).
+    // Files need the sandbox's access token or the API key (see `files`).
     let files = get(files::download::<S>)
         .post(files::upload::<S>)
-        .route_layer(axum::middleware::from_fn_with_state(
-            tokens,
-            super::require_key,
-        ));
+        .layer(axum::Extension(tokens));
     let mut app = Router::new()
         .route("/health", get(health::<S>))
         .route("/files", files);
