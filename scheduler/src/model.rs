@@ -302,6 +302,10 @@ pub struct Sandbox {
     /// command's own). Never shown: they may hold secrets.
     #[serde(default, skip_serializing)]
     pub env: BTreeMap<String, String>,
+    /// The token its in-sandbox API (E2B's envd) accepts in
+    /// `X-Access-Token`, if one was issued. Never shown but to its creator.
+    #[serde(default, skip_serializing)]
+    pub access_token: Option<String>,
     pub state: SandboxState,
     /// Why it failed (kept when a failed sandbox is deleted).
     pub failure_reason: Option<String>,
@@ -385,6 +389,7 @@ impl Sandbox {
             on_timeout: OnTimeout::Delete,
             metadata: BTreeMap::new(),
             env: BTreeMap::new(),
+            access_token: None,
             state: SandboxState::Creating,
             failure_reason: None,
             created_at: now,

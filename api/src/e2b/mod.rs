@@ -5,7 +5,7 @@
 //! Served beside `/v1` on the API's listener (E2B's paths do not overlap
 //! ours) and, with `torpor serve --e2b-listen ADDR`, alone on a listener of
 //! its own. Every route needs `X-API-KEY: <key>`, checked by
-//! [`key_accepted`] against the API's tokens. Every error answer is E2B's
+//! the API's tokens (a key is a tenant's or an admin's: another tenant's sandbox is 404). Every error answer is E2B's
 //! `{"code": <status>, "message": "..."}` ([`error`]), with torpor's
 //! status mapping (the table in `lib.rs`). What each route and field maps
 //! to, and what is not offered, is in `docs/e2b.md`; the routes are

@@ -103,6 +103,11 @@ fn extend<S: SandboxApi>(s: &S, id: &SandboxId, secs: u64) -> Result<(), Service
     Ok(())
 }
 
+/// A new envd access token: 128 random bits as hex.
+fn new_access_token() -> String {
+    torpor_scheduler::model::random_hex(16)
+}
+
 fn created(status: StatusCode, body: impl serde::Serialize) -> Response {
     (status, Json(body)).into_response()
 }
@@ -125,6 +130,7 @@ pub async fn create<S: SandboxApi>(state: Api<S>, bytes: Bytes) -> E2bResult<Res
             metadata: req.metadata.unwrap_or_default(),
             env: req.env_vars.unwrap_or_default(),
             on_timeout,
+            access_token: Some(new_access_token()),
             ..CreateSandbox::default()
         })?;
         Ok(CreatedSandbox::new(&sandbox, alias(s, &sandbox.template)))
@@ -477,6 +483,7 @@ pub async fn fork<S: SandboxApi>(
                 ForkSandbox {
                     timeout_ms,
                     metadata: source.metadata.clone(),
+                    access_token: Some(new_access_token()),
                     ..ForkSandbox::default()
                 },
             );

@@ -139,6 +139,9 @@ pub struct CreatedSandbox {
     pub envd_version: &'static str,
     /// Sandboxes are reached through `E2B_SANDBOX_URL`: no domain.
     pub domain: Option<String>,
+    /// The token the in-sandbox API (envd) takes in `X-Access-Token`.
+    #[serde(rename = "envdAccessToken", skip_serializing_if = "Option::is_none")]
+    pub envd_access_token: Option<String>,
 }
 
 /// `GET /sandboxes/{id}` (`SandboxDetail`) and list entries
@@ -277,6 +280,7 @@ impl CreatedSandbox {
             client_id: client_id(s),
             envd_version: ENVD_VERSION,
             domain: None,
+            envd_access_token: s.access_token.clone(),
         }
     }
 }

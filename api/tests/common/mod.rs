@@ -312,6 +312,7 @@ impl SandboxApi for Fake {
             req.keep_alive_ms.unwrap_or(60_000),
         );
         sandbox.metadata = req.metadata;
+        sandbox.access_token = req.access_token;
         sandbox.pod = Some(st.pod.id.clone());
         if fits {
             sandbox.state = SandboxState::Running;

@@ -82,6 +82,10 @@ pub struct ForkSandbox {
     /// What the fork's timeout does; the source's when absent.
     #[serde(default)]
     pub on_timeout: Option<crate::model::OnTimeout>,
+    /// The fork's in-sandbox API token (E2B's `envdAccessToken`); not part
+    /// of the API's body.
+    #[serde(skip)]
+    pub access_token: Option<String>,
     /// Wait (up to 30 s) for capacity instead of refusing at once.
     #[serde(default)]
     pub queue: bool,
@@ -298,6 +302,7 @@ impl Service {
         fork.env = source.env.clone();
         fork.env.extend(req.env);
         fork.on_timeout = req.on_timeout.unwrap_or(source.on_timeout);
+        fork.access_token = req.access_token;
         fork.pod = Some(PodId::new(LOCAL_POD));
         fork.expires_at = req
             .timeout_ms

@@ -303,6 +303,10 @@ pub struct CreateSandbox {
     /// What its timeout does: delete (the default) or hibernate.
     #[serde(default)]
     pub on_timeout: crate::model::OnTimeout,
+    /// Its in-sandbox API token (E2B's `envdAccessToken`); not part of
+    /// the API's body.
+    #[serde(skip)]
+    pub access_token: Option<String>,
     /// Wait (up to 30 s) for capacity instead of refusing at once.
     #[serde(default)]
     pub queue: bool,

@@ -184,6 +184,7 @@ impl Service {
         sandbox.tenant = req.owner.map(|o| o.tenant);
         sandbox.env = req.env;
         sandbox.on_timeout = req.on_timeout;
+        sandbox.access_token = req.access_token;
         sandbox.pod = Some(PodId::new(LOCAL_POD));
         sandbox.expires_at = req
             .timeout_ms

@@ -13,7 +13,7 @@ use crate::state::{transition, SandboxState};
 
 const COLUMNS: &str = "id, template, pod, mem_mib, vcpus, keep_alive_ms, expires_at, state, \
     failure_reason, created_at, last_active_at, snapshot, vmm_pid, vmm_socket, generation, \
-    vmm_start, tenant, on_timeout";
+    vmm_start, tenant, on_timeout, access_token";
 
 /// A sandbox's key/value tables.
 #[derive(Clone, Copy)]
@@ -60,6 +60,7 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
         keep_alive_ms: get_u64(row, "keep_alive_ms")?,
         expires_at: row.get("expires_at")?,
         on_timeout: row.get("on_timeout")?,
+        access_token: row.get("access_token")?,
         metadata: BTreeMap::new(),
         env: BTreeMap::new(),
         state: row.get("state")?,
@@ -125,7 +126,7 @@ impl Tx<'_> {
         self.conn
             .prepare_cached(&format!(
                 "INSERT INTO sandboxes ({COLUMNS}) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)"
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)"
             ))?
             .execute(params![
                 s.id,
@@ -149,6 +150,7 @@ impl Tx<'_> {
                 vmm_start(s.vmm.as_ref())?,
                 s.tenant,
                 s.on_timeout,
+                s.access_token,
             ])?;
         self.write_pairs(Pairs::Metadata, &s.id, &s.metadata)?;
         self.write_pairs(Pairs::Env, &s.id, &s.env)

@@ -133,7 +133,8 @@ ALTER TABLE sandboxes ADD COLUMN vmm_start INTEGER CHECK (vmm_start >= 0);
 /// Version 5: what a sandbox's timeout does (`on_timeout`: delete, the
 /// old behaviour and the default for existing rows, or hibernate), the
 /// environment variables set for every command run in it, and the sandbox
-/// a template was snapshotted from (`POST /v1/sandboxes/{id}/template`; not
+/// a template was snapshotted from (and a sandbox's in-sandbox API access
+/// token, E2B's `envdAccessToken`) (`POST /v1/sandboxes/{id}/template`; not
 /// a foreign key: the template outlives it).
 const V5: &str = r#"
 CREATE TABLE template_sources (
@@ -141,6 +142,7 @@ CREATE TABLE template_sources (
     sandbox  TEXT NOT NULL
 ) STRICT, WITHOUT ROWID;
 CREATE INDEX template_sources_sandbox ON template_sources (sandbox);
+ALTER TABLE sandboxes ADD COLUMN access_token TEXT;
 ALTER TABLE sandboxes ADD COLUMN on_timeout TEXT NOT NULL DEFAULT 'delete'
     CHECK (on_timeout IN ('delete', 'hibernate'));
 CREATE TABLE sandbox_env (

@@ -5,11 +5,12 @@
 //! torpor-agent. Served on the API's listener (its paths do not overlap
 //! `/v1` or E2B's control plane) and on `--e2b-listen`.
 //!
-//! Done: `GET /health`, the Connect envelope codec ([`envelope`]) and
-//! Connect's error answers; every RPC answers `unimplemented` (Connect's
-//! shape, so the SDKs raise a clear error). Not yet: files, processes,
-//! watches, and per-sandbox access tokens (`X-Access-Token`; the create
-//! answer issues none, so the SDKs send none). See `docs/e2b.md`.
+//! Done: `GET /health`, `GET /files` and octet-stream `POST /files`
+//! ([`files`]), the Connect envelope codec ([`envelope`]) and Connect's
+//! error answers; every RPC answers `unimplemented` (Connect's shape, so
+//! the SDKs raise a clear error). `/files` takes the sandbox's access token
+//! (`X-Access-Token`, issued at create as `envdAccessToken`) or an API key.
+//! Not yet: multipart uploads, processes, watches. See `docs/e2b.md`.
 
 use std::sync::Arc;
 
@@ -28,6 +29,7 @@ use crate::backend::SandboxApi;
 use crate::handlers::{call, Api, AppState};
 
 pub mod envelope;
+pub mod files;
 
 /// The header naming the sandbox a request is for.
 pub const SANDBOX_HEADER: &str = "e2b-sandbox-id";
@@ -161,7 +163,13 @@ pub(crate) fn router<S: SandboxApi>(
     limits: crate::Limits,
 ) -> Router {
     // `AppState` for `health`; the RPC routes need none.
-    let mut app = Router::new().route("/health", get(health::<S>));
+    // Files need the sandbox's access token or the API key (see `files`).
+    let files = get(files::download::<S>)
+        .post(files::upload::<S>)
+        .layer(axum::Extension(tenancy.auth.clone()));
+    let mut app = Router::new()
+        .route("/health", get(health::<S>))
+        .route("/files", files);
     for &name in SERVICES {
         app = app.route(
             &format!("/{name}/{{method}}"),

@@ -363,10 +363,12 @@ fn env_and_on_timeout_round_trip_and_a_version_2_store_upgrades() {
     let mut s = Sandbox::new(t.id.clone(), 64, 1, 60_000);
     s.env.insert("API_KEY".into(), "secret".into());
     s.on_timeout = OnTimeout::Hibernate;
+    s.access_token = Some("tok".into());
     store.insert_sandbox(&s).unwrap();
     let back = store.get_sandbox(&s.id).unwrap();
     assert_eq!(back.env, s.env);
     assert_eq!(back.on_timeout, OnTimeout::Hibernate);
+    assert_eq!(back.access_token.as_deref(), Some("tok"));
     let listed = store.list_sandboxes(&SandboxFilter::default()).unwrap();
     assert_eq!(listed[0].env, s.env);
     let plain = sandbox_in(&store, &t, Running);
@@ -376,7 +378,7 @@ fn env_and_on_timeout_round_trip_and_a_version_2_store_upgrades() {
     let conn = rusqlite::Connection::open(dir.0.join(DB_FILE)).unwrap();
     conn.execute_batch(
         "ALTER TABLE sandboxes DROP COLUMN on_timeout; DROP TABLE sandbox_env; \
-         DROP TABLE template_sources; ALTER TABLE sandboxes DROP COLUMN vmm_start; \
+         DROP TABLE template_sources; ALTER TABLE sandboxes DROP COLUMN access_token; ALTER TABLE sandboxes DROP COLUMN vmm_start; \
          DROP INDEX sandboxes_tenant; ALTER TABLE sandboxes DROP COLUMN tenant; \
          ALTER TABLE templates DROP COLUMN tenant; ALTER TABLE templates DROP COLUMN image; \
          UPDATE schema_version SET version = 2;",
@@ -389,5 +391,6 @@ fn env_and_on_timeout_round_trip_and_a_version_2_store_upgrades() {
         let old = store.get_sandbox(id).unwrap();
         assert_eq!(old.on_timeout, OnTimeout::Delete, "the old behaviour");
         assert!(old.env.is_empty());
+        assert!(old.access_token.is_none());
     }
 }

@@ -1,0 +1,231 @@
+//! envd's file transfer: `GET /files?path=P[&username=U]` downloads a file,
+//! `POST /files?path=P` with an `application/octet-stream` body uploads
+//! one (the SDKs' octet-stream upload, envd ≥ 0.5.7), through the guest
+//! agent's read and write (a paused sandbox is woken first). A relative
+//! path is under the user's home (`/home/<user>`, `/root` for root; `user`
+//! when no username is given). Not offered yet: `multipart/form-data`
+//! uploads (the SDKs' default for in-memory data) and gzip bodies, both
+//! refused with 400 rather than misread. The caller shows the sandbox's
+//! access token (`X-Access-Token`) or an API key (`X-API-KEY`).
+
+use axum::body::Bytes;
+use axum::extract::RawQuery;
+use axum::http::header::{self, HeaderMap, HeaderValue};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Extension;
+use axum::Json;
+use serde::Serialize;
+use torpor_scheduler::model::{Sandbox, SandboxId};
+
+use super::super::error::E2bError;
+use super::super::wire::e2b_state;
+use super::sandbox_of;
+use crate::auth::{Auth, Principal};
+use crate::backend::SandboxApi;
+use crate::handlers::{call, Api};
+use subtle::ConstantTimeEq;
+
+/// The user envd runs as when a request names none.
+pub const DEFAULT_USER: &str = "user";
+
+/// The absolute path `path` names for `user`.
+pub fn resolve(path: &str, user: Option<&str>) -> Result<String, E2bError> {
+    if path.is_empty() {
+        return Err(E2bError::bad_request("missing `path`"));
+    }
+    if path.starts_with('/') {
+        return Ok(path.to_string());
+    }
+    let user = user.filter(|u| !u.is_empty()).unwrap_or(DEFAULT_USER);
+    if user.contains('/') || user == "." || user == ".." {
+        return Err(E2bError::bad_request(format!("bad username {user:?}")));
+    }
+    let home = if user == "root" {
+        "/root".to_string()
+    } else {
+        format!("/home/{user}")
+    };
+    let rest = path.strip_prefix("~/").unwrap_or(path);
+    Ok(format!("{home}/{rest}"))
+}
+
+fn query(raw: Option<String>) -> (Option<String>, Option<String>) {
+    let mut path = None;
+    let mut user = None;
+    for (k, v) in form_urlencoded::parse(raw.unwrap_or_default().as_bytes()) {
+        match k.as_ref() {
+            "path" => path = Some(v.into_owned()),
+            "username" => user = Some(v.into_owned()),
+            _ => {}
+        }
+    }
+    (path, user)
+}
+
+/// Who a request is: an accepted API key (its tenant), or the access token
+/// it shows.
+struct Caller {
+    key: Option<Principal>,
+    token: Option<Vec<u8>>,
+}
+
+impl Caller {
+    fn of(headers: &HeaderMap, auth: &Auth) -> Self {
+        let key = headers
+            .get(super::super::API_KEY_HEADER)
+            .and_then(|k| auth.principal(k.as_bytes().trim_ascii()));
+        let token = headers
+            .get(ACCESS_TOKEN_HEADER)
+            .map(|v| v.as_bytes().trim_ascii().to_vec());
+        Caller { key, token }
+    }
+
+    /// An API key of the sandbox's tenant (or an admin's), or the
+    /// sandbox's own access token (compared in constant time).
+    fn may_use(&self, sandbox: &Sandbox) -> bool {
+        if let Some(p) = &self.key {
+            return p.is_admin() || p.sees(sandbox.tenant.as_deref());
+        }
+        match (&self.token, &sandbox.access_token) {
+            (Some(shown), Some(issued)) => {
+                shown.len() == issued.len() && bool::from(shown.as_slice().ct_eq(issued.as_bytes()))
+            }
+            _ => false,
+        }
+    }
+}
+
+/// The header of a sandbox's envd access token.
+pub const ACCESS_TOKEN_HEADER: &str = "x-access-token";
+
+/// Why a request cannot reach a sandbox's files.
+enum Refused {
+    /// Unknown, failed or killed: 502, as E2B's proxy answers.
+    Gone,
+    /// Neither the API key nor the sandbox's access token: 401.
+    Unauthorized,
+}
+
+impl From<Refused> for E2bError {
+    fn from(r: Refused) -> Self {
+        match r {
+            Refused::Gone => E2bError::new(StatusCode::BAD_GATEWAY, "the sandbox is not found"),
+            Refused::Unauthorized => E2bError::new(
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong X-Access-Token (or X-API-KEY)",
+            ),
+        }
+    }
+}
+
+/// The sandbox an envd request is for, if the caller may use it.
+fn target<S: SandboxApi>(s: &S, id: &str, caller: &Caller) -> Result<SandboxId, Refused> {
+    if !SandboxId::is_well_formed(id) {
+        return Err(Refused::Gone);
+    }
+    let sandbox = s
+        .get_sandbox(&SandboxId::new(id))
+        .map_err(|_| Refused::Gone)?;
+    e2b_state(sandbox.state).ok_or(Refused::Gone)?;
+    if !caller.may_use(&sandbox) {
+        return Err(Refused::Unauthorized);
+    }
+    Ok(sandbox.id)
+}
+
+/// `GET /files`.
+pub async fn download<S: SandboxApi>(
+    state: Api<S>,
+    Extension(auth): Extension<Auth>,
+    headers: HeaderMap,
+    RawQuery(raw): RawQuery,
+) -> Result<Response, E2bError> {
+    let id = sandbox_of(&headers)?;
+    let caller = Caller::of(&headers, &auth);
+    let (path, user) = query(raw);
+    let path = resolve(path.as_deref().unwrap_or_default(), user.as_deref())?;
+    let data = call(&state, move |s| match target(s, &id, &caller) {
+        Ok(id) => Ok(Ok(s.read_file(&id, &path)?.value)),
+        Err(refused) => Ok(Err(refused)),
+    })
+    .await??;
+    let mut r = (StatusCode::OK, data).into_response();
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    Ok(r)
+}
+
+/// An uploaded file, as envd answers (`EntryInfo`).
+#[derive(Debug, Serialize)]
+pub struct Written {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub path: String,
+}
+
+/// `POST /files` (octet-stream).
+pub async fn upload<S: SandboxApi>(
+    state: Api<S>,
+    Extension(auth): Extension<Auth>,
+    headers: HeaderMap,
+    RawQuery(raw): RawQuery,
+    body: Bytes,
+) -> Result<Response, E2bError> {
+    let id = sandbox_of(&headers)?;
+    let caller = Caller::of(&headers, &auth);
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    if !content_type.starts_with("application/octet-stream") {
+        return Err(E2bError::bad_request(format!(
+            "uploads as {content_type:?} are not offered yet: use application/octet-stream \
+             (the SDKs' `use_octet_stream=True`)"
+        )));
+    }
+    if headers
+        .get(header::CONTENT_ENCODING)
+        .is_some_and(|v| v.as_bytes() != b"identity")
+    {
+        return Err(E2bError::bad_request(
+            "compressed uploads (Content-Encoding) are not offered yet",
+        ));
+    }
+    let (path, user) = query(raw);
+    let path = resolve(path.as_deref().unwrap_or_default(), user.as_deref())?;
+    let written = call(&state, move |s| {
+        let id = match target(s, &id, &caller) {
+            Ok(id) => id,
+            Err(refused) => return Ok(Err(refused)),
+        };
+        s.write_file(&id, &path, &body, None)?;
+        let name = path.rsplit('/').next().unwrap_or_default().to_string();
+        Ok(Ok(vec![Written {
+            name,
+            kind: "file",
+            path,
+        }]))
+    })
+    .await??;
+    Ok(Json(written).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_paths_are_under_the_users_home() {
+        assert_eq!(resolve("/etc/hostname", None).unwrap(), "/etc/hostname");
+        assert_eq!(resolve("a.txt", None).unwrap(), "/home/user/a.txt");
+        assert_eq!(resolve("~/a.txt", Some("bob")).unwrap(), "/home/bob/a.txt");
+        assert_eq!(resolve("a/b", Some("root")).unwrap(), "/root/a/b");
+        assert!(resolve("", None).is_err());
+        assert!(resolve("a", Some("../etc")).is_err());
+        assert!(resolve("a", Some("..")).is_err());
+    }
+}
