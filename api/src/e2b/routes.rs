@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use axum::body::Bytes;
-use axum::extract::{Path, RawQuery};
+use axum::extract::{Extension, Path, RawQuery};
 use axum::http::header::HeaderValue;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -21,6 +21,7 @@ use super::wire::{
     ForkResult, NewSandbox, RefreshBody, SandboxDetail, SandboxMetric, SnapshotBody, SnapshotInfo,
     TimeoutBody, DEFAULT_TIMEOUT_S, MAX_FORK_COUNT, MAX_LIMIT,
 };
+use crate::auth::Principal;
 use crate::backend::SandboxApi;
 use crate::handlers::{call, Api};
 use crate::service::{
@@ -114,7 +115,11 @@ fn created(status: StatusCode, body: impl serde::Serialize) -> Response {
 
 /// `POST /sandboxes`, `POST /v2/sandboxes`: a sandbox from a template (id
 /// or name; a snapshot is a template).
-pub async fn create<S: SandboxApi>(state: Api<S>, bytes: Bytes) -> E2bResult<Response> {
+pub async fn create<S: SandboxApi>(
+    state: Api<S>,
+    Extension(principal): Extension<Principal>,
+    bytes: Bytes,
+) -> E2bResult<Response> {
     let req: NewSandbox = body(&bytes)?;
     req.refuse_unoffered()?;
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
@@ -131,6 +136,7 @@ pub async fn create<S: SandboxApi>(state: Api<S>, bytes: Bytes) -> E2bResult<Res
             env: req.env_vars.unwrap_or_default(),
             on_timeout,
             access_token: Some(new_access_token()),
+            owner: Some(principal.owner()),
             ..CreateSandbox::default()
         })?;
         Ok(CreatedSandbox::new(&sandbox, alias(s, &sandbox.template)))
@@ -369,9 +375,17 @@ fn sandbox_cursor(d: &SandboxDetail, created_at: i64) -> Cursor {
 /// `metadata`, `template` (id or name), `startedAfter`, `order`
 /// (`asc` by default), `limit` (at most 100) and `nextToken`; the next
 /// page's token in `x-next-token`.
-pub async fn list_v2<S: SandboxApi>(state: Api<S>, RawQuery(raw): RawQuery) -> E2bResult<Response> {
+pub async fn list_v2<S: SandboxApi>(
+    state: Api<S>,
+    Extension(principal): Extension<Principal>,
+    RawQuery(raw): RawQuery,
+) -> E2bResult<Response> {
     let q = query_pairs(raw);
-    let mut filter = SandboxFilter::default();
+    let mut filter = SandboxFilter {
+        // A tenant's key lists its own sandboxes; an admin's, every one.
+        tenant: (!principal.is_admin()).then(|| principal.tenant.clone()),
+        ..SandboxFilter::default()
+    };
     for word in q
         .get("state")
         .map(String::as_str)
@@ -437,9 +451,17 @@ pub async fn list_v2<S: SandboxApi>(state: Api<S>, RawQuery(raw): RawQuery) -> E
 }
 
 /// `GET /sandboxes` (E2B's v1 list): running sandboxes, `metadata` filter.
-pub async fn list_v1<S: SandboxApi>(state: Api<S>, RawQuery(raw): RawQuery) -> E2bResult<Response> {
+pub async fn list_v1<S: SandboxApi>(
+    state: Api<S>,
+    Extension(principal): Extension<Principal>,
+    RawQuery(raw): RawQuery,
+) -> E2bResult<Response> {
     let q = query_pairs(raw);
-    let mut filter = SandboxFilter::default();
+    let mut filter = SandboxFilter {
+        // A tenant's key lists its own sandboxes; an admin's, every one.
+        tenant: (!principal.is_admin()).then(|| principal.tenant.clone()),
+        ..SandboxFilter::default()
+    };
     filter
         .states
         .extend_from_slice(torpor_states("running").unwrap_or(&[]));
