@@ -306,7 +306,7 @@ fn tenants_see_only_their_own_and_cannot_reach_host_paths() {
     let r = s.call(&a, "GET", "/v1/sandboxes?limit=1", None);
     let page1 = r.json();
     let next = page1["next"].as_str().expect("a next page").to_string();
-    assert_eq!(r.header("x-next-token").as_deref(), Some(next.as_str()));
+    assert_eq!(r.header("x-next-token"), Some(next.as_str()));
     let page2 = s.ok(
         &a,
         "GET",

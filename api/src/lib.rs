@@ -367,7 +367,7 @@ fn tenancy_of<S: SandboxApi>(service: &Arc<S>, config: &ApiConfig) -> tenancy::T
         tracing::warn!("no API tokens configured: every authenticated route answers 401");
     }
     tenancy::Tenancy {
-        service: Arc::clone(&service),
+        service: Arc::clone(service),
         auth: auth.clone(),
         quotas: Arc::new(quota::Quotas::default()),
         limiter: tenancy::Limiter::new(config.rate_limit),

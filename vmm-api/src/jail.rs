@@ -196,6 +196,10 @@ pub struct Namespaces {
     pub uts: bool,
     #[serde(default = "yes")]
     pub net: bool,
+    /// Join this network namespace (`/run/netns/NAME`, the sandbox's,
+    /// holding its tap) instead of making a new one.
+    #[serde(default)]
+    pub join_net: Option<PathBuf>,
 }
 
 fn yes() -> bool {
@@ -209,6 +213,7 @@ impl Default for Namespaces {
             ipc: true,
             uts: true,
             net: true,
+            join_net: None,
         }
     }
 }

@@ -43,6 +43,21 @@ pub fn run(
     builtins: &[Builtin],
     on_ready: impl FnOnce(u32) + Send + 'static,
 ) -> Result<RunReport, RunError> {
+    // A jailed VMM with a sandbox network joins that namespace while it is
+    // still root (a VMM without rights cannot `setns` later) and opens its
+    // tap there by name.
+    let mut spec_owned;
+    let spec = match (&spec.jail, net_namespace(spec)) {
+        (Some(_), Some(netns)) => {
+            spec_owned = spec.clone();
+            if let Some(jail) = spec_owned.jail.as_mut() {
+                jail.namespaces.join_net = Some(netns);
+            }
+            clear_net_namespace(&mut spec_owned);
+            &spec_owned
+        }
+        _ => spec,
+    };
     let pid = match &spec.jail {
         Some(jail) => crate::jail::enter(jail)?.host_pid,
         None => std::process::id(),
@@ -133,5 +148,26 @@ fn kernel_image(kernel: &KernelSource, builtins: &[Builtin]) -> Result<KernelIma
                     ),
                 ))
             }),
+    }
+}
+
+/// The network namespace the spec's tap is opened in, if any.
+fn net_namespace(spec: &LaunchSpec) -> Option<std::path::PathBuf> {
+    match &spec.mode {
+        LaunchMode::Boot { net, .. } => net.as_ref().and_then(|n| n.netns.clone()),
+        LaunchMode::Restore { restore, .. } => restore.net.as_ref().and_then(|n| n.netns.clone()),
+        LaunchMode::Standby { .. } => None,
+    }
+}
+
+/// The tap is opened in the namespace the process is already in.
+fn clear_net_namespace(spec: &mut LaunchSpec) {
+    let net = match &mut spec.mode {
+        LaunchMode::Boot { net, .. } => net.as_mut(),
+        LaunchMode::Restore { restore, .. } => restore.net.as_mut(),
+        LaunchMode::Standby { .. } => None,
+    };
+    if let Some(net) = net {
+        net.netns = None;
     }
 }

@@ -42,6 +42,10 @@ impl Default for JailConfig {
     }
 }
 
+/// Uids taken: by a VMM starting (None) or running (its pid and start
+/// time, so a recycled pid does not hold a uid).
+type Slots = HashMap<u32, Option<(u32, Option<u64>)>>;
+
 /// The pod's jails.
 pub struct Jails {
     config: JailConfig,
@@ -49,7 +53,7 @@ pub struct Jails {
     /// The empty directory every jail's root tmpfs is mounted on.
     root: PathBuf,
     /// uid → the pid of the VMM that has it (None: being started).
-    slots: Mutex<HashMap<u32, Option<(u32, Option<u64>)>>>,
+    slots: Mutex<Slots>,
     cursor: AtomicU32,
     /// Names cgroups uniquely per VMM.
     started: AtomicU64,
@@ -94,7 +98,7 @@ impl Jails {
         })
     }
 
-    fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Option<(u32, Option<u64>)>>> {
+    fn slots(&self) -> std::sync::MutexGuard<'_, Slots> {
         self.slots.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -477,43 +481,6 @@ fn attach(ns: std::fs::File, trees: Vec<(Expose, OwnedFd, bool)>) -> Result<(), 
     result
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn uids_are_taken_once_and_freed_with_their_vmm() {
-        let dir = std::env::temp_dir().join(format!("torpor-jails-{}", std::process::id()));
-        let jails = Jails::new(
-            &dir,
-            JailConfig {
-                uid_base: 300_000,
-                uids: 2,
-                sandbox_memory_max_mib: None,
-            },
-        )
-        .unwrap();
-        let a = jails.reserve().unwrap();
-        let b = jails.reserve().unwrap();
-        assert_ne!(a, b);
-        assert!(jails.reserve().is_err(), "only two uids");
-        jails.release(a);
-        let c = jails.reserve().unwrap();
-        assert_eq!(c, a);
-        // A slot whose VMM is gone is free; a live one is not.
-        jails.assign(c, u32::MAX - 1);
-        jails.assign(b, std::process::id());
-        assert_eq!(jails.reserve().unwrap(), c);
-        assert!(jails.reserve().is_err());
-        // SAFETY: getuid cannot fail.
-        assert_eq!(
-            process_uid(std::process::id()),
-            Some(unsafe { libc::getuid() })
-        );
-        let _ = std::fs::remove_dir_all(dir);
-    }
-}
-
 /// For `uffd-shared`: the shmem copy of the snapshot's base memory file,
 /// made by the pod (root-owned, read-only to VMMs) before a jailed VMM
 /// maps it.
@@ -566,5 +533,42 @@ pub fn spawn(
             jails.release(slot);
             Err(e)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uids_are_taken_once_and_freed_with_their_vmm() {
+        let dir = std::env::temp_dir().join(format!("torpor-jails-{}", std::process::id()));
+        let jails = Jails::new(
+            &dir,
+            JailConfig {
+                uid_base: 300_000,
+                uids: 2,
+                sandbox_memory_max_mib: None,
+            },
+        )
+        .unwrap();
+        let a = jails.reserve().unwrap();
+        let b = jails.reserve().unwrap();
+        assert_ne!(a, b);
+        assert!(jails.reserve().is_err(), "only two uids");
+        jails.release(a);
+        let c = jails.reserve().unwrap();
+        assert_eq!(c, a);
+        // A slot whose VMM is gone is free; a live one is not.
+        jails.assign(c, u32::MAX - 1);
+        jails.assign(b, std::process::id());
+        assert_eq!(jails.reserve().unwrap(), c);
+        assert!(jails.reserve().is_err());
+        // SAFETY: getuid cannot fail.
+        assert_eq!(
+            process_uid(std::process::id()),
+            Some(unsafe { libc::getuid() })
+        );
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

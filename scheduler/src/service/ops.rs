@@ -250,7 +250,15 @@ impl Service {
         // backends; `file` maps the page cache, which needs no prefetch).
         restore.prefetch = backend != MemoryBackend::File;
         self.guest_restore_paths(id, &mut restore)?;
-        let shell = self.pool.take((sandbox.mem_mib, sandbox.vcpus));
+        // A jailed VMM joins its sandbox's network namespace as it starts
+        // (as root, before it drops its rights): a shell made earlier sits
+        // in a namespace of its own, so a networked sandbox restores cold.
+        let networked = restore.net.as_ref().is_some_and(|n| n.netns.is_some());
+        let shell = if networked && self.jails.is_some() {
+            None
+        } else {
+            self.pool.take((sandbox.mem_mib, sandbox.vcpus))
+        };
         let template_files = self.template_files(&sandbox.template);
         let prepare_ms = lap.next();
         let from_shell = shell.and_then(|shell| {
@@ -321,7 +329,7 @@ impl Service {
             .get_template(template)
             .ok()
             .and_then(|t| t.rootfs)
-            .map(|r| vec![Expose::read_only(PathBuf::from(r))])
+            .map(|r| vec![Expose::read_only(r)])
             .unwrap_or_default()
     }
 

@@ -88,6 +88,21 @@ pub struct Entered {
     pub host_pid: u32,
 }
 
+/// Joins the network namespace at `path` (a sandbox's, with its tap).
+fn join_net(path: &std::path::Path) -> Result<(), JailError> {
+    use std::os::fd::AsRawFd;
+    let ns = std::fs::File::open(path).map_err(|source| JailError::Sys {
+        what: format!("open the network namespace {}", path.display()),
+        source,
+    })?;
+    // SAFETY: setns takes a namespace descriptor we own and a flag; the
+    // process is single-threaded here.
+    let ret = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+    sys(ret, || {
+        format!("join the network namespace {}", path.display())
+    })
+}
+
 /// Confines the calling process as `spec` says. Must run before any
 /// thread is started (unshare of the mount namespace and fork need a
 /// single-threaded process). With a pid namespace, the calling process
@@ -112,11 +127,17 @@ pub fn enter(spec: &JailSpec) -> Result<Entered, JailError> {
     if let Some(c) = &cgroup {
         c.join_self()?;
     }
+    if let Some(path) = &spec.namespaces.join_net {
+        join_net(path)?;
+    }
     let mut flags = libc::CLONE_NEWNS;
     for (on, flag) in [
         (spec.namespaces.ipc, libc::CLONE_NEWIPC),
         (spec.namespaces.uts, libc::CLONE_NEWUTS),
-        (spec.namespaces.net, libc::CLONE_NEWNET),
+        (
+            spec.namespaces.net && spec.namespaces.join_net.is_none(),
+            libc::CLONE_NEWNET,
+        ),
     ] {
         if on {
             flags |= flag;
