@@ -85,6 +85,11 @@ pub fn dirty_scan() -> Vec<u64> {
     vec![abi::PAGEMAP_SCAN, abi::UFFDIO_WRITEPROTECT.into()]
 }
 
+/// `TUNSETOFFLOAD` on the tap (virtio-net's negotiated offloads).
+pub fn tun_set_offload() -> u64 {
+    libc::TUNSETOFFLOAD
+}
+
 /// `FIONBIO`: `set_nonblocking` on sockets.
 pub fn fionbio() -> u64 {
     libc::FIONBIO

@@ -3,7 +3,8 @@
 //! A vCPU runs the guest (KVM_RUN) and handles its exits: port and MMIO
 //! accesses to the emulated devices, virtio-blk requests (read and write
 //! the disk image and overlay, which are already open), console output,
-//! and eventfd writes that wake a device worker or raise an interrupt.
+//! and eventfd writes that wake a device worker or raise an interrupt;
+//! the tap's offloads when the guest's net driver starts or resets.
 //! Snapshots read its state on its own thread while it is parked.
 
 use super::ioctls;
@@ -21,6 +22,9 @@ pub fn rules() -> Result<Rules, SeccompError> {
     ]);
     let mut requests = vec![ioctls::kvm_run()];
     requests.extend(ioctls::vcpu_save());
+    // virtio-net: the tap's offloads follow what the guest negotiated,
+    // set when it writes DRIVER_OK (or resets) on this thread.
+    requests.push(ioctls::tun_set_offload());
     r.allow_values(libc::SYS_ioctl, 1, &requests)?;
     Ok(r)
 }
