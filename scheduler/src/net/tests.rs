@@ -34,27 +34,25 @@ fn tool(name: &str) -> bool {
 }
 
 /// A manager whose "host" is a fresh namespace, with names of its own and
-/// addresses from `pool`, or `None` (said why).
+/// addresses from `pool`. Needs root, `nft` and /dev/net/tun: scripts/test
+/// leaves these tests out where they are missing (tests/needs).
 pub(crate) fn manager(tag: &str, pool: &str) -> Option<(NetManager, HostNs)> {
     // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("SKIP {tag}: needs root for namespaces, veths and nftables");
-        return None;
-    }
-    if !tool("nft") || !std::path::Path::new("/dev/net/tun").exists() {
-        eprintln!("SKIP {tag}: needs nft (apt-get install nftables) and /dev/net/tun");
-        return None;
-    }
+    assert!(
+        unsafe { libc::geteuid() } == 0,
+        "{tag}: needs root for namespaces, veths and nftables"
+    );
+    assert!(
+        tool("nft") && std::path::Path::new("/dev/net/tun").exists(),
+        "{tag}: needs nft (apt-get install nftables) and /dev/net/tun"
+    );
     let id = format!("{:x}{}", std::process::id() & 0xffff, tag.len());
     let host = HostNs(format!("tnh-{id}-{tag}"));
     let ok = Command::new("ip")
         .args(["netns", "add", &host.0])
         .status()
         .is_ok_and(|s| s.success());
-    if !ok {
-        eprintln!("SKIP {tag}: cannot create a network namespace");
-        return None;
-    }
+    assert!(ok, "{tag}: cannot create a network namespace");
     let config = NetConfig {
         netns_prefix: format!("tns-{id}-{tag}-"),
         veth_prefix: format!("v{id}x"),

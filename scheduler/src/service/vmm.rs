@@ -273,7 +273,9 @@ pub fn status(handle: &VmmHandle) -> Option<VmStatus> {
 /// Why a VMM that nobody stopped ended, for its sandbox's error.
 pub fn exit_reason(status: std::process::ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
-    if status.signal() == Some(libc::SIGSYS) {
+    // Unjailed, the VMM is the child; jailed, the child is its supervisor,
+    // which exits with 128 + the signal that killed the VMM.
+    if status.signal() == Some(libc::SIGSYS) || status.code() == Some(128 + libc::SIGSYS) {
         return format!(
             "its VMM was killed by its seccomp filter: a system call outside its \
              allow-list (seccomp violation, SIGSYS; {status})"
