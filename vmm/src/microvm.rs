@@ -37,6 +37,8 @@ pub enum RunError {
     ControlThread(std::io::Error),
     #[error("cannot create the exit event: {0}")]
     ExitEvent(std::io::Error),
+    #[error("cannot start the standby thread: {0}")]
+    StandbyThread(std::io::Error),
     #[error(transparent)]
     Restore(#[from] crate::restore::RestoreError),
     #[error(transparent)]
@@ -442,6 +444,7 @@ pub struct Spares {
     pub control: control::SpareControl,
 }
 
+/// Runs a built VM until the guest or a control request ends it.
 pub fn run_built(
     built: BuiltVm,
     listener: Option<(std::os::unix::net::UnixListener, PathBuf)>,
@@ -451,6 +454,43 @@ pub fn run_built(
     pending: Option<PendingRestore>,
     spares: Option<Spares>,
 ) -> Result<RunReport, RunError> {
+    launch_built(
+        built,
+        listener,
+        start_paused,
+        exit,
+        started,
+        pending,
+        spares,
+    )?
+    .run()
+}
+
+/// A VM whose threads all run, each under its filter, with the vCPUs held
+/// out of the guest until [`Launched::run`].
+pub struct Launched {
+    vcpus: Arc<VcpuSet>,
+    controller: Arc<Controller>,
+    server: Option<ControlServer>,
+    first_run: Arc<OnceLock<Instant>>,
+    exit: ExitSignal,
+    start_paused: bool,
+    pending: Option<PendingRestore>,
+    timings: Timings,
+    keepalive: Option<Box<dyn std::any::Any + Send>>,
+    started: Instant,
+}
+
+/// Starts a built VM's device, vCPU (held) and control threads.
+pub fn launch_built(
+    built: BuiltVm,
+    listener: Option<(std::os::unix::net::UnixListener, PathBuf)>,
+    start_paused: bool,
+    exit: ExitSignal,
+    started: Instant,
+    pending: Option<PendingRestore>,
+    spares: Option<Spares>,
+) -> Result<Launched, RunError> {
     let (spare_vcpus, spare_control) = match spares {
         Some(s) => (Some(s.vcpus), Some(s.control)),
         None => (None, None),
@@ -502,31 +542,63 @@ pub fn run_built(
         ),
         None => None,
     };
-    // Every long-lived thread runs (each under its own filter): confine
-    // this one, then let the guest run.
-    if let Err(e) = crate::seccomp::install(crate::seccomp::ThreadKind::Main) {
-        vcpus.stop(std::time::Duration::from_millis(500));
-        return Err(e.into());
-    }
-    vcpus.release();
-    if let Some(p) = pending {
-        answer_restore(p, &first_run, start_paused, &controller, &timings);
-    }
-    drop(controller);
-    crate::launch::serving();
-    tracing::info!(?timings, "microVM started");
-    let reason = exit.wait();
-    vcpus.stop(std::time::Duration::from_millis(500));
-    let _quiet = server.as_ref().map(|s| s.quiesce());
-    // The page server (if any) must outlive every vCPU thread.
-    drop(built.keepalive);
-    Ok(RunReport {
-        exit: reason,
+    Ok(Launched {
+        vcpus,
+        controller,
+        server,
+        first_run,
+        exit,
+        start_paused,
+        pending,
         timings,
-        first_kvm_run_us: first_run
-            .get()
-            .map(|t| t.duration_since(started).as_micros() as u64),
+        keepalive: built.keepalive,
+        started,
     })
+}
+
+impl Launched {
+    /// Confines the calling thread as the VMM's main thread (a standby
+    /// shell's is already), lets the guest run, and waits for its end.
+    pub fn run(self) -> Result<RunReport, RunError> {
+        let Launched {
+            vcpus,
+            controller,
+            server,
+            first_run,
+            exit,
+            start_paused,
+            pending,
+            timings,
+            keepalive,
+            started,
+        } = self;
+        // Every long-lived thread runs (each under its own filter): confine
+        // this one, then let the guest run.
+        if let Err(e) = crate::seccomp::install(crate::seccomp::ThreadKind::Main) {
+            vcpus.stop(std::time::Duration::from_millis(500));
+            return Err(e.into());
+        }
+        vcpus.release();
+        if let Some(p) = pending {
+            answer_restore(p, &first_run, start_paused, &controller, &timings);
+        }
+        crate::launch::serving();
+        tracing::info!(?timings, "microVM started");
+        let reason = exit.wait();
+        vcpus.stop(std::time::Duration::from_millis(500));
+        let _quiet = server.as_ref().map(|s| s.quiesce());
+        // The page server (if any) must outlive every vCPU thread.
+        drop(keepalive);
+        // Guest memory and the VM (held by the controller) outlive both.
+        drop(controller);
+        Ok(RunReport {
+            exit: reason,
+            timings,
+            first_kvm_run_us: first_run
+                .get()
+                .map(|t| t.duration_since(started).as_micros() as u64),
+        })
+    }
 }
 
 /// Hands the heap pages freed by start-up (snapshot state, page maps) back
