@@ -429,8 +429,6 @@ impl VmController for Controller {
     }
 }
 
-/// Runs a built VM until the guest or a control request ends it.
-/// `started` is when the run began (process start, for restores).
 /// A restore request of a standby VMM, answered once the vCPUs run.
 pub struct PendingRestore {
     pub stream: std::os::unix::net::UnixStream,
@@ -442,28 +440,6 @@ pub struct PendingRestore {
 pub struct Spares {
     pub vcpus: crate::vstate::vcpu::SpareThreads,
     pub control: control::SpareControl,
-}
-
-/// Runs a built VM until the guest or a control request ends it.
-pub fn run_built(
-    built: BuiltVm,
-    listener: Option<(std::os::unix::net::UnixListener, PathBuf)>,
-    start_paused: bool,
-    exit: ExitSignal,
-    started: Instant,
-    pending: Option<PendingRestore>,
-    spares: Option<Spares>,
-) -> Result<RunReport, RunError> {
-    launch_built(
-        built,
-        listener,
-        start_paused,
-        exit,
-        started,
-        pending,
-        spares,
-    )?
-    .run()
 }
 
 /// A VM whose threads all run, each under its filter, with the vCPUs held
@@ -481,7 +457,9 @@ pub struct Launched {
     started: Instant,
 }
 
-/// Starts a built VM's device, vCPU (held) and control threads.
+/// Starts a built VM's device, vCPU (held) and control threads;
+/// [`Launched::run`] runs it until the guest or a control request ends it.
+/// `started` is when the run began (process start, for restores).
 pub fn launch_built(
     built: BuiltVm,
     listener: Option<(std::os::unix::net::UnixListener, PathBuf)>,
@@ -623,7 +601,7 @@ pub fn boot(
     let listener = bind_control(control_socket)?;
     let exit = ExitSignal::new().map_err(RunError::ExitEvent)?;
     let built = crate::builder::build(config, backend, &exit)?;
-    run_built(built, listener, false, exit, started, None, None)
+    launch_built(built, listener, false, exit, started, None, None)?.run()
 }
 
 /// Binds the control socket, if one was asked for.
@@ -656,7 +634,7 @@ pub fn restore(
         &mut t,
     )?;
     let built = crate::restore::restore_into(shell, chain, opts, &exit, t)?;
-    run_built(built, listener, paused, exit, started, None, None)
+    launch_built(built, listener, paused, exit, started, None, None)?.run()
 }
 
 /// Answers a standby restore request once a vCPU has entered KVM_RUN (or at
