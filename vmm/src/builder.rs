@@ -301,7 +301,13 @@ pub fn serial_output(serial: &SerialOutput) -> Result<Box<dyn Write + Send>, Bui
 /// ~0.7 ms standby restore, and the guest prints only after it runs. Its
 /// first write waits for the open. The directory is checked here, so the
 /// usual mistake (a missing directory) still fails the restore up front.
-pub fn serial_output_deferred(serial: &SerialOutput) -> Result<Box<dyn Write + Send>, BuildError> {
+///
+/// A standby shell's `opener` thread, made ahead, opens it when given: no
+/// thread is spawned (nor seccomp filter installed) on the restore path.
+pub fn serial_output_deferred(
+    serial: &SerialOutput,
+    opener: Option<ConsoleOpener>,
+) -> Result<Box<dyn Write + Send>, BuildError> {
     let SerialOutput::File { path, max_bytes } = serial else {
         return serial_output(serial);
     };
@@ -318,17 +324,26 @@ pub fn serial_output_deferred(serial: &SerialOutput) -> Result<Box<dyn Write + S
             ),
         });
     }
-    let open_path = path.clone();
-    let pending = std::thread::Builder::new()
-        .name("console-open".into())
-        .spawn(move || {
-            crate::seccomp::enter(crate::seccomp::ThreadKind::ConsoleOpen);
-            File::create(open_path)
-        })
-        .map_err(|source| BuildError::SerialOutput {
-            path: path.clone(),
-            source,
-        })?;
+    let handed = match opener {
+        Some(o) => o.path.send(path.clone()).ok().map(|()| o.opened),
+        None => None,
+    };
+    let pending = match handed {
+        Some(opened) => opened,
+        None => {
+            let open_path = path.clone();
+            std::thread::Builder::new()
+                .name("console-open".into())
+                .spawn(move || {
+                    crate::seccomp::enter(crate::seccomp::ThreadKind::ConsoleOpen);
+                    File::create(open_path)
+                })
+                .map_err(|source| BuildError::SerialOutput {
+                    path: path.clone(),
+                    source,
+                })?
+        }
+    };
     Ok(Box::new(Capped::new(
         DeferredFile {
             path: path.clone(),
@@ -337,6 +352,29 @@ pub fn serial_output_deferred(serial: &SerialOutput) -> Result<Box<dyn Write + S
         },
         *max_bytes,
     )))
+}
+
+/// A console-open thread made ahead (by a standby shell), under its
+/// seccomp filter, waiting for the path of the file to create.
+pub struct ConsoleOpener {
+    path: std::sync::mpsc::Sender<PathBuf>,
+    opened: std::thread::JoinHandle<std::io::Result<File>>,
+}
+
+impl ConsoleOpener {
+    pub fn spawn() -> std::io::Result<Self> {
+        let (path, wait) = std::sync::mpsc::channel::<PathBuf>();
+        let opened = std::thread::Builder::new()
+            .name("console-open".into())
+            .spawn(move || {
+                crate::seccomp::enter(crate::seccomp::ThreadKind::ConsoleOpen);
+                let path = wait
+                    .recv()
+                    .map_err(|_| std::io::Error::other("no console file to open"))?;
+                File::create(path)
+            })?;
+        Ok(Self { path, opened })
+    }
 }
 
 /// Bytes the guest wrote to consoles past their limit, in this process.
@@ -458,7 +496,7 @@ mod console_tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("console.log");
         std::fs::write(&path, "stale content from an earlier run\n").unwrap();
-        let mut out = serial_output_deferred(&SerialOutput::file(path.clone())).unwrap();
+        let mut out = serial_output_deferred(&SerialOutput::file(path.clone()), None).unwrap();
         out.write_all(b"first line\nsecond ").unwrap();
         out.write_all(b"line\n").unwrap();
         out.flush().unwrap();
@@ -497,7 +535,7 @@ mod console_tests {
     #[test]
     fn deferred_console_in_a_missing_directory_is_refused_up_front() {
         let path = PathBuf::from("/nonexistent-torpor-dir/console.log");
-        let err = match serial_output_deferred(&SerialOutput::file(path)) {
+        let err = match serial_output_deferred(&SerialOutput::file(path), None) {
             Err(e) => e,
             Ok(_) => panic!("a console in a missing directory was accepted"),
         };

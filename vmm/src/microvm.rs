@@ -37,6 +37,8 @@ pub enum RunError {
     ControlThread(std::io::Error),
     #[error("cannot create the exit event: {0}")]
     ExitEvent(std::io::Error),
+    #[error("cannot start the standby thread: {0}")]
+    StandbyThread(std::io::Error),
     #[error(transparent)]
     Restore(#[from] crate::restore::RestoreError),
     #[error(transparent)]
@@ -430,8 +432,6 @@ impl VmController for Controller {
     }
 }
 
-/// Runs a built VM until the guest or a control request ends it.
-/// `started` is when the run began (process start, for restores).
 /// A restore request of a standby VMM, answered once the vCPUs run.
 pub struct PendingRestore {
     pub stream: std::os::unix::net::UnixStream,
@@ -445,7 +445,25 @@ pub struct Spares {
     pub control: control::SpareControl,
 }
 
-pub fn run_built(
+/// A VM whose threads all run, each under its filter, with the vCPUs held
+/// out of the guest until [`Launched::run`].
+pub struct Launched {
+    vcpus: Arc<VcpuSet>,
+    controller: Arc<Controller>,
+    server: Option<ControlServer>,
+    first_run: Arc<OnceLock<Instant>>,
+    exit: ExitSignal,
+    start_paused: bool,
+    pending: Option<PendingRestore>,
+    timings: Timings,
+    keepalive: Option<Box<dyn std::any::Any + Send>>,
+    started: Instant,
+}
+
+/// Starts a built VM's device, vCPU (held) and control threads;
+/// [`Launched::run`] runs it until the guest or a control request ends it.
+/// `started` is when the run began (process start, for restores).
+pub fn launch_built(
     built: BuiltVm,
     listener: Option<(std::os::unix::net::UnixListener, PathBuf)>,
     start_paused: bool,
@@ -453,7 +471,7 @@ pub fn run_built(
     started: Instant,
     pending: Option<PendingRestore>,
     spares: Option<Spares>,
-) -> Result<RunReport, RunError> {
+) -> Result<Launched, RunError> {
     let (spare_vcpus, spare_control) = match spares {
         Some(s) => (Some(s.vcpus), Some(s.control)),
         None => (None, None),
@@ -505,31 +523,63 @@ pub fn run_built(
         ),
         None => None,
     };
-    // Every long-lived thread runs (each under its own filter): confine
-    // this one, then let the guest run.
-    if let Err(e) = crate::seccomp::install(crate::seccomp::ThreadKind::Main) {
-        vcpus.stop(std::time::Duration::from_millis(500));
-        return Err(e.into());
-    }
-    vcpus.release();
-    if let Some(p) = pending {
-        answer_restore(p, &first_run, start_paused, &controller, &timings);
-    }
-    drop(controller);
-    crate::launch::serving();
-    tracing::info!(?timings, "microVM started");
-    let reason = exit.wait();
-    vcpus.stop(std::time::Duration::from_millis(500));
-    let _quiet = server.as_ref().map(|s| s.quiesce());
-    // The page server (if any) must outlive every vCPU thread.
-    drop(built.keepalive);
-    Ok(RunReport {
-        exit: reason,
+    Ok(Launched {
+        vcpus,
+        controller,
+        server,
+        first_run,
+        exit,
+        start_paused,
+        pending,
         timings,
-        first_kvm_run_us: first_run
-            .get()
-            .map(|t| t.duration_since(started).as_micros() as u64),
+        keepalive: built.keepalive,
+        started,
     })
+}
+
+impl Launched {
+    /// Confines the calling thread as the VMM's main thread (a standby
+    /// shell's is already), lets the guest run, and waits for its end.
+    pub fn run(self) -> Result<RunReport, RunError> {
+        let Launched {
+            vcpus,
+            controller,
+            server,
+            first_run,
+            exit,
+            start_paused,
+            pending,
+            timings,
+            keepalive,
+            started,
+        } = self;
+        // Every long-lived thread runs (each under its own filter): confine
+        // this one, then let the guest run.
+        if let Err(e) = crate::seccomp::install(crate::seccomp::ThreadKind::Main) {
+            vcpus.stop(std::time::Duration::from_millis(500));
+            return Err(e.into());
+        }
+        vcpus.release();
+        if let Some(p) = pending {
+            answer_restore(p, &first_run, start_paused, &controller, &timings);
+        }
+        crate::launch::serving();
+        tracing::info!(?timings, "microVM started");
+        let reason = exit.wait();
+        vcpus.stop(std::time::Duration::from_millis(500));
+        let _quiet = server.as_ref().map(|s| s.quiesce());
+        // The page server (if any) must outlive every vCPU thread.
+        drop(keepalive);
+        // Guest memory and the VM (held by the controller) outlive both.
+        drop(controller);
+        Ok(RunReport {
+            exit: reason,
+            timings,
+            first_kvm_run_us: first_run
+                .get()
+                .map(|t| t.duration_since(started).as_micros() as u64),
+        })
+    }
 }
 
 /// Hands the heap pages freed by start-up (snapshot state, page maps) back
@@ -554,7 +604,7 @@ pub fn boot(
     let listener = bind_control(control_socket)?;
     let exit = ExitSignal::new().map_err(RunError::ExitEvent)?;
     let built = crate::builder::build(config, backend, &exit)?;
-    run_built(built, listener, false, exit, started, None, None)
+    launch_built(built, listener, false, exit, started, None, None)?.run()
 }
 
 /// Binds the control socket, if one was asked for.
@@ -587,7 +637,7 @@ pub fn restore(
         &mut t,
     )?;
     let built = crate::restore::restore_into(shell, chain, opts, &exit, t)?;
-    run_built(built, listener, paused, exit, started, None, None)
+    launch_built(built, listener, paused, exit, started, None, None)?.run()
 }
 
 /// Answers a standby restore request once a vCPU has entered KVM_RUN (or at

@@ -269,6 +269,8 @@ pub struct Shell {
     pub xsave_size: i32,
     /// Whether the memory slots log dirty pages (KVM_MEM_LOG_DIRTY_PAGES).
     pub kvm_dirty_log: bool,
+    /// A standby shell's console-open thread, made ahead.
+    pub console_opener: Option<builder::ConsoleOpener>,
 }
 
 /// Creates a shell: KVM VM, placeholder memory registered as KVM slots,
@@ -312,6 +314,7 @@ pub fn create_shell(
         msr_indices,
         xsave_size,
         kvm_dirty_log: dirty_tracking.kvm_log(),
+        console_opener: None,
     })
 }
 
@@ -506,7 +509,7 @@ pub fn restore_into(
     persist::restore_vm(&shell.vm.fd, &state.vm)?;
     t.phase("state");
 
-    let out = builder::serial_output_deferred(&opts.serial)?;
+    let out = builder::serial_output_deferred(&opts.serial, shell.console_opener)?;
     t.phase("console_open");
     let serial = Arc::new(Mutex::new(SerialDevice::restore(
         (shell.serial_irq, out),
