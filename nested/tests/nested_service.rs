@@ -31,7 +31,7 @@ T=/opt/torpor/torpor
 export TORPOR_API=http://127.0.0.1:7700 TORPOR_TOKEN=nested-token
 mkdir -p /opt/torpor/images/debian
 mv /opt/torpor/vmlinux /opt/torpor/rootfs.ext4 /opt/torpor/images/debian/
-$T serve --data-dir /tmp/data --token nested-token --keep-alive-ms 3600000 \
+$T serve --no-jail --data-dir /tmp/data --token nested-token --keep-alive-ms 3600000 \
    --images-dir /opt/torpor/images --request-timeout-ms 600000 >/tmp/serve.log 2>&1 &
 SERVE=$!
 i=0; until $T template list >/dev/null 2>&1 || [ $i -ge 150 ]; do sleep 0.2; i=$((i+1)); done

@@ -42,12 +42,14 @@ fn script(fingerprint: &Fingerprint) -> String {
     format!(
         r#"
 test -c /dev/kvm || {{ echo '{MARK_FAILED} L1 has no /dev/kvm'; exit 97; }}
+# L1's kernel has no memory/pids cgroups for a jail: the pod in it runs its
+# VMMs unjailed (L1 is the sandbox's outer wall here, a VM of its own).
 T=/opt/torpor/torpor
 # The image the template is built from, installed in the pod's images
 # directory (a rename: same filesystem, no copy of the rootfs in L1's RAM).
 mkdir -p /opt/torpor/images/{TEMPLATE}
 mv /opt/torpor/vmlinux /opt/torpor/rootfs.ext4 /opt/torpor/images/{TEMPLATE}/
-$T pod serve --listen tcp:0.0.0.0:{POD_PORT} --token-file /opt/torpor/pod.token \
+$T pod serve --no-jail --listen tcp:0.0.0.0:{POD_PORT} --token-file /opt/torpor/pod.token \
    --tls-cert /opt/torpor/pod-cert.pem --tls-key /opt/torpor/pod-key.pem \
    --data-dir /tmp/pod --images-dir /opt/torpor/images --request-timeout-ms 1800000 \
    >/tmp/pod.log 2>&1 &
