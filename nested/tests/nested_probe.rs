@@ -47,7 +47,7 @@ fn nested_probe_runs_on_hardware_kvm() {
         });
     let script = format!(
         "test -c /dev/kvm || {{ echo 'L1 has no /dev/kvm (kvm_amd did not load)'; exit 97; }}\n\
-         /opt/torpor/torpor vmm --kernel builtin:probe --mem-mib 64 \
+         /opt/torpor/torpor vmm --no-jail --kernel builtin:probe --mem-mib 64 \
          --cmdline 'probe.iters={PROBE_ITERS} probe.mib={PROBE_MIB}'\n"
     );
     let out = host
