@@ -136,7 +136,11 @@ pub struct Route {
     pub admin: bool,
 }
 
-const fn route(method: &'static str, path: &'static str, operation: &'static str) -> Route {
+pub(crate) const fn route(
+    method: &'static str,
+    path: &'static str,
+    operation: &'static str,
+) -> Route {
     Route {
         method,
         path,

@@ -23,7 +23,7 @@ use crate::auth::Principal;
 use crate::backend::SandboxApi;
 use crate::handlers::AppState;
 use crate::tenancy::{owns, Tenancy};
-use crate::{method_filter, Limits, Route};
+use crate::{method_filter, route, Limits, Route};
 use torpor_scheduler::model::SandboxId;
 
 pub mod envd;
@@ -40,16 +40,6 @@ pub const OPENAPI: &str = include_str!("../../e2b-openapi.json");
 
 /// The header E2B's SDKs carry the API key in.
 pub const API_KEY_HEADER: &str = "x-api-key";
-
-const fn route(method: &'static str, path: &'static str, operation: &'static str) -> Route {
-    Route {
-        method,
-        path,
-        operation,
-        auth: true,
-        admin: false,
-    }
-}
 
 /// Every E2B route served (paths in axum syntax, operation ids as in
 /// `api/e2b-openapi.json`).
