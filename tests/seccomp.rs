@@ -203,17 +203,20 @@ fn probe_vmm(dir: &Scratch, extra: &[&str]) -> (Vmm, PathBuf) {
 #[test]
 fn torpor_vmm_enforces_by_default_and_off_is_explicit() {
     let dir = Scratch::new("seccomp-vmm-default");
-    let (mut vmm, sock) = probe_vmm(&dir, &[]);
+    let (vmm, sock) = probe_vmm(&dir, &[]);
     assert!(control::call(&sock, &Request::DebugForbiddenSyscall, CTL).is_err());
-    let deadline = Instant::now() + WAIT;
-    let status = loop {
-        if let Some(status) = vmm.try_status() {
-            break status;
-        }
-        assert!(Instant::now() < deadline, "the VMM survived");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert_eq!(status.signal(), Some(libc::SIGSYS), "{status}");
+    let out = vmm.wait(WAIT);
+    assert_eq!(out.status.signal(), Some(libc::SIGSYS), "{:?}", out.status);
+    // Before it dies, the VMM names the call and the thread that made it
+    // (socket(2) from the control thread).
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "seccomp violation: system call {} on the control thread",
+            libc::SYS_socket
+        )),
+        "{stderr}"
+    );
 
     let dir = Scratch::new("seccomp-vmm-off");
     let (vmm, sock) = probe_vmm(&dir, &["--seccomp", "off"]);

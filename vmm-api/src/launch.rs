@@ -57,7 +57,8 @@ pub struct LaunchSpec {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SeccompLevel {
-    /// Kill the whole VMM process (SIGSYS). What the service runs.
+    /// Kill the whole VMM process (SIGSYS), after naming the call and the
+    /// thread on stderr. What the service runs.
     #[default]
     Enforce,
     /// Allow the call and have the kernel log it (audit type 1326, in

@@ -4,9 +4,13 @@
 //! the main thread once the VM runs ([`ThreadKind::Main`]), the control
 //! server, each vCPU, each device worker, the userfaultfd page server and
 //! the short-lived helpers. A call outside the list kills the whole VMM
-//! with SIGSYS (`SECCOMP_RET_KILL_PROCESS`): a guest that takes over one
-//! thread cannot make the host do anything that thread was not already
-//! doing.
+//! with SIGSYS: a guest that takes over one thread cannot make the host do
+//! anything that thread was not already doing. The filter traps
+//! (`SECCOMP_RET_TRAP`) so that a handler first names the call and the
+//! thread on stderr (the VMM's log), then makes a second forbidden call
+//! from inside the handler, where SIGSYS is blocked: the kernel then
+//! resets SIGSYS to its default action and the process dies of it, as
+//! with `SECCOMP_RET_KILL_PROCESS`, and never runs on past the call.
 //!
 //! Filters are per thread (no TSYNC), so each thread installs its own with
 //! [`enter`] at its start, before it touches anything the guest controls;
@@ -18,6 +22,7 @@
 
 mod control;
 mod ioctls;
+mod report;
 mod rules;
 mod vcpu;
 mod workers;
@@ -117,6 +122,8 @@ pub enum SeccompError {
     },
     #[error("seccomp filters were already set up for this process")]
     AlreadyInitialized,
+    #[error("cannot install the SIGSYS handler that reports seccomp violations: {source}")]
+    Handler { source: std::io::Error },
 }
 
 /// The compiled filters of one process.
@@ -128,7 +135,7 @@ static FILTERS: OnceLock<Filters> = OnceLock::new();
 
 thread_local! {
     /// The kind whose filter this thread runs under, once installed.
-    static INSTALLED: Cell<Option<ThreadKind>> = const { Cell::new(None) };
+    pub(crate) static INSTALLED: Cell<Option<ThreadKind>> = const { Cell::new(None) };
 }
 
 /// Compiles `kind`'s filter: calls outside its list get `on_mismatch`.
@@ -158,7 +165,7 @@ pub fn compile(kind: ThreadKind, on_mismatch: SeccompAction) -> Result<BpfProgra
 pub fn init(level: SeccompLevel) -> Result<(), SeccompError> {
     let on_mismatch = match level {
         SeccompLevel::Off => return Ok(()),
-        SeccompLevel::Enforce => SeccompAction::KillProcess,
+        SeccompLevel::Enforce => SeccompAction::Trap,
         SeccompLevel::Log => SeccompAction::Log,
     };
     let mut programs = BTreeMap::new();
@@ -167,7 +174,11 @@ pub fn init(level: SeccompLevel) -> Result<(), SeccompError> {
     }
     FILTERS
         .set(Filters { programs })
-        .map_err(|_| SeccompError::AlreadyInitialized)
+        .map_err(|_| SeccompError::AlreadyInitialized)?;
+    if level == SeccompLevel::Enforce {
+        report::install_handler().map_err(|source| SeccompError::Handler { source })?;
+    }
+    Ok(())
 }
 
 /// Installs `kind`'s filter on the calling thread, once: a thread that

@@ -345,6 +345,31 @@ fn driver_reset_drops_connections() {
     assert_eof(&mut host);
 }
 
+/// A Linux driver resets the device at probe time, on a vCPU thread, when
+/// a host client may already wait on the socket: the reset runs under the
+/// vCPU's filter.
+#[test]
+fn driver_reset_runs_under_the_vcpu_filter() {
+    if !crate::seccomp::tests::confined_child() {
+        crate::seccomp::tests::run_in_confined_child(
+            "devices::vsock::tests::driver_reset_runs_under_the_vcpu_filter",
+        );
+        return;
+    }
+    let mem = guest_mem(MEM);
+    let mut r = Rig::new(&mem, "vsock-reset-vcpu");
+    let (mut host, _) = r.host_connect(52, b"");
+    let transport = r.t.clone();
+    std::thread::spawn(move || {
+        crate::seccomp::enter(crate::seccomp::ThreadKind::Vcpu);
+        write32(&mut *transport.lock().unwrap(), 0x70, 0);
+    })
+    .join()
+    .unwrap();
+    assert_eq!(r.connections(), 0);
+    assert_eof(&mut host);
+}
+
 #[test]
 fn restore_resets_the_transport_and_serves_again() {
     let mem = guest_mem(MEM);
