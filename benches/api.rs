@@ -18,8 +18,13 @@
 //! as "-"; a configuration whose `serve` rejects a flag is skipped with a
 //! note.
 //!
+//! Every VMM runs jailed, as under `torpor serve`'s defaults; the default
+//! configuration runs a second time with `--no-jail` (row "... no jail") so
+//! one run shows what the jail costs each operation (as root only: without
+//! root the service cannot jail, and every row runs unjailed, noted).
+//!
 //! `cargo bench --bench api [-- --quick --runs N --clones N --secs S
-//! --threads T --only pool|nopool|default|file|uffd|uffd-shared|256|2048]`
+//! --threads T --only pool|nopool|default|file|uffd|uffd-shared|256|2048|jail|nojail]`
 //! (`--only` repeats and takes comma lists: OR within a dimension, AND
 //! across). Defaults: 30 samples, 100 clones, 30 s, 4 threads, 256 MiB and
 //! 2 GiB; `--quick`: 10 samples, 20 clones, 5 s, 256 MiB only. Without
@@ -90,6 +95,8 @@ const ONLY: &[&str] = &[
     "uffd-shared",
     "256",
     "2048",
+    "jail",
+    "nojail",
 ];
 
 fn usage(msg: &str) -> ! {
@@ -183,19 +190,36 @@ impl Opts {
         } else {
             backends
         };
+        let root = is_root();
+        let jails: (bool, bool) = match (self.has("jail"), self.has("nojail")) {
+            _ if !root => (false, true),
+            (false, false) => (true, false),
+            picked => picked,
+        };
         let mut out = Vec::new();
         for mem in sizes {
             let default = Config {
                 mem,
                 pool: None,
                 backend: None,
+                jail: jails.0,
             };
             if self.smoke && self.only.is_empty() {
                 out.push(default);
                 continue;
             }
             if self.has("default") || !kinds {
-                out.push(default);
+                if jails.0 {
+                    out.push(default);
+                }
+                // The jail's cost: the same defaults unjailed, next row
+                // (asked for, or by default as root).
+                if jails.1 || (root && !self.has("jail")) {
+                    out.push(Config {
+                        jail: false,
+                        ..default
+                    });
+                }
             }
             if kinds || !self.has("default") {
                 for &pool in &pools {
@@ -204,6 +228,7 @@ impl Opts {
                             mem,
                             pool: Some(pool),
                             backend: Some(backend),
+                            jail: jails.0,
                         });
                     }
                 }
@@ -222,6 +247,8 @@ struct Config {
     pool: Option<bool>,
     /// None: the service's default (no `--memory-backend` flag).
     backend: Option<&'static str>,
+    /// false: `--no-jail`.
+    jail: bool,
 }
 
 impl Config {
@@ -233,13 +260,21 @@ impl Config {
         if let Some(b) = self.backend {
             f.extend(["--memory-backend".into(), b.to_string()]);
         }
+        if !self.jail {
+            f.push("--no-jail".into());
+        }
         f
     }
 
     fn name(&self) -> String {
-        match (self.pool, self.backend) {
+        let name = match (self.pool, self.backend) {
             (Some(p), Some(b)) => format!("{} MiB {}/{b}", self.mem, pool_word(p)),
             _ => format!("{} MiB default", self.mem),
+        };
+        if self.jail || !is_root() {
+            name
+        } else {
+            format!("{name} no jail")
         }
     }
 
@@ -247,6 +282,12 @@ impl Config {
     fn pool_targets(&self) -> bool {
         self.pool != Some(false)
     }
+}
+
+/// Whether this bench runs as root (the service jails VMMs only then).
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
 }
 
 fn pool_word(p: bool) -> &'static str {
@@ -614,6 +655,11 @@ fn main() {
     let mut by_size: BTreeMap<u32, Ran> = BTreeMap::new();
     for (i, cfg) in configs.iter().enumerate() {
         let Ran { done, notes } = by_size.entry(cfg.mem).or_default();
+        if notes.is_empty() && !is_root() {
+            notes.push(
+                "not root: the service cannot jail VMMs here, every row runs --no-jail".into(),
+            );
+        }
         eprintln!(
             "api: [{}] starting torpor serve {}",
             cfg.name(),

@@ -115,6 +115,7 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
         ],
     );
     let log = data.0.join("serve.log");
+    let log_file = std::fs::File::create(&log).unwrap();
     let started = Instant::now();
     let mut serve = KillOnDrop(
         Command::new(TORPOR)
@@ -137,8 +138,10 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
             // whichever another checkout pointed the cache's `l1` link at.
             .env("TORPOR_NESTED_L1", &l1)
             .stdin(Stdio::null())
-            .stdout(std::fs::File::create(&log).unwrap())
-            .stderr(Stdio::inherit())
+            // Both streams: the nested pod's failure is said on stderr,
+            // and wait_line stops on it.
+            .stdout(log_file.try_clone().unwrap())
+            .stderr(log_file)
             .spawn()
             .expect("spawn torpor serve"),
     );

@@ -29,10 +29,13 @@ test -c /dev/kvm || { echo 'L1 has no /dev/kvm'; exit 97; }
 ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up
 T=/opt/torpor/torpor
 export TORPOR_API=http://127.0.0.1:7700 TORPOR_TOKEN=nested-token
-mkdir -p /opt/torpor/images/debian
-mv /opt/torpor/vmlinux /opt/torpor/rootfs.ext4 /opt/torpor/images/debian/
+# /opt/torpor/* are symlinks into L1's payload disk and images are opened
+# through no symlink: the files themselves move into the images directory.
+IMAGES="$(dirname "$(readlink -f /opt/torpor/rootfs.ext4)")/images"
+mkdir -p "$IMAGES/debian"
+mv "$(readlink -f /opt/torpor/vmlinux)" "$(readlink -f /opt/torpor/rootfs.ext4)" "$IMAGES/debian/"
 $T serve --no-jail --data-dir /tmp/data --token nested-token --keep-alive-ms 3600000 \
-   --images-dir /opt/torpor/images --request-timeout-ms 600000 >/tmp/serve.log 2>&1 &
+   --images-dir "$IMAGES" --request-timeout-ms 600000 >/tmp/serve.log 2>&1 &
 SERVE=$!
 i=0; until $T template list >/dev/null 2>&1 || [ $i -ge 150 ]; do sleep 0.2; i=$((i+1)); done
 sed 's/^/serve-log /' /tmp/serve.log

@@ -46,12 +46,15 @@ test -c /dev/kvm || {{ echo '{MARK_FAILED} L1 has no /dev/kvm'; exit 97; }}
 # VMMs unjailed (L1 is the sandbox's outer wall here, a VM of its own).
 T=/opt/torpor/torpor
 # The image the template is built from, installed in the pod's images
-# directory (a rename: same filesystem, no copy of the rootfs in L1's RAM).
-mkdir -p /opt/torpor/images/{TEMPLATE}
-mv /opt/torpor/vmlinux /opt/torpor/rootfs.ext4 /opt/torpor/images/{TEMPLATE}/
+# directory. L1's /opt/torpor/* are symlinks into its payload disk, and the
+# pod opens images through no symlink: the files themselves move (a rename
+# on the payload's filesystem, no copy of the rootfs in L1's RAM).
+IMAGES="$(dirname "$(readlink -f /opt/torpor/rootfs.ext4)")/images"
+mkdir -p "$IMAGES/{TEMPLATE}"
+mv "$(readlink -f /opt/torpor/vmlinux)" "$(readlink -f /opt/torpor/rootfs.ext4)" "$IMAGES/{TEMPLATE}/"
 $T pod serve --no-jail --listen tcp:0.0.0.0:{POD_PORT} --token-file /opt/torpor/pod.token \
    --tls-cert /opt/torpor/pod-cert.pem --tls-key /opt/torpor/pod-key.pem \
-   --data-dir /tmp/pod --images-dir /opt/torpor/images --request-timeout-ms 1800000 \
+   --data-dir /tmp/pod --images-dir "$IMAGES" --request-timeout-ms 1800000 \
    >/tmp/pod.log 2>&1 &
 POD=$!
 export TORPOR_API=https://127.0.0.1:{POD_PORT} TORPOR_API_FINGERPRINT={fingerprint} \
