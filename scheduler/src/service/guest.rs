@@ -435,6 +435,7 @@ impl Service {
     ) -> Result<GuestCall<T>, ServiceError> {
         let link = self.agent_link(id)?;
         let _in_flight = self.in_flight.enter(id);
+        let started = std::time::Instant::now();
         let outcome = self.ensure_running(id)?;
         let (done, until_done) = mpsc::channel::<()>();
         let value = std::thread::scope(|scope| {
@@ -448,6 +449,13 @@ impl Service {
             value
         });
         let _ = self.store.touch(id, Timestamp::now());
+        self.record(
+            started,
+            id,
+            crate::plan::trace::EventKind::Request,
+            started.elapsed().as_millis() as u64,
+            outcome.sandbox.mem_mib,
+        );
         Ok(GuestCall {
             outcome,
             value: value?,
