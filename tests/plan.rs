@@ -206,7 +206,9 @@ fn recorded_traffic_is_a_trace_plan_accepts() {
     let id = sb["id"].as_str().unwrap().to_string();
     call(&serve, "POST", &format!("/v1/sandboxes/{id}/hibernate"), None);
     call(&serve, "POST", &format!("/v1/sandboxes/{id}/resume"), None);
+    // A resume of a running sandbox is no activity; a connect is.
     call(&serve, "POST", &format!("/v1/sandboxes/{id}/resume"), None);
+    call(&serve, "POST", &format!("/v1/sandboxes/{id}/connect"), None);
     call(&serve, "DELETE", &format!("/v1/sandboxes/{id}"), None);
     common::wait_for(Duration::from_secs(10), || {
         std::fs::read_to_string(&trace).is_ok_and(|t| t.contains("\"delete\""))

@@ -408,10 +408,19 @@ impl Service {
     /// lock is held from the state read to the state written, so nothing
     /// (a hibernate) comes in between.
     pub fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        self.resume_for(id, false)
+    }
+
+    /// [`Self::resume`]; recorded in the trace as a request when it makes
+    /// the sandbox active (a wake, a resume of a paused one, or any
+    /// `connect`).
+    fn resume_for(&self, id: &SandboxId, connect: bool) -> Result<Outcome, ServiceError> {
         let started = Instant::now();
         let held = self.lock_sandbox(id)?;
         let sandbox = self.store.get_sandbox(id)?;
-        self.record(started, id, EventKind::Request, 0, sandbox.mem_mib);
+        if connect || matches!(sandbox.state, SandboxState::Hibernated | SandboxState::Paused) {
+            self.record(started, id, EventKind::Request, 0, sandbox.mem_mib);
+        }
         if sandbox.state == SandboxState::Hibernated {
             return self.wake_locked(sandbox);
         }
@@ -507,7 +516,7 @@ impl Service {
     /// A client (re)connects: the sandbox runs afterwards, resumed if
     /// paused, woken if hibernated, and counts as active (E2B's `connect`).
     pub fn connect(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        let outcome = self.resume(id)?;
+        let outcome = self.resume_for(id, true)?;
         self.store.touch(id, Timestamp::now())?;
         Ok(outcome)
     }
