@@ -45,8 +45,6 @@ mod common;
 use common::serve::{parse, Serve, Started, REQUEST_LIMIT};
 use common::{percentile, pss_kib};
 
-/// A template build (boot, snapshot) is answered within this.
-const BUILD_LIMIT: Duration = Duration::from_secs(600);
 /// A guest prints a new probe line within this.
 const LINE_LIMIT: Duration = Duration::from_secs(60);
 /// Workload and pace of the wake template: a line about every millisecond.

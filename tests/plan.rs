@@ -75,7 +75,10 @@ fn plan_prints_a_table_json_and_an_svg() {
     assert!(o.status.success(), "{}", stderr(&o));
     let text = stdout(&o);
     assert!(text.contains("calibration: built-in default"), "{text}");
-    assert!(text.contains("RATIO") && text.contains("WAKE-P99-MS"), "{text}");
+    assert!(
+        text.contains("RATIO") && text.contains("WAKE-P99-MS"),
+        "{text}"
+    );
     assert!(text.contains("recommended (*): ratio 4"), "{text}");
 
     let svg = s.path("p.svg");
@@ -158,7 +161,15 @@ fn generated_traces_are_seeded_and_planned() {
     for shape in ["bursty", "diurnal", "herd"] {
         let gen = |seed: &str| {
             let o = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/gen-trace"))
-                .args([shape, "--sandboxes", "20", "--seed", seed, "--duration-s", "600"])
+                .args([
+                    shape,
+                    "--sandboxes",
+                    "20",
+                    "--seed",
+                    seed,
+                    "--duration-s",
+                    "600",
+                ])
                 .args(["--period-s", "600", "--herd-at-s", "120", "--idle-s", "60"])
                 .output()
                 .expect("scripts/gen-trace");
@@ -179,7 +190,11 @@ fn generated_traces_are_seeded_and_planned() {
 
 fn call(serve: &ServeProcess, method: &str, path: &str, body: Option<&str>) -> Value {
     let r = request(&serve.addr, method, path, Some(TOKEN), body);
-    assert!((200..300).contains(&r.status), "{method} {path}: {}", r.status);
+    assert!(
+        (200..300).contains(&r.status),
+        "{method} {path}: {}",
+        r.status
+    );
     if r.body.is_empty() {
         return Value::Null;
     }
@@ -202,9 +217,19 @@ fn recorded_traffic_is_a_trace_plan_accepts() {
             trace.to_str().unwrap(),
         ],
     );
-    let sb = call(&serve, "POST", "/v1/sandboxes", Some(r#"{"template":"probe"}"#));
+    let sb = call(
+        &serve,
+        "POST",
+        "/v1/sandboxes",
+        Some(r#"{"template":"probe"}"#),
+    );
     let id = sb["id"].as_str().unwrap().to_string();
-    call(&serve, "POST", &format!("/v1/sandboxes/{id}/hibernate"), None);
+    call(
+        &serve,
+        "POST",
+        &format!("/v1/sandboxes/{id}/hibernate"),
+        None,
+    );
     call(&serve, "POST", &format!("/v1/sandboxes/{id}/resume"), None);
     // A resume of a running sandbox is no activity; a connect is.
     call(&serve, "POST", &format!("/v1/sandboxes/{id}/resume"), None);
@@ -278,5 +303,9 @@ fn calibrate_measures_through_the_api() {
     std::fs::write(&trace, SMALL).unwrap();
     let o = plan(&trace, &["--calibration", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stdout(&o).contains("(measured: torpor plan calibrate"), "{}", stdout(&o));
+    assert!(
+        stdout(&o).contains("(measured: torpor plan calibrate"),
+        "{}",
+        stdout(&o)
+    );
 }

@@ -18,6 +18,8 @@ use super::{http, TORPOR};
 pub const TOKEN: &str = "bench-token-0123456789";
 /// Every request but a template build is answered within this.
 pub const REQUEST_LIMIT: Duration = Duration::from_secs(120);
+/// A template build (boot, snapshot) is answered within this.
+pub const BUILD_LIMIT: Duration = Duration::from_secs(600);
 /// `torpor serve` listens within this (it builds the built-in probe first).
 const START_LIMIT: Duration = Duration::from_secs(180);
 /// `torpor serve` exits within this after SIGINT, else SIGKILL.
@@ -156,6 +158,41 @@ impl Serve {
     pub fn delete(&self, id: &str) -> Result<(), String> {
         self.expect(204, "DELETE", &format!("/v1/sandboxes/{id}"), None)
             .map(drop)
+    }
+
+    /// Builds a probe template of `mem` MiB (with `cmdline`, if given);
+    /// its id once ready.
+    pub fn build_template(
+        &self,
+        name: &str,
+        mem: u32,
+        cmdline: Option<&str>,
+    ) -> Result<String, String> {
+        let mut body =
+            serde_json::json!({"name": name, "kind": "probe", "mem_mib": mem, "vcpus": 1});
+        if let Some(c) = cmdline {
+            body["cmdline"] = serde_json::json!(c);
+        }
+        let (status, text) = self.raw(
+            "POST",
+            "/v1/templates",
+            Some(&body.to_string()),
+            BUILD_LIMIT,
+        )?;
+        let want = if status == 202 { 202 } else { 201 };
+        let v = parse(want, status, &text).map_err(|e| format!("template {name}: {e}"))?;
+        let id = v["id"].as_str().ok_or(format!("no id in {v}"))?.to_string();
+        let deadline = Instant::now() + BUILD_LIMIT;
+        let mut t = v;
+        loop {
+            match t["state"].as_str() {
+                Some("ready") => return Ok(id),
+                Some("building") if Instant::now() < deadline => {}
+                _ => return Err(format!("template {name} did not become ready: {t}")),
+            }
+            std::thread::sleep(Duration::from_millis(200));
+            t = self.expect(200, "GET", &format!("/v1/templates/{id}"), None)?;
+        }
     }
 
     /// Its children that are VMMs (sandboxes' and standby shells).

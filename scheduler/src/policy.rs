@@ -35,7 +35,12 @@ pub struct Refusal {
 /// Whether `asked_mib` more fits on a pod of `memory_mib` physical MiB
 /// with oversubscription `ratio` when `committed_mib` is committed (the
 /// memory of its sandboxes that hold a VMM).
-pub fn admit(memory_mib: u64, ratio: f64, committed_mib: u64, asked_mib: u32) -> Result<(), Refusal> {
+pub fn admit(
+    memory_mib: u64,
+    ratio: f64,
+    committed_mib: u64,
+    asked_mib: u32,
+) -> Result<(), Refusal> {
     let limit_mib = memory_mib as f64 * ratio;
     if (committed_mib.saturating_add(u64::from(asked_mib))) as f64 <= limit_mib {
         return Ok(());

@@ -40,13 +40,28 @@ pub struct PlanArgs {
     #[arg(long, value_name = "G")]
     pub pod_mem_gib: Option<f64>,
     /// Oversubscription ratios to compare.
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8", value_name = "R,...")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1,2,4,8",
+        value_name = "R,..."
+    )]
     pub ratios: Vec<f64>,
     /// Keep-alives (idle time before hibernation) to compare, in ms.
-    #[arg(long, value_delimiter = ',', default_value = "300000", value_name = "MS,...")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "300000",
+        value_name = "MS,..."
+    )]
     pub keep_alive_ms: Vec<u64>,
     /// High watermarks (fraction of the pod's memory) to compare.
-    #[arg(long, value_delimiter = ',', default_value = "0.9", value_name = "W,...")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "0.9",
+        value_name = "W,..."
+    )]
     pub watermarks: Vec<f64>,
     /// Cores the pod's creates, wakes and hibernations share.
     #[arg(long, default_value_t = 2, value_name = "N")]
@@ -134,7 +149,10 @@ fn calibration(a: &PlanArgs) -> Result<(Calibration, String), String> {
         let c = Calibration::load(p).map_err(|e| e.to_string())?;
         return Ok((c, p.display().to_string()));
     }
-    let dir = a.data_dir.clone().unwrap_or_else(super::serve::default_data_dir);
+    let dir = a
+        .data_dir
+        .clone()
+        .unwrap_or_else(super::serve::default_data_dir);
     let p = dir.join(calibration::FILE_NAME);
     if p.exists() {
         let c = Calibration::load(&p).map_err(|e| e.to_string())?;
@@ -186,7 +204,10 @@ fn run_plan(a: &PlanArgs) -> Result<(), String> {
     if a.json {
         let mut v = serde_json::to_value(&p).map_err(|e| e.to_string())?;
         v["calibration_file"] = serde_json::json!(cal_from);
-        println!("{}", serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?
+        );
         return Ok(());
     }
     print!("{}", render_table(&p, &cal_from));
@@ -222,8 +243,20 @@ fn render_table(p: &plan::Plan, cal_from: &str) -> String {
         c.fresh_pss_mib,
     );
     let header = [
-        "", "RATIO", "KEEP-ALIVE-MS", "WATERMARK", "ADMITTED", "REJECTED", "WAKES", "WAKES-REFUSED",
-        "WAKE-P50-MS", "WAKE-P99-MS", "MEM-PEAK-MIB", "MEM-P99-MIB", "HIBERNATIONS", "DISK-PEAK-MIB",
+        "",
+        "RATIO",
+        "KEEP-ALIVE-MS",
+        "WATERMARK",
+        "ADMITTED",
+        "REJECTED",
+        "WAKES",
+        "WAKES-REFUSED",
+        "WAKE-P50-MS",
+        "WAKE-P99-MS",
+        "MEM-PEAK-MIB",
+        "MEM-P99-MIB",
+        "HIBERNATIONS",
+        "DISK-PEAK-MIB",
         "CORE-S",
     ];
     let rows: Vec<Vec<String>> = p

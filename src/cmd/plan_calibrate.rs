@@ -45,7 +45,9 @@ pub struct CalibrateArgs {
 
 pub fn run(a: CalibrateArgs) -> i32 {
     if a.dirty_mib + 8 > a.mem_mib {
-        eprintln!("torpor plan calibrate: error: --dirty-mib must be at least 8 MiB below --mem-mib");
+        eprintln!(
+            "torpor plan calibrate: error: --dirty-mib must be at least 8 MiB below --mem-mib"
+        );
         return EXIT_FAILURE;
     }
     let data_dir = a
@@ -77,9 +79,13 @@ fn fail(m: String) -> Error {
 
 /// Builds a probe template; its id once ready.
 fn template(c: &Client, name: &str, mem: u32, cmdline: &str) -> Result<String, Error> {
-    let body = json!({"name": name, "kind": "probe", "mem_mib": mem, "vcpus": 1, "cmdline": cmdline});
+    let body =
+        json!({"name": name, "kind": "probe", "mem_mib": mem, "vcpus": 1, "cmdline": cmdline});
     let mut t = c.call("POST", "/v1/templates", Some(&body))?;
-    let id = t["id"].as_str().ok_or_else(|| fail(format!("no id in {t}")))?.to_string();
+    let id = t["id"]
+        .as_str()
+        .ok_or_else(|| fail(format!("no id in {t}")))?
+        .to_string();
     let deadline = Instant::now() + BUILD_LIMIT;
     loop {
         match t["state"].as_str() {
@@ -151,7 +157,10 @@ fn sample(c: &Client, tpl: &str, n: u32, settle: Duration, data_dir: &Path) -> R
         let t = Instant::now();
         let s = c.call("POST", "/v1/sandboxes", Some(&json!({"template": tpl})))?;
         r.create.push(ms_since(t));
-        let id = s["id"].as_str().ok_or_else(|| fail(format!("no id in {s}")))?.to_string();
+        let id = s["id"]
+            .as_str()
+            .ok_or_else(|| fail(format!("no id in {s}")))?
+            .to_string();
         let result = (|| {
             std::thread::sleep(settle);
             r.pss.push((local_pss_mib(c)? - before).max(0.0));
@@ -222,7 +231,11 @@ fn measure(c: &Client, a: &CalibrateArgs, data_dir: &Path) -> Result<Calibration
     } else {
         let qb = p50(&mut q.snapshot);
         let db = p50(&mut d.snapshot);
-        (qb, ((db - qb) / mib).max(0.0), "snapshot sizes measured".into())
+        (
+            qb,
+            ((db - qb) / mib).max(0.0),
+            "snapshot sizes measured".into(),
+        )
     };
     let qh = p50(&mut q.hibernate);
     let dh = p50(&mut d.hibernate);

@@ -89,9 +89,17 @@ impl Calibration {
             ("create_ms", self.create_ms, MAX_MS),
             ("wake_ms", self.wake_ms, MAX_MS),
             ("hibernate_ms", self.hibernate_ms, MAX_MS),
-            ("hibernate_ms_per_dirty_mib", self.hibernate_ms_per_dirty_mib, 1000.0),
+            (
+                "hibernate_ms_per_dirty_mib",
+                self.hibernate_ms_per_dirty_mib,
+                1000.0,
+            ),
             ("snapshot_base_bytes", self.snapshot_base_bytes, 1e12),
-            ("snapshot_bytes_per_dirty_mib", self.snapshot_bytes_per_dirty_mib, 16.0 * 1048576.0),
+            (
+                "snapshot_bytes_per_dirty_mib",
+                self.snapshot_bytes_per_dirty_mib,
+                16.0 * 1048576.0,
+            ),
             ("fresh_pss_mib", self.fresh_pss_mib, 1e6),
         ] {
             if !v.is_finite() || !(0.0..=max).contains(&v) {

@@ -59,7 +59,10 @@ impl Recorder {
                             }
                         }
                     };
-                    let t = r.at.saturating_duration_since(started).as_secs_f64().max(last);
+                    let t =
+                        r.at.saturating_duration_since(started)
+                            .as_secs_f64()
+                            .max(last);
                     last = t;
                     let t = (t * 1000.0).round() / 1000.0;
                     let known = seen.contains(&r.sandbox);

@@ -82,7 +82,8 @@ pub struct Outcome {
 impl Outcome {
     /// Rejected creates and wakes, in % of those asked.
     pub fn reject_pct(&self) -> f64 {
-        let asked = self.creates_admitted + self.creates_rejected + self.wakes + self.wakes_rejected;
+        let asked =
+            self.creates_admitted + self.creates_rejected + self.wakes + self.wakes_rejected;
         if asked == 0 {
             return 0.0;
         }

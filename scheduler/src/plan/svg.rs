@@ -24,7 +24,11 @@ fn esc(s: &str) -> String {
 
 /// A "nice" upper bound and step for an axis up to `max`.
 fn ticks(max: f64) -> (f64, f64) {
-    let max = if max.is_finite() && max > 0.0 { max } else { 1.0 };
+    let max = if max.is_finite() && max > 0.0 {
+        max
+    } else {
+        1.0
+    };
     let raw = max / 5.0;
     let mag = 10f64.powf(raw.log10().floor());
     let step = [1.0, 2.0, 2.5, 5.0, 10.0]
@@ -153,7 +157,11 @@ impl Panel<'_> {
 
 /// The chart of `plan`, as an SVG document.
 pub fn render(plan: &Plan) -> String {
-    let chosen = plan.recommended.or(if plan.outcomes.is_empty() { None } else { Some(0) });
+    let chosen = plan.recommended.or(if plan.outcomes.is_empty() {
+        None
+    } else {
+        Some(0)
+    });
     let mut out = String::new();
     let height = 3.0 * PANEL_H + 40.0;
     let _ = writeln!(

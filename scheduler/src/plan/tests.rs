@@ -31,7 +31,11 @@ fn setting(ratio: f64, keep_alive_ms: u64) -> Setting {
 #[test]
 fn admission_is_the_services() {
     // Four 512 MiB sandboxes on 1 GiB: ratio 1 admits two, ratio 2 four.
-    let t = trace(&(0..4).map(|i| create(i as f64, &format!("s{i}"), 512)).collect::<Vec<_>>());
+    let t = trace(
+        &(0..4)
+            .map(|i| create(i as f64, &format!("s{i}"), 512))
+            .collect::<Vec<_>>(),
+    );
     let cal = Calibration::builtin();
     let one = simulate(&t, POD, setting(1.0, 600_000), &cal);
     assert_eq!((one.creates_admitted, one.creates_rejected), (2, 2));
@@ -101,7 +105,11 @@ fn simulation_is_deterministic_and_the_plan_recommends() {
         }
     }
     lines.sort_by(|a, b| {
-        let t = |s: &String| serde_json::from_str::<serde_json::Value>(s).unwrap()["t"].as_f64().unwrap();
+        let t = |s: &String| {
+            serde_json::from_str::<serde_json::Value>(s).unwrap()["t"]
+                .as_f64()
+                .unwrap()
+        };
         t(a).total_cmp(&t(b))
     });
     let t = trace(&lines);

@@ -123,8 +123,7 @@ impl Trace {
             if buf.len() > MAX_LINE && buf.last() != Some(&b'\n') {
                 return Err(bad(n, format!("longer than {MAX_LINE} bytes")));
             }
-            let text =
-                std::str::from_utf8(&buf).map_err(|_| bad(n, "not UTF-8"))?;
+            let text = std::str::from_utf8(&buf).map_err(|_| bad(n, "not UTF-8"))?;
             let text = text.trim();
             if text.is_empty() {
                 continue;
@@ -132,15 +131,21 @@ impl Trace {
             if trace.events.len() >= MAX_EVENTS {
                 return Err(bad(n, format!("more than {MAX_EVENTS} events")));
             }
-            let l: TraceLine =
-                serde_json::from_str(text).map_err(|e| bad(n, format!("not a trace event: {e}")))?;
+            let l: TraceLine = serde_json::from_str(text)
+                .map_err(|e| bad(n, format!("not a trace event: {e}")))?;
             if !l.t.is_finite() || l.t < 0.0 || l.t > MAX_T_S {
-                return Err(bad(n, format!("t {} is outside [0, {MAX_T_S}] seconds", l.t)));
+                return Err(bad(
+                    n,
+                    format!("t {} is outside [0, {MAX_T_S}] seconds", l.t),
+                ));
             }
             if l.t < last_t {
                 return Err(bad(
                     n,
-                    format!("t {} goes back in time (the previous event is at {last_t})", l.t),
+                    format!(
+                        "t {} goes back in time (the previous event is at {last_t})",
+                        l.t
+                    ),
                 ));
             }
             last_t = l.t;
@@ -165,7 +170,7 @@ impl Trace {
                     if l.duration_ms.is_some() {
                         return Err(bad(n, "a create has no duration_ms"));
                     }
-                    if !l.mem_mib.is_some_and(|m| m > 0) {
+                    if l.mem_mib.is_none_or(|m| m == 0) {
                         return Err(bad(n, "a create needs mem_mib (the sandbox's size, > 0)"));
                     }
                     if ids.len() >= MAX_SANDBOXES {
@@ -184,7 +189,10 @@ impl Trace {
                     ))
                 }
                 (_, Some(i)) if deleted[i] => {
-                    return Err(bad(n, format!("sandbox {} is used after its delete", l.sandbox)))
+                    return Err(bad(
+                        n,
+                        format!("sandbox {} is used after its delete", l.sandbox),
+                    ))
                 }
                 (EventKind::Delete, Some(i)) => {
                     if l.duration_ms.is_some() || l.mem_mib.is_some() {
@@ -261,7 +269,7 @@ mod tests {
             (r#"{"t":0,"sandbox":"a","event":"create","mem_mib":99999999}"#, 1, "above"),
             (&format!("{c}\n{{\"t\":1,\"sandbox\":\"a\",\"event\":\"request\",\"duration_ms\":999999999999}}"), 2, "above"),
             (&format!("\n{c}\n{{\"t\":1,\"sandbox\":\"a\",\"event\":\"delete\"}}\n{{\"t\":2,\"sandbox\":\"a\",\"event\":\"request\"}}"), 4, "after its delete"),
-            (&format!("{{\"t\":5,\"sandbox\":\"a\",\"event\":\"create\",\"mem_mib\":1}}\n{{\"t\":4,\"sandbox\":\"a\",\"event\":\"request\"}}"), 2, "back in time"),
+            ("{\"t\":5,\"sandbox\":\"a\",\"event\":\"create\",\"mem_mib\":1}\n{\"t\":4,\"sandbox\":\"a\",\"event\":\"request\"}", 2, "back in time"),
             (&format!("{c}\n{{\"t\":1,\"sandbox\":\"a\",\"event\":\"delete\",\"mem_mib\":1}}"), 2, "a delete has no"),
         ] {
             let e = read(body).unwrap_err();
@@ -271,6 +279,9 @@ mod tests {
         let long = format!("{{\"t\":0,\"sandbox\":\"{}\"}}", "a".repeat(MAX_LINE));
         assert!(read(&long).unwrap_err().to_string().contains("longer than"));
         assert!(read("\u{0}\u{ff}").is_err());
-        assert!(Trace::read(&[0xffu8, b'\n'][..]).unwrap_err().to_string().contains("UTF-8"));
+        assert!(Trace::read(&[0xffu8, b'\n'][..])
+            .unwrap_err()
+            .to_string()
+            .contains("UTF-8"));
     }
 }

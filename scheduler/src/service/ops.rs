@@ -418,7 +418,12 @@ impl Service {
         let started = Instant::now();
         let held = self.lock_sandbox(id)?;
         let sandbox = self.store.get_sandbox(id)?;
-        if connect || matches!(sandbox.state, SandboxState::Hibernated | SandboxState::Paused) {
+        if connect
+            || matches!(
+                sandbox.state,
+                SandboxState::Hibernated | SandboxState::Paused
+            )
+        {
             self.record(started, id, EventKind::Request, 0, sandbox.mem_mib);
         }
         if sandbox.state == SandboxState::Hibernated {

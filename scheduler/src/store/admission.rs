@@ -43,15 +43,19 @@ impl Tx<'_> {
         let pod = self.get_pod(pod)?;
         let memory_mib = pod.memory_bytes >> 20;
         let committed_mib = self.committed_mib()?;
-        crate::policy::admit(memory_mib, pod.oversubscription_ratio, committed_mib, mem_mib).map_err(
-            |r| StoreError::Full {
-                pod: pod.id,
-                committed_mib: r.committed_mib,
-                asked_mib: r.asked_mib,
-                limit_mib: r.limit_mib,
-                ratio: pod.oversubscription_ratio,
-                memory_mib,
-            },
+        crate::policy::admit(
+            memory_mib,
+            pod.oversubscription_ratio,
+            committed_mib,
+            mem_mib,
         )
+        .map_err(|r| StoreError::Full {
+            pod: pod.id,
+            committed_mib: r.committed_mib,
+            asked_mib: r.asked_mib,
+            limit_mib: r.limit_mib,
+            ratio: pod.oversubscription_ratio,
+            memory_mib,
+        })
     }
 }
