@@ -90,7 +90,8 @@ impl Rng {
 
 /// The trace as JSON lines: sessions starting over the first 4 s, each
 /// 2-4 bursts of 1-3 requests, gaps of 0.2-0.6 s within a burst and
-/// 0.5-4 s between bursts (the keep-alive is 1.5 s), a delete at the end.
+/// 0.3-1 s or 2.5-4 s between bursts (the keep-alive is 1.5 s, the policy
+/// runs every 0.25 s), a delete at the end.
 fn trace(o: &Opts) -> String {
     let mut rng = Rng(o.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let mut events: Vec<(f64, usize, String)> = Vec::new();
@@ -112,7 +113,14 @@ fn trace(o: &Opts) -> String {
                 push(t, json!({"t": r3(t), "sandbox": name, "event": "request", "duration_ms": 0, "mem_mib": 0}).to_string());
                 t += rng.between(0.2, 0.6);
             }
-            t += rng.between(0.5, 4.0);
+            // Clearly short of the keep-alive, or clearly past it and the
+            // policy rounds after it: what the policy's phase decides is
+            // not what this compares.
+            t += if rng.next() < 0.5 {
+                rng.between(0.3, 1.0)
+            } else {
+                rng.between(2.5, 4.0)
+            };
         }
         push(
             t,
@@ -324,6 +332,8 @@ fn run(serve: &Serve, o: &Opts, dir: &std::path::Path) -> Result<bool, String> {
     let mut live = replay(serve, &trace, &tpl_id);
     let hibernations = hibernations_ok(serve).saturating_sub(before);
     let live_p99 = plan::sim::quantile(&mut live.wake_ms, 0.99);
+    let live_p50 = plan::sim::quantile(&mut live.wake_ms, 0.5);
+    let live_max = plan::sim::quantile(&mut live.wake_ms, 1.0);
     println!(
         "plan vs live: {} sandboxes x {MEM_MIB} MiB, seed {}, {} events over {:.1} s; pod {} MiB \
          at ratio {ratio} ({} MiB admitted at once), keep-alive {KEEP_ALIVE_MS} ms, policy every \
@@ -362,6 +372,20 @@ fn run(serve: &Serve, o: &Opts, dir: &std::path::Path) -> Result<bool, String> {
         count("wakes", p.wakes, live.wakes, wakes),
         count("wakes refused", p.wakes_rejected, live.wakes_refused, wakes),
         ("wake p99 ms", p.wake_p99_ms, live_p99, wake_ok, "2x"),
+        (
+            "wake p50 ms (not checked)",
+            p.wake_p50_ms,
+            live_p50,
+            true,
+            "-",
+        ),
+        (
+            "wake max ms (not checked)",
+            p.wake_max_ms,
+            live_max,
+            true,
+            "-",
+        ),
     ];
     println!("\n| | plan | live | tolerance | within |\n|---|---:|---:|---|---|");
     let mut all = true;

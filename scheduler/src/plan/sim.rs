@@ -8,7 +8,9 @@
 //!   a request's wake latency includes that wait.
 //! - The policy runs every `policy_interval_ms` and, as in `torpor serve`,
 //!   hibernates one sandbox after the other: the next round starts an
-//!   interval after the last hibernation of this one ends.
+//!   interval after the last hibernation of this one ends; a sandbox
+//!   used before the policy gets to it is left alone (the service
+//!   re-checks idleness under the sandbox's lock).
 //! - A sandbox's memory (what the watermark measures) is
 //!   `fresh_pss_mib` after a create or wake, plus what its requests dirty,
 //!   at most its size. Admission counts sizes, as the service does.
@@ -117,6 +119,9 @@ struct SimBox {
     live: bool,
     /// Work in progress and when it ends.
     work: Option<(Work, i64)>,
+    /// When that work starts on its lane, and its cost (ms).
+    work_start: i64,
+    work_ms: f64,
     /// Latest end of a request (the sandbox is active until then).
     active_until: i64,
     resident_mib: f64,
@@ -195,6 +200,8 @@ impl SimPod<'_> {
     fn start_work(&mut self, i: usize, work: Work, at: i64, ms: f64) {
         let end = self.run_on_lane(at, ms);
         let b = &mut self.boxes[i];
+        b.work_start = end - ms.ceil() as i64;
+        b.work_ms = ms;
         b.sandbox.state = match work {
             Work::Create => SandboxState::Creating,
             Work::Wake => SandboxState::Resuming,
@@ -213,6 +220,14 @@ impl SimPod<'_> {
         if !b.live {
             self.out.requests_dropped += 1;
             return;
+        }
+        // The policy hibernates one sandbox after the other, re-checking
+        // each under its lock when it gets to it: one used before then is
+        // no longer idle and is left alone.
+        if matches!(b.work, Some((Work::Hibernate(PolicyReason::Idle), _))) && now < b.work_start {
+            b.work = None;
+            b.sandbox.state = SandboxState::Running;
+            self.out.core_seconds -= b.work_ms / 1000.0;
         }
         if b.work.is_some() {
             b.waiting.push(r);
@@ -399,6 +414,8 @@ pub fn simulate(trace: &Trace, shape: PodShape, setting: Setting, cal: &Calibrat
                 sandbox,
                 live: false,
                 work: None,
+                work_start: 0,
+                work_ms: 0.0,
                 active_until: 0,
                 resident_mib: 0.0,
                 dirty_mib: 0.0,

@@ -145,3 +145,26 @@ fn simulation_is_deterministic_and_the_plan_recommends() {
     let svg = svg::render(&a);
     assert!(svg.contains("oversubscription ratio") && svg.contains("wake p99 (ms)"));
 }
+
+#[test]
+fn a_sandbox_used_before_the_policy_gets_to_it_is_left_alone() {
+    // Slow hibernations: the policy takes a and b in turn; b is used
+    // while a's is written, so b is not hibernated and its request does
+    // not wait.
+    let mut cal = Calibration::builtin();
+    cal.hibernate_ms = 500.0;
+    let t = trace(&[
+        create(0.0, "a", 64),
+        create(0.0, "b", 64),
+        request(0.1, "a", 0, 0),
+        request(0.1, "b", 0, 0),
+        request(6.2, "b", 0, 0),
+        request(9.0, "a", 0, 0),
+    ]);
+    let o = simulate(&t, POD, setting(4.0, 5_000), &cal);
+    // a hibernated at the 6 s round; b left alone (and not idle again
+    // long enough before the trace ends); a woken at 9 s.
+    assert_eq!(o.hibernations, 1, "{o:?}");
+    assert_eq!(o.wakes, 1, "{o:?}");
+    assert_eq!(o.wake_p99_ms, cal.wake_ms.ceil(), "{o:?}");
+}
