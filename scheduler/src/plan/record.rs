@@ -30,7 +30,9 @@ struct Record {
 
 /// The recorder: cheap to call from request threads.
 pub struct Recorder {
-    tx: SyncSender<Record>,
+    /// None once dropping: the writer then drains the queue and ends.
+    tx: Option<SyncSender<Record>>,
+    writer: Option<std::thread::JoinHandle<()>>,
     dropped: AtomicU64,
 }
 
@@ -41,7 +43,7 @@ impl Recorder {
         let file = std::fs::File::create(path)?;
         let (tx, rx) = sync_channel::<Record>(QUEUE);
         let started = Instant::now();
-        std::thread::Builder::new()
+        let writer = std::thread::Builder::new()
             .name("trace-recorder".into())
             .spawn(move || {
                 let mut out = std::io::BufWriter::new(file);
@@ -113,7 +115,8 @@ impl Recorder {
                 }
             })?;
         Ok(Recorder {
-            tx,
+            tx: Some(tx),
+            writer: Some(writer),
             dropped: AtomicU64::new(0),
         })
     }
@@ -135,7 +138,10 @@ impl Recorder {
             duration_ms,
             mem_mib,
         };
-        match self.tx.try_send(r) {
+        let Some(tx) = &self.tx else {
+            return;
+        };
+        match tx.try_send(r) {
             Ok(()) => {}
             Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
                 let n = self.dropped.fetch_add(1, Ordering::Relaxed) + 1;
@@ -149,5 +155,61 @@ impl Recorder {
     /// Events dropped so far.
     pub fn dropped(&self) -> u64 {
         self.dropped.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Recorder {
+    /// Writes what is queued and flushes the file.
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::trace::Trace;
+
+    #[test]
+    fn recorded_events_read_back_as_a_trace() {
+        let dir = std::env::temp_dir().join(format!("torpor-record-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.jsonl");
+        let r = Recorder::start(&path).unwrap();
+        let t0 = Instant::now();
+        r.record(t0, "sbx_a", EventKind::Create, 0, 256);
+        // A request finished late, recorded with its earlier start.
+        r.record(
+            t0 + std::time::Duration::from_millis(50),
+            "sbx_a",
+            EventKind::Request,
+            40,
+            256,
+        );
+        r.record(
+            t0 + std::time::Duration::from_millis(10),
+            "sbx_a",
+            EventKind::Request,
+            0,
+            256,
+        );
+        // Seen first after the recording started: a create comes first.
+        r.record(t0, "sbx_b", EventKind::Request, 5, 128);
+        r.record(t0, "sbx_a", EventKind::Delete, 0, 256);
+        assert_eq!(r.dropped(), 0);
+        drop(r);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let trace = Trace::read(text.as_bytes()).unwrap();
+        assert_eq!(trace.sandboxes, ["sbx_a", "sbx_b"]);
+        let kinds: Vec<EventKind> = trace.events.iter().map(|e| e.kind).collect();
+        use EventKind::*;
+        assert_eq!(kinds, [Create, Request, Request, Create, Request, Delete]);
+        assert_eq!(trace.events[3].mem_mib, 128);
+        // Never back in time.
+        assert!(trace.events.windows(2).all(|w| w[0].t_ms <= w[1].t_ms));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
