@@ -24,7 +24,9 @@
 //! The bench exits 1 when one is missed.
 //!
 //! `cargo bench --bench plan [-- --sandboxes N --seed S]`; under
-//! `cargo test` (no `--bench`) a smoke run of 8 sandboxes.
+//! `cargo test` (no `--bench`) a smoke run of 8 sandboxes whose
+//! tolerances are reported but not enforced (8 sessions give too few
+//! events for a percentage; errors still fail it).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -45,6 +47,9 @@ const POLICY_MS: u64 = 250;
 const MEM_MIB: u32 = 256;
 
 struct Opts {
+    /// No `--bench` (cargo test): a small run whose tolerances are
+    /// reported, not enforced (errors still fail it).
+    smoke: bool,
     sandboxes: usize,
     seed: u64,
     /// Fraction of the sessions the admission limit holds at once.
@@ -55,6 +60,7 @@ fn opts() -> Opts {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let smoke = !args.iter().any(|a| a == "--bench");
     let mut o = Opts {
+        smoke,
         sandboxes: if smoke { 8 } else { 24 },
         seed: 1,
         fit: 0.5,
@@ -408,5 +414,8 @@ fn run(serve: &Serve, o: &Opts, dir: &std::path::Path) -> Result<bool, String> {
                 .join("; ")
         );
     }
-    Ok(all && live.errors.is_empty())
+    if o.smoke && !all {
+        println!("\nsmoke run (no --bench): tolerances reported, not enforced");
+    }
+    Ok((all || o.smoke) && live.errors.is_empty())
 }

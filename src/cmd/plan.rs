@@ -223,7 +223,7 @@ fn render_table(p: &plan::Plan, cal_from: &str) -> String {
     let c = &p.calibration;
     let mut out = format!(
         "trace: {} events, {} sandboxes, {:.0} s; pod: {} MiB, {} cores, policy every {} ms\n\
-         calibration: {} ({}: {}; create {:.1} ms, wake {:.1} ms, hibernate {:.1} ms + {:.2} ms/dirty MiB, \
+         calibration: {} ({}: {}; create {:.1} ms, wake {:.1} ms{}, hibernate {:.1} ms + {:.2} ms/dirty MiB, \
          snapshot {:.0} B + {:.0} B/dirty MiB, fresh sandbox {:.1} MiB)\n\n",
         p.trace_events,
         p.trace_sandboxes,
@@ -236,6 +236,10 @@ fn render_table(p: &plan::Plan, cal_from: &str) -> String {
         c.description,
         c.create_ms,
         c.wake_ms,
+        match c.wake_ms_spread.last() {
+            Some(max) => format!(" (charged across {} measured wakes up to {max:.1} ms)", c.wake_ms_spread.len()),
+            None => String::new(),
+        },
         c.hibernate_ms,
         c.hibernate_ms_per_dirty_mib,
         c.snapshot_base_bytes,

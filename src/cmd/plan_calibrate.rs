@@ -151,7 +151,10 @@ fn sample(c: &Client, tpl: &str, n: u32, settle: Duration, data_dir: &Path) -> R
         snapshot: vec![],
         pss: vec![],
     };
-    for _ in 0..n {
+    // One cycle first, not counted: the pool's first shells of a new
+    // shape, caches and the first snapshot layer are warm-up, not steady
+    // state.
+    for i in 0..=n {
         let before = local_pss_mib(c)?;
         let t = Instant::now();
         let s = c.call("POST", "/v1/sandboxes", Some(&json!({"template": tpl})))?;
@@ -185,6 +188,17 @@ fn sample(c: &Client, tpl: &str, n: u32, settle: Duration, data_dir: &Path) -> R
         })();
         c.call("DELETE", &format!("/v1/sandboxes/{id}"), None)?;
         result?;
+        if i == 0 {
+            for v in [
+                &mut r.create,
+                &mut r.hibernate,
+                &mut r.wake,
+                &mut r.snapshot,
+                &mut r.pss,
+            ] {
+                v.clear();
+            }
+        }
     }
     Ok(r)
 }
@@ -255,6 +269,8 @@ fn measure(c: &Client, a: &CalibrateArgs, data_dir: &Path) -> Result<Calibration
         samples: a.samples,
         create_ms: p50(&mut create),
         wake_ms: p50(&mut wake),
+        // p50 sorted it.
+        wake_ms_spread: wake.iter().copied().take(calibration::MAX_SPREAD).collect(),
         hibernate_ms: qh,
         hibernate_ms_per_dirty_mib: ((dh - qh) / mib).max(0.0),
         snapshot_base_bytes: base,

@@ -13,6 +13,8 @@ pub const FILE_NAME: &str = "plan-calibration.json";
 const MAX_FILE: u64 = 64 * 1024;
 /// Largest latency a calibration may state: 10 minutes.
 const MAX_MS: f64 = 600_000.0;
+/// Most wake samples a calibration keeps.
+pub const MAX_SPREAD: usize = 1000;
 
 /// The costs a plan charges, and where they come from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -30,6 +32,11 @@ pub struct Calibration {
     pub create_ms: f64,
     /// Wake of a hibernated sandbox, as a request sees it (p50, ms).
     pub wake_ms: f64,
+    /// Every wake measured, sorted (ms; at most [`MAX_SPREAD`]): the plan
+    /// charges wakes across this spread rather than the median alone.
+    /// Empty: every wake costs `wake_ms`.
+    #[serde(default)]
+    pub wake_ms_spread: Vec<f64>,
     /// Hibernation of a sandbox that dirtied nothing since its last
     /// snapshot (p50, ms).
     pub hibernate_ms: f64,
@@ -72,6 +79,7 @@ impl Calibration {
             samples: 0,
             create_ms: 4.5,
             wake_ms: 6.0,
+            wake_ms_spread: Vec::new(),
             hibernate_ms: 15.0,
             hibernate_ms_per_dirty_mib: 1.0,
             snapshot_base_bytes: 64.0 * 1024.0,
@@ -105,6 +113,19 @@ impl Calibration {
             if !v.is_finite() || !(0.0..=max).contains(&v) {
                 return Err(format!("{name} {v} is outside [0, {max}]"));
             }
+        }
+        if self.wake_ms_spread.len() > MAX_SPREAD {
+            return Err(format!("more than {MAX_SPREAD} wake samples"));
+        }
+        if let Some(v) = self
+            .wake_ms_spread
+            .iter()
+            .find(|v| !v.is_finite() || !(0.0..=MAX_MS).contains(*v))
+        {
+            return Err(format!("wake sample {v} is outside [0, {MAX_MS}]"));
+        }
+        if !self.wake_ms_spread.is_sorted_by(|a, b| a <= b) {
+            return Err("wake samples are not sorted".into());
         }
         Ok(())
     }
@@ -141,6 +162,20 @@ impl Calibration {
         crate::files::atomic_write(path, text.as_bytes()).map_err(std::io::Error::other)
     }
 
+    /// The cost of the `n`th wake (ms): `wake_ms`, or, with a spread, its
+    /// samples visited in a fixed low-discrepancy order (deterministic,
+    /// every part of the spread in proportion).
+    pub fn wake_cost_ms(&self, n: u64) -> f64 {
+        if self.wake_ms_spread.is_empty() {
+            return self.wake_ms;
+        }
+        // The golden ratio's fractional parts fill [0, 1) evenly.
+        let x = (n as f64 * 0.618_033_988_749_895).fract();
+        let i =
+            ((x * self.wake_ms_spread.len() as f64) as usize).min(self.wake_ms_spread.len() - 1);
+        self.wake_ms_spread[i]
+    }
+
     /// Hibernation time of a sandbox with `dirty_mib` dirty, in ms.
     pub fn hibernate_cost_ms(&self, dirty_mib: f64) -> f64 {
         self.hibernate_ms + self.hibernate_ms_per_dirty_mib * dirty_mib
@@ -170,6 +205,18 @@ mod tests {
         assert!(bad.validate().is_err());
         bad.wake_ms = -1.0;
         assert!(bad.validate().is_err());
+        bad.wake_ms = 6.0;
+        bad.wake_ms_spread = vec![2.0, 1.0];
+        assert!(bad.validate().is_err(), "unsorted");
+        bad.wake_ms_spread = vec![1.0, f64::INFINITY];
+        assert!(bad.validate().is_err());
+        // A spread is visited evenly: 1000 wakes over 4 samples.
+        let mut c = Calibration::builtin();
+        assert_eq!(c.wake_cost_ms(7), c.wake_ms);
+        c.wake_ms_spread = vec![1.0, 2.0, 3.0, 40.0];
+        let costs: Vec<f64> = (0..1000).map(|n| c.wake_cost_ms(n)).collect();
+        let slow = costs.iter().filter(|&&v| v == 40.0).count();
+        assert!((230..=270).contains(&slow), "{slow}");
         std::fs::write(&p, r#"{"source":"x"}"#).unwrap();
         assert!(matches!(
             Calibration::load(&p),

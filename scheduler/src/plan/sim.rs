@@ -17,6 +17,8 @@
 //! - A request to a hibernated sandbox wakes it (a wake the pod cannot
 //!   admit is refused, as the service answers 429); requests that arrive
 //!   while a sandbox is being created, woken or hibernated wait for it.
+//! - A wake costs the calibration's `wake_ms`, or across its measured
+//!   spread of wakes when it has one (in a fixed order: deterministic).
 //! - A hibernation writes a snapshot of what was dirtied since the last
 //!   one; a hibernated sandbox's disk is the sum of its layers.
 
@@ -145,6 +147,9 @@ struct SimPod<'a> {
     wake_waits: Vec<f64>,
     out: Outcome,
     disk_now: f64,
+    /// Wakes started so far (which part of the calibration's spread the
+    /// next one costs).
+    wakes_started: u64,
 }
 
 fn ts(ms: i64) -> Timestamp {
@@ -240,7 +245,8 @@ impl SimPod<'_> {
                 return;
             }
             self.boxes[i].waiting.push(r);
-            let ms = self.cal.wake_ms;
+            let ms = self.cal.wake_cost_ms(self.wakes_started);
+            self.wakes_started += 1;
             self.start_work(i, Work::Wake, now, ms);
             return;
         }
@@ -459,6 +465,7 @@ pub fn simulate(trace: &Trace, shape: PodShape, setting: Setting, cal: &Calibrat
             memory_series: Vec::new(),
         },
         disk_now: 0.0,
+        wakes_started: 0,
     };
     let interval = shape.policy_interval_ms.max(1) as i64;
     let mut next_tick = interval;
