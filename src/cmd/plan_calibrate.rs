@@ -62,8 +62,24 @@ pub fn run(a: CalibrateArgs) -> i32 {
         let cal = measure(c, &a, &data_dir)?;
         cal.store(&out)
             .map_err(|e| Error::Transport(format!("cannot write {}: {e}", out.display())))?;
-        println!("{}", serde_json::to_string_pretty(&cal).unwrap_or_default());
-        println!("stored in {}", out.display());
+        if c.json {
+            println!("{}", serde_json::to_string_pretty(&cal).unwrap_or_default());
+        } else {
+            println!(
+                "create {:.1} ms, wake {:.1} ms (max {:.1}), hibernate {:.1} ms + {:.2} ms per dirty MiB, \
+                 snapshot {:.0} B + {:.0} B per dirty MiB, fresh sandbox {:.1} MiB PSS\n{}\nstored in {}",
+                cal.create_ms,
+                cal.wake_ms,
+                cal.wake_ms_spread.last().copied().unwrap_or(cal.wake_ms),
+                cal.hibernate_ms,
+                cal.hibernate_ms_per_dirty_mib,
+                cal.snapshot_base_bytes,
+                cal.snapshot_bytes_per_dirty_mib,
+                cal.fresh_pss_mib,
+                cal.description,
+                out.display()
+            );
+        }
         Ok(())
     })
 }
