@@ -42,6 +42,11 @@ pub enum Command {
     /// Pods (the hosts sandboxes run on): list, set, add, rm through the
     /// REST API; `pod serve` runs one.
     Pod(PodCommand),
+    /// Plan a pod's settings from an activity trace: replay it with the
+    /// service's own admission and hibernation policy for each candidate
+    /// ratio, keep-alive and watermark; `plan calibrate` measures this
+    /// host's costs.
+    Plan(Box<crate::cmd::plan::PlanCommand>),
     /// Write the built-in probe guest kernel (an ELF) to a file.
     ProbeImage {
         /// Where to write it.
@@ -393,6 +398,11 @@ pub struct ServiceFlags {
     /// How long a deleted sandbox's row is kept before it is pruned.
     #[arg(long, default_value_t = torpor_scheduler::service::DEFAULT_DELETED_RETENTION_MS, value_name = "N")]
     pub deleted_retention_ms: u64,
+    /// Record live traffic (creates, requests that wake or use a sandbox,
+    /// deletes) as an activity trace `torpor plan --trace` reads
+    /// (truncates FILE; see docs/operators.md).
+    #[arg(long, value_name = "FILE")]
+    pub record_trace: Option<PathBuf>,
     /// Give Linux sandboxes a network: a namespace each (torpor-sbx-N)
     /// with tap0, a veth to the host (10.200.0.0/16) and NAT; needs root,
     /// `ip` and `nft`. Egress is open; see docs/design.md (Networking).

@@ -31,39 +31,6 @@ fn lifecycle(serve: &Serve, id: &str, op: &str, state: &str) -> Result<(Value, f
     Ok((v, took))
 }
 
-/// Builds a probe template of `mem` MiB; its id once ready.
-fn build_template(
-    serve: &Serve,
-    name: &str,
-    mem: u32,
-    cmdline: Option<&str>,
-) -> Result<String, String> {
-    let mut body = json!({"name": name, "kind": "probe", "mem_mib": mem, "vcpus": 1});
-    if let Some(c) = cmdline {
-        body["cmdline"] = json!(c);
-    }
-    let (status, text) = serve.raw(
-        "POST",
-        "/v1/templates",
-        Some(&body.to_string()),
-        BUILD_LIMIT,
-    )?;
-    let want = if status == 202 { 202 } else { 201 };
-    let v = parse(want, status, &text).map_err(|e| format!("template {name}: {e}"))?;
-    let id = v["id"].as_str().ok_or(format!("no id in {v}"))?.to_string();
-    let deadline = Instant::now() + BUILD_LIMIT;
-    let mut t = v;
-    loop {
-        match t["state"].as_str() {
-            Some("ready") => return Ok(id),
-            Some("building") if Instant::now() < deadline => {}
-            _ => return Err(format!("template {name} did not become ready: {t}")),
-        }
-        std::thread::sleep(Duration::from_millis(200));
-        t = serve.expect(200, "GET", &format!("/v1/templates/{id}"), None)?;
-    }
-}
-
 /// Raises the pod's oversubscription ratio if `n` sandboxes of `mem` MiB
 /// would not be admitted.
 fn admit(serve: &Serve, n: usize, mem: u32) -> Result<Option<String>, String> {
@@ -393,9 +360,8 @@ pub(super) fn measure(
 ) -> Result<(), String> {
     let step = |what: &str| eprintln!("api: [{}] {what}", cfg.name());
     step("building templates");
-    let tpl = build_template(serve, &format!("bench-{}", cfg.mem), cfg.mem, None)?;
-    let fast = build_template(
-        serve,
+    let tpl = serve.build_template(&format!("bench-{}", cfg.mem), cfg.mem, None)?;
+    let fast = serve.build_template(
         &format!("bench-{}-fast", cfg.mem),
         cfg.mem,
         Some(FAST_CMDLINE),

@@ -1,9 +1,10 @@
 //! Helpers shared by the benches: run `torpor vmm`, talk to its control
 //! socket, watch the probe's console (`restore`, `dirty`); talk HTTP to
-//! `torpor serve` (`http`: `density`, `api`); percentiles and PSS.
+//! `torpor serve` (`http`: `density`, `api`; `serve`: start and stop one); percentiles and PSS.
 #![allow(dead_code)]
 
 pub mod http;
+pub mod serve;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;

@@ -11,6 +11,9 @@
 //!   a crash interrupted.
 //! - [`files`]: crash-safe files for snapshots: atomic writes, and removal of
 //!   temp files and snapshot directories the store no longer references.
+//! - [`policy`]: the pod's admission and hibernation rules, driven by the
+//!   service (wall clock, real VMMs) and by [`plan`] (simulated clock and
+//!   pod, from an activity trace).
 //! - [`net`]: the host side of sandbox networking: a namespace, tap, veth
 //!   pair and NAT per sandbox, egress policy in nftables, leftover recovery.
 //!
@@ -62,6 +65,8 @@ pub mod files;
 pub mod images;
 pub mod model;
 pub mod net;
+pub mod plan;
+pub mod policy;
 pub mod service;
 pub mod state;
 pub mod store;

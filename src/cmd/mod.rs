@@ -1,4 +1,4 @@
-//! One module per top-level subcommand.
+//! One module per top-level subcommand (`plan calibrate` in its own).
 
 mod checkpoint;
 mod client;
@@ -7,6 +7,8 @@ mod files;
 mod guest;
 mod image;
 mod nested_pod;
+pub mod plan;
+pub mod plan_calibrate;
 mod pod;
 mod sandbox;
 mod sandbox_guest;
@@ -31,6 +33,7 @@ pub fn dispatch(cli: Cli) -> i32 {
         Command::Image(c) => image::run(c),
         Command::Token(c) => token::run(c),
         Command::Pod(c) => pod::run(c),
+        Command::Plan(c) => plan::run(*c),
         Command::ProbeImage { out } => match std::fs::write(&out, torpor_probe::PROBE_ELF) {
             Ok(()) => EXIT_OK,
             Err(e) => {

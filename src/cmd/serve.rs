@@ -177,6 +177,7 @@ fn open_service(
     config.dirty_tracking = flags.dirty_tracking.tracking();
     config.images_dir = flags.images_dir.clone();
     config.deleted_retention_ms = flags.deleted_retention_ms;
+    config.record_trace = flags.record_trace.clone();
     if flags.sandbox_network {
         config.net = Some(sandbox_networking(flags)?);
     }

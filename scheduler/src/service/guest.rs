@@ -435,7 +435,18 @@ impl Service {
     ) -> Result<GuestCall<T>, ServiceError> {
         let link = self.agent_link(id)?;
         let _in_flight = self.in_flight.enter(id);
-        let outcome = self.ensure_running(id)?;
+        let started = Instant::now();
+        let outcome = match self.ensure_running(id) {
+            Ok(o) => o,
+            Err(e) => {
+                // A wake the pod refused is demand the trace keeps.
+                if let (ServiceError::Admission { .. }, Ok(s)) = (&e, self.store.get_sandbox(id)) {
+                    let kind = crate::plan::trace::EventKind::Request;
+                    self.record(started, id, kind, 0, s.mem_mib);
+                }
+                return Err(e);
+            }
+        };
         let (done, until_done) = mpsc::channel::<()>();
         let value = std::thread::scope(|scope| {
             scope.spawn(move || {
@@ -448,6 +459,13 @@ impl Service {
             value
         });
         let _ = self.store.touch(id, Timestamp::now());
+        self.record(
+            started,
+            id,
+            crate::plan::trace::EventKind::Request,
+            started.elapsed().as_millis() as u64,
+            outcome.sandbox.mem_mib,
+        );
         Ok(GuestCall {
             outcome,
             value: value?,

@@ -6,7 +6,7 @@
 //! deleted the sandbox.
 
 use super::ServiceError;
-use crate::model::{Sandbox, Timestamp};
+use crate::model::Timestamp;
 
 /// Largest `timeout_ms` a sandbox may be given: 30 days.
 pub const MAX_TIMEOUT_MS: u64 = 30 * 24 * 60 * 60 * 1000;
@@ -42,17 +42,9 @@ pub(super) fn expiry(now: Timestamp, timeout_ms: u64) -> Result<Timestamp, Servi
         .ok_or_else(|| ServiceError::Invalid(format!("timeout_ms {timeout_ms} is too large")))
 }
 
-/// Whether `sandbox` has been idle at least its keep-alive at `now`
-/// (saturating: a stored keep-alive past `i64::MAX` never elapses).
-pub(super) fn idle_past_keep_alive(sandbox: &Sandbox, now: Timestamp) -> bool {
-    let idle = now.0.saturating_sub(sandbox.last_active_at.0);
-    idle >= i64::try_from(sandbox.keep_alive_ms).unwrap_or(i64::MAX)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::TemplateId;
 
     #[test]
     fn lifetimes_are_bounded_and_deadlines_never_overflow() {
@@ -79,20 +71,5 @@ mod tests {
             expiry(Timestamp(i64::MAX - 1), 2),
             Err(ServiceError::Invalid(_))
         ));
-    }
-
-    #[test]
-    fn keep_alive_elapses_without_overflow() {
-        let mut s = Sandbox::new(TemplateId::generate(), 64, 1, 1000);
-        s.last_active_at = Timestamp(10_000);
-        assert!(!idle_past_keep_alive(&s, Timestamp(10_999)));
-        assert!(idle_past_keep_alive(&s, Timestamp(11_000)));
-        // A clock before the last activity is not idle.
-        assert!(!idle_past_keep_alive(&s, Timestamp(0)));
-        s.keep_alive_ms = u64::MAX;
-        assert!(!idle_past_keep_alive(&s, Timestamp(i64::MAX)));
-        s.last_active_at = Timestamp(i64::MIN);
-        s.keep_alive_ms = 5;
-        assert!(idle_past_keep_alive(&s, Timestamp(i64::MAX)));
     }
 }

@@ -100,6 +100,9 @@ pub struct ServiceConfig {
     /// Networking for Linux sandboxes (a namespace, tap and NAT each);
     /// `None`: they have no network device.
     pub net: Option<SandboxNetworking>,
+    /// Where live traffic is recorded as an activity trace for
+    /// `torpor plan` (`serve --record-trace`), if anywhere.
+    pub record_trace: Option<PathBuf>,
 }
 
 /// How Linux sandboxes are networked (see `crate::net`).
@@ -128,6 +131,7 @@ impl ServiceConfig {
             images_dir: None,
             deleted_retention_ms: DEFAULT_DELETED_RETENTION_MS,
             net: None,
+            record_trace: None,
         }
     }
 }
@@ -365,6 +369,8 @@ pub struct Service {
     /// Sandbox networks, when `config.net` is set.
     net: Option<crate::net::NetManager>,
     nets: Mutex<HashMap<SandboxId, crate::net::SandboxNet>>,
+    /// The activity trace recorder (`serve --record-trace`).
+    recorder: Option<crate::plan::record::Recorder>,
 }
 
 impl Service {
@@ -412,7 +418,14 @@ impl Service {
             ),
             None => None,
         };
+        let recorder = match &config.record_trace {
+            Some(p) => Some(crate::plan::record::Recorder::start(p).map_err(|e| {
+                ServiceError::Internal(format!("cannot record a trace to {}: {e}", p.display()))
+            })?),
+            None => None,
+        };
         let service = Arc::new(Self {
+            recorder,
             net,
             nets: Mutex::new(HashMap::new()),
             config,
@@ -479,6 +492,20 @@ impl Service {
             created_at: Timestamp::now(),
         })?;
         Ok(())
+    }
+
+    /// Records activity on `id` in the trace, when one is recorded.
+    fn record(
+        &self,
+        at: std::time::Instant,
+        id: &SandboxId,
+        kind: crate::plan::trace::EventKind,
+        duration_ms: u64,
+        mem_mib: u32,
+    ) {
+        if let Some(r) = &self.recorder {
+            r.record(at, id.as_str(), kind, duration_ms, mem_mib);
+        }
     }
 
     /// Takes the lock serialising operations on sandbox `id`, waiting for

@@ -2,6 +2,7 @@
 //! change it begins), does the work, then journals the end with the final
 //! state, so a crash in between leaves a record recovery can act on.
 
+use crate::plan::trace::EventKind;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -191,6 +192,13 @@ impl Service {
             .map(|t| expiry(Timestamp::now(), t))
             .transpose()?;
         let _guard = self.lock_sandbox(&sandbox.id)?;
+        self.record(
+            Instant::now(),
+            &sandbox.id,
+            EventKind::Create,
+            0,
+            template.mem_mib,
+        );
         let mut lap = Lap::new();
         let op = self.admit_with(template.mem_mib, req.queue, |tx| {
             tx.insert_sandbox(&sandbox)?;
@@ -400,8 +408,24 @@ impl Service {
     /// lock is held from the state read to the state written, so nothing
     /// (a hibernate) comes in between.
     pub fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        self.resume_for(id, false)
+    }
+
+    /// [`Self::resume`]; recorded in the trace as a request when it makes
+    /// the sandbox active (a wake, a resume of a paused one, or any
+    /// `connect`).
+    fn resume_for(&self, id: &SandboxId, connect: bool) -> Result<Outcome, ServiceError> {
+        let started = Instant::now();
         let held = self.lock_sandbox(id)?;
         let sandbox = self.store.get_sandbox(id)?;
+        if connect
+            || matches!(
+                sandbox.state,
+                SandboxState::Hibernated | SandboxState::Paused
+            )
+        {
+            self.record(started, id, EventKind::Request, 0, sandbox.mem_mib);
+        }
         if sandbox.state == SandboxState::Hibernated {
             return self.wake_locked(sandbox);
         }
@@ -497,7 +521,7 @@ impl Service {
     /// A client (re)connects: the sandbox runs afterwards, resumed if
     /// paused, woken if hibernated, and counts as active (E2B's `connect`).
     pub fn connect(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        let outcome = self.resume(id)?;
+        let outcome = self.resume_for(id, true)?;
         self.store.touch(id, Timestamp::now())?;
         Ok(outcome)
     }
@@ -587,6 +611,7 @@ impl Service {
         if sandbox.state == SandboxState::Deleted {
             return Ok(());
         }
+        self.record(Instant::now(), id, EventKind::Delete, 0, sandbox.mem_mib);
         let op = self
             .store
             .begin_operation(Some(id), OperationKind::Delete, &json!({}), None)?;

@@ -10,10 +10,10 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use super::lifetime::idle_past_keep_alive;
 use super::vmm::{self, PageFaults};
 use super::{Outcome, Service, ServiceError, LOCAL_POD};
-use crate::model::{OnTimeout, PodId, SandboxId, Timestamp};
+use crate::model::{Pod, PodId, Sandbox, SandboxId, Timestamp};
+use crate::policy::{idle_past_keep_alive, PolicyDriver, PolicyReason};
 use crate::state::SandboxState;
 use crate::store::SandboxFilter;
 
@@ -235,15 +235,6 @@ impl Drop for InFlightGuard<'_> {
     }
 }
 
-/// Why the policy hibernates a sandbox.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PolicyReason {
-    Idle,
-    Watermark,
-    /// The timeout of a sandbox whose `on_timeout` is hibernate.
-    Timeout,
-}
-
 impl Service {
     /// Prometheus text exposition.
     pub fn metrics(&self) -> String {
@@ -424,49 +415,11 @@ impl Service {
         Some(self.hibernate_locked(id))
     }
 
-    /// One policy round.
+    /// One policy round: the rules of [`crate::policy::run_round`] on the
+    /// local pod, with the wall clock and the VMMs' measured PSS.
     pub fn run_policy(&self) {
         let now = Timestamp::now();
-        let filter = SandboxFilter {
-            states: vec![
-                SandboxState::Running,
-                SandboxState::Paused,
-                SandboxState::Hibernated,
-            ],
-            ..Default::default()
-        };
-        let Ok(sandboxes) = self.store.list_sandboxes(&filter) else {
-            return;
-        };
-        for s in &sandboxes {
-            if s.expires_at.is_some_and(|t| t.0 <= now.0) {
-                match s.on_timeout {
-                    OnTimeout::Delete => {
-                        tracing::info!(sandbox = %s.id, "timeout reached; deleting");
-                        let _ = self.delete_sandbox(&s.id);
-                    }
-                    // Hibernated it stays, past its deadline, until woken
-                    // and given a new one.
-                    OnTimeout::Hibernate if s.state == SandboxState::Hibernated => {}
-                    OnTimeout::Hibernate => {
-                        if let Some(Err(e)) = self.policy_hibernate(&s.id, PolicyReason::Timeout) {
-                            tracing::warn!(sandbox = %s.id, "timeout hibernation failed: {e}");
-                        }
-                    }
-                }
-            } else if s.state == SandboxState::Running && idle_past_keep_alive(s, now) {
-                if let Some(Err(e)) = self.policy_hibernate(&s.id, PolicyReason::Idle) {
-                    tracing::warn!(sandbox = %s.id, "idle hibernation failed: {e}");
-                }
-            } else if s.state != SandboxState::Hibernated {
-                self.check_vmm_alive(s);
-                let log = vmm::VmmFiles::in_dir(&self.sandbox_dir(&s.id)).log;
-                if let Err(e) = vmm::cap_log(&log, vmm::MAX_LOG_BYTES) {
-                    tracing::warn!(sandbox = %s.id, "cannot rotate {}: {e}", log.display());
-                }
-            }
-        }
-        self.enforce_watermark();
+        crate::policy::run_round(&mut ServiceDriver(self));
         self.prune_deleted(now);
     }
 
@@ -526,39 +479,62 @@ impl Service {
             self.store
                 .update_sandbox_state(&s.id, s.state, SandboxState::Failed, Some(&reason));
     }
+}
 
-    /// Hibernates least recently used running sandboxes while the pod's
-    /// PSS is above its high watermark.
-    fn enforce_watermark(&self) {
-        let Ok(pod) = self.store.get_pod(&PodId::new(LOCAL_POD)) else {
-            return;
-        };
-        let limit = pod.memory_bytes as f64 * pod.high_watermark;
+/// The service as the policy's driver: the store's sandboxes and pod,
+/// the wall clock, real hibernations and the VMMs' measured PSS.
+struct ServiceDriver<'a>(&'a Service);
+
+impl PolicyDriver for ServiceDriver<'_> {
+    fn now(&self) -> Timestamp {
+        Timestamp::now()
+    }
+
+    fn pod(&self) -> Option<Pod> {
+        self.0.store.get_pod(&PodId::new(LOCAL_POD)).ok()
+    }
+
+    fn sandboxes(&self, states: &[SandboxState]) -> Vec<Sandbox> {
         let filter = SandboxFilter {
-            states: vec![SandboxState::Running, SandboxState::Paused],
+            states: states.to_vec(),
             ..Default::default()
         };
-        let Ok(mut live) = self.store.list_sandboxes(&filter) else {
-            return;
-        };
-        let pss = |s: &crate::model::Sandbox| {
-            s.vmm
-                .as_ref()
-                .map_or(0, |h| vmm::pss_kib(h.pid).unwrap_or(0))
-                * 1024
-        };
-        let mut total: u64 = live.iter().map(pss).sum();
-        live.sort_by_key(|s| s.last_active_at.0);
-        for s in live {
-            if (total as f64) <= limit {
-                break;
+        self.0.store.list_sandboxes(&filter).unwrap_or_default()
+    }
+
+    fn delete(&mut self, s: &Sandbox) {
+        tracing::info!(sandbox = %s.id, "timeout reached; deleting");
+        let _ = self.0.delete_sandbox(&s.id);
+    }
+
+    fn hibernate(&mut self, s: &Sandbox, reason: PolicyReason) -> Option<bool> {
+        match self.0.policy_hibernate(&s.id, reason)? {
+            Ok(_) => {
+                if reason == PolicyReason::Watermark {
+                    tracing::info!(sandbox = %s.id, "pod above its high watermark; hibernated the least recently used");
+                }
+                Some(true)
             }
-            let freed = pss(&s);
-            if let Some(Ok(_)) = self.policy_hibernate(&s.id, PolicyReason::Watermark) {
-                tracing::info!(sandbox = %s.id, "pod above its high watermark; hibernated the least recently used");
-                total = total.saturating_sub(freed);
+            Err(e) => {
+                tracing::warn!(sandbox = %s.id, ?reason, "policy hibernation failed: {e}");
+                Some(false)
             }
         }
+    }
+
+    fn tend(&mut self, s: &Sandbox) {
+        self.0.check_vmm_alive(s);
+        let log = vmm::VmmFiles::in_dir(&self.0.sandbox_dir(&s.id)).log;
+        if let Err(e) = vmm::cap_log(&log, vmm::MAX_LOG_BYTES) {
+            tracing::warn!(sandbox = %s.id, "cannot rotate {}: {e}", log.display());
+        }
+    }
+
+    fn memory_bytes(&self, s: &Sandbox) -> u64 {
+        s.vmm
+            .as_ref()
+            .map_or(0, |h| vmm::pss_kib(h.pid).unwrap_or(0))
+            * 1024
     }
 }
 

@@ -42,16 +42,18 @@ impl Tx<'_> {
     pub fn admit(&self, pod: &PodId, mem_mib: u32) -> Result<()> {
         let pod = self.get_pod(pod)?;
         let memory_mib = pod.memory_bytes >> 20;
-        let limit_mib = memory_mib as f64 * pod.oversubscription_ratio;
         let committed_mib = self.committed_mib()?;
-        if (committed_mib.saturating_add(u64::from(mem_mib))) as f64 <= limit_mib {
-            return Ok(());
-        }
-        Err(StoreError::Full {
-            pod: pod.id,
+        crate::policy::admit(
+            memory_mib,
+            pod.oversubscription_ratio,
             committed_mib,
-            asked_mib: mem_mib,
-            limit_mib,
+            mem_mib,
+        )
+        .map_err(|r| StoreError::Full {
+            pod: pod.id,
+            committed_mib: r.committed_mib,
+            asked_mib: r.asked_mib,
+            limit_mib: r.limit_mib,
             ratio: pod.oversubscription_ratio,
             memory_mib,
         })

@@ -1,0 +1,227 @@
+//! What each event costs on a host: create, wake and hibernate latencies,
+//! snapshot size per dirty MiB and a fresh sandbox's memory. Measured by
+//! `torpor plan calibrate` with real VMMs (through a live `torpor serve`),
+//! stored as JSON; or the built-in default, clearly labelled as such.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+/// File name of a calibration in the data directory.
+pub const FILE_NAME: &str = "plan-calibration.json";
+/// Largest calibration file read.
+const MAX_FILE: u64 = 64 * 1024;
+/// Largest latency a calibration may state: 10 minutes.
+const MAX_MS: f64 = 600_000.0;
+/// Most wake samples a calibration keeps.
+pub const MAX_SPREAD: usize = 1000;
+
+/// The costs a plan charges, and where they come from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Calibration {
+    /// `builtin` or `measured`.
+    pub source: String,
+    /// What was measured, on what (free text shown in the plan).
+    pub description: String,
+    /// When it was measured (ms since the epoch; 0 for the built-in).
+    pub measured_at_ms: i64,
+    /// Samples per figure.
+    pub samples: u32,
+    /// Create, as the API answers it: admission to running (p50, ms).
+    pub create_ms: f64,
+    /// Wake of a hibernated sandbox, as a request sees it (p50, ms).
+    pub wake_ms: f64,
+    /// Every wake measured, sorted (ms; at most [`MAX_SPREAD`]): the plan
+    /// charges wakes across this spread rather than the median alone.
+    /// Empty: every wake costs `wake_ms`.
+    #[serde(default)]
+    pub wake_ms_spread: Vec<f64>,
+    /// Hibernation of a sandbox that dirtied nothing since its last
+    /// snapshot (p50, ms).
+    pub hibernate_ms: f64,
+    /// Extra hibernation time per dirty MiB (ms).
+    pub hibernate_ms_per_dirty_mib: f64,
+    /// Bytes on disk of a snapshot that holds no dirty page.
+    pub snapshot_base_bytes: f64,
+    /// Extra snapshot bytes per dirty MiB.
+    pub snapshot_bytes_per_dirty_mib: f64,
+    /// Memory (PSS, MiB) of a sandbox that has just been created or woken.
+    pub fresh_pss_mib: f64,
+}
+
+/// A calibration that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum CalibrationError {
+    #[error("cannot read calibration {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("calibration {path} is larger than {MAX_FILE} bytes")]
+    TooLarge { path: String },
+    #[error("calibration {path} is not valid: {message}")]
+    Invalid { path: String, message: String },
+}
+
+impl Calibration {
+    /// The built-in default: figures from docs/design.md's API benchmark
+    /// (256 MiB probe template, shared 2-core PVM host: create 4.5 ms,
+    /// wake 6 ms without a standby shell) and a 1:1 snapshot of dirty
+    /// pages. Plans made with it say so.
+    pub fn builtin() -> Calibration {
+        Calibration {
+            source: "builtin".into(),
+            description: "built-in default (docs/design.md API benchmark figures, probe guest, \
+                          2-core PVM host); run `torpor plan calibrate` for this host's"
+                .into(),
+            measured_at_ms: 0,
+            samples: 0,
+            create_ms: 4.5,
+            wake_ms: 6.0,
+            wake_ms_spread: Vec::new(),
+            hibernate_ms: 15.0,
+            hibernate_ms_per_dirty_mib: 1.0,
+            snapshot_base_bytes: 64.0 * 1024.0,
+            snapshot_bytes_per_dirty_mib: 1048576.0,
+            fresh_pss_mib: 1.0,
+        }
+    }
+
+    /// Checks every figure is finite and in bounds.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.source.len() > 64 || self.description.len() > 1024 {
+            return Err("source or description too long".into());
+        }
+        for (name, v, max) in [
+            ("create_ms", self.create_ms, MAX_MS),
+            ("wake_ms", self.wake_ms, MAX_MS),
+            ("hibernate_ms", self.hibernate_ms, MAX_MS),
+            (
+                "hibernate_ms_per_dirty_mib",
+                self.hibernate_ms_per_dirty_mib,
+                1000.0,
+            ),
+            ("snapshot_base_bytes", self.snapshot_base_bytes, 1e12),
+            (
+                "snapshot_bytes_per_dirty_mib",
+                self.snapshot_bytes_per_dirty_mib,
+                16.0 * 1048576.0,
+            ),
+            ("fresh_pss_mib", self.fresh_pss_mib, 1e6),
+        ] {
+            if !v.is_finite() || !(0.0..=max).contains(&v) {
+                return Err(format!("{name} {v} is outside [0, {max}]"));
+            }
+        }
+        if self.wake_ms_spread.len() > MAX_SPREAD {
+            return Err(format!("more than {MAX_SPREAD} wake samples"));
+        }
+        if let Some(v) = self
+            .wake_ms_spread
+            .iter()
+            .find(|v| !v.is_finite() || !(0.0..=MAX_MS).contains(*v))
+        {
+            return Err(format!("wake sample {v} is outside [0, {MAX_MS}]"));
+        }
+        if !self.wake_ms_spread.is_sorted_by(|a, b| a <= b) {
+            return Err("wake samples are not sorted".into());
+        }
+        Ok(())
+    }
+
+    /// Reads a stored calibration.
+    pub fn load(path: &Path) -> Result<Calibration, CalibrationError> {
+        use std::io::Read;
+        let shown = path.display().to_string();
+        let io = |source| CalibrationError::Io {
+            path: shown.clone(),
+            source,
+        };
+        let mut text = String::new();
+        std::fs::File::open(path)
+            .map_err(io)?
+            .take(MAX_FILE + 1)
+            .read_to_string(&mut text)
+            .map_err(io)?;
+        if text.len() as u64 > MAX_FILE {
+            return Err(CalibrationError::TooLarge { path: shown });
+        }
+        let invalid = |message: String| CalibrationError::Invalid {
+            path: shown.clone(),
+            message,
+        };
+        let c: Calibration = serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        c.validate().map_err(invalid)?;
+        Ok(c)
+    }
+
+    /// Writes it (atomically: a temp file renamed over the target).
+    pub fn store(&self, path: &Path) -> std::io::Result<()> {
+        let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
+        crate::files::atomic_write(path, text.as_bytes()).map_err(std::io::Error::other)
+    }
+
+    /// The cost of the `n`th wake (ms): `wake_ms`, or, with a spread, its
+    /// samples visited in a fixed low-discrepancy order (deterministic,
+    /// every part of the spread in proportion).
+    pub fn wake_cost_ms(&self, n: u64) -> f64 {
+        if self.wake_ms_spread.is_empty() {
+            return self.wake_ms;
+        }
+        // The golden ratio's fractional parts fill [0, 1) evenly.
+        let x = (n as f64 * 0.618_033_988_749_895).fract();
+        let i =
+            ((x * self.wake_ms_spread.len() as f64) as usize).min(self.wake_ms_spread.len() - 1);
+        self.wake_ms_spread[i]
+    }
+
+    /// Hibernation time of a sandbox with `dirty_mib` dirty, in ms.
+    pub fn hibernate_cost_ms(&self, dirty_mib: f64) -> f64 {
+        self.hibernate_ms + self.hibernate_ms_per_dirty_mib * dirty_mib
+    }
+
+    /// Snapshot bytes of a sandbox with `dirty_mib` dirty.
+    pub fn snapshot_bytes(&self, dirty_mib: f64) -> f64 {
+        self.snapshot_base_bytes + self.snapshot_bytes_per_dirty_mib * dirty_mib
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtin_is_valid_and_round_trips() {
+        let c = Calibration::builtin();
+        c.validate().unwrap();
+        let dir = std::env::temp_dir().join(format!("torpor-cal-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(FILE_NAME);
+        c.store(&p).unwrap();
+        assert_eq!(Calibration::load(&p).unwrap(), c);
+        let mut bad = c.clone();
+        bad.wake_ms = f64::NAN;
+        assert!(bad.validate().is_err());
+        bad.wake_ms = -1.0;
+        assert!(bad.validate().is_err());
+        bad.wake_ms = 6.0;
+        bad.wake_ms_spread = vec![2.0, 1.0];
+        assert!(bad.validate().is_err(), "unsorted");
+        bad.wake_ms_spread = vec![1.0, f64::INFINITY];
+        assert!(bad.validate().is_err());
+        // A spread is visited evenly: 1000 wakes over 4 samples.
+        let mut c = Calibration::builtin();
+        assert_eq!(c.wake_cost_ms(7), c.wake_ms);
+        c.wake_ms_spread = vec![1.0, 2.0, 3.0, 40.0];
+        let costs: Vec<f64> = (0..1000).map(|n| c.wake_cost_ms(n)).collect();
+        let slow = costs.iter().filter(|&&v| v == 40.0).count();
+        assert!((230..=270).contains(&slow), "{slow}");
+        std::fs::write(&p, r#"{"source":"x"}"#).unwrap();
+        assert!(matches!(
+            Calibration::load(&p),
+            Err(CalibrationError::Invalid { .. })
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

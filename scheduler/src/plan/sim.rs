@@ -1,0 +1,560 @@
+//! The simulated pod: a trace replayed against the real policy
+//! ([`crate::policy`]: admission and the policy round) with a simulated
+//! clock, each event costed by a [`Calibration`].
+//!
+//! The model:
+//! - The pod's lifecycle work (creates, wakes, hibernations) runs on
+//!   `cores` lanes, first come first served: work queues behind work, and
+//!   a request's wake latency includes that wait.
+//! - The policy runs every `policy_interval_ms` and, as in `torpor serve`,
+//!   hibernates one sandbox after the other: the next round starts an
+//!   interval after the last hibernation of this one ends; a sandbox
+//!   used before the policy gets to it is left alone (the service
+//!   re-checks idleness under the sandbox's lock).
+//! - A sandbox's memory (what the watermark measures) is
+//!   `fresh_pss_mib` after a create or wake, plus what its requests dirty,
+//!   at most its size. Admission counts sizes, as the service does.
+//! - A request to a hibernated sandbox wakes it (a wake the pod cannot
+//!   admit is refused, as the service answers 429); requests that arrive
+//!   while a sandbox is being created, woken or hibernated wait for it.
+//! - A wake costs the calibration's `wake_ms`, or across its measured
+//!   spread of wakes when it has one (in a fixed order: deterministic).
+//! - A hibernation writes a snapshot of what was dirtied since the last
+//!   one; a hibernated sandbox's disk is the sum of its layers.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use serde::Serialize;
+
+use super::calibration::Calibration;
+use super::trace::{EventKind, Trace};
+use crate::model::{Pod, PodAddress, PodId, Sandbox, SandboxId, TemplateId, Timestamp};
+use crate::policy::{self, PolicyDriver, PolicyReason};
+use crate::state::SandboxState;
+use crate::store::admission::HOLDING_VMM;
+
+/// One candidate setting of the pod.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Setting {
+    pub ratio: f64,
+    pub keep_alive_ms: u64,
+    pub high_watermark: f64,
+}
+
+/// The pod the trace is played on.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct PodShape {
+    pub memory_mib: u64,
+    /// Lanes the pod's lifecycle work runs on.
+    pub cores: u32,
+    pub policy_interval_ms: u64,
+}
+
+/// What one setting did with the trace.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Outcome {
+    pub setting: Setting,
+    pub creates_admitted: u64,
+    pub creates_rejected: u64,
+    /// Requests to a sandbox whose create was rejected.
+    pub requests_dropped: u64,
+    pub requests: u64,
+    /// Wakes done.
+    pub wakes: u64,
+    /// Wakes refused: the pod was full.
+    pub wakes_rejected: u64,
+    /// Requests that waited for a wake, by how long (ms), queueing included.
+    pub wake_p50_ms: f64,
+    pub wake_p99_ms: f64,
+    pub wake_max_ms: f64,
+    pub hibernations: u64,
+    pub hibernations_idle: u64,
+    pub hibernations_watermark: u64,
+    pub hibernations_timeout: u64,
+    pub mem_peak_mib: f64,
+    pub mem_p99_mib: f64,
+    pub committed_peak_mib: u64,
+    pub disk_peak_bytes: f64,
+    pub disk_end_bytes: f64,
+    /// Core time of the pod's creates, wakes and hibernations.
+    pub core_seconds: f64,
+    /// (seconds, memory MiB) samples, at most [`MAX_SERIES`].
+    pub memory_series: Vec<(f64, f64)>,
+}
+
+impl Outcome {
+    /// Rejected creates and wakes, in % of those asked.
+    pub fn reject_pct(&self) -> f64 {
+        let asked =
+            self.creates_admitted + self.creates_rejected + self.wakes + self.wakes_rejected;
+        if asked == 0 {
+            return 0.0;
+        }
+        100.0 * (self.creates_rejected + self.wakes_rejected) as f64 / asked as f64
+    }
+}
+
+/// Most points kept of the memory series.
+pub const MAX_SERIES: usize = 600;
+
+/// Work in progress on a sandbox.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Work {
+    Create,
+    Wake,
+    Hibernate(PolicyReason),
+}
+
+/// A request waiting for a sandbox: when it arrived, how long it runs,
+/// what it dirties, whether it waits for a wake.
+#[derive(Debug, Clone, Copy)]
+struct Waiting {
+    arrived_ms: i64,
+    duration_ms: u64,
+    mem_mib: u32,
+}
+
+struct SimBox {
+    sandbox: Sandbox,
+    /// Exists on the pod (created, not deleted, create admitted).
+    live: bool,
+    /// Work in progress and when it ends.
+    work: Option<(Work, i64)>,
+    /// When that work starts on its lane, and its cost (ms).
+    work_start: i64,
+    work_ms: f64,
+    /// Latest end of a request (the sandbox is active until then).
+    active_until: i64,
+    resident_mib: f64,
+    dirty_mib: f64,
+    disk_bytes: f64,
+    waiting: Vec<Waiting>,
+    delete_pending: bool,
+}
+
+/// The simulated pod: the policy's driver.
+struct SimPod<'a> {
+    cal: &'a Calibration,
+    shape: PodShape,
+    setting: Setting,
+    now: i64,
+    boxes: Vec<SimBox>,
+    lanes: Vec<i64>,
+    /// When the policy thread is done with its current round's work.
+    policy_busy_until: i64,
+    done: BinaryHeap<Reverse<(i64, usize)>>,
+    wake_waits: Vec<f64>,
+    out: Outcome,
+    disk_now: f64,
+    /// Wakes started so far (which part of the calibration's spread the
+    /// next one costs).
+    wakes_started: u64,
+}
+
+fn ts(ms: i64) -> Timestamp {
+    Timestamp(ms)
+}
+
+impl SimPod<'_> {
+    /// Starts `ms` of work on the first free lane no earlier than `at`;
+    /// returns when it ends.
+    fn run_on_lane(&mut self, at: i64, ms: f64) -> i64 {
+        let (i, free) = self
+            .lanes
+            .iter()
+            .copied()
+            .enumerate()
+            .min_by_key(|&(_, f)| f)
+            .unwrap_or((0, at));
+        let start = at.max(free);
+        let end = start + ms.ceil() as i64;
+        if let Some(l) = self.lanes.get_mut(i) {
+            *l = end;
+        }
+        self.out.core_seconds += ms / 1000.0;
+        end
+    }
+
+    fn committed_mib(&self) -> u64 {
+        self.boxes
+            .iter()
+            .filter(|b| b.live && HOLDING_VMM.contains(&b.sandbox.state))
+            .map(|b| u64::from(b.sandbox.mem_mib))
+            .sum()
+    }
+
+    fn memory_mib(&self) -> f64 {
+        self.boxes
+            .iter()
+            .filter(|b| b.live && HOLDING_VMM.contains(&b.sandbox.state))
+            .map(|b| b.resident_mib)
+            .sum()
+    }
+
+    fn admit(&self, mem_mib: u32) -> bool {
+        policy::admit(
+            self.shape.memory_mib,
+            self.setting.ratio,
+            self.committed_mib(),
+            mem_mib,
+        )
+        .is_ok()
+    }
+
+    fn start_work(&mut self, i: usize, work: Work, at: i64, ms: f64) {
+        let end = self.run_on_lane(at, ms);
+        let b = &mut self.boxes[i];
+        b.work_start = end - ms.ceil() as i64;
+        b.work_ms = ms;
+        b.sandbox.state = match work {
+            Work::Create => SandboxState::Creating,
+            Work::Wake => SandboxState::Resuming,
+            Work::Hibernate(_) => SandboxState::Hibernating,
+        };
+        b.work = Some((work, end));
+        self.done.push(Reverse((end, i)));
+        self.out.committed_peak_mib = self.out.committed_peak_mib.max(self.committed_mib());
+    }
+
+    /// A request reaches sandbox `i` at `now` (or, having waited, when
+    /// its sandbox became ready).
+    fn request(&mut self, i: usize, r: Waiting) {
+        let now = self.now;
+        let b = &mut self.boxes[i];
+        if !b.live {
+            self.out.requests_dropped += 1;
+            return;
+        }
+        // The policy hibernates one sandbox after the other, re-checking
+        // each under its lock when it gets to it: one used before then is
+        // no longer idle and is left alone.
+        if matches!(b.work, Some((Work::Hibernate(PolicyReason::Idle), _))) && now < b.work_start {
+            b.work = None;
+            b.sandbox.state = SandboxState::Running;
+            self.out.core_seconds -= b.work_ms / 1000.0;
+        }
+        if b.work.is_some() {
+            b.waiting.push(r);
+            return;
+        }
+        if b.sandbox.state == SandboxState::Hibernated {
+            let mem = b.sandbox.mem_mib;
+            if !self.admit(mem) {
+                self.out.wakes_rejected += 1;
+                return;
+            }
+            self.boxes[i].waiting.push(r);
+            let ms = self.cal.wake_cost_ms(self.wakes_started);
+            self.wakes_started += 1;
+            self.start_work(i, Work::Wake, now, ms);
+            return;
+        }
+        let b = &mut self.boxes[i];
+        let size = f64::from(b.sandbox.mem_mib);
+        b.active_until = b.active_until.max(now + r.duration_ms as i64);
+        b.resident_mib = (b.resident_mib + f64::from(r.mem_mib)).min(size);
+        b.dirty_mib = (b.dirty_mib + f64::from(r.mem_mib)).min(size);
+    }
+
+    /// Work on sandbox `i` ended at `now`.
+    fn work_done(&mut self, i: usize) {
+        let now = self.now;
+        let Some((work, _)) = self.boxes[i].work.take() else {
+            return;
+        };
+        let b = &mut self.boxes[i];
+        let size = f64::from(b.sandbox.mem_mib);
+        match work {
+            Work::Create | Work::Wake => {
+                b.sandbox.state = SandboxState::Running;
+                b.resident_mib = self.cal.fresh_pss_mib.min(size);
+                b.active_until = b.active_until.max(now);
+                if work == Work::Wake {
+                    self.out.wakes += 1;
+                }
+            }
+            Work::Hibernate(reason) => {
+                b.sandbox.state = SandboxState::Hibernated;
+                let bytes = self.cal.snapshot_bytes(b.dirty_mib);
+                b.disk_bytes += bytes;
+                self.disk_now += bytes;
+                b.dirty_mib = 0.0;
+                b.resident_mib = 0.0;
+                self.out.hibernations += 1;
+                match reason {
+                    PolicyReason::Idle => self.out.hibernations_idle += 1,
+                    PolicyReason::Watermark => self.out.hibernations_watermark += 1,
+                    PolicyReason::Timeout => self.out.hibernations_timeout += 1,
+                }
+            }
+        }
+        if self.boxes[i].delete_pending {
+            self.delete(i);
+            return;
+        }
+        let waiting = std::mem::take(&mut self.boxes[i].waiting);
+        for r in waiting {
+            if work == Work::Wake {
+                self.wake_waits.push((now - r.arrived_ms) as f64);
+            }
+            self.request(i, r);
+        }
+    }
+
+    fn delete(&mut self, i: usize) {
+        let b = &mut self.boxes[i];
+        if b.work.is_some() {
+            b.delete_pending = true;
+            return;
+        }
+        if b.live {
+            self.disk_now -= b.disk_bytes;
+        }
+        b.live = false;
+        b.sandbox.state = SandboxState::Deleted;
+        let dropped = b.waiting.len() as u64;
+        b.waiting.clear();
+        self.out.requests_dropped += dropped;
+    }
+
+    fn sample(&mut self, series: &mut Vec<(f64, f64)>) {
+        let mem = self.memory_mib();
+        series.push((self.now as f64 / 1000.0, mem));
+        self.out.committed_peak_mib = self.out.committed_peak_mib.max(self.committed_mib());
+        self.out.disk_peak_bytes = self.out.disk_peak_bytes.max(self.disk_now);
+    }
+}
+
+impl PolicyDriver for SimPod<'_> {
+    fn now(&self) -> Timestamp {
+        ts(self.now)
+    }
+
+    fn pod(&self) -> Option<Pod> {
+        Some(Pod {
+            id: PodId::new(crate::service::LOCAL_POD),
+            address: PodAddress::Local,
+            token_hash: None,
+            memory_bytes: self.shape.memory_mib << 20,
+            vcpus: self.shape.cores,
+            disk_bytes: u64::MAX,
+            oversubscription_ratio: self.setting.ratio,
+            high_watermark: self.setting.high_watermark,
+            created_at: ts(0),
+        })
+    }
+
+    fn sandboxes(&self, states: &[SandboxState]) -> Vec<Sandbox> {
+        self.boxes
+            .iter()
+            .filter(|b| b.live && states.contains(&b.sandbox.state))
+            .map(|b| {
+                let mut s = b.sandbox.clone();
+                s.last_active_at = ts(b.active_until.min(self.now));
+                s
+            })
+            .collect()
+    }
+
+    fn delete(&mut self, s: &Sandbox) {
+        if let Some(i) = index_of(&s.id) {
+            SimPod::delete(self, i);
+        }
+    }
+
+    fn hibernate(&mut self, s: &Sandbox, reason: PolicyReason) -> Option<bool> {
+        let i = index_of(&s.id)?;
+        let b = self.boxes.get(i)?;
+        // Busy: an operation holds it, or a request is in flight.
+        if b.work.is_some() || b.active_until > self.now || !b.live {
+            return None;
+        }
+        let ms = self.cal.hibernate_cost_ms(b.dirty_mib);
+        // The policy thread hibernates one sandbox after the other.
+        let at = self.policy_busy_until.max(self.now);
+        self.start_work(i, Work::Hibernate(reason), at, ms);
+        self.policy_busy_until = self.boxes[i].work.map_or(at, |(_, end)| end);
+        Some(true)
+    }
+
+    fn tend(&mut self, _s: &Sandbox) {}
+
+    fn memory_bytes(&self, s: &Sandbox) -> u64 {
+        index_of(&s.id)
+            .and_then(|i| self.boxes.get(i))
+            .map_or(0, |b| (b.resident_mib * 1048576.0) as u64)
+    }
+}
+
+/// Simulated sandboxes are named by their number in the trace.
+fn sim_id(i: usize) -> SandboxId {
+    SandboxId::new(format!("sb_sim{i}"))
+}
+
+fn index_of(id: &SandboxId) -> Option<usize> {
+    id.as_str().strip_prefix("sb_sim")?.parse().ok()
+}
+
+/// The `q` quantile (0..=1) of `v` by nearest rank; 0 when empty.
+pub fn quantile(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
+}
+
+/// Plays `trace` on a pod of `shape` with `setting`, charging `cal`.
+/// Deterministic: the same inputs give the same outcome.
+pub fn simulate(trace: &Trace, shape: PodShape, setting: Setting, cal: &Calibration) -> Outcome {
+    let template = TemplateId::new("tpl_plan");
+    let boxes = (0..trace.sandboxes.len())
+        .map(|i| {
+            let mut sandbox = Sandbox::new(template.clone(), 1, 1, setting.keep_alive_ms);
+            sandbox.id = sim_id(i);
+            sandbox.created_at = ts(0);
+            sandbox.last_active_at = ts(0);
+            SimBox {
+                sandbox,
+                live: false,
+                work: None,
+                work_start: 0,
+                work_ms: 0.0,
+                active_until: 0,
+                resident_mib: 0.0,
+                dirty_mib: 0.0,
+                disk_bytes: 0.0,
+                waiting: Vec::new(),
+                delete_pending: false,
+            }
+        })
+        .collect();
+    let mut pod = SimPod {
+        cal,
+        shape,
+        setting,
+        now: 0,
+        boxes,
+        lanes: vec![0; shape.cores.max(1) as usize],
+        policy_busy_until: 0,
+        done: BinaryHeap::new(),
+        wake_waits: Vec::new(),
+        out: Outcome {
+            setting,
+            creates_admitted: 0,
+            creates_rejected: 0,
+            requests_dropped: 0,
+            requests: 0,
+            wakes: 0,
+            wakes_rejected: 0,
+            wake_p50_ms: 0.0,
+            wake_p99_ms: 0.0,
+            wake_max_ms: 0.0,
+            hibernations: 0,
+            hibernations_idle: 0,
+            hibernations_watermark: 0,
+            hibernations_timeout: 0,
+            mem_peak_mib: 0.0,
+            mem_p99_mib: 0.0,
+            committed_peak_mib: 0,
+            disk_peak_bytes: 0.0,
+            disk_end_bytes: 0.0,
+            core_seconds: 0.0,
+            memory_series: Vec::new(),
+        },
+        disk_now: 0.0,
+        wakes_started: 0,
+    };
+    let interval = shape.policy_interval_ms.max(1) as i64;
+    let mut next_tick = interval;
+    let mut series = Vec::new();
+    let end = trace.end_ms();
+    let mut events = trace.events.iter().peekable();
+    loop {
+        let next_event = events.peek().map(|e| e.t_ms);
+        let next_done = pod.done.peek().map(|Reverse((t, _))| *t);
+        // Internal work first at equal times: what ended is seen by what
+        // arrives at the same millisecond.
+        let internal = match next_done {
+            Some(d) => d.min(next_tick),
+            None => next_tick,
+        };
+        if next_event.is_none_or(|t| internal <= t) {
+            if next_event.is_none() && next_done.is_none() && internal > end {
+                break;
+            }
+            pod.now = internal;
+            if next_done == Some(internal) {
+                if let Some(Reverse((_, i))) = pod.done.pop() {
+                    // Stale entries (work replaced) are skipped.
+                    if pod.boxes[i].work.is_some_and(|(_, e)| e == internal) {
+                        pod.work_done(i);
+                    }
+                }
+            } else {
+                policy::run_round(&mut pod);
+                pod.sample(&mut series);
+                next_tick = pod.policy_busy_until.max(pod.now) + interval;
+            }
+            continue;
+        }
+        let Some(e) = events.next() else {
+            break;
+        };
+        pod.now = e.t_ms;
+        match e.kind {
+            EventKind::Create => {
+                if pod.admit(e.mem_mib) {
+                    pod.out.creates_admitted += 1;
+                    let b = &mut pod.boxes[e.sandbox];
+                    b.live = true;
+                    b.sandbox.mem_mib = e.mem_mib;
+                    let ms = cal.create_ms;
+                    pod.start_work(e.sandbox, Work::Create, e.t_ms, ms);
+                } else {
+                    pod.out.creates_rejected += 1;
+                }
+            }
+            EventKind::Request => {
+                pod.out.requests += 1;
+                pod.request(
+                    e.sandbox,
+                    Waiting {
+                        arrived_ms: e.t_ms,
+                        duration_ms: e.duration_ms,
+                        mem_mib: e.mem_mib,
+                    },
+                );
+            }
+            EventKind::Delete => pod.delete(e.sandbox),
+        }
+    }
+    let mut out = pod.out;
+    let mut mem: Vec<f64> = series.iter().map(|&(_, m)| m).collect();
+    out.mem_peak_mib = mem.iter().copied().fold(0.0, f64::max);
+    out.mem_p99_mib = quantile(&mut mem, 0.99);
+    out.wake_p50_ms = quantile(&mut pod.wake_waits, 0.5);
+    out.wake_p99_ms = quantile(&mut pod.wake_waits, 0.99);
+    out.wake_max_ms = pod.wake_waits.last().copied().unwrap_or(0.0);
+    out.disk_end_bytes = pod.disk_now;
+    out.memory_series = downsample(&series, MAX_SERIES);
+    out
+}
+
+/// At most `n` points of `series`, keeping each bucket's peak.
+fn downsample(series: &[(f64, f64)], n: usize) -> Vec<(f64, f64)> {
+    if series.len() <= n {
+        return series.to_vec();
+    }
+    let per = series.len().div_ceil(n);
+    series
+        .chunks(per)
+        .map(|c| {
+            c.iter()
+                .copied()
+                .fold((c[0].0, 0.0), |acc, (_, m)| (acc.0, f64::max(acc.1, m)))
+        })
+        .collect()
+}
