@@ -37,6 +37,9 @@ mount -t devpts devpts /dev/pts
 mount -t tmpfs tmpfs /dev/shm
 mount -t tmpfs tmpfs /tmp
 mount -t tmpfs tmpfs /run
+# cgroup v2 for the VMMs' jails (memory, pids, cpu limits per sandbox).
+mkdir -p /sys/fs/cgroup
+mount -t cgroup2 cgroup2 /sys/fs/cgroup || echo "TORPOR-NESTED: cannot mount cgroup2"
 echo "TORPOR-NESTED-INIT uptime=$(cut -d' ' -f1 /proc/uptime)"
 for m in $(cat /lib/modules/load-order); do
   insmod "/lib/modules/$m" || echo "TORPOR-NESTED: insmod $m failed"

@@ -112,10 +112,10 @@ fn nested_linux_guest_boots_and_runs_commands_through_the_agent() {
     let script = format!(
         r#"
 test -c /dev/kvm || {{ echo 'L1 has no /dev/kvm'; exit 97; }}
-# L1's kernel has no memory/pids cgroups for a jail: the jail is tested
-# on the outer host (tests/jail.rs); here the VMMs run unjailed.
+# The VMMs run jailed, as on any host (L1's init mounts cgroup2; from its
+# initramfs root the jail moves its root over / instead of pivot_root).
 T=/opt/torpor/torpor BLOB={BLOB}
-$T vmm --no-jail --kernel /opt/torpor/vmlinux --disk /opt/torpor/rootfs.ext4 --disk-overlay /tmp/overlay \
+$T vmm --kernel /opt/torpor/vmlinux --disk /opt/torpor/rootfs.ext4 --disk-overlay /tmp/overlay \
    --vsock-uds /tmp/v.sock --mem-mib 512 --vcpus 2 \
    --cmdline "console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda rw init=/sbin/init" \
    --serial /tmp/console.log --control-socket /tmp/c.sock &
@@ -187,7 +187,7 @@ fn nested_linux_template_snapshot_restores_into_isolated_clones() {
         r#"
 test -c /dev/kvm || {{ echo 'L1 has no /dev/kvm'; exit 97; }}
 T=/opt/torpor/torpor BLOB={BLOB} STALE_S=30
-$T vmm --no-jail --kernel /opt/torpor/vmlinux --disk /opt/torpor/rootfs.ext4 --disk-overlay /tmp/ov0 \
+$T vmm --kernel /opt/torpor/vmlinux --disk /opt/torpor/rootfs.ext4 --disk-overlay /tmp/ov0 \
    --vsock-uds /tmp/v0.sock --mem-mib 512 \
    --cmdline "console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda rw init=/sbin/init" \
    --serial /tmp/c0.log --control-socket /tmp/c0.sock &
@@ -197,7 +197,7 @@ $T vmm snapshot --socket /tmp/c0.sock --out /tmp/tpl >/dev/null && echo snapshot
 $T vmm shutdown --socket /tmp/c0.sock >/dev/null; wait
 sleep $STALE_S
 for i in 1 2 3; do
-  $T vmm --no-jail --restore /tmp/tpl --disk-overlay /tmp/ov$i --vsock-uds /tmp/v$i.sock \
+  $T vmm --restore /tmp/tpl --disk-overlay /tmp/ov$i --vsock-uds /tmp/v$i.sock \
      --serial /tmp/c$i.log --control-socket /tmp/c$i.sock &
 done
 # Before the hook: what the restored clock says (for the log only).

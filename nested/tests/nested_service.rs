@@ -34,7 +34,7 @@ export TORPOR_API=http://127.0.0.1:7700 TORPOR_TOKEN=nested-token
 IMAGES="$(dirname "$(readlink -f /opt/torpor/rootfs.ext4)")/images"
 mkdir -p "$IMAGES/debian"
 mv "$(readlink -f /opt/torpor/vmlinux)" "$(readlink -f /opt/torpor/rootfs.ext4)" "$IMAGES/debian/"
-$T serve --no-jail --data-dir /tmp/data --token nested-token --keep-alive-ms 3600000 \
+$T serve --data-dir /tmp/data --token nested-token --keep-alive-ms 3600000 \
    --images-dir "$IMAGES" --request-timeout-ms 600000 >/tmp/serve.log 2>&1 &
 SERVE=$!
 i=0; until $T template list >/dev/null 2>&1 || [ $i -ge 150 ]; do sleep 0.2; i=$((i+1)); done
@@ -78,6 +78,8 @@ fn nested_linux_sandbox_through_the_api_exec_files_hibernate_wake() {
     eprintln!("{o}");
     assert_ne!(run.exit_code, 97, "{o}");
 
+    // The service jails its VMMs in L1 too (unjailed, it warns).
+    assert!(!o.contains("without a jail"), "{o}");
     // The pod says it runs Linux templates here (hardware virtualization).
     assert!(
         o.contains("serve-log torpor serve: the local pod runs template kinds: probe, linux"),

@@ -42,8 +42,7 @@ fn script(fingerprint: &Fingerprint) -> String {
     format!(
         r#"
 test -c /dev/kvm || {{ echo '{MARK_FAILED} L1 has no /dev/kvm'; exit 97; }}
-# L1's kernel has no memory/pids cgroups for a jail: the pod in it runs its
-# VMMs unjailed (L1 is the sandbox's outer wall here, a VM of its own).
+# The pod jails its VMMs, as on any host (L1's init mounts cgroup2).
 T=/opt/torpor/torpor
 # The image the template is built from, installed in the pod's images
 # directory. L1's /opt/torpor/* are symlinks into its payload disk, and the
@@ -52,7 +51,7 @@ T=/opt/torpor/torpor
 IMAGES="$(dirname "$(readlink -f /opt/torpor/rootfs.ext4)")/images"
 mkdir -p "$IMAGES/{TEMPLATE}"
 mv "$(readlink -f /opt/torpor/vmlinux)" "$(readlink -f /opt/torpor/rootfs.ext4)" "$IMAGES/{TEMPLATE}/"
-$T pod serve --no-jail --listen tcp:0.0.0.0:{POD_PORT} --token-file /opt/torpor/pod.token \
+$T pod serve --listen tcp:0.0.0.0:{POD_PORT} --token-file /opt/torpor/pod.token \
    --tls-cert /opt/torpor/pod-cert.pem --tls-key /opt/torpor/pod-key.pem \
    --data-dir /tmp/pod --images-dir "$IMAGES" --request-timeout-ms 1800000 \
    >/tmp/pod.log 2>&1 &

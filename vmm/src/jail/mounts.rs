@@ -186,13 +186,32 @@ fn make_devices(spec: &JailSpec, root: &Path, nodes: &[DeviceNode]) -> Result<()
 
 /// `pivot_root` into `root`, the old root detached and its mount point
 /// removed, the new root remounted read-only.
+///
+/// A host running from its initramfs (the nested host, some appliance
+/// images) has the initial rootfs as `/`, which `pivot_root` refuses
+/// (EINVAL). There the jail does what `switch_root` does: the jail's root
+/// mount is moved over `/` and the process chroots into it. The host's
+/// tree is then covered by the jail's root in this mount namespace, so
+/// nothing of it is reachable by path; and the VMM keeps no descriptor
+/// outside the jail and drops CAP_SYS_CHROOT with every other capability,
+/// so it cannot chroot back out.
 fn pivot(root: &Path) -> Result<(), JailError> {
     let old = root.join(".old-root");
     mkdir(&old, 0o700)?;
     let (new_c, old_c) = (cstr(root)?, cstr(&old)?);
     // SAFETY: two NUL-terminated paths alive for the call.
     let ret = unsafe { libc::syscall(libc::SYS_pivot_root, new_c.as_ptr(), old_c.as_ptr()) };
-    sys(ret as i32, || "pivot_root".to_string())?;
+    if ret != 0 {
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::EINVAL) && root_is_initramfs() {
+            let _ = std::fs::remove_dir(&old);
+            return move_root(root);
+        }
+        return Err(JailError::Sys {
+            what: "pivot_root".into(),
+            source: err,
+        });
+    }
     std::env::set_current_dir("/").map_err(|source| JailError::Sys {
         what: "chdir /".into(),
         source,
@@ -205,6 +224,40 @@ fn pivot(root: &Path) -> Result<(), JailError> {
         what: "remove the old root's mount point".into(),
         source,
     })?;
+    remount_root_read_only()
+}
+
+/// Whether `/` is the kernel's initial rootfs (ramfs or tmpfs), which
+/// cannot be pivoted away from.
+fn root_is_initramfs() -> bool {
+    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    // SAFETY: a zeroed statfs is a valid out-parameter.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a NUL-terminated literal and a valid out-pointer.
+    let ret = unsafe { libc::statfs(c"/".as_ptr(), &mut st) };
+    ret == 0 && matches!(st.f_type as i64, RAMFS_MAGIC | TMPFS_MAGIC)
+}
+
+/// `switch_root`'s way into `root` from an initramfs: move the jail's root
+/// mount over `/`, chroot into it.
+fn move_root(root: &Path) -> Result<(), JailError> {
+    std::env::set_current_dir(root).map_err(|source| JailError::Sys {
+        what: format!("chdir {}", root.display()),
+        source,
+    })?;
+    mount(Some(Path::new(".")), Path::new("/"), None, libc::MS_MOVE, None)?;
+    // SAFETY: a NUL-terminated literal.
+    let ret = unsafe { libc::chroot(c".".as_ptr()) };
+    sys(ret, || "chroot into the jail".to_string())?;
+    std::env::set_current_dir("/").map_err(|source| JailError::Sys {
+        what: "chdir /".into(),
+        source,
+    })?;
+    remount_root_read_only()
+}
+
+fn remount_root_read_only() -> Result<(), JailError> {
     mount(
         None,
         Path::new("/"),
