@@ -186,6 +186,7 @@ fn sandboxes_reach_the_host_with_their_own_addresses_under_policy() {
         table: "torpor_e2e".into(),
         host_netns: Some(host.0.clone()),
         pool: "10.202.0.0/24".parse().unwrap(),
+        dns_port: None,
     })
     .unwrap();
     // Whatever happens below, the sandbox namespaces go (the host's with it).
@@ -248,7 +249,8 @@ fn sandboxes_reach_the_host_with_their_own_addresses_under_policy() {
         allow_out: vec![Cidr {
             addr: b.host_addr,
             len: 32,
-        }],
+        }
+        .into()],
         deny_out: Vec::new(),
     };
     manager.set_policy(&b, &open_host).unwrap();

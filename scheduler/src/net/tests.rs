@@ -59,6 +59,7 @@ pub(crate) fn manager(tag: &str, pool: &str) -> Option<(NetManager, HostNs)> {
         table: "torpor_test".into(),
         host_netns: Some(host.0.clone()),
         pool: pool.parse().unwrap(),
+        dns_port: None,
     };
     Some((NetManager::new(config).unwrap(), host))
 }

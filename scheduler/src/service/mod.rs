@@ -103,12 +103,30 @@ pub struct ServiceConfig {
 }
 
 /// How Linux sandboxes are networked (see `crate::net`).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SandboxNetworking {
     /// Names and the address pool on the host.
     pub names: crate::net::NetConfig,
-    /// Every sandbox's egress policy (open by default).
+    /// The egress policy of sandboxes created without one (open by
+    /// default; `serve --no-internet`, `--allow-out`, `--deny-out`).
     pub egress: crate::net::EgressPolicy,
+    /// The pod's DNS forwarder (`NetConfig::dns_port` must name its
+    /// port); `None`: guests' DNS queries go nowhere and domain entries
+    /// in policies never match.
+    pub dns: Option<crate::net::dns::DnsConfig>,
+    /// Exposed ports listen on this address (loopback by default).
+    pub ports_ip: std::net::IpAddr,
+}
+
+impl Default for SandboxNetworking {
+    fn default() -> Self {
+        Self {
+            names: Default::default(),
+            egress: Default::default(),
+            dns: None,
+            ports_ip: std::net::Ipv4Addr::LOCALHOST.into(),
+        }
+    }
 }
 
 impl ServiceConfig {
@@ -314,6 +332,10 @@ pub struct CreateSandbox {
     /// letting placement choose.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<PodId>,
+    /// Its egress policy: what is given replaces the pod's default, what
+    /// is left out is the default's (pods with sandbox networking only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<crate::net::PolicyPatch>,
     /// Who asks (set by the API from the token, never from the body); the
     /// sandbox is `owner.tenant`'s.
     #[serde(skip)]
@@ -363,8 +385,10 @@ pub struct Service {
     /// with the sandboxes' (a build boots a VM too).
     building_mib: Mutex<u64>,
     /// Sandbox networks, when `config.net` is set.
-    net: Option<crate::net::NetManager>,
+    net: Option<Arc<crate::net::NetManager>>,
     nets: Mutex<HashMap<SandboxId, crate::net::SandboxNet>>,
+    /// The pod's DNS forwarder, with `config.net.dns`.
+    dns: Mutex<Option<crate::net::dns::Forwarder>>,
 }
 
 impl Service {
@@ -406,15 +430,16 @@ impl Service {
             jails.clone().map(|j| (j, config.memory_backend)),
         )?;
         let net = match &config.net {
-            Some(n) => Some(
+            Some(n) => Some(Arc::new(
                 crate::net::NetManager::new(n.names.clone())
                     .map_err(|e| ServiceError::Internal(format!("sandbox network: {e}")))?,
-            ),
+            )),
             None => None,
         };
         let service = Arc::new(Self {
             net,
             nets: Mutex::new(HashMap::new()),
+            dns: Mutex::new(None),
             config,
             store,
             locks: locks::SandboxLocks::default(),
@@ -430,6 +455,7 @@ impl Service {
         service.ensure_local_pod()?;
         service.recover()?;
         service.adopt_networks()?;
+        service.start_dns()?;
         service.ensure_probe_template()?;
         for t in service.store.list_templates(false)? {
             if t.state == crate::model::TemplateState::Ready {

@@ -94,7 +94,9 @@ impl Service {
     }
 
     pub fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
-        Ok(self.store.get_sandbox(id)?)
+        let mut sandbox = self.store.get_sandbox(id)?;
+        self.read_network(&mut sandbox);
+        Ok(sandbox)
     }
 
     pub fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
@@ -185,6 +187,7 @@ impl Service {
         sandbox.env = req.env;
         sandbox.on_timeout = req.on_timeout;
         sandbox.access_token = req.access_token;
+        sandbox.network = self.initial_network(req.network.as_ref())?;
         sandbox.pod = Some(PodId::new(LOCAL_POD));
         sandbox.expires_at = req
             .timeout_ms
