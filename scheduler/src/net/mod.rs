@@ -15,6 +15,7 @@
 
 pub mod dns;
 mod policy;
+pub mod ports;
 
 mod rules;
 #[cfg(test)]
@@ -551,8 +552,16 @@ impl NetManager {
 
     /// The sandbox's traffic and policy drops (its rules' counters).
     pub fn counters(&self, net: &SandboxNet) -> Result<NetCounters, NetError> {
+        Ok(self.counters_of(&[net])?.remove(0))
+    }
+
+    /// Counters of several sandboxes from one listing of the table.
+    pub fn counters_of(&self, nets: &[&SandboxNet]) -> Result<Vec<NetCounters>, NetError> {
         let listing = self.host_nft(&["list", "table", "ip", &self.config.table], None)?;
-        Ok(rules::counters(&listing, &net.sandbox))
+        Ok(nets
+            .iter()
+            .map(|n| rules::counters(&listing, &n.sandbox))
+            .collect())
     }
 
     /// Packets the sandbox's egress policy dropped (both chains).

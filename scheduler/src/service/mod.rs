@@ -16,6 +16,7 @@ mod linux;
 mod locks;
 mod network;
 mod ops;
+mod ports;
 mod policy;
 pub mod pool;
 mod recovery;
@@ -387,6 +388,8 @@ pub struct Service {
     /// Sandbox networks, when `config.net` is set.
     net: Option<Arc<crate::net::NetManager>>,
     nets: Mutex<HashMap<SandboxId, crate::net::SandboxNet>>,
+    /// Exposed ports, with `config.net`.
+    ports: Option<crate::net::ports::PortProxy>,
     /// The pod's DNS forwarder, with `config.net.dns`.
     dns: Mutex<Option<crate::net::dns::Forwarder>>,
 }
@@ -436,7 +439,15 @@ impl Service {
             )),
             None => None,
         };
-        let service = Arc::new(Self {
+        let ports_ip = config.net.as_ref().map(|n| n.ports_ip);
+        let service = Arc::new_cyclic(|me: &std::sync::Weak<Self>| Self {
+            ports: net.as_ref().zip(ports_ip).map(|(m, ip)| {
+                crate::net::ports::PortProxy::new(
+                    Arc::clone(m),
+                    ip,
+                    Arc::new(ports::Waker(me.clone())),
+                )
+            }),
             net,
             nets: Mutex::new(HashMap::new()),
             dns: Mutex::new(None),
@@ -456,6 +467,7 @@ impl Service {
         service.recover()?;
         service.adopt_networks()?;
         service.start_dns()?;
+        service.restore_ports()?;
         service.ensure_probe_template()?;
         for t in service.store.list_templates(false)? {
             if t.state == crate::model::TemplateState::Ready {

@@ -156,6 +156,52 @@ impl Service {
         self.get_sandbox(id)
     }
 
+    /// Per-sandbox traffic in the Prometheus text (counters restart when a
+    /// sandbox's network is made again, on wake).
+    pub(super) fn network_metrics(&self, out: &mut String) {
+        let Some(manager) = &self.net else { return };
+        let mut nets: Vec<SandboxNet> = self
+            .nets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        nets.sort_by(|a, b| a.sandbox.cmp(&b.sandbox));
+        let refs: Vec<&SandboxNet> = nets.iter().collect();
+        let counters = match manager.counters_of(&refs) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("network counters: {e}");
+                return;
+            }
+        };
+        type Pick = fn(&crate::net::NetCounters) -> u64;
+        let series: [(&str, &str, Pick); 5] = [
+            ("torpor_sandbox_net_tx_bytes_total", "Bytes the sandbox sent.", |c| c.tx_bytes),
+            ("torpor_sandbox_net_tx_packets_total", "Packets the sandbox sent.", |c| c.tx_packets),
+            ("torpor_sandbox_net_rx_bytes_total", "Bytes the sandbox received.", |c| c.rx_bytes),
+            ("torpor_sandbox_net_rx_packets_total", "Packets the sandbox received.", |c| {
+                c.rx_packets
+            }),
+            (
+                "torpor_sandbox_net_policy_dropped_packets_total",
+                "Packets from the sandbox its egress policy dropped.",
+                |c| c.dropped_packets,
+            ),
+        ];
+        for (name, help, pick) in series {
+            super::policy::header(out, name, help, "counter");
+            for (net, c) in nets.iter().zip(&counters) {
+                out.push_str(&format!(
+                    "{name}{{sandbox=\"{}\"}} {}\n",
+                    net.sandbox,
+                    pick(c)
+                ));
+            }
+        }
+    }
+
     /// Starts the pod's DNS forwarder (`config.net.dns`).
     pub(super) fn start_dns(&self) -> Result<(), ServiceError> {
         let (Some(manager), Some(dns)) = (

@@ -23,7 +23,7 @@ fn the_service_recovers_leftovers_and_ties_networks_to_vmms() {
     let (_dir, service, template) = service_with(|c| {
         c.net = Some(SandboxNetworking {
             names: names.clone(),
-            egress: EgressPolicy::default(),
+            ..SandboxNetworking::default()
         })
     });
     assert_eq!(

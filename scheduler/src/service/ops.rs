@@ -594,6 +594,7 @@ impl Service {
             .store
             .begin_operation(Some(id), OperationKind::Delete, &json!({}), None)?;
         self.stop_vmm(&sandbox)?;
+        self.close_ports(&sandbox);
         let change = StateChange::new(sandbox.state, SandboxState::Deleted);
         self.store
             .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
