@@ -414,7 +414,12 @@ pub struct ServiceFlags {
     /// With --sandbox-network: the UDP port of the pod's DNS forwarder
     /// (guests' queries to their gateway go there); 0: no forwarder, and
     /// domain entries in policies never match.
-    #[arg(long, default_value_t = 10053, value_name = "PORT", requires = "sandbox_network")]
+    #[arg(
+        long,
+        default_value_t = 10053,
+        value_name = "PORT",
+        requires = "sandbox_network"
+    )]
     pub sandbox_dns_port: u16,
     /// With --sandbox-network: the resolver the DNS forwarder asks
     /// [default: the first nameserver of /etc/resolv.conf].

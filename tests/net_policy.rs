@@ -206,11 +206,8 @@ fn domains_open_and_close_through_the_dns_forwarder_and_ports_forward() {
     let upstream_sock = host.enter(|| UdpSocket::bind("127.0.0.1:0").unwrap());
     let upstream_addr = upstream_sock.local_addr().unwrap();
     let upstream = Upstream::start(upstream_sock, net.host_addr, Ipv4Addr::new(10, 99, 0, 9));
-    let forwarder = Forwarder::start(
-        manager.clone(),
-        DnsConfig::new(DNS_PORT, upstream_addr),
-    )
-    .unwrap();
+    let forwarder =
+        Forwarder::start(manager.clone(), DnsConfig::new(DNS_PORT, upstream_addr)).unwrap();
 
     // A host server on the host end of the sandbox's link (what
     // allowed.test resolves to) and one on denied.test's address.
@@ -278,9 +275,9 @@ fn domains_open_and_close_through_the_dns_forwarder_and_ports_forward() {
     // 5. An exposed port on the host's loopback reaches a guest listener
     //    through the sandbox's NAT, under the closed policy too (replies
     //    are established traffic).
-    let listener = guest
-        .ns
-        .enter(|| TcpListener::bind(SocketAddrV4::new(Ipv4Addr::new(172, 16, 0, 2), 8080)).unwrap());
+    let listener = guest.ns.enter(|| {
+        TcpListener::bind(SocketAddrV4::new(Ipv4Addr::new(172, 16, 0, 2), 8080)).unwrap()
+    });
     let echo = std::thread::spawn(move || {
         let (mut c, _) = listener.accept().unwrap();
         let mut buf = [0u8; 5];
@@ -296,7 +293,8 @@ fn domains_open_and_close_through_the_dns_forwarder_and_ports_forward() {
     assert!(exposed.ip().is_loopback());
     assert!(proxy.expose("d", 8080, 0).is_err(), "exposed once");
     let before = manager.counters(&net).unwrap();
-    let mut c = host.enter(|| TcpStream::connect_timeout(&exposed, Duration::from_secs(5)).unwrap());
+    let mut c =
+        host.enter(|| TcpStream::connect_timeout(&exposed, Duration::from_secs(5)).unwrap());
     c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     c.write_all(b"hello").unwrap();
     let mut back = [0u8; 5];
@@ -319,10 +317,16 @@ fn domains_open_and_close_through_the_dns_forwarder_and_ports_forward() {
         .set_read_timeout(Some(Duration::from_millis(300)))
         .unwrap();
     let mut q = Message::query();
-    q.add_query(Query::query(Name::from_ascii("allowed.test.").unwrap(), RecordType::A));
+    q.add_query(Query::query(
+        Name::from_ascii("allowed.test.").unwrap(),
+        RecordType::A,
+    ));
     let to: SocketAddr = SocketAddr::from((Ipv4Addr::LOCALHOST, DNS_PORT));
     stranger.send_to(&q.to_vec().unwrap(), to).unwrap();
-    assert!(stranger.recv(&mut [0u8; 512]).is_err(), "not an open resolver");
+    assert!(
+        stranger.recv(&mut [0u8; 512]).is_err(),
+        "not an open resolver"
+    );
 
     drop((proxy, forwarder, upstream, guest));
     manager.delete(&net).unwrap();

@@ -20,7 +20,7 @@ use common::netns::Ns;
 use common::serve::DataDir;
 use serde_json::{json, Value};
 use torpor_scheduler::net::NetConfig;
-use torpor_scheduler::service::{Service, ServiceConfig, SandboxNetworking, PROBE_TEMPLATE};
+use torpor_scheduler::service::{SandboxNetworking, Service, ServiceConfig, PROBE_TEMPLATE};
 
 const ADMIN: &str = "net-admin-token-0123456789";
 
@@ -107,7 +107,11 @@ fn policies_and_exposed_ports_through_the_api_wake_on_traffic() {
         r.json()["network"]["policy"],
         json!({"allow_internet": true, "allow_out": ["pypi.org"], "deny_out": []})
     );
-    for bad in [json!({"allow_out": ["not a name!"]}), json!({}), json!({"nope": 1})] {
+    for bad in [
+        json!({"allow_out": ["not a name!"]}),
+        json!({}),
+        json!({"nope": 1}),
+    ] {
         let r = api.call(&alice, "PATCH", &format!("{path}/network"), bad.clone());
         assert_eq!(r.status, 400, "{bad}: {}", r.body);
     }
@@ -135,13 +139,28 @@ fn policies_and_exposed_ports_through_the_api_wake_on_traffic() {
     }
 
     // Expose a port: listed on the sandbox.
-    let r = api.call(&alice, "POST", &format!("{path}/ports"), json!({"guest_port": 8080}));
+    let r = api.call(
+        &alice,
+        "POST",
+        &format!("{path}/ports"),
+        json!({"guest_port": 8080}),
+    );
     assert_eq!(r.status, 201, "{}", r.body);
     let address: SocketAddr = r.json()["address"].as_str().unwrap().parse().unwrap();
     assert!(address.ip().is_loopback());
-    let r = api.call(&alice, "POST", &format!("{path}/ports"), json!({"guest_port": 8080}));
+    let r = api.call(
+        &alice,
+        "POST",
+        &format!("{path}/ports"),
+        json!({"guest_port": 8080}),
+    );
     assert_eq!(r.status, 409, "{}", r.body);
-    let r = api.call(&alice, "POST", &format!("{path}/ports"), json!({"guest_port": 0}));
+    let r = api.call(
+        &alice,
+        "POST",
+        &format!("{path}/ports"),
+        json!({"guest_port": 0}),
+    );
     assert_eq!(r.status, 400, "{}", r.body);
     let r = api.call(&alice, "GET", &format!("{path}/ports"), Value::Null);
     assert_eq!(
@@ -173,7 +192,12 @@ fn policies_and_exposed_ports_through_the_api_wake_on_traffic() {
         .enter(|| TcpStream::connect_timeout(&address, Duration::from_secs(2)))
         .is_err());
     // And with the sandbox.
-    let r = api.call(&alice, "POST", &format!("{path}/ports"), json!({"guest_port": 9090}));
+    let r = api.call(
+        &alice,
+        "POST",
+        &format!("{path}/ports"),
+        json!({"guest_port": 9090}),
+    );
     assert_eq!(r.status, 201, "{}", r.body);
     let again: SocketAddr = r.json()["address"].as_str().unwrap().parse().unwrap();
     let r = api.call(&alice, "DELETE", &path, Value::Null);

@@ -210,7 +210,11 @@ pub const ROUTES: &[Route] = &[
     route("GET", "/v1/sandboxes/{id}/files", "readFile"),
     route("PUT", "/v1/sandboxes/{id}/files", "writeFile"),
     route("GET", "/v1/sandboxes/{id}/files/list", "listFiles"),
-    route("PATCH", "/v1/sandboxes/{id}/network", "updateSandboxNetwork"),
+    route(
+        "PATCH",
+        "/v1/sandboxes/{id}/network",
+        "updateSandboxNetwork",
+    ),
     route("GET", "/v1/sandboxes/{id}/ports", "listPorts"),
     route("POST", "/v1/sandboxes/{id}/ports", "exposePort"),
     route(

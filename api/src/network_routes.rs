@@ -72,7 +72,9 @@ pub async fn unexpose_port<S: SandboxApi>(
     Path((id, guest_port)): Path<(String, String)>,
 ) -> ApiResult<StatusCode> {
     let Ok(guest_port) = guest_port.parse::<u16>() else {
-        return Err(ApiError::invalid("the guest port must be a number, 1 to 65535"));
+        return Err(ApiError::invalid(
+            "the guest port must be a number, 1 to 65535",
+        ));
     };
     let id = SandboxId::new(id);
     call(&st, move |s| s.unexpose_port(&id, guest_port)).await?;

@@ -148,7 +148,6 @@ pub fn deliver(send: impl Fn(), sock: &UdpSocket, payload: &[u8]) -> SocketAddrV
     }
 }
 
-
 /// Runs a command in namespace `ns`; its stdout.
 pub fn in_ns(ns: &str, args: &[&str]) -> String {
     let out = Command::new("ip")

@@ -152,18 +152,19 @@ impl Forwarder {
             let what = what.to_string();
             move |source| NetError::Spawn { tool: what, source }
         };
-        let (listen, upstream) = manager.enter_host(|| {
-            let listen = UdpSocket::bind(config.listen)?;
-            let upstream = UdpSocket::bind(SocketAddr::new(
-                match config.upstream {
-                    SocketAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-                    SocketAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
-                },
-                0,
-            ))?;
-            Ok::<_, std::io::Error>((listen, upstream))
-        })?
-        .map_err(io("dns forwarder socket"))?;
+        let (listen, upstream) = manager
+            .enter_host(|| {
+                let listen = UdpSocket::bind(config.listen)?;
+                let upstream = UdpSocket::bind(SocketAddr::new(
+                    match config.upstream {
+                        SocketAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+                        SocketAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+                    },
+                    0,
+                ))?;
+                Ok::<_, std::io::Error>((listen, upstream))
+            })?
+            .map_err(io("dns forwarder socket"))?;
         let tick = Some(Duration::from_millis(200));
         listen
             .set_read_timeout(tick)

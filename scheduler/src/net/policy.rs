@@ -33,7 +33,9 @@ impl FromStr for Target {
             if let Ok(c) = s.parse::<Cidr>() {
                 return Ok(Target::Cidr(c));
             }
-            if s.bytes().all(|b| b.is_ascii_digit() || b == b'.' || b == b'/') {
+            if s.bytes()
+                .all(|b| b.is_ascii_digit() || b == b'.' || b == b'/')
+            {
                 return Err(NetError::BadCidr(s.to_string()));
             }
         }
@@ -220,7 +222,16 @@ mod tests {
         assert_eq!(t("1.2.3.4"), Target::Cidr("1.2.3.4/32".parse().unwrap()));
         assert_eq!(t("PyPI.org."), Target::Domain("pypi.org".into()));
         assert_eq!(t("3com.example"), Target::Domain("3com.example".into()));
-        for bad in ["10.0.0.1/8", "1.2.3.4/33", "", "a..b", "-a.b", "a b", "*.x.com", "x/y"] {
+        for bad in [
+            "10.0.0.1/8",
+            "1.2.3.4/33",
+            "",
+            "a..b",
+            "-a.b",
+            "a b",
+            "*.x.com",
+            "x/y",
+        ] {
             assert!(bad.parse::<Target>().is_err(), "{bad:?} accepted");
         }
         let long = format!("{}.com", "a".repeat(64));

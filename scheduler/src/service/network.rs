@@ -178,12 +178,26 @@ impl Service {
         };
         type Pick = fn(&crate::net::NetCounters) -> u64;
         let series: [(&str, &str, Pick); 5] = [
-            ("torpor_sandbox_net_tx_bytes_total", "Bytes the sandbox sent.", |c| c.tx_bytes),
-            ("torpor_sandbox_net_tx_packets_total", "Packets the sandbox sent.", |c| c.tx_packets),
-            ("torpor_sandbox_net_rx_bytes_total", "Bytes the sandbox received.", |c| c.rx_bytes),
-            ("torpor_sandbox_net_rx_packets_total", "Packets the sandbox received.", |c| {
-                c.rx_packets
-            }),
+            (
+                "torpor_sandbox_net_tx_bytes_total",
+                "Bytes the sandbox sent.",
+                |c| c.tx_bytes,
+            ),
+            (
+                "torpor_sandbox_net_tx_packets_total",
+                "Packets the sandbox sent.",
+                |c| c.tx_packets,
+            ),
+            (
+                "torpor_sandbox_net_rx_bytes_total",
+                "Bytes the sandbox received.",
+                |c| c.rx_bytes,
+            ),
+            (
+                "torpor_sandbox_net_rx_packets_total",
+                "Packets the sandbox received.",
+                |c| c.rx_packets,
+            ),
             (
                 "torpor_sandbox_net_policy_dropped_packets_total",
                 "Packets from the sandbox its egress policy dropped.",

@@ -79,7 +79,11 @@ impl Service {
     }
 
     /// Exposes the sandbox's `guest_port` on a free port of the pod.
-    pub fn expose_port(&self, id: &SandboxId, guest_port: u16) -> Result<ExposedPort, ServiceError> {
+    pub fn expose_port(
+        &self,
+        id: &SandboxId,
+        guest_port: u16,
+    ) -> Result<ExposedPort, ServiceError> {
         let proxy = self.ports.as_ref().ok_or_else(no_networking)?;
         let _guard = self.lock_sandbox(id)?;
         let sandbox = self.live_sandbox(id)?;
@@ -160,9 +164,9 @@ impl Service {
                 let id = sandbox.id.as_str();
                 let addr = match proxy.expose(id, port.guest_port, old) {
                     Ok(a) => a,
-                    Err(PortError::Listen(_)) if old != 0 => proxy
-                        .expose(id, port.guest_port, 0)
-                        .map_err(port_error)?,
+                    Err(PortError::Listen(_)) if old != 0 => {
+                        proxy.expose(id, port.guest_port, 0).map_err(port_error)?
+                    }
                     Err(e) => return Err(port_error(e)),
                 };
                 if addr.to_string() != port.address {

@@ -48,8 +48,8 @@ pub use journal::{OperationKind, OperationRecord, OperationStatus, StateChange};
 pub use sandboxes::SandboxFilter;
 
 use crate::model::{
-    Checkpoint, CheckpointId, OperationId, Pod, PodId, Sandbox, SandboxId, SandboxNetwork, Template,
-    TemplateId, TemplateState, Timestamp, VmmHandle,
+    Checkpoint, CheckpointId, OperationId, Pod, PodId, Sandbox, SandboxId, SandboxNetwork,
+    Template, TemplateId, TemplateState, Timestamp, VmmHandle,
 };
 use crate::state::{IllegalTransition, SandboxState};
 

@@ -43,10 +43,16 @@ fn a_sandbox_network_is_stored_and_goes_with_the_sandbox() {
         store.set_sandbox_network(&SandboxId::new("nope"), &network),
         Err(StoreError::NotFound { .. })
     ));
-    store.update_sandbox_state(&s.id, Running, Deleted, None).unwrap();
+    store
+        .update_sandbox_state(&s.id, Running, Deleted, None)
+        .unwrap();
     store.purge_sandbox(&s.id).unwrap();
     let gone: i64 = store
-        .read(|tx| Ok(tx.conn.query_row("SELECT count(*) FROM sandbox_network", [], |r| r.get(0))?))
+        .read(|tx| {
+            Ok(tx
+                .conn
+                .query_row("SELECT count(*) FROM sandbox_network", [], |r| r.get(0))?)
+        })
         .unwrap();
     assert_eq!(gone, 0);
 }
