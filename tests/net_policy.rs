@@ -10,12 +10,11 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::netns::{deliver, guest_for, Ns};
+use common::netns::{deliver, guest_for, ip, needs_root_and_nft, Ns};
 use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
 use hickory_proto::rr::rdata::A;
 use hickory_proto::rr::{Name, RData, Record, RecordType};
@@ -24,19 +23,6 @@ use torpor_scheduler::net::ports::{PortProxy, PortTarget};
 use torpor_scheduler::net::{EgressPolicy, NetConfig, NetManager, PolicyPatch};
 
 const DNS_PORT: u16 = 10053;
-
-fn needs_root_and_nft() {
-    // SAFETY: geteuid has no preconditions.
-    assert!(
-        unsafe { libc::geteuid() } == 0,
-        "needs root (namespaces, veths, nftables)"
-    );
-    let nft = Command::new("nft").arg("--version").output();
-    assert!(
-        nft.is_ok_and(|o| o.status.success()) && std::path::Path::new("/dev/net/tun").exists(),
-        "needs nft (apt-get install nftables) and /dev/net/tun"
-    );
-}
 
 struct Cleanup<'a>(&'a NetManager);
 
@@ -235,17 +221,17 @@ fn domains_open_and_close_through_the_dns_forwarder_and_ports_forward() {
     let reply = resolve(&dns, "denied.test.");
     assert_eq!(reply.metadata.response_code, ResponseCode::Refused);
     assert!(a_records(&reply).is_empty());
-    let set = common::netns::in_ns(
+    let set = ip(&[
+        "netns",
+        "exec",
         &host.0,
-        &[
-            "nft",
-            "list",
-            "set",
-            "ip",
-            "torpor_policy",
-            &format!("{}_d", net.host_veth),
-        ],
-    );
+        "nft",
+        "list",
+        "set",
+        "ip",
+        "torpor_policy",
+        &format!("{}_d", net.host_veth),
+    ]);
     assert!(set.contains("10.99.0.9"), "learned as denied: {set}");
     assert!(blocked(|| drop(g.send_to(b"denied", denied_dst)), &server));
     // Names neither allowed nor denied are answered as upstream says.

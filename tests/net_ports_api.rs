@@ -15,7 +15,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use common::http::{request, HttpResponse};
+use common::http::{request, HttpResponse, InProcessApi};
 use common::netns::Ns;
 use common::serve::DataDir;
 use serde_json::{json, Value};
@@ -59,33 +59,17 @@ fn policies_and_exposed_ports_through_the_api_wake_on_traffic() {
         },
         ..SandboxNetworking::default()
     });
-    let service = Service::open(config).expect("open the service");
+    let service = Service::open(config.clone()).expect("open the service");
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let listener = runtime
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let api = Api {
-        addr: listener.local_addr().unwrap().to_string(),
-    };
     let api_config = torpor_api::ApiConfig {
         tokens: vec![ADMIN.into()],
         tenants_file: Some(data.0.join("tokens.json")),
         ..Default::default()
     };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = runtime.spawn(torpor_api::serve(
-        listener,
-        service.clone(),
-        api_config,
-        async {
-            let _ = stopped.await;
-        },
-    ));
+    let server = InProcessApi::start(service.clone(), api_config.clone());
+    let api = Api {
+        addr: server.addr.clone(),
+    };
     let tenant = |name: &str| {
         let r = api.call(ADMIN, "POST", "/v1/tokens", json!({ "tenant": name }));
         assert_eq!(r.status, 201, "{}", r.body);
@@ -200,13 +184,34 @@ fn policies_and_exposed_ports_through_the_api_wake_on_traffic() {
     );
     assert_eq!(r.status, 201, "{}", r.body);
     let again: SocketAddr = r.json()["address"].as_str().unwrap().parse().unwrap();
+
+    // A restarted service listens again on the stored port, and the
+    // policy is still the sandbox's.
+    drop(server);
+    service.close();
+    drop(service);
+    let service = Service::open(config).expect("open the service again");
+    let server = InProcessApi::start(service.clone(), api_config);
+    let api = Api {
+        addr: server.addr.clone(),
+    };
+    let r = api.call(&alice, "GET", &format!("{path}/ports"), Value::Null);
+    assert_eq!(
+        r.json()["ports"],
+        json!([{"guest_port": 9090, "address": again.to_string()}])
+    );
+    let r = api.call(&alice, "GET", &path, Value::Null);
+    assert_eq!(r.json()["network"]["policy"]["deny_out"], json!(["10.0.0.0/8"]));
+    assert!(host
+        .enter(|| TcpStream::connect_timeout(&again, Duration::from_secs(5)))
+        .is_ok());
+
     let r = api.call(&alice, "DELETE", &path, Value::Null);
     assert_eq!(r.status, 204, "{}", r.body);
     assert!(host
         .enter(|| TcpStream::connect_timeout(&again, Duration::from_secs(2)))
         .is_err());
 
-    let _ = stop.send(());
-    let _ = runtime.block_on(server);
+    drop(server);
     service.close();
 }

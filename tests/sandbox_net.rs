@@ -12,10 +12,9 @@
 mod common;
 
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::netns::{deliver, guest_for, Ns};
+use common::netns::{deliver, guest_for, needs_root_and_nft, Ns};
 use torpor_scheduler::net::{Cidr, EgressPolicy, NetConfig, NetManager, SandboxNet};
 
 struct Cleanup<'a>(&'a NetManager);
@@ -28,18 +27,7 @@ impl Drop for Cleanup<'_> {
 
 #[test]
 fn sandboxes_reach_the_host_with_their_own_addresses_under_policy() {
-    // scripts/test leaves this out without root, nft or /dev/net/tun
-    // (tests/needs).
-    // SAFETY: geteuid has no preconditions.
-    assert!(
-        unsafe { libc::geteuid() } == 0,
-        "needs root (namespaces, veths, nftables)"
-    );
-    let nft = Command::new("nft").arg("--version").output();
-    assert!(
-        nft.is_ok_and(|o| o.status.success()) && std::path::Path::new("/dev/net/tun").exists(),
-        "needs nft (apt-get install nftables) and /dev/net/tun"
-    );
+    needs_root_and_nft();
     let tag = format!("{:x}", std::process::id() & 0xffff);
     let host = Ns::new(format!("tsn-host-{tag}"));
     host.ip(&["link", "set", "lo", "up"]);

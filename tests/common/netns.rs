@@ -55,12 +55,29 @@ impl Drop for Ns {
     }
 }
 
-pub fn ip(args: &[&str]) {
+/// Runs `ip ARGS` (`ip netns exec NS CMD...` runs CMD in NS); its stdout.
+pub fn ip(args: &[&str]) -> String {
     let out = Command::new("ip").args(args).output().unwrap();
     assert!(
         out.status.success(),
         "ip {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Fails loudly without root, nft or /dev/net/tun (scripts/test leaves
+/// such tests out where these are missing: tests/needs).
+pub fn needs_root_and_nft() {
+    // SAFETY: geteuid has no preconditions.
+    assert!(
+        unsafe { libc::geteuid() } == 0,
+        "needs root (namespaces, veths, nftables)"
+    );
+    let nft = Command::new("nft").arg("--version").output();
+    assert!(
+        nft.is_ok_and(|o| o.status.success()) && std::path::Path::new("/dev/net/tun").exists(),
+        "needs nft (apt-get install nftables) and /dev/net/tun"
     );
 }
 
@@ -146,19 +163,4 @@ pub fn deliver(send: impl Fn(), sock: &UdpSocket, payload: &[u8]) -> SocketAddrV
         }
         assert!(Instant::now() < deadline, "{payload:?} never arrived");
     }
-}
-
-/// Runs a command in namespace `ns`; its stdout.
-pub fn in_ns(ns: &str, args: &[&str]) -> String {
-    let out = Command::new("ip")
-        .args(["netns", "exec", ns])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }

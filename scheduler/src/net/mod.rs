@@ -13,6 +13,25 @@
 //! Names carry a configurable prefix, so a restarted service finds and
 //! removes what an earlier one left ([`NetManager::recover`]).
 
+/// `TryFrom<String>` (through `FromStr`) and `From<T> for String`
+/// (through `Display`), for `#[serde(try_from = "String", into = "String")]`.
+macro_rules! string_serde {
+    ($t:ty) => {
+        impl TryFrom<String> for $t {
+            type Error = NetError;
+            fn try_from(s: String) -> Result<Self, NetError> {
+                s.parse()
+            }
+        }
+
+        impl From<$t> for String {
+            fn from(v: $t) -> String {
+                v.to_string()
+            }
+        }
+    };
+}
+
 pub mod dns;
 mod policy;
 pub mod ports;
@@ -79,18 +98,7 @@ impl std::fmt::Display for Cidr {
     }
 }
 
-impl TryFrom<String> for Cidr {
-    type Error = NetError;
-    fn try_from(s: String) -> Result<Self, NetError> {
-        s.parse()
-    }
-}
-
-impl From<Cidr> for String {
-    fn from(c: Cidr) -> String {
-        c.to_string()
-    }
-}
+string_serde!(Cidr);
 
 /// Errors setting up or tearing down sandbox networks.
 #[derive(Debug, thiserror::Error)]

@@ -64,18 +64,7 @@ impl std::fmt::Display for Target {
     }
 }
 
-impl TryFrom<String> for Target {
-    type Error = NetError;
-    fn try_from(s: String) -> Result<Self, NetError> {
-        s.parse()
-    }
-}
-
-impl From<Target> for String {
-    fn from(t: Target) -> String {
-        t.to_string()
-    }
-}
+string_serde!(Target);
 
 impl From<Cidr> for Target {
     fn from(c: Cidr) -> Self {

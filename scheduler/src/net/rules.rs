@@ -294,10 +294,7 @@ mod tests {
         // The open default: no CIDR rules, no final drop.
         let open = host_policy("torpor", "s", "v", &EgressPolicy::default(), None);
         assert_eq!(open.lines().count(), 6, "{open}");
-        assert!(
-            !open.contains("\"v\" counter drop"),
-            "{open}"
-        );
+        assert!(!open.contains("\"v\" counter drop"), "{open}");
     }
 
     #[test]
