@@ -201,7 +201,10 @@ fn policies_and_exposed_ports_through_the_api_wake_on_traffic() {
         json!([{"guest_port": 9090, "address": again.to_string()}])
     );
     let r = api.call(&alice, "GET", &path, Value::Null);
-    assert_eq!(r.json()["network"]["policy"]["deny_out"], json!(["10.0.0.0/8"]));
+    assert_eq!(
+        r.json()["network"]["policy"]["deny_out"],
+        json!(["10.0.0.0/8"])
+    );
     assert!(host
         .enter(|| TcpStream::connect_timeout(&again, Duration::from_secs(5)))
         .is_ok());
