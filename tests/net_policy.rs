@@ -314,6 +314,40 @@ fn domains_open_and_close_through_the_dns_forwarder_and_ports_forward() {
         "not an open resolver"
     );
 
+    // 7. Bounds: an oversized query gets nothing, two questions NOTIMP, and
+    //    a burst is cut to the sandbox's rate (50 a second).
+    dns.set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let gateway = "172.16.0.1:53";
+    dns.send_to(&[0u8; 600], gateway).unwrap();
+    assert!(dns.recv(&mut [0u8; 1500]).is_err(), "oversized: no answer");
+    let mut two = Message::query();
+    for name in ["a.allowed.test.", "b.allowed.test."] {
+        two.add_query(Query::query(Name::from_ascii(name).unwrap(), RecordType::A));
+    }
+    dns.send_to(&two.to_vec().unwrap(), gateway).unwrap();
+    let mut buf = [0u8; 1500];
+    let n = dns.recv(&mut buf).unwrap();
+    let reply = Message::from_vec(&buf[..n]).unwrap();
+    assert_eq!(reply.metadata.response_code, ResponseCode::NotImp);
+    std::thread::sleep(Duration::from_secs(1)); // a full bucket
+    let mut one = Message::query();
+    one.add_query(Query::query(
+        Name::from_ascii("x.example.").unwrap(),
+        RecordType::A,
+    ));
+    for _ in 0..200 {
+        dns.send_to(&one.to_vec().unwrap(), gateway).unwrap();
+    }
+    let mut answered = 0;
+    while dns.recv(&mut buf).is_ok() {
+        answered += 1;
+    }
+    assert!(
+        (40..=120).contains(&answered),
+        "{answered} of 200 answered at once"
+    );
+
     drop((proxy, forwarder, upstream, guest));
     manager.delete(&net).unwrap();
     assert_eq!(manager.leftovers().unwrap(), Default::default());
