@@ -412,14 +412,29 @@ pub struct ServiceFlags {
     /// networks given with --allow-out.
     #[arg(long, requires = "sandbox_network")]
     pub no_internet: bool,
-    /// With --sandbox-network: a network (a.b.c.d/len) sandboxes may reach;
-    /// repeatable.
-    #[arg(long, value_name = "CIDR", requires = "sandbox_network")]
+    /// With --sandbox-network: a network (a.b.c.d/len) or domain name
+    /// sandboxes may reach; repeatable. The default of sandboxes created
+    /// without a `network` policy of their own.
+    #[arg(long, value_name = "CIDR|DOMAIN", requires = "sandbox_network")]
     pub allow_out: Vec<String>,
-    /// With --sandbox-network: a network sandboxes may not reach (wins over
-    /// --allow-out); repeatable.
-    #[arg(long, value_name = "CIDR", requires = "sandbox_network")]
+    /// With --sandbox-network: a network or domain name sandboxes may not
+    /// reach (wins over --allow-out); repeatable.
+    #[arg(long, value_name = "CIDR|DOMAIN", requires = "sandbox_network")]
     pub deny_out: Vec<String>,
+    /// With --sandbox-network: the UDP port of the pod's DNS forwarder
+    /// (guests' queries to their gateway go there); 0: no forwarder, and
+    /// domain entries in policies never match.
+    #[arg(
+        long,
+        default_value_t = 10053,
+        value_name = "PORT",
+        requires = "sandbox_network"
+    )]
+    pub sandbox_dns_port: u16,
+    /// With --sandbox-network: the resolver the DNS forwarder asks
+    /// [default: the first nameserver of /etc/resolv.conf].
+    #[arg(long, value_name = "IP:PORT", requires = "sandbox_network")]
+    pub sandbox_dns_upstream: Option<std::net::SocketAddr>,
 }
 
 /// The memory backends a pod restores with.

@@ -8,7 +8,7 @@ mod common;
 use std::path::PathBuf;
 use std::sync::{Arc, Barrier};
 
-use common::http::request;
+use common::http::{request, InProcessApi};
 use common::serve::DataDir;
 use serde_json::json;
 use torpor_scheduler::model::SandboxId;
@@ -243,31 +243,14 @@ fn resume_racing_hibernate_on_a_paused_sandbox_never_fails() {
 #[test]
 fn lifetimes_past_their_maximum_are_400_and_the_sandbox_lives_on() {
     let h = Harness::new("svc-lifetimes");
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let listener = runtime
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
     let config = torpor_api::ApiConfig {
         tokens: vec![TOKEN.into()],
         ..Default::default()
     };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = runtime.spawn(torpor_api::serve(
-        listener,
-        h.service.clone(),
-        config,
-        async {
-            let _ = stopped.await;
-        },
-    ));
+    let api = InProcessApi::start(h.service.clone(), config);
     let call = |method: &str, path: &str, body: serde_json::Value| {
         let body = (!body.is_null()).then(|| body.to_string());
-        request(&addr, method, path, Some(TOKEN), body.as_deref())
+        request(&api.addr, method, path, Some(TOKEN), body.as_deref())
     };
 
     let r = call("POST", "/v1/sandboxes", json!({"template": PROBE_TEMPLATE}));
@@ -314,9 +297,7 @@ fn lifetimes_past_their_maximum_are_400_and_the_sandbox_lives_on() {
     assert!(patched["expires_at"].as_i64().unwrap() > now["created_at"].as_i64().unwrap());
     h.service.run_policy();
     assert_eq!(h.state(&SandboxId::new(id)), SandboxState::Running);
-
-    let _ = stop.send(());
-    runtime.block_on(server).unwrap().unwrap();
+    drop(api);
 }
 
 /// What belongs together is one commit (one fsync): a create is three, the

@@ -6,7 +6,10 @@
 //! `tokio::task::spawn_blocking`.
 
 use serde_json::{json, Value};
-use torpor_scheduler::model::{Checkpoint, PodId, Sandbox, SandboxId, Template, TemplateId};
+use torpor_scheduler::model::{
+    Checkpoint, ExposedPort, PodId, Sandbox, SandboxId, Template, TemplateId,
+};
+use torpor_scheduler::net::PolicyPatch;
 use torpor_scheduler::service::LOCAL_POD;
 
 use crate::federation::{AddPod, RemotePod};
@@ -20,6 +23,10 @@ use crate::service::{
 
 fn no_checkpoints() -> ServiceError {
     ServiceError::Unsupported("this backend keeps no checkpoints".into())
+}
+
+fn no_network() -> ServiceError {
+    ServiceError::Unsupported("this backend has no sandbox networking".into())
 }
 
 fn no_images() -> ServiceError {
@@ -171,6 +178,22 @@ pub trait SandboxApi: Send + Sync + 'static {
     fn list_checkpoints(&self, _id: &SandboxId) -> Result<Vec<Checkpoint>, ServiceError> {
         Err(no_checkpoints())
     }
+    fn set_network_policy(
+        &self,
+        _id: &SandboxId,
+        _patch: &PolicyPatch,
+    ) -> Result<Sandbox, ServiceError> {
+        Err(no_network())
+    }
+    fn list_ports(&self, _id: &SandboxId) -> Result<Vec<ExposedPort>, ServiceError> {
+        Err(no_network())
+    }
+    fn expose_port(&self, _id: &SandboxId, _guest_port: u16) -> Result<ExposedPort, ServiceError> {
+        Err(no_network())
+    }
+    fn unexpose_port(&self, _id: &SandboxId, _guest_port: u16) -> Result<(), ServiceError> {
+        Err(no_network())
+    }
     fn create_checkpoint(
         &self,
         _id: &SandboxId,
@@ -292,6 +315,22 @@ impl SandboxApi for Service {
     }
     fn list_checkpoints(&self, id: &SandboxId) -> Result<Vec<Checkpoint>, ServiceError> {
         Service::list_checkpoints(self, id)
+    }
+    fn set_network_policy(
+        &self,
+        id: &SandboxId,
+        patch: &PolicyPatch,
+    ) -> Result<Sandbox, ServiceError> {
+        Service::set_network_policy(self, id, patch)
+    }
+    fn list_ports(&self, id: &SandboxId) -> Result<Vec<ExposedPort>, ServiceError> {
+        Service::list_ports(self, id)
+    }
+    fn expose_port(&self, id: &SandboxId, guest_port: u16) -> Result<ExposedPort, ServiceError> {
+        Service::expose_port(self, id, guest_port)
+    }
+    fn unexpose_port(&self, id: &SandboxId, guest_port: u16) -> Result<(), ServiceError> {
+        Service::unexpose_port(self, id, guest_port)
     }
     fn create_checkpoint(
         &self,

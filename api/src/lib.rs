@@ -55,6 +55,7 @@ pub mod error;
 pub mod federation;
 pub mod guest_routes;
 mod handlers;
+mod network_routes;
 pub mod openapi;
 pub mod pagination;
 pub mod quota;
@@ -209,6 +210,18 @@ pub const ROUTES: &[Route] = &[
     route("GET", "/v1/sandboxes/{id}/files", "readFile"),
     route("PUT", "/v1/sandboxes/{id}/files", "writeFile"),
     route("GET", "/v1/sandboxes/{id}/files/list", "listFiles"),
+    route(
+        "PATCH",
+        "/v1/sandboxes/{id}/network",
+        "updateSandboxNetwork",
+    ),
+    route("GET", "/v1/sandboxes/{id}/ports", "listPorts"),
+    route("POST", "/v1/sandboxes/{id}/ports", "exposePort"),
+    route(
+        "DELETE",
+        "/v1/sandboxes/{id}/ports/{guest_port}",
+        "unexposePort",
+    ),
     admin("GET", "/v1/pods", "listPods"),
     admin("POST", "/v1/pods", "addPod"),
     admin("PATCH", "/v1/pods/{id}", "updatePod"),
@@ -256,6 +269,10 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "readFile" => on(m, guest_routes::read_file::<S>),
         "writeFile" => on(m, guest_routes::write_file::<S>),
         "listFiles" => on(m, guest_routes::list_files::<S>),
+        "updateSandboxNetwork" => on(m, network_routes::update_policy::<S>),
+        "listPorts" => on(m, network_routes::list_ports::<S>),
+        "exposePort" => on(m, network_routes::expose_port::<S>),
+        "unexposePort" => on(m, network_routes::unexpose_port::<S>),
         "listPods" => on(m, list_pods::<S>),
         "updatePod" => on(m, update_pod::<S>),
         "addPod" => on(m, add_pod::<S>),

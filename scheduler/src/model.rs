@@ -325,6 +325,33 @@ pub struct Sandbox {
     /// started it (not stored).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore: Option<RestoreReport>,
+    /// Its egress policy, exposed ports and traffic, on a pod with
+    /// sandbox networking.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<SandboxNetwork>,
+}
+
+/// A sandbox's network: what is stored (policy, ports) and what is read
+/// from the host when asked (address, counters).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxNetwork {
+    pub policy: crate::net::EgressPolicy,
+    #[serde(default)]
+    pub ports: Vec<ExposedPort>,
+    /// Its own host-side address, while it has a network (its VMM runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<std::net::Ipv4Addr>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counters: Option<crate::net::NetCounters>,
+}
+
+/// A guest port reachable from the host: TCP to `address` is forwarded to
+/// `guest_port` (waking the sandbox first if it is hibernated).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExposedPort {
+    pub guest_port: u16,
+    /// `IP:PORT` on the pod.
+    pub address: String,
 }
 
 /// How a create or wake brought a sandbox's VM up.
@@ -399,6 +426,7 @@ impl Sandbox {
             generation: 0,
             restore: None,
             tenant: None,
+            network: None,
         }
     }
 }

@@ -119,19 +119,42 @@ fn exit_status(result: Result<(), String>) -> i32 {
 fn sandbox_networking(
     flags: &ServiceFlags,
 ) -> Result<torpor_scheduler::service::SandboxNetworking, String> {
-    use torpor_scheduler::net::{Cidr, EgressPolicy};
-    let cidrs = |list: &[String]| -> Result<Vec<Cidr>, String> {
+    use torpor_scheduler::net::{dns, EgressPolicy, NetConfig, Target};
+    let targets = |list: &[String]| -> Result<Vec<Target>, String> {
         list.iter()
-            .map(|c| c.parse::<Cidr>().map_err(|e| e.to_string()))
+            .map(|c| c.parse::<Target>().map_err(|e| e.to_string()))
             .collect()
     };
+    let egress = EgressPolicy {
+        allow_internet: !flags.no_internet,
+        allow_out: targets(&flags.allow_out)?,
+        deny_out: targets(&flags.deny_out)?,
+    };
+    egress.check().map_err(|e| e.to_string())?;
+    let dns = match flags.sandbox_dns_port {
+        0 => None,
+        port => {
+            let upstream = match flags.sandbox_dns_upstream {
+                Some(u) => u,
+                None => {
+                    let conf = std::fs::read_to_string("/etc/resolv.conf")
+                        .map_err(|e| format!("cannot read /etc/resolv.conf: {e}"))?;
+                    dns::upstream_from_resolv_conf(&conf).ok_or(
+                        "/etc/resolv.conf names no nameserver: give --sandbox-dns-upstream",
+                    )?
+                }
+            };
+            Some(dns::DnsConfig::new(port, upstream))
+        }
+    };
     Ok(torpor_scheduler::service::SandboxNetworking {
-        names: Default::default(),
-        egress: EgressPolicy {
-            allow_internet: !flags.no_internet,
-            allow_out: cidrs(&flags.allow_out)?,
-            deny_out: cidrs(&flags.deny_out)?,
+        names: NetConfig {
+            dns_port: dns.as_ref().map(|d| d.listen.port()),
+            ..Default::default()
         },
+        egress,
+        dns,
+        ..Default::default()
     })
 }
 

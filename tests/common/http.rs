@@ -119,3 +119,53 @@ fn dechunk(mut s: &str) -> String {
     }
     out
 }
+
+/// The HTTP API served in process on a loopback port over `service`;
+/// stopped (requests in flight finished) when dropped.
+pub struct InProcessApi {
+    pub addr: String,
+    runtime: tokio::runtime::Runtime,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    server: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+}
+
+impl InProcessApi {
+    pub fn start(
+        service: std::sync::Arc<torpor_scheduler::service::Service>,
+        config: torpor_api::ApiConfig,
+    ) -> Self {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = runtime.spawn(torpor_api::serve(listener, service, config, async {
+            let _ = stopped.await;
+        }));
+        Self {
+            addr,
+            runtime,
+            stop: Some(stop),
+            server: Some(server),
+        }
+    }
+}
+
+impl Drop for InProcessApi {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(server) = self.server.take() {
+            let result = self.runtime.block_on(server);
+            if !std::thread::panicking() {
+                result.unwrap().unwrap();
+            }
+        }
+    }
+}

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod http;
+pub mod netns;
 pub mod pod;
 pub mod serve;
 pub mod snap;

@@ -13,20 +13,44 @@
 //! Names carry a configurable prefix, so a restarted service finds and
 //! removes what an earlier one left ([`NetManager::recover`]).
 
+/// `TryFrom<String>` (through `FromStr`) and `From<T> for String`
+/// (through `Display`), for `#[serde(try_from = "String", into = "String")]`.
+macro_rules! string_serde {
+    ($t:ty) => {
+        impl TryFrom<String> for $t {
+            type Error = NetError;
+            fn try_from(s: String) -> Result<Self, NetError> {
+                s.parse()
+            }
+        }
+
+        impl From<$t> for String {
+            fn from(v: $t) -> String {
+                v.to_string()
+            }
+        }
+    };
+}
+
+pub mod dns;
+mod policy;
+pub mod ports;
+
 mod rules;
 #[cfg(test)]
 pub(crate) mod tests;
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::process::{Command, Stdio};
 use std::str::FromStr;
 use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
-pub use rules::{MASQUERADE_TAG, RULE_TAG};
+pub use policy::{EgressPolicy, NameVerdict, PolicyPatch, Target, MAX_ENTRIES};
+pub use rules::{NetCounters, MASQUERADE_TAG, RULE_TAG};
 
 /// The guest's address in every sandbox, its gateway (the tap), and the
 /// prefix length of that link.
@@ -74,51 +98,15 @@ impl std::fmt::Display for Cidr {
     }
 }
 
-impl TryFrom<String> for Cidr {
-    type Error = NetError;
-    fn try_from(s: String) -> Result<Self, NetError> {
-        s.parse()
-    }
-}
-
-impl From<Cidr> for String {
-    fn from(c: Cidr) -> String {
-        c.to_string()
-    }
-}
-
-/// What a sandbox may reach (E2B's semantics: deny wins over allow).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct EgressPolicy {
-    /// Everything not denied; when false only `allow_out` is reachable.
-    #[serde(default = "default_true")]
-    pub allow_internet: bool,
-    #[serde(default)]
-    pub allow_out: Vec<Cidr>,
-    #[serde(default)]
-    pub deny_out: Vec<Cidr>,
-}
-
-fn default_true() -> bool {
-    true
-}
-
-impl Default for EgressPolicy {
-    fn default() -> Self {
-        Self {
-            allow_internet: true,
-            allow_out: Vec::new(),
-            deny_out: Vec::new(),
-        }
-    }
-}
+string_serde!(Cidr);
 
 /// Errors setting up or tearing down sandbox networks.
 #[derive(Debug, thiserror::Error)]
 pub enum NetError {
     #[error("`{0}` is not an IPv4 network (a.b.c.d/len, host bits zero)")]
     BadCidr(String),
+    #[error("`{0}` is neither an IPv4 network nor a domain name")]
+    BadTarget(String),
     #[error("cannot run {tool}: {source}")]
     Spawn {
         tool: String,
@@ -150,6 +138,10 @@ pub struct NetConfig {
     /// Carved into /30 links: sandbox `i` has `pool + 4i + 1` on the host
     /// and `pool + 4i + 2` (its unique address) in its namespace.
     pub pool: Cidr,
+    /// The UDP port the pod's DNS forwarder listens on in the host
+    /// namespace (`dns::Forwarder`); guests' queries to their gateway are
+    /// sent there. `None`: no forwarder (guests' queries go nowhere).
+    pub dns_port: Option<u16>,
 }
 
 impl Default for NetConfig {
@@ -163,6 +155,7 @@ impl Default for NetConfig {
                 addr: Ipv4Addr::new(10, 200, 0, 0),
                 len: 16,
             },
+            dns_port: None,
         }
     }
 }
@@ -190,6 +183,8 @@ pub struct Leftovers {
     pub namespaces: usize,
     pub veths: usize,
     pub rules: usize,
+    /// Learned-address sets (`{veth}_a`, `{veth}_d`).
+    pub sets: usize,
 }
 
 /// Creates, changes and removes sandbox networks.
@@ -198,6 +193,8 @@ pub struct NetManager {
     config: NetConfig,
     /// index → sandbox id.
     slots: Mutex<BTreeMap<u32, String>>,
+    /// sandbox id → its egress policy (what the DNS forwarder judges by).
+    policies: Mutex<BTreeMap<String, EgressPolicy>>,
 }
 
 fn run(tool: &str, args: &[&str], stdin: Option<&str>) -> Result<String, NetError> {
@@ -286,6 +283,7 @@ impl NetManager {
         Ok(Self {
             config,
             slots: Mutex::new(BTreeMap::new()),
+            policies: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -320,6 +318,36 @@ impl NetManager {
             }
             None => run("nft", args, stdin),
         }
+    }
+
+    /// Runs `f` on a thread in the host namespace (sockets made there
+    /// belong there, wherever they are used afterwards).
+    pub fn enter_host<T: Send>(&self, f: impl FnOnce() -> T + Send) -> Result<T, NetError> {
+        let Some(ns) = &self.config.host_netns else {
+            return Ok(f());
+        };
+        let path = std::path::Path::new("/run/netns").join(ns);
+        let file = std::fs::File::open(&path).map_err(|source| NetError::Spawn {
+            tool: format!("setns {}", path.display()),
+            source,
+        })?;
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                use std::os::fd::AsRawFd;
+                // SAFETY: setns on a namespace descriptor we hold, on a
+                // thread of our own that ends with `f`.
+                let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+                if rc != 0 {
+                    return Err(NetError::Spawn {
+                        tool: format!("setns {}", path.display()),
+                        source: std::io::Error::last_os_error(),
+                    });
+                }
+                Ok(f())
+            })
+            .join()
+            .unwrap_or_else(|_| Err(NetError::Config("a host-namespace thread panicked".into())))
+        })
     }
 
     fn in_netns(
@@ -445,38 +473,123 @@ impl NetManager {
             ns,
             "nft",
             &["-f", "-"],
-            Some(&rules::sandbox_nat(net.sandbox_addr, UPLINK)),
+            Some(&rules::sandbox_nat(net.sandbox_addr, UPLINK, self.dns(net))),
+        )?;
+        let table = &self.config.table;
+        self.host_nft(
+            &["-f", "-"],
+            Some(&rules::host_sandbox(table, &net.sandbox, &net.host_veth)),
         )?;
         self.apply_policy(net, policy)
     }
 
+    /// Where the sandbox's DNS queries go (the host end of its veth).
+    fn dns(&self, net: &SandboxNet) -> Option<SocketAddrV4> {
+        self.config
+            .dns_port
+            .map(|port| SocketAddrV4::new(net.host_addr, port))
+    }
+
     fn apply_policy(&self, net: &SandboxNet, policy: &EgressPolicy) -> Result<(), NetError> {
-        let script = rules::host_policy(&self.config.table, &net.sandbox, &net.host_veth, policy);
+        policy.check()?;
+        let script = rules::host_policy(
+            &self.config.table,
+            &net.sandbox,
+            &net.host_veth,
+            policy,
+            self.dns(net),
+        );
+        self.host_nft(&["-f", "-"], Some(&script))?;
+        self.policies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(net.sandbox.clone(), policy.clone());
+        Ok(())
+    }
+
+    /// Replaces the sandbox's egress policy (at run time). Addresses
+    /// learned under the old one are forgotten.
+    pub fn set_policy(&self, net: &SandboxNet, policy: &EgressPolicy) -> Result<(), NetError> {
+        policy.check()?;
+        self.delete_rules(Some(&net.sandbox), &rules::POLICY_CHAINS)?;
+        let table = &self.config.table;
+        for set in rules::set_names(&net.host_veth) {
+            self.host_nft(&["flush", "set", "ip", table, &set], None)?;
+        }
+        self.apply_policy(net, policy)
+    }
+
+    /// The policy the sandbox's rules were last built from.
+    pub fn policy_of(&self, sandbox: &str) -> Option<EgressPolicy> {
+        self.policies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(sandbox)
+            .cloned()
+    }
+
+    /// The network of the sandbox whose unique address is `addr` (where a
+    /// query to the DNS forwarder came from).
+    pub fn by_addr(&self, addr: Ipv4Addr) -> Option<SandboxNet> {
+        let offset = u32::from(addr).checked_sub(u32::from(self.config.pool.addr))?;
+        if offset % 4 != 2 {
+            return None;
+        }
+        let index = offset / 4;
+        let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        slots.get(&index).map(|id| self.plan(id, index))
+    }
+
+    /// Opens (`allow`) or closes addresses a domain of the sandbox's
+    /// policy resolved to, for `ttl_s` seconds.
+    pub fn learn(
+        &self,
+        net: &SandboxNet,
+        allow: bool,
+        addrs: &[Ipv4Addr],
+        ttl_s: u32,
+    ) -> Result<(), NetError> {
+        if addrs.is_empty() {
+            return Ok(());
+        }
+        let [allowed, denied] = rules::set_names(&net.host_veth);
+        let set = if allow { allowed } else { denied };
+        let script = rules::learn(&self.config.table, &set, addrs, ttl_s);
         self.host_nft(&["-f", "-"], Some(&script)).map(drop)
     }
 
-    /// Replaces the sandbox's egress policy (at run time).
-    pub fn set_policy(&self, net: &SandboxNet, policy: &EgressPolicy) -> Result<(), NetError> {
-        self.delete_rules(Some(&net.sandbox))?;
-        self.apply_policy(net, policy)
+    /// The sandbox's traffic and policy drops (its rules' counters).
+    pub fn counters(&self, net: &SandboxNet) -> Result<NetCounters, NetError> {
+        Ok(self.counters_of(&[net])?.remove(0))
+    }
+
+    /// Counters of several sandboxes from one listing of the table.
+    pub fn counters_of(&self, nets: &[&SandboxNet]) -> Result<Vec<NetCounters>, NetError> {
+        let listing = self.host_nft(&["list", "table", "ip", &self.config.table], None)?;
+        Ok(nets
+            .iter()
+            .map(|n| rules::counters(&listing, &n.sandbox))
+            .collect())
     }
 
     /// Packets the sandbox's egress policy dropped (both chains).
     pub fn policy_drops(&self, net: &SandboxNet) -> Result<u64, NetError> {
-        let mut dropped = 0;
-        for chain in rules::POLICY_CHAINS {
-            let listing =
-                self.host_nft(&["list", "chain", "ip", &self.config.table, chain], None)?;
-            dropped += rules::dropped_packets(&listing, &net.sandbox);
-        }
-        Ok(dropped)
+        Ok(self.counters(net)?.dropped_packets)
     }
 
-    /// Deletes the rules tagged for `sandbox` (every tagged rule: `None`).
-    fn delete_rules(&self, sandbox: Option<&str>) -> Result<usize, NetError> {
+    fn delete_sets(&self, veth: &str) -> Result<(), NetError> {
+        for set in rules::set_names(veth) {
+            ignore_gone(self.host_nft(&["delete", "set", "ip", &self.config.table, &set], None))?;
+        }
+        Ok(())
+    }
+
+    /// Deletes the rules tagged for `sandbox` (every tagged rule: `None`)
+    /// in `chains`.
+    fn delete_rules(&self, sandbox: Option<&str>, chains: &[&str]) -> Result<usize, NetError> {
         let table = &self.config.table;
         let mut deleted = 0;
-        for chain in rules::POLICY_CHAINS {
+        for &chain in chains {
             let listing = match self.host_nft(&["-a", "list", "chain", "ip", table, chain], None) {
                 Ok(l) => l,
                 Err(e) if is_gone(&e) => continue,
@@ -495,7 +608,12 @@ impl NetManager {
     }
 
     fn remove(&self, net: &SandboxNet) -> Result<(), NetError> {
-        self.delete_rules(Some(&net.sandbox))?;
+        self.delete_rules(Some(&net.sandbox), &rules::TAGGED_CHAINS)?;
+        self.delete_sets(&net.host_veth)?;
+        self.policies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&net.sandbox);
         ignore_gone(self.host_ip(&["link", "del", &net.host_veth]))?;
         // Takes the tap, the namespace's end of the veth and its table.
         ignore_gone(run("ip", &["netns", "del", &net.netns], None))
@@ -531,7 +649,7 @@ impl NetManager {
     /// What exists on the host with this manager's names.
     pub fn leftovers(&self) -> Result<Leftovers, NetError> {
         let mut rules = 0;
-        for chain in rules::POLICY_CHAINS {
+        for chain in rules::TAGGED_CHAINS {
             match self.host_nft(
                 &["-a", "list", "chain", "ip", &self.config.table, chain],
                 None,
@@ -541,10 +659,20 @@ impl NetManager {
                 Err(e) => return Err(e),
             }
         }
+        let sets = match self.host_nft(&["list", "sets", "ip"], None) {
+            Ok(l) => l
+                .lines()
+                .filter_map(|l| l.trim().strip_prefix("set "))
+                .filter(|n| n.starts_with(&self.config.veth_prefix))
+                .count(),
+            Err(e) if is_gone(&e) => 0,
+            Err(e) => return Err(e),
+        };
         Ok(Leftovers {
             namespaces: self.our_namespaces()?.len(),
             veths: self.our_veths()?.len(),
             rules,
+            sets,
         })
     }
 
@@ -577,7 +705,8 @@ impl NetManager {
                     .insert(index, id.clone());
                 kept.push(net);
             } else {
-                self.delete_rules(Some(&id))?;
+                self.delete_rules(Some(&id), &rules::TAGGED_CHAINS)?;
+                self.delete_sets(&veth)?;
             }
         }
         if kept.is_empty() {
@@ -610,6 +739,10 @@ impl NetManager {
         }
         ignore_gone(self.host_nft(&["delete", "table", "ip", &self.config.table], None))?;
         self.slots.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.policies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         Ok(found)
     }
 }

@@ -9,18 +9,22 @@
 //! comment naming the sandbox so they can be found, replaced and removed.
 
 use std::fmt::Write;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddrV4};
 
-use super::{Cidr, EgressPolicy, GUEST_ADDR};
+use super::{Cidr, EgressPolicy, GATEWAY_ADDR, GUEST_ADDR};
 
 /// Comment on every per-sandbox rule: `torpor:<sandbox id>`.
 pub const RULE_TAG: &str = "torpor:";
 /// Comment on the shared masquerade rule.
 pub const MASQUERADE_TAG: &str = "torpor-masquerade";
 
-/// Chains of the host table whose rules carry per-sandbox tags: `forward`
-/// (to the outside) and `input` (to the host itself).
+/// Chains of the host table holding the egress policy: `forward` (to the
+/// outside) and `input` (to the host itself).
 pub const POLICY_CHAINS: [&str; 2] = ["forward", "input"];
+/// Every chain with per-sandbox tagged rules: the policy's, and those
+/// counting the sandbox's traffic, `acct_in` (prerouting: what it sends)
+/// and `acct_out` (postrouting: what it receives).
+pub const TAGGED_CHAINS: [&str; 4] = ["forward", "input", "acct_in", "acct_out"];
 
 /// The host table and its chains (idempotent: `table` in a script adds).
 pub fn host_base(table: &str) -> String {
@@ -29,6 +33,8 @@ pub fn host_base(table: &str) -> String {
          \tchain postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}\n\
          \tchain forward {{ type filter hook forward priority filter; policy accept; }}\n\
          \tchain input {{ type filter hook input priority filter; policy accept; }}\n\
+         \tchain acct_in {{ type filter hook prerouting priority mangle; policy accept; }}\n\
+         \tchain acct_out {{ type filter hook postrouting priority 300; policy accept; }}\n\
          }}\n"
     )
 }
@@ -41,13 +47,68 @@ pub fn host_masquerade(table: &str, pool: Cidr, veth_prefix: &str) -> String {
     )
 }
 
+/// The sandbox's sets of addresses learned by the DNS forwarder: those of
+/// allowed domains (`{veth}_a`) and of denied ones (`{veth}_d`), each
+/// element with the TTL of the answer that brought it.
+pub fn set_names(veth: &str) -> [String; 2] {
+    [format!("{veth}_a"), format!("{veth}_d")]
+}
+
+/// Creates the sandbox's learned-address sets and its traffic counters.
+pub fn host_sandbox(table: &str, id: &str, veth: &str) -> String {
+    let mut out = String::new();
+    for set in set_names(veth) {
+        let _ = writeln!(
+            out,
+            "add set ip {table} {set} {{ type ipv4_addr; flags timeout; }}"
+        );
+    }
+    let tag = format!("{RULE_TAG}{id}");
+    let _ = writeln!(
+        out,
+        "add rule ip {table} acct_in iifname \"{veth}\" counter comment \"{tag}\""
+    );
+    let _ = writeln!(
+        out,
+        "add rule ip {table} acct_out oifname \"{veth}\" counter comment \"{tag}\""
+    );
+    out
+}
+
+/// Adds `addrs` to a learned set for `ttl_s` seconds (re-adding refreshes
+/// the timeout: delete, then add, in one transaction).
+pub fn learn(table: &str, set: &str, addrs: &[Ipv4Addr], ttl_s: u32) -> String {
+    let items: Vec<String> = addrs.iter().map(Ipv4Addr::to_string).collect();
+    let timed: Vec<String> = items
+        .iter()
+        .map(|a| format!("{a} timeout {ttl_s}s"))
+        .collect();
+    let (items, timed) = (items.join(", "), timed.join(", "));
+    format!(
+        "add element ip {table} {set} {{ {items} }}\n\
+         delete element ip {table} {set} {{ {items} }}\n\
+         add element ip {table} {set} {{ {timed} }}\n"
+    )
+}
+
 /// The sandbox's egress policy on its veth `veth`, in both policy chains:
-/// replies to connections already set up pass; then `deny_out` drops, then
-/// `allow_out` accepts (deny wins), then everything else is dropped unless
-/// `allow_internet`.
-pub fn host_policy(table: &str, id: &str, veth: &str, policy: &EgressPolicy) -> String {
+/// replies to connections already set up pass, and (input) queries to the
+/// DNS forwarder at `dns`; then `deny_out` networks and addresses of
+/// denied domains drop, then `allow_out` networks and addresses of
+/// allowed domains pass (deny wins), then everything else is dropped
+/// unless `allow_internet`.
+pub fn host_policy(
+    table: &str,
+    id: &str,
+    veth: &str,
+    policy: &EgressPolicy,
+    dns: Option<SocketAddrV4>,
+) -> String {
     let mut out = String::new();
     let tag = format!("{RULE_TAG}{id}");
+    let [allowed, denied] = set_names(veth);
+    let deny = EgressPolicy::cidrs(&policy.deny_out);
+    let allow = EgressPolicy::cidrs(&policy.allow_out);
     for chain in POLICY_CHAINS {
         let mut rule = |body: &str| {
             let _ = writeln!(
@@ -56,12 +117,21 @@ pub fn host_policy(table: &str, id: &str, veth: &str, policy: &EgressPolicy) -> 
             );
         };
         rule("ct state established,related accept");
-        if !policy.deny_out.is_empty() {
-            rule(&format!("ip daddr {} counter drop", set(&policy.deny_out)));
+        if let (Some(dns), "input") = (dns, chain) {
+            rule(&format!(
+                "ip daddr {} udp dport {} accept",
+                dns.ip(),
+                dns.port()
+            ));
         }
-        if !policy.allow_out.is_empty() {
-            rule(&format!("ip daddr {} accept", set(&policy.allow_out)));
+        if !deny.is_empty() {
+            rule(&format!("ip daddr {} counter drop", set(&deny)));
         }
+        rule(&format!("ip daddr @{denied} counter drop"));
+        if !allow.is_empty() {
+            rule(&format!("ip daddr {} accept", set(&allow)));
+        }
+        rule(&format!("ip daddr @{allowed} accept"));
         if !policy.allow_internet {
             rule("counter drop");
         }
@@ -74,12 +144,21 @@ fn set(cidrs: &[Cidr]) -> String {
     format!("{{ {} }}", items.join(", "))
 }
 
-/// The sandbox namespace's NAT: the guest is seen as `sandbox_addr`.
-pub fn sandbox_nat(sandbox_addr: Ipv4Addr, uplink: &str) -> String {
+/// The sandbox namespace's NAT: the guest is seen as `sandbox_addr`, and
+/// its DNS queries to its gateway go to the pod's forwarder at `dns`.
+pub fn sandbox_nat(sandbox_addr: Ipv4Addr, uplink: &str, dns: Option<SocketAddrV4>) -> String {
+    let dns = dns
+        .map(|d| {
+            format!(
+                "\t\tiifname != \"{uplink}\" ip daddr {GATEWAY_ADDR} udp dport 53 dnat to {d}\n"
+            )
+        })
+        .unwrap_or_default();
     format!(
         "table ip torpor {{\n\
          \tchain prerouting {{ type nat hook prerouting priority dstnat; policy accept;\n\
          \t\tiifname \"{uplink}\" ip daddr {sandbox_addr} dnat to {GUEST_ADDR}\n\
+         {dns}\
          \t}}\n\
          \tchain postrouting {{ type nat hook postrouting priority srcnat; policy accept;\n\
          \t\toifname \"{uplink}\" ip saddr {GUEST_ADDR} snat to {sandbox_addr}\n\
@@ -88,18 +167,66 @@ pub fn sandbox_nat(sandbox_addr: Ipv4Addr, uplink: &str) -> String {
     )
 }
 
-/// Packets dropped by the policy rules tagged for `id` in the output of
-/// `nft list chain` (their counters).
-pub fn dropped_packets(listing: &str, id: &str) -> u64 {
+/// A sandbox's traffic, from its rules' counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NetCounters {
+    /// Sent by the sandbox (leaving its veth towards the host).
+    pub tx_bytes: u64,
+    pub tx_packets: u64,
+    /// Received by the sandbox.
+    pub rx_bytes: u64,
+    pub rx_packets: u64,
+    /// Packets its egress policy dropped.
+    pub dropped_packets: u64,
+}
+
+/// `(packets, bytes)` of a rule line's counter.
+fn counter(line: &str) -> Option<(u64, u64)> {
+    let rest = line.split_once("counter packets ")?.1;
+    let mut words = rest.split_whitespace();
+    let packets = words.next()?.parse().ok()?;
+    let bytes = match (words.next(), words.next()) {
+        (Some("bytes"), Some(b)) => b.parse().ok()?,
+        _ => 0,
+    };
+    Some((packets, bytes))
+}
+
+/// Sandbox `id`'s counters in the output of `nft list table` (its tagged
+/// rules, by chain).
+pub fn counters(listing: &str, id: &str) -> NetCounters {
     let tag = format!("comment \"{RULE_TAG}{id}\"");
-    listing
-        .lines()
-        .filter(|l| l.contains(&tag) && l.contains(" drop "))
-        .filter_map(|l| {
-            let rest = l.split_once("counter packets ")?.1;
-            rest.split_whitespace().next()?.parse::<u64>().ok()
-        })
-        .sum()
+    let mut out = NetCounters::default();
+    let mut chain = "";
+    for line in listing.lines() {
+        let trimmed = line.trim();
+        if let Some(name) = trimmed
+            .strip_prefix("chain ")
+            .and_then(|r| r.strip_suffix(" {"))
+        {
+            chain = name;
+            continue;
+        }
+        if !trimmed.contains(&tag) {
+            continue;
+        }
+        let Some((packets, bytes)) = counter(trimmed) else {
+            continue;
+        };
+        match chain {
+            "acct_in" => {
+                out.tx_packets += packets;
+                out.tx_bytes += bytes;
+            }
+            "acct_out" => {
+                out.rx_packets += packets;
+                out.rx_bytes += bytes;
+            }
+            _ if trimmed.contains(" drop ") => out.dropped_packets += packets,
+            _ => {}
+        }
+    }
+    out
 }
 
 /// `(veth, sandbox id)` of every tagged rule in an `nft list chain`
@@ -150,18 +277,24 @@ mod tests {
                 "8.8.8.8/32".parse().unwrap(),
             ],
         };
-        let script = host_policy("torpor", "sbx-1", "tpv3", &policy);
+        let dns = SocketAddrV4::new(Ipv4Addr::new(10, 200, 0, 1), 10053);
+        let script = host_policy("torpor", "sbx-1", "tpv3", &policy, Some(dns));
         let forward: Vec<&str> = script.lines().filter(|l| l.contains(" forward ")).collect();
-        assert_eq!(forward.len(), 4, "{script}");
+        assert_eq!(forward.len(), 6, "{script}");
         assert!(forward[0].contains("ct state established,related accept"));
         assert!(forward[1].contains("ip daddr { 10.1.2.0/24, 8.8.8.8/32 } counter drop"));
-        assert!(forward[2].contains("ip daddr { 10.1.0.0/16 } accept"));
-        assert!(forward[3].ends_with("counter drop comment \"torpor:sbx-1\""));
+        assert!(forward[2].contains("ip daddr @tpv3_d counter drop"));
+        assert!(forward[3].contains("ip daddr { 10.1.0.0/16 } accept"));
+        assert!(forward[4].contains("ip daddr @tpv3_a accept"));
+        assert!(forward[5].ends_with("counter drop comment \"torpor:sbx-1\""));
         assert!(script.lines().all(|l| l.contains("iifname \"tpv3\"")));
-        assert_eq!(script.lines().filter(|l| l.contains(" input ")).count(), 4);
-        // The open default: only the established rule per chain.
-        let open = host_policy("torpor", "s", "v", &EgressPolicy::default());
-        assert_eq!(open.lines().count(), 2, "{open}");
+        let input: Vec<&str> = script.lines().filter(|l| l.contains(" input ")).collect();
+        assert_eq!(input.len(), 7);
+        assert!(input[1].contains("ip daddr 10.200.0.1 udp dport 10053 accept"));
+        // The open default: no CIDR rules, no final drop.
+        let open = host_policy("torpor", "s", "v", &EgressPolicy::default(), None);
+        assert_eq!(open.lines().count(), 6, "{open}");
+        assert!(!open.contains("\"v\" counter drop"), "{open}");
     }
 
     #[test]
@@ -175,10 +308,27 @@ mod tests {
         assert_eq!(tagged_handles(listing, Some("a")), vec![7]);
         assert_eq!(tagged_handles(listing, Some("ab")), vec![9]);
         assert_eq!(tagged_handles(listing, None), vec![7, 9]);
-        let counted = "iifname \"v\" ip daddr { 1.2.3.4 } counter packets 3 bytes 180 drop comment \"torpor:a\"\n\
+        let counted = "chain forward {\n\
+            iifname \"v\" ip daddr { 1.2.3.4 } counter packets 3 bytes 180 drop comment \"torpor:a\"\n\
             iifname \"v\" counter packets 2 bytes 120 drop comment \"torpor:a\"\n\
-            iifname \"w\" counter packets 9 bytes 1 drop comment \"torpor:b\"\n";
-        assert_eq!(dropped_packets(counted, "a"), 5);
+            iifname \"w\" counter packets 9 bytes 1 drop comment \"torpor:b\"\n\
+            }\n\
+            chain acct_in {\n\
+            iifname \"v\" counter packets 10 bytes 1000 comment \"torpor:a\"\n\
+            }\n\
+            chain acct_out {\n\
+            oifname \"v\" counter packets 4 bytes 400 comment \"torpor:a\"\n\
+            }\n";
+        assert_eq!(
+            counters(counted, "a"),
+            NetCounters {
+                tx_bytes: 1000,
+                tx_packets: 10,
+                rx_bytes: 400,
+                rx_packets: 4,
+                dropped_packets: 5
+            }
+        );
         assert_eq!(
             tagged_veths(counted),
             vec![
@@ -190,8 +340,18 @@ mod tests {
 
     #[test]
     fn the_sandbox_nat_maps_the_guest_both_ways() {
-        let s = sandbox_nat(Ipv4Addr::new(10, 200, 0, 6), "eth0");
+        let dns = SocketAddrV4::new(Ipv4Addr::new(10, 200, 0, 5), 10053);
+        let s = sandbox_nat(Ipv4Addr::new(10, 200, 0, 6), "eth0", Some(dns));
         assert!(s.contains("ip daddr 10.200.0.6 dnat to 172.16.0.2"), "{s}");
+        assert!(
+            s.contains("ip daddr 172.16.0.1 udp dport 53 dnat to 10.200.0.5:10053"),
+            "{s}"
+        );
+        let learned = learn("t", "v_a", &[Ipv4Addr::new(1, 2, 3, 4)], 60);
+        assert!(
+            learned.ends_with("add element ip t v_a { 1.2.3.4 timeout 60s }\n"),
+            "{learned}"
+        );
         assert!(s.contains("ip saddr 172.16.0.2 snat to 10.200.0.6"), "{s}");
     }
 }

@@ -59,6 +59,7 @@ pub(crate) fn manager(tag: &str, pool: &str) -> Option<(NetManager, HostNs)> {
         table: "torpor_test".into(),
         host_netns: Some(host.0.clone()),
         pool: pool.parse().unwrap(),
+        dns_port: None,
     };
     Some((NetManager::new(config).unwrap(), host))
 }
@@ -118,14 +119,17 @@ fn networks_are_created_counted_and_removed_without_leftovers() {
         let route = in_ns(&net.netns, &["ip", "route", "show", "default"]);
         assert!(route.contains(&net.host_addr.to_string()), "{route}");
     }
-    // 2 rules for each open sandbox, 4 per chain for the closed one.
+    // Per policy chain 3 rules for an open sandbox (established, the
+    // learned deny and allow sets), 6 for the closed one (and its CIDRs
+    // and the final drop); 2 counting rules and 2 sets each.
     let counted = m.leftovers().unwrap();
     assert_eq!(
         counted,
         Leftovers {
             namespaces: 3,
             veths: 3,
-            rules: 2 + 2 + 8
+            rules: 8 + 14 + 8,
+            sets: 6,
         }
     );
     let masq = in_ns(
@@ -136,7 +140,7 @@ fn networks_are_created_counted_and_removed_without_leftovers() {
 
     // Policy changes at run time replace the sandbox's rules only.
     m.set_policy(&b, &EgressPolicy::default()).unwrap();
-    assert_eq!(m.leftovers().unwrap().rules, 6);
+    assert_eq!(m.leftovers().unwrap().rules, 24);
     let forward = in_ns(
         &host.0,
         &["nft", "list", "chain", "ip", "torpor_test", "forward"],
@@ -149,7 +153,8 @@ fn networks_are_created_counted_and_removed_without_leftovers() {
         Leftovers {
             namespaces: 2,
             veths: 2,
-            rules: 4
+            rules: 16,
+            sets: 4,
         }
     );
     // The freed slot is reused.
@@ -166,7 +171,8 @@ fn networks_are_created_counted_and_removed_without_leftovers() {
         Leftovers {
             namespaces: 1,
             veths: 1,
-            rules: 2
+            rules: 8,
+            sets: 2,
         }
     );
     assert!(matches!(
@@ -186,7 +192,8 @@ fn networks_are_created_counted_and_removed_without_leftovers() {
         Leftovers {
             namespaces: 1,
             veths: 1,
-            rules: 2
+            rules: 8,
+            sets: 2,
         }
     );
     assert_eq!(restarted.leftovers().unwrap(), Leftovers::default());
@@ -211,7 +218,8 @@ fn cidrs_and_policies_parse() {
     let p: EgressPolicy =
         serde_json::from_str(r#"{"allow_out":["10.0.0.0/8"],"deny_out":["10.1.0.0/16"]}"#).unwrap();
     assert!(p.allow_internet, "open by default");
-    assert_eq!(p.deny_out[0].len, 16);
-    assert!(serde_json::from_str::<EgressPolicy>(r#"{"allow_out":["nope"]}"#).is_err());
+    assert_eq!(p.deny_out[0], Target::Cidr("10.1.0.0/16".parse().unwrap()));
+    assert_eq!(p.allow_out[0].to_string(), "10.0.0.0/8");
+    assert!(serde_json::from_str::<EgressPolicy>(r#"{"allow_out":["no pe"]}"#).is_err());
     assert!(serde_json::from_str::<EgressPolicy>(r#"{"allow":true}"#).is_err());
 }

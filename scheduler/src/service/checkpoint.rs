@@ -301,6 +301,13 @@ impl Service {
         fork.tenant = source.tenant.clone();
         fork.env = source.env.clone();
         fork.env.extend(req.env);
+        // A fork keeps its source's egress policy, not its exposed ports.
+        fork.network = source.network.clone().map(|mut n| {
+            n.ports.clear();
+            n.address = None;
+            n.counters = None;
+            n
+        });
         fork.on_timeout = req.on_timeout.unwrap_or(source.on_timeout);
         fork.access_token = req.access_token;
         fork.pod = Some(PodId::new(LOCAL_POD));

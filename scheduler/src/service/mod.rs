@@ -18,6 +18,7 @@ mod network;
 mod ops;
 mod policy;
 pub mod pool;
+mod ports;
 mod recovery;
 mod sandbox_template;
 mod template;
@@ -106,12 +107,30 @@ pub struct ServiceConfig {
 }
 
 /// How Linux sandboxes are networked (see `crate::net`).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SandboxNetworking {
     /// Names and the address pool on the host.
     pub names: crate::net::NetConfig,
-    /// Every sandbox's egress policy (open by default).
+    /// The egress policy of sandboxes created without one (open by
+    /// default; `serve --no-internet`, `--allow-out`, `--deny-out`).
     pub egress: crate::net::EgressPolicy,
+    /// The pod's DNS forwarder (`NetConfig::dns_port` must name its
+    /// port); `None`: guests' DNS queries go nowhere and domain entries
+    /// in policies never match.
+    pub dns: Option<crate::net::dns::DnsConfig>,
+    /// Exposed ports listen on this address (loopback by default).
+    pub ports_ip: std::net::IpAddr,
+}
+
+impl Default for SandboxNetworking {
+    fn default() -> Self {
+        Self {
+            names: Default::default(),
+            egress: Default::default(),
+            dns: None,
+            ports_ip: std::net::Ipv4Addr::LOCALHOST.into(),
+        }
+    }
 }
 
 impl ServiceConfig {
@@ -318,6 +337,10 @@ pub struct CreateSandbox {
     /// letting placement choose.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<PodId>,
+    /// Its egress policy: what is given replaces the pod's default, what
+    /// is left out is the default's (pods with sandbox networking only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<crate::net::PolicyPatch>,
     /// Who asks (set by the API from the token, never from the body); the
     /// sandbox is `owner.tenant`'s.
     #[serde(skip)]
@@ -367,10 +390,14 @@ pub struct Service {
     /// with the sandboxes' (a build boots a VM too).
     building_mib: Mutex<u64>,
     /// Sandbox networks, when `config.net` is set.
-    net: Option<crate::net::NetManager>,
+    net: Option<Arc<crate::net::NetManager>>,
     nets: Mutex<HashMap<SandboxId, crate::net::SandboxNet>>,
     /// The activity trace recorder (`serve --record-trace`).
     recorder: Option<crate::plan::record::Recorder>,
+    /// Exposed ports, with `config.net`.
+    ports: Option<crate::net::ports::PortProxy>,
+    /// The pod's DNS forwarder, with `config.net.dns`.
+    dns: Mutex<Option<crate::net::dns::Forwarder>>,
 }
 
 impl Service {
@@ -412,10 +439,10 @@ impl Service {
             jails.clone().map(|j| (j, config.memory_backend)),
         )?;
         let net = match &config.net {
-            Some(n) => Some(
+            Some(n) => Some(Arc::new(
                 crate::net::NetManager::new(n.names.clone())
                     .map_err(|e| ServiceError::Internal(format!("sandbox network: {e}")))?,
-            ),
+            )),
             None => None,
         };
         let recorder = match &config.record_trace {
@@ -424,10 +451,19 @@ impl Service {
             })?),
             None => None,
         };
-        let service = Arc::new(Self {
+        let ports_ip = config.net.as_ref().map(|n| n.ports_ip);
+        let service = Arc::new_cyclic(|me: &std::sync::Weak<Self>| Self {
             recorder,
+            ports: net.as_ref().zip(ports_ip).map(|(m, ip)| {
+                crate::net::ports::PortProxy::new(
+                    Arc::clone(m),
+                    ip,
+                    Arc::new(ports::Waker(me.clone())),
+                )
+            }),
             net,
             nets: Mutex::new(HashMap::new()),
+            dns: Mutex::new(None),
             config,
             store,
             locks: locks::SandboxLocks::default(),
@@ -443,6 +479,8 @@ impl Service {
         service.ensure_local_pod()?;
         service.recover()?;
         service.adopt_networks()?;
+        service.start_dns()?;
+        service.restore_ports()?;
         service.ensure_probe_template()?;
         for t in service.store.list_templates(false)? {
             if t.state == crate::model::TemplateState::Ready {

@@ -6,15 +6,22 @@
 //! with a network too (the device must be in its snapshot), in a
 //! namespace of its own removed after the snapshot.
 
+use std::sync::Arc;
+
 use torpor_vmm_api::{NetSpec, RateLimit};
 
 use super::{Service, ServiceError};
-use crate::model::SandboxId;
-use crate::net::{EgressPolicy, NetError, SandboxNet};
+use crate::model::{Sandbox, SandboxId, SandboxNetwork};
+use crate::net::{EgressPolicy, NetError, PolicyPatch, SandboxNet};
 use crate::store::SandboxFilter;
 
 fn net_error(e: NetError) -> ServiceError {
     ServiceError::Internal(format!("sandbox network: {e}"))
+}
+
+/// A policy the client gave that does not hold: 400.
+fn bad_policy(e: NetError) -> ServiceError {
+    ServiceError::Invalid(format!("network: {e}"))
 }
 
 /// The manager's key of a template's boot network.
@@ -34,7 +41,7 @@ impl Service {
             Some(net) => net.clone(),
             None => {
                 let net = manager
-                    .create(id.as_str(), &self.default_egress())
+                    .create(id.as_str(), &self.stored_policy(id)?)
                     .map_err(net_error)?;
                 nets.insert(id.clone(), net.clone());
                 net
@@ -43,6 +50,184 @@ impl Service {
         Ok(Some(
             net.net_spec(RateLimit::default(), RateLimit::default()),
         ))
+    }
+
+    /// The sandbox's stored policy (the pod default for sandboxes made
+    /// before networking was turned on).
+    fn stored_policy(&self, id: &SandboxId) -> Result<EgressPolicy, ServiceError> {
+        Ok(self
+            .store
+            .get_sandbox_network(id)?
+            .map(|n| n.policy)
+            .unwrap_or_else(|| self.default_egress()))
+    }
+
+    /// A new sandbox's network: the pod default with the request's
+    /// changes; `None` on a pod without networking (where a policy in the
+    /// request is refused rather than silently ignored).
+    pub(super) fn initial_network(
+        &self,
+        patch: Option<&PolicyPatch>,
+    ) -> Result<Option<SandboxNetwork>, ServiceError> {
+        if self.net.is_none() {
+            if patch.is_some_and(|p| !p.is_empty()) {
+                return Err(ServiceError::Unsupported(
+                    "this pod runs without sandbox networking (serve --sandbox-network): \
+                     a network policy cannot be set"
+                        .into(),
+                ));
+            }
+            return Ok(None);
+        }
+        let base = self.default_egress();
+        let policy = match patch {
+            Some(p) => p.apply(&base).map_err(bad_policy)?,
+            None => base,
+        };
+        Ok(Some(SandboxNetwork {
+            policy,
+            ports: Vec::new(),
+            address: None,
+            counters: None,
+        }))
+    }
+
+    /// Fills what the host knows of the sandbox's network: its address
+    /// and counters, while its network is up.
+    pub(super) fn read_network(&self, sandbox: &mut Sandbox) {
+        let (Some(manager), Some(network)) = (&self.net, sandbox.network.as_mut()) else {
+            return;
+        };
+        let net = self
+            .nets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&sandbox.id)
+            .cloned();
+        if let Some(net) = net {
+            network.address = Some(net.sandbox_addr);
+            match manager.counters(&net) {
+                Ok(c) => network.counters = Some(c),
+                Err(e) => tracing::warn!(sandbox = %sandbox.id, "network counters: {e}"),
+            }
+        }
+    }
+
+    /// Changes the sandbox's egress policy (stored, and applied at once if
+    /// its network is up; a hibernated sandbox gets it when it wakes).
+    pub fn set_network_policy(
+        &self,
+        id: &SandboxId,
+        patch: &PolicyPatch,
+    ) -> Result<Sandbox, ServiceError> {
+        let Some(manager) = &self.net else {
+            return Err(ServiceError::Unsupported(
+                "this pod runs without sandbox networking (serve --sandbox-network)".into(),
+            ));
+        };
+        let _guard = self.lock_sandbox(id)?;
+        let sandbox = self.store.get_sandbox(id)?;
+        if sandbox.state == crate::state::SandboxState::Deleted {
+            return Err(ServiceError::NotFound {
+                kind: "sandbox",
+                id: id.to_string(),
+            });
+        }
+        let mut network = sandbox.network.unwrap_or(SandboxNetwork {
+            policy: self.default_egress(),
+            ports: Vec::new(),
+            address: None,
+            counters: None,
+        });
+        network.policy = patch.apply(&network.policy).map_err(bad_policy)?;
+        self.store.set_sandbox_network(id, &network)?;
+        let net = self
+            .nets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+            .cloned();
+        if let Some(net) = net {
+            manager
+                .set_policy(&net, &network.policy)
+                .map_err(net_error)?;
+        }
+        drop(_guard);
+        self.get_sandbox(id)
+    }
+
+    /// Per-sandbox traffic in the Prometheus text (counters restart when a
+    /// sandbox's network is made again, on wake).
+    pub(super) fn network_metrics(&self, out: &mut String) {
+        let Some(manager) = &self.net else { return };
+        let mut nets: Vec<SandboxNet> = self
+            .nets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        nets.sort_by(|a, b| a.sandbox.cmp(&b.sandbox));
+        let refs: Vec<&SandboxNet> = nets.iter().collect();
+        let counters = match manager.counters_of(&refs) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("network counters: {e}");
+                return;
+            }
+        };
+        type Pick = fn(&crate::net::NetCounters) -> u64;
+        let series: [(&str, &str, Pick); 5] = [
+            (
+                "torpor_sandbox_net_tx_bytes_total",
+                "Bytes the sandbox sent.",
+                |c| c.tx_bytes,
+            ),
+            (
+                "torpor_sandbox_net_tx_packets_total",
+                "Packets the sandbox sent.",
+                |c| c.tx_packets,
+            ),
+            (
+                "torpor_sandbox_net_rx_bytes_total",
+                "Bytes the sandbox received.",
+                |c| c.rx_bytes,
+            ),
+            (
+                "torpor_sandbox_net_rx_packets_total",
+                "Packets the sandbox received.",
+                |c| c.rx_packets,
+            ),
+            (
+                "torpor_sandbox_net_policy_dropped_packets_total",
+                "Packets from the sandbox its egress policy dropped.",
+                |c| c.dropped_packets,
+            ),
+        ];
+        for (name, help, pick) in series {
+            super::policy::header(out, name, help, "counter");
+            for (net, c) in nets.iter().zip(&counters) {
+                out.push_str(&format!(
+                    "{name}{{sandbox=\"{}\"}} {}\n",
+                    net.sandbox,
+                    pick(c)
+                ));
+            }
+        }
+    }
+
+    /// Starts the pod's DNS forwarder (`config.net.dns`).
+    pub(super) fn start_dns(&self) -> Result<(), ServiceError> {
+        let (Some(manager), Some(dns)) = (
+            &self.net,
+            self.config.net.as_ref().and_then(|n| n.dns.clone()),
+        ) else {
+            return Ok(());
+        };
+        let forwarder =
+            crate::net::dns::Forwarder::start(Arc::clone(manager), dns).map_err(net_error)?;
+        *self.dns.lock().unwrap_or_else(|e| e.into_inner()) = Some(forwarder);
+        Ok(())
     }
 
     fn default_egress(&self) -> EgressPolicy {
@@ -105,9 +290,16 @@ impl Service {
         let kept = manager
             .adopt(&|id| running.iter().any(|r| r.as_str() == id))
             .map_err(net_error)?;
-        let mut nets = self.nets.lock().unwrap_or_else(|e| e.into_inner());
         for net in kept {
-            nets.insert(SandboxId::new(net.sandbox.clone()), net);
+            let id = SandboxId::new(net.sandbox.clone());
+            // The manager learns the policy back (for the DNS forwarder).
+            manager
+                .set_policy(&net, &self.stored_policy(&id)?)
+                .map_err(net_error)?;
+            self.nets
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id, net);
         }
         Ok(())
     }

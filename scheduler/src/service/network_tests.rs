@@ -23,7 +23,7 @@ fn the_service_recovers_leftovers_and_ties_networks_to_vmms() {
     let (_dir, service, template) = service_with(|c| {
         c.net = Some(SandboxNetworking {
             names: names.clone(),
-            egress: EgressPolicy::default(),
+            ..SandboxNetworking::default()
         })
     });
     assert_eq!(
@@ -40,6 +40,22 @@ fn the_service_recovers_leftovers_and_ties_networks_to_vmms() {
     // Asked again (a restart of its VMM): the same network.
     assert_eq!(service.sandbox_net_spec(&id).unwrap().unwrap(), spec);
     assert_eq!(before.leftovers().unwrap().namespaces, 1);
+    // Its traffic, on the sandbox and in the metrics.
+    let shown = service.get_sandbox(&id).unwrap().network;
+    assert_eq!(shown, None, "a row made before networking has none stored");
+    service
+        .set_network_policy(&id, &crate::net::PolicyPatch::default())
+        .unwrap();
+    let shown = service.get_sandbox(&id).unwrap().network.unwrap();
+    assert!(shown.address.is_some(), "{shown:?}");
+    assert_eq!(shown.counters, Some(Default::default()), "nothing sent yet");
+    let metrics = service.metrics();
+    assert!(
+        metrics.contains(&format!(
+            "torpor_sandbox_net_policy_dropped_packets_total{{sandbox=\"{id}\"}} 0\n"
+        )),
+        "{metrics}"
+    );
 
     let sandbox = service.store().get_sandbox(&id).unwrap();
     service.stop_vmm(&sandbox).unwrap();

@@ -95,7 +95,9 @@ impl Service {
     }
 
     pub fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
-        Ok(self.store.get_sandbox(id)?)
+        let mut sandbox = self.store.get_sandbox(id)?;
+        self.read_network(&mut sandbox);
+        Ok(sandbox)
     }
 
     pub fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
@@ -186,6 +188,7 @@ impl Service {
         sandbox.env = req.env;
         sandbox.on_timeout = req.on_timeout;
         sandbox.access_token = req.access_token;
+        sandbox.network = self.initial_network(req.network.as_ref())?;
         sandbox.pod = Some(PodId::new(LOCAL_POD));
         sandbox.expires_at = req
             .timeout_ms
@@ -616,6 +619,7 @@ impl Service {
             .store
             .begin_operation(Some(id), OperationKind::Delete, &json!({}), None)?;
         self.stop_vmm(&sandbox)?;
+        self.close_ports(&sandbox);
         let change = StateChange::new(sandbox.state, SandboxState::Deleted);
         self.store
             .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;

@@ -58,7 +58,7 @@ impl Histogram {
 }
 
 /// The `# HELP` and `# TYPE` lines of a metric family.
-fn header(out: &mut String, name: &str, help: &str, kind: &str) {
+pub(super) fn header(out: &mut String, name: &str, help: &str, kind: &str) {
     out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
 }
 
@@ -300,6 +300,7 @@ impl Service {
             header(&mut out, name, help, "counter");
             out.push_str(&format!("{name}{{pod=\"{LOCAL_POD}\"}} {n}\n"));
         }
+        self.network_metrics(&mut out);
         let m = &self.metrics;
         header(
             &mut out,

@@ -25,6 +25,7 @@ pub mod admission;
 mod catalog;
 pub mod journal;
 mod layers;
+mod network;
 mod sandboxes;
 pub mod schema;
 mod sql;
@@ -47,8 +48,8 @@ pub use journal::{OperationKind, OperationRecord, OperationStatus, StateChange};
 pub use sandboxes::SandboxFilter;
 
 use crate::model::{
-    Checkpoint, CheckpointId, OperationId, Pod, PodId, Sandbox, SandboxId, Template, TemplateId,
-    TemplateState, Timestamp, VmmHandle,
+    Checkpoint, CheckpointId, OperationId, Pod, PodId, Sandbox, SandboxId, SandboxNetwork,
+    Template, TemplateId, TemplateState, Timestamp, VmmHandle,
 };
 use crate::state::{IllegalTransition, SandboxState};
 
@@ -336,6 +337,8 @@ delegate! {
     ) -> ();
     write fn set_sandbox_metadata(&self, id: &SandboxId, metadata: &BTreeMap<String, String>) -> ();
     write fn purge_sandbox(&self, id: &SandboxId) -> ();
+    read fn get_sandbox_network(&self, id: &SandboxId) -> Option<SandboxNetwork>;
+    write fn set_sandbox_network(&self, id: &SandboxId, network: &SandboxNetwork) -> ();
     read fn deleted_before(&self, cutoff: Timestamp) -> Vec<SandboxId>;
 
     read fn committed_mib(&self) -> u64;

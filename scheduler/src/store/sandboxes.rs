@@ -76,6 +76,7 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
         generation: get_u64(row, "generation")?,
         restore: None,
         tenant: row.get("tenant")?,
+        network: None,
     })
 }
 
@@ -153,7 +154,11 @@ impl Tx<'_> {
                 s.access_token,
             ])?;
         self.write_pairs(Pairs::Metadata, &s.id, &s.metadata)?;
-        self.write_pairs(Pairs::Env, &s.id, &s.env)
+        self.write_pairs(Pairs::Env, &s.id, &s.env)?;
+        if let Some(network) = &s.network {
+            self.set_sandbox_network(&s.id, network)?;
+        }
+        Ok(())
     }
 
     fn write_metadata(&self, id: &SandboxId, metadata: &BTreeMap<String, String>) -> Result<()> {
@@ -195,6 +200,7 @@ impl Tx<'_> {
     fn read_details(&self, s: &mut Sandbox) -> Result<()> {
         s.metadata = self.read_pairs(Pairs::Metadata, &s.id)?;
         s.env = self.read_pairs(Pairs::Env, &s.id)?;
+        s.network = self.get_sandbox_network(&s.id)?;
         Ok(())
     }
 

@@ -153,8 +153,19 @@ CREATE TABLE sandbox_env (
 ) STRICT, WITHOUT ROWID;
 "#;
 
+/// Version 6: sandbox networks: each sandbox's egress policy and exposed
+/// ports (JSON: `net::EgressPolicy`, `[model::ExposedPort]`), kept across
+/// restarts and hibernation.
+const V6: &str = r#"
+CREATE TABLE sandbox_network (
+    sandbox TEXT PRIMARY KEY REFERENCES sandboxes (id) ON DELETE CASCADE,
+    policy  TEXT NOT NULL,
+    ports   TEXT NOT NULL DEFAULT '[]'
+) STRICT, WITHOUT ROWID;
+"#;
+
 /// Every migration, in order.
-pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5];
+pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6];
 
 /// The schema version this build writes.
 pub const CURRENT_VERSION: i64 = MIGRATIONS.len() as i64;

@@ -4,6 +4,7 @@
 mod admission;
 mod catalog;
 mod layers;
+mod network;
 mod sandboxes;
 
 use std::collections::BTreeMap;

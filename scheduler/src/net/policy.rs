@@ -1,0 +1,269 @@
+//! Egress policy: what a sandbox may reach, by network (CIDR) or by domain
+//! name (E2B's `allow_out` / `deny_out`; deny wins over allow).
+//!
+//! A domain entry matches the name itself and every name under it
+//! (`example.com` matches `example.com` and `pypi.example.com`). Domains
+//! are enforced through the pod's DNS forwarder (`super::dns`): the
+//! addresses it resolves for an allowed domain are added to the sandbox's
+//! allow set for the answer's TTL, those of a denied domain to its deny set
+//! (and the guest is answered REFUSED).
+
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use super::{Cidr, NetError};
+
+/// At most this many entries in each of `allow_out` and `deny_out`.
+pub const MAX_ENTRIES: usize = 64;
+
+/// One `allow_out` / `deny_out` entry: a network or a domain name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum Target {
+    Cidr(Cidr),
+    /// Lower case, no trailing dot, checked by [`Target::from_str`].
+    Domain(String),
+}
+
+impl FromStr for Target {
+    type Err = NetError;
+    fn from_str(s: &str) -> Result<Self, NetError> {
+        if s.bytes().next().is_some_and(|b| b.is_ascii_digit()) && s.contains(['.', '/']) {
+            if let Ok(c) = s.parse::<Cidr>() {
+                return Ok(Target::Cidr(c));
+            }
+            if s.bytes()
+                .all(|b| b.is_ascii_digit() || b == b'.' || b == b'/')
+            {
+                return Err(NetError::BadCidr(s.to_string()));
+            }
+        }
+        let name = s.strip_suffix('.').unwrap_or(s).to_ascii_lowercase();
+        let label_ok = |l: &str| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        };
+        if name.is_empty() || name.len() > 253 || !name.split('.').all(label_ok) {
+            return Err(NetError::BadTarget(s.chars().take(100).collect()));
+        }
+        Ok(Target::Domain(name))
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Cidr(c) => c.fmt(f),
+            Target::Domain(d) => f.write_str(d),
+        }
+    }
+}
+
+string_serde!(Target);
+
+impl From<Cidr> for Target {
+    fn from(c: Cidr) -> Self {
+        Target::Cidr(c)
+    }
+}
+
+/// What a sandbox may reach (E2B's semantics: deny wins over allow).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EgressPolicy {
+    /// Everything not denied; when false only `allow_out` is reachable
+    /// (and the pod's DNS forwarder).
+    #[serde(default = "default_true")]
+    pub allow_internet: bool,
+    #[serde(default)]
+    pub allow_out: Vec<Target>,
+    #[serde(default)]
+    pub deny_out: Vec<Target>,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+impl Default for EgressPolicy {
+    fn default() -> Self {
+        Self {
+            allow_internet: true,
+            allow_out: Vec::new(),
+            deny_out: Vec::new(),
+        }
+    }
+}
+
+/// How a domain list judges a name.
+fn matches(list: &[Target], name: &str) -> bool {
+    let name = name.strip_suffix('.').unwrap_or(name);
+    list.iter().any(|t| match t {
+        Target::Domain(d) => {
+            name.eq_ignore_ascii_case(d)
+                || (name.len() > d.len()
+                    && name.as_bytes()[name.len() - d.len() - 1] == b'.'
+                    && name[name.len() - d.len()..].eq_ignore_ascii_case(d))
+        }
+        Target::Cidr(_) => false,
+    })
+}
+
+/// What the DNS forwarder does with a name a sandbox asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NameVerdict {
+    /// A denied domain: answer REFUSED, remember its addresses as denied.
+    Deny,
+    /// An allowed domain: answer, and open its addresses for their TTL.
+    Allow,
+    /// Neither: answer (CIDR rules and `allow_internet` decide).
+    Pass,
+}
+
+impl EgressPolicy {
+    pub fn cidrs(list: &[Target]) -> Vec<Cidr> {
+        list.iter()
+            .filter_map(|t| match t {
+                Target::Cidr(c) => Some(*c),
+                Target::Domain(_) => None,
+            })
+            .collect()
+    }
+
+    /// Deny wins: a name under both lists is denied.
+    pub fn judge(&self, name: &str) -> NameVerdict {
+        if matches(&self.deny_out, name) {
+            NameVerdict::Deny
+        } else if matches(&self.allow_out, name) {
+            NameVerdict::Allow
+        } else {
+            NameVerdict::Pass
+        }
+    }
+
+    /// Refuses lists longer than [`MAX_ENTRIES`].
+    pub fn check(&self) -> Result<(), NetError> {
+        for (name, list) in [("allow_out", &self.allow_out), ("deny_out", &self.deny_out)] {
+            if list.len() > MAX_ENTRIES {
+                return Err(NetError::Config(format!(
+                    "{name} has {} entries; at most {MAX_ENTRIES}",
+                    list.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A change of policy (the create request's `network`, and
+/// `PATCH /v1/sandboxes/{id}/network`): what is given replaces that part,
+/// what is left out is kept (the pod default at create).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyPatch {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allow_internet: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allow_out: Option<Vec<Target>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deny_out: Option<Vec<Target>>,
+}
+
+impl PolicyPatch {
+    pub fn is_empty(&self) -> bool {
+        self.allow_internet.is_none() && self.allow_out.is_none() && self.deny_out.is_none()
+    }
+
+    /// `base` with this patch applied, checked.
+    pub fn apply(&self, base: &EgressPolicy) -> Result<EgressPolicy, NetError> {
+        let policy = EgressPolicy {
+            allow_internet: self.allow_internet.unwrap_or(base.allow_internet),
+            allow_out: self
+                .allow_out
+                .clone()
+                .unwrap_or_else(|| base.allow_out.clone()),
+            deny_out: self
+                .deny_out
+                .clone()
+                .unwrap_or_else(|| base.deny_out.clone()),
+        };
+        policy.check()?;
+        Ok(policy)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(s: &str) -> Target {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn entries_are_networks_or_domain_names() {
+        assert_eq!(t("10.0.0.0/8"), Target::Cidr("10.0.0.0/8".parse().unwrap()));
+        assert_eq!(t("1.2.3.4"), Target::Cidr("1.2.3.4/32".parse().unwrap()));
+        assert_eq!(t("PyPI.org."), Target::Domain("pypi.org".into()));
+        assert_eq!(t("3com.example"), Target::Domain("3com.example".into()));
+        for bad in [
+            "10.0.0.1/8",
+            "1.2.3.4/33",
+            "",
+            "a..b",
+            "-a.b",
+            "a b",
+            "*.x.com",
+            "x/y",
+        ] {
+            assert!(bad.parse::<Target>().is_err(), "{bad:?} accepted");
+        }
+        let long = format!("{}.com", "a".repeat(64));
+        assert!(long.parse::<Target>().is_err());
+        let policy: EgressPolicy =
+            serde_json::from_str(r#"{"allow_out":["pypi.org","10.1.0.0/16"]}"#).unwrap();
+        assert!(policy.allow_internet);
+        assert_eq!(EgressPolicy::cidrs(&policy.allow_out).len(), 1);
+        assert!(serde_json::from_str::<EgressPolicy>(r#"{"allow_out":["1.2.3.4/40"]}"#).is_err());
+    }
+
+    #[test]
+    fn deny_wins_and_subdomains_match() {
+        let policy = EgressPolicy {
+            allow_internet: false,
+            allow_out: vec![t("example.com"), t("pypi.org")],
+            deny_out: vec![t("evil.example.com")],
+        };
+        assert_eq!(policy.judge("example.com"), NameVerdict::Allow);
+        assert_eq!(policy.judge("WWW.Example.com."), NameVerdict::Allow);
+        assert_eq!(policy.judge("evil.example.com"), NameVerdict::Deny);
+        assert_eq!(policy.judge("a.evil.example.com"), NameVerdict::Deny);
+        assert_eq!(policy.judge("notexample.com"), NameVerdict::Pass);
+        assert_eq!(policy.judge("com"), NameVerdict::Pass);
+    }
+
+    #[test]
+    fn a_patch_replaces_only_what_it_names() {
+        let base = EgressPolicy {
+            allow_internet: false,
+            allow_out: vec![t("pypi.org")],
+            deny_out: vec![],
+        };
+        let patch: PolicyPatch = serde_json::from_str(r#"{"deny_out":["10.0.0.0/8"]}"#).unwrap();
+        let out = patch.apply(&base).unwrap();
+        assert!(!out.allow_internet);
+        assert_eq!(out.allow_out, base.allow_out);
+        assert_eq!(out.deny_out, vec![t("10.0.0.0/8")]);
+        let many = PolicyPatch {
+            allow_out: Some(vec![t("a.com"); MAX_ENTRIES + 1]),
+            ..PolicyPatch::default()
+        };
+        assert!(many.apply(&base).is_err());
+        assert!(serde_json::from_str::<PolicyPatch>(r#"{"allow":[]}"#).is_err());
+    }
+}

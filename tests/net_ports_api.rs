@@ -1,0 +1,220 @@
+//! Sandbox networking through the HTTP API, in process over real probe
+//! VMMs, the service's "host" namespace one the test creates: a policy at
+//! create and its change at run time (tenant-scoped: another tenant's id
+//! is 404), exposed ports listed on the sandbox, and a connection to the
+//! exposed port of a hibernated sandbox waking it (auto-resume on
+//! traffic). The probe has no network device, so the woken sandbox's
+//! connection is closed after the wake: what is shown is the wake; the
+//! forwarding itself is shown in `net_policy.rs`. Needs root, nft and
+//! /dev/net/tun (tests/needs).
+
+mod common;
+
+use std::io::Read;
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use common::http::{request, HttpResponse, InProcessApi};
+use common::netns::Ns;
+use common::serve::DataDir;
+use serde_json::{json, Value};
+use torpor_scheduler::net::NetConfig;
+use torpor_scheduler::service::{SandboxNetworking, Service, ServiceConfig, PROBE_TEMPLATE};
+
+const ADMIN: &str = "net-admin-token-0123456789";
+
+struct Api {
+    addr: String,
+}
+
+impl Api {
+    fn call(&self, token: &str, method: &str, path: &str, body: Value) -> HttpResponse {
+        let body = (!body.is_null()).then(|| body.to_string());
+        request(&self.addr, method, path, Some(token), body.as_deref())
+    }
+}
+
+#[test]
+fn policies_and_exposed_ports_through_the_api_wake_on_traffic() {
+    // SAFETY: geteuid has no preconditions.
+    assert!(unsafe { libc::geteuid() } == 0, "needs root");
+    let tag = format!("{:x}", std::process::id() & 0xffff);
+    let host = Ns::new(format!("tna-host-{tag}"));
+    host.ip(&["link", "set", "lo", "up"]);
+    let data = DataDir::new("net-ports-api");
+    let mut config = ServiceConfig::new(
+        data.0.clone(),
+        PathBuf::from(env!("CARGO_BIN_EXE_torpor-vmm")),
+    );
+    config.policy_interval_ms = 0;
+    config.net = Some(SandboxNetworking {
+        names: NetConfig {
+            netns_prefix: format!("tna-{tag}-"),
+            veth_prefix: format!("a{tag}v"),
+            table: "torpor_api_test".into(),
+            host_netns: Some(host.0.clone()),
+            pool: "10.205.0.0/24".parse().unwrap(),
+            dns_port: None,
+        },
+        ..SandboxNetworking::default()
+    });
+    let service = Service::open(config.clone()).expect("open the service");
+
+    let api_config = torpor_api::ApiConfig {
+        tokens: vec![ADMIN.into()],
+        tenants_file: Some(data.0.join("tokens.json")),
+        ..Default::default()
+    };
+    let server = InProcessApi::start(service.clone(), api_config.clone());
+    let api = Api {
+        addr: server.addr.clone(),
+    };
+    let tenant = |name: &str| {
+        let r = api.call(ADMIN, "POST", "/v1/tokens", json!({ "tenant": name }));
+        assert_eq!(r.status, 201, "{}", r.body);
+        r.json()["token"].as_str().unwrap().to_string()
+    };
+    let (alice, bob) = (tenant("alice"), tenant("bob"));
+
+    // A policy at create: what is left out is the pod default's.
+    let r = api.call(
+        &alice,
+        "POST",
+        "/v1/sandboxes",
+        json!({"template": PROBE_TEMPLATE, "network": {"allow_out": ["PyPI.org"]}}),
+    );
+    assert_eq!(r.status, 201, "{}", r.body);
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    let path = format!("/v1/sandboxes/{id}");
+    assert_eq!(
+        r.json()["network"]["policy"],
+        json!({"allow_internet": true, "allow_out": ["pypi.org"], "deny_out": []})
+    );
+    for bad in [
+        json!({"allow_out": ["not a name!"]}),
+        json!({}),
+        json!({"nope": 1}),
+    ] {
+        let r = api.call(&alice, "PATCH", &format!("{path}/network"), bad.clone());
+        assert_eq!(r.status, 400, "{bad}: {}", r.body);
+    }
+    let r = api.call(
+        &alice,
+        "PATCH",
+        &format!("{path}/network"),
+        json!({"allow_internet": false, "deny_out": ["10.0.0.0/8"]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        r.json()["network"]["policy"],
+        json!({"allow_internet": false, "allow_out": ["pypi.org"], "deny_out": ["10.0.0.0/8"]})
+    );
+
+    // Another tenant's sandbox is not there.
+    for (method, sub, body) in [
+        ("PATCH", "/network", json!({"allow_internet": true})),
+        ("GET", "/ports", Value::Null),
+        ("POST", "/ports", json!({"guest_port": 80})),
+        ("DELETE", "/ports/80", Value::Null),
+    ] {
+        let r = api.call(&bob, method, &format!("{path}{sub}"), body);
+        assert_eq!(r.status, 404, "{method} {sub} as bob: {}", r.body);
+    }
+
+    // Expose a port: listed on the sandbox.
+    let r = api.call(
+        &alice,
+        "POST",
+        &format!("{path}/ports"),
+        json!({"guest_port": 8080}),
+    );
+    assert_eq!(r.status, 201, "{}", r.body);
+    let address: SocketAddr = r.json()["address"].as_str().unwrap().parse().unwrap();
+    assert!(address.ip().is_loopback());
+    let r = api.call(
+        &alice,
+        "POST",
+        &format!("{path}/ports"),
+        json!({"guest_port": 8080}),
+    );
+    assert_eq!(r.status, 409, "{}", r.body);
+    let r = api.call(
+        &alice,
+        "POST",
+        &format!("{path}/ports"),
+        json!({"guest_port": 0}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = api.call(&alice, "GET", &format!("{path}/ports"), Value::Null);
+    assert_eq!(
+        r.json()["ports"],
+        json!([{"guest_port": 8080, "address": address.to_string()}])
+    );
+    let r = api.call(&alice, "GET", &path, Value::Null);
+    assert_eq!(r.json()["network"]["ports"][0]["guest_port"], 8080);
+
+    // Hibernate it; a connection to its port wakes it.
+    let r = api.call(&alice, "POST", &format!("{path}/hibernate"), Value::Null);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = api.call(&alice, "GET", &path, Value::Null);
+    assert_eq!(r.json()["state"], "hibernated", "{}", r.body);
+    let mut c =
+        host.enter(|| TcpStream::connect_timeout(&address, Duration::from_secs(5)).unwrap());
+    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    // The probe has no network device: after the wake the proxy closes.
+    let _ = c.read_to_end(&mut Vec::new());
+    let r = api.call(&alice, "GET", &path, Value::Null);
+    assert_eq!(r.json()["state"], "running", "woken by traffic: {}", r.body);
+
+    // Removed: no longer listed, no longer listening.
+    let r = api.call(&alice, "DELETE", &format!("{path}/ports/8080"), Value::Null);
+    assert_eq!(r.status, 204, "{}", r.body);
+    let r = api.call(&alice, "DELETE", &format!("{path}/ports/8080"), Value::Null);
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert!(host
+        .enter(|| TcpStream::connect_timeout(&address, Duration::from_secs(2)))
+        .is_err());
+    // And with the sandbox.
+    let r = api.call(
+        &alice,
+        "POST",
+        &format!("{path}/ports"),
+        json!({"guest_port": 9090}),
+    );
+    assert_eq!(r.status, 201, "{}", r.body);
+    let again: SocketAddr = r.json()["address"].as_str().unwrap().parse().unwrap();
+
+    // A restarted service listens again on the stored port, and the
+    // policy is still the sandbox's.
+    drop(server);
+    service.close();
+    drop(service);
+    let service = Service::open(config).expect("open the service again");
+    let server = InProcessApi::start(service.clone(), api_config);
+    let api = Api {
+        addr: server.addr.clone(),
+    };
+    let r = api.call(&alice, "GET", &format!("{path}/ports"), Value::Null);
+    assert_eq!(
+        r.json()["ports"],
+        json!([{"guest_port": 9090, "address": again.to_string()}])
+    );
+    let r = api.call(&alice, "GET", &path, Value::Null);
+    assert_eq!(
+        r.json()["network"]["policy"]["deny_out"],
+        json!(["10.0.0.0/8"])
+    );
+    assert!(host
+        .enter(|| TcpStream::connect_timeout(&again, Duration::from_secs(5)))
+        .is_ok());
+
+    let r = api.call(&alice, "DELETE", &path, Value::Null);
+    assert_eq!(r.status, 204, "{}", r.body);
+    assert!(host
+        .enter(|| TcpStream::connect_timeout(&again, Duration::from_secs(2)))
+        .is_err());
+
+    drop(server);
+    service.close();
+}
