@@ -16,12 +16,16 @@ pub mod exec;
 pub mod files;
 pub mod frame;
 pub mod proto;
+pub mod proto_procs;
+pub mod procs;
+pub mod users;
+pub mod watch;
 pub mod resumed;
 pub mod server;
 pub mod system;
 pub mod vsock;
 
-pub use client::{AgentClient, ClientError, ExecOutput, OutputKind};
+pub use client::{AgentClient, AttachEvent, ClientError, ExecOutput, OutputKind};
 pub use frame::{FrameError, MAX_FRAME};
 pub use proto::{AGENT_VERSION, PROTOCOL_VERSION};
 pub use server::{Agent, AgentConfig, ListenAddr, Listener, DEFAULT_VSOCK_PORT};
