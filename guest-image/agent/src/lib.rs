@@ -22,6 +22,7 @@ pub mod users;
 pub mod watch;
 pub mod resumed;
 pub mod server;
+pub mod standin;
 pub mod system;
 pub mod vsock;
 
