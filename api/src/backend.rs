@@ -13,9 +13,9 @@ use crate::federation::{AddPod, RemotePod};
 use torpor_scheduler::images::ImagePart;
 
 use crate::service::{
-    AgentLink, CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
-    ExitReply, ForkSandbox, GuestCall, GuestError, Outcome, OutputKind, PodView, RestoreCheckpoint,
-    SandboxFilter, Service, ServiceError, TemplateFromSandbox,
+    AgentLink, CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput,
+    ExecRequest, ExitReply, ForkSandbox, GuestCall, GuestError, Outcome, OutputKind, PodView,
+    RestoreCheckpoint, SandboxFilter, Service, ServiceError, TemplateFromSandbox,
 };
 
 fn no_checkpoints() -> ServiceError {

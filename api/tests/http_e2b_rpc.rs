@@ -73,7 +73,10 @@ impl<'a> Envd<'a> {
             .server
             .request("POST", &format!("/{method}"), &h, Some(text.as_bytes()))
             .await;
-        (r.status, serde_json::from_slice(&r.body).unwrap_or(Value::Null))
+        (
+            r.status,
+            serde_json::from_slice(&r.body).unwrap_or(Value::Null),
+        )
     }
 
     async fn ok(&self, method: &str, message: Value) -> Value {
@@ -222,7 +225,8 @@ async fn a_background_process_is_listed_reconnected_fed_and_signalled() {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let sel = json!({"pid": pid});
         let input = |data: &[u8]| json!({"process": sel, "input": {"stdin": b64(data)}});
-        envd.ok("process.Process/SendInput", input(b"hello\n")).await;
+        envd.ok("process.Process/SendInput", input(b"hello\n"))
+            .await;
         envd.ok("process.Process/SendInput", input(b"tail")).await;
         envd.ok("process.Process/CloseStdin", json!({"process": sel}))
             .await;
@@ -250,7 +254,10 @@ async fn a_background_process_is_listed_reconnected_fed_and_signalled() {
     envd.ok("process.Process/SendSignal", kill.clone()).await;
     let mut status = 200;
     for _ in 0..50 {
-        status = envd.unary("process.Process/SendSignal", kill.clone()).await.0;
+        status = envd
+            .unary("process.Process/SendSignal", kill.clone())
+            .await
+            .0;
         if status == 404 {
             break;
         }
@@ -261,7 +268,11 @@ async fn a_background_process_is_listed_reconnected_fed_and_signalled() {
     assert_eq!(envd.unary("process.Process/SendSignal", bad).await.0, 400);
     let untagged = json!({"process": {"tag": "nope"}, "input": {"stdin": ""}});
     let (status, v) = envd.unary("process.Process/SendInput", untagged).await;
-    assert_eq!((status, v["code"].as_str()), (404, Some("not_found")), "{v}");
+    assert_eq!(
+        (status, v["code"].as_str()),
+        (404, Some("not_found")),
+        "{v}"
+    );
 }
 
 #[tokio::test]
@@ -330,7 +341,11 @@ async fn filesystem_rpcs_answer_envds_entries() {
     assert_eq!(made["entry"]["path"], p("a/b"));
     assert_eq!(made["entry"]["permissions"], "drwxr-xr-x");
     let (status, v) = envd.unary(&fs("MakeDir"), json!({"path": p("a/b")})).await;
-    assert_eq!((status, v["code"].as_str()), (409, Some("already_exists")), "{v}");
+    assert_eq!(
+        (status, v["code"].as_str()),
+        (409, Some("already_exists")),
+        "{v}"
+    );
 
     std::fs::write(dir.0.join("a/f.txt"), b"hello").unwrap();
     std::os::unix::fs::symlink("f.txt", dir.0.join("a/l")).unwrap();
@@ -359,7 +374,11 @@ async fn filesystem_rpcs_answer_envds_entries() {
     assert_eq!(moved["entry"]["name"], "g.txt");
     envd.ok(&fs("Remove"), json!({"path": p("a")})).await;
     let (status, v) = envd.unary(&fs("Stat"), json!({"path": p("a")})).await;
-    assert_eq!((status, v["code"].as_str()), (404, Some("not_found")), "{v}");
+    assert_eq!(
+        (status, v["code"].as_str()),
+        (404, Some("not_found")),
+        "{v}"
+    );
     let deep = json!({"path": p("x"), "depth": 99});
     assert_eq!(envd.unary(&fs("ListDir"), deep).await.0, 400);
 }
@@ -372,7 +391,10 @@ async fn watchers_poll_and_stream_changes() {
     let root = dir.0.to_str().unwrap().to_string();
     let fs = |m: &str| format!("filesystem.Filesystem/{m}");
     let w = envd
-        .ok(&fs("CreateWatcher"), json!({"path": root, "recursive": true}))
+        .ok(
+            &fs("CreateWatcher"),
+            json!({"path": root, "recursive": true}),
+        )
         .await;
     let wid = w["watcherId"].as_str().unwrap().to_string();
     std::fs::write(dir.0.join("new.txt"), b"x").unwrap();
@@ -435,7 +457,11 @@ async fn malformed_calls_are_connect_errors() {
     let envd = Envd::new(&server).await;
     // Unknown method, a client-streaming one not offered.
     let (status, v) = envd.unary("process.Process/Nope", json!({})).await;
-    assert_eq!((status, v["code"].as_str()), (501, Some("unimplemented")), "{v}");
+    assert_eq!(
+        (status, v["code"].as_str()),
+        (501, Some("unimplemented")),
+        "{v}"
+    );
     let (status, _) = envd.unary("process.Process/StreamInput", json!({})).await;
     assert_eq!(status, 501);
     // Bad JSON, wrong field types.
@@ -450,7 +476,10 @@ async fn malformed_calls_are_connect_errors() {
         .await;
     assert_eq!(typed.0, 400);
     // A streaming method called unary, and the other way round.
-    assert_eq!(envd.unary("process.Process/Start", bash("true")).await.0, 400);
+    assert_eq!(
+        envd.unary("process.Process/Start", bash("true")).await.0,
+        400
+    );
     let (_, end_stream) = envd.stream("process.Process/List", json!({}), &[]).await;
     assert_eq!(end_stream["error"]["code"], "invalid_argument");
     // Neither JSON nor Connect's streaming JSON.
@@ -463,11 +492,7 @@ async fn malformed_calls_are_connect_errors() {
     // Envelopes: shorter than declared, a cut header, longer than
     // declared, compressed, unknown flags, two messages, none, over the
     // limit.
-    let two = [
-        raw_envelope(0, 2, b"{}"),
-        raw_envelope(0, 2, b"{}"),
-    ]
-    .concat();
+    let two = [raw_envelope(0, 2, b"{}"), raw_envelope(0, 2, b"{}")].concat();
     for body in [
         raw_envelope(0, 10, b"{}"),
         vec![0, 0, 0],

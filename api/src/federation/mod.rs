@@ -36,9 +36,9 @@ use torpor_scheduler::service::LOCAL_POD;
 use crate::backend::SandboxApi;
 use crate::client::{encode, ClientError};
 use crate::service::{
-    AgentLink, CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
-    ExitReply, ForkSandbox, GuestCall, GuestError, Outcome, OutputKind, PodView, RestoreCheckpoint,
-    SandboxFilter, ServiceError,
+    AgentLink, CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput,
+    ExecRequest, ExitReply, ForkSandbox, GuestCall, GuestError, Outcome, OutputKind, PodView,
+    RestoreCheckpoint, SandboxFilter, ServiceError,
 };
 use crate::tls::Fingerprint;
 pub use pods::{is_loopback, RemotePod};

@@ -13,13 +13,13 @@
 
 use crate::frame::{read_message, write_message, FrameError, MAX_FRAME};
 use crate::proto::{
+    AttachRequest, InputRequest, MkdirRequest, PidRequest, ProcessInfo, RenameRequest,
+    ResizeRequest, SignalRequest, SpawnRequest, WatchAddRequest, WatchEvents, WatchIdRequest,
+};
+use crate::proto::{
     DirListing, ErrorReply, ExecRequest, ExitReply, FileData, FileStat, Hello, HelloReply,
     InfoReply, Op, PathRequest, ReadFileRequest, Reply, ReplyBody, Request, ResumedReply,
     ResumedRequest, StatRequest, WriteFileRequest, Written, MAX_IO_CHUNK, PROTOCOL_VERSION,
-};
-use crate::proto::{
-    AttachRequest, InputRequest, MkdirRequest, PidRequest, ProcessInfo, RenameRequest,
-    ResizeRequest, SignalRequest, SpawnRequest, WatchAddRequest, WatchEvents, WatchIdRequest,
 };
 use std::io::{Read, Write};
 
@@ -410,12 +410,8 @@ impl<S: Read + Write> AgentClient<S> {
         loop {
             let event = match self.recv_for(id)? {
                 ReplyBody::Exit(e) => return Ok(Some(e)),
-                ReplyBody::Stdout(c) => {
-                    on_event(AttachEvent::Output(OutputKind::Stdout, &c.data))
-                }
-                ReplyBody::Stderr(c) => {
-                    on_event(AttachEvent::Output(OutputKind::Stderr, &c.data))
-                }
+                ReplyBody::Stdout(c) => on_event(AttachEvent::Output(OutputKind::Stdout, &c.data)),
+                ReplyBody::Stderr(c) => on_event(AttachEvent::Output(OutputKind::Stderr, &c.data)),
                 ReplyBody::Pty(c) => on_event(AttachEvent::Pty(&c.data)),
                 ReplyBody::Keepalive => on_event(AttachEvent::Keepalive),
                 other => return Err(unexpected(&other)),

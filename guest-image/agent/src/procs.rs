@@ -136,7 +136,7 @@ fn check_size(size: PtySize) -> Result<libc::winsize, ErrorReply> {
 
 /// A new PTY pair of `size`: (master, slave).
 fn open_pty(size: PtySize) -> Result<(File, File), ErrorReply> {
-    let mut ws = check_size(size)?;
+    let ws = check_size(size)?;
     let (mut master, mut slave) = (-1, -1);
     // SAFETY: openpty writes two fds into the given ints; the name pointer
     // may be null; termios null means defaults.
@@ -146,7 +146,7 @@ fn open_pty(size: PtySize) -> Result<(File, File), ErrorReply> {
             &mut slave,
             std::ptr::null_mut(),
             std::ptr::null(),
-            &mut ws,
+            &ws,
         )
     };
     if rc != 0 {
@@ -303,9 +303,9 @@ impl Procs {
                 Ok(())
             });
         }
-        let mut child = cmd.spawn().map_err(|e| {
-            ErrorReply::io(&format!("spawn {:?} in {cwd:?}", req.argv[0]), &e)
-        })?;
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| ErrorReply::io(&format!("spawn {:?} in {cwd:?}", req.argv[0]), &e))?;
         drop(cmd);
         drop(pty);
         let pid = child.id();

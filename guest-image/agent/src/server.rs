@@ -6,16 +6,16 @@
 use crate::exec::{self, Running};
 use crate::files;
 use crate::frame::{encode_frame, read_frame, FrameError, MAX_FRAME};
+use crate::procs::Procs;
 use crate::proto::{
     ErrorReply, HelloReply, InfoReply, Op, Reply, ReplyBody, Request, AGENT_VERSION, KNOWN_OPS,
     PROTOCOL_VERSION,
 };
-use crate::procs::Procs;
 use crate::proto::{ProcessList, WatchId};
 use crate::resumed;
-use crate::watch::Watches;
 use crate::system::{self, SystemOps};
 use crate::vsock::{VsockListener, VsockStream};
+use crate::watch::Watches;
 use std::io::{self, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
@@ -413,9 +413,12 @@ impl Agent {
             Op::Mkdir(req) => files::mkdir(&req).map_or_else(ReplyBody::Error, ReplyBody::Stat),
             Op::Remove(req) => done(files::remove(&req.path)),
             Op::Rename(req) => files::rename(&req).map_or_else(ReplyBody::Error, ReplyBody::Stat),
-            Op::WatchAdd(req) => self.watches.add(&req).map_or_else(ReplyBody::Error, |watch_id| {
-                ReplyBody::Watch(WatchId { watch_id })
-            }),
+            Op::WatchAdd(req) => self
+                .watches
+                .add(&req)
+                .map_or_else(ReplyBody::Error, |watch_id| {
+                    ReplyBody::Watch(WatchId { watch_id })
+                }),
             Op::WatchEvents(req) => self
                 .watches
                 .events(req.watch_id)

@@ -79,7 +79,11 @@ pub fn by_name(name: &str) -> Result<User, ErrorReply> {
     let mut n = MAX_GROUPS as libc::c_int;
     // SAFETY: groups has room for n entries; getgrouplist writes at most n.
     let rc = unsafe { libc::getgrouplist(cname.as_ptr(), gid, groups.as_mut_ptr(), &mut n) };
-    groups.truncate(if rc < 0 { MAX_GROUPS } else { n.max(0) as usize });
+    groups.truncate(if rc < 0 {
+        MAX_GROUPS
+    } else {
+        n.max(0) as usize
+    });
     if !groups.contains(&gid) {
         groups.push(gid);
     }

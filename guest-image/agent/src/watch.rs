@@ -81,13 +81,7 @@ impl Watch {
         let mut buf = vec![0u8; 64 << 10];
         'read: while events.len() < MAX_EVENTS {
             // SAFETY: reads into a buffer of the given length.
-            let n = unsafe {
-                libc::read(
-                    self.fd.as_raw_fd(),
-                    buf.as_mut_ptr().cast(),
-                    buf.len(),
-                )
-            };
+            let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
             if n <= 0 {
                 break;
             }

@@ -21,7 +21,10 @@ fn mkdir_rename_remove_and_ownership() {
     let mut c = agent.client();
     let d = agent.dir.file("a");
     let made = c.mkdir(&d, false).unwrap();
-    assert_eq!((made.name.as_str(), made.kind, made.mode), ("a", FileKind::Dir, 0o755));
+    assert_eq!(
+        (made.name.as_str(), made.kind, made.mode),
+        ("a", FileKind::Dir, 0o755)
+    );
     // SAFETY: no preconditions.
     let uid = unsafe { libc::geteuid() };
     assert_eq!(made.uid, Some(uid));
@@ -36,17 +39,28 @@ fn mkdir_rename_remove_and_ownership() {
         .unwrap();
     std::os::unix::fs::symlink("f", agent.dir.path().join("a/b/c/l")).unwrap();
     let l = c.stat(&agent.dir.file("a/b/c/l"), false).unwrap();
-    assert_eq!((l.kind, l.link_target.as_deref()), (FileKind::Symlink, Some("f")));
+    assert_eq!(
+        (l.kind, l.link_target.as_deref()),
+        (FileKind::Symlink, Some("f"))
+    );
     // A file where a directory is asked for.
     assert_eq!(
         code(c.mkdir(&agent.dir.file("a/b/c/f"), true).unwrap_err()),
         "EEXIST"
     );
 
-    let moved = c.rename(&agent.dir.file("a/b"), &agent.dir.file("z")).unwrap();
+    let moved = c
+        .rename(&agent.dir.file("a/b"), &agent.dir.file("z"))
+        .unwrap();
     assert_eq!((moved.name.as_str(), moved.kind), ("z", FileKind::Dir));
-    assert_eq!(code(c.stat(&agent.dir.file("a/b"), true).unwrap_err()), "ENOENT");
-    assert_eq!(code(c.rename(&agent.dir.file("nope"), &d).unwrap_err()), "ENOENT");
+    assert_eq!(
+        code(c.stat(&agent.dir.file("a/b"), true).unwrap_err()),
+        "ENOENT"
+    );
+    assert_eq!(
+        code(c.rename(&agent.dir.file("nope"), &d).unwrap_err()),
+        "ENOENT"
+    );
     assert_eq!(code(c.rename("rel", &d).unwrap_err()), "EINVAL");
 
     // Remove: a symlink (not its target), then a whole tree.
@@ -108,8 +122,14 @@ fn watches_report_changes_recursively_and_are_bounded() {
 
     // The flat watch saw the top level only.
     let flat_seen = c.watch_events(flat).unwrap().events;
-    assert!(has(&flat_seen, "f", WatchEventKind::Create), "{flat_seen:?}");
-    assert!(flat_seen.iter().all(|e| !e.name.contains('/')), "{flat_seen:?}");
+    assert!(
+        has(&flat_seen, "f", WatchEventKind::Create),
+        "{flat_seen:?}"
+    );
+    assert!(
+        flat_seen.iter().all(|e| !e.name.contains('/')),
+        "{flat_seen:?}"
+    );
 
     c.watch_remove(flat).unwrap();
     assert_eq!(code(c.watch_events(flat).unwrap_err()), "ENOENT");
@@ -120,7 +140,10 @@ fn watches_report_changes_recursively_and_are_bounded() {
     );
     std::fs::write(root.join("file"), b"").unwrap();
     assert_eq!(
-        code(c.watch_add(root.join("file").to_str().unwrap(), false).unwrap_err()),
+        code(
+            c.watch_add(root.join("file").to_str().unwrap(), false)
+                .unwrap_err()
+        ),
         "ENOTDIR"
     );
     assert_eq!(code(c.watch_add("rel", false).unwrap_err()), "EINVAL");

@@ -54,14 +54,20 @@ fn spawned_output_replays_and_exit_code_arrives() {
     let pid = c.spawn(req).unwrap();
     let (out, err, pty, exit) = attach_all(&mut c, pid, true);
     let pwd = agent.dir.path().to_str().unwrap();
-    assert_eq!(String::from_utf8(out).unwrap(), format!("out\nbar\n{pwd}\n"));
+    assert_eq!(
+        String::from_utf8(out).unwrap(),
+        format!("out\nbar\n{pwd}\n")
+    );
     assert_eq!(err, b"err\n");
     assert!(pty.is_empty());
     assert_eq!(exit.code, Some(3));
     // An exited process is not listed, and cannot be signalled.
     assert!(c.processes().unwrap().iter().all(|p| p.pid != pid));
     let e = c.signal(pid, 15).unwrap_err();
-    assert!(matches!(e, ClientError::Agent(ref r) if r.code == "ESRCH"), "{e}");
+    assert!(
+        matches!(e, ClientError::Agent(ref r) if r.code == "ESRCH"),
+        "{e}"
+    );
     // But still attachable for its exit.
     assert_eq!(attach_all(&mut c, pid, false).3.code, Some(3));
 }
@@ -88,12 +94,18 @@ fn a_process_outlives_its_connection_and_reconnects_by_pid() {
     second.close_stdin(pid).unwrap();
     let mut third = agent.client();
     let (out, _, _, exit) = attach_all(&mut third, pid, true);
-    assert_eq!(String::from_utf8(out).unwrap(), "started\ngot hello\nmoredone\n");
+    assert_eq!(
+        String::from_utf8(out).unwrap(),
+        "started\ngot hello\nmoredone\n"
+    );
     assert_eq!(exit.code, Some(0));
     // A process without stdin refuses input.
     let pid = second.spawn(sh("sleep 0.1")).unwrap();
     let e = second.input(pid, b"x").unwrap_err();
-    assert!(matches!(e, ClientError::Agent(ref r) if r.code == "EPIPE"), "{e}");
+    assert!(
+        matches!(e, ClientError::Agent(ref r) if r.code == "EPIPE"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -122,13 +134,19 @@ fn signals_reach_the_whole_group() {
     let grandchild: i32 = String::from_utf8(line).unwrap().trim().parse().unwrap();
     assert!(c.processes().unwrap().iter().any(|p| p.pid == pid));
     let e = c.signal(pid, 0).unwrap_err();
-    assert!(matches!(e, ClientError::Agent(ref r) if r.code == "EINVAL"), "{e}");
+    assert!(
+        matches!(e, ClientError::Agent(ref r) if r.code == "EINVAL"),
+        "{e}"
+    );
     c.signal(pid, 9).unwrap();
     let exit = attach_all(&mut c, pid, false).3;
     assert_eq!(exit.signal, Some(9));
     assert!(wait_dead(grandchild, Duration::from_secs(5)));
     let e = c.signal(99_999_999, 9).unwrap_err();
-    assert!(matches!(e, ClientError::Agent(ref r) if r.code == "ESRCH"), "{e}");
+    assert!(
+        matches!(e, ClientError::Agent(ref r) if r.code == "ESRCH"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -136,7 +154,10 @@ fn a_pty_process_sees_a_terminal_that_resizes() {
     let agent = default_agent();
     let mut c = agent.client();
     let mut req = sh("stty size; read x; stty size; test -t 0 && echo tty; exit 5");
-    req.pty = Some(PtySize { cols: 100, rows: 30 });
+    req.pty = Some(PtySize {
+        cols: 100,
+        rows: 30,
+    });
     let pid = c.spawn(req).unwrap();
     assert!(c.processes().unwrap().iter().any(|p| p.pid == pid && p.pty));
     // Wait for the first size to be printed before resizing.
@@ -159,7 +180,10 @@ fn a_pty_process_sees_a_terminal_that_resizes() {
         .unwrap();
     c.resize(pid, 132, 43).unwrap();
     let e = c.close_stdin(pid).unwrap_err();
-    assert!(matches!(e, ClientError::Agent(ref r) if r.code == "EINVAL"), "{e}");
+    assert!(
+        matches!(e, ClientError::Agent(ref r) if r.code == "EINVAL"),
+        "{e}"
+    );
     c.input(pid, b"go\n").unwrap();
     let (out, err, pty, exit) = attach_all(&mut c, pid, true);
     assert!(out.is_empty() && err.is_empty());
@@ -205,13 +229,19 @@ fn a_named_user_runs_with_its_ids_home_and_environment() {
             req.cwd = Some("/".into());
             let pid = c.spawn(req).unwrap();
             let (out, _, _, _) = attach_all(&mut c, pid, true);
-            assert_eq!(String::from_utf8(out).unwrap().trim(), nobody.uid.to_string());
+            assert_eq!(
+                String::from_utf8(out).unwrap().trim(),
+                nobody.uid.to_string()
+            );
         }
     }
     let mut req = sh("true");
     req.user = Some("no-such-user-torpor".into());
     let e = c.spawn(req).unwrap_err();
-    assert!(matches!(e, ClientError::Agent(ref r) if r.code == "ENOENT"), "{e}");
+    assert!(
+        matches!(e, ClientError::Agent(ref r) if r.code == "ENOENT"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -223,7 +253,10 @@ fn the_process_table_is_bounded() {
     let a = c.spawn(sh("sleep 30")).unwrap();
     let b = c.spawn(sh("sleep 30")).unwrap();
     let e = c.spawn(sh("true")).unwrap_err();
-    assert!(matches!(e, ClientError::Agent(ref r) if r.code == "EAGAIN"), "{e}");
+    assert!(
+        matches!(e, ClientError::Agent(ref r) if r.code == "EAGAIN"),
+        "{e}"
+    );
     // An exited process makes room.
     c.signal(a, 9).unwrap();
     attach_all(&mut c, a, false);

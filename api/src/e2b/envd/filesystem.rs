@@ -82,7 +82,11 @@ fn permissions(kind: FileKind, mode: u32) -> String {
 /// `target` the followed one for a symlink, when it resolves.
 pub fn entry(path: &str, link: &FileStat, target: Option<&FileStat>) -> EntryInfo {
     let is_symlink = link.kind == FileKind::Symlink;
-    let shown = if is_symlink { target.unwrap_or(link) } else { link };
+    let shown = if is_symlink {
+        target.unwrap_or(link)
+    } else {
+        link
+    };
     let name = path
         .rsplit('/')
         .find(|s| !s.is_empty())
@@ -361,7 +365,7 @@ fn watch_loop(
             continue;
         }
         for e in evs {
-            if !send(WatchEvent::Filesystem(e)) {
+            if !send(WatchEvent::Filesystem(Box::new(e))) {
                 return Ok(());
             }
         }

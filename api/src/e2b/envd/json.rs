@@ -276,7 +276,7 @@ pub struct WatcherEventsResponse {
 #[serde(rename_all = "camelCase")]
 pub enum WatchEvent {
     Start(Empty),
-    Filesystem(FilesystemEvent),
+    Filesystem(Box<FilesystemEvent>),
     Keepalive(Empty),
 }
 
@@ -298,17 +298,19 @@ mod tests {
         }))
         .unwrap();
         let p = s.process.unwrap();
-        assert_eq!((p.cmd.as_str(), p.args.len(), p.cwd), ("/bin/bash", 3, None));
+        assert_eq!(
+            (p.cmd.as_str(), p.args.len(), p.cwd),
+            ("/bin/bash", 3, None)
+        );
         assert_eq!(s.pty.unwrap().size, Some(PtySize { cols: 80, rows: 24 }));
         let w: WatchRequest =
             serde_json::from_value(json!({"path": "/x", "include_entry": true})).unwrap();
         assert!(w.include_entry);
         let w: WatcherRequest = serde_json::from_value(json!({"watcherId": "7"})).unwrap();
         assert_eq!(w.watcher_id, "7");
-        let i: SendInputRequest = serde_json::from_value(
-            json!({"process": {"pid": 3}, "input": {"stdin": "aGk"}}),
-        )
-        .unwrap();
+        let i: SendInputRequest =
+            serde_json::from_value(json!({"process": {"pid": 3}, "input": {"stdin": "aGk"}}))
+                .unwrap();
         assert_eq!(i.input.unwrap().stdin.as_deref(), Some(&b"hi"[..]));
         let sig: SendSignalRequest =
             serde_json::from_value(json!({"process": {"tag": "t"}, "signal": "SIGNAL_SIGKILL"}))

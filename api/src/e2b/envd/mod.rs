@@ -27,8 +27,8 @@ use super::error::E2bError;
 use super::wire::e2b_state;
 use crate::auth::Auth;
 use crate::backend::SandboxApi;
-use crate::service::ServiceError;
 use crate::handlers::{call, Api, AppState};
+use crate::service::ServiceError;
 
 pub mod envelope;
 pub mod files;

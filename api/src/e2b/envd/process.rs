@@ -18,8 +18,8 @@ use super::envelope::ConnectError;
 use super::files::{resolve, DEFAULT_USER};
 use super::json::{
     Data, Empty, EndEvent, EnumValue, EventResponse, ListResponse, ProcessConfig, ProcessEvent,
-    ProcessInfo, ProcessSelector, SelectRequest, SendInputRequest, SendSignalRequest,
-    StartEvent, StartRequest, UpdateRequest,
+    ProcessInfo, ProcessSelector, SelectRequest, SendInputRequest, SendSignalRequest, StartEvent,
+    StartRequest, UpdateRequest,
 };
 use super::rpc::{guest_error, invalid, parse, CallContext, StreamTx};
 use super::Code;
@@ -113,10 +113,15 @@ fn follow(
     replay: bool,
     out: &StreamTx,
 ) -> Result<(), ConnectError> {
+    // Keepalives come often enough to see the client's timeout on time.
+    let mut keepalive = ctx.keepalive;
+    if let Some(d) = ctx.deadline {
+        keepalive = keepalive.min(d.saturating_duration_since(std::time::Instant::now()));
+    }
     let req = AttachRequest {
         pid,
         replay,
-        keepalive_ms: Some(ctx.keepalive.as_millis() as u64),
+        keepalive_ms: Some(keepalive.as_millis().max(100) as u64),
     };
     let mut timed_out = false;
     let exit = client
@@ -192,7 +197,9 @@ pub fn start(
     let pid = match client.spawn(spawn.clone()) {
         Ok(pid) => pid,
         // No `user` in this guest and none asked for: the agent's user.
-        Err(ClientError::Agent(e)) if e.code == "ENOENT" && user.is_none() && is_user_error(&e.message) => {
+        Err(ClientError::Agent(e))
+            if e.code == "ENOENT" && user.is_none() && is_user_error(&e.message) =>
+        {
             spawn.user = None;
             client.spawn(spawn).map_err(|e| call_err(link, e))?
         }

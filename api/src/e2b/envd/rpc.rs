@@ -258,7 +258,10 @@ struct StreamSlot(String);
 impl StreamSlot {
     fn take(sandbox: &str) -> Option<StreamSlot> {
         let mut map = STREAMS.lock().unwrap_or_else(|e| e.into_inner());
-        let n = map.get_or_insert_with(HashMap::new).entry(sandbox.to_string()).or_insert(0);
+        let n = map
+            .get_or_insert_with(HashMap::new)
+            .entry(sandbox.to_string())
+            .or_insert(0);
         if *n >= MAX_STREAMS_PER_SANDBOX {
             return None;
         }
@@ -307,7 +310,8 @@ pub async fn handle(
     body: Body,
 ) -> Response {
     let streaming = is_streaming(headers);
-    let fail = |code: Code, message: String| connect_error(streaming, ConnectError { code, message });
+    let fail =
+        |code: Code, message: String| connect_error(streaming, ConnectError { code, message });
     let Some(kind) = method_kind(service, method) else {
         return fail(
             Code::Unimplemented,
@@ -329,7 +333,11 @@ pub async fn handle(
             Code::InvalidArgument,
             format!(
                 "{service}/{method} is {}: call it with {}",
-                if streaming { "unary" } else { "server-streaming" },
+                if streaming {
+                    "unary"
+                } else {
+                    "server-streaming"
+                },
                 if streaming {
                     "application/json"
                 } else {
@@ -478,8 +486,15 @@ mod tests {
         for (service, methods) in [
             (
                 "process.Process",
-                &["Start", "Connect", "List", "SendSignal", "SendInput", "CloseStdin", "Update"]
-                    [..],
+                &[
+                    "Start",
+                    "Connect",
+                    "List",
+                    "SendSignal",
+                    "SendInput",
+                    "CloseStdin",
+                    "Update",
+                ][..],
             ),
             (
                 "filesystem.Filesystem",
