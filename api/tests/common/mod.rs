@@ -51,7 +51,9 @@ pub struct FakeState {
 /// hooks: a template named `panic` panics, and metadata `sleep_ms` makes
 /// create_sandbox sleep. Sandboxes have no agent (as probe sandboxes)
 /// unless their metadata says `agent=fake`: then exec runs `echo` (streamed
-/// one argument per chunk), and files live in memory.
+/// one argument per chunk), and files live in memory; or `agent=real`:
+/// then files and envd's RPCs go to a real torpor-agent on this host
+/// (behind the hybrid vsock stand-in, [`Fake::real_agent`]).
 pub struct Fake {
     pub state: Mutex<FakeState>,
     /// A real torpor-agent behind a hybrid vsock stand-in, started on
@@ -122,6 +124,18 @@ impl Fake {
             }),
             real_agent: Mutex::new(None),
         }
+    }
+
+    /// The real agent's link for a sandbox with `agent=real`.
+    fn real_link(&self, id: &SandboxId) -> Option<AgentLink> {
+        let real = self
+            .state
+            .lock()
+            .unwrap()
+            .sandboxes
+            .get(id)
+            .is_some_and(|s| s.metadata.get("agent").map(String::as_str) == Some("real"));
+        real.then(|| AgentLink::new(id.as_str(), self.real_agent()))
     }
 
     /// The stand-in socket of the real agent, started on first use.
@@ -530,6 +544,10 @@ impl SandboxApi for Fake {
 
     fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
         let outcome = self.guest(id)?;
+        if let Some(link) = self.real_link(id) {
+            let value = link.read_file(path, 64 << 20)?;
+            return Ok(GuestCall { outcome, value });
+        }
         let data = self.state.lock().unwrap().files.get(path).cloned();
         Ok(GuestCall {
             outcome,
@@ -542,9 +560,13 @@ impl SandboxApi for Fake {
         id: &SandboxId,
         path: &str,
         data: &[u8],
-        _mode: Option<u32>,
+        mode: Option<u32>,
     ) -> Result<GuestCall<u64>, ServiceError> {
         let outcome = self.guest(id)?;
+        if let Some(link) = self.real_link(id) {
+            let value = link.write_file(path, data, mode)?;
+            return Ok(GuestCall { outcome, value });
+        }
         let mut st = self.state.lock().unwrap();
         st.files.insert(path.to_string(), data.to_vec());
         Ok(GuestCall {

@@ -6,11 +6,13 @@
 //! `/v1` or E2B's control plane) and on `--e2b-listen`.
 //!
 //! Done: `GET /health`, `GET /files` and octet-stream `POST /files`
-//! ([`files`]), the Connect envelope codec ([`envelope`]) and Connect's
-//! error answers; every RPC answers `unimplemented` (Connect's shape, so
-//! the SDKs raise a clear error). `/files` takes the sandbox's access token
-//! (`X-Access-Token`, issued at create as `envdAccessToken`) or an API key.
-//! Not yet: multipart uploads, processes, watches. See `docs/e2b.md`.
+//! ([`files`]), the Connect envelope codec ([`envelope`]), and the RPCs
+//! of `process.Process` ([`process`]) and `filesystem.Filesystem`
+//! ([`filesystem`]) in Connect's JSON ([`json`]), unary and
+//! server-streaming ([`rpc`]), on the agent's protocol 1.1. Everything but
+//! `/health` takes the sandbox's access token (`X-Access-Token`, issued at
+//! create as `envdAccessToken`) or an API key of its tenant. Not yet:
+//! multipart uploads, `StreamInput`. See `docs/e2b.md`.
 
 use std::sync::Arc;
 
