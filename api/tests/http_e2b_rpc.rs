@@ -67,7 +67,16 @@ impl<'a> Envd<'a> {
 
     /// A unary call: status and JSON body.
     async fn unary(&self, method: &str, message: Value) -> (u16, Value) {
-        let h = self.headers("application/json", &[]);
+        self.unary_with(method, message, &[]).await
+    }
+
+    async fn unary_with(
+        &self,
+        method: &str,
+        message: Value,
+        extra: &[(&'static str, &str)],
+    ) -> (u16, Value) {
+        let h = self.headers("application/json", extra);
         let text = message.to_string();
         let r = self
             .server
@@ -381,6 +390,49 @@ async fn filesystem_rpcs_answer_envds_entries() {
     );
     let deep = json!({"path": p("x"), "depth": 99});
     assert_eq!(envd.unary(&fs("ListDir"), deep).await.0, 400);
+
+    // As a named user (`Authorization: Basic base64("nobody:")`): the
+    // directories made belong to that user, the existing parent does not.
+    // SAFETY: no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if root && torpor_agent::users::by_name("nobody").is_ok() {
+        let auth = format!("Basic {}", b64(b"nobody:"));
+        let req = json!({"path": p("n1/n2")});
+        let (status, v) = envd
+            .unary_with(&fs("MakeDir"), req, &[("Authorization", &auth)])
+            .await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["entry"]["owner"], "nobody", "{v}");
+        let n1 = envd.ok(&fs("Stat"), json!({"path": p("n1")})).await;
+        assert_eq!(n1["entry"]["owner"], "nobody", "{n1}");
+        let top = envd.ok(&fs("Stat"), json!({"path": p("")})).await;
+        assert_ne!(top["entry"]["owner"], "nobody", "{top}");
+        let (status, _) = envd
+            .unary_with(
+                &fs("MakeDir"),
+                json!({"path": p("u")}),
+                &[("Authorization", "Basic !")],
+            )
+            .await;
+        assert_eq!(status, 400);
+        let ghost = format!("Basic {}", b64(b"no-such-user-torpor:"));
+        let (status, v) = envd
+            .unary_with(
+                &fs("MakeDir"),
+                json!({"path": p("g")}),
+                &[("Authorization", &ghost)],
+            )
+            .await;
+        assert_eq!(
+            (status, v["code"].as_str()),
+            (404, Some("not_found")),
+            "{v}"
+        );
+        assert!(
+            !dir.0.join("g").exists(),
+            "nothing made for an unknown user"
+        );
+    }
 }
 
 #[tokio::test]

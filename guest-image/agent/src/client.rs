@@ -455,9 +455,20 @@ impl<S: Read + Write> AgentClient<S> {
 
     /// `mkdir` (1.1): the new directory.
     pub fn mkdir(&mut self, path: &str, parents: bool) -> Result<FileStat, ClientError> {
+        self.mkdir_as(path, parents, None)
+    }
+
+    /// `mkdir` (1.1) whose new directories go to `owner`.
+    pub fn mkdir_as(
+        &mut self,
+        path: &str,
+        parents: bool,
+        owner: Option<&str>,
+    ) -> Result<FileStat, ClientError> {
         self.expect_stat(Op::Mkdir(MkdirRequest {
             path: path.into(),
             parents,
+            owner: owner.map(str::to_string),
         }))
     }
 

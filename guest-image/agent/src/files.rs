@@ -186,7 +186,8 @@ fn stat_of(path: &Path, shown: &str) -> Result<FileStat, ErrorReply> {
 }
 
 /// `mkdir` (0o755): `EEXIST` when the path exists, unless `parents` and it
-/// is a directory.
+/// is a directory; the directories it creates go to `owner` (an unknown
+/// owner is `ENOENT` before anything is created).
 pub fn mkdir(req: &MkdirRequest) -> Result<FileStat, ErrorReply> {
     let path = absolute(&req.path)?;
     let mut b = fs::DirBuilder::new();
@@ -197,7 +198,23 @@ pub fn mkdir(req: &MkdirRequest) -> Result<FileStat, ErrorReply> {
             format!("{}: exists and is not a directory", req.path),
         ));
     }
+    let owner = req
+        .owner
+        .as_deref()
+        .map(crate::users::by_name)
+        .transpose()?;
+    // The directories this request creates, deepest first.
+    let created: Vec<&Path> = path
+        .ancestors()
+        .take_while(|p| fs::symlink_metadata(p).is_err())
+        .collect();
     b.create(path).map_err(|e| ErrorReply::io(&req.path, &e))?;
+    if let Some(u) = owner {
+        for dir in created.iter().rev() {
+            std::os::unix::fs::lchown(dir, Some(u.uid), Some(u.gid))
+                .map_err(|e| ErrorReply::io(&dir.to_string_lossy(), &e))?;
+        }
+    }
     stat_of(path, &req.path)
 }
 

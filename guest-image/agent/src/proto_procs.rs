@@ -140,6 +140,10 @@ pub struct MkdirRequest {
     /// Create missing parents too (all 0o755).
     #[serde(default)]
     pub parents: bool,
+    /// Give the directories this request creates to this user (and its
+    /// primary group); checked before anything is created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 /// `rename` request.

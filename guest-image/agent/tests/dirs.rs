@@ -71,6 +71,26 @@ fn mkdir_rename_remove_and_ownership() {
     assert_eq!(code(c.remove(&agent.dir.file("z")).unwrap_err()), "ENOENT");
     assert_eq!(code(c.remove("/").unwrap_err()), "EBUSY");
     assert_eq!(code(c.remove("").unwrap_err()), "EINVAL");
+
+    // New directories go to a named owner; an unknown owner creates none.
+    let ghost = agent.dir.file("g/h");
+    let e = c
+        .mkdir_as(&ghost, true, Some("no-such-user-torpor"))
+        .unwrap_err();
+    assert_eq!(code(e), "ENOENT");
+    assert!(!agent.dir.path().join("g").exists());
+    let nobody = torpor_agent::users::by_name("nobody");
+    if let (0, Ok(nobody)) = (uid, nobody) {
+        let made = c
+            .mkdir_as(&agent.dir.file("n/o"), true, Some("nobody"))
+            .unwrap();
+        assert_eq!(made.owner.as_deref(), Some("nobody"));
+        assert_eq!(made.gid, Some(nobody.gid));
+        let n = c.stat(&agent.dir.file("n"), false).unwrap();
+        assert_eq!(n.uid, Some(nobody.uid));
+        let top = c.stat(&agent.dir.file(""), false).unwrap();
+        assert_eq!(top.uid, Some(0), "an existing parent keeps its owner");
+    }
 }
 
 /// Polls a watch until `want` events arrived (or 10 s passed).

@@ -1,8 +1,8 @@
 //! `filesystem.Filesystem`: E2B's file operations on the agent's `stat`,
 //! `list_dir`, `mkdir`, `remove`, `rename` and inotify watches (protocol
 //! 1.1). Relative paths are under the request user's home. Operations run
-//! as the agent's user (root in torpor's images): a directory made here
-//! belongs to root, not to the request's user.
+//! as the agent's user (root in torpor's images); the directories
+//! `MakeDir` creates are then given to the request's user.
 //!
 //! `WatchDir` polls the agent's watch every [`WATCH_POLL`] and streams
 //! what it collected; the watch is removed when the stream ends.
@@ -17,13 +17,13 @@ use torpor_scheduler::model::Timestamp;
 use torpor_scheduler::service::guest::{AgentLink, GuestStream};
 
 use super::envelope::ConnectError;
-use super::files::resolve;
+use super::files::{resolve, DEFAULT_USER};
 use super::json::{
     CreateWatcherResponse, Empty, EntryInfo, EntryResponse, FilesystemEvent, ListDirRequest,
     ListDirResponse, MoveRequest, PathRequest, WatchDirResponse, WatchEvent, WatchRequest,
     WatcherEventsResponse, WatcherRequest,
 };
-use super::rpc::{guest_error, invalid, parse, CallContext, StreamTx};
+use super::rpc::{guest_error, invalid, parse, unknown_user, CallContext, StreamTx};
 use super::Code;
 use crate::e2b::time;
 
@@ -182,7 +182,9 @@ pub fn list_dir(
     Ok(to_value(&ListDirResponse { entries }))
 }
 
-/// `MakeDir`: with missing parents; `already_exists` when it exists.
+/// `MakeDir`: with missing parents; `already_exists` when it exists. The
+/// directories it creates belong to the request's user (`user` by
+/// default; the agent's own when the guest has no `user`).
 pub fn make_dir(
     link: &AgentLink,
     ctx: &CallContext,
@@ -197,7 +199,14 @@ pub fn make_dir(
             message: format!("{path} already exists"),
         });
     }
-    client.mkdir(&path, true).map_err(|e| call_err(link, e))?;
+    let owner = ctx.user.as_deref().unwrap_or(DEFAULT_USER);
+    match client.mkdir_as(&path, true, Some(owner)) {
+        Ok(_) => {}
+        Err(ClientError::Agent(e)) if ctx.user.is_none() && unknown_user(&e) => {
+            client.mkdir(&path, true).map_err(|e| call_err(link, e))?;
+        }
+        Err(e) => return Err(call_err(link, e)),
+    }
     let entry = entry_of(link, &mut client, &path)?;
     Ok(to_value(&EntryResponse { entry }))
 }

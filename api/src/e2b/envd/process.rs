@@ -21,7 +21,7 @@ use super::json::{
     ProcessInfo, ProcessSelector, SelectRequest, SendInputRequest, SendSignalRequest, StartEvent,
     StartRequest, UpdateRequest,
 };
-use super::rpc::{guest_error, invalid, parse, CallContext, StreamTx};
+use super::rpc::{guest_error, invalid, parse, unknown_user, CallContext, StreamTx};
 use super::Code;
 
 /// How much longer than the keepalive interval the guest may stay silent.
@@ -197,9 +197,7 @@ pub fn start(
     let pid = match client.spawn(spawn.clone()) {
         Ok(pid) => pid,
         // No `user` in this guest and none asked for: the agent's user.
-        Err(ClientError::Agent(e))
-            if e.code == "ENOENT" && user.is_none() && is_user_error(&e.message) =>
-        {
+        Err(ClientError::Agent(e)) if user.is_none() && unknown_user(&e) => {
             spawn.user = None;
             client.spawn(spawn).map_err(|e| call_err(link, e))?
         }
@@ -209,10 +207,6 @@ pub fn start(
         return Ok(());
     }
     follow(link, &mut client, ctx, pid, true, out)
-}
-
-fn is_user_error(message: &str) -> bool {
-    message.starts_with("no user ")
 }
 
 /// `Connect` (server stream): a start event, then the output from now on.

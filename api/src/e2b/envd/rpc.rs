@@ -126,6 +126,12 @@ pub fn invalid(message: String) -> ConnectError {
     }
 }
 
+/// Whether the agent refused because the guest has no such user (then a
+/// request that named none falls back to the agent's own user).
+pub fn unknown_user(e: &torpor_agent::proto::ErrorReply) -> bool {
+    e.code == "ENOENT" && e.message.starts_with("no user ")
+}
+
 /// The Connect code of an agent errno name.
 fn code_of_errno(code: &str) -> Code {
     match code {
