@@ -306,7 +306,6 @@ fn is_unary_json(headers: &HeaderMap) -> bool {
 }
 
 /// Serves one call of `service/method`: `body` is the raw request body.
-/// `ctx` is `Err` when the request's headers were already refused.
 pub async fn handle(
     runner: Runner,
     ctx: CallContext,
