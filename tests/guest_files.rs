@@ -3,14 +3,10 @@
 //! vsock socket (`CONNECT <port>` / `OK <port>`, then the agent protocol).
 //! The same commands run against a real guest in nested/tests/nested_linux.rs.
 
-use std::io::{Read, Write};
-use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::Arc;
 
 use torpor_agent::proto::MAX_IO_CHUNK;
-use torpor_agent::{Agent, AgentConfig, FakeOps, ListenAddr, Listener};
 
 const TORPOR: &str = env!("CARGO_BIN_EXE_torpor");
 
@@ -34,46 +30,7 @@ impl Drop for TempDir {
 /// An agent on `dir/agent.sock`, and the hybrid vsock stand-in on
 /// `dir/vsock.sock` that forwards port 52 to it.
 fn start(dir: &Path) -> PathBuf {
-    let agent_sock = dir.join("agent.sock");
-    let agent = Agent::new(AgentConfig::new(Arc::new(FakeOps::new().root(true))));
-    let listener = Listener::bind(&ListenAddr::Unix(agent_sock.clone())).unwrap();
-    std::thread::spawn(move || agent.serve(&listener));
-
-    let vsock = dir.join("vsock.sock");
-    let front = UnixListener::bind(&vsock).unwrap();
-    std::thread::spawn(move || {
-        for host in front.incoming() {
-            let Ok(mut host) = host else { return };
-            let agent_sock = agent_sock.clone();
-            std::thread::spawn(move || forward(&mut host, &agent_sock));
-        }
-    });
-    vsock
-}
-
-/// Reads the `CONNECT` line byte by byte (nothing behind it may be lost),
-/// answers as the VMM does, then splices the two streams.
-fn forward(host: &mut UnixStream, agent_sock: &Path) {
-    let mut line = Vec::new();
-    let mut byte = [0u8];
-    while host.read_exact(&mut byte).is_ok() && byte[0] != b'\n' {
-        line.push(byte[0]);
-    }
-    if line != b"CONNECT 52" {
-        let _ = host.write_all(b"REFUSED\n");
-        return;
-    }
-    let guest = UnixStream::connect(agent_sock).unwrap();
-    host.write_all(b"OK 1073741824\n").unwrap();
-    let (mut h2, mut g2) = (host.try_clone().unwrap(), guest.try_clone().unwrap());
-    let mut guest = guest;
-    let up = std::thread::spawn(move || {
-        let _ = std::io::copy(&mut h2, &mut guest);
-        let _ = guest.shutdown(std::net::Shutdown::Write);
-    });
-    let _ = std::io::copy(&mut g2, host);
-    let _ = host.shutdown(std::net::Shutdown::Write);
-    let _ = up.join();
+    torpor_agent::standin::start(dir, |_| {}).unwrap()
 }
 
 fn files(vsock: &Path, args: &[&str]) -> Output {

@@ -16,9 +16,9 @@ use crate::federation::{AddPod, RemotePod};
 use torpor_scheduler::images::ImagePart;
 
 use crate::service::{
-    CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
-    ExitReply, ForkSandbox, GuestCall, Outcome, OutputKind, PodView, RestoreCheckpoint,
-    SandboxFilter, Service, ServiceError, TemplateFromSandbox,
+    AgentLink, CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput,
+    ExecRequest, ExitReply, ForkSandbox, GuestCall, GuestError, Outcome, OutputKind, PodView,
+    RestoreCheckpoint, SandboxFilter, Service, ServiceError, TemplateFromSandbox,
 };
 
 fn no_checkpoints() -> ServiceError {
@@ -250,6 +250,13 @@ pub trait SandboxApi: Send + Sync + 'static {
         mode: Option<u32>,
     ) -> Result<GuestCall<u64>, ServiceError>;
     fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError>;
+    /// Wakes the sandbox if needed and hands `f` its agent (E2B's envd
+    /// RPCs, which make their own connections to it).
+    fn with_guest(
+        &self,
+        id: &SandboxId,
+        f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
+    ) -> Result<Outcome, ServiceError>;
 }
 
 impl SandboxApi for Service {
@@ -395,6 +402,13 @@ impl SandboxApi for Service {
     }
     fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError> {
         Service::list_dir(self, id, path)
+    }
+    fn with_guest(
+        &self,
+        id: &SandboxId,
+        f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
+    ) -> Result<Outcome, ServiceError> {
+        Service::with_guest(self, id, f)
     }
     fn list_images(&self) -> Result<Vec<String>, ServiceError> {
         Ok(self.images().list())

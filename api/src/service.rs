@@ -3,7 +3,7 @@
 //! [`crate::SandboxApi`] need only this crate.
 
 pub use torpor_scheduler::service::guest::{
-    DirListing, ExecOutput, ExecRequest, ExitReply, FileKind, FileStat, OutputKind,
+    AgentLink, DirListing, ExecOutput, ExecRequest, ExitReply, FileKind, FileStat, OutputKind,
 };
 pub use torpor_scheduler::service::{
     check_lifetimes, CreateCheckpoint, CreateSandbox, CreateTemplate, ForkSandbox, GuestCall,

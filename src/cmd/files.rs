@@ -332,6 +332,10 @@ mod tests {
             mode: 0o777,
             mtime_ns: 0,
             link_target: Some("/x".into()),
+            uid: None,
+            gid: None,
+            owner: None,
+            group: None,
         };
         assert_eq!(ls_line(&entry), "symlink 0777            3 l -> /x");
     }

@@ -36,9 +36,9 @@ use torpor_scheduler::service::LOCAL_POD;
 use crate::backend::SandboxApi;
 use crate::client::{encode, ClientError};
 use crate::service::{
-    CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
-    ExitReply, ForkSandbox, GuestCall, Outcome, OutputKind, PodView, RestoreCheckpoint,
-    SandboxFilter, ServiceError,
+    AgentLink, CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput,
+    ExecRequest, ExitReply, ForkSandbox, GuestCall, GuestError, Outcome, OutputKind, PodView,
+    RestoreCheckpoint, SandboxFilter, ServiceError,
 };
 use crate::tls::Fingerprint;
 pub use pods::{is_loopback, RemotePod};
@@ -868,5 +868,12 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
     }
     fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError> {
         self.local.list_dir(id, path)
+    }
+    fn with_guest(
+        &self,
+        id: &SandboxId,
+        f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
+    ) -> Result<Outcome, ServiceError> {
+        self.local.with_guest(id, f)
     }
 }

@@ -15,8 +15,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use torpor_api::service::{
-    CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest, ExitReply, FileKind,
-    FileStat, GuestCall, GuestError, Outcome, OutputKind, PodView, SandboxFilter, ServiceError,
+    AgentLink, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest, ExitReply,
+    FileKind, FileStat, GuestCall, GuestError, Outcome, OutputKind, PodView, SandboxFilter,
+    ServiceError,
 };
 use torpor_api::{ApiConfig, SandboxApi};
 use torpor_scheduler::model::{
@@ -50,9 +51,39 @@ pub struct FakeState {
 /// hooks: a template named `panic` panics, and metadata `sleep_ms` makes
 /// create_sandbox sleep. Sandboxes have no agent (as probe sandboxes)
 /// unless their metadata says `agent=fake`: then exec runs `echo` (streamed
-/// one argument per chunk), and files live in memory.
+/// one argument per chunk), and files live in memory; or `agent=real`:
+/// then files and envd's RPCs go to a real torpor-agent on this host
+/// (behind the hybrid vsock stand-in, [`Fake::real_agent`]).
 pub struct Fake {
     pub state: Mutex<FakeState>,
+    /// A real torpor-agent behind a hybrid vsock stand-in, started on
+    /// first use by `with_guest` (envd's RPCs): the directory holding its
+    /// sockets (removed on drop) and the stand-in's socket.
+    pub real_agent: Mutex<Option<(ScratchDir, std::path::PathBuf)>>,
+}
+
+/// A directory removed on drop.
+pub struct ScratchDir(pub std::path::PathBuf);
+
+impl ScratchDir {
+    pub fn new(tag: &str) -> Self {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static N: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "torpor-api-{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        ScratchDir(dir)
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 impl Fake {
@@ -91,7 +122,31 @@ impl Fake {
                 last_timeout: None,
                 files: BTreeMap::new(),
             }),
+            real_agent: Mutex::new(None),
         }
+    }
+
+    /// The real agent's link for a sandbox with `agent=real`.
+    fn real_link(&self, id: &SandboxId) -> Option<AgentLink> {
+        let real = self
+            .state
+            .lock()
+            .unwrap()
+            .sandboxes
+            .get(id)
+            .is_some_and(|s| s.metadata.get("agent").map(String::as_str) == Some("real"));
+        real.then(|| AgentLink::new(id.as_str(), self.real_agent()))
+    }
+
+    /// The stand-in socket of the real agent, started on first use.
+    pub fn real_agent(&self) -> std::path::PathBuf {
+        let mut slot = self.real_agent.lock().unwrap();
+        let (_, vsock) = slot.get_or_insert_with(|| {
+            let dir = ScratchDir::new("agent");
+            let vsock = torpor_agent::standin::start(&dir.0, |_| {}).unwrap();
+            (dir, vsock)
+        });
+        vsock.clone()
     }
 
     fn view(st: &FakeState) -> PodView {
@@ -176,7 +231,10 @@ impl Fake {
     fn guest(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
         let mut st = self.state.lock().unwrap();
         let sandbox = Self::sandbox(&mut st, id)?;
-        if sandbox.metadata.get("agent").map(String::as_str) != Some("fake") {
+        if !matches!(
+            sandbox.metadata.get("agent").map(String::as_str),
+            Some("fake" | "real")
+        ) {
             return Err(ServiceError::Guest(GuestError::NoAgent {
                 id: id.to_string(),
                 kind: TemplateKind::Probe,
@@ -313,6 +371,8 @@ impl SandboxApi for Fake {
         );
         sandbox.metadata = req.metadata;
         sandbox.access_token = req.access_token;
+        sandbox.env = req.env;
+        sandbox.tenant = req.owner.filter(|o| !o.admin).map(|o| o.tenant);
         sandbox.pod = Some(st.pod.id.clone());
         if fits {
             sandbox.state = SandboxState::Running;
@@ -484,6 +544,10 @@ impl SandboxApi for Fake {
 
     fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
         let outcome = self.guest(id)?;
+        if let Some(link) = self.real_link(id) {
+            let value = link.read_file(path, 64 << 20)?;
+            return Ok(GuestCall { outcome, value });
+        }
         let data = self.state.lock().unwrap().files.get(path).cloned();
         Ok(GuestCall {
             outcome,
@@ -496,9 +560,13 @@ impl SandboxApi for Fake {
         id: &SandboxId,
         path: &str,
         data: &[u8],
-        _mode: Option<u32>,
+        mode: Option<u32>,
     ) -> Result<GuestCall<u64>, ServiceError> {
         let outcome = self.guest(id)?;
+        if let Some(link) = self.real_link(id) {
+            let value = link.write_file(path, data, mode)?;
+            return Ok(GuestCall { outcome, value });
+        }
         let mut st = self.state.lock().unwrap();
         st.files.insert(path.to_string(), data.to_vec());
         Ok(GuestCall {
@@ -521,6 +589,10 @@ impl SandboxApi for Fake {
                     mode: 0o644,
                     mtime_ns: 0,
                     link_target: None,
+                    uid: None,
+                    gid: None,
+                    owner: None,
+                    group: None,
                 })
             })
             .collect();
@@ -531,6 +603,19 @@ impl SandboxApi for Fake {
                 truncated: false,
             },
         })
+    }
+    /// A real agent (the host's filesystem and processes) behind the
+    /// hybrid vsock stand-in, for sandboxes whose metadata says
+    /// `agent=real` (or `fake`).
+    fn with_guest(
+        &self,
+        id: &SandboxId,
+        f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
+    ) -> Result<Outcome, ServiceError> {
+        let outcome = self.guest(id)?;
+        let link = AgentLink::new(id.as_str(), self.real_agent());
+        f(&link)?;
+        Ok(outcome)
     }
 }
 

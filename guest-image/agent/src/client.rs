@@ -13,6 +13,10 @@
 
 use crate::frame::{read_message, write_message, FrameError, MAX_FRAME};
 use crate::proto::{
+    AttachRequest, InputRequest, MkdirRequest, PidRequest, ProcessInfo, RenameRequest,
+    ResizeRequest, SignalRequest, SpawnRequest, WatchAddRequest, WatchEvents, WatchIdRequest,
+};
+use crate::proto::{
     DirListing, ErrorReply, ExecRequest, ExitReply, FileData, FileStat, Hello, HelloReply,
     InfoReply, Op, PathRequest, ReadFileRequest, Reply, ReplyBody, Request, ResumedReply,
     ResumedRequest, StatRequest, WriteFileRequest, Written, MAX_IO_CHUNK, PROTOCOL_VERSION,
@@ -371,4 +375,149 @@ impl<S: Read + Write> AgentClient<S> {
             other => Err(unexpected(&other)),
         }
     }
+
+    fn expect_done(&mut self, op: Op) -> Result<(), ClientError> {
+        match self.call(op)? {
+            ReplyBody::Done => Ok(()),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    fn expect_stat(&mut self, op: Op) -> Result<FileStat, ClientError> {
+        match self.call(op)? {
+            ReplyBody::Stat(s) => Ok(s),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// `spawn` (1.1): the new process's pid.
+    pub fn spawn(&mut self, req: SpawnRequest) -> Result<u32, ClientError> {
+        match self.call(Op::Spawn(req))? {
+            ReplyBody::Spawned(s) => Ok(s.pid),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// `attach` (1.1): hands every event to `on_event` until the process
+    /// exits (`Ok(exit)`) or `on_event` answers `false` (`Ok(None)`: the
+    /// caller gives up; drop the connection, the process goes on).
+    pub fn attach(
+        &mut self,
+        req: AttachRequest,
+        mut on_event: impl FnMut(AttachEvent<'_>) -> bool,
+    ) -> Result<Option<ExitReply>, ClientError> {
+        let id = self.send(Op::Attach(req))?;
+        loop {
+            let event = match self.recv_for(id)? {
+                ReplyBody::Exit(e) => return Ok(Some(e)),
+                ReplyBody::Stdout(c) => on_event(AttachEvent::Output(OutputKind::Stdout, &c.data)),
+                ReplyBody::Stderr(c) => on_event(AttachEvent::Output(OutputKind::Stderr, &c.data)),
+                ReplyBody::Pty(c) => on_event(AttachEvent::Pty(&c.data)),
+                ReplyBody::Keepalive => on_event(AttachEvent::Keepalive),
+                other => return Err(unexpected(&other)),
+            };
+            if !event {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// `processes` (1.1).
+    pub fn processes(&mut self) -> Result<Vec<ProcessInfo>, ClientError> {
+        match self.call(Op::Processes)? {
+            ReplyBody::ProcessList(l) => Ok(l.processes),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// `signal` (1.1).
+    pub fn signal(&mut self, pid: u32, signal: i32) -> Result<(), ClientError> {
+        self.expect_done(Op::Signal(SignalRequest { pid, signal }))
+    }
+
+    /// `input` (1.1).
+    pub fn input(&mut self, pid: u32, data: &[u8]) -> Result<(), ClientError> {
+        self.expect_done(Op::Input(InputRequest {
+            pid,
+            data: data.to_vec(),
+        }))
+    }
+
+    /// `close_stdin` (1.1).
+    pub fn close_stdin(&mut self, pid: u32) -> Result<(), ClientError> {
+        self.expect_done(Op::CloseStdin(PidRequest { pid }))
+    }
+
+    /// `resize` (1.1).
+    pub fn resize(&mut self, pid: u32, cols: u16, rows: u16) -> Result<(), ClientError> {
+        self.expect_done(Op::Resize(ResizeRequest { pid, cols, rows }))
+    }
+
+    /// `mkdir` (1.1): the new directory.
+    pub fn mkdir(&mut self, path: &str, parents: bool) -> Result<FileStat, ClientError> {
+        self.mkdir_as(path, parents, None)
+    }
+
+    /// `mkdir` (1.1) whose new directories go to `owner`.
+    pub fn mkdir_as(
+        &mut self,
+        path: &str,
+        parents: bool,
+        owner: Option<&str>,
+    ) -> Result<FileStat, ClientError> {
+        self.expect_stat(Op::Mkdir(MkdirRequest {
+            path: path.into(),
+            parents,
+            owner: owner.map(str::to_string),
+        }))
+    }
+
+    /// `remove` (1.1).
+    pub fn remove(&mut self, path: &str) -> Result<(), ClientError> {
+        self.expect_done(Op::Remove(PathRequest { path: path.into() }))
+    }
+
+    /// `rename` (1.1): the destination.
+    pub fn rename(&mut self, from: &str, to: &str) -> Result<FileStat, ClientError> {
+        self.expect_stat(Op::Rename(RenameRequest {
+            from: from.into(),
+            to: to.into(),
+        }))
+    }
+
+    /// `watch_add` (1.1): the watch's id.
+    pub fn watch_add(&mut self, path: &str, recursive: bool) -> Result<u64, ClientError> {
+        let op = Op::WatchAdd(WatchAddRequest {
+            path: path.into(),
+            recursive,
+        });
+        match self.call(op)? {
+            ReplyBody::Watch(w) => Ok(w.watch_id),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// `watch_events` (1.1).
+    pub fn watch_events(&mut self, watch_id: u64) -> Result<WatchEvents, ClientError> {
+        match self.call(Op::WatchEvents(WatchIdRequest { watch_id }))? {
+            ReplyBody::WatchEvents(e) => Ok(e),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// `watch_remove` (1.1).
+    pub fn watch_remove(&mut self, watch_id: u64) -> Result<(), ClientError> {
+        self.expect_done(Op::WatchRemove(WatchIdRequest { watch_id }))
+    }
+}
+
+/// What an attach hears.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttachEvent<'a> {
+    /// Pipe output.
+    Output(OutputKind, &'a [u8]),
+    /// PTY output.
+    Pty(&'a [u8]),
+    /// Nothing happened for a keepalive interval.
+    Keepalive,
 }

@@ -1,9 +1,10 @@
-//! File operations: `read_file`, `write_file`, `list_dir`, `stat`. Every
+//! File operations: `read_file`, `write_file`, `list_dir`, `stat`, and
+//! (1.1) `mkdir`, `remove`, `rename`. Every
 //! failure is an [`ErrorReply`] naming the path; nothing here panics on input.
 
 use crate::proto::{
-    DirListing, ErrorReply, FileData, FileKind, FileStat, ReadFileRequest, StatRequest,
-    WriteFileRequest, Written, MAX_DIR_ENTRIES, MAX_IO_CHUNK,
+    DirListing, ErrorReply, FileData, FileKind, FileStat, MkdirRequest, ReadFileRequest,
+    RenameRequest, StatRequest, WriteFileRequest, Written, MAX_DIR_ENTRIES, MAX_IO_CHUNK,
 };
 use std::fs::{self, File, Metadata, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -166,7 +167,78 @@ fn to_stat(name: String, meta: &Metadata, full: &Path) -> FileStat {
             .saturating_mul(1_000_000_000)
             .saturating_add(meta.mtime_nsec()),
         link_target,
+        uid: Some(meta.uid()),
+        gid: Some(meta.gid()),
+        owner: crate::users::user_name(meta.uid()),
+        group: crate::users::group_name(meta.gid()),
     }
+}
+
+fn name_of(path: &Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "/".to_string())
+}
+
+fn stat_of(path: &Path, shown: &str) -> Result<FileStat, ErrorReply> {
+    let meta = fs::symlink_metadata(path).map_err(|e| ErrorReply::io(shown, &e))?;
+    Ok(to_stat(name_of(path), &meta, path))
+}
+
+/// `mkdir` (0o755): `EEXIST` when the path exists, unless `parents` and it
+/// is a directory; the directories it creates go to `owner` (an unknown
+/// owner is `ENOENT` before anything is created).
+pub fn mkdir(req: &MkdirRequest) -> Result<FileStat, ErrorReply> {
+    let path = absolute(&req.path)?;
+    let mut b = fs::DirBuilder::new();
+    b.mode(0o755).recursive(req.parents);
+    if req.parents && path.exists() && !path.is_dir() {
+        return Err(ErrorReply::new(
+            libc::EEXIST,
+            format!("{}: exists and is not a directory", req.path),
+        ));
+    }
+    let owner = req
+        .owner
+        .as_deref()
+        .map(crate::users::by_name)
+        .transpose()?;
+    // The directories this request creates, deepest first.
+    let created: Vec<&Path> = path
+        .ancestors()
+        .take_while(|p| fs::symlink_metadata(p).is_err())
+        .collect();
+    b.create(path).map_err(|e| ErrorReply::io(&req.path, &e))?;
+    if let Some(u) = owner {
+        for dir in created.iter().rev() {
+            std::os::unix::fs::lchown(dir, Some(u.uid), Some(u.gid))
+                .map_err(|e| ErrorReply::io(&dir.to_string_lossy(), &e))?;
+        }
+    }
+    stat_of(path, &req.path)
+}
+
+/// `remove`: a file, a symlink (not its target) or a directory tree.
+pub fn remove(path: &str) -> Result<(), ErrorReply> {
+    let p = absolute(path)?;
+    if p == Path::new("/") {
+        return Err(ErrorReply::new(libc::EBUSY, "will not remove /"));
+    }
+    let meta = fs::symlink_metadata(p).map_err(|e| ErrorReply::io(path, &e))?;
+    if meta.is_dir() {
+        fs::remove_dir_all(p)
+    } else {
+        fs::remove_file(p)
+    }
+    .map_err(|e| ErrorReply::io(path, &e))
+}
+
+/// `rename`: `rename(2)`, so only within one filesystem (`EXDEV`).
+pub fn rename(req: &RenameRequest) -> Result<FileStat, ErrorReply> {
+    let from = absolute(&req.from)?;
+    let to = absolute(&req.to)?;
+    fs::rename(from, to).map_err(|e| ErrorReply::io(&format!("{} -> {}", req.from, req.to), &e))?;
+    stat_of(to, &req.to)
 }
 
 /// `list_dir`: entries sorted by name, symlinks not followed. Entries that
@@ -202,11 +274,7 @@ pub fn stat(req: &StatRequest) -> Result<FileStat, ErrorReply> {
         fs::symlink_metadata(path)
     }
     .map_err(|e| ErrorReply::io(&req.path, &e))?;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "/".to_string());
-    Ok(to_stat(name, &meta, path))
+    Ok(to_stat(name_of(path), &meta, path))
 }
 
 #[cfg(test)]

@@ -25,7 +25,7 @@ impl fmt::Display for ProtocolVersion {
 }
 
 /// The version this crate speaks.
-pub const PROTOCOL_VERSION: ProtocolVersion = ProtocolVersion { major: 1, minor: 0 };
+pub const PROTOCOL_VERSION: ProtocolVersion = ProtocolVersion { major: 1, minor: 1 };
 
 /// This crate's version (the agent's version).
 pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -52,6 +52,20 @@ pub const KNOWN_OPS: &[&str] = &[
     "list_dir",
     "stat",
     "resumed",
+    // 1.1
+    "spawn",
+    "attach",
+    "processes",
+    "signal",
+    "input",
+    "close_stdin",
+    "resize",
+    "mkdir",
+    "remove",
+    "rename",
+    "watch_add",
+    "watch_events",
+    "watch_remove",
 ];
 
 /// The operations (`"op"` field).
@@ -76,6 +90,33 @@ pub enum Op {
     Stat(StatRequest),
     /// After a snapshot restore: clock, entropy, hostname, identity. → `resumed`
     Resumed(ResumedRequest),
+    /// 1.1: start a process that outlives the connection. → `spawned`
+    Spawn(SpawnRequest),
+    /// 1.1: follow a spawned process's output. → `stdout`/`stderr`/`pty`
+    /// chunks and `keepalive`s, then `exit`.
+    Attach(AttachRequest),
+    /// 1.1: the spawned processes still running. → `process_list`
+    Processes,
+    /// 1.1: signal a spawned process's group. → `done`
+    Signal(SignalRequest),
+    /// 1.1: bytes to a spawned process's stdin (or its PTY). → `done`
+    Input(InputRequest),
+    /// 1.1: close a spawned process's stdin. → `done`
+    CloseStdin(PidRequest),
+    /// 1.1: resize a spawned process's PTY. → `done`
+    Resize(ResizeRequest),
+    /// 1.1: create a directory. → `stat`
+    Mkdir(MkdirRequest),
+    /// 1.1: remove a file or a directory tree. → `done`
+    Remove(PathRequest),
+    /// 1.1: rename (move) a path. → `stat` (of the destination)
+    Rename(RenameRequest),
+    /// 1.1: watch a directory (inotify). → `watch`
+    WatchAdd(WatchAddRequest),
+    /// 1.1: the events a watch collected since the last call. → `watch_events`
+    WatchEvents(WatchIdRequest),
+    /// 1.1: stop a watch. → `done`
+    WatchRemove(WatchIdRequest),
 }
 
 /// `hello` request.
@@ -192,6 +233,8 @@ pub struct ResumedRequest {
     pub sandbox_id: Option<String>,
 }
 
+pub use crate::proto_procs::*;
+
 /// An agent → host message.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Reply {
@@ -230,6 +273,20 @@ pub enum ReplyBody {
     Resumed(Box<ResumedReply>),
     /// Any request failed (or a frame could not be understood).
     Error(ErrorReply),
+    /// 1.1: to `spawn`.
+    Spawned(Spawned),
+    /// 1.1: part of a PTY process's output (attach).
+    Pty(OutputChunk),
+    /// 1.1: an attach is alive but has nothing to say.
+    Keepalive,
+    /// 1.1: to `processes`.
+    ProcessList(ProcessList),
+    /// 1.1: a request without a result succeeded.
+    Done,
+    /// 1.1: to `watch_add`.
+    Watch(WatchId),
+    /// 1.1: to `watch_events`.
+    WatchEvents(WatchEvents),
 }
 
 /// `hello` reply.
@@ -352,6 +409,18 @@ pub struct FileStat {
     /// Target of a symlink.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub link_target: Option<String>,
+    /// 1.1: owner's uid.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// 1.1: group's gid.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gid: Option<u32>,
+    /// 1.1: owner's name (`/etc/passwd`), absent when it has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    /// 1.1: group's name (`/etc/group`), absent when it has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
 }
 
 /// `resumed` reply: one [`Step`] per sub-step, in the order they run.
@@ -556,7 +625,8 @@ mod tests {
     fn every_known_op_parses() {
         for op in KNOWN_OPS {
             let json = serde_json::json!({"id": 1, "op": op, "protocol": {"major": 1, "minor": 0},
-                "argv": ["x"], "path": "/", "data": ""});
+                "argv": ["x"], "path": "/", "data": "", "pid": 1, "signal": 15, "cols": 80,
+                "rows": 24, "from": "/a", "to": "/b", "watch_id": 1});
             serde_json::from_value::<Request>(json).unwrap_or_else(|e| panic!("{op}: {e}"));
         }
     }

@@ -6,18 +6,21 @@
 use crate::exec::{self, Running};
 use crate::files;
 use crate::frame::{encode_frame, read_frame, FrameError, MAX_FRAME};
+use crate::procs::Procs;
 use crate::proto::{
     ErrorReply, HelloReply, InfoReply, Op, Reply, ReplyBody, Request, AGENT_VERSION, KNOWN_OPS,
     PROTOCOL_VERSION,
 };
+use crate::proto::{ProcessList, WatchId};
 use crate::resumed;
 use crate::system::{self, SystemOps};
 use crate::vsock::{VsockListener, VsockStream};
+use crate::watch::Watches;
 use std::io::{self, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -29,6 +32,20 @@ pub struct Sink {
     writer: Mutex<Box<dyn Write + Send>>,
     max_frame: usize,
     broken: AtomicBool,
+    /// Attaches (1.1) running on the connection.
+    streams: AtomicUsize,
+}
+
+/// Most attaches running at once on one connection.
+pub const MAX_STREAMS: usize = 64;
+
+/// Counts one stream on a [`Sink`] until dropped.
+pub struct StreamGuard(Arc<Sink>);
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.0.streams.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Sink {
@@ -38,7 +55,18 @@ impl Sink {
             writer: Mutex::new(writer),
             max_frame,
             broken: AtomicBool::new(false),
+            streams: AtomicUsize::new(0),
         }
+    }
+
+    /// Counts a new stream, `None` past [`MAX_STREAMS`].
+    pub fn enter_stream(self: &Arc<Self>) -> Option<StreamGuard> {
+        self.streams
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < MAX_STREAMS).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| StreamGuard(Arc::clone(self)))
     }
 
     /// Sends one reply frame; `false` once the connection is gone.
@@ -73,6 +101,8 @@ pub struct AgentConfig {
     pub max_frame: usize,
     /// Execs running at once on one connection.
     pub max_execs_per_connection: usize,
+    /// Spawned processes kept at once (running or recently exited).
+    pub max_processes: usize,
     /// The side effects of `resumed`.
     pub ops: Arc<dyn SystemOps>,
     /// Log connections and protocol errors to stderr.
@@ -85,6 +115,7 @@ impl AgentConfig {
         AgentConfig {
             max_frame: MAX_FRAME,
             max_execs_per_connection: 64,
+            max_processes: 256,
             ops,
             verbose: false,
         }
@@ -205,14 +236,20 @@ impl Write for Stream {
 pub struct Agent {
     cfg: AgentConfig,
     started: Instant,
+    /// Spawned processes (1.1), shared by every connection.
+    procs: Procs,
+    /// Directory watches (1.1), shared by every connection.
+    watches: Watches,
 }
 
 impl Agent {
     /// A new agent.
     pub fn new(cfg: AgentConfig) -> Arc<Agent> {
         Arc::new(Agent {
+            procs: Procs::new(cfg.max_processes),
             cfg,
             started: Instant::now(),
+            watches: Watches::default(),
         })
     }
 
@@ -358,6 +395,35 @@ impl Agent {
             }
             Op::Stat(req) => files::stat(&req).map_or_else(ReplyBody::Error, ReplyBody::Stat),
             Op::Resumed(req) => ReplyBody::Resumed(Box::new(resumed::run(&req, &*self.cfg.ops))),
+            Op::Spawn(req) => self
+                .procs
+                .spawn(req)
+                .map_or_else(ReplyBody::Error, ReplyBody::Spawned),
+            Op::Attach(req) => match self.procs.attach(id, req, sink) {
+                Ok(()) => return None,
+                Err(e) => ReplyBody::Error(e),
+            },
+            Op::Processes => ReplyBody::ProcessList(ProcessList {
+                processes: self.procs.list(),
+            }),
+            Op::Signal(req) => done(self.procs.signal(&req)),
+            Op::Input(req) => done(self.procs.input(&req)),
+            Op::CloseStdin(req) => done(self.procs.close_stdin(req.pid)),
+            Op::Resize(req) => done(self.procs.resize(&req)),
+            Op::Mkdir(req) => files::mkdir(&req).map_or_else(ReplyBody::Error, ReplyBody::Stat),
+            Op::Remove(req) => done(files::remove(&req.path)),
+            Op::Rename(req) => files::rename(&req).map_or_else(ReplyBody::Error, ReplyBody::Stat),
+            Op::WatchAdd(req) => self
+                .watches
+                .add(&req)
+                .map_or_else(ReplyBody::Error, |watch_id| {
+                    ReplyBody::Watch(WatchId { watch_id })
+                }),
+            Op::WatchEvents(req) => self
+                .watches
+                .events(req.watch_id)
+                .map_or_else(ReplyBody::Error, ReplyBody::WatchEvents),
+            Op::WatchRemove(req) => done(self.watches.remove(req.watch_id)),
         };
         Some(body)
     }
@@ -373,6 +439,10 @@ impl Agent {
             kernel: system::kernel_release(),
         }
     }
+}
+
+fn done(r: Result<(), ErrorReply>) -> ReplyBody {
+    r.map_or_else(ReplyBody::Error, |()| ReplyBody::Done)
 }
 
 fn error(errno: i32, msg: &str) -> ReplyBody {

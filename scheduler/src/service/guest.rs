@@ -126,17 +126,24 @@ pub fn connect_vsock(uds: &Path, port: u32) -> std::io::Result<UnixStream> {
 pub struct GuestStream {
     inner: UnixStream,
     deadline: Option<Instant>,
+    /// Without a deadline: longest wait for any one read or write.
+    idle: Option<Duration>,
 }
 
 impl GuestStream {
     pub fn new(inner: UnixStream, deadline: Option<Instant>) -> Self {
-        GuestStream { inner, deadline }
+        GuestStream {
+            inner,
+            deadline,
+            idle: None,
+        }
     }
 
-    /// What is left of the deadline (`None`: no deadline).
+    /// What is left of the deadline (`None`: no deadline, then the idle
+    /// limit, if any, bounds each read and write).
     fn left(&self) -> io::Result<Option<Duration>> {
         let Some(deadline) = self.deadline else {
-            return Ok(None);
+            return Ok(self.idle);
         };
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -248,6 +255,23 @@ impl AgentLink {
             .map_err(|e| self.unreachable(format!("{}: {e}", self.uds.display())))?;
         AgentClient::connect(GuestStream::new(stream, deadline), CLIENT_NAME)
             .map_err(|e| self.client_error(e, limit))
+    }
+
+    /// A greeted connection for a long stream (an attach, a watch): no
+    /// overall deadline, but each read or write waits at most `idle` (the
+    /// agent's keepalives must arrive sooner), handshake included.
+    pub fn connect_idle(&self, idle: Duration) -> Result<AgentClient<GuestStream>, GuestError> {
+        let stream = connect_vsock(&self.uds, self.port)
+            .map_err(|e| self.unreachable(format!("{}: {e}", self.uds.display())))?;
+        let mut stream = GuestStream::new(stream, None);
+        stream.idle = Some(idle);
+        AgentClient::connect(stream, CLIENT_NAME).map_err(|e| self.client_error(e, Some(idle)))
+    }
+
+    /// Maps a client error of a call on a connection from [`Self::connect`]
+    /// or [`Self::connect_idle`] (`limit`: its deadline, for the message).
+    pub fn error(&self, e: ClientError, limit: Option<Duration>) -> GuestError {
+        self.client_error(e, limit)
     }
 
     /// Connects, retrying until `wait` has passed (a guest still booting,
@@ -562,6 +586,17 @@ impl Service {
         path: &str,
     ) -> Result<GuestCall<DirListing>, ServiceError> {
         self.with_agent(id, |link, _| link.list_dir(path))
+    }
+
+    /// Wakes the sandbox if needed and hands its agent to `f`, which makes
+    /// its own connections (E2B's envd RPCs: processes, streams, watches).
+    /// The sandbox counts as active until `f` returns.
+    pub fn with_guest(
+        &self,
+        id: &SandboxId,
+        f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
+    ) -> Result<Outcome, ServiceError> {
+        Ok(self.with_agent(id, |link, _| f(link))?.outcome)
     }
 }
 

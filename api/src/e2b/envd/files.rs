@@ -65,13 +65,13 @@ fn query(raw: Option<String>) -> (Option<String>, Option<String>) {
 
 /// Who a request is: an accepted API key (its tenant), or the access token
 /// it shows.
-struct Caller {
+pub(super) struct Caller {
     key: Option<Principal>,
     token: Option<Vec<u8>>,
 }
 
 impl Caller {
-    fn of(headers: &HeaderMap, auth: &Auth) -> Self {
+    pub(super) fn of(headers: &HeaderMap, auth: &Auth) -> Self {
         let key = headers
             .get(super::super::API_KEY_HEADER)
             .and_then(|k| auth.principal(k.as_bytes().trim_ascii()));
@@ -82,16 +82,24 @@ impl Caller {
     }
 
     /// An API key of the sandbox's tenant (or an admin's), or the
-    /// sandbox's own access token (compared in constant time).
-    fn may_use(&self, sandbox: &Sandbox) -> bool {
+    /// sandbox's own access token (compared in constant time). Another
+    /// tenant's key sees no such sandbox.
+    fn may_use(&self, sandbox: &Sandbox) -> Result<(), Refused> {
         if let Some(p) = &self.key {
-            return p.is_admin() || p.sees(sandbox.tenant.as_deref());
+            return if p.is_admin() || p.sees(sandbox.tenant.as_deref()) {
+                Ok(())
+            } else {
+                Err(Refused::Gone)
+            };
         }
         match (&self.token, &sandbox.access_token) {
-            (Some(shown), Some(issued)) => {
-                shown.len() == issued.len() && bool::from(shown.as_slice().ct_eq(issued.as_bytes()))
+            (Some(shown), Some(issued))
+                if shown.len() == issued.len()
+                    && bool::from(shown.as_slice().ct_eq(issued.as_bytes())) =>
+            {
+                Ok(())
             }
-            _ => false,
+            _ => Err(Refused::Unauthorized),
         }
     }
 }
@@ -100,8 +108,9 @@ impl Caller {
 pub const ACCESS_TOKEN_HEADER: &str = "x-access-token";
 
 /// Why a request cannot reach a sandbox's files.
-enum Refused {
-    /// Unknown, failed or killed: 502, as E2B's proxy answers.
+pub(super) enum Refused {
+    /// Unknown, failed or killed, or another tenant's: 502, as E2B's
+    /// proxy answers.
     Gone,
     /// Neither the API key nor the sandbox's access token: 401.
     Unauthorized,
@@ -120,7 +129,11 @@ impl From<Refused> for E2bError {
 }
 
 /// The sandbox an envd request is for, if the caller may use it.
-fn target<S: SandboxApi>(s: &S, id: &str, caller: &Caller) -> Result<SandboxId, Refused> {
+pub(super) fn target<S: SandboxApi>(
+    s: &S,
+    id: &str,
+    caller: &Caller,
+) -> Result<SandboxId, Refused> {
     if !SandboxId::is_well_formed(id) {
         return Err(Refused::Gone);
     }
@@ -128,9 +141,7 @@ fn target<S: SandboxApi>(s: &S, id: &str, caller: &Caller) -> Result<SandboxId, 
         .get_sandbox(&SandboxId::new(id))
         .map_err(|_| Refused::Gone)?;
     e2b_state(sandbox.state).ok_or(Refused::Gone)?;
-    if !caller.may_use(&sandbox) {
-        return Err(Refused::Unauthorized);
-    }
+    caller.may_use(&sandbox)?;
     Ok(sandbox.id)
 }
 

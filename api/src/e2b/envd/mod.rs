@@ -6,11 +6,13 @@
 //! `/v1` or E2B's control plane) and on `--e2b-listen`.
 //!
 //! Done: `GET /health`, `GET /files` and octet-stream `POST /files`
-//! ([`files`]), the Connect envelope codec ([`envelope`]) and Connect's
-//! error answers; every RPC answers `unimplemented` (Connect's shape, so
-//! the SDKs raise a clear error). `/files` takes the sandbox's access token
-//! (`X-Access-Token`, issued at create as `envdAccessToken`) or an API key.
-//! Not yet: multipart uploads, processes, watches. See `docs/e2b.md`.
+//! ([`files`]), the Connect envelope codec ([`envelope`]), and the RPCs
+//! of `process.Process` ([`process`]) and `filesystem.Filesystem`
+//! ([`filesystem`]) in Connect's JSON ([`json`]), unary and
+//! server-streaming ([`rpc`]), on the agent's protocol 1.1. Everything but
+//! `/health` takes the sandbox's access token (`X-Access-Token`, issued at
+//! create as `envdAccessToken`) or an API key of its tenant. Not yet:
+//! multipart uploads, `StreamInput`. See `docs/e2b.md`.
 
 use std::sync::Arc;
 
@@ -25,11 +27,17 @@ use torpor_scheduler::model::SandboxId;
 
 use super::error::E2bError;
 use super::wire::e2b_state;
+use crate::auth::Auth;
 use crate::backend::SandboxApi;
 use crate::handlers::{call, Api, AppState};
+use crate::service::ServiceError;
 
 pub mod envelope;
 pub mod files;
+pub mod filesystem;
+pub mod json;
+pub mod process;
+pub mod rpc;
 
 /// The header naming the sandbox a request is for.
 pub const SANDBOX_HEADER: &str = "e2b-sandbox-id";
@@ -77,14 +85,6 @@ impl Code {
             Code::Unauthenticated => StatusCode::UNAUTHORIZED,
         }
     }
-}
-
-/// Whether a request is a Connect streaming call (enveloped).
-fn is_streaming(headers: &HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with(CONNECT_STREAM_JSON))
 }
 
 /// A Connect error answer: for a unary call its status and
@@ -144,16 +144,84 @@ async fn health<S: SandboxApi>(state: Api<S>, headers: HeaderMap) -> Response {
 /// The Connect services of envd.
 pub const SERVICES: &[&str] = &["process.Process", "filesystem.Filesystem"];
 
-/// Every envd RPC for now: Connect's `unimplemented`.
-async fn rpc(service: &'static str, method: String, request: Request) -> Response {
-    let streaming = is_streaming(request.headers());
-    connect_error(
-        streaming,
-        envelope::ConnectError {
-            code: Code::Unimplemented,
-            message: format!("{service}/{method} is not offered yet"),
-        },
-    )
+/// An envd RPC: the caller must show the sandbox's access token (or an
+/// API key of its tenant); the sandbox is woken if hibernated; the work is
+/// [`rpc::handle`]'s.
+async fn rpc<S: SandboxApi>(
+    state: Api<S>,
+    auth: Auth,
+    service: &'static str,
+    method: String,
+    request: Request,
+) -> Response {
+    let (parts, body) = request.into_parts();
+    let headers = parts.headers;
+    let streaming = rpc::is_streaming(&headers);
+    let refuse = |code: Code, message: String| {
+        connect_error(streaming, envelope::ConnectError { code, message })
+    };
+    let id = match sandbox_of(&headers) {
+        Ok(id) => id,
+        Err(e) => return refuse(Code::InvalidArgument, e.message),
+    };
+    let caller = files::Caller::of(&headers, &auth);
+    let shown = id.clone();
+    let found = call(&state, move |s| match files::target(s, &shown, &caller) {
+        Ok(id) => {
+            let env = s.get_sandbox(&id)?.env;
+            Ok(Ok((id, env)))
+        }
+        Err(refused) => Ok(Err(refused)),
+    })
+    .await;
+    let (sandbox, env) = match found {
+        Ok(Ok(found)) => found,
+        Ok(Err(files::Refused::Gone)) => {
+            return refuse(Code::NotFound, format!("sandbox {id} was not found"))
+        }
+        Ok(Err(files::Refused::Unauthorized)) => {
+            return refuse(
+                Code::Unauthenticated,
+                "missing or wrong X-Access-Token (or X-API-KEY)".into(),
+            )
+        }
+        Err(e) => return refuse(Code::Internal, e.message),
+    };
+    let ctx = match rpc::CallContext::from_headers(id, &headers, env) {
+        Ok(ctx) => ctx,
+        Err(e) => return connect_error(streaming, e),
+    };
+    let service_arc = Arc::clone(&state.0.service);
+    let runner: rpc::Runner = Arc::new(move |f| {
+        service_arc
+            .with_guest(&sandbox, f)
+            .map(drop)
+            .map_err(service_error)
+    });
+    rpc::handle(runner, ctx, service, &method, &headers, body).await
+}
+
+/// A service failure (unknown sandbox, failed wake, guest error) as
+/// Connect's error.
+fn service_error(e: ServiceError) -> envelope::ConnectError {
+    if let ServiceError::Guest(g) = e {
+        return rpc::guest_error(g);
+    }
+    let e2b = E2bError::from(e);
+    let code = match e2b.code {
+        400 => Code::InvalidArgument,
+        404 => Code::NotFound,
+        409 => Code::FailedPrecondition,
+        413 | 429 => Code::ResourceExhausted,
+        501 => Code::Unimplemented,
+        502 | 503 => Code::Unavailable,
+        504 => Code::DeadlineExceeded,
+        _ => Code::Internal,
+    };
+    envelope::ConnectError {
+        code,
+        message: e2b.message,
+    }
 }
 
 /// The envd routes.
@@ -171,9 +239,14 @@ pub(crate) fn router<S: SandboxApi>(
         .route("/health", get(health::<S>))
         .route("/files", files);
     for &name in SERVICES {
+        let auth = tenancy.auth.clone();
         app = app.route(
             &format!("/{name}/{{method}}"),
-            post(move |Path(method): Path<String>, request: Request| rpc(name, method, request)),
+            post(
+                move |state: Api<S>, Path(method): Path<String>, request: Request| {
+                    rpc(state, auth.clone(), name, method, request)
+                },
+            ),
         );
     }
     app.with_state(AppState {

@@ -57,10 +57,17 @@ pub struct TestAgent {
 }
 
 pub fn start_agent(ops: FakeOps) -> TestAgent {
+    start_agent_with(ops, |_| {})
+}
+
+/// An agent whose configuration `tune` adjusts.
+pub fn start_agent_with(ops: FakeOps, tune: impl FnOnce(&mut AgentConfig)) -> TestAgent {
     let dir = TempDir::new("srv");
     let sock = dir.path().join("agent.sock");
     let ops = Arc::new(ops);
-    let agent = Agent::new(AgentConfig::new(ops.clone()));
+    let mut cfg = AgentConfig::new(ops.clone());
+    tune(&mut cfg);
+    let agent = Agent::new(cfg);
     let listener = Listener::bind(&ListenAddr::Unix(sock.clone())).unwrap();
     std::thread::spawn(move || agent.serve(&listener));
     TestAgent { dir, sock, ops }

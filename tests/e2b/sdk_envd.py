@@ -1,0 +1,159 @@
+"""The E2B Python SDK's commands and files against torpor's envd.
+
+Run by api/tests/http_e2b_sdk.rs against the API over a real torpor-agent
+on the host (behind the hybrid vsock stand-in), with E2B_API_URL,
+E2B_SANDBOX_URL and E2B_API_KEY set; argv[1] is a scratch directory the
+agent can use. Prints "sdk-envd: version X", one line per check, then
+"sdk-envd: N passed, M failed".
+"""
+
+import importlib.metadata
+import sys
+import time
+
+import e2b
+from e2b import Sandbox
+from e2b.sandbox.commands.command_handle import CommandExitException
+from e2b.exceptions import NotFoundException
+
+SCRATCH = sys.argv[1]
+print(f"sdk-envd: version {importlib.metadata.version('e2b')}")
+
+passed = 0
+failed = 0
+
+
+def check(name, f):
+    global passed, failed
+    try:
+        f()
+        passed += 1
+        print(f"ok {name}")
+    except Exception as e:  # noqa: BLE001 - report every failure
+        failed += 1
+        print(f"FAILED {name}: {type(e).__name__}: {e}")
+
+
+sbx = Sandbox.create(
+    template="probe",
+    metadata={"agent": "real"},
+    envs={"FROM_SANDBOX": "yes"},
+)
+
+
+def run_collects_output_and_env():
+    out, err = [], []
+    r = sbx.commands.run(
+        "echo hi; echo $FROM_SANDBOX $MINE; echo err >&2",
+        envs={"MINE": "mine"},
+        on_stdout=out.append,
+        on_stderr=err.append,
+    )
+    assert r.exit_code == 0, r
+    assert r.stdout == "hi\nyes mine\n", repr(r.stdout)
+    assert r.stderr == "err\n", repr(r.stderr)
+    assert "".join(out) == r.stdout, out
+    assert "".join(err) == r.stderr, err
+
+
+def run_in_cwd():
+    r = sbx.commands.run("pwd", cwd=SCRATCH)
+    assert r.stdout.strip() == SCRATCH, repr(r.stdout)
+
+
+def exit_codes_raise():
+    try:
+        sbx.commands.run("exit 3")
+    except CommandExitException as e:
+        assert e.exit_code == 3, e
+        return
+    raise AssertionError("no CommandExitException")
+
+
+def background_stdin_and_connect():
+    h = sbx.commands.run("read l; echo got $l", background=True, stdin=True)
+    again = sbx.commands.connect(h.pid)
+    sbx.commands.send_stdin(h.pid, "x\n")
+    r = again.wait()
+    assert r.stdout.endswith("got x\n"), repr(r.stdout)
+    h.disconnect()
+
+
+def list_and_kill():
+    h = sbx.commands.run("sleep 30", background=True)
+    assert any(p.pid == h.pid for p in sbx.commands.list()), "not listed"
+    assert sbx.commands.kill(h.pid)
+    for _ in range(50):
+        if all(p.pid != h.pid for p in sbx.commands.list()):
+            return
+        time.sleep(0.1)
+    raise AssertionError("still listed after kill")
+
+
+def pty_echoes_input():
+    data = []
+    h = sbx.pty.create(size=e2b.PtySize(rows=24, cols=80), cwd=SCRATCH)
+    sbx.pty.resize(h.pid, e2b.PtySize(rows=40, cols=100))
+    sbx.pty.send_stdin(h.pid, b"stty size; exit 7\n")
+    try:
+        h.wait(on_pty=data.append)
+        raise AssertionError("exit 7 did not raise")
+    except CommandExitException as e:
+        assert e.exit_code == 7, e
+    text = b"".join(data).decode(errors="replace")
+    assert "40 100" in text, repr(text)
+
+
+def files_make_list_stat_rename_remove():
+    d = f"{SCRATCH}/files"
+    assert sbx.files.make_dir(d) is True
+    assert sbx.files.make_dir(d) is False
+    with open(f"{d}/a.txt", "w") as f:
+        f.write("hello")
+    assert sbx.files.read(f"{d}/a.txt") == "hello"
+    info = sbx.files.get_info(f"{d}/a.txt")
+    assert info.size == 5 and info.type.value == "file", info
+    assert sbx.files.exists(f"{d}/a.txt")
+    names = [e.name for e in sbx.files.list(d)]
+    assert names == ["a.txt"], names
+    moved = sbx.files.rename(f"{d}/a.txt", f"{d}/b.txt")
+    assert moved.name == "b.txt", moved
+    sbx.files.remove(f"{d}/b.txt")
+    assert not sbx.files.exists(f"{d}/b.txt")
+    try:
+        sbx.files.get_info(f"{d}/b.txt")
+    except NotFoundException:
+        return
+    raise AssertionError("no NotFoundException")
+
+
+def watch_sees_a_new_file():
+    d = f"{SCRATCH}/watched"
+    sbx.files.make_dir(d)
+    w = sbx.files.watch_dir(d)
+    with open(f"{d}/new.txt", "w") as f:
+        f.write("x")
+    for _ in range(50):
+        events = w.get_new_events()
+        if any(e.name == "new.txt" for e in events):
+            w.stop()
+            return
+        time.sleep(0.1)
+    raise AssertionError("no event for new.txt")
+
+
+for name, f in [
+    ("run_collects_output_and_env", run_collects_output_and_env),
+    ("run_in_cwd", run_in_cwd),
+    ("exit_codes_raise", exit_codes_raise),
+    ("background_stdin_and_connect", background_stdin_and_connect),
+    ("list_and_kill", list_and_kill),
+    ("pty_echoes_input", pty_echoes_input),
+    ("files_make_list_stat_rename_remove", files_make_list_stat_rename_remove),
+    ("watch_sees_a_new_file", watch_sees_a_new_file),
+]:
+    check(name, f)
+
+sbx.kill()
+print(f"sdk-envd: {passed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
