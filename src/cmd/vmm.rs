@@ -164,6 +164,15 @@ fn cli_jail(args: &VmmRunArgs, spec: &LaunchSpec) -> Result<JailSpec, Failure> {
             read_only,
         });
     }
+    if let LaunchMode::Restore { restore, .. } = &spec.mode {
+        // The disk's base image is named in the snapshot, not on the
+        // command line: read-only in the jail too.
+        if let Some(image) = snapshot_base_image(&restore.snapshot) {
+            if !exposes.iter().any(|e| e.path == image) {
+                exposes.push(Expose::read_only(image));
+            }
+        }
+    }
     let root = PathBuf::from(CLI_JAIL_ROOT);
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -190,6 +199,15 @@ fn cli_jail(args: &VmmRunArgs, spec: &LaunchSpec) -> Result<JailSpec, Failure> {
         rlimits: Default::default(),
         namespaces: Default::default(),
     })
+}
+
+/// The base image of the snapshot's disk, if it has one (a snapshot that
+/// cannot be read is the restore's to report, with its own error).
+fn snapshot_base_image(dir: &std::path::Path) -> Option<PathBuf> {
+    let state: torpor_vmm::persist::MicrovmState =
+        torpor_vmm::snapshot::read_state(&dir.join(torpor_vmm::snapshot::STATE_FILE)).ok()?;
+    let (_, block) = state.devices.virtio.block?;
+    Some(block.device.base_path)
 }
 
 fn boot_mode(args: &VmmRunArgs) -> Result<LaunchMode, Failure> {
