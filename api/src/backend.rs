@@ -13,7 +13,7 @@ use crate::federation::{AddPod, RemotePod};
 use torpor_scheduler::images::ImagePart;
 
 use crate::service::{
-    CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
+    Cancel, CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
     ExitReply, ForkSandbox, GuestCall, Outcome, OutputKind, PodView, RestoreCheckpoint,
     SandboxFilter, Service, ServiceError, TemplateFromSandbox,
 };
@@ -208,13 +208,20 @@ pub trait SandboxApi: Send + Sync + 'static {
         Ok(Vec::new())
     }
     // Guest access (exec and files), each waking a hibernated sandbox first.
-    fn exec(&self, id: &SandboxId, req: ExecRequest)
-        -> Result<GuestCall<ExecOutput>, ServiceError>;
+    /// `cancel` ends the exec early (its client went away): the command
+    /// is killed in the guest.
+    fn exec(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+        cancel: &Cancel,
+    ) -> Result<GuestCall<ExecOutput>, ServiceError>;
     /// `on_start` runs once the sandbox runs, before any output.
     fn exec_streaming(
         &self,
         id: &SandboxId,
         req: ExecRequest,
+        cancel: &Cancel,
         on_start: &mut dyn FnMut(&Outcome),
         on_output: &mut dyn FnMut(OutputKind, &[u8]),
     ) -> Result<GuestCall<ExitReply>, ServiceError>;
@@ -330,17 +337,19 @@ impl SandboxApi for Service {
         &self,
         id: &SandboxId,
         req: ExecRequest,
+        cancel: &Cancel,
     ) -> Result<GuestCall<ExecOutput>, ServiceError> {
-        Service::exec(self, id, req)
+        Service::exec(self, id, req, cancel)
     }
     fn exec_streaming(
         &self,
         id: &SandboxId,
         req: ExecRequest,
+        cancel: &Cancel,
         on_start: &mut dyn FnMut(&Outcome),
         on_output: &mut dyn FnMut(OutputKind, &[u8]),
     ) -> Result<GuestCall<ExitReply>, ServiceError> {
-        Service::exec_streaming(self, id, req, on_start, on_output)
+        Service::exec_streaming(self, id, req, cancel, on_start, on_output)
     }
     fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
         Service::read_file(self, id, path)

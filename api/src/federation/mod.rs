@@ -36,7 +36,7 @@ use torpor_scheduler::service::LOCAL_POD;
 use crate::backend::SandboxApi;
 use crate::client::{encode, ClientError};
 use crate::service::{
-    CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
+    Cancel, CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
     ExitReply, ForkSandbox, GuestCall, Outcome, OutputKind, PodView, RestoreCheckpoint,
     SandboxFilter, ServiceError,
 };
@@ -842,17 +842,19 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
         &self,
         id: &SandboxId,
         req: ExecRequest,
+        cancel: &Cancel,
     ) -> Result<GuestCall<ExecOutput>, ServiceError> {
-        self.local.exec(id, req)
+        self.local.exec(id, req, cancel)
     }
     fn exec_streaming(
         &self,
         id: &SandboxId,
         req: ExecRequest,
+        cancel: &Cancel,
         on_start: &mut dyn FnMut(&Outcome),
         on_output: &mut dyn FnMut(OutputKind, &[u8]),
     ) -> Result<GuestCall<ExitReply>, ServiceError> {
-        self.local.exec_streaming(id, req, on_start, on_output)
+        self.local.exec_streaming(id, req, cancel, on_start, on_output)
     }
     fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
         self.local.read_file(id, path)

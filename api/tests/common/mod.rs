@@ -15,7 +15,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use torpor_api::service::{
-    CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest, ExitReply, FileKind,
+    Cancel, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest, ExitReply, FileKind,
     FileStat, GuestCall, GuestError, Outcome, OutputKind, PodView, SandboxFilter, ServiceError,
 };
 use torpor_api::{ApiConfig, SandboxApi};
@@ -449,6 +449,7 @@ impl SandboxApi for Fake {
         &self,
         id: &SandboxId,
         req: ExecRequest,
+        _cancel: &Cancel,
     ) -> Result<GuestCall<ExecOutput>, ServiceError> {
         let outcome = self.guest(id)?;
         let words = Self::echo(&req.argv)?;
@@ -466,6 +467,7 @@ impl SandboxApi for Fake {
         &self,
         id: &SandboxId,
         req: ExecRequest,
+        _cancel: &Cancel,
         on_start: &mut dyn FnMut(&Outcome),
         on_output: &mut dyn FnMut(OutputKind, &[u8]),
     ) -> Result<GuestCall<ExitReply>, ServiceError> {

@@ -7,6 +7,7 @@
 //! are serialised by a per-sandbox lock; different sandboxes proceed
 //! concurrently.
 
+pub mod cancel;
 mod checkpoint;
 pub mod guest;
 pub mod jail;
@@ -38,6 +39,7 @@ pub use checkpoint::{
     validate_checkpoint_name, CreateCheckpoint, ForkSandbox, RestoreCheckpoint,
     MAX_CHECKPOINT_NAME, STALL_ENV,
 };
+pub use cancel::Cancel;
 pub use guest::{GuestCall, GuestError};
 pub use lifetime::{check_lifetimes, MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS};
 pub use linux::HostGuests;
@@ -153,6 +155,11 @@ pub enum ServiceError {
     Invalid(String),
     #[error("{0}")]
     Unsupported(String),
+    /// This host cannot do it (a Linux template where the host lacks
+    /// hardware virtualization, e.g. PVM): the request is well formed and
+    /// another host could serve it. 422 `host_unsupported`.
+    #[error("{0}")]
+    HostUnsupported(String),
     #[error("internal error: {0}")]
     Internal(String),
     /// Exec and files: the guest agent could not do it (see [`GuestError`]).
