@@ -29,7 +29,8 @@ use torpor_agent::{Agent, AgentConfig, FakeOps, IdentityPage, DEFAULT_VSOCK_PORT
 use torpor_scheduler::model::{SandboxId, Template, TemplateId, TemplateState, Timestamp};
 use torpor_scheduler::service::guest::{hostname_for, ExecRequest, VSOCK_FILE};
 use torpor_scheduler::service::{
-    Cancel, CreateSandbox, GuestError, Service, ServiceConfig, ServiceError, LOCAL_POD, PROBE_TEMPLATE,
+    Cancel, CreateSandbox, GuestError, Service, ServiceConfig, ServiceError, LOCAL_POD,
+    PROBE_TEMPLATE,
 };
 use torpor_scheduler::store::SandboxFilter;
 use torpor_scheduler::{PodId, SandboxState, TemplateKind};
@@ -314,7 +315,9 @@ fn the_policy_leaves_sandboxes_with_a_request_in_flight() {
         .into_iter()
         .map(|id| {
             let (service, script) = (h.service.clone(), script.clone());
-            std::thread::spawn(move || service.exec(&id, exec_req(&script, Some(50_000)), &Cancel::default()))
+            std::thread::spawn(move || {
+                service.exec(&id, exec_req(&script, Some(50_000)), &Cancel::default())
+            })
         })
         .collect();
     let deadline = Instant::now() + WAIT;
@@ -493,8 +496,8 @@ fn a_client_that_goes_away_cancels_its_exec() {
     for route in ["exec", "exec/stream"] {
         let pidfile = h.data.0.join(format!("pid-{}", route.replace('/', "-")));
         let script = format!("echo $$ > {}; exec sleep 50", pidfile.display());
-        let body = serde_json::json!({ "argv": ["sh", "-c", script], "timeout_ms": 55_000 })
-            .to_string();
+        let body =
+            serde_json::json!({ "argv": ["sh", "-c", script], "timeout_ms": 55_000 }).to_string();
         let mut client = std::net::TcpStream::connect(addr).unwrap();
         write!(
             client,
@@ -509,7 +512,10 @@ fn a_client_that_goes_away_cancels_its_exec() {
             if let Ok(pid) = text.trim().parse::<u32>() {
                 break pid;
             }
-            assert!(started.elapsed() < WAIT, "{route}: the command never started");
+            assert!(
+                started.elapsed() < WAIT,
+                "{route}: the command never started"
+            );
             std::thread::sleep(Duration::from_millis(20));
         };
         if route == "exec/stream" {
@@ -531,7 +537,10 @@ fn a_client_that_goes_away_cancels_its_exec() {
         // The sandbox is fine, and no request is left in flight.
         let deadline = Instant::now() + Duration::from_secs(20);
         while h.service.has_request_in_flight(&id) {
-            assert!(Instant::now() < deadline, "{route}: the exec is still in flight");
+            assert!(
+                Instant::now() < deadline,
+                "{route}: the exec is still in flight"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         assert_eq!(h.state(&id), SandboxState::Running, "{route}");

@@ -36,7 +36,8 @@ use crate::backend::SandboxApi;
 use crate::error::ApiError;
 use crate::handlers::{call, Api, ApiResult};
 use crate::service::{
-    Cancel, DirListing, ExecOutput, ExecRequest, ExitReply, GuestCall, Outcome, OutputKind, ServiceError,
+    Cancel, DirListing, ExecOutput, ExecRequest, ExitReply, GuestCall, Outcome, OutputKind,
+    ServiceError,
 };
 
 /// Output kept by `exec` unless the request asks for another limit.
@@ -354,9 +355,12 @@ fn file_query(
         None => None,
         Some(_) if !allow_mode => return Err(ApiError::invalid("mode is only for writes")),
         Some(m) => Some(
-            u32::from_str_radix(&m, 8)
-                .ok()
-                .filter(|&m| m <= 0o7777)
+            // 1 to 4 octal digits (the OpenAPI document's pattern).
+            Some(&m)
+                .filter(|m| {
+                    (1..=4).contains(&m.len()) && m.bytes().all(|b| (b'0'..=b'7').contains(&b))
+                })
+                .and_then(|m| u32::from_str_radix(m, 8).ok())
                 .ok_or_else(|| ApiError::invalid(format!("mode {m:?} is not octal 0..7777")))?,
         ),
     };

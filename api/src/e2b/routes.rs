@@ -26,10 +26,10 @@ use crate::backend::SandboxApi;
 use crate::error::ApiError;
 use crate::handlers::{call, Api, AppState};
 use crate::quota::Usage;
-use crate::tenancy::{admit, admit_create, admit_wake, Limited, Permit};
 use crate::service::{
     CreateSandbox, ForkSandbox, SandboxFilter, ServiceError, TemplateFromSandbox,
 };
+use crate::tenancy::{admit, admit_create, admit_wake, Limited, Permit};
 
 type E2bResult<T> = Result<T, E2bError>;
 
@@ -536,13 +536,13 @@ pub async fn fork<S: SandboxApi>(
             let fork = admitted.and_then(|ticket| {
                 tickets.push(ticket);
                 s.fork_sandbox(
-                &source.id,
-                ForkSandbox {
-                    timeout_ms,
-                    metadata: source.metadata.clone(),
-                    access_token: Some(new_access_token()),
-                    ..ForkSandbox::default()
-                },
+                    &source.id,
+                    ForkSandbox {
+                        timeout_ms,
+                        metadata: source.metadata.clone(),
+                        access_token: Some(new_access_token()),
+                        ..ForkSandbox::default()
+                    },
                 )
             });
             results.push(match fork {
@@ -576,7 +576,11 @@ pub async fn create_snapshot<S: SandboxApi>(
     let tenancy = state.tenancy.clone();
     let out = call(&state, move |s| {
         let sandbox = live(s, &id)?;
-        let _ticket = admit(&tenancy, &principal, Usage::snapshot(u64::from(sandbox.mem_mib)))?;
+        let _ticket = admit(
+            &tenancy,
+            &principal,
+            Usage::snapshot(u64::from(sandbox.mem_mib)),
+        )?;
         let t = s.template_from_sandbox(&sandbox.id, TemplateFromSandbox { name: req.name })?;
         Ok(SnapshotInfo {
             snapshot_id: t.id.to_string(),

@@ -15,8 +15,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use torpor_api::service::{
-    Cancel, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest, ExitReply, FileKind,
-    FileStat, GuestCall, GuestError, Outcome, OutputKind, PodView, SandboxFilter, ServiceError,
+    Cancel, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest, ExitReply,
+    FileKind, FileStat, GuestCall, GuestError, Outcome, OutputKind, PodView, SandboxFilter,
+    ServiceError,
 };
 use torpor_api::{ApiConfig, SandboxApi};
 use torpor_scheduler::model::{

@@ -256,9 +256,7 @@ impl AgentLink {
         let deadline = limit.map(|l| Instant::now() + l);
         let stream = connect_vsock(&self.uds, self.port)
             .map_err(|e| self.unreachable(format!("{}: {e}", self.uds.display())))?;
-        cancel
-            .attach(&stream)
-            .map_err(|e| self.unreachable(e))?;
+        cancel.attach(&stream).map_err(|e| self.unreachable(e))?;
         AgentClient::connect(GuestStream::new(stream, deadline), CLIENT_NAME)
             .map_err(|e| self.client_error(e, limit))
     }

@@ -188,7 +188,9 @@ fn endless_output_fails_at_the_cap_and_memory_stays_bounded() {
     let before = rss_kib();
     let mut kept = 0usize;
     let e = ends_within(LONG, || {
-        link.exec_streaming(exec_req(1 << 20), &Cancel::default(), &mut |_, data| kept += data.len())
+        link.exec_streaming(exec_req(1 << 20), &Cancel::default(), &mut |_, data| {
+            kept += data.len()
+        })
     });
     assert!(matches!(e, GuestError::Misbehaved { .. }), "{e:?}");
     assert!(e.to_string().contains("1048576 bytes of output"), "{e}");

@@ -149,7 +149,10 @@ fn a_cancelled_exec_ends_and_its_command_is_killed() {
         if let Ok(pid) = text.trim().parse::<u32>() {
             break pid;
         }
-        assert!(started.elapsed() < Duration::from_secs(10), "the command never started");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the command never started"
+        );
         std::thread::sleep(Duration::from_millis(20));
     };
     cancel.cancel();

@@ -35,11 +35,11 @@ use crate::model::{Pod, PodAddress, PodId, SandboxId, TemplateKind, Timestamp};
 use crate::state::{IllegalTransition, SandboxState};
 use crate::store::{Store, StoreError};
 
+pub use cancel::Cancel;
 pub use checkpoint::{
     validate_checkpoint_name, CreateCheckpoint, ForkSandbox, RestoreCheckpoint,
     MAX_CHECKPOINT_NAME, STALL_ENV,
 };
-pub use cancel::Cancel;
 pub use guest::{GuestCall, GuestError};
 pub use lifetime::{check_lifetimes, MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS};
 pub use linux::HostGuests;
@@ -195,9 +195,16 @@ impl From<crate::images::ImageError> for ServiceError {
     fn from(e: crate::images::ImageError) -> Self {
         use crate::images::ImageError as E;
         match e {
-            E::BadName | E::BadPart(_) | E::Unusable { .. } => ServiceError::Invalid(e.to_string()),
+            E::BadName | E::BadPart(_) | E::Empty(_) => ServiceError::Invalid(e.to_string()),
+            // Missing, not a regular file or behind a symlink: one answer,
+            // as for a name that is not there at all.
+            E::Unusable { name, .. } => ServiceError::NotFound {
+                kind: "image",
+                id: name,
+            },
             E::TooLarge { .. } => ServiceError::TooLarge(e.to_string()),
             E::InUse { .. } => ServiceError::ResourceConflict(e.to_string()),
+            E::NotFound(id) => ServiceError::NotFound { kind: "image", id },
             E::Io(_) => ServiceError::Internal(e.to_string()),
         }
     }

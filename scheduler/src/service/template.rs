@@ -61,7 +61,8 @@ impl Service {
 
     /// Registers a template and builds its snapshot.
     pub(super) fn build_template(&self, req: CreateTemplate) -> Result<Template, ServiceError> {
-        if req.name.is_empty() || req.name.len() > 64 {
+        let chars = req.name.chars().count();
+        if chars == 0 || chars > 64 {
             return Err(ServiceError::Invalid(
                 "template names are 1 to 64 characters".into(),
             ));
