@@ -231,7 +231,9 @@ impl futures_core::Stream for Lines {
                 }
                 Some(Event::Done(Ok(done))) => {
                     self.ended = true;
-                    self.cancel.take().map(OnDrop::disarm);
+                    if let Some(guard) = self.cancel.take() {
+                        guard.disarm();
+                    }
                     let mut v =
                         serde_json::to_value(ExitBody::from(&done.value)).unwrap_or_default();
                     v["type"] = "exit".into();
@@ -239,7 +241,9 @@ impl futures_core::Stream for Lines {
                 }
                 Some(Event::Done(Err(e))) => {
                     self.ended = true;
-                    self.cancel.take().map(OnDrop::disarm);
+                    if let Some(guard) = self.cancel.take() {
+                        guard.disarm();
+                    }
                     let e = ApiError::from(e);
                     line(
                         json!({ "type": "error", "status": e.status.as_u16(), "code": e.code,
