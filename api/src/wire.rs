@@ -193,7 +193,9 @@ pub fn sandbox_filter(pairs: Vec<(String, String)>) -> Result<SandboxFilter, Api
     for (key, value) in pairs {
         match key.as_str() {
             "state" => {
-                for word in value.split(',').map(str::trim).filter(|w| !w.is_empty()) {
+                // Exact state names, comma-separated: an empty one (`state=`)
+                // is refused, as the document's enum says.
+                for word in value.split(',') {
                     let state: SandboxState = word.parse().map_err(|_| {
                         ApiError::invalid(format!(
                             "unknown state {word:?} (one of {})",
