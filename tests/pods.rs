@@ -113,7 +113,7 @@ fn unix_and_tcp_pods_are_placed_on_routed_to_and_listed() {
         "/v1/pods",
         Some(json!({"address": format!("unix:{}", data.0.join("none.sock").display()), "token": "x"})),
     );
-    assert_eq!(gone.status, 502, "{}", gone.body);
+    assert_eq!(gone.status, 404, "{}", gone.body);
     assert_eq!(error_code(&gone), "pod_unreachable");
     let bad = central.call(
         "POST",
@@ -371,7 +371,7 @@ fn unix_and_tcp_pods_are_placed_on_routed_to_and_listed() {
     );
     assert_eq!(
         central.call("DELETE", "/v1/pods/pod_local", None).status,
-        400
+        409
     );
     let left: Vec<Value> = central.ok("GET", "/v1/pods", None)["pods"]
         .as_array()

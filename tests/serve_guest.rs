@@ -150,7 +150,7 @@ fn linux_templates_need_hardware_virtualization() {
     let r = call(&s, "POST", "/v1/templates", Some(body));
     match report.verdict() {
         Verdict::ProbeOnly => {
-            let e = error(&r, 501, "unsupported");
+            let e = error(&r, 422, "host_unsupported");
             let message = e["message"].as_str().unwrap();
             assert!(message.contains("VMX/SVM"), "{message}");
             assert!(message.contains("scripts/nested-host"), "{message}");

@@ -29,7 +29,8 @@ use torpor_agent::{Agent, AgentConfig, FakeOps, IdentityPage, DEFAULT_VSOCK_PORT
 use torpor_scheduler::model::{SandboxId, Template, TemplateId, TemplateState, Timestamp};
 use torpor_scheduler::service::guest::{hostname_for, ExecRequest, VSOCK_FILE};
 use torpor_scheduler::service::{
-    CreateSandbox, GuestError, Service, ServiceConfig, ServiceError, LOCAL_POD, PROBE_TEMPLATE,
+    Cancel, CreateSandbox, GuestError, Service, ServiceConfig, ServiceError, LOCAL_POD,
+    PROBE_TEMPLATE,
 };
 use torpor_scheduler::store::SandboxFilter;
 use torpor_scheduler::{PodId, SandboxState, TemplateKind};
@@ -314,7 +315,9 @@ fn the_policy_leaves_sandboxes_with_a_request_in_flight() {
         .into_iter()
         .map(|id| {
             let (service, script) = (h.service.clone(), script.clone());
-            std::thread::spawn(move || service.exec(&id, exec_req(&script, Some(50_000))))
+            std::thread::spawn(move || {
+                service.exec(&id, exec_req(&script, Some(50_000)), &Cancel::default())
+            })
         })
         .collect();
     let deadline = Instant::now() + WAIT;
@@ -364,7 +367,7 @@ fn execs_get_the_services_timeout_and_cannot_ask_for_more() {
     // No timeout given: the service's 500 ms applies, the agent kills it.
     let out = h
         .service
-        .exec(&id, exec_req("sleep 30", None))
+        .exec(&id, exec_req("sleep 30", None), &Cancel::default())
         .unwrap()
         .value;
     assert!(out.exit.timed_out, "{:?}", out.exit);
@@ -373,7 +376,7 @@ fn execs_get_the_services_timeout_and_cannot_ask_for_more() {
     // Within the limit: as asked.
     let out = h
         .service
-        .exec(&id, exec_req("echo ok", Some(400)))
+        .exec(&id, exec_req("echo ok", Some(400)), &Cancel::default())
         .unwrap()
         .value;
     assert_eq!(
@@ -384,7 +387,7 @@ fn execs_get_the_services_timeout_and_cannot_ask_for_more() {
     // Past the limit: refused before anything runs.
     let err = h
         .service
-        .exec(&id, exec_req("true", Some(10_000)))
+        .exec(&id, exec_req("true", Some(10_000)), &Cancel::default())
         .expect_err("a timeout past the limit");
     assert!(matches!(err, ServiceError::Invalid(_)), "{err}");
     assert!(err.to_string().contains("500 ms"), "{err}");
@@ -418,7 +421,7 @@ fn a_sandboxs_env_is_under_every_exec_and_forks_keep_it() {
 
     let mut req = exec_req("echo \"$FROM_SANDBOX $BOTH\"", Some(5_000));
     req.env.insert("BOTH".into(), "request".into());
-    let out = h.service.exec(&id, req).unwrap().value;
+    let out = h.service.exec(&id, req, &Cancel::default()).unwrap().value;
     assert_eq!(out.stdout, b"sbx request\n", "the request's own win");
     // Streaming execs too.
     let mut streamed = Vec::new();
@@ -426,6 +429,7 @@ fn a_sandboxs_env_is_under_every_exec_and_forks_keep_it() {
         .exec_streaming(
             &id,
             exec_req("echo \"$FROM_SANDBOX\"", Some(5_000)),
+            &Cancel::default(),
             &mut |_| {},
             &mut |_, data| streamed.extend_from_slice(data),
         )
@@ -448,8 +452,99 @@ fn a_sandboxs_env_is_under_every_exec_and_forks_keep_it() {
         .id;
     let out = h
         .service
-        .exec(&fork, exec_req("echo \"$FROM_SANDBOX $BOTH\"", Some(5_000)))
+        .exec(
+            &fork,
+            exec_req("echo \"$FROM_SANDBOX $BOTH\"", Some(5_000)),
+            &Cancel::default(),
+        )
         .unwrap()
         .value;
     assert_eq!(out.stdout, b"sbx fork\n");
+}
+
+/// A client that goes away from `POST /v1/sandboxes/{id}/exec` or
+/// `.../exec/stream` cancels its exec: the command is killed in the guest
+/// (here, by the real agent on this host) instead of running to its
+/// timeout.
+#[test]
+fn a_client_that_goes_away_cancels_its_exec() {
+    const TOKEN: &str = "test-token-exec-cancel";
+    let h = Harness::new("svc-exec-cancel", 60_000);
+    let id = h.create(None).unwrap();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = torpor_api::ApiConfig {
+        tokens: vec![TOKEN.into()],
+        ..Default::default()
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = runtime.spawn(torpor_api::serve(
+        listener,
+        h.service.clone(),
+        config,
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    for route in ["exec", "exec/stream"] {
+        let pidfile = h.data.0.join(format!("pid-{}", route.replace('/', "-")));
+        let script = format!("echo $$ > {}; exec sleep 50", pidfile.display());
+        let body =
+            serde_json::json!({ "argv": ["sh", "-c", script], "timeout_ms": 55_000 }).to_string();
+        let mut client = std::net::TcpStream::connect(addr).unwrap();
+        write!(
+            client,
+            "POST /v1/sandboxes/{id}/{route} HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer \
+             {TOKEN}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let started = Instant::now();
+        let pid = loop {
+            let text = std::fs::read_to_string(&pidfile).unwrap_or_default();
+            if let Ok(pid) = text.trim().parse::<u32>() {
+                break pid;
+            }
+            assert!(
+                started.elapsed() < WAIT,
+                "{route}: the command never started"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        if route == "exec/stream" {
+            // The stream has begun (its `start` line) before the client goes.
+            let mut first = [0u8; 12];
+            client.read_exact(&mut first).unwrap();
+            assert_eq!(&first, b"HTTP/1.1 200", "{route}");
+        }
+        drop(client);
+        let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+        let gone = Instant::now();
+        while proc_dir.exists() {
+            assert!(
+                gone.elapsed() < Duration::from_secs(20),
+                "{route}: the command (pid {pid}) runs on after its client went away"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // The sandbox is fine, and no request is left in flight.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while h.service.has_request_in_flight(&id) {
+            assert!(
+                Instant::now() < deadline,
+                "{route}: the exec is still in flight"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(h.state(&id), SandboxState::Running, "{route}");
+    }
+    let _ = stop.send(());
+    runtime.block_on(server).unwrap().unwrap();
 }

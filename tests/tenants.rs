@@ -2,7 +2,8 @@
 //! loopback (probe templates): attacks that must fail. A first start's
 //! admin token, tenant tokens, another tenant's sandbox (404 for every
 //! route, and unchanged), admin-only routes (403), templates naming host
-//! paths, `..` or a symlink out of the images directory (400), 200
+//! paths or `..` (400), a symlink out of the images directory (404, as a
+//! missing image), 200
 //! parallel creates past a quota (exactly the quota admitted, the rest
 //! 429), pagination, a rogue pod (refused without admin; its foreign or
 //! malformed sandbox ids refused) and a 64 MiB chunked body to a forwarded
@@ -19,7 +20,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use common::http::{request, HttpResponse};
+use common::http::{request, request_with, HttpResponse};
 use common::serve::{DataDir, ServeProcess};
 
 /// The service under test and its admin token.
@@ -32,7 +33,17 @@ impl Serve {
     /// A first start (no `--token`): the admin token is read from what
     /// `serve` printed.
     fn first_start(data: &Path) -> Self {
-        let process = ServeProcess::start(data, &["--policy-interval-ms", "0"]);
+        Self::first_start_with(data, &[])
+    }
+
+    /// [`Serve::first_start`] with more `serve` arguments.
+    fn first_start_with(data: &Path, args: &[&str]) -> Self {
+        let args: Vec<&str> = ["--policy-interval-ms", "0"]
+            .iter()
+            .chain(args)
+            .copied()
+            .collect();
+        let process = ServeProcess::start(data, &args);
         let admin = process
             .banner
             .iter()
@@ -241,8 +252,10 @@ fn tenants_see_only_their_own_and_cannot_reach_host_paths() {
     assert_eq!(own["usage"]["total_sandboxes"], 0, "{own}");
     assert_eq!(s.call(&b, "GET", "/v1/tenants/acme", None).status, 404);
 
-    // Templates never name host paths: these are refused (400) for the
-    // admin as for a tenant, and what they name is never opened.
+    // Templates never name host paths: these are refused (400; a plain
+    // name that is no usable image, symlinks included, 404 as a missing
+    // one) for the admin as for a tenant, and what they name is never
+    // opened.
     let images = data.0.join("images");
     let other = data.0.join("sandboxes").join(&id);
     let evil = images.join("evil");
@@ -256,7 +269,7 @@ fn tenants_see_only_their_own_and_cannot_reach_host_paths() {
         "/v1/templates",
         Some(json!({"name": "x", "kind": "linux", "image": "absent", "mem_mib": 256})),
     );
-    assert_eq!(absent.status, 400, "{}", absent.body);
+    assert_eq!(absent.status, 404, "{}", absent.body);
     for token in [&s.admin, &a] {
         for body in [
             json!({"name": "x", "kind": "linux", "kernel": "/etc/shadow", "rootfs": "/etc/shadow"}),
@@ -268,7 +281,13 @@ fn tenants_see_only_their_own_and_cannot_reach_host_paths() {
             json!({"name": "x", "kind": "linux", "image": "overlay", "mem_mib": 256}),
         ] {
             let r = s.call(token, "POST", "/v1/templates", Some(body.clone()));
-            assert_eq!(r.status, 400, "{body}: {}", r.body);
+            let plain = body["image"] == "evil" || body["image"] == "overlay";
+            assert_eq!(
+                r.status,
+                if plain { 404 } else { 400 },
+                "{body}: {}",
+                r.body
+            );
             assert!(
                 !r.body.contains("/etc") && !r.body.contains(&data.0.display().to_string()),
                 "{body}: {}",
@@ -403,6 +422,102 @@ fn tenants_see_only_their_own_and_cannot_reach_host_paths() {
         "{:?}",
         again.banner
     );
+}
+
+/// Quotas hold on a wake too (a hibernated sandbox woken at the tenant's
+/// running-sandboxes quota is 429 with the quota and the use, and stays
+/// hibernated), and E2B's routes, on the API's listener and on one of
+/// their own (`--e2b-listen`), share the API's tokens and quotas: a token
+/// made through `/v1` after the start works there, and E2B's creates and
+/// wakes are admitted like `/v1`'s.
+#[test]
+fn wakes_and_e2b_routes_are_admitted_against_the_same_quotas() {
+    let data = DataDir::new("tenants-wake");
+    let s = Serve::first_start_with(&data.0, &["--e2b-listen", "127.0.0.1:0"]);
+    let e2b_addr = s
+        .process
+        .stdout_line("E2B API on http://")
+        .expect("the E2B listener's address");
+    let a = s.tenant("wake");
+    let e2b = |addr: &str, method: &str, path: &str, body: Option<Value>| {
+        let body = body.map(|b| b.to_string());
+        request_with(addr, method, path, &[("X-API-KEY", &a)], body.as_deref())
+    };
+    let r = e2b(&e2b_addr, "GET", "/v2/sandboxes", None);
+    assert_eq!(
+        r.status, 200,
+        "a token made after the start, on E2B's listener: {}",
+        r.body
+    );
+
+    s.ok(
+        &s.admin,
+        "PUT",
+        "/v1/tenants/wake/quota",
+        Some(json!({"running_sandboxes": 1})),
+    );
+    let first = s.ok(
+        &a,
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"template": "probe"})),
+    )["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    s.ok(
+        &a,
+        "POST",
+        &format!("/v1/sandboxes/{first}/hibernate"),
+        None,
+    );
+    // The hibernated one holds no VM: a create on E2B's listener fits.
+    let r = e2b(
+        &e2b_addr,
+        "POST",
+        "/sandboxes",
+        Some(json!({"templateID": "probe"})),
+    );
+    assert_eq!(r.status, 201, "{}", r.body);
+    let second = r.json()["sandboxID"].as_str().unwrap().to_string();
+
+    // At the quota: every wake and create is refused, naming the quota.
+    for path in ["connect", "resume"] {
+        let r = s.call(&a, "POST", &format!("/v1/sandboxes/{first}/{path}"), None);
+        assert_eq!(r.status, 429, "{path}: {}", r.body);
+        assert_eq!(code(&r), "quota_exceeded", "{}", r.body);
+        let e = &r.json()["error"];
+        assert_eq!(
+            (e["quota"].as_str(), e["limit"].as_u64(), e["used"].as_u64()),
+            (Some("running_sandboxes"), Some(1), Some(1)),
+            "{}",
+            r.body
+        );
+    }
+    for addr in [&e2b_addr, &s.process.addr] {
+        let r = e2b(
+            addr,
+            "POST",
+            &format!("/sandboxes/{first}/connect"),
+            Some(json!({"timeout": 60})),
+        );
+        assert_eq!(r.status, 429, "E2B connect: {}", r.body);
+        assert!(r.body.contains("running_sandboxes"), "{}", r.body);
+        let r = e2b(
+            addr,
+            "POST",
+            "/sandboxes",
+            Some(json!({"templateID": "probe"})),
+        );
+        assert_eq!(r.status, 429, "E2B create: {}", r.body);
+    }
+    let state = |id: &str| s.ok(&a, "GET", &format!("/v1/sandboxes/{id}"), None)["state"].clone();
+    assert_eq!(state(&first), "hibernated");
+
+    // Room again: the wake goes through.
+    s.ok(&a, "DELETE", &format!("/v1/sandboxes/{second}"), None);
+    s.ok(&a, "POST", &format!("/v1/sandboxes/{first}/connect"), None);
+    assert_eq!(state(&first), "running");
 }
 
 /// A pod of our own making: answers like `torpor pod serve` with unlimited

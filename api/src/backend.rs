@@ -16,7 +16,7 @@ use crate::federation::{AddPod, RemotePod};
 use torpor_scheduler::images::ImagePart;
 
 use crate::service::{
-    AgentLink, CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput,
+    AgentLink, Cancel, CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput,
     ExecRequest, ExitReply, ForkSandbox, GuestCall, GuestError, Outcome, OutputKind, PodView,
     RestoreCheckpoint, SandboxFilter, Service, ServiceError, TemplateFromSandbox,
 };
@@ -231,13 +231,20 @@ pub trait SandboxApi: Send + Sync + 'static {
         Ok(Vec::new())
     }
     // Guest access (exec and files), each waking a hibernated sandbox first.
-    fn exec(&self, id: &SandboxId, req: ExecRequest)
-        -> Result<GuestCall<ExecOutput>, ServiceError>;
+    /// `cancel` ends the exec early (its client went away): the command
+    /// is killed in the guest.
+    fn exec(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+        cancel: &Cancel,
+    ) -> Result<GuestCall<ExecOutput>, ServiceError>;
     /// `on_start` runs once the sandbox runs, before any output.
     fn exec_streaming(
         &self,
         id: &SandboxId,
         req: ExecRequest,
+        cancel: &Cancel,
         on_start: &mut dyn FnMut(&Outcome),
         on_output: &mut dyn FnMut(OutputKind, &[u8]),
     ) -> Result<GuestCall<ExitReply>, ServiceError>;
@@ -376,17 +383,19 @@ impl SandboxApi for Service {
         &self,
         id: &SandboxId,
         req: ExecRequest,
+        cancel: &Cancel,
     ) -> Result<GuestCall<ExecOutput>, ServiceError> {
-        Service::exec(self, id, req)
+        Service::exec(self, id, req, cancel)
     }
     fn exec_streaming(
         &self,
         id: &SandboxId,
         req: ExecRequest,
+        cancel: &Cancel,
         on_start: &mut dyn FnMut(&Outcome),
         on_output: &mut dyn FnMut(OutputKind, &[u8]),
     ) -> Result<GuestCall<ExitReply>, ServiceError> {
-        Service::exec_streaming(self, id, req, on_start, on_output)
+        Service::exec_streaming(self, id, req, cancel, on_start, on_output)
     }
     fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
         Service::read_file(self, id, path)

@@ -48,6 +48,9 @@ pub mod code {
     pub const QUOTA_EXCEEDED: &str = "quota_exceeded";
     /// Too many requests from one token (`Retry-After` says when to retry).
     pub const RATE_LIMITED: &str = "rate_limited";
+    /// This host cannot do it (a Linux template without hardware
+    /// virtualization): a valid request another host could serve.
+    pub const HOST_UNSUPPORTED: &str = "host_unsupported";
 
     /// Every code (the OpenAPI document lists the same).
     pub const ALL: &[&str] = &[
@@ -73,6 +76,7 @@ pub mod code {
         VM_GONE,
         QUOTA_EXCEEDED,
         RATE_LIMITED,
+        HOST_UNSUPPORTED,
     ];
 }
 
@@ -269,6 +273,11 @@ impl From<ServiceError> for ApiError {
             ServiceError::Unsupported(_) => {
                 ApiError::new(StatusCode::NOT_IMPLEMENTED, code::UNSUPPORTED, message)
             }
+            ServiceError::HostUnsupported(_) => ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                code::HOST_UNSUPPORTED,
+                message,
+            ),
             ServiceError::Internal(_) => {
                 // The detail names host paths and processes: the log has it.
                 tracing::error!(error = %message, "internal error");
@@ -460,6 +469,11 @@ mod tests {
                 ServiceError::Unsupported("probe".into()),
                 501,
                 "unsupported",
+            ),
+            (
+                ServiceError::HostUnsupported("no VMX/SVM".into()),
+                422,
+                "host_unsupported",
             ),
             (ServiceError::Internal("disk".into()), 500, "internal"),
             (

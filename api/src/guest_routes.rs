@@ -30,12 +30,14 @@ use serde_json::json;
 use tokio::sync::mpsc;
 use torpor_agent::b64;
 use torpor_scheduler::model::SandboxId;
+use torpor_scheduler::service::cancel::OnDrop;
 
 use crate::backend::SandboxApi;
 use crate::error::ApiError;
 use crate::handlers::{call, Api, ApiResult};
 use crate::service::{
-    DirListing, ExecOutput, ExecRequest, ExitReply, GuestCall, Outcome, OutputKind, ServiceError,
+    Cancel, DirListing, ExecOutput, ExecRequest, ExitReply, GuestCall, Outcome, OutputKind,
+    ServiceError,
 };
 
 /// Output kept by `exec` unless the request asks for another limit.
@@ -175,8 +177,13 @@ pub async fn exec<S: SandboxApi>(
 ) -> ApiResult<Json<ExecAnswer>> {
     let req = body.into_request(DEFAULT_MAX_OUTPUT)?;
     let id = SandboxId::new(id);
-    let answer = call(&st, move |s| s.exec(&id, req)).await?;
-    Ok(Json(answer.into()))
+    // A client that goes away drops this future: the guard cancels the
+    // exec, and the agent kills the command.
+    let cancel = Cancel::default();
+    let guard = cancel.on_drop();
+    let answer = call(&st, move |s| s.exec(&id, req, &cancel)).await;
+    guard.disarm();
+    Ok(Json(answer?.into()))
 }
 
 /// What the blocking exec hands to the streaming body.
@@ -187,9 +194,11 @@ enum Event {
 }
 
 /// The NDJSON body: one line per event, ending after `exit` or `error`.
+/// Dropped before its end (the client went away), it cancels the exec.
 struct Lines {
     rx: mpsc::Receiver<Event>,
     ended: bool,
+    cancel: Option<OnDrop>,
 }
 
 fn line(v: serde_json::Value) -> Bytes {
@@ -222,6 +231,9 @@ impl futures_core::Stream for Lines {
                 }
                 Some(Event::Done(Ok(done))) => {
                     self.ended = true;
+                    if let Some(guard) = self.cancel.take() {
+                        guard.disarm();
+                    }
                     let mut v =
                         serde_json::to_value(ExitBody::from(&done.value)).unwrap_or_default();
                     v["type"] = "exit".into();
@@ -229,6 +241,9 @@ impl futures_core::Stream for Lines {
                 }
                 Some(Event::Done(Err(e))) => {
                     self.ended = true;
+                    if let Some(guard) = self.cancel.take() {
+                        guard.disarm();
+                    }
                     let e = ApiError::from(e);
                     line(
                         json!({ "type": "error", "status": e.status.as_u16(), "code": e.code,
@@ -258,12 +273,15 @@ pub async fn exec_stream<S: SandboxApi>(
     let id = SandboxId::new(id);
     let (tx, mut rx) = mpsc::channel::<Event>(64);
     let service = std::sync::Arc::clone(&st.service);
+    // A client that goes away (before the first line, or while the body
+    // streams) cancels the exec: the agent kills the command.
+    let cancel = Cancel::default();
+    let guard = cancel.on_drop();
     tokio::task::spawn_blocking(move || {
-        // A client that went away only stops the forwarding; the command
-        // runs to its end (or its timeout).
         let result = service.exec_streaming(
             &id,
             req,
+            &cancel,
             &mut |outcome| drop(tx.blocking_send(Event::Started(outcome.clone()))),
             &mut |kind, data| drop(tx.blocking_send(Event::Output(kind, data.to_vec()))),
         );
@@ -286,7 +304,11 @@ pub async fn exec_stream<S: SandboxApi>(
     }));
     let body = Body::from_stream(Chain {
         first: Some(start),
-        rest: Lines { rx, ended: false },
+        rest: Lines {
+            rx,
+            ended: false,
+            cancel: Some(guard),
+        },
     });
     let mut response = (StatusCode::OK, body).into_response();
     response.headers_mut().insert(
@@ -337,9 +359,12 @@ fn file_query(
         None => None,
         Some(_) if !allow_mode => return Err(ApiError::invalid("mode is only for writes")),
         Some(m) => Some(
-            u32::from_str_radix(&m, 8)
-                .ok()
-                .filter(|&m| m <= 0o7777)
+            // 1 to 4 octal digits (the OpenAPI document's pattern).
+            Some(&m)
+                .filter(|m| {
+                    (1..=4).contains(&m.len()) && m.bytes().all(|b| (b'0'..=b'7').contains(&b))
+                })
+                .and_then(|m| u32::from_str_radix(m, 8).ok())
                 .ok_or_else(|| ApiError::invalid(format!("mode {m:?} is not octal 0..7777")))?,
         ),
     };

@@ -253,13 +253,7 @@ pub async fn create_sandbox<S: SandboxApi>(
     body.owner = Some(p.owner());
     let tenancy = st.tenancy.clone();
     let sandbox = call(&st, move |s| {
-        let limited = tenancy.auth.quota(&p.tenant).memory_mib.is_some();
-        let mem = if limited {
-            template_mem(s, &body.template)
-        } else {
-            0
-        };
-        let _ticket = crate::tenancy::admit(&tenancy, &p, Usage::sandbox(mem))?;
+        let _ticket = crate::tenancy::admit_create(&tenancy, &p, s, &body.template)?;
         s.create_sandbox(body)
     })
     .await?;
@@ -269,19 +263,6 @@ pub async fn create_sandbox<S: SandboxApi>(
         building,
         sandbox,
     ))
-}
-
-/// Memory of template `key` (id or name) as listed; 0 if unknown (the
-/// create then answers 404 itself).
-fn template_mem<S: SandboxApi>(s: &S, key: &str) -> u64 {
-    s.template_entries()
-        .ok()
-        .and_then(|list| {
-            list.into_iter()
-                .find(|t| t["id"] == key || t["name"] == key)
-                .and_then(|t| t["mem_mib"].as_u64())
-        })
-        .unwrap_or(0)
 }
 
 pub async fn get_sandbox<S: SandboxApi>(

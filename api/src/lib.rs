@@ -26,7 +26,8 @@
 //! | exec or files on a sandbox without an agent (probe) | 422 | `no_agent`        |
 //! | `Admission` (pod past its ratio)           | 429    | `admission_refused`      |
 //! | `Internal`, a panicking service call       | 500    | `internal`               |
-//! | `Unsupported` (e.g. a Linux template on a PVM host) | 501 | `unsupported`     |
+//! | `Unsupported` (the backend lacks the feature)      | 501 | `unsupported`     |
+//! | `HostUnsupported` (a Linux template on a PVM host) | 422 | `host_unsupported` |
 //! | agent unreachable (guest gone), other agent errors, failed post-restore hook | 502 | `agent_error` |
 //! | a remote pod that does not answer (the federation) | 502 | `pod_unreachable` |
 //! | a remote pod's own error answer            | its status | its code     |
@@ -395,58 +396,138 @@ fn tenancy_of<S: SandboxApi>(service: &Arc<S>, config: &ApiConfig) -> tenancy::T
     }
 }
 
-/// The API as an axum router.
-pub fn router<S: SandboxApi>(service: Arc<S>, config: ApiConfig) -> Router {
-    let tenancy = tenancy_of(&service, &config);
-    let auth = tenancy.auth.clone();
-    let mut app: Router<AppState<S>> = Router::new();
-    for r in ROUTES {
-        let mut endpoint = endpoint::<S>(r.operation, method_filter(r.method));
-        // Layers run outside in: auth, admin, redaction, the sandbox's
-        // ownership (and quotas, limits), forwarding to a remote pod.
-        if federation::routing::forwards(r) {
-            // Inside the auth layer: only authenticated requests are
-            // forwarded (with the pod's own token).
-            endpoint = endpoint.route_layer(middleware::from_fn_with_state(
-                (Arc::clone(&service), config.max_body_bytes),
-                federation::routing::forward::<S>,
-            ));
-        }
-        if r.path.starts_with("/v1/sandboxes/{id}") {
-            endpoint = endpoint.route_layer(middleware::from_fn_with_state(
-                tenancy.clone(),
-                tenancy::sandbox_guard::<S>,
-            ));
-        }
-        if r.auth {
-            endpoint = endpoint.route_layer(middleware::from_fn(tenancy::redact));
-            if r.admin {
-                endpoint = endpoint.route_layer(middleware::from_fn(auth::admin_only));
-            }
-            endpoint =
-                endpoint.route_layer(middleware::from_fn_with_state(auth.clone(), auth::require));
-        }
-        app = app.route(r.path, endpoint);
-    }
-    let limits_state = Limits::of(&config);
-    let e2b = e2b::router(Arc::clone(&service), tenancy.clone(), limits_state);
-    app.fallback(error::no_route)
-        .layer(DefaultBodyLimit::max(config.max_body_bytes))
-        .layer(middleware::from_fn_with_state(limits_state, limits))
-        .layer(middleware::from_fn(error::normalize))
-        .with_state(AppState {
-            service,
-            tenancy,
-            max_upload_bytes: config.max_upload_bytes,
-        })
-        .merge(e2b)
+/// The API of one service: its tokens, quotas and rate limits, built once
+/// and shared by every listener of that service (`/v1` and E2B's routes on
+/// the API's listener, and E2B's alone on `serve --e2b-listen`): a token
+/// made, a quota set or a rate spent on one listener holds on every other.
+pub struct Api<S> {
+    service: Arc<S>,
+    config: ApiConfig,
+    tenancy: tenancy::Tenancy<S>,
 }
 
-/// The E2B routes alone ([`e2b`]), for a listener of their own
-/// (`torpor serve --e2b-listen`): unknown paths are 404 in E2B's shape.
-pub fn e2b_router<S: SandboxApi>(service: Arc<S>, config: ApiConfig) -> Router {
-    let tenancy = tenancy_of(&service, &config);
-    e2b::router(service, tenancy, Limits::of(&config)).fallback(e2b::no_route)
+impl<S> Clone for Api<S> {
+    fn clone(&self) -> Self {
+        Api {
+            service: Arc::clone(&self.service),
+            config: self.config.clone(),
+            tenancy: self.tenancy.clone(),
+        }
+    }
+}
+
+impl<S: SandboxApi> Api<S> {
+    pub fn new(service: Arc<S>, config: ApiConfig) -> Self {
+        let tenancy = tenancy_of(&service, &config);
+        Api {
+            service,
+            config,
+            tenancy,
+        }
+    }
+
+    /// The API as an axum router: `/v1` and E2B's routes.
+    pub fn router(&self) -> Router {
+        let (service, config, tenancy) = (Arc::clone(&self.service), &self.config, &self.tenancy);
+        let auth = tenancy.auth.clone();
+        let mut app: Router<AppState<S>> = Router::new();
+        for r in ROUTES {
+            let mut endpoint = endpoint::<S>(r.operation, method_filter(r.method));
+            // Layers run outside in: auth, admin, redaction, the sandbox's
+            // ownership (and quotas, limits), forwarding to a remote pod.
+            if federation::routing::forwards(r) {
+                // Inside the auth layer: only authenticated requests are
+                // forwarded (with the pod's own token).
+                endpoint = endpoint.route_layer(middleware::from_fn_with_state(
+                    (Arc::clone(&service), config.max_body_bytes),
+                    federation::routing::forward::<S>,
+                ));
+            }
+            if r.path.starts_with("/v1/sandboxes/{id}") {
+                endpoint = endpoint.route_layer(middleware::from_fn_with_state(
+                    tenancy.clone(),
+                    tenancy::sandbox_guard::<S>,
+                ));
+            }
+            if r.auth {
+                endpoint = endpoint.route_layer(middleware::from_fn(tenancy::redact));
+                if r.admin {
+                    endpoint = endpoint.route_layer(middleware::from_fn(auth::admin_only));
+                }
+                endpoint = endpoint
+                    .route_layer(middleware::from_fn_with_state(auth.clone(), auth::require));
+            }
+            app = app.route(r.path, endpoint);
+        }
+        let limits_state = Limits::of(config);
+        let e2b = e2b::router(Arc::clone(&service), tenancy.clone(), limits_state);
+        app.fallback(error::no_route)
+            .layer(DefaultBodyLimit::max(config.max_body_bytes))
+            .layer(middleware::from_fn_with_state(limits_state, limits))
+            .layer(middleware::from_fn(error::normalize))
+            .with_state(AppState {
+                service,
+                tenancy: tenancy.clone(),
+                max_upload_bytes: config.max_upload_bytes,
+            })
+            .merge(e2b)
+    }
+
+    /// The E2B routes alone ([`e2b`]), for a listener of their own
+    /// (`torpor serve --e2b-listen`): unknown paths are 404 in E2B's shape.
+    pub fn e2b_router(&self) -> Router {
+        e2b::router(
+            Arc::clone(&self.service),
+            self.tenancy.clone(),
+            Limits::of(&self.config),
+        )
+        .fallback(e2b::no_route)
+    }
+}
+
+/// The API of `service` as an axum router, with tokens, quotas and limits
+/// of its own: a server with more than one listener uses one [`Api`].
+pub fn router<S: SandboxApi>(service: Arc<S>, config: ApiConfig) -> Router {
+    Api::new(service, config).router()
+}
+
+/// Serves `app` on `listener` until `shutdown` completes, then lets
+/// requests in flight finish.
+pub async fn serve_app<F>(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: F,
+) -> std::io::Result<()>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let listener = listener.tap_io(|stream| {
+        if let Err(err) = stream.set_nodelay(true) {
+            tracing::debug!(error = %err, "TCP_NODELAY");
+        }
+    });
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// [`serve_app`] over TLS with `identity`'s certificate.
+pub async fn serve_tls_app<F>(
+    listener: tokio::net::TcpListener,
+    identity: &tls::Identity,
+    app: Router,
+    shutdown: F,
+) -> std::io::Result<()>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let server = identity
+        .server_config()
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let listener = tls::TlsListener::new(listener, server)?;
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
 }
 
 /// Serves the API on `listener` until `shutdown` completes, then lets
@@ -461,15 +542,7 @@ where
     S: SandboxApi,
     F: Future<Output = ()> + Send + 'static,
 {
-    let app = router(service, config);
-    let listener = listener.tap_io(|stream| {
-        if let Err(err) = stream.set_nodelay(true) {
-            tracing::debug!(error = %err, "TCP_NODELAY");
-        }
-    });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    serve_app(listener, router(service, config), shutdown).await
 }
 
 /// [`serve`] over TLS with `identity`'s certificate (a pod on a
@@ -485,29 +558,7 @@ where
     S: SandboxApi,
     F: Future<Output = ()> + Send + 'static,
 {
-    let server = identity
-        .server_config()
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    let listener = tls::TlsListener::new(listener, server)?;
-    axum::serve(listener, router(service, config))
-        .with_graceful_shutdown(shutdown)
-        .await
-}
-
-/// Serves [`e2b_router`] on `listener` until `shutdown` completes.
-pub async fn serve_e2b<S, F>(
-    listener: tokio::net::TcpListener,
-    service: Arc<S>,
-    config: ApiConfig,
-    shutdown: F,
-) -> std::io::Result<()>
-where
-    S: SandboxApi,
-    F: Future<Output = ()> + Send + 'static,
-{
-    axum::serve(listener, e2b_router(service, config))
-        .with_graceful_shutdown(shutdown)
-        .await
+    serve_tls_app(listener, identity, router(service, config), shutdown).await
 }
 
 /// [`serve`] on a unix socket (a `torpor pod` reached by a `torpor serve`

@@ -60,7 +60,12 @@ impl Page {
 
 fn parse_token(token: &str) -> Result<(i64, String), ApiError> {
     let bad = || ApiError::invalid("next is not a token this API gave");
+    // The form the OpenAPI document gives: `^-?[0-9]{1,18}\.[A-Za-z0-9_]{1,64}$`.
     let (at, id) = token.split_once('.').ok_or_else(bad)?;
+    let digits = at.strip_prefix('-').unwrap_or(at);
+    if digits.is_empty() || digits.len() > 18 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
     let at: i64 = at.parse().map_err(|_| bad())?;
     if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
     {

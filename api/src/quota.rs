@@ -77,6 +77,16 @@ impl Usage {
         }
     }
 
+    /// What waking a hibernated sandbox of `mem_mib` adds: a VM again,
+    /// not another sandbox.
+    pub fn wake(mem_mib: u64) -> Usage {
+        Usage {
+            running_sandboxes: 1,
+            memory_mib: mem_mib,
+            ..Usage::default()
+        }
+    }
+
     /// What one more snapshot of `mem_mib` adds.
     pub fn snapshot(mem_mib: u64) -> Usage {
         Usage {

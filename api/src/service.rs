@@ -6,8 +6,8 @@ pub use torpor_scheduler::service::guest::{
     AgentLink, DirListing, ExecOutput, ExecRequest, ExitReply, FileKind, FileStat, OutputKind,
 };
 pub use torpor_scheduler::service::{
-    check_lifetimes, CreateCheckpoint, CreateSandbox, CreateTemplate, ForkSandbox, GuestCall,
-    GuestError, Outcome, PodView, RestoreCheckpoint, Service, ServiceError, TemplateFromSandbox,
-    MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS,
+    check_lifetimes, Cancel, CreateCheckpoint, CreateSandbox, CreateTemplate, ForkSandbox,
+    GuestCall, GuestError, Outcome, PodView, RestoreCheckpoint, Service, ServiceError,
+    TemplateFromSandbox, MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS,
 };
 pub use torpor_scheduler::store::SandboxFilter;

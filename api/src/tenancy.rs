@@ -25,7 +25,7 @@ use axum::http::{Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
-use torpor_scheduler::model::SandboxId;
+use torpor_scheduler::model::{Sandbox, SandboxId, SandboxState};
 
 use crate::auth::{Auth, Principal};
 use crate::backend::SandboxApi;
@@ -208,6 +208,49 @@ pub fn admit<S: SandboxApi>(
         .admit(&*t.service, &principal.tenant, &quota, asked)
 }
 
+/// Admits a create of a sandbox from `template` (id or name) for
+/// `principal`'s tenant (blocking): its memory is looked up only when the
+/// tenant's memory is limited.
+pub fn admit_create<S: SandboxApi>(
+    t: &Tenancy<S>,
+    principal: &Principal,
+    service: &S,
+    template: &str,
+) -> Result<Option<Ticket>, ServiceError> {
+    let limited = t.auth.quota(&principal.tenant).memory_mib.is_some();
+    let mem = if limited {
+        template_mem(service, template)
+    } else {
+        0
+    };
+    admit(t, principal, Usage::sandbox(mem))
+}
+
+/// Admits waking `sandbox` if it is hibernated (blocking); see [`wakes`].
+pub fn admit_wake<S: SandboxApi>(
+    t: &Tenancy<S>,
+    principal: &Principal,
+    sandbox: &Sandbox,
+) -> Result<Option<Ticket>, ServiceError> {
+    if sandbox.state != SandboxState::Hibernated {
+        return Ok(None);
+    }
+    admit(t, principal, Usage::wake(u64::from(sandbox.mem_mib)))
+}
+
+/// Memory of template `key` (id or name) as listed; 0 if unknown (the
+/// create then answers 404 itself).
+fn template_mem<S: SandboxApi>(s: &S, key: &str) -> u64 {
+    s.template_entries()
+        .ok()
+        .and_then(|list| {
+            list.into_iter()
+                .find(|t| t["id"] == key || t["name"] == key)
+                .and_then(|t| t["mem_mib"].as_u64())
+        })
+        .unwrap_or(0)
+}
+
 /// Route layer on `/v1/sandboxes/{id}...`; see the module documentation.
 pub async fn sandbox_guard<S: SandboxApi>(
     State(t): State<Tenancy<S>>,
@@ -225,6 +268,7 @@ pub async fn sandbox_guard<S: SandboxApi>(
     let checkpoint = post && path.ends_with("/checkpoints");
     let expensive =
         post && (fork || checkpoint || path.ends_with("/exec") || path.ends_with("/exec/stream"));
+    let wakes = wakes(request.method(), &path);
     let _permit = if expensive {
         match t.limiter.acquire(&p) {
             Ok(permit) => permit,
@@ -236,19 +280,19 @@ pub async fn sandbox_guard<S: SandboxApi>(
     let guard = t.clone();
     let checked = tokio::task::spawn_blocking(move || {
         owns(&*guard.service, &p, &id)?;
-        if !(fork || checkpoint) {
+        if !(fork || checkpoint || wakes) {
             return Ok(None);
         }
-        let mem = guard
-            .service
-            .get_sandbox(&id)
-            .map_or(0, |s| u64::from(s.mem_mib));
-        let asked = if fork {
-            Usage::sandbox(mem)
+        let sandbox = guard.service.get_sandbox(&id).ok();
+        let mem = sandbox.as_ref().map_or(0, |s| u64::from(s.mem_mib));
+        let admitted = if fork {
+            admit(&guard, &p, Usage::sandbox(mem))
+        } else if checkpoint {
+            admit(&guard, &p, Usage::snapshot(mem))
         } else {
-            Usage::snapshot(mem)
+            sandbox.map_or(Ok(None), |s| admit_wake(&guard, &p, &s))
         };
-        admit(&guard, &p, asked).map_err(ApiError::from)
+        admitted.map_err(ApiError::from)
     })
     .await;
     let _ticket = match checked {
@@ -257,6 +301,23 @@ pub async fn sandbox_guard<S: SandboxApi>(
         Err(_) => return ApiError::internal("the ownership check failed").into_response(),
     };
     next.run(request).await
+}
+
+/// Whether a request on `/v1/sandboxes/{id}...` wakes a hibernated
+/// sandbox: resume, connect, restore and every guest route (exec, files).
+/// A wake starts a VMM again: it is admitted against the running-sandboxes
+/// and memory quotas like a create (429 `quota_exceeded` naming the quota
+/// and the use), and the sandbox stays hibernated.
+fn wakes(method: &Method, path: &str) -> bool {
+    let rest = path.splitn(5, '/').nth(4).unwrap_or_default();
+    match *method {
+        Method::POST => matches!(
+            rest,
+            "resume" | "connect" | "restore" | "exec" | "exec/stream"
+        ),
+        Method::GET | Method::PUT => rest == "files" || rest == "files/list",
+        _ => false,
+    }
 }
 
 /// Keys of host paths and processes in the API's JSON answers.

@@ -125,10 +125,48 @@ where
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        match axum::Json::<T>::from_request(req, state).await {
-            Ok(axum::Json(value)) => Ok(ApiJson(value)),
-            Err(rejection) => Err(json_rejection(rejection)),
+        let mut value = match axum::Json::<serde_json::Value>::from_request(req, state).await {
+            Ok(axum::Json(value)) => value,
+            Err(rejection) => return Err(json_rejection(rejection)),
+        };
+        // Every body is an object (serde would also take a struct as an
+        // array of its fields, which the document does not offer).
+        if !value.is_object() {
+            return Err(ApiError::invalid("the body must be a JSON object"));
         }
+        whole_numbers(&mut value);
+        serde_json::from_value(value).map(ApiJson).map_err(|e| {
+            ApiError::invalid(format!(
+                "Failed to deserialize the JSON body into the target type: {e}"
+            ))
+        })
+    }
+}
+
+/// Largest magnitude a JSON float spells a whole number exactly (2^53).
+const EXACT_FLOAT: f64 = 9_007_199_254_740_992.0;
+
+/// JSON has numbers, not integers and floats: `2.0` is the integer 2 (as
+/// in JSON Schema, which the OpenAPI document's `integer` means), so a
+/// whole float within 2^53 is read as that integer. A fraction still
+/// fails an integer field, and bounds are checked as before.
+fn whole_numbers(v: &mut serde_json::Value) {
+    use serde_json::Value;
+    match v {
+        Value::Number(n) => {
+            if let Some(f) = n.as_f64().filter(|_| n.is_f64()) {
+                if f.fract() == 0.0 && f.abs() <= EXACT_FLOAT {
+                    *n = if f < 0.0 {
+                        (f as i64).into()
+                    } else {
+                        (f as u64).into()
+                    };
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(whole_numbers),
+        Value::Object(map) => map.values_mut().for_each(whole_numbers),
+        _ => {}
     }
 }
 
@@ -155,7 +193,9 @@ pub fn sandbox_filter(pairs: Vec<(String, String)>) -> Result<SandboxFilter, Api
     for (key, value) in pairs {
         match key.as_str() {
             "state" => {
-                for word in value.split(',').map(str::trim).filter(|w| !w.is_empty()) {
+                // Exact state names, comma-separated: an empty one (`state=`)
+                // is refused, as the document's enum says.
+                for word in value.split(',') {
                     let state: SandboxState = word.parse().map_err(|_| {
                         ApiError::invalid(format!(
                             "unknown state {word:?} (one of {})",
@@ -174,9 +214,15 @@ pub fn sandbox_filter(pairs: Vec<(String, String)>) -> Result<SandboxFilter, Api
             "template" => set_once(&mut filter.template, "template", TemplateId::new(value))?,
             "pod" => set_once(&mut filter.pod, "pod", PodId::new(value))?,
             _ => {
-                let Some(meta) = key.strip_prefix("metadata.").filter(|k| !k.is_empty()) else {
+                // `metadata.KEY`, or OpenAPI's deepObject `metadata[KEY]`.
+                let meta = key.strip_prefix("metadata.").or_else(|| {
+                    key.strip_prefix("metadata[")
+                        .and_then(|k| k.strip_suffix(']'))
+                });
+                let Some(meta) = meta.filter(|k| !k.is_empty()) else {
                     return Err(ApiError::invalid(format!(
-                        "unknown query parameter {key:?} (state, template, pod, metadata.KEY)"
+                        "unknown query parameter {key:?} (state, template, pod, metadata.KEY \
+                         or metadata[KEY])"
                     )));
                 };
                 if let Some(old) = filter.metadata.insert(meta.to_string(), value) {
@@ -215,6 +261,19 @@ mod tests {
     }
 
     #[test]
+    fn whole_floats_are_integers_and_fractions_are_not() {
+        let mut v: serde_json::Value =
+            serde_json::from_str(r#"{"a": 2.0, "b": [-3.0, 0.5], "c": 1e300, "d": "4.0"}"#)
+                .unwrap();
+        whole_numbers(&mut v);
+        assert_eq!(v["a"].as_u64(), Some(2));
+        assert_eq!(v["b"][0].as_i64(), Some(-3));
+        assert!(v["b"][1].is_f64());
+        assert!(v["c"].is_f64(), "past 2^53 a float stays a float");
+        assert_eq!(v["d"], "4.0");
+    }
+
+    #[test]
     fn filter_from_query() {
         let f = sandbox_filter(pairs(&[
             ("state", "running,paused"),
@@ -223,7 +282,7 @@ mod tests {
             ("template", "tpl_a"),
             ("pod", "pod_local"),
             ("metadata.team", "ml"),
-            ("metadata.user", "ada"),
+            ("metadata[user]", "ada"),
         ]))
         .unwrap();
         assert_eq!(

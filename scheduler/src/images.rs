@@ -40,6 +40,10 @@ pub enum ImageError {
     TooLarge { limit: u64 },
     #[error("image {name} is in use by template {template}")]
     InUse { name: String, template: String },
+    #[error("an empty upload: {0} needs its bytes in the request's body")]
+    Empty(&'static str),
+    #[error("image {0} not found")]
+    NotFound(String),
     #[error("image store: {0}")]
     Io(String),
 }
@@ -236,6 +240,9 @@ impl Images {
         .map_err(|e| ImageError::Io(format!("create an upload file: {e}")))?;
         let tmp_path = self.dir.join(&tmp_rel);
         let result = copy_limited(body, &mut tmp, limit).and_then(|n| {
+            if n == 0 {
+                return Err(ImageError::Empty(part.file_name()));
+            }
             tmp.sync_all()
                 .map_err(|e| ImageError::Io(format!("sync the upload: {e}")))?;
             std::fs::rename(&tmp_path, self.dir.join(name).join(part.file_name()))
@@ -261,12 +268,16 @@ impl Images {
         out
     }
 
-    /// Removes image `name` (both files and its directory).
+    /// Removes image `name` (its directory, whatever it holds: a half
+    /// uploaded image too); `NotFound` without one (a symlink is none).
     pub fn remove(&self, name: &str) -> Result<(), ImageError> {
         check_name(name)?;
-        self.resolve(name)?;
-        std::fs::remove_dir_all(self.dir.join(name))
-            .map_err(|e| ImageError::Io(format!("remove image {name}: {e}")))
+        let dir = self.dir.join(name);
+        match std::fs::symlink_metadata(&dir) {
+            Ok(m) if m.is_dir() => std::fs::remove_dir_all(&dir)
+                .map_err(|e| ImageError::Io(format!("remove image {name}: {e}"))),
+            _ => Err(ImageError::NotFound(name.to_string())),
+        }
     }
 }
 

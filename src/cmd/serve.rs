@@ -317,15 +317,17 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             .await
             .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        // One API for every listener: tokens, quotas and rate limits shared.
+        let api = torpor_api::Api::new(federation, api);
         if let Some(e2b_listen) = args.e2b_listen {
             let e2b = tokio::net::TcpListener::bind(e2b_listen)
                 .await
                 .map_err(|e| format!("cannot listen on {e2b_listen}: {e}"))?;
             let e2b_addr = e2b.local_addr().map_err(|e| e.to_string())?;
             println!("torpor serve: E2B API on http://{e2b_addr}");
-            let (service, api) = (federation.clone(), api.clone());
+            let app = api.e2b_router();
             tokio::spawn(async move {
-                if let Err(e) = torpor_api::serve_e2b(e2b, service, api, ctrl_c()).await {
+                if let Err(e) = torpor_api::serve_app(e2b, app, ctrl_c()).await {
                     tracing::error!("E2B listener: {e}");
                 }
             });
@@ -333,11 +335,11 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         match identity {
             Some(identity) => {
                 println!("torpor serve: listening on https://{addr}");
-                torpor_api::serve_tls(listener, &identity, federation, api, ctrl_c()).await
+                torpor_api::serve_tls_app(listener, &identity, api.router(), ctrl_c()).await
             }
             None => {
                 println!("torpor serve: listening on http://{addr}");
-                torpor_api::serve(listener, federation, api, ctrl_c()).await
+                torpor_api::serve_app(listener, api.router(), ctrl_c()).await
             }
         }
         .map_err(|e| e.to_string())?;

@@ -31,8 +31,9 @@ pub const CLI_JAIL_UID: u32 = DEFAULT_JAIL_UID_BASE - 1;
 /// tables, device buffers, page cache it writes snapshots through): the
 /// cgroup limit is guest memory plus this.
 pub const VMM_OVERHEAD_MIB: u64 = 96;
-/// Tasks in a jailed VMM's cgroup: its supervisor, main, control and
-/// device threads, one per vCPU, the page server; far fewer than this.
+/// Tasks in a jailed VMM's cgroup besides its vCPU threads: its
+/// supervisor, main, control and device threads, the page server; far
+/// fewer than this. [`cgroup_for`] adds one per vCPU.
 pub const DEFAULT_PIDS_MAX: u64 = 64;
 /// Longest cgroup name.
 pub const MAX_CGROUP_NAME: usize = 200;
@@ -392,15 +393,16 @@ pub fn devices_for(spec: &LaunchSpec) -> Vec<Device> {
 }
 
 /// The cgroup limits of a VMM with `mem_mib` of guest memory and `vcpus`:
-/// memory plus [`VMM_OVERHEAD_MIB`], [`DEFAULT_PIDS_MAX`] tasks, and the CPU
-/// time of its vCPUs plus half a core for its own threads.
+/// memory plus [`VMM_OVERHEAD_MIB`], [`DEFAULT_PIDS_MAX`] tasks plus one
+/// per vCPU, and the CPU time of its vCPUs plus half a core for its own
+/// threads.
 pub fn cgroup_for(name: String, mem_mib: u64, vcpus: u64) -> CgroupSpec {
     const PERIOD_US: u64 = 100_000;
     CgroupSpec {
         version: CgroupVersion::Auto,
         name,
         memory_max_bytes: Some((mem_mib + VMM_OVERHEAD_MIB) << 20),
-        pids_max: Some(DEFAULT_PIDS_MAX),
+        pids_max: Some(DEFAULT_PIDS_MAX + vcpus),
         cpu: Some(CpuQuota {
             quota_us: vcpus.max(1) * PERIOD_US + PERIOD_US / 2,
             period_us: PERIOD_US,

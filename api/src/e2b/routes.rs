@@ -23,12 +23,25 @@ use super::wire::{
 };
 use crate::auth::Principal;
 use crate::backend::SandboxApi;
-use crate::handlers::{call, Api};
+use crate::error::ApiError;
+use crate::handlers::{call, Api, AppState};
+use crate::quota::Usage;
 use crate::service::{
     CreateSandbox, ForkSandbox, SandboxFilter, ServiceError, TemplateFromSandbox,
 };
+use crate::tenancy::{admit, admit_create, admit_wake, Limited, Permit};
 
 type E2bResult<T> = Result<T, E2bError>;
+
+/// A slot of the token's rate limit (the same [`crate::tenancy::Limiter`]
+/// as `/v1`'s): 429 past it.
+fn permit<S: SandboxApi>(state: &AppState<S>, p: &Principal) -> E2bResult<Option<Permit>> {
+    state
+        .tenancy
+        .limiter
+        .acquire(p)
+        .map_err(|wait| ApiError::from(Limited(wait)).into())
+}
 
 /// A required JSON body; 400 with serde's reason when it does not parse.
 fn body<T: DeserializeOwned>(bytes: &Bytes) -> E2bResult<T> {
@@ -128,7 +141,10 @@ pub async fn create<S: SandboxApi>(
     } else {
         OnTimeout::Delete
     };
+    let _permit = permit(&state, &principal)?;
+    let tenancy = state.tenancy.clone();
     let out = call(&state, move |s| {
+        let _ticket = admit_create(&tenancy, &principal, s, &req.template_id)?;
         let sandbox = s.create_sandbox(CreateSandbox {
             template: req.template_id,
             timeout_ms: Some(seconds(timeout, "timeout")?),
@@ -188,12 +204,13 @@ pub async fn pause<S: SandboxApi>(state: Api<S>, Path(id): Path<String>) -> E2bR
 /// extends its life.
 pub async fn connect<S: SandboxApi>(
     state: Api<S>,
+    Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
     bytes: Bytes,
 ) -> E2bResult<Response> {
     let mut req: ConnectBody = optional_body(&bytes)?;
     req.timeout.get_or_insert(DEFAULT_TIMEOUT_S);
-    wake(state, id, req, false).await
+    wake(state, principal, id, req, false).await
 }
 
 /// `POST /sandboxes/{id}/resume` (E2B's deprecated resume): like connect,
@@ -201,16 +218,19 @@ pub async fn connect<S: SandboxApi>(
 /// given.
 pub async fn resume<S: SandboxApi>(
     state: Api<S>,
+    Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
     bytes: Bytes,
 ) -> E2bResult<Response> {
     let mut req: ConnectBody = optional_body(&bytes)?;
     req.timeout.get_or_insert(DEFAULT_TIMEOUT_S);
-    wake(state, id, req, true).await
+    wake(state, principal, id, req, true).await
 }
 
+/// Wakes the sandbox (admitted against the tenant's quotas, as on `/v1`).
 async fn wake<S: SandboxApi>(
     state: Api<S>,
+    principal: Principal,
     id: String,
     req: ConnectBody,
     refuse_running: bool,
@@ -221,8 +241,10 @@ async fn wake<S: SandboxApi>(
              torpor always restores the memory it kept",
         ));
     }
+    let tenancy = state.tenancy.clone();
     let (resumed, out) = call(&state, move |s| {
         let sandbox = live(s, &id)?;
+        let _ticket = admit_wake(&tenancy, &principal, &sandbox)?;
         if refuse_running && e2b_state(sandbox.state) == Some("running") {
             return Err(ServiceError::Conflict {
                 id: id.clone(),
@@ -484,6 +506,7 @@ pub async fn list_v1<S: SandboxApi>(
 /// entry per fork, the sandbox or its error.
 pub async fn fork<S: SandboxApi>(
     state: Api<S>,
+    Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
     bytes: Bytes,
 ) -> E2bResult<Response> {
@@ -495,20 +518,33 @@ pub async fn fork<S: SandboxApi>(
         )));
     }
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
+    let _permit = permit(&state, &principal)?;
+    let tenancy = state.tenancy.clone();
     let out = call(&state, move |s| {
         let source = live(s, &id)?;
         let timeout_ms = Some(seconds(timeout, "timeout")?);
         let mut results = Vec::new();
+        // Each fork is admitted against the tenant's quotas; the tickets
+        // are held until every fork of the request is made.
+        let mut tickets = Vec::new();
         for _ in 0..count {
-            let fork = s.fork_sandbox(
-                &source.id,
-                ForkSandbox {
-                    timeout_ms,
-                    metadata: source.metadata.clone(),
-                    access_token: Some(new_access_token()),
-                    ..ForkSandbox::default()
-                },
+            let admitted = admit(
+                &tenancy,
+                &principal,
+                Usage::sandbox(u64::from(source.mem_mib)),
             );
+            let fork = admitted.and_then(|ticket| {
+                tickets.push(ticket);
+                s.fork_sandbox(
+                    &source.id,
+                    ForkSandbox {
+                        timeout_ms,
+                        metadata: source.metadata.clone(),
+                        access_token: Some(new_access_token()),
+                        ..ForkSandbox::default()
+                    },
+                )
+            });
             results.push(match fork {
                 Ok(f) => ForkResult {
                     sandbox: Some(CreatedSandbox::new(&f, alias(s, &f.template))),
@@ -531,12 +567,20 @@ pub async fn fork<S: SandboxApi>(
 /// create takes it, it outlives the sandbox.
 pub async fn create_snapshot<S: SandboxApi>(
     state: Api<S>,
+    Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
     bytes: Bytes,
 ) -> E2bResult<Response> {
     let req: SnapshotBody = optional_body(&bytes)?;
+    let _permit = permit(&state, &principal)?;
+    let tenancy = state.tenancy.clone();
     let out = call(&state, move |s| {
         let sandbox = live(s, &id)?;
+        let _ticket = admit(
+            &tenancy,
+            &principal,
+            Usage::snapshot(u64::from(sandbox.mem_mib)),
+        )?;
         let t = s.template_from_sandbox(&sandbox.id, TemplateFromSandbox { name: req.name })?;
         Ok(SnapshotInfo {
             snapshot_id: t.id.to_string(),

@@ -36,7 +36,7 @@ use torpor_scheduler::service::LOCAL_POD;
 use crate::backend::SandboxApi;
 use crate::client::{encode, ClientError};
 use crate::service::{
-    AgentLink, CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput,
+    AgentLink, Cancel, CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput,
     ExecRequest, ExitReply, ForkSandbox, GuestCall, GuestError, Outcome, OutputKind, PodView,
     RestoreCheckpoint, SandboxFilter, ServiceError,
 };
@@ -279,7 +279,7 @@ impl<L: SandboxApi> Federation<L> {
         let pin = req
             .fingerprint
             .as_deref()
-            .map(Fingerprint::parse)
+            .map(Fingerprint::parse_exact)
             .transpose()
             .map_err(|e| ServiceError::Invalid(e.to_string()))?;
         let pod = RemotePod::new(
@@ -307,6 +307,20 @@ impl<L: SandboxApi> Federation<L> {
                     req.address
                 )))
             }
+            // No pod answers at the address given: the request names a pod
+            // that is not there (404, the same code), not a failure of this
+            // server.
+            Err(ServiceError::Pod {
+                status: 502,
+                code,
+                message,
+            }) => {
+                return Err(ServiceError::Pod {
+                    status: 404,
+                    code,
+                    message,
+                })
+            }
             Err(e) => return Err(e),
         };
         self.store
@@ -329,7 +343,7 @@ impl<L: SandboxApi> Federation<L> {
     /// pod that does not answer can be removed (its sandboxes are forgotten).
     pub fn unregister(&self, id: &PodId) -> Result<(), ServiceError> {
         if id.as_str() == LOCAL_POD {
-            return Err(ServiceError::Invalid(
+            return Err(ServiceError::ResourceConflict(
                 "the local pod cannot be removed".into(),
             ));
         }
@@ -842,17 +856,20 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
         &self,
         id: &SandboxId,
         req: ExecRequest,
+        cancel: &Cancel,
     ) -> Result<GuestCall<ExecOutput>, ServiceError> {
-        self.local.exec(id, req)
+        self.local.exec(id, req, cancel)
     }
     fn exec_streaming(
         &self,
         id: &SandboxId,
         req: ExecRequest,
+        cancel: &Cancel,
         on_start: &mut dyn FnMut(&Outcome),
         on_output: &mut dyn FnMut(OutputKind, &[u8]),
     ) -> Result<GuestCall<ExitReply>, ServiceError> {
-        self.local.exec_streaming(id, req, on_start, on_output)
+        self.local
+            .exec_streaming(id, req, cancel, on_start, on_output)
     }
     fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
         self.local.read_file(id, path)

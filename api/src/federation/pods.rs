@@ -39,15 +39,22 @@ pub fn pod_address(address: &str) -> Result<PodAddress, ServiceError> {
     if let Some(path) = address.strip_prefix("unix:").filter(|p| p.starts_with('/')) {
         return Ok(PodAddress::Unix { path: path.into() });
     }
+    // The OpenAPI document's pattern says the same: a port is 1 to 5
+    // digits up to 65535.
+    let port = |p: &str| {
+        (1..=5).contains(&p.len())
+            && p.bytes().all(|b| b.is_ascii_digit())
+            && p.parse::<u16>().is_ok()
+    };
     let host_port = |a: &&str| {
         a.rsplit_once(':')
-            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+            .is_some_and(|(h, p)| !h.is_empty() && port(p))
     };
     if let Some(addr) = address.strip_prefix("tls:").filter(host_port) {
         return Ok(PodAddress::Tls { addr: addr.into() });
     }
     if let Some(addr) = address.strip_prefix("tcp:").filter(host_port) {
-        if !is_loopback(addr) {
+        if !is_loopback_literal(addr) {
             return Err(ServiceError::Invalid(format!(
                 "pod address {address:?}: plain TCP is for loopback only; a remote pod \
                  serves TLS: register tls:HOST:PORT with its certificate's fingerprint"
@@ -59,6 +66,26 @@ pub fn pod_address(address: &str) -> Result<PodAddress, ServiceError> {
         "pod address {address:?}: expected unix:/ABSOLUTE/PATH, tls:HOST:PORT or \
          tcp:LOOPBACK:PORT"
     )))
+}
+
+/// Whether `host:port`'s host is `localhost`, `127.A.B.C` (decimal
+/// octets, no leading zeros) or `[::1]`: the loopback hosts a `tcp:` pod
+/// address may name (the OpenAPI document's pattern for them).
+fn is_loopback_literal(host_port: &str) -> bool {
+    let Some((host, _)) = host_port.rsplit_once(':') else {
+        return false;
+    };
+    let octet = |o: &str| {
+        !o.is_empty()
+            && o.len() <= 3
+            && o.bytes().all(|b| b.is_ascii_digit())
+            && !(o.len() > 1 && o.starts_with('0'))
+            && o.parse::<u8>().is_ok()
+    };
+    let v4 = host
+        .strip_prefix("127.")
+        .is_some_and(|rest| rest.split('.').count() == 3 && rest.split('.').all(octet));
+    host == "localhost" || host == "[::1]" || v4
 }
 
 /// Whether `host:port` names a loopback address (by literal or as

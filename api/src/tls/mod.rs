@@ -61,15 +61,31 @@ impl Fingerprint {
 
     /// 64 hex digits, upper or lower case, optionally `sha256:`-prefixed
     /// and colon-separated (as `openssl x509 -fingerprint` prints it).
+    /// Surrounding whitespace is dropped (a pasted value); the API takes
+    /// [`Fingerprint::parse_exact`]'s form only.
     pub fn parse(text: &str) -> Result<Self, TlsError> {
+        Self::parse_exact(text.trim())
+    }
+
+    /// `^(sha256:|SHA256:)?([0-9A-Fa-f]{64}|[0-9A-Fa-f]{2}(:[0-9A-Fa-f]{2}){31})$`
+    /// (the OpenAPI document's pattern).
+    pub fn parse_exact(text: &str) -> Result<Self, TlsError> {
         let bad = || TlsError::BadFingerprint(text.chars().take(120).collect());
-        let t = text.trim();
-        let t = t
+        let t = text
             .strip_prefix("sha256:")
-            .or_else(|| t.strip_prefix("SHA256:"))
-            .unwrap_or(t);
-        let hex: Vec<u8> = t.bytes().filter(|&b| b != b':').collect();
-        if hex.len() != 64 {
+            .or_else(|| text.strip_prefix("SHA256:"))
+            .unwrap_or(text);
+        let hex: Vec<u8> = if t.len() == 95 {
+            // Colon-separated pairs: a colon after every pair but the last.
+            let colons = t.bytes().skip(2).step_by(3).all(|b| b == b':');
+            if !colons {
+                return Err(bad());
+            }
+            t.bytes().filter(|&b| b != b':').collect()
+        } else {
+            t.bytes().collect()
+        };
+        if hex.len() != 64 || !hex.iter().all(u8::is_ascii_hexdigit) {
             return Err(bad());
         }
         let mut out = [0u8; 32];

@@ -15,7 +15,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use torpor_api::service::{
-    AgentLink, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest, ExitReply,
+    AgentLink, Cancel, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest, ExitReply,
     FileKind, FileStat, GuestCall, GuestError, Outcome, OutputKind, PodView, SandboxFilter,
     ServiceError,
 };
@@ -509,6 +509,7 @@ impl SandboxApi for Fake {
         &self,
         id: &SandboxId,
         req: ExecRequest,
+        _cancel: &Cancel,
     ) -> Result<GuestCall<ExecOutput>, ServiceError> {
         let outcome = self.guest(id)?;
         let words = Self::echo(&req.argv)?;
@@ -526,6 +527,7 @@ impl SandboxApi for Fake {
         &self,
         id: &SandboxId,
         req: ExecRequest,
+        _cancel: &Cancel,
         on_start: &mut dyn FnMut(&Outcome),
         on_output: &mut dyn FnMut(OutputKind, &[u8]),
     ) -> Result<GuestCall<ExitReply>, ServiceError> {

@@ -22,7 +22,7 @@ use torpor_agent::proto::{ResumedRequest, Step, StepStatus};
 use torpor_agent::{AgentClient, ClientError, FrameError, DEFAULT_VSOCK_PORT};
 pub use torpor_agent::{ExecOutput, OutputKind};
 
-use super::{Outcome, Service, ServiceError};
+use super::{Cancel, Outcome, Service, ServiceError};
 use crate::model::{SandboxId, TemplateKind, Timestamp};
 
 /// The hybrid vsock socket's name in a sandbox or template directory.
@@ -250,9 +250,20 @@ impl AgentLink {
     /// (`None`: no deadline, for execs without a timeout), handshake
     /// included.
     pub fn connect(&self, limit: Option<Duration>) -> Result<AgentClient<GuestStream>, GuestError> {
+        self.connect_cancellable(limit, &Cancel::default())
+    }
+
+    /// [`AgentLink::connect`], the connection attached to `cancel`:
+    /// cancelling shuts it down (the agent then kills what runs on it).
+    pub fn connect_cancellable(
+        &self,
+        limit: Option<Duration>,
+        cancel: &Cancel,
+    ) -> Result<AgentClient<GuestStream>, GuestError> {
         let deadline = limit.map(|l| Instant::now() + l);
         let stream = connect_vsock(&self.uds, self.port)
             .map_err(|e| self.unreachable(format!("{}: {e}", self.uds.display())))?;
+        cancel.attach(&stream).map_err(|e| self.unreachable(e))?;
         AgentClient::connect(GuestStream::new(stream, deadline), CLIENT_NAME)
             .map_err(|e| self.client_error(e, limit))
     }
@@ -309,26 +320,39 @@ impl AgentLink {
 
     /// Runs a command, collecting its output (at most the request's
     /// `max_output_bytes`: a guest that sends more fails the request).
-    pub fn exec(&self, req: ExecRequest) -> Result<ExecOutput, GuestError> {
+    /// `cancel` ends it early: the agent kills the command's process group.
+    pub fn exec(&self, req: ExecRequest, cancel: &Cancel) -> Result<ExecOutput, GuestError> {
         let limit = self.exec_limit(&req);
-        let mut client = self.connect(limit)?;
-        client
+        let mut client = self.connect_cancellable(limit, cancel)?;
+        let out = client
             .exec_collect(req)
-            .map_err(|e| self.client_error(e, limit))
+            .map_err(|e| self.exec_error(e, limit, cancel));
+        cancel.detach();
+        out
     }
 
     /// Runs a command, handing each output chunk to `on_output` as the
-    /// agent streams it.
+    /// agent streams it; `cancel` as for [`AgentLink::exec`].
     pub fn exec_streaming(
         &self,
         req: ExecRequest,
+        cancel: &Cancel,
         on_output: &mut dyn FnMut(OutputKind, &[u8]),
     ) -> Result<ExitReply, GuestError> {
         let limit = self.exec_limit(&req);
-        let mut client = self.connect(limit)?;
-        client
+        let mut client = self.connect_cancellable(limit, cancel)?;
+        let out = client
             .exec(req, |kind, data| on_output(kind, data))
-            .map_err(|e| self.client_error(e, limit))
+            .map_err(|e| self.exec_error(e, limit, cancel));
+        cancel.detach();
+        out
+    }
+
+    fn exec_error(&self, e: ClientError, limit: Option<Duration>, cancel: &Cancel) -> GuestError {
+        if cancel.is_cancelled() {
+            return self.unreachable("the exec was cancelled (its client went away)");
+        }
+        self.client_error(e, limit)
     }
 
     /// A whole file, refused past `limit` bytes (claimed or received).
@@ -535,13 +559,15 @@ impl Service {
     }
 
     /// Runs a command in the sandbox and collects its output.
+    /// `cancel` ends it early (the API cancels when its client goes away).
     pub fn exec(
         &self,
         id: &SandboxId,
         req: ExecRequest,
+        cancel: &Cancel,
     ) -> Result<GuestCall<ExecOutput>, ServiceError> {
         let req = self.with_sandbox_env(id, self.bounded_exec(req)?)?;
-        self.with_agent(id, |link, _| self.timed_exec(|| link.exec(req)))
+        self.with_agent(id, |link, _| self.timed_exec(|| link.exec(req, cancel)))
     }
 
     /// Runs a command; `on_start` hears that the sandbox runs (and whether
@@ -550,13 +576,14 @@ impl Service {
         &self,
         id: &SandboxId,
         req: ExecRequest,
+        cancel: &Cancel,
         on_start: &mut dyn FnMut(&Outcome),
         on_output: &mut dyn FnMut(OutputKind, &[u8]),
     ) -> Result<GuestCall<ExitReply>, ServiceError> {
         let req = self.with_sandbox_env(id, self.bounded_exec(req)?)?;
         self.with_agent(id, |link, outcome| {
             on_start(outcome);
-            self.timed_exec(|| link.exec_streaming(req, on_output))
+            self.timed_exec(|| link.exec_streaming(req, cancel, on_output))
         })
     }
 

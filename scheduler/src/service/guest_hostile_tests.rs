@@ -188,12 +188,14 @@ fn endless_output_fails_at_the_cap_and_memory_stays_bounded() {
     let before = rss_kib();
     let mut kept = 0usize;
     let e = ends_within(LONG, || {
-        link.exec_streaming(exec_req(1 << 20), &mut |_, data| kept += data.len())
+        link.exec_streaming(exec_req(1 << 20), &Cancel::default(), &mut |_, data| {
+            kept += data.len()
+        })
     });
     assert!(matches!(e, GuestError::Misbehaved { .. }), "{e:?}");
     assert!(e.to_string().contains("1048576 bytes of output"), "{e}");
     assert!(kept <= 1 << 20, "{kept} bytes handed on past the 1 MiB cap");
-    let e = ends_within(LONG, || link.exec(exec_req(1 << 20)));
+    let e = ends_within(LONG, || link.exec(exec_req(1 << 20), &Cancel::default()));
     assert!(matches!(e, GuestError::Misbehaved { .. }), "{e:?}");
     // The bound: one frame (16 MiB at most) plus the cap, with room for the
     // test harness; an unbounded reader would hold gigabytes by now.
@@ -206,7 +208,7 @@ fn endless_empty_frames_and_silence_end_at_the_deadline() {
     for how in [Hostile::FloodEmpty, Hostile::Silent, Hostile::ShortFrame] {
         let (_dir, link) = hostile_agent(how, FILE);
         let limit = Duration::from_millis(500) + FILE / 3;
-        let e = ends_within(limit, || link.exec(exec_req(1 << 20)));
+        let e = ends_within(limit, || link.exec(exec_req(1 << 20), &Cancel::default()));
         assert!(matches!(e, GuestError::Deadline { .. }), "{how:?}: {e:?}");
         // Output frames are no answer to a listing.
         let e = ends_within(FILE, || link.list_dir("/"));

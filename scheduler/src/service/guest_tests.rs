@@ -101,7 +101,7 @@ fn exec_collects_output_status_stdin_env_and_cwd() {
     req.stdin = Some(b"from-stdin\n".to_vec());
     req.env.insert("GREETING".into(), "hi".into());
     req.cwd = Some(dir.0.to_string_lossy().into_owned());
-    let out = link.exec(req).unwrap();
+    let out = link.exec(req, &Cancel::default()).unwrap();
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
         format!("from-stdin hi {}\n", dir.0.display())
@@ -113,20 +113,62 @@ fn exec_collects_output_status_stdin_env_and_cwd() {
     // A timeout kills it and says so; a size limit truncates and says so.
     let mut slow = exec_req(&["sleep", "30"]);
     slow.timeout_ms = Some(200);
-    let out = link.exec(slow).unwrap();
+    let out = link.exec(slow, &Cancel::default()).unwrap();
     assert!(out.exit.timed_out, "{:?}", out.exit);
     assert_eq!(out.exit.code, None);
     let mut big = exec_req(&["sh", "-c", "head -c 100000 /dev/zero"]);
     big.max_output_bytes = Some(1000);
-    let out = link.exec(big).unwrap();
+    let out = link.exec(big, &Cancel::default()).unwrap();
     assert!(out.exit.truncated);
     assert_eq!(out.stdout.len(), 1000);
     assert_eq!(out.exit.stdout_bytes, 100_000);
 
     // A program that does not exist is the agent's error, with its errno.
-    match link.exec(exec_req(&["/no/such/program"])) {
+    match link.exec(exec_req(&["/no/such/program"]), &Cancel::default()) {
         Err(GuestError::Agent { error, .. }) => assert_eq!(error.code, "ENOENT"),
         other => panic!("{other:?}"),
+    }
+}
+
+/// A cancelled exec (its API client went away) ends at once, and the
+/// agent kills the command: it does not run on to its timeout.
+#[test]
+fn a_cancelled_exec_ends_and_its_command_is_killed() {
+    let dir = Scratch::new();
+    let link = vsock_agent(&dir.0, Arc::new(FakeOps::new()), Behaviour::Agent);
+    let pidfile = dir.file("pid");
+    let req = exec_req(&["sh", "-c", &format!("echo $$ > {pidfile}; exec sleep 30")]);
+    let cancel = Cancel::default();
+    let started = Instant::now();
+    let runner = {
+        let cancel = cancel.clone();
+        std::thread::spawn(move || link.exec(req, &cancel))
+    };
+    let pid = loop {
+        let text = std::fs::read_to_string(&pidfile).unwrap_or_default();
+        if let Ok(pid) = text.trim().parse::<u32>() {
+            break pid;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the command never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    cancel.cancel();
+    let result = runner.join().unwrap();
+    assert!(result.is_err(), "{result:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "the exec ran on after its cancel"
+    );
+    let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+    while proc_dir.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "the command (pid {pid}) still runs after its exec was cancelled"
+        );
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -143,6 +185,7 @@ fn exec_streams_chunks_as_they_come() {
                 "-c",
                 "echo one; sleep 0.5; echo two >&2; sleep 0.5; echo three",
             ]),
+            &Cancel::default(),
             &mut |kind, data| chunks.push((kind, data.to_vec(), started.elapsed())),
         )
         .unwrap();
@@ -266,7 +309,7 @@ fn a_gone_agent_is_unreachable_not_a_hang() {
     let dir = Scratch::new();
     let link = AgentLink::new("sbx_x", dir.0.join(VSOCK_FILE));
     assert!(matches!(
-        link.exec(exec_req(&["true"])),
+        link.exec(exec_req(&["true"]), &Cancel::default()),
         Err(GuestError::Unreachable { .. })
     ));
     // A VMM whose guest has no listener on the port.

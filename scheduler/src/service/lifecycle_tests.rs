@@ -234,3 +234,32 @@ fn a_hibernate_waiting_for_the_lock_cannot_come_between_a_resume() {
         SandboxState::Hibernated
     );
 }
+
+/// The policy prunes the rows of sandboxes deleted longer ago than the
+/// retention (`--deleted-retention-ms`), and only those.
+#[test]
+fn the_policy_prunes_deleted_rows_past_the_retention() {
+    let (_dir, service, template) = service_with(|c| c.deleted_retention_ms = 300);
+    let gone = running(&service, &template);
+    let live = running(&service, &template);
+    service.delete_sandbox(&gone).unwrap();
+    service.run_policy();
+    assert_eq!(
+        service.get_sandbox(&gone).unwrap().state,
+        SandboxState::Deleted,
+        "kept within the retention"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    service.run_policy();
+    assert!(
+        matches!(
+            service.get_sandbox(&gone),
+            Err(ServiceError::NotFound { .. })
+        ),
+        "pruned past the retention"
+    );
+    assert_eq!(
+        service.get_sandbox(&live).unwrap().state,
+        SandboxState::Running
+    );
+}

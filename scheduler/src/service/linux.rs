@@ -128,7 +128,7 @@ impl Service {
         // host, before anything else is looked at.
         let files = self.images.resolve(name)?;
         if let Some(why) = self.config.host.linux_refusal() {
-            return Err(ServiceError::Unsupported(why));
+            return Err(ServiceError::HostUnsupported(why));
         }
         if req.mem_mib < MIN_LINUX_MIB {
             return Err(ServiceError::Invalid(format!(

@@ -7,6 +7,7 @@
 //! are serialised by a per-sandbox lock; different sandboxes proceed
 //! concurrently.
 
+pub mod cancel;
 mod checkpoint;
 pub mod guest;
 pub mod jail;
@@ -35,6 +36,7 @@ use crate::model::{Pod, PodAddress, PodId, SandboxId, TemplateKind, Timestamp};
 use crate::state::{IllegalTransition, SandboxState};
 use crate::store::{Store, StoreError};
 
+pub use cancel::Cancel;
 pub use checkpoint::{
     validate_checkpoint_name, CreateCheckpoint, ForkSandbox, RestoreCheckpoint,
     MAX_CHECKPOINT_NAME, STALL_ENV,
@@ -176,6 +178,11 @@ pub enum ServiceError {
     Invalid(String),
     #[error("{0}")]
     Unsupported(String),
+    /// This host cannot do it (a Linux template where the host lacks
+    /// hardware virtualization, e.g. PVM): the request is well formed and
+    /// another host could serve it. 422 `host_unsupported`.
+    #[error("{0}")]
+    HostUnsupported(String),
     #[error("internal error: {0}")]
     Internal(String),
     /// Exec and files: the guest agent could not do it (see [`GuestError`]).
@@ -211,9 +218,16 @@ impl From<crate::images::ImageError> for ServiceError {
     fn from(e: crate::images::ImageError) -> Self {
         use crate::images::ImageError as E;
         match e {
-            E::BadName | E::BadPart(_) | E::Unusable { .. } => ServiceError::Invalid(e.to_string()),
+            E::BadName | E::BadPart(_) | E::Empty(_) => ServiceError::Invalid(e.to_string()),
+            // Missing, not a regular file or behind a symlink: one answer,
+            // as for a name that is not there at all.
+            E::Unusable { name, .. } => ServiceError::NotFound {
+                kind: "image",
+                id: name,
+            },
             E::TooLarge { .. } => ServiceError::TooLarge(e.to_string()),
             E::InUse { .. } => ServiceError::ResourceConflict(e.to_string()),
+            E::NotFound(id) => ServiceError::NotFound { kind: "image", id },
             E::Io(_) => ServiceError::Internal(e.to_string()),
         }
     }

@@ -24,6 +24,10 @@ use super::{CreateTemplate, Service, ServiceError, PROBE_TEMPLATE};
 use crate::model::{Template, TemplateId, TemplateKind, TemplateState, Timestamp};
 use crate::store::{OperationKind, OperationStatus};
 
+/// Longest `cmdline` a template may give (the OpenAPI document says the
+/// same).
+const MAX_CMDLINE: usize = 2048;
+
 /// How long a template's first boot may take to print its ready line.
 const READY_LIMIT: Duration = Duration::from_secs(60);
 /// The probe's workload and pace in templates: 1 MiB, one iteration a second.
@@ -61,16 +65,36 @@ impl Service {
 
     /// Registers a template and builds its snapshot.
     pub(super) fn build_template(&self, req: CreateTemplate) -> Result<Template, ServiceError> {
-        if req.name.is_empty() || req.name.len() > 64 {
+        let chars = req.name.chars().count();
+        if chars == 0 || chars > 64 {
             return Err(ServiceError::Invalid(
                 "template names are 1 to 64 characters".into(),
             ));
+        }
+        // The kernel's command line: printable ASCII (the VMM's loader
+        // takes nothing else), bounded well within its 4 KiB page.
+        if let Some(c) = &req.cmdline {
+            if c.len() > MAX_CMDLINE || !c.bytes().all(|b| (b' '..=b'~').contains(&b)) {
+                return Err(ServiceError::Invalid(format!(
+                    "cmdline is at most {MAX_CMDLINE} printable ASCII characters"
+                )));
+            }
         }
         let linux = self.linux_image(&req)?;
         if !(16..=65536).contains(&req.mem_mib) || !(1..=254).contains(&req.vcpus) {
             return Err(ServiceError::Invalid(
                 "mem_mib must be 16..65536 and vcpus 1..254".into(),
             ));
+        }
+        // A valid size this host cannot hold (the VMM would refuse it).
+        if let Ok(host) = torpor_vmm_api::host::memory_bytes() {
+            let host_mib = host >> 20;
+            if u64::from(req.mem_mib) > host_mib {
+                return Err(ServiceError::HostUnsupported(format!(
+                    "mem_mib {} is larger than this host's {host_mib} MiB of RAM",
+                    req.mem_mib
+                )));
+            }
         }
         // A build boots a VM of the template's size: admitted like a
         // create, and counted until it ends.
