@@ -27,7 +27,7 @@ pub enum Command {
         json: bool,
     },
     /// Run the sandbox service: REST API, scheduler, store and a local pod.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Sandboxes, through the REST API of `torpor serve`: create, list, get,
     /// exec, pause, resume, hibernate, rm.
     Sandbox(SandboxCommand),
@@ -957,7 +957,7 @@ pub enum PodAction {
     /// Run a pod: the sandbox service of this host (its VMMs, store and
     /// hibernation policy) behind the REST API on a unix socket or TCP, for
     /// a `torpor serve` to register. It registers no pods of its own.
-    Serve(PodServeArgs),
+    Serve(Box<PodServeArgs>),
 }
 
 #[derive(Debug, Args)]

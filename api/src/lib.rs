@@ -47,6 +47,7 @@ use axum::serve::ListenerExt;
 use axum::Router;
 
 mod admin_routes;
+pub mod agent_tunnel;
 pub mod auth;
 pub mod backend;
 mod checkpoint_routes;
@@ -223,6 +224,8 @@ pub const ROUTES: &[Route] = &[
         "/v1/sandboxes/{id}/ports/{guest_port}",
         "unexposePort",
     ),
+    // The agent protocol through a pod, for its federation (pod token).
+    admin("POST", "/v1/sandboxes/{id}/agent", "agentTunnel"),
     admin("GET", "/v1/pods", "listPods"),
     admin("POST", "/v1/pods", "addPod"),
     admin("PATCH", "/v1/pods/{id}", "updatePod"),
@@ -274,6 +277,7 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "listPorts" => on(m, network_routes::list_ports::<S>),
         "exposePort" => on(m, network_routes::expose_port::<S>),
         "unexposePort" => on(m, network_routes::unexpose_port::<S>),
+        "agentTunnel" => on(m, agent_tunnel::serve::<S>),
         "listPods" => on(m, list_pods::<S>),
         "updatePod" => on(m, update_pod::<S>),
         "addPod" => on(m, add_pod::<S>),

@@ -27,7 +27,7 @@ pub fn dispatch(cli: Cli) -> i32 {
     match cli.command {
         Command::Vmm(v) => vmm::run(*v),
         Command::Doctor { json } => doctor::run(json),
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => serve::run(*args),
         Command::Sandbox(c) => sandbox::run(c),
         Command::Template(c) => template::run(c),
         Command::Image(c) => image::run(c),

@@ -9,7 +9,7 @@ use crate::cli::{PodAction, PodAddArgs, PodCommand, PodSetArgs};
 
 pub fn run(cmd: PodCommand) -> i32 {
     if let PodAction::Serve(args) = cmd.action {
-        return super::serve::run_pod(args);
+        return super::serve::run_pod(*args);
     }
     Client::run(&cmd.client, |c| act(c, cmd.action))
 }

@@ -20,6 +20,7 @@
 //!   dropped.
 
 pub mod pods;
+mod remote;
 pub mod routing;
 pub mod store;
 
@@ -684,7 +685,10 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
         self.place(req)
     }
     fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
-        self.local.get_sandbox(id)
+        match self.remote_sandbox(id) {
+            Some(pod) => remote::sandbox(&pod, "GET", id, "", None),
+            None => self.local.get_sandbox(id),
+        }
     }
     fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
         let local_pod = filter.pod.as_ref().is_none_or(|p| p.as_str() == LOCAL_POD);
@@ -723,19 +727,34 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
         Ok(out)
     }
     fn pause(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        self.local.pause(id)
+        match self.remote_sandbox(id) {
+            Some(pod) => remote::outcome(&pod, id, "pause"),
+            None => self.local.pause(id),
+        }
     }
     fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        self.local.resume(id)
+        match self.remote_sandbox(id) {
+            Some(pod) => remote::outcome(&pod, id, "resume"),
+            None => self.local.resume(id),
+        }
     }
     fn connect(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        self.local.connect(id)
+        match self.remote_sandbox(id) {
+            Some(pod) => remote::outcome(&pod, id, "connect"),
+            None => self.local.connect(id),
+        }
     }
     fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        self.local.hibernate(id)
+        match self.remote_sandbox(id) {
+            Some(pod) => remote::outcome(&pod, id, "hibernate"),
+            None => self.local.hibernate(id),
+        }
     }
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
-        self.local.delete_sandbox(id)
+        match self.remote_sandbox(id) {
+            Some(pod) => remote::call(&pod, "DELETE", id, "", None).map(drop),
+            None => self.local.delete_sandbox(id),
+        }
     }
     fn set_timeout(
         &self,
@@ -743,7 +762,16 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
         keep_alive_ms: Option<u64>,
         timeout_ms: Option<u64>,
     ) -> Result<Sandbox, ServiceError> {
-        self.local.set_timeout(id, keep_alive_ms, timeout_ms)
+        match self.remote_sandbox(id) {
+            Some(pod) => {
+                let body = serde_json::json!({
+                    "keep_alive_ms": keep_alive_ms,
+                    "timeout_ms": timeout_ms,
+                });
+                remote::sandbox(&pod, "PATCH", id, "", Some(&body))
+            }
+            None => self.local.set_timeout(id, keep_alive_ms, timeout_ms),
+        }
     }
     fn list_pods(&self) -> Result<Vec<PodView>, ServiceError> {
         self.local.list_pods()
@@ -886,11 +914,25 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
     fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError> {
         self.local.list_dir(id, path)
     }
+    /// A remote sandbox's agent through its pod's agent tunnel.
     fn with_guest(
         &self,
         id: &SandboxId,
         f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
     ) -> Result<Outcome, ServiceError> {
-        self.local.with_guest(id, f)
+        let Some(pod) = self.remote_sandbox(id) else {
+            return self.local.with_guest(id, f);
+        };
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            ServiceError::Internal("the agent tunnel needs the API's runtime".into())
+        })?;
+        let dial = crate::agent_tunnel::dialer(runtime, pod.line.clone(), id.clone());
+        let link = AgentLink::dialed(id.as_str(), format!("pod {}", pod.id), dial);
+        f(&link).map_err(ServiceError::Guest)?;
+        Ok(Outcome {
+            sandbox: remote::sandbox(&pod, "GET", id, "", None)?,
+            resumed: false,
+            resume_ms: None,
+        })
     }
 }

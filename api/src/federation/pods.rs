@@ -24,6 +24,8 @@ pub struct RemotePod {
     /// For requests forwarded and operations (bounded by the API's request
     /// timeout).
     pub client: HttpClient,
+    /// The pod's transport and token, for the agent tunnel.
+    pub line: crate::agent_tunnel::PodLine,
     /// For reads that other answers wait on (lists, loads, placement): a
     /// pod that hangs must not hold up the other pods' part.
     lookup: HttpClient,
@@ -138,11 +140,17 @@ impl RemotePod {
         )
         .map_err(|e| ServiceError::Invalid(e.to_string()))?
         .pinned(fingerprint);
+        let line = crate::agent_tunnel::PodLine {
+            endpoint: client.endpoint.clone(),
+            token: token.to_string(),
+            pin: fingerprint,
+        };
         Ok(RemotePod {
             id,
             address: address.to_string(),
             client,
             lookup,
+            line,
         })
     }
 

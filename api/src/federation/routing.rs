@@ -30,8 +30,10 @@ use crate::Route;
 
 /// Whether a route may be forwarded: a sandbox's own routes, and a pod's
 /// update.
+/// Not the agent tunnel: an upgraded connection is not a request to
+/// relay; the federation's own handler tunnels through the pod itself.
 pub fn forwards(route: &Route) -> bool {
-    route.path.starts_with("/v1/sandboxes/{id}")
+    (route.path.starts_with("/v1/sandboxes/{id}") && route.operation != "agentTunnel")
         || (route.path == "/v1/pods/{id}" && route.method == "PATCH")
 }
 

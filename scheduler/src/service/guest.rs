@@ -12,6 +12,7 @@ use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use torpor_agent::client::guest_text;
@@ -186,12 +187,36 @@ impl Write for GuestStream {
     }
 }
 
-/// The agent of one guest, reached through its hybrid vsock socket.
+/// Opens a byte stream to a guest's agent port, past any handshake of
+/// the way there: the federation's tunnel through the pod that runs the
+/// sandbox (`POST /v1/sandboxes/{id}/agent`).
+pub type Dialer = Arc<dyn Fn() -> io::Result<UnixStream> + Send + Sync>;
+
+/// How an [`AgentLink`] reaches its agent.
+#[derive(Clone)]
+enum Route {
+    /// The VMM's hybrid vsock socket on this host.
+    Vsock(PathBuf),
+    /// A [`Dialer`], and what it reaches (for messages).
+    Dial { what: String, dial: Dialer },
+}
+
+impl std::fmt::Debug for Route {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Route::Vsock(uds) => f.debug_tuple("Vsock").field(uds).finish(),
+            Route::Dial { what, .. } => f.debug_tuple("Dial").field(what).finish(),
+        }
+    }
+}
+
+/// The agent of one guest, reached through its hybrid vsock socket (or
+/// a [`Dialer`]).
 #[derive(Debug, Clone)]
 pub struct AgentLink {
     /// The sandbox (or template) id, for messages.
     pub id: String,
-    pub uds: PathBuf,
+    route: Route,
     pub port: u32,
     /// Overall deadline of a file request (read, write, list, the
     /// post-restore hook), handshake included.
@@ -204,10 +229,34 @@ impl AgentLink {
     pub fn new(id: impl Into<String>, uds: PathBuf) -> Self {
         AgentLink {
             id: id.into(),
-            uds,
+            route: Route::Vsock(uds),
             port: DEFAULT_VSOCK_PORT,
             file_limit: FILE_LIMIT,
             exec_slack: EXEC_SLACK,
+        }
+    }
+
+    /// An agent reached through `dial` (`what` names the way, for
+    /// messages).
+    pub fn dialed(id: impl Into<String>, what: impl Into<String>, dial: Dialer) -> Self {
+        AgentLink {
+            route: Route::Dial {
+                what: what.into(),
+                dial,
+            },
+            ..AgentLink::new(id, PathBuf::new())
+        }
+    }
+
+    /// A raw stream to the agent's port, before the agent protocol's
+    /// greeting (the pod's end of a tunnel: the far side greets).
+    pub fn connect_raw(&self) -> Result<UnixStream, GuestError> {
+        match &self.route {
+            Route::Vsock(uds) => connect_vsock(uds, self.port)
+                .map_err(|e| self.unreachable(format!("{}: {e}", uds.display()))),
+            Route::Dial { what, dial } => {
+                dial().map_err(|e| self.unreachable(format!("{what}: {e}")))
+            }
         }
     }
 
@@ -261,8 +310,7 @@ impl AgentLink {
         cancel: &Cancel,
     ) -> Result<AgentClient<GuestStream>, GuestError> {
         let deadline = limit.map(|l| Instant::now() + l);
-        let stream = connect_vsock(&self.uds, self.port)
-            .map_err(|e| self.unreachable(format!("{}: {e}", self.uds.display())))?;
+        let stream = self.connect_raw()?;
         cancel.attach(&stream).map_err(|e| self.unreachable(e))?;
         AgentClient::connect(GuestStream::new(stream, deadline), CLIENT_NAME)
             .map_err(|e| self.client_error(e, limit))
@@ -272,8 +320,7 @@ impl AgentLink {
     /// overall deadline, but each read or write waits at most `idle` (the
     /// agent's keepalives must arrive sooner), handshake included.
     pub fn connect_idle(&self, idle: Duration) -> Result<AgentClient<GuestStream>, GuestError> {
-        let stream = connect_vsock(&self.uds, self.port)
-            .map_err(|e| self.unreachable(format!("{}: {e}", self.uds.display())))?;
+        let stream = self.connect_raw()?;
         let mut stream = GuestStream::new(stream, None);
         stream.idle = Some(idle);
         AgentClient::connect(stream, CLIENT_NAME).map_err(|e| self.client_error(e, Some(idle)))

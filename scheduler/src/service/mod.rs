@@ -41,7 +41,7 @@ pub use checkpoint::{
     validate_checkpoint_name, CreateCheckpoint, ForkSandbox, RestoreCheckpoint,
     MAX_CHECKPOINT_NAME, STALL_ENV,
 };
-pub use guest::{GuestCall, GuestError};
+pub use guest::{AgentLink, Dialer, GuestCall, GuestError};
 pub use lifetime::{check_lifetimes, MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS};
 pub use linux::HostGuests;
 pub use policy::Metrics;
@@ -362,11 +362,11 @@ pub struct CreateSandbox {
 }
 
 /// The result of an operation, and whether it had to wake the sandbox.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct Outcome {
     pub sandbox: crate::model::Sandbox,
     pub resumed: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resume_ms: Option<f64>,
 }
 
