@@ -1,23 +1,24 @@
-//! A tiny blocking HTTP/1.1 client for the REST API, over TCP or a unix
-//! socket: one request per connection; `Content-Length`, chunked or
-//! read-to-end bodies; timeouts; TLS (rustls) to a server whose
+//! The blocking HTTP/1.1 client for the REST API (hyper's connection API),
+//! over TCP or a unix socket: one request per connection; bounded bodies,
+//! streamed or collected; timeouts; TLS (rustls) to a server whose
 //! certificate fingerprint is pinned ([`crate::tls`]). Used by the CLI (`torpor sandbox|template|pod`)
 //! and by the federation to call remote pods (whose protocol is this API).
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper::{header, Request};
+use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
+use tokio_rustls::TlsConnector;
 
 use crate::tls::{pinned_client_config, Fingerprint};
 
 /// Longest wait for a connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// Largest response head and body accepted.
-const MAX_HEAD: usize = 64 << 10;
+/// Largest response body accepted.
 const MAX_BODY: u64 = 64 << 20;
 
 /// Where an API listens.
@@ -169,6 +170,8 @@ pub struct HttpClient {
     io_timeout: Duration,
     /// The only certificate a TLS endpoint may present.
     pin: Option<Fingerprint>,
+    /// Headers sent with every request, over the client's own.
+    extra: Vec<(String, String)>,
 }
 
 impl std::fmt::Debug for HttpClient {
@@ -181,38 +184,9 @@ impl std::fmt::Debug for HttpClient {
     }
 }
 
-enum Stream {
-    Tcp(TcpStream),
-    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
-    Unix(UnixStream),
-}
-
-impl Read for Stream {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.read(buf),
-            Stream::Tls(s) => s.read(buf),
-            Stream::Unix(s) => s.read(buf),
-        }
-    }
-}
-
-impl Write for Stream {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.write(buf),
-            Stream::Tls(s) => s.write(buf),
-            Stream::Unix(s) => s.write(buf),
-        }
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        match self {
-            Stream::Tcp(s) => s.flush(),
-            Stream::Tls(s) => s.flush(),
-            Stream::Unix(s) => s.flush(),
-        }
-    }
-}
+/// A connected stream: TCP, TLS over TCP, or a unix socket.
+trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static> Io for T {}
 
 impl HttpClient {
     /// `token` must not hold control characters (it goes in a header).
@@ -234,6 +208,7 @@ impl HttpClient {
             token,
             io_timeout,
             pin: None,
+            extra: Vec::new(),
         })
     }
 
@@ -244,8 +219,21 @@ impl HttpClient {
         self
     }
 
-    /// Sends one request (`body`: content type and bytes; `path` with its
-    /// query) and reads the answer, whatever its status.
+    /// Sends these headers with every request; each replaces the client's
+    /// own header of that name (`Host`, `Accept`, ...).
+    pub fn with_headers(mut self, headers: &[(&str, &str)]) -> Self {
+        self.extra = headers
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+        self
+    }
+
+    /// Sends one request (`body`: content type, none when empty, and
+    /// bytes; `path` with its query) and reads the answer, whatever its
+    /// status. Blocking: the
+    /// exchange runs on a runtime of its own, and the sinks of `streaming`
+    /// are called outside it (they may block).
     pub fn request(
         &self,
         method: &str,
@@ -253,61 +241,168 @@ impl HttpClient {
         body: Option<(&str, &[u8])>,
         streaming: Option<Streaming<'_>>,
     ) -> Result<Answer, ClientError> {
-        let mut stream = self.connect()?;
-        let target = self.endpoint.describe();
-        let io = |e: std::io::Error| {
-            if let Some(tls) = e
-                .get_ref()
-                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-            {
-                return ClientError::Tls {
-                    target: target.clone(),
-                    message: tls.to_string(),
-                };
-            }
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ) {
-                ClientError::Transport(format!(
-                    "the API at {target} did not answer within {}s",
-                    self.io_timeout.as_secs()
-                ))
-            } else {
-                ClientError::Transport(format!("talking to the API at {target}: {e}"))
-            }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| ClientError::Transport(format!("cannot start a runtime: {e}")))?;
+        let request = self.build(method, path, body)?;
+        let response = rt.block_on(async {
+            let stream = self.connect().await?;
+            // Title-case names (`Content-Length`), as servers most often see.
+            let (mut sender, conn) = hyper::client::conn::http1::Builder::new()
+                .title_case_headers(true)
+                .handshake(TokioIo::new(stream))
+                .await
+                .map_err(|e| self.transport(&e))?;
+            tokio::spawn(conn);
+            self.bounded(sender.send_request(request)).await
+        })?;
+        let status = response.status().as_u16();
+        let headers: Vec<(String, String)> = response
+            .headers()
+            .iter()
+            .map(|(n, v)| {
+                let v = String::from_utf8_lossy(v.as_bytes()).into_owned();
+                (n.as_str().to_string(), v)
+            })
+            .collect();
+        let answer = |body| Answer {
+            status,
+            headers: headers.clone(),
+            body,
         };
+        let chunked = response
+            .headers()
+            .get_all(header::TRANSFER_ENCODING)
+            .iter()
+            .any(|v| {
+                v.to_str()
+                    .is_ok_and(|v| v.to_ascii_lowercase().contains("chunked"))
+            });
+        let mut sink = None;
+        if let Some(s) = streaming {
+            (s.on_head)(status, &headers);
+            if (200..300).contains(&status) && chunked {
+                sink = Some(s.on_chunk);
+            }
+        }
+        if method == "HEAD" || status == 204 || status == 304 {
+            return Ok(answer(Vec::new()));
+        }
+        let length = response
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        if length.is_some_and(|n| n > MAX_BODY) {
+            return Err(self.too_large());
+        }
+        let mut incoming = response.into_body();
+        let mut collected = Vec::new();
+        let mut streamed = 0u64;
+        while let Some(frame) =
+            rt.block_on(self.bounded(async { incoming.frame().await.transpose() }))?
+        {
+            let Ok(data) = frame.into_data() else {
+                continue; // trailers
+            };
+            streamed += data.len() as u64;
+            if streamed > MAX_BODY {
+                return Err(self.too_large());
+            }
+            match sink.as_mut() {
+                Some(sink) => sink(&data),
+                None => collected.extend_from_slice(&data),
+            }
+        }
+        Ok(answer(collected))
+    }
+
+    /// The request: method, the prefix and path, and the headers.
+    fn build(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<(&str, &[u8])>,
+    ) -> Result<Request<Full<Bytes>>, ClientError> {
         let (host, prefix) = match &self.endpoint {
             Endpoint::Tcp {
                 authority, prefix, ..
             } => (authority.as_str(), prefix.as_str()),
             Endpoint::Unix { .. } => ("localhost", ""),
         };
-        let mut head = format!(
-            "{method} {prefix}{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\
-             User-Agent: torpor/{}\r\nAccept: application/json\r\n",
-            env!("CARGO_PKG_VERSION")
-        );
+        let mut request = Request::builder()
+            .method(method)
+            .uri(format!("{prefix}{path}"))
+            .header(header::HOST, host)
+            .header(header::CONNECTION, "close")
+            .header(
+                header::USER_AGENT,
+                concat!("torpor/", env!("CARGO_PKG_VERSION")),
+            )
+            .header(header::ACCEPT, "application/json");
         if let Some(t) = &self.token {
-            head.push_str(&format!("Authorization: Bearer {t}\r\n"));
+            request = request.header(header::AUTHORIZATION, format!("Bearer {t}"));
         }
         if let Some((content_type, b)) = body {
-            head.push_str(&format!(
-                "Content-Type: {content_type}\r\nContent-Length: {}\r\n",
-                b.len()
-            ));
+            if !content_type.is_empty() {
+                request = request.header(header::CONTENT_TYPE, content_type);
+            }
+            request = request.header(header::CONTENT_LENGTH, b.len());
         } else if matches!(method, "POST" | "PUT" | "PATCH") {
-            head.push_str("Content-Length: 0\r\n");
+            request = request.header(header::CONTENT_LENGTH, 0);
         }
-        head.push_str("\r\n");
-        let mut request = head.into_bytes();
-        request.extend_from_slice(body.map_or(&[][..], |(_, b)| b));
-        stream.write_all(&request).map_err(io)?;
-        stream.flush().map_err(io)?;
-        read_response(&mut BufReader::new(stream), method, streaming).map_err(io)
+        let bad = |e: &dyn std::fmt::Display| {
+            ClientError::BadAddress(format!("{method} {prefix}{path}: {e}"))
+        };
+        for (name, value) in &self.extra {
+            let name = header::HeaderName::from_bytes(name.as_bytes()).map_err(|e| bad(&e))?;
+            let value = header::HeaderValue::from_str(value).map_err(|e| bad(&e))?;
+            if let Some(headers) = request.headers_mut() {
+                headers.insert(name, value);
+            }
+        }
+        let bytes = Bytes::copy_from_slice(body.map_or(&[][..], |(_, b)| b));
+        request.body(Full::new(bytes)).map_err(|e| bad(&e))
     }
 
-    fn connect(&self) -> Result<Stream, ClientError> {
+    /// `fut`, or a timeout error after the I/O timeout.
+    async fn bounded<T>(
+        &self,
+        fut: impl std::future::Future<Output = Result<T, hyper::Error>>,
+    ) -> Result<T, ClientError> {
+        match tokio::time::timeout(self.io_timeout, fut).await {
+            Ok(r) => r.map_err(|e| self.transport(&e)),
+            Err(_) => Err(ClientError::Transport(format!(
+                "the API at {} did not answer within {}s",
+                self.endpoint.describe(),
+                self.io_timeout.as_secs()
+            ))),
+        }
+    }
+
+    fn transport(&self, e: &hyper::Error) -> ClientError {
+        let target = self.endpoint.describe();
+        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+        while let Some(err) = source {
+            if let Some(tls) = err.downcast_ref::<rustls::Error>() {
+                return ClientError::Tls {
+                    target,
+                    message: tls.to_string(),
+                };
+            }
+            source = err.source();
+        }
+        ClientError::Transport(format!("talking to the API at {target}: {e}"))
+    }
+
+    fn too_large(&self) -> ClientError {
+        ClientError::Transport(format!(
+            "talking to the API at {}: the response body is larger than {MAX_BODY} bytes",
+            self.endpoint.describe()
+        ))
+    }
+
+    async fn connect(&self) -> Result<Box<dyn Io>, ClientError> {
         let target = self.endpoint.describe();
         let connect = |source| ClientError::Connect {
             target: target.clone(),
@@ -315,15 +410,14 @@ impl HttpClient {
         };
         match &self.endpoint {
             Endpoint::Unix { path } => {
-                let s = UnixStream::connect(path).map_err(connect)?;
-                s.set_read_timeout(Some(self.io_timeout)).map_err(connect)?;
-                s.set_write_timeout(Some(self.io_timeout))
+                let s = within(tokio::net::UnixStream::connect(path))
+                    .await
                     .map_err(connect)?;
-                Ok(Stream::Unix(s))
+                Ok(Box::new(s))
             }
             Endpoint::Tcp { authority, tls, .. } => {
                 if !tls {
-                    return Ok(Stream::Tcp(self.connect_tcp(authority, &connect)?));
+                    return Ok(Box::new(connect_tcp(authority).await.map_err(connect)?));
                 }
                 let Some(pin) = self.pin else {
                     return Err(ClientError::BadAddress(format!(
@@ -331,7 +425,7 @@ impl HttpClient {
                          fingerprint (printed by the server when it starts)"
                     )));
                 };
-                let tcp = self.connect_tcp(authority, &connect)?;
+                let tcp = connect_tcp(authority).await.map_err(connect)?;
                 let host = authority
                     .rsplit_once(':')
                     .map_or(authority.as_str(), |(h, _)| h)
@@ -340,149 +434,53 @@ impl HttpClient {
                 // The pin is the trust; the name only fills the handshake.
                 let name = ServerName::try_from(host.to_string())
                     .unwrap_or_else(|_| ServerName::try_from("torpor.invalid").expect("valid"));
-                let conn = rustls::ClientConnection::new(pinned_client_config(pin), name)
-                    .map_err(|e| ClientError::Transport(format!("TLS to {target}: {e}")))?;
-                Ok(Stream::Tls(Box::new(rustls::StreamOwned::new(conn, tcp))))
-            }
-        }
-    }
-
-    fn connect_tcp(
-        &self,
-        authority: &str,
-        connect: &dyn Fn(std::io::Error) -> ClientError,
-    ) -> Result<TcpStream, ClientError> {
-        let addrs = authority.to_socket_addrs().map_err(connect)?;
-        let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
-        for addr in addrs {
-            match TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT) {
-                Ok(s) => {
-                    let _ = s.set_nodelay(true);
-                    s.set_read_timeout(Some(self.io_timeout)).map_err(connect)?;
-                    s.set_write_timeout(Some(self.io_timeout))
-                        .map_err(connect)?;
-                    return Ok(s);
-                }
-                Err(e) => last = e,
-            }
-        }
-        Err(connect(last))
-    }
-}
-
-/// Reads one response (skipping 1xx).
-fn read_response(
-    r: &mut impl BufRead,
-    method: &str,
-    mut streaming: Option<Streaming<'_>>,
-) -> std::io::Result<Answer> {
-    let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
-    loop {
-        let mut head_len = 0;
-        let mut line = String::new();
-        let mut next_line = |line: &mut String| -> std::io::Result<()> {
-            line.clear();
-            let n = r.take((MAX_HEAD - head_len) as u64).read_line(line)?;
-            head_len += n;
-            if n == 0 || !line.ends_with('\n') {
-                return Err(bad("the connection closed inside the response head".into()));
-            }
-            Ok(())
-        };
-        next_line(&mut line)?;
-        let status: u16 = line
-            .strip_prefix("HTTP/1.")
-            .and_then(|s| s.split_whitespace().nth(1))
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| bad(format!("not an HTTP response: {:?}", line.trim_end())))?;
-        let (mut length, mut chunked) = (None, false);
-        let mut headers = Vec::new();
-        loop {
-            next_line(&mut line)?;
-            let l = line.trim_end();
-            if l.is_empty() {
-                break;
-            }
-            let Some((name, value)) = l.split_once(':') else {
-                continue;
-            };
-            let value = value.trim();
-            if name.eq_ignore_ascii_case("content-length") {
-                length = Some(value.parse::<u64>().map_err(|_| bad(l.into()))?);
-            } else if name.eq_ignore_ascii_case("transfer-encoding") {
-                chunked = value.to_ascii_lowercase().contains("chunked");
-            }
-            headers.push((name.to_ascii_lowercase(), value.to_string()));
-        }
-        if (100..200).contains(&status) {
-            continue;
-        }
-        let mut sink = None;
-        if let Some(s) = streaming.take() {
-            (s.on_head)(status, &headers);
-            if (200..300).contains(&status) {
-                sink = Some(s.on_chunk);
-            }
-        }
-        let mut body = Vec::new();
-        if method == "HEAD" || status == 204 || status == 304 {
-        } else if chunked {
-            read_chunked(r, &mut body, sink)?;
-        } else if let Some(n) = length {
-            if n > MAX_BODY {
-                return Err(bad(format!("response body of {n} bytes is too large")));
-            }
-            r.take(n).read_to_end(&mut body)?;
-            if body.len() as u64 != n {
-                return Err(bad("the connection closed inside the response body".into()));
-            }
-        } else {
-            r.take(MAX_BODY).read_to_end(&mut body)?;
-        }
-        return Ok(Answer {
-            status,
-            headers,
-            body,
-        });
-    }
-}
-
-fn read_chunked(
-    r: &mut impl BufRead,
-    body: &mut Vec<u8>,
-    mut sink: Option<ChunkSink<'_>>,
-) -> std::io::Result<()> {
-    let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string());
-    let mut line = String::new();
-    loop {
-        line.clear();
-        r.take(1024).read_line(&mut line)?;
-        let size = line.split(';').next().unwrap_or("").trim();
-        let n = u64::from_str_radix(size, 16).map_err(|_| bad("bad chunk size"))?;
-        if n == 0 {
-            // Trailers, up to the empty line (or the end of the stream).
-            loop {
-                line.clear();
-                if r.take(8192).read_line(&mut line)? == 0 || line.trim_end().is_empty() {
-                    return Ok(());
+                let tls = TlsConnector::from(pinned_client_config(pin));
+                match tokio::time::timeout(self.io_timeout, tls.connect(name, tcp)).await {
+                    Ok(Ok(s)) => Ok(Box::new(s)),
+                    Ok(Err(e)) => Err(
+                        match e
+                            .get_ref()
+                            .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+                        {
+                            Some(tls) => ClientError::Tls {
+                                target,
+                                message: tls.to_string(),
+                            },
+                            None => ClientError::Transport(format!("TLS to {target}: {e}")),
+                        },
+                    ),
+                    Err(_) => Err(ClientError::Transport(format!(
+                        "the API at {target} did not answer within {}s",
+                        self.io_timeout.as_secs()
+                    ))),
                 }
             }
         }
-        if body.len() as u64 + n > MAX_BODY {
-            return Err(bad("response body is too large"));
-        }
-        let before = body.len();
-        r.take(n).read_to_end(body)?;
-        if (body.len() - before) as u64 != n {
-            return Err(bad("the connection closed inside a chunk"));
-        }
-        if let Some(sink) = sink.as_mut() {
-            sink(&body[before..]);
-            body.truncate(before);
-        }
-        line.clear();
-        r.take(2).read_line(&mut line)?;
     }
+}
+
+/// A connection attempt, bounded by [`CONNECT_TIMEOUT`].
+async fn within<T>(
+    fut: impl std::future::Future<Output = std::io::Result<T>>,
+) -> std::io::Result<T> {
+    tokio::time::timeout(CONNECT_TIMEOUT, fut)
+        .await
+        .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
+}
+
+/// The first address of `authority` that accepts a connection.
+async fn connect_tcp(authority: &str) -> std::io::Result<tokio::net::TcpStream> {
+    let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
+    for addr in within(tokio::net::lookup_host(authority)).await? {
+        match within(tokio::net::TcpStream::connect(addr)).await {
+            Ok(s) => {
+                let _ = s.set_nodelay(true);
+                return Ok(s);
+            }
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
 }
 
 /// Percent-encodes a path segment or query value.
@@ -552,20 +550,43 @@ mod tests {
 
     #[test]
     fn chunked_bodies_stream_to_the_sink() {
-        let raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: 1\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut head = Vec::new();
+            let mut byte = [0u8];
+            while !head.ends_with(b"\r\n\r\n") && s.read(&mut byte).unwrap() == 1 {
+                head.push(byte[0]);
+            }
+            s.write_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: 1\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+                .unwrap();
+            String::from_utf8(head).unwrap()
+        });
+        let endpoint = Endpoint::parse(&format!("tcp:{addr}")).unwrap();
+        let client = HttpClient::new(endpoint, None, Duration::from_secs(10)).unwrap();
         let (mut heads, mut chunks) = (Vec::new(), Vec::new());
-        let answer = read_response(
-            &mut &raw[..],
-            "POST",
-            Some(Streaming {
-                on_head: &mut |s, h| heads.push((s, h.to_vec())),
-                on_chunk: &mut |c| chunks.push(c.to_vec()),
-            }),
-        )
-        .unwrap();
+        let answer = client
+            .request(
+                "POST",
+                "/x",
+                None,
+                Some(Streaming {
+                    on_head: &mut |s, h| heads.push((s, h.to_vec())),
+                    on_chunk: &mut |c| chunks.extend_from_slice(c),
+                }),
+            )
+            .unwrap();
         assert!(answer.body.is_empty());
-        assert_eq!(chunks, [b"abc".to_vec(), b"de".to_vec()]);
+        assert_eq!(chunks, b"abcde");
         assert_eq!(heads[0].0, 200);
         assert_eq!(answer.header("x-a"), Some("1"));
+        let head = server.join().unwrap();
+        assert!(head.starts_with("POST /x HTTP/1.1\r\n"), "{head}");
+        assert!(
+            head.to_ascii_lowercase().contains("content-length: 0\r\n"),
+            "{head}"
+        );
     }
 }

@@ -1,17 +1,15 @@
-//! A minimal HTTP/1.1 client over std TCP for the benches that drive
-//! `torpor serve` on loopback (`density`, `api`): one request per
-//! connection (`Connection: close`), every wait bounded.
+//! Requests to `torpor serve` on loopback for the benches (`density`,
+//! `api`), through the project's HTTP client
+//! ([`torpor_api::client::HttpClient`]): one request per connection, every
+//! wait bounded.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
-/// How long connecting and sending may take.
-const SEND_LIMIT: Duration = Duration::from_secs(10);
+use torpor_api::client::{Endpoint, HttpClient};
 
 /// One request to `addr` (`host:port`) with a bearer `token` and, if
 /// given, a JSON body; (status, body). The service writes its answer once
-/// it is ready, so `limit` (the read timeout) bounds the whole request.
+/// it is ready, so `limit` (the I/O timeout) bounds the whole request.
 pub fn request(
     addr: &str,
     token: &str,
@@ -20,31 +18,24 @@ pub fn request(
     body: Option<&str>,
     limit: Duration,
 ) -> Result<(u16, String), String> {
-    let sock: SocketAddr = addr.parse().map_err(|e| format!("address {addr}: {e}"))?;
-    let mut s = TcpStream::connect_timeout(&sock, SEND_LIMIT)
-        .map_err(|e| format!("connect {addr}: {e}"))?;
-    let _ = s.set_nodelay(true);
-    let _ = s.set_write_timeout(Some(SEND_LIMIT));
-    let _ = s.set_read_timeout(Some(limit));
+    let endpoint = Endpoint::parse(&format!("tcp:{addr}")).map_err(|e| e.to_string())?;
+    let client = HttpClient::new(endpoint, Some(token.into()), limit).map_err(|e| e.to_string())?;
     let body = body.unwrap_or("");
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
-         Authorization: Bearer {token}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes())
-        .map_err(|e| format!("send: {e}"))?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw)
+    let answer = client
+        .request(
+            method,
+            path,
+            Some(("application/json", body.as_bytes())),
+            None,
+        )
         .map_err(|e| format!("no complete answer (limit {limit:?}): {e}"))?;
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok());
-    let status = status.ok_or_else(|| format!("no status line in {head:?}"))?;
+    let text = String::from_utf8_lossy(&answer.body).into_owned();
     // The API answers whole JSON documents with a Content-Length.
-    if head.to_ascii_lowercase().contains("chunked") {
+    if answer
+        .header("transfer-encoding")
+        .is_some_and(|v| v.contains("chunked"))
+    {
         return Err(format!("unexpected chunked answer: {text}"));
     }
-    Ok((status, rest.to_string()))
+    Ok((answer.status, text))
 }

@@ -1,10 +1,11 @@
-//! A minimal HTTP/1.1 client over std TCP for tests against `torpor serve`
-//! on loopback (one request per connection).
+//! Requests to `torpor serve` on loopback for the tests, through the
+//! project's HTTP client ([`torpor_api::client::HttpClient`]), one request
+//! per connection.
 #![allow(dead_code)]
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::Duration;
+
+use torpor_api::client::{Endpoint, HttpClient};
 
 /// Status code and body of one response.
 pub struct HttpResponse {
@@ -47,7 +48,9 @@ pub fn request(
     request_with(addr, method, path, &headers, body)
 }
 
-/// Sends one request with these extra headers.
+/// Sends one request with these extra headers; a body (or a POST, PUT or
+/// PATCH without one) goes as `application/json` unless they name a
+/// `Content-Type`.
 pub fn request_with(
     addr: &str,
     method: &str,
@@ -55,69 +58,42 @@ pub fn request_with(
     headers: &[(&str, &str)],
     body: Option<&str>,
 ) -> HttpResponse {
-    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
-    for (name, value) in headers {
-        req.push_str(&format!("{name}: {value}\r\n"));
-    }
-    let body = body.unwrap_or("");
-    if !body.is_empty() || matches!(method, "POST" | "PUT" | "PATCH") {
-        let typed = headers
-            .iter()
-            .any(|(k, _)| k.eq_ignore_ascii_case("content-type"));
-        if !typed {
-            req.push_str("Content-Type: application/json\r\n");
-        }
-        req.push_str(&format!("Content-Length: {}\r\n", body.len()));
-    }
-    req.push_str("\r\n");
-    s.write_all(req.as_bytes()).unwrap();
-    // A server may answer (413, 401) and close before reading the whole
-    // body: a failed body write is not the test's failure, the answer is.
-    let _ = s.write_all(body.as_bytes());
-    let mut raw = Vec::new();
-    let _ = s.read_to_end(&mut raw);
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or_else(|| panic!("no status line in {head:?}"));
-    let chunked = head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked");
-    let body = if chunked {
-        dechunk(rest)
-    } else {
-        rest.to_string()
-    };
-    let headers = head
-        .lines()
-        .skip(1)
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
-        .collect();
-    HttpResponse {
-        status,
-        body,
-        head: head.to_string(),
-        headers,
-    }
+    let endpoint = Endpoint::parse(&format!("tcp:{addr}")).unwrap();
+    let client = HttpClient::new(endpoint, None, Duration::from_secs(120))
+        .unwrap()
+        .with_headers(headers);
+    let content_type = headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+        .map_or("application/json", |(_, v)| v);
+    send(&client, method, path, content_type, body)
 }
 
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = s.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 || rest.len() < n {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        s = rest[n..].trim_start_matches("\r\n");
+/// Sends one request through `client`; a body (or a POST, PUT or PATCH
+/// without one) goes as `content_type`.
+pub fn send(
+    client: &HttpClient,
+    method: &str,
+    path: &str,
+    content_type: &str,
+    body: Option<&str>,
+) -> HttpResponse {
+    let body = body.unwrap_or("");
+    let body = (!body.is_empty() || matches!(method, "POST" | "PUT" | "PATCH"))
+        .then_some((content_type, body.as_bytes()));
+    let answer = client
+        .request(method, path, body, None)
+        .unwrap_or_else(|e| panic!("{method} {path} to {}: {e}", client.endpoint.describe()));
+    let mut head = format!("HTTP/1.1 {}", answer.status);
+    for (name, value) in &answer.headers {
+        head.push_str(&format!("\r\n{name}: {value}"));
     }
-    out
+    HttpResponse {
+        status: answer.status,
+        body: String::from_utf8_lossy(&answer.body).into_owned(),
+        head,
+        headers: answer.headers,
+    }
 }
 
 /// The HTTP API served in process on a loopback port over `service`;

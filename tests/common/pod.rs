@@ -2,13 +2,12 @@
 //! TCP), killed on drop, and requests straight to it.
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::net::UnixStream;
+use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use super::http::{request, HttpResponse};
+use super::http::{send, HttpResponse};
 use super::TORPOR;
 
 pub struct PodProcess {
@@ -84,62 +83,19 @@ impl PodProcess {
 
     /// One request straight to the pod with its token.
     pub fn request(&self, method: &str, path: &str, body: Option<&str>) -> HttpResponse {
-        if let Some(addr) = self.address.strip_prefix("tcp:") {
-            return request(addr, method, path, Some(&self.token), body);
-        }
-        if self.address.starts_with("tls:") {
-            let pin =
-                torpor_api::tls::Fingerprint::parse(self.fingerprint.as_deref().unwrap()).unwrap();
-            let endpoint = torpor_api::client::Endpoint::parse(&self.address).unwrap();
-            let client = torpor_api::client::HttpClient::new(
-                endpoint,
-                Some(self.token.clone()),
-                Duration::from_secs(120),
-            )
-            .unwrap()
-            .pinned(Some(pin));
-            let body = body.map(|b| ("application/json", b.as_bytes()));
-            let answer = client.request(method, path, body, None).unwrap();
-            let mut head = format!("HTTP/1.1 {}\r\n", answer.status);
-            for (name, value) in &answer.headers {
-                head.push_str(&format!("{name}: {value}\r\n"));
-            }
-            return HttpResponse {
-                status: answer.status,
-                body: String::from_utf8_lossy(&answer.body).into_owned(),
-                head,
-                headers: answer.headers.clone(),
-            };
-        }
-        let socket = self.address.strip_prefix("unix:").unwrap();
-        let mut s = UnixStream::connect(socket).unwrap_or_else(|e| panic!("connect {socket}: {e}"));
-        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-        let body = body.unwrap_or("");
-        let req = format!(
-            "{method} {path} HTTP/1.1\r\nHost: pod\r\nConnection: close\r\n\
-             Authorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            self.token,
-            body.len()
-        );
-        s.write_all(req.as_bytes()).unwrap();
-        let mut raw = String::new();
-        let _ = s.read_to_string(&mut raw);
-        let (head, rest) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-        let status = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap();
-        assert!(
-            !head.to_ascii_lowercase().contains("chunked"),
-            "chunked answer from the pod"
-        );
-        HttpResponse {
-            status,
-            body: rest.to_string(),
-            head: head.to_string(),
-            headers: Vec::new(),
-        }
+        let endpoint = torpor_api::client::Endpoint::parse(&self.address).unwrap();
+        let pin = self
+            .fingerprint
+            .as_deref()
+            .map(|f| torpor_api::tls::Fingerprint::parse(f).unwrap());
+        let client = torpor_api::client::HttpClient::new(
+            endpoint,
+            Some(self.token.clone()),
+            Duration::from_secs(120),
+        )
+        .unwrap()
+        .pinned(pin);
+        send(&client, method, path, "application/json", body)
     }
 
     pub fn kill9(&mut self) {

@@ -1,6 +1,6 @@
 //! Test harness: an in-memory [`SandboxApi`], a real server on
-//! 127.0.0.1:0, and a minimal HTTP/1.1 client over a raw TCP stream (one
-//! request per connection, `Connection: close`).
+//! 127.0.0.1:0, requests to it through the project's HTTP client, and raw
+//! bytes over a TCP stream for malformed requests.
 
 #![allow(dead_code)]
 
@@ -14,6 +14,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+use torpor_api::client::{Endpoint, HttpClient};
 use torpor_api::service::{
     AgentLink, Cancel, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest, ExitReply,
     FileKind, FileStat, GuestCall, GuestError, Outcome, OutputKind, PodView, SandboxFilter,
@@ -688,8 +689,8 @@ impl Server {
             .await
     }
 
-    /// A request with exactly these headers (plus Host, Connection and,
-    /// with a body, Content-Length).
+    /// A request with these headers, through the project's HTTP client
+    /// (which adds Host, Connection, User-Agent, Accept and Content-Length).
     pub async fn request(
         &self,
         method: &str,
@@ -697,20 +698,37 @@ impl Server {
         headers: &[(&str, String)],
         body: Option<&[u8]>,
     ) -> Reply {
-        let mut head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n",
-            self.addr
+        let endpoint = Endpoint::parse(&format!("tcp:{}", self.addr)).unwrap();
+        let headers: Vec<(String, String)> = headers
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.clone()))
+            .collect();
+        let (method, path, body) = (
+            method.to_string(),
+            path.to_string(),
+            body.map(<[u8]>::to_vec),
         );
-        for (name, value) in headers {
-            head.push_str(&format!("{name}: {value}\r\n"));
+        // The client blocks: off the runtime, which serves meanwhile.
+        let answer = tokio::task::spawn_blocking(move || {
+            let headers: Vec<(&str, &str)> = headers
+                .iter()
+                .map(|(n, v)| (n.as_str(), v.as_str()))
+                .collect();
+            // The headers name the content type, if any.
+            let body = body.as_deref().map(|b| ("", b));
+            HttpClient::new(endpoint, None, Duration::from_secs(20))
+                .unwrap()
+                .with_headers(&headers)
+                .request(&method, &path, body, None)
+                .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+        })
+        .await
+        .unwrap();
+        Reply {
+            status: answer.status,
+            headers: answer.headers,
+            body: answer.body,
         }
-        if let Some(body) = body {
-            head.push_str(&format!("Content-Length: {}\r\n", body.len()));
-        }
-        head.push_str("\r\n");
-        let mut raw = head.into_bytes();
-        raw.extend_from_slice(body.unwrap_or_default());
-        self.raw(&raw).await
     }
 
     /// Sends `raw` as is and reads the answer to the end of the connection.

@@ -15,6 +15,7 @@ mod layers;
 mod lifetime;
 mod linux;
 mod locks;
+mod metrics;
 mod network;
 mod ops;
 mod policy;
@@ -44,7 +45,7 @@ pub use checkpoint::{
 pub use guest::{AgentLink, Dialer, GuestCall, GuestError};
 pub use lifetime::{check_lifetimes, MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS};
 pub use linux::HostGuests;
-pub use policy::Metrics;
+pub use metrics::Metrics;
 pub use sandbox_template::TemplateFromSandbox;
 
 /// The local pod's id.

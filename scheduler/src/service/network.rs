@@ -158,7 +158,7 @@ impl Service {
 
     /// Per-sandbox traffic in the Prometheus text (counters restart when a
     /// sandbox's network is made again, on wake).
-    pub(super) fn network_metrics(&self, out: &mut String) {
+    pub(super) fn network_metrics(&self, reg: &mut prometheus_client::registry::Registry) {
         let Some(manager) = &self.net else { return };
         let mut nets: Vec<SandboxNet> = self
             .nets
@@ -179,42 +179,46 @@ impl Service {
         type Pick = fn(&crate::net::NetCounters) -> u64;
         let series: [(&str, &str, Pick); 5] = [
             (
-                "torpor_sandbox_net_tx_bytes_total",
-                "Bytes the sandbox sent.",
+                "torpor_sandbox_net_tx_bytes",
+                "Bytes the sandbox sent",
                 |c| c.tx_bytes,
             ),
             (
-                "torpor_sandbox_net_tx_packets_total",
-                "Packets the sandbox sent.",
+                "torpor_sandbox_net_tx_packets",
+                "Packets the sandbox sent",
                 |c| c.tx_packets,
             ),
             (
-                "torpor_sandbox_net_rx_bytes_total",
-                "Bytes the sandbox received.",
+                "torpor_sandbox_net_rx_bytes",
+                "Bytes the sandbox received",
                 |c| c.rx_bytes,
             ),
             (
-                "torpor_sandbox_net_rx_packets_total",
-                "Packets the sandbox received.",
+                "torpor_sandbox_net_rx_packets",
+                "Packets the sandbox received",
                 |c| c.rx_packets,
             ),
             (
-                "torpor_sandbox_net_policy_dropped_packets_total",
-                "Packets from the sandbox its egress policy dropped.",
+                "torpor_sandbox_net_policy_dropped_packets",
+                "Packets from the sandbox its egress policy dropped",
                 |c| c.dropped_packets,
             ),
         ];
+        // Counters (`_total` added by the encoder), by sandbox.
         for (name, help, pick) in series {
-            super::policy::header(out, name, help, "counter");
+            let family = prometheus_client::metrics::family::Family::<
+                [(&'static str, String); 1],
+                prometheus_client::metrics::counter::Counter,
+            >::default();
             for (net, c) in nets.iter().zip(&counters) {
-                out.push_str(&format!(
-                    "{name}{{sandbox=\"{}\"}} {}\n",
-                    net.sandbox,
-                    pick(c)
-                ));
+                family
+                    .get_or_create(&[("sandbox", net.sandbox.to_string())])
+                    .inc_by(pick(c));
             }
+            reg.register(name, help, family);
         }
     }
+
 
     /// Starts the pod's DNS forwarder (`config.net.dns`).
     pub(super) fn start_dns(&self) -> Result<(), ServiceError> {
