@@ -302,6 +302,12 @@ pub struct VmmRunArgs {
     /// the snapshot's.
     #[arg(long, value_parser = parse_net)]
     pub net: Option<torpor_vmm_api::NetSpec>,
+    /// virtio-balloon: the guest reports free memory (which the VMM gives
+    /// back to the host) and its memory statistics, and the control
+    /// socket's `set_balloon` asks it to give memory back. Needs a Linux
+    /// guest with CONFIG_VIRTIO_BALLOON (and CONFIG_PAGE_REPORTING).
+    #[arg(long)]
+    pub balloon: bool,
     /// Write the guest console to this file instead of stdout.
     #[arg(long)]
     pub serial: Option<PathBuf>,

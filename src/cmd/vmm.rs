@@ -222,6 +222,7 @@ fn boot_mode(args: &VmmRunArgs) -> Result<LaunchMode, Failure> {
         }),
         vsock_uds: args.vsock_uds.clone(),
         net: args.net.clone().map(Box::new),
+        balloon: args.balloon,
     })
 }
 

@@ -246,7 +246,13 @@ fn move_root(root: &Path) -> Result<(), JailError> {
         what: format!("chdir {}", root.display()),
         source,
     })?;
-    mount(Some(Path::new(".")), Path::new("/"), None, libc::MS_MOVE, None)?;
+    mount(
+        Some(Path::new(".")),
+        Path::new("/"),
+        None,
+        libc::MS_MOVE,
+        None,
+    )?;
     // SAFETY: a NUL-terminated literal.
     let ret = unsafe { libc::chroot(c".".as_ptr()) };
     sys(ret, || "chroot into the jail".to_string())?;
