@@ -7,6 +7,7 @@
 //! are serialised by a per-sandbox lock; different sandboxes proceed
 //! concurrently.
 
+mod balloon;
 mod checkpoint;
 pub mod guest;
 pub mod jail;
@@ -356,6 +357,8 @@ pub struct Service {
     metrics: Metrics,
     /// Sandboxes with guest requests in flight (the policy leaves them).
     in_flight: policy::InFlight,
+    /// Idle sandboxes whose guests the policy asked to shrink.
+    shrunk: balloon::Shrunk,
     stop: Arc<std::sync::atomic::AtomicBool>,
     /// Standby VMM shells for creates and wakes.
     pool: Arc<pool::StandbyPool>,
@@ -434,6 +437,7 @@ impl Service {
             children: Mutex::new(HashMap::new()),
             metrics: Metrics::default(),
             in_flight: policy::InFlight::default(),
+            shrunk: balloon::Shrunk::default(),
             stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             pool,
             jails,
