@@ -342,13 +342,19 @@ impl BalloonDevice {
     }
 }
 
-/// The page numbers of an inflate or deflate buffer (le32 each).
-fn read_pfns(ctx: &QueueContext<'_>, chain: &DescChain) -> Result<Vec<u64>, Refusal> {
+/// The bytes of a device-readable chain of whole `unit`-byte entries, at
+/// most `max` of them.
+fn read_entries(
+    ctx: &QueueContext<'_>,
+    chain: &DescChain,
+    unit: usize,
+    max: usize,
+) -> Result<Vec<u8>, Refusal> {
     let len = chain.readable_len();
     if chain.truncated
         || chain.writable_len() != 0
-        || !len.is_multiple_of(4)
-        || len > (MAX_PFNS * 4) as u64
+        || !len.is_multiple_of(unit as u64)
+        || len > (max * unit) as u64
         || !chain.in_memory(ctx.mem)
     {
         return Err(Refusal::Malformed);
@@ -356,7 +362,12 @@ fn read_pfns(ctx: &QueueContext<'_>, chain: &DescChain) -> Result<Vec<u64>, Refu
     let mut buf = vec![0u8; len as usize];
     ctx.read(chain, 0, &mut buf)
         .map_err(|_| Refusal::Malformed)?;
-    Ok(buf
+    Ok(buf)
+}
+
+/// The page numbers of an inflate or deflate buffer (le32 each).
+fn read_pfns(ctx: &QueueContext<'_>, chain: &DescChain) -> Result<Vec<u64>, Refusal> {
+    Ok(read_entries(ctx, chain, 4, MAX_PFNS)?
         .chunks_exact(4)
         .map(|c| u64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
         .collect())
@@ -376,19 +387,9 @@ pub(super) fn pfn_runs(pfns: &[u64]) -> Vec<(u64, u64)> {
 
 /// Parses a statistics buffer: packed `(le16 tag, le64 value)` entries.
 fn parse_stats(ctx: &QueueContext<'_>, chain: &DescChain) -> Result<GuestMemoryStats, Refusal> {
-    let len = chain.readable_len();
-    if chain.truncated
-        || chain.writable_len() != 0
-        || !len.is_multiple_of(STAT_LEN as u64)
-        || len > (MAX_STATS * STAT_LEN) as u64
-        || !chain.in_memory(ctx.mem)
-    {
-        return Err(Refusal::Malformed);
-    }
-    let mut buf = vec![0u8; len as usize];
-    ctx.read(chain, 0, &mut buf)
-        .map_err(|_| Refusal::Malformed)?;
-    Ok(stats_from_bytes(&buf))
+    Ok(stats_from_bytes(&read_entries(
+        ctx, chain, STAT_LEN, MAX_STATS,
+    )?))
 }
 
 /// Statistics from packed entries; unknown tags are ignored (newer

@@ -457,3 +457,28 @@ fn the_worker_thread_runs_under_its_seccomp_filter() {
     w.pause().unwrap();
     w.stop();
 }
+
+/// A range may span two regions (discarded in both); one that runs into a
+/// hole between regions is refused.
+#[test]
+fn reports_across_regions_are_split_and_holes_refused() {
+    let half = MEM as u64 / 2;
+    let mem = GuestMemoryMmap::from_ranges(&[
+        (GuestAddress(0), half as usize),
+        (GuestAddress(half), half as usize),
+        (GuestAddress(2 * half + 0x10_0000), half as usize),
+    ])
+    .unwrap();
+    let mut r = Rig::new(&mem, ALL_FEATURES);
+    let at = half - 2 * PAGE_SIZE;
+    fill(&mem, at, 4 * PAGE_SIZE as usize, 0x42);
+    r.send(3, &[(at, 4 * PAGE_SIZE as u32, true)]);
+    for i in 0..4 {
+        assert!(page_bytes(&mem, at + i * PAGE_SIZE).iter().all(|b| *b == 0));
+    }
+    assert_eq!(r.counters().reported_bytes, 4 * PAGE_SIZE);
+    // Into the hole after the second region.
+    r.send(3, &[(2 * half - PAGE_SIZE, 2 * PAGE_SIZE as u32, true)]);
+    assert_eq!(r.counters().refused_ranges, 1);
+    assert_eq!(r.counters().reported_bytes, 4 * PAGE_SIZE);
+}
