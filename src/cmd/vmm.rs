@@ -39,6 +39,10 @@ fn control_request(action: VmmAction) -> i32 {
         VmmAction::Resumed(args) => return super::guest::resumed(args),
         VmmAction::Ping(args) => return super::guest::ping(args),
         VmmAction::Files(args) => return super::files::run(args),
+        VmmAction::Balloon(b) => match b.target_mib {
+            Some(target_mib) => (b.socket, Request::SetBalloon { target_mib }),
+            None => (b.socket, Request::BalloonStats),
+        },
         VmmAction::Snapshot(s) => (
             s.socket,
             Request::Snapshot {

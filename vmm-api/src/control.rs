@@ -19,7 +19,8 @@ use crate::error::{ErrorKind, VmError};
 use crate::launch::{Console, RestoreSpec};
 
 /// Version of the control protocol, reported in every status.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// (3: `set_balloon` and `balloon_stats`.)
+pub const PROTOCOL_VERSION: u32 = 3;
 /// Longest request line a VMM reads, and longest answer a client reads.
 pub const MAX_LINE: u64 = 64 * 1024;
 
