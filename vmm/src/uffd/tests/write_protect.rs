@@ -76,3 +76,44 @@ fn prefetched_pages_are_not_written() {
     in_thread(move || write_word(addr + 5 * PS, 1));
     assert_eq!(written(&tracker), vec![5]);
 }
+
+/// A page the balloon discarded (MADV_DONTNEED) under uffd-wp dirty
+/// tracking: read back, it is served again and clean; written, it is
+/// reported once, as any page.
+fn discarded_pages_stay_tracked(mem: &Mapping) {
+    let tracker = WpTracker::attach(vec![(mem.addr, mem.len, 0)]).unwrap();
+    let first = read_pages(mem, 0, &PROBE_PAGES);
+    let addr = mem.addr;
+    in_thread(move || write_word(addr + PS, 0xfeed));
+    assert_eq!(written(&tracker), vec![1]);
+    discard_pages(mem, &PROBE_PAGES);
+    assert_eq!(read_pages(mem, 0, &PROBE_PAGES), first);
+    assert_eq!(written(&tracker), Vec::<u64>::new(), "reads only");
+    in_thread(move || write_word(addr + 3 * PS, 0xfeed));
+    assert_eq!(written(&tracker), vec![3]);
+}
+
+#[test]
+fn discarded_pages_stay_tracked_in_missing_mode() {
+    let fx = Fixture::new();
+    let mem = Mapping::anonymous(PAGES as usize * PS);
+    let mut opts = missing(vec![], None);
+    opts.write_protect = true;
+    let (server, failures) = start(vec![mem.region(0)], fx.layers(), opts);
+    discarded_pages_stay_tracked(&mem);
+    assert_eq!(server.stats().failures, 0);
+    assert!(failures.try_recv().is_err());
+}
+
+#[test]
+fn discarded_pages_stay_tracked_in_minor_mode() {
+    let fx = Fixture::new();
+    let (base, layers) = minor_layers(&fx);
+    let mem = Mapping::private_file(&base, PAGES as usize * PS, 0);
+    let mut opts = minor(vec![]);
+    opts.write_protect = true;
+    let (server, failures) = start(vec![mem.region(0)], layers, opts);
+    discarded_pages_stay_tracked(&mem);
+    assert_eq!(server.stats().failures, 0);
+    assert!(failures.try_recv().is_err());
+}
