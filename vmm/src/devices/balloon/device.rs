@@ -30,7 +30,7 @@ use vmm_sys_util::epoll::{Epoll, EpollEvent};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::devices::virtio::{
-    DescChain, QueueContext, VirtioDevice, VirtioError, VIRTIO_F_VERSION_1,
+    DescChain, QueueContext, VirtioDevice, VirtioError, VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1,
 };
 use crate::devices::worker::{EpollDevice, WorkerError};
 
@@ -473,7 +473,7 @@ impl VirtioDevice for BalloonDevice {
     }
 
     fn avail_features(&self) -> u64 {
-        VIRTIO_F_VERSION_1 | F_STATS_VQ | F_DEFLATE_ON_OOM | F_REPORTING
+        VIRTIO_F_VERSION_1 | VIRTIO_F_RING_EVENT_IDX | F_STATS_VQ | F_DEFLATE_ON_OOM | F_REPORTING
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {

@@ -14,7 +14,9 @@ use vmm_sys_util::eventfd::EventFd;
 use super::device::{in_memory, pfn_runs, stats_from_bytes};
 use super::*;
 use crate::devices::virtio::testutil::{activate, guest_mem, read32, write32, Driver, TempDir};
-use crate::devices::virtio::{MmioRestoreArgs, INT_CONFIG, VIRTIO_F_VERSION_1};
+use crate::devices::virtio::{
+    MmioRestoreArgs, INT_CONFIG, VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1,
+};
 use crate::devices::worker::poll_once;
 use crate::persist::Persist;
 
@@ -24,7 +26,8 @@ const QSIZE: u16 = 32;
 /// BUFS; the pages the balloon takes from DATA on.
 const BUFS: u64 = 0x10_000;
 const DATA: u64 = 0x100_000;
-const ALL_FEATURES: u64 = VIRTIO_F_VERSION_1 | F_STATS_VQ | F_DEFLATE_ON_OOM | F_REPORTING;
+const ALL_FEATURES: u64 =
+    VIRTIO_F_VERSION_1 | VIRTIO_F_RING_EVENT_IDX | F_STATS_VQ | F_DEFLATE_ON_OOM | F_REPORTING;
 
 struct Rig<'a> {
     mem: &'a GuestMemoryMmap,
