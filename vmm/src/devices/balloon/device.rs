@@ -400,21 +400,23 @@ pub(super) fn stats_from_bytes(buf: &[u8]) -> GuestMemoryStats {
         let tag = u16::from_le_bytes([e[0], e[1]]);
         let mut v = [0u8; 8];
         v.copy_from_slice(&e[2..]);
-        let val = Some(u64::from_le_bytes(v));
-        match tag {
-            0 => s.swap_in = val,
-            1 => s.swap_out = val,
-            2 => s.major_faults = val,
-            3 => s.minor_faults = val,
-            4 => s.free_memory = val,
-            5 => s.total_memory = val,
-            6 => s.available_memory = val,
-            7 => s.disk_caches = val,
-            8 => s.hugetlb_allocations = val,
-            9 => s.hugetlb_failures = val,
-            10 => s.oom_kills = val,
-            11 => s.alloc_stalls = val,
-            _ => {}
+        // Tags 0..=11 of virtio 1.2, 5.5.6.3, in order.
+        let fields = [
+            &mut s.swap_in,
+            &mut s.swap_out,
+            &mut s.major_faults,
+            &mut s.minor_faults,
+            &mut s.free_memory,
+            &mut s.total_memory,
+            &mut s.available_memory,
+            &mut s.disk_caches,
+            &mut s.hugetlb_allocations,
+            &mut s.hugetlb_failures,
+            &mut s.oom_kills,
+            &mut s.alloc_stalls,
+        ];
+        if let Some(field) = fields.into_iter().nth(usize::from(tag)) {
+            *field = Some(u64::from_le_bytes(v));
         }
     }
     s
