@@ -108,6 +108,22 @@ def vsock():
         out("virtio_vsock", name, hdr + bytes(m.b))
 
 
+def balloon():
+    """Inflate, deflate, statistics and free page reporting (flags 6:
+    STATS_VQ and REPORTING, so the reporting queue is queue 3)."""
+    m = Mem()
+    m.put(0x8000, struct.pack("<4I", 10, 11, 12, 200000))
+    m.put(0x8100, struct.pack("<I", 10))
+    m.put(0x8200, struct.pack("<HQHQHQ", 4, 1 << 20, 5, 1 << 26, 6, 1 << 22))
+    m.queue(0x1000, 0x1400, 8, [[(0x8000, 16, False)]])
+    m.queue(0x2000, 0x2400, 8, [[(0x8100, 4, False)]])
+    m.queue(0x3000, 0x3400, 8, [[(0x8200, 30, False)]])
+    m.queue(0x4000, 0x4400, 8, [[(0xa000, 0x2000, True)], [(0xe000, 0x4000, True)]])
+    hdr = bytes([6, SIZE_8]) + b"".join(
+        rings(q, q + 0x400, q + 0x800) for q in (0x1000, 0x2000, 0x3000, 0x4000))
+    out("virtio_balloon", "all-queues", hdr + bytes(m.b))
+
+
 def header():
     out("vsock_header", "rw", vsock_hdr(1234, 52, 5, 5))
     out("vsock_header", "request", vsock_hdr(1234, 52, 1, 0))
@@ -153,13 +169,16 @@ def control():
                        ("snapshot", {"op": "snapshot", "path": "/s", "diff": True}),
                        ("hibernate", {"op": "hibernate", "path": "/h"}),
                        ("refusal", {"ok": False, "error": "x", "kind": "wrong_state"}),
-                       ("restore", {"op": "restore", "snapshot": "/s"})]:
+                       ("restore", {"op": "restore", "snapshot": "/s"}),
+                       ("set_balloon", {"op": "set_balloon", "target_mib": 64}),
+                       ("balloon_stats", {"op": "balloon_stats"})]:
         out("control_protocol", name, json.dumps(line).encode())
 
 
 virtqueue()
 block()
 vsock()
+balloon()
 header()
 snapshots()
 agent()

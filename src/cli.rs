@@ -76,6 +76,10 @@ pub enum VmmAction {
     Shutdown(SocketArg),
     /// Snapshot a paused VM into a directory (`state` + sparse `memory`).
     Snapshot(SnapshotArgs),
+    /// Print the balloon's state and the guest's memory statistics as JSON
+    /// (and ask the guest for fresh ones); with --target-mib, first ask the
+    /// guest to give that much memory back (0: all of it to the guest).
+    Balloon(BalloonArgs),
     /// Run a command in the guest through torpor-agent over the VM's vsock
     /// socket; prints its output and exits with its status.
     Exec(GuestExecArgs),
@@ -177,6 +181,16 @@ pub struct SnapshotArgs {
     /// from or last took (a diff layer that names its parent).
     #[arg(long)]
     pub diff: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct BalloonArgs {
+    /// The VM's control socket.
+    #[arg(long)]
+    pub socket: PathBuf,
+    /// The balloon's new target in MiB.
+    #[arg(long)]
+    pub target_mib: Option<u64>,
 }
 
 #[derive(Debug, Args)]
@@ -302,6 +316,12 @@ pub struct VmmRunArgs {
     /// the snapshot's.
     #[arg(long, value_parser = parse_net)]
     pub net: Option<torpor_vmm_api::NetSpec>,
+    /// virtio-balloon: the guest reports free memory (which the VMM gives
+    /// back to the host) and its memory statistics, and the control
+    /// socket's `set_balloon` asks it to give memory back. Needs a Linux
+    /// guest with CONFIG_VIRTIO_BALLOON (and CONFIG_PAGE_REPORTING).
+    #[arg(long)]
+    pub balloon: bool,
     /// Write the guest console to this file instead of stdout.
     #[arg(long)]
     pub serial: Option<PathBuf>,

@@ -9,7 +9,9 @@ use std::path::Path;
 
 use libfuzzer_sys::fuzz_target;
 use torpor_vmm::control::server::answer;
-use torpor_vmm::control::{Request, Response, SnapshotInfo, VmController, VmState, VmStatus};
+use torpor_vmm::control::{
+    BalloonStatus, Request, Response, SnapshotInfo, VmController, VmState, VmStatus,
+};
 use torpor_vmm_api::VmError;
 
 struct Idle;
@@ -57,6 +59,15 @@ impl VmController for Idle {
     }
     fn hibernate(&self, path: &Path, diff: bool) -> Result<SnapshotInfo, VmError> {
         self.snapshot(path, diff)
+    }
+    fn set_balloon(&self, target_mib: u64) -> Result<BalloonStatus, VmError> {
+        Ok(BalloonStatus {
+            target_mib,
+            ..Default::default()
+        })
+    }
+    fn balloon(&self) -> Result<BalloonStatus, VmError> {
+        Ok(BalloonStatus::default())
     }
 }
 

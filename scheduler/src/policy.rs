@@ -2,8 +2,9 @@
 //! admission (does a sandbox's memory fit the pod's memory times its
 //! oversubscription ratio) and one policy round (delete or hibernate
 //! sandboxes past their timeout, hibernate those idle past their
-//! keep-alive, then hibernate the least recently used while the pod's
-//! memory is above its high watermark).
+//! keep-alive, then, while the pod's memory is above its high watermark,
+//! ask idle sandboxes' guests to give memory back (a balloon target) and
+//! only then hibernate the least recently used).
 //!
 //! One home for these rules, two drivers: `torpor serve` drives them with
 //! the store, the wall clock and real VMMs (`service/policy.rs`,
@@ -12,6 +13,7 @@
 
 use crate::model::{OnTimeout, Pod, Sandbox, Timestamp};
 use crate::state::SandboxState;
+use torpor_vmm_api::control::BalloonStatus;
 
 /// Why the policy hibernates a sandbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +61,34 @@ pub fn idle_past_keep_alive(sandbox: &Sandbox, now: Timestamp) -> bool {
     idle >= i64::try_from(sandbox.keep_alive_ms).unwrap_or(i64::MAX)
 }
 
+/// Memory a shrunk guest keeps beyond what it uses: at least this, or an
+/// eighth of its memory if that is more.
+pub const SHRINK_HEADROOM_MIB: u64 = 64;
+/// A shrink asks for at least this much, or not at all.
+pub const SHRINK_MIN_MIB: u64 = 16;
+
+/// The balloon target (MiB) that leaves an idle guest its headroom past
+/// what it cannot spare (`MemAvailable` as its balloon driver reported
+/// it), and the bytes the host is expected to get back: the new balloon
+/// pages, less the guest's free memory if free page reporting returned
+/// that already. `None`: no statistics yet, or too little to gain.
+pub fn balloon_target(b: &BalloonStatus) -> Option<(u64, u64)> {
+    const MIB: u64 = 1 << 20;
+    let guest = b.guest.filter(|_| b.active)?;
+    let (available, total) = (guest.available_memory?, guest.total_memory?);
+    let headroom = (SHRINK_HEADROOM_MIB * MIB).max(total / 8);
+    let spare_mib = available.saturating_sub(headroom) / MIB;
+    if spare_mib < SHRINK_MIN_MIB {
+        return None;
+    }
+    let target_mib = b.actual_mib.saturating_add(spare_mib);
+    let mut expected = spare_mib * MIB;
+    if b.free_page_reporting {
+        expected = expected.saturating_sub(guest.free_memory.unwrap_or(0));
+    }
+    Some((target_mib, expected))
+}
+
 /// What a policy round acts through: the service (store, VMMs, wall
 /// clock) or the planner's simulated pod.
 pub trait PolicyDriver {
@@ -80,6 +110,12 @@ pub trait PolicyDriver {
     fn tend(&mut self, s: &Sandbox);
     /// The memory `s` uses now, in bytes (measured PSS for the service).
     fn memory_bytes(&self, s: &Sandbox) -> u64;
+    /// Asks the guest of running, idle `s` to give memory back (its
+    /// balloon's target), unless it is busy, was asked already since its
+    /// last activity, or cannot: returns the bytes the pod expects back
+    /// (0 when nothing was asked). The driver gives the memory back to
+    /// the guest once it is active again (in `tend`).
+    fn shrink(&mut self, s: &Sandbox) -> u64;
 }
 
 /// One policy round: timeouts and keep-alives, then the watermark.
@@ -110,8 +146,12 @@ pub fn run_round(d: &mut impl PolicyDriver) {
     enforce_watermark(d);
 }
 
-/// Hibernates least recently used running sandboxes while the pod's
-/// memory is above its high watermark.
+/// While the pod's memory is above its high watermark: first asks idle
+/// running sandboxes, least recently used first, to shrink (counting what
+/// they are expected to give back), then hibernates least recently used
+/// sandboxes. A shrink takes effect over seconds; the next round measures
+/// it, and hibernates if it was not enough (a sandbox is asked once per
+/// idle spell).
 pub fn enforce_watermark(d: &mut impl PolicyDriver) {
     let Some(pod) = d.pod() else {
         return;
@@ -127,6 +167,15 @@ pub fn enforce_watermark(d: &mut impl PolicyDriver) {
         .collect();
     let mut total: u64 = live.iter().map(|(_, m)| m).sum();
     live.sort_by_key(|(s, _)| s.last_active_at.0);
+    let now = d.now();
+    for (s, _) in &live {
+        if (total as f64) <= limit {
+            return;
+        }
+        if s.state == SandboxState::Running && s.last_active_at.0 < now.0 {
+            total = total.saturating_sub(d.shrink(s));
+        }
+    }
     for (s, freed) in live {
         if (total as f64) <= limit {
             break;
@@ -140,7 +189,7 @@ pub fn enforce_watermark(d: &mut impl PolicyDriver) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::TemplateId;
+    use crate::model::{SandboxId, TemplateId};
 
     #[test]
     fn admission_counts_the_ratio() {
@@ -149,6 +198,125 @@ mod tests {
         assert_eq!(r.committed_mib, 1024);
         assert_eq!(r.limit_mib, 2048.0);
         assert!(admit(1024, 1.0, u64::MAX, 1).is_err());
+    }
+
+    /// A pod whose sandboxes can shrink by a fixed amount each.
+    struct Pod2 {
+        boxes: Vec<(Sandbox, u64)>,
+        can_give: u64,
+        shrunk: Vec<SandboxId>,
+        hibernated: Vec<SandboxId>,
+    }
+
+    impl PolicyDriver for Pod2 {
+        fn now(&self) -> Timestamp {
+            Timestamp(100_000)
+        }
+        fn pod(&self) -> Option<Pod> {
+            Some(Pod {
+                id: crate::model::PodId::new("p"),
+                address: crate::model::PodAddress::Local,
+                token_hash: None,
+                memory_bytes: 1000,
+                vcpus: 1,
+                disk_bytes: 0,
+                oversubscription_ratio: 1.0,
+                high_watermark: 0.5,
+                created_at: Timestamp(0),
+            })
+        }
+        fn sandboxes(&self, states: &[SandboxState]) -> Vec<Sandbox> {
+            let hibernated = |s: &Sandbox| self.hibernated.contains(&s.id);
+            self.boxes
+                .iter()
+                .map(|(s, _)| s.clone())
+                .filter(|s| states.contains(&s.state) && !hibernated(s))
+                .collect()
+        }
+        fn delete(&mut self, _: &Sandbox) {}
+        fn hibernate(&mut self, s: &Sandbox, _: PolicyReason) -> Option<bool> {
+            self.hibernated.push(s.id.clone());
+            Some(true)
+        }
+        fn tend(&mut self, _: &Sandbox) {}
+        fn memory_bytes(&self, s: &Sandbox) -> u64 {
+            self.boxes
+                .iter()
+                .find(|(b, _)| b.id == s.id)
+                .map_or(0, |b| b.1)
+        }
+        fn shrink(&mut self, s: &Sandbox) -> u64 {
+            self.shrunk.push(s.id.clone());
+            self.can_give
+        }
+    }
+
+    fn pod2(can_give: u64) -> Pod2 {
+        // Three running sandboxes of 300 bytes on a pod whose watermark is
+        // 500: 400 too many. The oldest is active now (not asked).
+        let boxes = [100_000, 20_000, 30_000]
+            .into_iter()
+            .map(|active| {
+                let mut s = Sandbox::new(TemplateId::generate(), 64, 1, 1_000_000);
+                s.state = SandboxState::Running;
+                s.last_active_at = Timestamp(active);
+                (s, 300)
+            })
+            .collect();
+        Pod2 {
+            boxes,
+            can_give,
+            shrunk: Vec::new(),
+            hibernated: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn idle_sandboxes_shrink_before_anything_is_hibernated() {
+        let mut d = pod2(200);
+        enforce_watermark(&mut d);
+        let ids: Vec<SandboxId> = d.boxes.iter().map(|(s, _)| s.id.clone()).collect();
+        // Idle ones, least recently used first; enough: nothing hibernated.
+        assert_eq!(d.shrunk, vec![ids[1].clone(), ids[2].clone()]);
+        assert!(d.hibernated.is_empty());
+
+        // Shrinking gives too little: then the least recently used go.
+        let mut d = pod2(50);
+        enforce_watermark(&mut d);
+        let ids: Vec<SandboxId> = d.boxes.iter().map(|(s, _)| s.id.clone()).collect();
+        assert_eq!(d.shrunk, vec![ids[1].clone(), ids[2].clone()]);
+        assert_eq!(d.hibernated, vec![ids[1].clone()]);
+    }
+
+    #[test]
+    fn the_balloon_target_leaves_headroom() {
+        use torpor_vmm_api::control::GuestMemoryStats;
+        const MIB: u64 = 1 << 20;
+        let mut b = BalloonStatus {
+            active: true,
+            actual_mib: 10,
+            guest: Some(GuestMemoryStats {
+                total_memory: Some(1024 * MIB),
+                available_memory: Some(800 * MIB),
+                free_memory: Some(500 * MIB),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        // Headroom: an eighth of 1 GiB (128 MiB) beats 64 MiB.
+        assert_eq!(balloon_target(&b), Some((10 + 672, 672 * MIB)));
+        // Free memory went back by reporting already.
+        b.free_page_reporting = true;
+        assert_eq!(balloon_target(&b), Some((682, 172 * MIB)));
+        // Too little to gain, no statistics, or no driver: nothing asked.
+        let mut small = b;
+        small.guest.as_mut().unwrap().available_memory = Some(130 * MIB);
+        assert_eq!(balloon_target(&small), None);
+        let mut none = b;
+        none.guest.as_mut().unwrap().available_memory = None;
+        assert_eq!(balloon_target(&none), None);
+        b.active = false;
+        assert_eq!(balloon_target(&b), None);
     }
 
     #[test]

@@ -39,6 +39,10 @@ fn control_request(action: VmmAction) -> i32 {
         VmmAction::Resumed(args) => return super::guest::resumed(args),
         VmmAction::Ping(args) => return super::guest::ping(args),
         VmmAction::Files(args) => return super::files::run(args),
+        VmmAction::Balloon(b) => match b.target_mib {
+            Some(target_mib) => (b.socket, Request::SetBalloon { target_mib }),
+            None => (b.socket, Request::BalloonStats),
+        },
         VmmAction::Snapshot(s) => (
             s.socket,
             Request::Snapshot {
@@ -240,6 +244,7 @@ fn boot_mode(args: &VmmRunArgs) -> Result<LaunchMode, Failure> {
         }),
         vsock_uds: args.vsock_uds.clone(),
         net: args.net.clone().map(Box::new),
+        balloon: args.balloon,
     })
 }
 

@@ -19,7 +19,8 @@ use crate::error::{ErrorKind, VmError};
 use crate::launch::{Console, RestoreSpec};
 
 /// Version of the control protocol, reported in every status.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// (3: `set_balloon` and `balloon_stats`.)
+pub const PROTOCOL_VERSION: u32 = 3;
 /// Longest request line a VMM reads, and longest answer a client reads.
 pub const MAX_LINE: u64 = 64 * 1024;
 
@@ -62,6 +63,15 @@ pub enum Request {
     /// filter forbids, so tests can watch the VMM die of SIGSYS.
     #[cfg(debug_assertions)]
     DebugForbiddenSyscall,
+    /// Ask the guest's balloon driver to hold `target_mib` MiB (0 gives
+    /// everything back). The guest inflates or deflates in its own time;
+    /// `balloon_stats` shows how far it got.
+    SetBalloon {
+        target_mib: u64,
+    },
+    /// The balloon's target, actual size, counters and the guest's last
+    /// memory statistics (and asks the guest for fresh ones).
+    BalloonStats,
 }
 
 /// Timings of a restore into a standby VMM.
@@ -151,6 +161,62 @@ pub struct SnapshotInfo {
     pub lineage: Vec<PathBuf>,
 }
 
+/// Memory statistics a guest's balloon driver reported (virtio 1.2,
+/// 5.5.6.3); `None` for a tag the guest did not send. Sizes in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestMemoryStats {
+    pub swap_in: Option<u64>,
+    pub swap_out: Option<u64>,
+    pub major_faults: Option<u64>,
+    pub minor_faults: Option<u64>,
+    pub free_memory: Option<u64>,
+    pub total_memory: Option<u64>,
+    pub available_memory: Option<u64>,
+    pub disk_caches: Option<u64>,
+    pub hugetlb_allocations: Option<u64>,
+    pub hugetlb_failures: Option<u64>,
+    pub oom_kills: Option<u64>,
+    pub alloc_stalls: Option<u64>,
+}
+
+/// Counters of the balloon device since this VMM started it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BalloonCounters {
+    /// 4 KiB pages the guest put into the balloon (discarded on the host).
+    pub inflated_pages: u64,
+    /// Pages the guest took back out.
+    pub deflated_pages: u64,
+    /// Bytes of free memory the guest reported (discarded on the host).
+    pub reported_bytes: u64,
+    /// Page numbers or ranges outside guest memory, refused.
+    pub refused_ranges: u64,
+    /// Chains that broke the virtio rules, returned unused.
+    pub malformed_chains: u64,
+    /// Discards the host refused (madvise failed).
+    pub discard_failures: u64,
+    /// Statistics buffers the guest filled.
+    pub stats_updates: u64,
+}
+
+/// State of the virtio-balloon device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BalloonStatus {
+    /// What the host asked the guest to hold, in MiB.
+    pub target_mib: u64,
+    /// What the guest says it holds, in MiB (rounded down).
+    pub actual_mib: u64,
+    /// The driver is up (the guest negotiated the device).
+    pub active: bool,
+    /// The guest negotiated free page reporting.
+    pub free_page_reporting: bool,
+    pub counters: BalloonCounters,
+    /// The guest's last statistics, and how old they are (ms), if any came.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest: Option<GuestMemoryStats>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stats_age_ms: Option<u64>,
+}
+
 /// One answer line: `ok` with the VM's status (and what a snapshot wrote),
 /// or not `ok` with the failure's kind and message.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -162,6 +228,8 @@ pub struct Response {
     pub snapshot: Option<SnapshotInfo>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore: Option<RestoreInfo>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub balloon: Option<BalloonStatus>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kind: Option<ErrorKind>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -111,6 +111,12 @@ pub enum LaunchMode {
         /// virtio-net on a tap device (boxed: keeps the modes' sizes close).
         #[serde(default)]
         net: Option<Box<NetSpec>>,
+        /// virtio-balloon: free page reporting, guest memory statistics and
+        /// a target the control socket sets (`set_balloon`). Off unless
+        /// asked for: the pod asks for it for every Linux guest; the probe
+        /// guest has no driver for it.
+        #[serde(default)]
+        balloon: bool,
     },
     Restore {
         restore: RestoreSpec,

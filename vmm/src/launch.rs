@@ -76,6 +76,7 @@ pub fn run(
             disk,
             vsock_uds,
             net,
+            balloon,
         } => {
             let config = VmConfig {
                 kernel: kernel_image(kernel, builtins)?,
@@ -94,6 +95,7 @@ pub fn run(
                     }),
                     vsock_uds: vsock_uds.clone(),
                     net: net.as_deref().cloned(),
+                    balloon: *balloon,
                 },
                 dirty_tracking: spec.dirty_tracking,
             };

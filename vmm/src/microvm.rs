@@ -9,7 +9,8 @@ use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
 use crate::builder::{BuildError, BuiltVm, Timings};
 use crate::control::{
-    self, ControlServer, SnapshotInfo, VmController, VmState, VmStatus, PROTOCOL_VERSION,
+    self, BalloonStatus, ControlServer, SnapshotInfo, VmController, VmState, VmStatus,
+    PROTOCOL_VERSION,
 };
 use crate::devices::serial::SerialDevice;
 use crate::devices::Pausable;
@@ -332,6 +333,19 @@ impl Controller {
     }
 }
 
+/// A balloon request's refusal: no balloon, or a target past guest memory.
+fn balloon_error(e: crate::virtio_devices::VirtioDevicesError) -> VmError {
+    use crate::virtio_devices::VirtioDevicesError as E;
+    let kind = match &e {
+        E::NoBalloon => ErrorKind::Unsupported,
+        E::Balloon(crate::devices::balloon::BalloonError::TargetTooLarge(_)) => {
+            ErrorKind::InvalidRequest
+        }
+        _ => ErrorKind::Internal,
+    };
+    VmError::new(kind, e.to_string())
+}
+
 /// A chain's layers as canonical paths (the lineage record's form); the
 /// restore path records them as given, and resolving waits until a
 /// snapshot needs them, off the restore's hot path.
@@ -410,6 +424,15 @@ impl VmController for Controller {
     fn snapshot(&self, path: &Path, diff: bool) -> Result<SnapshotInfo, VmError> {
         self.refuse_if_ending()?;
         self.write_snapshot(path, diff)
+    }
+
+    fn set_balloon(&self, target_mib: u64) -> Result<BalloonStatus, VmError> {
+        self.refuse_if_ending()?;
+        self.virtio.set_balloon(target_mib).map_err(balloon_error)
+    }
+
+    fn balloon(&self) -> Result<BalloonStatus, VmError> {
+        self.virtio.balloon_status().map_err(balloon_error)
     }
 
     fn hibernate(&self, path: &Path, diff: bool) -> Result<SnapshotInfo, VmError> {

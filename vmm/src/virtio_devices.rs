@@ -1,5 +1,5 @@
-//! The virtio devices of one VM (virtio-blk, virtio-vsock, virtio-net on
-//! virtio-mmio):
+//! The virtio devices of one VM (virtio-blk, virtio-vsock, virtio-net,
+//! virtio-balloon on virtio-mmio):
 //! built at boot, saved with snapshots, restored into clones.
 
 use std::path::PathBuf;
@@ -7,9 +7,12 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 use torpor_vmm_api::launch::NetSpec;
-use vm_memory::GuestMemoryMmap;
+use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::devices::balloon::{
+    BalloonDevice, BalloonError, BalloonMmio, BalloonRestoreArgs, BalloonState,
+};
 use crate::devices::block::{
     BlockConfig, BlockDevice, BlockError, BlockMmio, BlockRestoreArgs, BlockState,
 };
@@ -27,10 +30,11 @@ use crate::snapshot::PageRuns;
 use crate::vstate::vm::{Vm, VmError};
 
 /// Slot 0 is the disk (so Linux names it /dev/vda), slot 1 vsock, slot 2
-/// the network card (eth0).
+/// the network card (eth0), slot 3 the balloon.
 const BLOCK_SLOT: usize = 0;
 const VSOCK_SLOT: usize = 1;
 const NET_SLOT: usize = 2;
+const BALLOON_SLOT: usize = 3;
 /// Name of the frozen disk overlay inside a snapshot directory.
 pub const OVERLAY_FILE: &str = "disk0.overlay";
 
@@ -50,6 +54,8 @@ pub struct VirtioConfig {
     pub vsock_uds: Option<PathBuf>,
     /// virtio-net on a tap.
     pub net: Option<NetSpec>,
+    /// virtio-balloon (free page reporting, statistics, a target).
+    pub balloon: bool,
 }
 
 /// Where a clone's devices keep their host-side files.
@@ -68,6 +74,7 @@ pub struct VirtioStates {
     pub block: Option<(MmioSlot, VirtioMmioState<BlockState>)>,
     pub vsock: Option<(MmioSlot, VirtioMmioState<VsockState>)>,
     pub net: Option<(MmioSlot, VirtioMmioState<NetState>)>,
+    pub balloon: Option<(MmioSlot, VirtioMmioState<BalloonState>)>,
 }
 
 /// Errors of the virtio devices.
@@ -83,6 +90,10 @@ pub enum VirtioDevicesError {
     Vsock(#[from] VsockError),
     #[error("virtio-net: {0}")]
     Net(#[from] NetError),
+    #[error("virtio-balloon: {0}")]
+    Balloon(#[from] BalloonError),
+    #[error("this VM has no balloon device")]
+    NoBalloon,
     #[error(transparent)]
     Worker(#[from] WorkerError),
     #[error(transparent)]
@@ -103,6 +114,7 @@ pub struct VirtioDevices {
     block: Option<(MmioSlot, Arc<Mutex<BlockMmio>>)>,
     vsock: Option<(MmioSlot, Arc<Mutex<VsockMmio>>)>,
     net: Option<(MmioSlot, Arc<Mutex<NetMmio>>)>,
+    balloon: Option<(MmioSlot, Arc<Mutex<BalloonMmio>>)>,
     workers: Mutex<Vec<DeviceWorker>>,
 }
 
@@ -183,6 +195,19 @@ impl VirtioDevices {
             cmdline.push_str(&slot.cmdline());
             devices.net = Some((slot, net));
         }
+        if config.balloon {
+            let slot = MmioSlot::nth(BALLOON_SLOT)?;
+            let mem_bytes = mem.iter().map(|r| r.len()).sum();
+            let balloon = Arc::new(Mutex::new(BalloonMmio::new(
+                BalloonDevice::new(mem_bytes)?,
+                mem.clone(),
+                irq_for(vm, &slot)?,
+            )?));
+            bus.insert(slot.base, slot.size, balloon.clone())?;
+            cmdline.push(' ');
+            cmdline.push_str(&slot.cmdline());
+            devices.balloon = Some((slot, balloon));
+        }
         devices.mmio = Arc::new(bus);
         Ok((devices, cmdline))
     }
@@ -240,6 +265,16 @@ impl VirtioDevices {
             bus.insert(slot.base, slot.size, net.clone())?;
             devices.net = Some((*slot, net));
         }
+        if let Some((slot, state)) = &states.balloon {
+            let args = MmioRestoreArgs {
+                mem: mem.clone(),
+                irq: irq_for(vm, slot)?,
+                device: BalloonRestoreArgs,
+            };
+            let balloon = Arc::new(Mutex::new(BalloonMmio::restore(args, state)?));
+            bus.insert(slot.base, slot.size, balloon.clone())?;
+            devices.balloon = Some((*slot, balloon));
+        }
         devices.mmio = Arc::new(bus);
         Ok(devices)
     }
@@ -254,6 +289,9 @@ impl VirtioDevices {
         if let Some((_, net)) = &self.net {
             workers.push(spawn_worker(net, paused)?);
         }
+        if let Some((_, balloon)) = &self.balloon {
+            workers.push(spawn_worker(balloon, paused)?);
+        }
         Ok(())
     }
 
@@ -266,6 +304,25 @@ impl VirtioDevices {
     /// The net device's counters, if the VM has one.
     pub fn net_metrics(&self) -> Option<crate::devices::net::NetMetrics> {
         self.net.as_ref().map(|(_, t)| lock(t).device().metrics())
+    }
+
+    /// Sets the balloon's target; see [`balloon_status`](Self::balloon_status).
+    pub fn set_balloon(
+        &self,
+        target_mib: u64,
+    ) -> Result<torpor_vmm_api::control::BalloonStatus, VirtioDevicesError> {
+        let (_, t) = self.balloon.as_ref().ok_or(VirtioDevicesError::NoBalloon)?;
+        let mut t = lock(t);
+        crate::devices::balloon::set_target(&mut t, target_mib)?;
+        Ok(t.device_mut().status())
+    }
+
+    /// The balloon's state (and a request for fresh guest statistics).
+    pub fn balloon_status(
+        &self,
+    ) -> Result<torpor_vmm_api::control::BalloonStatus, VirtioDevicesError> {
+        let (_, t) = self.balloon.as_ref().ok_or(VirtioDevicesError::NoBalloon)?;
+        Ok(lock(t).device_mut().status())
     }
 
     /// Saves every device (vCPUs and devices paused); freezes the disk
@@ -282,6 +339,7 @@ impl VirtioDevices {
         let mut blk = self.block.as_ref().map(|(s, d)| (*s, lock(d)));
         let mut vsock = self.vsock.as_ref().map(|(s, d)| (*s, lock(d)));
         let mut net = self.net.as_ref().map(|(s, d)| (*s, lock(d)));
+        let mut balloon = self.balloon.as_ref().map(|(s, d)| (*s, lock(d)));
         if let Some((slot, t)) = blk.as_mut() {
             let mut state = t.save();
             state.device.copy_overlay_to(&dir.join(OVERLAY_FILE))?;
@@ -294,6 +352,10 @@ impl VirtioDevices {
         }
         if let Some((slot, t)) = net.as_mut() {
             states.net = Some((*slot, t.save()));
+            dirty = dirty.union(&t.take_dirty_pages());
+        }
+        if let Some((slot, t)) = balloon.as_mut() {
+            states.balloon = Some((*slot, t.save()));
             dirty = dirty.union(&t.take_dirty_pages());
         }
         Ok((states, dirty))

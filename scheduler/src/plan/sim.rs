@@ -363,6 +363,12 @@ impl PolicyDriver for SimPod<'_> {
         }
     }
 
+    /// The simulated guests have nothing to give back: a sandbox's memory
+    /// is what its requests dirtied (the trace's `mem_mib`), all in use.
+    fn shrink(&mut self, _: &Sandbox) -> u64 {
+        0
+    }
+
     fn hibernate(&mut self, s: &Sandbox, reason: PolicyReason) -> Option<bool> {
         let i = index_of(&s.id)?;
         let b = self.boxes.get(i)?;

@@ -179,6 +179,10 @@ impl Service {
                 net: net
                     .as_ref()
                     .map(|n| Box::new(n.net_spec(Default::default(), Default::default()))),
+                // In the template, so every clone has it: guests give back
+                // the memory they free (free page reporting), report their
+                // memory statistics, and can be asked to shrink.
+                balloon: true,
             },
             console: Console::file(&files.console),
             dirty_tracking: self.config.dirty_tracking,

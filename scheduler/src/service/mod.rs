@@ -7,6 +7,7 @@
 //! are serialised by a per-sandbox lock; different sandboxes proceed
 //! concurrently.
 
+mod balloon;
 pub mod cancel;
 mod checkpoint;
 pub mod guest;
@@ -394,6 +395,8 @@ pub struct Service {
     metrics: Metrics,
     /// Sandboxes with guest requests in flight (the policy leaves them).
     in_flight: policy::InFlight,
+    /// Idle sandboxes whose guests the policy asked to shrink.
+    shrunk: balloon::Shrunk,
     stop: Arc<std::sync::atomic::AtomicBool>,
     /// Standby VMM shells for creates and wakes.
     pool: Arc<pool::StandbyPool>,
@@ -485,6 +488,7 @@ impl Service {
             children: Mutex::new(HashMap::new()),
             metrics: Metrics::default(),
             in_flight: policy::InFlight::default(),
+            shrunk: balloon::Shrunk::default(),
             stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             pool,
             jails,

@@ -196,10 +196,15 @@ impl PolicyDriver for ServiceDriver<'_> {
 
     fn tend(&mut self, s: &Sandbox) {
         self.0.check_vmm_alive(s);
+        self.0.regrow_if_active(s);
         let log = vmm::VmmFiles::in_dir(&self.0.sandbox_dir(&s.id)).log;
         if let Err(e) = vmm::cap_log(&log, vmm::MAX_LOG_BYTES) {
             tracing::warn!(sandbox = %s.id, "cannot rotate {}: {e}", log.display());
         }
+    }
+
+    fn shrink(&mut self, s: &Sandbox) -> u64 {
+        self.0.policy_shrink(s)
     }
 
     fn memory_bytes(&self, s: &Sandbox) -> u64 {

@@ -180,6 +180,8 @@ impl Service {
                 disk: None,
                 vsock_uds: None,
                 net: None,
+                // The probe guest has no balloon driver.
+                balloon: false,
             },
             console: Console::file(&files.console),
             dirty_tracking: self.config.dirty_tracking,

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::{Request, Response, SnapshotInfo, VmStatus, MAX_LINE};
+use super::{BalloonStatus, Request, Response, SnapshotInfo, VmStatus, MAX_LINE};
 use torpor_vmm_api::{ErrorKind as VmErrorKind, VmError};
 
 /// What the control server may ask of the VM; failures carry their kind.
@@ -21,6 +21,10 @@ pub trait VmController: Send + Sync + 'static {
     /// Pause, snapshot, and end the VMM once the answer is out; on failure
     /// the VM is left as it was (running or paused).
     fn hibernate(&self, path: &Path, diff: bool) -> Result<SnapshotInfo, VmError>;
+    /// Sets the balloon's target (MiB the guest should give back).
+    fn set_balloon(&self, target_mib: u64) -> Result<BalloonStatus, VmError>;
+    /// The balloon's state; asks the guest for fresh statistics.
+    fn balloon(&self) -> Result<BalloonStatus, VmError>;
 }
 
 /// Errors while binding the control socket.
@@ -194,16 +198,20 @@ pub fn answer(line: &str, vm: &dyn VmController) -> Response {
             VmErrorKind::InvalidRequest,
             format!("invalid request: {e}"),
         )),
-        Ok(Request::Status) => Ok((vm.status(), None)),
-        Ok(Request::Pause) => vm.pause().map(|s| (s, None)),
-        Ok(Request::Resume) => vm.resume().map(|s| (s, None)),
-        Ok(Request::Shutdown) => vm.shutdown().map(|s| (s, None)),
-        Ok(Request::Snapshot { path, diff }) => {
-            vm.snapshot(&path, diff).map(|i| (vm.status(), Some(i)))
-        }
-        Ok(Request::Hibernate { path, diff }) => {
-            vm.hibernate(&path, diff).map(|i| (vm.status(), Some(i)))
-        }
+        Ok(Request::Status) => Ok((vm.status(), None, None)),
+        Ok(Request::Pause) => vm.pause().map(|s| (s, None, None)),
+        Ok(Request::Resume) => vm.resume().map(|s| (s, None, None)),
+        Ok(Request::Shutdown) => vm.shutdown().map(|s| (s, None, None)),
+        Ok(Request::Snapshot { path, diff }) => vm
+            .snapshot(&path, diff)
+            .map(|i| (vm.status(), Some(i), None)),
+        Ok(Request::Hibernate { path, diff }) => vm
+            .hibernate(&path, diff)
+            .map(|i| (vm.status(), Some(i), None)),
+        Ok(Request::SetBalloon { target_mib }) => vm
+            .set_balloon(target_mib)
+            .map(|b| (vm.status(), None, Some(b))),
+        Ok(Request::BalloonStats) => vm.balloon().map(|b| (vm.status(), None, Some(b))),
         Ok(Request::Restore { .. }) => Err(VmError::new(
             VmErrorKind::WrongState,
             "this VMM already runs a VM; restore goes to a standby VMM",
@@ -220,10 +228,11 @@ pub fn answer(line: &str, vm: &dyn VmController) -> Response {
         },
     };
     match result {
-        Ok((status, snapshot)) => Response {
+        Ok((status, snapshot, balloon)) => Response {
             ok: true,
             status: Some(status),
             snapshot,
+            balloon,
             ..Default::default()
         },
         Err(e) => Response::refusal(e),
@@ -275,6 +284,15 @@ mod tests {
         }
         fn hibernate(&self, _: &Path, _: bool) -> Result<SnapshotInfo, VmError> {
             Err(VmError::new(VmErrorKind::NoSpace, "full"))
+        }
+        fn set_balloon(&self, target_mib: u64) -> Result<BalloonStatus, VmError> {
+            Ok(BalloonStatus {
+                target_mib,
+                ..Default::default()
+            })
+        }
+        fn balloon(&self) -> Result<BalloonStatus, VmError> {
+            Err(VmError::new(VmErrorKind::Unsupported, "no balloon"))
         }
     }
 

@@ -1,6 +1,7 @@
 //! Emulated devices and the port-I/O bus that routes guest accesses to them.
 //! One folder per device.
 
+pub mod balloon;
 pub mod block;
 pub mod i8042;
 pub mod net;

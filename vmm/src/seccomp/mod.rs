@@ -53,6 +53,9 @@ pub enum ThreadKind {
     /// The virtio-net worker (reserved: the net device adds its tap calls
     /// to this list when it lands).
     Net,
+    /// The virtio-balloon worker: takes the guest's page lists and free
+    /// page reports and discards those pages (madvise MADV_DONTNEED).
+    Balloon,
     /// The userfaultfd page server of the uffd memory backends.
     UffdPages,
     /// Saves a restore's working set after its recording window.
@@ -62,12 +65,13 @@ pub enum ThreadKind {
 }
 
 impl ThreadKind {
-    pub const ALL: [ThreadKind; 8] = [
+    pub const ALL: [ThreadKind; 9] = [
         Self::Main,
         Self::Control,
         Self::Vcpu,
         Self::Vsock,
         Self::Net,
+        Self::Balloon,
         Self::UffdPages,
         Self::WorkingSet,
         Self::ConsoleOpen,
@@ -80,6 +84,7 @@ impl ThreadKind {
             ThreadKind::Vcpu => "vcpu",
             ThreadKind::Vsock => "vsock",
             ThreadKind::Net => "net",
+            ThreadKind::Balloon => "balloon",
             ThreadKind::UffdPages => "uffd-pages",
             ThreadKind::WorkingSet => "working-set",
             ThreadKind::ConsoleOpen => "console-open",
@@ -95,6 +100,7 @@ impl ThreadKind {
             ThreadKind::Vcpu => vcpu::rules(),
             ThreadKind::Vsock => workers::vsock_rules(),
             ThreadKind::Net => workers::net_rules(),
+            ThreadKind::Balloon => workers::balloon_rules(),
             ThreadKind::UffdPages => workers::uffd_rules(),
             ThreadKind::WorkingSet => workers::working_set_rules(),
             ThreadKind::ConsoleOpen => workers::console_open_rules(),

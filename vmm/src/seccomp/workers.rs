@@ -52,6 +52,13 @@ pub fn net_rules() -> Result<Rules, SeccompError> {
     Ok(r)
 }
 
+/// virtio-balloon: the event loop only. Discarding guest pages is
+/// `madvise(MADV_DONTNEED)`, which the base list already allows (and
+/// nothing else of madvise).
+pub fn balloon_rules() -> Result<Rules, SeccompError> {
+    event_loop()
+}
+
 /// The userfaultfd page server: reads fault events, fills pages from the
 /// snapshot's memory files (pread) with UFFDIO_COPY/CONTINUE.
 pub fn uffd_rules() -> Result<Rules, SeccompError> {

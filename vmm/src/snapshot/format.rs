@@ -28,8 +28,9 @@ use std::os::unix::fs::FileExt;
 /// First eight bytes of every state file.
 pub const MAGIC: [u8; 8] = *b"TORPSNAP";
 /// Incompatible format changes bump this; readers refuse any other major
-/// (2: device state gained virtio-blk and virtio-vsock; 3: virtio-net).
-pub const FORMAT_MAJOR: u16 = 3;
+/// (2: device state gained virtio-blk and virtio-vsock; 3: virtio-net; 4:
+/// virtio-balloon).
+pub const FORMAT_MAJOR: u16 = 4;
 /// Additive format changes bump this; readers accept a newer minor.
 pub const FORMAT_MINOR: u16 = 0;
 /// Largest payload written or read: device and vCPU state is kilobytes, so

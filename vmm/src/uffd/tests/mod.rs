@@ -355,3 +355,58 @@ fn the_page_server_runs_under_its_seccomp_filter() {
     write_protect::missing_mode_installs_pages_protected();
     write_protect::minor_mode_installs_pages_protected();
 }
+
+/// Drops the mapping's pages `pages` (counted from the mapping's start) as
+/// the balloon does with pages a guest gave up: `MADV_DONTNEED`.
+fn discard_pages(m: &Mapping, pages: &[u64]) {
+    for &p in pages {
+        let addr = m.addr + p as usize * PS;
+        // SAFETY: one page inside a mapping this test owns; MADV_DONTNEED
+        // only drops this process's copy of it.
+        let rc = unsafe { libc::madvise(addr as *mut libc::c_void, PS, libc::MADV_DONTNEED) };
+        assert_eq!(rc, 0, "madvise: {}", std::io::Error::last_os_error());
+    }
+}
+
+/// What the balloon relies on: a page served, written, then discarded
+/// faults again and is served afresh from its layer (the server keeps no
+/// "already served" record), in both modes.
+fn discarded_pages_are_served_again(mem: &Mapping, server: &PageServer) {
+    let first = read_pages(mem, 0, &PROBE_PAGES);
+    let addr = mem.addr;
+    in_thread(move || {
+        for &p in &PROBE_PAGES {
+            write_word(addr + p as usize * PS, 0xdead_beef);
+        }
+    });
+    let faults = server.stats().faults;
+    discard_pages(mem, &PROBE_PAGES);
+    assert_eq!(read_pages(mem, 0, &PROBE_PAGES), first);
+    assert_eq!(
+        server.stats().faults,
+        faults + PROBE_PAGES.len() as u64,
+        "every discarded page faulted once more"
+    );
+}
+
+#[test]
+fn missing_mode_serves_a_discarded_page_again() {
+    let fx = Fixture::new();
+    let mem = Mapping::anonymous(PAGES as usize * PS);
+    let (server, failures) = start(vec![mem.region(0)], fx.layers(), missing(vec![], None));
+    discarded_pages_are_served_again(&mem, &server);
+    assert!(failures.try_recv().is_err());
+}
+
+#[test]
+fn minor_mode_serves_a_discarded_page_again() {
+    let fx = Fixture::new();
+    let (base, layers) = minor_mode::minor_layers(&fx);
+    let before = std::fs::read(format!("/proc/self/fd/{}", base.as_raw_fd())).unwrap();
+    let mem = Mapping::private_file(&base, PAGES as usize * PS, 0);
+    let (server, failures) = start(vec![mem.region(0)], layers, minor_mode::minor(vec![]));
+    discarded_pages_are_served_again(&mem, &server);
+    let after = std::fs::read(format!("/proc/self/fd/{}", base.as_raw_fd())).unwrap();
+    assert!(before == after, "the shared template is untouched");
+    assert!(failures.try_recv().is_err());
+}

@@ -38,6 +38,23 @@ fn reports_only_written_pages(mem: &Mapping, server: &PageServer) {
     assert_eq!(server.stats().failures, 0);
 }
 
+/// Then the pages the balloon would discard (MADV_DONTNEED), written ones
+/// included: read back, they are served again from their layers and
+/// clean; written, they are reported once, as any page.
+fn discarded_pages_stay_tracked(mem: &Mapping, server: &PageServer) {
+    let tracker = WpTracker::attach(vec![(mem.addr, mem.len, 0)]).unwrap();
+    discard_pages(mem, &PROBE_PAGES);
+    let got = read_pages(mem, 0, &PROBE_PAGES);
+    for (&p, v) in PROBE_PAGES.iter().zip(&got) {
+        assert_eq!(*v, Some(Fixture::expected(p)), "page {p}");
+    }
+    assert_eq!(written(&tracker), Vec::<u64>::new(), "reads only");
+    let addr = mem.addr;
+    in_thread(move || write_word(addr + 3 * PS, 0xfeed));
+    assert_eq!(written(&tracker), vec![3]);
+    assert_eq!(server.stats().failures, 0);
+}
+
 #[test]
 pub(super) fn missing_mode_installs_pages_protected() {
     let fx = Fixture::new();
@@ -46,6 +63,7 @@ pub(super) fn missing_mode_installs_pages_protected() {
     opts.write_protect = true;
     let (server, failures) = start(vec![mem.region(0)], fx.layers(), opts);
     reports_only_written_pages(&mem, &server);
+    discarded_pages_stay_tracked(&mem, &server);
     assert!(failures.try_recv().is_err());
 }
 
@@ -58,6 +76,7 @@ pub(super) fn minor_mode_installs_pages_protected() {
     opts.write_protect = true;
     let (server, failures) = start(vec![mem.region(0)], layers, opts);
     reports_only_written_pages(&mem, &server);
+    discarded_pages_stay_tracked(&mem, &server);
     assert!(failures.try_recv().is_err());
 }
 
