@@ -16,9 +16,9 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use torpor_api::client::{Endpoint, HttpClient};
 use torpor_api::service::{
-    AgentLink, Cancel, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest, ExitReply,
-    FileKind, FileStat, GuestCall, GuestError, Outcome, OutputKind, PodView, SandboxFilter,
-    ServiceError,
+    AgentLink, Cancel, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
+    ExitReply, FileKind, FileStat, GuestCall, GuestError, Outcome, OutputKind, PodView,
+    SandboxFilter, ServiceError,
 };
 use torpor_api::{ApiConfig, SandboxApi};
 use torpor_scheduler::model::{

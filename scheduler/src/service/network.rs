@@ -219,7 +219,6 @@ impl Service {
         }
     }
 
-
     /// Starts the pod's DNS forwarder (`config.net.dns`).
     pub(super) fn start_dns(&self) -> Result<(), ServiceError> {
         let (Some(manager), Some(dns)) = (
