@@ -498,7 +498,16 @@ impl<L: SandboxApi> Federation<L> {
         let tenant = req.owner.as_ref().map(|o| o.tenant.clone());
         let body = serde_json::to_value(&req).map_err(internal)?;
         let v = self.place_remote(pod, "POST", "/v1/sandboxes", body, tenant.as_deref())?;
-        serde_json::from_value(v).map_err(internal)
+        let mut sandbox: Sandbox = serde_json::from_value(v).map_err(internal)?;
+        // The pod keeps the envd token but never shows it: kept here too,
+        // for the federation's envd to check.
+        if let Some(token) = &req.access_token {
+            self.store
+                .set_access_token(&sandbox.id, token)
+                .map_err(internal)?;
+            sandbox.access_token = Some(token.clone());
+        }
+        Ok(sandbox)
     }
 
     /// Placement; see the module documentation.
@@ -686,7 +695,11 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
     }
     fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
         match self.remote_sandbox(id) {
-            Some(pod) => remote::sandbox(&pod, "GET", id, "", None),
+            Some(pod) => {
+                let mut sandbox = remote::sandbox(&pod, "GET", id, "", None)?;
+                sandbox.access_token = self.store.access_token(id).map_err(internal)?;
+                Ok(sandbox)
+            }
             None => self.local.get_sandbox(id),
         }
     }

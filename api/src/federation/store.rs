@@ -71,6 +71,12 @@ CREATE TABLE IF NOT EXISTS remote_sandboxes (
     sandbox_id TEXT PRIMARY KEY,
     pod_id     TEXT NOT NULL REFERENCES remote_pods (id) ON DELETE CASCADE
 ) STRICT;
+-- The envd access token issued at a remote create (E2B): the pod keeps
+-- it too but never shows it, and the federation checks it.
+CREATE TABLE IF NOT EXISTS remote_access_tokens (
+    sandbox_id TEXT PRIMARY KEY REFERENCES remote_sandboxes (sandbox_id) ON DELETE CASCADE,
+    token      TEXT NOT NULL
+) STRICT;
 CREATE TABLE IF NOT EXISTS placements (
     id         TEXT PRIMARY KEY,
     pod_id     TEXT NOT NULL REFERENCES remote_pods (id) ON DELETE CASCADE,
@@ -172,6 +178,28 @@ impl FederationStore {
             ))
         })?;
         Ok(rows.collect::<std::result::Result<_, _>>()?)
+    }
+
+    /// Keeps the envd access token of remote sandbox `id`.
+    pub fn set_access_token(&self, id: &SandboxId, token: &str) -> Result<()> {
+        self.conn().execute(
+            "INSERT OR REPLACE INTO remote_access_tokens (sandbox_id, token) VALUES (?1, ?2)",
+            [id.as_str(), token],
+        )?;
+        Ok(())
+    }
+
+    /// The envd access token of remote sandbox `id`, if one was issued.
+    pub fn access_token(&self, id: &SandboxId) -> Result<Option<String>> {
+        use rusqlite::OptionalExtension;
+        Ok(self
+            .conn()
+            .query_row(
+                "SELECT token FROM remote_access_tokens WHERE sandbox_id = ?1",
+                [id.as_str()],
+                |r| r.get(0),
+            )
+            .optional()?)
     }
 
     /// Records a placement before the request goes to the pod.
