@@ -18,40 +18,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::e2b::{install_dir, pinned_js, pinned_python, DIR};
 use common::serve::{DataDir, ServeProcess};
 
 const KEY: &str = "e2b-sdk-key-0123456789";
-const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b");
-
-/// The pinned Python `e2b` version, from `tests/e2b/requirements.txt`.
-fn pinned_python() -> String {
-    let text = std::fs::read_to_string(format!("{DIR}/requirements.txt")).unwrap();
-    text.lines()
-        .find_map(|l| l.trim().strip_prefix("e2b=="))
-        .expect("requirements.txt pins e2b==VERSION")
-        .trim()
-        .to_string()
-}
-
-/// The pinned npm `e2b` version, from `tests/e2b/package.json`.
-fn pinned_js() -> String {
-    let text = std::fs::read_to_string(format!("{DIR}/package.json")).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    v["dependencies"]["e2b"]
-        .as_str()
-        .expect("package.json pins e2b")
-        .to_string()
-}
-
-/// `$var`, else `${TORPOR_CACHE:-/var/cache/torpor}/<name>`.
-fn install_dir(var: &str, name: String) -> PathBuf {
-    if let Some(v) = std::env::var_os(var) {
-        return v.into();
-    }
-    let cache = std::env::var_os("TORPOR_CACHE").unwrap_or_else(|| "/var/cache/torpor".into());
-    PathBuf::from(cache).join(name)
-}
-
 /// Runs `program args` against a fresh `torpor serve` with the E2B
 /// variables set (and `extra_env`); its stdout, after asserting success,
 /// the pinned version and the closing line (`<tag>: N passed, 0 failed`).

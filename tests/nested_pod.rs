@@ -230,6 +230,38 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
     );
     assert_eq!(ok(&py, "exec python3"), "py 42\n");
 
+    // The E2B Python SDK against a Linux sandbox of the nested pod:
+    // lifecycle through the federation's typed calls to the pod, commands,
+    // PTY and files through envd and the agent tunnel.
+    let sdk = Command::new(common::e2b::python())
+        .arg(format!("{}/sdk_envd.py", common::e2b::DIR))
+        .arg("/root/sdk")
+        .env("E2B_API_URL", &api)
+        .env("E2B_SANDBOX_URL", &api)
+        .env("E2B_API_KEY", TOKEN)
+        .env("E2B_TEST_TEMPLATE", "linux")
+        .env_remove("E2B_DEBUG")
+        .env_remove("E2B_DOMAIN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the E2B SDK script (the venv .ci/run makes)");
+    let sdk = wait_output(sdk, step);
+    let sdk_out = format!("{}{}", stdout(&sdk), stderr(&sdk));
+    eprintln!("nested_pod: E2B SDK:\n{sdk_out}");
+    assert!(
+        sdk.status.success() && sdk_out.contains(" passed, 0 failed"),
+        "the E2B SDK against the nested pod's Linux sandbox:\n{sdk_out}"
+    );
+    assert!(
+        sdk_out.contains(&format!(
+            "sdk-envd: version {}\n",
+            common::e2b::pinned_python()
+        )),
+        "{sdk_out}"
+    );
+
     ok(
         &cli(&api, &["sandbox", "hibernate", &sbx], step),
         "hibernate",

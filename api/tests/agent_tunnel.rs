@@ -50,11 +50,14 @@ async fn exec_through(
     tokio::task::spawn_blocking(move || {
         let dial = dialer(runtime, line, SandboxId::new(&id));
         let link = AgentLink::dialed(id.as_str(), "the test pod", dial);
-        link.exec(torpor_scheduler::service::guest::ExecRequest {
-            argv,
-            timeout_ms: Some(10_000),
-            ..Default::default()
-        })
+        link.exec(
+            torpor_scheduler::service::guest::ExecRequest {
+                argv,
+                timeout_ms: Some(10_000),
+                ..Default::default()
+            },
+            &Default::default(),
+        )
     })
     .await
     .unwrap()

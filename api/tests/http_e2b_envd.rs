@@ -100,7 +100,7 @@ async fn files_refuse_what_is_not_offered_and_need_the_key() {
                 .await
         }
     };
-    // Multipart (the SDKs' default for in-memory data) and gzip: 400.
+    // A malformed multipart body (no parts, no boundary) and gzip: 400.
     e2b_error(
         &post(headers(
             Some(TOKEN),

@@ -1,13 +1,15 @@
 """The E2B Python SDK's commands and files against torpor's envd.
 
 Run by api/tests/http_e2b_sdk.rs against the API over a real torpor-agent
-on the host (behind the hybrid vsock stand-in), with E2B_API_URL,
-E2B_SANDBOX_URL and E2B_API_KEY set; argv[1] is a scratch directory the
-agent can use. Prints "sdk-envd: version X", one line per check, then
-"sdk-envd: N passed, M failed".
+on the host (behind the hybrid vsock stand-in), and by tests/nested_pod.rs
+against a Linux sandbox on the nested pod (E2B_TEST_TEMPLATE=linux), with
+E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY set; argv[1] is a scratch
+directory in the sandbox (made if missing). Prints "sdk-envd: version X",
+one line per check, then "sdk-envd: N passed, M failed".
 """
 
 import importlib.metadata
+import os
 import sys
 import time
 
@@ -34,11 +36,15 @@ def check(name, f):
         print(f"FAILED {name}: {type(e).__name__}: {e}")
 
 
+TEMPLATE = os.environ.get("E2B_TEST_TEMPLATE", "probe")
 sbx = Sandbox.create(
-    template="probe",
-    metadata={"agent": "real"},
+    template=TEMPLATE,
+    # A probe sandbox of the test service reaches a real agent on the host.
+    metadata={"agent": "real"} if TEMPLATE == "probe" else {},
     envs={"FROM_SANDBOX": "yes"},
+    request_timeout=300,
 )
+sbx.files.make_dir(SCRATCH)
 
 
 def run_collects_output_and_env():
@@ -108,8 +114,7 @@ def files_make_list_stat_rename_remove():
     d = f"{SCRATCH}/files"
     assert sbx.files.make_dir(d) is True
     assert sbx.files.make_dir(d) is False
-    with open(f"{d}/a.txt", "w") as f:
-        f.write("hello")
+    sbx.files.write(f"{d}/a.txt", "hello")
     assert sbx.files.read(f"{d}/a.txt") == "hello"
     info = sbx.files.get_info(f"{d}/a.txt")
     assert info.size == 5 and info.type.value == "file", info
@@ -131,8 +136,7 @@ def watch_sees_a_new_file():
     d = f"{SCRATCH}/watched"
     sbx.files.make_dir(d)
     w = sbx.files.watch_dir(d)
-    with open(f"{d}/new.txt", "w") as f:
-        f.write("x")
+    sbx.files.write(f"{d}/new.txt", "x")
     for _ in range(50):
         events = w.get_new_events()
         if any(e.name == "new.txt" for e in events):

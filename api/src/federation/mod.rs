@@ -383,6 +383,26 @@ impl<L: SandboxApi> Federation<L> {
         Ok(())
     }
 
+    /// One agent call on remote sandbox `id` through the agent tunnel
+    /// (E2B's `/files`, which reaches the federation's methods).
+    fn remote_guest<T>(
+        &self,
+        id: &SandboxId,
+        call: impl FnOnce(&AgentLink) -> Result<T, GuestError>,
+    ) -> Result<GuestCall<T>, ServiceError> {
+        let mut call = Some(call);
+        let mut value = None;
+        let outcome = self.with_guest(id, &mut |link| {
+            if let Some(call) = call.take() {
+                value = Some(call(link)?);
+            }
+            Ok(())
+        })?;
+        let value =
+            value.ok_or_else(|| ServiceError::Internal("the agent call did not run".into()))?;
+        Ok(GuestCall { outcome, value })
+    }
+
     /// Sends a create or fork to a remote pod, tagged with a placement that
     /// is recorded first; the sandbox becomes the pod's before returning.
     fn place_remote(
@@ -498,7 +518,15 @@ impl<L: SandboxApi> Federation<L> {
         let tenant = req.owner.as_ref().map(|o| o.tenant.clone());
         let body = serde_json::to_value(&req).map_err(internal)?;
         let v = self.place_remote(pod, "POST", "/v1/sandboxes", body, tenant.as_deref())?;
-        serde_json::from_value(v).map_err(internal)
+        let mut sandbox: Sandbox = serde_json::from_value(v).map_err(internal)?;
+        // The pod keeps the envd token and the environment but never shows
+        // them: kept here too, for the federation's envd.
+        self.store
+            .set_secrets(&sandbox.id, req.access_token.as_deref(), &req.env)
+            .map_err(internal)?;
+        sandbox.access_token = req.access_token.clone();
+        sandbox.env = req.env.clone();
+        Ok(sandbox)
     }
 
     /// Placement; see the module documentation.
@@ -686,7 +714,11 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
     }
     fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
         match self.remote_sandbox(id) {
-            Some(pod) => remote::sandbox(&pod, "GET", id, "", None),
+            Some(pod) => {
+                let mut sandbox = remote::sandbox(&pod, "GET", id, "", None)?;
+                (sandbox.access_token, sandbox.env) = self.store.secrets(id).map_err(internal)?;
+                Ok(sandbox)
+            }
             None => self.local.get_sandbox(id),
         }
     }
@@ -900,7 +932,12 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
             .exec_streaming(id, req, cancel, on_start, on_output)
     }
     fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
-        self.local.read_file(id, path)
+        if self.remote_sandbox(id).is_none() {
+            return self.local.read_file(id, path);
+        }
+        self.remote_guest(id, |link| {
+            link.read_file(path, torpor_scheduler::service::guest::MAX_READ_BYTES)
+        })
     }
     fn write_file(
         &self,
@@ -909,10 +946,16 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
         data: &[u8],
         mode: Option<u32>,
     ) -> Result<GuestCall<u64>, ServiceError> {
-        self.local.write_file(id, path, data, mode)
+        if self.remote_sandbox(id).is_none() {
+            return self.local.write_file(id, path, data, mode);
+        }
+        self.remote_guest(id, |link| link.write_file(path, data, mode))
     }
     fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError> {
-        self.local.list_dir(id, path)
+        if self.remote_sandbox(id).is_none() {
+            return self.local.list_dir(id, path);
+        }
+        self.remote_guest(id, |link| link.list_dir(path))
     }
     /// A remote sandbox's agent through its pod's agent tunnel.
     fn with_guest(

@@ -71,6 +71,14 @@ CREATE TABLE IF NOT EXISTS remote_sandboxes (
     sandbox_id TEXT PRIMARY KEY,
     pod_id     TEXT NOT NULL REFERENCES remote_pods (id) ON DELETE CASCADE
 ) STRICT;
+-- What a remote create gave that its pod keeps but never shows: the envd
+-- access token (E2B) the federation checks, and the environment (JSON)
+-- the federation's envd runs commands under.
+CREATE TABLE IF NOT EXISTS remote_secrets (
+    sandbox_id   TEXT PRIMARY KEY REFERENCES remote_sandboxes (sandbox_id) ON DELETE CASCADE,
+    access_token TEXT,
+    env          TEXT NOT NULL
+) STRICT;
 CREATE TABLE IF NOT EXISTS placements (
     id         TEXT PRIMARY KEY,
     pod_id     TEXT NOT NULL REFERENCES remote_pods (id) ON DELETE CASCADE,
@@ -172,6 +180,44 @@ impl FederationStore {
             ))
         })?;
         Ok(rows.collect::<std::result::Result<_, _>>()?)
+    }
+
+    /// Keeps what remote sandbox `id`'s pod never shows: its envd access
+    /// token and its environment.
+    pub fn set_secrets(
+        &self,
+        id: &SandboxId,
+        access_token: Option<&str>,
+        env: &std::collections::BTreeMap<String, String>,
+    ) -> Result<()> {
+        let env = serde_json::to_string(env).unwrap_or_else(|_| "{}".into());
+        self.conn().execute(
+            "INSERT OR REPLACE INTO remote_secrets (sandbox_id, access_token, env) \
+             VALUES (?1, ?2, ?3)",
+            params![id.as_str(), access_token, env],
+        )?;
+        Ok(())
+    }
+
+    /// Remote sandbox `id`'s envd access token and environment (none and
+    /// empty when nothing was kept).
+    pub fn secrets(
+        &self,
+        id: &SandboxId,
+    ) -> Result<(Option<String>, std::collections::BTreeMap<String, String>)> {
+        use rusqlite::OptionalExtension;
+        let row: Option<(Option<String>, String)> = self
+            .conn()
+            .query_row(
+                "SELECT access_token, env FROM remote_secrets WHERE sandbox_id = ?1",
+                [id.as_str()],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?;
+        Ok(match row {
+            Some((token, env)) => (token, serde_json::from_str(&env).unwrap_or_default()),
+            None => (None, Default::default()),
+        })
     }
 
     /// Records a placement before the request goes to the pod.

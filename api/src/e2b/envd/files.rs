@@ -192,10 +192,11 @@ pub async fn upload<S: SandboxApi>(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default();
-    if !content_type.starts_with("application/octet-stream") {
+    let multipart = content_type.starts_with("multipart/form-data");
+    if !multipart && !content_type.starts_with("application/octet-stream") {
         return Err(E2bError::bad_request(format!(
-            "uploads as {content_type:?} are not offered yet: use application/octet-stream \
-             (the SDKs' `use_octet_stream=True`)"
+            "uploads as {content_type:?} are not offered: use multipart/form-data or \
+             application/octet-stream"
         )));
     }
     if headers
@@ -207,22 +208,85 @@ pub async fn upload<S: SandboxApi>(
         ));
     }
     let (path, user) = query(raw);
-    let path = resolve(path.as_deref().unwrap_or_default(), user.as_deref())?;
+    // What goes where: the body to `path`, or each multipart file to
+    // `path` (one file) or to its own file name (several).
+    let files: Vec<(String, Bytes)> = if multipart {
+        let parts = multipart_files(content_type, body).await?;
+        if parts.len() == 1 && path.is_some() {
+            let data = parts.into_iter().next().map(|(_, d)| d).unwrap_or_default();
+            vec![(
+                resolve(path.as_deref().unwrap_or_default(), user.as_deref())?,
+                data,
+            )]
+        } else {
+            parts
+                .into_iter()
+                .map(|(name, data)| Ok((resolve(&name, user.as_deref())?, data)))
+                .collect::<Result<_, E2bError>>()?
+        }
+    } else {
+        vec![(
+            resolve(path.as_deref().unwrap_or_default(), user.as_deref())?,
+            body,
+        )]
+    };
     let written = call(&state, move |s| {
         let id = match target(s, &id, &caller) {
             Ok(id) => id,
             Err(refused) => return Ok(Err(refused)),
         };
-        s.write_file(&id, &path, &body, None)?;
-        let name = path.rsplit('/').next().unwrap_or_default().to_string();
-        Ok(Ok(vec![Written {
-            name,
-            kind: "file",
-            path,
-        }]))
+        let mut written = Vec::with_capacity(files.len());
+        for (path, data) in files {
+            s.write_file(&id, &path, &data, None)?;
+            let name = path.rsplit('/').next().unwrap_or_default().to_string();
+            written.push(Written {
+                name,
+                kind: "file",
+                path,
+            });
+        }
+        Ok(Ok(written))
     })
     .await??;
     Ok(Json(written).into_response())
+}
+
+/// Most files one multipart upload may carry.
+const MAX_PARTS: usize = 64;
+
+/// The `file` parts of a multipart body (already bounded by the API's
+/// body limit): each part's file name (the SDKs put the guest path there)
+/// and its bytes.
+async fn multipart_files(
+    content_type: &str,
+    body: Bytes,
+) -> Result<Vec<(String, Bytes)>, E2bError> {
+    let bad = |e: multer::Error| E2bError::bad_request(format!("malformed multipart body: {e}"));
+    let boundary = multer::parse_boundary(content_type).map_err(bad)?;
+    let mut form = multer::Multipart::with_reader(std::io::Cursor::new(body), boundary);
+    let mut files = Vec::new();
+    while let Some(field) = form.next_field().await.map_err(bad)? {
+        if field.name() != Some("file") {
+            continue;
+        }
+        if files.len() == MAX_PARTS {
+            return Err(E2bError::bad_request(format!(
+                "more than {MAX_PARTS} files in one upload"
+            )));
+        }
+        let name = field
+            .file_name()
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| E2bError::bad_request("a multipart file without a file name"))?
+            .to_string();
+        files.push((name, field.bytes().await.map_err(bad)?));
+    }
+    if files.is_empty() {
+        return Err(E2bError::bad_request(
+            "no `file` part in the multipart body",
+        ));
+    }
+    Ok(files)
 }
 
 #[cfg(test)]
