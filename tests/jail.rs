@@ -236,8 +236,12 @@ fn assert_jailed(data: &DataDir, sandbox: &Sandbox, others: &[&Sandbox]) {
         memory,
         (u64::from(sandbox.mem_mib) + VMM_OVERHEAD_MIB) << 20
     );
+    // The VMM's own threads, plus one per vCPU.
     let pids = cgroup_file(pid, "pids", "pids.max", "pids.max");
-    assert_eq!(pids, DEFAULT_PIDS_MAX.to_string());
+    assert_eq!(
+        pids,
+        (DEFAULT_PIDS_MAX + u64::from(sandbox.vcpus)).to_string()
+    );
 }
 
 #[test]
