@@ -511,6 +511,29 @@ fn wakes_and_e2b_routes_are_admitted_against_the_same_quotas() {
         );
         assert_eq!(r.status, 429, "E2B create: {}", r.body);
     }
+    // envd (E2B's in-sandbox API) would wake it too: refused alike.
+    let envd = [
+        ("X-API-KEY", a.as_str()),
+        ("E2b-Sandbox-Id", first.as_str()),
+        ("Content-Type", "application/json"),
+    ];
+    let r = request_with(
+        &s.process.addr,
+        "POST",
+        "/process.Process/List",
+        &envd,
+        Some("{}"),
+    );
+    assert_eq!(r.status, 429, "envd RPC: {}", r.body);
+    assert!(r.body.contains("running_sandboxes"), "{}", r.body);
+    let r = request_with(
+        &s.process.addr,
+        "GET",
+        "/files?path=/etc/hostname",
+        &envd[..2],
+        None,
+    );
+    assert_eq!(r.status, 429, "envd files: {}", r.body);
     let state = |id: &str| s.ok(&a, "GET", &format!("/v1/sandboxes/{id}"), None)["state"].clone();
     assert_eq!(state(&first), "hibernated");
 

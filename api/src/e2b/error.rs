@@ -19,6 +19,10 @@ pub struct E2bError {
     /// The HTTP status, as a number (E2B's `code`).
     pub code: u16,
     pub message: String,
+    /// `Retry-After` (seconds) of a rate-limit refusal: a header, not a
+    /// field of E2B's body.
+    #[serde(skip)]
+    pub retry_after: Option<u64>,
 }
 
 impl E2bError {
@@ -26,6 +30,7 @@ impl E2bError {
         E2bError {
             code: status.as_u16(),
             message: message.into(),
+            retry_after: None,
         }
     }
 
@@ -52,6 +57,7 @@ impl From<ApiError> for E2bError {
         E2bError {
             code: e.status.as_u16(),
             message: e.message,
+            retry_after: e.retry_after,
         }
     }
 }
@@ -71,6 +77,11 @@ impl IntoResponse for E2bError {
                 header::WWW_AUTHENTICATE,
                 HeaderValue::from_static("X-API-KEY"),
             );
+        }
+        if let Some(secs) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         response
     }
@@ -130,6 +141,21 @@ pub async fn normalize(request: Request, next: Next) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rate_limits_keep_their_retry_after() {
+        let limited = ApiError::from(crate::tenancy::Limited(std::time::Duration::from_millis(
+            2500,
+        )));
+        let response = E2bError::from(limited).into_response();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            response.headers().get(header::RETRY_AFTER).unwrap(),
+            &HeaderValue::from_static("3")
+        );
+        let other = E2bError::not_found("x").into_response();
+        assert!(other.headers().get(header::RETRY_AFTER).is_none());
+    }
 
     #[test]
     fn messages_come_from_either_shape() {

@@ -156,8 +156,12 @@ pub async fn download<S: SandboxApi>(
     let caller = Caller::of(&headers, &auth);
     let (path, user) = query(raw);
     let path = resolve(path.as_deref().unwrap_or_default(), user.as_deref())?;
+    let tenancy = state.tenancy.clone();
     let data = call(&state, move |s| match target(s, &id, &caller) {
-        Ok(id) => Ok(Ok(s.read_file(&id, &path)?.value)),
+        Ok(id) => {
+            let _wake = super::wake_ticket(s, &tenancy, &id)?;
+            Ok(Ok(s.read_file(&id, &path)?.value))
+        }
         Err(refused) => Ok(Err(refused)),
     })
     .await??;
@@ -230,11 +234,13 @@ pub async fn upload<S: SandboxApi>(
             body,
         )]
     };
+    let tenancy = state.tenancy.clone();
     let written = call(&state, move |s| {
         let id = match target(s, &id, &caller) {
             Ok(id) => id,
             Err(refused) => return Ok(Err(refused)),
         };
+        let _wake = super::wake_ticket(s, &tenancy, &id)?;
         let mut written = Vec::with_capacity(files.len());
         for (path, data) in files {
             s.write_file(&id, &path, &data, None)?;

@@ -166,15 +166,17 @@ async fn rpc<S: SandboxApi>(
     };
     let caller = files::Caller::of(&headers, &auth);
     let shown = id.clone();
+    let tenancy = state.tenancy.clone();
     let found = call(&state, move |s| match files::target(s, &shown, &caller) {
         Ok(id) => {
             let env = s.get_sandbox(&id)?.env;
-            Ok(Ok((id, env)))
+            let wake = wake_ticket(s, &tenancy, &id)?;
+            Ok(Ok((id, env, wake)))
         }
         Err(refused) => Ok(Err(refused)),
     })
     .await;
-    let (sandbox, env) = match found {
+    let (sandbox, env, wake) = match found {
         Ok(Ok(found)) => found,
         Ok(Err(files::Refused::Gone)) => {
             return refuse(Code::NotFound, format!("sandbox {id} was not found"))
@@ -185,20 +187,43 @@ async fn rpc<S: SandboxApi>(
                 "missing or wrong X-Access-Token (or X-API-KEY)".into(),
             )
         }
-        Err(e) => return refuse(Code::Internal, e.message),
+        Err(e) => return refuse(code_of(e.status.as_u16()), e.message),
     };
     let ctx = match rpc::CallContext::from_headers(id, &headers, env) {
         Ok(ctx) => ctx,
         Err(e) => return connect_error(streaming, e),
     };
     let service_arc = Arc::clone(&state.0.service);
+    // The wake's admission is held for as long as the call runs.
+    let wake = std::sync::Mutex::new(wake);
     let runner: rpc::Runner = Arc::new(move |f| {
+        let _held = &wake;
         service_arc
             .with_guest(&sandbox, f)
             .map(drop)
             .map_err(service_error)
     });
     rpc::handle(runner, ctx, service, &method, &headers, body).await
+}
+
+/// Admits waking sandbox `id` against its tenant's quotas if it is
+/// hibernated (an envd call wakes it as `/v1` exec and files do): held
+/// until the call is done; 429 `quota_exceeded` at the quota.
+pub(super) fn wake_ticket<S: SandboxApi>(
+    s: &S,
+    tenancy: &crate::tenancy::Tenancy<S>,
+    id: &SandboxId,
+) -> Result<Option<crate::quota::Ticket>, ServiceError> {
+    let Some(tenant) = s.sandbox_tenant(id)? else {
+        return Ok(None);
+    };
+    let sandbox = s.get_sandbox(id)?;
+    let principal = crate::auth::Principal {
+        tenant,
+        scope: crate::auth::Scope::Tenant,
+        token: "envd".into(),
+    };
+    crate::tenancy::admit_wake(tenancy, &principal, &sandbox)
 }
 
 /// A service failure (unknown sandbox, failed wake, guest error) as
@@ -208,8 +233,18 @@ fn service_error(e: ServiceError) -> envelope::ConnectError {
         return rpc::guest_error(g);
     }
     let e2b = E2bError::from(e);
-    let code = match e2b.code {
+    envelope::ConnectError {
+        code: code_of(e2b.code),
+        message: e2b.message,
+    }
+}
+
+/// Connect's code for an HTTP status of ours.
+fn code_of(status: u16) -> Code {
+    match status {
         400 => Code::InvalidArgument,
+        401 => Code::Unauthenticated,
+        403 => Code::PermissionDenied,
         404 => Code::NotFound,
         409 => Code::FailedPrecondition,
         413 | 429 => Code::ResourceExhausted,
@@ -217,10 +252,6 @@ fn service_error(e: ServiceError) -> envelope::ConnectError {
         502 | 503 => Code::Unavailable,
         504 => Code::DeadlineExceeded,
         _ => Code::Internal,
-    };
-    envelope::ConnectError {
-        code,
-        message: e2b.message,
     }
 }
 
