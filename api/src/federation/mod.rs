@@ -957,6 +957,31 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
         }
         self.remote_guest(id, |link| link.list_dir(path))
     }
+    // Networks of this pod's sandboxes (a remote sandbox's `/v1` network
+    // and port routes are relayed to its pod at the HTTP layer).
+    fn set_network_policy(
+        &self,
+        id: &SandboxId,
+        patch: &torpor_scheduler::net::PolicyPatch,
+    ) -> Result<Sandbox, ServiceError> {
+        self.local.set_network_policy(id, patch)
+    }
+    fn list_ports(
+        &self,
+        id: &SandboxId,
+    ) -> Result<Vec<torpor_scheduler::model::ExposedPort>, ServiceError> {
+        self.local.list_ports(id)
+    }
+    fn expose_port(
+        &self,
+        id: &SandboxId,
+        guest_port: u16,
+    ) -> Result<torpor_scheduler::model::ExposedPort, ServiceError> {
+        self.local.expose_port(id, guest_port)
+    }
+    fn unexpose_port(&self, id: &SandboxId, guest_port: u16) -> Result<(), ServiceError> {
+        self.local.unexpose_port(id, guest_port)
+    }
     /// A remote sandbox's agent through its pod's agent tunnel.
     fn with_guest(
         &self,

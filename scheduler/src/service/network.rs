@@ -71,7 +71,7 @@ impl Service {
     ) -> Result<Option<SandboxNetwork>, ServiceError> {
         if self.net.is_none() {
             if patch.is_some_and(|p| !p.is_empty()) {
-                return Err(ServiceError::Unsupported(
+                return Err(ServiceError::HostUnsupported(
                     "this pod runs without sandbox networking (serve --sandbox-network): \
                      a network policy cannot be set"
                         .into(),
@@ -121,7 +121,7 @@ impl Service {
         patch: &PolicyPatch,
     ) -> Result<Sandbox, ServiceError> {
         let Some(manager) = &self.net else {
-            return Err(ServiceError::Unsupported(
+            return Err(ServiceError::HostUnsupported(
                 "this pod runs without sandbox networking (serve --sandbox-network)".into(),
             ));
         };

@@ -46,7 +46,7 @@ fn port_error(e: PortError) -> ServiceError {
 }
 
 fn no_networking() -> ServiceError {
-    ServiceError::Unsupported(
+    ServiceError::HostUnsupported(
         "this pod runs without sandbox networking (serve --sandbox-network): no exposed ports"
             .into(),
     )
