@@ -348,8 +348,22 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     })
 }
 
+/// SIGINT or SIGTERM (what service managers send): the graceful stop,
+/// which ends the standby shells; sandboxes' VMMs run on (a restart
+/// re-attaches to them).
 async fn ctrl_c() {
-    let _ = tokio::signal::ctrl_c().await;
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
 }
 
 /// `torpor pod serve`: the same service and API, one pod, no federation.
