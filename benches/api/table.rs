@@ -265,6 +265,9 @@ pub(super) fn print_table(mem: u32, done: &[(Config, Results)], o: &Opts) -> Vec
             None => "(no flags)".into(),
         },
     });
+    head("", &|c, _| {
+        if c.jail { "jailed" } else { "no jail" }.to_string()
+    });
     let mut score: Vec<(usize, usize, Vec<String>)> = vec![(0, 0, Vec::new()); done.len()];
     let mut section = String::new();
     for row in rows(o) {
