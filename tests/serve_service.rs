@@ -471,28 +471,12 @@ fn a_client_that_goes_away_cancels_its_exec() {
     const TOKEN: &str = "test-token-exec-cancel";
     let h = Harness::new("svc-exec-cancel", 60_000);
     let id = h.create(None).unwrap();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let listener = runtime
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let addr = listener.local_addr().unwrap();
     let config = torpor_api::ApiConfig {
         tokens: vec![TOKEN.into()],
         ..Default::default()
     };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = runtime.spawn(torpor_api::serve(
-        listener,
-        h.service.clone(),
-        config,
-        async {
-            let _ = stopped.await;
-        },
-    ));
+    let api = common::http::InProcessApi::start(h.service.clone(), config);
+    let addr = api.addr.as_str();
     for route in ["exec", "exec/stream"] {
         let pidfile = h.data.0.join(format!("pid-{}", route.replace('/', "-")));
         let script = format!("echo $$ > {}; exec sleep 50", pidfile.display());
@@ -545,6 +529,5 @@ fn a_client_that_goes_away_cancels_its_exec() {
         }
         assert_eq!(h.state(&id), SandboxState::Running, "{route}");
     }
-    let _ = stop.send(());
-    runtime.block_on(server).unwrap().unwrap();
+    drop(api);
 }
