@@ -271,19 +271,25 @@ fn start_threads(
         let sh = Arc::clone(shared);
         let done = done_tx.clone();
         spawn_thread("exec-read", move || {
-            let mut buf = vec![0u8; READ_BUF];
-            loop {
-                match pipe.read(&mut buf) {
-                    Ok(0) => break,
-                    Ok(n) => sh.forward(which, &buf[..n]),
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                    Err(_) => break,
-                }
-            }
+            drain(&mut pipe, |chunk| sh.forward(which, chunk));
             let _ = done.send(());
         })?;
     }
     Ok(())
+}
+
+/// Reads `pipe` to its end, or to an error (EIO when a PTY's last slave
+/// fd closes), handing each chunk to `sink`.
+pub(crate) fn drain<R: Read + ?Sized>(pipe: &mut R, mut sink: impl FnMut(&[u8])) {
+    let mut buf = vec![0u8; READ_BUF];
+    loop {
+        match pipe.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => sink(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => break,
+        }
+    }
 }
 
 fn supervise(

@@ -35,7 +35,6 @@ const KEEPALIVE: Duration = Duration::from_secs(10);
 const MIN_KEEPALIVE: Duration = Duration::from_millis(100);
 /// How long the waiter lets the readers drain after the process exits.
 const DRAIN_GRACE: Duration = Duration::from_millis(500);
-const READ_BUF: usize = 64 << 10;
 const THREAD_STACK: usize = 256 << 10;
 const MAX_TAG: usize = 256;
 
@@ -345,16 +344,7 @@ impl Procs {
             let p = Arc::clone(&proc);
             let done = done_tx.clone();
             started = started.and(spawn_thread("proc-read", move || {
-                let mut buf = vec![0u8; READ_BUF];
-                loop {
-                    match pipe.read(&mut buf) {
-                        Ok(0) => break,
-                        Ok(n) => p.push(stream, &buf[..n]),
-                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                        // EIO: the PTY's last slave fd closed.
-                        Err(_) => break,
-                    }
-                }
+                crate::exec::drain(&mut pipe, |chunk| p.push(stream, chunk));
                 let _ = done.send(());
             }));
         }
