@@ -24,13 +24,18 @@
 //! root the service cannot jail, and every row runs unjailed, noted).
 //!
 //! `cargo bench --bench api [-- --quick --runs N --clones N --secs S
-//! --threads T --only pool|nopool|default|file|uffd|uffd-shared|256|2048|jail|nojail]`
+//! --threads T --only pool|nopool|default|file|uffd|uffd-shared|256|2048|jail|nojail
+//! --ab PATH]`
 //! (`--only` repeats and takes comma lists: OR within a dimension, AND
 //! across). Defaults: 30 samples, 100 clones, 30 s, 4 threads, 256 MiB and
 //! 2 GiB; `--quick`: 10 samples, 20 clones, 5 s, 256 MiB only. Without
 //! `--bench` (`cargo test --all-targets`) it makes a smoke run of the
 //! default configuration. The machine is shared (2 cores): compare the
-//! columns of one run rather than numbers across runs.
+//! columns of one run rather than numbers across runs. `--ab PATH` runs
+//! every configuration twice, first with the `torpor` at PATH (another
+//! build, its `torpor-vmm` beside it: column "A") then with this one ("B"),
+//! `--rounds N` times over, so a change is measured against its baseline
+//! on the same machine at nearly the same time.
 //!
 //! The templates are built through the API (`POST /v1/templates`, kind
 //! probe): one at the service's probe pace (an iteration a second) for
@@ -73,6 +78,10 @@ struct Opts {
     quick: bool,
     smoke: bool,
     only: Vec<String>,
+    /// `--ab`: the baseline `torpor` each configuration also runs with.
+    ab: Option<PathBuf>,
+    /// `--rounds`: how often the A/B pairs repeat.
+    rounds: usize,
 }
 
 const ONLY: &[&str] = &[
@@ -92,7 +101,7 @@ fn usage(msg: &str) -> ! {
     eprintln!("api bench: {msg}");
     eprintln!(
         "usage: cargo bench --bench api [-- --quick --runs N --clones N --secs S --threads T \
-         --only {}]",
+         --only {} --ab PATH --rounds N]",
         ONLY.join("|")
     );
     std::process::exit(2);
@@ -117,6 +126,8 @@ impl Opts {
             quick,
             smoke,
             only: Vec::new(),
+            ab: None,
+            rounds: 1,
         };
         let mut it = args.iter();
         while let Some(a) = it.next() {
@@ -130,6 +141,17 @@ impl Opts {
                 "--clones" => o.clones = value("--clones") as usize,
                 "--secs" => o.secs = value("--secs"),
                 "--threads" => o.threads = value("--threads") as usize,
+                "--rounds" => o.rounds = value("--rounds") as usize,
+                "--ab" => {
+                    let v = it
+                        .next()
+                        .unwrap_or_else(|| usage("--ab needs a torpor binary"));
+                    let exe = PathBuf::from(v);
+                    if !exe.is_file() || !exe.with_file_name("torpor-vmm").is_file() {
+                        usage(&format!("--ab {v}: not a torpor with torpor-vmm beside it"));
+                    }
+                    o.ab = Some(exe);
+                }
                 "--only" => {
                     let v = it.next().unwrap_or_else(|| usage("--only needs a value"));
                     for w in v.split(',').filter(|w| !w.is_empty()) {
@@ -145,6 +167,7 @@ impl Opts {
         o.runs = o.runs.max(1);
         o.clones = o.clones.max(1);
         o.threads = o.threads.max(1);
+        o.rounds = o.rounds.max(1);
         o
     }
 
@@ -192,6 +215,7 @@ impl Opts {
                 pool: None,
                 backend: None,
                 jail: jails.0,
+                baseline: false,
             };
             if self.smoke && self.only.is_empty() {
                 out.push(default);
@@ -218,12 +242,30 @@ impl Opts {
                             pool: Some(pool),
                             backend: Some(backend),
                             jail: jails.0,
+                            baseline: false,
                         });
                     }
                 }
             }
         }
-        out
+        if self.ab.is_none() {
+            return out;
+        }
+        // Each configuration with the baseline, then with this build,
+        // side by side; the pairs repeated `rounds` times.
+        let pairs: Vec<Config> = out
+            .iter()
+            .flat_map(|c| {
+                [
+                    Config {
+                        baseline: true,
+                        ..*c
+                    },
+                    *c,
+                ]
+            })
+            .collect();
+        (0..self.rounds).flat_map(|_| pairs.clone()).collect()
     }
 }
 
@@ -238,6 +280,8 @@ struct Config {
     backend: Option<&'static str>,
     /// false: `--no-jail`.
     jail: bool,
+    /// Runs the `--ab` baseline build ("A") instead of this one.
+    baseline: bool,
 }
 
 impl Config {
@@ -260,10 +304,15 @@ impl Config {
             (Some(p), Some(b)) => format!("{} MiB {}/{b}", self.mem, pool_word(p)),
             _ => format!("{} MiB default", self.mem),
         };
-        if self.jail || !is_root() {
+        let name = if self.jail || !is_root() {
             name
         } else {
             format!("{name} no jail")
+        };
+        if self.baseline {
+            format!("{name} [A: baseline]")
+        } else {
+            name
         }
     }
 
@@ -344,6 +393,8 @@ struct Sustained {
     creates: usize,
     secs: f64,
     lat: Vec<f64>,
+    /// Deletes behind the creates (they hold the creates back when slow).
+    delete_lat: Vec<f64>,
     standby: usize,
     with_path: usize,
     errors: Vec<String>,
@@ -415,7 +466,11 @@ fn main() {
             cfg.flags().join(" ")
         );
         let dir = scratch.join(format!("c{i}"));
-        let mut serve = match Serve::start(&dir, &cfg.flags()) {
+        let started = match (&o.ab, cfg.baseline) {
+            (Some(exe), true) => Serve::start_exe(exe, &dir, &cfg.flags()),
+            _ => Serve::start(&dir, &cfg.flags()),
+        };
+        let mut serve = match started {
             Started::Up(s) => s,
             Started::Rejected(why) => {
                 notes.push(format!(

@@ -201,8 +201,7 @@ fn cpu_cores(pids: &[u64], window: Duration) -> f64 {
     let ticks = || pids.iter().map(|p| cpu_ticks(*p)).sum::<f64>();
     let (t0, c0) = (Instant::now(), ticks());
     std::thread::sleep(window);
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let hz = torpor_scheduler::service::vmm::clock_ticks_per_second();
     (ticks() - c0) / hz / t0.elapsed().as_secs_f64()
 }
 

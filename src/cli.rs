@@ -3,7 +3,10 @@
 
 use std::path::PathBuf;
 
-use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+mod admin;
+pub use admin::*;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -495,6 +498,19 @@ pub struct ServeArgs {
     pub token: Vec<String>,
     #[command(flatten)]
     pub service: ServiceFlags,
+    /// Run as one stateless API replica of a cluster instead of a pod of
+    /// its own: shared state in PostgreSQL, commands to the pods (`torpor
+    /// pod serve --cluster`) over NATS JetStream.
+    #[arg(long, value_name = "postgres://...,nats://...", conflicts_with_all = ["pods", "nested_pod"])]
+    pub cluster: Option<String>,
+    /// In a cluster: how long a command waits for its pod's result before
+    /// the answer is 504 with the operation's id.
+    #[arg(long, value_name = "MS", default_value_t = 20_000)]
+    pub cluster_wait_ms: u64,
+    /// In a cluster: a pod without a heartbeat for this long is down (its
+    /// sandboxes answer 503 until it is back).
+    #[arg(long, value_name = "MS", default_value_t = 4_000)]
+    pub cluster_down_after_ms: u64,
     /// Register a remote pod (`torpor pod serve`) at start-up:
     /// unix:/PATH or tcp:HOST:PORT (repeatable; each with a --pod-token-file,
     /// in the same order). Pods registered before stay registered.
@@ -518,18 +534,23 @@ pub struct ServeArgs {
     /// The private key of --tls-cert (PEM).
     #[arg(long, value_name = "PEM", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
-    /// Run Linux templates in a nested hardware-virtualization host (QEMU/TCG
-    /// with kvm_amd, from `scripts/nested-host prepare`) for hosts whose
-    /// /dev/kvm cannot boot Linux (PVM): it boots in the background as a
-    /// pod with a ready template `linux`. Costs about a core while it runs.
-    #[arg(long, requires_all = ["nested_kernel", "nested_rootfs"])]
+    /// Start the nested host for the `base` Linux template now rather than
+    /// on its first request. On a host whose /dev/kvm cannot boot Linux
+    /// (PVM), Linux templates run in a nested hardware-virtualization host
+    /// (QEMU/TCG with kvm_amd): a pod with the template `base`, about a
+    /// core while it runs.
+    #[arg(long, conflicts_with = "no_nested_pod")]
     pub nested_pod: bool,
-    /// The guest kernel of the nested pod's `linux` template
-    /// (scripts/build-guest-kernel).
+    /// Never start the nested host: `base` is not offered on a host
+    /// without VMX/SVM.
+    #[arg(long)]
+    pub no_nested_pod: bool,
+    /// The guest kernel of `base` (default: built on first use by
+    /// scripts/build-guest-kernel of this checkout, cached).
     #[arg(long, value_name = "VMLINUX")]
     pub nested_kernel: Option<PathBuf>,
-    /// The root filesystem of the nested pod's `linux` template
-    /// (scripts/build-rootfs --agent ...).
+    /// The root filesystem of `base` (default: built on first use by
+    /// scripts/build-rootfs of this checkout with its agent, cached).
     #[arg(long, value_name = "EXT4")]
     pub nested_rootfs: Option<PathBuf>,
     /// Memory of the nested host in MiB (its sandboxes live in it).
@@ -563,6 +584,16 @@ pub struct PodServeArgs {
     /// The private key of --tls-cert (PEM).
     #[arg(long, value_name = "PEM", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+    /// Join a cluster (`torpor serve --cluster` replicas): heartbeats with
+    /// this pod's load, and operations from its own JetStream work queue.
+    #[arg(long, value_name = "postgres://...,nats://...", requires = "pod_id")]
+    pub cluster: Option<String>,
+    /// This pod's id in the cluster (1-64 of a-z, 0-9 and -).
+    #[arg(long, value_name = "ID")]
+    pub pod_id: Option<String>,
+    /// In a cluster: the heartbeat period.
+    #[arg(long, value_name = "MS", default_value_t = 1_000)]
+    pub heartbeat_ms: u64,
     #[command(flatten)]
     pub service: ServiceFlags,
 }
@@ -881,139 +912,6 @@ pub struct TemplateCreateArgs {
     /// Build it on this pod (templates are per pod) [default: the local pod].
     #[arg(long, value_name = "ID")]
     pub pod: Option<String>,
-}
-
-#[derive(Debug, Args)]
-pub struct ImageCommand {
-    #[command(flatten)]
-    pub client: ClientArgs,
-    #[command(subcommand)]
-    pub action: ImageAction,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum ImageAction {
-    /// List installed images.
-    #[command(visible_alias = "ls")]
-    List,
-    /// Upload an image's kernel and/or root filesystem (admin).
-    #[command(group(ArgGroup::new("part").required(true).multiple(true)))]
-    Upload {
-        /// The image's name.
-        #[arg(value_name = "NAME")]
-        name: String,
-        /// The kernel (vmlinux) to upload.
-        #[arg(long, value_name = "FILE", group = "part")]
-        kernel: Option<PathBuf>,
-        /// The root filesystem (ext4, with torpor-agent) to upload.
-        #[arg(long, value_name = "FILE", group = "part")]
-        rootfs: Option<PathBuf>,
-    },
-    /// Remove an image no template uses (admin).
-    #[command(visible_alias = "remove")]
-    Rm {
-        #[arg(value_name = "NAME")]
-        name: String,
-    },
-}
-
-#[derive(Debug, Args)]
-pub struct TokenCommand {
-    #[command(flatten)]
-    pub client: ClientArgs,
-    #[command(subcommand)]
-    pub action: TokenAction,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum TokenAction {
-    /// Create a token for a tenant and print it (shown this once).
-    Create {
-        /// The tenant it acts for.
-        #[arg(long, value_name = "T")]
-        tenant: String,
-        /// An admin token (every tenant, pods, images, tokens, quotas)
-        /// instead of a tenant token.
-        #[arg(long)]
-        admin: bool,
-    },
-    /// List tokens: ID, TENANT, SCOPE, CREATED (never the tokens).
-    #[command(visible_alias = "ls")]
-    List,
-    /// Revoke a token.
-    #[command(visible_alias = "remove")]
-    Rm {
-        /// The token's id (tok_...).
-        #[arg(value_name = "ID")]
-        id: String,
-    },
-}
-
-#[derive(Debug, Args)]
-pub struct PodCommand {
-    #[command(flatten)]
-    pub client: ClientArgs,
-    #[command(subcommand)]
-    pub action: PodAction,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum PodAction {
-    /// List pods: ID, ADDRESS, MEMORY, RATIO, WATERMARK, COMMITTED, PSS,
-    /// SANDBOXES (a remote pod that does not answer: `unreachable` and why).
-    #[command(visible_alias = "ls")]
-    List,
-    /// Change a pod's oversubscription ratio and/or high watermark.
-    Set(PodSetArgs),
-    /// Register a remote pod with the API's `torpor serve`.
-    Add(PodAddArgs),
-    /// Unregister a remote pod (refused while it holds live sandboxes).
-    #[command(visible_alias = "remove")]
-    Rm {
-        /// The pod id.
-        #[arg(value_name = "ID")]
-        id: String,
-    },
-    /// Run a pod: the sandbox service of this host (its VMMs, store and
-    /// hibernation policy) behind the REST API on a unix socket or TCP, for
-    /// a `torpor serve` to register. It registers no pods of its own.
-    Serve(Box<PodServeArgs>),
-}
-
-#[derive(Debug, Args)]
-#[command(group(ArgGroup::new("secret").required(true)))]
-pub struct PodAddArgs {
-    /// Where the pod listens: unix:/PATH, tls:HOST:PORT (with
-    /// --fingerprint) or tcp:LOOPBACK:PORT.
-    #[arg(value_name = "ADDR")]
-    pub address: String,
-    /// The SHA-256 fingerprint of a tls: pod's certificate (printed by
-    /// `torpor pod serve` at start).
-    #[arg(long, value_name = "SHA256")]
-    pub fingerprint: Option<String>,
-    /// The pod's token, from this file.
-    #[arg(long, value_name = "F", group = "secret")]
-    pub pod_token_file: Option<PathBuf>,
-    /// The pod's token (visible to other users in the process list; prefer
-    /// --pod-token-file).
-    #[arg(long, value_name = "T", group = "secret")]
-    pub pod_token: Option<String>,
-}
-
-#[derive(Debug, Args)]
-#[command(group(ArgGroup::new("change").required(true).multiple(true)))]
-pub struct PodSetArgs {
-    /// The pod id.
-    #[arg(value_name = "ID")]
-    pub id: String,
-    /// Committed sandbox memory allowed per byte of physical memory
-    /// (0 < F <= 100); creates past it are refused (HTTP 429).
-    #[arg(long, value_name = "F", group = "change")]
-    pub ratio: Option<f64>,
-    /// Fraction of physical memory (measured PSS) past which idle sandboxes
-    /// are hibernated, least recently used first (0 < F <= 1).
-    #[arg(long, value_name = "F", group = "change")]
-    pub high_watermark: Option<f64>,
 }
 
 fn parse_net(text: &str) -> Result<torpor_vmm_api::NetSpec, String> {

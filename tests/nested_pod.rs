@@ -1,9 +1,14 @@
-//! `torpor serve --nested-pod` on this host (PVM: no Linux guests of its
-//! own): serve starts at once, a sandbox from `linux` answers 503 while the
-//! nested host boots, then the nested pod registers with a ready template
-//! `linux`, and a sandbox from it is created, runs `echo` and `python3`,
+//! The README's `torpor serve` on this host (PVM: no Linux guests of its
+//! own) offers the Linux template `base` on demand: serve starts at once,
+//! the first request for `base` starts the nested host and answers 503
+//! with `Retry-After` and the step it is at, serve builds what is missing
+//! with this checkout's scripts (the kernel, agent and rootfs; cached) and
+//! logs its progress, then the nested pod registers with a ready template
+//! `base`, and a sandbox from it is created, runs `echo` and `python3`,
+//! serves the E2B SDKs (Python and JS: commands, files, lifecycle),
 //! hibernates, wakes and is deleted, all through the central API (the
-//! `torpor sandbox` CLI is the client). Killing serve stops the nested host.
+//! `torpor sandbox` CLI is the client). Killing serve stops the nested
+//! host; `--no-nested-pod` never starts it.
 //!
 //! Needs the nested host (`scripts/nested-host prepare`), the guest kernel,
 //! the agent and the rootfs (the scripts build or find them); fails saying
@@ -101,19 +106,7 @@ fn wait_line(
 #[test]
 fn nested_serve_runs_linux_templates_in_a_nested_pod() {
     let l1 = script_path("nested-host", &["prepare"]);
-    let kernel = script_path("build-guest-kernel", &[]);
-    let agent = script_path("build-agent", &[]);
     let data = DataDir::new("nested-pod");
-    let rootfs = data.0.join("rootfs.ext4");
-    script_path(
-        "build-rootfs",
-        &[
-            "--agent",
-            agent.to_str().unwrap(),
-            "--out",
-            rootfs.to_str().unwrap(),
-        ],
-    );
     let log = data.0.join("serve.log");
     let log_file = std::fs::File::create(&log).unwrap();
     let started = Instant::now();
@@ -128,11 +121,6 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
                 "--data-dir",
             ])
             .arg(data.0.join("data"))
-            .arg("--nested-pod")
-            .arg("--nested-kernel")
-            .arg(&kernel)
-            .arg("--nested-rootfs")
-            .arg(&rootfs)
             .args(["--request-timeout-ms", "900000"])
             // The L1 this checkout prepared (with the network modules), not
             // whichever another checkout pointed the cache's `l1` link at.
@@ -160,21 +148,58 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
     );
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(
-        text.contains("starting the nested host for Linux templates"),
+        text.contains(
+            "the Linux template `base` runs in a nested host started on its first request"
+        ),
         "{text}"
     );
-    // Start-up did not wait for L1; a Linux sandbox meanwhile is a clear 503.
-    let early = cli(
-        &api,
-        &["sandbox", "create", "--template", "linux"],
-        Duration::from_secs(60),
+    assert!(!text.contains("starting the nested host"), "{text}");
+    // The first request for `base` starts it and is a clear 503 saying
+    // what it waits for, with Retry-After.
+    let addr = api.trim_start_matches("http://").to_string();
+    let early = common::http::request(
+        &addr,
+        "POST",
+        "/v1/sandboxes",
+        Some(TOKEN),
+        Some(r#"{"template":"base"}"#),
     );
-    assert!(!early.status.success(), "{}", stdout(&early));
-    let why = stderr(&early);
-    assert!(
-        why.contains("template linux is not available yet") && why.contains("503"),
-        "{why}"
+    assert_eq!(early.status, 503, "{}", early.body);
+    assert_eq!(
+        early.json()["error"]["code"],
+        "unavailable",
+        "{}",
+        early.body
     );
+    let why = early.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(why.contains("template base is not available yet"), "{why}");
+    assert!(why.contains("step "), "no progress in: {why}");
+    let retry: u64 = early
+        .header("retry-after")
+        .unwrap_or_else(|| panic!("no Retry-After: {}", early.head))
+        .parse()
+        .unwrap();
+    assert!((1..=120).contains(&retry), "Retry-After {retry}");
+    // The E2B route says the same (E2B's error body, same header).
+    let e2b = common::http::request_with(
+        &addr,
+        "POST",
+        "/sandboxes",
+        &[("X-API-KEY", TOKEN)],
+        Some(r#"{"templateID":"base"}"#),
+    );
+    assert_eq!(e2b.status, 503, "{}", e2b.body);
+    assert!(e2b.header("retry-after").is_some(), "{}", e2b.head);
+    // The template is being prepared: progress is in the log.
+    wait_line(&log, serve, Duration::from_secs(120), |l| {
+        l.contains("`base` was asked for: starting the nested host")
+    });
+    wait_line(&log, serve, Duration::from_secs(20 * 60), |l| {
+        l.contains("`base`: building the Debian root filesystem (")
+    });
 
     let ready = wait_line(&log, serve, Duration::from_secs(20 * 60), |l| {
         l.contains("Linux templates run in the nested host (pod ")
@@ -197,7 +222,7 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
 
     let step = Duration::from_secs(600);
     let sbx = ok(
-        &cli(&api, &["sandbox", "create", "--template", "linux"], step),
+        &cli(&api, &["sandbox", "create", "--template", "base"], step),
         "sandbox create",
     )
     .trim()
@@ -230,37 +255,35 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
     );
     assert_eq!(ok(&py, "exec python3"), "py 42\n");
 
-    // The E2B Python SDK against a Linux sandbox of the nested pod:
-    // lifecycle through the federation's typed calls to the pod, commands,
-    // PTY and files through envd and the agent tunnel.
-    let sdk = Command::new(common::e2b::python())
-        .arg(format!("{}/sdk_envd.py", common::e2b::DIR))
-        .arg("/root/sdk")
-        .env("E2B_API_URL", &api)
-        .env("E2B_SANDBOX_URL", &api)
-        .env("E2B_API_KEY", TOKEN)
-        .env("E2B_TEST_TEMPLATE", "linux")
-        .env_remove("E2B_DEBUG")
-        .env_remove("E2B_DOMAIN")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run the E2B SDK script (the venv .ci/run makes)");
-    let sdk = wait_output(sdk, step);
-    let sdk_out = format!("{}{}", stdout(&sdk), stderr(&sdk));
-    eprintln!("nested_pod: E2B SDK:\n{sdk_out}");
-    assert!(
-        sdk.status.success() && sdk_out.contains(" passed, 0 failed"),
-        "the E2B SDK against the nested pod's Linux sandbox:\n{sdk_out}"
-    );
-    assert!(
-        sdk_out.contains(&format!(
-            "sdk-envd: version {}\n",
-            common::e2b::pinned_python()
-        )),
-        "{sdk_out}"
-    );
+    // The E2B SDKs against Linux sandboxes of the nested pod, unchanged
+    // agents' code with only the URLs and the key set: lifecycle through
+    // the federation's typed calls to the pod (create, info, timeouts,
+    // list and paging, pause -> connect, snapshot -> create, fork, kill,
+    // the SDK's errors), commands, PTY and files through envd and the
+    // agent tunnel, processes and files kept across pause -> connect.
+    use common::e2b::{run_script, Sdk};
+    let base = [("E2B_TEST_TEMPLATE", "base")];
+    for (sdk, script, args) in [
+        (Sdk::Python, "sdk_envd.py", &["/home/user/sdk-py"][..]),
+        (Sdk::Js, "sdk_envd.mjs", &["/home/user/sdk-js"][..]),
+        (Sdk::Python, "sdk_control.py", &[][..]),
+        (Sdk::Js, "sdk_control.mjs", &[][..]),
+    ] {
+        let started = Instant::now();
+        run_script(
+            sdk,
+            script,
+            args,
+            &api,
+            TOKEN,
+            &base,
+            Duration::from_secs(1200),
+        );
+        eprintln!(
+            "nested_pod: {script} passed in {:.0}s",
+            started.elapsed().as_secs_f64()
+        );
+    }
 
     ok(
         &cli(&api, &["sandbox", "hibernate", &sbx], step),
@@ -327,8 +350,7 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
     }
 
     // The next serve on the same data directory forgets that pod (its L1
-    // and sandboxes are gone) and, without --nested-pod, says how to get
-    // Linux templates.
+    // and sandboxes are gone); with --no-nested-pod it never starts one.
     let again = data.0.join("serve-again.log");
     let mut serve = KillOnDrop(
         Command::new(TORPOR)
@@ -341,6 +363,7 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
                 "--data-dir",
             ])
             .arg(data.0.join("data"))
+            .arg("--no-nested-pod")
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&again).unwrap())
             .stderr(Stdio::inherit())
@@ -366,9 +389,16 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
         "{text}"
     );
     assert!(
-        text.contains("to run Linux templates, start with --nested-pod"),
+        text.contains("Linux templates need the nested host, which --no-nested-pod turns off"),
         "{text}"
     );
+    let refused = cli(
+        &api,
+        &["sandbox", "create", "--template", "base"],
+        Duration::from_secs(60),
+    );
+    assert!(!refused.status.success(), "{}", stdout(&refused));
+    assert!(!stderr(&refused).contains("503"), "{}", stderr(&refused));
     let pods = ok(
         &cli(&api, &["pod", "list"], Duration::from_secs(60)),
         "pod list",

@@ -31,8 +31,9 @@ fn tap_exists(ns: &str, tap: &str) -> bool {
 fn the_tap_is_reopened_by_name_in_its_namespace_after_a_restore() {
     // scripts/test leaves this out without root or /dev/net/tun (tests/needs).
     // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
     assert!(
-        unsafe { libc::geteuid() } == 0 && std::path::Path::new("/dev/net/tun").exists(),
+        root && std::path::Path::new("/dev/net/tun").exists(),
         "needs root and /dev/net/tun"
     );
     let ns = Netns(format!("tnsnap-{}", std::process::id()));

@@ -295,6 +295,39 @@ fn kill_9_of_serve_loses_nothing() {
     assert_eq!(s.state(&hibernated), "running");
 }
 
+/// Creates, pauses, resumes and wakes commit without an fsync (what they
+/// record is a running or paused VMM, which a power cut ends anyway; see
+/// `Store::write_relaxed`), yet each is in the database once it is
+/// answered: a kill -9 of serve right after the last answer loses none.
+#[test]
+fn kill_9_right_after_the_answers_keeps_every_state_change() {
+    let d = data("serve-kill9-relaxed");
+    let s = Serve::start(&d.0, &[]);
+    let ids: Vec<String> = (0..5)
+        .map(|_| s.create(r#"{"template":"probe"}"#))
+        .collect();
+    let op = |id: &str, what: &str| s.ok("POST", &format!("/v1/sandboxes/{id}/{what}"), None);
+    op(&ids[0], "pause");
+    op(&ids[1], "pause");
+    op(&ids[1], "resume");
+    op(&ids[2], "hibernate");
+    let woken = op(&ids[2], "resume");
+    assert_eq!(woken["resumed"], true, "{woken}");
+    let pids: Vec<serde_json::Value> = ids
+        .iter()
+        .map(|id| s.ok("GET", &format!("/v1/sandboxes/{id}"), None)["vmm"]["pid"].clone())
+        .collect();
+    s.kill9();
+
+    let s = Serve::start(&d.0, &[]);
+    let want = ["paused", "running", "running", "running", "running"];
+    for ((id, want), pid) in ids.iter().zip(want).zip(&pids) {
+        let v = s.ok("GET", &format!("/v1/sandboxes/{id}"), None);
+        assert_eq!(v["state"], want, "{v}");
+        assert_eq!(&v["vmm"]["pid"], pid, "re-attached to the same VMM: {v}");
+    }
+}
+
 #[test]
 fn kill_9_of_one_vmm_fails_only_its_sandbox() {
     let d = data("serve-vmm-kill");

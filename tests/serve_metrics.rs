@@ -156,6 +156,14 @@ fn metrics_are_well_formed_and_move_with_activity() {
     assert_eq!(running.get("torpor_sandboxes{state=\"running\"}"), 1.0);
     assert!(running.get(MINOR) > 0.0, "a live VMM has faulted pages in");
     assert!(running.get("torpor_pod_pss_bytes{pod=\"pod_local\"}") > 0.0);
+    // Its own memory, on the sandbox and by `sandbox`: the probe has no
+    // balloon, so PSS only.
+    let pss = format!("torpor_sandbox_memory_pss_bytes{{sandbox=\"{id}\"}}");
+    assert!(running.get(&pss) > 0.0, "{}", running.text);
+    assert!(!running.text.contains("torpor_sandbox_guest_memory"));
+    let got = call("GET", &format!("/v1/sandboxes/{id}"), None).json();
+    assert!(got["memory"]["pss_bytes"].as_u64().unwrap() > 0, "{got}");
+    assert!(got["memory"]["balloon_actual_mib"].is_null(), "{got}");
 
     // Hibernation ends the VMM: its faults stay counted.
     call("POST", &format!("/v1/sandboxes/{id}/hibernate"), None);
@@ -170,6 +178,9 @@ fn metrics_are_well_formed_and_move_with_activity() {
         1.0
     );
     assert_eq!(hibernated.get("torpor_hibernate_ms_count"), 1.0);
+    assert!(!hibernated.text.contains(&pss), "no VMM, no PSS");
+    let got = call("GET", &format!("/v1/sandboxes/{id}"), None).json();
+    assert!(got["memory"].is_null(), "{got}");
     assert!(hibernated.get(MINOR) >= running.get(MINOR));
     assert!(hibernated.get(MAJOR) >= running.get(MAJOR));
 

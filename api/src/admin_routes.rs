@@ -35,7 +35,7 @@ fn tokens_error(e: TokensError) -> ApiError {
 }
 
 /// `POST /v1/tokens`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateToken {
     pub tenant: String,
@@ -48,7 +48,7 @@ fn tenant_scope() -> Scope {
 }
 
 /// A new token: its record and, this once, the token.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct NewToken {
     #[serde(flatten)]
     pub record: TokenView,
@@ -56,7 +56,8 @@ pub struct NewToken {
 }
 
 /// A token as listed: never the token nor its digest.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[schema(as = TokenInfo)]
 pub struct TokenView {
     pub id: String,
     pub tenant: String,
@@ -75,7 +76,7 @@ impl From<TokenRecord> for TokenView {
     }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct TokenList {
     pub tokens: Vec<TokenView>,
 }
@@ -121,7 +122,8 @@ pub async fn delete_token<S: SandboxApi>(
 }
 
 /// `GET /v1/tenants/{tenant}`: quotas and use.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[schema(as = Tenant)]
 pub struct TenantBody {
     pub tenant: String,
     pub quota: Quota,
@@ -171,7 +173,7 @@ pub async fn set_quota<S: SandboxApi>(
     }))
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct ImageList {
     pub images: Vec<String>,
 }

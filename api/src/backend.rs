@@ -156,6 +156,21 @@ pub trait SandboxApi: Send + Sync + 'static {
     fn remote_sandbox(&self, _id: &SandboxId) -> Option<RemotePod> {
         None
     }
+    /// Whether `method path` of a remote sandbox is relayed to its pod as it
+    /// came (the federation relays every sandbox route; the cluster only
+    /// its data plane, its commands go through the pods' work queues).
+    fn relays(&self, _method: &str, _path: &str) -> bool {
+        true
+    }
+    /// A command's journal entry (`GET /v1/operations/{id}`), of `tenant`
+    /// only if given: a cluster journals its commands; others have none.
+    fn operation(&self, id: &str, _tenant: Option<&str>) -> Result<Value, ServiceError> {
+        // Without a cluster no operation is journaled under this route.
+        Err(ServiceError::NotFound {
+            kind: "operation (operations are journaled by a cluster, torpor serve --cluster, only)",
+            id: id.chars().take(64).collect(),
+        })
+    }
     /// The remote pod with this id: `PATCH /v1/pods/{id}` is forwarded there.
     fn remote_pod(&self, _id: &PodId) -> Option<RemotePod> {
         None

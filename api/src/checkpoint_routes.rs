@@ -15,7 +15,7 @@ use crate::service::{
 use crate::wire::{ApiJson, OutcomeBody};
 
 /// `GET /v1/sandboxes/{id}/checkpoints`.
-#[derive(Debug, serde::Serialize)]
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub struct CheckpointList {
     pub checkpoints: Vec<Checkpoint>,
 }

@@ -283,6 +283,10 @@ impl From<ServiceError> for ApiError {
                 tracing::error!(error = %message, "internal error");
                 ApiError::internal("internal error (the server's log has the details)")
             }
+            ServiceError::Unavailable { retry_after_s, .. } => ApiError {
+                retry_after: Some(retry_after_s),
+                ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, code::UNAVAILABLE, message)
+            },
             ServiceError::TooLarge(_) => ApiError::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 code::PAYLOAD_TOO_LARGE,
@@ -536,6 +540,18 @@ mod tests {
             assert_eq!(api.status.as_u16(), status, "{api}");
             assert_eq!(api.code, code);
         }
+    }
+
+    #[test]
+    fn something_coming_is_a_503_with_retry_after() {
+        let api = ApiError::from(ServiceError::Unavailable {
+            message: "template base is not available yet: booting".into(),
+            retry_after_s: 20,
+        });
+        assert_eq!(api.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(api.code, "unavailable");
+        let response = api.into_response();
+        assert_eq!(response.headers()[header::RETRY_AFTER], "20");
     }
 
     #[test]

@@ -46,7 +46,8 @@ pub const DEFAULT_MAX_OUTPUT: u64 = 1 << 20;
 pub const MAX_OUTPUT_LIMIT: u64 = 16 << 20;
 
 /// The body of both exec routes (unknown fields refused).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
+#[schema(as = ExecRequest)]
 #[serde(deny_unknown_fields)]
 pub struct ExecBody {
     /// Program and arguments (`argv[0]` looked up in `PATH`).
@@ -111,7 +112,7 @@ impl ExecBody {
 }
 
 /// How an exec ended (also the stream's `exit` line).
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct ExitBody {
     pub exit_code: Option<i32>,
     pub signal: Option<i32>,
@@ -137,7 +138,8 @@ impl From<&ExitReply> for ExitBody {
 }
 
 /// `POST .../exec`'s answer.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[schema(as = ExecResult)]
 pub struct ExecAnswer {
     #[serde(flatten)]
     pub exit: ExitBody,
@@ -403,7 +405,8 @@ pub async fn read_file<S: SandboxApi>(
 }
 
 /// `PUT .../files` answer.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[schema(as = FileWritten)]
 pub struct WrittenAnswer {
     pub path: String,
     pub size: u64,

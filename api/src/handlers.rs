@@ -53,7 +53,10 @@ where
     F: FnOnce(&S) -> Result<T, ServiceError> + Send + 'static,
 {
     let service = Arc::clone(&state.service);
-    match tokio::task::spawn_blocking(move || f(&service)).await {
+    let key = crate::request_context::capture();
+    match tokio::task::spawn_blocking(move || crate::request_context::with(key, || f(&service)))
+        .await
+    {
         Ok(result) => result.map_err(ApiError::from),
         Err(join) => {
             tracing::error!(error = %join, "service call panicked");
@@ -88,7 +91,7 @@ pub async fn health() -> Json<Health> {
 pub async fn openapi() -> Response {
     (
         [(header::CONTENT_TYPE, "application/json")],
-        crate::openapi::DOCUMENT,
+        crate::openapi::text(),
     )
         .into_response()
 }
@@ -332,6 +335,19 @@ pub async fn hibernate_sandbox<S: SandboxApi>(
 ) -> ApiResult<Json<OutcomeBody>> {
     let id = SandboxId::new(id);
     Ok(Json(call(&st, move |s| s.hibernate(&id)).await?.into()))
+}
+
+/// `GET /v1/operations/{id}`: a command's journal entry (a cluster's);
+/// a tenant sees only its own.
+pub async fn get_operation<S: SandboxApi>(
+    State(st): Api<S>,
+    Extension(p): Extension<Principal>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<serde_json::Value>> {
+    let tenant = (!p.is_admin()).then(|| p.tenant.clone());
+    Ok(Json(
+        call(&st, move |s| s.operation(&id, tenant.as_deref())).await?,
+    ))
 }
 
 // Pods.

@@ -1,7 +1,7 @@
 //! torpor's REST API: axum routes over the sandbox service.
 //!
 //! [`router`] builds the app from [`ROUTES`] (the one list of routes, also
-//! checked against the OpenAPI document in `api/openapi.json`, served at
+//! the paths of the OpenAPI document, [`openapi`], served at
 //! `/v1/openapi.json`); [`serve`] runs it on a listener until a shutdown
 //! future completes. The service is reached through [`SandboxApi`]
 //! (implemented for `torpor_scheduler::service::Service`), on tokio's
@@ -34,6 +34,8 @@
 //! | a template still coming (`serve --nested-pod` booting) | 503 | `unavailable` |
 //! | request past `request_timeout`             | 504    | `timeout`                |
 
+#![forbid(unsafe_code)]
+
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,6 +54,7 @@ pub mod auth;
 pub mod backend;
 mod checkpoint_routes;
 pub mod client;
+pub mod cluster;
 pub mod e2b;
 pub mod error;
 pub mod federation;
@@ -61,6 +64,7 @@ mod network_routes;
 pub mod openapi;
 pub mod pagination;
 pub mod quota;
+pub mod request_context;
 pub mod service;
 pub mod tenancy;
 pub mod tls;
@@ -174,8 +178,8 @@ const fn public(method: &'static str, path: &'static str, operation: &'static st
     }
 }
 
-/// Every route the API serves. The router is built from this list and the
-/// OpenAPI document is checked against it.
+/// Every route the API serves. The router and the OpenAPI document's paths
+/// are built from this list.
 pub const ROUTES: &[Route] = &[
     public("GET", "/healthz", "health"),
     public("GET", "/v1/openapi.json", "openapi"),
@@ -239,6 +243,7 @@ pub const ROUTES: &[Route] = &[
     admin("POST", "/v1/tokens", "createToken"),
     admin("DELETE", "/v1/tokens/{id}", "deleteToken"),
     route("GET", "/v1/tenants/{tenant}", "getTenant"),
+    route("GET", "/v1/operations/{id}", "getOperation"),
     admin("PUT", "/v1/tenants/{tenant}/quota", "setQuota"),
 ];
 
@@ -289,6 +294,7 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "createToken" => on(m, admin_routes::create_token::<S>),
         "deleteToken" => on(m, admin_routes::delete_token::<S>),
         "getTenant" => on(m, admin_routes::get_tenant::<S>),
+        "getOperation" => on(m, get_operation::<S>),
         "setQuota" => on(m, admin_routes::set_quota::<S>),
         other => panic!("route table names unknown operation {other:?}"),
     }

@@ -15,13 +15,13 @@ use crate::handlers::{call, created, Api, ApiResult};
 use crate::wire::ApiJson;
 
 /// `GET /v1/sandboxes/{id}/ports`.
-#[derive(Debug, serde::Serialize)]
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub struct PortList {
     pub ports: Vec<ExposedPort>,
 }
 
 /// `POST /v1/sandboxes/{id}/ports`.
-#[derive(Debug, serde::Deserialize)]
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ExposePort {
     pub guest_port: u16,

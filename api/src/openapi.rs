@@ -1,18 +1,214 @@
-//! The OpenAPI 3.1 document (`api/openapi.json`, hand-written), served as is
-//! at `/v1/openapi.json`.
+//! The OpenAPI 3.1 document served at `/v1/openapi.json`, generated.
+//!
+//! - Paths: one operation per entry of [`crate::ROUTES`] (method, path,
+//!   `operationId`, and `security: []` on public routes).
+//! - Schemas: derived with `utoipa` from the request and response types
+//!   (`#[derive(utoipa::ToSchema)]` on them, here and in the scheduler), so
+//!   a field added to a type is in the document with no other edit.
+//! - `api/openapi-written.json`, the words and what no Rust type says:
+//!   `info`, `tags`, each operation's text, parameters and answers (by
+//!   `operationId`), the shared error answers, the schemas of bodies built
+//!   without a type (the agent's file listings, the exec stream's lines),
+//!   and `refine`: rules a derived schema cannot state from its fields
+//!   (patterns, bounds the service checks, "at least one field", "not
+//!   both"), merged onto it. A `refine` entry may only tighten: it names
+//!   no property the type does not have (checked below).
+//! - `Error`'s `code` enum is [`crate::error::code::ALL`].
 
-/// The document's text.
-pub const DOCUMENT: &str = include_str!("../openapi.json");
+use std::sync::LazyLock;
+
+use serde_json::{Map, Value};
+use utoipa::OpenApi;
+
+use crate::ROUTES;
+
+/// Every type whose schema is in the document (what they refer to comes
+/// with them).
+#[derive(OpenApi)]
+#[openapi(components(schemas(
+    crate::wire::Health,
+    crate::wire::SandboxPatch,
+    crate::wire::PodPatch,
+    crate::wire::SandboxList,
+    crate::wire::OutcomeBody,
+    crate::wire::PodBody,
+    crate::guest_routes::ExecBody,
+    crate::guest_routes::ExecAnswer,
+    crate::guest_routes::WrittenAnswer,
+    crate::admin_routes::CreateToken,
+    crate::admin_routes::NewToken,
+    crate::admin_routes::TokenList,
+    crate::admin_routes::TenantBody,
+    crate::admin_routes::ImageList,
+    crate::network_routes::PortList,
+    crate::network_routes::ExposePort,
+    crate::checkpoint_routes::CheckpointList,
+    torpor_scheduler::model::Template,
+    torpor_scheduler::model::Sandbox,
+    torpor_scheduler::model::Checkpoint,
+    torpor_scheduler::model::TemplateKind,
+    torpor_scheduler::model::OnTimeout,
+    torpor_scheduler::state::SandboxState,
+    torpor_scheduler::service::CreateTemplate,
+    torpor_scheduler::service::CreateSandbox,
+    torpor_scheduler::service::CreateCheckpoint,
+    torpor_scheduler::service::RestoreCheckpoint,
+    torpor_scheduler::service::ForkSandbox,
+    torpor_scheduler::service::TemplateFromSandbox,
+    torpor_scheduler::net::PolicyPatch,
+)))]
+struct Types;
+
+/// The written part (see the module's docs).
+const WRITTEN: &str = include_str!("../openapi-written.json");
+
+static TEXT: LazyLock<String> =
+    LazyLock::new(|| serde_json::to_string(&document()).expect("the document serialises"));
+
+/// The document as served.
+pub fn text() -> &'static str {
+    &TEXT
+}
+
+/// The document.
+pub fn document() -> Value {
+    let written: Value = serde_json::from_str(WRITTEN).expect("openapi-written.json is JSON");
+    let mut schemas = derived_schemas();
+    for (name, schema) in object(&written["schemas"]) {
+        let old = schemas.insert(name.clone(), schema.clone());
+        assert!(old.is_none(), "schema {name} is both derived and written");
+    }
+    for (name, extra) in object(&written["refine"]) {
+        let schema = schemas
+            .get_mut(name)
+            .unwrap_or_else(|| panic!("refine names unknown schema {name}"));
+        merge(schema, extra);
+    }
+    schemas.insert("Error".into(), error_schema(&written["error"]));
+
+    let operations = object(&written["operations"]);
+    let mut paths = Map::new();
+    for r in ROUTES {
+        let mut op = Map::new();
+        op.insert("operationId".into(), r.operation.into());
+        let text = operations
+            .get(r.operation)
+            .unwrap_or_else(|| panic!("operation {} is not written", r.operation));
+        op.extend(object(text).clone());
+        if !r.auth {
+            op.insert("security".into(), Value::Array(Vec::new()));
+        }
+        let item = paths
+            .entry(r.path.to_string())
+            .or_insert_with(|| Value::Object(Map::new()));
+        item[r.method.to_lowercase()] = Value::Object(op);
+    }
+
+    let mut info = written["info"].clone();
+    info["version"] = env!("CARGO_PKG_VERSION").into();
+    serde_json::json!({
+        "openapi": "3.1.0",
+        "info": info,
+        "tags": written["tags"],
+        "security": [{"bearer": []}],
+        "paths": paths,
+        "components": {
+            "securitySchemes": written["securitySchemes"],
+            "responses": written["responses"],
+            "schemas": schemas,
+        },
+    })
+}
+
+/// The schemas `utoipa` derives from [`Types`], integer formats turned
+/// into bounds (JSON Schema validators ignore `format`; a `u32` field is
+/// 0..=4294967295).
+fn derived_schemas() -> Map<String, Value> {
+    let doc = serde_json::to_value(Types::openapi()).expect("utoipa's document serialises");
+    let mut schemas = object(&doc["components"]["schemas"]).clone();
+    for schema in schemas.values_mut() {
+        integer_bounds(schema);
+    }
+    schemas
+}
+
+fn object(v: &Value) -> &Map<String, Value> {
+    v.as_object()
+        .unwrap_or_else(|| panic!("expected a JSON object, got {v}"))
+}
+
+fn integer_bounds(v: &mut Value) {
+    match v {
+        Value::Object(map) => {
+            if let Some(Value::String(format)) = map.get("format") {
+                let (min, max): (Option<Value>, Option<Value>) = match format.as_str() {
+                    "u-int8" => (Some(0.into()), Some(u8::MAX.into())),
+                    "u-int16" => (Some(0.into()), Some(u16::MAX.into())),
+                    "u-int32" => (Some(0.into()), Some(u32::MAX.into())),
+                    "u-int64" => (Some(0.into()), Some(u64::MAX.into())),
+                    "int32" => (Some(i32::MIN.into()), Some(i32::MAX.into())),
+                    "int64" => (Some(i64::MIN.into()), Some(i64::MAX.into())),
+                    "double" | "float" => (None, None),
+                    _ => {
+                        for item in map.values_mut() {
+                            integer_bounds(item);
+                        }
+                        return;
+                    }
+                };
+                map.remove("format");
+                if let Some(min) = min {
+                    map.entry("minimum").or_insert(min);
+                }
+                if let Some(max) = max {
+                    map.entry("maximum").or_insert(max);
+                }
+            }
+            for item in map.values_mut() {
+                integer_bounds(item);
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(integer_bounds),
+        _ => {}
+    }
+}
+
+/// `extra` merged onto `schema`: objects key by key, anything else
+/// replaced.
+fn merge(schema: &mut Value, extra: &Value) {
+    match (schema, extra) {
+        (Value::Object(to), Value::Object(from)) => {
+            for (k, v) in from {
+                match to.get_mut(k) {
+                    Some(slot) => merge(slot, v),
+                    None => {
+                        to.insert(k.clone(), v.clone());
+                    }
+                }
+            }
+        }
+        (slot, v) => *slot = v.clone(),
+    }
+}
+
+/// The error body: the written part with `code`'s enum from the codes.
+fn error_schema(written: &Value) -> Value {
+    let mut schema = written.clone();
+    schema["properties"]["error"]["properties"]["code"]["enum"] = crate::error::code::ALL
+        .iter()
+        .map(|&c| Value::from(c))
+        .collect::<Vec<_>>()
+        .into();
+    schema
+}
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ROUTES;
-    use serde_json::Value;
     use std::collections::BTreeSet;
 
     fn doc() -> Value {
-        serde_json::from_str(DOCUMENT).expect("openapi.json is valid JSON")
+        serde_json::from_str(text()).expect("the document is valid JSON")
     }
 
     const METHODS: &[&str] = &["get", "put", "post", "delete", "options", "head", "patch"];
@@ -53,6 +249,60 @@ mod tests {
             })
             .collect();
         assert_eq!(documented, routed);
+        // No written operation without a route.
+        let written: Value = serde_json::from_str(WRITTEN).unwrap();
+        let written: BTreeSet<&str> = object(&written["operations"])
+            .keys()
+            .map(String::as_str)
+            .collect();
+        let routed: BTreeSet<&str> = ROUTES.iter().map(|r| r.operation).collect();
+        assert_eq!(written, routed);
+    }
+
+    /// `refine` only tightens a derived schema: every property it names
+    /// is one of the type's.
+    #[test]
+    fn refinements_name_only_fields_the_types_have() {
+        let written: Value = serde_json::from_str(WRITTEN).unwrap();
+        let derived = derived_schemas();
+        for (name, extra) in object(&written["refine"]) {
+            let mut fields = BTreeSet::new();
+            fields_of(&derived, &derived[name], &mut fields);
+            let props = extra["properties"].as_object();
+            for field in props.into_iter().flat_map(|p| p.keys()) {
+                assert!(
+                    fields.contains(field),
+                    "refine {name}.{field}: no such field"
+                );
+            }
+            for field in extra["required"].as_array().into_iter().flatten() {
+                let field = field.as_str().unwrap();
+                assert!(
+                    fields.contains(field),
+                    "refine {name} requires {field}: no such field"
+                );
+            }
+        }
+    }
+
+    /// The fields a derived schema has, through `allOf`/`oneOf` (flattened
+    /// fields, tagged enums) and references.
+    fn fields_of(all: &Map<String, Value>, schema: &Value, out: &mut BTreeSet<String>) {
+        if let Some(target) = schema["$ref"].as_str() {
+            let name = target.rsplit('/').next().unwrap();
+            return fields_of(all, &all[name], out);
+        }
+        out.extend(
+            schema["properties"]
+                .as_object()
+                .into_iter()
+                .flat_map(|p| p.keys().cloned()),
+        );
+        for key in ["allOf", "oneOf", "anyOf"] {
+            for part in schema[key].as_array().into_iter().flatten() {
+                fields_of(all, part, out);
+            }
+        }
     }
 
     #[test]

@@ -21,7 +21,7 @@ use crate::backend::SandboxApi;
 use crate::service::{SandboxFilter, ServiceError};
 
 /// A tenant's limits; `None` is unlimited.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Quota {
     /// Sandboxes holding a VM (creating, running, paused, hibernating,
@@ -40,7 +40,7 @@ pub struct Quota {
 }
 
 /// What a tenant uses now.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Usage {
     pub running_sandboxes: u64,
     pub total_sandboxes: u64,

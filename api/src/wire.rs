@@ -1,4 +1,4 @@
-//! The JSON the API reads and writes (what `openapi.json` describes).
+//! The JSON the API reads and writes (their schemas in the OpenAPI document are derived from these types).
 //!
 //! Request bodies are the API's own types (unknown fields refused, so a
 //! misspelt option is an error rather than silently ignored), converted to
@@ -18,7 +18,7 @@ use crate::error::{code, ApiError};
 use crate::service::{Outcome, PodView, SandboxFilter};
 
 /// `PATCH /v1/sandboxes/{id}`: at least one field.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SandboxPatch {
     #[serde(default)]
@@ -28,7 +28,7 @@ pub struct SandboxPatch {
 }
 
 /// `PATCH /v1/pods/{id}`: at least one field.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PodPatch {
     #[serde(default)]
@@ -37,7 +37,7 @@ pub struct PodPatch {
     pub high_watermark: Option<f64>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct Health {
     pub status: &'static str,
     pub version: &'static str,
@@ -52,7 +52,7 @@ pub struct TemplateList {
     pub next: Option<String>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct SandboxList {
     pub sandboxes: Vec<Sandbox>,
     /// The next page's token (also in `X-Next-Token`); absent on the last.
@@ -69,7 +69,8 @@ pub struct PodList {
 
 /// A sandbox after pause, resume or hibernate, and whether answering it
 /// meant waking it from hibernation (and how long that took).
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[schema(as = Outcome)]
 pub struct OutcomeBody {
     pub sandbox: Sandbox,
     pub resumed: bool,
@@ -87,7 +88,8 @@ impl From<Outcome> for OutcomeBody {
 }
 
 /// A pod with its measured use.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[schema(as = Pod)]
 pub struct PodBody {
     #[serde(flatten)]
     pub pod: Pod,
@@ -215,9 +217,11 @@ pub fn sandbox_filter(pairs: Vec<(String, String)>) -> Result<SandboxFilter, Api
             "pod" => set_once(&mut filter.pod, "pod", PodId::new(value))?,
             _ => {
                 // `metadata.KEY`, or OpenAPI's deepObject `metadata[KEY]`.
+                // (One level: a bracket inside the key is a nested object.)
                 let meta = key.strip_prefix("metadata.").or_else(|| {
                     key.strip_prefix("metadata[")
                         .and_then(|k| k.strip_suffix(']'))
+                        .filter(|k| !k.contains(['[', ']']))
                 });
                 let Some(meta) = meta.filter(|k| !k.is_empty()) else {
                     return Err(ApiError::invalid(format!(
@@ -306,6 +310,7 @@ mod tests {
             pairs(&[("state", "asleep")]),
             pairs(&[("colour", "red")]),
             pairs(&[("metadata.", "x")]),
+            pairs(&[("metadata[a][b]", "x")]),
             pairs(&[("template", "a"), ("template", "b")]),
             pairs(&[("metadata.k", "a"), ("metadata.k", "b")]),
         ] {

@@ -153,7 +153,9 @@ fn end(events: &[Value]) -> &Value {
 }
 
 fn bash(cmd: &str) -> Value {
-    json!({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", cmd]}, "stdin": false})
+    // Not a login shell (the SDKs use `-l`): a host profile (pyenv's rehash
+    // lock, say) must not decide how long a test takes.
+    json!({"process": {"cmd": "/bin/bash", "args": ["-c", cmd]}, "stdin": false})
 }
 
 fn pid_of(events: &[Value]) -> u64 {
@@ -222,7 +224,7 @@ async fn a_background_process_is_listed_reconnected_fed_and_signalled() {
         .clone();
     assert_eq!(me["tag"], "bg");
     assert_eq!(me["config"]["cmd"], "/bin/bash");
-    assert_eq!(me["config"]["args"][0], "-l");
+    assert_eq!(me["config"]["args"][0], "-c");
 
     // Reconnect by tag while input arrives and stdin closes.
     let follow = envd.stream(

@@ -233,8 +233,13 @@ fn measure_sustained(serve: &Serve, tpl: &str, threads: usize, secs: f64) -> Sus
             s.spawn(move || loop {
                 let next = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
                 let Ok(id) = next else { break };
-                if let Err(e) = serve.delete(&id) {
-                    out.lock().unwrap_or_else(|e| e.into_inner()).errors.push(e);
+                let t = Instant::now();
+                let deleted = serve.delete(&id);
+                let took = ms(t);
+                let mut o = out.lock().unwrap_or_else(|e| e.into_inner());
+                match deleted {
+                    Ok(()) => o.delete_lat.push(took),
+                    Err(e) => o.errors.push(e),
                 }
             });
         }

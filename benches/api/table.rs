@@ -136,6 +136,9 @@ fn rows(o: &Opts) -> Vec<Row> {
         row("    prepare: reads, shell p50", Fmt::Ms, |r| {
             phase_p50(&r.create, "prepare")
         }),
+        row("    jail: mounts into the shell p50", Fmt::Ms, |r| {
+            phase_p50(&r.create, "jail")
+        }),
         row("    vmm: restore round trip p50", Fmt::Ms, |r| {
             phase_p50(&r.create, "vmm")
         }),
@@ -172,6 +175,27 @@ fn rows(o: &Opts) -> Vec<Row> {
         row("  service (restore.ms) p50", Fmt::Ms, |r| {
             service_p50(&r.wake)
         }),
+        row("    admit: admission commit p50", Fmt::Ms, |r| {
+            phase_p50(&r.wake, "admit")
+        }),
+        row("    prepare: reads, shell p50", Fmt::Ms, |r| {
+            phase_p50(&r.wake, "prepare")
+        }),
+        row("    jail: mounts into the shell p50", Fmt::Ms, |r| {
+            phase_p50(&r.wake, "jail")
+        }),
+        row("    vmm: restore round trip p50", Fmt::Ms, |r| {
+            phase_p50(&r.wake, "vmm")
+        }),
+        row("    record: VMM handle commit p50", Fmt::Ms, |r| {
+            phase_p50(&r.wake, "record")
+        }),
+        row("    commit: operation end p50", Fmt::Ms, |r| {
+            phase_p50(&r.wake, "commit")
+        }),
+        row("    HTTP, JSON, hand-offs p50", Fmt::Ms, |r| {
+            rest_p50(&r.wake)
+        }),
         goal(
             row("  API overhead p50", Fmt::Ms, |r| overhead_p50(&r.wake)),
             "<= 1.5 ms",
@@ -201,6 +225,9 @@ fn rows(o: &Opts) -> Vec<Row> {
         }),
         row("  create p99 under load", Fmt::Ms, |r| {
             p(&r.sustained.as_ref()?.lat, 0.99)
+        }),
+        row("  delete p50 under load", Fmt::Ms, |r| {
+            p(&r.sustained.as_ref()?.delete_lat, 0.5)
         }),
         row("  via standby under load", Fmt::Pct, |r| {
             let s = r.sustained.as_ref()?;
@@ -268,6 +295,11 @@ pub(super) fn print_table(mem: u32, done: &[(Config, Results)], o: &Opts) -> Vec
     head("", &|c, _| {
         if c.jail { "jailed" } else { "no jail" }.to_string()
     });
+    if o.ab.is_some() {
+        head("", &|c, _| {
+            if c.baseline { "A: baseline" } else { "B: this" }.to_string()
+        });
+    }
     let mut score: Vec<(usize, usize, Vec<String>)> = vec![(0, 0, Vec::new()); done.len()];
     let mut section = String::new();
     for row in rows(o) {

@@ -43,6 +43,12 @@ pub enum Started {
 
 impl Serve {
     pub fn start(dir: &Path, flags: &[String]) -> Started {
+        Self::start_exe(Path::new(TORPOR), dir, flags)
+    }
+
+    /// [`Serve::start`] of another `torpor` build (its `torpor-vmm` beside
+    /// it): A/B comparisons in one run.
+    pub fn start_exe(exe: &Path, dir: &Path, flags: &[String]) -> Started {
         let data = dir.join("data");
         if let Err(e) = std::fs::create_dir_all(&data) {
             return Started::Failed(format!("create {}: {e}", data.display()));
@@ -51,7 +57,7 @@ impl Serve {
             Ok(f) => f,
             Err(e) => return Started::Failed(format!("create serve.log: {e}")),
         };
-        let spawned = Command::new(TORPOR)
+        let spawned = Command::new(exe)
             .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
             .arg(&data)
             .args(["--token", TOKEN])
@@ -69,7 +75,7 @@ impl Serve {
             .spawn();
         let mut child = match spawned {
             Ok(c) => c,
-            Err(e) => return Started::Failed(format!("spawn {TORPOR} serve: {e}")),
+            Err(e) => return Started::Failed(format!("spawn {} serve: {e}", exe.display())),
         };
         let (tx, rx) = mpsc::channel();
         if let Some(out) = child.stdout.take() {

@@ -207,9 +207,9 @@ impl Images {
         ) {
             Ok(_) => {}
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                let c = std::ffi::CString::new(name).map_err(|_| ImageError::BadName)?;
                 // SAFETY: mkdirat on our directory's descriptor with a
                 // checked plain name (no `/`, no `..`), NUL-terminated.
-                let c = std::ffi::CString::new(name).map_err(|_| ImageError::BadName)?;
                 let rc = unsafe { libc::mkdirat(root.as_raw_fd(), c.as_ptr(), 0o700) };
                 if rc != 0 {
                     let e = std::io::Error::last_os_error();

@@ -26,7 +26,7 @@ macro_rules! str_enum {
     ($(#[$meta:meta])* $vis:vis enum $name:ident { $($(#[$vmeta:meta])* $variant:ident => $text:literal,)+ }) => {
         $(#[$meta])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord,
-                 serde::Serialize, serde::Deserialize)]
+                 serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
         #[serde(rename_all = "snake_case")]
         $vis enum $name { $($(#[$vmeta])* $variant,)+ }
 

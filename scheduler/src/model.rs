@@ -25,7 +25,19 @@ pub struct UnknownValue {
 }
 
 /// Milliseconds since the Unix epoch (UTC). Stored as an integer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    Deserialize,
+    utoipa::ToSchema,
+)]
 #[serde(transparent)]
 pub struct Timestamp(pub i64);
 
@@ -81,7 +93,7 @@ pub const ID_HEX_LEN: usize = 16;
 macro_rules! id_type {
     ($(#[$meta:meta])* $name:ident, $prefix:literal) => {
         $(#[$meta])*
-        #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+        #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, utoipa::ToSchema)]
         #[serde(transparent)]
         pub struct $name(String);
 
@@ -181,7 +193,7 @@ str_enum! {
 
 /// Where a template is in its life. Serialised as `{"state": "failed",
 /// "reason": "..."}` (the reason only for `failed`).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "state", content = "reason", rename_all = "snake_case")]
 pub enum TemplateState {
     /// Booting once to take its snapshot.
@@ -240,16 +252,20 @@ impl fmt::Display for TemplateState {
 }
 
 /// A snapshot of a booted, idle guest that sandboxes are restored from.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Template {
     pub id: TemplateId,
     /// Unique among templates that are not deleted.
     pub name: String,
     /// Kernel image path, or `builtin:probe`.
+    // Left out of tenants' answers (a host path).
+    #[schema(required = false)]
     pub kernel: String,
     /// Root filesystem image (Linux templates).
+    #[schema(value_type = Option<String>)]
     pub rootfs: Option<PathBuf>,
     /// The snapshot directory, once built.
+    #[schema(value_type = Option<String>)]
     pub snapshot_dir: Option<PathBuf>,
     pub mem_mib: u32,
     pub vcpus: u32,
@@ -265,23 +281,28 @@ pub struct Template {
     /// built from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<String>,
+    /// The sandbox it was snapshotted from (`POST .../template`, E2B's
+    /// snapshots), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<SandboxId>,
 }
 
 /// The VMM process that runs a sandbox now: its pid, and the process's
 /// start time so that a recycled pid is never taken for it (signals go
 /// through a pidfd checked against both; see `service::vmm::stop`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct VmmHandle {
     pub pid: u32,
     /// `/proc/PID/stat` field 22 (clock ticks after boot) when recorded;
     /// `None` in rows written before it was.
     #[serde(default)]
     pub start_time: Option<u64>,
+    #[schema(value_type = String)]
     pub control_socket: PathBuf,
 }
 
 /// One microVM session, running or not.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Sandbox {
     pub id: SandboxId,
     pub template: TemplateId,
@@ -312,6 +333,7 @@ pub struct Sandbox {
     pub created_at: Timestamp,
     pub last_active_at: Timestamp,
     /// Its latest snapshot directory (hibernation or checkpoint), if any.
+    #[schema(value_type = Option<String>)]
     pub snapshot: Option<PathBuf>,
     /// Its VMM process, while one runs.
     pub vmm: Option<VmmHandle>,
@@ -329,25 +351,80 @@ pub struct Sandbox {
     /// sandbox networking.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<SandboxNetwork>,
+    /// The CPU its VMM uses, in the answer to a get while one runs (not
+    /// stored).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<SandboxUsage>,
+    /// Its memory as the host measures it and its guest reports it, while
+    /// its VMM runs (read when asked; not stored).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<SandboxMemory>,
+}
+
+/// A running sandbox's memory: its VMM's PSS on the host, and its guest's
+/// own statistics and balloon (virtio-balloon; absent on guests without
+/// one, such as the probe). Read from `/proc` and the VMM when asked.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct SandboxMemory {
+    /// Proportional set size of its VMM process now.
+    pub pss_bytes: u64,
+    /// What the pod asked the guest to give back through the balloon.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub balloon_target_mib: Option<u64>,
+    /// What the guest holds in the balloon.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub balloon_actual_mib: Option<u64>,
+    /// Free memory the guest reported since its VMM started (discarded on
+    /// the host: free page reporting).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reported_bytes: Option<u64>,
+    /// The guest's own statistics (its balloon driver's), and their age.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_total_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_free_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_available_bytes: Option<u64>,
+    /// Total less free.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_used_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_stats_age_ms: Option<u64>,
+    /// The PSS of its VMM when the pod last asked its guest to shrink
+    /// (compare with `pss_bytes`: what the shrink gave back), and when.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shrink_pss_before_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shrunk_at: Option<Timestamp>,
 }
 
 /// A sandbox's network: what is stored (policy, ports) and what is read
 /// from the host when asked (address, counters).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SandboxNetwork {
     pub policy: crate::net::EgressPolicy,
     #[serde(default)]
     pub ports: Vec<ExposedPort>,
     /// Its own host-side address, while it has a network (its VMM runs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>)]
     pub address: Option<std::net::Ipv4Addr>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub counters: Option<crate::net::NetCounters>,
 }
 
+/// The CPU a sandbox's VMM uses: in the answer to a get of a sandbox whose
+/// VMM runs (not stored; its memory is [`SandboxMemory`]). Measured by its
+/// pod, so a federation shows a remote sandbox's too.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct SandboxUsage {
+    /// Its CPU time since it started ÷ its lifetime ÷ its vCPUs, percent.
+    pub cpu_used_pct: f64,
+}
+
 /// A guest port reachable from the host: TCP to `address` is forwarded to
 /// `guest_port` (waking the sandbox first if it is hibernated).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ExposedPort {
     pub guest_port: u16,
     /// `IP:PORT` on the pod.
@@ -355,7 +432,7 @@ pub struct ExposedPort {
 }
 
 /// How a create or wake brought a sandbox's VM up.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RestoreReport {
     /// `standby` (a pre-made shell took the snapshot) or `cold` (a new
     /// VMM process restored it).
@@ -370,8 +447,10 @@ pub struct RestoreReport {
     pub vmm_ms: f64,
     /// Where the request's time went, in ms, in order: `admit` (admission
     /// and the journal's start, one commit), `prepare` (store reads,
-    /// directory, taking a shell), `vmm` (the restore request or cold
-    /// spawn, round trip), `record` (the VMM's handle, one commit), `hook`
+    /// directory, taking a shell), `jail` (a jailed shell only: mounting
+    /// the sandbox's directory and layers into its jail), `vmm` (the
+    /// restore request or cold spawn, round trip), `record` (the VMM's
+    /// handle, one commit), `hook`
     /// (a Linux guest's post-restore hook), `commit` (the operation's end).
     #[serde(default)]
     pub phases: Vec<(String, f64)>,
@@ -385,7 +464,7 @@ impl RestoreReport {
 }
 
 /// Which way a VM came up.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum RestorePath {
     Standby,
@@ -427,18 +506,23 @@ impl Sandbox {
             restore: None,
             tenant: None,
             network: None,
+            usage: None,
+            memory: None,
         }
     }
 }
 
 /// How the scheduler reaches a pod.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum PodAddress {
     /// Inside the `torpor serve` process.
     Local,
     /// A `torpor pod` on this host.
-    Unix { path: PathBuf },
+    Unix {
+        #[schema(value_type = String)]
+        path: PathBuf,
+    },
     /// A `torpor pod` on loopback (`host:port`), plain TCP, with a token.
     Tcp { addr: String },
     /// A remote `torpor pod` (`host:port`) over TLS, its certificate
@@ -481,7 +565,8 @@ impl PodAddress {
 pub const MAX_OVERSUBSCRIPTION_RATIO: f64 = 100.0;
 
 /// One host's capacity, served by a `torpor pod`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[schema(as = PodRecord)]
 pub struct Pod {
     pub id: PodId,
     pub address: PodAddress,
@@ -502,12 +587,13 @@ pub struct Pod {
 }
 
 /// A named snapshot of a sandbox it can be restored or forked from.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Checkpoint {
     pub id: CheckpointId,
     pub sandbox: SandboxId,
     /// Unique per sandbox.
     pub name: String,
+    #[schema(value_type = String)]
     pub snapshot_dir: PathBuf,
     /// The checkpoint this one's diff layer sits on, if any.
     pub parent: Option<CheckpointId>,
@@ -547,6 +633,7 @@ mod tests {
             state: TemplateState::Ready,
             tenant: None,
             image: None,
+            source: None,
         };
         let v = serde_json::to_value(&t).unwrap();
         assert_eq!(v["state"], "ready");

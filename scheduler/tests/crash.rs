@@ -64,6 +64,7 @@ fn template() -> Template {
         state: TemplateState::Ready,
         tenant: None,
         image: None,
+        source: None,
     }
 }
 

@@ -2,35 +2,25 @@
 //! Linux guest over the VM's hybrid vsock socket (`CONNECT <port>`, then the
 //! agent protocol). `torpor vmm files` is in `files.rs`.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use torpor_agent::client::connect_vsock;
 use torpor_agent::proto::{ExecRequest, ResumedRequest, Step, StepStatus};
 use torpor_agent::AgentClient;
 
 use super::EXIT_FAILURE;
 use crate::cli::{GuestAgentArgs, GuestExecArgs};
 
-/// Connects to guest port `port` through the VMM's vsock socket.
+/// Connects to guest port `port` through the VMM's vsock socket (the
+/// agent crate's handshake), then lets reads wait as long as they need.
 fn connect(uds: &Path, port: u32) -> Result<UnixStream, String> {
-    let mut stream = UnixStream::connect(uds)
-        .map_err(|e| format!("cannot connect to {}: {e}", uds.display()))?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .map_err(|e| e.to_string())?;
-    stream
-        .write_all(format!("CONNECT {port}\n").as_bytes())
-        .map_err(|e| e.to_string())?;
-    let mut line = String::new();
-    BufReader::new(&stream)
-        .read_line(&mut line)
-        .map_err(|e| e.to_string())?;
-    if !line.starts_with("OK ") {
-        return Err(format!("the guest refused port {port}: {:?}", line.trim()));
-    }
+    let stream = connect_vsock(uds, port, Duration::from_secs(10))
+        .map_err(|e| format!("{}: {e}", uds.display()))?;
     stream.set_read_timeout(None).map_err(|e| e.to_string())?;
+    stream.set_write_timeout(None).map_err(|e| e.to_string())?;
     Ok(stream)
 }
 

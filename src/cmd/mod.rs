@@ -2,6 +2,7 @@
 
 mod checkpoint;
 mod client;
+mod cluster;
 mod doctor;
 mod files;
 mod guest;

@@ -1,27 +1,34 @@
-//! `torpor serve --nested-pod`: on a host whose /dev/kvm cannot boot Linux
-//! (PVM), Linux templates run in a nested hardware-virtualization host
-//! (torpor-nested: QEMU/TCG with kvm_amd inside). A background thread boots
-//! it with this torpor binary, the guest kernel and the rootfs carried in;
-//! inside, `torpor pod serve` listens on TCP (forwarded from a free port on
-//! 127.0.0.1) and builds the template `linux`; the thread registers the pod
-//! with the federation once it answers. Start-up does not wait for it: until
-//! the template is ready, creating a sandbox from it answers 503 saying why.
+//! The Linux template `base` on a host whose /dev/kvm cannot boot Linux
+//! (PVM): it runs in a nested hardware-virtualization host (torpor-nested:
+//! QEMU/TCG with kvm_amd inside). `torpor serve` offers it on demand (the
+//! first request for `base` starts it; `--nested-pod` starts it at once,
+//! `--no-nested-pod` never): a background thread builds what is missing
+//! with this checkout's scripts (the L1 kernel, the guest kernel, the agent
+//! and the Debian rootfs, each cached by content hash, so only the first
+//! start builds), boots L1 with this torpor binary, the guest kernel and
+//! the rootfs carried in; inside, `torpor pod serve` listens on TCP
+//! (forwarded from a free port on 127.0.0.1) and builds the template; the
+//! thread registers the pod with the federation once it answers. Until the
+//! template is ready, creating a sandbox from it answers 503 with
+//! `Retry-After` and the step it is at (also logged as it goes).
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use torpor_api::federation::{AddPod, Federation};
 use torpor_api::SandboxApi;
-use torpor_nested::{NestedHost, RunningHost};
+use torpor_nested::{L1Assets, NestedHost, RunningHost};
 use torpor_scheduler::model::PodId;
 use torpor_scheduler::service::Service;
 
 use super::serve::token_file;
 use torpor_api::tls::{self, Fingerprint, Identity};
 
-/// The template the nested pod builds.
-pub const TEMPLATE: &str = "linux";
+/// The template the nested pod builds: E2B's default template name.
+pub const TEMPLATE: &str = "base";
 /// The pod's port inside L1.
 const POD_PORT: u16 = 7801;
 /// How long L1 may take from QEMU start to the pod answering.
@@ -30,10 +37,10 @@ const BOOT_LIMIT: Duration = Duration::from_secs(900);
 const MARK_READY: &str = "TORPOR-NESTED-POD: template ready";
 const MARK_FAILED: &str = "TORPOR-NESTED-POD: template failed:";
 
-/// What the nested pod is made of.
+/// What the nested pod is made of (`None`: built from this checkout).
 pub struct NestedPodConfig {
-    pub kernel: PathBuf,
-    pub rootfs: PathBuf,
+    pub kernel: Option<PathBuf>,
+    pub rootfs: Option<PathBuf>,
     pub mem_mib: u32,
 }
 
@@ -51,10 +58,14 @@ T=/opt/torpor/torpor
 IMAGES="$(dirname "$(readlink -f /opt/torpor/rootfs.ext4)")/images"
 mkdir -p "$IMAGES/{TEMPLATE}"
 mv "$(readlink -f /opt/torpor/vmlinux)" "$(readlink -f /opt/torpor/rootfs.ext4)" "$IMAGES/{TEMPLATE}/"
+# Jailed VMMs (their own uids) read the image: whatever mode it came with.
+chmod 0644 "$IMAGES/{TEMPLATE}/vmlinux" "$IMAGES/{TEMPLATE}/rootfs.ext4"
 $T pod serve --listen tcp:0.0.0.0:{POD_PORT} --token-file /opt/torpor/pod.token \
    --tls-cert /opt/torpor/pod-cert.pem --tls-key /opt/torpor/pod-key.pem \
    --data-dir /tmp/pod --images-dir "$IMAGES" --request-timeout-ms 1800000 \
-   >/tmp/pod.log 2>&1 &
+   2>&1 | tee /tmp/pod.log &
+# The pod's log is on L1's console too: `torpor serve` shows its tail when
+# the nested host fails, and all of it with TORPOR_NESTED_ECHO=1.
 POD=$!
 export TORPOR_API=https://127.0.0.1:{POD_PORT} TORPOR_API_FINGERPRINT={fingerprint} \
    TORPOR_TOKEN="$(cat /opt/torpor/pod.token)"
@@ -71,8 +82,24 @@ wait $POD
     )
 }
 
-/// Starts the nested pod in the background; returns at once after checking
-/// what it needs, which it names when missing.
+/// Offers `base` on demand: the first request for it calls [`start`].
+pub fn on_demand(federation: Arc<Federation<Service>>, data_dir: &Path, config: NestedPodConfig) {
+    let fed = federation.clone();
+    let data_dir = data_dir.to_path_buf();
+    federation.template_on_demand(
+        TEMPLATE,
+        "the nested host starts on the first request for it".into(),
+        Box::new(move || {
+            println!("torpor serve: `{TEMPLATE}` was asked for: starting the nested host");
+            if let Err(e) = start(fed.clone(), &data_dir, config) {
+                fail(&fed, e);
+            }
+        }),
+    );
+}
+
+/// Starts the nested pod in the background; returns at once after making
+/// its token and TLS identity.
 pub fn start(
     federation: Arc<Federation<Service>>,
     data_dir: &Path,
@@ -80,6 +107,7 @@ pub fn start(
 ) -> Result<(), String> {
     let exe =
         std::env::current_exe().map_err(|e| format!("cannot find the torpor executable: {e}"))?;
+    let vmm = super::serve::vmm_exe()?;
     let token_path = data_dir.join("nested-pod.token");
     let (token, _) = token_file(&token_path)?;
     // The pod in L1 serves TLS with an identity made here, so that the
@@ -88,20 +116,9 @@ pub fn start(
     let (identity, _) = Identity::load_or_create(&tls_dir, &tls::default_names())
         .map_err(|e| format!("the nested pod's TLS identity: {e}"))?;
     let fingerprint = identity.fingerprint();
-    let host = NestedHost::builder()
-        .memory_mib(config.mem_mib)
-        .file(exe, "/opt/torpor/torpor")
-        .file(super::serve::vmm_exe()?, "/opt/torpor/torpor-vmm")
-        .file(&config.kernel, "/opt/torpor/vmlinux")
-        .file(&config.rootfs, "/opt/torpor/rootfs.ext4")
-        .file(&token_path, "/opt/torpor/pod.token")
-        .file(tls_dir.join(tls::CERT_FILE), "/opt/torpor/pod-cert.pem")
-        .file(tls_dir.join(tls::KEY_FILE), "/opt/torpor/pod-key.pem")
-        .build()
-        .map_err(|e| format!("the nested pod cannot start: {e}"))?;
     federation.template_coming(
         TEMPLATE,
-        Some("the nested host (torpor serve --nested-pod) is still booting".into()),
+        Some("the nested host is preparing (step 1 of 5)".into()),
     );
     let id_file = data_dir.join("nested-pod");
     std::thread::Builder::new()
@@ -110,6 +127,29 @@ pub fn start(
             // This thread owns QEMU (it dies with the thread: see
             // NestedHost::start) and lives as long as it.
             let started = Instant::now();
+            let (kernel, rootfs, l1) = match prepare(&federation, &config) {
+                Ok(parts) => parts,
+                Err(e) => return fail(&federation, e),
+            };
+            let host = NestedHost::builder()
+                .memory_mib(config.mem_mib)
+                .l1_dir(l1)
+                .file(exe, "/opt/torpor/torpor")
+                .file(vmm, "/opt/torpor/torpor-vmm")
+                .file(&kernel, "/opt/torpor/vmlinux")
+                .file(&rootfs, "/opt/torpor/rootfs.ext4")
+                .file(&token_path, "/opt/torpor/pod.token")
+                .file(tls_dir.join(tls::CERT_FILE), "/opt/torpor/pod-cert.pem")
+                .file(tls_dir.join(tls::KEY_FILE), "/opt/torpor/pod-key.pem")
+                .build();
+            let host = match host {
+                Ok(h) => h,
+                Err(e) => return fail(&federation, format!("the nested pod cannot start: {e}")),
+            };
+            federation.template_coming(
+                TEMPLATE,
+                Some("the nested host is booting (step 5 of 5)".into()),
+            );
             let mut running = match host.start(&script(&fingerprint), &[POD_PORT]) {
                 Ok(r) => r,
                 Err(e) => return fail(&federation, format!("cannot start the nested host: {e}")),
@@ -141,6 +181,223 @@ pub fn start(
         })
         .map_err(|e| format!("cannot start the nested pod's thread: {e}"))?;
     Ok(())
+}
+
+/// This checkout's `scripts/` directory, which builds the nested pod's
+/// parts.
+fn scripts_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts")
+}
+
+/// The guest kernel, the rootfs and the L1 directory: given, cached, or
+/// built now by this checkout's scripts (which cache by content hash).
+fn prepare(
+    federation: &Federation<Service>,
+    config: &NestedPodConfig,
+) -> Result<(PathBuf, PathBuf, PathBuf), String> {
+    // The L1 this checkout prepares (cached; its module set is this
+    // checkout's), unless TORPOR_NESTED_L1 names one.
+    let l1 = match std::env::var_os("TORPOR_NESTED_L1") {
+        Some(_) => L1Assets::locate().map_err(|e| e.to_string())?.dir,
+        None => run_step(
+            federation,
+            1,
+            "preparing the nested host (QEMU and the L1 kernel)",
+            "nested-host",
+            &["prepare"],
+        )?,
+    };
+    let (kernel, rootfs) = guest_parts(federation, config)?;
+    Ok((kernel, rootfs, l1))
+}
+
+/// The guest kernel and the rootfs of `base`: given, or built by this
+/// checkout's scripts (steps 2 to 4).
+fn guest_parts(
+    federation: &Federation<Service>,
+    config: &NestedPodConfig,
+) -> Result<(PathBuf, PathBuf), String> {
+    let kernel = match &config.kernel {
+        Some(k) => k.clone(),
+        None => run_step(
+            federation,
+            2,
+            "building the guest kernel (about 10 minutes the first time)",
+            "build-guest-kernel",
+            &[],
+        )?,
+    };
+    let rootfs = match &config.rootfs {
+        Some(r) => r.clone(),
+        None => {
+            let agent = run_step(
+                federation,
+                3,
+                "building the guest agent",
+                "build-agent",
+                &[],
+            )?;
+            let agent = agent.to_string_lossy().into_owned();
+            run_step(
+                federation,
+                4,
+                "building the Debian root filesystem (a few minutes the first time)",
+                "build-rootfs",
+                &["--agent", &agent],
+            )?
+        }
+    };
+    Ok((kernel, rootfs))
+}
+
+/// On a host whose own pod runs Linux (VMX/SVM): `base` is built by the
+/// local pod on the first request for it, from the same parts (installed
+/// as the image `base`), unless the store has it already. Not exercised on
+/// this project's PVM test host (no VMX/SVM); the parts and the template
+/// build are the nested pod's and the API's, which are.
+pub fn local_on_demand(
+    federation: Arc<Federation<Service>>,
+    service: Arc<Service>,
+    config: NestedPodConfig,
+) {
+    let ready = service
+        .list_templates()
+        .map(|ts| ts.iter().any(|t| t.name == TEMPLATE))
+        .unwrap_or(false);
+    if ready {
+        return;
+    }
+    let fed = federation.clone();
+    federation.template_on_demand(
+        TEMPLATE,
+        "it is built on the first request for it".into(),
+        Box::new(move || {
+            println!("torpor serve: `{TEMPLATE}` was asked for: building it");
+            std::thread::spawn(move || match build_locally(&fed, &service, &config) {
+                Ok(()) => {
+                    fed.template_coming(TEMPLATE, None);
+                    println!("torpor serve: template `{TEMPLATE}` is ready");
+                }
+                Err(e) => fail(&fed, e),
+            });
+        }),
+    );
+}
+
+fn build_locally(
+    federation: &Federation<Service>,
+    service: &Service,
+    config: &NestedPodConfig,
+) -> Result<(), String> {
+    use torpor_scheduler::images::ImagePart;
+    use torpor_scheduler::model::TemplateKind;
+    use torpor_scheduler::service::CreateTemplate;
+    let (kernel, rootfs) = guest_parts(federation, config)?;
+    for (part, path) in [(ImagePart::Kernel, kernel), (ImagePart::Rootfs, rootfs)] {
+        let mut file = std::fs::File::open(&path)
+            .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        service
+            .images()
+            .install(TEMPLATE, part, &mut file, u64::MAX)
+            .map_err(|e| format!("installing the image {TEMPLATE}: {e}"))?;
+    }
+    federation.template_coming(
+        TEMPLATE,
+        Some("the local pod is building it (step 5 of 5)".into()),
+    );
+    service
+        .create_template(CreateTemplate {
+            name: TEMPLATE.into(),
+            kind: TemplateKind::Linux,
+            image: Some(TEMPLATE.into()),
+            mem_mib: 512,
+            vcpus: 2,
+            cmdline: None,
+            pod: None,
+            owner: None,
+        })
+        .map(drop)
+        .map_err(|e| format!("building the template {TEMPLATE}: {e}"))
+}
+
+/// Runs `scripts/SCRIPT ARGS` as step `n` of the preparation: its stderr
+/// lines are logged and are the template's progress; the last line of its
+/// stdout is the path it made.
+fn run_step(
+    federation: &Federation<Service>,
+    n: u32,
+    what: &str,
+    script: &str,
+    args: &[&str],
+) -> Result<PathBuf, String> {
+    let path = scripts_dir().join(script);
+    if !path.is_file() {
+        return Err(format!(
+            "{what}: {} is not there (this torpor binary was moved from its checkout): \
+             give --nested-kernel and --nested-rootfs, built with that checkout's scripts",
+            path.display()
+        ));
+    }
+    let step = format!("{what} (step {n} of 5)");
+    println!("torpor serve: `{TEMPLATE}`: {step}");
+    federation.template_coming(TEMPLATE, Some(step.clone()));
+    let started = Instant::now();
+    // The scripts fill a cache shared with other users of this checkout:
+    // under their usual umask, not the service's 077.
+    let mut child = Command::new("/bin/sh")
+        .arg("-c")
+        .arg("umask 022; exec \"$0\" \"$@\"")
+        .arg(&path)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("{what}: cannot run {}: {e}", path.display()))?;
+    let stdout = child.stdout.take().expect("piped stdout");
+    let out = std::thread::spawn(move || {
+        let mut last = String::new();
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if !line.trim().is_empty() {
+                last = line;
+            }
+        }
+        last
+    });
+    let mut tail: Vec<String> = Vec::new();
+    let stderr = child.stderr.take().expect("piped stderr");
+    for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+        println!("torpor serve: `{TEMPLATE}`: {line}");
+        let shown: String = line.chars().take(200).collect();
+        federation.template_coming(
+            TEMPLATE,
+            Some(format!(
+                "{step}, {:.0}s so far: {shown}",
+                started.elapsed().as_secs_f64()
+            )),
+        );
+        tail.push(line);
+        if tail.len() > 20 {
+            tail.remove(0);
+        }
+    }
+    let status = child
+        .wait()
+        .map_err(|e| format!("{what}: waiting for {script}: {e}"))?;
+    let last = out.join().unwrap_or_default();
+    if !status.success() {
+        return Err(format!(
+            "{what}: {script} failed ({status}): {}",
+            tail.join(" | ")
+        ));
+    }
+    let made = PathBuf::from(last.trim());
+    if !made.exists() {
+        return Err(format!(
+            "{what}: {script} did not name what it made (last line: {last:?})"
+        ));
+    }
+    Ok(made)
 }
 
 fn fail(federation: &Federation<Service>, why: String) {

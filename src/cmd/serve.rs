@@ -35,7 +35,7 @@ pub(crate) fn default_data_dir() -> PathBuf {
 /// tokens are given on the command line, a tokens file without tokens gets
 /// an admin token, printed once (or, in a data directory from before the
 /// tokens file, its `token` becomes that admin token, stored hashed).
-fn tenants_file(args: &ServeArgs, data_dir: &Path) -> Result<PathBuf, String> {
+pub(crate) fn tenants_file(args: &ServeArgs, data_dir: &Path) -> Result<PathBuf, String> {
     use torpor_api::auth::tokens::{TenantsFile, TENANTS_FILE};
     use torpor_api::auth::{Auth, Scope, ADMIN_TENANT};
     let path = data_dir.join(TENANTS_FILE);
@@ -163,7 +163,7 @@ fn open_service(
     who: &str,
     data_dir: &Path,
     flags: &ServiceFlags,
-    nested_pod: bool,
+    no_nested_pod: bool,
 ) -> Result<Arc<Service>, String> {
     // What the service creates is its own: sockets, overlays, logs, the
     // store, the token (VMMs' files are handed to their uids explicitly).
@@ -218,10 +218,9 @@ fn open_service(
     );
     if let Some(why) = host.linux_refusal() {
         println!("{who}: no Linux templates here: {why}");
-        if who == "torpor serve" && !nested_pod {
+        if who == "torpor serve" && no_nested_pod {
             println!(
-                "{who}: to run Linux templates, start with --nested-pod --nested-kernel VMLINUX \
-                 --nested-rootfs EXT4: a nested host under QEMU/TCG (about a core while it runs)"
+                "{who}: Linux templates need the nested host, which --no-nested-pod turns off"
             );
         }
     }
@@ -230,7 +229,7 @@ fn open_service(
     Ok(service)
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime, String> {
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, String> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -238,11 +237,14 @@ fn runtime() -> Result<tokio::runtime::Runtime, String> {
 }
 
 fn serve(args: ServeArgs) -> Result<(), String> {
+    if let Some(urls) = args.cluster.clone() {
+        return super::cluster::serve_replica(args, &urls);
+    }
     let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
     if args.pods.len() != args.pod_token_files.len() {
         return Err("give one --pod-token-file for each --pod, in the same order".into());
     }
-    let service = open_service("torpor serve", &data_dir, &args.service, args.nested_pod)?;
+    let service = open_service("torpor serve", &data_dir, &args.service, args.no_nested_pod)?;
     let tenants_file = tenants_file(&args, &data_dir)?;
     let request_timeout = Duration::from_millis(args.service.request_timeout_ms.max(1));
     let federation =
@@ -274,24 +276,35 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         );
     }
     super::nested_pod::forget_previous(&federation, &data_dir);
-    if let (true, Some(kernel), Some(rootfs)) = (
-        args.nested_pod,
-        args.nested_kernel.clone(),
-        args.nested_rootfs.clone(),
-    ) {
-        if host_guests().linux_refusal().is_none() {
+    if host_guests().linux_refusal().is_none() {
+        if args.nested_pod {
             println!("torpor serve: the local pod runs Linux itself; --nested-pod is not needed");
-        } else {
-            let config = super::nested_pod::NestedPodConfig {
-                kernel,
-                rootfs,
-                mem_mib: args.nested_mem_mib,
-            };
+        }
+        let config = super::nested_pod::NestedPodConfig {
+            kernel: args.nested_kernel.clone(),
+            rootfs: args.nested_rootfs.clone(),
+            mem_mib: args.nested_mem_mib,
+        };
+        super::nested_pod::local_on_demand(federation.clone(), service.clone(), config);
+    } else if !args.no_nested_pod {
+        let config = super::nested_pod::NestedPodConfig {
+            kernel: args.nested_kernel.clone(),
+            rootfs: args.nested_rootfs.clone(),
+            mem_mib: args.nested_mem_mib,
+        };
+        let template = super::nested_pod::TEMPLATE;
+        if args.nested_pod {
             super::nested_pod::start(federation.clone(), &data_dir, config)?;
             println!(
                 "torpor serve: starting the nested host for Linux templates (QEMU/TCG, about a \
-                 core while it runs); template `{}` follows in a few minutes",
-                super::nested_pod::TEMPLATE
+                 core while it runs); template `{template}` follows in a few minutes"
+            );
+        } else {
+            super::nested_pod::on_demand(federation.clone(), &data_dir, config);
+            println!(
+                "torpor serve: the Linux template `{template}` runs in a nested host started on \
+                 its first request (503 with Retry-After until it is ready; --no-nested-pod \
+                 turns it off)"
             );
         }
     }
@@ -351,7 +364,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
 /// SIGINT or SIGTERM (what service managers send): the graceful stop,
 /// which ends the standby shells; sandboxes' VMMs run on (a restart
 /// re-attaches to them).
-async fn ctrl_c() {
+pub(crate) async fn ctrl_c() {
     use tokio::signal::unix::{signal, SignalKind};
     match signal(SignalKind::terminate()) {
         Ok(mut term) => {
@@ -378,7 +391,7 @@ fn serve_pod(args: PodServeArgs) -> Result<(), String> {
         );
     }
     let api = torpor_api::ApiConfig {
-        tokens: vec![token],
+        tokens: vec![token.clone()],
         request_timeout: Duration::from_millis(args.service.request_timeout_ms.max(1)),
         ..Default::default()
     };
@@ -390,6 +403,14 @@ fn serve_pod(args: PodServeArgs) -> Result<(), String> {
             }
             let listener = tokio::net::UnixListener::bind(path)
                 .map_err(|e| format!("cannot listen on {path}: {e}"))?;
+            super::cluster::start_pod(
+                &args,
+                &service,
+                &data_dir,
+                format!("unix:{path}"),
+                &token,
+                None,
+            )?;
             println!("torpor pod: listening on unix:{path}");
             torpor_api::serve_unix(listener, service.clone(), api, ctrl_c())
                 .await
@@ -407,10 +428,26 @@ fn serve_pod(args: PodServeArgs) -> Result<(), String> {
                 .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
             let addr = listener.local_addr().map_err(|e| e.to_string())?;
             if args.plain_tcp {
+                super::cluster::start_pod(
+                    &args,
+                    &service,
+                    &data_dir,
+                    format!("tcp:{addr}"),
+                    &token,
+                    None,
+                )?;
                 println!("torpor pod: listening on tcp:{addr} (plain, loopback)");
                 torpor_api::serve(listener, service.clone(), api, ctrl_c()).await
             } else {
                 let identity = identity("torpor pod", &data_dir, &args.tls_cert, &args.tls_key)?;
+                super::cluster::start_pod(
+                    &args,
+                    &service,
+                    &data_dir,
+                    format!("tls:{addr}"),
+                    &token,
+                    Some(identity.fingerprint().to_string()),
+                )?;
                 println!("torpor pod: listening on tls:{addr}");
                 torpor_api::serve_tls(listener, &identity, service.clone(), api, ctrl_c()).await
             }

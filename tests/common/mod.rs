@@ -2,6 +2,7 @@
 //! console file, and clean up after ourselves.
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod e2b;
 pub mod http;
 pub mod netns;

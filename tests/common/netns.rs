@@ -70,10 +70,8 @@ pub fn ip(args: &[&str]) -> String {
 /// such tests out where these are missing: tests/needs).
 pub fn needs_root_and_nft() {
     // SAFETY: geteuid has no preconditions.
-    assert!(
-        unsafe { libc::geteuid() } == 0,
-        "needs root (namespaces, veths, nftables)"
-    );
+    let root = unsafe { libc::geteuid() } == 0;
+    assert!(root, "needs root (namespaces, veths, nftables)");
     let nft = Command::new("nft").arg("--version").output();
     assert!(
         nft.is_ok_and(|o| o.status.success()) && std::path::Path::new("/dev/net/tun").exists(),

@@ -1,6 +1,7 @@
 // The E2B control plane through the real JS SDK (npm `e2b`, pinned in
 // tests/e2b/package.json, installed by .ci/run), against `torpor serve` on
-// loopback with the probe template. Run by tests/e2b_sdk.rs with node,
+// loopback with the probe template (or E2B_TEST_TEMPLATE: the nested pod's
+// `base` in tests/nested_pod.rs). Run by tests/e2b_sdk.rs with node,
 // NODE_PATH naming the install's node_modules, E2B_API_URL, E2B_API_KEY and
 // E2B_SANDBOX_URL set; exits non-zero on the first failed check.
 
@@ -14,7 +15,7 @@ const { Sandbox, NotFoundError, SandboxError, AuthenticationError } =
   require('e2b')
 const { version } = require('e2b/package.json')
 
-const TEMPLATE = 'probe'
+const TEMPLATE = process.env.E2B_TEST_TEMPLATE ?? 'probe'
 let checks = 0
 
 function check(cond, what) {

@@ -47,13 +47,23 @@ pub fn run(
     // still root (a VMM without rights cannot `setns` later) and opens its
     // tap there by name.
     let mut spec_owned;
-    let spec = match (&spec.jail, net_namespace(spec)) {
-        (Some(_), Some(netns)) => {
-            spec_owned = spec.clone();
-            if let Some(jail) = spec_owned.jail.as_mut() {
-                jail.namespaces.join_net = Some(netns);
+    let spec = match (&spec.jail, tap_name(spec)) {
+        (Some(_), Some(tap)) => {
+            let netns = net_namespace(spec);
+            if let Some(netns) = &netns {
+                crate::jail::join_net(netns)?;
             }
-            clear_net_namespace(&mut spec_owned);
+            // The tap too, as root: attaching to a tap someone else made
+            // needs CAP_NET_ADMIN, and the jail has no /dev/net/tun. The
+            // descriptor stays valid in the jail's own namespaces.
+            crate::devices::net::Tap::preopen(&tap)?;
+            spec_owned = spec.clone();
+            if let Some(netns) = netns {
+                if let Some(jail) = spec_owned.jail.as_mut() {
+                    jail.namespaces.join_net = Some(netns);
+                }
+                clear_net_namespace(&mut spec_owned);
+            }
             &spec_owned
         }
         _ => spec,
@@ -158,6 +168,14 @@ fn net_namespace(spec: &LaunchSpec) -> Option<std::path::PathBuf> {
     match &spec.mode {
         LaunchMode::Boot { net, .. } => net.as_ref().and_then(|n| n.netns.clone()),
         LaunchMode::Restore { restore, .. } => restore.net.as_ref().and_then(|n| n.netns.clone()),
+        LaunchMode::Standby { .. } => None,
+    }
+}
+
+fn tap_name(spec: &LaunchSpec) -> Option<String> {
+    match &spec.mode {
+        LaunchMode::Boot { net, .. } => net.as_ref().map(|n| n.tap.clone()),
+        LaunchMode::Restore { restore, .. } => restore.net.as_ref().map(|n| n.tap.clone()),
         LaunchMode::Standby { .. } => None,
     }
 }

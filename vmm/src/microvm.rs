@@ -48,6 +48,9 @@ pub enum RunError {
     Jail(#[from] crate::jail::JailError),
     #[error(transparent)]
     Seccomp(#[from] crate::seccomp::SeccompError),
+    /// A jailed VMM's tap, opened before it enters the jail.
+    #[error(transparent)]
+    Tap(#[from] crate::devices::net::TapError),
 }
 
 impl RunError {

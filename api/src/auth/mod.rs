@@ -34,7 +34,7 @@ use tokens::{digest, TenantsFile, TokenRecord, TokensError};
 pub const ADMIN_TENANT: &str = "admin";
 
 /// What a token may do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Scope {
     /// Everything: pods, images, shared templates, tokens, quotas, and

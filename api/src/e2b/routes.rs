@@ -303,40 +303,17 @@ pub async fn refresh<S: SandboxApi>(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// CPU time of a process over its life, as a percentage of `vcpus` CPUs
-/// (from `/proc/PID/stat` and `/proc/uptime`).
-fn cpu_used_pct(pid: u32, vcpus: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command, which is in parentheses and may hold spaces.
-    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    let ticks = |i: usize| fields.get(i)?.parse::<f64>().ok();
-    // utime and stime are fields 14 and 15 of stat(5), starttime 22; the
-    // list starts at field 3.
-    let (utime, stime, start) = (ticks(11)?, ticks(12)?, ticks(19)?);
-    let uptime: f64 = std::fs::read_to_string("/proc/uptime")
-        .ok()?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()?;
-    // SAFETY: sysconf only reads a configuration value.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    let alive = uptime - start / hz;
-    (alive > 0.0 && hz > 0.0)
-        .then(|| ((utime + stime) / hz / alive / f64::from(vcpus.max(1)) * 100.0).min(100.0))
-}
-
 /// `GET /sandboxes/{id}/metrics`: one sample, now, of a running sandbox
 /// (memory in use is its VMM's PSS, CPU its VMM's average since it
-/// started); none for a paused one.
+/// started: the `usage` its pod measured); none for a paused one.
 pub async fn metrics<S: SandboxApi>(state: Api<S>, Path(id): Path<String>) -> E2bResult<Response> {
     let out = call(&state, move |s| {
         let sandbox = live(s, &id)?;
-        let Some(vmm) = sandbox
-            .vmm
-            .as_ref()
-            .filter(|_| e2b_state(sandbox.state) == Some("running"))
-        else {
+        // Measured by the sandbox's pod (this one's or a remote one).
+        let (Some(usage), Some(memory)) = (sandbox.usage.as_ref(), sandbox.memory.as_ref()) else {
+            return Ok(Vec::new());
+        };
+        if e2b_state(sandbox.state) != Some("running") {
             return Ok(Vec::new());
         };
         let now = Timestamp::now();
@@ -346,8 +323,10 @@ pub async fn metrics<S: SandboxApi>(state: Api<S>, Path(id): Path<String>) -> E2
             timestamp: super::time::format(now),
             timestamp_unix: now.0 / 1000,
             cpu_count: sandbox.vcpus,
-            cpu_used_pct: cpu_used_pct(vmm.pid, sandbox.vcpus).unwrap_or(0.0),
-            mem_used: torpor_scheduler::service::vmm::pss_kib(vmm.pid).unwrap_or(0) << 10,
+            cpu_used_pct: usage.cpu_used_pct,
+            // What the guest says it uses when it says (its balloon's
+            // statistics), else what its VMM holds on the host.
+            mem_used: memory.guest_used_bytes.unwrap_or(memory.pss_bytes),
             mem_total: u64::from(sandbox.mem_mib) << 20,
             mem_cache: 0,
             disk_used: disk,
@@ -539,7 +518,7 @@ pub async fn fork<S: SandboxApi>(
                     &source.id,
                     ForkSandbox {
                         timeout_ms,
-                        metadata: source.metadata.clone(),
+                        metadata: super::wire::user_metadata(&source.metadata),
                         access_token: Some(new_access_token()),
                         ..ForkSandbox::default()
                     },
@@ -634,14 +613,22 @@ pub async fn delete_template<S: SandboxApi>(
     Path(id): Path<String>,
 ) -> E2bResult<StatusCode> {
     call(&state, move |s| {
-        let template = s
+        let local = s
             .list_templates()?
             .into_iter()
-            .find(|t| t.state != TemplateState::Deleted && (t.id.as_str() == id || t.name == id))
-            .ok_or(ServiceError::NotFound {
-                kind: "template",
-                id: id.clone(),
-            })?;
+            .find(|t| t.state != TemplateState::Deleted && (t.id.as_str() == id || t.name == id));
+        let template = match local {
+            Some(t) => t,
+            // Another pod's (a snapshot of a sandbox there): by id or name.
+            None => s
+                .get_template(&TemplateId::new(&id))
+                .ok()
+                .filter(|t| t.state != TemplateState::Deleted)
+                .ok_or(ServiceError::NotFound {
+                    kind: "template",
+                    id: id.clone(),
+                })?,
+        };
         s.delete_template(&template.id)
     })
     .await?;

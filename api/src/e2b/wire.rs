@@ -19,8 +19,11 @@ use super::time;
 /// The envd version the create answer names. The SDKs gate features on it
 /// (`0.1.0` at least to create at all); see `docs/e2b.md`.
 pub const ENVD_VERSION: &str = "0.5.7";
-/// E2B's default `timeout` (seconds) when a create leaves it out.
-pub const DEFAULT_TIMEOUT_S: u64 = 15;
+/// E2B's default `timeout` (seconds) when a create or connect leaves it
+/// out: 300 in the current E2B API (`NewSandbox.timeout`, `@default 300`);
+/// the SDKs send none unless asked (an older spec said 15, which killed
+/// SDK-default sandboxes after 15 s).
+pub const DEFAULT_TIMEOUT_S: u64 = 300;
 /// Largest page of a list.
 pub const MAX_LIMIT: usize = 100;
 /// Largest `count` of a fork (the SDK's `MAX_FORK_COUNT`).
@@ -300,11 +303,22 @@ impl SandboxDetail {
             memory_mb: s.mem_mib,
             disk_size_mb,
             state: e2b_state(s.state)?,
-            metadata: s.metadata.clone(),
+            metadata: user_metadata(&s.metadata),
             domain: None,
             lifecycle: Lifecycle::of(s),
         })
     }
+}
+
+/// A sandbox's metadata as its user set it: without torpor's own keys
+/// (`torpor.*`, such as the federation's placement tag), which the E2B
+/// SDKs would otherwise hand back to agents comparing what they set.
+pub fn user_metadata(metadata: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+    metadata
+        .iter()
+        .filter(|(k, _)| !k.starts_with("torpor."))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
 }
 
 /// The `metadata` query parameter of a list: the SDKs send
@@ -387,6 +401,17 @@ pub fn page<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn torpors_own_metadata_keys_are_not_shown() {
+        let m: BTreeMap<String, String> = [("torpor.placement", "plc_1"), ("run", "x")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let shown = user_metadata(&m);
+        assert_eq!(shown.len(), 1);
+        assert_eq!(shown["run"], "x");
+    }
 
     #[test]
     fn metadata_filter_decodes_the_sdks_double_encoding() {

@@ -19,6 +19,7 @@
 //!   placements are matched against what the pods hold and adopted or
 //!   dropped.
 
+mod coming;
 pub mod pods;
 mod remote;
 pub mod routing;
@@ -31,7 +32,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::{json, Value};
-use torpor_scheduler::model::{Checkpoint, PodId, Sandbox, SandboxId, Template, TemplateId};
+use torpor_scheduler::model::{
+    Checkpoint, PodId, Sandbox, SandboxId, Template, TemplateId, TemplateState,
+};
 use torpor_scheduler::service::LOCAL_POD;
 
 use crate::backend::SandboxApi;
@@ -42,6 +45,7 @@ use crate::service::{
     RestoreCheckpoint, SandboxFilter, ServiceError,
 };
 use crate::tls::Fingerprint;
+pub use coming::{Starter, RETRY_AFTER_S};
 pub use pods::{is_loopback, RemotePod};
 use store::{FederationStore, StoredPod};
 
@@ -72,10 +76,8 @@ pub struct Federation<L: SandboxApi> {
     /// Remote sandboxes: their pod and tenant.
     owners: RwLock<HashMap<SandboxId, store::Owner>>,
     io_timeout: Duration,
-    /// Templates a pod on its way up will have (the nested pod's `linux`),
-    /// with why they are not there yet: creating a sandbox from one answers
-    /// 503 with that, rather than a 404 or a wait.
-    coming: RwLock<HashMap<String, String>>,
+    /// Templates a pod on its way up will have (the nested pod's `base`).
+    coming: coming::Coming,
 }
 
 fn internal(e: impl std::fmt::Display) -> ServiceError {
@@ -121,7 +123,7 @@ impl<L: SandboxApi> Federation<L> {
             pods: RwLock::new(pods),
             owners: RwLock::new(owners),
             io_timeout,
-            coming: RwLock::new(HashMap::new()),
+            coming: coming::Coming::default(),
         });
         fed.settle_placements();
         Ok(fed)
@@ -245,13 +247,21 @@ impl<L: SandboxApi> Federation<L> {
     }
 
     /// Marks template `name` as coming (`why`: not there yet, and why) or
-    /// there (`None`); see the `coming` field.
+    /// there (`None`): creating a sandbox from it answers 503 with `why`.
     pub fn template_coming(&self, name: &str, why: Option<String>) {
-        let mut coming = self.coming.write().unwrap_or_else(|p| p.into_inner());
-        match why {
-            Some(why) => coming.insert(name.to_string(), why),
-            None => coming.remove(name),
-        };
+        self.coming.set(name, why);
+    }
+
+    /// Offers template `name` on demand: the first create that asks for it
+    /// runs `start` (which returns at once and reports progress through
+    /// [`Federation::template_coming`]) and answers 503 like the next ones.
+    pub fn template_on_demand(&self, name: &str, why: String, start: coming::Starter) {
+        self.coming.on_demand(name, why, start);
+    }
+
+    /// What is said about `name` while it is coming.
+    pub fn template_progress(&self, name: &str) -> Option<String> {
+        self.coming.why(name)
     }
 
     /// Registers a pod after checking it answers with `token`; idempotent
@@ -470,6 +480,12 @@ impl<L: SandboxApi> Federation<L> {
                 .local
                 .list_templates()
                 .is_ok_and(|ts| ts.iter().any(|t| t.name == template));
+        let remote_pods = self.remote_pods();
+        if has_local && remote_pods.is_empty() {
+            // Nothing to rank it against: the local pod's headroom (a
+            // list of every sandbox, the PSS of every VMM) is not needed.
+            return vec![(0.0, None)];
+        }
         if has_local {
             let headroom = self
                 .local
@@ -480,8 +496,7 @@ impl<L: SandboxApi> Federation<L> {
             out.push((headroom, None));
         }
         let remote: Vec<(f64, RemotePod)> = std::thread::scope(|scope| {
-            let handles: Vec<_> = self
-                .remote_pods()
+            let handles: Vec<_> = remote_pods
                 .into_iter()
                 .map(|pod| {
                     scope.spawn(move || {
@@ -543,19 +558,7 @@ impl<L: SandboxApi> Federation<L> {
             })?;
             return self.create_remote(&pod, req);
         }
-        let coming = self
-            .coming
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&req.template)
-            .cloned();
-        if let Some(why) = coming {
-            return Err(ServiceError::Pod {
-                status: 503,
-                code: crate::error::code::UNAVAILABLE.into(),
-                message: format!("template {} is not available yet: {why}", req.template),
-            });
-        }
+        self.coming.check(&req.template)?;
         let candidates = self.candidates(&req.template);
         if candidates.is_empty() {
             // No pod has it: the local pod's answer (404) says so.
@@ -610,52 +613,6 @@ impl<L: SandboxApi> Federation<L> {
         let ours = self.owned_by(&pod.id, filter.tenant.as_deref());
         Ok(all.into_iter().filter(|s| ours.contains(&s.id)).collect())
     }
-
-    /// Templates of every pod that answers, each with its `pod`.
-    fn templates_everywhere(&self) -> Result<Vec<Value>, ServiceError> {
-        let mut out = Vec::new();
-        for t in self.local.list_templates()? {
-            let mut v = serde_json::to_value(t).map_err(internal)?;
-            v["pod"] = json!(LOCAL_POD);
-            out.push(v);
-        }
-        for pod in self.remote_pods() {
-            match pod.look("/v1/templates") {
-                Ok(mut list) => {
-                    for mut t in list["templates"]
-                        .as_array_mut()
-                        .map(std::mem::take)
-                        .unwrap_or_default()
-                    {
-                        t["pod"] = json!(pod.id);
-                        out.push(t);
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(pod = %pod.id, error = %e, "templates of an unreachable pod left out")
-                }
-            }
-        }
-        Ok(out)
-    }
-
-    /// The first remote pod that knows template `id`, and its answer.
-    fn remote_template(
-        &self,
-        method: &str,
-        id: &TemplateId,
-    ) -> Result<Option<Value>, ServiceError> {
-        for pod in self.remote_pods() {
-            let path = format!("/v1/templates/{}", encode(id.as_str()));
-            match pod.call(method, &path, None) {
-                Ok(v) => return Ok(Some(v)),
-                Err(ServiceError::Pod { status: 404, .. }) => continue,
-                Err(ServiceError::Pod { status: 502, .. }) => continue,
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(None)
-    }
 }
 
 fn view_json(v: PodView) -> Value {
@@ -674,7 +631,12 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
             Err(ServiceError::NotFound { kind, id: missing }) => {
                 match self.remote_template("GET", id)? {
                     Some(v) => serde_json::from_value(v).map_err(internal),
-                    None => Err(ServiceError::NotFound { kind, id: missing }),
+                    None => {
+                        // A template still coming (started by this request
+                        // if on demand: any request for it is a first use).
+                        self.coming.check(id.as_str())?;
+                        Err(ServiceError::NotFound { kind, id: missing })
+                    }
                 }
             }
             other => other,
@@ -714,11 +676,7 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
     }
     fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
         match self.remote_sandbox(id) {
-            Some(pod) => {
-                let mut sandbox = remote::sandbox(&pod, "GET", id, "", None)?;
-                (sandbox.access_token, sandbox.env) = self.store.secrets(id).map_err(internal)?;
-                Ok(sandbox)
-            }
+            Some(pod) => self.with_secrets(remote::sandbox(&pod, "GET", id, "", None)?),
             None => self.local.get_sandbox(id),
         }
     }
@@ -760,25 +718,25 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
     }
     fn pause(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
         match self.remote_sandbox(id) {
-            Some(pod) => remote::outcome(&pod, id, "pause"),
+            Some(pod) => self.outcome_with_secrets(remote::outcome(&pod, id, "pause")?),
             None => self.local.pause(id),
         }
     }
     fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
         match self.remote_sandbox(id) {
-            Some(pod) => remote::outcome(&pod, id, "resume"),
+            Some(pod) => self.outcome_with_secrets(remote::outcome(&pod, id, "resume")?),
             None => self.local.resume(id),
         }
     }
     fn connect(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
         match self.remote_sandbox(id) {
-            Some(pod) => remote::outcome(&pod, id, "connect"),
+            Some(pod) => self.outcome_with_secrets(remote::outcome(&pod, id, "connect")?),
             None => self.local.connect(id),
         }
     }
     fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
         match self.remote_sandbox(id) {
-            Some(pod) => remote::outcome(&pod, id, "hibernate"),
+            Some(pod) => self.outcome_with_secrets(remote::outcome(&pod, id, "hibernate")?),
             None => self.local.hibernate(id),
         }
     }
@@ -800,7 +758,7 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
                     "keep_alive_ms": keep_alive_ms,
                     "timeout_ms": timeout_ms,
                 });
-                remote::sandbox(&pod, "PATCH", id, "", Some(&body))
+                self.with_secrets(remote::sandbox(&pod, "PATCH", id, "", Some(&body))?)
             }
             None => self.local.set_timeout(id, keep_alive_ms, timeout_ms),
         }
@@ -897,20 +855,44 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
         self.local.restore_checkpoint(id, req)
     }
     fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
-        self.local.fork_sandbox(id, req)
+        match self.remote_sandbox(id) {
+            Some(pod) => self.fork_remote(&pod, id, req),
+            None => self.local.fork_sandbox(id, req),
+        }
     }
     fn template_from_sandbox(
         &self,
         id: &SandboxId,
         req: crate::service::TemplateFromSandbox,
     ) -> Result<torpor_scheduler::model::Template, ServiceError> {
-        self.local.template_from_sandbox(id, req)
+        let Some(pod) = self.remote_sandbox(id) else {
+            return self.local.template_from_sandbox(id, req);
+        };
+        // The template lives on the sandbox's pod, beside its layers.
+        remote::template(&pod, id, &req)
     }
     fn sandbox_templates(
         &self,
         source: Option<&SandboxId>,
     ) -> Result<Vec<(torpor_scheduler::model::Template, SandboxId)>, ServiceError> {
-        self.local.sandbox_templates(source)
+        let mut out = self.local.sandbox_templates(source)?;
+        // Remote ones name their source sandbox; only ours are shown.
+        for v in self.templates_everywhere()? {
+            if v["pod"] == LOCAL_POD {
+                continue;
+            }
+            let Ok(t) = serde_json::from_value::<Template>(v) else {
+                continue;
+            };
+            let Some(from) = t.source.clone() else {
+                continue;
+            };
+            let ours = self.owner(&from).is_some();
+            if ours && source.is_none_or(|s| *s == from) && t.state != TemplateState::Deleted {
+                out.push((t, from));
+            }
+        }
+        Ok(out)
     }
     fn exec(
         &self,
@@ -998,7 +980,7 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
         let link = AgentLink::dialed(id.as_str(), format!("pod {}", pod.id), dial);
         f(&link).map_err(ServiceError::Guest)?;
         Ok(Outcome {
-            sandbox: remote::sandbox(&pod, "GET", id, "", None)?,
+            sandbox: self.with_secrets(remote::sandbox(&pod, "GET", id, "", None)?)?,
             resumed: false,
             resume_ms: None,
         })

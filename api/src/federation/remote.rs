@@ -6,8 +6,12 @@
 //! here, errors as the pod's status and code.
 
 use serde::de::DeserializeOwned;
-use serde_json::Value;
-use torpor_scheduler::model::{Sandbox, SandboxId};
+use serde_json::{json, Value};
+use torpor_scheduler::service::{ForkSandbox, LOCAL_POD};
+
+use super::internal;
+use crate::client::encode;
+use torpor_scheduler::model::{Sandbox, SandboxId, TemplateId};
 use torpor_scheduler::service::{Outcome, ServiceError};
 
 use super::pods::{rewrite_pod_ids, RemotePod};
@@ -59,4 +63,104 @@ pub(super) fn outcome(
 ) -> Result<Outcome, ServiceError> {
     let value = call(pod, "POST", id, &format!("/{action}"), None)?;
     typed(pod, "an outcome", value)
+}
+
+/// `POST .../template`: a template of the sandbox's state, on its pod.
+pub(super) fn template(
+    pod: &RemotePod,
+    id: &SandboxId,
+    req: &torpor_scheduler::service::TemplateFromSandbox,
+) -> Result<torpor_scheduler::model::Template, ServiceError> {
+    let body = serde_json::to_value(req).map_err(|e| ServiceError::Internal(e.to_string()))?;
+    let value = call(pod, "POST", id, "/template", Some(&body))?;
+    typed(pod, "a template", value)
+}
+
+/// The federation's side of remote sandboxes and templates: what it adds
+/// to a pod's answers, and the calls that span its pods.
+impl<L: crate::backend::SandboxApi> super::Federation<L> {
+    /// A remote sandbox as its pod shows it, with what the pod keeps but
+    /// never shows (the envd token, the environment) from this store.
+    pub(super) fn with_secrets(&self, mut sandbox: Sandbox) -> Result<Sandbox, ServiceError> {
+        (sandbox.access_token, sandbox.env) = self.store.secrets(&sandbox.id).map_err(internal)?;
+        Ok(sandbox)
+    }
+
+    pub(super) fn outcome_with_secrets(
+        &self,
+        mut outcome: Outcome,
+    ) -> Result<Outcome, ServiceError> {
+        outcome.sandbox = self.with_secrets(outcome.sandbox)?;
+        Ok(outcome)
+    }
+
+    /// A fork of remote sandbox `id`, made on its pod and recorded like a
+    /// create; its envd token and environment (its source's, under the
+    /// request's) kept here.
+    pub(super) fn fork_remote(
+        &self,
+        pod: &RemotePod,
+        id: &SandboxId,
+        req: ForkSandbox,
+    ) -> Result<Sandbox, ServiceError> {
+        let tenant = self.owner(id).and_then(|(_, t)| t);
+        let body = serde_json::to_value(&req).map_err(internal)?;
+        let path = format!("/v1/sandboxes/{}/fork", encode(id.as_str()));
+        let v = self.place_remote(pod, "POST", &path, body, tenant.as_deref())?;
+        let mut fork: Sandbox = serde_json::from_value(v).map_err(internal)?;
+        let (_, mut env) = self.store.secrets(id).map_err(internal)?;
+        env.extend(req.env);
+        self.store
+            .set_secrets(&fork.id, req.access_token.as_deref(), &env)
+            .map_err(internal)?;
+        fork.access_token = req.access_token;
+        fork.env = env;
+        Ok(fork)
+    }
+
+    /// Templates of every pod that answers, each with its `pod`.
+    pub(super) fn templates_everywhere(&self) -> Result<Vec<Value>, ServiceError> {
+        let mut out = Vec::new();
+        for t in self.local.list_templates()? {
+            let mut v = serde_json::to_value(t).map_err(internal)?;
+            v["pod"] = json!(LOCAL_POD);
+            out.push(v);
+        }
+        for pod in self.remote_pods() {
+            match pod.look("/v1/templates") {
+                Ok(mut list) => {
+                    for mut t in list["templates"]
+                        .as_array_mut()
+                        .map(std::mem::take)
+                        .unwrap_or_default()
+                    {
+                        t["pod"] = json!(pod.id);
+                        out.push(t);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(pod = %pod.id, error = %e, "templates of an unreachable pod left out")
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The first remote pod that knows template `id`, and its answer.
+    pub(super) fn remote_template(
+        &self,
+        method: &str,
+        id: &TemplateId,
+    ) -> Result<Option<Value>, ServiceError> {
+        for pod in self.remote_pods() {
+            let path = format!("/v1/templates/{}", encode(id.as_str()));
+            match pod.call(method, &path, None) {
+                Ok(v) => return Ok(Some(v)),
+                Err(ServiceError::Pod { status: 404, .. }) => continue,
+                Err(ServiceError::Pod { status: 502, .. }) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(None)
+    }
 }

@@ -53,9 +53,11 @@ pub async fn forward<S: SandboxApi>(
     let path = request.uri().path().to_string();
     let segments: Vec<&str> = path.split('/').collect();
     let target = match (segments.get(2).copied(), segments.get(3).copied()) {
-        (Some("sandboxes"), Some(id)) => service
-            .remote_sandbox(&SandboxId::new(id))
-            .map(|p| (p, Target::Sandbox)),
+        (Some("sandboxes"), Some(id)) if service.relays(request.method().as_str(), &path) => {
+            service
+                .remote_sandbox(&SandboxId::new(id))
+                .map(|p| (p, Target::Sandbox))
+        }
         (Some("pods"), Some(id)) => service
             .remote_pod(&PodId::new(id))
             .map(|p| (p, Target::Pod)),

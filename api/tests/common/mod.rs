@@ -102,6 +102,7 @@ impl Fake {
             state: TemplateState::Ready,
             tenant: None,
             image: None,
+            source: None,
         };
         let pod = Pod {
             id: PodId::new(POD_ID),
@@ -312,6 +313,7 @@ impl SandboxApi for Fake {
             state: TemplateState::Building,
             tenant: req.owner.filter(|o| !o.admin).map(|o| o.tenant),
             image: req.image,
+            source: None,
         };
         let mut st = self.state.lock().unwrap();
         st.templates.insert(template.id.clone(), template.clone());

@@ -174,10 +174,8 @@ mod tests {
         use std::process::Command;
         // scripts/test leaves this out without root (tests/needs).
         // SAFETY: geteuid has no preconditions.
-        assert!(
-            unsafe { libc::geteuid() } == 0,
-            "needs root for a network namespace"
-        );
+        let root = unsafe { libc::geteuid() } == 0;
+        assert!(root, "needs root for a network namespace");
         let ns = format!("tga-{}", std::process::id());
         let ip = |args: &[&str]| {
             Command::new("ip")
@@ -213,10 +211,8 @@ mod tests {
             s.spawn(|| {
                 // SAFETY: setns on a namespace descriptor we hold; only
                 // this thread moves.
-                assert_eq!(
-                    unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) },
-                    0
-                );
+                let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+                assert_eq!(rc, 0);
                 let name = std::ffi::CString::new("gb0").unwrap();
                 // SAFETY: `name` is NUL-terminated.
                 let index = unsafe { libc::if_nametoindex(name.as_ptr()) };

@@ -23,6 +23,41 @@ use crate::proto::{
 };
 use std::io::{Read, Write};
 
+/// Opens guest port `port` through a VMM's hybrid vsock socket `uds`
+/// (Firecracker's protocol: send `CONNECT <port>\n`, read `OK <n>\n`).
+/// The answer is read a byte at a time, so nothing the agent sends right
+/// after it is consumed; a line past 64 bytes or anything but `OK` is
+/// refused. Reads and writes wait at most `limit` each, and the stream is
+/// returned with those timeouts still set (the caller sets its own).
+pub fn connect_vsock(
+    uds: &std::path::Path,
+    port: u32,
+    limit: std::time::Duration,
+) -> std::io::Result<std::os::unix::net::UnixStream> {
+    let mut stream = std::os::unix::net::UnixStream::connect(uds)?;
+    stream.set_read_timeout(Some(limit))?;
+    stream.set_write_timeout(Some(limit))?;
+    stream.write_all(format!("CONNECT {port}\n").as_bytes())?;
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while line.len() < 64 {
+        if stream.read(&mut byte)? == 0 || byte[0] == b'\n' {
+            break;
+        }
+        line.push(byte[0]);
+    }
+    if !line.starts_with(b"OK ") {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            format!(
+                "the guest refused vsock port {port}: {:?}",
+                guest_text(&String::from_utf8_lossy(&line))
+            ),
+        ));
+    }
+    Ok(stream)
+}
+
 /// Longest guest-supplied text kept in an error.
 pub const MAX_GUEST_TEXT: usize = 256;
 

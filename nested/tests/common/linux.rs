@@ -91,6 +91,17 @@ pub fn torpor_vmm() -> (PathBuf, &'static str) {
 /// (`/opt/torpor/vmlinux`), a fresh rootfs (`/opt/torpor/rootfs.ext4`) and
 /// `extra` files (host path, L1 path).
 pub fn linux_host(tag: &str, extra: &[(PathBuf, &str)]) -> (NestedHost, Scratch) {
+    linux_host_with(tag, extra, 3072, None)
+}
+
+/// [`linux_host`] with `memory_mib` of L1 memory and, given `overlay`, a
+/// rootfs with that directory copied over it (`build-rootfs --overlay`).
+pub fn linux_host_with(
+    tag: &str,
+    extra: &[(PathBuf, &str)],
+    memory_mib: u32,
+    overlay: Option<&Path>,
+) -> (NestedHost, Scratch) {
     let torpor = torpor_binary();
     assert!(
         torpor.is_file(),
@@ -101,15 +112,17 @@ pub fn linux_host(tag: &str, extra: &[(PathBuf, &str)]) -> (NestedHost, Scratch)
     let agent = built("build-agent", &[]);
     let scratch = Scratch::new(tag);
     let rootfs = scratch.0.join("rootfs.ext4");
-    let out = Command::new(repo().join("scripts/build-rootfs"))
-        .args([
-            "--agent",
-            agent.to_str().unwrap(),
-            "--out",
-            rootfs.to_str().unwrap(),
-        ])
-        .output()
-        .expect("run scripts/build-rootfs");
+    let mut build = Command::new(repo().join("scripts/build-rootfs"));
+    build.args([
+        "--agent",
+        agent.to_str().unwrap(),
+        "--out",
+        rootfs.to_str().unwrap(),
+    ]);
+    if let Some(dir) = overlay {
+        build.arg("--overlay").arg(dir);
+    }
+    let out = build.output().expect("run scripts/build-rootfs");
     assert!(
         out.status.success(),
         "scripts/build-rootfs failed:\n{}",
@@ -117,6 +130,7 @@ pub fn linux_host(tag: &str, extra: &[(PathBuf, &str)]) -> (NestedHost, Scratch)
     );
 
     let mut builder = NestedHost::builder()
+        .memory_mib(memory_mib)
         .file(&torpor, "/opt/torpor/torpor")
         .file(&kernel, "/opt/torpor/vmlinux")
         .file(&rootfs, "/opt/torpor/rootfs.ext4");

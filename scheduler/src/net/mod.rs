@@ -59,6 +59,12 @@ pub const GATEWAY_ADDR: Ipv4Addr = Ipv4Addr::new(172, 16, 0, 1);
 pub const GUEST_PREFIX: u8 = 30;
 /// The tap's name inside every sandbox namespace (what the VMM opens).
 pub const TAP_NAME: &str = "tap0";
+/// The gateway's (the tap's) MAC in every sandbox namespace: the same
+/// everywhere, like the guest's address, so the gateway a guest learned
+/// before a snapshot is still right in every clone and after every wake
+/// (with a new MAC per namespace, a restored guest's replies went to the
+/// old one until its neighbour entry expired, tens of seconds).
+pub const GATEWAY_MAC: &str = "02:74:70:00:00:01";
 /// The namespace's end of the veth.
 pub const UPLINK: &str = "eth0";
 
@@ -466,6 +472,7 @@ impl NetManager {
         nsip(&["link", "set", UPLINK, "up"])?;
         nsip(&["route", "add", "default", "via", &net.host_addr.to_string()])?;
         nsip(&["tuntap", "add", "dev", TAP_NAME, "mode", "tap"])?;
+        nsip(&["link", "set", "dev", TAP_NAME, "address", GATEWAY_MAC])?;
         nsip(&["addr", "add", &gateway, "dev", TAP_NAME])?;
         nsip(&["link", "set", TAP_NAME, "up"])?;
         Self::in_netns(ns, "sysctl", &["-qw", "net.ipv4.ip_forward=1"], None)?;

@@ -26,6 +26,23 @@ pub enum Target {
     Domain(String),
 }
 
+/// In the OpenAPI document: the text it is read from and written as.
+impl utoipa::PartialSchema for Target {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::ObjectBuilder::new()
+            .schema_type(utoipa::openapi::schema::Type::String)
+            .description(Some(
+                "An IPv4 network (`a.b.c.d/len`, host bits zero; a bare address is `/32`) or \
+                 a domain name (matches the name and every name under it; enforced through \
+                 the pod's DNS forwarder).",
+            ))
+            .examples(["10.0.0.0/8", "pypi.org"])
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for Target {}
+
 impl FromStr for Target {
     type Err = NetError;
     fn from_str(s: &str) -> Result<Self, NetError> {
@@ -73,7 +90,8 @@ impl From<Cidr> for Target {
 }
 
 /// What a sandbox may reach (E2B's semantics: deny wins over allow).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[schema(as = NetworkPolicy)]
 #[serde(deny_unknown_fields)]
 pub struct EgressPolicy {
     /// Everything not denied; when false only `allow_out` is reachable
@@ -163,7 +181,8 @@ impl EgressPolicy {
 /// A change of policy (the create request's `network`, and
 /// `PATCH /v1/sandboxes/{id}/network`): what is given replaces that part,
 /// what is left out is kept (the pod default at create).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[schema(as = NetworkPolicyPatch)]
 #[serde(deny_unknown_fields)]
 pub struct PolicyPatch {
     #[serde(default, skip_serializing_if = "Option::is_none")]

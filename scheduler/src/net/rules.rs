@@ -168,7 +168,17 @@ pub fn sandbox_nat(sandbox_addr: Ipv4Addr, uplink: &str, dns: Option<SocketAddrV
 }
 
 /// A sandbox's traffic, from its rules' counters.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    serde::Serialize,
+    serde::Deserialize,
+    utoipa::ToSchema,
+)]
 pub struct NetCounters {
     /// Sent by the sandbox (leaving its veth towards the host).
     pub tx_bytes: u64,

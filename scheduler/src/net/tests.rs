@@ -38,10 +38,8 @@ fn tool(name: &str) -> bool {
 /// leaves these tests out where they are missing (tests/needs).
 pub(crate) fn manager(tag: &str, pool: &str) -> Option<(NetManager, HostNs)> {
     // SAFETY: geteuid has no preconditions.
-    assert!(
-        unsafe { libc::geteuid() } == 0,
-        "{tag}: needs root for namespaces, veths and nftables"
-    );
+    let root = unsafe { libc::geteuid() } == 0;
+    assert!(root, "{tag}: needs root for namespaces, veths and nftables");
     assert!(
         tool("nft") && std::path::Path::new("/dev/net/tun").exists(),
         "{tag}: needs nft (apt-get install nftables) and /dev/net/tun"

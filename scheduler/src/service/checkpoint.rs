@@ -46,14 +46,14 @@ pub const MAX_CHECKPOINT_NAME: usize = 64;
 pub const STALL_ENV: &str = "TORPOR_TEST_STALL_AT";
 
 /// Taking a checkpoint (the API's request body).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateCheckpoint {
     pub name: String,
 }
 
 /// Restoring a sandbox from one of its checkpoints (the API's request body).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RestoreCheckpoint {
     pub checkpoint: String,
@@ -62,7 +62,7 @@ pub struct RestoreCheckpoint {
 /// Forking a new sandbox (the API's request body): from the named
 /// checkpoint, or without one from a fresh snapshot of the current state.
 /// Memory, vCPUs and template are the source's.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ForkSandbox {
     #[serde(default)]

@@ -10,12 +10,12 @@
 
 use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use torpor_agent::client::guest_text;
+use torpor_agent::client::{connect_vsock, guest_text};
 pub use torpor_agent::proto::{
     DirListing, ErrorReply, ExecRequest, ExitReply, FileKind, FileStat, ResumedReply,
 };
@@ -87,37 +87,6 @@ pub enum GuestError {
 pub struct GuestCall<T> {
     pub outcome: Outcome,
     pub value: T,
-}
-
-/// Connects to guest port `port` through the hybrid vsock socket `uds`.
-/// The `OK` line is read a byte at a time: what follows belongs to the
-/// agent protocol.
-pub fn connect_vsock(uds: &Path, port: u32) -> std::io::Result<UnixStream> {
-    let mut stream = UnixStream::connect(uds)?;
-    stream.set_read_timeout(Some(HANDSHAKE_LIMIT))?;
-    stream.set_write_timeout(Some(HANDSHAKE_LIMIT))?;
-    stream.write_all(format!("CONNECT {port}\n").as_bytes())?;
-    let mut line = Vec::new();
-    let mut byte = [0u8; 1];
-    while line.len() < 64 {
-        if stream.read(&mut byte)? == 0 {
-            break;
-        }
-        if byte[0] == b'\n' {
-            break;
-        }
-        line.push(byte[0]);
-    }
-    if !line.starts_with(b"OK ") {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::ConnectionRefused,
-            format!(
-                "the guest refused vsock port {port}: {:?}",
-                String::from_utf8_lossy(&line)
-            ),
-        ));
-    }
-    Ok(stream)
 }
 
 /// The connection to one guest's agent under the request's overall
@@ -252,7 +221,7 @@ impl AgentLink {
     /// greeting (the pod's end of a tunnel: the far side greets).
     pub fn connect_raw(&self) -> Result<UnixStream, GuestError> {
         match &self.route {
-            Route::Vsock(uds) => connect_vsock(uds, self.port)
+            Route::Vsock(uds) => connect_vsock(uds, self.port, HANDSHAKE_LIMIT)
                 .map_err(|e| self.unreachable(format!("{}: {e}", uds.display()))),
             Route::Dial { what, dial } => {
                 dial().map_err(|e| self.unreachable(format!("{what}: {e}")))
@@ -546,14 +515,19 @@ impl Service {
         let value = std::thread::scope(|scope| {
             scope.spawn(move || {
                 while let Err(RecvTimeoutError::Timeout) = until_done.recv_timeout(ACTIVE_TICK) {
-                    let _ = self.store.touch(id, Timestamp::now());
+                    let _ = self
+                        .store
+                        .write_relaxed(|tx| tx.touch(id, Timestamp::now()));
                 }
             });
             let value = f(&link, &outcome);
             drop(done);
             value
         });
-        let _ = self.store.touch(id, Timestamp::now());
+        // Relaxed: the last activity of a running sandbox.
+        let _ = self
+            .store
+            .write_relaxed(|tx| tx.touch(id, Timestamp::now()));
         self.record(
             started,
             id,

@@ -387,8 +387,8 @@ fn attach(ns: std::fs::File, trees: Vec<(Expose, OwnedFd, bool)>) -> Result<(), 
             Ok(())
         }
     };
-    // SAFETY: unshare and setns take flags and a descriptor we own.
     sys(
+        // SAFETY: unshare takes flags only.
         unsafe { libc::unshare(libc::CLONE_FS) } as _,
         "unshare CLONE_FS",
     )?;
@@ -396,8 +396,8 @@ fn attach(ns: std::fs::File, trees: Vec<(Expose, OwnedFd, bool)>) -> Result<(), 
     // 0755 whatever the service's is.
     // SAFETY: umask takes and returns a mode only.
     unsafe { libc::umask(0) };
-    // SAFETY: as above.
     sys(
+        // SAFETY: setns takes a descriptor we own and flags.
         unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNS) } as _,
         "enter the jail's mount namespace",
     )?;
@@ -565,10 +565,8 @@ mod tests {
         assert_eq!(jails.reserve().unwrap(), c);
         assert!(jails.reserve().is_err());
         // SAFETY: getuid cannot fail.
-        assert_eq!(
-            process_uid(std::process::id()),
-            Some(unsafe { libc::getuid() })
-        );
+        let uid = unsafe { libc::getuid() };
+        assert_eq!(process_uid(std::process::id()), Some(uid));
         let _ = std::fs::remove_dir_all(dir);
     }
 }

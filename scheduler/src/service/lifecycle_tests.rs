@@ -45,6 +45,7 @@ pub(super) fn service_with(
         state: TemplateState::Ready,
         tenant: None,
         image: None,
+        source: None,
     };
     Store::open(&dir.0)
         .unwrap()

@@ -233,6 +233,7 @@ impl Service {
         );
         self.register_local_pod(&all, reg.sub_registry_with_label(pod_label()));
         self.network_metrics(&mut reg);
+        self.memory_metrics(&mut reg, &all);
         for (name, help, family) in [
             (
                 "torpor_wakes",

@@ -202,6 +202,14 @@ pub enum ServiceError {
         code: String,
         message: String,
     },
+    /// Not there yet but coming (a template whose pod is still starting
+    /// or building it): 503 `unavailable` with `Retry-After`.
+    #[error("{message}")]
+    Unavailable {
+        message: String,
+        /// Seconds after which asking again is worth it.
+        retry_after_s: u64,
+    },
     /// A body or upload over its limit (413).
     #[error("{0}")]
     TooLarge(String),
@@ -272,7 +280,7 @@ impl ServiceError {
 
 /// Creating a template (also the API's request body: unknown fields are
 /// refused).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateTemplate {
     pub name: String,
@@ -323,7 +331,7 @@ fn default_vcpus() -> u32 {
 
 /// Creating a sandbox (also the API's request body: unknown fields are
 /// refused). Memory and vCPUs are the template's.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSandbox {
     /// Template id or name.

@@ -97,6 +97,11 @@ impl Service {
     pub fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
         let mut sandbox = self.store.get_sandbox(id)?;
         self.read_network(&mut sandbox);
+        sandbox.usage = sandbox
+            .vmm
+            .as_ref()
+            .and_then(|h| super::vmm::usage(h, sandbox.vcpus));
+        sandbox.memory = self.read_memory(&sandbox);
         Ok(sandbox)
     }
 
@@ -112,7 +117,9 @@ impl Service {
     /// Runs `f` in one transaction with the admission of `mem_mib` more on
     /// the local pod, so that the check and what makes the memory count (an
     /// insert, a state change in `f`) land together. A full pod is refused
-    /// (429), or with `queue` retried for up to [`QUEUE_LIMIT`].
+    /// (429), or with `queue` retried for up to [`QUEUE_LIMIT`]. The commit
+    /// is relaxed (no fsync, see [`crate::store::Store::write_relaxed`]):
+    /// it starts an operation whose end commits.
     pub(super) fn admit_with<T>(
         &self,
         mem_mib: u32,
@@ -121,7 +128,7 @@ impl Service {
     ) -> Result<T, ServiceError> {
         let pod = PodId::new(LOCAL_POD);
         self.admission_loop(queue, || {
-            self.store.write(|tx| {
+            self.store.write_relaxed(|tx| {
                 tx.admit(&pod, mem_mib)?;
                 f(tx)
             })
@@ -216,10 +223,12 @@ impl Service {
         match self.start_vmm(&sandbox.id, &snapshot) {
             Ok(mut report) => {
                 // The operation's end, the state and the snapshot the VMM
-                // runs from: one commit.
+                // runs from: one commit, relaxed: what it records is a
+                // running VMM, which a power cut ends anyway; a crash of
+                // this process keeps it.
                 lap.next();
                 let change = StateChange::new(SandboxState::Creating, SandboxState::Running);
-                let mut created = self.store.write(|tx| {
+                let mut created = self.store.write_relaxed(|tx| {
                     tx.set_sandbox_snapshot(&sandbox.id, Some(&snapshot))?;
                     tx.finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
                     tx.get_sandbox(&sandbox.id)
@@ -272,10 +281,15 @@ impl Service {
         };
         let template_files = self.template_files(&sandbox.template);
         let prepare_ms = lap.next();
+        // Mounting the sandbox's files into a jailed shell, apart from the
+        // restore round trip.
+        let mut jail_ms = 0.0;
+        // Held to the end of this step: the pool refills behind it.
+        let (shell, _restoring) = shell.map_or((None, None), |(s, r)| (Some(s), Some(r)));
         let from_shell = shell.and_then(|shell| {
-            let up = self
-                .jail_shell(&shell, &dir, &restore, &template_files)
-                .and_then(|()| restore_into_shell(shell, &files, &restore));
+            let jailed = self.jail_shell(&shell, &dir, &restore, &template_files);
+            jail_ms = lap.next();
+            let up = jailed.and_then(|()| restore_into_shell(shell, &files, &restore));
             match up {
                 Ok(up) => Some(up),
                 Err(e) => {
@@ -311,7 +325,8 @@ impl Service {
             }
         };
         let vmm_ms = lap.next();
-        self.store.set_sandbox_vmm(id, Some(&handle))?;
+        self.store
+            .write_relaxed(|tx| tx.set_sandbox_vmm(id, Some(&handle)))?;
         self.children
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -326,6 +341,9 @@ impl Service {
             phases: Vec::new(),
         };
         report.phase("prepare", prepare_ms);
+        if path == RestorePath::Standby && self.jails.is_some() {
+            report.phase("jail", jail_ms);
+        }
         report.phase("vmm", vmm_ms);
         report.phase("record", record_ms);
         report.phase("hook", lap.next());
@@ -380,7 +398,9 @@ impl Service {
                 .remove(&sandbox.id);
             self.metrics.vmm_ending(handle.pid);
             vmm::stop(handle, child);
-            self.store.set_sandbox_vmm(&sandbox.id, None)?;
+            // Relaxed: the operation that stops a VMM ends with a commit.
+            self.store
+                .write_relaxed(|tx| tx.set_sandbox_vmm(&sandbox.id, None))?;
         }
         self.drop_sandbox_net(&sandbox.id);
         Ok(())
@@ -464,7 +484,8 @@ impl Service {
         };
         let handle = Self::running_handle(&sandbox)?;
         vmm::call(handle, &req)?;
-        let sandbox = self.store.write(|tx| {
+        // Relaxed: a paused or running VMM is what a power cut ends anyway.
+        let sandbox = self.store.write_relaxed(|tx| {
             tx.update_sandbox_state(id, sandbox.state, to, None)?;
             tx.touch(id, Timestamp::now())?;
             tx.get_sandbox(id)
@@ -496,8 +517,9 @@ impl Service {
         match self.start_vmm(&sandbox.id, &snapshot) {
             Ok(mut report) => {
                 lap.next();
+                // Relaxed, like a create's: a power cut leaves it hibernated.
                 let change = StateChange::new(SandboxState::Resuming, SandboxState::Running);
-                let mut woken = self.store.write(|tx| {
+                let mut woken = self.store.write_relaxed(|tx| {
                     tx.finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
                     tx.touch(&sandbox.id, Timestamp::now())?;
                     tx.get_sandbox(&sandbox.id)
@@ -525,7 +547,8 @@ impl Service {
     /// paused, woken if hibernated, and counts as active (E2B's `connect`).
     pub fn connect(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
         let outcome = self.resume_for(id, true)?;
-        self.store.touch(id, Timestamp::now())?;
+        self.store
+            .write_relaxed(|tx| tx.touch(id, Timestamp::now()))?;
         Ok(outcome)
     }
 
@@ -538,7 +561,9 @@ impl Service {
         if sandbox.state == SandboxState::Hibernated {
             return self.wake_locked(sandbox);
         }
-        self.store.touch(id, Timestamp::now())?;
+        // Relaxed: the last activity of a running sandbox.
+        self.store
+            .write_relaxed(|tx| tx.touch(id, Timestamp::now()))?;
         Ok(Outcome {
             sandbox,
             resumed: false,
@@ -615,11 +640,13 @@ impl Service {
             return Ok(());
         }
         self.record(Instant::now(), id, EventKind::Delete, 0, sandbox.mem_mib);
-        let op = self
-            .store
-            .begin_operation(Some(id), OperationKind::Delete, &json!({}), None)?;
+        // Relaxed: its end below commits durably before any file goes.
+        let op = self.store.write_relaxed(|tx| {
+            tx.begin_operation(Some(id), OperationKind::Delete, &json!({}), None)
+        })?;
         self.stop_vmm(&sandbox)?;
         self.close_ports(&sandbox);
+        self.forget_memory(id);
         let change = StateChange::new(sandbox.state, SandboxState::Deleted);
         self.store
             .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;

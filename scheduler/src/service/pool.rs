@@ -65,6 +65,11 @@ struct PoolState {
     shells: HashMap<Shape, Vec<Shell>>,
     wanted: Vec<Shape>,
     stopped: bool,
+    /// Restores into shells in progress ([`StandbyPool::restoring`]): a
+    /// shape that still has a shell is refilled once they are done, so
+    /// making a shell (fork, exec, a KVM VM) does not take the CPU the
+    /// restore it was taken for needs.
+    restoring: usize,
     /// Shells made and taken, for metrics.
     made: u64,
     taken: u64,
@@ -125,8 +130,10 @@ impl StandbyPool {
         }
     }
 
-    /// A live shell of `shape`, if one is ready.
-    pub fn take(&self, shape: Shape) -> Option<Shell> {
+    /// A live shell of `shape`, if one is ready, with a guard that holds
+    /// back the refill of shapes that still have shells until it drops
+    /// (when the restore into the shell is done).
+    pub fn take(&self, shape: Shape) -> Option<(Shell, Restoring<'_>)> {
         if !self.enabled() {
             return None;
         }
@@ -145,11 +152,12 @@ impl StandbyPool {
         };
         if shell.is_some() {
             st.taken += 1;
+            st.restoring += 1;
         } else {
             st.missed += 1;
         }
         self.changed.notify_all();
-        shell
+        shell.map(|s| (s, Restoring(self)))
     }
 
     pub fn stats(&self) -> PoolStats {
@@ -199,11 +207,16 @@ impl StandbyPool {
                     if st.stopped {
                         return;
                     }
+                    // An empty shape at once (its next restore would be
+                    // cold); one that still has a shell once no restore
+                    // into a shell is in progress.
+                    let ready = |s: &Shape| st.shells.get(s).map_or(0, Vec::len);
                     let short = st
                         .wanted
                         .iter()
                         .copied()
-                        .find(|s| st.shells.get(s).map_or(0, Vec::len) < self.target);
+                        .filter(|s| ready(s) < self.target)
+                        .find(|s| ready(s) == 0 || st.restoring == 0);
                     match short {
                         Some(shape) => break shape,
                         None => {
@@ -284,6 +297,17 @@ impl StandbyPool {
             log,
             uid,
         })
+    }
+}
+
+/// A restore into a shell from [`StandbyPool::take`] in progress.
+pub struct Restoring<'a>(&'a StandbyPool);
+
+impl Drop for Restoring<'_> {
+    fn drop(&mut self) {
+        let mut st = self.0.state();
+        st.restoring = st.restoring.saturating_sub(1);
+        self.0.changed.notify_all();
     }
 }
 

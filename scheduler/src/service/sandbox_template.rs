@@ -16,7 +16,7 @@ use super::{CreateCheckpoint, Service, ServiceError};
 use crate::model::{random_hex, SandboxId, Template, TemplateId, TemplateState, Timestamp};
 
 /// `POST /v1/sandboxes/{id}/template` (the API's request body).
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TemplateFromSandbox {
     /// The template's name; `<sandbox id>-<8 hex>` when absent.
@@ -77,6 +77,7 @@ impl Service {
             // A sandbox's template is its tenant's, built from its image.
             tenant: source.tenant.clone(),
             image: base.image.clone(),
+            source: Some(id.clone()),
         };
         let inserted = self.store.insert_sandbox_template(&template, id);
         // The layer is the template's now (or, on failure, nobody's named

@@ -115,6 +115,7 @@ impl Service {
             kind: req.kind,
             created_at: Timestamp::now(),
             state: TemplateState::Building,
+            source: None,
         };
         let op = self.store.write(|tx| {
             tx.insert_template(&template)?;

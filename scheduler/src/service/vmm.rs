@@ -335,6 +335,29 @@ impl PidFd {
         }))
     }
 
+    /// Waits until the process has exited or `deadline` passed; whether
+    /// it exited. A pidfd turns readable when its process ends.
+    fn wait_exit(&self, deadline: Instant) -> bool {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut pfd = libc::pollfd {
+                fd: self.0.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd on a pidfd we own, for the call's length.
+            let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(1000) as i32) };
+            if n > 0 {
+                return true;
+            }
+            let interrupted =
+                n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted;
+            if (n < 0 && !interrupted) || Instant::now() >= deadline {
+                return false;
+            }
+        }
+    }
+
     fn signal(&self, sig: libc::c_int) -> std::io::Result<()> {
         use std::os::fd::AsRawFd;
         // SAFETY: a pidfd we own, a signal number, no siginfo, no flags.
@@ -384,15 +407,35 @@ pub fn stop(handle: &VmmHandle, child: Option<Child>) {
     let deadline = Instant::now() + Duration::from_secs(5);
     match child {
         Some(mut c) => {
-            while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(5));
+            // Woken by the exit itself (a pidfd), not a polling interval:
+            // a delete waits for the VMM's exit.
+            match PidFd::open(c.id()) {
+                Ok(fd) if c.try_wait().ok().flatten().is_none() => {
+                    fd.wait_exit(deadline);
+                }
+                Ok(_) => {}
+                Err(_) => {
+                    while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                }
             }
             let _ = c.kill();
             let _ = c.wait();
         }
         None => {
-            while alive(handle) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(5));
+            // The pidfd is opened before the check that the pid is still
+            // the VMM's, so it cannot be a recycled pid's.
+            match PidFd::open(handle.pid) {
+                Ok(fd) if is_recorded(handle) => {
+                    fd.wait_exit(deadline);
+                }
+                Ok(_) => {}
+                Err(_) => {
+                    while alive(handle) && Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                }
             }
             signal(handle, libc::SIGKILL);
         }
@@ -409,6 +452,41 @@ pub fn pss_kib(pid: u32) -> Option<u64> {
         .find(|l| l.starts_with("Pss:"))
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|v| v.parse().ok())
+}
+
+/// Clock ticks per second: the unit of the CPU times in `/proc/PID/stat`.
+pub fn clock_ticks_per_second() -> f64 {
+    // SAFETY: sysconf only reads a configuration value.
+    unsafe { libc::sysconf(libc::_SC_CLK_TCK) as f64 }
+}
+
+/// What the VMM of `handle` uses now (a sandbox of `vcpus` vCPUs); None
+/// when it is gone, or its pid names another process now.
+pub fn usage(handle: &VmmHandle, vcpus: u32) -> Option<crate::model::SandboxUsage> {
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", handle.pid)).ok()?;
+    // Fields after the command, which is in parentheses and may hold spaces.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i)?.parse::<f64>().ok();
+    // utime and stime are fields 14 and 15 of stat(5), starttime 22; the
+    // list starts at field 3.
+    let (utime, stime, start) = (ticks(11)?, ticks(12)?, ticks(19)?);
+    if handle.start_time.is_some_and(|t| t as f64 != start) {
+        return None;
+    }
+    let uptime: f64 = std::fs::read_to_string("/proc/uptime")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    let hz = clock_ticks_per_second();
+    let alive = uptime - start / hz;
+    let cpu_used_pct = if alive > 0.0 && hz > 0.0 {
+        ((utime + stime) / hz / alive / f64::from(vcpus.max(1)) * 100.0).min(100.0)
+    } else {
+        0.0
+    };
+    Some(crate::model::SandboxUsage { cpu_used_pct })
 }
 
 /// Page faults a process has taken, its threads included.

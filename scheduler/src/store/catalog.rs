@@ -16,6 +16,11 @@ use crate::state::SandboxState;
 
 const TEMPLATE_COLUMNS: &str = "id, name, kernel, rootfs, snapshot_dir, mem_mib, vcpus, kind, \
     state, failure_reason, created_at, tenant, image";
+/// What a template is read with: its columns and the sandbox it was
+/// snapshotted from, if any.
+const TEMPLATE_SELECT: &str = "id, name, kernel, rootfs, snapshot_dir, mem_mib, vcpus, kind, \
+    state, failure_reason, created_at, tenant, image, \
+    (SELECT sandbox FROM template_sources WHERE template_sources.template = templates.id) AS source";
 const POD_COLUMNS: &str = "id, address, token_hash, memory_bytes, vcpus, disk_bytes, \
     oversubscription_ratio, high_watermark, created_at";
 pub(super) const CHECKPOINT_COLUMNS: &str = "id, sandbox, name, snapshot_dir, parent, created_at";
@@ -46,6 +51,7 @@ fn template_from_row(row: &Row<'_>) -> rusqlite::Result<Template> {
         state,
         tenant: row.get("tenant")?,
         image: row.get("image")?,
+        source: row.get("source")?,
     })
 }
 
@@ -185,7 +191,7 @@ impl Tx<'_> {
         Ok(self
             .conn
             .prepare_cached(&format!(
-                "SELECT {TEMPLATE_COLUMNS} FROM templates WHERE id = ?1"
+                "SELECT {TEMPLATE_SELECT} FROM templates WHERE id = ?1"
             ))?
             .query_row([id], template_from_row)
             .optional()?)
@@ -205,7 +211,7 @@ impl Tx<'_> {
             "WHERE state != 'deleted'"
         };
         let mut stmt = self.conn.prepare(&format!(
-            "SELECT {TEMPLATE_COLUMNS} FROM templates {filter} ORDER BY created_at, id"
+            "SELECT {TEMPLATE_SELECT} FROM templates {filter} ORDER BY created_at, id"
         ))?;
         let rows = stmt
             .query_map([], template_from_row)?

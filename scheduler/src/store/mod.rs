@@ -2,6 +2,10 @@
 //!
 //! - WAL journal, `synchronous=FULL`: a commit is on disk (WAL fsynced)
 //!   before the call returns, so the API may answer once a call is back.
+//!   The exception, [`Store::write_relaxed`], commits without the fsync
+//!   what a power cut would end anyway (a running VMM's state): it survives
+//!   any crash of the process at once, and a power cut from the next
+//!   durable commit on.
 //! - Every mutating call is one `IMMEDIATE` transaction; several calls that
 //!   must land together go through [`Store::write`] with one closure (for
 //!   example "sandbox → hibernating" and "journal: hibernate started").
@@ -168,6 +172,8 @@ pub struct Store {
     dir: PathBuf,
     /// Write transactions committed since the store was opened.
     commits: AtomicU64,
+    /// Commits without an fsync ([`Store::write_relaxed`]).
+    relaxed: AtomicU64,
     /// Holds the data directory's flock for as long as the store lives.
     _lock: File,
 }
@@ -209,6 +215,7 @@ impl Store {
             conn: Mutex::new(conn),
             dir,
             commits: AtomicU64::new(0),
+            relaxed: AtomicU64::new(0),
             _lock: lock,
         })
     }
@@ -237,8 +244,38 @@ impl Store {
         Ok(out)
     }
 
-    /// How many write transactions (each one fsync of the WAL) this store
-    /// has committed since it was opened: what an operation costs.
+    /// [`Store::write`] without the fsync: when this returns the commit is
+    /// in the WAL in the OS's page cache, so any crash of this process
+    /// (kill -9 included) keeps it, and the next durable commit (any
+    /// [`Store::write`], which fsyncs the whole WAL) or checkpoint puts it
+    /// on disk. Only a power cut or kernel crash before then can lose it.
+    /// For state a power cut ends anyway: a running VMM's (create, wake,
+    /// pause, resume, last activity) and the first steps of an operation
+    /// whose last step commits durably. Never for what outlives a power
+    /// cut on its own (snapshots, deletions, templates).
+    pub fn write_relaxed<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
+        let conn = self.lock();
+        conn.execute_batch("PRAGMA synchronous = NORMAL")?;
+        // Declared before the transaction, so dropped after it: back to
+        // FULL however this ends (an error, a panic in `f`).
+        let _full = FullSync(&conn);
+        let tx = rusqlite::Transaction::new_unchecked(&conn, TransactionBehavior::Immediate)?;
+        let out = f(&Tx { conn: &tx })?;
+        tx.commit()?;
+        self.commits.fetch_add(1, Ordering::Relaxed);
+        self.relaxed.fetch_add(1, Ordering::Relaxed);
+        Ok(out)
+    }
+
+    /// How many of [`Store::commits`] were [`Store::write_relaxed`]'s (not
+    /// fsynced when they returned).
+    pub fn relaxed_commits(&self) -> u64 {
+        self.relaxed.load(Ordering::Relaxed)
+    }
+
+    /// How many write transactions this store has committed since it was
+    /// opened, durable or relaxed: what an operation costs. Those not
+    /// counted by [`Store::relaxed_commits`] were one fsync of the WAL each.
     pub fn commits(&self) -> u64 {
         self.commits.load(Ordering::Relaxed)
     }
@@ -256,6 +293,20 @@ impl Store {
     /// The schema version the store is at.
     pub fn schema_version(&self) -> Result<i64> {
         schema::version(&self.lock())
+    }
+}
+
+/// Sets the connection back to `synchronous=FULL` when dropped (after a
+/// [`Store::write_relaxed`]).
+struct FullSync<'c>(&'c Connection);
+
+impl Drop for FullSync<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.0.execute_batch("PRAGMA synchronous = FULL") {
+            // Not expected (the pragma takes no lock); every later commit
+            // would go without its fsync, so say so loudly.
+            tracing::error!("store: cannot set synchronous=FULL again: {e}");
+        }
     }
 }
 

@@ -77,6 +77,8 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
         restore: None,
         tenant: row.get("tenant")?,
         network: None,
+        usage: None,
+        memory: None,
     })
 }
 

@@ -89,7 +89,7 @@ pub struct Entered {
 }
 
 /// Joins the network namespace at `path` (a sandbox's, with its tap).
-fn join_net(path: &std::path::Path) -> Result<(), JailError> {
+pub(crate) fn join_net(path: &std::path::Path) -> Result<(), JailError> {
     use std::os::fd::AsRawFd;
     let ns = std::fs::File::open(path).map_err(|source| JailError::Sys {
         what: format!("open the network namespace {}", path.display()),

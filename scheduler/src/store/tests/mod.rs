@@ -47,6 +47,7 @@ pub(super) fn template(name: &str) -> Template {
         state: TemplateState::Ready,
         tenant: None,
         image: None,
+        source: None,
     }
 }
 
@@ -244,4 +245,54 @@ fn commits_count_committed_writes_only() {
         })
         .unwrap();
     assert_eq!(store.commits(), before + 2);
+}
+
+/// A relaxed write commits like any other (counted, visible, rolled back
+/// on an error) and leaves the connection durable (`synchronous=FULL`)
+/// for the next commit, whether it succeeded, failed or panicked.
+#[test]
+fn a_relaxed_write_commits_and_leaves_the_next_durable() {
+    let (_dir, store, t) = setup();
+    let s = sandbox_in(&store, &t, Running);
+    let synchronous = |store: &Store| -> i64 {
+        store
+            .lock()
+            .query_row("PRAGMA synchronous", [], |r| r.get(0))
+            .unwrap()
+    };
+    let (before, relaxed) = (store.commits(), store.relaxed_commits());
+    store
+        .write_relaxed(|tx| tx.update_sandbox_state(&s.id, Running, Paused, None))
+        .unwrap();
+    assert_eq!(store.get_sandbox(&s.id).unwrap().state, Paused);
+    assert_eq!(store.commits(), before + 1);
+    assert_eq!(store.relaxed_commits(), relaxed + 1);
+    assert_eq!(synchronous(&store), 2, "FULL again after a relaxed commit");
+
+    let refused = store.write_relaxed(|tx| {
+        tx.update_sandbox_state(&s.id, Paused, Running, None)?;
+        tx.update_sandbox_state(&s.id, Paused, Running, None)
+    });
+    assert!(refused.is_err());
+    assert_eq!(
+        store.get_sandbox(&s.id).unwrap().state,
+        Paused,
+        "rolled back"
+    );
+    assert_eq!(store.commits(), before + 1);
+    assert_eq!(synchronous(&store), 2, "FULL again after a failed one");
+
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        store.write_relaxed(|tx| -> Result<()> {
+            tx.update_sandbox_state(&s.id, Paused, Running, None)?;
+            panic!("in the middle of a relaxed write")
+        })
+    }));
+    assert!(panicked.is_err());
+    assert_eq!(
+        store.get_sandbox(&s.id).unwrap().state,
+        Paused,
+        "rolled back"
+    );
+    assert_eq!(synchronous(&store), 2, "FULL again after a panic");
 }

@@ -48,6 +48,11 @@ pub struct Tap {
     name: String,
 }
 
+/// The tap a jailed VMM opened as root, before it dropped its rights
+/// ([`Tap::preopen`]): attaching to a tap the pod made needs
+/// CAP_NET_ADMIN, and the jail has no `/dev/net/tun`.
+static PREOPENED: std::sync::Mutex<Option<Tap>> = std::sync::Mutex::new(None);
+
 fn ifreq_for(name: &str, flags: libc::c_short) -> libc::ifreq {
     // SAFETY: ifreq is plain old data (a name array and a union of plain
     // integers, arrays and raw pointers); all-zero is a valid value.
@@ -64,6 +69,9 @@ impl Tap {
     /// short-lived thread that joins it: the tap belongs there, the
     /// descriptor works from any thread, the process stays where it is.
     pub fn open_in(name: &str, netns: Option<&Path>) -> Result<Self, TapError> {
+        if let Some(tap) = Self::take_preopened(name) {
+            return Ok(tap);
+        }
         let Some(path) = netns else {
             return Self::open(name);
         };
@@ -85,6 +93,24 @@ impl Tap {
             .join()
             .unwrap_or_else(|_| Err(fail(std::io::Error::other("the tap thread panicked"))))
         })
+    }
+
+    /// Opens tap `name` in this thread's network namespace now and keeps
+    /// it for the device ([`Tap::open_in`] of that name takes it): for a
+    /// VMM about to drop its rights.
+    pub fn preopen(name: &str) -> Result<(), TapError> {
+        let tap = Self::open(name)?;
+        *PREOPENED.lock().unwrap_or_else(|e| e.into_inner()) = Some(tap);
+        Ok(())
+    }
+
+    fn take_preopened(name: &str) -> Option<Self> {
+        let mut slot = PREOPENED.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.as_ref().is_some_and(|t| t.name == name) {
+            slot.take()
+        } else {
+            None
+        }
     }
 
     /// Attaches to (or creates) tap `name` in this thread's network

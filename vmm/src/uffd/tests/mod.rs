@@ -195,10 +195,13 @@ fn in_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
 
 /// The value of a page whose words are all equal, or None.
 fn read_page(addr: usize) -> Option<u64> {
-    // SAFETY: the callers pass pages of mappings that outlive the reading
-    // thread (Mapping leaks on failure); reads may fault into the server.
     let words: Vec<u64> = (0..PS / 8)
-        .map(|i| unsafe { std::ptr::read_volatile((addr + i * 8) as *const u64) })
+        .map(|i| {
+            // SAFETY: the callers pass pages of mappings that outlive the
+            // reading thread (Mapping leaks on failure); reads may fault
+            // into the server.
+            unsafe { std::ptr::read_volatile((addr + i * 8) as *const u64) }
+        })
         .collect();
     words.iter().all(|&w| w == words[0]).then_some(words[0])
 }

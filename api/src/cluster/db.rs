@@ -1,0 +1,478 @@
+//! The cluster's shared state in PostgreSQL: pods and their last
+//! heartbeat, sandbox → pod ownership, and the operation journal (each
+//! operation's pod, which is its placement, its idempotency key and its
+//! outcome). The schema is versioned ([`MIGRATIONS`]) and migrated at
+//! start under an advisory lock, so replicas starting together are safe.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio_postgres::{Client, NoTls};
+use torpor_scheduler::model::{PodId, Sandbox, SandboxId};
+
+use super::wire::{Heartbeat, OpOutcome};
+use super::ClusterError;
+
+/// The advisory lock key the migrations are applied under.
+const MIGRATION_LOCK: i64 = 0x746f_7270_6f72; // "torpor"
+
+/// Schema versions, in order; each applied once, in one transaction.
+pub const MIGRATIONS: &[(i32, &str)] = &[(
+    1,
+    "CREATE TABLE pods (
+        id text PRIMARY KEY,
+        address text NOT NULL,
+        token text NOT NULL,
+        fingerprint text,
+        load jsonb NOT NULL,
+        templates text[] NOT NULL,
+        headroom_mib double precision NOT NULL,
+        running bigint NOT NULL,
+        hibernated bigint NOT NULL,
+        first_seen timestamptz NOT NULL DEFAULT now(),
+        last_heartbeat timestamptz NOT NULL
+    );
+    CREATE TABLE sandboxes (
+        id text PRIMARY KEY,
+        pod text NOT NULL REFERENCES pods(id),
+        tenant text,
+        state text NOT NULL,
+        generation bigint NOT NULL,
+        body jsonb NOT NULL,
+        updated_at timestamptz NOT NULL DEFAULT now()
+    );
+    CREATE INDEX sandboxes_pod ON sandboxes (pod);
+    CREATE TABLE operations (
+        id text PRIMARY KEY,
+        kind text NOT NULL,
+        sandbox text,
+        pod text NOT NULL REFERENCES pods(id),
+        tenant text NOT NULL,
+        idempotency_key text,
+        status text NOT NULL DEFAULT 'pending'
+            CHECK (status IN ('pending', 'done', 'failed')),
+        outcome jsonb,
+        created_at timestamptz NOT NULL DEFAULT now(),
+        finished_at timestamptz
+    );
+    CREATE UNIQUE INDEX operations_idempotency
+        ON operations (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL;",
+)];
+
+/// A connection to PostgreSQL, made again when it broke.
+pub struct Db {
+    url: String,
+    client: Mutex<Option<Arc<Client>>>,
+}
+
+fn pg(e: tokio_postgres::Error) -> ClusterError {
+    ClusterError::Postgres(e.to_string())
+}
+
+/// A pod row.
+#[derive(Debug, Clone)]
+pub struct PodRow {
+    pub id: PodId,
+    pub address: String,
+    pub token: String,
+    pub fingerprint: Option<String>,
+    pub load: Value,
+    pub templates: Vec<String>,
+    pub headroom_mib: f64,
+    pub running: i64,
+    pub hibernated: i64,
+    /// Seconds since its last heartbeat (the database's clock).
+    pub silent_s: f64,
+}
+
+/// An operation row.
+#[derive(Debug, Clone)]
+pub struct OpRow {
+    pub id: String,
+    pub kind: String,
+    pub sandbox: Option<String>,
+    pub pod: String,
+    pub tenant: String,
+    pub status: String,
+    pub outcome: Option<OpOutcome>,
+}
+
+impl Db {
+    /// Connects and applies the migrations this build knows.
+    pub async fn open(url: &str) -> Result<Db, ClusterError> {
+        let db = Db {
+            url: url.to_string(),
+            client: Mutex::new(None),
+        };
+        db.migrate().await?;
+        Ok(db)
+    }
+
+    async fn client(&self) -> Result<Arc<Client>, ClusterError> {
+        if let Some(c) = self
+            .client
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .filter(|c| !c.is_closed())
+        {
+            return Ok(c.clone());
+        }
+        let (client, connection) = tokio::time::timeout(
+            Duration::from_secs(5),
+            tokio_postgres::connect(&self.url, NoTls),
+        )
+        .await
+        .map_err(|_| ClusterError::Postgres("connecting timed out".into()))?
+        .map_err(pg)?;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::warn!(error = %e, "PostgreSQL connection ended");
+            }
+        });
+        let client = Arc::new(client);
+        *self.client.lock().unwrap_or_else(|p| p.into_inner()) = Some(client.clone());
+        Ok(client)
+    }
+
+    async fn migrate(&self) -> Result<(), ClusterError> {
+        let c = self.client().await?;
+        c.execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
+            .await
+            .map_err(pg)?;
+        let applied = self.apply_migrations(&c).await;
+        let unlocked = c
+            .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
+            .await
+            .map_err(pg);
+        applied?;
+        unlocked.map(|_| ())
+    }
+
+    async fn apply_migrations(&self, c: &Client) -> Result<(), ClusterError> {
+        c.batch_execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations (
+                version integer PRIMARY KEY,
+                applied_at timestamptz NOT NULL DEFAULT now()
+            )",
+        )
+        .await
+        .map_err(pg)?;
+        let current = applied_version(c).await?;
+        let newest = MIGRATIONS.last().map_or(0, |m| m.0);
+        if current > newest {
+            return Err(ClusterError::Schema(format!(
+                "the database is at schema version {current}; this build knows up to {newest}"
+            )));
+        }
+        for (version, sql) in MIGRATIONS.iter().filter(|m| m.0 > current) {
+            let script = format!(
+                "BEGIN; {sql}; INSERT INTO schema_migrations (version) VALUES ({version}); COMMIT;"
+            );
+            if let Err(e) = c.batch_execute(&script).await {
+                let _ = c.batch_execute("ROLLBACK").await;
+                return Err(ClusterError::Schema(format!("migration {version}: {e}")));
+            }
+            tracing::info!(version, "applied schema migration");
+        }
+        Ok(())
+    }
+
+    /// The schema version in force.
+    pub async fn schema_version(&self) -> Result<i32, ClusterError> {
+        applied_version(&*self.client().await?).await
+    }
+
+    pub async fn heartbeat(&self, pod: &PodId, hb: &Heartbeat) -> Result<(), ClusterError> {
+        let c = self.client().await?;
+        c.execute(
+            "INSERT INTO pods (id, address, token, fingerprint, load, templates, headroom_mib,
+                running, hibernated, last_heartbeat)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, now())
+             ON CONFLICT (id) DO UPDATE SET address = $2, token = $3, fingerprint = $4,
+                load = $5, templates = $6, headroom_mib = $7, running = $8, hibernated = $9,
+                last_heartbeat = now()",
+            &[
+                &pod.as_str(),
+                &hb.address,
+                &hb.token,
+                &hb.fingerprint,
+                &hb.load,
+                &hb.templates,
+                &hb.headroom_mib,
+                &(hb.running as i64),
+                &(hb.hibernated as i64),
+            ],
+        )
+        .await
+        .map_err(pg)?;
+        let mut present = Vec::with_capacity(hb.sandboxes.len());
+        for s in &hb.sandboxes {
+            present.push(s.id.as_str().to_string());
+            self.upsert_sandbox(&c, pod, s).await?;
+        }
+        // What the pod no longer holds (deleted by its timeout) and no
+        // operation touched lately.
+        c.execute(
+            "DELETE FROM sandboxes WHERE pod = $1 AND NOT (id = ANY($2))
+                AND updated_at < now() - interval '30 seconds'",
+            &[&pod.as_str(), &present],
+        )
+        .await
+        .map_err(pg)?;
+        Ok(())
+    }
+
+    async fn upsert_sandbox(
+        &self,
+        c: &Client,
+        pod: &PodId,
+        s: &Sandbox,
+    ) -> Result<(), ClusterError> {
+        let body = serde_json::to_value(s).map_err(|e| ClusterError::Postgres(e.to_string()))?;
+        c.execute(
+            "INSERT INTO sandboxes (id, pod, tenant, state, generation, body)
+             VALUES ($1, $2, $3, $4, $5, $6)
+             ON CONFLICT (id) DO UPDATE SET state = $4, generation = $5, body = $6,
+                updated_at = now()
+             WHERE sandboxes.pod = $2 AND sandboxes.generation <= $5",
+            &[
+                &s.id.as_str(),
+                &pod.as_str(),
+                &s.tenant,
+                &s.state.as_str(),
+                &(s.generation as i64),
+                &body,
+            ],
+        )
+        .await
+        .map_err(pg)?;
+        Ok(())
+    }
+
+    /// An operation's result: the journal row finished and the sandbox
+    /// row written (or removed), in one transaction.
+    pub async fn finish(
+        &self,
+        pod: &PodId,
+        operation: &str,
+        outcome: &OpOutcome,
+    ) -> Result<(), ClusterError> {
+        let c = self.client().await?;
+        let json =
+            serde_json::to_value(outcome).map_err(|e| ClusterError::Postgres(e.to_string()))?;
+        let status = if matches!(outcome, OpOutcome::Failed(_)) {
+            "failed"
+        } else {
+            "done"
+        };
+        c.batch_execute("BEGIN").await.map_err(pg)?;
+        let result = async {
+            let sandbox = match outcome {
+                OpOutcome::Sandbox { sandbox, .. } => {
+                    self.upsert_sandbox(&c, pod, sandbox).await?;
+                    Some(sandbox.id.as_str().to_string())
+                }
+                OpOutcome::Deleted { sandbox } => {
+                    c.execute(
+                        "DELETE FROM sandboxes WHERE id = $1 AND pod = $2",
+                        &[&sandbox.as_str(), &pod.as_str()],
+                    )
+                    .await
+                    .map_err(pg)?;
+                    Some(sandbox.as_str().to_string())
+                }
+                OpOutcome::Failed(_) => None,
+            };
+            c.execute(
+                "UPDATE operations SET status = $2, outcome = $3, finished_at = now(),
+                    sandbox = coalesce(sandbox, $4)
+                 WHERE id = $1 AND pod = $5 AND status = 'pending'",
+                &[&operation, &status, &json, &sandbox, &pod.as_str()],
+            )
+            .await
+            .map_err(pg)?;
+            Ok::<(), ClusterError>(())
+        }
+        .await;
+        match result {
+            Ok(()) => c.batch_execute("COMMIT").await.map_err(pg),
+            Err(e) => {
+                let _ = c.batch_execute("ROLLBACK").await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Journals a new operation; with an idempotency key already used by
+    /// `tenant`, the existing operation instead (and `false`).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn begin_operation(
+        &self,
+        id: &str,
+        kind: &str,
+        sandbox: Option<&SandboxId>,
+        pod: &PodId,
+        tenant: &str,
+        idempotency_key: Option<&str>,
+    ) -> Result<(OpRow, bool), ClusterError> {
+        let c = self.client().await?;
+        let inserted = c
+            .execute(
+                "INSERT INTO operations (id, kind, sandbox, pod, tenant, idempotency_key)
+                 VALUES ($1, $2, $3, $4, $5, $6)
+                 ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL
+                 DO NOTHING",
+                &[
+                    &id,
+                    &kind,
+                    &sandbox.map(|s| s.as_str()),
+                    &pod.as_str(),
+                    &tenant,
+                    &idempotency_key,
+                ],
+            )
+            .await
+            .map_err(pg)?;
+        let row = if inserted == 1 {
+            self.operation(id).await?
+        } else {
+            let key = idempotency_key.unwrap_or_default();
+            let row = c
+                .query_opt(
+                    "SELECT id FROM operations WHERE tenant = $1 AND idempotency_key = $2",
+                    &[&tenant, &key],
+                )
+                .await
+                .map_err(pg)?;
+            match row {
+                Some(r) => self.operation(r.get::<_, &str>(0)).await?,
+                None => None,
+            }
+        };
+        let row = row.ok_or_else(|| ClusterError::Postgres(format!("operation {id} vanished")))?;
+        Ok((row, inserted == 1))
+    }
+
+    pub async fn operation(&self, id: &str) -> Result<Option<OpRow>, ClusterError> {
+        let c = self.client().await?;
+        let row = c
+            .query_opt(
+                "SELECT id, kind, sandbox, pod, tenant, status, outcome FROM operations
+                 WHERE id = $1",
+                &[&id],
+            )
+            .await
+            .map_err(pg)?;
+        row.map(|r| {
+            let outcome: Option<Value> = r.get(6);
+            Ok(OpRow {
+                id: r.get(0),
+                kind: r.get(1),
+                sandbox: r.get(2),
+                pod: r.get(3),
+                tenant: r.get(4),
+                status: r.get(5),
+                outcome: outcome
+                    .map(serde_json::from_value)
+                    .transpose()
+                    .map_err(|e| ClusterError::Schema(format!("operation {id}: {e}")))?,
+            })
+        })
+        .transpose()
+    }
+
+    fn pod_row(r: &tokio_postgres::Row) -> PodRow {
+        PodRow {
+            id: PodId::new(r.get::<_, String>(0)),
+            address: r.get(1),
+            token: r.get(2),
+            fingerprint: r.get(3),
+            load: r.get(4),
+            templates: r.get(5),
+            headroom_mib: r.get(6),
+            running: r.get(7),
+            hibernated: r.get(8),
+            silent_s: r.get(9),
+        }
+    }
+
+    const POD_COLUMNS: &'static str = "id, address, token, fingerprint, load, templates,
+        headroom_mib, running, hibernated,
+        extract(epoch FROM now() - last_heartbeat)::double precision";
+
+    pub async fn pods(&self) -> Result<Vec<PodRow>, ClusterError> {
+        let c = self.client().await?;
+        let rows = c
+            .query(
+                &format!("SELECT {} FROM pods ORDER BY id", Self::POD_COLUMNS),
+                &[],
+            )
+            .await
+            .map_err(pg)?;
+        Ok(rows.iter().map(Self::pod_row).collect())
+    }
+
+    pub async fn pod(&self, id: &str) -> Result<Option<PodRow>, ClusterError> {
+        let c = self.client().await?;
+        let row = c
+            .query_opt(
+                &format!("SELECT {} FROM pods WHERE id = $1", Self::POD_COLUMNS),
+                &[&id],
+            )
+            .await
+            .map_err(pg)?;
+        Ok(row.as_ref().map(Self::pod_row))
+    }
+
+    /// A sandbox and its pod's id.
+    pub async fn sandbox(&self, id: &SandboxId) -> Result<Option<(Sandbox, PodId)>, ClusterError> {
+        let c = self.client().await?;
+        let row = c
+            .query_opt(
+                "SELECT body, pod FROM sandboxes WHERE id = $1",
+                &[&id.as_str()],
+            )
+            .await
+            .map_err(pg)?;
+        row.map(|r| Self::sandbox_of(r.get(0), r.get(1)))
+            .transpose()
+    }
+
+    fn sandbox_of(body: Value, pod: String) -> Result<(Sandbox, PodId), ClusterError> {
+        let mut s: Sandbox = serde_json::from_value(body)
+            .map_err(|e| ClusterError::Schema(format!("a stored sandbox: {e}")))?;
+        let pod = PodId::new(pod);
+        s.pod = Some(pod.clone());
+        Ok((s, pod))
+    }
+
+    /// Sandboxes of `tenant` (all with none).
+    pub async fn sandboxes(&self, tenant: Option<&str>) -> Result<Vec<Sandbox>, ClusterError> {
+        let c = self.client().await?;
+        let rows = c
+            .query(
+                "SELECT body, pod FROM sandboxes WHERE $1::text IS NULL OR tenant = $1
+                 ORDER BY body->>'created_at', id",
+                &[&tenant],
+            )
+            .await
+            .map_err(pg)?;
+        rows.into_iter()
+            .map(|r| Self::sandbox_of(r.get(0), r.get(1)).map(|(s, _)| s))
+            .collect()
+    }
+}
+
+/// The newest schema migration applied to the database `c` is connected to.
+async fn applied_version(c: &Client) -> Result<i32, ClusterError> {
+    let row = c
+        .query_one(
+            "SELECT coalesce(max(version), 0) FROM schema_migrations",
+            &[],
+        )
+        .await
+        .map_err(pg)?;
+    Ok(row.get(0))
+}

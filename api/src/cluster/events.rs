@@ -1,0 +1,96 @@
+//! The API tier's side of the pods' events: every replica pulls from the
+//! one durable consumer [`wire::API_CONSUMER`]; each event is written to
+//! PostgreSQL and acked after that commit (a replica dying before the ack
+//! leaves it for another, and writing one twice changes nothing).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use futures_util::StreamExt;
+
+use super::db::Db;
+use super::wire::{self, Event};
+use super::ClusterError;
+
+/// Runs until the process ends, starting over after any failure.
+pub async fn run(js: jetstream::Context, db: Arc<Db>) {
+    loop {
+        if let Err(e) = consume(&js, &db).await {
+            tracing::warn!(error = %e, "pod events: starting over");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+async fn consume(js: &jetstream::Context, db: &Db) -> Result<(), ClusterError> {
+    let consumer = wire::durable(
+        js,
+        wire::EVENTS_STREAM,
+        wire::API_CONSUMER,
+        "torpor.events.*",
+        Duration::from_secs(10),
+    )
+    .await?;
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(|e| ClusterError::Nats(e.to_string()))?;
+    while let Some(message) = messages.next().await {
+        let message = message.map_err(|e| ClusterError::Nats(e.to_string()))?;
+        match handle(db, &message.subject, &message.payload).await {
+            Ok(()) => {}
+            // Not the shape of an event, or from another pod than its
+            // subject's: dropped (acked) with a log line.
+            Err(Handled::Rejected(why)) => {
+                tracing::warn!(subject = %message.subject, %why, "pod event rejected");
+            }
+            // Left unacked: delivered again.
+            Err(Handled::Failed(e)) => {
+                tracing::warn!(error = %e, "pod event not written; it comes again");
+                continue;
+            }
+        }
+        if let Err(e) = message.ack().await {
+            tracing::warn!(error = %e, "pod event ack");
+        }
+    }
+    Ok(())
+}
+
+enum Handled {
+    Rejected(String),
+    Failed(ClusterError),
+}
+
+async fn handle(db: &Db, subject: &str, payload: &[u8]) -> Result<(), Handled> {
+    let event: Event = serde_json::from_slice(payload)
+        .map_err(|e| Handled::Rejected(format!("not an event: {e}")))?;
+    let pod = match &event {
+        Event::Heartbeat { pod, .. } | Event::Result { pod, .. } => pod,
+    };
+    if !wire::valid_pod_id(pod.as_str()) || subject != wire::events_subject(pod) {
+        return Err(Handled::Rejected(format!(
+            "pod {pod} published on {subject}"
+        )));
+    }
+    match &event {
+        Event::Heartbeat { pod, heartbeat } => {
+            for s in &heartbeat.sandboxes {
+                if s.pod.as_ref().is_some_and(|p| p != pod) {
+                    return Err(Handled::Rejected(format!(
+                        "pod {pod} reports sandbox {} of another pod",
+                        s.id
+                    )));
+                }
+            }
+            db.heartbeat(pod, heartbeat).await
+        }
+        Event::Result {
+            pod,
+            operation,
+            outcome,
+        } => db.finish(pod, operation, outcome).await,
+    }
+    .map_err(Handled::Failed)
+}

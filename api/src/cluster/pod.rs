@@ -1,0 +1,393 @@
+//! A pod in the cluster (`torpor pod serve --cluster ...`): it publishes a
+//! heartbeat with its load every period, and takes the operations of its
+//! own durable work queue. Each operation id runs at most once: the local
+//! journal (SQLite, beside the pod's store) records it before it runs and
+//! keeps its outcome; the outcome is published, then the message acked. A
+//! message delivered again (the pod died before the ack) republishes the
+//! recorded outcome; one that was running when the pod died is reported
+//! failed (`interrupted`), never run twice.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use futures_util::StreamExt;
+use rusqlite::{params, Connection, OptionalExtension};
+use torpor_scheduler::model::{PodId, Sandbox, SandboxState};
+use torpor_scheduler::service::{Owner, ServiceError};
+
+use crate::service::SandboxFilter;
+
+use super::wire::{self, Command, Event, Heartbeat, OpError, OpOutcome, WorkItem};
+use super::{ClusterConfig, ClusterError};
+use crate::backend::SandboxApi;
+
+/// Operations run at once.
+const CONCURRENCY: usize = 8;
+/// Sandboxes a heartbeat lists at most (past it, states come with results
+/// only).
+const MAX_REPORTED: usize = 2000;
+
+/// How this pod is reached for the data plane, and its id.
+#[derive(Debug, Clone)]
+pub struct PodIdentity {
+    pub id: PodId,
+    pub address: String,
+    pub token: String,
+    pub fingerprint: Option<String>,
+}
+
+/// The journal: operation id → outcome (none while it runs).
+pub struct Journal {
+    db: Mutex<Connection>,
+}
+
+fn journal_err(e: rusqlite::Error) -> ClusterError {
+    ClusterError::Journal(e.to_string())
+}
+
+/// What the journal knows of an operation.
+#[derive(Debug, Clone)]
+pub enum Journaled {
+    New,
+    Running,
+    Done(OpOutcome),
+}
+
+impl Journal {
+    pub fn open(path: &Path) -> Result<Self, ClusterError> {
+        let db = Connection::open(path).map_err(journal_err)?;
+        db.execute_batch(
+            "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;
+             CREATE TABLE IF NOT EXISTS operations (
+                id TEXT PRIMARY KEY,
+                outcome TEXT,
+                started_at INTEGER NOT NULL DEFAULT (unixepoch())
+             );",
+        )
+        .map_err(journal_err)?;
+        Ok(Journal { db: Mutex::new(db) })
+    }
+
+    /// Records `op` as running unless the journal has it; what it had.
+    pub fn begin(&self, op: &str) -> Result<Journaled, ClusterError> {
+        let db = self.db.lock().unwrap_or_else(|p| p.into_inner());
+        let row: Option<Option<String>> = db
+            .query_row("SELECT outcome FROM operations WHERE id = ?1", [op], |r| {
+                r.get(0)
+            })
+            .optional()
+            .map_err(journal_err)?;
+        match row {
+            None => {
+                db.execute("INSERT INTO operations (id) VALUES (?1)", [op])
+                    .map_err(journal_err)?;
+                Ok(Journaled::New)
+            }
+            Some(None) => Ok(Journaled::Running),
+            Some(Some(text)) => serde_json::from_str(&text)
+                .map(Journaled::Done)
+                .map_err(|e| ClusterError::Journal(format!("operation {op}: {e}"))),
+        }
+    }
+
+    pub fn finish(&self, op: &str, outcome: &OpOutcome) -> Result<(), ClusterError> {
+        let text =
+            serde_json::to_string(outcome).map_err(|e| ClusterError::Journal(e.to_string()))?;
+        let db = self.db.lock().unwrap_or_else(|p| p.into_inner());
+        db.execute(
+            "UPDATE operations SET outcome = ?2 WHERE id = ?1",
+            params![op, text],
+        )
+        .map_err(journal_err)?;
+        Ok(())
+    }
+}
+
+/// Runs the pod's cluster side until the process ends.
+pub async fn run<S: SandboxApi>(
+    service: Arc<S>,
+    me: PodIdentity,
+    journal: Arc<Journal>,
+    config: ClusterConfig,
+) -> Result<(), ClusterError> {
+    if !wire::valid_pod_id(me.id.as_str()) {
+        return Err(ClusterError::Config(format!(
+            "pod id {:?}: 1-64 of a-z, 0-9 and -",
+            me.id.as_str()
+        )));
+    }
+    let nats = super::connect_nats(&config.urls.nats).await?;
+    let js = jetstream::new(nats);
+    wire::ensure_streams(&js).await?;
+    tokio::spawn(heartbeats(
+        service.clone(),
+        me.clone(),
+        js.clone(),
+        config.heartbeat,
+    ));
+    let running = Arc::new(Mutex::new(HashSet::new()));
+    let permits = Arc::new(tokio::sync::Semaphore::new(CONCURRENCY));
+    loop {
+        if let Err(e) = work(&service, &me, &journal, &js, &running, &permits).await {
+            tracing::warn!(error = %e, "work queue: starting over");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+async fn work<S: SandboxApi>(
+    service: &Arc<S>,
+    me: &PodIdentity,
+    journal: &Arc<Journal>,
+    js: &jetstream::Context,
+    running: &Arc<Mutex<HashSet<String>>>,
+    permits: &Arc<tokio::sync::Semaphore>,
+) -> Result<(), ClusterError> {
+    let consumer = wire::durable(
+        js,
+        wire::WORK_STREAM,
+        &wire::pod_consumer(&me.id),
+        &wire::work_subject(&me.id),
+        Duration::from_secs(60),
+    )
+    .await?;
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(|e| ClusterError::Nats(e.to_string()))?;
+    while let Some(message) = messages.next().await {
+        let message = message.map_err(|e| ClusterError::Nats(e.to_string()))?;
+        let item: WorkItem = match serde_json::from_slice(&message.payload) {
+            Ok(i) => i,
+            Err(e) => {
+                tracing::warn!(error = %e, "a work item that is not one: dropped");
+                let _ = message.ack().await;
+                continue;
+            }
+        };
+        if !running
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(item.operation.clone())
+        {
+            // Delivered again while it runs here: not yet.
+            let _ = message.ack_with(AckKind::Progress).await;
+            continue;
+        }
+        let permit = permits
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|e| ClusterError::Nats(e.to_string()))?;
+        let (service, me, journal, js, running) = (
+            service.clone(),
+            me.clone(),
+            journal.clone(),
+            js.clone(),
+            running.clone(),
+        );
+        tokio::spawn(async move {
+            let op = item.operation.clone();
+            match take(service, &me, journal, &js, item).await {
+                Ok(()) => {
+                    if let Err(e) = message.ack().await {
+                        tracing::warn!(operation = %op, error = %e, "work ack");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(operation = %op, error = %e, "operation left for redelivery")
+                }
+            }
+            running
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&op);
+            drop(permit);
+        });
+    }
+    Ok(())
+}
+
+/// Runs `item` unless the journal has it, and publishes its outcome.
+async fn take<S: SandboxApi>(
+    service: Arc<S>,
+    me: &PodIdentity,
+    journal: Arc<Journal>,
+    js: &jetstream::Context,
+    item: WorkItem,
+) -> Result<(), ClusterError> {
+    let pod = me.id.clone();
+    let op = item.operation.clone();
+    let outcome = tokio::task::spawn_blocking(move || -> Result<OpOutcome, ClusterError> {
+        let outcome = match journal.begin(&item.operation)? {
+            Journaled::Done(outcome) => return Ok(outcome),
+            Journaled::Running => OpOutcome::Failed(OpError {
+                status: 500,
+                code: crate::error::code::INTERNAL.into(),
+                message: format!(
+                    "operation {} was interrupted by a restart of pod {pod}: read the sandbox \
+                     to see its state",
+                    item.operation
+                ),
+            }),
+            Journaled::New => execute(&*service, &pod, item.command),
+        };
+        journal.finish(&item.operation, &outcome)?;
+        Ok(outcome)
+    })
+    .await
+    .map_err(|e| ClusterError::Journal(e.to_string()))??;
+    let event = Event::Result {
+        pod: me.id.clone(),
+        operation: op.clone(),
+        outcome,
+    };
+    wire::publish(
+        js,
+        wire::events_subject(&me.id),
+        Some(&format!("result-{op}")),
+        &event,
+    )
+    .await
+}
+
+fn named(mut s: Sandbox, pod: &PodId) -> Sandbox {
+    s.pod = Some(pod.clone());
+    s
+}
+
+fn execute<S: SandboxApi>(service: &S, pod: &PodId, command: Command) -> OpOutcome {
+    let done = |r: Result<(Sandbox, bool), ServiceError>| match r {
+        Ok((s, resumed)) => OpOutcome::Sandbox {
+            sandbox: Box::new(named(s, pod)),
+            resumed,
+        },
+        Err(e) => OpOutcome::Failed(e.into()),
+    };
+    match command {
+        Command::Create {
+            mut request,
+            tenant,
+            admin,
+        } => {
+            request.owner = Some(Owner { tenant, admin });
+            request.pod = None;
+            done(service.create_sandbox(*request).map(|s| (s, false)))
+        }
+        Command::Pause { sandbox } => done(service.pause(&sandbox).map(|o| (o.sandbox, o.resumed))),
+        Command::Resume { sandbox } => {
+            done(service.resume(&sandbox).map(|o| (o.sandbox, o.resumed)))
+        }
+        Command::Connect { sandbox } => {
+            done(service.connect(&sandbox).map(|o| (o.sandbox, o.resumed)))
+        }
+        Command::Hibernate { sandbox } => {
+            done(service.hibernate(&sandbox).map(|o| (o.sandbox, o.resumed)))
+        }
+        Command::Delete { sandbox } => match service.delete_sandbox(&sandbox) {
+            Ok(()) => OpOutcome::Deleted { sandbox },
+            Err(e) => OpOutcome::Failed(e.into()),
+        },
+    }
+}
+
+/// The pod's load and sandboxes now.
+fn heartbeat<S: SandboxApi>(service: &S, me: &PodIdentity) -> Result<Heartbeat, ServiceError> {
+    let load = service
+        .pod_entries()?
+        .into_iter()
+        .next()
+        .unwrap_or_default();
+    let headroom_mib = crate::federation::pods::headroom_mib(&load);
+    let mut templates = Vec::new();
+    for t in service.list_templates()? {
+        templates.push(t.id.to_string());
+        templates.push(t.name);
+    }
+    templates.sort();
+    templates.dedup();
+    let mut sandboxes = service.list_sandboxes(SandboxFilter::default())?;
+    let running = sandboxes
+        .iter()
+        .filter(|s| s.state != SandboxState::Hibernated)
+        .count() as u64;
+    let hibernated = sandboxes.len() as u64 - running;
+    sandboxes.truncate(MAX_REPORTED);
+    let sandboxes = sandboxes.into_iter().map(|s| named(s, &me.id)).collect();
+    Ok(Heartbeat {
+        address: me.address.clone(),
+        token: me.token.clone(),
+        fingerprint: me.fingerprint.clone(),
+        load,
+        headroom_mib,
+        templates,
+        running,
+        hibernated,
+        sandboxes,
+    })
+}
+
+async fn heartbeats<S: SandboxApi>(
+    service: Arc<S>,
+    me: PodIdentity,
+    js: jetstream::Context,
+    period: Duration,
+) {
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let (s, m) = (service.clone(), me.clone());
+        let hb = match tokio::task::spawn_blocking(move || heartbeat(&*s, &m)).await {
+            Ok(Ok(hb)) => hb,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "heartbeat: the pod's load");
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "heartbeat");
+                continue;
+            }
+        };
+        let event = Event::Heartbeat {
+            pod: me.id.clone(),
+            heartbeat: Box::new(hb),
+        };
+        if let Err(e) = wire::publish(&js, wire::events_subject(&me.id), None, &event).await {
+            tracing::warn!(error = %e, "heartbeat not published");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_journal_runs_an_operation_once() {
+        let dir = std::env::temp_dir().join(format!("torpor-journal-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("journal.db");
+        let _ = std::fs::remove_file(&path);
+        let j = Journal::open(&path).unwrap();
+        assert!(matches!(j.begin("op_1").unwrap(), Journaled::New));
+        // Delivered again before it finished (a restart): it ran, or began.
+        let j = Journal::open(&path).unwrap();
+        assert!(matches!(j.begin("op_1").unwrap(), Journaled::Running));
+        let out = OpOutcome::Failed(OpError {
+            status: 409,
+            code: "conflict".into(),
+            message: "m".into(),
+        });
+        j.finish("op_1", &out).unwrap();
+        match j.begin("op_1").unwrap() {
+            Journaled::Done(OpOutcome::Failed(e)) => assert_eq!(e.status, 409),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(j.begin("op_2").unwrap(), Journaled::New));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

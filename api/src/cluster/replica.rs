@@ -1,0 +1,621 @@
+//! An API replica: the [`SandboxApi`] over PostgreSQL and the pods' work
+//! queues. It keeps no state of its own; any replica answers any request.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use serde_json::{json, Value};
+use torpor_scheduler::model::{
+    random_bytes, random_hex, PodId, Sandbox, SandboxId, Template, TemplateId,
+};
+use torpor_scheduler::service::LOCAL_POD;
+
+use super::db::{Db, OpRow, PodRow};
+use super::wire::{self, Command, OpOutcome, WorkItem};
+use super::{ClusterConfig, ClusterError};
+use crate::backend::SandboxApi;
+use crate::error::code;
+use crate::federation::RemotePod;
+use crate::service::{
+    AgentLink, Cancel, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
+    ExitReply, GuestCall, GuestError, Outcome, OutputKind, PodView, SandboxFilter, ServiceError,
+};
+use crate::tls::Fingerprint;
+
+/// Placement picks at random among this many of the pods with the most
+/// headroom, so that replicas placing at once do not all pick the same.
+pub const PLACEMENT_CHOICES: usize = 2;
+
+/// The replica.
+pub struct Cluster {
+    rt: tokio::runtime::Handle,
+    db: Arc<Db>,
+    js: jetstream::Context,
+    config: ClusterConfig,
+}
+
+/// Where a placement goes: the pods up, by headroom (most first), and the
+/// pods with `template`; then at random among the first `choices`.
+pub fn place<'a>(
+    pods: &'a [PodRow],
+    template: &str,
+    down_after: Duration,
+    choices: usize,
+    random: u64,
+) -> Option<&'a PodRow> {
+    let mut fit: Vec<&PodRow> = pods
+        .iter()
+        .filter(|p| p.silent_s < down_after.as_secs_f64())
+        .filter(|p| p.templates.iter().any(|t| t == template))
+        .filter(|p| p.headroom_mib > 0.0)
+        .collect();
+    fit.sort_by(|a, b| b.headroom_mib.total_cmp(&a.headroom_mib));
+    fit.truncate(choices.max(1));
+    if fit.is_empty() {
+        return None;
+    }
+    Some(fit[(random % fit.len() as u64) as usize])
+}
+
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    random_bytes(&mut b).map_or(0, |_| u64::from_le_bytes(b))
+}
+
+impl Cluster {
+    /// Connects to PostgreSQL (migrating the schema) and NATS, makes the
+    /// streams, and starts consuming the pods' events.
+    pub async fn connect(config: ClusterConfig) -> Result<Arc<Self>, ClusterError> {
+        let db = Arc::new(Db::open(&config.urls.postgres).await?);
+        let nats = super::connect_nats(&config.urls.nats).await?;
+        let js = jetstream::new(nats);
+        wire::ensure_streams(&js).await?;
+        tokio::spawn(super::events::run(js.clone(), db.clone()));
+        Ok(Arc::new(Cluster {
+            rt: tokio::runtime::Handle::current(),
+            db,
+            js,
+            config,
+        }))
+    }
+
+    /// The API's router with the request context commands need (their
+    /// `Idempotency-Key`).
+    pub fn router(api: &crate::Api<Cluster>) -> axum::Router {
+        api.router()
+            .layer(axum::middleware::from_fn(crate::request_context::scope))
+    }
+
+    /// Runs `f` to its end from a blocking caller (the handlers' blocking
+    /// pool, or the routing layer on a worker thread).
+    fn block<F: Future>(&self, f: F) -> F::Output {
+        tokio::task::block_in_place(|| self.rt.block_on(f))
+    }
+
+    fn down(pod: &PodRow, why: &str) -> ServiceError {
+        ServiceError::Pod {
+            status: 503,
+            code: code::UNAVAILABLE.into(),
+            message: format!(
+                "pod {} is down (no heartbeat for {:.0} s): {why}",
+                pod.id, pod.silent_s
+            ),
+        }
+    }
+
+    fn is_up(&self, pod: &PodRow) -> bool {
+        pod.silent_s < self.config.down_after.as_secs_f64()
+    }
+
+    /// A sandbox, its pod, and whether that pod is up.
+    async fn owned(&self, id: &SandboxId) -> Result<(Sandbox, PodRow), ServiceError> {
+        let (sandbox, pod) = self
+            .db
+            .sandbox(id)
+            .await?
+            .ok_or_else(|| ServiceError::NotFound {
+                kind: "sandbox",
+                id: id.to_string(),
+            })?;
+        let pod = self.db.pod(pod.as_str()).await?.ok_or_else(|| {
+            ServiceError::Internal(format!("sandbox {id} names unknown pod {pod}"))
+        })?;
+        Ok((sandbox, pod))
+    }
+
+    async fn owned_up(&self, id: &SandboxId) -> Result<(Sandbox, PodRow), ServiceError> {
+        let (sandbox, pod) = self.owned(id).await?;
+        if !self.is_up(&pod) {
+            return Err(Self::down(
+                &pod,
+                &format!("sandbox {id} is unavailable until it is back"),
+            ));
+        }
+        Ok((sandbox, pod))
+    }
+
+    /// Journals `command` for `pod`, queues it, and waits for its outcome.
+    async fn run(
+        &self,
+        pod: &PodId,
+        tenant: &str,
+        command: Command,
+    ) -> Result<OpOutcome, ServiceError> {
+        let id = format!("op_{}", random_hex(12));
+        let key = crate::request_context::idempotency_key();
+        let (op, fresh) = self
+            .db
+            .begin_operation(
+                &id,
+                command.kind(),
+                command.sandbox(),
+                pod,
+                tenant,
+                key.as_deref(),
+            )
+            .await?;
+        if !fresh {
+            // A retry: the first request's outcome, if it was the same.
+            let same_sandbox = command
+                .sandbox()
+                .is_none_or(|s| op.sandbox.as_deref() == Some(s.as_str()));
+            if op.kind != command.kind() || !same_sandbox {
+                return Err(ServiceError::ResourceConflict(format!(
+                    "Idempotency-Key was used for another request: operation {} ({} of {})",
+                    op.id,
+                    op.kind,
+                    op.sandbox.as_deref().unwrap_or("a new sandbox")
+                )));
+            }
+        }
+        if fresh {
+            let item = WorkItem {
+                operation: op.id.clone(),
+                command,
+            };
+            wire::publish(&self.js, wire::work_subject(pod), Some(&op.id), &item).await?;
+        }
+        self.wait(op).await
+    }
+
+    /// The outcome of `op` once its pod answered, or 202 past the wait.
+    async fn wait(&self, op: OpRow) -> Result<OpOutcome, ServiceError> {
+        let deadline = Instant::now() + self.config.wait;
+        let mut pause = Duration::from_millis(5);
+        loop {
+            if let Some(row) = self.db.operation(&op.id).await? {
+                if let Some(outcome) = row.outcome {
+                    return Ok(outcome);
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(ServiceError::Pod {
+                    status: 504,
+                    code: code::TIMEOUT.into(),
+                    message: format!(
+                        "operation {} ({} on pod {}) has no result after {:?}; it may still \
+                         complete: GET /v1/operations/{} (a retry with the same \
+                         Idempotency-Key waits for it again)",
+                        op.id, op.kind, op.pod, self.config.wait, op.id
+                    ),
+                });
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(100));
+        }
+    }
+
+    fn sandbox_of(outcome: OpOutcome) -> Result<(Sandbox, bool), ServiceError> {
+        match outcome {
+            OpOutcome::Sandbox { sandbox, resumed } => Ok((*sandbox, resumed)),
+            OpOutcome::Failed(e) => Err(e.into()),
+            OpOutcome::Deleted { sandbox } => Err(ServiceError::NotFound {
+                kind: "sandbox",
+                id: sandbox.to_string(),
+            }),
+        }
+    }
+
+    /// A command on an existing sandbox, on its pod.
+    fn command(
+        &self,
+        id: &SandboxId,
+        make: fn(SandboxId) -> Command,
+    ) -> Result<OpOutcome, ServiceError> {
+        self.block(async {
+            let (sandbox, pod) = self.owned_up(id).await?;
+            let tenant = sandbox.tenant.clone().unwrap_or_default();
+            self.run(&pod.id, &tenant, make(id.clone())).await
+        })
+    }
+
+    fn outcome(
+        &self,
+        id: &SandboxId,
+        make: fn(SandboxId) -> Command,
+    ) -> Result<Outcome, ServiceError> {
+        let (sandbox, resumed) = Self::sandbox_of(self.command(id, make)?)?;
+        Ok(Outcome {
+            sandbox,
+            resumed,
+            resume_ms: None,
+        })
+    }
+
+    fn remote(&self, pod: &PodRow) -> Option<RemotePod> {
+        let pin = match pod
+            .fingerprint
+            .as_deref()
+            .map(Fingerprint::parse)
+            .transpose()
+        {
+            Ok(pin) => pin,
+            Err(e) => {
+                tracing::warn!(pod = %pod.id, error = %e, "a pod's fingerprint");
+                return None;
+            }
+        };
+        RemotePod::new(
+            pod.id.clone(),
+            &pod.address,
+            &pod.token,
+            pin,
+            self.config.io_timeout,
+        )
+        .map_err(|e| tracing::warn!(pod = %pod.id, error = %e, "a pod's address"))
+        .ok()
+    }
+
+    /// Guest calls that were not relayed: the pod is down (503), or the
+    /// caller is not a `/v1` route (E2B's envd, not served by the cluster).
+    fn guest_call<T>(&self, id: &SandboxId) -> Result<T, ServiceError> {
+        self.block(self.owned_up(id))?;
+        Err(ServiceError::Unsupported(
+            "in a cluster, guest calls are served on the /v1 routes only".into(),
+        ))
+    }
+}
+
+/// The cluster has no template catalog of its own yet: each pod's
+/// templates are in its heartbeat (`GET /v1/pods`).
+fn no_catalog() -> ServiceError {
+    ServiceError::Unsupported(
+        "a cluster has no template catalog yet: GET /v1/pods lists each pod's templates".into(),
+    )
+}
+
+/// Commands the replica sends through the work queues rather than relays.
+fn is_command(method: &str, path: &str) -> bool {
+    let segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
+    matches!(
+        (method, segments.len(), segments.get(4).copied()),
+        ("GET" | "DELETE", 4, _)
+            | (
+                "POST",
+                5,
+                Some("pause" | "resume" | "connect" | "hibernate")
+            )
+    )
+}
+
+impl SandboxApi for Cluster {
+    fn list_templates(&self) -> Result<Vec<Template>, ServiceError> {
+        Err(no_catalog())
+    }
+    fn get_template(&self, _id: &TemplateId) -> Result<Template, ServiceError> {
+        Err(no_catalog())
+    }
+    fn create_template(&self, _req: CreateTemplate) -> Result<Template, ServiceError> {
+        Err(ServiceError::Unsupported(
+            "templates are built on each pod in a cluster".into(),
+        ))
+    }
+    fn delete_template(&self, _id: &TemplateId) -> Result<(), ServiceError> {
+        Err(no_catalog())
+    }
+
+    fn create_sandbox(&self, mut req: CreateSandbox) -> Result<Sandbox, ServiceError> {
+        let owner = req
+            .owner
+            .take()
+            .ok_or_else(|| ServiceError::Internal("a create without its owner".into()))?;
+        self.block(async {
+            let pods = self.db.pods().await?;
+            let pod = match req.pod.take() {
+                Some(want) => {
+                    let pod = pods.iter().find(|p| p.id == want).ok_or_else(|| {
+                        ServiceError::NotFound {
+                            kind: "pod",
+                            id: want.to_string(),
+                        }
+                    })?;
+                    if !self.is_up(pod) {
+                        return Err(Self::down(pod, "nothing is placed on it"));
+                    }
+                    pod
+                }
+                None => match place(
+                    &pods,
+                    &req.template,
+                    self.config.down_after,
+                    PLACEMENT_CHOICES,
+                    random_u64(),
+                ) {
+                    Some(p) => p,
+                    None if pods.iter().any(|p| p.templates.contains(&req.template)) => {
+                        return Err(ServiceError::Admission {
+                            message: format!(
+                                "no pod up with template {} has admission headroom",
+                                req.template
+                            ),
+                        })
+                    }
+                    None => {
+                        return Err(ServiceError::NotFound {
+                            kind: "template",
+                            id: req.template.clone(),
+                        })
+                    }
+                },
+            };
+            let command = Command::Create {
+                request: Box::new(req),
+                tenant: owner.tenant.clone(),
+                admin: owner.admin,
+            };
+            let outcome = self.run(&pod.id, &owner.tenant, command).await?;
+            Self::sandbox_of(outcome).map(|(s, _)| s)
+        })
+    }
+
+    fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
+        self.block(self.owned_up(id)).map(|(s, _)| s)
+    }
+
+    fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
+        let all = self.block(self.db.sandboxes(filter.tenant.as_deref()))?;
+        Ok(all
+            .into_iter()
+            .filter(|s| filter.states.is_empty() || filter.states.contains(&s.state))
+            .filter(|s| filter.template.as_ref().is_none_or(|t| &s.template == t))
+            .filter(|s| {
+                filter
+                    .pod
+                    .as_ref()
+                    .is_none_or(|p| s.pod.as_ref() == Some(p))
+            })
+            .filter(|s| {
+                filter
+                    .metadata
+                    .iter()
+                    .all(|(k, v)| s.metadata.get(k) == Some(v))
+            })
+            .collect())
+    }
+
+    fn pause(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        self.outcome(id, |sandbox| Command::Pause { sandbox })
+    }
+    fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        self.outcome(id, |sandbox| Command::Resume { sandbox })
+    }
+    fn connect(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        self.outcome(id, |sandbox| Command::Connect { sandbox })
+    }
+    fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+        self.outcome(id, |sandbox| Command::Hibernate { sandbox })
+    }
+    fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
+        match self.command(id, |sandbox| Command::Delete { sandbox })? {
+            OpOutcome::Failed(e) => Err(e.into()),
+            _ => Ok(()),
+        }
+    }
+    fn set_timeout(
+        &self,
+        id: &SandboxId,
+        _keep_alive_ms: Option<u64>,
+        _timeout_ms: Option<u64>,
+    ) -> Result<Sandbox, ServiceError> {
+        self.guest_call(id)
+    }
+
+    fn list_pods(&self) -> Result<Vec<PodView>, ServiceError> {
+        Err(ServiceError::Unsupported(
+            "a cluster's pods are listed from their heartbeats (GET /v1/pods)".into(),
+        ))
+    }
+    fn set_pod(
+        &self,
+        id: &PodId,
+        _ratio: Option<f64>,
+        _high_watermark: Option<f64>,
+    ) -> Result<PodView, ServiceError> {
+        let pod = self.block(self.db.pod(id.as_str()))?;
+        match pod {
+            Some(p) if !self.is_up(&p) => Err(Self::down(&p, "its settings cannot change now")),
+            Some(_) => Err(ServiceError::Internal(format!("pod {id} was not relayed"))),
+            None => Err(ServiceError::NotFound {
+                kind: "pod",
+                id: id.to_string(),
+            }),
+        }
+    }
+
+    fn metrics(&self) -> String {
+        let pods = self.block(self.db.pods()).unwrap_or_default();
+        let up = pods.iter().filter(|p| self.is_up(p)).count();
+        format!(
+            "# HELP torpor_cluster_pods Pods known to the cluster, by whether they are up.\n\
+             # TYPE torpor_cluster_pods gauge\n\
+             torpor_cluster_pods{{state=\"up\"}} {up}\n\
+             torpor_cluster_pods{{state=\"down\"}} {}\n",
+            pods.len() - up
+        )
+    }
+
+    fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
+        let pods = self.block(self.db.pods())?;
+        Ok(pods
+            .into_iter()
+            .map(|p| {
+                let up = self.is_up(&p);
+                let mut entry = if p.load.is_object() {
+                    p.load.clone()
+                } else {
+                    json!({})
+                };
+                entry["id"] = json!(p.id);
+                entry["address"] = json!(crate::federation::pods::pod_address(&p.address).ok());
+                entry["reachable"] = json!(up);
+                entry["templates"] = json!(p.templates);
+                entry["headroom_mib"] = json!(p.headroom_mib);
+                entry["last_heartbeat_s"] = json!(p.silent_s);
+                if !up {
+                    entry["error"] = json!(format!("down: no heartbeat for {:.0} s", p.silent_s));
+                }
+                entry
+            })
+            .collect())
+    }
+
+    fn template_entries(&self) -> Result<Vec<Value>, ServiceError> {
+        Err(no_catalog())
+    }
+
+    fn sandbox_tenant(&self, id: &SandboxId) -> Result<Option<String>, ServiceError> {
+        self.block(self.owned(id)).map(|(s, _)| s.tenant)
+    }
+
+    fn operation(&self, id: &str, tenant: Option<&str>) -> Result<Value, ServiceError> {
+        let op = self.block(self.db.operation(id))?;
+        let op = op
+            .filter(|o| tenant.is_none_or(|t| t == o.tenant))
+            .ok_or_else(|| ServiceError::NotFound {
+                kind: "operation",
+                id: id.to_string(),
+            })?;
+        Ok(json!({
+            "id": op.id,
+            "kind": op.kind,
+            "sandbox": op.sandbox,
+            "pod": op.pod,
+            "status": op.status,
+            "outcome": op.outcome,
+        }))
+    }
+
+    fn relays(&self, method: &str, path: &str) -> bool {
+        !is_command(method, path)
+    }
+
+    fn remote_sandbox(&self, id: &SandboxId) -> Option<RemotePod> {
+        let (_, pod) = self.block(self.owned(id)).ok()?;
+        if !self.is_up(&pod) {
+            return None;
+        }
+        self.remote(&pod)
+    }
+
+    fn remote_pod(&self, id: &PodId) -> Option<RemotePod> {
+        let pod = self.block(self.db.pod(id.as_str())).ok()??;
+        if !self.is_up(&pod) || id.as_str() == LOCAL_POD {
+            return None;
+        }
+        self.remote(&pod)
+    }
+
+    fn exec(
+        &self,
+        id: &SandboxId,
+        _req: ExecRequest,
+        _cancel: &Cancel,
+    ) -> Result<GuestCall<ExecOutput>, ServiceError> {
+        self.guest_call(id)
+    }
+    fn exec_streaming(
+        &self,
+        id: &SandboxId,
+        _req: ExecRequest,
+        _cancel: &Cancel,
+        _on_start: &mut dyn FnMut(&Outcome),
+        _on_output: &mut dyn FnMut(OutputKind, &[u8]),
+    ) -> Result<GuestCall<ExitReply>, ServiceError> {
+        self.guest_call(id)
+    }
+    fn read_file(&self, id: &SandboxId, _path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
+        self.guest_call(id)
+    }
+    fn write_file(
+        &self,
+        id: &SandboxId,
+        _path: &str,
+        _data: &[u8],
+        _mode: Option<u32>,
+    ) -> Result<GuestCall<u64>, ServiceError> {
+        self.guest_call(id)
+    }
+    fn list_dir(&self, id: &SandboxId, _path: &str) -> Result<GuestCall<DirListing>, ServiceError> {
+        self.guest_call(id)
+    }
+    fn with_guest(
+        &self,
+        id: &SandboxId,
+        _f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
+    ) -> Result<Outcome, ServiceError> {
+        self.guest_call(id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(id: &str, headroom: f64, silent: f64, templates: &[&str]) -> PodRow {
+        PodRow {
+            id: PodId::new(id),
+            address: "tcp:127.0.0.1:1".into(),
+            token: "t".into(),
+            fingerprint: None,
+            load: Value::Null,
+            templates: templates.iter().map(|t| t.to_string()).collect(),
+            headroom_mib: headroom,
+            running: 0,
+            hibernated: 0,
+            silent_s: silent,
+        }
+    }
+
+    #[test]
+    fn placement_takes_pods_up_with_the_template_and_headroom() {
+        let down = Duration::from_secs(4);
+        let pods = [
+            pod("a", 100.0, 0.5, &["probe"]),
+            pod("b", 900.0, 9.0, &["probe"]),
+            pod("c", 500.0, 0.1, &["other"]),
+            pod("d", 0.0, 0.1, &["probe"]),
+            pod("e", 300.0, 0.2, &["probe"]),
+        ];
+        let picks: std::collections::BTreeSet<String> = (0..8)
+            .map(|r| place(&pods, "probe", down, 2, r).unwrap().id.to_string())
+            .collect();
+        // b is down, c lacks the template, d is full: a and e, both picked.
+        assert_eq!(picks, ["a", "e"].map(String::from).into());
+        assert_eq!(place(&pods, "probe", down, 1, 7).unwrap().id.as_str(), "e");
+        assert!(place(&pods, "linux", down, 2, 0).is_none());
+    }
+
+    #[test]
+    fn commands_are_queued_and_the_data_plane_relayed() {
+        assert!(is_command("GET", "/v1/sandboxes/sb_1"));
+        assert!(is_command("DELETE", "/v1/sandboxes/sb_1"));
+        assert!(is_command("POST", "/v1/sandboxes/sb_1/hibernate"));
+        assert!(is_command("POST", "/v1/sandboxes/sb_1/connect"));
+        assert!(!is_command("PATCH", "/v1/sandboxes/sb_1"));
+        assert!(!is_command("POST", "/v1/sandboxes/sb_1/exec"));
+        assert!(!is_command("GET", "/v1/sandboxes/sb_1/files"));
+        assert!(!is_command("DELETE", "/v1/sandboxes/sb_1/ports/80"));
+    }
+}

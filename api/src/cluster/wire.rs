@@ -1,0 +1,271 @@
+//! What the API tier and the pods send each other over NATS JetStream: the
+//! streams, their subjects, and the messages (JSON, checked on receipt).
+//!
+//! - `TORPOR_WORK` (work queue, file storage): `torpor.work.<pod>`, one
+//!   [`WorkItem`] per operation, deduplicated by its operation id; each
+//!   pod consumes its own subject through its durable consumer
+//!   `pod-<pod>`.
+//! - `TORPOR_EVENTS` (work queue, file storage): `torpor.events.<pod>`,
+//!   the pods' [`Event`]s (results of operations and heartbeats), consumed
+//!   by the API tier's one durable consumer `api` (whichever replica pulls
+//!   a message writes it to PostgreSQL, then acks it).
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, stream};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use torpor_scheduler::model::{PodId, Sandbox, SandboxId};
+use torpor_scheduler::service::{CreateSandbox, ServiceError};
+
+use super::ClusterError;
+use crate::error::ApiError;
+
+pub const WORK_STREAM: &str = "TORPOR_WORK";
+pub const EVENTS_STREAM: &str = "TORPOR_EVENTS";
+/// The API tier's durable consumer of [`EVENTS_STREAM`].
+pub const API_CONSUMER: &str = "api";
+/// Largest message either side accepts (the server's own limit is 1 MiB).
+pub const MAX_MESSAGE: usize = 1 << 20;
+
+pub fn work_subject(pod: &PodId) -> String {
+    format!("torpor.work.{}", pod.as_str())
+}
+
+pub fn events_subject(pod: &PodId) -> String {
+    format!("torpor.events.{}", pod.as_str())
+}
+
+pub fn pod_consumer(pod: &PodId) -> String {
+    format!("pod-{}", pod.as_str())
+}
+
+/// A pod id usable in a subject and a consumer name: 1-64 of
+/// `[a-z0-9-]`.
+pub fn valid_pod_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
+/// A command to one pod.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Command {
+    Create {
+        request: Box<CreateSandbox>,
+        tenant: String,
+        admin: bool,
+    },
+    Pause {
+        sandbox: SandboxId,
+    },
+    Resume {
+        sandbox: SandboxId,
+    },
+    /// Wake (a hibernated sandbox) or resume (a paused one).
+    Connect {
+        sandbox: SandboxId,
+    },
+    Hibernate {
+        sandbox: SandboxId,
+    },
+    Delete {
+        sandbox: SandboxId,
+    },
+}
+
+impl Command {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Command::Create { .. } => "create",
+            Command::Pause { .. } => "pause",
+            Command::Resume { .. } => "resume",
+            Command::Connect { .. } => "connect",
+            Command::Hibernate { .. } => "hibernate",
+            Command::Delete { .. } => "delete",
+        }
+    }
+
+    pub fn sandbox(&self) -> Option<&SandboxId> {
+        match self {
+            Command::Create { .. } => None,
+            Command::Pause { sandbox }
+            | Command::Resume { sandbox }
+            | Command::Connect { sandbox }
+            | Command::Hibernate { sandbox }
+            | Command::Delete { sandbox } => Some(sandbox),
+        }
+    }
+}
+
+/// One operation for one pod.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkItem {
+    pub operation: String,
+    pub command: Command,
+}
+
+/// An operation's failure as the API answers it: status, code, message
+/// (the typed error on the pod, mapped as the pod's own API would).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpError {
+    pub status: u16,
+    pub code: String,
+    pub message: String,
+}
+
+impl From<ServiceError> for OpError {
+    fn from(e: ServiceError) -> Self {
+        let api = ApiError::from(e);
+        OpError {
+            status: api.status.as_u16(),
+            code: api.code.to_string(),
+            message: api.message,
+        }
+    }
+}
+
+impl From<OpError> for ServiceError {
+    fn from(e: OpError) -> Self {
+        ServiceError::Pod {
+            status: e.status,
+            code: e.code,
+            message: crate::federation::pods::sanitized(&e.message),
+        }
+    }
+}
+
+/// What an operation did: the sandbox after it (none after a delete), or
+/// the error.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum OpOutcome {
+    Sandbox {
+        sandbox: Box<Sandbox>,
+        #[serde(default)]
+        resumed: bool,
+    },
+    Deleted {
+        sandbox: SandboxId,
+    },
+    Failed(OpError),
+}
+
+/// A pod's load and reach, every heartbeat.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Heartbeat {
+    /// Its API for the data plane: `tcp:LOOPBACK:PORT`, `tls:HOST:PORT`
+    /// or `unix:/PATH`.
+    pub address: String,
+    /// The bearer token of that API.
+    pub token: String,
+    /// A `tls:` address's certificate fingerprint.
+    pub fingerprint: Option<String>,
+    /// Its `GET /v1/pods` entry (memory, ratio, committed, counts).
+    pub load: Value,
+    /// Admission headroom, MiB.
+    pub headroom_mib: f64,
+    /// Template ids and names present.
+    pub templates: Vec<String>,
+    pub running: u64,
+    pub hibernated: u64,
+    /// Every sandbox it holds, as it is now (states changed by the pod
+    /// itself: keep-alive hibernation, timeouts).
+    pub sandboxes: Vec<Sandbox>,
+}
+
+/// What a pod publishes on its events subject.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Event {
+    Heartbeat {
+        pod: PodId,
+        heartbeat: Box<Heartbeat>,
+    },
+    Result {
+        pod: PodId,
+        operation: String,
+        outcome: OpOutcome,
+    },
+}
+
+/// The two streams, made if missing (either side may come up first).
+pub async fn ensure_streams(js: &jetstream::Context) -> Result<(), ClusterError> {
+    for (name, subjects) in [
+        (WORK_STREAM, "torpor.work.*"),
+        (EVENTS_STREAM, "torpor.events.*"),
+    ] {
+        js.get_or_create_stream(stream::Config {
+            name: name.to_string(),
+            subjects: vec![subjects.to_string()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            storage: stream::StorageType::File,
+            max_message_size: MAX_MESSAGE as i32,
+            max_age: Duration::from_secs(24 * 3600),
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| ClusterError::Nats(format!("stream {name}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// A durable pull consumer of `stream` (made if missing).
+pub async fn durable(
+    js: &jetstream::Context,
+    stream: &str,
+    name: &str,
+    filter: &str,
+    ack_wait: Duration,
+) -> Result<consumer::PullConsumer, ClusterError> {
+    let s = js
+        .get_stream(stream)
+        .await
+        .map_err(|e| ClusterError::Nats(format!("stream {stream}: {e}")))?;
+    s.get_or_create_consumer(
+        name,
+        consumer::pull::Config {
+            durable_name: Some(name.to_string()),
+            filter_subject: filter.to_string(),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ack_wait,
+            ..Default::default()
+        },
+    )
+    .await
+    .map_err(|e| ClusterError::Nats(format!("consumer {name}: {e}")))
+}
+
+/// Publishes `value` on `subject` and waits for the stream's ack;
+/// `msg_id` deduplicates a republish.
+pub async fn publish<T: Serialize>(
+    js: &jetstream::Context,
+    subject: String,
+    msg_id: Option<&str>,
+    value: &T,
+) -> Result<(), ClusterError> {
+    let body = serde_json::to_vec(value).map_err(|e| ClusterError::Nats(e.to_string()))?;
+    if body.len() > MAX_MESSAGE {
+        return Err(ClusterError::Nats(format!(
+            "a message of {} bytes is over the {MAX_MESSAGE} byte limit",
+            body.len()
+        )));
+    }
+    let mut headers = async_nats::HeaderMap::new();
+    if let Some(id) = msg_id {
+        headers.insert("Nats-Msg-Id", id);
+    }
+    js.publish_with_headers(subject, headers, body.into())
+        .await
+        .map_err(|e| ClusterError::Nats(e.to_string()))?
+        .await
+        .map_err(|e| ClusterError::Nats(e.to_string()))?;
+    Ok(())
+}

@@ -1,0 +1,67 @@
+//! What of a request a backend may need besides its body: its
+//! `Idempotency-Key` (the cluster returns a retried command's first
+//! outcome). [`scope`] (a layer of the cluster's router) keeps it for the
+//! request's task; [`crate::handlers::call`] hands it to the blocking
+//! thread that runs the service call, where [`idempotency_key`] reads it.
+//! Without the layer (the embedded server) there is none.
+
+use std::cell::RefCell;
+
+use axum::extract::Request;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+
+use crate::error::ApiError;
+
+/// The longest `Idempotency-Key` taken.
+pub const MAX_KEY_LEN: usize = 255;
+
+tokio::task_local! {
+    static KEY: Option<String>;
+}
+
+thread_local! {
+    static CURRENT: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// The layer: a well-formed `Idempotency-Key` (1-255 visible ASCII
+/// characters) is kept for the request; a malformed one is 400.
+pub async fn scope(request: Request, next: Next) -> Response {
+    let key = match request.headers().get("idempotency-key") {
+        None => None,
+        Some(v) => match v.to_str() {
+            Ok(k)
+                if !k.is_empty()
+                    && k.len() <= MAX_KEY_LEN
+                    && k.bytes().all(|b| b.is_ascii_graphic()) =>
+            {
+                Some(k.to_string())
+            }
+            _ => {
+                return ApiError::invalid(format!(
+                    "Idempotency-Key: 1-{MAX_KEY_LEN} visible ASCII characters"
+                ))
+                .into_response()
+            }
+        },
+    };
+    KEY.scope(key, next.run(request)).await
+}
+
+/// The current request's key, on its task (none outside [`scope`]).
+pub fn capture() -> Option<String> {
+    KEY.try_with(Clone::clone).ok().flatten()
+}
+
+/// Runs `f` with `key` as the thread's current key.
+pub fn with<T>(key: Option<String>, f: impl FnOnce() -> T) -> T {
+    let before = CURRENT.with(|c| c.replace(key));
+    let out = f();
+    CURRENT.with(|c| *c.borrow_mut() = before);
+    out
+}
+
+/// The key of the request this service call serves.
+pub fn idempotency_key() -> Option<String> {
+    CURRENT.with(|c| c.borrow().clone())
+}

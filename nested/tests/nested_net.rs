@@ -1,0 +1,265 @@
+//! Sandbox networking and guest memory end to end with real Linux guests,
+//! under `torpor serve --sandbox-network` inside the nested host (one L1
+//! boot for every scenario):
+//!
+//! - the guest fetches a file from an HTTP server the test runs on L1's
+//!   side of the NAT (busybox httpd on 192.0.2.1, an address of L1's
+//!   loopback) and the hash matches, and `pip download`s a package from a
+//!   tiny package index served the same way;
+//! - `allow_internet: false` blocks it; an `allow_out` CIDR re-opens
+//!   exactly that address (its neighbour 192.0.2.2 stays closed);
+//! - a guest HTTP server on an exposed port answers from L1, and a
+//!   hibernated sandbox is woken by traffic to that port;
+//! - three clones of one template, created at once, each reach the host
+//!   server, which tells them apart by their host-side addresses;
+//! - memory comes back: a guest allocates and frees 256 MiB and its VMM's
+//!   PSS drops by 200 MiB within [`RETURN_LIMIT_S`]; another clone's
+//!   template pages stay shared meanwhile; a sandbox with its balloon
+//!   inflated hibernates and wakes with the balloon as it was (and
+//!   deflates after); the hibernation diff of a guest that freed its burst
+//!   is measured against one that still holds it;
+//! - after `kill -9` of the service (and of one VMM) and a restart, and
+//!   after the sandboxes are deleted, no namespaces, veths, nft rules or
+//!   sets are left (counted).
+//!
+//! Needs the guest kernel, the agent and the rootfs like `nested_linux.rs`
+//! (`.ci/run` builds them), the L1 kernel's netfilter modules
+//! (`scripts/nested-host prepare`), and this host's `ip`, `nft`, `curl`
+//! and `python3` (carried into L1 or making the test's package);
+//! `TORPOR_SKIP_NESTED=1 scripts/test` leaves it out (the test itself never
+//! skips).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::linux::{binary_content, linux_host_with, run_logged, torpor_vmm, Scratch};
+
+/// How long a guest's freed burst may take to come back to the host (the
+/// guest kernel reports free pages 2 s after they gather; the nested guest
+/// runs far slower than native).
+const RETURN_LIMIT_S: u64 = 90;
+
+/// The burst a guest allocates and frees (MiB), and what must come back.
+const BURST_MIB: u64 = 256;
+const RETURNED_MIB: u64 = 200;
+
+/// The test's package in its index.
+const WHEEL: &str = "tinypkg-1.0-py3-none-any.whl";
+
+/// Builds the test's wheel with the host's python3 (a module with a token
+/// of this run, so its hash is its own).
+fn wheel(dir: &Path) -> PathBuf {
+    let path = dir.join(WHEEL);
+    let token = format!("{}-{:?}", std::process::id(), std::time::SystemTime::now());
+    let script = r#"
+import sys, zipfile, hashlib, base64
+path, token = sys.argv[1], sys.argv[2]
+files = {
+    "tinypkg/__init__.py": f"TOKEN = {token!r}\n",
+    "tinypkg-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n",
+    "tinypkg-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: torpor-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+}
+record = ""
+for name, text in files.items():
+    digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+    record += f"{name},sha256={digest},{len(text.encode())}\n"
+record += "tinypkg-1.0.dist-info/RECORD,,\n"
+files["tinypkg-1.0.dist-info/RECORD"] = record
+with zipfile.ZipFile(path, "w") as z:
+    for name, text in files.items():
+        z.writestr(name, text)
+"#;
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .arg(&path)
+        .arg(token)
+        .output()
+        .expect("python3 makes the test's wheel");
+    assert!(
+        out.status.success(),
+        "making the wheel failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    path
+}
+
+/// A tool of this host carried into L1 (dynamically linked: its libraries
+/// come along).
+fn tool(name: &str) -> PathBuf {
+    for dir in ["/usr/sbin", "/usr/bin", "/sbin", "/bin"] {
+        let p = Path::new(dir).join(name);
+        if p.is_file() {
+            // The file itself: a symlink carried into L1 would point at
+            // L1's own (busybox) file of that name.
+            return std::fs::canonicalize(&p).unwrap_or(p);
+        }
+    }
+    panic!("{name} is not installed on this host (apt-get install nftables iproute2 curl)")
+}
+
+const SCRIPT: &str = include_str!("nested_net.sh");
+
+/// The value after `key=` on the first line starting with `tag `.
+fn field<'a>(out: &'a str, tag: &str, key: &str) -> Option<&'a str> {
+    out.lines()
+        .find(|l| l.starts_with(&format!("{tag} ")))?
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{key}=")))
+}
+
+fn num(out: &str, tag: &str, key: &str) -> u64 {
+    field(out, tag, key)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no number {tag} {key}= in:\n{out}"))
+}
+
+#[test]
+fn nested_sandbox_network_and_memory_through_the_service() {
+    let files = Scratch::new("net-files");
+    let blob = files.0.join("blob.bin");
+    std::fs::write(&blob, binary_content(3 << 20)).unwrap();
+    let wheel = wheel(&files.0);
+    let (host, _scratch) = linux_host_with(
+        "net",
+        &[
+            torpor_vmm(),
+            (tool("ip"), "/usr/local/sbin/ip"),
+            (tool("nft"), "/usr/local/sbin/nft"),
+            (tool("curl"), "/usr/local/bin/curl"),
+            (blob, "/opt/torpor/blob.bin"),
+            (wheel, "/opt/torpor/tinypkg-1.0-py3-none-any.whl"),
+        ],
+        4096,
+        None,
+    );
+    let script = SCRIPT
+        .replace("@BURST_MIB@", &BURST_MIB.to_string())
+        .replace("@RETURNED_MIB@", &RETURNED_MIB.to_string())
+        .replace("@RETURN_LIMIT_S@", &RETURN_LIMIT_S.to_string());
+    let run = run_logged(&host, "nested_net", &script, Duration::from_secs(3600));
+    let o = &run.stdout;
+    eprintln!("{o}");
+    assert_ne!(run.exit_code, 97, "{o}");
+    check_network(o);
+    check_memory(o);
+    check_leftovers(o);
+}
+
+fn check_network(o: &str) {
+    assert_eq!(field(o, "template", "rc"), Some("0"), "template:\n{o}");
+    // allow_internet: false: the host's server is out of reach.
+    assert_eq!(field(o, "closed", "ok"), Some("no"), "{o}");
+    // allow_out 192.0.2.1/32: exactly that address opens, with the file
+    // intact; its neighbour stays closed.
+    let want = field(o, "blob", "sha").unwrap_or_else(|| panic!("{o}"));
+    assert_eq!(want.len(), 64, "{o}");
+    assert_eq!(field(o, "opened", "sha"), Some(want), "{o}");
+    assert_eq!(field(o, "neighbour", "ok"), Some("no"), "{o}");
+    // pip download from the test's index, hash checked by pip (the index
+    // link carries it) and again here.
+    assert_eq!(field(o, "pip", "rc"), Some("0"), "{o}");
+    assert_eq!(field(o, "pip", "sha"), field(o, "wheel", "sha"), "{o}");
+    // The policy's drops were counted.
+    assert!(num(o, "drops", "n") > 0, "{o}");
+
+    // An exposed port answers from L1, and wakes the hibernated sandbox.
+    assert_eq!(
+        field(o, "port-running", "body"),
+        Some("served-by-the-guest"),
+        "{o}"
+    );
+    assert!(
+        o.contains("port-hibernated state=hibernated"),
+        "the sandbox did not hibernate:\n{o}"
+    );
+    assert_eq!(
+        field(o, "port-woken", "body"),
+        Some("served-by-the-guest"),
+        "{o}"
+    );
+    assert_eq!(field(o, "port-after", "state"), Some("running"), "{o}");
+    eprintln!(
+        "nested_net: a request to the hibernated sandbox's port answered after {} s \
+         (wake included, curl's time to first byte)",
+        field(o, "port-woken", "ttfb").unwrap_or("?")
+    );
+
+    // Three clones at once: each reached the server, which saw each one's
+    // own host-side address (the one the API gives).
+    let mut seen = std::collections::HashSet::new();
+    for i in 1..=3 {
+        let tag = format!("clone-{i}");
+        let api = field(o, &tag, "api").unwrap_or_else(|| panic!("{o}"));
+        let server = field(o, &tag, "seen").unwrap_or_else(|| panic!("{o}"));
+        assert!(api.starts_with("10.200."), "{tag}: {api}\n{o}");
+        assert_eq!(api, server, "{tag}: the server saw another address:\n{o}");
+        seen.insert(server.to_string());
+    }
+    assert_eq!(seen.len(), 3, "clones share a host-side address:\n{o}");
+}
+
+fn check_memory(o: &str) {
+    // The burst showed in the VMM's PSS, then came back within the limit.
+    let before = num(o, "burst", "pss0_kib");
+    let peak = num(o, "burst", "peak_kib");
+    assert!(
+        peak >= before + (RETURNED_MIB << 10),
+        "the guest's burst did not show on the host (PSS {before} -> {peak} KiB):\n{o}"
+    );
+    let after = num(o, "returned", "pss_kib");
+    assert!(
+        peak - after >= RETURNED_MIB << 10,
+        "PSS fell only {} KiB within {RETURN_LIMIT_S} s:\n{o}",
+        peak - after
+    );
+    // The guest-reported statistics and host PSS are on the sandbox.
+    assert!(num(o, "sandbox-memory", "pss_bytes") > 0, "{o}");
+    assert!(num(o, "sandbox-memory", "guest_total_bytes") > 0, "{o}");
+    assert!(o.contains("metrics-memory ok"), "{o}");
+    // The witness clone's template pages stayed shared.
+    let shared0 = num(o, "witness", "shared0_kib");
+    let shared1 = num(o, "witness", "shared1_kib");
+    assert!(shared0 > 0, "{o}");
+    assert!(
+        shared1 * 100 >= shared0 * 95,
+        "the witness clone lost shared pages ({shared0} -> {shared1} KiB):\n{o}"
+    );
+    // The inflated balloon survived hibernation and wake, then deflated.
+    assert_eq!(field(o, "inflated", "actual_mib"), Some("128"), "{o}");
+    assert_eq!(field(o, "restored", "target_mib"), Some("128"), "{o}");
+    assert_eq!(field(o, "restored", "actual_mib"), Some("128"), "{o}");
+    assert_eq!(field(o, "restored", "exec"), Some("ok"), "{o}");
+    assert_eq!(field(o, "deflated", "actual_mib"), Some("0"), "{o}");
+    // Diff sizes: measured, reported.
+    let held = num(o, "diff", "held_kib");
+    let freed = num(o, "diff", "freed_kib");
+    eprintln!(
+        "nested_net: burst {BURST_MIB} MiB, PSS {before} -> {peak} -> {after} KiB in {} s; \
+         hibernation diff holding it {held} KiB, after freeing it {freed} KiB",
+        field(o, "returned", "after_s").unwrap_or("?")
+    );
+}
+
+fn check_leftovers(o: &str) {
+    let count = |tag: &str, key: &str| num(o, &format!("leftovers-{tag}"), key);
+    // Before the crash every running sandbox has its network.
+    assert!(count("before-kill", "netns") >= 2, "{o}");
+    // After the restart: the networks of live VMMs only.
+    let live = num(o, "live", "n");
+    for key in ["netns", "veths"] {
+        assert_eq!(count("after-restart", key), live, "{key}:\n{o}");
+    }
+    assert_eq!(
+        field(o, "port-after-restart", "body"),
+        Some("served-by-the-guest"),
+        "{o}"
+    );
+    for tag in ["after-delete", "after-stop"] {
+        for key in ["netns", "veths", "rules", "sets"] {
+            assert_eq!(count(tag, key), 0, "{tag} {key} leaked:\n{o}");
+        }
+    }
+}

@@ -1,0 +1,180 @@
+# L1 script of nested_net.rs (busybox sh; @NAME@ are filled in by the test).
+test -c /dev/kvm || { echo 'L1 has no /dev/kvm'; exit 97; }
+T=/opt/torpor/torpor
+# iproute2's ip (carried): busybox sh runs its own applet for a bare `ip`.
+IP=/usr/local/sbin/ip
+export TORPOR_API=http://127.0.0.1:7700 TORPOR_TOKEN=nested-token
+API=$TORPOR_API
+c() { curl -sS -H "Authorization: Bearer $TORPOR_TOKEN" -H 'Content-Type: application/json' "$@"; }
+now() { cut -d' ' -f1 /proc/uptime; }
+sbx() { c "$API/v1/sandboxes/$1"; }
+# A JSON field of a sandbox (first occurrence; numbers and strings).
+jf() { sbx "$1" | grep -o "\"$2\":\(\"[^\"]*\"\|[0-9]*\)" | head -n1 | cut -d: -f2- | tr -d '"'; }
+state() { jf "$1" state; }
+create() { c -X POST "$API/v1/sandboxes" -d "$1" | grep -o '"id":"sbx_[^"]*"' | head -n1 | cut -d'"' -f4; }
+x() { s=$1; shift; $T sandbox exec "$s" -- "$@"; }
+pss() { awk '/^Pss:/ {print $2}' "/proc/$1/smaps_rollup"; }
+shared() { awk '/^Shared_(Clean|Dirty):/ {s += $2} END {print s + 0}' "/proc/$1/smaps_rollup"; }
+count() {
+  echo "leftovers-$1 netns=$($IP netns list | grep -c '^torpor-sbx') veths=$($IP -o link show | grep -c ': tpv')" \
+    "rules=$(nft list table ip torpor 2>/dev/null | grep -c 'comment "torpor:')" \
+    "sets=$(nft list sets ip 2>/dev/null | grep -c 'set tpv')"
+}
+
+# --- the test's server on L1's side of the NAT --------------------------------
+$IP link set lo up
+$IP addr add 192.0.2.1/32 dev lo
+$IP addr add 192.0.2.2/32 dev lo
+W=/srv/www
+mkdir -p $W/cgi-bin $W/simple/tinypkg $W/packages
+cp /opt/torpor/blob.bin $W/blob.bin
+WHEEL=tinypkg-1.0-py3-none-any.whl
+cp /opt/torpor/$WHEEL $W/packages/
+WSHA=$(sha256sum <$W/packages/$WHEEL | cut -d' ' -f1)
+printf '<!DOCTYPE html><html><body><a href="../../packages/%s#sha256=%s">%s</a></body></html>\n' \
+  $WHEEL "$WSHA" $WHEEL >$W/simple/tinypkg/index.html
+printf '#!/bin/sh\nprintf "Content-Type: text/plain\\r\\n\\r\\n%%s\\n" "$REMOTE_ADDR"\n' >$W/cgi-bin/whoami
+chmod 755 $W/cgi-bin/whoami
+httpd -p 8000 -h $W
+echo "blob sha=$(sha256sum <$W/blob.bin | cut -d' ' -f1)"
+echo "wheel sha=$WSHA"
+
+# --- the service --------------------------------------------------------------
+IMAGES="$(dirname "$(readlink -f /opt/torpor/rootfs.ext4)")/images"
+mkdir -p "$IMAGES/debian"
+mv "$(readlink -f /opt/torpor/vmlinux)" "$(readlink -f /opt/torpor/rootfs.ext4)" "$IMAGES/debian/"
+chmod 0644 "$IMAGES/debian/vmlinux" "$IMAGES/debian/rootfs.ext4"
+serve() {
+  $T serve --data-dir /tmp/data --token nested-token --keep-alive-ms 3600000 \
+    --images-dir "$IMAGES" --request-timeout-ms 600000 \
+    --sandbox-network --sandbox-dns-port 0 >>/tmp/serve.log 2>&1 &
+  SERVE=$!
+  i=0; until $T template list >/dev/null 2>&1 || [ $i -ge 300 ]; do sleep 0.2; i=$((i+1)); done
+  $T template list >/dev/null 2>&1 || { echo "serve did not start:"; cat /tmp/serve.log; exit 1; }
+}
+serve
+$T template create --name debian --kind linux --image debian --mem-mib 512 --vcpus 2 >/tmp/tpl 2>&1
+rc=$?
+echo "template rc=$rc $(tr '\n' ' ' </tmp/tpl)"
+[ $rc = 0 ] || { tail -n 40 /tmp/serve.log; exit 1; }
+$T template list >/dev/null 2>&1 || { echo "serve died:"; cat /tmp/serve.log; exit 1; }
+count after-template
+
+# --- egress policy ------------------------------------------------------------
+A=$(create '{"template":"debian","network":{"allow_internet":false}}')
+echo "sandbox-a id=$A state=$(state "$A")"
+fetch() { # sandbox url -> sha256 of what it fetched, or "no"
+  x "$1" sh -c "curl -sS --max-time 10 -o /tmp/f '$2' && sha256sum </tmp/f | cut -d' ' -f1" 2>/dev/null || echo no
+}
+echo "closed ok=$(fetch "$A" http://192.0.2.1:8000/blob.bin)"
+c -X PATCH "$API/v1/sandboxes/$A/network" -d '{"allow_out":["192.0.2.1/32"]}' >/dev/null
+echo "opened sha=$(fetch "$A" http://192.0.2.1:8000/blob.bin)"
+echo "neighbour ok=$(fetch "$A" http://192.0.2.2:8000/blob.bin)"
+x "$A" sh -c 'rm -rf /tmp/dl; pip download --no-deps --disable-pip-version-check --no-cache-dir \
+  --index-url http://192.0.2.1:8000/simple/ --trusted-host 192.0.2.1 -d /tmp/dl tinypkg==1.0 >/tmp/pip.log 2>&1;
+  rc=$?; tail -n 3 /tmp/pip.log; echo "pip rc=$rc sha=$(sha256sum </tmp/dl/'$WHEEL' | cut -d" " -f1)"'
+echo "drops n=$(sbx "$A" | grep -o '"dropped_packets":[0-9]*' | cut -d: -f2)"
+
+# --- an exposed port, and a wake by traffic to it -----------------------------
+x "$A" sh -c 'mkdir -p /root/www && echo served-by-the-guest >/root/www/hello.txt &&
+  cd /root/www && setsid python3 -m http.server 8080 </dev/null >/dev/null 2>&1 &'
+PORT=$(c -X POST "$API/v1/sandboxes/$A/ports" -d '{"guest_port":8080}' | grep -o '"address":"[^"]*"' | cut -d'"' -f4)
+echo "port address=$PORT"
+get() { curl -sS --max-time 300 "http://$PORT/hello.txt"; }
+i=0; until get >/dev/null 2>&1 || [ $i -ge 30 ]; do sleep 1; i=$((i+1)); done
+echo "port-running body=$(get)"
+$T sandbox hibernate "$A" >/dev/null
+echo "port-hibernated state=$(state "$A")"
+t0=$(now)
+# (Not -o /dev/stdout: L1's devtmpfs has no such link, curl would make a file.)
+body=$(curl -sS --max-time 300 -w ' ttfb=%{time_starttransfer}' "http://$PORT/hello.txt" 2>&1)
+echo "port-woken body=$(echo "$body" | tr '\n' ' ') from=$t0 to=$(now)"
+echo "port-after state=$(state "$A")"
+
+# --- three clones at once -----------------------------------------------------
+for i in 1 2 3; do create '{"template":"debian"}' >/tmp/clone$i & eval "p$i=\$!"; done
+wait $p1 $p2 $p3
+# Each clone's agent answers first (a refusal right after a create is
+# logged: seen once under three concurrent creates on TCG).
+for i in 1 2 3; do
+  S=$(cat /tmp/clone$i) j=0
+  until x "$S" true 2>/tmp/ready$i || [ $j -ge 30 ]; do j=$((j+1)); sleep 1; done
+  [ $j = 0 ] || echo "clone-$i-agent-retries n=$j first=$(head -c 200 /tmp/ready$i | tr '\n' ' ')"
+done
+for i in 1 2 3; do
+  S=$(cat /tmp/clone$i)
+  (x "$S" curl -sS --max-time 30 http://192.0.2.1:8000/cgi-bin/whoami >/tmp/seen$i 2>&1) &
+  eval "p$i=\$!"
+done
+wait $p1 $p2 $p3
+for i in 1 2 3; do
+  S=$(cat /tmp/clone$i)
+  # httpd listens on IPv6 too: a v4 peer is [::ffff:a.b.c.d].
+  echo "clone-$i id=$S api=$(jf "$S" address) seen=$(tr -d '\r\n []' </tmp/seen$i | sed 's/^::ffff://')"
+done
+C1=$(cat /tmp/clone1) C2=$(cat /tmp/clone2) C3=$(cat /tmp/clone3)
+
+# --- memory comes back --------------------------------------------------------
+P1=$(jf "$C1" pid) P2=$(jf "$C2" pid)
+sleep 5
+P0=$(pss "$P1")
+S0=$(shared "$P2")
+# The burst: held for 20 s, then freed (the process exits).
+$T sandbox exec --timeout-ms 900000 "$C1" -- python3 -c "import time; b = b'\x01' * (@BURST_MIB@ << 20); time.sleep(20); print(len(b) >> 20)" >/tmp/burst &
+BP=$!
+PEAK=$P0
+while kill -0 $BP 2>/dev/null; do v=$(pss "$P1"); [ "$v" -gt "$PEAK" ] && PEAK=$v; sleep 1; done
+echo "burst pss0_kib=$P0 peak_kib=$PEAK guest=$(cat /tmp/burst)"
+t0=$(now) AFTER=$PEAK
+while :; do
+  AFTER=$(pss "$P1"); el=$(awk -v a="$t0" -v b="$(now)" 'BEGIN {printf "%d", b - a}')
+  [ $((PEAK - AFTER)) -ge $((@RETURNED_MIB@ * 1024)) ] && break
+  [ "$el" -ge @RETURN_LIMIT_S@ ] && break
+  sleep 1
+done
+echo "returned pss_kib=$AFTER after_s=$el"
+echo "witness shared0_kib=$S0 shared1_kib=$(shared "$P2")"
+M=$(sbx "$C1" | grep -o '"memory":{[^}]*}')
+echo "sandbox-memory $(echo "$M" | tr -d '{}"' | tr ',:' ' =' | sed 's/^memory=//')"
+c "$API/metrics" | grep "torpor_sandbox_memory_pss_bytes{sandbox=\"$C1\"}" >/dev/null && echo "metrics-memory ok"
+c "$API/metrics" | grep '^torpor_sandbox_\(memory\|guest\)' | sed 's/^/metrics /'
+
+# The hibernation diff of a guest that freed its burst (C1) and of one
+# still holding it (C2).
+x "$C2" sh -c "setsid python3 -c \"import time; b = b'\\x01' * (@BURST_MIB@ << 20); open('/tmp/held', 'w').close(); time.sleep(3600)\" </dev/null >/dev/null 2>&1 &"
+i=0; until x "$C2" test -f /tmp/held 2>/dev/null || [ $i -ge 600 ]; do sleep 1; i=$((i+1)); done
+$T sandbox hibernate "$C1" >/dev/null; $T sandbox hibernate "$C2" >/dev/null
+D1=$(jf "$C1" snapshot) D2=$(jf "$C2" snapshot)
+echo "diff held_kib=$(du -sk "$D2" | cut -f1) freed_kib=$(du -sk "$D1" | cut -f1) held_apparent_kib=$(du -sk --apparent-size "$D2" 2>/dev/null | cut -f1)"
+ls -ls "$D1" "$D2" | sed 's/^/diff-files /'
+
+# A balloon inflated across hibernate and wake.
+CTL=$(jf "$C3" control_socket)
+$T vmm balloon --socket "$CTL" --target-mib 128 >/dev/null
+i=0; until $T vmm balloon --socket "$CTL" | grep -q '"actual_mib":128' || [ $i -ge 120 ]; do sleep 1; i=$((i+1)); done
+echo "inflated actual_mib=$($T vmm balloon --socket "$CTL" | grep -o '"actual_mib":[0-9]*' | cut -d: -f2)"
+$T sandbox hibernate "$C3" >/dev/null
+x "$C3" echo woke >/dev/null && ok=ok || ok=failed
+CTL=$(jf "$C3" control_socket)
+B=$($T vmm balloon --socket "$CTL")
+echo "restored target_mib=$(echo "$B" | grep -o '"target_mib":[0-9]*' | cut -d: -f2) actual_mib=$(echo "$B" | grep -o '"actual_mib":[0-9]*' | cut -d: -f2) exec=$ok"
+$T vmm balloon --socket "$CTL" --target-mib 0 >/dev/null
+i=0; until $T vmm balloon --socket "$CTL" | grep -q '"actual_mib":0' || [ $i -ge 120 ]; do sleep 1; i=$((i+1)); done
+echo "deflated actual_mib=$($T vmm balloon --socket "$CTL" | grep -o '"actual_mib":[0-9]*' | cut -d: -f2)"
+
+# --- kill -9 of the service (and of one VMM), restart, delete: no leftovers ---
+count before-kill
+kill -9 $SERVE
+kill -9 "$(jf "$C3" pid)" 2>/dev/null
+sleep 1
+serve
+live=0
+for s in "$A" "$C1" "$C2" "$C3"; do [ "$(state "$s")" = running ] && live=$((live + 1)); done
+echo "live n=$live"
+count after-restart
+echo "port-after-restart body=$(curl -sS --max-time 300 "http://$PORT/hello.txt")"
+for s in "$A" "$C1" "$C2" "$C3"; do $T sandbox rm "$s" >/dev/null; done
+count after-delete
+kill $SERVE; wait $SERVE
+count after-stop
+grep -i 'error\|warn\|panic' /tmp/serve.log | tail -n 20 | sed 's/^/serve-log /'

@@ -1,0 +1,103 @@
+//! `torpor serve --cluster` (a stateless API replica) and the cluster side
+//! of `torpor pod serve --cluster` (heartbeats and the work queue).
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use torpor_api::cluster::pod::{Journal, PodIdentity};
+use torpor_api::cluster::{Cluster, ClusterConfig, ClusterUrls};
+use torpor_scheduler::model::PodId;
+use torpor_scheduler::service::Service;
+
+use crate::cli::{PodServeArgs, ServeArgs};
+
+fn config(urls: &str) -> Result<ClusterConfig, String> {
+    let urls: ClusterUrls = urls
+        .parse()
+        .map_err(|e: torpor_api::cluster::ClusterError| e.to_string())?;
+    Ok(ClusterConfig::new(urls))
+}
+
+/// One API replica: no pod of its own, every command to a pod's queue.
+pub fn serve_replica(args: ServeArgs, urls: &str) -> Result<(), String> {
+    let mut config = config(urls)?;
+    config.wait = Duration::from_millis(args.cluster_wait_ms.max(1));
+    config.down_after = Duration::from_millis(args.cluster_down_after_ms.max(1));
+    config.io_timeout = Duration::from_millis(args.service.request_timeout_ms.max(1));
+    let data_dir = args
+        .data_dir
+        .clone()
+        .unwrap_or_else(super::serve::default_data_dir);
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&data_dir)
+            .map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
+    }
+    let tenants_file = super::serve::tenants_file(&args, &data_dir)?;
+    let api = torpor_api::ApiConfig {
+        tokens: args.token.clone(),
+        tenants_file: Some(tenants_file),
+        request_timeout: config.wait + Duration::from_secs(5),
+        ..Default::default()
+    };
+    let listen: SocketAddr = args.listen;
+    super::serve::runtime()?.block_on(async move {
+        let cluster = Cluster::connect(config).await.map_err(|e| e.to_string())?;
+        println!(
+            "torpor serve: cluster replica (PostgreSQL schema migrated, JetStream streams ready)"
+        );
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let api = torpor_api::Api::new(cluster, api);
+        println!("torpor serve: listening on http://{addr}");
+        let app = Cluster::router(&api);
+        torpor_api::serve_app(listener, app, super::serve::ctrl_c())
+            .await
+            .map_err(|e| e.to_string())
+    })
+}
+
+/// Starts the pod's cluster side (on the current runtime) once its API
+/// listens at `address`.
+pub fn start_pod(
+    args: &PodServeArgs,
+    service: &Arc<Service>,
+    data_dir: &Path,
+    address: String,
+    token: &str,
+    fingerprint: Option<String>,
+) -> Result<(), String> {
+    let Some(urls) = args.cluster.as_deref() else {
+        return Ok(());
+    };
+    let mut config = config(urls)?;
+    config.heartbeat = Duration::from_millis(args.heartbeat_ms.max(50));
+    let id = args.pod_id.clone().ok_or("--cluster needs --pod-id")?;
+    if !torpor_api::cluster::wire::valid_pod_id(&id) {
+        return Err(format!("--pod-id {id:?}: 1-64 of a-z, 0-9 and -"));
+    }
+    let journal = Journal::open(&data_dir.join("cluster-journal.db")).map_err(|e| e.to_string())?;
+    let me = PodIdentity {
+        id: PodId::new(id.clone()),
+        address,
+        token: token.to_string(),
+        fingerprint,
+    };
+    println!("torpor pod: in the cluster as pod {id} (work queue torpor.work.{id})");
+    let service = service.clone();
+    tokio::spawn(async move {
+        if let Err(e) = torpor_api::cluster::pod::run(service, me, Arc::new(journal), config).await
+        {
+            eprintln!("torpor pod: the cluster side stopped: {e}");
+            std::process::exit(1);
+        }
+    });
+    Ok(())
+}
