@@ -63,12 +63,9 @@ impl Service {
                 .pss_before()
                 .insert(s.id.clone(), (now, kib << 10));
         }
-        let balloon = match vmm::call(handle, &Request::BalloonStats) {
-            Ok(r) => r.balloon,
-            Err(e) => {
-                tracing::debug!(sandbox = %s.id, "no balloon to shrink: {e}");
-                return 0;
-            }
+        let Some(balloon) = vmm::peek(handle, &Request::BalloonStats).map(|r| r.balloon) else {
+            tracing::debug!(sandbox = %s.id, "no balloon to shrink, or its VMM is busy");
+            return 0;
         };
         let Some((target_mib, expected)) = balloon.as_ref().and_then(balloon_target) else {
             return 0;
@@ -136,10 +133,7 @@ impl Service {
             m.shrink_pss_before_bytes = Some(before);
         }
         // No balloon (the probe guest) or a VMM busy elsewhere: PSS only.
-        if let Some(b) = vmm::call(handle, &Request::BalloonStats)
-            .ok()
-            .and_then(|r| r.balloon)
-        {
+        if let Some(b) = vmm::peek(handle, &Request::BalloonStats).and_then(|r| r.balloon) {
             m.balloon_target_mib = Some(b.target_mib);
             m.balloon_actual_mib = Some(b.actual_mib);
             m.reported_bytes = Some(b.counters.reported_bytes);

@@ -27,6 +27,11 @@ pub const MAX_LOG_BYTES: u64 = 4 << 20;
 const START_LIMIT: Duration = Duration::from_secs(20);
 /// Control requests; snapshots of large guests take as long as the disk.
 const CONTROL_LIMIT: Duration = Duration::from_secs(300);
+/// Status reads beside an answer (balloon statistics for a sandbox's GET
+/// or the metrics): a VMM busy with a long request (a snapshot, which its
+/// control server answers first) must not hold up the read; past this the
+/// reader goes without.
+const STATUS_LIMIT: Duration = Duration::from_millis(500);
 
 /// Files of one VMM run.
 pub struct VmmFiles {
@@ -215,6 +220,12 @@ fn internal(what: &str, e: impl std::fmt::Display) -> ServiceError {
 pub fn call(handle: &VmmHandle, req: &Request) -> Result<Response, ServiceError> {
     control::call(&handle.control_socket, req, CONTROL_LIMIT)
         .map_err(|e| ServiceError::Vm(vm_error(handle, e)))
+}
+
+/// A status read ([`STATUS_LIMIT`]): `None` when the VMM does not answer
+/// at once (busy with a long request, or gone) or refuses.
+pub fn peek(handle: &VmmHandle, req: &Request) -> Option<Response> {
+    control::call(&handle.control_socket, req, STATUS_LIMIT).ok()
 }
 
 fn vm_error(handle: &VmmHandle, e: control::ClientError) -> VmError {
