@@ -384,11 +384,29 @@ fn bad_input_and_auth() {
         r#"{"templateID":5}"#,
         r#"{"templateID":"probe","timeout":-1}"#,
         r#"{"templateID":"probe","metadata":{"a":1}}"#,
-        r#"{"templateID":"probe","network":{"denyOut":["0.0.0.0/0"]}}"#,
+        r#"{"templateID":"probe","network":{"denyOut":["example.com"]}}"#,
+        r#"{"templateID":"probe","network":{"egressProxy":{"address":"x"}}}"#,
         r#"{"templateID":"probe","timeout":2592001}"#,
     ] {
         assert_e2b_error(&s.call("POST", "/v2/sandboxes", Some(body)), 400);
     }
+    // Egress rules on a pod without sandbox networking: refused, saying
+    // so, rather than ignored (tests/net_ports_api.rs has them applied).
+    let r = s.call(
+        "POST",
+        "/v2/sandboxes",
+        Some(r#"{"templateID":"probe","network":{"denyOut":["0.0.0.0/0"]}}"#),
+    );
+    assert_e2b_error(&r, 422);
+    assert!(r.body.contains("sandbox networking"), "{}", r.body);
+    assert_e2b_error(
+        &s.call(
+            "PUT",
+            &format!("/sandboxes/{id}/network"),
+            Some(r#"{"allowOut":["10.0.0.0/8"]}"#),
+        ),
+        422,
+    );
     assert_e2b_error(
         &s.call("POST", "/v2/sandboxes", Some(r#"{"templateID":"nope"}"#)),
         404,

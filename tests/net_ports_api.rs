@@ -15,7 +15,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use common::http::{request, HttpResponse, InProcessApi};
+use common::http::{request, request_with, HttpResponse, InProcessApi};
 use common::netns::Ns;
 use common::serve::DataDir;
 use serde_json::{json, Value};
@@ -29,6 +29,18 @@ struct Api {
 }
 
 impl Api {
+    /// An E2B route with the key in `X-API-KEY`.
+    fn e2b(&self, key: &str, method: &str, path: &str, body: Value) -> HttpResponse {
+        let body = (!body.is_null()).then(|| body.to_string());
+        request_with(
+            &self.addr,
+            method,
+            path,
+            &[("X-API-KEY", key)],
+            body.as_deref(),
+        )
+    }
+
     fn call(&self, token: &str, method: &str, path: &str, body: Value) -> HttpResponse {
         let body = (!body.is_null()).then(|| body.to_string());
         request(&self.addr, method, path, Some(token), body.as_deref())
@@ -215,6 +227,70 @@ fn policies_and_exposed_ports_through_the_api_wake_on_traffic() {
         .enter(|| TcpStream::connect_timeout(&again, Duration::from_secs(2)))
         .is_err());
 
+    e2b_network(&api, &alice, &bob);
+
     drop(server);
     service.close();
+}
+
+/// E2B's egress settings land in the sandbox's policy with E2B's meaning
+/// (allowed entries take precedence): at create (`network`,
+/// `allow_internet_access`) and through `PUT /sandboxes/{id}/network`,
+/// which replaces the whole policy; what cannot be kept exactly is 400.
+fn e2b_network(api: &Api, alice: &str, bob: &str) {
+    let r = api.e2b(
+        alice,
+        "POST",
+        "/v2/sandboxes",
+        json!({"templateID": PROBE_TEMPLATE, "timeout": 600,
+               "network": {"denyOut": ["0.0.0.0/0"], "allowOut": ["192.0.2.7", "PyPI.org"]}}),
+    );
+    assert_eq!(r.status, 201, "{}", r.body);
+    let id = r.json()["sandboxID"].as_str().unwrap().to_string();
+    let policy = |api: &Api| {
+        let r = api.call(alice, "GET", &format!("/v1/sandboxes/{id}"), Value::Null);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["network"]["policy"].clone()
+    };
+    assert_eq!(
+        policy(api),
+        json!({"allow_internet": false, "allow_out": ["192.0.2.7/32", "pypi.org"], "deny_out": []})
+    );
+    // A partial deny list with an allowed hole: the hole is cut out of it.
+    let path = format!("/sandboxes/{id}/network");
+    let r = api.e2b(
+        alice,
+        "PUT",
+        &path,
+        json!({"denyOut": ["10.0.0.0/14"], "allowOut": ["10.1.0.0/16"]}),
+    );
+    assert_eq!(r.status, 204, "{}", r.body);
+    assert_eq!(
+        policy(api),
+        json!({"allow_internet": true, "allow_out": ["10.1.0.0/16"],
+               "deny_out": ["10.0.0.0/16", "10.2.0.0/15"]})
+    );
+    // What is left out is cleared; allow_internet_access false denies all.
+    let r = api.e2b(alice, "PUT", &path, json!({"allow_internet_access": false}));
+    assert_eq!(r.status, 204, "{}", r.body);
+    assert_eq!(
+        policy(api),
+        json!({"allow_internet": false, "allow_out": [], "deny_out": []})
+    );
+    for bad in [
+        json!({"denyOut": ["example.com"]}),
+        json!({"denyOut": ["10.0.0.0/8"], "allowOut": ["pypi.org"]}),
+        json!({"egressProxy": {"address": "socks5://127.0.0.1:1080"}}),
+        json!({"allowOut": ["not a host!"]}),
+    ] {
+        let r = api.e2b(alice, "PUT", &path, bad.clone());
+        assert_eq!(r.status, 400, "{bad}: {}", r.body);
+        assert_eq!(r.json()["code"], 400, "{}", r.body);
+    }
+    // The policy is unchanged by the refusals; another tenant's key is 404.
+    assert_eq!(policy(api)["allow_internet"], json!(false));
+    let r = api.e2b(bob, "PUT", &path, json!({}));
+    assert_eq!(r.status, 404, "{}", r.body);
+    let r = api.e2b(alice, "DELETE", &format!("/sandboxes/{id}"), Value::Null);
+    assert_eq!(r.status, 204, "{}", r.body);
 }

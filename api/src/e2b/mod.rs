@@ -28,6 +28,7 @@ use torpor_scheduler::model::SandboxId;
 
 pub mod envd;
 pub mod error;
+mod network;
 mod routes;
 pub mod time;
 pub mod wire;
@@ -58,6 +59,7 @@ pub const ROUTES: &[Route] = &[
     route("POST", "/sandboxes/{id}/refreshes", "e2bRefreshSandbox"),
     route("GET", "/sandboxes/{id}/metrics", "e2bSandboxMetrics"),
     route("POST", "/sandboxes/{id}/fork", "e2bForkSandbox"),
+    route("PUT", "/sandboxes/{id}/network", "e2bUpdateNetwork"),
     route("POST", "/sandboxes/{id}/snapshots", "e2bCreateSnapshot"),
     route("GET", "/snapshots", "e2bListSnapshots"),
     route("DELETE", "/templates/{id}", "e2bDeleteTemplate"),
@@ -78,6 +80,7 @@ fn endpoint<S: SandboxApi>(r: &Route) -> MethodRouter<AppState<S>> {
         "e2bRefreshSandbox" => on(m, routes::refresh::<S>),
         "e2bSandboxMetrics" => on(m, routes::metrics::<S>),
         "e2bForkSandbox" => on(m, routes::fork::<S>),
+        "e2bUpdateNetwork" => on(m, routes::update_network::<S>),
         "e2bCreateSnapshot" => on(m, routes::create_snapshot::<S>),
         "e2bListSnapshots" => on(m, routes::list_snapshots::<S>),
         "e2bDeleteTemplate" => on(m, routes::delete_template::<S>),

@@ -135,6 +135,7 @@ pub async fn create<S: SandboxApi>(
 ) -> E2bResult<Response> {
     let req: NewSandbox = body(&bytes)?;
     req.refuse_unoffered()?;
+    let network = req.network_policy()?;
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
     let on_timeout = if req.auto_pause == Some(true) {
         OnTimeout::Hibernate
@@ -153,12 +154,30 @@ pub async fn create<S: SandboxApi>(
             on_timeout,
             access_token: Some(new_access_token()),
             owner: Some(principal.owner()),
+            network,
             ..CreateSandbox::default()
         })?;
         Ok(CreatedSandbox::new(&sandbox, alias(s, &sandbox.template)))
     })
     .await?;
     Ok(created(StatusCode::CREATED, out))
+}
+
+/// `PUT /sandboxes/{id}/network` (`update_network`): replaces the egress
+/// policy, as E2B's does (what is left out is cleared); 204.
+pub async fn update_network<S: SandboxApi>(
+    state: Api<S>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> E2bResult<StatusCode> {
+    let req: super::network::E2bNetwork = body(&bytes)?;
+    let patch = req.policy(None)?;
+    call(&state, move |s| {
+        let sandbox = live(s, &id)?;
+        s.set_network_policy(&sandbox.id, &patch).map(drop)
+    })
+    .await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// `GET /sandboxes/{id}`.

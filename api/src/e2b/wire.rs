@@ -4,7 +4,7 @@
 //!
 //! Request bodies ignore fields they do not know (E2B adds fields often and
 //! the SDKs send what they have); fields that ask for something torpor does
-//! not offer (network rules, volume mounts, MCP, IAM) are refused with 400
+//! not offer (volume mounts, MCP, IAM, some network settings) are refused with 400
 //! when they are set, rather than ignored.
 
 use std::collections::BTreeMap;
@@ -46,9 +46,14 @@ pub struct NewSandbox {
     pub metadata: Option<BTreeMap<String, String>>,
     #[serde(default)]
     pub env_vars: Option<BTreeMap<String, String>>,
-    // Asked for but not offered: refused when set (see `refuse_unoffered`).
+    /// Egress rules ([`super::network`]).
     #[serde(default)]
-    pub network: Option<Value>,
+    pub network: Option<super::network::E2bNetwork>,
+    /// `false`: no traffic out but `network.allowOut`'s (snake case in
+    /// E2B's API too).
+    #[serde(default, rename = "allow_internet_access")]
+    pub allow_internet_access: Option<bool>,
+    // Asked for but not offered: refused when set (see `refuse_unoffered`).
     #[serde(default)]
     pub volume_mounts: Option<Value>,
     #[serde(default)]
@@ -61,7 +66,6 @@ impl NewSandbox {
     /// 400 for a field that asks for something torpor does not offer.
     pub fn refuse_unoffered(&self) -> Result<(), E2bError> {
         for (name, value) in [
-            ("network", &self.network),
             ("volumeMounts", &self.volume_mounts),
             ("mcp", &self.mcp),
             ("iam", &self.iam),
@@ -74,10 +78,20 @@ impl NewSandbox {
         }
         Ok(())
     }
+
+    /// The egress policy asked for; `None` when neither `network` nor
+    /// `allow_internet_access` is given (the pod's default then).
+    pub fn network_policy(&self) -> Result<Option<torpor_scheduler::net::PolicyPatch>, E2bError> {
+        if self.network.is_none() && self.allow_internet_access.is_none() {
+            return Ok(None);
+        }
+        let network = self.network.clone().unwrap_or_default();
+        network.policy(self.allow_internet_access).map(Some)
+    }
 }
 
 /// Set to something other than null or an empty object/array.
-fn is_set(v: &Value) -> bool {
+pub(super) fn is_set(v: &Value) -> bool {
     match v {
         Value::Null => false,
         Value::Object(m) => !m.is_empty(),
@@ -467,7 +481,7 @@ mod tests {
         .unwrap();
         body.refuse_unoffered().unwrap();
         let body: NewSandbox =
-            serde_json::from_str(r#"{"templateID":"probe","network":{"allowOut":["x"]}}"#).unwrap();
+            serde_json::from_str(r#"{"templateID":"probe","mcp":{"server":{}}}"#).unwrap();
         assert_eq!(body.refuse_unoffered().unwrap_err().code, 400);
     }
 }
