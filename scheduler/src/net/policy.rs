@@ -1,5 +1,6 @@
 //! Egress policy: what a sandbox may reach, by network (CIDR) or by domain
-//! name (E2B's `allow_out` / `deny_out`; deny wins over allow).
+//! name (`allow_out` / `deny_out`; deny wins over allow here, where E2B
+//! lets allow win: `torpor_api`'s E2B layer maps one onto the other).
 //!
 //! A domain entry matches the name itself and every name under it
 //! (`example.com` matches `example.com` and `pypi.example.com`). Domains
@@ -89,7 +90,7 @@ impl From<Cidr> for Target {
     }
 }
 
-/// What a sandbox may reach (E2B's semantics: deny wins over allow).
+/// What a sandbox may reach (deny wins over allow).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[schema(as = NetworkPolicy)]
 #[serde(deny_unknown_fields)]
