@@ -125,6 +125,9 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
             // The L1 this checkout prepared (with the network modules), not
             // whichever another checkout pointed the cache's `l1` link at.
             .env("TORPOR_NESTED_L1", &l1)
+            // The pod's own log (L1's console) into serve's, which a
+            // failure shows (`ShowLogOnPanic`).
+            .env("TORPOR_NESTED_ECHO", "1")
             .stdin(Stdio::null())
             // Both streams: the nested pod's failure is said on stderr,
             // and wait_line stops on it.
@@ -134,6 +137,7 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
             .expect("spawn torpor serve"),
     );
     let serve = &mut serve.0;
+    let _show = ShowLogOnPanic(log.clone());
 
     let listening = wait_line(&log, serve, Duration::from_secs(60), |l| {
         l.contains("listening on http://")
@@ -408,6 +412,21 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
 
 /// Kills `torpor serve` when the test ends (its nested host dies with it).
 struct KillOnDrop(std::process::Child);
+
+/// On a failure, the tail of serve's log (with the nested pod's: its
+/// sandboxes' errors and VMM exits), before the data directory goes.
+struct ShowLogOnPanic(PathBuf);
+
+impl Drop for ShowLogOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let text = std::fs::read_to_string(&self.0).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = lines[lines.len().saturating_sub(300)..].join("\n");
+            eprintln!("--- the last 300 lines of {} ---\n{tail}", self.0.display());
+        }
+    }
+}
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {

@@ -178,6 +178,7 @@ pub fn init(level: SeccompLevel) -> Result<(), SeccompError> {
     for kind in ThreadKind::ALL {
         programs.insert(kind, compile(kind, on_mismatch.clone())?);
     }
+    keep_malloc_within_the_filters();
     FILTERS
         .set(Filters { programs })
         .map_err(|_| SeccompError::AlreadyInitialized)?;
@@ -185,6 +186,25 @@ pub fn init(level: SeccompLevel) -> Result<(), SeccompError> {
         report::install_handler().map_err(|source| SeccompError::Handler { source })?;
     }
     Ok(())
+}
+
+/// glibc's malloc, the first time it trims a thread arena's heap, reads
+/// `/proc/sys/vm/overcommit_memory` (an `openat` no worker thread's
+/// filter allows, nor should): a device thread that freed a large buffer
+/// died with SIGSYS, now and then, in the middle of a guest's work. Heaps
+/// are never trimmed instead (freed memory stays with the process for
+/// reuse; blocks past the mmap threshold are still mapped and unmapped on
+/// their own, and guest memory is not malloc's).
+fn keep_malloc_within_the_filters() {
+    #[cfg(target_env = "gnu")]
+    {
+        // SAFETY: mallopt only sets malloc's parameters; it takes no
+        // pointers.
+        let set = unsafe { libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX) };
+        if set != 1 {
+            tracing::warn!("mallopt(M_TRIM_THRESHOLD) failed: heaps may be trimmed");
+        }
+    }
 }
 
 /// Installs `kind`'s filter on the calling thread, once: a thread that
