@@ -14,7 +14,7 @@ mod common;
 use common::http::{request, HttpResponse};
 use common::pod::PodProcess;
 use common::serve::{DataDir, ServeProcess};
-use common::TORPOR;
+use common::{succeeded, TORPOR};
 
 const TOKEN: &str = "central-token-0123456789";
 
@@ -37,18 +37,7 @@ impl Central {
     }
 
     fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
-        let r = self.call(method, path, body);
-        assert!(
-            (200..300).contains(&r.status),
-            "{method} {path}: {} {}",
-            r.status,
-            r.body
-        );
-        if r.body.is_empty() {
-            Value::Null
-        } else {
-            r.json()
-        }
+        self.call(method, path, body).ok_json(method, path)
     }
 
     fn register(&self, pod: &PodProcess) -> String {
@@ -582,12 +571,7 @@ fn cli_pod_add_list_rm() {
         ])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v: Value = serde_json::from_str(&succeeded(&out)).unwrap();
     assert_eq!(v["pods"][0]["id"], "pod_local");
     let refused = Command::new(TORPOR)
         .args([

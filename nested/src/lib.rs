@@ -366,7 +366,8 @@ mod tests {
 
     #[test]
     fn missing_files_are_named_before_booting() {
-        let dir = std::env::temp_dir().join(format!("torpor-nested-lib-{}", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         fs::create_dir_all(dir.join("modules")).unwrap();
         for f in ["vmlinuz", "busybox", "modules/kvm.ko", "modules/kvm-amd.ko"] {
             fs::write(dir.join(f), b"x").unwrap();
@@ -378,7 +379,6 @@ mod tests {
             .file("/nonexistent/torpor", "/opt/torpor")
             .build()
             .unwrap_err();
-        fs::remove_dir_all(&dir).unwrap();
         assert!(err.to_string().contains("/nonexistent/torpor"), "{err}");
     }
 

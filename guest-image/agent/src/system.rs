@@ -436,8 +436,8 @@ mod tests {
 
     #[test]
     fn real_ops_read_the_page_from_a_memory_device_file() {
-        let dir = std::env::temp_dir().join(format!("torpor-agent-mem-{}", std::process::id()));
-        fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         let mem = dir.join("mem");
         let page = IdentityPage {
             generation: 2,
@@ -467,7 +467,6 @@ mod tests {
         };
         let err = missing.read_identity_page().unwrap_err();
         assert_eq!(err.errno(), libc::ENOENT);
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     /// Exercises the real RNDADDENTROPY encoding with bytes that are random

@@ -542,7 +542,8 @@ mod tests {
 
     #[test]
     fn uids_are_taken_once_and_freed_with_their_vmm() {
-        let dir = std::env::temp_dir().join(format!("torpor-jails-{}", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("dir");
         let jails = Jails::new(
             &dir,
             JailConfig {
@@ -567,6 +568,5 @@ mod tests {
         // SAFETY: getuid cannot fail.
         let uid = unsafe { libc::getuid() };
         assert_eq!(process_uid(std::process::id()), Some(uid));
-        let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -184,7 +184,6 @@ pub fn parse_connect(line: &[u8]) -> HandshakeStep {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::virtio::testutil::TempDir;
 
     #[test]
     fn parses_connect_lines() {
@@ -203,7 +202,7 @@ mod tests {
 
     #[test]
     fn binds_over_stale_sockets_but_not_live_ones_and_cleans_up() {
-        let dir = TempDir::new("vsock-bind");
+        let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("v.sock");
         let first = Listener::bind(&path).unwrap();
         assert!(matches!(Listener::bind(&path), Err(UnixError::InUse(_))));
