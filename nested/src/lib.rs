@@ -331,6 +331,7 @@ impl NestedHost {
 
 /// A scratch directory for one run's images, removed afterwards (kept when
 /// `TORPOR_NESTED_KEEP=1`, for debugging).
+#[derive(Debug)]
 pub(crate) struct WorkDir(PathBuf);
 
 impl WorkDir {

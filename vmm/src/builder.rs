@@ -151,6 +151,7 @@ impl serde::Serialize for Timings {
 }
 
 /// A built microVM whose vCPUs are ready to start.
+#[derive(Debug)]
 pub struct BuiltVm {
     pub vm: Vm,
     pub mem: vm_memory::GuestMemoryMmap,
@@ -356,6 +357,7 @@ pub fn serial_output_deferred(
 
 /// A console-open thread made ahead (by a standby shell), under its
 /// seccomp filter, waiting for the path of the file to create.
+#[derive(Debug)]
 pub struct ConsoleOpener {
     path: std::sync::mpsc::Sender<PathBuf>,
     opened: std::thread::JoinHandle<std::io::Result<File>>,

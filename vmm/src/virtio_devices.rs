@@ -108,7 +108,7 @@ pub enum VirtioDevicesError {
 
 /// The devices, their MMIO bus, and the device threads (vsock, net) once
 /// started.
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub struct VirtioDevices {
     pub mmio: Arc<MmioBus>,
     block: Option<(MmioSlot, Arc<Mutex<BlockMmio>>)>,

@@ -40,6 +40,7 @@ pub struct PodIdentity {
 }
 
 /// The journal: operation id → outcome (none while it runs).
+#[derive(Debug)]
 pub struct Journal {
     db: Mutex<Connection>,
 }

@@ -56,6 +56,7 @@ pub struct Placement {
 /// A remote sandbox's record: its pod and its tenant.
 pub type Owner = (PodId, Option<String>);
 
+#[derive(Debug)]
 pub struct FederationStore {
     conn: Mutex<Connection>,
 }

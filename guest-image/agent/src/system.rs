@@ -109,7 +109,7 @@ impl IdentityPage {
 
 /// The side effects of `resumed`. Implementations must be thread-safe: one
 /// agent serves several connections.
-pub trait SystemOps: Send + Sync {
+pub trait SystemOps: Send + Sync + std::fmt::Debug {
     /// `clock_settime(CLOCK_REALTIME)`.
     fn set_wall_clock(&self, ns_since_epoch: u64) -> io::Result<()>;
     /// Writes `seed` to `/dev/urandom` (mixed in, not credited).

@@ -29,6 +29,7 @@ struct Record {
 }
 
 /// The recorder: cheap to call from request threads.
+#[derive(Debug)]
 pub struct Recorder {
     /// None once dropping: the writer then drains the queue and ends.
     tx: Option<SyncSender<Record>>,

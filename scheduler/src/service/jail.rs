@@ -47,6 +47,7 @@ impl Default for JailConfig {
 type Slots = HashMap<u32, Option<(u32, Option<u64>)>>;
 
 /// The pod's jails.
+#[derive(Debug)]
 pub struct Jails {
     config: JailConfig,
     data_dir: PathBuf,

@@ -29,6 +29,7 @@ const START_LIMIT: Duration = Duration::from_secs(20);
 const CONTROL_LIMIT: Duration = Duration::from_secs(300);
 
 /// Files of one VMM run.
+#[derive(Debug)]
 pub struct VmmFiles {
     pub socket: PathBuf,
     pub console: PathBuf,
@@ -46,6 +47,7 @@ impl VmmFiles {
 }
 
 /// A started VMM: its process, its handle, and how long it took.
+#[derive(Debug)]
 pub struct Spawned {
     pub child: Child,
     pub handle: VmmHandle,

@@ -60,6 +60,7 @@ pub fn bind(path: &Path) -> Result<UnixListener, BindError> {
 }
 
 /// The running control server; removes its socket file when dropped.
+#[derive(Debug)]
 pub struct ControlServer {
     path: PathBuf,
     /// Held while a request is answered, so the VMM can let an answer in
@@ -74,6 +75,7 @@ type Handover = (UnixListener, Arc<dyn VmController>);
 /// A control-server thread made ahead of time (by a standby shell), under
 /// its seccomp filter, waiting for the VM it will serve: a restore hands
 /// it the listener instead of spawning a thread on its critical path.
+#[derive(Debug)]
 pub struct SpareControl {
     handover: std::sync::mpsc::Sender<Handover>,
     answering: Arc<Mutex<()>>,

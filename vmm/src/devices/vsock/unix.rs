@@ -28,6 +28,7 @@ pub enum UnixError {
 
 /// The listening socket, removed from the filesystem on drop if it is still
 /// the one this device bound.
+#[derive(Debug)]
 pub struct Listener {
     pub socket: UnixListener,
     path: PathBuf,
@@ -127,6 +128,7 @@ pub fn connect_nonblocking(path: &Path) -> std::io::Result<UnixStream> {
 }
 
 /// A host connection that has not yet said which guest port it wants.
+#[derive(Debug)]
 pub struct Handshake {
     pub stream: UnixStream,
     line: Vec<u8>,
