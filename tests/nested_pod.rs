@@ -72,6 +72,21 @@ fn wait_line(
     }
 }
 
+/// `torpor serve` on a loopback port over `data`, with the test's token.
+fn serve_command(data: &Path) -> Command {
+    let mut cmd = Command::new(TORPOR);
+    cmd.args([
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--token",
+        TOKEN,
+        "--data-dir",
+    ])
+    .arg(data);
+    cmd
+}
+
 /// The API address `torpor serve` logs to `log` once it listens.
 fn listening_api(log: &Path, serve: &mut std::process::Child) -> String {
     let listening = wait_line(log, serve, Duration::from_secs(60), |l| {
@@ -89,16 +104,7 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
     let log_file = std::fs::File::create(&log).unwrap();
     let started = Instant::now();
     let mut serve = KillOnDrop(
-        Command::new(TORPOR)
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--token",
-                TOKEN,
-                "--data-dir",
-            ])
-            .arg(data.0.join("data"))
+        serve_command(&data.0.join("data"))
             .args(["--request-timeout-ms", "900000"])
             // The L1 this checkout prepared (with the network modules), not
             // whichever another checkout pointed the cache's `l1` link at.
@@ -321,16 +327,7 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
     // and sandboxes are gone); with --no-nested-pod it never starts one.
     let again = data.0.join("serve-again.log");
     let mut serve = KillOnDrop(
-        Command::new(TORPOR)
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--token",
-                TOKEN,
-                "--data-dir",
-            ])
-            .arg(data.0.join("data"))
+        serve_command(&data.0.join("data"))
             .arg("--no-nested-pod")
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&again).unwrap())

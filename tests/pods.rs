@@ -81,11 +81,7 @@ fn ids_and_pods(list: &Value) -> Vec<(String, String)> {
 #[test]
 fn unix_and_tcp_pods_are_placed_on_routed_to_and_listed() {
     let data = DataDir::new("pods-route");
-    let unix_pod = PodProcess::start(
-        &data.0.join("u"),
-        &format!("unix:{}", data.0.join("u.sock").display()),
-        "unix-pod-token",
-    );
+    let unix_pod = PodProcess::start_unix(&data.0, "u", "unix-pod-token");
     let mut tcp_pod = PodProcess::start(&data.0.join("t"), "tcp:127.0.0.1:0", "tcp-pod-token");
     let central = Central::start(&data.0, &[], &[]);
 
@@ -388,11 +384,7 @@ fn unix_and_tcp_pods_are_placed_on_routed_to_and_listed() {
 #[test]
 fn central_killed_mid_create_adopts_the_sandbox_on_restart() {
     let data = DataDir::new("pods-crash");
-    let pod = PodProcess::start(
-        &data.0.join("u"),
-        &format!("unix:{}", data.0.join("u.sock").display()),
-        "crash-pod-token",
-    );
+    let pod = PodProcess::start_unix(&data.0, "u", "crash-pod-token");
     let token_file = PodProcess::token_file(&data.0.join("u"));
     let token_file = token_file.to_str().unwrap();
     let flags = [
@@ -553,12 +545,7 @@ fn cli_pod_add_list_rm() {
     assert!(!ok && err.contains("HTTP 404"), "{err}");
 
     // The CLI reaches a pod's API on its unix socket too.
-    let sock = data.0.join("cli.sock");
-    let unix_pod = PodProcess::start(
-        &data.0.join("u"),
-        &format!("unix:{}", sock.display()),
-        "unix-cli-token",
-    );
+    let unix_pod = PodProcess::start_unix(&data.0, "cli", "unix-cli-token");
     let out = Command::new(TORPOR)
         .args([
             "pod",
