@@ -52,8 +52,9 @@ use serde_json::{json, Value};
 
 mod common;
 
+use common::percentile;
 use common::serve::{parse, Serve, Started, REQUEST_LIMIT};
-use common::{percentile, pss_kib};
+use torpor_scheduler::service::vmm::pss_kib;
 
 /// A guest prints a new probe line within this.
 const LINE_LIMIT: Duration = Duration::from_secs(60);
@@ -444,12 +445,10 @@ fn main() {
     if o.smoke {
         eprintln!("api: no --bench argument (cargo test): smoke run of the default configuration");
     }
-    let scratch = std::env::temp_dir().join(format!("torpor-bench-api-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&scratch);
-    if let Err(e) = std::fs::create_dir_all(&scratch) {
-        eprintln!("api bench: create {}: {e}", scratch.display());
+    let scratch = tempfile::tempdir().unwrap_or_else(|e| {
+        eprintln!("api bench: a scratch directory: {e}");
         std::process::exit(1);
-    }
+    });
     let mut failed = false;
     // Per guest size: the configurations that ran, and notes.
     let mut by_size: BTreeMap<u32, Ran> = BTreeMap::new();
@@ -465,7 +464,7 @@ fn main() {
             cfg.name(),
             cfg.flags().join(" ")
         );
-        let dir = scratch.join(format!("c{i}"));
+        let dir = scratch.path().join(format!("c{i}"));
         let started = match (&o.ab, cfg.baseline) {
             (Some(exe), true) => Serve::start_exe(exe, &dir, &cfg.flags()),
             _ => Serve::start(&dir, &cfg.flags()),
@@ -504,7 +503,7 @@ fn main() {
         }
         done.push((*cfg, r));
     }
-    let _ = std::fs::remove_dir_all(&scratch);
+    drop(scratch);
 
     println!(
         "\ntorpor API benchmark: `torpor serve` per configuration, one client over loopback \

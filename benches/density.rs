@@ -27,6 +27,8 @@ use serde_json::Value;
 mod common;
 
 use common::{percentile as pct, TORPOR};
+use torpor_scheduler::service::vmm::rollup_kib;
+use torpor_vmm_api::host::kib_field;
 
 const TOKEN: &str = "density-bench-token";
 const THREADS: usize = 4;
@@ -162,28 +164,22 @@ fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1000.0
 }
 
-/// A "Name:   N kB" field of a /proc file, bytes (0 if missing).
-fn kb_field(file: &str, name: &str) -> f64 {
-    let text = std::fs::read_to_string(file).unwrap_or_default();
-    let line = text.lines().find(|l| l.starts_with(name));
-    let kib = line.and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok());
-    kib.unwrap_or(0.0) * 1024.0
-}
-
 /// (PSS, RSS) of a process, bytes (0 if gone).
 fn pss_rss(pid: u64) -> (f64, f64) {
-    let f = format!("/proc/{pid}/smaps_rollup");
-    (kb_field(&f, "Pss:"), kb_field(&f, "Rss:"))
+    let bytes = |key| rollup_kib(pid as u32, key).unwrap_or(0) as f64 * 1024.0;
+    (bytes("Pss"), bytes("Rss"))
 }
 
+/// A /proc/meminfo field, bytes (0 if missing).
 fn meminfo(name: &str) -> f64 {
-    kb_field("/proc/meminfo", name)
+    let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    kib_field(&text, name).unwrap_or(0) as f64 * 1024.0
 }
 
 /// Kernel memory that is not reclaimable (where KVM's per-VM state goes);
 /// host-wide, so other tenants of a shared machine move it too.
 fn kernel_mem() -> f64 {
-    let fields = "SUnreclaim: KernelStack: PageTables: SecPageTables: VmallocUsed:";
+    let fields = "SUnreclaim KernelStack PageTables SecPageTables VmallocUsed";
     fields.split(' ').map(meminfo).sum()
 }
 
@@ -277,11 +273,10 @@ fn main() {
         eprintln!("density: no --bench argument (cargo test): smoke run with 4 sandboxes");
     }
     let sleeping = total - active;
-    let dir = std::env::temp_dir().join(format!("torpor-bench-density-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
+    // Kept past drop: `cleanup` removes it, on every way out (signals too).
+    let dir = tempfile::tempdir().expect("scratch dir").keep();
     SCRATCH.set(dir).expect("once");
-    let host_ram = meminfo("MemTotal:");
+    let host_ram = meminfo("MemTotal");
     let kern0 = kernel_mem();
     eprintln!("density: starting torpor serve in {}", scratch().display());
     let t = Instant::now();

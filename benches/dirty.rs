@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{call, iter_lines, median, shutdown, spawn, wait_until, Dir};
+use common::{call, iter_lines, median, shutdown, spawn, wait_until};
 const SOURCES: &[&str] = &["kvm", "uffd-wp"];
 const LIMIT: Duration = Duration::from_secs(300);
 
@@ -204,8 +204,7 @@ fn main() {
     let smoke = !args.iter().any(|a| a == "--bench");
     let runs = if smoke { 1 } else { runs };
     let quick = args.iter().any(|a| a == "--quick");
-    let dir = Dir(std::env::temp_dir().join(format!("torpor-bench-dirty-{}", std::process::id())));
-    std::fs::create_dir_all(&dir.0).unwrap();
+    let dir = tempfile::tempdir().unwrap();
     // (guest MiB, dirty %, probe workload MiB)
     let cells: Vec<(u64, u64, u64)> = if smoke {
         vec![(64, 3, 2)]
@@ -234,7 +233,7 @@ fn main() {
     );
     for (mem, pct, mib) in cells {
         for source in SOURCES {
-            let c = measure(&dir.0, mem, mib, source, runs);
+            let c = measure(dir.path(), mem, mib, source, runs);
             let (rearmed, plain) = (median(c.rearmed_us), median(c.plain_us));
             let pages = median(c.pages);
             let cost = rearmed - plain;

@@ -15,34 +15,21 @@
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
 
 mod common;
+#[path = "../tests/common/e2b_sdk.rs"]
+mod e2b_sdk;
 
 use common::serve::{Serve, Started, TOKEN};
-use common::{median, percentile, Dir};
+use common::{median, percentile};
 
 /// The nested host's first start builds and boots: well within this.
 const READY_LIMIT: Duration = Duration::from_secs(30 * 60);
 const TEMPLATE: &str = "base";
-
-fn venv_python() -> std::path::PathBuf {
-    let pins = include_str!("../tests/e2b/requirements.txt");
-    let version = pins
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("e2b=="))
-        .expect("requirements.txt pins e2b");
-    std::env::var_os("TORPOR_E2B_VENV")
-        .map(Into::into)
-        .unwrap_or_else(|| {
-            let cache = std::env::var_os("TORPOR_CACHE").unwrap_or("/var/cache/torpor".into());
-            std::path::PathBuf::from(cache).join(format!("venv-e2b-{}", version.trim()))
-        })
-        .join("bin/python")
-}
 
 /// Asks for a `base` sandbox until one is made (503 while the nested host
 /// comes up, honouring Retry-After's order of magnitude); deletes it.
@@ -81,7 +68,7 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(5);
-    let python = venv_python();
+    let python = e2b_sdk::python();
     if !python.exists() {
         eprintln!(
             "e2b bench: no SDK venv at {}: run .ci/run",
@@ -89,9 +76,9 @@ fn main() {
         );
         std::process::exit(1);
     }
-    let dir = Dir(std::env::temp_dir().join(format!("torpor-bench-e2b-{}", std::process::id())));
+    let dir = tempfile::tempdir().unwrap();
     let flags = ["--request-timeout-ms".to_string(), "900000".to_string()];
-    let mut serve = match Serve::start(&dir.0, &flags) {
+    let mut serve = match Serve::start(dir.path(), &flags) {
         Started::Up(s) => s,
         Started::Rejected(why) | Started::Failed(why) => {
             eprintln!("e2b bench: torpor serve: {why}");
@@ -111,16 +98,9 @@ fn main() {
         ready.as_secs_f64()
     );
     let url = format!("http://{}", serve.addr());
-    let mut child = Command::new(&python)
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/benches/e2b_sdk.py"))
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/e2b_sdk.py");
+    let mut child = e2b_sdk::sdk_command(&python, script, &url, TOKEN)
         .args([TEMPLATE, &rounds.to_string()])
-        .env("E2B_API_URL", &url)
-        .env("E2B_SANDBOX_URL", &url)
-        .env("E2B_API_KEY", TOKEN)
-        .env_remove("E2B_DEBUG")
-        .env_remove("E2B_DOMAIN")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
         .expect("run benches/e2b_sdk.py");

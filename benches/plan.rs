@@ -269,8 +269,8 @@ fn close(a: u64, b: u64, of: u64) -> bool {
 
 fn main() {
     let o = opts();
-    let dir = std::env::temp_dir().join(format!("torpor-bench-plan-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path().join("data");
     let flags: Vec<String> = [
         "--policy-interval-ms",
         &POLICY_MS.to_string(),
@@ -299,7 +299,7 @@ fn main() {
         }
     };
     drop(serve);
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(scratch);
     std::process::exit(code);
 }
 

@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 
 mod common;
 
+use torpor_scheduler::service::vmm::pss_kib;
 use torpor_vmm_api::jail::CLI_JAIL_UID;
 
-use common::{call, iter_lines, median, shutdown, spawn, wait_socket, wait_until, Dir, TORPOR_VMM};
+use common::{call, iter_lines, median, shutdown, spawn, wait_socket, wait_until, TORPOR_VMM};
 const BACKENDS: &[&str] = &["file", "uffd", "uffd-shared"];
 
 /// Boots a probe with `mib` MiB of workload, lets it run `iters` iterations,
@@ -157,10 +158,6 @@ fn standby_restore_with(
     )
 }
 
-fn pss_kib(pid: u32) -> f64 {
-    common::pss_kib(pid).unwrap_or(f64::NAN)
-}
-
 /// 20 clones of one template: median PSS (MiB) restored paused (never ran),
 /// and running (after two iterations of the workload).
 fn clone_pss(dir: &Path, snap: &Path, backend: &str) -> (f64, f64) {
@@ -188,7 +185,7 @@ fn clone_pss(dir: &Path, snap: &Path, backend: &str) -> (f64, f64) {
         median(
             clones
                 .iter()
-                .map(|(c, _, _)| pss_kib(c.id()) / 1024.0)
+                .map(|(c, _, _)| pss_kib(c.id()).map_or(f64::NAN, |k| k as f64) / 1024.0)
                 .collect(),
         )
     };
@@ -339,9 +336,7 @@ fn main() {
     let smoke = !args.iter().any(|a| a == "--bench");
     let runs = if smoke { 1 } else { runs };
     let quick = smoke || args.iter().any(|a| a == "--quick");
-    let dir =
-        Dir(std::env::temp_dir().join(format!("torpor-bench-restore-{}", std::process::id())));
-    std::fs::create_dir_all(&dir.0).unwrap();
+    let dir = tempfile::tempdir().unwrap();
     let sizes: &[u64] = if quick { &[256] } else { &[256, 2048] };
     println!("torpor restore benchmark ({runs} runs per cell, medians)");
     println!(
@@ -354,14 +349,14 @@ fn main() {
     );
     // Jailed runs are `torpor vmm`'s own jail (uid CLI_JAIL_UID): the
     // directory it writes in must be its.
-    std::os::unix::fs::chown(&dir.0, Some(CLI_JAIL_UID), Some(CLI_JAIL_UID)).unwrap();
+    std::os::unix::fs::chown(dir.path(), Some(CLI_JAIL_UID), Some(CLI_JAIL_UID)).unwrap();
     for (label, small, jail) in [
         ("torpor-vmm (LaunchSpec)", true, false),
         ("torpor vmm --standby", false, false),
         ("torpor vmm --standby, jail", false, true),
     ] {
         let starts: Vec<(f64, Option<f64>)> = (0..runs.max(5))
-            .map(|i| vmm_start(&dir.0, 256, small, jail, i))
+            .map(|i| vmm_start(dir.path(), 256, small, jail, i))
             .collect();
         let ready: Vec<f64> = starts.iter().filter_map(|s| s.1).collect();
         println!(
@@ -376,7 +371,7 @@ fn main() {
     }
     // What the per-thread seccomp filters cost a standby restore (the main
     // thread installs its filter, one seccomp(2) call, on that path).
-    let (snap, _) = make_template(&dir.0, "seccomp", 256, 8);
+    let (snap, _) = make_template(dir.path(), "seccomp", 256, 8);
     println!("\n== seccomp, standby restore 256 MiB, file backend ({runs} runs)");
     println!(
         "{:<21} {:>18} {:>18}",
@@ -387,7 +382,7 @@ fn main() {
         ("off", &["--seccomp", "off", "--no-jail"]),
     ] {
         let warm: Vec<(f64, f64)> = (0..runs)
-            .map(|_| standby_restore_with(&dir.0, &snap, "file", 256, false, flags))
+            .map(|_| standby_restore_with(dir.path(), &snap, "file", 256, false, flags))
             .collect();
         println!(
             "{label:<21} {:>15.0} µs {:>15.0} µs",
@@ -397,13 +392,13 @@ fn main() {
     }
     let _ = std::fs::remove_dir_all(&snap);
     for &mem in sizes {
-        let (snap, _) = make_template(&dir.0, &format!("t{mem}"), mem, 8);
+        let (snap, _) = make_template(dir.path(), &format!("t{mem}"), mem, 8);
         println!("\n== guest memory {mem} MiB (probe workload 8 MiB)");
         println!(
             "{:<21} {:>16} {:>16} {:>18} {:>18}",
             "backend", "cold->running", "cold->next line", "standby->running", "standby->next line"
         );
-        record_working_set(&dir.0, &snap);
+        record_working_set(dir.path(), &snap);
         let rows = [
             ("file", false),
             ("uffd", false),
@@ -413,10 +408,10 @@ fn main() {
         ];
         for (backend, prefetch) in rows {
             let cold: Vec<(f64, f64)> = (0..runs)
-                .map(|_| cold_restore(&dir.0, &snap, backend, prefetch, false))
+                .map(|_| cold_restore(dir.path(), &snap, backend, prefetch, false))
                 .collect();
             let warm: Vec<(f64, f64)> = (0..runs)
-                .map(|_| standby_restore(&dir.0, &snap, backend, mem, prefetch, false))
+                .map(|_| standby_restore(dir.path(), &snap, backend, mem, prefetch, false))
                 .collect();
             let label = if prefetch {
                 format!("{backend}+prefetch")
@@ -432,7 +427,7 @@ fn main() {
             );
         }
 
-        jail_cost(&dir.0, &snap, mem, runs);
+        jail_cost(dir.path(), &snap, mem, runs);
 
         println!("\nsnapshots ({mem} MiB guest)");
         println!(
@@ -445,7 +440,7 @@ fn main() {
             ("diff ~50% dirty", 50),
         ] {
             let mib = (mem * pct / 100).max(1);
-            let (base, full) = make_template(&dir.0, &format!("d{mem}-{pct}"), mem, mib);
+            let (base, full) = make_template(dir.path(), &format!("d{mem}-{pct}"), mem, mib);
             if pct == 50 {
                 let f = &full["snapshot"];
                 println!(
@@ -456,7 +451,7 @@ fn main() {
                     f["pages"]
                 );
             }
-            let d = &diff_snapshot(&dir.0, &base, &format!("diff{mem}-{pct}"))["snapshot"];
+            let d = &diff_snapshot(dir.path(), &base, &format!("diff{mem}-{pct}"))["snapshot"];
             println!(
                 "{:<22} {:>9.1} ms {:>10.1} MiB {:>12}",
                 format!("{label} ({mib} MiB)"),
@@ -468,7 +463,7 @@ fn main() {
         }
 
         if mem == 256 {
-            let (pss_snap, _) = make_template(&dir.0, "pss", mem, 2);
+            let (pss_snap, _) = make_template(dir.path(), "pss", mem, 2);
             println!(
                 "\nPSS per clone, 20 clones of one template ({mem} MiB guest, 2 MiB workload)"
             );
@@ -477,7 +472,7 @@ fn main() {
                 "backend", "paused", "running", "running - 2 MiB dirtied"
             );
             for backend in BACKENDS {
-                let (paused, running) = clone_pss(&dir.0, &pss_snap, backend);
+                let (paused, running) = clone_pss(dir.path(), &pss_snap, backend);
                 println!(
                     "{backend:<12} {paused:>10.2} MiB {running:>10.2} MiB {:>22.2} MiB",
                     running - 2.0

@@ -41,18 +41,7 @@ impl Serve {
     }
 
     fn ok(&self, method: &str, path: &str, body: Option<&str>) -> Value {
-        let r = self.call(method, path, body);
-        assert!(
-            (200..300).contains(&r.status),
-            "{method} {path} -> {} {}",
-            r.status,
-            r.body
-        );
-        if r.body.is_empty() {
-            Value::Null
-        } else {
-            r.json()
-        }
+        self.call(method, path, body).ok_json(method, path)
     }
 
     /// Asserts an error answer and returns its `error` object.

@@ -10,23 +10,6 @@ use torpor_agent::proto::MAX_IO_CHUNK;
 
 const TORPOR: &str = env!("CARGO_BIN_EXE_torpor");
 
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(format!("torpor-files-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// An agent on `dir/agent.sock`, and the hybrid vsock stand-in on
 /// `dir/vsock.sock` that forwards port 52 to it.
 fn start(dir: &Path) -> PathBuf {
@@ -63,12 +46,12 @@ fn binary_content() -> Vec<u8> {
 
 #[test]
 fn files_round_trip_through_the_agent() {
-    let tmp = TempDir::new("rt");
-    let vsock = start(&tmp.0);
+    let tmp = tempfile::tempdir().unwrap();
+    let vsock = start(tmp.path());
     let data = binary_content();
-    let local = tmp.0.join("blob.bin");
+    let local = tmp.path().join("blob.bin");
     std::fs::write(&local, &data).unwrap();
-    let guest_dir = tmp.0.join("guest/sub");
+    let guest_dir = tmp.path().join("guest/sub");
     let guest_file = guest_dir.join("blob.bin");
     let guest = guest_file.to_str().unwrap();
 
@@ -94,7 +77,7 @@ fn files_round_trip_through_the_agent() {
         "the file arrived changed"
     );
 
-    let back = tmp.0.join("back.bin");
+    let back = tmp.path().join("back.bin");
     let out = files(&vsock, &["get", guest, back.to_str().unwrap()]);
     assert!(out.status.success(), "get: {}", text(&out.stderr));
     assert_eq!(
@@ -123,14 +106,14 @@ fn files_round_trip_through_the_agent() {
 
 #[test]
 fn files_pass_agent_and_local_errors_through() {
-    let tmp = TempDir::new("err");
-    let vsock = start(&tmp.0);
-    let missing = tmp.0.join("no/such/file");
+    let tmp = tempfile::tempdir().unwrap();
+    let vsock = start(tmp.path());
+    let missing = tmp.path().join("no/such/file");
     let missing = missing.to_str().unwrap();
 
     // A missing guest path: the agent's errno name reaches the user, and no
     // local file is left behind.
-    let local = tmp.0.join("out.bin");
+    let local = tmp.path().join("out.bin");
     let out = files(&vsock, &["get", missing, local.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));
     let err = text(&out.stderr);
@@ -154,7 +137,7 @@ fn files_pass_agent_and_local_errors_through() {
         text(&out.stderr)
     );
     // Without --parents the directory must exist.
-    let src = tmp.0.join("small");
+    let src = tmp.path().join("small");
     std::fs::write(&src, b"x").unwrap();
     let out = files(&vsock, &["put", src.to_str().unwrap(), missing]);
     assert!(
@@ -181,7 +164,7 @@ fn files_pass_agent_and_local_errors_through() {
     // No agent behind the socket.
     let out = Command::new(TORPOR)
         .args(["vmm", "files", "--vsock-uds"])
-        .arg(tmp.0.join("nobody.sock"))
+        .arg(tmp.path().join("nobody.sock"))
         .args(["--wait-ms", "100", "ls", "/"])
         .output()
         .unwrap();
@@ -195,8 +178,8 @@ fn files_pass_agent_and_local_errors_through() {
 
 #[test]
 fn ping_reports_the_agent_version() {
-    let tmp = TempDir::new("ping");
-    let vsock = start(&tmp.0);
+    let tmp = tempfile::tempdir().unwrap();
+    let vsock = start(tmp.path());
     let out = Command::new(TORPOR)
         .args(["vmm", "ping", "--vsock-uds"])
         .arg(&vsock)

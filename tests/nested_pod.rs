@@ -16,52 +16,21 @@
 //! (the test itself never skips).
 
 mod common;
+#[path = "../nested/tests/common/linux.rs"]
+mod linux;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::serve::DataDir;
-use common::{complete_lines, stderr, stdout, wait_output, TORPOR};
+use common::{complete_lines, stderr, stdout, torpor_with_env, TORPOR};
 
 const TOKEN: &str = "nested-pod-token";
 
-/// Runs a repository script that prints a path last; that path.
-fn script_path(script: &str, args: &[&str]) -> PathBuf {
-    let out = Command::new(
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("scripts")
-            .join(script),
-    )
-    .args(args)
-    .output()
-    .unwrap_or_else(|e| panic!("cannot run scripts/{script}: {e}"));
-    assert!(
-        out.status.success(),
-        "scripts/{script} failed; run it by hand to see why:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let path = PathBuf::from(stdout(&out).lines().last().unwrap_or("").trim());
-    assert!(
-        path.exists(),
-        "scripts/{script} printed no path: {}",
-        path.display()
-    );
-    path
-}
-
 /// `torpor ARGS` against the serve at `api`.
 fn cli(api: &str, args: &[&str], limit: Duration) -> Output {
-    let child = Command::new(TORPOR)
-        .args(args)
-        .env("TORPOR_API", api)
-        .env("TORPOR_TOKEN", TOKEN)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn torpor");
-    wait_output(child, limit)
+    torpor_with_env(args, &[("TORPOR_API", api), ("TORPOR_TOKEN", TOKEN)], limit)
 }
 
 fn ok(out: &Output, what: &str) -> String {
@@ -103,24 +72,39 @@ fn wait_line(
     }
 }
 
+/// `torpor serve` on a loopback port over `data`, with the test's token.
+fn serve_command(data: &Path) -> Command {
+    let mut cmd = Command::new(TORPOR);
+    cmd.args([
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--token",
+        TOKEN,
+        "--data-dir",
+    ])
+    .arg(data);
+    cmd
+}
+
+/// The API address `torpor serve` logs to `log` once it listens.
+fn listening_api(log: &Path, serve: &mut std::process::Child) -> String {
+    let listening = wait_line(log, serve, Duration::from_secs(60), |l| {
+        l.contains("listening on http://")
+    });
+    let addr = listening.split("listening on http://").nth(1).unwrap();
+    format!("http://{}", addr.trim())
+}
+
 #[test]
 fn nested_serve_runs_linux_templates_in_a_nested_pod() {
-    let l1 = script_path("nested-host", &["prepare"]);
+    let l1 = linux::script_path("nested-host", &["prepare"]);
     let data = DataDir::new("nested-pod");
     let log = data.0.join("serve.log");
     let log_file = std::fs::File::create(&log).unwrap();
     let started = Instant::now();
     let mut serve = KillOnDrop(
-        Command::new(TORPOR)
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--token",
-                TOKEN,
-                "--data-dir",
-            ])
-            .arg(data.0.join("data"))
+        serve_command(&data.0.join("data"))
             .args(["--request-timeout-ms", "900000"])
             // The L1 this checkout prepared (with the network modules), not
             // whichever another checkout pointed the cache's `l1` link at.
@@ -139,17 +123,7 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
     let serve = &mut serve.0;
     let _show = ShowLogOnPanic(log.clone());
 
-    let listening = wait_line(&log, serve, Duration::from_secs(60), |l| {
-        l.contains("listening on http://")
-    });
-    let api = format!(
-        "http://{}",
-        listening
-            .split("listening on http://")
-            .nth(1)
-            .unwrap()
-            .trim()
-    );
+    let api = listening_api(&log, serve);
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(
         text.contains(
@@ -357,16 +331,7 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
     // and sandboxes are gone); with --no-nested-pod it never starts one.
     let again = data.0.join("serve-again.log");
     let mut serve = KillOnDrop(
-        Command::new(TORPOR)
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--token",
-                TOKEN,
-                "--data-dir",
-            ])
-            .arg(data.0.join("data"))
+        serve_command(&data.0.join("data"))
             .arg("--no-nested-pod")
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&again).unwrap())
@@ -374,17 +339,7 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
             .spawn()
             .expect("spawn torpor serve"),
     );
-    let listening = wait_line(&again, &mut serve.0, Duration::from_secs(60), |l| {
-        l.contains("listening on http://")
-    });
-    let api = format!(
-        "http://{}",
-        listening
-            .split("listening on http://")
-            .nth(1)
-            .unwrap()
-            .trim()
-    );
+    let api = listening_api(&again, &mut serve.0);
     let text = std::fs::read_to_string(&again).unwrap();
     assert!(
         text.contains(&format!(

@@ -189,16 +189,7 @@ fn generated_traces_are_seeded_and_planned() {
 }
 
 fn call(serve: &ServeProcess, method: &str, path: &str, body: Option<&str>) -> Value {
-    let r = request(&serve.addr, method, path, Some(TOKEN), body);
-    assert!(
-        (200..300).contains(&r.status),
-        "{method} {path}: {}",
-        r.status
-    );
-    if r.body.is_empty() {
-        return Value::Null;
-    }
-    r.json()
+    request(&serve.addr, method, path, Some(TOKEN), body).ok_json(method, path)
 }
 
 #[test]

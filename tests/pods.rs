@@ -14,7 +14,7 @@ mod common;
 use common::http::{request, HttpResponse};
 use common::pod::PodProcess;
 use common::serve::{DataDir, ServeProcess};
-use common::TORPOR;
+use common::{succeeded, TORPOR};
 
 const TOKEN: &str = "central-token-0123456789";
 
@@ -37,18 +37,7 @@ impl Central {
     }
 
     fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
-        let r = self.call(method, path, body);
-        assert!(
-            (200..300).contains(&r.status),
-            "{method} {path}: {} {}",
-            r.status,
-            r.body
-        );
-        if r.body.is_empty() {
-            Value::Null
-        } else {
-            r.json()
-        }
+        self.call(method, path, body).ok_json(method, path)
     }
 
     fn register(&self, pod: &PodProcess) -> String {
@@ -92,11 +81,7 @@ fn ids_and_pods(list: &Value) -> Vec<(String, String)> {
 #[test]
 fn unix_and_tcp_pods_are_placed_on_routed_to_and_listed() {
     let data = DataDir::new("pods-route");
-    let unix_pod = PodProcess::start(
-        &data.0.join("u"),
-        &format!("unix:{}", data.0.join("u.sock").display()),
-        "unix-pod-token",
-    );
+    let unix_pod = PodProcess::start_unix(&data.0, "u", "unix-pod-token");
     let mut tcp_pod = PodProcess::start(&data.0.join("t"), "tcp:127.0.0.1:0", "tcp-pod-token");
     let central = Central::start(&data.0, &[], &[]);
 
@@ -399,11 +384,7 @@ fn unix_and_tcp_pods_are_placed_on_routed_to_and_listed() {
 #[test]
 fn central_killed_mid_create_adopts_the_sandbox_on_restart() {
     let data = DataDir::new("pods-crash");
-    let pod = PodProcess::start(
-        &data.0.join("u"),
-        &format!("unix:{}", data.0.join("u.sock").display()),
-        "crash-pod-token",
-    );
+    let pod = PodProcess::start_unix(&data.0, "u", "crash-pod-token");
     let token_file = PodProcess::token_file(&data.0.join("u"));
     let token_file = token_file.to_str().unwrap();
     let flags = [
@@ -564,12 +545,7 @@ fn cli_pod_add_list_rm() {
     assert!(!ok && err.contains("HTTP 404"), "{err}");
 
     // The CLI reaches a pod's API on its unix socket too.
-    let sock = data.0.join("cli.sock");
-    let unix_pod = PodProcess::start(
-        &data.0.join("u"),
-        &format!("unix:{}", sock.display()),
-        "unix-cli-token",
-    );
+    let unix_pod = PodProcess::start_unix(&data.0, "cli", "unix-cli-token");
     let out = Command::new(TORPOR)
         .args([
             "pod",
@@ -582,12 +558,7 @@ fn cli_pod_add_list_rm() {
         ])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v: Value = serde_json::from_str(&succeeded(&out)).unwrap();
     assert_eq!(v["pods"][0]["id"], "pod_local");
     let refused = Command::new(TORPOR)
         .args([

@@ -28,18 +28,7 @@ impl Serve {
     }
 
     fn ok(&self, method: &str, path: &str, body: Option<&str>) -> serde_json::Value {
-        let r = self.call(method, path, body);
-        assert!(
-            (200..300).contains(&r.status),
-            "{method} {path} -> {} {}",
-            r.status,
-            r.body
-        );
-        if r.body.is_empty() {
-            serde_json::Value::Null
-        } else {
-            r.json()
-        }
+        self.call(method, path, body).ok_json(method, path)
     }
 
     fn create(&self, body: &str) -> String {

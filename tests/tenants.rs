@@ -66,18 +66,7 @@ impl Serve {
     }
 
     fn ok(&self, token: &str, method: &str, path: &str, body: Option<Value>) -> Value {
-        let r = self.call(token, method, path, body);
-        assert!(
-            (200..300).contains(&r.status),
-            "{method} {path}: {} {}",
-            r.status,
-            r.body
-        );
-        if r.body.is_empty() {
-            Value::Null
-        } else {
-            r.json()
-        }
+        self.call(token, method, path, body).ok_json(method, path)
     }
 
     /// A new tenant token.
@@ -642,12 +631,8 @@ fn serve_fake(stream: TcpStream, id: &Mutex<String>, seen: &Mutex<Vec<String>>) 
 
 /// Peak resident memory of a process, KiB.
 fn hwm_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    torpor_vmm_api::host::kib_field(&status, "VmHWM").unwrap()
 }
 
 /// `PUT path` with a chunked body of `total` bytes, written by a thread

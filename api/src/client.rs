@@ -157,6 +157,13 @@ pub struct Streaming<'a> {
     pub on_chunk: ChunkSink<'a>,
 }
 
+impl std::fmt::Debug for Streaming<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Both sinks are closures: nothing to print.
+        f.debug_struct("Streaming").finish_non_exhaustive()
+    }
+}
+
 /// Sees a response's status and headers.
 pub type HeadSink<'a> = &'a mut dyn FnMut(u16, &[(String, String)]);
 /// Sees a response body's chunks.

@@ -24,6 +24,7 @@ use crate::wire::{
 };
 
 /// The service, shared by every handler, with the tenancy state.
+#[derive(Debug)]
 pub struct AppState<S> {
     pub service: Arc<S>,
     pub tenancy: Tenancy<S>,

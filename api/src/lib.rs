@@ -410,6 +410,7 @@ fn tenancy_of<S: SandboxApi>(service: &Arc<S>, config: &ApiConfig) -> tenancy::T
 /// and shared by every listener of that service (`/v1` and E2B's routes on
 /// the API's listener, and E2B's alone on `serve --e2b-listen`): a token
 /// made, a quota set or a rate spent on one listener holds on every other.
+#[derive(Debug)]
 pub struct Api<S> {
     service: Arc<S>,
     config: ApiConfig,

@@ -159,20 +159,21 @@ pub fn check(tenant: &str, quota: &Quota, used: &Usage, asked: &Usage) -> Result
     Ok(())
 }
 
-#[derive(Default)]
+#[derive(Default, Debug)]
 struct TenantState {
     /// Admitted and not finished.
     pending: Usage,
 }
 
 /// Admission against quotas, per tenant.
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub struct Quotas {
     tenants: Mutex<HashMap<String, Arc<Mutex<TenantState>>>>,
 }
 
 /// Admitted use, counted until dropped (the request has ended: what it
 /// made is in the service's own records by then).
+#[derive(Debug)]
 pub struct Ticket {
     state: Arc<Mutex<TenantState>>,
     asked: Usage,

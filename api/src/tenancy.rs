@@ -67,10 +67,26 @@ pub struct Limiter {
     buckets: Mutex<HashMap<String, Bucket>>,
 }
 
+impl std::fmt::Debug for Limiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The buckets are keyed by token: not printed.
+        f.debug_struct("Limiter")
+            .field("limit", &self.limit)
+            .finish_non_exhaustive()
+    }
+}
+
 /// One admitted expensive request; its slot is freed on drop.
 pub struct Permit {
     limiter: Arc<Limiter>,
     key: String,
+}
+
+impl std::fmt::Debug for Permit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The key is the caller's token: not printed.
+        f.debug_struct("Permit").finish_non_exhaustive()
+    }
 }
 
 impl Drop for Permit {
@@ -127,6 +143,7 @@ impl Limiter {
 
 /// A rate-limit refusal: 429 `rate_limited` with `Retry-After` (whole
 /// seconds, at least 1).
+#[derive(Debug)]
 pub struct Limited(pub Duration);
 
 impl From<Limited> for ApiError {
@@ -144,6 +161,7 @@ impl From<Limited> for ApiError {
 }
 
 /// What [`sandbox_guard`] and the create handlers need.
+#[derive(Debug)]
 pub struct Tenancy<S> {
     pub service: Arc<S>,
     pub auth: Auth,
@@ -410,7 +428,7 @@ mod tests {
         let _p3 = l.acquire(&a).unwrap();
         // Burst of 3 used: the next waits about 2 s (0.5/s).
         drop(_p3);
-        let wait = l.acquire(&a).err().expect("rate");
+        let wait = l.acquire(&a).expect_err("rate");
         assert!(wait > Duration::from_millis(1500), "{wait:?}");
         let admin = Principal {
             tenant: "admin".into(),

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{ScratchDir, Server, TOKEN};
+use common::{Server, TOKEN};
 use serde_json::json;
 use torpor_api::agent_tunnel::{dialer, PodLine};
 use torpor_api::auth::tokens::TenantsFile;
@@ -65,8 +65,8 @@ async fn exec_through(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_protocol_runs_through_a_pods_tunnel() {
-    let scratch = ScratchDir::new("tunnel");
-    let tenants = scratch.0.join("tenants.json");
+    let scratch = tempfile::tempdir().unwrap();
+    let tenants = scratch.path().join("tenants.json");
     let mut file = TenantsFile::default();
     file.import("acme", Scope::Tenant, TENANT).unwrap();
     file.save(&tenants).unwrap();

@@ -7,16 +7,6 @@ mod common;
 use common::{Server, TOKEN};
 use serde_json::{json, Value};
 
-async fn sandbox(server: &Server, agent: bool) -> String {
-    let mut body = json!({ "template": "probe" });
-    if agent {
-        body["metadata"] = json!({ "agent": "fake" });
-    }
-    let r = server.call("POST", "/v1/sandboxes", Some(body)).await;
-    assert_eq!(r.status, 201, "{}", r.text());
-    r.json()["id"].as_str().unwrap().to_string()
-}
-
 fn headers<'a>(
     key: Option<&str>,
     id: Option<&str>,
@@ -48,7 +38,7 @@ const OCTETS: (&str, &str) = ("Content-Type", "application/octet-stream");
 #[tokio::test]
 async fn files_upload_and_download_through_the_agent() {
     let server = Server::start().await;
-    let id = sandbox(&server, true).await;
+    let id = server.sandbox(true).await;
     let up = |path: &'static str, body: &'static [u8]| {
         let h = headers(Some(TOKEN), Some(&id), &[OCTETS]);
         let server = &server;
@@ -90,8 +80,8 @@ async fn files_upload_and_download_through_the_agent() {
 #[tokio::test]
 async fn files_refuse_what_is_not_offered_and_need_the_key() {
     let server = Server::start().await;
-    let id = sandbox(&server, true).await;
-    let plain = sandbox(&server, false).await;
+    let id = server.sandbox(true).await;
+    let plain = server.sandbox(false).await;
     let post = |h: Vec<(&'static str, String)>| {
         let server = &server;
         async move {

@@ -10,7 +10,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{ScratchDir, Server, TOKEN};
+use common::{Server, TOKEN};
 use serde_json::{json, Value};
 use torpor_api::auth::tokens::TenantsFile;
 use torpor_api::auth::Scope;
@@ -168,16 +168,16 @@ fn pid_of(events: &[Value]) -> u64 {
 async fn commands_run_with_exit_codes_output_env_and_cwd() {
     let server = Server::start().await;
     let envd = Envd::new(&server).await;
-    let dir = ScratchDir::new("cwd");
+    let dir = tempfile::tempdir().unwrap();
     let mut req = bash("echo out; echo err >&2; echo $FROM_SANDBOX $SHADOWED $MINE; pwd; exit 3");
     req["process"]["envs"] = json!({"SHADOWED": "request", "MINE": "1"});
-    req["process"]["cwd"] = json!(dir.0.to_str().unwrap());
+    req["process"]["cwd"] = json!(dir.path().to_str().unwrap());
     let (events, end_stream) = envd.stream("process.Process/Start", req, &[]).await;
     assert_eq!(end_stream, json!({}));
     assert!(pid_of(&events) > 1);
     assert_eq!(
         output(&events, "stdout"),
-        format!("out\nyes request 1\n{}\n", dir.0.display())
+        format!("out\nyes request 1\n{}\n", dir.path().display())
     );
     assert_eq!(output(&events, "stderr"), "err\n");
     assert_eq!(
@@ -342,8 +342,8 @@ fn names(list: &Value, field: &str) -> Vec<String> {
 async fn filesystem_rpcs_answer_envds_entries() {
     let server = Server::start().await;
     let envd = Envd::new(&server).await;
-    let dir = ScratchDir::new("fs");
-    let p = |rel: &str| format!("{}/{rel}", dir.0.display());
+    let dir = tempfile::tempdir().unwrap();
+    let p = |rel: &str| format!("{}/{rel}", dir.path().display());
     let fs = |m: &str| format!("filesystem.Filesystem/{m}");
 
     let made = envd.ok(&fs("MakeDir"), json!({"path": p("a/b")})).await;
@@ -358,8 +358,8 @@ async fn filesystem_rpcs_answer_envds_entries() {
         "{v}"
     );
 
-    std::fs::write(dir.0.join("a/f.txt"), b"hello").unwrap();
-    std::os::unix::fs::symlink("f.txt", dir.0.join("a/l")).unwrap();
+    std::fs::write(dir.path().join("a/f.txt"), b"hello").unwrap();
+    std::os::unix::fs::symlink("f.txt", dir.path().join("a/l")).unwrap();
     let st = envd.ok(&fs("Stat"), json!({"path": p("a/f.txt")})).await;
     let e = &st["entry"];
     assert_eq!(e["type"], "FILE_TYPE_FILE");
@@ -374,7 +374,7 @@ async fn filesystem_rpcs_answer_envds_entries() {
 
     let one = envd.ok(&fs("ListDir"), json!({"path": p("a")})).await;
     assert_eq!(names(&one, "name"), ["b", "f.txt", "l"]);
-    std::fs::write(dir.0.join("a/b/deep"), b"").unwrap();
+    std::fs::write(dir.path().join("a/b/deep"), b"").unwrap();
     let two = envd
         .ok(&fs("ListDir"), json!({"path": p("a"), "depth": 2}))
         .await;
@@ -431,7 +431,7 @@ async fn filesystem_rpcs_answer_envds_entries() {
             "{v}"
         );
         assert!(
-            !dir.0.join("g").exists(),
+            !dir.path().join("g").exists(),
             "nothing made for an unknown user"
         );
     }
@@ -441,8 +441,8 @@ async fn filesystem_rpcs_answer_envds_entries() {
 async fn watchers_poll_and_stream_changes() {
     let server = Server::start().await;
     let envd = Envd::new(&server).await;
-    let dir = ScratchDir::new("watch");
-    let root = dir.0.to_str().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().to_str().unwrap().to_string();
     let fs = |m: &str| format!("filesystem.Filesystem/{m}");
     let w = envd
         .ok(
@@ -451,7 +451,7 @@ async fn watchers_poll_and_stream_changes() {
         )
         .await;
     let wid = w["watcherId"].as_str().unwrap().to_string();
-    std::fs::write(dir.0.join("new.txt"), b"x").unwrap();
+    std::fs::write(dir.path().join("new.txt"), b"x").unwrap();
     let mut seen = Vec::new();
     for _ in 0..50 {
         let got = envd
@@ -481,7 +481,7 @@ async fn watchers_poll_and_stream_changes() {
     );
     let touch = async {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        std::fs::write(dir.0.join("later.txt"), b"y").unwrap();
+        std::fs::write(dir.path().join("later.txt"), b"y").unwrap();
     };
     let ((events, end_stream), ()) = tokio::join!(watch, touch);
     assert_eq!(end_stream["error"]["code"], "deadline_exceeded");
@@ -580,8 +580,8 @@ const UMBRELLA: &str = "umbrella-key-0123456789";
 
 #[tokio::test]
 async fn tokens_and_tenants_guard_the_rpcs() {
-    let scratch = ScratchDir::new("tenants");
-    let path = scratch.0.join("tenants.json");
+    let scratch = tempfile::tempdir().unwrap();
+    let path = scratch.path().join("tenants.json");
     let mut file = TenantsFile::default();
     file.import("acme", Scope::Tenant, ACME).unwrap();
     file.import("umbrella", Scope::Tenant, UMBRELLA).unwrap();

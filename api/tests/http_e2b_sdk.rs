@@ -6,37 +6,16 @@
 //! `tests/needs` leaves it out without one.
 
 mod common;
+#[path = "../../tests/common/e2b_sdk.rs"]
+mod e2b_sdk;
 
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{ScratchDir, Server, TOKEN};
-
-/// The pinned version, from `tests/e2b/requirements.txt`.
-fn pinned() -> String {
-    let text = include_str!("../../tests/e2b/requirements.txt");
-    text.lines()
-        .find_map(|l| l.strip_prefix("e2b=="))
-        .expect("e2b pinned")
-        .trim()
-        .to_string()
-}
-
-fn python() -> PathBuf {
-    let version = pinned();
-    let venv = std::env::var_os("TORPOR_E2B_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let cache = std::env::var_os("TORPOR_CACHE").unwrap_or("/var/cache/torpor".into());
-            PathBuf::from(cache).join(format!("venv-e2b-{version}"))
-        });
-    venv.join("bin/python")
-}
+use common::{Server, TOKEN};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_sdk_commands_and_files_through_envd() {
-    let python = python();
+    let python = e2b_sdk::python();
     assert!(
         python.exists(),
         "the e2b venv is missing ({}): run .ci/run",
@@ -44,19 +23,10 @@ async fn python_sdk_commands_and_files_through_envd() {
     );
     let server = Server::start().await;
     let url = format!("http://{}", server.addr);
-    let scratch = ScratchDir::new("sdk");
+    let scratch = tempfile::tempdir().unwrap();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/e2b/sdk_envd.py");
-    let mut cmd = Command::new(python);
-    cmd.arg(script)
-        .arg(&scratch.0)
-        .env("E2B_API_URL", &url)
-        .env("E2B_SANDBOX_URL", &url)
-        .env("E2B_API_KEY", TOKEN)
-        .env_remove("E2B_DEBUG")
-        .env_remove("E2B_DOMAIN")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    let mut cmd = e2b_sdk::sdk_command(&python, script, &url, TOKEN);
+    cmd.arg(scratch.path());
     let out = tokio::task::spawn_blocking(move || {
         let mut child = cmd.spawn().expect("run the SDK script");
         // Bounded: the script's requests time out; this is the backstop.
@@ -76,7 +46,7 @@ async fn python_sdk_commands_and_files_through_envd() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("{stdout}{stderr}");
     assert!(
-        stdout.contains(&format!("sdk-envd: version {}\n", pinned())),
+        stdout.contains(&format!("sdk-envd: version {}\n", e2b_sdk::pinned_python())),
         "the installed e2b is not the pinned one: {stdout}"
     );
     assert!(

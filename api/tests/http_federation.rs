@@ -16,36 +16,19 @@ struct Pair {
     pod: Server,
     central: Server,
     pod_id: String,
-    _dir: tempdir::Dir,
+    _dir: tempfile::TempDir,
 }
 
-mod tempdir {
-    pub struct Dir(pub std::path::PathBuf);
-    impl Dir {
-        pub fn new(name: &str) -> Self {
-            let p = std::env::temp_dir().join(format!("torpor-fed-{name}-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&p);
-            std::fs::create_dir_all(&p).unwrap();
-            Dir(p)
-        }
-    }
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
-
-async fn pair(name: &str) -> Pair {
-    pair_with(name, Duration::from_secs(20)).await
+async fn pair() -> Pair {
+    pair_with(Duration::from_secs(20)).await
 }
 
 /// `io_timeout`: how long the central waits for the pod.
-async fn pair_with(name: &str, io_timeout: Duration) -> Pair {
-    let dir = tempdir::Dir::new(name);
+async fn pair_with(io_timeout: Duration) -> Pair {
+    let dir = tempfile::tempdir().unwrap();
     let pod = Server::start().await;
     let local = Arc::new(Fake::new());
-    let federation = Federation::open(Arc::clone(&local), &dir.0, io_timeout).unwrap();
+    let federation = Federation::open(Arc::clone(&local), dir.path(), io_timeout).unwrap();
     let central = Server::start_over(federation, local, Server::config()).await;
     let r = central
         .call(
@@ -66,7 +49,7 @@ async fn pair_with(name: &str, io_timeout: Duration) -> Pair {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_stream_and_files_are_relayed_from_the_pod() {
-    let p = pair("relay").await;
+    let p = pair().await;
     let r = p
         .central
         .call(
@@ -204,7 +187,7 @@ async fn a_pod_alone_refuses_registration() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_pod_is_listed_unreachable_without_failing_the_lists() {
-    let p = pair_with("hung", Duration::from_secs(2)).await;
+    let p = pair_with(Duration::from_secs(2)).await;
     let r = p
         .central
         .call(
@@ -241,9 +224,10 @@ async fn a_hung_pod_is_listed_unreachable_without_failing_the_lists() {
 /// goes on as usual (here: no pod has it, 404).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_coming_template_answers_503_until_it_is_there() {
-    let dir = tempdir::Dir::new("coming");
+    let dir = tempfile::tempdir().unwrap();
     let local = Arc::new(Fake::new());
-    let federation = Federation::open(Arc::clone(&local), &dir.0, Duration::from_secs(20)).unwrap();
+    let federation =
+        Federation::open(Arc::clone(&local), dir.path(), Duration::from_secs(20)).unwrap();
     federation.template_coming("linux", Some("the nested host is still booting".into()));
     let central = Server::start_over(Arc::clone(&federation), local, Server::config()).await;
     let create = json!({"template": "linux"});

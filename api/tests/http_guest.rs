@@ -7,21 +7,10 @@ mod common;
 use common::Server;
 use serde_json::{json, Value};
 
-/// A sandbox of the fake; `agent` says whether it has the fake agent.
-async fn sandbox(server: &Server, agent: bool) -> String {
-    let mut body = json!({ "template": "probe" });
-    if agent {
-        body["metadata"] = json!({ "agent": "fake" });
-    }
-    let r = server.call("POST", "/v1/sandboxes", Some(body)).await;
-    assert_eq!(r.status, 201, "{}", r.text());
-    r.json()["id"].as_str().unwrap().to_string()
-}
-
 #[tokio::test]
 async fn exec_and_files_on_a_sandbox_without_agent_are_422_no_agent() {
     let server = Server::start().await;
-    let id = sandbox(&server, false).await;
+    let id = server.sandbox(false).await;
     for (method, path, body) in [
         (
             "POST",
@@ -63,7 +52,7 @@ async fn exec_and_files_on_a_sandbox_without_agent_are_422_no_agent() {
 #[tokio::test]
 async fn bad_exec_bodies_and_file_queries_are_400() {
     let server = Server::start().await;
-    let id = sandbox(&server, true).await;
+    let id = server.sandbox(true).await;
     let exec = format!("/v1/sandboxes/{id}/exec");
     for bad in [
         json!({"argv": []}),
@@ -94,7 +83,7 @@ async fn bad_exec_bodies_and_file_queries_are_400() {
 #[tokio::test]
 async fn exec_answers_output_and_wakes_a_hibernated_sandbox() {
     let server = Server::start().await;
-    let id = sandbox(&server, true).await;
+    let id = server.sandbox(true).await;
     let r = server
         .call(
             "POST",
@@ -139,7 +128,7 @@ async fn exec_answers_output_and_wakes_a_hibernated_sandbox() {
 #[tokio::test]
 async fn exec_stream_is_ndjson_start_chunks_exit() {
     let server = Server::start().await;
-    let id = sandbox(&server, true).await;
+    let id = server.sandbox(true).await;
     let r = server
         .call(
             "POST",
@@ -178,7 +167,7 @@ async fn exec_stream_is_ndjson_start_chunks_exit() {
 #[tokio::test]
 async fn files_put_get_list_with_raw_bodies() {
     let server = Server::start().await;
-    let id = sandbox(&server, true).await;
+    let id = server.sandbox(true).await;
     let auth = vec![("Authorization", format!("Bearer {}", common::TOKEN))];
     let data: Vec<u8> = (0..=255u8).collect();
     let r = server

@@ -320,7 +320,7 @@ fn pss_phases(
     let per_clone = |clones: &[(String, u32)]| -> Result<f64, String> {
         let mut sum = 0.0;
         for (id, pid) in clones {
-            sum += pss_kib(*pid).ok_or(format!("no PSS for {id}'s VMM (pid {pid})"))?;
+            sum += pss_kib(*pid).ok_or(format!("no PSS for {id}'s VMM (pid {pid})"))? as f64;
         }
         Ok(sum / 1024.0 / clones.len() as f64)
     };
@@ -334,7 +334,7 @@ fn pss_phases(
     let shells_kib = shells
         .iter()
         .filter_map(|p| pss_kib(*p))
-        .fold(0.0, |a, b| a + b);
+        .fold(0.0, |a, b| a + b as f64);
     r.shells_pss = Some((shells.len(), shells_kib / 1024.0));
     let consoles: Vec<(PathBuf, Vec<u8>)> = clones
         .iter()

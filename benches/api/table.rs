@@ -13,17 +13,20 @@ enum Fmt {
 }
 
 struct Target {
-    text: &'static str,
+    text: String,
     /// Applies to pool configurations (and the defaults) only.
     pool_only: bool,
     met: fn(f64) -> bool,
 }
 
+/// A row's value for one configuration's results.
+type Value = Box<dyn Fn(&Results) -> Option<f64>>;
+
 struct Row {
     label: String,
     fmt: Fmt,
     target: Option<Target>,
-    value: fn(&Results) -> Option<f64>,
+    value: Value,
 }
 
 fn p(v: &[f64], q: f64) -> Option<f64> {
@@ -92,116 +95,91 @@ fn standby_pct(r: &Results) -> Option<f64> {
     (all > 0.0).then(|| 100.0 * m.get("standby").copied().unwrap_or(0.0) / all)
 }
 
+fn row(label: &str, fmt: Fmt, value: impl Fn(&Results) -> Option<f64> + 'static) -> Row {
+    Row {
+        label: label.to_string(),
+        fmt,
+        target: None,
+        value: Box::new(value),
+    }
+}
+
+fn goal(mut r: Row, text: impl Into<String>, pool_only: bool, met: fn(f64) -> bool) -> Row {
+    r.target = Some(Target {
+        text: text.into(),
+        pool_only,
+        met,
+    });
+    r
+}
+
+/// The latency rows of one restore path (`create`, `wake`): p50, p90 and
+/// p99 with their goals (`pool`: goals of pool configurations only), then
+/// where the p50 goes.
+fn restore_rows(name: &str, samples: fn(&Results) -> &[Sample], pool: bool) -> Vec<Row> {
+    let note = if pool { " (pool)" } else { "" };
+    let mut rows = vec![
+        goal(
+            row(&format!("{name} p50"), Fmt::Ms, move |r| {
+                api_p(samples(r), 0.5)
+            }),
+            format!("<= 3 ms{note}"),
+            pool,
+            |v| v <= 3.0,
+        ),
+        row(&format!("{name} p90"), Fmt::Ms, move |r| {
+            api_p(samples(r), 0.9)
+        }),
+        goal(
+            row(&format!("{name} p99"), Fmt::Ms, move |r| {
+                api_p(samples(r), 0.99)
+            }),
+            format!("<= 15 ms{note}"),
+            pool,
+            |v| v <= 15.0,
+        ),
+        row("  VMM restore (vmm_ms) p50", Fmt::Ms, move |r| {
+            vmm_p50(samples(r))
+        }),
+        row("  service (restore.ms) p50", Fmt::Ms, move |r| {
+            service_p50(samples(r))
+        }),
+    ];
+    let phases = [
+        ("admit", "admission commit"),
+        ("prepare", "reads, shell"),
+        ("jail", "mounts into the shell"),
+        ("vmm", "restore round trip"),
+        ("record", "VMM handle commit"),
+        ("commit", "operation end"),
+    ];
+    for (phase, what) in phases {
+        rows.push(row(
+            &format!("    {phase}: {what} p50"),
+            Fmt::Ms,
+            move |r| phase_p50(samples(r), phase),
+        ));
+    }
+    rows.push(row("    HTTP, JSON, hand-offs p50", Fmt::Ms, move |r| {
+        rest_p50(samples(r))
+    }));
+    rows.push(goal(
+        row("  API overhead p50", Fmt::Ms, move |r| {
+            overhead_p50(samples(r))
+        }),
+        "<= 1.5 ms",
+        false,
+        |v| v <= 1.5,
+    ));
+    rows
+}
+
 fn rows(o: &Opts) -> Vec<Row> {
-    fn row(label: &str, fmt: Fmt, value: fn(&Results) -> Option<f64>) -> Row {
-        Row {
-            label: label.to_string(),
-            fmt,
-            target: None,
-            value,
-        }
-    }
-    fn goal(mut r: Row, text: &'static str, pool_only: bool, met: fn(f64) -> bool) -> Row {
-        r.target = Some(Target {
-            text,
-            pool_only,
-            met,
-        });
-        r
-    }
     let t = o.threads;
-    vec![
-        goal(
-            row("create p50", Fmt::Ms, |r| api_p(&r.create, 0.5)),
-            "<= 3 ms (pool)",
-            true,
-            |v| v <= 3.0,
-        ),
-        row("create p90", Fmt::Ms, |r| api_p(&r.create, 0.9)),
-        goal(
-            row("create p99", Fmt::Ms, |r| api_p(&r.create, 0.99)),
-            "<= 15 ms (pool)",
-            true,
-            |v| v <= 15.0,
-        ),
-        row("  VMM restore (vmm_ms) p50", Fmt::Ms, |r| {
-            vmm_p50(&r.create)
-        }),
-        row("  service (restore.ms) p50", Fmt::Ms, |r| {
-            service_p50(&r.create)
-        }),
-        row("    admit: admission commit p50", Fmt::Ms, |r| {
-            phase_p50(&r.create, "admit")
-        }),
-        row("    prepare: reads, shell p50", Fmt::Ms, |r| {
-            phase_p50(&r.create, "prepare")
-        }),
-        row("    jail: mounts into the shell p50", Fmt::Ms, |r| {
-            phase_p50(&r.create, "jail")
-        }),
-        row("    vmm: restore round trip p50", Fmt::Ms, |r| {
-            phase_p50(&r.create, "vmm")
-        }),
-        row("    record: VMM handle commit p50", Fmt::Ms, |r| {
-            phase_p50(&r.create, "record")
-        }),
-        row("    commit: operation end p50", Fmt::Ms, |r| {
-            phase_p50(&r.create, "commit")
-        }),
-        row("    HTTP, JSON, hand-offs p50", Fmt::Ms, |r| {
-            rest_p50(&r.create)
-        }),
-        goal(
-            row("  API overhead p50", Fmt::Ms, |r| overhead_p50(&r.create)),
-            "<= 1.5 ms",
-            false,
-            |v| v <= 1.5,
-        ),
-        row("  creates via standby", Fmt::Pct, standby_pct),
-        goal(
-            row("wake p50", Fmt::Ms, |r| api_p(&r.wake, 0.5)),
-            "<= 3 ms",
-            false,
-            |v| v <= 3.0,
-        ),
-        row("wake p90", Fmt::Ms, |r| api_p(&r.wake, 0.9)),
-        goal(
-            row("wake p99", Fmt::Ms, |r| api_p(&r.wake, 0.99)),
-            "<= 15 ms",
-            false,
-            |v| v <= 15.0,
-        ),
-        row("  VMM restore (vmm_ms) p50", Fmt::Ms, |r| vmm_p50(&r.wake)),
-        row("  service (restore.ms) p50", Fmt::Ms, |r| {
-            service_p50(&r.wake)
-        }),
-        row("    admit: admission commit p50", Fmt::Ms, |r| {
-            phase_p50(&r.wake, "admit")
-        }),
-        row("    prepare: reads, shell p50", Fmt::Ms, |r| {
-            phase_p50(&r.wake, "prepare")
-        }),
-        row("    jail: mounts into the shell p50", Fmt::Ms, |r| {
-            phase_p50(&r.wake, "jail")
-        }),
-        row("    vmm: restore round trip p50", Fmt::Ms, |r| {
-            phase_p50(&r.wake, "vmm")
-        }),
-        row("    record: VMM handle commit p50", Fmt::Ms, |r| {
-            phase_p50(&r.wake, "record")
-        }),
-        row("    commit: operation end p50", Fmt::Ms, |r| {
-            phase_p50(&r.wake, "commit")
-        }),
-        row("    HTTP, JSON, hand-offs p50", Fmt::Ms, |r| {
-            rest_p50(&r.wake)
-        }),
-        goal(
-            row("  API overhead p50", Fmt::Ms, |r| overhead_p50(&r.wake)),
-            "<= 1.5 ms",
-            false,
-            |v| v <= 1.5,
-        ),
+    let mut rows = restore_rows("create", |r| &r.create, true);
+    rows.push(row("  creates via standby", Fmt::Pct, standby_pct));
+    rows.extend(restore_rows("wake", |r| &r.wake, false));
+    rows.extend([
         row("  wake -> first new line p50", Fmt::Ms, |r| {
             p(&r.wake_line, 0.5)
         }),
@@ -246,7 +224,8 @@ fn rows(o: &Opts) -> Vec<Row> {
         row("standby shells PSS, all", Fmt::Mib, |r| {
             r.shells_pss.map(|s| s.1)
         }),
-    ]
+    ]);
+    rows
 }
 
 fn cell(v: Option<f64>, fmt: Fmt) -> String {

@@ -1,6 +1,6 @@
 //! Helpers shared by the benches: run `torpor vmm`, talk to its control
 //! socket, watch the probe's console (`restore`, `dirty`); talk HTTP to
-//! `torpor serve` (`http`: `density`, `api`; `serve`: start and stop one); percentiles and PSS.
+//! `torpor serve` (`http`: `density`, `api`; `serve`: start and stop one); and percentiles.
 #![allow(dead_code)]
 
 pub mod http;
@@ -8,21 +8,13 @@ pub mod serve;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub const TORPOR: &str = env!("CARGO_BIN_EXE_torpor");
 /// The per-VM process a pod starts (VMM crates only).
 pub const TORPOR_VMM: &str = env!("CARGO_BIN_EXE_torpor-vmm");
-
-/// A scratch directory removed on drop.
-pub struct Dir(pub PathBuf);
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 pub fn spawn(args: &[&str]) -> Child {
     Command::new(TORPOR)
@@ -101,9 +93,4 @@ pub fn percentile(v: &[f64], q: f64) -> f64 {
         return f64::NAN;
     }
     s[((q * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1]
-}
-
-/// PSS of a process, KiB (None if it is gone): the pod's own reader.
-pub fn pss_kib(pid: u32) -> Option<f64> {
-    torpor_scheduler::service::vmm::pss_kib(pid).map(|k| k as f64)
 }

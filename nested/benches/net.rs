@@ -221,15 +221,7 @@ fn table(s: &Samples) -> String {
 }
 
 fn tool(name: &str) -> PathBuf {
-    for dir in ["/usr/bin", "/usr/sbin", "/bin", "/sbin"] {
-        let p = Path::new(dir).join(name);
-        if p.is_file() {
-            // The file itself: a symlink carried into L1 would point at
-            // L1's own (busybox) file of that name.
-            return std::fs::canonicalize(&p).unwrap_or(p);
-        }
-    }
-    panic!("{name} is not installed on this host (apt-get install iperf3 iproute2 curl qemu-system-x86)")
+    linux::host_tool(name, "iperf3 iproute2 curl qemu-system-x86")
 }
 
 fn smoke(runs: usize) {
@@ -273,8 +265,11 @@ fn main() {
         smoke(runs);
         return;
     }
-    let overlay = linux::Scratch::new("netbench-overlay");
-    let svc = overlay.0.join("etc/torpor/init.d/50-netbench");
+    let overlay = tempfile::Builder::new()
+        .prefix("torpor-nested-netbench-overlay-")
+        .tempdir()
+        .unwrap();
+    let svc = overlay.path().join("etc/torpor/init.d/50-netbench");
     std::fs::create_dir_all(svc.parent().unwrap()).unwrap();
     std::fs::write(&svc, SERVICE).unwrap();
     std::fs::set_permissions(&svc, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
@@ -289,7 +284,7 @@ fn main() {
             (qemu_share.to_path_buf(), "/opt/qemu/bios-microvm.bin"),
         ],
         3072,
-        Some(&overlay.0),
+        Some(overlay.path()),
     );
     let timeout = Duration::from_secs(1200 + 300 * runs as u64);
     let out = linux::run_logged(&host, "net bench", &l1_script(runs), timeout);

@@ -128,10 +128,9 @@ mod tests {
 
     #[test]
     fn a_missing_kernel_is_named() {
-        let dir = std::env::temp_dir().join(format!("torpor-nested-assets-{}", std::process::id()));
-        fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         let err = L1Assets::from_dir(&dir).unwrap_err();
-        fs::remove_dir_all(&dir).unwrap();
         assert!(err.to_string().contains("L1 kernel"), "{err}");
     }
 }

@@ -331,6 +331,7 @@ impl NestedHost {
 
 /// A scratch directory for one run's images, removed afterwards (kept when
 /// `TORPOR_NESTED_KEEP=1`, for debugging).
+#[derive(Debug)]
 pub(crate) struct WorkDir(PathBuf);
 
 impl WorkDir {
@@ -366,7 +367,8 @@ mod tests {
 
     #[test]
     fn missing_files_are_named_before_booting() {
-        let dir = std::env::temp_dir().join(format!("torpor-nested-lib-{}", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         fs::create_dir_all(dir.join("modules")).unwrap();
         for f in ["vmlinuz", "busybox", "modules/kvm.ko", "modules/kvm-amd.ko"] {
             fs::write(dir.join(f), b"x").unwrap();
@@ -378,7 +380,6 @@ mod tests {
             .file("/nonexistent/torpor", "/opt/torpor")
             .build()
             .unwrap_err();
-        fs::remove_dir_all(&dir).unwrap();
         assert!(err.to_string().contains("/nonexistent/torpor"), "{err}");
     }
 

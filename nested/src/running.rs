@@ -17,6 +17,7 @@ use crate::{qemu, NestedError, NestedHost, WorkDir};
 const KEEP_LINES: usize = 200;
 
 /// A running nested host; see [`NestedHost::start`].
+#[derive(Debug)]
 pub struct RunningHost {
     child: Child,
     /// (guest port, host port on 127.0.0.1).

@@ -17,7 +17,7 @@ mod common;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use common::linux::{binary_content, linux_host, run_logged, Scratch};
+use common::linux::{binary_content, linux_host, run_logged};
 use torpor_agent::proto::MAX_IO_CHUNK;
 
 const TIMEOUT: Duration = Duration::from_secs(900);
@@ -27,10 +27,13 @@ const BLOB: &str = "/opt/torpor/blob.bin";
 
 /// A file with every byte value, more than one agent I/O chunk long and not
 /// a multiple of it; returns its scratch dir, path and length.
-fn blob(tag: &str) -> (Scratch, PathBuf, usize) {
-    let dir = Scratch::new(&format!("{tag}-blob"));
+fn blob(tag: &str) -> (tempfile::TempDir, PathBuf, usize) {
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("torpor-nested-{tag}-blob-"))
+        .tempdir()
+        .unwrap();
     let data = binary_content(MAX_IO_CHUNK + 123_457);
-    let path = dir.0.join("blob.bin");
+    let path = dir.path().join("blob.bin");
     std::fs::write(&path, &data).unwrap();
     (dir, path, data.len())
 }

@@ -35,7 +35,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::linux::{binary_content, linux_host_with, run_logged, torpor_vmm, Scratch};
+use common::linux::{binary_content, field, host_tool, linux_host_with, run_logged, torpor_vmm};
 
 /// How long a guest's freed burst may take to come back to the host (the
 /// guest kernel reports free pages 2 s after they gather; the nested guest
@@ -86,29 +86,11 @@ with zipfile.ZipFile(path, "w") as z:
     path
 }
 
-/// A tool of this host carried into L1 (dynamically linked: its libraries
-/// come along).
 fn tool(name: &str) -> PathBuf {
-    for dir in ["/usr/sbin", "/usr/bin", "/sbin", "/bin"] {
-        let p = Path::new(dir).join(name);
-        if p.is_file() {
-            // The file itself: a symlink carried into L1 would point at
-            // L1's own (busybox) file of that name.
-            return std::fs::canonicalize(&p).unwrap_or(p);
-        }
-    }
-    panic!("{name} is not installed on this host (apt-get install nftables iproute2 curl)")
+    host_tool(name, "nftables iproute2 curl")
 }
 
 const SCRIPT: &str = include_str!("nested_net.sh");
-
-/// The value after `key=` on the first line starting with `tag `.
-fn field<'a>(out: &'a str, tag: &str, key: &str) -> Option<&'a str> {
-    out.lines()
-        .find(|l| l.starts_with(&format!("{tag} ")))?
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix(&format!("{key}=")))
-}
 
 fn num(out: &str, tag: &str, key: &str) -> u64 {
     field(out, tag, key)
@@ -118,10 +100,10 @@ fn num(out: &str, tag: &str, key: &str) -> u64 {
 
 #[test]
 fn nested_sandbox_network_and_memory_through_the_service() {
-    let files = Scratch::new("net-files");
-    let blob = files.0.join("blob.bin");
+    let files = tempfile::tempdir().unwrap();
+    let blob = files.path().join("blob.bin");
     std::fs::write(&blob, binary_content(3 << 20)).unwrap();
-    let wheel = wheel(&files.0);
+    let wheel = wheel(files.path());
     let (host, _scratch) = linux_host_with(
         "net",
         &[

@@ -9,27 +9,15 @@
 //! `TORPOR_NESTED_ECHO=1` streams the L1 console to stderr; `TORPOR_BIN`
 //! picks the torpor binary (default: the one cargo built beside this test).
 
-use std::path::PathBuf;
+mod common;
+
 use std::time::Duration;
 
+use common::linux::torpor_binary;
 use torpor_nested::NestedHost;
 
 const PROBE_MIB: u32 = 2;
 const PROBE_ITERS: u64 = 3;
-
-/// The torpor binary cargo built for this workspace: tests live in
-/// target/<profile>/deps/, the binary in target/<profile>/.
-fn torpor_binary() -> PathBuf {
-    if let Some(bin) = std::env::var_os("TORPOR_BIN") {
-        return PathBuf::from(bin);
-    }
-    let exe = std::env::current_exe().expect("current_exe");
-    let profile_dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("test binary sits in target/<profile>/deps");
-    profile_dir.join("torpor")
-}
 
 #[test]
 fn nested_probe_runs_on_hardware_kvm() {

@@ -14,15 +14,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::linux::{linux_host, run_logged};
-
-/// The value after `key=` on the line starting with `tag `.
-fn field<'a>(out: &'a str, tag: &str, key: &str) -> Option<&'a str> {
-    out.lines()
-        .find(|l| l.starts_with(&format!("{tag} ")))?
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix(&format!("{key}=")))
-}
+use common::linux::{field, linux_host, run_logged};
 
 const SCRIPT: &str = r#"
 test -c /dev/kvm || { echo 'L1 has no /dev/kvm'; exit 97; }

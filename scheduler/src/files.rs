@@ -201,15 +201,10 @@ fn sweep(dir: &Path, live: &HashSet<PathBuf>, report: &mut CleanupReport) -> Res
 mod tests {
     use super::*;
 
-    fn scratch() -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("torpor-files-{}", random_hex(8)));
-        fs::create_dir_all(&dir).unwrap();
-        dir
-    }
-
     #[test]
     fn atomic_write_replaces_whole_and_leaves_no_temp() {
-        let dir = scratch();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         let path = dir.join("state");
         atomic_write(&path, b"one").unwrap();
         atomic_write(&path, b"two, longer").unwrap();
@@ -222,12 +217,12 @@ mod tests {
         // A directory that does not exist: error, nothing created.
         let err = atomic_write(&dir.join("missing/state"), b"x").unwrap_err();
         assert_eq!(err.op, "creating");
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn commit_dir_publishes_a_temp_dir() {
-        let dir = scratch();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         let final_path = dir.join("snap");
         let tmp = create_temp_dir_for(&final_path).unwrap();
         assert!(tmp
@@ -240,12 +235,12 @@ mod tests {
         commit_dir(&tmp, &final_path).unwrap();
         assert!(!tmp.exists());
         assert_eq!(fs::read(final_path.join("state")).unwrap(), b"s");
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn cleanup_keeps_live_paths_and_their_ancestors() {
-        let dir = scratch();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         let mk = |p: &str| {
             let p = dir.join(p);
             fs::create_dir_all(&p).unwrap();
@@ -287,20 +282,20 @@ mod tests {
             cleanup_orphans(&dir.join("absent"), &live).unwrap(),
             CleanupReport::default()
         );
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[cfg(unix)]
     #[test]
     fn cleanup_never_follows_symlinks() {
-        let dir = scratch();
-        let outside = scratch();
+        let (scratch, scratch_out) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let (dir, outside) = (
+            scratch.path().to_path_buf(),
+            scratch_out.path().to_path_buf(),
+        );
         fs::write(outside.join("keep"), b"k").unwrap();
         std::os::unix::fs::symlink(&outside, dir.join("link")).unwrap();
         let report = cleanup_orphans(&dir, &HashSet::new()).unwrap();
         assert_eq!(report, CleanupReport::default());
         assert!(outside.join("keep").exists());
-        fs::remove_dir_all(&dir).unwrap();
-        fs::remove_dir_all(&outside).unwrap();
     }
 }

@@ -305,13 +305,6 @@ fn copy_limited(from: &mut dyn Read, to: &mut File, limit: u64) -> Result<u64, I
 mod tests {
     use super::*;
 
-    fn scratch(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("torpor-images-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    }
-
     #[test]
     fn names_are_plain() {
         for ok in ["debian", "a", "deb-12.1_x"] {
@@ -333,7 +326,8 @@ mod tests {
 
     #[test]
     fn resolve_refuses_symlinks_out_and_missing_files_alike() {
-        let d = scratch("resolve");
+        let scratch = tempfile::tempdir().unwrap();
+        let d = scratch.path().to_path_buf();
         let images = Images::open(d.join("images")).unwrap();
         let good = images.dir().join("good");
         std::fs::create_dir_all(&good).unwrap();
@@ -357,12 +351,12 @@ mod tests {
             assert!(!e.contains(&d.display().to_string()), "{e}");
         }
         assert_eq!(images.list(), ["good"]);
-        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]
     fn install_is_capped_and_atomic() {
-        let d = scratch("install");
+        let scratch = tempfile::tempdir().unwrap();
+        let d = scratch.path().to_path_buf();
         let images = Images::open(d.join("images")).unwrap();
         let n = images
             .install("img", ImagePart::Kernel, &mut &b"kernel"[..], 100)
@@ -387,6 +381,5 @@ mod tests {
         assert!(images
             .install("../x", ImagePart::Kernel, &mut &b""[..], 1)
             .is_err());
-        let _ = std::fs::remove_dir_all(&d);
     }
 }

@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use torpor_scheduler::files::{cleanup_orphans, commit_dir, create_temp_dir_for, TEMP_PREFIX};
-use torpor_scheduler::model::random_hex;
 use torpor_scheduler::store::{OperationKind, OperationStatus, SandboxFilter, StateChange};
 use torpor_scheduler::{
     Sandbox, SandboxState, Store, Template, TemplateId, TemplateKind, TemplateState, Timestamp,
@@ -23,22 +22,6 @@ const CHILD_DIR: &str = "TORPOR_SCHEDULER_CRASH_DIR";
 const CHILD_MODE: &str = "TORPOR_SCHEDULER_CRASH_MODE";
 const LINE: &str = "CRASH-CHILD ";
 const WAIT: Duration = Duration::from_secs(60);
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> Self {
-        let dir = std::env::temp_dir().join(format!("torpor-crash-{}", random_hex(8)));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// Kills the child if the test fails before it does.
 struct ChildGuard(Child);
@@ -205,8 +188,8 @@ fn sigkill(mut child: ChildGuard) {
 
 #[test]
 fn kill_inside_a_transaction_loses_it_and_keeps_what_was_committed() {
-    let dir = TempDir::new();
-    let (child, rx) = spawn_child(&dir.0, "hold");
+    let dir = tempfile::tempdir().unwrap();
+    let (child, rx) = spawn_child(dir.path(), "hold");
     let deadline = Instant::now() + WAIT;
     let committed = next_line(&rx, deadline);
     let a = committed.strip_prefix("committed ").unwrap().to_string();
@@ -214,7 +197,7 @@ fn kill_inside_a_transaction_loses_it_and_keeps_what_was_committed() {
     let b = inside.strip_prefix("inside ").unwrap().to_string();
     sigkill(child);
 
-    let store = Store::open(&dir.0).unwrap();
+    let store = Store::open(dir.path()).unwrap();
     assert_eq!(store.list_templates(false).unwrap().len(), 1);
     let sandboxes = store.list_sandboxes(&SandboxFilter::default()).unwrap();
     let ids: Vec<&str> = sandboxes.iter().map(|s| s.id.as_str()).collect();
@@ -253,7 +236,7 @@ fn kill_inside_a_transaction_loses_it_and_keeps_what_was_committed() {
         .unwrap();
     assert!(store.interrupted_operations().unwrap().is_empty());
     let live: HashSet<PathBuf> = store.referenced_paths().unwrap();
-    let snapshots = dir.0.join("snapshots");
+    let snapshots = dir.path().join("snapshots");
     let report = cleanup_orphans(&snapshots, &live).unwrap();
     assert_eq!(report.temp.len(), 1, "{report:?}");
     assert!(report.temp[0]
@@ -268,8 +251,8 @@ fn kill_inside_a_transaction_loses_it_and_keeps_what_was_committed() {
 
 #[test]
 fn kill_while_writing_loses_nothing_acknowledged() {
-    let dir = TempDir::new();
-    let (child, rx) = spawn_child(&dir.0, "stream");
+    let dir = tempfile::tempdir().unwrap();
+    let (child, rx) = spawn_child(dir.path(), "stream");
     let deadline = Instant::now() + WAIT;
     let mut acked = Vec::new();
     while acked.len() < 25 {
@@ -282,7 +265,7 @@ fn kill_while_writing_loses_nothing_acknowledged() {
         acked.push(line.strip_prefix("acked ").unwrap().to_string());
     }
 
-    let store = Store::open(&dir.0).unwrap();
+    let store = Store::open(dir.path()).unwrap();
     let all = store.list_sandboxes(&SandboxFilter::default()).unwrap();
     for id in &acked {
         let s = all

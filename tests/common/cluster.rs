@@ -101,12 +101,7 @@ impl Cluster {
             ])
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
+        super::succeeded(&out).trim().to_string()
     }
 
     pub fn kill(&self, part: &str) {

@@ -1,60 +1,10 @@
 //! The pinned E2B SDKs the tests drive (`tests/e2b/`; `.ci/run` installs
 //! them outside the repository).
 
-use std::path::PathBuf;
+pub use super::e2b_sdk::{node, node_modules, pinned_js, pinned_python, python};
 
 /// The SDK scripts and pins.
 pub const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b");
-
-/// The pinned Python `e2b` version, from `tests/e2b/requirements.txt`.
-pub fn pinned_python() -> String {
-    let text = std::fs::read_to_string(format!("{DIR}/requirements.txt")).unwrap();
-    text.lines()
-        .find_map(|l| l.trim().strip_prefix("e2b=="))
-        .expect("requirements.txt pins e2b==VERSION")
-        .trim()
-        .to_string()
-}
-
-/// The pinned npm `e2b` version, from `tests/e2b/package.json`.
-pub fn pinned_js() -> String {
-    let text = std::fs::read_to_string(format!("{DIR}/package.json")).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    v["dependencies"]["e2b"]
-        .as_str()
-        .expect("package.json pins e2b")
-        .to_string()
-}
-
-/// `$var`, else `${TORPOR_CACHE:-/var/cache/torpor}/<name>`.
-pub fn install_dir(var: &str, name: String) -> PathBuf {
-    if let Some(v) = std::env::var_os(var) {
-        return v.into();
-    }
-    let cache = std::env::var_os("TORPOR_CACHE").unwrap_or_else(|| "/var/cache/torpor".into());
-    PathBuf::from(cache).join(name)
-}
-
-/// The venv's python with the pinned Python SDK.
-pub fn python() -> PathBuf {
-    install_dir("TORPOR_E2B_VENV", format!("venv-e2b-{}", pinned_python())).join("bin/python")
-}
-
-/// The npm install's `node_modules` with the pinned JS SDK.
-pub fn node_modules() -> PathBuf {
-    install_dir("TORPOR_E2B_NODE", format!("node-e2b-{}", pinned_js())).join("node_modules")
-}
-
-/// `node` on `PATH`.
-pub fn node() -> PathBuf {
-    std::env::var_os("PATH")
-        .and_then(|p| {
-            std::env::split_paths(&p)
-                .map(|d| d.join("node"))
-                .find(|p| p.is_file())
-        })
-        .expect("node is not installed: run .ci/run")
-}
 
 /// Which SDK runs a script: the Python venv's or node with the npm install.
 #[derive(Clone, Copy)]
@@ -80,17 +30,8 @@ pub fn run_script(
         Sdk::Python => (python(), pinned_python()),
         Sdk::Js => (node(), pinned_js()),
     };
-    let mut cmd = std::process::Command::new(&program);
-    cmd.arg(format!("{DIR}/{script}"))
-        .args(args)
-        .env("E2B_API_URL", url)
-        .env("E2B_SANDBOX_URL", url)
-        .env("E2B_API_KEY", key)
-        .env_remove("E2B_DEBUG")
-        .env_remove("E2B_DOMAIN")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
+    let mut cmd = super::e2b_sdk::sdk_command(&program, &format!("{DIR}/{script}"), url, key);
+    cmd.args(args);
     if let Sdk::Js = sdk {
         cmd.env("NODE_PATH", node_modules());
     }

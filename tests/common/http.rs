@@ -29,6 +29,22 @@ impl HttpResponse {
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
     }
+
+    /// Asserts a 2xx answer to `method path`; its body as JSON (null when
+    /// empty).
+    pub fn ok_json(&self, method: &str, path: &str) -> serde_json::Value {
+        assert!(
+            (200..300).contains(&self.status),
+            "{method} {path}: {} {}",
+            self.status,
+            self.body
+        );
+        if self.body.is_empty() {
+            serde_json::Value::Null
+        } else {
+            self.json()
+        }
+    }
 }
 
 /// Sends one request; `token` adds a bearer Authorization header.

@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod e2b;
+pub mod e2b_sdk;
 pub mod http;
 pub mod netns;
 pub mod pod;
@@ -16,34 +17,34 @@ use std::time::{Duration, Instant};
 
 pub const TORPOR: &str = env!("CARGO_BIN_EXE_torpor");
 
-/// A scratch directory removed on drop.
-pub struct Scratch(pub PathBuf);
+/// A scratch directory (`.0`), removed on drop unless
+/// TORPOR_KEEP_SCRATCH is set (to keep consoles and snapshots for a look).
+pub struct Scratch(pub PathBuf, tempfile::TempDir);
 
 impl Scratch {
     pub fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("torpor-test-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Self(dir)
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("torpor-test-{name}-"))
+            .disable_cleanup(std::env::var_os("TORPOR_KEEP_SCRATCH").is_some())
+            .tempdir()
+            .unwrap();
+        Self(dir.path().to_path_buf(), dir)
     }
     pub fn path(&self, name: &str) -> PathBuf {
         self.0.join(name)
     }
 }
 
-impl Drop for Scratch {
-    /// Set TORPOR_KEEP_SCRATCH=1 to keep consoles and snapshots for a look.
-    fn drop(&mut self) {
-        if std::env::var_os("TORPOR_KEEP_SCRATCH").is_none() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
-
 /// Runs `torpor` to completion with a time limit; kills it if it overstays.
 pub fn torpor(args: &[&str], limit: Duration) -> Output {
+    torpor_with_env(args, &[], limit)
+}
+
+/// [`torpor`] with these environment variables set.
+pub fn torpor_with_env(args: &[&str], env: &[(&str, &str)], limit: Duration) -> Output {
     let child = Command::new(TORPOR)
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -76,6 +77,13 @@ pub fn stderr(out: &Output) -> String {
 
 pub fn stdout(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Asserts that a command exited 0 (its stderr in the message if not);
+/// its stdout.
+pub fn succeeded(out: &Output) -> String {
+    assert!(out.status.success(), "{}", stderr(out));
+    stdout(out)
 }
 
 /// The complete lines of a console: the UART writes byte by byte, so the

@@ -26,6 +26,16 @@ impl PodProcess {
         Self::start_with(data, listen, token, &[])
     }
 
+    /// On the unix socket `<parent>/<name>.sock`, its data in `<parent>/<name>`.
+    pub fn start_unix(parent: &Path, name: &str, token: &str) -> Self {
+        let sock = parent.join(format!("{name}.sock"));
+        Self::start(
+            &parent.join(name),
+            &format!("unix:{}", sock.display()),
+            token,
+        )
+    }
+
     /// Plain TCP on loopback (`--plain-tcp`).
     pub fn start_plain(data: &Path, listen: &str, token: &str) -> Self {
         Self::start_with(data, listen, token, &["--plain-tcp"])

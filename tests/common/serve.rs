@@ -5,7 +5,7 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-use super::TORPOR;
+use super::{Scratch, TORPOR};
 
 /// `torpor serve --listen 127.0.0.1:0 --data-dir DATA ARGS`, killed on drop.
 pub struct ServeProcess {
@@ -87,16 +87,14 @@ impl Drop for ServeProcess {
     }
 }
 
-/// A scratch data directory; on drop every process still running from it
-/// (serve and its VMMs) is killed and it is removed.
-pub struct DataDir(pub PathBuf);
+/// A scratch data directory (`.0`); on drop every process still running
+/// from it (serve and its VMMs) is killed, then it goes as a [`Scratch`].
+pub struct DataDir(pub PathBuf, Scratch);
 
 impl DataDir {
     pub fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("torpor-test-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        DataDir(dir)
+        let scratch = Scratch::new(name);
+        DataDir(scratch.0.clone(), scratch)
     }
 }
 
@@ -110,9 +108,6 @@ impl Drop for DataDir {
         for pid in processes_logging_under(&self.0) {
             // SAFETY: SIGKILL to a process of this test's data directory.
             unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-        if std::env::var_os("TORPOR_KEEP_SCRATCH").is_none() {
-            let _ = std::fs::remove_dir_all(&self.0);
         }
     }
 }

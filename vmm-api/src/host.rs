@@ -18,9 +18,16 @@ pub fn memory_bytes() -> std::io::Result<u64> {
 }
 
 fn parse_mem_total(meminfo: &str) -> Option<u64> {
-    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
+    kib_field(meminfo, "MemTotal")?.checked_mul(1024)
+}
+
+/// The number of a `Key:   N kB` line of a /proc file (`/proc/meminfo`,
+/// `/proc/PID/status`, `smaps_rollup`): kB for sizes, a count for the
+/// few fields without a unit (`HugePages_*`). The one parser of them.
+pub fn kib_field(text: &str, key: &str) -> Option<u64> {
+    let mut lines = text.lines();
+    let value = lines.find_map(|l| l.strip_prefix(key)?.strip_prefix(':'));
+    value?.split_whitespace().next()?.parse().ok()
 }
 
 #[cfg(test)]
@@ -36,5 +43,15 @@ mod tests {
         assert_eq!(parse_mem_total("MemFree: 1 kB\n"), None);
         assert_eq!(parse_mem_total("MemTotal: 99999999999999999999 kB"), None);
         assert!(memory_bytes().unwrap() > 0);
+    }
+
+    #[test]
+    fn kib_fields_match_whole_keys() {
+        let text = "Rss:  12 kB\nPss:   7 kB\nPss_Anon: 3 kB\nHugePages_Total:  4\n";
+        assert_eq!(kib_field(text, "Pss"), Some(7));
+        assert_eq!(kib_field(text, "Pss_Anon"), Some(3));
+        assert_eq!(kib_field(text, "HugePages_Total"), Some(4));
+        assert_eq!(kib_field(text, "Ps"), None);
+        assert_eq!(kib_field("Pss: lots kB\n", "Pss"), None);
     }
 }

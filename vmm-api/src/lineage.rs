@@ -143,16 +143,10 @@ impl Lineage {
 mod tests {
     use super::*;
 
-    fn scratch(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("torpor-lineage-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    }
-
     #[test]
     fn chains_are_written_and_read_back() {
-        let root = scratch("ok");
+        let scratch = tempfile::tempdir().unwrap();
+        let root = scratch.path().to_path_buf();
         let (base, diff) = (root.join("base"), root.join("diff"));
         std::fs::create_dir_all(&base).unwrap();
         std::fs::create_dir_all(&diff).unwrap();
@@ -163,12 +157,12 @@ mod tests {
         let back = Lineage::read(&diff).unwrap();
         assert_eq!(back.layers, vec![base.clone(), diff.clone()]);
         assert_eq!(back.depth(), 2);
-        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]
     fn hostile_records_are_refused() {
-        let root = scratch("bad");
+        let scratch = tempfile::tempdir().unwrap();
+        let root = scratch.path().to_path_buf();
         let write = |text: &str| std::fs::write(root.join(LINEAGE_FILE), text).unwrap();
         let top = root.display().to_string();
         write(&format!(r#"{{"version":1,"layers":["relative","{top}"]}}"#));
@@ -195,6 +189,5 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("longer"));
-        std::fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -151,6 +151,7 @@ impl serde::Serialize for Timings {
 }
 
 /// A built microVM whose vCPUs are ready to start.
+#[derive(Debug)]
 pub struct BuiltVm {
     pub vm: Vm,
     pub mem: vm_memory::GuestMemoryMmap,
@@ -356,6 +357,7 @@ pub fn serial_output_deferred(
 
 /// A console-open thread made ahead (by a standby shell), under its
 /// seccomp filter, waiting for the path of the file to create.
+#[derive(Debug)]
 pub struct ConsoleOpener {
     path: std::sync::mpsc::Sender<PathBuf>,
     opened: std::thread::JoinHandle<std::io::Result<File>>,
@@ -492,8 +494,8 @@ mod console_tests {
 
     #[test]
     fn deferred_console_file_gets_every_line() {
-        let dir = std::env::temp_dir().join(format!("torpor-console-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         let path = dir.join("console.log");
         std::fs::write(&path, "stale content from an earlier run\n").unwrap();
         let mut out = serial_output_deferred(&SerialOutput::file(path.clone()), None).unwrap();
@@ -504,13 +506,12 @@ mod console_tests {
             std::fs::read_to_string(&path).unwrap(),
             "first line\nsecond line\n"
         );
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn console_files_stop_at_their_limit() {
-        let dir = std::env::temp_dir().join(format!("torpor-console-cap-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         let path = dir.join("console.log");
         let before = console_dropped_bytes();
         let console = SerialOutput::File {
@@ -529,7 +530,6 @@ mod console_tests {
         );
         assert!(text.len() < 80, "{} bytes", text.len());
         assert!(console_dropped_bytes() - before >= 100 * 17 - 10);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -18,6 +18,7 @@ use kvm_bindings::{KVM_CAP_DIRTY_LOG_RING, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2};
 use kvm_ioctls::{Cap, Kvm};
 use libc::{c_long, c_ulong};
 use serde::Serialize;
+use torpor_vmm_api::host::kib_field;
 
 /// Why a probe failed; the report keeps the rendered text.
 #[derive(Debug, thiserror::Error)]
@@ -261,7 +262,7 @@ pub fn run() -> Report {
     let virtualization = classify_virt(cpuinfo.as_deref().unwrap_or(""), &modules);
     let (verdict, summary) = assess(&kvm, virtualization.kind);
     let unified = fs_magic("/sys/fs/cgroup/unified").ok();
-    let mem = |key| meminfo.as_deref().ok().and_then(|m| meminfo_kib(m, key));
+    let mem = |key| meminfo.as_deref().ok().and_then(|m| kib_field(m, key));
     let mem_total = match &meminfo {
         Ok(_) => mem("MemTotal").ok_or_else(|| "no MemTotal in /proc/meminfo".into()),
         Err(e) => Err(e.clone()),
@@ -511,13 +512,6 @@ fn count_processors(cpuinfo: &str) -> usize {
     keys.filter(|(k, _)| k.trim() == "processor").count()
 }
 
-/// A /proc/meminfo value: kB for sizes, a count for HugePages_*.
-fn meminfo_kib(meminfo: &str, key: &str) -> Option<u64> {
-    let mut lines = meminfo.lines();
-    let value = lines.find_map(|l| l.strip_prefix(key)?.strip_prefix(':'));
-    value?.split_whitespace().next()?.parse().ok()
-}
-
 /// The `[selected]` word of a sysfs mode file such as "always [madvise] never".
 fn bracketed(text: &str) -> Option<&str> {
     let mut words = text.split_whitespace();
@@ -732,9 +726,9 @@ mod tests {
             "HugePages_Free",
             "Hugepagesize",
         ];
-        let values = keys.map(|key| meminfo_kib(MEMINFO, key).unwrap());
+        let values = keys.map(|key| kib_field(MEMINFO, key).unwrap());
         assert_eq!(values, [24684096, 4, 3, 2048]);
-        assert_eq!(meminfo_kib(MEMINFO, "Mem"), None);
+        assert_eq!(kib_field(MEMINFO, "Mem"), None);
         assert_eq!(bracketed("always [madvise] never\n"), Some("madvise"));
         let shmem = "always within_size advise [never] deny force";
         assert_eq!(bracketed(shmem), Some("never"));

@@ -47,7 +47,7 @@ impl ExitReason {
 }
 
 /// Shared by vCPUs, devices and the control server to end the VM.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct ExitSignal {
     reason: Arc<Mutex<Option<ExitReason>>>,
     evt: Arc<EventFd>,

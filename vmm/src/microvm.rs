@@ -95,6 +95,7 @@ fn guest_slices(mem: &GuestMemoryMmap) -> Vec<&[u8]> {
 type SavedVcpu = Option<Result<VcpuState, String>>;
 
 /// State that changes with each snapshot.
+#[derive(Debug)]
 struct SnapshotLineage {
     /// The chain of the snapshot the next diff is based on, base first.
     base: Option<Vec<PathBuf>>,
@@ -102,6 +103,7 @@ struct SnapshotLineage {
     vmm_dirty: PageRuns,
 }
 
+#[derive(Debug)]
 struct Controller {
     vm: Arc<Vm>,
     mem: Arc<GuestMemoryMmap>,
@@ -459,6 +461,7 @@ impl VmController for Controller {
 }
 
 /// A restore request of a standby VMM, answered once the vCPUs run.
+#[derive(Debug)]
 pub struct PendingRestore {
     pub stream: std::os::unix::net::UnixStream,
     pub request_started: Instant,
@@ -466,6 +469,7 @@ pub struct PendingRestore {
 
 /// Threads a standby shell made ahead, each already under its filter: the
 /// vCPU threads and the control server's.
+#[derive(Debug)]
 pub struct Spares {
     pub vcpus: crate::vstate::vcpu::SpareThreads,
     pub control: control::SpareControl,
@@ -473,6 +477,7 @@ pub struct Spares {
 
 /// A VM whose threads all run, each under its filter, with the vCPUs held
 /// out of the guest until [`Launched::run`].
+#[derive(Debug)]
 pub struct Launched {
     vcpus: Arc<VcpuSet>,
     controller: Arc<Controller>,

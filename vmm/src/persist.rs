@@ -46,7 +46,7 @@ fn ioctl(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> StateError {
 }
 
 /// Everything one vCPU needs to continue exactly where it stopped.
-#[derive(Serialize, Deserialize)]
+#[derive(Serialize, Deserialize, Debug)]
 pub struct VcpuState {
     pub cpuid: Vec<kvm_cpuid_entry2>,
     pub msrs: Vec<kvm_msr_entry>,
@@ -62,7 +62,7 @@ pub struct VcpuState {
 }
 
 /// The VM-wide in-kernel devices.
-#[derive(Clone, Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize, Debug)]
 pub struct VmState {
     pub pic_master: kvm_irqchip,
     pub pic_slave: kvm_irqchip,
@@ -97,7 +97,7 @@ pub struct MachineConfig {
 }
 
 /// A whole microVM at one instant, as written into a snapshot's `state`.
-#[derive(Serialize, Deserialize)]
+#[derive(Serialize, Deserialize, Debug)]
 pub struct MicrovmState {
     pub machine: MachineConfig,
     pub memory: MemoryLayer,

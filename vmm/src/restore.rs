@@ -155,6 +155,7 @@ impl RestoreError {
 }
 
 /// One memory layer of a chain, bottom (the full snapshot) first.
+#[derive(Debug)]
 pub struct LayerFile {
     pub dir: PathBuf,
     pub file: File,
@@ -163,6 +164,7 @@ pub struct LayerFile {
 }
 
 /// A snapshot to restore: the top state and every memory layer under it.
+#[derive(Debug)]
 pub struct SnapshotChain {
     pub top_dir: PathBuf,
     pub state: MicrovmState,
@@ -257,6 +259,7 @@ fn check_pages(layer: &Path, pages: &PageRuns, mem_len: u64) -> Result<(), Resto
 }
 
 /// A VM with vCPUs and registered memory, waiting for state.
+#[derive(Debug)]
 pub struct Shell {
     pub kvm: KvmContext,
     pub vm: Vm,

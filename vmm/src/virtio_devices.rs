@@ -108,7 +108,7 @@ pub enum VirtioDevicesError {
 
 /// The devices, their MMIO bus, and the device threads (vsock, net) once
 /// started.
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub struct VirtioDevices {
     pub mmio: Arc<MmioBus>,
     block: Option<(MmioSlot, Arc<Mutex<BlockMmio>>)>,
@@ -393,11 +393,11 @@ impl Pausable for VirtioDevices {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::virtio::testutil::{guest_mem, TempDir};
+    use crate::devices::virtio::testutil::guest_mem;
 
     #[test]
     fn pause_and_resume_reach_the_vsock_thread() {
-        let dir = TempDir::new("virtio-pause");
+        let dir = tempfile::tempdir().unwrap();
         let dev = VsockDevice::new(&VsockConfig::new(dir.path().join("v.sock"))).unwrap();
         let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
         let t = VsockMmio::new(dev, guest_mem(1 << 20), irq).unwrap();

@@ -339,11 +339,8 @@ mod tests {
 
     #[test]
     fn file_tokens_map_to_their_tenant_and_scope() {
-        let dir = std::env::temp_dir().join(format!(
-            "torpor-auth-{}",
-            torpor_scheduler::model::random_hex(6)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         let path = dir.join(tokens::TENANTS_FILE);
         let first = Auth::bootstrap(&path).unwrap().unwrap();
         assert!(
@@ -368,7 +365,6 @@ mod tests {
         assert_eq!(again.principal(token.as_bytes()), Some(p));
         again.remove_token(&rec.id).unwrap();
         assert!(again.principal(token.as_bytes()).is_none());
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -214,8 +214,8 @@ mod tests {
 
     #[test]
     fn tokens_are_stored_hashed_and_round_trip() {
-        let dir = std::env::temp_dir().join(format!("torpor-tokens-{}", random_hex(6)));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         let path = dir.join(TENANTS_FILE);
         let mut file = TenantsFile::load(&path).unwrap();
         let (admin, admin_token) = file.add("ops", Scope::Admin).unwrap();
@@ -239,6 +239,5 @@ mod tests {
         back.remove(&rec.id, true).unwrap();
         assert!(back.remove(&rec.id, true).is_err());
         assert!(file.add("../etc", Scope::Tenant).is_err());
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -66,6 +66,13 @@ pub struct Db {
     client: Mutex<Option<Arc<Client>>>,
 }
 
+impl std::fmt::Debug for Db {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The URL may carry the database password: not printed.
+        f.debug_struct("Db").finish_non_exhaustive()
+    }
+}
+
 fn pg(e: tokio_postgres::Error) -> ClusterError {
     ClusterError::Postgres(e.to_string())
 }

@@ -24,7 +24,7 @@ pub async fn run(js: jetstream::Context, db: Arc<Db>) {
 }
 
 async fn consume(js: &jetstream::Context, db: &Db) -> Result<(), ClusterError> {
-    let consumer = wire::durable(
+    let mut messages = wire::durable_messages(
         js,
         wire::EVENTS_STREAM,
         wire::API_CONSUMER,
@@ -32,12 +32,8 @@ async fn consume(js: &jetstream::Context, db: &Db) -> Result<(), ClusterError> {
         Duration::from_secs(10),
     )
     .await?;
-    let mut messages = consumer
-        .messages()
-        .await
-        .map_err(|e| ClusterError::Nats(e.to_string()))?;
     while let Some(message) = messages.next().await {
-        let message = message.map_err(|e| ClusterError::Nats(e.to_string()))?;
+        let message = message?;
         match handle(db, &message.subject, &message.payload).await {
             Ok(()) => {}
             // Not the shape of an event, or from another pod than its

@@ -40,6 +40,7 @@ pub struct PodIdentity {
 }
 
 /// The journal: operation id → outcome (none while it runs).
+#[derive(Debug)]
 pub struct Journal {
     db: Mutex<Connection>,
 }
@@ -146,7 +147,7 @@ async fn work<S: SandboxApi>(
     running: &Arc<Mutex<HashSet<String>>>,
     permits: &Arc<tokio::sync::Semaphore>,
 ) -> Result<(), ClusterError> {
-    let consumer = wire::durable(
+    let mut messages = wire::durable_messages(
         js,
         wire::WORK_STREAM,
         &wire::pod_consumer(&me.id),
@@ -154,12 +155,8 @@ async fn work<S: SandboxApi>(
         Duration::from_secs(60),
     )
     .await?;
-    let mut messages = consumer
-        .messages()
-        .await
-        .map_err(|e| ClusterError::Nats(e.to_string()))?;
     while let Some(message) = messages.next().await {
-        let message = message.map_err(|e| ClusterError::Nats(e.to_string()))?;
+        let message = message?;
         let item: WorkItem = match serde_json::from_slice(&message.payload) {
             Ok(i) => i,
             Err(e) => {
@@ -368,8 +365,8 @@ mod tests {
 
     #[test]
     fn the_journal_runs_an_operation_once() {
-        let dir = std::env::temp_dir().join(format!("torpor-journal-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         let path = dir.join("journal.db");
         let _ = std::fs::remove_file(&path);
         let j = Journal::open(&path).unwrap();
@@ -388,6 +385,5 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(matches!(j.begin("op_2").unwrap(), Journaled::New));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

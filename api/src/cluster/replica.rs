@@ -29,6 +29,7 @@ use crate::tls::Fingerprint;
 pub const PLACEMENT_CHOICES: usize = 2;
 
 /// The replica.
+#[derive(Debug)]
 pub struct Cluster {
     rt: tokio::runtime::Handle,
     db: Arc<Db>,

@@ -217,30 +217,42 @@ pub async fn ensure_streams(js: &jetstream::Context) -> Result<(), ClusterError>
     Ok(())
 }
 
-/// A durable pull consumer of `stream` (made if missing).
-pub async fn durable(
+/// The messages of a durable pull consumer of `stream` (made if missing),
+/// its errors as [`ClusterError::Nats`].
+pub async fn durable_messages(
     js: &jetstream::Context,
     stream: &str,
     name: &str,
     filter: &str,
     ack_wait: Duration,
-) -> Result<consumer::PullConsumer, ClusterError> {
+) -> Result<
+    impl futures_util::Stream<Item = Result<jetstream::Message, ClusterError>> + Unpin,
+    ClusterError,
+> {
     let s = js
         .get_stream(stream)
         .await
         .map_err(|e| ClusterError::Nats(format!("stream {stream}: {e}")))?;
-    s.get_or_create_consumer(
-        name,
-        consumer::pull::Config {
-            durable_name: Some(name.to_string()),
-            filter_subject: filter.to_string(),
-            ack_policy: consumer::AckPolicy::Explicit,
-            ack_wait,
-            ..Default::default()
-        },
-    )
-    .await
-    .map_err(|e| ClusterError::Nats(format!("consumer {name}: {e}")))
+    let consumer: consumer::PullConsumer = s
+        .get_or_create_consumer(
+            name,
+            consumer::pull::Config {
+                durable_name: Some(name.to_string()),
+                filter_subject: filter.to_string(),
+                ack_policy: consumer::AckPolicy::Explicit,
+                ack_wait,
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| ClusterError::Nats(format!("consumer {name}: {e}")))?;
+    let messages = consumer
+        .messages()
+        .await
+        .map_err(|e| ClusterError::Nats(e.to_string()))?;
+    Ok(futures_util::StreamExt::map(messages, |m| {
+        m.map_err(|e| ClusterError::Nats(e.to_string()))
+    }))
 }
 
 /// Publishes `value` on `subject` and waits for the stream's ack;

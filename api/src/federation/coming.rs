@@ -23,8 +23,18 @@ struct Entry {
     start: Option<Starter>,
 }
 
+impl std::fmt::Debug for Entry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The starter is a closure: only whether it is still to run.
+        f.debug_struct("Entry")
+            .field("why", &self.why)
+            .field("started", &self.start.is_none())
+            .finish()
+    }
+}
+
 /// The templates that are coming, by name.
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub struct Coming {
     entries: Mutex<HashMap<String, Entry>>,
 }

@@ -69,6 +69,7 @@ pub struct AddPod {
 }
 
 /// The local pod and the remote pods.
+#[derive(Debug)]
 pub struct Federation<L: SandboxApi> {
     local: Arc<L>,
     store: FederationStore,

@@ -56,6 +56,7 @@ pub struct Placement {
 /// A remote sandbox's record: its pod and its tenant.
 pub type Owner = (PodId, Option<String>);
 
+#[derive(Debug)]
 pub struct FederationStore {
     conn: Mutex<Connection>,
 }
@@ -277,9 +278,8 @@ mod tests {
 
     #[test]
     fn placements_become_owners_and_pods_cascade() {
-        let dir = std::env::temp_dir().join(format!("torpor-fedstore-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         let store = FederationStore::open(&dir).unwrap();
         let pod = StoredPod {
             id: PodId::new("pod_a"),
@@ -310,6 +310,5 @@ mod tests {
             .permissions()
             .mode();
         assert_eq!(mode & 0o777, 0o600);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -20,6 +20,7 @@ const MAX_HANDSHAKES: usize = 128;
 const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
 
 /// Serves TLS connections accepted on a TCP listener.
+#[derive(Debug)]
 pub struct TlsListener {
     ready: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
     local: SocketAddr,

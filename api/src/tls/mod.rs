@@ -322,8 +322,8 @@ mod tests {
 
     #[test]
     fn an_identity_is_made_once_and_kept() {
-        let dir = std::env::temp_dir().join(format!("torpor-tls-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("dir");
         let (first, made) = Identity::load_or_create(&dir, &default_names()).unwrap();
         assert!(made);
         let (again, made) = Identity::load_or_create(&dir, &default_names()).unwrap();
@@ -340,6 +340,5 @@ mod tests {
         // silently replaced.
         std::fs::remove_file(dir.join(CERT_FILE)).unwrap();
         assert!(Identity::load_or_create(&dir, &default_names()).is_err());
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

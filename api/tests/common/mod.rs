@@ -60,31 +60,7 @@ pub struct Fake {
     /// A real torpor-agent behind a hybrid vsock stand-in, started on
     /// first use by `with_guest` (envd's RPCs): the directory holding its
     /// sockets (removed on drop) and the stand-in's socket.
-    pub real_agent: Mutex<Option<(ScratchDir, std::path::PathBuf)>>,
-}
-
-/// A directory removed on drop.
-pub struct ScratchDir(pub std::path::PathBuf);
-
-impl ScratchDir {
-    pub fn new(tag: &str) -> Self {
-        use std::sync::atomic::{AtomicU32, Ordering};
-        static N: AtomicU32 = AtomicU32::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "torpor-api-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        ScratchDir(dir)
-    }
-}
-
-impl Drop for ScratchDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+    pub real_agent: Mutex<Option<(tempfile::TempDir, std::path::PathBuf)>>,
 }
 
 impl Fake {
@@ -144,8 +120,8 @@ impl Fake {
     pub fn real_agent(&self) -> std::path::PathBuf {
         let mut slot = self.real_agent.lock().unwrap();
         let (_, vsock) = slot.get_or_insert_with(|| {
-            let dir = ScratchDir::new("agent");
-            let vsock = torpor_agent::standin::start(&dir.0, |_| {}).unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            let vsock = torpor_agent::standin::start(dir.path(), |_| {}).unwrap();
             (dir, vsock)
         });
         vsock.clone()
@@ -678,6 +654,17 @@ impl Server {
             .await
             .expect("serve returns after shutdown")
             .unwrap()
+    }
+
+    /// A sandbox of the fake; `agent` says whether it has the fake agent.
+    pub async fn sandbox(&self, agent: bool) -> String {
+        let mut body = serde_json::json!({ "template": "probe" });
+        if agent {
+            body["metadata"] = serde_json::json!({ "agent": "fake" });
+        }
+        let r = self.call("POST", "/v1/sandboxes", Some(body)).await;
+        assert_eq!(r.status, 201, "{}", r.text());
+        r.json()["id"].as_str().unwrap().to_string()
     }
 
     /// `method path` with the test token and, if given, a JSON body.

@@ -140,6 +140,7 @@ pub struct ExecOutput {
 }
 
 /// A connected, greeted agent.
+#[derive(Debug)]
 pub struct AgentClient<S> {
     stream: S,
     next_id: u64,

@@ -29,7 +29,7 @@ const THREAD_STACK: usize = 256 << 10;
 
 /// Process groups of the execs running on one connection, by request id.
 /// Dropping the connection kills them all.
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub struct Running {
     pgids: Mutex<HashMap<u64, i32>>,
 }

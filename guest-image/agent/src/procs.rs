@@ -45,7 +45,7 @@ enum Stream {
     Pty,
 }
 
-#[derive(Default)]
+#[derive(Default, Debug)]
 struct Output {
     /// `(sequence number, stream, bytes)`, oldest first.
     chunks: VecDeque<(u64, Stream, Vec<u8>)>,
@@ -55,6 +55,7 @@ struct Output {
     exited_at: Option<Instant>,
 }
 
+#[derive(Debug)]
 struct Proc {
     info: ProcessInfo,
     started: Instant,
@@ -93,6 +94,7 @@ impl Proc {
 }
 
 /// The agent's spawned processes, shared by every connection.
+#[derive(Debug)]
 pub struct Procs {
     table: Mutex<BTreeMap<u32, Arc<Proc>>>,
     /// Most entries (running or exited) at once.

@@ -36,10 +36,22 @@ pub struct Sink {
     streams: AtomicUsize,
 }
 
+impl std::fmt::Debug for Sink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The writer is a `dyn Write`: not printable.
+        f.debug_struct("Sink")
+            .field("max_frame", &self.max_frame)
+            .field("broken", &self.broken)
+            .field("streams", &self.streams)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Most attaches running at once on one connection.
 pub const MAX_STREAMS: usize = 64;
 
 /// Counts one stream on a [`Sink`] until dropped.
+#[derive(Debug)]
 pub struct StreamGuard(Arc<Sink>);
 
 impl Drop for StreamGuard {
@@ -95,7 +107,7 @@ impl Sink {
 }
 
 /// Agent settings.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct AgentConfig {
     /// Largest frame accepted or sent.
     pub max_frame: usize,
@@ -150,6 +162,7 @@ impl FromStr for ListenAddr {
 }
 
 /// A bound listener.
+#[derive(Debug)]
 pub enum Listener {
     /// Unix socket.
     Unix(UnixListener),
@@ -158,6 +171,7 @@ pub enum Listener {
 }
 
 /// An accepted connection.
+#[derive(Debug)]
 pub enum Stream {
     /// Unix socket.
     Unix(UnixStream),
@@ -233,6 +247,7 @@ impl Write for Stream {
 }
 
 /// The agent: configuration plus start time.
+#[derive(Debug)]
 pub struct Agent {
     cfg: AgentConfig,
     started: Instant,

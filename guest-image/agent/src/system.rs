@@ -109,7 +109,7 @@ impl IdentityPage {
 
 /// The side effects of `resumed`. Implementations must be thread-safe: one
 /// agent serves several connections.
-pub trait SystemOps: Send + Sync {
+pub trait SystemOps: Send + Sync + std::fmt::Debug {
     /// `clock_settime(CLOCK_REALTIME)`.
     fn set_wall_clock(&self, ns_since_epoch: u64) -> io::Result<()>;
     /// Writes `seed` to `/dev/urandom` (mixed in, not credited).
@@ -436,8 +436,8 @@ mod tests {
 
     #[test]
     fn real_ops_read_the_page_from_a_memory_device_file() {
-        let dir = std::env::temp_dir().join(format!("torpor-agent-mem-{}", std::process::id()));
-        fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         let mem = dir.join("mem");
         let page = IdentityPage {
             generation: 2,
@@ -467,7 +467,6 @@ mod tests {
         };
         let err = missing.read_identity_page().unwrap_err();
         assert_eq!(err.errno(), libc::ENOENT);
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     /// Exercises the real RNDADDENTROPY encoding with bytes that are random

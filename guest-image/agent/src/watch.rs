@@ -35,6 +35,7 @@ const MASK: u32 = libc::IN_CREATE
     | libc::IN_DELETE_SELF
     | libc::IN_MOVE_SELF;
 
+#[derive(Debug)]
 struct Watch {
     fd: OwnedFd,
     root: PathBuf,
@@ -151,7 +152,7 @@ impl Watch {
 }
 
 /// The agent's watches, shared by every connection.
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub struct Watches {
     map: Mutex<HashMap<u64, Watch>>,
     next: AtomicU64,

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::default_agent;
+use common::{default_agent, ScratchPaths};
 use std::time::{Duration, Instant};
 use torpor_agent::proto::{FileKind, WatchEvent, WatchEventKind};
 use torpor_agent::ClientError;

@@ -118,7 +118,7 @@ fn output_is_truncated_at_the_limit() {
 fn env_and_cwd() {
     let agent = default_agent();
     let mut client = agent.client();
-    let dir = TempDir::new("cwd");
+    let dir = tempfile::tempdir().unwrap();
     let mut req = sh("echo \"$FOO|$BAR|$(pwd)\"");
     req.env = BTreeMap::from([("FOO".into(), "one two".into()), ("BAR".into(), "2".into())]);
     req.cwd = Some(dir.path().to_str().unwrap().into());

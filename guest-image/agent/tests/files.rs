@@ -18,7 +18,7 @@ fn agent_error<T: std::fmt::Debug>(r: Result<T, ClientError>) -> torpor_agent::p
 fn binary_round_trip() {
     let agent = default_agent();
     let mut c = agent.client();
-    let dir = TempDir::new("files");
+    let dir = tempfile::tempdir().unwrap();
     let path = dir.file("bin");
     let data: Vec<u8> = (0..=255u8).rev().cycle().take(70_001).collect();
     let size = c.write_file_all(&path, &data, None, false).unwrap();
@@ -40,7 +40,7 @@ fn binary_round_trip() {
 fn files_larger_than_one_frame_go_in_chunks() {
     let agent = default_agent();
     let mut c = agent.client();
-    let dir = TempDir::new("big");
+    let dir = tempfile::tempdir().unwrap();
     let path = dir.file("big");
     let data: Vec<u8> = (0..MAX_IO_CHUNK + 12_345)
         .map(|i| (i * 7 % 251) as u8)
@@ -53,7 +53,7 @@ fn files_larger_than_one_frame_go_in_chunks() {
 fn append_mode_and_parents() {
     let agent = default_agent();
     let mut c = agent.client();
-    let dir = TempDir::new("opts");
+    let dir = tempfile::tempdir().unwrap();
     let path = dir.file("a/b/c.txt");
     let write = |data: &[u8], append, mode, create_parents| WriteFileRequest {
         path: path.clone(),
@@ -82,7 +82,7 @@ fn append_mode_and_parents() {
 fn list_dir_and_stat() {
     let agent = default_agent();
     let mut c = agent.client();
-    let dir = TempDir::new("list");
+    let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("f"), b"12345").unwrap();
     std::fs::create_dir(dir.path().join("d")).unwrap();
     std::os::unix::fs::symlink("f", dir.path().join("l")).unwrap();
@@ -111,7 +111,7 @@ fn list_dir_and_stat() {
 fn errors_are_structured() {
     let agent = default_agent();
     let mut c = agent.client();
-    let dir = TempDir::new("errs");
+    let dir = tempfile::tempdir().unwrap();
     let missing = dir.file("missing");
     let e = agent_error(c.read_file(&missing, 0, None));
     assert_eq!((e.code.as_str(), e.errno), ("ENOENT", Some(libc::ENOENT)));

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{default_agent, wait_dead};
+use common::{default_agent, wait_dead, ScratchPaths};
 use std::collections::BTreeMap;
 use std::time::Duration;
 use torpor_agent::proto::{AttachRequest, PtySize, SpawnRequest};

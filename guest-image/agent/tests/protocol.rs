@@ -232,7 +232,7 @@ impl Drop for Reap {
 
 #[test]
 fn the_binary_serves_a_unix_socket() {
-    let dir = TempDir::new("bin");
+    let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("a.sock");
     let child = Command::new(env!("CARGO_BIN_EXE_torpor-agent"))
         .arg("--listen")

@@ -1,7 +1,7 @@
 //! What the Linux-guest tests and the Linux benchmark share: the built
 //! guest pieces (kernel, agent, a fresh rootfs) and a nested host carrying
 //! them with the torpor binary. Included by path from `tests/` and
-//! `benches/`.
+//! `benches/`, and by the root crate's nested pod test.
 
 #![allow(dead_code)]
 
@@ -11,16 +11,20 @@ use std::time::Duration;
 
 use torpor_nested::{NestedHost, RunOutput};
 
+/// The checkout: the nearest directory above the including crate's
+/// manifest that holds `scripts/`.
 pub fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest
+        .ancestors()
+        .find(|d| d.join("scripts/nested-host").is_file())
+        .expect("the checkout's scripts/ above the crate")
         .to_path_buf()
 }
 
-/// Runs a build script that prints the path of what it built (instant when
-/// cached).
-pub fn built(script: &str, args: &[&str]) -> PathBuf {
+/// Runs a repository script that prints a path last (instant when cached);
+/// that path, which must exist.
+pub fn script_path(script: &str, args: &[&str]) -> PathBuf {
     let out = Command::new(repo().join("scripts").join(script))
         .args(args)
         .output()
@@ -37,6 +41,17 @@ pub fn built(script: &str, args: &[&str]) -> PathBuf {
         .trim()
         .to_string();
     let path = PathBuf::from(path);
+    assert!(
+        path.exists(),
+        "scripts/{script} printed no path: {}",
+        path.display()
+    );
+    path
+}
+
+/// Runs a build script that prints the path of the file it built.
+pub fn built(script: &str, args: &[&str]) -> PathBuf {
+    let path = script_path(script, args);
     assert!(
         path.is_file(),
         "scripts/{script} printed no file: {}",
@@ -59,24 +74,6 @@ pub fn torpor_binary() -> PathBuf {
         .join("torpor")
 }
 
-/// A scratch directory on this host, removed on drop.
-pub struct Scratch(pub PathBuf);
-
-impl Scratch {
-    pub fn new(tag: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("torpor-nested-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// `torpor-vmm` (the per-VM process `torpor serve` starts) for `extra`:
 /// carried only by tests that run the service in L1, since everything
 /// carried sits in L1's RAM (initramfs).
@@ -90,7 +87,7 @@ pub fn torpor_vmm() -> (PathBuf, &'static str) {
 /// The nested host carrying torpor (`/opt/torpor/torpor`), the guest kernel
 /// (`/opt/torpor/vmlinux`), a fresh rootfs (`/opt/torpor/rootfs.ext4`) and
 /// `extra` files (host path, L1 path).
-pub fn linux_host(tag: &str, extra: &[(PathBuf, &str)]) -> (NestedHost, Scratch) {
+pub fn linux_host(tag: &str, extra: &[(PathBuf, &str)]) -> (NestedHost, tempfile::TempDir) {
     linux_host_with(tag, extra, 3072, None)
 }
 
@@ -101,7 +98,7 @@ pub fn linux_host_with(
     extra: &[(PathBuf, &str)],
     memory_mib: u32,
     overlay: Option<&Path>,
-) -> (NestedHost, Scratch) {
+) -> (NestedHost, tempfile::TempDir) {
     let torpor = torpor_binary();
     assert!(
         torpor.is_file(),
@@ -110,8 +107,11 @@ pub fn linux_host_with(
     );
     let kernel = built("build-guest-kernel", &[]);
     let agent = built("build-agent", &[]);
-    let scratch = Scratch::new(tag);
-    let rootfs = scratch.0.join("rootfs.ext4");
+    let scratch = tempfile::Builder::new()
+        .prefix(&format!("torpor-nested-{tag}-"))
+        .tempdir()
+        .unwrap();
+    let rootfs = scratch.path().join("rootfs.ext4");
     let mut build = Command::new(repo().join("scripts/build-rootfs"));
     build.args([
         "--agent",
@@ -170,4 +170,26 @@ pub fn binary_content(len: usize) -> Vec<u8> {
         data.push((x >> 24) as u8);
     }
     data
+}
+
+/// The value after `key=` on the first line starting with `tag `.
+pub fn field<'a>(out: &'a str, tag: &str, key: &str) -> Option<&'a str> {
+    out.lines()
+        .find(|l| l.starts_with(&format!("{tag} ")))?
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{key}=")))
+}
+
+/// A tool of this host to carry into L1 (dynamically linked: its libraries
+/// come along); `packages` names what installs it.
+pub fn host_tool(name: &str, packages: &str) -> PathBuf {
+    for dir in ["/usr/sbin", "/usr/bin", "/sbin", "/bin"] {
+        let p = Path::new(dir).join(name);
+        if p.is_file() {
+            // The file itself: a symlink carried into L1 would point at
+            // L1's own (busybox) file of that name.
+            return std::fs::canonicalize(&p).unwrap_or(p);
+        }
+    }
+    panic!("{name} is not installed on this host (apt-get install {packages})")
 }

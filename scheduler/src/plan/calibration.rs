@@ -195,8 +195,8 @@ mod tests {
     fn builtin_is_valid_and_round_trips() {
         let c = Calibration::builtin();
         c.validate().unwrap();
-        let dir = std::env::temp_dir().join(format!("torpor-cal-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         let p = dir.join(FILE_NAME);
         c.store(&p).unwrap();
         assert_eq!(Calibration::load(&p).unwrap(), c);
@@ -222,6 +222,5 @@ mod tests {
             Calibration::load(&p),
             Err(CalibrationError::Invalid { .. })
         ));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -29,6 +29,7 @@ struct Record {
 }
 
 /// The recorder: cheap to call from request threads.
+#[derive(Debug)]
 pub struct Recorder {
     /// None once dropping: the writer then drains the queue and ends.
     tx: Option<SyncSender<Record>>,
@@ -175,8 +176,8 @@ mod tests {
 
     #[test]
     fn recorded_events_read_back_as_a_trace() {
-        let dir = std::env::temp_dir().join(format!("torpor-record-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         let path = dir.join("t.jsonl");
         let r = Recorder::start(&path).unwrap();
         let t0 = Instant::now();
@@ -210,6 +211,5 @@ mod tests {
         assert_eq!(trace.events[3].mem_mib, 128);
         // Never back in time.
         assert!(trace.events.windows(2).all(|w| w[0].t_ms <= w[1].t_ms));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

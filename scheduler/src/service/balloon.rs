@@ -18,7 +18,7 @@ use crate::policy::balloon_target;
 
 /// When each sandbox's guest was last asked to shrink (until it is active
 /// again), and its VMM's PSS then (kept for `memory`).
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub struct Shrunk {
     asked: Mutex<HashMap<SandboxId, Timestamp>>,
     pss_before: Mutex<HashMap<SandboxId, (Timestamp, u64)>>,

@@ -6,14 +6,12 @@
 
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use torpor_agent::frame::{encode_frame, read_message, MAX_FRAME};
 use torpor_agent::proto::Request;
 
 use super::*;
-use crate::model::random_hex;
 
 /// Deadlines of the link under test where the deadline is what ends the
 /// request: short, so that a guest that stalls fails the test quickly.
@@ -44,14 +42,6 @@ enum Hostile {
     LyingSize,
     /// An error whose message is 100 KB.
     LongError,
-}
-
-struct Scratch(PathBuf);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 fn send(conn: &mut UnixStream, reply: &serde_json::Value) -> std::io::Result<()> {
@@ -133,10 +123,9 @@ fn serve(mut conn: UnixStream, how: Hostile) -> std::io::Result<()> {
 /// A hybrid vsock socket whose every connection meets a hostile agent;
 /// the link's deadlines are `limit` (file requests) and `limit / 3` (exec
 /// slack).
-fn hostile_agent(how: Hostile, limit: Duration) -> (Scratch, AgentLink) {
-    let dir = std::env::temp_dir().join(format!("torpor-hostile-{}", random_hex(6)));
-    std::fs::create_dir_all(&dir).unwrap();
-    let uds = dir.join(VSOCK_FILE);
+fn hostile_agent(how: Hostile, limit: Duration) -> (tempfile::TempDir, AgentLink) {
+    let dir = tempfile::tempdir().unwrap();
+    let uds = dir.path().join(VSOCK_FILE);
     let listener = UnixListener::bind(&uds).unwrap();
     std::thread::spawn(move || {
         for conn in listener.incoming() {
@@ -149,7 +138,7 @@ fn hostile_agent(how: Hostile, limit: Duration) -> (Scratch, AgentLink) {
     let mut link = AgentLink::new("sbx_hostile", uds);
     link.file_limit = limit;
     link.exec_slack = limit / 3;
-    (Scratch(dir), link)
+    (dir, link)
 }
 
 fn exec_req(max_output: u64) -> ExecRequest {

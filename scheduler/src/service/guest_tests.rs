@@ -12,25 +12,10 @@ use torpor_agent::server::Stream;
 use torpor_agent::{Agent, AgentConfig, FakeCall, FakeOps, IdentityPage};
 
 use super::*;
-use crate::model::random_hex;
 
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new() -> Self {
-        let dir = std::env::temp_dir().join(format!("torpor-guest-{}", random_hex(6)));
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-    fn file(&self, name: &str) -> String {
-        self.0.join(name).to_string_lossy().into_owned()
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// `name` in `dir`, as a string.
+fn file(dir: &tempfile::TempDir, name: &str) -> String {
+    dir.path().join(name).to_string_lossy().into_owned()
 }
 
 /// Reads the handshake line a byte at a time.
@@ -91,8 +76,8 @@ fn exec_req(argv: &[&str]) -> ExecRequest {
 
 #[test]
 fn exec_collects_output_status_stdin_env_and_cwd() {
-    let dir = Scratch::new();
-    let link = vsock_agent(&dir.0, Arc::new(FakeOps::new()), Behaviour::Agent);
+    let dir = tempfile::tempdir().unwrap();
+    let link = vsock_agent(dir.path(), Arc::new(FakeOps::new()), Behaviour::Agent);
     let mut req = exec_req(&[
         "sh",
         "-c",
@@ -100,11 +85,11 @@ fn exec_collects_output_status_stdin_env_and_cwd() {
     ]);
     req.stdin = Some(b"from-stdin\n".to_vec());
     req.env.insert("GREETING".into(), "hi".into());
-    req.cwd = Some(dir.0.to_string_lossy().into_owned());
+    req.cwd = Some(dir.path().to_string_lossy().into_owned());
     let out = link.exec(req, &Cancel::default()).unwrap();
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
-        format!("from-stdin hi {}\n", dir.0.display())
+        format!("from-stdin hi {}\n", dir.path().display())
     );
     assert_eq!(out.stderr, b"oops\n");
     assert_eq!(out.exit.code, Some(7));
@@ -134,9 +119,9 @@ fn exec_collects_output_status_stdin_env_and_cwd() {
 /// agent kills the command: it does not run on to its timeout.
 #[test]
 fn a_cancelled_exec_ends_and_its_command_is_killed() {
-    let dir = Scratch::new();
-    let link = vsock_agent(&dir.0, Arc::new(FakeOps::new()), Behaviour::Agent);
-    let pidfile = dir.file("pid");
+    let dir = tempfile::tempdir().unwrap();
+    let link = vsock_agent(dir.path(), Arc::new(FakeOps::new()), Behaviour::Agent);
+    let pidfile = file(&dir, "pid");
     let req = exec_req(&["sh", "-c", &format!("echo $$ > {pidfile}; exec sleep 30")]);
     let cancel = Cancel::default();
     let started = Instant::now();
@@ -174,8 +159,8 @@ fn a_cancelled_exec_ends_and_its_command_is_killed() {
 
 #[test]
 fn exec_streams_chunks_as_they_come() {
-    let dir = Scratch::new();
-    let link = vsock_agent(&dir.0, Arc::new(FakeOps::new()), Behaviour::Agent);
+    let dir = tempfile::tempdir().unwrap();
+    let link = vsock_agent(dir.path(), Arc::new(FakeOps::new()), Behaviour::Agent);
     let started = Instant::now();
     let mut chunks: Vec<(OutputKind, Vec<u8>, Duration)> = Vec::new();
     let exit = link
@@ -208,9 +193,9 @@ fn exec_streams_chunks_as_they_come() {
 
 #[test]
 fn files_write_read_list_and_errors() {
-    let dir = Scratch::new();
-    let link = vsock_agent(&dir.0, Arc::new(FakeOps::new()), Behaviour::Agent);
-    let path = dir.file("sub/dir/data.bin");
+    let dir = tempfile::tempdir().unwrap();
+    let link = vsock_agent(dir.path(), Arc::new(FakeOps::new()), Behaviour::Agent);
+    let path = file(&dir, "sub/dir/data.bin");
     let data: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
     assert_eq!(link.write_file(&path, &data, Some(0o600)).unwrap(), 70_000);
     assert_eq!(
@@ -220,7 +205,7 @@ fn files_write_read_list_and_errors() {
     );
     assert_eq!(link.read_file(&path, MAX_READ_BYTES).unwrap(), data);
 
-    let listing = link.list_dir(&dir.file("sub/dir")).unwrap();
+    let listing = link.list_dir(&file(&dir, "sub/dir")).unwrap();
     assert_eq!(listing.entries.len(), 1);
     assert_eq!(listing.entries[0].name, "data.bin");
     assert_eq!(listing.entries[0].size, 70_000);
@@ -231,7 +216,7 @@ fn files_write_read_list_and_errors() {
         Err(GuestError::TooLarge { size, limit, .. }) => assert_eq!((size, limit), (70_000, 1000)),
         other => panic!("{other:?}"),
     }
-    match link.read_file(&dir.file("missing"), MAX_READ_BYTES) {
+    match link.read_file(&file(&dir, "missing"), MAX_READ_BYTES) {
         Err(GuestError::Agent { error, .. }) => assert_eq!(error.code, "ENOENT"),
         other => panic!("{other:?}"),
     }
@@ -243,14 +228,14 @@ fn files_write_read_list_and_errors() {
 
 #[test]
 fn resumed_sets_clock_reseeds_from_the_page_and_names_the_host() {
-    let dir = Scratch::new();
+    let dir = tempfile::tempdir().unwrap();
     let page = IdentityPage {
         generation: 3,
         seed: [7; 32],
         wall_clock_ns: 1,
     };
     let ops = Arc::new(FakeOps::new().root(true).page(page));
-    let link = vsock_agent(&dir.0, ops.clone(), Behaviour::Agent);
+    let link = vsock_agent(dir.path(), ops.clone(), Behaviour::Agent);
     let before = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
@@ -274,7 +259,7 @@ fn resumed_sets_clock_reseeds_from_the_page_and_names_the_host() {
 
 #[test]
 fn resumed_fails_clearly_when_a_step_fails() {
-    let dir = Scratch::new();
+    let dir = tempfile::tempdir().unwrap();
     let ops = Arc::new(
         FakeOps::new()
             .failing("SetWallClock", libc::EPERM)
@@ -284,7 +269,7 @@ fn resumed_fails_clearly_when_a_step_fails() {
                 wall_clock_ns: 1,
             }),
     );
-    let link = vsock_agent(&dir.0, ops, Behaviour::Agent);
+    let link = vsock_agent(dir.path(), ops, Behaviour::Agent);
     match link.resumed("sbx_0123456789abcdef", || Ok(())) {
         Err(e @ GuestError::ResumeHook { .. }) => {
             let text = e.to_string();
@@ -293,8 +278,8 @@ fn resumed_fails_clearly_when_a_step_fails() {
         other => panic!("{other:?}"),
     }
     // No identity page: the seed is missing, so the reseed did not happen.
-    let dir = Scratch::new();
-    let link = vsock_agent(&dir.0, Arc::new(FakeOps::new()), Behaviour::Agent);
+    let dir = tempfile::tempdir().unwrap();
+    let link = vsock_agent(dir.path(), Arc::new(FakeOps::new()), Behaviour::Agent);
     match link.resumed("sbx_0123456789abcdef", || Ok(())) {
         Err(e @ GuestError::ResumeHook { .. }) => {
             assert!(e.to_string().contains("rng reseed"), "{e}")
@@ -306,14 +291,14 @@ fn resumed_fails_clearly_when_a_step_fails() {
 #[test]
 fn a_gone_agent_is_unreachable_not_a_hang() {
     // No socket at all.
-    let dir = Scratch::new();
-    let link = AgentLink::new("sbx_x", dir.0.join(VSOCK_FILE));
+    let dir = tempfile::tempdir().unwrap();
+    let link = AgentLink::new("sbx_x", dir.path().join(VSOCK_FILE));
     assert!(matches!(
         link.exec(exec_req(&["true"]), &Cancel::default()),
         Err(GuestError::Unreachable { .. })
     ));
     // A VMM whose guest has no listener on the port.
-    let refused = vsock_agent(&dir.0, Arc::new(FakeOps::new()), Behaviour::Refuse);
+    let refused = vsock_agent(dir.path(), Arc::new(FakeOps::new()), Behaviour::Refuse);
     match refused.list_dir("/") {
         Err(e @ GuestError::Unreachable { .. }) => {
             assert!(e.to_string().contains("refused"), "{e}")
@@ -321,8 +306,8 @@ fn a_gone_agent_is_unreachable_not_a_hang() {
         other => panic!("{other:?}"),
     }
     // The agent accepts, then dies.
-    let dir2 = Scratch::new();
-    let hangup = vsock_agent(&dir2.0, Arc::new(FakeOps::new()), Behaviour::HangUp);
+    let dir2 = tempfile::tempdir().unwrap();
+    let hangup = vsock_agent(dir2.path(), Arc::new(FakeOps::new()), Behaviour::HangUp);
     assert!(matches!(
         hangup.read_file("/etc/hostname", MAX_READ_BYTES),
         Err(GuestError::Unreachable { .. })

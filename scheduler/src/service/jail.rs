@@ -47,6 +47,7 @@ impl Default for JailConfig {
 type Slots = HashMap<u32, Option<(u32, Option<u64>)>>;
 
 /// The pod's jails.
+#[derive(Debug)]
 pub struct Jails {
     config: JailConfig,
     data_dir: PathBuf,
@@ -542,7 +543,8 @@ mod tests {
 
     #[test]
     fn uids_are_taken_once_and_freed_with_their_vmm() {
-        let dir = std::env::temp_dir().join(format!("torpor-jails-{}", std::process::id()));
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().join("dir");
         let jails = Jails::new(
             &dir,
             JailConfig {
@@ -567,6 +569,5 @@ mod tests {
         // SAFETY: getuid cannot fail.
         let uid = unsafe { libc::getuid() };
         assert_eq!(process_uid(std::process::id()), Some(uid));
-        let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -8,36 +8,28 @@ use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::sync::Arc;
 
+use tempfile::TempDir;
+
 use super::*;
 use crate::model::{random_hex, Sandbox, Template, TemplateId, TemplateState, VmmHandle};
 
-/// A data directory removed when the test ends.
-pub(super) struct Scratch(PathBuf);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// A service whose VMM executable does not exist, over a store with a
 /// ready probe template.
-fn service() -> (Scratch, Arc<Service>, Template) {
+fn service() -> (TempDir, Arc<Service>, Template) {
     service_with(|_| {})
 }
 
 /// `service` with `tweak` applied to its configuration.
 pub(super) fn service_with(
     tweak: impl FnOnce(&mut ServiceConfig),
-) -> (Scratch, Arc<Service>, Template) {
-    let dir = Scratch(std::env::temp_dir().join(format!("torpor-svc-{}", random_hex(8))));
-    std::fs::create_dir_all(&dir.0).unwrap();
+) -> (TempDir, Arc<Service>, Template) {
+    let dir = tempfile::tempdir().unwrap();
     let template = Template {
         id: TemplateId::generate(),
         name: PROBE_TEMPLATE.into(),
         kernel: "builtin:probe".into(),
         rootfs: None,
-        snapshot_dir: Some(dir.0.join("templates").join("probe").join("snapshot")),
+        snapshot_dir: Some(dir.path().join("templates").join("probe").join("snapshot")),
         mem_mib: 64,
         vcpus: 1,
         kind: TemplateKind::Probe,
@@ -47,11 +39,14 @@ pub(super) fn service_with(
         image: None,
         source: None,
     };
-    Store::open(&dir.0)
+    Store::open(dir.path())
         .unwrap()
         .insert_template(&template)
         .unwrap();
-    let mut config = ServiceConfig::new(dir.0.clone(), PathBuf::from("/nonexistent/torpor"));
+    let mut config = ServiceConfig::new(
+        dir.path().to_path_buf(),
+        PathBuf::from("/nonexistent/torpor"),
+    );
     config.policy_interval_ms = 0;
     config.standby_pool = 0; // no VMM binary here
     tweak(&mut config);
@@ -197,7 +192,7 @@ impl Drop for FakeVmm {
 #[test]
 fn a_hibernate_waiting_for_the_lock_cannot_come_between_a_resume() {
     let (dir, service, template) = service();
-    let vmm = FakeVmm::start(&dir.0);
+    let vmm = FakeVmm::start(dir.path());
     let mut s = Sandbox::new(template.id.clone(), 64, 1, 60_000);
     s.state = SandboxState::Paused;
     s.pod = Some(PodId::new(LOCAL_POD));

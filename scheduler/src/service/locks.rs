@@ -22,6 +22,15 @@ pub(super) struct SandboxLocks {
 #[cfg(test)]
 type ReleaseHook = Box<dyn FnOnce(&SandboxId) + Send>;
 
+impl std::fmt::Debug for SandboxLocks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The tests' release hook is a closure: not printed.
+        f.debug_struct("SandboxLocks")
+            .field("held", &self.held)
+            .finish_non_exhaustive()
+    }
+}
+
 /// One held sandbox lock; released when dropped.
 pub(super) struct SandboxGuard<'a> {
     locks: &'a SandboxLocks,

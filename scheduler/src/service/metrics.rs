@@ -35,7 +35,7 @@ type GaugeU64 = Gauge<u64, std::sync::atomic::AtomicU64>;
 
 /// Page faults of the pod's sandbox VMMs, as counters that never go back:
 /// what ended VMMs took stays in `ended`.
-#[derive(Default)]
+#[derive(Default, Debug)]
 struct FaultBook {
     /// Totals of VMMs that have ended.
     ended: PageFaults,
@@ -85,6 +85,7 @@ impl FaultBook {
 
 /// What the operations feed the metrics with. The counters and histograms
 /// are shared handles: each scrape registers them in its registry.
+#[derive(Debug)]
 pub struct Metrics {
     /// Restores by (path, backend).
     restores: Family<[(&'static str, String); 2], Counter>,

@@ -393,6 +393,7 @@ pub struct PodView {
 }
 
 /// The service.
+#[derive(Debug)]
 pub struct Service {
     config: ServiceConfig,
     store: Store,

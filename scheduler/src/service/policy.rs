@@ -21,7 +21,7 @@ pub(super) fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Sandboxes with a guest request in flight, with how many.
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub struct InFlight(Mutex<HashMap<SandboxId, usize>>);
 
 /// Marks one request in flight until dropped.

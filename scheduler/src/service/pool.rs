@@ -34,6 +34,7 @@ use crate::model::VmmHandle;
 pub type Shape = (u32, u32);
 
 /// A shell waiting for a restore.
+#[derive(Debug)]
 pub struct Shell {
     pub child: Child,
     pub handle: VmmHandle,
@@ -43,6 +44,7 @@ pub struct Shell {
 }
 
 /// The pool; `target` shells per wanted shape (0: no pool).
+#[derive(Debug)]
 pub struct StandbyPool {
     dir: PathBuf,
     exe: PathBuf,
@@ -60,7 +62,7 @@ pub struct StandbyPool {
     changed: Condvar,
 }
 
-#[derive(Default)]
+#[derive(Default, Debug)]
 struct PoolState {
     shells: HashMap<Shape, Vec<Shell>>,
     wanted: Vec<Shape>,
@@ -301,6 +303,7 @@ impl StandbyPool {
 }
 
 /// A restore into a shell from [`StandbyPool::take`] in progress.
+#[derive(Debug)]
 pub struct Restoring<'a>(&'a StandbyPool);
 
 impl Drop for Restoring<'_> {

@@ -34,6 +34,7 @@ const CONTROL_LIMIT: Duration = Duration::from_secs(300);
 const STATUS_LIMIT: Duration = Duration::from_millis(500);
 
 /// Files of one VMM run.
+#[derive(Debug)]
 pub struct VmmFiles {
     pub socket: PathBuf,
     pub console: PathBuf,
@@ -51,6 +52,7 @@ impl VmmFiles {
 }
 
 /// A started VMM: its process, its handle, and how long it took.
+#[derive(Debug)]
 pub struct Spawned {
     pub child: Child,
     pub handle: VmmHandle,
@@ -458,11 +460,14 @@ pub fn stop(handle: &VmmHandle, child: Option<Child>) {
 /// /proc/PID/smaps_rollup (None if it is gone). The one reader of PSS:
 /// the pod's policy and metrics, and the benches.
 pub fn pss_kib(pid: u32) -> Option<u64> {
+    rollup_kib(pid, "Pss")
+}
+
+/// A field of /proc/PID/smaps_rollup (`Pss`, `Rss`, ...) in KiB; None if
+/// the process is gone.
+pub fn rollup_kib(pid: u32, key: &str) -> Option<u64> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
-    text.lines()
-        .find(|l| l.starts_with("Pss:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
+    torpor_vmm_api::host::kib_field(&text, key)
 }
 
 /// Clock ticks per second: the unit of the CPU times in `/proc/PID/stat`.
@@ -548,8 +553,8 @@ mod tests {
     /// bytes: the log rotates under its appending writer.
     #[test]
     fn a_flooded_log_is_rotated_under_its_writer() {
-        let dir = std::env::temp_dir().join(format!("torpor-log-{}", crate::model::random_hex(6)));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         let log = dir.join("vmm.log");
         let mut writer = create_private(&log, None).unwrap();
         let line = [b'w'; 1000];
@@ -570,7 +575,6 @@ mod tests {
         );
         assert!(!cap_log(&log, 64_000).unwrap());
         assert!(!cap_log(&dir.join("missing"), 64_000).unwrap());
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -167,6 +167,7 @@ impl StoreError {
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
 /// The scheduler's durable state. See the module documentation.
+#[derive(Debug)]
 pub struct Store {
     conn: Mutex<Connection>,
     dir: PathBuf,
@@ -180,6 +181,7 @@ pub struct Store {
 
 /// One open transaction: every read and write of the store is a method of
 /// `Tx`, run inside [`Store::write`] or [`Store::read`].
+#[derive(Debug)]
 pub struct Tx<'c> {
     conn: &'c Connection,
 }

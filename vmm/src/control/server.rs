@@ -60,6 +60,7 @@ pub fn bind(path: &Path) -> Result<UnixListener, BindError> {
 }
 
 /// The running control server; removes its socket file when dropped.
+#[derive(Debug)]
 pub struct ControlServer {
     path: PathBuf,
     /// Held while a request is answered, so the VMM can let an answer in
@@ -74,6 +75,7 @@ type Handover = (UnixListener, Arc<dyn VmController>);
 /// A control-server thread made ahead of time (by a standby shell), under
 /// its seccomp filter, waiting for the VM it will serve: a restore hands
 /// it the listener instead of spawning a thread on its critical path.
+#[derive(Debug)]
 pub struct SpareControl {
     handover: std::sync::mpsc::Sender<Handover>,
     answering: Arc<Mutex<()>>,
@@ -298,8 +300,8 @@ mod tests {
 
     #[test]
     fn serves_requests_and_refuses_a_second_owner() {
-        let dir = std::env::temp_dir().join(format!("torpor-ctl-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         let path = dir.join("ctl.sock");
         let listener = bind(&path).unwrap();
         let _server = ControlServer::start(
@@ -332,18 +334,16 @@ mod tests {
         let refused = request(&path, &hibernate, t).unwrap_err();
         assert_eq!(refused.kind(), VmErrorKind::NoSpace, "{refused}");
         assert!(matches!(bind(&path), Err(BindError::InUse(_))));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn stale_socket_file_is_replaced() {
-        let dir = std::env::temp_dir().join(format!("torpor-ctl-stale-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path().to_path_buf();
         let path = dir.join("ctl.sock");
         drop(UnixListener::bind(&path).unwrap());
         assert!(path.exists());
         assert!(bind(&path).is_ok());
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -30,9 +30,19 @@ struct PioRange {
     device: Arc<Mutex<dyn PioDevice>>,
 }
 
+impl std::fmt::Debug for PioRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The device is a `dyn PioDevice`: not printable.
+        f.debug_struct("PioRange")
+            .field("base", &self.base)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Port-I/O address space. Unclaimed ports read as all-ones and ignore
 /// writes, as on a PC with nothing decoding them.
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub struct PioBus {
     ranges: Vec<PioRange>,
 }

@@ -14,7 +14,7 @@ pub use torpor_vmm_api::launch::{RateLimit, TokenRate};
 const NS_PER_SEC: u128 = 1_000_000_000;
 
 /// Monotonic nanoseconds.
-pub trait Clock: Send + Sync {
+pub trait Clock: Send + Sync + std::fmt::Debug {
     fn now_ns(&self) -> u64;
 }
 

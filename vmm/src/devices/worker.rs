@@ -126,6 +126,7 @@ pub fn poll_once<D: EpollDevice>(
 }
 
 /// A running device thread; stopped and joined on drop.
+#[derive(Debug)]
 pub struct DeviceWorker {
     name: &'static str,
     /// Wakes the thread out of epoll to look at `gate`.

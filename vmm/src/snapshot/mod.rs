@@ -190,41 +190,26 @@ impl SnapshotError {
 
 /// A fresh directory under the system temp dir, removed on drop.
 #[cfg(test)]
-pub(crate) struct TestDir(pub PathBuf);
+pub(crate) struct TestDir(tempfile::TempDir);
 
 #[cfg(test)]
 impl TestDir {
     pub(crate) fn new(tag: &str) -> Self {
-        use std::sync::atomic::{AtomicU64, Ordering};
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!(
-            "torpor-snapshot-test-{tag}-{}-{n}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TestDir(dir)
+        let prefix = format!("torpor-snapshot-test-{tag}-");
+        TestDir(tempfile::Builder::new().prefix(&prefix).tempdir().unwrap())
     }
 
     pub(crate) fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
+        self.0.path().join(name)
     }
 
     /// Names of every entry in the directory, sorted.
     pub(crate) fn entries(&self) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(&self.0)
+        let mut names: Vec<String> = std::fs::read_dir(self.0.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         names.sort();
         names
-    }
-}
-
-#[cfg(test)]
-impl Drop for TestDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }

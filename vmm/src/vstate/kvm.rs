@@ -32,6 +32,7 @@ pub enum KvmError {
 }
 
 /// An open /dev/kvm whose capabilities have been checked.
+#[derive(Debug)]
 pub struct KvmContext {
     pub kvm: Kvm,
     pub max_vcpus: usize,

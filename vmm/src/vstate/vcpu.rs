@@ -64,6 +64,7 @@ pub enum VcpuError {
 }
 
 /// A configured vCPU, not yet running.
+#[derive(Debug)]
 pub struct Vcpu {
     pub index: u8,
     pub fd: VcpuFd,
@@ -113,8 +114,23 @@ struct GateState {
     task_done: usize,
 }
 
+impl std::fmt::Debug for GateState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // A parked task is a closure: only whether there is one.
+        f.debug_struct("GateState")
+            .field("target", &self.target)
+            .field("parked", &self.parked)
+            .field("finished", &self.finished)
+            .field("task", &self.task.is_some())
+            .field("task_seq", &self.task_seq)
+            .field("task_done", &self.task_done)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Pauses and resumes every vCPU thread together, and runs tasks on
 /// parked vCPUs (KVM wants vCPU ioctls from the vCPU's own thread).
+#[derive(Debug)]
 pub struct RunGate {
     state: Mutex<GateState>,
     changed: Condvar,
@@ -188,6 +204,7 @@ type ThreadJob = Box<dyn FnOnce() + Send>;
 
 /// Threads made ahead of time (by a standby shell) that become vCPU
 /// threads: a restore then wakes a parked thread instead of creating one.
+#[derive(Debug)]
 pub struct SpareThreads {
     threads: Vec<(JoinHandle<()>, std::sync::mpsc::Sender<ThreadJob>)>,
 }
@@ -232,6 +249,7 @@ impl SpareThreads {
 }
 
 /// The running vCPU threads of one VM.
+#[derive(Debug)]
 pub struct VcpuSet {
     gate: Arc<RunGate>,
     threads: Mutex<Vec<JoinHandle<()>>>,

@@ -37,6 +37,7 @@ pub enum VmError {
 }
 
 /// A created VM with its interrupt controllers.
+#[derive(Debug)]
 pub struct Vm {
     pub fd: VmFd,
 }

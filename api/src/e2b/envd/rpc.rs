@@ -200,6 +200,7 @@ pub fn parse<T: DeserializeOwned>(message: &[u8]) -> Result<T, ConnectError> {
 
 /// Sends a streamed call's messages; `false` once the client is gone (the
 /// work then stops).
+#[derive(Debug)]
 pub struct StreamTx {
     tx: mpsc::Sender<Bytes>,
 }
@@ -227,6 +228,7 @@ pub type UnaryFn = fn(&AgentLink, &CallContext, &[u8]) -> Result<serde_json::Val
 pub type StreamFn = fn(&AgentLink, &CallContext, &[u8], &StreamTx) -> Result<(), ConnectError>;
 
 /// Where a method's work is.
+#[derive(Debug)]
 pub enum Handler {
     Unary(UnaryFn),
     Stream(StreamFn),

@@ -6,10 +6,10 @@
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tempfile::TempDir;
 use torpor_agent::frame::{read_message, MAX_FRAME};
 use torpor_agent::proto::Reply;
 use torpor_agent::{Agent, AgentClient, AgentConfig, FakeOps, ListenAddr, Listener};
@@ -17,35 +17,15 @@ use torpor_agent::{Agent, AgentClient, AgentConfig, FakeOps, ListenAddr, Listene
 /// How long any single read may block in a test.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// A temporary directory removed on drop.
-pub struct TempDir(pub PathBuf);
-
-impl TempDir {
-    pub fn new(tag: &str) -> TempDir {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "torpor-agent-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.0
-    }
-
+/// Paths in a scratch directory as the protocol takes them.
+pub trait ScratchPaths {
     /// `self/name` as a String (the protocol's paths are strings).
-    pub fn file(&self, name: &str) -> String {
-        self.0.join(name).to_str().unwrap().to_string()
-    }
+    fn file(&self, name: &str) -> String;
 }
 
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+impl ScratchPaths for TempDir {
+    fn file(&self, name: &str) -> String {
+        self.path().join(name).to_str().unwrap().to_string()
     }
 }
 
@@ -62,7 +42,7 @@ pub fn start_agent(ops: FakeOps) -> TestAgent {
 
 /// An agent whose configuration `tune` adjusts.
 pub fn start_agent_with(ops: FakeOps, tune: impl FnOnce(&mut AgentConfig)) -> TestAgent {
-    let dir = TempDir::new("srv");
+    let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("agent.sock");
     let ops = Arc::new(ops);
     let mut cfg = AgentConfig::new(ops.clone());

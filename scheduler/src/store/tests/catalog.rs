@@ -132,7 +132,7 @@ fn ratio_is_validated_and_persisted() {
     store.set_high_watermark(&p.id, 0.95).unwrap();
     store.set_pod_capacity(&p.id, 1 << 30, 4, 2 << 30).unwrap();
     drop(store);
-    let store = Store::open(&dir.0).unwrap();
+    let store = Store::open(dir.path()).unwrap();
     let back = store.get_pod(&p.id).unwrap();
     assert_eq!(
         (

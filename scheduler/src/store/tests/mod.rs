@@ -8,30 +8,12 @@ mod network;
 mod sandboxes;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 
 use serde_json::json;
 
 use super::*;
-use crate::model::{random_hex, PodAddress, TemplateKind};
+use crate::model::{PodAddress, TemplateKind};
 use crate::state::SandboxState::*;
-
-/// A data directory removed when the test ends.
-pub(crate) struct TempDir(pub PathBuf);
-
-impl TempDir {
-    pub(crate) fn new() -> Self {
-        let dir = std::env::temp_dir().join(format!("torpor-store-{}", random_hex(8)));
-        fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-    }
-}
 
 pub(super) fn template(name: &str) -> Template {
     Template {
@@ -66,9 +48,9 @@ pub(super) fn pod(ratio: f64) -> Pod {
 }
 
 /// A store with one ready template.
-pub(super) fn setup() -> (TempDir, Store, Template) {
-    let dir = TempDir::new();
-    let store = Store::open(&dir.0).unwrap();
+pub(super) fn setup() -> (tempfile::TempDir, Store, Template) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path()).unwrap();
     let t = template("probe");
     store.insert_template(&t).unwrap();
     (dir, store, t)
@@ -90,8 +72,8 @@ fn store_is_shared_between_threads() {
 
 #[test]
 fn open_configures_sqlite_and_schema() {
-    let dir = TempDir::new();
-    let store = Store::open(&dir.0).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path()).unwrap();
     assert_eq!(store.schema_version().unwrap(), schema::CURRENT_VERSION);
     let conn = store.lock();
     let q = |sql: &str| -> String {
@@ -104,8 +86,8 @@ fn open_configures_sqlite_and_schema() {
     assert_eq!(q("PRAGMA foreign_keys"), "Integer(1)");
     assert_eq!(q("PRAGMA busy_timeout"), "Integer(5000)");
     drop(conn);
-    assert!(dir.0.join(DB_FILE).exists());
-    let mode = fs::metadata(dir.0.join(DB_FILE))
+    assert!(dir.path().join(DB_FILE).exists());
+    let mode = fs::metadata(dir.path().join(DB_FILE))
         .unwrap()
         .permissions()
         .mode();
@@ -114,9 +96,9 @@ fn open_configures_sqlite_and_schema() {
 
 #[test]
 fn everything_survives_reopen() {
-    let dir = TempDir::new();
+    let dir = tempfile::tempdir().unwrap();
     let (t, p, s, c, op) = {
-        let store = Store::open(&dir.0).unwrap();
+        let store = Store::open(dir.path()).unwrap();
         let t = template("probe");
         store.insert_template(&t).unwrap();
         let p = pod(2.5);
@@ -153,7 +135,7 @@ fn everything_survives_reopen() {
             .unwrap();
         (t, p, s, c, op)
     };
-    let store = Store::open(&dir.0).unwrap();
+    let store = Store::open(dir.path()).unwrap();
     assert_eq!(store.get_template(&t.id).unwrap(), t);
     assert_eq!(store.get_pod(&p.id).unwrap(), p);
     let back = store.get_sandbox(&s.id).unwrap();
@@ -165,25 +147,25 @@ fn everything_survives_reopen() {
 
 #[test]
 fn second_open_of_a_data_dir_is_refused_while_the_first_lives() {
-    let dir = TempDir::new();
-    let first = Store::open(&dir.0).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let first = Store::open(dir.path()).unwrap();
     assert!(matches!(
-        Store::open(&dir.0),
+        Store::open(dir.path()),
         Err(StoreError::Locked { .. })
     ));
     drop(first);
-    Store::open(&dir.0).unwrap();
+    Store::open(dir.path()).unwrap();
 }
 
 #[test]
 fn newer_schema_is_refused_and_garbage_is_corrupt() {
-    let dir = TempDir::new();
-    drop(Store::open(&dir.0).unwrap());
-    let conn = Connection::open(dir.0.join(DB_FILE)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    drop(Store::open(dir.path()).unwrap());
+    let conn = Connection::open(dir.path().join(DB_FILE)).unwrap();
     conn.execute("UPDATE schema_version SET version = 99", [])
         .unwrap();
     drop(conn);
-    match Store::open(&dir.0) {
+    match Store::open(dir.path()) {
         Err(StoreError::TooNew {
             found: 99,
             supported,
@@ -193,9 +175,9 @@ fn newer_schema_is_refused_and_garbage_is_corrupt() {
         other => panic!("expected TooNew, got {:?}", other.map(|_| ())),
     }
 
-    let dir = TempDir::new();
-    fs::write(dir.0.join(DB_FILE), vec![0x5a; 8192]).unwrap();
-    match Store::open(&dir.0) {
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(dir.path().join(DB_FILE), vec![0x5a; 8192]).unwrap();
+    match Store::open(dir.path()) {
         Err(StoreError::Corrupt(_)) => {}
         other => panic!("expected Corrupt, got {:?}", other.map(|_| ())),
     }

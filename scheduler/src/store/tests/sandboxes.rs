@@ -375,7 +375,7 @@ fn env_and_on_timeout_round_trip_and_a_version_2_store_upgrades() {
     drop(store);
 
     // The same data as a version 2 store wrote it: no column, no table.
-    let conn = rusqlite::Connection::open(dir.0.join(DB_FILE)).unwrap();
+    let conn = rusqlite::Connection::open(dir.path().join(DB_FILE)).unwrap();
     conn.execute_batch(
         "ALTER TABLE sandboxes DROP COLUMN on_timeout; DROP TABLE sandbox_env; \
          DROP TABLE template_sources; ALTER TABLE sandboxes DROP COLUMN access_token; ALTER TABLE sandboxes DROP COLUMN vmm_start; \
@@ -386,7 +386,7 @@ fn env_and_on_timeout_round_trip_and_a_version_2_store_upgrades() {
     )
     .unwrap();
     drop(conn);
-    let store = Store::open(&dir.0).unwrap();
+    let store = Store::open(dir.path()).unwrap();
     assert_eq!(store.schema_version().unwrap(), schema::CURRENT_VERSION);
     for id in [&s.id, &plain.id] {
         let old = store.get_sandbox(id).unwrap();

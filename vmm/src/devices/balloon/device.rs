@@ -91,6 +91,7 @@ pub(super) enum Refusal {
 }
 
 /// A virtio-balloon device.
+#[derive(Debug)]
 pub struct BalloonDevice {
     mem_bytes: u64,
     epoll: Arc<Epoll>,

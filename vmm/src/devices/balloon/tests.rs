@@ -13,7 +13,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::device::{in_memory, pfn_runs, stats_from_bytes};
 use super::*;
-use crate::devices::virtio::testutil::{activate, guest_mem, read32, write32, Driver, TempDir};
+use crate::devices::virtio::testutil::{activate, guest_mem, read32, write32, Driver};
 use crate::devices::virtio::{
     MmioRestoreArgs, INT_CONFIG, VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1,
 };
@@ -252,7 +252,7 @@ fn without_stats_the_reporting_queue_is_queue_two() {
 /// reads back as the file's content, and the file is never written.
 #[test]
 fn on_a_private_file_mapping_discarded_pages_read_the_file_again() {
-    let dir = TempDir::new("balloon-file");
+    let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("mem");
     let mut f = std::fs::File::create(&path).unwrap();
     f.write_all(&vec![0x77; 8 * PAGE_SIZE as usize]).unwrap();

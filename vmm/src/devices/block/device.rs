@@ -93,6 +93,7 @@ pub struct BlockConfig {
 }
 
 /// A virtio-blk device.
+#[derive(Debug)]
 pub struct BlockDevice {
     pub(super) disk: CowDisk,
     pub(super) id: String,

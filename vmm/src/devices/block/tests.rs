@@ -3,13 +3,12 @@
 
 use std::path::{Path, PathBuf};
 
+use tempfile::TempDir;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::*;
-use crate::devices::virtio::testutil::{
-    activate, copy_mem, guest_mem, read32, write32, Driver, TempDir,
-};
+use crate::devices::virtio::testutil::{activate, copy_mem, guest_mem, read32, write32, Driver};
 use crate::devices::virtio::{MmioRestoreArgs, VIRTIO_F_VERSION_1};
 use crate::persist::Persist;
 
@@ -110,7 +109,7 @@ fn expected(range: std::ops::Range<u64>) -> Vec<u8> {
 
 #[test]
 fn reads_writes_and_flushes_through_the_overlay() {
-    let dir = TempDir::new("blk-rw");
+    let dir = tempfile::tempdir().unwrap();
     let base = make_base(dir.path());
     let mem = guest_mem(MEM);
     let mut r = rig(&mem, writable(dir.path(), &base, "a.overlay"));
@@ -141,7 +140,7 @@ fn reads_writes_and_flushes_through_the_overlay() {
 
 #[test]
 fn clones_with_their_own_overlays_do_not_see_each_other() {
-    let dir = TempDir::new("blk-clones");
+    let dir = TempDir::new().unwrap();
     let base = make_base(dir.path());
     let (mem_a, mem_b) = (guest_mem(MEM), guest_mem(MEM));
     let mut a = rig(&mem_a, writable(dir.path(), &base, "a.overlay"));
@@ -156,7 +155,7 @@ fn clones_with_their_own_overlays_do_not_see_each_other() {
 
 #[test]
 fn snapshot_freezes_the_overlay_and_restored_clones_get_private_copies() {
-    let dir = TempDir::new("blk-restore");
+    let dir = TempDir::new().unwrap();
     let base = make_base(dir.path());
     let mem = guest_mem(MEM);
     let mut a = rig(&mem, writable(dir.path(), &base, "a.overlay"));
@@ -214,7 +213,7 @@ fn snapshot_freezes_the_overlay_and_restored_clones_get_private_copies() {
 
 #[test]
 fn get_id_and_read_only_disks() {
-    let dir = TempDir::new("blk-ro");
+    let dir = TempDir::new().unwrap();
     let base = make_base(dir.path());
     let mem = guest_mem(MEM);
     let dev = BlockDevice::new(&BlockConfig {
@@ -259,7 +258,7 @@ fn get_id_and_read_only_disks() {
 
 #[test]
 fn malformed_requests_fail_without_touching_the_disk() {
-    let dir = TempDir::new("blk-bad");
+    let dir = TempDir::new().unwrap();
     let base = make_base(dir.path());
     let mem = guest_mem(MEM);
     let mut r = rig(&mem, writable(dir.path(), &base, "a.overlay"));
@@ -339,7 +338,7 @@ fn malformed_requests_fail_without_touching_the_disk() {
 
 #[test]
 fn several_requests_in_one_notification_and_split_headers() {
-    let dir = TempDir::new("blk-batch");
+    let dir = TempDir::new().unwrap();
     let base = make_base(dir.path());
     let mem = guest_mem(MEM);
     let mut r = rig(&mem, writable(dir.path(), &base, "a.overlay"));
@@ -369,7 +368,7 @@ fn several_requests_in_one_notification_and_split_headers() {
 
 #[test]
 fn overlay_map_runs_round_trip_and_reject_garbage() {
-    let dir = TempDir::new("blk-map");
+    let dir = TempDir::new().unwrap();
     let base = make_base(dir.path());
     let mut disk = CowDisk::open(&base, Some(&dir.path().join("o"))).unwrap();
     disk.write_at(4096 * 3, &[1; 8192]).unwrap();
@@ -399,7 +398,7 @@ fn requests_run_under_the_vcpu_seccomp_filter() {
         );
         return;
     }
-    let dir = TempDir::new("blk-seccomp");
+    let dir = TempDir::new().unwrap();
     let base = make_base(dir.path());
     let mem = guest_mem(MEM);
     std::thread::scope(|s| {
@@ -429,7 +428,7 @@ fn requests_run_under_the_vcpu_seccomp_filter() {
 /// runs x chunks) are refused.
 #[test]
 fn saved_sizes_and_runs_are_checked_before_use() {
-    let dir = TempDir::new("blk-fuzzed-state");
+    let dir = TempDir::new().unwrap();
     let base = make_base(dir.path());
     let mem = guest_mem(MEM);
     let a = rig(&mem, writable(dir.path(), &base, "a.overlay"));

@@ -7,6 +7,7 @@ pub const I8042_DATA_PORT: u16 = 0x60;
 pub const I8042_COMMAND_PORT: u16 = 0x64;
 
 /// Ends the VM with `GuestShutdown` when the guest pulls the reset line.
+#[derive(Debug)]
 pub struct ResetTrigger(ExitSignal);
 
 impl Trigger for ResetTrigger {
@@ -18,6 +19,7 @@ impl Trigger for ResetTrigger {
 }
 
 /// Registered at port 0x60 with length 5, so offset 4 is the command port.
+#[derive(Debug)]
 pub struct I8042(I8042Device<ResetTrigger>);
 
 impl I8042 {

@@ -117,6 +117,7 @@ pub struct NetMetrics {
 }
 
 /// A virtio-net device on a tap.
+#[derive(Debug)]
 pub struct NetDevice {
     pub(super) tap: Tap,
     pub(super) mac: MacAddr,

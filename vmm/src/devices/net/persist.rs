@@ -26,7 +26,7 @@ pub struct NetState {
 }
 
 /// What restoring a net device needs besides its state.
-#[derive(Clone, Default)]
+#[derive(Clone, Default, Debug)]
 pub struct NetRestoreArgs {
     /// The clone's tap and limits; `None` reopens the saved tap name with
     /// the saved limits. A MAC, if given, must be the saved one.

@@ -35,10 +35,7 @@ fn spec() -> NetSpec {
 
 macro_rules! rig {
     ($mem:expr, $tag:expr, $features:expr, $spec:expr) => {
-        match Rig::new(&$mem, $tag, $features, $spec) {
-            Some(r) => r,
-            None => return,
-        }
+        Rig::new(&$mem, $tag, $features, $spec)
     };
 }
 

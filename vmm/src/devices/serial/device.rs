@@ -12,6 +12,7 @@ pub const COM1_PORTS: u16 = 8;
 pub const COM1_IRQ: u32 = 4;
 
 /// Raises a guest interrupt by writing the irqfd KVM listens on.
+#[derive(Debug)]
 pub struct IrqTrigger(pub EventFd);
 
 impl Trigger for IrqTrigger {
@@ -27,6 +28,15 @@ impl Trigger for IrqTrigger {
 pub struct ConsoleSink {
     out: Box<dyn Write + Send>,
     broken: bool,
+}
+
+impl std::fmt::Debug for ConsoleSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The output is a `dyn Write`: not printable.
+        f.debug_struct("ConsoleSink")
+            .field("broken", &self.broken)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Write for ConsoleSink {
@@ -49,6 +59,7 @@ impl Write for ConsoleSink {
 }
 
 /// The guest console. Output goes wherever `out` writes (a file, stdout).
+#[derive(Debug)]
 pub struct SerialDevice {
     uart: Serial<IrqTrigger, NoEvents, ConsoleSink>,
 }

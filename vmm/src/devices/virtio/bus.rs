@@ -17,6 +17,16 @@ struct MmioRange {
     device: Arc<Mutex<dyn MmioDevice>>,
 }
 
+impl std::fmt::Debug for MmioRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The device is a `dyn MmioDevice`: not printable.
+        f.debug_struct("MmioRange")
+            .field("base", &self.base)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Errors while building the MMIO bus.
 #[derive(Debug, thiserror::Error)]
 pub enum MmioBusError {
@@ -26,7 +36,7 @@ pub enum MmioBusError {
 
 /// Guest-physical MMIO space. Unclaimed addresses read as all-ones and
 /// ignore writes.
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub struct MmioBus {
     ranges: Vec<MmioRange>,
 }

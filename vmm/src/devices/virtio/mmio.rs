@@ -53,6 +53,7 @@ pub const MMIO_VERSION: u32 = 2;
 pub const VENDOR_ID: u32 = 0;
 
 /// A virtio device behind its MMIO register window.
+#[derive(Debug)]
 pub struct MmioTransport<D: VirtioDevice> {
     device: D,
     mem: GuestMemoryMmap,

@@ -75,6 +75,7 @@ pub struct VirtioMmioState<S> {
 }
 
 /// What restoring a transport needs besides its saved state.
+#[derive(Debug)]
 pub struct MmioRestoreArgs<A> {
     pub mem: GuestMemoryMmap,
     /// The new interrupt eventfd (register it as irqfd for the same IRQ).

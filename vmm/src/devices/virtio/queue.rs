@@ -209,6 +209,7 @@ fn ready_queue(queues: &mut [Queue], index: usize) -> Option<&mut Queue> {
 }
 
 /// A device's view of its queues while it holds the transport.
+#[derive(Debug)]
 pub struct QueueContext<'a> {
     pub mem: &'a GuestMemoryMmap,
     queues: &'a mut [Queue],

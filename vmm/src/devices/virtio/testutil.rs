@@ -1,12 +1,8 @@
-//! Test helpers shared by the virtio devices: a temporary directory, guest
-//! memory, a driver that programs the transport through its registers, and
+//! Test helpers shared by the virtio devices: guest memory, a driver that programs the transport through its registers, and
 //! descriptor chains built with virtio-queue's mock helpers (its
 //! descriptor table and rings; not `MockSplitQueue::create`, whose layout
 //! puts the used ring inside the available ring for queues of more than a
 //! few entries: `SplitQueueRing::end` counts elements, not bytes).
-
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
 
 use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
 use virtio_queue::mock::{AvailRing, DescriptorTable, UsedRing};
@@ -16,33 +12,6 @@ pub use super::driver::{activate, negotiate, read32, write32, QueueAddrs};
 
 pub const F_NEXT: u16 = 1;
 pub const F_WRITE: u16 = 2;
-
-/// A directory removed (with its contents) when dropped.
-pub struct TempDir(PathBuf);
-
-impl TempDir {
-    pub fn new(tag: &str) -> Self {
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        let path = std::env::temp_dir().join(format!(
-            "torpor-{tag}-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).unwrap();
-        Self(path)
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// Guest RAM from 0.
 pub fn guest_mem(size: usize) -> GuestMemoryMmap {

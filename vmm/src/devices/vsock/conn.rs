@@ -45,6 +45,7 @@ pub enum ConnError {
     Host(std::io::Error),
 }
 
+#[derive(Debug)]
 pub struct Connection {
     pub stream: UnixStream,
     pub token: u64,

@@ -82,6 +82,7 @@ pub(super) struct Timeouts {
     pub close: Duration,
 }
 
+#[derive(Debug)]
 pub(super) enum Endpoint {
     Handshake(Handshake),
     Conn(ConnKey),
@@ -96,6 +97,7 @@ pub(super) struct Control {
 }
 
 /// A virtio-vsock device with a unix-socket host side.
+#[derive(Debug)]
 pub struct VsockDevice {
     pub(super) cid: u64,
     pub(super) uds_path: PathBuf,

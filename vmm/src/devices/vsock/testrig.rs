@@ -15,8 +15,9 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::packet::*;
 use super::{poll_once, VsockConfig, VsockDevice, VsockMmio, VsockWorker};
-use crate::devices::virtio::testutil::{activate, copy_mem, write32, Driver, TempDir};
+use crate::devices::virtio::testutil::{activate, copy_mem, write32, Driver};
 use crate::devices::virtio::VIRTIO_F_VERSION_1;
+use tempfile::TempDir;
 
 pub const GUEST_CID: u64 = 3;
 pub const QSIZE: u16 = 32;
@@ -52,7 +53,7 @@ pub struct Rig<'a> {
 
 impl<'a> Rig<'a> {
     pub fn new(mem: &'a GuestMemoryMmap, tag: &str) -> Self {
-        let dir = TempDir::new(tag);
+        let dir = tempfile::Builder::new().prefix(tag).tempdir().unwrap();
         let uds = dir.path().join("v.sock");
         let dev = VsockDevice::new(&VsockConfig::new(uds.clone())).unwrap();
         let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
@@ -96,7 +97,7 @@ impl<'a> Rig<'a> {
             self.ev.resume_on(mem),
         );
         copy_mem(self.mem, mem);
-        let dir = TempDir::new("vsock-clone");
+        let dir = TempDir::new().unwrap();
         let uds = dir.path().join("v.sock");
         let t = restore(uds.clone());
         let epoll = t.device().epoll();

@@ -28,6 +28,7 @@ pub enum UnixError {
 
 /// The listening socket, removed from the filesystem on drop if it is still
 /// the one this device bound.
+#[derive(Debug)]
 pub struct Listener {
     pub socket: UnixListener,
     path: PathBuf,
@@ -127,6 +128,7 @@ pub fn connect_nonblocking(path: &Path) -> std::io::Result<UnixStream> {
 }
 
 /// A host connection that has not yet said which guest port it wants.
+#[derive(Debug)]
 pub struct Handshake {
     pub stream: UnixStream,
     line: Vec<u8>,
@@ -184,7 +186,6 @@ pub fn parse_connect(line: &[u8]) -> HandshakeStep {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::virtio::testutil::TempDir;
 
     #[test]
     fn parses_connect_lines() {
@@ -203,7 +204,7 @@ mod tests {
 
     #[test]
     fn binds_over_stale_sockets_but_not_live_ones_and_cleans_up() {
-        let dir = TempDir::new("vsock-bind");
+        let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("v.sock");
         let first = Listener::bind(&path).unwrap();
         assert!(matches!(Listener::bind(&path), Err(UnixError::InUse(_))));
