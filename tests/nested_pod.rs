@@ -370,7 +370,7 @@ struct KillOnDrop(std::process::Child);
 
 /// On a failure, the tail of serve's log (with the nested pod's: its
 /// sandboxes' errors and VMM exits), before the data directory goes.
-struct ShowLogOnPanic(PathBuf);
+struct ShowLogOnPanic(std::path::PathBuf);
 
 impl Drop for ShowLogOnPanic {
     fn drop(&mut self) {
