@@ -198,7 +198,13 @@ async fn work<S: SandboxApi>(
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(operation = %op, error = %e, "operation left for redelivery")
+                    // Delivered again in a second rather than after the
+                    // ack wait (if NATS is back by then).
+                    tracing::warn!(operation = %op, error = %e, "operation left for redelivery");
+                    let again = AckKind::Nak(Some(Duration::from_secs(1)));
+                    if let Err(e) = message.ack_with(again).await {
+                        tracing::warn!(operation = %op, error = %e, "work nak");
+                    }
                 }
             }
             running
