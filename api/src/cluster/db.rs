@@ -285,9 +285,29 @@ impl Db {
         c.batch_execute("BEGIN").await.map_err(pg)?;
         let result = async {
             let sandbox = match outcome {
+                OpOutcome::Sandbox { sandbox, .. } => Some(sandbox.id.as_str().to_string()),
+                OpOutcome::Deleted { sandbox } => Some(sandbox.as_str().to_string()),
+                OpOutcome::Failed(_) => None,
+            };
+            // Applied once: a result delivered again (a redelivered
+            // event, a pod republishing a journaled outcome) must not
+            // write its sandbox again over later operations (a hibernate's
+            // result read twice would bring back a sandbox deleted since).
+            let pending = c
+                .execute(
+                    "UPDATE operations SET status = $2, outcome = $3, finished_at = now(),
+                        sandbox = coalesce(sandbox, $4)
+                     WHERE id = $1 AND pod = $5 AND status = 'pending'",
+                    &[&operation, &status, &json, &sandbox, &pod.as_str()],
+                )
+                .await
+                .map_err(pg)?;
+            if pending == 0 {
+                return Ok::<(), ClusterError>(());
+            }
+            match outcome {
                 OpOutcome::Sandbox { sandbox, .. } => {
                     self.upsert_sandbox(&c, pod, sandbox, false).await?;
-                    Some(sandbox.id.as_str().to_string())
                 }
                 OpOutcome::Deleted { sandbox } => {
                     c.execute(
@@ -296,19 +316,10 @@ impl Db {
                     )
                     .await
                     .map_err(pg)?;
-                    Some(sandbox.as_str().to_string())
                 }
-                OpOutcome::Failed(_) => None,
-            };
-            c.execute(
-                "UPDATE operations SET status = $2, outcome = $3, finished_at = now(),
-                    sandbox = coalesce(sandbox, $4)
-                 WHERE id = $1 AND pod = $5 AND status = 'pending'",
-                &[&operation, &status, &json, &sandbox, &pod.as_str()],
-            )
-            .await
-            .map_err(pg)?;
-            Ok::<(), ClusterError>(())
+                OpOutcome::Failed(_) => {}
+            }
+            Ok(())
         }
         .await;
         match result {

@@ -173,8 +173,12 @@ async fn work<S: SandboxApi>(
             .unwrap_or_else(|p| p.into_inner())
             .insert(item.operation.clone())
         {
-            // Delivered again while it runs here: not yet.
-            let _ = message.ack_with(AckKind::Progress).await;
+            // Delivered again while it runs here: again in a few seconds
+            // (then its journaled outcome is published and it is acked),
+            // not left unacked until the ack wait.
+            let _ = message
+                .ack_with(AckKind::Nak(Some(Duration::from_secs(2))))
+                .await;
             continue;
         }
         let permit = permits

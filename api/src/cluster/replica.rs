@@ -28,6 +28,11 @@ use crate::tls::Fingerprint;
 /// headroom, so that replicas placing at once do not all pick the same.
 pub const PLACEMENT_CHOICES: usize = 2;
 
+/// How often a waiting replica reads its operation's row at first, and
+/// for how long (then doubling up to 100 ms).
+const POLL_FAST: Duration = Duration::from_millis(3);
+const POLL_FAST_FOR: Duration = Duration::from_millis(300);
+
 /// The replica.
 pub struct Cluster {
     rt: tokio::runtime::Handle,
@@ -190,8 +195,9 @@ impl Cluster {
     /// The outcome of `op` once its pod answered; past the wait,
     /// [`ServiceError::Accepted`] (202 with `/v1/operations/{id}`).
     async fn wait(&self, op: OpRow) -> Result<OpOutcome, ServiceError> {
-        let deadline = Instant::now() + self.config.wait;
-        let mut pause = Duration::from_millis(5);
+        let started = Instant::now();
+        let deadline = started + self.config.wait;
+        let mut pause = POLL_FAST;
         loop {
             if let Some(row) = self.db.operation(&op.id).await? {
                 if let Some(outcome) = row.outcome {
@@ -209,7 +215,12 @@ impl Cluster {
                 });
             }
             tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(100));
+            // Most commands finish within the first period: polled every
+            // POLL_FAST (a primary-key read) so that the answer waits at
+            // most that long for it; then less and less often.
+            if started.elapsed() >= POLL_FAST_FOR {
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
         }
     }
 
