@@ -504,7 +504,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "postgres://...,nats://...", conflicts_with_all = ["pods", "nested_pod"])]
     pub cluster: Option<String>,
     /// In a cluster: how long a command waits for its pod's result before
-    /// the answer is 504 with the operation's id.
+    /// the answer is 202 with the operation (`Location:
+    /// /v1/operations/{id}`, which gives the outcome later).
     #[arg(long, value_name = "MS", default_value_t = 20_000)]
     pub cluster_wait_ms: u64,
     /// In a cluster: a pod without a heartbeat for this long is down (its

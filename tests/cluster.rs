@@ -5,6 +5,7 @@
 //! (tests/needs leaves it out without them).
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
@@ -102,7 +103,7 @@ fn cluster_sandbox_life_placement_and_pod_failure() {
         "{v}"
     );
     assert_eq!(c.call(1, "GET", "/v1/operations/op_none", None).status, 404);
-    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "1");
+    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "2");
     assert_eq!(
         c.call(1, "DELETE", &format!("/v1/sandboxes/{once}"), None)
             .status,
@@ -176,4 +177,92 @@ fn cluster_sandbox_life_placement_and_pod_failure() {
     }
     let left = c.call(2, "GET", "/v1/sandboxes", None).json();
     assert_eq!(left["sandboxes"].as_array().unwrap().len(), 0, "{left}");
+
+    accepted_past_the_wait(&c);
+}
+
+/// Polls `GET location` on replica `n` until the operation is no longer
+/// pending (30 s); the operation.
+fn finished(c: &Cluster, n: u16, location: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = c.call(n, "GET", location, None);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let op = r.json();
+        if op["status"] != "pending" {
+            return op;
+        }
+        assert!(Instant::now() < deadline, "{location} still pending: {op}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A command past the replica's wait answers 202 with its operation at
+/// `Location`, which gives the outcome once the pod published it.
+fn accepted_past_the_wait(c: &Cluster) {
+    // Replica 2 waits 1 ms: a create (a restore on the pod, its result
+    // through NATS and PostgreSQL) takes longer.
+    c.kill("api2");
+    c.start_api(
+        "api2",
+        &format!("{} --cluster-wait-ms 1", common::cluster::API_ARGS),
+    );
+    let key = [("Idempotency-Key", "slow-create-1")];
+    let body = Some(r#"{"template":"probe"}"#);
+    let r = c.call_with(2, "POST", "/v1/sandboxes", &key, body);
+    assert_eq!(r.status, 202, "{}", r.body);
+    let op = r.json();
+    assert!(op["id"].as_str().unwrap().starts_with("op_"), "{op}");
+    assert_eq!(op["kind"], "create");
+    assert_eq!(op["status"], "pending");
+    let location = r.header("location").unwrap().to_string();
+    assert_eq!(
+        location,
+        format!("/v1/operations/{}", op["id"].as_str().unwrap())
+    );
+    // The outcome, read through the other replica.
+    let done = finished(c, 1, &location);
+    assert_eq!(done["status"], "done", "{done}");
+    let id = done["sandbox"].as_str().unwrap().to_string();
+    assert_eq!(
+        done["outcome"]["sandbox"]["sandbox"]["id"],
+        id.as_str(),
+        "{done}"
+    );
+    let path = format!("/v1/sandboxes/{id}");
+    let r = c.call(1, "GET", &path, None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["state"], "running");
+    // A retry with the key through replica 1 (its wait is 20 s): the
+    // first outcome, no second sandbox.
+    let again = c.call_with(1, "POST", "/v1/sandboxes", &key, body);
+    assert_eq!(again.status, 201, "{}", again.body);
+    assert_eq!(again.json()["id"], id.as_str());
+    assert_eq!(
+        c.call(1, "GET", "/v1/sandboxes", None).json()["sandboxes"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+
+    // A hibernate (a snapshot written) the same way.
+    let r = c.call(2, "POST", &format!("{path}/hibernate"), None);
+    assert_eq!(r.status, 202, "{}", r.body);
+    assert_eq!(r.json()["kind"], "hibernate");
+    assert_eq!(r.json()["sandbox"], id.as_str());
+    let done = finished(c, 2, r.header("location").unwrap());
+    assert_eq!(done["status"], "done", "{done}");
+    assert_eq!(c.call(2, "GET", &path, None).json()["state"], "hibernated");
+    // A delete: 202 or, if the pod was that quick, 204; gone either way.
+    let r = c.call(2, "DELETE", &path, None);
+    match r.status {
+        202 => assert_eq!(
+            finished(c, 1, r.header("location").unwrap())["status"],
+            "done"
+        ),
+        204 => {}
+        other => panic!("DELETE {path}: {other} {}", r.body),
+    }
+    assert_eq!(c.call(1, "GET", &path, None).status, 404);
 }

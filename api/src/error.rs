@@ -144,6 +144,10 @@ pub struct ApiError {
     pub quota: Option<QuotaInfo>,
     /// `Retry-After` (seconds) of a `rate_limited` answer.
     pub retry_after: Option<u64>,
+    /// A 202 (an accepted command still running, [`ServiceError::Accepted`]):
+    /// the body is this operation, at `Location: /v1/operations/{id}`.
+    /// (Boxed: every handler's `Result` carries an `ApiError`.)
+    pub operation: Option<Box<serde_json::Value>>,
 }
 
 /// Which quota a 429 `quota_exceeded` hit, its limit and the current use.
@@ -178,6 +182,7 @@ impl ApiError {
             state: None,
             quota: None,
             retry_after: None,
+            operation: None,
         }
     }
 
@@ -287,6 +292,22 @@ impl From<ServiceError> for ApiError {
                 retry_after: Some(retry_after_s),
                 ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, code::UNAVAILABLE, message)
             },
+            ServiceError::Accepted {
+                operation,
+                kind,
+                sandbox,
+                pod,
+            } => ApiError {
+                operation: Some(Box::new(serde_json::json!({
+                    "id": operation,
+                    "kind": kind,
+                    "sandbox": sandbox,
+                    "pod": pod,
+                    "status": "pending",
+                    "outcome": null,
+                }))),
+                ..ApiError::new(StatusCode::ACCEPTED, code::TIMEOUT, message)
+            },
             ServiceError::TooLarge(_) => ApiError::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 code::PAYLOAD_TOO_LARGE,
@@ -344,6 +365,15 @@ fn guest_error(err: &GuestError, message: String) -> ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        if let Some(op) = self.operation {
+            let id = op.get("id").and_then(|v| v.as_str()).unwrap_or_default();
+            let location = format!("/v1/operations/{id}");
+            let mut response = (StatusCode::ACCEPTED, axum::Json(op)).into_response();
+            if let Ok(v) = HeaderValue::from_str(&location) {
+                response.headers_mut().insert(header::LOCATION, v);
+            }
+            return response;
+        }
         let mut response = (self.status, self.body_json()).into_response();
         let headers = response.headers_mut();
         headers.insert(
@@ -552,6 +582,26 @@ mod tests {
         assert_eq!(api.code, "unavailable");
         let response = api.into_response();
         assert_eq!(response.headers()[header::RETRY_AFTER], "20");
+    }
+
+    #[test]
+    fn an_accepted_command_is_a_202_with_its_operation() {
+        let api = ApiError::from(ServiceError::Accepted {
+            operation: "op_1".into(),
+            kind: "create".into(),
+            sandbox: None,
+            pod: "pod1".into(),
+        });
+        assert_eq!(api.status, StatusCode::ACCEPTED);
+        let op = *api.operation.clone().unwrap();
+        assert_eq!(
+            (op["id"].as_str(), op["status"].as_str()),
+            (Some("op_1"), Some("pending"))
+        );
+        let response = api.into_response();
+        assert_eq!(response.status(), StatusCode::ACCEPTED);
+        assert_eq!(response.headers()[header::LOCATION], "/v1/operations/op_1");
+        assert_eq!(response.headers()[header::CONTENT_TYPE], "application/json");
     }
 
     #[test]

@@ -33,6 +33,7 @@
 //! | a remote pod's own error answer            | its status | its code     |
 //! | a template still coming (`serve --nested-pod` booting) | 503 | `unavailable` |
 //! | request past `request_timeout`             | 504    | `timeout`                |
+//! | `Accepted` (a cluster's command past `--cluster-wait-ms`) | 202 | the operation, `Location: /v1/operations/{id}` |
 
 #![forbid(unsafe_code)]
 

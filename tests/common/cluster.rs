@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -17,17 +18,40 @@ pub struct Cluster {
     pub dir: PathBuf,
     pub port: u16,
     pub token: String,
+    /// The pods' flags.
+    pub pod_args: String,
 }
 
-fn script(dir: &Path, port: u16, args: &[&str]) -> Output {
+/// A VMM of the cluster: its process, the pod whose data directory it
+/// runs in, and the sandbox (`standby` for a shell).
+#[derive(Debug, Clone)]
+pub struct Vmm {
+    pub pid: u32,
+    pub ppid: u32,
+    pub pod: u16,
+    pub sandbox: String,
+}
+
+/// The pods' flags unless the cluster is started with others: both pods
+/// keep an idle sandbox running (the test decides).
+pub const POD_ARGS: &str = "--policy-interval-ms 0";
+
+/// The replicas' flags unless a restart names others.
+pub const API_ARGS: &str = "--cluster-down-after-ms 3000";
+
+/// Clusters started by this process so far (each gets its own ports).
+static STARTED: AtomicU16 = AtomicU16::new(0);
+
+/// `scripts/cluster ARGS`, the pods and replicas it starts given these
+/// flags.
+fn script_with(dir: &Path, port: u16, args: &[&str], pod_args: &str, api_args: &str) -> Output {
     let out = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster"))
         .args(args)
         .env("TORPOR_CLUSTER_DIR", dir)
         .env("TORPOR_CLUSTER_PORT", port.to_string())
         .env("TORPOR_BIN", TORPOR)
-        // Both pods keep an idle sandbox running: the test decides.
-        .env("TORPOR_CLUSTER_POD_ARGS", "--policy-interval-ms 0")
-        .env("TORPOR_CLUSTER_API_ARGS", "--cluster-down-after-ms 3000")
+        .env("TORPOR_CLUSTER_POD_ARGS", pod_args)
+        .env("TORPOR_CLUSTER_API_ARGS", api_args)
         .output()
         .expect("run scripts/cluster");
     assert!(
@@ -41,18 +65,39 @@ fn script(dir: &Path, port: u16, args: &[&str]) -> Output {
 
 impl Cluster {
     /// `name` makes the directory; the six ports start at a base drawn
-    /// from the process id.
+    /// from the process id and how many clusters it started before.
     pub fn up(name: &str) -> Self {
+        Self::up_with(name, POD_ARGS)
+    }
+
+    /// [`Cluster::up`] with these `pod serve` flags.
+    pub fn up_with(name: &str, pod_args: &str) -> Self {
         let dir =
             std::env::temp_dir().join(format!("torpor-cluster-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let port = 20_000 + (std::process::id() % 5_000) as u16 * 6;
-        let out = script(&dir, port, &["up"]);
-        let token = std::fs::read_to_string(dir.join("admin-token")).unwrap();
+        let nth = STARTED.fetch_add(1, Ordering::Relaxed) % 4;
+        let port = 20_000 + (std::process::id() % 1_800) as u16 * 24 + nth * 6;
+        // Dropped (stopped) if `up` or the wait for the pods fails.
+        let mut c = Cluster {
+            dir,
+            port,
+            token: String::new(),
+            pod_args: pod_args.to_string(),
+        };
+        let out = c.script(&["up"]);
+        c.token = std::fs::read_to_string(c.dir.join("admin-token")).unwrap();
         println!("{}", String::from_utf8_lossy(&out.stdout));
-        let c = Cluster { dir, port, token };
         c.wait_pods(2);
         c
+    }
+
+    /// `host:port` of PostgreSQL and of nats-server.
+    pub fn postgres(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    pub fn nats(&self) -> String {
+        format!("127.0.0.1:{}", self.port + 1)
     }
 
     /// `http` address of replica 1 or 2.
@@ -77,6 +122,23 @@ impl Cluster {
         let mut all = vec![("Authorization", auth.as_str())];
         all.extend_from_slice(headers);
         super::http::request_with(&self.api(n), method, path, &all, body)
+    }
+
+    /// `METHOD path` on replica `n` with these headers (the bearer token
+    /// added), within `limit`; a replica that does not answer is an error.
+    pub fn try_call(
+        &self,
+        n: u16,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&str>,
+        limit: Duration,
+    ) -> Result<HttpResponse, String> {
+        let auth = format!("Bearer {}", self.token);
+        let mut all = vec![("Authorization", auth.as_str())];
+        all.extend_from_slice(headers);
+        super::http::try_request_with(&self.api(n), method, path, &all, body, limit)
     }
 
     /// One SQL query's rows (psql, unaligned, `|`-separated).
@@ -104,12 +166,148 @@ impl Cluster {
         super::succeeded(&out).trim().to_string()
     }
 
+    fn script(&self, args: &[&str]) -> Output {
+        script_with(&self.dir, self.port, args, &self.pod_args, API_ARGS)
+    }
+
+    /// `kill -9` of one part (`postgres`, `nats`, `pod1`, `pod2`, `api1`,
+    /// `api2`).
     pub fn kill(&self, part: &str) {
-        script(&self.dir, self.port, &["kill", part]);
+        self.script(&["kill", part]);
+    }
+
+    /// A clean stop of one part (PostgreSQL: `pg_ctl stop -m fast`).
+    pub fn stop(&self, part: &str) {
+        self.script(&["stop", part]);
     }
 
     pub fn start(&self, part: &str) {
-        script(&self.dir, self.port, &["start", part]);
+        self.script(&["start", part]);
+    }
+
+    /// (Re)starts replica `api1` or `api2` with these flags.
+    pub fn start_api(&self, part: &str, api_args: &str) {
+        script_with(
+            &self.dir,
+            self.port,
+            &["start", part],
+            &self.pod_args,
+            api_args,
+        );
+    }
+
+    /// `scripts/cluster status`: `NAME up (pid N)` or `NAME down` lines.
+    pub fn status(&self) -> String {
+        String::from_utf8_lossy(&self.script(&["status"]).stdout).into_owned()
+    }
+
+    /// Pod `n`'s own sandboxes (its API, its token), as it holds them;
+    /// retried for 30 s while it restarts.
+    pub fn pod_sandboxes(&self, n: u16) -> Vec<Value> {
+        let addr = format!("127.0.0.1:{}", self.port + 1 + n);
+        let token = std::fs::read_to_string(self.dir.join(format!("pod{n}/token"))).unwrap();
+        let auth = format!("Bearer {}", token.trim());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let r = super::http::try_request_with(
+                &addr,
+                "GET",
+                "/v1/sandboxes",
+                &[("Authorization", &auth)],
+                None,
+                Duration::from_secs(30),
+            );
+            match r {
+                Ok(r) if r.status == 200 => {
+                    return r.json()["sandboxes"].as_array().unwrap().clone();
+                }
+                other => assert!(
+                    Instant::now() < deadline,
+                    "pod{n}'s sandboxes: {:?}",
+                    other.map(|r| format!("{} {}", r.status, r.body))
+                ),
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// The VMM processes running in the pods' data directories (a VMM's
+    /// stderr is its log there: `podN/data/sandboxes/ID/...`).
+    pub fn vmms(&self) -> Vec<Vmm> {
+        let mut found = Vec::new();
+        let pids = std::fs::read_dir("/proc").into_iter().flatten().flatten();
+        for pid in pids.filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok()) {
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            let Some((head, rest)) = stat.rsplit_once(')') else {
+                continue;
+            };
+            let mut f = rest.split_whitespace();
+            let (state, ppid) = (f.next(), f.next().and_then(|p| p.parse().ok()));
+            if !head.ends_with("(torpor-vmm") || state == Some("Z") {
+                continue;
+            }
+            let Ok(log) = std::fs::read_link(format!("/proc/{pid}/fd/2")) else {
+                continue;
+            };
+            let Ok(inside) = log.strip_prefix(&self.dir) else {
+                continue;
+            };
+            let parts: Vec<String> = inside
+                .components()
+                .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                .collect();
+            let pod = match parts.first().map(String::as_str) {
+                Some("pod1") => 1,
+                Some("pod2") => 2,
+                _ => continue,
+            };
+            let sandbox = match parts.iter().position(|p| p == "sandboxes") {
+                Some(i) => parts.get(i + 1).cloned().unwrap_or_default(),
+                None => "standby".to_string(),
+            };
+            found.push(Vmm {
+                pid,
+                ppid: ppid.unwrap_or(0),
+                pod,
+                sandbox,
+            });
+        }
+        found
+    }
+
+    /// JetStream messages not acked yet once the cluster is quiet: polled
+    /// for `limit` until both streams and their consumers are empty (the
+    /// pods' heartbeats keep coming); what was left at the last look.
+    pub fn unacked_messages(&self, limit: Duration) -> Vec<String> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let url = format!("nats://{}", self.nats());
+        let deadline = Instant::now() + limit;
+        loop {
+            let look = rt.block_on(async {
+                let look = torpor_api::cluster::wire::backlog_at(&url);
+                tokio::time::timeout(Duration::from_secs(10), look)
+                    .await
+                    .map_err(|_| "NATS: no answer in 10 s".to_string())?
+                    .map_err(|e| e.to_string())
+            });
+            let left: Vec<String> = match look {
+                Ok(all) => all
+                    .iter()
+                    .filter(|b| !b.is_empty())
+                    .map(|b| format!("{b:?}"))
+                    .collect(),
+                Err(e) => vec![e],
+            };
+            if left.is_empty() || Instant::now() >= deadline {
+                return left;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// `GET /v1/pods` through replica 1.
@@ -164,10 +362,23 @@ impl Drop for Cluster {
         if std::env::var_os("TORPOR_KEEP_SCRATCH").is_some() {
             return;
         }
+        // VMMs outlive their pod (their own process groups): those still
+        // running once the pods are stopped are ended too.
+        let vmms = self.vmms();
         let _ = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster"))
             .arg("down")
             .env("TORPOR_CLUSTER_DIR", &self.dir)
             .env("TORPOR_CLUSTER_PORT", self.port.to_string())
             .output();
+        for v in vmms {
+            let still = std::fs::read_to_string(format!("/proc/{}/stat", v.pid))
+                .is_ok_and(|s| s.contains("(torpor-vmm)"));
+            if still {
+                // SAFETY: a torpor-vmm of this cluster's pods (its log was
+                // in this cluster's directory a moment ago, its name still
+                // matches).
+                unsafe { libc::kill(v.pid as libc::pid_t, libc::SIGKILL) };
+            }
+        }
     }
 }

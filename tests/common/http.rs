@@ -74,15 +74,30 @@ pub fn request_with(
     headers: &[(&str, &str)],
     body: Option<&str>,
 ) -> HttpResponse {
-    let endpoint = Endpoint::parse(&format!("tcp:{addr}")).unwrap();
-    let client = HttpClient::new(endpoint, None, Duration::from_secs(120))
-        .unwrap()
+    try_request_with(addr, method, path, headers, body, Duration::from_secs(120))
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`request_with`] with an I/O time limit, and a failure to connect or to
+/// read a whole answer as an error rather than a panic (a server that is
+/// down, on purpose, in the cluster's chaos run).
+pub fn try_request_with(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+    limit: Duration,
+) -> Result<HttpResponse, String> {
+    let endpoint = Endpoint::parse(&format!("tcp:{addr}")).map_err(|e| e.to_string())?;
+    let client = HttpClient::new(endpoint, None, limit)
+        .map_err(|e| e.to_string())?
         .with_headers(headers);
     let content_type = headers
         .iter()
         .find(|(k, _)| k.eq_ignore_ascii_case("content-type"))
         .map_or("application/json", |(_, v)| v);
-    send(&client, method, path, content_type, body)
+    try_send(&client, method, path, content_type, body)
 }
 
 /// Sends one request through `client`; a body (or a POST, PUT or PATCH
@@ -94,22 +109,33 @@ pub fn send(
     content_type: &str,
     body: Option<&str>,
 ) -> HttpResponse {
+    try_send(client, method, path, content_type, body).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`send`], a request that got no whole answer as an error.
+pub fn try_send(
+    client: &HttpClient,
+    method: &str,
+    path: &str,
+    content_type: &str,
+    body: Option<&str>,
+) -> Result<HttpResponse, String> {
     let body = body.unwrap_or("");
     let body = (!body.is_empty() || matches!(method, "POST" | "PUT" | "PATCH"))
         .then_some((content_type, body.as_bytes()));
     let answer = client
         .request(method, path, body, None)
-        .unwrap_or_else(|e| panic!("{method} {path} to {}: {e}", client.endpoint.describe()));
+        .map_err(|e| format!("{method} {path} to {}: {e}", client.endpoint.describe()))?;
     let mut head = format!("HTTP/1.1 {}", answer.status);
     for (name, value) in &answer.headers {
         head.push_str(&format!("\r\n{name}: {value}"));
     }
-    HttpResponse {
+    Ok(HttpResponse {
         status: answer.status,
         body: String::from_utf8_lossy(&answer.body).into_owned(),
         head,
         headers: answer.headers,
-    }
+    })
 }
 
 /// The HTTP API served in process on a loopback port over `service`;

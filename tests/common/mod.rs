@@ -2,6 +2,7 @@
 //! console file, and clean up after ourselves.
 #![allow(dead_code)]
 
+pub mod chaos;
 pub mod cluster;
 pub mod e2b;
 pub mod e2b_sdk;

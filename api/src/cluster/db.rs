@@ -18,9 +18,10 @@ use super::ClusterError;
 const MIGRATION_LOCK: i64 = 0x746f_7270_6f72; // "torpor"
 
 /// Schema versions, in order; each applied once, in one transaction.
-pub const MIGRATIONS: &[(i32, &str)] = &[(
-    1,
-    "CREATE TABLE pods (
+pub const MIGRATIONS: &[(i32, &str)] = &[
+    (
+        1,
+        "CREATE TABLE pods (
         id text PRIMARY KEY,
         address text NOT NULL,
         token text NOT NULL,
@@ -58,7 +59,13 @@ pub const MIGRATIONS: &[(i32, &str)] = &[(
     );
     CREATE UNIQUE INDEX operations_idempotency
         ON operations (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL;",
-)];
+    ),
+    // A heartbeat looks up a sandbox's finished delete (`upsert_sandbox`).
+    (
+        2,
+        "CREATE INDEX operations_sandbox ON operations (sandbox) WHERE kind = 'delete'",
+    ),
+];
 
 /// A connection to PostgreSQL, made again when it broke.
 pub struct Db {
@@ -217,7 +224,7 @@ impl Db {
         let mut present = Vec::with_capacity(hb.sandboxes.len());
         for s in &hb.sandboxes {
             present.push(s.id.as_str().to_string());
-            self.upsert_sandbox(&c, pod, s).await?;
+            self.upsert_sandbox(&c, pod, s, true).await?;
         }
         // What the pod no longer holds (deleted by its timeout) and no
         // operation touched lately.
@@ -231,16 +238,23 @@ impl Db {
         Ok(())
     }
 
+    /// A sandbox row written or updated (only by its owner pod, never
+    /// back to an older generation). From a heartbeat, a sandbox a delete
+    /// operation removed is not made again: the heartbeat may have been
+    /// taken before that delete and be read after it.
     async fn upsert_sandbox(
         &self,
         c: &Client,
         pod: &PodId,
         s: &Sandbox,
+        heartbeat: bool,
     ) -> Result<(), ClusterError> {
         let body = serde_json::to_value(s).map_err(|e| ClusterError::Postgres(e.to_string()))?;
         c.execute(
             "INSERT INTO sandboxes (id, pod, tenant, state, generation, body)
-             VALUES ($1, $2, $3, $4, $5, $6)
+             SELECT $1::text, $2::text, $3::text, $4::text, $5::bigint, $6::jsonb
+             WHERE NOT $7::boolean OR NOT EXISTS (SELECT 1 FROM operations
+                WHERE sandbox = $1 AND kind = 'delete' AND status = 'done')
              ON CONFLICT (id) DO UPDATE SET state = $4, generation = $5, body = $6,
                 updated_at = now()
              WHERE sandboxes.pod = $2 AND sandboxes.generation <= $5",
@@ -251,6 +265,7 @@ impl Db {
                 &s.state.as_str(),
                 &(s.generation as i64),
                 &body,
+                &heartbeat,
             ],
         )
         .await
@@ -277,9 +292,29 @@ impl Db {
         c.batch_execute("BEGIN").await.map_err(pg)?;
         let result = async {
             let sandbox = match outcome {
+                OpOutcome::Sandbox { sandbox, .. } => Some(sandbox.id.as_str().to_string()),
+                OpOutcome::Deleted { sandbox } => Some(sandbox.as_str().to_string()),
+                OpOutcome::Failed(_) => None,
+            };
+            // Applied once: a result delivered again (a redelivered
+            // event, a pod republishing a journaled outcome) must not
+            // write its sandbox again over later operations (a hibernate's
+            // result read twice would bring back a sandbox deleted since).
+            let pending = c
+                .execute(
+                    "UPDATE operations SET status = $2, outcome = $3, finished_at = now(),
+                        sandbox = coalesce(sandbox, $4)
+                     WHERE id = $1 AND pod = $5 AND status = 'pending'",
+                    &[&operation, &status, &json, &sandbox, &pod.as_str()],
+                )
+                .await
+                .map_err(pg)?;
+            if pending == 0 {
+                return Ok::<(), ClusterError>(());
+            }
+            match outcome {
                 OpOutcome::Sandbox { sandbox, .. } => {
-                    self.upsert_sandbox(&c, pod, sandbox).await?;
-                    Some(sandbox.id.as_str().to_string())
+                    self.upsert_sandbox(&c, pod, sandbox, false).await?;
                 }
                 OpOutcome::Deleted { sandbox } => {
                     c.execute(
@@ -288,19 +323,10 @@ impl Db {
                     )
                     .await
                     .map_err(pg)?;
-                    Some(sandbox.as_str().to_string())
                 }
-                OpOutcome::Failed(_) => None,
-            };
-            c.execute(
-                "UPDATE operations SET status = $2, outcome = $3, finished_at = now(),
-                    sandbox = coalesce(sandbox, $4)
-                 WHERE id = $1 AND pod = $5 AND status = 'pending'",
-                &[&operation, &status, &json, &sandbox, &pod.as_str()],
-            )
-            .await
-            .map_err(pg)?;
-            Ok::<(), ClusterError>(())
+                OpOutcome::Failed(_) => {}
+            }
+            Ok(())
         }
         .await;
         match result {
@@ -360,6 +386,30 @@ impl Db {
         };
         let row = row.ok_or_else(|| ClusterError::Postgres(format!("operation {id} vanished")))?;
         Ok((row, inserted == 1))
+    }
+
+    /// The `kind` operation on `sandbox` journaled with `key` (the
+    /// sandbox's tenant's: a key names one operation per tenant, and this
+    /// one names its sandbox too).
+    pub async fn operation_by_key(
+        &self,
+        key: &str,
+        kind: &str,
+        sandbox: &SandboxId,
+    ) -> Result<Option<OpRow>, ClusterError> {
+        let c = self.client().await?;
+        let row = c
+            .query_opt(
+                "SELECT id FROM operations
+                 WHERE idempotency_key = $1 AND kind = $2 AND sandbox = $3",
+                &[&key, &kind, &sandbox.as_str()],
+            )
+            .await
+            .map_err(pg)?;
+        match row {
+            Some(r) => self.operation(r.get::<_, &str>(0)).await,
+            None => Ok(None),
+        }
     }
 
     pub async fn operation(&self, id: &str) -> Result<Option<OpRow>, ClusterError> {

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream;
+use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
 
 use super::db::Db;
@@ -41,9 +41,14 @@ async fn consume(js: &jetstream::Context, db: &Db) -> Result<(), ClusterError> {
             Err(Handled::Rejected(why)) => {
                 tracing::warn!(subject = %message.subject, %why, "pod event rejected");
             }
-            // Left unacked: delivered again.
+            // Not acked: delivered again in a second (PostgreSQL may be
+            // back by then).
             Err(Handled::Failed(e)) => {
                 tracing::warn!(error = %e, "pod event not written; it comes again");
+                let again = AckKind::Nak(Some(Duration::from_secs(1)));
+                if let Err(e) = message.ack_with(again).await {
+                    tracing::warn!(error = %e, "pod event nak");
+                }
                 continue;
             }
         }

@@ -170,8 +170,12 @@ async fn work<S: SandboxApi>(
             .unwrap_or_else(|p| p.into_inner())
             .insert(item.operation.clone())
         {
-            // Delivered again while it runs here: not yet.
-            let _ = message.ack_with(AckKind::Progress).await;
+            // Delivered again while it runs here: again in a few seconds
+            // (then its journaled outcome is published and it is acked),
+            // not left unacked until the ack wait.
+            let _ = message
+                .ack_with(AckKind::Nak(Some(Duration::from_secs(2))))
+                .await;
             continue;
         }
         let permit = permits
@@ -195,7 +199,13 @@ async fn work<S: SandboxApi>(
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(operation = %op, error = %e, "operation left for redelivery")
+                    // Delivered again in a second rather than after the
+                    // ack wait (if NATS is back by then).
+                    tracing::warn!(operation = %op, error = %e, "operation left for redelivery");
+                    let again = AckKind::Nak(Some(Duration::from_secs(1)));
+                    if let Err(e) = message.ack_with(again).await {
+                        tracing::warn!(operation = %op, error = %e, "work nak");
+                    }
                 }
             }
             running

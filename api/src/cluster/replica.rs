@@ -28,6 +28,11 @@ use crate::tls::Fingerprint;
 /// headroom, so that replicas placing at once do not all pick the same.
 pub const PLACEMENT_CHOICES: usize = 2;
 
+/// How often a waiting replica reads its operation's row at first, and
+/// for how long (then doubling up to 100 ms).
+const POLL_FAST: Duration = Duration::from_millis(3);
+const POLL_FAST_FOR: Duration = Duration::from_millis(300);
+
 /// The replica.
 #[derive(Debug)]
 pub struct Cluster {
@@ -171,20 +176,29 @@ impl Cluster {
                 )));
             }
         }
-        if fresh {
+        // A retry of an operation still pending publishes its work item
+        // again, to the pod it was placed on: the first request may have
+        // ended (its replica killed, NATS down) between the journal and
+        // the publish. The stream drops a copy within its duplicate window
+        // (the operation id is the message id) and the pod's journal runs
+        // an operation once.
+        if fresh || op.outcome.is_none() {
             let item = WorkItem {
                 operation: op.id.clone(),
                 command,
             };
-            wire::publish(&self.js, wire::work_subject(pod), Some(&op.id), &item).await?;
+            let placed = PodId::new(op.pod.clone());
+            wire::publish(&self.js, wire::work_subject(&placed), Some(&op.id), &item).await?;
         }
         self.wait(op).await
     }
 
-    /// The outcome of `op` once its pod answered, or 202 past the wait.
+    /// The outcome of `op` once its pod answered; past the wait,
+    /// [`ServiceError::Accepted`] (202 with `/v1/operations/{id}`).
     async fn wait(&self, op: OpRow) -> Result<OpOutcome, ServiceError> {
-        let deadline = Instant::now() + self.config.wait;
-        let mut pause = Duration::from_millis(5);
+        let started = Instant::now();
+        let deadline = started + self.config.wait;
+        let mut pause = POLL_FAST;
         loop {
             if let Some(row) = self.db.operation(&op.id).await? {
                 if let Some(outcome) = row.outcome {
@@ -192,19 +206,22 @@ impl Cluster {
                 }
             }
             if Instant::now() >= deadline {
-                return Err(ServiceError::Pod {
-                    status: 504,
-                    code: code::TIMEOUT.into(),
-                    message: format!(
-                        "operation {} ({} on pod {}) has no result after {:?}; it may still \
-                         complete: GET /v1/operations/{} (a retry with the same \
-                         Idempotency-Key waits for it again)",
-                        op.id, op.kind, op.pod, self.config.wait, op.id
-                    ),
+                // It goes on: 202 with the operation to poll (a retry with
+                // the same Idempotency-Key waits for it again).
+                return Err(ServiceError::Accepted {
+                    operation: op.id,
+                    kind: op.kind,
+                    sandbox: op.sandbox,
+                    pod: op.pod,
                 });
             }
             tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(100));
+            // Most commands finish within the first period: polled every
+            // POLL_FAST (a primary-key read) so that the answer waits at
+            // most that long for it; then less and less often.
+            if started.elapsed() >= POLL_FAST_FOR {
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
         }
     }
 
@@ -226,9 +243,25 @@ impl Cluster {
         make: fn(SandboxId) -> Command,
     ) -> Result<OpOutcome, ServiceError> {
         self.block(async {
-            let (sandbox, pod) = self.owned_up(id).await?;
+            let command = make(id.clone());
+            let (sandbox, pod) = match self.owned_up(id).await {
+                Ok(owned) => owned,
+                Err(e @ ServiceError::NotFound { .. }) => {
+                    // A retry of a delete that removed it: the first
+                    // outcome (by its Idempotency-Key), not a 404.
+                    let Some(key) = crate::request_context::idempotency_key() else {
+                        return Err(e);
+                    };
+                    let first = self.db.operation_by_key(&key, command.kind(), id).await?;
+                    return match first {
+                        Some(op) => self.wait(op).await,
+                        None => Err(e),
+                    };
+                }
+                Err(e) => return Err(e),
+            };
             let tenant = sandbox.tenant.clone().unwrap_or_default();
-            self.run(&pod.id, &tenant, make(id.clone())).await
+            self.run(&pod.id, &tenant, command).await
         })
     }
 

@@ -255,6 +255,56 @@ pub async fn durable_messages(
     }))
 }
 
+/// What one stream holds now: messages stored (a work queue keeps only
+/// those not acked yet) and, per consumer, those not delivered yet and
+/// those delivered but not acked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Backlog {
+    pub stream: String,
+    pub messages: u64,
+    /// (consumer, not delivered, delivered and unacked)
+    pub consumers: Vec<(String, u64, usize)>,
+}
+
+impl Backlog {
+    /// Nothing left for a consumer: none undelivered, none unacked. (The
+    /// stream's own count may stay above 0 after nats-server was killed:
+    /// a work queue's removal of acked messages is not synced at once, so
+    /// a crash can keep messages its consumer's ack floor has passed.)
+    pub fn is_empty(&self) -> bool {
+        self.consumers.iter().all(|c| c.1 == 0 && c.2 == 0)
+    }
+}
+
+/// The backlog of both streams (operators and the chaos checks: nothing
+/// is left unacked once the cluster is quiet).
+pub async fn backlog(js: &jetstream::Context) -> Result<Vec<Backlog>, ClusterError> {
+    use futures_util::TryStreamExt;
+    let nats = |e: &dyn std::fmt::Display| ClusterError::Nats(e.to_string());
+    let mut all = Vec::new();
+    for name in [WORK_STREAM, EVENTS_STREAM] {
+        let mut s = js.get_stream(name).await.map_err(|e| nats(&e))?;
+        let messages = s.info().await.map_err(|e| nats(&e))?.state.messages;
+        let mut consumers = Vec::new();
+        let mut list = s.consumers();
+        while let Some(c) = list.try_next().await.map_err(|e| nats(&e))? {
+            consumers.push((c.name, c.num_pending, c.num_ack_pending));
+        }
+        all.push(Backlog {
+            stream: name.to_string(),
+            messages,
+            consumers,
+        });
+    }
+    Ok(all)
+}
+
+/// [`backlog`] of the server at `url`, on a connection of its own.
+pub async fn backlog_at(url: &str) -> Result<Vec<Backlog>, ClusterError> {
+    let js = jetstream::new(super::connect_nats(url).await?);
+    backlog(&js).await
+}
+
 /// Publishes `value` on `subject` and waits for the stream's ack;
 /// `msg_id` deduplicates a republish.
 pub async fn publish<T: Serialize>(

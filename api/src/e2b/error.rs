@@ -54,8 +54,15 @@ impl E2bError {
 /// torpor's status mapping (see the table in `lib.rs`), E2B's shape.
 impl From<ApiError> for E2bError {
     fn from(e: ApiError) -> Self {
+        // E2B's SDKs cannot poll an operation: a command still running
+        // past the wait is their timeout.
+        let status = if e.operation.is_some() {
+            StatusCode::GATEWAY_TIMEOUT
+        } else {
+            e.status
+        };
         E2bError {
-            code: e.status.as_u16(),
+            code: status.as_u16(),
             message: e.message,
             retry_after: e.retry_after,
         }

@@ -210,6 +210,17 @@ pub enum ServiceError {
         /// Seconds after which asking again is worth it.
         retry_after_s: u64,
     },
+    /// Accepted, not finished yet: a cluster's command whose pod has not
+    /// answered within the replica's wait. It goes on; its operation
+    /// (`GET /v1/operations/{operation}`) gives the outcome. 202 with
+    /// `Location`.
+    #[error("operation {operation} ({kind} on pod {pod}) is still running: GET /v1/operations/{operation}")]
+    Accepted {
+        operation: String,
+        kind: String,
+        sandbox: Option<String>,
+        pod: String,
+    },
     /// A body or upload over its limit (413).
     #[error("{0}")]
     TooLarge(String),

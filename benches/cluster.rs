@@ -1,0 +1,317 @@
+//! Cluster throughput: creates/s and wakes/s through two API replicas and
+//! two pods (`scripts/cluster`: PostgreSQL, nats-server, `torpor pod serve
+//! --cluster` ×2, `torpor serve --cluster` ×2, on loopback) against the
+//! embedded single `torpor serve` on the same machine, and the latency the
+//! queue adds (p50/p99 of one client's create and wake, cluster minus
+//! embedded), as a table.
+//!
+//! - creates/s: `--threads` clients create the probe template for
+//!   `--secs`, alternating replicas; one thread deletes behind them.
+//! - wakes/s: `--threads` × 2 sandboxes hibernated, then woken all at once
+//!   by the clients; rounds (hibernate untimed, wake timed) until the wake
+//!   phases add up to `--secs`.
+//! - latency: `--samples` sequential create → hibernate → wake → delete by
+//!   one client.
+//!
+//! `cargo bench --bench cluster [-- --secs S --threads T --samples N]`
+//! (defaults 5 s, 4 threads, 20 samples). Needs PostgreSQL and nats-server
+//! (`.ci/run` installs them); under `cargo test` (no `--bench`) nothing
+//! runs. The machine is shared: compare the columns of one run. Every
+//! process the bench starts is stopped at its end, also on a panic.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Mutex};
+use std::time::{Duration, Instant};
+
+use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
+use serde_json::Value;
+
+mod common;
+#[path = "../tests/common/mod.rs"]
+mod tests_common;
+
+use common::percentile;
+use common::serve::{Serve, Started, TOKEN};
+use tests_common::cluster::Cluster;
+use tests_common::http::{try_request_with, HttpResponse};
+
+const LIMIT: Duration = Duration::from_secs(120);
+const CREATE: &str = r#"{"template":"probe"}"#;
+
+struct Opts {
+    secs: f64,
+    threads: usize,
+    samples: usize,
+}
+
+fn opts(args: &[String]) -> Opts {
+    let mut o = Opts {
+        secs: 5.0,
+        threads: 4,
+        samples: 20,
+    };
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = |name: &str| -> f64 {
+            it.next()
+                .and_then(|v| v.parse::<f64>().ok())
+                .filter(|v| *v > 0.0)
+                .unwrap_or_else(|| {
+                    eprintln!("cluster bench: {name} needs a positive number");
+                    std::process::exit(2)
+                })
+        };
+        match a.as_str() {
+            "--secs" => o.secs = value("--secs"),
+            "--threads" => o.threads = value("--threads") as usize,
+            "--samples" => o.samples = value("--samples") as usize,
+            _ => {} // --bench and whatever cargo passes
+        }
+    }
+    o.threads = o.threads.max(1);
+    o.samples = o.samples.max(1);
+    o
+}
+
+/// Where the clients send requests: one server, or two replicas.
+struct Target {
+    addrs: Vec<String>,
+    token: String,
+}
+
+impl Target {
+    /// `METHOD path` on server `i` (modulo how many there are).
+    fn call(&self, i: usize, method: &str, path: &str, body: Option<&str>) -> HttpResponse {
+        let auth = format!("Bearer {}", self.token);
+        let addr = &self.addrs[i % self.addrs.len()];
+        try_request_with(addr, method, path, &[("Authorization", &auth)], body, LIMIT)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// A call that must answer `want`; its body.
+    fn expect(&self, i: usize, want: u16, method: &str, path: &str, body: Option<&str>) -> Value {
+        let r = self.call(i, method, path, body);
+        assert_eq!(r.status, want, "{method} {path}: {}", r.body);
+        if r.body.trim().is_empty() {
+            Value::Null
+        } else {
+            r.json()
+        }
+    }
+
+    /// Creates one sandbox, retrying admission refusals (429) for a minute.
+    fn create(&self, i: usize) -> String {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let r = self.call(i, "POST", "/v1/sandboxes", Some(CREATE));
+            match r.status {
+                201 => return r.json()["id"].as_str().unwrap().to_string(),
+                429 if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+                _ => panic!("create: {} {}", r.status, r.body),
+            }
+        }
+    }
+
+    fn delete(&self, i: usize, id: &str) {
+        self.expect(i, 204, "DELETE", &format!("/v1/sandboxes/{id}"), None);
+    }
+
+    fn hibernate(&self, i: usize, id: &str) {
+        let path = format!("/v1/sandboxes/{id}/hibernate");
+        let v = self.expect(i, 200, "POST", &path, None);
+        assert_eq!(v["sandbox"]["state"], "hibernated", "{v}");
+    }
+
+    fn wake(&self, i: usize, id: &str) {
+        let v = self.expect(i, 200, "POST", &format!("/v1/sandboxes/{id}/connect"), None);
+        assert_eq!(v["resumed"], true, "{v}");
+    }
+}
+
+/// What one target measured.
+#[derive(Default)]
+struct Figures {
+    creates_per_s: f64,
+    wakes_per_s: f64,
+    create_ms: Vec<f64>,
+    wake_ms: Vec<f64>,
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1000.0
+}
+
+/// Creates by `threads` clients for `secs`, one thread deleting behind.
+fn creates_per_s(t: &Target, o: &Opts) -> f64 {
+    let (tx, rx) = mpsc::channel::<String>();
+    let made = AtomicUsize::new(0);
+    let started = Instant::now();
+    let span = Duration::from_secs_f64(o.secs);
+    let elapsed = std::thread::scope(|s| {
+        let deleter = s.spawn(move || {
+            for (i, id) in rx.iter().enumerate() {
+                t.delete(i, &id);
+            }
+        });
+        let clients: Vec<_> = (0..o.threads)
+            .map(|c| {
+                let tx = tx.clone();
+                let made = &made;
+                s.spawn(move || {
+                    while started.elapsed() < span {
+                        tx.send(t.create(c)).unwrap();
+                        made.fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        drop(tx);
+        for c in clients {
+            c.join().unwrap();
+        }
+        let elapsed = started.elapsed();
+        deleter.join().unwrap();
+        elapsed
+    });
+    made.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64()
+}
+
+/// Wakes of `threads` × 2 hibernated sandboxes by `threads` clients, in
+/// rounds, until the timed wake phases add up to `secs`.
+fn wakes_per_s(t: &Target, o: &Opts) -> f64 {
+    let ids: Vec<String> = (0..o.threads * 2).map(|i| t.create(i)).collect();
+    let mut woken = 0usize;
+    let mut timed = Duration::ZERO;
+    while timed.as_secs_f64() < o.secs {
+        for (i, id) in ids.iter().enumerate() {
+            t.hibernate(i, id);
+        }
+        let queue = Mutex::new(ids.clone());
+        let started = Instant::now();
+        std::thread::scope(|s| {
+            for c in 0..o.threads {
+                let queue = &queue;
+                s.spawn(move || loop {
+                    let Some(id) = queue.lock().unwrap().pop() else {
+                        return;
+                    };
+                    t.wake(c, &id);
+                });
+            }
+        });
+        timed += started.elapsed();
+        woken += ids.len();
+    }
+    for (i, id) in ids.iter().enumerate() {
+        t.delete(i, id);
+    }
+    woken as f64 / timed.as_secs_f64()
+}
+
+/// One client's create and wake latencies, `samples` of each.
+fn latencies(t: &Target, o: &Opts, f: &mut Figures) {
+    for i in 0..o.samples {
+        let started = Instant::now();
+        let id = t.create(i);
+        f.create_ms.push(ms(started));
+        t.hibernate(i + 1, &id);
+        let started = Instant::now();
+        t.wake(i, &id);
+        f.wake_ms.push(ms(started));
+        t.delete(i + 1, &id);
+    }
+}
+
+fn measure(name: &str, t: &Target, o: &Opts) -> Figures {
+    let mut f = Figures::default();
+    eprintln!("cluster bench: {name}: latency, {} samples", o.samples);
+    latencies(t, o, &mut f);
+    eprintln!("cluster bench: {name}: creates/s, {} clients", o.threads);
+    f.creates_per_s = creates_per_s(t, o);
+    eprintln!("cluster bench: {name}: wakes/s, {} clients", o.threads);
+    f.wakes_per_s = wakes_per_s(t, o);
+    let left = t.expect(0, 200, "GET", "/v1/sandboxes", None);
+    assert_eq!(
+        left["sandboxes"].as_array().map(Vec::len),
+        Some(0),
+        "{left}"
+    );
+    f
+}
+
+fn embedded(o: &Opts) -> Figures {
+    let dir = common::Dir(
+        std::env::temp_dir().join(format!("torpor-bench-cluster-{}", std::process::id())),
+    );
+    let serve = match Serve::start(&dir.0, &[]) {
+        Started::Up(s) => s,
+        Started::Rejected(why) | Started::Failed(why) => panic!("torpor serve: {why}"),
+    };
+    let t = Target {
+        addrs: vec![serve.addr().to_string()],
+        token: TOKEN.to_string(),
+    };
+    measure("embedded", &t, o)
+}
+
+fn cluster(o: &Opts) -> Figures {
+    let c = Cluster::up("bench");
+    let t = Target {
+        addrs: vec![c.api(1), c.api(2)],
+        token: c.token.clone(),
+    };
+    measure("cluster", &t, o)
+}
+
+fn p(v: &[f64], q: f64) -> f64 {
+    percentile(v, q)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if !args.iter().any(|a| a == "--bench") {
+        println!(
+            "cluster bench: run with `cargo bench --bench cluster` (it starts PostgreSQL, \
+             nats-server, two pods and two replicas)"
+        );
+        return;
+    }
+    let o = opts(&args);
+    let e = embedded(&o);
+    let c = cluster(&o);
+    let mut table = Table::new();
+    table.load_style(UTF8_FULL_CONDENSED);
+    table.set_header(vec![
+        "".to_string(),
+        "embedded (1 torpor serve)".to_string(),
+        "cluster (2 replicas, 2 pods)".to_string(),
+        "queue adds".to_string(),
+    ]);
+    let rate = |v: f64| format!("{v:.1}");
+    table.add_row(vec![
+        format!("creates/s ({} clients, {} s)", o.threads, o.secs),
+        rate(e.creates_per_s),
+        rate(c.creates_per_s),
+        String::new(),
+    ]);
+    table.add_row(vec![
+        format!("wakes/s ({} clients)", o.threads),
+        rate(e.wakes_per_s),
+        rate(c.wakes_per_s),
+        String::new(),
+    ]);
+    for (what, ev, cv) in [
+        ("create", &e.create_ms, &c.create_ms),
+        ("wake", &e.wake_ms, &c.wake_ms),
+    ] {
+        for (label, q) in [("p50", 0.5), ("p99", 0.99)] {
+            table.add_row(vec![
+                format!("{what} {label}, ms (1 client)"),
+                format!("{:.1}", p(ev, q)),
+                format!("{:.1}", p(cv, q)),
+                format!("{:+.1}", p(cv, q) - p(ev, q)),
+            ]);
+        }
+    }
+    println!("{table}");
+}

@@ -1,0 +1,439 @@
+//! The cluster under faults (`tests/cluster_chaos.rs` with a few,
+//! `benches/cluster_chaos.rs` with ≥ 100): clients run creates,
+//! hibernates, wakes and deletes with idempotency keys through random
+//! replicas while a driver injects faults (kill -9 of a replica, a pod or
+//! nats-server; a restart of PostgreSQL), each followed by a restart of
+//! what it hit. Then the checks: every operation acknowledged to a client
+//! is reflected in the final state; no sandbox exists twice; no VMM runs
+//! that no pod accounts for; no JetStream message is left unacked.
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::cluster::Cluster;
+use super::http::HttpResponse;
+
+/// The pods run no standby pool (every VMM is a sandbox's, so VMMs can be
+/// counted against sandboxes) and no idle policy (states change only by
+/// the clients' commands).
+pub const POD_ARGS: &str = "--policy-interval-ms 0 --standby-pool 0";
+/// An operation gets a definite answer within this, retries included
+/// (a pod's unacked work item comes again after the consumer's 60 s).
+const ANSWER_LIMIT: Duration = Duration::from_secs(240);
+/// Each request's own limit.
+const REQUEST_LIMIT: Duration = Duration::from_secs(60);
+/// Sandboxes a client keeps at most.
+const MAX_LIVE: usize = 4;
+
+pub const KINDS: [&str; 4] = ["replica", "pod", "nats", "postgres"];
+
+/// What to run.
+pub struct Chaos {
+    pub faults: usize,
+    pub clients: usize,
+    pub seed: u64,
+    /// Pause between faults, ms (a random one in this range).
+    pub pause_ms: (u64, u64),
+}
+
+/// What happened and what the checks found.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub attempted: usize,
+    pub acknowledged: usize,
+    pub retried: usize,
+    /// Operations whose definite answer was an error (not acknowledged).
+    pub refused: usize,
+    pub faults: BTreeMap<&'static str, usize>,
+    /// Acknowledged operations the final state does not reflect.
+    pub lost: Vec<String>,
+    /// Sandboxes more than once (on two pods, or a create made twice).
+    pub doubled: Vec<String>,
+    /// VMMs no pod accounts for, and sandboxes a pod says run without one.
+    pub stray_vmms: Vec<String>,
+    /// JetStream messages left unacked.
+    pub unacked: Vec<String>,
+    pub elapsed: Duration,
+}
+
+impl Report {
+    pub fn table(&self) -> String {
+        let mut t = comfy_table::Table::new();
+        t.load_style(comfy_table::presets::UTF8_FULL_CONDENSED);
+        t.set_header(vec!["chaos", "count"]);
+        let mut row = |k: String, v: usize| {
+            t.add_row(vec![k, v.to_string()]);
+        };
+        row("operations attempted".into(), self.attempted);
+        row("acknowledged".into(), self.acknowledged);
+        row("retried (requests)".into(), self.retried);
+        row("answered with an error".into(), self.refused);
+        for kind in KINDS {
+            row(
+                format!("faults: {kind}"),
+                self.faults.get(kind).copied().unwrap_or(0),
+            );
+        }
+        row("lost (must be 0)".into(), self.lost.len());
+        row("doubled sandboxes".into(), self.doubled.len());
+        row("unaccounted VMMs".into(), self.stray_vmms.len());
+        row("unacked JetStream messages".into(), self.unacked.len());
+        let mut text = format!("{t}\nin {:.0} s\n", self.elapsed.as_secs_f64());
+        for (what, list) in [
+            ("lost", &self.lost),
+            ("doubled", &self.doubled),
+            ("unaccounted VMM", &self.stray_vmms),
+            ("unacked", &self.unacked),
+        ] {
+            for item in list {
+                text.push_str(&format!("{what}: {item}\n"));
+            }
+        }
+        text
+    }
+}
+
+/// xorshift64*: enough randomness for a workload, reproducible by seed.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.max(1))
+    }
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// A seed from the clock, printed so a run can be repeated.
+pub fn seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64)
+        ^ u64::from(std::process::id())
+}
+
+/// What a client believes of one of its sandboxes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Known {
+    Running,
+    Hibernated,
+    Deleted,
+    /// Its last operation was answered with an error: read it again.
+    Unknown,
+    /// Read again and found failed or paused: deleted next.
+    Other,
+}
+
+#[derive(Default)]
+struct Counters {
+    attempted: AtomicUsize,
+    acknowledged: AtomicUsize,
+    retried: AtomicUsize,
+    refused: AtomicUsize,
+}
+
+/// One client's sandboxes (what it believes of each, and whether that
+/// is an acknowledged operation's outcome rather than a read) and the
+/// creates whose answer was an error (each may or may not have made one).
+#[derive(Default)]
+struct Model {
+    sandboxes: BTreeMap<String, (Known, bool)>,
+    uncertain_creates: usize,
+}
+
+/// Sends one operation until it has a definite answer: a connection that
+/// failed, a 202 (still running), 429, 502, 503 and 504 are retried with
+/// the same `Idempotency-Key` through a random replica.
+fn definite(
+    c: &Cluster,
+    rng: &mut Rng,
+    counters: &Counters,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    body: Option<&str>,
+) -> HttpResponse {
+    let started = Instant::now();
+    let mut tries = 0u32;
+    loop {
+        if tries > 0 {
+            counters.retried.fetch_add(1, Ordering::Relaxed);
+            let pause = 100 * u64::from(tries.min(10));
+            std::thread::sleep(Duration::from_millis(pause));
+        }
+        tries += 1;
+        let n = 1 + rng.below(2) as u16;
+        let headers: Vec<(&str, &str)> = key.map(|k| ("Idempotency-Key", k)).into_iter().collect();
+        let last = match c.try_call(n, method, path, &headers, body, REQUEST_LIMIT) {
+            Ok(r) if !matches!(r.status, 202 | 429 | 502 | 503 | 504) => return r,
+            Ok(r) => format!("{} {}", r.status, r.body),
+            Err(e) => e,
+        };
+        assert!(
+            started.elapsed() < ANSWER_LIMIT,
+            "{method} {path} (key {key:?}) has no definite answer after {ANSWER_LIMIT:?}: {last}"
+        );
+    }
+}
+
+/// One client's workload until `stop`.
+fn client(c: &Cluster, n: usize, seed: u64, stop: &AtomicBool, counters: &Counters) -> Model {
+    let mut rng = Rng::new(seed);
+    let mut model = Model::default();
+    let mut op = 0usize;
+    while !stop.load(Ordering::Relaxed) {
+        op += 1;
+        let key = format!("chaos-{seed:x}-{n}-{op}");
+        let live: Vec<(String, Known)> = model
+            .sandboxes
+            .iter()
+            .filter(|(_, (k, _))| *k != Known::Deleted)
+            .map(|(id, (k, _))| (id.clone(), *k))
+            .collect();
+        if live.len() < 2 || (live.len() < MAX_LIVE && rng.below(4) == 0) {
+            counters.attempted.fetch_add(1, Ordering::Relaxed);
+            let body = Some(r#"{"template":"probe"}"#);
+            let r = definite(
+                c,
+                &mut rng,
+                counters,
+                "POST",
+                "/v1/sandboxes",
+                Some(&key),
+                body,
+            );
+            if r.status == 201 {
+                let id = r.json()["id"].as_str().unwrap().to_string();
+                counters.acknowledged.fetch_add(1, Ordering::Relaxed);
+                model.sandboxes.insert(id, (Known::Running, true));
+            } else {
+                counters.refused.fetch_add(1, Ordering::Relaxed);
+                model.uncertain_creates += 1;
+            }
+            continue;
+        }
+        let (id, known) = &live[rng.below(live.len() as u64) as usize];
+        let path = format!("/v1/sandboxes/{id}");
+        if *known == Known::Unknown {
+            // Read it again (not an operation).
+            let r = definite(c, &mut rng, counters, "GET", &path, None, None);
+            let state = (r.status == 200).then(|| r.json()["state"].clone());
+            let now = match (r.status, state.as_ref().and_then(Value::as_str)) {
+                (404, _) => Known::Deleted,
+                (200, Some("running")) => Known::Running,
+                (200, Some("hibernated")) => Known::Hibernated,
+                // Failed, paused, or between states: delete it next.
+                _ => Known::Other,
+            };
+            model.sandboxes.insert(id.clone(), (now, false));
+            continue;
+        }
+        counters.attempted.fetch_add(1, Ordering::Relaxed);
+        let delete = *known == Known::Other || rng.below(5) == 0;
+        let (method, path, want, after) = match (known, delete) {
+            (_, true) => ("DELETE", path, 204, Known::Deleted),
+            (Known::Running, false) => {
+                ("POST", format!("{path}/hibernate"), 200, Known::Hibernated)
+            }
+            _ => ("POST", format!("{path}/connect"), 200, Known::Running),
+        };
+        let r = definite(c, &mut rng, counters, method, &path, Some(&key), None);
+        // A retry answers the first outcome: a delete retried after its
+        // first attempt removed the sandbox is 204 too, not 404.
+        if r.status == want {
+            counters.acknowledged.fetch_add(1, Ordering::Relaxed);
+            model.sandboxes.insert(id.clone(), (after, true));
+        } else {
+            counters.refused.fetch_add(1, Ordering::Relaxed);
+            model.sandboxes.insert(id.clone(), (Known::Unknown, false));
+        }
+    }
+    model
+}
+
+/// Injects `chaos.faults` faults, each followed by a restart of what it hit.
+fn driver(c: &Cluster, chaos: &Chaos, faults: &Mutex<BTreeMap<&'static str, usize>>) {
+    let mut rng = Rng::new(chaos.seed ^ 0x5eed);
+    let (lo, hi) = chaos.pause_ms;
+    for i in 0..chaos.faults {
+        std::thread::sleep(Duration::from_millis(
+            lo + rng.below(hi.saturating_sub(lo) + 1),
+        ));
+        let kind = KINDS[rng.below(KINDS.len() as u64) as usize];
+        let part = match kind {
+            "replica" => format!("api{}", 1 + rng.below(2)),
+            "pod" => format!("pod{}", 1 + rng.below(2)),
+            other => other.to_string(),
+        };
+        eprintln!("chaos: fault {}/{}: {kind} ({part})", i + 1, chaos.faults);
+        if kind == "postgres" {
+            c.stop("postgres");
+        } else {
+            c.kill(&part);
+        }
+        // Down for a moment, then back.
+        std::thread::sleep(Duration::from_millis(200 + rng.below(800)));
+        c.start(&part);
+        *faults.lock().unwrap().entry(kind).or_default() += 1;
+    }
+}
+
+/// Runs the workload and the faults, then checks the cluster.
+pub fn run(c: &Cluster, chaos: &Chaos) -> Report {
+    let started = Instant::now();
+    let counters = Counters::default();
+    let stop = AtomicBool::new(false);
+    let faults = Mutex::new(BTreeMap::new());
+    let models: Vec<Model> = std::thread::scope(|s| {
+        let clients: Vec<_> = (0..chaos.clients)
+            .map(|n| {
+                let (stop, counters) = (&stop, &counters);
+                let seed = chaos.seed.wrapping_add(n as u64 * 7919);
+                s.spawn(move || client(c, n, seed, stop, counters))
+            })
+            .collect();
+        // The clients stop with the driver, also when it panics.
+        let driven =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| driver(c, chaos, &faults)));
+        stop.store(true, Ordering::Relaxed);
+        let models = clients.into_iter().map(|h| h.join().unwrap()).collect();
+        if let Err(panic) = driven {
+            std::panic::resume_unwind(panic);
+        }
+        models
+    });
+    let mut report = Report {
+        attempted: counters.attempted.load(Ordering::Relaxed),
+        acknowledged: counters.acknowledged.load(Ordering::Relaxed),
+        retried: counters.retried.load(Ordering::Relaxed),
+        refused: counters.refused.load(Ordering::Relaxed),
+        faults: faults.into_inner().unwrap(),
+        ..Report::default()
+    };
+    c.wait_pods(2);
+    check_state(c, &models, &mut report);
+    check_vmms(c, &mut report);
+    report.unacked = c.unacked_messages(Duration::from_secs(30));
+    report.elapsed = started.elapsed();
+    report
+}
+
+/// The sandboxes in PostgreSQL (through a replica).
+fn listed(c: &Cluster) -> BTreeMap<String, Value> {
+    let r = c.call(1, "GET", "/v1/sandboxes", None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["id"].as_str().unwrap().to_string(), s.clone()))
+        .collect()
+}
+
+/// Acknowledged states against the final one; sandboxes twice.
+fn check_state(c: &Cluster, models: &[Model], report: &mut Report) {
+    let listed = listed(c);
+    let mut known = BTreeSet::new();
+    for model in models {
+        for (id, (k, acknowledged)) in &model.sandboxes {
+            known.insert(id.clone());
+            let state = listed.get(id).and_then(|s| s["state"].as_str());
+            let ok = !acknowledged
+                || match k {
+                    Known::Running => state == Some("running"),
+                    Known::Hibernated => state == Some("hibernated"),
+                    Known::Deleted => state.is_none(),
+                    Known::Unknown | Known::Other => true,
+                };
+            if !ok {
+                report
+                    .lost
+                    .push(format!("sandbox {id}: acknowledged {k:?}, final {state:?}"));
+            }
+        }
+    }
+    // Each pod's own sandboxes: none on two pods; none the clients do not
+    // know beyond the creates answered with an error.
+    let mut on: BTreeMap<String, Vec<u16>> = BTreeMap::new();
+    for pod in [1, 2] {
+        for s in c.pod_sandboxes(pod) {
+            on.entry(s["id"].as_str().unwrap().to_string())
+                .or_default()
+                .push(pod);
+        }
+    }
+    for (id, pods) in &on {
+        if pods.len() > 1 {
+            report.doubled.push(format!("{id} on pods {pods:?}"));
+        }
+    }
+    let unknown: Vec<&String> = on.keys().filter(|id| !known.contains(*id)).collect();
+    let uncertain: usize = models.iter().map(|m| m.uncertain_creates).sum();
+    if unknown.len() > uncertain {
+        report.doubled.push(format!(
+            "{} sandboxes no client made ({unknown:?}), {uncertain} creates answered with an error",
+            unknown.len()
+        ));
+    }
+}
+
+/// Every VMM under the cluster's directory is a running or paused sandbox
+/// of the pod it belongs to, and every such sandbox has one. Pods restart
+/// and re-attach: a few tries.
+fn check_vmms(c: &Cluster, report: &mut Report) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut problems = Vec::new();
+        let vmms = c.vmms();
+        for pod in [1u16, 2] {
+            let live: BTreeSet<String> = c
+                .pod_sandboxes(pod)
+                .iter()
+                .filter(|s| matches!(s["state"].as_str(), Some("running" | "paused")))
+                .map(|s| s["id"].as_str().unwrap().to_string())
+                .collect();
+            // A jailed VMM runs under its supervisor (a torpor-vmm too):
+            // one VMM per sandbox is one process tree.
+            let mut running: BTreeMap<String, Vec<(u32, u32)>> = BTreeMap::new();
+            for v in vmms.iter().filter(|v| v.pod == pod) {
+                running
+                    .entry(v.sandbox.clone())
+                    .or_default()
+                    .push((v.pid, v.ppid));
+            }
+            for (id, procs) in &running {
+                let roots: Vec<u32> = procs
+                    .iter()
+                    .filter(|(_, ppid)| !procs.iter().any(|(p, _)| p == ppid))
+                    .map(|(p, _)| *p)
+                    .collect();
+                if !live.contains(id) || roots.len() > 1 {
+                    problems.push(format!(
+                        "pod{pod}: VMM(s) {roots:?} of {id}; running there: {}",
+                        live.contains(id)
+                    ));
+                }
+            }
+            for id in live.iter().filter(|id| !running.contains_key(*id)) {
+                problems.push(format!("pod{pod}: sandbox {id} runs without a VMM"));
+            }
+        }
+        if problems.is_empty() || Instant::now() >= deadline {
+            report.stray_vmms = problems;
+            return;
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
