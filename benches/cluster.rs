@@ -240,10 +240,8 @@ fn measure(name: &str, t: &Target, o: &Opts) -> Figures {
 }
 
 fn embedded(o: &Opts) -> Figures {
-    let dir = common::Dir(
-        std::env::temp_dir().join(format!("torpor-bench-cluster-{}", std::process::id())),
-    );
-    let serve = match Serve::start(&dir.0, &[]) {
+    let dir = tempfile::tempdir().expect("scratch dir");
+    let serve = match Serve::start(dir.path(), &[]) {
         Started::Up(s) => s,
         Started::Rejected(why) | Started::Failed(why) => panic!("torpor serve: {why}"),
     };
