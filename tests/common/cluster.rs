@@ -118,10 +118,8 @@ impl Cluster {
         headers: &[(&str, &str)],
         body: Option<&str>,
     ) -> HttpResponse {
-        let auth = format!("Bearer {}", self.token);
-        let mut all = vec![("Authorization", auth.as_str())];
-        all.extend_from_slice(headers);
-        super::http::request_with(&self.api(n), method, path, &all, body)
+        self.try_call(n, method, path, headers, body, Duration::from_secs(120))
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// `METHOD path` on replica `n` with these headers (the bearer token
