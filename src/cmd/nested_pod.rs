@@ -150,11 +150,28 @@ pub fn start(
                 TEMPLATE,
                 Some("the nested host is booting (step 5 of 5)".into()),
             );
-            let mut running = match host.start(&script(&fingerprint), &[POD_PORT]) {
-                Ok(r) => r,
-                Err(e) => return fail(&federation, format!("cannot start the nested host: {e}")),
+            let mut attempt = 1;
+            let (mut running, up) = loop {
+                let mut running = match host.start(&script(&fingerprint), &[POD_PORT]) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        return fail(&federation, format!("cannot start the nested host: {e}"))
+                    }
+                };
+                match bring_up(&federation, &mut running, &token, fingerprint, &id_file) {
+                    Err(BringUp::Wedged(line)) if attempt < BOOT_ATTEMPTS => {
+                        // QEMU ends with `running`; the next boot is fresh.
+                        eprintln!(
+                            "torpor serve: the nested host's kernel wedged before its pod \
+                             answered ({line}); booting it again (attempt {} of {BOOT_ATTEMPTS})",
+                            attempt + 1
+                        );
+                        attempt += 1;
+                    }
+                    up => break (running, up.map_err(BringUp::into_message)),
+                }
             };
-            match bring_up(&federation, &mut running, &token, fingerprint, &id_file) {
+            match up {
                 Ok(pod) => {
                     federation.template_coming(TEMPLATE, None);
                     println!(
@@ -422,6 +439,49 @@ pub fn forget_previous(federation: &Federation<Service>, data_dir: &Path) {
     let _ = std::fs::remove_file(file);
 }
 
+/// Boots of the nested host before its pod answers: L1's kernel, running
+/// kvm_amd under QEMU's TCG, now and then locks up for good while the pod
+/// starts (its console says `soft lockup` within a minute); a fresh boot
+/// gets past it.
+const BOOT_ATTEMPTS: u32 = 3;
+
+/// How a bring-up failed: L1's kernel locked up before the pod answered
+/// (worth another boot), or anything else.
+enum BringUp {
+    Wedged(String),
+    Failed(String),
+}
+
+impl BringUp {
+    fn into_message(self) -> String {
+        match self {
+            BringUp::Wedged(line) => format!("the nested host's kernel locked up: {line}"),
+            BringUp::Failed(message) => message,
+        }
+    }
+}
+
+impl From<String> for BringUp {
+    fn from(message: String) -> Self {
+        BringUp::Failed(message)
+    }
+}
+
+impl From<&str> for BringUp {
+    fn from(message: &str) -> Self {
+        BringUp::Failed(message.to_string())
+    }
+}
+
+/// The console line saying L1's kernel locked up, if it did.
+fn lockup(running: &RunningHost) -> Option<String> {
+    running
+        .console_tail()
+        .lines()
+        .find(|l| l.contains("BUG: soft lockup") || l.contains("detected stalls on CPUs"))
+        .map(str::to_string)
+}
+
 /// Waits for the pod to answer, registers it, then waits for its template.
 fn bring_up(
     federation: &Federation<Service>,
@@ -429,7 +489,7 @@ fn bring_up(
     token: &str,
     fingerprint: Fingerprint,
     id_file: &Path,
-) -> Result<PodId, String> {
+) -> Result<PodId, BringUp> {
     let port = running
         .host_port(POD_PORT)
         .ok_or("the nested host has no forwarded port")?;
@@ -438,14 +498,17 @@ fn bring_up(
     let mut last_error = String::new();
     let pod = loop {
         if let Some(status) = running.exited() {
-            return Err(format!(
+            return Err(BringUp::Failed(format!(
                 "the nested host stopped while booting ({status}); last error: {last_error}"
-            ));
+            )));
+        }
+        if let Some(line) = lockup(running) {
+            return Err(BringUp::Wedged(line));
         }
         if started.elapsed() > BOOT_LIMIT {
-            return Err(format!(
+            return Err(BringUp::Failed(format!(
                 "the nested pod did not answer within {BOOT_LIMIT:?}: {last_error}"
-            ));
+            )));
         }
         let req = AddPod {
             address: address.clone(),
@@ -470,26 +533,32 @@ fn bring_up(
     loop {
         let console = running.console_tail();
         if let Some(line) = console.lines().find(|l| l.contains(MARK_FAILED)) {
-            return Err(line.to_string());
+            return Err(line.into());
         }
         if console.contains(MARK_READY) {
             break;
         }
         if let Some(status) = running.exited() {
-            return Err(format!("the nested host stopped ({status})"));
+            return Err(format!("the nested host stopped ({status})").into());
+        }
+        // Registered by now: another boot would be another pod.
+        if let Some(line) = lockup(running) {
+            return Err(BringUp::Failed(format!(
+                "the nested host's kernel locked up while its pod built `{TEMPLATE}`: {line}"
+            )));
         }
         std::thread::sleep(Duration::from_secs(1));
     }
     let entries = federation
         .template_entries()
-        .map_err(|e| format!("cannot list the templates: {e}"))?;
+        .map_err(|e| BringUp::Failed(format!("cannot list the templates: {e}")))?;
     let listed = entries
         .iter()
         .any(|t| t["name"] == TEMPLATE && t["pod"] == pod.as_str());
     if !listed {
-        return Err(format!(
+        return Err(BringUp::Failed(format!(
             "the nested pod built `{TEMPLATE}` but the federation does not list it"
-        ));
+        )));
     }
     Ok(pod)
 }
