@@ -96,8 +96,8 @@ impl Lifecycle {
     }
 }
 
-/// The sandbox service as the API sees it. Mirrors
-/// `torpor_scheduler::service::Service` one method for one.
+/// The sandbox service as the API sees it: `torpor_scheduler::service::Service`'s
+/// calls, the four lifecycle ones as one [`SandboxApi::lifecycle`].
 pub trait SandboxApi: Send + Sync + 'static {
     fn list_templates(&self) -> Result<Vec<Template>, ServiceError>;
     fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError>;
