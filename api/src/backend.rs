@@ -5,6 +5,7 @@
 //! requests, snapshots); the handlers call them through
 //! `tokio::task::spawn_blocking`.
 
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use torpor_scheduler::model::{
     Checkpoint, ExposedPort, PodId, Sandbox, SandboxId, Template, TemplateId,
@@ -52,8 +53,51 @@ fn not_here(pod: &Option<PodId>) -> Result<(), ServiceError> {
     }
 }
 
-/// The sandbox service as the API sees it. Mirrors
-/// `torpor_scheduler::service::Service` one method for one.
+/// A sandbox's lifecycle call: `POST /v1/sandboxes/{id}/<name>`, one
+/// [`SandboxApi::lifecycle`] for all four.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Lifecycle {
+    Pause,
+    Resume,
+    /// Resume or wake, and count as activity.
+    Connect,
+    Hibernate,
+}
+
+impl Lifecycle {
+    pub const ALL: [Lifecycle; 4] = [
+        Lifecycle::Pause,
+        Lifecycle::Resume,
+        Lifecycle::Connect,
+        Lifecycle::Hibernate,
+    ];
+
+    /// Its route's suffix after `/v1/sandboxes/{id}` (what a federation
+    /// forwards to the sandbox's pod).
+    pub fn path(self) -> &'static str {
+        match self {
+            Lifecycle::Pause => "/pause",
+            Lifecycle::Resume => "/resume",
+            Lifecycle::Connect => "/connect",
+            Lifecycle::Hibernate => "/hibernate",
+        }
+    }
+
+    /// The last segment of its route (and its `kind` on the cluster's
+    /// wire).
+    pub fn name(self) -> &'static str {
+        &self.path()[1..]
+    }
+
+    /// The call a route's last segment names.
+    pub fn from_name(name: &str) -> Option<Lifecycle> {
+        Lifecycle::ALL.into_iter().find(|op| op.name() == name)
+    }
+}
+
+/// The sandbox service as the API sees it: `torpor_scheduler::service::Service`'s
+/// calls, the four lifecycle ones as one [`SandboxApi::lifecycle`].
 pub trait SandboxApi: Send + Sync + 'static {
     fn list_templates(&self) -> Result<Vec<Template>, ServiceError>;
     fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError>;
@@ -63,11 +107,7 @@ pub trait SandboxApi: Send + Sync + 'static {
     fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError>;
     fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError>;
     fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError>;
-    fn pause(&self, id: &SandboxId) -> Result<Outcome, ServiceError>;
-    fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError>;
-    /// Resume or wake, and count as activity.
-    fn connect(&self, id: &SandboxId) -> Result<Outcome, ServiceError>;
-    fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError>;
+    fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError>;
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError>;
     fn set_timeout(
         &self,
@@ -305,17 +345,13 @@ impl SandboxApi for Service {
     fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
         Service::list_sandboxes(self, filter)
     }
-    fn pause(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        Service::pause(self, id)
-    }
-    fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        Service::resume(self, id)
-    }
-    fn connect(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        Service::connect(self, id)
-    }
-    fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        Service::hibernate(self, id)
+    fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
+        match op {
+            Lifecycle::Pause => Service::pause(self, id),
+            Lifecycle::Resume => Service::resume(self, id),
+            Lifecycle::Connect => Service::connect(self, id),
+            Lifecycle::Hibernate => Service::hibernate(self, id),
+        }
     }
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
         Service::delete_sandbox(self, id)

@@ -11,7 +11,7 @@ use axum::Json;
 use torpor_scheduler::model::{PodId, SandboxId, SandboxState, TemplateId, TemplateState};
 
 use crate::auth::{forbidden, Principal};
-use crate::backend::SandboxApi;
+use crate::backend::{Lifecycle, SandboxApi};
 use crate::error::ApiError;
 use crate::pagination::{page, Page};
 use crate::quota::Usage;
@@ -306,36 +306,14 @@ pub async fn update_sandbox<S: SandboxApi>(
     Ok(Json(sandbox).into_response())
 }
 
-pub async fn pause_sandbox<S: SandboxApi>(
+/// `POST /v1/sandboxes/{id}/<op>`: pause, resume, connect or hibernate.
+pub async fn lifecycle_sandbox<S: SandboxApi>(
     State(st): Api<S>,
     Path(id): Path<String>,
+    op: Lifecycle,
 ) -> ApiResult<Json<OutcomeBody>> {
     let id = SandboxId::new(id);
-    Ok(Json(call(&st, move |s| s.pause(&id)).await?.into()))
-}
-
-pub async fn resume_sandbox<S: SandboxApi>(
-    State(st): Api<S>,
-    Path(id): Path<String>,
-) -> ApiResult<Json<OutcomeBody>> {
-    let id = SandboxId::new(id);
-    Ok(Json(call(&st, move |s| s.resume(&id)).await?.into()))
-}
-
-pub async fn connect_sandbox<S: SandboxApi>(
-    State(st): Api<S>,
-    Path(id): Path<String>,
-) -> ApiResult<Json<OutcomeBody>> {
-    let id = SandboxId::new(id);
-    Ok(Json(call(&st, move |s| s.connect(&id)).await?.into()))
-}
-
-pub async fn hibernate_sandbox<S: SandboxApi>(
-    State(st): Api<S>,
-    Path(id): Path<String>,
-) -> ApiResult<Json<OutcomeBody>> {
-    let id = SandboxId::new(id);
-    Ok(Json(call(&st, move |s| s.hibernate(&id)).await?.into()))
+    Ok(Json(call(&st, move |s| s.lifecycle(&id, op)).await?.into()))
 }
 
 /// `GET /v1/operations/{id}`: a command's journal entry (a cluster's);

@@ -71,7 +71,7 @@ pub mod tenancy;
 pub mod tls;
 pub mod wire;
 
-pub use backend::SandboxApi;
+pub use backend::{Lifecycle, SandboxApi};
 pub use error::ApiError;
 
 use handlers::AppState;
@@ -248,6 +248,16 @@ pub const ROUTES: &[Route] = &[
     admin("PUT", "/v1/tenants/{tenant}/quota", "setQuota"),
 ];
 
+/// The handler of a lifecycle call, for the given method.
+fn lifecycle<S: SandboxApi>(m: MethodFilter, op: Lifecycle) -> MethodRouter<AppState<S>> {
+    on(
+        m,
+        move |st: handlers::Api<S>, id: axum::extract::Path<String>| {
+            handlers::lifecycle_sandbox(st, id, op)
+        },
+    )
+}
+
 /// The handler of an operation, for the given method.
 fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<AppState<S>> {
     use handlers::*;
@@ -264,10 +274,10 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "getSandbox" => on(m, get_sandbox::<S>),
         "updateSandbox" => on(m, update_sandbox::<S>),
         "deleteSandbox" => on(m, delete_sandbox::<S>),
-        "pauseSandbox" => on(m, pause_sandbox::<S>),
-        "resumeSandbox" => on(m, resume_sandbox::<S>),
-        "connectSandbox" => on(m, connect_sandbox::<S>),
-        "hibernateSandbox" => on(m, hibernate_sandbox::<S>),
+        "pauseSandbox" => lifecycle(m, Lifecycle::Pause),
+        "resumeSandbox" => lifecycle(m, Lifecycle::Resume),
+        "connectSandbox" => lifecycle(m, Lifecycle::Connect),
+        "hibernateSandbox" => lifecycle(m, Lifecycle::Hibernate),
         "listCheckpoints" => on(m, checkpoint_routes::list::<S>),
         "createCheckpoint" => on(m, checkpoint_routes::create::<S>),
         "deleteCheckpoint" => on(m, checkpoint_routes::delete::<S>),

@@ -284,16 +284,11 @@ fn execute<S: SandboxApi>(service: &S, pod: &PodId, command: Command) -> OpOutco
             request.pod = None;
             done(service.create_sandbox(*request).map(|s| (s, false)))
         }
-        Command::Pause { sandbox } => done(service.pause(&sandbox).map(|o| (o.sandbox, o.resumed))),
-        Command::Resume { sandbox } => {
-            done(service.resume(&sandbox).map(|o| (o.sandbox, o.resumed)))
-        }
-        Command::Connect { sandbox } => {
-            done(service.connect(&sandbox).map(|o| (o.sandbox, o.resumed)))
-        }
-        Command::Hibernate { sandbox } => {
-            done(service.hibernate(&sandbox).map(|o| (o.sandbox, o.resumed)))
-        }
+        Command::Lifecycle { sandbox, op } => done(
+            service
+                .lifecycle(&sandbox, op)
+                .map(|o| (o.sandbox, o.resumed)),
+        ),
         Command::Delete { sandbox } => match service.delete_sandbox(&sandbox) {
             Ok(()) => OpOutcome::Deleted { sandbox },
             Err(e) => OpOutcome::Failed(e.into()),

@@ -15,7 +15,7 @@ use torpor_scheduler::service::LOCAL_POD;
 use super::db::{Db, OpRow, PodRow};
 use super::wire::{self, Command, OpOutcome, WorkItem};
 use super::{ClusterConfig, ClusterError};
-use crate::backend::SandboxApi;
+use crate::backend::{Lifecycle, SandboxApi};
 use crate::error::code;
 use crate::federation::RemotePod;
 use crate::service::{
@@ -240,7 +240,7 @@ impl Cluster {
     fn command(
         &self,
         id: &SandboxId,
-        make: fn(SandboxId) -> Command,
+        make: impl FnOnce(SandboxId) -> Command,
     ) -> Result<OpOutcome, ServiceError> {
         self.block(async {
             let command = make(id.clone());
@@ -268,7 +268,7 @@ impl Cluster {
     fn outcome(
         &self,
         id: &SandboxId,
-        make: fn(SandboxId) -> Command,
+        make: impl FnOnce(SandboxId) -> Command,
     ) -> Result<Outcome, ServiceError> {
         let (sandbox, resumed) = Self::sandbox_of(self.command(id, make)?)?;
         Ok(Outcome {
@@ -323,15 +323,11 @@ fn no_catalog() -> ServiceError {
 /// Commands the replica sends through the work queues rather than relays.
 fn is_command(method: &str, path: &str) -> bool {
     let segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
-    matches!(
-        (method, segments.len(), segments.get(4).copied()),
-        ("GET" | "DELETE", 4, _)
-            | (
-                "POST",
-                5,
-                Some("pause" | "resume" | "connect" | "hibernate")
-            )
-    )
+    match (method, segments.len()) {
+        ("GET" | "DELETE", 4) => true,
+        ("POST", 5) => Lifecycle::from_name(segments[4]).is_some(),
+        _ => false,
+    }
 }
 
 impl SandboxApi for Cluster {
@@ -429,17 +425,8 @@ impl SandboxApi for Cluster {
             .collect())
     }
 
-    fn pause(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        self.outcome(id, |sandbox| Command::Pause { sandbox })
-    }
-    fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        self.outcome(id, |sandbox| Command::Resume { sandbox })
-    }
-    fn connect(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        self.outcome(id, |sandbox| Command::Connect { sandbox })
-    }
-    fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        self.outcome(id, |sandbox| Command::Hibernate { sandbox })
+    fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
+        self.outcome(id, |sandbox| Command::Lifecycle { sandbox, op })
     }
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
         match self.command(id, |sandbox| Command::Delete { sandbox })? {

@@ -19,6 +19,7 @@ use torpor_scheduler::model::{PodId, Sandbox, SandboxId};
 use torpor_scheduler::service::{CreateSandbox, ServiceError};
 
 use super::ClusterError;
+use crate::backend::Lifecycle;
 use crate::error::ApiError;
 
 pub const WORK_STREAM: &str = "TORPOR_WORK";
@@ -52,8 +53,45 @@ pub fn valid_pod_id(id: &str) -> bool {
 
 /// A command to one pod.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+#[serde(from = "WireCommand", into = "WireCommand")]
 pub enum Command {
+    Create {
+        request: Box<CreateSandbox>,
+        tenant: String,
+        admin: bool,
+    },
+    Lifecycle {
+        sandbox: SandboxId,
+        op: Lifecycle,
+    },
+    Delete {
+        sandbox: SandboxId,
+    },
+}
+
+impl Command {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Command::Create { .. } => "create",
+            Command::Lifecycle { op, .. } => op.name(),
+            Command::Delete { .. } => "delete",
+        }
+    }
+
+    pub fn sandbox(&self) -> Option<&SandboxId> {
+        match self {
+            Command::Create { .. } => None,
+            Command::Lifecycle { sandbox, .. } | Command::Delete { sandbox } => Some(sandbox),
+        }
+    }
+}
+
+/// [`Command`] as sent and journalled: each lifecycle call its own
+/// `kind`, as before [`Command::Lifecycle`], so pods, API replicas and
+/// queued messages of either build read each other.
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+enum WireCommand {
     Create {
         request: Box<CreateSandbox>,
         tenant: String,
@@ -77,26 +115,47 @@ pub enum Command {
     },
 }
 
-impl Command {
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Command::Create { .. } => "create",
-            Command::Pause { .. } => "pause",
-            Command::Resume { .. } => "resume",
-            Command::Connect { .. } => "connect",
-            Command::Hibernate { .. } => "hibernate",
-            Command::Delete { .. } => "delete",
+impl From<WireCommand> for Command {
+    fn from(wire: WireCommand) -> Command {
+        let lifecycle = |sandbox, op| Command::Lifecycle { sandbox, op };
+        match wire {
+            WireCommand::Create {
+                request,
+                tenant,
+                admin,
+            } => Command::Create {
+                request,
+                tenant,
+                admin,
+            },
+            WireCommand::Pause { sandbox } => lifecycle(sandbox, Lifecycle::Pause),
+            WireCommand::Resume { sandbox } => lifecycle(sandbox, Lifecycle::Resume),
+            WireCommand::Connect { sandbox } => lifecycle(sandbox, Lifecycle::Connect),
+            WireCommand::Hibernate { sandbox } => lifecycle(sandbox, Lifecycle::Hibernate),
+            WireCommand::Delete { sandbox } => Command::Delete { sandbox },
         }
     }
+}
 
-    pub fn sandbox(&self) -> Option<&SandboxId> {
-        match self {
-            Command::Create { .. } => None,
-            Command::Pause { sandbox }
-            | Command::Resume { sandbox }
-            | Command::Connect { sandbox }
-            | Command::Hibernate { sandbox }
-            | Command::Delete { sandbox } => Some(sandbox),
+impl From<Command> for WireCommand {
+    fn from(command: Command) -> WireCommand {
+        match command {
+            Command::Create {
+                request,
+                tenant,
+                admin,
+            } => WireCommand::Create {
+                request,
+                tenant,
+                admin,
+            },
+            Command::Lifecycle { sandbox, op } => match op {
+                Lifecycle::Pause => WireCommand::Pause { sandbox },
+                Lifecycle::Resume => WireCommand::Resume { sandbox },
+                Lifecycle::Connect => WireCommand::Connect { sandbox },
+                Lifecycle::Hibernate => WireCommand::Hibernate { sandbox },
+            },
+            Command::Delete { sandbox } => WireCommand::Delete { sandbox },
         }
     }
 }
@@ -330,4 +389,31 @@ pub async fn publish<T: Serialize>(
         .await
         .map_err(|e| ClusterError::Nats(e.to_string()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lifecycle_commands_keep_their_kind_on_the_wire() {
+        for op in Lifecycle::ALL {
+            let sent = serde_json::json!({"kind": op.name(), "sandbox": "sb_1"});
+            let command: Command = serde_json::from_value(sent.clone()).unwrap();
+            assert!(matches!(
+                &command,
+                Command::Lifecycle { sandbox, op: o } if sandbox.as_str() == "sb_1" && *o == op
+            ));
+            assert_eq!(command.kind(), op.name());
+            assert_eq!(serde_json::to_value(&command).unwrap(), sent);
+        }
+        let delete = serde_json::json!({"kind": "delete", "sandbox": "sb_1"});
+        let command: Command = serde_json::from_value(delete.clone()).unwrap();
+        assert!(matches!(command, Command::Delete { .. }));
+        assert_eq!(serde_json::to_value(&command).unwrap(), delete);
+        let unknown = serde_json::json!({"kind": "lifecycle", "sandbox": "sb_1", "op": "pause"});
+        assert!(serde_json::from_value::<Command>(unknown).is_err());
+        let extra = serde_json::json!({"kind": "pause", "sandbox": "sb_1", "op": "pause"});
+        assert!(serde_json::from_value::<Command>(extra).is_err());
+    }
 }

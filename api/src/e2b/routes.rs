@@ -22,7 +22,7 @@ use super::wire::{
     TimeoutBody, DEFAULT_TIMEOUT_S, MAX_FORK_COUNT, MAX_LIMIT,
 };
 use crate::auth::Principal;
-use crate::backend::SandboxApi;
+use crate::backend::{Lifecycle, SandboxApi};
 use crate::error::ApiError;
 use crate::handlers::{call, Api, AppState};
 use crate::quota::Usage;
@@ -212,7 +212,7 @@ pub async fn pause<S: SandboxApi>(state: Api<S>, Path(id): Path<String>) -> E2bR
                 message: "the sandbox is already paused".into(),
             });
         }
-        s.hibernate(&sandbox.id).map(|_| ())
+        s.lifecycle(&sandbox.id, Lifecycle::Hibernate).map(|_| ())
     })
     .await?;
     Ok(StatusCode::NO_CONTENT)
@@ -276,7 +276,7 @@ async fn wake<S: SandboxApi>(
         if let Some(t) = req.timeout {
             extend(s, &sandbox.id, t)?;
         }
-        let outcome = s.connect(&sandbox.id)?;
+        let outcome = s.lifecycle(&sandbox.id, Lifecycle::Connect)?;
         let resumed = outcome.resumed;
         let alias = alias(s, &outcome.sandbox.template);
         Ok((resumed, CreatedSandbox::new(&outcome.sandbox, alias)))

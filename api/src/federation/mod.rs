@@ -37,7 +37,7 @@ use torpor_scheduler::model::{
 };
 use torpor_scheduler::service::LOCAL_POD;
 
-use crate::backend::SandboxApi;
+use crate::backend::{Lifecycle, SandboxApi};
 use crate::client::{encode, ClientError};
 use crate::service::{
     AgentLink, Cancel, CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput,
@@ -717,28 +717,10 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
         out.sort_by_key(|s| s.created_at);
         Ok(out)
     }
-    fn pause(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+    fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
         match self.remote_sandbox(id) {
-            Some(pod) => self.outcome_with_secrets(remote::outcome(&pod, id, "pause")?),
-            None => self.local.pause(id),
-        }
-    }
-    fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        match self.remote_sandbox(id) {
-            Some(pod) => self.outcome_with_secrets(remote::outcome(&pod, id, "resume")?),
-            None => self.local.resume(id),
-        }
-    }
-    fn connect(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        match self.remote_sandbox(id) {
-            Some(pod) => self.outcome_with_secrets(remote::outcome(&pod, id, "connect")?),
-            None => self.local.connect(id),
-        }
-    }
-    fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        match self.remote_sandbox(id) {
-            Some(pod) => self.outcome_with_secrets(remote::outcome(&pod, id, "hibernate")?),
-            None => self.local.hibernate(id),
+            Some(pod) => self.outcome_with_secrets(remote::outcome(&pod, id, op)?),
+            None => self.local.lifecycle(id, op),
         }
     }
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {

@@ -15,6 +15,7 @@ use torpor_scheduler::model::{Sandbox, SandboxId, TemplateId};
 use torpor_scheduler::service::{Outcome, ServiceError};
 
 use super::pods::{rewrite_pod_ids, RemotePod};
+use crate::backend::Lifecycle;
 use crate::error::code;
 
 /// `METHOD /v1/sandboxes/{id}{suffix}` on `pod`; its JSON answer.
@@ -55,13 +56,13 @@ pub(super) fn sandbox(
     typed(pod, "a sandbox", value)
 }
 
-/// `POST .../{action}`, answered with an outcome.
+/// `POST .../{op}`, answered with an outcome.
 pub(super) fn outcome(
     pod: &RemotePod,
     id: &SandboxId,
-    action: &str,
+    op: Lifecycle,
 ) -> Result<Outcome, ServiceError> {
-    let value = call(pod, "POST", id, &format!("/{action}"), None)?;
+    let value = call(pod, "POST", id, op.path(), None)?;
     typed(pod, "an outcome", value)
 }
 

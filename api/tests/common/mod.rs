@@ -20,7 +20,7 @@ use torpor_api::service::{
     ExitReply, FileKind, FileStat, GuestCall, GuestError, Outcome, OutputKind, PodView,
     SandboxFilter, ServiceError,
 };
-use torpor_api::{ApiConfig, SandboxApi};
+use torpor_api::{ApiConfig, Lifecycle, SandboxApi};
 use torpor_scheduler::model::{
     Pod, PodAddress, PodId, Sandbox, SandboxId, SandboxState, Template, TemplateId, TemplateKind,
     TemplateState, Timestamp,
@@ -388,34 +388,18 @@ impl SandboxApi for Fake {
             .collect())
     }
 
-    fn pause(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        let (s, _) = self.transition(id, &[SandboxState::Running], SandboxState::Paused)?;
-        Ok(outcome(s, false))
-    }
-
-    fn resume(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        let (s, was) = self.transition(
-            id,
-            &[SandboxState::Paused, SandboxState::Hibernated],
-            SandboxState::Running,
-        )?;
-        Ok(outcome(s, was == SandboxState::Hibernated))
-    }
-
-    fn connect(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        if self.get_sandbox(id)?.state == SandboxState::Running {
-            return Ok(outcome(self.get_sandbox(id)?, false));
-        }
-        self.resume(id)
-    }
-
-    fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        let (s, _) = self.transition(
-            id,
-            &[SandboxState::Running, SandboxState::Paused],
-            SandboxState::Hibernated,
-        )?;
-        Ok(outcome(s, false))
+    fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
+        use SandboxState::*;
+        let (from, to): (&[SandboxState], _) = match op {
+            Lifecycle::Pause => (&[Running], Paused),
+            Lifecycle::Connect if self.get_sandbox(id)?.state == Running => {
+                return Ok(outcome(self.get_sandbox(id)?, false));
+            }
+            Lifecycle::Resume | Lifecycle::Connect => (&[Paused, Hibernated], Running),
+            Lifecycle::Hibernate => (&[Running, Paused], Hibernated),
+        };
+        let (s, was) = self.transition(id, from, to)?;
+        Ok(outcome(s, to == Running && was == Hibernated))
     }
 
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
