@@ -16,6 +16,9 @@ const { Sandbox, NotFoundError, SandboxError, AuthenticationError } =
 const { version } = require('e2b/package.json')
 
 const TEMPLATE = process.env.E2B_TEST_TEMPLATE ?? 'probe'
+// Per request: the SDK's 60 s default is short for forks and snapshots of
+// a Linux guest in the nested host under TCG on a busy machine.
+const SLOW = { requestTimeoutMs: 600_000 }
 let checks = 0
 
 function check(cond, what) {
@@ -40,7 +43,7 @@ console.log(`e2b-sdk-js: version ${version}`)
 const run = randomUUID().slice(0, 8)
 const ids = (xs) => xs.map((s) => s.sandboxId).sort()
 
-const sbx = await Sandbox.create(TEMPLATE, { timeoutMs: 120_000, metadata: { run, role: 'main' } })
+const sbx = await Sandbox.create(TEMPLATE, { ...SLOW, timeoutMs: 120_000, metadata: { run, role: 'main' } })
 check(sbx.sandboxId.startsWith('sbx_'), `sandbox id ${sbx.sandboxId}`)
 let info = await sbx.getInfo()
 check(info.sandboxId === sbx.sandboxId, 'getInfo id')
@@ -65,7 +68,7 @@ check(metrics.length === 1 && metrics[0].memUsed > 0, `metrics ${JSON.stringify(
 const meta = { 'run id': `${run}&x=y` }
 const listed = []
 for (let i = 0; i < 3; i++) {
-  listed.push(await Sandbox.create(TEMPLATE, { timeoutMs: 300_000, metadata: meta }))
+  listed.push(await Sandbox.create(TEMPLATE, { ...SLOW, timeoutMs: 300_000, metadata: meta }))
 }
 const paginator = Sandbox.list({ query: { metadata: meta }, limit: 2 })
 const seen = []
@@ -80,27 +83,27 @@ check(pages === 2, `${pages} pages`)
 check(JSON.stringify(ids(seen)) === JSON.stringify(ids(listed)), `listed ${ids(seen)}`)
 
 // pause (hibernation) -> already paused -> connect wakes it
-check((await sbx.pause()) === true, 'pause')
+check((await sbx.pause(SLOW)) === true, 'pause')
 check((await Sandbox.getInfo(sbx.sandboxId)).state === 'paused', 'paused state')
 check((await Sandbox.pause(sbx.sandboxId)) === false, 'second pause: already paused (409)')
 check((await sbx.isRunning()) === false, 'isRunning while paused')
 const paused = await Sandbox.list({ query: { metadata: { run }, state: ['paused'] } }).nextItems()
 check(JSON.stringify(ids(paused)) === JSON.stringify([sbx.sandboxId]), `paused list ${ids(paused)}`)
-const same = await Sandbox.connect(sbx.sandboxId, { timeoutMs: 600_000 })
+const same = await Sandbox.connect(sbx.sandboxId, { ...SLOW, timeoutMs: 600_000 })
 check(same.sandboxId === sbx.sandboxId, 'connect id')
 check((await sbx.getInfo()).state === 'running', 'running after connect')
 
 // snapshot -> create from it -> delete
-const snap = await sbx.createSnapshot()
+const snap = await sbx.createSnapshot(SLOW)
 check(snap.snapshotId.startsWith("tpl_"), `snapshot ${JSON.stringify(snap)}`)
-const restored = await Sandbox.create(snap.snapshotId, { timeoutMs: 60_000 })
+const restored = await Sandbox.create(snap.snapshotId, { ...SLOW, timeoutMs: 60_000 })
 check((await restored.getInfo()).state === 'running', 'sandbox from a snapshot')
 await restored.kill()
 check((await Sandbox.deleteSnapshot(snap.snapshotId)) === true, 'delete snapshot')
 check((await Sandbox.deleteSnapshot(snap.snapshotId)) === false, 'snapshot gone')
 
 // fork with a count
-const forks = await sbx.fork({ count: 2, timeoutMs: 60_000 })
+const forks = await sbx.fork({ ...SLOW, count: 2, timeoutMs: 60_000 })
 check(forks.length === 2, `forks ${forks.length}`)
 for (const f of forks) {
   check(f instanceof Sandbox, `fork result ${f}`)
@@ -110,6 +113,7 @@ for (const f of forks) {
 
 // envs and lifecycle on_timeout=pause
 const auto = await Sandbox.create(TEMPLATE, {
+  ...SLOW,
   timeoutMs: 60_000,
   envs: { A: 'b' },
   lifecycle: { onTimeout: 'pause' },
