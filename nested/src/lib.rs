@@ -135,13 +135,22 @@ impl Default for NestedHostBuilder {
         Self {
             files: Vec::new(),
             memory_mib: 3072,
-            cpus: 2,
+            cpus: default_cpus(),
             echo: std::env::var_os("TORPOR_NESTED_ECHO").is_some_and(|v| v == "1"),
             l1_dir: None,
             qemu: None,
             extra_cmdline: String::new(),
         }
     }
+}
+
+/// L1's vCPUs unless a test asks: `TORPOR_NESTED_CPUS` (1-8), else 2.
+fn default_cpus() -> u32 {
+    std::env::var("TORPOR_NESTED_CPUS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|n| (1..=8).contains(n))
+        .unwrap_or(2)
 }
 
 impl NestedHostBuilder {
