@@ -1,4 +1,4 @@
-//! Sandbox networking and guest memory end to end with real Linux guests,
+//! Sandbox networking end to end with real Linux guests,
 //! under `torpor serve --sandbox-network` inside the nested host (one L1
 //! boot for every scenario):
 //!
@@ -12,12 +12,6 @@
 //!   hibernated sandbox is woken by traffic to that port;
 //! - three clones of one template, created at once, each reach the host
 //!   server, which tells them apart by their host-side addresses;
-//! - memory comes back: a guest allocates and frees 256 MiB and its VMM's
-//!   PSS drops by 200 MiB within [`RETURN_LIMIT_S`]; another clone's
-//!   template pages stay shared meanwhile; a sandbox with its balloon
-//!   inflated hibernates and wakes with the balloon as it was (and
-//!   deflates after); the hibernation diff of a guest that freed its burst
-//!   is measured against one that still holds it;
 //! - after `kill -9` of the service (and of one VMM) and a restart, and
 //!   after the sandboxes are deleted, no namespaces, veths, nft rules or
 //!   sets are left (counted).
@@ -36,15 +30,6 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::linux::{binary_content, field, host_tool, linux_host_with, run_logged, torpor_vmm};
-
-/// How long a guest's freed burst may take to come back to the host (the
-/// guest kernel reports free pages 2 s after they gather; the nested guest
-/// runs far slower than native).
-const RETURN_LIMIT_S: u64 = 90;
-
-/// The burst a guest allocates and frees (MiB), and what must come back.
-const BURST_MIB: u64 = 256;
-const RETURNED_MIB: u64 = 200;
 
 /// The test's package in its index.
 const WHEEL: &str = "tinypkg-1.0-py3-none-any.whl";
@@ -99,7 +84,7 @@ fn num(out: &str, tag: &str, key: &str) -> u64 {
 }
 
 #[test]
-fn nested_sandbox_network_and_memory_through_the_service() {
+fn nested_sandbox_network_through_the_service() {
     let files = tempfile::tempdir().unwrap();
     let blob = files.path().join("blob.bin");
     std::fs::write(&blob, binary_content(3 << 20)).unwrap();
@@ -117,16 +102,11 @@ fn nested_sandbox_network_and_memory_through_the_service() {
         4096,
         None,
     );
-    let script = SCRIPT
-        .replace("@BURST_MIB@", &BURST_MIB.to_string())
-        .replace("@RETURNED_MIB@", &RETURNED_MIB.to_string())
-        .replace("@RETURN_LIMIT_S@", &RETURN_LIMIT_S.to_string());
-    let run = run_logged(&host, "nested_net", &script, Duration::from_secs(3600));
+    let run = run_logged(&host, "nested_net", SCRIPT, Duration::from_secs(3600));
     let o = &run.stdout;
     eprintln!("{o}");
     assert_ne!(run.exit_code, 97, "{o}");
     check_network(o);
-    check_memory(o);
     check_leftovers(o);
 }
 
@@ -181,48 +161,6 @@ fn check_network(o: &str) {
         seen.insert(server.to_string());
     }
     assert_eq!(seen.len(), 3, "clones share a host-side address:\n{o}");
-}
-
-fn check_memory(o: &str) {
-    // The burst showed in the VMM's PSS, then came back within the limit.
-    let before = num(o, "burst", "pss0_kib");
-    let peak = num(o, "burst", "peak_kib");
-    assert!(
-        peak >= before + (RETURNED_MIB << 10),
-        "the guest's burst did not show on the host (PSS {before} -> {peak} KiB):\n{o}"
-    );
-    let after = num(o, "returned", "pss_kib");
-    assert!(
-        peak - after >= RETURNED_MIB << 10,
-        "PSS fell only {} KiB within {RETURN_LIMIT_S} s:\n{o}",
-        peak - after
-    );
-    // The guest-reported statistics and host PSS are on the sandbox.
-    assert!(num(o, "sandbox-memory", "pss_bytes") > 0, "{o}");
-    assert!(num(o, "sandbox-memory", "guest_total_bytes") > 0, "{o}");
-    assert!(o.contains("metrics-memory ok"), "{o}");
-    // The witness clone's template pages stayed shared.
-    let shared0 = num(o, "witness", "shared0_kib");
-    let shared1 = num(o, "witness", "shared1_kib");
-    assert!(shared0 > 0, "{o}");
-    assert!(
-        shared1 * 100 >= shared0 * 95,
-        "the witness clone lost shared pages ({shared0} -> {shared1} KiB):\n{o}"
-    );
-    // The inflated balloon survived hibernation and wake, then deflated.
-    assert_eq!(field(o, "inflated", "actual_mib"), Some("128"), "{o}");
-    assert_eq!(field(o, "restored", "target_mib"), Some("128"), "{o}");
-    assert_eq!(field(o, "restored", "actual_mib"), Some("128"), "{o}");
-    assert_eq!(field(o, "restored", "exec"), Some("ok"), "{o}");
-    assert_eq!(field(o, "deflated", "actual_mib"), Some("0"), "{o}");
-    // Diff sizes: measured, reported.
-    let held = num(o, "diff", "held_kib");
-    let freed = num(o, "diff", "freed_kib");
-    eprintln!(
-        "nested_net: burst {BURST_MIB} MiB, PSS {before} -> {peak} -> {after} KiB in {} s; \
-         hibernation diff holding it {held} KiB, after freeing it {freed} KiB",
-        field(o, "returned", "after_s").unwrap_or("?")
-    );
 }
 
 fn check_leftovers(o: &str) {

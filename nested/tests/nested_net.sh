@@ -114,54 +114,6 @@ for i in 1 2 3; do
 done
 C1=$(cat /tmp/clone1) C2=$(cat /tmp/clone2) C3=$(cat /tmp/clone3)
 
-# --- memory comes back --------------------------------------------------------
-P1=$(jf "$C1" pid) P2=$(jf "$C2" pid)
-sleep 5
-P0=$(pss "$P1")
-S0=$(shared "$P2")
-# The burst: held for 20 s, then freed (the process exits).
-$T sandbox exec --timeout-ms 900000 "$C1" -- python3 -c "import time; b = b'\x01' * (@BURST_MIB@ << 20); time.sleep(20); print(len(b) >> 20)" >/tmp/burst &
-BP=$!
-PEAK=$P0
-while kill -0 $BP 2>/dev/null; do v=$(pss "$P1"); [ "$v" -gt "$PEAK" ] && PEAK=$v; sleep 1; done
-echo "burst pss0_kib=$P0 peak_kib=$PEAK guest=$(cat /tmp/burst)"
-t0=$(now) AFTER=$PEAK
-while :; do
-  AFTER=$(pss "$P1"); el=$(awk -v a="$t0" -v b="$(now)" 'BEGIN {printf "%d", b - a}')
-  [ $((PEAK - AFTER)) -ge $((@RETURNED_MIB@ * 1024)) ] && break
-  [ "$el" -ge @RETURN_LIMIT_S@ ] && break
-  sleep 1
-done
-echo "returned pss_kib=$AFTER after_s=$el"
-echo "witness shared0_kib=$S0 shared1_kib=$(shared "$P2")"
-M=$(sbx "$C1" | grep -o '"memory":{[^}]*}')
-echo "sandbox-memory $(echo "$M" | tr -d '{}"' | tr ',:' ' =' | sed 's/^memory=//')"
-c "$API/metrics" | grep "torpor_sandbox_memory_pss_bytes{sandbox=\"$C1\"}" >/dev/null && echo "metrics-memory ok"
-c "$API/metrics" | grep '^torpor_sandbox_\(memory\|guest\)' | sed 's/^/metrics /'
-
-# The hibernation diff of a guest that freed its burst (C1) and of one
-# still holding it (C2).
-x "$C2" sh -c "setsid python3 -c \"import time; b = b'\\x01' * (@BURST_MIB@ << 20); open('/tmp/held', 'w').close(); time.sleep(3600)\" </dev/null >/dev/null 2>&1 &"
-i=0; until x "$C2" test -f /tmp/held 2>/dev/null || [ $i -ge 600 ]; do sleep 1; i=$((i+1)); done
-$T sandbox hibernate "$C1" >/dev/null; $T sandbox hibernate "$C2" >/dev/null
-D1=$(jf "$C1" snapshot) D2=$(jf "$C2" snapshot)
-echo "diff held_kib=$(du -sk "$D2" | cut -f1) freed_kib=$(du -sk "$D1" | cut -f1) held_apparent_kib=$(du -sk --apparent-size "$D2" 2>/dev/null | cut -f1)"
-ls -ls "$D1" "$D2" | sed 's/^/diff-files /'
-
-# A balloon inflated across hibernate and wake.
-CTL=$(jf "$C3" control_socket)
-$T vmm balloon --socket "$CTL" --target-mib 128 >/dev/null
-i=0; until $T vmm balloon --socket "$CTL" | grep -q '"actual_mib":128' || [ $i -ge 120 ]; do sleep 1; i=$((i+1)); done
-echo "inflated actual_mib=$($T vmm balloon --socket "$CTL" | grep -o '"actual_mib":[0-9]*' | cut -d: -f2)"
-$T sandbox hibernate "$C3" >/dev/null
-x "$C3" echo woke >/dev/null && ok=ok || ok=failed
-CTL=$(jf "$C3" control_socket)
-B=$($T vmm balloon --socket "$CTL")
-echo "restored target_mib=$(echo "$B" | grep -o '"target_mib":[0-9]*' | cut -d: -f2) actual_mib=$(echo "$B" | grep -o '"actual_mib":[0-9]*' | cut -d: -f2) exec=$ok"
-$T vmm balloon --socket "$CTL" --target-mib 0 >/dev/null
-i=0; until $T vmm balloon --socket "$CTL" | grep -q '"actual_mib":0' || [ $i -ge 120 ]; do sleep 1; i=$((i+1)); done
-echo "deflated actual_mib=$($T vmm balloon --socket "$CTL" | grep -o '"actual_mib":[0-9]*' | cut -d: -f2)"
-
 # --- kill -9 of the service (and of one VMM), restart, delete: no leftovers ---
 count before-kill
 kill -9 $SERVE

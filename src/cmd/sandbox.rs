@@ -136,6 +136,12 @@ fn list(c: &Client, args: SandboxListArgs) -> Result<(), Error> {
     Ok(())
 }
 
+/// A byte count in whole KiB (what /proc shows, for scripts to compare).
+fn kib(v: &Value) -> String {
+    v.as_u64()
+        .map_or_else(|| "-".into(), |n| format!("{} KiB", n >> 10))
+}
+
 fn mib(v: &Value) -> String {
     v.as_u64().map_or_else(|| "-".into(), |n| format!("{n}MiB"))
 }
@@ -178,6 +184,28 @@ fn describe(s: &Value, names: &Value) -> String {
         rows.push(("failure", text(&s["failure_reason"])));
     }
     rows.push(("vmm pid", text(&s["vmm"]["pid"])));
+    rows.push(("vmm socket", text(&s["vmm"]["control_socket"])));
+    let m = &s["memory"];
+    if m.is_object() {
+        rows.push(("host pss", kib(&m["pss_bytes"])));
+        for (key, name) in [
+            ("guest_used_bytes", "guest used"),
+            ("guest_free_bytes", "guest free"),
+            ("reported_bytes", "reported free"),
+        ] {
+            if !m[key].is_null() {
+                rows.push((name, kib(&m[key])));
+            }
+        }
+        if !m["balloon_target_mib"].is_null() || !m["balloon_actual_mib"].is_null() {
+            let balloon = format!(
+                "target {}, actual {}",
+                mib(&m["balloon_target_mib"]),
+                mib(&m["balloon_actual_mib"])
+            );
+            rows.push(("balloon", balloon));
+        }
+    }
     rows.push(("snapshot", text(&s["snapshot"])));
     fields(&rows)
 }
