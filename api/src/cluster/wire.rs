@@ -276,14 +276,28 @@ pub async fn ensure_streams(js: &jetstream::Context) -> Result<(), ClusterError>
     Ok(())
 }
 
+/// How long a consumer waits for an ack before it delivers a message
+/// again. Short, so that an ack lost across a restart of nats-server (a
+/// kill -9 can drop the consumer's last acks before they are on disk) is
+/// made up for soon; a message worked on for longer is kept by progress
+/// acks ([`InProgress`]).
+pub const ACK_WAIT: Duration = Duration::from_secs(10);
+/// The period of those progress acks.
+pub const PROGRESS_EVERY: Duration = Duration::from_secs(3);
+/// How long [`ack_confirmed`] keeps trying.
+const ACK_PATIENCE: Duration = Duration::from_secs(20);
+
 /// The messages of a durable pull consumer of `stream` (made if missing),
-/// its errors as [`ClusterError::Nats`].
+/// pulled `batch` at a time,
+/// its errors as [`ClusterError::Nats`]. A message pulled waits unacked in
+/// the client until it is taken: a small batch keeps few waiting.
 pub async fn durable_messages(
     js: &jetstream::Context,
     stream: &str,
     name: &str,
     filter: &str,
     ack_wait: Duration,
+    batch: usize,
 ) -> Result<
     impl futures_util::Stream<Item = Result<jetstream::Message, ClusterError>> + Unpin,
     ClusterError,
@@ -292,26 +306,82 @@ pub async fn durable_messages(
         .get_stream(stream)
         .await
         .map_err(|e| ClusterError::Nats(format!("stream {stream}: {e}")))?;
+    let config = consumer::pull::Config {
+        durable_name: Some(name.to_string()),
+        filter_subject: filter.to_string(),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait,
+        ..Default::default()
+    };
     let consumer: consumer::PullConsumer = s
-        .get_or_create_consumer(
-            name,
-            consumer::pull::Config {
-                durable_name: Some(name.to_string()),
-                filter_subject: filter.to_string(),
-                ack_policy: consumer::AckPolicy::Explicit,
-                ack_wait,
-                ..Default::default()
-            },
-        )
+        .get_or_create_consumer(name, config)
         .await
         .map_err(|e| ClusterError::Nats(format!("consumer {name}: {e}")))?;
+    let had = consumer.cached_info().config.ack_wait;
+    if had != ack_wait {
+        // Made by an older build (nats-server 2.9 cannot update it in
+        // place): messages whose ack is lost come again after `had`.
+        tracing::warn!(consumer = name, ?had, want = ?ack_wait, "a consumer with another ack wait");
+    }
     let messages = consumer
+        .stream()
+        .max_messages_per_batch(batch)
+        .heartbeat(Duration::from_secs(5))
         .messages()
         .await
         .map_err(|e| ClusterError::Nats(e.to_string()))?;
     Ok(futures_util::StreamExt::map(messages, |m| {
         m.map_err(|e| ClusterError::Nats(e.to_string()))
     }))
+}
+
+/// Acks `message` and waits for the server's confirmation, again (NATS may
+/// be restarting) until it comes or [`ACK_PATIENCE`] has passed. A plain
+/// ack is sent and forgotten: one lost with a restart of nats-server left
+/// its message delivered but unacked until the ack wait.
+pub async fn ack_confirmed(message: &jetstream::Message) -> Result<(), ClusterError> {
+    let deadline = tokio::time::Instant::now() + ACK_PATIENCE;
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match message.double_ack().await {
+            Ok(()) => return Ok(()),
+            Err(e) if tokio::time::Instant::now() + pause >= deadline => {
+                return Err(ClusterError::Nats(format!("ack: {e}")))
+            }
+            Err(_) => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+/// While it lives, a progress ack (`+WPI`, which starts the message's ack
+/// wait over) every [`PROGRESS_EVERY`]: a message worked on for longer
+/// than [`ACK_WAIT`] is not delivered again meanwhile.
+#[derive(Debug)]
+pub struct InProgress(tokio::task::JoinHandle<()>);
+
+impl InProgress {
+    pub fn start(message: &jetstream::Message) -> Self {
+        let message = message.clone();
+        InProgress(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(PROGRESS_EVERY);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                if let Err(e) = message.ack_with(jetstream::AckKind::Progress).await {
+                    tracing::debug!(error = %e, "progress ack");
+                }
+            }
+        }))
+    }
+}
+
+impl Drop for InProgress {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// What one stream holds now: messages stored (a work queue keeps only
