@@ -274,7 +274,13 @@ impl Db {
     }
 
     /// An operation's result: the journal row finished and the sandbox
-    /// row written (or removed), in one transaction.
+    /// row written (or removed), atomically: one statement (the operation's
+    /// update a data-modifying `WITH`). Not `BEGIN` ... `COMMIT` on the
+    /// replica's one connection, which every task of the replica shares:
+    /// its polls of the operation ran inside that open transaction, saw
+    /// the outcome before the commit, and answered the client, whose next
+    /// read through another replica found no sandbox yet (and a rollback
+    /// took any other task's statement with it).
     pub async fn finish(
         &self,
         pod: &PodId,
@@ -289,53 +295,64 @@ impl Db {
         } else {
             "done"
         };
-        c.batch_execute("BEGIN").await.map_err(pg)?;
-        let result = async {
-            let sandbox = match outcome {
-                OpOutcome::Sandbox { sandbox, .. } => Some(sandbox.id.as_str().to_string()),
-                OpOutcome::Deleted { sandbox } => Some(sandbox.as_str().to_string()),
-                OpOutcome::Failed(_) => None,
-            };
-            // Applied once: a result delivered again (a redelivered
-            // event, a pod republishing a journaled outcome) must not
-            // write its sandbox again over later operations (a hibernate's
-            // result read twice would bring back a sandbox deleted since).
-            let pending = c
-                .execute(
-                    "UPDATE operations SET status = $2, outcome = $3, finished_at = now(),
-                        sandbox = coalesce(sandbox, $4)
-                     WHERE id = $1 AND pod = $5 AND status = 'pending'",
-                    &[&operation, &status, &json, &sandbox, &pod.as_str()],
+        // Applied once: a result delivered again (a redelivered event, a
+        // pod republishing a journaled outcome) must not write its sandbox
+        // again over later operations (a hibernate's result read twice
+        // would bring back a sandbox deleted since).
+        const PENDING: &str = "WITH op AS (
+                UPDATE operations SET status = $2, outcome = $3, finished_at = now(),
+                    sandbox = coalesce(sandbox, $4)
+                WHERE id = $1 AND pod = $5 AND status = 'pending' RETURNING id)";
+        match outcome {
+            OpOutcome::Sandbox { sandbox, .. } => {
+                let body = serde_json::to_value(sandbox)
+                    .map_err(|e| ClusterError::Postgres(e.to_string()))?;
+                let sql = format!(
+                    "{PENDING}
+                     INSERT INTO sandboxes (id, pod, tenant, state, generation, body)
+                     SELECT $4::text, $5::text, $6::text, $7::text, $8::bigint, $9::jsonb FROM op
+                     ON CONFLICT (id) DO UPDATE SET state = $7, generation = $8, body = $9,
+                        updated_at = now()
+                     WHERE sandboxes.pod = $5 AND sandboxes.generation <= $8"
+                );
+                c.execute(
+                    &sql,
+                    &[
+                        &operation,
+                        &status,
+                        &json,
+                        &sandbox.id.as_str(),
+                        &pod.as_str(),
+                        &sandbox.tenant,
+                        &sandbox.state.as_str(),
+                        &(sandbox.generation as i64),
+                        &body,
+                    ],
                 )
                 .await
-                .map_err(pg)?;
-            if pending == 0 {
-                return Ok::<(), ClusterError>(());
             }
-            match outcome {
-                OpOutcome::Sandbox { sandbox, .. } => {
-                    self.upsert_sandbox(&c, pod, sandbox, false).await?;
-                }
-                OpOutcome::Deleted { sandbox } => {
-                    c.execute(
-                        "DELETE FROM sandboxes WHERE id = $1 AND pod = $2",
-                        &[&sandbox.as_str(), &pod.as_str()],
-                    )
-                    .await
-                    .map_err(pg)?;
-                }
-                OpOutcome::Failed(_) => {}
+            OpOutcome::Deleted { sandbox } => {
+                let sql = format!(
+                    "{PENDING}
+                     DELETE FROM sandboxes WHERE id = $4 AND pod = $5 AND EXISTS (SELECT 1 FROM op)"
+                );
+                c.execute(
+                    &sql,
+                    &[&operation, &status, &json, &sandbox.as_str(), &pod.as_str()],
+                )
+                .await
             }
-            Ok(())
-        }
-        .await;
-        match result {
-            Ok(()) => c.batch_execute("COMMIT").await.map_err(pg),
-            Err(e) => {
-                let _ = c.batch_execute("ROLLBACK").await;
-                Err(e)
+            OpOutcome::Failed(_) => {
+                let sql = format!("{PENDING} SELECT count(*) FROM op");
+                c.execute(
+                    &sql,
+                    &[&operation, &status, &json, &None::<String>, &pod.as_str()],
+                )
+                .await
             }
         }
+        .map_err(pg)?;
+        Ok(())
     }
 
     /// Journals a new operation; with an idempotency key already used by
