@@ -16,6 +16,10 @@ use super::ClusterError;
 
 /// The advisory lock key the migrations are applied under.
 const MIGRATION_LOCK: i64 = 0x746f_7270_6f72; // "torpor"
+/// The state of a deleted sandbox's row (a tombstone, see [`Db::finish`]).
+const DELETED: &str = "deleted";
+/// A tombstone's generation: above any a pod reports.
+const TOMBSTONE: i64 = i64::MAX;
 
 /// Schema versions, in order; each applied once, in one transaction.
 pub const MIGRATIONS: &[(i32, &str)] = &[
@@ -332,9 +336,19 @@ impl Db {
                 .await
             }
             OpOutcome::Deleted { sandbox } => {
+                // A tombstone (state `deleted`, the largest generation)
+                // rather than no row: a heartbeat taken before the delete
+                // and written at the same time (another replica) could
+                // insert the row again once the delete committed, its
+                // check for the finished delete made before that commit.
+                // Against the tombstone it is an update to an older
+                // generation: none. Reads skip tombstones; the heartbeat's
+                // sweep removes them once their pod no longer lists them.
                 let sql = format!(
                     "{PENDING}
-                     DELETE FROM sandboxes WHERE id = $4 AND pod = $5 AND EXISTS (SELECT 1 FROM op)"
+                     UPDATE sandboxes SET state = '{DELETED}', generation = {TOMBSTONE},
+                        updated_at = now()
+                     WHERE id = $4 AND pod = $5 AND EXISTS (SELECT 1 FROM op)"
                 );
                 c.execute(
                     &sql,
@@ -505,7 +519,7 @@ impl Db {
         let c = self.client().await?;
         let row = c
             .query_opt(
-                "SELECT body, pod FROM sandboxes WHERE id = $1",
+                &format!("SELECT body, pod FROM sandboxes WHERE id = $1 AND state <> '{DELETED}'"),
                 &[&id.as_str()],
             )
             .await
@@ -527,8 +541,11 @@ impl Db {
         let c = self.client().await?;
         let rows = c
             .query(
-                "SELECT body, pod FROM sandboxes WHERE $1::text IS NULL OR tenant = $1
-                 ORDER BY body->>'created_at', id",
+                &format!(
+                    "SELECT body, pod FROM sandboxes
+                     WHERE ($1::text IS NULL OR tenant = $1) AND state <> '{DELETED}'
+                     ORDER BY body->>'created_at', id"
+                ),
                 &[&tenant],
             )
             .await

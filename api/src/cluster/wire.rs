@@ -1,11 +1,11 @@
 //! What the API tier and the pods send each other over NATS JetStream: the
 //! streams, their subjects, and the messages (JSON, checked on receipt).
 //!
-//! - `TORPOR_WORK` (work queue, file storage): `torpor.work.<pod>`, one
+//! - `TORPOR_WORK` (limits retention, file storage): `torpor.work.<pod>`, one
 //!   [`WorkItem`] per operation, deduplicated by its operation id; each
 //!   pod consumes its own subject through its durable consumer
 //!   `pod-<pod>`.
-//! - `TORPOR_EVENTS` (work queue, file storage): `torpor.events.<pod>`,
+//! - `TORPOR_EVENTS` (limits retention, file storage): `torpor.events.<pod>`,
 //!   the pods' [`Event`]s (results of operations and heartbeats), consumed
 //!   by the API tier's one durable consumer `api` (whichever replica pulls
 //!   a message writes it to PostgreSQL, then acks it).
@@ -255,18 +255,33 @@ pub enum Event {
 }
 
 /// The two streams, made if missing (either side may come up first).
+///
+/// Limits retention, not a work queue: an ack moves only the consumer's
+/// state, messages go by age (and size). In a work queue an ack also
+/// removes the message, and a kill -9 of nats-server (2.9) could keep the
+/// removal but lose the consumer's ack: the consumer then held the removed
+/// message as delivered and unacked for ever (it cannot be delivered again
+/// to be acked; the chaos run's last unacked work item). Now a message
+/// whose ack was lost is there to be delivered again, and each side takes
+/// a message twice harmlessly (the pod's journal, a result applied once, a
+/// heartbeat's generation). Streams made by an older build stay work
+/// queues (nats-server does not change a stream's retention).
 pub async fn ensure_streams(js: &jetstream::Context) -> Result<(), ClusterError> {
-    for (name, subjects) in [
-        (WORK_STREAM, "torpor.work.*"),
-        (EVENTS_STREAM, "torpor.events.*"),
+    for (name, subjects, max_age) in [
+        (WORK_STREAM, "torpor.work.*", Duration::from_secs(24 * 3600)),
+        // Heartbeats every second: kept for less. A result past it is
+        // republished by the pod when a retry of its operation comes.
+        (EVENTS_STREAM, "torpor.events.*", Duration::from_secs(3600)),
     ] {
         js.get_or_create_stream(stream::Config {
             name: name.to_string(),
             subjects: vec![subjects.to_string()],
-            retention: stream::RetentionPolicy::WorkQueue,
+            retention: stream::RetentionPolicy::Limits,
             storage: stream::StorageType::File,
             max_message_size: MAX_MESSAGE as i32,
-            max_age: Duration::from_secs(24 * 3600),
+            max_age,
+            max_bytes: 1 << 30,
+            discard: stream::DiscardPolicy::Old,
             duplicate_window: Duration::from_secs(120),
             ..Default::default()
         })
@@ -384,8 +399,9 @@ impl Drop for InProgress {
     }
 }
 
-/// What one stream holds now: messages stored (a work queue keeps only
-/// those not acked yet) and, per consumer, those not delivered yet and
+/// What one stream holds now: messages stored (acked ones too, until their
+/// age; a stream made as a work queue by an older build keeps only those
+/// not acked yet) and, per consumer, those not delivered yet and
 /// those delivered but not acked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Backlog {
@@ -396,10 +412,8 @@ pub struct Backlog {
 }
 
 impl Backlog {
-    /// Nothing left for a consumer: none undelivered, none unacked. (The
-    /// stream's own count may stay above 0 after nats-server was killed:
-    /// a work queue's removal of acked messages is not synced at once, so
-    /// a crash can keep messages its consumer's ack floor has passed.)
+    /// Nothing left for a consumer: none undelivered, none unacked (the
+    /// stream's own count keeps acked messages).
     pub fn is_empty(&self) -> bool {
         self.consumers.iter().all(|c| c.1 == 0 && c.2 == 0)
     }
