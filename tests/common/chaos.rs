@@ -23,7 +23,8 @@ use super::http::HttpResponse;
 /// the clients' commands).
 pub const POD_ARGS: &str = "--policy-interval-ms 0 --standby-pool 0";
 /// An operation gets a definite answer within this, retries included
-/// (a pod's unacked work item comes again after the consumer's 60 s).
+/// (a pod's unacked work item comes again after the consumer's 10 s ack
+/// wait; a pod down holds its queue until it is back).
 const ANSWER_LIMIT: Duration = Duration::from_secs(240);
 /// Each request's own limit.
 const REQUEST_LIMIT: Duration = Duration::from_secs(60);

@@ -16,6 +16,10 @@ use super::ClusterError;
 
 /// The advisory lock key the migrations are applied under.
 const MIGRATION_LOCK: i64 = 0x746f_7270_6f72; // "torpor"
+/// The state of a deleted sandbox's row (a tombstone, see [`Db::finish`]).
+const DELETED: &str = "deleted";
+/// A tombstone's generation: above any a pod reports.
+const TOMBSTONE: i64 = i64::MAX;
 
 /// Schema versions, in order; each applied once, in one transaction.
 pub const MIGRATIONS: &[(i32, &str)] = &[
@@ -274,7 +278,13 @@ impl Db {
     }
 
     /// An operation's result: the journal row finished and the sandbox
-    /// row written (or removed), in one transaction.
+    /// row written (or removed), atomically: one statement (the operation's
+    /// update a data-modifying `WITH`). Not `BEGIN` ... `COMMIT` on the
+    /// replica's one connection, which every task of the replica shares:
+    /// its polls of the operation ran inside that open transaction, saw
+    /// the outcome before the commit, and answered the client, whose next
+    /// read through another replica found no sandbox yet (and a rollback
+    /// took any other task's statement with it).
     pub async fn finish(
         &self,
         pod: &PodId,
@@ -289,53 +299,74 @@ impl Db {
         } else {
             "done"
         };
-        c.batch_execute("BEGIN").await.map_err(pg)?;
-        let result = async {
-            let sandbox = match outcome {
-                OpOutcome::Sandbox { sandbox, .. } => Some(sandbox.id.as_str().to_string()),
-                OpOutcome::Deleted { sandbox } => Some(sandbox.as_str().to_string()),
-                OpOutcome::Failed(_) => None,
-            };
-            // Applied once: a result delivered again (a redelivered
-            // event, a pod republishing a journaled outcome) must not
-            // write its sandbox again over later operations (a hibernate's
-            // result read twice would bring back a sandbox deleted since).
-            let pending = c
-                .execute(
-                    "UPDATE operations SET status = $2, outcome = $3, finished_at = now(),
-                        sandbox = coalesce(sandbox, $4)
-                     WHERE id = $1 AND pod = $5 AND status = 'pending'",
-                    &[&operation, &status, &json, &sandbox, &pod.as_str()],
+        // Applied once: a result delivered again (a redelivered event, a
+        // pod republishing a journaled outcome) must not write its sandbox
+        // again over later operations (a hibernate's result read twice
+        // would bring back a sandbox deleted since).
+        const PENDING: &str = "WITH op AS (
+                UPDATE operations SET status = $2, outcome = $3, finished_at = now(),
+                    sandbox = coalesce(sandbox, $4)
+                WHERE id = $1 AND pod = $5 AND status = 'pending' RETURNING id)";
+        match outcome {
+            OpOutcome::Sandbox { sandbox, .. } => {
+                let body = serde_json::to_value(sandbox)
+                    .map_err(|e| ClusterError::Postgres(e.to_string()))?;
+                let sql = format!(
+                    "{PENDING}
+                     INSERT INTO sandboxes (id, pod, tenant, state, generation, body)
+                     SELECT $4::text, $5::text, $6::text, $7::text, $8::bigint, $9::jsonb FROM op
+                     ON CONFLICT (id) DO UPDATE SET state = $7, generation = $8, body = $9,
+                        updated_at = now()
+                     WHERE sandboxes.pod = $5 AND sandboxes.generation <= $8"
+                );
+                c.execute(
+                    &sql,
+                    &[
+                        &operation,
+                        &status,
+                        &json,
+                        &sandbox.id.as_str(),
+                        &pod.as_str(),
+                        &sandbox.tenant,
+                        &sandbox.state.as_str(),
+                        &(sandbox.generation as i64),
+                        &body,
+                    ],
                 )
                 .await
-                .map_err(pg)?;
-            if pending == 0 {
-                return Ok::<(), ClusterError>(());
             }
-            match outcome {
-                OpOutcome::Sandbox { sandbox, .. } => {
-                    self.upsert_sandbox(&c, pod, sandbox, false).await?;
-                }
-                OpOutcome::Deleted { sandbox } => {
-                    c.execute(
-                        "DELETE FROM sandboxes WHERE id = $1 AND pod = $2",
-                        &[&sandbox.as_str(), &pod.as_str()],
-                    )
-                    .await
-                    .map_err(pg)?;
-                }
-                OpOutcome::Failed(_) => {}
+            OpOutcome::Deleted { sandbox } => {
+                // A tombstone (state `deleted`, the largest generation)
+                // rather than no row: a heartbeat taken before the delete
+                // and written at the same time (another replica) could
+                // insert the row again once the delete committed, its
+                // check for the finished delete made before that commit.
+                // Against the tombstone it is an update to an older
+                // generation: none. Reads skip tombstones; the heartbeat's
+                // sweep removes them once their pod no longer lists them.
+                let sql = format!(
+                    "{PENDING}
+                     UPDATE sandboxes SET state = '{DELETED}', generation = {TOMBSTONE},
+                        updated_at = now()
+                     WHERE id = $4 AND pod = $5 AND EXISTS (SELECT 1 FROM op)"
+                );
+                c.execute(
+                    &sql,
+                    &[&operation, &status, &json, &sandbox.as_str(), &pod.as_str()],
+                )
+                .await
             }
-            Ok(())
+            OpOutcome::Failed(_) => {
+                let sql = format!("{PENDING} SELECT count(*) FROM op");
+                c.execute(
+                    &sql,
+                    &[&operation, &status, &json, &None::<String>, &pod.as_str()],
+                )
+                .await
+            }
         }
-        .await;
-        match result {
-            Ok(()) => c.batch_execute("COMMIT").await.map_err(pg),
-            Err(e) => {
-                let _ = c.batch_execute("ROLLBACK").await;
-                Err(e)
-            }
-        }
+        .map_err(pg)?;
+        Ok(())
     }
 
     /// Journals a new operation; with an idempotency key already used by
@@ -488,7 +519,7 @@ impl Db {
         let c = self.client().await?;
         let row = c
             .query_opt(
-                "SELECT body, pod FROM sandboxes WHERE id = $1",
+                &format!("SELECT body, pod FROM sandboxes WHERE id = $1 AND state <> '{DELETED}'"),
                 &[&id.as_str()],
             )
             .await
@@ -510,8 +541,11 @@ impl Db {
         let c = self.client().await?;
         let rows = c
             .query(
-                "SELECT body, pod FROM sandboxes WHERE $1::text IS NULL OR tenant = $1
-                 ORDER BY body->>'created_at', id",
+                &format!(
+                    "SELECT body, pod FROM sandboxes
+                     WHERE ($1::text IS NULL OR tenant = $1) AND state <> '{DELETED}'
+                     ORDER BY body->>'created_at', id"
+                ),
                 &[&tenant],
             )
             .await

@@ -29,7 +29,8 @@ async fn consume(js: &jetstream::Context, db: &Db) -> Result<(), ClusterError> {
         wire::EVENTS_STREAM,
         wire::API_CONSUMER,
         "torpor.events.*",
-        Duration::from_secs(10),
+        wire::ACK_WAIT,
+        32,
     )
     .await?;
     while let Some(message) = messages.next().await {
@@ -52,7 +53,7 @@ async fn consume(js: &jetstream::Context, db: &Db) -> Result<(), ClusterError> {
                 continue;
             }
         }
-        if let Err(e) = message.ack().await {
+        if let Err(e) = wire::ack_confirmed(&message).await {
             tracing::warn!(error = %e, "pod event ack");
         }
     }

@@ -152,7 +152,8 @@ async fn work<S: SandboxApi>(
         wire::WORK_STREAM,
         &wire::pod_consumer(&me.id),
         &wire::work_subject(&me.id),
-        Duration::from_secs(60),
+        wire::ACK_WAIT,
+        CONCURRENCY,
     )
     .await?;
     while let Some(message) = messages.next().await {
@@ -178,6 +179,8 @@ async fn work<S: SandboxApi>(
                 .await;
             continue;
         }
+        // Kept from a redelivery while it waits for its turn and runs.
+        let progress = wire::InProgress::start(&message);
         let permit = permits
             .clone()
             .acquire_owned()
@@ -192,9 +195,14 @@ async fn work<S: SandboxApi>(
         );
         tokio::spawn(async move {
             let op = item.operation.clone();
-            match take(service, &me, journal, &js, item).await {
+            let taken = take(service, &me, journal, &js, item).await;
+            drop(progress);
+            match taken {
                 Ok(()) => {
-                    if let Err(e) = message.ack().await {
+                    // Confirmed: a lost ack would leave the item to come
+                    // again after the ack wait (its journaled outcome
+                    // published again), and unacked until then.
+                    if let Err(e) = wire::ack_confirmed(&message).await {
                         tracing::warn!(operation = %op, error = %e, "work ack");
                     }
                 }

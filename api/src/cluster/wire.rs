@@ -1,11 +1,11 @@
 //! What the API tier and the pods send each other over NATS JetStream: the
 //! streams, their subjects, and the messages (JSON, checked on receipt).
 //!
-//! - `TORPOR_WORK` (work queue, file storage): `torpor.work.<pod>`, one
+//! - `TORPOR_WORK` (limits retention, file storage): `torpor.work.<pod>`, one
 //!   [`WorkItem`] per operation, deduplicated by its operation id; each
 //!   pod consumes its own subject through its durable consumer
 //!   `pod-<pod>`.
-//! - `TORPOR_EVENTS` (work queue, file storage): `torpor.events.<pod>`,
+//! - `TORPOR_EVENTS` (limits retention, file storage): `torpor.events.<pod>`,
 //!   the pods' [`Event`]s (results of operations and heartbeats), consumed
 //!   by the API tier's one durable consumer `api` (whichever replica pulls
 //!   a message writes it to PostgreSQL, then acks it).
@@ -255,18 +255,33 @@ pub enum Event {
 }
 
 /// The two streams, made if missing (either side may come up first).
+///
+/// Limits retention, not a work queue: an ack moves only the consumer's
+/// state, messages go by age (and size). In a work queue an ack also
+/// removes the message, and a kill -9 of nats-server (2.9) could keep the
+/// removal but lose the consumer's ack: the consumer then held the removed
+/// message as delivered and unacked for ever (it cannot be delivered again
+/// to be acked; the chaos run's last unacked work item). Now a message
+/// whose ack was lost is there to be delivered again, and each side takes
+/// a message twice harmlessly (the pod's journal, a result applied once, a
+/// heartbeat's generation). Streams made by an older build stay work
+/// queues (nats-server does not change a stream's retention).
 pub async fn ensure_streams(js: &jetstream::Context) -> Result<(), ClusterError> {
-    for (name, subjects) in [
-        (WORK_STREAM, "torpor.work.*"),
-        (EVENTS_STREAM, "torpor.events.*"),
+    for (name, subjects, max_age) in [
+        (WORK_STREAM, "torpor.work.*", Duration::from_secs(24 * 3600)),
+        // Heartbeats every second: kept for less. A result past it is
+        // republished by the pod when a retry of its operation comes.
+        (EVENTS_STREAM, "torpor.events.*", Duration::from_secs(3600)),
     ] {
         js.get_or_create_stream(stream::Config {
             name: name.to_string(),
             subjects: vec![subjects.to_string()],
-            retention: stream::RetentionPolicy::WorkQueue,
+            retention: stream::RetentionPolicy::Limits,
             storage: stream::StorageType::File,
             max_message_size: MAX_MESSAGE as i32,
-            max_age: Duration::from_secs(24 * 3600),
+            max_age,
+            max_bytes: 1 << 30,
+            discard: stream::DiscardPolicy::Old,
             duplicate_window: Duration::from_secs(120),
             ..Default::default()
         })
@@ -276,14 +291,28 @@ pub async fn ensure_streams(js: &jetstream::Context) -> Result<(), ClusterError>
     Ok(())
 }
 
+/// How long a consumer waits for an ack before it delivers a message
+/// again. Short, so that an ack lost across a restart of nats-server (a
+/// kill -9 can drop the consumer's last acks before they are on disk) is
+/// made up for soon; a message worked on for longer is kept by progress
+/// acks ([`InProgress`]).
+pub const ACK_WAIT: Duration = Duration::from_secs(10);
+/// The period of those progress acks.
+pub const PROGRESS_EVERY: Duration = Duration::from_secs(3);
+/// How long [`ack_confirmed`] keeps trying.
+const ACK_PATIENCE: Duration = Duration::from_secs(20);
+
 /// The messages of a durable pull consumer of `stream` (made if missing),
-/// its errors as [`ClusterError::Nats`].
+/// pulled `batch` at a time,
+/// its errors as [`ClusterError::Nats`]. A message pulled waits unacked in
+/// the client until it is taken: a small batch keeps few waiting.
 pub async fn durable_messages(
     js: &jetstream::Context,
     stream: &str,
     name: &str,
     filter: &str,
     ack_wait: Duration,
+    batch: usize,
 ) -> Result<
     impl futures_util::Stream<Item = Result<jetstream::Message, ClusterError>> + Unpin,
     ClusterError,
@@ -292,20 +321,27 @@ pub async fn durable_messages(
         .get_stream(stream)
         .await
         .map_err(|e| ClusterError::Nats(format!("stream {stream}: {e}")))?;
+    let config = consumer::pull::Config {
+        durable_name: Some(name.to_string()),
+        filter_subject: filter.to_string(),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait,
+        ..Default::default()
+    };
     let consumer: consumer::PullConsumer = s
-        .get_or_create_consumer(
-            name,
-            consumer::pull::Config {
-                durable_name: Some(name.to_string()),
-                filter_subject: filter.to_string(),
-                ack_policy: consumer::AckPolicy::Explicit,
-                ack_wait,
-                ..Default::default()
-            },
-        )
+        .get_or_create_consumer(name, config)
         .await
         .map_err(|e| ClusterError::Nats(format!("consumer {name}: {e}")))?;
+    let had = consumer.cached_info().config.ack_wait;
+    if had != ack_wait {
+        // Made by an older build (nats-server 2.9 cannot update it in
+        // place): messages whose ack is lost come again after `had`.
+        tracing::warn!(consumer = name, ?had, want = ?ack_wait, "a consumer with another ack wait");
+    }
     let messages = consumer
+        .stream()
+        .max_messages_per_batch(batch)
+        .heartbeat(Duration::from_secs(5))
         .messages()
         .await
         .map_err(|e| ClusterError::Nats(e.to_string()))?;
@@ -314,8 +350,58 @@ pub async fn durable_messages(
     }))
 }
 
-/// What one stream holds now: messages stored (a work queue keeps only
-/// those not acked yet) and, per consumer, those not delivered yet and
+/// Acks `message` and waits for the server's confirmation, again (NATS may
+/// be restarting) until it comes or [`ACK_PATIENCE`] has passed. A plain
+/// ack is sent and forgotten: one lost with a restart of nats-server left
+/// its message delivered but unacked until the ack wait.
+pub async fn ack_confirmed(message: &jetstream::Message) -> Result<(), ClusterError> {
+    let deadline = tokio::time::Instant::now() + ACK_PATIENCE;
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match message.double_ack().await {
+            Ok(()) => return Ok(()),
+            Err(e) if tokio::time::Instant::now() + pause >= deadline => {
+                return Err(ClusterError::Nats(format!("ack: {e}")))
+            }
+            Err(_) => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+/// While it lives, a progress ack (`+WPI`, which starts the message's ack
+/// wait over) every [`PROGRESS_EVERY`]: a message worked on for longer
+/// than [`ACK_WAIT`] is not delivered again meanwhile.
+#[derive(Debug)]
+pub struct InProgress(tokio::task::JoinHandle<()>);
+
+impl InProgress {
+    pub fn start(message: &jetstream::Message) -> Self {
+        let message = message.clone();
+        InProgress(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(PROGRESS_EVERY);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                if let Err(e) = message.ack_with(jetstream::AckKind::Progress).await {
+                    tracing::debug!(error = %e, "progress ack");
+                }
+            }
+        }))
+    }
+}
+
+impl Drop for InProgress {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// What one stream holds now: messages stored (acked ones too, until their
+/// age; a stream made as a work queue by an older build keeps only those
+/// not acked yet) and, per consumer, those not delivered yet and
 /// those delivered but not acked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Backlog {
@@ -326,10 +412,8 @@ pub struct Backlog {
 }
 
 impl Backlog {
-    /// Nothing left for a consumer: none undelivered, none unacked. (The
-    /// stream's own count may stay above 0 after nats-server was killed:
-    /// a work queue's removal of acked messages is not synced at once, so
-    /// a crash can keep messages its consumer's ack floor has passed.)
+    /// Nothing left for a consumer: none undelivered, none unacked (the
+    /// stream's own count keeps acked messages).
     pub fn is_empty(&self) -> bool {
         self.consumers.iter().all(|c| c.1 == 0 && c.2 == 0)
     }

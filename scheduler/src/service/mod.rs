@@ -617,3 +617,5 @@ impl Service {
 mod lifecycle_tests;
 #[cfg(test)]
 mod network_tests;
+#[cfg(test)]
+mod recovery_tests;

@@ -1,8 +1,9 @@
 //! After an unclean stop (kill -9 of `torpor serve`): finish or roll back
 //! interrupted operations, re-attach to VMMs that still answer, mark the
-//! sandboxes whose VMM is gone failed, and remove orphaned files.
+//! sandboxes whose VMM is gone failed, end the VMMs no sandbox keeps, and
+//! remove orphaned files.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use super::vmm;
 use super::{Service, ServiceError};
@@ -89,6 +90,7 @@ impl Service {
                 .finish_operation(&op.id, outcome, None, change.as_ref())?;
         }
         self.reattach()?;
+        self.end_stray_vmms()?;
         self.recover_layers()?;
         self.remove_orphans()
     }
@@ -122,6 +124,52 @@ impl Service {
                     SandboxState::Failed,
                     Some("its VMM process ended while the service was down"),
                 )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends every VMM running in a sandbox's directory that the sandbox
+    /// does not keep: afterwards the running and paused sandboxes are
+    /// exactly the VMMs whose log is in this data directory. A stop in the
+    /// middle of a create or a wake leaves one whose handle was never
+    /// recorded (the process up, its commit not made), which the steps
+    /// above cannot see: the create is rolled back (failed), the wake back
+    /// to hibernated, and the VMM would run on, unaccounted for. Found by
+    /// its log (`sandboxes/ID/vmm.log`, its stderr) rather than its control
+    /// socket, which a VMM still starting has not bound yet.
+    fn end_stray_vmms(&self) -> Result<(), ServiceError> {
+        let root = self.config.data_dir.join("sandboxes");
+        let found = vmm::logging_under(&root);
+        if found.is_empty() {
+            return Ok(());
+        }
+        let kept: HashMap<String, u32> = self
+            .store
+            .list_sandboxes(&SandboxFilter {
+                states: vec![SandboxState::Running, SandboxState::Paused],
+                ..Default::default()
+            })?
+            .into_iter()
+            .filter_map(|s| Some((s.id.as_str().to_string(), s.vmm?.pid)))
+            .collect();
+        for p in &found {
+            let sandbox = p
+                .log
+                .components()
+                .next()
+                .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                .unwrap_or_default();
+            // A kept sandbox's VMM and (jailed) its supervisor stay.
+            let keep = kept.get(&sandbox).is_some_and(|&pid| {
+                p.pid == pid || found.iter().any(|c| c.pid == pid && c.ppid == p.pid)
+            });
+            if keep {
+                continue;
+            }
+            tracing::warn!(%sandbox, pid = p.pid, "a VMM no sandbox keeps: ending it");
+            if !vmm::kill_and_wait(p.pid, p.start_time, std::time::Duration::from_secs(5)) {
+                tracing::warn!(%sandbox, pid = p.pid, "the VMM did not exit within 5 s");
             }
         }
         Ok(())

@@ -456,6 +456,73 @@ pub fn stop(handle: &VmmHandle, child: Option<Child>) {
     let _ = std::fs::remove_file(&handle.control_socket);
 }
 
+/// A `torpor-vmm` process found by its log rather than a handle: its
+/// stderr (the VMM's log, see [`spawn`]) is a file under some directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoggingVmm {
+    pub pid: u32,
+    pub ppid: u32,
+    pub start_time: Option<u64>,
+    /// Its log, relative to the directory searched.
+    pub log: PathBuf,
+}
+
+/// Every live `torpor-vmm` process whose log is under `root`: those a pod
+/// started (a jailed VMM and its supervisor both log there), including
+/// those it never recorded a handle for (it died between the spawn and
+/// the record).
+pub fn logging_under(root: &Path) -> Vec<LoggingVmm> {
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return found;
+    };
+    for pid in entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+    {
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let Some((head, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let mut fields = rest.split_whitespace();
+        let (state, ppid) = (fields.next(), fields.next().and_then(|p| p.parse().ok()));
+        if !head.ends_with("(torpor-vmm") || state == Some("Z") {
+            continue;
+        }
+        let Ok(target) = std::fs::read_link(format!("/proc/{pid}/fd/2")) else {
+            continue;
+        };
+        // A log removed under its writer reads `PATH (deleted)`.
+        let text = target.to_string_lossy();
+        let path = Path::new(text.strip_suffix(" (deleted)").unwrap_or(&text));
+        let Ok(log) = path.strip_prefix(root) else {
+            continue;
+        };
+        found.push(LoggingVmm {
+            pid,
+            ppid: ppid.unwrap_or(0),
+            start_time: parse_stat_start(&stat),
+            log: log.to_path_buf(),
+        });
+    }
+    found
+}
+
+/// Ends the process `pid` had at start time `start` (SIGKILL; never a
+/// recycled pid's) and waits up to `limit` for it to exit; whether it has.
+pub fn kill_and_wait(pid: u32, start: Option<u64>, limit: Duration) -> bool {
+    let Ok(pidfd) = PidFd::open(pid) else {
+        return true;
+    };
+    if start.is_none() || !is_process(pid, start) {
+        return true;
+    }
+    let _ = pidfd.signal(libc::SIGKILL);
+    pidfd.wait_exit(Instant::now() + limit)
+}
+
 /// Proportional set size of a process in KiB, from
 /// /proc/PID/smaps_rollup (None if it is gone). The one reader of PSS:
 /// the pod's policy and metrics, and the benches.
