@@ -96,7 +96,7 @@ while :; do
   sleep 1
 done
 echo "returned pss_kib=$AFTER after_s=$el"
-echo "witness shared0_kib=$S0 shared1_kib=$(shared "$PW")"
+echo "witness-pages shared0_kib=$S0 shared1_kib=$(shared "$PW")"
 echo "api pss_kib=$(row "$SBX" 'host pss') guest_used_kib=$(row "$SBX" 'guest used') reported_kib=$(row "$SBX" 'reported free')"
 # Hibernation diffs: of the guest that freed its burst, and of the witness
 # while it holds one.
@@ -268,8 +268,8 @@ fn check_memory(o: &str) {
     assert!(num(o, "api", "pss_kib") > 0, "{o}");
     assert!(num(o, "api", "guest_used_kib") > 0, "{o}");
     assert!(num(o, "api", "reported_kib") >= RETURNED_MIB << 10, "{o}");
-    let shared0 = num(o, "witness", "shared0_kib");
-    let shared1 = num(o, "witness", "shared1_kib");
+    let shared0 = num(o, "witness-pages", "shared0_kib");
+    let shared1 = num(o, "witness-pages", "shared1_kib");
     assert!(shared0 > 0, "{o}");
     assert!(
         shared1 * 100 >= shared0 * 95,
