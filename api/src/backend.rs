@@ -7,31 +7,58 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use torpor_scheduler::model::{
-    Checkpoint, ExposedPort, PodId, Sandbox, SandboxId, Template, TemplateId,
-};
-use torpor_scheduler::net::PolicyPatch;
+use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template};
 use torpor_scheduler::service::LOCAL_POD;
 
+use crate::calls::{FileOp, FileReply, SandboxCalls, TemplateOp, TemplateReply};
 use crate::federation::{AddPod, RemotePod};
-use torpor_scheduler::images::ImagePart;
 
 use crate::service::{
-    AgentLink, Cancel, CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput,
-    ExecRequest, ExitReply, ForkSandbox, GuestCall, GuestError, Outcome, OutputKind, PodView,
-    RestoreCheckpoint, SandboxFilter, Service, ServiceError, TemplateFromSandbox,
+    AgentLink, Cancel, CreateSandbox, ExecOutput, ExecRequest, ExitReply, ForkSandbox, GuestCall,
+    GuestError, Outcome, OutputKind, PodView, SandboxFilter, Service, ServiceError,
+    TemplateFromSandbox,
 };
 
 fn no_checkpoints() -> ServiceError {
-    ServiceError::Unsupported("this backend keeps no checkpoints".into())
+    Needs::Snapshots.unsupported()
 }
 
-fn no_network() -> ServiceError {
-    ServiceError::Unsupported("this backend has no sandbox networking".into())
+/// What an operation served by the pod's own [`Service`] (see
+/// [`SandboxApi::service`]) needs: a backend without one answers 501
+/// `unsupported`, saying which.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Needs {
+    /// Checkpoints and restore.
+    Snapshots,
+    /// Network policy and exposed ports.
+    Network,
+    /// Image uploads and listings.
+    Images,
 }
 
-fn no_images() -> ServiceError {
-    ServiceError::Unsupported("this backend keeps no images".into())
+impl Needs {
+    pub fn unsupported(self) -> ServiceError {
+        ServiceError::Unsupported(
+            match self {
+                Needs::Snapshots => "this backend keeps no checkpoints",
+                Needs::Network => "this backend has no sandbox networking",
+                Needs::Images => "this backend keeps no images",
+            }
+            .into(),
+        )
+    }
+}
+
+/// `f` on the pod's own service, or 501 naming what it `needs`: the
+/// routes of operations only a pod serves (checkpoints, network, images)
+/// call the [`Service`] through this, with no method of their own on
+/// [`SandboxApi`].
+pub fn on_pod<S: SandboxApi + ?Sized, T>(
+    s: &S,
+    needs: Needs,
+    f: impl FnOnce(&Service) -> Result<T, ServiceError>,
+) -> Result<T, ServiceError> {
+    f(s.service().ok_or_else(|| needs.unsupported())?)
 }
 
 fn no_remote_pods() -> ServiceError {
@@ -98,11 +125,10 @@ impl Lifecycle {
 
 /// The sandbox service as the API sees it: `torpor_scheduler::service::Service`'s
 /// calls, the four lifecycle ones as one [`SandboxApi::lifecycle`].
-pub trait SandboxApi: Send + Sync + 'static {
-    fn list_templates(&self) -> Result<Vec<Template>, ServiceError>;
-    fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError>;
-    fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError>;
-    fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError>;
+pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
+    /// A template call; the typed ones are [`SandboxCalls`]'
+    /// (`list_templates`, `get_template`, ...).
+    fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError>;
 
     fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError>;
     fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError>;
@@ -160,37 +186,13 @@ pub trait SandboxApi: Send + Sync + 'static {
         self.get_sandbox(id).map(|s| s.tenant)
     }
 
-    // Images (Linux templates' kernels and root filesystems). A backend
-    // without them (the API tests' fake) answers 501.
+    // Remote pods (the federation and the cluster). A single pod keeps
+    // these defaults: nothing is remote.
 
-    /// Installed images' names.
-    fn list_images(&self) -> Result<Vec<String>, ServiceError> {
-        Err(no_images())
-    }
-    /// Installs one file of an image from `body` (at most `limit` bytes);
-    /// its size.
-    fn install_image(
-        &self,
-        _name: &str,
-        _part: ImagePart,
-        _body: &mut dyn std::io::Read,
-        _limit: u64,
-    ) -> Result<u64, ServiceError> {
-        Err(no_images())
-    }
-    fn remove_image(&self, _name: &str) -> Result<(), ServiceError> {
-        Err(no_images())
-    }
-
-    // Remote pods (the federation; see `crate::federation`). A single pod
-    // keeps these defaults: nothing is remote, registration is refused.
-
-    /// Registers a remote pod; its listing entry.
-    fn add_pod(&self, _req: AddPod) -> Result<Value, ServiceError> {
-        Err(no_remote_pods())
-    }
-    fn remove_pod(&self, _id: &PodId) -> Result<(), ServiceError> {
-        Err(no_remote_pods())
+    /// The registry of remote pods (a federation's, `POST /v1/pods`); without
+    /// one, registration and forwarded forks are refused (501).
+    fn registry(&self) -> Option<&dyn Registry> {
+        None
     }
     /// The remote pod that owns this sandbox: its routes are forwarded there.
     fn remote_sandbox(&self, _id: &SandboxId) -> Option<RemotePod> {
@@ -215,57 +217,21 @@ pub trait SandboxApi: Send + Sync + 'static {
     fn remote_pod(&self, _id: &PodId) -> Option<RemotePod> {
         None
     }
-    /// Forwards a fork of a sandbox on `pod` (`path` on the pod, JSON
-    /// `body`), recording the new sandbox as the pod's before answering.
-    fn forward_fork(
-        &self,
-        _pod: &RemotePod,
-        _path: &str,
-        _body: Value,
-    ) -> Result<Value, ServiceError> {
-        Err(no_remote_pods())
+
+    /// The pod's own in-process service (`Service` itself; a federation's
+    /// local pod), if there is one. Operations on this pod's sandboxes and
+    /// images that no other backend implements (checkpoints, network policy,
+    /// ports, images) are called on it directly through [`on_pod`]; without
+    /// one (a cluster replica, the API tests' fake) they answer 501. A
+    /// federation relays a remote sandbox's routes at the HTTP layer.
+    fn service(&self) -> Option<&Service> {
+        None
     }
 
-    // Checkpoints, restore and fork need snapshots: a backend without them
+    // Fork and snapshot-as-template need snapshots: a backend without them
     // (the API tests' in-memory fake) keeps these defaults, which answer
     // 501 `unsupported`.
 
-    fn list_checkpoints(&self, _id: &SandboxId) -> Result<Vec<Checkpoint>, ServiceError> {
-        Err(no_checkpoints())
-    }
-    fn set_network_policy(
-        &self,
-        _id: &SandboxId,
-        _patch: &PolicyPatch,
-    ) -> Result<Sandbox, ServiceError> {
-        Err(no_network())
-    }
-    fn list_ports(&self, _id: &SandboxId) -> Result<Vec<ExposedPort>, ServiceError> {
-        Err(no_network())
-    }
-    fn expose_port(&self, _id: &SandboxId, _guest_port: u16) -> Result<ExposedPort, ServiceError> {
-        Err(no_network())
-    }
-    fn unexpose_port(&self, _id: &SandboxId, _guest_port: u16) -> Result<(), ServiceError> {
-        Err(no_network())
-    }
-    fn create_checkpoint(
-        &self,
-        _id: &SandboxId,
-        _req: CreateCheckpoint,
-    ) -> Result<Checkpoint, ServiceError> {
-        Err(no_checkpoints())
-    }
-    fn delete_checkpoint(&self, _id: &SandboxId, _name: &str) -> Result<(), ServiceError> {
-        Err(no_checkpoints())
-    }
-    fn restore_checkpoint(
-        &self,
-        _id: &SandboxId,
-        _req: RestoreCheckpoint,
-    ) -> Result<Outcome, ServiceError> {
-        Err(no_checkpoints())
-    }
     fn fork_sandbox(&self, _id: &SandboxId, _req: ForkSandbox) -> Result<Sandbox, ServiceError> {
         Err(no_checkpoints())
     }
@@ -303,15 +269,9 @@ pub trait SandboxApi: Send + Sync + 'static {
         on_start: &mut dyn FnMut(&Outcome),
         on_output: &mut dyn FnMut(OutputKind, &[u8]),
     ) -> Result<GuestCall<ExitReply>, ServiceError>;
-    fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError>;
-    fn write_file(
-        &self,
-        id: &SandboxId,
-        path: &str,
-        data: &[u8],
-        mode: Option<u32>,
-    ) -> Result<GuestCall<u64>, ServiceError>;
-    fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError>;
+    /// A file call on the sandbox's agent; the typed ones are
+    /// [`SandboxCalls`]' (`read_file`, `write_file`, `list_dir`).
+    fn files(&self, id: &SandboxId, op: FileOp<'_>) -> Result<GuestCall<FileReply>, ServiceError>;
     /// Wakes the sandbox if needed and hands `f` its agent (E2B's envd
     /// RPCs, which make their own connections to it).
     fn with_guest(
@@ -321,19 +281,37 @@ pub trait SandboxApi: Send + Sync + 'static {
     ) -> Result<Outcome, ServiceError>;
 }
 
+/// Remote pods registered with this server (the federation's), behind
+/// [`SandboxApi::registry`].
+pub trait Registry: Send + Sync {
+    /// Registers a remote pod; its listing entry.
+    fn add_pod(&self, req: AddPod) -> Result<Value, ServiceError>;
+    fn remove_pod(&self, id: &PodId) -> Result<(), ServiceError>;
+    /// Forwards a fork of a sandbox on `pod` (`path` on the pod, JSON
+    /// `body`), recording the new sandbox as the pod's before answering.
+    fn forward_fork(&self, pod: &RemotePod, path: &str, body: Value)
+        -> Result<Value, ServiceError>;
+}
+
+/// The registry of `s`, or 501: this server registers no remote pods.
+pub fn registry<S: SandboxApi + ?Sized>(s: &S) -> Result<&dyn Registry, ServiceError> {
+    s.registry().ok_or_else(no_remote_pods)
+}
+
 impl SandboxApi for Service {
-    fn list_templates(&self) -> Result<Vec<Template>, ServiceError> {
-        Service::list_templates(self)
-    }
-    fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError> {
-        Service::get_template(self, id)
-    }
-    fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError> {
-        not_here(&req.pod)?;
-        Service::create_template(self, req)
-    }
-    fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError> {
-        Service::delete_template(self, id)
+    fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
+        Ok(match op {
+            TemplateOp::List => TemplateReply::List(Service::list_templates(self)?),
+            TemplateOp::Get(id) => TemplateReply::One(Service::get_template(self, id)?),
+            TemplateOp::Create(req) => {
+                not_here(&req.pod)?;
+                TemplateReply::One(Service::create_template(self, req)?)
+            }
+            TemplateOp::Delete(id) => {
+                Service::delete_template(self, id)?;
+                TemplateReply::Deleted
+            }
+        })
     }
     fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
         not_here(&req.pod)?;
@@ -378,42 +356,6 @@ impl SandboxApi for Service {
     fn metrics(&self) -> String {
         Service::metrics(self)
     }
-    fn list_checkpoints(&self, id: &SandboxId) -> Result<Vec<Checkpoint>, ServiceError> {
-        Service::list_checkpoints(self, id)
-    }
-    fn set_network_policy(
-        &self,
-        id: &SandboxId,
-        patch: &PolicyPatch,
-    ) -> Result<Sandbox, ServiceError> {
-        Service::set_network_policy(self, id, patch)
-    }
-    fn list_ports(&self, id: &SandboxId) -> Result<Vec<ExposedPort>, ServiceError> {
-        Service::list_ports(self, id)
-    }
-    fn expose_port(&self, id: &SandboxId, guest_port: u16) -> Result<ExposedPort, ServiceError> {
-        Service::expose_port(self, id, guest_port)
-    }
-    fn unexpose_port(&self, id: &SandboxId, guest_port: u16) -> Result<(), ServiceError> {
-        Service::unexpose_port(self, id, guest_port)
-    }
-    fn create_checkpoint(
-        &self,
-        id: &SandboxId,
-        req: CreateCheckpoint,
-    ) -> Result<Checkpoint, ServiceError> {
-        Service::create_checkpoint(self, id, req)
-    }
-    fn delete_checkpoint(&self, id: &SandboxId, name: &str) -> Result<(), ServiceError> {
-        Service::delete_checkpoint(self, id, name)
-    }
-    fn restore_checkpoint(
-        &self,
-        id: &SandboxId,
-        req: RestoreCheckpoint,
-    ) -> Result<Outcome, ServiceError> {
-        Service::restore_checkpoint(self, id, req)
-    }
     fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
         Service::fork_sandbox(self, id, req)
     }
@@ -448,20 +390,21 @@ impl SandboxApi for Service {
     ) -> Result<GuestCall<ExitReply>, ServiceError> {
         Service::exec_streaming(self, id, req, cancel, on_start, on_output)
     }
-    fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
-        Service::read_file(self, id, path)
-    }
-    fn write_file(
-        &self,
-        id: &SandboxId,
-        path: &str,
-        data: &[u8],
-        mode: Option<u32>,
-    ) -> Result<GuestCall<u64>, ServiceError> {
-        Service::write_file(self, id, path, data, mode)
-    }
-    fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError> {
-        Service::list_dir(self, id, path)
+    fn files(&self, id: &SandboxId, op: FileOp<'_>) -> Result<GuestCall<FileReply>, ServiceError> {
+        fn reply<T>(call: GuestCall<T>, f: fn(T) -> FileReply) -> GuestCall<FileReply> {
+            GuestCall {
+                outcome: call.outcome,
+                value: f(call.value),
+            }
+        }
+        Ok(match op {
+            FileOp::Read { path } => reply(Service::read_file(self, id, path)?, FileReply::Read),
+            FileOp::Write { path, data, mode } => reply(
+                Service::write_file(self, id, path, data, mode)?,
+                FileReply::Written,
+            ),
+            FileOp::List { path } => reply(Service::list_dir(self, id, path)?, FileReply::List),
+        })
     }
     fn with_guest(
         &self,
@@ -470,19 +413,7 @@ impl SandboxApi for Service {
     ) -> Result<Outcome, ServiceError> {
         Service::with_guest(self, id, f)
     }
-    fn list_images(&self) -> Result<Vec<String>, ServiceError> {
-        Ok(self.images().list())
-    }
-    fn install_image(
-        &self,
-        name: &str,
-        part: ImagePart,
-        body: &mut dyn std::io::Read,
-        limit: u64,
-    ) -> Result<u64, ServiceError> {
-        Ok(self.images().install(name, part, body, limit)?)
-    }
-    fn remove_image(&self, name: &str) -> Result<(), ServiceError> {
-        Service::remove_image(self, name)
+    fn service(&self) -> Option<&Service> {
+        Some(self)
     }
 }

@@ -7,9 +7,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use serde_json::{json, Value};
-use torpor_scheduler::model::{
-    random_bytes, random_hex, PodId, Sandbox, SandboxId, Template, TemplateId,
-};
+use torpor_scheduler::model::{random_bytes, random_hex, PodId, Sandbox, SandboxId};
 use torpor_scheduler::service::LOCAL_POD;
 
 use super::db::{Db, OpRow, PodRow};
@@ -19,8 +17,8 @@ use crate::backend::{Lifecycle, SandboxApi};
 use crate::error::code;
 use crate::federation::RemotePod;
 use crate::service::{
-    AgentLink, Cancel, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
-    ExitReply, GuestCall, GuestError, Outcome, OutputKind, PodView, SandboxFilter, ServiceError,
+    AgentLink, Cancel, CreateSandbox, ExecOutput, ExecRequest, ExitReply, GuestCall, GuestError,
+    Outcome, OutputKind, PodView, SandboxFilter, ServiceError,
 };
 use crate::tls::Fingerprint;
 
@@ -331,19 +329,16 @@ fn is_command(method: &str, path: &str) -> bool {
 }
 
 impl SandboxApi for Cluster {
-    fn list_templates(&self) -> Result<Vec<Template>, ServiceError> {
-        Err(no_catalog())
-    }
-    fn get_template(&self, _id: &TemplateId) -> Result<Template, ServiceError> {
-        Err(no_catalog())
-    }
-    fn create_template(&self, _req: CreateTemplate) -> Result<Template, ServiceError> {
-        Err(ServiceError::Unsupported(
-            "templates are built on each pod in a cluster".into(),
-        ))
-    }
-    fn delete_template(&self, _id: &TemplateId) -> Result<(), ServiceError> {
-        Err(no_catalog())
+    fn templates(
+        &self,
+        op: crate::calls::TemplateOp<'_>,
+    ) -> Result<crate::calls::TemplateReply, ServiceError> {
+        match op {
+            crate::calls::TemplateOp::Create(_) => Err(ServiceError::Unsupported(
+                "templates are built on each pod in a cluster".into(),
+            )),
+            _ => Err(no_catalog()),
+        }
     }
 
     fn create_sandbox(&self, mut req: CreateSandbox) -> Result<Sandbox, ServiceError> {
@@ -566,19 +561,11 @@ impl SandboxApi for Cluster {
     ) -> Result<GuestCall<ExitReply>, ServiceError> {
         self.guest_call(id)
     }
-    fn read_file(&self, id: &SandboxId, _path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
-        self.guest_call(id)
-    }
-    fn write_file(
+    fn files(
         &self,
         id: &SandboxId,
-        _path: &str,
-        _data: &[u8],
-        _mode: Option<u32>,
-    ) -> Result<GuestCall<u64>, ServiceError> {
-        self.guest_call(id)
-    }
-    fn list_dir(&self, id: &SandboxId, _path: &str) -> Result<GuestCall<DirListing>, ServiceError> {
+        _op: crate::calls::FileOp<'_>,
+    ) -> Result<GuestCall<crate::calls::FileReply>, ServiceError> {
         self.guest_call(id)
     }
     fn with_guest(

@@ -191,7 +191,10 @@ async fn fork<S: SandboxApi>(
             _ => return ApiError::invalid("the fork body must be a JSON object").into_response(),
         }
     };
-    let result = tokio::task::spawn_blocking(move || service.forward_fork(&pod, &path, body)).await;
+    let result = tokio::task::spawn_blocking(move || {
+        crate::backend::registry(&*service)?.forward_fork(&pod, &path, body)
+    })
+    .await;
     match result {
         Ok(Ok(sandbox)) => {
             let building = sandbox["state"] == "creating";
