@@ -10,13 +10,14 @@ use serde_json::{json, Value};
 use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template};
 use torpor_scheduler::service::LOCAL_POD;
 
-use crate::calls::{FileOp, FileReply, SandboxCalls, TemplateOp, TemplateReply};
+use crate::calls::{
+    map_call, ExecMode, ExecReply, FileOp, FileReply, SandboxCalls, TemplateOp, TemplateReply,
+};
 use crate::federation::{AddPod, RemotePod};
 
 use crate::service::{
-    AgentLink, Cancel, CreateSandbox, ExecOutput, ExecRequest, ExitReply, ForkSandbox, GuestCall,
-    GuestError, Outcome, OutputKind, PodView, SandboxFilter, Service, ServiceError,
-    TemplateFromSandbox,
+    AgentLink, Cancel, CreateSandbox, ExecRequest, ForkSandbox, GuestCall, GuestError, Outcome,
+    PodView, SandboxFilter, Service, ServiceError, TemplateFromSandbox,
 };
 
 fn no_checkpoints() -> ServiceError {
@@ -252,23 +253,16 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
         Ok(Vec::new())
     }
     // Guest access (exec and files), each waking a hibernated sandbox first.
-    /// `cancel` ends the exec early (its client went away): the command
-    /// is killed in the guest.
-    fn exec(
+    /// Runs a command (`cancel` ends it early: the command is killed in
+    /// the guest), its output collected or streamed as `mode` says; the
+    /// typed calls are [`SandboxCalls`]' `exec` and `exec_streaming`.
+    fn execute(
         &self,
         id: &SandboxId,
         req: ExecRequest,
         cancel: &Cancel,
-    ) -> Result<GuestCall<ExecOutput>, ServiceError>;
-    /// `on_start` runs once the sandbox runs, before any output.
-    fn exec_streaming(
-        &self,
-        id: &SandboxId,
-        req: ExecRequest,
-        cancel: &Cancel,
-        on_start: &mut dyn FnMut(&Outcome),
-        on_output: &mut dyn FnMut(OutputKind, &[u8]),
-    ) -> Result<GuestCall<ExitReply>, ServiceError>;
+        mode: ExecMode<'_>,
+    ) -> Result<GuestCall<ExecReply>, ServiceError>;
     /// A file call on the sandbox's agent; the typed ones are
     /// [`SandboxCalls`]' (`read_file`, `write_file`, `list_dir`).
     fn files(&self, id: &SandboxId, op: FileOp<'_>) -> Result<GuestCall<FileReply>, ServiceError>;
@@ -372,38 +366,34 @@ impl SandboxApi for Service {
     ) -> Result<Vec<(Template, SandboxId)>, ServiceError> {
         Service::sandbox_templates(self, source)
     }
-    fn exec(
+    fn execute(
         &self,
         id: &SandboxId,
         req: ExecRequest,
         cancel: &Cancel,
-    ) -> Result<GuestCall<ExecOutput>, ServiceError> {
-        Service::exec(self, id, req, cancel)
-    }
-    fn exec_streaming(
-        &self,
-        id: &SandboxId,
-        req: ExecRequest,
-        cancel: &Cancel,
-        on_start: &mut dyn FnMut(&Outcome),
-        on_output: &mut dyn FnMut(OutputKind, &[u8]),
-    ) -> Result<GuestCall<ExitReply>, ServiceError> {
-        Service::exec_streaming(self, id, req, cancel, on_start, on_output)
+        mode: ExecMode<'_>,
+    ) -> Result<GuestCall<ExecReply>, ServiceError> {
+        Ok(match mode {
+            ExecMode::Collect => {
+                map_call(Service::exec(self, id, req, cancel)?, ExecReply::Collected)
+            }
+            ExecMode::Stream {
+                on_start,
+                on_output,
+            } => map_call(
+                Service::exec_streaming(self, id, req, cancel, on_start, on_output)?,
+                ExecReply::Streamed,
+            ),
+        })
     }
     fn files(&self, id: &SandboxId, op: FileOp<'_>) -> Result<GuestCall<FileReply>, ServiceError> {
-        fn reply<T>(call: GuestCall<T>, f: fn(T) -> FileReply) -> GuestCall<FileReply> {
-            GuestCall {
-                outcome: call.outcome,
-                value: f(call.value),
-            }
-        }
         Ok(match op {
-            FileOp::Read { path } => reply(Service::read_file(self, id, path)?, FileReply::Read),
-            FileOp::Write { path, data, mode } => reply(
+            FileOp::Read { path } => map_call(Service::read_file(self, id, path)?, FileReply::Read),
+            FileOp::Write { path, data, mode } => map_call(
                 Service::write_file(self, id, path, data, mode)?,
                 FileReply::Written,
             ),
-            FileOp::List { path } => reply(Service::list_dir(self, id, path)?, FileReply::List),
+            FileOp::List { path } => map_call(Service::list_dir(self, id, path)?, FileReply::List),
         })
     }
     fn with_guest(

@@ -1,16 +1,19 @@
 //! Operations [`SandboxApi`] takes as one typed request per resource
-//! (templates, a sandbox's files), and [`SandboxCalls`]: the typed call of
+//! (templates, a sandbox's files, an exec), and [`SandboxCalls`]: the typed call of
 //! each, for every backend at once.
 //!
 //! A backend implements one method per resource and matches the request;
 //! callers use the typed calls (`s.get_template(&id)`, `s.read_file(&id,
-//! path)`), which unwrap the reply of their request.
+//! path)`, `s.exec(..)`), which unwrap the reply of their request.
 
 use torpor_scheduler::model::{SandboxId, Template, TemplateId};
 use torpor_scheduler::service::guest::MAX_READ_BYTES;
 
 use crate::backend::SandboxApi;
-use crate::service::{AgentLink, CreateTemplate, DirListing, GuestCall, GuestError, ServiceError};
+use crate::service::{
+    AgentLink, Cancel, CreateTemplate, DirListing, ExecOutput, ExecRequest, ExitReply, GuestCall,
+    GuestError, Outcome, OutputKind, ServiceError,
+};
 
 /// A template call (`/v1/templates`): [`SandboxApi::templates`].
 #[derive(Debug, Clone)]
@@ -68,16 +71,54 @@ impl FileOp<'_> {
     }
 }
 
+/// Where an exec's output goes: [`SandboxApi::execute`].
+pub enum ExecMode<'a> {
+    /// Collected into the answer ([`ExecReply::Collected`]).
+    Collect,
+    /// `on_start` hears that the sandbox runs, before any output; then each
+    /// chunk goes to `on_output` as the agent streams it
+    /// ([`ExecReply::Streamed`]).
+    Stream {
+        on_start: &'a mut dyn FnMut(&Outcome),
+        on_output: &'a mut dyn FnMut(OutputKind, &[u8]),
+    },
+}
+
+impl std::fmt::Debug for ExecMode<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ExecMode::Collect => "Collect",
+            ExecMode::Stream { .. } => "Stream",
+        })
+    }
+}
+
+/// An exec's answer, the variant of its [`ExecMode`].
+#[derive(Debug)]
+pub enum ExecReply {
+    Collected(ExecOutput),
+    /// How the command ended (its output went to `on_output`).
+    Streamed(ExitReply),
+}
+
+/// `call` with its value mapped by `f`.
+pub fn map_call<T, U>(call: GuestCall<T>, f: impl FnOnce(T) -> U) -> GuestCall<U> {
+    GuestCall {
+        outcome: call.outcome,
+        value: f(call.value),
+    }
+}
+
 /// A backend answered `call` with another call's reply.
 fn mismatched(call: &str) -> ServiceError {
     ServiceError::Internal(format!("the backend answered a {call} with another reply"))
 }
 
 /// A guest call's value as `T`, if its reply is of that call.
-fn file_value<T>(
-    call: GuestCall<FileReply>,
+fn value_of<R, T>(
+    call: GuestCall<R>,
     name: &str,
-    f: fn(FileReply) -> Option<T>,
+    f: fn(R) -> Option<T>,
 ) -> Result<GuestCall<T>, ServiceError> {
     let GuestCall { outcome, value } = call;
     let value = f(value).ok_or_else(|| mismatched(name))?;
@@ -91,6 +132,23 @@ pub trait SandboxCalls {
     fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError>;
     fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError>;
     fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError>;
+    /// Runs a command, its output collected; `cancel` ends it early (its
+    /// client went away): the command is killed in the guest.
+    fn exec(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+        cancel: &Cancel,
+    ) -> Result<GuestCall<ExecOutput>, ServiceError>;
+    /// Runs a command, its output streamed ([`ExecMode::Stream`]).
+    fn exec_streaming(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+        cancel: &Cancel,
+        on_start: &mut dyn FnMut(&Outcome),
+        on_output: &mut dyn FnMut(OutputKind, &[u8]),
+    ) -> Result<GuestCall<ExitReply>, ServiceError>;
     /// The file's bytes.
     fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError>;
     /// Writes (replaces) a file, creating missing parents; its size.
@@ -130,8 +188,44 @@ impl<S: SandboxApi + ?Sized> SandboxCalls for S {
             _ => Err(mismatched("template delete")),
         }
     }
+    fn exec(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+        cancel: &Cancel,
+    ) -> Result<GuestCall<ExecOutput>, ServiceError> {
+        value_of(
+            self.execute(id, req, cancel, ExecMode::Collect)?,
+            "exec",
+            |r| match r {
+                ExecReply::Collected(out) => Some(out),
+                _ => None,
+            },
+        )
+    }
+    fn exec_streaming(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+        cancel: &Cancel,
+        on_start: &mut dyn FnMut(&Outcome),
+        on_output: &mut dyn FnMut(OutputKind, &[u8]),
+    ) -> Result<GuestCall<ExitReply>, ServiceError> {
+        let mode = ExecMode::Stream {
+            on_start,
+            on_output,
+        };
+        value_of(
+            self.execute(id, req, cancel, mode)?,
+            "streamed exec",
+            |r| match r {
+                ExecReply::Streamed(exit) => Some(exit),
+                _ => None,
+            },
+        )
+    }
     fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
-        file_value(
+        value_of(
             self.files(id, FileOp::Read { path })?,
             "read",
             |r| match r {
@@ -148,13 +242,13 @@ impl<S: SandboxApi + ?Sized> SandboxCalls for S {
         mode: Option<u32>,
     ) -> Result<GuestCall<u64>, ServiceError> {
         let op = FileOp::Write { path, data, mode };
-        file_value(self.files(id, op)?, "write", |r| match r {
+        value_of(self.files(id, op)?, "write", |r| match r {
             FileReply::Written(size) => Some(size),
             _ => None,
         })
     }
     fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError> {
-        file_value(
+        value_of(
             self.files(id, FileOp::List { path })?,
             "listing",
             |r| match r {

@@ -73,7 +73,7 @@ pub mod tls;
 pub mod wire;
 
 pub use backend::{Lifecycle, SandboxApi};
-pub use calls::{FileOp, FileReply, SandboxCalls, TemplateOp, TemplateReply};
+pub use calls::{ExecMode, ExecReply, FileOp, FileReply, SandboxCalls, TemplateOp, TemplateReply};
 pub use error::ApiError;
 
 use handlers::AppState;

@@ -17,8 +17,8 @@ use crate::backend::{Lifecycle, SandboxApi};
 use crate::error::code;
 use crate::federation::RemotePod;
 use crate::service::{
-    AgentLink, Cancel, CreateSandbox, ExecOutput, ExecRequest, ExitReply, GuestCall, GuestError,
-    Outcome, OutputKind, PodView, SandboxFilter, ServiceError,
+    AgentLink, Cancel, CreateSandbox, ExecRequest, GuestCall, GuestError, Outcome, PodView,
+    SandboxFilter, ServiceError,
 };
 use crate::tls::Fingerprint;
 
@@ -543,22 +543,13 @@ impl SandboxApi for Cluster {
         self.remote(&pod)
     }
 
-    fn exec(
+    fn execute(
         &self,
         id: &SandboxId,
         _req: ExecRequest,
         _cancel: &Cancel,
-    ) -> Result<GuestCall<ExecOutput>, ServiceError> {
-        self.guest_call(id)
-    }
-    fn exec_streaming(
-        &self,
-        id: &SandboxId,
-        _req: ExecRequest,
-        _cancel: &Cancel,
-        _on_start: &mut dyn FnMut(&Outcome),
-        _on_output: &mut dyn FnMut(OutputKind, &[u8]),
-    ) -> Result<GuestCall<ExitReply>, ServiceError> {
+        _mode: crate::calls::ExecMode<'_>,
+    ) -> Result<GuestCall<crate::calls::ExecReply>, ServiceError> {
         self.guest_call(id)
     }
     fn files(

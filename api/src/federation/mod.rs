@@ -36,11 +36,11 @@ use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template, TemplateId, T
 use torpor_scheduler::service::LOCAL_POD;
 
 use crate::backend::{Lifecycle, Registry, SandboxApi};
-use crate::calls::{FileOp, FileReply, TemplateOp, TemplateReply};
+use crate::calls::{ExecMode, ExecReply, FileOp, FileReply, TemplateOp, TemplateReply};
 use crate::client::{encode, ClientError};
 use crate::service::{
-    AgentLink, Cancel, CreateSandbox, CreateTemplate, ExecOutput, ExecRequest, ExitReply,
-    ForkSandbox, GuestCall, GuestError, Outcome, OutputKind, PodView, SandboxFilter, ServiceError,
+    AgentLink, Cancel, CreateSandbox, CreateTemplate, ExecRequest, ForkSandbox, GuestCall,
+    GuestError, Outcome, PodView, SandboxFilter, ServiceError,
 };
 use crate::tls::Fingerprint;
 pub use coming::{Starter, RETRY_AFTER_S};
@@ -851,24 +851,14 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
         }
         Ok(out)
     }
-    fn exec(
+    fn execute(
         &self,
         id: &SandboxId,
         req: ExecRequest,
         cancel: &Cancel,
-    ) -> Result<GuestCall<ExecOutput>, ServiceError> {
-        self.local.exec(id, req, cancel)
-    }
-    fn exec_streaming(
-        &self,
-        id: &SandboxId,
-        req: ExecRequest,
-        cancel: &Cancel,
-        on_start: &mut dyn FnMut(&Outcome),
-        on_output: &mut dyn FnMut(OutputKind, &[u8]),
-    ) -> Result<GuestCall<ExitReply>, ServiceError> {
-        self.local
-            .exec_streaming(id, req, cancel, on_start, on_output)
+        mode: ExecMode<'_>,
+    ) -> Result<GuestCall<ExecReply>, ServiceError> {
+        self.local.execute(id, req, cancel, mode)
     }
     fn files(&self, id: &SandboxId, op: FileOp<'_>) -> Result<GuestCall<FileReply>, ServiceError> {
         if self.remote_sandbox(id).is_none() {

@@ -20,7 +20,10 @@ use torpor_api::service::{
     ExitReply, FileKind, FileStat, GuestCall, GuestError, Outcome, OutputKind, PodView,
     SandboxFilter, ServiceError,
 };
-use torpor_api::{ApiConfig, FileOp, FileReply, Lifecycle, SandboxApi, TemplateOp, TemplateReply};
+use torpor_api::{
+    ApiConfig, ExecMode, ExecReply, FileOp, FileReply, Lifecycle, SandboxApi, TemplateOp,
+    TemplateReply,
+};
 use torpor_scheduler::model::{
     Pod, PodAddress, PodId, Sandbox, SandboxId, SandboxState, Template, TemplateId, TemplateKind,
     TemplateState, Timestamp,
@@ -490,43 +493,34 @@ impl SandboxApi for Fake {
         )
     }
 
-    fn exec(
+    fn execute(
         &self,
         id: &SandboxId,
         req: ExecRequest,
         _cancel: &Cancel,
-    ) -> Result<GuestCall<ExecOutput>, ServiceError> {
+        mode: ExecMode<'_>,
+    ) -> Result<GuestCall<ExecReply>, ServiceError> {
         let outcome = self.guest(id)?;
         let words = Self::echo(&req.argv)?;
-        Ok(GuestCall {
-            outcome,
-            value: ExecOutput {
+        let value = match mode {
+            ExecMode::Collect => ExecReply::Collected(ExecOutput {
                 stdout: format!("{}\n", words.join(" ")).into_bytes(),
                 stderr: Vec::new(),
                 exit: exit(0),
-            },
-        })
-    }
-
-    fn exec_streaming(
-        &self,
-        id: &SandboxId,
-        req: ExecRequest,
-        _cancel: &Cancel,
-        on_start: &mut dyn FnMut(&Outcome),
-        on_output: &mut dyn FnMut(OutputKind, &[u8]),
-    ) -> Result<GuestCall<ExitReply>, ServiceError> {
-        let outcome = self.guest(id)?;
-        let words = Self::echo(&req.argv)?;
-        on_start(&outcome);
-        for w in &words {
-            on_output(OutputKind::Stdout, format!("{w}\n").as_bytes());
-        }
-        on_output(OutputKind::Stderr, b"done\n");
-        Ok(GuestCall {
-            outcome,
-            value: exit(3),
-        })
+            }),
+            ExecMode::Stream {
+                on_start,
+                on_output,
+            } => {
+                on_start(&outcome);
+                for w in &words {
+                    on_output(OutputKind::Stdout, format!("{w}\n").as_bytes());
+                }
+                on_output(OutputKind::Stderr, b"done\n");
+                ExecReply::Streamed(exit(3))
+            }
+        };
+        Ok(GuestCall { outcome, value })
     }
 
     fn files(&self, id: &SandboxId, op: FileOp<'_>) -> Result<GuestCall<FileReply>, ServiceError> {
