@@ -1,5 +1,9 @@
 //! What the API needs from the service: [`SandboxApi`], implemented here for
-//! the real [`Service`] and, in tests, by an in-memory fake.
+//! the real [`Service`], by the federation, the cluster replica and, in
+//! tests, by an in-memory fake. It holds only what differs between them:
+//! operations only a pod serves are called on its [`Service`] through
+//! [`on_pod`], and the typed calls of its per-resource requests are
+//! [`SandboxCalls`]' (`crate::calls`), written once for every backend.
 //!
 //! Every method is synchronous and may block (store writes, VMM control
 //! requests, snapshots); the handlers call them through
@@ -124,8 +128,17 @@ impl Lifecycle {
     }
 }
 
-/// The sandbox service as the API sees it: `torpor_scheduler::service::Service`'s
-/// calls, the four lifecycle ones as one [`SandboxApi::lifecycle`].
+/// A pod's own entry in `GET /v1/pods`: its view, reachable.
+pub fn pod_entry(view: PodView) -> Result<Value, ServiceError> {
+    let mut e = serde_json::to_value(crate::wire::PodBody::from(view))
+        .map_err(|e| ServiceError::Internal(e.to_string()))?;
+    e["reachable"] = Value::Bool(true);
+    Ok(e)
+}
+
+/// The sandbox service as the API sees it: what each backend does its own
+/// way. Requests of one resource are one method taking the request
+/// ([`Lifecycle`], [`TemplateOp`], [`FileOp`], [`ExecMode`]).
 pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     /// A template call; the typed ones are [`SandboxCalls`]'
     /// (`list_templates`, `get_template`, ...).
@@ -143,7 +156,6 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
         timeout_ms: Option<u64>,
     ) -> Result<Sandbox, ServiceError>;
 
-    fn list_pods(&self) -> Result<Vec<PodView>, ServiceError>;
     fn set_pod(
         &self,
         id: &PodId,
@@ -158,17 +170,8 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     // JSON objects, so that the federation can add remote pods' entries
     // (`reachable`, `error`) and each template's `pod`.
 
-    fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
-        self.list_pods()?
-            .into_iter()
-            .map(|v| {
-                let mut e = serde_json::to_value(crate::wire::PodBody::from(v))
-                    .map_err(|e| ServiceError::Internal(e.to_string()))?;
-                e["reachable"] = Value::Bool(true);
-                Ok(e)
-            })
-            .collect()
-    }
+    /// The pods (a pod's own: its [`pod_entry`]).
+    fn pod_entries(&self) -> Result<Vec<Value>, ServiceError>;
     fn template_entries(&self) -> Result<Vec<Value>, ServiceError> {
         self.list_templates()?
             .into_iter()
@@ -195,15 +198,10 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     fn registry(&self) -> Option<&dyn Registry> {
         None
     }
-    /// The remote pod that owns this sandbox: its routes are forwarded there.
-    fn remote_sandbox(&self, _id: &SandboxId) -> Option<RemotePod> {
+    /// The remote pod a request is relayed to as it came (routing layer):
+    /// the pod that owns the sandbox, the pod named; `None` serves it here.
+    fn relay(&self, _to: Relay<'_>) -> Option<RemotePod> {
         None
-    }
-    /// Whether `method path` of a remote sandbox is relayed to its pod as it
-    /// came (the federation relays every sandbox route; the cluster only
-    /// its data plane, its commands go through the pods' work queues).
-    fn relays(&self, _method: &str, _path: &str) -> bool {
-        true
     }
     /// A command's journal entry (`GET /v1/operations/{id}`), of `tenant`
     /// only if given: a cluster journals its commands; others have none.
@@ -213,10 +211,6 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
             kind: "operation (operations are journaled by a cluster, torpor serve --cluster, only)",
             id: id.chars().take(64).collect(),
         })
-    }
-    /// The remote pod with this id: `PATCH /v1/pods/{id}` is forwarded there.
-    fn remote_pod(&self, _id: &PodId) -> Option<RemotePod> {
-        None
     }
 
     /// The pod's own in-process service (`Service` itself; a federation's
@@ -273,6 +267,22 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
         id: &SandboxId,
         f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
     ) -> Result<Outcome, ServiceError>;
+}
+
+/// A request the routing layer may relay to a remote pod:
+/// [`SandboxApi::relay`].
+#[derive(Debug, Clone, Copy)]
+pub enum Relay<'a> {
+    /// `method path`, a route of sandbox `id` (the federation relays every
+    /// one of a remote sandbox; the cluster only its data plane, its
+    /// commands go through the pods' work queues).
+    Sandbox {
+        id: &'a SandboxId,
+        method: &'a str,
+        path: &'a str,
+    },
+    /// `PATCH /v1/pods/{id}`.
+    Pod(&'a PodId),
 }
 
 /// Remote pods registered with this server (the federation's), behind
@@ -336,8 +346,11 @@ impl SandboxApi for Service {
     ) -> Result<Sandbox, ServiceError> {
         Service::set_timeout(self, id, keep_alive_ms, timeout_ms)
     }
-    fn list_pods(&self) -> Result<Vec<PodView>, ServiceError> {
-        Service::list_pods(self)
+    fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
+        Service::list_pods(self)?
+            .into_iter()
+            .map(pod_entry)
+            .collect()
     }
     fn set_pod(
         &self,

@@ -125,13 +125,46 @@ fn value_of<R, T>(
     Ok(GuestCall { outcome, value })
 }
 
-/// The typed calls of [`SandboxApi`]'s requests, for every backend (a
-/// supertrait of it, so they are in scope wherever it is).
+/// The typed calls of [`SandboxApi`]'s requests, for every backend: a
+/// supertrait of it (so they are in scope wherever it is), implemented once
+/// for all of them below (so no backend writes its own).
 pub trait SandboxCalls {
-    fn list_templates(&self) -> Result<Vec<Template>, ServiceError>;
-    fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError>;
-    fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError>;
-    fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError>;
+    fn list_templates(&self) -> Result<Vec<Template>, ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        match self.templates(TemplateOp::List)? {
+            TemplateReply::List(list) => Ok(list),
+            _ => Err(mismatched("template list")),
+        }
+    }
+    fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        match self.templates(TemplateOp::Get(id))? {
+            TemplateReply::One(t) => Ok(t),
+            _ => Err(mismatched("template get")),
+        }
+    }
+    fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        match self.templates(TemplateOp::Create(req))? {
+            TemplateReply::One(t) => Ok(t),
+            _ => Err(mismatched("template create")),
+        }
+    }
+    fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        match self.templates(TemplateOp::Delete(id))? {
+            TemplateReply::Deleted => Ok(()),
+            _ => Err(mismatched("template delete")),
+        }
+    }
     /// Runs a command, its output collected; `cancel` ends it early (its
     /// client went away): the command is killed in the guest.
     fn exec(
@@ -139,61 +172,10 @@ pub trait SandboxCalls {
         id: &SandboxId,
         req: ExecRequest,
         cancel: &Cancel,
-    ) -> Result<GuestCall<ExecOutput>, ServiceError>;
-    /// Runs a command, its output streamed ([`ExecMode::Stream`]).
-    fn exec_streaming(
-        &self,
-        id: &SandboxId,
-        req: ExecRequest,
-        cancel: &Cancel,
-        on_start: &mut dyn FnMut(&Outcome),
-        on_output: &mut dyn FnMut(OutputKind, &[u8]),
-    ) -> Result<GuestCall<ExitReply>, ServiceError>;
-    /// The file's bytes.
-    fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError>;
-    /// Writes (replaces) a file, creating missing parents; its size.
-    fn write_file(
-        &self,
-        id: &SandboxId,
-        path: &str,
-        data: &[u8],
-        mode: Option<u32>,
-    ) -> Result<GuestCall<u64>, ServiceError>;
-    /// A directory's entries.
-    fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError>;
-}
-
-impl<S: SandboxApi + ?Sized> SandboxCalls for S {
-    fn list_templates(&self) -> Result<Vec<Template>, ServiceError> {
-        match self.templates(TemplateOp::List)? {
-            TemplateReply::List(list) => Ok(list),
-            _ => Err(mismatched("template list")),
-        }
-    }
-    fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError> {
-        match self.templates(TemplateOp::Get(id))? {
-            TemplateReply::One(t) => Ok(t),
-            _ => Err(mismatched("template get")),
-        }
-    }
-    fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError> {
-        match self.templates(TemplateOp::Create(req))? {
-            TemplateReply::One(t) => Ok(t),
-            _ => Err(mismatched("template create")),
-        }
-    }
-    fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError> {
-        match self.templates(TemplateOp::Delete(id))? {
-            TemplateReply::Deleted => Ok(()),
-            _ => Err(mismatched("template delete")),
-        }
-    }
-    fn exec(
-        &self,
-        id: &SandboxId,
-        req: ExecRequest,
-        cancel: &Cancel,
-    ) -> Result<GuestCall<ExecOutput>, ServiceError> {
+    ) -> Result<GuestCall<ExecOutput>, ServiceError>
+    where
+        Self: SandboxApi,
+    {
         value_of(
             self.execute(id, req, cancel, ExecMode::Collect)?,
             "exec",
@@ -203,6 +185,7 @@ impl<S: SandboxApi + ?Sized> SandboxCalls for S {
             },
         )
     }
+    /// Runs a command, its output streamed ([`ExecMode::Stream`]).
     fn exec_streaming(
         &self,
         id: &SandboxId,
@@ -210,7 +193,10 @@ impl<S: SandboxApi + ?Sized> SandboxCalls for S {
         cancel: &Cancel,
         on_start: &mut dyn FnMut(&Outcome),
         on_output: &mut dyn FnMut(OutputKind, &[u8]),
-    ) -> Result<GuestCall<ExitReply>, ServiceError> {
+    ) -> Result<GuestCall<ExitReply>, ServiceError>
+    where
+        Self: SandboxApi,
+    {
         let mode = ExecMode::Stream {
             on_start,
             on_output,
@@ -224,7 +210,11 @@ impl<S: SandboxApi + ?Sized> SandboxCalls for S {
             },
         )
     }
-    fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
+    /// The file's bytes.
+    fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError>
+    where
+        Self: SandboxApi,
+    {
         value_of(
             self.files(id, FileOp::Read { path })?,
             "read",
@@ -234,20 +224,28 @@ impl<S: SandboxApi + ?Sized> SandboxCalls for S {
             },
         )
     }
+    /// Writes (replaces) a file, creating missing parents; its size.
     fn write_file(
         &self,
         id: &SandboxId,
         path: &str,
         data: &[u8],
         mode: Option<u32>,
-    ) -> Result<GuestCall<u64>, ServiceError> {
+    ) -> Result<GuestCall<u64>, ServiceError>
+    where
+        Self: SandboxApi,
+    {
         let op = FileOp::Write { path, data, mode };
         value_of(self.files(id, op)?, "write", |r| match r {
             FileReply::Written(size) => Some(size),
             _ => None,
         })
     }
-    fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError> {
+    /// A directory's entries.
+    fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError>
+    where
+        Self: SandboxApi,
+    {
         value_of(
             self.files(id, FileOp::List { path })?,
             "listing",
@@ -258,3 +256,5 @@ impl<S: SandboxApi + ?Sized> SandboxCalls for S {
         )
     }
 }
+
+impl<S: SandboxApi + ?Sized> SandboxCalls for S {}

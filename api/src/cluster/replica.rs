@@ -438,11 +438,6 @@ impl SandboxApi for Cluster {
         self.guest_call(id)
     }
 
-    fn list_pods(&self) -> Result<Vec<PodView>, ServiceError> {
-        Err(ServiceError::Unsupported(
-            "a cluster's pods are listed from their heartbeats (GET /v1/pods)".into(),
-        ))
-    }
     fn set_pod(
         &self,
         id: &PodId,
@@ -523,21 +518,21 @@ impl SandboxApi for Cluster {
         }))
     }
 
-    fn relays(&self, method: &str, path: &str) -> bool {
-        !is_command(method, path)
-    }
-
-    fn remote_sandbox(&self, id: &SandboxId) -> Option<RemotePod> {
-        let (_, pod) = self.block(self.owned(id)).ok()?;
+    fn relay(&self, to: crate::backend::Relay<'_>) -> Option<RemotePod> {
+        let pod = match to {
+            crate::backend::Relay::Sandbox { method, path, .. } if is_command(method, path) => {
+                return None
+            }
+            crate::backend::Relay::Sandbox { id, .. } => self.block(self.owned(id)).ok()?.1,
+            crate::backend::Relay::Pod(id) => {
+                let pod = self.block(self.db.pod(id.as_str())).ok()??;
+                if id.as_str() == LOCAL_POD {
+                    return None;
+                }
+                pod
+            }
+        };
         if !self.is_up(&pod) {
-            return None;
-        }
-        self.remote(&pod)
-    }
-
-    fn remote_pod(&self, id: &PodId) -> Option<RemotePod> {
-        let pod = self.block(self.db.pod(id.as_str())).ok()??;
-        if !self.is_up(&pod) || id.as_str() == LOCAL_POD {
             return None;
         }
         self.remote(&pod)

@@ -35,7 +35,7 @@ use serde_json::{json, Value};
 use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template, TemplateId, TemplateState};
 use torpor_scheduler::service::LOCAL_POD;
 
-use crate::backend::{Lifecycle, Registry, SandboxApi};
+use crate::backend::{Lifecycle, Registry, Relay, SandboxApi};
 use crate::calls::{ExecMode, ExecReply, FileOp, FileReply, TemplateOp, TemplateReply};
 use crate::client::{encode, ClientError};
 use crate::service::{
@@ -134,6 +134,11 @@ impl<L: SandboxApi> Federation<L> {
             .unwrap_or_else(|p| p.into_inner())
             .get(id)
             .cloned()
+    }
+
+    /// The remote pod that owns sandbox `id`.
+    fn remote_sandbox(&self, id: &SandboxId) -> Option<RemotePod> {
+        self.owner(id).and_then(|(p, _)| self.pod(&p))
     }
 
     fn remote_pods(&self) -> Vec<RemotePod> {
@@ -488,10 +493,10 @@ impl<L: SandboxApi> Federation<L> {
         if has_local {
             let headroom = self
                 .local
-                .list_pods()
+                .pod_entries()
                 .ok()
                 .and_then(|p| p.into_iter().next())
-                .map_or(0.0, |v| pods::headroom_mib(&view_json(v)));
+                .map_or(0.0, |e| pods::headroom_mib(&e));
             out.push((headroom, None));
         }
         let remote: Vec<(f64, RemotePod)> = std::thread::scope(|scope| {
@@ -612,10 +617,6 @@ impl<L: SandboxApi> Federation<L> {
         let ours = self.owned_by(&pod.id, filter.tenant.as_deref());
         Ok(all.into_iter().filter(|s| ours.contains(&s.id)).collect())
     }
-}
-
-fn view_json(v: PodView) -> Value {
-    serde_json::to_value(crate::wire::PodBody::from(v)).unwrap_or(Value::Null)
 }
 
 impl<L: SandboxApi> Registry for Federation<L> {
@@ -764,9 +765,6 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
             None => self.local.set_timeout(id, keep_alive_ms, timeout_ms),
         }
     }
-    fn list_pods(&self) -> Result<Vec<PodView>, ServiceError> {
-        self.local.list_pods()
-    }
     fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
         let mut out = self.local.pod_entries()?;
         let remote: Vec<Value> = std::thread::scope(|scope| {
@@ -791,17 +789,17 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
     fn registry(&self) -> Option<&dyn Registry> {
         Some(self)
     }
-    fn remote_sandbox(&self, id: &SandboxId) -> Option<RemotePod> {
-        self.owner(id).and_then(|(p, _)| self.pod(&p))
+    fn relay(&self, to: Relay<'_>) -> Option<RemotePod> {
+        match to {
+            Relay::Sandbox { id, .. } => self.remote_sandbox(id),
+            Relay::Pod(id) => self.pod(id),
+        }
     }
     fn sandbox_tenant(&self, id: &SandboxId) -> Result<Option<String>, ServiceError> {
         match self.owner(id) {
             Some((_, tenant)) => Ok(tenant),
             None => self.local.sandbox_tenant(id),
         }
-    }
-    fn remote_pod(&self, id: &PodId) -> Option<RemotePod> {
-        self.pod(id)
     }
     fn metrics(&self) -> String {
         self.local.metrics()

@@ -14,6 +14,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+use torpor_api::backend::pod_entry;
 use torpor_api::client::{Endpoint, HttpClient};
 use torpor_api::service::{
     AgentLink, Cancel, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
@@ -451,8 +452,8 @@ impl SandboxApi for Fake {
         Ok(sandbox.clone())
     }
 
-    fn list_pods(&self) -> Result<Vec<PodView>, ServiceError> {
-        Ok(vec![Self::view(&self.state.lock().unwrap())])
+    fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
+        Ok(vec![pod_entry(Self::view(&self.state.lock().unwrap()))?])
     }
 
     fn set_pod(
