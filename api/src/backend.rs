@@ -306,10 +306,10 @@ impl SandboxApi for Service {
     fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
         Ok(match op {
             TemplateOp::List => TemplateReply::List(Service::list_templates(self)?),
-            TemplateOp::Get(id) => TemplateReply::One(Service::get_template(self, id)?),
+            TemplateOp::Get(id) => TemplateReply::one(Service::get_template(self, id)?),
             TemplateOp::Create(req) => {
                 not_here(&req.pod)?;
-                TemplateReply::One(Service::create_template(self, req)?)
+                TemplateReply::one(Service::create_template(self, req)?)
             }
             TemplateOp::Delete(id) => {
                 Service::delete_template(self, id)?;

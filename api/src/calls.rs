@@ -1,6 +1,6 @@
 //! Operations [`SandboxApi`] takes as one typed request per resource
-//! (templates, a sandbox's files, an exec), and [`SandboxCalls`]: the typed call of
-//! each, for every backend at once.
+//! (templates, a sandbox's files, an exec), and [`SandboxCalls`]: the typed
+//! call of each, for every backend at once.
 //!
 //! A backend implements one method per resource and matches the request;
 //! callers use the typed calls (`s.get_template(&id)`, `s.read_file(&id,
@@ -29,8 +29,14 @@ pub enum TemplateOp<'a> {
 pub enum TemplateReply {
     List(Vec<Template>),
     /// The template got or created.
-    One(Template),
+    One(Box<Template>),
     Deleted,
+}
+
+impl TemplateReply {
+    pub fn one(t: Template) -> Self {
+        TemplateReply::One(Box::new(t))
+    }
 }
 
 /// A file call on a sandbox's agent (`/v1/sandboxes/{id}/files`, E2B's
@@ -143,7 +149,7 @@ pub trait SandboxCalls {
         Self: SandboxApi,
     {
         match self.templates(TemplateOp::Get(id))? {
-            TemplateReply::One(t) => Ok(t),
+            TemplateReply::One(t) => Ok(*t),
             _ => Err(mismatched("template get")),
         }
     }
@@ -152,7 +158,7 @@ pub trait SandboxCalls {
         Self: SandboxApi,
     {
         match self.templates(TemplateOp::Create(req))? {
-            TemplateReply::One(t) => Ok(t),
+            TemplateReply::One(t) => Ok(*t),
             _ => Err(mismatched("template create")),
         }
     }

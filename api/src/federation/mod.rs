@@ -646,7 +646,7 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
             TemplateOp::Get(id) => match self.local.get_template(id) {
                 Err(ServiceError::NotFound { kind, id: missing }) => {
                     match self.remote_template("GET", id)? {
-                        Some(v) => Ok(TemplateReply::One(
+                        Some(v) => Ok(TemplateReply::one(
                             serde_json::from_value(v).map_err(internal)?,
                         )),
                         None => {
@@ -657,7 +657,7 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
                         }
                     }
                 }
-                other => other.map(TemplateReply::One),
+                other => other.map(TemplateReply::one),
             },
             TemplateOp::Create(req) => match req.pod.clone() {
                 None => self.local.templates(TemplateOp::Create(req)),
@@ -672,7 +672,7 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
                     let body = serde_json::to_value(CreateTemplate { pod: None, ..req })
                         .map_err(internal)?;
                     let v = pod.call("POST", "/v1/templates", Some(&body))?;
-                    Ok(TemplateReply::One(
+                    Ok(TemplateReply::one(
                         serde_json::from_value(v).map_err(internal)?,
                     ))
                 }

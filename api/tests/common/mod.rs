@@ -314,14 +314,14 @@ impl SandboxApi for Fake {
                 .templates
                 .get(id)
                 .cloned()
-                .map(TemplateReply::One)
+                .map(TemplateReply::one)
                 .ok_or_else(|| missing(id)),
             TemplateOp::Create(req) => {
                 drop(st);
                 Self::new_template(req).map(|t| {
                     let mut st = self.state.lock().unwrap();
                     st.templates.insert(t.id.clone(), t.clone());
-                    TemplateReply::One(t)
+                    TemplateReply::one(t)
                 })
             }
             TemplateOp::Delete(id) => {
