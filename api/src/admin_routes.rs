@@ -15,7 +15,7 @@ use torpor_scheduler::images::ImagePart;
 
 use crate::auth::tokens::{TokenRecord, TokensError};
 use crate::auth::{forbidden, Principal, Scope};
-use crate::backend::SandboxApi;
+use crate::backend::{on_pod, Needs, SandboxApi};
 use crate::error::{code, ApiError};
 use crate::handlers::{call, created, Api, ApiResult};
 use crate::quota::{Quota, Quotas, Usage};
@@ -179,7 +179,7 @@ pub struct ImageList {
 }
 
 pub async fn list_images<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Json<ImageList>> {
-    let images = call(&st, |s| s.list_images()).await?;
+    let images = call(&st, |s| on_pod(s, Needs::Images, |s| Ok(s.images().list()))).await?;
     Ok(Json(ImageList { images }))
 }
 
@@ -187,7 +187,10 @@ pub async fn delete_image<S: SandboxApi>(
     State(st): Api<S>,
     Path(name): Path<String>,
 ) -> ApiResult<StatusCode> {
-    call(&st, move |s| s.remove_image(&name)).await?;
+    call(&st, move |s| {
+        on_pod(s, Needs::Images, |s| s.remove_image(&name))
+    })
+    .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -213,7 +216,9 @@ pub async fn upload_image<S: SandboxApi>(
             rx,
             buf: Bytes::new(),
         };
-        s.install_image(&stored, part, &mut reader, limit)
+        on_pod(s, Needs::Images, |s| {
+            Ok(s.images().install(&stored, part, &mut reader, limit)?)
+        })
     })
     .await;
     pump.abort();

@@ -1,5 +1,9 @@
 //! What the API needs from the service: [`SandboxApi`], implemented here for
-//! the real [`Service`] and, in tests, by an in-memory fake.
+//! the real [`Service`], by the federation, the cluster replica and, in
+//! tests, by an in-memory fake. It holds only what differs between them:
+//! operations only a pod serves are called on its [`Service`] through
+//! [`on_pod`], and the typed calls of its per-resource requests are
+//! [`SandboxCalls`]' (`crate::calls`), written once for every backend.
 //!
 //! Every method is synchronous and may block (store writes, VMM control
 //! requests, snapshots); the handlers call them through
@@ -7,31 +11,59 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use torpor_scheduler::model::{
-    Checkpoint, ExposedPort, PodId, Sandbox, SandboxId, Template, TemplateId,
-};
-use torpor_scheduler::net::PolicyPatch;
+use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template};
 use torpor_scheduler::service::LOCAL_POD;
 
+use crate::calls::{
+    map_call, ExecMode, ExecReply, FileOp, FileReply, SandboxCalls, TemplateOp, TemplateReply,
+};
 use crate::federation::{AddPod, RemotePod};
-use torpor_scheduler::images::ImagePart;
 
 use crate::service::{
-    AgentLink, Cancel, CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput,
-    ExecRequest, ExitReply, ForkSandbox, GuestCall, GuestError, Outcome, OutputKind, PodView,
-    RestoreCheckpoint, SandboxFilter, Service, ServiceError, TemplateFromSandbox,
+    AgentLink, Cancel, CreateSandbox, ExecRequest, ForkSandbox, GuestCall, GuestError, Outcome,
+    PodView, SandboxFilter, Service, ServiceError, TemplateFromSandbox,
 };
 
 fn no_checkpoints() -> ServiceError {
-    ServiceError::Unsupported("this backend keeps no checkpoints".into())
+    Needs::Snapshots.unsupported()
 }
 
-fn no_network() -> ServiceError {
-    ServiceError::Unsupported("this backend has no sandbox networking".into())
+/// What an operation served by the pod's own [`Service`] (see
+/// [`SandboxApi::service`]) needs: a backend without one answers 501
+/// `unsupported`, saying which.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Needs {
+    /// Checkpoints and restore.
+    Snapshots,
+    /// Network policy and exposed ports.
+    Network,
+    /// Image uploads and listings.
+    Images,
 }
 
-fn no_images() -> ServiceError {
-    ServiceError::Unsupported("this backend keeps no images".into())
+impl Needs {
+    pub fn unsupported(self) -> ServiceError {
+        ServiceError::Unsupported(
+            match self {
+                Needs::Snapshots => "this backend keeps no checkpoints",
+                Needs::Network => "this backend has no sandbox networking",
+                Needs::Images => "this backend keeps no images",
+            }
+            .into(),
+        )
+    }
+}
+
+/// `f` on the pod's own service, or 501 naming what it `needs`: the
+/// routes of operations only a pod serves (checkpoints, network, images)
+/// call the [`Service`] through this, with no method of their own on
+/// [`SandboxApi`].
+pub fn on_pod<S: SandboxApi + ?Sized, T>(
+    s: &S,
+    needs: Needs,
+    f: impl FnOnce(&Service) -> Result<T, ServiceError>,
+) -> Result<T, ServiceError> {
+    f(s.service().ok_or_else(|| needs.unsupported())?)
 }
 
 fn no_remote_pods() -> ServiceError {
@@ -96,13 +128,21 @@ impl Lifecycle {
     }
 }
 
-/// The sandbox service as the API sees it: `torpor_scheduler::service::Service`'s
-/// calls, the four lifecycle ones as one [`SandboxApi::lifecycle`].
-pub trait SandboxApi: Send + Sync + 'static {
-    fn list_templates(&self) -> Result<Vec<Template>, ServiceError>;
-    fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError>;
-    fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError>;
-    fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError>;
+/// A pod's own entry in `GET /v1/pods`: its view, reachable.
+pub fn pod_entry(view: PodView) -> Result<Value, ServiceError> {
+    let mut e = serde_json::to_value(crate::wire::PodBody::from(view))
+        .map_err(|e| ServiceError::Internal(e.to_string()))?;
+    e["reachable"] = Value::Bool(true);
+    Ok(e)
+}
+
+/// The sandbox service as the API sees it: what each backend does its own
+/// way. Requests of one resource are one method taking the request
+/// ([`Lifecycle`], [`TemplateOp`], [`FileOp`], [`ExecMode`]).
+pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
+    /// A template call; the typed ones are [`SandboxCalls`]'
+    /// (`list_templates`, `get_template`, ...).
+    fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError>;
 
     fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError>;
     fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError>;
@@ -116,7 +156,6 @@ pub trait SandboxApi: Send + Sync + 'static {
         timeout_ms: Option<u64>,
     ) -> Result<Sandbox, ServiceError>;
 
-    fn list_pods(&self) -> Result<Vec<PodView>, ServiceError>;
     fn set_pod(
         &self,
         id: &PodId,
@@ -131,17 +170,8 @@ pub trait SandboxApi: Send + Sync + 'static {
     // JSON objects, so that the federation can add remote pods' entries
     // (`reachable`, `error`) and each template's `pod`.
 
-    fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
-        self.list_pods()?
-            .into_iter()
-            .map(|v| {
-                let mut e = serde_json::to_value(crate::wire::PodBody::from(v))
-                    .map_err(|e| ServiceError::Internal(e.to_string()))?;
-                e["reachable"] = Value::Bool(true);
-                Ok(e)
-            })
-            .collect()
-    }
+    /// The pods (a pod's own: its [`pod_entry`]).
+    fn pod_entries(&self) -> Result<Vec<Value>, ServiceError>;
     fn template_entries(&self) -> Result<Vec<Value>, ServiceError> {
         self.list_templates()?
             .into_iter()
@@ -160,47 +190,18 @@ pub trait SandboxApi: Send + Sync + 'static {
         self.get_sandbox(id).map(|s| s.tenant)
     }
 
-    // Images (Linux templates' kernels and root filesystems). A backend
-    // without them (the API tests' fake) answers 501.
+    // Remote pods (the federation and the cluster). A single pod keeps
+    // these defaults: nothing is remote.
 
-    /// Installed images' names.
-    fn list_images(&self) -> Result<Vec<String>, ServiceError> {
-        Err(no_images())
-    }
-    /// Installs one file of an image from `body` (at most `limit` bytes);
-    /// its size.
-    fn install_image(
-        &self,
-        _name: &str,
-        _part: ImagePart,
-        _body: &mut dyn std::io::Read,
-        _limit: u64,
-    ) -> Result<u64, ServiceError> {
-        Err(no_images())
-    }
-    fn remove_image(&self, _name: &str) -> Result<(), ServiceError> {
-        Err(no_images())
-    }
-
-    // Remote pods (the federation; see `crate::federation`). A single pod
-    // keeps these defaults: nothing is remote, registration is refused.
-
-    /// Registers a remote pod; its listing entry.
-    fn add_pod(&self, _req: AddPod) -> Result<Value, ServiceError> {
-        Err(no_remote_pods())
-    }
-    fn remove_pod(&self, _id: &PodId) -> Result<(), ServiceError> {
-        Err(no_remote_pods())
-    }
-    /// The remote pod that owns this sandbox: its routes are forwarded there.
-    fn remote_sandbox(&self, _id: &SandboxId) -> Option<RemotePod> {
+    /// The registry of remote pods (a federation's, `POST /v1/pods`); without
+    /// one, registration and forwarded forks are refused (501).
+    fn registry(&self) -> Option<&dyn Registry> {
         None
     }
-    /// Whether `method path` of a remote sandbox is relayed to its pod as it
-    /// came (the federation relays every sandbox route; the cluster only
-    /// its data plane, its commands go through the pods' work queues).
-    fn relays(&self, _method: &str, _path: &str) -> bool {
-        true
+    /// The remote pod a request is relayed to as it came (routing layer):
+    /// the pod that owns the sandbox, the pod named; `None` serves it here.
+    fn relay(&self, _to: Relay<'_>) -> Option<RemotePod> {
+        None
     }
     /// A command's journal entry (`GET /v1/operations/{id}`), of `tenant`
     /// only if given: a cluster journals its commands; others have none.
@@ -211,61 +212,21 @@ pub trait SandboxApi: Send + Sync + 'static {
             id: id.chars().take(64).collect(),
         })
     }
-    /// The remote pod with this id: `PATCH /v1/pods/{id}` is forwarded there.
-    fn remote_pod(&self, _id: &PodId) -> Option<RemotePod> {
+
+    /// The pod's own in-process service (`Service` itself; a federation's
+    /// local pod), if there is one. Operations on this pod's sandboxes and
+    /// images that no other backend implements (checkpoints, network policy,
+    /// ports, images) are called on it directly through [`on_pod`]; without
+    /// one (a cluster replica, the API tests' fake) they answer 501. A
+    /// federation relays a remote sandbox's routes at the HTTP layer.
+    fn service(&self) -> Option<&Service> {
         None
     }
-    /// Forwards a fork of a sandbox on `pod` (`path` on the pod, JSON
-    /// `body`), recording the new sandbox as the pod's before answering.
-    fn forward_fork(
-        &self,
-        _pod: &RemotePod,
-        _path: &str,
-        _body: Value,
-    ) -> Result<Value, ServiceError> {
-        Err(no_remote_pods())
-    }
 
-    // Checkpoints, restore and fork need snapshots: a backend without them
+    // Fork and snapshot-as-template need snapshots: a backend without them
     // (the API tests' in-memory fake) keeps these defaults, which answer
     // 501 `unsupported`.
 
-    fn list_checkpoints(&self, _id: &SandboxId) -> Result<Vec<Checkpoint>, ServiceError> {
-        Err(no_checkpoints())
-    }
-    fn set_network_policy(
-        &self,
-        _id: &SandboxId,
-        _patch: &PolicyPatch,
-    ) -> Result<Sandbox, ServiceError> {
-        Err(no_network())
-    }
-    fn list_ports(&self, _id: &SandboxId) -> Result<Vec<ExposedPort>, ServiceError> {
-        Err(no_network())
-    }
-    fn expose_port(&self, _id: &SandboxId, _guest_port: u16) -> Result<ExposedPort, ServiceError> {
-        Err(no_network())
-    }
-    fn unexpose_port(&self, _id: &SandboxId, _guest_port: u16) -> Result<(), ServiceError> {
-        Err(no_network())
-    }
-    fn create_checkpoint(
-        &self,
-        _id: &SandboxId,
-        _req: CreateCheckpoint,
-    ) -> Result<Checkpoint, ServiceError> {
-        Err(no_checkpoints())
-    }
-    fn delete_checkpoint(&self, _id: &SandboxId, _name: &str) -> Result<(), ServiceError> {
-        Err(no_checkpoints())
-    }
-    fn restore_checkpoint(
-        &self,
-        _id: &SandboxId,
-        _req: RestoreCheckpoint,
-    ) -> Result<Outcome, ServiceError> {
-        Err(no_checkpoints())
-    }
     fn fork_sandbox(&self, _id: &SandboxId, _req: ForkSandbox) -> Result<Sandbox, ServiceError> {
         Err(no_checkpoints())
     }
@@ -286,32 +247,19 @@ pub trait SandboxApi: Send + Sync + 'static {
         Ok(Vec::new())
     }
     // Guest access (exec and files), each waking a hibernated sandbox first.
-    /// `cancel` ends the exec early (its client went away): the command
-    /// is killed in the guest.
-    fn exec(
+    /// Runs a command (`cancel` ends it early: the command is killed in
+    /// the guest), its output collected or streamed as `mode` says; the
+    /// typed calls are [`SandboxCalls`]' `exec` and `exec_streaming`.
+    fn execute(
         &self,
         id: &SandboxId,
         req: ExecRequest,
         cancel: &Cancel,
-    ) -> Result<GuestCall<ExecOutput>, ServiceError>;
-    /// `on_start` runs once the sandbox runs, before any output.
-    fn exec_streaming(
-        &self,
-        id: &SandboxId,
-        req: ExecRequest,
-        cancel: &Cancel,
-        on_start: &mut dyn FnMut(&Outcome),
-        on_output: &mut dyn FnMut(OutputKind, &[u8]),
-    ) -> Result<GuestCall<ExitReply>, ServiceError>;
-    fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError>;
-    fn write_file(
-        &self,
-        id: &SandboxId,
-        path: &str,
-        data: &[u8],
-        mode: Option<u32>,
-    ) -> Result<GuestCall<u64>, ServiceError>;
-    fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError>;
+        mode: ExecMode<'_>,
+    ) -> Result<GuestCall<ExecReply>, ServiceError>;
+    /// A file call on the sandbox's agent; the typed ones are
+    /// [`SandboxCalls`]' (`read_file`, `write_file`, `list_dir`).
+    fn files(&self, id: &SandboxId, op: FileOp<'_>) -> Result<GuestCall<FileReply>, ServiceError>;
     /// Wakes the sandbox if needed and hands `f` its agent (E2B's envd
     /// RPCs, which make their own connections to it).
     fn with_guest(
@@ -321,19 +269,53 @@ pub trait SandboxApi: Send + Sync + 'static {
     ) -> Result<Outcome, ServiceError>;
 }
 
+/// A request the routing layer may relay to a remote pod:
+/// [`SandboxApi::relay`].
+#[derive(Debug, Clone, Copy)]
+pub enum Relay<'a> {
+    /// `method path`, a route of sandbox `id` (the federation relays every
+    /// one of a remote sandbox; the cluster only its data plane, its
+    /// commands go through the pods' work queues).
+    Sandbox {
+        id: &'a SandboxId,
+        method: &'a str,
+        path: &'a str,
+    },
+    /// `PATCH /v1/pods/{id}`.
+    Pod(&'a PodId),
+}
+
+/// Remote pods registered with this server (the federation's), behind
+/// [`SandboxApi::registry`].
+pub trait Registry: Send + Sync {
+    /// Registers a remote pod; its listing entry.
+    fn add_pod(&self, req: AddPod) -> Result<Value, ServiceError>;
+    fn remove_pod(&self, id: &PodId) -> Result<(), ServiceError>;
+    /// Forwards a fork of a sandbox on `pod` (`path` on the pod, JSON
+    /// `body`), recording the new sandbox as the pod's before answering.
+    fn forward_fork(&self, pod: &RemotePod, path: &str, body: Value)
+        -> Result<Value, ServiceError>;
+}
+
+/// The registry of `s`, or 501: this server registers no remote pods.
+pub fn registry<S: SandboxApi + ?Sized>(s: &S) -> Result<&dyn Registry, ServiceError> {
+    s.registry().ok_or_else(no_remote_pods)
+}
+
 impl SandboxApi for Service {
-    fn list_templates(&self) -> Result<Vec<Template>, ServiceError> {
-        Service::list_templates(self)
-    }
-    fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError> {
-        Service::get_template(self, id)
-    }
-    fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError> {
-        not_here(&req.pod)?;
-        Service::create_template(self, req)
-    }
-    fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError> {
-        Service::delete_template(self, id)
+    fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
+        Ok(match op {
+            TemplateOp::List => TemplateReply::List(Service::list_templates(self)?),
+            TemplateOp::Get(id) => TemplateReply::one(Service::get_template(self, id)?),
+            TemplateOp::Create(req) => {
+                not_here(&req.pod)?;
+                TemplateReply::one(Service::create_template(self, req)?)
+            }
+            TemplateOp::Delete(id) => {
+                Service::delete_template(self, id)?;
+                TemplateReply::Deleted
+            }
+        })
     }
     fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
         not_here(&req.pod)?;
@@ -364,8 +346,11 @@ impl SandboxApi for Service {
     ) -> Result<Sandbox, ServiceError> {
         Service::set_timeout(self, id, keep_alive_ms, timeout_ms)
     }
-    fn list_pods(&self) -> Result<Vec<PodView>, ServiceError> {
-        Service::list_pods(self)
+    fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
+        Service::list_pods(self)?
+            .into_iter()
+            .map(pod_entry)
+            .collect()
     }
     fn set_pod(
         &self,
@@ -377,42 +362,6 @@ impl SandboxApi for Service {
     }
     fn metrics(&self) -> String {
         Service::metrics(self)
-    }
-    fn list_checkpoints(&self, id: &SandboxId) -> Result<Vec<Checkpoint>, ServiceError> {
-        Service::list_checkpoints(self, id)
-    }
-    fn set_network_policy(
-        &self,
-        id: &SandboxId,
-        patch: &PolicyPatch,
-    ) -> Result<Sandbox, ServiceError> {
-        Service::set_network_policy(self, id, patch)
-    }
-    fn list_ports(&self, id: &SandboxId) -> Result<Vec<ExposedPort>, ServiceError> {
-        Service::list_ports(self, id)
-    }
-    fn expose_port(&self, id: &SandboxId, guest_port: u16) -> Result<ExposedPort, ServiceError> {
-        Service::expose_port(self, id, guest_port)
-    }
-    fn unexpose_port(&self, id: &SandboxId, guest_port: u16) -> Result<(), ServiceError> {
-        Service::unexpose_port(self, id, guest_port)
-    }
-    fn create_checkpoint(
-        &self,
-        id: &SandboxId,
-        req: CreateCheckpoint,
-    ) -> Result<Checkpoint, ServiceError> {
-        Service::create_checkpoint(self, id, req)
-    }
-    fn delete_checkpoint(&self, id: &SandboxId, name: &str) -> Result<(), ServiceError> {
-        Service::delete_checkpoint(self, id, name)
-    }
-    fn restore_checkpoint(
-        &self,
-        id: &SandboxId,
-        req: RestoreCheckpoint,
-    ) -> Result<Outcome, ServiceError> {
-        Service::restore_checkpoint(self, id, req)
     }
     fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
         Service::fork_sandbox(self, id, req)
@@ -430,38 +379,35 @@ impl SandboxApi for Service {
     ) -> Result<Vec<(Template, SandboxId)>, ServiceError> {
         Service::sandbox_templates(self, source)
     }
-    fn exec(
+    fn execute(
         &self,
         id: &SandboxId,
         req: ExecRequest,
         cancel: &Cancel,
-    ) -> Result<GuestCall<ExecOutput>, ServiceError> {
-        Service::exec(self, id, req, cancel)
+        mode: ExecMode<'_>,
+    ) -> Result<GuestCall<ExecReply>, ServiceError> {
+        Ok(match mode {
+            ExecMode::Collect => {
+                map_call(Service::exec(self, id, req, cancel)?, ExecReply::Collected)
+            }
+            ExecMode::Stream {
+                on_start,
+                on_output,
+            } => map_call(
+                Service::exec_streaming(self, id, req, cancel, on_start, on_output)?,
+                ExecReply::Streamed,
+            ),
+        })
     }
-    fn exec_streaming(
-        &self,
-        id: &SandboxId,
-        req: ExecRequest,
-        cancel: &Cancel,
-        on_start: &mut dyn FnMut(&Outcome),
-        on_output: &mut dyn FnMut(OutputKind, &[u8]),
-    ) -> Result<GuestCall<ExitReply>, ServiceError> {
-        Service::exec_streaming(self, id, req, cancel, on_start, on_output)
-    }
-    fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
-        Service::read_file(self, id, path)
-    }
-    fn write_file(
-        &self,
-        id: &SandboxId,
-        path: &str,
-        data: &[u8],
-        mode: Option<u32>,
-    ) -> Result<GuestCall<u64>, ServiceError> {
-        Service::write_file(self, id, path, data, mode)
-    }
-    fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError> {
-        Service::list_dir(self, id, path)
+    fn files(&self, id: &SandboxId, op: FileOp<'_>) -> Result<GuestCall<FileReply>, ServiceError> {
+        Ok(match op {
+            FileOp::Read { path } => map_call(Service::read_file(self, id, path)?, FileReply::Read),
+            FileOp::Write { path, data, mode } => map_call(
+                Service::write_file(self, id, path, data, mode)?,
+                FileReply::Written,
+            ),
+            FileOp::List { path } => map_call(Service::list_dir(self, id, path)?, FileReply::List),
+        })
     }
     fn with_guest(
         &self,
@@ -470,19 +416,7 @@ impl SandboxApi for Service {
     ) -> Result<Outcome, ServiceError> {
         Service::with_guest(self, id, f)
     }
-    fn list_images(&self) -> Result<Vec<String>, ServiceError> {
-        Ok(self.images().list())
-    }
-    fn install_image(
-        &self,
-        name: &str,
-        part: ImagePart,
-        body: &mut dyn std::io::Read,
-        limit: u64,
-    ) -> Result<u64, ServiceError> {
-        Ok(self.images().install(name, part, body, limit)?)
-    }
-    fn remove_image(&self, name: &str) -> Result<(), ServiceError> {
-        Service::remove_image(self, name)
+    fn service(&self) -> Option<&Service> {
+        Some(self)
     }
 }

@@ -7,7 +7,7 @@ use axum::response::Response;
 use axum::Json;
 use torpor_scheduler::model::{Checkpoint, SandboxId};
 
-use crate::backend::SandboxApi;
+use crate::backend::{on_pod, Needs, SandboxApi};
 use crate::handlers::{call, created, Api, ApiResult};
 use crate::service::{
     check_lifetimes, CreateCheckpoint, ForkSandbox, RestoreCheckpoint, TemplateFromSandbox,
@@ -25,7 +25,10 @@ pub async fn list<S: SandboxApi>(
     Path(id): Path<String>,
 ) -> ApiResult<Json<CheckpointList>> {
     let id = SandboxId::new(id);
-    let checkpoints = call(&st, move |s| s.list_checkpoints(&id)).await?;
+    let checkpoints = call(&st, move |s| {
+        on_pod(s, Needs::Snapshots, |s| s.list_checkpoints(&id))
+    })
+    .await?;
     Ok(Json(CheckpointList { checkpoints }))
 }
 
@@ -35,7 +38,10 @@ pub async fn create<S: SandboxApi>(
     ApiJson(body): ApiJson<CreateCheckpoint>,
 ) -> ApiResult<Response> {
     let id = SandboxId::new(id);
-    let checkpoint = call(&st, move |s| s.create_checkpoint(&id, body)).await?;
+    let checkpoint = call(&st, move |s| {
+        on_pod(s, Needs::Snapshots, |s| s.create_checkpoint(&id, body))
+    })
+    .await?;
     let location = format!(
         "/v1/sandboxes/{}/checkpoints/{}",
         checkpoint.sandbox, checkpoint.name
@@ -48,7 +54,10 @@ pub async fn delete<S: SandboxApi>(
     Path((id, name)): Path<(String, String)>,
 ) -> ApiResult<StatusCode> {
     let id = SandboxId::new(id);
-    call(&st, move |s| s.delete_checkpoint(&id, &name)).await?;
+    call(&st, move |s| {
+        on_pod(s, Needs::Snapshots, |s| s.delete_checkpoint(&id, &name))
+    })
+    .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -59,9 +68,11 @@ pub async fn restore<S: SandboxApi>(
 ) -> ApiResult<Json<OutcomeBody>> {
     let id = SandboxId::new(id);
     Ok(Json(
-        call(&st, move |s| s.restore_checkpoint(&id, body))
-            .await?
-            .into(),
+        call(&st, move |s| {
+            on_pod(s, Needs::Snapshots, |s| s.restore_checkpoint(&id, body))
+        })
+        .await?
+        .into(),
     ))
 }
 

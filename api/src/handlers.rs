@@ -11,7 +11,7 @@ use axum::Json;
 use torpor_scheduler::model::{PodId, SandboxId, SandboxState, TemplateId, TemplateState};
 
 use crate::auth::{forbidden, Principal};
-use crate::backend::{Lifecycle, SandboxApi};
+use crate::backend::{registry, Lifecycle, SandboxApi};
 use crate::error::ApiError;
 use crate::pagination::{page, Page};
 use crate::quota::Usage;
@@ -340,7 +340,7 @@ pub async fn add_pod<S: SandboxApi>(
     State(st): Api<S>,
     ApiJson(body): ApiJson<crate::federation::AddPod>,
 ) -> ApiResult<Response> {
-    let entry = call(&st, move |s| s.add_pod(body)).await?;
+    let entry = call(&st, move |s| registry(s)?.add_pod(body)).await?;
     let location = format!("/v1/pods/{}", entry["id"].as_str().unwrap_or_default());
     Ok(created(location, false, entry))
 }
@@ -350,7 +350,7 @@ pub async fn remove_pod<S: SandboxApi>(
     Path(id): Path<String>,
 ) -> ApiResult<StatusCode> {
     let id = PodId::new(id);
-    call(&st, move |s| s.remove_pod(&id)).await?;
+    call(&st, move |s| registry(s)?.remove_pod(&id)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

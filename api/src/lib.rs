@@ -53,6 +53,7 @@ mod admin_routes;
 pub mod agent_tunnel;
 pub mod auth;
 pub mod backend;
+pub mod calls;
 mod checkpoint_routes;
 pub mod client;
 pub mod cluster;
@@ -72,6 +73,7 @@ pub mod tls;
 pub mod wire;
 
 pub use backend::{Lifecycle, SandboxApi};
+pub use calls::{ExecMode, ExecReply, FileOp, FileReply, SandboxCalls, TemplateOp, TemplateReply};
 pub use error::ApiError;
 
 use handlers::AppState;

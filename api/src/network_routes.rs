@@ -9,7 +9,7 @@ use axum::Json;
 use torpor_scheduler::model::{ExposedPort, SandboxId};
 use torpor_scheduler::net::PolicyPatch;
 
-use crate::backend::SandboxApi;
+use crate::backend::{on_pod, Needs, SandboxApi};
 use crate::error::ApiError;
 use crate::handlers::{call, created, Api, ApiResult};
 use crate::wire::ApiJson;
@@ -40,7 +40,10 @@ pub async fn update_policy<S: SandboxApi>(
         ));
     }
     let id = SandboxId::new(id);
-    let sandbox = call(&st, move |s| s.set_network_policy(&id, &patch)).await?;
+    let sandbox = call(&st, move |s| {
+        on_pod(s, Needs::Network, |s| s.set_network_policy(&id, &patch))
+    })
+    .await?;
     Ok(Json(sandbox).into_response())
 }
 
@@ -49,7 +52,10 @@ pub async fn list_ports<S: SandboxApi>(
     Path(id): Path<String>,
 ) -> ApiResult<Json<PortList>> {
     let id = SandboxId::new(id);
-    let ports = call(&st, move |s| s.list_ports(&id)).await?;
+    let ports = call(&st, move |s| {
+        on_pod(s, Needs::Network, |s| s.list_ports(&id))
+    })
+    .await?;
     Ok(Json(PortList { ports }))
 }
 
@@ -63,7 +69,10 @@ pub async fn expose_port<S: SandboxApi>(
     }
     let location = format!("/v1/sandboxes/{id}/ports/{}", body.guest_port);
     let id = SandboxId::new(id);
-    let port = call(&st, move |s| s.expose_port(&id, body.guest_port)).await?;
+    let port = call(&st, move |s| {
+        on_pod(s, Needs::Network, |s| s.expose_port(&id, body.guest_port))
+    })
+    .await?;
     Ok(created(location, false, port))
 }
 
@@ -77,6 +86,9 @@ pub async fn unexpose_port<S: SandboxApi>(
         ));
     };
     let id = SandboxId::new(id);
-    call(&st, move |s| s.unexpose_port(&id, guest_port)).await?;
+    call(&st, move |s| {
+        on_pod(s, Needs::Network, |s| s.unexpose_port(&id, guest_port))
+    })
+    .await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use torpor_scheduler::model::{Sandbox, SandboxState};
 use torpor_scheduler::store::admission::HOLDING_VMM;
 
-use crate::backend::SandboxApi;
+use crate::backend::{on_pod, Needs, SandboxApi};
 use crate::service::{SandboxFilter, ServiceError};
 
 /// A tenant's limits; `None` is unlimited.
@@ -206,7 +206,7 @@ impl Quotas {
         let mut u = usage_of(&sandboxes);
         if checkpoints {
             for s in &sandboxes {
-                if let Ok(list) = service.list_checkpoints(&s.id) {
+                if let Ok(list) = on_pod(service, Needs::Snapshots, |p| p.list_checkpoints(&s.id)) {
                     u.snapshot_disk_mib += list.len() as u64 * u64::from(s.mem_mib);
                 }
             }

@@ -7,9 +7,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use serde_json::{json, Value};
-use torpor_scheduler::model::{
-    random_bytes, random_hex, PodId, Sandbox, SandboxId, Template, TemplateId,
-};
+use torpor_scheduler::model::{random_bytes, random_hex, PodId, Sandbox, SandboxId};
 use torpor_scheduler::service::LOCAL_POD;
 
 use super::db::{Db, OpRow, PodRow};
@@ -19,8 +17,8 @@ use crate::backend::{Lifecycle, SandboxApi};
 use crate::error::code;
 use crate::federation::RemotePod;
 use crate::service::{
-    AgentLink, Cancel, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
-    ExitReply, GuestCall, GuestError, Outcome, OutputKind, PodView, SandboxFilter, ServiceError,
+    AgentLink, Cancel, CreateSandbox, ExecRequest, GuestCall, GuestError, Outcome, PodView,
+    SandboxFilter, ServiceError,
 };
 use crate::tls::Fingerprint;
 
@@ -331,19 +329,16 @@ fn is_command(method: &str, path: &str) -> bool {
 }
 
 impl SandboxApi for Cluster {
-    fn list_templates(&self) -> Result<Vec<Template>, ServiceError> {
-        Err(no_catalog())
-    }
-    fn get_template(&self, _id: &TemplateId) -> Result<Template, ServiceError> {
-        Err(no_catalog())
-    }
-    fn create_template(&self, _req: CreateTemplate) -> Result<Template, ServiceError> {
-        Err(ServiceError::Unsupported(
-            "templates are built on each pod in a cluster".into(),
-        ))
-    }
-    fn delete_template(&self, _id: &TemplateId) -> Result<(), ServiceError> {
-        Err(no_catalog())
+    fn templates(
+        &self,
+        op: crate::calls::TemplateOp<'_>,
+    ) -> Result<crate::calls::TemplateReply, ServiceError> {
+        match op {
+            crate::calls::TemplateOp::Create(_) => Err(ServiceError::Unsupported(
+                "templates are built on each pod in a cluster".into(),
+            )),
+            _ => Err(no_catalog()),
+        }
     }
 
     fn create_sandbox(&self, mut req: CreateSandbox) -> Result<Sandbox, ServiceError> {
@@ -443,11 +438,6 @@ impl SandboxApi for Cluster {
         self.guest_call(id)
     }
 
-    fn list_pods(&self) -> Result<Vec<PodView>, ServiceError> {
-        Err(ServiceError::Unsupported(
-            "a cluster's pods are listed from their heartbeats (GET /v1/pods)".into(),
-        ))
-    }
     fn set_pod(
         &self,
         id: &PodId,
@@ -528,57 +518,40 @@ impl SandboxApi for Cluster {
         }))
     }
 
-    fn relays(&self, method: &str, path: &str) -> bool {
-        !is_command(method, path)
-    }
-
-    fn remote_sandbox(&self, id: &SandboxId) -> Option<RemotePod> {
-        let (_, pod) = self.block(self.owned(id)).ok()?;
+    fn relay(&self, to: crate::backend::Relay<'_>) -> Option<RemotePod> {
+        let pod = match to {
+            crate::backend::Relay::Sandbox { method, path, .. } if is_command(method, path) => {
+                return None
+            }
+            crate::backend::Relay::Sandbox { id, .. } => self.block(self.owned(id)).ok()?.1,
+            crate::backend::Relay::Pod(id) => {
+                let pod = self.block(self.db.pod(id.as_str())).ok()??;
+                if id.as_str() == LOCAL_POD {
+                    return None;
+                }
+                pod
+            }
+        };
         if !self.is_up(&pod) {
             return None;
         }
         self.remote(&pod)
     }
 
-    fn remote_pod(&self, id: &PodId) -> Option<RemotePod> {
-        let pod = self.block(self.db.pod(id.as_str())).ok()??;
-        if !self.is_up(&pod) || id.as_str() == LOCAL_POD {
-            return None;
-        }
-        self.remote(&pod)
-    }
-
-    fn exec(
+    fn execute(
         &self,
         id: &SandboxId,
         _req: ExecRequest,
         _cancel: &Cancel,
-    ) -> Result<GuestCall<ExecOutput>, ServiceError> {
+        _mode: crate::calls::ExecMode<'_>,
+    ) -> Result<GuestCall<crate::calls::ExecReply>, ServiceError> {
         self.guest_call(id)
     }
-    fn exec_streaming(
+    fn files(
         &self,
         id: &SandboxId,
-        _req: ExecRequest,
-        _cancel: &Cancel,
-        _on_start: &mut dyn FnMut(&Outcome),
-        _on_output: &mut dyn FnMut(OutputKind, &[u8]),
-    ) -> Result<GuestCall<ExitReply>, ServiceError> {
-        self.guest_call(id)
-    }
-    fn read_file(&self, id: &SandboxId, _path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
-        self.guest_call(id)
-    }
-    fn write_file(
-        &self,
-        id: &SandboxId,
-        _path: &str,
-        _data: &[u8],
-        _mode: Option<u32>,
-    ) -> Result<GuestCall<u64>, ServiceError> {
-        self.guest_call(id)
-    }
-    fn list_dir(&self, id: &SandboxId, _path: &str) -> Result<GuestCall<DirListing>, ServiceError> {
+        _op: crate::calls::FileOp<'_>,
+    ) -> Result<GuestCall<crate::calls::FileReply>, ServiceError> {
         self.guest_call(id)
     }
     fn with_guest(

@@ -22,7 +22,7 @@ use super::wire::{
     TimeoutBody, DEFAULT_TIMEOUT_S, MAX_FORK_COUNT, MAX_LIMIT,
 };
 use crate::auth::Principal;
-use crate::backend::{Lifecycle, SandboxApi};
+use crate::backend::{on_pod, Lifecycle, Needs, SandboxApi};
 use crate::error::ApiError;
 use crate::handlers::{call, Api, AppState};
 use crate::quota::Usage;
@@ -174,7 +174,10 @@ pub async fn update_network<S: SandboxApi>(
     let patch = req.policy(None)?;
     call(&state, move |s| {
         let sandbox = live(s, &id)?;
-        s.set_network_policy(&sandbox.id, &patch).map(drop)
+        on_pod(s, Needs::Network, |p| {
+            p.set_network_policy(&sandbox.id, &patch)
+        })
+        .map(drop)
     })
     .await?;
     Ok(StatusCode::NO_CONTENT)

@@ -32,17 +32,15 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::{json, Value};
-use torpor_scheduler::model::{
-    Checkpoint, PodId, Sandbox, SandboxId, Template, TemplateId, TemplateState,
-};
+use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template, TemplateId, TemplateState};
 use torpor_scheduler::service::LOCAL_POD;
 
-use crate::backend::{Lifecycle, SandboxApi};
+use crate::backend::{Lifecycle, Registry, Relay, SandboxApi};
+use crate::calls::{ExecMode, ExecReply, FileOp, FileReply, TemplateOp, TemplateReply};
 use crate::client::{encode, ClientError};
 use crate::service::{
-    AgentLink, Cancel, CreateCheckpoint, CreateSandbox, CreateTemplate, DirListing, ExecOutput,
-    ExecRequest, ExitReply, ForkSandbox, GuestCall, GuestError, Outcome, OutputKind, PodView,
-    RestoreCheckpoint, SandboxFilter, ServiceError,
+    AgentLink, Cancel, CreateSandbox, CreateTemplate, ExecRequest, ForkSandbox, GuestCall,
+    GuestError, Outcome, PodView, SandboxFilter, ServiceError,
 };
 use crate::tls::Fingerprint;
 pub use coming::{Starter, RETRY_AFTER_S};
@@ -136,6 +134,11 @@ impl<L: SandboxApi> Federation<L> {
             .unwrap_or_else(|p| p.into_inner())
             .get(id)
             .cloned()
+    }
+
+    /// The remote pod that owns sandbox `id`.
+    fn remote_sandbox(&self, id: &SandboxId) -> Option<RemotePod> {
+        self.owner(id).and_then(|(p, _)| self.pod(&p))
     }
 
     fn remote_pods(&self) -> Vec<RemotePod> {
@@ -490,10 +493,10 @@ impl<L: SandboxApi> Federation<L> {
         if has_local {
             let headroom = self
                 .local
-                .list_pods()
+                .pod_entries()
                 .ok()
                 .and_then(|p| p.into_iter().next())
-                .map_or(0.0, |v| pods::headroom_mib(&view_json(v)));
+                .map_or(0.0, |e| pods::headroom_mib(&e));
             out.push((headroom, None));
         }
         let remote: Vec<(f64, RemotePod)> = std::thread::scope(|scope| {
@@ -616,61 +619,77 @@ impl<L: SandboxApi> Federation<L> {
     }
 }
 
-fn view_json(v: PodView) -> Value {
-    serde_json::to_value(crate::wire::PodBody::from(v)).unwrap_or(Value::Null)
+impl<L: SandboxApi> Registry for Federation<L> {
+    fn add_pod(&self, req: AddPod) -> Result<Value, ServiceError> {
+        self.register(req)
+    }
+    fn remove_pod(&self, id: &PodId) -> Result<(), ServiceError> {
+        self.unregister(id)
+    }
+    fn forward_fork(
+        &self,
+        pod: &RemotePod,
+        path: &str,
+        body: Value,
+    ) -> Result<Value, ServiceError> {
+        // The fork is its source's tenant's.
+        let source = SandboxId::new(path.split('/').nth(3).unwrap_or_default());
+        let tenant = self.owner(&source).and_then(|(_, t)| t);
+        self.place_remote(pod, "POST", path, body, tenant.as_deref())
+    }
 }
 
 impl<L: SandboxApi> SandboxApi for Federation<L> {
-    fn list_templates(&self) -> Result<Vec<Template>, ServiceError> {
-        self.local.list_templates()
+    fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
+        match op {
+            TemplateOp::List => self.local.templates(op),
+            TemplateOp::Get(id) => match self.local.get_template(id) {
+                Err(ServiceError::NotFound { kind, id: missing }) => {
+                    match self.remote_template("GET", id)? {
+                        Some(v) => Ok(TemplateReply::one(
+                            serde_json::from_value(v).map_err(internal)?,
+                        )),
+                        None => {
+                            // A template still coming (started by this request
+                            // if on demand: any request for it is a first use).
+                            self.coming.check(id.as_str())?;
+                            Err(ServiceError::NotFound { kind, id: missing })
+                        }
+                    }
+                }
+                other => other.map(TemplateReply::one),
+            },
+            TemplateOp::Create(req) => match req.pod.clone() {
+                None => self.local.templates(TemplateOp::Create(req)),
+                Some(p) if p.as_str() == LOCAL_POD => self
+                    .local
+                    .templates(TemplateOp::Create(CreateTemplate { pod: None, ..req })),
+                Some(p) => {
+                    let pod = self.pod(&p).ok_or_else(|| ServiceError::NotFound {
+                        kind: "pod",
+                        id: p.to_string(),
+                    })?;
+                    let body = serde_json::to_value(CreateTemplate { pod: None, ..req })
+                        .map_err(internal)?;
+                    let v = pod.call("POST", "/v1/templates", Some(&body))?;
+                    Ok(TemplateReply::one(
+                        serde_json::from_value(v).map_err(internal)?,
+                    ))
+                }
+            },
+            TemplateOp::Delete(id) => match self.local.templates(op) {
+                Err(ServiceError::NotFound { kind, id: missing }) => {
+                    match self.remote_template("DELETE", id)? {
+                        Some(_) => Ok(TemplateReply::Deleted),
+                        None => Err(ServiceError::NotFound { kind, id: missing }),
+                    }
+                }
+                other => other,
+            },
+        }
     }
     fn template_entries(&self) -> Result<Vec<Value>, ServiceError> {
         self.templates_everywhere()
-    }
-    fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError> {
-        match self.local.get_template(id) {
-            Err(ServiceError::NotFound { kind, id: missing }) => {
-                match self.remote_template("GET", id)? {
-                    Some(v) => serde_json::from_value(v).map_err(internal),
-                    None => {
-                        // A template still coming (started by this request
-                        // if on demand: any request for it is a first use).
-                        self.coming.check(id.as_str())?;
-                        Err(ServiceError::NotFound { kind, id: missing })
-                    }
-                }
-            }
-            other => other,
-        }
-    }
-    fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError> {
-        match req.pod.clone() {
-            None => self.local.create_template(req),
-            Some(p) if p.as_str() == LOCAL_POD => self
-                .local
-                .create_template(CreateTemplate { pod: None, ..req }),
-            Some(p) => {
-                let pod = self.pod(&p).ok_or_else(|| ServiceError::NotFound {
-                    kind: "pod",
-                    id: p.to_string(),
-                })?;
-                let body =
-                    serde_json::to_value(CreateTemplate { pod: None, ..req }).map_err(internal)?;
-                let v = pod.call("POST", "/v1/templates", Some(&body))?;
-                serde_json::from_value(v).map_err(internal)
-            }
-        }
-    }
-    fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError> {
-        match self.local.delete_template(id) {
-            Err(ServiceError::NotFound { kind, id: missing }) => {
-                match self.remote_template("DELETE", id)? {
-                    Some(_) => Ok(()),
-                    None => Err(ServiceError::NotFound { kind, id: missing }),
-                }
-            }
-            other => other,
-        }
     }
     fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
         self.place(req)
@@ -746,9 +765,6 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
             None => self.local.set_timeout(id, keep_alive_ms, timeout_ms),
         }
     }
-    fn list_pods(&self) -> Result<Vec<PodView>, ServiceError> {
-        self.local.list_pods()
-    }
     fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
         let mut out = self.local.pod_entries()?;
         let remote: Vec<Value> = std::thread::scope(|scope| {
@@ -770,14 +786,14 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
     ) -> Result<PodView, ServiceError> {
         self.local.set_pod(id, ratio, high_watermark)
     }
-    fn add_pod(&self, req: AddPod) -> Result<Value, ServiceError> {
-        self.register(req)
+    fn registry(&self) -> Option<&dyn Registry> {
+        Some(self)
     }
-    fn remove_pod(&self, id: &PodId) -> Result<(), ServiceError> {
-        self.unregister(id)
-    }
-    fn remote_sandbox(&self, id: &SandboxId) -> Option<RemotePod> {
-        self.owner(id).and_then(|(p, _)| self.pod(&p))
+    fn relay(&self, to: Relay<'_>) -> Option<RemotePod> {
+        match to {
+            Relay::Sandbox { id, .. } => self.remote_sandbox(id),
+            Relay::Pod(id) => self.pod(id),
+        }
     }
     fn sandbox_tenant(&self, id: &SandboxId) -> Result<Option<String>, ServiceError> {
         match self.owner(id) {
@@ -785,57 +801,13 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
             None => self.local.sandbox_tenant(id),
         }
     }
-    fn list_images(&self) -> Result<Vec<String>, ServiceError> {
-        self.local.list_images()
-    }
-    fn install_image(
-        &self,
-        name: &str,
-        part: torpor_scheduler::images::ImagePart,
-        body: &mut dyn std::io::Read,
-        limit: u64,
-    ) -> Result<u64, ServiceError> {
-        self.local.install_image(name, part, body, limit)
-    }
-    fn remove_image(&self, name: &str) -> Result<(), ServiceError> {
-        self.local.remove_image(name)
-    }
-    fn remote_pod(&self, id: &PodId) -> Option<RemotePod> {
-        self.pod(id)
-    }
-    fn forward_fork(
-        &self,
-        pod: &RemotePod,
-        path: &str,
-        body: Value,
-    ) -> Result<Value, ServiceError> {
-        // The fork is its source's tenant's.
-        let source = SandboxId::new(path.split('/').nth(3).unwrap_or_default());
-        let tenant = self.owner(&source).and_then(|(_, t)| t);
-        self.place_remote(pod, "POST", path, body, tenant.as_deref())
-    }
     fn metrics(&self) -> String {
         self.local.metrics()
     }
-    fn list_checkpoints(&self, id: &SandboxId) -> Result<Vec<Checkpoint>, ServiceError> {
-        self.local.list_checkpoints(id)
-    }
-    fn create_checkpoint(
-        &self,
-        id: &SandboxId,
-        req: CreateCheckpoint,
-    ) -> Result<Checkpoint, ServiceError> {
-        self.local.create_checkpoint(id, req)
-    }
-    fn delete_checkpoint(&self, id: &SandboxId, name: &str) -> Result<(), ServiceError> {
-        self.local.delete_checkpoint(id, name)
-    }
-    fn restore_checkpoint(
-        &self,
-        id: &SandboxId,
-        req: RestoreCheckpoint,
-    ) -> Result<Outcome, ServiceError> {
-        self.local.restore_checkpoint(id, req)
+    /// The local pod's (a remote sandbox's checkpoint, network and port
+    /// routes are relayed to its pod at the HTTP layer).
+    fn service(&self) -> Option<&crate::service::Service> {
+        self.local.service()
     }
     fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
         match self.remote_sandbox(id) {
@@ -877,75 +849,20 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
         }
         Ok(out)
     }
-    fn exec(
+    fn execute(
         &self,
         id: &SandboxId,
         req: ExecRequest,
         cancel: &Cancel,
-    ) -> Result<GuestCall<ExecOutput>, ServiceError> {
-        self.local.exec(id, req, cancel)
+        mode: ExecMode<'_>,
+    ) -> Result<GuestCall<ExecReply>, ServiceError> {
+        self.local.execute(id, req, cancel, mode)
     }
-    fn exec_streaming(
-        &self,
-        id: &SandboxId,
-        req: ExecRequest,
-        cancel: &Cancel,
-        on_start: &mut dyn FnMut(&Outcome),
-        on_output: &mut dyn FnMut(OutputKind, &[u8]),
-    ) -> Result<GuestCall<ExitReply>, ServiceError> {
-        self.local
-            .exec_streaming(id, req, cancel, on_start, on_output)
-    }
-    fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
+    fn files(&self, id: &SandboxId, op: FileOp<'_>) -> Result<GuestCall<FileReply>, ServiceError> {
         if self.remote_sandbox(id).is_none() {
-            return self.local.read_file(id, path);
+            return self.local.files(id, op);
         }
-        self.remote_guest(id, |link| {
-            link.read_file(path, torpor_scheduler::service::guest::MAX_READ_BYTES)
-        })
-    }
-    fn write_file(
-        &self,
-        id: &SandboxId,
-        path: &str,
-        data: &[u8],
-        mode: Option<u32>,
-    ) -> Result<GuestCall<u64>, ServiceError> {
-        if self.remote_sandbox(id).is_none() {
-            return self.local.write_file(id, path, data, mode);
-        }
-        self.remote_guest(id, |link| link.write_file(path, data, mode))
-    }
-    fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError> {
-        if self.remote_sandbox(id).is_none() {
-            return self.local.list_dir(id, path);
-        }
-        self.remote_guest(id, |link| link.list_dir(path))
-    }
-    // Networks of this pod's sandboxes (a remote sandbox's `/v1` network
-    // and port routes are relayed to its pod at the HTTP layer).
-    fn set_network_policy(
-        &self,
-        id: &SandboxId,
-        patch: &torpor_scheduler::net::PolicyPatch,
-    ) -> Result<Sandbox, ServiceError> {
-        self.local.set_network_policy(id, patch)
-    }
-    fn list_ports(
-        &self,
-        id: &SandboxId,
-    ) -> Result<Vec<torpor_scheduler::model::ExposedPort>, ServiceError> {
-        self.local.list_ports(id)
-    }
-    fn expose_port(
-        &self,
-        id: &SandboxId,
-        guest_port: u16,
-    ) -> Result<torpor_scheduler::model::ExposedPort, ServiceError> {
-        self.local.expose_port(id, guest_port)
-    }
-    fn unexpose_port(&self, id: &SandboxId, guest_port: u16) -> Result<(), ServiceError> {
-        self.local.unexpose_port(id, guest_port)
+        self.remote_guest(id, |link| op.run(link))
     }
     /// A remote sandbox's agent through its pod's agent tunnel.
     fn with_guest(

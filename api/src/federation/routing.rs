@@ -22,7 +22,7 @@ use torpor_scheduler::model::{PodId, SandboxId};
 use torpor_scheduler::service::LOCAL_POD;
 
 use super::pods::{rewrite_pod_ids, RemotePod};
-use crate::backend::SandboxApi;
+use crate::backend::{Relay, SandboxApi};
 use crate::client::{Answer, Streaming};
 use crate::error::ApiError;
 use crate::service::ServiceError;
@@ -53,13 +53,15 @@ pub async fn forward<S: SandboxApi>(
     let path = request.uri().path().to_string();
     let segments: Vec<&str> = path.split('/').collect();
     let target = match (segments.get(2).copied(), segments.get(3).copied()) {
-        (Some("sandboxes"), Some(id)) if service.relays(request.method().as_str(), &path) => {
-            service
-                .remote_sandbox(&SandboxId::new(id))
-                .map(|p| (p, Target::Sandbox))
-        }
+        (Some("sandboxes"), Some(id)) => service
+            .relay(Relay::Sandbox {
+                id: &SandboxId::new(id),
+                method: request.method().as_str(),
+                path: &path,
+            })
+            .map(|p| (p, Target::Sandbox)),
         (Some("pods"), Some(id)) => service
-            .remote_pod(&PodId::new(id))
+            .relay(Relay::Pod(&PodId::new(id)))
             .map(|p| (p, Target::Pod)),
         _ => None,
     };
@@ -191,7 +193,10 @@ async fn fork<S: SandboxApi>(
             _ => return ApiError::invalid("the fork body must be a JSON object").into_response(),
         }
     };
-    let result = tokio::task::spawn_blocking(move || service.forward_fork(&pod, &path, body)).await;
+    let result = tokio::task::spawn_blocking(move || {
+        crate::backend::registry(&*service)?.forward_fork(&pod, &path, body)
+    })
+    .await;
     match result {
         Ok(Ok(sandbox)) => {
             let building = sandbox["state"] == "creating";

@@ -14,13 +14,17 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+use torpor_api::backend::pod_entry;
 use torpor_api::client::{Endpoint, HttpClient};
 use torpor_api::service::{
     AgentLink, Cancel, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
     ExitReply, FileKind, FileStat, GuestCall, GuestError, Outcome, OutputKind, PodView,
     SandboxFilter, ServiceError,
 };
-use torpor_api::{ApiConfig, Lifecycle, SandboxApi};
+use torpor_api::{
+    ApiConfig, ExecMode, ExecReply, FileOp, FileReply, Lifecycle, SandboxApi, TemplateOp,
+    TemplateReply,
+};
 use torpor_scheduler::model::{
     Pod, PodAddress, PodId, Sandbox, SandboxId, SandboxState, Template, TemplateId, TemplateKind,
     TemplateState, Timestamp,
@@ -205,6 +209,36 @@ fn exit(code: i32) -> ExitReply {
 }
 
 impl Fake {
+    /// A new template (not stored): the create's checks and test hook.
+    fn new_template(req: CreateTemplate) -> Result<Template, ServiceError> {
+        if req.name == "panic" {
+            panic!("test hook: template named panic");
+        }
+        if req.name.is_empty() {
+            return Err(ServiceError::Invalid("template name is empty".into()));
+        }
+        if req.kind == TemplateKind::Linux {
+            return Err(ServiceError::Unsupported(
+                "no Linux templates in this build".into(),
+            ));
+        }
+        Ok(Template {
+            id: TemplateId::generate(),
+            name: req.name,
+            kernel: "builtin:probe".into(),
+            rootfs: None,
+            snapshot_dir: None,
+            mem_mib: req.mem_mib,
+            vcpus: req.vcpus,
+            kind: req.kind,
+            created_at: Timestamp::now(),
+            state: TemplateState::Building,
+            tenant: req.owner.filter(|o| !o.admin).map(|o| o.tenant),
+            image: req.image,
+            source: None,
+        })
+    }
+
     /// The fake agent's sandbox, woken if hibernated.
     fn guest(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
         let mut st = self.state.lock().unwrap();
@@ -239,82 +273,74 @@ fn outcome(sandbox: Sandbox, resumed: bool) -> Outcome {
     }
 }
 
-impl SandboxApi for Fake {
-    fn list_templates(&self) -> Result<Vec<Template>, ServiceError> {
-        Ok(self
-            .state
-            .lock()
-            .unwrap()
-            .templates
-            .values()
-            .cloned()
-            .collect())
-    }
-
-    fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError> {
-        self.state
-            .lock()
-            .unwrap()
-            .templates
-            .get(id)
-            .cloned()
-            .ok_or_else(|| ServiceError::NotFound {
-                kind: "template",
-                id: id.to_string(),
+/// The fake agent's entries under `path`.
+fn list(st: &FakeState, path: &str) -> DirListing {
+    let prefix = format!("{}/", path.trim_end_matches('/'));
+    let entries = (st.files.iter())
+        .filter_map(|(p, data)| {
+            let name = p.strip_prefix(&prefix)?;
+            Some(FileStat {
+                name: name.to_string(),
+                kind: FileKind::File,
+                size: data.len() as u64,
+                mode: 0o644,
+                mtime_ns: 0,
+                link_target: None,
+                uid: None,
+                gid: None,
+                owner: None,
+                group: None,
             })
+        })
+        .collect();
+    DirListing {
+        entries,
+        truncated: false,
     }
+}
 
-    fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError> {
-        if req.name == "panic" {
-            panic!("test hook: template named panic");
-        }
-        if req.name.is_empty() {
-            return Err(ServiceError::Invalid("template name is empty".into()));
-        }
-        if req.kind == TemplateKind::Linux {
-            return Err(ServiceError::Unsupported(
-                "no Linux templates in this build".into(),
-            ));
-        }
-        let template = Template {
-            id: TemplateId::generate(),
-            name: req.name,
-            kernel: "builtin:probe".into(),
-            rootfs: None,
-            snapshot_dir: None,
-            mem_mib: req.mem_mib,
-            vcpus: req.vcpus,
-            kind: req.kind,
-            created_at: Timestamp::now(),
-            state: TemplateState::Building,
-            tenant: req.owner.filter(|o| !o.admin).map(|o| o.tenant),
-            image: req.image,
-            source: None,
+impl SandboxApi for Fake {
+    fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
+        let mut st = self.state.lock().unwrap();
+        let missing = |id: &TemplateId| ServiceError::NotFound {
+            kind: "template",
+            id: id.to_string(),
         };
-        let mut st = self.state.lock().unwrap();
-        st.templates.insert(template.id.clone(), template.clone());
-        Ok(template)
-    }
-
-    fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError> {
-        let mut st = self.state.lock().unwrap();
-        if !st.templates.contains_key(id) {
-            return Err(ServiceError::NotFound {
-                kind: "template",
-                id: id.to_string(),
-            });
+        match op {
+            TemplateOp::List => Ok(TemplateReply::List(
+                st.templates.values().cloned().collect(),
+            )),
+            TemplateOp::Get(id) => st
+                .templates
+                .get(id)
+                .cloned()
+                .map(TemplateReply::one)
+                .ok_or_else(|| missing(id)),
+            TemplateOp::Create(req) => {
+                drop(st);
+                Self::new_template(req).map(|t| {
+                    let mut st = self.state.lock().unwrap();
+                    st.templates.insert(t.id.clone(), t.clone());
+                    TemplateReply::one(t)
+                })
+            }
+            TemplateOp::Delete(id) => {
+                if !st.templates.contains_key(id) {
+                    return Err(missing(id));
+                }
+                if st
+                    .sandboxes
+                    .values()
+                    .any(|s| &s.template == id && s.state != SandboxState::Deleted)
+                {
+                    return Err(ServiceError::ResourceConflict(format!(
+                        "template {id} is in use by sandboxes; delete them first"
+                    )));
+                }
+                st.templates.remove(id);
+                Ok(TemplateReply::Deleted)
+            }
         }
-        if st
-            .sandboxes
-            .values()
-            .any(|s| &s.template == id && s.state != SandboxState::Deleted)
-        {
-            return Err(ServiceError::ResourceConflict(format!(
-                "template {id} is in use by sandboxes; delete them first"
-            )));
-        }
-        st.templates.remove(id);
-        Ok(())
     }
 
     fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
@@ -426,8 +452,8 @@ impl SandboxApi for Fake {
         Ok(sandbox.clone())
     }
 
-    fn list_pods(&self) -> Result<Vec<PodView>, ServiceError> {
-        Ok(vec![Self::view(&self.state.lock().unwrap())])
+    fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
+        Ok(vec![pod_entry(Self::view(&self.state.lock().unwrap()))?])
     }
 
     fn set_pod(
@@ -468,106 +494,59 @@ impl SandboxApi for Fake {
         )
     }
 
-    fn exec(
+    fn execute(
         &self,
         id: &SandboxId,
         req: ExecRequest,
         _cancel: &Cancel,
-    ) -> Result<GuestCall<ExecOutput>, ServiceError> {
+        mode: ExecMode<'_>,
+    ) -> Result<GuestCall<ExecReply>, ServiceError> {
         let outcome = self.guest(id)?;
         let words = Self::echo(&req.argv)?;
-        Ok(GuestCall {
-            outcome,
-            value: ExecOutput {
+        let value = match mode {
+            ExecMode::Collect => ExecReply::Collected(ExecOutput {
                 stdout: format!("{}\n", words.join(" ")).into_bytes(),
                 stderr: Vec::new(),
                 exit: exit(0),
-            },
-        })
+            }),
+            ExecMode::Stream {
+                on_start,
+                on_output,
+            } => {
+                on_start(&outcome);
+                for w in &words {
+                    on_output(OutputKind::Stdout, format!("{w}\n").as_bytes());
+                }
+                on_output(OutputKind::Stderr, b"done\n");
+                ExecReply::Streamed(exit(3))
+            }
+        };
+        Ok(GuestCall { outcome, value })
     }
 
-    fn exec_streaming(
-        &self,
-        id: &SandboxId,
-        req: ExecRequest,
-        _cancel: &Cancel,
-        on_start: &mut dyn FnMut(&Outcome),
-        on_output: &mut dyn FnMut(OutputKind, &[u8]),
-    ) -> Result<GuestCall<ExitReply>, ServiceError> {
-        let outcome = self.guest(id)?;
-        let words = Self::echo(&req.argv)?;
-        on_start(&outcome);
-        for w in &words {
-            on_output(OutputKind::Stdout, format!("{w}\n").as_bytes());
-        }
-        on_output(OutputKind::Stderr, b"done\n");
-        Ok(GuestCall {
-            outcome,
-            value: exit(3),
-        })
-    }
-
-    fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError> {
+    fn files(&self, id: &SandboxId, op: FileOp<'_>) -> Result<GuestCall<FileReply>, ServiceError> {
         let outcome = self.guest(id)?;
         if let Some(link) = self.real_link(id) {
-            let value = link.read_file(path, 64 << 20)?;
-            return Ok(GuestCall { outcome, value });
-        }
-        let data = self.state.lock().unwrap().files.get(path).cloned();
-        Ok(GuestCall {
-            outcome,
-            value: data.ok_or_else(|| agent_error("ENOENT"))?,
-        })
-    }
-
-    fn write_file(
-        &self,
-        id: &SandboxId,
-        path: &str,
-        data: &[u8],
-        mode: Option<u32>,
-    ) -> Result<GuestCall<u64>, ServiceError> {
-        let outcome = self.guest(id)?;
-        if let Some(link) = self.real_link(id) {
-            let value = link.write_file(path, data, mode)?;
-            return Ok(GuestCall { outcome, value });
+            if !matches!(op, FileOp::List { .. }) {
+                let value = op.run(&link)?;
+                return Ok(GuestCall { outcome, value });
+            }
         }
         let mut st = self.state.lock().unwrap();
-        st.files.insert(path.to_string(), data.to_vec());
-        Ok(GuestCall {
-            outcome,
-            value: data.len() as u64,
-        })
-    }
-
-    fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError> {
-        let outcome = self.guest(id)?;
-        let st = self.state.lock().unwrap();
-        let prefix = format!("{}/", path.trim_end_matches('/'));
-        let entries = (st.files.iter())
-            .filter_map(|(p, data)| {
-                let name = p.strip_prefix(&prefix)?;
-                Some(FileStat {
-                    name: name.to_string(),
-                    kind: FileKind::File,
-                    size: data.len() as u64,
-                    mode: 0o644,
-                    mtime_ns: 0,
-                    link_target: None,
-                    uid: None,
-                    gid: None,
-                    owner: None,
-                    group: None,
-                })
-            })
-            .collect();
-        Ok(GuestCall {
-            outcome,
-            value: DirListing {
-                entries,
-                truncated: false,
-            },
-        })
+        let value = match op {
+            FileOp::Read { path } => FileReply::Read(
+                st.files
+                    .get(path)
+                    .cloned()
+                    .ok_or_else(|| agent_error("ENOENT"))?,
+            ),
+            FileOp::Write { path, data, .. } => {
+                st.files.insert(path.to_string(), data.to_vec());
+                FileReply::Written(data.len() as u64)
+            }
+            FileOp::List { path } => FileReply::List(list(&st, path)),
+        };
+        Ok(GuestCall { outcome, value })
     }
     /// A real agent (the host's filesystem and processes) behind the
     /// hybrid vsock stand-in, for sandboxes whose metadata says

@@ -1,0 +1,266 @@
+//! Operations [`SandboxApi`] takes as one typed request per resource
+//! (templates, a sandbox's files, an exec), and [`SandboxCalls`]: the typed
+//! call of each, for every backend at once.
+//!
+//! A backend implements one method per resource and matches the request;
+//! callers use the typed calls (`s.get_template(&id)`, `s.read_file(&id,
+//! path)`, `s.exec(..)`), which unwrap the reply of their request.
+
+use torpor_scheduler::model::{SandboxId, Template, TemplateId};
+use torpor_scheduler::service::guest::MAX_READ_BYTES;
+
+use crate::backend::SandboxApi;
+use crate::service::{
+    AgentLink, Cancel, CreateTemplate, DirListing, ExecOutput, ExecRequest, ExitReply, GuestCall,
+    GuestError, Outcome, OutputKind, ServiceError,
+};
+
+/// A template call (`/v1/templates`): [`SandboxApi::templates`].
+#[derive(Debug, Clone)]
+pub enum TemplateOp<'a> {
+    List,
+    Get(&'a TemplateId),
+    Create(CreateTemplate),
+    Delete(&'a TemplateId),
+}
+
+/// A [`TemplateOp`]'s answer, the variant of its call.
+#[derive(Debug)]
+pub enum TemplateReply {
+    List(Vec<Template>),
+    /// The template got or created.
+    One(Box<Template>),
+    Deleted,
+}
+
+impl TemplateReply {
+    pub fn one(t: Template) -> Self {
+        TemplateReply::One(Box::new(t))
+    }
+}
+
+/// A file call on a sandbox's agent (`/v1/sandboxes/{id}/files`, E2B's
+/// `/files`): [`SandboxApi::files`].
+#[derive(Debug, Clone, Copy)]
+pub enum FileOp<'a> {
+    /// The file's bytes (at most [`MAX_READ_BYTES`]).
+    Read { path: &'a str },
+    /// Writes (replaces) the file, creating missing parents.
+    Write {
+        path: &'a str,
+        data: &'a [u8],
+        mode: Option<u32>,
+    },
+    /// The directory's entries.
+    List { path: &'a str },
+}
+
+/// A [`FileOp`]'s answer, the variant of its call.
+#[derive(Debug)]
+pub enum FileReply {
+    Read(Vec<u8>),
+    /// The file's size.
+    Written(u64),
+    List(DirListing),
+}
+
+impl FileOp<'_> {
+    /// The call on an agent reached through `link`.
+    pub fn run(self, link: &AgentLink) -> Result<FileReply, GuestError> {
+        Ok(match self {
+            FileOp::Read { path } => FileReply::Read(link.read_file(path, MAX_READ_BYTES)?),
+            FileOp::Write { path, data, mode } => {
+                FileReply::Written(link.write_file(path, data, mode)?)
+            }
+            FileOp::List { path } => FileReply::List(link.list_dir(path)?),
+        })
+    }
+}
+
+/// Where an exec's output goes: [`SandboxApi::execute`].
+pub enum ExecMode<'a> {
+    /// Collected into the answer ([`ExecReply::Collected`]).
+    Collect,
+    /// `on_start` hears that the sandbox runs, before any output; then each
+    /// chunk goes to `on_output` as the agent streams it
+    /// ([`ExecReply::Streamed`]).
+    Stream {
+        on_start: &'a mut dyn FnMut(&Outcome),
+        on_output: &'a mut dyn FnMut(OutputKind, &[u8]),
+    },
+}
+
+impl std::fmt::Debug for ExecMode<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ExecMode::Collect => "Collect",
+            ExecMode::Stream { .. } => "Stream",
+        })
+    }
+}
+
+/// An exec's answer, the variant of its [`ExecMode`].
+#[derive(Debug)]
+pub enum ExecReply {
+    Collected(ExecOutput),
+    /// How the command ended (its output went to `on_output`).
+    Streamed(ExitReply),
+}
+
+/// `call` with its value mapped by `f`.
+pub fn map_call<T, U>(call: GuestCall<T>, f: impl FnOnce(T) -> U) -> GuestCall<U> {
+    GuestCall {
+        outcome: call.outcome,
+        value: f(call.value),
+    }
+}
+
+/// A backend answered `call` with another call's reply.
+fn mismatched(call: &str) -> ServiceError {
+    ServiceError::Internal(format!("the backend answered a {call} with another reply"))
+}
+
+/// A guest call's value as `T`, if its reply is of that call.
+fn value_of<R, T>(
+    call: GuestCall<R>,
+    name: &str,
+    f: fn(R) -> Option<T>,
+) -> Result<GuestCall<T>, ServiceError> {
+    let GuestCall { outcome, value } = call;
+    let value = f(value).ok_or_else(|| mismatched(name))?;
+    Ok(GuestCall { outcome, value })
+}
+
+/// The typed calls of [`SandboxApi`]'s requests, for every backend: a
+/// supertrait of it (so they are in scope wherever it is), implemented once
+/// for all of them below (so no backend writes its own).
+pub trait SandboxCalls {
+    fn list_templates(&self) -> Result<Vec<Template>, ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        match self.templates(TemplateOp::List)? {
+            TemplateReply::List(list) => Ok(list),
+            _ => Err(mismatched("template list")),
+        }
+    }
+    fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        match self.templates(TemplateOp::Get(id))? {
+            TemplateReply::One(t) => Ok(*t),
+            _ => Err(mismatched("template get")),
+        }
+    }
+    fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        match self.templates(TemplateOp::Create(req))? {
+            TemplateReply::One(t) => Ok(*t),
+            _ => Err(mismatched("template create")),
+        }
+    }
+    fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        match self.templates(TemplateOp::Delete(id))? {
+            TemplateReply::Deleted => Ok(()),
+            _ => Err(mismatched("template delete")),
+        }
+    }
+    /// Runs a command, its output collected; `cancel` ends it early (its
+    /// client went away): the command is killed in the guest.
+    fn exec(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+        cancel: &Cancel,
+    ) -> Result<GuestCall<ExecOutput>, ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        value_of(
+            self.execute(id, req, cancel, ExecMode::Collect)?,
+            "exec",
+            |r| match r {
+                ExecReply::Collected(out) => Some(out),
+                _ => None,
+            },
+        )
+    }
+    /// Runs a command, its output streamed ([`ExecMode::Stream`]).
+    fn exec_streaming(
+        &self,
+        id: &SandboxId,
+        req: ExecRequest,
+        cancel: &Cancel,
+        on_start: &mut dyn FnMut(&Outcome),
+        on_output: &mut dyn FnMut(OutputKind, &[u8]),
+    ) -> Result<GuestCall<ExitReply>, ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        let mode = ExecMode::Stream {
+            on_start,
+            on_output,
+        };
+        value_of(
+            self.execute(id, req, cancel, mode)?,
+            "streamed exec",
+            |r| match r {
+                ExecReply::Streamed(exit) => Some(exit),
+                _ => None,
+            },
+        )
+    }
+    /// The file's bytes.
+    fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        value_of(
+            self.files(id, FileOp::Read { path })?,
+            "read",
+            |r| match r {
+                FileReply::Read(data) => Some(data),
+                _ => None,
+            },
+        )
+    }
+    /// Writes (replaces) a file, creating missing parents; its size.
+    fn write_file(
+        &self,
+        id: &SandboxId,
+        path: &str,
+        data: &[u8],
+        mode: Option<u32>,
+    ) -> Result<GuestCall<u64>, ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        let op = FileOp::Write { path, data, mode };
+        value_of(self.files(id, op)?, "write", |r| match r {
+            FileReply::Written(size) => Some(size),
+            _ => None,
+        })
+    }
+    /// A directory's entries.
+    fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        value_of(
+            self.files(id, FileOp::List { path })?,
+            "listing",
+            |r| match r {
+                FileReply::List(listing) => Some(listing),
+                _ => None,
+            },
+        )
+    }
+}
+
+impl<S: SandboxApi + ?Sized> SandboxCalls for S {}
