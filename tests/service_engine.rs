@@ -327,7 +327,10 @@ fn a_shell_restored_for_an_unrecorded_wake_is_ended_on_restart() {
     let service = service(&data, 1, MemoryBackend::File);
     wait_for_shell(&service);
     let sandbox = create(&service);
-    let report = sandbox.restore.clone().expect("a create reports its restore");
+    let report = sandbox
+        .restore
+        .clone()
+        .expect("a create reports its restore");
     assert_eq!(report.path, RestorePath::Standby, "{report:?}");
     guest_runs(&data, sandbox.id.as_str());
     let pid = sandbox.vmm.as_ref().expect("a running sandbox's VMM").pid;
