@@ -334,3 +334,74 @@ fn kill_9_of_one_vmm_fails_only_its_sandbox() {
     s.wait_state(&victim, "failed", Duration::from_secs(30));
     assert_eq!(s.state(&bystander), "running");
 }
+
+/// Pids of the `torpor-vmm` processes whose log (stderr) is under `dir`.
+fn vmms_logging_under(dir: &Path) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim() == "torpor-vmm")
+                && std::fs::read_link(format!("/proc/{pid}/fd/2")).is_ok_and(|t| t.starts_with(dir))
+        })
+        .collect()
+}
+
+/// Whether process `pid` still runs (a zombie does not).
+fn runs(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z'))
+    })
+}
+
+/// Jailed standby shells outlive a kill -9 of serve (a shell's parent is
+/// its supervisor, not the pod), and one taken for a restore may have had
+/// its socket moved into the sandbox's directory already, its log not: no
+/// socket to ask it to shut down, no log where recovery looks. The
+/// restarted serve ends every shell of the earlier run, found by its log.
+#[test]
+fn kill_9_of_serve_leaves_no_standby_shell_behind() {
+    let d = data("serve-kill9-shells");
+    let s = Serve::start(&d.0, &[]);
+    let pool = d.0.canonicalize().unwrap().join("pool");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let sockets = loop {
+        let sockets: Vec<_> = std::fs::read_dir(&pool)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path().join("ctl.sock"))
+            .filter(|p| p.exists())
+            .collect();
+        if sockets.len() >= 2 {
+            break sockets;
+        }
+        assert!(Instant::now() < deadline, "the pool made no 2 shells");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    s.kill9();
+    // Taken: its socket in a sandbox's directory, its log still here.
+    let taken = sockets[0].parent().unwrap().to_path_buf();
+    let sandbox = d.0.join("sandboxes").join("taken");
+    std::fs::create_dir_all(&sandbox).unwrap();
+    std::fs::rename(&sockets[0], sandbox.join("ctl.sock")).unwrap();
+    let left = vmms_logging_under(&pool);
+    assert!(
+        !vmms_logging_under(&taken).is_empty(),
+        "the taken shell died with serve (unjailed?): nothing to test"
+    );
+
+    let _s = Serve::start(&d.0, &[]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while left.iter().any(|&p| runs(p)) {
+        assert!(
+            Instant::now() < deadline,
+            "shells of the killed serve still run: {:?}",
+            left.iter().filter(|&&p| runs(p)).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!taken.exists());
+}

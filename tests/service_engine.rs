@@ -7,7 +7,8 @@
 //! metrics) with each memory backend; a hibernation that fails leaves a
 //! paused sandbox paused (it used to come back running) and a running one
 //! running; a full disk under a hibernation is `NoSpace` (507 in the API),
-//! not an internal error.
+//! not an internal error; a standby shell restored for a wake whose VMM
+//! handle was never recorded (the pod stopped dead) is ended on restart.
 
 mod common;
 
@@ -289,4 +290,101 @@ fn a_full_disk_under_a_hibernation_is_no_space() {
         SandboxState::Running
     );
     service.delete_sandbox(&sandbox.id).unwrap();
+}
+
+/// Whether process `pid` has ended (gone, or a zombie not reaped yet)
+/// within `limit`.
+fn ends_within(pid: u32, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        let ended = match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Err(_) => true,
+            Ok(stat) => stat
+                .rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        };
+        if ended {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A pod stopped dead in the middle of a wake that took a standby shell:
+/// the restore sent (the shell runs the sandbox's guest, its death-with-
+/// the-pod signal cleared), the VMM's handle not recorded yet. The shell
+/// was made under `pool/`, but its socket and log move into the sandbox's
+/// directory before the restore is sent, so the restarted service's
+/// recovery finds it by its log and ends it: the wake goes back to
+/// hibernated and no VMM runs unaccounted for.
+#[test]
+fn a_shell_restored_for_an_unrecorded_wake_is_ended_on_restart() {
+    use torpor_scheduler::store::{OperationKind, StateChange, Store};
+    let data = DataDir::new("engine-shell-recovery");
+    let service = service(&data, 1, MemoryBackend::File);
+    wait_for_shell(&service);
+    let sandbox = create(&service);
+    let report = sandbox
+        .restore
+        .clone()
+        .expect("a create reports its restore");
+    assert_eq!(report.path, RestorePath::Standby, "{report:?}");
+    guest_runs(&data, sandbox.id.as_str());
+    let pid = sandbox.vmm.as_ref().expect("a running sandbox's VMM").pid;
+    let log = std::fs::read_link(format!("/proc/{pid}/fd/2")).unwrap();
+    assert_eq!(
+        log,
+        data.0
+            .canonicalize()
+            .unwrap()
+            .join("sandboxes")
+            .join(sandbox.id.as_str())
+            .join("vmm.log"),
+        "the shell's log moved into the sandbox's directory"
+    );
+    // Stopped as a kill -9 leaves it: sandboxes' VMMs live on (closing
+    // ends only the shells still waiting).
+    service.close();
+    drop(service);
+
+    // The store as a wake interrupted between the restore into the shell
+    // and the record of its handle leaves it.
+    let store = Store::open(&data.0).unwrap();
+    let id = &sandbox.id;
+    store
+        .write(|tx| {
+            tx.set_sandbox_vmm(id, None)?;
+            tx.update_sandbox_state(id, SandboxState::Running, SandboxState::Hibernating, None)?;
+            tx.update_sandbox_state(
+                id,
+                SandboxState::Hibernating,
+                SandboxState::Hibernated,
+                None,
+            )?;
+            tx.begin_operation(
+                Some(id),
+                OperationKind::Wake,
+                &serde_json::json!({}),
+                Some(&StateChange::new(
+                    SandboxState::Hibernated,
+                    SandboxState::Resuming,
+                )),
+            )
+        })
+        .unwrap();
+    drop(store);
+    assert!(!ends_within(pid, Duration::from_millis(100)));
+
+    let service = self::service(&data, 0, MemoryBackend::File);
+    let after = service.get_sandbox(id).unwrap();
+    assert_eq!(after.state, SandboxState::Hibernated);
+    assert!(after.vmm.is_none(), "{after:?}");
+    assert!(
+        ends_within(pid, Duration::from_secs(5)),
+        "the shell restored for the interrupted wake still runs"
+    );
+    service.close();
 }

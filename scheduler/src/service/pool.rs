@@ -328,8 +328,21 @@ fn remove_shell_dir(handle: &VmmHandle) {
 }
 
 /// Ends shells an earlier run left (they wait for a restore that will not
-/// come) and removes their files.
+/// come) and removes their files. An unjailed shell dies with the pod
+/// that made it until a restore reaches it, a jailed one does not (its
+/// parent is its supervisor, which lives on); and one taken for a restore whose pod died
+/// between moving its socket and its log into the sandbox's directory
+/// (see `restore_into_shell`) has no socket here to be asked to shut down
+/// and no log where recovery looks (`sandboxes/`). So each is found by its
+/// log here, as recovery finds strays, and killed; then the request to
+/// shut down, for any the search missed.
 fn clear_stale(dir: &Path) {
+    for p in vmm::logging_under(dir) {
+        tracing::warn!(pid = p.pid, log = %p.log.display(), "a standby shell of an earlier run: ending it");
+        if !vmm::kill_and_wait(p.pid, p.start_time, Duration::from_secs(5)) {
+            tracing::warn!(pid = p.pid, "the standby shell did not exit within 5 s");
+        }
+    }
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };

@@ -1,6 +1,6 @@
 //! Recovery after a kill -9 of the service, without guests: stand-in
 //! `torpor-vmm` processes (a copy of `sleep` under that name) whose stderr
-//! is a sandbox's log, as a real VMM's is.
+//! is a sandbox's or a standby shell's log, as a real VMM's is.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixListener;
@@ -51,6 +51,33 @@ impl Drop for Stand {
     }
 }
 
+/// A copy of `sleep` named `torpor-vmm` under `root`.
+fn stand_in_exe(root: &Path) -> PathBuf {
+    let exe = root.join("bin").join("torpor-vmm");
+    std::fs::create_dir_all(exe.parent().unwrap()).unwrap();
+    std::fs::copy("/usr/bin/sleep", &exe)
+        .or_else(|_| std::fs::copy("/bin/sleep", &exe))
+        .unwrap();
+    exe
+}
+
+/// Reopens the service on `root` after a kill -9 (no pool, no policy).
+fn restart(root: &Path) -> Arc<Service> {
+    let mut config = ServiceConfig::new(root.to_path_buf(), PathBuf::from("/nonexistent/torpor"));
+    config.policy_interval_ms = 0;
+    config.standby_pool = 0;
+    Service::open(config).unwrap()
+}
+
+/// Waits until `n` stand-ins log under `root` (started and named).
+fn wait_logging(root: &Path, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while vmm::logging_under(root).len() < n {
+        assert!(Instant::now() < deadline, "{:?}", vmm::logging_under(root));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// A control socket that answers every request with a running VM's status.
 fn answering_socket(path: PathBuf, pid: u32) {
     let listener = UnixListener::bind(&path).unwrap();
@@ -78,11 +105,7 @@ fn answering_socket(path: PathBuf, pid: u32) {
 fn recovery_ends_a_vmm_no_sandbox_keeps() {
     let (dir, service, template) = service_with(|_| {});
     let root = dir.path().to_path_buf();
-    let exe = root.join("bin").join("torpor-vmm");
-    std::fs::create_dir_all(exe.parent().unwrap()).unwrap();
-    std::fs::copy("/usr/bin/sleep", &exe)
-        .or_else(|_| std::fs::copy("/bin/sleep", &exe))
-        .unwrap();
+    let exe = stand_in_exe(&root);
     let sandbox_log = |id: &SandboxId| root.join("sandboxes").join(id.as_str()).join("vmm.log");
 
     // A create interrupted after the spawn: the row creating, its
@@ -124,16 +147,9 @@ fn recovery_ends_a_vmm_no_sandbox_keeps() {
     let mut other = Stand::start(&exe, &root.join("elsewhere").join("vmm.log"));
 
     // The processes are up and named before the restart looks for them.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while vmm::logging_under(&root).len() < 3 {
-        assert!(Instant::now() < deadline, "{:?}", vmm::logging_under(&root));
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_logging(&root, 3);
     drop(service);
-    let mut config = ServiceConfig::new(root.clone(), PathBuf::from("/nonexistent/torpor"));
-    config.policy_interval_ms = 0;
-    config.standby_pool = 0;
-    let service = Service::open(config).unwrap();
+    let service = restart(&root);
 
     let failed = service.get_sandbox(&creating.id).unwrap();
     assert_eq!(failed.state, SandboxState::Failed);
@@ -146,5 +162,32 @@ fn recovery_ends_a_vmm_no_sandbox_keeps() {
         SandboxState::Running
     );
     assert!(!kept.exits_within(Duration::from_millis(300)));
+    assert!(!other.exits_within(Duration::from_millis(100)));
+}
+
+/// A standby shell of the earlier run, taken for a restore and stopped
+/// between the move of its socket into the sandbox's directory and the
+/// move of its log: no socket left in its `pool/` directory to ask it to
+/// shut down, no log in a sandbox's directory for recovery to find. A
+/// jailed shell does not die with its pod (its parent is its supervisor),
+/// so it waited on, unaccounted for; the pool's clean-up now ends it, found
+/// by its log. A VMM logging outside the pool is left alone.
+#[test]
+fn a_shell_left_in_the_pool_without_its_socket_is_ended() {
+    let (dir, service, _) = service_with(|_| {});
+    let root = dir.path().to_path_buf();
+    let exe = stand_in_exe(&root);
+    let shell = root.join("pool").join("shell-1-0");
+    let mut taken = Stand::start(&exe, &shell.join("vmm.log"));
+    let mut other = Stand::start(&exe, &root.join("elsewhere").join("vmm.log"));
+    wait_logging(&root, 2);
+    assert!(!shell.join("ctl.sock").exists());
+    drop(service);
+    let _service = restart(&root);
+    assert!(
+        taken.exits_within(Duration::from_secs(5)),
+        "the taken shell still runs"
+    );
+    assert!(!shell.exists());
     assert!(!other.exits_within(Duration::from_millis(100)));
 }
