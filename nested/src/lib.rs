@@ -41,6 +41,22 @@ pub use assets::{find_qemu, L1Assets};
 use image::Carried;
 pub use running::RunningHost;
 
+/// Whether an L1 console line is its kernel saying it is wedged: a soft
+/// lockup, an RCU stall, a lost timer. Under TCG these do not pass (seen:
+/// ten minutes of RCU stalls after CPU 0's timer stopped). Only kernel
+/// lines count (`[  12.345678] ...`), not a script's output that quotes an
+/// L2 guest's console.
+pub fn l1_wedged(line: &str) -> bool {
+    line.trim_start().starts_with('[')
+        && [
+            "BUG: soft lockup",
+            "detected stalls on CPUs",
+            "timer wakeup didn't happen",
+        ]
+        .iter()
+        .any(|m| line.contains(m))
+}
+
 /// Why a nested run could not give a result.
 #[derive(Debug, thiserror::Error)]
 pub enum NestedError {
@@ -79,6 +95,8 @@ pub enum NestedError {
         silent: Duration,
         console_tail: String,
     },
+    #[error("the nested host's kernel is wedged ({line}); last console lines:\n{console_tail}")]
+    Wedged { line: String, console_tail: String },
     #[error(
         "nested host gave no result ({reached}); QEMU exit: {status}; QEMU stderr: {qemu_stderr}\n\
          last console lines:\n{console_tail}"
@@ -271,10 +289,11 @@ impl NestedHost {
         match run(self.cpus) {
             // Seen on 2 shared cores: L1 under multi-threaded TCG froze with
             // both vCPUs spinning (twice in a row in one CI run, both times
-            // while three L2 clones ran), and a 1-vCPU L1 ran the same
-            // script through. A frozen L1 says nothing about the code under
-            // test: boot a fresh one once, with one vCPU, and say so.
-            Err(e @ NestedError::Stalled { .. }) => {
+            // while three L2 clones ran), or its kernel lost CPU 0's timer
+            // and printed RCU stalls for ten minutes; a 1-vCPU L1 ran the
+            // same scripts through. A wedged L1 says nothing about the code
+            // under test: boot a fresh one once, with one vCPU, and say so.
+            Err(e @ (NestedError::Stalled { .. } | NestedError::Wedged { .. })) => {
                 eprintln!(
                     "torpor-nested: {e}\ntorpor-nested: booting a fresh L1 once more, with 1 vCPU"
                 );
@@ -368,6 +387,24 @@ impl Drop for WorkDir {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wedged_kernels_are_told_from_scripts_quoting_one() {
+        for line in [
+            "[  534.910408] rcu: INFO: rcu_preempt detected stalls on CPUs/tasks:",
+            "[  534.912677] rcu: rcu_preempt kthread timer wakeup didn't happen for 131291 jiffies!",
+            "[   88.1] watchdog: BUG: soft lockup - CPU#1 stuck for 22s! [kworker/1:1:40]",
+        ] {
+            assert!(l1_wedged(line), "{line}");
+        }
+        for line in [
+            "[  484.690803] INFO: task khugepaged:36 blocked for more than 362 seconds.",
+            "serve-log [  12.0] rcu: INFO: rcu_preempt detected stalls on CPUs/tasks:",
+            "template-ready",
+        ] {
+            assert!(!l1_wedged(line), "{line}");
+        }
+    }
 
     #[test]
     fn missing_files_are_named_before_booting() {

@@ -170,6 +170,13 @@ pub fn run(launch: &Launch, timeout: Duration) -> Result<RunOutput, NestedError>
                 if launch.echo {
                     eprintln!("L1| {line}");
                 }
+                if end.is_none() && crate::l1_wedged(&line) {
+                    console.push(line.clone());
+                    return Err(NestedError::Wedged {
+                        line,
+                        console_tail: tail(&console),
+                    });
+                }
                 if end.is_some() {
                     // After the end marker only the power-off follows.
                 } else if begin_at.is_some() {

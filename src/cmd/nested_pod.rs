@@ -478,7 +478,7 @@ fn lockup(running: &RunningHost) -> Option<String> {
     running
         .console_tail()
         .lines()
-        .find(|l| l.contains("BUG: soft lockup") || l.contains("detected stalls on CPUs"))
+        .find(|l| torpor_nested::l1_wedged(l))
         .map(str::to_string)
 }
 
