@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::serve::DataDir;
-use torpor_scheduler::model::RestorePath;
+use torpor_scheduler::model::{RestorePath, RestoreReport};
 use torpor_scheduler::service::{CreateSandbox, Service, ServiceConfig, ServiceError};
 use torpor_scheduler::SandboxState;
 use torpor_vmm_api::{ErrorKind, MemoryBackend};
@@ -42,6 +42,19 @@ fn create(service: &Service) -> torpor_scheduler::model::Sandbox {
             ..Default::default()
         })
         .expect("create")
+}
+
+/// Creates a sandbox once the pool holds a shell, and checks it took one;
+/// its restore report.
+fn create_from_a_shell(service: &Service) -> (torpor_scheduler::model::Sandbox, RestoreReport) {
+    wait_for_shell(service);
+    let sandbox = create(service);
+    let report = sandbox
+        .restore
+        .clone()
+        .expect("a create reports its restore");
+    assert_eq!(report.path, RestorePath::Standby, "{report:?}");
+    (sandbox, report)
 }
 
 /// Waits until the pool holds a shell (it fills in the background).
@@ -83,13 +96,7 @@ fn guest_runs(data: &DataDir, id: &str) {
 fn creates_and_wakes_take_standby_shells(backend: MemoryBackend) {
     let data = DataDir::new(&format!("engine-pool-{backend}"));
     let service = service(&data, 1, backend);
-    wait_for_shell(&service);
-    let sandbox = create(&service);
-    let report = sandbox
-        .restore
-        .clone()
-        .expect("a create reports its restore");
-    assert_eq!(report.path, RestorePath::Standby, "{report:?}");
+    let (sandbox, report) = create_from_a_shell(&service);
     assert_eq!(report.backend, backend.name());
     assert!(
         report.vmm_ms > 0.0 && report.ms >= report.vmm_ms,
@@ -325,13 +332,7 @@ fn a_shell_restored_for_an_unrecorded_wake_is_ended_on_restart() {
     use torpor_scheduler::store::{OperationKind, StateChange, Store};
     let data = DataDir::new("engine-shell-recovery");
     let service = service(&data, 1, MemoryBackend::File);
-    wait_for_shell(&service);
-    let sandbox = create(&service);
-    let report = sandbox
-        .restore
-        .clone()
-        .expect("a create reports its restore");
-    assert_eq!(report.path, RestorePath::Standby, "{report:?}");
+    let (sandbox, _) = create_from_a_shell(&service);
     guest_runs(&data, sandbox.id.as_str());
     let pid = sandbox.vmm.as_ref().expect("a running sandbox's VMM").pid;
     let log = std::fs::read_link(format!("/proc/{pid}/fd/2")).unwrap();
