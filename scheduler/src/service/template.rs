@@ -329,6 +329,19 @@ fn wait_ready(files: &VmmFiles) -> Result<(), ServiceError> {
         if console.contains("TORPOR-PROBE ITER n=1 ") {
             return Ok(());
         }
+        // The probe's one refusal: its workload (`probe.mib`, 4 MiB unless
+        // the cmdline says) sits at 16 MiB and must fit in guest memory.
+        if let Some(line) = console
+            .lines()
+            .find(|l| l.starts_with("TORPOR-PROBE ERROR "))
+        {
+            return Err(ServiceError::Invalid(format!(
+                "the probe guest cannot run with these settings ({}): it needs \
+                 mem_mib of at least 16 plus its probe.mib workload (4 unless the \
+                 cmdline sets it)",
+                line.trim_start_matches("TORPOR-PROBE ERROR ").trim()
+            )));
+        }
         if Instant::now() > deadline {
             return Err(ServiceError::Internal(format!(
                 "the template's guest did not become ready within {READY_LIMIT:?}: {}",
