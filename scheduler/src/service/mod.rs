@@ -182,7 +182,9 @@ pub enum ServiceError {
     Unsupported(String),
     /// This host cannot do it (a Linux template where the host lacks
     /// hardware virtualization, e.g. PVM): the request is well formed and
-    /// another host could serve it. 422 `host_unsupported`.
+    /// another host could serve it; or a schema-valid setting the guest
+    /// cannot run (a probe whose workload does not fit its memory).
+    /// 422 `host_unsupported`.
     #[error("{0}")]
     HostUnsupported(String),
     #[error("internal error: {0}")]

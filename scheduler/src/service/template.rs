@@ -335,7 +335,7 @@ fn wait_ready(files: &VmmFiles) -> Result<(), ServiceError> {
             .lines()
             .find(|l| l.starts_with("TORPOR-PROBE ERROR "))
         {
-            return Err(ServiceError::Invalid(format!(
+            return Err(ServiceError::HostUnsupported(format!(
                 "the probe guest cannot run with these settings ({}): it needs \
                  mem_mib of at least 16 plus its probe.mib workload (4 unless the \
                  cmdline sets it)",
