@@ -71,10 +71,7 @@ const UFFD_FEATURES: [(&str, u64); 10] = [
     ("WP_ASYNC", UFFD_FEATURE_WP_ASYNC), ("MOVE", UFFD_FEATURE_MOVE),
 ];
 
-// statfs(2) magic numbers from <linux/magic.h>.
-const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
-const CGROUP_SUPER_MAGIC: i64 = 0x0027_e0eb;
-const TMPFS_MAGIC: i64 = 0x0102_1994;
+use crate::fsmagic::{self, CGROUP2_SUPER_MAGIC, CGROUP_SUPER_MAGIC, TMPFS_MAGIC};
 
 /// Which guests this host can run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -481,14 +478,7 @@ fn thp_mode(path: &str) -> Probe<String> {
 
 fn fs_magic(path: &str) -> Probe<i64> {
     let c_path = CString::new(path).map_err(|e| e.to_string())?;
-    // SAFETY: `struct statfs` is plain integers, so all-zero is a valid value.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c_path` is NUL-terminated and `st` is a writable statfs that
-    // outlives the call.
-    if unsafe { libc::statfs(c_path.as_ptr(), &mut st) } != 0 {
-        return Err(format!("statfs {path}: {}", IoError::last_os_error()));
-    }
-    Ok(st.f_type as i64)
+    fsmagic::of_path(&c_path).map_err(|e| format!("statfs {path}: {e}"))
 }
 
 /// The value of the first `key : value` line of /proc/cpuinfo.

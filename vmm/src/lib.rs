@@ -13,6 +13,7 @@ pub mod devices;
 pub mod dirty;
 pub mod doctor;
 pub mod exit;
+pub mod fsmagic;
 pub mod identity;
 pub mod jail;
 pub mod launch;

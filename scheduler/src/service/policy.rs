@@ -144,7 +144,15 @@ impl Service {
             Some(status) => vmm::exit_reason(status),
             None => "its VMM process disappeared".into(),
         };
-        tracing::warn!(sandbox = %s.id, "{reason}");
+        // For operators: how the VMM said it ended, and the guest's last
+        // console lines (a kernel panic). The sandbox's reason stays short.
+        let files = vmm::VmmFiles::in_dir(&self.sandbox_dir(&s.id));
+        tracing::warn!(
+            sandbox = %s.id,
+            "{reason}; VMM log: {}; console: {}",
+            vmm::log_tail(&files.log),
+            vmm::log_tail(&files.console)
+        );
         let _ = self.store.set_sandbox_vmm(&s.id, None);
         self.drop_sandbox_net(&s.id);
         let _ =

@@ -5,7 +5,7 @@
 //! or drives a VMM.
 
 use std::fs::File;
-use std::io::Write;
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -183,7 +183,6 @@ fn read_reply(child: &mut Child, limit: Duration) -> Result<LaunchReply, Service
 /// at the new end. Lines written between the copy and the truncation are
 /// lost. Returns whether it rotated.
 pub fn cap_log(path: &Path, max: u64) -> std::io::Result<bool> {
-    use std::io::{Read, Seek, SeekFrom};
     let len = match std::fs::metadata(path) {
         Ok(m) => m.len(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
@@ -207,10 +206,26 @@ pub fn cap_log(path: &Path, max: u64) -> std::io::Result<bool> {
     Ok(true)
 }
 
-/// The last lines of a VMM's stderr log, for operators' messages.
+/// The last lines of a VMM's stderr log or a guest's console, for
+/// operators' messages: at most five lines from the file's last 4 KiB,
+/// each cut to 240 characters, control characters dropped (a console is
+/// the guest's to write).
 pub fn log_tail(path: &Path) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().rev().take(5).collect();
+    const WINDOW: u64 = 4096;
+    let mut tail = Vec::new();
+    if let Ok(mut file) = std::fs::File::open(path) {
+        let len = file.metadata().map_or(0, |m| m.len());
+        let _ = file.seek(SeekFrom::Start(len.saturating_sub(WINDOW)));
+        let _ = file.take(WINDOW).read_to_end(&mut tail);
+    }
+    let text = String::from_utf8_lossy(&tail);
+    let lines: Vec<String> = text
+        .lines()
+        .rev()
+        .filter(|l| !l.trim().is_empty())
+        .take(5)
+        .map(|l| l.chars().filter(|c| !c.is_control()).take(240).collect())
+        .collect();
     lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
 }
 

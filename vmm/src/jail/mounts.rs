@@ -230,13 +230,8 @@ fn pivot(root: &Path) -> Result<(), JailError> {
 /// Whether `/` is the kernel's initial rootfs (ramfs or tmpfs), which
 /// cannot be pivoted away from.
 fn root_is_initramfs() -> bool {
-    const RAMFS_MAGIC: i64 = 0x8584_58f6;
-    const TMPFS_MAGIC: i64 = 0x0102_1994;
-    // SAFETY: a zeroed statfs is a valid out-parameter.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: a NUL-terminated literal and a valid out-pointer.
-    let ret = unsafe { libc::statfs(c"/".as_ptr(), &mut st) };
-    ret == 0 && matches!(st.f_type as i64, RAMFS_MAGIC | TMPFS_MAGIC)
+    use crate::fsmagic::{of_path, RAMFS_MAGIC, TMPFS_MAGIC};
+    of_path(c"/").is_ok_and(|m| matches!(m, RAMFS_MAGIC | TMPFS_MAGIC))
 }
 
 /// `switch_root`'s way into `root` from an initramfs: move the jail's root

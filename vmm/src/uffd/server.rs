@@ -29,8 +29,6 @@ use super::abi::{
     UFFDIO_CONTINUE_MODE_WP, UFFDIO_COPY, UFFDIO_COPY_MODE_WP, UFFDIO_REGISTER_MODE_WP,
     UFFDIO_WAKE, UFFDIO_ZEROPAGE, UFFD_FEATURE_MINOR_SHMEM, UFFD_FEATURE_MISSING_SHMEM,
 };
-/// `f_type` of tmpfs and of memfds (statfs(2)).
-const TMPFS_MAGIC: i64 = 0x0102_1994;
 
 /// The source of the zeroed `UFFDIO_COPY` that answers a write fault on a
 /// zero page, and of zero runs installed write-protected (UFFDIO_ZEROPAGE
@@ -256,18 +254,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 fn check_shmem(base: &LayerFile) -> Result<(), UffdError> {
-    // SAFETY: `struct statfs` is plain integers, so all-zero is a valid value.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: the descriptor is open (owned by `base`) and `st` is a writable
-    // statfs that outlives the call.
-    if unsafe { libc::fstatfs(base.file.as_raw_fd(), &mut st) } != 0 {
-        return Err(UffdError::Inspect {
-            file: base.name.clone(),
-            source: io::Error::last_os_error(),
-        });
-    }
-    let fs_type = st.f_type as i64;
-    if fs_type != TMPFS_MAGIC {
+    let fs_type = crate::fsmagic::of_fd(&base.file).map_err(|source| UffdError::Inspect {
+        file: base.name.clone(),
+        source,
+    })?;
+    if fs_type != crate::fsmagic::TMPFS_MAGIC {
         return Err(UffdError::BaseNotShmem {
             file: base.name.clone(),
             fs_type,

@@ -428,11 +428,19 @@ fn run_vcpu(
             }
             Ok(VcpuExit::Hlt) => {}
             Ok(VcpuExit::Shutdown) => {
+                tracing::warn!(
+                    vcpu = vcpu.index,
+                    "the guest shut down (KVM_EXIT_SHUTDOWN: a triple fault or a reset)"
+                );
                 exit.exit(ExitReason::GuestShutdown);
                 break;
             }
             Ok(VcpuExit::SystemEvent(kind, _)) => {
-                tracing::info!(vcpu = vcpu.index, kind, "guest system event");
+                tracing::warn!(
+                    vcpu = vcpu.index,
+                    kind,
+                    "the guest ended the VM (system event)"
+                );
                 exit.exit(ExitReason::GuestShutdown);
                 break;
             }

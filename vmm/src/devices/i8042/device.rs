@@ -13,6 +13,7 @@ pub struct ResetTrigger(ExitSignal);
 impl Trigger for ResetTrigger {
     type E = std::convert::Infallible;
     fn trigger(&self) -> Result<(), Self::E> {
+        tracing::info!("the guest reset the machine (i8042 reset line)");
         self.0.exit(ExitReason::GuestShutdown);
         Ok(())
     }
