@@ -452,13 +452,42 @@ fn cluster_tenants_and_tokens_are_shared_through_postgresql() {
     );
 
     // A replica restarted (its --token seeded again: still one row) knows
-    // the tenants from PostgreSQL.
+    // the tenants from PostgreSQL; a tenants file in its data directory is
+    // seeded too (tokens and quotas), so the other replica knows them.
+    let seeded = "seeded-token-0123456789";
+    let digest = c.sql(&format!("SELECT encode(sha256('{seeded}'::bytea), 'hex')"));
+    let file = serde_json::json!({
+        "tokens": [{"id": "tok_5eed000000000001", "tenant": "seeded", "scope": "tenant",
+                    "sha256": digest, "created_at": 0}],
+        "quotas": {"seeded": {"running_sandboxes": 2}},
+    });
+    std::fs::write(c.dir.join("api1/tenants.json"), file.to_string()).unwrap();
     c.kill("api1");
     c.start("api1");
     assert_eq!(
         c.sql("SELECT count(*) FROM tenant_tokens WHERE scope = 'admin'"),
         "1"
     );
+    wait_token_status(&c, 2, seeded, "/v1/sandboxes", 200);
+    let r = as_token(&c, 2, seeded, "GET", "/v1/tenants/seeded", None);
+    assert_eq!(r.json()["quota"]["running_sandboxes"], 2, "{}", r.body);
+    // Seeded again on the next start: nothing doubled, and a quota set
+    // since is not undone.
+    let r = c.call(
+        2,
+        "PUT",
+        "/v1/tenants/seeded/quota",
+        Some(r#"{"running_sandboxes":3}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    c.kill("api1");
+    c.start("api1");
+    assert_eq!(
+        c.sql("SELECT count(*) FROM tenant_tokens WHERE tenant = 'seeded'"),
+        "1"
+    );
+    let r = as_token(&c, 1, seeded, "GET", "/v1/tenants/seeded", None);
+    assert_eq!(r.json()["quota"]["running_sandboxes"], 3, "{}", r.body);
     assert_eq!(
         as_token(&c, 1, &other, "GET", "/v1/sandboxes", None).status,
         200
