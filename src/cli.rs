@@ -493,14 +493,18 @@ pub struct ServeArgs {
     pub data_dir: Option<PathBuf>,
     /// Admin API bearer token (repeatable), besides the tokens in
     /// DATA_DIR/tenants.json (`torpor token create`). Without one, a first
-    /// start creates an admin token there and prints it once.
+    /// start creates an admin token there and prints it once. With
+    /// --cluster the tokens live in PostgreSQL, shared by every replica:
+    /// these and DATA_DIR/tenants.json's are written there (once), and a
+    /// first start without any makes the admin token there.
     #[arg(long)]
     pub token: Vec<String>,
     #[command(flatten)]
     pub service: ServiceFlags,
     /// Run as one stateless API replica of a cluster instead of a pod of
     /// its own: shared state in PostgreSQL, commands to the pods (`torpor
-    /// pod serve --cluster`) over NATS JetStream.
+    /// pod serve --cluster`) over NATS JetStream. Tenants, tokens and
+    /// quotas are in PostgreSQL too.
     #[arg(long, value_name = "postgres://...,nats://...", conflicts_with_all = ["pods", "nested_pod"])]
     pub cluster: Option<String>,
     /// In a cluster: how long a command waits for its pod's result before

@@ -1,8 +1,9 @@
 //! The cluster on loopback (`scripts/cluster`: PostgreSQL, nats-server, two
 //! pods, two API replicas; probe templates): a sandbox's life through both
 //! replicas, placement across both pods, and a pod killed with -9 (its
-//! sandboxes answer 503 until it is back). Needs postgres and nats-server
-//! (tests/needs leaves it out without them).
+//! sandboxes answer 503 until it is back); tenants and tokens in PostgreSQL,
+//! shared by both replicas. Needs postgres and nats-server (tests/needs
+//! leaves it out without them).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -11,6 +12,7 @@ use serde_json::Value;
 
 mod common;
 use common::cluster::Cluster;
+use common::http::{request, HttpResponse};
 
 fn create(c: &Cluster, n: u16) -> Value {
     let r = c.call(n, "POST", "/v1/sandboxes", Some(r#"{"template":"probe"}"#));
@@ -103,7 +105,7 @@ fn cluster_sandbox_life_placement_and_pod_failure() {
         "{v}"
     );
     assert_eq!(c.call(1, "GET", "/v1/operations/op_none", None).status, 404);
-    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "2");
+    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "3");
     assert_eq!(
         c.call(1, "DELETE", &format!("/v1/sandboxes/{once}"), None)
             .status,
@@ -265,4 +267,262 @@ fn accepted_past_the_wait(c: &Cluster) {
         other => panic!("DELETE {path}: {other} {}", r.body),
     }
     assert_eq!(c.call(1, "GET", &path, None).status, 404);
+}
+
+/// How long a change made through one replica may take to hold at the
+/// other: `torpor_api::auth::SHARED_REFRESH` (1 s), with room for a loaded
+/// machine.
+const SHARED_WITHIN: Duration = Duration::from_secs(5);
+
+/// `METHOD path` on replica `n` with `token`.
+fn as_token(
+    c: &Cluster,
+    n: u16,
+    token: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> HttpResponse {
+    request(&c.api(n), method, path, Some(token), body)
+}
+
+/// Polls `GET path` on replica `n` with `token` until it answers `status`
+/// (within [`SHARED_WITHIN`]).
+fn wait_token_status(c: &Cluster, n: u16, token: &str, path: &str, status: u16) -> HttpResponse {
+    let deadline = Instant::now() + SHARED_WITHIN;
+    loop {
+        let r = as_token(c, n, token, "GET", path, None);
+        if r.status == status {
+            return r;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "GET {path} on replica {n}: {} {} (not {status} within {SHARED_WITHIN:?})",
+            r.status,
+            r.body
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Makes a tenant's token through replica `made`: it is accepted there at
+/// once and at the other replica within the refresh; the token and its
+/// id.
+fn tenant_token(c: &Cluster, made: u16, tenant: &str) -> (String, String) {
+    let body = format!(r#"{{"tenant":"{tenant}"}}"#);
+    let r = c.call(made, "POST", "/v1/tokens", Some(&body));
+    assert_eq!(r.status, 201, "{}", r.body);
+    let v = r.json();
+    let token = v["token"].as_str().unwrap().to_string();
+    let id = v["id"].as_str().unwrap().to_string();
+    assert_eq!(v["tenant"], tenant);
+    assert_eq!(v["scope"], "tenant");
+    let r = as_token(c, made, &token, "GET", "/v1/sandboxes", None);
+    assert_eq!(r.status, 200, "at once where it was made: {}", r.body);
+    wait_token_status(c, 3 - made, &token, "/v1/sandboxes", 200);
+    (token, id)
+}
+
+#[test]
+fn cluster_tenants_and_tokens_are_shared_through_postgresql() {
+    let c = Cluster::up("tenants");
+
+    // Both replicas were started with the same --token: seeded once, as
+    // its SHA-256 (never the token), an admin token of tenant `admin`.
+    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "3");
+    let rows = c.sql("SELECT tenant, scope, sha256 FROM tenant_tokens");
+    let digest = c.sql(&format!(
+        "SELECT encode(sha256('{}'::bytea), 'hex')",
+        c.token.trim()
+    ));
+    assert_eq!(rows, format!("admin|admin|{digest}"));
+    let all = c.sql("SELECT string_agg(t::text, ' ') FROM tenant_tokens t");
+    assert!(!all.contains(c.token.trim()), "{all}");
+
+    // A tenant made through replica 1 authenticates at replica 2; its
+    // sandbox, made through 2, is its own through 1; another tenant does
+    // not see it; tenants are not admins at either replica.
+    let (acme, acme_id) = tenant_token(&c, 1, "acme");
+    let (other, _) = tenant_token(&c, 2, "other");
+    assert_eq!(
+        c.sql(&format!(
+            "SELECT tenant, scope FROM tenant_tokens WHERE id = '{acme_id}'"
+        )),
+        "acme|tenant"
+    );
+    let all = c.sql("SELECT string_agg(t::text, ' ') FROM tenant_tokens t");
+    assert!(!all.contains(&acme) && !all.contains(&other), "{all}");
+    let r = as_token(
+        &c,
+        2,
+        &acme,
+        "POST",
+        "/v1/sandboxes",
+        Some(r#"{"template":"probe"}"#),
+    );
+    assert_eq!(r.status, 201, "{}", r.body);
+    let sandbox = r.json()["id"].as_str().unwrap().to_string();
+    let path = format!("/v1/sandboxes/{sandbox}");
+    assert_eq!(as_token(&c, 1, &acme, "GET", &path, None).status, 200);
+    let listed = as_token(&c, 1, &acme, "GET", "/v1/sandboxes", None).json();
+    assert_eq!(listed["sandboxes"].as_array().unwrap().len(), 1, "{listed}");
+    assert_eq!(as_token(&c, 1, &other, "GET", &path, None).status, 404);
+    let listed = as_token(&c, 2, &other, "GET", "/v1/sandboxes", None).json();
+    assert_eq!(listed["sandboxes"].as_array().unwrap().len(), 0, "{listed}");
+    for n in [1, 2] {
+        assert_eq!(
+            as_token(&c, n, &acme, "GET", "/v1/tokens", None).status,
+            403
+        );
+    }
+
+    // A quota set through replica 2 is in PostgreSQL and read through 1.
+    let r = c.call(
+        2,
+        "PUT",
+        "/v1/tenants/acme/quota",
+        Some(r#"{"total_sandboxes":7}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        c.sql("SELECT quota->>'total_sandboxes' FROM tenant_quotas WHERE tenant = 'acme'"),
+        "7"
+    );
+    let deadline = Instant::now() + SHARED_WITHIN;
+    loop {
+        let r = as_token(&c, 1, &acme, "GET", "/v1/tenants/acme", None);
+        assert_eq!(r.status, 200, "{}", r.body);
+        if r.json()["quota"]["total_sandboxes"] == 7 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "quota not shared: {}", r.body);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // Listed through either replica; bad input refused.
+    for n in [1, 2] {
+        let tokens = c.call(n, "GET", "/v1/tokens", None).json();
+        let ids: Vec<&str> = tokens["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["id"].as_str().unwrap())
+            .collect();
+        assert_eq!(ids.len(), 3, "{tokens}");
+        assert!(ids.contains(&acme_id.as_str()), "{tokens}");
+    }
+    let r = c.call(1, "POST", "/v1/tokens", Some(r#"{"tenant":"../x"}"#));
+    assert_eq!(r.status, 400, "{}", r.body);
+    let long = format!("/v1/tokens/tok_{}", "0".repeat(200));
+    assert_eq!(c.call(2, "DELETE", &long, None).status, 404);
+    // The one admin token in PostgreSQL stays.
+    let admin_id = c.sql("SELECT id FROM tenant_tokens WHERE scope = 'admin'");
+    let r = c.call(1, "DELETE", &format!("/v1/tokens/{admin_id}"), None);
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("last admin token"), "{}", r.body);
+
+    // Revoked through replica 2: refused there at once, and at replica 1
+    // within the refresh, for good; the other tenant's token still works.
+    let r = c.call(2, "DELETE", &format!("/v1/tokens/{acme_id}"), None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    assert_eq!(
+        as_token(&c, 2, &acme, "GET", "/v1/sandboxes", None).status,
+        401
+    );
+    wait_token_status(&c, 1, &acme, "/v1/sandboxes", 401);
+    std::thread::sleep(Duration::from_millis(1500));
+    for n in [1, 2] {
+        let r = as_token(&c, n, &acme, "GET", &path, None);
+        assert_eq!(r.status, 401, "replica {n}: {}", r.body);
+        assert_eq!(
+            as_token(&c, n, &other, "GET", "/v1/sandboxes", None).status,
+            200
+        );
+    }
+    assert_eq!(
+        c.sql(&format!(
+            "SELECT count(*) FROM tenant_tokens WHERE id = '{acme_id}'"
+        )),
+        "0"
+    );
+    assert_eq!(
+        c.call(1, "DELETE", &format!("/v1/tokens/{acme_id}"), None)
+            .status,
+        404
+    );
+
+    // A replica restarted (its --token seeded again: still one row) knows
+    // the tenants from PostgreSQL; a tenants file in its data directory is
+    // seeded too (tokens and quotas), so the other replica knows them.
+    let seeded = "seeded-token-0123456789";
+    let digest = c.sql(&format!("SELECT encode(sha256('{seeded}'::bytea), 'hex')"));
+    let file = serde_json::json!({
+        "tokens": [{"id": "tok_5eed000000000001", "tenant": "seeded", "scope": "tenant",
+                    "sha256": digest, "created_at": 0}],
+        "quotas": {"seeded": {"running_sandboxes": 2}},
+    });
+    std::fs::write(c.dir.join("api1/tenants.json"), file.to_string()).unwrap();
+    c.kill("api1");
+    c.start("api1");
+    assert_eq!(
+        c.sql("SELECT count(*) FROM tenant_tokens WHERE scope = 'admin'"),
+        "1"
+    );
+    wait_token_status(&c, 2, seeded, "/v1/sandboxes", 200);
+    let r = as_token(&c, 2, seeded, "GET", "/v1/tenants/seeded", None);
+    assert_eq!(r.json()["quota"]["running_sandboxes"], 2, "{}", r.body);
+    // Seeded again on the next start: nothing doubled, and a quota set
+    // since is not undone.
+    let r = c.call(
+        2,
+        "PUT",
+        "/v1/tenants/seeded/quota",
+        Some(r#"{"running_sandboxes":3}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    c.kill("api1");
+    c.start("api1");
+    assert_eq!(
+        c.sql("SELECT count(*) FROM tenant_tokens WHERE tenant = 'seeded'"),
+        "1"
+    );
+    let r = as_token(&c, 1, seeded, "GET", "/v1/tenants/seeded", None);
+    assert_eq!(r.json()["quota"]["running_sandboxes"], 3, "{}", r.body);
+    assert_eq!(
+        as_token(&c, 1, &other, "GET", "/v1/sandboxes", None).status,
+        200
+    );
+    assert_eq!(
+        as_token(&c, 1, &acme, "GET", "/v1/sandboxes", None).status,
+        401
+    );
+    assert_eq!(c.call(1, "DELETE", &path, None).status, 204);
+
+    // PostgreSQL down: the last read stays in force (a known token gets
+    // past the auth layer to the 503 of the route, a revoked one is still
+    // 401) and a change answers 503 `unavailable`, not 500; back, it works.
+    c.stop("postgres");
+    let r = c.call(1, "POST", "/v1/tokens", Some(r#"{"tenant":"late"}"#));
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "unavailable", "{}", r.body);
+    std::thread::sleep(Duration::from_millis(1500));
+    for n in [1, 2] {
+        let r = as_token(&c, n, &other, "GET", "/v1/sandboxes", None);
+        assert_eq!(r.status, 503, "replica {n}: {}", r.body);
+        assert_eq!(
+            as_token(&c, n, &acme, "GET", "/v1/sandboxes", None).status,
+            401
+        );
+    }
+    c.start("postgres");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let late = loop {
+        let r = c.call(2, "POST", "/v1/tokens", Some(r#"{"tenant":"late"}"#));
+        if r.status == 201 {
+            break r.json()["token"].as_str().unwrap().to_string();
+        }
+        assert!(Instant::now() < deadline, "{} {}", r.status, r.body);
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    wait_token_status(&c, 1, &late, "/v1/sandboxes", 200);
 }

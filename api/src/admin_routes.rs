@@ -19,6 +19,7 @@ use crate::backend::{on_pod, Needs, SandboxApi};
 use crate::error::{code, ApiError};
 use crate::handlers::{call, created, Api, ApiResult};
 use crate::quota::{Quota, Quotas, Usage};
+use crate::service::ServiceError;
 use crate::wire::ApiJson;
 
 fn tokens_error(e: TokensError) -> ApiError {
@@ -27,10 +28,13 @@ fn tokens_error(e: TokensError) -> ApiError {
         TokensError::NotFound(_) => {
             ApiError::new(StatusCode::NOT_FOUND, code::NOT_FOUND, e.to_string())
         }
+        TokensError::TooMany => ApiError::new(StatusCode::CONFLICT, code::CONFLICT, e.to_string()),
         TokensError::File { .. } => {
             tracing::error!(error = %e, "tokens file");
             ApiError::internal("the tokens file could not be written (the server's log has why)")
         }
+        // PostgreSQL down: 503 `unavailable`; a bad row: 500.
+        TokensError::Database(e) => ServiceError::from(e).into(),
     }
 }
 
@@ -81,15 +85,17 @@ pub struct TokenList {
     pub tokens: Vec<TokenView>,
 }
 
-pub async fn list_tokens<S: SandboxApi>(State(st): Api<S>) -> Json<TokenList> {
+pub async fn list_tokens<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Json<TokenList>> {
     let tokens = st
         .tenancy
         .auth
         .tokens()
+        .await
+        .map_err(tokens_error)?
         .into_iter()
         .map(Into::into)
         .collect();
-    Json(TokenList { tokens })
+    Ok(Json(TokenList { tokens }))
 }
 
 pub async fn create_token<S: SandboxApi>(
@@ -100,6 +106,7 @@ pub async fn create_token<S: SandboxApi>(
         .tenancy
         .auth
         .create_token(&body.tenant, body.scope)
+        .await
         .map_err(tokens_error)?;
     tracing::info!(id = %record.id, tenant = %record.tenant, scope = record.scope.as_str(), "token created");
     let location = format!("/v1/tokens/{}", record.id);
@@ -117,7 +124,11 @@ pub async fn delete_token<S: SandboxApi>(
     State(st): Api<S>,
     Path(id): Path<String>,
 ) -> ApiResult<StatusCode> {
-    st.tenancy.auth.remove_token(&id).map_err(tokens_error)?;
+    st.tenancy
+        .auth
+        .remove_token(&id)
+        .await
+        .map_err(tokens_error)?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -163,6 +174,7 @@ pub async fn set_quota<S: SandboxApi>(
     st.tenancy
         .auth
         .set_quota(&tenant, quota)
+        .await
         .map_err(tokens_error)?;
     let who = tenant.clone();
     let usage = call(&st, move |s| Quotas::usage(s, &who, true)).await?;

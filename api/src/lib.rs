@@ -88,6 +88,10 @@ pub struct ApiConfig {
     /// The tokens file (`DATA_DIR/tenants.json`): tenants' and admins'
     /// tokens, stored hashed, and the tenants' quotas.
     pub tenants_file: Option<std::path::PathBuf>,
+    /// The tokens and quotas, made already (a cluster replica's, in
+    /// PostgreSQL: [`auth::Auth::shared`]); then `tokens` and
+    /// `tenants_file` are not read.
+    pub auth: Option<auth::Auth>,
     /// Largest image upload (`PUT /v1/images/{name}/{part}`).
     pub max_upload_bytes: u64,
     /// Per-token limits on expensive routes.
@@ -113,6 +117,7 @@ impl std::fmt::Debug for ApiConfig {
         f.debug_struct("ApiConfig")
             .field("tokens", &format_args!("[{} redacted]", self.tokens.len()))
             .field("tenants_file", &self.tenants_file)
+            .field("auth", &self.auth)
             .field("max_upload_bytes", &self.max_upload_bytes)
             .field("rate_limit", &self.rate_limit)
             .field("max_body_bytes", &self.max_body_bytes)
@@ -126,6 +131,7 @@ impl Default for ApiConfig {
         ApiConfig {
             tokens: Vec::new(),
             tenants_file: None,
+            auth: None,
             max_upload_bytes: DEFAULT_MAX_UPLOAD_BYTES,
             rate_limit: tenancy::RateLimit::default(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
@@ -400,7 +406,10 @@ pub(crate) async fn limits(State(limits): State<Limits>, request: Request, next:
 /// The tokens (command line and tokens file), quotas and rate limits the
 /// routes share.
 fn tenancy_of<S: SandboxApi>(service: &Arc<S>, config: &ApiConfig) -> tenancy::Tenancy<S> {
-    let auth = match auth::Auth::new(&config.tokens, config.tenants_file.clone()) {
+    let auth = match config.auth.clone().map_or_else(
+        || auth::Auth::new(&config.tokens, config.tenants_file.clone()),
+        Ok,
+    ) {
         Ok(a) => a,
         Err(e) => {
             // Fail closed: an unreadable tokens file accepts no token of it.

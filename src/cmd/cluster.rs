@@ -6,6 +6,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use torpor_api::auth::tokens::{TenantsFile, TENANTS_FILE};
+use torpor_api::auth::Auth;
 use torpor_api::cluster::pod::{Journal, PodIdentity};
 use torpor_api::cluster::{Cluster, ClusterConfig, ClusterUrls};
 use torpor_scheduler::model::PodId;
@@ -38,19 +40,36 @@ pub fn serve_replica(args: ServeArgs, urls: &str) -> Result<(), String> {
             .create(&data_dir)
             .map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
     }
-    let tenants_file = super::serve::tenants_file(&args, &data_dir)?;
-    let api = torpor_api::ApiConfig {
-        tokens: args.token.clone(),
-        tenants_file: Some(tenants_file),
-        request_timeout: config.wait + Duration::from_secs(5),
-        ..Default::default()
-    };
+    // Tenants and tokens live in PostgreSQL, shared by every replica: a
+    // tenants file here (from before, or the operator's) and `--token` are
+    // seeds, written there idempotently.
+    let seed_path = data_dir.join(TENANTS_FILE);
+    let seed = TenantsFile::load(&seed_path).map_err(|e| e.to_string())?;
+    let request_timeout = config.wait + Duration::from_secs(5);
     let listen: SocketAddr = args.listen;
     super::serve::runtime()?.block_on(async move {
         let cluster = Cluster::connect(config).await.map_err(|e| e.to_string())?;
         println!(
             "torpor serve: cluster replica (PostgreSQL schema migrated, JetStream streams ready)"
         );
+        let (auth, first) = Auth::shared(cluster.db(), &args.token, &seed)
+            .await
+            .map_err(|e| format!("the tenants in PostgreSQL: {e}"))?;
+        if !seed.tokens.is_empty() || !seed.quotas.is_empty() {
+            println!(
+                "torpor serve: the tokens and quotas of {} are in PostgreSQL too",
+                seed_path.display()
+            );
+        }
+        if let Some(token) = first {
+            println!("torpor serve: created the cluster's first admin token; it is shown this once, keep it:");
+            println!("torpor serve: admin token: {token}");
+        }
+        let api = torpor_api::ApiConfig {
+            auth: Some(auth),
+            request_timeout,
+            ..Default::default()
+        };
         let listener = tokio::net::TcpListener::bind(listen)
             .await
             .map_err(|e| format!("cannot listen on {listen}: {e}"))?;

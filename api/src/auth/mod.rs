@@ -4,7 +4,9 @@
 //! `tenant`). Tokens come from the tokens file ([`tokens`], stored as
 //! SHA-256) and, for operators and tests, from the command line
 //! (`serve --token`, pods' token files: admin tokens of tenant
-//! [`ADMIN_TENANT`]). [`Auth::principal`] is the one place a presented
+//! [`ADMIN_TENANT`]). A cluster replica keeps them in PostgreSQL instead,
+//! shared by every replica ([`Auth::shared`], `cluster/tenants.rs`), and
+//! caches them. [`Auth::principal`] is the one place a presented
 //! token is mapped to its principal; [`require`] puts the principal in the
 //! request's extensions for the handlers.
 //!
@@ -16,7 +18,9 @@
 pub mod tokens;
 
 use std::path::PathBuf;
-use std::sync::{Arc, RwLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock, Weak};
+use std::time::Duration;
 
 use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
@@ -26,6 +30,8 @@ use serde::{Deserialize, Serialize};
 use subtle::{Choice, ConstantTimeEq};
 use torpor_scheduler::service::Owner;
 
+use crate::cluster::db::Db;
+use crate::cluster::ClusterError;
 use crate::error::{code, ApiError};
 use crate::quota::Quota;
 use tokens::{digest, TenantsFile, TokenRecord, TokensError};
@@ -83,35 +89,111 @@ impl Principal {
     }
 }
 
-struct Inner {
-    /// Digests of the command-line admin tokens.
-    fixed: Vec<[u8; 32]>,
-    /// The tokens file, if tokens are managed (`serve`; a pod has none).
-    path: Option<PathBuf>,
-    file: RwLock<TenantsFile>,
+/// Where the tokens and quotas are kept.
+enum Backing {
+    /// Nowhere: the command line's tokens only (a pod).
+    Nothing,
+    /// The tokens file.
+    File(PathBuf),
+    /// The cluster's PostgreSQL (`cluster/tenants.rs`), cached in
+    /// [`Inner::file`].
+    Shared(Arc<Db>),
 }
+
+struct Inner {
+    /// Digests of the command-line admin tokens (none in a cluster: there
+    /// they are seeded into PostgreSQL).
+    fixed: Vec<[u8; 32]>,
+    backing: Backing,
+    file: RwLock<TenantsFile>,
+    /// Loads from PostgreSQL begun, and the one [`Inner::file`] holds: a
+    /// load stores its result only over an older one's.
+    loads: AtomicU64,
+    stored: AtomicU64,
+}
+
+/// How often a cluster replica reads the tenants again from PostgreSQL: a
+/// token made or removed, or a quota set, through another replica holds
+/// here within this (through this one, at once).
+pub const SHARED_REFRESH: Duration = Duration::from_secs(1);
+
+/// Token ids are `tok_` and 16 hex characters: a longer one is no token's.
+const MAX_TOKEN_ID: usize = 64;
 
 /// The tokens a server accepts, and the tenants' quotas.
 #[derive(Clone)]
 pub struct Auth(Arc<Inner>);
 
 impl Auth {
-    /// `fixed`: admin tokens (empty ones dropped); `path`: the tokens
-    /// file, read now (missing: none yet).
-    pub fn new(fixed: &[String], path: Option<PathBuf>) -> Result<Self, TokensError> {
-        let file = match &path {
-            Some(p) => TenantsFile::load(p)?,
-            None => TenantsFile::default(),
-        };
-        Ok(Auth(Arc::new(Inner {
+    fn with(fixed: &[String], backing: Backing, file: TenantsFile) -> Self {
+        Auth(Arc::new(Inner {
             fixed: fixed
                 .iter()
                 .filter(|t| !t.is_empty())
                 .map(|t| digest(t.as_bytes()))
                 .collect(),
-            path,
+            backing,
             file: RwLock::new(file),
-        })))
+            loads: AtomicU64::new(1),
+            stored: AtomicU64::new(0),
+        }))
+    }
+
+    /// `fixed`: admin tokens (empty ones dropped); `path`: the tokens
+    /// file, read now (missing: none yet).
+    pub fn new(fixed: &[String], path: Option<PathBuf>) -> Result<Self, TokensError> {
+        Ok(match path {
+            Some(p) => {
+                let file = TenantsFile::load(&p)?;
+                Self::with(fixed, Backing::File(p), file)
+            }
+            None => Self::with(fixed, Backing::Nothing, TenantsFile::default()),
+        })
+    }
+
+    /// A cluster replica's: the tokens and quotas in PostgreSQL, shared by
+    /// every replica, read now and again every [`SHARED_REFRESH`] (on a
+    /// failed read the last one stays). First seeded, idempotently (a
+    /// token already there by id or digest, a tenant's quota already set,
+    /// stay as they are): `fixed` as admin tokens of [`ADMIN_TENANT`], and
+    /// `seed`'s tokens and quotas (a replica's tenants file). With no
+    /// `fixed` token and none in PostgreSQL, one admin token is made there:
+    /// returned, to show once. Call it on a tokio runtime.
+    pub async fn shared(
+        db: Arc<Db>,
+        fixed: &[String],
+        seed: &TenantsFile,
+    ) -> Result<(Self, Option<String>), TokensError> {
+        for token in fixed.iter().filter(|t| !t.is_empty()) {
+            db.add_token(&TokenRecord::new(ADMIN_TENANT, Scope::Admin, token)?, false)
+                .await?;
+        }
+        for record in &seed.tokens {
+            if record.digest().is_none() || tokens::check_tenant(&record.tenant).is_err() {
+                tracing::warn!(id = %record.id, "a malformed token record is not seeded");
+                continue;
+            }
+            db.add_token(record, false).await?;
+        }
+        for (tenant, quota) in &seed.quotas {
+            if tokens::check_tenant(tenant).is_err() {
+                tracing::warn!("a quota of a malformed tenant name is not seeded");
+                continue;
+            }
+            db.set_quota(tenant, quota, false).await?;
+        }
+        let mut first = None;
+        if fixed.iter().all(|t| t.is_empty()) {
+            let token = tokens::random_token()?;
+            let record = TokenRecord::new(ADMIN_TENANT, Scope::Admin, &token)?;
+            if db.add_token(&record, true).await? {
+                first = Some(token);
+            }
+        }
+        let file = db.tenants().await?;
+        let auth = Self::with(&[], Backing::Shared(db.clone()), file);
+        tokio::spawn(refresh(Arc::downgrade(&auth.0), db));
+        Ok((auth, first))
     }
 
     /// On a first start (a tokens file with no token): one admin token of
@@ -171,15 +253,22 @@ impl Auth {
         self.0.fixed.is_empty() && self.read().tokens.is_empty()
     }
 
+    /// A change to the tokens file (not in a cluster).
     fn change<T>(
         &self,
         f: impl FnOnce(&mut TenantsFile) -> Result<T, TokensError>,
     ) -> Result<T, TokensError> {
-        let path = self.0.path.as_ref().ok_or_else(|| TokensError::File {
-            path: "-".into(),
-            detail: "this server keeps no tokens file (a pod: its token file is its only token)"
-                .into(),
-        })?;
+        let path = match &self.0.backing {
+            Backing::File(path) => path,
+            Backing::Nothing | Backing::Shared(_) => {
+                return Err(TokensError::File {
+                    path: "-".into(),
+                    detail: "this server keeps no tokens file (a pod: its token file is its \
+                             only token)"
+                        .into(),
+                })
+            }
+        };
         let mut file = self.0.file.write().unwrap_or_else(|p| p.into_inner());
         let mut next = file.clone();
         let out = f(&mut next)?;
@@ -188,25 +277,62 @@ impl Auth {
         Ok(out)
     }
 
+    /// In a cluster, the tenants read again from PostgreSQL into the
+    /// cache (after a change made here, so that it holds here at once).
+    async fn reload(&self) -> Result<(), TokensError> {
+        if let Backing::Shared(db) = &self.0.backing {
+            load(&self.0, db).await?;
+        }
+        Ok(())
+    }
+
+    /// [`Auth::reload`] after a change that is made: a failure is only
+    /// logged (the next refresh brings the change).
+    async fn reload_after_change(&self) {
+        if let Err(e) = self.reload().await {
+            tracing::warn!(error = %e, "the tenants could not be read again after a change");
+        }
+    }
+
     /// A new token; its record and the token (shown once).
-    pub fn create_token(
+    pub async fn create_token(
         &self,
         tenant: &str,
         scope: Scope,
     ) -> Result<(TokenRecord, String), TokensError> {
-        self.change(|f| f.add(tenant, scope))
+        let Backing::Shared(db) = &self.0.backing else {
+            return self.change(|f| f.add(tenant, scope));
+        };
+        let token = tokens::random_token()?;
+        let record = TokenRecord::new(tenant, scope, &token)?;
+        if !db.add_token(&record, false).await? {
+            // A fresh random id and token met a stored one.
+            return Err(ClusterError::Schema("a new token's id or digest is taken".into()).into());
+        }
+        self.reload_after_change().await;
+        Ok((record, token))
     }
 
-    /// Every token's record (no token).
-    pub fn tokens(&self) -> Vec<TokenRecord> {
-        self.read().tokens.clone()
+    /// Every token's record (no token); in a cluster, as PostgreSQL has
+    /// them now.
+    pub async fn tokens(&self) -> Result<Vec<TokenRecord>, TokensError> {
+        self.reload().await?;
+        Ok(self.read().tokens.clone())
     }
 
     /// Removes token `id` (not the last admin one unless command-line
     /// admin tokens remain).
-    pub fn remove_token(&self, id: &str) -> Result<TokenRecord, TokensError> {
-        let keep_admin = self.0.fixed.is_empty();
-        self.change(|f| f.remove(id, keep_admin))
+    pub async fn remove_token(&self, id: &str) -> Result<TokenRecord, TokensError> {
+        if id.len() > MAX_TOKEN_ID {
+            return Err(TokensError::NotFound(id.chars().take(40).collect()));
+        }
+        let Backing::Shared(db) = &self.0.backing else {
+            let keep_admin = self.0.fixed.is_empty();
+            return self.change(|f| f.remove(id, keep_admin));
+        };
+        let record = db.remove_token(id).await?;
+        self.reload_after_change().await;
+        Ok(record)
     }
 
     /// A tenant's quotas.
@@ -214,12 +340,55 @@ impl Auth {
         self.read().quotas.get(tenant).copied().unwrap_or_default()
     }
 
-    pub fn set_quota(&self, tenant: &str, quota: Quota) -> Result<(), TokensError> {
+    pub async fn set_quota(&self, tenant: &str, quota: Quota) -> Result<(), TokensError> {
         tokens::check_tenant(tenant)?;
-        self.change(|f| {
-            f.quotas.insert(tenant.to_string(), quota);
-            Ok(())
-        })
+        let Backing::Shared(db) = &self.0.backing else {
+            return self.change(|f| {
+                f.quotas.insert(tenant.to_string(), quota);
+                Ok(())
+            });
+        };
+        db.set_quota(tenant, &quota, true).await?;
+        self.reload_after_change().await;
+        Ok(())
+    }
+}
+
+/// Reads the tenants from PostgreSQL into `inner`'s cache, unless a load
+/// begun later stored its result first.
+async fn load(inner: &Inner, db: &Db) -> Result<(), ClusterError> {
+    let n = inner.loads.fetch_add(1, Ordering::SeqCst);
+    let file = db.tenants().await?;
+    let mut cached = inner.file.write().unwrap_or_else(|p| p.into_inner());
+    if inner.stored.load(Ordering::SeqCst) < n {
+        inner.stored.store(n, Ordering::SeqCst);
+        *cached = file;
+    }
+    Ok(())
+}
+
+/// A replica's cache of the tenants, read again every [`SHARED_REFRESH`]
+/// while its [`Auth`] lives; a failed read keeps the last (PostgreSQL down:
+/// no change can be made either), logged once until a read succeeds.
+async fn refresh(inner: Weak<Inner>, db: Arc<Db>) {
+    let mut failing = false;
+    loop {
+        tokio::time::sleep(SHARED_REFRESH).await;
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        match load(&inner, &db).await {
+            Ok(()) if failing => {
+                tracing::info!("the tenants are read from PostgreSQL again");
+                failing = false;
+            }
+            Ok(()) => {}
+            Err(e) if !failing => {
+                tracing::warn!(error = %e, "the tenants cannot be read from PostgreSQL: the last read stays in force");
+                failing = true;
+            }
+            Err(_) => {}
+        }
     }
 }
 
@@ -227,7 +396,7 @@ impl std::fmt::Debug for Auth {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "Auth({} command-line, {} in the file)",
+            "Auth({} command-line, {} stored)",
             self.0.fixed.len(),
             self.read().tokens.len()
         )
@@ -349,7 +518,12 @@ mod tests {
         );
         let auth = Auth::new(&[], Some(path.clone())).unwrap();
         assert!(auth.principal(first.as_bytes()).unwrap().is_admin());
-        let (rec, token) = auth.create_token("acme", Scope::Tenant).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (rec, token) = rt
+            .block_on(auth.create_token("acme", Scope::Tenant))
+            .unwrap();
         let p = auth.principal(token.as_bytes()).unwrap();
         assert_eq!(
             p,
@@ -363,7 +537,7 @@ mod tests {
         // A restarted server knows it; removed, it is refused.
         let again = Auth::new(&[], Some(path.clone())).unwrap();
         assert_eq!(again.principal(token.as_bytes()), Some(p));
-        again.remove_token(&rec.id).unwrap();
+        rt.block_on(again.remove_token(&rec.id)).unwrap();
         assert!(again.principal(token.as_bytes()).is_none());
     }
 

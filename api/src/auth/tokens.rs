@@ -16,6 +16,9 @@ use crate::quota::Quota;
 /// The file in the data directory.
 pub const TENANTS_FILE: &str = "tenants.json";
 
+/// At most this many tokens (each request's check reads them all).
+pub const MAX_TOKENS: usize = 10_000;
+
 #[derive(Debug, thiserror::Error)]
 pub enum TokensError {
     #[error("tokens file {path}: {detail}")]
@@ -29,6 +32,11 @@ pub enum TokensError {
     NotFound(String),
     #[error("{0} is the last admin token; make another admin token first")]
     LastAdmin(String),
+    #[error("there are {MAX_TOKENS} tokens already, the most kept; remove some first")]
+    TooMany,
+    /// The cluster's PostgreSQL, where a replica's tenants are.
+    #[error("the tenants' database: {0}")]
+    Database(#[from] crate::cluster::ClusterError),
 }
 
 /// One token as stored: never the token itself.
@@ -76,6 +84,18 @@ fn unhex(s: &str) -> Option<[u8; 32]> {
 }
 
 impl TokenRecord {
+    /// A new record of `token` for `tenant` with `scope`, under a new id.
+    pub fn new(tenant: &str, scope: Scope, token: &str) -> Result<Self, TokensError> {
+        check_tenant(tenant)?;
+        Ok(TokenRecord {
+            id: format!("tok_{}", random_hex(8)),
+            tenant: tenant.to_string(),
+            scope,
+            sha256: hex(&digest(token.as_bytes())),
+            created_at: Timestamp::now(),
+        })
+    }
+
     /// The stored digest as bytes (a record with a malformed one matches
     /// no token).
     pub fn digest(&self) -> Option<[u8; 32]> {
@@ -150,15 +170,11 @@ impl TenantsFile {
         tenant: &str,
         scope: Scope,
     ) -> Result<(TokenRecord, String), TokensError> {
-        check_tenant(tenant)?;
+        if self.tokens.len() >= MAX_TOKENS {
+            return Err(TokensError::TooMany);
+        }
         let token = random_token()?;
-        let record = TokenRecord {
-            id: format!("tok_{}", random_hex(8)),
-            tenant: tenant.to_string(),
-            scope,
-            sha256: hex(&digest(token.as_bytes())),
-            created_at: Timestamp::now(),
-        };
+        let record = TokenRecord::new(tenant, scope, &token)?;
         self.tokens.push(record.clone());
         Ok((record, token))
     }
@@ -171,14 +187,7 @@ impl TenantsFile {
         scope: Scope,
         token: &str,
     ) -> Result<TokenRecord, TokensError> {
-        check_tenant(tenant)?;
-        let record = TokenRecord {
-            id: format!("tok_{}", random_hex(8)),
-            tenant: tenant.to_string(),
-            scope,
-            sha256: hex(&digest(token.as_bytes())),
-            created_at: Timestamp::now(),
-        };
+        let record = TokenRecord::new(tenant, scope, token)?;
         self.tokens.push(record.clone());
         Ok(record)
     }

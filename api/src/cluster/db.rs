@@ -1,7 +1,7 @@
 //! The cluster's shared state in PostgreSQL: pods and their last
-//! heartbeat, sandbox → pod ownership, and the operation journal (each
+//! heartbeat, sandbox → pod ownership, the operation journal (each
 //! operation's pod, which is its placement, its idempotency key and its
-//! outcome). The schema is versioned ([`MIGRATIONS`]) and migrated at
+//! outcome), and the tenants' tokens and quotas (`tenants.rs`). The schema is versioned ([`MIGRATIONS`]) and migrated at
 //! start under an advisory lock, so replicas starting together are safe.
 
 use std::sync::{Arc, Mutex};
@@ -69,6 +69,24 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
         2,
         "CREATE INDEX operations_sandbox ON operations (sandbox) WHERE kind = 'delete'",
     ),
+    // Tenants and their tokens, shared by every replica (`tenants.rs`):
+    // as in the embedded `tenants.json`, a token is kept as its SHA-256.
+    (
+        3,
+        "CREATE TABLE tenant_tokens (
+        id text PRIMARY KEY,
+        tenant text NOT NULL,
+        scope text NOT NULL CHECK (scope IN ('admin', 'tenant')),
+        sha256 text NOT NULL UNIQUE CHECK (sha256 ~ '^[0-9a-f]{64}$'),
+        created_at_ms bigint NOT NULL
+    );
+    CREATE INDEX tenant_tokens_tenant ON tenant_tokens (tenant);
+    CREATE TABLE tenant_quotas (
+        tenant text PRIMARY KEY,
+        quota jsonb NOT NULL,
+        updated_at timestamptz NOT NULL DEFAULT now()
+    );",
+    ),
 ];
 
 /// A connection to PostgreSQL, made again when it broke.
@@ -84,7 +102,7 @@ impl std::fmt::Debug for Db {
     }
 }
 
-fn pg(e: tokio_postgres::Error) -> ClusterError {
+pub(super) fn pg(e: tokio_postgres::Error) -> ClusterError {
     ClusterError::Postgres(e.to_string())
 }
 
@@ -127,7 +145,7 @@ impl Db {
         Ok(db)
     }
 
-    async fn client(&self) -> Result<Arc<Client>, ClusterError> {
+    pub(super) async fn client(&self) -> Result<Arc<Client>, ClusterError> {
         if let Some(c) = self
             .client
             .lock()

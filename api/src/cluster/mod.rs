@@ -22,6 +22,7 @@ pub mod db;
 pub mod events;
 pub mod pod;
 pub mod replica;
+pub mod tenants;
 pub mod wire;
 
 use std::time::Duration;

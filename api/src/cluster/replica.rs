@@ -85,6 +85,12 @@ impl Cluster {
         }))
     }
 
+    /// The shared state in PostgreSQL (the tenants' tokens and quotas are
+    /// read from it too: `crate::auth::Auth::shared`).
+    pub fn db(&self) -> Arc<Db> {
+        self.db.clone()
+    }
+
     /// The API's router with the request context commands need (their
     /// `Idempotency-Key`).
     pub fn router(api: &crate::Api<Cluster>) -> axum::Router {
