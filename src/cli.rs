@@ -410,6 +410,12 @@ pub struct ServiceFlags {
     /// Number of uids in that range: at most this many VMMs at once.
     #[arg(long, default_value_t = torpor_vmm_api::jail::DEFAULT_JAIL_UIDS, value_name = "N")]
     pub jail_uids: u32,
+    /// The memory limit (cgroup) of every sandbox's jailed VMM, instead of
+    /// its guest memory + 96 MiB: lower to oversubscribe (a guest that
+    /// touches more is OOM-killed alone), higher where page cache is
+    /// charged to it (a data directory on tmpfs).
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(64..=1 << 22))]
+    pub sandbox_memory_max_mib: Option<u64>,
     /// Run every VMM without a jail, with the service's privileges
     /// (development machines only: a guest that escapes owns the host).
     #[arg(long)]

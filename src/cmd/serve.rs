@@ -188,7 +188,7 @@ fn open_service(
         Some(torpor_scheduler::service::jail::JailConfig {
             uid_base: flags.jail_uid_base,
             uids: flags.jail_uids,
-            sandbox_memory_max_mib: None,
+            sandbox_memory_max_mib: flags.sandbox_memory_max_mib,
         })
     };
     config.host = host_guests().clone();

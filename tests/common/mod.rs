@@ -31,14 +31,6 @@ impl Scratch {
             .unwrap();
         Self(dir.path().to_path_buf(), dir)
     }
-    /// A scratch directory under `parent` (e.g. /dev/shm, for a tmpfs).
-    pub fn new_in(parent: &str, name: &str) -> Self {
-        let dir = tempfile::Builder::new()
-            .prefix(&format!("torpor-test-{name}-"))
-            .tempdir_in(parent)
-            .unwrap();
-        Self(dir.path().to_path_buf(), dir)
-    }
     pub fn path(&self, name: &str) -> PathBuf {
         self.0.join(name)
     }

@@ -392,46 +392,23 @@ fn run_spans(
 /// The `file` backend: the base mapped privately, each diff's pages mapped
 /// over it (copied past the mapping budget). O(layers + runs), never
 /// O(guest memory).
-///
-/// A memory file on tmpfs (a data directory in RAM) is mapped around its
-/// holes: there, a fault on a hole of a private file mapping puts a new
-/// zeroed shmem page into the *file* before copying it, so every page a
-/// guest touches would cost twice, the file's copy charged to the VMM's
-/// cgroup, unreclaimable without swap, and still there after the guest
-/// frees the page. Holes get private anonymous memory instead (zeros, as
-/// the hole reads). Elsewhere a hole faults in a clean, reclaimable page
-/// cache page, and the file is mapped whole.
 fn map_file_layers(mem: &GuestMemoryMmap, chain: &SnapshotChain) -> Result<(), RestoreError> {
     let spans = region_spans(mem);
     let mut mappings = 0usize;
     for layer in &chain.layers {
         let path = layer.dir.join(snapshot::MEMORY_FILE);
-        let holes = crate::fsmagic::of_fd(&layer.file).ok() == Some(crate::fsmagic::TMPFS_MAGIC);
         match &layer.pages {
             None => {
                 for &(addr, len, first_page) in &spans {
-                    map_layer_range(
-                        addr,
-                        len,
-                        (&layer.file, first_page * PAGE_SIZE),
-                        &path,
-                        holes,
-                        &mut mappings,
-                    )?;
+                    map_fixed_private(addr, len, &layer.file, first_page * PAGE_SIZE, &path)?;
                 }
             }
             Some(pages) => {
                 for &(first, count) in pages.runs() {
                     for (host, len, offset) in run_spans(&spans, first, count) {
                         if mappings < MAX_OVERLAY_MAPPINGS {
-                            map_layer_range(
-                                host,
-                                len,
-                                (&layer.file, offset),
-                                &path,
-                                holes,
-                                &mut mappings,
-                            )?;
+                            map_fixed_private(host, len, &layer.file, offset, &path)?;
+                            mappings += 1;
                         } else {
                             copy_from_file(host, len, &layer.file, offset, &path)?;
                         }
@@ -439,102 +416,6 @@ fn map_file_layers(mem: &GuestMemoryMmap, chain: &SnapshotChain) -> Result<(), R
                 }
             }
         }
-    }
-    Ok(())
-}
-
-/// Maps `len` bytes of a layer's memory file from `offset` over `host`:
-/// whole, or (`holes`) its data extents over fresh anonymous memory while
-/// they fit the mapping budget. Counts the mappings made.
-fn map_layer_range(
-    host: *mut u8,
-    len: usize,
-    (file, offset): (&File, u64),
-    path: &Path,
-    holes: bool,
-    mappings: &mut usize,
-) -> Result<(), RestoreError> {
-    let extents = holes
-        .then(|| data_extents(file, offset, len as u64, MAX_OVERLAY_MAPPINGS))
-        .flatten()
-        .filter(|e| *mappings + e.len() < MAX_OVERLAY_MAPPINGS);
-    let Some(extents) = extents else {
-        map_fixed_private(host, len, file, offset, path)?;
-        *mappings += 1;
-        return Ok(());
-    };
-    map_fixed_anonymous(host, len, path)?;
-    for &(start, bytes) in &extents {
-        // SAFETY: each extent lies inside `offset..offset+len`
-        // (`data_extents`), so this stays inside `host..host+len`.
-        let at = unsafe { host.add((start - offset) as usize) };
-        map_fixed_private(at, bytes as usize, file, start, path)?;
-    }
-    *mappings += 1 + extents.len();
-    Ok(())
-}
-
-/// The data extents of `file` within `offset..offset+len` as (offset,
-/// bytes), page-aligned, by SEEK_DATA/SEEK_HOLE; `None` past `limit`
-/// extents or when the file cannot say.
-fn data_extents(file: &File, offset: u64, len: u64, limit: usize) -> Option<Vec<(u64, u64)>> {
-    let page = PAGE_SIZE;
-    let end = offset + len;
-    let seek = |from: u64, whence: libc::c_int| -> Option<Option<u64>> {
-        let from = libc::off_t::try_from(from).ok()?;
-        // SAFETY: lseek on a descriptor `file` owns; it moves only the file
-        // offset, which nothing here relies on (reads are positioned).
-        let at = unsafe { libc::lseek(file.as_raw_fd(), from, whence) };
-        if at >= 0 {
-            return Some(Some(at as u64));
-        }
-        // No data at or after `from`: the rest is a hole.
-        (std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO)).then_some(None)
-    };
-    let mut extents = Vec::new();
-    let mut pos = offset;
-    while pos < end {
-        let Some(data) = seek(pos, libc::SEEK_DATA)? else {
-            break;
-        };
-        let data = (data / page * page).max(pos);
-        if data >= end {
-            break;
-        }
-        let hole = seek(data, libc::SEEK_HOLE)?.unwrap_or(end);
-        let stop = hole.div_ceil(page).saturating_mul(page).min(end);
-        if stop <= data {
-            return None;
-        }
-        extents.push((data, stop - data));
-        if extents.len() > limit {
-            return None;
-        }
-        pos = stop;
-    }
-    Some(extents)
-}
-
-/// Replaces `len` bytes at `addr` with fresh private anonymous memory.
-fn map_fixed_anonymous(addr: *mut u8, len: usize, path: &Path) -> Result<(), RestoreError> {
-    // SAFETY: `addr..addr+len` lies inside a guest RAM mapping this process
-    // owns; MAP_FIXED replaces those pages atomically with zeroed private
-    // memory, and no vCPU runs yet.
-    let ret = unsafe {
-        libc::mmap(
-            addr.cast(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    if ret == libc::MAP_FAILED {
-        return Err(RestoreError::Map {
-            path: path.to_path_buf(),
-            source: std::io::Error::last_os_error(),
-        });
     }
     Ok(())
 }
@@ -692,104 +573,6 @@ mod tests {
 /// A diff layer's pages come from its state file: they are checked before
 /// anything maps or serves them (review of the fuzz target
 /// snapshot_layers, which asserts this of every chain that loads).
-#[cfg(test)]
-mod tmpfs_holes {
-    use super::*;
-    use std::os::unix::fs::{FileExt, MetadataExt};
-
-    const PAGES: usize = 6;
-    const LEN: usize = PAGES * PAGE_SIZE as usize;
-
-    /// A memory file in /dev/shm: pages 0 and 4 hold data, the rest holes.
-    fn memory_file() -> (tempfile::TempDir, File) {
-        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(dir.path().join("memory"))
-            .unwrap();
-        file.set_len(LEN as u64).unwrap();
-        file.write_all_at(&[0xa5; 4096], 0).unwrap();
-        file.write_all_at(&[0x5a; 4096], 4 * 4096).unwrap();
-        (dir, file)
-    }
-
-    /// Maps the file over fresh guest-like memory, writes every page, and
-    /// returns the file's allocated pages afterwards (and what was read).
-    fn touch_all(file: &File, holes: bool) -> (u64, Vec<u8>) {
-        // SAFETY: a fresh private anonymous mapping this test owns.
-        let host = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                LEN,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(host, libc::MAP_FAILED);
-        let host = host.cast::<u8>();
-        let mut mappings = 0;
-        map_layer_range(
-            host,
-            LEN,
-            (file, 0),
-            Path::new("memory"),
-            holes,
-            &mut mappings,
-        )
-        .unwrap();
-        // SAFETY: `host..host+LEN` is mapped read-write above and only this
-        // thread uses it.
-        let mem = unsafe { std::slice::from_raw_parts_mut(host, LEN) };
-        let firsts: Vec<u8> = (0..PAGES).map(|p| mem[p * 4096]).collect();
-        for p in 0..PAGES {
-            mem[p * 4096 + 1] = 1;
-        }
-        // SAFETY: unmapping the mapping made above, no longer borrowed.
-        unsafe { libc::munmap(host.cast(), LEN) };
-        (file.metadata().unwrap().blocks() * 512 / 4096, firsts)
-    }
-
-    #[test]
-    fn extents_are_the_data_pages() {
-        let (_dir, file) = memory_file();
-        let all = data_extents(&file, 0, LEN as u64, 16).unwrap();
-        assert_eq!(all, vec![(0, 4096), (4 * 4096, 4096)]);
-        assert_eq!(data_extents(&file, 4096, 3 * 4096, 16).unwrap(), vec![]);
-        assert_eq!(
-            data_extents(&file, 4096, 4 * 4096, 16).unwrap(),
-            vec![(4 * 4096, 4096)]
-        );
-        assert_eq!(data_extents(&file, 0, LEN as u64, 1), None);
-    }
-
-    /// On tmpfs, a guest writing to a hole of a whole-file private mapping
-    /// grows the file by a shmem page; mapped around its holes it does not,
-    /// and every page still reads as the file says.
-    #[test]
-    fn guest_writes_to_holes_leave_the_file_alone() {
-        let (_dir, file) = memory_file();
-        let (whole, firsts) = touch_all(&file, false);
-        assert_eq!(firsts, vec![0xa5, 0, 0, 0, 0x5a, 0]);
-        assert_eq!(
-            whole, PAGES as u64,
-            "whole mapping: holes filled in the file"
-        );
-
-        let (_dir, file) = memory_file();
-        let (around, firsts) = touch_all(&file, true);
-        assert_eq!(firsts, vec![0xa5, 0, 0, 0, 0x5a, 0]);
-        assert_eq!(around, 2, "mapped around its holes, the file keeps 2 pages");
-        let mut page = [0u8; 4096];
-        file.read_exact_at(&mut page, 4096).unwrap();
-        assert!(page.iter().all(|&b| b == 0), "the file was not written");
-    }
-}
-
 #[cfg(test)]
 mod page_checks {
     use super::*;
