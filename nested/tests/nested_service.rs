@@ -126,6 +126,9 @@ echo "deflated actual_mib=$(bal | num actual_mib)"
 $T sandbox rm "$W"
 $T sandbox rm "$SBX"
 kill $SERVE; wait
+# What went wrong, if anything (a VMM that ended by itself is logged with
+# its log's and its guest console's last lines).
+grep -a ' WARN \| ERROR ' /tmp/serve.log | tail -n 20 | cut -c1-3000 | sed 's/^/serve-warn /'
 "#;
 
 #[test]

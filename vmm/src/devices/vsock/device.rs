@@ -75,7 +75,11 @@ impl VsockConfig {
 pub(super) struct Timeouts {
     /// A host client must send its CONNECT line within this.
     pub handshake: Duration,
-    /// The guest must answer a host-initiated REQUEST within this.
+    /// The guest must answer a host-initiated REQUEST within this. A
+    /// guest that is not listening answers at once (RST); this only bounds
+    /// a guest that does not answer at all. 10 s, not Firecracker's 2 s: a
+    /// loaded guest (the nested host's, under TCG) can stall past 2 s, and
+    /// its agent then looked unreachable.
     pub connect: Duration,
     /// After the guest shut a connection, left-over data must reach the
     /// host within this.
@@ -153,7 +157,7 @@ impl VsockDevice {
             scratch: vec![0; super::packet::MAX_PKT_PAYLOAD as usize],
             timeouts: Timeouts {
                 handshake: Duration::from_secs(5),
-                connect: Duration::from_secs(2),
+                connect: Duration::from_secs(10),
                 close: Duration::from_secs(2),
             },
         })
