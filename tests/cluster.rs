@@ -12,7 +12,7 @@ use serde_json::Value;
 
 mod common;
 use common::cluster::Cluster;
-use common::http::{request, HttpResponse};
+use common::http::{request, request_with, HttpResponse};
 
 fn create(c: &Cluster, n: u16) -> Value {
     let r = c.call(n, "POST", "/v1/sandboxes", Some(r#"{"template":"probe"}"#));
@@ -105,7 +105,7 @@ fn cluster_sandbox_life_placement_and_pod_failure() {
         "{v}"
     );
     assert_eq!(c.call(1, "GET", "/v1/operations/op_none", None).status, 404);
-    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "3");
+    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "4");
     assert_eq!(
         c.call(1, "DELETE", &format!("/v1/sandboxes/{once}"), None)
             .status,
@@ -329,7 +329,7 @@ fn cluster_tenants_and_tokens_are_shared_through_postgresql() {
 
     // Both replicas were started with the same --token: seeded once, as
     // its SHA-256 (never the token), an admin token of tenant `admin`.
-    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "3");
+    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "4");
     let rows = c.sql("SELECT tenant, scope, sha256 FROM tenant_tokens");
     let digest = c.sql(&format!(
         "SELECT encode(sha256('{}'::bytea), 'hex')",
@@ -525,4 +525,111 @@ fn cluster_tenants_and_tokens_are_shared_through_postgresql() {
         std::thread::sleep(Duration::from_millis(200));
     };
     wait_token_status(&c, 1, &late, "/v1/sandboxes", 200);
+}
+
+/// Sandboxes of `tenant` in PostgreSQL (tombstones left out).
+fn stored_sandboxes(c: &Cluster, tenant: &str) -> String {
+    c.sql(&format!(
+        "SELECT count(*) FROM sandboxes WHERE tenant = '{tenant}' AND state <> 'deleted'"
+    ))
+}
+
+#[test]
+fn cluster_quota_admits_creates_in_postgresql_across_replicas() {
+    let c = Cluster::up("quota");
+    let (token, _) = tenant_token(&c, 1, "quoted");
+    let r = c.call(
+        2,
+        "PUT",
+        "/v1/tenants/quoted/quota",
+        Some(r#"{"total_sandboxes":3}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // 12 creates at once, 6 through each replica: exactly 3 admitted (the
+    // count and the journal in one transaction under the tenant's quota
+    // row's lock), the others 429 `quota_exceeded` naming the quota.
+    let body = Some(r#"{"template":"probe"}"#);
+    let answers: Vec<HttpResponse> = std::thread::scope(|s| {
+        let calls: Vec<_> = (0..12u16)
+            .map(|i| {
+                let (c, token) = (&c, token.as_str());
+                s.spawn(move || as_token(c, 1 + i % 2, token, "POST", "/v1/sandboxes", body))
+            })
+            .collect();
+        calls.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut made = Vec::new();
+    for r in &answers {
+        match r.status {
+            201 => made.push(r.json()["id"].as_str().unwrap().to_string()),
+            429 => {
+                let e = &r.json()["error"];
+                assert_eq!(e["code"], "quota_exceeded", "{}", r.body);
+                assert_eq!(
+                    (e["quota"].as_str(), e["limit"].as_u64()),
+                    (Some("total_sandboxes"), Some(3)),
+                    "{}",
+                    r.body
+                );
+            }
+            _ => panic!("{} {}", r.status, r.body),
+        }
+    }
+    assert_eq!(made.len(), 3, "admitted past the quota: {made:?}");
+    assert_eq!(stored_sandboxes(&c, "quoted"), "3");
+    // Another tenant (no quota) is not held by it.
+    create(&c, 2);
+
+    // Deleting one frees room for one more, through either replica; a
+    // retry of that create (its Idempotency-Key) at the limit is its first
+    // answer, not a refusal; a new one is refused.
+    let r = as_token(
+        &c,
+        2,
+        &token,
+        "DELETE",
+        &format!("/v1/sandboxes/{}", made[0]),
+        None,
+    );
+    assert_eq!(r.status, 204, "{}", r.body);
+    let auth = format!("Bearer {token}");
+    let headers = [
+        ("Idempotency-Key", "quoted-once"),
+        ("Authorization", auth.as_str()),
+    ];
+    let first = request_with(&c.api(1), "POST", "/v1/sandboxes", &headers, body);
+    assert_eq!(first.status, 201, "{}", first.body);
+    let again = request_with(&c.api(2), "POST", "/v1/sandboxes", &headers, body);
+    assert_eq!(again.status, 201, "{}", again.body);
+    assert_eq!(again.json()["id"], first.json()["id"]);
+    for n in [1, 2] {
+        let r = as_token(&c, n, &token, "POST", "/v1/sandboxes", body);
+        assert_eq!(r.status, 429, "replica {n}: {}", r.body);
+    }
+    assert_eq!(stored_sandboxes(&c, "quoted"), "3");
+    // A failed create is not counted: the quota raised, an unknown
+    // template refused, and the room still there.
+    let r = c.call(
+        1,
+        "PUT",
+        "/v1/tenants/quoted/quota",
+        Some(r#"{"total_sandboxes":4}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = as_token(
+        &c,
+        1,
+        &token,
+        "POST",
+        "/v1/sandboxes",
+        Some(r#"{"template":"absent"}"#),
+    );
+    assert_eq!(r.status, 404, "{}", r.body);
+    let r = as_token(&c, 2, &token, "POST", "/v1/sandboxes", body);
+    assert_eq!(r.status, 201, "{}", r.body);
+    assert_eq!(
+        as_token(&c, 1, &token, "POST", "/v1/sandboxes", body).status,
+        429
+    );
 }

@@ -10,12 +10,13 @@ use serde_json::{json, Value};
 use torpor_scheduler::model::{random_bytes, random_hex, PodId, Sandbox, SandboxId};
 use torpor_scheduler::service::LOCAL_POD;
 
-use super::db::{Db, OpRow, PodRow};
+use super::db::{Db, NewOp, OpRow, PodRow};
 use super::wire::{self, Command, OpOutcome, WorkItem};
 use super::{ClusterConfig, ClusterError};
 use crate::backend::{Lifecycle, SandboxApi};
 use crate::error::code;
 use crate::federation::RemotePod;
+use crate::quota::Usage;
 use crate::service::{
     AgentLink, Cancel, CreateSandbox, ExecRequest, GuestCall, GuestError, Outcome, PodView,
     SandboxFilter, ServiceError,
@@ -146,26 +147,27 @@ impl Cluster {
         Ok((sandbox, pod))
     }
 
-    /// Journals `command` for `pod`, queues it, and waits for its outcome.
+    /// Journals `command` for `pod` (a create admitted against its
+    /// tenant's quota for what it `asked`), queues it, and waits for its
+    /// outcome.
     async fn run(
         &self,
         pod: &PodId,
         tenant: &str,
         command: Command,
+        asked: Option<&Usage>,
     ) -> Result<OpOutcome, ServiceError> {
         let id = format!("op_{}", random_hex(12));
         let key = crate::request_context::idempotency_key();
-        let (op, fresh) = self
-            .db
-            .begin_operation(
-                &id,
-                command.kind(),
-                command.sandbox(),
-                pod,
-                tenant,
-                key.as_deref(),
-            )
-            .await?;
+        let new = NewOp {
+            id: &id,
+            kind: command.kind(),
+            sandbox: command.sandbox(),
+            pod,
+            tenant,
+            idempotency_key: key.as_deref(),
+        };
+        let (op, fresh) = self.db.begin_operation(&new, asked).await?;
         if !fresh {
             // A retry: the first request's outcome, if it was the same.
             let same_sandbox = command
@@ -265,7 +267,7 @@ impl Cluster {
                 Err(e) => return Err(e),
             };
             let tenant = sandbox.tenant.clone().unwrap_or_default();
-            self.run(&pod.id, &tenant, command).await
+            self.run(&pod.id, &tenant, command, None).await
         })
     }
 
@@ -335,6 +337,12 @@ fn is_command(method: &str, path: &str) -> bool {
 }
 
 impl SandboxApi for Cluster {
+    /// Creates are admitted in PostgreSQL, atomically across replicas
+    /// (`admission.rs`).
+    fn admits_creates(&self) -> bool {
+        true
+    }
+
     fn templates(
         &self,
         op: crate::calls::TemplateOp<'_>,
@@ -396,7 +404,12 @@ impl SandboxApi for Cluster {
                 tenant: owner.tenant.clone(),
                 admin: owner.admin,
             };
-            let outcome = self.run(&pod.id, &owner.tenant, command).await?;
+            // Its memory is the template's, which the pod knows: counted
+            // once the sandbox is (`admission.rs`).
+            let asked = Usage::sandbox(0);
+            let outcome = self
+                .run(&pod.id, &owner.tenant, command, Some(&asked))
+                .await?;
             Self::sandbox_of(outcome).map(|(s, _)| s)
         })
     }
