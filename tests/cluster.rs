@@ -105,7 +105,7 @@ fn cluster_sandbox_life_placement_and_pod_failure() {
         "{v}"
     );
     assert_eq!(c.call(1, "GET", "/v1/operations/op_none", None).status, 404);
-    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "4");
+    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "5");
     assert_eq!(
         c.call(1, "DELETE", &format!("/v1/sandboxes/{once}"), None)
             .status,
@@ -329,7 +329,7 @@ fn cluster_tenants_and_tokens_are_shared_through_postgresql() {
 
     // Both replicas were started with the same --token: seeded once, as
     // its SHA-256 (never the token), an admin token of tenant `admin`.
-    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "4");
+    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "5");
     let rows = c.sql("SELECT tenant, scope, sha256 FROM tenant_tokens");
     let digest = c.sql(&format!(
         "SELECT encode(sha256('{}'::bytea), 'hex')",
@@ -632,4 +632,110 @@ fn cluster_quota_admits_creates_in_postgresql_across_replicas() {
         as_token(&c, 1, &token, "POST", "/v1/sandboxes", body).status,
         429
     );
+}
+
+/// `GET /v1/templates` through replica `n` with `token`: (name, pod) of
+/// each entry, sorted.
+fn template_names(c: &Cluster, n: u16, token: &str) -> Vec<(String, String)> {
+    let r = as_token(c, n, token, "GET", "/v1/templates", None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let mut out: Vec<(String, String)> = v["templates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            if token != c.token.trim() {
+                assert!(t.get("snapshot_dir").is_none(), "{t}");
+            }
+            let name = t["name"].as_str().unwrap().to_string();
+            (name, t["pod"].as_str().unwrap().to_string())
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn cluster_templates_are_the_pods_tenant_filtered() {
+    let c = Cluster::up("templates");
+    let admin = c.token.trim().to_string();
+    let (acme, _) = tenant_token(&c, 1, "acme");
+    let (other, _) = tenant_token(&c, 2, "other");
+    let probes = |pods: &[&str]| -> Vec<(String, String)> {
+        pods.iter()
+            .map(|p| ("probe".to_string(), p.to_string()))
+            .collect()
+    };
+    assert_eq!(template_names(&c, 1, &other), probes(&["pod1", "pod2"]));
+
+    // acme's own template on pod1: a pod takes no tenant's token, so it is
+    // built by pod1's admin (shared), then made acme's in pod1's store
+    // while pod1 is stopped (as a tenant's build on an embedded server
+    // records it). Listed through either replica to the admin and acme,
+    // once pod1's heartbeat carries it, never to another tenant.
+    let r = request(
+        &c.pod_api(1),
+        "POST",
+        "/v1/templates",
+        Some(&c.pod_token(1)),
+        Some(r#"{"name":"acme-tpl","kind":"probe","mem_mib":64}"#),
+    );
+    assert!(r.status == 201 || r.status == 202, "{}", r.body);
+    let built = ("acme-tpl".to_string(), "pod1".to_string());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !template_names(&c, 1, &other).contains(&built) {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            template_names(&c, 1, &other)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    c.kill("pod1");
+    let store = c.dir.join("pod1/data/torpor.db");
+    let out = std::process::Command::new("sqlite3")
+        .arg(&store)
+        .arg("UPDATE templates SET tenant = 'acme' WHERE name = 'acme-tpl'")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    c.start("pod1");
+    c.wait_pods(2);
+    let mine = ("acme-tpl".to_string(), "pod1".to_string());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !template_names(&c, 2, &admin).contains(&mine) {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            template_names(&c, 2, &admin)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let mut with_mine = probes(&["pod1", "pod2"]);
+    with_mine.insert(0, mine.clone());
+    assert_eq!(template_names(&c, 1, &admin), with_mine);
+    assert_eq!(template_names(&c, 2, &acme), with_mine);
+    assert_eq!(template_names(&c, 1, &other), probes(&["pod1", "pod2"]));
+    let r = as_token(&c, 1, &acme, "GET", "/v1/templates?limit=1", None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        r.json()["templates"].as_array().unwrap().len(),
+        1,
+        "{}",
+        r.body
+    );
+
+    // A pod down: its templates are left out.
+    c.kill("pod1");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while template_names(&c, 1, &admin) != probes(&["pod2"]) {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            template_names(&c, 1, &admin)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(template_names(&c, 2, &acme), probes(&["pod2"]));
 }

@@ -96,6 +96,11 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
     CREATE INDEX operations_pending_create ON operations (tenant)
         WHERE kind = 'create' AND status = 'pending';",
     ),
+    // Each pod's templates as it lists them (`catalog.rs`).
+    (
+        5,
+        "ALTER TABLE pods ADD COLUMN catalog jsonb NOT NULL DEFAULT '[]'::jsonb",
+    ),
 ];
 
 /// A connection to PostgreSQL, made again when it broke; and one more,
@@ -284,13 +289,15 @@ impl Db {
 
     pub async fn heartbeat(&self, pod: &PodId, hb: &Heartbeat) -> Result<(), ClusterError> {
         let c = self.client().await?;
+        let catalog = serde_json::to_value(&hb.catalog)
+            .map_err(|e| ClusterError::Schema(format!("a pod's templates: {e}")))?;
         c.execute(
             "INSERT INTO pods (id, address, token, fingerprint, load, templates, headroom_mib,
-                running, hibernated, last_heartbeat)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, now())
+                running, hibernated, catalog, last_heartbeat)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, now())
              ON CONFLICT (id) DO UPDATE SET address = $2, token = $3, fingerprint = $4,
                 load = $5, templates = $6, headroom_mib = $7, running = $8, hibernated = $9,
-                last_heartbeat = now()",
+                catalog = $10, last_heartbeat = now()",
             &[
                 &pod.as_str(),
                 &hb.address,
@@ -301,6 +308,7 @@ impl Db {
                 &hb.headroom_mib,
                 &(hb.running as i64),
                 &(hb.hibernated as i64),
+                &catalog,
             ],
         )
         .await
@@ -594,7 +602,7 @@ impl Db {
             .transpose()
     }
 
-    fn sandbox_of(body: Value, pod: String) -> Result<(Sandbox, PodId), ClusterError> {
+    pub(super) fn sandbox_of(body: Value, pod: String) -> Result<(Sandbox, PodId), ClusterError> {
         let mut s: Sandbox = serde_json::from_value(body)
             .map_err(|e| ClusterError::Schema(format!("a stored sandbox: {e}")))?;
         let pod = PodId::new(pod);
@@ -604,30 +612,22 @@ impl Db {
 
     /// Sandboxes of `tenant` (all with none).
     pub async fn sandboxes(&self, tenant: Option<&str>) -> Result<Vec<Sandbox>, ClusterError> {
-        sandboxes_on(&*self.client().await?, tenant).await
+        let c = self.client().await?;
+        let rows = c
+            .query(
+                &format!(
+                    "SELECT body, pod FROM sandboxes
+                     WHERE ($1::text IS NULL OR tenant = $1) AND state <> '{DELETED}'
+                     ORDER BY body->>'created_at', id"
+                ),
+                &[&tenant],
+            )
+            .await
+            .map_err(pg)?;
+        rows.into_iter()
+            .map(|r| Self::sandbox_of(r.get(0), r.get(1)).map(|(s, _)| s))
+            .collect()
     }
-}
-
-/// Sandboxes of `tenant` (all with none), read on `c` (a connection, or
-/// a transaction of admission).
-pub(super) async fn sandboxes_on(
-    c: &impl GenericClient,
-    tenant: Option<&str>,
-) -> Result<Vec<Sandbox>, ClusterError> {
-    let rows = c
-        .query(
-            &format!(
-                "SELECT body, pod FROM sandboxes
-                 WHERE ($1::text IS NULL OR tenant = $1) AND state <> '{DELETED}'
-                 ORDER BY body->>'created_at', id"
-            ),
-            &[&tenant],
-        )
-        .await
-        .map_err(pg)?;
-    rows.into_iter()
-        .map(|r| Db::sandbox_of(r.get(0), r.get(1)).map(|(s, _)| s))
-        .collect()
 }
 
 /// The newest schema migration applied to the database `c` is connected to.

@@ -19,6 +19,7 @@
 //!   answer 503 `unavailable` with the reason until it is back.
 
 pub mod admission;
+pub mod catalog;
 pub mod db;
 pub mod events;
 pub mod pod;

@@ -318,11 +318,11 @@ impl Cluster {
     }
 }
 
-/// The cluster has no template catalog of its own yet: each pod's
-/// templates are in its heartbeat (`GET /v1/pods`).
+/// The cluster keeps no template catalog of its own: each pod's templates
+/// come with its heartbeats (`GET /v1/templates`, `catalog.rs`).
 fn no_catalog() -> ServiceError {
     ServiceError::Unsupported(
-        "a cluster has no template catalog yet: GET /v1/pods lists each pod's templates".into(),
+        "templates are each pod's in a cluster: GET /v1/templates lists them".into(),
     )
 }
 
@@ -512,7 +512,7 @@ impl SandboxApi for Cluster {
     }
 
     fn template_entries(&self) -> Result<Vec<Value>, ServiceError> {
-        Err(no_catalog())
+        Ok(self.block(self.db.templates(self.config.down_after))?)
     }
 
     fn sandbox_tenant(&self, id: &SandboxId) -> Result<Option<String>, ServiceError> {
