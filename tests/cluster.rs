@@ -632,6 +632,32 @@ fn cluster_quota_admits_creates_in_postgresql_across_replicas() {
         as_token(&c, 1, &token, "POST", "/v1/sandboxes", body).status,
         429
     );
+
+    // Memory: a create asks its template's (as its pod lists it), pending
+    // or made; 6 at once against room for 2 probes: exactly 2.
+    let (heavy, _) = tenant_token(&c, 2, "heavy");
+    let templates = c.call(1, "GET", "/v1/templates", None).json();
+    let mem = templates["templates"][0]["mem_mib"].as_u64().unwrap();
+    assert!(mem > 0, "{templates}");
+    let quota = format!(r#"{{"memory_mib":{}}}"#, 2 * mem + mem / 2);
+    let r = c.call(1, "PUT", "/v1/tenants/heavy/quota", Some(&quota));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let answers: Vec<HttpResponse> = std::thread::scope(|s| {
+        let calls: Vec<_> = (0..6u16)
+            .map(|i| {
+                let (c, token) = (&c, heavy.as_str());
+                s.spawn(move || as_token(c, 1 + i % 2, token, "POST", "/v1/sandboxes", body))
+            })
+            .collect();
+        calls.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let admitted = answers.iter().filter(|r| r.status == 201).count();
+    for r in answers.iter().filter(|r| r.status != 201) {
+        assert_eq!(r.status, 429, "{}", r.body);
+        assert_eq!(r.json()["error"]["quota"], "memory_mib", "{}", r.body);
+    }
+    assert_eq!(admitted, 2, "memory admitted past the quota");
+    assert_eq!(stored_sandboxes(&c, "heavy"), "2");
 }
 
 /// `GET /v1/templates` through replica `n` with `token`: (name, pod) of

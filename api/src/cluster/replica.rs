@@ -399,14 +399,15 @@ impl SandboxApi for Cluster {
                     }
                 },
             };
+            // Its memory is its template's on that pod (0 if the pod has
+            // not listed it: the pod answers 404).
+            let mem = self.db.template_mem(&pod.id, &req.template).await?;
+            let asked = Usage::sandbox(mem.unwrap_or(0));
             let command = Command::Create {
                 request: Box::new(req),
                 tenant: owner.tenant.clone(),
                 admin: owner.admin,
             };
-            // Its memory is the template's, which the pod knows: counted
-            // once the sandbox is (`admission.rs`).
-            let asked = Usage::sandbox(0);
             let outcome = self
                 .run(&pod.id, &owner.tenant, command, Some(&asked))
                 .await?;
