@@ -12,7 +12,7 @@ use serde_json::Value;
 
 mod common;
 use common::cluster::Cluster;
-use common::http::{request, HttpResponse};
+use common::http::{request, request_with, HttpResponse};
 
 fn create(c: &Cluster, n: u16) -> Value {
     let r = c.call(n, "POST", "/v1/sandboxes", Some(r#"{"template":"probe"}"#));
@@ -105,7 +105,7 @@ fn cluster_sandbox_life_placement_and_pod_failure() {
         "{v}"
     );
     assert_eq!(c.call(1, "GET", "/v1/operations/op_none", None).status, 404);
-    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "3");
+    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "5");
     assert_eq!(
         c.call(1, "DELETE", &format!("/v1/sandboxes/{once}"), None)
             .status,
@@ -329,7 +329,7 @@ fn cluster_tenants_and_tokens_are_shared_through_postgresql() {
 
     // Both replicas were started with the same --token: seeded once, as
     // its SHA-256 (never the token), an admin token of tenant `admin`.
-    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "3");
+    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "5");
     let rows = c.sql("SELECT tenant, scope, sha256 FROM tenant_tokens");
     let digest = c.sql(&format!(
         "SELECT encode(sha256('{}'::bytea), 'hex')",
@@ -525,4 +525,243 @@ fn cluster_tenants_and_tokens_are_shared_through_postgresql() {
         std::thread::sleep(Duration::from_millis(200));
     };
     wait_token_status(&c, 1, &late, "/v1/sandboxes", 200);
+}
+
+/// Sandboxes of `tenant` in PostgreSQL (tombstones left out).
+fn stored_sandboxes(c: &Cluster, tenant: &str) -> String {
+    c.sql(&format!(
+        "SELECT count(*) FROM sandboxes WHERE tenant = '{tenant}' AND state <> 'deleted'"
+    ))
+}
+
+#[test]
+fn cluster_quota_admits_creates_in_postgresql_across_replicas() {
+    let c = Cluster::up("quota");
+    let (token, _) = tenant_token(&c, 1, "quoted");
+    let r = c.call(
+        2,
+        "PUT",
+        "/v1/tenants/quoted/quota",
+        Some(r#"{"total_sandboxes":3}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // 12 creates at once, 6 through each replica: exactly 3 admitted (the
+    // count and the journal in one transaction under the tenant's quota
+    // row's lock), the others 429 `quota_exceeded` naming the quota.
+    let body = Some(r#"{"template":"probe"}"#);
+    let answers: Vec<HttpResponse> = std::thread::scope(|s| {
+        let calls: Vec<_> = (0..12u16)
+            .map(|i| {
+                let (c, token) = (&c, token.as_str());
+                s.spawn(move || as_token(c, 1 + i % 2, token, "POST", "/v1/sandboxes", body))
+            })
+            .collect();
+        calls.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut made = Vec::new();
+    for r in &answers {
+        match r.status {
+            201 => made.push(r.json()["id"].as_str().unwrap().to_string()),
+            429 => {
+                let e = &r.json()["error"];
+                assert_eq!(e["code"], "quota_exceeded", "{}", r.body);
+                assert_eq!(
+                    (e["quota"].as_str(), e["limit"].as_u64()),
+                    (Some("total_sandboxes"), Some(3)),
+                    "{}",
+                    r.body
+                );
+            }
+            _ => panic!("{} {}", r.status, r.body),
+        }
+    }
+    assert_eq!(made.len(), 3, "admitted past the quota: {made:?}");
+    assert_eq!(stored_sandboxes(&c, "quoted"), "3");
+    // Another tenant (no quota) is not held by it.
+    create(&c, 2);
+
+    // Deleting one frees room for one more, through either replica; a
+    // retry of that create (its Idempotency-Key) at the limit is its first
+    // answer, not a refusal; a new one is refused.
+    let r = as_token(
+        &c,
+        2,
+        &token,
+        "DELETE",
+        &format!("/v1/sandboxes/{}", made[0]),
+        None,
+    );
+    assert_eq!(r.status, 204, "{}", r.body);
+    let auth = format!("Bearer {token}");
+    let headers = [
+        ("Idempotency-Key", "quoted-once"),
+        ("Authorization", auth.as_str()),
+    ];
+    let first = request_with(&c.api(1), "POST", "/v1/sandboxes", &headers, body);
+    assert_eq!(first.status, 201, "{}", first.body);
+    let again = request_with(&c.api(2), "POST", "/v1/sandboxes", &headers, body);
+    assert_eq!(again.status, 201, "{}", again.body);
+    assert_eq!(again.json()["id"], first.json()["id"]);
+    for n in [1, 2] {
+        let r = as_token(&c, n, &token, "POST", "/v1/sandboxes", body);
+        assert_eq!(r.status, 429, "replica {n}: {}", r.body);
+    }
+    assert_eq!(stored_sandboxes(&c, "quoted"), "3");
+    // A failed create is not counted: the quota raised, an unknown
+    // template refused, and the room still there.
+    let r = c.call(
+        1,
+        "PUT",
+        "/v1/tenants/quoted/quota",
+        Some(r#"{"total_sandboxes":4}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = as_token(
+        &c,
+        1,
+        &token,
+        "POST",
+        "/v1/sandboxes",
+        Some(r#"{"template":"absent"}"#),
+    );
+    assert_eq!(r.status, 404, "{}", r.body);
+    let r = as_token(&c, 2, &token, "POST", "/v1/sandboxes", body);
+    assert_eq!(r.status, 201, "{}", r.body);
+    assert_eq!(
+        as_token(&c, 1, &token, "POST", "/v1/sandboxes", body).status,
+        429
+    );
+
+    // Memory: a create asks its template's (as its pod lists it), pending
+    // or made; 6 at once against room for 2 probes: exactly 2.
+    let (heavy, _) = tenant_token(&c, 2, "heavy");
+    let templates = c.call(1, "GET", "/v1/templates", None).json();
+    let mem = templates["templates"][0]["mem_mib"].as_u64().unwrap();
+    assert!(mem > 0, "{templates}");
+    let quota = format!(r#"{{"memory_mib":{}}}"#, 2 * mem + mem / 2);
+    let r = c.call(1, "PUT", "/v1/tenants/heavy/quota", Some(&quota));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let answers: Vec<HttpResponse> = std::thread::scope(|s| {
+        let calls: Vec<_> = (0..6u16)
+            .map(|i| {
+                let (c, token) = (&c, heavy.as_str());
+                s.spawn(move || as_token(c, 1 + i % 2, token, "POST", "/v1/sandboxes", body))
+            })
+            .collect();
+        calls.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let admitted = answers.iter().filter(|r| r.status == 201).count();
+    for r in answers.iter().filter(|r| r.status != 201) {
+        assert_eq!(r.status, 429, "{}", r.body);
+        assert_eq!(r.json()["error"]["quota"], "memory_mib", "{}", r.body);
+    }
+    assert_eq!(admitted, 2, "memory admitted past the quota");
+    assert_eq!(stored_sandboxes(&c, "heavy"), "2");
+}
+
+/// `GET /v1/templates` through replica `n` with `token`: (name, pod) of
+/// each entry, sorted.
+fn template_names(c: &Cluster, n: u16, token: &str) -> Vec<(String, String)> {
+    let r = as_token(c, n, token, "GET", "/v1/templates", None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let mut out: Vec<(String, String)> = v["templates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            if token != c.token.trim() {
+                assert!(t.get("snapshot_dir").is_none(), "{t}");
+            }
+            let name = t["name"].as_str().unwrap().to_string();
+            (name, t["pod"].as_str().unwrap().to_string())
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn cluster_templates_are_the_pods_tenant_filtered() {
+    let c = Cluster::up("templates");
+    let admin = c.token.trim().to_string();
+    let (acme, _) = tenant_token(&c, 1, "acme");
+    let (other, _) = tenant_token(&c, 2, "other");
+    let probes = |pods: &[&str]| -> Vec<(String, String)> {
+        pods.iter()
+            .map(|p| ("probe".to_string(), p.to_string()))
+            .collect()
+    };
+    assert_eq!(template_names(&c, 1, &other), probes(&["pod1", "pod2"]));
+
+    // acme's own template on pod1: a pod takes no tenant's token, so it is
+    // built by pod1's admin (shared), then made acme's in pod1's store
+    // while pod1 is stopped (as a tenant's build on an embedded server
+    // records it). Listed through either replica to the admin and acme,
+    // once pod1's heartbeat carries it, never to another tenant.
+    let r = request(
+        &c.pod_api(1),
+        "POST",
+        "/v1/templates",
+        Some(&c.pod_token(1)),
+        Some(r#"{"name":"acme-tpl","kind":"probe","mem_mib":64}"#),
+    );
+    assert!(r.status == 201 || r.status == 202, "{}", r.body);
+    let built = ("acme-tpl".to_string(), "pod1".to_string());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !template_names(&c, 1, &other).contains(&built) {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            template_names(&c, 1, &other)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    c.kill("pod1");
+    let store = c.dir.join("pod1/data/torpor.db");
+    let out = std::process::Command::new("sqlite3")
+        .arg(&store)
+        .arg("UPDATE templates SET tenant = 'acme' WHERE name = 'acme-tpl'")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    c.start("pod1");
+    c.wait_pods(2);
+    let mine = ("acme-tpl".to_string(), "pod1".to_string());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !template_names(&c, 2, &admin).contains(&mine) {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            template_names(&c, 2, &admin)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let mut with_mine = probes(&["pod1", "pod2"]);
+    with_mine.insert(0, mine.clone());
+    assert_eq!(template_names(&c, 1, &admin), with_mine);
+    assert_eq!(template_names(&c, 2, &acme), with_mine);
+    assert_eq!(template_names(&c, 1, &other), probes(&["pod1", "pod2"]));
+    let r = as_token(&c, 1, &acme, "GET", "/v1/templates?limit=1", None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        r.json()["templates"].as_array().unwrap().len(),
+        1,
+        "{}",
+        r.body
+    );
+
+    // A pod down: its templates are left out.
+    c.kill("pod1");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while template_names(&c, 1, &admin) != probes(&["pod2"]) {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            template_names(&c, 1, &admin)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(template_names(&c, 2, &acme), probes(&["pod2"]));
 }

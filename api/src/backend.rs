@@ -145,6 +145,12 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError>;
 
     fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError>;
+    /// Whether [`SandboxApi::create_sandbox`] admits a create against its
+    /// tenant's quota itself (a cluster replica: in PostgreSQL, atomically
+    /// across replicas); otherwise the API's [`crate::quota::Quotas`] do.
+    fn admits_creates(&self) -> bool {
+        false
+    }
     fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError>;
     fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError>;
     fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError>;

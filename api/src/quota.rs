@@ -4,7 +4,10 @@
 //! counts the tenant's use (its sandboxes, from the service) plus what is
 //! admitted and not finished yet, under the tenant's own lock: parallel
 //! requests cannot all pass the check before any of them counts. Refusals
-//! are 429 `quota_exceeded` naming the quota, its limit and the use.
+//! are 429 `quota_exceeded` naming the quota, its limit and the use. A
+//! cluster replica admits its creates in PostgreSQL instead, atomically
+//! across replicas (`cluster/admission.rs`), with [`usage_of`] and
+//! [`check`].
 //!
 //! Snapshot disk is counted as an upper bound: every hibernated sandbox and
 //! every checkpoint as its sandbox's memory size (a snapshot holds at most
@@ -39,8 +42,9 @@ pub struct Quota {
     pub snapshot_disk_mib: Option<u64>,
 }
 
-/// What a tenant uses now.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+/// What a tenant uses now (and, in a cluster, what a pending create
+/// asked: stored with its operation).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Usage {
     pub running_sandboxes: u64,
     pub total_sandboxes: u64,
@@ -49,7 +53,7 @@ pub struct Usage {
 }
 
 impl Usage {
-    fn add(&mut self, other: &Usage) {
+    pub fn add(&mut self, other: &Usage) {
         self.running_sandboxes += other.running_sandboxes;
         self.total_sandboxes += other.total_sandboxes;
         self.memory_mib += other.memory_mib;
@@ -115,8 +119,36 @@ pub fn usage_of(sandboxes: &[Sandbox]) -> Usage {
     u
 }
 
+/// A quota `used + asked` would exceed: 429 `quota_exceeded` naming it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("tenant {tenant} is at its {quota} quota: {used} used of {limit}, {asked} more asked")]
+pub struct QuotaExceeded {
+    pub tenant: String,
+    pub quota: &'static str,
+    pub limit: u64,
+    pub used: u64,
+    pub asked: u64,
+}
+
+impl From<QuotaExceeded> for ServiceError {
+    fn from(e: QuotaExceeded) -> Self {
+        ServiceError::Quota {
+            tenant: e.tenant,
+            quota: e.quota,
+            limit: e.limit,
+            used: e.used,
+            asked: e.asked,
+        }
+    }
+}
+
 /// The first quota `used + asked` exceeds.
-pub fn check(tenant: &str, quota: &Quota, used: &Usage, asked: &Usage) -> Result<(), ServiceError> {
+pub fn check(
+    tenant: &str,
+    quota: &Quota,
+    used: &Usage,
+    asked: &Usage,
+) -> Result<(), QuotaExceeded> {
     let rows: [(&'static str, Option<u64>, u64, u64); 4] = [
         (
             "running_sandboxes",
@@ -146,7 +178,7 @@ pub fn check(tenant: &str, quota: &Quota, used: &Usage, asked: &Usage) -> Result
     for (name, limit, used, asked) in rows {
         if let Some(limit) = limit {
             if asked > 0 && used.saturating_add(asked) > limit {
-                return Err(ServiceError::Quota {
+                return Err(QuotaExceeded {
                     tenant: tenant.to_string(),
                     quota: name,
                     limit,
@@ -274,12 +306,8 @@ mod tests {
             ..Quota::default()
         };
         check("t", &q, &u, &Usage::sandbox(32)).unwrap();
-        match check("t", &q, &u, &Usage::sandbox(64)).unwrap_err() {
-            ServiceError::Quota {
-                quota, limit, used, ..
-            } => assert_eq!((quota, limit, used), ("memory_mib", 300, 256)),
-            other => panic!("{other}"),
-        }
+        let e = check("t", &q, &u, &Usage::sandbox(64)).unwrap_err();
+        assert_eq!((e.quota, e.limit, e.used), ("memory_mib", 300, 256));
         let two = Usage {
             running_sandboxes: 2,
             ..Usage::default()

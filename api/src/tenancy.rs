@@ -228,13 +228,17 @@ pub fn admit<S: SandboxApi>(
 
 /// Admits a create of a sandbox from `template` (id or name) for
 /// `principal`'s tenant (blocking): its memory is looked up only when the
-/// tenant's memory is limited.
+/// tenant's memory is limited. Not here when the service admits its
+/// creates itself ([`SandboxApi::admits_creates`]).
 pub fn admit_create<S: SandboxApi>(
     t: &Tenancy<S>,
     principal: &Principal,
     service: &S,
     template: &str,
 ) -> Result<Option<Ticket>, ServiceError> {
+    if service.admits_creates() {
+        return Ok(None);
+    }
     let limited = t.auth.quota(&principal.tenant).memory_mib.is_some();
     let mem = if limited {
         template_mem(service, template)

@@ -105,6 +105,17 @@ impl Cluster {
         format!("127.0.0.1:{}", self.port + 3 + n)
     }
 
+    /// `http` address of pod 1 or 2's own API (its token: `pod_token`).
+    pub fn pod_api(&self, n: u16) -> String {
+        format!("127.0.0.1:{}", self.port + 1 + n)
+    }
+
+    /// Pod 1 or 2's own admin token.
+    pub fn pod_token(&self, n: u16) -> String {
+        let token = std::fs::read_to_string(self.dir.join(format!("pod{n}/token"))).unwrap();
+        token.trim().to_string()
+    }
+
     pub fn call(&self, n: u16, method: &str, path: &str, body: Option<&str>) -> HttpResponse {
         request(&self.api(n), method, path, Some(&self.token), body)
     }

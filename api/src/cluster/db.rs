@@ -8,11 +8,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::Value;
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::{Client, GenericClient, NoTls};
 use torpor_scheduler::model::{PodId, Sandbox, SandboxId};
 
 use super::wire::{Heartbeat, OpOutcome};
 use super::ClusterError;
+use crate::quota::Usage;
 
 /// The advisory lock key the migrations are applied under.
 const MIGRATION_LOCK: i64 = 0x746f_7270_6f72; // "torpor"
@@ -87,12 +88,28 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
         updated_at timestamptz NOT NULL DEFAULT now()
     );",
     ),
+    // A create's admission against its tenant's quota (`admission.rs`):
+    // what it asked, counted while it is pending.
+    (
+        4,
+        "ALTER TABLE operations ADD COLUMN asked jsonb;
+    CREATE INDEX operations_pending_create ON operations (tenant)
+        WHERE kind = 'create' AND status = 'pending';",
+    ),
+    // Each pod's templates as it lists them (`catalog.rs`).
+    (
+        5,
+        "ALTER TABLE pods ADD COLUMN catalog jsonb NOT NULL DEFAULT '[]'::jsonb",
+    ),
 ];
 
-/// A connection to PostgreSQL, made again when it broke.
+/// A connection to PostgreSQL, made again when it broke; and one more,
+/// for the transactions of admission (`admission.rs`), used by one task at
+/// a time.
 pub struct Db {
     url: String,
     client: Mutex<Option<Arc<Client>>>,
+    pub(super) admission: tokio::sync::Mutex<Option<Client>>,
 }
 
 impl std::fmt::Debug for Db {
@@ -122,6 +139,50 @@ pub struct PodRow {
     pub silent_s: f64,
 }
 
+/// An operation to journal.
+#[derive(Debug, Clone, Copy)]
+pub struct NewOp<'a> {
+    pub id: &'a str,
+    pub kind: &'a str,
+    pub sandbox: Option<&'a SandboxId>,
+    pub pod: &'a PodId,
+    pub tenant: &'a str,
+    pub idempotency_key: Option<&'a str>,
+}
+
+/// Journals `op` on `c` (with what it `asked`, a create admitted against
+/// its tenant's quota): false if its tenant used its idempotency key
+/// already.
+pub(super) async fn insert_operation(
+    c: &impl GenericClient,
+    op: &NewOp<'_>,
+    asked: Option<&Usage>,
+) -> Result<bool, ClusterError> {
+    let asked = asked
+        .map(serde_json::to_value)
+        .transpose()
+        .map_err(|e| ClusterError::Schema(format!("a create's usage: {e}")))?;
+    let inserted = c
+        .execute(
+            "INSERT INTO operations (id, kind, sandbox, pod, tenant, idempotency_key, asked)
+             VALUES ($1, $2, $3, $4, $5, $6, $7)
+             ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL
+             DO NOTHING",
+            &[
+                &op.id,
+                &op.kind,
+                &op.sandbox.map(|s| s.as_str()),
+                &op.pod.as_str(),
+                &op.tenant,
+                &op.idempotency_key,
+                &asked,
+            ],
+        )
+        .await
+        .map_err(pg)?;
+    Ok(inserted == 1)
+}
+
 /// An operation row.
 #[derive(Debug, Clone)]
 pub struct OpRow {
@@ -140,6 +201,7 @@ impl Db {
         let db = Db {
             url: url.to_string(),
             client: Mutex::new(None),
+            admission: tokio::sync::Mutex::new(None),
         };
         db.migrate().await?;
         Ok(db)
@@ -155,6 +217,13 @@ impl Db {
         {
             return Ok(c.clone());
         }
+        let client = Arc::new(self.connect().await?);
+        *self.client.lock().unwrap_or_else(|p| p.into_inner()) = Some(client.clone());
+        Ok(client)
+    }
+
+    /// A new connection (its task spawned).
+    pub(super) async fn connect(&self) -> Result<Client, ClusterError> {
         let (client, connection) = tokio::time::timeout(
             Duration::from_secs(5),
             tokio_postgres::connect(&self.url, NoTls),
@@ -167,8 +236,6 @@ impl Db {
                 tracing::warn!(error = %e, "PostgreSQL connection ended");
             }
         });
-        let client = Arc::new(client);
-        *self.client.lock().unwrap_or_else(|p| p.into_inner()) = Some(client.clone());
         Ok(client)
     }
 
@@ -222,13 +289,15 @@ impl Db {
 
     pub async fn heartbeat(&self, pod: &PodId, hb: &Heartbeat) -> Result<(), ClusterError> {
         let c = self.client().await?;
+        let catalog = serde_json::to_value(&hb.catalog)
+            .map_err(|e| ClusterError::Schema(format!("a pod's templates: {e}")))?;
         c.execute(
             "INSERT INTO pods (id, address, token, fingerprint, load, templates, headroom_mib,
-                running, hibernated, last_heartbeat)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, now())
+                running, hibernated, catalog, last_heartbeat)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, now())
              ON CONFLICT (id) DO UPDATE SET address = $2, token = $3, fingerprint = $4,
                 load = $5, templates = $6, headroom_mib = $7, running = $8, hibernated = $9,
-                last_heartbeat = now()",
+                catalog = $10, last_heartbeat = now()",
             &[
                 &pod.as_str(),
                 &hb.address,
@@ -239,6 +308,7 @@ impl Db {
                 &hb.headroom_mib,
                 &(hb.running as i64),
                 &(hb.hibernated as i64),
+                &catalog,
             ],
         )
         .await
@@ -388,40 +458,26 @@ impl Db {
     }
 
     /// Journals a new operation; with an idempotency key already used by
-    /// `tenant`, the existing operation instead (and `false`).
-    #[allow(clippy::too_many_arguments)]
+    /// its tenant, the existing operation instead (and `false`). With
+    /// `asked`, a create admitted against its tenant's quota first
+    /// ([`Db::admit`]): [`ClusterError::Quota`] past it.
     pub async fn begin_operation(
         &self,
-        id: &str,
-        kind: &str,
-        sandbox: Option<&SandboxId>,
-        pod: &PodId,
-        tenant: &str,
-        idempotency_key: Option<&str>,
+        op: &NewOp<'_>,
+        asked: Option<&Usage>,
     ) -> Result<(OpRow, bool), ClusterError> {
-        let c = self.client().await?;
-        let inserted = c
-            .execute(
-                "INSERT INTO operations (id, kind, sandbox, pod, tenant, idempotency_key)
-                 VALUES ($1, $2, $3, $4, $5, $6)
-                 ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL
-                 DO NOTHING",
-                &[
-                    &id,
-                    &kind,
-                    &sandbox.map(|s| s.as_str()),
-                    &pod.as_str(),
-                    &tenant,
-                    &idempotency_key,
-                ],
-            )
-            .await
-            .map_err(pg)?;
-        let row = if inserted == 1 {
+        let inserted = match asked {
+            Some(asked) => self.admit(op, asked).await?,
+            None => insert_operation(&*self.client().await?, op, None).await?,
+        };
+        let (id, tenant, idempotency_key) = (op.id, op.tenant, op.idempotency_key);
+        let row = if inserted {
             self.operation(id).await?
         } else {
             let key = idempotency_key.unwrap_or_default();
-            let row = c
+            let row = self
+                .client()
+                .await?
                 .query_opt(
                     "SELECT id FROM operations WHERE tenant = $1 AND idempotency_key = $2",
                     &[&tenant, &key],
@@ -434,7 +490,7 @@ impl Db {
             }
         };
         let row = row.ok_or_else(|| ClusterError::Postgres(format!("operation {id} vanished")))?;
-        Ok((row, inserted == 1))
+        Ok((row, inserted))
     }
 
     /// The `kind` operation on `sandbox` journaled with `key` (the
@@ -546,7 +602,7 @@ impl Db {
             .transpose()
     }
 
-    fn sandbox_of(body: Value, pod: String) -> Result<(Sandbox, PodId), ClusterError> {
+    pub(super) fn sandbox_of(body: Value, pod: String) -> Result<(Sandbox, PodId), ClusterError> {
         let mut s: Sandbox = serde_json::from_value(body)
             .map_err(|e| ClusterError::Schema(format!("a stored sandbox: {e}")))?;
         let pod = PodId::new(pod);

@@ -18,6 +18,8 @@
 //! - A pod silent for longer than `down_after` is down: its sandboxes
 //!   answer 503 `unavailable` with the reason until it is back.
 
+pub mod admission;
+pub mod catalog;
 pub mod db;
 pub mod events;
 pub mod pod;
@@ -44,6 +46,9 @@ pub enum ClusterError {
     Nats(String),
     #[error("the pod's journal: {0}")]
     Journal(String),
+    /// A create refused at admission (`admission.rs`): 429.
+    #[error(transparent)]
+    Quota(#[from] crate::quota::QuotaExceeded),
 }
 
 impl From<ClusterError> for ServiceError {
@@ -55,6 +60,7 @@ impl From<ClusterError> for ServiceError {
                 code: crate::error::code::UNAVAILABLE.into(),
                 message: format!("the cluster cannot serve this now: {e}"),
             },
+            ClusterError::Quota(q) => q.into(),
             ClusterError::Config(_) | ClusterError::Schema(_) | ClusterError::Journal(_) => {
                 ServiceError::Internal(e.to_string())
             }

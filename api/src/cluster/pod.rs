@@ -312,13 +312,15 @@ fn heartbeat<S: SandboxApi>(service: &S, me: &PodIdentity) -> Result<Heartbeat, 
         .next()
         .unwrap_or_default();
     let headroom_mib = crate::federation::pods::headroom_mib(&load);
+    let mut catalog = service.list_templates()?;
     let mut templates = Vec::new();
-    for t in service.list_templates()? {
+    for t in &catalog {
         templates.push(t.id.to_string());
-        templates.push(t.name);
+        templates.push(t.name.clone());
     }
     templates.sort();
     templates.dedup();
+    catalog.truncate(MAX_REPORTED);
     let mut sandboxes = service.list_sandboxes(SandboxFilter::default())?;
     let running = sandboxes
         .iter()
@@ -334,6 +336,7 @@ fn heartbeat<S: SandboxApi>(service: &S, me: &PodIdentity) -> Result<Heartbeat, 
         load,
         headroom_mib,
         templates,
+        catalog,
         running,
         hibernated,
         sandboxes,

@@ -10,12 +10,13 @@ use serde_json::{json, Value};
 use torpor_scheduler::model::{random_bytes, random_hex, PodId, Sandbox, SandboxId};
 use torpor_scheduler::service::LOCAL_POD;
 
-use super::db::{Db, OpRow, PodRow};
+use super::db::{Db, NewOp, OpRow, PodRow};
 use super::wire::{self, Command, OpOutcome, WorkItem};
 use super::{ClusterConfig, ClusterError};
 use crate::backend::{Lifecycle, SandboxApi};
 use crate::error::code;
 use crate::federation::RemotePod;
+use crate::quota::Usage;
 use crate::service::{
     AgentLink, Cancel, CreateSandbox, ExecRequest, GuestCall, GuestError, Outcome, PodView,
     SandboxFilter, ServiceError,
@@ -146,26 +147,27 @@ impl Cluster {
         Ok((sandbox, pod))
     }
 
-    /// Journals `command` for `pod`, queues it, and waits for its outcome.
+    /// Journals `command` for `pod` (a create admitted against its
+    /// tenant's quota for what it `asked`), queues it, and waits for its
+    /// outcome.
     async fn run(
         &self,
         pod: &PodId,
         tenant: &str,
         command: Command,
+        asked: Option<&Usage>,
     ) -> Result<OpOutcome, ServiceError> {
         let id = format!("op_{}", random_hex(12));
         let key = crate::request_context::idempotency_key();
-        let (op, fresh) = self
-            .db
-            .begin_operation(
-                &id,
-                command.kind(),
-                command.sandbox(),
-                pod,
-                tenant,
-                key.as_deref(),
-            )
-            .await?;
+        let new = NewOp {
+            id: &id,
+            kind: command.kind(),
+            sandbox: command.sandbox(),
+            pod,
+            tenant,
+            idempotency_key: key.as_deref(),
+        };
+        let (op, fresh) = self.db.begin_operation(&new, asked).await?;
         if !fresh {
             // A retry: the first request's outcome, if it was the same.
             let same_sandbox = command
@@ -265,7 +267,7 @@ impl Cluster {
                 Err(e) => return Err(e),
             };
             let tenant = sandbox.tenant.clone().unwrap_or_default();
-            self.run(&pod.id, &tenant, command).await
+            self.run(&pod.id, &tenant, command, None).await
         })
     }
 
@@ -316,11 +318,11 @@ impl Cluster {
     }
 }
 
-/// The cluster has no template catalog of its own yet: each pod's
-/// templates are in its heartbeat (`GET /v1/pods`).
+/// The cluster keeps no template catalog of its own: each pod's templates
+/// come with its heartbeats (`GET /v1/templates`, `catalog.rs`).
 fn no_catalog() -> ServiceError {
     ServiceError::Unsupported(
-        "a cluster has no template catalog yet: GET /v1/pods lists each pod's templates".into(),
+        "templates are each pod's in a cluster: GET /v1/templates lists them".into(),
     )
 }
 
@@ -335,6 +337,12 @@ fn is_command(method: &str, path: &str) -> bool {
 }
 
 impl SandboxApi for Cluster {
+    /// Creates are admitted in PostgreSQL, atomically across replicas
+    /// (`admission.rs`).
+    fn admits_creates(&self) -> bool {
+        true
+    }
+
     fn templates(
         &self,
         op: crate::calls::TemplateOp<'_>,
@@ -391,12 +399,18 @@ impl SandboxApi for Cluster {
                     }
                 },
             };
+            // Its memory is its template's on that pod (0 if the pod has
+            // not listed it: the pod answers 404).
+            let mem = self.db.template_mem(&pod.id, &req.template).await?;
+            let asked = Usage::sandbox(mem.unwrap_or(0));
             let command = Command::Create {
                 request: Box::new(req),
                 tenant: owner.tenant.clone(),
                 admin: owner.admin,
             };
-            let outcome = self.run(&pod.id, &owner.tenant, command).await?;
+            let outcome = self
+                .run(&pod.id, &owner.tenant, command, Some(&asked))
+                .await?;
             Self::sandbox_of(outcome).map(|(s, _)| s)
         })
     }
@@ -499,7 +513,7 @@ impl SandboxApi for Cluster {
     }
 
     fn template_entries(&self) -> Result<Vec<Value>, ServiceError> {
-        Err(no_catalog())
+        Ok(self.block(self.db.templates(self.config.down_after))?)
     }
 
     fn sandbox_tenant(&self, id: &SandboxId) -> Result<Option<String>, ServiceError> {

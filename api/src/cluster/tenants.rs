@@ -36,6 +36,12 @@ fn record(r: &tokio_postgres::Row) -> Result<TokenRecord, ClusterError> {
     })
 }
 
+/// `tenant`'s quota as stored.
+pub(super) fn quota_of(tenant: &str, stored: Value) -> Result<Quota, ClusterError> {
+    serde_json::from_value(stored)
+        .map_err(|e| ClusterError::Schema(format!("tenant {tenant}'s quota: {e}")))
+}
+
 impl Db {
     /// Every token (oldest first, at most [`MAX_TOKENS`]) and every quota.
     pub async fn tenants(&self) -> Result<TenantsFile, ClusterError> {
@@ -57,8 +63,7 @@ impl Db {
         let mut quotas = BTreeMap::new();
         for r in rows {
             let tenant: String = r.get(0);
-            let quota: Quota = serde_json::from_value(r.get::<_, Value>(1))
-                .map_err(|e| ClusterError::Schema(format!("tenant {tenant}'s quota: {e}")))?;
+            let quota = quota_of(&tenant, r.get(1))?;
             quotas.insert(tenant, quota);
         }
         Ok(TenantsFile { tokens, quotas })

@@ -15,7 +15,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer, stream};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use torpor_scheduler::model::{PodId, Sandbox, SandboxId};
+use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template};
 use torpor_scheduler::service::{CreateSandbox, ServiceError};
 
 use super::ClusterError;
@@ -232,6 +232,11 @@ pub struct Heartbeat {
     pub headroom_mib: f64,
     /// Template ids and names present.
     pub templates: Vec<String>,
+    /// Those templates as its `GET /v1/templates` lists them (at most
+    /// 2000), for the cluster's list (`catalog.rs`); none from a pod
+    /// built before it was sent.
+    #[serde(default)]
+    pub catalog: Vec<Template>,
     pub running: u64,
     pub hibernated: u64,
     /// Every sandbox it holds, as it is now (states changed by the pod
