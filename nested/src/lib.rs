@@ -42,16 +42,20 @@ use image::Carried;
 pub use running::RunningHost;
 
 /// Whether an L1 console line is its kernel saying it is wedged: a soft
-/// lockup, an RCU stall, a lost timer. Under TCG these do not pass (seen:
-/// ten minutes of RCU stalls after CPU 0's timer stopped). Only kernel
-/// lines count (`[  12.345678] ...`), not a script's output that quotes an
-/// L2 guest's console.
+/// lockup, an RCU stall, a lost timer, or a panic. Under TCG these do not
+/// pass (seen: ten minutes of RCU stalls after CPU 0's timer stopped; a
+/// vCPU thread's kernel stack overflowing in `error_entry` while its L2
+/// guest touched memory fast, then a panic). Only kernel lines count
+/// (`[  12.345678] ...`), not a script's output that quotes an L2 guest's
+/// console.
 pub fn l1_wedged(line: &str) -> bool {
     line.trim_start().starts_with('[')
         && [
             "BUG: soft lockup",
             "detected stalls on CPUs",
             "timer wakeup didn't happen",
+            "stack guard page was hit",
+            "Kernel panic - not syncing",
         ]
         .iter()
         .any(|m| line.contains(m))
@@ -394,6 +398,8 @@ mod tests {
             "[  534.910408] rcu: INFO: rcu_preempt detected stalls on CPUs/tasks:",
             "[  534.912677] rcu: rcu_preempt kthread timer wakeup didn't happen for 131291 jiffies!",
             "[   88.1] watchdog: BUG: soft lockup - CPU#1 stuck for 22s! [kworker/1:1:40]",
+            "[  254.453022] BUG: TASK stack guard page was hit at 00000000b039a3e6",
+            "[  254.778558] Kernel panic - not syncing: corrupted stack end detected inside scheduler",
         ] {
             assert!(l1_wedged(line), "{line}");
         }

@@ -140,8 +140,12 @@ fn read_msrs(vcpu: &VcpuFd, indices: &[u32]) -> Result<Vec<kvm_msr_entry>, State
     Ok(out)
 }
 
-/// Saves one vCPU. The vCPU must be outside KVM_RUN.
+/// Saves one vCPU. The vCPU must be outside KVM_RUN. The multiprocessing
+/// state first: reading it makes KVM accept pending APIC events (INIT,
+/// SIPI), which may change the registers saved next; the events last,
+/// after every other read that may move state into them.
 pub fn save_vcpu(vcpu: &VcpuFd, msr_indices: &[u32]) -> Result<VcpuState, StateError> {
+    let mp_state = vcpu.get_mp_state().map_err(ioctl("KVM_GET_MP_STATE"))?;
     Ok(VcpuState {
         cpuid: vcpu
             .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
@@ -154,12 +158,12 @@ pub fn save_vcpu(vcpu: &VcpuFd, msr_indices: &[u32]) -> Result<VcpuState, StateE
         xsave: vcpu.get_xsave().map_err(ioctl("KVM_GET_XSAVE"))?,
         xcrs: vcpu.get_xcrs().map_err(ioctl("KVM_GET_XCRS"))?,
         lapic: vcpu.get_lapic().map_err(ioctl("KVM_GET_LAPIC"))?,
-        mp_state: vcpu.get_mp_state().map_err(ioctl("KVM_GET_MP_STATE"))?,
+        mp_state,
+        debug_regs: vcpu.get_debug_regs().map_err(ioctl("KVM_GET_DEBUGREGS"))?,
+        tsc_khz: vcpu.get_tsc_khz().ok(),
         vcpu_events: vcpu
             .get_vcpu_events()
             .map_err(ioctl("KVM_GET_VCPU_EVENTS"))?,
-        debug_regs: vcpu.get_debug_regs().map_err(ioctl("KVM_GET_DEBUGREGS"))?,
-        tsc_khz: vcpu.get_tsc_khz().ok(),
     })
 }
 

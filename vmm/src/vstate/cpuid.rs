@@ -9,8 +9,18 @@ const LEAF_PMU: u32 = 0xa;
 const LEAF_TOPOLOGY: u32 = 0xb;
 const LEAF_TOPOLOGY_V2: u32 = 0x1f;
 
+const LEAF_KVM_FEATURES: u32 = 0x4000_0001;
+
 const ECX_HYPERVISOR: u32 = 1 << 31;
 const EDX_HTT: u32 = 1 << 28;
+
+/// KVM's asynchronous page faults (`KVM_FEATURE_ASYNC_PF`, `_VMEXIT`,
+/// `_INT`: bits 4, 10, 14 of leaf 0x4000_0001 EAX). Off: a guest task
+/// waiting for a page KVM fetches in the background is woken by a token
+/// only the KVM that issued it knows, so a snapshot taken meanwhile wakes
+/// in a VMM whose KVM never completes it (Linux guests without `_INT` use
+/// none). Cloud Hypervisor turns `_INT` off as well.
+const EAX_KVM_ASYNC_PF: u32 = 1 << 4 | 1 << 10 | 1 << 14;
 
 /// Rewrites `cpuid` for vCPU `apic_id` of a VM with `vcpu_count` vCPUs:
 /// one socket, one thread per core, one core per vCPU.
@@ -34,6 +44,7 @@ pub fn normalize(cpuid: &mut CpuId, apic_id: u8, vcpu_count: u8) {
                 entry.eax &= !(0x3f << 26 | 0xfff << 14);
                 entry.eax |= (u32::from(vcpu_count.max(1)) - 1) << 26;
             }
+            LEAF_KVM_FEATURES => entry.eax &= !EAX_KVM_ASYNC_PF,
             LEAF_PMU => {
                 // No virtual PMU: it costs exits and leaks host state.
                 entry.eax = 0;
@@ -89,12 +100,20 @@ mod tests {
 
     #[test]
     fn sets_apic_id_topology_and_hypervisor_bit() {
-        let mut cpuid =
-            CpuId::from_entries(&[entry(1, 0), entry(0xb, 0), entry(0xb, 1), entry(0xa, 0)])
-                .unwrap();
+        let mut cpuid = CpuId::from_entries(&[
+            entry(1, 0),
+            entry(0xb, 0),
+            entry(0xb, 1),
+            entry(0xa, 0),
+            entry(LEAF_KVM_FEATURES, 0),
+        ])
+        .unwrap();
         cpuid.as_mut_slice()[3].eax = 0x0704_0802;
+        // kvmclock (0, 3), async PF (4, 10, 14), steal time (5), PV EOI (6).
+        cpuid.as_mut_slice()[4].eax = 0x4479;
         normalize(&mut cpuid, 3, 4);
         let e = cpuid.as_slice();
+        assert_eq!(e[4].eax, 0x0069, "only the async PF bits go");
         assert_eq!(e[0].ebx >> 24, 3);
         assert_eq!((e[0].ebx >> 16) & 0xff, 4);
         assert_ne!(e[0].ecx & ECX_HYPERVISOR, 0);
