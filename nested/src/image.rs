@@ -40,6 +40,12 @@ mount -t tmpfs tmpfs /run
 # cgroup v2 for the VMMs' jails (memory, pids, cpu limits per sandbox).
 mkdir -p /sys/fs/cgroup
 mount -t cgroup2 cgroup2 /sys/fs/cgroup || echo "TORPOR-NESTED: cannot mount cgroup2"
+# No transparent huge pages in L1: while an L2 guest touched hundreds of
+# MiB, L1's kernel under TCG hung with khugepaged blocked for minutes, or
+# a vCPU thread's kernel stack overflowed and it panicked (3 runs in 5);
+# khugepaged and compaction move the very pages L2 runs on.
+echo never > /sys/kernel/mm/transparent_hugepage/enabled || echo "TORPOR-NESTED: THP stays on"
+echo never > /sys/kernel/mm/transparent_hugepage/defrag 2>/dev/null
 echo "TORPOR-NESTED-INIT uptime=$(cut -d' ' -f1 /proc/uptime)"
 for m in $(cat /lib/modules/load-order); do
   insmod "/lib/modules/$m" || echo "TORPOR-NESTED: insmod $m failed"
