@@ -289,20 +289,7 @@ fn as_token(
 /// Polls `GET path` on replica `n` with `token` until it answers `status`
 /// (within [`SHARED_WITHIN`]).
 fn wait_token_status(c: &Cluster, n: u16, token: &str, path: &str, status: u16) -> HttpResponse {
-    let deadline = Instant::now() + SHARED_WITHIN;
-    loop {
-        let r = as_token(c, n, token, "GET", path, None);
-        if r.status == status {
-            return r;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "GET {path} on replica {n}: {} {} (not {status} within {SHARED_WITHIN:?})",
-            r.status,
-            r.body
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    c.wait_status_as(n, token, path, status, SHARED_WITHIN)
 }
 
 /// Makes a tenant's token through replica `made`: it is accepted there at

@@ -349,19 +349,32 @@ impl Cluster {
 
     /// Polls `GET path` on replica `n` until it answers `status` (30 s).
     pub fn wait_status(&self, n: u16, path: &str, status: u16) -> HttpResponse {
-        let deadline = Instant::now() + Duration::from_secs(30);
+        self.wait_status_as(n, &self.token, path, status, Duration::from_secs(30))
+    }
+
+    /// Polls `GET path` on replica `n` with `token` until it answers
+    /// `status`, for at most `within`.
+    pub fn wait_status_as(
+        &self,
+        n: u16,
+        token: &str,
+        path: &str,
+        status: u16,
+        within: Duration,
+    ) -> HttpResponse {
+        let deadline = Instant::now() + within;
         loop {
-            let r = self.call(n, "GET", path, None);
+            let r = request(&self.api(n), "GET", path, Some(token), None);
             if r.status == status {
                 return r;
             }
             assert!(
                 Instant::now() < deadline,
-                "GET {path}: {} {}",
+                "GET {path} on replica {n}: {} {} (not {status} within {within:?})",
                 r.status,
                 r.body
             );
-            std::thread::sleep(Duration::from_millis(200));
+            std::thread::sleep(Duration::from_millis(100));
         }
     }
 }
