@@ -61,6 +61,26 @@ pub fn l1_wedged(line: &str) -> bool {
         .any(|m| line.contains(m))
 }
 
+/// A shell function for L1 scripts that build a Linux template through
+/// the API (`$T` is the `torpor` binary): `tpl_create OUT NAME ARGS...`
+/// runs `$T template create --name NAME ARGS...` with its output in OUT,
+/// and once more if it fails, after saying why and deleting what the first
+/// try left. Under TCG, L1's KVM now and then lets a guest's secondary vCPU
+/// triple-fault while the guest brings it up (`KVM_EXIT_SHUTDOWN` on vCPU 1
+/// with an empty console, in about one build of three), which no host with
+/// real virtualization has shown; one more boot goes through.
+pub const TEMPLATE_CREATE_SH: &str = r#"
+tpl_create() {
+  out=$1; name=$2; shift 2
+  for try in 1 2; do
+    $T template create --name "$name" "$@" >"$out" 2>&1 && return 0
+    [ $try = 2 ] && return 1
+    echo "torpor-nested: building template $name failed, trying once more: $(tr '\n' ' ' <"$out")"
+    $T template delete "$name" >/dev/null 2>&1
+  done
+}
+"#;
+
 /// Why a nested run could not give a result.
 #[derive(Debug, thiserror::Error)]
 pub enum NestedError {

@@ -48,8 +48,8 @@ SERVE=$!
 i=0; until $T template list >/dev/null 2>&1 || [ $i -ge 150 ]; do sleep 0.2; i=$((i+1)); done
 sed 's/^/serve-log /' /tmp/serve.log
 t0=$(cut -d' ' -f1 /proc/uptime)
-$T template create --name debian --kind linux --image debian \
-   --mem-mib 512 --vcpus 2 >/tmp/tpl 2>&1
+@TEMPLATE_CREATE_SH@
+tpl_create /tmp/tpl debian --kind linux --image debian --mem-mib 512 --vcpus 2
 echo "template rc=$? id=$(cat /tmp/tpl) uptime=$t0..$(cut -d' ' -f1 /proc/uptime)"
 $T template get debian | sed 's/^/template-info /'
 SBX=$($T sandbox create --template debian 2>/tmp/create.err)
@@ -137,7 +137,8 @@ fn nested_linux_sandbox_through_the_api_exec_files_hibernate_wake() {
     let script = SCRIPT
         .replace("@BURST_MIB@", &BURST_MIB.to_string())
         .replace("@RETURNED_MIB@", &RETURNED_MIB.to_string())
-        .replace("@RETURN_LIMIT_S@", &RETURN_LIMIT_S.to_string());
+        .replace("@RETURN_LIMIT_S@", &RETURN_LIMIT_S.to_string())
+        .replace("@TEMPLATE_CREATE_SH@", torpor_nested::TEMPLATE_CREATE_SH);
     let run = run_logged(&host, "nested_service", &script, Duration::from_secs(2400));
     let o = &run.stdout;
     eprintln!("{o}");

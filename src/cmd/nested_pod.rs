@@ -70,15 +70,17 @@ POD=$!
 export TORPOR_API=https://127.0.0.1:{POD_PORT} TORPOR_API_FINGERPRINT={fingerprint} \
    TORPOR_TOKEN="$(cat /opt/torpor/pod.token)"
 i=0; until $T template list >/dev/null 2>&1 || [ $i -ge 600 ]; do sleep 0.2; i=$((i+1)); done
-if $T template create --name {TEMPLATE} --kind linux --image {TEMPLATE} \
-     --mem-mib 512 --vcpus 2 >/tmp/template.out 2>&1; then
+{create_twice}
+if tpl_create /tmp/template.out {TEMPLATE} --kind linux --image {TEMPLATE} \
+     --mem-mib 512 --vcpus 2; then
   echo '{MARK_READY}'
 else
   echo "{MARK_FAILED} $(tr '\n' ' ' </tmp/template.out)"
   tail -n 30 /tmp/pod.log
 fi
 wait $POD
-"#
+"#,
+        create_twice = torpor_nested::TEMPLATE_CREATE_SH
     )
 }
 

@@ -428,8 +428,18 @@ fn run_vcpu(
             }
             Ok(VcpuExit::Hlt) => {}
             Ok(VcpuExit::Shutdown) => {
+                // Where the vCPU was tells a triple fault in a secondary
+                // CPU's real-mode start-up from one in the running kernel.
+                let (rip, cs, cr0, efer) = match (vcpu.fd.get_regs(), vcpu.fd.get_sregs()) {
+                    (Ok(r), Ok(s)) => (r.rip, s.cs.selector, s.cr0, s.efer),
+                    _ => (0, 0, 0, 0),
+                };
                 tracing::warn!(
                     vcpu = vcpu.index,
+                    rip = format_args!("{rip:#x}"),
+                    cs = format_args!("{cs:#x}"),
+                    cr0 = format_args!("{cr0:#x}"),
+                    efer = format_args!("{efer:#x}"),
                     "the guest shut down (KVM_EXIT_SHUTDOWN: a triple fault or a reset)"
                 );
                 exit.exit(ExitReason::GuestShutdown);
