@@ -522,6 +522,19 @@ pub struct ServeArgs {
     /// sandboxes answer 503 until it is back).
     #[arg(long, value_name = "MS", default_value_t = 4_000)]
     pub cluster_down_after_ms: u64,
+    /// In a cluster: a create's pod must start it within this of its
+    /// admission, else it refuses it; past that and
+    /// --cluster-create-grace-ms, a replica ends its operation as failed
+    /// (503 `unavailable`) and its tenant's quota is free again.
+    #[arg(long, value_name = "MS",
+          default_value_t = torpor_api::cluster::expiry::DEFAULT_START.as_millis() as u64)]
+    pub cluster_create_start_ms: u64,
+    /// In a cluster: how long after its start deadline a create may still
+    /// run (more than a create takes once started) before it is ended as
+    /// failed; a pod deletes a create it finished past it.
+    #[arg(long, value_name = "MS",
+          default_value_t = torpor_api::cluster::expiry::DEFAULT_GRACE.as_millis() as u64)]
+    pub cluster_create_grace_ms: u64,
     /// Register a remote pod (`torpor pod serve`) at start-up:
     /// unix:/PATH or tcp:HOST:PORT (repeatable; each with a --pod-token-file,
     /// in the same order). Pods registered before stay registered.

@@ -752,3 +752,93 @@ fn cluster_templates_are_the_pods_tenant_filtered() {
     }
     assert_eq!(template_names(&c, 2, &acme), probes(&["pod2"]));
 }
+
+/// A create placed on a pod that died holds its tenant's quota only until
+/// its deadlines (`api/src/cluster/expiry.rs`): then it reads failed (503
+/// `unavailable`), the quota is free, and the pod, back, does not run it.
+#[test]
+fn cluster_create_on_a_dead_pod_frees_its_quota() {
+    let c = Cluster::up("expiry");
+    let (token, _) = tenant_token(&c, 1, "stuck");
+    let r = c.call(
+        1,
+        "PUT",
+        "/v1/tenants/stuck/quota",
+        Some(r#"{"total_sandboxes":1}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    // Replica 1 counts a silent pod as up for 10 min (a create goes to a
+    // dead pod), waits 1 s for an outcome, and gives a create 3 s to be
+    // started and 4 s more.
+    c.kill("api1");
+    c.start_api(
+        "api1",
+        "--cluster-down-after-ms 600000 --cluster-wait-ms 1000 \
+         --cluster-create-start-ms 3000 --cluster-create-grace-ms 4000",
+    );
+    c.kill("pod1");
+    c.kill("pod2");
+    let body = Some(r#"{"template":"probe"}"#);
+    let r = as_token(&c, 1, &token, "POST", "/v1/sandboxes", body);
+    assert_eq!(r.status, 202, "{}", r.body);
+    let op = r.json();
+    let (id, pod) = (op["id"].as_str().unwrap(), op["pod"].as_str().unwrap());
+    let location = r.header("location").unwrap().to_string();
+    // Pending, it is counted: the next create is refused.
+    let r = as_token(&c, 1, &token, "POST", "/v1/sandboxes", body);
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "quota_exceeded", "{}", r.body);
+    assert_eq!(
+        c.call(2, "GET", &location, None).json()["status"],
+        "pending"
+    );
+
+    // Past its deadlines a replica ended it: failed, with the typed error.
+    let ended = finished(&c, 2, &location);
+    assert_eq!(ended["status"], "failed", "{ended}");
+    let error = &ended["outcome"]["failed"];
+    assert_eq!(error["status"], 503, "{ended}");
+    assert_eq!(error["code"], "unavailable", "{ended}");
+    let message = error["message"].as_str().unwrap().to_string();
+    assert!(
+        message.contains(id) && message.contains(pod) && message.contains("start deadline"),
+        "{message}"
+    );
+
+    // The quota is free: with the pods back, a create is admitted and made.
+    c.start("pod1");
+    c.start("pod2");
+    // The pod it was placed on takes it again (its work queue) and does
+    // not run it: past its start deadline.
+    let log = c.dir.join(format!("{pod}.log"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("taken past its start deadline")
+    {
+        assert!(Instant::now() < deadline, "{pod} did not refuse {id}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let r = as_token(&c, 1, &token, "POST", "/v1/sandboxes", body);
+    let made = match r.status {
+        201 => r.json(),
+        202 => {
+            let done = finished(&c, 1, r.header("location").unwrap());
+            assert_eq!(done["status"], "done", "{done}");
+            done["outcome"]["sandbox"]["sandbox"].clone()
+        }
+        _ => panic!("{} {}", r.status, r.body),
+    };
+    let made = made["id"].as_str().unwrap().to_string();
+    // The pod's refusal, published after the replica ended it, changed
+    // nothing; and nothing else was made (heartbeats every second).
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(c.call(1, "GET", &location, None).json(), ended);
+    assert_eq!(stored_sandboxes(&c, "stuck"), "1");
+    let held: Vec<Value> = [1, 2]
+        .into_iter()
+        .flat_map(|n| c.pod_sandboxes(n))
+        .collect();
+    assert_eq!(held.len(), 1, "{held:?}");
+    assert_eq!(held[0]["id"], made.as_str());
+}

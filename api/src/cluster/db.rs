@@ -101,6 +101,16 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
         5,
         "ALTER TABLE pods ADD COLUMN catalog jsonb NOT NULL DEFAULT '[]'::jsonb",
     ),
+    // An operation holding quota while pending: when its pod must start
+    // it, and past when replicas end it (`expiry.rs`). 7, not 6: branch
+    // `clusterfork` takes 6.
+    (
+        7,
+        "ALTER TABLE operations ADD COLUMN start_by timestamptz,
+        ADD COLUMN expires_at timestamptz;
+    CREATE INDEX operations_expiring ON operations (expires_at)
+        WHERE status = 'pending' AND expires_at IS NOT NULL;",
+    ),
 ];
 
 /// A connection to PostgreSQL, made again when it broke; and one more,
@@ -148,6 +158,14 @@ pub struct NewOp<'a> {
     pub pod: &'a PodId,
     pub tenant: &'a str,
     pub idempotency_key: Option<&'a str>,
+    /// Its start window and the grace after it (`expiry.rs`): an
+    /// operation admitted against its tenant's quota has them.
+    pub deadlines: Option<(Duration, Duration)>,
+}
+
+/// Milliseconds as PostgreSQL's bigint.
+fn ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
 /// Journals `op` on `c` (with what it `asked`, a create admitted against
@@ -164,8 +182,10 @@ pub(super) async fn insert_operation(
         .map_err(|e| ClusterError::Schema(format!("a create's usage: {e}")))?;
     let inserted = c
         .execute(
-            "INSERT INTO operations (id, kind, sandbox, pod, tenant, idempotency_key, asked)
-             VALUES ($1, $2, $3, $4, $5, $6, $7)
+            "INSERT INTO operations (id, kind, sandbox, pod, tenant, idempotency_key, asked,
+                start_by, expires_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, now() + $8::bigint * interval '1 millisecond',
+                now() + ($8::bigint + $9::bigint) * interval '1 millisecond')
              ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL
              DO NOTHING",
             &[
@@ -176,6 +196,8 @@ pub(super) async fn insert_operation(
                 &op.tenant,
                 &op.idempotency_key,
                 &asked,
+                &op.deadlines.map(|d| ms(d.0)),
+                &op.deadlines.map(|d| ms(d.1)),
             ],
         )
         .await
@@ -193,6 +215,9 @@ pub struct OpRow {
     pub tenant: String,
     pub status: String,
     pub outcome: Option<OpOutcome>,
+    /// Its `start_by` and `expires_at`, unix ms (`expiry.rs`).
+    pub start_by_ms: Option<i64>,
+    pub expires_ms: Option<i64>,
 }
 
 impl Db {
@@ -521,8 +546,10 @@ impl Db {
         let c = self.client().await?;
         let row = c
             .query_opt(
-                "SELECT id, kind, sandbox, pod, tenant, status, outcome FROM operations
-                 WHERE id = $1",
+                "SELECT id, kind, sandbox, pod, tenant, status, outcome,
+                    (extract(epoch FROM start_by) * 1000)::bigint,
+                    (extract(epoch FROM expires_at) * 1000)::bigint
+                 FROM operations WHERE id = $1",
                 &[&id],
             )
             .await
@@ -540,6 +567,8 @@ impl Db {
                     .map(serde_json::from_value)
                     .transpose()
                     .map_err(|e| ClusterError::Schema(format!("operation {id}: {e}")))?,
+                start_by_ms: r.get(7),
+                expires_ms: r.get(8),
             })
         })
         .transpose()

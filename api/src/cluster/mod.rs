@@ -22,6 +22,7 @@ pub mod admission;
 pub mod catalog;
 pub mod db;
 pub mod events;
+pub mod expiry;
 pub mod pod;
 pub mod replica;
 pub mod tenants;
@@ -118,6 +119,14 @@ pub struct ClusterConfig {
     pub heartbeat: Duration,
     /// Each data-plane call to a pod.
     pub io_timeout: Duration,
+    /// A create (an operation that holds its tenant's quota while it is
+    /// pending) must be started by its pod within this of its admission,
+    /// else the pod refuses it (`expiry.rs`).
+    pub create_start: Duration,
+    /// After that start deadline, how long more a started create may take
+    /// before a replica ends it as failed and frees its quota
+    /// (`expiry.rs`): longer than a create takes once started.
+    pub create_grace: Duration,
 }
 
 impl ClusterConfig {
@@ -128,6 +137,8 @@ impl ClusterConfig {
             down_after: Duration::from_secs(4),
             heartbeat: Duration::from_secs(1),
             io_timeout: Duration::from_secs(60),
+            create_start: expiry::DEFAULT_START,
+            create_grace: expiry::DEFAULT_GRACE,
         }
     }
 }

@@ -20,6 +20,7 @@ use torpor_scheduler::service::{Owner, ServiceError};
 
 use crate::service::SandboxFilter;
 
+use super::expiry::{self, Deadlines};
 use super::wire::{self, Command, Event, Heartbeat, OpError, OpOutcome, WorkItem};
 use super::{ClusterConfig, ClusterError};
 use crate::backend::SandboxApi;
@@ -179,6 +180,7 @@ async fn work<S: SandboxApi>(
                 .await;
             continue;
         }
+        let deadlines = Deadlines::from_headers(message.headers.as_ref());
         // Kept from a redelivery while it waits for its turn and runs.
         let progress = wire::InProgress::start(&message);
         let permit = permits
@@ -195,7 +197,7 @@ async fn work<S: SandboxApi>(
         );
         tokio::spawn(async move {
             let op = item.operation.clone();
-            let taken = take(service, &me, journal, &js, item).await;
+            let taken = take(service, &me, journal, &js, item, deadlines).await;
             drop(progress);
             match taken {
                 Ok(()) => {
@@ -233,9 +235,11 @@ async fn take<S: SandboxApi>(
     journal: Arc<Journal>,
     js: &jetstream::Context,
     item: WorkItem,
+    deadlines: Option<Deadlines>,
 ) -> Result<(), ClusterError> {
     let pod = me.id.clone();
     let op = item.operation.clone();
+    let op_id = op.clone();
     let outcome = tokio::task::spawn_blocking(move || -> Result<OpOutcome, ClusterError> {
         let outcome = match journal.begin(&item.operation)? {
             Journaled::Done(outcome) => return Ok(outcome),
@@ -248,7 +252,7 @@ async fn take<S: SandboxApi>(
                     item.operation
                 ),
             }),
-            Journaled::New => execute(&*service, &pod, item.command),
+            Journaled::New => in_time(&*service, &pod, &op_id, item.command, deadlines),
         };
         journal.finish(&item.operation, &outcome)?;
         Ok(outcome)
@@ -272,6 +276,40 @@ async fn take<S: SandboxApi>(
 fn named(mut s: Sandbox, pod: &PodId) -> Sandbox {
     s.pod = Some(pod.clone());
     s
+}
+
+/// [`execute`] unless it is taken past its start deadline (refused, not
+/// run); a create that ended past its expiry deleted again (a replica may
+/// have ended its operation: `expiry.rs`).
+fn in_time<S: SandboxApi>(
+    service: &S,
+    pod: &PodId,
+    op: &str,
+    command: Command,
+    deadlines: Option<Deadlines>,
+) -> OpOutcome {
+    let deadlines = deadlines.as_ref();
+    if let Some(refused) = expiry::not_started(deadlines, expiry::now_ms(), pod, op) {
+        tracing::warn!(operation = op, "taken past its start deadline: not run");
+        return refused;
+    }
+    let create = matches!(command, Command::Create { .. });
+    let outcome = execute(service, pod, command);
+    let late = expiry::too_late(deadlines, expiry::now_ms(), pod, op);
+    match (outcome, late) {
+        (OpOutcome::Sandbox { sandbox, resumed }, Some(late)) if create => {
+            match service.delete_sandbox(&sandbox.id) {
+                Ok(()) => late,
+                Err(e) => {
+                    // It stays: reported as made (its heartbeat lists it,
+                    // so it is counted against its tenant's quota).
+                    tracing::warn!(operation = op, error = %e, "a late create not deleted");
+                    OpOutcome::Sandbox { sandbox, resumed }
+                }
+            }
+        }
+        (outcome, _) => outcome,
+    }
 }
 
 fn execute<S: SandboxApi>(service: &S, pod: &PodId, command: Command) -> OpOutcome {

@@ -78,6 +78,8 @@ impl Cluster {
         let js = jetstream::new(nats);
         wire::ensure_streams(&js).await?;
         tokio::spawn(super::events::run(js.clone(), db.clone()));
+        let sweep = super::expiry::sweep_period(config.create_grace);
+        tokio::spawn(super::expiry::run(db.clone(), sweep));
         Ok(Arc::new(Cluster {
             rt: tokio::runtime::Handle::current(),
             db,
@@ -166,6 +168,9 @@ impl Cluster {
             pod,
             tenant,
             idempotency_key: key.as_deref(),
+            // What holds quota while pending is ended if its pod does not
+            // run it in time (`expiry.rs`).
+            deadlines: asked.map(|_| (self.config.create_start, self.config.create_grace)),
         };
         let (op, fresh) = self.db.begin_operation(&new, asked).await?;
         if !fresh {
@@ -194,7 +199,13 @@ impl Cluster {
                 command,
             };
             let placed = PodId::new(op.pod.clone());
-            wire::publish(&self.js, wire::work_subject(&placed), Some(&op.id), &item).await?;
+            // Its deadlines as journaled: a retry does not extend them.
+            let mut headers = async_nats::HeaderMap::new();
+            if let Some(d) = super::expiry::Deadlines::of(op.start_by_ms, op.expires_ms) {
+                d.add_to(&mut headers);
+            }
+            let subject = wire::work_subject(&placed);
+            wire::publish_with(&self.js, subject, Some(&op.id), headers, &item).await?;
         }
         self.wait(op).await
     }

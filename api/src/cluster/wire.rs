@@ -461,6 +461,17 @@ pub async fn publish<T: Serialize>(
     msg_id: Option<&str>,
     value: &T,
 ) -> Result<(), ClusterError> {
+    publish_with(js, subject, msg_id, async_nats::HeaderMap::new(), value).await
+}
+
+/// [`publish`] with these `headers` too.
+pub async fn publish_with<T: Serialize>(
+    js: &jetstream::Context,
+    subject: String,
+    msg_id: Option<&str>,
+    mut headers: async_nats::HeaderMap,
+    value: &T,
+) -> Result<(), ClusterError> {
     let body = serde_json::to_vec(value).map_err(|e| ClusterError::Nats(e.to_string()))?;
     if body.len() > MAX_MESSAGE {
         return Err(ClusterError::Nats(format!(
@@ -468,7 +479,6 @@ pub async fn publish<T: Serialize>(
             body.len()
         )));
     }
-    let mut headers = async_nats::HeaderMap::new();
     if let Some(id) = msg_id {
         headers.insert("Nats-Msg-Id", id);
     }
