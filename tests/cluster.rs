@@ -779,7 +779,12 @@ fn cluster_create_on_a_dead_pod_frees_its_quota() {
     c.kill("pod1");
     c.kill("pod2");
     let body = Some(r#"{"template":"probe"}"#);
-    let r = as_token(&c, 1, &token, "POST", "/v1/sandboxes", body);
+    let auth = format!("Bearer {token}");
+    let keyed = [
+        ("Idempotency-Key", "stuck-1"),
+        ("Authorization", auth.as_str()),
+    ];
+    let r = request_with(&c.api(1), "POST", "/v1/sandboxes", &keyed, body);
     assert_eq!(r.status, 202, "{}", r.body);
     let op = r.json();
     let (id, pod) = (op["id"].as_str().unwrap(), op["pod"].as_str().unwrap());
@@ -804,6 +809,11 @@ fn cluster_create_on_a_dead_pod_frees_its_quota() {
         message.contains(id) && message.contains(pod) && message.contains("start deadline"),
         "{message}"
     );
+    // A retry with its key reads that failure (503), as for any operation
+    // (through replica 1: 2 places nothing while no pod is up).
+    let r = request_with(&c.api(1), "POST", "/v1/sandboxes", &keyed, body);
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "unavailable", "{}", r.body);
 
     // The quota is free: with the pods back, a create is admitted and made.
     c.start("pod1");

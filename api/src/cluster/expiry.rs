@@ -72,6 +72,10 @@ pub const EXPIRES_HEADER: &str = "Torpor-Expires";
 
 /// Seconds after which a client may try again.
 const RETRY_AFTER_S: u64 = 1;
+/// A retry with the operation's `Idempotency-Key` reads its outcome, this
+/// failure, as for any operation: only a new request makes one again (a
+/// freed key could make a second sandbox, should the first be made late).
+const AGAIN: &str = "a retry with the same Idempotency-Key reads this failure";
 
 /// An operation's deadlines, unix milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,7 +134,7 @@ pub fn not_started(
     (now_ms > d.start_by_ms).then(|| {
         failed(format!(
             "pod {pod} took operation {operation} {} ms past its start deadline (it was down, \
-             stopped or behind): not started, nothing was made; try again",
+             stopped or behind): not started, nothing was made; create again ({AGAIN})",
             now_ms - d.start_by_ms
         ))
     })
@@ -148,7 +152,7 @@ pub fn too_late(
     (now_ms > d.expires_ms).then(|| {
         failed(format!(
             "pod {pod} finished operation {operation} {} ms past its expiry: what it made was \
-             deleted; try again",
+             deleted; create again ({AGAIN})",
             now_ms - d.expires_ms
         ))
     })
@@ -159,8 +163,10 @@ pub fn too_late(
 fn expired_outcome() -> Result<serde_json::Value, ClusterError> {
     let outcome = failed(
         "pod %s did not start operation %s by its start deadline, nor end it within its grace \
-         (it was down, stopped or behind): ended as failed, its quota freed; try again"
-            .into(),
+         (it was down, stopped or behind): ended as failed, its quota freed; create again ("
+            .to_string()
+            + AGAIN
+            + ")",
     );
     serde_json::to_value(outcome).map_err(|e| ClusterError::Schema(e.to_string()))
 }

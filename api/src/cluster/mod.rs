@@ -17,6 +17,9 @@
 //!   once (its local journal), publishes the result, then acks.
 //! - A pod silent for longer than `down_after` is down: its sandboxes
 //!   answer 503 `unavailable` with the reason until it is back.
+//! - A create its pod does not start in time (dead, stopped) is refused
+//!   by the pod, or ended by the replicas, as failed: its tenant's quota
+//!   is not held for ever ([`expiry`]).
 
 pub mod admission;
 pub mod catalog;

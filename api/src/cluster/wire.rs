@@ -160,7 +160,9 @@ impl From<Command> for WireCommand {
     }
 }
 
-/// One operation for one pod.
+/// One operation for one pod. Its deadlines, if it has any, travel as
+/// headers beside it, not as fields (`expiry.rs`: an older pod refuses an
+/// unknown field).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkItem {
