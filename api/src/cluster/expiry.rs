@@ -43,8 +43,11 @@
 //!
 //! Wire: the deadlines travel as NATS headers, not [`WorkItem`] fields
 //! (`WorkItem` denies unknown fields: a pod of an older build would drop an
-//! item with a new field; it ignores headers and runs the item as before).
-//! An item from an older replica has none: no deadline, as before.
+//! item with a new field; it ignores headers and runs the item as before:
+//! the replicas still end its operation, and a sandbox it makes late is
+//! written by its heartbeat, so listed and counted). An item from an older
+//! replica has none: no deadline, as before; nor has its operation (the
+//! columns are null), which the sweep leaves alone.
 //!
 //! [`WorkItem`]: super::wire::WorkItem
 
