@@ -145,9 +145,11 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError>;
 
     fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError>;
-    /// Whether [`SandboxApi::create_sandbox`] admits a create against its
-    /// tenant's quota itself (a cluster replica: in PostgreSQL, atomically
-    /// across replicas); otherwise the API's [`crate::quota::Quotas`] do.
+    /// Whether [`SandboxApi::create_sandbox`] and
+    /// [`SandboxApi::fork_sandboxes`] admit a create or the forks against
+    /// the tenant's quota themselves (a cluster replica: in PostgreSQL,
+    /// atomically across replicas); otherwise the API's
+    /// [`crate::quota::Quotas`] do.
     fn admits_creates(&self) -> bool {
         false
     }
@@ -235,6 +237,33 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
 
     fn fork_sandbox(&self, _id: &SandboxId, _req: ForkSandbox) -> Result<Sandbox, ServiceError> {
         Err(no_checkpoints())
+    }
+    /// `count` forks of `id` (`req.count` is ignored), all or none: one
+    /// [`SandboxApi::fork_sandbox`] after another, and those made deleted
+    /// again if one fails (the cluster sends them to the source's pod as
+    /// one operation instead). Quota admission is the caller's.
+    fn fork_sandboxes(
+        &self,
+        id: &SandboxId,
+        mut req: ForkSandbox,
+        count: u32,
+    ) -> Result<Vec<Sandbox>, ServiceError> {
+        req.count = None;
+        let mut made: Vec<Sandbox> = Vec::new();
+        for _ in 0..count {
+            match self.fork_sandbox(id, req.clone()) {
+                Ok(fork) => made.push(fork),
+                Err(e) => {
+                    for fork in &made {
+                        if let Err(undo) = self.delete_sandbox(&fork.id) {
+                            tracing::warn!(fork = %fork.id, error = %undo, "a fork left after its request failed");
+                        }
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(made)
     }
     /// Snapshot-as-template (`POST /v1/sandboxes/{id}/template`).
     fn template_from_sandbox(

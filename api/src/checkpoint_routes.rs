@@ -3,14 +3,18 @@
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use axum::response::Response;
-use axum::Json;
-use torpor_scheduler::model::{Checkpoint, SandboxId};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use torpor_scheduler::model::{Checkpoint, Sandbox, SandboxId};
 
+use crate::auth::Principal;
 use crate::backend::{on_pod, Needs, SandboxApi};
+use crate::error::ApiError;
 use crate::handlers::{call, created, Api, ApiResult};
+use crate::quota::Usage;
 use crate::service::{
     check_lifetimes, CreateCheckpoint, ForkSandbox, RestoreCheckpoint, TemplateFromSandbox,
+    MAX_FORK_COUNT,
 };
 use crate::wire::{ApiJson, OutcomeBody};
 
@@ -76,19 +80,55 @@ pub async fn restore<S: SandboxApi>(
     ))
 }
 
+/// `POST /v1/sandboxes/{id}/fork` with `count`: the forks, all made.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct ForkList {
+    pub sandboxes: Vec<Sandbox>,
+}
+
+/// `POST /v1/sandboxes/{id}/fork`: one fork (201 with it), or with
+/// `count` that many (201 with [`ForkList`]), all or none.
 pub async fn fork<S: SandboxApi>(
     State(st): Api<S>,
+    Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
-    ApiJson(body): ApiJson<ForkSandbox>,
+    ApiJson(mut body): ApiJson<ForkSandbox>,
 ) -> ApiResult<Response> {
     check_lifetimes(body.keep_alive_ms, body.timeout_ms)?;
     let id = SandboxId::new(id);
-    let sandbox = call(&st, move |s| s.fork_sandbox(&id, body)).await?;
-    Ok(created(
-        format!("/v1/sandboxes/{}", sandbox.id),
-        false,
-        sandbox,
-    ))
+    let Some(count) = body.count.take() else {
+        let sandbox = call(&st, move |s| s.fork_sandbox(&id, body)).await?;
+        return Ok(created(
+            format!("/v1/sandboxes/{}", sandbox.id),
+            false,
+            sandbox,
+        ));
+    };
+    if !(1..=MAX_FORK_COUNT).contains(&count) {
+        return Err(ApiError::invalid(format!(
+            "count {count} is not from 1 to {MAX_FORK_COUNT}"
+        )));
+    }
+    let tenancy = st.tenancy.clone();
+    let sandboxes = call(&st, move |s| {
+        // The route's layer admitted one fork (`tenancy::sandbox_guard`);
+        // the others here, held until all are made. A backend admitting
+        // its own (a cluster: all `count` at once, in PostgreSQL) has
+        // neither.
+        let _more = if s.admits_creates() || count == 1 {
+            None
+        } else {
+            let mem = u64::from(s.get_sandbox(&id)?.mem_mib);
+            let mut more = Usage::default();
+            for _ in 1..count {
+                more.add(&Usage::sandbox(mem));
+            }
+            crate::tenancy::admit(&tenancy, &principal, more)?
+        };
+        s.fork_sandboxes(&id, body, count)
+    })
+    .await?;
+    Ok((StatusCode::CREATED, Json(ForkList { sandboxes })).into_response())
 }
 
 /// `POST /v1/sandboxes/{id}/template`: snapshot-as-template.

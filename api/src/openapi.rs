@@ -43,6 +43,7 @@ use crate::ROUTES;
     crate::network_routes::PortList,
     crate::network_routes::ExposePort,
     crate::checkpoint_routes::CheckpointList,
+    crate::checkpoint_routes::ForkList,
     torpor_scheduler::model::Template,
     torpor_scheduler::model::Sandbox,
     torpor_scheduler::model::Checkpoint,
@@ -401,6 +402,8 @@ mod tests {
             );
             assert_eq!(props["timeout_ms"]["maximum"], MAX_TIMEOUT_MS, "{schema}");
         }
+        let count = &d["components"]["schemas"]["ForkSandbox"]["properties"]["count"];
+        assert_eq!(count["maximum"], crate::service::MAX_FORK_COUNT, "{count}");
     }
 
     #[test]

@@ -75,8 +75,10 @@ impl Cluster {
         let dir =
             std::env::temp_dir().join(format!("torpor-cluster-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let nth = STARTED.fetch_add(1, Ordering::Relaxed) % 4;
-        let port = 20_000 + (std::process::id() % 1_800) as u16 * 24 + nth * 6;
+        // Five clusters per process (tests/cluster.rs starts five), six
+        // ports each; the highest base is 20_000 + 1_499 * 30 + 24.
+        let nth = STARTED.fetch_add(1, Ordering::Relaxed) % 5;
+        let port = 20_000 + (std::process::id() % 1_500) as u16 * 30 + nth * 6;
         // Dropped (stopped) if `up` or the wait for the pods fails.
         let mut c = Cluster {
             dir,

@@ -102,14 +102,21 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
         "ALTER TABLE pods ADD COLUMN catalog jsonb NOT NULL DEFAULT '[]'::jsonb",
     ),
     // An operation holding quota while pending: when its pod must start
-    // it, and past when replicas end it (`expiry.rs`). 7, not 6: branch
-    // `clusterfork` takes 6.
+    // it, and past when replicas end it (`expiry.rs`).
     (
         7,
         "ALTER TABLE operations ADD COLUMN start_by timestamptz,
         ADD COLUMN expires_at timestamptz;
     CREATE INDEX operations_expiring ON operations (expires_at)
         WHERE status = 'pending' AND expires_at IS NOT NULL;",
+    ),
+    // A fork's admission counts it while pending, as a create
+    // (`admission.rs`). 8, not 6 (kept for it while 7 was written): a
+    // database already at 7 would skip a 6; 6 stays unused.
+    (
+        8,
+        "CREATE INDEX operations_pending_fork ON operations (tenant)
+        WHERE kind = 'fork' AND status = 'pending';",
     ),
 ];
 
@@ -469,6 +476,40 @@ impl Db {
                 )
                 .await
             }
+            OpOutcome::Sandboxes { sandboxes } => {
+                // A fork's: every new sandbox's row with the operation,
+                // in the same one statement (the operation keeps its
+                // source sandbox).
+                let mut columns = ForkRows::default();
+                for s in sandboxes {
+                    columns.push(s)?;
+                }
+                c.execute(
+                    "WITH op AS (
+                        UPDATE operations SET status = $2, outcome = $3, finished_at = now()
+                        WHERE id = $1 AND pod = $4 AND status = 'pending' RETURNING id)
+                     INSERT INTO sandboxes (id, pod, tenant, state, generation, body)
+                     SELECT n.id, $4::text, n.tenant, n.state, n.generation, n.body
+                     FROM op, unnest($5::text[], $6::text[], $7::text[], $8::bigint[],
+                        $9::jsonb[]) AS n(id, tenant, state, generation, body)
+                     ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state,
+                        generation = EXCLUDED.generation, body = EXCLUDED.body,
+                        updated_at = now()
+                     WHERE sandboxes.pod = $4 AND sandboxes.generation <= EXCLUDED.generation",
+                    &[
+                        &operation,
+                        &status,
+                        &json,
+                        &pod.as_str(),
+                        &columns.ids,
+                        &columns.tenants,
+                        &columns.states,
+                        &columns.generations,
+                        &columns.bodies,
+                    ],
+                )
+                .await
+            }
             OpOutcome::Failed(_) => {
                 let sql = format!("{PENDING} SELECT count(*) FROM op");
                 c.execute(
@@ -656,6 +697,28 @@ impl Db {
         rows.into_iter()
             .map(|r| Self::sandbox_of(r.get(0), r.get(1)).map(|(s, _)| s))
             .collect()
+    }
+}
+
+/// A fork's new sandboxes as the columns of their rows ([`Db::finish`]).
+#[derive(Default)]
+struct ForkRows {
+    ids: Vec<String>,
+    tenants: Vec<Option<String>>,
+    states: Vec<String>,
+    generations: Vec<i64>,
+    bodies: Vec<Value>,
+}
+
+impl ForkRows {
+    fn push(&mut self, s: &Sandbox) -> Result<(), ClusterError> {
+        let body = serde_json::to_value(s).map_err(|e| ClusterError::Postgres(e.to_string()))?;
+        self.ids.push(s.id.as_str().to_string());
+        self.tenants.push(s.tenant.clone());
+        self.states.push(s.state.as_str().to_string());
+        self.generations.push(s.generation as i64);
+        self.bodies.push(body);
+        Ok(())
     }
 }
 

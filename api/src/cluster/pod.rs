@@ -339,6 +339,24 @@ fn execute<S: SandboxApi>(service: &S, pod: &PodId, command: Command) -> OpOutco
             Ok(()) => OpOutcome::Deleted { sandbox },
             Err(e) => OpOutcome::Failed(e.into()),
         },
+        Command::Fork {
+            sandbox,
+            mut request,
+        } => {
+            // All of them or none (`fork_sandboxes` deletes those made if
+            // one fails); each is the source's tenant's (`fork_sandbox`).
+            let count = request.count.take().unwrap_or(1);
+            if !(1..=crate::service::MAX_FORK_COUNT).contains(&count) {
+                let e = ServiceError::Invalid(format!("a fork count of {count}"));
+                return OpOutcome::Failed(e.into());
+            }
+            match service.fork_sandboxes(&sandbox, *request, count) {
+                Ok(forks) => OpOutcome::Sandboxes {
+                    sandboxes: forks.into_iter().map(|s| named(s, pod)).collect(),
+                },
+                Err(e) => OpOutcome::Failed(e.into()),
+            }
+        }
     }
 }
 

@@ -18,8 +18,8 @@ use crate::error::code;
 use crate::federation::RemotePod;
 use crate::quota::Usage;
 use crate::service::{
-    AgentLink, Cancel, CreateSandbox, ExecRequest, GuestCall, GuestError, Outcome, PodView,
-    SandboxFilter, ServiceError,
+    AgentLink, Cancel, CreateSandbox, ExecRequest, ForkSandbox, GuestCall, GuestError, Outcome,
+    PodView, SandboxFilter, ServiceError,
 };
 use crate::tls::Fingerprint;
 
@@ -250,6 +250,9 @@ impl Cluster {
                 kind: "sandbox",
                 id: sandbox.to_string(),
             }),
+            OpOutcome::Sandboxes { .. } => Err(ServiceError::Internal(
+                "a command answered with a fork's sandboxes".into(),
+            )),
         }
     }
 
@@ -342,7 +345,7 @@ fn is_command(method: &str, path: &str) -> bool {
     let segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
     match (method, segments.len()) {
         ("GET" | "DELETE", 4) => true,
-        ("POST", 5) => Lifecycle::from_name(segments[4]).is_some(),
+        ("POST", 5) => Lifecycle::from_name(segments[4]).is_some() || segments[4] == "fork",
         _ => false,
     }
 }
@@ -428,6 +431,44 @@ impl SandboxApi for Cluster {
 
     fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
         self.block(self.owned_up(id)).map(|(s, _)| s)
+    }
+
+    fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
+        let mut forks = self.fork_sandboxes(id, req, 1)?;
+        forks
+            .pop()
+            .ok_or_else(|| ServiceError::Internal(format!("a fork of {id} made no sandbox")))
+    }
+
+    /// One operation on the source's pod (its snapshots are there),
+    /// admitted for all `count` forks at once against the source's
+    /// tenant's quota, as a create is.
+    fn fork_sandboxes(
+        &self,
+        id: &SandboxId,
+        mut req: ForkSandbox,
+        count: u32,
+    ) -> Result<Vec<Sandbox>, ServiceError> {
+        self.block(async {
+            let (source, pod) = self.owned_up(id).await?;
+            let tenant = source.tenant.clone().unwrap_or_default();
+            let mut asked = Usage::default();
+            for _ in 0..count {
+                asked.add(&Usage::sandbox(u64::from(source.mem_mib)));
+            }
+            req.count = Some(count);
+            let command = Command::Fork {
+                sandbox: id.clone(),
+                request: Box::new(req),
+            };
+            match self.run(&pod.id, &tenant, command, Some(&asked)).await? {
+                OpOutcome::Sandboxes { sandboxes } => Ok(sandboxes),
+                OpOutcome::Failed(e) => Err(e.into()),
+                other => Err(ServiceError::Internal(format!(
+                    "a fork of {id} answered {other:?}"
+                ))),
+            }
+        })
     }
 
     fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
@@ -638,6 +679,7 @@ mod tests {
         assert!(is_command("DELETE", "/v1/sandboxes/sb_1"));
         assert!(is_command("POST", "/v1/sandboxes/sb_1/hibernate"));
         assert!(is_command("POST", "/v1/sandboxes/sb_1/connect"));
+        assert!(is_command("POST", "/v1/sandboxes/sb_1/fork"));
         assert!(!is_command("PATCH", "/v1/sandboxes/sb_1"));
         assert!(!is_command("POST", "/v1/sandboxes/sb_1/exec"));
         assert!(!is_command("GET", "/v1/sandboxes/sb_1/files"));

@@ -16,7 +16,7 @@ use async_nats::jetstream::{self, consumer, stream};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template};
-use torpor_scheduler::service::{CreateSandbox, ServiceError};
+use torpor_scheduler::service::{CreateSandbox, ForkSandbox, ServiceError};
 
 use super::ClusterError;
 use crate::backend::Lifecycle;
@@ -67,6 +67,13 @@ pub enum Command {
     Delete {
         sandbox: SandboxId,
     },
+    /// `request.count` forks of `sandbox` (1 without it), made on its pod
+    /// (which holds its snapshots), all or none; the outcome is
+    /// [`OpOutcome::Sandboxes`].
+    Fork {
+        sandbox: SandboxId,
+        request: Box<ForkSandbox>,
+    },
 }
 
 impl Command {
@@ -75,13 +82,16 @@ impl Command {
             Command::Create { .. } => "create",
             Command::Lifecycle { op, .. } => op.name(),
             Command::Delete { .. } => "delete",
+            Command::Fork { .. } => "fork",
         }
     }
 
     pub fn sandbox(&self) -> Option<&SandboxId> {
         match self {
             Command::Create { .. } => None,
-            Command::Lifecycle { sandbox, .. } | Command::Delete { sandbox } => Some(sandbox),
+            Command::Lifecycle { sandbox, .. }
+            | Command::Delete { sandbox }
+            | Command::Fork { sandbox, .. } => Some(sandbox),
         }
     }
 }
@@ -89,6 +99,13 @@ impl Command {
 /// [`Command`] as sent and journalled: each lifecycle call its own
 /// `kind`, as before [`Command::Lifecycle`], so pods, API replicas and
 /// queued messages of either build read each other.
+///
+/// `fork` is newer than the other kinds, with no version of its own: a
+/// pod built before it drops a fork's work item as unreadable (and acks
+/// it), so the operation stays pending (202, `GET /v1/operations/{id}`
+/// `pending`) and a replica built before [`OpOutcome::Sandboxes`] cannot
+/// read its result. Upgrade replicas, then pods, before forking in a
+/// cluster (the replicas first, as for heartbeats).
 #[derive(Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 enum WireCommand {
@@ -113,6 +130,10 @@ enum WireCommand {
     Delete {
         sandbox: SandboxId,
     },
+    Fork {
+        sandbox: SandboxId,
+        request: Box<ForkSandbox>,
+    },
 }
 
 impl From<WireCommand> for Command {
@@ -133,6 +154,7 @@ impl From<WireCommand> for Command {
             WireCommand::Connect { sandbox } => lifecycle(sandbox, Lifecycle::Connect),
             WireCommand::Hibernate { sandbox } => lifecycle(sandbox, Lifecycle::Hibernate),
             WireCommand::Delete { sandbox } => Command::Delete { sandbox },
+            WireCommand::Fork { sandbox, request } => Command::Fork { sandbox, request },
         }
     }
 }
@@ -156,6 +178,7 @@ impl From<Command> for WireCommand {
                 Lifecycle::Hibernate => WireCommand::Hibernate { sandbox },
             },
             Command::Delete { sandbox } => WireCommand::Delete { sandbox },
+            Command::Fork { sandbox, request } => WireCommand::Fork { sandbox, request },
         }
     }
 }
@@ -201,8 +224,8 @@ impl From<OpError> for ServiceError {
     }
 }
 
-/// What an operation did: the sandbox after it (none after a delete), or
-/// the error.
+/// What an operation did: the sandbox after it (none after a delete; the
+/// new ones after a fork), or the error.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum OpOutcome {
@@ -213,6 +236,11 @@ pub enum OpOutcome {
     },
     Deleted {
         sandbox: SandboxId,
+    },
+    /// A fork's sandboxes, all of its count (newer than the others: see
+    /// [`WireCommand`] on upgrading).
+    Sandboxes {
+        sandboxes: Vec<Sandbox>,
     },
     Failed(OpError),
 }
@@ -516,5 +544,32 @@ mod tests {
         assert!(serde_json::from_value::<Command>(unknown).is_err());
         let extra = serde_json::json!({"kind": "pause", "sandbox": "sb_1", "op": "pause"});
         assert!(serde_json::from_value::<Command>(extra).is_err());
+    }
+
+    #[test]
+    fn a_fork_carries_its_request_and_count() {
+        let sent = serde_json::json!({
+            "kind": "fork",
+            "sandbox": "sb_1",
+            "request": {"count": 3, "metadata": {"k": "v"}, "timeout_ms": 5000},
+        });
+        let command: Command = serde_json::from_value(sent).unwrap();
+        assert_eq!(command.kind(), "fork");
+        assert_eq!(command.sandbox().map(|s| s.as_str()), Some("sb_1"));
+        let Command::Fork { request, .. } = &command else {
+            panic!("{command:?}");
+        };
+        assert_eq!(request.count, Some(3));
+        assert_eq!(request.timeout_ms, Some(5000));
+        assert_eq!(request.metadata["k"], "v");
+        let back = serde_json::to_value(&command).unwrap();
+        assert_eq!(back["kind"], "fork");
+        assert_eq!(back["request"]["count"], 3);
+        // A request field the pod does not know is refused, not dropped.
+        let odd = serde_json::json!({"kind": "fork", "sandbox": "sb_1", "request": {"cnt": 2}});
+        assert!(serde_json::from_value::<Command>(odd).is_err());
+        let outcome: OpOutcome =
+            serde_json::from_value(serde_json::json!({"sandboxes": {"sandboxes": []}})).unwrap();
+        assert!(matches!(outcome, OpOutcome::Sandboxes { sandboxes } if sandboxes.is_empty()));
     }
 }

@@ -27,7 +27,7 @@ pub const DEFAULT_TIMEOUT_S: u64 = 300;
 /// Largest page of a list.
 pub const MAX_LIMIT: usize = 100;
 /// Largest `count` of a fork (the SDK's `MAX_FORK_COUNT`).
-pub const MAX_FORK_COUNT: u32 = 20;
+pub use crate::service::MAX_FORK_COUNT;
 
 /// `POST /sandboxes` (v1, `NewSandbox`) and `POST /v2/sandboxes`
 /// (`NewSandboxV2`): the same fields here.

@@ -193,6 +193,13 @@ async fn fork<S: SandboxApi>(
             _ => return ApiError::invalid("the fork body must be a JSON object").into_response(),
         }
     };
+    if body.get("count").is_some() {
+        // Its pod would answer a list, recorded here as one sandbox.
+        return ApiError::from(crate::service::ServiceError::Unsupported(
+            "a federation forks a remote pod's sandbox one at a time: no count".into(),
+        ))
+        .into_response();
+    }
     let result = tokio::task::spawn_blocking(move || {
         crate::backend::registry(&*service)?.forward_fork(&pod, &path, body)
     })

@@ -89,7 +89,16 @@ pub struct ForkSandbox {
     /// Wait (up to 30 s) for capacity instead of refusing at once.
     #[serde(default)]
     pub queue: bool,
+    /// How many forks to make, 1 to [`MAX_FORK_COUNT`]: with it the API
+    /// answers them as a list, all made or none (each admitted against the
+    /// tenant's quota first). The API's: [`Service::fork_sandbox`] makes
+    /// one, and refuses another count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub count: Option<u32>,
 }
+
+/// Largest `count` of one fork request (E2B's SDK's `MAX_FORK_COUNT`).
+pub const MAX_FORK_COUNT: u32 = 20;
 
 /// 1 to 64 characters of `A-Z a-z 0-9 . _ -`, starting with a letter or
 /// digit (names appear in URLs and file listings).
@@ -281,6 +290,11 @@ impl Service {
     /// snapshot of its current state; the source goes on as it was.
     pub fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
         check_lifetimes(req.keep_alive_ms, req.timeout_ms)?;
+        if req.count.is_some_and(|n| n != 1) {
+            return Err(ServiceError::Invalid(
+                "the service makes one fork per call; a count is the API's".into(),
+            ));
+        }
         if let Some(name) = &req.checkpoint {
             validate_checkpoint_name(name)?;
         }

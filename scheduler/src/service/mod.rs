@@ -41,7 +41,7 @@ use crate::store::{Store, StoreError};
 pub use cancel::Cancel;
 pub use checkpoint::{
     validate_checkpoint_name, CreateCheckpoint, ForkSandbox, RestoreCheckpoint,
-    MAX_CHECKPOINT_NAME, STALL_ENV,
+    MAX_CHECKPOINT_NAME, MAX_FORK_COUNT, STALL_ENV,
 };
 pub use guest::{AgentLink, Dialer, GuestCall, GuestError};
 pub use lifetime::{check_lifetimes, MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS};
