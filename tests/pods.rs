@@ -235,6 +235,9 @@ fn unix_and_tcp_pods_are_placed_on_routed_to_and_listed() {
         Some(json!({"metadata": "x"})),
     );
     assert_eq!(bad_fork.status, 400, "{}", bad_fork.body);
+    // A federation forks a remote sandbox one at a time.
+    let counted = central.call("POST", &format!("{base}/fork"), Some(json!({"count": 2})));
+    assert_eq!(counted.status, 501, "{}", counted.body);
     // Fork lands on the source's pod.
     let fork = central.ok("POST", &format!("{base}/fork"), Some(json!({})));
     assert_eq!(fork["pod"], u.as_str(), "{fork}");

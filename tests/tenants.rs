@@ -532,6 +532,50 @@ fn wakes_and_e2b_routes_are_admitted_against_the_same_quotas() {
     assert_eq!(state(&first), "running");
 }
 
+/// A fork with `count` is admitted for all of its forks before the first
+/// is made: past the quota 429 and none made; within it, all of them,
+/// listed, the tenant's.
+#[test]
+fn a_fork_count_is_admitted_all_or_none() {
+    let data = DataDir::new("tenants-fork");
+    let s = Serve::first_start(&data.0);
+    let a = s.tenant("forks");
+    s.ok(
+        &s.admin,
+        "PUT",
+        "/v1/tenants/forks/quota",
+        Some(json!({"total_sandboxes": 3})),
+    );
+    let src = s.ok(
+        &a,
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"template": "probe"})),
+    )["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let fork = format!("/v1/sandboxes/{src}/fork");
+    let r = s.call(&a, "POST", &fork, Some(json!({"count": 3})));
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(code(&r), "quota_exceeded", "{}", r.body);
+    assert_eq!(ids(&s.ok(&a, "GET", "/v1/sandboxes", None)).len(), 1);
+    let r = s.call(&a, "POST", &fork, Some(json!({"count": 21})));
+    assert_eq!(r.status, 400, "{}", r.body);
+    let made = s.ok(&a, "POST", &fork, Some(json!({"count": 2})));
+    let forks = made["sandboxes"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{made}"));
+    assert_eq!(forks.len(), 2, "{made}");
+    for f in forks {
+        assert_eq!(f["tenant"], "forks", "{f}");
+        assert_eq!(f["state"], "running", "{f}");
+    }
+    assert_eq!(ids(&s.ok(&a, "GET", "/v1/sandboxes", None)).len(), 3);
+    let r = s.call(&a, "POST", &fork, Some(json!({})));
+    assert_eq!(r.status, 429, "{}", r.body);
+}
+
 /// A pod of our own making: answers like `torpor pod serve` with unlimited
 /// headroom and the `probe` template; a create answers `sandbox_id`.
 struct FakePod {
