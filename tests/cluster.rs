@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 mod common;
-use common::cluster::Cluster;
+use common::cluster::{
+    as_token, finished, stored_sandboxes, tenant_token, wait_token_status, Cluster, SHARED_WITHIN,
+};
 use common::http::{request, request_with, HttpResponse};
 
 fn create(c: &Cluster, n: u16) -> Value {
@@ -183,22 +185,6 @@ fn cluster_sandbox_life_placement_and_pod_failure() {
     accepted_past_the_wait(&c);
 }
 
-/// Polls `GET location` on replica `n` until the operation is no longer
-/// pending (30 s); the operation.
-fn finished(c: &Cluster, n: u16, location: &str) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let r = c.call(n, "GET", location, None);
-        assert_eq!(r.status, 200, "{}", r.body);
-        let op = r.json();
-        if op["status"] != "pending" {
-            return op;
-        }
-        assert!(Instant::now() < deadline, "{location} still pending: {op}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// A command past the replica's wait answers 202 with its operation at
 /// `Location`, which gives the outcome once the pod published it.
 fn accepted_past_the_wait(c: &Cluster) {
@@ -267,47 +253,6 @@ fn accepted_past_the_wait(c: &Cluster) {
         other => panic!("DELETE {path}: {other} {}", r.body),
     }
     assert_eq!(c.call(1, "GET", &path, None).status, 404);
-}
-
-/// How long a change made through one replica may take to hold at the
-/// other: `torpor_api::auth::SHARED_REFRESH` (1 s), with room for a loaded
-/// machine.
-const SHARED_WITHIN: Duration = Duration::from_secs(5);
-
-/// `METHOD path` on replica `n` with `token`.
-fn as_token(
-    c: &Cluster,
-    n: u16,
-    token: &str,
-    method: &str,
-    path: &str,
-    body: Option<&str>,
-) -> HttpResponse {
-    request(&c.api(n), method, path, Some(token), body)
-}
-
-/// Polls `GET path` on replica `n` with `token` until it answers `status`
-/// (within [`SHARED_WITHIN`]).
-fn wait_token_status(c: &Cluster, n: u16, token: &str, path: &str, status: u16) -> HttpResponse {
-    c.wait_status_as(n, token, path, status, SHARED_WITHIN)
-}
-
-/// Makes a tenant's token through replica `made`: it is accepted there at
-/// once and at the other replica within the refresh; the token and its
-/// id.
-fn tenant_token(c: &Cluster, made: u16, tenant: &str) -> (String, String) {
-    let body = format!(r#"{{"tenant":"{tenant}"}}"#);
-    let r = c.call(made, "POST", "/v1/tokens", Some(&body));
-    assert_eq!(r.status, 201, "{}", r.body);
-    let v = r.json();
-    let token = v["token"].as_str().unwrap().to_string();
-    let id = v["id"].as_str().unwrap().to_string();
-    assert_eq!(v["tenant"], tenant);
-    assert_eq!(v["scope"], "tenant");
-    let r = as_token(c, made, &token, "GET", "/v1/sandboxes", None);
-    assert_eq!(r.status, 200, "at once where it was made: {}", r.body);
-    wait_token_status(c, 3 - made, &token, "/v1/sandboxes", 200);
-    (token, id)
 }
 
 #[test]
@@ -512,13 +457,6 @@ fn cluster_tenants_and_tokens_are_shared_through_postgresql() {
         std::thread::sleep(Duration::from_millis(200));
     };
     wait_token_status(&c, 1, &late, "/v1/sandboxes", 200);
-}
-
-/// Sandboxes of `tenant` in PostgreSQL (tombstones left out).
-fn stored_sandboxes(c: &Cluster, tenant: &str) -> String {
-    c.sql(&format!(
-        "SELECT count(*) FROM sandboxes WHERE tenant = '{tenant}' AND state <> 'deleted'"
-    ))
 }
 
 #[test]
@@ -851,162 +789,4 @@ fn cluster_create_on_a_dead_pod_frees_its_quota() {
         .collect();
     assert_eq!(held.len(), 1, "{held:?}");
     assert_eq!(held[0]["id"], made.as_str());
-/// The ids of a fork's answer (`{"sandboxes": [...]}`), each checked to be
-/// on `pod` and `tenant`'s.
-fn fork_ids(r: &HttpResponse, pod: &str, tenant: &str) -> Vec<String> {
-    assert_eq!(r.status, 201, "{}", r.body);
-    let v = r.json();
-    v["sandboxes"]
-        .as_array()
-        .unwrap_or_else(|| panic!("{v}"))
-        .iter()
-        .map(|s| {
-            assert_eq!(s["pod"], pod, "{s}");
-            assert_eq!(s["tenant"], tenant, "{s}");
-            assert_eq!(s["state"], "running", "{s}");
-            s["id"].as_str().unwrap().to_string()
-        })
-        .collect()
-}
-
-#[test]
-fn cluster_forks_run_on_the_source_pod_within_the_quota() {
-    let c = Cluster::up("fork");
-    let (token, _) = tenant_token(&c, 1, "forker");
-    let (other, _) = tenant_token(&c, 2, "other");
-    let r = as_token(
-        &c,
-        1,
-        &token,
-        "POST",
-        "/v1/sandboxes",
-        Some(r#"{"template":"probe"}"#),
-    );
-    assert_eq!(r.status, 201, "{}", r.body);
-    let source = r.json()["id"].as_str().unwrap().to_string();
-    let pod = r.json()["pod"].as_str().unwrap().to_string();
-    let fork_path = format!("/v1/sandboxes/{source}/fork");
-
-    // Two forks through replica 1, one operation on the source's pod
-    // (its snapshot is there), recorded as that pod's and the tenant's;
-    // a retry with the Idempotency-Key through replica 2 is the first
-    // answer, no more forks.
-    let auth = format!("Bearer {token}");
-    let headers = [
-        ("Idempotency-Key", "fork-twice-1"),
-        ("Authorization", auth.as_str()),
-    ];
-    let body = Some(r#"{"count":2,"metadata":{"from":"fork"}}"#);
-    let first = request_with(&c.api(1), "POST", &fork_path, &headers, body);
-    let forks = fork_ids(&first, &pod, "forker");
-    assert_eq!(forks.len(), 2, "{}", first.body);
-    assert_ne!(forks[0], forks[1]);
-    let again = request_with(&c.api(2), "POST", &fork_path, &headers, body);
-    assert_eq!(fork_ids(&again, &pod, "forker"), forks);
-    assert_eq!(stored_sandboxes(&c, "forker"), "3");
-    assert_eq!(
-        c.sql(
-            "SELECT kind, sandbox, status FROM operations WHERE idempotency_key = 'fork-twice-1'"
-        ),
-        format!("fork|{source}|done")
-    );
-    // Both read through replica 2, by their tenant only; the data plane
-    // of a fork is relayed to its pod (a probe has no agent: 422 there,
-    // where another pod would not know it, 404).
-    for id in &forks {
-        let path = format!("/v1/sandboxes/{id}");
-        let r = as_token(&c, 2, &token, "GET", &path, None);
-        assert_eq!(r.status, 200, "{}", r.body);
-        assert_eq!(r.json()["pod"], pod.as_str());
-        assert_eq!(r.json()["metadata"]["from"], "fork", "{}", r.body);
-        assert_eq!(as_token(&c, 2, &other, "GET", &path, None).status, 404);
-    }
-    let listed = as_token(&c, 2, &token, "GET", "/v1/sandboxes", None).json();
-    assert_eq!(listed["sandboxes"].as_array().unwrap().len(), 3, "{listed}");
-    let exec = format!("/v1/sandboxes/{}/exec", forks[0]);
-    let r = as_token(&c, 2, &token, "POST", &exec, Some(r#"{"argv":["true"]}"#));
-    assert_eq!(r.status, 422, "{}", r.body);
-    assert_eq!(r.json()["error"]["code"], "no_agent", "{}", r.body);
-
-    // Another tenant's sandbox and an unknown one: 404 alike.
-    let r = as_token(&c, 1, &other, "POST", &fork_path, Some("{}"));
-    assert_eq!(r.status, 404, "{}", r.body);
-    let r = c.call(2, "POST", "/v1/sandboxes/sbx_0000/fork", Some("{}"));
-    assert_eq!(r.status, 404, "{}", r.body);
-    let r = as_token(&c, 1, &token, "POST", &fork_path, Some(r#"{"count":0}"#));
-    assert_eq!(r.status, 400, "{}", r.body);
-
-    // The quota counts forks as creates, all of a count at once: 3 of 4
-    // used, a fork of 2 is 429 and makes none; a single fork (201, the
-    // sandbox itself) fills it; one more is refused.
-    let r = c.call(
-        2,
-        "PUT",
-        "/v1/tenants/forker/quota",
-        Some(r#"{"total_sandboxes":4}"#),
-    );
-    assert_eq!(r.status, 200, "{}", r.body);
-    for n in [1, 2] {
-        let r = as_token(&c, n, &token, "POST", &fork_path, Some(r#"{"count":2}"#));
-        assert_eq!(r.status, 429, "replica {n}: {}", r.body);
-        let e = &r.json()["error"];
-        assert_eq!(e["code"], "quota_exceeded", "{}", r.body);
-        assert_eq!(e["quota"], "total_sandboxes", "{}", r.body);
-        assert_eq!(e["limit"], 4, "{}", r.body);
-    }
-    assert_eq!(stored_sandboxes(&c, "forker"), "3");
-    let pod_n: u16 = pod.trim_start_matches("pod").parse().unwrap();
-    assert_eq!(c.pod_sandboxes(pod_n).len(), 3, "the pod made none");
-    let r = as_token(&c, 2, &token, "POST", &fork_path, Some("{}"));
-    assert_eq!(r.status, 201, "{}", r.body);
-    let single = r.json()["id"].as_str().unwrap().to_string();
-    assert_eq!(
-        r.header("location"),
-        Some(format!("/v1/sandboxes/{single}").as_str())
-    );
-    assert_eq!(r.json()["pod"], pod.as_str());
-    let r = as_token(&c, 1, &token, "POST", &fork_path, Some("{}"));
-    assert_eq!(r.status, 429, "{}", r.body);
-    assert_eq!(stored_sandboxes(&c, "forker"), "4");
-
-    // The forks deleted through either replica: gone from both.
-    for (i, id) in forks.iter().chain([&single]).enumerate() {
-        let path = format!("/v1/sandboxes/{id}");
-        let r = as_token(&c, 1 + (i % 2) as u16, &token, "DELETE", &path, None);
-        assert_eq!(r.status, 204, "{}", r.body);
-        assert_eq!(
-            as_token(&c, 2 - (i % 2) as u16, &token, "GET", &path, None).status,
-            404
-        );
-    }
-    assert_eq!(stored_sandboxes(&c, "forker"), "1");
-
-    // Past the replica's wait: 202 with the operation, whose outcome
-    // lists the fork once the pod published it.
-    c.kill("api2");
-    c.start_api(
-        "api2",
-        &format!("{} --cluster-wait-ms 1", common::cluster::API_ARGS),
-    );
-    let r = as_token(&c, 2, &token, "POST", &fork_path, Some(r#"{"count":1}"#));
-    assert_eq!(r.status, 202, "{}", r.body);
-    assert_eq!(r.json()["kind"], "fork", "{}", r.body);
-    assert_eq!(r.json()["sandbox"], source.as_str(), "{}", r.body);
-    let done = finished(&c, 1, r.header("location").unwrap());
-    assert_eq!(done["status"], "done", "{done}");
-    let made = done["outcome"]["sandboxes"]["sandboxes"][0]["id"]
-        .as_str()
-        .unwrap_or_else(|| panic!("{done}"))
-        .to_string();
-    let r = c.call(1, "GET", &format!("/v1/sandboxes/{made}"), None);
-    assert_eq!(r.status, 200, "{}", r.body);
-    assert_eq!(r.json()["pod"], pod.as_str());
-
-    // The source's pod down: 503 with the reason.
-    c.kill(&pod);
-    c.wait_status(1, &format!("/v1/sandboxes/{source}"), 503);
-    let r = as_token(&c, 1, &token, "POST", &fork_path, Some("{}"));
-    assert_eq!(r.status, 503, "{}", r.body);
-    assert_eq!(r.json()["error"]["code"], "unavailable", "{}", r.body);
-    assert!(r.body.contains(&format!("pod {pod} is down")), "{}", r.body);
 }

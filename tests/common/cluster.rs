@@ -75,10 +75,10 @@ impl Cluster {
         let dir =
             std::env::temp_dir().join(format!("torpor-cluster-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        // Five clusters per process (tests/cluster.rs starts five), six
-        // ports each; the highest base is 20_000 + 1_499 * 30 + 24.
-        let nth = STARTED.fetch_add(1, Ordering::Relaxed) % 5;
-        let port = 20_000 + (std::process::id() % 1_500) as u16 * 30 + nth * 6;
+        // Up to six clusters per process (tests/cluster.rs starts five), six
+        // ports each; the highest base is 20_000 + 1_199 * 36 + 30.
+        let nth = STARTED.fetch_add(1, Ordering::Relaxed) % 6;
+        let port = 20_000 + (std::process::id() % 1_200) as u16 * 36 + nth * 6;
         // Dropped (stopped) if `up` or the wait for the pods fails.
         let mut c = Cluster {
             dir,
@@ -405,4 +405,76 @@ impl Drop for Cluster {
             }
         }
     }
+}
+
+// Helpers of the cluster tests (tests/cluster.rs, tests/cluster_fork.rs).
+
+/// Polls `GET location` on replica `n` until the operation is no longer
+/// pending (30 s); the operation.
+pub fn finished(c: &Cluster, n: u16, location: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = c.call(n, "GET", location, None);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let op = r.json();
+        if op["status"] != "pending" {
+            return op;
+        }
+        assert!(Instant::now() < deadline, "{location} still pending: {op}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// How long a change made through one replica may take to hold at the
+/// other: `torpor_api::auth::SHARED_REFRESH` (1 s), with room for a loaded
+/// machine.
+pub const SHARED_WITHIN: Duration = Duration::from_secs(5);
+
+/// `METHOD path` on replica `n` with `token`.
+pub fn as_token(
+    c: &Cluster,
+    n: u16,
+    token: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> HttpResponse {
+    request(&c.api(n), method, path, Some(token), body)
+}
+
+/// Polls `GET path` on replica `n` with `token` until it answers `status`
+/// (within [`SHARED_WITHIN`]).
+pub fn wait_token_status(
+    c: &Cluster,
+    n: u16,
+    token: &str,
+    path: &str,
+    status: u16,
+) -> HttpResponse {
+    c.wait_status_as(n, token, path, status, SHARED_WITHIN)
+}
+
+/// Makes a tenant's token through replica `made`: it is accepted there at
+/// once and at the other replica within the refresh; the token and its
+/// id.
+pub fn tenant_token(c: &Cluster, made: u16, tenant: &str) -> (String, String) {
+    let body = format!(r#"{{"tenant":"{tenant}"}}"#);
+    let r = c.call(made, "POST", "/v1/tokens", Some(&body));
+    assert_eq!(r.status, 201, "{}", r.body);
+    let v = r.json();
+    let token = v["token"].as_str().unwrap().to_string();
+    let id = v["id"].as_str().unwrap().to_string();
+    assert_eq!(v["tenant"], tenant);
+    assert_eq!(v["scope"], "tenant");
+    let r = as_token(c, made, &token, "GET", "/v1/sandboxes", None);
+    assert_eq!(r.status, 200, "at once where it was made: {}", r.body);
+    wait_token_status(c, 3 - made, &token, "/v1/sandboxes", 200);
+    (token, id)
+}
+
+/// Sandboxes of `tenant` in PostgreSQL (tombstones left out).
+pub fn stored_sandboxes(c: &Cluster, tenant: &str) -> String {
+    c.sql(&format!(
+        "SELECT count(*) FROM sandboxes WHERE tenant = '{tenant}' AND state <> 'deleted'"
+    ))
 }

@@ -12,6 +12,8 @@
 //!   [`not_started`], a typed failure (503 `unavailable`, `Retry-After`).
 //!   A create it ran that ended past `expires_at` is deleted again and
 //!   reported failed ([`too_late`]): by then a replica may have ended it.
+//!   A fork holds its tenant's quota the same way (all of its count), and
+//!   its sandboxes are deleted alike when it ended past `expires_at`.
 //! - Every replica ends pending operations past `expires_at` as failed
 //!   with the same typed error ([`Db::expire_operations`], one statement,
 //!   pending rows only); their quota is free from that commit. A pod's

@@ -279,8 +279,8 @@ fn named(mut s: Sandbox, pod: &PodId) -> Sandbox {
 }
 
 /// [`execute`] unless it is taken past its start deadline (refused, not
-/// run); a create that ended past its expiry deleted again (a replica may
-/// have ended its operation: `expiry.rs`).
+/// run); a create (or a fork's sandboxes) that ended past its expiry
+/// deleted again (a replica may have ended its operation: `expiry.rs`).
 fn in_time<S: SandboxApi>(
     service: &S,
     pod: &PodId,
@@ -306,6 +306,21 @@ fn in_time<S: SandboxApi>(
                     tracing::warn!(operation = op, error = %e, "a late create not deleted");
                     OpOutcome::Sandbox { sandbox, resumed }
                 }
+            }
+        }
+        (OpOutcome::Sandboxes { sandboxes }, Some(late)) => {
+            let mut left = Vec::new();
+            for fork in sandboxes {
+                if let Err(e) = service.delete_sandbox(&fork.id) {
+                    // As for a create: it stays, listed and counted.
+                    tracing::warn!(operation = op, fork = %fork.id, error = %e, "a late fork not deleted");
+                    left.push(fork);
+                }
+            }
+            if left.is_empty() {
+                late
+            } else {
+                OpOutcome::Sandboxes { sandboxes: left }
             }
         }
         (outcome, _) => outcome,
