@@ -275,6 +275,9 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
         "{state}"
     );
     // The next exec wakes it (the hostname is set again after a restore).
+    // A wake takes seconds here; a guest that stopped answering after its
+    // restore fails the run in 5 minutes, not 10.
+    let wake_step = Duration::from_secs(300);
     let wrote = cli(
         &api,
         &[
@@ -286,7 +289,7 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
             "-c",
             "cat /proc/sys/kernel/hostname",
         ],
-        step,
+        wake_step,
     );
     assert_eq!(
         ok(&wrote, "exec after hibernate"),

@@ -32,6 +32,9 @@ fn main() {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        // Colour only on a terminal: a VMM's stderr is its log file, whose
+        // tail reaches API errors and operators' greps.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let spec = match LaunchSpec::read_from(std::io::stdin().lock()) {
         Ok(spec) => spec,
