@@ -104,17 +104,16 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
     // An operation holding quota while pending: when its pod must start
     // it, and past when replicas end it (`expiry.rs`).
     (
-        7,
+        6,
         "ALTER TABLE operations ADD COLUMN start_by timestamptz,
         ADD COLUMN expires_at timestamptz;
     CREATE INDEX operations_expiring ON operations (expires_at)
         WHERE status = 'pending' AND expires_at IS NOT NULL;",
     ),
     // A fork's admission counts it while pending, as a create
-    // (`admission.rs`). 8, not 6 (kept for it while 7 was written): a
-    // database already at 7 would skip a 6; 6 stays unused.
+    // (`admission.rs`).
     (
-        8,
+        7,
         "CREATE INDEX operations_pending_fork ON operations (tenant)
         WHERE kind = 'fork' AND status = 'pending';",
     ),
