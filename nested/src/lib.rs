@@ -39,6 +39,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub use assets::{find_qemu, L1Assets};
 use image::Carried;
+pub use qemu::STALL_LIMIT;
 pub use running::RunningHost;
 
 /// Whether an L1 console line is its kernel saying it is wedged: a soft

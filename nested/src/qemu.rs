@@ -11,7 +11,7 @@ use crate::image::{HEARTBEAT_SECS, MARK_ALIVE, MARK_BEGIN, MARK_END, MARK_INIT};
 
 /// Console silence (several missed heartbeats) after which L1 counts as
 /// frozen.
-const STALL_LIMIT: Duration = Duration::from_secs(HEARTBEAT_SECS * 4);
+pub const STALL_LIMIT: Duration = Duration::from_secs(HEARTBEAT_SECS * 4);
 use crate::{NestedError, RunOutput};
 
 /// Everything QEMU is started with.

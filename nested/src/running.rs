@@ -10,6 +10,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::thread;
+use std::time::{Duration, Instant};
 
 use crate::{qemu, NestedError, NestedHost, WorkDir};
 
@@ -23,6 +24,9 @@ pub struct RunningHost {
     /// (guest port, host port on 127.0.0.1).
     forwards: Vec<(u16, u16)>,
     console: Arc<Mutex<VecDeque<String>>>,
+    /// When the last console line came (L1's init prints a heartbeat every
+    /// minute while its script runs).
+    last_line: Arc<Mutex<Instant>>,
     _work: WorkDir,
 }
 
@@ -66,6 +70,7 @@ impl NestedHost {
                 detail: e.to_string(),
             })?;
         let console = Arc::new(Mutex::new(VecDeque::new()));
+        let last_line = Arc::new(Mutex::new(Instant::now()));
         let stdout = child.stdout.take().expect("piped stdout");
         let stderr = child.stderr.take().expect("piped stderr");
         let echo = launch.echo;
@@ -74,6 +79,7 @@ impl NestedHost {
             (Box::new(stderr), "qemu| "),
         ] {
             let console = console.clone();
+            let last_line = last_line.clone();
             thread::spawn(move || {
                 let mut reader = BufReader::new(stream);
                 let mut buf = Vec::new();
@@ -87,6 +93,7 @@ impl NestedHost {
                     if echo {
                         eprintln!("{prefix}{line}");
                     }
+                    *last_line.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
                     let mut c = console.lock().unwrap_or_else(|p| p.into_inner());
                     if c.len() == KEEP_LINES {
                         c.pop_front();
@@ -100,6 +107,7 @@ impl NestedHost {
             child,
             forwards,
             console,
+            last_line,
             _work: work,
         })
     }
@@ -129,6 +137,16 @@ impl RunningHost {
             Ok(status) => status.to_string(),
             Err(e) => format!("unknown ({e})"),
         }
+    }
+
+    /// How long L1's console (or QEMU's stderr) has said nothing: past
+    /// [`crate::STALL_LIMIT`], L1 is frozen (seen under multi-threaded
+    /// TCG: both vCPUs spinning, no heartbeat, no answer).
+    pub fn silent_for(&self) -> Duration {
+        self.last_line
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .elapsed()
     }
 
     /// The last console lines (L1's console and QEMU's stderr).

@@ -475,8 +475,17 @@ impl From<&str> for BringUp {
     }
 }
 
-/// The console line saying L1's kernel locked up, if it did.
+/// The console line saying L1's kernel locked up, if it did; or that its
+/// console went silent past [`torpor_nested::STALL_LIMIT`] (a frozen L1
+/// prints nothing at all, not even its heartbeat).
 fn lockup(running: &RunningHost) -> Option<String> {
+    let silent = running.silent_for();
+    if silent > torpor_nested::STALL_LIMIT {
+        return Some(format!(
+            "L1's console has been silent for {:.0} s (a frozen L1: its heartbeat comes every minute)",
+            silent.as_secs_f64()
+        ));
+    }
     running
         .console_tail()
         .lines()
