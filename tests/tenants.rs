@@ -69,6 +69,16 @@ impl Serve {
         self.call(token, method, path, body).ok_json(method, path)
     }
 
+    /// A new probe sandbox of `token`'s: its JSON.
+    fn create_probe(&self, token: &str) -> Value {
+        self.ok(
+            token,
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({"template": "probe"})),
+        )
+    }
+
     /// A new tenant token.
     fn tenant(&self, name: &str) -> String {
         let v = self.ok(
@@ -119,12 +129,7 @@ fn tenants_see_only_their_own_and_cannot_reach_host_paths() {
         401
     );
 
-    let sa = s.ok(
-        &a,
-        "POST",
-        "/v1/sandboxes",
-        Some(json!({"template": "probe"})),
-    );
+    let sa = s.create_probe(&a);
     let id = sa["id"].as_str().unwrap().to_string();
     assert_eq!(sa["tenant"], "acme");
     // No host paths or pids in a tenant's answers; the admin sees them.
@@ -305,12 +310,7 @@ fn tenants_see_only_their_own_and_cannot_reach_host_paths() {
     );
 
     // Pagination: one at a time, with the token in body and header.
-    let second = s.ok(
-        &a,
-        "POST",
-        "/v1/sandboxes",
-        Some(json!({"template": "probe"})),
-    );
+    let second = s.create_probe(&a);
     let r = s.call(&a, "GET", "/v1/sandboxes?limit=1", None);
     let page1 = r.json();
     let next = page1["next"].as_str().expect("a next page").to_string();
@@ -445,15 +445,7 @@ fn wakes_and_e2b_routes_are_admitted_against_the_same_quotas() {
         "/v1/tenants/wake/quota",
         Some(json!({"running_sandboxes": 1})),
     );
-    let first = s.ok(
-        &a,
-        "POST",
-        "/v1/sandboxes",
-        Some(json!({"template": "probe"})),
-    )["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let first = s.create_probe(&a)["id"].as_str().unwrap().to_string();
     s.ok(
         &a,
         "POST",
@@ -546,15 +538,7 @@ fn a_fork_count_is_admitted_all_or_none() {
         "/v1/tenants/forks/quota",
         Some(json!({"total_sandboxes": 3})),
     );
-    let src = s.ok(
-        &a,
-        "POST",
-        "/v1/sandboxes",
-        Some(json!({"template": "probe"})),
-    )["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let src = s.create_probe(&a)["id"].as_str().unwrap().to_string();
     let fork = format!("/v1/sandboxes/{src}/fork");
     let r = s.call(&a, "POST", &fork, Some(json!({"count": 3})));
     assert_eq!(r.status, 429, "{}", r.body);
@@ -725,12 +709,7 @@ fn rogue_pods_and_oversized_forwarded_bodies_are_refused() {
     let data = DataDir::new("tenants-pods");
     let s = Serve::first_start(&data.0);
     let a = s.tenant("acme");
-    let local = s.ok(
-        &a,
-        "POST",
-        "/v1/sandboxes",
-        Some(json!({"template": "probe"})),
-    );
+    let local = s.create_probe(&a);
     let local_id = local["id"].as_str().unwrap().to_string();
     let fake = FakePod::start();
     let address = format!("tcp:{}", fake.addr);
@@ -786,12 +765,7 @@ fn rogue_pods_and_oversized_forwarded_bodies_are_refused() {
     // routed there for its tenant, 404 for another.
     let fresh = "sbx_00000000000000ff";
     *fake.sandbox_id.lock().unwrap() = fresh.to_string();
-    let placed = s.ok(
-        &a,
-        "POST",
-        "/v1/sandboxes",
-        Some(json!({"template": "probe"})),
-    );
+    let placed = s.create_probe(&a);
     assert_eq!(
         (placed["id"].as_str(), placed["pod"].as_str()),
         (Some(fresh), Some(pod_id.as_str()))
