@@ -309,13 +309,7 @@ fn cluster_tenants_and_tokens_are_shared_through_postgresql() {
     }
 
     // A quota set through replica 2 is in PostgreSQL and read through 1.
-    let r = c.call(
-        2,
-        "PUT",
-        "/v1/tenants/acme/quota",
-        Some(r#"{"total_sandboxes":7}"#),
-    );
-    assert_eq!(r.status, 200, "{}", r.body);
+    c.set_quota(2, "acme", r#"{"total_sandboxes":7}"#);
     assert_eq!(
         c.sql("SELECT quota->>'total_sandboxes' FROM tenant_quotas WHERE tenant = 'acme'"),
         "7"
@@ -405,13 +399,7 @@ fn cluster_tenants_and_tokens_are_shared_through_postgresql() {
     assert_eq!(r.json()["quota"]["running_sandboxes"], 2, "{}", r.body);
     // Seeded again on the next start: nothing doubled, and a quota set
     // since is not undone.
-    let r = c.call(
-        2,
-        "PUT",
-        "/v1/tenants/seeded/quota",
-        Some(r#"{"running_sandboxes":3}"#),
-    );
-    assert_eq!(r.status, 200, "{}", r.body);
+    c.set_quota(2, "seeded", r#"{"running_sandboxes":3}"#);
     c.kill("api1");
     c.start("api1");
     assert_eq!(
@@ -463,13 +451,7 @@ fn cluster_tenants_and_tokens_are_shared_through_postgresql() {
 fn cluster_quota_admits_creates_in_postgresql_across_replicas() {
     let c = Cluster::up("quota");
     let (token, _) = tenant_token(&c, 1, "quoted");
-    let r = c.call(
-        2,
-        "PUT",
-        "/v1/tenants/quoted/quota",
-        Some(r#"{"total_sandboxes":3}"#),
-    );
-    assert_eq!(r.status, 200, "{}", r.body);
+    c.set_quota(2, "quoted", r#"{"total_sandboxes":3}"#);
 
     // 12 creates at once, 6 through each replica: exactly 3 admitted (the
     // count and the journal in one transaction under the tenant's quota
@@ -535,13 +517,7 @@ fn cluster_quota_admits_creates_in_postgresql_across_replicas() {
     assert_eq!(stored_sandboxes(&c, "quoted"), "3");
     // A failed create is not counted: the quota raised, an unknown
     // template refused, and the room still there.
-    let r = c.call(
-        1,
-        "PUT",
-        "/v1/tenants/quoted/quota",
-        Some(r#"{"total_sandboxes":4}"#),
-    );
-    assert_eq!(r.status, 200, "{}", r.body);
+    c.set_quota(1, "quoted", r#"{"total_sandboxes":4}"#);
     let r = as_token(
         &c,
         1,
@@ -565,8 +541,7 @@ fn cluster_quota_admits_creates_in_postgresql_across_replicas() {
     let mem = templates["templates"][0]["mem_mib"].as_u64().unwrap();
     assert!(mem > 0, "{templates}");
     let quota = format!(r#"{{"memory_mib":{}}}"#, 2 * mem + mem / 2);
-    let r = c.call(1, "PUT", "/v1/tenants/heavy/quota", Some(&quota));
-    assert_eq!(r.status, 200, "{}", r.body);
+    c.set_quota(1, "heavy", &quota);
     let answers: Vec<HttpResponse> = std::thread::scope(|s| {
         let calls: Vec<_> = (0..6u16)
             .map(|i| {
@@ -698,13 +673,7 @@ fn cluster_templates_are_the_pods_tenant_filtered() {
 fn cluster_create_on_a_dead_pod_frees_its_quota() {
     let c = Cluster::up("expiry");
     let (token, _) = tenant_token(&c, 1, "stuck");
-    let r = c.call(
-        1,
-        "PUT",
-        "/v1/tenants/stuck/quota",
-        Some(r#"{"total_sandboxes":1}"#),
-    );
-    assert_eq!(r.status, 200, "{}", r.body);
+    c.set_quota(1, "stuck", r#"{"total_sandboxes":1}"#);
     // Replica 1 counts a silent pod as up for 10 min (a create goes to a
     // dead pod), waits 1 s for an outcome, and gives a create 3 s to be
     // started and 4 s more.

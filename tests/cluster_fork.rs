@@ -97,13 +97,7 @@ fn cluster_forks_run_on_the_source_pod_within_the_quota() {
     // The quota counts forks as creates, all of a count at once: 3 of 4
     // used, a fork of 2 is 429 and makes none; a single fork (201, the
     // sandbox itself) fills it; one more is refused.
-    let r = c.call(
-        2,
-        "PUT",
-        "/v1/tenants/forker/quota",
-        Some(r#"{"total_sandboxes":4}"#),
-    );
-    assert_eq!(r.status, 200, "{}", r.body);
+    c.set_quota(2, "forker", r#"{"total_sandboxes":4}"#);
     for n in [1, 2] {
         let r = as_token(&c, n, &token, "POST", &fork_path, Some(r#"{"count":2}"#));
         assert_eq!(r.status, 429, "replica {n}: {}", r.body);

@@ -123,6 +123,17 @@ impl Cluster {
     }
 
     /// `METHOD path` on replica `n` with these headers too.
+    /// Sets `tenant`'s quota (JSON) through replica `n`; it must answer 200.
+    pub fn set_quota(&self, n: u16, tenant: &str, quota: &str) {
+        let r = self.call(
+            n,
+            "PUT",
+            &format!("/v1/tenants/{tenant}/quota"),
+            Some(quota),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+
     pub fn call_with(
         &self,
         n: u16,
