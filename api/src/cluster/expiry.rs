@@ -140,7 +140,7 @@ pub fn not_started(
         failed(format!(
             "pod {pod} took operation {operation} {} ms past its start deadline (it was down, \
              stopped or behind): not started, nothing was made; create again ({AGAIN})",
-            now_ms - d.start_by_ms
+            now_ms.saturating_sub(d.start_by_ms)
         ))
     })
 }
@@ -158,7 +158,7 @@ pub fn too_late(
         failed(format!(
             "pod {pod} finished operation {operation} {} ms past its expiry: what it made was \
              deleted; create again ({AGAIN})",
-            now_ms - d.expires_ms
+            now_ms.saturating_sub(d.expires_ms)
         ))
     })
 }
