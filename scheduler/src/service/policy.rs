@@ -135,6 +135,7 @@ impl Service {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&s.id);
+        let files = vmm::VmmFiles::in_dir(&self.sandbox_dir(&s.id));
         let reason = match exited {
             Some(status) if status.code() == Some(torpor_vmm_api::launch::EXIT_OOM) => format!(
                 "its VMM was killed by the OOM killer: the sandbox went over its memory limit \
@@ -142,11 +143,17 @@ impl Service {
                 torpor_vmm_api::jail::VMM_OVERHEAD_MIB
             ),
             Some(status) => vmm::exit_reason(status),
+            // No status (a VMM this process did not reap, such as a standby
+            // shell's): its jail's supervisor may still have said why.
+            None if vmm::log_tail(&files.log).contains("seccomp violation") => {
+                "its VMM was killed by its seccomp filter: a system call outside its \
+                 allow-list (seccomp violation, SIGSYS; exit status not seen)"
+                    .into()
+            }
             None => "its VMM process disappeared".into(),
         };
         // For operators: how the VMM said it ended, and the guest's last
         // console lines (a kernel panic). The sandbox's reason stays short.
-        let files = vmm::VmmFiles::in_dir(&self.sandbox_dir(&s.id));
         tracing::warn!(
             sandbox = %s.id,
             "{reason}; VMM log: {}; console: {}",
