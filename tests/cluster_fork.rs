@@ -133,6 +133,63 @@ fn cluster_forks_run_on_the_source_pod_within_the_quota() {
     }
     assert_eq!(stored_sandboxes(&c, "forker"), "1");
 
+    // A fork retried by its key after its source was deleted: the first
+    // answer, not 404 (the deleted id stays its tenant's for that); for
+    // another tenant, or without the key, 404.
+    let r = as_token(
+        &c,
+        1,
+        &token,
+        "POST",
+        "/v1/sandboxes",
+        Some(r#"{"template":"probe"}"#),
+    );
+    assert_eq!(r.status, 201, "{}", r.body);
+    let gone = r.json()["id"].as_str().unwrap().to_string();
+    let gone_pod = r.json()["pod"].as_str().unwrap().to_string();
+    let gone_fork = format!("/v1/sandboxes/{gone}/fork");
+    let keyed = [
+        ("Idempotency-Key", "fork-gone-1"),
+        ("Authorization", auth.as_str()),
+    ];
+    let first = request_with(&c.api(1), "POST", &gone_fork, &keyed, Some("{}"));
+    assert_eq!(first.status, 201, "{}", first.body);
+    let made = first.json()["id"].as_str().unwrap().to_string();
+    let r = as_token(
+        &c,
+        2,
+        &token,
+        "DELETE",
+        &format!("/v1/sandboxes/{gone}"),
+        None,
+    );
+    assert_eq!(r.status, 204, "{}", r.body);
+    let again = request_with(&c.api(2), "POST", &gone_fork, &keyed, Some("{}"));
+    assert_eq!(again.status, 201, "{}", again.body);
+    assert_eq!(again.json()["id"], made.as_str(), "{}", again.body);
+    assert_eq!(again.json()["pod"], gone_pod.as_str(), "{}", again.body);
+    let r = as_token(&c, 1, &token, "POST", &gone_fork, Some("{}"));
+    assert_eq!(r.status, 404, "{}", r.body);
+    let r = as_token(&c, 1, &token, "GET", &format!("/v1/sandboxes/{gone}"), None);
+    assert_eq!(r.status, 404, "{}", r.body);
+    let other_auth = format!("Bearer {other}");
+    let theirs = [
+        ("Idempotency-Key", "fork-gone-1"),
+        ("Authorization", other_auth.as_str()),
+    ];
+    let r = request_with(&c.api(1), "POST", &gone_fork, &theirs, Some("{}"));
+    assert_eq!(r.status, 404, "{}", r.body);
+    let r = as_token(
+        &c,
+        1,
+        &token,
+        "DELETE",
+        &format!("/v1/sandboxes/{made}"),
+        None,
+    );
+    assert_eq!(r.status, 204, "{}", r.body);
+    assert_eq!(stored_sandboxes(&c, "forker"), "1");
+
     // Past the replica's wait: 202 with the operation, whose outcome
     // lists the fork once the pod published it.
     c.kill("api2");

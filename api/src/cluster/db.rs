@@ -582,6 +582,22 @@ impl Db {
         }
     }
 
+    /// The tenant of sandbox `id` once deleted through the cluster (its
+    /// finished delete's), so that its owner may still retry, by key, a
+    /// command it sent before the delete; none for any other id.
+    pub async fn deleted_tenant(&self, id: &SandboxId) -> Result<Option<String>, ClusterError> {
+        let c = self.client().await?;
+        let row = c
+            .query_opt(
+                "SELECT tenant FROM operations
+                 WHERE sandbox = $1 AND kind = 'delete' AND status = 'done' LIMIT 1",
+                &[&id.as_str()],
+            )
+            .await
+            .map_err(pg)?;
+        Ok(row.map(|r| r.get(0)))
+    }
+
     pub async fn operation(&self, id: &str) -> Result<Option<OpRow>, ClusterError> {
         let c = self.client().await?;
         let row = c

@@ -256,6 +256,17 @@ impl Cluster {
         }
     }
 
+    /// The sandboxes a fork of `id` made.
+    fn forks_of(outcome: OpOutcome, id: &SandboxId) -> Result<Vec<Sandbox>, ServiceError> {
+        match outcome {
+            OpOutcome::Sandboxes { sandboxes } => Ok(sandboxes),
+            OpOutcome::Failed(e) => Err(e.into()),
+            other => Err(ServiceError::Internal(format!(
+                "a fork of {id} answered {other:?}"
+            ))),
+        }
+    }
+
     /// A command on an existing sandbox, on its pod.
     fn command(
         &self,
@@ -266,23 +277,33 @@ impl Cluster {
             let command = make(id.clone());
             let (sandbox, pod) = match self.owned_up(id).await {
                 Ok(owned) => owned,
-                Err(e @ ServiceError::NotFound { .. }) => {
-                    // A retry of a delete that removed it: the first
-                    // outcome (by its Idempotency-Key), not a 404.
-                    let Some(key) = crate::request_context::idempotency_key() else {
-                        return Err(e);
-                    };
-                    let first = self.db.operation_by_key(&key, command.kind(), id).await?;
-                    return match first {
-                        Some(op) => self.wait(op).await,
-                        None => Err(e),
-                    };
-                }
-                Err(e) => return Err(e),
+                Err(e) => return self.retried(e, command.kind(), id).await,
             };
             let tenant = sandbox.tenant.clone().unwrap_or_default();
             self.run(&pod.id, &tenant, command, None).await
         })
+    }
+
+    /// A command on sandbox `id` that failed with `e` before it was sent
+    /// (the sandbox is gone): if it is a retry (by its `Idempotency-Key`)
+    /// of one sent before, that one's outcome (a retried delete's, or a
+    /// fork's whose source was deleted since), else `e`.
+    async fn retried(
+        &self,
+        e: ServiceError,
+        kind: &str,
+        id: &SandboxId,
+    ) -> Result<OpOutcome, ServiceError> {
+        if !matches!(e, ServiceError::NotFound { .. }) {
+            return Err(e);
+        }
+        let Some(key) = crate::request_context::idempotency_key() else {
+            return Err(e);
+        };
+        match self.db.operation_by_key(&key, kind, id).await? {
+            Some(op) => self.wait(op).await,
+            None => Err(e),
+        }
     }
 
     fn outcome(
@@ -450,7 +471,10 @@ impl SandboxApi for Cluster {
         count: u32,
     ) -> Result<Vec<Sandbox>, ServiceError> {
         self.block(async {
-            let (source, pod) = self.owned_up(id).await?;
+            let (source, pod) = match self.owned_up(id).await {
+                Ok(owned) => owned,
+                Err(e) => return Self::forks_of(self.retried(e, "fork", id).await?, id),
+            };
             let tenant = source.tenant.clone().unwrap_or_default();
             let mut asked = Usage::default();
             for _ in 0..count {
@@ -461,13 +485,7 @@ impl SandboxApi for Cluster {
                 sandbox: id.clone(),
                 request: Box::new(req),
             };
-            match self.run(&pod.id, &tenant, command, Some(&asked)).await? {
-                OpOutcome::Sandboxes { sandboxes } => Ok(sandboxes),
-                OpOutcome::Failed(e) => Err(e.into()),
-                other => Err(ServiceError::Internal(format!(
-                    "a fork of {id} answered {other:?}"
-                ))),
-            }
+            Self::forks_of(self.run(&pod.id, &tenant, command, Some(&asked)).await?, id)
         })
     }
 
@@ -568,8 +586,20 @@ impl SandboxApi for Cluster {
         Ok(self.block(self.db.templates(self.config.down_after))?)
     }
 
+    /// A deleted sandbox's id stays its tenant's (so it may retry, by key,
+    /// what it sent before the delete: `retried`); the routes answer 404
+    /// for it all the same.
     fn sandbox_tenant(&self, id: &SandboxId) -> Result<Option<String>, ServiceError> {
-        self.block(self.owned(id)).map(|(s, _)| s.tenant)
+        self.block(async {
+            match self.owned(id).await {
+                Ok((s, _)) => Ok(s.tenant),
+                Err(e @ ServiceError::NotFound { .. }) => match self.db.deleted_tenant(id).await? {
+                    Some(tenant) => Ok(Some(tenant)),
+                    None => Err(e),
+                },
+                Err(e) => Err(e),
+            }
+        })
     }
 
     fn operation(&self, id: &str, tenant: Option<&str>) -> Result<Value, ServiceError> {
