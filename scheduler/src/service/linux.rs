@@ -24,7 +24,7 @@ use torpor_vmm_api::launch::{
 use super::guest::{AgentLink, VSOCK_FILE};
 use super::vmm::{self, VmmFiles};
 use super::{CreateTemplate, Service, ServiceError};
-use crate::model::{SandboxId, Template, TemplateKind};
+use crate::model::{Sandbox, SandboxId, Template, TemplateKind, VmmHandle};
 
 /// The overlay file in a sandbox or template directory.
 pub const OVERLAY_FILE: &str = "disk.overlay";
@@ -233,24 +233,16 @@ impl Service {
         result
     }
 
-    /// Whether sandbox `id` runs a Linux guest.
-    fn is_linux(&self, id: &SandboxId) -> Result<bool, ServiceError> {
-        let sandbox = self.store.get_sandbox(id)?;
-        let template = self.store.get_template(&sandbox.template)?;
-        Ok(template.kind == TemplateKind::Linux)
-    }
-
-    /// Extra `torpor vmm --restore` arguments of a sandbox: a Linux guest's
-    /// own disk overlay and vsock socket, in its directory.
     /// A clone's own device files in `spec` (its disk overlay and vsock
     /// socket, and its network when the service has networking), for a
-    /// Linux sandbox.
+    /// sandbox of a Linux `template`.
     pub(super) fn guest_restore_paths(
         &self,
         id: &SandboxId,
+        template: &Template,
         spec: &mut RestoreSpec,
     ) -> Result<(), ServiceError> {
-        if !self.is_linux(id)? {
+        if template.kind != TemplateKind::Linux {
             return Ok(());
         }
         let dir = self.sandbox_dir(id);
@@ -262,18 +254,23 @@ impl Service {
         Ok(())
     }
 
-    /// After a restore (create, wake): a Linux guest's `resumed` hook. On
-    /// failure the VMM just started is stopped and the error returned.
-    pub(super) fn after_restore(&self, id: &SandboxId) -> Result<(), ServiceError> {
-        if !self.is_linux(id)? {
+    /// After a restore (create, wake) of a sandbox of a Linux `template`:
+    /// its guest's `resumed` hook. On failure the VMM just started
+    /// (`handle`) is stopped and the error returned.
+    pub(super) fn after_restore(
+        &self,
+        sandbox: &Sandbox,
+        template: &Template,
+        handle: &VmmHandle,
+    ) -> Result<(), ServiceError> {
+        if template.kind != TemplateKind::Linux {
             return Ok(());
         }
-        let sandbox = self.store.get_sandbox(id)?;
-        let handle = sandbox.vmm.clone();
+        let id = &sandbox.id;
         let link = AgentLink::new(id.as_str(), self.sandbox_dir(id).join(VSOCK_FILE));
-        let alive = || match &handle {
-            Some(h) if vmm::alive(h) => Ok(()),
-            _ => Err("the sandbox's VMM exited".to_string()),
+        let alive = || match vmm::alive(handle) {
+            true => Ok(()),
+            false => Err("the sandbox's VMM exited".to_string()),
         };
         match link.resumed(id.as_str(), alive) {
             Ok(reply) => {
@@ -281,7 +278,9 @@ impl Service {
                 Ok(())
             }
             Err(e) => {
-                let _ = self.stop_vmm(&sandbox);
+                let mut started = sandbox.clone();
+                started.vmm = Some(handle.clone());
+                let _ = self.stop_vmm(&started);
                 Err(e.into())
             }
         }

@@ -59,12 +59,8 @@ impl Service {
 
     /// A template by id, or by name among live templates.
     fn find_template(&self, key: &str) -> Result<Template, ServiceError> {
-        if let Ok(t) = self.store.get_template(&TemplateId::new(key)) {
-            return Ok(t);
-        }
-        self.list_templates()?
-            .into_iter()
-            .find(|t| t.name == key)
+        self.store
+            .find_template(key)?
             .ok_or(ServiceError::NotFound {
                 kind: "template",
                 id: key.to_string(),
@@ -220,15 +216,15 @@ impl Service {
             )
         })?;
         let admit_ms = lap.next();
-        match self.start_vmm(&sandbox.id, &snapshot) {
-            Ok(mut report) => {
-                // The operation's end, the state and the snapshot the VMM
-                // runs from: one commit, relaxed: what it records is a
-                // running VMM, which a power cut ends anyway; a crash of
-                // this process keeps it.
+        match self.launch_vmm(&sandbox, &template, &snapshot) {
+            Ok(Launched { mut report, handle }) => {
+                // The VMM, the operation's end, the state and the snapshot
+                // the VMM runs from: one commit, relaxed: what it records
+                // is a running VMM, which a power cut ends anyway; a crash
+                // of this process keeps it.
                 lap.next();
                 let change = StateChange::new(SandboxState::Creating, SandboxState::Running);
-                let mut created = self.store.write_relaxed(|tx| {
+                let mut created = self.record_vmm(&sandbox, &handle, |tx| {
                     tx.set_sandbox_snapshot(&sandbox.id, Some(&snapshot))?;
                     tx.finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
                     tx.get_sandbox(&sandbox.id)
@@ -249,17 +245,56 @@ impl Service {
         }
     }
 
-    /// Brings up the sandbox's VMM restoring `snapshot` (from a standby
-    /// shell of its shape when the pool has one, else a cold `torpor-vmm`)
-    /// and records it.
+    /// Brings up the sandbox's VMM restoring `snapshot` (see
+    /// [`Service::launch_vmm`]) and records it (one commit of its own).
     pub(super) fn start_vmm(
         &self,
         id: &SandboxId,
         snapshot: &Path,
     ) -> Result<RestoreReport, ServiceError> {
+        let sandbox = self.store.get_sandbox(id)?;
+        let template = self.store.get_template(&sandbox.template)?;
+        let launched = self.launch_vmm(&sandbox, &template, snapshot)?;
+        self.record_vmm(&sandbox, &launched.handle, |_| Ok(()))?;
+        Ok(launched.report)
+    }
+
+    /// Commits a VMM [`Service::launch_vmm`] started: its handle, with what
+    /// else `f` writes, in one relaxed transaction. A crash before the
+    /// commit leaves a VMM no sandbox records, which recovery ends (by its
+    /// log in the sandbox's directory, `recovery.rs`); a failed commit
+    /// stops it here.
+    pub(super) fn record_vmm<T>(
+        &self,
+        sandbox: &Sandbox,
+        handle: &VmmHandle,
+        f: impl FnOnce(&Tx<'_>) -> StoreResult<T>,
+    ) -> Result<T, ServiceError> {
+        let written = self.store.write_relaxed(|tx| {
+            tx.set_sandbox_vmm(&sandbox.id, Some(handle))?;
+            f(tx)
+        });
+        written.map_err(|e| {
+            let mut started = sandbox.clone();
+            started.vmm = Some(handle.clone());
+            let _ = self.stop_vmm(&started);
+            e.into()
+        })
+    }
+
+    /// Brings up the VMM of `sandbox` (of `template`) restoring `snapshot`
+    /// (from a standby shell of its shape when the pool has one, else a
+    /// cold `torpor-vmm`) and runs a Linux guest's `resumed` hook; the
+    /// caller records the VMM ([`Service::record_vmm`]).
+    pub(super) fn launch_vmm(
+        &self,
+        sandbox: &Sandbox,
+        template: &Template,
+        snapshot: &Path,
+    ) -> Result<Launched, ServiceError> {
         let started = Instant::now();
         let mut lap = Lap::new();
-        let sandbox = self.store.get_sandbox(id)?;
+        let id = &sandbox.id;
         let dir = self.sandbox_dir(id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| ServiceError::Internal(format!("create {}: {e}", dir.display())))?;
@@ -269,7 +304,7 @@ impl Service {
         // The template's recorded working set, installed eagerly (uffd
         // backends; `file` maps the page cache, which needs no prefetch).
         restore.prefetch = backend != MemoryBackend::File;
-        self.guest_restore_paths(id, &mut restore)?;
+        self.guest_restore_paths(id, template, &mut restore)?;
         // A jailed VMM joins its sandbox's network namespace as it starts
         // (as root, before it drops its rights): a shell made earlier sits
         // in a namespace of its own, so a networked sandbox restores cold.
@@ -279,7 +314,7 @@ impl Service {
         } else {
             self.pool.take((sandbox.mem_mib, sandbox.vcpus))
         };
-        let template_files = self.template_files(&sandbox.template);
+        let template_files = template_exposes(template);
         let prepare_ms = lap.next();
         // Mounting the sandbox's files into a jailed shell, apart from the
         // restore round trip.
@@ -325,14 +360,11 @@ impl Service {
             }
         };
         let vmm_ms = lap.next();
-        self.store
-            .write_relaxed(|tx| tx.set_sandbox_vmm(id, Some(&handle)))?;
         self.children
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(id.clone(), child);
-        let record_ms = lap.next();
-        self.after_restore(id)?;
+        self.after_restore(sandbox, template, &handle)?;
         let mut report = RestoreReport {
             path,
             backend: backend.name().to_string(),
@@ -345,21 +377,9 @@ impl Service {
             report.phase("jail", jail_ms);
         }
         report.phase("vmm", vmm_ms);
-        report.phase("record", record_ms);
         report.phase("hook", lap.next());
         self.metrics.observe_restore(&report);
-        Ok(report)
-    }
-
-    /// Files of a template a VMM of its sandboxes reads besides snapshot
-    /// layers: a Linux template's root disk image.
-    pub(super) fn template_files(&self, template: &TemplateId) -> Vec<Expose> {
-        self.store
-            .get_template(template)
-            .ok()
-            .and_then(|t| t.rootfs)
-            .map(|r| vec![Expose::read_only(r)])
-            .unwrap_or_default()
+        Ok(Launched { report, handle })
     }
 
     /// Hands a jailed standby shell what a restore of `restore` into the
@@ -514,12 +534,18 @@ impl Service {
             )
         })?;
         let admit_ms = lap.next();
-        match self.start_vmm(&sandbox.id, &snapshot) {
-            Ok(mut report) => {
+        let launched = self
+            .store
+            .get_template(&sandbox.template)
+            .map_err(ServiceError::from)
+            .and_then(|template| self.launch_vmm(&sandbox, &template, &snapshot));
+        match launched {
+            Ok(Launched { mut report, handle }) => {
                 lap.next();
-                // Relaxed, like a create's: a power cut leaves it hibernated.
+                // The VMM and the operation's end, one commit, relaxed like
+                // a create's: a power cut leaves it hibernated.
                 let change = StateChange::new(SandboxState::Resuming, SandboxState::Running);
-                let mut woken = self.store.write_relaxed(|tx| {
+                let mut woken = self.record_vmm(&sandbox, &handle, |tx| {
                     tx.finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
                     tx.touch(&sandbox.id, Timestamp::now())?;
                     tx.get_sandbox(&sandbox.id)
@@ -791,4 +817,20 @@ impl Lap {
         self.0 = now;
         ms
     }
+}
+
+/// A VMM [`Service::launch_vmm`] started, not yet recorded.
+pub(super) struct Launched {
+    pub report: RestoreReport,
+    pub handle: VmmHandle,
+}
+
+/// Files of a template a VMM of its sandboxes reads besides snapshot
+/// layers: a Linux template's root disk image.
+pub(super) fn template_exposes(template: &Template) -> Vec<Expose> {
+    template
+        .rootfs
+        .iter()
+        .map(|r| Expose::read_only(r.clone()))
+        .collect()
 }

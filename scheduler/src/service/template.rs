@@ -293,7 +293,7 @@ impl Service {
             spec,
             &files.log,
             (u64::from(template.mem_mib), u64::from(template.vcpus)),
-            &self.template_files(&template.id),
+            &super::ops::template_exposes(template),
         );
         match spawned {
             Ok((up, _)) => {

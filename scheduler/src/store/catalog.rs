@@ -203,6 +203,20 @@ impl Tx<'_> {
             .ok_or_else(|| StoreError::not_found("template", id))
     }
 
+    /// A template by id, else the oldest live template named `key`: one
+    /// statement (a create names its template either way).
+    pub fn find_template(&self, key: &str) -> Result<Option<Template>> {
+        Ok(self
+            .conn
+            .prepare_cached(&format!(
+                "SELECT {TEMPLATE_SELECT} FROM templates WHERE id = ?1 \
+                 OR (name = ?1 AND state != 'deleted') \
+                 ORDER BY id != ?1, created_at, id LIMIT 1"
+            ))?
+            .query_row([key], template_from_row)
+            .optional()?)
+    }
+
     /// Templates, oldest first.
     pub fn list_templates(&self, include_deleted: bool) -> Result<Vec<Template>> {
         let filter = if include_deleted {

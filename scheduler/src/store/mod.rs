@@ -361,6 +361,7 @@ macro_rules! delegate {
 delegate! {
     write fn insert_template(&self, template: &Template) -> ();
     read fn get_template(&self, id: &TemplateId) -> Template;
+    read fn find_template(&self, key: &str) -> Option<Template>;
     read fn list_templates(&self, include_deleted: bool) -> Vec<Template>;
     write fn set_template_state(&self, id: &TemplateId, state: &TemplateState) -> Template;
     write fn set_template_snapshot(&self, id: &TemplateId, dir: Option<&Path>) -> ();
