@@ -107,7 +107,7 @@ fn cluster_sandbox_life_placement_and_pod_failure() {
         "{v}"
     );
     assert_eq!(c.call(1, "GET", "/v1/operations/op_none", None).status, 404);
-    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "7");
+    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "8");
     assert_eq!(
         c.call(1, "DELETE", &format!("/v1/sandboxes/{once}"), None)
             .status,
@@ -261,7 +261,7 @@ fn cluster_tenants_and_tokens_are_shared_through_postgresql() {
 
     // Both replicas were started with the same --token: seeded once, as
     // its SHA-256 (never the token), an admin token of tenant `admin`.
-    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "7");
+    assert_eq!(c.sql("SELECT max(version) FROM schema_migrations"), "8");
     let rows = c.sql("SELECT tenant, scope, sha256 FROM tenant_tokens");
     let digest = c.sql(&format!(
         "SELECT encode(sha256('{}'::bytea), 'hex')",
@@ -758,4 +758,94 @@ fn cluster_create_on_a_dead_pod_frees_its_quota() {
         .collect();
     assert_eq!(held.len(), 1, "{held:?}");
     assert_eq!(held[0]["id"], made.as_str());
+}
+
+/// A wake (resume or connect of a hibernated sandbox, or a guest call that
+/// would wake it) is admitted in PostgreSQL with its operation, atomically
+/// across replicas, as a create: with room for one running sandbox, two
+/// wakes at once through both replicas wake exactly one (each replica's
+/// own count, read from PostgreSQL, admitted both before); a guest call on
+/// the other is refused and leaves it hibernated; once there is room, a
+/// guest call wakes it first.
+#[test]
+fn cluster_wakes_are_admitted_in_postgresql_across_replicas() {
+    let c = Cluster::up("wakes");
+    let (token, _) = tenant_token(&c, 1, "waker");
+    let body = Some(r#"{"template":"probe"}"#);
+    let ids: Vec<String> = (1..=2u16)
+        .map(|n| {
+            let r = as_token(&c, n, &token, "POST", "/v1/sandboxes", body);
+            assert_eq!(r.status, 201, "{}", r.body);
+            let id = r.json()["id"].as_str().unwrap().to_string();
+            let r = as_token(
+                &c,
+                n,
+                &token,
+                "POST",
+                &format!("/v1/sandboxes/{id}/hibernate"),
+                None,
+            );
+            assert_eq!(r.status, 200, "{}", r.body);
+            id
+        })
+        .collect();
+    c.set_quota(1, "waker", r#"{"running_sandboxes":1}"#);
+    // Replica 2 reads the tenants again within this (its guard wakes a
+    // sandbox first only for a tenant with a quota).
+    std::thread::sleep(SHARED_WITHIN);
+    let state = |id: &str| {
+        let r = as_token(&c, 2, &token, "GET", &format!("/v1/sandboxes/{id}"), None);
+        r.json()["state"].as_str().unwrap_or_default().to_string()
+    };
+
+    let answers: Vec<HttpResponse> = std::thread::scope(|s| {
+        let calls: Vec<_> = [(1u16, &ids[0], "resume"), (2, &ids[1], "connect")]
+            .into_iter()
+            .map(|(n, id, op)| {
+                let (c, token) = (&c, token.as_str());
+                let path = format!("/v1/sandboxes/{id}/{op}");
+                s.spawn(move || as_token(c, n, token, "POST", &path, None))
+            })
+            .collect();
+        calls.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let woken: Vec<usize> = (0..2).filter(|&i| answers[i].status == 200).collect();
+    assert_eq!(woken.len(), 1, "{} / {}", answers[0].body, answers[1].body);
+    let (up, down) = (woken[0], 1 - woken[0]);
+    let refused = &answers[down];
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    let e = &refused.json()["error"];
+    assert_eq!(e["code"], "quota_exceeded", "{}", refused.body);
+    assert_eq!(e["quota"], "running_sandboxes", "{}", refused.body);
+    assert_eq!(state(&ids[up]), "running");
+    assert_eq!(state(&ids[down]), "hibernated");
+
+    // A guest call on the hibernated one would wake it: refused alike, and
+    // it stays hibernated.
+    let exec = format!("/v1/sandboxes/{}/exec", ids[down]);
+    let argv = Some(r#"{"argv":["true"]}"#);
+    let r = as_token(&c, 2, &token, "POST", &exec, argv);
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(state(&ids[down]), "hibernated");
+
+    // Room again (the running one hibernated): the guest call wakes it
+    // first, through the queue, then reaches its pod (a probe has no
+    // agent: 422 there).
+    let r = as_token(
+        &c,
+        1,
+        &token,
+        "POST",
+        &format!("/v1/sandboxes/{}/hibernate", ids[up]),
+        None,
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = as_token(&c, 1, &token, "POST", &exec, argv);
+    assert_eq!(r.status, 422, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "no_agent", "{}", r.body);
+    assert_eq!(state(&ids[down]), "running");
+    assert_eq!(
+        c.sql("SELECT count(*) FROM operations WHERE status = 'pending'"),
+        "0"
+    );
 }

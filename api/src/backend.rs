@@ -153,6 +153,14 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     fn admits_creates(&self) -> bool {
         false
     }
+    /// Whether [`SandboxApi::lifecycle`] admits a wake (a resume or
+    /// connect of a hibernated sandbox) against the tenant's quota itself,
+    /// so that a guest route on a hibernated sandbox wakes it that way
+    /// first (a cluster replica: in PostgreSQL, with the wake's operation);
+    /// otherwise the API's [`crate::quota::Quotas`] do.
+    fn admits_wakes(&self) -> bool {
+        false
+    }
     fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError>;
     fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError>;
     fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError>;

@@ -260,6 +260,22 @@ pub fn admit_wake<S: SandboxApi>(
     admit(t, principal, Usage::wake(u64::from(sandbox.mem_mib)))
 }
 
+/// Where the service admits wakes itself ([`SandboxApi::admits_wakes`]): a
+/// guest call on `sandbox`, hibernated, of a tenant with a quota
+/// (`limited`) wakes it first through the service (admitted there, 429
+/// past the quota, and the sandbox stays hibernated). No ticket: the
+/// service counts it.
+pub fn wake_first<S: SandboxApi>(
+    service: &S,
+    limited: bool,
+    sandbox: &Sandbox,
+) -> Result<Option<Ticket>, ServiceError> {
+    if limited && sandbox.state == SandboxState::Hibernated {
+        service.lifecycle(&sandbox.id, crate::backend::Lifecycle::Connect)?;
+    }
+    Ok(None)
+}
+
 /// Memory of template `key` (id or name) as listed; 0 if unknown (the
 /// create then answers 404 itself).
 fn template_mem<S: SandboxApi>(s: &S, key: &str) -> u64 {
@@ -322,6 +338,11 @@ pub async fn sandbox_guard<S: SandboxApi>(
             admit(&guard, &p, Usage::sandbox(mem))
         } else if checkpoint {
             admit(&guard, &p, Usage::snapshot(mem))
+        } else if guard.service.admits_wakes() {
+            // A resume or connect is the wake the service admits.
+            let lifecycle = path.ends_with("/resume") || path.ends_with("/connect");
+            let limited = !lifecycle && guard.auth.quota(&p.tenant) != Quota::default();
+            sandbox.map_or(Ok(None), |s| wake_first(&*guard.service, limited, &s))
         } else {
             sandbox.map_or(Ok(None), |s| admit_wake(&guard, &p, &s))
         };

@@ -1,5 +1,5 @@
-//! A create's (or a fork's, all of its count at once) admission against
-//! its tenant's quota, in PostgreSQL: the one
+//! A create's (or a fork's, all of its count at once, or a wake's)
+//! admission against its tenant's quota, in PostgreSQL: the one
 //! source of truth every replica counts in, atomically. In one transaction
 //! (on the connection kept for it, [`Db`]'s `admission`): the tenant's
 //! quota row is locked (`FOR UPDATE`), its use counted in one statement
@@ -86,7 +86,7 @@ async fn admit_on(c: &mut Client, op: &NewOp<'_>, asked: &Usage) -> Result<bool,
 }
 
 /// `tenant`'s use: its sandboxes, as [`usage_of`] counts them, plus
-/// what its pending creates and forks asked. One statement, so one snapshot: read
+/// what its pending creates, forks and wakes asked. One statement, so one snapshot: read
 /// in two, a create finished between them (its operation done and its
 /// sandbox written at once) was in neither (tests/cluster.rs admitted 4
 /// against a quota of 3 under load). A sandbox a heartbeat wrote before
@@ -99,12 +99,7 @@ async fn usage(tx: &Transaction<'_>, tenant: &str) -> Result<Usage, ClusterError
                 WHERE tenant = $1 AND state <> 'deleted'
              UNION ALL
              SELECT NULL, NULL, asked FROM operations
-                WHERE tenant = $1 AND kind = 'create' AND status = 'pending'
-                    AND asked IS NOT NULL
-             UNION ALL
-             SELECT NULL, NULL, asked FROM operations
-                WHERE tenant = $1 AND kind = 'fork' AND status = 'pending'
-                    AND asked IS NOT NULL",
+                WHERE tenant = $1 AND status = 'pending' AND asked IS NOT NULL",
             &[&tenant],
         )
         .await

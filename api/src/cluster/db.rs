@@ -117,6 +117,15 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
         "CREATE INDEX operations_pending_fork ON operations (tenant)
         WHERE kind = 'fork' AND status = 'pending';",
     ),
+    // Every pending operation that asked for room counts (`admission.rs`):
+    // creates, forks and, from this version, wakes; one index for them.
+    (
+        8,
+        "CREATE INDEX operations_pending_asked ON operations (tenant)
+        WHERE status = 'pending' AND asked IS NOT NULL;
+    DROP INDEX operations_pending_create;
+    DROP INDEX operations_pending_fork;",
+    ),
 ];
 
 /// A connection to PostgreSQL, made again when it broke; and one more,

@@ -9,6 +9,7 @@ use async_nats::jetstream;
 use serde_json::{json, Value};
 use torpor_scheduler::model::{random_bytes, random_hex, PodId, Sandbox, SandboxId};
 use torpor_scheduler::service::LOCAL_POD;
+use torpor_scheduler::state::SandboxState;
 
 use super::db::{Db, NewOp, OpRow, PodRow};
 use super::wire::{self, Command, OpOutcome, WorkItem};
@@ -267,11 +268,13 @@ impl Cluster {
         }
     }
 
-    /// A command on an existing sandbox, on its pod.
+    /// A command on an existing sandbox, on its pod, admitted against its
+    /// tenant's quota for what `asks` of the sandbox (a wake's room).
     fn command(
         &self,
         id: &SandboxId,
         make: impl FnOnce(SandboxId) -> Command,
+        asks: impl FnOnce(&Sandbox) -> Option<Usage>,
     ) -> Result<OpOutcome, ServiceError> {
         self.block(async {
             let command = make(id.clone());
@@ -280,7 +283,8 @@ impl Cluster {
                 Err(e) => return self.retried(e, command.kind(), id).await,
             };
             let tenant = sandbox.tenant.clone().unwrap_or_default();
-            self.run(&pod.id, &tenant, command, None).await
+            let asked = asks(&sandbox);
+            self.run(&pod.id, &tenant, command, asked.as_ref()).await
         })
     }
 
@@ -310,8 +314,9 @@ impl Cluster {
         &self,
         id: &SandboxId,
         make: impl FnOnce(SandboxId) -> Command,
+        asks: impl FnOnce(&Sandbox) -> Option<Usage>,
     ) -> Result<Outcome, ServiceError> {
-        let (sandbox, resumed) = Self::sandbox_of(self.command(id, make)?)?;
+        let (sandbox, resumed) = Self::sandbox_of(self.command(id, make, asks)?)?;
         Ok(Outcome {
             sandbox,
             resumed,
@@ -510,11 +515,25 @@ impl SandboxApi for Cluster {
             .collect())
     }
 
+    /// A wake (a resume or connect of a sandbox hibernated as PostgreSQL
+    /// has it) is admitted there with its operation, as a create is: its
+    /// room counts while it is pending, then as the running sandbox.
     fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
-        self.outcome(id, |sandbox| Command::Lifecycle { sandbox, op })
+        let wakes = matches!(op, Lifecycle::Resume | Lifecycle::Connect);
+        self.outcome(
+            id,
+            |sandbox| Command::Lifecycle { sandbox, op },
+            |s| {
+                (wakes && s.state == SandboxState::Hibernated)
+                    .then(|| Usage::wake(u64::from(s.mem_mib)))
+            },
+        )
+    }
+    fn admits_wakes(&self) -> bool {
+        true
     }
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
-        match self.command(id, |sandbox| Command::Delete { sandbox })? {
+        match self.command(id, |sandbox| Command::Delete { sandbox }, |_| None)? {
             OpOutcome::Failed(e) => Err(e.into()),
             _ => Ok(()),
         }

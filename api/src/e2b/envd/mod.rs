@@ -218,6 +218,10 @@ pub(super) fn wake_ticket<S: SandboxApi>(
         return Ok(None);
     };
     let sandbox = s.get_sandbox(id)?;
+    if s.admits_wakes() {
+        let limited = tenancy.auth.quota(&tenant) != crate::quota::Quota::default();
+        return crate::tenancy::wake_first(s, limited, &sandbox);
+    }
     let principal = crate::auth::Principal {
         tenant,
         scope: crate::auth::Scope::Tenant,
