@@ -162,8 +162,25 @@ async fn work<S: SandboxApi>(
         let item: WorkItem = match serde_json::from_slice(&message.payload) {
             Ok(i) => i,
             Err(e) => {
-                tracing::warn!(error = %e, "a work item that is not one: dropped");
-                let _ = message.ack().await;
+                // A command of a newer build (a replica upgraded before
+                // this pod) fails its operation at once, rather than
+                // leaving it pending; anything else is dropped.
+                let Some((op, outcome)) = unreadable(&message.payload, &me.id, &e) else {
+                    tracing::warn!(error = %e, "a work item that is not one: dropped");
+                    let _ = message.ack().await;
+                    continue;
+                };
+                tracing::warn!(operation = %op, error = %e, "a work item this pod cannot read: failed");
+                match publish_result(&js, &me.id, &op, outcome).await {
+                    Ok(()) => {
+                        let _ = wire::ack_confirmed(&message).await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(operation = %op, error = %e, "operation left for redelivery");
+                        let again = AckKind::Nak(Some(Duration::from_secs(1)));
+                        let _ = message.ack_with(again).await;
+                    }
+                }
                 continue;
             }
         };
@@ -259,18 +276,55 @@ async fn take<S: SandboxApi>(
     })
     .await
     .map_err(|e| ClusterError::Journal(e.to_string()))??;
+    publish_result(js, &me.id, &op, outcome).await
+}
+
+/// Publishes operation `op`'s outcome on `pod`'s events.
+async fn publish_result(
+    js: &jetstream::Context,
+    pod: &PodId,
+    op: &str,
+    outcome: OpOutcome,
+) -> Result<(), ClusterError> {
     let event = Event::Result {
-        pod: me.id.clone(),
-        operation: op.clone(),
+        pod: pod.clone(),
+        operation: op.to_string(),
         outcome,
     };
     wire::publish(
         js,
-        wire::events_subject(&me.id),
+        wire::events_subject(pod),
         Some(&format!("result-{op}")),
         &event,
     )
     .await
+}
+
+/// A work item this build cannot read (`error`) that still names its
+/// operation (`op_` and hex, as replicas make them): that operation and
+/// its failure, 501 `unsupported`, saying to upgrade the pod; none for
+/// anything else.
+fn unreadable(
+    payload: &[u8],
+    pod: &PodId,
+    error: &serde_json::Error,
+) -> Option<(String, OpOutcome)> {
+    let item: serde_json::Value = serde_json::from_slice(payload).ok()?;
+    let op = item.get("operation")?.as_str()?;
+    let hex = op.strip_prefix("op_")?;
+    if hex.is_empty() || hex.len() > 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    let kind = item["command"]["kind"].as_str().unwrap_or("?");
+    let kind: String = kind.chars().take(64).collect();
+    let message = format!(
+        "pod {pod} cannot read operation {op} (a {kind:?} command: {error}); it was built \
+         before that command: upgrade it"
+    );
+    Some((
+        op.to_string(),
+        OpOutcome::Failed(OpError::from(ServiceError::Unsupported(message))),
+    ))
 }
 
 fn named(mut s: Sandbox, pod: &PodId) -> Sandbox {
@@ -472,5 +526,48 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(matches!(j.begin("op_2").unwrap(), Journaled::New));
+    }
+
+    /// A command of a newer build fails its operation (501, naming the
+    /// pod and the kind); what names no operation is dropped.
+    #[test]
+    fn a_command_this_pod_cannot_read_fails_its_operation() {
+        let pod = PodId::new("pod7");
+        let read = |payload: &str| {
+            let e = serde_json::from_str::<WorkItem>(payload).unwrap_err();
+            unreadable(payload.as_bytes(), &pod, &e)
+        };
+        let newer = r#"{"operation":"op_0a1b","command":{"kind":"template_build","x":1}}"#;
+        let (op, outcome) = read(newer).expect("a failed outcome");
+        assert_eq!(op, "op_0a1b");
+        match outcome {
+            OpOutcome::Failed(e) => {
+                assert_eq!((e.status, e.code.as_str()), (501, "unsupported"), "{e:?}");
+                assert!(e.message.contains("pod pod7"), "{}", e.message);
+                assert!(e.message.contains("\"template_build\""), "{}", e.message);
+                assert!(e.message.contains("upgrade it"), "{}", e.message);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Known to this build: read, not failed.
+        let known = r#"{"operation":"op_01","command":{"kind":"delete","sandbox":"sbx_01"}}"#;
+        assert!(serde_json::from_str::<WorkItem>(known).is_ok());
+        for junk in [
+            "not json",
+            r#"{"command":{"kind":"x"}}"#,
+            r#"{"operation":"op_","command":{"kind":"x"}}"#,
+            r#"{"operation":"op_zz","command":{"kind":"x"}}"#,
+            r#"{"operation":"sbx_01","command":{"kind":"x"}}"#,
+            r#"{"operation":7,"command":{"kind":"x"}}"#,
+        ] {
+            let e = serde_json::from_str::<WorkItem>(junk).unwrap_err();
+            assert!(unreadable(junk.as_bytes(), &pod, &e).is_none(), "{junk}");
+        }
+        let long = format!(
+            r#"{{"operation":"op_{}","command":{{"kind":"x"}}}}"#,
+            "a".repeat(65)
+        );
+        let e = serde_json::from_str::<WorkItem>(&long).unwrap_err();
+        assert!(unreadable(long.as_bytes(), &pod, &e).is_none());
     }
 }

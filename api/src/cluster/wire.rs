@@ -105,7 +105,10 @@ impl Command {
 /// it), so the operation stays pending (202, `GET /v1/operations/{id}`
 /// `pending`) and a replica built before [`OpOutcome::Sandboxes`] cannot
 /// read its result. Upgrade replicas, then pods, before forking in a
-/// cluster (the replicas first, as for heartbeats).
+/// cluster (the replicas first, as for heartbeats). Pods of this build on
+/// fail an operation whose command they cannot read (501 `unsupported`,
+/// `pod.rs`'s `unreadable`) rather than drop it, so a kind added later
+/// ends at once on a pod not yet upgraded.
 #[derive(Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 enum WireCommand {
