@@ -171,7 +171,7 @@ async fn work<S: SandboxApi>(
                     continue;
                 };
                 tracing::warn!(operation = %op, error = %e, "a work item this pod cannot read: failed");
-                match publish_result(&js, &me.id, &op, outcome).await {
+                match publish_result(js, &me.id, &op, outcome).await {
                     Ok(()) => {
                         let _ = wire::ack_confirmed(&message).await;
                     }
