@@ -190,4 +190,33 @@ fn cluster_templates_are_built_read_and_deleted_through_any_replica() {
         404
     );
     assert_eq!(on_pod(&c, 2, "shared-built"), 0);
+
+    // A replica that waits 1 ms answers a build 202 with its operation;
+    // it goes on, and its outcome is the template, then read through the
+    // other replica; a retry with the key is the built template (201).
+    c.kill("api1");
+    c.start_api("api1", "--cluster-down-after-ms 3000 --cluster-wait-ms 1");
+    let slow = Some(r#"{"name":"acme-later","kind":"probe","mem_mib":64}"#);
+    let r = keyed(&c, 1, &acme, "build-2", "POST", "/v1/templates", slow);
+    assert_eq!(r.status, 202, "{}", r.body);
+    let op = r.json();
+    assert_eq!(op["kind"], "template_build", "{op}");
+    assert_eq!(op["status"], "pending", "{op}");
+    let location = r.header("location").unwrap().to_string();
+    assert_eq!(
+        location,
+        format!("/v1/operations/{}", op["id"].as_str().unwrap())
+    );
+    let done = finished(&c, 2, &location);
+    assert_eq!(done["status"], "done", "{done}");
+    let later = done["outcome"]["template"]["template"]["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{done}"))
+        .to_string();
+    let r = as_token(&c, 2, &acme, "GET", &format!("/v1/templates/{later}"), None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["state"], "ready", "{}", r.body);
+    let r = keyed(&c, 2, &acme, "build-2", "POST", "/v1/templates", slow);
+    assert_eq!(r.status, 201, "{}", r.body);
+    assert_eq!(r.json()["id"], later.as_str(), "{}", r.body);
 }
