@@ -45,6 +45,7 @@ fn on_pod(c: &Cluster, n: u16, name: &str) -> usize {
 #[test]
 fn cluster_templates_are_built_read_and_deleted_through_any_replica() {
     let c = Cluster::up("templates-built");
+    check_catalog_changes(&c);
     let admin = c.token.trim().to_string();
     let (acme, _) = tenant_token(&c, 1, "acme");
     let (other, _) = tenant_token(&c, 2, "other");
@@ -219,4 +220,43 @@ fn cluster_templates_are_built_read_and_deleted_through_any_replica() {
     let r = keyed(&c, 2, &acme, "build-2", "POST", "/v1/templates", slow);
     assert_eq!(r.status, 201, "{}", r.body);
     assert_eq!(r.json()["id"], later.as_str(), "{}", r.body);
+}
+
+/// The catalog changes a build's or a delete's result records
+/// (`api/src/cluster/catalog.rs`, schema version 8), applied by
+/// PostgreSQL's `torpor_catalog*` functions over what a heartbeat lists:
+/// checked on the cluster's own database.
+fn check_catalog_changes(c: &Cluster) {
+    // t1 built (ready), t2 deleted, recorded now; t9's change is stale.
+    let changes = r#"jsonb_build_object(
+        't1', jsonb_build_object('template', '{"id":"t1","state":"ready"}'::jsonb,
+            'name', 'one', 'at', extract(epoch FROM now())),
+        't2', jsonb_build_object('template', NULL::jsonb, 'name', 'two',
+            'at', extract(epoch FROM now())),
+        't9', jsonb_build_object('template', '{"id":"t9","state":"ready"}'::jsonb,
+            'name', 'nine', 'at', 0))"#;
+    let sql = |q: &str| c.sql(&q.replace("CHANGES", changes));
+    // A heartbeat taken before both results: t1 building, t2 there.
+    let before = r#"'[{"id":"t1","state":"building"},{"id":"t2","state":"ready"},
+        {"id":"t3","state":"ready"}]'::jsonb"#;
+    let q = format!("SELECT torpor_catalog({before}, torpor_catalog_pending({before}, CHANGES))");
+    assert_eq!(
+        sql(&q),
+        r#"[{"id": "t3", "state": "ready"}, {"id": "t1", "state": "ready"}]"#
+    );
+    // Both changes wait for a heartbeat that agrees; the stale one goes.
+    let q = format!(
+        "SELECT torpor_catalog_pending({before}, CHANGES) ? 't1', \
+                     torpor_catalog_pending({before}, CHANGES) ? 't2', \
+                     torpor_catalog_pending({before}, CHANGES) ? 't9'"
+    );
+    assert_eq!(sql(&q), "t|t|f");
+    // A heartbeat taken after both: nothing left to apply.
+    let after = r#"'[{"id":"t1","state":"ready"},{"id":"t3","state":"ready"}]'::jsonb"#;
+    let q = format!("SELECT torpor_catalog_pending({after}, CHANGES)");
+    assert_eq!(sql(&q), "{}");
+    // The names placement reads: t2 and its name gone, t1 and its added.
+    let q = "SELECT array_to_string(ARRAY(SELECT unnest(
+                torpor_catalog_names('{t2,t3,three,two}', CHANGES)) ORDER BY 1), ',')";
+    assert_eq!(sql(q), "nine,one,t1,t3,t9,three");
 }
