@@ -418,7 +418,8 @@ impl Drop for Cluster {
     }
 }
 
-// Helpers of the cluster tests (tests/cluster.rs, tests/cluster_fork.rs).
+// Helpers of the cluster tests (tests/cluster.rs, tests/cluster_fork.rs,
+// tests/cluster_templates.rs).
 
 /// Polls `GET location` on replica `n` until the operation is no longer
 /// pending (30 s); the operation.

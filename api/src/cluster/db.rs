@@ -126,6 +126,10 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
     DROP INDEX operations_pending_create;
     DROP INDEX operations_pending_fork;",
     ),
+    // Templates built and deleted through the replicas (`catalog.rs`):
+    // the template an operation is on, and each pod's catalog changes its
+    // heartbeats have not confirmed yet.
+    (9, super::catalog::MIGRATION),
 ];
 
 /// A connection to PostgreSQL, made again when it broke; and one more,
@@ -173,6 +177,8 @@ pub struct NewOp<'a> {
     pub pod: &'a PodId,
     pub tenant: &'a str,
     pub idempotency_key: Option<&'a str>,
+    /// The existing template it is on (a template's delete).
+    pub template: Option<&'a str>,
     /// Its start window and the grace after it (`expiry.rs`): an
     /// operation admitted against its tenant's quota has them.
     pub deadlines: Option<(Duration, Duration)>,
@@ -198,9 +204,9 @@ pub(super) async fn insert_operation(
     let inserted = c
         .execute(
             "INSERT INTO operations (id, kind, sandbox, pod, tenant, idempotency_key, asked,
-                start_by, expires_at)
+                start_by, expires_at, template)
              VALUES ($1, $2, $3, $4, $5, $6, $7, now() + $8::bigint * interval '1 millisecond',
-                now() + ($8::bigint + $9::bigint) * interval '1 millisecond')
+                now() + ($8::bigint + $9::bigint) * interval '1 millisecond', $10)
              ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL
              DO NOTHING",
             &[
@@ -213,6 +219,7 @@ pub(super) async fn insert_operation(
                 &asked,
                 &op.deadlines.map(|d| ms(d.0)),
                 &op.deadlines.map(|d| ms(d.1)),
+                &op.template,
             ],
         )
         .await
@@ -226,6 +233,8 @@ pub struct OpRow {
     pub id: String,
     pub kind: String,
     pub sandbox: Option<String>,
+    /// The template of a template's delete.
+    pub template: Option<String>,
     pub pod: String,
     pub tenant: String,
     pub status: String,
@@ -331,13 +340,21 @@ impl Db {
         let c = self.client().await?;
         let catalog = serde_json::to_value(&hb.catalog)
             .map_err(|e| ClusterError::Schema(format!("a pod's templates: {e}")))?;
+        // The templates and catalog as the pod lists them, with the
+        // changes of builds and deletes it has not listed yet (a heartbeat
+        // taken before a build's result, written after it, does not take
+        // the template away again: `catalog.rs`).
         c.execute(
             "INSERT INTO pods (id, address, token, fingerprint, load, templates, headroom_mib,
                 running, hibernated, catalog, last_heartbeat)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, now())
              ON CONFLICT (id) DO UPDATE SET address = $2, token = $3, fingerprint = $4,
-                load = $5, templates = $6, headroom_mib = $7, running = $8, hibernated = $9,
-                catalog = $10, last_heartbeat = now()",
+                load = $5, headroom_mib = $7, running = $8, hibernated = $9,
+                last_heartbeat = now(),
+                templates = torpor_catalog_names($6,
+                    torpor_catalog_pending($10, pods.catalog_changes)),
+                catalog = torpor_catalog($10, torpor_catalog_pending($10, pods.catalog_changes)),
+                catalog_changes = torpor_catalog_pending($10, pods.catalog_changes)",
             &[
                 &pod.as_str(),
                 &hb.address,
@@ -518,6 +535,12 @@ impl Db {
                 )
                 .await
             }
+            // A template built or deleted: the pod's catalog changed with
+            // the operation, in the same one statement (`catalog.rs`).
+            OpOutcome::Template { template } | OpOutcome::TemplateDeleted { template } => {
+                let built = matches!(outcome, OpOutcome::Template { .. });
+                super::catalog::finish(&c, operation, &json, pod, template, built).await
+            }
             OpOutcome::Failed(_) => {
                 let sql = format!("{PENDING} SELECT count(*) FROM op");
                 c.execute(
@@ -613,7 +636,7 @@ impl Db {
             .query_opt(
                 "SELECT id, kind, sandbox, pod, tenant, status, outcome,
                     (extract(epoch FROM start_by) * 1000)::bigint,
-                    (extract(epoch FROM expires_at) * 1000)::bigint
+                    (extract(epoch FROM expires_at) * 1000)::bigint, template
                  FROM operations WHERE id = $1",
                 &[&id],
             )
@@ -634,6 +657,7 @@ impl Db {
                     .map_err(|e| ClusterError::Schema(format!("operation {id}: {e}")))?,
                 start_by_ms: r.get(7),
                 expires_ms: r.get(8),
+                template: r.get(9),
             })
         })
         .transpose()

@@ -8,7 +8,8 @@
 //!   PostgreSQL, sends it to that pod's work queue and waits for its result
 //!   (up to a deadline: past it the answer is 202 with
 //!   `/v1/operations/{id}`). Sandbox commands (pause, resume, connect,
-//!   hibernate, delete) go the same way to the owning pod; the data plane
+//!   hibernate, delete) go the same way to the owning pod, and templates'
+//!   builds and deletes to a pod ([`templates`]); the data plane
 //!   (exec, files, ports, timeouts) is relayed straight to the pod's API
 //!   (`federation::routing`).
 //! - Every replica also consumes the pods' events ([`events`]): results
@@ -28,6 +29,7 @@ pub mod events;
 pub mod expiry;
 pub mod pod;
 pub mod replica;
+pub mod templates;
 pub mod tenants;
 pub mod wire;
 

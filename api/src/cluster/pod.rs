@@ -426,6 +426,32 @@ fn execute<S: SandboxApi>(service: &S, pod: &PodId, command: Command) -> OpOutco
                 Err(e) => OpOutcome::Failed(e.into()),
             }
         }
+        Command::BuildTemplate {
+            mut request,
+            tenant,
+            admin,
+        } => {
+            // The tenant's own (an admin's shared), as an embedded build.
+            request.owner = Some(Owner { tenant, admin });
+            request.pod = None;
+            match service.create_template(*request) {
+                Ok(template) => OpOutcome::Template {
+                    template: Box::new(template),
+                },
+                Err(e) => OpOutcome::Failed(e.into()),
+            }
+        }
+        // Refused (409) while sandboxes of this pod use it, as embedded;
+        // answered with the template as it reads after (`deleted`).
+        Command::DeleteTemplate { template } => match service
+            .delete_template(&template)
+            .and_then(|()| service.get_template(&template))
+        {
+            Ok(t) => OpOutcome::TemplateDeleted {
+                template: Box::new(t),
+            },
+            Err(e) => OpOutcome::Failed(e.into()),
+        },
     }
 }
 

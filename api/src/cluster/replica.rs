@@ -37,9 +37,9 @@ const POLL_FAST_FOR: Duration = Duration::from_millis(300);
 #[derive(Debug)]
 pub struct Cluster {
     rt: tokio::runtime::Handle,
-    db: Arc<Db>,
+    pub(super) db: Arc<Db>,
     js: jetstream::Context,
-    config: ClusterConfig,
+    pub(super) config: ClusterConfig,
 }
 
 /// Where a placement goes: the pods up, by headroom (most first), and the
@@ -104,11 +104,11 @@ impl Cluster {
 
     /// Runs `f` to its end from a blocking caller (the handlers' blocking
     /// pool, or the routing layer on a worker thread).
-    fn block<F: Future>(&self, f: F) -> F::Output {
+    pub(super) fn block<F: Future>(&self, f: F) -> F::Output {
         tokio::task::block_in_place(|| self.rt.block_on(f))
     }
 
-    fn down(pod: &PodRow, why: &str) -> ServiceError {
+    pub(super) fn down(pod: &PodRow, why: &str) -> ServiceError {
         ServiceError::Pod {
             status: 503,
             code: code::UNAVAILABLE.into(),
@@ -119,7 +119,7 @@ impl Cluster {
         }
     }
 
-    fn is_up(&self, pod: &PodRow) -> bool {
+    pub(super) fn is_up(&self, pod: &PodRow) -> bool {
         pod.silent_s < self.config.down_after.as_secs_f64()
     }
 
@@ -153,19 +153,33 @@ impl Cluster {
     /// Journals `command` for `pod` (a create admitted against its
     /// tenant's quota for what it `asked`), queues it, and waits for its
     /// outcome.
-    async fn run(
+    pub(super) async fn run(
         &self,
         pod: &PodId,
         tenant: &str,
         command: Command,
         asked: Option<&Usage>,
     ) -> Result<OpOutcome, ServiceError> {
-        let id = format!("op_{}", random_hex(12));
         let key = crate::request_context::idempotency_key();
+        self.run_keyed(pod, tenant, command, asked, key).await
+    }
+
+    /// [`Cluster::run`] with this idempotency `key` rather than the
+    /// request's.
+    pub(super) async fn run_keyed(
+        &self,
+        pod: &PodId,
+        tenant: &str,
+        command: Command,
+        asked: Option<&Usage>,
+        key: Option<String>,
+    ) -> Result<OpOutcome, ServiceError> {
+        let id = format!("op_{}", random_hex(12));
         let new = NewOp {
             id: &id,
             kind: command.kind(),
             sandbox: command.sandbox(),
+            template: command.template().map(|t| t.as_str()),
             pod,
             tenant,
             idempotency_key: key.as_deref(),
@@ -179,7 +193,10 @@ impl Cluster {
             let same_sandbox = command
                 .sandbox()
                 .is_none_or(|s| op.sandbox.as_deref() == Some(s.as_str()));
-            if op.kind != command.kind() || !same_sandbox {
+            let same_template = command
+                .template()
+                .is_none_or(|t| op.template.as_deref() == Some(t.as_str()));
+            if op.kind != command.kind() || !same_sandbox || !same_template {
                 return Err(ServiceError::ResourceConflict(format!(
                     "Idempotency-Key was used for another request: operation {} ({} of {})",
                     op.id,
@@ -213,7 +230,7 @@ impl Cluster {
 
     /// The outcome of `op` once its pod answered; past the wait,
     /// [`ServiceError::Accepted`] (202 with `/v1/operations/{id}`).
-    async fn wait(&self, op: OpRow) -> Result<OpOutcome, ServiceError> {
+    pub(super) async fn wait(&self, op: OpRow) -> Result<OpOutcome, ServiceError> {
         let started = Instant::now();
         let deadline = started + self.config.wait;
         let mut pause = POLL_FAST;
@@ -251,9 +268,9 @@ impl Cluster {
                 kind: "sandbox",
                 id: sandbox.to_string(),
             }),
-            OpOutcome::Sandboxes { .. } => Err(ServiceError::Internal(
-                "a command answered with a fork's sandboxes".into(),
-            )),
+            other => Err(ServiceError::Internal(format!(
+                "a sandbox's command answered {other:?}"
+            ))),
         }
     }
 
@@ -358,14 +375,6 @@ impl Cluster {
     }
 }
 
-/// The cluster keeps no template catalog of its own: each pod's templates
-/// come with its heartbeats (`GET /v1/templates`, `catalog.rs`).
-fn no_catalog() -> ServiceError {
-    ServiceError::Unsupported(
-        "templates are each pod's in a cluster: GET /v1/templates lists them".into(),
-    )
-}
-
 /// Commands the replica sends through the work queues rather than relays.
 fn is_command(method: &str, path: &str) -> bool {
     let segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
@@ -383,16 +392,13 @@ impl SandboxApi for Cluster {
         true
     }
 
+    /// Built and deleted on the pods through their work queues, read from
+    /// their catalogs in PostgreSQL (`templates.rs`).
     fn templates(
         &self,
         op: crate::calls::TemplateOp<'_>,
     ) -> Result<crate::calls::TemplateReply, ServiceError> {
-        match op {
-            crate::calls::TemplateOp::Create(_) => Err(ServiceError::Unsupported(
-                "templates are built on each pod in a cluster".into(),
-            )),
-            _ => Err(no_catalog()),
-        }
+        self.template_call(op)
     }
 
     fn create_sandbox(&self, mut req: CreateSandbox) -> Result<Sandbox, ServiceError> {
@@ -633,6 +639,7 @@ impl SandboxApi for Cluster {
             "id": op.id,
             "kind": op.kind,
             "sandbox": op.sandbox,
+            "template": op.template,
             "pod": op.pod,
             "status": op.status,
             "outcome": op.outcome,

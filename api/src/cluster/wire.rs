@@ -15,8 +15,8 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer, stream};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template};
-use torpor_scheduler::service::{CreateSandbox, ForkSandbox, ServiceError};
+use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template, TemplateId};
+use torpor_scheduler::service::{CreateSandbox, CreateTemplate, ForkSandbox, ServiceError};
 
 use super::ClusterError;
 use crate::backend::Lifecycle;
@@ -74,6 +74,18 @@ pub enum Command {
         sandbox: SandboxId,
         request: Box<ForkSandbox>,
     },
+    /// A template built on the pod for `tenant` (shared if `admin`, as
+    /// embedded); the outcome is [`OpOutcome::Template`].
+    BuildTemplate {
+        request: Box<CreateTemplate>,
+        tenant: String,
+        admin: bool,
+    },
+    /// A template deleted on the pod (refused there while sandboxes use
+    /// it); the outcome is [`OpOutcome::TemplateDeleted`].
+    DeleteTemplate {
+        template: TemplateId,
+    },
 }
 
 impl Command {
@@ -83,15 +95,27 @@ impl Command {
             Command::Lifecycle { op, .. } => op.name(),
             Command::Delete { .. } => "delete",
             Command::Fork { .. } => "fork",
+            Command::BuildTemplate { .. } => "template_build",
+            Command::DeleteTemplate { .. } => "template_delete",
         }
     }
 
     pub fn sandbox(&self) -> Option<&SandboxId> {
         match self {
-            Command::Create { .. } => None,
+            Command::Create { .. }
+            | Command::BuildTemplate { .. }
+            | Command::DeleteTemplate { .. } => None,
             Command::Lifecycle { sandbox, .. }
             | Command::Delete { sandbox }
             | Command::Fork { sandbox, .. } => Some(sandbox),
+        }
+    }
+
+    /// The template an existing template's command is on.
+    pub fn template(&self) -> Option<&TemplateId> {
+        match self {
+            Command::DeleteTemplate { template } => Some(template),
+            _ => None,
         }
     }
 }
@@ -105,10 +129,13 @@ impl Command {
 /// it), so the operation stays pending (202, `GET /v1/operations/{id}`
 /// `pending`) and a replica built before [`OpOutcome::Sandboxes`] cannot
 /// read its result. Upgrade replicas, then pods, before forking in a
-/// cluster (the replicas first, as for heartbeats). Pods of this build on
-/// fail an operation whose command they cannot read (501 `unsupported`,
-/// `pod.rs`'s `unreadable`) rather than drop it, so a kind added later
-/// ends at once on a pod not yet upgraded.
+/// cluster (the replicas first, as for heartbeats). So are
+/// `template_build` and `template_delete` (and their outcomes
+/// [`OpOutcome::Template`] and [`OpOutcome::TemplateDeleted`]): the same
+/// order before building or deleting templates through a replica. Pods of
+/// this build on fail an operation whose command they cannot read (501
+/// `unsupported`, `pod.rs`'s `unreadable`) rather than drop it, so a kind
+/// added later ends at once on a pod not yet upgraded.
 #[derive(Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 enum WireCommand {
@@ -137,6 +164,14 @@ enum WireCommand {
         sandbox: SandboxId,
         request: Box<ForkSandbox>,
     },
+    TemplateBuild {
+        request: Box<CreateTemplate>,
+        tenant: String,
+        admin: bool,
+    },
+    TemplateDelete {
+        template: TemplateId,
+    },
 }
 
 impl From<WireCommand> for Command {
@@ -158,6 +193,16 @@ impl From<WireCommand> for Command {
             WireCommand::Hibernate { sandbox } => lifecycle(sandbox, Lifecycle::Hibernate),
             WireCommand::Delete { sandbox } => Command::Delete { sandbox },
             WireCommand::Fork { sandbox, request } => Command::Fork { sandbox, request },
+            WireCommand::TemplateBuild {
+                request,
+                tenant,
+                admin,
+            } => Command::BuildTemplate {
+                request,
+                tenant,
+                admin,
+            },
+            WireCommand::TemplateDelete { template } => Command::DeleteTemplate { template },
         }
     }
 }
@@ -182,6 +227,16 @@ impl From<Command> for WireCommand {
             },
             Command::Delete { sandbox } => WireCommand::Delete { sandbox },
             Command::Fork { sandbox, request } => WireCommand::Fork { sandbox, request },
+            Command::BuildTemplate {
+                request,
+                tenant,
+                admin,
+            } => WireCommand::TemplateBuild {
+                request,
+                tenant,
+                admin,
+            },
+            Command::DeleteTemplate { template } => WireCommand::TemplateDelete { template },
         }
     }
 }
@@ -228,7 +283,7 @@ impl From<OpError> for ServiceError {
 }
 
 /// What an operation did: the sandbox after it (none after a delete; the
-/// new ones after a fork), or the error.
+/// new ones after a fork; the template built or deleted), or the error.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum OpOutcome {
@@ -244,6 +299,15 @@ pub enum OpOutcome {
     /// [`WireCommand`] on upgrading).
     Sandboxes {
         sandboxes: Vec<Sandbox>,
+    },
+    /// A template as its pod built it (newer still: see [`WireCommand`]).
+    Template {
+        template: Box<Template>,
+    },
+    /// A template its pod deleted, as it reads after (`state: deleted`):
+    /// a retry of the delete with its `Idempotency-Key` finds it there.
+    TemplateDeleted {
+        template: Box<Template>,
     },
     Failed(OpError),
 }
@@ -574,5 +638,49 @@ mod tests {
         let outcome: OpOutcome =
             serde_json::from_value(serde_json::json!({"sandboxes": {"sandboxes": []}})).unwrap();
         assert!(matches!(outcome, OpOutcome::Sandboxes { sandboxes } if sandboxes.is_empty()));
+    }
+
+    #[test]
+    fn template_commands_carry_their_request_owner_and_id() {
+        let sent = serde_json::json!({
+            "kind": "template_build",
+            "request": {"name": "t1", "kind": "probe", "mem_mib": 64, "vcpus": 1, "cmdline": null},
+            "tenant": "acme",
+            "admin": false,
+        });
+        let command: Command = serde_json::from_value(sent.clone()).unwrap();
+        assert_eq!(command.kind(), "template_build");
+        assert!(command.sandbox().is_none() && command.template().is_none());
+        let Command::BuildTemplate {
+            request, tenant, ..
+        } = &command
+        else {
+            panic!("{command:?}");
+        };
+        assert_eq!((request.name.as_str(), request.mem_mib), ("t1", 64));
+        assert_eq!(tenant, "acme");
+        assert_eq!(serde_json::to_value(&command).unwrap(), sent);
+
+        let delete = serde_json::json!({"kind": "template_delete", "template": "tpl_1"});
+        let command: Command = serde_json::from_value(delete.clone()).unwrap();
+        assert_eq!(command.kind(), "template_delete");
+        assert_eq!(command.template().map(|t| t.as_str()), Some("tpl_1"));
+        assert_eq!(serde_json::to_value(&command).unwrap(), delete);
+        // A pod of this build refuses what it does not know, as an older
+        // pod refuses these (upgrade replicas, then pods).
+        let odd = serde_json::json!({"kind": "template_delete", "template": "tpl_1", "pod": "p"});
+        assert!(serde_json::from_value::<Command>(odd).is_err());
+        let gone = serde_json::json!({"template_deleted": {"template": {
+            "id": "tpl_1", "name": "t1", "kernel": "builtin:probe", "rootfs": null,
+            "snapshot_dir": null, "mem_mib": 64, "vcpus": 1, "kind": "probe",
+            "created_at": 5, "state": "deleted", "tenant": "acme",
+        }}});
+        let outcome: OpOutcome = serde_json::from_value(gone.clone()).unwrap();
+        let OpOutcome::TemplateDeleted { template } = &outcome else {
+            panic!("{outcome:?}");
+        };
+        assert_eq!(template.id.as_str(), "tpl_1");
+        assert_eq!(template.tenant.as_deref(), Some("acme"));
+        assert_eq!(serde_json::to_value(&outcome).unwrap(), gone);
     }
 }

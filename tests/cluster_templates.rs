@@ -1,0 +1,262 @@
+//! Templates in the cluster (`scripts/cluster` on loopback, as
+//! tests/cluster.rs): built on a pod through its work queue by any
+//! replica, read from the pods' catalogs in PostgreSQL by any replica, and
+//! deleted on the pods that list them (`api/src/cluster/templates.rs`).
+//! Needs postgres and nats-server (tests/needs leaves it out without them).
+
+use common::cluster::{as_token, finished, stored_sandboxes, tenant_token, Cluster};
+use common::http::{request_with, HttpResponse};
+
+mod common;
+
+/// `METHOD path` on replica `n` with `token` and an `Idempotency-Key`.
+fn keyed(
+    c: &Cluster,
+    n: u16,
+    token: &str,
+    key: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> HttpResponse {
+    let auth = format!("Bearer {token}");
+    let headers = [("Idempotency-Key", key), ("Authorization", auth.as_str())];
+    request_with(&c.api(n), method, path, &headers, body)
+}
+
+/// The templates named `name` that pod `n` itself lists.
+fn on_pod(c: &Cluster, n: u16, name: &str) -> usize {
+    let r = common::http::request(
+        &c.pod_api(n),
+        "GET",
+        "/v1/templates",
+        Some(&c.pod_token(n)),
+        None,
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()["templates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["name"] == name)
+        .count()
+}
+
+#[test]
+fn cluster_templates_are_built_read_and_deleted_through_any_replica() {
+    let c = Cluster::up("templates-built");
+    check_catalog_changes(&c);
+    let admin = c.token.trim().to_string();
+    let (acme, _) = tenant_token(&c, 1, "acme");
+    let (other, _) = tenant_token(&c, 2, "other");
+
+    // acme builds through replica 1: one operation on a pod, the template
+    // acme's, answered once built (201), without host paths.
+    let body = Some(r#"{"name":"acme-built","kind":"probe","mem_mib":64}"#);
+    let r = keyed(&c, 1, &acme, "build-1", "POST", "/v1/templates", body);
+    assert_eq!(r.status, 201, "{}", r.body);
+    let built = r.json();
+    let id = built["id"].as_str().unwrap().to_string();
+    assert_eq!(built["tenant"], "acme", "{built}");
+    assert_eq!(built["state"], "ready", "{built}");
+    assert!(built.get("snapshot_dir").is_none(), "{built}");
+    let path = format!("/v1/templates/{id}");
+    assert_eq!(r.header("location"), Some(path.as_str()));
+
+    // A create from it through replica 2 right away is placed on its pod
+    // (the build's result wrote that pod's catalog, before a heartbeat).
+    let create = format!(r#"{{"template":"{id}"}}"#);
+    let r = as_token(&c, 2, &acme, "POST", "/v1/sandboxes", Some(&create));
+    assert_eq!(r.status, 201, "{}", r.body);
+    let sandbox = r.json()["id"].as_str().unwrap().to_string();
+    let pod = r.json()["pod"].as_str().unwrap().to_string();
+    assert_eq!(
+        c.sql(
+            "SELECT pod || '|' || kind || '|' || status || '|' || tenant FROM operations \
+               WHERE idempotency_key = 'build-1'"
+        ),
+        format!("{pod}|template_build|done|acme")
+    );
+    let n: u16 = if pod == "pod1" { 1 } else { 2 };
+    assert_eq!(on_pod(&c, n, "acme-built"), 1);
+    assert_eq!(on_pod(&c, 3 - n, "acme-built"), 0);
+
+    // A retry of the build with its key, through replica 2: the first
+    // answer, nothing built again.
+    let r = keyed(&c, 2, &acme, "build-1", "POST", "/v1/templates", body);
+    assert_eq!(r.status, 201, "{}", r.body);
+    assert_eq!(r.json()["id"], id.as_str(), "{}", r.body);
+    assert_eq!(
+        c.sql("SELECT count(*) FROM operations WHERE kind = 'template_build'"),
+        "1"
+    );
+    assert_eq!(on_pod(&c, n, "acme-built"), 1);
+    // The same key on another command: 409.
+    let r = keyed(&c, 2, &acme, "build-1", "DELETE", &path, None);
+    assert_eq!(r.status, 409, "{}", r.body);
+
+    // Read through either replica by acme and the admin (with its host
+    // paths); another tenant neither reads, lists nor deletes it.
+    for n in [1, 2] {
+        let r = as_token(&c, n, &acme, "GET", &path, None);
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.json()["name"], "acme-built");
+        assert!(r.json().get("kernel").is_none(), "{}", r.body);
+        let r = as_token(&c, n, &admin, "GET", &path, None);
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert!(r.json()["snapshot_dir"].is_string(), "{}", r.body);
+        assert_eq!(as_token(&c, n, &other, "GET", &path, None).status, 404);
+    }
+    let r = as_token(&c, 1, &other, "GET", "/v1/templates", None);
+    assert!(!r.body.contains(&id), "{}", r.body);
+    let r = as_token(&c, 2, &other, "DELETE", &path, None);
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert_eq!(as_token(&c, 1, &acme, "GET", &path, None).status, 200);
+
+    // In use by a sandbox: its pod refuses the delete (409), as embedded.
+    let r = as_token(&c, 1, &acme, "DELETE", &path, None);
+    assert_eq!(r.status, 409, "{}", r.body);
+    assert!(r.body.contains(&id), "{}", r.body);
+    let r = as_token(
+        &c,
+        1,
+        &acme,
+        "DELETE",
+        &format!("/v1/sandboxes/{sandbox}"),
+        None,
+    );
+    assert_eq!(r.status, 204, "{}", r.body);
+    assert_eq!(stored_sandboxes(&c, "acme"), "0");
+
+    // Deleted through replica 2: gone at once from both replicas, and
+    // from its pod; a create from it is 404; a retry with the key is the
+    // first answer (204), without the key 404.
+    let r = keyed(&c, 2, &acme, "delete-1", "DELETE", &path, None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    for n in [1, 2] {
+        assert_eq!(as_token(&c, n, &acme, "GET", &path, None).status, 404);
+        assert_eq!(as_token(&c, n, &admin, "GET", &path, None).status, 404);
+        let r = as_token(&c, n, &acme, "GET", "/v1/templates", None);
+        assert!(!r.body.contains(&id), "{}", r.body);
+        let r = as_token(&c, n, &acme, "POST", "/v1/sandboxes", Some(&create));
+        assert_eq!(r.status, 404, "{}", r.body);
+    }
+    assert_eq!(on_pod(&c, n, "acme-built"), 0);
+    for n in [1, 2] {
+        let r = keyed(&c, n, &acme, "delete-1", "DELETE", &path, None);
+        assert_eq!(r.status, 204, "{}", r.body);
+    }
+    assert_eq!(as_token(&c, 1, &acme, "DELETE", &path, None).status, 404);
+    // Journaled on its pod with the key and the pod's id.
+    let op = c.sql(&format!(
+        "SELECT id FROM operations WHERE kind = 'template_delete' AND template = '{id}'
+            AND idempotency_key = 'delete-1 {pod}'"
+    ));
+    let op = finished(&c, 1, &format!("/v1/operations/{op}"));
+    assert_eq!(op["status"], "done", "{op}");
+    assert_eq!(op["template"], id.as_str(), "{op}");
+    assert_eq!(
+        op["outcome"]["template_deleted"]["template"]["state"],
+        "deleted"
+    );
+    // Two heartbeats later the pod's own list agrees.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    assert_eq!(as_token(&c, 2, &acme, "GET", &path, None).status, 404);
+
+    // The admin builds on a chosen pod: shared, every tenant reads it, a
+    // tenant may not delete it (403) nor choose a pod; a failed build is
+    // the pod's error.
+    let shared = Some(r#"{"name":"shared-built","kind":"probe","mem_mib":64,"pod":"pod2"}"#);
+    let r = as_token(&c, 1, &admin, "POST", "/v1/templates", shared);
+    assert_eq!(r.status, 201, "{}", r.body);
+    let shared_id = r.json()["id"].as_str().unwrap().to_string();
+    assert!(r.json().get("tenant").is_none(), "{}", r.body);
+    assert_eq!(on_pod(&c, 2, "shared-built"), 1);
+    let shared_path = format!("/v1/templates/{shared_id}");
+    let r = as_token(&c, 2, &other, "GET", &shared_path, None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        as_token(&c, 2, &other, "DELETE", &shared_path, None).status,
+        403
+    );
+    let r = as_token(&c, 1, &other, "POST", "/v1/templates", shared);
+    assert_eq!(r.status, 403, "{}", r.body);
+    let bad = Some(r#"{"name":"tiny","kind":"probe","mem_mib":1}"#);
+    let r = as_token(&c, 1, &acme, "POST", "/v1/templates", bad);
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = as_token(&c, 1, &admin, "DELETE", &shared_path, None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    assert_eq!(
+        as_token(&c, 2, &other, "GET", &shared_path, None).status,
+        404
+    );
+    assert_eq!(on_pod(&c, 2, "shared-built"), 0);
+
+    // A replica that waits 1 ms answers a build 202 with its operation;
+    // it goes on, and its outcome is the template, then read through the
+    // other replica; a retry with the key is the built template (201).
+    c.kill("api1");
+    c.start_api("api1", "--cluster-down-after-ms 3000 --cluster-wait-ms 1");
+    let slow = Some(r#"{"name":"acme-later","kind":"probe","mem_mib":64}"#);
+    let r = keyed(&c, 1, &acme, "build-2", "POST", "/v1/templates", slow);
+    assert_eq!(r.status, 202, "{}", r.body);
+    let op = r.json();
+    assert_eq!(op["kind"], "template_build", "{op}");
+    assert_eq!(op["status"], "pending", "{op}");
+    let location = r.header("location").unwrap().to_string();
+    assert_eq!(
+        location,
+        format!("/v1/operations/{}", op["id"].as_str().unwrap())
+    );
+    let done = finished(&c, 2, &location);
+    assert_eq!(done["status"], "done", "{done}");
+    let later = done["outcome"]["template"]["template"]["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{done}"))
+        .to_string();
+    let r = as_token(&c, 2, &acme, "GET", &format!("/v1/templates/{later}"), None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["state"], "ready", "{}", r.body);
+    let r = keyed(&c, 2, &acme, "build-2", "POST", "/v1/templates", slow);
+    assert_eq!(r.status, 201, "{}", r.body);
+    assert_eq!(r.json()["id"], later.as_str(), "{}", r.body);
+}
+
+/// The catalog changes a build's or a delete's result records
+/// (`api/src/cluster/catalog.rs`, schema version 8), applied by
+/// PostgreSQL's `torpor_catalog*` functions over what a heartbeat lists:
+/// checked on the cluster's own database.
+fn check_catalog_changes(c: &Cluster) {
+    // t1 built (ready), t2 deleted, recorded now; t9's change is stale.
+    let changes = r#"jsonb_build_object(
+        't1', jsonb_build_object('template', '{"id":"t1","state":"ready"}'::jsonb,
+            'name', 'one', 'at', extract(epoch FROM now())),
+        't2', jsonb_build_object('template', NULL::jsonb, 'name', 'two',
+            'at', extract(epoch FROM now())),
+        't9', jsonb_build_object('template', '{"id":"t9","state":"ready"}'::jsonb,
+            'name', 'nine', 'at', 0))"#;
+    let sql = |q: &str| c.sql(&q.replace("CHANGES", changes));
+    // A heartbeat taken before both results: t1 building, t2 there.
+    let before = r#"'[{"id":"t1","state":"building"},{"id":"t2","state":"ready"},
+        {"id":"t3","state":"ready"}]'::jsonb"#;
+    let q = format!("SELECT torpor_catalog({before}, torpor_catalog_pending({before}, CHANGES))");
+    assert_eq!(
+        sql(&q),
+        r#"[{"id": "t3", "state": "ready"}, {"id": "t1", "state": "ready"}]"#
+    );
+    // Both changes wait for a heartbeat that agrees; the stale one goes.
+    let q = format!(
+        "SELECT torpor_catalog_pending({before}, CHANGES) ? 't1', \
+                     torpor_catalog_pending({before}, CHANGES) ? 't2', \
+                     torpor_catalog_pending({before}, CHANGES) ? 't9'"
+    );
+    assert_eq!(sql(&q), "t|t|f");
+    // A heartbeat taken after both: nothing left to apply.
+    let after = r#"'[{"id":"t1","state":"ready"},{"id":"t3","state":"ready"}]'::jsonb"#;
+    let q = format!("SELECT torpor_catalog_pending({after}, CHANGES)");
+    assert_eq!(sql(&q), "{}");
+    // The names placement reads: t2 and its name gone, t1 and its added.
+    let q = "SELECT array_to_string(ARRAY(SELECT unnest(
+                torpor_catalog_names('{t2,t3,three,two}', CHANGES)) ORDER BY 1), ',')";
+    assert_eq!(sql(q), "nine,one,t1,t3,t9,three");
+}
