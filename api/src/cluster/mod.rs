@@ -10,7 +10,9 @@
 //!   `/v1/operations/{id}`). Sandbox commands (pause, resume, connect,
 //!   hibernate, delete) go the same way to the owning pod; the data plane
 //!   (exec, files, ports, timeouts) is relayed straight to the pod's API
-//!   (`federation::routing`).
+//!   (`federation::routing`). E2B's routes use the same commands; envd
+//!   reaches the guest through the pod's agent tunnel, and any replica
+//!   checks a sandbox's envd token, kept in PostgreSQL ([`guest`]).
 //! - Every replica also consumes the pods' events ([`events`]): results
 //!   and heartbeats, written to PostgreSQL, then acked.
 //! - A pod ([`pod`]) takes its work queue, executes each operation at most
@@ -26,6 +28,7 @@ pub mod catalog;
 pub mod db;
 pub mod events;
 pub mod expiry;
+pub mod guest;
 pub mod pod;
 pub mod replica;
 pub mod tenants;

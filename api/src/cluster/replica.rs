@@ -35,10 +35,10 @@ const POLL_FAST_FOR: Duration = Duration::from_millis(300);
 /// The replica.
 #[derive(Debug)]
 pub struct Cluster {
-    rt: tokio::runtime::Handle,
-    db: Arc<Db>,
+    pub(super) rt: tokio::runtime::Handle,
+    pub(super) db: Arc<Db>,
     js: jetstream::Context,
-    config: ClusterConfig,
+    pub(super) config: ClusterConfig,
 }
 
 /// Where a placement goes: the pods up, by headroom (most first), and the
@@ -101,9 +101,16 @@ impl Cluster {
             .layer(axum::middleware::from_fn(crate::request_context::scope))
     }
 
+    /// The E2B routes alone (`torpor serve --cluster ... --e2b-listen`),
+    /// with the request context commands need, as [`Cluster::router`].
+    pub fn e2b_router(api: &crate::Api<Cluster>) -> axum::Router {
+        api.e2b_router()
+            .layer(axum::middleware::from_fn(crate::request_context::scope))
+    }
+
     /// Runs `f` to its end from a blocking caller (the handlers' blocking
     /// pool, or the routing layer on a worker thread).
-    fn block<F: Future>(&self, f: F) -> F::Output {
+    pub(super) fn block<F: Future>(&self, f: F) -> F::Output {
         tokio::task::block_in_place(|| self.rt.block_on(f))
     }
 
@@ -138,7 +145,7 @@ impl Cluster {
         Ok((sandbox, pod))
     }
 
-    async fn owned_up(&self, id: &SandboxId) -> Result<(Sandbox, PodRow), ServiceError> {
+    pub(super) async fn owned_up(&self, id: &SandboxId) -> Result<(Sandbox, PodRow), ServiceError> {
         let (sandbox, pod) = self.owned(id).await?;
         if !self.is_up(&pod) {
             return Err(Self::down(
@@ -298,7 +305,7 @@ impl Cluster {
         })
     }
 
-    fn remote(&self, pod: &PodRow) -> Option<RemotePod> {
+    pub(super) fn remote(&self, pod: &PodRow) -> Option<RemotePod> {
         let pin = match pod
             .fingerprint
             .as_deref()
@@ -320,15 +327,6 @@ impl Cluster {
         )
         .map_err(|e| tracing::warn!(pod = %pod.id, error = %e, "a pod's address"))
         .ok()
-    }
-
-    /// Guest calls that were not relayed: the pod is down (503), or the
-    /// caller is not a `/v1` route (E2B's envd, not served by the cluster).
-    fn guest_call<T>(&self, id: &SandboxId) -> Result<T, ServiceError> {
-        self.block(self.owned_up(id))?;
-        Err(ServiceError::Unsupported(
-            "in a cluster, guest calls are served on the /v1 routes only".into(),
-        ))
     }
 }
 
@@ -417,6 +415,10 @@ impl SandboxApi for Cluster {
             // not listed it: the pod answers 404).
             let mem = self.db.template_mem(&pod.id, &req.template).await?;
             let asked = Usage::sandbox(mem.unwrap_or(0));
+            // Kept in PostgreSQL once it is made (`guest.rs`): the token
+            // never goes to the pod, the environment does.
+            let token = req.access_token.take();
+            let env = req.env.clone();
             let command = Command::Create {
                 request: Box::new(req),
                 tenant: owner.tenant.clone(),
@@ -425,12 +427,20 @@ impl SandboxApi for Cluster {
             let outcome = self
                 .run(&pod.id, &owner.tenant, command, Some(&asked))
                 .await?;
-            Self::sandbox_of(outcome).map(|(s, _)| s)
+            let (mut sandbox, _) = Self::sandbox_of(outcome)?;
+            self.keep_secrets(&mut sandbox, token.as_deref(), &env)
+                .await?;
+            Ok(sandbox)
         })
     }
 
+    /// With its secrets (`guest.rs`): envd checks its token, and gives
+    /// its processes its environment.
     fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
-        self.block(self.owned_up(id)).map(|(s, _)| s)
+        self.block(async {
+            let (sandbox, _) = self.owned_up(id).await?;
+            self.with_secrets(sandbox).await
+        })
     }
 
     fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
@@ -452,6 +462,11 @@ impl SandboxApi for Cluster {
         self.block(async {
             let (source, pod) = self.owned_up(id).await?;
             let tenant = source.tenant.clone().unwrap_or_default();
+            // A fork's secrets: the request's token, the source's
+            // environment under the request's (as the pod keeps it).
+            let token = req.access_token.take();
+            let mut env = self.with_secrets(source.clone()).await?.env;
+            env.extend(req.env.clone());
             let mut asked = Usage::default();
             for _ in 0..count {
                 asked.add(&Usage::sandbox(u64::from(source.mem_mib)));
@@ -462,7 +477,12 @@ impl SandboxApi for Cluster {
                 request: Box::new(req),
             };
             match self.run(&pod.id, &tenant, command, Some(&asked)).await? {
-                OpOutcome::Sandboxes { sandboxes } => Ok(sandboxes),
+                OpOutcome::Sandboxes { mut sandboxes } => {
+                    for fork in &mut sandboxes {
+                        self.keep_secrets(fork, token.as_deref(), &env).await?;
+                    }
+                    Ok(sandboxes)
+                }
                 OpOutcome::Failed(e) => Err(e.into()),
                 other => Err(ServiceError::Internal(format!(
                     "a fork of {id} answered {other:?}"
@@ -492,8 +512,11 @@ impl SandboxApi for Cluster {
             .collect())
     }
 
+    /// With the sandbox's secrets (E2B's connect shows its envd token).
     fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
-        self.outcome(id, |sandbox| Command::Lifecycle { sandbox, op })
+        let mut outcome = self.outcome(id, |sandbox| Command::Lifecycle { sandbox, op })?;
+        outcome.sandbox = self.block(self.with_secrets(outcome.sandbox))?;
+        Ok(outcome)
     }
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
         match self.command(id, |sandbox| Command::Delete { sandbox })? {
@@ -501,13 +524,15 @@ impl SandboxApi for Cluster {
             _ => Ok(()),
         }
     }
+    /// On the sandbox's pod (`/v1` relays its `PATCH` there; E2B's
+    /// timeout routes call this).
     fn set_timeout(
         &self,
         id: &SandboxId,
-        _keep_alive_ms: Option<u64>,
-        _timeout_ms: Option<u64>,
+        keep_alive_ms: Option<u64>,
+        timeout_ms: Option<u64>,
     ) -> Result<Sandbox, ServiceError> {
-        self.guest_call(id)
+        self.timeout_on_pod(id, keep_alive_ms, timeout_ms)
     }
 
     fn set_pod(
@@ -610,28 +635,31 @@ impl SandboxApi for Cluster {
         self.remote(&pod)
     }
 
+    // The guest through the owning pod's agent tunnel (`guest.rs`): E2B's
+    // envd and /files; `/v1`'s exec and files are relayed to the pod whole
+    // (a pod down: 503 either way).
     fn execute(
         &self,
         id: &SandboxId,
-        _req: ExecRequest,
-        _cancel: &Cancel,
-        _mode: crate::calls::ExecMode<'_>,
+        req: ExecRequest,
+        cancel: &Cancel,
+        mode: crate::calls::ExecMode<'_>,
     ) -> Result<GuestCall<crate::calls::ExecReply>, ServiceError> {
-        self.guest_call(id)
+        self.exec_through_tunnel(id, req, cancel, mode)
     }
     fn files(
         &self,
         id: &SandboxId,
-        _op: crate::calls::FileOp<'_>,
+        op: crate::calls::FileOp<'_>,
     ) -> Result<GuestCall<crate::calls::FileReply>, ServiceError> {
-        self.guest_call(id)
+        self.guest_call(id, |link| op.run(link))
     }
     fn with_guest(
         &self,
         id: &SandboxId,
-        _f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
+        f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
     ) -> Result<Outcome, ServiceError> {
-        self.guest_call(id)
+        self.tunnel(id, f)
     }
 }
 
