@@ -1,7 +1,8 @@
 //! E2B's API and envd in the cluster (`scripts/cluster` on loopback, as
 //! tests/cluster.rs): both replicas serve `--e2b-listen`; a sandbox made
-//! through one is read, timed, paused, woken, forked and killed through
-//! the other, by its tenant only, admitted against the tenant's quota in
+//! through one is read, timed, paused, woken, forked, snapshotted (the
+//! snapshot made and used on its pod) and killed through the other, by
+//! its tenant only, admitted against the tenant's quota in
 //! PostgreSQL; its envd access token, kept in PostgreSQL, is checked by
 //! either replica and shown again by connect; envd reaches the guest
 //! through the owning pod's agent tunnel (the probe has no agent: a real
@@ -303,6 +304,52 @@ fn cluster_serves_e2b_and_envd_on_any_replica() {
         )),
         "b",
         "a fork keeps its source's environment"
+    );
+
+    // A snapshot through replica 2, made on the sandbox's pod: listed
+    // through replica 1, a create from it placed there.
+    let snap = expect(
+        e2b(
+            &two,
+            &key,
+            "POST",
+            &format!("{path}/snapshots"),
+            &[],
+            Some("{}"),
+        ),
+        201,
+        "snapshot",
+    );
+    let snap_id = snap["snapshotID"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{snap}"));
+    let listed = expect(
+        e2b(
+            &one,
+            &key,
+            "GET",
+            &format!("/snapshots?sandboxID={id}"),
+            &[],
+            None,
+        ),
+        200,
+        "snapshots",
+    );
+    assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
+    assert_eq!(listed[0]["snapshotID"], snap_id, "{listed}");
+    let body = format!(r#"{{"templateID":"{snap_id}","timeout":60}}"#);
+    let restored = expect(
+        e2b(&one, &key, "POST", "/v2/sandboxes", &[], Some(&body)),
+        201,
+        "a create from the snapshot",
+    );
+    assert_eq!(restored["clientID"], pod.as_str(), "{restored}");
+    assert_eq!(restored["templateID"], snap_id, "{restored}");
+    let restored_path = format!("/sandboxes/{}", restored["sandboxID"].as_str().unwrap());
+    expect(
+        e2b(&two, &key, "DELETE", &restored_path, &[], None),
+        204,
+        "kill",
     );
 
     // The real agent in the fork's place on its pod: the pod's store says

@@ -18,15 +18,23 @@
 //!   ([`crate::agent_tunnel::dialer`], as the federation reaches a remote
 //!   pod's sandbox), the pod waking the sandbox if it is hibernated. A pod
 //!   down is 503 `unavailable`, as on `/v1`.
+//! - Snapshots (E2B's snapshot-as-template): made on the sandbox's pod
+//!   (`POST /v1/sandboxes/{id}/template`, beside its layers), answered once
+//!   the pod's heartbeat lists it (within [`LISTED_WITHIN`]), so that a
+//!   create from it right after is placed there; listed from the pods'
+//!   catalogs.
 //! - Timeouts: `PATCH /v1/sandboxes/{id}` on the pod (what `/v1` relays
 //!   there), its answer written to the sandbox's row at once (a heartbeat
 //!   would a little later), so that a read through any replica sees the
 //!   new deadline.
 
-use std::collections::BTreeMap;
-
 use serde_json::{json, Value};
-use torpor_scheduler::model::{PodId, Sandbox, SandboxId, TemplateId, TemplateKind};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use torpor_scheduler::model::{
+    PodId, Sandbox, SandboxId, Template, TemplateId, TemplateKind, TemplateState,
+};
 
 use super::db::{pg, Db};
 use super::replica::Cluster;
@@ -37,7 +45,11 @@ use crate::error::code;
 use crate::federation::RemotePod;
 use crate::service::{
     AgentLink, Cancel, ExecRequest, GuestCall, GuestError, Outcome, ServiceError,
+    TemplateFromSandbox,
 };
+
+/// How long a snapshot's answer waits for its pod's heartbeat to list it.
+const LISTED_WITHIN: Duration = Duration::from_secs(10);
 
 /// A sandbox's envd access token and environment.
 pub type Secrets = (Option<String>, BTreeMap<String, String>);
@@ -265,5 +277,50 @@ impl Cluster {
                 map_call(call, ExecReply::Streamed)
             }
         })
+    }
+
+    /// A template of the sandbox's state, on its pod.
+    pub(super) fn snapshot_on_pod(
+        &self,
+        id: &SandboxId,
+        req: &TemplateFromSandbox,
+    ) -> Result<Template, ServiceError> {
+        let (_, pod) = self.pod_of(id)?;
+        let body = serde_json::to_value(req).map_err(|e| ServiceError::Internal(e.to_string()))?;
+        let path = format!("{}/template", Self::sandbox_path(id));
+        let value = pod.call("POST", &path, Some(&body))?;
+        let template: Template = serde_json::from_value(value).map_err(|e| ServiceError::Pod {
+            status: 502,
+            code: code::POD_UNREACHABLE.into(),
+            message: format!("pod {}: its answer is not a template ({e})", pod.id),
+        })?;
+        let deadline = Instant::now() + LISTED_WITHIN;
+        while self
+            .block(self.db.template_kind(&pod.id, &template.id))?
+            .is_none()
+        {
+            if Instant::now() >= deadline {
+                tracing::warn!(pod = %pod.id, template = %template.id, "a snapshot not listed yet");
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(template)
+    }
+
+    /// Templates made from sandboxes (from `source` only, if given), as
+    /// the pods up list them.
+    pub(super) fn snapshots(
+        &self,
+        source: Option<&SandboxId>,
+    ) -> Result<Vec<(Template, SandboxId)>, ServiceError> {
+        let listed = self.block(self.db.templates(self.config.down_after))?;
+        Ok(listed
+            .into_iter()
+            .filter_map(|v| serde_json::from_value::<Template>(v).ok())
+            .filter(|t| t.state != TemplateState::Deleted)
+            .filter_map(|t| t.source.clone().map(|from| (t, from)))
+            .filter(|(_, from)| source.is_none_or(|s| s == from))
+            .collect())
     }
 }

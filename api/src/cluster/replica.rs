@@ -491,6 +491,22 @@ impl SandboxApi for Cluster {
         })
     }
 
+    /// On the sandbox's pod (`guest.rs`).
+    fn template_from_sandbox(
+        &self,
+        id: &SandboxId,
+        req: crate::service::TemplateFromSandbox,
+    ) -> Result<torpor_scheduler::model::Template, ServiceError> {
+        self.snapshot_on_pod(id, &req)
+    }
+
+    fn sandbox_templates(
+        &self,
+        source: Option<&SandboxId>,
+    ) -> Result<Vec<(torpor_scheduler::model::Template, SandboxId)>, ServiceError> {
+        self.snapshots(source)
+    }
+
     fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
         let all = self.block(self.db.sandboxes(filter.tenant.as_deref()))?;
         Ok(all
