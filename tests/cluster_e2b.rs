@@ -1,6 +1,6 @@
 //! E2B's API and envd in the cluster (`scripts/cluster` on loopback, as
 //! tests/cluster.rs): both replicas serve `--e2b-listen`; a sandbox made
-//! through one is read, timed, paused, woken, forked, snapshotted (the
+//! through one is read, measured, timed, paused, woken, forked, snapshotted (the
 //! snapshot made and used on its pod) and killed through the other, by
 //! its tenant only, admitted against the tenant's quota in
 //! PostgreSQL; its envd access token, kept in PostgreSQL, is checked by
@@ -245,6 +245,14 @@ fn cluster_serves_e2b_and_envd_on_any_replica() {
         404,
         "another tenant",
     );
+    // Its metrics, measured by its pod now (PostgreSQL's row has none).
+    let metrics = expect(
+        e2b(&one, &key, "GET", &format!("{path}/metrics"), &[], None),
+        200,
+        "metrics",
+    );
+    assert_eq!(metrics.as_array().unwrap().len(), 1, "{metrics}");
+    assert!(metrics[0]["memUsed"].as_u64().unwrap() > 0, "{metrics}");
 
     // envd through replica 2 on the sandbox made through replica 1: its
     // token checked there; the probe has no agent (its pod's catalog

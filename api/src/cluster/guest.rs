@@ -157,6 +157,23 @@ impl Cluster {
     /// older or equal generation of the same pod's, never bringing back
     /// a deleted one: as a heartbeat), with its secrets.
     fn pod_answer(&self, pod: &RemotePod, value: Value) -> Result<Sandbox, ServiceError> {
+        let sandbox = Self::sandbox_from(pod, value)?;
+        self.block(async {
+            let c = self.db.client().await?;
+            self.db.upsert_sandbox(&c, &pod.id, &sandbox, true).await?;
+            self.with_secrets(sandbox).await
+        })
+    }
+
+    /// The sandbox as its pod measures it now (its `usage` and `memory`,
+    /// which the rows do not keep fresh): not written to its row.
+    pub(super) fn measured_on_pod(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
+        let (_, pod) = self.pod_of(id)?;
+        let value = pod.call("GET", &Self::sandbox_path(id), None)?;
+        self.block(self.with_secrets(Self::sandbox_from(&pod, value)?))
+    }
+
+    fn sandbox_from(pod: &RemotePod, value: Value) -> Result<Sandbox, ServiceError> {
         let mut sandbox: Sandbox =
             serde_json::from_value(value).map_err(|e| ServiceError::Pod {
                 status: 502,
@@ -164,11 +181,7 @@ impl Cluster {
                 message: format!("pod {}: its answer is not a sandbox ({e})", pod.id),
             })?;
         sandbox.pod = Some(pod.id.clone());
-        self.block(async {
-            let c = self.db.client().await?;
-            self.db.upsert_sandbox(&c, &pod.id, &sandbox, true).await?;
-            self.with_secrets(sandbox).await
-        })
+        Ok(sandbox)
     }
 
     fn sandbox_path(id: &SandboxId) -> String {

@@ -347,6 +347,7 @@ pub async fn refresh<S: SandboxApi>(
 pub async fn metrics<S: SandboxApi>(state: Api<S>, Path(id): Path<String>) -> E2bResult<Response> {
     let out = call(&state, move |s| {
         let sandbox = live(s, &id)?;
+        let sandbox = s.measured_sandbox(&sandbox.id)?;
         // Measured by the sandbox's pod (this one's or a remote one).
         let (Some(usage), Some(memory)) = (sandbox.usage.as_ref(), sandbox.memory.as_ref()) else {
             return Ok(Vec::new());
