@@ -1,6 +1,6 @@
 //! What E2B's routes and envd need of a cluster sandbox beyond the
-//! commands of the work queues: its secrets, its guest agent, and its
-//! timeouts, on any replica.
+//! commands of the work queues: its secrets, its guest agent, its
+//! snapshots, its timeouts and its metrics, on any replica.
 //!
 //! - Secrets (schema version 8, `sandbox_secrets`): what the pod keeps but
 //!   never shows (the API's answers and the pods' results and heartbeats
@@ -27,11 +27,13 @@
 //!   there), its answer written to the sandbox's row at once (a heartbeat
 //!   would a little later), so that a read through any replica sees the
 //!   new deadline.
+//! - Metrics: the sandbox as its pod measures it at the request (`GET
+//!   /v1/sandboxes/{id}` there); the rows keep no usage.
 
-use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use serde_json::{json, Value};
 use torpor_scheduler::model::{
     PodId, Sandbox, SandboxId, Template, TemplateId, TemplateKind, TemplateState,
 };
