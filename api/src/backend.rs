@@ -200,6 +200,13 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
             .collect()
     }
 
+    /// The sandbox with its resource use (`usage`, `memory`) measured now
+    /// by its pod (E2B's metrics). A backend whose reads are not the pod's
+    /// (a cluster replica reads PostgreSQL) asks the pod.
+    fn measured_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
+        self.get_sandbox(id)
+    }
+
     /// The tenant sandbox `id` belongs to (`None`: made before tenants);
     /// `NotFound` if there is no such sandbox. The API's ownership check.
     fn sandbox_tenant(&self, id: &SandboxId) -> Result<Option<String>, ServiceError> {

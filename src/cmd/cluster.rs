@@ -77,6 +77,21 @@ pub fn serve_replica(args: ServeArgs, urls: &str) -> Result<(), String> {
             .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
         let api = torpor_api::Api::new(cluster, api);
+        // E2B's routes and envd on a listener of their own, as embedded
+        // serve's; on the same API (tokens, rate limits shared).
+        if let Some(e2b_listen) = args.e2b_listen {
+            let e2b = tokio::net::TcpListener::bind(e2b_listen)
+                .await
+                .map_err(|e| format!("cannot listen on {e2b_listen}: {e}"))?;
+            let e2b_addr = e2b.local_addr().map_err(|e| e.to_string())?;
+            println!("torpor serve: E2B API on http://{e2b_addr}");
+            let app = Cluster::e2b_router(&api);
+            tokio::spawn(async move {
+                if let Err(e) = torpor_api::serve_app(e2b, app, super::serve::ctrl_c()).await {
+                    tracing::error!("E2B listener: {e}");
+                }
+            });
+        }
         println!("torpor serve: listening on http://{addr}");
         let app = Cluster::router(&api);
         torpor_api::serve_app(listener, app, super::serve::ctrl_c())

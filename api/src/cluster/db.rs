@@ -130,6 +130,17 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
     // the template an operation is on, and each pod's catalog changes its
     // heartbeats have not confirmed yet.
     (9, super::catalog::MIGRATION),
+    // What a sandbox's pod keeps but never shows, for E2B's envd on any
+    // replica (`guest.rs`): its envd access token, as issued (E2B's
+    // connect shows it again), and its environment. Gone with its row.
+    (
+        10,
+        "CREATE TABLE sandbox_secrets (
+        sandbox text PRIMARY KEY REFERENCES sandboxes(id) ON DELETE CASCADE,
+        access_token text,
+        env jsonb NOT NULL DEFAULT '{}'::jsonb
+    );",
+    ),
 ];
 
 /// A connection to PostgreSQL, made again when it broke; and one more,
@@ -391,7 +402,7 @@ impl Db {
     /// back to an older generation). From a heartbeat, a sandbox a delete
     /// operation removed is not made again: the heartbeat may have been
     /// taken before that delete and be read after it.
-    async fn upsert_sandbox(
+    pub(super) async fn upsert_sandbox(
         &self,
         c: &Client,
         pod: &PodId,

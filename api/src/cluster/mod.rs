@@ -11,7 +11,9 @@
 //!   hibernate, delete) go the same way to the owning pod, and templates'
 //!   builds and deletes to a pod ([`templates`]); the data plane
 //!   (exec, files, ports, timeouts) is relayed straight to the pod's API
-//!   (`federation::routing`).
+//!   (`federation::routing`). E2B's routes use the same commands; envd
+//!   reaches the guest through the pod's agent tunnel, and any replica
+//!   checks a sandbox's envd token, kept in PostgreSQL ([`guest`]).
 //! - Every replica also consumes the pods' events ([`events`]): results
 //!   and heartbeats, written to PostgreSQL, then acked.
 //! - A pod ([`pod`]) takes its work queue, executes each operation at most
@@ -27,6 +29,7 @@ pub mod catalog;
 pub mod db;
 pub mod events;
 pub mod expiry;
+pub mod guest;
 pub mod pod;
 pub mod replica;
 pub mod templates;

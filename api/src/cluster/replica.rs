@@ -36,7 +36,7 @@ const POLL_FAST_FOR: Duration = Duration::from_millis(300);
 /// The replica.
 #[derive(Debug)]
 pub struct Cluster {
-    rt: tokio::runtime::Handle,
+    pub(super) rt: tokio::runtime::Handle,
     pub(super) db: Arc<Db>,
     js: jetstream::Context,
     pub(super) config: ClusterConfig,
@@ -102,6 +102,13 @@ impl Cluster {
             .layer(axum::middleware::from_fn(crate::request_context::scope))
     }
 
+    /// The E2B routes alone (`torpor serve --cluster ... --e2b-listen`),
+    /// with the request context commands need, as [`Cluster::router`].
+    pub fn e2b_router(api: &crate::Api<Cluster>) -> axum::Router {
+        api.e2b_router()
+            .layer(axum::middleware::from_fn(crate::request_context::scope))
+    }
+
     /// Runs `f` to its end from a blocking caller (the handlers' blocking
     /// pool, or the routing layer on a worker thread).
     pub(super) fn block<F: Future>(&self, f: F) -> F::Output {
@@ -139,7 +146,7 @@ impl Cluster {
         Ok((sandbox, pod))
     }
 
-    async fn owned_up(&self, id: &SandboxId) -> Result<(Sandbox, PodRow), ServiceError> {
+    pub(super) async fn owned_up(&self, id: &SandboxId) -> Result<(Sandbox, PodRow), ServiceError> {
         let (sandbox, pod) = self.owned(id).await?;
         if !self.is_up(&pod) {
             return Err(Self::down(
@@ -341,7 +348,7 @@ impl Cluster {
         })
     }
 
-    fn remote(&self, pod: &PodRow) -> Option<RemotePod> {
+    pub(super) fn remote(&self, pod: &PodRow) -> Option<RemotePod> {
         let pin = match pod
             .fingerprint
             .as_deref()
@@ -363,15 +370,6 @@ impl Cluster {
         )
         .map_err(|e| tracing::warn!(pod = %pod.id, error = %e, "a pod's address"))
         .ok()
-    }
-
-    /// Guest calls that were not relayed: the pod is down (503), or the
-    /// caller is not a `/v1` route (E2B's envd, not served by the cluster).
-    fn guest_call<T>(&self, id: &SandboxId) -> Result<T, ServiceError> {
-        self.block(self.owned_up(id))?;
-        Err(ServiceError::Unsupported(
-            "in a cluster, guest calls are served on the /v1 routes only".into(),
-        ))
     }
 }
 
@@ -449,6 +447,10 @@ impl SandboxApi for Cluster {
             // not listed it: the pod answers 404).
             let mem = self.db.template_mem(&pod.id, &req.template).await?;
             let asked = Usage::sandbox(mem.unwrap_or(0));
+            // Kept in PostgreSQL once it is made (`guest.rs`): the token
+            // never goes to the pod, the environment does.
+            let token = req.access_token.take();
+            let env = req.env.clone();
             let command = Command::Create {
                 request: Box::new(req),
                 tenant: owner.tenant.clone(),
@@ -457,12 +459,20 @@ impl SandboxApi for Cluster {
             let outcome = self
                 .run(&pod.id, &owner.tenant, command, Some(&asked))
                 .await?;
-            Self::sandbox_of(outcome).map(|(s, _)| s)
+            let (mut sandbox, _) = Self::sandbox_of(outcome)?;
+            self.keep_secrets(&mut sandbox, token.as_deref(), &env)
+                .await?;
+            Ok(sandbox)
         })
     }
 
+    /// With its secrets (`guest.rs`): envd checks its token, and gives
+    /// its processes its environment.
     fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
-        self.block(self.owned_up(id)).map(|(s, _)| s)
+        self.block(async {
+            let (sandbox, _) = self.owned_up(id).await?;
+            self.with_secrets(sandbox).await
+        })
     }
 
     fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
@@ -484,9 +494,23 @@ impl SandboxApi for Cluster {
         self.block(async {
             let (source, pod) = match self.owned_up(id).await {
                 Ok(owned) => owned,
-                Err(e) => return Self::forks_of(self.retried(e, "fork", id).await?, id),
+                Err(e) => {
+                    // A retry after the source's delete: the first
+                    // answer, its forks' secrets as kept then.
+                    let forks = Self::forks_of(self.retried(e, "fork", id).await?, id)?;
+                    let mut shown = Vec::with_capacity(forks.len());
+                    for fork in forks {
+                        shown.push(self.with_secrets(fork).await?);
+                    }
+                    return Ok(shown);
+                }
             };
             let tenant = source.tenant.clone().unwrap_or_default();
+            // A fork's secrets: the request's token, the source's
+            // environment under the request's (as the pod keeps it).
+            let token = req.access_token.take();
+            let mut env = self.with_secrets(source.clone()).await?.env;
+            env.extend(req.env.clone());
             let mut asked = Usage::default();
             for _ in 0..count {
                 asked.add(&Usage::sandbox(u64::from(source.mem_mib)));
@@ -496,8 +520,29 @@ impl SandboxApi for Cluster {
                 sandbox: id.clone(),
                 request: Box::new(req),
             };
-            Self::forks_of(self.run(&pod.id, &tenant, command, Some(&asked)).await?, id)
+            let mut sandboxes =
+                Self::forks_of(self.run(&pod.id, &tenant, command, Some(&asked)).await?, id)?;
+            for fork in &mut sandboxes {
+                self.keep_secrets(fork, token.as_deref(), &env).await?;
+            }
+            Ok(sandboxes)
         })
+    }
+
+    /// On the sandbox's pod (`guest.rs`).
+    fn template_from_sandbox(
+        &self,
+        id: &SandboxId,
+        req: crate::service::TemplateFromSandbox,
+    ) -> Result<torpor_scheduler::model::Template, ServiceError> {
+        self.snapshot_on_pod(id, &req)
+    }
+
+    fn sandbox_templates(
+        &self,
+        source: Option<&SandboxId>,
+    ) -> Result<Vec<(torpor_scheduler::model::Template, SandboxId)>, ServiceError> {
+        self.snapshots(source)
     }
 
     fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
@@ -523,17 +568,20 @@ impl SandboxApi for Cluster {
 
     /// A wake (a resume or connect of a sandbox hibernated as PostgreSQL
     /// has it) is admitted there with its operation, as a create is: its
-    /// room counts while it is pending, then as the running sandbox.
+    /// room counts while it is pending, then as the running sandbox. With
+    /// the sandbox's secrets (E2B's connect shows its envd token).
     fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
         let wakes = matches!(op, Lifecycle::Resume | Lifecycle::Connect);
-        self.outcome(
+        let mut outcome = self.outcome(
             id,
             |sandbox| Command::Lifecycle { sandbox, op },
             |s| {
                 (wakes && s.state == SandboxState::Hibernated)
                     .then(|| Usage::wake(u64::from(s.mem_mib)))
             },
-        )
+        )?;
+        outcome.sandbox = self.block(self.with_secrets(outcome.sandbox))?;
+        Ok(outcome)
     }
     fn admits_wakes(&self) -> bool {
         true
@@ -544,13 +592,15 @@ impl SandboxApi for Cluster {
             _ => Ok(()),
         }
     }
+    /// On the sandbox's pod (`/v1` relays its `PATCH` there; E2B's
+    /// timeout routes call this).
     fn set_timeout(
         &self,
         id: &SandboxId,
-        _keep_alive_ms: Option<u64>,
-        _timeout_ms: Option<u64>,
+        keep_alive_ms: Option<u64>,
+        timeout_ms: Option<u64>,
     ) -> Result<Sandbox, ServiceError> {
-        self.guest_call(id)
+        self.timeout_on_pod(id, keep_alive_ms, timeout_ms)
     }
 
     fn set_pod(
@@ -611,6 +661,11 @@ impl SandboxApi for Cluster {
         Ok(self.block(self.db.templates(self.config.down_after))?)
     }
 
+    /// As its pod measures it now (`guest.rs`).
+    fn measured_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
+        self.measured_on_pod(id)
+    }
+
     /// A deleted sandbox's id stays its tenant's (so it may retry, by key,
     /// what it sent before the delete: `retried`); the routes answer 404
     /// for it all the same.
@@ -666,28 +721,31 @@ impl SandboxApi for Cluster {
         self.remote(&pod)
     }
 
+    // The guest through the owning pod's agent tunnel (`guest.rs`): E2B's
+    // envd and /files; `/v1`'s exec and files are relayed to the pod whole
+    // (a pod down: 503 either way).
     fn execute(
         &self,
         id: &SandboxId,
-        _req: ExecRequest,
-        _cancel: &Cancel,
-        _mode: crate::calls::ExecMode<'_>,
+        req: ExecRequest,
+        cancel: &Cancel,
+        mode: crate::calls::ExecMode<'_>,
     ) -> Result<GuestCall<crate::calls::ExecReply>, ServiceError> {
-        self.guest_call(id)
+        self.exec_through_tunnel(id, req, cancel, mode)
     }
     fn files(
         &self,
         id: &SandboxId,
-        _op: crate::calls::FileOp<'_>,
+        op: crate::calls::FileOp<'_>,
     ) -> Result<GuestCall<crate::calls::FileReply>, ServiceError> {
-        self.guest_call(id)
+        self.guest_call(id, |link| op.run(link))
     }
     fn with_guest(
         &self,
         id: &SandboxId,
-        _f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
+        f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
     ) -> Result<Outcome, ServiceError> {
-        self.guest_call(id)
+        self.tunnel(id, f)
     }
 }
 

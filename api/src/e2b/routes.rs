@@ -85,7 +85,22 @@ fn live<S: SandboxApi>(s: &S, id: &str) -> Result<Sandbox, ServiceError> {
 
 /// The template's name, E2B's `alias`.
 fn alias<S: SandboxApi>(s: &S, id: &TemplateId) -> String {
-    s.get_template(id).map(|t| t.name).unwrap_or_default()
+    s.get_template(id)
+        .map(|t| t.name)
+        .ok()
+        .or_else(|| listed_name(s, id))
+        .unwrap_or_default()
+}
+
+/// The name of template `id` as the templates are listed: a backend that
+/// cannot read one template (a cluster replica: each pod's, listed from
+/// their heartbeats) still names it.
+fn listed_name<S: SandboxApi>(s: &S, id: &TemplateId) -> Option<String> {
+    s.template_entries()
+        .ok()?
+        .into_iter()
+        .find(|t| t["id"] == id.as_str())
+        .and_then(|t| t["name"].as_str().map(str::to_string))
 }
 
 /// Root filesystem size in MiB (0 for the probe, which has none).
@@ -101,6 +116,7 @@ fn detail<S: SandboxApi>(s: &S, sandbox: &Sandbox) -> Option<SandboxDetail> {
     let name = template
         .as_ref()
         .map(|t| t.name.clone())
+        .or_else(|| listed_name(s, &sandbox.template))
         .unwrap_or_default();
     SandboxDetail::new(sandbox, name, disk_mb(template.as_ref()))
 }
@@ -331,6 +347,7 @@ pub async fn refresh<S: SandboxApi>(
 pub async fn metrics<S: SandboxApi>(state: Api<S>, Path(id): Path<String>) -> E2bResult<Response> {
     let out = call(&state, move |s| {
         let sandbox = live(s, &id)?;
+        let sandbox = s.measured_sandbox(&sandbox.id)?;
         // Measured by the sandbox's pod (this one's or a remote one).
         let (Some(usage), Some(memory)) = (sandbox.usage.as_ref(), sandbox.memory.as_ref()) else {
             return Ok(Vec::new());
@@ -529,11 +546,17 @@ pub async fn fork<S: SandboxApi>(
         // are held until every fork of the request is made.
         let mut tickets = Vec::new();
         for _ in 0..count {
-            let admitted = admit(
-                &tenancy,
-                &principal,
-                Usage::sandbox(u64::from(source.mem_mib)),
-            );
+            // A backend that admits its creates (a cluster replica, in
+            // PostgreSQL) admits each fork itself, as on `/v1`.
+            let admitted = if s.admits_creates() {
+                Ok(None)
+            } else {
+                admit(
+                    &tenancy,
+                    &principal,
+                    Usage::sandbox(u64::from(source.mem_mib)),
+                )
+            };
             let fork = admitted.and_then(|ticket| {
                 tickets.push(ticket);
                 s.fork_sandbox(

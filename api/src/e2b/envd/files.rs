@@ -24,6 +24,7 @@ use super::sandbox_of;
 use crate::auth::{Auth, Principal};
 use crate::backend::SandboxApi;
 use crate::handlers::{call, Api};
+use crate::service::ServiceError;
 use subtle::ConstantTimeEq;
 
 /// The user envd runs as when a request names none.
@@ -128,21 +129,26 @@ impl From<Refused> for E2bError {
     }
 }
 
-/// The sandbox an envd request is for, if the caller may use it.
+/// The sandbox an envd request is for, if the caller may use it; the
+/// service's error when it cannot tell (a cluster sandbox whose pod is
+/// down: 503, as its other routes).
 pub(super) fn target<S: SandboxApi>(
     s: &S,
     id: &str,
     caller: &Caller,
-) -> Result<SandboxId, Refused> {
+) -> Result<Result<SandboxId, Refused>, ServiceError> {
     if !SandboxId::is_well_formed(id) {
-        return Err(Refused::Gone);
+        return Ok(Err(Refused::Gone));
     }
-    let sandbox = s
-        .get_sandbox(&SandboxId::new(id))
-        .map_err(|_| Refused::Gone)?;
-    e2b_state(sandbox.state).ok_or(Refused::Gone)?;
-    caller.may_use(&sandbox)?;
-    Ok(sandbox.id)
+    let sandbox = match s.get_sandbox(&SandboxId::new(id)) {
+        Ok(sandbox) => sandbox,
+        Err(ServiceError::NotFound { .. }) => return Ok(Err(Refused::Gone)),
+        Err(e) => return Err(e),
+    };
+    if e2b_state(sandbox.state).is_none() {
+        return Ok(Err(Refused::Gone));
+    }
+    Ok(caller.may_use(&sandbox).map(|()| sandbox.id))
 }
 
 /// `GET /files`.
@@ -157,7 +163,7 @@ pub async fn download<S: SandboxApi>(
     let (path, user) = query(raw);
     let path = resolve(path.as_deref().unwrap_or_default(), user.as_deref())?;
     let tenancy = state.tenancy.clone();
-    let data = call(&state, move |s| match target(s, &id, &caller) {
+    let data = call(&state, move |s| match target(s, &id, &caller)? {
         Ok(id) => {
             let _wake = super::wake_ticket(s, &tenancy, &id)?;
             Ok(Ok(s.read_file(&id, &path)?.value))
@@ -236,7 +242,7 @@ pub async fn upload<S: SandboxApi>(
     };
     let tenancy = state.tenancy.clone();
     let written = call(&state, move |s| {
-        let id = match target(s, &id, &caller) {
+        let id = match target(s, &id, &caller)? {
             Ok(id) => id,
             Err(refused) => return Ok(Err(refused)),
         };

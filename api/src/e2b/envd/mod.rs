@@ -167,7 +167,7 @@ async fn rpc<S: SandboxApi>(
     let caller = files::Caller::of(&headers, &auth);
     let shown = id.clone();
     let tenancy = state.tenancy.clone();
-    let found = call(&state, move |s| match files::target(s, &shown, &caller) {
+    let found = call(&state, move |s| match files::target(s, &shown, &caller)? {
         Ok(id) => {
             let env = s.get_sandbox(&id)?.env;
             let wake = wake_ticket(s, &tenancy, &id)?;
