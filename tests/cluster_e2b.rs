@@ -472,3 +472,47 @@ fn cluster_serves_e2b_and_envd_on_any_replica() {
     expect(e2b(&one, &key, "DELETE", &path, &[], None), 204, "kill");
     expect(e2b(&two, &key, "GET", &path, &[], None), 404, "killed");
 }
+
+/// The official SDKs' control-plane scripts (`tests/e2b_sdk.rs` runs them
+/// against embedded serve), Python's through one replica's E2B listener
+/// and JS's through the other's: create,
+/// get_info, timeouts, metrics, list with a metadata filter and paging,
+/// pause → 409 → connect, a snapshot and a create from it, its deletion,
+/// fork with a count, kill, and the SDK's errors. Needs the e2b venv and
+/// npm e2b too (tests/needs).
+#[test]
+fn sdk_control_planes_on_a_cluster() {
+    use common::e2b::{node_modules, python, run_script, Sdk};
+    assert!(
+        python().exists(),
+        "the e2b venv is missing ({}): run .ci/run",
+        python().display()
+    );
+    assert!(
+        node_modules().join("e2b/package.json").exists(),
+        "npm e2b is missing ({}): run .ci/run",
+        node_modules().display()
+    );
+    let c = Cluster::up("e2b-sdk");
+    let addr = with_e2b_listener(&c, 1);
+    run_script(
+        Sdk::Python,
+        "sdk_control.py",
+        &[],
+        &format!("http://{addr}"),
+        &c.token,
+        &[],
+        Duration::from_secs(300),
+    );
+    // And the JS SDK's, through the other replica.
+    let addr = with_e2b_listener(&c, 2);
+    run_script(
+        Sdk::Js,
+        "sdk_control.mjs",
+        &[],
+        &format!("http://{addr}"),
+        &c.token,
+        &[],
+        Duration::from_secs(300),
+    );
+}
