@@ -17,8 +17,8 @@ use super::pool::Shell;
 use super::vmm::{self, VmmFiles};
 use super::{CreateSandbox, CreateTemplate, Outcome, PodView, Service, ServiceError, LOCAL_POD};
 use crate::model::{
-    PodId, RestorePath, RestoreReport, Sandbox, SandboxId, Template, TemplateId, TemplateState,
-    Timestamp, VmmHandle,
+    PodId, RestorePath, RestoreReport, Sandbox, SandboxId, Template, TemplateId, TemplateKind,
+    TemplateState, Timestamp, VmmHandle,
 };
 use crate::state::{can, Operation, SandboxState};
 use crate::store::{
@@ -364,6 +364,13 @@ impl Service {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(id.clone(), child);
+        if template.kind == TemplateKind::Linux {
+            // Recorded before the guest's `resumed` hook, which may wait
+            // for its agent up to a minute: the VMM shows on the sandbox
+            // (and in its metrics) meanwhile. A probe's restore records it
+            // with its caller's commit only.
+            self.record_vmm(sandbox, &handle, |_| Ok(()))?;
+        }
         self.after_restore(sandbox, template, &handle)?;
         let mut report = RestoreReport {
             path,
