@@ -2,7 +2,10 @@
 //! thread (see `devices/worker.rs`) waits on the queue eventfds and the tap
 //! and moves whole frames, each behind its 12-byte `virtio_net_hdr_v1`,
 //! which passes between guest and tap unchanged: the offloads the guest
-//! negotiates (checksum, TSO, UFO) are the tap's offloads.
+//! negotiates (checksum, TSO, UFO) are the tap's offloads. With
+//! `VIRTIO_NET_F_MRG_RXBUF` a frame from the tap may fill several rx
+//! buffers (the header's `num_buffers` says how many), so the driver posts
+//! page-sized buffers instead of 64 KiB ones for TSO frames.
 
 use std::sync::Arc;
 
@@ -10,9 +13,11 @@ use serde::{Deserialize, Serialize};
 use virtio_bindings::virtio_net::{
     VIRTIO_NET_F_CSUM, VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_TSO4, VIRTIO_NET_F_GUEST_TSO6,
     VIRTIO_NET_F_GUEST_UFO, VIRTIO_NET_F_HOST_TSO4, VIRTIO_NET_F_HOST_TSO6, VIRTIO_NET_F_HOST_UFO,
-    VIRTIO_NET_F_MAC, VIRTIO_NET_HDR_F_NEEDS_CSUM, VIRTIO_NET_HDR_GSO_ECN, VIRTIO_NET_HDR_GSO_NONE,
-    VIRTIO_NET_HDR_GSO_TCPV4, VIRTIO_NET_HDR_GSO_TCPV6, VIRTIO_NET_HDR_GSO_UDP,
+    VIRTIO_NET_F_MAC, VIRTIO_NET_F_MRG_RXBUF, VIRTIO_NET_HDR_F_NEEDS_CSUM, VIRTIO_NET_HDR_GSO_ECN,
+    VIRTIO_NET_HDR_GSO_NONE, VIRTIO_NET_HDR_GSO_TCPV4, VIRTIO_NET_HDR_GSO_TCPV6,
+    VIRTIO_NET_HDR_GSO_UDP,
 };
+use virtio_queue::QueueT;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -77,8 +82,10 @@ pub enum NetError {
     FrameTooLarge(u64),
     #[error("the header asks for an offload the driver did not negotiate ({0})")]
     OffloadNotNegotiated(&'static str),
-    #[error("rx buffer of {buffer} bytes cannot hold a {frame}-byte frame")]
+    #[error("rx buffers of {buffer} bytes cannot hold a {frame}-byte frame")]
     BufferTooSmall { buffer: u64, frame: usize },
+    #[error("the first rx buffer ({0} bytes) cannot hold the {VNET_HDR_LEN}-byte header")]
+    HeaderSplit(u64),
     #[error("guest memory access failed: {0}")]
     Chain(#[from] ChainError),
     #[error("writing to the tap failed: {0}")]
@@ -372,25 +379,25 @@ impl NetDevice {
                 self.metrics.rx_throttled += 1;
                 break;
             }
-            // No buffer: the frame waits (and the tap's queue behind it)
-            // for the driver's next rx notification.
-            let Some(chain) = ctx.pop_or_enable(RXQ) else {
+            // Not enough buffers: the frame waits (and the tap's queue
+            // behind it) for the driver's next rx notification.
+            let Some(chains) = self.take_rx_buffers(ctx) else {
                 break;
             };
-            let written = match self.receive(ctx, &chain) {
-                Ok(n) => {
+            match self.receive(ctx, &chains) {
+                Ok(()) => {
                     self.rx_limiter.consume(bytes);
                     self.metrics.rx_packets += 1;
                     self.metrics.rx_bytes += bytes;
-                    n
                 }
                 Err(e) => {
-                    self.count_error("rx", chain.head, &e);
-                    0
+                    self.count_error("rx", chains[0].head, &e);
+                    for chain in &chains {
+                        ctx.add_used(RXQ, chain.head, 0);
+                    }
                 }
-            };
+            }
             self.rx_len = 0;
-            ctx.add_used(RXQ, chain.head, written);
             used = true;
         }
         if used {
@@ -398,23 +405,75 @@ impl NetDevice {
         }
     }
 
-    /// Copies the waiting frame into `chain`; returns the bytes written.
-    fn receive(&mut self, ctx: &mut QueueContext<'_>, chain: &DescChain) -> Result<u32, NetError> {
-        self.check_chain(ctx, chain)?;
-        if chain.descs.iter().any(|d| !d.writable) {
-            return Err(NetError::ReadableRx);
+    /// The rx chains the waiting frame goes into: one, or with mergeable
+    /// buffers as many as it needs (at most the queue's size: a frame that
+    /// the whole ring cannot hold is dropped by `receive`). None, with
+    /// every chain taken put back, while the driver has offered too few.
+    fn take_rx_buffers(&self, ctx: &mut QueueContext<'_>) -> Option<Vec<DescChain>> {
+        let mergeable = self.acked & bit(VIRTIO_NET_F_MRG_RXBUF) != 0;
+        let most = if mergeable {
+            ctx.queue(RXQ)
+                .map_or(1, |q| usize::from(QueueT::size(q)).max(1))
+        } else {
+            1
+        };
+        let mut chains = Vec::new();
+        let mut room = 0u64;
+        while room < self.rx_len as u64 && chains.len() < most {
+            let Some(chain) = ctx.pop_or_enable(RXQ) else {
+                for _ in &chains {
+                    ctx.undo_pop(RXQ);
+                }
+                return None;
+            };
+            room += chain.writable_len();
+            chains.push(chain);
+        }
+        Some(chains)
+    }
+
+    /// Copies the waiting frame into `chains` (the header into the first,
+    /// `num_buffers` set to their count) and returns each to the driver
+    /// with what it holds.
+    fn receive(
+        &mut self,
+        ctx: &mut QueueContext<'_>,
+        chains: &[DescChain],
+    ) -> Result<(), NetError> {
+        for chain in chains {
+            self.check_chain(ctx, chain)?;
+            if chain.descs.iter().any(|d| !d.writable) {
+                return Err(NetError::ReadableRx);
+            }
         }
         let frame = &mut self.rx_frame[..self.rx_len];
-        if chain.writable_len() < frame.len() as u64 {
+        let room: u64 = chains.iter().map(DescChain::writable_len).sum();
+        if room < frame.len() as u64 {
             return Err(NetError::BufferTooSmall {
-                buffer: chain.writable_len(),
+                buffer: room,
                 frame: frame.len(),
             });
         }
-        // One buffer per frame: num_buffers is 1 (no MRG_RXBUF).
-        frame[10..12].copy_from_slice(&1u16.to_le_bytes());
-        ctx.write(chain, 0, frame)?;
-        Ok(frame.len() as u32)
+        let first = chains[0].writable_len();
+        if first < VNET_HDR_LEN as u64 {
+            return Err(NetError::HeaderSplit(first));
+        }
+        // At most the queue's size (u16), and 1 without MRG_RXBUF.
+        let count = u16::try_from(chains.len()).unwrap_or(u16::MAX);
+        frame[10..12].copy_from_slice(&count.to_le_bytes());
+        let mut lens = Vec::with_capacity(chains.len());
+        let mut at = 0;
+        for chain in chains {
+            let n =
+                (frame.len() - at).min(usize::try_from(chain.writable_len()).unwrap_or(usize::MAX));
+            ctx.write(chain, 0, &frame[at..at + n])?;
+            lens.push((chain.head, n as u32));
+            at += n;
+        }
+        for (head, n) in lens {
+            ctx.add_used(RXQ, head, n);
+        }
+        Ok(())
     }
 
     fn ms_until(&self, deadline: Option<u64>) -> Option<i32> {
@@ -438,7 +497,11 @@ impl VirtioDevice for NetDevice {
     }
 
     fn avail_features(&self) -> u64 {
-        VIRTIO_F_VERSION_1 | VIRTIO_F_RING_EVENT_IDX | bit(VIRTIO_NET_F_MAC) | OFFLOAD_FEATURES
+        VIRTIO_F_VERSION_1
+            | VIRTIO_F_RING_EVENT_IDX
+            | bit(VIRTIO_NET_F_MAC)
+            | bit(VIRTIO_NET_F_MRG_RXBUF)
+            | OFFLOAD_FEATURES
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {

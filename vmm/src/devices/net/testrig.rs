@@ -273,6 +273,14 @@ pub struct Rig<'a> {
     pub rx: Driver<'a>,
     pub tx: Driver<'a>,
     rx_bufs: HashMap<u16, u64>,
+    /// The length of the rx buffers the rig offers.
+    rx_buf_len: u32,
+    /// The driver negotiated mergeable rx buffers: a frame's later
+    /// buffers follow its first in the used ring.
+    mergeable: bool,
+    /// Buffers of a frame whose `num_buffers` are not all used yet.
+    partial: Vec<u8>,
+    partial_left: u16,
     tx_slot: u64,
     pub got: Vec<RxFrame>,
     /// The host's end, in the namespace, bound to `HOST_IP`.
@@ -283,8 +291,20 @@ pub struct Rig<'a> {
 
 impl<'a> Rig<'a> {
     /// A namespace with a tap, a device on it driven with `features`, and
-    /// `RX_BUFS` rx buffers offered.
+    /// `RX_BUFS` rx buffers of `RX_BUF_LEN` bytes offered.
     pub fn new(mem: &'a GuestMemoryMmap, tag: &str, features: u64, spec: NetSpec) -> Self {
+        Self::with_rx_buffers(mem, tag, features, spec, RX_BUFS, RX_BUF_LEN)
+    }
+
+    /// [`Rig::new`] offering `count` rx buffers of `len` bytes.
+    pub fn with_rx_buffers(
+        mem: &'a GuestMemoryMmap,
+        tag: &str,
+        features: u64,
+        spec: NetSpec,
+        count: u64,
+        len: u32,
+    ) -> Self {
         let ns = NetNs::create(tag);
         ns.add_tap();
         let clock = Arc::new(ManualClock::default());
@@ -312,14 +332,19 @@ impl<'a> Rig<'a> {
             rx,
             tx,
             rx_bufs: HashMap::new(),
+            rx_buf_len: len,
+            mergeable: features & (1 << virtio_bindings::virtio_net::VIRTIO_NET_F_MRG_RXBUF) != 0,
+            partial: Vec::new(),
+            partial_left: 0,
             tx_slot: 0,
             got: Vec::new(),
             sock,
             clock,
             ns,
         };
-        for i in 0..RX_BUFS {
-            rig.post_rx(RX_BASE + i * 0x2000, RX_BUF_LEN);
+        assert!(len <= 0x2000, "rx buffers are 0x2000 apart");
+        for i in 0..count {
+            rig.post_rx(RX_BASE + i * 0x2000, len);
         }
         rig.notify(0);
         rig
@@ -347,6 +372,10 @@ impl<'a> Rig<'a> {
             rx,
             tx,
             rx_bufs: self.rx_bufs,
+            rx_buf_len: self.rx_buf_len,
+            mergeable: self.mergeable,
+            partial: Vec::new(),
+            partial_left: 0,
             tx_slot: self.tx_slot,
             got: Vec::new(),
             sock: self.sock,
@@ -390,7 +419,8 @@ impl<'a> Rig<'a> {
         self.collect();
     }
 
-    /// Takes the frames in used rx buffers, offers the buffers again.
+    /// Takes the frames in used rx buffers (joining a frame's buffers
+    /// when they are mergeable), offers the buffers again.
     pub fn collect(&mut self) {
         let used = self.rx.take_used();
         if used.is_empty() {
@@ -398,9 +428,25 @@ impl<'a> Rig<'a> {
         }
         for (head, len) in used {
             let addr = self.rx_bufs.remove(&head).expect("known rx buffer");
-            if len as usize > VNET_HDR_LEN {
-                let mut raw = vec![0u8; len as usize];
-                self.mem.read_slice(&mut raw, GuestAddress(addr)).unwrap();
+            let mut raw = vec![0u8; len as usize];
+            self.mem.read_slice(&mut raw, GuestAddress(addr)).unwrap();
+            self.post_rx(addr, self.rx_buf_len);
+            if self.partial_left > 0 {
+                self.partial.extend_from_slice(&raw);
+                self.partial_left -= 1;
+            } else if raw.len() > VNET_HDR_LEN {
+                let n = u16::from_le_bytes([raw[10], raw[11]]);
+                self.partial = raw;
+                self.partial_left = if self.mergeable {
+                    n.saturating_sub(1)
+                } else {
+                    0
+                };
+            } else {
+                continue;
+            }
+            if self.partial_left == 0 {
+                let raw = std::mem::take(&mut self.partial);
                 let mut hdr = [0u8; VNET_HDR_LEN];
                 hdr.copy_from_slice(&raw[..VNET_HDR_LEN]);
                 self.got.push(RxFrame {
@@ -408,7 +454,6 @@ impl<'a> Rig<'a> {
                     frame: raw[VNET_HDR_LEN..].to_vec(),
                 });
             }
-            self.post_rx(addr, RX_BUF_LEN);
         }
         self.notify(0);
     }

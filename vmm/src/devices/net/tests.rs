@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use virtio_bindings::virtio_net::{
     VIRTIO_NET_F_CSUM, VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_TSO4, VIRTIO_NET_F_MAC,
-    VIRTIO_NET_HDR_GSO_TCPV4,
+    VIRTIO_NET_F_MRG_RXBUF, VIRTIO_NET_HDR_GSO_TCPV4,
 };
 use vmm_sys_util::eventfd::EventFd;
 
@@ -28,6 +28,7 @@ const MEM: usize = 4 << 20;
 const PLAIN: u64 = VIRTIO_F_VERSION_1 | (1 << VIRTIO_NET_F_MAC);
 const CSUM: u64 = PLAIN | (1 << VIRTIO_NET_F_CSUM) | (1 << VIRTIO_NET_F_GUEST_CSUM);
 const NO_HDR: [u8; VNET_HDR_LEN] = [0; VNET_HDR_LEN];
+const MERGEABLE: u64 = PLAIN | (1 << VIRTIO_NET_F_MRG_RXBUF);
 
 fn spec() -> NetSpec {
     NetSpec::new(TAP)
@@ -58,6 +59,7 @@ fn config_space_holds_the_mac_and_offloads_are_offered() {
     assert_eq!(read32(&mut *t, 0x104).to_le_bytes(), [4, 5, 0, 0]);
     let features = VirtioDevice::avail_features(t.device());
     assert_eq!(features & OFFLOAD_FEATURES, OFFLOAD_FEATURES);
+    assert_ne!(features & (1 << VIRTIO_NET_F_MRG_RXBUF), 0);
     assert_eq!(t.device().tap_name(), TAP);
 }
 
@@ -90,7 +92,7 @@ fn a_host_datagram_reaches_the_guest_with_a_complete_checksum() {
     // Without GUEST_CSUM the tap computes the checksum itself.
     assert_eq!(f.hdr[0], 0, "no NEEDS_CSUM flag");
     assert!(udp_checksum_ok(&f.frame));
-    assert_eq!(u16::from_le_bytes([f.hdr[10], f.hdr[11]]), 1, "num_buffers");
+    assert_eq!(num_buffers(&f), 1);
     let m = r.metrics();
     assert_eq!(m.rx_packets, 1);
     assert_eq!(m.rx_bytes, f.frame.len() as u64);
@@ -207,6 +209,74 @@ fn malformed_chains_are_returned_counted_and_harmless() {
     r.notify(0);
     r.host_send(7200, b"still fine");
     assert_eq!(r.expect_udp(7200).udp_to(7200).unwrap(), b"still fine");
+}
+
+fn num_buffers(f: &RxFrame) -> u16 {
+    u16::from_le_bytes([f.hdr[10], f.hdr[11]])
+}
+
+/// A payload of `len` bytes that is not one byte repeated.
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 7 + i / 251) as u8).collect()
+}
+
+#[test]
+fn mergeable_rx_buffers_carry_a_frame_larger_than_one_buffer() {
+    let mem = guest_mem(MEM);
+    let mut r = Rig::with_rx_buffers(&mem, "net-mrg", MERGEABLE, spec(), 8, 256);
+    let payload = pattern(1000);
+    r.host_send(7300, &payload);
+    let f = r.expect_udp(7300);
+    assert_eq!(f.udp_to(7300).unwrap(), &payload[..]);
+    assert!(udp_checksum_ok(&f.frame));
+    // Header + Ethernet/IP/UDP headers + payload: 12 + 42 + 1000 bytes in
+    // 256-byte buffers.
+    assert_eq!(num_buffers(&f), 5);
+    let m = r.metrics();
+    assert_eq!((m.rx_packets, m.rx_dropped, m.malformed_chains), (1, 0, 0));
+    // A small frame takes one buffer.
+    r.host_send(7301, b"small");
+    let f = r.expect_udp(7301);
+    assert_eq!(f.udp_to(7301).unwrap(), b"small");
+    assert_eq!(num_buffers(&f), 1);
+}
+
+#[test]
+fn a_frame_waits_until_the_driver_offers_enough_mergeable_buffers() {
+    let mem = guest_mem(MEM);
+    let mut r = Rig::with_rx_buffers(&mem, "net-mrg-wait", MERGEABLE, spec(), 2, 256);
+    let payload = pattern(1000);
+    r.host_send(7310, &payload);
+    for _ in 0..5 {
+        r.pump();
+    }
+    // Two buffers cannot hold it: they stay offered, nothing is dropped.
+    assert!(r.got.is_empty(), "{:?}", r.got);
+    assert_eq!(r.metrics().rx_dropped, 0);
+    for i in 2..5 {
+        r.post_rx(RX_BASE + i * 0x2000, 256);
+    }
+    r.notify(0);
+    let f = r.expect_udp(7310);
+    assert_eq!(f.udp_to(7310).unwrap(), &payload[..]);
+    assert_eq!(num_buffers(&f), 5);
+}
+
+#[test]
+fn mergeable_buffers_too_small_for_the_header_are_malformed() {
+    let mem = guest_mem(MEM);
+    let mut r = Rig::with_rx_buffers(&mem, "net-mrg-hdr", MERGEABLE, spec(), 0, 256);
+    r.rx.push(&[(RX_BASE, 8, true)]);
+    r.rx.push(&[(RX_BASE + 0x2000, 256, true)]);
+    r.notify(0);
+    r.host_send(7320, b"split header");
+    for _ in 0..3 {
+        poll_once(&r.t, &r.epoll, Some(20)).unwrap();
+    }
+    let used = r.rx.take_used();
+    assert_eq!(used.len(), 2, "{used:?}");
+    assert!(used.iter().all(|&(_, len)| len == 0), "{used:?}");
+    assert_eq!(r.metrics().malformed_chains, 1);
 }
 
 /// A rig whose rx buffers have all been used up by frames (taken and not
