@@ -53,6 +53,8 @@ T=/opt/torpor/torpor
 # iproute2's ip (carried): busybox sh runs its own applet for a bare `ip`.
 IP=/usr/local/sbin/ip
 export TMPDIR=/tmp
+# QEMU keeps a snapshot=on drive's overlay in /var/tmp (not in L1's initramfs).
+mkdir -p /var/tmp
 CMDLINE="console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda rw init=/sbin/init"
 now() { cut -d' ' -f1 /proc/uptime; }
 ms() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%d", (b - a) * 1000}'; }
@@ -273,7 +275,9 @@ fn main() {
     std::fs::create_dir_all(svc.parent().unwrap()).unwrap();
     std::fs::write(&svc, SERVICE).unwrap();
     std::fs::set_permissions(&svc, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let qemu_share = Path::new("/usr/share/qemu/bios-microvm.bin");
+    // The microvm machine's firmware (qboot) and the option ROM that enters
+    // a vmlinux at its PVH note.
+    let qemu_share = Path::new("/usr/share/qemu");
     let (host, _scratch) = linux::linux_host_with(
         "netbench",
         &[
@@ -281,7 +285,8 @@ fn main() {
             (tool("iperf3"), "/usr/local/bin/iperf3"),
             (tool("curl"), "/usr/local/bin/curl"),
             (tool("qemu-system-x86_64"), "/opt/qemu/qemu-system-x86_64"),
-            (qemu_share.to_path_buf(), "/opt/qemu/bios-microvm.bin"),
+            (qemu_share.join("qboot.rom"), "/opt/qemu/qboot.rom"),
+            (qemu_share.join("pvh.bin"), "/opt/qemu/pvh.bin"),
         ],
         3072,
         Some(overlay.path()),
@@ -305,6 +310,14 @@ fn main() {
     print!("{}", table(&samples));
     for f in &samples.failures {
         println!("{f}");
+    }
+    if !samples.failures.is_empty() {
+        // What L1 printed besides the measurements (a VMM's error, the
+        // guest console's tail).
+        println!("L1 output besides the measurements:");
+        for line in out.stdout.lines().filter(|l| !l.starts_with("bench ")) {
+            println!("  {line}");
+        }
     }
     assert!(
         samples.done && !samples.values.is_empty(),

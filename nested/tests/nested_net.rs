@@ -166,9 +166,18 @@ fn check_network(o: &str) {
 fn check_leftovers(o: &str) {
     let count = |tag: &str, key: &str| num(o, &format!("leftovers-{tag}"), key);
     // Before the crash every running sandbox has its network.
-    assert!(count("before-kill", "netns") >= 2, "{o}");
-    // After the restart: the networks of live VMMs only.
+    let before = count("before-kill", "netns");
+    assert!(before >= 2, "{o}");
+    // One VMM was killed with the service: its network is gone after the
+    // restart, the others' are kept (the networks of live VMMs only).
+    assert!(num(o, "victim", "pid") > 1, "{o}");
+    assert_eq!(field(o, "victim-gone", "ok"), Some("yes"), "{o}");
     let live = num(o, "live", "n");
+    assert_eq!(
+        live,
+        before - 1,
+        "the killed VMM's sandbox is not running:\n{o}"
+    );
     for key in ["netns", "veths"] {
         assert_eq!(count("after-restart", key), live, "{key}:\n{o}");
     }

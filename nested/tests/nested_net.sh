@@ -115,10 +115,14 @@ done
 C1=$(cat /tmp/clone1) C2=$(cat /tmp/clone2) C3=$(cat /tmp/clone3)
 
 # --- kill -9 of the service (and of one VMM), restart, delete: no leftovers ---
+# The victim's VMM pid, read while the API still answers.
+VICTIM=$(jf "$C3" pid)
+echo "victim pid=$VICTIM"
 count before-kill
 kill -9 $SERVE
-kill -9 "$(jf "$C3" pid)" 2>/dev/null
-sleep 1
+kill -9 "$VICTIM"
+i=0; while kill -0 "$VICTIM" 2>/dev/null && [ $i -lt 50 ]; do sleep 0.1; i=$((i+1)); done
+echo "victim-gone ok=$(kill -0 "$VICTIM" 2>/dev/null && echo no || echo yes)"
 serve
 live=0
 for s in "$A" "$C1" "$C2" "$C3"; do [ "$(state "$s")" = running ] && live=$((live + 1)); done
