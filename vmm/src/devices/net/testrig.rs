@@ -17,9 +17,11 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::epoll::Epoll;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::{NetDevice, NetMmio, VNET_HDR_LEN};
+use super::tap::TapError;
+use super::{NetDevice, NetError, NetMmio, VNET_HDR_LEN};
 use crate::devices::rate_limiter::{Clock, ManualClock};
 use crate::devices::virtio::testutil::{activate, copy_mem, write32, Driver};
+use crate::devices::virtio::VirtioError;
 use crate::devices::worker::poll_once;
 use torpor_vmm_api::launch::{MacAddr, NetSpec};
 
@@ -246,6 +248,17 @@ pub fn vnet_hdr(flags: u8, gso_type: u8, csum_start: u16, csum_offset: u16) -> [
     h
 }
 
+/// The tap is still attached to another descriptor (EBUSY).
+fn tap_busy(e: &VirtioError) -> bool {
+    let VirtioError::Device(inner) = e else {
+        return false;
+    };
+    matches!(
+        inner.downcast_ref::<NetError>(),
+        Some(NetError::Tap(TapError::SetIff { source, .. })) if source.raw_os_error() == Some(libc::EBUSY)
+    )
+}
+
 /// A frame the guest received: its header and the Ethernet frame.
 #[derive(Debug, Clone)]
 pub struct RxFrame {
@@ -353,16 +366,27 @@ impl<'a> Rig<'a> {
     /// The same guest driver state over a copy of this rig's memory (a
     /// snapshot), with the transport `restore` builds (inside the
     /// namespace), and this rig's namespace and socket. This rig's device
-    /// must be gone (a tap takes one owner).
+    /// is dropped first (a tap takes one owner). A child process another
+    /// test forks holds the old tap's descriptor until it execs (it is
+    /// close-on-exec): a busy tap is tried again for at most 5 s.
     pub fn clone_into<'b>(
         self,
         mem: &'b GuestMemoryMmap,
-        restore: impl FnOnce() -> NetMmio + Send,
+        restore: impl Fn() -> Result<NetMmio, VirtioError> + Send + Sync,
     ) -> Rig<'b> {
         let (rx, tx) = (self.rx.resume_on(mem), self.tx.resume_on(mem));
         copy_mem(self.mem, mem);
         drop(self.t);
-        let t = self.ns.enter(restore);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let t = loop {
+            match self.ns.enter(&restore) {
+                Ok(t) => break t,
+                Err(e) if tap_busy(&e) && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => panic!("restoring the net device failed: {e}"),
+            }
+        };
         self.ns.wait_carrier();
         let epoll = crate::devices::worker::EpollDevice::epoll(t.device());
         Rig {

@@ -410,19 +410,18 @@ fn queue_state_survives_snapshot_and_restore() {
     let mem2 = guest_mem(MEM);
     let mem2c = mem2.clone();
     let clock: std::sync::Arc<dyn crate::devices::rate_limiter::Clock> = r.clock.clone();
-    let mut r2 = r.clone_into(&mem2, move || {
+    let mut r2 = r.clone_into(&mem2, || {
         NetMmio::restore(
             MmioRestoreArgs {
-                mem: mem2c,
+                mem: mem2c.clone(),
                 irq: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
                 device: NetRestoreArgs {
                     spec: None,
-                    clock: Some(clock),
+                    clock: Some(clock.clone()),
                 },
             },
             &state,
         )
-        .unwrap()
     });
     // The restored device looks at its queues on its own: the frame
     // queued before the snapshot goes out.
