@@ -53,7 +53,11 @@ serve() {
   $T template list >/dev/null 2>&1 || { echo "serve did not start:"; cat /tmp/serve.log; exit 1; }
 }
 serve
-$T template create --name debian --kind linux --image debian --mem-mib 512 --vcpus 2 >/tmp/tpl 2>&1
+# One vCPU per guest: four guests run at once in a 2-vCPU L1 under TCG
+# (with two each, L1's kernel wedged in 2 of 5 runs, once seen while the
+# three clones started), and no secondary vCPU to bring up
+# (docs/design.md, the nested tests).
+$T template create --name debian --kind linux --image debian --mem-mib 512 --vcpus 1 >/tmp/tpl 2>&1
 rc=$?
 echo "template rc=$rc $(tr '\n' ' ' </tmp/tpl)"
 [ $rc = 0 ] || { tail -n 40 /tmp/serve.log; exit 1; }
