@@ -461,17 +461,20 @@ impl NetDevice {
         // At most the queue's size (u16), and 1 without MRG_RXBUF.
         let count = u16::try_from(chains.len()).unwrap_or(u16::MAX);
         frame[10..12].copy_from_slice(&count.to_le_bytes());
-        let mut lens = Vec::with_capacity(chains.len());
+        // Every chain is written before any is used: on an error the
+        // caller returns them all empty.
+        let total = frame.len();
         let mut at = 0;
         for chain in chains {
-            let n =
-                (frame.len() - at).min(usize::try_from(chain.writable_len()).unwrap_or(usize::MAX));
+            let n = share(total - at, chain);
             ctx.write(chain, 0, &frame[at..at + n])?;
-            lens.push((chain.head, n as u32));
             at += n;
         }
-        for (head, n) in lens {
-            ctx.add_used(RXQ, head, n);
+        let mut at = 0;
+        for chain in chains {
+            let n = share(total - at, chain);
+            ctx.add_used(RXQ, chain.head, n as u32);
+            at += n;
         }
         Ok(())
     }
@@ -480,6 +483,12 @@ impl NetDevice {
         let left = deadline?.saturating_sub(self.clock.now_ns());
         Some(left.div_ceil(1_000_000).min(i32::MAX as u64) as i32)
     }
+}
+
+/// The bytes of a frame with `left` bytes still to place that `chain`
+/// takes.
+fn share(left: usize, chain: &DescChain) -> usize {
+    left.min(usize::try_from(chain.writable_len()).unwrap_or(usize::MAX))
 }
 
 /// Frame bytes (without the header) of a chain of `len` readable bytes.
