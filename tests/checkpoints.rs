@@ -412,6 +412,11 @@ fn shared_layers_outlive_their_source_and_go_with_the_last_user() {
     assert_eq!(dirs_under(&d.0.join("sandboxes")), Vec::<PathBuf>::new());
     s.ok("DELETE", &format!("/v1/templates/{template}"), None);
     assert!(!d.0.join("templates").join(&template).exists());
+    // Gone from the API too (its row stays for the sandboxes that named it).
+    let e = s.refused("GET", &format!("/v1/templates/{template}"), None, 404);
+    assert_eq!(e["code"], "not_found", "{e}");
+    let list = s.ok("GET", "/v1/templates", None);
+    assert!(!list.to_string().contains(&template), "{list}");
 }
 
 /// Starts a checkpoint on a service stalled at `point`, and kills the

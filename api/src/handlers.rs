@@ -178,7 +178,10 @@ pub async fn get_template<S: SandboxApi>(
     let id = TemplateId::new(id);
     let template = call(&st, move |s| {
         let t = s.get_template(&id)?;
-        if p.is_admin() || t.tenant.as_deref().is_none_or(|t| t == p.tenant) {
+        // A deleted template's row stays for the sandboxes that named it;
+        // to the API it is gone, as a deleted sandbox is.
+        let visible = p.is_admin() || t.tenant.as_deref().is_none_or(|t| t == p.tenant);
+        if visible && t.state != TemplateState::Deleted {
             Ok(t)
         } else {
             Err(template_not_found(&id))

@@ -216,12 +216,13 @@ pub fn sandbox_filter(pairs: Vec<(String, String)>) -> Result<SandboxFilter, Api
             "template" => set_once(&mut filter.template, "template", TemplateId::new(value))?,
             "pod" => set_once(&mut filter.pod, "pod", PodId::new(value))?,
             _ => {
-                // `metadata.KEY`, or OpenAPI's deepObject `metadata[KEY]`.
-                // (One level: a bracket inside the key is a nested object.)
+                // `metadata.KEY`, or OpenAPI's deepObject `metadata[KEY]`:
+                // everything between the first `[` and the last `]` is the
+                // key (deepObject has no escapes, and a metadata key may
+                // hold brackets).
                 let meta = key.strip_prefix("metadata.").or_else(|| {
                     key.strip_prefix("metadata[")
                         .and_then(|k| k.strip_suffix(']'))
-                        .filter(|k| !k.contains(['[', ']']))
                 });
                 let Some(meta) = meta.filter(|k| !k.is_empty()) else {
                     return Err(ApiError::invalid(format!(
@@ -287,6 +288,7 @@ mod tests {
             ("pod", "pod_local"),
             ("metadata.team", "ml"),
             ("metadata[user]", "ada"),
+            ("metadata[3]!þ]", "x"),
         ]))
         .unwrap();
         assert_eq!(
@@ -301,6 +303,7 @@ mod tests {
         assert_eq!(f.pod, Some(PodId::new("pod_local")));
         assert_eq!(f.metadata["team"], "ml");
         assert_eq!(f.metadata["user"], "ada");
+        assert_eq!(f.metadata["3]!þ"], "x");
         assert_eq!(sandbox_filter(vec![]).unwrap(), SandboxFilter::default());
     }
 
@@ -310,7 +313,8 @@ mod tests {
             pairs(&[("state", "asleep")]),
             pairs(&[("colour", "red")]),
             pairs(&[("metadata.", "x")]),
-            pairs(&[("metadata[a][b]", "x")]),
+            pairs(&[("metadata[]", "x")]),
+            pairs(&[("metadata[k", "x")]),
             pairs(&[("template", "a"), ("template", "b")]),
             pairs(&[("metadata.k", "a"), ("metadata.k", "b")]),
         ] {
