@@ -192,6 +192,8 @@ fn cluster_templates_are_built_read_and_deleted_through_any_replica() {
     );
     assert_eq!(on_pod(&c, 2, "shared-built"), 0);
 
+    builds_are_admitted_in_postgresql(&c);
+
     // A replica that waits 1 ms answers a build 202 with its operation;
     // it goes on, and its outcome is the template, then read through the
     // other replica; a retry with the key is the built template (201).
@@ -220,6 +222,56 @@ fn cluster_templates_are_built_read_and_deleted_through_any_replica() {
     let r = keyed(&c, 2, &acme, "build-2", "POST", "/v1/templates", slow);
     assert_eq!(r.status, 201, "{}", r.body);
     assert_eq!(r.json()["id"], later.as_str(), "{}", r.body);
+}
+
+/// A build holds its tenant's quota (a sandbox of its size) while its
+/// operation is pending, in PostgreSQL, so a create through the other
+/// replica meanwhile does not pass a quota of one running sandbox. The
+/// build is held pending without timing: nats-server is frozen (SIGSTOP)
+/// between the build's journal and its publish, for well under the pods'
+/// down time, and thawed once the create is refused.
+fn builds_are_admitted_in_postgresql(c: &Cluster) {
+    let (builder, _) = tenant_token(c, 1, "builder");
+    c.set_quota(1, "builder", r#"{"running_sandboxes":1}"#);
+    let pending = || {
+        c.sql(
+            "SELECT count(*) FROM operations WHERE tenant = 'builder' \
+             AND kind = 'template_build' AND status = 'pending'",
+        )
+    };
+    let create = Some(r#"{"template":"probe"}"#);
+    let build = Some(r#"{"name":"builder-built","kind":"probe","mem_mib":64}"#);
+    c.freeze("nats", true);
+    let (refused, built) = std::thread::scope(|s| {
+        let b = s.spawn(|| as_token(c, 2, &builder, "POST", "/v1/templates", build));
+        let t0 = std::time::Instant::now();
+        while pending() != "1" {
+            if t0.elapsed() > std::time::Duration::from_secs(2) || b.is_finished() {
+                c.freeze("nats", false);
+                panic!("the build was not journaled: {:?}", b.join().unwrap().body);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let refused = as_token(c, 1, &builder, "POST", "/v1/sandboxes", create);
+        c.freeze("nats", false);
+        (refused, b.join().unwrap())
+    });
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    let e = &refused.json()["error"];
+    assert_eq!(e["quota"], "running_sandboxes", "{}", refused.body);
+    assert_eq!(e["used"], 1, "the build: {}", refused.body);
+    assert_eq!(built.status, 201, "{}", built.body);
+    // Built: it holds nothing now, so the create fits.
+    assert_eq!(pending(), "0");
+    let r = as_token(c, 1, &builder, "POST", "/v1/sandboxes", create);
+    assert_eq!(r.status, 201, "{}", r.body);
+    // With the sandbox running, a build through the other replica does not
+    // fit either.
+    let again = Some(r#"{"name":"builder-two","kind":"probe","mem_mib":64}"#);
+    let r = as_token(c, 2, &builder, "POST", "/v1/templates", again);
+    assert_eq!(r.status, 429, "{}", r.body);
+    let id = r.json()["error"]["quota"].clone();
+    assert_eq!(id, "running_sandboxes", "{}", r.body);
 }
 
 /// The catalog changes a build's or a delete's result records

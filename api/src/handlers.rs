@@ -150,8 +150,14 @@ pub async fn create_template<S: SandboxApi>(
     body.owner = Some(p.owner());
     let tenancy = st.tenancy.clone();
     let template = call(&st, move |s| {
-        // A build boots a VM: admitted against the tenant's quotas too.
-        let _ticket = crate::tenancy::admit(&tenancy, &p, Usage::sandbox(u64::from(body.mem_mib)))?;
+        // A build boots a VM: admitted against the tenant's quotas too,
+        // here, or by a service that admits its creates itself (a cluster
+        // replica, in PostgreSQL with the build's operation).
+        let _ticket = if s.admits_creates() {
+            None
+        } else {
+            crate::tenancy::admit(&tenancy, &p, Usage::sandbox(u64::from(body.mem_mib)))?
+        };
         s.create_template(body)
     })
     .await?;

@@ -198,6 +198,18 @@ impl Cluster {
         self.script(&["kill", part]);
     }
 
+    /// SIGSTOP (`true`) or SIGCONT (`false`) to one part, by its pid file:
+    /// a part that hangs rather than dies.
+    pub fn freeze(&self, part: &str, frozen: bool) {
+        let pid = std::fs::read_to_string(self.dir.join(format!("{part}.pid"))).unwrap();
+        let signal = if frozen { "-STOP" } else { "-CONT" };
+        let st = std::process::Command::new("kill")
+            .args([signal, pid.trim()])
+            .status()
+            .unwrap();
+        assert!(st.success(), "kill {signal} {part}");
+    }
+
     /// A clean stop of one part (PostgreSQL: `pg_ctl stop -m fast`).
     pub fn stop(&self, part: &str) {
         self.script(&["stop", part]);

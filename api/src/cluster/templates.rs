@@ -8,7 +8,13 @@
 //!   template the caller's tenant's (an admin's shared), as embedded. Its
 //!   result changes that pod's catalog with the operation, so that a create
 //!   right after the 201 is placed there; past `--cluster-wait-ms` the
-//!   answer is 202 with the operation.
+//!   answer is 202 with the operation. It is admitted in PostgreSQL
+//!   against its tenant's quota as a create is (a sandbox of its
+//!   `mem_mib`, counted while its operation is pending: a build runs
+//!   within its command), so builds and creates through different
+//!   replicas at once cannot pass a quota together. A build taken past its
+//!   start deadline is not run; one that ends past its expiry stays built
+//!   (it holds no quota once ended) and its operation reads failed.
 //! - A read (`GET /v1/templates/{id}`) is the template as a pod up lists
 //!   it; 404 if none does. The API keeps a tenant to its own and the
 //!   shared ones and leaves host paths out, as for every template.
@@ -29,6 +35,7 @@ use super::db::PodRow;
 use super::replica::Cluster;
 use super::wire::{Command, OpOutcome};
 use crate::calls::{TemplateOp, TemplateReply};
+use crate::quota::Usage;
 use crate::service::ServiceError;
 
 fn template_not_found(id: &TemplateId) -> ServiceError {
@@ -102,12 +109,18 @@ impl Cluster {
                 message: "no pod up has admission headroom to build a template".into(),
             })?,
         };
+        // The build's VM, admitted against its tenant's quota as a create
+        // is: counted while its operation is pending, on every replica.
+        let asked = Usage::sandbox(u64::from(req.mem_mib));
         let command = Command::BuildTemplate {
             request: Box::new(req),
             tenant: owner.tenant.clone(),
             admin: owner.admin,
         };
-        match self.run(&pod.id, &owner.tenant, command, None).await? {
+        match self
+            .run(&pod.id, &owner.tenant, command, Some(&asked))
+            .await?
+        {
             OpOutcome::Template { template } => Ok(*template),
             OpOutcome::Failed(e) => Err(e.into()),
             other => Err(ServiceError::Internal(format!(
