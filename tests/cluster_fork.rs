@@ -190,6 +190,8 @@ fn cluster_forks_run_on_the_source_pod_within_the_quota() {
     assert_eq!(r.status, 204, "{}", r.body);
     assert_eq!(stored_sandboxes(&c, "forker"), "1");
 
+    checkpoints_are_commands_within_the_quota(&c, &token, &other, &source);
+
     // Past the replica's wait: 202 with the operation, whose outcome
     // lists the fork once the pod published it.
     c.kill("api2");
@@ -218,4 +220,85 @@ fn cluster_forks_run_on_the_source_pod_within_the_quota() {
     assert_eq!(r.status, 503, "{}", r.body);
     assert_eq!(r.json()["error"]["code"], "unavailable", "{}", r.body);
     assert!(r.body.contains(&format!("pod {pod} is down")), "{}", r.body);
+}
+
+/// Checkpoints through either replica: each one operation on the sandbox's
+/// pod, recorded in PostgreSQL and counted there against the tenant's
+/// snapshot disk (each as the sandbox's memory), so the quota holds across
+/// replicas; listed on the pod (relayed); a delete frees its room.
+fn checkpoints_are_commands_within_the_quota(c: &Cluster, token: &str, other: &str, source: &str) {
+    let r = as_token(c, 1, token, "GET", &format!("/v1/sandboxes/{source}"), None);
+    let mem = r.json()["mem_mib"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{}", r.body));
+    // Room for two (a running sandbox holds no snapshot disk).
+    let quota = format!(r#"{{"total_sandboxes":4,"snapshot_disk_mib":{}}}"#, 2 * mem);
+    c.set_quota(1, "forker", &quota);
+    let at = format!("/v1/sandboxes/{source}/checkpoints");
+    let auth = format!("Bearer {token}");
+    let take = |n: u16, key: &str, name: &str| {
+        let headers = [("Idempotency-Key", key), ("Authorization", auth.as_str())];
+        let body = format!(r#"{{"name":"{name}"}}"#);
+        request_with(&c.api(n), "POST", &at, &headers, Some(&body))
+    };
+    let mut ids = Vec::new();
+    for (n, name) in [(1, "one"), (2, "two")] {
+        let r = take(n, &format!("ckpt-{name}"), name);
+        assert_eq!(r.status, 201, "{}", r.body);
+        assert_eq!(r.json()["name"], name, "{}", r.body);
+        assert!(
+            r.json().get("snapshot_dir").is_none(),
+            "a host path: {}",
+            r.body
+        );
+        ids.push(r.json()["id"].clone());
+    }
+    let names = || {
+        c.sql(&format!(
+            "SELECT coalesce(string_agg(name, ',' ORDER BY name), '') FROM checkpoints \
+             WHERE sandbox = '{source}' AND tenant = 'forker'"
+        ))
+    };
+    assert_eq!(names(), "one,two");
+    assert_eq!(
+        c.sql(
+            "SELECT string_agg(kind || '|' || status, ',') FROM operations \
+             WHERE idempotency_key LIKE 'ckpt-%'"
+        ),
+        "checkpoint|done,checkpoint|done"
+    );
+    // A retry by its key through the other replica: the first answer.
+    let r = take(2, "ckpt-one", "one");
+    assert_eq!(r.status, 201, "{}", r.body);
+    assert_eq!(r.json()["id"], ids[0], "{}", r.body);
+    // Full: a third is 429 through either replica, none taken.
+    for n in [1, 2] {
+        let r = as_token(c, n, token, "POST", &at, Some(r#"{"name":"three"}"#));
+        assert_eq!(r.status, 429, "replica {n}: {}", r.body);
+        let e = &r.json()["error"];
+        assert_eq!(e["quota"], "snapshot_disk_mib", "{}", r.body);
+        assert_eq!(e["used"], 2 * mem, "{}", r.body);
+    }
+    // Listed on the pod through either replica; another tenant's: 404.
+    let r = as_token(c, 2, token, "GET", &at, None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let listed: Vec<_> = r.json()["checkpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(listed, ["one", "two"], "{}", r.body);
+    let r = as_token(c, 1, other, "POST", &at, Some(r#"{"name":"x"}"#));
+    assert_eq!(r.status, 404, "{}", r.body);
+    // One deleted through replica 2: its row goes, and room for another.
+    let r = as_token(c, 2, token, "DELETE", &format!("{at}/one"), None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    assert_eq!(names(), "two");
+    let r = as_token(c, 1, token, "DELETE", &format!("{at}/one"), None);
+    assert_eq!(r.status, 404, "{}", r.body);
+    let r = as_token(c, 1, token, "POST", &at, Some(r#"{"name":"three"}"#));
+    assert_eq!(r.status, 201, "{}", r.body);
+    assert_eq!(names(), "three,two");
+    c.set_quota(1, "forker", r#"{"total_sandboxes":4}"#);
 }

@@ -15,7 +15,8 @@ use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template};
 use torpor_scheduler::service::LOCAL_POD;
 
 use crate::calls::{
-    map_call, ExecMode, ExecReply, FileOp, FileReply, SandboxCalls, TemplateOp, TemplateReply,
+    map_call, CheckpointOp, CheckpointReply, ExecMode, ExecReply, FileOp, FileReply, SandboxCalls,
+    TemplateOp, TemplateReply,
 };
 use crate::federation::{AddPod, RemotePod};
 
@@ -138,16 +139,38 @@ pub fn pod_entry(view: PodView) -> Result<Value, ServiceError> {
 
 /// The sandbox service as the API sees it: what each backend does its own
 /// way. Requests of one resource are one method taking the request
-/// ([`Lifecycle`], [`TemplateOp`], [`FileOp`], [`ExecMode`]).
+/// ([`Lifecycle`], [`TemplateOp`], [`CheckpointOp`], [`FileOp`],
+/// [`ExecMode`]).
 pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     /// A template call; the typed ones are [`SandboxCalls`]'
     /// (`list_templates`, `get_template`, ...).
     fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError>;
 
+    /// A checkpoint made or deleted; the typed calls are [`SandboxCalls`]'
+    /// (`checkpoint`, `delete_checkpoint`). On the pod's own service,
+    /// unless the backend sends it to the sandbox's pod itself (a cluster
+    /// replica: a command through the work queue, admitted in
+    /// PostgreSQL).
+    fn checkpoints(
+        &self,
+        id: &SandboxId,
+        op: CheckpointOp<'_>,
+    ) -> Result<CheckpointReply, ServiceError> {
+        on_pod(self, Needs::Snapshots, |s| match op {
+            CheckpointOp::Create(req) => s
+                .create_checkpoint(id, req)
+                .map(|c| CheckpointReply::Made(Box::new(c))),
+            CheckpointOp::Delete(name) => s
+                .delete_checkpoint(id, name)
+                .map(|()| CheckpointReply::Deleted),
+        })
+    }
+
     fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError>;
-    /// Whether [`SandboxApi::create_sandbox`] and
-    /// [`SandboxApi::fork_sandboxes`] admit a create or the forks against
-    /// the tenant's quota themselves (a cluster replica: in PostgreSQL,
+    /// Whether [`SandboxApi::create_sandbox`],
+    /// [`SandboxApi::fork_sandboxes`], a template's build and
+    /// [`SandboxApi::checkpoints`] admit what they make against the
+    /// tenant's quota themselves (a cluster replica: in PostgreSQL,
     /// atomically across replicas); otherwise the API's
     /// [`crate::quota::Quotas`] do.
     fn admits_creates(&self) -> bool {

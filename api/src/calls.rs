@@ -6,13 +6,13 @@
 //! callers use the typed calls (`s.get_template(&id)`, `s.read_file(&id,
 //! path)`, `s.exec(..)`), which unwrap the reply of their request.
 
-use torpor_scheduler::model::{SandboxId, Template, TemplateId};
+use torpor_scheduler::model::{Checkpoint, SandboxId, Template, TemplateId};
 use torpor_scheduler::service::guest::MAX_READ_BYTES;
 
 use crate::backend::SandboxApi;
 use crate::service::{
-    AgentLink, Cancel, CreateTemplate, DirListing, ExecOutput, ExecRequest, ExitReply, GuestCall,
-    GuestError, Outcome, OutputKind, ServiceError,
+    AgentLink, Cancel, CreateCheckpoint, CreateTemplate, DirListing, ExecOutput, ExecRequest,
+    ExitReply, GuestCall, GuestError, Outcome, OutputKind, ServiceError,
 };
 
 /// A template call (`/v1/templates`): [`SandboxApi::templates`].
@@ -37,6 +37,22 @@ impl TemplateReply {
     pub fn one(t: Template) -> Self {
         TemplateReply::One(Box::new(t))
     }
+}
+
+/// A checkpoint made or deleted (`/v1/sandboxes/{id}/checkpoints`):
+/// [`SandboxApi::checkpoints`]. Listing and restoring are the pod's own
+/// (a cluster relays them to the owning pod).
+#[derive(Debug, Clone)]
+pub enum CheckpointOp<'a> {
+    Create(CreateCheckpoint),
+    Delete(&'a str),
+}
+
+/// A [`CheckpointOp`]'s answer, the variant of its call.
+#[derive(Debug)]
+pub enum CheckpointReply {
+    Made(Box<Checkpoint>),
+    Deleted,
 }
 
 /// A file call on a sandbox's agent (`/v1/sandboxes/{id}/files`, E2B's
@@ -169,6 +185,25 @@ pub trait SandboxCalls {
         match self.templates(TemplateOp::Delete(id))? {
             TemplateReply::Deleted => Ok(()),
             _ => Err(mismatched("template delete")),
+        }
+    }
+    /// Takes a checkpoint of sandbox `id`.
+    fn checkpoint(&self, id: &SandboxId, req: CreateCheckpoint) -> Result<Checkpoint, ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        match self.checkpoints(id, CheckpointOp::Create(req))? {
+            CheckpointReply::Made(c) => Ok(*c),
+            _ => Err(mismatched("checkpoint create")),
+        }
+    }
+    fn delete_checkpoint(&self, id: &SandboxId, name: &str) -> Result<(), ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        match self.checkpoints(id, CheckpointOp::Delete(name))? {
+            CheckpointReply::Deleted => Ok(()),
+            _ => Err(mismatched("checkpoint delete")),
         }
     }
     /// Runs a command, its output collected; `cancel` ends it early (its

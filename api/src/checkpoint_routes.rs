@@ -42,10 +42,7 @@ pub async fn create<S: SandboxApi>(
     ApiJson(body): ApiJson<CreateCheckpoint>,
 ) -> ApiResult<Response> {
     let id = SandboxId::new(id);
-    let checkpoint = call(&st, move |s| {
-        on_pod(s, Needs::Snapshots, |s| s.create_checkpoint(&id, body))
-    })
-    .await?;
+    let checkpoint = call(&st, move |s| s.checkpoint(&id, body)).await?;
     let location = format!(
         "/v1/sandboxes/{}/checkpoints/{}",
         checkpoint.sandbox, checkpoint.name
@@ -58,10 +55,7 @@ pub async fn delete<S: SandboxApi>(
     Path((id, name)): Path<(String, String)>,
 ) -> ApiResult<StatusCode> {
     let id = SandboxId::new(id);
-    call(&st, move |s| {
-        on_pod(s, Needs::Snapshots, |s| s.delete_checkpoint(&id, &name))
-    })
-    .await?;
+    call(&st, move |s| s.delete_checkpoint(&id, &name)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -330,9 +330,10 @@ pub async fn sandbox_guard<S: SandboxApi>(
         }
         let sandbox = guard.service.get_sandbox(&id).ok();
         let mem = sandbox.as_ref().map_or(0, |s| u64::from(s.mem_mib));
-        let admitted = if fork && guard.service.admits_creates() {
+        let admitted = if (fork || checkpoint) && guard.service.admits_creates() {
             // Admitted by the service itself with the rest of the request
-            // (a cluster replica, in PostgreSQL: all of a `count` at once).
+            // (a cluster replica, in PostgreSQL: all of a fork's `count`
+            // at once, a checkpoint with its operation).
             Ok(None)
         } else if fork {
             admit(&guard, &p, Usage::sandbox(mem))

@@ -85,8 +85,9 @@ async fn admit_on(c: &mut Client, op: &NewOp<'_>, asked: &Usage) -> Result<bool,
     Ok(inserted)
 }
 
-/// `tenant`'s use: its sandboxes, as [`usage_of`] counts them, plus
-/// what its pending creates, forks and wakes asked. One statement, so one snapshot: read
+/// `tenant`'s use: its sandboxes, as [`usage_of`] counts them, its
+/// checkpoints (each as its sandbox's memory, `checkpoints.rs`), plus
+/// what its pending creates, forks, wakes, builds and checkpoints asked. One statement, so one snapshot: read
 /// in two, a create finished between them (its operation done and its
 /// sandbox written at once) was in neither (tests/cluster.rs admitted 4
 /// against a quota of 3 under load). A sandbox a heartbeat wrote before
@@ -99,7 +100,12 @@ async fn usage(tx: &Transaction<'_>, tenant: &str) -> Result<Usage, ClusterError
                 WHERE tenant = $1 AND state <> 'deleted'
              UNION ALL
              SELECT NULL, NULL, asked FROM operations
-                WHERE tenant = $1 AND status = 'pending' AND asked IS NOT NULL",
+                WHERE tenant = $1 AND status = 'pending' AND asked IS NOT NULL
+             UNION ALL
+             SELECT NULL, NULL, jsonb_build_object('running_sandboxes', 0,
+                    'total_sandboxes', 0, 'memory_mib', 0, 'snapshot_disk_mib', c.mem_mib)
+                FROM checkpoints c JOIN sandboxes s ON s.id = c.sandbox
+                WHERE c.tenant = $1 AND s.state <> 'deleted'",
             &[&tenant],
         )
         .await

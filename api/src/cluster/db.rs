@@ -141,6 +141,21 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
         env jsonb NOT NULL DEFAULT '{}'::jsonb
     );",
     ),
+    // A checkpoint taken through a replica (`checkpoints.rs`): counted
+    // against its tenant's snapshot disk as its sandbox's memory until its
+    // delete's result, or its sandbox's, removes it.
+    (
+        11,
+        "CREATE TABLE checkpoints (
+        sandbox text NOT NULL REFERENCES sandboxes(id) ON DELETE CASCADE,
+        name text NOT NULL,
+        tenant text,
+        mem_mib bigint NOT NULL,
+        created_at timestamptz NOT NULL DEFAULT now(),
+        PRIMARY KEY (sandbox, name)
+    );
+    CREATE INDEX checkpoints_tenant ON checkpoints (tenant);",
+    ),
 ];
 
 /// A connection to PostgreSQL, made again when it broke; and one more,
@@ -500,8 +515,10 @@ impl Db {
                 // Against the tombstone it is an update to an older
                 // generation: none. Reads skip tombstones; the heartbeat's
                 // sweep removes them once their pod no longer lists them.
+                // Its checkpoints went with it on its pod.
                 let sql = format!(
-                    "{PENDING}
+                    "{PENDING}, gone AS (DELETE FROM checkpoints
+                        WHERE sandbox = $4 AND EXISTS (SELECT 1 FROM op))
                      UPDATE sandboxes SET state = '{DELETED}', generation = {TOMBSTONE},
                         updated_at = now()
                      WHERE id = $4 AND pod = $5 AND EXISTS (SELECT 1 FROM op)"
@@ -551,6 +568,14 @@ impl Db {
             OpOutcome::Template { template } | OpOutcome::TemplateDeleted { template } => {
                 let built = matches!(outcome, OpOutcome::Template { .. });
                 super::catalog::finish(&c, operation, &json, pod, template, built).await
+            }
+            OpOutcome::Checkpoint { checkpoint } => {
+                let taken = (&checkpoint.sandbox, checkpoint.name.as_str());
+                super::checkpoints::finish(&c, operation, &json, pod, taken, true).await
+            }
+            OpOutcome::CheckpointDeleted { sandbox, name } => {
+                let deleted = (sandbox, name.as_str());
+                super::checkpoints::finish(&c, operation, &json, pod, deleted, false).await
             }
             OpOutcome::Failed(_) => {
                 let sql = format!("{PENDING} SELECT count(*) FROM op");

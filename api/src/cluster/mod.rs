@@ -9,7 +9,8 @@
 //!   (up to a deadline: past it the answer is 202 with
 //!   `/v1/operations/{id}`). Sandbox commands (pause, resume, connect,
 //!   hibernate, delete) go the same way to the owning pod, and templates'
-//!   builds and deletes to a pod ([`templates`]); the data plane
+//!   builds and deletes to a pod ([`templates`]), checkpoints' takes and
+//!   deletes to the sandbox's pod ([`checkpoints`]); the data plane
 //!   (exec, files, ports, timeouts) is relayed straight to the pod's API
 //!   (`federation::routing`). E2B's routes use the same commands; envd
 //!   reaches the guest through the pod's agent tunnel, and any replica
@@ -26,6 +27,7 @@
 
 pub mod admission;
 pub mod catalog;
+pub mod checkpoints;
 pub mod db;
 pub mod events;
 pub mod expiry;

@@ -333,8 +333,8 @@ fn named(mut s: Sandbox, pod: &PodId) -> Sandbox {
 }
 
 /// [`execute`] unless it is taken past its start deadline (refused, not
-/// run); a create (or a fork's sandboxes) that ended past its expiry
-/// deleted again (a replica may have ended its operation: `expiry.rs`).
+/// run); a create (or a fork's sandboxes, or a checkpoint) that ended past
+/// its expiry deleted again (a replica may have ended its operation: `expiry.rs`).
 fn in_time<S: SandboxApi>(
     service: &S,
     pod: &PodId,
@@ -359,6 +359,17 @@ fn in_time<S: SandboxApi>(
                     // so it is counted against its tenant's quota).
                     tracing::warn!(operation = op, error = %e, "a late create not deleted");
                     OpOutcome::Sandbox { sandbox, resumed }
+                }
+            }
+        }
+        (OpOutcome::Checkpoint { checkpoint }, Some(late)) => {
+            // As a late create: a replica may have ended its operation, so
+            // nothing would count it.
+            match service.delete_checkpoint(&checkpoint.sandbox, &checkpoint.name) {
+                Ok(()) => late,
+                Err(e) => {
+                    tracing::warn!(operation = op, error = %e, "a late checkpoint not deleted");
+                    OpOutcome::Checkpoint { checkpoint }
                 }
             }
         }
@@ -452,6 +463,18 @@ fn execute<S: SandboxApi>(service: &S, pod: &PodId, command: Command) -> OpOutco
             },
             Err(e) => OpOutcome::Failed(e.into()),
         },
+        Command::Checkpoint { sandbox, request } => match service.checkpoint(&sandbox, *request) {
+            Ok(c) => OpOutcome::Checkpoint {
+                checkpoint: Box::new(c),
+            },
+            Err(e) => OpOutcome::Failed(e.into()),
+        },
+        Command::DeleteCheckpoint { sandbox, name } => {
+            match service.delete_checkpoint(&sandbox, &name) {
+                Ok(()) => OpOutcome::CheckpointDeleted { sandbox, name },
+                Err(e) => OpOutcome::Failed(e.into()),
+            }
+        }
     }
 }
 

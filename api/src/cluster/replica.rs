@@ -294,7 +294,7 @@ impl Cluster {
 
     /// A command on an existing sandbox, on its pod, admitted against its
     /// tenant's quota for what `asks` of the sandbox (a wake's room).
-    fn command(
+    pub(super) fn command(
         &self,
         id: &SandboxId,
         make: impl FnOnce(SandboxId) -> Command,
@@ -378,7 +378,12 @@ fn is_command(method: &str, path: &str) -> bool {
     let segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
     match (method, segments.len()) {
         ("GET" | "DELETE", 4) => true,
-        ("POST", 5) => Lifecycle::from_name(segments[4]).is_some() || segments[4] == "fork",
+        ("POST", 5) => {
+            Lifecycle::from_name(segments[4]).is_some()
+                || segments[4] == "fork"
+                || segments[4] == "checkpoints"
+        }
+        ("DELETE", 6) => segments[4] == "checkpoints",
         _ => false,
     }
 }
@@ -397,6 +402,16 @@ impl SandboxApi for Cluster {
         op: crate::calls::TemplateOp<'_>,
     ) -> Result<crate::calls::TemplateReply, ServiceError> {
         self.template_call(op)
+    }
+
+    /// Commands to the sandbox's pod, a checkpoint admitted in PostgreSQL
+    /// against its tenant's snapshot disk (`checkpoints.rs`).
+    fn checkpoints(
+        &self,
+        id: &SandboxId,
+        op: crate::calls::CheckpointOp<'_>,
+    ) -> Result<crate::calls::CheckpointReply, ServiceError> {
+        self.checkpoint_call(id, op)
     }
 
     fn create_sandbox(&self, mut req: CreateSandbox) -> Result<Sandbox, ServiceError> {
@@ -794,6 +809,10 @@ mod tests {
         assert!(is_command("POST", "/v1/sandboxes/sb_1/hibernate"));
         assert!(is_command("POST", "/v1/sandboxes/sb_1/connect"));
         assert!(is_command("POST", "/v1/sandboxes/sb_1/fork"));
+        assert!(is_command("POST", "/v1/sandboxes/sb_1/checkpoints"));
+        assert!(is_command("DELETE", "/v1/sandboxes/sb_1/checkpoints/one"));
+        assert!(!is_command("GET", "/v1/sandboxes/sb_1/checkpoints"));
+        assert!(!is_command("POST", "/v1/sandboxes/sb_1/restore"));
         assert!(!is_command("PATCH", "/v1/sandboxes/sb_1"));
         assert!(!is_command("POST", "/v1/sandboxes/sb_1/exec"));
         assert!(!is_command("GET", "/v1/sandboxes/sb_1/files"));

@@ -15,8 +15,10 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer, stream};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template, TemplateId};
-use torpor_scheduler::service::{CreateSandbox, CreateTemplate, ForkSandbox, ServiceError};
+use torpor_scheduler::model::{Checkpoint, PodId, Sandbox, SandboxId, Template, TemplateId};
+use torpor_scheduler::service::{
+    CreateCheckpoint, CreateSandbox, CreateTemplate, ForkSandbox, ServiceError,
+};
 
 use super::ClusterError;
 use crate::backend::Lifecycle;
@@ -86,6 +88,18 @@ pub enum Command {
     DeleteTemplate {
         template: TemplateId,
     },
+    /// A checkpoint of `sandbox` taken on its pod (which holds its
+    /// snapshots); the outcome is [`OpOutcome::Checkpoint`].
+    Checkpoint {
+        sandbox: SandboxId,
+        request: Box<CreateCheckpoint>,
+    },
+    /// A checkpoint of `sandbox` deleted on its pod; the outcome is
+    /// [`OpOutcome::CheckpointDeleted`].
+    DeleteCheckpoint {
+        sandbox: SandboxId,
+        name: String,
+    },
 }
 
 impl Command {
@@ -97,6 +111,8 @@ impl Command {
             Command::Fork { .. } => "fork",
             Command::BuildTemplate { .. } => "template_build",
             Command::DeleteTemplate { .. } => "template_delete",
+            Command::Checkpoint { .. } => "checkpoint",
+            Command::DeleteCheckpoint { .. } => "checkpoint_delete",
         }
     }
 
@@ -107,7 +123,9 @@ impl Command {
             | Command::DeleteTemplate { .. } => None,
             Command::Lifecycle { sandbox, .. }
             | Command::Delete { sandbox }
-            | Command::Fork { sandbox, .. } => Some(sandbox),
+            | Command::Fork { sandbox, .. }
+            | Command::Checkpoint { sandbox, .. }
+            | Command::DeleteCheckpoint { sandbox, .. } => Some(sandbox),
         }
     }
 
@@ -135,7 +153,9 @@ impl Command {
 /// order before building or deleting templates through a replica. Pods of
 /// this build on fail an operation whose command they cannot read (501
 /// `unsupported`, `pod.rs`'s `unreadable`) rather than drop it, so a kind
-/// added later ends at once on a pod not yet upgraded.
+/// added later ends at once on a pod not yet upgraded: `checkpoint` and
+/// `checkpoint_delete` (and [`OpOutcome::Checkpoint`],
+/// [`OpOutcome::CheckpointDeleted`]) are such kinds.
 #[derive(Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 enum WireCommand {
@@ -172,6 +192,14 @@ enum WireCommand {
     TemplateDelete {
         template: TemplateId,
     },
+    Checkpoint {
+        sandbox: SandboxId,
+        request: Box<CreateCheckpoint>,
+    },
+    CheckpointDelete {
+        sandbox: SandboxId,
+        name: String,
+    },
 }
 
 impl From<WireCommand> for Command {
@@ -203,6 +231,12 @@ impl From<WireCommand> for Command {
                 admin,
             },
             WireCommand::TemplateDelete { template } => Command::DeleteTemplate { template },
+            WireCommand::Checkpoint { sandbox, request } => {
+                Command::Checkpoint { sandbox, request }
+            }
+            WireCommand::CheckpointDelete { sandbox, name } => {
+                Command::DeleteCheckpoint { sandbox, name }
+            }
         }
     }
 }
@@ -237,6 +271,12 @@ impl From<Command> for WireCommand {
                 admin,
             },
             Command::DeleteTemplate { template } => WireCommand::TemplateDelete { template },
+            Command::Checkpoint { sandbox, request } => {
+                WireCommand::Checkpoint { sandbox, request }
+            }
+            Command::DeleteCheckpoint { sandbox, name } => {
+                WireCommand::CheckpointDelete { sandbox, name }
+            }
         }
     }
 }
@@ -308,6 +348,15 @@ pub enum OpOutcome {
     /// a retry of the delete with its `Idempotency-Key` finds it there.
     TemplateDeleted {
         template: Box<Template>,
+    },
+    /// A checkpoint as its pod took it (newer still).
+    Checkpoint {
+        checkpoint: Box<Checkpoint>,
+    },
+    /// A checkpoint its pod deleted.
+    CheckpointDeleted {
+        sandbox: SandboxId,
+        name: String,
     },
     Failed(OpError),
 }
@@ -681,6 +730,39 @@ mod tests {
         };
         assert_eq!(template.id.as_str(), "tpl_1");
         assert_eq!(template.tenant.as_deref(), Some("acme"));
+        assert_eq!(serde_json::to_value(&outcome).unwrap(), gone);
+    }
+
+    #[test]
+    fn checkpoint_commands_name_their_sandbox() {
+        let take = serde_json::json!({
+            "kind": "checkpoint", "sandbox": "sbx_1", "request": {"name": "one"},
+        });
+        let command: Command = serde_json::from_value(take.clone()).unwrap();
+        assert_eq!(command.kind(), "checkpoint");
+        assert_eq!(command.sandbox().map(|s| s.as_str()), Some("sbx_1"));
+        assert!(matches!(&command, Command::Checkpoint { request, .. } if request.name == "one"));
+        assert_eq!(serde_json::to_value(&command).unwrap(), take);
+        let delete =
+            serde_json::json!({"kind": "checkpoint_delete", "sandbox": "sbx_1", "name": "one"});
+        let command: Command = serde_json::from_value(delete.clone()).unwrap();
+        assert_eq!(command.kind(), "checkpoint_delete");
+        assert_eq!(command.sandbox().map(|s| s.as_str()), Some("sbx_1"));
+        assert_eq!(serde_json::to_value(&command).unwrap(), delete);
+        let odd = serde_json::json!({"kind": "checkpoint", "sandbox": "sbx_1", "request": {"name": "one", "x": 1}});
+        assert!(serde_json::from_value::<Command>(odd).is_err());
+
+        let taken = serde_json::json!({"checkpoint": {"checkpoint": {
+            "id": "ckp_1", "sandbox": "sbx_1", "name": "one", "snapshot_dir": "/d",
+            "parent": null, "created_at": 5,
+        }}});
+        let outcome: OpOutcome = serde_json::from_value(taken.clone()).unwrap();
+        assert!(
+            matches!(&outcome, OpOutcome::Checkpoint { checkpoint } if checkpoint.name == "one")
+        );
+        assert_eq!(serde_json::to_value(&outcome).unwrap(), taken);
+        let gone = serde_json::json!({"checkpoint_deleted": {"sandbox": "sbx_1", "name": "one"}});
+        let outcome: OpOutcome = serde_json::from_value(gone.clone()).unwrap();
         assert_eq!(serde_json::to_value(&outcome).unwrap(), gone);
     }
 }
