@@ -193,6 +193,7 @@ fn cluster_templates_are_built_read_and_deleted_through_any_replica() {
     assert_eq!(on_pod(&c, 2, "shared-built"), 0);
 
     builds_are_admitted_in_postgresql(&c);
+    images_are_indexed_in_postgresql(&c, &admin, &acme);
 
     // A replica that waits 1 ms answers a build 202 with its operation;
     // it goes on, and its outcome is the template, then read through the
@@ -311,4 +312,116 @@ fn check_catalog_changes(c: &Cluster) {
     let q = "SELECT array_to_string(ARRAY(SELECT unnest(
                 torpor_catalog_names('{t2,t3,three,two}', CHANGES)) ORDER BY 1), ',')";
     assert_eq!(sql(q), "nine,one,t1,t3,t9,three");
+}
+
+/// The images pod `n` itself lists.
+fn pod_images(c: &Cluster, n: u16) -> Vec<String> {
+    let r = common::http::request(
+        &c.pod_api(n),
+        "GET",
+        "/v1/images",
+        Some(&c.pod_token(n)),
+        None,
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    serde_json::from_value(r.json()["images"].clone()).unwrap()
+}
+
+/// The images index (`api/src/cluster/images.rs`): an image uploaded
+/// through a replica is streamed to the pod named and stays on its disk;
+/// PostgreSQL lists it from that pod's heartbeats, so any replica lists it
+/// and a Linux template's build goes to the pod that has it; a delete
+/// through a replica removes it from that pod and the index.
+fn images_are_indexed_in_postgresql(c: &Cluster, admin: &str, acme: &str) {
+    let auth = format!("Bearer {admin}");
+    let octets = [
+        ("Authorization", auth.as_str()),
+        ("Content-Type", "application/octet-stream"),
+    ];
+    for part in ["kernel", "rootfs"] {
+        let path = format!("/v1/images/img-a/{part}?pod=pod2");
+        let body = format!("{part} bytes, streamed through replica 1");
+        let r = request_with(&c.api(1), "PUT", &path, &octets, Some(&body));
+        assert_eq!(r.status, 201, "{}", r.body);
+        assert_eq!(r.json()["bytes"], body.len(), "{}", r.body);
+        assert_eq!(r.json()["part"], part, "{}", r.body);
+    }
+    assert!(pod_images(c, 2).contains(&"img-a".to_string()));
+    assert!(!pod_images(c, 1).contains(&"img-a".to_string()));
+    // Refused: a tenant's upload, an unknown pod.
+    let r = as_token(c, 1, acme, "PUT", "/v1/images/img-b/kernel", Some("k"));
+    assert_eq!(r.status, 403, "{}", r.body);
+    let r = request_with(
+        &c.api(2),
+        "PUT",
+        "/v1/images/img-b/kernel?pod=pod9",
+        &octets,
+        Some("k"),
+    );
+    assert_eq!(r.status, 404, "{}", r.body);
+
+    // Indexed from pod2's next heartbeat: listed through either replica,
+    // to a tenant too (names only); the pods' list says where.
+    let t0 = std::time::Instant::now();
+    loop {
+        let r = as_token(c, 2, acme, "GET", "/v1/images", None);
+        assert_eq!(r.status, 200, "{}", r.body);
+        if r.json()["images"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|i| i == "img-a")
+        {
+            break;
+        }
+        assert!(
+            t0.elapsed() < common::cluster::SHARED_WITHIN,
+            "not indexed: {}",
+            r.body
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert_eq!(
+        c.sql("SELECT id FROM pods WHERE 'img-a' = ANY(images)"),
+        "pod2"
+    );
+    let pods = c.call(1, "GET", "/v1/pods", None).json();
+    let holders: Vec<_> = pods["pods"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["images"].as_array().unwrap().iter().any(|i| i == "img-a"))
+        .map(|p| p["id"].clone())
+        .collect();
+    assert_eq!(holders, ["pod2"], "{pods}");
+
+    // A Linux template naming it is built on pod2, the pod that has it
+    // (on a host without VMX/SVM pod2 answers 422 host_unsupported; an
+    // image no pod has is 400 at the replica).
+    let linux = Some(r#"{"name":"lin","kind":"linux","image":"img-a","mem_mib":512}"#);
+    let r = keyed(c, 2, acme, "lin-1", "POST", "/v1/templates", linux);
+    assert_ne!(r.status, 400, "{}", r.body);
+    assert_eq!(
+        c.sql("SELECT pod FROM operations WHERE idempotency_key = 'lin-1'"),
+        "pod2"
+    );
+    let none = Some(r#"{"name":"lin","kind":"linux","image":"img-z","mem_mib":512}"#);
+    let r = as_token(c, 1, acme, "POST", "/v1/templates", none);
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("img-z"), "{}", r.body);
+
+    // Deleted through replica 2: gone from pod2 and from the index.
+    let r = as_token(c, 2, admin, "DELETE", "/v1/images/img-a", None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    assert!(!pod_images(c, 2).contains(&"img-a".to_string()));
+    let t0 = std::time::Instant::now();
+    while c.sql("SELECT count(*) FROM pods WHERE 'img-a' = ANY(images)") != "0" {
+        assert!(
+            t0.elapsed() < common::cluster::SHARED_WITHIN,
+            "still indexed"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let r = as_token(c, 1, admin, "DELETE", "/v1/images/img-a", None);
+    assert_eq!(r.status, 404, "{}", r.body);
 }

@@ -5,17 +5,19 @@ use std::io::Read;
 use std::pin::Pin;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Extension, Path, State};
+use axum::extract::{Extension, Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use torpor_scheduler::images::ImagePart;
+use torpor_scheduler::model::PodId;
 
 use crate::auth::tokens::{TokenRecord, TokensError};
 use crate::auth::{forbidden, Principal, Scope};
-use crate::backend::{on_pod, Needs, SandboxApi};
+use crate::backend::SandboxApi;
+use crate::calls::{ImageOp, ImageReply};
 use crate::error::{code, ApiError};
 use crate::handlers::{call, created, Api, ApiResult};
 use crate::quota::{Quota, Quotas, Usage};
@@ -191,7 +193,7 @@ pub struct ImageList {
 }
 
 pub async fn list_images<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Json<ImageList>> {
-    let images = call(&st, |s| on_pod(s, Needs::Images, |s| Ok(s.images().list()))).await?;
+    let images = call(&st, |s| s.image_names()).await?;
     Ok(Json(ImageList { images }))
 }
 
@@ -199,11 +201,16 @@ pub async fn delete_image<S: SandboxApi>(
     State(st): Api<S>,
     Path(name): Path<String>,
 ) -> ApiResult<StatusCode> {
-    call(&st, move |s| {
-        on_pod(s, Needs::Images, |s| s.remove_image(&name))
-    })
-    .await?;
+    call(&st, move |s| s.images(ImageOp::Delete(&name)).map(|_| ())).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// `PUT /v1/images/{name}/{part}`'s query.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UploadQuery {
+    /// The pod to install it on.
+    pub pod: Option<String>,
 }
 
 /// `PUT /v1/images/{name}/{part}`: the raw body, streamed to the image's
@@ -212,6 +219,7 @@ pub async fn upload_image<S: SandboxApi>(
     State(st): Api<S>,
     Extension(p): Extension<Principal>,
     Path((name, part)): Path<(String, String)>,
+    Query(on): Query<UploadQuery>,
     body: Body,
 ) -> ApiResult<Response> {
     if !p.is_admin() {
@@ -228,9 +236,20 @@ pub async fn upload_image<S: SandboxApi>(
             rx,
             buf: Bytes::new(),
         };
-        on_pod(s, Needs::Images, |s| {
-            Ok(s.images().install(&stored, part, &mut reader, limit)?)
-        })
+        let pod = on.pod.map(PodId::new);
+        let install = ImageOp::Install {
+            name: &stored,
+            part,
+            body: &mut reader,
+            limit,
+            pod: pod.as_ref(),
+        };
+        match s.images(install)? {
+            ImageReply::Installed(size) => Ok(size),
+            other => Err(ServiceError::Internal(format!(
+                "an image's upload answered {other:?}"
+            ))),
+        }
     })
     .await;
     pump.abort();
@@ -241,10 +260,7 @@ pub async fn upload_image<S: SandboxApi>(
         part: &'static str,
         bytes: u64,
     }
-    let part = match part {
-        ImagePart::Kernel => "kernel",
-        ImagePart::Rootfs => "rootfs",
-    };
+    let part = part.as_str();
     Ok(created(
         format!("/v1/images/{name}"),
         false,

@@ -15,8 +15,8 @@ use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template};
 use torpor_scheduler::service::LOCAL_POD;
 
 use crate::calls::{
-    map_call, CheckpointOp, CheckpointReply, ExecMode, ExecReply, FileOp, FileReply, SandboxCalls,
-    TemplateOp, TemplateReply,
+    map_call, CheckpointOp, CheckpointReply, ExecMode, ExecReply, FileOp, FileReply, ImageOp,
+    ImageReply, SandboxCalls, TemplateOp, TemplateReply,
 };
 use crate::federation::{AddPod, RemotePod};
 
@@ -139,8 +139,8 @@ pub fn pod_entry(view: PodView) -> Result<Value, ServiceError> {
 
 /// The sandbox service as the API sees it: what each backend does its own
 /// way. Requests of one resource are one method taking the request
-/// ([`Lifecycle`], [`TemplateOp`], [`CheckpointOp`], [`FileOp`],
-/// [`ExecMode`]).
+/// ([`Lifecycle`], [`TemplateOp`], [`CheckpointOp`], [`ImageOp`],
+/// [`FileOp`], [`ExecMode`]).
 pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     /// A template call; the typed ones are [`SandboxCalls`]'
     /// (`list_templates`, `get_template`, ...).
@@ -163,6 +163,28 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
             CheckpointOp::Delete(name) => s
                 .delete_checkpoint(id, name)
                 .map(|()| CheckpointReply::Deleted),
+        })
+    }
+
+    /// An images call: on the pod's own service (a pod other than this one
+    /// named is 404), unless the backend reaches its pods' images itself
+    /// (a cluster replica: its index in PostgreSQL, the pods' APIs).
+    fn images(&self, op: ImageOp<'_>) -> Result<ImageReply, ServiceError> {
+        on_pod(self, Needs::Images, |s| match op {
+            ImageOp::List => Ok(ImageReply::List(s.images().list())),
+            ImageOp::Install {
+                name,
+                part,
+                body,
+                limit,
+                pod,
+            } => {
+                not_here(&pod.cloned())?;
+                Ok(ImageReply::Installed(
+                    s.images().install(name, part, body, limit)?,
+                ))
+            }
+            ImageOp::Delete(name) => s.remove_image(name).map(|()| ImageReply::Deleted),
         })
     }
 

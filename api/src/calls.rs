@@ -6,7 +6,8 @@
 //! callers use the typed calls (`s.get_template(&id)`, `s.read_file(&id,
 //! path)`, `s.exec(..)`), which unwrap the reply of their request.
 
-use torpor_scheduler::model::{Checkpoint, SandboxId, Template, TemplateId};
+use torpor_scheduler::images::ImagePart;
+use torpor_scheduler::model::{Checkpoint, PodId, SandboxId, Template, TemplateId};
 use torpor_scheduler::service::guest::MAX_READ_BYTES;
 
 use crate::backend::SandboxApi;
@@ -52,6 +53,48 @@ pub enum CheckpointOp<'a> {
 #[derive(Debug)]
 pub enum CheckpointReply {
     Made(Box<Checkpoint>),
+    Deleted,
+}
+
+/// An images call (`/v1/images`): [`SandboxApi::images`].
+pub enum ImageOp<'a> {
+    /// The names of the images installed.
+    List,
+    /// One file of image `name` from `body` (at most `limit` bytes), on
+    /// `pod` if named.
+    Install {
+        name: &'a str,
+        part: ImagePart,
+        body: &'a mut dyn std::io::Read,
+        limit: u64,
+        pod: Option<&'a PodId>,
+    },
+    Delete(&'a str),
+}
+
+impl std::fmt::Debug for ImageOp<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ImageOp::List => f.write_str("List"),
+            ImageOp::Install {
+                name, part, pod, ..
+            } => f
+                .debug_struct("Install")
+                .field("name", name)
+                .field("part", &part.file_name())
+                .field("pod", pod)
+                .finish_non_exhaustive(),
+            ImageOp::Delete(name) => f.debug_tuple("Delete").field(name).finish(),
+        }
+    }
+}
+
+/// An [`ImageOp`]'s answer, the variant of its call.
+#[derive(Debug)]
+pub enum ImageReply {
+    List(Vec<String>),
+    /// The bytes of the file installed.
+    Installed(u64),
     Deleted,
 }
 
@@ -185,6 +228,16 @@ pub trait SandboxCalls {
         match self.templates(TemplateOp::Delete(id))? {
             TemplateReply::Deleted => Ok(()),
             _ => Err(mismatched("template delete")),
+        }
+    }
+    /// The names of the images installed (a cluster's: on the pods up).
+    fn image_names(&self) -> Result<Vec<String>, ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        match self.images(ImageOp::List)? {
+            ImageReply::List(names) => Ok(names),
+            _ => Err(mismatched("image list")),
         }
     }
     /// Takes a checkpoint of sandbox `id`.

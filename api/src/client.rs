@@ -7,14 +7,25 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use http_body_util::{BodyExt, Full};
-use hyper::body::Bytes;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Bytes, Frame};
+use hyper::client::conn::http1::SendRequest;
 use hyper::{header, Request};
 use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
 use tokio_rustls::TlsConnector;
 
 use crate::tls::{pinned_client_config, Fingerprint};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A runtime of its own for one exchange.
+fn runtime() -> Result<tokio::runtime::Runtime, ClientError> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| ClientError::Transport(format!("cannot start a runtime: {e}")))
+}
 
 /// Longest wait for a connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -248,22 +259,116 @@ impl HttpClient {
         body: Option<(&str, &[u8])>,
         streaming: Option<Streaming<'_>>,
     ) -> Result<Answer, ClientError> {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| ClientError::Transport(format!("cannot start a runtime: {e}")))?;
+        let rt = runtime()?;
         let request = self.build(method, path, body)?;
         let response = rt.block_on(async {
-            let stream = self.connect().await?;
-            // Title-case names (`Content-Length`), as servers most often see.
-            let (mut sender, conn) = hyper::client::conn::http1::Builder::new()
-                .title_case_headers(true)
-                .handshake(TokioIo::new(stream))
-                .await
-                .map_err(|e| self.transport(&e))?;
-            tokio::spawn(conn);
+            let mut sender = self.open().await?;
             self.bounded(sender.send_request(request)).await
         })?;
+        self.answer(&rt, method, response, streaming)
+    }
+
+    /// Sends `body`, read to its end on this thread, as a chunked request
+    /// body of `content_type` (an upload of any size: each chunk waits for
+    /// the server at most the I/O timeout), and reads the answer. A read
+    /// error of `body` ends the request unfinished (the server sees a cut
+    /// body) and is returned.
+    pub fn upload(
+        &self,
+        method: &str,
+        path: &str,
+        content_type: &str,
+        body: &mut dyn std::io::Read,
+    ) -> Result<Answer, ClientError> {
+        type Chunk = Result<Frame<Bytes>, BoxError>;
+        let rt = runtime()?;
+        let (tx, rx) = tokio::sync::mpsc::channel::<Chunk>(4);
+        let chunks = futures_util::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|chunk| (chunk, rx))
+        });
+        let mut request = self.head(method, path)?;
+        if let Some(headers) = request.headers_mut() {
+            let value = header::HeaderValue::from_str(content_type)
+                .map_err(|e| ClientError::BadAddress(format!("content type: {e}")))?;
+            headers.insert(header::CONTENT_TYPE, value);
+        }
+        let request = request
+            .body(StreamBody::new(chunks))
+            .map_err(|e| ClientError::BadAddress(format!("{method} {path}: {e}")))?;
+        let client = self.clone();
+        let sent = rt.spawn(async move {
+            let mut sender = client.open().await?;
+            sender
+                .send_request(request)
+                .await
+                .map_err(|e| client.transport(&e))
+        });
+        let mut buf = vec![0u8; 1 << 16];
+        loop {
+            let n = match body.read(&mut buf) {
+                Ok(n) => n,
+                Err(e) => {
+                    let cut: BoxError = format!("the upload's source failed: {e}").into();
+                    let _ = rt.block_on(tx.send(Err(cut)));
+                    sent.abort();
+                    return Err(ClientError::Transport(format!("reading the upload: {e}")));
+                }
+            };
+            if n == 0 {
+                break;
+            }
+            let chunk = Ok(Frame::data(Bytes::copy_from_slice(&buf[..n])));
+            // (The timer is made inside the runtime.)
+            let send = async { tokio::time::timeout(self.io_timeout, tx.send(chunk)).await };
+            match rt.block_on(send) {
+                Ok(Ok(())) => {}
+                // The request ended (the server answered before the end, or
+                // the connection broke): its answer or error says why.
+                Ok(Err(_)) => break,
+                Err(_) => {
+                    sent.abort();
+                    return Err(self.timed_out());
+                }
+            }
+        }
+        drop(tx);
+        let answered = async { tokio::time::timeout(self.io_timeout, sent).await };
+        let response = match rt.block_on(answered) {
+            Ok(Ok(r)) => r?,
+            Ok(Err(e)) => return Err(ClientError::Transport(format!("the upload: {e}"))),
+            Err(_) => return Err(self.timed_out()),
+        };
+        self.answer(&rt, method, response, None)
+    }
+
+    /// A connection and its HTTP/1.1 handshake; the connection is driven
+    /// by a task on the current runtime.
+    async fn open<B>(&self) -> Result<SendRequest<B>, ClientError>
+    where
+        B: hyper::body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<BoxError>,
+    {
+        let stream = self.connect().await?;
+        // Title-case names (`Content-Length`), as servers most often see.
+        let (sender, conn) = hyper::client::conn::http1::Builder::new()
+            .title_case_headers(true)
+            .handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| self.transport(&e))?;
+        tokio::spawn(conn);
+        Ok(sender)
+    }
+
+    /// The answer to a request: its status, headers and body (bounded;
+    /// streamed to `streaming`'s sink when it is chunked and 2xx).
+    fn answer(
+        &self,
+        rt: &tokio::runtime::Runtime,
+        method: &str,
+        response: hyper::Response<hyper::body::Incoming>,
+        streaming: Option<Streaming<'_>>,
+    ) -> Result<Answer, ClientError> {
         let status = response.status().as_u16();
         let headers: Vec<(String, String)> = response
             .headers()
@@ -331,6 +436,32 @@ impl HttpClient {
         path: &str,
         body: Option<(&str, &[u8])>,
     ) -> Result<Request<Full<Bytes>>, ClientError> {
+        let mut request = self.head(method, path)?;
+        if let Some(headers) = request.headers_mut() {
+            match body {
+                Some((content_type, b)) => {
+                    if !content_type.is_empty() {
+                        let value = header::HeaderValue::from_str(content_type)
+                            .map_err(|e| ClientError::BadAddress(format!("content type: {e}")))?;
+                        headers.insert(header::CONTENT_TYPE, value);
+                    }
+                    headers.insert(header::CONTENT_LENGTH, b.len().into());
+                }
+                None if matches!(method, "POST" | "PUT" | "PATCH") => {
+                    headers.insert(header::CONTENT_LENGTH, 0.into());
+                }
+                None => {}
+            }
+        }
+        let bytes = Bytes::copy_from_slice(body.map_or(&[][..], |(_, b)| b));
+        request
+            .body(Full::new(bytes))
+            .map_err(|e| ClientError::BadAddress(format!("{method} {path}: {e}")))
+    }
+
+    /// A request's method, the prefix and path, and the headers every
+    /// request has (the client's own, then [`HttpClient::with_headers`]').
+    fn head(&self, method: &str, path: &str) -> Result<hyper::http::request::Builder, ClientError> {
         let (host, prefix) = match &self.endpoint {
             Endpoint::Tcp {
                 authority, prefix, ..
@@ -350,14 +481,6 @@ impl HttpClient {
         if let Some(t) = &self.token {
             request = request.header(header::AUTHORIZATION, format!("Bearer {t}"));
         }
-        if let Some((content_type, b)) = body {
-            if !content_type.is_empty() {
-                request = request.header(header::CONTENT_TYPE, content_type);
-            }
-            request = request.header(header::CONTENT_LENGTH, b.len());
-        } else if matches!(method, "POST" | "PUT" | "PATCH") {
-            request = request.header(header::CONTENT_LENGTH, 0);
-        }
         let bad = |e: &dyn std::fmt::Display| {
             ClientError::BadAddress(format!("{method} {prefix}{path}: {e}"))
         };
@@ -368,8 +491,7 @@ impl HttpClient {
                 headers.insert(name, value);
             }
         }
-        let bytes = Bytes::copy_from_slice(body.map_or(&[][..], |(_, b)| b));
-        request.body(Full::new(bytes)).map_err(|e| bad(&e))
+        Ok(request)
     }
 
     /// `fut`, or a timeout error after the I/O timeout.
@@ -379,12 +501,16 @@ impl HttpClient {
     ) -> Result<T, ClientError> {
         match tokio::time::timeout(self.io_timeout, fut).await {
             Ok(r) => r.map_err(|e| self.transport(&e)),
-            Err(_) => Err(ClientError::Transport(format!(
-                "the API at {} did not answer within {}s",
-                self.endpoint.describe(),
-                self.io_timeout.as_secs()
-            ))),
+            Err(_) => Err(self.timed_out()),
         }
+    }
+
+    fn timed_out(&self) -> ClientError {
+        ClientError::Transport(format!(
+            "the API at {} did not answer within {}s",
+            self.endpoint.describe(),
+            self.io_timeout.as_secs()
+        ))
     }
 
     fn transport(&self, e: &hyper::Error) -> ClientError {
@@ -595,5 +721,99 @@ mod tests {
             head.to_ascii_lowercase().contains("content-length: 0\r\n"),
             "{head}"
         );
+    }
+
+    /// What [`chunked_server`] received: the head, and the body.
+    type Received = (String, Option<Vec<u8>>);
+
+    /// A fake server: the request's head, then its chunked body decoded
+    /// (`None` if it was cut before the last chunk); answers 201.
+    fn chunked_server() -> (std::net::SocketAddr, std::thread::JoinHandle<Received>) {
+        use std::io::{BufRead, BufReader, Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (s, _) = listener.accept().unwrap();
+            let mut r = BufReader::new(s.try_clone().unwrap());
+            let mut head = String::new();
+            while !head.ends_with("\r\n\r\n") {
+                if r.read_line(&mut head).unwrap() == 0 {
+                    return (head, None);
+                }
+            }
+            let mut body = Vec::new();
+            loop {
+                let mut size = String::new();
+                if r.read_line(&mut size).unwrap_or(0) == 0 {
+                    return (head, None);
+                }
+                let n = usize::from_str_radix(size.trim(), 16).unwrap();
+                let mut chunk = vec![0u8; n + 2];
+                if r.read_exact(&mut chunk).is_err() {
+                    return (head, None);
+                }
+                if n == 0 {
+                    break;
+                }
+                body.extend_from_slice(&chunk[..n]);
+            }
+            let mut s = s;
+            s.write_all(b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok")
+                .unwrap();
+            (head, Some(body))
+        });
+        (addr, server)
+    }
+
+    #[test]
+    fn uploads_stream_a_reader_as_a_chunked_body() {
+        let (addr, server) = chunked_server();
+        let endpoint = Endpoint::parse(&format!("tcp:{addr}")).unwrap();
+        let client = HttpClient::new(endpoint, Some("t".into()), Duration::from_secs(10)).unwrap();
+        let data: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+        let answer = client
+            .upload(
+                "PUT",
+                "/v1/images/a/rootfs",
+                "application/octet-stream",
+                &mut std::io::Cursor::new(data.clone()),
+            )
+            .unwrap();
+        assert_eq!((answer.status, answer.body.as_slice()), (201, &b"ok"[..]));
+        let (head, body) = server.join().unwrap();
+        let head = head.to_ascii_lowercase();
+        assert!(
+            head.starts_with("put /v1/images/a/rootfs http/1.1\r\n"),
+            "{head}"
+        );
+        assert!(head.contains("transfer-encoding: chunked\r\n"), "{head}");
+        assert!(
+            head.contains("content-type: application/octet-stream\r\n"),
+            "{head}"
+        );
+        assert!(head.contains("authorization: bearer t\r\n"), "{head}");
+        assert_eq!(body.unwrap(), data);
+
+        // A source that fails half way: an error here, a cut body there.
+        struct Failing(usize);
+        impl std::io::Read for Failing {
+            fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+                if self.0 == 0 {
+                    return Err(std::io::Error::other("disk gone"));
+                }
+                self.0 -= 1;
+                out[..1000].fill(7);
+                Ok(1000)
+            }
+        }
+        let (addr, server) = chunked_server();
+        let endpoint = Endpoint::parse(&format!("tcp:{addr}")).unwrap();
+        let client = HttpClient::new(endpoint, None, Duration::from_secs(10)).unwrap();
+        let err = client
+            .upload("PUT", "/x", "application/octet-stream", &mut Failing(5))
+            .unwrap_err();
+        assert!(err.to_string().contains("disk gone"), "{err}");
+        let (_, body) = server.join().unwrap();
+        assert_eq!(body, None, "the server saw a complete body");
     }
 }

@@ -65,6 +65,14 @@ impl ImagePart {
         }
     }
 
+    /// The name [`ImagePart::parse`] reads.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ImagePart::Kernel => "kernel",
+            ImagePart::Rootfs => "rootfs",
+        }
+    }
+
     pub fn file_name(self) -> &'static str {
         match self {
             ImagePart::Kernel => KERNEL_FILE,

@@ -156,6 +156,12 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
     );
     CREATE INDEX checkpoints_tenant ON checkpoints (tenant);",
     ),
+    // The images index: each pod's installed images, from its heartbeats
+    // (`images.rs`).
+    (
+        12,
+        "ALTER TABLE pods ADD COLUMN images text[] NOT NULL DEFAULT '{}';",
+    ),
 ];
 
 /// A connection to PostgreSQL, made again when it broke; and one more,
@@ -187,6 +193,8 @@ pub struct PodRow {
     pub fingerprint: Option<String>,
     pub load: Value,
     pub templates: Vec<String>,
+    /// The images it has installed, as its last heartbeat listed them.
+    pub images: Vec<String>,
     pub headroom_mib: f64,
     pub running: i64,
     pub hibernated: i64,
@@ -372,10 +380,10 @@ impl Db {
         // the template away again: `catalog.rs`).
         c.execute(
             "INSERT INTO pods (id, address, token, fingerprint, load, templates, headroom_mib,
-                running, hibernated, catalog, last_heartbeat)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, now())
+                running, hibernated, catalog, images, last_heartbeat)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, now())
              ON CONFLICT (id) DO UPDATE SET address = $2, token = $3, fingerprint = $4,
-                load = $5, headroom_mib = $7, running = $8, hibernated = $9,
+                load = $5, headroom_mib = $7, running = $8, hibernated = $9, images = $11,
                 last_heartbeat = now(),
                 templates = torpor_catalog_names($6,
                     torpor_catalog_pending($10, pods.catalog_changes)),
@@ -392,6 +400,7 @@ impl Db {
                 &(hb.running as i64),
                 &(hb.hibernated as i64),
                 &catalog,
+                &hb.images,
             ],
         )
         .await
@@ -711,12 +720,13 @@ impl Db {
             running: r.get(7),
             hibernated: r.get(8),
             silent_s: r.get(9),
+            images: r.get(10),
         }
     }
 
     const POD_COLUMNS: &'static str = "id, address, token, fingerprint, load, templates,
         headroom_mib, running, hibernated,
-        extract(epoch FROM now() - last_heartbeat)::double precision";
+        extract(epoch FROM now() - last_heartbeat)::double precision, images";
 
     pub async fn pods(&self) -> Result<Vec<PodRow>, ClusterError> {
         let c = self.client().await?;

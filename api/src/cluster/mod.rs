@@ -32,6 +32,7 @@ pub mod db;
 pub mod events;
 pub mod expiry;
 pub mod guest;
+pub mod images;
 pub mod pod;
 pub mod replica;
 pub mod templates;

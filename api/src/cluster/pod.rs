@@ -495,6 +495,8 @@ fn heartbeat<S: SandboxApi>(service: &S, me: &PodIdentity) -> Result<Heartbeat, 
     templates.sort();
     templates.dedup();
     catalog.truncate(MAX_REPORTED);
+    let mut images = service.image_names()?;
+    images.truncate(MAX_REPORTED);
     let mut sandboxes = service.list_sandboxes(SandboxFilter::default())?;
     let running = sandboxes
         .iter()
@@ -511,6 +513,7 @@ fn heartbeat<S: SandboxApi>(service: &S, me: &PodIdentity) -> Result<Heartbeat, 
         headroom_mib,
         templates,
         catalog,
+        images,
         running,
         hibernated,
         sandboxes,

@@ -404,6 +404,14 @@ impl SandboxApi for Cluster {
         self.template_call(op)
     }
 
+    /// The pods' images, indexed in PostgreSQL (`images.rs`).
+    fn images(
+        &self,
+        op: crate::calls::ImageOp<'_>,
+    ) -> Result<crate::calls::ImageReply, ServiceError> {
+        self.image_call(op)
+    }
+
     /// Commands to the sandbox's pod, a checkpoint admitted in PostgreSQL
     /// against its tenant's snapshot disk (`checkpoints.rs`).
     fn checkpoints(
@@ -662,6 +670,7 @@ impl SandboxApi for Cluster {
                 entry["address"] = json!(crate::federation::pods::pod_address(&p.address).ok());
                 entry["reachable"] = json!(up);
                 entry["templates"] = json!(p.templates);
+                entry["images"] = json!(p.images);
                 entry["headroom_mib"] = json!(p.headroom_mib);
                 entry["last_heartbeat_s"] = json!(p.silent_s);
                 if !up {
@@ -780,6 +789,7 @@ mod tests {
             running: 0,
             hibernated: 0,
             silent_s: silent,
+            images: Vec::new(),
         }
     }
 

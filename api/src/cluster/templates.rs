@@ -3,7 +3,8 @@
 //! catalogs in PostgreSQL (`catalog.rs`).
 //!
 //! - A build (`POST /v1/templates`) goes to the pod it names (`pod`, an
-//!   admin's choice) or to the pod up with the most admission headroom: one
+//!   admin's choice) or to the pod up with the most admission headroom
+//!   (among those with its image, for a Linux template: `images.rs`): one
 //!   operation of kind `template_build` ([`Command::BuildTemplate`]), the
 //!   template the caller's tenant's (an admin's shared), as embedded. Its
 //!   result changes that pod's catalog with the operation, so that a create
@@ -105,9 +106,24 @@ impl Cluster {
                 }
                 pod
             }
-            None => build_pod(&pods, |p| self.is_up(p)).ok_or_else(|| ServiceError::Admission {
-                message: "no pod up has admission headroom to build a template".into(),
-            })?,
+            // A Linux template's image is on some pods only (`images.rs`).
+            None => match &req.image {
+                Some(image)
+                    if !pods
+                        .iter()
+                        .any(|p| self.is_up(p) && p.images.contains(image)) =>
+                {
+                    return Err(ServiceError::Invalid(format!(
+                        "no pod up has image {image} installed (GET /v1/images)"
+                    )))
+                }
+                image => build_pod(&pods, |p| {
+                    self.is_up(p) && image.as_ref().is_none_or(|i| p.images.contains(i))
+                })
+                .ok_or_else(|| ServiceError::Admission {
+                    message: "no pod up has admission headroom to build a template".into(),
+                })?,
+            },
         };
         // The build's VM, admitted against its tenant's quota as a create
         // is: counted while its operation is pending, on every replica.
@@ -230,6 +246,7 @@ mod tests {
             running: 0,
             hibernated: 0,
             silent_s: silent,
+            images: Vec::new(),
         }
     }
 

@@ -383,6 +383,10 @@ pub struct Heartbeat {
     /// built before it was sent.
     #[serde(default)]
     pub catalog: Vec<Template>,
+    /// The images it has installed (at most 2000; none from a pod built
+    /// before it was sent), for the cluster's images index.
+    #[serde(default)]
+    pub images: Vec<String>,
     pub running: u64,
     pub hibernated: u64,
     /// Every sandbox it holds, as it is now (states changed by the pod

@@ -187,6 +187,16 @@ impl RemotePod {
             .map_err(|e| self.unreachable(&e))
     }
 
+    /// `PUT path` with `body` streamed as its octet-stream body (an
+    /// image's file); its JSON answer.
+    pub fn upload(&self, path: &str, body: &mut dyn std::io::Read) -> Result<Value, ServiceError> {
+        let answer = self
+            .client
+            .upload("PUT", path, "application/octet-stream", body)
+            .map_err(|e| self.unreachable(&e))?;
+        self.json(answer, "PUT", path)
+    }
+
     /// A `GET` other answers wait on, within [`LOOKUP_TIMEOUT`].
     pub fn look(&self, path: &str) -> Result<Value, ServiceError> {
         let answer = self.send_with(&self.lookup, "GET", path, None)?;
