@@ -125,19 +125,7 @@ impl Cluster {
         named: Option<&PodId>,
     ) -> Result<&'p PodRow, ServiceError> {
         match named {
-            Some(want) => {
-                let pod =
-                    pods.iter()
-                        .find(|p| &p.id == want)
-                        .ok_or_else(|| ServiceError::NotFound {
-                            kind: "pod",
-                            id: want.to_string(),
-                        })?;
-                if !self.is_up(pod) {
-                    return Err(Self::down(pod, "no image is installed on it"));
-                }
-                Ok(pod)
-            }
+            Some(want) => self.named_pod(pods, want, "no image is installed on it"),
             None => pods
                 .iter()
                 .filter(|p| self.is_up(p))

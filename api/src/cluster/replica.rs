@@ -126,6 +126,27 @@ impl Cluster {
         }
     }
 
+    /// The pod a request names (an admin's choice): 404 if unknown, 503
+    /// saying `why` if down.
+    pub(super) fn named_pod<'p>(
+        &self,
+        pods: &'p [PodRow],
+        want: &PodId,
+        why: &str,
+    ) -> Result<&'p PodRow, ServiceError> {
+        let pod = pods
+            .iter()
+            .find(|p| &p.id == want)
+            .ok_or_else(|| ServiceError::NotFound {
+                kind: "pod",
+                id: want.to_string(),
+            })?;
+        if !self.is_up(pod) {
+            return Err(Self::down(pod, why));
+        }
+        Ok(pod)
+    }
+
     pub(super) fn is_up(&self, pod: &PodRow) -> bool {
         pod.silent_s < self.config.down_after.as_secs_f64()
     }
@@ -430,18 +451,7 @@ impl SandboxApi for Cluster {
         self.block(async {
             let pods = self.db.pods().await?;
             let pod = match req.pod.take() {
-                Some(want) => {
-                    let pod = pods.iter().find(|p| p.id == want).ok_or_else(|| {
-                        ServiceError::NotFound {
-                            kind: "pod",
-                            id: want.to_string(),
-                        }
-                    })?;
-                    if !self.is_up(pod) {
-                        return Err(Self::down(pod, "nothing is placed on it"));
-                    }
-                    pod
-                }
+                Some(want) => self.named_pod(&pods, &want, "nothing is placed on it")?,
                 None => match place(
                     &pods,
                     &req.template,

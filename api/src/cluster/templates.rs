@@ -93,19 +93,7 @@ impl Cluster {
             .ok_or_else(|| ServiceError::Internal("a template's build without its owner".into()))?;
         let pods = self.db.pods().await?;
         let pod = match req.pod.take() {
-            Some(want) => {
-                let pod =
-                    pods.iter()
-                        .find(|p| p.id == want)
-                        .ok_or_else(|| ServiceError::NotFound {
-                            kind: "pod",
-                            id: want.to_string(),
-                        })?;
-                if !self.is_up(pod) {
-                    return Err(Self::down(pod, "no template is built on it"));
-                }
-                pod
-            }
+            Some(want) => self.named_pod(&pods, &want, "no template is built on it")?,
             // A Linux template's image is on some pods only (`images.rs`).
             None => match &req.image {
                 Some(image)
