@@ -24,22 +24,17 @@ fn keyed(
     request_with(&c.api(n), method, path, &headers, body)
 }
 
+/// `GET path` on pod `n`'s own API: the list under `key`.
+fn pod_list(c: &Cluster, n: u16, path: &str, key: &str) -> Vec<serde_json::Value> {
+    let r = common::http::request(&c.pod_api(n), "GET", path, Some(&c.pod_token(n)), None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()[key].as_array().unwrap().clone()
+}
+
 /// The templates named `name` that pod `n` itself lists.
 fn on_pod(c: &Cluster, n: u16, name: &str) -> usize {
-    let r = common::http::request(
-        &c.pod_api(n),
-        "GET",
-        "/v1/templates",
-        Some(&c.pod_token(n)),
-        None,
-    );
-    assert_eq!(r.status, 200, "{}", r.body);
-    r.json()["templates"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|t| t["name"] == name)
-        .count()
+    let templates = pod_list(c, n, "/v1/templates", "templates");
+    templates.iter().filter(|t| t["name"] == name).count()
 }
 
 #[test]
@@ -316,15 +311,11 @@ fn check_catalog_changes(c: &Cluster) {
 
 /// The images pod `n` itself lists.
 fn pod_images(c: &Cluster, n: u16) -> Vec<String> {
-    let r = common::http::request(
-        &c.pod_api(n),
-        "GET",
-        "/v1/images",
-        Some(&c.pod_token(n)),
-        None,
-    );
-    assert_eq!(r.status, 200, "{}", r.body);
-    serde_json::from_value(r.json()["images"].clone()).unwrap()
+    let images = pod_list(c, n, "/v1/images", "images");
+    images
+        .iter()
+        .map(|i| i.as_str().unwrap().to_string())
+        .collect()
 }
 
 /// The images index (`api/src/cluster/images.rs`): an image uploaded
