@@ -78,14 +78,7 @@ async fn handle(db: &Db, subject: &str, payload: &[u8]) -> Result<(), Handled> {
     }
     match &event {
         Event::Heartbeat { pod, heartbeat } => {
-            for s in &heartbeat.sandboxes {
-                if s.pod.as_ref().is_some_and(|p| p != pod) {
-                    return Err(Handled::Rejected(format!(
-                        "pod {pod} reports sandbox {} of another pod",
-                        s.id
-                    )));
-                }
-            }
+            heartbeat.check(pod).map_err(Handled::Rejected)?;
             db.heartbeat(pod, heartbeat).await
         }
         Event::Result {

@@ -21,16 +21,12 @@ use torpor_scheduler::service::{Owner, ServiceError};
 use crate::service::SandboxFilter;
 
 use super::expiry::{self, Deadlines};
-use super::wire::{self, Command, Event, Heartbeat, OpError, OpOutcome, WorkItem};
+use super::wire::{self, Command, Event, Heartbeat, OpError, OpOutcome, WorkItem, MAX_REPORTED};
 use super::{ClusterConfig, ClusterError};
 use crate::backend::SandboxApi;
 
 /// Operations run at once.
 const CONCURRENCY: usize = 8;
-/// Sandboxes a heartbeat lists at most (past it, states come with results
-/// only).
-const MAX_REPORTED: usize = 2000;
-
 /// How this pod is reached for the data plane, and its id.
 #[derive(Debug, Clone)]
 pub struct PodIdentity {

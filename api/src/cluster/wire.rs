@@ -394,6 +394,45 @@ pub struct Heartbeat {
     pub sandboxes: Vec<Sandbox>,
 }
 
+/// Most entries a heartbeat's lists carry (a pod truncates its own; past
+/// it, sandboxes' states come with results only).
+pub const MAX_REPORTED: usize = 2000;
+
+impl Heartbeat {
+    /// What a replica checks before it writes a heartbeat of `pod`: its
+    /// lists within [`MAX_REPORTED`], its sandboxes its own, its images'
+    /// names plain (they are shown to tenants and put in pods' URLs).
+    pub fn check(&self, pod: &PodId) -> Result<(), String> {
+        for (what, n) in [
+            ("sandboxes", self.sandboxes.len()),
+            ("templates", self.catalog.len()),
+            ("images", self.images.len()),
+        ] {
+            if n > MAX_REPORTED {
+                return Err(format!(
+                    "pod {pod} reports {n} {what}, more than {MAX_REPORTED}"
+                ));
+            }
+        }
+        if let Some(s) = self
+            .sandboxes
+            .iter()
+            .find(|s| s.pod.as_ref().is_some_and(|p| p != pod))
+        {
+            return Err(format!("pod {pod} reports sandbox {} of another pod", s.id));
+        }
+        if let Some(bad) = self
+            .images
+            .iter()
+            .find(|i| !torpor_scheduler::images::is_plain_name(i))
+        {
+            let shown: String = bad.chars().take(64).collect();
+            return Err(format!("pod {pod} reports an image named {shown:?}"));
+        }
+        Ok(())
+    }
+}
+
 /// What a pod publishes on its events subject.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case", deny_unknown_fields)]
@@ -768,5 +807,28 @@ mod tests {
         let gone = serde_json::json!({"checkpoint_deleted": {"sandbox": "sbx_1", "name": "one"}});
         let outcome: OpOutcome = serde_json::from_value(gone.clone()).unwrap();
         assert_eq!(serde_json::to_value(&outcome).unwrap(), gone);
+    }
+
+    #[test]
+    fn heartbeats_are_checked_on_receipt() {
+        let pod = PodId::new("pod1");
+        let beat = |images: Value| -> Heartbeat {
+            serde_json::from_value(serde_json::json!({
+                "address": "tcp:127.0.0.1:1", "token": "t", "fingerprint": null,
+                "load": {}, "headroom_mib": 1.0, "templates": [], "images": images,
+                "running": 0, "hibernated": 0, "sandboxes": [],
+            }))
+            .unwrap()
+        };
+        beat(serde_json::json!(["debian", "deb-12.1_x"]))
+            .check(&pod)
+            .unwrap();
+        for bad in [serde_json::json!(["../etc"]), serde_json::json!(["a b"])] {
+            let e = beat(bad).check(&pod).unwrap_err();
+            assert!(e.contains("an image named"), "{e}");
+        }
+        let many: Vec<String> = (0..=MAX_REPORTED).map(|i| format!("i{i}")).collect();
+        let e = beat(serde_json::json!(many)).check(&pod).unwrap_err();
+        assert!(e.contains("more than 2000"), "{e}");
     }
 }
