@@ -416,3 +416,46 @@ fn images_are_indexed_in_postgresql(c: &Cluster, admin: &str, acme: &str) {
     let r = as_token(c, 1, admin, "DELETE", "/v1/images/img-a", None);
     assert_eq!(r.status, 404, "{}", r.body);
 }
+
+/// The data plane over TLS (`TORPOR_CLUSTER_POD_TLS`): each pod serves its
+/// API with its own self-signed certificate and announces its `tls:`
+/// address and the certificate's fingerprint in its heartbeats; a replica
+/// relays a sandbox's data-plane calls to the owning pod pinned to that
+/// certificate, and the pod takes no plain HTTP.
+#[test]
+fn cluster_pods_serve_the_data_plane_over_tls() {
+    let c = Cluster::up_tls("tls");
+    let pods = c.call(2, "GET", "/v1/pods", None).json();
+    for pod in pods["pods"].as_array().unwrap() {
+        assert_eq!(pod["address"]["kind"], "tls", "{pod}");
+    }
+    let r = c.call(1, "POST", "/v1/sandboxes", Some(r#"{"template":"probe"}"#));
+    assert_eq!(r.status, 201, "{}", r.body);
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    // Relayed over TLS through either replica: the pod's own answers (a
+    // probe has no agent: 422; its checkpoints: none yet).
+    let exec = format!("/v1/sandboxes/{id}/exec");
+    let r = c.call(2, "POST", &exec, Some(r#"{"argv":["true"]}"#));
+    assert_eq!(r.status, 422, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "no_agent", "{}", r.body);
+    let r = c.call(1, "GET", &format!("/v1/sandboxes/{id}/checkpoints"), None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["checkpoints"], serde_json::json!([]), "{}", r.body);
+    // Commands go through the queues as ever.
+    let r = c.call(2, "POST", &format!("/v1/sandboxes/{id}/hibernate"), None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    // A pod takes no plain HTTP.
+    let plain = common::http::try_request_with(
+        &c.pod_api(1),
+        "GET",
+        "/v1/pods",
+        &[],
+        None,
+        std::time::Duration::from_secs(5),
+    );
+    if let Ok(r) = plain {
+        assert_ne!(r.status, 200, "plain HTTP answered: {}", r.body);
+    }
+    let r = c.call(1, "DELETE", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!(r.status, 204, "{}", r.body);
+}

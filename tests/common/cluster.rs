@@ -20,6 +20,9 @@ pub struct Cluster {
     pub token: String,
     /// The pods' flags.
     pub pod_args: String,
+    /// Whether the pods serve TLS (`TORPOR_CLUSTER_POD_TLS`) rather than
+    /// plain TCP on loopback.
+    pub pod_tls: bool,
 }
 
 /// A VMM of the cluster: its process, the pod whose data directory it
@@ -43,10 +46,17 @@ pub const API_ARGS: &str = "--cluster-down-after-ms 3000";
 static STARTED: AtomicU16 = AtomicU16::new(0);
 
 /// `scripts/cluster ARGS`, the pods and replicas it starts given these
-/// flags.
-fn script_with(dir: &Path, port: u16, args: &[&str], pod_args: &str, api_args: &str) -> Output {
+/// flags (and the pods serving TLS if `pod_tls`).
+fn script_with(
+    dir: &Path,
+    port: u16,
+    args: &[&str],
+    (pod_args, pod_tls): (&str, bool),
+    api_args: &str,
+) -> Output {
     let out = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster"))
         .args(args)
+        .env("TORPOR_CLUSTER_POD_TLS", if pod_tls { "1" } else { "" })
         .env("TORPOR_CLUSTER_DIR", dir)
         .env("TORPOR_CLUSTER_PORT", port.to_string())
         .env("TORPOR_BIN", TORPOR)
@@ -70,8 +80,18 @@ impl Cluster {
         Self::up_with(name, POD_ARGS)
     }
 
+    /// [`Cluster::up`] with pods that serve TLS: the replicas pin the
+    /// certificate each pod announces in its heartbeats.
+    pub fn up_tls(name: &str) -> Self {
+        Self::up_as(name, POD_ARGS, true)
+    }
+
     /// [`Cluster::up`] with these `pod serve` flags.
     pub fn up_with(name: &str, pod_args: &str) -> Self {
+        Self::up_as(name, pod_args, false)
+    }
+
+    fn up_as(name: &str, pod_args: &str, pod_tls: bool) -> Self {
         let dir =
             std::env::temp_dir().join(format!("torpor-cluster-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -85,6 +105,7 @@ impl Cluster {
             port,
             token: String::new(),
             pod_args: pod_args.to_string(),
+            pod_tls,
         };
         let out = c.script(&["up"]);
         c.token = std::fs::read_to_string(c.dir.join("admin-token")).unwrap();
@@ -189,7 +210,8 @@ impl Cluster {
     }
 
     fn script(&self, args: &[&str]) -> Output {
-        script_with(&self.dir, self.port, args, &self.pod_args, API_ARGS)
+        let pods = (self.pod_args.as_str(), self.pod_tls);
+        script_with(&self.dir, self.port, args, pods, API_ARGS)
     }
 
     /// `kill -9` of one part (`postgres`, `nats`, `pod1`, `pod2`, `api1`,
@@ -221,13 +243,8 @@ impl Cluster {
 
     /// (Re)starts replica `api1` or `api2` with these flags.
     pub fn start_api(&self, part: &str, api_args: &str) {
-        script_with(
-            &self.dir,
-            self.port,
-            &["start", part],
-            &self.pod_args,
-            api_args,
-        );
+        let pods = (self.pod_args.as_str(), self.pod_tls);
+        script_with(&self.dir, self.port, &["start", part], pods, api_args);
     }
 
     /// `scripts/cluster status`: `NAME up (pid N)` or `NAME down` lines.
