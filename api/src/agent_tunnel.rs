@@ -215,7 +215,7 @@ where
             .await
             .unwrap_or_default();
         let message = crate::client::error_fields(&body)
-            .map(|(_, m)| crate::federation::pods::sanitized(&m))
+            .map(|(_, m)| crate::pods::sanitized(&m))
             .unwrap_or_default();
         let kind = if status == StatusCode::NOT_FOUND {
             io::ErrorKind::NotFound

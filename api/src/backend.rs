@@ -18,7 +18,8 @@ use crate::calls::{
     map_call, CheckpointOp, CheckpointReply, ExecMode, ExecReply, FileOp, FileReply, ImageOp,
     ImageReply, SandboxCalls, TemplateOp, TemplateReply,
 };
-use crate::federation::{AddPod, RemotePod};
+use crate::federation::AddPod;
+use crate::pods::RemotePod;
 
 use crate::service::{
     AgentLink, Cancel, CreateSandbox, ExecRequest, ForkSandbox, GuestCall, GuestError, Outcome,

@@ -65,6 +65,7 @@ mod handlers;
 mod network_routes;
 pub mod openapi;
 pub mod pagination;
+pub mod pods;
 pub mod quota;
 pub mod request_context;
 pub mod service;
@@ -468,12 +469,12 @@ impl<S: SandboxApi> Api<S> {
             let mut endpoint = endpoint::<S>(r.operation, method_filter(r.method));
             // Layers run outside in: auth, admin, redaction, the sandbox's
             // ownership (and quotas, limits), forwarding to a remote pod.
-            if federation::routing::forwards(r) {
+            if pods::relay::forwards(r) {
                 // Inside the auth layer: only authenticated requests are
                 // forwarded (with the pod's own token).
                 endpoint = endpoint.route_layer(middleware::from_fn_with_state(
                     (Arc::clone(&service), config.max_body_bytes),
-                    federation::routing::forward::<S>,
+                    pods::relay::forward::<S>,
                 ));
             }
             if r.path.starts_with("/v1/sandboxes/{id}") {

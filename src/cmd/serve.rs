@@ -417,7 +417,7 @@ fn serve_pod(args: PodServeArgs) -> Result<(), String> {
                 .map_err(|e| e.to_string())?;
             let _ = std::fs::remove_file(path);
         } else if let Some(addr) = args.listen.strip_prefix("tcp:") {
-            if args.plain_tcp && !torpor_api::federation::is_loopback(addr) {
+            if args.plain_tcp && !torpor_api::pods::is_loopback(addr) {
                 return Err(format!(
                     "--plain-tcp on {addr}: plain TCP is for loopback addresses only (the \
                      token and the sandboxes' traffic would cross the network in clear)"

@@ -44,7 +44,7 @@ use super::ClusterError;
 use crate::calls::{map_call, ExecMode, ExecReply};
 use crate::client::encode;
 use crate::error::code;
-use crate::federation::RemotePod;
+use crate::pods::RemotePod;
 use crate::service::{
     AgentLink, Cancel, ExecRequest, GuestCall, GuestError, Outcome, ServiceError,
     TemplateFromSandbox,

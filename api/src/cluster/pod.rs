@@ -481,7 +481,7 @@ fn heartbeat<S: SandboxApi>(service: &S, me: &PodIdentity) -> Result<Heartbeat, 
         .into_iter()
         .next()
         .unwrap_or_default();
-    let headroom_mib = crate::federation::pods::headroom_mib(&load);
+    let headroom_mib = crate::pods::headroom_mib(&load);
     let mut catalog = service.list_templates()?;
     let mut templates = Vec::new();
     for t in &catalog {

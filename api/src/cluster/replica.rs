@@ -16,7 +16,7 @@ use super::wire::{self, Command, OpOutcome, WorkItem};
 use super::{ClusterConfig, ClusterError};
 use crate::backend::{Lifecycle, SandboxApi};
 use crate::error::code;
-use crate::federation::RemotePod;
+use crate::pods::RemotePod;
 use crate::quota::Usage;
 use crate::service::{
     AgentLink, Cancel, CreateSandbox, ExecRequest, ForkSandbox, GuestCall, GuestError, Outcome,
@@ -677,7 +677,7 @@ impl SandboxApi for Cluster {
                     json!({})
                 };
                 entry["id"] = json!(p.id);
-                entry["address"] = json!(crate::federation::pods::pod_address(&p.address).ok());
+                entry["address"] = json!(crate::pods::pod_address(&p.address).ok());
                 entry["reachable"] = json!(up);
                 entry["templates"] = json!(p.templates);
                 entry["images"] = json!(p.images);

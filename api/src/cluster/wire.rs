@@ -317,7 +317,7 @@ impl From<OpError> for ServiceError {
         ServiceError::Pod {
             status: e.status,
             code: e.code,
-            message: crate::federation::pods::sanitized(&e.message),
+            message: crate::pods::sanitized(&e.message),
         }
     }
 }

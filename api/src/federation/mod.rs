@@ -20,9 +20,7 @@
 //!   dropped.
 
 mod coming;
-pub mod pods;
 mod remote;
-pub mod routing;
 pub mod store;
 
 use std::collections::{BTreeMap, HashMap};
@@ -38,13 +36,13 @@ use torpor_scheduler::service::LOCAL_POD;
 use crate::backend::{Lifecycle, Registry, Relay, SandboxApi};
 use crate::calls::{ExecMode, ExecReply, FileOp, FileReply, TemplateOp, TemplateReply};
 use crate::client::{encode, ClientError};
+use crate::pods::{self, RemotePod};
 use crate::service::{
     AgentLink, Cancel, CreateSandbox, CreateTemplate, ExecRequest, ForkSandbox, GuestCall,
     GuestError, Outcome, PodView, SandboxFilter, ServiceError,
 };
 use crate::tls::Fingerprint;
 pub use coming::{Starter, RETRY_AFTER_S};
-pub use pods::{is_loopback, RemotePod};
 use store::{FederationStore, StoredPod};
 
 /// The metadata key a forwarded create or fork is tagged with.

@@ -14,9 +14,9 @@ use crate::client::encode;
 use torpor_scheduler::model::{Sandbox, SandboxId, TemplateId};
 use torpor_scheduler::service::{Outcome, ServiceError};
 
-use super::pods::{rewrite_pod_ids, RemotePod};
 use crate::backend::Lifecycle;
 use crate::error::code;
+use crate::pods::{rewrite_pod_ids, RemotePod};
 
 /// `METHOD /v1/sandboxes/{id}{suffix}` on `pod`; its JSON answer.
 pub(super) fn call(

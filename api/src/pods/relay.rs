@@ -21,7 +21,7 @@ use tokio::sync::{mpsc, oneshot};
 use torpor_scheduler::model::{PodId, SandboxId};
 use torpor_scheduler::service::LOCAL_POD;
 
-use super::pods::{rewrite_pod_ids, RemotePod};
+use super::{rewrite_pod_ids, RemotePod};
 use crate::backend::{Relay, SandboxApi};
 use crate::client::{Answer, Streaming};
 use crate::error::ApiError;

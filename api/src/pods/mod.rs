@@ -1,6 +1,11 @@
-//! Remote pods: how `torpor serve` calls a `torpor pod` (its REST API with
-//! the pod's token), registration, and their load for listing and
-//! placement.
+//! Pods seen from an API server: how it calls a `torpor pod` (its REST
+//! API with the pod's token, over a unix socket, plain loopback TCP or TLS
+//! pinned to the pod's certificate), the pod addresses it accepts, and a
+//! pod's load for listing and placement; [`relay`] forwards a request to
+//! the pod that serves it. Both the cluster's replicas (their data plane)
+//! and the federation use them.
+
+pub mod relay;
 
 use std::time::Duration;
 
