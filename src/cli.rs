@@ -511,7 +511,11 @@ pub struct ServeArgs {
     /// its own: shared state in PostgreSQL, commands to the pods (`torpor
     /// pod serve --cluster`) over NATS JetStream. Tenants, tokens and
     /// quotas are in PostgreSQL too.
-    #[arg(long, value_name = "postgres://...,nats://...", conflicts_with_all = ["pods", "nested_pod"])]
+    #[arg(
+        long,
+        value_name = "postgres://...,nats://...",
+        conflicts_with = "nested_pod"
+    )]
     pub cluster: Option<String>,
     /// In a cluster: how long a command waits for its pod's result before
     /// the answer is 202 with the operation (`Location:
@@ -535,18 +539,6 @@ pub struct ServeArgs {
     #[arg(long, value_name = "MS",
           default_value_t = torpor_api::cluster::expiry::DEFAULT_GRACE.as_millis() as u64)]
     pub cluster_create_grace_ms: u64,
-    /// Register a remote pod (`torpor pod serve`) at start-up:
-    /// unix:/PATH or tcp:HOST:PORT (repeatable; each with a --pod-token-file,
-    /// in the same order). Pods registered before stay registered.
-    #[arg(long = "pod", value_name = "ADDR")]
-    pub pods: Vec<String>,
-    /// The file holding the token of the --pod at the same position.
-    #[arg(long = "pod-token-file", value_name = "F")]
-    pub pod_token_files: Vec<PathBuf>,
-    /// The certificate fingerprint (SHA-256) of each tls: --pod, in the
-    /// order of the tls: pods.
-    #[arg(long = "pod-fingerprint", value_name = "SHA256")]
-    pub pod_fingerprints: Vec<String>,
     /// Serve the API over TLS with a self-signed certificate made on first
     /// start in DATA_DIR/tls (its fingerprint is printed; clients pin it
     /// with --api-fingerprint), or with --tls-cert/--tls-key.
@@ -594,7 +586,8 @@ pub struct PodServeArgs {
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
     /// The file holding the pod's bearer token (created with a random one,
-    /// mode 0600, if missing); `torpor serve` registers the pod with it.
+    /// mode 0600, if missing): what its callers present (a cluster's
+    /// replicas, or the `torpor serve` of a nested pod).
     #[arg(long, value_name = "F")]
     pub token_file: PathBuf,
     /// On tcp:, serve plain HTTP instead of TLS: allowed on a loopback

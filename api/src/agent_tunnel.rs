@@ -1,4 +1,4 @@
-//! A sandbox's agent through the pod that runs it: the federation's way to
+//! A sandbox's agent through the pod that runs it: the API server's way to
 //! a remote sandbox's guest for the calls that speak the agent protocol
 //! themselves (E2B's envd RPCs: processes, PTYs, watches).
 //!
@@ -6,7 +6,7 @@
 //! torpor-agent` (admin only, so a pod's own token), wakes the sandbox,
 //! opens its agent's vsock port and answers 101; from then on the
 //! connection carries the agent protocol both ways until either side
-//! closes, the sandbox counting as active all along. The federation's end
+//! closes, the sandbox counting as active all along. The API server's end
 //! ([`dialer`]) makes that request with hyper's client over the pod's
 //! transport (unix socket, or TLS pinned to the pod's certificate) and
 //! hands the agent client one end of a socket pair, pumped to the upgraded
@@ -34,7 +34,7 @@ use crate::AppState;
 
 /// The `Upgrade` protocol name.
 pub const PROTOCOL: &str = "torpor-agent";
-/// Longest the federation waits for a pod's 101 (the pod may wake the
+/// Longest the API server waits for a pod's 101 (the pod may wake the
 /// sandbox first).
 const UPGRADE_LIMIT: Duration = Duration::from_secs(120);
 
@@ -105,7 +105,7 @@ pub async fn serve<S: SandboxApi>(
     response
 }
 
-/// How the federation reaches one pod.
+/// How the API server reaches one pod.
 #[derive(Clone)]
 pub struct PodLine {
     pub endpoint: Endpoint,
@@ -123,7 +123,7 @@ impl std::fmt::Debug for PodLine {
     }
 }
 
-/// The federation's end: a [`Dialer`] for sandbox `id` on the pod behind
+/// The API server's end: a [`Dialer`] for sandbox `id` on the pod behind
 /// `line`. Called on a blocking thread of `runtime`.
 pub fn dialer(runtime: Handle, line: PodLine, id: SandboxId) -> Dialer {
     Arc::new(move || {

@@ -1,5 +1,5 @@
 //! What the API needs from the service: [`SandboxApi`], implemented here for
-//! the real [`Service`], by the federation, the cluster replica and, in
+//! the real [`Service`], by `Nested` (serve with its nested pod), the cluster replica and, in
 //! tests, by an in-memory fake. It holds only what differs between them:
 //! operations only a pod serves are called on its [`Service`] through
 //! [`on_pod`], and the typed calls of its per-resource requests are
@@ -18,7 +18,6 @@ use crate::calls::{
     map_call, CheckpointOp, CheckpointReply, ExecMode, ExecReply, FileOp, FileReply, ImageOp,
     ImageReply, SandboxCalls, TemplateOp, TemplateReply,
 };
-use crate::federation::AddPod;
 use crate::pods::RemotePod;
 
 use crate::service::{
@@ -107,7 +106,7 @@ impl Lifecycle {
         Lifecycle::Hibernate,
     ];
 
-    /// Its route's suffix after `/v1/sandboxes/{id}` (what a federation
+    /// Its route's suffix after `/v1/sandboxes/{id}` (what a relay
     /// forwards to the sandbox's pod).
     pub fn path(self) -> &'static str {
         match self {
@@ -229,7 +228,7 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     fn metrics(&self) -> String;
 
     // Pods and templates as listed (`GET /v1/pods`, `GET /v1/templates`):
-    // JSON objects, so that the federation can add remote pods' entries
+    // JSON objects, so that `Nested` can add its nested pods' entries
     // (`reachable`, `error`) and each template's `pod`.
 
     /// The pods (a pod's own: its [`pod_entry`]).
@@ -259,11 +258,11 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
         self.get_sandbox(id).map(|s| s.tenant)
     }
 
-    // Remote pods (the federation and the cluster). A single pod keeps
+    // Remote pods (the nested pod and the cluster). A single pod keeps
     // these defaults: nothing is remote.
 
-    /// The registry of remote pods (a federation's, `POST /v1/pods`); without
-    /// one, registration and forwarded forks are refused (501).
+    /// The pods this server places on itself (`torpor serve`'s nested
+    /// pod); without them, relayed forks are refused (501).
     fn registry(&self) -> Option<&dyn Registry> {
         None
     }
@@ -282,12 +281,12 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
         })
     }
 
-    /// The pod's own in-process service (`Service` itself; a federation's
+    /// The pod's own in-process service (`Service` itself; `Nested`'s
     /// local pod), if there is one. Operations on this pod's sandboxes and
     /// images that no other backend implements (checkpoints, network policy,
     /// ports, images) are called on it directly through [`on_pod`]; without
     /// one (a cluster replica, the API tests' fake) they answer 501. A
-    /// federation relays a remote sandbox's routes at the HTTP layer.
+    /// `Nested` relays a nested sandbox's routes at the HTTP layer.
     fn service(&self) -> Option<&Service> {
         None
     }
@@ -369,7 +368,7 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
 /// [`SandboxApi::relay`].
 #[derive(Debug, Clone, Copy)]
 pub enum Relay<'a> {
-    /// `method path`, a route of sandbox `id` (the federation relays every
+    /// `method path`, a route of sandbox `id` (`Nested` relays every
     /// one of a remote sandbox; the cluster only its data plane, its
     /// commands go through the pods' work queues).
     Sandbox {
@@ -381,19 +380,16 @@ pub enum Relay<'a> {
     Pod(&'a PodId),
 }
 
-/// Remote pods registered with this server (the federation's), behind
-/// [`SandboxApi::registry`].
+/// Pods this server places sandboxes on itself (`torpor serve`'s nested
+/// pod), behind [`SandboxApi::registry`].
 pub trait Registry: Send + Sync {
-    /// Registers a remote pod; its listing entry.
-    fn add_pod(&self, req: AddPod) -> Result<Value, ServiceError>;
-    fn remove_pod(&self, id: &PodId) -> Result<(), ServiceError>;
     /// Forwards a fork of a sandbox on `pod` (`path` on the pod, JSON
     /// `body`), recording the new sandbox as the pod's before answering.
     fn forward_fork(&self, pod: &RemotePod, path: &str, body: Value)
         -> Result<Value, ServiceError>;
 }
 
-/// The registry of `s`, or 501: this server registers no remote pods.
+/// The registry of `s`, or 501: this server places on no other pod.
 pub fn registry<S: SandboxApi + ?Sized>(s: &S) -> Result<&dyn Registry, ServiceError> {
     s.registry().ok_or_else(no_remote_pods)
 }

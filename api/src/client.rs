@@ -2,7 +2,8 @@
 //! over TCP or a unix socket: one request per connection; bounded bodies,
 //! streamed or collected; timeouts; TLS (rustls) to a server whose
 //! certificate fingerprint is pinned ([`crate::tls`]). Used by the CLI (`torpor sandbox|template|pod`)
-//! and by the federation to call remote pods (whose protocol is this API).
+//! and by the API server in front of pods to call them (whose protocol is
+//! this API).
 
 use std::path::PathBuf;
 use std::time::Duration;

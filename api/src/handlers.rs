@@ -11,7 +11,7 @@ use axum::Json;
 use torpor_scheduler::model::{PodId, SandboxId, SandboxState, TemplateId, TemplateState};
 
 use crate::auth::{forbidden, Principal};
-use crate::backend::{registry, Lifecycle, SandboxApi};
+use crate::backend::{Lifecycle, SandboxApi};
 use crate::error::ApiError;
 use crate::pagination::{page, Page};
 use crate::quota::Usage;
@@ -255,7 +255,7 @@ pub async fn create_sandbox<S: SandboxApi>(
     Extension(p): Extension<Principal>,
     ApiJson(mut body): ApiJson<CreateSandbox>,
 ) -> ApiResult<Response> {
-    // Here too, not only in the service: a federation forwards the body.
+    // Here too, not only in the service: a relay to another pod forwards the body.
     check_lifetimes(body.keep_alive_ms, body.timeout_ms)?;
     if body.pod.is_some() && !p.is_admin() {
         return Err(forbidden(
@@ -343,24 +343,6 @@ pub async fn get_operation<S: SandboxApi>(
 pub async fn list_pods<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Json<PodList>> {
     let pods = call(&st, |s| s.pod_entries()).await?;
     Ok(Json(PodList { pods }))
-}
-
-pub async fn add_pod<S: SandboxApi>(
-    State(st): Api<S>,
-    ApiJson(body): ApiJson<crate::federation::AddPod>,
-) -> ApiResult<Response> {
-    let entry = call(&st, move |s| registry(s)?.add_pod(body)).await?;
-    let location = format!("/v1/pods/{}", entry["id"].as_str().unwrap_or_default());
-    Ok(created(location, false, entry))
-}
-
-pub async fn remove_pod<S: SandboxApi>(
-    State(st): Api<S>,
-    Path(id): Path<String>,
-) -> ApiResult<StatusCode> {
-    let id = PodId::new(id);
-    call(&st, move |s| registry(s)?.remove_pod(&id)).await?;
-    Ok(StatusCode::NO_CONTENT)
 }
 
 pub async fn update_pod<S: SandboxApi>(

@@ -29,7 +29,7 @@
 //! | `Unsupported` (the backend lacks the feature)      | 501 | `unsupported`     |
 //! | `HostUnsupported` (a Linux template on a PVM host) | 422 | `host_unsupported` |
 //! | agent unreachable (guest gone), other agent errors, failed post-restore hook | 502 | `agent_error` |
-//! | a remote pod that does not answer (the federation) | 502 | `pod_unreachable` |
+//! | another pod that does not answer (the nested pod, a cluster's) | 502 | `pod_unreachable` |
 //! | a remote pod's own error answer            | its status | its code     |
 //! | a template still coming (`serve --nested-pod` booting) | 503 | `unavailable` |
 //! | request past `request_timeout`             | 504    | `timeout`                |
@@ -59,9 +59,9 @@ pub mod client;
 pub mod cluster;
 pub mod e2b;
 pub mod error;
-pub mod federation;
 pub mod guest_routes;
 mod handlers;
+pub mod nested;
 mod network_routes;
 pub mod openapi;
 pub mod pagination;
@@ -238,12 +238,11 @@ pub const ROUTES: &[Route] = &[
         "/v1/sandboxes/{id}/ports/{guest_port}",
         "unexposePort",
     ),
-    // The agent protocol through a pod, for its federation (pod token).
+    // The agent protocol through a pod, for the API server in front of it
+    // (pod token).
     admin("POST", "/v1/sandboxes/{id}/agent", "agentTunnel"),
     admin("GET", "/v1/pods", "listPods"),
-    admin("POST", "/v1/pods", "addPod"),
     admin("PATCH", "/v1/pods/{id}", "updatePod"),
-    admin("DELETE", "/v1/pods/{id}", "removePod"),
     route("GET", "/v1/images", "listImages"),
     // Admin only, checked in the handler: the body is streamed, and the
     // check must come before any of it is read.
@@ -305,8 +304,6 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "agentTunnel" => on(m, agent_tunnel::serve::<S>),
         "listPods" => on(m, list_pods::<S>),
         "updatePod" => on(m, update_pod::<S>),
-        "addPod" => on(m, add_pod::<S>),
-        "removePod" => on(m, remove_pod::<S>),
         "listImages" => on(m, admin_routes::list_images::<S>),
         "uploadImage" => on(m, admin_routes::upload_image::<S>),
         "deleteImage" => on(m, admin_routes::delete_image::<S>),

@@ -2,7 +2,7 @@
 //! answer, and the per-token limits on expensive routes.
 //!
 //! - [`sandbox_guard`] runs on every `/v1/sandboxes/{id}...` route, outside
-//!   the federation's forwarding: another tenant's sandbox (or one that
+//!   the relay to another pod: another tenant's sandbox (or one that
 //!   does not exist) answers 404 `not_found` the same way, never 403; a
 //!   fork is admitted against the tenant's quotas, a checkpoint against its
 //!   snapshot disk; exec, checkpoint and fork pass the [`Limiter`].

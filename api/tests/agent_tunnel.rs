@@ -1,5 +1,5 @@
 //! The agent tunnel (`POST /v1/sandboxes/{id}/agent`, `Upgrade:
-//! torpor-agent`): the federation's dialer reaches a real torpor-agent
+//! torpor-agent`): the API server's dialer reaches a real torpor-agent
 //! (behind the hybrid vsock stand-in) through a pod's API and runs the
 //! agent protocol over it; what the pod refuses (no upgrade, a tenant's
 //! token, an unknown sandbox) never becomes a stream.

@@ -415,7 +415,7 @@ pub struct SandboxNetwork {
 
 /// The CPU a sandbox's VMM uses: in the answer to a get of a sandbox whose
 /// VMM runs (not stored; its memory is [`SandboxMemory`]). Measured by its
-/// pod, so a federation shows a remote sandbox's too.
+/// pod, so serve shows its nested pod's sandboxes' too.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SandboxUsage {
     /// Its CPU time since it started ÷ its lifetime ÷ its vCPUs, percent.

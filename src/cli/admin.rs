@@ -84,44 +84,17 @@ pub struct PodCommand {
 #[derive(Debug, Subcommand)]
 pub enum PodAction {
     /// List pods: ID, ADDRESS, MEMORY, RATIO, WATERMARK, COMMITTED, PSS,
-    /// SANDBOXES (a remote pod that does not answer: `unreachable` and why).
+    /// SANDBOXES (a pod that does not answer: `unreachable` and why).
     #[command(visible_alias = "ls")]
     List,
     /// Change a pod's oversubscription ratio and/or high watermark.
     Set(PodSetArgs),
-    /// Register a remote pod with the API's `torpor serve`.
-    Add(PodAddArgs),
-    /// Unregister a remote pod (refused while it holds live sandboxes).
-    #[command(visible_alias = "remove")]
-    Rm {
-        /// The pod id.
-        #[arg(value_name = "ID")]
-        id: String,
-    },
     /// Run a pod: the sandbox service of this host (its VMMs, store and
-    /// hibernation policy) behind the REST API on a unix socket or TCP, for
-    /// a `torpor serve` to register. It registers no pods of its own.
+    /// hibernation policy) behind the REST API on a unix socket or TCP:
+    /// with --cluster, one of a cluster's pods (it registers itself and
+    /// takes commands from its work queue); without, a pod alone (what
+    /// `torpor serve` runs in its nested host).
     Serve(Box<PodServeArgs>),
-}
-
-#[derive(Debug, Args)]
-#[command(group(ArgGroup::new("secret").required(true)))]
-pub struct PodAddArgs {
-    /// Where the pod listens: unix:/PATH, tls:HOST:PORT (with
-    /// --fingerprint) or tcp:LOOPBACK:PORT.
-    #[arg(value_name = "ADDR")]
-    pub address: String,
-    /// The SHA-256 fingerprint of a tls: pod's certificate (printed by
-    /// `torpor pod serve` at start).
-    #[arg(long, value_name = "SHA256")]
-    pub fingerprint: Option<String>,
-    /// The pod's token, from this file.
-    #[arg(long, value_name = "F", group = "secret")]
-    pub pod_token_file: Option<PathBuf>,
-    /// The pod's token (visible to other users in the process list; prefer
-    /// --pod-token-file).
-    #[arg(long, value_name = "T", group = "secret")]
-    pub pod_token: Option<String>,
 }
 
 #[derive(Debug, Args)]

@@ -8,7 +8,8 @@
 //! start builds), boots L1 with this torpor binary, the guest kernel and
 //! the rootfs carried in; inside, `torpor pod serve` listens on TCP
 //! (forwarded from a free port on 127.0.0.1) and builds the template; the
-//! thread registers the pod with the federation once it answers. Until the
+//! thread attaches the pod (in memory: it dies with serve) once it answers.
+//! Until the
 //! template is ready, creating a sandbox from it answers 503 with
 //! `Retry-After` and the step it is at (also logged as it goes).
 
@@ -18,7 +19,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use torpor_api::federation::{AddPod, Federation};
+use torpor_api::nested::Nested;
 use torpor_api::SandboxApi;
 use torpor_nested::{L1Assets, NestedHost, RunningHost};
 use torpor_scheduler::model::PodId;
@@ -85,10 +86,10 @@ wait $POD
 }
 
 /// Offers `base` on demand: the first request for it calls [`start`].
-pub fn on_demand(federation: Arc<Federation<Service>>, data_dir: &Path, config: NestedPodConfig) {
-    let fed = federation.clone();
+pub fn on_demand(nested: Arc<Nested<Service>>, data_dir: &Path, config: NestedPodConfig) {
+    let fed = nested.clone();
     let data_dir = data_dir.to_path_buf();
-    federation.template_on_demand(
+    nested.template_on_demand(
         TEMPLATE,
         "the nested host starts on the first request for it".into(),
         Box::new(move || {
@@ -103,7 +104,7 @@ pub fn on_demand(federation: Arc<Federation<Service>>, data_dir: &Path, config: 
 /// Starts the nested pod in the background; returns at once after making
 /// its token and TLS identity.
 pub fn start(
-    federation: Arc<Federation<Service>>,
+    nested: Arc<Nested<Service>>,
     data_dir: &Path,
     config: NestedPodConfig,
 ) -> Result<(), String> {
@@ -113,25 +114,24 @@ pub fn start(
     let token_path = data_dir.join("nested-pod.token");
     let (token, _) = token_file(&token_path)?;
     // The pod in L1 serves TLS with an identity made here, so that the
-    // federation knows the fingerprint it pins.
+    // certificate this server pins is known.
     let tls_dir = data_dir.join("nested-pod-tls");
     let (identity, _) = Identity::load_or_create(&tls_dir, &tls::default_names())
         .map_err(|e| format!("the nested pod's TLS identity: {e}"))?;
     let fingerprint = identity.fingerprint();
-    federation.template_coming(
+    nested.template_coming(
         TEMPLATE,
         Some("the nested host is preparing (step 1 of 5)".into()),
     );
-    let id_file = data_dir.join("nested-pod");
     std::thread::Builder::new()
         .name("nested-pod".into())
         .spawn(move || {
             // This thread owns QEMU (it dies with the thread: see
             // NestedHost::start) and lives as long as it.
             let started = Instant::now();
-            let (kernel, rootfs, l1) = match prepare(&federation, &config) {
+            let (kernel, rootfs, l1) = match prepare(&nested, &config) {
                 Ok(parts) => parts,
-                Err(e) => return fail(&federation, e),
+                Err(e) => return fail(&nested, e),
             };
             let host = NestedHost::builder()
                 .memory_mib(config.mem_mib)
@@ -146,9 +146,9 @@ pub fn start(
                 .build();
             let host = match host {
                 Ok(h) => h,
-                Err(e) => return fail(&federation, format!("the nested pod cannot start: {e}")),
+                Err(e) => return fail(&nested, format!("the nested pod cannot start: {e}")),
             };
-            federation.template_coming(
+            nested.template_coming(
                 TEMPLATE,
                 Some("the nested host is booting (step 5 of 5)".into()),
             );
@@ -156,11 +156,9 @@ pub fn start(
             let (mut running, up) = loop {
                 let mut running = match host.start(&script(&fingerprint), &[POD_PORT]) {
                     Ok(r) => r,
-                    Err(e) => {
-                        return fail(&federation, format!("cannot start the nested host: {e}"))
-                    }
+                    Err(e) => return fail(&nested, format!("cannot start the nested host: {e}")),
                 };
-                match bring_up(&federation, &mut running, &token, fingerprint, &id_file) {
+                match bring_up(&nested, &mut running, &token, fingerprint) {
                     Err(BringUp::Wedged(line)) if attempt < BOOT_ATTEMPTS => {
                         // QEMU ends with `running`; the next boot is fresh.
                         eprintln!(
@@ -175,7 +173,7 @@ pub fn start(
             };
             match up {
                 Ok(pod) => {
-                    federation.template_coming(TEMPLATE, None);
+                    nested.template_coming(TEMPLATE, None);
                     println!(
                         "torpor serve: Linux templates run in the nested host (pod {pod}), \
                          template `{TEMPLATE}` ready in {:.0}s",
@@ -183,7 +181,7 @@ pub fn start(
                     );
                 }
                 Err(e) => {
-                    fail(&federation, e);
+                    fail(&nested, e);
                     eprintln!(
                         "torpor serve: nested host console:\n{}",
                         running.console_tail()
@@ -192,7 +190,7 @@ pub fn start(
                 }
             }
             let status = running.wait();
-            fail(&federation, format!("the nested host stopped ({status})"));
+            fail(&nested, format!("the nested host stopped ({status})"));
             eprintln!(
                 "torpor serve: nested host console:\n{}",
                 running.console_tail()
@@ -211,7 +209,7 @@ fn scripts_dir() -> PathBuf {
 /// The guest kernel, the rootfs and the L1 directory: given, cached, or
 /// built now by this checkout's scripts (which cache by content hash).
 fn prepare(
-    federation: &Federation<Service>,
+    nested: &Nested<Service>,
     config: &NestedPodConfig,
 ) -> Result<(PathBuf, PathBuf, PathBuf), String> {
     // The L1 this checkout prepares (cached; its module set is this
@@ -219,27 +217,27 @@ fn prepare(
     let l1 = match std::env::var_os("TORPOR_NESTED_L1") {
         Some(_) => L1Assets::locate().map_err(|e| e.to_string())?.dir,
         None => run_step(
-            federation,
+            nested,
             1,
             "preparing the nested host (QEMU and the L1 kernel)",
             "nested-host",
             &["prepare"],
         )?,
     };
-    let (kernel, rootfs) = guest_parts(federation, config)?;
+    let (kernel, rootfs) = guest_parts(nested, config)?;
     Ok((kernel, rootfs, l1))
 }
 
 /// The guest kernel and the rootfs of `base`: given, or built by this
 /// checkout's scripts (steps 2 to 4).
 fn guest_parts(
-    federation: &Federation<Service>,
+    nested: &Nested<Service>,
     config: &NestedPodConfig,
 ) -> Result<(PathBuf, PathBuf), String> {
     let kernel = match &config.kernel {
         Some(k) => k.clone(),
         None => run_step(
-            federation,
+            nested,
             2,
             "building the guest kernel (about 10 minutes the first time)",
             "build-guest-kernel",
@@ -249,16 +247,10 @@ fn guest_parts(
     let rootfs = match &config.rootfs {
         Some(r) => r.clone(),
         None => {
-            let agent = run_step(
-                federation,
-                3,
-                "building the guest agent",
-                "build-agent",
-                &[],
-            )?;
+            let agent = run_step(nested, 3, "building the guest agent", "build-agent", &[])?;
             let agent = agent.to_string_lossy().into_owned();
             run_step(
-                federation,
+                nested,
                 4,
                 "building the Debian root filesystem (a few minutes the first time)",
                 "build-rootfs",
@@ -275,7 +267,7 @@ fn guest_parts(
 /// this project's PVM test host (no VMX/SVM); the parts and the template
 /// build are the nested pod's and the API's, which are.
 pub fn local_on_demand(
-    federation: Arc<Federation<Service>>,
+    nested: Arc<Nested<Service>>,
     service: Arc<Service>,
     config: NestedPodConfig,
 ) {
@@ -286,8 +278,8 @@ pub fn local_on_demand(
     if ready {
         return;
     }
-    let fed = federation.clone();
-    federation.template_on_demand(
+    let fed = nested.clone();
+    nested.template_on_demand(
         TEMPLATE,
         "it is built on the first request for it".into(),
         Box::new(move || {
@@ -304,14 +296,14 @@ pub fn local_on_demand(
 }
 
 fn build_locally(
-    federation: &Federation<Service>,
+    nested: &Nested<Service>,
     service: &Service,
     config: &NestedPodConfig,
 ) -> Result<(), String> {
     use torpor_scheduler::images::ImagePart;
     use torpor_scheduler::model::TemplateKind;
     use torpor_scheduler::service::CreateTemplate;
-    let (kernel, rootfs) = guest_parts(federation, config)?;
+    let (kernel, rootfs) = guest_parts(nested, config)?;
     for (part, path) in [(ImagePart::Kernel, kernel), (ImagePart::Rootfs, rootfs)] {
         let mut file = std::fs::File::open(&path)
             .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
@@ -320,7 +312,7 @@ fn build_locally(
             .install(TEMPLATE, part, &mut file, u64::MAX)
             .map_err(|e| format!("installing the image {TEMPLATE}: {e}"))?;
     }
-    federation.template_coming(
+    nested.template_coming(
         TEMPLATE,
         Some("the local pod is building it (step 5 of 5)".into()),
     );
@@ -343,7 +335,7 @@ fn build_locally(
 /// lines are logged and are the template's progress; the last line of its
 /// stdout is the path it made.
 fn run_step(
-    federation: &Federation<Service>,
+    nested: &Nested<Service>,
     n: u32,
     what: &str,
     script: &str,
@@ -359,7 +351,7 @@ fn run_step(
     }
     let step = format!("{what} (step {n} of 5)");
     println!("torpor serve: `{TEMPLATE}`: {step}");
-    federation.template_coming(TEMPLATE, Some(step.clone()));
+    nested.template_coming(TEMPLATE, Some(step.clone()));
     let started = Instant::now();
     // The scripts fill a cache shared with other users of this checkout:
     // under their usual umask, not the service's 077.
@@ -388,7 +380,7 @@ fn run_step(
     for line in BufReader::new(stderr).lines().map_while(Result::ok) {
         println!("torpor serve: `{TEMPLATE}`: {line}");
         let shown: String = line.chars().take(200).collect();
-        federation.template_coming(
+        nested.template_coming(
             TEMPLATE,
             Some(format!(
                 "{step}, {:.0}s so far: {shown}",
@@ -419,26 +411,9 @@ fn run_step(
     Ok(made)
 }
 
-fn fail(federation: &Federation<Service>, why: String) {
+fn fail(nested: &Nested<Service>, why: String) {
     eprintln!("torpor serve: Linux templates are unavailable: {why}");
-    federation.template_coming(TEMPLATE, Some(why));
-}
-
-/// Unregisters the nested pod of an earlier run, if any: its L1 died with
-/// that `torpor serve` (and its sandboxes with it).
-pub fn forget_previous(federation: &Federation<Service>, data_dir: &Path) {
-    let file = data_dir.join("nested-pod");
-    let Ok(id) = std::fs::read_to_string(&file) else {
-        return;
-    };
-    let id = PodId::new(id.trim());
-    match federation.unregister(&id) {
-        Ok(()) => println!("torpor serve: unregistered {id}, the nested pod of an earlier run"),
-        Err(e) => {
-            tracing::warn!(pod = %id, error = %e, "cannot unregister the previous nested pod")
-        }
-    }
-    let _ = std::fs::remove_file(file);
+    nested.template_coming(TEMPLATE, Some(why));
 }
 
 /// Boots of the nested host before its pod answers: L1's kernel, running
@@ -493,13 +468,12 @@ fn lockup(running: &RunningHost) -> Option<String> {
         .map(str::to_string)
 }
 
-/// Waits for the pod to answer, registers it, then waits for its template.
+/// Waits for the pod to answer, attaches it, then waits for its template.
 fn bring_up(
-    federation: &Federation<Service>,
+    nested: &Nested<Service>,
     running: &mut RunningHost,
     token: &str,
     fingerprint: Fingerprint,
-    id_file: &Path,
 ) -> Result<PodId, BringUp> {
     let port = running
         .host_port(POD_PORT)
@@ -521,23 +495,17 @@ fn bring_up(
                 "the nested pod did not answer within {BOOT_LIMIT:?}: {last_error}"
             )));
         }
-        let req = AddPod {
-            address: address.clone(),
-            token: token.to_string(),
-            fingerprint: Some(fingerprint.to_string()),
-        };
-        match federation.register(req) {
+        match nested.attach(&address, token, Some(fingerprint)) {
             Ok(entry) => break PodId::new(entry["id"].as_str().unwrap_or_default()),
             Err(e) => last_error = e.to_string(),
         }
         std::thread::sleep(Duration::from_secs(2));
     };
-    let _ = std::fs::write(id_file, pod.as_str());
     println!(
         "torpor serve: nested pod {pod} at {address} is up after {:.0}s; building template `{TEMPLATE}`",
         started.elapsed().as_secs_f64()
     );
-    federation.template_coming(
+    nested.template_coming(
         TEMPLATE,
         Some(format!("the nested pod {pod} is still building it")),
     );
@@ -552,7 +520,7 @@ fn bring_up(
         if let Some(status) = running.exited() {
             return Err(format!("the nested host stopped ({status})").into());
         }
-        // Registered by now: another boot would be another pod.
+        // Attached by now: another boot would be another pod.
         if let Some(line) = lockup(running) {
             return Err(BringUp::Failed(format!(
                 "the nested host's kernel locked up while its pod built `{TEMPLATE}`: {line}"
@@ -560,7 +528,7 @@ fn bring_up(
         }
         std::thread::sleep(Duration::from_secs(1));
     }
-    let entries = federation
+    let entries = nested
         .template_entries()
         .map_err(|e| BringUp::Failed(format!("cannot list the templates: {e}")))?;
     let listed = entries
@@ -568,7 +536,7 @@ fn bring_up(
         .any(|t| t["name"] == TEMPLATE && t["pod"] == pod.as_str());
     if !listed {
         return Err(BringUp::Failed(format!(
-            "the nested pod built `{TEMPLATE}` but the federation does not list it"
+            "the nested pod built `{TEMPLATE}` but this server does not list it"
         )));
     }
     Ok(pod)

@@ -5,7 +5,7 @@ use serde_json::{Map, Value};
 
 use super::client::{encode, Client, Error};
 use super::sandbox::{fields, table, text, when};
-use crate::cli::{PodAction, PodAddArgs, PodCommand, PodSetArgs};
+use crate::cli::{PodAction, PodCommand, PodSetArgs};
 
 pub fn run(cmd: PodCommand) -> i32 {
     if let PodAction::Serve(args) = cmd.action {
@@ -65,35 +65,8 @@ fn act(c: &Client, action: PodAction) -> Result<(), Error> {
             Ok(())
         }
         PodAction::Set(args) => set(c, args),
-        PodAction::Add(args) => add(c, args),
-        PodAction::Rm { id } => {
-            c.call("DELETE", &format!("/v1/pods/{}", encode(&id)), None)?;
-            println!("{id}");
-            Ok(())
-        }
         PodAction::Serve(_) => unreachable!("`pod serve` runs a pod, handled in run"),
     }
-}
-
-fn add(c: &Client, args: PodAddArgs) -> Result<(), Error> {
-    let token = match (args.pod_token, args.pod_token_file) {
-        (Some(t), _) => t,
-        (None, Some(f)) => std::fs::read_to_string(&f)
-            .map_err(|e| Error::Transport(format!("cannot read {}: {e}", f.display())))?
-            .trim()
-            .to_string(),
-        (None, None) => unreachable!("clap requires one of them"),
-    };
-    let body = serde_json::json!({
-        "address": args.address,
-        "token": token,
-        "fingerprint": args.fingerprint,
-    });
-    let Some(p) = c.show("POST", "/v1/pods", Some(&body))? else {
-        return Ok(());
-    };
-    println!("{}", text(&p["id"]));
-    Ok(())
 }
 
 fn set(c: &Client, args: PodSetArgs) -> Result<(), Error> {

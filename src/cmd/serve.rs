@@ -1,15 +1,16 @@
 //! `torpor serve`: the REST API, the scheduler and the store, with one local
-//! pod in this process and the remote pods registered with it (the
-//! federation). Embedded defaults: SQLite in the data directory and the
-//! built-in probe template. `torpor pod serve`: one pod alone, its API on a
-//! unix socket or TCP, for a `torpor serve` to register.
+//! pod in this process (and, on a PVM host, the nested pod it runs for
+//! Linux templates). Embedded defaults: SQLite in the data directory and
+//! the built-in probe template. `torpor pod serve`: one pod alone, its API
+//! on a unix socket or TCP (a cluster's pod with `--cluster`; the nested
+//! pod's inside its VM). `--cluster`: an API replica ([`super::cluster`]).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use torpor_api::federation::{AddPod, Federation};
+use torpor_api::nested::Nested;
 use torpor_api::tls::{self, Identity};
 use torpor_scheduler::service::{HostGuests, Service, ServiceConfig};
 
@@ -241,41 +242,17 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         return super::cluster::serve_replica(args, &urls);
     }
     let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
-    if args.pods.len() != args.pod_token_files.len() {
-        return Err("give one --pod-token-file for each --pod, in the same order".into());
-    }
     let service = open_service("torpor serve", &data_dir, &args.service, args.no_nested_pod)?;
     let tenants_file = tenants_file(&args, &data_dir)?;
     let request_timeout = Duration::from_millis(args.service.request_timeout_ms.max(1));
-    let federation =
-        Federation::open(service.clone(), &data_dir, request_timeout).map_err(|e| e.to_string())?;
-    let tls_pods = args.pods.iter().filter(|a| a.starts_with("tls:")).count();
-    if tls_pods != args.pod_fingerprints.len() {
-        return Err("give one --pod-fingerprint for each tls: --pod, in their order".into());
-    }
-    let mut fingerprints = args.pod_fingerprints.iter();
-    for (address, file) in args.pods.iter().zip(&args.pod_token_files) {
-        let token = std::fs::read_to_string(file)
-            .map_err(|e| format!("cannot read the pod token file {}: {e}", file.display()))?;
-        let fingerprint = if address.starts_with("tls:") {
-            fingerprints.next().cloned()
-        } else {
-            None
-        };
-        let req = AddPod {
-            address: address.clone(),
-            token: token.trim().to_string(),
-            fingerprint,
-        };
-        let entry = federation
-            .register(req)
-            .map_err(|e| format!("cannot register the pod at {address}: {e}"))?;
+    let nested = Nested::new(service.clone(), request_timeout);
+    if data_dir.join("federation.db").exists() {
         println!(
-            "torpor serve: pod {} at {address}",
-            entry["id"].as_str().unwrap_or_default()
+            "torpor serve: {} (pods registered by an earlier torpor) is no longer read: \
+             several hosts run as a cluster (--cluster, see docs/operators.md)",
+            data_dir.join("federation.db").display()
         );
     }
-    super::nested_pod::forget_previous(&federation, &data_dir);
     if host_guests().linux_refusal().is_none() {
         if args.nested_pod {
             println!("torpor serve: the local pod runs Linux itself; --nested-pod is not needed");
@@ -285,7 +262,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             rootfs: args.nested_rootfs.clone(),
             mem_mib: args.nested_mem_mib,
         };
-        super::nested_pod::local_on_demand(federation.clone(), service.clone(), config);
+        super::nested_pod::local_on_demand(nested.clone(), service.clone(), config);
     } else if !args.no_nested_pod {
         let config = super::nested_pod::NestedPodConfig {
             kernel: args.nested_kernel.clone(),
@@ -294,13 +271,13 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         };
         let template = super::nested_pod::TEMPLATE;
         if args.nested_pod {
-            super::nested_pod::start(federation.clone(), &data_dir, config)?;
+            super::nested_pod::start(nested.clone(), &data_dir, config)?;
             println!(
                 "torpor serve: starting the nested host for Linux templates (QEMU/TCG, about a \
                  core while it runs); template `{template}` follows in a few minutes"
             );
         } else {
-            super::nested_pod::on_demand(federation.clone(), &data_dir, config);
+            super::nested_pod::on_demand(nested.clone(), &data_dir, config);
             println!(
                 "torpor serve: the Linux template `{template}` runs in a nested host started on \
                  its first request (503 with Retry-After until it is ready; --no-nested-pod \
@@ -331,7 +308,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
         // One API for every listener: tokens, quotas and rate limits shared.
-        let api = torpor_api::Api::new(federation, api);
+        let api = torpor_api::Api::new(nested, api);
         if let Some(e2b_listen) = args.e2b_listen {
             let e2b = tokio::net::TcpListener::bind(e2b_listen)
                 .await
@@ -379,7 +356,7 @@ pub(crate) async fn ctrl_c() {
     }
 }
 
-/// `torpor pod serve`: the same service and API, one pod, no federation.
+/// `torpor pod serve`: the same service and API, one pod alone.
 fn serve_pod(args: PodServeArgs) -> Result<(), String> {
     let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
     let service = open_service("torpor pod", &data_dir, &args.service, false)?;

@@ -8,7 +8,6 @@ pub mod e2b;
 pub mod e2b_sdk;
 pub mod http;
 pub mod netns;
-pub mod pod;
 pub mod serve;
 pub mod snap;
 

@@ -1,7 +1,7 @@
 //! The cluster's templates: each pod's, as its heartbeats carry them
 //! (`Heartbeat::catalog`, kept in `pods.catalog`, schema version 5). `GET
 //! /v1/templates` through any replica lists the templates of the pods up,
-//! each entry naming its `pod` as the federation's list does (a template
+//! each entry naming its `pod` as embedded serve's list does (a template
 //! on two pods is listed twice); the API keeps a tenant's own and the
 //! shared ones, as in the embedded mode. A create asks its template's
 //! memory of its tenant's quota from the same list (`admission.rs`).

@@ -15,7 +15,7 @@
 //!   create (its `Idempotency-Key`) keeps the first request's. The row
 //!   goes with its sandbox's (`ON DELETE CASCADE`).
 //! - The guest agent: through the owning pod's agent tunnel
-//!   ([`crate::agent_tunnel::dialer`], as the federation reaches a remote
+//!   ([`crate::agent_tunnel::dialer`], as serve reaches its nested
 //!   pod's sandbox), the pod waking the sandbox if it is hibernated. A pod
 //!   down is 503 `unavailable`, as on `/v1`.
 //! - Snapshots (E2B's snapshot-as-template): made on the sandbox's pod

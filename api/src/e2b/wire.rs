@@ -325,7 +325,8 @@ impl SandboxDetail {
 }
 
 /// A sandbox's metadata as its user set it: without torpor's own keys
-/// (`torpor.*`, such as the federation's placement tag), which the E2B
+/// (`torpor.*`, reserved: sandboxes placed by an earlier torpor carry
+/// `torpor.placement`), which the E2B
 /// SDKs would otherwise hand back to agents comparing what they set.
 pub fn user_metadata(metadata: &BTreeMap<String, String>) -> BTreeMap<String, String> {
     metadata

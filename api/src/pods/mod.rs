@@ -3,7 +3,7 @@
 //! pinned to the pod's certificate), the pod addresses it accepts, and a
 //! pod's load for listing and placement; [`relay`] forwards a request to
 //! the pod that serves it. Both the cluster's replicas (their data plane)
-//! and the federation use them.
+//! and `torpor serve`'s nested pod (`crate::nested`) use them.
 
 pub mod relay;
 
@@ -248,7 +248,7 @@ impl RemotePod {
         }
     }
 
-    /// The pod's own entry from its `GET /v1/pods`, as this federation names
+    /// The pod's own entry from its `GET /v1/pods`, as the server in front names
     /// it (id and address), with `reachable`; or the error.
     pub fn load(&self) -> Result<Value, ServiceError> {
         let answer = self.look("/v1/pods")?;

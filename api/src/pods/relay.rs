@@ -31,7 +31,7 @@ use crate::Route;
 /// Whether a route may be forwarded: a sandbox's own routes, and a pod's
 /// update.
 /// Not the agent tunnel: an upgraded connection is not a request to
-/// relay; the federation's own handler tunnels through the pod itself.
+/// relay; `Nested`'s own handler tunnels through the pod itself.
 pub fn forwards(route: &Route) -> bool {
     (route.path.starts_with("/v1/sandboxes/{id}") && route.operation != "agentTunnel")
         || (route.path == "/v1/pods/{id}" && route.method == "PATCH")
@@ -196,7 +196,7 @@ async fn fork<S: SandboxApi>(
     if body.get("count").is_some() {
         // Its pod would answer a list, recorded here as one sandbox.
         return ApiError::from(crate::service::ServiceError::Unsupported(
-            "a federation forks a remote pod's sandbox one at a time: no count".into(),
+            "a nested pod's sandbox is forked one at a time: no count".into(),
         ))
         .into_response();
     }

@@ -170,7 +170,7 @@ impl Identity {
         let made = rcgen::generate_simple_self_signed(names.to_vec())?;
         // The key first: a crash between the two leaves a key and no
         // certificate, which `from_files` refuses loudly rather than
-        // silently making a second identity the federation never pinned.
+        // silently making a second identity its callers never pinned.
         write_new(&key, made.signing_key.serialize_pem().as_bytes()).map_err(write_err(&key))?;
         write_new(&cert, made.cert.pem().as_bytes()).map_err(write_err(&cert))?;
         Ok((Self::from_files(&cert, &key)?, true))

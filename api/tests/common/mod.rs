@@ -589,7 +589,7 @@ impl Server {
         Self::start_over(Arc::clone(&fake), fake, config).await
     }
 
-    /// A server over `service` (a federation over `fake`, say).
+    /// A server over `service` (a `Nested` over `fake`, say).
     pub async fn start_over<S: SandboxApi>(
         service: Arc<S>,
         fake: Arc<Fake>,

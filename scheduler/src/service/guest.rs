@@ -157,7 +157,7 @@ impl Write for GuestStream {
 }
 
 /// Opens a byte stream to a guest's agent port, past any handshake of
-/// the way there: the federation's tunnel through the pod that runs the
+/// the way there: the API server's tunnel through the pod that runs the
 /// sandbox (`POST /v1/sandboxes/{id}/agent`).
 pub type Dialer = Arc<dyn Fn() -> io::Result<UnixStream> + Send + Sync>;
 

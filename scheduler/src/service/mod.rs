@@ -195,7 +195,7 @@ pub enum ServiceError {
     /// A VMM's classified failure (full disk, wrong state, bad snapshot...).
     #[error("{0}")]
     Vm(torpor_vmm_api::VmError),
-    /// A remote pod's own error answer, passed through by the federation
+    /// A remote pod's own error answer, passed through by the API server in front
     /// (`torpor serve` with remote pods); `pod_unreachable` (502) when the
     /// pod does not answer.
     #[error("{message}")]

@@ -1,7 +1,7 @@
-//! A remote pod's sandbox operations as typed calls: what the federation's
-//! own callers (the E2B routes, envd) need of a sandbox another pod runs.
+//! A nested pod's sandbox operations as typed calls: what this server's
+//! own callers (the E2B routes, envd) need of a sandbox a nested pod runs.
 //! (`/v1` requests for such a sandbox are relayed whole at the HTTP layer
-//! instead, `routing.rs`.) The pod's answers are checked like any pod
+//! instead, [`crate::pods::relay`].) The pod's answers are checked like any pod
 //! answer: JSON of the expected shape, the pod's own id renamed to its id
 //! here, errors as the pod's status and code.
 
@@ -77,13 +77,15 @@ pub(super) fn template(
     typed(pod, "a template", value)
 }
 
-/// The federation's side of remote sandboxes and templates: what it adds
-/// to a pod's answers, and the calls that span its pods.
-impl<L: crate::backend::SandboxApi> super::Federation<L> {
-    /// A remote sandbox as its pod shows it, with what the pod keeps but
-    /// never shows (the envd token, the environment) from this store.
+/// This server's side of nested sandboxes and templates: what it adds to
+/// a pod's answers, and the calls that span its pods.
+impl<L: crate::backend::SandboxApi> super::Nested<L> {
+    /// A nested sandbox as its pod shows it, with what the pod keeps but
+    /// never shows (the envd token, the environment) from here.
     pub(super) fn with_secrets(&self, mut sandbox: Sandbox) -> Result<Sandbox, ServiceError> {
-        (sandbox.access_token, sandbox.env) = self.store.secrets(&sandbox.id).map_err(internal)?;
+        if let Some(o) = self.owner(&sandbox.id) {
+            (sandbox.access_token, sandbox.env) = (o.access_token, o.env);
+        }
         Ok(sandbox)
     }
 
@@ -95,28 +97,35 @@ impl<L: crate::backend::SandboxApi> super::Federation<L> {
         Ok(outcome)
     }
 
-    /// A fork of remote sandbox `id`, made on its pod and recorded like a
-    /// create; its envd token and environment (its source's, under the
-    /// request's) kept here.
+    /// A fork of nested sandbox `id`, made on its pod.
     pub(super) fn fork_remote(
         &self,
         pod: &RemotePod,
         id: &SandboxId,
         req: ForkSandbox,
     ) -> Result<Sandbox, ServiceError> {
-        let tenant = self.owner(id).and_then(|(_, t)| t);
         let body = serde_json::to_value(&req).map_err(internal)?;
         let path = format!("/v1/sandboxes/{}/fork", encode(id.as_str()));
-        let v = self.place_remote(pod, "POST", &path, body, tenant.as_deref())?;
-        let mut fork: Sandbox = serde_json::from_value(v).map_err(internal)?;
-        let (_, mut env) = self.store.secrets(id).map_err(internal)?;
+        let v = self.place_fork(pod, id, &path, body, req)?;
+        self.with_secrets(serde_json::from_value(v).map_err(internal)?)
+    }
+
+    /// Sends fork `req` of `source` (`body` at `path` on its pod) and
+    /// records it like a create: its source's tenant, its envd token, and
+    /// its source's environment under the request's.
+    pub(super) fn place_fork(
+        &self,
+        pod: &RemotePod,
+        source: &SandboxId,
+        path: &str,
+        body: Value,
+        req: ForkSandbox,
+    ) -> Result<Value, ServiceError> {
+        let owner = self.owner(source);
+        let tenant = owner.as_ref().and_then(|o| o.tenant.clone());
+        let mut env = owner.map(|o| o.env).unwrap_or_default();
         env.extend(req.env);
-        self.store
-            .set_secrets(&fork.id, req.access_token.as_deref(), &env)
-            .map_err(internal)?;
-        fork.access_token = req.access_token;
-        fork.env = env;
-        Ok(fork)
+        self.place_remote(pod, path, body, tenant.as_deref(), (req.access_token, env))
     }
 
     /// Templates of every pod that answers, each with its `pod`.

@@ -1,35 +1,30 @@
-//! The federation: `torpor serve`'s [`SandboxApi`] over its local pod (the
-//! in-process [`Service`]) and remote pods (`torpor pod serve`, reached
-//! through their own REST API with their token).
+//! `torpor serve`'s [`SandboxApi`] over its local pod (the in-process
+//! [`Service`]) and the nested pods it runs as children on the same host
+//! (README's `base` on a PVM host: `torpor pod serve` inside a QEMU VM that
+//! dies with serve). Past one machine, torpor runs as a cluster
+//! (`--cluster`, [`crate::cluster`]); this only joins one host's pods.
 //!
-//! Each pod is an autonomous service deciding admission and hibernation for
-//! its own memory; the federation only places sandboxes on pods and routes
-//! requests to the owning pod:
+//! A nested pod is attached in memory ([`Nested::attach`]) once it answers;
+//! its sandboxes' owners are kept in memory too: the pod and everything on
+//! it die with this process, so nothing of them outlives a restart.
 //!
 //! - placement (`create_sandbox`): among pods that have the template (or
 //!   the one pinned with `pod`), by most free admission headroom; a pod's
 //!   429 moves on to the next, 429 when every pod refuses;
-//! - routing ([`routing`]): every sandbox route of a remote sandbox, and
-//!   `PATCH /v1/pods/{id}` of a remote pod, is forwarded as it came and its
-//!   answer passed back (a pod that does not answer: 502 `pod_unreachable`);
-//! - lists merge the pods (templates with a `pod` field);
-//! - crash safety ([`store`]): a forwarded create or fork is recorded as a
-//!   pending placement first and tagged `torpor.placement` on the sandbox;
-//!   the owner is recorded before the API answers; on start, pending
-//!   placements are matched against what the pods hold and adopted or
-//!   dropped.
+//! - routing ([`crate::pods::relay`]): every sandbox route of a nested
+//!   sandbox, and `PATCH /v1/pods/{id}` of a nested pod, is relayed as it
+//!   came and its answer passed back (a pod that does not answer: 502
+//!   `pod_unreachable`);
+//! - lists merge the pods (templates with a `pod` field).
 
 mod coming;
 mod remote;
-pub mod store;
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::Value;
 use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template, TemplateId, TemplateState};
 use torpor_scheduler::service::LOCAL_POD;
 
@@ -43,35 +38,25 @@ use crate::service::{
 };
 use crate::tls::Fingerprint;
 pub use coming::{Starter, RETRY_AFTER_S};
-use store::{FederationStore, StoredPod};
 
-/// The metadata key a forwarded create or fork is tagged with.
-pub const PLACEMENT_KEY: &str = "torpor.placement";
-/// Test hook: sleep this many ms after a pod answered a create and before
-/// the owner is recorded (the crash window the placement records cover).
-pub const STALL_PLACEMENT_ENV: &str = "TORPOR_STALL_PLACEMENT_MS";
-
-/// `POST /v1/pods`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct AddPod {
-    /// `unix:/PATH`, `tls:HOST:PORT` or `tcp:LOOPBACK:PORT`.
-    pub address: String,
-    pub token: String,
-    /// SHA-256 fingerprint of a `tls:` pod's certificate, which is the only
-    /// certificate trusted for it.
-    #[serde(default)]
-    pub fingerprint: Option<String>,
+/// A nested pod's sandbox as kept here.
+#[derive(Debug, Clone)]
+struct Owned {
+    pod: PodId,
+    tenant: Option<String>,
+    /// What the pod keeps but never shows: the envd token and the
+    /// environment, for this server's envd and E2B routes.
+    access_token: Option<String>,
+    env: BTreeMap<String, String>,
 }
 
-/// The local pod and the remote pods.
+/// The local pod and the nested pods.
 #[derive(Debug)]
-pub struct Federation<L: SandboxApi> {
+pub struct Nested<L: SandboxApi> {
     local: Arc<L>,
-    store: FederationStore,
     pods: RwLock<BTreeMap<PodId, RemotePod>>,
-    /// Remote sandboxes: their pod and tenant.
-    owners: RwLock<HashMap<SandboxId, store::Owner>>,
+    /// The nested pods' sandboxes.
+    owners: RwLock<HashMap<SandboxId, Owned>>,
     io_timeout: Duration,
     /// Templates a pod on its way up will have (the nested pod's `base`).
     coming: coming::Coming,
@@ -81,49 +66,17 @@ fn internal(e: impl std::fmt::Display) -> ServiceError {
     ServiceError::Internal(e.to_string())
 }
 
-impl<L: SandboxApi> Federation<L> {
-    /// Opens the federation's store in `data_dir`, loads the remote pods and
-    /// settles placements a crash left pending. `io_timeout` bounds each
-    /// call to a pod.
-    pub fn open(
-        local: Arc<L>,
-        data_dir: &Path,
-        io_timeout: Duration,
-    ) -> Result<Arc<Self>, ServiceError> {
-        let store = FederationStore::open(data_dir).map_err(internal)?;
-        let mut pods = BTreeMap::new();
-        for p in store.pods().map_err(internal)? {
-            let pin = match p.fingerprint.as_deref().map(Fingerprint::parse).transpose() {
-                Ok(pin) => pin,
-                Err(e) => {
-                    tracing::error!(pod = %p.id, error = %e, "a stored pod's fingerprint; skipped");
-                    continue;
-                }
-            };
-            match RemotePod::new(p.id.clone(), &p.address, &p.token, pin, io_timeout) {
-                Ok(pod) => {
-                    pods.insert(p.id, pod);
-                }
-                // A pod registered before plain TCP was limited to
-                // loopback: it stays unused until registered again.
-                Err(e) => tracing::error!(
-                    pod = %p.id,
-                    error = %e,
-                    "a registered pod is no longer accepted; remove it and register it again"
-                ),
-            }
-        }
-        let owners = store.owners().map_err(internal)?.into_iter().collect();
-        let fed = Arc::new(Federation {
+impl<L: SandboxApi> Nested<L> {
+    /// The local pod alone, until a nested pod is attached. `io_timeout`
+    /// bounds each call to a nested pod.
+    pub fn new(local: Arc<L>, io_timeout: Duration) -> Arc<Self> {
+        Arc::new(Nested {
             local,
-            store,
-            pods: RwLock::new(pods),
-            owners: RwLock::new(owners),
+            pods: RwLock::new(BTreeMap::new()),
+            owners: RwLock::new(HashMap::new()),
             io_timeout,
             coming: coming::Coming::default(),
-        });
-        fed.settle_placements();
-        Ok(fed)
+        })
     }
 
     fn pod(&self, id: &PodId) -> Option<RemotePod> {
@@ -134,9 +87,9 @@ impl<L: SandboxApi> Federation<L> {
             .cloned()
     }
 
-    /// The remote pod that owns sandbox `id`.
+    /// The nested pod that owns sandbox `id`.
     fn remote_sandbox(&self, id: &SandboxId) -> Option<RemotePod> {
-        self.owner(id).and_then(|(p, _)| self.pod(&p))
+        self.owner(id).and_then(|o| self.pod(&o.pod))
     }
 
     fn remote_pods(&self) -> Vec<RemotePod> {
@@ -148,7 +101,7 @@ impl<L: SandboxApi> Federation<L> {
             .collect()
     }
 
-    fn owner(&self, id: &SandboxId) -> Option<store::Owner> {
+    fn owner(&self, id: &SandboxId) -> Option<Owned> {
         self.owners
             .read()
             .unwrap_or_else(|p| p.into_inner())
@@ -156,95 +109,25 @@ impl<L: SandboxApi> Federation<L> {
             .cloned()
     }
 
-    /// Remote sandboxes of `pod` (of `tenant` only, if given).
+    /// Sandboxes of `pod` (of `tenant` only, if given).
     fn owned_by(&self, pod: &PodId, tenant: Option<&str>) -> Vec<SandboxId> {
         self.owners
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
-            .filter(|(_, (p, t))| p == pod && tenant.is_none_or(|want| t.as_deref() == Some(want)))
+            .filter(|(_, o)| {
+                o.pod == *pod && tenant.is_none_or(|want| o.tenant.as_deref() == Some(want))
+            })
             .map(|(s, _)| s.clone())
             .collect()
     }
 
-    /// After a crash: a pending placement whose tagged sandbox is on its pod
-    /// is adopted, one whose pod answers without it is dropped, one whose pod
-    /// does not answer stays for the next start.
-    fn settle_placements(&self) {
-        let pending = match self.store.placements() {
-            Ok(p) => p,
-            Err(e) => {
-                tracing::error!(error = %e, "cannot read pending placements");
-                return;
-            }
-        };
-        for placement in pending {
-            let Some(pod) = self.pod(&placement.pod) else {
-                let _ = self.store.end_placement(&placement.id, None);
-                continue;
-            };
-            let path = format!(
-                "/v1/sandboxes?metadata.{}={}",
-                encode(PLACEMENT_KEY),
-                encode(&placement.id)
-            );
-            let found = match pod.look(&path) {
-                Ok(v) => v,
-                Err(e) => {
-                    tracing::warn!(placement = %placement.id, error = %e, "pending placement kept: pod unreachable");
-                    continue;
-                }
-            };
-            let made: Vec<SandboxId> = found["sandboxes"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|s| s["id"].as_str().map(SandboxId::new))
-                .collect();
-            let made: Vec<SandboxId> = made
-                .into_iter()
-                .filter(|id| self.claimable(id, &pod.id))
-                .collect();
-            let result = match made.first() {
-                Some(sandbox) => {
-                    tracing::info!(placement = %placement.id, %sandbox, pod = %pod.id, "adopted a sandbox placed before a restart");
-                    self.record(&placement, Some((sandbox, &pod.id)))
-                }
-                None => {
-                    tracing::info!(placement = %placement.id, pod = %pod.id, "dropped a placement the pod never made");
-                    self.record(&placement, None)
-                }
-            };
-            if let Err(e) = result {
-                tracing::error!(placement = %placement.id, error = %e, "cannot settle a placement");
-            }
-        }
-    }
-
-    /// Ends a placement in the store and, for a made sandbox, in memory.
-    fn record(
-        &self,
-        placement: &store::Placement,
-        made: Option<(&SandboxId, &PodId)>,
-    ) -> Result<(), ServiceError> {
-        self.store
-            .end_placement(&placement.id, made)
-            .map_err(internal)?;
-        if let Some((sandbox, pod)) = made {
-            self.owners
-                .write()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(sandbox.clone(), (pod.clone(), placement.tenant.clone()));
-        }
-        Ok(())
-    }
-
     /// Whether `id`, which pod `pod` says it made, may become its: a
     /// well-formed sandbox id that no other pod (the local one included)
-    /// and no earlier record owns.
+    /// owns.
     fn claimable(&self, id: &SandboxId, pod: &PodId) -> bool {
         SandboxId::is_well_formed(id.as_str())
-            && self.owner(id).is_none_or(|(p, _)| p == *pod)
+            && self.owner(id).is_none_or(|o| o.pod == *pod)
             && self.local.get_sandbox(id).is_err()
     }
 
@@ -256,7 +139,7 @@ impl<L: SandboxApi> Federation<L> {
 
     /// Offers template `name` on demand: the first create that asks for it
     /// runs `start` (which returns at once and reports progress through
-    /// [`Federation::template_coming`]) and answers 503 like the next ones.
+    /// [`Nested::template_coming`]) and answers 503 like the next ones.
     pub fn template_on_demand(&self, name: &str, why: String, start: coming::Starter) {
         self.coming.on_demand(name, why, start);
     }
@@ -266,85 +149,46 @@ impl<L: SandboxApi> Federation<L> {
         self.coming.why(name)
     }
 
-    /// Registers a pod after checking it answers with `token`; idempotent
-    /// for an address already registered with the same token.
-    pub fn register(&self, req: AddPod) -> Result<Value, ServiceError> {
-        pods::pod_address(&req.address)?;
+    /// Attaches the pod at `address` (`tls:HOST:PORT`, or `unix:` and
+    /// loopback `tcp:` ones) after checking it answers with `token` (and,
+    /// if `pin` is given, with that certificate); its listing entry.
+    /// Nothing is stored: a nested pod lives as long as this process.
+    pub fn attach(
+        &self,
+        address: &str,
+        token: &str,
+        pin: Option<Fingerprint>,
+    ) -> Result<Value, ServiceError> {
+        pods::pod_address(address)?;
         if let Some(known) = self
             .remote_pods()
             .into_iter()
-            .find(|p| p.address == req.address)
+            .find(|p| p.address == address)
         {
-            let same = self
-                .store
-                .pods()
-                .map_err(internal)?
-                .iter()
-                .any(|p| p.id == known.id && p.token == req.token);
-            if same {
-                return Ok(known.entry());
-            }
             return Err(ServiceError::ResourceConflict(format!(
-                "pod address {} is already registered as {}",
-                req.address, known.id
+                "pod address {address} is already attached as {}",
+                known.id
             )));
         }
-        let pin = req
-            .fingerprint
-            .as_deref()
-            .map(Fingerprint::parse_exact)
-            .transpose()
-            .map_err(|e| ServiceError::Invalid(e.to_string()))?;
-        let pod = RemotePod::new(
-            PodId::generate(),
-            &req.address,
-            &req.token,
-            pin,
-            self.io_timeout,
-        )?;
-        // A certificate other than the pinned one is the registrant's
-        // mistake (or an attack), not an unreachable pod.
+        let pod = RemotePod::new(PodId::generate(), address, token, pin, self.io_timeout)?;
+        // A certificate other than the pinned one is not an unreachable pod.
         if let Err(ClientError::Tls { message, .. }) =
             pod.client.request("GET", "/healthz", None, None)
         {
             return Err(ServiceError::Invalid(format!(
-                "the pod at {} failed TLS verification: {message}",
-                req.address
+                "the pod at {address} failed TLS verification: {message}"
             )));
         }
         let entry = match pod.load() {
             Ok(v) => v,
             Err(ServiceError::Pod { status: 401, .. }) => {
                 return Err(ServiceError::Invalid(format!(
-                    "the pod at {} refused the token (401)",
-                    req.address
+                    "the pod at {address} refused the token (401)"
                 )))
-            }
-            // No pod answers at the address given: the request names a pod
-            // that is not there (404, the same code), not a failure of this
-            // server.
-            Err(ServiceError::Pod {
-                status: 502,
-                code,
-                message,
-            }) => {
-                return Err(ServiceError::Pod {
-                    status: 404,
-                    code,
-                    message,
-                })
             }
             Err(e) => return Err(e),
         };
-        self.store
-            .add_pod(&StoredPod {
-                id: pod.id.clone(),
-                address: req.address.clone(),
-                token: req.token,
-                fingerprint: pin.map(|f| f.to_string()),
-            })
-            .map_err(internal)?;
-        tracing::info!(pod = %pod.id, address = %req.address, "registered a remote pod");
+        tracing::info!(pod = %pod.id, %address, "attached a nested pod");
         self.pods
             .write()
             .unwrap_or_else(|p| p.into_inner())
@@ -352,51 +196,8 @@ impl<L: SandboxApi> Federation<L> {
         Ok(entry)
     }
 
-    /// Unregisters a pod: refused while it holds live sandboxes of ours; a
-    /// pod that does not answer can be removed (its sandboxes are forgotten).
-    pub fn unregister(&self, id: &PodId) -> Result<(), ServiceError> {
-        if id.as_str() == LOCAL_POD {
-            return Err(ServiceError::ResourceConflict(
-                "the local pod cannot be removed".into(),
-            ));
-        }
-        let pod = self.pod(id).ok_or_else(|| ServiceError::NotFound {
-            kind: "pod",
-            id: id.to_string(),
-        })?;
-        let ours = self.owned_by(id, None);
-        if !ours.is_empty() {
-            match pod.look("/v1/sandboxes") {
-                Ok(list) => {
-                    let live = list["sandboxes"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .filter(|s| ours.iter().any(|o| s["id"] == o.as_str()))
-                        .count();
-                    if live > 0 {
-                        return Err(ServiceError::ResourceConflict(format!(
-                            "pod {id} holds {live} live sandbox(es); delete them first"
-                        )));
-                    }
-                }
-                Err(e) => tracing::warn!(pod = %id, error = %e, "removing an unreachable pod"),
-            }
-        }
-        self.store.remove_pod(id).map_err(internal)?;
-        self.pods
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(id);
-        self.owners
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .retain(|_, (p, _)| p != id);
-        Ok(())
-    }
-
-    /// One agent call on remote sandbox `id` through the agent tunnel
-    /// (E2B's `/files`, which reaches the federation's methods).
+    /// One agent call on nested sandbox `id` through the agent tunnel
+    /// (E2B's `/files`, which reaches these methods).
     fn remote_guest<T>(
         &self,
         id: &SandboxId,
@@ -415,38 +216,28 @@ impl<L: SandboxApi> Federation<L> {
         Ok(GuestCall { outcome, value })
     }
 
-    /// Sends a create or fork to a remote pod, tagged with a placement that
-    /// is recorded first; the sandbox becomes the pod's before returning.
+    /// Sends a create or fork to a nested pod; the sandbox it answers with
+    /// becomes the pod's (with `secrets`, the envd token and environment
+    /// the pod never shows) before returning its answer.
     fn place_remote(
         &self,
         pod: &RemotePod,
-        method: &str,
         path: &str,
-        mut body: Value,
+        body: Value,
         tenant: Option<&str>,
+        (access_token, env): (Option<String>, BTreeMap<String, String>),
     ) -> Result<Value, ServiceError> {
-        if !(body["metadata"].is_null() || body["metadata"].is_object()) {
-            return Err(ServiceError::Invalid(
-                "metadata must be an object of strings".into(),
-            ));
+        let answer = pod.send("POST", path, Some(&body))?;
+        if !answer.is_success() {
+            return Err(pod.error(&answer));
         }
-        let placement = self
-            .store
-            .begin_placement(&pod.id, tenant)
-            .map_err(internal)?;
-        body["metadata"][PLACEMENT_KEY] = json!(placement.id);
-        let answer = pod.send(method, path, Some(&body));
-        let made = match &answer {
-            Ok(a) if a.is_success() => serde_json::from_slice::<Value>(&a.body)
-                .ok()
-                .and_then(|v| v["id"].as_str().map(SandboxId::new)),
-            _ => None,
-        };
+        let mut v: Value = serde_json::from_slice(&answer.body).map_err(internal)?;
         // A pod answers for its own new sandboxes only: an id that is
         // malformed or someone else's is refused, never recorded.
-        if let Some(id) = made.as_ref().filter(|id| !self.claimable(id, &pod.id)) {
-            tracing::warn!(pod = %pod.id, sandbox = %pods::sanitized(id.as_str()), "a pod answered with a sandbox id it does not own; refused");
-            self.record(&placement, None)?;
+        let made = v["id"].as_str().map(SandboxId::new);
+        let Some(id) = made.filter(|id| self.claimable(id, &pod.id)) else {
+            let said = pods::sanitized(v["id"].as_str().unwrap_or_default());
+            tracing::warn!(pod = %pod.id, sandbox = %said, "a pod answered with a sandbox id it does not own; refused");
             return Err(ServiceError::Pod {
                 status: 502,
                 code: crate::error::code::POD_UNREACHABLE.into(),
@@ -455,22 +246,18 @@ impl<L: SandboxApi> Federation<L> {
                     pod.id
                 ),
             });
-        }
-        if let Ok(ms) = std::env::var(STALL_PLACEMENT_ENV) {
-            std::thread::sleep(Duration::from_millis(ms.parse().unwrap_or(0)));
-        }
-        match (&answer, &made) {
-            // No answer: the pod may still have made it; the placement stays
-            // pending and is settled at the next start.
-            (Err(_), _) => {}
-            (Ok(_), made) => self.record(&placement, made.as_ref().map(|s| (s, &pod.id)))?,
-        }
-        let answer = answer?;
-        if !answer.is_success() {
-            return Err(pod.error(&answer));
-        }
-        let mut v: Value = serde_json::from_slice(&answer.body).map_err(internal)?;
+        };
         pods::rewrite_pod_ids(&mut v, &pod.id);
+        let owned = Owned {
+            pod: pod.id.clone(),
+            tenant: tenant.map(str::to_string),
+            access_token,
+            env,
+        };
+        self.owners
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, owned);
         Ok(v)
     }
 
@@ -534,16 +321,9 @@ impl<L: SandboxApi> Federation<L> {
         req.pod = None;
         let tenant = req.owner.as_ref().map(|o| o.tenant.clone());
         let body = serde_json::to_value(&req).map_err(internal)?;
-        let v = self.place_remote(pod, "POST", "/v1/sandboxes", body, tenant.as_deref())?;
-        let mut sandbox: Sandbox = serde_json::from_value(v).map_err(internal)?;
-        // The pod keeps the envd token and the environment but never shows
-        // them: kept here too, for the federation's envd.
-        self.store
-            .set_secrets(&sandbox.id, req.access_token.as_deref(), &req.env)
-            .map_err(internal)?;
-        sandbox.access_token = req.access_token.clone();
-        sandbox.env = req.env.clone();
-        Ok(sandbox)
+        let secrets = (req.access_token.clone(), req.env.clone());
+        let v = self.place_remote(pod, "/v1/sandboxes", body, tenant.as_deref(), secrets)?;
+        self.with_secrets(serde_json::from_value(v).map_err(internal)?)
     }
 
     /// Placement; see the module documentation.
@@ -617,27 +397,21 @@ impl<L: SandboxApi> Federation<L> {
     }
 }
 
-impl<L: SandboxApi> Registry for Federation<L> {
-    fn add_pod(&self, req: AddPod) -> Result<Value, ServiceError> {
-        self.register(req)
-    }
-    fn remove_pod(&self, id: &PodId) -> Result<(), ServiceError> {
-        self.unregister(id)
-    }
+impl<L: SandboxApi> Registry for Nested<L> {
     fn forward_fork(
         &self,
         pod: &RemotePod,
         path: &str,
         body: Value,
     ) -> Result<Value, ServiceError> {
-        // The fork is its source's tenant's.
         let source = SandboxId::new(path.split('/').nth(3).unwrap_or_default());
-        let tenant = self.owner(&source).and_then(|(_, t)| t);
-        self.place_remote(pod, "POST", path, body, tenant.as_deref())
+        let req: ForkSandbox = serde_json::from_value(body.clone())
+            .map_err(|e| ServiceError::Invalid(format!("the fork body: {e}")))?;
+        self.place_fork(pod, &source, path, body, req)
     }
 }
 
-impl<L: SandboxApi> SandboxApi for Federation<L> {
+impl<L: SandboxApi> SandboxApi for Nested<L> {
     fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
         match op {
             TemplateOp::List => self.local.templates(op),
@@ -742,7 +516,14 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
     }
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
         match self.remote_sandbox(id) {
-            Some(pod) => remote::call(&pod, "DELETE", id, "", None).map(drop),
+            Some(pod) => {
+                remote::call(&pod, "DELETE", id, "", None)?;
+                self.owners
+                    .write()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(id);
+                Ok(())
+            }
             None => self.local.delete_sandbox(id),
         }
     }
@@ -795,7 +576,7 @@ impl<L: SandboxApi> SandboxApi for Federation<L> {
     }
     fn sandbox_tenant(&self, id: &SandboxId) -> Result<Option<String>, ServiceError> {
         match self.owner(id) {
-            Some((_, tenant)) => Ok(tenant),
+            Some(o) => Ok(o.tenant),
             None => self.local.sandbox_tenant(id),
         }
     }

@@ -1,7 +1,9 @@
-//! The federation over the fake service: a "remote pod" (the API over one
-//! fake, on loopback) registered with a central API (a federation over
-//! another fake). Exec streams, raw file bodies and their headers, and error
-//! answers are relayed through the central API as the pod gave them.
+//! `torpor serve` over its local pod and a nested pod, with fakes: the
+//! nested pod (the API over one fake, on loopback) attached to a central
+//! API (a [`Nested`] over another fake). Exec streams, raw file bodies and
+//! their headers, and error answers are relayed through the central API as
+//! the pod gave them; a pod is attached only with its token and, over TLS,
+//! its certificate.
 
 mod common;
 
@@ -10,13 +12,13 @@ use std::time::Duration;
 
 use common::{Fake, Server, TOKEN};
 use serde_json::{json, Value};
-use torpor_api::federation::Federation;
+use torpor_api::nested::Nested;
+use torpor_api::tls::{self, Identity};
 
 struct Pair {
     pod: Server,
     central: Server,
     pod_id: String,
-    _dir: tempfile::TempDir,
 }
 
 async fn pair() -> Pair {
@@ -25,25 +27,25 @@ async fn pair() -> Pair {
 
 /// `io_timeout`: how long the central waits for the pod.
 async fn pair_with(io_timeout: Duration) -> Pair {
-    let dir = tempfile::tempdir().unwrap();
     let pod = Server::start().await;
     let local = Arc::new(Fake::new());
-    let federation = Federation::open(Arc::clone(&local), dir.path(), io_timeout).unwrap();
-    let central = Server::start_over(federation, local, Server::config()).await;
-    let r = central
-        .call(
-            "POST",
-            "/v1/pods",
-            Some(json!({"address": format!("tcp:{}", pod.addr), "token": TOKEN})),
-        )
-        .await;
-    assert_eq!(r.status, 201, "{}", r.text());
-    let pod_id = r.json()["id"].as_str().unwrap().to_string();
+    let nested = Nested::new(Arc::clone(&local), io_timeout);
+    let address = format!("tcp:{}", pod.addr);
+    // The client blocks: off the runtime's threads.
+    let attach = || {
+        let (nested, address) = (Arc::clone(&nested), address.clone());
+        tokio::task::spawn_blocking(move || nested.attach(&address, TOKEN, None))
+    };
+    let entry = attach().await.unwrap().unwrap();
+    assert_eq!(entry["reachable"], true, "{entry}");
+    // Once only.
+    let again = attach().await.unwrap().unwrap_err();
+    assert!(again.to_string().contains("already attached"), "{again}");
+    let central = Server::start_over(nested, local, Server::config()).await;
     Pair {
         pod,
         central,
-        pod_id,
-        _dir: dir,
+        pod_id: entry["id"].as_str().unwrap().to_string(),
     }
 }
 
@@ -168,21 +170,102 @@ async fn exec_stream_and_files_are_relayed_from_the_pod() {
         .assert_error(502, "pod_unreachable");
 }
 
+/// Placement moves on to the nested pod when the local one refuses and
+/// answers 429 when every pod does; a nested pod's settings and lists go
+/// to it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pod_alone_refuses_registration() {
-    let server = Server::start().await;
-    server
-        .call(
-            "POST",
-            "/v1/pods",
-            Some(json!({"address": "unix:/x.sock", "token": "t"})),
-        )
+async fn placement_moves_on_to_the_nested_pod_and_its_settings_are_relayed() {
+    let p = pair().await;
+    let ratio = |r: f64| Some(json!({"oversubscription_ratio": r}));
+    let r = p
+        .central
+        .call("PATCH", "/v1/pods/pod_local", ratio(0.001))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let create = json!({"template": "probe"});
+    let r = p
+        .central
+        .call("POST", "/v1/sandboxes", Some(create.clone()))
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(r.json()["pod"], p.pod_id.as_str());
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    let path = format!("/v1/pods/{}", p.pod_id);
+    let r = p.central.call("PATCH", &path, ratio(3.5)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["id"], p.pod_id.as_str());
+    assert_eq!(
+        p.pod.fake.state.lock().unwrap().pod.oversubscription_ratio,
+        3.5
+    );
+    p.central
+        .call("PATCH", &path, ratio(-1.0))
         .await
-        .assert_error(501, "unsupported");
-    server
-        .call("DELETE", "/v1/pods/pod_x", None)
+        .assert_error(400, "invalid_request");
+    let listed = |r: common::Reply| -> Vec<String> {
+        let v = r.json();
+        let all = v["sandboxes"].as_array().unwrap().iter();
+        all.map(|s| s["id"].as_str().unwrap().to_string()).collect()
+    };
+    let here = p
+        .central
+        .call("GET", "/v1/sandboxes?pod=pod_local", None)
+        .await;
+    assert!(listed(here).is_empty());
+    let there = format!("/v1/sandboxes?pod={}", p.pod_id);
+    assert_eq!(listed(p.central.call("GET", &there, None).await), [id]);
+    p.central.call("PATCH", &path, ratio(0.001)).await;
+    let r = p.central.call("POST", "/v1/sandboxes", Some(create)).await;
+    r.assert_error(429, "admission_refused");
+    assert!(r.text().contains("every pod refused"), "{}", r.text());
+}
+
+/// A pod is attached with its token only, over TLS with the certificate
+/// it was pinned to only (another pod's certificate is what a man in the
+/// middle would have), and over plain TCP on loopback only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_is_attached_with_its_token_and_pinned_certificate_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let names = tls::default_names();
+    let (identity, _) = Identity::load_or_create(&dir.path().join("pod"), &names).unwrap();
+    let (other, _) = Identity::load_or_create(&dir.path().join("other"), &names).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let fake = Arc::new(Fake::new());
+    let app = torpor_api::Api::new(fake, Server::config()).router();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(async move {
+        torpor_api::serve_tls_app(listener, &identity, app, async {
+            let _ = stopped.await;
+        })
         .await
-        .assert_error(501, "unsupported");
+    });
+    let pin = Identity::load_or_create(&dir.path().join("pod"), &names)
+        .unwrap()
+        .0
+        .fingerprint();
+    let nested = Nested::new(Arc::new(Fake::new()), Duration::from_secs(10));
+    let address = format!("tls:127.0.0.1:{}", addr.port());
+    let attach = |token: &'static str, pin| {
+        let (nested, address) = (Arc::clone(&nested), address.clone());
+        tokio::task::spawn_blocking(move || nested.attach(&address, token, pin))
+    };
+    let wrong = attach(TOKEN, Some(other.fingerprint())).await.unwrap();
+    let e = wrong.unwrap_err().to_string();
+    assert!(e.contains("TLS verification"), "{e}");
+    assert!(!e.contains(TOKEN), "{e}");
+    let none = attach(TOKEN, None).await.unwrap().unwrap_err().to_string();
+    assert!(none.contains("fingerprint"), "{none}");
+    let bad_token = attach("not-the-token", Some(pin)).await.unwrap();
+    let e = bad_token.unwrap_err().to_string();
+    assert!(e.contains("refused the token"), "{e}");
+    let off_loopback = nested.attach("tcp:192.0.2.1:7701", TOKEN, None);
+    let e = off_loopback.unwrap_err().to_string();
+    assert!(e.contains("loopback"), "{e}");
+    let entry = attach(TOKEN, Some(pin)).await.unwrap().unwrap();
+    assert_eq!(entry["reachable"], true, "{entry}");
+    let _ = stop.send(());
+    served.await.unwrap().unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -224,12 +307,10 @@ async fn a_hung_pod_is_listed_unreachable_without_failing_the_lists() {
 /// goes on as usual (here: no pod has it, 404).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_coming_template_answers_503_until_it_is_there() {
-    let dir = tempfile::tempdir().unwrap();
     let local = Arc::new(Fake::new());
-    let federation =
-        Federation::open(Arc::clone(&local), dir.path(), Duration::from_secs(20)).unwrap();
-    federation.template_coming("linux", Some("the nested host is still booting".into()));
-    let central = Server::start_over(Arc::clone(&federation), local, Server::config()).await;
+    let nested = Nested::new(Arc::clone(&local), Duration::from_secs(20));
+    nested.template_coming("linux", Some("the nested host is still booting".into()));
+    let central = Server::start_over(Arc::clone(&nested), local, Server::config()).await;
     let create = json!({"template": "linux"});
     let r = central
         .call("POST", "/v1/sandboxes", Some(create.clone()))
@@ -242,7 +323,7 @@ async fn a_coming_template_answers_503_until_it_is_there() {
             && message.contains("the nested host is still booting"),
         "{message}"
     );
-    federation.template_coming("linux", None);
+    nested.template_coming("linux", None);
     let r = central.call("POST", "/v1/sandboxes", Some(create)).await;
     assert_eq!(r.status, 404, "{}", r.text());
 }
