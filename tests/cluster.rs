@@ -69,6 +69,34 @@ fn cluster_sandbox_life_placement_and_pod_failure() {
     assert_eq!(c.call(1, "GET", &path, None).status, 404);
     assert_eq!(c.call(1, "DELETE", &path, None).status, 404);
 
+    // A pod's settings go to the pod itself through any replica (and come
+    // back as they were).
+    let on_pod = format!("/v1/pods/{pod}");
+    let ratio = |n: u16, r: f64| {
+        let body = format!(r#"{{"oversubscription_ratio":{r}}}"#);
+        c.call(n, "PATCH", &on_pod, Some(&body))
+    };
+    let pods = c.call(2, "GET", "/v1/pods", None).json();
+    let listed = pods["pods"].as_array().unwrap().iter();
+    let mut listed = listed.filter(|p| p["id"] == pod.as_str());
+    let was = listed.next().unwrap()["oversubscription_ratio"].as_f64();
+    let was = was.unwrap_or_else(|| panic!("no ratio in {pods}"));
+    let r = ratio(1, was + 0.5);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["id"], pod.as_str(), "{}", r.body);
+    assert_eq!(r.json()["oversubscription_ratio"], was + 0.5);
+    let r = ratio(2, -1.0);
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = ratio(2, was);
+    assert_eq!(r.json()["oversubscription_ratio"], was, "{}", r.body);
+    let r = c.call(
+        2,
+        "PATCH",
+        "/v1/pods/pod9",
+        Some(r#"{"oversubscription_ratio":2}"#),
+    );
+    assert_eq!(r.status, 404, "{}", r.body);
+
     // Idempotency-Key: a retry through the other replica returns the
     // first outcome (one sandbox); the key on another command is 409.
     let key = [("Idempotency-Key", "create-once-1")];
