@@ -7,7 +7,7 @@ mod common;
 
 use std::path::Path;
 
-use common::http::{request, request_with, HttpResponse};
+use common::http::{declared_only, request, request_with, HttpResponse};
 use common::serve::{DataDir, ServeProcess};
 use serde_json::Value;
 
@@ -433,11 +433,9 @@ fn bad_input_and_auth() {
     // Wrong method on an E2B route: 405 in E2B's shape.
     assert_e2b_error(&s.call("PUT", &format!("/sandboxes/{id}/pause"), None), 405);
     // A body past the API's limit: 413 in E2B's shape.
-    let big = format!(
-        r#"{{"templateID":"probe","metadata":{{"x":"{}"}}}}"#,
-        "a".repeat(2 << 20)
-    );
-    assert_e2b_error(&s.call("POST", "/v2/sandboxes", Some(&big)), 413);
+    let headers = [("X-API-KEY", KEY)];
+    let big = declared_only(&s.addr, "POST", "/v2/sandboxes", &headers, 2 << 20);
+    assert_e2b_error(&big, 413);
 }
 
 #[test]

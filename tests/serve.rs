@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::http::{request, HttpResponse};
+use common::http::{declared_only, request, HttpResponse};
 use common::serve::{DataDir, ServeProcess};
 
 const TOKEN: &str = "test-token-0123456789";
@@ -152,11 +152,12 @@ fn auth_and_malformed_requests() {
     let r = s.call("POST", "/v1/sandboxes", Some("{not json"));
     assert_eq!(r.status, 400, "{}", r.body);
     assert!(r.json()["error"]["code"].is_string());
-    let big = format!(
-        r#"{{"template":"probe","metadata":{{"x":"{}"}}}}"#,
-        "y".repeat(2 << 20)
-    );
-    assert_eq!(s.call("POST", "/v1/sandboxes", Some(&big)).status, 413);
+    // A body past the limit is refused from its Content-Length, before
+    // any of it is read.
+    let auth = format!("Bearer {TOKEN}");
+    let headers = [("Authorization", auth.as_str())];
+    let r = declared_only(&s.0.addr, "POST", "/v1/sandboxes", &headers, 2 << 20);
+    assert_eq!(r.status, 413, "{}", r.body);
     // A probe template whose workload (4 MiB at 16 MiB, the probe's default
     // without a cmdline) does not fit its memory: 400 as soon as the probe
     // says so, not a 500 after the build's wait (found by scripts/fuzz-api):

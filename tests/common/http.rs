@@ -138,6 +138,50 @@ pub fn try_send(
     })
 }
 
+/// A JSON request that declares a `length`-byte body and sends none: what
+/// a server answers from the headers alone (a body past its limit). A body
+/// sent whole would race the server's close, whose reset can discard the
+/// answer before the client reads it.
+pub fn declared_only(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    length: usize,
+) -> HttpResponse {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {length}\r\n"
+    );
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    conn.write_all(head.as_bytes()).unwrap();
+    let mut raw = Vec::new();
+    conn.read_to_end(&mut raw)
+        .unwrap_or_else(|e| panic!("{method} {path}: no answer from the headers: {e}"));
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let mut lines = head.split("\r\n");
+    let status = lines.next().and_then(|l| l.split(' ').nth(1)?.parse().ok());
+    let status = status.unwrap_or_else(|| panic!("not an HTTP answer: {raw}"));
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    HttpResponse {
+        status,
+        body: body.to_string(),
+        head: head.to_string(),
+        headers,
+    }
+}
+
 /// The HTTP API served in process on a loopback port over `service`;
 /// stopped (requests in flight finished) when dropped.
 pub struct InProcessApi {
