@@ -409,6 +409,10 @@ impl SandboxApi for Fake {
                         .metadata
                         .iter()
                         .all(|(k, v)| s.metadata.get(k) == Some(v))
+                    && filter
+                        .tenant
+                        .as_ref()
+                        .is_none_or(|t| s.tenant.as_ref() == Some(t))
             })
             .cloned()
             .collect())
