@@ -64,7 +64,7 @@ pub fn pod_address(address: &str) -> Result<PodAddress, ServiceError> {
         if !is_loopback_literal(addr) {
             return Err(ServiceError::Invalid(format!(
                 "pod address {address:?}: plain TCP is for loopback only; a remote pod \
-                 serves TLS: register tls:HOST:PORT with its certificate's fingerprint"
+                 serves TLS: tls:HOST:PORT with its certificate's fingerprint"
             )));
         }
         return Ok(PodAddress::Tcp { addr: addr.into() });
@@ -122,7 +122,7 @@ impl RemotePod {
         match (pod_address(address)?, fingerprint) {
             (PodAddress::Tls { .. }, None) => {
                 return Err(ServiceError::Invalid(format!(
-                    "pod address {address}: a TLS pod is registered with its certificate's \
+                    "pod address {address}: a TLS pod is reached with its certificate's \
                      fingerprint (printed by `torpor pod serve` when it starts)"
                 )))
             }

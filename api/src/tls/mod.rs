@@ -1,9 +1,9 @@
 //! TLS between servers: a pod's (or the API's) identity, made on first
 //! start as a self-signed certificate, and the client side that trusts
-//! exactly one certificate, pinned by its SHA-256 fingerprint (as
-//! `torpor pod add ADDR --fingerprint SHA256` gives it). No CA is involved:
-//! whoever registers a pod has read its fingerprint from the pod's first
-//! start (or from `torpor pod fingerprint`).
+//! exactly one certificate, pinned by its SHA-256 fingerprint (a cluster
+//! pod announces it in its heartbeats; `torpor serve` makes its nested
+//! pod's identity itself; a CLI is given `--api-fingerprint`). No CA is
+//! involved.
 
 mod listener;
 
