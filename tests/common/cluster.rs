@@ -426,24 +426,12 @@ impl Drop for Cluster {
         if std::env::var_os("TORPOR_KEEP_SCRATCH").is_some() {
             return;
         }
-        // VMMs outlive their pod (their own process groups): those still
-        // running once the pods are stopped are ended too.
-        let vmms = self.vmms();
+        // `down` ends the pods' VMMs too (they outlive a stopped pod).
         let _ = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster"))
             .arg("down")
             .env("TORPOR_CLUSTER_DIR", &self.dir)
             .env("TORPOR_CLUSTER_PORT", self.port.to_string())
             .output();
-        for v in vmms {
-            let still = std::fs::read_to_string(format!("/proc/{}/stat", v.pid))
-                .is_ok_and(|s| s.contains("(torpor-vmm)"));
-            if still {
-                // SAFETY: a torpor-vmm of this cluster's pods (its log was
-                // in this cluster's directory a moment ago, its name still
-                // matches).
-                unsafe { libc::kill(v.pid as libc::pid_t, libc::SIGKILL) };
-            }
-        }
     }
 }
 
