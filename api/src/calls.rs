@@ -174,6 +174,27 @@ pub fn map_call<T, U>(call: GuestCall<T>, f: impl FnOnce(T) -> U) -> GuestCall<U
     }
 }
 
+/// One call on a sandbox's agent through `tunnel` (a backend's
+/// `with_guest`, which hands it the link to a remote agent): `call`'s value
+/// with the tunnel's outcome.
+pub fn through_tunnel<T>(
+    tunnel: impl FnOnce(
+        &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
+    ) -> Result<Outcome, ServiceError>,
+    call: impl FnOnce(&AgentLink) -> Result<T, GuestError>,
+) -> Result<GuestCall<T>, ServiceError> {
+    let mut call = Some(call);
+    let mut value = None;
+    let outcome = tunnel(&mut |link| {
+        if let Some(call) = call.take() {
+            value = Some(call(link)?);
+        }
+        Ok(())
+    })?;
+    let value = value.ok_or_else(|| ServiceError::Internal("the agent call did not run".into()))?;
+    Ok(GuestCall { outcome, value })
+}
+
 /// A backend answered `call` with another call's reply.
 fn mismatched(call: &str) -> ServiceError {
     ServiceError::Internal(format!("the backend answered a {call} with another reply"))

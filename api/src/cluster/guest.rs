@@ -239,17 +239,7 @@ impl Cluster {
         id: &SandboxId,
         call: impl FnOnce(&AgentLink) -> Result<T, GuestError>,
     ) -> Result<GuestCall<T>, ServiceError> {
-        let mut call = Some(call);
-        let mut value = None;
-        let outcome = self.tunnel(id, &mut |link| {
-            if let Some(call) = call.take() {
-                value = Some(call(link)?);
-            }
-            Ok(())
-        })?;
-        let value =
-            value.ok_or_else(|| ServiceError::Internal("the agent call did not run".into()))?;
-        Ok(GuestCall { outcome, value })
+        crate::calls::through_tunnel(|f| self.tunnel(id, f), call)
     }
 
     /// A command run through the tunnel (`/v1` exec is relayed to the pod

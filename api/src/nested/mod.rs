@@ -196,26 +196,6 @@ impl<L: SandboxApi> Nested<L> {
         Ok(entry)
     }
 
-    /// One agent call on nested sandbox `id` through the agent tunnel
-    /// (E2B's `/files`, which reaches these methods).
-    fn remote_guest<T>(
-        &self,
-        id: &SandboxId,
-        call: impl FnOnce(&AgentLink) -> Result<T, GuestError>,
-    ) -> Result<GuestCall<T>, ServiceError> {
-        let mut call = Some(call);
-        let mut value = None;
-        let outcome = self.with_guest(id, &mut |link| {
-            if let Some(call) = call.take() {
-                value = Some(call(link)?);
-            }
-            Ok(())
-        })?;
-        let value =
-            value.ok_or_else(|| ServiceError::Internal("the agent call did not run".into()))?;
-        Ok(GuestCall { outcome, value })
-    }
-
     /// Sends a create or fork to a nested pod; the sandbox it answers with
     /// becomes the pod's (with `secrets`, the envd token and environment
     /// the pod never shows) before returning its answer.
@@ -641,7 +621,7 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
         if self.remote_sandbox(id).is_none() {
             return self.local.files(id, op);
         }
-        self.remote_guest(id, |link| op.run(link))
+        crate::calls::through_tunnel(|f| self.with_guest(id, f), |link| op.run(link))
     }
     /// A remote sandbox's agent through its pod's agent tunnel.
     fn with_guest(
