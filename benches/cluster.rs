@@ -15,7 +15,7 @@
 //!
 //! `cargo bench --bench cluster [-- --secs S --threads T --samples N]`
 //! (defaults 5 s, 4 threads, 20 samples). Needs PostgreSQL and nats-server
-//! (`.ci/run` installs them); under `cargo test` (no `--bench`) nothing
+//! (`scripts/setup test` installs them); under `cargo test` (no `--bench`) nothing
 //! runs. The machine is shared: compare the columns of one run. Every
 //! process the bench starts is stopped at its end, also on a panic.
 

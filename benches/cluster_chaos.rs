@@ -12,7 +12,7 @@
 //! `cargo bench --bench cluster_chaos [-- --faults N --clients N --seed S
 //! --pause-ms LO,HI]`. `tests/cluster_chaos.rs` is the bounded version (10
 //! faults) `scripts/test` runs; under `cargo test` (no `--bench`) this
-//! prints how to run it. Needs PostgreSQL and nats-server (`.ci/run`
+//! prints how to run it. Needs PostgreSQL and nats-server (`scripts/setup test`
 //! installs them). Every process it starts is stopped at its end, also on
 //! a panic.
 

@@ -8,7 +8,7 @@
 //! the box: on this PVM host it runs in the nested host (QEMU/TCG), started
 //! on the first request, so absolute times are the nested host's and only
 //! the ratios carry over (both columns pay the same TCG cost). Needs the
-//! pinned SDK's venv (`.ci/run` makes it).
+//! pinned SDK's venv (`scripts/setup test` makes it).
 //!
 //! `cargo bench --bench e2b [-- --rounds N]` (default 5); under `cargo
 //! test` (no `--bench`) nothing runs: the nested host's start-up is minutes.
@@ -71,7 +71,7 @@ fn main() {
     let python = e2b_sdk::python();
     if !python.exists() {
         eprintln!(
-            "e2b bench: no SDK venv at {}: run .ci/run",
+            "e2b bench: no SDK venv at {}: run scripts/setup test",
             python.display()
         );
         std::process::exit(1);

@@ -351,7 +351,7 @@ pub struct VmmRunArgs {
     /// line on stderr.
     #[arg(long)]
     pub report: bool,
-    /// Run the VMM jailed as this uid (the default; see docs/design.md,
+    /// Run the VMM jailed as this uid (the default; see docs/vmm.md,
     /// "The jail"): own namespaces, `pivot_root` into a root holding only
     /// the paths it uses, no capabilities, a cgroup. The directories it
     /// writes in (control socket, console, overlay) must be writable by it.
@@ -434,22 +434,32 @@ pub struct ServiceFlags {
     pub record_trace: Option<PathBuf>,
     /// Give Linux sandboxes a network: a namespace each (torpor-sbx-N)
     /// with tap0, a veth to the host (10.200.0.0/16) and NAT; needs root,
-    /// `ip` and `nft`. Egress is open; see docs/design.md (Networking).
+    /// `ip` and `nft`. Egress is open but for the host, other sandboxes and
+    /// link-local; see docs/security.md (Egress model).
     #[arg(long)]
     pub sandbox_network: bool,
-    /// With --sandbox-network: sandboxes reach only their host and the
-    /// networks given with --allow-out.
+    /// With --sandbox-network: sandboxes reach only the networks and
+    /// domains given with --allow-out (and the DNS forwarder). A ceiling:
+    /// no tenant policy turns internet back on.
     #[arg(long, requires = "sandbox_network")]
     pub no_internet: bool,
     /// With --sandbox-network: a network (a.b.c.d/len) or domain name
-    /// sandboxes may reach; repeatable. The default of sandboxes created
-    /// without a `network` policy of their own.
+    /// sandboxes may reach; repeatable. The pod's policy is the default of
+    /// sandboxes created without a `network` policy of their own, and the
+    /// ceiling of those with one (tenants only narrow it).
     #[arg(long, value_name = "CIDR|DOMAIN", requires = "sandbox_network")]
     pub allow_out: Vec<String>,
     /// With --sandbox-network: a network or domain name sandboxes may not
-    /// reach (wins over --allow-out); repeatable.
+    /// reach (wins over --allow-out; no tenant policy removes it);
+    /// repeatable.
     #[arg(long, value_name = "CIDR|DOMAIN", requires = "sandbox_network")]
     pub deny_out: Vec<String>,
+    /// With --sandbox-network: a service on this host sandboxes may reach
+    /// (TCP and UDP), e.g. 10.200.0.1/32:3128; repeatable. Every other
+    /// address of the host is closed to sandboxes (the DNS forwarder
+    /// aside), as are other sandboxes and 169.254.0.0/16.
+    #[arg(long, value_name = "ADDR[/LEN]:PORT", requires = "sandbox_network")]
+    pub host_allow: Vec<String>,
     /// With --sandbox-network: the UDP port of the pod's DNS forwarder
     /// (guests' queries to their gateway go there); 0: no forwarder, and
     /// domain entries in policies never match.
@@ -531,13 +541,13 @@ pub struct ServeArgs {
     /// --cluster-create-grace-ms, a replica ends its operation as failed
     /// (503 `unavailable`) and its tenant's quota is free again.
     #[arg(long, value_name = "MS",
-          default_value_t = torpor_api::cluster::expiry::DEFAULT_START.as_millis() as u64)]
+          default_value_t = torpor_cluster::expiry::DEFAULT_START.as_millis() as u64)]
     pub cluster_create_start_ms: u64,
     /// In a cluster: how long after its start deadline a create may still
     /// run (more than a create takes once started) before it is ended as
     /// failed; a pod deletes a create it finished past it.
     #[arg(long, value_name = "MS",
-          default_value_t = torpor_api::cluster::expiry::DEFAULT_GRACE.as_millis() as u64)]
+          default_value_t = torpor_cluster::expiry::DEFAULT_GRACE.as_millis() as u64)]
     pub cluster_create_grace_ms: u64,
     /// Serve the API over TLS with a self-signed certificate made on first
     /// start in DATA_DIR/tls (its fingerprint is printed; clients pin it

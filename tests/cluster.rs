@@ -701,7 +701,7 @@ fn cluster_templates_are_the_pods_tenant_filtered() {
 }
 
 /// A create placed on a pod that died holds its tenant's quota only until
-/// its deadlines (`api/src/cluster/expiry.rs`): then it reads failed (503
+/// its deadlines (`cluster/src/expiry.rs`): then it reads failed (503
 /// `unavailable`), the quota is free, and the pod, back, does not run it.
 #[test]
 fn cluster_create_on_a_dead_pod_frees_its_quota() {
@@ -886,6 +886,6 @@ fn cluster_wakes_are_admitted_in_postgresql_across_replicas() {
 
 /// The schema version a replica of this build migrates to.
 fn latest_schema() -> String {
-    let (version, _) = torpor_api::cluster::db::MIGRATIONS.last().unwrap();
+    let (version, _) = torpor_cluster::db::MIGRATIONS.last().unwrap();
     version.to_string()
 }

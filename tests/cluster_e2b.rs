@@ -257,7 +257,7 @@ fn cluster_serves_e2b_and_envd_on_any_replica() {
     // envd through replica 2 on the sandbox made through replica 1: its
     // token checked there; the probe has no agent (its pod's catalog
     // says), refused as embedded serve refuses it, without a wake.
-    let health = request_with(&two, "GET", "/health", &[("E2b-Sandbox-Id", &id)], None);
+    let health = request_with(&two, "GET", "/health", &envd_headers(&id, &token), None);
     assert_eq!(health.status, 204, "{}", health.body);
     let stat = "/filesystem.Filesystem/Stat";
     let json = ("Content-Type", "application/json");
@@ -485,12 +485,12 @@ fn sdk_control_planes_on_a_cluster() {
     use common::e2b::{node_modules, python, run_script, Sdk};
     assert!(
         python().exists(),
-        "the e2b venv is missing ({}): run .ci/run",
+        "the e2b venv is missing ({}): run scripts/setup test",
         python().display()
     );
     assert!(
         node_modules().join("e2b/package.json").exists(),
-        "npm e2b is missing ({}): run .ci/run",
+        "npm e2b is missing ({}): run scripts/setup test",
         node_modules().display()
     );
     let c = Cluster::up("e2b-sdk");

@@ -1,7 +1,7 @@
 //! Templates in the cluster (`scripts/cluster` on loopback, as
 //! tests/cluster.rs): built on a pod through its work queue by any
 //! replica, read from the pods' catalogs in PostgreSQL by any replica, and
-//! deleted on the pods that list them (`api/src/cluster/templates.rs`).
+//! deleted on the pods that list them (`cluster/src/templates.rs`).
 //! Needs postgres and nats-server (tests/needs leaves it out without them).
 
 use common::cluster::{as_token, finished, stored_sandboxes, tenant_token, Cluster};
@@ -271,7 +271,7 @@ fn builds_are_admitted_in_postgresql(c: &Cluster) {
 }
 
 /// The catalog changes a build's or a delete's result records
-/// (`api/src/cluster/catalog.rs`, schema version 8), applied by
+/// (`cluster/src/catalog.rs`, schema version 8), applied by
 /// PostgreSQL's `torpor_catalog*` functions over what a heartbeat lists:
 /// checked on the cluster's own database.
 fn check_catalog_changes(c: &Cluster) {
@@ -318,7 +318,7 @@ fn pod_images(c: &Cluster, n: u16) -> Vec<String> {
         .collect()
 }
 
-/// The images index (`api/src/cluster/images.rs`): an image uploaded
+/// The images index (`cluster/src/images.rs`): an image uploaded
 /// through a replica is streamed to the pod named and stays on its disk;
 /// PostgreSQL lists it from that pod's heartbeats, so any replica lists it
 /// and a Linux template's build goes to the pod that has it; a delete

@@ -701,13 +701,20 @@ fn envd_health_and_connect_errors() {
     use torpor_api::e2b::envd::envelope::Envelope;
     let data = DataDir::new("e2b-envd");
     let s = E2b::start(&data.0, &[]);
-    let id = id_of(&s.create(r#"{"templateID":"probe","timeout":300}"#));
+    let created = s.create(r#"{"templateID":"probe","timeout":300}"#);
+    let id = id_of(&created);
+    let token = created["envdAccessToken"].as_str().unwrap().to_string();
+    // Health answers the sandbox's own callers (its envd token, as the
+    // SDKs send it); to anyone else it is as unknown (502).
     let health = |sandbox: Option<&str>| {
-        let headers: Vec<(&str, &str)> =
+        let mut headers: Vec<(&str, &str)> =
             sandbox.map(|v| ("E2b-Sandbox-Id", v)).into_iter().collect();
+        headers.push(("X-Access-Token", &token));
         request_with(&s.addr, "GET", "/health", &headers, None)
     };
     assert_eq!(health(Some(&id)).status, 204);
+    let anonymous = request_with(&s.addr, "GET", "/health", &[("E2b-Sandbox-Id", &id)], None);
+    assert_e2b_error(&anonymous, 502);
     s.expect(204, "POST", &format!("/sandboxes/{id}/pause"), None);
     assert_e2b_error(&health(Some(&id)), 502);
     assert_eq!(

@@ -1,6 +1,6 @@
 //! The E2B control plane through the real, pinned E2B SDKs, Python
 //! (`tests/e2b/requirements.txt`) and JS (`tests/e2b/package.json`), each
-//! installed by `.ci/run` outside the repository:
+//! installed by `scripts/setup test` outside the repository:
 //! `tests/e2b/sdk_control.py` and `tests/e2b/sdk_control.mjs` against
 //! `torpor serve` on loopback with the probe template: create, get_info, set_timeout,
 //! metrics, list with a metadata filter and paging, pause (hibernation) →
@@ -42,7 +42,7 @@ fn run_against_serve(name: &str, sdk: Sdk, script: &str) {
 fn python_sdk_control_plane() {
     assert!(
         python().exists(),
-        "the e2b venv is missing ({}): run .ci/run",
+        "the e2b venv is missing ({}): run scripts/setup test",
         python().display()
     );
     run_against_serve("e2b-sdk-py", Sdk::Python, "sdk_control.py");
@@ -52,7 +52,7 @@ fn python_sdk_control_plane() {
 fn js_sdk_control_plane() {
     assert!(
         node_modules().join("e2b/package.json").exists(),
-        "npm e2b is missing ({}): run .ci/run",
+        "npm e2b is missing ({}): run scripts/setup test",
         node_modules().display()
     );
     run_against_serve("e2b-sdk-js", Sdk::Js, "sdk_control.mjs");

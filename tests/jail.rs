@@ -1,4 +1,4 @@
-//! Every VMM the service starts is jailed (docs/design.md, "The jail"):
+//! Every VMM the service starts is jailed (docs/vmm.md, "The jail"):
 //! seen from outside, through /proc, it runs as its own non-zero uid with
 //! no capability and no_new_privs, in mount, pid, net, ipc and uts
 //! namespaces of its own, with a root holding only its jail's files, in a
@@ -370,5 +370,259 @@ fn a_guest_over_its_memory_limit_is_oom_killed_alone() {
     assert_eq!(bystander.state, SandboxState::Running);
     guest_runs(&data, bystander.id.as_str());
     service.delete_sandbox(&bystander.id).unwrap();
+    service.close();
+}
+
+/// Owner, group and mode of `path` (not following a link).
+fn owner_mode(path: &Path) -> (u32, u32, u32) {
+    let m = std::fs::symlink_metadata(path).unwrap();
+    (m.uid(), m.gid(), m.mode() & 0o7777)
+}
+
+/// Attack 4 of issue 24: the jailed VMM writes `lineage.json`, so a
+/// compromised one can name another sandbox's directory as a layer of its
+/// snapshot. The service checks the chain against the sandbox's own
+/// directory and the layers the store knows for it before it seals or
+/// mounts anything: the wake fails with `bad_snapshot` naming the layer,
+/// and the victim's files keep their owner and mode (another sandbox's,
+/// 0700: unreadable to the attacker) and it hibernates and wakes as before.
+#[test]
+fn a_forged_lineage_is_refused() {
+    use torpor_scheduler::service::ServiceError;
+    use torpor_vmm_api::lineage::{Lineage, LINEAGE_FILE};
+    use torpor_vmm_api::ErrorKind;
+    if !root() {
+        return;
+    }
+    let data = DataDir::new("jail-lineage");
+    let service = service(&data, 0, JailConfig::default(), 0);
+    let sandboxes = data_path(&data).join("sandboxes");
+    let victim = create(&service, "probe");
+    let attacker = create(&service, "probe");
+    for s in [&victim, &attacker] {
+        service.hibernate(&s.id).expect("hibernate");
+    }
+    let victim_dir = sandboxes.join(victim.id.as_str());
+    let victim_layer = service.get_sandbox(&victim.id).unwrap().snapshot.unwrap();
+    let attacker_dir = sandboxes.join(attacker.id.as_str());
+    let layer = service.get_sandbox(&attacker.id).unwrap().snapshot.unwrap();
+    let honest = Lineage::read(&layer).unwrap();
+    let record = layer.join(LINEAGE_FILE);
+    let honest_text = std::fs::read(&record).unwrap();
+    let before = [&victim_dir, &victim_layer].map(|p| owner_mode(p));
+    assert_ne!(before[0].0, 0, "the victim's directory is its VMM's uid's");
+
+    let link = attacker_dir.join("evil");
+    std::os::unix::fs::symlink(&victim_layer, &link).unwrap();
+    let dotted = PathBuf::from(format!(
+        "{}/../{}/{}",
+        attacker_dir.display(),
+        victim.id,
+        victim_layer.file_name().unwrap().to_string_lossy()
+    ));
+    // Each forged layer goes where the attacker's chain has its base.
+    for forged in [
+        victim_layer.clone(),
+        victim_dir.clone(),
+        dotted.clone(),
+        link.clone(),
+    ] {
+        let mut layers = honest.layers.clone();
+        layers.insert(layers.len() - 1, forged.clone());
+        let text = serde_json::json!({ "version": 1, "layers": layers }).to_string();
+        std::fs::write(&record, text).unwrap();
+        let e = service
+            .resume(&attacker.id)
+            .expect_err("a forged chain wakes");
+        let ServiceError::Vm(vm) = &e else {
+            panic!("{}: not a VMM error: {e:?}", forged.display())
+        };
+        assert_eq!(vm.kind, ErrorKind::BadSnapshot, "{e}");
+        assert_eq!(vm.layer.as_deref(), Some(forged.as_path()), "{e}");
+        assert!(e.to_string().contains(&forged.display().to_string()), "{e}");
+        let after = service.get_sandbox(&attacker.id).unwrap();
+        assert_eq!(after.state, SandboxState::Hibernated, "{e}");
+        assert!(after.vmm.is_none());
+        // A checkpoint of the hibernated sandbox reads the same chain.
+        let ckpt = service.create_checkpoint(
+            &attacker.id,
+            torpor_scheduler::service::CreateCheckpoint { name: "c".into() },
+        );
+        assert!(ckpt.is_err(), "a checkpoint took a forged chain");
+        assert_eq!(
+            [&victim_dir, &victim_layer].map(|p| owner_mode(p)),
+            before,
+            "{}: the victim's files changed",
+            forged.display()
+        );
+    }
+    // The record itself a link to the victim's.
+    std::fs::remove_file(&record).unwrap();
+    std::os::unix::fs::symlink(victim_layer.join(LINEAGE_FILE), &record).unwrap();
+    let e = service
+        .resume(&attacker.id)
+        .expect_err("a linked record wakes");
+    assert!(
+        matches!(&e, ServiceError::Vm(vm) if vm.kind == ErrorKind::BadSnapshot),
+        "{e:?}"
+    );
+    assert_eq!([&victim_dir, &victim_layer].map(|p| owner_mode(p)), before);
+
+    // The honest record wakes the attacker; the victim is untouched and
+    // goes on hibernating and waking.
+    std::fs::remove_file(&record).unwrap();
+    std::fs::remove_file(&link).unwrap();
+    std::fs::write(&record, &honest_text).unwrap();
+    service
+        .resume(&attacker.id)
+        .expect("the honest chain wakes");
+    service.resume(&victim.id).expect("the victim wakes");
+    guest_runs(&data, victim.id.as_str());
+    service
+        .hibernate(&victim.id)
+        .expect("the victim hibernates");
+    service.resume(&victim.id).expect("the victim wakes again");
+    service.delete_sandbox(&attacker.id).unwrap();
+    service.delete_sandbox(&victim.id).unwrap();
+    service.close();
+}
+
+/// Owner, group, mode and change time of every file and directory in the
+/// layers `layers` (not following links).
+fn stamps(layers: &[PathBuf]) -> Vec<(PathBuf, u32, u32, u32, i64, i64)> {
+    fn walk(p: &Path, out: &mut Vec<(PathBuf, u32, u32, u32, i64, i64)>) {
+        let m = std::fs::symlink_metadata(p).unwrap();
+        out.push((
+            p.to_path_buf(),
+            m.uid(),
+            m.gid(),
+            m.mode() & 0o7777,
+            m.ctime(),
+            m.ctime_nsec(),
+        ));
+        if m.is_dir() {
+            let mut entries: Vec<_> = std::fs::read_dir(p)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .collect();
+            entries.sort();
+            for e in entries {
+                walk(&e, out);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for l in layers {
+        walk(l, &mut out);
+    }
+    out
+}
+
+/// The layers of `sandbox`'s snapshot that are outside its own directory.
+fn outside_layers(data: &DataDir, service: &Service, sandbox: &Sandbox) -> Vec<PathBuf> {
+    let own = data_path(data).join("sandboxes").join(sandbox.id.as_str());
+    let snapshot = service.get_sandbox(&sandbox.id).unwrap().snapshot.unwrap();
+    torpor_vmm_api::lineage::Lineage::read(&snapshot)
+        .unwrap()
+        .layers
+        .into_iter()
+        .filter(|l| !l.starts_with(&own))
+        .collect()
+}
+
+/// Issue 24: a wake changes no owner or mode outside the waking sandbox's
+/// own directory. The layers a fork sits on (its source's checkpoint) and
+/// those of a snapshot made a template (the source's layers, the probe
+/// template's snapshot) are sealed when they become shared (the fork, the
+/// template); a wake of the fork or of a sandbox made from the template
+/// only checks them. They are left sealed but not as sealing leaves them
+/// (0555/0444), so a wake that sealed them would show in their modes and
+/// change times. One that is not sealed (another owner) fails the wake
+/// with `bad_snapshot` naming it, and is not changed either.
+#[test]
+fn a_wake_changes_nothing_outside_its_own_directory() {
+    use std::os::unix::fs::PermissionsExt;
+    use torpor_scheduler::service::{
+        CreateCheckpoint, ForkSandbox, ServiceError, TemplateFromSandbox,
+    };
+    use torpor_vmm_api::ErrorKind;
+    if !root() {
+        return;
+    }
+    let data = DataDir::new("jail-shared");
+    let service = service(&data, 0, JailConfig::default(), 0);
+    let source = create(&service, "probe");
+    service
+        .create_checkpoint(&source.id, CreateCheckpoint { name: "c".into() })
+        .expect("checkpoint");
+    let fork = service
+        .fork_sandbox(
+            &source.id,
+            ForkSandbox {
+                checkpoint: Some("c".into()),
+                ..Default::default()
+            },
+        )
+        .expect("fork");
+    let template = service
+        .template_from_sandbox(&source.id, TemplateFromSandbox::default())
+        .expect("snapshot as a template");
+    let child = create(&service, template.id.as_str());
+    for s in [&fork, &child] {
+        service.hibernate(&s.id).expect("hibernate");
+    }
+    let set = |p: &Path, mode: u32| {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap()
+    };
+    // Sealed when shared.
+    for s in [&fork, &child] {
+        let outside = outside_layers(&data, &service, s);
+        assert!(outside.len() >= 2, "{outside:?}");
+        for (path, uid, gid, mode, ..) in stamps(&outside) {
+            let want = if path.is_dir() { 0o755 } else { 0o644 };
+            assert_eq!((uid, gid, mode), (0, 0, want), "{}", path.display());
+        }
+    }
+    for s in [&fork, &child] {
+        let outside = outside_layers(&data, &service, s);
+        for (path, ..) in stamps(&outside) {
+            set(&path, if path.is_dir() { 0o555 } else { 0o444 });
+        }
+        let before = stamps(&outside);
+        service.resume(&s.id).expect("wake");
+        guest_runs(&data, s.id.as_str());
+        assert_eq!(stamps(&outside), before, "a wake changed a shared layer");
+        service.hibernate(&s.id).expect("hibernate again");
+    }
+
+    // A shared layer that is not sealed: the wake fails, naming it, and
+    // leaves it as it is.
+    let outside = outside_layers(&data, &service, &fork);
+    let file = outside
+        .iter()
+        .map(|l| l.join("state"))
+        .find(|f| f.exists())
+        .expect("a layer with a state file");
+    std::os::unix::fs::lchown(&file, Some(4242), Some(4242)).unwrap();
+    let before = stamps(&outside);
+    let e = service
+        .resume(&fork.id)
+        .expect_err("a wake on an unsealed layer");
+    let ServiceError::Vm(vm) = &e else {
+        panic!("not a VMM error: {e:?}")
+    };
+    assert_eq!(vm.kind, ErrorKind::BadSnapshot, "{e}");
+    assert_eq!(vm.layer.as_deref(), Some(file.as_path()), "{e}");
+    assert!(e.to_string().contains("not sealed"), "{e}");
+    assert_eq!(stamps(&outside), before, "a refused wake changed a layer");
+    assert_eq!(
+        service.get_sandbox(&fork.id).unwrap().state,
+        SandboxState::Hibernated
+    );
+    std::os::unix::fs::lchown(&file, Some(0), Some(0)).unwrap();
+    service.resume(&fork.id).expect("wake once sealed");
+    for s in [&fork, &child, &source] {
+        service.delete_sandbox(&s.id).unwrap();
+    }
     service.close();
 }

@@ -12,10 +12,10 @@ use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::netns::{deliver, guest_for, ip, needs_root_and_nft, Ns};
-use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
+use common::netns::{blocked, deliver, guest_for, ip, needs_root_and_nft, outside, resolve, Ns};
+use hickory_proto::op::{Message, OpCode, Query, ResponseCode};
 use hickory_proto::rr::rdata::A;
 use hickory_proto::rr::{Name, RData, Record, RecordType};
 use torpor_scheduler::net::dns::{DnsConfig, Forwarder};
@@ -95,31 +95,6 @@ impl Drop for Upstream {
     }
 }
 
-/// Asks the guest's resolver (its gateway, as the rootfs's resolv.conf
-/// says) for `name`, retrying until an answer comes (the first query may
-/// meet ARP being resolved).
-fn resolve(sock: &UdpSocket, name: &str) -> Message {
-    sock.set_read_timeout(Some(Duration::from_millis(200)))
-        .unwrap();
-    let mut query = Message::query();
-    query.metadata.message_type = MessageType::Query;
-    query.metadata.recursion_desired = true;
-    query.add_query(Query::query(Name::from_ascii(name).unwrap(), RecordType::A));
-    let bytes = query.to_vec().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        sock.send_to(&bytes, "172.16.0.1:53").unwrap();
-        let mut buf = [0u8; 1500];
-        if let Ok(n) = sock.recv(&mut buf) {
-            let reply = Message::from_vec(&buf[..n]).unwrap();
-            if reply.metadata.id == query.metadata.id {
-                return reply;
-            }
-        }
-        assert!(Instant::now() < deadline, "no answer for {name}");
-    }
-}
-
 fn a_records(m: &Message) -> Vec<Ipv4Addr> {
     m.answers
         .iter()
@@ -128,20 +103,6 @@ fn a_records(m: &Message) -> Vec<Ipv4Addr> {
             _ => None,
         })
         .collect()
-}
-
-/// Sends datagrams for a while; true if none arrived.
-fn blocked(send: impl Fn(), sock: &UdpSocket) -> bool {
-    sock.set_read_timeout(Some(Duration::from_millis(100)))
-        .unwrap();
-    for _ in 0..5 {
-        send();
-        let mut buf = [0u8; 64];
-        if sock.recv_from(&mut buf).is_ok() {
-            return false;
-        }
-    }
-    true
 }
 
 /// Where the test's exposed port goes: the sandbox's address; counts the
@@ -164,8 +125,16 @@ fn domains_open_and_close_through_the_dns_forwarder_and_ports_forward() {
     let tag = format!("{:x}", std::process::id() & 0xffff);
     let host = Ns::new(format!("tnp-host-{tag}"));
     host.ip(&["link", "set", "lo", "up"]);
-    // An address for denied.test, on the host namespace's loopback.
-    host.ip(&["addr", "add", "10.99.0.9/32", "dev", "lo"]);
+    // Beyond the host (sandboxes never reach the host's own addresses):
+    // allowed.test is 10.98.4.2, denied.test 10.99.0.9.
+    let world = outside(
+        &host,
+        format!("tnp-out-{tag}"),
+        &format!("p{tag}o"),
+        "10.98.4",
+        &["10.99.0.9"],
+    );
+    let allowed_addr = Ipv4Addr::new(10, 98, 4, 2);
     let manager = Arc::new(
         NetManager::new(NetConfig {
             netns_prefix: format!("tnp-{tag}-"),
@@ -174,6 +143,7 @@ fn domains_open_and_close_through_the_dns_forwarder_and_ports_forward() {
             host_netns: Some(host.0.clone()),
             pool: "10.204.0.0/24".parse().unwrap(),
             dns_port: Some(DNS_PORT),
+            host_allow: Vec::new(),
         })
         .unwrap(),
     );
@@ -191,15 +161,15 @@ fn domains_open_and_close_through_the_dns_forwarder_and_ports_forward() {
     // host namespace.
     let upstream_sock = host.enter(|| UdpSocket::bind("127.0.0.1:0").unwrap());
     let upstream_addr = upstream_sock.local_addr().unwrap();
-    let upstream = Upstream::start(upstream_sock, net.host_addr, Ipv4Addr::new(10, 99, 0, 9));
+    let upstream = Upstream::start(upstream_sock, allowed_addr, Ipv4Addr::new(10, 99, 0, 9));
     let forwarder =
         Forwarder::start(manager.clone(), DnsConfig::new(DNS_PORT, upstream_addr)).unwrap();
 
-    // A host server on the host end of the sandbox's link (what
-    // allowed.test resolves to) and one on denied.test's address.
+    // A server on what allowed.test resolves to and on denied.test's
+    // address.
     let server =
-        host.enter(|| UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 9000)).unwrap());
-    let allowed_dst = SocketAddrV4::new(net.host_addr, 9000);
+        world.enter(|| UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 9000)).unwrap());
+    let allowed_dst = SocketAddrV4::new(allowed_addr, 9000);
     let denied_dst = SocketAddrV4::new(Ipv4Addr::new(10, 99, 0, 9), 9000);
     let g = guest.ns.enter(|| UdpSocket::bind("0.0.0.0:0").unwrap());
     let dns = guest.ns.enter(|| UdpSocket::bind("0.0.0.0:0").unwrap());
@@ -212,12 +182,34 @@ fn domains_open_and_close_through_the_dns_forwarder_and_ports_forward() {
     // 2. Resolving the allowed domain (a name under it) opens its address.
     let reply = resolve(&dns, "www.allowed.test.");
     assert_eq!(reply.metadata.response_code, ResponseCode::NoError);
-    assert_eq!(a_records(&reply), vec![net.host_addr]);
-    let from = deliver(|| drop(g.send_to(b"open", allowed_dst)), &server, b"open");
-    assert_eq!(*from.ip(), net.sandbox_addr);
+    assert_eq!(a_records(&reply), vec![allowed_addr]);
+    deliver(|| drop(g.send_to(b"open", allowed_dst)), &server, b"open");
 
-    // 3. A denied domain is REFUSED, and its address is closed even to a
-    //    guest that knows it.
+    // 3. With internet off, a denied name and one neither allowed nor
+    //    denied are REFUSED without asking upstream (a name is a channel
+    //    out).
+    let asked = upstream.answered.load(Ordering::Relaxed);
+    for name in ["denied.test.", "other.example."] {
+        let reply = resolve(&dns, name);
+        assert_eq!(
+            reply.metadata.response_code,
+            ResponseCode::Refused,
+            "{name}"
+        );
+        assert!(a_records(&reply).is_empty());
+    }
+    assert_eq!(
+        upstream.answered.load(Ordering::Relaxed),
+        asked,
+        "not asked"
+    );
+    // With internet on, a denied domain is resolved so that its address
+    // is closed even to a guest that knows it, and still REFUSED.
+    let open = EgressPolicy {
+        allow_internet: true,
+        ..policy.clone()
+    };
+    manager.set_policy(&net, &open).unwrap();
     let reply = resolve(&dns, "denied.test.");
     assert_eq!(reply.metadata.response_code, ResponseCode::Refused);
     assert!(a_records(&reply).is_empty());
@@ -237,15 +229,16 @@ fn domains_open_and_close_through_the_dns_forwarder_and_ports_forward() {
     // Names neither allowed nor denied are answered as upstream says.
     let reply = resolve(&dns, "other.example.");
     assert_eq!(reply.metadata.response_code, ResponseCode::NXDomain);
+    manager.set_policy(&net, &policy).unwrap();
     // A repeated question is answered from the cache.
     let asked = upstream.answered.load(Ordering::Relaxed);
     let reply = resolve(&dns, "www.allowed.test.");
-    assert_eq!(a_records(&reply), vec![net.host_addr]);
+    assert_eq!(a_records(&reply), vec![allowed_addr]);
     assert_eq!(upstream.answered.load(Ordering::Relaxed), asked, "cached");
 
     // 4. At run time, a deny CIDR wins over the allowed domain's address.
     let closed = PolicyPatch {
-        deny_out: Some(vec![format!("{}/32", net.host_addr).parse().unwrap()]),
+        deny_out: Some(vec![format!("{allowed_addr}/32").parse().unwrap()]),
         ..PolicyPatch::default()
     }
     .apply(&policy)

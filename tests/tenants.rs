@@ -39,13 +39,7 @@ impl Serve {
             .copied()
             .collect();
         let process = ServeProcess::start(data, &args);
-        let admin = process
-            .banner
-            .iter()
-            .find_map(|l| l.split("admin token: ").nth(1))
-            .unwrap_or_else(|| panic!("no admin token printed: {:?}", process.banner))
-            .trim()
-            .to_string();
+        let admin = process.first_admin_token();
         Serve { process, admin }
     }
 
@@ -547,4 +541,200 @@ fn a_fork_count_is_admitted_all_or_none() {
     assert_eq!(ids(&s.ok(&a, "GET", "/v1/sandboxes", None)).len(), 3);
     let r = s.call(&a, "POST", &fork, Some(json!({})));
     assert_eq!(r.status, 429, "{}", r.body);
+}
+
+/// Attack 6 of issue 24: template names are per tenant. A tenant's
+/// template named like a shared one (`base`) made every other tenant's
+/// create from that name 404, and a 409 on another tenant's name told it
+/// that name exists.
+#[test]
+fn template_names_are_per_tenant() {
+    let data = DataDir::new("tenants-names");
+    let s = Serve::first_start(&data.0);
+    let acme = s.tenant("acme");
+    let evil = s.tenant("evil");
+    let build = |token: &str, name: &str| {
+        s.call(
+            token,
+            "POST",
+            "/v1/templates",
+            Some(json!({"name": name, "kind": "probe"})),
+        )
+    };
+    let built = |token: &str, name: &str| {
+        let r = build(token, name);
+        assert_eq!(r.status, 201, "{name}: {}", r.body);
+        r.json()["id"].as_str().unwrap().to_string()
+    };
+    let e2b = |key: &str, method: &str, path: &str, body: Option<Value>| {
+        let body = body.map(|b| b.to_string());
+        request_with(
+            &s.process.addr,
+            method,
+            path,
+            &[("X-API-KEY", key)],
+            body.as_deref(),
+        )
+    };
+    // `base`, the nested pod's shared template, is offered before it is
+    // built (on demand): no tenant takes its name, not even now.
+    let r = build(&evil, "base");
+    assert_eq!(
+        (r.status, code(&r).as_str()),
+        (409, "conflict"),
+        "{}",
+        r.body
+    );
+    assert!(r.body.contains("shared template"), "{}", r.body);
+    // A name evil took before the admin built a shared one (`team`, as
+    // `base` would be on a host where it came later): acme's creates from
+    // it, on /v1 and E2B's, are the shared one's.
+    let evil_base = built(&evil, "team");
+    let shared_base = built(&s.admin, "team");
+    let v1 = s.ok(
+        &acme,
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"template": "team"})),
+    );
+    assert_eq!(v1["template"], shared_base.as_str(), "{v1}");
+    let r = e2b(
+        &acme,
+        "POST",
+        "/v2/sandboxes",
+        Some(json!({"templateID": "team"})),
+    );
+    assert_eq!(r.status, 201, "{}", r.body);
+    let made = s.ok(
+        &acme,
+        "GET",
+        &format!("/v1/sandboxes/{}", r.json()["sandboxID"].as_str().unwrap()),
+        None,
+    );
+    assert_eq!(made["template"], shared_base.as_str(), "{made}");
+    // evil's own name is its own.
+    let own = s.ok(
+        &evil,
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"template": "team"})),
+    );
+    assert_eq!(own["template"], evil_base.as_str(), "{own}");
+
+    // A tenant cannot shadow a shared template: 409, saying so.
+    for name in ["team", "probe"] {
+        let r = build(&acme, name);
+        assert_eq!(
+            (r.status, code(&r).as_str()),
+            (409, "conflict"),
+            "{}",
+            r.body
+        );
+        assert!(r.body.contains("shared template"), "{}", r.body);
+    }
+    // Two tenants each have an `x`; a second `x` of one's own is 409.
+    let acme_x = built(&acme, "x");
+    let evil_x = built(&evil, "x");
+    assert_eq!(build(&evil, "x").status, 409);
+    // No 409 tells acme a name of evil's exists, nor a snapshot's.
+    built(&evil, "evil-secret");
+    built(&acme, "evil-secret");
+    let sandbox = v1["id"].as_str().unwrap();
+    let snap = |name: &str| {
+        s.call(
+            &acme,
+            "POST",
+            &format!("/v1/sandboxes/{sandbox}/template"),
+            Some(json!({ "name": name })),
+        )
+    };
+    assert_eq!(snap("x").status, 409, "acme's own x");
+    let r = snap("evil-only");
+    assert_eq!(r.status, 201, "{}", r.body);
+    assert_eq!(r.json()["tenant"], "acme", "{}", r.body);
+    built(&evil, "evil-only-2");
+    let r = e2b(
+        &acme,
+        "POST",
+        &format!("/sandboxes/{sandbox}/snapshots"),
+        Some(json!({"name": "evil-only-2"})),
+    );
+    assert_eq!(r.status, 201, "{}", r.body);
+
+    // Another tenant's template, by id or by name, is a missing one.
+    let r = s.call(&acme, "GET", &format!("/v1/templates/{acme_x}"), None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let missing = s.call(&acme, "GET", "/v1/templates/tpl_0000000000000000", None);
+    assert_eq!(missing.status, 404);
+    for path in [
+        format!("/v1/templates/{evil_x}"),
+        format!("/v1/templates/{evil_base}"),
+    ] {
+        let got = s.call(&acme, "GET", &path, None);
+        assert_eq!(
+            (got.status, code(&got).as_str()),
+            (404, "not_found"),
+            "{path}"
+        );
+        let deleted = s.call(&acme, "DELETE", &path, None);
+        assert_eq!(deleted.status, 404, "{path}: {}", deleted.body);
+    }
+    for template in [&evil_x, &evil_base] {
+        let r = s.call(
+            &acme,
+            "POST",
+            "/v1/sandboxes",
+            Some(json!({ "template": template })),
+        );
+        assert_eq!(r.status, 404, "{}", r.body);
+        let r = e2b(
+            &acme,
+            "POST",
+            "/v2/sandboxes",
+            Some(json!({ "templateID": template })),
+        );
+        assert_eq!(r.status, 404, "{}", r.body);
+        let r = e2b(&acme, "DELETE", &format!("/templates/{template}"), None);
+        assert_eq!(r.status, 404, "{}", r.body);
+    }
+    // Still there for evil; a shared one is read-only for tenants.
+    assert_eq!(
+        s.call(&evil, "GET", &format!("/v1/templates/{evil_x}"), None)
+            .status,
+        200
+    );
+    let r = s.call(
+        &evil,
+        "DELETE",
+        &format!("/v1/templates/{shared_base}"),
+        None,
+    );
+    assert_eq!(r.status, 403, "{}", r.body);
+    // A list shows a tenant its own and the shared ones only.
+    let listed = s.ok(&acme, "GET", "/v1/templates", None);
+    let listed: Vec<&str> = listed["templates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["id"].as_str().unwrap())
+        .collect();
+    assert!(listed.contains(&acme_x.as_str()) && listed.contains(&shared_base.as_str()));
+    assert!(!listed.contains(&evil_x.as_str()) && !listed.contains(&evil_base.as_str()));
+    // evil deletes its `team`; its create from `team` is the shared one's.
+    let r = s.call(
+        &evil,
+        "DELETE",
+        &format!("/v1/sandboxes/{}", own["id"].as_str().unwrap()),
+        None,
+    );
+    assert_eq!(r.status, 204, "{}", r.body);
+    let r = s.call(&evil, "DELETE", "/v1/templates/team", None);
+    assert_eq!(r.status, 204, "by name, its own: {}", r.body);
+    let again = s.ok(
+        &evil,
+        "POST",
+        "/v1/sandboxes",
+        Some(json!({"template": "team"})),
+    );
+    assert_eq!(again["template"], shared_base.as_str(), "{again}");
 }

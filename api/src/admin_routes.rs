@@ -35,8 +35,12 @@ fn tokens_error(e: TokensError) -> ApiError {
             tracing::error!(error = %e, "tokens file");
             ApiError::internal("the tokens file could not be written (the server's log has why)")
         }
+        TokensError::Taken => {
+            tracing::error!(error = %e, "a new token");
+            ApiError::internal("a new token could not be made; try again")
+        }
         // PostgreSQL down: 503 `unavailable`; a bad row: 500.
-        TokensError::Database(e) => ServiceError::from(e).into(),
+        TokensError::Store(e) => e.into(),
     }
 }
 

@@ -27,10 +27,10 @@ use torpor_scheduler::model::SandboxId;
 use torpor_scheduler::service::Dialer;
 
 use crate::backend::SandboxApi;
-use crate::client::Endpoint;
 use crate::error::ApiError;
-use crate::tls::{pinned_client_config, Fingerprint};
 use crate::AppState;
+use torpor_client::pin::{pinned_client_config, Fingerprint};
+use torpor_client::Endpoint;
 
 /// The `Upgrade` protocol name.
 pub const PROTOCOL: &str = "torpor-agent";
@@ -214,7 +214,7 @@ where
         let body = axum::body::to_bytes(Body::new(response.into_body()), 64 << 10)
             .await
             .unwrap_or_default();
-        let message = crate::client::error_fields(&body)
+        let message = torpor_client::error_fields(&body)
             .map(|(_, m)| crate::pods::sanitized(&m))
             .unwrap_or_default();
         let kind = if status == StatusCode::NOT_FOUND {

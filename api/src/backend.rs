@@ -398,13 +398,15 @@ impl SandboxApi for Service {
     fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
         Ok(match op {
             TemplateOp::List => TemplateReply::List(Service::list_templates(self)?),
-            TemplateOp::Get(id) => TemplateReply::one(Service::get_template(self, id)?),
+            TemplateOp::Get { key, owner } => {
+                TemplateReply::one(Service::resolve_template(self, owner, key)?)
+            }
             TemplateOp::Create(req) => {
                 not_here(&req.pod)?;
                 TemplateReply::one(Service::create_template(self, req)?)
             }
-            TemplateOp::Delete(id) => {
-                Service::delete_template(self, id)?;
+            TemplateOp::Delete { key, owner } => {
+                Service::delete_template_as(self, owner, key)?;
                 TemplateReply::Deleted
             }
         })

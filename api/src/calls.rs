@@ -13,16 +13,26 @@ use torpor_scheduler::service::guest::MAX_READ_BYTES;
 use crate::backend::SandboxApi;
 use crate::service::{
     AgentLink, Cancel, CreateCheckpoint, CreateTemplate, DirListing, ExecOutput, ExecRequest,
-    ExitReply, GuestCall, GuestError, Outcome, OutputKind, ServiceError,
+    ExitReply, GuestCall, GuestError, Outcome, OutputKind, Owner, ServiceError,
 };
 
-/// A template call (`/v1/templates`): [`SandboxApi::templates`].
+/// A template call (`/v1/templates`): [`SandboxApi::templates`]. A get
+/// or delete names its template by `key`, an id or a name, resolved for
+/// `owner` ([`torpor_scheduler::names`]: its own, then shared ones;
+/// another tenant's is not found); `owner: None` is the server's own
+/// read, which sees every template (deleted ones by id too).
 #[derive(Debug, Clone)]
 pub enum TemplateOp<'a> {
     List,
-    Get(&'a TemplateId),
+    Get {
+        key: &'a str,
+        owner: Option<&'a Owner>,
+    },
     Create(CreateTemplate),
-    Delete(&'a TemplateId),
+    Delete {
+        key: &'a str,
+        owner: Option<&'a Owner>,
+    },
 }
 
 /// A [`TemplateOp`]'s answer, the variant of its call.
@@ -224,11 +234,28 @@ pub trait SandboxCalls {
             _ => Err(mismatched("template list")),
         }
     }
+    /// Template `id`, whosever (the server's own read; a caller's is
+    /// [`SandboxCalls::resolve_template`]).
     fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError>
     where
         Self: SandboxApi,
     {
-        match self.templates(TemplateOp::Get(id))? {
+        self.template_get(None, id.as_str())
+    }
+    /// The template `key` (id or name) names for `owner`: its own, then a
+    /// shared one; another tenant's is not found.
+    fn resolve_template(&self, owner: &Owner, key: &str) -> Result<Template, ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        self.template_get(Some(owner), key)
+    }
+    /// The template `key` names for `owner` (none: the server's own read).
+    fn template_get(&self, owner: Option<&Owner>, key: &str) -> Result<Template, ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        match self.templates(TemplateOp::Get { key, owner })? {
             TemplateReply::One(t) => Ok(*t),
             _ => Err(mismatched("template get")),
         }
@@ -242,11 +269,14 @@ pub trait SandboxCalls {
             _ => Err(mismatched("template create")),
         }
     }
-    fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError>
+    /// Deletes the template `key` names for `owner` (none: the server's
+    /// own call): a tenant its own; a shared one is 403, another tenant's
+    /// not found.
+    fn delete_template(&self, owner: Option<&Owner>, key: &str) -> Result<(), ServiceError>
     where
         Self: SandboxApi,
     {
-        match self.templates(TemplateOp::Delete(id))? {
+        match self.templates(TemplateOp::Delete { key, owner })? {
             TemplateReply::Deleted => Ok(()),
             _ => Err(mismatched("template delete")),
         }

@@ -105,7 +105,7 @@ pub async fn fork<S: SandboxApi>(
     }
     let tenancy = st.tenancy.clone();
     let sandboxes = call(&st, move |s| {
-        // The route's layer admitted one fork (`tenancy::sandbox_guard`);
+        // The route's layer admitted one fork (`gate::sandbox`);
         // the others here, held until all are made. A backend admitting
         // its own (a cluster: all `count` at once, in PostgreSQL) has
         // neither.

@@ -275,6 +275,9 @@ impl From<ServiceError> for ApiError {
                 ApiError::new(StatusCode::CONFLICT, code::CONFLICT, message)
             }
             ServiceError::Invalid(_) => ApiError::invalid(message),
+            ServiceError::Forbidden(_) => {
+                ApiError::new(StatusCode::FORBIDDEN, code::FORBIDDEN, message)
+            }
             ServiceError::Unsupported(_) => {
                 ApiError::new(StatusCode::NOT_IMPLEMENTED, code::UNSUPPORTED, message)
             }

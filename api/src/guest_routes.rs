@@ -20,7 +20,7 @@ use std::task::{Context, Poll};
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Extension, Path, Query, State};
 use axum::http::header::{self, HeaderValue};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -268,18 +268,22 @@ impl futures_core::Stream for Lines {
 /// it runs the status is 200 and a failure is the stream's `error` line.
 pub async fn exec_stream<S: SandboxApi>(
     State(st): Api<S>,
+    Extension(p): Extension<crate::auth::Principal>,
     Path(id): Path<String>,
     crate::wire::ApiJson(body): crate::wire::ApiJson<ExecBody>,
 ) -> ApiResult<Response> {
     let req = body.into_request(MAX_OUTPUT_LIMIT)?;
     let id = SandboxId::new(id);
+    // A slot of the caller's tenant for as long as it streams, on a thread
+    // of its own (`crate::streams`).
+    let slot = st.tenancy.streams.take(&p.owner().tenant)?;
     let (tx, mut rx) = mpsc::channel::<Event>(64);
     let service = std::sync::Arc::clone(&st.service);
     // A client that goes away (before the first line, or while the body
     // streams) cancels the exec: the agent kills the command.
     let cancel = Cancel::default();
     let guard = cancel.on_drop();
-    tokio::task::spawn_blocking(move || {
+    crate::streams::run_long(slot, "exec", move || {
         let result = service.exec_streaming(
             &id,
             req,

@@ -8,7 +8,7 @@ use axum::http::header::{self, HeaderValue};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use torpor_scheduler::model::{PodId, SandboxId, SandboxState, TemplateId, TemplateState};
+use torpor_scheduler::model::{PodId, SandboxId, SandboxState, TemplateState};
 
 use crate::auth::{forbidden, Principal};
 use crate::backend::{Lifecycle, SandboxApi};
@@ -112,9 +112,9 @@ pub async fn metrics<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Response> {
 // Templates.
 
 /// Whether `p` sees a template entry: shared ones (no `tenant`) and its
-/// tenant's; an admin every one.
+/// tenant's; an admin every one ([`torpor_scheduler::names::visible`]).
 fn sees_template(p: &Principal, entry: &serde_json::Value) -> bool {
-    p.is_admin() || entry["tenant"].as_str().is_none_or(|t| t == p.tenant)
+    torpor_scheduler::names::visible(entry["tenant"].as_str(), Some(&p.owner()))
 }
 
 pub async fn list_templates<S: SandboxApi>(
@@ -156,7 +156,7 @@ pub async fn create_template<S: SandboxApi>(
         let _ticket = if s.admits_creates() {
             None
         } else {
-            crate::tenancy::admit(&tenancy, &p, Usage::sandbox(u64::from(body.mem_mib)))?
+            crate::tenancy::admit(&tenancy, &p, Usage::build(u64::from(body.mem_mib)))?
         };
         s.create_template(body)
     })
@@ -169,60 +169,26 @@ pub async fn create_template<S: SandboxApi>(
     ))
 }
 
-fn template_not_found(id: &TemplateId) -> ServiceError {
-    ServiceError::NotFound {
-        kind: "template",
-        id: id.to_string(),
-    }
-}
-
+/// `GET /v1/templates/{id}`: the template the id (or name) names for the
+/// caller: its own or a shared one; another tenant's, or a deleted one,
+/// is not found (the service's resolution, one place for every backend).
 pub async fn get_template<S: SandboxApi>(
     State(st): Api<S>,
     Extension(p): Extension<Principal>,
-    Path(id): Path<String>,
+    Path(key): Path<String>,
 ) -> ApiResult<Response> {
-    let id = TemplateId::new(id);
-    let template = call(&st, move |s| {
-        let t = s.get_template(&id)?;
-        // A deleted template's row stays for the sandboxes that named it;
-        // to the API it is gone, as a deleted sandbox is.
-        let visible = p.is_admin() || t.tenant.as_deref().is_none_or(|t| t == p.tenant);
-        if visible && t.state != TemplateState::Deleted {
-            Ok(t)
-        } else {
-            Err(template_not_found(&id))
-        }
-    })
-    .await?;
+    let template = call(&st, move |s| s.resolve_template(&p.owner(), &key)).await?;
     Ok(Json(template).into_response())
 }
 
+/// `DELETE /v1/templates/{id}`: a tenant deletes its own (a shared one is
+/// 403, another tenant's 404, as a missing one); an admin any.
 pub async fn delete_template<S: SandboxApi>(
     State(st): Api<S>,
     Extension(p): Extension<Principal>,
-    Path(id): Path<String>,
+    Path(key): Path<String>,
 ) -> ApiResult<StatusCode> {
-    let id = TemplateId::new(id);
-    call(&st, move |s| {
-        if !p.is_admin() {
-            // A tenant deletes its own templates; shared ones are read-only
-            // (their existence is no secret: 403), another tenant's absent.
-            let t = s.get_template(&id)?;
-            match t.tenant.as_deref() {
-                Some(owner) if owner == p.tenant => {}
-                Some(_) => return Err(template_not_found(&id)),
-                None => {
-                    return Err(ServiceError::Pod {
-                        status: 403,
-                        code: crate::error::code::FORBIDDEN.into(),
-                        message: "shared templates are read-only for tenants".into(),
-                    })
-                }
-            }
-        }
-        s.delete_template(&id)
-    })
-    .await?;
+    call(&st, move |s| s.delete_template(Some(&p.owner()), &key)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -236,8 +202,8 @@ pub async fn list_sandboxes<S: SandboxApi>(
     let Query(pairs) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
     let (pairs, paging) = Page::split(pairs)?;
     let mut filter = sandbox_filter(pairs)?;
-    if !p.is_admin() {
-        filter.tenant = Some(p.tenant.clone());
+    if !p.sees_all() {
+        filter.tenant = Some(p.owner().tenant);
     }
     let sandboxes = call(&st, move |s| s.list_sandboxes(filter)).await?;
     let (sandboxes, next) = page(sandboxes, &paging);

@@ -55,10 +55,9 @@ pub mod auth;
 pub mod backend;
 pub mod calls;
 mod checkpoint_routes;
-pub mod client;
-pub mod cluster;
 pub mod e2b;
 pub mod error;
+pub mod gate;
 pub mod guest_routes;
 mod handlers;
 pub mod nested;
@@ -69,6 +68,7 @@ pub mod pods;
 pub mod quota;
 pub mod request_context;
 pub mod service;
+pub mod streams;
 pub mod tenancy;
 pub mod tls;
 pub mod wire;
@@ -151,6 +151,17 @@ pub struct Route {
     pub operation: &'static str,
     pub auth: bool,
     pub admin: bool,
+    /// What the gate checks and admits before the handler ([`gate`]).
+    pub gate: gate::Gated,
+}
+
+impl Route {
+    /// The route's `{id}` is a sandbox, reached through the gate, which
+    /// admits `cost`.
+    pub(crate) const fn sandbox(mut self, cost: gate::Admit) -> Route {
+        self.gate = gate::Gated::Sandbox(cost);
+        self
+    }
 }
 
 pub(crate) const fn route(
@@ -164,6 +175,7 @@ pub(crate) const fn route(
         operation,
         auth: true,
         admin: false,
+        gate: gate::Gated::No,
     }
 }
 
@@ -175,6 +187,7 @@ const fn admin(method: &'static str, path: &'static str, operation: &'static str
         operation,
         auth: true,
         admin: true,
+        gate: gate::Gated::No,
     }
 }
 
@@ -185,6 +198,7 @@ const fn public(method: &'static str, path: &'static str, operation: &'static st
         operation,
         auth: false,
         admin: false,
+        gate: gate::Gated::No,
     }
 }
 
@@ -200,47 +214,53 @@ pub const ROUTES: &[Route] = &[
     route("DELETE", "/v1/templates/{id}", "deleteTemplate"),
     route("GET", "/v1/sandboxes", "listSandboxes"),
     route("POST", "/v1/sandboxes", "createSandbox"),
-    route("GET", "/v1/sandboxes/{id}", "getSandbox"),
-    route("PATCH", "/v1/sandboxes/{id}", "updateSandbox"),
-    route("DELETE", "/v1/sandboxes/{id}", "deleteSandbox"),
-    route("POST", "/v1/sandboxes/{id}/pause", "pauseSandbox"),
-    route("POST", "/v1/sandboxes/{id}/resume", "resumeSandbox"),
-    route("POST", "/v1/sandboxes/{id}/connect", "connectSandbox"),
-    route("POST", "/v1/sandboxes/{id}/hibernate", "hibernateSandbox"),
-    route("GET", "/v1/sandboxes/{id}/checkpoints", "listCheckpoints"),
-    route("POST", "/v1/sandboxes/{id}/checkpoints", "createCheckpoint"),
+    route("GET", "/v1/sandboxes/{id}", "getSandbox").sandbox(gate::Admit::Plain),
+    route("PATCH", "/v1/sandboxes/{id}", "updateSandbox").sandbox(gate::Admit::Plain),
+    route("DELETE", "/v1/sandboxes/{id}", "deleteSandbox").sandbox(gate::Admit::Plain),
+    route("POST", "/v1/sandboxes/{id}/pause", "pauseSandbox").sandbox(gate::Admit::Plain),
+    route("POST", "/v1/sandboxes/{id}/resume", "resumeSandbox").sandbox(gate::Admit::Resume),
+    route("POST", "/v1/sandboxes/{id}/connect", "connectSandbox").sandbox(gate::Admit::Resume),
+    route("POST", "/v1/sandboxes/{id}/hibernate", "hibernateSandbox").sandbox(gate::Admit::Plain),
+    route("GET", "/v1/sandboxes/{id}/checkpoints", "listCheckpoints").sandbox(gate::Admit::Plain),
+    route("POST", "/v1/sandboxes/{id}/checkpoints", "createCheckpoint")
+        .sandbox(gate::Admit::Snapshot),
     route(
         "DELETE",
         "/v1/sandboxes/{id}/checkpoints/{name}",
         "deleteCheckpoint",
-    ),
-    route("POST", "/v1/sandboxes/{id}/restore", "restoreSandbox"),
-    route("POST", "/v1/sandboxes/{id}/fork", "forkSandbox"),
-    route("POST", "/v1/sandboxes/{id}/template", "templateFromSandbox"),
-    route("POST", "/v1/sandboxes/{id}/exec", "execSandbox"),
+    )
+    .sandbox(gate::Admit::Plain),
+    route("POST", "/v1/sandboxes/{id}/restore", "restoreSandbox").sandbox(gate::Admit::Wake),
+    route("POST", "/v1/sandboxes/{id}/fork", "forkSandbox").sandbox(gate::Admit::Fork),
+    route("POST", "/v1/sandboxes/{id}/template", "templateFromSandbox")
+        .sandbox(gate::Admit::Template),
+    route("POST", "/v1/sandboxes/{id}/exec", "execSandbox").sandbox(gate::Admit::Exec),
     route(
         "POST",
         "/v1/sandboxes/{id}/exec/stream",
         "execSandboxStream",
-    ),
-    route("GET", "/v1/sandboxes/{id}/files", "readFile"),
-    route("PUT", "/v1/sandboxes/{id}/files", "writeFile"),
-    route("GET", "/v1/sandboxes/{id}/files/list", "listFiles"),
+    )
+    .sandbox(gate::Admit::Exec),
+    route("GET", "/v1/sandboxes/{id}/files", "readFile").sandbox(gate::Admit::Wake),
+    route("PUT", "/v1/sandboxes/{id}/files", "writeFile").sandbox(gate::Admit::Wake),
+    route("GET", "/v1/sandboxes/{id}/files/list", "listFiles").sandbox(gate::Admit::Wake),
     route(
         "PATCH",
         "/v1/sandboxes/{id}/network",
         "updateSandboxNetwork",
-    ),
-    route("GET", "/v1/sandboxes/{id}/ports", "listPorts"),
-    route("POST", "/v1/sandboxes/{id}/ports", "exposePort"),
+    )
+    .sandbox(gate::Admit::Plain),
+    route("GET", "/v1/sandboxes/{id}/ports", "listPorts").sandbox(gate::Admit::Plain),
+    route("POST", "/v1/sandboxes/{id}/ports", "exposePort").sandbox(gate::Admit::Plain),
     route(
         "DELETE",
         "/v1/sandboxes/{id}/ports/{guest_port}",
         "unexposePort",
-    ),
+    )
+    .sandbox(gate::Admit::Plain),
     // The agent protocol through a pod, for the API server in front of it
     // (pod token).
-    admin("POST", "/v1/sandboxes/{id}/agent", "agentTunnel"),
+    admin("POST", "/v1/sandboxes/{id}/agent", "agentTunnel").sandbox(gate::Admit::Plain),
     admin("GET", "/v1/pods", "listPods"),
     admin("PATCH", "/v1/pods/{id}", "updatePod"),
     route("GET", "/v1/images", "listImages"),
@@ -423,6 +443,10 @@ fn tenancy_of<S: SandboxApi>(service: &Arc<S>, config: &ApiConfig) -> tenancy::T
         auth: auth.clone(),
         quotas: Arc::new(quota::Quotas::default()),
         limiter: tenancy::Limiter::new(config.rate_limit),
+        streams: streams::Streams::new(
+            config.rate_limit.streams_per_tenant,
+            streams::DEFAULT_TOTAL,
+        ),
     }
 }
 
@@ -450,6 +474,14 @@ impl<S> Clone for Api<S> {
 impl<S: SandboxApi> Api<S> {
     pub fn new(service: Arc<S>, config: ApiConfig) -> Self {
         let tenancy = tenancy_of(&service, &config);
+        if let Some(pod) = service.service() {
+            // Traffic to an exposed port wakes through the gate too.
+            pod.set_wake_gate(Arc::new(gate::PortWakes {
+                service: Arc::downgrade(&service),
+                auth: tenancy.auth.clone(),
+                quotas: Arc::clone(&tenancy.quotas),
+            }));
+        }
         Api {
             service,
             config,
@@ -474,10 +506,10 @@ impl<S: SandboxApi> Api<S> {
                     pods::relay::forward::<S>,
                 ));
             }
-            if r.path.starts_with("/v1/sandboxes/{id}") {
+            if let gate::Gated::Sandbox(cost) = r.gate {
                 endpoint = endpoint.route_layer(middleware::from_fn_with_state(
-                    tenancy.clone(),
-                    tenancy::sandbox_guard::<S>,
+                    (tenancy.clone(), cost),
+                    gate::sandbox::<S>,
                 ));
             }
             if r.auth {

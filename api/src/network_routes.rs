@@ -28,7 +28,8 @@ pub struct ExposePort {
 }
 
 /// `PATCH /v1/sandboxes/{id}/network`: what is given replaces that part
-/// of the policy.
+/// of the policy, and the result is narrowed to the pod's policy (a
+/// ceiling: a tenant never widens it; the answer shows what holds).
 pub async fn update_policy<S: SandboxApi>(
     State(st): Api<S>,
     Path(id): Path<String>,

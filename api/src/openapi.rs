@@ -260,6 +260,28 @@ mod tests {
         assert_eq!(written, routed);
     }
 
+    /// A route the gate admits something for (a wake, a rate-limit slot,
+    /// snapshot disk) can answer 429: its document says so.
+    #[test]
+    fn every_admitted_route_documents_429() {
+        let d = doc();
+        for r in ROUTES {
+            if matches!(r.gate, crate::gate::Gated::Sandbox(crate::gate::Admit::Plain))
+                || r.gate == crate::gate::Gated::No
+            {
+                continue;
+            }
+            let op = &d["paths"][r.path][r.method.to_lowercase()];
+            assert!(
+                op["responses"]["429"].is_object(),
+                "{} {} ({}) is admitted by the gate but documents no 429",
+                r.method,
+                r.path,
+                r.operation
+            );
+        }
+    }
+
     /// `refine` only tightens a derived schema: every property it names
     /// is one of the type's.
     #[test]

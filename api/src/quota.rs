@@ -9,15 +9,16 @@
 //! across replicas (`cluster/admission.rs`), with [`usage_of`] and
 //! [`check`].
 //!
-//! Snapshot disk is counted as an upper bound: every hibernated sandbox and
-//! every checkpoint as its sandbox's memory size (a snapshot holds at most
-//! the guest's memory; diff layers hold less).
+//! Snapshot disk is counted as an upper bound: every hibernated sandbox,
+//! every checkpoint and every template of the tenant's (built, or made
+//! from a sandbox) as its memory size (a snapshot holds at most the
+//! guest's memory; diff layers hold less).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
-use torpor_scheduler::model::{Sandbox, SandboxState};
+use torpor_scheduler::model::{Sandbox, SandboxState, Template, TemplateState};
 use torpor_scheduler::store::admission::HOLDING_VMM;
 
 use crate::backend::{on_pod, Needs, SandboxApi};
@@ -91,6 +92,15 @@ impl Usage {
         }
     }
 
+    /// What a template build of `mem_mib` adds: a VM while it boots, and
+    /// the template's snapshot after.
+    pub fn build(mem_mib: u64) -> Usage {
+        Usage {
+            snapshot_disk_mib: mem_mib,
+            ..Usage::sandbox(mem_mib)
+        }
+    }
+
     /// What one more snapshot of `mem_mib` adds.
     pub fn snapshot(mem_mib: u64) -> Usage {
         Usage {
@@ -117,6 +127,17 @@ pub fn usage_of(sandboxes: &[Sandbox]) -> Usage {
         }
     }
     u
+}
+
+/// Snapshot disk of `tenant`'s templates (built, or made from its
+/// sandboxes: E2B's snapshots), each as its memory size (the same upper
+/// bound as a hibernated sandbox's).
+pub fn templates_disk(templates: &[Template], tenant: &str) -> u64 {
+    templates
+        .iter()
+        .filter(|t| t.state != TemplateState::Deleted && t.tenant.as_deref() == Some(tenant))
+        .map(|t| u64::from(t.mem_mib))
+        .sum()
 }
 
 /// A quota `used + asked` would exceed: 429 `quota_exceeded` naming it.
@@ -242,6 +263,7 @@ impl Quotas {
                     u.snapshot_disk_mib += list.len() as u64 * u64::from(s.mem_mib);
                 }
             }
+            u.snapshot_disk_mib += templates_disk(&service.list_templates()?, tenant);
         }
         Ok(u)
     }

@@ -7,7 +7,7 @@ pub use torpor_scheduler::service::guest::{
 };
 pub use torpor_scheduler::service::{
     check_lifetimes, Cancel, CreateCheckpoint, CreateSandbox, CreateTemplate, ForkSandbox,
-    GuestCall, GuestError, Outcome, PodView, RestoreCheckpoint, Service, ServiceError,
+    GuestCall, GuestError, Outcome, Owner, PodView, RestoreCheckpoint, Service, ServiceError,
     TemplateFromSandbox, MAX_FORK_COUNT, MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS,
 };
 pub use torpor_scheduler::store::SandboxFilter;

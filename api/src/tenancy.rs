@@ -1,11 +1,7 @@
-//! Tenancy on the routes: whose a sandbox is, what a tenant sees of an
-//! answer, and the per-token limits on expensive routes.
+//! Tenancy's means, which [`crate::gate`] applies: admission against a
+//! tenant's quotas, what a tenant sees of an answer, and the per-token
+//! limits on expensive routes.
 //!
-//! - [`sandbox_guard`] runs on every `/v1/sandboxes/{id}...` route, outside
-//!   the relay to another pod: another tenant's sandbox (or one that
-//!   does not exist) answers 404 `not_found` the same way, never 403; a
-//!   fork is admitted against the tenant's quotas, a checkpoint against its
-//!   snapshot disk; exec, checkpoint and fork pass the [`Limiter`].
 //! - [`redact`] removes host paths and process ids (`vmm`, `snapshot`,
 //!   `snapshot_dir`, `kernel`, `rootfs`) from a tenant's JSON answers;
 //!   admins see them (the `torpor` CLI shows them to operators).
@@ -19,18 +15,18 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::body::{to_bytes, Body};
-use axum::extract::{Request, State};
+use axum::extract::Request;
 use axum::http::header;
-use axum::http::{Method, StatusCode};
+use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
-use torpor_scheduler::model::{Sandbox, SandboxId, SandboxState};
+use torpor_scheduler::model::{Sandbox, SandboxState};
 
 use crate::auth::{Auth, Principal};
 use crate::backend::SandboxApi;
 use crate::error::{code, ApiError};
-use crate::quota::{Quota, Quotas, Ticket, Usage};
+use crate::quota::{Quotas, Ticket, Usage};
 use crate::service::ServiceError;
 
 /// Per-token limits on expensive routes (create, exec, checkpoint, fork,
@@ -43,6 +39,9 @@ pub struct RateLimit {
     pub per_second: f64,
     /// Requests a token may make at once after being idle.
     pub burst: u32,
+    /// Long requests (exec and envd streams) a tenant may hold open at
+    /// once ([`crate::streams`]).
+    pub streams_per_tenant: usize,
 }
 
 impl Default for RateLimit {
@@ -51,6 +50,7 @@ impl Default for RateLimit {
             concurrent: 16,
             per_second: 10.0,
             burst: 40,
+            streams_per_tenant: crate::streams::DEFAULT_PER_TENANT,
         }
     }
 }
@@ -160,13 +160,15 @@ impl From<Limited> for ApiError {
     }
 }
 
-/// What [`sandbox_guard`] and the create handlers need.
+/// What [`crate::gate`] and the create handlers need.
 #[derive(Debug)]
 pub struct Tenancy<S> {
     pub service: Arc<S>,
     pub auth: Auth,
     pub quotas: Arc<Quotas>,
     pub limiter: Arc<Limiter>,
+    /// Slots of long requests, per tenant.
+    pub streams: Arc<crate::streams::Streams>,
 }
 
 impl<S> Clone for Tenancy<S> {
@@ -176,41 +178,8 @@ impl<S> Clone for Tenancy<S> {
             auth: self.auth.clone(),
             quotas: Arc::clone(&self.quotas),
             limiter: Arc::clone(&self.limiter),
+            streams: Arc::clone(&self.streams),
         }
-    }
-}
-
-/// The principal [`crate::auth::require`] put in the request.
-pub fn principal(request: &Request) -> Result<Principal, ApiError> {
-    request
-        .extensions()
-        .get::<Principal>()
-        .cloned()
-        .ok_or_else(|| ApiError::unauthorized("no principal (auth layer missing)"))
-}
-
-fn not_found(id: &str) -> ApiError {
-    ApiError::new(
-        StatusCode::NOT_FOUND,
-        code::NOT_FOUND,
-        format!("sandbox {id} not found"),
-    )
-}
-
-/// Ok if `principal` may reach sandbox `id`: an admin always (the service
-/// answers for ids that do not exist), a tenant only its own; 404 for
-/// every other id alike. Blocking: call it on the blocking pool.
-pub fn owns<S: SandboxApi>(
-    service: &S,
-    principal: &Principal,
-    id: &SandboxId,
-) -> Result<(), ApiError> {
-    if principal.is_admin() {
-        return Ok(());
-    }
-    match service.sandbox_tenant(id) {
-        Ok(t) if principal.sees(t.as_deref()) => Ok(()),
-        _ => Err(not_found(id.as_str())),
     }
 }
 
@@ -241,7 +210,7 @@ pub fn admit_create<S: SandboxApi>(
     }
     let limited = t.auth.quota(&principal.tenant).memory_mib.is_some();
     let mem = if limited {
-        template_mem(service, template)
+        template_mem(service, principal, template)
     } else {
         0
     };
@@ -276,103 +245,11 @@ pub fn wake_first<S: SandboxApi>(
     Ok(None)
 }
 
-/// Memory of template `key` (id or name) as listed; 0 if unknown (the
-/// create then answers 404 itself).
-fn template_mem<S: SandboxApi>(s: &S, key: &str) -> u64 {
-    s.template_entries()
-        .ok()
-        .and_then(|list| {
-            list.into_iter()
-                .find(|t| t["id"] == key || t["name"] == key)
-                .and_then(|t| t["mem_mib"].as_u64())
-        })
-        .unwrap_or(0)
-}
-
-/// Route layer on `/v1/sandboxes/{id}...`; see the module documentation.
-pub async fn sandbox_guard<S: SandboxApi>(
-    State(t): State<Tenancy<S>>,
-    request: Request,
-    next: Next,
-) -> Response {
-    let p = match principal(&request) {
-        Ok(p) => p,
-        Err(e) => return e.into_response(),
-    };
-    let path = request.uri().path().to_string();
-    let id = SandboxId::new(path.split('/').nth(3).unwrap_or_default());
-    let post = request.method() == Method::POST;
-    let fork = post && path.ends_with("/fork");
-    let checkpoint = post && path.ends_with("/checkpoints");
-    let expensive =
-        post && (fork || checkpoint || path.ends_with("/exec") || path.ends_with("/exec/stream"));
-    let wakes = wakes(request.method(), &path);
-    let _permit = if expensive {
-        match t.limiter.acquire(&p) {
-            Ok(permit) => permit,
-            Err(wait) => return ApiError::from(Limited(wait)).into_response(),
-        }
-    } else {
-        None
-    };
-    // An admin owns every sandbox, and a tenant without a quota is
-    // admitted without a count: then nothing here would block (or refuse),
-    // so no hop to the blocking pool either.
-    let counted = (fork || checkpoint || wakes) && t.auth.quota(&p.tenant) != Quota::default();
-    if p.is_admin() && !counted {
-        return next.run(request).await;
-    }
-    let guard = t.clone();
-    let checked = tokio::task::spawn_blocking(move || {
-        owns(&*guard.service, &p, &id)?;
-        if !(fork || checkpoint || wakes) {
-            return Ok(None);
-        }
-        let sandbox = guard.service.get_sandbox(&id).ok();
-        let mem = sandbox.as_ref().map_or(0, |s| u64::from(s.mem_mib));
-        let admitted = if (fork || checkpoint) && guard.service.admits_creates() {
-            // Admitted by the service itself with the rest of the request
-            // (a cluster replica, in PostgreSQL: all of a fork's `count`
-            // at once, a checkpoint with its operation).
-            Ok(None)
-        } else if fork {
-            admit(&guard, &p, Usage::sandbox(mem))
-        } else if checkpoint {
-            admit(&guard, &p, Usage::snapshot(mem))
-        } else if guard.service.admits_wakes() {
-            // A resume or connect is the wake the service admits.
-            let lifecycle = path.ends_with("/resume") || path.ends_with("/connect");
-            let limited = !lifecycle && guard.auth.quota(&p.tenant) != Quota::default();
-            sandbox.map_or(Ok(None), |s| wake_first(&*guard.service, limited, &s))
-        } else {
-            sandbox.map_or(Ok(None), |s| admit_wake(&guard, &p, &s))
-        };
-        admitted.map_err(ApiError::from)
-    })
-    .await;
-    let _ticket = match checked {
-        Ok(Ok(ticket)) => ticket,
-        Ok(Err(e)) => return e.into_response(),
-        Err(_) => return ApiError::internal("the ownership check failed").into_response(),
-    };
-    next.run(request).await
-}
-
-/// Whether a request on `/v1/sandboxes/{id}...` wakes a hibernated
-/// sandbox: resume, connect, restore and every guest route (exec, files).
-/// A wake starts a VMM again: it is admitted against the running-sandboxes
-/// and memory quotas like a create (429 `quota_exceeded` naming the quota
-/// and the use), and the sandbox stays hibernated.
-fn wakes(method: &Method, path: &str) -> bool {
-    let rest = path.splitn(5, '/').nth(4).unwrap_or_default();
-    match *method {
-        Method::POST => matches!(
-            rest,
-            "resume" | "connect" | "restore" | "exec" | "exec/stream"
-        ),
-        Method::GET | Method::PUT => rest == "files" || rest == "files/list",
-        _ => false,
-    }
+/// Memory of the template `key` (id or name) names for `principal`; 0 if
+/// none (the create then answers 404 itself).
+fn template_mem<S: SandboxApi>(s: &S, principal: &Principal, key: &str) -> u64 {
+    s.resolve_template(&principal.owner(), key)
+        .map_or(0, |t| u64::from(t.mem_mib))
 }
 
 /// Keys of host paths and processes in the API's JSON answers.
@@ -434,11 +311,7 @@ mod tests {
     use super::*;
 
     fn tenant(token: &str) -> Principal {
-        Principal {
-            tenant: "t".into(),
-            scope: crate::auth::Scope::Tenant,
-            token: token.into(),
-        }
+        Principal::new("t", crate::auth::Scope::Tenant, token)
     }
 
     #[test]
@@ -447,6 +320,7 @@ mod tests {
             concurrent: 2,
             per_second: 0.5,
             burst: 3,
+            ..RateLimit::default()
         });
         let a = tenant("a");
         let p1 = l.acquire(&a).unwrap();
@@ -460,11 +334,7 @@ mod tests {
         drop(_p3);
         let wait = l.acquire(&a).expect_err("rate");
         assert!(wait > Duration::from_millis(1500), "{wait:?}");
-        let admin = Principal {
-            tenant: "admin".into(),
-            scope: crate::auth::Scope::Admin,
-            token: "a".into(),
-        };
+        let admin = Principal::new("admin", crate::auth::Scope::Admin, "a");
         assert!(l.acquire(&admin).unwrap().is_none());
     }
 

@@ -11,8 +11,8 @@ use serde_json::json;
 use torpor_api::agent_tunnel::{dialer, PodLine};
 use torpor_api::auth::tokens::TenantsFile;
 use torpor_api::auth::Scope;
-use torpor_api::client::Endpoint;
 use torpor_api::ApiConfig;
+use torpor_client::Endpoint;
 use torpor_scheduler::model::SandboxId;
 use torpor_scheduler::service::{AgentLink, GuestError};
 

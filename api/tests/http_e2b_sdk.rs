@@ -2,7 +2,7 @@
 //! (`tests/e2b/sdk_envd.py`) against the API over a real torpor-agent on
 //! this host, behind the hybrid vsock stand-in: the SDK's own Connect
 //! client reads what envd's RPCs answer. The same SDK against a Linux guest
-//! is the nested host's test. Needs the pinned SDK's venv (`.ci/run`);
+//! is the nested host's test. Needs the pinned SDK's venv (`scripts/setup test`);
 //! `tests/needs` leaves it out without one.
 
 mod common;
@@ -18,7 +18,7 @@ async fn python_sdk_commands_and_files_through_envd() {
     let python = e2b_sdk::python();
     assert!(
         python.exists(),
-        "the e2b venv is missing ({}): run .ci/run",
+        "the e2b venv is missing ({}): run scripts/setup test",
         python.display()
     );
     let server = Server::start().await;

@@ -1,11 +1,11 @@
 //! Requests to `torpor serve` on loopback for the benches (`density`,
 //! `api`), through the project's HTTP client
-//! ([`torpor_api::client::HttpClient`]): one request per connection, every
+//! ([`torpor_client::HttpClient`]): one request per connection, every
 //! wait bounded.
 
 use std::time::Duration;
 
-use torpor_api::client::{Endpoint, HttpClient};
+use torpor_client::{Endpoint, HttpClient};
 
 /// One request to `addr` (`host:port`) with a bearer `token` and, if
 /// given, a JSON body; (status, body). The service writes its answer once

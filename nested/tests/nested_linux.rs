@@ -7,7 +7,7 @@
 //! three clones with their own disks, RNG, current wall clock and files.
 //!
 //! Needs the guest kernel (`scripts/build-guest-kernel`), the agent
-//! (`scripts/build-agent`) and the rootfs (`scripts/build-rootfs`); `.ci/run`
+//! (`scripts/build-agent`) and the rootfs (`scripts/build-rootfs`); `scripts/setup test`
 //! builds them (cached outside the repository). Missing pieces fail the test
 //! with the command that makes them; `TORPOR_SKIP_NESTED=1 scripts/test` leaves it out
 //! (the test itself never skips).

@@ -2,22 +2,30 @@
 //! under `torpor serve --sandbox-network` inside the nested host (one L1
 //! boot for every scenario):
 //!
-//! - the guest fetches a file from an HTTP server the test runs on L1's
-//!   side of the NAT (busybox httpd on 192.0.2.1, an address of L1's
-//!   loopback) and the hash matches, and `pip download`s a package from a
-//!   tiny package index served the same way;
+//! - the guest fetches a file from an HTTP server the test runs beyond
+//!   L1 (busybox httpd on 192.0.2.1, in a namespace of L1 routed through
+//!   a veth: L1's own addresses are closed to guests) and the hash
+//!   matches, and `pip download`s a package from a tiny package index
+//!   served the same way;
 //! - `allow_internet: false` blocks it; an `allow_out` CIDR re-opens
 //!   exactly that address (its neighbour 192.0.2.2 stays closed);
 //! - a guest HTTP server on an exposed port answers from L1, and a
 //!   hibernated sandbox is woken by traffic to that port;
-//! - three clones of one template, created at once, each reach the host
-//!   server, which tells them apart by their host-side addresses;
+//! - three clones of one template, created at once, each reach a server
+//!   on L1 itself opened with `serve --host-allow`, which tells them apart
+//!   by their host-side addresses;
+//! - the walls (issue 24): a clone whose policy allows the internet
+//!   reaches neither a service of L1's on every address (a
+//!   PostgreSQL-like port, on L1's outside address, its veth's host end,
+//!   or the `--host-allow` address on another port), nor the API, nor
+//!   another clone's address, nor 169.254.169.254 routed beyond L1, while
+//!   the internet answers it;
 //! - after `kill -9` of the service (and of one VMM) and a restart, and
 //!   after the sandboxes are deleted, no namespaces, veths, nft rules or
 //!   sets are left (counted).
 //!
 //! Needs the guest kernel, the agent and the rootfs like `nested_linux.rs`
-//! (`.ci/run` builds them), the L1 kernel's netfilter modules
+//! (`scripts/setup test` builds them), the L1 kernel's netfilter modules
 //! (`scripts/nested-host prepare`), and this host's `ip`, `nft`, `curl`
 //! and `python3` (carried into L1 or making the test's package);
 //! `TORPOR_SKIP_NESTED=1 scripts/test` leaves it out (the test itself never
@@ -161,6 +169,20 @@ fn check_network(o: &str) {
         seen.insert(server.to_string());
     }
     assert_eq!(seen.len(), 3, "clones share a host-side address:\n{o}");
+    // The walls (issue 24, attack 8): a guest whose policy allows the
+    // internet fetches from it (the control) and from nothing of L1's
+    // own but what --host-allow opens, no other sandbox, no link-local.
+    assert_eq!(field(o, "wall-control", "got"), Some("ok"), "{o}");
+    for wall in [
+        "wall-l1-service",
+        "wall-l1-hostend",
+        "wall-l1-allowed-addr-other-port",
+        "wall-l1-api",
+        "wall-metadata",
+        "wall-other-sandbox",
+    ] {
+        assert_eq!(field(o, wall, "got"), Some("no"), "{wall}:\n{o}");
+    }
 }
 
 fn check_leftovers(o: &str) {

@@ -21,10 +21,27 @@ count() {
     "sets=$(nft list sets ip 2>/dev/null | grep -c 'set tpv')"
 }
 
-# --- the test's server on L1's side of the NAT --------------------------------
+# --- the test's servers -------------------------------------------------------
+# The "internet": a namespace beyond L1 holding 192.0.2.1 and .2 (guests
+# never reach L1's own addresses but through serve --host-allow).
 $IP link set lo up
-$IP addr add 192.0.2.1/32 dev lo
-$IP addr add 192.0.2.2/32 dev lo
+$IP netns add world
+$IP link add wv0 type veth peer name eth0 netns world
+$IP addr add 198.51.100.1/30 dev wv0
+$IP link set wv0 up
+$IP -n world link set lo up
+$IP -n world addr add 198.51.100.2/30 dev eth0
+$IP -n world link set eth0 up
+$IP -n world addr add 192.0.2.1/32 dev lo
+$IP -n world addr add 192.0.2.2/32 dev lo
+$IP -n world route add default via 198.51.100.1
+$IP route add 192.0.2.0/30 via 198.51.100.2
+# Cloud metadata's address, routed beyond L1 too: only the walls stop it.
+$IP -n world addr add 169.254.169.254/32 dev lo
+$IP route add 169.254.169.254/32 via 198.51.100.2
+# A service of L1 itself, opened to guests with --host-allow (its peers
+# are the sandboxes' own addresses: no masquerade on the way in).
+$IP addr add 192.0.2.9/32 dev lo
 W=/srv/www
 mkdir -p $W/cgi-bin $W/simple/tinypkg $W/packages
 cp /opt/torpor/blob.bin $W/blob.bin
@@ -35,7 +52,11 @@ printf '<!DOCTYPE html><html><body><a href="../../packages/%s#sha256=%s">%s</a><
   $WHEEL "$WSHA" $WHEEL >$W/simple/tinypkg/index.html
 printf '#!/bin/sh\nprintf "Content-Type: text/plain\\r\\n\\r\\n%%s\\n" "$REMOTE_ADDR"\n' >$W/cgi-bin/whoami
 chmod 755 $W/cgi-bin/whoami
-httpd -p 8000 -h $W
+$IP netns exec world httpd -p 8000 -h $W
+httpd -p 192.0.2.9:8000 -h $W
+# A PostgreSQL/NATS-like service of L1 on every address (not opened to
+# guests by --host-allow): the walls keep guests from it.
+httpd -p 5432 -h $W
 echo "blob sha=$(sha256sum <$W/blob.bin | cut -d' ' -f1)"
 echo "wheel sha=$WSHA"
 
@@ -47,7 +68,7 @@ chmod 0644 "$IMAGES/debian/vmlinux" "$IMAGES/debian/rootfs.ext4"
 serve() {
   $T serve --data-dir /tmp/data --token nested-token --keep-alive-ms 3600000 \
     --images-dir "$IMAGES" --request-timeout-ms 600000 \
-    --sandbox-network --sandbox-dns-port 0 >>/tmp/serve.log 2>&1 &
+    --sandbox-network --sandbox-dns-port 0 --host-allow 192.0.2.9/32:8000 >>/tmp/serve.log 2>&1 &
   SERVE=$!
   i=0; until $T template list >/dev/null 2>&1 || [ $i -ge 300 ]; do sleep 0.2; i=$((i+1)); done
   $T template list >/dev/null 2>&1 || { echo "serve did not start:"; cat /tmp/serve.log; exit 1; }
@@ -56,7 +77,7 @@ serve
 # One vCPU per guest: four guests run at once in a 2-vCPU L1 under TCG
 # (with two each, L1's kernel wedged in 2 of 5 runs, once seen while the
 # three clones started), and no secondary vCPU to bring up
-# (docs/design.md, the nested tests).
+# (docs/testing.md, "Linux guests in the nested host").
 $T template create --name debian --kind linux --image debian --mem-mib 512 --vcpus 1 >/tmp/tpl 2>&1
 rc=$?
 echo "template rc=$rc $(tr '\n' ' ' </tmp/tpl)"
@@ -107,7 +128,7 @@ for i in 1 2 3; do
 done
 for i in 1 2 3; do
   S=$(cat /tmp/clone$i)
-  (x "$S" curl -sS --max-time 30 http://192.0.2.1:8000/cgi-bin/whoami >/tmp/seen$i 2>&1) &
+  (x "$S" curl -sS --max-time 30 http://192.0.2.9:8000/cgi-bin/whoami >/tmp/seen$i 2>&1) &
   eval "p$i=\$!"
 done
 wait $p1 $p2 $p3
@@ -117,6 +138,24 @@ for i in 1 2 3; do
   echo "clone-$i id=$S api=$(jf "$S" address) seen=$(tr -d '\r\n []' </tmp/seen$i | sed 's/^::ffff://')"
 done
 C1=$(cat /tmp/clone1) C2=$(cat /tmp/clone2) C3=$(cat /tmp/clone3)
+
+# --- the walls: whatever its policy, a guest reaches neither L1's own
+# services (but --host-allow's), nor another sandbox, nor link-local ---------
+x "$C2" sh -c 'mkdir -p /root/w && echo other-sandbox >/root/w/x &&
+  cd /root/w && setsid python3 -m http.server 8081 </dev/null >/dev/null 2>&1 &'
+HOSTEND=$($IP -4 -o addr show | awk '$2 ~ /^tpv/ {sub("/.*", "", $4); print $4; exit}')
+wall() { # name url: "no" if the guest of C1 cannot fetch it (decided in
+  # the guest by curl's own exit status; empty if the exec itself failed)
+  echo "wall-$1 got=$(x "$C1" sh -c "curl -sS --max-time 8 -o /dev/null '$2' && echo ok || echo no" 2>/dev/null)"
+}
+wall control http://192.0.2.1:8000/blob.bin
+wall l1-service http://198.51.100.1:5432/blob.bin
+wall l1-hostend "http://$HOSTEND:5432/blob.bin"
+wall l1-allowed-addr-other-port http://192.0.2.9:5432/blob.bin
+wall l1-api "http://$HOSTEND:7700/healthz"
+wall metadata http://169.254.169.254:8000/blob.bin
+i=0; until x "$C2" sh -c 'curl -sS --max-time 2 -o /dev/null http://127.0.0.1:8081/x' 2>/dev/null || [ $i -ge 20 ]; do sleep 1; i=$((i+1)); done
+wall other-sandbox "http://$(jf "$C2" address):8081/x"
 
 # --- kill -9 of the service (and of one VMM), restart, delete: no leftovers ---
 # The victim's VMM pid, read while the API still answers.

@@ -11,7 +11,7 @@
 //! holding it; an inflated balloon survives hibernation and wake.
 //!
 //! Needs the guest kernel, the agent and the rootfs like `nested_linux.rs`
-//! (`.ci/run` builds them); `TORPOR_SKIP_NESTED=1 scripts/test` leaves it out
+//! (`scripts/setup test` builds them); `TORPOR_SKIP_NESTED=1 scripts/test` leaves it out
 //! (the test itself never skips).
 
 mod common;
@@ -39,7 +39,7 @@ IMAGES="$(dirname "$(readlink -f /opt/torpor/rootfs.ext4)")/images"
 mkdir -p "$IMAGES/debian"
 mv "$(readlink -f /opt/torpor/vmlinux)" "$(readlink -f /opt/torpor/rootfs.ext4)" "$IMAGES/debian/"
 # L1's /tmp is a tmpfs: a guest's write to a hole of its memory file also
-# puts a shmem page in the file, charged to its VMM (docs/design.md,
+# puts a shmem page in the file, charged to its VMM (docs/vmm.md,
 # Restore), so the burst below needs more than 512 + 96 MiB.
 $T serve --data-dir /tmp/data --token nested-token --keep-alive-ms 3600000 \
    --images-dir "$IMAGES" --request-timeout-ms 600000 \

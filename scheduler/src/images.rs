@@ -251,6 +251,15 @@ impl Images {
             if n == 0 {
                 return Err(ImageError::Empty(part.file_name()));
             }
+            // Installed sealed (read-only for all, written by nobody but
+            // the service): a re-upload under a template's image is what
+            // its sandboxes' jails may expose (`service/jail.rs`), never
+            // refused there as unsealed. The images directory itself stays
+            // the service's alone (0700).
+            tmp.set_permissions(
+                <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o644),
+            )
+            .map_err(|e| ImageError::Io(format!("chmod the upload: {e}")))?;
             tmp.sync_all()
                 .map_err(|e| ImageError::Io(format!("sync the upload: {e}")))?;
             std::fs::rename(&tmp_path, self.dir.join(name).join(part.file_name()))
@@ -386,6 +395,14 @@ mod tests {
             .install("img", ImagePart::Rootfs, &mut &b"fs"[..], 100)
             .unwrap();
         images.resolve("img").unwrap();
+        // Installed readable by all, written by none but its owner.
+        let mode = std::fs::metadata(images.dir().join("img").join(KERNEL_FILE))
+            .unwrap()
+            .permissions();
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777,
+            0o644
+        );
         assert!(images
             .install("../x", ImagePart::Kernel, &mut &b""[..], 1)
             .is_err());

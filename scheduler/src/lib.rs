@@ -64,6 +64,7 @@ macro_rules! str_enum {
 pub mod files;
 pub mod images;
 pub mod model;
+pub mod names;
 pub mod net;
 pub mod plan;
 pub mod policy;

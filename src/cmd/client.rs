@@ -1,12 +1,12 @@
 //! The client side of the REST API for `torpor sandbox|template|pod`: where
 //! the URL (`http://...` or `unix:/path`) and token come from, JSON
-//! requests over `torpor_api::client::HttpClient`, and how errors are told.
+//! requests over `torpor_client::HttpClient`, and how errors are told.
 
 use std::time::Duration;
 
 use serde_json::Value;
-use torpor_api::client::{ClientError, Endpoint, HttpClient, Streaming};
-use torpor_api::tls::Fingerprint;
+use torpor_client::pin::Fingerprint;
+use torpor_client::{ClientError, Endpoint, HttpClient, Streaming};
 
 use super::EXIT_FAILURE;
 use crate::cli::ClientArgs;
@@ -296,4 +296,4 @@ fn api_error(method: &str, path: &str, status: u16, text: &str) -> Error {
     }
 }
 
-pub use torpor_api::client::encode;
+pub use torpor_client::encode;

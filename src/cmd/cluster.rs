@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use torpor_api::auth::tokens::{TenantsFile, TENANTS_FILE};
 use torpor_api::auth::Auth;
-use torpor_api::cluster::pod::{Journal, PodIdentity};
-use torpor_api::cluster::{Cluster, ClusterConfig, ClusterUrls};
+use torpor_cluster::pod::{Journal, PodIdentity};
+use torpor_cluster::{Cluster, ClusterConfig, ClusterUrls};
 use torpor_scheduler::model::PodId;
 use torpor_scheduler::service::Service;
 
@@ -18,7 +18,7 @@ use crate::cli::{PodServeArgs, ServeArgs};
 fn config(urls: &str) -> Result<ClusterConfig, String> {
     let urls: ClusterUrls = urls
         .parse()
-        .map_err(|e: torpor_api::cluster::ClusterError| e.to_string())?;
+        .map_err(|e: torpor_cluster::ClusterError| e.to_string())?;
     Ok(ClusterConfig::new(urls))
 }
 
@@ -116,7 +116,7 @@ pub fn start_pod(
     let mut config = config(urls)?;
     config.heartbeat = Duration::from_millis(args.heartbeat_ms.max(50));
     let id = args.pod_id.clone().ok_or("--cluster needs --pod-id")?;
-    if !torpor_api::cluster::wire::valid_pod_id(&id) {
+    if !torpor_cluster::wire::valid_pod_id(&id) {
         return Err(format!("--pod-id {id:?}: 1-64 of a-z, 0-9 and -"));
     }
     let journal = Journal::open(&data_dir.join("cluster-journal.db")).map_err(|e| e.to_string())?;
@@ -129,8 +129,7 @@ pub fn start_pod(
     println!("torpor pod: in the cluster as pod {id} (work queue torpor.work.{id})");
     let service = service.clone();
     tokio::spawn(async move {
-        if let Err(e) = torpor_api::cluster::pod::run(service, me, Arc::new(journal), config).await
-        {
+        if let Err(e) = torpor_cluster::pod::run(service, me, Arc::new(journal), config).await {
             eprintln!("torpor pod: the cluster side stopped: {e}");
             std::process::exit(1);
         }

@@ -26,7 +26,8 @@ use torpor_scheduler::model::PodId;
 use torpor_scheduler::service::Service;
 
 use super::serve::token_file;
-use torpor_api::tls::{self, Fingerprint, Identity};
+use torpor_api::tls::{self, Identity};
+use torpor_client::pin::Fingerprint;
 
 /// The template the nested pod builds: E2B's default template name.
 pub const TEMPLATE: &str = "base";
@@ -273,7 +274,8 @@ pub fn local_on_demand(
 ) {
     let ready = service
         .list_templates()
-        .map(|ts| ts.iter().any(|t| t.name == TEMPLATE))
+        // The shared one: a tenant's template of that name is its own.
+        .map(|ts| ts.iter().any(|t| t.name == TEMPLATE && t.tenant.is_none()))
         .unwrap_or(false);
     if ready {
         return;

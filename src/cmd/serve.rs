@@ -120,7 +120,7 @@ fn exit_status(result: Result<(), String>) -> i32 {
 fn sandbox_networking(
     flags: &ServiceFlags,
 ) -> Result<torpor_scheduler::service::SandboxNetworking, String> {
-    use torpor_scheduler::net::{dns, EgressPolicy, NetConfig, Target};
+    use torpor_scheduler::net::{dns, EgressPolicy, HostPort, NetConfig, Target};
     let targets = |list: &[String]| -> Result<Vec<Target>, String> {
         list.iter()
             .map(|c| c.parse::<Target>().map_err(|e| e.to_string()))
@@ -151,6 +151,11 @@ fn sandbox_networking(
     Ok(torpor_scheduler::service::SandboxNetworking {
         names: NetConfig {
             dns_port: dns.as_ref().map(|d| d.listen.port()),
+            host_allow: flags
+                .host_allow
+                .iter()
+                .map(|h| h.parse::<HostPort>().map_err(|e| e.to_string()))
+                .collect::<Result<_, _>>()?,
             ..Default::default()
         },
         egress,

@@ -73,9 +73,26 @@ fn script_with(
     out
 }
 
+/// Six consecutive loopback ports nobody holds, below the kernel's
+/// ephemeral range (20000-32767), where no client connection of another
+/// test can take one between this check and the servers' binds. The
+/// search starts from the process id and how many clusters it started
+/// before, so test binaries running side by side start apart.
+fn free_ports() -> u16 {
+    const FIRST: u16 = 20_000;
+    const SLOTS: u16 = (32_768 - FIRST) / 6;
+    let start = (std::process::id() % u32::from(SLOTS)) as u16
+        + STARTED.fetch_add(1, Ordering::Relaxed) * 7;
+    (0..SLOTS)
+        .map(|i| FIRST + (start + i) % SLOTS * 6)
+        .find(|&base| {
+            (base..base + 6).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
+        })
+        .expect("six free loopback ports below 32768")
+}
+
 impl Cluster {
-    /// `name` makes the directory; the six ports start at a base drawn
-    /// from the process id and how many clusters it started before.
+    /// `name` makes the directory; the six ports are [`free_ports`].
     pub fn up(name: &str) -> Self {
         Self::up_with(name, POD_ARGS)
     }
@@ -95,10 +112,7 @@ impl Cluster {
         let dir =
             std::env::temp_dir().join(format!("torpor-cluster-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        // Up to six clusters per process (tests/cluster.rs starts five), six
-        // ports each; the highest base is 20_000 + 1_199 * 36 + 30.
-        let nth = STARTED.fetch_add(1, Ordering::Relaxed) % 6;
-        let port = 20_000 + (std::process::id() % 1_200) as u16 * 36 + nth * 6;
+        let port = free_ports();
         // Dropped (stopped) if `up` or the wait for the pods fails.
         let mut c = Cluster {
             dir,
@@ -340,7 +354,7 @@ impl Cluster {
         let deadline = Instant::now() + limit;
         loop {
             let look = rt.block_on(async {
-                let look = torpor_api::cluster::wire::backlog_at(&url);
+                let look = torpor_cluster::wire::backlog_at(&url);
                 tokio::time::timeout(Duration::from_secs(10), look)
                     .await
                     .map_err(|_| "NATS: no answer in 10 s".to_string())?

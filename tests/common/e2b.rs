@@ -1,4 +1,4 @@
-//! The pinned E2B SDKs the tests drive (`tests/e2b/`; `.ci/run` installs
+//! The pinned E2B SDKs the tests drive (`tests/e2b/`; `scripts/setup test` installs
 //! them outside the repository).
 
 pub use super::e2b_sdk::{node, node_modules, pinned_js, pinned_python, python};

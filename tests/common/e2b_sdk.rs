@@ -1,6 +1,6 @@
 //! Where the pinned E2B SDKs are and how a script of theirs is pointed at
 //! torpor: self-contained, so the API crate's tests and the E2B bench
-//! take it by `#[path]` too (`.ci/run` installs the SDKs outside the
+//! take it by `#[path]` too (`scripts/setup test` installs the SDKs outside the
 //! repository).
 #![allow(dead_code)]
 
@@ -54,7 +54,7 @@ pub fn node() -> PathBuf {
                 .map(|d| d.join("node"))
                 .find(|p| p.is_file())
         })
-        .expect("node is not installed: run .ci/run")
+        .expect("node is not installed: run scripts/setup test")
 }
 
 /// `program SCRIPT` with the E2B variables set for the API at `url` (both

@@ -1,11 +1,11 @@
 //! Requests to `torpor serve` on loopback for the tests, through the
-//! project's HTTP client ([`torpor_api::client::HttpClient`]), one request
+//! project's HTTP client ([`torpor_client::HttpClient`]), one request
 //! per connection.
 #![allow(dead_code)]
 
 use std::time::Duration;
 
-use torpor_api::client::{Endpoint, HttpClient};
+use torpor_client::{Endpoint, HttpClient};
 
 /// Status code and body of one response.
 pub struct HttpResponse {
@@ -192,8 +192,8 @@ pub struct InProcessApi {
 }
 
 impl InProcessApi {
-    pub fn start(
-        service: std::sync::Arc<torpor_scheduler::service::Service>,
+    pub fn start<S: torpor_api::SandboxApi>(
+        service: std::sync::Arc<S>,
         config: torpor_api::ApiConfig,
     ) -> Self {
         let runtime = tokio::runtime::Builder::new_multi_thread()

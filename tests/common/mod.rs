@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod e2b;
 pub mod e2b_sdk;
 pub mod http;
+pub mod nested_pod;
 pub mod netns;
 pub mod serve;
 pub mod snap;

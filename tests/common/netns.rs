@@ -162,3 +162,73 @@ pub fn deliver(send: impl Fn(), sock: &UdpSocket, payload: &[u8]) -> SocketAddrV
         assert!(Instant::now() < deadline, "{payload:?} never arrived");
     }
 }
+
+/// A namespace standing for the world beyond `host`: a veth `veth` in
+/// `host` with `{subnet}.1/24`, its peer `eth0` here with `{subnet}.2/24`
+/// and a default route back; each of `extra` (addresses) on its loopback,
+/// routed to it from `host`. What sandboxes reach through the host's
+/// `forward` chain (the host's own addresses are closed to them).
+pub fn outside(host: &Ns, name: String, veth: &str, subnet: &str, extra: &[&str]) -> Ns {
+    let ns = Ns::new(name);
+    host.ip(&[
+        "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", &ns.0,
+    ]);
+    host.ip(&["addr", "add", &format!("{subnet}.1/24"), "dev", veth]);
+    host.ip(&["link", "set", veth, "up"]);
+    ns.ip(&["link", "set", "lo", "up"]);
+    ns.ip(&["addr", "add", &format!("{subnet}.2/24"), "dev", "eth0"]);
+    ns.ip(&["link", "set", "eth0", "up"]);
+    ns.ip(&["route", "add", "default", "via", &format!("{subnet}.1")]);
+    for addr in extra {
+        ns.ip(&["addr", "add", &format!("{addr}/32"), "dev", "lo"]);
+        host.ip(&[
+            "route",
+            "add",
+            &format!("{addr}/32"),
+            "via",
+            &format!("{subnet}.2"),
+        ]);
+    }
+    ns
+}
+
+/// Sends datagrams for a while; true if none arrived.
+pub fn blocked(send: impl Fn(), sock: &UdpSocket) -> bool {
+    sock.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    for _ in 0..5 {
+        send();
+        let mut buf = [0u8; 64];
+        if sock.recv_from(&mut buf).is_ok() {
+            return false;
+        }
+    }
+    true
+}
+
+/// Asks the guest's resolver (its gateway, as the rootfs's resolv.conf
+/// says) for `name`'s A records, retrying until an answer comes (the
+/// first query may meet ARP being resolved).
+pub fn resolve(sock: &UdpSocket, name: &str) -> hickory_proto::op::Message {
+    use hickory_proto::op::{Message, MessageType, Query};
+    use hickory_proto::rr::{Name, RecordType};
+    sock.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut query = Message::query();
+    query.metadata.message_type = MessageType::Query;
+    query.metadata.recursion_desired = true;
+    query.add_query(Query::query(Name::from_ascii(name).unwrap(), RecordType::A));
+    let bytes = query.to_vec().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        sock.send_to(&bytes, "172.16.0.1:53").unwrap();
+        let mut buf = [0u8; 1500];
+        if let Ok(n) = sock.recv(&mut buf) {
+            let reply = Message::from_vec(&buf[..n]).unwrap();
+            if reply.metadata.id == query.metadata.id {
+                return reply;
+            }
+        }
+        assert!(Instant::now() < deadline, "no answer for {name}");
+    }
+}

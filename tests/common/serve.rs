@@ -62,6 +62,16 @@ impl ServeProcess {
     /// The rest of the first line it printed before listening that holds
     /// `after`.
     #[allow(dead_code)]
+    /// The admin token a first start (no `--token`) printed once.
+    pub fn first_admin_token(&self) -> String {
+        self.banner
+            .iter()
+            .find_map(|l| l.split("admin token: ").nth(1))
+            .unwrap_or_else(|| panic!("no admin token printed: {:?}", self.banner))
+            .trim()
+            .to_string()
+    }
+
     pub fn stdout_line(&self, after: &str) -> Option<String> {
         self.banner
             .iter()

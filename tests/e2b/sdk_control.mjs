@@ -1,5 +1,5 @@
 // The E2B control plane through the real JS SDK (npm `e2b`, pinned in
-// tests/e2b/package.json, installed by .ci/run), against `torpor serve` on
+// tests/e2b/package.json, installed by scripts/setup test), against `torpor serve` on
 // loopback with the probe template (or E2B_TEST_TEMPLATE: the nested pod's
 // `base` in tests/nested_pod.rs). Run by tests/e2b_sdk.rs with node,
 // NODE_PATH naming the install's node_modules, E2B_API_URL, E2B_API_KEY and

@@ -1,5 +1,5 @@
 """The E2B control plane through the real Python SDK (`e2b`, pinned in
-.ci/run), against `torpor serve` on loopback with the probe template (no
+scripts/setup test), against `torpor serve` on loopback with the probe template (no
 guest agent: control plane only), or another (E2B_TEST_TEMPLATE: the
 nested pod's `base` in tests/nested_pod.rs). Run by tests/e2b_sdk.rs with
 E2B_API_URL, E2B_API_KEY and E2B_SANDBOX_URL set; exits non-zero on the

@@ -302,6 +302,13 @@ impl JailSpec {
 /// A standby shell's restore paths come with its restore request: see
 /// the pod's standby pool.
 pub fn exposes_for(spec: &LaunchSpec) -> Vec<Expose> {
+    exposes_for_chain(spec, None)
+}
+
+/// [`exposes_for`] with a restore's chain given (`layers`, base first: one
+/// the pod checked) instead of read from the snapshot's lineage record,
+/// which the VMM that wrote the snapshot wrote too.
+pub fn exposes_for_chain(spec: &LaunchSpec, layers: Option<&[PathBuf]>) -> Vec<Expose> {
     let mut out: Vec<Expose> = Vec::new();
     let mut add = |e: Expose| match out.iter_mut().find(|o| o.path == e.path) {
         Some(o) => o.read_only &= e.read_only,
@@ -341,7 +348,7 @@ pub fn exposes_for(spec: &LaunchSpec) -> Vec<Expose> {
             record_working_set_ms,
             ..
         } => {
-            for e in restore_exposes(restore, record_working_set_ms.is_some()) {
+            for e in restore_exposes_of(restore, layers, record_working_set_ms.is_some()) {
                 add(e);
             }
         }
@@ -352,11 +359,23 @@ pub fn exposes_for(spec: &LaunchSpec) -> Vec<Expose> {
 
 /// A restore's own paths as exposes (see [`exposes_for`]).
 pub fn restore_exposes(restore: &RestoreSpec, writes_working_set: bool) -> Vec<Expose> {
+    restore_exposes_of(restore, None, writes_working_set)
+}
+
+/// [`restore_exposes`] with the chain given (see [`exposes_for_chain`]).
+pub fn restore_exposes_of(
+    restore: &RestoreSpec,
+    layers: Option<&[PathBuf]>,
+    writes_working_set: bool,
+) -> Vec<Expose> {
     let parent = |p: &Path| p.parent().unwrap_or(Path::new("/")).to_path_buf();
     let mut out = Vec::new();
-    let layers = Lineage::read(&restore.snapshot)
-        .map(|l| l.layers)
-        .unwrap_or_else(|_| vec![restore.snapshot.clone()]);
+    let layers = match layers {
+        Some(l) => l.to_vec(),
+        None => Lineage::read(&restore.snapshot)
+            .map(|l| l.layers)
+            .unwrap_or_else(|_| vec![restore.snapshot.clone()]),
+    };
     for layer in layers {
         let top = layer == restore.snapshot;
         out.push(Expose {

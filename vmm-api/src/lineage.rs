@@ -4,6 +4,7 @@
 //! chain by reading this one small file, not each layer's state.
 
 use std::io::Read;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -84,7 +85,11 @@ impl Lineage {
             source,
         };
         let mut text = Vec::new();
-        std::fs::File::open(&path)
+        // Never through a link: a pod reads records a VMM wrote.
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&path)
             .map_err(read)?
             .take(MAX_LINEAGE_BYTES + 1)
             .read_to_end(&mut text)

@@ -1,6 +1,6 @@
 //! torpor's VMM: one process per microVM on the rust-vmm crates.
 //!
-//! Boot order (see docs/design.md): [`vstate::kvm`] opens KVM,
+//! Boot order (see docs/vmm.md, "Boot order"): [`vstate::kvm`] opens KVM,
 //! [`vstate::vm`] creates the VM, [`vstate::memory`] maps guest RAM,
 //! [`boot`] loads the kernel, [`devices`] wires serial and i8042,
 //! [`vstate::vcpu`] configures and runs the vCPUs, [`control`] serves the

@@ -15,6 +15,7 @@
 //! length, with `subtle`'s constant-time operations and no early exit. No
 //! token at all refuses every request (fail closed).
 
+pub mod store;
 pub mod tokens;
 
 use std::path::PathBuf;
@@ -30,10 +31,9 @@ use serde::{Deserialize, Serialize};
 use subtle::{Choice, ConstantTimeEq};
 use torpor_scheduler::service::Owner;
 
-use crate::cluster::db::Db;
-use crate::cluster::ClusterError;
 use crate::error::{code, ApiError};
 use crate::quota::Quota;
+use store::TokenStore;
 use tokens::{digest, TenantsFile, TokenRecord, TokensError};
 
 /// The tenant of command-line admin tokens and of the first admin token.
@@ -67,25 +67,59 @@ pub struct Principal {
     /// The token's id (`tok_...`; `command-line` for the command line's
     /// admin tokens): per-token limits count by it.
     pub token: String,
+    /// The tenant an admin acts for ([`ON_BEHALF_OF`]: the server in
+    /// front of a pod, calling it with the pod's token for that tenant's
+    /// request): what it makes is that tenant's, template names resolve in
+    /// that tenant's namespace and the shared one, and it reaches only
+    /// that tenant's sandboxes. Never set for a tenant's token.
+    pub on_behalf_of: Option<String>,
 }
 
+/// The header with which an admin principal acts for a tenant
+/// ([`Principal::on_behalf_of`]); refused (403) from a tenant's token.
+pub const ON_BEHALF_OF: &str = "x-torpor-on-behalf-of";
+
 impl Principal {
+    /// A principal acting for itself.
+    pub fn new(tenant: impl Into<String>, scope: Scope, token: impl Into<String>) -> Self {
+        Principal {
+            tenant: tenant.into(),
+            scope,
+            token: token.into(),
+            on_behalf_of: None,
+        }
+    }
+
+    /// Whether the token is an admin's (pods, images, tokens, limits).
     pub fn is_admin(&self) -> bool {
         self.scope == Scope::Admin
     }
 
-    /// As the service's owner of what it makes.
+    /// As the service's owner of what it makes, and whose template names
+    /// it resolves: an admin acting for a tenant is that tenant.
     pub fn owner(&self) -> Owner {
-        Owner {
-            tenant: self.tenant.clone(),
-            admin: self.is_admin(),
+        match &self.on_behalf_of {
+            Some(tenant) => Owner {
+                tenant: tenant.clone(),
+                admin: false,
+            },
+            None => Owner {
+                tenant: self.tenant.clone(),
+                admin: self.is_admin(),
+            },
         }
+    }
+
+    /// Whether this principal reaches every tenant's things: an admin not
+    /// acting for a tenant.
+    pub fn sees_all(&self) -> bool {
+        self.is_admin() && self.on_behalf_of.is_none()
     }
 
     /// Whether this principal sees something of `tenant` (none: made
     /// before tenants, an admin's only).
     pub fn sees(&self, tenant: Option<&str>) -> bool {
-        self.is_admin() || tenant == Some(self.tenant.as_str())
+        self.sees_all() || tenant == Some(self.owner().tenant.as_str())
     }
 }
 
@@ -95,9 +129,9 @@ enum Backing {
     Nothing,
     /// The tokens file.
     File(PathBuf),
-    /// The cluster's PostgreSQL (`cluster/tenants.rs`), cached in
-    /// [`Inner::file`].
-    Shared(Arc<Db>),
+    /// A store shared by every replica (the cluster's PostgreSQL,
+    /// `cluster/tenants.rs`), cached in [`Inner::file`].
+    Shared(Arc<dyn TokenStore>),
 }
 
 struct Inner {
@@ -160,7 +194,7 @@ impl Auth {
     /// `fixed` token and none in PostgreSQL, one admin token is made there:
     /// returned, to show once. Call it on a tokio runtime.
     pub async fn shared(
-        db: Arc<Db>,
+        db: Arc<dyn TokenStore>,
         fixed: &[String],
         seed: &TenantsFile,
     ) -> Result<(Self, Option<String>), TokensError> {
@@ -235,17 +269,9 @@ impl Auth {
             }
         }
         if let Some(r) = found {
-            return Some(Principal {
-                tenant: r.tenant.clone(),
-                scope: r.scope,
-                token: r.id.clone(),
-            });
+            return Some(Principal::new(r.tenant.clone(), r.scope, r.id.clone()));
         }
-        bool::from(fixed).then(|| Principal {
-            tenant: ADMIN_TENANT.to_string(),
-            scope: Scope::Admin,
-            token: "command-line".to_string(),
-        })
+        bool::from(fixed).then(|| Principal::new(ADMIN_TENANT, Scope::Admin, "command-line"))
     }
 
     /// True if no token at all is accepted.
@@ -281,7 +307,7 @@ impl Auth {
     /// cache (after a change made here, so that it holds here at once).
     async fn reload(&self) -> Result<(), TokensError> {
         if let Backing::Shared(db) = &self.0.backing {
-            load(&self.0, db).await?;
+            load(&self.0, db.as_ref()).await?;
         }
         Ok(())
     }
@@ -306,8 +332,7 @@ impl Auth {
         let token = tokens::random_token()?;
         let record = TokenRecord::new(tenant, scope, &token)?;
         if !db.add_token(&record, false).await? {
-            // A fresh random id and token met a stored one.
-            return Err(ClusterError::Schema("a new token's id or digest is taken".into()).into());
+            return Err(TokensError::Taken);
         }
         self.reload_after_change().await;
         Ok((record, token))
@@ -356,7 +381,7 @@ impl Auth {
 
 /// Reads the tenants from PostgreSQL into `inner`'s cache, unless a load
 /// begun later stored its result first.
-async fn load(inner: &Inner, db: &Db) -> Result<(), ClusterError> {
+async fn load(inner: &Inner, db: &dyn TokenStore) -> Result<(), TokensError> {
     let n = inner.loads.fetch_add(1, Ordering::SeqCst);
     let file = db.tenants().await?;
     let mut cached = inner.file.write().unwrap_or_else(|p| p.into_inner());
@@ -370,14 +395,14 @@ async fn load(inner: &Inner, db: &Db) -> Result<(), ClusterError> {
 /// A replica's cache of the tenants, read again every [`SHARED_REFRESH`]
 /// while its [`Auth`] lives; a failed read keeps the last (PostgreSQL down:
 /// no change can be made either), logged once until a read succeeds.
-async fn refresh(inner: Weak<Inner>, db: Arc<Db>) {
+async fn refresh(inner: Weak<Inner>, db: Arc<dyn TokenStore>) {
     let mut failing = false;
     loop {
         tokio::time::sleep(SHARED_REFRESH).await;
         let Some(inner) = inner.upgrade() else {
             return;
         };
-        match load(&inner, &db).await {
+        match load(&inner, db.as_ref()).await {
             Ok(()) if failing => {
                 tracing::info!("the tenants are read from PostgreSQL again");
                 failing = false;
@@ -455,8 +480,33 @@ pub async fn require(State(auth): State<Auth>, mut request: Request, next: Next)
         },
         Err(why) => return ApiError::unauthorized(why).into_response(),
     };
+    let principal = match on_behalf_of(&request, principal) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
     request.extensions_mut().insert(principal);
     next.run(request).await
+}
+
+/// `principal` acting for the tenant [`ON_BEHALF_OF`] names, if the
+/// request names one: an admin's token only (403 for a tenant's), a
+/// valid tenant name (400).
+fn on_behalf_of(request: &Request, mut principal: Principal) -> Result<Principal, ApiError> {
+    let Some(value) = request.headers().get(ON_BEHALF_OF) else {
+        return Ok(principal);
+    };
+    if !principal.is_admin() {
+        return Err(forbidden(
+            "acting on behalf of a tenant (X-Torpor-On-Behalf-Of) needs an admin token",
+        ));
+    }
+    let tenant = value
+        .to_str()
+        .ok()
+        .filter(|t| tokens::check_tenant(t).is_ok())
+        .ok_or_else(|| ApiError::invalid("X-Torpor-On-Behalf-Of is not a tenant name"))?;
+    principal.on_behalf_of = Some(tenant.to_string());
+    Ok(principal)
 }
 
 /// Route middleware inside [`require`]: 403 unless the principal is an
@@ -525,14 +575,7 @@ mod tests {
             .block_on(auth.create_token("acme", Scope::Tenant))
             .unwrap();
         let p = auth.principal(token.as_bytes()).unwrap();
-        assert_eq!(
-            p,
-            Principal {
-                tenant: "acme".into(),
-                scope: Scope::Tenant,
-                token: rec.id.clone()
-            }
-        );
+        assert_eq!(p, Principal::new("acme", Scope::Tenant, rec.id.clone()));
         assert!(p.sees(Some("acme")) && !p.sees(Some("other")) && !p.sees(None));
         // A restarted server knows it; removed, it is refused.
         let again = Auth::new(&[], Some(path.clone())).unwrap();

@@ -34,9 +34,13 @@ pub enum TokensError {
     LastAdmin(String),
     #[error("there are {MAX_TOKENS} tokens already, the most kept; remove some first")]
     TooMany,
-    /// The cluster's PostgreSQL, where a replica's tenants are.
-    #[error("the tenants' database: {0}")]
-    Database(#[from] crate::cluster::ClusterError),
+    /// A fresh random token met a stored one's id or digest.
+    #[error("a new token's id or digest is taken")]
+    Taken,
+    /// The [`super::store::TokenStore`] failed (the cluster's PostgreSQL
+    /// down: `unavailable`).
+    #[error("the tenants' store: {0}")]
+    Store(#[source] torpor_scheduler::service::ServiceError),
 }
 
 /// One token as stored: never the token itself.

@@ -1,11 +1,12 @@
 //! E2B-compatible control plane: the REST routes the `e2b` SDKs (PyPI and
-//! npm `e2b`, pinned in `.ci/run`) call, with E2B's JSON field names and
+//! npm `e2b`, pinned in `tests/e2b/`) call, with E2B's JSON field names and
 //! status codes, over the same [`SandboxApi`] as torpor's own `/v1` routes.
 //!
 //! Served beside `/v1` on the API's listener (E2B's paths do not overlap
 //! ours) and, with `torpor serve --e2b-listen ADDR`, alone on a listener of
 //! its own. Every route needs `X-API-KEY: <key>`, checked by
-//! the API's tokens (a key is a tenant's or an admin's: another tenant's sandbox is 404). Every error answer is E2B's
+//! the API's tokens (a key is a tenant's or an admin's); every route naming
+//! a sandbox goes through [`crate::gate`] (another tenant's is 404). Every error answer is E2B's
 //! `{"code": <status>, "message": "..."}` ([`error`]), with torpor's
 //! status mapping (the table in `lib.rs`). What each route and field maps
 //! to, and what is not offered, is in `docs/e2b.md`; the routes are
@@ -19,12 +20,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{on, MethodRouter};
 use axum::Router;
 
-use crate::auth::Principal;
 use crate::backend::SandboxApi;
+use crate::gate::{Admit, Gated};
 use crate::handlers::AppState;
-use crate::tenancy::{owns, Tenancy};
+use crate::tenancy::Tenancy;
 use crate::{method_filter, route, Limits, Route};
-use torpor_scheduler::model::SandboxId;
 
 pub mod envd;
 pub mod error;
@@ -49,18 +49,18 @@ pub const ROUTES: &[Route] = &[
     route("GET", "/sandboxes", "e2bListSandboxes"),
     route("POST", "/v2/sandboxes", "e2bCreateSandboxV2"),
     route("GET", "/v2/sandboxes", "e2bListSandboxesV2"),
-    route("GET", "/sandboxes/{id}", "e2bGetSandbox"),
-    route("DELETE", "/sandboxes/{id}", "e2bKillSandbox"),
-    route("POST", "/sandboxes/{id}/pause", "e2bPauseSandbox"),
-    route("POST", "/sandboxes/{id}/resume", "e2bResumeSandbox"),
-    route("POST", "/sandboxes/{id}/connect", "e2bConnectSandbox"),
-    route("POST", "/v2/sandboxes/{id}/connect", "e2bConnectSandboxV2"),
-    route("POST", "/sandboxes/{id}/timeout", "e2bSetTimeout"),
-    route("POST", "/sandboxes/{id}/refreshes", "e2bRefreshSandbox"),
-    route("GET", "/sandboxes/{id}/metrics", "e2bSandboxMetrics"),
-    route("POST", "/sandboxes/{id}/fork", "e2bForkSandbox"),
-    route("PUT", "/sandboxes/{id}/network", "e2bUpdateNetwork"),
-    route("POST", "/sandboxes/{id}/snapshots", "e2bCreateSnapshot"),
+    route("GET", "/sandboxes/{id}", "e2bGetSandbox").sandbox(Admit::Plain),
+    route("DELETE", "/sandboxes/{id}", "e2bKillSandbox").sandbox(Admit::Plain),
+    route("POST", "/sandboxes/{id}/pause", "e2bPauseSandbox").sandbox(Admit::Plain),
+    route("POST", "/sandboxes/{id}/resume", "e2bResumeSandbox").sandbox(Admit::Plain),
+    route("POST", "/sandboxes/{id}/connect", "e2bConnectSandbox").sandbox(Admit::Plain),
+    route("POST", "/v2/sandboxes/{id}/connect", "e2bConnectSandboxV2").sandbox(Admit::Plain),
+    route("POST", "/sandboxes/{id}/timeout", "e2bSetTimeout").sandbox(Admit::Plain),
+    route("POST", "/sandboxes/{id}/refreshes", "e2bRefreshSandbox").sandbox(Admit::Plain),
+    route("GET", "/sandboxes/{id}/metrics", "e2bSandboxMetrics").sandbox(Admit::Plain),
+    route("POST", "/sandboxes/{id}/fork", "e2bForkSandbox").sandbox(Admit::Plain),
+    route("PUT", "/sandboxes/{id}/network", "e2bUpdateNetwork").sandbox(Admit::Plain),
+    route("POST", "/sandboxes/{id}/snapshots", "e2bCreateSnapshot").sandbox(Admit::Plain),
     route("GET", "/snapshots", "e2bListSnapshots"),
     route("DELETE", "/templates/{id}", "e2bDeleteTemplate"),
 ];
@@ -116,28 +116,6 @@ async fn require_key<S: SandboxApi>(
     next.run(request).await
 }
 
-/// Route middleware on `/sandboxes/{id}...`: another tenant's sandbox is
-/// 404, worded as a missing one.
-async fn sandbox_guard<S: SandboxApi>(
-    State(t): State<Tenancy<S>>,
-    request: Request,
-    next: Next,
-) -> Response {
-    let Some(p) = request.extensions().get::<Principal>().cloned() else {
-        return E2bError::new(axum::http::StatusCode::UNAUTHORIZED, "no API key").into_response();
-    };
-    let id = SandboxId::new(request.uri().path().split('/').nth(2).unwrap_or_default());
-    let service = Arc::clone(&t.service);
-    let (checked_id, owner) = (id.clone(), p);
-    let owned = tokio::task::spawn_blocking(move || owns(&*service, &owner, &checked_id).is_ok())
-        .await
-        .unwrap_or(false);
-    if !owned {
-        return E2bError::not_found(format!("sandbox {} not found", id.as_str())).into_response();
-    }
-    next.run(request).await
-}
-
 /// The fallback of [`crate::e2b_router`]: 404 in E2B's shape.
 pub(crate) async fn no_route(request: Request) -> E2bError {
     E2bError::not_found(format!(
@@ -157,10 +135,10 @@ pub(crate) fn router<S: SandboxApi>(
     let mut app: Router<AppState<S>> = Router::new();
     for r in ROUTES {
         let mut endpoint = endpoint::<S>(r);
-        if r.path.starts_with("/sandboxes/{id}") {
+        if let Gated::Sandbox(cost) = r.gate {
             endpoint = endpoint.route_layer(middleware::from_fn_with_state(
-                tenancy.clone(),
-                sandbox_guard::<S>,
+                (tenancy.clone(), cost),
+                crate::gate::sandbox::<S>,
             ));
         }
         endpoint = endpoint.route_layer(middleware::from_fn_with_state(

@@ -423,7 +423,7 @@ pub async fn list_v2<S: SandboxApi>(
     let q = query_pairs(raw);
     let mut filter = SandboxFilter {
         // A tenant's key lists its own sandboxes; an admin's, every one.
-        tenant: (!principal.is_admin()).then(|| principal.tenant.clone()),
+        tenant: (!principal.sees_all()).then(|| principal.owner().tenant),
         ..SandboxFilter::default()
     };
     for word in q
@@ -456,15 +456,13 @@ pub async fn list_v2<S: SandboxApi>(
     let limit = limit(&q)?;
     let after = q.get("nextToken").map(|t| Cursor::decode(t)).transpose()?;
     let template = q.get("template").cloned();
+    let owner = principal.owner();
     let (items, next) = call(&state, move |s| {
         if let Some(t) = template {
-            let found = s
-                .list_templates()?
-                .into_iter()
-                .find(|x| x.state != TemplateState::Deleted && (x.id.as_str() == t || x.name == t));
-            match found {
-                Some(found) => filter.template = Some(found.id),
-                None => return Ok((Vec::new(), None)),
+            match s.resolve_template(&owner, &t) {
+                Ok(found) => filter.template = Some(found.id),
+                Err(ServiceError::NotFound { .. }) => return Ok((Vec::new(), None)),
+                Err(e) => return Err(e),
             }
         }
         let mut sandboxes = s.list_sandboxes(filter)?;
@@ -499,7 +497,7 @@ pub async fn list_v1<S: SandboxApi>(
     let q = query_pairs(raw);
     let mut filter = SandboxFilter {
         // A tenant's key lists its own sandboxes; an admin's, every one.
-        tenant: (!principal.is_admin()).then(|| principal.tenant.clone()),
+        tenant: (!principal.sees_all()).then(|| principal.owner().tenant),
         ..SandboxFilter::default()
     };
     filter
@@ -619,6 +617,7 @@ pub async fn create_snapshot<S: SandboxApi>(
 /// `limit`, `nextToken`.
 pub async fn list_snapshots<S: SandboxApi>(
     state: Api<S>,
+    Extension(principal): Extension<Principal>,
     RawQuery(raw): RawQuery,
 ) -> E2bResult<Response> {
     let q = query_pairs(raw);
@@ -631,6 +630,16 @@ pub async fn list_snapshots<S: SandboxApi>(
             .sandbox_templates(source.as_ref())?
             .into_iter()
             .map(|(t, _)| t)
+            // The caller's own only (a shared template is made by an
+            // admin, not snapshotted from a tenant's sandbox).
+            .filter(|t| {
+                t.state != TemplateState::Deleted
+                    && torpor_scheduler::names::visible(
+                        t.tenant.as_deref(),
+                        Some(&principal.owner()),
+                    )
+            })
+            .filter(|t| principal.sees_all() || t.tenant.is_some())
             .filter(|t| name.as_ref().is_none_or(|n| *n == t.name))
             .collect();
         let key = |t: &Template| Cursor {
@@ -652,29 +661,18 @@ pub async fn list_snapshots<S: SandboxApi>(
 }
 
 /// `DELETE /templates/{id}`: a template by id or name (a snapshot is one:
-/// the SDK's `delete_snapshot`); 204, 404 when unknown.
+/// the SDK's `delete_snapshot`) that the caller may delete (the service's
+/// resolver, `torpor_scheduler::names`); 204, 404 when unknown or another
+/// tenant's, 403 for a shared one.
 pub async fn delete_template<S: SandboxApi>(
     state: Api<S>,
+    Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> E2bResult<StatusCode> {
+    // Resolved for the caller on whichever pod has it (a snapshot of a
+    // sandbox on another pod too): another tenant's is 404.
     call(&state, move |s| {
-        let local = s
-            .list_templates()?
-            .into_iter()
-            .find(|t| t.state != TemplateState::Deleted && (t.id.as_str() == id || t.name == id));
-        let template = match local {
-            Some(t) => t,
-            // Another pod's (a snapshot of a sandbox there): by id or name.
-            None => s
-                .get_template(&TemplateId::new(&id))
-                .ok()
-                .filter(|t| t.state != TemplateState::Deleted)
-                .ok_or(ServiceError::NotFound {
-                    kind: "template",
-                    id: id.clone(),
-                })?,
-        };
-        s.delete_template(&template.id)
+        s.delete_template(Some(&principal.owner()), &id)
     })
     .await?;
     Ok(StatusCode::NO_CONTENT)

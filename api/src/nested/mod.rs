@@ -25,19 +25,20 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use serde_json::Value;
-use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template, TemplateId, TemplateState};
+use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template, TemplateState};
 use torpor_scheduler::service::LOCAL_POD;
+use torpor_scheduler::state::SandboxState;
 
 use crate::backend::{Lifecycle, Registry, Relay, SandboxApi};
 use crate::calls::{ExecMode, ExecReply, FileOp, FileReply, TemplateOp, TemplateReply};
-use crate::client::{encode, ClientError};
 use crate::pods::{self, RemotePod};
 use crate::service::{
     AgentLink, Cancel, CreateSandbox, CreateTemplate, ExecRequest, ForkSandbox, GuestCall,
-    GuestError, Outcome, PodView, SandboxFilter, ServiceError,
+    GuestError, Outcome, Owner, PodView, SandboxFilter, ServiceError,
 };
-use crate::tls::Fingerprint;
 pub use coming::{Starter, RETRY_AFTER_S};
+use torpor_client::pin::Fingerprint;
+use torpor_client::{encode, ClientError};
 
 /// A nested pod's sandbox as kept here.
 #[derive(Debug, Clone)]
@@ -64,6 +65,19 @@ pub struct Nested<L: SandboxApi> {
 
 fn internal(e: impl std::fmt::Display) -> ServiceError {
     ServiceError::Internal(e.to_string())
+}
+
+fn template_not_found(key: &str) -> ServiceError {
+    ServiceError::NotFound {
+        kind: "template",
+        id: key.to_string(),
+    }
+}
+
+/// The tenant a call to a pod is made for: a tenant's (an admin acts as
+/// itself, with the pod's token).
+fn acting_tenant(owner: Option<&Owner>) -> Option<&str> {
+    owner.filter(|o| !o.admin).map(|o| o.tenant.as_str())
 }
 
 impl<L: SandboxApi> Nested<L> {
@@ -241,20 +255,26 @@ impl<L: SandboxApi> Nested<L> {
         Ok(v)
     }
 
-    /// Pods that can take a sandbox of `template`, most free headroom first.
-    fn candidates(&self, template: &str) -> Vec<(f64, Option<RemotePod>)> {
-        let mut out = Vec::new();
-        let has_local = self.local.get_template(&TemplateId::new(template)).is_ok()
-            || self
-                .local
-                .list_templates()
-                .is_ok_and(|ts| ts.iter().any(|t| t.name == template));
-        let remote_pods = self.remote_pods();
+    /// Pods that can take a sandbox of the template `req` names for its
+    /// owner (on every pod with it at the best rank: its own anywhere
+    /// before shared ones), most free headroom first.
+    fn candidates(&self, req: &CreateSandbox) -> Vec<(f64, Option<RemotePod>)> {
+        let found = self
+            .resolve_everywhere(req.owner.as_ref(), &req.template)
+            .unwrap_or_default();
+        let has_local = found.iter().any(|(_, pod)| pod.is_none());
+        let mut remote_pods: Vec<RemotePod> = Vec::new();
+        for pod in found.into_iter().filter_map(|(_, pod)| pod) {
+            if !remote_pods.iter().any(|p| p.id == pod.id) {
+                remote_pods.push(pod);
+            }
+        }
         if has_local && remote_pods.is_empty() {
             // Nothing to rank it against: the local pod's headroom (a
             // list of every sandbox, the PSS of every VMM) is not needed.
             return vec![(0.0, None)];
         }
+        let mut out = Vec::new();
         if has_local {
             let headroom = self
                 .local
@@ -267,21 +287,7 @@ impl<L: SandboxApi> Nested<L> {
         let remote: Vec<(f64, RemotePod)> = std::thread::scope(|scope| {
             let handles: Vec<_> = remote_pods
                 .into_iter()
-                .map(|pod| {
-                    scope.spawn(move || {
-                        let templates = pod.look("/v1/templates").ok()?;
-                        let has = templates["templates"]
-                            .as_array()
-                            .into_iter()
-                            .flatten()
-                            .any(|t| t["id"] == template || t["name"] == template);
-                        if !has {
-                            return None;
-                        }
-                        let load = pod.load().ok()?;
-                        Some((pods::headroom_mib(&load), pod))
-                    })
-                })
+                .map(|pod| scope.spawn(move || Some((pods::headroom_mib(&pod.load().ok()?), pod))))
                 .collect();
             handles
                 .into_iter()
@@ -302,8 +308,55 @@ impl<L: SandboxApi> Nested<L> {
         let tenant = req.owner.as_ref().map(|o| o.tenant.clone());
         let body = serde_json::to_value(&req).map_err(internal)?;
         let secrets = (req.access_token.clone(), req.env.clone());
-        let v = self.place_remote(pod, "/v1/sandboxes", body, tenant.as_deref(), secrets)?;
+        // A tenant's create is that tenant's on the pod too, from a
+        // template of its namespace there.
+        let acting = pod.acting_for(acting_tenant(req.owner.as_ref()));
+        let v = match self.place_remote(&acting, "/v1/sandboxes", body, tenant.as_deref(), secrets)
+        {
+            Ok(v) => v,
+            // Refused before anything was made: nothing to look for.
+            Err(e @ (ServiceError::Admission { .. } | ServiceError::Invalid(_))) => return Err(e),
+            Err(e @ ServiceError::Pod { status, .. }) if status < 500 => return Err(e),
+            Err(e) => {
+                self.reclaim(pod);
+                return Err(e);
+            }
+        };
         self.with_secrets(serde_json::from_value(v).map_err(internal)?)
+    }
+
+    /// After a create the pod did not answer with a sandbox (it failed
+    /// there after recording it, or its answer was lost): every sandbox
+    /// the pod has that this server does not record becomes this server's,
+    /// with the tenant the pod records, so that it is listed, and can be
+    /// deleted, here like any other. The nested pod is this server's
+    /// alone: nothing else makes sandboxes on it.
+    fn reclaim(&self, pod: &RemotePod) {
+        let listed = pod.look("/v1/sandboxes").and_then(|mut v| {
+            serde_json::from_value::<Vec<Sandbox>>(v["sandboxes"].take()).map_err(internal)
+        });
+        let all = match listed {
+            Ok(all) => all,
+            Err(e) => {
+                tracing::warn!(pod = %pod.id, error = %e, "the pod's sandboxes could not be listed after a failed create");
+                return;
+            }
+        };
+        let unrecorded: Vec<Sandbox> = all
+            .into_iter()
+            .filter(|s| s.state != SandboxState::Deleted)
+            .filter(|s| self.owner(&s.id).is_none() && self.claimable(&s.id, &pod.id))
+            .collect();
+        let mut owners = self.owners.write().unwrap_or_else(|p| p.into_inner());
+        for s in unrecorded {
+            tracing::info!(pod = %pod.id, sandbox = %s.id, state = %s.state, "a sandbox of a failed create is recorded");
+            owners.entry(s.id).or_insert(Owned {
+                pod: pod.id.clone(),
+                tenant: s.tenant,
+                access_token: None,
+                env: BTreeMap::new(),
+            });
+        }
     }
 
     /// Placement; see the module documentation.
@@ -321,7 +374,7 @@ impl<L: SandboxApi> Nested<L> {
             return self.create_remote(&pod, req);
         }
         self.coming.check(&req.template)?;
-        let candidates = self.candidates(&req.template);
+        let candidates = self.candidates(&req);
         if candidates.is_empty() {
             // No pod has it: the local pod's answer (404) says so.
             return self.local.create_sandbox(req);
@@ -395,49 +448,58 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
     fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
         match op {
             TemplateOp::List => self.local.templates(op),
-            TemplateOp::Get(id) => match self.local.get_template(id) {
-                Err(ServiceError::NotFound { kind, id: missing }) => {
-                    match self.remote_template("GET", id)? {
-                        Some(v) => Ok(TemplateReply::one(
+            TemplateOp::Get { key, owner } => {
+                // An id the local pod has for this caller: no pod asked.
+                if let Ok(t) = self.local.template_get(owner, key) {
+                    if t.id.as_str() == key {
+                        return Ok(TemplateReply::one(t));
+                    }
+                }
+                match self.resolve_everywhere(owner, key)?.into_iter().next() {
+                    Some((t, _)) => Ok(TemplateReply::one(t)),
+                    None => {
+                        // A template still coming (started by this request
+                        // if on demand: any request for it is a first use).
+                        self.coming.check(key)?;
+                        Err(template_not_found(key))
+                    }
+                }
+            }
+            TemplateOp::Create(req) => {
+                self.check_new_name(&req)?;
+                match req.pod.clone() {
+                    None => self.local.templates(TemplateOp::Create(req)),
+                    Some(p) if p.as_str() == LOCAL_POD => self
+                        .local
+                        .templates(TemplateOp::Create(CreateTemplate { pod: None, ..req })),
+                    Some(p) => {
+                        let pod = self.pod(&p).ok_or_else(|| ServiceError::NotFound {
+                            kind: "pod",
+                            id: p.to_string(),
+                        })?;
+                        let body = serde_json::to_value(CreateTemplate { pod: None, ..req })
+                            .map_err(internal)?;
+                        let v = pod.call("POST", "/v1/templates", Some(&body))?;
+                        Ok(TemplateReply::one(
                             serde_json::from_value(v).map_err(internal)?,
-                        )),
-                        None => {
-                            // A template still coming (started by this request
-                            // if on demand: any request for it is a first use).
-                            self.coming.check(id.as_str())?;
-                            Err(ServiceError::NotFound { kind, id: missing })
-                        }
+                        ))
                     }
                 }
-                other => other.map(TemplateReply::one),
-            },
-            TemplateOp::Create(req) => match req.pod.clone() {
-                None => self.local.templates(TemplateOp::Create(req)),
-                Some(p) if p.as_str() == LOCAL_POD => self
-                    .local
-                    .templates(TemplateOp::Create(CreateTemplate { pod: None, ..req })),
-                Some(p) => {
-                    let pod = self.pod(&p).ok_or_else(|| ServiceError::NotFound {
-                        kind: "pod",
-                        id: p.to_string(),
-                    })?;
-                    let body = serde_json::to_value(CreateTemplate { pod: None, ..req })
-                        .map_err(internal)?;
-                    let v = pod.call("POST", "/v1/templates", Some(&body))?;
-                    Ok(TemplateReply::one(
-                        serde_json::from_value(v).map_err(internal)?,
-                    ))
-                }
-            },
-            TemplateOp::Delete(id) => match self.local.templates(op) {
-                Err(ServiceError::NotFound { kind, id: missing }) => {
-                    match self.remote_template("DELETE", id)? {
-                        Some(_) => Ok(TemplateReply::Deleted),
-                        None => Err(ServiceError::NotFound { kind, id: missing }),
-                    }
-                }
-                other => other,
-            },
+            }
+            TemplateOp::Delete { key, owner } => {
+                let Some((t, pod)) = self.resolve_everywhere(owner, key)?.into_iter().next() else {
+                    return Err(template_not_found(key));
+                };
+                let Some(pod) = pod else {
+                    let id = t.id.to_string();
+                    return self.local.templates(TemplateOp::Delete { key: &id, owner });
+                };
+                torpor_scheduler::names::may_delete(owner, &t)?;
+                let path = format!("/v1/templates/{}", encode(t.id.as_str()));
+                pod.acting_for(acting_tenant(owner))
+                    .call("DELETE", &path, None)?;
+                Ok(TemplateReply::Deleted)
+            }
         }
     }
     fn template_entries(&self) -> Result<Vec<Value>, ServiceError> {
@@ -582,8 +644,10 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
         let Some(pod) = self.remote_sandbox(id) else {
             return self.local.template_from_sandbox(id, req);
         };
-        // The template lives on the sandbox's pod, beside its layers.
-        remote::template(&pod, id, &req)
+        // The template lives on the sandbox's pod, beside its layers, and
+        // is the sandbox's tenant's there (its name in that namespace).
+        let tenant = self.owner(id).and_then(|o| o.tenant);
+        remote::template(&pod.acting_for(tenant.as_deref()), id, &req)
     }
     fn sandbox_templates(
         &self,

@@ -9,9 +9,10 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use torpor_scheduler::service::{ForkSandbox, LOCAL_POD};
 
-use super::internal;
-use crate::client::encode;
-use torpor_scheduler::model::{Sandbox, SandboxId, TemplateId};
+use super::{acting_tenant, internal};
+use torpor_client::encode;
+use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template};
+use torpor_scheduler::service::{CreateTemplate, Owner};
 use torpor_scheduler::service::{Outcome, ServiceError};
 
 use crate::backend::Lifecycle;
@@ -125,7 +126,10 @@ impl<L: crate::backend::SandboxApi> super::Nested<L> {
         let tenant = owner.as_ref().and_then(|o| o.tenant.clone());
         let mut env = owner.map(|o| o.env).unwrap_or_default();
         env.extend(req.env);
-        self.place_remote(pod, path, body, tenant.as_deref(), (req.access_token, env))
+        // For the source's tenant on the pod too: the pod checks that the
+        // source is that tenant's, and the fork is.
+        let pod = pod.acting_for(tenant.as_deref());
+        self.place_remote(&pod, path, body, tenant.as_deref(), (req.access_token, env))
     }
 
     /// Templates of every pod that answers, each with its `pod`.
@@ -156,21 +160,60 @@ impl<L: crate::backend::SandboxApi> super::Nested<L> {
         Ok(out)
     }
 
-    /// The first remote pod that knows template `id`, and its answer.
-    pub(super) fn remote_template(
+    /// The templates `key` names for `owner` on every pod that answers, at
+    /// the best [`torpor_scheduler::names::rank`] across them all (the
+    /// caller's own on any pod before a shared one), oldest first, each
+    /// with its pod (none: the local one).
+    pub(super) fn resolve_everywhere(
         &self,
-        method: &str,
-        id: &TemplateId,
-    ) -> Result<Option<Value>, ServiceError> {
-        for pod in self.remote_pods() {
-            let path = format!("/v1/templates/{}", encode(id.as_str()));
-            match pod.call(method, &path, None) {
-                Ok(v) => return Ok(Some(v)),
-                Err(ServiceError::Pod { status: 404, .. }) => continue,
-                Err(ServiceError::Pod { status: 502, .. }) => continue,
-                Err(e) => return Err(e),
+        owner: Option<&Owner>,
+        key: &str,
+    ) -> Result<Vec<(Template, Option<RemotePod>)>, ServiceError> {
+        let mut found: Vec<(u8, Template, Option<RemotePod>)> = Vec::new();
+        for v in self.templates_everywhere()? {
+            let pod = match v["pod"].as_str() {
+                Some(LOCAL_POD) => None,
+                Some(p) => match self.pod(&PodId::new(p)) {
+                    Some(pod) => Some(pod),
+                    None => continue,
+                },
+                None => continue,
+            };
+            let Ok(t) = serde_json::from_value::<Template>(v) else {
+                continue;
+            };
+            if let Some(rank) = torpor_scheduler::names::rank(&t, owner, key) {
+                found.push((rank, t, pod));
             }
         }
-        Ok(None)
+        let Some(best) = found.iter().map(|(r, ..)| *r).min() else {
+            return Ok(Vec::new());
+        };
+        found.retain(|(r, ..)| *r == best);
+        found.sort_by(|(_, a, _), (_, b, _)| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+        Ok(found.into_iter().map(|(_, t, pod)| (t, pod)).collect())
+    }
+
+    /// Refuses a tenant's new template whose name is its own elsewhere or
+    /// a shared template's on any pod, or one still coming
+    /// ([`torpor_scheduler::names::name_conflict`]; each pod checks its
+    /// own again). An admin's shared one may take any name.
+    pub(super) fn check_new_name(&self, req: &CreateTemplate) -> Result<(), ServiceError> {
+        let Some(tenant) = acting_tenant(req.owner.as_ref()) else {
+            return Ok(());
+        };
+        let listed = self.templates_everywhere()?;
+        let coming = self.coming.why(&req.name).map(|_| None);
+        let tenants = listed
+            .iter()
+            .filter(|v| v["name"] == req.name.as_str() && v["state"] != "deleted")
+            .map(|v| v["tenant"].as_str())
+            .chain(coming);
+        match torpor_scheduler::names::name_conflict(Some(tenant), &req.name, tenants) {
+            Some((kind, name)) => Err(ServiceError::ResourceConflict(format!(
+                "{kind} {name} already exists"
+            ))),
+            None => Ok(()),
+        }
     }
 }

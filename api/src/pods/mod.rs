@@ -13,10 +13,10 @@ use serde_json::{json, Value};
 use torpor_scheduler::model::{PodAddress, PodId};
 use torpor_scheduler::service::LOCAL_POD;
 
-use crate::client::{error_fields, Answer, ClientError, Endpoint, HttpClient};
 use crate::error::code;
 use crate::service::ServiceError;
-use crate::tls::Fingerprint;
+use torpor_client::pin::Fingerprint;
+use torpor_client::{error_fields, Answer, ClientError, Endpoint, HttpClient};
 
 /// A registered remote pod and a client for it.
 #[derive(Debug, Clone)]
@@ -157,6 +157,22 @@ impl RemotePod {
             lookup,
             line,
         })
+    }
+
+    /// This pod called for `tenant` (none: as itself): every request
+    /// carries [`crate::auth::ON_BEHALF_OF`], so that what the pod makes
+    /// is that tenant's and template names resolve in its namespace there
+    /// too. A tenant's create, fork and snapshot-as-template go so.
+    pub fn acting_for(&self, tenant: Option<&str>) -> RemotePod {
+        let Some(tenant) = tenant else {
+            return self.clone();
+        };
+        let header = [(crate::auth::ON_BEHALF_OF, tenant)];
+        RemotePod {
+            client: self.client.clone().with_headers(&header),
+            lookup: self.lookup.clone().with_headers(&header),
+            ..self.clone()
+        }
     }
 
     /// The error for a pod that did not answer.

@@ -23,10 +23,10 @@ use torpor_scheduler::service::LOCAL_POD;
 
 use super::{rewrite_pod_ids, RemotePod};
 use crate::backend::{Relay, SandboxApi};
-use crate::client::{Answer, Streaming};
 use crate::error::ApiError;
 use crate::service::ServiceError;
 use crate::Route;
+use torpor_client::{Answer, Streaming};
 
 /// Whether a route may be forwarded: a sandbox's own routes, and a pod's
 /// update.
@@ -67,6 +67,15 @@ pub async fn forward<S: SandboxApi>(
     };
     let Some((pod, target)) = target else {
         return next.run(request).await;
+    };
+    // A tenant's snapshot-as-template is made for that tenant on the pod
+    // (its name in that tenant's namespace there); a fork goes through
+    // the registry, for its source's tenant.
+    let pod = match request.extensions().get::<crate::auth::Principal>() {
+        Some(p) if !p.sees_all() && request.method() == "POST" && path.ends_with("/template") => {
+            pod.acting_for(Some(&p.owner().tenant))
+        }
+        _ => pod,
     };
     let method = request.method().as_str().to_string();
     let query = request

@@ -15,7 +15,6 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use torpor_api::backend::pod_entry;
-use torpor_api::client::{Endpoint, HttpClient};
 use torpor_api::service::{
     AgentLink, Cancel, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
     ExitReply, FileKind, FileStat, GuestCall, GuestError, Outcome, OutputKind, PodView,
@@ -25,6 +24,7 @@ use torpor_api::{
     ApiConfig, ExecMode, ExecReply, FileOp, FileReply, Lifecycle, SandboxApi, TemplateOp,
     TemplateReply,
 };
+use torpor_client::{Endpoint, HttpClient};
 use torpor_scheduler::model::{
     Pod, PodAddress, PodId, Sandbox, SandboxId, SandboxState, Template, TemplateId, TemplateKind,
     TemplateState, Timestamp,
@@ -302,7 +302,7 @@ fn list(st: &FakeState, path: &str) -> DirListing {
 impl SandboxApi for Fake {
     fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
         let mut st = self.state.lock().unwrap();
-        let missing = |id: &TemplateId| ServiceError::NotFound {
+        let missing = |id: &str| ServiceError::NotFound {
             kind: "template",
             id: id.to_string(),
         };
@@ -310,12 +310,12 @@ impl SandboxApi for Fake {
             TemplateOp::List => Ok(TemplateReply::List(
                 st.templates.values().cloned().collect(),
             )),
-            TemplateOp::Get(id) => st
-                .templates
-                .get(id)
-                .cloned()
-                .map(TemplateReply::one)
-                .ok_or_else(|| missing(id)),
+            TemplateOp::Get { key, owner } => {
+                torpor_scheduler::names::resolve(st.templates.values(), owner, key)
+                    .cloned()
+                    .map(TemplateReply::one)
+                    .ok_or_else(|| missing(key))
+            }
             TemplateOp::Create(req) => {
                 drop(st);
                 Self::new_template(req).map(|t| {
@@ -324,10 +324,12 @@ impl SandboxApi for Fake {
                     TemplateReply::one(t)
                 })
             }
-            TemplateOp::Delete(id) => {
-                if !st.templates.contains_key(id) {
-                    return Err(missing(id));
-                }
+            TemplateOp::Delete { key, owner } => {
+                let t = torpor_scheduler::names::resolve(st.templates.values(), owner, key)
+                    .cloned()
+                    .ok_or_else(|| missing(key))?;
+                torpor_scheduler::names::may_delete(owner, &t)?;
+                let id = &t.id;
                 if st
                     .sandboxes
                     .values()
@@ -348,15 +350,16 @@ impl SandboxApi for Fake {
             std::thread::sleep(Duration::from_millis(ms.parse().unwrap()));
         }
         let mut st = self.state.lock().unwrap();
-        let template = st
-            .templates
-            .values()
-            .find(|t| t.id.as_str() == req.template || t.name == req.template)
-            .cloned()
-            .ok_or_else(|| ServiceError::NotFound {
-                kind: "template",
-                id: req.template.clone(),
-            })?;
+        let template = torpor_scheduler::names::resolve(
+            st.templates.values(),
+            req.owner.as_ref(),
+            &req.template,
+        )
+        .cloned()
+        .ok_or_else(|| ServiceError::NotFound {
+            kind: "template",
+            id: req.template.clone(),
+        })?;
         let mem = template.mem_mib;
         let capacity = (POD_MIB as f64 * st.pod.oversubscription_ratio) as u64;
         let fits = committed(&st) + u64::from(mem) <= capacity;
@@ -502,10 +505,26 @@ impl SandboxApi for Fake {
         &self,
         id: &SandboxId,
         req: ExecRequest,
-        _cancel: &Cancel,
-        mode: ExecMode<'_>,
+        cancel: &Cancel,
+        mut mode: ExecMode<'_>,
     ) -> Result<GuestCall<ExecReply>, ServiceError> {
         let outcome = self.guest(id)?;
+        // `sleep S`, streamed: a long request that runs until S seconds
+        // have passed or its client has gone (the fairness tests).
+        if let (Some("sleep"), ExecMode::Stream { on_start, .. }) =
+            (req.argv.first().map(String::as_str), &mut mode)
+        {
+            let secs: u64 = req.argv.get(1).and_then(|s| s.parse().ok()).unwrap_or(1);
+            on_start(&outcome);
+            let until = std::time::Instant::now() + Duration::from_secs(secs);
+            while std::time::Instant::now() < until && !cancel.is_cancelled() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            return Ok(GuestCall {
+                outcome,
+                value: ExecReply::Streamed(exit(0)),
+            });
+        }
         let words = Self::echo(&req.argv)?;
         let value = match mode {
             ExecMode::Collect => ExecReply::Collected(ExecOutput {
@@ -630,6 +649,24 @@ impl Server {
             body["metadata"] = serde_json::json!({ "agent": "fake" });
         }
         let r = self.call("POST", "/v1/sandboxes", Some(body)).await;
+        assert_eq!(r.status, 201, "{}", r.text());
+        r.json()["id"].as_str().unwrap().to_string()
+    }
+
+    /// A sandbox of `token`'s tenant with the fake agent: its id.
+    pub async fn sandbox_as(&self, token: &str) -> String {
+        let body = serde_json::json!({"template": "probe", "metadata": {"agent": "fake"}});
+        let r = self
+            .request(
+                "POST",
+                "/v1/sandboxes",
+                &[
+                    ("Authorization", format!("Bearer {token}")),
+                    ("Content-Type", "application/json".into()),
+                ],
+                Some(body.to_string().as_bytes()),
+            )
+            .await;
         assert_eq!(r.status, 201, "{}", r.text());
         r.json()["id"].as_str().unwrap().to_string()
     }
@@ -810,5 +847,46 @@ fn dechunk(mut raw: &[u8]) -> Vec<u8> {
         }
         out.extend_from_slice(&raw[..size]);
         raw = &raw[size + 2..];
+    }
+}
+
+/// A tenants file in `dir` with these `(tenant, token)` tenant tokens.
+pub fn tenants_file(dir: &std::path::Path, tenants: &[(&str, &str)]) -> std::path::PathBuf {
+    let path = dir.join("tenants.json");
+    let mut file = torpor_api::auth::tokens::TenantsFile::default();
+    for (tenant, token) in tenants {
+        file.import(tenant, torpor_api::auth::Scope::Tenant, token)
+            .unwrap();
+    }
+    file.save(&path).unwrap();
+    path
+}
+
+/// An exec stream of `argv` that `token` opens on sandbox `id`, kept open
+/// after its status line (the connection, to read on or drop), or the
+/// status line it was refused with.
+pub async fn open_exec_stream(
+    addr: SocketAddr,
+    token: &str,
+    id: &str,
+    argv: &[&str],
+) -> Result<tokio::io::BufReader<TcpStream>, String> {
+    use tokio::io::AsyncBufReadExt;
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    let body = serde_json::json!({ "argv": argv }).to_string();
+    let request = format!(
+        "POST /v1/sandboxes/{id}/exec/stream HTTP/1.1\r\nHost: t\r\n\
+         Authorization: Bearer {token}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut reader = tokio::io::BufReader::new(stream);
+    let mut status = String::new();
+    reader.read_line(&mut status).await.unwrap();
+    if status.contains(" 200 ") {
+        Ok(reader)
+    } else {
+        Err(status)
     }
 }

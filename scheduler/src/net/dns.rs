@@ -7,9 +7,13 @@
 //! - a name under an `allow_out` domain: its A records are added to the
 //!   sandbox's allow set for their TTL (before the answer is passed on, so
 //!   the guest's connection right after finds them open);
-//! - a name under a `deny_out` domain: its A records are added to the deny
-//!   set, and the guest is answered REFUSED (deny wins);
-//! - any other name: answered as is.
+//! - a name under a `deny_out` domain (with internet on): its A records
+//!   are added to the deny set, and the guest is answered REFUSED (deny
+//!   wins);
+//! - any other name: answered as is, with internet on; with internet
+//!   off it is REFUSED without asking upstream (a name the guest makes up
+//!   would otherwise carry data to that zone's servers), and so is a
+//!   denied one.
 //!
 //! Queries come only from sandbox addresses (anything else is dropped,
 //! unanswered), are at most [`MAX_QUERY`] bytes with exactly one question,
@@ -291,6 +295,11 @@ impl State {
         let name = name.strip_suffix('.').unwrap_or(&name).to_string();
         let policy = self.manager.policy_of(&net.sandbox).unwrap_or_default();
         let verdict = policy.judge(&name);
+        if !policy.resolves(&name) {
+            // With internet off only allowed names are asked upstream: any
+            // other name is a channel out (to its zone's servers).
+            return self.reply(from, refused(&query, ResponseCode::Refused));
+        }
         let key = (name, u16::from(question.query_type()));
         if let Some(message) = self.cached(&key) {
             return self.answer(message, query.metadata.id, from, &net, verdict);

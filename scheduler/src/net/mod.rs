@@ -106,6 +106,50 @@ impl std::fmt::Display for Cidr {
 
 string_serde!(Cidr);
 
+impl Cidr {
+    /// Whether every address of `other` is in this network.
+    pub fn contains(&self, other: &Cidr) -> bool {
+        self.len <= other.len && u32::from(other.addr) & mask(self.len) == u32::from(self.addr)
+    }
+}
+
+/// Link-local addresses (cloud metadata services live at 169.254.169.254):
+/// never reachable from a sandbox, whatever its policy.
+pub const LINK_LOCAL: Cidr = Cidr {
+    addr: Ipv4Addr::new(169, 254, 0, 0),
+    len: 16,
+};
+
+/// A service on the host that sandboxes may reach (`serve --host-allow
+/// ADDR[/LEN]:PORT`, TCP and UDP): an operator's exception to the rule
+/// that guests never reach the host's own addresses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct HostPort {
+    pub net: Cidr,
+    pub port: u16,
+}
+
+impl FromStr for HostPort {
+    type Err = NetError;
+    fn from_str(s: &str) -> Result<Self, NetError> {
+        let bad = || NetError::Config(format!("`{s}` is not ADDR[/LEN]:PORT"));
+        let (net, port) = s.rsplit_once(':').ok_or_else(bad)?;
+        Ok(HostPort {
+            net: net.parse()?,
+            port: port.parse().ok().filter(|p| *p != 0).ok_or_else(bad)?,
+        })
+    }
+}
+
+impl std::fmt::Display for HostPort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.net, self.port)
+    }
+}
+
+string_serde!(HostPort);
+
 /// Errors setting up or tearing down sandbox networks.
 #[derive(Debug, thiserror::Error)]
 pub enum NetError {
@@ -148,6 +192,9 @@ pub struct NetConfig {
     /// namespace (`dns::Forwarder`); guests' queries to their gateway are
     /// sent there. `None`: no forwarder (guests' queries go nowhere).
     pub dns_port: Option<u16>,
+    /// Host services sandboxes may reach (`serve --host-allow`); every
+    /// other address of the host is closed to them.
+    pub host_allow: Vec<HostPort>,
 }
 
 impl Default for NetConfig {
@@ -162,6 +209,7 @@ impl Default for NetConfig {
                 len: 16,
             },
             dns_port: None,
+            host_allow: Vec::new(),
         }
     }
 }
@@ -497,14 +545,24 @@ impl NetManager {
             .map(|port| SocketAddrV4::new(net.host_addr, port))
     }
 
+    /// What no sandbox reaches whatever its policy.
+    fn walls(&self) -> rules::Walls<'_> {
+        rules::Walls {
+            pool: self.config.pool,
+            veth_prefix: &self.config.veth_prefix,
+            host_allow: &self.config.host_allow,
+        }
+    }
+
     fn apply_policy(&self, net: &SandboxNet, policy: &EgressPolicy) -> Result<(), NetError> {
-        policy.check()?;
+        policy.check_at_most(2 * MAX_ENTRIES)?;
         let script = rules::host_policy(
             &self.config.table,
             &net.sandbox,
             &net.host_veth,
             policy,
             self.dns(net),
+            &self.walls(),
         );
         self.host_nft(&["-f", "-"], Some(&script))?;
         self.policies
@@ -517,7 +575,7 @@ impl NetManager {
     /// Replaces the sandbox's egress policy (at run time). Addresses
     /// learned under the old one are forgotten.
     pub fn set_policy(&self, net: &SandboxNet, policy: &EgressPolicy) -> Result<(), NetError> {
-        policy.check()?;
+        policy.check_at_most(2 * MAX_ENTRIES)?;
         self.delete_rules(Some(&net.sandbox), &rules::POLICY_CHAINS)?;
         let table = &self.config.table;
         for set in rules::set_names(&net.host_veth) {

@@ -133,6 +133,49 @@ fn matches(list: &[Target], name: &str) -> bool {
     })
 }
 
+/// Whether entry `outer` covers all of `inner` (a network containing
+/// another, a domain with a name under it). A network never covers a
+/// domain nor a domain a network: what a name resolves to is not known
+/// here.
+fn covers(outer: &Target, inner: &Target) -> bool {
+    match (outer, inner) {
+        (Target::Cidr(o), Target::Cidr(i)) => o.contains(i),
+        (Target::Domain(_), Target::Domain(i)) => matches(std::slice::from_ref(outer), i),
+        _ => false,
+    }
+}
+
+/// The entries of `a` covered by some entry of `b` and of `b` covered by
+/// some entry of `a`, redundant ones left out: what both lists allow
+/// (networks and domain names nest or are apart, so each pair's
+/// intersection is the smaller of the two or nothing).
+fn intersect(a: &[Target], b: &[Target]) -> Vec<Target> {
+    let mut out: Vec<Target> = Vec::new();
+    let kept = a
+        .iter()
+        .filter(|x| b.iter().any(|y| covers(y, x)))
+        .chain(b.iter().filter(|y| a.iter().any(|x| covers(x, y))));
+    for t in kept {
+        if out.iter().any(|o| covers(o, t)) {
+            continue;
+        }
+        out.retain(|o| !covers(t, o));
+        out.push(t.clone());
+    }
+    out
+}
+
+/// `a` then the entries of `b` not already in it.
+fn union(a: &[Target], b: &[Target]) -> Vec<Target> {
+    let mut out = a.to_vec();
+    for t in b {
+        if !out.contains(t) {
+            out.push(t.clone());
+        }
+    }
+    out
+}
+
 /// What the DNS forwarder does with a name a sandbox asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NameVerdict {
@@ -165,12 +208,50 @@ impl EgressPolicy {
         }
     }
 
-    /// Refuses lists longer than [`MAX_ENTRIES`].
+    /// This policy narrowed to `ceiling` (the operator's pod policy):
+    /// what both allow, so a tenant's policy can never reach what the
+    /// operator's does not. Internet only if both say so; every deny entry
+    /// of either; `allow_out` the tenant's where the ceiling has internet,
+    /// the ceiling's where the tenant has, else the entries both cover (a
+    /// domain under a ceiling network, or the reverse, is left out: what
+    /// the name resolves to is not known here). The result may have up to
+    /// twice [`MAX_ENTRIES`] entries a list when both are full.
+    pub fn within(&self, ceiling: &EgressPolicy) -> EgressPolicy {
+        let allow_out = match (ceiling.allow_internet, self.allow_internet) {
+            (true, _) => self.allow_out.clone(),
+            (false, true) => ceiling.allow_out.clone(),
+            (false, false) => intersect(&ceiling.allow_out, &self.allow_out),
+        };
+        EgressPolicy {
+            allow_internet: ceiling.allow_internet && self.allow_internet,
+            allow_out,
+            deny_out: union(&ceiling.deny_out, &self.deny_out),
+        }
+    }
+
+    /// Whether `name` may be resolved by the DNS forwarder at all: with
+    /// internet off only names under `allow_out` domains (others are
+    /// REFUSED without asking upstream: a name is a channel out).
+    pub fn resolves(&self, name: &str) -> bool {
+        match self.judge(name) {
+            NameVerdict::Allow => true,
+            NameVerdict::Pass | NameVerdict::Deny => self.allow_internet,
+        }
+    }
+
+    /// Refuses lists longer than [`MAX_ENTRIES`] (what a tenant or the
+    /// operator may give).
     pub fn check(&self) -> Result<(), NetError> {
+        self.check_at_most(MAX_ENTRIES)
+    }
+
+    /// Refuses lists longer than `max` (a policy narrowed to the ceiling
+    /// may hold both sides' entries: twice [`MAX_ENTRIES`]).
+    pub fn check_at_most(&self, max: usize) -> Result<(), NetError> {
         for (name, list) in [("allow_out", &self.allow_out), ("deny_out", &self.deny_out)] {
-            if list.len() > MAX_ENTRIES {
+            if list.len() > max {
                 return Err(NetError::Config(format!(
-                    "{name} has {} entries; at most {MAX_ENTRIES}",
+                    "{name} has {} entries; at most {max}",
                     list.len()
                 )));
             }
@@ -197,6 +278,18 @@ pub struct PolicyPatch {
 impl PolicyPatch {
     pub fn is_empty(&self) -> bool {
         self.allow_internet.is_none() && self.allow_out.is_none() && self.deny_out.is_none()
+    }
+
+    /// `base` with this patch applied, checked, then narrowed to the
+    /// operator's `ceiling` ([`EgressPolicy::within`]): what a tenant's
+    /// patch becomes (it can add denies, narrow `allow_out`, turn internet
+    /// off; never widen what the operator allows).
+    pub fn apply_within(
+        &self,
+        base: &EgressPolicy,
+        ceiling: &EgressPolicy,
+    ) -> Result<EgressPolicy, NetError> {
+        Ok(self.apply(base)?.within(ceiling))
     }
 
     /// `base` with this patch applied, checked.
@@ -285,5 +378,97 @@ mod tests {
         };
         assert!(many.apply(&base).is_err());
         assert!(serde_json::from_str::<PolicyPatch>(r#"{"allow":[]}"#).is_err());
+    }
+    /// The operator's pod policy is a ceiling: a tenant's patch can add
+    /// denies, narrow `allow_out` and turn internet off, never the reverse.
+    #[test]
+    fn a_tenant_cannot_widen_the_operators_policy() {
+        let ceiling = EgressPolicy {
+            allow_internet: false,
+            allow_out: vec![t("10.1.0.0/16"), t("pypi.org"), t("192.0.2.0/24")],
+            deny_out: vec![t("10.1.9.0/24"), t("evil.pypi.org")],
+        };
+        // Everything a tenant could ask to widen with.
+        let widen: PolicyPatch = serde_json::from_str(
+            r#"{"allow_internet":true,"allow_out":["0.0.0.0/0","10.0.0.0/8","example.com",
+                "10.1.2.0/24","files.pypi.org","198.51.100.0/24"],"deny_out":[]}"#,
+        )
+        .unwrap();
+        let got = widen.apply_within(&ceiling, &ceiling).unwrap();
+        assert!(!got.allow_internet, "internet stays off");
+        assert_eq!(got.deny_out, ceiling.deny_out, "operator denies stay");
+        // The tenant asked for everything: what both allow is the
+        // ceiling's list.
+        assert_eq!(got.allow_out, ceiling.allow_out);
+        assert!(!got.resolves("example.com") && !got.resolves("evil.pypi.org"));
+        // Without internet, what both lists allow: the ceiling's networks
+        // under the tenant's wider ones, the tenant's narrower ones, and
+        // nothing the ceiling lacks.
+        let list = PolicyPatch {
+            allow_internet: None,
+            ..widen.clone()
+        };
+        let narrowed = list.apply_within(&ceiling, &ceiling).unwrap();
+        assert_eq!(
+            narrowed.allow_out,
+            vec![t("10.1.0.0/16"), t("192.0.2.0/24"), t("files.pypi.org"),],
+        );
+        for name in ["example.com", "pypi.org", "evil.pypi.org"] {
+            assert!(!narrowed.resolves(name), "{name} resolved");
+        }
+        assert!(narrowed.resolves("files.pypi.org"));
+        // On top of an earlier narrowing too (PATCH after create).
+        let earlier = PolicyPatch {
+            allow_out: Some(vec![t("pypi.org")]),
+            ..PolicyPatch::default()
+        }
+        .apply_within(&ceiling, &ceiling)
+        .unwrap();
+        assert_eq!(earlier.allow_out, vec![t("pypi.org")]);
+        let again = widen.apply_within(&earlier, &ceiling).unwrap();
+        assert_eq!(again, got);
+
+        // An open pod with denies: the tenant may turn internet off and
+        // add denies, but the operator's denies cannot be dropped.
+        let open = EgressPolicy {
+            deny_out: vec![t("10.0.0.0/8")],
+            ..EgressPolicy::default()
+        };
+        let narrow: PolicyPatch = serde_json::from_str(
+            r#"{"allow_internet":false,"allow_out":["pypi.org"],"deny_out":["203.0.113.0/24"]}"#,
+        )
+        .unwrap();
+        let got = narrow.apply_within(&open, &open).unwrap();
+        assert!(!got.allow_internet);
+        assert_eq!(got.allow_out, vec![t("pypi.org")]);
+        assert_eq!(got.deny_out, vec![t("10.0.0.0/8"), t("203.0.113.0/24")]);
+        let undo: PolicyPatch =
+            serde_json::from_str(r#"{"allow_internet":true,"deny_out":[]}"#).unwrap();
+        let got = undo.apply_within(&got, &open).unwrap();
+        assert!(got.allow_internet, "the tenant's own narrowing is undone");
+        assert_eq!(got.deny_out, open.deny_out, "but not the operator's");
+        // A closed pod without allow_out resolves nothing.
+        let closed = EgressPolicy {
+            allow_internet: false,
+            ..EgressPolicy::default()
+        };
+        assert!(!closed.resolves("example.com"));
+        assert!(EgressPolicy::default().resolves("example.com"));
+        // Both lists full: the narrowed policy still passes the manager's
+        // bound.
+        let full = |p: &str| {
+            (0..MAX_ENTRIES)
+                .map(|i| t(&format!("{p}{i}.com")))
+                .collect()
+        };
+        let a = EgressPolicy {
+            deny_out: full("a"),
+            ..EgressPolicy::default()
+        };
+        let b = EgressPolicy {
+            deny_out: full("b"),
+            ..EgressPolicy::default()
+        };
+        assert!(b.within(&a).check_at_most(2 * MAX_ENTRIES).is_ok());
     }
 }

@@ -11,7 +11,7 @@
 use std::fmt::Write;
 use std::net::{Ipv4Addr, SocketAddrV4};
 
-use super::{Cidr, EgressPolicy, GATEWAY_ADDR, GUEST_ADDR};
+use super::{Cidr, EgressPolicy, HostPort, GATEWAY_ADDR, GUEST_ADDR, LINK_LOCAL};
 
 /// Comment on every per-sandbox rule: `torpor:<sandbox id>`.
 pub const RULE_TAG: &str = "torpor:";
@@ -91,18 +91,33 @@ pub fn learn(table: &str, set: &str, addrs: &[Ipv4Addr], ttl_s: u32) -> String {
     )
 }
 
-/// The sandbox's egress policy on its veth `veth`, in both policy chains:
-/// replies to connections already set up pass, and (input) queries to the
-/// DNS forwarder at `dns`; then `deny_out` networks and addresses of
+/// What no sandbox reaches whatever its policy says: the host itself
+/// (but for the DNS forwarder and `host_allow`), the other sandboxes (their
+/// veths, the `pool` they are addressed from) and link-local addresses.
+#[derive(Debug, Clone, Copy)]
+pub struct Walls<'a> {
+    pub pool: Cidr,
+    pub veth_prefix: &'a str,
+    pub host_allow: &'a [HostPort],
+}
+
+/// The sandbox's egress policy on its veth `veth`, in both policy chains.
+/// Replies to connections already set up pass. `forward` (to the
+/// outside): link-local addresses, other sandboxes' veths and the pool
+/// drop, whatever the policy; then `deny_out` networks and addresses of
 /// denied domains drop, then `allow_out` networks and addresses of
 /// allowed domains pass (deny wins), then everything else is dropped
-/// unless `allow_internet`.
+/// unless `allow_internet`. `input` (to the host itself): queries to the
+/// DNS forwarder at `dns` pass; denied addresses drop; the operator's
+/// `host_allow` services pass; everything else drops, whatever the policy
+/// (the host's own addresses are not the internet).
 pub fn host_policy(
     table: &str,
     id: &str,
     veth: &str,
     policy: &EgressPolicy,
     dns: Option<SocketAddrV4>,
+    walls: &Walls<'_>,
 ) -> String {
     let mut out = String::new();
     let tag = format!("{RULE_TAG}{id}");
@@ -116,18 +131,34 @@ pub fn host_policy(
                 "add rule ip {table} {chain} iifname \"{veth}\" {body} comment \"{tag}\""
             );
         };
+        let input = chain == "input";
         rule("ct state established,related accept");
-        if let (Some(dns), "input") = (dns, chain) {
+        if let (Some(dns), true) = (dns, input) {
             rule(&format!(
                 "ip daddr {} udp dport {} accept",
                 dns.ip(),
                 dns.port()
             ));
         }
+        if !input {
+            rule(&format!("ip daddr {LINK_LOCAL} counter drop"));
+            rule(&format!("oifname \"{}*\" counter drop", walls.veth_prefix));
+            rule(&format!("ip daddr {} counter drop", walls.pool));
+        }
         if !deny.is_empty() {
             rule(&format!("ip daddr {} counter drop", set(&deny)));
         }
         rule(&format!("ip daddr @{denied} counter drop"));
+        if input {
+            for h in walls.host_allow {
+                rule(&format!(
+                    "ip daddr {} meta l4proto {{ tcp, udp }} th dport {} accept",
+                    h.net, h.port
+                ));
+            }
+            rule("counter drop");
+            continue;
+        }
         if !allow.is_empty() {
             rule(&format!("ip daddr {} accept", set(&allow)));
         }
@@ -277,6 +308,14 @@ pub fn tagged_handles(listing: &str, id: Option<&str>) -> Vec<u64> {
 mod tests {
     use super::*;
 
+    fn walls(host_allow: &[HostPort]) -> Walls<'_> {
+        Walls {
+            pool: "10.200.0.0/16".parse().unwrap(),
+            veth_prefix: "tpv",
+            host_allow,
+        }
+    }
+
     #[test]
     fn policy_rules_put_deny_before_allow() {
         let policy = EgressPolicy {
@@ -288,23 +327,106 @@ mod tests {
             ],
         };
         let dns = SocketAddrV4::new(Ipv4Addr::new(10, 200, 0, 1), 10053);
-        let script = host_policy("torpor", "sbx-1", "tpv3", &policy, Some(dns));
+        let script = host_policy("torpor", "sbx-1", "tpv3", &policy, Some(dns), &walls(&[]));
         let forward: Vec<&str> = script.lines().filter(|l| l.contains(" forward ")).collect();
-        assert_eq!(forward.len(), 6, "{script}");
+        assert_eq!(forward.len(), 9, "{script}");
         assert!(forward[0].contains("ct state established,related accept"));
-        assert!(forward[1].contains("ip daddr { 10.1.2.0/24, 8.8.8.8/32 } counter drop"));
-        assert!(forward[2].contains("ip daddr @tpv3_d counter drop"));
-        assert!(forward[3].contains("ip daddr { 10.1.0.0/16 } accept"));
-        assert!(forward[4].contains("ip daddr @tpv3_a accept"));
-        assert!(forward[5].ends_with("counter drop comment \"torpor:sbx-1\""));
+        assert!(forward[4].contains("ip daddr { 10.1.2.0/24, 8.8.8.8/32 } counter drop"));
+        assert!(forward[5].contains("ip daddr @tpv3_d counter drop"));
+        assert!(forward[6].contains("ip daddr { 10.1.0.0/16 } accept"));
+        assert!(forward[7].contains("ip daddr @tpv3_a accept"));
+        assert!(forward[8].ends_with("counter drop comment \"torpor:sbx-1\""));
         assert!(script.lines().all(|l| l.contains("iifname \"tpv3\"")));
         let input: Vec<&str> = script.lines().filter(|l| l.contains(" input ")).collect();
-        assert_eq!(input.len(), 7);
+        assert_eq!(input.len(), 5, "{script}");
         assert!(input[1].contains("ip daddr 10.200.0.1 udp dport 10053 accept"));
-        // The open default: no CIDR rules, no final drop.
-        let open = host_policy("torpor", "s", "v", &EgressPolicy::default(), None);
-        assert_eq!(open.lines().count(), 6, "{open}");
-        assert!(!open.contains("\"v\" counter drop"), "{open}");
+        // The open default: the walls, the learned sets, no CIDR rules; the
+        // host stays closed.
+        let open = host_policy(
+            "torpor",
+            "s",
+            "v",
+            &EgressPolicy::default(),
+            None,
+            &walls(&[]),
+        );
+        assert_eq!(open.lines().count(), 9, "{open}");
+        assert!(
+            !open.contains("forward iifname \"v\" counter drop"),
+            "{open}"
+        );
+        assert!(open.contains("input iifname \"v\" counter drop"), "{open}");
+    }
+
+    /// The host, the other sandboxes and link-local addresses are closed
+    /// before anything a tenant's policy opens, even an allow-everything
+    /// one; the operator's host services and the DNS forwarder stay open.
+    #[test]
+    fn walls_hold_whatever_the_policy() {
+        let wide = EgressPolicy {
+            allow_internet: true,
+            allow_out: vec![
+                "0.0.0.0/0".parse().unwrap(),
+                "169.254.169.254".parse().unwrap(),
+                "10.200.0.0/16".parse().unwrap(),
+            ],
+            deny_out: Vec::new(),
+        };
+        let dns = SocketAddrV4::new(Ipv4Addr::new(10, 200, 0, 1), 10053);
+        let pg: HostPort = "10.0.0.5:5432".parse().unwrap();
+        let script = host_policy("t", "s", "tpv0", &wide, Some(dns), &walls(&[pg]));
+        let chain = |name: &str| -> Vec<String> {
+            script
+                .lines()
+                .filter(|l| l.starts_with(&format!("add rule ip t {name} ")))
+                .map(|l| l.split_once(" iifname \"tpv0\" ").unwrap().1.to_string())
+                .map(|l| l.replace(" comment \"torpor:s\"", ""))
+                .collect()
+        };
+        let forward = chain("forward");
+        let first_accept = |rules: &[String]| {
+            rules
+                .iter()
+                .skip(1)
+                .position(|r| r.ends_with("accept"))
+                .map_or(usize::MAX, |i| i + 1)
+        };
+        for wall in [
+            "ip daddr 169.254.0.0/16 counter drop",
+            "oifname \"tpv*\" counter drop",
+            "ip daddr 10.200.0.0/16 counter drop",
+        ] {
+            let at = forward.iter().position(|r| r == wall);
+            assert!(
+                at.is_some_and(|i| i < first_accept(&forward)),
+                "{wall} before any accept: {forward:#?}"
+            );
+        }
+        let input = chain("input");
+        assert_eq!(
+            input,
+            [
+                "ct state established,related accept",
+                "ip daddr 10.200.0.1 udp dport 10053 accept",
+                "ip daddr @tpv0_d counter drop",
+                "ip daddr 10.0.0.5/32 meta l4proto { tcp, udp } th dport 5432 accept",
+                "counter drop",
+            ],
+            "the host is closed but for DNS and the operator's list"
+        );
+        assert_eq!(
+            "10.0.0.0/8:80".parse::<HostPort>().unwrap().to_string(),
+            "10.0.0.0/8:80"
+        );
+        for bad in [
+            "10.0.0.1",
+            "10.0.0.1:0",
+            "10.0.0.1:x",
+            "h:80",
+            "10.0.0.1/8:80",
+        ] {
+            assert!(bad.parse::<HostPort>().is_err(), "{bad}");
+        }
     }
 
     #[test]

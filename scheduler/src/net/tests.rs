@@ -58,6 +58,7 @@ pub(crate) fn manager(tag: &str, pool: &str) -> Option<(NetManager, HostNs)> {
         host_netns: Some(host.0.clone()),
         pool: pool.parse().unwrap(),
         dns_port: None,
+        host_allow: Vec::new(),
     };
     Some((NetManager::new(config).unwrap(), host))
 }
@@ -117,16 +118,18 @@ fn networks_are_created_counted_and_removed_without_leftovers() {
         let route = in_ns(&net.netns, &["ip", "route", "show", "default"]);
         assert!(route.contains(&net.host_addr.to_string()), "{route}");
     }
-    // Per policy chain 3 rules for an open sandbox (established, the
-    // learned deny and allow sets), 6 for the closed one (and its CIDRs
-    // and the final drop); 2 counting rules and 2 sets each.
+    // An open sandbox: 6 forward rules (established, link-local, other
+    // sandboxes' veths and pool, the learned deny and allow sets) and 3
+    // input (established, learned deny, the host closed); the closed one
+    // adds its CIDRs (both chains for the deny) and the final forward drop:
+    // 9 and 4; 2 counting rules and 2 sets each.
     let counted = m.leftovers().unwrap();
     assert_eq!(
         counted,
         Leftovers {
             namespaces: 3,
             veths: 3,
-            rules: 8 + 14 + 8,
+            rules: 11 + 15 + 11,
             sets: 6,
         }
     );
@@ -138,7 +141,7 @@ fn networks_are_created_counted_and_removed_without_leftovers() {
 
     // Policy changes at run time replace the sandbox's rules only.
     m.set_policy(&b, &EgressPolicy::default()).unwrap();
-    assert_eq!(m.leftovers().unwrap().rules, 24);
+    assert_eq!(m.leftovers().unwrap().rules, 33);
     let forward = in_ns(
         &host.0,
         &["nft", "list", "chain", "ip", "torpor_test", "forward"],
@@ -151,7 +154,7 @@ fn networks_are_created_counted_and_removed_without_leftovers() {
         Leftovers {
             namespaces: 2,
             veths: 2,
-            rules: 16,
+            rules: 22,
             sets: 4,
         }
     );
@@ -169,7 +172,7 @@ fn networks_are_created_counted_and_removed_without_leftovers() {
         Leftovers {
             namespaces: 1,
             veths: 1,
-            rules: 8,
+            rules: 11,
             sets: 2,
         }
     );
@@ -190,7 +193,7 @@ fn networks_are_created_counted_and_removed_without_leftovers() {
         Leftovers {
             namespaces: 1,
             veths: 1,
-            rules: 8,
+            rules: 11,
             sets: 2,
         }
     );

@@ -65,14 +65,14 @@ pub enum CalibrationError {
 }
 
 impl Calibration {
-    /// The built-in default: figures from docs/design.md's API benchmark
-    /// (256 MiB probe template, shared 2-core PVM host: create 4.5 ms,
-    /// wake 6 ms without a standby shell) and a 1:1 snapshot of dirty
-    /// pages. Plans made with it say so.
+    /// The built-in default: figures from the API benchmark's first run
+    /// (docs/history.md, "API latency and density": 256 MiB probe template,
+    /// shared 2-core PVM host: create 4.5 ms, wake 6 ms without a standby
+    /// shell) and a 1:1 snapshot of dirty pages. Plans made with it say so.
     pub fn builtin() -> Calibration {
         Calibration {
             source: "builtin".into(),
-            description: "built-in default (docs/design.md API benchmark figures, probe guest, \
+            description: "built-in default (docs/history.md API benchmark figures, probe guest, \
                           2-core PVM host); run `torpor plan calibrate` for this host's"
                 .into(),
             measured_at_ms: 0,

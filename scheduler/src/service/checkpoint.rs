@@ -27,12 +27,12 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use torpor_vmm_api::control::Request;
 
-use super::layers::{commit_layer, diff_allowed, layer_chain, parent_checkpoint};
+use super::layers::{commit_layer, diff_allowed, parent_checkpoint};
 use super::lifetime::{check_lifetimes, expiry};
 use super::{vmm, Outcome, Service, ServiceError, LOCAL_POD};
 use crate::model::{Checkpoint, CheckpointId, PodId, Sandbox, SandboxId, Timestamp};
 use crate::state::SandboxState;
-use crate::store::{OperationKind, OperationStatus, StateChange, Tx};
+use crate::store::{LayerOwner, OperationKind, OperationStatus, StateChange, Tx};
 
 /// Longest checkpoint name.
 pub const MAX_CHECKPOINT_NAME: usize = 64;
@@ -181,7 +181,7 @@ impl Service {
         if sandbox.state == SandboxState::Hibernated {
             // Its hibernation snapshot is immutable: reference it.
             let dir = self.hibernation_snapshot(&sandbox)?;
-            let chain = layer_chain(&dir)?;
+            let chain = self.checked_chain(&LayerOwner::Sandbox(id.clone()), &dir)?;
             checkpoint.snapshot_dir = dir;
             self.store.write(|tx| {
                 tx.register_layers(&chain)?;
@@ -247,9 +247,11 @@ impl Service {
         };
         self.stop_vmm(&sandbox)?;
         self.stall("restore-stopped");
-        match self.start_vmm(id, &snapshot) {
-            Ok(_) => {
-                let chain = layer_chain(&snapshot)?;
+        self.conclude(
+            &op.id,
+            self.start_vmm(id, &snapshot),
+            |_| {
+                let chain = self.checked_chain(&LayerOwner::Sandbox(id.clone()), &snapshot)?;
                 self.store.write(|tx| {
                     tx.register_layers(&chain)?;
                     tx.set_sandbox_snapshot(id, Some(&snapshot))?;
@@ -264,26 +266,19 @@ impl Service {
                     resumed: from == SandboxState::Hibernated,
                     resume_ms: Some(started.elapsed().as_secs_f64() * 1000.0),
                 })
-            }
-            Err(e) => {
-                // A hibernated sandbox still has its snapshot; a live one's
-                // VM is gone.
-                let change = match from {
-                    SandboxState::Hibernated => {
-                        StateChange::new(SandboxState::Resuming, SandboxState::Hibernated)
-                    }
-                    _ => StateChange {
-                        from: SandboxState::Resuming,
-                        to: SandboxState::Failed,
-                        reason: Some(format!(
-                            "restore from checkpoint {:?} failed: {e}",
-                            checkpoint.name
-                        )),
-                    },
-                };
-                self.roll_back(&op.id, &change, e)
-            }
-        }
+            },
+            // A hibernated sandbox still has its snapshot; a live one's VM
+            // is gone.
+            |e| match from {
+                SandboxState::Hibernated => {
+                    StateChange::new(SandboxState::Resuming, SandboxState::Hibernated)
+                }
+                _ => StateChange::failed(
+                    SandboxState::Resuming,
+                    format!("restore from checkpoint {:?} failed: {e}", checkpoint.name),
+                ),
+            },
+        )
     }
 
     /// Creates a new sandbox from the source's checkpoint, or from a fresh
@@ -355,7 +350,13 @@ impl Service {
         // goes: from here on the layers are the fork's too.
         fork.snapshot = Some(snapshot.clone());
         let _fork_guard = self.lock_sandbox(&fork.id)?;
-        let chain = layer_chain(&snapshot)?;
+        // The snapshot is the source's: checked against what it knows.
+        let chain = self.checked_chain(&LayerOwner::Sandbox(id.clone()), &snapshot)?;
+        // Shared with the fork from here on: sealed now, while the source
+        // is locked, since the fork's own starts and wakes seal nothing
+        // outside its directory.
+        let layers: Vec<PathBuf> = chain.iter().map(|(dir, _)| dir.clone()).collect();
+        self.seal_shared(&layers)?;
         let op = self.admit_with(fork.mem_mib, false, |tx| {
             tx.register_layers(&chain)?;
             tx.insert_sandbox(&fork)?;
@@ -367,23 +368,18 @@ impl Service {
             )
         })?;
         drop(source_guard);
-        match self.start_vmm(&fork.id, &snapshot) {
-            Ok(_) => {
+        self.conclude(
+            &op.id,
+            self.start_vmm(&fork.id, &snapshot),
+            |_| {
                 let change = StateChange::new(SandboxState::Creating, SandboxState::Running);
                 Ok(self.store.write(|tx| {
                     tx.finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
                     tx.get_sandbox(&fork.id)
                 })?)
-            }
-            Err(e) => {
-                let change = StateChange {
-                    from: SandboxState::Creating,
-                    to: SandboxState::Failed,
-                    reason: Some(e.to_string()),
-                };
-                self.roll_back(&op.id, &change, e)
-            }
-        }
+            },
+            |e| StateChange::failed(SandboxState::Creating, e),
+        )
     }
 
     fn hibernation_snapshot(&self, sandbox: &Sandbox) -> Result<PathBuf, ServiceError> {
@@ -454,7 +450,19 @@ impl Service {
         written: &Written,
         checkpoint: Option<&Checkpoint>,
     ) -> Result<(), ServiceError> {
-        let chain = layer_chain(&written.dir)?;
+        let owner = LayerOwner::Sandbox(sandbox.id.clone());
+        let chain = match self.checked_chain(&owner, &written.dir) {
+            Ok(chain) => chain,
+            Err(e) => {
+                self.store.finish_operation(
+                    &written.op,
+                    OperationStatus::RolledBack,
+                    None,
+                    None,
+                )?;
+                return Err(e);
+            }
+        };
         self.store.write(|tx| {
             commit_layer(tx, &sandbox.id, &written.dir, &chain, checkpoint)?;
             tx.finish_operation(&written.op, OperationStatus::Done, None, None)

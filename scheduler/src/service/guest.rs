@@ -221,8 +221,12 @@ impl AgentLink {
     /// greeting (the pod's end of a tunnel: the far side greets).
     pub fn connect_raw(&self) -> Result<UnixStream, GuestError> {
         match &self.route {
-            Route::Vsock(uds) => connect_vsock(uds, self.port, HANDSHAKE_LIMIT)
-                .map_err(|e| self.unreachable(format!("{}: {e}", uds.display()))),
+            // The socket's path is the host's: logged, never in the error,
+            // which reaches API clients.
+            Route::Vsock(uds) => connect_vsock(uds, self.port, HANDSHAKE_LIMIT).map_err(|e| {
+                tracing::debug!(sandbox = %self.id, socket = %uds.display(), error = %e, "agent connect");
+                self.unreachable(format!("its vsock: {e}"))
+            }),
             Route::Dial { what, dial } => {
                 dial().map_err(|e| self.unreachable(format!("{what}: {e}")))
             }

@@ -3,7 +3,7 @@
 //! it sees, its devices, its cgroup's limits), the ownership of the files
 //! it writes and reads, and the paths a standby shell is given when it is
 //! taken (mounted into its jail: the shell was jailed when it was made).
-//! See docs/design.md, "The jail".
+//! See docs/vmm.md, "The jail".
 
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use torpor_vmm_api::jail::{self, Expose, JailSpec};
-use torpor_vmm_api::{LaunchMode, LaunchSpec, Lineage, MemoryBackend, RestoreSpec};
+use torpor_vmm_api::{LaunchMode, LaunchSpec, MemoryBackend, RestoreSpec};
 
 use super::{vmm, ServiceError};
 
@@ -156,8 +156,9 @@ impl Jails {
         mem_mib: u64,
         vcpus: u64,
         extra: &[Expose],
+        layers: Option<&[PathBuf]>,
     ) -> JailSpec {
-        let mut exposes = jail::exposes_for(spec);
+        let mut exposes = jail::exposes_for_chain(spec, layers);
         exposes.extend_from_slice(extra);
         // The largest file it writes: a snapshot's memory (guest memory) or
         // a disk overlay (its image's size), plus room; a runaway log or
@@ -209,17 +210,52 @@ impl Jails {
     /// Makes `exposes` usable by `uid` and nothing more: directories it
     /// writes in (under the data directory) become its own, mode 0700,
     /// with the files directly in them; what it only reads there (snapshot
-    /// layers) becomes root's, 0755/0644, so no VMM can change a layer.
-    pub fn prepare(&self, uid: u32, exposes: &[Expose]) -> Result<(), ServiceError> {
+    /// layers, which the caller took from a checked chain) is sealed
+    /// (root's, 0755/0644), so no VMM can change a layer. Only inside
+    /// `own`, the directory of the VMM's sandbox, template or shell: a
+    /// read-only expose outside it (another sandbox's layer a fork sits
+    /// on, a template's snapshot, an image) was sealed when it became
+    /// shared ([`Jails::seal_shared`]), and is only checked here: one that
+    /// is not sealed fails the start with `bad_snapshot` naming it, and
+    /// nothing outside `own` changes owner or mode. Nothing is reached
+    /// through a symbolic link or a `..`: such a path is refused.
+    pub fn prepare(
+        &self,
+        uid: u32,
+        own: Option<&Path>,
+        exposes: &[Expose],
+    ) -> Result<(), ServiceError> {
         for e in exposes {
             if !e.path.starts_with(&self.data_dir) {
                 continue; // host paths (/dev/shm, a rootfs image) stay as they are
             }
-            if e.read_only {
-                seal(&e.path)?;
+            let inside = own.is_some_and(|o| e.path.starts_with(o));
+            if e.read_only && inside {
+                walk(&self.data_dir, &e.path, Walk::Seal)?;
+            } else if e.read_only {
+                walk(&self.data_dir, &e.path, Walk::Check)?;
+            } else if inside {
+                super::layer_gate::real_dir(&self.data_dir, &e.path)
+                    .map_err(|r| internal("expose writable", r))?;
+                own_dir(&e.path, uid)?;
             } else {
-                own(&e.path, uid)?;
+                return Err(ServiceError::Internal(format!(
+                    "{} is exposed writable outside the VMM's own directory",
+                    e.path.display()
+                )));
             }
+        }
+        Ok(())
+    }
+
+    /// Seals `paths` (layers, an image's files) at the moment they become
+    /// shared: a checkpoint or snapshot forked from, a snapshot made a
+    /// template, a template built (its snapshot, its image). Paths outside
+    /// the data directory are left alone; the layers come from a checked
+    /// chain. See [`Jails::prepare`] for why a start does not.
+    pub fn seal_shared(&self, paths: &[PathBuf]) -> Result<(), ServiceError> {
+        for p in paths.iter().filter(|p| p.starts_with(&self.data_dir)) {
+            walk(&self.data_dir, p, Walk::Seal)?;
         }
         Ok(())
     }
@@ -276,7 +312,7 @@ fn lchown(path: &Path, uid: u32) -> Result<(), ServiceError> {
 
 /// `dir` and the files directly in it belong to `uid` (never following a
 /// link); its subdirectories (layers) are left alone.
-fn own(dir: &Path, uid: u32) -> Result<(), ServiceError> {
+fn own_dir(dir: &Path, uid: u32) -> Result<(), ServiceError> {
     let meta = std::fs::symlink_metadata(dir).map_err(|e| internal("stat", e))?;
     if !meta.is_dir() {
         return Err(ServiceError::Internal(format!(
@@ -301,27 +337,170 @@ fn own(dir: &Path, uid: u32) -> Result<(), ServiceError> {
     Ok(())
 }
 
-/// A read-only layer: root's, directories 0755, files 0644 (once: a sealed
-/// layer is left as it is).
-fn seal(path: &Path) -> Result<(), ServiceError> {
-    let meta = std::fs::symlink_metadata(path).map_err(|e| internal("stat", e))?;
-    let want = if meta.is_dir() { 0o755 } else { 0o644 };
-    if meta.file_type().is_symlink() {
+/// Deepest directory [`seal`] descends into below a layer.
+const SEAL_DEPTH: usize = 4;
+
+/// What [`walk`] does to each file and directory of a read-only expose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Walk {
+    /// Make it sealed: root's, directories 0755, files 0644.
+    Seal,
+    /// Only check that it is sealed: root's, writable by nobody else,
+    /// readable (directories searchable) by all; a change of owner or mode
+    /// is the caller's to refuse.
+    Check,
+}
+
+/// A read-only expose under `data_dir` (a layer, a template's file),
+/// sealed or checked ([`Walk`]), what is in a directory too (once: a sealed
+/// layer is left as it is). Never through a symbolic link, never outside
+/// `data_dir`: the path is opened beneath the data directory with
+/// `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`, each entry below it
+/// relative to its directory with `O_NOFOLLOW`, and every change goes
+/// through the descriptor (a link swapped in meanwhile is refused, not
+/// followed). Anything but files and directories is refused.
+fn walk(data_dir: &Path, path: &Path, how: Walk) -> Result<(), ServiceError> {
+    let rel = path
+        .strip_prefix(data_dir)
+        .ok()
+        .filter(|r| {
+            r.components()
+                .all(|c| matches!(c, std::path::Component::Normal(_)))
+        })
+        .filter(|r| !r.as_os_str().is_empty())
+        .ok_or_else(|| refused(path, "not a plain path under the data directory"))?;
+    let base = open_at(None, data_dir, libc::O_DIRECTORY)
+        .map_err(|e| internal(&format!("open {}", data_dir.display()), e))?;
+    let fd = open_beneath(&base, rel).map_err(|e| match e.raw_os_error() {
+        Some(libc::ELOOP | libc::EXDEV) => refused(path, "reached through a symbolic link"),
+        _ => internal(&format!("open {}", path.display()), e),
+    })?;
+    walk_fd(&fd, path, 0, how)
+}
+
+fn refused(path: &Path, why: &str) -> ServiceError {
+    ServiceError::Vm(
+        torpor_vmm_api::VmError::new(
+            torpor_vmm_api::ErrorKind::BadSnapshot,
+            format!("{} is refused: {why}", path.display()),
+        )
+        .with_layer(path),
+    )
+}
+
+const OPEN_FLAGS: libc::c_int =
+    libc::O_RDONLY | libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY;
+
+/// `openat(dir or the cwd, path, OPEN_FLAGS | extra)`.
+fn open_at(dir: Option<&OwnedFd>, path: &Path, extra: libc::c_int) -> std::io::Result<OwnedFd> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+    let at = dir.map_or(libc::AT_FDCWD, |d| d.as_raw_fd());
+    // SAFETY: a NUL-terminated path alive for the call; the descriptor
+    // returned is owned below.
+    let fd = unsafe { libc::openat(at, c.as_ptr(), OPEN_FLAGS | extra) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor the kernel just returned, owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `rel` opened beneath `base`, no component a symbolic link or `..` out.
+fn open_beneath(base: &OwnedFd, rel: &Path) -> std::io::Result<OwnedFd> {
+    let c = CString::new(rel.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: open_how is plain data; zeroed is a valid value.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = OPEN_FLAGS as u64;
+    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+    // SAFETY: a descriptor we own, a NUL-terminated path and an open_how
+    // of the size passed, alive for the call.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            base.as_raw_fd(),
+            c.as_ptr(),
+            &how as *const libc::open_how,
+            std::mem::size_of::<libc::open_how>(),
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor the kernel just returned, owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+fn walk_fd(fd: &OwnedFd, shown: &Path, depth: usize, how: Walk) -> Result<(), ServiceError> {
+    let sys = |ret: libc::c_int, what: &str| {
+        if ret < 0 {
+            Err(internal(
+                &format!("{what} {}", shown.display()),
+                std::io::Error::last_os_error(),
+            ))
+        } else {
+            Ok(())
+        }
+    };
+    // SAFETY: stat is plain data; fstat fills it from a descriptor we own.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    sys(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }, "stat")?;
+    let is_dir = match st.st_mode & libc::S_IFMT {
+        libc::S_IFDIR => true,
+        libc::S_IFREG => false,
+        _ => return Err(refused(shown, "neither a file nor a directory")),
+    };
+    let want = if is_dir { 0o755 } else { 0o644 };
+    match how {
+        Walk::Check => {
+            // Readable by all (searchable, for a directory), writable by
+            // root alone, no set-id bits.
+            let reads = if is_dir { 0o005 } else { 0o004 };
+            let mode = st.st_mode & 0o7777;
+            if st.st_uid != 0 || mode & 0o7022 != 0 || mode & reads != reads {
+                return Err(refused(
+                    shown,
+                    &format!(
+                        "shared but not sealed (owner {}, mode {mode:04o}): a layer \
+                         outside the VMM's own directory is sealed when it is shared, \
+                         never when a VMM starts",
+                        st.st_uid
+                    ),
+                ));
+            }
+        }
+        Walk::Seal => {
+            if st.st_uid != 0 || st.st_gid != 0 {
+                // SAFETY: a descriptor we own and plain ids.
+                sys(unsafe { libc::fchown(fd.as_raw_fd(), 0, 0) }, "chown")?;
+            }
+            if st.st_mode & 0o7777 != want {
+                // SAFETY: a descriptor we own and a mode.
+                sys(unsafe { libc::fchmod(fd.as_raw_fd(), want) }, "chmod")?;
+            }
+        }
+    }
+    if !is_dir {
         return Ok(());
     }
-    if meta.uid() != 0 || meta.gid() != 0 {
-        std::os::unix::fs::lchown(path, Some(0), Some(0))
-            .map_err(|e| internal(&format!("chown {}", path.display()), e))?;
+    if depth >= SEAL_DEPTH {
+        return Err(refused(shown, "directories nested too deep for a layer"));
     }
-    if meta.mode() & 0o777 != want {
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(want))
-            .map_err(|e| internal("chmod", e))?;
-    }
-    if meta.is_dir() {
-        let entries = std::fs::read_dir(path).map_err(|e| internal("list", e))?;
-        for entry in entries.flatten() {
-            seal(&entry.path())?;
-        }
+    // The directory this descriptor is, whatever its path is now.
+    let listed = std::fs::read_dir(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .map_err(|e| internal(&format!("list {}", shown.display()), e))?;
+    for entry in listed {
+        let entry = entry.map_err(|e| internal(&format!("list {}", shown.display()), e))?;
+        let name = entry.file_name();
+        let child_shown = shown.join(&name);
+        let child = open_at(Some(fd), Path::new(&name), 0).map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => refused(&child_shown, "a symbolic link"),
+            Some(libc::ENXIO) => refused(&child_shown, "neither a file nor a directory"),
+            _ => internal(&format!("open {}", child_shown.display()), e),
+        })?;
+        walk_fd(&child, &child_shown, depth + 1, how)?;
     }
     Ok(())
 }
@@ -485,14 +664,13 @@ fn attach(ns: std::fs::File, trees: Vec<(Expose, OwnedFd, bool)>) -> Result<(), 
 /// For `uffd-shared`: the shmem copy of the snapshot's base memory file,
 /// made by the pod (root-owned, read-only to VMMs) before a jailed VMM
 /// maps it.
-pub fn ensure_shared_copy(restore: &RestoreSpec) -> Result<(), ServiceError> {
+/// `layers` is the restore's checked chain (base first): the pod copies
+/// what the base names, so never from a chain the VMM merely reported.
+pub fn ensure_shared_copy(restore: &RestoreSpec, layers: &[PathBuf]) -> Result<(), ServiceError> {
     if restore.backend != MemoryBackend::UffdShared {
         return Ok(());
     }
-    let base = Lineage::read(&restore.snapshot)
-        .ok()
-        .and_then(|l| l.layers.first().cloned())
-        .unwrap_or_else(|| restore.snapshot.clone());
+    let base = layers.first().unwrap_or(&restore.snapshot);
     // The VMM reports a snapshot without memory as such.
     let memory = base.join("memory");
     if !memory.exists() {
@@ -505,6 +683,9 @@ pub fn ensure_shared_copy(restore: &RestoreSpec) -> Result<(), ServiceError> {
 
 /// Starts a VMM of `spec` (a guest of `mem_mib` and `vcpus`), in its own
 /// jail when the pod jails (`extra`: paths beyond those the spec names).
+/// A restore comes with its snapshot's chain as the service checked it
+/// (`layers`, base first: [`super::Service::checked_chain`]), never read
+/// again from what the VMM wrote.
 pub fn spawn(
     jails: Option<&Jails>,
     exe: &Path,
@@ -512,16 +693,23 @@ pub fn spawn(
     log: &Path,
     (mem_mib, vcpus): (u64, u64),
     extra: &[Expose],
+    layers: Option<&[PathBuf]>,
 ) -> Result<(vmm::Spawned, Option<u32>), ServiceError> {
     let Some(jails) = jails else {
         return vmm::spawn(exe, &spec, log).map(|s| (s, None));
     };
     if let LaunchMode::Restore { restore, .. } = &spec.mode {
-        ensure_shared_copy(restore)?;
+        let layers = layers.ok_or_else(|| {
+            ServiceError::Internal("a jailed restore without its checked chain".into())
+        })?;
+        ensure_shared_copy(restore, layers)?;
     }
     let slot = jails.reserve()?;
-    let jail = jails.spec_for(slot, &spec, mem_mib, vcpus, extra);
-    let started = jails.prepare(slot.uid, &jail.exposes).and_then(|()| {
+    let jail = jails.spec_for(slot, &spec, mem_mib, vcpus, extra, layers);
+    // Its own directory: where its control socket is (a sandbox's, a
+    // template's, a shell's).
+    let own = spec.control_socket.as_deref().and_then(Path::parent);
+    let started = jails.prepare(slot.uid, own, &jail.exposes).and_then(|()| {
         spec.jail = Some(jail);
         vmm::spawn(exe, &spec, log)
     });
@@ -569,5 +757,152 @@ mod tests {
         // SAFETY: getuid cannot fail.
         let uid = unsafe { libc::getuid() };
         assert_eq!(process_uid(std::process::id()), Some(uid));
+    }
+
+    /// Sealing makes a layer root's, 0755/0644, and never reaches through
+    /// a link or a `..`: what the link points at keeps its owner and mode.
+    /// Needs root (it chowns); tests/needs.
+    #[test]
+    fn sealing_follows_no_link_and_stays_beneath_the_data_directory() {
+        // SAFETY: geteuid cannot fail.
+        assert_eq!(unsafe { libc::geteuid() }, 0, "sealing chowns: needs root");
+        let scratch = tempfile::tempdir().unwrap();
+        let data = std::fs::canonicalize(scratch.path()).unwrap();
+        let mine = data.join("sandboxes/mine");
+        let victim = data.join("sandboxes/victim/snap-1");
+        let layer = mine.join("snap-1");
+        for d in [&layer, &victim] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join("state"), b"s").unwrap();
+        }
+        let mode = |p: &Path| std::fs::symlink_metadata(p).unwrap().mode() & 0o7777;
+        let set = |p: &Path, m: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+        };
+        set(&victim, 0o700);
+        set(&victim.join("state"), 0o600);
+        std::os::unix::fs::lchown(&victim, Some(4242), Some(4242)).unwrap();
+        set(&layer, 0o700);
+        set(&layer.join("state"), 0o600);
+        walk(&data, &layer, Walk::Seal).unwrap();
+        assert_eq!((mode(&layer), mode(&layer.join("state"))), (0o755, 0o644));
+
+        let untouched = |what: &str| {
+            let m = std::fs::symlink_metadata(&victim).unwrap();
+            assert_eq!((m.uid(), m.mode() & 0o7777), (4242, 0o700), "{what}");
+            assert_eq!(mode(&victim.join("state")), 0o600, "{what}");
+        };
+        // A link as the layer, on the way to it, or inside it.
+        std::os::unix::fs::symlink(&victim, mine.join("link")).unwrap();
+        let e = walk(&data, &mine.join("link"), Walk::Seal).unwrap_err();
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        untouched("a linked layer");
+        std::os::unix::fs::symlink(data.join("sandboxes/victim"), mine.join("sub")).unwrap();
+        assert!(walk(&data, &mine.join("sub/snap-1"), Walk::Seal).is_err());
+        untouched("a link on the way");
+        std::os::unix::fs::symlink(victim.join("state"), layer.join("memory")).unwrap();
+        let e = walk(&data, &layer, Walk::Seal).unwrap_err();
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        untouched("a link inside the layer");
+        // `..`, or a path outside the data directory.
+        let dotted = PathBuf::from(format!("{}/../victim/snap-1", mine.display()));
+        assert!(walk(&data, &dotted, Walk::Seal).is_err());
+        untouched("a dotted path");
+        assert!(walk(&data, Path::new("/etc"), Walk::Seal).is_err());
+        assert!(walk(&data, &data, Walk::Seal).is_err());
+    }
+
+    /// A start seals only inside its VMM's own directory: a read-only
+    /// expose outside it is checked and left exactly as it is (owner,
+    /// mode, change time), one that is not sealed fails the start naming
+    /// it, and nothing outside is made writable; [`Jails::seal_shared`] is
+    /// what seals a layer as it becomes shared. Needs root (it chowns).
+    #[test]
+    fn a_start_changes_nothing_outside_its_own_directory() {
+        // SAFETY: geteuid cannot fail.
+        assert_eq!(unsafe { libc::geteuid() }, 0, "sealing chowns: needs root");
+        let scratch = tempfile::tempdir().unwrap();
+        let data = std::fs::canonicalize(scratch.path()).unwrap();
+        let config = JailConfig {
+            uid_base: 300_000,
+            uids: 2,
+            sandbox_memory_max_mib: None,
+        };
+        let jails = Jails::new(&data, config).unwrap();
+        let own = data.join("sandboxes/fork");
+        let mine = own.join("snap-1");
+        let shared = data.join("sandboxes/source/ckpt-a");
+        let set = |p: &Path, m: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+        };
+        for d in [&mine, &shared] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join("state"), b"s").unwrap();
+            set(d, 0o700);
+            set(&d.join("state"), 0o600);
+        }
+        std::os::unix::fs::lchown(&mine, Some(4242), Some(4242)).unwrap();
+        let stamp = |p: &Path| {
+            let m = std::fs::symlink_metadata(p).unwrap();
+            let mode = m.mode() & 0o7777;
+            (m.uid(), m.gid(), mode, m.ctime(), m.ctime_nsec())
+        };
+        let stamps = || [&shared, &shared.join("state")].map(|p| stamp(p));
+        let exposes = [
+            Expose::read_write(&own),
+            Expose::read_only(&mine),
+            Expose::read_only(&shared),
+        ];
+        // Not sealed yet: refused, untouched.
+        let before = stamps();
+        let e = jails.prepare(300_001, Some(&own), &exposes).unwrap_err();
+        assert!(e.to_string().contains("not sealed"), "{e}");
+        assert_eq!(stamps(), before);
+        // Sealed as it is shared; then sealed differently (read-only to
+        // all): a start changes nothing of it.
+        jails.seal_shared(std::slice::from_ref(&shared)).unwrap();
+        assert_eq!(stamp(&shared).2, 0o755);
+        assert_eq!(stamp(&shared.join("state")).2, 0o644);
+        set(&shared, 0o555);
+        set(&shared.join("state"), 0o444);
+        let before = stamps();
+        jails.prepare(300_001, Some(&own), &exposes).unwrap();
+        assert_eq!(stamps(), before);
+        // Its own layer is sealed, its own directory its uid's.
+        assert_eq!((stamp(&mine).0, stamp(&mine).2), (0, 0o755));
+        assert_eq!(stamp(&mine.join("state")).2, 0o644);
+        assert_eq!((stamp(&own).0, stamp(&own).2), (300_001, 0o700));
+        // Another owner, or writable by others: refused, untouched.
+        type Unseal = fn(&Path);
+        let unseals: [(&str, Unseal); 3] = [
+            ("owner", |p| {
+                std::os::unix::fs::lchown(p.join("state"), Some(4242), None).unwrap()
+            }),
+            ("file mode", |p| {
+                std::fs::set_permissions(p.join("state"), std::fs::Permissions::from_mode(0o666))
+                    .unwrap()
+            }),
+            ("directory mode", |p| {
+                std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o777)).unwrap()
+            }),
+        ];
+        for (what, unseal) in unseals {
+            jails.seal_shared(std::slice::from_ref(&shared)).unwrap();
+            unseal(&shared);
+            let before = stamps();
+            let e = jails.prepare(300_001, Some(&own), &exposes).unwrap_err();
+            let ServiceError::Vm(vm) = &e else {
+                panic!("{what}: {e:?}")
+            };
+            assert_eq!(vm.kind, torpor_vmm_api::ErrorKind::BadSnapshot, "{what}");
+            assert!(vm.layer.as_deref().is_some_and(|l| l.starts_with(&shared)));
+            assert_eq!(stamps(), before, "{what}");
+        }
+        // Nothing outside its own directory is made writable for it.
+        jails.seal_shared(std::slice::from_ref(&shared)).unwrap();
+        let before = stamps();
+        let writable = [Expose::read_write(&shared)];
+        assert!(jails.prepare(300_001, Some(&own), &writable).is_err());
+        assert_eq!(stamps(), before);
     }
 }

@@ -11,20 +11,21 @@ use torpor_vmm_api::control::Request;
 use torpor_vmm_api::lineage::Lineage;
 use torpor_vmm_api::{ErrorKind, VmError};
 
+use super::layer_gate::{check_chain, real_dir, Scope};
 use super::vmm;
 use super::{Service, ServiceError};
-use crate::model::{Checkpoint, CheckpointId, Sandbox, SandboxId, Timestamp};
+use crate::model::{Checkpoint, CheckpointId, Sandbox, SandboxId, TemplateId, Timestamp};
 use crate::state::SandboxState;
-use crate::store::{OperationKind, OperationRecord, OperationStatus, StateChange, Tx};
+use crate::store::{LayerOwner, OperationKind, OperationRecord, OperationStatus, StateChange, Tx};
 
 /// A layer chain as the store records it: `(dir, parent)`, base first.
 pub(super) type LayerChain = Vec<(PathBuf, Option<PathBuf>)>;
 
-/// The chain of the snapshot in `top`, base first, every path canonical
-/// (the VMM records parents canonicalised; the service's own paths are
-/// under the canonical data directory).
-pub(super) fn layer_chain(top: &Path) -> Result<LayerChain, ServiceError> {
-    let lineage = Lineage::read(top).map_err(|e| {
+/// The lineage `top`'s VMM wrote, unchecked: only for what cannot widen a
+/// jail (a chain's depth). Everything else goes through
+/// [`Service::checked_chain`].
+fn read_lineage(top: &Path) -> Result<Lineage, ServiceError> {
+    Lineage::read(top).map_err(|e| {
         ServiceError::Vm(
             VmError::new(
                 ErrorKind::BadSnapshot,
@@ -32,31 +33,82 @@ pub(super) fn layer_chain(top: &Path) -> Result<LayerChain, ServiceError> {
             )
             .with_layer(top),
         )
-    })?;
-    let dirs: Vec<PathBuf> = lineage
-        .layers
-        .iter()
-        .map(|l| std::fs::canonicalize(l).unwrap_or_else(|_| l.clone()))
-        .collect();
-    // `layers` is base first; each layer's parent is the one before it.
-    Ok(dirs
-        .iter()
-        .enumerate()
-        .map(|(i, d)| (d.clone(), i.checked_sub(1).map(|p| dirs[p].clone())))
-        .collect())
+    })
 }
 
 /// Whether a new snapshot on top of `base` may be a diff: the chain under
 /// it stays shorter than `MAX_DIFF_DEPTH` (else a full one starts afresh).
 pub(super) fn diff_allowed(base: Option<&Path>) -> bool {
     base.map(|s| {
-        Lineage::read(s).map_or(super::ops::MAX_DIFF_DEPTH, |l| l.depth())
+        read_lineage(s).map_or(super::ops::MAX_DIFF_DEPTH, |l| l.depth())
             < super::ops::MAX_DIFF_DEPTH
     })
     .unwrap_or(false)
 }
 
 impl Service {
+    /// The chain of the snapshot in `top`, base first, as its VMM recorded
+    /// it and once the gate (`layer_gate.rs`) has checked every layer
+    /// against `owner`'s own directory and the layers the store knows for
+    /// it: what the service records, mounts and seals.
+    pub(super) fn checked_chain(
+        &self,
+        owner: &LayerOwner,
+        top: &Path,
+    ) -> Result<LayerChain, ServiceError> {
+        let own_dir = match owner {
+            LayerOwner::Sandbox(id) => self.sandbox_dir(id),
+            LayerOwner::Template(id) => self.template_dir(id),
+        };
+        let known = self.store.known_layers(owner)?;
+        let scope = Scope::new(&self.config.data_dir, &own_dir, known);
+        // The record is read only from a real directory the gate accepts.
+        real_dir(&scope.data_dir, top).map_err(|e| e.into_error(top))?;
+        let lineage = read_lineage(top)?;
+        check_chain(top, &lineage.layers, &scope).map_err(|e| e.into_error(top))
+    }
+
+    /// Seals `paths` (layers of a checked chain, an image's files) as they
+    /// become shared with another sandbox or a template: root's, 0755/0644
+    /// (`Jails::seal_shared`). A start only ever seals inside its VMM's own
+    /// directory and checks what is outside it, so whatever a chain reaches
+    /// in another's directory is sealed here first. An unjailed pod seals
+    /// nothing (its VMMs run as the service).
+    pub(super) fn seal_shared(&self, paths: &[PathBuf]) -> Result<(), ServiceError> {
+        match &self.jails {
+            Some(jails) => jails.seal_shared(paths),
+            None => Ok(()),
+        }
+    }
+
+    /// The layers of `chain` (checked for `owner`) that are shared: all of
+    /// a template's, and those of a sandbox's that are outside its own
+    /// directory.
+    fn shared_layers(&self, owner: &LayerOwner, chain: &LayerChain) -> Vec<PathBuf> {
+        let own = match owner {
+            LayerOwner::Sandbox(id) => Some(self.sandbox_dir(id)),
+            LayerOwner::Template(_) => None,
+        };
+        chain
+            .iter()
+            .map(|(dir, _)| dir.clone())
+            .filter(|dir| own.as_ref().is_none_or(|own| !dir.starts_with(own)))
+            .collect()
+    }
+
+    /// Whose layer `dir` is by where it is: a sandbox's or a template's
+    /// directory (start-up recovery knows roots only by path).
+    fn owner_of(&self, dir: &Path) -> Option<LayerOwner> {
+        let rel = dir.strip_prefix(&self.config.data_dir).ok()?;
+        let mut parts = rel.components().map(|c| c.as_os_str().to_string_lossy());
+        let (kind, name) = (parts.next()?, parts.next()?);
+        match kind.as_ref() {
+            "sandboxes" => Some(LayerOwner::Sandbox(SandboxId::new(name))),
+            "templates" => Some(LayerOwner::Template(TemplateId::new(name))),
+            _ => None,
+        }
+    }
+
     /// Points the sandbox at `snapshot` (what its VMM runs from or it wakes
     /// from) and records the snapshot's layers, in one transaction: a layer
     /// recorded but not yet referenced could be collected by a concurrent
@@ -66,7 +118,7 @@ impl Service {
         id: &SandboxId,
         snapshot: &Path,
     ) -> Result<(), ServiceError> {
-        let chain = layer_chain(snapshot)?;
+        let chain = self.checked_chain(&LayerOwner::Sandbox(id.clone()), snapshot)?;
         self.store.write(|tx| {
             tx.register_layers(&chain)?;
             tx.set_sandbox_snapshot(id, Some(snapshot))
@@ -144,9 +196,25 @@ impl Service {
     pub(super) fn recover_layers(&self) -> Result<(), ServiceError> {
         self.store.remove_checkpoints_of_deleted()?;
         for root in self.store.referenced_paths()? {
-            match layer_chain(&root) {
-                Ok(chain) => self.store.register_layers(&chain)?,
+            let Some(owner) = self.owner_of(&root) else {
+                tracing::warn!("{} is outside the sandboxes and templates", root.display());
+                continue;
+            };
+            match self.checked_chain(&owner, &root) {
+                Ok(chain) => {
+                    self.store.register_layers(&chain)?;
+                    // Layers shared before sharing sealed them.
+                    if let Err(e) = self.seal_shared(&self.shared_layers(&owner, &chain)) {
+                        tracing::warn!("cannot seal the chain of {}: {e}", root.display());
+                    }
+                }
                 Err(e) => tracing::warn!("cannot read the chain of {}: {e}", root.display()),
+            }
+        }
+        // And the images templates read.
+        for t in self.store.list_templates(false)? {
+            if let Err(e) = self.seal_shared(&template_files(&t)) {
+                tracing::warn!(template = %t.id, "cannot seal its image: {e}");
             }
         }
         self.remove_dead_layers();
@@ -223,14 +291,13 @@ impl Service {
                     let change = StateChange::new(SandboxState::Resuming, SandboxState::Hibernated);
                     (OperationStatus::RolledBack, change)
                 } else {
-                    let change = StateChange {
-                        from: SandboxState::Resuming,
-                        to: SandboxState::Failed,
-                        reason: Some(format!(
+                    let change = StateChange::failed(
+                        SandboxState::Resuming,
+                        format!(
                             "restore from a checkpoint interrupted and not finished: {}",
                             failure.unwrap_or_default()
-                        )),
-                    };
+                        ),
+                    );
                     (OperationStatus::RolledBack, change)
                 };
                 tracing::warn!(op = %op.id, sandbox = %sandbox.id, %outcome, "finished an interrupted restore");
@@ -250,7 +317,7 @@ impl Service {
         sandbox: &Sandbox,
         snapshot: &Path,
     ) -> Result<(), ServiceError> {
-        let chain = layer_chain(snapshot)?;
+        let chain = self.checked_chain(&LayerOwner::Sandbox(sandbox.id.clone()), snapshot)?;
         let checkpoint = match op.kind {
             OperationKind::Checkpoint => Some(Checkpoint {
                 id: CheckpointId::new(
@@ -278,6 +345,18 @@ impl Service {
         })?;
         Ok(())
     }
+}
+
+/// The files of its image a template's VMMs read: its rootfs and (a Linux
+/// build's) kernel, which an image shares with every template built from it.
+pub(super) fn template_files(template: &crate::model::Template) -> Vec<PathBuf> {
+    let kernel = Path::new(&template.kernel);
+    template
+        .rootfs
+        .iter()
+        .cloned()
+        .chain(kernel.is_absolute().then(|| kernel.to_path_buf()))
+        .collect()
 }
 
 /// In one transaction with the end of the operation that wrote it: a new

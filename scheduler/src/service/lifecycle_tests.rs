@@ -7,6 +7,7 @@ use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
@@ -257,5 +258,99 @@ fn the_policy_prunes_deleted_rows_past_the_retention() {
     assert_eq!(
         service.get_sandbox(&live).unwrap().state,
         SandboxState::Running
+    );
+}
+
+/// Whether process `pid` has ended (gone, or a zombie not reaped yet).
+fn ended(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
+        stat.rsplit_once(')')
+            .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+    })
+}
+
+/// A sandbox with a stand-in VMM, in `state`, stored.
+fn with_vmm(service: &Service, template: &Template, vmm: &FakeVmm, state: SandboxState) -> Sandbox {
+    let mut s = Sandbox::new(template.id.clone(), 64, 1, 60_000);
+    s.state = state;
+    s.pod = Some(PodId::new(LOCAL_POD));
+    s.snapshot = template.snapshot_dir.clone();
+    s.vmm = Some(vmm.handle.clone());
+    service.store().insert_sandbox(&s).unwrap();
+    s
+}
+
+/// A delete does not queue behind another operation holding a running
+/// sandbox's lock (a snapshot or a control call that waits on its VMM):
+/// it ends the VMM, the operation lets go, and the delete goes through.
+/// The holder here lets go when the VMM ends, or after a minute.
+#[test]
+fn a_delete_ends_the_vmm_an_operation_waits_on() {
+    let (dir, service, template) = service();
+    let vmm = FakeVmm::start(dir.path());
+    let s = with_vmm(&service, &template, &vmm, SandboxState::Running);
+    let (held_tx, held) = std::sync::mpsc::channel();
+    let holder = {
+        let (service, id, pid) = (service.clone(), s.id.clone(), vmm.handle.pid);
+        std::thread::spawn(move || {
+            let _guard = service.locks.lock(&id);
+            held_tx.send(()).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !ended(pid) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            ended(pid)
+        })
+    };
+    held.recv().unwrap();
+    service.delete_sandbox(&s.id).expect("the delete");
+    assert!(
+        holder.join().unwrap(),
+        "the holder let go only after a minute: the delete did not end its VMM"
+    );
+    assert_eq!(
+        service.get_sandbox(&s.id).unwrap().state,
+        SandboxState::Deleted
+    );
+    assert_eq!(service.lock_entries(), 0);
+}
+
+/// A wake waiting for its Linux guest's agent (up to a minute) gives up as
+/// soon as a delete waits for the sandbox, and the delete goes through.
+#[test]
+fn a_delete_ends_a_wake_waiting_for_its_agent() {
+    let (dir, service, template) = service();
+    let vmm = FakeVmm::start(dir.path());
+    let linux = Template {
+        kind: TemplateKind::Linux,
+        ..template.clone()
+    };
+    let mut s = with_vmm(&service, &template, &vmm, SandboxState::Resuming);
+    // The wake's new VMM is not recorded until the wake ends.
+    service
+        .store()
+        .write(|tx| tx.set_sandbox_vmm(&s.id, None))
+        .unwrap();
+    s.vmm = None;
+    let (held_tx, held) = std::sync::mpsc::channel();
+    let waker = {
+        let (service, s, handle) = (service.clone(), s.clone(), vmm.handle.clone());
+        std::thread::spawn(move || {
+            let _guard = service.locks.lock(&s.id);
+            held_tx.send(()).unwrap();
+            service
+                .after_restore(&s, &linux, &handle)
+                .expect_err("no agent answers")
+                .to_string()
+        })
+    };
+    held.recv().unwrap();
+    service.delete_sandbox(&s.id).expect("the delete");
+    let error = waker.join().unwrap();
+    assert!(error.contains("being deleted"), "{error}");
+    assert!(ended(vmm.handle.pid), "the wake's VMM was stopped");
+    assert_eq!(
+        service.get_sandbox(&s.id).unwrap().state,
+        SandboxState::Deleted
     );
 }

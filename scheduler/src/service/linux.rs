@@ -196,6 +196,7 @@ impl Service {
             &files.log,
             (u64::from(template.mem_mib), u64::from(template.vcpus)),
             &[],
+            None,
         );
         let (
             vmm::Spawned {
@@ -268,9 +269,15 @@ impl Service {
         }
         let id = &sandbox.id;
         let link = AgentLink::new(id.as_str(), self.sandbox_dir(id).join(VSOCK_FILE));
-        let alive = || match vmm::alive(handle) {
-            true => Ok(()),
-            false => Err("the sandbox's VMM exited".to_string()),
+        // A delete waiting for this sandbox ends the wait too.
+        let alive = || {
+            if self.locks.is_doomed(id) {
+                Err("the sandbox is being deleted".to_string())
+            } else if vmm::alive(handle) {
+                Ok(())
+            } else {
+                Err("the sandbox's VMM exited".to_string())
+            }
         };
         match link.resumed(id.as_str(), alive) {
             Ok(reply) => {

@@ -2,9 +2,16 @@
 //! the ids of the sandboxes an operation is working on, and a guard takes
 //! its id out again when dropped (even by a panic), so neither requests on
 //! ids that name nothing nor deleted sandboxes leave entries behind.
+//!
+//! A delete does not queue behind a long operation: it marks the sandbox
+//! doomed ([`SandboxLocks::doom`]), and an operation holding the lock
+//! while it waits on the guest (a wake's agent wait) gives up at its next
+//! check ([`SandboxLocks::is_doomed`]); the delete waits a bounded time
+//! ([`SandboxLocks::lock_within`]).
 
 use std::collections::HashSet;
 use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use crate::model::SandboxId;
 
@@ -14,6 +21,8 @@ use crate::model::SandboxId;
 pub(super) struct SandboxLocks {
     held: Mutex<HashSet<SandboxId>>,
     released: Condvar,
+    /// Sandboxes a delete waits for.
+    doomed: Mutex<HashSet<SandboxId>>,
     /// Tests: run once by the next release of a lock, right after it.
     #[cfg(test)]
     on_release: Mutex<Option<ReleaseHook>>,
@@ -28,6 +37,19 @@ impl std::fmt::Debug for SandboxLocks {
         f.debug_struct("SandboxLocks")
             .field("held", &self.held)
             .finish_non_exhaustive()
+    }
+}
+
+/// A sandbox marked doomed while a delete waits for it; unmarked when
+/// dropped.
+pub(super) struct Doomed<'a> {
+    locks: &'a SandboxLocks,
+    id: SandboxId,
+}
+
+impl Drop for Doomed<'_> {
+    fn drop(&mut self) {
+        self.locks.doomed().remove(&self.id);
     }
 }
 
@@ -55,6 +77,46 @@ impl SandboxLocks {
             locks: self,
             id: id.clone(),
         }
+    }
+
+    fn doomed(&self) -> MutexGuard<'_, HashSet<SandboxId>> {
+        // Insert and remove only, as `held`.
+        self.doomed.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// [`SandboxLocks::lock`], waiting at most `limit`: None if `id` is
+    /// still held then.
+    pub(super) fn lock_within(&self, id: &SandboxId, limit: Duration) -> Option<SandboxGuard<'_>> {
+        let deadline = Instant::now() + limit;
+        let mut held = self.held();
+        while held.contains(id) {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            held = self
+                .released
+                .wait_timeout(held, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        held.insert(id.clone());
+        Some(SandboxGuard {
+            locks: self,
+            id: id.clone(),
+        })
+    }
+
+    /// Marks `id` doomed until the returned mark is dropped: whoever holds
+    /// its lock and waits on its guest gives up.
+    pub(super) fn doom(&self, id: &SandboxId) -> Doomed<'_> {
+        self.doomed().insert(id.clone());
+        Doomed {
+            locks: self,
+            id: id.clone(),
+        }
+    }
+
+    /// Whether a delete waits for `id`.
+    pub(super) fn is_doomed(&self, id: &SandboxId) -> bool {
+        self.doomed().contains(id)
     }
 
     /// Takes `id`'s lock if no one holds it.
@@ -115,6 +177,22 @@ mod tests {
         drop(held_b);
         assert_eq!(locks.len(), 0);
         assert!(locks.try_lock(&a).is_some());
+        assert_eq!(locks.len(), 0);
+    }
+
+    #[test]
+    fn a_bounded_wait_gives_up_and_a_doom_mark_is_dropped() {
+        let locks = SandboxLocks::default();
+        let a = SandboxId::generate();
+        let held = locks.lock(&a);
+        assert!(locks.lock_within(&a, Duration::from_millis(20)).is_none());
+        {
+            let _mark = locks.doom(&a);
+            assert!(locks.is_doomed(&a));
+        }
+        assert!(!locks.is_doomed(&a));
+        drop(held);
+        assert!(locks.lock_within(&a, Duration::from_millis(20)).is_some());
         assert_eq!(locks.len(), 0);
     }
 

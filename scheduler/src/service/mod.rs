@@ -12,6 +12,7 @@ pub mod cancel;
 mod checkpoint;
 pub mod guest;
 pub mod jail;
+mod layer_gate;
 mod layers;
 mod lifetime;
 mod linux;
@@ -47,6 +48,7 @@ pub use guest::{AgentLink, Dialer, GuestCall, GuestError};
 pub use lifetime::{check_lifetimes, MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS};
 pub use linux::HostGuests;
 pub use metrics::Metrics;
+pub use ports::WakeGate;
 pub use sandbox_template::TemplateFromSandbox;
 
 /// The local pod's id.
@@ -84,7 +86,7 @@ pub struct ServiceConfig {
     pub policy_interval_ms: u64,
     /// How restored guest memory is mapped (`file` by default: pages shared
     /// through the page cache, the fastest restore and the smallest clone
-    /// here; see docs/design.md).
+    /// here; see docs/service.md, "Memory backend").
     pub memory_backend: torpor_vmm_api::MemoryBackend,
     /// Standby shells kept per (memory, vCPUs) shape of the templates; 0
     /// turns the pool off.
@@ -178,6 +180,10 @@ pub enum ServiceError {
     ResourceConflict(String),
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// The caller may see it but not do this (a tenant deleting a shared
+    /// template): 403 `forbidden`.
+    #[error("{0}")]
+    Forbidden(String),
     #[error("{0}")]
     Unsupported(String),
     /// This host cannot do it (a Linux template where the host lacks
@@ -327,14 +333,6 @@ pub struct Owner {
     pub admin: bool,
 }
 
-impl Owner {
-    /// Whether this caller may use (restore, see) `template`: shared ones,
-    /// its own, and every one for an admin.
-    pub fn may_use(&self, template: &crate::model::Template) -> bool {
-        self.admin || template.tenant.as_deref().is_none_or(|t| t == self.tenant)
-    }
-}
-
 fn default_mem() -> u32 {
     64
 }
@@ -438,6 +436,9 @@ pub struct Service {
     ports: Option<crate::net::ports::PortProxy>,
     /// The pod's DNS forwarder, with `config.net.dns`.
     dns: Mutex<Option<crate::net::dns::Forwarder>>,
+    /// Admission of the wakes no API request carries (traffic to an
+    /// exposed port), installed by the API's gate.
+    wake_gate: std::sync::OnceLock<Arc<dyn ports::WakeGate>>,
 }
 
 impl Service {
@@ -504,6 +505,7 @@ impl Service {
             net,
             nets: Mutex::new(HashMap::new()),
             dns: Mutex::new(None),
+            wake_gate: std::sync::OnceLock::new(),
             config,
             store,
             locks: locks::SandboxLocks::default(),

@@ -53,17 +53,20 @@ impl Service {
     }
 
     /// The sandbox's stored policy (the pod default for sandboxes made
-    /// before networking was turned on).
+    /// before networking was turned on), narrowed to the pod's policy as
+    /// it is now (an operator who closes the pod closes stored sandboxes
+    /// too).
     fn stored_policy(&self, id: &SandboxId) -> Result<EgressPolicy, ServiceError> {
+        let ceiling = self.default_egress();
         Ok(self
             .store
             .get_sandbox_network(id)?
-            .map(|n| n.policy)
-            .unwrap_or_else(|| self.default_egress()))
+            .map(|n| n.policy.within(&ceiling))
+            .unwrap_or(ceiling))
     }
 
     /// A new sandbox's network: the pod default with the request's
-    /// changes; `None` on a pod without networking (where a policy in the
+    /// changes, narrowed to the pod default (a tenant can only narrow it); `None` on a pod without networking (where a policy in the
     /// request is refused rather than silently ignored).
     pub(super) fn initial_network(
         &self,
@@ -81,7 +84,7 @@ impl Service {
         }
         let base = self.default_egress();
         let policy = match patch {
-            Some(p) => p.apply(&base).map_err(bad_policy)?,
+            Some(p) => p.apply_within(&base, &base).map_err(bad_policy)?,
             None => base,
         };
         Ok(Some(SandboxNetwork {
@@ -113,7 +116,9 @@ impl Service {
         }
     }
 
-    /// Changes the sandbox's egress policy (stored, and applied at once if
+    /// Changes the sandbox's egress policy, narrowed to the pod's (the
+    /// operator's policy is a ceiling: see `EgressPolicy::within`; stored,
+    /// and applied at once if
     /// its network is up; a hibernated sandbox gets it when it wakes).
     pub fn set_network_policy(
         &self,
@@ -139,7 +144,9 @@ impl Service {
             address: None,
             counters: None,
         });
-        network.policy = patch.apply(&network.policy).map_err(bad_policy)?;
+        network.policy = patch
+            .apply_within(&network.policy, &self.default_egress())
+            .map_err(bad_policy)?;
         self.store.set_sandbox_network(id, &network)?;
         let net = self
             .nets

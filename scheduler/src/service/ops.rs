@@ -15,7 +15,9 @@ use super::lifetime::{check_lifetimes, expiry};
 use super::locks::SandboxGuard;
 use super::pool::Shell;
 use super::vmm::{self, VmmFiles};
-use super::{CreateSandbox, CreateTemplate, Outcome, PodView, Service, ServiceError, LOCAL_POD};
+use super::{
+    CreateSandbox, CreateTemplate, Outcome, Owner, PodView, Service, ServiceError, LOCAL_POD,
+};
 use crate::model::{
     PodId, RestorePath, RestoreReport, Sandbox, SandboxId, Template, TemplateId, TemplateKind,
     TemplateState, Timestamp, VmmHandle,
@@ -35,7 +37,33 @@ const QUEUE_LIMIT: Duration = Duration::from_secs(30);
 /// How often a queued create or fork looks for room again.
 const QUEUE_POLL: Duration = Duration::from_millis(100);
 
+/// How long a delete waits for another operation on its sandbox to let go
+/// after ending that sandbox's VMM (a wake notices within its poll).
+pub const DELETE_LOCK_WAIT: Duration = Duration::from_secs(10);
+
 impl Service {
+    /// How an operation journaled as begun ends: the one shape of create,
+    /// wake, hibernate, restore and fork. `work` is its long part (a
+    /// launch, a snapshot); on success `done` records its result, ending
+    /// the operation in that commit; on failure the operation is journaled
+    /// rolled back with `undo`'s compensating state change, and the error
+    /// returned.
+    pub(super) fn conclude<W, T>(
+        &self,
+        op: &crate::model::OperationId,
+        work: Result<W, ServiceError>,
+        done: impl FnOnce(W) -> Result<T, ServiceError>,
+        undo: impl FnOnce(&ServiceError) -> StateChange,
+    ) -> Result<T, ServiceError> {
+        match work {
+            Ok(w) => done(w),
+            Err(e) => {
+                let change = undo(&e);
+                self.roll_back(op, &change, e)
+            }
+        }
+    }
+
     /// Journals `op` rolled back with its compensating state change, and
     /// returns the error that caused it.
     pub(super) fn roll_back<T>(
@@ -57,14 +85,32 @@ impl Service {
         Ok(self.store.get_template(id)?)
     }
 
-    /// A template by id, or by name among live templates.
-    fn find_template(&self, key: &str) -> Result<Template, ServiceError> {
-        self.store
-            .find_template(key)?
-            .ok_or(ServiceError::NotFound {
+    /// What `key` (a template id or name) names for `owner`
+    /// ([`crate::names`]: its own, then shared ones; every one for an
+    /// admin and for the service's own calls, `None`); another tenant's
+    /// is not found, as a missing one. The one place a key becomes a
+    /// template: creates, reads and deletes go through it.
+    pub fn resolve_template(
+        &self,
+        owner: Option<&Owner>,
+        key: &str,
+    ) -> Result<Template, ServiceError> {
+        let candidates = self.store.template_candidates(key)?;
+        crate::names::resolve(&candidates, owner, key)
+            .cloned()
+            .ok_or_else(|| ServiceError::NotFound {
                 kind: "template",
                 id: key.to_string(),
             })
+    }
+
+    /// Deletes the template `key` names for `owner` (see
+    /// [`Self::resolve_template`]): a tenant its own (a shared one is
+    /// 403, another tenant's not found).
+    pub fn delete_template_as(&self, owner: Option<&Owner>, key: &str) -> Result<(), ServiceError> {
+        let t = self.resolve_template(owner, key)?;
+        crate::names::may_delete(owner, &t)?;
+        self.delete_template(&t.id)
     }
 
     pub fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError> {
@@ -159,14 +205,8 @@ impl Service {
     /// Creates a sandbox from a ready template: restore of its snapshot.
     pub fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
         check_lifetimes(req.keep_alive_ms, req.timeout_ms)?;
-        let template = self.find_template(&req.template)?;
         // Another tenant's template is not there for this caller.
-        if req.owner.as_ref().is_some_and(|o| !o.may_use(&template)) {
-            return Err(ServiceError::NotFound {
-                kind: "template",
-                id: req.template.clone(),
-            });
-        }
+        let template = self.resolve_template(req.owner.as_ref(), &req.template)?;
         let Some(snapshot) = template
             .snapshot_dir
             .clone()
@@ -216,8 +256,10 @@ impl Service {
             )
         })?;
         let admit_ms = lap.next();
-        match self.launch_vmm(&sandbox, &template, &snapshot) {
-            Ok(Launched { mut report, handle }) => {
+        self.conclude(
+            &op.id,
+            self.launch_vmm(&sandbox, &template, &snapshot),
+            |Launched { mut report, handle }| {
                 // The VMM, the operation's end, the state and the snapshot
                 // the VMM runs from: one commit, relaxed: what it records
                 // is a running VMM, which a power cut ends anyway; a crash
@@ -233,16 +275,9 @@ impl Service {
                 report.phase("commit", lap.next());
                 created.restore = Some(report);
                 Ok(created)
-            }
-            Err(e) => {
-                let change = StateChange {
-                    from: SandboxState::Creating,
-                    to: SandboxState::Failed,
-                    reason: Some(e.to_string()),
-                };
-                self.roll_back(&op.id, &change, e)
-            }
-        }
+            },
+            |e| StateChange::failed(SandboxState::Creating, e),
+        )
     }
 
     /// Brings up the sandbox's VMM restoring `snapshot` (see
@@ -295,6 +330,14 @@ impl Service {
         let started = Instant::now();
         let mut lap = Lap::new();
         let id = &sandbox.id;
+        // What the VMM that wrote the snapshot says it sits on, checked
+        // before anything is sealed or mounted: the layers the jail gets.
+        let owner = crate::store::LayerOwner::Sandbox(id.clone());
+        let layers: Vec<PathBuf> = self
+            .checked_chain(&owner, snapshot)?
+            .into_iter()
+            .map(|(dir, _)| dir)
+            .collect();
         let dir = self.sandbox_dir(id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| ServiceError::Internal(format!("create {}: {e}", dir.display())))?;
@@ -322,7 +365,7 @@ impl Service {
         // Held to the end of this step: the pool refills behind it.
         let (shell, _restoring) = shell.map_or((None, None), |(s, r)| (Some(s), Some(r)));
         let from_shell = shell.and_then(|shell| {
-            let jailed = self.jail_shell(&shell, &dir, &restore, &template_files);
+            let jailed = self.jail_shell(&shell, &dir, &restore, &layers, &template_files);
             jail_ms = lap.next();
             let up = jailed.and_then(|()| restore_into_shell(shell, &files, &restore));
             match up {
@@ -355,6 +398,7 @@ impl Service {
                     &files.log,
                     (u64::from(sandbox.mem_mib), u64::from(sandbox.vcpus)),
                     &template_files,
+                    Some(&layers),
                 )?;
                 (up.child, up.handle, RestorePath::Cold, up.spawn_us)
             }
@@ -391,12 +435,14 @@ impl Service {
 
     /// Hands a jailed standby shell what a restore of `restore` into the
     /// sandbox directory `dir` needs: `dir` becomes the shell's uid's, and
-    /// it and the snapshot's layers are mounted into the shell's jail.
+    /// it and the snapshot's layers (`layers`, its checked chain) are
+    /// mounted into the shell's jail.
     fn jail_shell(
         &self,
         shell: &Shell,
         dir: &Path,
         restore: &RestoreSpec,
+        layers: &[PathBuf],
         template_files: &[Expose],
     ) -> Result<(), ServiceError> {
         let (Some(jails), Some(uid)) = (&self.jails, shell.uid) else {
@@ -404,14 +450,14 @@ impl Service {
         };
         let mut exposes = vec![Expose::read_write(dir)];
         exposes.extend(
-            torpor_vmm_api::jail::restore_exposes(restore, false)
+            torpor_vmm_api::jail::restore_exposes_of(restore, Some(layers), false)
                 .into_iter()
                 // The shell has /dev/shm already when the pod uses it.
                 .filter(|e| !e.path.starts_with("/dev") && e.path != dir),
         );
         exposes.extend_from_slice(template_files);
-        super::jail::ensure_shared_copy(restore)?;
-        jails.prepare(uid, &exposes)?;
+        super::jail::ensure_shared_copy(restore, layers)?;
+        jails.prepare(uid, Some(dir), &exposes)?;
         super::jail::inject(shell.handle.pid, &exposes)
     }
 
@@ -546,8 +592,10 @@ impl Service {
             .get_template(&sandbox.template)
             .map_err(ServiceError::from)
             .and_then(|template| self.launch_vmm(&sandbox, &template, &snapshot));
-        match launched {
-            Ok(Launched { mut report, handle }) => {
+        self.conclude(
+            &op.id,
+            launched,
+            |Launched { mut report, handle }| {
                 lap.next();
                 // The VMM and the operation's end, one commit, relaxed like
                 // a create's: a power cut leaves it hibernated.
@@ -567,13 +615,12 @@ impl Service {
                     resumed: true,
                     resume_ms: Some(ms),
                 })
-            }
-            Err(e) => {
+            },
+            |_| {
                 self.metrics.wake_failed();
-                let change = StateChange::new(SandboxState::Resuming, SandboxState::Hibernated);
-                self.roll_back(&op.id, &change, e)
-            }
-        }
+                StateChange::new(SandboxState::Resuming, SandboxState::Hibernated)
+            },
+        )
     }
 
     /// A client (re)connects: the sandbox runs afterwards, resumed if
@@ -638,10 +685,19 @@ impl Service {
         let diff = super::layers::diff_allowed(sandbox.snapshot.as_deref());
         // One request: pause, snapshot and exit in the VMM; on failure the
         // VMM leaves the VM as it was (running or paused).
-        match vmm::hibernate(&handle, &target, diff) {
-            Ok(_) => {
+        self.conclude(
+            &op.id,
+            vmm::hibernate(&handle, &target, diff),
+            |_| {
                 self.stop_vmm(&sandbox)?;
-                self.set_snapshot_and_layers(id, &target)?;
+                if let Err(e) = self.set_snapshot_and_layers(id, &target) {
+                    // The VMM reported a chain the gate refuses: its
+                    // snapshot is not used, and its VM is gone.
+                    self.metrics.hibernate_failed();
+                    let _ = std::fs::remove_dir_all(&target);
+                    let change = StateChange::failed(SandboxState::Hibernating, &e);
+                    return self.roll_back(&op.id, &change, e);
+                }
                 let change = StateChange::new(SandboxState::Hibernating, SandboxState::Hibernated);
                 self.store
                     .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
@@ -654,20 +710,21 @@ impl Service {
                     resumed: false,
                     resume_ms: None,
                 })
-            }
-            Err(e) => {
+            },
+            |_| {
                 self.metrics.hibernate_failed();
                 let _ = std::fs::remove_dir_all(&target);
                 // Back to where it came from: a paused sandbox stays paused.
-                let change = StateChange::new(SandboxState::Hibernating, sandbox.state);
-                self.roll_back(&op.id, &change, e)
-            }
-        }
+                StateChange::new(SandboxState::Hibernating, sandbox.state)
+            },
+        )
     }
 
     /// Deletes a sandbox: its VMM and files go, its row stays as deleted.
+    /// It does not wait behind another operation on the sandbox
+    /// ([`Self::lock_for_delete`]).
     pub fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
-        let _guard = self.lock_sandbox(id)?;
+        let _guard = self.lock_for_delete(id)?;
         let sandbox = self.store.get_sandbox(id)?;
         if sandbox.state == SandboxState::Deleted {
             return Ok(());
@@ -686,6 +743,35 @@ impl Service {
         // Layers forks or other chains sit on stay.
         self.remove_sandbox_files(id);
         Ok(())
+    }
+
+    /// The sandbox's lock for a delete. If another operation holds it (a
+    /// wake waiting for its guest, a snapshot, a control call), the
+    /// sandbox is marked doomed, which ends a wait on its guest at the
+    /// next check, and its recorded VMM is killed, which ends a control
+    /// call or snapshot at once; the operation rolls back and lets go.
+    /// [`DELETE_LOCK_WAIT`] at most, then 503 (try again).
+    fn lock_for_delete(&self, id: &SandboxId) -> Result<SandboxGuard<'_>, ServiceError> {
+        if !SandboxId::is_well_formed(id.as_str()) {
+            return self.lock_sandbox(id);
+        }
+        if let Some(guard) = self.locks.try_lock(id) {
+            return Ok(guard);
+        }
+        let _doomed = self.locks.doom(id);
+        if let Some(handle) = self.store.get_sandbox(id).ok().and_then(|s| s.vmm) {
+            tracing::info!(sandbox = %id, pid = handle.pid, "a delete ends the VMM of a busy sandbox");
+            vmm::kill_and_wait(handle.pid, handle.start_time, DELETE_LOCK_WAIT);
+        }
+        self.locks
+            .lock_within(id, DELETE_LOCK_WAIT)
+            .ok_or_else(|| ServiceError::Unavailable {
+                message: format!(
+                    "sandbox {id} is still busy with another operation after {}s; delete it again",
+                    DELETE_LOCK_WAIT.as_secs()
+                ),
+                retry_after_s: 1,
+            })
     }
 
     /// Sets the keep-alive and (from now) the timeout; each at most its

@@ -285,6 +285,7 @@ impl StandbyPool {
             &log,
             (u64::from(mem_mib), u64::from(vcpus)),
             &extra,
+            None,
         );
         let (spawned, uid) = match spawned {
             Ok(s) => s,

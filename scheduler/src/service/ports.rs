@@ -13,14 +13,44 @@ use crate::net::ports::{PortError, PortTarget};
 use crate::state::SandboxState;
 use crate::store::SandboxFilter;
 
+/// Admission of a wake that no API request carries: a connection to an
+/// exposed port of a hibernated sandbox. The API's gate installs one
+/// ([`Service::set_wake_gate`]) that admits it against the sandbox's
+/// tenant's quotas, as a resume through the API is.
+pub trait WakeGate: Send + Sync + std::fmt::Debug {
+    /// Admits waking `sandbox` (hibernated); what it returns holds the
+    /// admission until the wake is done. A refusal leaves it hibernated.
+    fn admit_wake(
+        &self,
+        service: &Service,
+        sandbox: &Sandbox,
+    ) -> Result<Box<dyn std::any::Any + Send>, ServiceError>;
+}
+
+impl Service {
+    /// Installs the admission of port-traffic wakes (once; later calls
+    /// are ignored).
+    pub fn set_wake_gate(&self, gate: std::sync::Arc<dyn WakeGate>) {
+        let _ = self.wake_gate.set(gate);
+    }
+}
+
 /// Where a sandbox's guest port is now: wakes the sandbox first (a client
-/// connecting counts as activity, like E2B's `connect`).
+/// connecting counts as activity, like E2B's `connect`), admitted by the
+/// [`WakeGate`] if it is hibernated.
 pub(super) struct Waker(pub(super) Weak<Service>);
 
 impl PortTarget for Waker {
     fn target(&self, sandbox: &str, guest_port: u16) -> Result<SocketAddrV4, String> {
         let service = self.0.upgrade().ok_or("the service is stopping")?;
         let id = SandboxId::new(sandbox);
+        let _admitted = match (service.wake_gate.get(), service.get_sandbox(&id)) {
+            (Some(gate), Ok(s)) if s.state == SandboxState::Hibernated => Some(
+                gate.admit_wake(&service, &s)
+                    .map_err(|e| format!("the wake is not admitted: {e}"))?,
+            ),
+            _ => None,
+        };
         service.connect(&id).map_err(|e| e.to_string())?;
         let net = service
             .nets

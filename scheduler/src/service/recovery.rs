@@ -178,12 +178,11 @@ impl Service {
     /// Snapshot layers and temp files no sandbox or template references.
     fn remove_orphans(&self) -> Result<(), ServiceError> {
         let mut live: HashSet<std::path::PathBuf> = self.store.referenced_paths()?;
-        // Every layer of every referenced chain is live too.
-        for path in live.clone() {
-            if let Ok(lineage) = torpor_vmm_api::lineage::Lineage::read(&path) {
-                live.extend(lineage.layers);
-            }
-        }
+        // Every layer of every referenced chain is live too: as the store
+        // records them (`recover_layers` recorded each root's chain once
+        // the gate checked it), never as a VMM's `lineage.json` says, so a
+        // forged record keeps nothing and points nowhere.
+        live.extend(self.store.live_layers()?);
         // Sandbox directories of sandboxes that are not deleted hold their
         // VMM's socket and console.
         for s in self.store.list_sandboxes(&SandboxFilter::default())? {

@@ -191,3 +191,33 @@ fn a_shell_left_in_the_pool_without_its_socket_is_ended() {
     assert!(!shell.exists());
     assert!(!other.exits_within(Duration::from_millis(100)));
 }
+
+/// Start-up's orphan sweep keeps the layers the store records, never what
+/// a VMM's `lineage.json` says: a forged record naming a directory
+/// elsewhere (here an orphan another sandbox left) keeps nothing alive.
+#[test]
+fn a_forged_lineage_keeps_no_orphan() {
+    let (dir, service, template) = service_with(|_| {});
+    let root = std::fs::canonicalize(dir.path()).unwrap();
+    let mut hibernated = Sandbox::new(template.id.clone(), 64, 1, 60_000);
+    hibernated.pod = Some(PodId::new(LOCAL_POD));
+    hibernated.state = SandboxState::Hibernated;
+    let snap = root
+        .join("sandboxes")
+        .join(hibernated.id.as_str())
+        .join("snap-1");
+    hibernated.snapshot = Some(snap.clone());
+    service.store().insert_sandbox(&hibernated).unwrap();
+    drop(service);
+    let orphan = root.join("sandboxes").join("sb_gone").join("old");
+    std::fs::create_dir_all(&orphan).unwrap();
+    std::fs::write(orphan.join("memory"), b"m").unwrap();
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::write(snap.join("state"), b"s").unwrap();
+    let forged = serde_json::json!({ "version": 1, "layers": [orphan, snap] });
+    std::fs::write(snap.join("lineage.json"), forged.to_string()).unwrap();
+
+    let _service = restart(&root);
+    assert!(!orphan.exists(), "a forged lineage kept an orphan");
+    assert!(snap.exists(), "the sandbox's own snapshot went");
+}

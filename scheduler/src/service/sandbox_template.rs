@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{CreateCheckpoint, Service, ServiceError};
 use crate::model::{random_hex, SandboxId, Template, TemplateId, TemplateState, Timestamp};
+use crate::store::LayerOwner;
 
 /// `POST /v1/sandboxes/{id}/template` (the API's request body).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
@@ -42,15 +43,12 @@ impl Service {
                 "template name {name:?}: 1 to 128 characters, no control characters"
             )));
         }
-        if self
+        // Before the snapshot is taken; the insert checks again.
+        if let Some((kind, id)) = self
             .store
-            .list_templates(false)?
-            .iter()
-            .any(|t| t.name == name)
+            .template_name_conflict(source.tenant.as_deref(), &name)?
         {
-            return Err(ServiceError::ResourceConflict(format!(
-                "a template named {name:?} exists"
-            )));
+            return Err(crate::store::StoreError::AlreadyExists { kind, id }.into());
         }
         let template_id = TemplateId::generate();
         let checkpoint_name = format!(
@@ -63,6 +61,19 @@ impl Service {
                 name: checkpoint_name.clone(),
             },
         )?;
+        // Shared with every sandbox made from the template: sealed before
+        // it is one (their starts and wakes seal nothing outside their own
+        // directories).
+        let sealed = self
+            .checked_chain(&LayerOwner::Sandbox(id.clone()), &checkpoint.snapshot_dir)
+            .and_then(|chain| {
+                let layers: Vec<_> = chain.into_iter().map(|(dir, _)| dir).collect();
+                self.seal_shared(&layers)
+            });
+        if let Err(e) = sealed {
+            let _ = self.delete_checkpoint(id, &checkpoint_name);
+            return Err(e);
+        }
         let template = Template {
             id: template_id,
             name,

@@ -19,6 +19,7 @@ use super::linux::LINUX_CMDLINE;
 /// working set.
 pub const WORKING_SET_MS: u64 = 300;
 
+use super::layers::template_files;
 use super::vmm::{self, VmmFiles};
 use super::{CreateTemplate, Service, ServiceError, PROBE_TEMPLATE};
 use crate::model::{Template, TemplateId, TemplateKind, TemplateState, Timestamp};
@@ -36,17 +37,16 @@ const PROBE_CMDLINE: &str = "probe.mib=1 probe.ticks=100 probe.hz=100";
 impl Service {
     /// Makes sure the built-in probe template exists and is ready.
     pub(super) fn ensure_probe_template(&self) -> Result<(), ServiceError> {
-        let ready = self
-            .list_templates()?
-            .into_iter()
-            .any(|t| t.name == PROBE_TEMPLATE && t.state == TemplateState::Ready);
+        let ready = self.list_templates()?.into_iter().any(|t| {
+            t.name == PROBE_TEMPLATE && t.tenant.is_none() && t.state == TemplateState::Ready
+        });
         if ready {
             return Ok(());
         }
         for stale in self
             .list_templates()?
             .into_iter()
-            .filter(|t| t.name == PROBE_TEMPLATE)
+            .filter(|t| t.name == PROBE_TEMPLATE && t.tenant.is_none())
         {
             let _ = self.store.delete_template(&stale.id);
         }
@@ -126,19 +126,32 @@ impl Service {
                 None,
             )
         })?;
-        let built = match template.kind {
-            TemplateKind::Probe => {
-                self.boot_and_snapshot(&template, req.cmdline.as_deref().unwrap_or(PROBE_CMDLINE))
-            }
-            TemplateKind::Linux => self.boot_linux_and_snapshot(
-                &template,
-                req.cmdline.as_deref().unwrap_or(LINUX_CMDLINE),
-            ),
-        };
+        // The image's files are shared with this template (and the build's
+        // VMM only checks what is outside the template's directory).
+        let built =
+            self.seal_shared(&template_files(&template))
+                .and_then(|()| match template.kind {
+                    TemplateKind::Probe => self.boot_and_snapshot(
+                        &template,
+                        req.cmdline.as_deref().unwrap_or(PROBE_CMDLINE),
+                    ),
+                    TemplateKind::Linux => self.boot_linux_and_snapshot(
+                        &template,
+                        req.cmdline.as_deref().unwrap_or(LINUX_CMDLINE),
+                    ),
+                });
         // Only uffd backends prefetch; `file` restores map the page cache.
         if let (Ok(snapshot), true) = (&built, self.config.memory_backend != MemoryBackend::File) {
             self.record_working_set(&template, snapshot);
         }
+        // Built: its snapshot is shared with every sandbox made from it
+        // from now on, so it is sealed before the template is ready.
+        let built = built.and_then(|snapshot| {
+            let owner = crate::store::LayerOwner::Template(template.id.clone());
+            let chain = self.checked_chain(&owner, &snapshot)?;
+            let layers: Vec<_> = chain.into_iter().map(|(dir, _)| dir).collect();
+            self.seal_shared(&layers).map(|()| snapshot)
+        });
         match built {
             // The snapshot, the state and the operation's end: one commit.
             Ok(snapshot) => {
@@ -196,6 +209,7 @@ impl Service {
             &files.log,
             (u64::from(template.mem_mib), u64::from(template.vcpus)),
             &[],
+            None,
         )?;
         let snapshot = dir.join("snapshot");
         let result = wait_ready(&files)
@@ -287,14 +301,19 @@ impl Service {
             seccomp: torpor_vmm_api::SeccompLevel::Enforce,
         };
         let recorded = snapshot.join(WORKING_SET_FILE);
-        let spawned = super::jail::spawn(
-            self.jails.as_deref(),
-            &self.config.vmm_exe,
-            spec,
-            &files.log,
-            (u64::from(template.mem_mib), u64::from(template.vcpus)),
-            &super::ops::template_exposes(template),
-        );
+        let owner = crate::store::LayerOwner::Template(template.id.clone());
+        let spawned = self.checked_chain(&owner, snapshot).and_then(|chain| {
+            let layers: Vec<_> = chain.into_iter().map(|(dir, _)| dir).collect();
+            super::jail::spawn(
+                self.jails.as_deref(),
+                &self.config.vmm_exe,
+                spec,
+                &files.log,
+                (u64::from(template.mem_mib), u64::from(template.vcpus)),
+                &super::ops::template_exposes(template),
+                Some(&layers),
+            )
+        });
         match spawned {
             Ok((up, _)) => {
                 let deadline = Instant::now()

@@ -105,8 +105,8 @@ fn validate_watermark(watermark: f64) -> Result<()> {
 impl Tx<'_> {
     // ---- templates ----
 
-    /// Inserts a template. Its id must be new and its name unused by any
-    /// template that is not deleted.
+    /// Inserts a template. Its id must be new and its name free for its
+    /// tenant ([`crate::names::name_conflict`]).
     pub fn insert_template(&self, t: &Template) -> Result<()> {
         if t.mem_mib == 0 || t.vcpus == 0 {
             return Err(StoreError::Invalid {
@@ -120,16 +120,8 @@ impl Tx<'_> {
                 id: t.id.to_string(),
             });
         }
-        let taken: bool = self.conn.query_row(
-            "SELECT EXISTS (SELECT 1 FROM templates WHERE name = ?1 AND state != 'deleted')",
-            [&t.name],
-            |r| r.get(0),
-        )?;
-        if taken {
-            return Err(StoreError::AlreadyExists {
-                kind: "template named",
-                id: t.name.clone(),
-            });
+        if let Some((kind, id)) = self.template_name_conflict(t.tenant.as_deref(), &t.name)? {
+            return Err(StoreError::AlreadyExists { kind, id });
         }
         self.conn.execute(
             &format!(
@@ -203,18 +195,38 @@ impl Tx<'_> {
             .ok_or_else(|| StoreError::not_found("template", id))
     }
 
-    /// A template by id, else the oldest live template named `key`: one
-    /// statement (a create names its template either way).
-    pub fn find_template(&self, key: &str) -> Result<Option<Template>> {
-        Ok(self
-            .conn
-            .prepare_cached(&format!(
-                "SELECT {TEMPLATE_SELECT} FROM templates WHERE id = ?1 \
-                 OR (name = ?1 AND state != 'deleted') \
-                 ORDER BY id != ?1, created_at, id LIMIT 1"
-            ))?
-            .query_row([key], template_from_row)
-            .optional()?)
+    /// The template of id `key` (deleted or not) and the live templates
+    /// named `key`, whosever: what [`crate::names::resolve`] chooses
+    /// among for a caller.
+    pub fn template_candidates(&self, key: &str) -> Result<Vec<Template>> {
+        let mut stmt = self.conn.prepare_cached(&format!(
+            "SELECT {TEMPLATE_SELECT} FROM templates WHERE id = ?1 \
+             OR (name = ?1 AND state != 'deleted') ORDER BY created_at, id"
+        ))?;
+        let rows = stmt
+            .query_map([key], template_from_row)?
+            .collect::<rusqlite::Result<_>>()?;
+        Ok(rows)
+    }
+
+    /// Why a template of `tenant` (none: shared) may not be named `name`
+    /// now, if it may not ([`crate::names::name_conflict`]).
+    pub fn template_name_conflict(
+        &self,
+        tenant: Option<&str>,
+        name: &str,
+    ) -> Result<Option<(&'static str, String)>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT tenant FROM templates WHERE name = ?1 AND state != 'deleted'",
+        )?;
+        let tenants = stmt
+            .query_map([name], |r| r.get::<_, Option<String>>(0))?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        Ok(crate::names::name_conflict(
+            tenant,
+            name,
+            tenants.iter().map(Option::as_deref),
+        ))
     }
 
     /// Templates, oldest first.

@@ -79,6 +79,15 @@ impl StateChange {
             reason: None,
         }
     }
+
+    /// `from → failed`, with why.
+    pub fn failed(from: SandboxState, reason: impl std::fmt::Display) -> Self {
+        StateChange {
+            from,
+            to: SandboxState::Failed,
+            reason: Some(reason.to_string()),
+        }
+    }
 }
 
 const COLUMNS: &str = "id, sandbox, kind, state, started_at, finished_at, detail";

@@ -23,7 +23,25 @@ use rusqlite::{params, OptionalExtension};
 use super::catalog::{checkpoint_from_row, CHECKPOINT_COLUMNS};
 use super::sql::path_text;
 use super::{Result, StoreError, Tx};
-use crate::model::{Checkpoint, CheckpointId, SandboxId, Timestamp};
+use crate::model::{Checkpoint, CheckpointId, SandboxId, TemplateId, Timestamp};
+
+/// Whose known layers [`Tx::known_layers`] lists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LayerOwner {
+    /// A sandbox: its snapshot, its checkpoints', its template's.
+    Sandbox(SandboxId),
+    /// A template: its snapshot.
+    Template(TemplateId),
+}
+
+/// A layer the store knows for an owner: a root it names, or a recorded
+/// layer one of its roots reaches. `parent` is the recorded parent; None
+/// for a root the store has not recorded yet (its parent is unknown).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KnownLayer {
+    pub dir: PathBuf,
+    pub parent: Option<Option<PathBuf>>,
+}
 
 /// Every layer some root reaches: the roots, then parents, recursively.
 const LIVE_LAYERS: &str = "WITH RECURSIVE live(dir) AS (
@@ -37,7 +55,48 @@ const LIVE_LAYERS: &str = "WITH RECURSIVE live(dir) AS (
             WHERE l.parent IS NOT NULL
     )";
 
+/// The roots of one sandbox (`?1`), then every recorded parent they reach.
+const SANDBOX_ROOTS: &str = "SELECT snapshot FROM sandboxes WHERE id = ?1 AND snapshot IS NOT NULL
+        UNION SELECT t.snapshot_dir FROM templates t JOIN sandboxes s ON s.template = t.id
+            WHERE s.id = ?1 AND t.snapshot_dir IS NOT NULL
+        UNION SELECT snapshot_dir FROM checkpoints WHERE sandbox = ?1";
+/// The root of one template (`?1`).
+const TEMPLATE_ROOTS: &str =
+    "SELECT snapshot_dir FROM templates WHERE id = ?1 AND snapshot_dir IS NOT NULL";
+
 impl Tx<'_> {
+    /// Every layer the store knows for `owner`: the snapshots it names (a
+    /// sandbox's own, its checkpoints', its template's) and every recorded
+    /// layer under them. What a lineage a VMM reports is checked against.
+    pub fn known_layers(&self, owner: &LayerOwner) -> Result<Vec<KnownLayer>> {
+        let (roots, key) = match owner {
+            LayerOwner::Sandbox(id) => (SANDBOX_ROOTS, id.as_str()),
+            LayerOwner::Template(id) => (TEMPLATE_ROOTS, id.as_str()),
+        };
+        let sql = format!(
+            "WITH RECURSIVE known(dir) AS ({roots}
+                UNION SELECT l.parent FROM snapshot_layers l JOIN known ON l.dir = known.dir
+                    WHERE l.parent IS NOT NULL
+            )
+            SELECT k.dir, l.dir IS NOT NULL, l.parent FROM known k
+                LEFT JOIN snapshot_layers l ON l.dir = k.dir ORDER BY k.dir"
+        );
+        let known = self
+            .conn
+            .prepare_cached(&sql)?
+            .query_map([key], |r| {
+                let dir = PathBuf::from(r.get::<_, String>(0)?);
+                let recorded: bool = r.get(1)?;
+                let parent = r.get::<_, Option<String>>(2)?.map(PathBuf::from);
+                Ok(KnownLayer {
+                    dir,
+                    parent: recorded.then_some(parent),
+                })
+            })?
+            .collect::<rusqlite::Result<_>>()?;
+        Ok(known)
+    }
+
     /// A sandbox's checkpoint by name (`NotFound` if it has none so named).
     pub fn find_checkpoint(&self, sandbox: &SandboxId, name: &str) -> Result<Checkpoint> {
         self.conn
@@ -113,6 +172,17 @@ impl Tx<'_> {
             .conn
             .prepare_cached("SELECT EXISTS (SELECT 1 FROM snapshot_layers WHERE dir = ?1)")?
             .query_row([path_text(dir, "layer")?], |r| r.get(0))?)
+    }
+
+    /// Every root and every recorded layer some root reaches: the layers
+    /// whose files stay, as the store records them (never from a
+    /// `lineage.json` a VMM wrote).
+    pub fn live_layers(&self) -> Result<Vec<PathBuf>> {
+        Ok(self
+            .conn
+            .prepare(&format!("{LIVE_LAYERS} SELECT dir FROM live ORDER BY dir"))?
+            .query_map([], |r| r.get::<_, String>(0).map(PathBuf::from))?
+            .collect::<rusqlite::Result<_>>()?)
     }
 
     /// Forgets every recorded layer no root reaches and returns their

@@ -49,6 +49,7 @@ use std::time::Duration;
 use rusqlite::{Connection, ErrorCode, OpenFlags, TransactionBehavior};
 
 pub use journal::{OperationKind, OperationRecord, OperationStatus, StateChange};
+pub use layers::{KnownLayer, LayerOwner};
 pub use sandboxes::SandboxFilter;
 
 use crate::model::{
@@ -361,7 +362,8 @@ macro_rules! delegate {
 delegate! {
     write fn insert_template(&self, template: &Template) -> ();
     read fn get_template(&self, id: &TemplateId) -> Template;
-    read fn find_template(&self, key: &str) -> Option<Template>;
+    read fn template_candidates(&self, key: &str) -> Vec<Template>;
+    read fn template_name_conflict(&self, tenant: Option<&str>, name: &str) -> Option<(&'static str, String)>;
     read fn list_templates(&self, include_deleted: bool) -> Vec<Template>;
     write fn set_template_state(&self, id: &TemplateId, state: &TemplateState) -> Template;
     write fn set_template_snapshot(&self, id: &TemplateId, dir: Option<&Path>) -> ();
@@ -421,7 +423,9 @@ delegate! {
     write fn remove_checkpoints_of_deleted(&self) -> usize;
     write fn register_layers(&self, chain: &[(PathBuf, Option<PathBuf>)]) -> ();
     read fn layer_registered(&self, dir: &Path) -> bool;
+    read fn known_layers(&self, owner: &LayerOwner) -> Vec<KnownLayer>;
     write fn collect_dead_layers(&self) -> Vec<PathBuf>;
+    read fn live_layers(&self) -> Vec<PathBuf>;
 
     write fn begin_operation(
         &self,

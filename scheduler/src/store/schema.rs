@@ -164,8 +164,18 @@ CREATE TABLE sandbox_network (
 ) STRICT, WITHOUT ROWID;
 "#;
 
+/// Version 7: template names are per tenant (`crate::names`): unique
+/// among the live templates of one tenant, or among the shared ones
+/// (tenant `NULL`), instead of among all. Names were unique among all
+/// before, so every existing row fits.
+const V7: &str = r#"
+DROP INDEX templates_live_name;
+CREATE UNIQUE INDEX templates_live_tenant_name ON templates (ifnull(tenant, ''), name)
+    WHERE state != 'deleted';
+"#;
+
 /// Every migration, in order.
-pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6];
+pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7];
 
 /// The schema version this build writes.
 pub const CURRENT_VERSION: i64 = MIGRATIONS.len() as i64;

@@ -1,5 +1,5 @@
 //! The jail a VMM process confines itself to, as root, from its
-//! [`JailSpec`], before any guest code runs (see `docs/design.md`, "The
+//! [`JailSpec`], before any guest code runs (see `docs/vmm.md`, "The
 //! jail").
 //!
 //! [`enter`] does, in order:

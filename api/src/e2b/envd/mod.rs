@@ -16,7 +16,7 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, Request};
+use axum::extract::{Extension, Path, Request};
 use axum::http::header::{self, HeaderMap, HeaderValue};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -115,21 +115,28 @@ fn sandbox_of(headers: &HeaderMap) -> Result<String, E2bError> {
         .ok_or_else(|| E2bError::bad_request("missing E2b-Sandbox-Id header"))
 }
 
-/// `GET /health`: 204 when the sandbox runs; 502 (what E2B's proxy answers
-/// and the SDKs' `is_running` reads as false) when it is paused, unknown
-/// or gone. It does not wake a paused sandbox.
-async fn health<S: SandboxApi>(state: Api<S>, headers: HeaderMap) -> Response {
+/// `GET /health`: 204 when the sandbox runs and the caller may use it
+/// (its access token or an API key of its tenant, as every envd route);
+/// 502 (what E2B's proxy answers and the SDKs' `is_running` reads as
+/// false) when it is paused, unknown, gone, or not the caller's to see:
+/// health tells nobody else whether an id exists. It does not wake a
+/// paused sandbox.
+async fn health<S: SandboxApi>(
+    state: Api<S>,
+    Extension(auth): Extension<Auth>,
+    headers: HeaderMap,
+) -> Response {
     let id = match sandbox_of(&headers) {
         Ok(id) => id,
         Err(e) => return e.into_response(),
     };
-    let running = call(&state, move |s| {
-        if !SandboxId::is_well_formed(&id) {
-            return Ok(false);
-        }
-        Ok(s.get_sandbox(&SandboxId::new(&id))
+    let caller = files::Caller::of(&headers, &auth);
+    let running = call(&state, move |s| match files::target(s, &id, &caller)? {
+        Ok(id) => Ok(s
+            .get_sandbox(&id)
             .ok()
-            .is_some_and(|x| e2b_state(x.state) == Some("running") && x.vmm.is_some()))
+            .is_some_and(|x| e2b_state(x.state) == Some("running") && x.vmm.is_some())),
+        Err(_) => Ok(false),
     })
     .await;
     match running {
@@ -169,14 +176,14 @@ async fn rpc<S: SandboxApi>(
     let tenancy = state.tenancy.clone();
     let found = call(&state, move |s| match files::target(s, &shown, &caller)? {
         Ok(id) => {
-            let env = s.get_sandbox(&id)?.env;
+            let sandbox = s.get_sandbox(&id)?;
             let wake = wake_ticket(s, &tenancy, &id)?;
-            Ok(Ok((id, env, wake)))
+            Ok(Ok((id, sandbox.env, sandbox.tenant, wake)))
         }
         Err(refused) => Ok(Err(refused)),
     })
     .await;
-    let (sandbox, env, wake) = match found {
+    let (sandbox, env, owner, wake) = match found {
         Ok(Ok(found)) => found,
         Ok(Err(files::Refused::Gone)) => {
             return refuse(Code::NotFound, format!("sandbox {id} was not found"))
@@ -188,6 +195,17 @@ async fn rpc<S: SandboxApi>(
             )
         }
         Err(e) => return refuse(code_of(e.status.as_u16()), e.message),
+    };
+    // A streaming call holds a slot of the sandbox's tenant for as long as
+    // it streams, on a thread of its own (`crate::streams`).
+    let slot = if rpc::method_kind(service, &method) == Some(rpc::Kind::ServerStream) {
+        let tenant = owner.as_deref().unwrap_or(crate::auth::ADMIN_TENANT);
+        match state.tenancy.streams.take(tenant) {
+            Ok(slot) => Some(slot),
+            Err(e) => return refuse(Code::ResourceExhausted, e.message),
+        }
+    } else {
+        None
     };
     let ctx = match rpc::CallContext::from_headers(id, &headers, env) {
         Ok(ctx) => ctx,
@@ -203,7 +221,7 @@ async fn rpc<S: SandboxApi>(
             .map(drop)
             .map_err(service_error)
     });
-    rpc::handle(runner, ctx, service, &method, &headers, body).await
+    rpc::handle(runner, ctx, service, &method, &headers, body, slot).await
 }
 
 /// Admits waking sandbox `id` against its tenant's quotas if it is
@@ -222,11 +240,7 @@ pub(super) fn wake_ticket<S: SandboxApi>(
         let limited = tenancy.auth.quota(&tenant) != crate::quota::Quota::default();
         return crate::tenancy::wake_first(s, limited, &sandbox);
     }
-    let principal = crate::auth::Principal {
-        tenant,
-        scope: crate::auth::Scope::Tenant,
-        token: "envd".into(),
-    };
+    let principal = crate::auth::Principal::new(tenant, crate::auth::Scope::Tenant, "envd");
     crate::tenancy::admit_wake(tenancy, &principal, &sandbox)
 }
 
@@ -271,7 +285,10 @@ pub(crate) fn router<S: SandboxApi>(
         .post(files::upload::<S>)
         .layer(axum::Extension(tenancy.auth.clone()));
     let mut app = Router::new()
-        .route("/health", get(health::<S>))
+        .route(
+            "/health",
+            get(health::<S>).layer(axum::Extension(tenancy.auth.clone())),
+        )
         .route("/files", files);
     for &name in SERVICES {
         let auth = tenancy.auth.clone();

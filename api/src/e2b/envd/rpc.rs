@@ -173,23 +173,35 @@ pub enum Kind {
     ServerStream,
 }
 
-/// envd's methods (and `StreamInput`, a client stream, not offered: the
-/// SDKs use `SendInput`).
+/// Every envd method served, with its kind (`StreamInput`, a client
+/// stream, is not offered: the SDKs use `SendInput`). The one list: the
+/// router dispatches on it and `tests/attack_matrix.rs` attacks each.
+pub const METHODS: &[(&str, &str, Kind)] = &[
+    ("process.Process", "Start", Kind::ServerStream),
+    ("process.Process", "Connect", Kind::ServerStream),
+    ("process.Process", "List", Kind::Unary),
+    ("process.Process", "SendSignal", Kind::Unary),
+    ("process.Process", "SendInput", Kind::Unary),
+    ("process.Process", "CloseStdin", Kind::Unary),
+    ("process.Process", "Update", Kind::Unary),
+    ("filesystem.Filesystem", "WatchDir", Kind::ServerStream),
+    ("filesystem.Filesystem", "Stat", Kind::Unary),
+    ("filesystem.Filesystem", "ListDir", Kind::Unary),
+    ("filesystem.Filesystem", "MakeDir", Kind::Unary),
+    ("filesystem.Filesystem", "Remove", Kind::Unary),
+    ("filesystem.Filesystem", "Move", Kind::Unary),
+    ("filesystem.Filesystem", "CreateWatcher", Kind::Unary),
+    ("filesystem.Filesystem", "GetWatcherEvents", Kind::Unary),
+    ("filesystem.Filesystem", "RemoveWatcher", Kind::Unary),
+];
+
+/// The kind of envd's method `service`/`method`, if it is one
+/// ([`METHODS`]).
 pub fn method_kind(service: &str, method: &str) -> Option<Kind> {
-    let kind = match (service, method) {
-        ("process.Process", "Start" | "Connect") => Kind::ServerStream,
-        ("process.Process", "List" | "SendSignal" | "SendInput" | "CloseStdin" | "Update") => {
-            Kind::Unary
-        }
-        ("filesystem.Filesystem", "WatchDir") => Kind::ServerStream,
-        (
-            "filesystem.Filesystem",
-            "Stat" | "ListDir" | "MakeDir" | "Remove" | "Move" | "CreateWatcher"
-            | "GetWatcherEvents" | "RemoveWatcher",
-        ) => Kind::Unary,
-        _ => return None,
-    };
-    Some(kind)
+    METHODS
+        .iter()
+        .find(|(s, m, _)| *s == service && *m == method)
+        .map(|&(_, _, kind)| kind)
 }
 
 /// Parses a request message.
@@ -315,6 +327,7 @@ pub async fn handle(
     method: &str,
     headers: &HeaderMap,
     body: Body,
+    slot: Option<crate::streams::StreamSlot>,
 ) -> Response {
     let streaming = is_streaming(headers);
     let fail =
@@ -395,7 +408,10 @@ pub async fn handle(
     };
     match handler(service, method) {
         Some(Handler::Unary(f)) => unary(runner, ctx, f, message).await,
-        Some(Handler::Stream(f)) => stream(runner, ctx, f, message),
+        Some(Handler::Stream(f)) => match slot {
+            Some(slot) => stream(runner, ctx, f, message, slot),
+            None => fail(Code::Internal, "a stream without its slot".into()),
+        },
         None => fail(Code::Unimplemented, format!("{service}/{method}")),
     }
 }
@@ -430,8 +446,14 @@ async fn unary(runner: Runner, ctx: CallContext, f: UnaryFn, message: Vec<u8>) -
     }
 }
 
-fn stream(runner: Runner, ctx: CallContext, f: StreamFn, message: Vec<u8>) -> Response {
-    let Some(slot) = StreamSlot::take(&ctx.sandbox) else {
+fn stream(
+    runner: Runner,
+    ctx: CallContext,
+    f: StreamFn,
+    message: Vec<u8>,
+    slot: crate::streams::StreamSlot,
+) -> Response {
+    let Some(sandbox_slot) = StreamSlot::take(&ctx.sandbox) else {
         return connect_error(
             true,
             ConnectError {
@@ -444,8 +466,8 @@ fn stream(runner: Runner, ctx: CallContext, f: StreamFn, message: Vec<u8>) -> Re
         );
     };
     let (tx, rx) = mpsc::channel::<Bytes>(STREAM_BUFFER);
-    tokio::task::spawn_blocking(move || {
-        let _slot = slot;
+    crate::streams::run_long(slot, "envd", move || {
+        let _slot = sandbox_slot;
         let out = StreamTx { tx };
         let mut result = None;
         let ran = runner(&mut |link| {

@@ -131,3 +131,78 @@ fn a_layer_needs_its_parent_recorded_and_names_are_per_sandbox() {
         Err(StoreError::NotFound { .. })
     ));
 }
+
+#[test]
+fn known_layers_are_an_owners_roots_and_what_they_reach() {
+    let (_dir, store, t) = setup();
+    let tpl = "/data/templates/probe";
+    layer(&store, tpl, None);
+    // A: a checkpoint on the template, then a hibernation on it.
+    let a = sandbox_in(&store, &t, Hibernated);
+    layer(&store, "/a/ckpt1", Some(tpl));
+    store
+        .insert_checkpoint(&checkpoint(&a, "c1", "/a/ckpt1"))
+        .unwrap();
+    layer(&store, "/a/snap2", Some("/a/ckpt1"));
+    set_snapshot(&store, &a, "/a/snap2");
+    // F: forked from A's checkpoint, its snapshot not recorded yet.
+    let f = sandbox_in(&store, &t, Hibernated);
+    set_snapshot(&store, &f, "/f/snap1");
+    // V: another sandbox with a layer of its own.
+    let v = sandbox_in(&store, &t, Hibernated);
+    layer(&store, "/v/snap1", Some(tpl));
+    set_snapshot(&store, &v, "/v/snap1");
+
+    let known = |owner: &LayerOwner| -> Vec<(String, Option<Option<String>>)> {
+        let text = |p: &Path| p.display().to_string();
+        store
+            .known_layers(owner)
+            .unwrap()
+            .into_iter()
+            .map(|k| (text(&k.dir), k.parent.map(|p| p.as_deref().map(text))))
+            .collect()
+    };
+    let s = |x: &str| x.to_string();
+    assert_eq!(
+        known(&LayerOwner::Sandbox(a.id.clone())),
+        vec![
+            (s("/a/ckpt1"), Some(Some(s(tpl)))),
+            (s("/a/snap2"), Some(Some(s("/a/ckpt1")))),
+            (s(tpl), Some(None)),
+        ]
+    );
+    // A root the store names but has not recorded: known, parent unknown.
+    assert_eq!(
+        known(&LayerOwner::Sandbox(f.id.clone())),
+        vec![(s(tpl), Some(None)), (s("/f/snap1"), None)]
+    );
+    // Nothing of A's is V's, nor anything of V's A's.
+    let of_v = known(&LayerOwner::Sandbox(v.id.clone()));
+    assert!(of_v.iter().all(|(d, _)| !d.starts_with("/a/")), "{of_v:?}");
+    assert_eq!(
+        known(&LayerOwner::Template(t.id.clone())),
+        vec![(s(tpl), Some(None))]
+    );
+    assert!(known(&LayerOwner::Sandbox(SandboxId::new("sb-none"))).is_empty());
+}
+
+#[test]
+fn live_layers_are_the_roots_and_the_recorded_layers_they_reach() {
+    let (_dir, store, t) = setup();
+    let tpl = "/data/templates/probe";
+    layer(&store, tpl, None);
+    let a = sandbox_in(&store, &t, Hibernated);
+    layer(&store, "/a/snap1", Some(tpl));
+    layer(&store, "/a/snap2", Some("/a/snap1"));
+    set_snapshot(&store, &a, "/a/snap2");
+    // A root not recorded (its chain failed the gate): only itself.
+    let b = sandbox_in(&store, &t, Hibernated);
+    set_snapshot(&store, &b, "/b/forged");
+    // Recorded but reached by no root.
+    layer(&store, "/a/stray", Some("/a/snap2"));
+    let mut live = store.live_layers().unwrap();
+    live.sort();
+    // The fixture's template's snapshot is `tpl`.
+    let want = vec![p("/a/snap1"), p("/a/snap2"), p("/b/forged"), p(tpl)];
+    assert_eq!(live, want);
+}

@@ -377,7 +377,9 @@ fn env_and_on_timeout_round_trip_and_a_version_2_store_upgrades() {
     // The same data as a version 2 store wrote it: no column, no table.
     let conn = rusqlite::Connection::open(dir.path().join(DB_FILE)).unwrap();
     conn.execute_batch(
-        "ALTER TABLE sandboxes DROP COLUMN on_timeout; DROP TABLE sandbox_env; \
+        "DROP INDEX templates_live_tenant_name; \
+         CREATE UNIQUE INDEX templates_live_name ON templates (name) WHERE state != 'deleted'; \
+         ALTER TABLE sandboxes DROP COLUMN on_timeout; DROP TABLE sandbox_env; \
          DROP TABLE template_sources; ALTER TABLE sandboxes DROP COLUMN access_token; ALTER TABLE sandboxes DROP COLUMN vmm_start; \
          DROP TABLE sandbox_network; \
          DROP INDEX sandboxes_tenant; ALTER TABLE sandboxes DROP COLUMN tenant; \

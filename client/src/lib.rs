@@ -1,9 +1,12 @@
 //! The blocking HTTP/1.1 client for the REST API (hyper's connection API),
 //! over TCP or a unix socket: one request per connection; bounded bodies,
 //! streamed or collected; timeouts; TLS (rustls) to a server whose
-//! certificate fingerprint is pinned ([`crate::tls`]). Used by the CLI (`torpor sandbox|template|pod`)
-//! and by the API server in front of pods to call them (whose protocol is
-//! this API).
+//! certificate fingerprint is pinned ([`pin`]). Used by the CLI (`torpor
+//! sandbox|template|pod`), by `torpor serve` in front of its nested pod and
+//! by a cluster's replicas in front of their pods (whose protocol is this
+//! API).
+
+pub mod pin;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -16,7 +19,7 @@ use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
 use tokio_rustls::TlsConnector;
 
-use crate::tls::{pinned_client_config, Fingerprint};
+use pin::{pinned_client_config, Fingerprint};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 

@@ -18,12 +18,12 @@ use rusqlite::{params, Connection, OptionalExtension};
 use torpor_scheduler::model::{PodId, Sandbox, SandboxState};
 use torpor_scheduler::service::{Owner, ServiceError};
 
-use crate::service::SandboxFilter;
+use torpor_api::service::SandboxFilter;
 
 use super::expiry::{self, Deadlines};
 use super::wire::{self, Command, Event, Heartbeat, OpError, OpOutcome, WorkItem, MAX_REPORTED};
 use super::{ClusterConfig, ClusterError};
-use crate::backend::SandboxApi;
+use torpor_api::backend::SandboxApi;
 
 /// Operations run at once.
 const CONCURRENCY: usize = 8;
@@ -258,7 +258,7 @@ async fn take<S: SandboxApi>(
             Journaled::Done(outcome) => return Ok(outcome),
             Journaled::Running => OpOutcome::Failed(OpError {
                 status: 500,
-                code: crate::error::code::INTERNAL.into(),
+                code: torpor_api::error::code::INTERNAL.into(),
                 message: format!(
                     "operation {} was interrupted by a restart of pod {pod}: read the sandbox \
                      to see its state",
@@ -422,7 +422,7 @@ fn execute<S: SandboxApi>(service: &S, pod: &PodId, command: Command) -> OpOutco
             // All of them or none (`fork_sandboxes` deletes those made if
             // one fails); each is the source's tenant's (`fork_sandbox`).
             let count = request.count.take().unwrap_or(1);
-            if !(1..=crate::service::MAX_FORK_COUNT).contains(&count) {
+            if !(1..=torpor_api::service::MAX_FORK_COUNT).contains(&count) {
                 let e = ServiceError::Invalid(format!("a fork count of {count}"));
                 return OpOutcome::Failed(e.into());
             }
@@ -451,7 +451,7 @@ fn execute<S: SandboxApi>(service: &S, pod: &PodId, command: Command) -> OpOutco
         // Refused (409) while sandboxes of this pod use it, as embedded;
         // answered with the template as it reads after (`deleted`).
         Command::DeleteTemplate { template } => match service
-            .delete_template(&template)
+            .delete_template(None, template.as_str())
             .and_then(|()| service.get_template(&template))
         {
             Ok(t) => OpOutcome::TemplateDeleted {
@@ -481,7 +481,7 @@ fn heartbeat<S: SandboxApi>(service: &S, me: &PodIdentity) -> Result<Heartbeat, 
         .into_iter()
         .next()
         .unwrap_or_default();
-    let headroom_mib = crate::pods::headroom_mib(&load);
+    let headroom_mib = torpor_api::pods::headroom_mib(&load);
     let mut catalog = service.list_templates()?;
     let mut templates = Vec::new();
     for t in &catalog {

@@ -13,7 +13,7 @@ use torpor_scheduler::model::{PodId, Sandbox, SandboxId};
 
 use super::wire::{Heartbeat, OpOutcome};
 use super::ClusterError;
-use crate::quota::Usage;
+use torpor_api::quota::Usage;
 
 /// The advisory lock key the migrations are applied under.
 const MIGRATION_LOCK: i64 = 0x746f_7270_6f72; // "torpor"

@@ -230,15 +230,16 @@ impl Db {
         &self,
         key: &str,
         id: &TemplateId,
+        tenant: Option<&str>,
     ) -> Result<Option<OpRow>, ClusterError> {
         let c = self.client().await?;
         let row = c
             .query_opt(
                 "SELECT id FROM operations
                  WHERE starts_with(idempotency_key, $1 || ' ') AND kind = 'template_delete'
-                    AND template = $2
+                    AND template = $2 AND ($3::text IS NULL OR tenant = $3)
                  ORDER BY created_at LIMIT 1",
-                &[&key, &id.as_str()],
+                &[&key, &id.as_str(), &tenant],
             )
             .await
             .map_err(pg)?;

@@ -1,7 +1,7 @@
 //! The tenants' tokens and quotas in PostgreSQL (schema version 3), shared
-//! by every replica: what [`crate::auth::Auth::shared`] caches and reads
-//! again every [`crate::auth::SHARED_REFRESH`]. Kept as the embedded
-//! `tenants.json` keeps them ([`crate::auth::tokens`]): a token is its
+//! by every replica: the [`TokenStore`] [`torpor_api::auth::Auth::shared`] caches and reads
+//! again every [`torpor_api::auth::SHARED_REFRESH`]. Kept as the embedded
+//! `tenants.json` keeps them ([`torpor_api::auth::tokens`]): a token is its
 //! SHA-256, never the token; a tenant is the name its tokens and quota
 //! carry.
 
@@ -12,9 +12,10 @@ use torpor_scheduler::model::Timestamp;
 
 use super::db::{pg, Db};
 use super::ClusterError;
-use crate::auth::tokens::{TenantsFile, TokenRecord, TokensError, MAX_TOKENS};
-use crate::auth::Scope;
-use crate::quota::Quota;
+use torpor_api::auth::store::{StoreFuture, TokenStore};
+use torpor_api::auth::tokens::{TenantsFile, TokenRecord, TokensError, MAX_TOKENS};
+use torpor_api::auth::Scope;
+use torpor_api::quota::Quota;
 
 const TOKEN_COLUMNS: &str = "id, tenant, scope, sha256, created_at_ms";
 
@@ -42,9 +43,38 @@ pub(super) fn quota_of(tenant: &str, stored: Value) -> Result<Quota, ClusterErro
         .map_err(|e| ClusterError::Schema(format!("tenant {tenant}'s quota: {e}")))
 }
 
+impl From<ClusterError> for TokensError {
+    fn from(e: ClusterError) -> Self {
+        TokensError::Store(e.into())
+    }
+}
+
+impl TokenStore for Db {
+    fn tenants(&self) -> StoreFuture<'_, TenantsFile> {
+        Box::pin(async move { Ok(self.read_tenants().await?) })
+    }
+
+    fn add_token<'a>(&'a self, record: &'a TokenRecord, only_first: bool) -> StoreFuture<'a, bool> {
+        Box::pin(self.insert_token(record, only_first))
+    }
+
+    fn remove_token<'a>(&'a self, id: &'a str) -> StoreFuture<'a, TokenRecord> {
+        Box::pin(self.delete_token(id))
+    }
+
+    fn set_quota<'a>(
+        &'a self,
+        tenant: &'a str,
+        quota: &'a Quota,
+        replace: bool,
+    ) -> StoreFuture<'a, ()> {
+        Box::pin(async move { Ok(self.store_quota(tenant, quota, replace).await?) })
+    }
+}
+
 impl Db {
     /// Every token (oldest first, at most [`MAX_TOKENS`]) and every quota.
-    pub async fn tenants(&self) -> Result<TenantsFile, ClusterError> {
+    async fn read_tenants(&self) -> Result<TenantsFile, ClusterError> {
         let c = self.client().await?;
         let rows = c
             .query(
@@ -73,7 +103,7 @@ impl Db {
     /// (seeding the same token again changes nothing);
     /// [`TokensError::TooMany`] past [`MAX_TOKENS`]. With `only_first`,
     /// only into a table without any token (a first start's admin token).
-    pub async fn add_token(
+    async fn insert_token(
         &self,
         record: &TokenRecord,
         only_first: bool,
@@ -115,7 +145,7 @@ impl Db {
     /// Removes token `id`, unless it is the last admin token. The admin
     /// tokens are locked (`FOR UPDATE`) before they are counted, so two
     /// replicas removing the last two admin tokens at once cannot both.
-    pub async fn remove_token(&self, id: &str) -> Result<TokenRecord, TokensError> {
+    async fn delete_token(&self, id: &str) -> Result<TokenRecord, TokensError> {
         let c = self.client().await?;
         let row = c
             .query_opt(
@@ -145,7 +175,7 @@ impl Db {
 
     /// Sets `tenant`'s quota; unless `replace`, only if it has none (a
     /// seed does not undo a quota set since).
-    pub async fn set_quota(
+    async fn store_quota(
         &self,
         tenant: &str,
         quota: &Quota,

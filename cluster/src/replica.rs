@@ -14,15 +14,15 @@ use torpor_scheduler::state::SandboxState;
 use super::db::{Db, NewOp, OpRow, PodRow};
 use super::wire::{self, Command, OpOutcome, WorkItem};
 use super::{ClusterConfig, ClusterError};
-use crate::backend::{Lifecycle, SandboxApi};
-use crate::error::code;
-use crate::pods::RemotePod;
-use crate::quota::Usage;
-use crate::service::{
+use torpor_api::backend::{Lifecycle, SandboxApi};
+use torpor_api::error::code;
+use torpor_api::pods::RemotePod;
+use torpor_api::quota::Usage;
+use torpor_api::service::{
     AgentLink, Cancel, CreateSandbox, ExecRequest, ForkSandbox, GuestCall, GuestError, Outcome,
     PodView, SandboxFilter, ServiceError,
 };
-use crate::tls::Fingerprint;
+use torpor_client::pin::Fingerprint;
 
 /// Placement picks at random among this many of the pods with the most
 /// headroom, so that replicas placing at once do not all pick the same.
@@ -90,23 +90,25 @@ impl Cluster {
     }
 
     /// The shared state in PostgreSQL (the tenants' tokens and quotas are
-    /// read from it too: `crate::auth::Auth::shared`).
+    /// read from it too: `torpor_api::auth::Auth::shared`).
     pub fn db(&self) -> Arc<Db> {
         self.db.clone()
     }
 
     /// The API's router with the request context commands need (their
     /// `Idempotency-Key`).
-    pub fn router(api: &crate::Api<Cluster>) -> axum::Router {
-        api.router()
-            .layer(axum::middleware::from_fn(crate::request_context::scope))
+    pub fn router(api: &torpor_api::Api<Cluster>) -> axum::Router {
+        api.router().layer(axum::middleware::from_fn(
+            torpor_api::request_context::scope,
+        ))
     }
 
     /// The E2B routes alone (`torpor serve --cluster ... --e2b-listen`),
     /// with the request context commands need, as [`Cluster::router`].
-    pub fn e2b_router(api: &crate::Api<Cluster>) -> axum::Router {
-        api.e2b_router()
-            .layer(axum::middleware::from_fn(crate::request_context::scope))
+    pub fn e2b_router(api: &torpor_api::Api<Cluster>) -> axum::Router {
+        api.e2b_router().layer(axum::middleware::from_fn(
+            torpor_api::request_context::scope,
+        ))
     }
 
     /// Runs `f` to its end from a blocking caller (the handlers' blocking
@@ -188,7 +190,7 @@ impl Cluster {
         command: Command,
         asked: Option<&Usage>,
     ) -> Result<OpOutcome, ServiceError> {
-        let key = crate::request_context::idempotency_key();
+        let key = torpor_api::request_context::idempotency_key();
         self.run_keyed(pod, tenant, command, asked, key).await
     }
 
@@ -346,7 +348,7 @@ impl Cluster {
         if !matches!(e, ServiceError::NotFound { .. }) {
             return Err(e);
         }
-        let Some(key) = crate::request_context::idempotency_key() else {
+        let Some(key) = torpor_api::request_context::idempotency_key() else {
             return Err(e);
         };
         match self.db.operation_by_key(&key, kind, id).await? {
@@ -420,16 +422,16 @@ impl SandboxApi for Cluster {
     /// their catalogs in PostgreSQL (`templates.rs`).
     fn templates(
         &self,
-        op: crate::calls::TemplateOp<'_>,
-    ) -> Result<crate::calls::TemplateReply, ServiceError> {
+        op: torpor_api::calls::TemplateOp<'_>,
+    ) -> Result<torpor_api::calls::TemplateReply, ServiceError> {
         self.template_call(op)
     }
 
     /// The pods' images, indexed in PostgreSQL (`images.rs`).
     fn images(
         &self,
-        op: crate::calls::ImageOp<'_>,
-    ) -> Result<crate::calls::ImageReply, ServiceError> {
+        op: torpor_api::calls::ImageOp<'_>,
+    ) -> Result<torpor_api::calls::ImageReply, ServiceError> {
         self.image_call(op)
     }
 
@@ -438,8 +440,8 @@ impl SandboxApi for Cluster {
     fn checkpoints(
         &self,
         id: &SandboxId,
-        op: crate::calls::CheckpointOp<'_>,
-    ) -> Result<crate::calls::CheckpointReply, ServiceError> {
+        op: torpor_api::calls::CheckpointOp<'_>,
+    ) -> Result<torpor_api::calls::CheckpointReply, ServiceError> {
         self.checkpoint_call(id, op)
     }
 
@@ -566,7 +568,7 @@ impl SandboxApi for Cluster {
     fn template_from_sandbox(
         &self,
         id: &SandboxId,
-        req: crate::service::TemplateFromSandbox,
+        req: torpor_api::service::TemplateFromSandbox,
     ) -> Result<torpor_scheduler::model::Template, ServiceError> {
         self.snapshot_on_pod(id, &req)
     }
@@ -677,7 +679,7 @@ impl SandboxApi for Cluster {
                     json!({})
                 };
                 entry["id"] = json!(p.id);
-                entry["address"] = json!(crate::pods::pod_address(&p.address).ok());
+                entry["address"] = json!(torpor_api::pods::pod_address(&p.address).ok());
                 entry["reachable"] = json!(up);
                 entry["templates"] = json!(p.templates);
                 entry["images"] = json!(p.images);
@@ -735,13 +737,15 @@ impl SandboxApi for Cluster {
         }))
     }
 
-    fn relay(&self, to: crate::backend::Relay<'_>) -> Option<RemotePod> {
+    fn relay(&self, to: torpor_api::backend::Relay<'_>) -> Option<RemotePod> {
         let pod = match to {
-            crate::backend::Relay::Sandbox { method, path, .. } if is_command(method, path) => {
+            torpor_api::backend::Relay::Sandbox { method, path, .. }
+                if is_command(method, path) =>
+            {
                 return None
             }
-            crate::backend::Relay::Sandbox { id, .. } => self.block(self.owned(id)).ok()?.1,
-            crate::backend::Relay::Pod(id) => {
+            torpor_api::backend::Relay::Sandbox { id, .. } => self.block(self.owned(id)).ok()?.1,
+            torpor_api::backend::Relay::Pod(id) => {
                 let pod = self.block(self.db.pod(id.as_str())).ok()??;
                 if id.as_str() == LOCAL_POD {
                     return None;
@@ -763,15 +767,15 @@ impl SandboxApi for Cluster {
         id: &SandboxId,
         req: ExecRequest,
         cancel: &Cancel,
-        mode: crate::calls::ExecMode<'_>,
-    ) -> Result<GuestCall<crate::calls::ExecReply>, ServiceError> {
+        mode: torpor_api::calls::ExecMode<'_>,
+    ) -> Result<GuestCall<torpor_api::calls::ExecReply>, ServiceError> {
         self.exec_through_tunnel(id, req, cancel, mode)
     }
     fn files(
         &self,
         id: &SandboxId,
-        op: crate::calls::FileOp<'_>,
-    ) -> Result<GuestCall<crate::calls::FileReply>, ServiceError> {
+        op: torpor_api::calls::FileOp<'_>,
+    ) -> Result<GuestCall<torpor_api::calls::FileReply>, ServiceError> {
         self.guest_call(id, |link| op.run(link))
     }
     fn with_guest(

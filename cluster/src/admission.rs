@@ -3,8 +3,8 @@
 //! source of truth every replica counts in, atomically. In one transaction
 //! (on the connection kept for it, [`Db`]'s `admission`): the tenant's
 //! quota row is locked (`FOR UPDATE`), its use counted in one statement
-//! (its sandboxes, as [`crate::quota::usage_of`] counts them, plus what
-//! its pending creates asked: [`usage`]), checked ([`crate::quota::check`]), and the create journaled
+//! (its sandboxes, as [`torpor_api::quota::usage_of`] counts them, plus what
+//! its pending creates asked: [`usage`]), checked ([`torpor_api::quota::check`]), and the create journaled
 //! with what it asks; the commit frees the lock. A replica admitting for
 //! the same tenant at the same time waits for the lock, and its count,
 //! read after, sees that create. A create is counted while it is pending
@@ -19,7 +19,7 @@ use tokio_postgres::{Client, Transaction};
 
 use super::db::{insert_operation, pg, Db, NewOp};
 use super::ClusterError;
-use crate::quota::{check, usage_of, Quota, Usage};
+use torpor_api::quota::{check, usage_of, Quota, Usage};
 
 /// How long an admission waits for its tenant's lock before it answers
 /// 503 (another replica's admission holds it for a few reads).
@@ -86,7 +86,9 @@ async fn admit_on(c: &mut Client, op: &NewOp<'_>, asked: &Usage) -> Result<bool,
 }
 
 /// `tenant`'s use: its sandboxes, as [`usage_of`] counts them, its
-/// checkpoints (each as its sandbox's memory, `checkpoints.rs`), plus
+/// checkpoints (each as its sandbox's memory, `checkpoints.rs`), its
+/// templates in the pods' catalogs (each as its memory: built, or made
+/// from a sandbox, as `quota.rs` counts them on one pod), plus
 /// what its pending creates, forks, wakes, builds and checkpoints asked. One statement, so one snapshot: read
 /// in two, a create finished between them (its operation done and its
 /// sandbox written at once) was in neither (tests/cluster.rs admitted 4
@@ -105,7 +107,13 @@ async fn usage(tx: &Transaction<'_>, tenant: &str) -> Result<Usage, ClusterError
              SELECT NULL, NULL, jsonb_build_object('running_sandboxes', 0,
                     'total_sandboxes', 0, 'memory_mib', 0, 'snapshot_disk_mib', c.mem_mib)
                 FROM checkpoints c JOIN sandboxes s ON s.id = c.sandbox
-                WHERE c.tenant = $1 AND s.state <> 'deleted'",
+                WHERE c.tenant = $1 AND s.state <> 'deleted'
+             UNION ALL
+             SELECT NULL, NULL, jsonb_build_object('running_sandboxes', 0,
+                    'total_sandboxes', 0, 'memory_mib', 0, 'snapshot_disk_mib', t.mem)
+                FROM (SELECT DISTINCT t->>'id' AS id, (t->>'mem_mib')::bigint AS mem
+                      FROM pods, jsonb_array_elements(catalog) t
+                      WHERE t->>'tenant' = $1 AND t->>'state' <> 'deleted') t",
             &[&tenant],
         )
         .await

@@ -3,7 +3,7 @@
 //! (`torpor pod serve --cluster ...`), sharing state in PostgreSQL
 //! ([`db`]) and talking over NATS JetStream ([`wire`]).
 //!
-//! - A replica ([`replica::Cluster`], a [`crate::SandboxApi`]) places a
+//! - A replica ([`replica::Cluster`], a [`torpor_api::backend::SandboxApi`]) places a
 //!   create on a pod from the pods' heartbeats, journals the operation in
 //!   PostgreSQL, sends it to that pod's work queue and waits for its result
 //!   (up to a deadline: past it the answer is 202 with
@@ -60,7 +60,7 @@ pub enum ClusterError {
     Journal(String),
     /// A create refused at admission (`admission.rs`): 429.
     #[error(transparent)]
-    Quota(#[from] crate::quota::QuotaExceeded),
+    Quota(#[from] torpor_api::quota::QuotaExceeded),
 }
 
 impl From<ClusterError> for ServiceError {
@@ -69,7 +69,7 @@ impl From<ClusterError> for ServiceError {
             // The shared state or the bus is down: try again later.
             ClusterError::Postgres(_) | ClusterError::Nats(_) => ServiceError::Pod {
                 status: 503,
-                code: crate::error::code::UNAVAILABLE.into(),
+                code: torpor_api::error::code::UNAVAILABLE.into(),
                 message: format!("the cluster cannot serve this now: {e}"),
             },
             ClusterError::Quota(q) => q.into(),

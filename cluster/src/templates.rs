@@ -30,14 +30,14 @@
 //!   first outcome (204) from the journal.
 
 use torpor_scheduler::model::{PodId, Template, TemplateId};
-use torpor_scheduler::service::CreateTemplate;
+use torpor_scheduler::service::{CreateTemplate, Owner};
 
 use super::db::PodRow;
 use super::replica::Cluster;
 use super::wire::{Command, OpOutcome};
-use crate::calls::{TemplateOp, TemplateReply};
-use crate::quota::Usage;
-use crate::service::ServiceError;
+use torpor_api::calls::{TemplateOp, TemplateReply};
+use torpor_api::quota::Usage;
+use torpor_api::service::ServiceError;
 
 fn template_not_found(id: &TemplateId) -> ServiceError {
     ServiceError::NotFound {
@@ -63,27 +63,55 @@ pub fn delete_key(key: &str, pod: &PodId) -> String {
 impl Cluster {
     pub(super) fn template_call(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
         match op {
-            TemplateOp::List => {
-                let entries = self.block(self.db.templates(self.config.down_after))?;
-                let list = entries
-                    .into_iter()
-                    .map(|mut t| {
-                        // The entry's `pod` is the list's, not the template's.
-                        if let Some(entry) = t.as_object_mut() {
-                            entry.remove("pod");
-                        }
-                        serde_json::from_value(t)
-                    })
-                    .collect::<Result<Vec<Template>, _>>()
-                    .map_err(|e| ServiceError::Internal(format!("a pod's template: {e}")))?;
-                Ok(TemplateReply::List(list))
-            }
-            TemplateOp::Get(id) => self.block(self.template(id)).map(TemplateReply::one),
+            TemplateOp::List => self.block(self.listed()).map(TemplateReply::List),
+            TemplateOp::Get { key, owner } => self
+                .block(self.template_for(owner, key))
+                .map(TemplateReply::one),
             TemplateOp::Create(req) => self.block(self.build(req)).map(TemplateReply::one),
-            TemplateOp::Delete(id) => self
-                .block(self.delete_template(id))
-                .map(|()| TemplateReply::Deleted),
+            TemplateOp::Delete { key, owner } => {
+                let id = match self.block(self.template_for(owner, key)) {
+                    Ok(t) => {
+                        torpor_scheduler::names::may_delete(owner, &t)?;
+                        t.id
+                    }
+                    // An admin's delete by id goes on: a retry once it is
+                    // gone answers its first outcome (the journal's).
+                    Err(ServiceError::NotFound { .. }) if owner.is_none_or(|o| o.admin) => {
+                        TemplateId::new(key)
+                    }
+                    // A tenant's retry (its idempotency key) of a delete
+                    // that removed it: that first outcome, its own only.
+                    Err(e @ ServiceError::NotFound { .. }) => {
+                        let tenant = owner.map(|o| o.tenant.as_str());
+                        return match self
+                            .block(self.retried_delete(&TemplateId::new(key), tenant))?
+                        {
+                            Some(()) => Ok(TemplateReply::Deleted),
+                            None => Err(e),
+                        };
+                    }
+                    Err(e) => return Err(e),
+                };
+                self.block(self.delete_template(&id))
+                    .map(|()| TemplateReply::Deleted)
+            }
         }
+    }
+
+    /// The templates of the pods up, as their catalogs list them.
+    async fn listed(&self) -> Result<Vec<Template>, ServiceError> {
+        let entries = self.db.templates(self.config.down_after).await?;
+        entries
+            .into_iter()
+            .map(|mut t| {
+                // The entry's `pod` is the list's, not the template's.
+                if let Some(entry) = t.as_object_mut() {
+                    entry.remove("pod");
+                }
+                serde_json::from_value(t)
+            })
+            .collect::<Result<Vec<Template>, _>>()
+            .map_err(|e| ServiceError::Internal(format!("a pod's template: {e}")))
     }
 
     async fn build(&self, mut req: CreateTemplate) -> Result<Template, ServiceError> {
@@ -137,13 +165,38 @@ impl Cluster {
     /// request a retry of its delete (its `Idempotency-Key`): the template
     /// as that delete left it (`deleted`), so that the API's check of its
     /// tenant passes and the retry answers the first outcome.
+    /// The template `key` (id or name) names for `owner`
+    /// ([`torpor_scheduler::names`]): by id as the first pod up lists it,
+    /// else by name over the pods' catalogs; another tenant's is not
+    /// found.
+    async fn template_for(
+        &self,
+        owner: Option<&Owner>,
+        key: &str,
+    ) -> Result<Template, ServiceError> {
+        let id = TemplateId::new(key);
+        match self.template(&id).await {
+            Ok(t) => match torpor_scheduler::names::rank(&t, owner, key) {
+                Some(_) => Ok(t),
+                None => Err(template_not_found(&id)),
+            },
+            Err(ServiceError::NotFound { .. }) => {
+                let listed = self.listed().await?;
+                torpor_scheduler::names::resolve(&listed, owner, key)
+                    .cloned()
+                    .ok_or_else(|| template_not_found(&id))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     async fn template(&self, id: &TemplateId) -> Result<Template, ServiceError> {
         let listed = self.db.listing(id, self.config.down_after).await?;
         if let Some(l) = listed.into_iter().find(|l| l.up) {
             return Ok(l.template);
         }
-        if let Some(key) = crate::request_context::idempotency_key() {
-            if let Some(op) = self.db.template_delete_by_key(&key, id).await? {
+        if let Some(key) = torpor_api::request_context::idempotency_key() {
+            if let Some(op) = self.db.template_delete_by_key(&key, id, None).await? {
                 if let Some(OpOutcome::TemplateDeleted { template }) = op.outcome {
                     return Ok(*template);
                 }
@@ -152,25 +205,38 @@ impl Cluster {
         Err(template_not_found(id))
     }
 
+    /// The first outcome of a delete of `id` made with this request's
+    /// idempotency key (of `tenant`'s operations only, if given): `None`
+    /// if there is none.
+    async fn retried_delete(
+        &self,
+        id: &TemplateId,
+        tenant: Option<&str>,
+    ) -> Result<Option<()>, ServiceError> {
+        let Some(key) = torpor_api::request_context::idempotency_key() else {
+            return Ok(None);
+        };
+        let Some(op) = self.db.template_delete_by_key(&key, id, tenant).await? else {
+            return Ok(None);
+        };
+        match self.wait(op).await? {
+            OpOutcome::TemplateDeleted { .. } => Ok(Some(())),
+            OpOutcome::Failed(e) => Err(e.into()),
+            other => Err(ServiceError::Internal(format!(
+                "a template's delete answered {other:?}"
+            ))),
+        }
+    }
+
     async fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError> {
-        let key = crate::request_context::idempotency_key();
+        let key = torpor_api::request_context::idempotency_key();
         let listed = self.db.listing(id, self.config.down_after).await?;
         if listed.is_empty() {
             // A retry of a delete that removed it: its first outcome.
-            let first = match &key {
-                Some(key) => self.db.template_delete_by_key(key, id).await?,
-                None => None,
-            };
-            let Some(op) = first else {
-                return Err(template_not_found(id));
-            };
-            return match self.wait(op).await? {
-                OpOutcome::TemplateDeleted { .. } => Ok(()),
-                OpOutcome::Failed(e) => Err(e.into()),
-                other => Err(ServiceError::Internal(format!(
-                    "a template's delete answered {other:?}"
-                ))),
-            };
+            return self
+                .retried_delete(id, None)
+                .await?
+                .ok_or_else(|| template_not_found(id));
         }
         if let Some(down) = listed.iter().find(|l| !l.up) {
             let pod = self.db.pod(down.pod.as_str()).await?.ok_or_else(|| {

@@ -20,8 +20,8 @@ use torpor_scheduler::service::ServiceError;
 
 use super::replica::Cluster;
 use super::wire::{Command, OpOutcome};
-use crate::calls::{CheckpointOp, CheckpointReply};
-use crate::quota::Usage;
+use torpor_api::calls::{CheckpointOp, CheckpointReply};
+use torpor_api::quota::Usage;
 
 impl Cluster {
     pub(super) fn checkpoint_call(

@@ -21,8 +21,8 @@ use torpor_scheduler::service::{
 };
 
 use super::ClusterError;
-use crate::backend::Lifecycle;
-use crate::error::ApiError;
+use torpor_api::backend::Lifecycle;
+use torpor_api::error::ApiError;
 
 pub const WORK_STREAM: &str = "TORPOR_WORK";
 pub const EVENTS_STREAM: &str = "TORPOR_EVENTS";
@@ -317,7 +317,7 @@ impl From<OpError> for ServiceError {
         ServiceError::Pod {
             status: e.status,
             code: e.code,
-            message: crate::pods::sanitized(&e.message),
+            message: torpor_api::pods::sanitized(&e.message),
         }
     }
 }
