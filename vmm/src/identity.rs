@@ -35,14 +35,21 @@ pub struct Identity {
     pub clock_unix_ns: u64,
 }
 
-fn random_seed() -> Result<[u8; SEED_LEN], IdentityError> {
-    let mut seed = [0u8; SEED_LEN];
-    // SAFETY: getrandom writes at most `seed.len()` bytes into the buffer.
-    let n = unsafe { libc::getrandom(seed.as_mut_ptr().cast(), seed.len(), 0) };
-    if n != SEED_LEN as isize {
-        return Err(IdentityError::Random(std::io::Error::last_os_error()));
+/// `N` random bytes from the kernel (`getrandom(2)`): the one place the
+/// VMM asks for randomness (identity seeds, a restored vsock device's
+/// host ports).
+pub fn random_bytes<const N: usize>() -> std::io::Result<[u8; N]> {
+    let mut bytes = [0u8; N];
+    // SAFETY: getrandom writes at most `bytes.len()` bytes into the buffer.
+    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    if n != N as isize {
+        return Err(std::io::Error::last_os_error());
     }
-    Ok(seed)
+    Ok(bytes)
+}
+
+fn random_seed() -> Result<[u8; SEED_LEN], IdentityError> {
+    random_bytes().map_err(IdentityError::Random)
 }
 
 /// Nanoseconds since the Unix epoch on the host.

@@ -51,6 +51,8 @@ pub enum VsockError {
     Epoll(std::io::Error),
     #[error(transparent)]
     Worker(#[from] crate::devices::worker::WorkerError),
+    #[error("cannot get random bytes for the host ports: {0}")]
+    Random(std::io::Error),
 }
 
 /// How to build a vsock device.
@@ -299,6 +301,23 @@ impl VsockDevice {
             }
             None => {}
         }
+    }
+
+    /// Hands out host ports from a random point of the range from now on.
+    /// A restored device does this: its snapshot's guest may still hold
+    /// sockets of the connections it had when the snapshot was taken
+    /// (Linux resets them only once it handles the transport reset, and a
+    /// reset socket stays in the connected table until its owner closes
+    /// it), and a REQUEST carrying the ports of one of them is answered
+    /// RST, so a connection must not reuse them. Every restore of one
+    /// snapshot would otherwise start again at [`HOST_PORT_BASE`], where
+    /// the snapshot's own connections began.
+    pub(super) fn scatter_host_ports(&mut self) -> Result<(), VsockError> {
+        let r = u32::from_le_bytes(crate::identity::random_bytes().map_err(VsockError::Random)?);
+        // Anywhere in the lower half of the range: room above for the
+        // ports this VMM will hand out.
+        self.next_host_port = HOST_PORT_BASE + r % ((u32::MAX - HOST_PORT_BASE) / 2);
+        Ok(())
     }
 
     fn alloc_host_port(&mut self) -> u32 {

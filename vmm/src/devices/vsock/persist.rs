@@ -2,7 +2,8 @@
 //! path. Connections are not saved: their host ends belong to the process
 //! that took the snapshot. A restored device owes the guest a
 //! VIRTIO_VSOCK_EVENT_TRANSPORT_RESET, upon which Linux resets every
-//! connected socket (listening sockets stay) and re-reads the CID.
+//! connected socket (listening sockets stay) and re-reads the CID, and
+//! hands out host ports the snapshot's connections did not use.
 
 use std::path::PathBuf;
 
@@ -45,6 +46,7 @@ impl Persist for VsockDevice {
             uds_path: args.uds_path.unwrap_or_else(|| state.uds_path.clone()),
         })?;
         dev.pending_reset_event = true;
+        dev.scatter_host_ports()?;
         Ok(dev)
     }
 }

@@ -415,6 +415,44 @@ fn restore_resets_the_transport_and_serves_again() {
     r2.host_connect(52, b"");
 }
 
+/// The guest of a restored snapshot may still hold the sockets of the
+/// connections it had (until it handles the transport reset, and a reset
+/// socket until its owner closes it): a restored device's connections do
+/// not reuse their host ports, and two restores of one snapshot do not
+/// share theirs.
+#[test]
+fn a_restored_device_does_not_reuse_the_snapshots_host_ports() {
+    let mem = guest_mem(MEM);
+    let mut r = Rig::new(&mem, "vsock-ports");
+    let before: Vec<u32> = (0..3).map(|_| r.host_connect(52, b"").1).collect();
+    let state = r.t.lock().unwrap().save();
+    let mut firsts = Vec::new();
+    for n in 0..2 {
+        let mem2 = guest_mem(MEM);
+        let mut r2 = r.clone_into(&mem2, |uds| {
+            let args = MmioRestoreArgs {
+                mem: mem2.clone(),
+                irq: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+                device: VsockRestoreArgs {
+                    uds_path: Some(uds),
+                    cid: None,
+                },
+            };
+            VsockMmio::restore(args, &state).unwrap()
+        });
+        let after: Vec<u32> = (0..3).map(|_| r2.host_connect(52, b"").1).collect();
+        assert!(
+            after.iter().all(|p| !before.contains(p)),
+            "restore {n} reuses the snapshot's host ports: {after:?} after {before:?}"
+        );
+        firsts.push(after[0]);
+    }
+    assert_ne!(
+        firsts[0], firsts[1],
+        "two restores start at the same host port"
+    );
+}
+
 #[test]
 fn worker_thread_serves_the_handshake() {
     let mem = guest_mem(MEM);
