@@ -99,7 +99,9 @@ type SavedVcpu = Option<Result<VcpuState, String>>;
 struct SnapshotLineage {
     /// The chain of the snapshot the next diff is based on, base first.
     base: Option<Vec<PathBuf>>,
-    /// Pages the VMM itself wrote since `base` (KVM's dirty log misses them).
+    /// Pages written since `base` that the dirty-tracking source will not
+    /// report again: those the VMM itself wrote (KVM's dirty log misses
+    /// them), and the dirty set a snapshot that then failed took from it.
     vmm_dirty: PageRuns,
 }
 
@@ -276,47 +278,67 @@ impl Controller {
         };
         // Reading the dirty log also resets it: the next diff starts here.
         // Device writes to guest memory are not in it: add them.
-        let dirty_set = self.take_dirty()?;
+        let dirty_set = match self.take_dirty() {
+            Ok(set) => set,
+            Err(e) => {
+                lineage.vmm_dirty = lineage.vmm_dirty.union(&device_dirty);
+                return Err(e);
+            }
+        };
         let dirty = dirty_set
             .pages
             .union(&lineage.vmm_dirty)
             .union(&device_dirty);
-        let slices = guest_slices(&self.mem);
-        let memory_path = dir.join(snapshot::MEMORY_FILE);
-        let (memory, info) = match parent {
-            None => (
-                MemoryLayer::Full,
-                snapshot::write_full_memory(&memory_path, &slices).map_err(|e| e.vm_error())?,
-            ),
-            Some(parent) => {
-                let info = snapshot::write_memory_pages(&memory_path, &slices, &dirty)
-                    .map_err(|e| e.vm_error())?;
-                (
-                    MemoryLayer::Diff {
-                        parent,
-                        pages: dirty.clone(),
-                    },
-                    info,
-                )
+        let written = (|| {
+            let slices = guest_slices(&self.mem);
+            let memory_path = dir.join(snapshot::MEMORY_FILE);
+            let (memory, info) = match parent {
+                None => (
+                    MemoryLayer::Full,
+                    snapshot::write_full_memory(&memory_path, &slices).map_err(|e| e.vm_error())?,
+                ),
+                Some(parent) => {
+                    let info = snapshot::write_memory_pages(&memory_path, &slices, &dirty)
+                        .map_err(|e| e.vm_error())?;
+                    (
+                        MemoryLayer::Diff {
+                            parent,
+                            pages: dirty.clone(),
+                        },
+                        info,
+                    )
+                }
+            };
+            let state = MicrovmState {
+                machine: self.machine.clone(),
+                memory,
+                vcpus,
+                vm,
+                devices,
+                generation: self.generation,
+                taken_unix_ns: crate::identity::unix_now_ns(),
+            };
+            record.write(&dir).map_err(|e| match e {
+                torpor_vmm_api::lineage::LineageError::Write { source, .. } => {
+                    io("write the lineage record in", source)
+                }
+                other => VmError::internal(other.to_string()),
+            })?;
+            let state_bytes = snapshot::write_state(&dir.join(snapshot::STATE_FILE), &state)
+                .map_err(|e| e.vm_error())?;
+            Ok((info, state_bytes))
+        })();
+        let (info, state_bytes) = match written {
+            Ok(written) => written,
+            Err(e) => {
+                // The tracking source has forgotten these pages, and the
+                // base is still the last snapshot that succeeded: keep them
+                // for the next diff (a failed snapshot retried once space is
+                // freed would otherwise leave them out of it).
+                lineage.vmm_dirty = dirty;
+                return Err(e);
             }
         };
-        let state = MicrovmState {
-            machine: self.machine.clone(),
-            memory,
-            vcpus,
-            vm,
-            devices,
-            generation: self.generation,
-            taken_unix_ns: crate::identity::unix_now_ns(),
-        };
-        record.write(&dir).map_err(|e| match e {
-            torpor_vmm_api::lineage::LineageError::Write { source, .. } => {
-                io("write the lineage record in", source)
-            }
-            other => VmError::internal(other.to_string()),
-        })?;
-        let state_bytes = snapshot::write_state(&dir.join(snapshot::STATE_FILE), &state)
-            .map_err(|e| e.vm_error())?;
         lineage.base = Some(record.layers.clone());
         lineage.vmm_dirty = PageRuns::default();
         Ok(SnapshotInfo {

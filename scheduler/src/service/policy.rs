@@ -144,13 +144,9 @@ impl Service {
             ),
             Some(status) => vmm::exit_reason(status),
             // No status (a VMM this process did not reap, such as a standby
-            // shell's): its jail's supervisor may still have said why.
-            None if vmm::log_tail(&files.log).contains("seccomp violation") => {
-                "its VMM was killed by its seccomp filter: a system call outside its \
-                 allow-list (seccomp violation, SIGSYS; exit status not seen)"
-                    .into()
-            }
-            None => "its VMM process disappeared".into(),
+            // shell's): its signal handlers may still have said why.
+            None => vmm::exit_reason_from_log(&vmm::log_tail(&files.log))
+                .unwrap_or_else(|| "its VMM process disappeared".into()),
         };
         // For operators: how the VMM said it ended, and the guest's last
         // console lines (a kernel panic). The sandbox's reason stays short.

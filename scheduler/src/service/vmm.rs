@@ -303,13 +303,45 @@ pub fn exit_reason(status: std::process::ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     // Unjailed, the VMM is the child; jailed, the child is its supervisor,
     // which exits with 128 + the signal that killed the VMM.
-    if status.signal() == Some(libc::SIGSYS) || status.code() == Some(128 + libc::SIGSYS) {
+    let killed_by =
+        |signal: i32| status.signal() == Some(signal) || status.code() == Some(128 + signal);
+    if killed_by(libc::SIGSYS) {
         return format!(
             "its VMM was killed by its seccomp filter: a system call outside its \
              allow-list (seccomp violation, SIGSYS; {status})"
         );
     }
+    for (signal, name) in [(libc::SIGBUS, "SIGBUS"), (libc::SIGSEGV, "SIGSEGV")] {
+        if killed_by(signal) {
+            return memory_fault_reason(name, &status.to_string());
+        }
+    }
     format!("its VMM exited unexpectedly ({status})")
+}
+
+/// A VMM that died of a memory fault: a page it could not read (a memory
+/// file on a full filesystem, most often), not a seccomp violation.
+fn memory_fault_reason(signal: &str, status: &str) -> String {
+    format!(
+        "its VMM hit a memory fault ({signal}): a page of memory it could not read, such as \
+         a snapshot memory file on a full filesystem ({status})"
+    )
+}
+
+/// Why a VMM whose exit status was not seen ended, from the last lines of
+/// its log (what its signal handlers wrote), if they say.
+pub fn exit_reason_from_log(tail: &str) -> Option<String> {
+    if tail.contains("seccomp violation") {
+        return Some(
+            "its VMM was killed by its seccomp filter: a system call outside its \
+             allow-list (seccomp violation, SIGSYS; exit status not seen)"
+                .into(),
+        );
+    }
+    ["SIGBUS", "SIGSEGV"].into_iter().find_map(|signal| {
+        tail.contains(&format!("torpor-vmm: memory fault ({signal})"))
+            .then(|| memory_fault_reason(signal, "exit status not seen"))
+    })
 }
 
 /// A process's start time: `/proc/PID/stat` field 22, in clock ticks
@@ -724,6 +756,39 @@ mod tests {
         assert!(sigsys.contains("seccomp violation"), "{sigsys}");
         let other = exit_reason(std::process::ExitStatus::from_raw(3 << 8));
         assert!(!other.contains("seccomp"), "{other}");
+    }
+
+    /// A VMM killed by SIGBUS or SIGSEGV (itself, or its jail's supervisor
+    /// exiting 128 + the signal) hit a memory fault; so says its log when
+    /// its status was not seen.
+    #[test]
+    fn a_memory_fault_is_named() {
+        use std::os::unix::process::ExitStatusExt;
+        for (raw, signal) in [
+            (libc::SIGBUS, "SIGBUS"),
+            ((128 + libc::SIGBUS) << 8, "SIGBUS"),
+            (libc::SIGSEGV, "SIGSEGV"),
+            ((128 + libc::SIGSEGV) << 8, "SIGSEGV"),
+        ] {
+            let reason = exit_reason(std::process::ExitStatus::from_raw(raw));
+            assert!(
+                reason.starts_with(&format!("its VMM hit a memory fault ({signal})")),
+                "{reason}"
+            );
+            assert!(!reason.contains("seccomp"), "{reason}");
+        }
+        let tail = "torpor-vmm: memory fault (SIGBUS) at address 0x00007f0000001000 on the \
+                    control thread; the VMM stops (SIGBUS)\n";
+        let reason = exit_reason_from_log(tail).unwrap();
+        assert!(
+            reason.starts_with("its VMM hit a memory fault (SIGBUS)"),
+            "{reason}"
+        );
+        let tail = "torpor-vmm: seccomp violation: system call 13 on the control thread";
+        assert!(exit_reason_from_log(tail)
+            .unwrap()
+            .contains("seccomp violation"));
+        assert_eq!(exit_reason_from_log("torpor-vmm: error: guest reset"), None);
     }
 
     #[test]

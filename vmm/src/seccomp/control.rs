@@ -3,11 +3,12 @@
 //! Once the VM runs, the main thread only waits for its end, stops the
 //! vCPUs (kick signals) and cleans up. The control server accepts on its
 //! socket and answers status, pause/resume and snapshot requests: it
-//! reads VM-wide KVM state, kicks vCPUs, and writes snapshot files (open,
-//! write, sync, rename) and disk overlay copies.
+//! reads VM-wide KVM state, kicks vCPUs, reads guest memory in before a
+//! full snapshot (madvise MADV_POPULATE_READ), and writes snapshot files
+//! (open, write, sync, rename) and disk overlay copies.
 
 use super::ioctls;
-use super::rules::{allow_fd_flags, base, Rules};
+use super::rules::{allow_fd_flags, base, Arg, Rules};
 use super::SeccompError;
 use crate::vstate::vcpu::kick_signal;
 
@@ -55,6 +56,12 @@ pub fn control_rules() -> Result<Rules, SeccompError> {
         libc::SYS_getcwd,
     ]);
     allow_fd_flags(&mut r)?;
+    // A full snapshot reads guest memory in first, so that a page that
+    // cannot be read is an error, not a SIGBUS (snapshot/memory.rs).
+    r.allow_if(
+        libc::SYS_madvise,
+        &[Arg::Eq(2, libc::MADV_POPULATE_READ as u64)],
+    )?;
     r.allow_values(libc::SYS_tgkill, 2, &[kick_signal() as u64])?;
     let mut requests = ioctls::vm_read();
     requests.extend(ioctls::dirty_scan());

@@ -5,7 +5,9 @@
 //! server, each vCPU, each device worker, the userfaultfd page server and
 //! the short-lived helpers. A call outside the list kills the whole VMM
 //! with SIGSYS: a guest that takes over one thread cannot make the host do
-//! anything that thread was not already doing. The filter traps
+//! anything that thread was not already doing. A memory fault (SIGSEGV,
+//! SIGBUS) kills the VMM with its own signal, named on stderr, not with
+//! SIGSYS (`report.rs`). The filter traps
 //! (`SECCOMP_RET_TRAP`) so that a handler first names the call and the
 //! thread on stderr (the VMM's log), then makes a second forbidden call
 //! from inside the handler, where SIGSYS is blocked: the kernel then
@@ -128,8 +130,11 @@ pub enum SeccompError {
     },
     #[error("seccomp filters were already set up for this process")]
     AlreadyInitialized,
-    #[error("cannot install the SIGSYS handler that reports seccomp violations: {source}")]
-    Handler { source: std::io::Error },
+    #[error("cannot install the {what} handler: {source}")]
+    Handler {
+        what: &'static str,
+        source: std::io::Error,
+    },
 }
 
 /// The compiled filters of one process.
@@ -182,8 +187,17 @@ pub fn init(level: SeccompLevel) -> Result<(), SeccompError> {
     FILTERS
         .set(Filters { programs })
         .map_err(|_| SeccompError::AlreadyInitialized)?;
+    // Before any thread enters a filter: Rust std's own SIGSEGV/SIGBUS
+    // handler makes a call no filter allows (report.rs).
+    report::install_fault_handlers().map_err(|source| SeccompError::Handler {
+        what: "SIGSEGV/SIGBUS (memory fault)",
+        source,
+    })?;
     if level == SeccompLevel::Enforce {
-        report::install_handler().map_err(|source| SeccompError::Handler { source })?;
+        report::install_handler().map_err(|source| SeccompError::Handler {
+            what: "SIGSYS (seccomp violation)",
+            source,
+        })?;
     }
     Ok(())
 }

@@ -25,10 +25,7 @@ pub(crate) fn confined_child() -> bool {
 /// binary where [`confined_child`] is true; a system call outside a
 /// filter kills that process with SIGSYS and fails this test.
 pub(crate) fn run_in_confined_child(name: &str) {
-    let exe = std::env::current_exe().expect("the test binary");
-    let status = std::process::Command::new(exe)
-        .args([name, "--exact", "--test-threads=1", "--nocapture"])
-        .env(CHILD_ENV, "1")
+    let status = confined_child_command(name)
         .status()
         .expect("run the confined test");
     use std::os::unix::process::ExitStatusExt;
@@ -41,6 +38,17 @@ pub(crate) fn run_in_confined_child(name: &str) {
             ""
         }
     );
+}
+
+/// The command that runs test `name` alone where [`confined_child`] is
+/// true.
+fn confined_child_command(name: &str) -> std::process::Command {
+    let exe = std::env::current_exe().expect("the test binary");
+    let mut command = std::process::Command::new(exe);
+    command
+        .args([name, "--exact", "--test-threads=1", "--nocapture"])
+        .env(CHILD_ENV, "1");
+    command
 }
 
 /// Forks; the child installs `kind`'s enforcing filter, runs `call` and
@@ -209,4 +217,68 @@ fn the_documented_counts_are_the_filters() {
         "docs/security.md lacks rows starting:\n{}",
         missing.join("\n")
     );
+}
+
+/// A page that cannot be read (here past the end of the file it maps; in
+/// production a page of a full tmpfs) faults with SIGBUS. Rust std's
+/// handler answered it with `rt_sigaction`, which no filter allows: the
+/// VMM died of SIGSYS, as if it had broken its allow-list. The VMM's own
+/// handler names the fault on stderr and lets it kill with SIGBUS.
+#[test]
+fn a_memory_fault_on_a_filtered_thread_kills_with_its_own_signal() {
+    const NAME: &str =
+        "seccomp::tests::a_memory_fault_on_a_filtered_thread_kills_with_its_own_signal";
+    if confined_child() {
+        // SAFETY: a NUL-terminated name and no flags.
+        let fd = unsafe { libc::memfd_create(c"empty".as_ptr(), 0) };
+        assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+        // SAFETY: a new shared read-only mapping of one page of an empty
+        // file: any read of it faults with SIGBUS, which is the point.
+        let page = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        assert_ne!(page, libc::MAP_FAILED);
+        let address = page as usize;
+        println!("mapped at {address:#018x}");
+        std::thread::spawn(move || {
+            enter(ThreadKind::Control);
+            // SAFETY: the page is mapped (read-only, past the file's end):
+            // the read faults, and the process ends of it.
+            unsafe { std::ptr::read_volatile(address as *const u8) };
+        })
+        .join()
+        .unwrap();
+        panic!("reading a page past the end of its file did not fault");
+    }
+    let out = confined_child_command(NAME)
+        .output()
+        .expect("run the confined test");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGBUS),
+        "the faulting child ended with {} (SIGSYS is {}); stderr: {stderr}",
+        out.status,
+        libc::SIGSYS
+    );
+    let address = stdout
+        .lines()
+        .find_map(|l| l.split("mapped at ").nth(1))
+        .expect("the child printed its mapping");
+    let report = format!(
+        "torpor-vmm: memory fault (SIGBUS) at address {address} on the control thread; \
+         the VMM stops (SIGBUS)"
+    );
+    assert!(stderr.contains(&report), "{report:?} not in: {stderr}");
 }

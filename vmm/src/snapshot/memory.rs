@@ -33,10 +33,60 @@ pub struct MemoryFileInfo {
 /// Writes all of guest RAM (`regions`, in guest-physical order, each a
 /// multiple of [`PAGE_SIZE`]) to `path` atomically, leaving zero pages as
 /// holes. The guest must not run while this reads its memory.
+///
+/// Every page is read in first ([`populate`]): a page that cannot be read
+/// fails the snapshot with [`SnapshotError::UnreadableMemory`] instead of
+/// faulting while it is copied.
 pub fn write_full_memory(path: &Path, regions: &[&[u8]]) -> Result<MemoryFileInfo, SnapshotError> {
     let layout = Layout::new(path, regions)?;
+    populate(path, regions)?;
     let total = layout.total_pages;
     write_with(path, &layout, std::iter::once((0, total)))
+}
+
+/// Faults every page of `regions` in for reading with
+/// `madvise(MADV_POPULATE_READ)` (Linux 5.14+), so that a page that cannot
+/// be read is an error here rather than a SIGBUS in the copy that follows.
+///
+/// A full snapshot reads all of guest RAM, holes included. With the `file`
+/// memory backend guest RAM is a private mapping of the layers' memory
+/// files, and on a tmpfs reading a hole allocates a page of the tmpfs:
+/// when it is full, that read is a SIGBUS, which ends the VMM. The kernel
+/// tells the populate call the same thing as EFAULT. On a kernel without
+/// `MADV_POPULATE_READ` (EINVAL) the pages are left to the copy, as before.
+fn populate(path: &Path, regions: &[&[u8]]) -> Result<(), SnapshotError> {
+    for (index, region) in regions.iter().enumerate() {
+        if region.is_empty() {
+            continue;
+        }
+        // madvise takes a page-aligned start; the page holding a region's
+        // first byte is mapped with it.
+        let start = region.as_ptr() as usize & !(PAGE - 1);
+        let len = region.as_ptr() as usize + region.len() - start;
+        loop {
+            // SAFETY: `start..start + len` covers only pages that hold
+            // bytes of `region`, a live mapping; MADV_POPULATE_READ only
+            // faults pages in for reading and changes no contents.
+            let rc =
+                unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_POPULATE_READ) };
+            if rc == 0 {
+                break;
+            }
+            let source = std::io::Error::last_os_error();
+            match source.raw_os_error() {
+                Some(libc::EINTR) | Some(libc::EAGAIN) => continue,
+                Some(libc::EINVAL) | Some(libc::ENOSYS) => return Ok(()),
+                _ => {
+                    return Err(SnapshotError::UnreadableMemory {
+                        path: path.to_path_buf(),
+                        index,
+                        source,
+                    })
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Writes a diff layer: same length and layout as a full memory file, but

@@ -281,3 +281,70 @@ fn timing_full_memory_1gib_10_percent() {
         t.elapsed()
     );
 }
+
+/// A full snapshot reads every page of guest RAM. A page that cannot be
+/// read (here past the end of the file it maps; in a pod a hole of a
+/// memory file on a full tmpfs) used to fault with SIGBUS on the control
+/// thread, and the VMM died (of SIGSYS, as std's fault handler broke the
+/// thread's filter). The pages are read in first: the snapshot fails with
+/// a `no_space` error (507 in the API), under the control thread's own
+/// filter, and leaves no file behind.
+#[test]
+fn an_unreadable_page_fails_a_full_snapshot_under_the_control_filter() {
+    use crate::seccomp::tests::{confined_child, run_in_confined_child};
+    if !confined_child() {
+        run_in_confined_child(
+            "snapshot::memory::tests::an_unreadable_page_fails_a_full_snapshot_under_the_control_filter",
+        );
+        return;
+    }
+    const PAGES: usize = 16;
+    let dir = TestDir::new("mem-unreadable");
+    // 16 pages of data, then the file is cut to 8: the mapping's last 8
+    // pages are past its end.
+    let backing = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(dir.path("guest-ram"))
+        .unwrap();
+    let mut data = vec![0u8; PAGES * PAGE];
+    for p in 0..PAGES {
+        fill_page(&mut data, p);
+    }
+    backing.write_all_at(&data, 0).unwrap();
+    use std::os::fd::AsRawFd;
+    // SAFETY: a new private read-only mapping of the file's 16 pages,
+    // unmapped below; nothing else maps it.
+    let ram = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            PAGES * PAGE,
+            libc::PROT_READ,
+            libc::MAP_PRIVATE,
+            backing.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(ram, libc::MAP_FAILED);
+    backing.set_len((PAGES / 2 * PAGE) as u64).unwrap();
+    let path = dir.path("memory");
+    let address = ram as usize;
+    let result = std::thread::spawn({
+        let path = path.clone();
+        move || {
+            crate::seccomp::enter(crate::seccomp::ThreadKind::Control);
+            // SAFETY: the mapping lives until after this thread is joined.
+            let region = unsafe { std::slice::from_raw_parts(address as *const u8, PAGES * PAGE) };
+            write_full_memory(&path, &[region]).map_err(|e| (e.vm_error(), e.to_string()))
+        }
+    })
+    .join()
+    .expect("the snapshot thread ended without a fault");
+    // SAFETY: the mapping made above; no slice of it is alive.
+    unsafe { libc::munmap(ram, PAGES * PAGE) };
+    let (error, message) = result.expect_err("a full snapshot of unreadable memory must fail");
+    assert_eq!(error.kind, torpor_vmm_api::ErrorKind::NoSpace, "{message}");
+    assert!(message.contains("cannot be read"), "{message}");
+    assert_eq!(dir.entries(), vec!["guest-ram".to_string()]);
+}

@@ -137,6 +137,19 @@ pub enum SnapshotError {
         page: u64,
         total_pages: u64,
     },
+    /// A page of guest memory could not be read in (EFAULT: the file it
+    /// maps is on a full filesystem such as a tmpfs, or was cut short).
+    #[error(
+        "cannot write snapshot memory {path}: guest memory region {index} has pages that \
+         cannot be read ({source}); the files it maps are on a full filesystem or were \
+         truncated"
+    )]
+    UnreadableMemory {
+        path: PathBuf,
+        index: usize,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl SnapshotError {
@@ -156,7 +169,8 @@ impl SnapshotError {
             | SnapshotError::MemoryFileMissing { path }
             | SnapshotError::MemoryFileSize { path, .. }
             | SnapshotError::UnalignedRegion { path, .. }
-            | SnapshotError::PageOutOfRange { path, .. } => path,
+            | SnapshotError::PageOutOfRange { path, .. }
+            | SnapshotError::UnreadableMemory { path, .. } => path,
         }
     }
 
@@ -172,6 +186,11 @@ impl SnapshotError {
             }
             SnapshotError::Io { source, .. } => {
                 VmError::new(ErrorKind::of_io(source), self.to_string()).with_layer(layer)
+            }
+            // Out of space (or of memory) to back guest memory: 507, like
+            // a full disk under the write.
+            SnapshotError::UnreadableMemory { .. } => {
+                VmError::new(ErrorKind::NoSpace, self.to_string()).with_layer(layer)
             }
             SnapshotError::Encode { .. }
             | SnapshotError::UnalignedRegion { .. }
