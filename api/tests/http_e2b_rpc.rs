@@ -370,7 +370,10 @@ async fn filesystem_rpcs_answer_envds_entries() {
     let l = envd.ok(&fs("Stat"), json!({"path": p("a/l")})).await;
     assert_eq!(l["entry"]["isSymlink"], true);
     assert_eq!(l["entry"]["type"], "FILE_TYPE_FILE");
-    assert_eq!(l["entry"]["symlinkTarget"], "f.txt");
+    // The target resolved, as envd's `filepath.EvalSymlinks`.
+    let real = std::fs::canonicalize(dir.path().join("a/f.txt")).unwrap();
+    assert_eq!(l["entry"]["symlinkTarget"], real.to_str().unwrap());
+    assert_eq!(l["entry"]["permissions"], "Lrwxrwxrwx");
 
     let one = envd.ok(&fs("ListDir"), json!({"path": p("a")})).await;
     assert_eq!(names(&one, "name"), ["b", "f.txt", "l"]);
@@ -390,6 +393,8 @@ async fn filesystem_rpcs_answer_envds_entries() {
         (404, Some("not_found")),
         "{v}"
     );
+    // Nothing there is no error (envd's `os.RemoveAll`).
+    envd.ok(&fs("Remove"), json!({"path": p("a")})).await;
     let deep = json!({"path": p("x"), "depth": 99});
     assert_eq!(envd.unary(&fs("ListDir"), deep).await.0, 400);
 
@@ -485,16 +490,14 @@ async fn watchers_poll_and_stream_changes() {
     };
     let ((events, end_stream), ()) = tokio::join!(watch, touch);
     assert_eq!(end_stream["error"]["code"], "deadline_exceeded");
-    assert_eq!(events[0], json!({"event": {"start": {}}}));
+    // WatchDirResponse's oneof is the message's own: no `event` field.
+    assert_eq!(events[0], json!({"start": {}}));
     let later = events
         .iter()
-        .find(|e| e["event"]["filesystem"]["name"] == "later.txt")
+        .find(|e| e["filesystem"]["name"] == "later.txt")
         .unwrap_or_else(|| panic!("{events:?}"));
-    assert_eq!(later["event"]["filesystem"]["type"], "EVENT_TYPE_CREATE");
-    assert_eq!(
-        later["event"]["filesystem"]["entry"]["type"],
-        "FILE_TYPE_FILE"
-    );
+    assert_eq!(later["filesystem"]["type"], "EVENT_TYPE_CREATE");
+    assert_eq!(later["filesystem"]["entry"]["type"], "FILE_TYPE_FILE");
 }
 
 /// One envelope with any flags and declared length.

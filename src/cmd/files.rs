@@ -336,6 +336,9 @@ mod tests {
             gid: None,
             owner: None,
             group: None,
+            st_mode: None,
+            resolved: None,
+            metadata: Default::default(),
         };
         assert_eq!(ls_line(&entry), "symlink 0777            3 l -> /x");
     }

@@ -1,9 +1,12 @@
-// The E2B JS SDK's commands and files (envd) against a Linux sandbox of
-// torpor serve: run by tests/nested_pod.rs against the nested pod's `base`
-// (E2B_TEST_TEMPLATE) with node, NODE_PATH naming the install's
+// The E2B JS SDK's commands and files (envd) against torpor serve: run by
+// api/tests/http_e2b_sdk.rs against the API over a real torpor-agent on the
+// host (a probe sandbox, the default template), and by tests/nested_pod.rs
+// against the nested pod's `base` (E2B_TEST_TEMPLATE=base, which adds the
+// Linux-only checks), with node, NODE_PATH naming the install's
 // node_modules, E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY set; argv[2]
-// is a scratch directory in the sandbox. Prints "sdk-envd-js: version X",
-// one line per check, then "sdk-envd-js: N passed, M failed".
+// is a scratch directory in the sandbox (made if missing). Prints
+// "sdk-envd-js: version X", one line per check, then
+// "sdk-envd-js: N passed, M failed".
 
 import { createRequire } from 'node:module'
 import path from 'node:path'
@@ -13,7 +16,8 @@ const require = createRequire(path.join(process.env.NODE_PATH, 'noop.js'))
 const { Sandbox, CommandExitError, NotFoundError } = require('e2b')
 const { version } = require('e2b/package.json')
 
-const TEMPLATE = process.env.E2B_TEST_TEMPLATE ?? 'base'
+const TEMPLATE = process.env.E2B_TEST_TEMPLATE ?? 'probe'
+const LINUX = TEMPLATE !== 'probe'
 const SCRATCH = process.argv[2]
 console.log(`sdk-envd-js: version ${version}`)
 
@@ -38,6 +42,8 @@ const sbx = await Sandbox.create(TEMPLATE, {
   timeoutMs: 1_800_000,
   requestTimeoutMs: 300_000,
   envs: { FROM_SANDBOX: 'yes' },
+  // A probe sandbox of the test service reaches a real agent on the host.
+  metadata: LINUX ? {} : { agent: 'real' },
 })
 await sbx.files.makeDir(SCRATCH)
 
@@ -57,7 +63,7 @@ await check('run_collects_output_env_and_cwd', async () => {
   assert(err.join('') === r.stderr, JSON.stringify(err))
 })
 
-await check('default_user_and_tools', async () => {
+if (LINUX) await check('default_user_and_tools', async () => {
   const r = await sbx.commands.run('whoami; pwd; sudo -n whoami; git --version >/dev/null; curl --version >/dev/null')
   assert(r.stdout === 'user\n/home/user\nroot\n', JSON.stringify(r.stdout))
 })
@@ -110,7 +116,85 @@ await check('files_write_read_list_rename_remove', async () => {
   throw new Error('no NotFoundError')
 })
 
-await check('pause_connect_keeps_processes_and_files', async () => {
+await check('gzip_download_and_upload', async () => {
+  const p = `${SCRATCH}/gzipped.txt`
+  const text = 'compress me '.repeat(1000)
+  await sbx.files.write(p, text, { gzip: true })
+  assert((await sbx.files.read(p)) === text, 'read back')
+  assert((await sbx.files.read(p, { gzip: true })) === text, 'read back gzipped')
+  const url = `${process.env.E2B_SANDBOX_URL}/files?path=${encodeURIComponent(p)}`
+  const headers = { 'X-Access-Token': sbx.envdAccessToken, 'E2b-Sandbox-Id': sbx.sandboxId }
+  const r = await fetch(url, { headers: { ...headers, 'Accept-Encoding': 'gzip' } })
+  assert(r.status === 200, `status ${r.status}`)
+  assert(r.headers.get('content-encoding') === 'gzip', `encoding ${r.headers.get('content-encoding')}`)
+  assert((await r.text()) === text, 'gzip body')
+  const plain = await fetch(url, { headers: { ...headers, 'Accept-Encoding': 'identity' } })
+  assert(plain.headers.get('content-encoding') === null, 'identity encoded')
+  assert((await plain.text()) === text, 'identity body')
+})
+
+await check('remove_of_a_missing_path_is_quiet', async () => {
+  await sbx.files.remove(`${SCRATCH}/never-was`)
+})
+
+await check('entry_details_as_envd', async () => {
+  const d = `${SCRATCH}/details`
+  await sbx.files.makeDir(d)
+  await sbx.files.write(`${d}/target.txt`, 'hello')
+  const script =
+    `cd ${d} && chmod 644 target.txt && mkdir -p sub && chmod 755 sub` +
+    ' && touch nameless && chown 4242:4243 nameless' +
+    ' && ln -sfn target.txt link && realpath . && stat -c "%U %G" target.txt'
+  // Uploads are root's; a Linux guest's commands run as `user`.
+  const r = await sbx.commands.run(LINUX ? `sudo -n sh -c '${script}'` : script)
+  const [real, owner, group] = r.stdout.split(/\s+/)
+  const f = await sbx.files.getInfo(`${d}/target.txt`)
+  assert(f.type === 'file' && f.size === 5 && f.mode === 0o644 && f.permissions === '-rw-r--r--', JSON.stringify(f))
+  assert(f.owner === owner && f.group === group && f.symlinkTarget === undefined, JSON.stringify(f))
+  const s = await sbx.files.getInfo(`${d}/sub`)
+  assert(s.type === 'dir' && s.mode === 0o755 && s.permissions === 'drwxr-xr-x', JSON.stringify(s))
+  const n = await sbx.files.getInfo(`${d}/nameless`)
+  assert(n.owner === '4242' && n.group === '4243', JSON.stringify(n))
+  const l = await sbx.files.getInfo(`${d}/link`)
+  assert(l.symlinkTarget === `${real}/target.txt`, JSON.stringify(l))
+  assert(l.type === 'file' && l.permissions === 'Lrwxrwxrwx' && l.size === 'target.txt'.length, JSON.stringify(l))
+})
+
+await check('list_dir_walks_depth_first', async () => {
+  const d = `${SCRATCH}/walk`
+  for (const p of ['a/x.txt', 'a/y/z.txt', 'b.txt']) await sbx.files.write(`${d}/${p}`, p)
+  const got = (await sbx.files.list(d, { depth: 3 })).map((e) => e.path.slice(d.length + 1))
+  assert(JSON.stringify(got) === '["a","a/x.txt","a/y","a/y/z.txt","b.txt"]', JSON.stringify(got))
+})
+
+await check('metadata_is_kept_on_files', async () => {
+  const d = `${SCRATCH}/meta`
+  const info = await sbx.files.write(`${d}/m.txt`, 'm', { metadata: { Author: 'me' } })
+  assert(JSON.stringify(info.metadata) === '{"author":"me"}', JSON.stringify(info))
+  const got = await sbx.files.getInfo(`${d}/m.txt`)
+  assert(JSON.stringify(got.metadata) === '{"author":"me"}', JSON.stringify(got))
+  const octet = await sbx.files.write(`${d}/o.txt`, 'o', { metadata: { k: 'v' }, useOctetStream: true })
+  assert(JSON.stringify(octet.metadata) === '{"k":"v"}', JSON.stringify(octet))
+})
+
+await check('watch_dir_recursive_with_entries', async () => {
+  const d = `${SCRATCH}/watched-deep`
+  await sbx.files.makeDir(`${d}/sub`)
+  const events = []
+  const h = await sbx.files.watchDir(d, (e) => events.push(e), { recursive: true, includeEntry: true })
+  await sbx.files.write(`${d}/sub/deep.txt`, '12345')
+  await sbx.commands.run(`mkdir ${d}/later && echo hi > ${d}/later/inside.txt`)
+  const names = () => events.map((e) => e.name)
+  for (let i = 0; i < 50 && !(names().includes('sub/deep.txt') && names().includes('later/inside.txt')); i++) {
+    await new Promise((r) => setTimeout(r, 100))
+  }
+  await h.stop()
+  assert(names().includes('sub/deep.txt') && names().includes('later/inside.txt'), JSON.stringify(names()))
+  const withEntry = events.filter((e) => e.name === 'sub/deep.txt' && e.entry)
+  assert(withEntry.length > 0 && withEntry.at(-1).entry.path === `${d}/sub/deep.txt`, JSON.stringify(events))
+})
+
+if (LINUX) await check('pause_connect_keeps_processes_and_files', async () => {
   await sbx.files.write(`${SCRATCH}/kept.txt`, 'before pause')
   const h = await sbx.commands.run('sleep 600', { background: true })
   assert((await sbx.pause()) === true, 'pause')

@@ -16,6 +16,7 @@ import sys
 import time
 
 import e2b
+import httpx
 from e2b import Sandbox
 from e2b.sandbox.commands.command_handle import CommandExitException
 from e2b.exceptions import NotFoundException
@@ -156,6 +157,121 @@ def watch_sees_a_new_file():
     raise AssertionError("no event for new.txt")
 
 
+def gzip_download_and_upload():
+    # E2B's envd honours `Accept-Encoding: gzip` on downloads and
+    # decompresses `Content-Encoding: gzip` uploads (the SDK's `gzip=True`).
+    path = f"{SCRATCH}/gzipped.txt"
+    text = "compress me " * 1000
+    sbx.files.write(path, text, gzip=True)
+    assert sbx.files.read(path) == text
+    assert sbx.files.read(path, gzip=True) == text
+    # A plain httpx client to envd, as the SDK addresses it: it decodes
+    # the body but keeps the header that says how it came.
+    api = httpx.Client(
+        base_url=sbx.envd_api_url,
+        headers={"X-Access-Token": sbx._envd_access_token, "E2b-Sandbox-Id": sbx.sandbox_id},
+    )
+    r = api.get("/files", params={"path": path}, headers={"Accept-Encoding": "gzip"})
+    assert r.status_code == 200, r.status_code
+    assert r.headers.get("content-encoding") == "gzip", dict(r.headers)
+    assert r.content.decode() == text
+    assert int(r.headers["content-length"]) < len(text), dict(r.headers)
+    r = api.get("/files", params={"path": path}, headers={"Accept-Encoding": "identity"})
+    assert r.headers.get("content-encoding") is None, dict(r.headers)
+    assert r.content.decode() == text
+
+
+def remove_of_a_missing_path_is_quiet():
+    # envd removes with os.RemoveAll: nothing there is no error.
+    sbx.files.remove(f"{SCRATCH}/never-was")
+    sbx.files.remove(f"{SCRATCH}/never/was/either")
+
+
+def entry_details_as_envd():
+    d = f"{SCRATCH}/details"
+    sbx.files.make_dir(d)
+    sbx.files.write(f"{d}/target.txt", "hello")
+    script = (
+        f"cd {d} && chmod 644 target.txt && mkdir -p sub && chmod 755 sub"
+        " && touch suid && chmod 4755 suid && mkdir -p sticky && chmod 1777 sticky"
+        " && touch nameless && chown 4242:4243 nameless"
+        " && ln -sfn target.txt link && ln -sfn missing broken && ln -sfn sub dirlink"
+        " && realpath . && stat -c '%U %G' target.txt"
+    )
+    # Uploads are root's; a Linux guest's commands run as `user`.
+    r = sbx.commands.run(f"sudo -n sh -c \"{script}\"" if LINUX else script)
+    real, owner, group = r.stdout.split()
+    f = sbx.files.get_info(f"{d}/target.txt")
+    assert (f.type.value, f.size, f.mode, f.permissions) == ("file", 5, 0o644, "-rw-r--r--"), f
+    assert (f.owner, f.group) == (owner, group), f
+    assert f.symlink_target is None, f
+    assert abs(f.modified_time.timestamp() - time.time()) < 120, f
+    s = sbx.files.get_info(f"{d}/sub")
+    assert (s.type.value, s.mode, s.permissions) == ("dir", 0o755, "drwxr-xr-x"), s
+    u = sbx.files.get_info(f"{d}/suid")
+    assert (u.mode, u.permissions) == (0o755, "urwxr-xr-x"), u
+    t = sbx.files.get_info(f"{d}/sticky")
+    assert (t.mode, t.permissions) == (0o777, "dtrwxrwxrwx"), t
+    n = sbx.files.get_info(f"{d}/nameless")
+    assert (n.owner, n.group) == ("4242", "4243"), n
+    # A symlink: its own permissions and size, its target's mode and type,
+    # the target resolved to an absolute path.
+    link = sbx.files.get_info(f"{d}/link")
+    assert link.type.value == "symlink", link
+    assert link.symlink_target == f"{real}/target.txt", link
+    assert (link.permissions, link.size, link.mode) == ("Lrwxrwxrwx", len("target.txt"), 0o644), link
+    broken = sbx.files.get_info(f"{d}/broken")
+    assert broken.symlink_target == f"{d}/broken", broken
+    dl = sbx.files.get_info(f"{d}/dirlink")
+    assert (dl.symlink_target, dl.mode) == (f"{real}/sub", 0o755), dl
+
+
+def list_dir_walks_depth_first():
+    d = f"{SCRATCH}/walk"
+    for p in ["a/x.txt", "a/y/z.txt", "b.txt"]:
+        sbx.files.write(f"{d}/{p}", p)
+    got = [e.path[len(d) + 1:] for e in sbx.files.list(d, depth=3)]
+    assert got == ["a", "a/x.txt", "a/y", "a/y/z.txt", "b.txt"], got
+    got = [e.path[len(d) + 1:] for e in sbx.files.list(d, depth=2)]
+    assert got == ["a", "a/x.txt", "a/y", "b.txt"], got
+
+
+def metadata_is_kept_on_files():
+    d = f"{SCRATCH}/meta"
+    info = sbx.files.write(f"{d}/m.txt", "m", metadata={"Author": "me", "purpose": "test"})
+    want = {"author": "me", "purpose": "test"}
+    assert info.metadata == want, info
+    assert sbx.files.get_info(f"{d}/m.txt").metadata == want
+    listed = sbx.files.list(d)
+    assert [e.metadata for e in listed] == [want], listed
+    octet = sbx.files.write(f"{d}/o.txt", "o", metadata={"k": "v"}, use_octet_stream=True)
+    assert octet.metadata == {"k": "v"}, octet
+    # Writing again replaces the set; no metadata clears it.
+    sbx.files.write(f"{d}/m.txt", "again")
+    assert sbx.files.get_info(f"{d}/m.txt").metadata is None
+
+
+def watch_recursive_with_entries():
+    d = f"{SCRATCH}/watched-deep"
+    sbx.files.make_dir(f"{d}/sub")
+    w = sbx.files.watch_dir(d, recursive=True, include_entry=True)
+    sbx.files.write(f"{d}/sub/deep.txt", "12345")
+    # A directory made after the watch began, and a file at once inside it.
+    sbx.commands.run(f"mkdir {d}/later && echo hi > {d}/later/inside.txt")
+    seen = {}
+    for _ in range(50):
+        for e in w.get_new_events():
+            seen.setdefault(e.name, []).append(e)
+        if "sub/deep.txt" in seen and "later/inside.txt" in seen:
+            break
+        time.sleep(0.1)
+    w.stop()
+    assert "sub/deep.txt" in seen and "later/inside.txt" in seen, sorted(seen)
+    entries = [e.entry for e in seen["sub/deep.txt"] if e.entry is not None]
+    assert entries and entries[-1].path == f"{d}/sub/deep.txt", seen["sub/deep.txt"]
+    assert entries[-1].type.value == "file", entries[-1]
+
+
 def default_user_and_tools():
     # E2B's base image: commands run as `user` in /home/user, with
     # passwordless sudo, python3, pip, git and curl (pip's own start-up is
@@ -207,6 +323,12 @@ checks = [
     ("pty_echoes_input", pty_echoes_input),
     ("files_make_list_stat_rename_remove", files_make_list_stat_rename_remove),
     ("watch_sees_a_new_file", watch_sees_a_new_file),
+    ("gzip_download_and_upload", gzip_download_and_upload),
+    ("remove_of_a_missing_path_is_quiet", remove_of_a_missing_path_is_quiet),
+    ("entry_details_as_envd", entry_details_as_envd),
+    ("list_dir_walks_depth_first", list_dir_walks_depth_first),
+    ("metadata_is_kept_on_files", metadata_is_kept_on_files),
+    ("watch_recursive_with_entries", watch_recursive_with_entries),
 ]
 if LINUX:
     checks.insert(1, ("default_timeout_is_kept", default_timeout_is_kept))

@@ -290,6 +290,9 @@ fn list(st: &FakeState, path: &str) -> DirListing {
                 gid: None,
                 owner: None,
                 group: None,
+                st_mode: None,
+                resolved: None,
+                metadata: Default::default(),
             })
         })
         .collect();

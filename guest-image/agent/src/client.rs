@@ -523,9 +523,20 @@ impl<S: Read + Write> AgentClient<S> {
 
     /// `watch_add` (1.1): the watch's id.
     pub fn watch_add(&mut self, path: &str, recursive: bool) -> Result<u64, ClientError> {
+        self.watch_add_with(path, recursive, false)
+    }
+
+    /// `watch_add` (1.2: `include_entry`, events carry their path's stat).
+    pub fn watch_add_with(
+        &mut self,
+        path: &str,
+        recursive: bool,
+        include_entry: bool,
+    ) -> Result<u64, ClientError> {
         let op = Op::WatchAdd(WatchAddRequest {
             path: path.into(),
             recursive,
+            include_entry,
         });
         match self.call(op)? {
             ReplyBody::Watch(w) => Ok(w.watch_id),
@@ -544,6 +555,18 @@ impl<S: Read + Write> AgentClient<S> {
     /// `watch_remove` (1.1).
     pub fn watch_remove(&mut self, watch_id: u64) -> Result<(), ClientError> {
         self.expect_done(Op::WatchRemove(WatchIdRequest { watch_id }))
+    }
+
+    /// 1.2: replace `path`'s user metadata with `metadata` (empty clears it).
+    pub fn set_metadata(
+        &mut self,
+        path: &str,
+        metadata: std::collections::BTreeMap<String, String>,
+    ) -> Result<(), ClientError> {
+        self.expect_done(Op::SetMetadata(crate::proto::SetMetadataRequest {
+            path: path.into(),
+            metadata,
+        }))
     }
 }
 

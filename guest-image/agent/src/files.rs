@@ -1,5 +1,6 @@
 //! File operations: `read_file`, `write_file`, `list_dir`, `stat`, and
-//! (1.1) `mkdir`, `remove`, `rename`. Every
+//! (1.1) `mkdir`, `remove`, `rename`; entries carry (1.2) the whole
+//! `st_mode`, a symlink's resolved target and user metadata. Every
 //! failure is an [`ErrorReply`] naming the path; nothing here panics on input.
 
 use crate::proto::{
@@ -150,12 +151,17 @@ fn kind_of(meta: &Metadata) -> FileKind {
 
 fn to_stat(name: String, meta: &Metadata, full: &Path) -> FileStat {
     let kind = kind_of(meta);
-    let link_target = if kind == FileKind::Symlink {
-        fs::read_link(full)
-            .ok()
-            .map(|t| t.to_string_lossy().into_owned())
+    let (link_target, resolved) = if kind == FileKind::Symlink {
+        (
+            fs::read_link(full)
+                .ok()
+                .map(|t| t.to_string_lossy().into_owned()),
+            fs::canonicalize(full)
+                .ok()
+                .map(|t| t.to_string_lossy().into_owned()),
+        )
     } else {
-        None
+        (None, None)
     };
     FileStat {
         name,
@@ -171,6 +177,9 @@ fn to_stat(name: String, meta: &Metadata, full: &Path) -> FileStat {
         gid: Some(meta.gid()),
         owner: crate::users::user_name(meta.uid()),
         group: crate::users::group_name(meta.gid()),
+        st_mode: Some(meta.mode()),
+        resolved,
+        metadata: crate::xattrs::read(full),
     }
 }
 

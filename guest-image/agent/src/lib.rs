@@ -25,6 +25,7 @@ pub mod system;
 pub mod users;
 pub mod vsock;
 pub mod watch;
+pub mod xattrs;
 
 pub use client::{AgentClient, AttachEvent, ClientError, ExecOutput, OutputKind};
 pub use frame::{FrameError, MAX_FRAME};

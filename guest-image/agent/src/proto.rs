@@ -25,7 +25,7 @@ impl fmt::Display for ProtocolVersion {
 }
 
 /// The version this crate speaks.
-pub const PROTOCOL_VERSION: ProtocolVersion = ProtocolVersion { major: 1, minor: 1 };
+pub const PROTOCOL_VERSION: ProtocolVersion = ProtocolVersion { major: 1, minor: 2 };
 
 /// This crate's version (the agent's version).
 pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -66,6 +66,8 @@ pub const KNOWN_OPS: &[&str] = &[
     "watch_add",
     "watch_events",
     "watch_remove",
+    // 1.2
+    "set_metadata",
 ];
 
 /// The operations (`"op"` field).
@@ -117,6 +119,18 @@ pub enum Op {
     WatchEvents(WatchIdRequest),
     /// 1.1: stop a watch. → `done`
     WatchRemove(WatchIdRequest),
+    /// 1.2: replace a file's user metadata (`user.e2b.*` xattrs). → `done`
+    SetMetadata(SetMetadataRequest),
+}
+
+/// `set_metadata` request (1.2).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SetMetadataRequest {
+    /// Absolute path (followed if a symlink).
+    pub path: String,
+    /// The whole set: keys not named are removed; empty clears it.
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
 }
 
 /// `hello` request.
@@ -421,6 +435,17 @@ pub struct FileStat {
     /// 1.1: group's name (`/etc/group`), absent when it has none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group: Option<String>,
+    /// 1.2: the whole `st_mode` (file type bits too).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub st_mode: Option<u32>,
+    /// 1.2: a symlink's target with every link resolved (`realpath`), when
+    /// it resolves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolved: Option<String>,
+    /// 1.2: user metadata (`user.e2b.<key>` xattrs, of the target for a
+    /// symlink), absent when none.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
 }
 
 /// `resumed` reply: one [`Step`] per sub-step, in the order they run.

@@ -163,6 +163,10 @@ pub struct WatchAddRequest {
     /// Watch its subdirectories too (those created later as well).
     #[serde(default)]
     pub recursive: bool,
+    /// 1.2: events of what is there after them (`create`, `write`,
+    /// `chmod`) carry its stat, taken when the event is read.
+    #[serde(default)]
+    pub include_entry: bool,
 }
 
 /// A request naming one watch.
@@ -202,6 +206,15 @@ pub struct WatchEvent {
     pub name: String,
     /// What happened.
     pub kind: WatchEventKind,
+    /// 1.2 (`include_entry`): the absolute path, with its stat (not
+    /// followed) and, for a symlink, its target's when it resolves;
+    /// absent when the path was gone by the time the event was read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entry: Option<Box<crate::proto::FileStat>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<Box<crate::proto::FileStat>>,
 }
 
 /// `watch_events` reply.

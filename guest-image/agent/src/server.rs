@@ -439,6 +439,7 @@ impl Agent {
                 .events(req.watch_id)
                 .map_or_else(ReplyBody::Error, ReplyBody::WatchEvents),
             Op::WatchRemove(req) => done(self.watches.remove(req.watch_id)),
+            Op::SetMetadata(req) => done(crate::xattrs::set(&req)),
         };
         Some(body)
     }

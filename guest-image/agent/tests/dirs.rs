@@ -1,5 +1,7 @@
 //! Directory changes, ownership in `stat` and inotify watches (protocol
-//! 1.1) against a real agent on this host's filesystem.
+//! 1.1), entries' `st_mode`, resolved targets and metadata, and watch
+//! events with entries (1.2) against a real agent on this host's
+//! filesystem.
 
 mod common;
 
@@ -140,6 +142,20 @@ fn watches_report_changes_recursively_and_are_bounded() {
     assert!(has(&later, "f", WatchEventKind::Rename), "{later:?}");
     assert!(has(&later, "f2", WatchEventKind::Create), "{later:?}");
 
+    // A directory and a file made in it at once, with nothing read in
+    // between: the watch's own thread adds the directory as its creation
+    // comes and reports what it already holds.
+    std::fs::create_dir(root.join("burst")).unwrap();
+    std::fs::write(root.join("burst/inner"), b"1").unwrap();
+    let burst = collect(&mut c, deep, |e| {
+        has(e, "burst/inner", WatchEventKind::Create)
+    });
+    assert!(has(&burst, "burst", WatchEventKind::Create), "{burst:?}");
+    assert!(
+        has(&burst, "burst/inner", WatchEventKind::Create),
+        "{burst:?}"
+    );
+
     // The flat watch saw the top level only.
     let flat_seen = c.watch_events(flat).unwrap().events;
     assert!(
@@ -180,4 +196,72 @@ fn watches_report_changes_recursively_and_are_bounded() {
         c.watch_remove(id).unwrap();
     }
     c.watch_remove(deep).unwrap();
+}
+
+#[test]
+fn entries_carry_st_mode_resolved_targets_metadata_and_watch_entries() {
+    let agent = default_agent();
+    let mut c = agent.client();
+    let d = agent.dir.path().join("m");
+    std::fs::create_dir(&d).unwrap();
+    let id = c.watch_add_with(d.to_str().unwrap(), false, true).unwrap();
+    let f = d.join("f");
+    c.write_file_all(f.to_str().unwrap(), b"x", None, false)
+        .unwrap();
+    std::os::unix::fs::symlink("f", d.join("l")).unwrap();
+    let st = c.stat(f.to_str().unwrap(), false).unwrap();
+    assert_eq!(st.st_mode, Some(libc::S_IFREG | 0o644));
+    assert!(st.metadata.is_empty());
+    let link = c.stat(d.join("l").to_str().unwrap(), false).unwrap();
+    let real = std::fs::canonicalize(&f).unwrap();
+    assert_eq!(link.resolved.as_deref(), real.to_str());
+    assert_eq!(link.link_target.as_deref(), Some("f"));
+
+    let meta = [("author".to_string(), "me".to_string())].into();
+    c.set_metadata(f.to_str().unwrap(), meta).unwrap();
+    let st = c.stat(f.to_str().unwrap(), true).unwrap();
+    assert_eq!(st.metadata.get("author").map(String::as_str), Some("me"));
+    // A link shows its target's.
+    assert_eq!(
+        c.stat(d.join("l").to_str().unwrap(), false)
+            .unwrap()
+            .metadata,
+        st.metadata
+    );
+    let listed = c.list_dir(d.to_str().unwrap()).unwrap();
+    assert_eq!(listed.entries[0].metadata, st.metadata);
+    c.set_metadata(f.to_str().unwrap(), Default::default())
+        .unwrap();
+    assert!(c
+        .stat(f.to_str().unwrap(), true)
+        .unwrap()
+        .metadata
+        .is_empty());
+    assert_eq!(
+        code(
+            c.set_metadata(&agent.dir.file("missing"), Default::default())
+                .unwrap_err()
+        ),
+        "ENOENT"
+    );
+
+    // Events of what is there carry its stat; a link's its target's too.
+    let seen = collect(&mut c, id, |e| has(e, "l", WatchEventKind::Create));
+    let created = seen
+        .iter()
+        .find(|e| e.name == "f" && e.kind == WatchEventKind::Create)
+        .unwrap_or_else(|| panic!("{seen:?}"));
+    assert_eq!(created.path.as_deref(), f.to_str());
+    assert_eq!(created.entry.as_ref().map(|e| e.kind), Some(FileKind::File));
+    let l = seen.iter().find(|e| e.name == "l").unwrap();
+    assert_eq!(l.entry.as_ref().map(|e| e.kind), Some(FileKind::Symlink));
+    assert_eq!(l.target.as_ref().map(|e| e.kind), Some(FileKind::File));
+    std::fs::remove_file(d.join("l")).unwrap();
+    let gone = collect(&mut c, id, |e| has(e, "l", WatchEventKind::Remove));
+    let removed = gone.iter().find(|e| e.name == "l").unwrap();
+    assert!(
+        removed.entry.is_none() && removed.path.is_none(),
+        "{removed:?}"
+    );
+    c.watch_remove(id).unwrap();
 }

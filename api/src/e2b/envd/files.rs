@@ -1,12 +1,15 @@
 //! envd's file transfer: `GET /files?path=P[&username=U]` downloads a file,
-//! `POST /files?path=P` with an `application/octet-stream` body uploads
-//! one (the SDKs' octet-stream upload, envd ≥ 0.5.7), through the guest
-//! agent's read and write (a paused sandbox is woken first). A relative
-//! path is under the user's home (`/home/<user>`, `/root` for root; `user`
-//! when no username is given). Not offered yet: `multipart/form-data`
-//! uploads (the SDKs' default for in-memory data) and gzip bodies, both
-//! refused with 400 rather than misread. The caller shows the sandbox's
-//! access token (`X-Access-Token`) or an API key (`X-API-KEY`).
+//! `POST /files?path=P` uploads one or more (an `application/octet-stream`
+//! body, or `multipart/form-data` `file` parts), through the guest agent's
+//! read and write (a paused sandbox is woken first). A relative path is
+//! under the user's home (`/home/<user>`, `/root` for root; `user` when no
+//! username is given). As envd: downloads are gzip-compressed when
+//! `Accept-Encoding` asks, gzip uploads (`Content-Encoding`) are
+//! decompressed ([`super::encoding`]), and `X-Metadata-<key>: <value>`
+//! headers become each uploaded file's user metadata (keys lowercased;
+//! the whole set replaced, so an upload without them clears it), answered
+//! back per file. The caller shows the sandbox's access token
+//! (`X-Access-Token`) or an API key (`X-API-KEY`).
 
 use axum::body::Bytes;
 use axum::extract::RawQuery;
@@ -16,10 +19,15 @@ use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use axum::Json;
 use serde::Serialize;
+use std::collections::BTreeMap;
+use torpor_agent::ClientError;
 use torpor_scheduler::model::{Sandbox, SandboxId};
+use torpor_scheduler::service::guest::AgentLink;
+use torpor_scheduler::service::GuestError;
 
 use super::super::error::E2bError;
 use super::super::wire::e2b_state;
+use super::encoding::{self, Coding};
 use super::sandbox_of;
 use crate::auth::{Auth, Principal};
 use crate::backend::SandboxApi;
@@ -162,21 +170,81 @@ pub async fn download<S: SandboxApi>(
     let caller = Caller::of(&headers, &auth);
     let (path, user) = query(raw);
     let path = resolve(path.as_deref().unwrap_or_default(), user.as_deref())?;
+    let coding = encoding::accepted(&headers)?;
     let tenancy = state.tenancy.clone();
     let data = call(&state, move |s| match target(s, &id, &caller)? {
         Ok(id) => {
             let _wake = super::wake_ticket(s, &tenancy, &id)?;
-            Ok(Ok(s.read_file(&id, &path)?.value))
+            let data = s.read_file(&id, &path)?.value;
+            // Compressed here, on the blocking thread.
+            Ok(Ok(match coding {
+                Coding::Gzip => encoding::gzip(&data),
+                Coding::Identity => data,
+            }))
         }
         Err(refused) => Ok(Err(refused)),
     })
     .await??;
     let mut r = (StatusCode::OK, data).into_response();
-    r.headers_mut().insert(
+    let h = r.headers_mut();
+    h.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/octet-stream"),
     );
+    h.insert(header::VARY, HeaderValue::from_static("accept-encoding"));
+    if coding == Coding::Gzip {
+        h.insert(
+            header::CONTENT_ENCODING,
+            HeaderValue::from_static(Coding::Gzip.name()),
+        );
+    }
     Ok(r)
+}
+
+/// The prefix of the headers that carry an upload's metadata.
+pub const METADATA_HEADER_PREFIX: &str = "x-metadata-";
+
+/// An upload's metadata: every `X-Metadata-<key>` header (the first value
+/// of each), keys lowercased (header names are); refused (400) as the
+/// agent would refuse it.
+pub fn metadata_of(headers: &HeaderMap) -> Result<BTreeMap<String, String>, E2bError> {
+    let mut out = BTreeMap::new();
+    for (name, value) in headers {
+        let Some(key) = name.as_str().strip_prefix(METADATA_HEADER_PREFIX) else {
+            continue;
+        };
+        let value = value.to_str().map_err(|_| {
+            E2bError::bad_request(format!("metadata {key:?}: printable ASCII only"))
+        })?;
+        out.entry(key.to_string())
+            .or_insert_with(|| value.to_string());
+    }
+    torpor_agent::xattrs::validate(&out)
+        .map_err(|e| E2bError::bad_request(format!("invalid metadata: {}", e.message)))?;
+    Ok(out)
+}
+
+/// Gives the file at `path` exactly `metadata`, and answers what it now
+/// holds. As envd, a filesystem without user xattrs keeps none (and the
+/// answer says so); an agent older than protocol 1.2 has no metadata: an
+/// empty set is then nothing to do, a non-empty one `unimplemented`.
+fn store_metadata(
+    link: &AgentLink,
+    path: &str,
+    metadata: &BTreeMap<String, String>,
+) -> Result<BTreeMap<String, String>, GuestError> {
+    let limit = Some(link.file_limit);
+    let mut client = link.connect(limit)?;
+    match client.set_metadata(path, metadata.clone()) {
+        Ok(()) => {}
+        Err(ClientError::Agent(e))
+            if e.code == "EOPNOTSUPP" || (e.code == "ENOSYS" && metadata.is_empty()) => {}
+        Err(e) => return Err(link.error(e, limit)),
+    }
+    match client.stat(path, true) {
+        Ok(st) => Ok(st.metadata),
+        Err(e) => Err(link.error(e, limit)),
+    }
 }
 
 /// An uploaded file, as envd answers (`EntryInfo`).
@@ -186,12 +254,20 @@ pub struct Written {
     #[serde(rename = "type")]
     pub kind: &'static str,
     pub path: String,
+    /// The file's metadata after the upload; absent when it has none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<BTreeMap<String, String>>,
 }
 
-/// `POST /files` (octet-stream).
+/// The API's request body limit, which bounds a decompressed upload too.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimit(pub usize);
+
+/// `POST /files` (octet-stream or multipart, either possibly gzipped).
 pub async fn upload<S: SandboxApi>(
     state: Api<S>,
     Extension(auth): Extension<Auth>,
+    Extension(BodyLimit(limit)): Extension<BodyLimit>,
     headers: HeaderMap,
     RawQuery(raw): RawQuery,
     body: Bytes,
@@ -209,14 +285,20 @@ pub async fn upload<S: SandboxApi>(
              application/octet-stream"
         )));
     }
-    if headers
-        .get(header::CONTENT_ENCODING)
-        .is_some_and(|v| v.as_bytes() != b"identity")
-    {
-        return Err(E2bError::bad_request(
-            "compressed uploads (Content-Encoding) are not offered yet",
-        ));
-    }
+    let coding = encoding::content(&headers)?;
+    let metadata = metadata_of(&headers)?;
+    let body = match coding {
+        Coding::Identity => body,
+        Coding::Gzip => tokio::task::spawn_blocking(move || encoding::gunzip(&body, limit))
+            .await
+            .map_err(|e| {
+                E2bError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("decompressing: {e}"),
+                )
+            })??
+            .into(),
+    };
     let (path, user) = query(raw);
     // What goes where: the body to `path`, or each multipart file to
     // `path` (one file) or to its own file name (several).
@@ -250,11 +332,17 @@ pub async fn upload<S: SandboxApi>(
         let mut written = Vec::with_capacity(files.len());
         for (path, data) in files {
             s.write_file(&id, &path, &data, None)?;
+            let mut kept = BTreeMap::new();
+            s.with_guest(&id, &mut |link| {
+                kept = store_metadata(link, &path, &metadata)?;
+                Ok(())
+            })?;
             let name = path.rsplit('/').next().unwrap_or_default().to_string();
             written.push(Written {
                 name,
                 kind: "file",
                 path,
+                metadata: (!kept.is_empty()).then_some(kept),
             });
         }
         Ok(Ok(written))

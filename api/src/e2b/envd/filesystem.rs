@@ -1,12 +1,15 @@
 //! `filesystem.Filesystem`: E2B's file operations on the agent's `stat`,
 //! `list_dir`, `mkdir`, `remove`, `rename` and inotify watches (protocol
-//! 1.1). Relative paths are under the request user's home. Operations run
-//! as the agent's user (root in torpor's images); the directories
-//! `MakeDir` creates are then given to the request's user.
+//! 1.1; 1.2 for entries as envd makes them: the whole `st_mode`, resolved
+//! symlinks, metadata, and watch events with entries). Relative paths are
+//! under the request user's home. Operations run as the agent's user (root
+//! in torpor's images); the directories `MakeDir` creates are then given
+//! to the request's user.
 //!
-//! `WatchDir` polls the agent's watch every [`WATCH_POLL`] and streams
-//! what it collected; the watch is removed when the stream ends.
-//! `ListDir` with a depth lists at most [`MAX_LIST_ENTRIES`] entries.
+//! Every watch reads its events on a thread of its own in the agent;
+//! `WatchDir` asks for them every [`WATCH_POLL`] and streams them; its
+//! watch is removed when the stream ends. `ListDir` with a depth lists at
+//! most [`MAX_LIST_ENTRIES`] entries.
 
 use std::time::{Duration, Instant};
 
@@ -61,16 +64,47 @@ fn kind_name(kind: FileKind) -> &'static str {
     }
 }
 
-/// `-rw-r--r--` as Go's `FileMode.String()` writes it (envd's format).
-fn permissions(kind: FileKind, mode: u32) -> String {
-    let mut s = String::with_capacity(10);
-    s.push(match kind {
-        FileKind::Dir => 'd',
-        FileKind::Symlink => 'L',
-        _ => '-',
-    });
+/// The whole `st_mode` of an entry: the agent's (1.2), else made from
+/// its kind and permission bits (an older agent).
+fn st_mode(st: &FileStat) -> u32 {
+    st.st_mode.unwrap_or_else(|| {
+        let kind = match st.kind {
+            FileKind::Dir => libc::S_IFDIR,
+            FileKind::Symlink => libc::S_IFLNK,
+            FileKind::File => libc::S_IFREG,
+            FileKind::Other => 0,
+        };
+        kind | (st.mode & 0o7777)
+    })
+}
+
+/// `st_mode` as Go's `FileMode.String()` writes it (envd's
+/// `permissions`): the type and special letters in Go's order
+/// (`dalTLDpSugct?`, those Linux has), or `-` for none, then `rwxrwxrwx`.
+pub fn permissions(st_mode: u32) -> String {
+    let mut s = String::with_capacity(12);
+    let fmt = st_mode & libc::S_IFMT;
+    let letters = [
+        ('d', fmt == libc::S_IFDIR),
+        ('L', fmt == libc::S_IFLNK),
+        ('D', fmt == libc::S_IFBLK || fmt == libc::S_IFCHR),
+        ('p', fmt == libc::S_IFIFO),
+        ('S', fmt == libc::S_IFSOCK),
+        ('u', st_mode & libc::S_ISUID != 0),
+        ('g', st_mode & libc::S_ISGID != 0),
+        ('c', fmt == libc::S_IFCHR),
+        ('t', st_mode & libc::S_ISVTX != 0),
+    ];
+    for (c, set) in letters {
+        if set {
+            s.push(c);
+        }
+    }
+    if s.is_empty() {
+        s.push('-');
+    }
     for shift in [6, 3, 0] {
-        let bits = (mode >> shift) & 7;
+        let bits = (st_mode >> shift) & 7;
         s.push(if bits & 4 != 0 { 'r' } else { '-' });
         s.push(if bits & 2 != 0 { 'w' } else { '-' });
         s.push(if bits & 1 != 0 { 'x' } else { '-' });
@@ -78,32 +112,52 @@ fn permissions(kind: FileKind, mode: u32) -> String {
     s
 }
 
-/// envd's entry for `path`: `link` is the path's own stat (not followed);
-/// `target` the followed one for a symlink, when it resolves.
+/// envd's entry for `path`, as its `GetEntryInfo` makes it: `link` is the
+/// path's own stat (not followed), `target` the followed one for a
+/// symlink, when it resolves. Name, size, permissions, owner, group and
+/// time are the path's own; a symlink's `type` and `mode` are its
+/// target's (`FILE_TYPE_UNSPECIFIED` and 0 when it does not resolve), its
+/// `symlinkTarget` the path with every link resolved (the path itself when
+/// it does not resolve), and `isSymlink` marks it. `mode` has the
+/// permission bits only. An owner or group without a name is its number.
 pub fn entry(path: &str, link: &FileStat, target: Option<&FileStat>) -> EntryInfo {
     let is_symlink = link.kind == FileKind::Symlink;
-    let shown = if is_symlink {
-        target.unwrap_or(link)
+    let (kind, mode) = if is_symlink {
+        target.map_or(("FILE_TYPE_UNSPECIFIED", 0), |t| {
+            (kind_name(t.kind), t.mode & 0o777)
+        })
     } else {
-        link
+        (kind_name(link.kind), link.mode & 0o777)
     };
+    let symlink_target = is_symlink.then(|| match (&link.resolved, link.st_mode) {
+        (Some(resolved), _) => resolved.clone(),
+        // An agent of 1.2 resolves what resolves: this does not.
+        (None, Some(_)) => path.to_string(),
+        // An older agent: the link's text.
+        (None, None) => link.link_target.clone().unwrap_or_else(|| path.to_string()),
+    });
     let name = path
         .rsplit('/')
         .find(|s| !s.is_empty())
         .unwrap_or("/")
         .to_string();
+    let id_name = |name: &Option<String>, id: Option<u32>| {
+        name.clone()
+            .or_else(|| id.map(|i| i.to_string()))
+            .unwrap_or_default()
+    };
     EntryInfo {
         name,
-        kind: kind_name(shown.kind),
+        kind,
         path: path.to_string(),
-        size: shown.size.to_string(),
-        mode: shown.mode & 0o777,
-        permissions: permissions(shown.kind, shown.mode),
-        owner: link.owner.clone().unwrap_or_default(),
-        group: link.group.clone().unwrap_or_default(),
+        size: link.size.to_string(),
+        mode,
+        permissions: permissions(st_mode(link)),
+        owner: id_name(&link.owner, link.uid),
+        group: id_name(&link.group, link.gid),
         modified_time: time::format(Timestamp(link.mtime_ns.div_euclid(1_000_000))),
-        symlink_target: link.link_target.clone(),
-        metadata: Default::default(),
+        symlink_target,
+        metadata: link.metadata.clone(),
         is_symlink,
     }
 }
@@ -136,8 +190,10 @@ pub fn stat(link: &AgentLink, ctx: &CallContext, message: &[u8]) -> Result<Value
     Ok(to_value(&EntryResponse { entry }))
 }
 
-/// `ListDir`: `depth` levels (0 means 1), directories first visited
-/// breadth-first, symlinks not descended.
+/// `ListDir`: `depth` levels (0 means 1) walked depth first in name
+/// order, each directory's entries before the next one's, as Go's
+/// `filepath.WalkDir` in envd; symlinks are not descended. A symlink to a
+/// directory lists the directory, under the path asked for.
 pub fn list_dir(
     link: &AgentLink,
     ctx: &CallContext,
@@ -151,35 +207,43 @@ pub fn list_dir(
     let root = path_of(ctx, &req.path)?;
     let mut client = connect(link)?;
     let mut entries = Vec::new();
-    let mut level = vec![root];
-    for _ in 0..depth {
-        let mut next = Vec::new();
-        for dir in level {
-            let listing = client.list_dir(&dir).map_err(|e| call_err(link, e))?;
-            for st in listing.entries {
-                let path = join(&dir, &st.name);
-                let target = if st.kind == FileKind::Symlink {
-                    client.stat(&path, true).ok()
-                } else {
-                    None
-                };
-                if st.kind == FileKind::Dir {
-                    next.push(path.clone());
-                }
-                entries.push(entry(&path, &st, target.as_ref()));
-                if entries.len() > MAX_LIST_ENTRIES {
-                    return Err(ConnectError {
-                        code: Code::ResourceExhausted,
-                        message: format!(
-                            "more than {MAX_LIST_ENTRIES} entries: list a smaller depth"
-                        ),
-                    });
-                }
+    walk(link, &mut client, &root, depth, &mut entries)?;
+    Ok(to_value(&ListDirResponse { entries }))
+}
+
+/// Appends `dir`'s entries, each directory followed by its own down to
+/// `levels` levels.
+fn walk(
+    link: &AgentLink,
+    client: &mut Client,
+    dir: &str,
+    levels: u32,
+    entries: &mut Vec<EntryInfo>,
+) -> Result<(), ConnectError> {
+    let listing = client.list_dir(dir).map_err(|e| call_err(link, e))?;
+    for st in listing.entries {
+        let path = join(dir, &st.name);
+        let target = if st.kind == FileKind::Symlink {
+            client.stat(&path, true).ok()
+        } else {
+            None
+        };
+        entries.push(entry(&path, &st, target.as_ref()));
+        if entries.len() > MAX_LIST_ENTRIES {
+            return Err(ConnectError {
+                code: Code::ResourceExhausted,
+                message: format!("more than {MAX_LIST_ENTRIES} entries: list a smaller depth"),
+            });
+        }
+        if st.kind == FileKind::Dir && levels > 1 {
+            match walk(link, client, &path, levels - 1, entries) {
+                // Gone since it was listed: skipped, as envd skips it.
+                Err(e) if e.code == Code::NotFound => {}
+                other => other?,
             }
         }
-        level = next;
     }
-    Ok(to_value(&ListDirResponse { entries }))
+    Ok(())
 }
 
 /// `MakeDir`: with missing parents; `already_exists` when it exists. The
@@ -211,13 +275,16 @@ pub fn make_dir(
     Ok(to_value(&EntryResponse { entry }))
 }
 
-/// `Remove`: a file, a link or a whole directory.
+/// `Remove`: a file, a link or a whole directory; nothing there is no
+/// error (envd removes with Go's `os.RemoveAll`).
 pub fn remove(link: &AgentLink, ctx: &CallContext, message: &[u8]) -> Result<Value, ConnectError> {
     let req: PathRequest = parse(message)?;
     let path = path_of(ctx, &req.path)?;
-    connect(link)?
-        .remove(&path)
-        .map_err(|e| call_err(link, e))?;
+    match connect(link)?.remove(&path) {
+        Ok(()) => {}
+        Err(ClientError::Agent(e)) if e.code == "ENOENT" => {}
+        Err(e) => return Err(call_err(link, e)),
+    }
     Ok(Value::Object(Default::default()))
 }
 
@@ -242,30 +309,29 @@ fn event_name(kind: WatchEventKind) -> &'static str {
     }
 }
 
-/// The agent's events as envd's, with entries when asked (and the path
-/// still exists).
+/// The agent's events as envd's, with the entries the agent took when it
+/// read them (a watch added with `include_entry`).
 fn events(
     link: &AgentLink,
     client: &mut Client,
-    root: &str,
     id: u64,
-    include_entry: bool,
 ) -> Result<Vec<FilesystemEvent>, ConnectError> {
     let got = client.watch_events(id).map_err(|e| call_err(link, e))?;
-    let mut out = Vec::with_capacity(got.events.len());
-    for e in got.events {
-        let entry = if include_entry && e.kind != WatchEventKind::Remove {
-            entry_of(link, client, &join(root, &e.name)).ok()
-        } else {
-            None
-        };
-        out.push(FilesystemEvent {
-            name: e.name,
-            kind: event_name(e.kind),
-            entry,
-        });
-    }
-    Ok(out)
+    Ok(got
+        .events
+        .into_iter()
+        .map(|e| {
+            let entry = match (&e.path, &e.entry) {
+                (Some(path), Some(st)) => Some(entry(path, st, e.target.as_deref())),
+                _ => None,
+            };
+            FilesystemEvent {
+                name: e.name,
+                kind: event_name(e.kind),
+                entry,
+            }
+        })
+        .collect())
 }
 
 fn watch_id(text: &str) -> Result<u64, ConnectError> {
@@ -284,7 +350,7 @@ pub fn create_watcher(
     let req: WatchRequest = parse(message)?;
     let path = path_of(ctx, &req.path)?;
     let id = connect(link)?
-        .watch_add(&path, req.recursive)
+        .watch_add_with(&path, req.recursive, req.include_entry)
         .map_err(|e| call_err(link, e))?;
     Ok(to_value(&CreateWatcherResponse {
         watcher_id: id.to_string(),
@@ -300,7 +366,7 @@ pub fn watcher_events(
     let req: WatcherRequest = parse(message)?;
     let id = watch_id(&req.watcher_id)?;
     let mut client = connect(link)?;
-    let events = events(link, &mut client, "", id, false)?;
+    let events = events(link, &mut client, id)?;
     Ok(to_value(&WatcherEventsResponse { events }))
 }
 
@@ -331,9 +397,9 @@ pub fn watch_dir(
     // No overall deadline: each poll's answer within the file limit.
     let mut client = link.connect_idle(link.file_limit).map_err(guest_error)?;
     let id = client
-        .watch_add(&root, req.recursive)
+        .watch_add_with(&root, req.recursive, req.include_entry)
         .map_err(|e| call_err(link, e))?;
-    let result = watch_loop(link, &mut client, ctx, &root, id, req.include_entry, out);
+    let result = watch_loop(link, &mut client, ctx, id, out);
     let _ = client.watch_remove(id);
     result
 }
@@ -342,9 +408,7 @@ fn watch_loop(
     link: &AgentLink,
     client: &mut Client,
     ctx: &CallContext,
-    root: &str,
     id: u64,
-    include_entry: bool,
     out: &StreamTx,
 ) -> Result<(), ConnectError> {
     let send = |e: WatchEvent| out.send(&WatchDirResponse { event: e });
@@ -363,7 +427,7 @@ fn watch_loop(
                 message: "the call's timeout passed".into(),
             });
         }
-        let evs = events(link, client, root, id, include_entry)?;
+        let evs = events(link, client, id)?;
         if evs.is_empty() {
             if quiet_since.elapsed() >= ctx.keepalive {
                 if !send(WatchEvent::Keepalive(Empty {})) {
@@ -388,8 +452,69 @@ mod tests {
 
     #[test]
     fn permissions_read_as_go_writes_them() {
-        assert_eq!(permissions(FileKind::File, 0o644), "-rw-r--r--");
-        assert_eq!(permissions(FileKind::Dir, 0o755), "drwxr-xr-x");
-        assert_eq!(permissions(FileKind::Symlink, 0o777), "Lrwxrwxrwx");
+        assert_eq!(permissions(libc::S_IFREG | 0o644), "-rw-r--r--");
+        assert_eq!(permissions(libc::S_IFDIR | 0o755), "drwxr-xr-x");
+        assert_eq!(permissions(libc::S_IFLNK | 0o777), "Lrwxrwxrwx");
+        assert_eq!(permissions(libc::S_IFREG | 0o4755), "urwxr-xr-x");
+        assert_eq!(permissions(libc::S_IFDIR | 0o2775), "dgrwxrwxr-x");
+        assert_eq!(permissions(libc::S_IFDIR | 0o1777), "dtrwxrwxrwx");
+        assert_eq!(permissions(libc::S_IFCHR | 0o666), "Dcrw-rw-rw-");
+        assert_eq!(permissions(libc::S_IFBLK | 0o660), "Drw-rw----");
+        assert_eq!(permissions(libc::S_IFIFO | 0o600), "prw-------");
+        assert_eq!(permissions(libc::S_IFSOCK | 0o777), "Srwxrwxrwx");
+    }
+
+    fn stat(kind: FileKind, st_mode: u32, size: u64) -> FileStat {
+        FileStat {
+            name: String::new(),
+            kind,
+            size,
+            mode: st_mode & 0o7777,
+            mtime_ns: 1_500_000_000,
+            link_target: None,
+            uid: Some(4242),
+            gid: Some(0),
+            owner: None,
+            group: Some("root".into()),
+            st_mode: Some(st_mode),
+            resolved: None,
+            metadata: Default::default(),
+        }
+    }
+
+    #[test]
+    fn entries_are_envds() {
+        let f = entry(
+            "/d/f",
+            &stat(FileKind::File, libc::S_IFREG | 0o4755, 5),
+            None,
+        );
+        assert_eq!(
+            (f.kind, f.mode, f.permissions.as_str()),
+            ("FILE_TYPE_FILE", 0o755, "urwxr-xr-x")
+        );
+        assert_eq!(
+            (f.owner.as_str(), f.group.as_str(), f.size.as_str()),
+            ("4242", "root", "5")
+        );
+        assert_eq!(f.symlink_target, None);
+        // A symlink: its own size and permissions, its target's type and
+        // mode, the target resolved.
+        let mut l = stat(FileKind::Symlink, libc::S_IFLNK | 0o777, 10);
+        l.link_target = Some("target.txt".into());
+        l.resolved = Some("/real/d/target.txt".into());
+        let t = stat(FileKind::File, libc::S_IFREG | 0o640, 5);
+        let e = entry("/d/link", &l, Some(&t));
+        assert_eq!(
+            (e.kind, e.mode, e.permissions.as_str()),
+            ("FILE_TYPE_FILE", 0o640, "Lrwxrwxrwx")
+        );
+        assert_eq!((e.size.as_str(), e.is_symlink), ("10", true));
+        assert_eq!(e.symlink_target.as_deref(), Some("/real/d/target.txt"));
+        // Broken: no type, the path itself as its target.
+        l.resolved = None;
+        let b = entry("/d/broken", &l, None);
+        assert_eq!((b.kind, b.mode), ("FILE_TYPE_UNSPECIFIED", 0));
+        assert_eq!(b.symlink_target.as_deref(), Some("/d/broken"));
     }
 }

@@ -271,7 +271,7 @@ pub struct WatcherEventsResponse {
     pub events: Vec<FilesystemEvent>,
 }
 
-/// `WatchDirResponse`: a oneof.
+/// `WatchDir`'s oneof `event`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub enum WatchEvent {
@@ -280,8 +280,12 @@ pub enum WatchEvent {
     Keepalive(Empty),
 }
 
+/// `WatchDirResponse`: its oneof `event` is the message's own, so proto3
+/// JSON has its member at the top (`{"start": {}}`), unlike the process
+/// responses, whose `event` is a message holding a oneof.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct WatchDirResponse {
+    #[serde(flatten)]
     pub event: WatchEvent,
 }
 
@@ -343,9 +347,6 @@ mod tests {
         let ka = WatchDirResponse {
             event: WatchEvent::Keepalive(Empty {}),
         };
-        assert_eq!(
-            serde_json::to_value(&ka).unwrap(),
-            json!({"event": {"keepalive": {}}})
-        );
+        assert_eq!(serde_json::to_value(&ka).unwrap(), json!({"keepalive": {}}));
     }
 }

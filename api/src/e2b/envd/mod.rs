@@ -5,14 +5,14 @@
 //! torpor-agent. Served on the API's listener (its paths do not overlap
 //! `/v1` or E2B's control plane) and on `--e2b-listen`.
 //!
-//! Done: `GET /health`, `GET /files` and octet-stream `POST /files`
-//! ([`files`]), the Connect envelope codec ([`envelope`]), and the RPCs
+//! Done: `GET /health`, `GET /files` and `POST /files` ([`files`], gzip
+//! both ways: [`encoding`]), the Connect envelope codec ([`envelope`]), and the RPCs
 //! of `process.Process` ([`process`]) and `filesystem.Filesystem`
 //! ([`filesystem`]) in Connect's JSON ([`json`]), unary and
-//! server-streaming ([`rpc`]), on the agent's protocol 1.1. Everything but
+//! server-streaming ([`rpc`]), on the agent's protocol 1.2. Everything but
 //! `/health` takes the sandbox's access token (`X-Access-Token`, issued at
 //! create as `envdAccessToken`) or an API key of its tenant. Not yet:
-//! multipart uploads, `StreamInput`. See `docs/e2b.md`.
+//! `StreamInput`, network mounts. See `docs/e2b.md`.
 
 use std::sync::Arc;
 
@@ -32,6 +32,7 @@ use crate::backend::SandboxApi;
 use crate::handlers::{call, Api, AppState};
 use crate::service::ServiceError;
 
+pub mod encoding;
 pub mod envelope;
 pub mod files;
 pub mod filesystem;
@@ -283,7 +284,8 @@ pub(crate) fn router<S: SandboxApi>(
     // Files need the sandbox's access token or the API key (see `files`).
     let files = get(files::download::<S>)
         .post(files::upload::<S>)
-        .layer(axum::Extension(tenancy.auth.clone()));
+        .layer::<_, std::convert::Infallible>(axum::Extension(tenancy.auth.clone()))
+        .layer(axum::Extension(files::BodyLimit(limits.max_body_bytes)));
     let mut app = Router::new()
         .route(
             "/health",
