@@ -266,8 +266,10 @@ mod tests {
     fn every_admitted_route_documents_429() {
         let d = doc();
         for r in ROUTES {
-            if matches!(r.gate, crate::gate::Gated::Sandbox(crate::gate::Admit::Plain))
-                || r.gate == crate::gate::Gated::No
+            if matches!(
+                r.gate,
+                crate::gate::Gated::Sandbox(crate::gate::Admit::Plain)
+            ) || r.gate == crate::gate::Gated::No
             {
                 continue;
             }
