@@ -112,3 +112,134 @@ fn each_crate_depends_on_the_layers_below_it_only() {
         "a member without a layer: {members}"
     );
 }
+
+/// The crates whose top-level modules import each other without cycles
+/// (a module's `crate::other` paths outside its tests). The others still
+/// have some; a crate joins this list when its cycles are gone.
+const ACYCLIC: [&str; 2] = ["vmm", "cluster"];
+
+/// Each top-level module of `src` (a file or a folder) and the modules it
+/// names as `crate::module`, from its code before any `#[cfg(test)]`,
+/// leaving out comments and test files.
+fn module_imports(src: &std::path::Path) -> std::collections::BTreeMap<String, Vec<String>> {
+    use std::collections::BTreeMap;
+    fn files(path: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        if path.is_dir() {
+            for entry in std::fs::read_dir(path).unwrap() {
+                let p = entry.unwrap().path();
+                let name = p.file_name().unwrap().to_string_lossy().to_string();
+                if !name.contains("test") {
+                    files(&p, out);
+                }
+            }
+        } else if path.is_file() && path.extension().is_some_and(|e| e == "rs") {
+            out.push(path.to_path_buf());
+        }
+    }
+    let modules: Vec<String> = std::fs::read_dir(src)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .map(|p| p.file_stem().unwrap().to_string_lossy().to_string())
+        .filter(|m| m != "lib" && m != "main")
+        .collect();
+    let mut imports = BTreeMap::new();
+    for module in &modules {
+        let mut paths = Vec::new();
+        files(&src.join(module), &mut paths);
+        files(&src.join(format!("{module}.rs")), &mut paths);
+        let mut names = Vec::new();
+        for path in paths {
+            let text = std::fs::read_to_string(&path).unwrap();
+            let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+            for line in code.lines().filter(|l| !l.trim_start().starts_with("//")) {
+                for (i, _) in line.match_indices("crate::") {
+                    let rest = &line[i + "crate::".len()..];
+                    // `crate::{a, b::c}` names several.
+                    let named: Vec<&str> = match rest.strip_prefix('{') {
+                        Some(group) => group
+                            .split('}')
+                            .next()
+                            .unwrap_or_default()
+                            .split(',')
+                            .collect(),
+                        None => vec![rest],
+                    };
+                    for n in named {
+                        let n: String = n
+                            .trim()
+                            .chars()
+                            .take_while(|c| c.is_alphanumeric() || *c == '_')
+                            .collect();
+                        if &n != module && modules.contains(&n) && !names.contains(&n) {
+                            names.push(n);
+                        }
+                    }
+                }
+            }
+        }
+        imports.insert(module.clone(), names);
+    }
+    imports
+}
+
+/// A cycle through `imports`, if there is one.
+fn a_cycle(imports: &std::collections::BTreeMap<String, Vec<String>>) -> Option<Vec<String>> {
+    fn visit(
+        m: &str,
+        imports: &std::collections::BTreeMap<String, Vec<String>>,
+        path: &mut Vec<String>,
+        done: &mut std::collections::BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|p| p == m) {
+            let mut cycle = path[at..].to_vec();
+            cycle.push(m.to_string());
+            return Some(cycle);
+        }
+        if done.contains(m) {
+            return None;
+        }
+        path.push(m.to_string());
+        for next in &imports[m] {
+            if let Some(c) = visit(next, imports, path, done) {
+                return Some(c);
+            }
+        }
+        path.pop();
+        done.insert(m.to_string());
+        None
+    }
+    let mut done = std::collections::BTreeSet::new();
+    imports
+        .keys()
+        .find_map(|m| visit(m, imports, &mut Vec::new(), &mut done))
+}
+
+#[test]
+fn the_acyclic_crates_modules_import_each_other_without_cycles() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    for krate in ACYCLIC {
+        let imports = module_imports(&std::path::Path::new(root).join(krate).join("src"));
+        assert!(imports.len() > 3, "{krate}: too few modules read");
+        if let Some(cycle) = a_cycle(&imports) {
+            panic!(
+                "{krate}'s modules import in a cycle: {}",
+                cycle.join(" -> ")
+            );
+        }
+    }
+}
+
+/// The check sees a cycle when there is one.
+#[test]
+fn a_cycle_is_found() {
+    let imports = [
+        ("a", vec!["b"]),
+        ("b", vec!["c"]),
+        ("c", vec!["a"]),
+        ("d", vec![]),
+    ]
+    .into_iter()
+    .map(|(m, n)| (m.to_string(), n.into_iter().map(String::from).collect()))
+    .collect();
+    assert_eq!(a_cycle(&imports).unwrap(), ["a", "b", "c", "a"]);
+}

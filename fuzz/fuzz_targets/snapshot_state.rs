@@ -16,8 +16,8 @@ use torpor_fuzz::{guest_mem, notify, scratch, state_input};
 use torpor_vmm::devices::block::{BlockMmio, BlockRestoreArgs};
 use torpor_vmm::devices::virtio::MmioRestoreArgs;
 use torpor_vmm::devices::vsock::{VsockMmio, VsockRestoreArgs};
-use torpor_vmm::persist::{MicrovmState, Persist};
-use torpor_vmm::snapshot::read_state_bytes;
+use torpor_vmm::snapshot::{read_state_bytes, Persist};
+use torpor_vmm::vm_state::MicrovmState;
 use vmm_sys_util::eventfd::EventFd;
 
 fn base() -> &'static Path {

@@ -208,7 +208,7 @@ fn cli_jail(args: &VmmRunArgs, spec: &LaunchSpec) -> Result<JailSpec, Failure> {
 /// The base image of the snapshot's disk, if it has one (a snapshot that
 /// cannot be read is the restore's to report, with its own error).
 fn snapshot_base_image(dir: &std::path::Path) -> Option<PathBuf> {
-    let state: torpor_vmm::persist::MicrovmState =
+    let state: torpor_vmm::vm_state::MicrovmState =
         torpor_vmm::snapshot::read_state(&dir.join(torpor_vmm::snapshot::STATE_FILE)).ok()?;
     let (_, block) = state.devices.virtio.block?;
     Some(block.device.base_path)

@@ -18,9 +18,9 @@ use crate::exit::ExitSignal;
 use crate::identity;
 use crate::layout::EBDA_START;
 use crate::mptable::{self, MptableError};
-use crate::persist::{self, MachineConfig};
 use crate::snapshot::PageRuns;
 use crate::virtio_devices::VirtioDevices;
+use crate::vm_state::{self, MachineConfig};
 use crate::vstate::kvm::{KvmContext, KvmError};
 use crate::vstate::memory::{ram_ranges, validate_mem_size, MemoryBackend, MemoryError};
 use crate::vstate::regs::{self, RegsError};
@@ -87,7 +87,7 @@ pub enum BuildError {
     #[error("cannot create an eventfd: {0}")]
     EventFd(std::io::Error),
     #[error(transparent)]
-    State(#[from] crate::persist::StateError),
+    State(#[from] crate::vm_state::StateError),
     #[error(transparent)]
     Identity(#[from] crate::identity::IdentityError),
     #[error(transparent)]
@@ -216,7 +216,7 @@ pub fn build(
     validate(config)?;
     let (kvm, vcpu_count) = open_kvm(config.vcpus)?;
     let supported_cpuid = kvm.supported_cpuid()?;
-    let msr_indices = persist::saveable_msrs(&kvm.kvm)?;
+    let msr_indices = vm_state::saveable_msrs(&kvm.kvm)?;
     t.phase("kvm_open");
 
     let vm = Vm::create(&kvm)?;

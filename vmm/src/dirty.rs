@@ -30,7 +30,7 @@ use userfaultfd::{FeatureFlags, RegisterMode, Uffd, UffdBuilder};
 
 use crate::snapshot::{PageRuns, PAGE_SIZE};
 
-use crate::uffd::abi::{
+use crate::uffd_abi::{
     new_userfaultfd, offered_features, uffdio_range, uffdio_writeprotect, PageRegion, PmScanArg,
     PAGEMAP_SCAN, PAGE_IS_WRITTEN, PM_SCAN_CHECK_WPASYNC, PM_SCAN_WP_MATCHING,
     UFFDIO_REGISTER_MODE_WP, UFFDIO_WRITEPROTECT, UFFDIO_WRITEPROTECT_MODE_WP,

@@ -52,7 +52,7 @@ const KVM_CAPS: [(&str, c_ulong, bool); 15] = [
     ("SplitIrqchip", Cap::SplitIrqchip as _, false),
 ];
 
-use crate::uffd::abi::{
+use crate::uffd_abi::{
     new_userfaultfd, offered_features, UFFD_FEATURE_EVENT_REMOVE, UFFD_FEATURE_MINOR_HUGETLBFS,
     UFFD_FEATURE_MINOR_SHMEM, UFFD_FEATURE_MISSING_SHMEM, UFFD_FEATURE_MOVE,
     UFFD_FEATURE_PAGEFAULT_FLAG_WP, UFFD_FEATURE_POISON, UFFD_FEATURE_WP_ASYNC,

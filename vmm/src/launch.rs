@@ -3,17 +3,15 @@
 //!
 //! A spec with a jail confines the process first ([`crate::jail::enter`]),
 //! before anything of the guest is read. The spec then becomes a boot, a
-//! restore or a standby shell; [`serving`] is called once the control
+//! restore or a standby shell; its [`Ready`] hook fires once the control
 //! socket answers (the VM built, or the shell made), which is when
 //! `torpor-vmm` writes its `ready` line.
-
-use std::sync::Mutex;
 
 use torpor_vmm_api::launch::{DiskSpec, KernelSource, LaunchMode, LaunchSpec};
 use torpor_vmm_api::{ErrorKind, VmError};
 
 use crate::boot::KernelImage;
-use crate::microvm::{RunError, RunReport};
+use crate::microvm::{Ready, RunError, RunReport};
 use crate::restore::RestoreOptions;
 use crate::virtio_devices::{DiskConfig, VirtioConfig, VirtioRestorePaths};
 use crate::vstate::memory::AnonymousBackend;
@@ -21,18 +19,6 @@ use crate::VmConfig;
 
 /// A kernel built into the VMM binary, by name (`builtin:NAME`).
 pub type Builtin = (&'static str, &'static [u8]);
-
-type ReadyHook = Box<dyn FnOnce(u32) + Send>;
-static READY: Mutex<Option<(ReadyHook, u32)>> = Mutex::new(None);
-
-/// Called by the VMM when its control socket serves: runs the launch's
-/// ready hook, once.
-pub(crate) fn serving() {
-    let hook = READY.lock().unwrap_or_else(|e| e.into_inner()).take();
-    if let Some((hook, pid)) = hook {
-        hook(pid);
-    }
-}
 
 /// Runs the VM `spec` describes until it ends, in its jail when it has
 /// one; `on_ready` runs once its control socket serves, with the VMM's
@@ -72,7 +58,7 @@ pub fn run(
         Some(jail) => crate::jail::enter(jail)?.host_pid,
         None => std::process::id(),
     };
-    *READY.lock().unwrap_or_else(|e| e.into_inner()) = Some((Box::new(on_ready), pid));
+    let ready = Ready::new(move || on_ready(pid));
     // Compiled now, installed by each thread as it starts (crate::seccomp).
     crate::seccomp::init(spec.seccomp)?;
     let socket = spec.control_socket.clone();
@@ -109,7 +95,7 @@ pub fn run(
                 },
                 dirty_tracking: spec.dirty_tracking,
             };
-            crate::microvm::boot(&config, &AnonymousBackend, socket)
+            crate::microvm::boot(&config, &AnonymousBackend, socket, ready)
         }
         LaunchMode::Restore {
             restore,
@@ -129,7 +115,7 @@ pub fn run(
                 },
                 dirty_tracking: spec.dirty_tracking,
             };
-            crate::microvm::restore(&opts, socket, *paused)
+            crate::microvm::restore(&opts, socket, *paused, ready)
         }
         LaunchMode::Standby { mem_mib, vcpus } => {
             let Some(socket) = socket else {
@@ -138,7 +124,7 @@ pub fn run(
                     "a standby VMM needs a control socket",
                 )));
             };
-            crate::standby::standby(*mem_mib, *vcpus, socket, spec.dirty_tracking)
+            crate::standby::standby(*mem_mib, *vcpus, socket, spec.dirty_tracking, ready)
         }
     }
 }

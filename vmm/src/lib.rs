@@ -21,14 +21,15 @@ pub mod layout;
 pub mod logging;
 pub mod microvm;
 pub mod mptable;
-pub mod persist;
 pub mod restore;
 pub mod seccomp;
+pub mod signals;
 pub mod snapshot;
 pub mod standby;
 pub mod uffd;
-mod uffd_backend;
+pub mod uffd_abi;
 pub mod virtio_devices;
+pub mod vm_state;
 pub mod vstate;
 
 pub use builder::{SerialOutput, VmConfig, DEFAULT_CMDLINE};

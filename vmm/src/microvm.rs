@@ -16,10 +16,8 @@ use crate::devices::serial::SerialDevice;
 use crate::devices::Pausable;
 use crate::dirty::{Crosscheck, DirtyTracking, WpTracker};
 use crate::exit::{ExitReason, ExitSignal};
-use crate::persist::{
-    self, DeviceStates, MachineConfig, MemoryLayer, MicrovmState, Persist, VcpuState,
-};
-use crate::snapshot::{self, PageRuns, PAGE_SIZE};
+use crate::snapshot::{self, PageRuns, Persist, PAGE_SIZE};
+use crate::vm_state::{self, DeviceStates, MachineConfig, MemoryLayer, MicrovmState, VcpuState};
 use crate::vstate::vcpu::{register_kick_handler, VcpuSet};
 use crate::vstate::vm::Vm;
 use torpor_vmm_api::lineage::Lineage;
@@ -147,7 +145,7 @@ impl Controller {
             Arc::new(Mutex::new((0..count).map(|_| None).collect()));
         let (sink, msrs) = (results.clone(), self.msr_indices.clone());
         let ran = self.vcpus.run_on_paused(Arc::new(move |index, fd| {
-            let r = persist::save_vcpu(fd, &msrs).map_err(|e| format!("vCPU {index}: {e}"));
+            let r = vm_state::save_vcpu(fd, &msrs).map_err(|e| format!("vCPU {index}: {e}"));
             sink.lock().unwrap_or_else(|e| e.into_inner())[usize::from(index)] = Some(r);
         }));
         if !ran {
@@ -267,7 +265,7 @@ impl Controller {
         }
         let parent = parent.and_then(|chain| chain.last().cloned());
         let vcpus = self.save_vcpus()?;
-        let vm = persist::save_vm(&self.vm.fd).map_err(|e| VmError::internal(e.to_string()))?;
+        let vm = vm_state::save_vm(&self.vm.fd).map_err(|e| VmError::internal(e.to_string()))?;
         let (virtio, device_dirty) = self
             .virtio
             .save(&dir)
@@ -409,7 +407,7 @@ impl VmController for Controller {
                 .base
                 .as_ref()
                 .and_then(|chain| chain.last().cloned()),
-            guest_clock_ns: persist::guest_clock_ns(&self.vm.fd).ok(),
+            guest_clock_ns: vm_state::guest_clock_ns(&self.vm.fd).ok(),
             dirty_tracking: self.dirty_tracking.name().to_string(),
             console_dropped_bytes: crate::builder::console_dropped_bytes(),
         }
@@ -495,6 +493,41 @@ pub struct PendingRestore {
 pub struct Spares {
     pub vcpus: crate::vstate::vcpu::SpareThreads,
     pub control: control::SpareControl,
+}
+
+/// What runs once the VMM's control socket serves (the VM built, or a
+/// standby shell made): `torpor-vmm` writes its `ready` line there. Passed
+/// down from the launch (`launch::run`); fires at most once.
+#[derive(Default)]
+pub struct Ready(Option<Box<dyn FnOnce() + Send>>);
+
+impl Ready {
+    /// Runs `hook` when the control socket serves.
+    pub fn new(hook: impl FnOnce() + Send + 'static) -> Ready {
+        Ready(Some(Box::new(hook)))
+    }
+
+    /// Nothing to run (already fired, or nobody waits).
+    pub fn none() -> Ready {
+        Ready(None)
+    }
+
+    /// Runs the hook, if it has not run.
+    pub(crate) fn fire(&mut self) {
+        if let Some(hook) = self.0.take() {
+            hook();
+        }
+    }
+}
+
+impl std::fmt::Debug for Ready {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Ready(pending)"
+        } else {
+            "Ready(fired)"
+        })
+    }
 }
 
 /// A VM whose threads all run, each under its filter, with the vCPUs held
@@ -592,8 +625,9 @@ pub fn launch_built(
 
 impl Launched {
     /// Confines the calling thread as the VMM's main thread (a standby
-    /// shell's is already), lets the guest run, and waits for its end.
-    pub fn run(self) -> Result<RunReport, RunError> {
+    /// shell's is already), lets the guest run, fires `ready`, and waits
+    /// for its end.
+    pub fn run(self, mut ready: Ready) -> Result<RunReport, RunError> {
         let Launched {
             vcpus,
             controller,
@@ -616,7 +650,7 @@ impl Launched {
         if let Some(p) = pending {
             answer_restore(p, &first_run, start_paused, &controller, &timings);
         }
-        crate::launch::serving();
+        ready.fire();
         tracing::info!(?timings, "microVM started");
         let reason = exit.wait();
         vcpus.stop(std::time::Duration::from_millis(500));
@@ -645,11 +679,12 @@ fn release_freed_heap() {
 }
 
 /// Cold-boots `config` and runs it until the guest or a control request
-/// ends it.
+/// ends it; `ready` fires once its control socket serves.
 pub fn boot(
     config: &crate::VmConfig,
     backend: &dyn crate::vstate::memory::MemoryBackend,
     control_socket: Option<PathBuf>,
+    ready: Ready,
 ) -> Result<RunReport, RunError> {
     let started = Instant::now();
     crate::builder::validate(config)?;
@@ -657,7 +692,7 @@ pub fn boot(
     let listener = bind_control(control_socket)?;
     let exit = ExitSignal::new().map_err(RunError::ExitEvent)?;
     let built = crate::builder::build(config, backend, &exit)?;
-    launch_built(built, listener, false, exit, started, None, None)?.run()
+    launch_built(built, listener, false, exit, started, None, None)?.run(ready)
 }
 
 /// Binds the control socket, if one was asked for.
@@ -671,11 +706,13 @@ pub fn bind_control(
 }
 
 /// Restores a snapshot into a fresh shell and runs it. With `paused`, the
-/// vCPUs wait for a `resume` request.
+/// vCPUs wait for a `resume` request. `ready` fires once the control
+/// socket serves.
 pub fn restore(
     opts: &crate::restore::RestoreOptions,
     control_socket: Option<PathBuf>,
     paused: bool,
+    ready: Ready,
 ) -> Result<RunReport, RunError> {
     let started = Instant::now();
     let listener = bind_control(control_socket)?;
@@ -690,7 +727,7 @@ pub fn restore(
         &mut t,
     )?;
     let built = crate::restore::restore_into(shell, chain, opts, &exit, t)?;
-    launch_built(built, listener, paused, exit, started, None, None)?.run()
+    launch_built(built, listener, paused, exit, started, None, None)?.run(ready)
 }
 
 /// Answers a standby restore request once a vCPU has entered KVM_RUN (or at

@@ -12,7 +12,7 @@ use crate::builder::Timings;
 use crate::control::{self, Request, Response, VmState, VmStatus, PROTOCOL_VERSION};
 use crate::dirty::DirtyTracking;
 use crate::exit::{ExitReason, ExitSignal};
-use crate::microvm::{launch_built, Launched, PendingRestore, RunError, RunReport, Spares};
+use crate::microvm::{launch_built, Launched, PendingRestore, Ready, RunError, RunReport, Spares};
 use crate::restore::{self, RestoreOptions};
 use crate::vstate::vcpu::{register_kick_handler, SpareThreads};
 use torpor_vmm_api::{ErrorKind, VmError};
@@ -78,7 +78,8 @@ enum Outcome {
 
 /// Makes a shell for `mem_mib`/`vcpus`, serves `socket` until a restore
 /// request arrives, then runs the restored VM like any other, its diff
-/// snapshots tracked with `dirty_tracking`.
+/// snapshots tracked with `dirty_tracking`. `ready` fires once the shell
+/// is made and its socket serves.
 ///
 /// The shell is made and served on a helper thread while this (main)
 /// thread confines itself at once, off any restore's path (installing a
@@ -89,12 +90,13 @@ pub fn standby(
     vcpus: u16,
     socket: PathBuf,
     dirty_tracking: DirtyTracking,
+    ready: Ready,
 ) -> Result<RunReport, RunError> {
     let (done, outcome) = std::sync::mpsc::channel();
     let helper = std::thread::Builder::new()
         .name("standby".into())
         .spawn(move || {
-            let _ = done.send(serve(mem_mib, vcpus, socket, dirty_tracking));
+            let _ = done.send(serve(mem_mib, vcpus, socket, dirty_tracking, ready));
         })
         .map_err(RunError::StandbyThread)?;
     crate::seccomp::install(crate::seccomp::ThreadKind::Main)?;
@@ -103,7 +105,8 @@ pub fn standby(
     let _ = helper.join();
     match outcome {
         Ok(Ok(Outcome::Ended(report))) => Ok(report),
-        Ok(Ok(Outcome::Restored(vm))) => vm.run(),
+        // The shell's ready hook fired when it was made.
+        Ok(Ok(Outcome::Restored(vm))) => vm.run(Ready::none()),
         Ok(Err(e)) => Err(e),
         Err(_) => Err(RunError::Launch(VmError::internal(
             "the standby thread ended without an answer",
@@ -118,6 +121,7 @@ fn serve(
     vcpus: u16,
     socket: PathBuf,
     dirty_tracking: DirtyTracking,
+    mut ready: Ready,
 ) -> Result<Outcome, RunError> {
     let started = Instant::now();
     // A shell is its pod's: if the process that made it ends (a test, a
@@ -140,7 +144,7 @@ fn serve(
     });
     let exit = ExitSignal::new().map_err(RunError::ExitEvent)?;
     tracing::info!(timings = ?shell_timings, "standby shell ready");
-    crate::launch::serving();
+    ready.fire();
     loop {
         let mut stream = match listener.accept() {
             Ok((s, _)) => s,

@@ -25,8 +25,8 @@ use crate::devices::vsock::{
     VsockConfig, VsockDevice, VsockError, VsockMmio, VsockRestoreArgs, VsockState,
 };
 use crate::devices::worker::{DeviceWorker, WorkerError};
-use crate::persist::Persist;
 use crate::snapshot::PageRuns;
+use crate::snapshot::Persist;
 use crate::vstate::vm::{Vm, VmError};
 
 /// Slot 0 is the disk (so Linux names it /dev/vda), slot 1 vsock, slot 2

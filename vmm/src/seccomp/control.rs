@@ -10,7 +10,7 @@
 use super::ioctls;
 use super::rules::{allow_fd_flags, base, Arg, Rules};
 use super::SeccompError;
-use crate::vstate::vcpu::kick_signal;
+use crate::signals::vcpu_kick;
 
 pub fn main_rules() -> Result<Rules, SeccompError> {
     let mut r = base()?;
@@ -23,7 +23,7 @@ pub fn main_rules() -> Result<Rules, SeccompError> {
         // The control socket's file, removed at the end.
         libc::SYS_unlink,
     ]);
-    r.allow_values(libc::SYS_tgkill, 2, &[kick_signal() as u64])?;
+    r.allow_values(libc::SYS_tgkill, 2, &[vcpu_kick() as u64])?;
     // That answer carries the VM status, with the guest clock.
     r.allow_values(libc::SYS_ioctl, 1, &[ioctls::kvm_get_clock()])?;
     Ok(r)
@@ -62,7 +62,7 @@ pub fn control_rules() -> Result<Rules, SeccompError> {
         libc::SYS_madvise,
         &[Arg::Eq(2, libc::MADV_POPULATE_READ as u64)],
     )?;
-    r.allow_values(libc::SYS_tgkill, 2, &[kick_signal() as u64])?;
+    r.allow_values(libc::SYS_tgkill, 2, &[vcpu_kick() as u64])?;
     let mut requests = ioctls::vm_read();
     requests.extend(ioctls::dirty_scan());
     r.allow_values(libc::SYS_ioctl, 1, &requests)?;

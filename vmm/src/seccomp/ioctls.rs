@@ -8,7 +8,7 @@ use kvm_bindings::{
 };
 use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr, ioctl_iow_nr, ioctl_iowr_nr};
 
-use crate::uffd::abi;
+use crate::uffd_abi as abi;
 
 ioctl_io_nr!(KVM_RUN, KVMIO, 0x80);
 ioctl_ior_nr!(KVM_GET_REGS, KVMIO, 0x81, kvm_regs);

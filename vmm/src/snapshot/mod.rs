@@ -5,7 +5,7 @@
 //!
 //! - `state`: a 32-byte header (magic, format version, lengths, CRC32s)
 //!   followed by a bincode-encoded payload, the `MicrovmState` of
-//!   `persist.rs`. [`write_state`] / [`read_state`] frame and check it; the
+//!   `vm_state.rs`. [`write_state`] / [`read_state`] frame and check it; the
 //!   payload type is the caller's.
 //! - `memory`: guest RAM laid out linearly, region after region in
 //!   guest-physical order, 4 KiB pages; all-zero pages are holes. A diff
@@ -20,6 +20,7 @@ mod atomic;
 mod format;
 mod memory;
 mod page_runs;
+mod persist;
 
 use std::path::PathBuf;
 
@@ -31,6 +32,7 @@ pub use memory::{
     check_memory_file, read_page, read_pages, write_full_memory, write_memory_pages, MemoryFileInfo,
 };
 pub use page_runs::PageRuns;
+pub use persist::Persist;
 
 /// Size of a guest page in the memory file: page `p` is at byte `p * PAGE_SIZE`.
 pub const PAGE_SIZE: u64 = 4096;

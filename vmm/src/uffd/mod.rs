@@ -124,7 +124,6 @@
 //! installs the page protected unless a write fault asked for it, so
 //! `PAGEMAP_SCAN` reports exactly the pages written after the restore.
 
-pub mod abi;
 mod layers;
 mod regions;
 mod server;

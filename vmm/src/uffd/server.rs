@@ -23,7 +23,7 @@ use super::{
 // events; the fill ioctls are issued directly because the crate loses the
 // byte count of a partial UFFDIO_ZEROPAGE and reports errnos through three
 // different error variants.
-use super::abi::{
+use crate::uffd_abi::{
     ioctl_bit, uffdio_continue, uffdio_copy, uffdio_range, uffdio_zeropage, _UFFDIO_CONTINUE,
     _UFFDIO_COPY, _UFFDIO_WAKE, _UFFDIO_WRITEPROTECT, _UFFDIO_ZEROPAGE, UFFDIO_CONTINUE,
     UFFDIO_CONTINUE_MODE_WP, UFFDIO_COPY, UFFDIO_COPY_MODE_WP, UFFDIO_REGISTER_MODE_WP,
@@ -281,7 +281,7 @@ fn create_uffd(mode: Mode, write_protect: bool) -> Result<Uffd, UffdError> {
         ));
     }
     if write_protect {
-        use super::abi::{
+        use crate::uffd_abi::{
             UFFD_FEATURE_WP_ASYNC, UFFD_FEATURE_WP_HUGETLBFS_SHMEM, UFFD_FEATURE_WP_UNPOPULATED,
         };
         let offered = crate::dirty::check_wp_async().map_err(|e| UffdError::Create {

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use kvm_bindings::CpuId;
 use kvm_ioctls::{VcpuExit, VcpuFd};
-use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+use vmm_sys_util::signal::{register_signal_handler, Killable};
 
 use super::cpuid;
 use super::regs::{self, RegsError};
@@ -16,11 +16,6 @@ use super::vm::Vm;
 use crate::devices::virtio::MmioBus;
 use crate::devices::PioBus;
 use crate::exit::{ExitReason, ExitSignal};
-
-/// Signal used to kick a vCPU thread out of KVM_RUN.
-pub(crate) fn kick_signal() -> i32 {
-    SIGRTMIN()
-}
 
 thread_local! {
     /// This thread's `kvm_run.immediate_exit`, for the kick signal handler.
@@ -39,7 +34,7 @@ extern "C" fn handle_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc:
 
 /// Installs the kick handler once per process.
 pub fn register_kick_handler() -> Result<(), VcpuError> {
-    register_signal_handler(kick_signal(), handle_kick).map_err(VcpuError::Signal)
+    register_signal_handler(crate::signals::vcpu_kick(), handle_kick).map_err(VcpuError::Signal)
 }
 
 /// Errors while creating, configuring or running a vCPU.
@@ -301,7 +296,7 @@ impl VcpuSet {
             .iter()
         {
             // A thread that already exited cannot be kicked; nothing to do.
-            let _ = t.kill(kick_signal());
+            let _ = t.kill(crate::signals::vcpu_kick());
         }
     }
 

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use torpor_vmm_api::control::BalloonCounters;
 
 use super::device::{BalloonDevice, BalloonError};
-use crate::persist::Persist;
+use crate::snapshot::Persist;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BalloonState {

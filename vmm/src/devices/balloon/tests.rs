@@ -18,7 +18,7 @@ use crate::devices::virtio::{
     MmioRestoreArgs, INT_CONFIG, VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1,
 };
 use crate::devices::worker::poll_once;
-use crate::persist::Persist;
+use crate::snapshot::Persist;
 
 const MEM: usize = 16 << 20;
 const QSIZE: u16 = 32;

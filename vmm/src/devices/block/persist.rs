@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::device::{BlockDevice, BlockError};
 use super::disk::{check_base, copy_overlay, CowDisk, OverlayMap, CHUNK_SIZE};
-use crate::persist::Persist;
+use crate::snapshot::Persist;
 
 /// Plain-data state of a block device.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

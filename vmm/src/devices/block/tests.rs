@@ -10,7 +10,7 @@ use vmm_sys_util::eventfd::EventFd;
 use super::*;
 use crate::devices::virtio::testutil::{activate, copy_mem, guest_mem, read32, write32, Driver};
 use crate::devices::virtio::{MmioRestoreArgs, VIRTIO_F_VERSION_1};
-use crate::persist::Persist;
+use crate::snapshot::Persist;
 
 const MEM: usize = 4 << 20;
 const DISK: u64 = 2 << 20;

@@ -13,7 +13,7 @@ use torpor_vmm_api::launch::{MacAddr, NetSpec, RateLimit};
 
 use super::device::{NetDevice, NetError};
 use crate::devices::rate_limiter::{Clock, MonotonicClock};
-use crate::persist::Persist;
+use crate::snapshot::Persist;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NetState {

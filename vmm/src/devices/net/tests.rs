@@ -20,7 +20,7 @@ use crate::devices::virtio::{MmioRestoreArgs, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::devices::worker::poll_once;
 use crate::devices::worker::EpollDevice;
 use crate::devices::Pausable;
-use crate::persist::Persist;
+use crate::snapshot::Persist;
 use torpor_vmm_api::launch::{MacAddr, NetSpec};
 use virtio_queue::QueueT;
 

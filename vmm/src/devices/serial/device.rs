@@ -5,7 +5,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::persist::SerialPersistState;
 use crate::devices::PioDevice;
-use crate::persist::Persist;
+use crate::snapshot::Persist;
 
 pub const COM1_BASE: u16 = 0x3f8;
 pub const COM1_PORTS: u16 = 8;

@@ -12,8 +12,8 @@ use super::queue::{DirtyPages, QueueContext};
 use super::{
     status, Interrupt, VirtioDevice, VirtioError, VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1,
 };
-use crate::persist::Persist;
 use crate::snapshot::PageRuns;
+use crate::snapshot::Persist;
 
 /// Register offsets.
 mod reg {

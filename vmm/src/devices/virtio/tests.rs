@@ -10,7 +10,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::testutil::{activate, guest_mem, negotiate, read32, write32, Driver};
 use super::*;
-use crate::persist::Persist;
+use crate::snapshot::Persist;
 
 const FEATURES: u64 = VIRTIO_F_VERSION_1 | VIRTIO_F_RING_EVENT_IDX | 0b101;
 

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use super::device::{VsockConfig, VsockDevice, VsockError};
-use crate::persist::Persist;
+use crate::snapshot::Persist;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VsockState {

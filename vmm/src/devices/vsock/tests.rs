@@ -15,8 +15,8 @@ use super::*;
 use crate::devices::virtio::testutil::{guest_mem, read32, write32};
 use crate::devices::virtio::{MmioRestoreArgs, VirtioMmioState};
 use crate::devices::Pausable;
-use crate::persist::Persist;
 use crate::snapshot::PageRuns;
+use crate::snapshot::Persist;
 
 const MEM: usize = 4 << 20;
 

@@ -1,6 +1,8 @@
 //! Saved microVM state: plain serde structs for the vCPUs, the VM's
-//! in-kernel devices, emulated devices and memory, behind one `Persist`
-//! trait. The encoding on disk is the snapshot module's business.
+//! in-kernel devices, emulated devices and memory, and the KVM calls that
+//! save and restore them. Devices save themselves through
+//! [`crate::snapshot::Persist`]; the encoding on disk is the snapshot
+//! module's business.
 
 use std::path::PathBuf;
 
@@ -15,15 +17,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::devices::serial::SerialPersistState;
 use crate::snapshot::PageRuns;
-
-/// Something whose state can be saved to plain data and rebuilt from it.
-pub trait Persist: Sized {
-    type State: Serialize + for<'de> Deserialize<'de>;
-    type ConstructorArgs;
-    type Error;
-    fn save(&self) -> Self::State;
-    fn restore(args: Self::ConstructorArgs, state: &Self::State) -> Result<Self, Self::Error>;
-}
 
 /// Errors while saving or restoring KVM state.
 #[derive(Debug, thiserror::Error)]
