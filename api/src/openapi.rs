@@ -41,6 +41,8 @@ use crate::ROUTES;
     crate::admin_routes::TenantBody,
     crate::admin_routes::ImageList,
     crate::network_routes::PortList,
+    crate::history_routes::MetricHistory,
+    torpor_scheduler::service::history::MetricSample,
     crate::network_routes::ExposePort,
     crate::checkpoint_routes::CheckpointList,
     crate::checkpoint_routes::ForkList,
@@ -266,8 +268,10 @@ mod tests {
     fn every_admitted_route_documents_429() {
         let d = doc();
         for r in ROUTES {
-            if matches!(r.gate, crate::gate::Gated::Sandbox(crate::gate::Admit::Plain))
-                || r.gate == crate::gate::Gated::No
+            if matches!(
+                r.gate,
+                crate::gate::Gated::Sandbox(crate::gate::Admit::Plain)
+            ) || r.gate == crate::gate::Gated::No
             {
                 continue;
             }
