@@ -377,6 +377,12 @@ pub struct ServiceFlags {
     /// How often the hibernation policy runs, in ms (0 turns it off).
     #[arg(long, default_value_t = 1000)]
     pub policy_interval_ms: u64,
+    /// How often each running sandbox's resource use is sampled into its
+    /// history (`GET /v1/sandboxes/{id}/metrics`, E2B's metrics), in ms;
+    /// the last 1440 samples are kept (0 turns sampling off; a read of a
+    /// running sandbox's metrics still samples it).
+    #[arg(long, default_value_t = torpor_scheduler::service::history::SAMPLE_INTERVAL_MS)]
+    pub history_interval_ms: u64,
     /// Default keep-alive of a sandbox before it is hibernated when idle
     /// (at most 30 days).
     #[arg(long, default_value_t = 300_000,

@@ -415,6 +415,8 @@ fn matrix(s: &Serve, label: &str) -> Vec<String> {
         ("e2b", "/sandboxes"),
         ("e2b", "/v2/sandboxes"),
         ("e2b", "/v2/sandboxes?state=paused"),
+        ("e2b", "/v2/sandboxes?order=asc&limit=1"),
+        ("e2b", "/v2/sandboxes?metadata=k%3Dv&state=running"),
         ("e2b", "/snapshots"),
     ] {
         attacks += 1;
@@ -426,6 +428,41 @@ fn matrix(s: &Serve, label: &str) -> Vec<String> {
         for secret in [&running, &sleeping, &snapshot_id] {
             if r.status != 200 || r.body.contains(secret.as_str()) {
                 failures.push(format!("{surface} GET {path}: {} {}", r.status, r.body));
+            }
+        }
+    }
+    // E2B's running count: none of acme's counted for evil.
+    attacks += 1;
+    let r = s.e2b(&evil, "GET", "/v2/sandboxes", None);
+    if r.header("x-total-running") != Some("0") {
+        failures.push(format!(
+            "e2b GET /v2/sandboxes: x-total-running {:?}",
+            r.header("x-total-running")
+        ));
+    }
+    // Metrics over a range (the routes' own rows above ask without one):
+    // as for a sandbox that does not exist.
+    for (surface, path) in [
+        ("v1", "/v1/sandboxes/ID/metrics?from=0&to=9999999999999"),
+        ("e2b", "/sandboxes/ID/metrics?start=0&end=9999999999"),
+    ] {
+        let send = |id: &str| {
+            let path = path.replace("ID", id);
+            if surface == "v1" {
+                s.v1(&evil, "GET", &path, None)
+            } else {
+                s.e2b(&evil, "GET", &path, None)
+            }
+        };
+        let absent = send(MISSING);
+        for target in [&running, &sleeping] {
+            attacks += 1;
+            let r = send(target);
+            if r.status != 404 || shape(&r, target) != shape(&absent, MISSING) {
+                failures.push(format!(
+                    "{surface} GET {path} on acme's {target}: {} {}",
+                    r.status, r.body
+                ));
             }
         }
     }

@@ -245,14 +245,39 @@ fn cluster_serves_e2b_and_envd_on_any_replica() {
         404,
         "another tenant",
     );
-    // Its metrics, measured by its pod now (PostgreSQL's row has none).
+    // Its metrics, the history its pod keeps (PostgreSQL's row has none):
+    // a read of the running sandbox samples it now if it had no sample
+    // for a while.
     let metrics = expect(
         e2b(&one, &key, "GET", &format!("{path}/metrics"), &[], None),
         200,
         "metrics",
     );
-    assert_eq!(metrics.as_array().unwrap().len(), 1, "{metrics}");
-    assert!(metrics[0]["memUsed"].as_u64().unwrap() > 0, "{metrics}");
+    let newest = metrics.as_array().unwrap().last().unwrap();
+    assert!(newest["memUsed"].as_u64().unwrap() > 0, "{metrics}");
+    let ms = torpor_scheduler::model::Timestamp::now().0;
+    let recent = expect(
+        e2b(
+            &one,
+            &key,
+            "GET",
+            &format!(
+                "{path}/metrics?start={}&end={}",
+                ms / 1000 - 60,
+                ms / 1000 + 1
+            ),
+            &[],
+            None,
+        ),
+        200,
+        "metrics over the last minute",
+    );
+    assert!(!recent.as_array().unwrap().is_empty(), "{recent}");
+    expect(
+        e2b(&one, &other, "GET", &format!("{path}/metrics"), &[], None),
+        404,
+        "another tenant's metrics",
+    );
 
     // envd through replica 2 on the sandbox made through replica 1: its
     // token checked there; the probe has no agent (its pod's catalog

@@ -22,6 +22,9 @@ struct E2b {
 impl E2b {
     fn start(data: &Path, extra: &[&str]) -> Self {
         let mut args = vec!["--token", KEY, "--policy-interval-ms", "200"];
+        if !extra.contains(&"--history-interval-ms") {
+            args.extend_from_slice(&["--history-interval-ms", "200"]);
+        }
         args.extend_from_slice(extra);
         let serve = ServeProcess::start(data, &args);
         let addr = serve.addr.clone();
@@ -154,10 +157,7 @@ fn create_get_timeout_kill() {
         .iter()
         .map(|x| x["sandboxID"].as_str().unwrap())
         .collect();
-    assert!(
-        ids.contains(&id.as_str()) && ids.contains(&v1_id.as_str()),
-        "{listed}"
-    );
+    assert_eq!(ids, [v1_id.as_str(), id.as_str()], "newest first: {listed}");
 
     s.expect(204, "DELETE", &format!("/sandboxes/{id}"), None);
     for (method, path, body) in [
@@ -197,6 +197,9 @@ fn pause_is_hibernation_and_connect_wakes() {
         Some(r#"{"timeout":300}"#),
     );
     assert_eq!(c["sandboxID"], id.as_str());
+    // Running: a read samples it (its history is not empty).
+    let running = s.expect(200, "GET", &format!("/sandboxes/{id}/metrics"), None);
+    assert!(!running.as_array().unwrap().is_empty(), "{running}");
 
     s.expect(
         204,
@@ -221,10 +224,16 @@ fn pause_is_hibernation_and_connect_wakes() {
     .json();
     assert_eq!(native["state"], "hibernated", "{native}");
     assert!(native["vmm"].is_null(), "{native}");
-    assert_eq!(
-        s.expect(200, "GET", &format!("/sandboxes/{id}/metrics"), None),
-        serde_json::json!([])
-    );
+    // Paused: its history from before (read above), nothing new.
+    let paused_at = torpor_scheduler::model::Timestamp::now().0 / 1000;
+    let history = s.expect(200, "GET", &format!("/sandboxes/{id}/metrics"), None);
+    assert!(!history.as_array().unwrap().is_empty(), "{history}");
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    let later = s.expect(200, "GET", &format!("/sandboxes/{id}/metrics"), None);
+    assert_eq!(later, history, "no samples while paused");
+    for m in history.as_array().unwrap() {
+        assert!(m["timestampUnix"].as_i64().unwrap() <= paused_at, "{m}");
+    }
 
     // Connect wakes it: 201, running again; the timeout is extended.
     let c = s.expect(
@@ -306,10 +315,57 @@ fn list_filters_and_pages() {
         }
     }
     assert_eq!(pages, 2);
+    let newest_first: Vec<String> = ours.iter().rev().cloned().collect();
     assert_eq!(
-        seen, ours,
-        "oldest first, each once, only the filtered ones"
+        seen, newest_first,
+        "newest first, each once, only the filtered ones"
     );
+
+    // order=asc: oldest first; its tokens are its own.
+    let first = s.call(
+        "GET",
+        &format!("/v2/sandboxes?{meta}&limit=2&order=asc"),
+        None,
+    );
+    assert_eq!(first.status, 200, "{}", first.body);
+    let page: Vec<String> = first
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["sandboxID"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(page, ours[..2]);
+    // Two running of ours match (the third is paused), on every page.
+    assert_eq!(first.header("x-total-running"), Some("2"));
+    let asc_token = first.header("x-next-token").unwrap().to_string();
+    let second = s.expect(
+        200,
+        "GET",
+        &format!("/v2/sandboxes?{meta}&limit=2&order=asc&nextToken={asc_token}"),
+        None,
+    );
+    assert_eq!(second[0]["sandboxID"], ours[2].as_str(), "{second}");
+    assert_eq!(second.as_array().unwrap().len(), 1, "{second}");
+    // A token replayed with the other order is refused, as E2B does.
+    for replay in [
+        format!("/v2/sandboxes?{meta}&limit=2&nextToken={asc_token}"),
+        format!("/v2/sandboxes?{meta}&limit=2&order=desc&nextToken={asc_token}"),
+    ] {
+        assert_e2b_error(&s.call("GET", &replay, None), 400);
+    }
+    // Paused only: no running count.
+    let r = s.call("GET", &format!("/v2/sandboxes?{meta}&state=paused"), None);
+    assert_eq!(r.header("x-total-running"), None, "{}", r.body);
+    let r = s.call("GET", "/v2/sandboxes?template=nope", None);
+    assert_eq!(r.header("x-total-running"), Some("0"), "{}", r.body);
+    // E2B's metadata parsing: the whole value is unescaped before it is
+    // split, so an encoded `=` separates; an empty key is a key no
+    // sandbox has.
+    let whole = s.expect(200, "GET", "/v2/sandboxes?metadata=team%2Ba%253Db", None);
+    assert_eq!(whole[0]["sandboxID"], other.as_str(), "{whole}");
+    let empty_key = s.expect(200, "GET", "/v2/sandboxes?metadata=%3Dv", None);
+    assert_eq!(empty_key, serde_json::json!([]));
 
     let running = s.expect(
         200,
@@ -326,8 +382,10 @@ fn list_filters_and_pages() {
     );
     assert_eq!(paused[0]["sandboxID"], ours[2].as_str(), "{paused}");
     assert_eq!(paused[0]["state"], "paused");
-    let desc = s.expect(200, "GET", "/v2/sandboxes?order=desc&limit=1", None);
+    let desc = s.expect(200, "GET", "/v2/sandboxes?limit=1", None);
     assert_eq!(desc[0]["sandboxID"], other.as_str(), "{desc}");
+    let asc = s.expect(200, "GET", "/v2/sandboxes?order=asc&limit=1", None);
+    assert_eq!(asc[0]["sandboxID"], ours[0].as_str(), "{asc}");
     let by_name = s.expect(200, "GET", "/v2/sandboxes?template=probe", None);
     assert_eq!(by_name.as_array().unwrap().len(), 4, "{by_name}");
     let none = s.expect(200, "GET", "/v2/sandboxes?template=nope", None);
@@ -348,10 +406,103 @@ fn list_filters_and_pages() {
         "/v2/sandboxes?nextToken=garbage",
         "/v2/sandboxes?order=sideways",
         "/v2/sandboxes?startedAfter=yesterday",
-        "/v2/sandboxes?metadata=%3Dv",
+        "/v2/sandboxes?metadata=k",
+        "/v2/sandboxes?metadata=k%3Dv%3Dw",
+        "/v2/sandboxes?metadata=k%3D%2525ZZ",
+        "/sandboxes?metadata=k",
     ] {
         assert_e2b_error(&s.call("GET", bad, None), 400);
     }
+}
+
+/// E2B's metrics from the pod's history (sampled every 200 ms here),
+/// with `start`/`end` in unix seconds; `/v1`'s with `from`/`to` in ms.
+#[test]
+fn metrics_history_over_a_range() {
+    let data = DataDir::new("e2b-metrics");
+    let s = E2b::start(&data.0, &["--history-interval-ms", "200"]);
+    let before = torpor_scheduler::model::Timestamp::now().0 / 1000;
+    let id = id_of(&s.create(r#"{"templateID":"probe","timeout":300}"#));
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let path = format!("/sandboxes/{id}/metrics");
+    let all = s.expect(200, "GET", &path, None);
+    let all = all.as_array().unwrap();
+    assert!(all.len() >= 4, "sampled every 200 ms: {all:?}");
+    let mut last = 0;
+    for m in all {
+        for field in [
+            "cpuCount",
+            "cpuUsedPct",
+            "memUsed",
+            "memTotal",
+            "memCache",
+            "diskUsed",
+            "diskTotal",
+            "timestampUnix",
+        ] {
+            assert!(m[field].is_number(), "{field}: {m}");
+        }
+        assert_eq!(m["cpuCount"], 1, "{m}");
+        assert!(m["memUsed"].as_u64().unwrap() > 0, "{m}");
+        let at = torpor_api::e2b::time::parse(m["timestamp"].as_str().unwrap()).unwrap();
+        assert_eq!(at.0 / 1000, m["timestampUnix"].as_i64().unwrap(), "{m}");
+        assert!(at.0 >= last, "oldest first: {all:?}");
+        last = at.0;
+        assert!(at.0 / 1000 >= before, "{m}");
+    }
+    // A range before the sandbox: nothing; one around now: some.
+    let old = s.expect(
+        200,
+        "GET",
+        &format!("{path}?start={}&end={}", before - 3600, before - 1800),
+        None,
+    );
+    assert_eq!(old, serde_json::json!([]));
+    let now = torpor_scheduler::model::Timestamp::now().0 / 1000;
+    let recent = s.expect(
+        200,
+        "GET",
+        &format!("{path}?start={before}&end={now}"),
+        None,
+    );
+    assert!(!recent.as_array().unwrap().is_empty(), "{recent}");
+    let later = format!("{path}?start={}&end={}", now + 3600, now + 7200);
+    assert_eq!(s.expect(200, "GET", &later, None), serde_json::json!([]));
+    for bad in [
+        format!("{path}?start=10&end=5"),
+        // Past `end`, which is now by default.
+        format!("{path}?start={}", now + 3600),
+        format!("{path}?start=-1"),
+        format!("{path}?end=soon"),
+    ] {
+        assert_e2b_error(&s.call("GET", &bad, None), 400);
+    }
+
+    // /v1: the same history, ms.
+    let v1 = |query: &str| {
+        request(
+            &s.addr,
+            "GET",
+            &format!("/v1/sandboxes/{id}/metrics{query}"),
+            Some(KEY),
+            None,
+        )
+    };
+    let r = v1("");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let samples = r.json()["samples"].as_array().unwrap().clone();
+    assert!(samples.len() >= all.len(), "{samples:?}");
+    let newest = samples.last().unwrap()["at"].as_i64().unwrap();
+    assert_eq!(samples[0]["cpu_count"], 1, "{samples:?}");
+    assert!(samples[0]["mem_total_bytes"].as_u64().unwrap() > 0);
+    let tail = v1(&format!("?from={newest}&to={newest}")).json();
+    assert_eq!(tail["samples"].as_array().unwrap().len(), 1, "{tail}");
+    for bad in ["?from=5&to=4", "?from=x", "?start=1"] {
+        assert_eq!(v1(bad).status, 400, "{bad}");
+    }
+    s.expect(204, "DELETE", &format!("/sandboxes/{id}"), None);
+    assert_e2b_error(&s.call("GET", &path, None), 404);
+    assert_eq!(v1("").status, 404);
 }
 
 #[test]

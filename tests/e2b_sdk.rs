@@ -3,7 +3,8 @@
 //! installed by `scripts/setup test` outside the repository:
 //! `tests/e2b/sdk_control.py` and `tests/e2b/sdk_control.mjs` against
 //! `torpor serve` on loopback with the probe template: create, get_info, set_timeout,
-//! metrics, list with a metadata filter and paging, pause (hibernation) →
+//! metrics (history, ranges), list with a metadata filter, newest first,
+//! `order="asc"` and paging (tokens bound to their order), pause (hibernation) →
 //! 409 on a second pause → connect, snapshot → create from it → delete,
 //! fork with a count, kill, and the SDK's not-found and auth errors.
 //! (`tests/nested_pod.rs` runs the same scripts against a Linux template.)

@@ -12,6 +12,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template};
+use torpor_scheduler::service::history::MetricSample;
 use torpor_scheduler::service::LOCAL_POD;
 
 use crate::calls::{
@@ -40,6 +41,8 @@ pub enum Needs {
     Network,
     /// Image uploads and listings.
     Images,
+    /// Sandboxes' metrics histories.
+    History,
 }
 
 impl Needs {
@@ -49,6 +52,7 @@ impl Needs {
                 Needs::Snapshots => "this backend keeps no checkpoints",
                 Needs::Network => "this backend has no sandbox networking",
                 Needs::Images => "this backend keeps no images",
+                Needs::History => "this backend keeps no metrics history",
             }
             .into(),
         )
@@ -250,6 +254,20 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     /// (a cluster replica reads PostgreSQL) asks the pod.
     fn measured_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
         self.get_sandbox(id)
+    }
+
+    /// Sandbox `id`'s resource use over `range`, oldest first: the
+    /// samples its pod keeps (`service/history.rs`). A backend whose
+    /// sandboxes run on other pods asks the pod
+    /// ([`crate::history_routes::on_remote_pod`]).
+    fn metrics_history(
+        &self,
+        id: &SandboxId,
+        range: crate::history_routes::Range,
+    ) -> Result<Vec<MetricSample>, ServiceError> {
+        on_pod(self, Needs::History, |s| {
+            Service::metrics_history(s, id, range.from, range.to)
+        })
     }
 
     /// The tenant sandbox `id` belongs to (`None`: made before tenants);

@@ -60,6 +60,7 @@ pub mod error;
 pub mod gate;
 pub mod guest_routes;
 mod handlers;
+pub mod history_routes;
 pub mod nested;
 mod network_routes;
 pub mod openapi;
@@ -250,6 +251,7 @@ pub const ROUTES: &[Route] = &[
         "updateSandboxNetwork",
     )
     .sandbox(gate::Admit::Plain),
+    route("GET", "/v1/sandboxes/{id}/metrics", "sandboxMetrics").sandbox(gate::Admit::Plain),
     route("GET", "/v1/sandboxes/{id}/ports", "listPorts").sandbox(gate::Admit::Plain),
     route("POST", "/v1/sandboxes/{id}/ports", "exposePort").sandbox(gate::Admit::Plain),
     route(
@@ -318,6 +320,7 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "writeFile" => on(m, guest_routes::write_file::<S>),
         "listFiles" => on(m, guest_routes::list_files::<S>),
         "updateSandboxNetwork" => on(m, network_routes::update_policy::<S>),
+        "sandboxMetrics" => on(m, history_routes::get::<S>),
         "listPorts" => on(m, network_routes::list_ports::<S>),
         "exposePort" => on(m, network_routes::expose_port::<S>),
         "unexposePort" => on(m, network_routes::unexpose_port::<S>),

@@ -41,6 +41,8 @@ use crate::ROUTES;
     crate::admin_routes::TenantBody,
     crate::admin_routes::ImageList,
     crate::network_routes::PortList,
+    crate::history_routes::MetricHistory,
+    torpor_scheduler::service::history::MetricSample,
     crate::network_routes::ExposePort,
     crate::checkpoint_routes::CheckpointList,
     crate::checkpoint_routes::ForkList,

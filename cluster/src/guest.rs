@@ -175,6 +175,16 @@ impl Cluster {
         self.block(self.with_secrets(Self::sandbox_from(&pod, value)?))
     }
 
+    /// The sandbox's metrics history, as its pod keeps it.
+    pub(super) fn history_on_pod(
+        &self,
+        id: &SandboxId,
+        range: torpor_api::history_routes::Range,
+    ) -> Result<Vec<torpor_scheduler::service::history::MetricSample>, ServiceError> {
+        let (_, pod) = self.pod_of(id)?;
+        torpor_api::history_routes::on_remote_pod(&pod, id, range)
+    }
+
     fn sandbox_from(pod: &RemotePod, value: Value) -> Result<Sandbox, ServiceError> {
         let mut sandbox: Sandbox =
             serde_json::from_value(value).map_err(|e| ServiceError::Pod {

@@ -702,6 +702,15 @@ impl SandboxApi for Cluster {
         self.measured_on_pod(id)
     }
 
+    /// As its pod keeps it (`guest.rs`).
+    fn metrics_history(
+        &self,
+        id: &SandboxId,
+        range: torpor_api::history_routes::Range,
+    ) -> Result<Vec<torpor_scheduler::service::history::MetricSample>, ServiceError> {
+        self.history_on_pod(id, range)
+    }
+
     /// A deleted sandbox's id stays its tenant's (so it may retry, by key,
     /// what it sent before the delete: `retried`); the routes answer 404
     /// for it all the same.

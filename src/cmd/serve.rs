@@ -199,6 +199,7 @@ fn open_service(
     };
     config.host = host_guests().clone();
     config.policy_interval_ms = flags.policy_interval_ms;
+    config.history_interval_ms = flags.history_interval_ms;
     config.default_keep_alive_ms = flags.keep_alive_ms;
     config.exec_timeout_ms = flags.exec_timeout_ms.max(1);
     config.standby_pool = flags.standby_pool;

@@ -61,8 +61,26 @@ const left = ((await Sandbox.getInfo(sbx.sandboxId)).endAt - Date.now()) / 1000
 check(left >= 20 && left <= 31, `after setTimeout(30 s): ${left} s left`)
 await sbx.setTimeout(300_000)
 
+// metrics: its pod's history, oldest first
 const metrics = await sbx.getMetrics()
-check(metrics.length === 1 && metrics[0].memUsed > 0, `metrics ${JSON.stringify(metrics)}`)
+check(metrics.length >= 1 && metrics.at(-1).memUsed > 0, `metrics ${JSON.stringify(metrics)}`)
+check(
+  metrics.every((m, i) => m.cpuCount >= 1 && m.memTotal > 0 && (i === 0 || metrics[i - 1].timestamp <= m.timestamp)),
+  `metrics oldest first ${JSON.stringify(metrics)}`,
+)
+const now = new Date()
+const ranged = await sbx.getMetrics({ start: new Date(info.startedAt.getTime() - 5_000), end: now })
+check(ranged.length >= 1, `metrics from its start to now ${JSON.stringify(ranged)}`)
+const before = await sbx.getMetrics({
+  start: new Date(info.startedAt.getTime() - 3_600_000),
+  end: new Date(info.startedAt.getTime() - 1_800_000),
+})
+check(before.length === 0, `no metrics before the sandbox ${JSON.stringify(before)}`)
+await raises(
+  SandboxError,
+  () => sbx.getMetrics({ start: now, end: new Date(now.getTime() - 3_600_000) }),
+  'metrics with start after end',
+)
 
 // list with a metadata filter (a space and reserved characters) and paging
 const meta = { 'run id': `${run}&x=y` }
@@ -81,6 +99,20 @@ while (paginator.hasNext) {
 }
 check(pages === 2, `${pages} pages`)
 check(JSON.stringify(ids(seen)) === JSON.stringify(ids(listed)), `listed ${ids(seen)}`)
+const order = (xs) => JSON.stringify(xs.map((s) => s.sandboxId))
+check(order(seen) === order([...listed].reverse()), `newest first ${order(seen)}`)
+// order 'asc': oldest first; its token is bound to its order
+const asc = Sandbox.list({ query: { metadata: meta }, limit: 2, order: 'asc' })
+const first = await asc.nextItems()
+check(order(first) === order(listed.slice(0, 2)), `asc first page ${order(first)}`)
+check(asc.hasNext && asc.nextToken, 'asc has a next page')
+await raises(
+  SandboxError,
+  () => Sandbox.list({ query: { metadata: meta }, limit: 2, nextToken: asc.nextToken }).nextItems(),
+  'an asc token replayed newest first',
+)
+const rest = await asc.nextItems()
+check(order(rest) === order(listed.slice(2)) && !asc.hasNext, `asc second page ${order(rest)}`)
 
 // pause (hibernation) -> already paused -> connect wakes it
 check((await sbx.pause(SLOW)) === true, 'pause')

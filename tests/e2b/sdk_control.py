@@ -6,6 +6,7 @@ E2B_API_URL, E2B_API_KEY and E2B_SANDBOX_URL set; exits non-zero on the
 first failed check.
 """
 
+import datetime
 import importlib.metadata
 import os
 import sys
@@ -66,9 +67,32 @@ left = (Sandbox.get_info(sbx.sandbox_id).end_at.timestamp() - time.time())
 check(20 <= left <= 31, f"after set_timeout(30): {left} s left")
 sbx.set_timeout(300)
 
-# metrics of a running sandbox
+# metrics of a running sandbox: its pod's history, oldest first
+created = info.started_at
 metrics = sbx.get_metrics()
-check(len(metrics) == 1 and metrics[0].mem_used > 0, f"metrics {metrics}")
+check(len(metrics) >= 1 and metrics[-1].mem_used > 0, f"metrics {metrics}")
+check(
+    all(m.cpu_count >= 1 and m.mem_total > 0 and m.cpu_used_pct >= 0 for m in metrics),
+    f"metric fields {metrics}",
+)
+stamps = [m.timestamp for m in metrics]
+check(stamps == sorted(stamps), f"metrics oldest first {stamps}")
+now = datetime.datetime.now(datetime.timezone.utc)
+ranged = sbx.get_metrics(start=created - datetime.timedelta(seconds=5), end=now)
+check(len(ranged) >= 1, f"metrics from its start to now {ranged}")
+check(
+    all(created.timestamp() - 10 <= m.timestamp.timestamp() <= now.timestamp() + 10 for m in ranged),
+    f"metrics within the range {ranged}",
+)
+before = sbx.get_metrics(
+    start=created - datetime.timedelta(hours=1), end=created - datetime.timedelta(minutes=30)
+)
+check(before == [], f"no metrics before the sandbox {before}")
+raises(
+    SandboxException,
+    lambda: sbx.get_metrics(start=now, end=now - datetime.timedelta(hours=1)),
+    "metrics with start after end",
+)
 
 # list with a metadata filter and paging
 others = [
@@ -84,10 +108,22 @@ while paginator.has_next:
     seen += [s.sandbox_id for s in items]
     pages += 1
 check(pages == 2, f"{pages} pages")
-check(
-    sorted(seen) == sorted([sbx.sandbox_id] + [o.sandbox_id for o in others]),
-    f"listed {seen}",
+made = [sbx.sandbox_id] + [o.sandbox_id for o in others]
+check(seen == made[::-1], f"listed newest first {seen}, made {made}")
+# order="asc": oldest first; its token is bound to its order
+asc = Sandbox.list(query=SandboxQuery(metadata={"run": run}), limit=2, order="asc")
+first = [s.sandbox_id for s in asc.next_items()]
+check(first == made[:2], f"asc first page {first}")
+check(asc.has_next and asc.next_token, "asc has a next page")
+raises(
+    SandboxException,
+    lambda: Sandbox.list(
+        query=SandboxQuery(metadata={"run": run}), limit=2, next_token=asc.next_token
+    ).next_items(),
+    "an asc token replayed newest first (400)",
 )
+rest = [s.sandbox_id for s in asc.next_items()]
+check(rest == made[2:] and not asc.has_next, f"asc second page {rest}")
 workers = Sandbox.list(query=SandboxQuery(metadata={"run": run, "role": "worker"})).next_items()
 check(len(workers) == 2, f"workers {workers}")
 
@@ -100,7 +136,12 @@ paused = Sandbox.list(
     query=SandboxQuery(metadata={"run": run}, state=[SandboxState.PAUSED])
 ).next_items()
 check([s.sandbox_id for s in paused] == [sbx.sandbox_id], f"paused list {paused}")
-check(sbx.get_metrics() == [], "no metrics while paused")
+paused_at = datetime.datetime.now(datetime.timezone.utc)
+held = sbx.get_metrics()
+check(
+    all(m.timestamp <= paused_at for m in held),
+    f"no new metrics while paused {held}",
+)
 same = Sandbox.connect(sbx.sandbox_id, timeout=600)
 check(same.sandbox_id == sbx.sandbox_id, "connect id")
 check(sbx.get_info().state == SandboxState.RUNNING, "running after connect")

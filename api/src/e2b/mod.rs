@@ -28,6 +28,8 @@ use crate::{method_filter, route, Limits, Route};
 
 pub mod envd;
 pub mod error;
+mod list;
+mod metrics;
 mod network;
 mod routes;
 pub mod time;
@@ -69,8 +71,8 @@ fn endpoint<S: SandboxApi>(r: &Route) -> MethodRouter<AppState<S>> {
     let m = method_filter(r.method);
     match r.operation {
         "e2bCreateSandbox" | "e2bCreateSandboxV2" => on(m, routes::create::<S>),
-        "e2bListSandboxes" => on(m, routes::list_v1::<S>),
-        "e2bListSandboxesV2" => on(m, routes::list_v2::<S>),
+        "e2bListSandboxes" => on(m, list::list_v1::<S>),
+        "e2bListSandboxesV2" => on(m, list::list_v2::<S>),
         "e2bGetSandbox" => on(m, routes::get::<S>),
         "e2bKillSandbox" => on(m, routes::kill::<S>),
         "e2bPauseSandbox" => on(m, routes::pause::<S>),
@@ -78,7 +80,7 @@ fn endpoint<S: SandboxApi>(r: &Route) -> MethodRouter<AppState<S>> {
         "e2bConnectSandbox" | "e2bConnectSandboxV2" => on(m, routes::connect::<S>),
         "e2bSetTimeout" => on(m, routes::set_timeout::<S>),
         "e2bRefreshSandbox" => on(m, routes::refresh::<S>),
-        "e2bSandboxMetrics" => on(m, routes::metrics::<S>),
+        "e2bSandboxMetrics" => on(m, metrics::get::<S>),
         "e2bForkSandbox" => on(m, routes::fork::<S>),
         "e2bUpdateNetwork" => on(m, routes::update_network::<S>),
         "e2bCreateSnapshot" => on(m, routes::create_snapshot::<S>),

@@ -16,19 +16,18 @@ use torpor_scheduler::model::{
 };
 
 use super::error::E2bError;
+use super::list::limit;
 use super::wire::{
-    e2b_state, metadata_query, page, torpor_states, ConnectBody, CreatedSandbox, Cursor, ForkBody,
-    ForkResult, NewSandbox, RefreshBody, SandboxDetail, SandboxMetric, SnapshotBody, SnapshotInfo,
-    TimeoutBody, DEFAULT_TIMEOUT_S, MAX_FORK_COUNT, MAX_LIMIT,
+    e2b_state, page, ConnectBody, CreatedSandbox, Cursor, ForkBody, ForkResult, NewSandbox,
+    RefreshBody, SandboxDetail, SnapshotBody, SnapshotInfo, TimeoutBody, DEFAULT_TIMEOUT_S,
+    MAX_FORK_COUNT,
 };
 use crate::auth::Principal;
 use crate::backend::{on_pod, Lifecycle, Needs, SandboxApi};
 use crate::error::ApiError;
 use crate::handlers::{call, Api, AppState};
 use crate::quota::Usage;
-use crate::service::{
-    CreateSandbox, ForkSandbox, SandboxFilter, ServiceError, TemplateFromSandbox,
-};
+use crate::service::{CreateSandbox, ForkSandbox, ServiceError, TemplateFromSandbox};
 use crate::tenancy::{admit, admit_create, admit_wake, Limited, Permit};
 
 type E2bResult<T> = Result<T, E2bError>;
@@ -72,7 +71,7 @@ fn gone(id: &str) -> ServiceError {
 }
 
 /// The sandbox if E2B would show it: not failed, not deleted (404).
-fn live<S: SandboxApi>(s: &S, id: &str) -> Result<Sandbox, ServiceError> {
+pub(super) fn live<S: SandboxApi>(s: &S, id: &str) -> Result<Sandbox, ServiceError> {
     if !SandboxId::is_well_formed(id) {
         return Err(gone(id));
     }
@@ -111,7 +110,7 @@ fn disk_mb(t: Option<&Template>) -> u64 {
         .unwrap_or(0)
 }
 
-fn detail<S: SandboxApi>(s: &S, sandbox: &Sandbox) -> Option<SandboxDetail> {
+pub(super) fn detail<S: SandboxApi>(s: &S, sandbox: &Sandbox) -> Option<SandboxDetail> {
     let template = s.get_template(&sandbox.template).ok();
     let name = template
         .as_ref()
@@ -341,58 +340,11 @@ pub async fn refresh<S: SandboxApi>(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// `GET /sandboxes/{id}/metrics`: one sample, now, of a running sandbox
-/// (memory in use is its VMM's PSS, CPU its VMM's average since it
-/// started: the `usage` its pod measured); none for a paused one.
-pub async fn metrics<S: SandboxApi>(state: Api<S>, Path(id): Path<String>) -> E2bResult<Response> {
-    let out = call(&state, move |s| {
-        let sandbox = live(s, &id)?;
-        let sandbox = s.measured_sandbox(&sandbox.id)?;
-        // Measured by the sandbox's pod (this one's or a remote one).
-        let (Some(usage), Some(memory)) = (sandbox.usage.as_ref(), sandbox.memory.as_ref()) else {
-            return Ok(Vec::new());
-        };
-        if e2b_state(sandbox.state) != Some("running") {
-            return Ok(Vec::new());
-        };
-        let now = Timestamp::now();
-        let template = s.get_template(&sandbox.template).ok();
-        let disk = disk_mb(template.as_ref()) << 20;
-        Ok(vec![SandboxMetric {
-            timestamp: super::time::format(now),
-            timestamp_unix: now.0 / 1000,
-            cpu_count: sandbox.vcpus,
-            cpu_used_pct: usage.cpu_used_pct,
-            // What the guest says it uses when it says (its balloon's
-            // statistics), else what its VMM holds on the host.
-            mem_used: memory.guest_used_bytes.unwrap_or(memory.pss_bytes),
-            mem_total: u64::from(sandbox.mem_mib) << 20,
-            mem_cache: 0,
-            disk_used: disk,
-            disk_total: disk,
-        }])
-    })
-    .await?;
-    Ok(Json(out).into_response())
-}
-
 /// The query of a list: its pairs, percent-decoded.
-fn query_pairs(raw: Option<String>) -> BTreeMap<String, String> {
+pub(super) fn query_pairs(raw: Option<String>) -> BTreeMap<String, String> {
     form_urlencoded::parse(raw.unwrap_or_default().as_bytes())
         .map(|(k, v)| (k.into_owned(), v.into_owned()))
         .collect()
-}
-
-fn limit(q: &BTreeMap<String, String>) -> E2bResult<usize> {
-    match q.get("limit") {
-        None => Ok(MAX_LIMIT),
-        Some(l) => match l.parse::<usize>() {
-            Ok(n) if (1..=MAX_LIMIT).contains(&n) => Ok(n),
-            _ => Err(E2bError::bad_request(format!(
-                "limit {l:?} is not a number from 1 to {MAX_LIMIT}"
-            ))),
-        },
-    }
 }
 
 /// A page as JSON, with the next page's token in `x-next-token`.
@@ -402,119 +354,6 @@ fn paged<T: serde::Serialize>(items: Vec<T>, next: Option<String>) -> Response {
         response.headers_mut().insert("x-next-token", token);
     }
     response
-}
-
-fn sandbox_cursor(d: &SandboxDetail, created_at: i64) -> Cursor {
-    Cursor {
-        created_at,
-        id: d.sandbox_id.clone(),
-    }
-}
-
-/// `GET /v2/sandboxes`: `state` (`running,paused`, both by default),
-/// `metadata`, `template` (id or name), `startedAfter`, `order`
-/// (`asc` by default), `limit` (at most 100) and `nextToken`; the next
-/// page's token in `x-next-token`.
-pub async fn list_v2<S: SandboxApi>(
-    state: Api<S>,
-    Extension(principal): Extension<Principal>,
-    RawQuery(raw): RawQuery,
-) -> E2bResult<Response> {
-    let q = query_pairs(raw);
-    let mut filter = SandboxFilter {
-        // A tenant's key lists its own sandboxes; an admin's, every one.
-        tenant: (!principal.sees_all()).then(|| principal.owner().tenant),
-        ..SandboxFilter::default()
-    };
-    for word in q
-        .get("state")
-        .map(String::as_str)
-        .unwrap_or("running,paused")
-        .split(',')
-        .map(str::trim)
-        .filter(|w| !w.is_empty())
-    {
-        let states = torpor_states(word).ok_or_else(|| {
-            E2bError::bad_request(format!("unknown state {word:?} (running, paused)"))
-        })?;
-        filter.states.extend_from_slice(states);
-    }
-    if let Some(m) = q.get("metadata") {
-        filter.metadata = metadata_query(m)?;
-    }
-    let started_after = match q.get("startedAfter") {
-        Some(t) => Some(super::time::parse(t).ok_or_else(|| {
-            E2bError::bad_request(format!("startedAfter {t:?} is not an RFC 3339 time"))
-        })?),
-        None => None,
-    };
-    let descending = match q.get("order").map(String::as_str) {
-        None | Some("asc") => false,
-        Some("desc") => true,
-        Some(o) => return Err(E2bError::bad_request(format!("order {o:?} (asc, desc)"))),
-    };
-    let limit = limit(&q)?;
-    let after = q.get("nextToken").map(|t| Cursor::decode(t)).transpose()?;
-    let template = q.get("template").cloned();
-    let owner = principal.owner();
-    let (items, next) = call(&state, move |s| {
-        if let Some(t) = template {
-            match s.resolve_template(&owner, &t) {
-                Ok(found) => filter.template = Some(found.id),
-                Err(ServiceError::NotFound { .. }) => return Ok((Vec::new(), None)),
-                Err(e) => return Err(e),
-            }
-        }
-        let mut sandboxes = s.list_sandboxes(filter)?;
-        sandboxes.retain(|x| started_after.is_none_or(|t| x.created_at >= t));
-        sandboxes.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
-        if descending {
-            sandboxes.reverse();
-        }
-        let with_time: Vec<(SandboxDetail, i64)> = sandboxes
-            .iter()
-            .filter_map(|x| detail(s, x).map(|d| (d, x.created_at.0)))
-            .collect();
-        let (page, next) = page(
-            with_time,
-            |(d, at)| sandbox_cursor(d, *at),
-            descending,
-            after.as_ref(),
-            limit,
-        );
-        Ok((page.into_iter().map(|(d, _)| d).collect::<Vec<_>>(), next))
-    })
-    .await?;
-    Ok(paged(items, next))
-}
-
-/// `GET /sandboxes` (E2B's v1 list): running sandboxes, `metadata` filter.
-pub async fn list_v1<S: SandboxApi>(
-    state: Api<S>,
-    Extension(principal): Extension<Principal>,
-    RawQuery(raw): RawQuery,
-) -> E2bResult<Response> {
-    let q = query_pairs(raw);
-    let mut filter = SandboxFilter {
-        // A tenant's key lists its own sandboxes; an admin's, every one.
-        tenant: (!principal.sees_all()).then(|| principal.owner().tenant),
-        ..SandboxFilter::default()
-    };
-    filter
-        .states
-        .extend_from_slice(torpor_states("running").unwrap_or(&[]));
-    if let Some(m) = q.get("metadata") {
-        filter.metadata = metadata_query(m)?;
-    }
-    let out = call(&state, move |s| {
-        let sandboxes = s.list_sandboxes(filter)?;
-        Ok(sandboxes
-            .iter()
-            .filter_map(|x| detail(s, x))
-            .collect::<Vec<_>>())
-    })
-    .await?;
-    Ok(Json(out).into_response())
 }
 
 /// `POST /sandboxes/{id}/fork`: `count` (1 by default, at most 20) new

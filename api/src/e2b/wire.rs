@@ -338,28 +338,6 @@ pub fn user_metadata(metadata: &BTreeMap<String, String>) -> BTreeMap<String, St
         .collect()
 }
 
-/// The `metadata` query parameter of a list: the SDKs send
-/// `urlencode({quote(k): quote(v)})`, so after the query's own decoding
-/// the value is a form (`k=v&k2=v2`) whose keys and values are
-/// percent-encoded once more.
-pub fn metadata_query(text: &str) -> Result<BTreeMap<String, String>, E2bError> {
-    let mut out = BTreeMap::new();
-    for (k, v) in form_urlencoded::parse(text.as_bytes()) {
-        let decode = |s: &str| {
-            percent_encoding::percent_decode_str(s)
-                .decode_utf8()
-                .map(|c| c.into_owned())
-                .map_err(|_| E2bError::bad_request(format!("metadata {s:?} is not UTF-8")))
-        };
-        let (k, v) = (decode(&k)?, decode(&v)?);
-        if k.is_empty() {
-            return Err(E2bError::bad_request("metadata filter with an empty key"));
-        }
-        out.insert(k, v);
-    }
-    Ok(out)
-}
-
 /// A list's page cursor (`nextToken`, `x-next-token`): the creation time
 /// and id of the last entry given; the next page starts after it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -428,17 +406,6 @@ mod tests {
         let shown = user_metadata(&m);
         assert_eq!(shown.len(), 1);
         assert_eq!(shown["run"], "x");
-    }
-
-    #[test]
-    fn metadata_filter_decodes_the_sdks_double_encoding() {
-        // The Python SDK: urlencode({quote("team a"): quote("x&y=z")}).
-        let m = metadata_query("team%2520a=x%2526y%253Dz&k=v").unwrap();
-        assert_eq!(m["team a"], "x&y=z");
-        assert_eq!(m["k"], "v");
-        assert!(metadata_query("").unwrap().is_empty());
-        assert!(metadata_query("=v").is_err());
-        assert!(metadata_query("k=%25FF").is_err());
     }
 
     #[test]

@@ -630,6 +630,16 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
     fn service(&self) -> Option<&crate::service::Service> {
         self.local.service()
     }
+    fn metrics_history(
+        &self,
+        id: &SandboxId,
+        range: crate::history_routes::Range,
+    ) -> Result<Vec<torpor_scheduler::service::history::MetricSample>, ServiceError> {
+        match self.remote_sandbox(id) {
+            Some(pod) => crate::history_routes::on_remote_pod(&pod, id, range),
+            None => self.local.metrics_history(id, range),
+        }
+    }
     fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
         match self.remote_sandbox(id) {
             Some(pod) => self.fork_remote(&pod, id, req),

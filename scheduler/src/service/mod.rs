@@ -11,6 +11,7 @@ mod balloon;
 pub mod cancel;
 mod checkpoint;
 pub mod guest;
+pub mod history;
 pub mod jail;
 mod layer_gate;
 mod layers;
@@ -110,6 +111,9 @@ pub struct ServiceConfig {
     /// Where live traffic is recorded as an activity trace for
     /// `torpor plan` (`serve --record-trace`), if anywhere.
     pub record_trace: Option<PathBuf>,
+    /// Sample every running sandbox's resource use into its history every
+    /// this many ms (0 turns the thread off; a read still samples).
+    pub history_interval_ms: u64,
 }
 
 /// How Linux sandboxes are networked (see `crate::net`).
@@ -157,6 +161,7 @@ impl ServiceConfig {
             deleted_retention_ms: DEFAULT_DELETED_RETENTION_MS,
             net: None,
             record_trace: None,
+            history_interval_ms: history::SAMPLE_INTERVAL_MS,
         }
     }
 }
@@ -413,6 +418,8 @@ pub struct Service {
     /// VMM processes this service started (others were re-attached).
     children: Mutex<HashMap<SandboxId, Child>>,
     metrics: Metrics,
+    /// Each running sandbox's resource use over time.
+    history: history::History,
     /// Sandboxes with guest requests in flight (the policy leaves them).
     in_flight: policy::InFlight,
     /// Idle sandboxes whose guests the policy asked to shrink.
@@ -511,6 +518,7 @@ impl Service {
             locks: locks::SandboxLocks::default(),
             children: Mutex::new(HashMap::new()),
             metrics: Metrics::default(),
+            history: history::History::default(),
             in_flight: policy::InFlight::default(),
             shrunk: balloon::Shrunk::default(),
             stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
@@ -533,6 +541,9 @@ impl Service {
         service.pool.start();
         if service.config.policy_interval_ms > 0 {
             policy::start(&service);
+        }
+        if service.config.history_interval_ms > 0 {
+            history::start(&service);
         }
         Ok(service)
     }

@@ -737,6 +737,7 @@ impl Service {
         self.stop_vmm(&sandbox)?;
         self.close_ports(&sandbox);
         self.forget_memory(id);
+        self.forget_history(id);
         let change = StateChange::new(sandbox.state, SandboxState::Deleted);
         self.store
             .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;

@@ -590,9 +590,10 @@ pub fn clock_ticks_per_second() -> f64 {
     unsafe { libc::sysconf(libc::_SC_CLK_TCK) as f64 }
 }
 
-/// What the VMM of `handle` uses now (a sandbox of `vcpus` vCPUs); None
-/// when it is gone, or its pid names another process now.
-pub fn usage(handle: &VmmHandle, vcpus: u32) -> Option<crate::model::SandboxUsage> {
+/// The VMM's (utime, stime, starttime) in clock ticks, from
+/// `/proc/PID/stat`; None when it is gone, or its pid names another
+/// process now.
+fn cpu_ticks(handle: &VmmHandle) -> Option<(f64, f64, f64)> {
     let stat = std::fs::read_to_string(format!("/proc/{}/stat", handle.pid)).ok()?;
     // Fields after the command, which is in parentheses and may hold spaces.
     let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
@@ -603,6 +604,21 @@ pub fn usage(handle: &VmmHandle, vcpus: u32) -> Option<crate::model::SandboxUsag
     if handle.start_time.is_some_and(|t| t as f64 != start) {
         return None;
     }
+    Some((utime, stime, start))
+}
+
+/// CPU time the VMM of `handle` has used, in seconds (the history's CPU
+/// rate is the difference of two readings).
+pub fn cpu_seconds(handle: &VmmHandle) -> Option<f64> {
+    let (utime, stime, _) = cpu_ticks(handle)?;
+    let hz = clock_ticks_per_second();
+    (hz > 0.0).then(|| (utime + stime) / hz)
+}
+
+/// What the VMM of `handle` uses now (a sandbox of `vcpus` vCPUs); None
+/// when it is gone, or its pid names another process now.
+pub fn usage(handle: &VmmHandle, vcpus: u32) -> Option<crate::model::SandboxUsage> {
+    let (utime, stime, start) = cpu_ticks(handle)?;
     let uptime: f64 = std::fs::read_to_string("/proc/uptime")
         .ok()?
         .split_whitespace()
