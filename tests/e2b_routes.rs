@@ -876,6 +876,13 @@ fn envd_health_and_connect_errors() {
     assert_e2b_error(&health(Some("sbx_0000000000000000")), 502);
     assert_e2b_error(&health(Some("nope")), 502);
     assert_e2b_error(&health(None), 400);
+    // The SDKs read "was not found" in health's 502 as the sandbox gone
+    // (what they say of a command broken off by a kill); any other words
+    // as "state unknown".
+    for sandbox in [id.as_str(), "sbx_0000000000000000"] {
+        let message = health(Some(sandbox)).json()["message"].to_string();
+        assert!(message.contains("was not found"), "{message}");
+    }
 
     // A unary RPC without credentials: Connect's 401.
     let sandbox = [("E2b-Sandbox-Id", id.as_str())];

@@ -13,7 +13,7 @@ import path from 'node:path'
 
 // ESM ignores NODE_PATH: resolve the SDK from the install it names.
 const require = createRequire(path.join(process.env.NODE_PATH, 'noop.js'))
-const { Sandbox, CommandExitError, NotFoundError } = require('e2b')
+const { Sandbox, CommandExitError, NotFoundError, TimeoutError } = require('e2b')
 const { version } = require('e2b/package.json')
 
 const TEMPLATE = process.env.E2B_TEST_TEMPLATE ?? 'probe'
@@ -192,6 +192,61 @@ await check('watch_dir_recursive_with_entries', async () => {
   assert(names().includes('sub/deep.txt') && names().includes('later/inside.txt'), JSON.stringify(names()))
   const withEntry = events.filter((e) => e.name === 'sub/deep.txt' && e.entry)
   assert(withEntry.length > 0 && withEntry.at(-1).entry.path === `${d}/sub/deep.txt`, JSON.stringify(events))
+})
+
+// E2B's pty connect test: a PTY made with envs, left, connected to again
+// by pid; both connections see the variable.
+await check('pty_reconnects_and_keeps_its_env', async () => {
+  const decoder = new TextDecoder()
+  let first = ''
+  let second = ''
+  const terminal = await sbx.pty.create({
+    cols: 80,
+    rows: 24,
+    cwd: SCRATCH,
+    envs: { FOO: 'bar-pty' },
+    onData: (d) => {
+      first += decoder.decode(d)
+    },
+  })
+  await sbx.pty.sendInput(terminal.pid, new TextEncoder().encode('echo first-$FOO\n'))
+  for (let i = 0; i < 100 && !first.includes('first-bar-pty'); i++) {
+    await new Promise((r) => setTimeout(r, 50))
+  }
+  await terminal.disconnect()
+  const again = await sbx.pty.connect(terminal.pid, {
+    onData: (d) => {
+      second += decoder.decode(d)
+    },
+  })
+  await sbx.pty.sendInput(terminal.pid, new TextEncoder().encode('echo again-$FOO; exit 0\n'))
+  const result = await again.wait()
+  assert(again.pid === terminal.pid, 'another pid')
+  assert(result.exitCode === 0, `exit ${result.exitCode}`)
+  assert(first.includes('first-bar-pty'), `first: ${JSON.stringify(first)}`)
+  assert(second.includes('again-bar-pty'), `second: ${JSON.stringify(second)}`)
+})
+
+// E2B's own test: a command running when its sandbox is killed ends in the
+// SDK's TimeoutError "killed or reached its end of life". Linux only: a
+// killed VM breaks its agent's connections; the host-run agent of the
+// API's test service is shared and outlives a sandbox's kill.
+if (LINUX) await check('killing_the_sandbox_during_a_command_says_so', async () => {
+  const victim = await Sandbox.create(TEMPLATE, {
+    requestTimeoutMs: 300_000,
+    metadata: LINUX ? {} : { agent: 'real' },
+  })
+  const cmd = await victim.commands.run('sleep 60', { background: true })
+  await victim.kill()
+  const err = await cmd.wait().then(
+    () => new Error('the wait returned after its sandbox was killed'),
+    (e) => e,
+  )
+  assert(err instanceof TimeoutError, `${err?.constructor?.name}: ${err?.message}`)
+  assert(
+    err.message.includes('killed or reached its end of life'),
+    `${err?.constructor?.name}: ${err?.message}`,
+  )
 })
 
 if (LINUX) await check('pause_connect_keeps_processes_and_files', async () => {

@@ -272,6 +272,45 @@ def watch_recursive_with_entries():
     assert entries[-1].type.value == "file", entries[-1]
 
 
+def pty_reconnects_and_keeps_its_env():
+    # E2B's pty connect test: a PTY made with envs, left, connected to
+    # again by pid; both connections see the variable.
+    h = sbx.pty.create(size=e2b.PtySize(rows=24, cols=80), envs={"FOO": "bar-pty"}, cwd=SCRATCH)
+    sbx.pty.send_stdin(h.pid, b"echo first-$FOO\n")
+    seen = b""
+    for _, _, pty in h:
+        seen += pty or b""
+        if b"first-bar-pty" in seen:
+            break
+    h.disconnect()
+    again = sbx.pty.connect(h.pid)
+    assert again.pid == h.pid
+    sbx.pty.send_stdin(h.pid, b"echo again-$FOO; exit 0\n")
+    data = []
+    result = again.wait(on_pty=data.append)
+    assert result.exit_code == 0, result
+    text = b"".join(data)
+    assert b"again-bar-pty" in text, text
+
+
+def killing_the_sandbox_during_a_command_says_so():
+    # E2B's own test: a command running when its sandbox is killed ends in
+    # the SDK's "killed or reached its end of life" (the stream breaks, and
+    # the SDK's health probe finds the sandbox gone).
+    victim = Sandbox.create(
+        template=TEMPLATE,
+        metadata={"agent": "real"} if TEMPLATE == "probe" else {},
+        request_timeout=300,
+    )
+    cmd = victim.commands.run("sleep 60", background=True)
+    victim.kill()
+    try:
+        cmd.wait()
+        raise AssertionError("the command's wait returned after its sandbox was killed")
+    except e2b.TimeoutException as e:
+        assert "killed or reached its end of life" in str(e), f"{type(e).__name__}: {e}"
+
+
 def default_user_and_tools():
     # E2B's base image: commands run as `user` in /home/user, with
     # passwordless sudo, python3, pip, git and curl (pip's own start-up is
@@ -329,12 +368,16 @@ checks = [
     ("list_dir_walks_depth_first", list_dir_walks_depth_first),
     ("metadata_is_kept_on_files", metadata_is_kept_on_files),
     ("watch_recursive_with_entries", watch_recursive_with_entries),
+    ("pty_reconnects_and_keeps_its_env", pty_reconnects_and_keeps_its_env),
 ]
 if LINUX:
     checks.insert(1, ("default_timeout_is_kept", default_timeout_is_kept))
     checks += [
         ("default_user_and_tools", default_user_and_tools),
         ("pause_connect_keeps_processes_and_files", pause_connect_keeps_processes_and_files),
+        # A killed VM breaks its agent's connections; the host-run agent of
+        # the API's test service is shared and outlives a sandbox's kill.
+        ("killing_the_sandbox_during_a_command_says_so", killing_the_sandbox_during_a_command_says_so),
     ]
 for name, f in checks:
     check(name, f)

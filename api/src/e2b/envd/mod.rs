@@ -116,6 +116,10 @@ fn sandbox_of(headers: &HeaderMap) -> Result<String, E2bError> {
         .ok_or_else(|| E2bError::bad_request("missing E2b-Sandbox-Id header"))
 }
 
+/// What `/health` answers for a sandbox that does not run (E2B's proxy's
+/// message for a sandbox it cannot route to).
+const NOT_FOUND: &str = "The sandbox was not found";
+
 /// `GET /health`: 204 when the sandbox runs and the caller may use it
 /// (its access token or an API key of its tenant, as every envd route);
 /// 502 (what E2B's proxy answers and the SDKs' `is_running` reads as
@@ -142,9 +146,10 @@ async fn health<S: SandboxApi>(
     .await;
     match running {
         Ok(true) => StatusCode::NO_CONTENT.into_response(),
-        Ok(false) => {
-            E2bError::new(StatusCode::BAD_GATEWAY, "the sandbox is not running").into_response()
-        }
+        // E2B's proxy's words for a sandbox it cannot route to: the SDKs
+        // read "was not found" in a 502 as the sandbox gone (a command
+        // broken off by a kill then says so), anything else as unknown.
+        Ok(false) => E2bError::new(StatusCode::BAD_GATEWAY, NOT_FOUND).into_response(),
         Err(e) => E2bError::from(e).into_response(),
     }
 }
