@@ -144,10 +144,10 @@ await check('entry_details_as_envd', async () => {
   const script =
     `cd ${d} && chmod 644 target.txt && mkdir -p sub && chmod 755 sub` +
     ' && touch nameless && chown 4242:4243 nameless' +
-    ' && ln -sfn target.txt link && realpath . && stat -c "%U %G" target.txt'
+    ' && ln -sfn target.txt link && realpath . && stat -c "%U %G" target.txt && stat -c %A link'
   // Uploads are root's; a Linux guest's commands run as `user`.
   const r = await sbx.commands.run(LINUX ? `sudo -n sh -c '${script}'` : script)
-  const [real, owner, group] = r.stdout.split(/\s+/)
+  const [real, owner, group, linkPerms] = r.stdout.split(/\s+/)
   const f = await sbx.files.getInfo(`${d}/target.txt`)
   assert(f.type === 'file' && f.size === 5 && f.mode === 0o644 && f.permissions === '-rw-r--r--', JSON.stringify(f))
   assert(f.owner === owner && f.group === group && f.symlinkTarget === undefined, JSON.stringify(f))
@@ -157,7 +157,10 @@ await check('entry_details_as_envd', async () => {
   assert(n.owner === '4242' && n.group === '4243', JSON.stringify(n))
   const l = await sbx.files.getInfo(`${d}/link`)
   assert(l.symlinkTarget === `${real}/target.txt`, JSON.stringify(l))
-  assert(l.type === 'file' && l.permissions === 'Lrwxrwxrwx' && l.size === 'target.txt'.length, JSON.stringify(l))
+  // envd's `permissions` is lstat's mode as Go writes it ('L' for a link;
+  // `stat -c %A` writes 'l'): 'Lrwxrwxrwx' on most filesystems.
+  const want = 'L' + linkPerms.slice(1)
+  assert(l.type === 'file' && l.permissions === want && l.size === 'target.txt'.length, JSON.stringify(l))
 })
 
 await check('list_dir_walks_depth_first', async () => {

@@ -196,11 +196,11 @@ def entry_details_as_envd():
         " && touch suid && chmod 4755 suid && mkdir -p sticky && chmod 1777 sticky"
         " && touch nameless && chown 4242:4243 nameless"
         " && ln -sfn target.txt link && ln -sfn missing broken && ln -sfn sub dirlink"
-        " && realpath . && stat -c '%U %G' target.txt"
+        " && realpath . && stat -c '%U %G' target.txt && stat -c %A link"
     )
     # Uploads are root's; a Linux guest's commands run as `user`.
     r = sbx.commands.run(f"sudo -n sh -c \"{script}\"" if LINUX else script)
-    real, owner, group = r.stdout.split()
+    real, owner, group, link_perms = r.stdout.split()
     f = sbx.files.get_info(f"{d}/target.txt")
     assert (f.type.value, f.size, f.mode, f.permissions) == ("file", 5, 0o644, "-rw-r--r--"), f
     assert (f.owner, f.group) == (owner, group), f
@@ -219,7 +219,10 @@ def entry_details_as_envd():
     link = sbx.files.get_info(f"{d}/link")
     assert link.type.value == "symlink", link
     assert link.symlink_target == f"{real}/target.txt", link
-    assert (link.permissions, link.size, link.mode) == ("Lrwxrwxrwx", len("target.txt"), 0o644), link
+    # envd's `permissions` is lstat's mode as Go writes it ("L" for a link;
+    # `stat -c %A` writes "l"): "Lrwxrwxrwx" on most filesystems.
+    want = "L" + link_perms[1:]
+    assert (link.permissions, link.size, link.mode) == (want, len("target.txt"), 0o644), link
     broken = sbx.files.get_info(f"{d}/broken")
     assert broken.symlink_target == f"{d}/broken", broken
     dl = sbx.files.get_info(f"{d}/dirlink")

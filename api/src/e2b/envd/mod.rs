@@ -213,11 +213,21 @@ async fn rpc<S: SandboxApi>(
     } else {
         None
     };
-    let ctx = match rpc::CallContext::from_headers(id, &headers, env) {
+    let mut ctx = match rpc::CallContext::from_headers(id, &headers, env) {
         Ok(ctx) => ctx,
         Err(e) => return connect_error(streaming, e),
     };
     let service_arc = Arc::clone(&state.0.service);
+    let (service_gone, gone_id) = (Arc::clone(&service_arc), sandbox.clone());
+    ctx.gone = rpc::Gone::new(move || {
+        service_gone.get_sandbox(&gone_id).map_or(true, |s| {
+            matches!(
+                s.state,
+                torpor_scheduler::state::SandboxState::Deleted
+                    | torpor_scheduler::state::SandboxState::Failed
+            )
+        })
+    });
     // The wake's admission is held for as long as the call runs.
     let wake = std::sync::Mutex::new(wake);
     let runner: rpc::Runner = Arc::new(move |f| {

@@ -13,7 +13,6 @@
 //! `Connect-Timeout-Ms`, or when the guest stops answering.
 
 use std::collections::{BTreeMap, HashMap};
-use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -62,6 +61,30 @@ pub struct CallContext {
     pub keepalive: Duration,
     /// `Connect-Timeout-Ms` from now.
     pub deadline: Option<Instant>,
+    /// Whether the sandbox is gone (deleted, killed), asked when a stream's
+    /// agent connection breaks.
+    pub gone: Gone,
+}
+
+/// Asks whether a call's sandbox is gone ([`CallContext::gone`]).
+#[derive(Clone, Default)]
+pub struct Gone(Option<Arc<dyn Fn() -> bool + Send + Sync>>);
+
+impl Gone {
+    pub fn new(check: impl Fn() -> bool + Send + Sync + 'static) -> Gone {
+        Gone(Some(Arc::new(check)))
+    }
+
+    /// True when the sandbox is known to be gone.
+    pub fn check(&self) -> bool {
+        self.0.as_ref().is_some_and(|f| f())
+    }
+}
+
+impl std::fmt::Debug for Gone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Gone")
+    }
 }
 
 impl CallContext {
@@ -102,6 +125,7 @@ impl CallContext {
             env,
             keepalive,
             deadline,
+            gone: Gone::default(),
         })
     }
 
@@ -214,7 +238,7 @@ pub fn parse<T: DeserializeOwned>(message: &[u8]) -> Result<T, ConnectError> {
 /// work then stops).
 #[derive(Debug)]
 pub struct StreamTx {
-    tx: mpsc::Sender<Bytes>,
+    tx: mpsc::Sender<Result<Bytes, std::io::Error>>,
 }
 
 impl StreamTx {
@@ -224,7 +248,7 @@ impl StreamTx {
             return false;
         };
         self.tx
-            .blocking_send(Bytes::from(Envelope::message(payload).encode()))
+            .blocking_send(Ok(Bytes::from(Envelope::message(payload).encode())))
             .is_ok()
     }
 
@@ -465,7 +489,8 @@ fn stream(
             },
         );
     };
-    let (tx, rx) = mpsc::channel::<Bytes>(STREAM_BUFFER);
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(STREAM_BUFFER);
+    let ctx_gone = ctx.gone.clone();
     crate::streams::run_long(slot, "envd", move || {
         let _slot = sandbox_slot;
         let out = StreamTx { tx };
@@ -475,9 +500,23 @@ fn stream(
             Ok(())
         });
         let error = ran.and_then(|()| result.unwrap_or(Ok(()))).err();
-        let _ = out
-            .tx
-            .blocking_send(Bytes::from(envelope::end_stream(error.as_ref()).encode()));
+        // A sandbox killed mid-stream: its agent connection broke. E2B's
+        // proxy then drops the client's connection (its upstream is gone),
+        // which the SDKs take for a transport failure, probe `/health`, and
+        // report as the sandbox killed; an end-of-stream `unavailable`
+        // reads as a timeout to the JS SDK. So the answer is cut off.
+        let gone = error
+            .as_ref()
+            .is_some_and(|e| e.code == Code::Unavailable && ctx_gone.check());
+        let last = if gone {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                "the sandbox is gone",
+            ))
+        } else {
+            Ok(Bytes::from(envelope::end_stream(error.as_ref()).encode()))
+        };
+        let _ = out.tx.blocking_send(last);
     });
     let mut r = (StatusCode::OK, Body::from_stream(Envelopes(rx))).into_response();
     r.headers_mut().insert(
@@ -487,14 +526,14 @@ fn stream(
     r
 }
 
-/// The streamed answer's bytes.
-struct Envelopes(mpsc::Receiver<Bytes>);
+/// The streamed answer's bytes; an error cuts the answer off.
+struct Envelopes(mpsc::Receiver<Result<Bytes, std::io::Error>>);
 
 impl futures_core::Stream for Envelopes {
-    type Item = Result<Bytes, Infallible>;
+    type Item = Result<Bytes, std::io::Error>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.0.poll_recv(cx).map(|b| b.map(Ok))
+        self.0.poll_recv(cx)
     }
 }
 

@@ -6,7 +6,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::Duration;
 
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::packet::*;
@@ -370,6 +370,26 @@ fn driver_reset_runs_under_the_vcpu_filter() {
     assert_eof(&mut host);
 }
 
+/// `r`'s device restored from `state` into another "VM" whose memory
+/// (`mem`) is a copy of `r`'s, on a new socket.
+fn restored<'b>(
+    r: &Rig<'_>,
+    mem: &'b GuestMemoryMmap,
+    state: &VirtioMmioState<VsockState>,
+) -> Rig<'b> {
+    r.clone_into(mem, |uds| {
+        let args = MmioRestoreArgs {
+            mem: mem.clone(),
+            irq: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+            device: VsockRestoreArgs {
+                uds_path: Some(uds),
+                cid: None,
+            },
+        };
+        VsockMmio::restore(args, state).unwrap()
+    })
+}
+
 #[test]
 fn restore_resets_the_transport_and_serves_again() {
     let mem = guest_mem(MEM);
@@ -383,17 +403,7 @@ fn restore_resets_the_transport_and_serves_again() {
 
     // Restore into another "VM" whose memory is a copy, on a new socket.
     let mem2 = guest_mem(MEM);
-    let mut r2 = r.clone_into(&mem2, |uds| {
-        let args = MmioRestoreArgs {
-            mem: mem2.clone(),
-            irq: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
-            device: VsockRestoreArgs {
-                uds_path: Some(uds),
-                cid: None,
-            },
-        };
-        VsockMmio::restore(args, &state).unwrap()
-    });
+    let mut r2 = restored(&r, &mem2, &state);
     assert!(r2.t.lock().unwrap().is_activated());
     drop(r);
     assert_eof(&mut old_host);
@@ -429,17 +439,7 @@ fn a_restored_device_does_not_reuse_the_snapshots_host_ports() {
     let mut firsts = Vec::new();
     for n in 0..2 {
         let mem2 = guest_mem(MEM);
-        let mut r2 = r.clone_into(&mem2, |uds| {
-            let args = MmioRestoreArgs {
-                mem: mem2.clone(),
-                irq: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
-                device: VsockRestoreArgs {
-                    uds_path: Some(uds),
-                    cid: None,
-                },
-            };
-            VsockMmio::restore(args, &state).unwrap()
-        });
+        let mut r2 = restored(&r, &mem2, &state);
         let after: Vec<u32> = (0..3).map(|_| r2.host_connect(52, b"").1).collect();
         assert!(
             after.iter().all(|p| !before.contains(p)),
