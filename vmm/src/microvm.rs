@@ -363,10 +363,12 @@ fn balloon_error(e: crate::virtio_devices::VirtioDevicesError) -> VmError {
     use crate::virtio_devices::VirtioDevicesError as E;
     let kind = match &e {
         E::NoBalloon => ErrorKind::Unsupported,
-        E::Balloon(crate::devices::balloon::BalloonError::TargetTooLarge(_)) => {
-            ErrorKind::InvalidRequest
-        }
-        _ => ErrorKind::Internal,
+        _ => match e.device::<crate::devices::balloon::BalloonKind>() {
+            Some(crate::devices::balloon::BalloonError::TargetTooLarge(_)) => {
+                ErrorKind::InvalidRequest
+            }
+            _ => ErrorKind::Internal,
+        },
     };
     VmError::new(kind, e.to_string())
 }

@@ -1,81 +1,35 @@
-//! The virtio devices of one VM (virtio-blk, virtio-vsock, virtio-net,
-//! virtio-balloon on virtio-mmio):
-//! built at boot, saved with snapshots, restored into clones.
+//! The virtio devices of one VM on virtio-mmio: built at boot, saved with
+//! snapshots, restored into clones. What differs between devices is in
+//! each device's folder (its [`VirtioKind`]); [`KINDS`] lists them.
 
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::any::Any;
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use serde::{Deserialize, Serialize};
-use torpor_vmm_api::launch::NetSpec;
-use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::devices::balloon::{
-    BalloonDevice, BalloonError, BalloonMmio, BalloonRestoreArgs, BalloonState,
-};
-use crate::devices::block::{
-    BlockConfig, BlockDevice, BlockError, BlockMmio, BlockRestoreArgs, BlockState,
-};
-use crate::devices::net::{NetDevice, NetError, NetMmio, NetRestoreArgs, NetState};
+use crate::devices::balloon::BalloonKind;
+use crate::devices::block::BlockKind;
+use crate::devices::kind::{PathNeeded, VirtioKind};
+use crate::devices::net::NetKind;
 use crate::devices::pausable::{Pausable, PauseError};
 use crate::devices::virtio::{
-    MmioBus, MmioBusError, MmioRestoreArgs, MmioSlot, VirtioError, VirtioMmioState,
+    MmioBus, MmioBusError, MmioRestoreArgs, MmioSlot, MmioTransport, VirtioError,
 };
-use crate::devices::vsock::{
-    VsockConfig, VsockDevice, VsockError, VsockMmio, VsockRestoreArgs, VsockState,
-};
+use crate::devices::vsock::VsockKind;
 use crate::devices::worker::{DeviceWorker, WorkerError};
 use crate::snapshot::PageRuns;
 use crate::snapshot::Persist;
 use crate::vstate::vm::{Vm, VmError};
 
-/// Slot 0 is the disk (so Linux names it /dev/vda), slot 1 vsock, slot 2
-/// the network card (eth0), slot 3 the balloon.
-const BLOCK_SLOT: usize = 0;
-const VSOCK_SLOT: usize = 1;
-const NET_SLOT: usize = 2;
-const BALLOON_SLOT: usize = 3;
-/// Name of the frozen disk overlay inside a snapshot directory.
-pub const OVERLAY_FILE: &str = "disk0.overlay";
+pub use crate::devices::block::{DiskConfig, OVERLAY_FILE};
+pub use crate::devices::kind::{VirtioConfig, VirtioRestorePaths, VirtioStates};
 
-/// A disk: a base image never written, and this VM's own overlay.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DiskConfig {
-    pub image: PathBuf,
-    pub overlay: PathBuf,
-    pub read_only: bool,
-}
-
-/// Which virtio devices a cold boot gets.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct VirtioConfig {
-    pub disk: Option<DiskConfig>,
-    /// Host unix socket of the vsock device (Firecracker's hybrid vsock).
-    pub vsock_uds: Option<PathBuf>,
-    /// virtio-net on a tap.
-    pub net: Option<NetSpec>,
-    /// virtio-balloon (free page reporting, statistics, a target).
-    pub balloon: bool,
-}
-
-/// Where a clone's devices keep their host-side files.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct VirtioRestorePaths {
-    pub disk_overlay: Option<PathBuf>,
-    pub vsock_uds: Option<PathBuf>,
-    /// The clone's tap (by name, in its network namespace) and limits;
-    /// `None` reopens the saved tap name.
-    pub net: Option<NetSpec>,
-}
-
-/// Saved virtio state, part of `DeviceStates`.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct VirtioStates {
-    pub block: Option<(MmioSlot, VirtioMmioState<BlockState>)>,
-    pub vsock: Option<(MmioSlot, VirtioMmioState<VsockState>)>,
-    pub net: Option<(MmioSlot, VirtioMmioState<NetState>)>,
-    pub balloon: Option<(MmioSlot, VirtioMmioState<BalloonState>)>,
-}
+/// Every kind of virtio device, in the order they are built, started and
+/// saved. A new device: its folder under `devices/` with a [`VirtioKind`],
+/// and a line here.
+const KINDS: &[&dyn Kind] = &[&BlockKind, &VsockKind, &NetKind, &BalloonKind];
 
 /// Errors of the virtio devices.
 #[derive(Debug, thiserror::Error)]
@@ -84,14 +38,12 @@ pub enum VirtioDevicesError {
     Virtio(#[from] VirtioError),
     #[error(transparent)]
     Bus(#[from] MmioBusError),
-    #[error("virtio-blk: {0}")]
-    Block(#[from] BlockError),
-    #[error("virtio-vsock: {0}")]
-    Vsock(#[from] VsockError),
-    #[error("virtio-net: {0}")]
-    Net(#[from] NetError),
-    #[error("virtio-balloon: {0}")]
-    Balloon(#[from] BalloonError),
+    /// A device's own error; `kind` is its [`VirtioKind::NAME`].
+    #[error("{kind}: {source}")]
+    Device {
+        kind: &'static str,
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error("this VM has no balloon device")]
     NoBalloon,
     #[error(transparent)]
@@ -100,21 +52,35 @@ pub enum VirtioDevicesError {
     Vm(#[from] VmError),
     #[error("cannot create an eventfd: {0}")]
     EventFd(std::io::Error),
-    #[error("a snapshot with a disk needs --disk-overlay for the clone's own overlay")]
-    OverlayNeeded,
+    #[error(transparent)]
+    PathNeeded(#[from] PathNeeded),
     #[error(transparent)]
     Pause(#[from] PauseError),
 }
 
-/// The devices, their MMIO bus, and the device threads (vsock, net) once
-/// started.
+impl VirtioDevicesError {
+    /// The device error of kind `K` this is, if it is one.
+    pub fn device<K: VirtioKind>(&self) -> Option<&K::Error> {
+        match self {
+            Self::Device { kind, source } if *kind == K::NAME => source.downcast_ref(),
+            _ => None,
+        }
+    }
+}
+
+fn device_error<K: VirtioKind>(e: K::Error) -> VirtioDevicesError {
+    VirtioDevicesError::Device {
+        kind: K::NAME,
+        source: Box::new(e),
+    }
+}
+
+/// The devices, their MMIO bus, and the device threads once started.
 #[derive(Default, Debug)]
 pub struct VirtioDevices {
     pub mmio: Arc<MmioBus>,
-    block: Option<(MmioSlot, Arc<Mutex<BlockMmio>>)>,
-    vsock: Option<(MmioSlot, Arc<Mutex<VsockMmio>>)>,
-    net: Option<(MmioSlot, Arc<Mutex<NetMmio>>)>,
-    balloon: Option<(MmioSlot, Arc<Mutex<BalloonMmio>>)>,
+    /// In [`KINDS`] order.
+    devices: Vec<Box<dyn Attached>>,
     workers: Mutex<Vec<DeviceWorker>>,
 }
 
@@ -125,19 +91,165 @@ fn irq_for(vm: &Vm, slot: &MmioSlot) -> Result<EventFd, VirtioDevicesError> {
     Ok(irq)
 }
 
-fn spawn_worker<D: crate::devices::worker::EpollDevice>(
-    transport: &Arc<Mutex<crate::devices::virtio::MmioTransport<D>>>,
-    paused: bool,
-) -> Result<DeviceWorker, WorkerError> {
-    if paused {
-        DeviceWorker::spawn_paused(transport.clone())
-    } else {
-        DeviceWorker::spawn(transport.clone())
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A [`VirtioKind`] as a value, so that [`KINDS`] can list them.
+trait Kind: Sync {
+    /// Its device on `bus` for a cold boot, if `config` asks for one.
+    fn build(
+        &self,
+        vm: &Vm,
+        mem: &GuestMemoryMmap,
+        config: &VirtioConfig,
+        bus: &mut MmioBus,
+    ) -> Result<Option<Box<dyn Attached>>, VirtioDevicesError>;
+
+    /// Its saved device on `bus`, at its saved slot, if one was saved.
+    fn restore(
+        &self,
+        vm: &Vm,
+        mem: &GuestMemoryMmap,
+        states: &VirtioStates,
+        paths: &VirtioRestorePaths,
+        bus: &mut MmioBus,
+    ) -> Result<Option<Box<dyn Attached>>, VirtioDevicesError>;
+
+    /// Its slot and name, for the tests.
+    #[cfg(test)]
+    fn id(&self) -> (usize, &'static str);
+}
+
+impl<K: VirtioKind + Sync> Kind for K {
+    fn build(
+        &self,
+        vm: &Vm,
+        mem: &GuestMemoryMmap,
+        config: &VirtioConfig,
+        bus: &mut MmioBus,
+    ) -> Result<Option<Box<dyn Attached>>, VirtioDevicesError> {
+        let Some(dev) = K::build(config, mem).map_err(device_error::<K>)? else {
+            return Ok(None);
+        };
+        let slot = MmioSlot::nth(K::SLOT)?;
+        let transport = MmioTransport::new(dev, mem.clone(), irq_for(vm, &slot)?)?;
+        Ok(Some(Box::new(Plugged::<K>::insert(slot, transport, bus)?)))
+    }
+
+    fn restore(
+        &self,
+        vm: &Vm,
+        mem: &GuestMemoryMmap,
+        states: &VirtioStates,
+        paths: &VirtioRestorePaths,
+        bus: &mut MmioBus,
+    ) -> Result<Option<Box<dyn Attached>>, VirtioDevicesError> {
+        let Some((slot, state)) = K::saved(states) else {
+            return Ok(None);
+        };
+        let device = K::restore_args(paths)?;
+        let args = MmioRestoreArgs {
+            mem: mem.clone(),
+            irq: irq_for(vm, slot)?,
+            device,
+        };
+        let transport = MmioTransport::restore(args, state)?;
+        Ok(Some(Box::new(Plugged::<K>::insert(*slot, transport, bus)?)))
+    }
+
+    #[cfg(test)]
+    fn id(&self) -> (usize, &'static str) {
+        (K::SLOT, K::NAME)
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+/// A device of kind `K` on the bus.
+struct Plugged<K: VirtioKind> {
+    slot: MmioSlot,
+    transport: Arc<Mutex<MmioTransport<K::Device>>>,
+}
+
+impl<K: VirtioKind> Plugged<K> {
+    fn insert(
+        slot: MmioSlot,
+        transport: MmioTransport<K::Device>,
+        bus: &mut MmioBus,
+    ) -> Result<Self, MmioBusError> {
+        let transport = Arc::new(Mutex::new(transport));
+        bus.insert(slot.base, slot.size, transport.clone())?;
+        Ok(Self { slot, transport })
+    }
+}
+
+impl<K: VirtioKind> std::fmt::Debug for Plugged<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct(K::NAME)
+            .field("slot", &self.slot)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A device on the bus, whatever its kind.
+trait Attached: Send + Sync + std::fmt::Debug {
+    fn slot(&self) -> MmioSlot;
+    /// Starts its thread, if it has one.
+    fn start(&self, paused: bool) -> Option<Result<DeviceWorker, WorkerError>>;
+    /// Holds its transport's lock (see [`VirtioDevices::save`]).
+    fn lock(&self) -> Box<dyn Held + '_>;
+    /// For [`VirtioDevices::find`].
+    fn as_any(&self) -> &dyn Any;
+}
+
+impl<K: VirtioKind> Attached for Plugged<K> {
+    fn slot(&self) -> MmioSlot {
+        self.slot
+    }
+
+    fn start(&self, paused: bool) -> Option<Result<DeviceWorker, WorkerError>> {
+        K::worker(&self.transport, paused)
+    }
+
+    fn lock(&self) -> Box<dyn Held + '_> {
+        Box::new(Locked::<K> {
+            slot: self.slot,
+            transport: lock(&self.transport),
+        })
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A device whose transport lock is held.
+trait Held {
+    /// Puts its state into `states` (and beside them into `dir`); returns
+    /// the pages it wrote since the last snapshot.
+    fn save(
+        &mut self,
+        states: &mut VirtioStates,
+        dir: &Path,
+    ) -> Result<PageRuns, VirtioDevicesError>;
+}
+
+struct Locked<'a, K: VirtioKind> {
+    slot: MmioSlot,
+    transport: MutexGuard<'a, MmioTransport<K::Device>>,
+}
+
+impl<K: VirtioKind> Held for Locked<'_, K> {
+    fn save(
+        &mut self,
+        states: &mut VirtioStates,
+        dir: &Path,
+    ) -> Result<PageRuns, VirtioDevicesError> {
+        let mut state = self.transport.save();
+        K::freeze(&mut state.device, dir).map_err(device_error::<K>)?;
+        let dirty = self.transport.take_dirty_pages();
+        *K::saved_mut(states) = Some((self.slot, state));
+        Ok(dirty)
+    }
 }
 
 impl VirtioDevices {
@@ -151,62 +263,12 @@ impl VirtioDevices {
         let mut bus = MmioBus::default();
         let mut cmdline = String::new();
         let mut devices = VirtioDevices::default();
-        if let Some(disk) = &config.disk {
-            let slot = MmioSlot::nth(BLOCK_SLOT)?;
-            let dev = BlockDevice::new(&BlockConfig {
-                id: "rootfs".into(),
-                base: disk.image.clone(),
-                overlay: Some(disk.overlay.clone()),
-                read_only: disk.read_only,
-            })?;
-            let blk = Arc::new(Mutex::new(BlockMmio::new(
-                dev,
-                mem.clone(),
-                irq_for(vm, &slot)?,
-            )?));
-            bus.insert(slot.base, slot.size, blk.clone())?;
-            cmdline.push(' ');
-            cmdline.push_str(&slot.cmdline());
-            devices.block = Some((slot, blk));
-        }
-        if let Some(uds) = &config.vsock_uds {
-            let slot = MmioSlot::nth(VSOCK_SLOT)?;
-            let dev = VsockDevice::new(&VsockConfig::new(uds.clone()))?;
-            let vsock = Arc::new(Mutex::new(VsockMmio::new(
-                dev,
-                mem.clone(),
-                irq_for(vm, &slot)?,
-            )?));
-            bus.insert(slot.base, slot.size, vsock.clone())?;
-            cmdline.push(' ');
-            cmdline.push_str(&slot.cmdline());
-            devices.vsock = Some((slot, vsock));
-        }
-        if let Some(spec) = &config.net {
-            let slot = MmioSlot::nth(NET_SLOT)?;
-            let dev = NetDevice::new(spec)?;
-            let net = Arc::new(Mutex::new(NetMmio::new(
-                dev,
-                mem.clone(),
-                irq_for(vm, &slot)?,
-            )?));
-            bus.insert(slot.base, slot.size, net.clone())?;
-            cmdline.push(' ');
-            cmdline.push_str(&slot.cmdline());
-            devices.net = Some((slot, net));
-        }
-        if config.balloon {
-            let slot = MmioSlot::nth(BALLOON_SLOT)?;
-            let mem_bytes = mem.iter().map(|r| r.len()).sum();
-            let balloon = Arc::new(Mutex::new(BalloonMmio::new(
-                BalloonDevice::new(mem_bytes)?,
-                mem.clone(),
-                irq_for(vm, &slot)?,
-            )?));
-            bus.insert(slot.base, slot.size, balloon.clone())?;
-            cmdline.push(' ');
-            cmdline.push_str(&slot.cmdline());
-            devices.balloon = Some((slot, balloon));
+        for kind in KINDS {
+            if let Some(device) = kind.build(vm, mem, config, &mut bus)? {
+                cmdline.push(' ');
+                cmdline.push_str(&device.slot().cmdline());
+                devices.devices.push(device);
+            }
         }
         devices.mmio = Arc::new(bus);
         Ok((devices, cmdline))
@@ -222,75 +284,23 @@ impl VirtioDevices {
     ) -> Result<Self, VirtioDevicesError> {
         let mut bus = MmioBus::default();
         let mut devices = VirtioDevices::default();
-        if let Some((slot, state)) = &states.block {
-            let overlay = paths
-                .disk_overlay
-                .clone()
-                .ok_or(VirtioDevicesError::OverlayNeeded)?;
-            let args = MmioRestoreArgs {
-                mem: mem.clone(),
-                irq: irq_for(vm, slot)?,
-                device: BlockRestoreArgs {
-                    overlay_path: Some(overlay),
-                    base_path: None,
-                },
-            };
-            let blk = Arc::new(Mutex::new(BlockMmio::restore(args, state)?));
-            bus.insert(slot.base, slot.size, blk.clone())?;
-            devices.block = Some((*slot, blk));
-        }
-        if let Some((slot, state)) = &states.vsock {
-            let args = MmioRestoreArgs {
-                mem: mem.clone(),
-                irq: irq_for(vm, slot)?,
-                device: VsockRestoreArgs {
-                    uds_path: paths.vsock_uds.clone(),
-                    cid: None,
-                },
-            };
-            let vsock = Arc::new(Mutex::new(VsockMmio::restore(args, state)?));
-            bus.insert(slot.base, slot.size, vsock.clone())?;
-            devices.vsock = Some((*slot, vsock));
-        }
-        if let Some((slot, state)) = &states.net {
-            let args = MmioRestoreArgs {
-                mem: mem.clone(),
-                irq: irq_for(vm, slot)?,
-                device: NetRestoreArgs {
-                    spec: paths.net.clone(),
-                    clock: None,
-                },
-            };
-            let net = Arc::new(Mutex::new(NetMmio::restore(args, state)?));
-            bus.insert(slot.base, slot.size, net.clone())?;
-            devices.net = Some((*slot, net));
-        }
-        if let Some((slot, state)) = &states.balloon {
-            let args = MmioRestoreArgs {
-                mem: mem.clone(),
-                irq: irq_for(vm, slot)?,
-                device: BalloonRestoreArgs,
-            };
-            let balloon = Arc::new(Mutex::new(BalloonMmio::restore(args, state)?));
-            bus.insert(slot.base, slot.size, balloon.clone())?;
-            devices.balloon = Some((*slot, balloon));
+        for kind in KINDS {
+            if let Some(device) = kind.restore(vm, mem, states, paths, &mut bus)? {
+                devices.devices.push(device);
+            }
         }
         devices.mmio = Arc::new(bus);
         Ok(devices)
     }
 
-    /// Starts the device threads (vsock, net) once guest memory can be
-    /// touched, parked if `paused` (a VM whose vCPUs start paused).
+    /// Starts the device threads (vsock, net, balloon) once guest memory
+    /// can be touched, parked if `paused` (a VM whose vCPUs start paused).
     pub fn start(&self, paused: bool) -> Result<(), VirtioDevicesError> {
         let mut workers = lock(&self.workers);
-        if let Some((_, vsock)) = &self.vsock {
-            workers.push(spawn_worker(vsock, paused)?);
-        }
-        if let Some((_, net)) = &self.net {
-            workers.push(spawn_worker(net, paused)?);
-        }
-        if let Some((_, balloon)) = &self.balloon {
-            workers.push(spawn_worker(balloon, paused)?);
+        for device in &self.devices {
+            if let Some(worker) = device.start(paused) {
+                workers.push(worker?);
+            }
         }
         Ok(())
     }
@@ -301,9 +311,17 @@ impl VirtioDevices {
         lock(&self.workers).iter().all(DeviceWorker::is_paused)
     }
 
+    /// The transport of this VM's device of kind `K`, if it has one.
+    fn find<K: VirtioKind>(&self) -> Option<&Arc<Mutex<MmioTransport<K::Device>>>> {
+        self.devices
+            .iter()
+            .find_map(|d| d.as_any().downcast_ref::<Plugged<K>>())
+            .map(|p| &p.transport)
+    }
+
     /// The net device's counters, if the VM has one.
     pub fn net_metrics(&self) -> Option<crate::devices::net::NetMetrics> {
-        self.net.as_ref().map(|(_, t)| lock(t).device().metrics())
+        self.find::<NetKind>().map(|t| lock(t).device().metrics())
     }
 
     /// Sets the balloon's target; see [`balloon_status`](Self::balloon_status).
@@ -311,9 +329,12 @@ impl VirtioDevices {
         &self,
         target_mib: u64,
     ) -> Result<torpor_vmm_api::control::BalloonStatus, VirtioDevicesError> {
-        let (_, t) = self.balloon.as_ref().ok_or(VirtioDevicesError::NoBalloon)?;
+        let t = self
+            .find::<BalloonKind>()
+            .ok_or(VirtioDevicesError::NoBalloon)?;
         let mut t = lock(t);
-        crate::devices::balloon::set_target(&mut t, target_mib)?;
+        crate::devices::balloon::set_target(&mut t, target_mib)
+            .map_err(device_error::<BalloonKind>)?;
         Ok(t.device_mut().status())
     }
 
@@ -321,42 +342,24 @@ impl VirtioDevices {
     pub fn balloon_status(
         &self,
     ) -> Result<torpor_vmm_api::control::BalloonStatus, VirtioDevicesError> {
-        let (_, t) = self.balloon.as_ref().ok_or(VirtioDevicesError::NoBalloon)?;
+        let t = self
+            .find::<BalloonKind>()
+            .ok_or(VirtioDevicesError::NoBalloon)?;
         Ok(lock(t).device_mut().status())
     }
 
-    /// Saves every device (vCPUs and devices paused); freezes the disk
-    /// overlay into `dir`; returns the state and the pages the devices
-    /// wrote since the last snapshot (KVM's dirty log does not see them).
-    pub fn save(
-        &self,
-        dir: &std::path::Path,
-    ) -> Result<(VirtioStates, PageRuns), VirtioDevicesError> {
+    /// Saves every device (vCPUs and devices paused); each kind puts what
+    /// goes beside its state into `dir` (virtio-blk its frozen overlay);
+    /// returns the state and the pages the devices wrote since the last
+    /// snapshot (KVM's dirty log does not see them).
+    pub fn save(&self, dir: &Path) -> Result<(VirtioStates, PageRuns), VirtioDevicesError> {
         let mut states = VirtioStates::default();
         let mut dirty = PageRuns::default();
-        // The device threads are paused; holding both locks keeps even a
+        // The device threads are paused; holding every lock keeps even a
         // running one off guest memory while the state is taken.
-        let mut blk = self.block.as_ref().map(|(s, d)| (*s, lock(d)));
-        let mut vsock = self.vsock.as_ref().map(|(s, d)| (*s, lock(d)));
-        let mut net = self.net.as_ref().map(|(s, d)| (*s, lock(d)));
-        let mut balloon = self.balloon.as_ref().map(|(s, d)| (*s, lock(d)));
-        if let Some((slot, t)) = blk.as_mut() {
-            let mut state = t.save();
-            state.device.copy_overlay_to(&dir.join(OVERLAY_FILE))?;
-            dirty = dirty.union(&t.take_dirty_pages());
-            states.block = Some((*slot, state));
-        }
-        if let Some((slot, t)) = vsock.as_mut() {
-            states.vsock = Some((*slot, t.save()));
-            dirty = dirty.union(&t.take_dirty_pages());
-        }
-        if let Some((slot, t)) = net.as_mut() {
-            states.net = Some((*slot, t.save()));
-            dirty = dirty.union(&t.take_dirty_pages());
-        }
-        if let Some((slot, t)) = balloon.as_mut() {
-            states.balloon = Some((*slot, t.save()));
-            dirty = dirty.union(&t.take_dirty_pages());
+        let mut held: Vec<_> = self.devices.iter().map(|d| d.lock()).collect();
+        for device in &mut held {
+            dirty = dirty.union(&device.save(&mut states, dir)?);
         }
         Ok((states, dirty))
     }
@@ -394,6 +397,54 @@ impl Pausable for VirtioDevices {
 mod tests {
     use super::*;
     use crate::devices::virtio::testutil::guest_mem;
+    use crate::devices::vsock::{VsockConfig, VsockDevice, VsockMmio};
+
+    /// Slots and names are each kind's own.
+    #[test]
+    fn kinds_have_distinct_slots_and_names() {
+        let ids: Vec<_> = KINDS.iter().map(|k| k.id()).collect();
+        for (i, (slot, name)) in ids.iter().enumerate() {
+            assert!(ids[..i].iter().all(|(s, _)| s != slot), "slot {slot} twice");
+            assert!(ids[..i].iter().all(|(_, n)| n != name), "{name} twice");
+            MmioSlot::nth(*slot).unwrap();
+        }
+        assert_eq!(ids.len(), 4);
+    }
+
+    /// The balloon requests find the balloon among the devices, and a
+    /// refusal stays the balloon's own error (the control API tells a
+    /// target past guest memory from an internal failure by it).
+    #[test]
+    fn balloon_requests_reach_the_balloon() {
+        use crate::devices::balloon::{BalloonDevice, BalloonError, BalloonMmio};
+        let none = VirtioDevices::default();
+        assert!(matches!(
+            none.balloon_status(),
+            Err(VirtioDevicesError::NoBalloon)
+        ));
+        let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let dev = BalloonDevice::new(1 << 20).unwrap();
+        let t = BalloonMmio::new(dev, guest_mem(1 << 20), irq).unwrap();
+        let devices = VirtioDevices {
+            devices: vec![Box::new(Plugged::<BalloonKind> {
+                slot: MmioSlot::nth(BalloonKind::SLOT).unwrap(),
+                transport: Arc::new(Mutex::new(t)),
+            })],
+            ..Default::default()
+        };
+        assert!(devices.net_metrics().is_none());
+        devices.set_balloon(0).unwrap();
+        let e = devices.set_balloon(1 << 20).unwrap_err();
+        assert!(
+            matches!(
+                e.device::<BalloonKind>(),
+                Some(BalloonError::TargetTooLarge(_))
+            ),
+            "{e:?}"
+        );
+        assert!(e.device::<NetKind>().is_none());
+        assert!(e.to_string().starts_with("virtio-balloon: "), "{e}");
+    }
 
     #[test]
     fn pause_and_resume_reach_the_vsock_thread() {
@@ -401,8 +452,12 @@ mod tests {
         let dev = VsockDevice::new(&VsockConfig::new(dir.path().join("v.sock"))).unwrap();
         let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
         let t = VsockMmio::new(dev, guest_mem(1 << 20), irq).unwrap();
+        let slot = MmioSlot::nth(VsockKind::SLOT).unwrap();
         let devices = VirtioDevices {
-            vsock: Some((MmioSlot::nth(VSOCK_SLOT).unwrap(), Arc::new(Mutex::new(t)))),
+            devices: vec![Box::new(Plugged::<VsockKind> {
+                slot,
+                transport: Arc::new(Mutex::new(t)),
+            })],
             ..Default::default()
         };
         assert!(devices.is_paused(), "no thread runs before start");

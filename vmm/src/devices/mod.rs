@@ -4,6 +4,7 @@
 pub mod balloon;
 pub mod block;
 pub mod i8042;
+pub mod kind;
 pub mod net;
 pub mod pausable;
 pub mod rate_limiter;

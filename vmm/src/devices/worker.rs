@@ -161,7 +161,9 @@ impl DeviceWorker {
         Self::start(transport, true)
     }
 
-    fn start<D: EpollDevice>(
+    /// Starts the thread, parked if `paused`: [`spawn`](Self::spawn) or
+    /// [`spawn_paused`](Self::spawn_paused).
+    pub fn start<D: EpollDevice>(
         transport: Arc<Mutex<MmioTransport<D>>>,
         paused: bool,
     ) -> Result<Self, WorkerError> {

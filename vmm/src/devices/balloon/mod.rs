@@ -3,6 +3,7 @@
 //! thread per device (a [`BalloonWorker`]) takes the guest's buffers.
 
 mod device;
+mod kind;
 mod persist;
 #[cfg(test)]
 mod tests;
@@ -11,6 +12,7 @@ pub use device::{
     BalloonDevice, BalloonError, F_DEFLATE_ON_OOM, F_MUST_TELL_HOST, F_REPORTING, F_STATS_VQ,
     PAGES_PER_MIB, PAGE_SIZE, QUEUES, QUEUE_SIZE, STAT_LEN, TOKEN_WAKE, TYPE_BALLOON,
 };
+pub use kind::BalloonKind;
 pub use persist::{BalloonRestoreArgs, BalloonState};
 
 use crate::devices::virtio::MmioTransport;

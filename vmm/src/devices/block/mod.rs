@@ -3,6 +3,7 @@
 
 mod device;
 mod disk;
+mod kind;
 mod persist;
 #[cfg(test)]
 mod tests;
@@ -14,6 +15,7 @@ pub use device::{
     VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
 };
 pub use disk::{copy_overlay, CowDisk, DiskError, OverlayMap, CHUNK_SIZE, SECTOR_SIZE};
+pub use kind::{BlockKind, DiskConfig, OVERLAY_FILE};
 pub use persist::{BlockRestoreArgs, BlockState};
 
 use crate::devices::virtio::MmioTransport;

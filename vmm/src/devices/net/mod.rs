@@ -4,6 +4,7 @@
 //! [`NetWorker`]) moves the frames.
 
 mod device;
+mod kind;
 mod persist;
 mod tap;
 #[cfg(test)]
@@ -15,6 +16,7 @@ pub use device::{
     NetDevice, NetError, NetMetrics, MAX_FRAME, MAX_FRAME_DESCRIPTORS, OFFLOAD_FEATURES,
     QUEUE_SIZE, RXQ, TOKEN_WAKE, TXQ, TYPE_NET,
 };
+pub use kind::NetKind;
 pub use persist::{NetRestoreArgs, NetState};
 pub use tap::{Tap, TapError, VNET_HDR_LEN};
 

@@ -6,6 +6,7 @@
 mod conn;
 mod device;
 mod guest;
+mod kind;
 mod packet;
 mod persist;
 #[cfg(test)]
@@ -19,6 +20,7 @@ pub use conn::{ConnError, ConnKey, CONN_BUF_ALLOC, CREDIT_UPDATE_THRESHOLD};
 pub use device::{
     VsockConfig, VsockDevice, VsockError, EVQ, MAX_CONNECTIONS, QUEUE_SIZE, RXQ, TOKEN_WAKE, TXQ,
 };
+pub use kind::VsockKind;
 pub use packet::*;
 pub use persist::{VsockRestoreArgs, VsockState};
 pub use unix::{guest_target, UnixError};
