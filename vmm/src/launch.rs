@@ -9,6 +9,7 @@
 
 use std::sync::Mutex;
 
+use torpor_sync::Locked;
 use torpor_vmm_api::launch::{DiskSpec, KernelSource, LaunchMode, LaunchSpec};
 use torpor_vmm_api::{ErrorKind, VmError};
 
@@ -28,7 +29,7 @@ static READY: Mutex<Option<(ReadyHook, u32)>> = Mutex::new(None);
 /// Called by the VMM when its control socket serves: runs the launch's
 /// ready hook, once.
 pub(crate) fn serving() {
-    let hook = READY.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let hook = READY.locked().take();
     if let Some((hook, pid)) = hook {
         hook(pid);
     }
@@ -72,7 +73,7 @@ pub fn run(
         Some(jail) => crate::jail::enter(jail)?.host_pid,
         None => std::process::id(),
     };
-    *READY.lock().unwrap_or_else(|e| e.into_inner()) = Some((Box::new(on_ready), pid));
+    *READY.locked() = Some((Box::new(on_ready), pid));
     // Compiled now, installed by each thread as it starts (crate::seccomp).
     crate::seccomp::init(spec.seccomp)?;
     let socket = spec.control_socket.clone();

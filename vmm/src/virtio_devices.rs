@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
+use torpor_sync::Locked;
 use torpor_vmm_api::launch::NetSpec;
 use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
@@ -134,10 +135,6 @@ fn spawn_worker<D: crate::devices::worker::EpollDevice>(
     } else {
         DeviceWorker::spawn(transport.clone())
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl VirtioDevices {
@@ -282,7 +279,7 @@ impl VirtioDevices {
     /// Starts the device threads (vsock, net) once guest memory can be
     /// touched, parked if `paused` (a VM whose vCPUs start paused).
     pub fn start(&self, paused: bool) -> Result<(), VirtioDevicesError> {
-        let mut workers = lock(&self.workers);
+        let mut workers = self.workers.locked();
         if let Some((_, vsock)) = &self.vsock {
             workers.push(spawn_worker(vsock, paused)?);
         }
@@ -298,12 +295,14 @@ impl VirtioDevices {
     /// True when no device thread runs (all parked, or none): the devices
     /// touch neither guest memory nor interrupts.
     pub fn is_paused(&self) -> bool {
-        lock(&self.workers).iter().all(DeviceWorker::is_paused)
+        self.workers.locked().iter().all(DeviceWorker::is_paused)
     }
 
     /// The net device's counters, if the VM has one.
     pub fn net_metrics(&self) -> Option<crate::devices::net::NetMetrics> {
-        self.net.as_ref().map(|(_, t)| lock(t).device().metrics())
+        self.net
+            .as_ref()
+            .map(|(_, t)| t.locked().device().metrics())
     }
 
     /// Sets the balloon's target; see [`balloon_status`](Self::balloon_status).
@@ -312,7 +311,7 @@ impl VirtioDevices {
         target_mib: u64,
     ) -> Result<torpor_vmm_api::control::BalloonStatus, VirtioDevicesError> {
         let (_, t) = self.balloon.as_ref().ok_or(VirtioDevicesError::NoBalloon)?;
-        let mut t = lock(t);
+        let mut t = t.locked();
         crate::devices::balloon::set_target(&mut t, target_mib)?;
         Ok(t.device_mut().status())
     }
@@ -322,7 +321,7 @@ impl VirtioDevices {
         &self,
     ) -> Result<torpor_vmm_api::control::BalloonStatus, VirtioDevicesError> {
         let (_, t) = self.balloon.as_ref().ok_or(VirtioDevicesError::NoBalloon)?;
-        Ok(lock(t).device_mut().status())
+        Ok(t.locked().device_mut().status())
     }
 
     /// Saves every device (vCPUs and devices paused); freezes the disk
@@ -336,10 +335,10 @@ impl VirtioDevices {
         let mut dirty = PageRuns::default();
         // The device threads are paused; holding both locks keeps even a
         // running one off guest memory while the state is taken.
-        let mut blk = self.block.as_ref().map(|(s, d)| (*s, lock(d)));
-        let mut vsock = self.vsock.as_ref().map(|(s, d)| (*s, lock(d)));
-        let mut net = self.net.as_ref().map(|(s, d)| (*s, lock(d)));
-        let mut balloon = self.balloon.as_ref().map(|(s, d)| (*s, lock(d)));
+        let mut blk = self.block.as_ref().map(|(s, d)| (*s, d.locked()));
+        let mut vsock = self.vsock.as_ref().map(|(s, d)| (*s, d.locked()));
+        let mut net = self.net.as_ref().map(|(s, d)| (*s, d.locked()));
+        let mut balloon = self.balloon.as_ref().map(|(s, d)| (*s, d.locked()));
         if let Some((slot, t)) = blk.as_mut() {
             let mut state = t.save();
             state.device.copy_overlay_to(&dir.join(OVERLAY_FILE))?;
@@ -370,7 +369,7 @@ impl Pausable for VirtioDevices {
     /// Pauses every thread; if one cannot be paused, those already
     /// paused run on again (nothing is left half paused).
     fn pause(&self) -> Result<(), VirtioDevicesError> {
-        let workers = lock(&self.workers);
+        let workers = self.workers.locked();
         for (i, worker) in workers.iter().enumerate() {
             if let Err(e) = worker.pause() {
                 for w in &workers[..i] {
@@ -383,7 +382,7 @@ impl Pausable for VirtioDevices {
     }
 
     fn resume(&self) -> Result<(), VirtioDevicesError> {
-        for worker in lock(&self.workers).iter() {
+        for worker in self.workers.locked().iter() {
             worker.resume()?;
         }
         Ok(())

@@ -17,7 +17,8 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
+use torpor_sync::Locked;
 
 /// Watches at once per agent.
 pub const MAX_WATCHES: usize = 64;
@@ -158,10 +159,6 @@ pub struct Watches {
     next: AtomicU64,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 fn no_watch(id: u64) -> ErrorReply {
     ErrorReply::new(libc::ENOENT, format!("no watch {id}"))
 }
@@ -183,7 +180,7 @@ impl Watches {
                 format!("{}: not a directory", req.path),
             ));
         }
-        let mut map = lock(&self.map);
+        let mut map = self.map.locked();
         if map.len() >= MAX_WATCHES {
             return Err(ErrorReply::new(
                 libc::EAGAIN,
@@ -217,14 +214,15 @@ impl Watches {
 
     /// `watch_events`: what happened since the last call.
     pub fn events(&self, id: u64) -> Result<WatchEvents, ErrorReply> {
-        let mut map = lock(&self.map);
+        let mut map = self.map.locked();
         let watch = map.get_mut(&id).ok_or_else(|| no_watch(id))?;
         Ok(watch.drain())
     }
 
     /// `watch_remove`.
     pub fn remove(&self, id: u64) -> Result<(), ErrorReply> {
-        lock(&self.map)
+        self.map
+            .locked()
             .remove(&id)
             .map(drop)
             .ok_or_else(|| no_watch(id))
