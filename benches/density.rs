@@ -23,6 +23,7 @@ use std::sync::{Mutex, Once, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use torpor_sync::Locked;
 
 mod common;
 
@@ -57,7 +58,7 @@ fn cleanup(sig: libc::c_int) -> usize {
     static ONCE: Once = Once::new();
     let mut killed = 0;
     ONCE.call_once(|| {
-        let serve = SERVE.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let serve = SERVE.locked().take();
         if let Some(mut child) = serve {
             // SAFETY: signalling the serve process this bench spawned.
             unsafe { libc::kill(child.id() as libc::pid_t, sig) };

@@ -9,17 +9,22 @@ const SERVICE_CRATES: [&str; 4] = ["scheduler", "client", "api", "cluster"];
 /// Each workspace crate (its directory) and the workspace crates it may
 /// depend on: the layers, bottom first. Cargo refuses cycles; this refuses
 /// an edge the design does not have (docs/design.md, "Workspace").
-const LAYERS: [(&str, &[&str]); 10] = [
+const LAYERS: [(&str, &[&str]); 11] = [
+    ("sync", &[]),
     ("vmm-api", &[]),
     ("guest-image/probe", &[]),
-    ("guest-image/agent", &[]),
-    ("nested", &[]),
+    ("guest-image/agent", &["torpor-sync"]),
+    ("nested", &["torpor-sync"]),
     ("client", &[]),
-    ("vmm", &["torpor-vmm-api"]),
-    ("scheduler", &["torpor-vmm-api", "torpor-agent"]),
+    ("vmm", &["torpor-sync", "torpor-vmm-api"]),
+    (
+        "scheduler",
+        &["torpor-sync", "torpor-vmm-api", "torpor-agent"],
+    ),
     (
         "api",
         &[
+            "torpor-sync",
             "torpor-vmm-api",
             "torpor-agent",
             "torpor-scheduler",
@@ -28,11 +33,17 @@ const LAYERS: [(&str, &[&str]); 10] = [
     ),
     (
         "cluster",
-        &["torpor-scheduler", "torpor-client", "torpor-api"],
+        &[
+            "torpor-sync",
+            "torpor-scheduler",
+            "torpor-client",
+            "torpor-api",
+        ],
     ),
     (
         ".",
         &[
+            "torpor-sync",
             "torpor-vmm-api",
             "torpor-probe",
             "torpor-agent",

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 use torpor_scheduler::model::{Sandbox, SandboxState, Template, TemplateState};
 use torpor_scheduler::store::admission::HOLDING_VMM;
+use torpor_sync::Locked;
 
 use crate::backend::{on_pod, Needs, SandboxApi};
 use crate::service::{SandboxFilter, ServiceError};
@@ -234,14 +235,14 @@ pub struct Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = self.state.locked();
         st.pending.sub(&self.asked);
     }
 }
 
 impl Quotas {
     fn tenant(&self, tenant: &str) -> Arc<Mutex<TenantState>> {
-        let mut map = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
+        let mut map = self.tenants.locked();
         Arc::clone(map.entry(tenant.to_string()).or_default())
     }
 
@@ -281,7 +282,7 @@ impl Quotas {
             return Ok(None);
         }
         let state = self.tenant(tenant);
-        let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = state.locked();
         let mut used = Self::usage(
             service,
             tenant,

@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use axum::http::StatusCode;
+use torpor_sync::Locked;
 
 use crate::error::{code, ApiError};
 
@@ -43,7 +44,7 @@ pub struct StreamSlot {
 
 impl Drop for StreamSlot {
     fn drop(&mut self) {
-        let mut held = self.streams.held.lock().unwrap_or_else(|p| p.into_inner());
+        let mut held = self.streams.held.locked();
         held.all = held.all.saturating_sub(1);
         if let Some(n) = held.per_tenant.get_mut(&self.tenant) {
             *n = n.saturating_sub(1);
@@ -65,7 +66,7 @@ impl Streams {
 
     /// A slot of `tenant`'s (the sandbox's owner, whoever calls), or 429.
     pub fn take(self: &Arc<Self>, tenant: &str) -> Result<StreamSlot, ApiError> {
-        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let mut held = self.held.locked();
         let mine = held.per_tenant.get(tenant).copied().unwrap_or(0);
         if mine >= self.per_tenant || held.all >= self.total {
             let message = if mine >= self.per_tenant {
@@ -94,7 +95,7 @@ impl Streams {
 
     /// Slots `tenant` holds now.
     pub fn held(&self, tenant: &str) -> usize {
-        let held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let held = self.held.locked();
         held.per_tenant.get(tenant).copied().unwrap_or(0)
     }
 }

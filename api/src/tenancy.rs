@@ -22,6 +22,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 use torpor_scheduler::model::{Sandbox, SandboxState};
+use torpor_sync::Locked;
 
 use crate::auth::{Auth, Principal};
 use crate::backend::SandboxApi;
@@ -91,11 +92,7 @@ impl std::fmt::Debug for Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        let mut b = self
-            .limiter
-            .buckets
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut b = self.limiter.buckets.locked();
         if let Some(bucket) = b.get_mut(&self.key) {
             bucket.in_flight = bucket.in_flight.saturating_sub(1);
         }
@@ -117,7 +114,7 @@ impl Limiter {
         }
         let now = Instant::now();
         let burst = f64::from(self.limit.burst.max(1));
-        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        let mut buckets = self.buckets.locked();
         let b = buckets.entry(principal.token.clone()).or_insert(Bucket {
             tokens: burst,
             last: now,

@@ -2,6 +2,7 @@
 //! through its REST API and fills the root's `Results`.
 
 use super::*;
+use torpor_sync::Locked;
 
 /// POST /v1/sandboxes -> 201 running: (id, answer, ms).
 fn create(serve: &Serve, template: &str) -> Result<(String, Value, f64), String> {
@@ -129,15 +130,13 @@ fn par_for(
                     break;
                 }
                 if let Err(e) = f(i) {
-                    err.lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .get_or_insert(e);
+                    err.locked().get_or_insert(e);
                     break;
                 }
             });
         }
     });
-    match err.into_inner().unwrap_or_else(|e| e.into_inner()) {
+    match err.into_inner_locked() {
         Some(e) => Err(e),
         None => Ok(()),
     }
@@ -231,12 +230,12 @@ fn measure_sustained(serve: &Serve, tpl: &str, threads: usize, secs: f64) -> Sus
         let (rx, out, ends) = (&rx, &out, &ends);
         for _ in 0..DELETERS {
             s.spawn(move || loop {
-                let next = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                let next = rx.locked().recv();
                 let Ok(id) = next else { break };
                 let t = Instant::now();
                 let deleted = serve.delete(&id);
                 let took = ms(t);
-                let mut o = out.lock().unwrap_or_else(|e| e.into_inner());
+                let mut o = out.locked();
                 match deleted {
                     Ok(()) => o.delete_lat.push(took),
                     Err(e) => o.errors.push(e),
@@ -248,7 +247,7 @@ fn measure_sustained(serve: &Serve, tpl: &str, threads: usize, secs: f64) -> Sus
             s.spawn(move || {
                 while Instant::now() < deadline {
                     let done = create(serve, tpl);
-                    let mut o = out.lock().unwrap_or_else(|e| e.into_inner());
+                    let mut o = out.locked();
                     match done {
                         Ok((id, v, took)) => {
                             o.creates += 1;
@@ -271,15 +270,13 @@ fn measure_sustained(serve: &Serve, tpl: &str, threads: usize, secs: f64) -> Sus
                         }
                     }
                 }
-                ends.lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(Instant::now());
+                ends.locked().push(Instant::now());
             });
         }
         drop(tx);
     });
-    let mut o = out.into_inner().unwrap_or_else(|e| e.into_inner());
-    let end = ends.into_inner().unwrap_or_default().into_iter().max();
+    let mut o = out.into_inner_locked();
+    let end = ends.into_inner_locked().into_iter().max();
     o.secs = end.map_or(secs, |e| (e - start).as_secs_f64());
     o
 }
@@ -297,15 +294,12 @@ fn measure_pss(
     let made = par_for(n, threads, |_| {
         let (id, v, _) = create(serve, tpl)?;
         let pid = v["vmm"]["pid"].as_u64();
-        clones
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((id.clone(), pid.unwrap_or(0) as u32));
+        clones.locked().push((id.clone(), pid.unwrap_or(0) as u32));
         lifecycle(serve, &id, "pause", "paused").map(drop)?;
         pid.map(drop)
             .ok_or(format!("no vmm.pid in the answer: {v}"))
     });
-    let clones = clones.into_inner().unwrap_or_else(|e| e.into_inner());
+    let clones = clones.into_inner_locked();
     let result = made.and_then(|()| pss_phases(serve, &clones, threads, r));
     let deleted = par_for(clones.len(), threads, |i| serve.delete(&clones[i].0));
     result.and(deleted)

@@ -10,6 +10,7 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio_postgres::{Client, GenericClient, NoTls};
 use torpor_scheduler::model::{PodId, Sandbox, SandboxId};
+use torpor_sync::Locked;
 
 use super::wire::{Heartbeat, OpOutcome};
 use super::ClusterError;
@@ -291,17 +292,11 @@ impl Db {
     }
 
     pub(super) async fn client(&self) -> Result<Arc<Client>, ClusterError> {
-        if let Some(c) = self
-            .client
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .filter(|c| !c.is_closed())
-        {
+        if let Some(c) = self.client.locked().as_ref().filter(|c| !c.is_closed()) {
             return Ok(c.clone());
         }
         let client = Arc::new(self.connect().await?);
-        *self.client.lock().unwrap_or_else(|p| p.into_inner()) = Some(client.clone());
+        *self.client.locked() = Some(client.clone());
         Ok(client)
     }
 

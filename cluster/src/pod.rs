@@ -17,6 +17,7 @@ use futures_util::StreamExt;
 use rusqlite::{params, Connection, OptionalExtension};
 use torpor_scheduler::model::{PodId, Sandbox, SandboxState};
 use torpor_scheduler::service::{Owner, ServiceError};
+use torpor_sync::Locked;
 
 use torpor_api::service::SandboxFilter;
 
@@ -71,7 +72,7 @@ impl Journal {
 
     /// Records `op` as running unless the journal has it; what it had.
     pub fn begin(&self, op: &str) -> Result<Journaled, ClusterError> {
-        let db = self.db.lock().unwrap_or_else(|p| p.into_inner());
+        let db = self.db.locked();
         let row: Option<Option<String>> = db
             .query_row("SELECT outcome FROM operations WHERE id = ?1", [op], |r| {
                 r.get(0)
@@ -94,7 +95,7 @@ impl Journal {
     pub fn finish(&self, op: &str, outcome: &OpOutcome) -> Result<(), ClusterError> {
         let text =
             serde_json::to_string(outcome).map_err(|e| ClusterError::Journal(e.to_string()))?;
-        let db = self.db.lock().unwrap_or_else(|p| p.into_inner());
+        let db = self.db.locked();
         db.execute(
             "UPDATE operations SET outcome = ?2 WHERE id = ?1",
             params![op, text],
@@ -180,11 +181,7 @@ async fn work<S: SandboxApi>(
                 continue;
             }
         };
-        if !running
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(item.operation.clone())
-        {
+        if !running.locked().insert(item.operation.clone()) {
             // Delivered again while it runs here: again in a few seconds
             // (then its journaled outcome is published and it is acked),
             // not left unacked until the ack wait.
@@ -231,10 +228,7 @@ async fn work<S: SandboxApi>(
                     }
                 }
             }
-            running
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&op);
+            running.locked().remove(&op);
             drop(permit);
         });
     }

@@ -37,6 +37,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use torpor_sync::Locked;
+
 pub use assets::{find_qemu, L1Assets};
 use image::Carried;
 pub use qemu::STALL_LIMIT;
@@ -303,7 +305,7 @@ impl NestedHost {
         // two TCG hosts sharing the CPUs only make both slower (and their
         // timeouts likelier). A panicked holder leaves nothing to repair.
         static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let _turn = ONE_AT_A_TIME.locked();
         let started = std::time::Instant::now();
         let run = |cpus: u32| {
             let work = WorkDir::new()?;

@@ -12,6 +12,8 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use torpor_sync::Locked;
+
 use crate::{qemu, NestedError, NestedHost, WorkDir};
 
 /// Console lines kept for [`RunningHost::console_tail`].
@@ -93,8 +95,8 @@ impl NestedHost {
                     if echo {
                         eprintln!("{prefix}{line}");
                     }
-                    *last_line.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
-                    let mut c = console.lock().unwrap_or_else(|p| p.into_inner());
+                    *last_line.locked() = Instant::now();
+                    let mut c = console.locked();
                     if c.len() == KEEP_LINES {
                         c.pop_front();
                     }
@@ -143,15 +145,12 @@ impl RunningHost {
     /// [`crate::STALL_LIMIT`], L1 is frozen (seen under multi-threaded
     /// TCG: both vCPUs spinning, no heartbeat, no answer).
     pub fn silent_for(&self) -> Duration {
-        self.last_line
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .elapsed()
+        self.last_line.locked().elapsed()
     }
 
     /// The last console lines (L1's console and QEMU's stderr).
     pub fn console_tail(&self) -> String {
-        let c = self.console.lock().unwrap_or_else(|p| p.into_inner());
+        let c = self.console.locked();
         let lines: Vec<String> = c.iter().cloned().collect();
         qemu::tail(&lines)
     }

@@ -3,6 +3,7 @@
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
+use torpor_sync::Locked;
 use vmm_sys_util::eventfd::EventFd;
 
 /// Why the VMM is stopping. Each maps to a documented process exit status.
@@ -63,7 +64,7 @@ impl ExitSignal {
 
     /// Records `reason` unless another was recorded first, and wakes the waiter.
     pub fn exit(&self, reason: ExitReason) {
-        let mut slot = self.reason.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = self.reason.locked();
         if slot.is_none() {
             *slot = Some(reason);
         }
@@ -75,12 +76,7 @@ impl ExitSignal {
     /// Blocks until some party calls `exit`, then returns the first reason.
     pub fn wait(&self) -> ExitReason {
         loop {
-            if let Some(r) = self
-                .reason
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone()
-            {
+            if let Some(r) = self.reason.locked().clone() {
                 return r;
             }
             let _ = self.evt.read();
@@ -89,10 +85,7 @@ impl ExitSignal {
 
     /// The reason, if the VM is already ending.
     pub fn reason(&self) -> Option<ExitReason> {
-        self.reason
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.reason.locked().clone()
     }
 }
 

@@ -8,6 +8,8 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use torpor_sync::Locked;
+
 /// Lines one call site may log per window.
 pub const BURST: u32 = 10;
 /// The window.
@@ -36,7 +38,7 @@ impl RateLimit {
     /// Whether a line may be logged at `now`: `Some(dropped)` (lines
     /// dropped since the last one logged) or `None` (drop this one).
     pub fn admit(&self, now: Instant) -> Option<u64> {
-        let mut w = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut w = self.0.locked();
         if w.started.is_none_or(|s| now.duration_since(s) >= WINDOW) {
             w.started = Some(now);
             w.logged = 0;

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
+use torpor_sync::Locked;
 use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
 use crate::builder::{BuildError, BuiltVm, Timings};
@@ -146,7 +147,7 @@ impl Controller {
         let (sink, msrs) = (results.clone(), self.msr_indices.clone());
         let ran = self.vcpus.run_on_paused(Arc::new(move |index, fd| {
             let r = vm_state::save_vcpu(fd, &msrs).map_err(|e| format!("vCPU {index}: {e}"));
-            sink.lock().unwrap_or_else(|e| e.into_inner())[usize::from(index)] = Some(r);
+            sink.locked()[usize::from(index)] = Some(r);
         }));
         if !ran {
             return Err(VmError::new(
@@ -154,7 +155,7 @@ impl Controller {
                 "the VM must be paused to snapshot it",
             ));
         }
-        let results = std::mem::take(&mut *results.lock().unwrap_or_else(|e| e.into_inner()));
+        let results = std::mem::take(&mut *results.locked());
         results
             .into_iter()
             .enumerate()
@@ -228,7 +229,7 @@ impl Controller {
                 "the VM must be paused to snapshot it (send pause first)",
             ));
         }
-        let mut lineage = self.lineage.lock().unwrap_or_else(|e| e.into_inner());
+        let mut lineage = self.lineage.locked();
         let parent = match (diff, &lineage.base) {
             (true, None) => {
                 return Err(VmError::new(ErrorKind::InvalidRequest, "a diff snapshot needs a base: this VM was not restored from a snapshot and has taken none; take a full snapshot first"))
@@ -271,7 +272,7 @@ impl Controller {
             .save(&dir)
             .map_err(|e| VmError::internal(e.to_string()))?;
         let devices = DeviceStates {
-            serial: self.serial.lock().unwrap_or_else(|e| e.into_inner()).save(),
+            serial: self.serial.locked().save(),
             virtio,
         };
         // Reading the dirty log also resets it: the next diff starts here.
@@ -404,8 +405,7 @@ impl VmController for Controller {
             memory_backend: self.backend.to_string(),
             base_snapshot: self
                 .lineage
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
+                .locked()
                 .base
                 .as_ref()
                 .and_then(|chain| chain.last().cloned()),

@@ -6,6 +6,7 @@ use std::any::Any;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use torpor_sync::Locked as _;
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -89,10 +90,6 @@ fn irq_for(vm: &Vm, slot: &MmioSlot) -> Result<EventFd, VirtioDevicesError> {
         .map_err(VirtioDevicesError::EventFd)?;
     vm.register_irqfd(&irq, slot.irq)?;
     Ok(irq)
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A [`VirtioKind`] as a value, so that [`KINDS`] can list them.
@@ -213,7 +210,7 @@ impl<K: VirtioKind> Attached for Plugged<K> {
     fn lock(&self) -> Box<dyn Held + '_> {
         Box::new(Locked::<K> {
             slot: self.slot,
-            transport: lock(&self.transport),
+            transport: self.transport.locked(),
         })
     }
 
@@ -296,7 +293,7 @@ impl VirtioDevices {
     /// Starts the device threads (vsock, net, balloon) once guest memory
     /// can be touched, parked if `paused` (a VM whose vCPUs start paused).
     pub fn start(&self, paused: bool) -> Result<(), VirtioDevicesError> {
-        let mut workers = lock(&self.workers);
+        let mut workers = self.workers.locked();
         for device in &self.devices {
             if let Some(worker) = device.start(paused) {
                 workers.push(worker?);
@@ -308,7 +305,7 @@ impl VirtioDevices {
     /// True when no device thread runs (all parked, or none): the devices
     /// touch neither guest memory nor interrupts.
     pub fn is_paused(&self) -> bool {
-        lock(&self.workers).iter().all(DeviceWorker::is_paused)
+        self.workers.locked().iter().all(DeviceWorker::is_paused)
     }
 
     /// The transport of this VM's device of kind `K`, if it has one.
@@ -321,7 +318,8 @@ impl VirtioDevices {
 
     /// The net device's counters, if the VM has one.
     pub fn net_metrics(&self) -> Option<crate::devices::net::NetMetrics> {
-        self.find::<NetKind>().map(|t| lock(t).device().metrics())
+        self.find::<NetKind>()
+            .map(|t| t.locked().device().metrics())
     }
 
     /// Sets the balloon's target; see [`balloon_status`](Self::balloon_status).
@@ -332,7 +330,7 @@ impl VirtioDevices {
         let t = self
             .find::<BalloonKind>()
             .ok_or(VirtioDevicesError::NoBalloon)?;
-        let mut t = lock(t);
+        let mut t = t.locked();
         crate::devices::balloon::set_target(&mut t, target_mib)
             .map_err(device_error::<BalloonKind>)?;
         Ok(t.device_mut().status())
@@ -345,7 +343,7 @@ impl VirtioDevices {
         let t = self
             .find::<BalloonKind>()
             .ok_or(VirtioDevicesError::NoBalloon)?;
-        Ok(lock(t).device_mut().status())
+        Ok(t.locked().device_mut().status())
     }
 
     /// Saves every device (vCPUs and devices paused); each kind puts what
@@ -373,7 +371,7 @@ impl Pausable for VirtioDevices {
     /// Pauses every thread; if one cannot be paused, those already
     /// paused run on again (nothing is left half paused).
     fn pause(&self) -> Result<(), VirtioDevicesError> {
-        let workers = lock(&self.workers);
+        let workers = self.workers.locked();
         for (i, worker) in workers.iter().enumerate() {
             if let Err(e) = worker.pause() {
                 for w in &workers[..i] {
@@ -386,7 +384,7 @@ impl Pausable for VirtioDevices {
     }
 
     fn resume(&self) -> Result<(), VirtioDevicesError> {
-        for worker in lock(&self.workers).iter() {
+        for worker in self.workers.locked().iter() {
             worker.resume()?;
         }
         Ok(())

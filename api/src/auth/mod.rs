@@ -30,6 +30,7 @@ use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use subtle::{Choice, ConstantTimeEq};
 use torpor_scheduler::service::Owner;
+use torpor_sync::RwLocked;
 
 use crate::error::{code, ApiError};
 use crate::quota::Quota;
@@ -243,7 +244,7 @@ impl Auth {
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, TenantsFile> {
-        self.0.file.read().unwrap_or_else(|p| p.into_inner())
+        self.0.file.read_locked()
     }
 
     /// THE token check: the principal `presented` stands for, if any.
@@ -295,7 +296,7 @@ impl Auth {
                 })
             }
         };
-        let mut file = self.0.file.write().unwrap_or_else(|p| p.into_inner());
+        let mut file = self.0.file.write_locked();
         let mut next = file.clone();
         let out = f(&mut next)?;
         next.save(path)?;
@@ -384,7 +385,7 @@ impl Auth {
 async fn load(inner: &Inner, db: &dyn TokenStore) -> Result<(), TokensError> {
     let n = inner.loads.fetch_add(1, Ordering::SeqCst);
     let file = db.tenants().await?;
-    let mut cached = inner.file.write().unwrap_or_else(|p| p.into_inner());
+    let mut cached = inner.file.write_locked();
     if inner.stored.load(Ordering::SeqCst) < n {
         inner.stored.store(n, Ordering::SeqCst);
         *cached = file;

@@ -7,6 +7,8 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use torpor_sync::Locked;
+
 use crate::service::ServiceError;
 
 /// What starts an on-demand template (returns at once; the work goes on in
@@ -41,7 +43,7 @@ pub struct Coming {
 
 impl Coming {
     fn entries(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
-        self.entries.lock().unwrap_or_else(|p| p.into_inner())
+        self.entries.locked()
     }
 
     /// Marks `name` as coming (`why`: not there yet, and why: progress) or

@@ -28,6 +28,7 @@ use serde_json::Value;
 use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template, TemplateState};
 use torpor_scheduler::service::LOCAL_POD;
 use torpor_scheduler::state::SandboxState;
+use torpor_sync::RwLocked;
 
 use crate::backend::{Lifecycle, Registry, Relay, SandboxApi};
 use crate::calls::{ExecMode, ExecReply, FileOp, FileReply, TemplateOp, TemplateReply};
@@ -94,11 +95,7 @@ impl<L: SandboxApi> Nested<L> {
     }
 
     fn pod(&self, id: &PodId) -> Option<RemotePod> {
-        self.pods
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(id)
-            .cloned()
+        self.pods.read_locked().get(id).cloned()
     }
 
     /// The nested pod that owns sandbox `id`.
@@ -107,27 +104,17 @@ impl<L: SandboxApi> Nested<L> {
     }
 
     fn remote_pods(&self) -> Vec<RemotePod> {
-        self.pods
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .cloned()
-            .collect()
+        self.pods.read_locked().values().cloned().collect()
     }
 
     fn owner(&self, id: &SandboxId) -> Option<Owned> {
-        self.owners
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(id)
-            .cloned()
+        self.owners.read_locked().get(id).cloned()
     }
 
     /// Sandboxes of `pod` (of `tenant` only, if given).
     fn owned_by(&self, pod: &PodId, tenant: Option<&str>) -> Vec<SandboxId> {
         self.owners
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
+            .read_locked()
             .iter()
             .filter(|(_, o)| {
                 o.pod == *pod && tenant.is_none_or(|want| o.tenant.as_deref() == Some(want))
@@ -203,10 +190,7 @@ impl<L: SandboxApi> Nested<L> {
             Err(e) => return Err(e),
         };
         tracing::info!(pod = %pod.id, %address, "attached a nested pod");
-        self.pods
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(pod.id.clone(), pod);
+        self.pods.write_locked().insert(pod.id.clone(), pod);
         Ok(entry)
     }
 
@@ -248,10 +232,7 @@ impl<L: SandboxApi> Nested<L> {
             access_token,
             env,
         };
-        self.owners
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, owned);
+        self.owners.write_locked().insert(id, owned);
         Ok(v)
     }
 
@@ -347,7 +328,7 @@ impl<L: SandboxApi> Nested<L> {
             .filter(|s| s.state != SandboxState::Deleted)
             .filter(|s| self.owner(&s.id).is_none() && self.claimable(&s.id, &pod.id))
             .collect();
-        let mut owners = self.owners.write().unwrap_or_else(|p| p.into_inner());
+        let mut owners = self.owners.write_locked();
         for s in unrecorded {
             tracing::info!(pod = %pod.id, sandbox = %s.id, state = %s.state, "a sandbox of a failed create is recorded");
             owners.entry(s.id).or_insert(Owned {
@@ -560,10 +541,7 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
         match self.remote_sandbox(id) {
             Some(pod) => {
                 remote::call(&pod, "DELETE", id, "", None)?;
-                self.owners
-                    .write()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .remove(id);
+                self.owners.write_locked().remove(id);
                 Ok(())
             }
             None => self.local.delete_sandbox(id),

@@ -18,6 +18,7 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
+use torpor_sync::Locked;
 
 /// Output forwarded per exec when the request names no limit.
 pub const DEFAULT_MAX_OUTPUT: u64 = 16 << 20;
@@ -37,7 +38,7 @@ pub struct Running {
 impl Running {
     /// How many execs are running.
     pub fn len(&self) -> usize {
-        self.pgids.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.pgids.locked().len()
     }
 
     /// Whether no exec is running.
@@ -46,20 +47,12 @@ impl Running {
     }
 
     fn remove(&self, id: u64) {
-        self.pgids
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id);
+        self.pgids.locked().remove(&id);
     }
 
     /// SIGKILLs every running exec's process group.
     pub fn kill_all(&self) {
-        for &pgid in self
-            .pgids
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-        {
+        for &pgid in self.pgids.locked().values() {
             kill_group(pgid);
         }
     }
@@ -119,7 +112,7 @@ impl Shared {
         } else {
             ReplyBody::Stderr(chunk)
         };
-        let open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let open = self.open.locked();
         if *open {
             self.sink.send(Some(self.id), body);
         }
@@ -155,7 +148,7 @@ pub fn start(
 ) -> Result<(), ErrorReply> {
     validate(&req)?;
     {
-        let map = running.pgids.lock().unwrap_or_else(|e| e.into_inner());
+        let map = running.pgids.locked();
         if map.contains_key(&id) {
             return Err(ErrorReply::new(
                 libc::EEXIST,
@@ -202,11 +195,7 @@ pub fn start(
         ErrorReply::io(&what, &e)
     })?;
     let pgid = child.id() as i32;
-    running
-        .pgids
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(id, pgid);
+    running.pgids.locked().insert(id, pgid);
 
     let shared = Arc::new(Shared {
         id,
@@ -234,7 +223,7 @@ pub fn start(
     if let Err(e) = result {
         // Out of threads: undo everything. Helpers already started end when
         // the pipes close.
-        *shared.open.lock().unwrap_or_else(|e| e.into_inner()) = false;
+        *shared.open.locked() = false;
         kill_group(pgid);
         if !waiter_started {
             // SAFETY: reaps our own (killed) child so it leaves no zombie.
@@ -342,7 +331,7 @@ fn supervise(
         stderr_bytes: shared.produced[1].load(Ordering::Relaxed),
     };
     running.remove(shared.id);
-    let mut open = shared.open.lock().unwrap_or_else(|e| e.into_inner());
+    let mut open = shared.open.locked();
     *open = false;
     shared.sink.send(Some(shared.id), ReplyBody::Exit(exit));
 }

@@ -22,9 +22,10 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::io::AsRawFd;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
+use torpor_sync::{Locked, Waited};
 
 /// Output bytes kept per process for replaying attaches.
 pub const MAX_RETAINED: usize = 1 << 20;
@@ -67,13 +68,9 @@ struct Proc {
     pty: Option<File>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Proc {
     fn push(&self, stream: Stream, data: &[u8]) {
-        let mut out = lock(&self.out);
+        let mut out = self.out.locked();
         let seq = out.next_seq;
         out.next_seq += 1;
         out.bytes += data.len();
@@ -89,7 +86,7 @@ impl Proc {
     }
 
     fn running(&self) -> bool {
-        lock(&self.out).exit.is_none()
+        self.out.locked().exit.is_none()
     }
 }
 
@@ -192,7 +189,7 @@ impl Procs {
     }
 
     fn get(&self, pid: u32) -> Result<Arc<Proc>, ErrorReply> {
-        lock(&self.table).get(&pid).cloned().ok_or_else(|| {
+        self.table.locked().get(&pid).cloned().ok_or_else(|| {
             ErrorReply::new(libc::ESRCH, format!("no spawned process with pid {pid}"))
         })
     }
@@ -201,7 +198,8 @@ impl Procs {
     /// that exited first; `EAGAIN` when every entry runs.
     fn make_room(&self, table: &mut BTreeMap<u32, Arc<Proc>>) -> Result<(), ErrorReply> {
         table.retain(|_, p| {
-            lock(&p.out)
+            p.out
+                .locked()
                 .exited_at
                 .is_none_or(|t| t.elapsed() < EXITED_KEPT)
         });
@@ -210,7 +208,7 @@ impl Procs {
         }
         let oldest = table
             .iter()
-            .filter_map(|(pid, p)| lock(&p.out).exited_at.map(|t| (t, *pid)))
+            .filter_map(|(pid, p)| p.out.locked().exited_at.map(|t| (t, *pid)))
             .min();
         match oldest {
             Some((_, pid)) => {
@@ -227,7 +225,7 @@ impl Procs {
     /// `spawn`: starts the process and its reader and waiter threads.
     pub fn spawn(&self, req: SpawnRequest) -> Result<Spawned, ErrorReply> {
         validate(&req)?;
-        let mut table = lock(&self.table);
+        let mut table = self.table.locked();
         self.make_room(&mut table)?;
         let user = req.user.as_deref().map(users::by_name).transpose()?;
         // SAFETY: geteuid has no preconditions.
@@ -365,7 +363,7 @@ impl Procs {
                 Ok(s) => (s.code(), s.signal()),
                 Err(_) => (None, None),
             };
-            let mut out = lock(&p.out);
+            let mut out = p.out.locked();
             out.exit = Some(ExitReply {
                 code,
                 signal,
@@ -377,7 +375,7 @@ impl Procs {
             });
             out.exited_at = Some(Instant::now());
             drop(out);
-            *lock(&p.input) = None;
+            *p.input.locked() = None;
             p.changed.notify_all();
         }));
         if let Err(e) = started {
@@ -406,12 +404,12 @@ impl Procs {
         let mut next = if req.replay {
             0
         } else {
-            lock(&proc.out).next_seq
+            proc.out.locked().next_seq
         };
         spawn_thread("proc-attach", move || {
             let _guard = guard;
             loop {
-                let out = lock(&proc.out);
+                let out = proc.out.locked();
                 let fresh: Vec<(Stream, Vec<u8>)> = out
                     .chunks
                     .iter()
@@ -425,10 +423,7 @@ impl Procs {
                         sink.send(Some(id), ReplyBody::Exit(exit));
                         return;
                     }
-                    let (o, timeout) = proc
-                        .changed
-                        .wait_timeout(out, keepalive)
-                        .unwrap_or_else(|e| e.into_inner());
+                    let (o, timeout) = proc.changed.wait_timeout_locked(out, keepalive);
                     drop(o);
                     if timeout.timed_out() && !sink.send(Some(id), ReplyBody::Keepalive) {
                         return;
@@ -454,7 +449,8 @@ impl Procs {
 
     /// `processes`: the running ones, by pid.
     pub fn list(&self) -> Vec<ProcessInfo> {
-        lock(&self.table)
+        self.table
+            .locked()
             .values()
             .filter(|p| p.running())
             .map(|p| p.info.clone())
@@ -490,7 +486,7 @@ impl Procs {
     /// read blocks this request (the host's deadline bounds it).
     pub fn input(&self, req: &InputRequest) -> Result<(), ErrorReply> {
         let p = self.running(req.pid)?;
-        let input = lock(&p.input).as_ref().map(File::try_clone);
+        let input = p.input.locked().as_ref().map(File::try_clone);
         match input {
             Some(Ok(mut f)) => f
                 .write_all(&req.data)
@@ -511,7 +507,7 @@ impl Procs {
                 "process {pid} runs on a PTY: send ^D (0x04) instead"
             )));
         }
-        *lock(&p.input) = None;
+        *p.input.locked() = None;
         Ok(())
     }
 

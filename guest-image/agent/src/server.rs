@@ -23,6 +23,7 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use torpor_sync::Locked;
 
 /// Default vsock port the agent listens on.
 pub const DEFAULT_VSOCK_PORT: u32 = 52;
@@ -94,7 +95,7 @@ impl Sink {
             )
         });
         let Ok(frame) = frame else { return false };
-        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let mut w = self.writer.locked();
         if self.broken.load(Ordering::Relaxed) {
             return false;
         }

@@ -11,6 +11,8 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use torpor_sync::Locked;
+
 /// Guest-physical address of the VMM's identity page (reserved in e820).
 /// Must match `torpor_probe::abi::IDENTITY_PAGE_ADDR`.
 pub const IDENTITY_PAGE_ADDR: u64 = 0x9e000;
@@ -306,14 +308,11 @@ impl FakeOps {
 
     /// Every call so far, in order.
     pub fn calls(&self) -> Vec<FakeCall> {
-        self.calls.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.calls.locked().clone()
     }
 
     fn record(&self, call: FakeCall, name: &str) -> io::Result<()> {
-        self.calls
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(call);
+        self.calls.locked().push(call);
         match self.failures.get(name) {
             Some(&errno) => Err(io::Error::from_raw_os_error(errno)),
             None => Ok(()),

@@ -20,8 +20,10 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
+
 use std::thread::JoinHandle;
+use torpor_sync::Locked;
 
 /// Watches at once per agent.
 pub const MAX_WATCHES: usize = 64;
@@ -74,7 +76,7 @@ struct Reader {
 impl Reader {
     fn add_dir(&mut self, dir: &Path) -> Result<(), std::io::Error> {
         if self.dirs.len() >= MAX_DIRS {
-            lock(&self.queue).overflow = true;
+            self.queue.locked().overflow = true;
             return Ok(());
         }
         let c = CString::new(dir.as_os_str().as_bytes())
@@ -145,7 +147,7 @@ impl Reader {
             }
             event.path = Some(path);
         }
-        lock(&self.queue).push(event);
+        self.queue.locked().push(event);
     }
 
     /// Reads until `stop` is readable (or the fd fails).
@@ -209,7 +211,7 @@ impl Reader {
 
     fn one(&mut self, ev: &libc::inotify_event, name: &[u8]) {
         if ev.mask & libc::IN_Q_OVERFLOW != 0 {
-            lock(&self.queue).overflow = true;
+            self.queue.locked().overflow = true;
             return;
         }
         let Some(dir) = self.dirs.get(&ev.wd).cloned() else {
@@ -259,7 +261,7 @@ struct Watch {
 
 impl Watch {
     fn drain(&self) -> WatchEvents {
-        let mut q = lock(&self.queue);
+        let mut q = self.queue.locked();
         let take = q.events.len().min(MAX_EVENTS);
         WatchEvents {
             events: q.events.drain(..take).collect(),
@@ -295,10 +297,6 @@ pub struct Watches {
     next: AtomicU64,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 fn no_watch(id: u64) -> ErrorReply {
     ErrorReply::new(libc::ENOENT, format!("no watch {id}"))
 }
@@ -320,7 +318,7 @@ impl Watches {
                 format!("{}: not a directory", req.path),
             ));
         }
-        let mut map = lock(&self.map);
+        let mut map = self.map.locked();
         if map.len() >= MAX_WATCHES {
             return Err(ErrorReply::new(
                 libc::EAGAIN,
@@ -366,7 +364,7 @@ impl Watches {
 
     /// `watch_events`: what happened since the last call.
     pub fn events(&self, id: u64) -> Result<WatchEvents, ErrorReply> {
-        let map = lock(&self.map);
+        let map = self.map.locked();
         let watch = map.get(&id).ok_or_else(|| no_watch(id))?;
         Ok(watch.drain())
     }
@@ -374,7 +372,7 @@ impl Watches {
     /// `watch_remove`.
     pub fn remove(&self, id: u64) -> Result<(), ErrorReply> {
         // Taken out under the lock, joined (dropped) after it.
-        let watch = lock(&self.map).remove(&id).ok_or_else(|| no_watch(id))?;
+        let watch = self.map.locked().remove(&id).ok_or_else(|| no_watch(id))?;
         drop(watch);
         Ok(())
     }

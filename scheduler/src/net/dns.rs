@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use hickory_proto::op::{Message, MessageType, OpCode, ResponseCode};
 use hickory_proto::rr::RData;
+use torpor_sync::Locked;
 
 use super::{NameVerdict, NetError, NetManager, SandboxNet};
 
@@ -262,11 +263,11 @@ impl State {
             let Some(net) = self.manager.by_addr(*from.ip()) else {
                 continue;
             };
-            let allowed = self
-                .limiter
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .allow(&net.sandbox, self.config.queries_per_second, Instant::now());
+            let allowed = self.limiter.locked().allow(
+                &net.sandbox,
+                self.config.queries_per_second,
+                Instant::now(),
+            );
             if !allowed {
                 continue;
             }
@@ -304,7 +305,7 @@ impl State {
         if let Some(message) = self.cached(&key) {
             return self.answer(message, query.metadata.id, from, &net, verdict);
         }
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pending = self.pending.locked();
         let now = Instant::now();
         pending.retain(|_, p| now.duration_since(p.sent) < PENDING_TIMEOUT);
         if pending.len() >= MAX_PENDING {
@@ -342,7 +343,7 @@ impl State {
     }
 
     fn cached(&self, key: &(String, u16)) -> Option<Message> {
-        let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let cache = self.cache.locked();
         let entry = cache.get(key)?;
         let age = entry.stored.elapsed();
         if age >= entry.ttl {
@@ -364,7 +365,7 @@ impl State {
         if ttl == 0 || self.config.cache_entries == 0 {
             return;
         }
-        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let mut cache = self.cache.locked();
         if cache.len() >= self.config.cache_entries {
             cache.retain(|_, c| c.stored.elapsed() < c.ttl);
         }
@@ -436,7 +437,7 @@ impl State {
                 continue;
             }
             let waiting = {
-                let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+                let mut pending = self.pending.locked();
                 // The id and the question must both match what was asked.
                 let matches = pending.get(&message.metadata.id).is_some_and(|p| {
                     message.queries.len() == 1

@@ -48,6 +48,7 @@ use std::str::FromStr;
 use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
+use torpor_sync::Locked;
 
 pub use policy::{EgressPolicy, NameVerdict, PolicyPatch, Target, MAX_ENTRIES};
 pub use rules::{NetCounters, MASQUERADE_TAG, RULE_TAG};
@@ -434,7 +435,7 @@ impl NetManager {
     }
 
     fn allocate(&self, sandbox: &str) -> Result<u32, NetError> {
-        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slots = self.slots.locked();
         if slots.values().any(|s| s == sandbox) {
             return Err(NetError::Exists(sandbox.to_string()));
         }
@@ -446,10 +447,7 @@ impl NetManager {
     }
 
     fn release(&self, index: u32) {
-        self.slots
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&index);
+        self.slots.locked().remove(&index);
     }
 
     /// The host table, forwarding and the shared masquerade rule, once.
@@ -566,8 +564,7 @@ impl NetManager {
         );
         self.host_nft(&["-f", "-"], Some(&script))?;
         self.policies
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .insert(net.sandbox.clone(), policy.clone());
         Ok(())
     }
@@ -586,11 +583,7 @@ impl NetManager {
 
     /// The policy the sandbox's rules were last built from.
     pub fn policy_of(&self, sandbox: &str) -> Option<EgressPolicy> {
-        self.policies
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(sandbox)
-            .cloned()
+        self.policies.locked().get(sandbox).cloned()
     }
 
     /// The network of the sandbox whose unique address is `addr` (where a
@@ -601,7 +594,7 @@ impl NetManager {
             return None;
         }
         let index = offset / 4;
-        let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let slots = self.slots.locked();
         slots.get(&index).map(|id| self.plan(id, index))
     }
 
@@ -675,10 +668,7 @@ impl NetManager {
     fn remove(&self, net: &SandboxNet) -> Result<(), NetError> {
         self.delete_rules(Some(&net.sandbox), &rules::TAGGED_CHAINS)?;
         self.delete_sets(&net.host_veth)?;
-        self.policies
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&net.sandbox);
+        self.policies.locked().remove(&net.sandbox);
         ignore_gone(self.host_ip(&["link", "del", &net.host_veth]))?;
         // Takes the tap, the namespace's end of the veth and its table.
         ignore_gone(run("ip", &["netns", "del", &net.netns], None))
@@ -764,10 +754,7 @@ impl NetManager {
             let Some(index) = index else { continue };
             let net = self.plan(&id, index);
             if keep(&id) && namespaces.contains(&net.netns) {
-                self.slots
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(index, id.clone());
+                self.slots.locked().insert(index, id.clone());
                 kept.push(net);
             } else {
                 self.delete_rules(Some(&id), &rules::TAGGED_CHAINS)?;
@@ -803,11 +790,8 @@ impl NetManager {
             ignore_gone(self.host_ip(&["link", "del", &veth]))?;
         }
         ignore_gone(self.host_nft(&["delete", "table", "ip", &self.config.table], None))?;
-        self.slots.lock().unwrap_or_else(|e| e.into_inner()).clear();
-        self.policies
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        self.slots.locked().clear();
+        self.policies.locked().clear();
         Ok(found)
     }
 }

@@ -12,6 +12,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use torpor_sync::Locked;
+
 use super::{NetError, NetManager};
 
 /// Exposed ports a sandbox may have at most.
@@ -94,7 +96,7 @@ impl PortProxy {
         if guest_port == 0 {
             return Err(PortError::BadPort);
         }
-        let mut listeners = self.listeners.lock().unwrap_or_else(|e| e.into_inner());
+        let mut listeners = self.listeners.locked();
         if listeners.contains_key(&(sandbox.to_string(), guest_port)) {
             return Err(PortError::Exists(guest_port));
         }
@@ -144,8 +146,7 @@ impl PortProxy {
     pub fn unexpose(&self, sandbox: &str, guest_port: u16) -> Result<(), PortError> {
         let removed = self
             .listeners
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .remove(&(sandbox.to_string(), guest_port));
         match removed {
             Some(listener) => {
@@ -159,7 +160,7 @@ impl PortProxy {
     /// Every port of the sandbox (it is deleted).
     pub fn unexpose_all(&self, sandbox: &str) {
         let gone: Vec<Listener> = {
-            let mut listeners = self.listeners.lock().unwrap_or_else(|e| e.into_inner());
+            let mut listeners = self.listeners.locked();
             let keys: Vec<_> = listeners
                 .keys()
                 .filter(|(s, _)| s == sandbox)
@@ -174,8 +175,7 @@ impl PortProxy {
     pub fn list(&self, sandbox: &str) -> Vec<(u16, SocketAddr)> {
         let mut out: Vec<_> = self
             .listeners
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .iter()
             .filter(|((s, _), _)| s == sandbox)
             .map(|((_, p), l)| (*p, l.addr))

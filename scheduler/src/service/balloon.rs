@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use torpor_sync::Locked;
 use torpor_vmm_api::control::Request;
 
 use super::vmm;
@@ -26,11 +27,11 @@ pub struct Shrunk {
 
 impl Shrunk {
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, Timestamp>> {
-        self.asked.lock().unwrap_or_else(|e| e.into_inner())
+        self.asked.locked()
     }
 
     fn pss_before(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, (Timestamp, u64)>> {
-        self.pss_before.lock().unwrap_or_else(|e| e.into_inner())
+        self.pss_before.locked()
     }
 }
 

@@ -10,6 +10,8 @@ use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 
+use torpor_sync::Locked;
+
 #[derive(Debug, Default)]
 struct State {
     cancelled: bool,
@@ -30,7 +32,7 @@ pub struct Cancelled;
 
 impl Cancel {
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.0.locked()
     }
 
     /// Cancels: the attached connection (if any) is shut down now, and a

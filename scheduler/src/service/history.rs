@@ -14,11 +14,11 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::policy::locked;
 use super::{vmm, Service, ServiceError};
 use crate::model::{Sandbox, SandboxId, Timestamp};
 use crate::state::SandboxState;
 use crate::store::SandboxFilter;
+use torpor_sync::Locked;
 
 /// How often the history thread samples every running sandbox, in ms.
 pub const SAMPLE_INTERVAL_MS: u64 = 5_000;
@@ -79,7 +79,7 @@ impl History {
     /// Appends `sample` to `id`'s history (kept in time order: one older
     /// than the newest is dropped), forgetting its oldest past capacity.
     pub fn record(&self, id: &SandboxId, sample: MetricSample) {
-        let mut all = locked(&self.series);
+        let mut all = self.series.locked();
         let series = all.entry(id.clone()).or_default();
         if series.samples.back().is_some_and(|l| l.at > sample.at) {
             return;
@@ -98,7 +98,7 @@ impl History {
         from: Option<Timestamp>,
         to: Option<Timestamp>,
     ) -> Vec<MetricSample> {
-        let all = locked(&self.series);
+        let all = self.series.locked();
         let Some(series) = all.get(id) else {
             return Vec::new();
         };
@@ -112,7 +112,8 @@ impl History {
 
     /// When `id`'s newest sample was taken.
     pub fn newest(&self, id: &SandboxId) -> Option<Timestamp> {
-        locked(&self.series)
+        self.series
+            .locked()
             .get(id)
             .and_then(|s| s.samples.back().map(|l| l.at))
     }
@@ -128,7 +129,7 @@ impl History {
         at: Timestamp,
         vcpus: u32,
     ) -> Option<f64> {
-        let mut all = locked(&self.series);
+        let mut all = self.series.locked();
         let series = all.entry(id.clone()).or_default();
         let before = series.last_cpu.replace((pid, cpu_seconds, at));
         let (last_pid, last_s, last_at) = before?;
@@ -141,17 +142,17 @@ impl History {
 
     /// Forgets `id`'s history (a deleted sandbox).
     pub fn forget(&self, id: &SandboxId) {
-        locked(&self.series).remove(id);
+        self.series.locked().remove(id);
     }
 
     /// Keeps only the histories of sandboxes `keep` names.
     pub fn retain(&self, keep: impl Fn(&SandboxId) -> bool) {
-        locked(&self.series).retain(|id, _| keep(id));
+        self.series.locked().retain(|id, _| keep(id));
     }
 
     /// How many sandboxes have a history.
     pub fn len(&self) -> usize {
-        locked(&self.series).len()
+        self.series.locked().len()
     }
 
     pub fn is_empty(&self) -> bool {

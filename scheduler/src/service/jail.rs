@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
+use torpor_sync::Locked;
 use torpor_vmm_api::jail::{self, Expose, JailSpec};
 use torpor_vmm_api::{LaunchMode, LaunchSpec, MemoryBackend, RestoreSpec};
 
@@ -100,7 +101,7 @@ impl Jails {
     }
 
     fn slots(&self) -> std::sync::MutexGuard<'_, Slots> {
-        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+        self.slots.locked()
     }
 
     /// A uid no live VMM of this pod has. A slot is free again once its

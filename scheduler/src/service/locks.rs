@@ -13,6 +13,8 @@ use std::collections::HashSet;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use torpor_sync::{Locked, Waited};
+
 use crate::model::SandboxId;
 
 /// The sandboxes whose lock is held, and a condition variable that wakes
@@ -63,14 +65,14 @@ impl SandboxLocks {
     fn held(&self) -> MutexGuard<'_, HashSet<SandboxId>> {
         // The set is only changed by insert and remove, which cannot leave
         // it half-done: a poisoned lock still guards a sound set.
-        self.held.lock().unwrap_or_else(|e| e.into_inner())
+        self.held.locked()
     }
 
     /// Waits until no one else holds `id`'s lock, and takes it.
     pub(super) fn lock(&self, id: &SandboxId) -> SandboxGuard<'_> {
         let mut held = self.held();
         while held.contains(id) {
-            held = self.released.wait(held).unwrap_or_else(|e| e.into_inner());
+            held = self.released.wait_locked(held);
         }
         held.insert(id.clone());
         SandboxGuard {
@@ -81,7 +83,7 @@ impl SandboxLocks {
 
     fn doomed(&self) -> MutexGuard<'_, HashSet<SandboxId>> {
         // Insert and remove only, as `held`.
-        self.doomed.lock().unwrap_or_else(|e| e.into_inner())
+        self.doomed.locked()
     }
 
     /// [`SandboxLocks::lock`], waiting at most `limit`: None if `id` is
@@ -91,11 +93,7 @@ impl SandboxLocks {
         let mut held = self.held();
         while held.contains(id) {
             let left = deadline.checked_duration_since(Instant::now())?;
-            held = self
-                .released
-                .wait_timeout(held, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            held = self.released.wait_timeout_locked(held, left).0;
         }
         held.insert(id.clone());
         Some(SandboxGuard {
@@ -137,7 +135,7 @@ impl SandboxLocks {
     /// another request waiting for the lock would do first.
     #[cfg(test)]
     pub(super) fn on_next_release(&self, hook: impl FnOnce(&SandboxId) + Send + 'static) {
-        *self.on_release.lock().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(hook));
+        *self.on_release.locked() = Some(Box::new(hook));
     }
 }
 
@@ -147,12 +145,7 @@ impl Drop for SandboxGuard<'_> {
         self.locks.released.notify_all();
         #[cfg(test)]
         {
-            let hook = self
-                .locks
-                .on_release
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .take();
+            let hook = self.locks.on_release.locked().take();
             if let Some(hook) = hook {
                 hook(&self.id);
             }

@@ -14,8 +14,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use torpor_sync::Locked;
 
-use super::policy::locked;
 use super::vmm::{self, PageFaults};
 use super::{Service, LOCAL_POD};
 use crate::state::SandboxState;
@@ -170,7 +170,7 @@ impl Metrics {
 
     /// A sandbox VMM about to be stopped: its page faults stay counted.
     pub fn vmm_ending(&self, pid: u32) {
-        locked(&self.faults).retire(pid);
+        self.faults.locked().retire(pid);
     }
 }
 
@@ -286,7 +286,7 @@ impl Service {
             .iter()
             .filter_map(|s| s.vmm.as_ref().map(|h| h.pid))
             .collect();
-        let faults = locked(&self.metrics.faults).sample(&pids);
+        let faults = self.metrics.faults.locked().sample(&pids);
         for (name, kind, n) in [
             ("torpor_pod_vmm_minor_page_faults", "Minor", faults.minor),
             ("torpor_pod_vmm_major_page_faults", "Major", faults.major),

@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 
+use torpor_sync::Locked;
 use torpor_vmm_api::{NetSpec, RateLimit};
 
 use super::{Service, ServiceError};
@@ -36,7 +37,7 @@ impl Service {
         let Some(manager) = &self.net else {
             return Ok(None);
         };
-        let mut nets = self.nets.lock().unwrap_or_else(|e| e.into_inner());
+        let mut nets = self.nets.locked();
         let net = match nets.get(id) {
             Some(net) => net.clone(),
             None => {
@@ -101,12 +102,7 @@ impl Service {
         let (Some(manager), Some(network)) = (&self.net, sandbox.network.as_mut()) else {
             return;
         };
-        let net = self
-            .nets
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&sandbox.id)
-            .cloned();
+        let net = self.nets.locked().get(&sandbox.id).cloned();
         if let Some(net) = net {
             network.address = Some(net.sandbox_addr);
             match manager.counters(&net) {
@@ -148,12 +144,7 @@ impl Service {
             .apply_within(&network.policy, &self.default_egress())
             .map_err(bad_policy)?;
         self.store.set_sandbox_network(id, &network)?;
-        let net = self
-            .nets
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(id)
-            .cloned();
+        let net = self.nets.locked().get(id).cloned();
         if let Some(net) = net {
             manager
                 .set_policy(&net, &network.policy)
@@ -167,13 +158,7 @@ impl Service {
     /// sandbox's network is made again, on wake).
     pub(super) fn network_metrics(&self, reg: &mut prometheus_client::registry::Registry) {
         let Some(manager) = &self.net else { return };
-        let mut nets: Vec<SandboxNet> = self
-            .nets
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect();
+        let mut nets: Vec<SandboxNet> = self.nets.locked().values().cloned().collect();
         nets.sort_by(|a, b| a.sandbox.cmp(&b.sandbox));
         let refs: Vec<&SandboxNet> = nets.iter().collect();
         let counters = match manager.counters_of(&refs) {
@@ -236,7 +221,7 @@ impl Service {
         };
         let forwarder =
             crate::net::dns::Forwarder::start(Arc::clone(manager), dns).map_err(net_error)?;
-        *self.dns.lock().unwrap_or_else(|e| e.into_inner()) = Some(forwarder);
+        *self.dns.locked() = Some(forwarder);
         Ok(())
     }
 
@@ -250,13 +235,7 @@ impl Service {
 
     /// Removes the sandbox's network, if it has one (its VMM is gone).
     pub(super) fn drop_sandbox_net(&self, id: &SandboxId) {
-        let (Some(manager), Some(net)) = (
-            &self.net,
-            self.nets
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(id),
-        ) else {
+        let (Some(manager), Some(net)) = (&self.net, self.nets.locked().remove(id)) else {
             return;
         };
         if let Err(e) = manager.delete(&net) {
@@ -306,10 +285,7 @@ impl Service {
             manager
                 .set_policy(&net, &self.stored_policy(&id)?)
                 .map_err(net_error)?;
-            self.nets
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(id, net);
+            self.nets.locked().insert(id, net);
         }
         Ok(())
     }

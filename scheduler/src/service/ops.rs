@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
+use torpor_sync::Locked;
 use torpor_vmm_api::control::Request;
 use torpor_vmm_api::jail::Expose;
 use torpor_vmm_api::launch::{Console, LaunchMode, LaunchSpec, MemoryBackend, RestoreSpec};
@@ -404,10 +405,7 @@ impl Service {
             }
         };
         let vmm_ms = lap.next();
-        self.children
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id.clone(), child);
+        self.children.locked().insert(id.clone(), child);
         if template.kind == TemplateKind::Linux {
             // Recorded before the guest's `resumed` hook, which may wait
             // for its agent up to a minute: the VMM shows on the sandbox
@@ -464,11 +462,7 @@ impl Service {
     /// Stops the sandbox's VMM, if it has one.
     pub(super) fn stop_vmm(&self, sandbox: &Sandbox) -> Result<(), ServiceError> {
         if let Some(handle) = &sandbox.vmm {
-            let child = self
-                .children
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&sandbox.id);
+            let child = self.children.locked().remove(&sandbox.id);
             self.metrics.vmm_ending(handle.pid);
             vmm::stop(handle, child);
             // Relaxed: the operation that stops a VMM ends with a commit.

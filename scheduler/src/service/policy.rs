@@ -9,16 +9,14 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use torpor_sync::Locked;
+
 use super::vmm;
 use super::{Outcome, Service, ServiceError, LOCAL_POD};
 use crate::model::{Pod, PodId, Sandbox, SandboxId, Timestamp};
 use crate::policy::{idle_past_keep_alive, PolicyDriver, PolicyReason};
 use crate::state::SandboxState;
 use crate::store::SandboxFilter;
-
-pub(super) fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// Sandboxes with a guest request in flight, with how many.
 #[derive(Default, Debug)]
@@ -32,7 +30,7 @@ pub struct InFlightGuard<'a> {
 
 impl InFlight {
     pub fn enter(&self, id: &SandboxId) -> InFlightGuard<'_> {
-        *locked(&self.0).entry(id.clone()).or_default() += 1;
+        *self.0.locked().entry(id.clone()).or_default() += 1;
         InFlightGuard {
             set: self,
             id: id.clone(),
@@ -40,13 +38,13 @@ impl InFlight {
     }
 
     pub fn contains(&self, id: &SandboxId) -> bool {
-        locked(&self.0).contains_key(id)
+        self.0.locked().contains_key(id)
     }
 }
 
 impl Drop for InFlightGuard<'_> {
     fn drop(&mut self) {
-        let mut map = locked(&self.set.0);
+        let mut map = self.set.0.locked();
         if let Some(n) = map.get_mut(&self.id) {
             *n -= 1;
             if *n == 0 {
@@ -114,7 +112,7 @@ impl Service {
     /// A VMM that exited without being asked marks only its sandbox failed.
     fn check_vmm_alive(&self, s: &crate::model::Sandbox) {
         let exited = {
-            let mut children = self.children.lock().unwrap_or_else(|e| e.into_inner());
+            let mut children = self.children.locked();
             match children.get_mut(&s.id) {
                 Some(c) => c.try_wait().ok().flatten(),
                 None => None,
@@ -131,10 +129,7 @@ impl Service {
         if current.state != s.state || current.vmm != s.vmm {
             return; // an operation changed it meanwhile
         }
-        self.children
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&s.id);
+        self.children.locked().remove(&s.id);
         let files = vmm::VmmFiles::in_dir(&self.sandbox_dir(&s.id));
         let reason = match exited {
             Some(status) if status.code() == Some(torpor_vmm_api::launch::EXIT_OOM) => format!(

@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+use torpor_sync::{Locked, Waited};
 use torpor_vmm_api::control::{self, Request};
 use torpor_vmm_api::jail::Expose;
 use torpor_vmm_api::launch::{DirtyTracking, LaunchMode, LaunchSpec, MemoryBackend};
@@ -117,7 +118,7 @@ impl StandbyPool {
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, PoolState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.locked()
     }
 
     /// Keeps shells of `shape` from now on.
@@ -224,8 +225,7 @@ impl StandbyPool {
                         None => {
                             st = self
                                 .changed
-                                .wait_timeout(st, Duration::from_secs(5))
-                                .unwrap_or_else(|e| e.into_inner())
+                                .wait_timeout_locked(st, Duration::from_secs(5))
                                 .0
                         }
                     }

@@ -7,6 +7,8 @@
 use std::net::SocketAddrV4;
 use std::sync::Weak;
 
+use torpor_sync::Locked;
+
 use super::{Service, ServiceError};
 use crate::model::{ExposedPort, Sandbox, SandboxId, SandboxNetwork};
 use crate::net::ports::{PortError, PortTarget};
@@ -52,12 +54,7 @@ impl PortTarget for Waker {
             _ => None,
         };
         service.connect(&id).map_err(|e| e.to_string())?;
-        let net = service
-            .nets
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&id)
-            .cloned();
+        let net = service.nets.locked().get(&id).cloned();
         net.map(|n| SocketAddrV4::new(n.sandbox_addr, guest_port))
             .ok_or_else(|| format!("sandbox {id} runs without a network device"))
     }

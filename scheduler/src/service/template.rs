@@ -5,6 +5,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use torpor_sync::Locked;
 use torpor_vmm_api::lineage::WORKING_SET_FILE;
 
 use serde_json::json;
@@ -228,11 +229,7 @@ pub(super) struct BuildReservation<'a> {
 
 impl Drop for BuildReservation<'_> {
     fn drop(&mut self) {
-        let mut building = self
-            .service
-            .building_mib
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut building = self.service.building_mib.locked();
         *building = building.saturating_sub(self.mem_mib);
     }
 }
@@ -259,7 +256,7 @@ impl Service {
     /// Admits a template build of `mem_mib`: refused (429) when it does not
     /// fit with the sandboxes' memory and the other builds'.
     pub(super) fn admit_build(&self, mem_mib: u32) -> Result<BuildReservation<'_>, ServiceError> {
-        let mut building = self.building_mib.lock().unwrap_or_else(|p| p.into_inner());
+        let mut building = self.building_mib.locked();
         let asked = u32::try_from(*building + u64::from(mem_mib)).unwrap_or(u32::MAX);
         self.admit(asked, false)?;
         *building += u64::from(mem_mib);

@@ -47,6 +47,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use rusqlite::{Connection, ErrorCode, OpenFlags, TransactionBehavior};
+use torpor_sync::Locked;
 
 pub use journal::{OperationKind, OperationRecord, OperationStatus, StateChange};
 pub use layers::{KnownLayer, LayerOwner};
@@ -231,9 +232,7 @@ impl Store {
     fn lock(&self) -> MutexGuard<'_, Connection> {
         // A panic inside a closure unwinds through the transaction's drop,
         // which rolls it back: the connection is still sound.
-        self.conn
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.conn.locked()
     }
 
     /// Runs `f` in one transaction, committed (durably) if `f` returns Ok and

@@ -8,6 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use torpor_sync::Locked;
+
 use super::{BalloonStatus, Request, Response, SnapshotInfo, VmStatus, MAX_LINE};
 use torpor_vmm_api::{ErrorKind as VmErrorKind, VmError};
 
@@ -143,7 +145,7 @@ impl ControlServer {
     /// Waits for the answer being written, if any; no answer starts while
     /// the guard lives.
     pub fn quiesce(&self) -> std::sync::MutexGuard<'_, ()> {
-        self.answering.lock().unwrap_or_else(|e| e.into_inner())
+        self.answering.locked()
     }
 }
 
@@ -183,7 +185,7 @@ fn serve_connection(
         if line.trim().is_empty() {
             continue;
         }
-        let _answering = answering.lock().unwrap_or_else(|e| e.into_inner());
+        let _answering = answering.locked();
         let response = answer(&line, vm);
         let mut out = serde_json::to_string(&response).map_err(std::io::Error::other)?;
         out.push('\n');

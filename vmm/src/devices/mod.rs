@@ -15,6 +15,8 @@ pub mod worker;
 
 use std::sync::{Arc, Mutex};
 
+use torpor_sync::Locked;
+
 pub use pausable::{Pausable, PauseError, PauseGate};
 
 /// A device reached through x86 port I/O.
@@ -82,21 +84,14 @@ impl PioBus {
 
     pub fn read(&self, port: u16, data: &mut [u8]) {
         match self.find(port) {
-            Some((r, offset)) => r
-                .device
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .read(offset, data),
+            Some((r, offset)) => r.device.locked().read(offset, data),
             None => data.fill(0xff),
         }
     }
 
     pub fn write(&self, port: u16, data: &[u8]) {
         if let Some((r, offset)) = self.find(port) {
-            r.device
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .write(offset, data);
+            r.device.locked().write(offset, data);
         }
     }
 }

@@ -17,6 +17,8 @@
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use torpor_sync::{Locked, Waited};
+
 /// A device whose work can be stopped and started again.
 ///
 /// `pause` returns once the device has stopped: no guest-memory write and
@@ -80,7 +82,7 @@ impl PauseGate {
     }
 
     fn lock(&self) -> MutexGuard<'_, GateState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.locked()
     }
 
     /// Worker side, between two batches: waits while paused. Returns false
@@ -92,7 +94,7 @@ impl PauseGate {
                 s.parked = true;
                 self.changed.notify_all();
             }
-            s = self.changed.wait(s).unwrap_or_else(|e| e.into_inner());
+            s = self.changed.wait_locked(s);
         }
         if s.parked {
             s.parked = false;
@@ -146,11 +148,7 @@ impl PauseGate {
                     waited: limit,
                 });
             }
-            s = self
-                .changed
-                .wait_timeout(s, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            s = self.changed.wait_timeout_locked(s, deadline - now).0;
         }
     }
 

@@ -11,10 +11,11 @@
 //! queued in the epoll set) and is handled after `resume`.
 
 use std::os::fd::AsRawFd;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use torpor_sync::Locked;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -96,10 +97,6 @@ pub fn kick_all(evts: &[EventFd]) -> Result<(), crate::devices::virtio::VirtioEr
     Ok(())
 }
 
-fn lock<D: EpollDevice>(t: &Mutex<MmioTransport<D>>) -> MutexGuard<'_, MmioTransport<D>> {
-    t.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// Waits once for the device's file descriptors (at most `max_wait_ms`
 /// if given, else until the next deadline or event) and handles them.
 /// Returns true when the device thread's wake eventfd fired.
@@ -108,7 +105,7 @@ pub fn poll_once<D: EpollDevice>(
     epoll: &Epoll,
     max_wait_ms: Option<i32>,
 ) -> std::io::Result<bool> {
-    let mut timeout = lock(transport).device().next_timeout_ms();
+    let mut timeout = transport.locked().device().next_timeout_ms();
     if let Some(max) = max_wait_ms {
         if timeout < 0 || timeout > max {
             timeout = max;
@@ -121,7 +118,9 @@ pub fn poll_once<D: EpollDevice>(
         Err(e) => return Err(e),
     };
     let ready = &events[..n];
-    lock(transport).with_device(|dev, ctx| dev.handle_events(ready, ctx));
+    transport
+        .locked()
+        .with_device(|dev, ctx| dev.handle_events(ready, ctx));
     Ok(ready.iter().any(|e| e.data() == D::TOKEN_WAKE))
 }
 
@@ -167,7 +166,7 @@ impl DeviceWorker {
         transport: Arc<Mutex<MmioTransport<D>>>,
         paused: bool,
     ) -> Result<Self, WorkerError> {
-        let epoll = lock(&transport).device().epoll();
+        let epoll = transport.locked().device().epoll();
         let wake =
             EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(WorkerError::EventFd)?;
         epoll

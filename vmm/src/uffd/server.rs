@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use torpor_sync::Locked;
 use userfaultfd::{Event, EventBuffer, FaultKind, FeatureFlags, RegisterMode, Uffd, UffdBuilder};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -225,7 +226,7 @@ impl PageServer {
     /// start, ascending and without duplicates. Prefetched pages do not fault
     /// and so are not in it.
     pub fn working_set(&self) -> Vec<u64> {
-        let mut pages = lock(&self.shared.working_set).clone();
+        let mut pages = self.shared.working_set.locked().clone();
         pages.sort_unstable();
         pages.dedup();
         pages
@@ -247,10 +248,6 @@ impl Drop for PageServer {
             let _ = thread.join();
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn check_shmem(base: &LayerFile) -> Result<(), UffdError> {
@@ -645,7 +642,7 @@ impl Worker {
     fn record(&mut self, page: u64) {
         if let Some(until) = self.record_until {
             if Instant::now() < until {
-                lock(&self.shared.working_set).push(page);
+                self.shared.working_set.locked().push(page);
             } else {
                 self.record_until = None;
             }

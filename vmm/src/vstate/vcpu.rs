@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use kvm_bindings::CpuId;
 use kvm_ioctls::{VcpuExit, VcpuFd};
+use torpor_sync::{Locked, Waited};
 use vmm_sys_util::signal::{register_signal_handler, Killable};
 
 use super::cpuid;
@@ -147,14 +148,14 @@ impl RunGate {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.locked()
     }
 
     fn wait<'a>(
         &self,
         guard: std::sync::MutexGuard<'a, GateState>,
     ) -> std::sync::MutexGuard<'a, GateState> {
-        self.changed.wait(guard).unwrap_or_else(|e| e.into_inner())
+        self.changed.wait_locked(guard)
     }
 
     /// Called by a vCPU thread before each KVM_RUN. Blocks while paused,
@@ -289,12 +290,7 @@ impl VcpuSet {
     }
 
     fn kick_all(&self) {
-        for t in self
-            .threads
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-        {
+        for t in self.threads.locked().iter() {
             // A thread that already exited cannot be kicked; nothing to do.
             let _ = t.kill(crate::signals::vcpu_kick());
         }
@@ -367,7 +363,7 @@ impl VcpuSet {
         self.gate.changed.notify_all();
         self.kick_all();
         let deadline = Instant::now() + limit;
-        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
+        let threads = std::mem::take(&mut *self.threads.locked());
         for t in threads {
             while !t.is_finished() && Instant::now() < deadline {
                 std::thread::sleep(std::time::Duration::from_millis(1));

@@ -27,6 +27,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 use torpor_scheduler::service::guest::AgentLink;
 use torpor_scheduler::service::GuestError;
+use torpor_sync::Locked;
 
 use super::envelope::{self, ConnectError, Envelope};
 use super::{connect_error, Code, CONNECT_STREAM_JSON};
@@ -301,7 +302,7 @@ struct StreamSlot(String);
 
 impl StreamSlot {
     fn take(sandbox: &str) -> Option<StreamSlot> {
-        let mut map = STREAMS.lock().unwrap_or_else(|e| e.into_inner());
+        let mut map = STREAMS.locked();
         let n = map
             .get_or_insert_with(HashMap::new)
             .entry(sandbox.to_string())
@@ -316,7 +317,7 @@ impl StreamSlot {
 
 impl Drop for StreamSlot {
     fn drop(&mut self) {
-        let mut map = STREAMS.lock().unwrap_or_else(|e| e.into_inner());
+        let mut map = STREAMS.locked();
         if let Some(map) = map.as_mut() {
             if let Some(n) = map.get_mut(&self.0) {
                 *n -= 1;

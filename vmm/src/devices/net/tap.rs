@@ -10,6 +10,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
+use torpor_sync::Locked;
 use torpor_vmm_api::launch::MAX_IFNAME;
 
 /// `virtio_net_hdr_v1` (virtio 1.2, 5.1.6): what the tap and the guest
@@ -100,12 +101,12 @@ impl Tap {
     /// VMM about to drop its rights.
     pub fn preopen(name: &str) -> Result<(), TapError> {
         let tap = Self::open(name)?;
-        *PREOPENED.lock().unwrap_or_else(|e| e.into_inner()) = Some(tap);
+        *PREOPENED.locked() = Some(tap);
         Ok(())
     }
 
     fn take_preopened(name: &str) -> Option<Self> {
-        let mut slot = PREOPENED.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = PREOPENED.locked();
         if slot.as_ref().is_some_and(|t| t.name == name) {
             slot.take()
         } else {

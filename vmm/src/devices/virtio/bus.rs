@@ -3,6 +3,8 @@
 
 use std::sync::{Arc, Mutex};
 
+use torpor_sync::Locked;
+
 /// A device reached through memory-mapped I/O.
 pub trait MmioDevice: Send {
     /// Fills `data` for a read at `offset` from the device's base address.
@@ -76,10 +78,7 @@ impl MmioBus {
     pub fn read(&self, addr: u64, data: &mut [u8]) -> bool {
         match self.find(addr, data.len()) {
             Some((r, offset)) => {
-                r.device
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .read(offset, data);
+                r.device.locked().read(offset, data);
                 true
             }
             None => {
@@ -93,10 +92,7 @@ impl MmioBus {
     pub fn write(&self, addr: u64, data: &[u8]) -> bool {
         match self.find(addr, data.len()) {
             Some((r, offset)) => {
-                r.device
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .write(offset, data);
+                r.device.locked().write(offset, data);
                 true
             }
             None => false,
