@@ -227,7 +227,9 @@ pub fn metadata_of(headers: &HeaderMap) -> Result<BTreeMap<String, String>, E2bE
 /// Gives the file at `path` exactly `metadata`, and answers what it now
 /// holds. As envd, a filesystem without user xattrs keeps none (and the
 /// answer says so); an agent older than protocol 1.2 has no metadata: an
-/// empty set is then nothing to do, a non-empty one `unimplemented`.
+/// empty set is then nothing to do, a non-empty one `unimplemented`. An
+/// empty set clears what an earlier upload left, and is then all the file
+/// holds: a file gone meanwhile has nothing to clear.
 fn store_metadata(
     link: &AgentLink,
     path: &str,
@@ -238,8 +240,12 @@ fn store_metadata(
     match client.set_metadata(path, metadata.clone()) {
         Ok(()) => {}
         Err(ClientError::Agent(e))
-            if e.code == "EOPNOTSUPP" || (e.code == "ENOSYS" && metadata.is_empty()) => {}
+            if e.code == "EOPNOTSUPP"
+                || (metadata.is_empty() && (e.code == "ENOSYS" || e.code == "ENOENT")) => {}
         Err(e) => return Err(link.error(e, limit)),
+    }
+    if metadata.is_empty() {
+        return Ok(BTreeMap::new());
     }
     match client.stat(path, true) {
         Ok(st) => Ok(st.metadata),
