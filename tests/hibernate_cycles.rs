@@ -29,7 +29,6 @@ use torpor_scheduler::model::{SandboxId, TemplateKind};
 use torpor_scheduler::service::{
     CreateSandbox, CreateTemplate, Service, ServiceConfig, ServiceError,
 };
-use torpor_scheduler::store::SandboxFilter;
 use torpor_scheduler::SandboxState;
 use torpor_vmm_api::control::{Request, VmState};
 use torpor_vmm_api::lineage::Lineage;
@@ -160,14 +159,7 @@ impl Pod {
 
 impl Drop for Pod {
     fn drop(&mut self) {
-        self.service.close();
-        for s in self
-            .service
-            .list_sandboxes(SandboxFilter::default())
-            .unwrap_or_default()
-        {
-            let _ = self.service.delete_sandbox(&s.id);
-        }
+        common::end_service(&self.service);
     }
 }
 

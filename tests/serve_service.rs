@@ -176,14 +176,7 @@ impl Harness {
 impl Drop for Harness {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        self.service.close();
-        for s in self
-            .service
-            .list_sandboxes(SandboxFilter::default())
-            .unwrap()
-        {
-            let _ = self.service.delete_sandbox(&s.id);
-        }
+        common::end_service(&self.service);
     }
 }
 

@@ -70,14 +70,7 @@ impl Harness {
 
 impl Drop for Harness {
     fn drop(&mut self) {
-        self.service.close();
-        for s in self
-            .service
-            .list_sandboxes(SandboxFilter::default())
-            .unwrap_or_default()
-        {
-            let _ = self.service.delete_sandbox(&s.id);
-        }
+        common::end_service(&self.service);
     }
 }
 

@@ -37,6 +37,18 @@ impl Scratch {
     }
 }
 
+/// Closes an in-process service and deletes every sandbox it has (ending
+/// their VMMs): a test's teardown.
+pub fn end_service(service: &torpor_scheduler::service::Service) {
+    service.close();
+    for s in service
+        .list_sandboxes(torpor_scheduler::store::SandboxFilter::default())
+        .unwrap_or_default()
+    {
+        let _ = service.delete_sandbox(&s.id);
+    }
+}
+
 /// Runs `torpor` to completion with a time limit; kills it if it overstays.
 pub fn torpor(args: &[&str], limit: Duration) -> Output {
     torpor_with_env(args, &[], limit)
