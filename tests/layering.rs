@@ -127,7 +127,7 @@ fn each_crate_depends_on_the_layers_below_it_only() {
 /// The crates whose top-level modules import each other without cycles
 /// (a module's `crate::other` paths outside its tests). The others still
 /// have some; a crate joins this list when its cycles are gone.
-const ACYCLIC: [&str; 2] = ["vmm", "cluster"];
+const ACYCLIC: [&str; 3] = ["vmm-api", "vmm", "cluster"];
 
 /// Each top-level module of `src` (a file or a folder) and the modules it
 /// names as `crate::module`, from its code before any `#[cfg(test)]`,

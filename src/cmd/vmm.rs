@@ -157,7 +157,7 @@ fn launch_spec(args: &VmmRunArgs) -> Result<LaunchSpec, Failure> {
 /// `torpor vmm`'s own jail: the paths the spec names, the extra
 /// `--jail-expose` ones, a cgroup when the guest's size is known.
 fn cli_jail(args: &VmmRunArgs, spec: &LaunchSpec) -> Result<JailSpec, Failure> {
-    let mut exposes = jail::exposes_for(spec);
+    let mut exposes = torpor_vmm_api::exposes::exposes_for(spec);
     for e in &args.jail_expose {
         let (path, read_only) = match e.strip_suffix(":ro") {
             Some(p) => (p, true),
@@ -198,7 +198,7 @@ fn cli_jail(args: &VmmRunArgs, spec: &LaunchSpec) -> Result<JailSpec, Failure> {
         gid: args.jail_gid.unwrap_or(args.jail_uid),
         root,
         exposes,
-        devices: jail::devices_for(spec),
+        devices: torpor_vmm_api::exposes::devices_for(spec),
         cgroup,
         rlimits: Default::default(),
         namespaces: Default::default(),

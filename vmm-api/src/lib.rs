@@ -20,6 +20,7 @@
 
 pub mod control;
 pub mod error;
+pub mod exposes;
 pub mod host;
 pub mod jail;
 pub mod launch;

@@ -159,7 +159,7 @@ impl Jails {
         extra: &[Expose],
         layers: Option<&[PathBuf]>,
     ) -> JailSpec {
-        let mut exposes = jail::exposes_for_chain(spec, layers);
+        let mut exposes = torpor_vmm_api::exposes::exposes_for_chain(spec, layers);
         exposes.extend_from_slice(extra);
         // The largest file it writes: a snapshot's memory (guest memory) or
         // a disk overlay (its image's size), plus room; a runaway log or
@@ -198,7 +198,7 @@ impl Jails {
             gid: slot.uid,
             root: self.root.clone(),
             exposes,
-            devices: jail::devices_for(spec),
+            devices: torpor_vmm_api::exposes::devices_for(spec),
             cgroup: Some(cgroup),
             rlimits: jail::Rlimits {
                 fsize: Some(fsize),

@@ -448,7 +448,7 @@ impl Service {
         };
         let mut exposes = vec![Expose::read_write(dir)];
         exposes.extend(
-            torpor_vmm_api::jail::restore_exposes_of(restore, Some(layers), false)
+            torpor_vmm_api::exposes::restore_exposes_of(restore, Some(layers), false)
                 .into_iter()
                 // The shell has /dev/shm already when the pod uses it.
                 .filter(|e| !e.path.starts_with("/dev") && e.path != dir),
