@@ -12,6 +12,14 @@
 //!
 //! `cargo bench --bench e2b [-- --rounds N]` (default 5); under `cargo
 //! test` (no `--bench`) nothing runs: the nested host's start-up is minutes.
+//!
+//! `cargo bench --bench e2b -- --soak [--cycles N]` runs the pause →
+//! connect soak instead (`tests/e2b/sdk_soak.py`, which tests/nested_pod.rs
+//! runs bounded): one sandbox, then five side by side, N cycles each
+//! (default 200), every cycle checking a background process, a held open
+//! file, a PTY shell's variable, the environment and every file written
+//! before; a table of hibernate / wake / check p50 and p99 per run, and
+//! any failure with its cause.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -56,18 +64,90 @@ fn wait_ready(serve: &Serve) -> Result<Duration, String> {
     }
 }
 
+/// The number after `name` in `args`.
+fn flag(args: &[String], name: &str) -> Option<usize> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+}
+
+/// The soak, one sandbox then five at once, `cycles` each: prints a table
+/// and every failure; true when any run failed.
+fn soak(python: &std::path::Path, url: &str, cycles: usize) -> bool {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b/sdk_soak.py");
+    let mut table = Table::new();
+    table.load_style(UTF8_FULL_CONDENSED).set_header([
+        "sandboxes",
+        "cycles ok",
+        "hibernate p50",
+        "hibernate p99",
+        "wake p50",
+        "wake p99",
+        "check p50",
+        "check p99",
+    ]);
+    let mut failed = false;
+    for sandboxes in [1usize, 5] {
+        let started = Instant::now();
+        let out = e2b_sdk::sdk_command(python, script, url, TOKEN)
+            .args([TEMPLATE, &cycles.to_string(), &sandboxes.to_string()])
+            .output()
+            .expect("run tests/e2b/sdk_soak.py");
+        let mut ms: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            for key in ["hibernate_ms", "wake_ms", "check_ms"] {
+                if let Some(x) = v[key].as_f64() {
+                    ms.entry(key).or_default().push(x);
+                }
+            }
+        }
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        for line in stderr.lines().filter(|l| l.contains("soak: FAILED")) {
+            println!("e2b bench: {sandboxes} at once: {line}");
+        }
+        if !out.status.success() {
+            failed = true;
+            println!(
+                "e2b bench: soak with {sandboxes} at once failed ({})",
+                out.status
+            );
+        }
+        let done = ms.get("wake_ms").map_or(0, Vec::len);
+        let cell = |key: &str, p: f64| {
+            ms.get(key)
+                .filter(|v| !v.is_empty())
+                .map_or("-".to_string(), |v| format!("{:.0}", percentile(v, p)))
+        };
+        table.add_row([
+            sandboxes.to_string(),
+            format!("{done} / {}", cycles * sandboxes),
+            cell("hibernate_ms", 0.5),
+            cell("hibernate_ms", 0.99),
+            cell("wake_ms", 0.5),
+            cell("wake_ms", 0.99),
+            cell("check_ms", 0.5),
+            cell("check_ms", 0.99),
+        ]);
+        println!(
+            "e2b bench: soak of {sandboxes} sandbox(es) took {:.0}s",
+            started.elapsed().as_secs_f64()
+        );
+    }
+    println!("soak (ms; cycles alternate E2B pause + connect and /v1 hibernate + an envd call that wakes)\n{table}");
+    failed
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if !args.iter().any(|a| a == "--bench") {
         println!("e2b bench: run with `cargo bench --bench e2b` (the nested host takes minutes)");
         return;
     }
-    let rounds: usize = args
-        .iter()
-        .position(|a| a == "--rounds")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(5);
+    let rounds = flag(&args, "--rounds").unwrap_or(5);
     let python = e2b_sdk::python();
     if !python.exists() {
         eprintln!(
@@ -98,6 +178,15 @@ fn main() {
         ready.as_secs_f64()
     );
     let url = format!("http://{}", serve.addr());
+    if args.iter().any(|a| a == "--soak") {
+        let cycles = flag(&args, "--cycles").unwrap_or(200);
+        let failed = soak(&python, &url, cycles);
+        let notes = serve.stop();
+        if !notes.is_empty() {
+            println!("e2b bench: at stop: {notes:?}");
+        }
+        std::process::exit(i32::from(failed));
+    }
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/e2b_sdk.py");
     let mut child = e2b_sdk::sdk_command(&python, script, &url, TOKEN)
         .args([TEMPLATE, &rounds.to_string()])

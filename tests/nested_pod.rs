@@ -246,6 +246,10 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
         (Sdk::Js, "sdk_envd.mjs", &["/home/user/sdk-js"][..]),
         (Sdk::Python, "sdk_control.py", &[][..]),
         (Sdk::Js, "sdk_control.mjs", &[][..]),
+        // The pause -> connect soak, bounded here (`cargo bench --bench e2b
+        // -- --soak` runs it full length): one sandbox, then five at once.
+        (Sdk::Python, "sdk_soak.py", &["base", "17", "1"][..]),
+        (Sdk::Python, "sdk_soak.py", &["base", "4", "5"][..]),
     ] {
         let started = Instant::now();
         run_script(

@@ -53,7 +53,8 @@ done
 if [ -f /nested/payload ]; then
   i=0
   while [ ! -b /dev/vda ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i + 1)); done
-  mount -t ext4 /dev/vda /payload || echo "TORPOR-NESTED: cannot mount the payload disk"
+  # discard: what L1 deletes is given back to the host's sparse image.
+  mount -t ext4 -o discard /dev/vda /payload || echo "TORPOR-NESTED: cannot mount the payload disk"
   while IFS= read -r g; do
     mkdir -p "$(dirname "$g")"
     ln -sf "/payload/files$g" "$g"
@@ -195,8 +196,10 @@ fn parse_ldd(text: &str) -> Vec<PathBuf> {
 }
 
 /// Builds the payload disk: an ext4 image holding every carried file under
-/// `files/<guest path>`. Returns the image path.
-pub fn payload_disk(work: &Path, carried: &[Carried]) -> Result<PathBuf, NestedError> {
+/// `files/<guest path>`, with `spare` bytes free beyond a little room
+/// (sparse: unwritten space takes nothing on the host). Returns the image
+/// path.
+pub fn payload_disk(work: &Path, carried: &[Carried], spare: u64) -> Result<PathBuf, NestedError> {
     let root = work.join("payload");
     let mut total: u64 = 0;
     for c in carried {
@@ -212,7 +215,7 @@ pub fn payload_disk(work: &Path, carried: &[Carried]) -> Result<PathBuf, NestedE
     }
     let image = work.join("payload.ext4");
     // Room for metadata and for what the script writes next to the files.
-    let size = (total + total / 5 + (64 << 20)).div_ceil(1 << 20) << 20;
+    let size = (total + total / 5 + (64 << 20) + spare).div_ceil(1 << 20) << 20;
     let file = fs::File::create(&image).map_err(|e| io_err(&image, e))?;
     file.set_len(size).map_err(|e| io_err(&image, e))?;
     drop(file);

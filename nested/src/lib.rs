@@ -173,6 +173,7 @@ pub struct NestedHostBuilder {
     l1_dir: Option<PathBuf>,
     qemu: Option<PathBuf>,
     extra_cmdline: String,
+    spare_mib: u64,
 }
 
 impl Default for NestedHostBuilder {
@@ -185,6 +186,7 @@ impl Default for NestedHostBuilder {
             l1_dir: None,
             qemu: None,
             extra_cmdline: String::new(),
+            spare_mib: 0,
         }
     }
 }
@@ -228,6 +230,16 @@ impl NestedHostBuilder {
         self
     }
 
+    /// Free space on the payload disk for what the script writes there
+    /// (`/payload`, beside the carried files), in MiB (default 0: a little
+    /// room only). The image is sparse and mounted with discard: the host's
+    /// disk holds what L1 has written and not deleted, not this size. L1's
+    /// own `/tmp` is a tmpfs in its RAM.
+    pub fn spare_mib(mut self, mib: u64) -> Self {
+        self.spare_mib = mib;
+        self
+    }
+
     /// Appends to the L1 kernel command line.
     pub fn cmdline(mut self, extra: impl Into<String>) -> Self {
         self.extra_cmdline = extra.into();
@@ -265,6 +277,7 @@ impl NestedHostBuilder {
             cpus: self.cpus,
             echo: self.echo,
             extra_cmdline: self.extra_cmdline,
+            spare_mib: self.spare_mib,
         })
     }
 
@@ -284,6 +297,7 @@ pub struct NestedHost {
     cpus: u32,
     echo: bool,
     extra_cmdline: String,
+    spare_mib: u64,
 }
 
 impl NestedHost {
@@ -355,7 +369,11 @@ impl NestedHost {
         let cpio = image::initramfs(&self.assets, script, &self.carried, payload, net)?;
         fs::write(&initrd, cpio).map_err(|e| io_err(&initrd, e))?;
         let disk = if payload {
-            Some(image::payload_disk(&work.0, &self.carried)?)
+            Some(image::payload_disk(
+                &work.0,
+                &self.carried,
+                self.spare_mib << 20,
+            )?)
         } else {
             None
         };

@@ -70,7 +70,7 @@ impl Launch {
         if let Some(disk) = &self.disk {
             a.push("-drive".into());
             a.push(format!(
-                "file={},if=virtio,format=raw,cache=unsafe",
+                "file={},if=virtio,format=raw,cache=unsafe,discard=unmap",
                 disk.display()
             ));
         }

@@ -33,6 +33,10 @@ use torpor_client::pin::Fingerprint;
 pub const TEMPLATE: &str = "base";
 /// The pod's port inside L1.
 const POD_PORT: u16 = 7801;
+/// Room for the pod's data on L1's payload disk (a sparse image in serve's
+/// work directory: the host's disk holds what is written, given back as
+/// L1 deletes it).
+const SPARE_MIB: u64 = 32 << 10;
 /// How long L1 may take from QEMU start to the pod answering.
 const BOOT_LIMIT: Duration = Duration::from_secs(900);
 /// Console lines the L1 script prints about the template.
@@ -62,9 +66,12 @@ mkdir -p "$IMAGES/{TEMPLATE}"
 mv "$(readlink -f /opt/torpor/vmlinux)" "$(readlink -f /opt/torpor/rootfs.ext4)" "$IMAGES/{TEMPLATE}/"
 # Jailed VMMs (their own uids) read the image: whatever mode it came with.
 chmod 0644 "$IMAGES/{TEMPLATE}/vmlinux" "$IMAGES/{TEMPLATE}/rootfs.ext4"
+# The pod's data (templates, snapshots, sandboxes' disks) on the payload
+# disk's spare room, not L1's RAM: a full snapshot of a sandbox writes its
+# whole memory (a tmpfs in L1's 3 GiB filled up at the 32nd hibernation).
 $T pod serve --listen tcp:0.0.0.0:{POD_PORT} --token-file /opt/torpor/pod.token \
    --tls-cert /opt/torpor/pod-cert.pem --tls-key /opt/torpor/pod-key.pem \
-   --data-dir /tmp/pod --images-dir "$IMAGES" --request-timeout-ms 1800000 \
+   --data-dir /payload/pod --images-dir "$IMAGES" --request-timeout-ms 1800000 \
    2>&1 | tee /tmp/pod.log &
 # The pod's log is on L1's console too: `torpor serve` shows its tail when
 # the nested host fails, and all of it with TORPOR_NESTED_ECHO=1.
@@ -136,6 +143,7 @@ pub fn start(
             };
             let host = NestedHost::builder()
                 .memory_mib(config.mem_mib)
+                .spare_mib(SPARE_MIB)
                 .l1_dir(l1)
                 .file(exe, "/opt/torpor/torpor")
                 .file(vmm, "/opt/torpor/torpor-vmm")
