@@ -50,6 +50,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from queue import Empty
 
+import zmq
 from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 
@@ -108,7 +109,20 @@ def resolve(value):
     loop = getattr(_loops, "loop", None)
     if loop is None:
         loop = _loops.loop = asyncio.new_event_loop()
+        loop.set_exception_handler(_quiet_closed_sockets)
     return loop.run_until_complete(value)
+
+
+def _quiet_closed_sockets(loop, context):
+    """jupyter_client 7's channels are zmq.asyncio sockets: one closed by a
+    restart or a removal leaves its reader on the loops that polled it,
+    which then fails once with ENOTSOCK. Harmless; not worth a traceback on
+    the guest's console."""
+    exc = context.get("exception")
+    if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.ENOTSOCK:
+        log.debug("a closed kernel channel's reader: %s", exc)
+        return
+    loop.default_exception_handler(context)
 
 
 def get_msg(channel, timeout):
