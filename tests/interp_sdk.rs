@@ -10,103 +10,26 @@
 //! `tests/e2b/sdk_interp.mjs` with the pinned `@e2b/code-interpreter`
 //! (a shorter round of the same).
 //!
-//! The venvs: `$TORPOR_INTERP_VENV` (else what `scripts/setup env` says)
-//! and the E2B one (`tests/common/e2b_sdk.rs`); `scripts/setup test` makes
+//! The venvs: `$TORPOR_INTERP_VENV` (else what `scripts/setup env` says;
+//! `tests/common/interp.rs`) and the E2B one (`tests/common/e2b_sdk.rs`); `scripts/setup test` makes
 //! both, and `scripts/test` leaves this test out without them (tests/needs).
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::e2b::{node_modules, python, run_script, Sdk};
+use common::interp::InterpServer;
 use common::Scratch;
 
-const REPO: &str = env!("CARGO_MANIFEST_DIR");
 /// The server's output bound in the test: small, so the check is quick.
 const BOUND: usize = 256 * 1024;
-
-/// The interpreter venv's python: `$TORPOR_INTERP_VENV`, else the path
-/// `scripts/setup env` computes (keyed by the requirements' hash).
-fn interp_python() -> PathBuf {
-    let venv = match std::env::var_os("TORPOR_INTERP_VENV") {
-        Some(v) => PathBuf::from(v),
-        None => {
-            let out = Command::new(format!("{REPO}/scripts/setup"))
-                .arg("env")
-                .output()
-                .expect("run scripts/setup env");
-            let text = String::from_utf8_lossy(&out.stdout).into_owned();
-            let line = text
-                .lines()
-                .find_map(|l| l.strip_prefix("export TORPOR_INTERP_VENV="))
-                .unwrap_or_else(|| panic!("scripts/setup env names no interpreter venv:\n{text}"));
-            PathBuf::from(line.trim_matches('\''))
-        }
-    };
-    venv.join("bin/python")
-}
-
-/// The server process, stopped with SIGTERM (it shuts its kernels down).
-struct Server {
-    child: Child,
-    url: String,
-}
-
-impl Server {
-    fn start(scratch: &Scratch) -> Self {
-        let py = interp_python();
-        assert!(
-            py.exists(),
-            "the interpreter venv is missing ({}): run scripts/setup test",
-            py.display()
-        );
-        let log = scratch.path("server.log");
-        let home = scratch.path("home");
-        std::fs::create_dir_all(&home).unwrap();
-        let child = Command::new(&py)
-            .arg(format!("{REPO}/guest-image/interpreter/torpor_interp.py"))
-            .args(["--listen", "127.0.0.1:0", "--max-output-bytes"])
-            .arg(BOUND.to_string())
-            .arg("--home")
-            .arg(&home)
-            .stdin(Stdio::null())
-            .stdout(std::fs::File::create(&log).unwrap())
-            .stderr(std::fs::File::create(scratch.path("server.err")).unwrap())
-            .spawn()
-            .unwrap_or_else(|e| panic!("start the interpreter with {}: {e}", py.display()));
-        let line = common::wait_for_line(&log, Duration::from_secs(120), |l| {
-            l.contains("listening on ")
-        });
-        let addr = line.rsplit("listening on ").next().unwrap().trim();
-        Self {
-            child,
-            url: format!("http://{addr}"),
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child's pid; no memory is involved.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        for _ in 0..100 {
-            if matches!(self.child.try_wait(), Ok(Some(_))) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// Runs `script` with `sdk` against a fresh server; returns the script's
 /// output and the server's log.
 fn run_against_server(name: &str, sdk: Sdk, script: &str, args: &[&str]) -> (String, String) {
     let scratch = Scratch::new(name);
-    let server = Server::start(&scratch);
+    let server = InterpServer::start(&scratch.0, BOUND);
     let out = run_script(
         sdk,
         script,
