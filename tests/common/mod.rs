@@ -8,6 +8,7 @@ pub mod disk;
 pub mod e2b;
 pub mod e2b_sdk;
 pub mod http;
+pub mod interp;
 pub mod nested_pod;
 pub mod netns;
 pub mod serve;

@@ -1,0 +1,109 @@
+//! The code interpreter server's own costs, on loopback with the host's
+//! kernels (the interpreter venv), through the official
+//! `e2b-code-interpreter` Python SDK: server start to ready (the default
+//! Python kernel up), `run_code("1+1")` through the SDK and through a bare
+//! HTTP client, a bash echo, a matplotlib figure, a DataFrame, and a
+//! context's create + remove (a kernel start); p50/p99 per operation. No
+//! VM, no proxy: the floor under what `torpor serve` adds (the port router,
+//! the guest) for the same calls.
+//!
+//! `cargo bench --bench interp [-- --rounds N]` (default 50); under `cargo
+//! test` (no `--bench`) nothing runs. Needs the interpreter and E2B venvs
+//! (`scripts/setup test`).
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::process::Stdio;
+
+use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
+
+mod common;
+#[path = "../tests/common/e2b_sdk.rs"]
+mod e2b_sdk;
+#[path = "../tests/common/interp.rs"]
+mod interp;
+
+use common::{median, percentile};
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if !args.iter().any(|a| a == "--bench") {
+        println!("interp bench: run with `cargo bench --bench interp`");
+        return;
+    }
+    let rounds: usize = args
+        .iter()
+        .position(|a| a == "--rounds")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50);
+    let python = e2b_sdk::python();
+    if !python.exists() || !interp::interp_python().exists() {
+        eprintln!(
+            "interp bench: the E2B or the interpreter venv is missing: run scripts/setup test"
+        );
+        std::process::exit(1);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = interp::InterpServer::start(dir.path(), 4 << 20);
+    println!(
+        "interp bench: server ready (default Python kernel up) {:.0} ms after spawn; {rounds} rounds",
+        server.ready_in.as_secs_f64() * 1000.0
+    );
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/interp_sdk.py");
+    let mut child = e2b_sdk::sdk_command(&python, script, &server.url, "unused")
+        .arg(rounds.to_string())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("run benches/interp_sdk.py");
+    let mut samples: BTreeMap<(String, String), Vec<f64>> = BTreeMap::new();
+    let mut order: Vec<(String, String)> = Vec::new();
+    let mut done = false;
+    for line in BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .map_while(Result::ok)
+    {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
+            continue;
+        };
+        if v.get("done").is_some() {
+            done = true;
+            continue;
+        }
+        let (Some(op), Some(client), Some(ms)) =
+            (v["op"].as_str(), v["client"].as_str(), v["ms"].as_f64())
+        else {
+            continue;
+        };
+        let key = (op.to_string(), client.to_string());
+        if !order.contains(&key) {
+            order.push(key.clone());
+        }
+        samples.entry(key).or_default().push(ms);
+    }
+    let status = child.wait().expect("wait for the SDK driver");
+    drop(server);
+    if !status.success() || !done {
+        eprintln!("interp bench: the SDK driver failed ({status})");
+        std::process::exit(1);
+    }
+    let mut table = Table::new();
+    table.load_style(UTF8_FULL_CONDENSED).set_header([
+        "operation",
+        "client",
+        "n",
+        "p50 ms",
+        "p99 ms",
+    ]);
+    for key in &order {
+        let v = &samples[key];
+        table.add_row([
+            key.0.clone(),
+            key.1.clone(),
+            v.len().to_string(),
+            format!("{:.1}", median(v.clone())),
+            format!("{:.1}", percentile(v, 0.99)),
+        ]);
+    }
+    println!("{table}");
+}
