@@ -174,6 +174,7 @@ impl Service {
                     image: rootfs.to_path_buf(),
                     overlay: overlay.clone(),
                     read_only: false,
+                    keep_overlay: false,
                 }),
                 vsock_uds: Some(uds.clone()),
                 net: net

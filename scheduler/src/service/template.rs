@@ -33,7 +33,7 @@ const MAX_CMDLINE: usize = 2048;
 /// How long a template's first boot may take to print its ready line.
 const READY_LIMIT: Duration = Duration::from_secs(60);
 /// The probe's workload and pace in templates: 1 MiB, one iteration a second.
-const PROBE_CMDLINE: &str = "probe.mib=1 probe.ticks=100 probe.hz=100";
+pub(super) const PROBE_CMDLINE: &str = "probe.mib=1 probe.ticks=100 probe.hz=100";
 
 impl Service {
     /// Makes sure the built-in probe template exists and is ready.
@@ -338,7 +338,7 @@ impl Service {
 }
 
 /// Waits for the probe's first iteration: booted, timer running, idle.
-fn wait_ready(files: &VmmFiles) -> Result<(), ServiceError> {
+pub(super) fn wait_ready(files: &VmmFiles) -> Result<(), ServiceError> {
     let deadline = Instant::now() + READY_LIMIT;
     loop {
         let console = std::fs::read_to_string(&files.console).unwrap_or_default();
