@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use torpor_sync::Locked;
 use torpor_vmm_api::control::Request;
-use torpor_vmm_api::launch::{Console, DiskSpec, KernelSource, LaunchMode, LaunchSpec};
+use torpor_vmm_api::launch::{DiskSpec, KernelSource};
 
 use super::guest::{AgentLink, ExecRequest, VSOCK_FILE};
 use super::linux::{LINUX_CMDLINE, OVERLAY_FILE};
@@ -332,7 +332,7 @@ impl Service {
                     read_only: false,
                     keep_overlay: true,
                 };
-                let net = self.sandbox_net_spec(id)?.map(Box::new);
+                let net = self.sandbox_net_spec(id)?;
                 (
                     KernelSource::Path(template.kernel.clone().into()),
                     LINUX_CMDLINE.to_string(),
@@ -343,34 +343,18 @@ impl Service {
                 )
             }
         };
-        let spec = LaunchSpec {
-            control_socket: Some(files.socket.clone()),
-            mode: LaunchMode::Boot {
-                kernel,
-                initrd: None,
-                cmdline: Some(cmdline),
-                mem_mib: u64::from(sandbox.mem_mib),
-                vcpus: u16::try_from(sandbox.vcpus).unwrap_or(u16::MAX),
-                disk,
-                vsock_uds,
-                net,
-                balloon,
-            },
-            console: Console::file(&files.console),
-            dirty_tracking: self.config.dirty_tracking,
-            jail: None,
-            seccomp: torpor_vmm_api::SeccompLevel::Enforce,
+        let boot = super::template::Boot {
+            kernel,
+            cmdline,
+            mem_mib: sandbox.mem_mib,
+            vcpus: sandbox.vcpus,
+            disk,
+            vsock_uds,
+            net,
+            balloon,
         };
-        let spawned = super::jail::spawn(
-            self.jails.as_deref(),
-            &self.config.vmm_exe,
-            spec,
-            &files.log,
-            (u64::from(sandbox.mem_mib), u64::from(sandbox.vcpus)),
-            &[],
-            None,
-        );
-        let (vmm::Spawned { child, handle, .. }, _) = match spawned {
+        let spawned = self.spawn_boot(&files, boot);
+        let vmm::Spawned { child, handle, .. } = match spawned {
             Ok(s) => s,
             Err(e) => {
                 self.drop_sandbox_net(id);
