@@ -153,6 +153,7 @@ impl Service {
         let dir = self.template_dir(&template.id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| ServiceError::Internal(format!("create {}: {e}", dir.display())))?;
+        super::template::record_cmdline(&dir, cmdline)?;
         let files = VmmFiles::in_dir(&dir);
         let overlay = dir.join(OVERLAY_FILE);
         let uds = dir.join(VSOCK_FILE);

@@ -304,10 +304,10 @@ impl Service {
         let files = VmmFiles::in_dir(&dir);
         // A new boot's console: readiness is read from it.
         let _ = std::fs::remove_file(&files.console);
-        let (kernel, cmdline, disk, vsock_uds, net, balloon) = match template.kind {
+        let cmdline = self.template_cmdline(template);
+        let (kernel, disk, vsock_uds, net, balloon) = match template.kind {
             TemplateKind::Probe => (
                 KernelSource::Builtin(PROBE_TEMPLATE.into()),
-                super::template::PROBE_CMDLINE.to_string(),
                 None,
                 None,
                 None,
@@ -335,7 +335,6 @@ impl Service {
                 let net = self.sandbox_net_spec(id)?;
                 (
                     KernelSource::Path(template.kernel.clone().into()),
-                    LINUX_CMDLINE.to_string(),
                     Some(disk),
                     Some(uds),
                     net,
@@ -376,6 +375,22 @@ impl Service {
                 Err(e)
             }
         }
+    }
+
+    /// The kernel command line `template` was built with (kept in its
+    /// directory), or its kind's default (a snapshot-as-template, a
+    /// template built before the command line was kept).
+    fn template_cmdline(&self, template: &Template) -> String {
+        let kept = self
+            .template_dir(&template.id)
+            .join(super::template::CMDLINE_FILE);
+        std::fs::read_to_string(kept).unwrap_or_else(|_| {
+            match template.kind {
+                TemplateKind::Probe => super::template::PROBE_CMDLINE,
+                TemplateKind::Linux => LINUX_CMDLINE,
+            }
+            .to_string()
+        })
     }
 
     /// A booting Linux guest: its agent answers within [`BOOT_LIMIT`],

@@ -183,6 +183,7 @@ impl Service {
         let dir = self.template_dir(&template.id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| ServiceError::Internal(format!("create {}: {e}", dir.display())))?;
+        record_cmdline(&dir, cmdline)?;
         let files = VmmFiles::in_dir(&dir);
         let boot = Boot {
             kernel: KernelSource::Builtin(PROBE_TEMPLATE.into()),
@@ -203,6 +204,17 @@ impl Service {
         vmm::stop(&handle, Some(child));
         result
     }
+}
+
+/// The file in a built template's directory that keeps the kernel command
+/// line it booted with: a sandbox rebooted from its disk boots with it.
+pub(super) const CMDLINE_FILE: &str = "cmdline";
+
+/// Keeps `cmdline` in the template directory `dir` ([`CMDLINE_FILE`]).
+pub(super) fn record_cmdline(dir: &Path, cmdline: &str) -> Result<(), ServiceError> {
+    let path = dir.join(CMDLINE_FILE);
+    std::fs::write(&path, cmdline)
+        .map_err(|e| ServiceError::Internal(format!("write {}: {e}", path.display())))
 }
 
 /// What a boot of a guest needs (a template's first boot, a sandbox's
