@@ -839,16 +839,153 @@ fn timeout_kills_or_with_auto_pause_hibernates() {
     let end = torpor_api::e2b::time::parse(info["endAt"].as_str().unwrap()).unwrap();
     let left = end.0 - torpor_scheduler::model::Timestamp::now().0;
     assert!((290_000..=300_500).contains(&left), "{info}");
-    // Asking to reboot instead of restoring memory is refused.
+    // Asking a running sandbox to reboot: it runs, 200, nothing happens.
+    s.expect(
+        200,
+        "POST",
+        &format!("/v2/sandboxes/{pause}/connect"),
+        Some(r#"{"memory":false}"#),
+    );
+    s.expect(204, "DELETE", &format!("/sandboxes/{pause}"), None);
+
+    // `autoPauseMemory: false`: the timeout's pause keeps the disk only.
+    let fs = id_of(
+        &s.create(r#"{"templateID":"probe","timeout":1,"autoPause":true,"autoPauseMemory":false}"#),
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let native = native(&s, &fs);
+        if native["state"] == "hibernated" {
+            assert_eq!(native["disk_only"], true, "{native}");
+            assert_eq!(native["timeout_hibernation"], "filesystem", "{native}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{native}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    s.expect(
+        201,
+        "POST",
+        &format!("/v2/sandboxes/{fs}/connect"),
+        Some("{}"),
+    );
+    assert_eq!(native(&s, &fs)["state"], "running");
+    s.expect(204, "DELETE", &format!("/sandboxes/{fs}"), None);
+}
+
+/// torpor's own view of a sandbox (`GET /v1/sandboxes/{id}`).
+fn native(s: &E2b, id: &str) -> Value {
+    request(
+        &s.addr,
+        "GET",
+        &format!("/v1/sandboxes/{id}"),
+        Some(KEY),
+        None,
+    )
+    .json()
+}
+
+/// `pause` with `memory: false` keeps the disk only (torpor: hibernated,
+/// `disk_only`, no snapshot); the next connect boots it again (the probe
+/// starts over from its first iteration). A memory pause woken with
+/// `memory: false` reboots too. Probe guests have no agent, so nothing is
+/// checked or marked (`requireHealthyGuest` pauses them as any).
+#[test]
+fn filesystem_pause_and_reboot_on_connect() {
+    let data = DataDir::new("e2b-fspause");
+    let s = E2b::start(&data.0, &[]);
+    let id = id_of(&s.create(r#"{"templateID":"probe","timeout":300}"#));
+    let console = data.0.join("sandboxes").join(&id).join("console.log");
+    let booted = || {
+        std::fs::read_to_string(&console)
+            .unwrap_or_default()
+            .contains("TORPOR-PROBE ITER n=1 ")
+    };
+    assert!(!booted(), "a create restores: no boot");
+
+    s.expect(
+        204,
+        "POST",
+        &format!("/sandboxes/{id}/pause"),
+        Some(r#"{"memory":false}"#),
+    );
+    let paused = s.expect(200, "GET", &format!("/sandboxes/{id}"), None);
+    assert_eq!(paused["state"], "paused");
+    assert!(paused.get("envdUnresponsiveAtPause").is_none(), "{paused}");
+    let n = native(&s, &id);
+    assert_eq!(
+        (n["state"].as_str(), n["disk_only"].as_bool()),
+        (Some("hibernated"), Some(true)),
+        "{n}"
+    );
+    assert!(n["snapshot"].is_null() && n["vmm"].is_null(), "{n}");
+    // Paused already: 409, as any pause of a paused sandbox.
     assert_e2b_error(
         &s.call(
             "POST",
-            &format!("/v2/sandboxes/{pause}/connect"),
+            &format!("/sandboxes/{id}/pause"),
             Some(r#"{"memory":false}"#),
         ),
-        400,
+        409,
     );
-    s.expect(204, "DELETE", &format!("/sandboxes/{pause}"), None);
+
+    s.expect(
+        201,
+        "POST",
+        &format!("/v2/sandboxes/{id}/connect"),
+        Some("{}"),
+    );
+    let n = native(&s, &id);
+    assert_eq!(n["state"], "running", "{n}");
+    assert!(n.get("disk_only").is_none(), "{n}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !booted() {
+        assert!(std::time::Instant::now() < deadline, "no new boot");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+
+    // A memory pause (the SDK's strict one), resumed with a reboot.
+    s.expect(
+        204,
+        "POST",
+        &format!("/sandboxes/{id}/pause"),
+        Some(r#"{"requireHealthyGuest":true}"#),
+    );
+    assert!(native(&s, &id)["snapshot"].is_string());
+    std::fs::remove_file(&console).unwrap();
+    s.expect(
+        201,
+        "POST",
+        &format!("/v2/sandboxes/{id}/connect"),
+        Some(r#"{"timeout":300,"memory":false}"#),
+    );
+    let n = native(&s, &id);
+    assert_eq!(n["state"], "running", "{n}");
+    assert!(n["snapshot"].is_null(), "its memory went: {n}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !booted() {
+        assert!(std::time::Instant::now() < deadline, "no new boot");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // /v1: hibernate with `mode: filesystem`, connect with `mode: reboot`.
+    let v1 = |path: &str, body: &str| {
+        request(
+            &s.addr,
+            "POST",
+            &format!("/v1/sandboxes/{id}/{path}"),
+            Some(KEY),
+            Some(body),
+        )
+    };
+    let r = v1("hibernate", r#"{"mode":"filesystem"}"#);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["sandbox"]["disk_only"], true, "{}", r.body);
+    let r = v1("connect", r#"{"mode":"reboot"}"#);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["resumed"], true, "{}", r.body);
+    let r = v1("hibernate", r#"{"mode":"disk"}"#);
+    assert_eq!(r.status, 400, "{}", r.body);
+    s.expect(204, "DELETE", &format!("/sandboxes/{id}"), None);
 }
 
 #[test]

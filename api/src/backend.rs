@@ -11,9 +11,9 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template};
+use torpor_scheduler::model::{HibernationKind, PodId, Sandbox, SandboxId, Template};
 use torpor_scheduler::service::history::MetricSample;
-use torpor_scheduler::service::LOCAL_POD;
+use torpor_scheduler::service::{GuestCheck, Hibernation, LOCAL_POD};
 
 use crate::calls::{
     map_call, CheckpointOp, CheckpointReply, ExecMode, ExecReply, FileOp, FileReply, ImageOp,
@@ -90,8 +90,9 @@ fn not_here(pod: &Option<PodId>) -> Result<(), ServiceError> {
     }
 }
 
-/// A sandbox's lifecycle call: `POST /v1/sandboxes/{id}/<name>`, one
-/// [`SandboxApi::lifecycle`] for all four.
+/// A sandbox's lifecycle call: `POST /v1/sandboxes/{id}/<name>` (with
+/// the body [`Lifecycle::body`] gives), one [`SandboxApi::lifecycle`] for
+/// all.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Lifecycle {
@@ -100,36 +101,84 @@ pub enum Lifecycle {
     /// Resume or wake, and count as activity.
     Connect,
     Hibernate,
+    /// Hibernate with the memory after checking the guest agent: one that
+    /// does not answer is recorded, and the sandbox then wakes only by a
+    /// reboot (E2B's pause).
+    HibernateMarking,
+    /// Hibernate with the memory, refused (503) while the guest agent does
+    /// not answer (E2B's `requireHealthyGuest`).
+    HibernateStrict,
+    /// Hibernate keeping only the disk (the guest agent must answer to
+    /// sync it); the wake reboots (E2B's `memory: false`).
+    HibernateFilesystem,
+    /// Connect, waking a hibernated sandbox by a reboot from its disk
+    /// (E2B's `on_resume="reboot"`).
+    Reboot,
 }
 
 impl Lifecycle {
-    pub const ALL: [Lifecycle; 4] = [
+    pub const ALL: [Lifecycle; 8] = [
         Lifecycle::Pause,
         Lifecycle::Resume,
         Lifecycle::Connect,
         Lifecycle::Hibernate,
+        Lifecycle::HibernateMarking,
+        Lifecycle::HibernateStrict,
+        Lifecycle::HibernateFilesystem,
+        Lifecycle::Reboot,
     ];
 
     /// Its route's suffix after `/v1/sandboxes/{id}` (what a relay
-    /// forwards to the sandbox's pod).
+    /// forwards to the sandbox's pod, with [`Self::body`]).
     pub fn path(self) -> &'static str {
         match self {
             Lifecycle::Pause => "/pause",
             Lifecycle::Resume => "/resume",
-            Lifecycle::Connect => "/connect",
-            Lifecycle::Hibernate => "/hibernate",
+            Lifecycle::Connect | Lifecycle::Reboot => "/connect",
+            Lifecycle::Hibernate
+            | Lifecycle::HibernateMarking
+            | Lifecycle::HibernateStrict
+            | Lifecycle::HibernateFilesystem => "/hibernate",
         }
     }
 
-    /// The last segment of its route (and its `kind` on the cluster's
-    /// wire).
-    pub fn name(self) -> &'static str {
-        &self.path()[1..]
+    /// The body its route takes to mean it (none: the route's default).
+    pub fn body(self) -> Option<Value> {
+        match self {
+            Lifecycle::Pause | Lifecycle::Resume | Lifecycle::Connect | Lifecycle::Hibernate => {
+                None
+            }
+            Lifecycle::HibernateMarking => Some(json!({ "guest_check": "mark" })),
+            Lifecycle::HibernateStrict => Some(json!({ "guest_check": "require" })),
+            Lifecycle::HibernateFilesystem => Some(json!({ "mode": "filesystem" })),
+            Lifecycle::Reboot => Some(json!({ "mode": "reboot" })),
+        }
     }
 
-    /// The call a route's last segment names.
-    pub fn from_name(name: &str) -> Option<Lifecycle> {
-        Lifecycle::ALL.into_iter().find(|op| op.name() == name)
+    /// Its `kind` on the cluster's wire.
+    pub fn name(self) -> &'static str {
+        match self {
+            Lifecycle::HibernateMarking => "hibernate_marking",
+            Lifecycle::HibernateStrict => "hibernate_strict",
+            Lifecycle::HibernateFilesystem => "hibernate_filesystem",
+            Lifecycle::Reboot => "reboot",
+            plain => &plain.path()[1..],
+        }
+    }
+
+    /// Whether a route's last segment is a lifecycle call's.
+    pub fn is_route(segment: &str) -> bool {
+        Lifecycle::ALL
+            .into_iter()
+            .any(|op| &op.path()[1..] == segment)
+    }
+
+    /// Whether it may wake a hibernated sandbox.
+    pub fn wakes(self) -> bool {
+        matches!(
+            self,
+            Lifecycle::Resume | Lifecycle::Connect | Lifecycle::Reboot
+        )
     }
 }
 
@@ -445,6 +494,26 @@ impl SandboxApi for Service {
             Lifecycle::Resume => Service::resume(self, id),
             Lifecycle::Connect => Service::connect(self, id),
             Lifecycle::Hibernate => Service::hibernate(self, id),
+            Lifecycle::HibernateMarking => Service::hibernate_as(
+                self,
+                id,
+                Hibernation {
+                    kind: HibernationKind::Memory,
+                    guest: GuestCheck::Mark,
+                },
+            ),
+            Lifecycle::HibernateStrict => Service::hibernate_as(
+                self,
+                id,
+                Hibernation {
+                    kind: HibernationKind::Memory,
+                    guest: GuestCheck::Require,
+                },
+            ),
+            Lifecycle::HibernateFilesystem => {
+                Service::hibernate_as(self, id, Hibernation::FILESYSTEM)
+            }
+            Lifecycle::Reboot => Service::reboot(self, id),
         }
     }
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {

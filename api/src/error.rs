@@ -51,6 +51,9 @@ pub mod code {
     /// This host cannot do it (a Linux template without hardware
     /// virtualization): a valid request another host could serve.
     pub const HOST_UNSUPPORTED: &str = "host_unsupported";
+    /// The sandbox's memory was kept while its guest agent did not answer:
+    /// only a wake by a reboot (`mode: reboot`) brings it back.
+    pub const GUEST_UNRESPONSIVE: &str = "guest_unresponsive";
 
     /// Every code (the OpenAPI document lists the same).
     pub const ALL: &[&str] = &[
@@ -77,6 +80,7 @@ pub mod code {
         QUOTA_EXCEEDED,
         RATE_LIMITED,
         HOST_UNSUPPORTED,
+        GUEST_UNRESPONSIVE,
     ];
 }
 
@@ -311,6 +315,9 @@ impl From<ServiceError> for ApiError {
                 }))),
                 ..ApiError::new(StatusCode::ACCEPTED, code::TIMEOUT, message)
             },
+            ServiceError::GuestUnresponsive { .. } => {
+                ApiError::new(StatusCode::CONFLICT, code::GUEST_UNRESPONSIVE, message)
+            }
             ServiceError::TooLarge(_) => ApiError::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 code::PAYLOAD_TOO_LARGE,

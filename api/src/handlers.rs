@@ -291,6 +291,28 @@ pub async fn lifecycle_sandbox<S: SandboxApi>(
     Ok(Json(call(&st, move |s| s.lifecycle(&id, op)).await?.into()))
 }
 
+/// `POST /v1/sandboxes/{id}/hibernate`: with an optional
+/// [`crate::wire::HibernateBody`] (what it keeps, the guest's check).
+pub async fn hibernate_sandbox<S: SandboxApi>(
+    st: Api<S>,
+    id: Path<String>,
+    body: axum::body::Bytes,
+) -> ApiResult<Json<OutcomeBody>> {
+    let op = crate::wire::optional_body::<crate::wire::HibernateBody>(&body)?.lifecycle();
+    lifecycle_sandbox(st, id, op).await
+}
+
+/// `POST /v1/sandboxes/{id}/connect`: with an optional
+/// [`crate::wire::ConnectBody`] (how a hibernated sandbox wakes).
+pub async fn connect_sandbox<S: SandboxApi>(
+    st: Api<S>,
+    id: Path<String>,
+    body: axum::body::Bytes,
+) -> ApiResult<Json<OutcomeBody>> {
+    let op = crate::wire::optional_body::<crate::wire::ConnectBody>(&body)?.lifecycle();
+    lifecycle_sandbox(st, id, op).await
+}
+
 /// `GET /v1/operations/{id}`: a command's journal entry (a cluster's);
 /// a tenant sees only its own.
 pub async fn get_operation<S: SandboxApi>(

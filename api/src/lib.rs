@@ -31,7 +31,8 @@
 //! | agent unreachable (guest gone), other agent errors, failed post-restore hook | 502 | `agent_error` |
 //! | another pod that does not answer (the nested pod, a cluster's) | 502 | `pod_unreachable` |
 //! | a remote pod's own error answer            | its status | its code     |
-//! | a template still coming (`serve --nested-pod` booting) | 503 | `unavailable` |
+//! | a template still coming (`serve --nested-pod` booting), a hibernation that needs a guest agent that does not answer | 503 | `unavailable` |
+//! | `GuestUnresponsive` (a restoring wake of memory kept while the guest agent did not answer) | 409 | `guest_unresponsive` |
 //! | request past `request_timeout`             | 504    | `timeout`                |
 //! | `Accepted` (a cluster's command past `--cluster-wait-ms`) | 202 | the operation, `Location: /v1/operations/{id}` |
 
@@ -306,8 +307,8 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "deleteSandbox" => on(m, delete_sandbox::<S>),
         "pauseSandbox" => lifecycle(m, Lifecycle::Pause),
         "resumeSandbox" => lifecycle(m, Lifecycle::Resume),
-        "connectSandbox" => lifecycle(m, Lifecycle::Connect),
-        "hibernateSandbox" => lifecycle(m, Lifecycle::Hibernate),
+        "connectSandbox" => on(m, handlers::connect_sandbox::<S>),
+        "hibernateSandbox" => on(m, handlers::hibernate_sandbox::<S>),
         "listCheckpoints" => on(m, checkpoint_routes::list::<S>),
         "createCheckpoint" => on(m, checkpoint_routes::create::<S>),
         "deleteCheckpoint" => on(m, checkpoint_routes::delete::<S>),

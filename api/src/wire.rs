@@ -12,8 +12,9 @@ use axum::extract::{FromRequest, Request};
 use axum::http::StatusCode;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use torpor_scheduler::model::{Pod, PodId, Sandbox, SandboxState, TemplateId};
+use torpor_scheduler::model::{HibernationKind, Pod, PodId, Sandbox, SandboxState, TemplateId};
 
+use crate::backend::Lifecycle;
 use crate::error::{code, ApiError};
 use crate::service::{Outcome, PodView, SandboxFilter};
 
@@ -65,6 +66,94 @@ pub struct SandboxList {
 #[derive(Debug, Serialize)]
 pub struct PodList {
     pub pods: Vec<serde_json::Value>,
+}
+
+/// `POST /v1/sandboxes/{id}/hibernate`'s optional body.
+#[derive(Debug, Clone, Default, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct HibernateBody {
+    /// What the hibernation keeps: `memory` (memory and disk, the default;
+    /// the wake restores it) or `filesystem` (the disk only, after the
+    /// guest synced it; the wake boots it again: a new boot).
+    #[serde(default)]
+    pub mode: HibernationKind,
+    /// The guest agent's check first (Linux guests): `none` (the default),
+    /// `mark` (an agent that does not answer is recorded on the sandbox,
+    /// `guest_unresponsive_at_pause`, and it then wakes only by a reboot)
+    /// or `require` (refused with 503 while it does not answer). A
+    /// `filesystem` hibernation always requires it.
+    #[serde(default)]
+    pub guest_check: GuestCheckWord,
+}
+
+/// [`HibernateBody::guest_check`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum GuestCheckWord {
+    #[default]
+    None,
+    Mark,
+    Require,
+}
+
+impl HibernateBody {
+    /// The lifecycle call it asks for.
+    pub fn lifecycle(&self) -> Lifecycle {
+        match (self.mode, self.guest_check) {
+            (HibernationKind::Filesystem, _) => Lifecycle::HibernateFilesystem,
+            (HibernationKind::Memory, GuestCheckWord::None) => Lifecycle::Hibernate,
+            (HibernationKind::Memory, GuestCheckWord::Mark) => Lifecycle::HibernateMarking,
+            (HibernationKind::Memory, GuestCheckWord::Require) => Lifecycle::HibernateStrict,
+        }
+    }
+}
+
+/// `POST /v1/sandboxes/{id}/connect`'s optional body.
+#[derive(Debug, Clone, Default, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ConnectBody {
+    /// How a hibernated sandbox wakes: `restore` (its snapshot, the
+    /// default; one that kept only its disk reboots anyway) or `reboot`
+    /// (a new boot from its disk, whatever its hibernation kept: the way
+    /// to wake one hibernated while its guest agent did not answer).
+    #[serde(default)]
+    pub mode: WakeMode,
+}
+
+/// [`ConnectBody::mode`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum WakeMode {
+    #[default]
+    Restore,
+    Reboot,
+}
+
+impl ConnectBody {
+    /// The lifecycle call it asks for.
+    pub fn lifecycle(&self) -> Lifecycle {
+        match self.mode {
+            WakeMode::Restore => Lifecycle::Connect,
+            WakeMode::Reboot => Lifecycle::Reboot,
+        }
+    }
+}
+
+/// An optional JSON object body: empty is `T`'s default.
+pub fn optional_body<T: DeserializeOwned + Default>(bytes: &[u8]) -> Result<T, ApiError> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    let value: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::invalid(format!("the body is not JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(ApiError::invalid("the body must be a JSON object"));
+    }
+    serde_json::from_value(value).map_err(|e| {
+        ApiError::invalid(format!(
+            "Failed to deserialize the JSON body into the target type: {e}"
+        ))
+    })
 }
 
 /// A sandbox after pause, resume or hibernate, and whether answering it

@@ -403,3 +403,120 @@ async fn lifetimes_past_their_maximum_are_400_before_the_service() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["keep_alive_ms"], MAX_KEEP_ALIVE_MS);
 }
+
+/// The hibernation bodies reach the service as their lifecycle calls, and
+/// memory kept while the guest agent did not answer wakes only by a
+/// reboot: `/v1` answers 409 `guest_unresponsive`, E2B 409 with E2B's
+/// `error_code` (the SDK's `GuestUnresponsiveException`), and shows
+/// `envdUnresponsiveAtPause`; a reboot (`mode: reboot`, E2B's
+/// `memory: false`) wakes it.
+#[tokio::test]
+async fn hibernation_modes_and_a_guest_unresponsive_at_pause() {
+    let server = Server::start().await;
+    let sandbox = create(&server, json!({"template": TEMPLATE_ID})).await;
+    let id = sandbox["id"].as_str().unwrap().to_string();
+    let at = |op: &str| format!("/v1/sandboxes/{id}/{op}");
+
+    let r = server
+        .call(
+            "POST",
+            &at("hibernate"),
+            Some(json!({"mode": "filesystem"})),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["sandbox"]["disk_only"], true);
+    let r = server
+        .call("POST", &at("connect"), Some(json!({"mode": "reboot"})))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["resumed"], true);
+    assert!(r.json()["sandbox"].get("disk_only").is_none());
+    for bad in [
+        json!({"mode": "disk"}),
+        json!({"guest_check": "maybe"}),
+        json!([1]),
+    ] {
+        let r = server.call("POST", &at("hibernate"), Some(bad)).await;
+        r.assert_error(400, "invalid_request");
+    }
+    let r = server
+        .call("POST", &at("connect"), Some(json!({"mode": "later"})))
+        .await;
+    r.assert_error(400, "invalid_request");
+
+    // Hibernated with its memory while its agent did not answer.
+    let r = server
+        .call(
+            "POST",
+            &at("hibernate"),
+            Some(json!({"guest_check": "mark"})),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    {
+        let mut st = server.fake.state.lock().unwrap();
+        let s = st
+            .sandboxes
+            .get_mut(&torpor_scheduler::model::SandboxId::new(&id))
+            .unwrap();
+        s.guest_unresponsive_at_pause = true;
+    }
+    let r = server.call("POST", &at("connect"), None).await;
+    let e = r.assert_error(409, "guest_unresponsive");
+    assert!(e["message"].as_str().unwrap().contains("reboot"), "{e}");
+
+    let key = [("X-API-KEY", common::TOKEN.to_string())];
+    let r = server
+        .request("GET", &format!("/sandboxes/{id}"), &key, None)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["envdUnresponsiveAtPause"], true, "{}", r.text());
+    let r = server
+        .request(
+            "POST",
+            &format!("/sandboxes/{id}/connect"),
+            &key,
+            Some(b"{}"),
+        )
+        .await;
+    assert_eq!(r.status, 409, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["code"], 409);
+    assert_eq!(
+        v["error_code"], "sandbox_snapshot_guest_agent_unresponsive",
+        "{v}"
+    );
+    let r = server
+        .request(
+            "POST",
+            &format!("/sandboxes/{id}/connect"),
+            &key,
+            Some(br#"{"memory":false}"#),
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let r = server
+        .request("GET", &format!("/sandboxes/{id}"), &key, None)
+        .await;
+    assert!(
+        r.json().get("envdUnresponsiveAtPause").is_none(),
+        "{}",
+        r.text()
+    );
+
+    // E2B's pause bodies: filesystem only, and the strict one.
+    let r = server
+        .request(
+            "POST",
+            &format!("/sandboxes/{id}/pause"),
+            &key,
+            Some(br#"{"memory":false}"#),
+        )
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text());
+    let r = server
+        .call("GET", &format!("/v1/sandboxes/{id}"), None)
+        .await;
+    assert_eq!(r.json()["disk_only"], true, "{}", r.text());
+}

@@ -402,7 +402,7 @@ fn is_command(method: &str, path: &str) -> bool {
     match (method, segments.len()) {
         ("GET" | "DELETE", 4) => true,
         ("POST", 5) => {
-            Lifecycle::from_name(segments[4]).is_some()
+            Lifecycle::is_route(segments[4])
                 || segments[4] == "fork"
                 || segments[4] == "checkpoints"
         }
@@ -606,7 +606,7 @@ impl SandboxApi for Cluster {
     /// room counts while it is pending, then as the running sandbox. With
     /// the sandbox's secrets (E2B's connect shows its envd token).
     fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
-        let wakes = matches!(op, Lifecycle::Resume | Lifecycle::Connect);
+        let wakes = op.wakes();
         let mut outcome = self.outcome(
             id,
             |sandbox| Command::Lifecycle { sandbox, op },

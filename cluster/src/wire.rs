@@ -177,6 +177,25 @@ enum WireCommand {
     Hibernate {
         sandbox: SandboxId,
     },
+    /// Hibernate with the memory, recording a guest agent that does not
+    /// answer (later kinds: a pod of an older build fails them as
+    /// unreadable, see above).
+    HibernateMarking {
+        sandbox: SandboxId,
+    },
+    /// Hibernate with the memory, refused while the guest agent does not
+    /// answer.
+    HibernateStrict {
+        sandbox: SandboxId,
+    },
+    /// Hibernate keeping only the disk.
+    HibernateFilesystem {
+        sandbox: SandboxId,
+    },
+    /// Connect, waking a hibernated sandbox by a reboot from its disk.
+    Reboot {
+        sandbox: SandboxId,
+    },
     Delete {
         sandbox: SandboxId,
     },
@@ -219,6 +238,16 @@ impl From<WireCommand> for Command {
             WireCommand::Resume { sandbox } => lifecycle(sandbox, Lifecycle::Resume),
             WireCommand::Connect { sandbox } => lifecycle(sandbox, Lifecycle::Connect),
             WireCommand::Hibernate { sandbox } => lifecycle(sandbox, Lifecycle::Hibernate),
+            WireCommand::HibernateMarking { sandbox } => {
+                lifecycle(sandbox, Lifecycle::HibernateMarking)
+            }
+            WireCommand::HibernateStrict { sandbox } => {
+                lifecycle(sandbox, Lifecycle::HibernateStrict)
+            }
+            WireCommand::HibernateFilesystem { sandbox } => {
+                lifecycle(sandbox, Lifecycle::HibernateFilesystem)
+            }
+            WireCommand::Reboot { sandbox } => lifecycle(sandbox, Lifecycle::Reboot),
             WireCommand::Delete { sandbox } => Command::Delete { sandbox },
             WireCommand::Fork { sandbox, request } => Command::Fork { sandbox, request },
             WireCommand::TemplateBuild {
@@ -258,6 +287,10 @@ impl From<Command> for WireCommand {
                 Lifecycle::Resume => WireCommand::Resume { sandbox },
                 Lifecycle::Connect => WireCommand::Connect { sandbox },
                 Lifecycle::Hibernate => WireCommand::Hibernate { sandbox },
+                Lifecycle::HibernateMarking => WireCommand::HibernateMarking { sandbox },
+                Lifecycle::HibernateStrict => WireCommand::HibernateStrict { sandbox },
+                Lifecycle::HibernateFilesystem => WireCommand::HibernateFilesystem { sandbox },
+                Lifecycle::Reboot => WireCommand::Reboot { sandbox },
             },
             Command::Delete { sandbox } => WireCommand::Delete { sandbox },
             Command::Fork { sandbox, request } => WireCommand::Fork { sandbox, request },

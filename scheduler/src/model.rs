@@ -191,6 +191,20 @@ str_enum! {
     }
 }
 
+str_enum! {
+    /// What a hibernation keeps.
+    #[derive(Default)]
+    pub enum HibernationKind {
+        /// Memory and disk (the default): a wake restores the sandbox
+        /// where it was.
+        #[default]
+        Memory => "memory",
+        /// The disk only (E2B's filesystem-only pause): a wake boots the
+        /// sandbox again from its disk, a new boot.
+        Filesystem => "filesystem",
+    }
+}
+
 /// Where a template is in its life. Serialised as `{"state": "failed",
 /// "reason": "..."}` (the reason only for `failed`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
@@ -318,6 +332,16 @@ pub struct Sandbox {
     /// What happens when `expires_at` passes.
     #[serde(default)]
     pub on_timeout: OnTimeout,
+    /// What a hibernation by `on_timeout` keeps (E2B's `autoPauseMemory`).
+    #[serde(default)]
+    pub timeout_hibernation: HibernationKind,
+    /// Hibernated keeping only its disk: its next wake boots it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub disk_only: bool,
+    /// Hibernated with its memory while its guest agent did not answer
+    /// (E2B's `envdUnresponsiveAtPause`): it wakes only by a reboot.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub guest_unresponsive_at_pause: bool,
     pub metadata: BTreeMap<String, String>,
     /// Environment variables set for every command run in it (under the
     /// command's own). Never shown: they may hold secrets.
@@ -493,6 +517,9 @@ impl Sandbox {
             keep_alive_ms,
             expires_at: None,
             on_timeout: OnTimeout::Delete,
+            timeout_hibernation: HibernationKind::Memory,
+            disk_only: false,
+            guest_unresponsive_at_pause: false,
             metadata: BTreeMap::new(),
             env: BTreeMap::new(),
             access_token: None,

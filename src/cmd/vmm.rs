@@ -241,6 +241,7 @@ fn boot_mode(args: &VmmRunArgs) -> Result<LaunchMode, Failure> {
             image,
             overlay: args.disk_overlay.clone().unwrap_or_default(),
             read_only: args.disk_read_only,
+            keep_overlay: false,
         }),
         vsock_uds: args.vsock_uds.clone(),
         net: args.net.clone().map(Box::new),

@@ -263,6 +263,25 @@ if (LINUX) await check('pause_connect_keeps_processes_and_files', async () => {
   assert((await again.commands.kill(h.pid)) === true, 'kill after connect')
 })
 
+// pause({ keepMemory: false }) keeps the disk only: the connect boots the
+// sandbox again (a new boot id) with the file written before the pause.
+if (LINUX) await check('filesystem_pause_reboots_with_files_kept', async () => {
+  const bootId = async (s) =>
+    (await s.commands.run('cat /proc/sys/kernel/random/boot_id')).stdout.trim()
+  const before = await bootId(sbx)
+  await sbx.files.write(`${SCRATCH}/fs-kept.txt`, 'before a filesystem pause')
+  assert((await sbx.pause({ keepMemory: false })) === true, 'pause')
+  assert((await Sandbox.getInfo(sbx.sandboxId)).state === 'paused', 'paused')
+  const again = await Sandbox.connect(sbx.sandboxId, { timeoutMs: 1_800_000 })
+  assert(
+    (await again.files.read(`${SCRATCH}/fs-kept.txt`)) === 'before a filesystem pause',
+    'file',
+  )
+  const after = await bootId(again)
+  assert(after && after !== before, `boot id ${before} -> ${after}`)
+  assert((await again.commands.run('echo after')).stdout === 'after\n', 'command')
+})
+
 await sbx.kill()
 console.log(`sdk-envd-js: ${passed} passed, ${failed} failed`)
 process.exit(failed ? 1 : 0)

@@ -342,6 +342,33 @@ def pause_connect_keeps_processes_and_files():
     assert again.commands.run("echo after").stdout == "after\n"
 
 
+def filesystem_pause_reboots_with_files_kept():
+    # pause(mode="filesystem") keeps the disk only: the connect boots the
+    # sandbox again (a new boot id, no process from before) with the file
+    # written before the pause; a memory pause resumed with
+    # on_resume="reboot" boots again too.
+    def boot_id(s):
+        return s.commands.run("cat /proc/sys/kernel/random/boot_id").stdout.strip()
+
+    before = boot_id(sbx)
+    sbx.files.write(f"{SCRATCH}/fs-kept.txt", "before a filesystem pause")
+    h = sbx.commands.run("sleep 600", background=True)
+    assert sbx.pause(mode="filesystem") is True
+    assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+    again = Sandbox.connect(sbx.sandbox_id, timeout=1800)
+    assert again.get_info().state.value == "running"
+    assert again.files.read(f"{SCRATCH}/fs-kept.txt") == "before a filesystem pause"
+    after = boot_id(again)
+    assert after and after != before, (before, after)
+    left = [p for p in again.commands.list() if "sleep 600" in " ".join([p.cmd, *p.args])]
+    assert not left, f"a process outlived a reboot: {left} (was pid {h.pid})"
+    assert again.commands.run("echo after").stdout == "after\n"
+    assert again.pause() is True
+    third = Sandbox.connect(sbx.sandbox_id, timeout=1800, on_resume="reboot")
+    assert boot_id(third) not in (before, after)
+    assert third.files.read(f"{SCRATCH}/fs-kept.txt") == "before a filesystem pause"
+
+
 def default_timeout_is_kept():
     # Checked early (a slow nested host can take longer than 300 s for the
     # whole script), but past E2B's old 15 s default, which deleted
@@ -378,6 +405,7 @@ if LINUX:
     checks += [
         ("default_user_and_tools", default_user_and_tools),
         ("pause_connect_keeps_processes_and_files", pause_connect_keeps_processes_and_files),
+        ("filesystem_pause_reboots_with_files_kept", filesystem_pause_reboots_with_files_kept),
         # A killed VM breaks its agent's connections; the host-run agent of
         # the API's test service is shared and outlives a sandbox's kill.
         ("killing_the_sandbox_during_a_command_says_so", killing_the_sandbox_during_a_command_says_so),

@@ -185,6 +185,12 @@ pub struct DiskSpec {
     pub overlay: PathBuf,
     #[serde(default)]
     pub read_only: bool,
+    /// Reuse `overlay` as it is instead of starting it empty: a sandbox
+    /// rebooted from the disk it kept. The chunks it holds are those its
+    /// file has data for (its overlay is sparse: only written chunks are
+    /// allocated); a filesystem that does not report holes is refused.
+    #[serde(default)]
+    pub keep_overlay: bool,
 }
 
 /// Longest network interface name (IFNAMSIZ - 1).

@@ -26,6 +26,7 @@ pub mod jail;
 pub mod launch;
 pub mod lineage;
 pub mod shmem;
+pub mod sparse;
 
 pub use error::{ErrorKind, VmError};
 pub use jail::JailSpec;

@@ -9,7 +9,6 @@
 
 use std::fs::File;
 use std::io::Write;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
@@ -66,24 +65,14 @@ fn copy_sparse(src: &File, dst: &mut File, len: u64) -> std::io::Result<()> {
     use std::os::unix::fs::FileExt;
     dst.set_len(len)?;
     let mut buf = vec![0u8; 1 << 20];
-    let mut pos = 0i64;
-    while (pos as u64) < len {
-        // SAFETY: lseek on a file descriptor we own; no memory is involved.
-        let data = unsafe { libc::lseek(src.as_raw_fd(), pos, libc::SEEK_DATA) };
-        if data < 0 {
-            break; // ENXIO: no data after `pos`.
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(src.as_raw_fd(), data, libc::SEEK_HOLE) };
-        let end = if hole < 0 { len as i64 } else { hole };
-        let mut off = data;
+    for (start, size) in crate::sparse::data_extents(src, len)? {
+        let (mut off, end) = (start, start + size);
         while off < end {
             let n = ((end - off) as usize).min(buf.len());
-            src.read_exact_at(&mut buf[..n], off as u64)?;
-            dst.write_all_at(&buf[..n], off as u64)?;
-            off += n as i64;
+            src.read_exact_at(&mut buf[..n], off)?;
+            dst.write_all_at(&buf[..n], off)?;
+            off += n as u64;
         }
-        pos = end;
     }
     dst.flush()
 }

@@ -88,6 +88,7 @@ pub fn run(
                         image: d.image.clone(),
                         overlay: d.overlay.clone(),
                         read_only: d.read_only,
+                        keep_overlay: d.keep_overlay,
                     }),
                     vsock_uds: vsock_uds.clone(),
                     net: net.as_deref().cloned(),

@@ -13,12 +13,21 @@ use serde::{Deserialize, Serialize};
 use crate::error::ApiError;
 use crate::service::ServiceError;
 
+/// E2B's `error_code` for a resume that would restore memory kept while
+/// the guest agent did not answer (the SDK's `GuestUnresponsiveException`,
+/// 409): resume with `memory: false`.
+pub const GUEST_UNRESPONSIVE_CODE: &str = "sandbox_snapshot_guest_agent_unresponsive";
+
 /// An E2B error answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct E2bError {
     /// The HTTP status, as a number (E2B's `code`).
     pub code: u16,
     pub message: String,
+    /// E2B's machine-readable `error_code`, where one applies
+    /// ([`GUEST_UNRESPONSIVE_CODE`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_code: Option<String>,
     /// `Retry-After` (seconds) of a rate-limit refusal: a header, not a
     /// field of E2B's body.
     #[serde(skip)]
@@ -30,6 +39,7 @@ impl E2bError {
         E2bError {
             code: status.as_u16(),
             message: message.into(),
+            error_code: None,
             retry_after: None,
         }
     }
@@ -64,6 +74,8 @@ impl From<ApiError> for E2bError {
         E2bError {
             code: status.as_u16(),
             message: e.message,
+            error_code: (e.code == crate::error::code::GUEST_UNRESPONSIVE)
+                .then(|| GUEST_UNRESPONSIVE_CODE.to_string()),
             retry_after: e.retry_after,
         }
     }

@@ -12,15 +12,15 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::de::DeserializeOwned;
 use torpor_scheduler::model::{
-    OnTimeout, Sandbox, SandboxId, Template, TemplateId, TemplateState, Timestamp,
+    HibernationKind, OnTimeout, Sandbox, SandboxId, Template, TemplateId, TemplateState, Timestamp,
 };
 
 use super::error::E2bError;
 use super::list::limit;
 use super::wire::{
     e2b_state, page, ConnectBody, CreatedSandbox, Cursor, ForkBody, ForkResult, NewSandbox,
-    RefreshBody, SandboxDetail, SnapshotBody, SnapshotInfo, TimeoutBody, DEFAULT_TIMEOUT_S,
-    MAX_FORK_COUNT,
+    PauseBody, RefreshBody, SandboxDetail, SnapshotBody, SnapshotInfo, TimeoutBody,
+    DEFAULT_TIMEOUT_S, MAX_FORK_COUNT,
 };
 use crate::auth::Principal;
 use crate::backend::{on_pod, Lifecycle, Needs, SandboxApi};
@@ -157,6 +157,11 @@ pub async fn create<S: SandboxApi>(
     } else {
         OnTimeout::Delete
     };
+    let timeout_hibernation = if req.auto_pause_memory == Some(false) {
+        HibernationKind::Filesystem
+    } else {
+        HibernationKind::Memory
+    };
     let _permit = permit(&state, &principal)?;
     let tenancy = state.tenancy.clone();
     let out = call(&state, move |s| {
@@ -167,6 +172,7 @@ pub async fn create<S: SandboxApi>(
             metadata: req.metadata.unwrap_or_default(),
             env: req.env_vars.unwrap_or_default(),
             on_timeout,
+            timeout_hibernation,
             access_token: Some(new_access_token()),
             owner: Some(principal.owner()),
             network,
@@ -219,8 +225,15 @@ pub async fn kill<S: SandboxApi>(state: Api<S>, Path(id): Path<String>) -> E2bRe
 }
 
 /// `POST /sandboxes/{id}/pause`: hibernation (memory and disk kept, VMM
-/// gone); 409 when it is paused already.
-pub async fn pause<S: SandboxApi>(state: Api<S>, Path(id): Path<String>) -> E2bResult<StatusCode> {
+/// gone; with `memory: false` the disk only); 409 when it is paused
+/// already; 503 when the guest agent does not answer and the body asks
+/// for a healthy guest (or the disk only).
+pub async fn pause<S: SandboxApi>(
+    state: Api<S>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> E2bResult<StatusCode> {
+    let op = optional_body::<PauseBody>(&bytes)?.lifecycle();
     call(&state, move |s| {
         let sandbox = live(s, &id)?;
         if e2b_state(sandbox.state) == Some("paused") {
@@ -230,7 +243,7 @@ pub async fn pause<S: SandboxApi>(state: Api<S>, Path(id): Path<String>) -> E2bR
                 message: "the sandbox is already paused".into(),
             });
         }
-        s.lifecycle(&sandbox.id, Lifecycle::Hibernate).map(|_| ())
+        s.lifecycle(&sandbox.id, op).map(|_| ())
     })
     .await?;
     Ok(StatusCode::NO_CONTENT)
@@ -272,12 +285,11 @@ async fn wake<S: SandboxApi>(
     req: ConnectBody,
     refuse_running: bool,
 ) -> E2bResult<Response> {
-    if req.memory == Some(false) {
-        return Err(E2bError::bad_request(
-            "resuming by a reboot from disk (`on_resume=\"reboot\"`) is not offered: \
-             torpor always restores the memory it kept",
-        ));
-    }
+    let op = if req.memory == Some(false) {
+        Lifecycle::Reboot
+    } else {
+        Lifecycle::Connect
+    };
     let tenancy = state.tenancy.clone();
     let (resumed, out) = call(&state, move |s| {
         let sandbox = live(s, &id)?;
@@ -294,7 +306,7 @@ async fn wake<S: SandboxApi>(
         if let Some(t) = req.timeout {
             extend(s, &sandbox.id, t)?;
         }
-        let outcome = s.lifecycle(&sandbox.id, Lifecycle::Connect)?;
+        let outcome = s.lifecycle(&sandbox.id, op)?;
         let resumed = outcome.resumed;
         let alias = alias(s, &outcome.sandbox.template);
         Ok((resumed, CreatedSandbox::new(&outcome.sandbox, alias)))

@@ -44,6 +44,10 @@ pub struct NewSandbox {
     /// On timeout: hibernate (`true`) or delete (`false`, the default).
     #[serde(default)]
     pub auto_pause: Option<bool>,
+    /// What the timeout's pause keeps: memory and disk (`true`, the
+    /// default) or the disk only (`false`: its resume reboots).
+    #[serde(default)]
+    pub auto_pause_memory: Option<bool>,
     #[serde(default)]
     pub metadata: Option<BTreeMap<String, String>>,
     #[serde(default)]
@@ -109,9 +113,35 @@ pub struct ConnectBody {
     /// Seconds from now; E2B's default ([`DEFAULT_TIMEOUT_S`]) when absent.
     #[serde(default)]
     pub timeout: Option<u64>,
-    /// `false`: reboot from disk instead of restoring memory (refused).
+    /// `false`: reboot from disk instead of restoring memory (E2B's
+    /// `on_resume="reboot"`).
     #[serde(default)]
     pub memory: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/pause` (`SandboxPauseRequest`), optional.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PauseBody {
+    /// `false`: keep only the filesystem; the resume reboots.
+    #[serde(default)]
+    pub memory: Option<bool>,
+    /// Refuse (503) while the guest agent does not answer, instead of
+    /// pausing and marking the sandbox `envdUnresponsiveAtPause`.
+    #[serde(default)]
+    pub require_healthy_guest: Option<bool>,
+}
+
+impl PauseBody {
+    /// The lifecycle call it asks for.
+    pub fn lifecycle(&self) -> crate::backend::Lifecycle {
+        use crate::backend::Lifecycle as L;
+        match (self.memory, self.require_healthy_guest) {
+            (Some(false), _) => L::HibernateFilesystem,
+            (_, Some(true)) => L::HibernateStrict,
+            _ => L::HibernateMarking,
+        }
+    }
 }
 
 /// `POST /sandboxes/{id}/timeout`.
@@ -190,6 +220,13 @@ pub struct SandboxDetail {
     pub metadata: BTreeMap<String, String>,
     pub domain: Option<String>,
     pub lifecycle: Lifecycle,
+    /// Paused with its memory while its guest agent did not answer: it
+    /// resumes only with `memory: false` (a reboot). Absent otherwise.
+    #[serde(
+        rename = "envdUnresponsiveAtPause",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub envd_unresponsive_at_pause: Option<bool>,
 }
 
 /// What the sandbox's timeout does (`SandboxLifecycle`).
@@ -322,6 +359,7 @@ impl SandboxDetail {
             metadata: user_metadata(&s.metadata),
             domain: None,
             lifecycle: Lifecycle::of(s),
+            envd_unresponsive_at_pause: s.guest_unresponsive_at_pause.then_some(true),
         })
     }
 }

@@ -63,7 +63,7 @@ pub(super) fn outcome(
     id: &SandboxId,
     op: Lifecycle,
 ) -> Result<Outcome, ServiceError> {
-    let value = call(pod, "POST", id, op.path(), None)?;
+    let value = call(pod, "POST", id, op.path(), op.body().as_ref())?;
     typed(pod, "an outcome", value)
 }
 

@@ -426,16 +426,35 @@ impl SandboxApi for Fake {
 
     fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
         use SandboxState::*;
+        let current = self.get_sandbox(id)?;
         let (from, to): (&[SandboxState], _) = match op {
             Lifecycle::Pause => (&[Running], Paused),
-            Lifecycle::Connect if self.get_sandbox(id)?.state == Running => {
-                return Ok(outcome(self.get_sandbox(id)?, false));
+            Lifecycle::Connect | Lifecycle::Reboot if current.state == Running => {
+                return Ok(outcome(current, false));
             }
-            Lifecycle::Resume | Lifecycle::Connect => (&[Paused, Hibernated], Running),
-            Lifecycle::Hibernate => (&[Running, Paused], Hibernated),
+            // The service's rule: memory kept while the guest did not
+            // answer wakes only by a reboot.
+            Lifecycle::Resume | Lifecycle::Connect
+                if current.state == Hibernated && current.guest_unresponsive_at_pause =>
+            {
+                return Err(ServiceError::GuestUnresponsive { id: id.to_string() });
+            }
+            Lifecycle::Resume | Lifecycle::Connect | Lifecycle::Reboot => {
+                (&[Paused, Hibernated], Running)
+            }
+            Lifecycle::Hibernate
+            | Lifecycle::HibernateMarking
+            | Lifecycle::HibernateStrict
+            | Lifecycle::HibernateFilesystem => (&[Running, Paused], Hibernated),
         };
-        let (s, was) = self.transition(id, from, to)?;
-        Ok(outcome(s, to == Running && was == Hibernated))
+        let (_, was) = self.transition(id, from, to)?;
+        // What the service records: the hibernation's kind (a fake guest
+        // answers every check), cleared by a wake.
+        let mut st = self.state.lock().unwrap();
+        let s = Self::sandbox(&mut st, id)?;
+        s.disk_only = op == Lifecycle::HibernateFilesystem;
+        s.guest_unresponsive_at_pause = false;
+        Ok(outcome(s.clone(), to == Running && was == Hibernated))
     }
 
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {

@@ -255,6 +255,7 @@ impl Service {
                 self.store.write(|tx| {
                     tx.register_layers(&chain)?;
                     tx.set_sandbox_snapshot(id, Some(&snapshot))?;
+                    tx.set_sandbox_hibernation(id, false, false)?;
                     let change = StateChange::new(SandboxState::Resuming, SandboxState::Running);
                     tx.finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
                     tx.touch(id, Timestamp::now())
@@ -383,6 +384,13 @@ impl Service {
     }
 
     fn hibernation_snapshot(&self, sandbox: &Sandbox) -> Result<PathBuf, ServiceError> {
+        if sandbox.disk_only {
+            return Err(ServiceError::Conflict {
+                id: sandbox.id.to_string(),
+                state: sandbox.state,
+                message: "it kept only its disk, no snapshot: wake it (it reboots) first".into(),
+            });
+        }
         sandbox.snapshot.clone().ok_or_else(|| {
             ServiceError::Internal(format!("hibernated sandbox {} has no snapshot", sandbox.id))
         })

@@ -654,7 +654,7 @@ impl Service {
 
 #[cfg(test)]
 #[path = "guest_tests.rs"]
-mod tests;
+pub(super) mod tests;
 
 #[cfg(test)]
 #[path = "guest_hostile_tests.rs"]

@@ -30,7 +30,7 @@ fn read_line(s: &mut UnixStream) -> String {
 
 /// What the fake VMM socket does with each connection.
 #[derive(Clone, Copy)]
-enum Behaviour {
+pub(in crate::service) enum Behaviour {
     /// Answer `CONNECT 52` with OK and hand the stream to the agent.
     Agent,
     /// Refuse every port (no listener in the guest).
@@ -40,7 +40,11 @@ enum Behaviour {
 }
 
 /// A hybrid vsock socket in `dir` in front of a real agent with `ops`.
-fn vsock_agent(dir: &Path, ops: Arc<FakeOps>, behaviour: Behaviour) -> AgentLink {
+pub(in crate::service) fn vsock_agent(
+    dir: &Path,
+    ops: Arc<FakeOps>,
+    behaviour: Behaviour,
+) -> AgentLink {
     let uds = dir.join(VSOCK_FILE);
     let listener = UnixListener::bind(&uds).unwrap();
     let agent = Agent::new(AgentConfig::new(ops));

@@ -150,13 +150,13 @@ fn a_deleted_sandbox_leaves_no_lock_behind() {
 
 /// A stand-in VMM: a harmless process for the pid and a control socket
 /// that answers every request `{"ok":true}`.
-struct FakeVmm {
+pub(super) struct FakeVmm {
     process: Child,
-    handle: VmmHandle,
+    pub(super) handle: VmmHandle,
 }
 
 impl FakeVmm {
-    fn start(dir: &std::path::Path) -> Self {
+    pub(super) fn start(dir: &std::path::Path) -> Self {
         let socket = dir.join(format!("fake-{}.sock", random_hex(4)));
         let listener = UnixListener::bind(&socket).unwrap();
         std::thread::spawn(move || {
@@ -262,7 +262,7 @@ fn the_policy_prunes_deleted_rows_past_the_retention() {
 }
 
 /// Whether process `pid` has ended (gone, or a zombie not reaped yet).
-fn ended(pid: u32) -> bool {
+pub(super) fn ended(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
         stat.rsplit_once(')')
             .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
@@ -270,7 +270,12 @@ fn ended(pid: u32) -> bool {
 }
 
 /// A sandbox with a stand-in VMM, in `state`, stored.
-fn with_vmm(service: &Service, template: &Template, vmm: &FakeVmm, state: SandboxState) -> Sandbox {
+pub(super) fn with_vmm(
+    service: &Service,
+    template: &Template,
+    vmm: &FakeVmm,
+    state: SandboxState,
+) -> Sandbox {
     let mut s = Sandbox::new(template.id.clone(), 64, 1, 60_000);
     s.state = state;
     s.pod = Some(PodId::new(LOCAL_POD));

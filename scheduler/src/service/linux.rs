@@ -17,9 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::Duration;
 
-use torpor_vmm_api::launch::{
-    Console, DiskSpec, KernelSource, LaunchMode, LaunchSpec, RestoreSpec,
-};
+use torpor_vmm_api::launch::{DiskSpec, KernelSource, RestoreSpec};
 
 use super::guest::{AgentLink, VSOCK_FILE};
 use super::vmm::{self, VmmFiles};
@@ -155,6 +153,7 @@ impl Service {
         let dir = self.template_dir(&template.id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| ServiceError::Internal(format!("create {}: {e}", dir.display())))?;
+        super::template::record_cmdline(&dir, cmdline)?;
         let files = VmmFiles::in_dir(&dir);
         let overlay = dir.join(OVERLAY_FILE);
         let uds = dir.join(VSOCK_FILE);
@@ -162,48 +161,30 @@ impl Service {
         // The network device must be in the snapshot for clones to have
         // one; the template's namespace goes once it is taken.
         let net = self.template_net(template.id.as_str())?;
-        let spec = LaunchSpec {
-            control_socket: Some(files.socket.clone()),
-            mode: LaunchMode::Boot {
-                kernel: KernelSource::Path(PathBuf::from(&template.kernel)),
-                initrd: None,
-                cmdline: Some(cmdline.to_string()),
-                mem_mib: u64::from(template.mem_mib),
-                vcpus: u16::try_from(template.vcpus).unwrap_or(u16::MAX),
-                disk: Some(DiskSpec {
-                    image: rootfs.to_path_buf(),
-                    overlay: overlay.clone(),
-                    read_only: false,
-                }),
-                vsock_uds: Some(uds.clone()),
-                net: net
-                    .as_ref()
-                    .map(|n| Box::new(n.net_spec(Default::default(), Default::default()))),
-                // In the template, so every clone has it: guests give back
-                // the memory they free (free page reporting), report their
-                // memory statistics, and can be asked to shrink.
-                balloon: true,
-            },
-            console: Console::file(&files.console),
-            dirty_tracking: self.config.dirty_tracking,
-            jail: None,
-            seccomp: torpor_vmm_api::SeccompLevel::Enforce,
+        let boot = super::template::Boot {
+            kernel: KernelSource::Path(PathBuf::from(&template.kernel)),
+            cmdline: cmdline.to_string(),
+            mem_mib: template.mem_mib,
+            vcpus: template.vcpus,
+            disk: Some(DiskSpec {
+                image: rootfs.to_path_buf(),
+                overlay: overlay.clone(),
+                read_only: false,
+                keep_overlay: false,
+            }),
+            vsock_uds: Some(uds.clone()),
+            net: net
+                .as_ref()
+                .map(|n| n.net_spec(Default::default(), Default::default())),
+            // In the template, so every clone has it: guests give back
+            // the memory they free (free page reporting), report their
+            // memory statistics, and can be asked to shrink.
+            balloon: true,
         };
-        let spawned = super::jail::spawn(
-            self.jails.as_deref(),
-            &self.config.vmm_exe,
-            spec,
-            &files.log,
-            (u64::from(template.mem_mib), u64::from(template.vcpus)),
-            &[],
-            None,
-        );
-        let (
-            vmm::Spawned {
-                mut child, handle, ..
-            },
-            _,
-        ) = match spawned {
+        let spawned = self.spawn_boot(&files, boot);
+        let vmm::Spawned {
+            mut child, handle, ..
+        } = match spawned {
             Ok(spawned) => spawned,
             Err(e) => {
                 self.drop_template_net(net);

@@ -24,6 +24,7 @@ mod ops;
 mod policy;
 pub mod pool;
 mod ports;
+mod reboot;
 mod recovery;
 mod sandbox_template;
 mod template;
@@ -50,6 +51,7 @@ pub use lifetime::{check_lifetimes, MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS};
 pub use linux::HostGuests;
 pub use metrics::Metrics;
 pub use ports::WakeGate;
+pub use reboot::{GuestCheck, Hibernation};
 pub use sandbox_template::TemplateFromSandbox;
 
 /// The local pod's id.
@@ -234,6 +236,15 @@ pub enum ServiceError {
         sandbox: Option<String>,
         pod: String,
     },
+    /// A wake that would restore memory kept while the guest agent did not
+    /// answer (E2B's `envdUnresponsiveAtPause`): only a reboot wakes it.
+    /// 409 `guest_unresponsive`.
+    #[error(
+        "sandbox {id} was hibernated with its memory while its guest agent did not answer: \
+         restoring that memory would bring the unresponsive agent back; wake it by a reboot \
+         from its disk instead (`mode: reboot`; E2B: `memory: false`)"
+    )]
+    GuestUnresponsive { id: String },
     /// A body or upload over its limit (413).
     #[error("{0}")]
     TooLarge(String),
@@ -366,6 +377,10 @@ pub struct CreateSandbox {
     /// What its timeout does: delete (the default) or hibernate.
     #[serde(default)]
     pub on_timeout: crate::model::OnTimeout,
+    /// What a hibernation by its timeout keeps: memory and disk (the
+    /// default) or the disk only (its wake then boots it).
+    #[serde(default)]
+    pub timeout_hibernation: crate::model::HibernationKind,
     /// Its in-sandbox API token (E2B's `envdAccessToken`); not part of
     /// the API's body.
     #[serde(skip)]
@@ -632,5 +647,7 @@ impl Service {
 mod lifecycle_tests;
 #[cfg(test)]
 mod network_tests;
+#[cfg(test)]
+mod reboot_tests;
 #[cfg(test)]
 mod recovery_tests;

@@ -231,6 +231,7 @@ impl Service {
         sandbox.tenant = req.owner.map(|o| o.tenant);
         sandbox.env = req.env;
         sandbox.on_timeout = req.on_timeout;
+        sandbox.timeout_hibernation = req.timeout_hibernation;
         sandbox.access_token = req.access_token;
         sandbox.network = self.initial_network(req.network.as_ref())?;
         sandbox.pod = Some(PodId::new(LOCAL_POD));
@@ -505,6 +506,18 @@ impl Service {
     /// the sandbox active (a wake, a resume of a paused one, or any
     /// `connect`).
     fn resume_for(&self, id: &SandboxId, connect: bool) -> Result<Outcome, ServiceError> {
+        self.resume_as(id, connect, false)
+    }
+
+    /// [`Self::resume_for`]; with `reboot`, a hibernated sandbox is woken
+    /// by a reboot from its disk ([`Self::boot_locked`]) whatever its
+    /// hibernation kept.
+    pub(super) fn resume_as(
+        &self,
+        id: &SandboxId,
+        connect: bool,
+        reboot: bool,
+    ) -> Result<Outcome, ServiceError> {
         let started = Instant::now();
         let held = self.lock_sandbox(id)?;
         let sandbox = self.store.get_sandbox(id)?;
@@ -517,7 +530,7 @@ impl Service {
             self.record(started, id, EventKind::Request, 0, sandbox.mem_mib);
         }
         if sandbox.state == SandboxState::Hibernated {
-            return self.wake_locked(sandbox);
+            return self.wake_any_locked(sandbox, reboot);
         }
         self.transition_locked(
             &held,
@@ -562,6 +575,22 @@ impl Service {
             resumed: false,
             resume_ms: None,
         })
+    }
+
+    /// Wakes a hibernated sandbox (lock held): by a reboot from its disk
+    /// when asked (`reboot`) or when its hibernation kept only its disk,
+    /// else by restoring its snapshot, which a memory kept while its guest
+    /// agent did not answer refuses ([`ServiceError::GuestUnresponsive`]).
+    fn wake_any_locked(&self, sandbox: Sandbox, reboot: bool) -> Result<Outcome, ServiceError> {
+        if reboot || sandbox.disk_only {
+            return self.boot_locked(sandbox);
+        }
+        if sandbox.guest_unresponsive_at_pause {
+            return Err(ServiceError::GuestUnresponsive {
+                id: sandbox.id.to_string(),
+            });
+        }
+        self.wake_locked(sandbox)
     }
 
     /// Restores a hibernated sandbox from its snapshot (lock held).
@@ -633,7 +662,7 @@ impl Service {
         let sandbox = self.store.get_sandbox(id)?;
         can(Operation::Exec, sandbox.state).map_err(|e| ServiceError::illegal(id, e, "reach"))?;
         if sandbox.state == SandboxState::Hibernated {
-            return self.wake_locked(sandbox);
+            return self.wake_any_locked(sandbox, false);
         }
         // Relaxed: the last activity of a running sandbox.
         self.store

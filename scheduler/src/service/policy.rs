@@ -82,7 +82,27 @@ impl Service {
             }
         }
         tracing::info!(sandbox = %id, ?reason, "hibernating by policy");
-        Some(self.hibernate_locked(id))
+        let filesystem = reason == PolicyReason::Timeout
+            && self.store.get_sandbox(id).ok()?.timeout_hibernation
+                == crate::model::HibernationKind::Filesystem;
+        if !filesystem {
+            return Some(self.hibernate_locked(id));
+        }
+        // A timeout that keeps only the disk; while the guest agent does
+        // not answer (no sync possible) it keeps the memory instead, marked.
+        Some(
+            match self.hibernate_as_locked(id, super::reboot::Hibernation::FILESYSTEM) {
+                Err(ServiceError::Unavailable { message, .. }) => {
+                    tracing::warn!(sandbox = %id, "{message}; hibernating with its memory");
+                    let marked = super::reboot::Hibernation {
+                        kind: crate::model::HibernationKind::Memory,
+                        guest: super::reboot::GuestCheck::Mark,
+                    };
+                    self.hibernate_as_locked(id, marked)
+                }
+                other => other,
+            },
+        )
     }
 
     /// One policy round: the rules of [`crate::policy::run_round`] on the

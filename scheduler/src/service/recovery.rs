@@ -35,7 +35,14 @@ impl Service {
                         .exists()
                 })
                 .unwrap_or(false);
+            // A filesystem-only hibernation writes no snapshot: once its
+            // VMM is gone the disk it kept is what there is.
+            let filesystem = op.detail.get("filesystem") == Some(&serde_json::Value::Bool(true));
+            let boot = op.detail.get("boot") == Some(&serde_json::Value::Bool(true));
             let (outcome, to, reason) = match (op.kind, sandbox.state) {
+                (OperationKind::Hibernate, SandboxState::Hibernating) if filesystem && !answers => {
+                    (OperationStatus::Done, SandboxState::Hibernated, None)
+                }
                 (OperationKind::Create, SandboxState::Creating) if answers => {
                     (OperationStatus::Done, SandboxState::Running, None)
                 }
@@ -68,6 +75,14 @@ impl Service {
                 // end, so the row still holds the state before the operation.
                 (_, current) => (OperationStatus::RolledBack, current, None),
             };
+            if filesystem && to == SandboxState::Hibernated {
+                self.store.set_sandbox_snapshot(&id, None)?;
+                self.store.set_sandbox_hibernation(&id, true, false)?;
+            }
+            if boot && to == SandboxState::Running {
+                self.store.set_sandbox_snapshot(&id, None)?;
+                self.store.set_sandbox_hibernation(&id, false, false)?;
+            }
             if to == SandboxState::Hibernated {
                 if let Some(snapshot) = op.detail.get("snapshot").and_then(|s| s.as_str()) {
                     if sandbox.state == SandboxState::Hibernating {

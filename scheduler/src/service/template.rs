@@ -33,7 +33,7 @@ const MAX_CMDLINE: usize = 2048;
 /// How long a template's first boot may take to print its ready line.
 const READY_LIMIT: Duration = Duration::from_secs(60);
 /// The probe's workload and pace in templates: 1 MiB, one iteration a second.
-const PROBE_CMDLINE: &str = "probe.mib=1 probe.ticks=100 probe.hz=100";
+pub(super) const PROBE_CMDLINE: &str = "probe.mib=1 probe.ticks=100 probe.hz=100";
 
 impl Service {
     /// Makes sure the built-in probe template exists and is ready.
@@ -183,41 +183,90 @@ impl Service {
         let dir = self.template_dir(&template.id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| ServiceError::Internal(format!("create {}: {e}", dir.display())))?;
+        record_cmdline(&dir, cmdline)?;
         let files = VmmFiles::in_dir(&dir);
-        let spec = LaunchSpec {
-            control_socket: Some(files.socket.clone()),
-            mode: LaunchMode::Boot {
-                kernel: KernelSource::Builtin(PROBE_TEMPLATE.into()),
-                initrd: None,
-                cmdline: Some(cmdline.to_string()),
-                mem_mib: u64::from(template.mem_mib),
-                vcpus: u16::try_from(template.vcpus).unwrap_or(u16::MAX),
-                disk: None,
-                vsock_uds: None,
-                net: None,
-                // The probe guest has no balloon driver.
-                balloon: false,
-            },
-            console: Console::file(&files.console),
-            dirty_tracking: self.config.dirty_tracking,
-            jail: None,
-            seccomp: torpor_vmm_api::SeccompLevel::Enforce,
+        let boot = Boot {
+            kernel: KernelSource::Builtin(PROBE_TEMPLATE.into()),
+            cmdline: cmdline.to_string(),
+            mem_mib: template.mem_mib,
+            vcpus: template.vcpus,
+            disk: None,
+            vsock_uds: None,
+            net: None,
+            // The probe guest has no balloon driver.
+            balloon: false,
         };
-        let (vmm::Spawned { child, handle, .. }, _) = super::jail::spawn(
-            self.jails.as_deref(),
-            &self.config.vmm_exe,
-            spec,
-            &files.log,
-            (u64::from(template.mem_mib), u64::from(template.vcpus)),
-            &[],
-            None,
-        )?;
+        let vmm::Spawned { child, handle, .. } = self.spawn_boot(&files, boot)?;
         let snapshot = dir.join("snapshot");
         let result = wait_ready(&files)
             .and_then(|()| vmm::pause_and_snapshot_full(&handle, &snapshot))
             .map(|()| snapshot);
         vmm::stop(&handle, Some(child));
         result
+    }
+}
+
+/// The file in a built template's directory that keeps the kernel command
+/// line it booted with: a sandbox rebooted from its disk boots with it.
+pub(super) const CMDLINE_FILE: &str = "cmdline";
+
+/// Keeps `cmdline` in the template directory `dir` ([`CMDLINE_FILE`]).
+pub(super) fn record_cmdline(dir: &Path, cmdline: &str) -> Result<(), ServiceError> {
+    let path = dir.join(CMDLINE_FILE);
+    std::fs::write(&path, cmdline)
+        .map_err(|e| ServiceError::Internal(format!("write {}: {e}", path.display())))
+}
+
+/// What a boot of a guest needs (a template's first boot, a sandbox's
+/// reboot from its disk): [`Service::spawn_boot`].
+pub(super) struct Boot {
+    pub kernel: KernelSource,
+    pub cmdline: String,
+    pub mem_mib: u32,
+    pub vcpus: u32,
+    pub disk: Option<torpor_vmm_api::launch::DiskSpec>,
+    pub vsock_uds: Option<std::path::PathBuf>,
+    pub net: Option<torpor_vmm_api::launch::NetSpec>,
+    pub balloon: bool,
+}
+
+impl Service {
+    /// Starts a `torpor-vmm` booting `boot` with its files in `files`
+    /// (jailed when the pod jails): the one launch of every boot.
+    pub(super) fn spawn_boot(
+        &self,
+        files: &VmmFiles,
+        boot: Boot,
+    ) -> Result<vmm::Spawned, ServiceError> {
+        let size = (u64::from(boot.mem_mib), u64::from(boot.vcpus));
+        let spec = LaunchSpec {
+            control_socket: Some(files.socket.clone()),
+            mode: LaunchMode::Boot {
+                kernel: boot.kernel,
+                initrd: None,
+                cmdline: Some(boot.cmdline),
+                mem_mib: size.0,
+                vcpus: u16::try_from(boot.vcpus).unwrap_or(u16::MAX),
+                disk: boot.disk,
+                vsock_uds: boot.vsock_uds,
+                net: boot.net.map(Box::new),
+                balloon: boot.balloon,
+            },
+            console: Console::file(&files.console),
+            dirty_tracking: self.config.dirty_tracking,
+            jail: None,
+            seccomp: torpor_vmm_api::SeccompLevel::Enforce,
+        };
+        let (spawned, _) = super::jail::spawn(
+            self.jails.as_deref(),
+            &self.config.vmm_exe,
+            spec,
+            &files.log,
+            size,
+            &[],
+            None,
+        )?;
+        Ok(spawned)
     }
 }
 
@@ -338,7 +387,7 @@ impl Service {
 }
 
 /// Waits for the probe's first iteration: booted, timer running, idle.
-fn wait_ready(files: &VmmFiles) -> Result<(), ServiceError> {
+pub(super) fn wait_ready(files: &VmmFiles) -> Result<(), ServiceError> {
     let deadline = Instant::now() + READY_LIMIT;
     loop {
         let console = std::fs::read_to_string(&files.console).unwrap_or_default();

@@ -383,6 +383,7 @@ delegate! {
     write fn touch(&self, id: &SandboxId, now: Timestamp) -> ();
     write fn set_sandbox_snapshot(&self, id: &SandboxId, dir: Option<&Path>) -> ();
     write fn set_sandbox_vmm(&self, id: &SandboxId, vmm: Option<&VmmHandle>) -> ();
+    write fn set_sandbox_hibernation(&self, id: &SandboxId, disk_only: bool, guest_unresponsive: bool) -> ();
     write fn set_sandbox_pod(&self, id: &SandboxId, pod: Option<&PodId>) -> ();
     write fn set_sandbox_timeout(
         &self,

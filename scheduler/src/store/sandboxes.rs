@@ -13,7 +13,8 @@ use crate::state::{transition, SandboxState};
 
 const COLUMNS: &str = "id, template, pod, mem_mib, vcpus, keep_alive_ms, expires_at, state, \
     failure_reason, created_at, last_active_at, snapshot, vmm_pid, vmm_socket, generation, \
-    vmm_start, tenant, on_timeout, access_token";
+    vmm_start, tenant, on_timeout, access_token, timeout_hibernation, disk_only, \
+    guest_unresponsive_at_pause";
 
 /// A sandbox's key/value tables.
 #[derive(Clone, Copy)]
@@ -60,6 +61,9 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
         keep_alive_ms: get_u64(row, "keep_alive_ms")?,
         expires_at: row.get("expires_at")?,
         on_timeout: row.get("on_timeout")?,
+        timeout_hibernation: row.get("timeout_hibernation")?,
+        disk_only: row.get("disk_only")?,
+        guest_unresponsive_at_pause: row.get("guest_unresponsive_at_pause")?,
         access_token: row.get("access_token")?,
         metadata: BTreeMap::new(),
         env: BTreeMap::new(),
@@ -129,7 +133,7 @@ impl Tx<'_> {
         self.conn
             .prepare_cached(&format!(
                 "INSERT INTO sandboxes ({COLUMNS}) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)"
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22)"
             ))?
             .execute(params![
                 s.id,
@@ -154,6 +158,9 @@ impl Tx<'_> {
                 s.tenant,
                 s.on_timeout,
                 s.access_token,
+                s.timeout_hibernation,
+                s.disk_only,
+                s.guest_unresponsive_at_pause,
             ])?;
         self.write_pairs(Pairs::Metadata, &s.id, &s.metadata)?;
         self.write_pairs(Pairs::Env, &s.id, &s.env)?;
@@ -283,7 +290,8 @@ impl Tx<'_> {
     /// Compare-and-set of a sandbox's state: refused with `Conflict` (and the
     /// current state) unless it is `expected_from`, and with
     /// `IllegalTransition` unless the table allows `expected_from → to`.
-    /// Going to `resuming` needs a snapshot. Going to `failed` records
+    /// Going to `resuming` needs a snapshot, or the disk a filesystem-only
+    /// hibernation kept (`disk_only`). Going to `failed` records
     /// `reason`; leaving `failed` (except to deleted) clears it. Bumps the
     /// generation. Returns the updated sandbox.
     pub fn update_sandbox_state(
@@ -303,7 +311,7 @@ impl Tx<'_> {
         }
         transition(current, to)?;
         let sandbox = self.get_sandbox(id)?;
-        if to == SandboxState::Resuming && sandbox.snapshot.is_none() {
+        if to == SandboxState::Resuming && sandbox.snapshot.is_none() && !sandbox.disk_only {
             return Err(StoreError::NoSnapshot { id: id.clone() });
         }
         let failure_reason = match to {
@@ -346,6 +354,22 @@ impl Tx<'_> {
             id,
             "UPDATE sandboxes SET snapshot = ?2 WHERE id = ?1",
             &[&dir],
+        )
+    }
+
+    /// Records what the sandbox's hibernation kept: only its disk
+    /// (`disk_only`: its wake boots), and whether its memory was kept while
+    /// its guest agent did not answer. Both false once it runs again.
+    pub fn set_sandbox_hibernation(
+        &self,
+        id: &SandboxId,
+        disk_only: bool,
+        guest_unresponsive: bool,
+    ) -> Result<()> {
+        self.update_one(
+            id,
+            "UPDATE sandboxes SET disk_only = ?2, guest_unresponsive_at_pause = ?3 WHERE id = ?1",
+            &[&disk_only, &guest_unresponsive],
         )
     }
 

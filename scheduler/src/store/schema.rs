@@ -174,8 +174,22 @@ CREATE UNIQUE INDEX templates_live_tenant_name ON templates (ifnull(tenant, ''),
     WHERE state != 'deleted';
 "#;
 
+/// Version 8: filesystem-only hibernation: what a hibernation by the
+/// timeout keeps (`timeout_hibernation`), whether a hibernated sandbox kept
+/// only its disk (its wake boots it: `disk_only`), and whether its memory
+/// was kept while its guest agent did not answer (it wakes only by a
+/// reboot: `guest_unresponsive_at_pause`).
+const V8: &str = r#"
+ALTER TABLE sandboxes ADD COLUMN timeout_hibernation TEXT NOT NULL DEFAULT 'memory'
+    CHECK (timeout_hibernation IN ('memory', 'filesystem'));
+ALTER TABLE sandboxes ADD COLUMN disk_only INTEGER NOT NULL DEFAULT 0
+    CHECK (disk_only IN (0, 1));
+ALTER TABLE sandboxes ADD COLUMN guest_unresponsive_at_pause INTEGER NOT NULL DEFAULT 0
+    CHECK (guest_unresponsive_at_pause IN (0, 1));
+"#;
+
 /// Every migration, in order.
-pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7];
+pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7, V8];
 
 /// The schema version this build writes.
 pub const CURRENT_VERSION: i64 = MIGRATIONS.len() as i64;

@@ -10,7 +10,8 @@ use rusqlite::Row;
 use super::journal::{OperationKind, OperationStatus};
 use super::StoreError;
 use crate::model::{
-    CheckpointId, OnTimeout, OperationId, PodId, SandboxId, TemplateId, TemplateKind, Timestamp,
+    CheckpointId, HibernationKind, OnTimeout, OperationId, PodId, SandboxId, TemplateId,
+    TemplateKind, Timestamp,
 };
 use crate::state::SandboxState;
 
@@ -48,6 +49,7 @@ sql_word!(
     SandboxState,
     TemplateKind,
     OnTimeout,
+    HibernationKind,
     OperationKind,
     OperationStatus
 );

@@ -384,6 +384,9 @@ fn env_and_on_timeout_round_trip_and_a_version_2_store_upgrades() {
          DROP TABLE sandbox_network; \
          DROP INDEX sandboxes_tenant; ALTER TABLE sandboxes DROP COLUMN tenant; \
          ALTER TABLE templates DROP COLUMN tenant; ALTER TABLE templates DROP COLUMN image; \
+         ALTER TABLE sandboxes DROP COLUMN timeout_hibernation; \
+         ALTER TABLE sandboxes DROP COLUMN disk_only; \
+         ALTER TABLE sandboxes DROP COLUMN guest_unresponsive_at_pause; \
          UPDATE schema_version SET version = 2;",
     )
     .unwrap();
@@ -395,5 +398,17 @@ fn env_and_on_timeout_round_trip_and_a_version_2_store_upgrades() {
         assert_eq!(old.on_timeout, OnTimeout::Delete, "the old behaviour");
         assert!(old.env.is_empty());
         assert!(old.access_token.is_none());
+        // Version 8: memory hibernations, nothing marked.
+        assert_eq!(
+            old.timeout_hibernation,
+            crate::model::HibernationKind::Memory
+        );
+        assert!(!old.disk_only && !old.guest_unresponsive_at_pause);
     }
+    // And they round trip.
+    store
+        .set_sandbox_hibernation(&plain.id, true, true)
+        .unwrap();
+    let back = store.get_sandbox(&plain.id).unwrap();
+    assert!(back.disk_only && back.guest_unresponsive_at_pause);
 }

@@ -90,6 +90,9 @@ pub struct BlockConfig {
     pub overlay: Option<PathBuf>,
     /// Offer VIRTIO_BLK_F_RO and refuse writes; no overlay is used.
     pub read_only: bool,
+    /// Reuse the overlay as it is rather than create it fresh
+    /// ([`CowDisk::open_kept`]).
+    pub keep_overlay: bool,
 }
 
 /// A virtio-blk device.
@@ -117,7 +120,10 @@ impl BlockDevice {
             (Some(path), false) => Some(path.as_path()),
             (None, false) => return Err(BlockError::NoOverlay),
         };
-        let disk = CowDisk::open(&config.base, overlay)?;
+        let disk = match overlay {
+            Some(path) if config.keep_overlay => CowDisk::open_kept(&config.base, path)?,
+            _ => CowDisk::open(&config.base, overlay)?,
+        };
         Ok(Self {
             disk,
             id: config.id.clone(),

@@ -12,6 +12,10 @@ use std::path::{Path, PathBuf};
 pub const SECTOR_SIZE: u64 = 512;
 /// Overlay granularity.
 pub const CHUNK_SIZE: u64 = 4096;
+/// How much more data than allocation a kept overlay's filesystem may
+/// report (rounding at the file's end) before it counts as reporting no
+/// holes ([`CowDisk::open_kept`]).
+const KEPT_SLACK: u64 = 1 << 16;
 /// Copies between overlays go in pieces of at most this much.
 const COPY_PIECE: u64 = 1 << 20;
 
@@ -195,6 +199,49 @@ impl CowDisk {
             size,
             overlay,
             map: OverlayMap::new(size.div_ceil(CHUNK_SIZE)),
+        })
+    }
+
+    /// A disk over `base` with the overlay at `overlay` kept as it is: how a
+    /// sandbox reboots with the disk it kept (its VMM ended without a
+    /// snapshot, so no map was saved). The overlay is sparse and every
+    /// chunk the disk put there was written whole (a partial write copies
+    /// the chunk up first), so the chunks it holds are those with data.
+    /// Refused when the overlay's size is not the base's, or when its
+    /// filesystem reports more data than it allocated (no hole reporting:
+    /// unwritten chunks would read as zeros instead of the base).
+    pub fn open_kept(base: &Path, overlay: &Path) -> Result<Self, DiskError> {
+        let (base_file, size) = open_base(base)?;
+        let f = open_overlay(overlay, false)?;
+        let actual = f.metadata().map_err(io("stat of the overlay"))?.len();
+        if actual != size {
+            return Err(DiskError::SizeChanged {
+                path: overlay.into(),
+                actual,
+                expected: size,
+            });
+        }
+        let extents = torpor_vmm_api::sparse::data_extents(&f, size)
+            .map_err(io("finding the overlay's data"))?;
+        let data: u64 = extents.iter().map(|(_, len)| len).sum();
+        let allocated =
+            torpor_vmm_api::sparse::allocated_bytes(&f).map_err(io("stat of the overlay"))?;
+        if data > allocated.saturating_add(KEPT_SLACK) {
+            return Err(DiskError::BadMap(format!(
+                "the overlay's filesystem reports {data} bytes of data but allocated \
+                 {allocated}: it does not report holes, so the chunks it holds are unknown"
+            )));
+        }
+        let mut map = OverlayMap::new(size.div_ceil(CHUNK_SIZE));
+        for (start, len) in extents {
+            (start / CHUNK_SIZE..(start + len).div_ceil(CHUNK_SIZE)).for_each(|c| map.set(c));
+        }
+        Ok(Self {
+            base: base_file,
+            base_path: base.into(),
+            size,
+            overlay: Some((f, overlay.to_path_buf())),
+            map,
         })
     }
 

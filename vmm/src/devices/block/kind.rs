@@ -20,6 +20,8 @@ pub struct DiskConfig {
     pub image: PathBuf,
     pub overlay: PathBuf,
     pub read_only: bool,
+    /// Reuse the overlay as it is (see `DiskSpec::keep_overlay`).
+    pub keep_overlay: bool,
 }
 
 /// The VM's disk.
@@ -44,6 +46,7 @@ impl VirtioKind for BlockKind {
             base: disk.image.clone(),
             overlay: Some(disk.overlay.clone()),
             read_only: disk.read_only,
+            keep_overlay: disk.keep_overlay,
         })
         .map(Some)
     }

@@ -56,6 +56,7 @@ fn writable(dir: &Path, base: &Path, name: &str) -> BlockDevice {
         base: base.into(),
         overlay: Some(dir.join(name)),
         read_only: false,
+        keep_overlay: false,
     })
     .unwrap()
 }
@@ -221,6 +222,7 @@ fn get_id_and_read_only_disks() {
         base: base.clone(),
         overlay: None,
         read_only: true,
+        keep_overlay: false,
     })
     .unwrap();
     use crate::devices::virtio::VirtioDevice;
@@ -240,6 +242,7 @@ fn get_id_and_read_only_disks() {
         base,
         overlay: None,
         read_only: false,
+        keep_overlay: false,
     };
     assert!(matches!(
         BlockDevice::new(&no_overlay),
@@ -462,4 +465,53 @@ fn saved_sizes_and_runs_are_checked_before_use() {
     }
     assert!(OverlayMap::from_runs(8, &[(0, 2), (2, 3), (6, 2)]).is_ok());
     assert!(OverlayMap::from_runs(8, &[(2, 2), (0, 1)]).is_err());
+}
+
+#[test]
+fn a_kept_overlay_reopens_with_what_was_written_and_the_base_elsewhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = make_base(dir.path());
+    let mem = guest_mem(MEM);
+    {
+        let mut r = rig(&mem, writable(dir.path(), &base, "kept.overlay"));
+        assert_eq!(r.write(3, &[0x11; 1024]), (VIRTIO_BLK_S_OK, 1));
+        assert_eq!(r.write(64, &[0x22; 4096]), (VIRTIO_BLK_S_OK, 1));
+        assert_eq!(r.simple(VIRTIO_BLK_T_FLUSH), (VIRTIO_BLK_S_OK, 1));
+    }
+    // The VMM ended without a snapshot: no map but the file's own.
+    let kept = BlockDevice::new(&BlockConfig {
+        id: "disk0".into(),
+        base: base.clone(),
+        overlay: Some(dir.path().join("kept.overlay")),
+        read_only: false,
+        keep_overlay: true,
+    })
+    .unwrap();
+    assert_eq!(kept.disk().map().to_runs(), [(0, 1), (8, 1)]);
+    let mut r = rig(&mem, kept);
+    let (s, _, data) = r.read(0, 40960);
+    assert_eq!(s, VIRTIO_BLK_S_OK);
+    let mut want = expected(0..40960);
+    want[1536..2560].fill(0x11);
+    want[32768..36864].fill(0x22);
+    assert_eq!(data, want);
+
+    // A fresh (not kept) open of the same file starts empty again.
+    let fresh = writable(dir.path(), &base, "kept.overlay");
+    assert_eq!(fresh.disk().map().count(), 0);
+
+    // An overlay of another size than the base is refused.
+    let other = dir.path().join("short.overlay");
+    std::fs::File::create(&other)
+        .unwrap()
+        .set_len(4096)
+        .unwrap();
+    let refused = BlockDevice::new(&BlockConfig {
+        id: "disk0".into(),
+        base,
+        overlay: Some(other),
+        read_only: false,
+        keep_overlay: true,
+    });
+    assert!(refused.is_err());
 }
