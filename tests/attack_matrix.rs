@@ -538,7 +538,11 @@ fn matrix(s: &Serve, label: &str) -> Vec<String> {
     let mine = s.ok(&evil, "GET", "/v1/sandboxes", None);
     assert_eq!(mine["sandboxes"], json!([]), "{mine}");
     let routes = v1.len() + e2b.len() + envd_routes.len();
-    println!("attack matrix: {attacks} attacks over {routes} routes (v1, E2B, envd), {label}");
+    let ways = torpor_api::ports::ADDRESSING.len();
+    println!(
+        "attack matrix: {attacks} attacks over {routes} routes (v1, E2B, envd) and {ways} \
+         ways to a guest port, {label}"
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     // acme still reaches its own.
     let pods: Vec<String> = [&running, &sleeping]
