@@ -630,6 +630,29 @@ where
         .await
 }
 
+/// [`serve_tls_app`] offering HTTP/2 by ALPN beside HTTP/1.1 (the
+/// guest-port proxy's listener, `serve --proxy-listen --proxy-tls`: the
+/// SDKs' httpx and browsers ask for it).
+pub async fn serve_tls_app_h2<F>(
+    listener: tokio::net::TcpListener,
+    identity: &tls::Identity,
+    app: Router,
+    shutdown: F,
+) -> std::io::Result<()>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let server = identity
+        .server_config()
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let mut server = (*server).clone();
+    server.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    let listener = tls::TlsListener::new(listener, Arc::new(server))?;
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
 /// Serves the API on `listener` until `shutdown` completes, then lets
 /// requests in flight finish.
 pub async fn serve<S, F>(

@@ -431,3 +431,36 @@ async fn traffic_wakes_a_hibernated_sandbox() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(state().await, "running");
 }
+
+#[tokio::test]
+async fn an_http2_request_reaches_the_guest_as_http1() {
+    let rig = rig().await;
+    let port = echo_server().await;
+    // h2c with prior knowledge: the API's listener offers HTTP/2 too.
+    let tcp = TcpStream::connect(rig.server.addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let authority = format!("{port}-{}.{DOMAIN}", rig.id);
+    let request = hyper::Request::get(format!("http://{authority}/h2?q=1"))
+        .header("e2b-traffic-access-token", &rig.traffic)
+        .body(http_body_util::Empty::<axum::body::Bytes>::new())
+        .unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(20), sender.send_request(request))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.version(), hyper::Version::HTTP_2);
+    let body = http_body_util::BodyExt::collect(response.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let seen: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(seen["line"], "GET /h2?q=1 HTTP/1.1", "{seen}");
+    assert_eq!(seen["headers"]["host"], authority.as_str(), "{seen}");
+}

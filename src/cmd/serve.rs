@@ -400,7 +400,9 @@ pub(crate) async fn serve_proxy(
     println!("torpor serve: guest ports on {scheme}://{bound} ({scheme}://PORT-ID.{domain})");
     tokio::spawn(async move {
         let served = match identity {
-            Some(identity) => torpor_api::serve_tls_app(listener, &identity, app, ctrl_c()).await,
+            Some(identity) => {
+                torpor_api::serve_tls_app_h2(listener, &identity, app, ctrl_c()).await
+            }
             None => torpor_api::serve_app(listener, app, ctrl_c()).await,
         };
         if let Err(e) = served {
