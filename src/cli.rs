@@ -509,6 +509,29 @@ pub struct ServeArgs {
     /// on --listen too, beside /v1): `E2B_API_URL=http://ADDR`.
     #[arg(long, value_name = "ADDR")]
     pub e2b_listen: Option<std::net::SocketAddr>,
+    /// The domain of guest ports' host names: `{port}-{id}.DOMAIN` is
+    /// proxied to that port of the sandbox's guest (on --listen,
+    /// --e2b-listen and --proxy-listen), and E2B's create and connect
+    /// answers carry it as `domain` (the SDKs' `get_host(port)`).
+    /// `*.localhost` resolves to the loopback for curl and browsers.
+    #[arg(long, value_name = "DOMAIN", default_value = "localhost")]
+    pub proxy_domain: String,
+    /// Also serve guest ports (and envd, port 49983) alone on this
+    /// address: the address `*.DOMAIN` points at.
+    #[arg(long, value_name = "ADDR")]
+    pub proxy_listen: Option<std::net::SocketAddr>,
+    /// Serve --proxy-listen over TLS: with --proxy-tls-cert/--proxy-tls-key
+    /// (a wildcard certificate for `*.DOMAIN`), else a self-signed one for
+    /// `*.DOMAIN` made on first start in DATA_DIR/proxy-tls (its
+    /// fingerprint is printed).
+    #[arg(long, requires = "proxy_listen")]
+    pub proxy_tls: bool,
+    /// The certificate of --proxy-listen (PEM; with --proxy-tls-key).
+    #[arg(long, value_name = "PEM", requires_all = ["proxy_tls_key", "proxy_listen"])]
+    pub proxy_tls_cert: Option<PathBuf>,
+    /// The private key of --proxy-tls-cert (PEM).
+    #[arg(long, value_name = "PEM", requires = "proxy_tls_cert")]
+    pub proxy_tls_key: Option<PathBuf>,
     /// Where the store, templates and snapshots live (default:
     /// $TORPOR_DATA_DIR, /var/lib/torpor as root, else ~/.local/share/torpor).
     #[arg(long)]

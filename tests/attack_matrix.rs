@@ -1,8 +1,9 @@
 //! The attack matrix against `torpor serve` on loopback (probe
 //! templates), generated from the route tables of every surface: `/v1`
 //! ([`torpor_api::ROUTES`]), E2B's control plane
-//! ([`torpor_api::e2b::ROUTES`]) and envd ([`rpc::METHODS`], `/files`,
-//! `/health`). Tenant `evil` aims every route that takes a sandbox id at
+//! ([`torpor_api::e2b::ROUTES`]), envd ([`rpc::METHODS`], `/files`,
+//! `/health`) and guest ports (every way of naming one,
+//! [`torpor_api::ports::ADDRESSING`]). Tenant `evil` aims every route that takes a sandbox id at
 //! `acme`'s sandboxes (one running, one hibernated): each must answer
 //! word for word what a sandbox that does not exist answers, and change
 //! nothing (state, deadline, VMM, checkpoints, templates). Every list
@@ -408,6 +409,30 @@ fn matrix(s: &Serve, label: &str) -> Vec<String> {
         }
     }
 
+    // Guest ports, every way of naming one (`ports::ADDRESSING`), with
+    // evil's key on acme's running and hibernated sandboxes: as for a
+    // sandbox that does not exist, and nothing woken (the fingerprints
+    // below).
+    let port = |way: torpor_api::ports::Addressing, id: &str| {
+        let named = way.headers(id, 8000, "localhost");
+        let mut headers: Vec<(&str, &str)> = named.iter().map(|(n, v)| (*n, v.as_str())).collect();
+        headers.push(("X-API-KEY", evil.as_str()));
+        request_with(&s.addr, "GET", "/", &headers, None)
+    };
+    for &way in torpor_api::ports::ADDRESSING {
+        let absent = port(way, MISSING);
+        for id in [&running, &sleeping] {
+            attacks += 1;
+            let r = port(way, id);
+            if r.status != absent.status || shape(&r, id) != shape(&absent, MISSING) {
+                failures.push(format!(
+                    "guest port by {way:?} on acme's: {} {} (a missing id: {} {})",
+                    r.status, r.body, absent.status, absent.body
+                ));
+            }
+        }
+    }
+
     // Lists: nothing of acme's.
     for (surface, path) in [
         ("v1", "/v1/sandboxes"),
@@ -513,7 +538,11 @@ fn matrix(s: &Serve, label: &str) -> Vec<String> {
     let mine = s.ok(&evil, "GET", "/v1/sandboxes", None);
     assert_eq!(mine["sandboxes"], json!([]), "{mine}");
     let routes = v1.len() + e2b.len() + envd_routes.len();
-    println!("attack matrix: {attacks} attacks over {routes} routes (v1, E2B, envd), {label}");
+    let ways = torpor_api::ports::ADDRESSING.len();
+    println!(
+        "attack matrix: {attacks} attacks over {routes} routes (v1, E2B, envd) and {ways} \
+         ways to a guest port, {label}"
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     // acme still reaches its own.
     let pods: Vec<String> = [&running, &sleeping]

@@ -102,7 +102,12 @@ fn create_get_timeout_kill() {
     assert_eq!(created["alias"], "probe");
     assert_eq!(created["clientID"], torpor_scheduler::service::LOCAL_POD);
     assert_eq!(created["envdVersion"], torpor_api::e2b::wire::ENVD_VERSION);
-    assert!(created["domain"].is_null(), "{created}");
+    // `serve --proxy-domain`'s default: ports at `{port}-{id}.localhost`.
+    assert_eq!(created["domain"], "localhost", "{created}");
+    assert_eq!(
+        created["trafficAccessToken"].as_str().map(str::len),
+        Some(32)
+    );
 
     // v1 create takes the same body.
     let v1 = s.expect(201, "POST", "/sandboxes", Some(r#"{"templateID":"probe"}"#));
@@ -792,7 +797,7 @@ fn timeout_kills_or_with_auto_pause_hibernates() {
     let pause = id_of(&s.create(r#"{"templateID":"probe","timeout":1,"autoPause":true}"#));
     let info = s.expect(200, "GET", &format!("/sandboxes/{pause}"), None);
     assert_eq!(info["lifecycle"]["onTimeout"], "pause", "{info}");
-    assert_eq!(info["lifecycle"]["autoResume"], false, "{info}");
+    assert_eq!(info["lifecycle"]["autoResume"], true, "{info}");
     let info = s.expect(200, "GET", &format!("/sandboxes/{kill}"), None);
     assert_eq!(info["lifecycle"]["onTimeout"], "kill", "{info}");
 

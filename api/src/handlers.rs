@@ -98,7 +98,8 @@ pub async fn openapi() -> Response {
 }
 
 pub async fn metrics<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Response> {
-    let text = call(&st, |s| Ok(s.metrics())).await?;
+    let mut text = call(&st, |s| Ok(s.metrics())).await?;
+    text.push_str(&st.tenancy.traffic.encode());
     Ok((
         [(
             header::CONTENT_TYPE,

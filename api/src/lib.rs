@@ -67,6 +67,7 @@ mod network_routes;
 pub mod openapi;
 pub mod pagination;
 pub mod pods;
+pub mod ports;
 pub mod quota;
 pub mod request_context;
 pub mod service;
@@ -106,6 +107,10 @@ pub struct ApiConfig {
     /// the answer is 504. The service call itself runs on to its end (its
     /// result is in the store): read the resource to see it.
     pub request_timeout: Duration,
+    /// The domain of guest ports' host names, `{port}-{id}.{domain}`
+    /// ([`ports`]): what E2B's create and connect answers carry as
+    /// `domain`. `None`: ports by E2B's headers only, `domain` null.
+    pub proxy_domain: Option<String>,
 }
 
 /// Default [`ApiConfig::max_upload_bytes`]: 8 GiB.
@@ -125,6 +130,7 @@ impl std::fmt::Debug for ApiConfig {
             .field("rate_limit", &self.rate_limit)
             .field("max_body_bytes", &self.max_body_bytes)
             .field("request_timeout", &self.request_timeout)
+            .field("proxy_domain", &self.proxy_domain)
             .finish()
     }
 }
@@ -139,6 +145,7 @@ impl Default for ApiConfig {
             rate_limit: tenancy::RateLimit::default(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            proxy_domain: None,
         }
     }
 }
@@ -451,6 +458,11 @@ fn tenancy_of<S: SandboxApi>(service: &Arc<S>, config: &ApiConfig) -> tenancy::T
             config.rate_limit.streams_per_tenant,
             streams::DEFAULT_TOTAL,
         ),
+        traffic: Arc::default(),
+        domain: config
+            .proxy_domain
+            .as_deref()
+            .map(|d| Arc::from(d.trim_end_matches('.').to_ascii_lowercase())),
     }
 }
 
@@ -528,7 +540,8 @@ impl<S: SandboxApi> Api<S> {
         }
         let limits_state = Limits::of(config);
         let e2b = e2b::router(Arc::clone(&service), tenancy.clone(), limits_state);
-        app.fallback(error::no_route)
+        let app = app
+            .fallback(error::no_route)
             .layer(DefaultBodyLimit::max(config.max_body_bytes))
             .layer(middleware::from_fn_with_state(limits_state, limits))
             .layer(middleware::from_fn(error::normalize))
@@ -537,18 +550,39 @@ impl<S: SandboxApi> Api<S> {
                 tenancy: tenancy.clone(),
                 max_upload_bytes: config.max_upload_bytes,
             })
-            .merge(e2b)
+            .merge(e2b);
+        self.with_ports(app)
+    }
+
+    /// `inner` behind the guest-port router ([`ports`]): a request for a
+    /// guest port (by E2B's headers or host name) is proxied before any
+    /// route of `inner` sees it.
+    fn with_ports(&self, inner: Router) -> Router {
+        let ports = ports::Ports {
+            tenancy: self.tenancy.clone(),
+        };
+        Router::new()
+            .fallback_service(inner)
+            .layer(middleware::from_fn_with_state(ports, ports::route::<S>))
+    }
+
+    /// The guest-port router alone with envd and E2B's routes behind it
+    /// (`torpor serve --proxy-listen`): `{port}-{id}.{domain}` is
+    /// proxied, `49983-{id}.{domain}` is envd.
+    pub fn proxy_router(&self) -> Router {
+        self.e2b_router()
     }
 
     /// The E2B routes alone ([`e2b`]), for a listener of their own
     /// (`torpor serve --e2b-listen`): unknown paths are 404 in E2B's shape.
     pub fn e2b_router(&self) -> Router {
-        e2b::router(
+        let app = e2b::router(
             Arc::clone(&self.service),
             self.tenancy.clone(),
             Limits::of(&self.config),
         )
-        .fallback(e2b::no_route)
+        .fallback(e2b::no_route);
+        self.with_ports(app)
     }
 }
 
@@ -592,6 +626,29 @@ where
         .server_config()
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
     let listener = tls::TlsListener::new(listener, server)?;
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// [`serve_tls_app`] offering HTTP/2 by ALPN beside HTTP/1.1 (the
+/// guest-port proxy's listener, `serve --proxy-listen --proxy-tls`: the
+/// SDKs' httpx and browsers ask for it).
+pub async fn serve_tls_app_h2<F>(
+    listener: tokio::net::TcpListener,
+    identity: &tls::Identity,
+    app: Router,
+    shutdown: F,
+) -> std::io::Result<()>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let server = identity
+        .server_config()
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let mut server = (*server).clone();
+    server.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    let listener = tls::TlsListener::new(listener, Arc::new(server))?;
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await

@@ -166,6 +166,11 @@ pub struct Tenancy<S> {
     pub limiter: Arc<Limiter>,
     /// Slots of long requests, per tenant.
     pub streams: Arc<crate::streams::Streams>,
+    /// Requests and bytes through the guest-port proxy.
+    pub traffic: Arc<crate::ports::Traffic>,
+    /// The domain of guest ports' host names (`ApiConfig::proxy_domain`,
+    /// lowercase, no trailing dot).
+    pub domain: Option<Arc<str>>,
 }
 
 impl<S> Clone for Tenancy<S> {
@@ -176,6 +181,8 @@ impl<S> Clone for Tenancy<S> {
             quotas: Arc::clone(&self.quotas),
             limiter: Arc::clone(&self.limiter),
             streams: Arc::clone(&self.streams),
+            traffic: Arc::clone(&self.traffic),
+            domain: self.domain.clone(),
         }
     }
 }

@@ -15,10 +15,20 @@ use std::process::Output;
 use std::time::{Duration, Instant};
 
 use common::{Server, TOKEN};
+use torpor_api::ApiConfig;
 
 /// Runs `script` with `program` against a fresh server; its output.
 async fn run_sdk(program: PathBuf, script: &str, env: Vec<(&'static str, PathBuf)>) -> String {
-    let server = Server::start().await;
+    run_sdk_on(Server::start().await, program, script, env).await
+}
+
+/// [`run_sdk`] against `server`.
+async fn run_sdk_on(
+    server: Server,
+    program: PathBuf,
+    script: &str,
+    env: Vec<(&'static str, PathBuf)>,
+) -> String {
     let url = format!("http://{}", server.addr);
     let scratch = tempfile::tempdir().unwrap();
     let script = format!("{}/../tests/e2b/{script}", env!("CARGO_MANIFEST_DIR"));
@@ -86,4 +96,23 @@ async fn js_sdk_commands_and_files_through_envd() {
         stdout.contains(&format!("sdk-envd-js: version {}\n", e2b_sdk::pinned_js())),
         "the installed e2b is not the pinned one: {stdout}"
     );
+}
+
+/// A guest port through the Python SDK (`tests/e2b/sdk_ports.py`): an
+/// `http.server` the SDK starts, fetched by E2B's headers and by
+/// `get_host(port)`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_sdk_reaches_a_guest_port() {
+    let python = e2b_sdk::python();
+    assert!(
+        python.exists(),
+        "the e2b venv is missing ({}): run scripts/setup test",
+        python.display()
+    );
+    let server = Server::start_with(ApiConfig {
+        proxy_domain: Some("localhost".into()),
+        ..Server::config()
+    })
+    .await;
+    run_sdk_on(server, python, "sdk_ports.py", Vec::new()).await;
 }

@@ -48,6 +48,7 @@ pub fn serve_replica(args: ServeArgs, urls: &str) -> Result<(), String> {
     let seed_path = data_dir.join(TENANTS_FILE);
     let seed = TenantsFile::load(&seed_path).map_err(|e| e.to_string())?;
     let request_timeout = config.wait + Duration::from_secs(5);
+    let proxy_identity = super::serve::proxy_identity(&args, &data_dir)?;
     let listen: SocketAddr = args.listen;
     super::serve::runtime()?.block_on(async move {
         let cluster = Cluster::connect(config).await.map_err(|e| e.to_string())?;
@@ -70,6 +71,7 @@ pub fn serve_replica(args: ServeArgs, urls: &str) -> Result<(), String> {
         let api = torpor_api::ApiConfig {
             auth: Some(auth),
             request_timeout,
+            proxy_domain: Some(args.proxy_domain.clone()),
             ..Default::default()
         };
         let listener = tokio::net::TcpListener::bind(listen)
@@ -91,6 +93,11 @@ pub fn serve_replica(args: ServeArgs, urls: &str) -> Result<(), String> {
                     tracing::error!("E2B listener: {e}");
                 }
             });
+        }
+        if let Some(proxy_listen) = args.proxy_listen {
+            let app = Cluster::e2b_router(&api);
+            super::serve::serve_proxy(app, proxy_listen, &args.proxy_domain, proxy_identity)
+                .await?;
         }
         println!("torpor serve: listening on http://{addr}");
         let app = Cluster::router(&api);

@@ -295,8 +295,10 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         tokens: args.token.clone(),
         tenants_file: Some(tenants_file),
         request_timeout,
+        proxy_domain: Some(args.proxy_domain.clone()),
         ..Default::default()
     };
+    let proxy_identity = proxy_identity(&args, &data_dir)?;
     let listen: SocketAddr = args.listen;
     let identity = if args.tls || args.tls_cert.is_some() {
         Some(identity(
@@ -328,6 +330,10 @@ fn serve(args: ServeArgs) -> Result<(), String> {
                 }
             });
         }
+        if let Some(proxy_listen) = args.proxy_listen {
+            let app = api.proxy_router();
+            serve_proxy(app, proxy_listen, &args.proxy_domain, proxy_identity).await?;
+        }
         match identity {
             Some(identity) => {
                 println!("torpor serve: listening on https://{addr}");
@@ -342,6 +348,68 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         service.close();
         Ok::<(), String>(())
     })
+}
+
+/// The identity of `--proxy-listen` when it serves TLS: the given
+/// wildcard certificate, or a self-signed one for `*.DOMAIN` (made once in
+/// DATA_DIR/proxy-tls).
+pub(crate) fn proxy_identity(
+    args: &ServeArgs,
+    data_dir: &Path,
+) -> Result<Option<Identity>, String> {
+    if !args.proxy_tls && args.proxy_tls_cert.is_none() {
+        return Ok(None);
+    }
+    let who = "torpor serve: guest ports";
+    let identity = match (&args.proxy_tls_cert, &args.proxy_tls_key) {
+        (Some(cert), Some(key)) => Identity::from_files(cert, key).map_err(|e| e.to_string())?,
+        _ => {
+            let dir = data_dir.join("proxy-tls");
+            let domain = args.proxy_domain.trim_end_matches('.');
+            let names = vec![format!("*.{domain}"), domain.to_string()];
+            let (identity, made) =
+                Identity::load_or_create(&dir, &names).map_err(|e| e.to_string())?;
+            if made {
+                println!(
+                    "{who}: made a TLS certificate for *.{domain} in {}",
+                    dir.display()
+                );
+            }
+            identity
+        }
+    };
+    println!(
+        "{who}: TLS certificate fingerprint {}",
+        identity.fingerprint()
+    );
+    Ok(Some(identity))
+}
+
+/// `--proxy-listen`: guest ports (and envd) alone on `addr`.
+pub(crate) async fn serve_proxy(
+    app: axum::Router,
+    addr: SocketAddr,
+    domain: &str,
+    identity: Option<Identity>,
+) -> Result<(), String> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    let bound = listener.local_addr().map_err(|e| e.to_string())?;
+    let scheme = if identity.is_some() { "https" } else { "http" };
+    println!("torpor serve: guest ports on {scheme}://{bound} ({scheme}://PORT-ID.{domain})");
+    tokio::spawn(async move {
+        let served = match identity {
+            Some(identity) => {
+                torpor_api::serve_tls_app_h2(listener, &identity, app, ctrl_c()).await
+            }
+            None => torpor_api::serve_app(listener, app, ctrl_c()).await,
+        };
+        if let Err(e) = served {
+            tracing::error!("guest-port listener: {e}");
+        }
+    });
+    Ok(())
 }
 
 /// SIGINT or SIGTERM (what service managers send): the graceful stop,

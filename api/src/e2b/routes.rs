@@ -181,6 +181,7 @@ pub async fn create<S: SandboxApi>(
         Ok(CreatedSandbox::new(&sandbox, alias(s, &sandbox.template)))
     })
     .await?;
+    let out = out.in_domain(&state.tenancy);
     Ok(created(StatusCode::CREATED, out))
 }
 
@@ -317,7 +318,7 @@ async fn wake<S: SandboxApi>(
     } else {
         StatusCode::OK
     };
-    Ok(created(status, out))
+    Ok(created(status, out.in_domain(&state.tenancy)))
 }
 
 /// `POST /sandboxes/{id}/timeout`: the sandbox ends `timeout` s from now.
@@ -432,6 +433,13 @@ pub async fn fork<S: SandboxApi>(
         Ok(results)
     })
     .await?;
+    let out: Vec<ForkResult> = out
+        .into_iter()
+        .map(|mut r| {
+            r.sandbox = r.sandbox.map(|c| c.in_domain(&state.tenancy));
+            r
+        })
+        .collect();
     Ok(created(StatusCode::CREATED, out))
 }
 

@@ -186,11 +186,17 @@ pub struct CreatedSandbox {
     pub client_id: String,
     #[serde(rename = "envdVersion")]
     pub envd_version: &'static str,
-    /// Sandboxes are reached through `E2B_SANDBOX_URL`: no domain.
+    /// The domain of the sandbox's ports' host names
+    /// (`{port}-{id}.{domain}`, `serve --proxy-domain`); null without one
+    /// (the SDKs then reach ports through `E2B_SANDBOX_URL`'s headers).
     pub domain: Option<String>,
     /// The token the in-sandbox API (envd) takes in `X-Access-Token`.
     #[serde(rename = "envdAccessToken", skip_serializing_if = "Option::is_none")]
     pub envd_access_token: Option<String>,
+    /// The token the sandbox's guest ports take in
+    /// `E2B-Traffic-Access-Token` (see `crate::ports`).
+    #[serde(rename = "trafficAccessToken", skip_serializing_if = "Option::is_none")]
+    pub traffic_access_token: Option<String>,
 }
 
 /// `GET /sandboxes/{id}` (`SandboxDetail`) and list entries
@@ -232,8 +238,8 @@ pub struct SandboxDetail {
 /// What the sandbox's timeout does (`SandboxLifecycle`).
 #[derive(Debug, Clone, Serialize)]
 pub struct Lifecycle {
-    /// Traffic to a paused sandbox does not resume it (torpor's own routes
-    /// wake it; E2B's traffic proxy is not offered).
+    /// Traffic to a paused sandbox's ports resumes it (`crate::ports`),
+    /// as do envd's calls.
     #[serde(rename = "autoResume")]
     pub auto_resume: bool,
     /// `kill` or `pause` (torpor: delete or hibernate).
@@ -244,7 +250,7 @@ pub struct Lifecycle {
 impl Lifecycle {
     fn of(s: &Sandbox) -> Self {
         Lifecycle {
-            auto_resume: false,
+            auto_resume: true,
             on_timeout: match s.on_timeout {
                 OnTimeout::Delete => "kill",
                 OnTimeout::Hibernate => "pause",
@@ -337,7 +343,14 @@ impl CreatedSandbox {
             envd_version: ENVD_VERSION,
             domain: None,
             envd_access_token: s.access_token.clone(),
+            traffic_access_token: s.access_token.as_deref().map(crate::ports::traffic_token),
         }
+    }
+
+    /// With the API's ports domain, if it has one.
+    pub fn in_domain<S>(mut self, tenancy: &crate::tenancy::Tenancy<S>) -> Self {
+        self.domain = tenancy.domain.as_deref().map(str::to_string);
+        self
     }
 }
 

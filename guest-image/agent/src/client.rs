@@ -238,6 +238,18 @@ impl<S: Read + Write> AgentClient<S> {
         self.recv_for(id)
     }
 
+    /// `connect` (1.3): the connection becomes a byte pipe to TCP `port`
+    /// on the guest's loopback; the stream is handed back for it. A
+    /// closed port is `ClientError::Agent` with `ECONNREFUSED` (the
+    /// connection then still speaks the protocol, but is dropped here);
+    /// an agent before 1.3 answers `ENOSYS`.
+    pub fn connect_port(mut self, port: u16) -> Result<S, ClientError> {
+        match self.call(Op::Connect(crate::proto::ConnectRequest { port }))? {
+            ReplyBody::Connected => Ok(self.stream),
+            other => Err(unexpected(&other)),
+        }
+    }
+
     /// `ping`.
     pub fn ping(&mut self) -> Result<(), ClientError> {
         match self.call(Op::Ping)? {

@@ -15,6 +15,7 @@ pub mod client;
 pub mod exec;
 pub mod files;
 pub mod frame;
+pub mod portfwd;
 pub mod procs;
 pub mod proto;
 pub mod proto_procs;

@@ -25,7 +25,7 @@ impl fmt::Display for ProtocolVersion {
 }
 
 /// The version this crate speaks.
-pub const PROTOCOL_VERSION: ProtocolVersion = ProtocolVersion { major: 1, minor: 2 };
+pub const PROTOCOL_VERSION: ProtocolVersion = ProtocolVersion { major: 1, minor: 3 };
 
 /// This crate's version (the agent's version).
 pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -68,6 +68,8 @@ pub const KNOWN_OPS: &[&str] = &[
     "watch_remove",
     // 1.2
     "set_metadata",
+    // 1.3
+    "connect",
 ];
 
 /// The operations (`"op"` field).
@@ -121,6 +123,17 @@ pub enum Op {
     WatchRemove(WatchIdRequest),
     /// 1.2: replace a file's user metadata (`user.e2b.*` xattrs). → `done`
     SetMetadata(SetMetadataRequest),
+    /// 1.3: turn this connection into a byte pipe to a TCP port of the
+    /// guest's loopback. → `connected`, then raw bytes both ways (no more
+    /// frames); `ECONNREFUSED` when nothing listens there.
+    Connect(ConnectRequest),
+}
+
+/// `connect` request (1.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConnectRequest {
+    /// The TCP port on 127.0.0.1 in the guest.
+    pub port: u16,
 }
 
 /// `set_metadata` request (1.2).
@@ -301,6 +314,8 @@ pub enum ReplyBody {
     Watch(WatchId),
     /// 1.1: to `watch_events`.
     WatchEvents(WatchEvents),
+    /// 1.3: to `connect`: the last frame; raw bytes follow.
+    Connected,
 }
 
 /// `hello` reply.
@@ -599,6 +614,8 @@ pub fn errno_name(errno: i32) -> &'static str {
         EOPNOTSUPP => "EOPNOTSUPP",
         ECONNRESET => "ECONNRESET",
         ETIMEDOUT => "ETIMEDOUT",
+        ECONNREFUSED => "ECONNREFUSED",
+        EHOSTUNREACH => "EHOSTUNREACH",
         EDQUOT => "EDQUOT",
         _ => "EUNKNOWN",
     }
@@ -651,7 +668,7 @@ mod tests {
         for op in KNOWN_OPS {
             let json = serde_json::json!({"id": 1, "op": op, "protocol": {"major": 1, "minor": 0},
                 "argv": ["x"], "path": "/", "data": "", "pid": 1, "signal": 15, "cols": 80,
-                "rows": 24, "from": "/a", "to": "/b", "watch_id": 1});
+                "rows": 24, "from": "/a", "to": "/b", "watch_id": 1, "port": 8080});
             serde_json::from_value::<Request>(json).unwrap_or_else(|e| panic!("{op}: {e}"));
         }
     }

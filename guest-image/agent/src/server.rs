@@ -309,22 +309,53 @@ impl Agent {
         let sink = Arc::new(Sink::new(Box::new(writer), self.cfg.max_frame));
         let running = Arc::new(Running::default());
         let mut reader = io::BufReader::new(stream);
-        let why = self.connection_loop(&mut reader, &sink, &running);
+        let why = match self.connection_loop(&mut reader, &sink, &running) {
+            Err(why) => why,
+            Ok(server) => {
+                // No frame flows any more: what the reader had buffered
+                // past the `connect` request goes to the server first.
+                let buffered = reader.buffer().to_vec();
+                let stream = reader.into_inner();
+                return self.pipe(stream, buffered, server);
+            }
+        };
         self.log(format_args!("connection closed: {why}"));
         running.kill_all();
         reader.get_ref().shutdown();
     }
 
+    /// The rest of a connection that asked for `connect`: a byte pipe.
+    fn pipe(&self, stream: Stream, buffered: Vec<u8>, server: std::net::TcpStream) {
+        let clones = stream
+            .try_clone()
+            .and_then(|r| Ok((r, stream.try_clone()?)));
+        let (reader, writer) = match clones {
+            Ok(c) => c,
+            Err(e) => return self.log(format_args!("cannot clone the connection: {e}")),
+        };
+        let ends = crate::portfwd::Ends {
+            from_host: io::Cursor::new(buffered).chain(reader),
+            to_host: writer,
+            close_host: Box::new(move || stream.shutdown()),
+        };
+        match crate::portfwd::splice(ends, server) {
+            Ok(()) => self.log(format_args!("port pipe closed")),
+            Err(e) => self.log(format_args!("port pipe closed: {e}")),
+        }
+    }
+
+    /// Serves frames until the connection ends (`Err`: why) or becomes a
+    /// pipe to a guest port (`Ok`: the server's connection).
     fn connection_loop(
         &self,
         reader: &mut impl Read,
         sink: &Arc<Sink>,
         running: &Arc<Running>,
-    ) -> String {
+    ) -> Result<std::net::TcpStream, String> {
         let mut greeted = false;
         loop {
             let frame = match read_frame(reader, self.cfg.max_frame) {
-                Ok(None) => return "end of stream".into(),
+                Ok(None) => return Err("end of stream".into()),
                 Ok(Some(f)) => f,
                 Err(FrameError::Empty) => {
                     sink.send(None, error(libc::EBADMSG, "empty frame"));
@@ -334,9 +365,9 @@ impl Agent {
                     // The stream cannot be resynchronized cheaply: say why
                     // and close.
                     sink.send(None, error(libc::EMSGSIZE, &format!("{e}; closing")));
-                    return e.to_string();
+                    return Err(e.to_string());
                 }
-                Err(e) => return e.to_string(),
+                Err(e) => return Err(e.to_string()),
             };
             let req: Request = match serde_json::from_slice(&frame) {
                 Ok(r) => r,
@@ -351,7 +382,7 @@ impl Agent {
                 let Op::Hello(hello) = &req.op else {
                     let msg = "the first request must be hello; closing";
                     sink.send(Some(req.id), error(libc::EPROTO, msg));
-                    return msg.into();
+                    return Err(msg.into());
                 };
                 if hello.protocol.major != PROTOCOL_VERSION.major {
                     let msg = format!(
@@ -360,7 +391,7 @@ impl Agent {
                         hello.protocol, hello.client, PROTOCOL_VERSION
                     );
                     sink.send(Some(req.id), error(libc::EPROTO, &msg));
-                    return msg;
+                    return Err(msg);
                 }
                 self.log(format_args!(
                     "hello from {:?}, protocol {}",
@@ -375,6 +406,27 @@ impl Agent {
                     }),
                 );
                 continue;
+            }
+            if let Op::Connect(connect) = &req.op {
+                // The connection becomes the pipe: nothing else may still
+                // answer on it.
+                if !running.is_empty() || sink.streams.load(Ordering::Acquire) > 0 {
+                    let msg = "connect needs a connection with no exec or attach running";
+                    sink.send(Some(req.id), error(libc::EBUSY, msg));
+                    continue;
+                }
+                match crate::portfwd::dial(connect.port) {
+                    Ok(server) => {
+                        if sink.send(Some(req.id), ReplyBody::Connected) {
+                            return Ok(server);
+                        }
+                        return Err("the host went away".into());
+                    }
+                    Err(e) => {
+                        sink.send(Some(req.id), ReplyBody::Error(e));
+                        continue;
+                    }
+                }
             }
             if let Some(body) = self.dispatch(req.id, req.op, sink, running) {
                 sink.send(Some(req.id), body);
@@ -441,6 +493,8 @@ impl Agent {
                 .map_or_else(ReplyBody::Error, ReplyBody::WatchEvents),
             Op::WatchRemove(req) => done(self.watches.remove(req.watch_id)),
             Op::SetMetadata(req) => done(crate::xattrs::set(&req)),
+            // Answered by the connection loop, which owns the connection.
+            Op::Connect(_) => error(libc::EPROTO, "connect is handled by the connection"),
         };
         Some(body)
     }

@@ -30,6 +30,9 @@ use crate::model::{SandboxId, TemplateKind, Timestamp};
 pub const VSOCK_FILE: &str = "vsock.sock";
 /// Longest wait for the `CONNECT` answer and the agent's hello.
 const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+/// The agent's own wait for a guest server's TCP handshake (its
+/// `portfwd`), and a little more.
+const PORT_CONNECT_LIMIT: Duration = Duration::from_secs(11);
 /// Longest a file request (read, write, list) may take in all, however
 /// the guest paces its answer.
 const FILE_LIMIT: Duration = Duration::from_secs(60);
@@ -82,6 +85,14 @@ pub enum GuestError {
     ResumeHook { id: String, detail: String },
 }
 
+impl GuestError {
+    /// Whether this is the agent saying nothing listens on the port a
+    /// `connect` asked for (E2B's "port is not open").
+    pub fn is_port_closed(&self) -> bool {
+        matches!(self, GuestError::Agent { error, .. } if error.code == "ECONNREFUSED")
+    }
+}
+
 /// A guest request's answer, and whether answering it woke the sandbox.
 #[derive(Debug, Clone)]
 pub struct GuestCall<T> {
@@ -107,6 +118,13 @@ impl GuestStream {
             deadline,
             idle: None,
         }
+    }
+
+    /// The connection, its timeouts cleared.
+    pub fn into_inner(self) -> io::Result<UnixStream> {
+        self.inner.set_read_timeout(None)?;
+        self.inner.set_write_timeout(None)?;
+        Ok(self.inner)
     }
 
     /// What is left of the deadline (`None`: no deadline, then the idle
@@ -297,6 +315,25 @@ impl AgentLink {
         let mut stream = GuestStream::new(stream, None);
         stream.idle = Some(idle);
         AgentClient::connect(stream, CLIENT_NAME).map_err(|e| self.client_error(e, Some(idle)))
+    }
+
+    /// A byte pipe to TCP `port` on the guest's loopback (the agent's
+    /// `connect`, protocol 1.3): greeting and `connect` within
+    /// [`HANDSHAKE_LIMIT`] plus the agent's own wait for the guest's TCP
+    /// handshake; then no deadline. Nothing listening is
+    /// `GuestError::Agent` with `ECONNREFUSED` ([`GuestError::is_port_closed`]).
+    pub fn dial_port(&self, port: u16) -> Result<UnixStream, GuestError> {
+        let limit = HANDSHAKE_LIMIT + PORT_CONNECT_LIMIT;
+        let stream = self.connect_raw()?;
+        let client = AgentClient::connect(
+            GuestStream::new(stream, Some(Instant::now() + limit)),
+            CLIENT_NAME,
+        )
+        .map_err(|e| self.client_error(e, Some(limit)))?;
+        let piped = client
+            .connect_port(port)
+            .map_err(|e| self.client_error(e, Some(limit)))?;
+        piped.into_inner().map_err(|e| self.unreachable(e))
     }
 
     /// Maps a client error of a call on a connection from [`Self::connect`]

@@ -74,12 +74,42 @@ fn query(raw: Option<String>) -> (Option<String>, Option<String>) {
 
 /// Who a request is: an accepted API key (its tenant), or the access token
 /// it shows.
-pub(super) struct Caller {
+pub(crate) struct Caller {
     key: Option<Principal>,
     token: Option<Vec<u8>>,
+    /// A traffic access token (`E2B-Traffic-Access-Token`): read only for
+    /// a guest port's traffic ([`Caller::for_ports`]), never for envd.
+    traffic: Option<Vec<u8>>,
+}
+
+/// `a == b` in constant time (for equal lengths).
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && bool::from(a.ct_eq(b))
 }
 
 impl Caller {
+    /// A caller of a guest port: an API key, the sandbox's access token
+    /// or its traffic token.
+    pub(crate) fn for_ports(headers: &HeaderMap, auth: &Auth) -> Self {
+        let mut caller = Caller::of(headers, auth);
+        caller.traffic = headers
+            .get(crate::ports::TRAFFIC_HEADER)
+            .map(|v| v.as_bytes().trim_ascii().to_vec());
+        caller
+    }
+
+    /// Whether the request shows any credential at all (a key that was
+    /// not accepted counts: it is refused as another tenant's).
+    pub(crate) fn shows_any(headers: &HeaderMap) -> bool {
+        [
+            super::super::API_KEY_HEADER,
+            ACCESS_TOKEN_HEADER,
+            crate::ports::TRAFFIC_HEADER,
+        ]
+        .iter()
+        .any(|h| headers.contains_key(*h))
+    }
+
     pub(super) fn of(headers: &HeaderMap, auth: &Auth) -> Self {
         let key = headers
             .get(super::super::API_KEY_HEADER)
@@ -87,7 +117,11 @@ impl Caller {
         let token = headers
             .get(ACCESS_TOKEN_HEADER)
             .map(|v| v.as_bytes().trim_ascii().to_vec());
-        Caller { key, token }
+        Caller {
+            key,
+            token,
+            traffic: None,
+        }
     }
 
     /// An API key of the sandbox's tenant (or an admin's), or the
@@ -101,15 +135,25 @@ impl Caller {
                 Err(Refused::Gone)
             };
         }
-        match (&self.token, &sandbox.access_token) {
-            (Some(shown), Some(issued))
-                if shown.len() == issued.len()
-                    && bool::from(shown.as_slice().ct_eq(issued.as_bytes())) =>
-            {
-                Ok(())
-            }
-            _ => Err(Refused::Unauthorized),
+        let Some(issued) = &sandbox.access_token else {
+            return Err(Refused::Unauthorized);
+        };
+        if self
+            .token
+            .as_ref()
+            .is_some_and(|t| same(t, issued.as_bytes()))
+        {
+            return Ok(());
         }
+        let traffic = crate::ports::traffic_token(issued);
+        if self
+            .traffic
+            .as_ref()
+            .is_some_and(|t| same(t, traffic.as_bytes()))
+        {
+            return Ok(());
+        }
+        Err(Refused::Unauthorized)
     }
 }
 
@@ -117,7 +161,7 @@ impl Caller {
 pub const ACCESS_TOKEN_HEADER: &str = "x-access-token";
 
 /// Why a request cannot reach a sandbox's files.
-pub(super) enum Refused {
+pub(crate) enum Refused {
     /// Unknown, failed or killed, or another tenant's: 502, as E2B's
     /// proxy answers.
     Gone,
@@ -140,7 +184,7 @@ impl From<Refused> for E2bError {
 /// The sandbox an envd request is for, if the caller may use it; the
 /// service's error when it cannot tell (a cluster sandbox whose pod is
 /// down: 503, as its other routes).
-pub(super) fn target<S: SandboxApi>(
+pub(crate) fn target<S: SandboxApi>(
     s: &S,
     id: &str,
     caller: &Caller,

@@ -243,7 +243,7 @@ async fn rpc<S: SandboxApi>(
 /// Admits waking sandbox `id` against its tenant's quotas if it is
 /// hibernated (an envd call wakes it as `/v1` exec and files do): held
 /// until the call is done; 429 `quota_exceeded` at the quota.
-pub(super) fn wake_ticket<S: SandboxApi>(
+pub(crate) fn wake_ticket<S: SandboxApi>(
     s: &S,
     tenancy: &crate::tenancy::Tenancy<S>,
     id: &SandboxId,
