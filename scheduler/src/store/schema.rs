@@ -174,8 +174,23 @@ CREATE UNIQUE INDEX templates_live_tenant_name ON templates (ifnull(tenant, ''),
     WHERE state != 'deleted';
 "#;
 
+/// Version 8: `torpor serve`'s nested pod's sandboxes (`super::nested`):
+/// their pod, tenant, envd token and environment (JSON), the pod's latest
+/// answer about each (JSON) and, once their nested host is gone, why.
+const V8: &str = r#"
+CREATE TABLE nested_sandboxes (
+    id           TEXT PRIMARY KEY,
+    pod          TEXT NOT NULL,
+    tenant       TEXT,
+    access_token TEXT,
+    env          TEXT NOT NULL DEFAULT '{}',
+    last_seen    TEXT,
+    lost         TEXT
+) STRICT, WITHOUT ROWID;
+"#;
+
 /// Every migration, in order.
-pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7];
+pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7, V8];
 
 /// The schema version this build writes.
 pub const CURRENT_VERSION: i64 = MIGRATIONS.len() as i64;
