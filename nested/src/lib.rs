@@ -66,6 +66,11 @@ pub fn l1_wedged(line: &str) -> bool {
         .any(|m| line.contains(m))
 }
 
+/// Whether L1's console is echoed to stderr (`TORPOR_NESTED_ECHO=1`).
+pub fn echo_from_env() -> bool {
+    std::env::var_os("TORPOR_NESTED_ECHO").is_some_and(|v| v == "1")
+}
+
 /// A shell function for L1 scripts that build a Linux template through
 /// the API (`$T` is the `torpor` binary): `tpl_create OUT NAME ARGS...`
 /// runs `$T template create --name NAME ARGS...` with its output in OUT,
@@ -183,7 +188,7 @@ impl Default for NestedHostBuilder {
             files: Vec::new(),
             memory_mib: 3072,
             cpus: 2,
-            echo: std::env::var_os("TORPOR_NESTED_ECHO").is_some_and(|v| v == "1"),
+            echo: echo_from_env(),
             l1_dir: None,
             qemu: None,
             extra_cmdline: String::new(),
