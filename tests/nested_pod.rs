@@ -7,8 +7,10 @@
 //! `base`, and a sandbox from it is created, runs `echo` and `python3`,
 //! serves the E2B SDKs (Python and JS: commands, files, lifecycle),
 //! hibernates, wakes and is deleted, all through the central API (the
-//! `torpor sandbox` CLI is the client). Killing serve stops the nested
-//! host; `--no-nested-pod` never starts it.
+//! `torpor sandbox` CLI is the client). kill -9 of serve leaves the nested
+//! host running: the next serve re-attaches to it, and a tenant's running
+//! and hibernated sandboxes answer with their files, environment and envd
+//! token; `--no-nested-pod` stops it and never starts one.
 //!
 //! Needs the nested host (`scripts/nested-host prepare`), the guest kernel,
 //! the agent and the rootfs (the scripts build or find them); fails saying

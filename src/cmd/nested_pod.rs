@@ -8,7 +8,9 @@
 //! start builds), boots L1 with this torpor binary, the guest kernel and
 //! the rootfs carried in; inside, `torpor pod serve` listens on TCP
 //! (forwarded from a free port on 127.0.0.1) and builds the template; the
-//! thread attaches the pod (in memory: it dies with serve) once it answers.
+//! thread attaches the pod once it answers. QEMU outlives serve: it is
+//! recorded in the data directory (`nested_record`), re-attached by the next
+//! serve ([`resume`]), supervised, and booted again when it dies.
 //! Until the
 //! template is ready, creating a sandbox from it answers 503 with
 //! `Retry-After` and the step it is at (also logged as it goes).
