@@ -321,6 +321,26 @@ fn a_restart_of_serve_keeps_the_nested_pods_sandboxes_and_a_lost_host_fails_them
     );
     assert_eq!(r.status, 200, "{}", r.body);
 
+    // A third one deleted on the pod directly (with the pod's own token):
+    // the restarted serve finds it gone, and says so.
+    let r = request_with(
+        &rig.api.addr,
+        "POST",
+        "/sandboxes",
+        &[("X-API-KEY", &acme)],
+        Some(r#"{"templateID": "probe"}"#),
+    );
+    assert_eq!(r.status, 201, "{}", r.body);
+    let vanished = r.json()["sandboxID"].as_str().unwrap().to_string();
+    let (status, _) = on_pod(
+        &rig.pod,
+        None,
+        "DELETE",
+        &format!("/v1/sandboxes/{vanished}"),
+        None,
+    );
+    assert!(status == 204 || status == 200, "{status}");
+
     let rig = rig.restart_serve();
     let get = |rig: &NestedRig, key: &str, id: &str| {
         request(
@@ -361,6 +381,11 @@ fn a_restart_of_serve_keeps_the_nested_pods_sandboxes_and_a_lost_host_fails_them
         assert_eq!(health(envd), if n == 0 { 204 } else { 502 });
     }
 
+    let v = get(&rig, &acme, &vanished).ok_json("GET", "a vanished sandbox");
+    assert_eq!(v["state"], "failed", "{v}");
+    let why = v["failure_reason"].as_str().unwrap();
+    assert!(why.contains("no longer knows it"), "{v}");
+
     // The nested host is gone: its sandboxes are lost, not dropped.
     rig.nested.detach(&rig.pod_id);
     let lost = rig
@@ -398,7 +423,7 @@ fn a_restart_of_serve_keeps_the_nested_pods_sandboxes_and_a_lost_host_fails_them
     )
     .ok_json("GET", "/v1/sandboxes");
     let failed = listed["sandboxes"].as_array().unwrap().len();
-    assert_eq!(failed, 2, "{listed}");
+    assert_eq!(failed, 3, "{listed}");
     let (id, _) = &made[0];
     let r = request(
         &rig.api.addr,

@@ -251,7 +251,17 @@ fn spawn_host(
                         return fail(&nested, why);
                     }
                 };
-                // Sandboxes of any other (earlier) pod are gone.
+                // Sandboxes it no longer knows, and those of any other
+                // (earlier) pod, are gone.
+                match nested.reconcile(&pod) {
+                    Ok(0) => {}
+                    Ok(n) => eprintln!(
+                        "torpor serve: {n} sandbox(es) the nested pod no longer knows are lost"
+                    ),
+                    Err(e) => eprintln!(
+                        "torpor serve: the nested pod's sandboxes could not be checked: {e}"
+                    ),
+                }
                 lose(
                     &nested,
                     Some(&pod),

@@ -126,6 +126,8 @@ impl NestedRig {
         nested
             .attach_as(pod_id.clone(), &address, &token, None)
             .expect("attach the pod again");
+        // As serve does after re-attaching its nested pod.
+        nested.reconcile(&pod_id).expect("reconcile");
         let api = serve_api(nested.clone(), &_dirs.1 .0, &admin);
         NestedRig {
             api,

@@ -116,6 +116,37 @@ impl<L: SandboxApi> super::Nested<L> {
         Ok(n)
     }
 
+    /// After pod `pod` was (re-)attached: its sandboxes recorded here that
+    /// it no longer lists (it lost them, or they were deleted on it
+    /// directly) are marked lost, not dropped; how many.
+    pub fn reconcile(&self, pod: &PodId) -> Result<usize, ServiceError> {
+        let remote = self.pod(pod).ok_or_else(|| ServiceError::NotFound {
+            kind: "pod",
+            id: pod.to_string(),
+        })?;
+        let mut listed = remote.look("/v1/sandboxes")?;
+        let listed: Vec<Sandbox> =
+            serde_json::from_value(listed["sandboxes"].take()).map_err(internal)?;
+        let mut gone = 0;
+        for id in self.owned_by(pod, None) {
+            if listed
+                .iter()
+                .any(|s| s.id == id && s.state != SandboxState::Deleted)
+            {
+                continue;
+            }
+            let Some(mut owned) = self.owner(&id) else {
+                continue;
+            };
+            let why = format!("its nested pod {pod} no longer knows it");
+            tracing::warn!(sandbox = %id, %pod, "a nested sandbox is lost: {why}");
+            owned.lost = Some(why);
+            self.keep(id, owned)?;
+            gone += 1;
+        }
+        Ok(gone)
+    }
+
     /// The nested sandboxes' pods, lost ones' included (the pods a
     /// restarted serve looks for).
     pub fn kept_pods(&self) -> Vec<PodId> {
