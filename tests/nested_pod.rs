@@ -7,8 +7,10 @@
 //! `base`, and a sandbox from it is created, runs `echo` and `python3`,
 //! serves the E2B SDKs (Python and JS: commands, files, lifecycle),
 //! hibernates, wakes and is deleted, all through the central API (the
-//! `torpor sandbox` CLI is the client). Killing serve stops the nested
-//! host; `--no-nested-pod` never starts it.
+//! `torpor sandbox` CLI is the client). kill -9 of serve leaves the nested
+//! host running: the next serve re-attaches to it, and a tenant's running
+//! and hibernated sandboxes answer with their files, environment and envd
+//! token; `--no-nested-pod` stops it and never starts one.
 //!
 //! Needs the nested host (`scripts/nested-host prepare`), the guest kernel,
 //! the agent and the rootfs (the scripts build or find them); fails saying
@@ -100,10 +102,11 @@ fn listening_api(log: &Path, serve: &mut std::process::Child) -> String {
 fn nested_serve_runs_linux_templates_in_a_nested_pod() {
     let l1 = linux::script_path("nested-host", &["prepare"]);
     let data = DataDir::new("nested-pod");
+    let _stop_l1 = StopNestedHost(data.0.join("data"));
     let log = data.0.join("serve.log");
     let log_file = std::fs::File::create(&log).unwrap();
     let started = Instant::now();
-    let mut serve = KillOnDrop(
+    let mut first = KillOnDrop(
         serve_command(&data.0.join("data"))
             .args(["--request-timeout-ms", "900000"])
             // The L1 this checkout prepared (with the network modules), not
@@ -120,7 +123,7 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
             .spawn()
             .expect("spawn torpor serve"),
     );
-    let serve = &mut serve.0;
+    let serve = &mut first.0;
     let _show = ShowLogOnPanic(log.clone());
 
     let api = listening_api(&log, serve);
@@ -307,6 +310,14 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
         "{state}"
     );
 
+    // A restart of serve (kill -9) keeps the nested host and its
+    // sandboxes, running and hibernated, with their tenant, envd token and
+    // environment.
+    drop(_show);
+    let (mut second, api, log) = restart_keeps_the_nested_pod(first, &api, &data.0, &pod);
+    let _show = ShowLogOnPanic(log);
+    let serve = &mut second.0;
+
     ok(&cli(&api, &["sandbox", "rm", &sbx], step), "sandbox rm");
     let gone = ok(&cli(&api, &["sandbox", "get", &sbx], step), "get");
     assert!(
@@ -315,8 +326,9 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
         "{gone}"
     );
 
-    // kill -9 of serve takes the nested host along: its forwarded port closes.
-    let text = std::fs::read_to_string(&log).unwrap();
+    // kill -9 of serve leaves the nested host running (above); serve with
+    // --no-nested-pod stops it: its forwarded port closes.
+    let text = std::fs::read_to_string(&_show.0).unwrap();
     let port = text
         .lines()
         .find_map(|l| l.split(" at tls:127.0.0.1:").nth(1))
@@ -325,18 +337,13 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
         .to_string();
     let _ = serve.kill();
     let _ = serve.wait();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(format!("127.0.0.1:{port}")).is_ok() {
-        assert!(
-            Instant::now() < deadline,
-            "the nested host outlived torpor serve (port {port} still open)"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    assert!(
+        std::net::TcpStream::connect(format!("127.0.0.1:{port}")).is_ok(),
+        "the nested host died with torpor serve (port {port} closed)"
+    );
 
-    // The next serve on the same data directory knows nothing of that pod
-    // (its L1 and sandboxes died with the first serve: nothing of them was
-    // stored); with --no-nested-pod it never starts one.
+    // The next serve on the same data directory with --no-nested-pod stops
+    // that nested host and never starts one; its pod is gone.
     let again = data.0.join("serve-again.log");
     let mut serve = KillOnDrop(
         serve_command(&data.0.join("data"))
@@ -348,6 +355,14 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
             .expect("spawn torpor serve"),
     );
     let api = listening_api(&again, &mut serve.0);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(format!("127.0.0.1:{port}")).is_ok() {
+        assert!(
+            Instant::now() < deadline,
+            "serve --no-nested-pod left the nested host running (port {port} still open)"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
     let text = std::fs::read_to_string(&again).unwrap();
     assert!(
         text.contains("Linux templates need the nested host, which --no-nested-pod turns off"),
@@ -367,8 +382,147 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
     assert!(!pods.contains(&pod), "{pods}");
 }
 
-/// Kills `torpor serve` when the test ends (its nested host dies with it).
+/// kill -9 of serve with a running and a hibernated Linux sandbox of a
+/// tenant (a file written, an env var set at create, an envd token); serve
+/// started again on the same data directory re-attaches to the same
+/// nested host and pod, and both sandboxes answer with all of it: the
+/// file (through envd, with the same token), the env var, the tenant's
+/// ownership (another tenant gets 404). The new serve, its API and log.
+fn restart_keeps_the_nested_pod(
+    mut serve: KillOnDrop,
+    api: &str,
+    dir: &Path,
+    pod: &str,
+) -> (KillOnDrop, String, std::path::PathBuf) {
+    use common::http::{request, request_with};
+    let addr = api.trim_start_matches("http://").to_string();
+    let tenant = |name: &str| {
+        let r = request(
+            &addr,
+            "POST",
+            "/v1/tokens",
+            Some(TOKEN),
+            Some(&format!(r#"{{"tenant":"{name}"}}"#)),
+        );
+        assert_eq!(r.status, 201, "{}", r.body);
+        r.json()["token"].as_str().unwrap().to_string()
+    };
+    let (acme, bravo) = (tenant("acme"), tenant("bravo"));
+    let step = Duration::from_secs(600);
+    let mut made = Vec::new();
+    for n in 0..2 {
+        let body = r#"{"templateID":"base","secure":true,"envVars":{"GREETING":"hello-restart"}}"#;
+        let r = request_with(
+            &addr,
+            "POST",
+            "/sandboxes",
+            &[("X-API-KEY", &acme)],
+            Some(body),
+        );
+        assert_eq!(r.status, 201, "{}", r.body);
+        let id = r.json()["sandboxID"].as_str().unwrap().to_string();
+        let envd = r.json()["envdAccessToken"].as_str().unwrap().to_string();
+        let write = format!("echo kept-{n} > /home/user/kept");
+        ok(
+            &cli(
+                api,
+                &["sandbox", "exec", &id, "--", "sh", "-c", &write],
+                step,
+            ),
+            "write a file",
+        );
+        made.push((id, envd, format!("kept-{n}\n")));
+    }
+    ok(
+        &cli(api, &["sandbox", "hibernate", &made[1].0], step),
+        "hibernate",
+    );
+
+    let _ = serve.0.kill();
+    let _ = serve.0.wait();
+    let log = dir.join("serve-restarted.log");
+    let log_file = std::fs::File::create(&log).unwrap();
+    let mut serve = KillOnDrop(
+        serve_command(&dir.join("data"))
+            .args(["--request-timeout-ms", "900000"])
+            .env("TORPOR_NESTED_ECHO", "1")
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone().unwrap())
+            .stderr(log_file)
+            .spawn()
+            .expect("spawn torpor serve again"),
+    );
+    let _show = ShowLogOnPanic(log.clone());
+    let api = listening_api(&log, &mut serve.0);
+    let addr = api.trim_start_matches("http://").to_string();
+    wait_line(&log, &mut serve.0, Duration::from_secs(60), |l| {
+        l.contains("re-attaching to the nested host")
+    });
+    let ready = wait_line(&log, &mut serve.0, Duration::from_secs(300), |l| {
+        l.contains("Linux templates run in the nested host (pod ")
+    });
+    assert!(ready.contains(pod), "another pod: {ready}");
+
+    for (id, envd, content) in &made {
+        // The file through envd, with the token issued before the restart
+        // (the hibernated sandbox wakes for it).
+        let file = "/files?path=/home/user/kept";
+        let r = request_with(
+            &addr,
+            "GET",
+            file,
+            &[("E2b-Sandbox-Id", id), ("X-Access-Token", envd)],
+            None,
+        );
+        assert_eq!((r.status, r.body.as_str()), (200, content.as_str()), "{id}");
+        let wrong = request_with(
+            &addr,
+            "GET",
+            file,
+            &[("E2b-Sandbox-Id", id), ("X-Access-Token", "not-the-token")],
+            None,
+        );
+        assert_eq!(wrong.status, 401, "{}", wrong.body);
+        let env = cli(
+            &api,
+            &["sandbox", "exec", id, "--", "sh", "-c", "echo $GREETING"],
+            step,
+        );
+        assert_eq!(ok(&env, "exec echo $GREETING"), "hello-restart\n");
+        // Still acme's: bravo does not see it.
+        let path = format!("/sandboxes/{id}");
+        let mine = request_with(&addr, "GET", &path, &[("X-API-KEY", &acme)], None);
+        assert_eq!(mine.status, 200, "{}", mine.body);
+        let theirs = request_with(&addr, "GET", &path, &[("X-API-KEY", &bravo)], None);
+        assert_eq!(theirs.status, 404, "{}", theirs.body);
+        ok(&cli(&api, &["sandbox", "rm", id], step), "sandbox rm");
+    }
+    (serve, api, log)
+}
+
+/// Kills `torpor serve` when the test ends.
 struct KillOnDrop(std::process::Child);
+
+/// Stops the nested host serve left running in DATA_DIR (its record names
+/// the QEMU) when the test ends, whatever happened.
+struct StopNestedHost(std::path::PathBuf);
+
+impl Drop for StopNestedHost {
+    fn drop(&mut self) {
+        let Ok(text) = std::fs::read_to_string(self.0.join("nested-host.json")) else {
+            return;
+        };
+        let record: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        let Some(pid) = record["host"]["process"]["pid"].as_u64() else {
+            return;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains("qemu") {
+            // SAFETY: kill(2) of the test's own nested host's QEMU.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        }
+    }
+}
 
 /// On a failure, the tail of serve's log (with the nested pod's: its
 /// sandboxes' errors and VMM exits), before the data directory goes.

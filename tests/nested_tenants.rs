@@ -11,7 +11,9 @@
 mod common;
 
 use serde_json::{json, Value};
+use torpor_api::SandboxApi;
 use torpor_client::HttpClient;
+use torpor_scheduler::model::SandboxId;
 
 use common::http::{request, request_with, HttpResponse};
 use common::nested_pod::NestedRig;
@@ -265,4 +267,176 @@ fn a_failed_create_on_the_attached_pod_is_listed_and_deleted_through_serve() {
         (200, Some("deleted")),
         "{there}"
     );
+}
+
+/// A restart of serve keeps what it knows of its nested pod's sandboxes
+/// (its store, `nested_sandboxes`): after serve is stopped and opened
+/// again on the same data directory, with the pod re-attached under the
+/// same id, a tenant's running and hibernated sandboxes answer with their
+/// tenant (another tenant gets 404), envd token and environment. When
+/// their nested host is gone, they stay listed, failed with why (also
+/// after the next restart), their routes answer 410, and DELETE forgets
+/// them.
+#[test]
+fn a_restart_of_serve_keeps_the_nested_pods_sandboxes_and_a_lost_host_fails_them() {
+    let rig = NestedRig::start("nested-restart", ADMIN);
+    let tenant = |rig: &NestedRig, name: &str| {
+        let r = request(
+            &rig.api.addr,
+            "POST",
+            "/v1/tokens",
+            Some(ADMIN),
+            Some(&json!({ "tenant": name }).to_string()),
+        );
+        r.ok_json("POST", "/v1/tokens")["token"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let (acme, bravo) = (tenant(&rig, "acme"), tenant(&rig, "bravo"));
+    rig.fill_local_pod();
+    let mut made = Vec::new();
+    for _ in 0..2 {
+        let body = json!({"templateID": "probe", "secure": true, "envVars": {"GREETING": "hello"}});
+        let r = request_with(
+            &rig.api.addr,
+            "POST",
+            "/sandboxes",
+            &[("X-API-KEY", &acme)],
+            Some(&body.to_string()),
+        );
+        assert_eq!(r.status, 201, "{}", r.body);
+        let v = r.json();
+        let id = v["sandboxID"].as_str().unwrap().to_string();
+        let envd = v["envdAccessToken"].as_str().unwrap().to_string();
+        made.push((id, envd));
+    }
+    let hibernated = &made[1].0;
+    let r = request(
+        &rig.api.addr,
+        "POST",
+        &format!("/v1/sandboxes/{hibernated}/hibernate"),
+        Some(ADMIN),
+        None,
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // A third one deleted on the pod directly (with the pod's own token):
+    // the restarted serve finds it gone, and says so.
+    let r = request_with(
+        &rig.api.addr,
+        "POST",
+        "/sandboxes",
+        &[("X-API-KEY", &acme)],
+        Some(r#"{"templateID": "probe"}"#),
+    );
+    assert_eq!(r.status, 201, "{}", r.body);
+    let vanished = r.json()["sandboxID"].as_str().unwrap().to_string();
+    let (status, _) = on_pod(
+        &rig.pod,
+        None,
+        "DELETE",
+        &format!("/v1/sandboxes/{vanished}"),
+        None,
+    );
+    assert!(status == 204 || status == 200, "{status}");
+
+    let rig = rig.restart_serve();
+    let get = |rig: &NestedRig, key: &str, id: &str| {
+        request(
+            &rig.api.addr,
+            "GET",
+            &format!("/v1/sandboxes/{id}"),
+            Some(key),
+            None,
+        )
+    };
+    for (n, (id, envd)) in made.iter().enumerate() {
+        let mine = get(&rig, &acme, id);
+        assert_eq!(mine.status, 200, "{}", mine.body);
+        let v = mine.json();
+        assert_eq!(v["tenant"], "acme", "{v}");
+        let want = if n == 0 { "running" } else { "hibernated" };
+        assert_eq!(v["state"], want, "{v}");
+        assert_eq!(get(&rig, &bravo, id).status, 404);
+        // What the pod never shows, from serve's store.
+        let kept = rig
+            .nested
+            .get_sandbox(&SandboxId::new(id.as_str()))
+            .unwrap();
+        assert_eq!(kept.access_token.as_deref(), Some(envd.as_str()));
+        assert_eq!(kept.env.get("GREETING").map(String::as_str), Some("hello"));
+        // envd takes the same token (health: the running one runs).
+        let health = |token: &str| {
+            request_with(
+                &rig.api.addr,
+                "GET",
+                "/health",
+                &[("E2b-Sandbox-Id", id), ("X-Access-Token", token)],
+                None,
+            )
+            .status
+        };
+        assert_eq!(health("not-the-token"), 502);
+        assert_eq!(health(envd), if n == 0 { 204 } else { 502 });
+    }
+
+    let v = get(&rig, &acme, &vanished).ok_json("GET", "a vanished sandbox");
+    assert_eq!(v["state"], "failed", "{v}");
+    let why = v["failure_reason"].as_str().unwrap();
+    assert!(why.contains("no longer knows it"), "{v}");
+
+    // The nested host is gone: its sandboxes are lost, not dropped.
+    rig.nested.detach(&rig.pod_id);
+    let lost = rig
+        .nested
+        .mark_lost(None, "its nested host stopped (test)")
+        .unwrap();
+    assert_eq!(lost, 2);
+    let rig = rig.restart_serve();
+    for (id, _) in &made {
+        let v = get(&rig, &acme, id).ok_json("GET", "a lost sandbox");
+        assert_eq!(v["state"], "failed", "{v}");
+        assert!(
+            v["failure_reason"]
+                .as_str()
+                .unwrap()
+                .contains("its nested host stopped (test)"),
+            "{v}"
+        );
+        assert_eq!(get(&rig, &bravo, id).status, 404);
+        let r = request(
+            &rig.api.addr,
+            "POST",
+            &format!("/v1/sandboxes/{id}/pause"),
+            Some(&acme),
+            None,
+        );
+        assert_eq!(r.status, 410, "{}", r.body);
+    }
+    let listed = request(
+        &rig.api.addr,
+        "GET",
+        "/v1/sandboxes?state=failed",
+        Some(&acme),
+        None,
+    )
+    .ok_json("GET", "/v1/sandboxes");
+    let failed = listed["sandboxes"].as_array().unwrap().len();
+    assert_eq!(failed, 3, "{listed}");
+    let (id, _) = &made[0];
+    let r = request(
+        &rig.api.addr,
+        "DELETE",
+        &format!("/v1/sandboxes/{id}"),
+        Some(&acme),
+        None,
+    );
+    assert!(
+        r.status == 204 || r.status == 200,
+        "{} {}",
+        r.status,
+        r.body
+    );
+    assert_eq!(get(&rig, &acme, id).status, 404);
 }

@@ -28,6 +28,7 @@
 pub mod assets;
 mod cpio;
 pub mod image;
+pub mod process;
 mod qemu;
 mod running;
 
@@ -41,8 +42,9 @@ use torpor_sync::Locked;
 
 pub use assets::{find_qemu, L1Assets};
 use image::Carried;
+pub use process::{NotThatProcess, ProcessIdentity};
 pub use qemu::STALL_LIMIT;
-pub use running::RunningHost;
+pub use running::{AdoptError, HostRecord, RunningHost, CONSOLE_FILE};
 
 /// Whether an L1 console line is its kernel saying it is wedged: a soft
 /// lockup, an RCU stall, a lost timer, or a panic. Under TCG these do not
@@ -62,6 +64,11 @@ pub fn l1_wedged(line: &str) -> bool {
         ]
         .iter()
         .any(|m| line.contains(m))
+}
+
+/// Whether L1's console is echoed to stderr (`TORPOR_NESTED_ECHO=1`).
+pub fn echo_from_env() -> bool {
+    std::env::var_os("TORPOR_NESTED_ECHO").is_some_and(|v| v == "1")
 }
 
 /// A shell function for L1 scripts that build a Linux template through
@@ -182,7 +189,7 @@ impl Default for NestedHostBuilder {
             files: Vec::new(),
             memory_mib: 3072,
             cpus: 2,
-            echo: std::env::var_os("TORPOR_NESTED_ECHO").is_some_and(|v| v == "1"),
+            echo: echo_from_env(),
             l1_dir: None,
             qemu: None,
             extra_cmdline: String::new(),
@@ -365,12 +372,12 @@ impl NestedHost {
                 path: self.assets.dir.join("modules"),
             });
         }
-        let initrd = work.0.join("initrd.cpio");
+        let initrd = work.path().join("initrd.cpio");
         let cpio = image::initramfs(&self.assets, script, &self.carried, payload, net)?;
         fs::write(&initrd, cpio).map_err(|e| io_err(&initrd, e))?;
         let disk = if payload {
             Some(image::payload_disk(
-                &work.0,
+                work.path(),
                 &self.carried,
                 self.spare_mib << 20,
             )?)
@@ -398,9 +405,12 @@ impl NestedHost {
 }
 
 /// A scratch directory for one run's images, removed afterwards (kept when
-/// `TORPOR_NESTED_KEEP=1`, for debugging).
+/// `TORPOR_NESTED_KEEP=1`, for debugging), or a detached host's, kept.
 #[derive(Debug)]
-pub(crate) struct WorkDir(PathBuf);
+pub(crate) struct WorkDir {
+    path: PathBuf,
+    keep: bool,
+}
 
 impl WorkDir {
     pub(crate) fn new() -> Result<Self, NestedError> {
@@ -415,16 +425,35 @@ impl WorkDir {
             SEQ.fetch_add(1, Ordering::Relaxed)
         ));
         fs::create_dir_all(&dir).map_err(|e| io_err(&dir, e))?;
-        Ok(Self(dir))
+        Ok(Self {
+            path: dir,
+            keep: false,
+        })
+    }
+
+    /// `dir` (made if missing), never removed here.
+    pub(crate) fn kept(dir: &Path) -> Result<Self, NestedError> {
+        fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
+        Ok(Self {
+            path: dir.to_path_buf(),
+            keep: true,
+        })
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
     }
 }
 
 impl Drop for WorkDir {
     fn drop(&mut self) {
+        if self.keep {
+            return;
+        }
         if std::env::var_os("TORPOR_NESTED_KEEP").is_some_and(|v| v == "1") {
-            eprintln!("torpor-nested: kept {}", self.0.display());
+            eprintln!("torpor-nested: kept {}", self.path.display());
         } else {
-            let _ = fs::remove_dir_all(&self.0);
+            let _ = fs::remove_dir_all(&self.path);
         }
     }
 }

@@ -8,6 +8,7 @@ mod files;
 mod guest;
 mod image;
 mod nested_pod;
+mod nested_record;
 pub mod plan;
 pub mod plan_calibrate;
 mod pod;

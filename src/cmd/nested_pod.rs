@@ -8,7 +8,9 @@
 //! start builds), boots L1 with this torpor binary, the guest kernel and
 //! the rootfs carried in; inside, `torpor pod serve` listens on TCP
 //! (forwarded from a free port on 127.0.0.1) and builds the template; the
-//! thread attaches the pod (in memory: it dies with serve) once it answers.
+//! thread attaches the pod once it answers. QEMU outlives serve: it is
+//! recorded in the data directory (`nested_record`), re-attached by the next
+//! serve ([`resume`]), supervised, and booted again when it dies.
 //! Until the
 //! template is ready, creating a sandbox from it answers 503 with
 //! `Retry-After` and the step it is at (also logged as it goes).
@@ -25,6 +27,7 @@ use torpor_nested::{L1Assets, NestedHost, RunningHost};
 use torpor_scheduler::model::PodId;
 use torpor_scheduler::service::Service;
 
+use super::nested_record;
 use super::serve::token_file;
 use torpor_api::tls::{self, Identity};
 use torpor_client::pin::Fingerprint;
@@ -44,6 +47,7 @@ const MARK_READY: &str = "TORPOR-NESTED-POD: template ready";
 const MARK_FAILED: &str = "TORPOR-NESTED-POD: template failed:";
 
 /// What the nested pod is made of (`None`: built from this checkout).
+#[derive(Clone)]
 pub struct NestedPodConfig {
     pub kernel: Option<PathBuf>,
     pub rootfs: Option<PathBuf>,
@@ -109,6 +113,90 @@ pub fn on_demand(nested: Arc<Nested<Service>>, data_dir: &Path, config: NestedPo
     );
 }
 
+/// The nested pod's token and TLS identity (made on first use, kept in the
+/// data directory) and the files carried into L1 for them.
+struct PodSecrets {
+    token: String,
+    token_path: PathBuf,
+    tls_dir: PathBuf,
+    fingerprint: Fingerprint,
+}
+
+impl PodSecrets {
+    fn load(data_dir: &Path) -> Result<PodSecrets, String> {
+        let token_path = data_dir.join("nested-pod.token");
+        let (token, _) = token_file(&token_path)?;
+        // The pod in L1 serves TLS with an identity made here, so that the
+        // certificate this server pins is known.
+        let tls_dir = data_dir.join("nested-pod-tls");
+        let (identity, _) = Identity::load_or_create(&tls_dir, &tls::default_names())
+            .map_err(|e| format!("the nested pod's TLS identity: {e}"))?;
+        Ok(PodSecrets {
+            token,
+            token_path,
+            tls_dir,
+            fingerprint: identity.fingerprint(),
+        })
+    }
+}
+
+/// At serve's start: re-attaches to the nested host an earlier serve on
+/// this data directory recorded, if it still runs (the same QEMU, serving
+/// this server's pod identity), and supervises it from then on; if it is
+/// gone, its sandboxes are marked lost and a new nested host is started
+/// (it ran before, so it is wanted). Whether a nested host is on its way
+/// (else `base` is left on demand).
+pub fn resume(
+    nested: &Arc<Nested<Service>>,
+    data_dir: &Path,
+    config: &NestedPodConfig,
+) -> Result<bool, String> {
+    let Some(record) = nested_record::read(data_dir) else {
+        // No host recorded: none of the kept sandboxes' hosts runs.
+        if !nested.kept_pods().is_empty() {
+            lose(nested, None, "its nested host is gone (not recorded)");
+        }
+        return Ok(false);
+    };
+    let secrets = PodSecrets::load(data_dir)?;
+    let ours = secrets.fingerprint.to_string();
+    match nested_record::adopt(&record, &ours, torpor_nested::echo_from_env()) {
+        Ok(running) => {
+            println!(
+                "torpor serve: re-attaching to the nested host (QEMU pid {}, pod {} at {})",
+                record.host.process.pid, record.pod, record.address
+            );
+            nested.template_coming(
+                TEMPLATE,
+                Some("the nested host is being re-attached".into()),
+            );
+            spawn_host(
+                nested.clone(),
+                data_dir,
+                config.clone(),
+                secrets,
+                Some((running, record.pod)),
+            )?;
+        }
+        Err(e) => {
+            println!("torpor serve: the recorded nested host is not re-attached: {e}; starting a new one");
+            nested_record::remove(data_dir);
+            lose(nested, None, &format!("its nested host stopped: {e}"));
+            start(nested.clone(), data_dir, config.clone())?;
+        }
+    }
+    Ok(true)
+}
+
+/// Marks the sandboxes of every nested pod but `keep` as lost, saying so.
+fn lose(nested: &Nested<Service>, keep: Option<&PodId>, why: &str) {
+    match nested.mark_lost(keep, why) {
+        Ok(0) => {}
+        Ok(n) => eprintln!("torpor serve: {n} sandbox(es) of the nested pod are lost: {why}"),
+        Err(e) => eprintln!("torpor serve: marking the nested pod's sandboxes lost: {e}"),
+    }
+}
+
 /// Starts the nested pod in the background; returns at once after making
 /// its token and TLS identity.
 pub fn start(
@@ -116,97 +204,228 @@ pub fn start(
     data_dir: &Path,
     config: NestedPodConfig,
 ) -> Result<(), String> {
-    let exe =
-        std::env::current_exe().map_err(|e| format!("cannot find the torpor executable: {e}"))?;
-    let vmm = super::serve::vmm_exe()?;
-    let token_path = data_dir.join("nested-pod.token");
-    let (token, _) = token_file(&token_path)?;
-    // The pod in L1 serves TLS with an identity made here, so that the
-    // certificate this server pins is known.
-    let tls_dir = data_dir.join("nested-pod-tls");
-    let (identity, _) = Identity::load_or_create(&tls_dir, &tls::default_names())
-        .map_err(|e| format!("the nested pod's TLS identity: {e}"))?;
-    let fingerprint = identity.fingerprint();
+    let secrets = PodSecrets::load(data_dir)?;
     nested.template_coming(
         TEMPLATE,
         Some("the nested host is preparing (step 1 of 5)".into()),
     );
+    spawn_host(nested, data_dir, config, secrets, None)
+}
+
+/// Restarts of a nested host that died after it was up, before serve
+/// gives up on it (until its next start).
+const RESTARTS: u32 = 3;
+
+/// The thread that boots (or, given `adopted`, re-attaches to) the nested
+/// host, brings its pod up, supervises it, and boots a new one when it
+/// dies.
+fn spawn_host(
+    nested: Arc<Nested<Service>>,
+    data_dir: &Path,
+    config: NestedPodConfig,
+    secrets: PodSecrets,
+    adopted: Option<(RunningHost, PodId)>,
+) -> Result<(), String> {
+    let data_dir = data_dir.to_path_buf();
     std::thread::Builder::new()
         .name("nested-pod".into())
         .spawn(move || {
-            // This thread owns QEMU (it dies with the thread: see
-            // NestedHost::start) and lives as long as it.
-            let started = Instant::now();
-            let (kernel, rootfs, l1) = match prepare(&nested, &config) {
-                Ok(parts) => parts,
-                Err(e) => return fail(&nested, e),
-            };
-            let host = NestedHost::builder()
-                .memory_mib(config.mem_mib)
-                .spare_mib(SPARE_MIB)
-                .l1_dir(l1)
-                .file(exe, "/opt/torpor/torpor")
-                .file(vmm, "/opt/torpor/torpor-vmm")
-                .file(&kernel, "/opt/torpor/vmlinux")
-                .file(&rootfs, "/opt/torpor/rootfs.ext4")
-                .file(&token_path, "/opt/torpor/pod.token")
-                .file(tls_dir.join(tls::CERT_FILE), "/opt/torpor/pod-cert.pem")
-                .file(tls_dir.join(tls::KEY_FILE), "/opt/torpor/pod-key.pem")
-                .build();
-            let host = match host {
-                Ok(h) => h,
-                Err(e) => return fail(&nested, format!("the nested pod cannot start: {e}")),
-            };
-            nested.template_coming(
-                TEMPLATE,
-                Some("the nested host is booting (step 5 of 5)".into()),
-            );
-            let mut attempt = 1;
-            let (mut running, up) = loop {
-                let mut running = match host.start(&script(&fingerprint), &[POD_PORT]) {
-                    Ok(r) => r,
-                    Err(e) => return fail(&nested, format!("cannot start the nested host: {e}")),
-                };
-                match bring_up(&nested, &mut running, &token, fingerprint) {
-                    Err(BringUp::Wedged(line)) if attempt < BOOT_ATTEMPTS => {
-                        // QEMU ends with `running`; the next boot is fresh.
-                        eprintln!(
-                            "torpor serve: the nested host's kernel wedged before its pod \
-                             answered ({line}); booting it again (attempt {} of {BOOT_ATTEMPTS})",
-                            attempt + 1
-                        );
-                        attempt += 1;
+            let mut adopted = adopted;
+            let mut restarts = 0;
+            loop {
+                let started = Instant::now();
+                let up = match adopted.take() {
+                    Some((mut running, pod)) => {
+                        match bring_up(&nested, &mut running, &pod, &secrets, ADOPT_LIMIT) {
+                            Ok(()) => Ok((running, pod)),
+                            Err(e) => {
+                                let why = format!(
+                                    "the re-attached nested host failed: {}",
+                                    e.into_message()
+                                );
+                                running.kill();
+                                Err(why)
+                            }
+                        }
                     }
-                    up => break (running, up.map_err(BringUp::into_message)),
+                    None => boot(&nested, &data_dir, &config, &secrets),
+                };
+                let (mut running, pod) = match up {
+                    Ok(up) => up,
+                    Err(why) => {
+                        nested_record::remove(&data_dir);
+                        lose(&nested, None, &why);
+                        return fail(&nested, why);
+                    }
+                };
+                // Sandboxes it no longer knows, and those of any other
+                // (earlier) pod, are gone.
+                match nested.reconcile(&pod) {
+                    Ok(0) => {}
+                    Ok(n) => eprintln!(
+                        "torpor serve: {n} sandbox(es) the nested pod no longer knows are lost"
+                    ),
+                    Err(e) => eprintln!(
+                        "torpor serve: the nested pod's sandboxes could not be checked: {e}"
+                    ),
                 }
-            };
-            match up {
-                Ok(pod) => {
-                    nested.template_coming(TEMPLATE, None);
-                    println!(
-                        "torpor serve: Linux templates run in the nested host (pod {pod}), \
-                         template `{TEMPLATE}` ready in {:.0}s",
-                        started.elapsed().as_secs_f64()
+                lose(
+                    &nested,
+                    Some(&pod),
+                    "its nested host stopped and a new one took its place",
+                );
+                nested.template_coming(TEMPLATE, None);
+                println!(
+                    "torpor serve: Linux templates run in the nested host (pod {pod}), \
+                     template `{TEMPLATE}` ready in {:.0}s",
+                    started.elapsed().as_secs_f64()
+                );
+                let why = supervise(&nested, &mut running, &pod);
+                eprintln!(
+                    "torpor serve: {why}; nested host console:\n{}",
+                    running.console_tail()
+                );
+                running.kill();
+                nested.detach(&pod);
+                nested_record::remove(&data_dir);
+                lose(&nested, None, &why);
+                restarts += 1;
+                if restarts > RESTARTS {
+                    return fail(
+                        &nested,
+                        format!("{why} (restarted {RESTARTS} times already: not again)"),
                     );
                 }
-                Err(e) => {
-                    fail(&nested, e);
-                    eprintln!(
-                        "torpor serve: nested host console:\n{}",
-                        running.console_tail()
-                    );
-                    return;
-                }
+                eprintln!(
+                    "torpor serve: starting a new nested host (restart {restarts} of {RESTARTS})"
+                );
+                nested.template_coming(
+                    TEMPLATE,
+                    Some(format!("{why}; a new nested host is starting")),
+                );
             }
-            let status = running.wait();
-            fail(&nested, format!("the nested host stopped ({status})"));
-            eprintln!(
-                "torpor serve: nested host console:\n{}",
-                running.console_tail()
-            );
         })
         .map_err(|e| format!("cannot start the nested pod's thread: {e}"))?;
     Ok(())
+}
+
+/// Boots a nested host (up to [`BOOT_ATTEMPTS`] times if its kernel
+/// wedges before its pod answers), records it, and brings its pod up.
+fn boot(
+    nested: &Nested<Service>,
+    data_dir: &Path,
+    config: &NestedPodConfig,
+    secrets: &PodSecrets,
+) -> Result<(RunningHost, PodId), String> {
+    let exe =
+        std::env::current_exe().map_err(|e| format!("cannot find the torpor executable: {e}"))?;
+    let vmm = super::serve::vmm_exe()?;
+    let (kernel, rootfs, l1) = prepare(nested, config)?;
+    let host = NestedHost::builder()
+        .memory_mib(config.mem_mib)
+        .spare_mib(SPARE_MIB)
+        .l1_dir(l1)
+        .file(exe, "/opt/torpor/torpor")
+        .file(vmm, "/opt/torpor/torpor-vmm")
+        .file(&kernel, "/opt/torpor/vmlinux")
+        .file(&rootfs, "/opt/torpor/rootfs.ext4")
+        .file(&secrets.token_path, "/opt/torpor/pod.token")
+        .file(
+            secrets.tls_dir.join(tls::CERT_FILE),
+            "/opt/torpor/pod-cert.pem",
+        )
+        .file(
+            secrets.tls_dir.join(tls::KEY_FILE),
+            "/opt/torpor/pod-key.pem",
+        )
+        .build()
+        .map_err(|e| format!("the nested pod cannot start: {e}"))?;
+    nested.template_coming(
+        TEMPLATE,
+        Some("the nested host is booting (step 5 of 5)".into()),
+    );
+    let work = data_dir.join(nested_record::WORK_DIR);
+    let mut attempt = 1;
+    loop {
+        let mut running = host
+            .start_detached(&script(&secrets.fingerprint), &[POD_PORT], &work)
+            .map_err(|e| format!("cannot start the nested host: {e}"))?;
+        let pod = PodId::generate();
+        let port = running
+            .host_port(POD_PORT)
+            .ok_or("the nested host has no forwarded port")?;
+        let record = nested_record::Recorded {
+            host: running
+                .record()
+                .ok_or("a detached nested host has no record")?,
+            pod: pod.clone(),
+            address: format!("tls:127.0.0.1:{port}"),
+            fingerprint: secrets.fingerprint.to_string(),
+        };
+        // Recorded from the start: a serve killed while L1 boots finds it.
+        if let Err(e) = nested_record::write(data_dir, &record) {
+            running.kill();
+            return Err(e);
+        }
+        match bring_up(nested, &mut running, &pod, secrets, BOOT_LIMIT) {
+            Ok(()) => return Ok((running, pod)),
+            Err(BringUp::Wedged(line)) if attempt < BOOT_ATTEMPTS => {
+                running.kill();
+                nested.detach(&pod);
+                eprintln!(
+                    "torpor serve: the nested host's kernel wedged before its pod \
+                     answered ({line}); booting it again (attempt {} of {BOOT_ATTEMPTS})",
+                    attempt + 1
+                );
+                attempt += 1;
+            }
+            Err(e) => {
+                eprintln!(
+                    "torpor serve: nested host console:\n{}",
+                    running.console_tail()
+                );
+                running.kill();
+                nested.detach(&pod);
+                return Err(e.into_message());
+            }
+        }
+    }
+}
+
+/// How often a supervised nested host is looked at.
+const WATCH_EVERY: Duration = Duration::from_secs(10);
+/// How long its pod may not answer before its host counts as dead (TCG
+/// under load answers slowly, not minutes late).
+const UNANSWERED_LIMIT: Duration = Duration::from_secs(180);
+/// How long a re-attached host's pod may take to answer again.
+const ADOPT_LIMIT: Duration = Duration::from_secs(180);
+
+/// Watches the running nested host until it is dead: QEMU exited, L1's
+/// kernel locked up (or its console went silent), or its pod did not
+/// answer for [`UNANSWERED_LIMIT`]; why.
+fn supervise(nested: &Nested<Service>, running: &mut RunningHost, pod: &PodId) -> String {
+    let mut unanswered: Option<(Instant, String)> = None;
+    loop {
+        std::thread::sleep(WATCH_EVERY);
+        if let Some(status) = running.exited() {
+            return format!("the nested host stopped ({status})");
+        }
+        if let Some(line) = lockup(running) {
+            return format!("the nested host's kernel locked up: {line}");
+        }
+        match nested.pod_answers(pod) {
+            Ok(()) => unanswered = None,
+            Err(e) => {
+                let (since, _) = unanswered.get_or_insert_with(|| (Instant::now(), String::new()));
+                if since.elapsed() > UNANSWERED_LIMIT {
+                    return format!(
+                        "the nested pod did not answer for {:.0} s ({e})",
+                        since.elapsed().as_secs_f64()
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// This checkout's `scripts/` directory, which builds the nested pod's
@@ -478,20 +697,46 @@ fn lockup(running: &RunningHost) -> Option<String> {
         .map(str::to_string)
 }
 
+/// Whether `pod` lists the template, ready.
+fn template_ready(nested: &Nested<Service>, pod: &PodId) -> bool {
+    nested.template_entries().is_ok_and(|entries| {
+        entries
+            .iter()
+            .any(|t| t["name"] == TEMPLATE && t["pod"] == pod.as_str() && t["state"] == "ready")
+    })
+}
+
+/// With `--no-nested-pod`: a nested host an earlier serve recorded is
+/// stopped (if it is still that QEMU) and its sandboxes marked lost.
+pub fn stop_recorded(nested: &Nested<Service>, data_dir: &Path) {
+    if let Some(record) = nested_record::read(data_dir) {
+        if record.host.process.kill() {
+            println!(
+                "torpor serve: stopped the nested host an earlier serve left running (QEMU pid {}): \
+                 --no-nested-pod",
+                record.host.process.pid
+            );
+        }
+        nested_record::remove(data_dir);
+    }
+    lose(nested, None, "serve was started with --no-nested-pod");
+}
+
 /// Waits for the pod to answer, attaches it, then waits for its template.
 fn bring_up(
     nested: &Nested<Service>,
     running: &mut RunningHost,
-    token: &str,
-    fingerprint: Fingerprint,
-) -> Result<PodId, BringUp> {
+    pod: &PodId,
+    secrets: &PodSecrets,
+    limit: Duration,
+) -> Result<(), BringUp> {
     let port = running
         .host_port(POD_PORT)
         .ok_or("the nested host has no forwarded port")?;
     let address = format!("tls:127.0.0.1:{port}");
     let started = Instant::now();
     let mut last_error = String::new();
-    let pod = loop {
+    loop {
         if let Some(status) = running.exited() {
             return Err(BringUp::Failed(format!(
                 "the nested host stopped while booting ({status}); last error: {last_error}"
@@ -500,17 +745,23 @@ fn bring_up(
         if let Some(line) = lockup(running) {
             return Err(BringUp::Wedged(line));
         }
-        if started.elapsed() > BOOT_LIMIT {
+        if started.elapsed() > limit {
             return Err(BringUp::Failed(format!(
-                "the nested pod did not answer within {BOOT_LIMIT:?}: {last_error}"
+                "the nested pod did not answer within {limit:?}: {last_error}"
             )));
         }
-        match nested.attach(&address, token, Some(fingerprint)) {
-            Ok(entry) => break PodId::new(entry["id"].as_str().unwrap_or_default()),
+        let attached = nested.attach_as(
+            pod.clone(),
+            &address,
+            &secrets.token,
+            Some(secrets.fingerprint),
+        );
+        match attached {
+            Ok(_) => break,
             Err(e) => last_error = e.to_string(),
         }
         std::thread::sleep(Duration::from_secs(2));
-    };
+    }
     println!(
         "torpor serve: nested pod {pod} at {address} is up after {:.0}s; building template `{TEMPLATE}`",
         started.elapsed().as_secs_f64()
@@ -524,7 +775,8 @@ fn bring_up(
         if let Some(line) = console.lines().find(|l| l.contains(MARK_FAILED)) {
             return Err(line.into());
         }
-        if console.contains(MARK_READY) {
+        // A re-attached host's console may have scrolled past its mark.
+        if console.contains(MARK_READY) || template_ready(nested, pod) {
             break;
         }
         if let Some(status) = running.exited() {
@@ -549,5 +801,5 @@ fn bring_up(
             "the nested pod built `{TEMPLATE}` but this server does not list it"
         )));
     }
-    Ok(pod)
+    Ok(())
 }

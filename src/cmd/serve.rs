@@ -276,7 +276,12 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             mem_mib: args.nested_mem_mib,
         };
         let template = super::nested_pod::TEMPLATE;
-        if args.nested_pod {
+        if super::nested_pod::resume(&nested, &data_dir, &config)? {
+            println!(
+                "torpor serve: the nested host for Linux templates ran before this start: \
+                 re-attaching to it, or starting a new one"
+            );
+        } else if args.nested_pod {
             super::nested_pod::start(nested.clone(), &data_dir, config)?;
             println!(
                 "torpor serve: starting the nested host for Linux templates (QEMU/TCG, about a \
@@ -290,6 +295,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
                  turns it off)"
             );
         }
+    }
+    if args.no_nested_pod {
+        super::nested_pod::stop_recorded(&nested, &data_dir);
     }
     let api = torpor_api::ApiConfig {
         tokens: args.token.clone(),

@@ -4,12 +4,15 @@
 //! attaches its nested pod. The local pod can be made full, so that
 //! creates are placed on the nested one.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use torpor_api::nested::Nested;
+use torpor_api::SandboxApi;
 use torpor_client::{Endpoint, HttpClient};
+use torpor_scheduler::model::PodId;
 use torpor_scheduler::service::{Service, ServiceConfig};
 
 use super::http::{request, InProcessApi};
@@ -33,6 +36,12 @@ pub struct NestedRig {
     pub admin: String,
     /// The pod's own API, with its token.
     pub pod: HttpClient,
+    /// serve's side, as the API serves it.
+    pub nested: Arc<Nested<Service>>,
+    /// The pod's id at serve.
+    pub pod_id: PodId,
+    address: String,
+    token: String,
     // Dropped after the API and the pod: their data.
     _pod: Pod,
     _dirs: (DataDir, DataDir),
@@ -57,19 +66,14 @@ impl NestedRig {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("spawn torpor pod serve"));
-        let mut config = ServiceConfig::new(
-            central_dir.0.join("data"),
-            PathBuf::from(env!("CARGO_BIN_EXE_torpor-vmm")),
-        );
-        config.policy_interval_ms = 0;
-        let service = Service::open(config).expect("open the local pod");
-        let nested = Nested::new(service, Duration::from_secs(60));
+        let nested = open_serve(&central_dir.0);
+        let pod_id = PodId::generate();
         let deadline = Instant::now() + Duration::from_secs(90);
         let token = loop {
             let token = std::fs::read_to_string(&token_file).unwrap_or_default();
             let token = token.trim().to_string();
             if !token.is_empty() && socket.exists() {
-                match nested.attach(&address, &token, None) {
+                match nested.attach_as(pod_id.clone(), &address, &token, None) {
                     Ok(_) => break token,
                     Err(e) if Instant::now() > deadline => panic!("attach: {e}"),
                     Err(_) => {}
@@ -80,25 +84,67 @@ impl NestedRig {
         };
         let client = HttpClient::new(
             Endpoint::parse(&address).unwrap(),
-            Some(token),
+            Some(token.clone()),
             Duration::from_secs(60),
         )
         .unwrap();
-        let api = InProcessApi::start(
-            nested,
-            torpor_api::ApiConfig {
-                tokens: vec![admin.into()],
-                tenants_file: Some(central_dir.0.join("tenants.json")),
-                ..Default::default()
-            },
-        );
+        let api = serve_api(nested.clone(), &central_dir.0, admin);
         NestedRig {
             api,
             admin: admin.to_string(),
             pod: client,
+            nested,
+            pod_id,
+            address,
+            token,
             _pod: pod,
             _dirs: (pod_dir, central_dir),
         }
+    }
+
+    /// serve restarted on the same data directory (its store, its
+    /// tenants), the pod still running: the new serve re-attaches it under
+    /// the same id, as `torpor serve` does its nested host.
+    pub fn restart_serve(self) -> NestedRig {
+        let NestedRig {
+            api,
+            admin,
+            pod,
+            nested,
+            pod_id,
+            address,
+            token,
+            _pod,
+            _dirs,
+        } = self;
+        if let Some(service) = nested.service() {
+            service.close();
+        }
+        drop(nested);
+        drop(api);
+        let nested = open_serve(&_dirs.1 .0);
+        nested
+            .attach_as(pod_id.clone(), &address, &token, None)
+            .expect("attach the pod again");
+        // As serve does after re-attaching its nested pod.
+        nested.reconcile(&pod_id).expect("reconcile");
+        let api = serve_api(nested.clone(), &_dirs.1 .0, &admin);
+        NestedRig {
+            api,
+            admin,
+            pod,
+            nested,
+            pod_id,
+            address,
+            token,
+            _pod,
+            _dirs,
+        }
+    }
+
+    /// The central data directory (serve's).
+    pub fn serve_data(&self) -> PathBuf {
+        self._dirs.1 .0.join("data")
     }
 
     /// The pod's data directory.
@@ -118,4 +164,34 @@ impl NestedRig {
         );
         assert_eq!(r.status, 200, "{}", r.body);
     }
+}
+
+/// serve's local pod and `Nested` over `dir`'s data, as `torpor serve`
+/// opens them (the store lock of a serve just stopped is waited for).
+fn open_serve(dir: &Path) -> Arc<Nested<Service>> {
+    let mut config = ServiceConfig::new(
+        dir.join("data"),
+        PathBuf::from(env!("CARGO_BIN_EXE_torpor-vmm")),
+    );
+    config.policy_interval_ms = 0;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let service = loop {
+        match Service::open(config.clone()) {
+            Ok(service) => break service,
+            Err(e) if Instant::now() > deadline => panic!("open the local pod: {e}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    };
+    Nested::new(service, Duration::from_secs(60))
+}
+
+fn serve_api(nested: Arc<Nested<Service>>, dir: &Path, admin: &str) -> InProcessApi {
+    InProcessApi::start(
+        nested,
+        torpor_api::ApiConfig {
+            tokens: vec![admin.into()],
+            tenants_file: Some(dir.join("tenants.json")),
+            ..Default::default()
+        },
+    )
 }

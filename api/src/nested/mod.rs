@@ -1,12 +1,14 @@
 //! `torpor serve`'s [`SandboxApi`] over its local pod (the in-process
 //! [`Service`]) and the nested pods it runs as children on the same host
 //! (README's `base` on a PVM host: `torpor pod serve` inside a QEMU VM that
-//! dies with serve). Past one machine, torpor runs as a cluster
+//! outlives serve). Past one machine, torpor runs as a cluster
 //! (`--cluster`, [`crate::cluster`]); this only joins one host's pods.
 //!
-//! A nested pod is attached in memory ([`Nested::attach`]) once it answers;
-//! its sandboxes' owners are kept in memory too: the pod and everything on
-//! it die with this process, so nothing of them outlives a restart.
+//! A nested pod is attached in memory ([`Nested::attach`], or
+//! [`Nested::attach_as`] when serve re-attaches to it after a restart);
+//! its sandboxes' owners are kept in serve's store too ([`kept`]), so that
+//! they survive a restart of serve, and a sandbox whose nested host is
+//! gone is listed as failed (410 on its routes) instead of disappearing.
 //!
 //! - placement (`create_sandbox`): among pods that have the template (or
 //!   the one pinned with `pod`), by most free admission headroom; a pod's
@@ -18,6 +20,7 @@
 //! - lists merge the pods (templates with a `pod` field).
 
 mod coming;
+mod kept;
 mod remote;
 
 use std::collections::{BTreeMap, HashMap};
@@ -50,6 +53,10 @@ struct Owned {
     /// environment, for this server's envd and E2B routes.
     access_token: Option<String>,
     env: BTreeMap<String, String>,
+    /// The pod's latest answer about it (shown once it is lost).
+    last_seen: Option<Sandbox>,
+    /// Why it is gone (its nested host stopped), once it is.
+    lost: Option<String>,
 }
 
 /// The local pod and the nested pods.
@@ -82,13 +89,19 @@ fn acting_tenant(owner: Option<&Owner>) -> Option<&str> {
 }
 
 impl<L: SandboxApi> Nested<L> {
-    /// The local pod alone, until a nested pod is attached. `io_timeout`
-    /// bounds each call to a nested pod.
+    /// The local pod alone, until a nested pod is attached, with the
+    /// nested sandboxes its store keeps (none without a local service, or
+    /// if they cannot be read: said in the log). `io_timeout` bounds each
+    /// call to a nested pod.
     pub fn new(local: Arc<L>, io_timeout: Duration) -> Arc<Self> {
+        let owners = kept::load(local.as_ref()).unwrap_or_else(|e| {
+            tracing::error!(error = %e, "the nested pods' sandboxes could not be read from the store");
+            HashMap::new()
+        });
         Arc::new(Nested {
             local,
             pods: RwLock::new(BTreeMap::new()),
-            owners: RwLock::new(HashMap::new()),
+            owners: RwLock::new(owners),
             io_timeout,
             coming: coming::Coming::default(),
         })
@@ -98,9 +111,11 @@ impl<L: SandboxApi> Nested<L> {
         self.pods.read_locked().get(id).cloned()
     }
 
-    /// The nested pod that owns sandbox `id`.
+    /// The nested pod that owns sandbox `id` (none once it is lost).
     fn remote_sandbox(&self, id: &SandboxId) -> Option<RemotePod> {
-        self.owner(id).and_then(|o| self.pod(&o.pod))
+        self.owner(id)
+            .filter(|o| o.lost.is_none())
+            .and_then(|o| self.pod(&o.pod))
     }
 
     fn remote_pods(&self) -> Vec<RemotePod> {
@@ -117,7 +132,9 @@ impl<L: SandboxApi> Nested<L> {
             .read_locked()
             .iter()
             .filter(|(_, o)| {
-                o.pod == *pod && tenant.is_none_or(|want| o.tenant.as_deref() == Some(want))
+                o.pod == *pod
+                    && o.lost.is_none()
+                    && tenant.is_none_or(|want| o.tenant.as_deref() == Some(want))
             })
             .map(|(s, _)| s.clone())
             .collect()
@@ -160,7 +177,24 @@ impl<L: SandboxApi> Nested<L> {
         token: &str,
         pin: Option<Fingerprint>,
     ) -> Result<Value, ServiceError> {
+        self.attach_as(PodId::generate(), address, token, pin)
+    }
+
+    /// [`Nested::attach`] under the id `id` (the one a restarted serve
+    /// recorded for it, so that its sandboxes are found again).
+    pub fn attach_as(
+        &self,
+        id: PodId,
+        address: &str,
+        token: &str,
+        pin: Option<Fingerprint>,
+    ) -> Result<Value, ServiceError> {
         pods::pod_address(address)?;
+        if self.pod(&id).is_some() {
+            return Err(ServiceError::ResourceConflict(format!(
+                "pod {id} is already attached"
+            )));
+        }
         if let Some(known) = self
             .remote_pods()
             .into_iter()
@@ -171,7 +205,7 @@ impl<L: SandboxApi> Nested<L> {
                 known.id
             )));
         }
-        let pod = RemotePod::new(PodId::generate(), address, token, pin, self.io_timeout)?;
+        let pod = RemotePod::new(id, address, token, pin, self.io_timeout)?;
         // A certificate other than the pinned one is not an unreachable pod.
         if let Err(ClientError::Tls { message, .. }) =
             pod.client.request("GET", "/healthz", None, None)
@@ -192,6 +226,23 @@ impl<L: SandboxApi> Nested<L> {
         tracing::info!(pod = %pod.id, %address, "attached a nested pod");
         self.pods.write_locked().insert(pod.id.clone(), pod);
         Ok(entry)
+    }
+
+    /// Detaches pod `id` (its nested host is gone); its sandboxes stay
+    /// recorded ([`Nested::mark_lost`] says why they are gone).
+    pub fn detach(&self, id: &PodId) {
+        if self.pods.write_locked().remove(id).is_some() {
+            tracing::info!(pod = %id, "detached a nested pod");
+        }
+    }
+
+    /// Whether pod `id` answers its `GET /v1/pods` now.
+    pub fn pod_answers(&self, id: &PodId) -> Result<(), ServiceError> {
+        let pod = self.pod(id).ok_or_else(|| ServiceError::NotFound {
+            kind: "pod",
+            id: id.to_string(),
+        })?;
+        pod.load().map(drop)
     }
 
     /// Sends a create or fork to a nested pod; the sandbox it answers with
@@ -231,8 +282,10 @@ impl<L: SandboxApi> Nested<L> {
             tenant: tenant.map(str::to_string),
             access_token,
             env,
+            last_seen: serde_json::from_value(v.clone()).ok(),
+            lost: None,
         };
-        self.owners.write_locked().insert(id, owned);
+        self.keep(id, owned)?;
         Ok(v)
     }
 
@@ -328,15 +381,20 @@ impl<L: SandboxApi> Nested<L> {
             .filter(|s| s.state != SandboxState::Deleted)
             .filter(|s| self.owner(&s.id).is_none() && self.claimable(&s.id, &pod.id))
             .collect();
-        let mut owners = self.owners.write_locked();
-        for s in unrecorded {
+        for mut s in unrecorded {
             tracing::info!(pod = %pod.id, sandbox = %s.id, state = %s.state, "a sandbox of a failed create is recorded");
-            owners.entry(s.id).or_insert(Owned {
+            s.pod = Some(pod.id.clone());
+            let owned = Owned {
                 pod: pod.id.clone(),
-                tenant: s.tenant,
+                tenant: s.tenant.clone(),
                 access_token: None,
                 env: BTreeMap::new(),
-            });
+                last_seen: Some(s.clone()),
+                lost: None,
+            };
+            if let Err(e) = self.keep(s.id, owned) {
+                tracing::warn!(pod = %pod.id, error = %e, "a sandbox of a failed create is not in the store");
+            }
         }
     }
 
@@ -407,7 +465,11 @@ impl<L: SandboxApi> Nested<L> {
         pods::rewrite_pod_ids(&mut v, &pod.id);
         let all: Vec<Sandbox> = serde_json::from_value(v["sandboxes"].take()).map_err(internal)?;
         let ours = self.owned_by(&pod.id, filter.tenant.as_deref());
-        Ok(all.into_iter().filter(|s| ours.contains(&s.id)).collect())
+        let ours: Vec<Sandbox> = all.into_iter().filter(|s| ours.contains(&s.id)).collect();
+        for s in &ours {
+            self.seen(s);
+        }
+        Ok(ours)
     }
 }
 
@@ -490,6 +552,9 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
         self.place(req)
     }
     fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
+        if let Some(lost) = self.lost_sandbox(id) {
+            return lost;
+        }
         match self.remote_sandbox(id) {
             Some(pod) => self.with_secrets(remote::sandbox(&pod, "GET", id, "", None)?),
             None => self.local.get_sandbox(id),
@@ -528,21 +593,28 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
                 ),
             }
         }
+        out.extend(self.lost_listed(filter));
         out.sort_by_key(|s| s.created_at);
         Ok(out)
     }
     fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
+        if let Some(e) = self.lost_error(id) {
+            return Err(e);
+        }
         match self.remote_sandbox(id) {
             Some(pod) => self.outcome_with_secrets(remote::outcome(&pod, id, op)?),
             None => self.local.lifecycle(id, op),
         }
     }
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
+        if self.lost_error(id).is_some() {
+            // Its VM is gone with its nested host: nothing left but ours.
+            return self.forget(id);
+        }
         match self.remote_sandbox(id) {
             Some(pod) => {
                 remote::call(&pod, "DELETE", id, "", None)?;
-                self.owners.write_locked().remove(id);
-                Ok(())
+                self.forget(id)
             }
             None => self.local.delete_sandbox(id),
         }
@@ -553,6 +625,9 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
         keep_alive_ms: Option<u64>,
         timeout_ms: Option<u64>,
     ) -> Result<Sandbox, ServiceError> {
+        if let Some(e) = self.lost_error(id) {
+            return Err(e);
+        }
         match self.remote_sandbox(id) {
             Some(pod) => {
                 let body = serde_json::json!({
@@ -613,12 +688,18 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
         id: &SandboxId,
         range: crate::history_routes::Range,
     ) -> Result<Vec<torpor_scheduler::service::history::MetricSample>, ServiceError> {
+        if let Some(e) = self.lost_error(id) {
+            return Err(e);
+        }
         match self.remote_sandbox(id) {
             Some(pod) => crate::history_routes::on_remote_pod(&pod, id, range),
             None => self.local.metrics_history(id, range),
         }
     }
     fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
+        if let Some(e) = self.lost_error(id) {
+            return Err(e);
+        }
         match self.remote_sandbox(id) {
             Some(pod) => self.fork_remote(&pod, id, req),
             None => self.local.fork_sandbox(id, req),
@@ -629,6 +710,9 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
         id: &SandboxId,
         req: crate::service::TemplateFromSandbox,
     ) -> Result<torpor_scheduler::model::Template, ServiceError> {
+        if let Some(e) = self.lost_error(id) {
+            return Err(e);
+        }
         let Some(pod) = self.remote_sandbox(id) else {
             return self.local.template_from_sandbox(id, req);
         };
@@ -667,9 +751,15 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
         cancel: &Cancel,
         mode: ExecMode<'_>,
     ) -> Result<GuestCall<ExecReply>, ServiceError> {
+        if let Some(e) = self.lost_error(id) {
+            return Err(e);
+        }
         self.local.execute(id, req, cancel, mode)
     }
     fn files(&self, id: &SandboxId, op: FileOp<'_>) -> Result<GuestCall<FileReply>, ServiceError> {
+        if let Some(e) = self.lost_error(id) {
+            return Err(e);
+        }
         if self.remote_sandbox(id).is_none() {
             return self.local.files(id, op);
         }
@@ -681,6 +771,9 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
         id: &SandboxId,
         f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
     ) -> Result<Outcome, ServiceError> {
+        if let Some(e) = self.lost_error(id) {
+            return Err(e);
+        }
         let Some(pod) = self.remote_sandbox(id) else {
             return self.local.with_guest(id, f);
         };

@@ -85,6 +85,7 @@ impl<L: crate::backend::SandboxApi> super::Nested<L> {
     /// never shows (the envd token, the environment) from here.
     pub(super) fn with_secrets(&self, mut sandbox: Sandbox) -> Result<Sandbox, ServiceError> {
         if let Some(o) = self.owner(&sandbox.id) {
+            self.seen(&sandbox);
             (sandbox.access_token, sandbox.env) = (o.access_token, o.env);
         }
         Ok(sandbox)

@@ -29,6 +29,7 @@ pub mod admission;
 mod catalog;
 pub mod journal;
 mod layers;
+mod nested;
 mod network;
 mod sandboxes;
 pub mod schema;
@@ -51,6 +52,7 @@ use torpor_sync::Locked;
 
 pub use journal::{OperationKind, OperationRecord, OperationStatus, StateChange};
 pub use layers::{KnownLayer, LayerOwner};
+pub use nested::NestedSandbox;
 pub use sandboxes::SandboxFilter;
 
 use crate::model::{
@@ -395,6 +397,12 @@ delegate! {
     write fn purge_sandbox(&self, id: &SandboxId) -> ();
     read fn get_sandbox_network(&self, id: &SandboxId) -> Option<SandboxNetwork>;
     write fn set_sandbox_network(&self, id: &SandboxId, network: &SandboxNetwork) -> ();
+    write fn put_nested_sandbox(&self, sandbox: &NestedSandbox) -> ();
+    write_relaxed fn set_nested_last_seen(&self, id: &SandboxId, sandbox: &Sandbox) -> ();
+    read fn get_nested_sandbox(&self, id: &SandboxId) -> Option<NestedSandbox>;
+    read fn nested_sandboxes(&self) -> Vec<NestedSandbox>;
+    write fn remove_nested_sandbox(&self, id: &SandboxId) -> ();
+    write fn mark_nested_lost(&self, keep: Option<&PodId>, reason: &str) -> usize;
     read fn deleted_before(&self, cutoff: Timestamp) -> Vec<SandboxId>;
 
     read fn committed_mib(&self) -> u64;

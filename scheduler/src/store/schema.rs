@@ -188,8 +188,23 @@ ALTER TABLE sandboxes ADD COLUMN guest_unresponsive_at_pause INTEGER NOT NULL DE
     CHECK (guest_unresponsive_at_pause IN (0, 1));
 "#;
 
+/// Version 9: `torpor serve`'s nested pod's sandboxes (`super::nested`):
+/// their pod, tenant, envd token and environment (JSON), the pod's latest
+/// answer about each (JSON) and, once their nested host is gone, why.
+const V9: &str = r#"
+CREATE TABLE nested_sandboxes (
+    id           TEXT PRIMARY KEY,
+    pod          TEXT NOT NULL,
+    tenant       TEXT,
+    access_token TEXT,
+    env          TEXT NOT NULL DEFAULT '{}',
+    last_seen    TEXT,
+    lost         TEXT
+) STRICT, WITHOUT ROWID;
+"#;
+
 /// Every migration, in order.
-pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7, V8];
+pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7, V8, V9];
 
 /// The schema version this build writes.
 pub const CURRENT_VERSION: i64 = MIGRATIONS.len() as i64;

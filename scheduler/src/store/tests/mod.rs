@@ -4,6 +4,7 @@
 mod admission;
 mod catalog;
 mod layers;
+mod nested;
 mod network;
 mod sandboxes;
 
