@@ -3,7 +3,9 @@
 //! A Linux template boots the kernel with the rootfs as a virtio-blk disk
 //! (through a copy-on-write overlay: the user's image is never written) and
 //! virtio-vsock, waits until torpor-agent answers `hello`, pauses and takes
-//! a full snapshot. The VMM freezes the overlay into the snapshot
+//! a full snapshot; an image whose services take longer to come up holds
+//! [`READY_CHECK`], which the build runs through the agent first (the code
+//! interpreter's waits for its server). The VMM freezes the overlay into the snapshot
 //! (`disk0.overlay`); every restore copies the frozen overlay to the
 //! sandbox's own `disk.overlay` and gives it its own `vsock.sock`, and the
 //! next snapshot (hibernation) freezes that overlay again, so the disk
@@ -32,6 +34,14 @@ pub const LINUX_CMDLINE: &str =
 /// How long a Linux template's first boot may take until the agent answers
 /// (nested hosts emulate the CPU: tens of seconds are normal).
 const AGENT_READY_LIMIT: Duration = Duration::from_secs(300);
+/// A template image's readiness check: if the guest has it, a Linux
+/// template's build runs it through the agent once the agent answers and
+/// takes the snapshot only after it exits 0, so that every sandbox starts
+/// with the image's services up (E2B's template `ready_cmd`).
+pub const READY_CHECK: &str = "/etc/torpor/ready";
+/// How long [`READY_CHECK`] may run (an interpreter's kernels start in
+/// seconds on hardware, in minutes under the nested host's TCG).
+const READY_LIMIT: Duration = Duration::from_secs(900);
 /// Smallest memory a Linux template boots with.
 const MIN_LINUX_MIB: u32 = 128;
 
@@ -204,6 +214,7 @@ impl Service {
                 // The agent's connection closes before the snapshot: clones
                 // start with no stale host connection.
                 drop(client);
+                wait_ready_check(&link, &files)?;
                 let snapshot = dir.join("snapshot");
                 vmm::pause_and_snapshot_full(&handle, &snapshot).map(|()| snapshot)
             });
@@ -291,4 +302,41 @@ fn vm_alive(child: &mut Child, files: &VmmFiles) -> Result<(), String> {
 /// The console's last lines, for error messages.
 fn console_tail(path: &Path) -> String {
     vmm::log_tail(path)
+}
+
+/// Runs the guest's [`READY_CHECK`], if it has one, until it exits (its
+/// connection is closed when this returns); a failure or a timeout fails
+/// the build with its output.
+fn wait_ready_check(link: &AgentLink, files: &VmmFiles) -> Result<(), ServiceError> {
+    let req = super::guest::ExecRequest {
+        argv: vec![
+            "/bin/sh".into(),
+            "-c".into(),
+            format!("[ ! -e {READY_CHECK} ] || exec {READY_CHECK}"),
+        ],
+        timeout_ms: Some(READY_LIMIT.as_millis() as u64),
+        max_output_bytes: Some(16 << 10),
+        ..Default::default()
+    };
+    let out = link.exec(req, &super::Cancel::default()).map_err(|e| {
+        ServiceError::Internal(format!(
+            "the template's readiness check {READY_CHECK} did not run: {e}; console: {}",
+            console_tail(&files.console)
+        ))
+    })?;
+    if out.exit.code == Some(0) {
+        return Ok(());
+    }
+    let said = String::from_utf8_lossy(&[out.stdout, out.stderr].concat())
+        .trim()
+        .to_string();
+    let how = if out.exit.timed_out {
+        format!("did not pass within {READY_LIMIT:?}")
+    } else {
+        format!("failed ({:?})", out.exit)
+    };
+    Err(ServiceError::Internal(format!(
+        "the template's readiness check {READY_CHECK} {how}: {said}; console: {}",
+        console_tail(&files.console)
+    )))
 }
