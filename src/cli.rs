@@ -589,8 +589,9 @@ pub struct ServeArgs {
     /// The private key of --tls-cert (PEM).
     #[arg(long, value_name = "PEM", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
-    /// Start the nested host for the `base` Linux template now rather than
-    /// on its first request. On a host whose /dev/kvm cannot boot Linux
+    /// Start the nested host for the Linux templates (`base`, and
+    /// `code-interpreter-v1` when its image is there) now rather than on
+    /// the first request for one. On a host whose /dev/kvm cannot boot Linux
     /// (PVM), Linux templates run in a nested hardware-virtualization host
     /// (QEMU/TCG with kvm_amd): a pod with the template `base`, about a
     /// core while it runs.
@@ -608,6 +609,11 @@ pub struct ServeArgs {
     /// scripts/build-rootfs of this checkout with its agent, cached).
     #[arg(long, value_name = "EXT4")]
     pub nested_rootfs: Option<PathBuf>,
+    /// The root filesystem of `code-interpreter-v1` (default: made with
+    /// this checkout's agent from the tree `scripts/build-rootfs --variant
+    /// interpreter` cached; without either it is not offered).
+    #[arg(long, value_name = "EXT4")]
+    pub nested_interpreter_rootfs: Option<PathBuf>,
     /// Memory of the nested host in MiB (its sandboxes live in it).
     #[arg(long, default_value_t = 3072, value_name = "MIB")]
     pub nested_mem_mib: u32,

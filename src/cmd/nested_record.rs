@@ -28,6 +28,21 @@ pub struct Recorded {
     pub address: String,
     /// The SHA-256 fingerprint of the certificate the pod serves.
     pub fingerprint: String,
+    /// The templates its script builds, `base` first (a record of an
+    /// earlier serve has none: `base` alone).
+    #[serde(default)]
+    pub templates: Vec<String>,
+}
+
+impl Recorded {
+    /// The templates the recorded host builds.
+    pub fn templates(&self) -> Vec<String> {
+        if self.templates.is_empty() {
+            vec![super::nested_templates::BASE.to_string()]
+        } else {
+            self.templates.clone()
+        }
+    }
 }
 
 pub fn record_path(data_dir: &Path) -> PathBuf {
@@ -115,6 +130,7 @@ mod tests {
             pod: PodId::new("pod_0123456789abcdef"),
             address: "tls:127.0.0.1:41234".into(),
             fingerprint: "ab:cd".into(),
+            templates: vec!["base".into(), "code-interpreter-v1".into()],
         };
         (record, child)
     }
@@ -130,7 +146,13 @@ mod tests {
             .permissions()
             .mode();
         assert_eq!(mode & 0o777, 0o600);
-        assert_eq!(read(dir.path()), Some(record));
+        assert_eq!(read(dir.path()), Some(record.clone()));
+        // An earlier serve's record (no templates): `base` alone.
+        let mut json: serde_json::Value =
+            serde_json::from_slice(&fs::read(record_path(dir.path())).unwrap()).unwrap();
+        json.as_object_mut().unwrap().remove("templates");
+        fs::write(record_path(dir.path()), json.to_string()).unwrap();
+        assert_eq!(read(dir.path()).unwrap().templates(), ["base"]);
         remove(dir.path());
         assert_eq!(read(dir.path()), None);
         // A damaged record is dropped, not trusted.

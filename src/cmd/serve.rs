@@ -14,6 +14,7 @@ use torpor_api::nested::Nested;
 use torpor_api::tls::{self, Identity};
 use torpor_scheduler::service::{HostGuests, Service, ServiceConfig};
 
+use super::nested_parts::InterpreterImage;
 use super::{EXIT_FAILURE, EXIT_OK};
 use crate::cli::{PodServeArgs, ServeArgs, ServiceFlags};
 
@@ -263,19 +264,35 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         if args.nested_pod {
             println!("torpor serve: the local pod runs Linux itself; --nested-pod is not needed");
         }
-        let config = super::nested_pod::NestedPodConfig {
+        let config = super::nested_parts::NestedPodConfig {
             kernel: args.nested_kernel.clone(),
             rootfs: args.nested_rootfs.clone(),
+            interpreter: InterpreterImage::Missing("the local pod builds `base` only".into()),
             mem_mib: args.nested_mem_mib,
         };
-        super::nested_pod::local_on_demand(nested.clone(), service.clone(), config);
+        super::nested_parts::local_on_demand(nested.clone(), service.clone(), config);
     } else if !args.no_nested_pod {
-        let config = super::nested_pod::NestedPodConfig {
+        let config = super::nested_parts::NestedPodConfig {
             kernel: args.nested_kernel.clone(),
             rootfs: args.nested_rootfs.clone(),
+            interpreter: InterpreterImage::find(args.nested_interpreter_rootfs.clone()),
             mem_mib: args.nested_mem_mib,
         };
-        let template = super::nested_pod::TEMPLATE;
+        let template = super::nested_templates::BASE;
+        let interpreter = super::nested_templates::INTERPRETER;
+        match &config.interpreter {
+            InterpreterImage::Missing(why) => {
+                println!("torpor serve: `{interpreter}` is not offered: {why}")
+            }
+            InterpreterImage::Given(path) => println!(
+                "torpor serve: `{interpreter}` (the code interpreter) is offered too, from {}",
+                path.display()
+            ),
+            InterpreterImage::Cached => println!(
+                "torpor serve: `{interpreter}` (the code interpreter) is offered too, its image \
+                 made from the cached tree of scripts/build-rootfs --variant interpreter"
+            ),
+        }
         if super::nested_pod::resume(&nested, &data_dir, &config)? {
             println!(
                 "torpor serve: the nested host for Linux templates ran before this start: \

@@ -1,0 +1,287 @@
+//! The templates the nested pod builds, in order: `base`, then
+//! `code-interpreter-v1` (E2B's code interpreter, the image of
+//! `scripts/build-rootfs --variant interpreter`) when serve has that image.
+//! The script L1 runs: install their images, serve the pod, build them
+//! through its API, and say on the console how each went; and how serve
+//! follows the templates that come after `base` (console marks and the
+//! pod's template list) while the host runs.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use torpor_api::nested::Nested;
+use torpor_api::SandboxApi;
+use torpor_client::pin::Fingerprint;
+use torpor_scheduler::model::PodId;
+use torpor_scheduler::service::Service;
+
+/// E2B's default template: the one the nested pod always builds.
+pub const BASE: &str = "base";
+/// E2B's code interpreter template (`e2b-code-interpreter`'s default).
+pub const INTERPRETER: &str = "code-interpreter-v1";
+/// The pod's port inside L1.
+pub const POD_PORT: u16 = 7801;
+/// Where L1 finds the interpreter's rootfs (carried on the payload disk).
+pub const INTERPRETER_ROOTFS: &str = "/opt/torpor/interp-rootfs.ext4";
+
+/// Every console mark starts so.
+const MARK: &str = "TORPOR-NESTED-POD: template";
+
+/// Memory and vCPUs of a template: the interpreter's kernels with numpy,
+/// pandas and matplotlib loaded want more than `base`'s shell (L1 has
+/// about 3 GiB for the pod and its sandboxes).
+fn size(name: &str) -> (u32, u32) {
+    match name {
+        INTERPRETER => (1024, 2),
+        _ => (512, 2),
+    }
+}
+
+/// The console line saying `name` is ready (`base`'s is the one earlier
+/// serves' scripts printed).
+pub fn mark_ready(name: &str) -> String {
+    match name {
+        BASE => format!("{MARK} ready"),
+        _ => format!("{MARK} {name} ready"),
+    }
+}
+
+/// The start of the console line saying building `name` failed (and why).
+pub fn mark_failed(name: &str) -> String {
+    match name {
+        BASE => format!("{MARK} failed:"),
+        _ => format!("{MARK} {name} failed:"),
+    }
+}
+
+/// The script L1 runs: the pod, and `templates` (`base` first) built
+/// through its API one after the other.
+pub fn script(fingerprint: &Fingerprint, templates: &[&str]) -> String {
+    let failed = mark_failed(BASE);
+    let mut install = String::new();
+    let mut build = String::new();
+    for name in templates {
+        // The interpreter boots `base`'s kernel with its own rootfs.
+        if *name == INTERPRETER {
+            install.push_str(&format!(
+                r#"mkdir -p "$IMAGES/{name}"
+cp "$IMAGES/{BASE}/vmlinux" "$IMAGES/{name}/vmlinux"
+mv "$(readlink -f {INTERPRETER_ROOTFS})" "$IMAGES/{name}/rootfs.ext4"
+chmod 0644 "$IMAGES/{name}/vmlinux" "$IMAGES/{name}/rootfs.ext4"
+"#
+            ));
+        }
+        let (mib, vcpus) = size(name);
+        let (ready, failed) = (mark_ready(name), mark_failed(name));
+        build.push_str(&format!(
+            r#"if tpl_create /tmp/template-{name}.out {name} --kind linux --image {name} \
+     --mem-mib {mib} --vcpus {vcpus}; then
+  echo '{ready}'
+else
+  echo "{failed} $(tr '\n' ' ' </tmp/template-{name}.out)"
+  tail -n 30 /tmp/pod.log
+fi
+"#
+        ));
+    }
+    format!(
+        r#"
+test -c /dev/kvm || {{ echo '{failed} L1 has no /dev/kvm'; exit 97; }}
+# The pod jails its VMMs, as on any host (L1's init mounts cgroup2).
+T=/opt/torpor/torpor
+# The images the templates are built from, installed in the pod's images
+# directory. L1's /opt/torpor/* are symlinks into its payload disk, and the
+# pod opens images through no symlink: the files themselves move (a rename
+# on the payload's filesystem, no copy of a rootfs in L1's RAM).
+IMAGES="$(dirname "$(readlink -f /opt/torpor/rootfs.ext4)")/images"
+mkdir -p "$IMAGES/{BASE}"
+mv "$(readlink -f /opt/torpor/vmlinux)" "$(readlink -f /opt/torpor/rootfs.ext4)" "$IMAGES/{BASE}/"
+# Jailed VMMs (their own uids) read the image: whatever mode it came with.
+chmod 0644 "$IMAGES/{BASE}/vmlinux" "$IMAGES/{BASE}/rootfs.ext4"
+{install}
+# The pod's data (templates, snapshots, sandboxes' disks) on the payload
+# disk's spare room, not L1's RAM: a full snapshot of a sandbox writes its
+# whole memory (a tmpfs in L1's 3 GiB filled up at the 32nd hibernation).
+$T pod serve --listen tcp:0.0.0.0:{POD_PORT} --token-file /opt/torpor/pod.token \
+   --tls-cert /opt/torpor/pod-cert.pem --tls-key /opt/torpor/pod-key.pem \
+   --data-dir /payload/pod --images-dir "$IMAGES" --request-timeout-ms 1800000 \
+   2>&1 | tee /tmp/pod.log &
+# The pod's log is on L1's console too: `torpor serve` shows its tail when
+# the nested host fails, and all of it with TORPOR_NESTED_ECHO=1.
+POD=$!
+export TORPOR_API=https://127.0.0.1:{POD_PORT} TORPOR_API_FINGERPRINT={fingerprint} \
+   TORPOR_TOKEN="$(cat /opt/torpor/pod.token)"
+i=0; until $T template list >/dev/null 2>&1 || [ $i -ge 600 ]; do sleep 0.2; i=$((i+1)); done
+{create_twice}
+{build}
+wait $POD
+"#,
+        create_twice = torpor_nested::TEMPLATE_CREATE_SH
+    )
+}
+
+/// Whether `pod` lists template `name`, ready.
+pub fn ready_on(nested: &Nested<Service>, pod: &PodId, name: &str) -> bool {
+    nested.template_entries().is_ok_and(|entries| {
+        entries
+            .iter()
+            .any(|t| t["name"] == name && t["pod"] == pod.as_str() && t["state"] == "ready")
+    })
+}
+
+/// Follows the templates a running nested host builds after `base`: each
+/// is coming (503 with why) until the pod lists it ready or the console
+/// says it failed.
+pub struct Later {
+    pending: Vec<String>,
+    marks: ConsoleMarks,
+}
+
+impl Later {
+    /// `names` (besides `base`) built by the host whose console file is
+    /// `console`, on `pod`.
+    pub fn new(names: &[String], console: PathBuf) -> Self {
+        Later {
+            pending: names.iter().filter(|n| *n != BASE).cloned().collect(),
+            marks: ConsoleMarks::new(console),
+        }
+    }
+
+    /// Marks every pending template as being built on `pod`.
+    pub fn coming(&self, nested: &Nested<Service>, pod: &PodId) {
+        for name in &self.pending {
+            nested.template_coming(
+                name,
+                Some(format!(
+                    "the nested pod {pod} is building it (after `{BASE}`)"
+                )),
+            );
+        }
+    }
+
+    /// Looks at the console and the pod once: templates that became ready
+    /// are there (said), those whose build failed answer why.
+    pub fn check(&mut self, nested: &Nested<Service>, pod: &PodId, since: std::time::Instant) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let lines = self.marks.scan();
+        self.pending.retain(|name| {
+            let failed = mark_failed(name);
+            if let Some(line) = lines.iter().find(|l| l.contains(&failed)) {
+                let why = line.split(&failed).nth(1).unwrap_or("").trim();
+                eprintln!("torpor serve: the nested pod could not build `{name}`: {why}");
+                nested.template_coming(name, Some(format!("building it failed: {why}")));
+                return false;
+            }
+            let ready = mark_ready(name);
+            if lines.iter().any(|l| l.contains(&ready)) || ready_on(nested, pod, name) {
+                nested.template_coming(name, None);
+                println!(
+                    "torpor serve: template `{name}` ready in the nested host (pod {pod}) \
+                     {:.0}s after it started",
+                    since.elapsed().as_secs_f64()
+                );
+                return false;
+            }
+            true
+        });
+    }
+}
+
+/// Lines of L1's console file with [`MARK`] in them, read on from where
+/// the last scan stopped (the console file keeps everything; the running
+/// host's tail only its last lines, which a busy pod's log scrolls past).
+struct ConsoleMarks {
+    path: PathBuf,
+    offset: u64,
+    partial: Vec<u8>,
+}
+
+impl ConsoleMarks {
+    fn new(path: PathBuf) -> Self {
+        ConsoleMarks {
+            path,
+            offset: 0,
+            partial: Vec::new(),
+        }
+    }
+
+    /// The marked lines that came since the last scan.
+    fn scan(&mut self) -> Vec<String> {
+        let Ok(mut file) = File::open(&self.path) else {
+            return Vec::new();
+        };
+        let mut fresh = Vec::new();
+        if file.seek(SeekFrom::Start(self.offset)).is_err() || file.read_to_end(&mut fresh).is_err()
+        {
+            return Vec::new();
+        }
+        self.offset += fresh.len() as u64;
+        self.partial.extend_from_slice(&fresh);
+        let Some(end) = self.partial.iter().rposition(|&b| b == b'\n') else {
+            return Vec::new();
+        };
+        let complete: Vec<u8> = self.partial.drain(..=end).collect();
+        String::from_utf8_lossy(&complete)
+            .lines()
+            .filter(|l| l.contains(MARK))
+            .map(|l| l.trim_end_matches('\r').to_string())
+            .collect()
+    }
+}
+
+/// The console file of a host started in `work` (`torpor_nested`'s).
+pub fn console_file(work: &Path) -> PathBuf {
+    work.join(torpor_nested::CONSOLE_FILE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn marks_are_distinct_per_template() {
+        assert_eq!(mark_ready(BASE), "TORPOR-NESTED-POD: template ready");
+        assert_eq!(mark_failed(BASE), "TORPOR-NESTED-POD: template failed:");
+        let (ready, failed) = (mark_ready(INTERPRETER), mark_failed(INTERPRETER));
+        for base in [mark_ready(BASE), mark_failed(BASE)] {
+            assert!(!ready.contains(&base) && !failed.contains(&base));
+        }
+    }
+
+    #[test]
+    fn the_script_builds_the_interpreter_after_base() {
+        let fp = Fingerprint::parse(&"ab".repeat(32)).unwrap();
+        let alone = script(&fp, &[BASE]);
+        assert!(!alone.contains(INTERPRETER), "{alone}");
+        let both = script(&fp, &[BASE, INTERPRETER]);
+        let base_at = both.find("tpl_create /tmp/template-base.out base").unwrap();
+        let interp_at = both
+            .find("tpl_create /tmp/template-code-interpreter-v1.out code-interpreter-v1")
+            .unwrap();
+        assert!(base_at < interp_at, "{both}");
+        assert!(both.contains("--mem-mib 1024"), "{both}");
+        assert!(both.contains(&mark_ready(INTERPRETER)), "{both}");
+        assert!(both.contains(INTERPRETER_ROOTFS), "{both}");
+    }
+
+    #[test]
+    fn console_marks_are_read_on_from_the_last_scan() {
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("console.log");
+        let mut file = File::create(&path).unwrap();
+        let mut marks = ConsoleMarks::new(path);
+        assert!(marks.scan().is_empty());
+        write!(file, "booting\n{}\nhalf a ", mark_ready(BASE)).unwrap();
+        assert_eq!(marks.scan(), [mark_ready(BASE)]);
+        write!(file, "line {}\r\n", mark_ready(INTERPRETER)).unwrap();
+        assert_eq!(
+            marks.scan(),
+            [format!("half a line {}", mark_ready(INTERPRETER))]
+        );
+        assert!(marks.scan().is_empty());
+    }
+}
