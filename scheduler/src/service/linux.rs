@@ -318,18 +318,26 @@ fn wait_ready_check(link: &AgentLink, files: &VmmFiles) -> Result<(), ServiceErr
         max_output_bytes: Some(16 << 10),
         ..Default::default()
     };
+    let started = std::time::Instant::now();
     let out = link.exec(req, &super::Cancel::default()).map_err(|e| {
         ServiceError::Internal(format!(
             "the template's readiness check {READY_CHECK} did not run: {e}; console: {}",
             console_tail(&files.console)
         ))
     })?;
-    if out.exit.code == Some(0) {
-        return Ok(());
-    }
     let said = String::from_utf8_lossy(&[out.stdout, out.stderr].concat())
         .trim()
         .to_string();
+    if out.exit.code == Some(0) {
+        if !said.is_empty() {
+            tracing::info!(
+                seconds = started.elapsed().as_secs(),
+                output = %said,
+                "the template's readiness check passed"
+            );
+        }
+        return Ok(());
+    }
     let how = if out.exit.timed_out {
         format!("did not pass within {READY_LIMIT:?}")
     } else {
