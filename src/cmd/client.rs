@@ -15,8 +15,11 @@ use crate::cli::ClientArgs;
 const DEFAULT_API: &str = "http://127.0.0.1:7700";
 /// Longest wait for an answer (or, streaming, for the next chunk): the
 /// server ends requests at its own limit (`serve --request-timeout-ms`,
-/// 120 s by default), so this is only a backstop against a hung server.
-const IO_TIMEOUT: Duration = Duration::from_secs(900);
+/// 120 s by default), so this is only a backstop against a hung server,
+/// past the longest limit a server is given (the nested pod's 30 minutes,
+/// for template builds under TCG: a 15-minute backstop cut the code
+/// interpreter's build short and made its script try again meanwhile).
+const IO_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// Where a streamed response body goes, chunk by chunk.
 type ChunkSink<'a> = &'a mut dyn FnMut(&[u8]);

@@ -103,6 +103,8 @@ chmod 0644 "$IMAGES/{BASE}/vmlinux" "$IMAGES/{BASE}/rootfs.ext4"
 # The pod's data (templates, snapshots, sandboxes' disks) on the payload
 # disk's spare room, not L1's RAM: a full snapshot of a sandbox writes its
 # whole memory (a tmpfs in L1's 3 GiB filled up at the 32nd hibernation).
+# Warnings, and what a template's readiness check said.
+TORPOR_LOG=warn,torpor_scheduler::service::linux=info \
 $T pod serve --listen tcp:0.0.0.0:{POD_PORT} --token-file /opt/torpor/pod.token \
    --tls-cert /opt/torpor/pod-cert.pem --tls-key /opt/torpor/pod-key.pem \
    --data-dir /payload/pod --images-dir "$IMAGES" --request-timeout-ms 1800000 \
