@@ -12,6 +12,17 @@
 //! and hibernated sandboxes answer with their files, environment and envd
 //! token; `--no-nested-pod` stops it and never starts one.
 //!
+//! The code interpreter step (with the interpreter's image, which
+//! `scripts/setup test` builds): serve offers `code-interpreter-v1` too
+//! (503 while it comes), the nested pod builds it after `base`, and the
+//! real code interpreter SDKs run through serve with only the E2B URLs and
+//! the key set (`tests/e2b/sdk_interp_serve.py`: state, callbacks, errors,
+//! a PNG, a DataFrame, bash, a timeout, pause -> connect, kill; and
+//! `sdk_interp_serve.mjs`: create -> runCode -> kill). `scripts/test` leaves
+//! it out (`--skip nested_pod_code_interpreter`, from `tests/needs`) when
+//! the image or the SDKs are missing; run directly, it fails saying what is
+//! missing.
+//!
 //! Needs the nested host (`scripts/nested-host prepare`), the guest kernel,
 //! the agent and the rootfs (the scripts build or find them); fails saying
 //! what is missing; `TORPOR_SKIP_NESTED=1 scripts/test` leaves it out
@@ -29,6 +40,26 @@ use common::serve::DataDir;
 use common::{complete_lines, stderr, stdout, torpor_with_env, TORPOR};
 
 const TOKEN: &str = "nested-pod-token";
+/// The code interpreter step's name for `--skip` (no test has it: the
+/// step is left out when this run was given `--skip` with a filter it
+/// contains, as `scripts/test` does from `tests/needs`).
+const INTERP_STEP: &str = "nested_pod_code_interpreter";
+
+/// Whether this run leaves the code interpreter step out: libtest's
+/// `--skip FILTER` (or `--skip=FILTER`) arguments, as it matches them
+/// against test names.
+fn interpreter_step_left_out() -> bool {
+    let args: Vec<String> = std::env::args().collect();
+    let mut skips = Vec::new();
+    for (i, arg) in args.iter().enumerate() {
+        if arg == "--skip" {
+            skips.extend(args.get(i + 1).cloned());
+        } else if let Some(filter) = arg.strip_prefix("--skip=") {
+            skips.push(filter.to_string());
+        }
+    }
+    skips.iter().any(|f| INTERP_STEP.contains(f.as_str()))
+}
 
 /// `torpor ARGS` against the serve at `api`.
 fn cli(api: &str, args: &[&str], limit: Duration) -> Output {
@@ -135,6 +166,16 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
         "{text}"
     );
     assert!(!text.contains("starting the nested host"), "{text}");
+    let interp = !interpreter_step_left_out();
+    if interp {
+        assert!(
+            text.contains("`code-interpreter-v1` (the code interpreter) is offered too"),
+            "serve does not offer the code interpreter: its image is missing (scripts/setup \
+             test builds it; `--skip {INTERP_STEP}` leaves this step out):\n{text}"
+        );
+    } else {
+        eprintln!("nested_pod: the code interpreter step is left out (--skip {INTERP_STEP})");
+    }
     // The first request for `base` starts it and is a clear 503 saying
     // what it waits for, with Retry-After.
     let addr = api.trim_start_matches("http://").to_string();
@@ -174,6 +215,24 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
     );
     assert_eq!(e2b.status, 503, "{}", e2b.body);
     assert!(e2b.header("retry-after").is_some(), "{}", e2b.head);
+    if interp {
+        // The interpreter comes with the same nested host: 503 too.
+        let early = common::http::request_with(
+            &addr,
+            "POST",
+            "/sandboxes",
+            &[("X-API-KEY", TOKEN)],
+            Some(r#"{"templateID":"code-interpreter-v1"}"#),
+        );
+        assert_eq!(early.status, 503, "{}", early.body);
+        assert!(
+            early
+                .body
+                .contains("template code-interpreter-v1 is not available yet"),
+            "{}",
+            early.body
+        );
+    }
     // The template is being prepared: progress is in the log.
     wait_line(&log, serve, Duration::from_secs(120), |l| {
         l.contains("`base` was asked for: starting the nested host")
@@ -268,6 +327,10 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
             "nested_pod: {script} passed in {:.0}s",
             started.elapsed().as_secs_f64()
         );
+    }
+
+    if interp {
+        code_interpreter_step(&api, &log, serve, started);
     }
 
     ok(
@@ -380,6 +443,43 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
         "pod list",
     );
     assert!(!pods.contains(&pod), "{pods}");
+}
+
+/// `code-interpreter-v1`, built by the nested pod after `base`: once it is
+/// ready, the real code interpreter SDKs (Python: the long round, JS:
+/// create -> runCode -> kill) through serve at `api`, each call bounded by
+/// 120 s (TCG); the timings they measured are printed.
+fn code_interpreter_step(api: &str, log: &Path, serve: &mut std::process::Child, started: Instant) {
+    use common::e2b::{run_script, Sdk};
+    let ready = wait_line(log, serve, Duration::from_secs(30 * 60), |l| {
+        l.contains("template `code-interpreter-v1` ready in the nested host")
+    });
+    eprintln!(
+        "nested_pod: {ready} (test saw it after {:.0}s)",
+        started.elapsed().as_secs_f64()
+    );
+    for (sdk, script, limit) in [
+        (Sdk::Python, "sdk_interp_serve.py", 1800),
+        (Sdk::Js, "sdk_interp_serve.mjs", 600),
+    ] {
+        let began = Instant::now();
+        let out = run_script(
+            sdk,
+            script,
+            &["120"],
+            api,
+            TOKEN,
+            &[],
+            Duration::from_secs(limit),
+        );
+        for line in out.lines().filter(|l| l.starts_with("timing: ")) {
+            eprintln!("nested_pod: {script} {line}");
+        }
+        eprintln!(
+            "nested_pod: {script} passed in {:.0}s",
+            began.elapsed().as_secs_f64()
+        );
+    }
 }
 
 /// kill -9 of serve with a running and a hibernated Linux sandbox of a
