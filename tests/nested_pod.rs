@@ -249,6 +249,9 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
         (Sdk::Js, "sdk_envd.mjs", &["/home/user/sdk-js"][..]),
         (Sdk::Python, "sdk_control.py", &[][..]),
         (Sdk::Js, "sdk_control.mjs", &[][..]),
+        // A guest port (`python3 -m http.server` in the sandbox) both ways
+        // the SDKs address one: E2B's headers and `{port}-{id}.{domain}`.
+        (Sdk::Python, "sdk_ports.py", &["/tmp"][..]),
         // The pause -> connect soak, bounded here (`cargo bench --bench e2b
         // -- --soak` runs it full length): one sandbox, then five at once.
         (Sdk::Python, "sdk_soak.py", &["base", "17", "1"][..]),
