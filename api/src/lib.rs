@@ -622,13 +622,7 @@ pub async fn serve_tls_app<F>(
 where
     F: Future<Output = ()> + Send + 'static,
 {
-    let server = identity
-        .server_config()
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    let listener = tls::TlsListener::new(listener, server)?;
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    serve_tls_offering(listener, identity, false, app, shutdown).await
 }
 
 /// [`serve_tls_app`] offering HTTP/2 by ALPN beside HTTP/1.1 (the
@@ -643,12 +637,30 @@ pub async fn serve_tls_app_h2<F>(
 where
     F: Future<Output = ()> + Send + 'static,
 {
-    let server = identity
+    serve_tls_offering(listener, identity, true, app, shutdown).await
+}
+
+/// `app` over TLS with `identity`'s certificate, offering `h2` by ALPN
+/// when `h2` is set.
+async fn serve_tls_offering<F>(
+    listener: tokio::net::TcpListener,
+    identity: &tls::Identity,
+    h2: bool,
+    app: Router,
+    shutdown: F,
+) -> std::io::Result<()>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let mut server = identity
         .server_config()
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    let mut server = (*server).clone();
-    server.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    let listener = tls::TlsListener::new(listener, Arc::new(server))?;
+    if h2 {
+        let mut offering = (*server).clone();
+        offering.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        server = Arc::new(offering);
+    }
+    let listener = tls::TlsListener::new(listener, server)?;
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await

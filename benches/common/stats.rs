@@ -1,5 +1,6 @@
 //! Percentiles of samples: the benches' one definition (the root
-//! benches through `common`, `api/benches/ports.rs` by path).
+//! benches through `common`, `api/benches/ports.rs` and
+//! `api/benches/fairness.rs` by path).
 
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
