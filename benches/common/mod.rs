@@ -1,10 +1,12 @@
 //! Helpers shared by the benches: run `torpor vmm`, talk to its control
 //! socket, watch the probe's console (`restore`, `dirty`); talk HTTP to
 //! `torpor serve` (`http`: `density`, `api`; `serve`: start and stop one); and
-//! percentiles (`stats`, which the API crate's `ports` bench shares).
+//! percentiles (`stats`, which the API crate's `ports` bench shares); an SDK
+//! driver's samples (`samples`).
 #![allow(dead_code)]
 
 pub mod http;
+pub mod samples;
 pub mod serve;
 mod stats;
 
