@@ -52,10 +52,12 @@ pub struct NestedPodConfig {
     pub kernel: Option<PathBuf>,
     pub rootfs: Option<PathBuf>,
     pub mem_mib: u32,
+    /// vCPUs of the template `base`.
+    pub vcpus: u32,
 }
 
 /// The script L1 runs: the pod, and the template built through its API.
-fn script(fingerprint: &Fingerprint) -> String {
+fn script(fingerprint: &Fingerprint, vcpus: u32) -> String {
     format!(
         r#"
 test -c /dev/kvm || {{ echo '{MARK_FAILED} L1 has no /dev/kvm'; exit 97; }}
@@ -85,7 +87,7 @@ export TORPOR_API=https://127.0.0.1:{POD_PORT} TORPOR_API_FINGERPRINT={fingerpri
 i=0; until $T template list >/dev/null 2>&1 || [ $i -ge 600 ]; do sleep 0.2; i=$((i+1)); done
 {create_twice}
 if tpl_create /tmp/template.out {TEMPLATE} --kind linux --image {TEMPLATE} \
-     --mem-mib 512 --vcpus 2; then
+     --mem-mib 512 --vcpus {vcpus}; then
   echo '{MARK_READY}'
 else
   echo "{MARK_FAILED} $(tr '\n' ' ' </tmp/template.out)"
@@ -348,7 +350,11 @@ fn boot(
     let mut attempt = 1;
     loop {
         let mut running = host
-            .start_detached(&script(&secrets.fingerprint), &[POD_PORT], &work)
+            .start_detached(
+                &script(&secrets.fingerprint, config.vcpus),
+                &[POD_PORT],
+                &work,
+            )
             .map_err(|e| format!("cannot start the nested host: {e}"))?;
         let pod = PodId::generate();
         let port = running
@@ -551,7 +557,7 @@ fn build_locally(
             kind: TemplateKind::Linux,
             image: Some(TEMPLATE.into()),
             mem_mib: 512,
-            vcpus: 2,
+            vcpus: config.vcpus,
             cmdline: None,
             pod: None,
             owner: None,

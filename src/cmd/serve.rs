@@ -267,6 +267,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             kernel: args.nested_kernel.clone(),
             rootfs: args.nested_rootfs.clone(),
             mem_mib: args.nested_mem_mib,
+            // Real VMX/SVM: none of TCG's secondary-vCPU faults.
+            vcpus: 2,
         };
         super::nested_pod::local_on_demand(nested.clone(), service.clone(), config);
     } else if !args.no_nested_pod {
@@ -274,6 +276,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             kernel: args.nested_kernel.clone(),
             rootfs: args.nested_rootfs.clone(),
             mem_mib: args.nested_mem_mib,
+            vcpus: args.nested_vcpus,
         };
         let template = super::nested_pod::TEMPLATE;
         if super::nested_pod::resume(&nested, &data_dir, &config)? {
