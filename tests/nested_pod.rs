@@ -333,12 +333,18 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
     // kill -9 of serve leaves the nested host running (above); serve with
     // --no-nested-pod stops it: its forwarded port closes.
     let text = std::fs::read_to_string(&_show.0).unwrap();
-    let port = text
+    // The first line naming it is "re-attaching ... at tls:127.0.0.1:PORT)":
+    // the port is the digits only.
+    let port: u16 = text
         .lines()
         .find_map(|l| l.split(" at tls:127.0.0.1:").nth(1))
-        .and_then(|r| r.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no nested pod address in:\n{text}"))
-        .to_string();
+        .map(|r| {
+            r.chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+        })
+        .and_then(|digits| digits.parse().ok())
+        .unwrap_or_else(|| panic!("no nested pod address in:\n{text}"));
     let _ = serve.kill();
     let _ = serve.wait();
     assert!(
