@@ -254,9 +254,9 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
         (Sdk::Python, "sdk_ports.py", &["/tmp"][..]),
         // The pause -> connect soak, bounded here to what CI's budget
         // holds (`cargo bench --bench e2b -- --soak` runs it full length):
-        // one sandbox, then three at once.
-        (Sdk::Python, "sdk_soak.py", &["base", "5", "1"][..]),
-        (Sdk::Python, "sdk_soak.py", &["base", "2", "3"][..]),
+        // one sandbox, then two at once.
+        (Sdk::Python, "sdk_soak.py", &["base", "4", "1"][..]),
+        (Sdk::Python, "sdk_soak.py", &["base", "2", "2"][..]),
     ] {
         let started = Instant::now();
         run_script(
