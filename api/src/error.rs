@@ -275,6 +275,11 @@ impl From<ServiceError> for ApiError {
                 code::ADMISSION_REFUSED,
                 message,
             ),
+            // Memory pressure: a wait, as a rate limit's.
+            ServiceError::Pressure { retry_after_s, .. } => ApiError {
+                retry_after: Some(retry_after_s),
+                ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, code::RATE_LIMITED, message)
+            },
             ServiceError::ResourceConflict(_) => {
                 ApiError::new(StatusCode::CONFLICT, code::CONFLICT, message)
             }
@@ -592,6 +597,20 @@ mod tests {
         assert_eq!(api.code, "unavailable");
         let response = api.into_response();
         assert_eq!(response.headers()[header::RETRY_AFTER], "20");
+    }
+
+    #[test]
+    fn memory_pressure_is_a_429_rate_limit_with_retry_after() {
+        let api = ApiError::from(ServiceError::Pressure {
+            resident_mib: 700,
+            hard_mib: 650,
+            retry_after_s: 1,
+        });
+        assert_eq!(api.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(api.code, code::RATE_LIMITED);
+        assert!(api.message.contains("700 MiB resident"), "{api}");
+        let response = api.into_response();
+        assert_eq!(response.headers()[header::RETRY_AFTER], "1");
     }
 
     #[test]

@@ -384,6 +384,29 @@ impl PolicyDriver for SimPod<'_> {
         Some(true)
     }
 
+    /// Pressure hibernations start together, each on a lane of its own
+    /// while lanes are free; the round ends when the last one does.
+    fn hibernate_batch(&mut self, batch: &[Sandbox]) -> Vec<Option<bool>> {
+        let at = self.policy_busy_until.max(self.now);
+        let mut ends = at;
+        let answers = batch
+            .iter()
+            .map(|s| {
+                let i = index_of(&s.id)?;
+                let b = self.boxes.get(i)?;
+                if b.work.is_some() || b.active_until > self.now || !b.live {
+                    return None;
+                }
+                let ms = self.cal.hibernate_cost_ms(b.dirty_mib);
+                self.start_work(i, Work::Hibernate(PolicyReason::Watermark), at, ms);
+                ends = ends.max(self.boxes[i].work.map_or(at, |(_, end)| end));
+                Some(true)
+            })
+            .collect();
+        self.policy_busy_until = ends;
+        answers
+    }
+
     fn tend(&mut self, _s: &Sandbox) {}
 
     fn memory_bytes(&self, s: &Sandbox) -> u64 {
