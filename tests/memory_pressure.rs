@@ -14,16 +14,15 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::http::{request, HttpResponse, InProcessApi};
 use common::serve::DataDir;
 use serde_json::{json, Value};
-use torpor_scheduler::model::{SandboxId, TemplateKind};
+use torpor_scheduler::model::SandboxId;
 use torpor_scheduler::policy::Marks;
-use torpor_scheduler::service::{CreateTemplate, Service, ServiceConfig, LOCAL_POD};
+use torpor_scheduler::service::{Service, LOCAL_POD};
 use torpor_scheduler::store::SandboxFilter;
 use torpor_scheduler::{PodId, SandboxState};
 
@@ -63,30 +62,16 @@ struct Hog {
 impl Hog {
     fn new() -> Self {
         let data = DataDir::new("memory-hog");
-        let mut config = ServiceConfig::new(
-            data.0.clone(),
-            PathBuf::from(env!("CARGO_BIN_EXE_torpor-vmm")),
+        // Only memory pressure hibernates; the guests rewrite their
+        // workload once a second: light on the CPU, and a restored guest
+        // has touched it within a second.
+        let service = common::service_with_probe(
+            &data.0,
+            |c| c.default_keep_alive_ms = 3_600_000,
+            "hog",
+            128,
+            &format!("probe.mib={WORKLOAD_MIB} probe.ticks=100 probe.hz=100"),
         );
-        config.policy_interval_ms = 0;
-        // Only memory pressure hibernates.
-        config.default_keep_alive_ms = 3_600_000;
-        let service = Service::open(config).expect("open the service");
-        service
-            .create_template(CreateTemplate {
-                name: "hog".into(),
-                kind: TemplateKind::Probe,
-                image: None,
-                owner: None,
-                mem_mib: 128,
-                vcpus: 1,
-                // Once a second: light on the CPU, and a restored guest
-                // has touched its workload within a second.
-                cmdline: Some(format!(
-                    "probe.mib={WORKLOAD_MIB} probe.ticks=100 probe.hz=100"
-                )),
-                pod: None,
-            })
-            .expect("build the hog template");
         let api = InProcessApi::start(
             service.clone(),
             torpor_api::ApiConfig {
@@ -128,22 +113,12 @@ impl Hog {
     }
 
     /// Waits until sandbox `id`'s guest holds its workload resident.
-    fn touched(&self, id: &str) -> u64 {
+    fn touched(&self, id: &str) {
         let id = SandboxId::new(id);
-        let deadline = Instant::now() + WAIT;
-        loop {
+        common::wait_for(WAIT, || {
             let s = self.service.get_sandbox(&id).unwrap();
-            let resident = s.memory.and_then(|m| m.resident_bytes).unwrap_or(0);
-            if resident >= WORKLOAD_MIB * MIB {
-                return resident;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{id} holds {resident} bytes resident, never its workload: {:?}",
-                s.state
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            s.memory.and_then(|m| m.resident_bytes).unwrap_or(0) >= WORKLOAD_MIB * MIB
+        });
     }
 
     /// Records a step of the timeline (the pod as `GET /v1/pods` shows

@@ -174,28 +174,27 @@ mod tests {
         cgroup2 /sys/fs/cgroup/unified cgroup2 rw,relatime 0 0\n";
 
     #[test]
-    fn a_v1_jail_is_found_under_the_memory_mount() {
-        let cgroups = "4:memory:/torpor/12-0-1-200001\n1:cpu:/torpor/12-0-1-200001\n0::/\n";
-        assert_eq!(
-            memory_cgroup_dir(cgroups, MOUNTS),
-            Some((
-                PathBuf::from("/sys/fs/cgroup/memory/torpor/12-0-1-200001"),
-                Version::V1
-            ))
-        );
-    }
-
-    #[test]
-    fn a_v2_jail_is_found_under_the_unified_mount() {
-        let cgroups = "4:memory:/process_api/x\n0::/torpor/12-0-1-200001\n";
-        let mounts = "cgroup2 /sys/fs/cgroup cgroup2 rw 0 0\n";
-        assert_eq!(
-            memory_cgroup_dir(cgroups, mounts),
-            Some((
-                PathBuf::from("/sys/fs/cgroup/torpor/12-0-1-200001"),
-                Version::V2
-            ))
-        );
+    fn a_jail_is_found_under_its_hierarchys_mount() {
+        let cases = [
+            // v1: the memory controller's line, under its mount.
+            (
+                "4:memory:/torpor/12-0-1-200001\n1:cpu:/torpor/12-0-1-200001\n0::/\n",
+                MOUNTS,
+                "/sys/fs/cgroup/memory/torpor/12-0-1-200001",
+                Version::V1,
+            ),
+            // v2: the unified line (the v1 memory line is the service's).
+            (
+                "4:memory:/process_api/x\n0::/torpor/12-0-1-200001\n",
+                "cgroup2 /sys/fs/cgroup cgroup2 rw 0 0\n",
+                "/sys/fs/cgroup/torpor/12-0-1-200001",
+                Version::V2,
+            ),
+        ];
+        for (cgroups, mounts, dir, version) in cases {
+            let found = memory_cgroup_dir(cgroups, mounts);
+            assert_eq!(found, Some((PathBuf::from(dir), version)), "{cgroups}");
+        }
     }
 
     #[test]
