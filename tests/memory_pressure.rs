@@ -285,7 +285,8 @@ fn a_pod_of_memory_hogs_stays_within_its_ram() {
         SandboxState::Hibernated
     );
 
-    // The next round reclaims, several at once, and the pod admits again.
+    // The next round reclaims, several sandboxes, and the pod admits
+    // again.
     hog.round();
     assert!(
         (hog.resident_mib() as f64) <= low_mib * 1.05,

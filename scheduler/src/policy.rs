@@ -4,7 +4,8 @@
 //! sandboxes past their timeout, hibernate those idle past their
 //! keep-alive, then, once the pod's resident memory is above its high
 //! mark, ask idle sandboxes' guests to give memory back (a balloon target)
-//! and only then hibernate the least recently used, several at once, until
+//! and only then hibernate the least recently used, several at once
+//! ([`pressure_batch`]), until
 //! it is below its low mark) and the pressure gate (past the hard mark,
 //! creates and wakes wait: 429 with `Retry-After`).
 //!
@@ -44,9 +45,16 @@ pub struct Marks {
 /// of activity before the next reclaim.
 pub const LOW_MARK_OF_HIGH: f64 = 0.9;
 
-/// Most pressure hibernations at once: their snapshots' writes share the
-/// pod's disk, and each holds a blocking thread.
+/// Most pressure hibernations at once on any pod: their snapshots' writes
+/// share the pod's disk, and each holds a blocking thread.
 pub const PRESSURE_HIBERNATIONS_AT_ONCE: usize = 4;
+
+/// Pressure hibernations at once on a pod of `vcpus`: half its cores (at
+/// least one, at most [`PRESSURE_HIBERNATIONS_AT_ONCE`]), so that creates
+/// and wakes keep the other half meanwhile.
+pub fn pressure_batch(vcpus: u32) -> usize {
+    (vcpus as usize / 2).clamp(1, PRESSURE_HIBERNATIONS_AT_ONCE)
+}
 
 impl Marks {
     /// The marks of a pod whose high watermark is `high`.
@@ -190,7 +198,7 @@ pub trait PolicyDriver {
     /// hibernation failed.
     fn hibernate(&mut self, s: &Sandbox, reason: PolicyReason) -> Option<bool>;
     /// Hibernates `batch` for memory pressure, at once (at most
-    /// [`PRESSURE_HIBERNATIONS_AT_ONCE`]): each answer as
+    /// [`pressure_batch`] of the pod's cores): each answer as
     /// [`PolicyDriver::hibernate`]'s, in order.
     fn hibernate_batch(&mut self, batch: &[Sandbox]) -> Vec<Option<bool>>;
     /// Housekeeping of a sandbox the round leaves running (is its VMM
@@ -238,7 +246,7 @@ pub fn run_round(d: &mut impl PolicyDriver) {
 /// Once the pod's resident memory is above its high mark: first asks idle
 /// running sandboxes, least recently used first, to shrink (counting what
 /// they are expected to give back), then hibernates least recently used
-/// sandboxes, [`PRESSURE_HIBERNATIONS_AT_ONCE`] at a time, until it is
+/// sandboxes, [`pressure_batch`] at a time, until it is
 /// below the low mark. A shrink takes effect over seconds; the next round
 /// measures it, and hibernates if it was not enough (a sandbox is asked
 /// once per idle spell).
@@ -275,7 +283,7 @@ pub fn enforce_watermark(d: &mut impl PolicyDriver) {
         // holds, at most so many at once.
         let mut batch = Vec::new();
         let mut expected = total;
-        while (expected as f64) > low && batch.len() < PRESSURE_HIBERNATIONS_AT_ONCE {
+        while (expected as f64) > low && batch.len() < pressure_batch(pod.vcpus) {
             let Some((s, m)) = coldest.next() else {
                 break;
             };
@@ -327,7 +335,7 @@ mod tests {
                 address: crate::model::PodAddress::Local,
                 token_hash: None,
                 memory_bytes: 1000,
-                vcpus: 1,
+                vcpus: 4,
                 disk_bytes: 0,
                 oversubscription_ratio: 1.0,
                 high_watermark: 0.5,
@@ -408,6 +416,14 @@ mod tests {
         assert_eq!(d.shrunk, vec![ids[1].clone(), ids[2].clone()]);
         assert_eq!(d.hibernated, vec![ids[1].clone(), ids[2].clone()]);
         assert_eq!(d.batches, 1);
+    }
+
+    #[test]
+    fn pressure_hibernations_use_half_the_cores() {
+        assert_eq!(
+            [1, 2, 3, 4, 8, 64].map(pressure_batch),
+            [1, 1, 1, 2, 4, PRESSURE_HIBERNATIONS_AT_ONCE]
+        );
     }
 
     #[test]

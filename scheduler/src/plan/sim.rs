@@ -8,7 +8,7 @@
 //!   a request's wake latency includes that wait.
 //! - The policy runs every `policy_interval_ms` and, as in `torpor serve`,
 //!   hibernates idle sandboxes one after the other, and under memory
-//!   pressure up to [`policy::PRESSURE_HIBERNATIONS_AT_ONCE`] at once: the
+//!   pressure [`policy::pressure_batch`] of its cores at once: the
 //!   next round starts an interval after the last hibernation of this one
 //!   ends; a sandbox used before the policy gets to it is left alone (the
 //!   service re-checks idleness under the sandbox's lock).

@@ -1,7 +1,8 @@
 //! The policy thread: hibernate sandboxes idle past their keep-alive, then,
 //! once the pod's resident memory (`super::resident`) is above its high
 //! mark, shrink idle guests and hibernate the least recently used running
-//! sandboxes, several at once, until it is below its low mark; delete
+//! sandboxes, several at once on a pod of four cores or more, until it is
+//! below its low mark; delete
 //! sandboxes past their timeout; notice VMMs that died. The policy never hibernates a sandbox
 //! with an operation or a guest request (exec, files) in flight.
 
