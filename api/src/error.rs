@@ -346,7 +346,13 @@ impl From<ServiceError> for ApiError {
                     .copied()
                     .find(|c| *c == code)
                     .unwrap_or_else(|| code_for_status(status));
-                ApiError::new(status, code, message)
+                // A remote pod's rate limit (its memory pressure) keeps a
+                // Retry-After: a policy round, the pod's own value is not
+                // carried.
+                ApiError {
+                    retry_after: (code == code::RATE_LIMITED).then_some(1),
+                    ..ApiError::new(status, code, message)
+                }
             }
         }
     }
@@ -611,6 +617,13 @@ mod tests {
         assert!(api.message.contains("700 MiB resident"), "{api}");
         let response = api.into_response();
         assert_eq!(response.headers()[header::RETRY_AFTER], "1");
+        // Through a front server, from a remote pod, too.
+        let api = ApiError::from(ServiceError::Pod {
+            status: 429,
+            code: code::RATE_LIMITED.into(),
+            message: "the pod is under memory pressure".into(),
+        });
+        assert_eq!((api.status.as_u16(), api.retry_after), (429, Some(1)));
     }
 
     #[test]
