@@ -275,6 +275,11 @@ impl From<ServiceError> for ApiError {
                 code::ADMISSION_REFUSED,
                 message,
             ),
+            // Memory pressure: a wait, as a rate limit's.
+            ServiceError::Pressure { retry_after_s, .. } => ApiError {
+                retry_after: Some(retry_after_s),
+                ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, code::RATE_LIMITED, message)
+            },
             ServiceError::ResourceConflict(_) => {
                 ApiError::new(StatusCode::CONFLICT, code::CONFLICT, message)
             }
@@ -341,7 +346,13 @@ impl From<ServiceError> for ApiError {
                     .copied()
                     .find(|c| *c == code)
                     .unwrap_or_else(|| code_for_status(status));
-                ApiError::new(status, code, message)
+                // A remote pod's rate limit (its memory pressure) keeps a
+                // Retry-After: a policy round, the pod's own value is not
+                // carried.
+                ApiError {
+                    retry_after: (code == code::RATE_LIMITED).then_some(1),
+                    ..ApiError::new(status, code, message)
+                }
             }
         }
     }
@@ -592,6 +603,27 @@ mod tests {
         assert_eq!(api.code, "unavailable");
         let response = api.into_response();
         assert_eq!(response.headers()[header::RETRY_AFTER], "20");
+    }
+
+    #[test]
+    fn memory_pressure_is_a_429_rate_limit_with_retry_after() {
+        let api = ApiError::from(ServiceError::Pressure {
+            resident_mib: 700,
+            hard_mib: 650,
+            retry_after_s: 1,
+        });
+        assert_eq!(api.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(api.code, code::RATE_LIMITED);
+        assert!(api.message.contains("700 MiB resident"), "{api}");
+        let response = api.into_response();
+        assert_eq!(response.headers()[header::RETRY_AFTER], "1");
+        // Through a front server, from a remote pod, too.
+        let api = ApiError::from(ServiceError::Pod {
+            status: 429,
+            code: code::RATE_LIMITED.into(),
+            message: "the pod is under memory pressure".into(),
+        });
+        assert_eq!((api.status.as_u16(), api.retry_after), (429, Some(1)));
     }
 
     #[test]

@@ -272,6 +272,7 @@ pub const ROUTES: &[Route] = &[
     // (pod token).
     admin("POST", "/v1/sandboxes/{id}/agent", "agentTunnel").sandbox(gate::Admit::Plain),
     admin("GET", "/v1/pods", "listPods"),
+    admin("GET", "/v1/pods/{id}", "getPod"),
     admin("PATCH", "/v1/pods/{id}", "updatePod"),
     route("GET", "/v1/images", "listImages"),
     // Admin only, checked in the handler: the body is streamed, and the
@@ -334,6 +335,7 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "unexposePort" => on(m, network_routes::unexpose_port::<S>),
         "agentTunnel" => on(m, agent_tunnel::serve::<S>),
         "listPods" => on(m, list_pods::<S>),
+        "getPod" => on(m, get_pod::<S>),
         "updatePod" => on(m, update_pod::<S>),
         "listImages" => on(m, admin_routes::list_images::<S>),
         "uploadImage" => on(m, admin_routes::upload_image::<S>),

@@ -142,6 +142,7 @@ impl Fake {
             pod: st.pod.clone(),
             committed_mib: committed(st),
             pss_mib: 12.5,
+            resident_mib: 10.0,
             sandboxes,
         }
     }
