@@ -119,7 +119,7 @@ test -c /dev/kvm || {{ echo 'L1 has no /dev/kvm'; exit 97; }}
 # initramfs root the jail moves its root over / instead of pivot_root).
 T=/opt/torpor/torpor BLOB={BLOB}
 $T vmm --kernel /opt/torpor/vmlinux --disk /opt/torpor/rootfs.ext4 --disk-overlay /tmp/overlay \
-   --vsock-uds /tmp/v.sock --mem-mib 512 --vcpus 2 \
+   --vsock-uds /tmp/v.sock --mem-mib 512 --vcpus 1 \
    --cmdline "console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda rw init=/sbin/init" \
    --serial /tmp/console.log --control-socket /tmp/c.sock &
 x() {{ $T vmm exec --vsock-uds /tmp/v.sock --wait-ms 300000 --timeout-ms "${{TMO:-60000}}" -- "$@"; echo "rc=$?"; }}
@@ -145,7 +145,7 @@ wait
         "echo through the agent failed:\n{o}"
     );
     assert!(
-        o.contains("py 42 2\nrc=0"),
+        o.contains("py 42 1\nrc=0"),
         "python3 in the guest (2 vCPUs) failed:\n{o}"
     );
     assert!(
