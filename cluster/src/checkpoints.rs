@@ -3,7 +3,7 @@
 //! other commands are; listed and restored on that pod (relayed).
 //!
 //! - A take (`POST /v1/sandboxes/{id}/checkpoints`) is one operation of
-//!   kind `checkpoint` ([`Command::Checkpoint`]), admitted in PostgreSQL
+//!   kind `checkpoint` ([`Operation::Checkpoint`]), admitted in PostgreSQL
 //!   against the tenant's snapshot disk with it: a snapshot of the
 //!   sandbox's memory (the quota's upper bound), counted while pending,
 //!   then as the checkpoint's row, which the result writes with the
@@ -19,7 +19,7 @@ use torpor_scheduler::model::{PodId, SandboxId};
 use torpor_scheduler::service::ServiceError;
 
 use super::replica::Cluster;
-use super::wire::{Command, OpOutcome};
+use super::wire::{Operation, Reply};
 use torpor_api::calls::{CheckpointOp, CheckpointReply};
 use torpor_api::quota::Usage;
 
@@ -32,7 +32,7 @@ impl Cluster {
         let outcome = match op {
             CheckpointOp::Create(request) => self.command(
                 id,
-                |sandbox| Command::Checkpoint {
+                |sandbox| Operation::Checkpoint {
                     sandbox,
                     request: Box::new(request),
                 },
@@ -40,17 +40,16 @@ impl Cluster {
             )?,
             CheckpointOp::Delete(name) => self.command(
                 id,
-                |sandbox| Command::DeleteCheckpoint {
+                |sandbox| Operation::CheckpointDelete {
                     sandbox,
                     name: name.to_string(),
                 },
                 |_| None,
             )?,
         };
-        match outcome {
-            OpOutcome::Checkpoint { checkpoint } => Ok(CheckpointReply::Made(checkpoint)),
-            OpOutcome::CheckpointDeleted { .. } => Ok(CheckpointReply::Deleted),
-            OpOutcome::Failed(e) => Err(e.into()),
+        match outcome.reply()? {
+            Reply::Checkpoint { checkpoint } => Ok(CheckpointReply::Made(checkpoint)),
+            Reply::CheckpointDeleted { .. } => Ok(CheckpointReply::Deleted),
             other => Err(ServiceError::Internal(format!(
                 "a checkpoint of {id} answered {other:?}"
             ))),

@@ -12,7 +12,7 @@ use torpor_scheduler::service::LOCAL_POD;
 use torpor_scheduler::state::SandboxState;
 
 use super::db::{Db, NewOp, OpRow, PodRow};
-use super::wire::{self, Command, OpOutcome, WorkItem};
+use super::wire::{self, OpOutcome, Operation, Reply, WorkItem};
 use super::{ClusterConfig, ClusterError};
 use torpor_api::backend::{Lifecycle, SandboxApi};
 use torpor_api::error::code;
@@ -187,7 +187,7 @@ impl Cluster {
         &self,
         pod: &PodId,
         tenant: &str,
-        command: Command,
+        command: Operation,
         asked: Option<&Usage>,
     ) -> Result<OpOutcome, ServiceError> {
         let key = torpor_api::request_context::idempotency_key();
@@ -200,7 +200,7 @@ impl Cluster {
         &self,
         pod: &PodId,
         tenant: &str,
-        command: Command,
+        command: Operation,
         asked: Option<&Usage>,
         key: Option<String>,
     ) -> Result<OpOutcome, ServiceError> {
@@ -291,10 +291,9 @@ impl Cluster {
     }
 
     fn sandbox_of(outcome: OpOutcome) -> Result<(Sandbox, bool), ServiceError> {
-        match outcome {
-            OpOutcome::Sandbox { sandbox, resumed } => Ok((*sandbox, resumed)),
-            OpOutcome::Failed(e) => Err(e.into()),
-            OpOutcome::Deleted { sandbox } => Err(ServiceError::NotFound {
+        match outcome.reply()? {
+            Reply::Sandbox { sandbox, resumed } => Ok((*sandbox, resumed)),
+            Reply::Deleted { sandbox } => Err(ServiceError::NotFound {
                 kind: "sandbox",
                 id: sandbox.to_string(),
             }),
@@ -306,9 +305,8 @@ impl Cluster {
 
     /// The sandboxes a fork of `id` made.
     fn forks_of(outcome: OpOutcome, id: &SandboxId) -> Result<Vec<Sandbox>, ServiceError> {
-        match outcome {
-            OpOutcome::Sandboxes { sandboxes } => Ok(sandboxes),
-            OpOutcome::Failed(e) => Err(e.into()),
+        match outcome.reply()? {
+            Reply::Sandboxes { sandboxes } => Ok(sandboxes),
             other => Err(ServiceError::Internal(format!(
                 "a fork of {id} answered {other:?}"
             ))),
@@ -320,7 +318,7 @@ impl Cluster {
     pub(super) fn command(
         &self,
         id: &SandboxId,
-        make: impl FnOnce(SandboxId) -> Command,
+        make: impl FnOnce(SandboxId) -> Operation,
         asks: impl FnOnce(&Sandbox) -> Option<Usage>,
     ) -> Result<OpOutcome, ServiceError> {
         self.block(async {
@@ -360,7 +358,7 @@ impl Cluster {
     fn outcome(
         &self,
         id: &SandboxId,
-        make: impl FnOnce(SandboxId) -> Command,
+        make: impl FnOnce(SandboxId) -> Operation,
         asks: impl FnOnce(&Sandbox) -> Option<Usage>,
     ) -> Result<Outcome, ServiceError> {
         let (sandbox, resumed) = Self::sandbox_of(self.command(id, make, asks)?)?;
@@ -486,7 +484,7 @@ impl SandboxApi for Cluster {
             // never goes to the pod, the environment does.
             let token = req.access_token.take();
             let env = req.env.clone();
-            let command = Command::Create {
+            let command = Operation::Create {
                 request: Box::new(req),
                 tenant: owner.tenant.clone(),
                 admin: owner.admin,
@@ -551,7 +549,7 @@ impl SandboxApi for Cluster {
                 asked.add(&Usage::sandbox(u64::from(source.mem_mib)));
             }
             req.count = Some(count);
-            let command = Command::Fork {
+            let command = Operation::Fork {
                 sandbox: id.clone(),
                 request: Box::new(req),
             };
@@ -609,7 +607,7 @@ impl SandboxApi for Cluster {
         let wakes = op.wakes();
         let mut outcome = self.outcome(
             id,
-            |sandbox| Command::Lifecycle { sandbox, op },
+            |sandbox| Operation::lifecycle(sandbox, op),
             |s| {
                 (wakes && s.state == SandboxState::Hibernated)
                     .then(|| Usage::wake(u64::from(s.mem_mib)))
@@ -622,10 +620,9 @@ impl SandboxApi for Cluster {
         true
     }
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
-        match self.command(id, |sandbox| Command::Delete { sandbox }, |_| None)? {
-            OpOutcome::Failed(e) => Err(e.into()),
-            _ => Ok(()),
-        }
+        self.command(id, |sandbox| Operation::Delete { sandbox }, |_| None)?
+            .reply()
+            .map(drop)
     }
     /// On the sandbox's pod (`/v1` relays its `PATCH` there; E2B's
     /// timeout routes call this).
