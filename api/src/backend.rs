@@ -15,11 +15,12 @@ use torpor_scheduler::service::history::MetricSample;
 use torpor_scheduler::service::{GuestCheck, Hibernation, LOCAL_POD};
 
 use crate::calls::{
-    map_call, CheckpointOp, CheckpointReply, ExecMode, ExecReply, FileOp, FileReply, ImageOp,
-    ImageReply, SandboxCalls, TemplateOp, TemplateReply,
+    map_call, ExecMode, ExecReply, FileOp, FileReply, ImageOp, ImageReply, SandboxCalls,
+    TemplateOp, TemplateReply,
 };
 use crate::pods::RemotePod;
 pub use torpor_sandbox_api::Lifecycle;
+use torpor_sandbox_api::{Operation, Reply};
 
 use crate::service::{
     AgentLink, Cancel, CreateSandbox, ExecRequest, ForkSandbox, GuestCall, GuestError, Outcome,
@@ -100,31 +101,23 @@ pub fn pod_entry(view: PodView) -> Result<Value, ServiceError> {
 
 /// The sandbox service as the API sees it: what each backend does its own
 /// way. Requests of one resource are one method taking the request
-/// ([`Lifecycle`], [`TemplateOp`], [`CheckpointOp`], [`ImageOp`],
-/// [`FileOp`], [`ExecMode`]).
+/// ([`Lifecycle`], [`TemplateOp`], [`ImageOp`], [`FileOp`],
+/// [`ExecMode`]); the contract's operations are one [`Operation`]
+/// ([`SandboxApi::operate`]).
 pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     /// A template call; the typed ones are [`SandboxCalls`]'
     /// (`list_templates`, `get_template`, ...).
     fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError>;
 
-    /// A checkpoint made or deleted; the typed calls are [`SandboxCalls`]'
-    /// (`checkpoint`, `delete_checkpoint`). On the pod's own service,
-    /// unless the backend sends it to the sandbox's pod itself (a cluster
-    /// replica: a command through the work queue, admitted in
-    /// PostgreSQL).
-    fn checkpoints(
-        &self,
-        id: &SandboxId,
-        op: CheckpointOp<'_>,
-    ) -> Result<CheckpointReply, ServiceError> {
-        on_pod(self, Needs::Snapshots, |s| match op {
-            CheckpointOp::Create(req) => s
-                .create_checkpoint(id, req)
-                .map(|c| CheckpointReply::Made(Box::new(c))),
-            CheckpointOp::Delete(name) => s
-                .delete_checkpoint(id, name)
-                .map(|()| CheckpointReply::Deleted),
-        })
+    /// An operation of the contract ([`Operation`]) as its caller asked
+    /// it: [`crate::dispatch`] onto this backend's methods (a checkpoint's
+    /// on the pod's own service), unless the backend takes some whole (a
+    /// cluster replica sends a checkpoint to the sandbox's pod through
+    /// its work queue, admitted in PostgreSQL). A cluster's pod worker
+    /// runs each operation of its queue through this; the typed calls
+    /// are [`SandboxCalls`]' (`checkpoint`, `delete_checkpoint`).
+    fn operate(&self, op: Operation) -> Result<Reply, ServiceError> {
+        crate::dispatch(self, op)
     }
 
     /// An images call: on the pod's own service (a pod other than this one

@@ -1,11 +1,12 @@
-//! The one dispatch of the contract's operations: [`dispatch`] runs a
-//! [`Operation`] on any [`SandboxApi`] and answers its [`Reply`]. A
-//! cluster's pod worker runs each operation of its work queue through it;
-//! a new operation's arm is written here once, for every backend.
+//! The one dispatch of the contract's operations: [`dispatch`] runs an
+//! [`Operation`] on any [`SandboxApi`] and answers its [`Reply`]; it is
+//! [`SandboxApi::operate`]'s default. A cluster's pod worker runs each
+//! operation of its work queue through it; a new operation's arm is
+//! written here once, for every backend.
 
 use torpor_sandbox_api::{LifecycleCall, Operation, Reply};
 
-use crate::backend::SandboxApi;
+use crate::backend::{on_pod, Needs, SandboxApi};
 use crate::service::{Owner, ServiceError, MAX_FORK_COUNT};
 
 /// Runs `op` on `s` as its caller's (a create or build is the tenant's the
@@ -70,11 +71,16 @@ pub fn dispatch<S: SandboxApi + ?Sized>(s: &S, op: Operation) -> Result<Reply, S
                 template: Box::new(s.get_template(&template)?),
             }
         }
+        // On the pod's own service (its snapshots are there).
         Operation::Checkpoint { sandbox, request } => Reply::Checkpoint {
-            checkpoint: Box::new(s.checkpoint(&sandbox, *request)?),
+            checkpoint: Box::new(on_pod(s, Needs::Snapshots, |p| {
+                p.create_checkpoint(&sandbox, *request)
+            })?),
         },
         Operation::CheckpointDelete { sandbox, name } => {
-            s.delete_checkpoint(&sandbox, &name)?;
+            on_pod(s, Needs::Snapshots, |p| {
+                p.delete_checkpoint(&sandbox, &name)
+            })?;
             Reply::CheckpointDeleted { sandbox, name }
         }
     })

@@ -20,40 +20,24 @@ use torpor_scheduler::service::ServiceError;
 
 use super::replica::Cluster;
 use super::wire::{Operation, Reply};
-use torpor_api::calls::{CheckpointOp, CheckpointReply};
 use torpor_api::quota::Usage;
 
 impl Cluster {
-    pub(super) fn checkpoint_call(
-        &self,
-        id: &SandboxId,
-        op: CheckpointOp<'_>,
-    ) -> Result<CheckpointReply, ServiceError> {
-        let outcome = match op {
-            CheckpointOp::Create(request) => self.command(
-                id,
-                |sandbox| Operation::Checkpoint {
-                    sandbox,
-                    request: Box::new(request),
-                },
-                |s| Some(Usage::snapshot(u64::from(s.mem_mib))),
-            )?,
-            CheckpointOp::Delete(name) => self.command(
-                id,
-                |sandbox| Operation::CheckpointDelete {
-                    sandbox,
-                    name: name.to_string(),
-                },
-                |_| None,
-            )?,
-        };
-        match outcome.reply()? {
-            Reply::Checkpoint { checkpoint } => Ok(CheckpointReply::Made(checkpoint)),
-            Reply::CheckpointDeleted { .. } => Ok(CheckpointReply::Deleted),
-            other => Err(ServiceError::Internal(format!(
-                "a checkpoint of {id} answered {other:?}"
-            ))),
-        }
+    /// A checkpoint's operation ([`Operation::Checkpoint`] or
+    /// [`Operation::CheckpointDelete`]) as a command to the sandbox's pod,
+    /// a take admitted for a snapshot of the sandbox's memory.
+    pub(super) fn checkpoint_call(&self, op: Operation) -> Result<Reply, ServiceError> {
+        let id = op
+            .sandbox()
+            .cloned()
+            .ok_or_else(|| ServiceError::Internal(format!("a {} of no sandbox", op.kind())))?;
+        let takes = matches!(op, Operation::Checkpoint { .. });
+        self.command(
+            &id,
+            |_| op,
+            |s| takes.then(|| Usage::snapshot(u64::from(s.mem_mib))),
+        )?
+        .reply()
     }
 }
 

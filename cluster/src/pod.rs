@@ -324,7 +324,7 @@ fn named(mut s: Sandbox, pod: &PodId) -> Sandbox {
     s
 }
 
-/// `command` through the one dispatch (`torpor_api::dispatch`), unless it
+/// `command` through the one dispatch ([`SandboxApi::operate`]), unless it
 /// is taken past its start deadline (refused, not run); a create (or a
 /// fork's sandboxes, or a checkpoint) that ended past its expiry deleted
 /// again (a replica may have ended its operation: `expiry.rs`).
@@ -341,7 +341,7 @@ fn in_time<S: SandboxApi>(
         return refused;
     }
     let create = matches!(command, Operation::Create { .. });
-    let outcome = torpor_api::dispatch(service, command).map(|r| r.on_pod(pod));
+    let outcome = service.operate(command).map(|r| r.on_pod(pod));
     let late = expiry::too_late(deadlines, expiry::now_ms(), pod, op);
     let Some(late) = late else {
         return outcome.into();

@@ -433,14 +433,17 @@ impl SandboxApi for Cluster {
         self.image_call(op)
     }
 
-    /// Commands to the sandbox's pod, a checkpoint admitted in PostgreSQL
-    /// against its tenant's snapshot disk (`checkpoints.rs`).
-    fn checkpoints(
-        &self,
-        id: &SandboxId,
-        op: torpor_api::calls::CheckpointOp<'_>,
-    ) -> Result<torpor_api::calls::CheckpointReply, ServiceError> {
-        self.checkpoint_call(id, op)
+    /// A checkpoint's operations are commands to the sandbox's pod, a take
+    /// admitted in PostgreSQL against its tenant's snapshot disk
+    /// (`checkpoints.rs`); the others go through the one dispatch to the
+    /// methods below.
+    fn operate(&self, op: Operation) -> Result<Reply, ServiceError> {
+        match op {
+            Operation::Checkpoint { .. } | Operation::CheckpointDelete { .. } => {
+                self.checkpoint_call(op)
+            }
+            op => torpor_api::dispatch(self, op),
+        }
     }
 
     fn create_sandbox(&self, mut req: CreateSandbox) -> Result<Sandbox, ServiceError> {
