@@ -145,7 +145,7 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError>;
     /// Whether [`SandboxApi::create_sandbox`],
     /// [`SandboxApi::fork_sandboxes`], a template's build and
-    /// [`SandboxApi::checkpoints`] admit what they make against the
+    /// a checkpoint ([`SandboxApi::operate`]) admit what they make against the
     /// tenant's quota themselves (a cluster replica: in PostgreSQL,
     /// atomically across replicas); otherwise the API's
     /// [`crate::quota::Quotas`] do.

@@ -7,7 +7,7 @@
 use torpor_sandbox_api::{LifecycleCall, Operation, Reply};
 
 use crate::backend::{on_pod, Needs, SandboxApi};
-use crate::service::{Owner, ServiceError, MAX_FORK_COUNT};
+use crate::service::{CreateSandbox, CreateTemplate, Owner, ServiceError, MAX_FORK_COUNT};
 
 /// Runs `op` on `s` as its caller's (a create or build is the tenant's the
 /// operation names, an admin's shared), here: a pod named in the request
@@ -15,14 +15,19 @@ use crate::service::{Owner, ServiceError, MAX_FORK_COUNT};
 pub fn dispatch<S: SandboxApi + ?Sized>(s: &S, op: Operation) -> Result<Reply, ServiceError> {
     Ok(match op {
         Operation::Create {
-            mut request,
+            request,
             tenant,
             admin,
         } => {
-            request.owner = Some(Owner { tenant, admin });
-            request.pod = None;
+            let owner = Some(Owner { tenant, admin });
+            let request = CreateSandbox {
+                owner,
+                pod: None,
+                ..*request
+            };
+            let sandbox = Box::new(s.create_sandbox(request)?);
             Reply::Sandbox {
-                sandbox: Box::new(s.create_sandbox(*request)?),
+                sandbox,
                 resumed: false,
             }
         }
@@ -51,18 +56,18 @@ pub fn dispatch<S: SandboxApi + ?Sized>(s: &S, op: Operation) -> Result<Reply, S
                 sandboxes: s.fork_sandboxes(&sandbox, *request, count)?,
             }
         }
+        // The tenant's own (an admin's shared), as an embedded build.
         Operation::TemplateBuild {
-            mut request,
+            request,
             tenant,
             admin,
-        } => {
-            // The tenant's own (an admin's shared), as an embedded build.
-            request.owner = Some(Owner { tenant, admin });
-            request.pod = None;
-            Reply::Template {
-                template: Box::new(s.create_template(*request)?),
-            }
-        }
+        } => Reply::Template {
+            template: Box::new(s.create_template(CreateTemplate {
+                owner: Some(Owner { tenant, admin }),
+                pod: None,
+                ..*request
+            })?),
+        },
         // Refused (409) while sandboxes use it; answered with the template
         // as it reads after (`deleted`).
         Operation::TemplateDelete { template } => {
