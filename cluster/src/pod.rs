@@ -315,7 +315,7 @@ fn unreadable(
     );
     Some((
         op.to_string(),
-        OpOutcome::Failed(OpError::from(ServiceError::Unsupported(message))),
+        OpOutcome::Failed(wire::failure(ServiceError::Unsupported(message))),
     ))
 }
 
@@ -344,7 +344,7 @@ fn in_time<S: SandboxApi>(
     let outcome = service.operate(command).map(|r| r.on_pod(pod));
     let late = expiry::too_late(deadlines, expiry::now_ms(), pod, op);
     let Some(late) = late else {
-        return outcome.into();
+        return wire::outcome(outcome);
     };
     match outcome {
         Ok(Reply::Sandbox { sandbox, resumed }) if create => {
@@ -384,7 +384,7 @@ fn in_time<S: SandboxApi>(
                 OpOutcome::Done(Reply::Sandboxes { sandboxes: left })
             }
         }
-        outcome => outcome.into(),
+        outcome => wire::outcome(outcome),
     }
 }
 

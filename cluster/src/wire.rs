@@ -20,7 +20,7 @@ use torpor_scheduler::service::ServiceError;
 
 use super::ClusterError;
 use torpor_api::error::ApiError;
-pub use torpor_sandbox_api::{Operation, Reply};
+pub use torpor_sandbox_api::{OpError, OpOutcome, Operation, Reply};
 
 pub const WORK_STREAM: &str = "TORPOR_WORK";
 pub const EVENTS_STREAM: &str = "TORPOR_EVENTS";
@@ -62,64 +62,14 @@ pub struct WorkItem {
     pub command: Operation,
 }
 
-/// An operation's failure as the API answers it: status, code, message
-/// (the typed error on the pod, mapped as the pod's own API would).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct OpError {
-    pub status: u16,
-    pub code: String,
-    pub message: String,
+/// `e` as its operation's failure: what the pod's own API would answer.
+pub fn failure(e: ServiceError) -> OpError {
+    ApiError::from(e).into()
 }
 
-impl From<ServiceError> for OpError {
-    fn from(e: ServiceError) -> Self {
-        let api = ApiError::from(e);
-        OpError {
-            status: api.status.as_u16(),
-            code: api.code.to_string(),
-            message: api.message,
-        }
-    }
-}
-
-impl From<OpError> for ServiceError {
-    fn from(e: OpError) -> Self {
-        ServiceError::Pod {
-            status: e.status,
-            code: e.code,
-            message: torpor_api::pods::sanitized(&e.message),
-        }
-    }
-}
-
-/// What an operation did ([`Reply`], in its own form on the wire), or
-/// its error (`{"failed": ...}`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", deny_unknown_fields)]
-pub enum OpOutcome {
-    Failed(OpError),
-    #[serde(untagged)]
-    Done(Reply),
-}
-
-impl OpOutcome {
-    /// Its reply, or its failure as the error it was.
-    pub fn reply(self) -> Result<Reply, ServiceError> {
-        match self {
-            OpOutcome::Done(reply) => Ok(reply),
-            OpOutcome::Failed(e) => Err(e.into()),
-        }
-    }
-}
-
-impl From<Result<Reply, ServiceError>> for OpOutcome {
-    fn from(r: Result<Reply, ServiceError>) -> Self {
-        match r {
-            Ok(reply) => OpOutcome::Done(reply),
-            Err(e) => OpOutcome::Failed(e.into()),
-        }
-    }
+/// An operation's outcome from what the dispatch answered.
+pub fn outcome(r: Result<Reply, ServiceError>) -> OpOutcome {
+    r.map_err(failure).into()
 }
 
 /// A pod's load and reach, every heartbeat.
@@ -445,24 +395,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn an_outcome_is_its_reply_or_its_failure() {
-        let gone = serde_json::json!({"checkpoint_deleted": {"sandbox": "sbx_1", "name": "one"}});
-        let outcome: OpOutcome = serde_json::from_value(gone.clone()).unwrap();
+    fn a_failure_is_what_the_api_answers() {
+        let e = failure(ServiceError::Invalid("bad".into()));
+        assert_eq!((e.status, e.code.as_str()), (400, "invalid_request"));
         assert!(matches!(
-            &outcome,
-            OpOutcome::Done(Reply::CheckpointDeleted { name, .. }) if name == "one"
+            outcome(Err(ServiceError::Unsupported("no".into()))),
+            OpOutcome::Failed(OpError { status: 501, .. })
         ));
-        assert_eq!(serde_json::to_value(&outcome).unwrap(), gone);
-        let failed =
-            serde_json::json!({"failed": {"status": 409, "code": "conflict", "message": "m"}});
-        let outcome: OpOutcome = serde_json::from_value(failed.clone()).unwrap();
-        assert!(matches!(&outcome, OpOutcome::Failed(e) if e.status == 409));
-        assert_eq!(serde_json::to_value(&outcome).unwrap(), failed);
-        let resumed = serde_json::json!({"deleted": {"sandbox": "sbx_1"}});
-        let outcome: OpOutcome = serde_json::from_value(resumed).unwrap();
-        assert!(matches!(outcome, OpOutcome::Done(Reply::Deleted { .. })));
-        let odd = serde_json::json!({"failed": {"status": 409, "code": "conflict", "message": "m", "x": 1}});
-        assert!(serde_json::from_value::<OpOutcome>(odd).is_err());
     }
 
     #[test]
