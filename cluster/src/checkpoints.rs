@@ -1,9 +1,11 @@
 //! Checkpoints through a replica: taken and deleted on the sandbox's pod
 //! (which holds its snapshots) through its work queue, as the sandbox's
-//! other commands are; listed and restored on that pod (relayed).
+//! other commands are (`Cluster::command`, the replica's `operate`);
+//! listed and restored on that pod (relayed). Here: their results in
+//! PostgreSQL.
 //!
 //! - A take (`POST /v1/sandboxes/{id}/checkpoints`) is one operation of
-//!   kind `checkpoint` ([`Operation::Checkpoint`]), admitted in PostgreSQL
+//!   kind `checkpoint` (`torpor_sandbox_api::Operation::Checkpoint`), admitted in PostgreSQL
 //!   against the tenant's snapshot disk with it: a snapshot of the
 //!   sandbox's memory (the quota's upper bound), counted while pending,
 //!   then as the checkpoint's row, which the result writes with the
@@ -16,30 +18,6 @@
 
 use serde_json::Value;
 use torpor_scheduler::model::{PodId, SandboxId};
-use torpor_scheduler::service::ServiceError;
-
-use super::replica::Cluster;
-use super::wire::{Operation, Reply};
-use torpor_api::quota::Usage;
-
-impl Cluster {
-    /// A checkpoint's operation ([`Operation::Checkpoint`] or
-    /// [`Operation::CheckpointDelete`]) as a command to the sandbox's pod,
-    /// a take admitted for a snapshot of the sandbox's memory.
-    pub(super) fn checkpoint_call(&self, op: Operation) -> Result<Reply, ServiceError> {
-        let id = op
-            .sandbox()
-            .cloned()
-            .ok_or_else(|| ServiceError::Internal(format!("a {} of no sandbox", op.kind())))?;
-        let takes = matches!(op, Operation::Checkpoint { .. });
-        self.command(
-            &id,
-            |_| op,
-            |s| takes.then(|| Usage::snapshot(u64::from(s.mem_mib))),
-        )?
-        .reply()
-    }
-}
 
 /// A checkpoint's result with its operation, in one statement: a take
 /// writes the checkpoint's row (its sandbox's tenant and memory, as the
