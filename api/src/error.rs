@@ -17,72 +17,8 @@ use torpor_scheduler::model::SandboxState;
 
 use crate::service::{GuestError, ServiceError};
 
-/// Error codes: the `code` field of every error body.
-pub mod code {
-    pub const INVALID_REQUEST: &str = "invalid_request";
-    pub const UNAUTHORIZED: &str = "unauthorized";
-    pub const NOT_FOUND: &str = "not_found";
-    pub const METHOD_NOT_ALLOWED: &str = "method_not_allowed";
-    pub const CONFLICT: &str = "conflict";
-    pub const UNSUPPORTED: &str = "unsupported";
-    pub const PAYLOAD_TOO_LARGE: &str = "payload_too_large";
-    pub const UNSUPPORTED_MEDIA_TYPE: &str = "unsupported_media_type";
-    pub const ADMISSION_REFUSED: &str = "admission_refused";
-    pub const INTERNAL: &str = "internal";
-    pub const NOT_IMPLEMENTED: &str = "not_implemented";
-    pub const TIMEOUT: &str = "timeout";
-    pub const FORBIDDEN: &str = "forbidden";
-    pub const NO_AGENT: &str = "no_agent";
-    pub const AGENT_ERROR: &str = "agent_error";
-    /// A remote pod did not answer (its sandboxes cannot be reached).
-    pub const POD_UNREACHABLE: &str = "pod_unreachable";
-    /// Something coming is not there yet (the nested pod's template).
-    pub const UNAVAILABLE: &str = "unavailable";
-    /// The pod's disk (or quota) is full: a snapshot could not be written.
-    pub const INSUFFICIENT_STORAGE: &str = "insufficient_storage";
-    /// A snapshot layer is corrupt or unreadable; the message names it.
-    pub const BAD_SNAPSHOT: &str = "bad_snapshot";
-    /// The sandbox's VM has ended (it failed or was stopped underneath us).
-    pub const VM_GONE: &str = "vm_gone";
-    /// A tenant's quota is used up (the body's `quota` names which).
-    pub const QUOTA_EXCEEDED: &str = "quota_exceeded";
-    /// Too many requests from one token (`Retry-After` says when to retry).
-    pub const RATE_LIMITED: &str = "rate_limited";
-    /// This host cannot do it (a Linux template without hardware
-    /// virtualization): a valid request another host could serve.
-    pub const HOST_UNSUPPORTED: &str = "host_unsupported";
-    /// The sandbox's memory was kept while its guest agent did not answer:
-    /// only a wake by a reboot (`mode: reboot`) brings it back.
-    pub const GUEST_UNRESPONSIVE: &str = "guest_unresponsive";
-
-    /// Every code (the OpenAPI document lists the same).
-    pub const ALL: &[&str] = &[
-        INVALID_REQUEST,
-        UNAUTHORIZED,
-        NOT_FOUND,
-        METHOD_NOT_ALLOWED,
-        CONFLICT,
-        UNSUPPORTED,
-        PAYLOAD_TOO_LARGE,
-        UNSUPPORTED_MEDIA_TYPE,
-        ADMISSION_REFUSED,
-        INTERNAL,
-        NOT_IMPLEMENTED,
-        TIMEOUT,
-        FORBIDDEN,
-        NO_AGENT,
-        AGENT_ERROR,
-        POD_UNREACHABLE,
-        UNAVAILABLE,
-        INSUFFICIENT_STORAGE,
-        BAD_SNAPSHOT,
-        VM_GONE,
-        QUOTA_EXCEEDED,
-        RATE_LIMITED,
-        HOST_UNSUPPORTED,
-        GUEST_UNRESPONSIVE,
-    ];
-}
+/// Error codes: the `code` field of every error body (the contract's).
+pub use torpor_sandbox_api::code;
 
 /// A VMM's classified failure as an answer. The VMM's message (host
 /// paths in it) goes to the log; the client gets the kind and, for a bad
@@ -258,6 +194,18 @@ impl std::fmt::Display for ApiError {
 }
 
 impl std::error::Error for ApiError {}
+
+/// An operation's failure as another process is told it (a cluster's pod
+/// to its replicas): the status, code and message of this answer.
+impl From<ApiError> for torpor_sandbox_api::OpError {
+    fn from(e: ApiError) -> Self {
+        torpor_sandbox_api::OpError {
+            status: e.status.as_u16(),
+            code: e.code.to_string(),
+            message: e.message,
+        }
+    }
+}
 
 impl From<ServiceError> for ApiError {
     fn from(err: ServiceError) -> Self {

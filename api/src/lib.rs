@@ -56,6 +56,7 @@ pub mod auth;
 pub mod backend;
 pub mod calls;
 mod checkpoint_routes;
+pub mod dispatch;
 pub mod e2b;
 pub mod error;
 pub mod gate;
@@ -78,6 +79,7 @@ pub mod wire;
 
 pub use backend::{Lifecycle, SandboxApi};
 pub use calls::{ExecMode, ExecReply, FileOp, FileReply, SandboxCalls, TemplateOp, TemplateReply};
+pub use dispatch::dispatch;
 pub use error::ApiError;
 
 use handlers::AppState;
