@@ -35,12 +35,14 @@ impl Service {
             states: HOLDING_VMM.to_vec(),
             ..Default::default()
         };
+        // This process's mount table once for the whole pod, not per VMM.
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
         self.store
             .list_sandboxes(&filter)
             .unwrap_or_default()
             .iter()
             .filter_map(|s| s.vmm.as_ref())
-            .filter_map(resident_bytes)
+            .filter_map(|h| resident_bytes_in(h, &mounts))
             .sum()
     }
 
@@ -100,15 +102,27 @@ impl Version {
 /// The bytes `handle`'s VMM holds resident: its cgroup's working set, or
 /// its PSS when it has no cgroup of its own; `None` when it is gone.
 pub fn resident_bytes(handle: &VmmHandle) -> Option<u64> {
-    cgroup_resident_bytes(handle.pid).or_else(|| vmm::pss_kib(handle.pid).map(|k| k << 10))
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    resident_bytes_in(handle, &mounts)
+}
+
+/// [`resident_bytes`] with this process's mount table already read.
+fn resident_bytes_in(handle: &VmmHandle, mounts: &str) -> Option<u64> {
+    cgroup_resident_bytes_in(handle.pid, mounts)
+        .or_else(|| vmm::pss_kib(handle.pid).map(|k| k << 10))
 }
 
 /// The working set of the memory cgroup `pid` is in, when that cgroup is
 /// a jail's (`torpor/<name>`); `None` otherwise or when unreadable.
 pub fn cgroup_resident_bytes(pid: u32) -> Option<u64> {
-    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
     let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
-    let (dir, version) = memory_cgroup_dir(&cgroups, &mounts)?;
+    cgroup_resident_bytes_in(pid, &mounts)
+}
+
+/// [`cgroup_resident_bytes`] with this process's mount table (`mounts`).
+fn cgroup_resident_bytes_in(pid: u32, mounts: &str) -> Option<u64> {
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let (dir, version) = memory_cgroup_dir(&cgroups, mounts)?;
     let (usage_file, inactive_key) = version.files();
     let usage = read_number(&dir.join(usage_file))?;
     let stat = std::fs::read_to_string(dir.join("memory.stat")).ok()?;
