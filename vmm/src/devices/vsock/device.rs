@@ -121,6 +121,9 @@ pub struct VsockDevice {
     pub(super) pending_reset_event: bool,
     pub(super) scratch: Vec<u8>,
     pub(super) timeouts: Timeouts,
+    /// Host connections the guest left unanswered past the connect
+    /// deadline since the device thread last looked at the rings.
+    unanswered: usize,
 }
 
 fn conn_events() -> EventSet {
@@ -156,6 +159,7 @@ impl VsockDevice {
             next_token: FIRST_DYNAMIC_TOKEN,
             next_host_port: HOST_PORT_BASE,
             pending_reset_event: false,
+            unanswered: 0,
             scratch: vec![0; super::packet::MAX_PKT_PAYLOAD as usize],
             timeouts: Timeouts {
                 handshake: Duration::from_secs(5),
@@ -231,6 +235,7 @@ impl VsockDevice {
             }
             self.process_rx(ctx);
             self.process_events(ctx);
+            self.look_at_unanswered(ctx);
         }
     }
 
@@ -458,20 +463,51 @@ impl VsockDevice {
         for token in stale {
             self.deregister(token);
         }
-        let expired: Vec<ConnKey> = self
+        let expired: Vec<(ConnKey, bool)> = self
             .conns
             .iter()
             .filter_map(|(&k, c)| match c.state {
-                ConnState::LocalInit { deadline } | ConnState::Closing { deadline }
-                    if deadline <= now =>
-                {
-                    Some(k)
-                }
+                ConnState::LocalInit { deadline } if deadline <= now => Some((k, true)),
+                ConnState::Closing { deadline } if deadline <= now => Some((k, false)),
                 _ => None,
             })
             .collect();
-        for key in expired {
+        for (key, unanswered) in expired {
+            self.unanswered += usize::from(unanswered);
             self.reset_connection(key);
+        }
+    }
+
+    /// After a host connection went unanswered (the guest neither accepted
+    /// nor refused it within the connect deadline): logs where the rings
+    /// stand, and raises the interrupt again if the driver has not
+    /// acknowledged the last one. An edge-triggered interrupt lost on its
+    /// way (seen under nested virtualization) would otherwise leave the
+    /// driver waiting for ever: it takes no rx buffers back, answers no
+    /// REQUEST, and every later connection times out too. A spurious
+    /// interrupt is harmless (the driver finds nothing new).
+    fn look_at_unanswered(&mut self, ctx: &QueueContext<'_>) {
+        if self.unanswered == 0 {
+            return;
+        }
+        let unanswered = std::mem::take(&mut self.unanswered);
+        let rx = ctx.ring_state(RXQ);
+        let tx = ctx.ring_state(TXQ);
+        let ev = ctx.ring_state(EVQ);
+        let pending = rx.map_or(0, |r| r.interrupt_status);
+        crate::guest_warn!(
+            unanswered,
+            ?rx,
+            ?tx,
+            ?ev,
+            control = self.control.len(),
+            ready = self.ready.len(),
+            connections = self.conns.len(),
+            reraised = pending != 0,
+            "vsock: the guest left host connections unanswered"
+        );
+        if pending != 0 {
+            ctx.raise_again();
         }
     }
 

@@ -322,10 +322,17 @@ fn unanswered_requests_and_silent_hosts_time_out() {
     let mut host = UnixStream::connect(&r.uds).unwrap();
     host.write_all(b"CONNECT 60\n").unwrap();
     let req = r.expect(OP_REQUEST);
+    // This driver never acknowledges interrupts: the status stays pending.
+    let raised = || r.t.lock().unwrap().interrupt().eventfd().read().unwrap_or(0);
+    raised();
     // The guest never answers: RST after the deadline, host stream closed.
     let rst = r.expect(OP_RST);
     assert_eq!(rst.hdr.src_port, req.hdr.src_port);
     assert_eof(&mut host);
+    // One interrupt for the RST, one raised again because the unanswered
+    // connection found the last one unacknowledged (a lost edge).
+    let raised = r.t.lock().unwrap().interrupt().eventfd().read().unwrap_or(0);
+    assert_eq!(raised, 2, "interrupts raised after the deadline");
     // A host that never says CONNECT is dropped too.
     let mut quiet = UnixStream::connect(&r.uds).unwrap();
     quiet.write_all(b"CONN").unwrap();
