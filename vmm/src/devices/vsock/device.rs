@@ -86,6 +86,11 @@ pub(super) struct Timeouts {
     /// After the guest shut a connection, left-over data must reach the
     /// host within this.
     pub close: Duration,
+    /// A REQUEST unanswered this long makes the device look at the rings
+    /// (and raise an unacknowledged interrupt again): long before the
+    /// connect deadline, so a lost interrupt costs the host a delay, not
+    /// a failed connection.
+    pub nudge: Duration,
 }
 
 #[derive(Debug)]
@@ -121,8 +126,9 @@ pub struct VsockDevice {
     pub(super) pending_reset_event: bool,
     pub(super) scratch: Vec<u8>,
     pub(super) timeouts: Timeouts,
-    /// Host connections the guest left unanswered past the connect
-    /// deadline since the device thread last looked at the rings.
+    /// Host connections the guest left unanswered past the nudge time or
+    /// the connect deadline since the device thread last looked at the
+    /// rings.
     unanswered: usize,
 }
 
@@ -165,6 +171,7 @@ impl VsockDevice {
                 handshake: Duration::from_secs(5),
                 connect: Duration::from_secs(10),
                 close: Duration::from_secs(2),
+                nudge: Duration::from_secs(2),
             },
         })
     }
@@ -200,7 +207,10 @@ impl VsockDevice {
             Endpoint::Conn(_) => None,
         });
         let conns = self.conns.values().filter_map(|c| match c.state {
-            ConnState::LocalInit { deadline } | ConnState::Closing { deadline } => Some(deadline),
+            ConnState::LocalInit { deadline, nudge } => {
+                Some(nudge.map_or(deadline, |n| n.min(deadline)))
+            }
+            ConnState::Closing { deadline } => Some(deadline),
             ConnState::Established => None,
         });
         match handshakes.chain(conns).min() {
@@ -360,7 +370,8 @@ impl VsockDevice {
             peer_port: port,
         };
         let deadline = Instant::now() + self.timeouts.connect;
-        let conn = Connection::new(h.stream, token, ConnState::LocalInit { deadline });
+        let nudge = Some(Instant::now() + self.timeouts.nudge);
+        let conn = Connection::new(h.stream, token, ConnState::LocalInit { deadline, nudge });
         self.endpoints.insert(token, Endpoint::Conn(key));
         self.conns.insert(key, conn);
         self.push_control(key, OP_REQUEST, 0);
@@ -467,7 +478,7 @@ impl VsockDevice {
             .conns
             .iter()
             .filter_map(|(&k, c)| match c.state {
-                ConnState::LocalInit { deadline } if deadline <= now => Some((k, true)),
+                ConnState::LocalInit { deadline, .. } if deadline <= now => Some((k, true)),
                 ConnState::Closing { deadline } if deadline <= now => Some((k, false)),
                 _ => None,
             })
@@ -476,10 +487,19 @@ impl VsockDevice {
             self.unanswered += usize::from(unanswered);
             self.reset_connection(key);
         }
+        for conn in self.conns.values_mut() {
+            if let ConnState::LocalInit { nudge, .. } = &mut conn.state {
+                if nudge.is_some_and(|at| at <= now) {
+                    *nudge = None;
+                    self.unanswered += 1;
+                }
+            }
+        }
     }
 
     /// After a host connection went unanswered (the guest neither accepted
-    /// nor refused it within the connect deadline): logs where the rings
+    /// nor refused it within [`Timeouts::nudge`], or the connect
+    /// deadline): logs where the rings
     /// stand, and raises the interrupt again if the driver has not
     /// acknowledged the last one. An edge-triggered interrupt lost on its
     /// way (seen under nested virtualization) would otherwise leave the

@@ -135,6 +135,13 @@ impl<'a> Rig<'a> {
         write32(&mut *self.t.lock().unwrap(), 0x50, queue);
     }
 
+    /// How many times the device raised its interrupt since the last call
+    /// (the irqfd's counter, read and cleared).
+    pub fn interrupts(&self) -> u64 {
+        let t = self.t.lock().unwrap();
+        t.interrupt().eventfd().read().unwrap_or(0)
+    }
+
     /// A guest → host header from guest port `src` to host port `dst`.
     pub fn hdr(src: u32, dst: u32, op: u16) -> Header {
         Header {

@@ -10,7 +10,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::packet::*;
-use super::testrig::{Rig, GUEST_CID, RX_BASE, RX_BUFS};
+use super::testrig::{read_line, Rig, GUEST_CID, RX_BASE, RX_BUFS};
 use super::*;
 use crate::devices::virtio::testutil::{guest_mem, read32, write32};
 use crate::devices::virtio::{MmioRestoreArgs, VirtioMmioState};
@@ -323,15 +323,14 @@ fn unanswered_requests_and_silent_hosts_time_out() {
     host.write_all(b"CONNECT 60\n").unwrap();
     let req = r.expect(OP_REQUEST);
     // This driver never acknowledges interrupts: the status stays pending.
-    let raised = || r.t.lock().unwrap().interrupt().eventfd().read().unwrap_or(0);
-    raised();
+    r.interrupts();
     // The guest never answers: RST after the deadline, host stream closed.
     let rst = r.expect(OP_RST);
     assert_eq!(rst.hdr.src_port, req.hdr.src_port);
     assert_eof(&mut host);
     // One interrupt for the RST, one raised again because the unanswered
     // connection found the last one unacknowledged (a lost edge).
-    let raised = r.t.lock().unwrap().interrupt().eventfd().read().unwrap_or(0);
+    let raised = r.interrupts();
     assert_eq!(raised, 2, "interrupts raised after the deadline");
     // A host that never says CONNECT is dropped too.
     let mut quiet = UnixStream::connect(&r.uds).unwrap();
@@ -340,6 +339,40 @@ fn unanswered_requests_and_silent_hosts_time_out() {
         r.pump();
     }
     assert_eof(&mut quiet);
+}
+
+/// A driver that lost an interrupt takes nothing back and answers nothing:
+/// long before the connect deadline the device raises the unacknowledged
+/// interrupt again, and the connection survives to be accepted.
+#[test]
+fn a_slow_answer_raises_the_unacknowledged_interrupt_again() {
+    let mem = guest_mem(MEM);
+    let mut r = Rig::new(&mem, "vsock-nudge");
+    r.t.lock().unwrap().device_mut().timeouts.nudge = Duration::from_millis(30);
+    let mut host = UnixStream::connect(&r.uds).unwrap();
+    host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    host.write_all(b"CONNECT 52\n").unwrap();
+    let req = r.expect(OP_REQUEST);
+    r.interrupts();
+    // Nothing else happens on the device; only the nudge raises.
+    let start = std::time::Instant::now();
+    let mut raised = 0;
+    while raised == 0 && start.elapsed() < Duration::from_secs(5) {
+        poll_once(&r.t, &r.epoll, Some(20)).unwrap();
+        raised = r.interrupts();
+    }
+    assert_eq!(raised, 1, "the interrupt was raised again once");
+    assert!(start.elapsed() < Duration::from_secs(5));
+    assert_eq!(r.connections(), 1, "the connection waits on");
+    // Once: later polls raise nothing more.
+    for _ in 0..5 {
+        poll_once(&r.t, &r.epoll, Some(20)).unwrap();
+    }
+    assert_eq!(r.interrupts(), 0);
+    // The guest answers after all.
+    r.send(Rig::hdr(52, req.hdr.src_port, OP_RESPONSE), &[]);
+    r.pump();
+    assert_eq!(read_line(&mut host), format!("OK {}", req.hdr.src_port));
 }
 
 #[test]
