@@ -93,6 +93,34 @@ pub(super) struct Timeouts {
     pub nudge: Duration,
 }
 
+/// How long after a restore the device holds the rx queue back at most,
+/// waiting for the driver to show it handled the transport reset (a
+/// driver that never refills its event queue then gets its packets after
+/// all, as before the hold existed).
+pub(super) const RESET_HOLD_LIMIT: Duration = Duration::from_secs(3);
+
+/// How often a held rx queue looks whether the driver refilled its event
+/// queue.
+const RESET_POLL: Duration = Duration::from_millis(2);
+
+/// The rx queue held back after a restore. Linux handles the
+/// TRANSPORT_RESET event in a work item of its own and resets every
+/// *connected* socket then, whenever that runs: a connection the host
+/// opened in the meantime (its REQUEST delivered and accepted first, as
+/// a wake's first agent call does) would be reset with the old ones, and
+/// the host would see the agent close it. Linux refills the event buffer
+/// after handling the event, so the event queue's available index moving
+/// past where it stood when the event was delivered means the reset is
+/// done.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ResetHold {
+    /// The event queue's available index when the event went out
+    /// (`None`: not delivered yet).
+    pub delivered_at: Option<u16>,
+    /// Past this the hold ends whatever the driver did.
+    pub until: Instant,
+}
+
 #[derive(Debug)]
 pub(super) enum Endpoint {
     Handshake(Handshake),
@@ -124,6 +152,9 @@ pub struct VsockDevice {
     next_host_port: u32,
     /// A TRANSPORT_RESET event is owed to the guest (after a restore).
     pub(super) pending_reset_event: bool,
+    /// After a restore: nothing goes to the guest's rx queue until its
+    /// driver has handled the transport reset ([`ResetHold`]).
+    pub(super) reset_hold: Option<ResetHold>,
     pub(super) scratch: Vec<u8>,
     pub(super) timeouts: Timeouts,
     /// Host connections the guest left unanswered past the nudge time or
@@ -165,6 +196,7 @@ impl VsockDevice {
             next_token: FIRST_DYNAMIC_TOKEN,
             next_host_port: HOST_PORT_BASE,
             pending_reset_event: false,
+            reset_hold: None,
             unanswered: 0,
             scratch: vec![0; super::packet::MAX_PKT_PAYLOAD as usize],
             timeouts: Timeouts {
@@ -213,7 +245,13 @@ impl VsockDevice {
             ConnState::Closing { deadline } => Some(deadline),
             ConnState::Established => None,
         });
-        match handshakes.chain(conns).min() {
+        // A delivered reset is watched for by polling the event queue: the
+        // driver's refill need not notify (EVENT_IDX).
+        let hold = self.reset_hold.map(|h| match h.delivered_at {
+            Some(_) => h.until.min(Instant::now() + RESET_POLL),
+            None => h.until,
+        });
+        match handshakes.chain(conns).chain(hold).min() {
             None => -1,
             Some(d) => {
                 let left = d.saturating_duration_since(Instant::now()).as_millis();
@@ -579,5 +617,6 @@ impl VirtioDevice for VsockDevice {
     fn reset(&mut self) {
         self.drop_connections();
         self.pending_reset_event = false;
+        self.reset_hold = None;
     }
 }
