@@ -117,8 +117,10 @@ pub(super) struct ResetHold {
     /// The event queue's available index when the event went out
     /// (`None`: not delivered yet).
     pub delivered_at: Option<u16>,
-    /// Past this the hold ends whatever the driver did.
-    pub until: Instant,
+    /// Past this the hold ends whatever the driver did: set on the
+    /// device thread's first round after the restore, when the VM runs
+    /// (a VM restored paused may wait long before it resumes).
+    pub until: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -247,8 +249,8 @@ impl VsockDevice {
         });
         // A delivered reset is watched for by polling the event queue: the
         // driver's refill need not notify (EVENT_IDX).
-        let hold = self.reset_hold.map(|h| match h.delivered_at {
-            Some(_) => h.until.min(Instant::now() + RESET_POLL),
+        let hold = self.reset_hold.and_then(|h| match h.delivered_at {
+            Some(_) => Some(Instant::now() + RESET_POLL),
             None => h.until,
         });
         match handshakes.chain(conns).chain(hold).min() {

@@ -179,22 +179,28 @@ impl VsockDevice {
 
     /// Whether the rx queue is held back after a restore (see
     /// [`super::device::ResetHold`]); ends the hold once the driver has
-    /// refilled its event queue, or at the hold's limit.
+    /// refilled its event queue, or at the hold's limit (counted from the
+    /// first look, when the VM runs).
     fn rx_held(&mut self, ctx: &QueueContext<'_>) -> bool {
-        let Some(hold) = self.reset_hold else {
+        let Some(hold) = self.reset_hold.as_mut() else {
             return false;
         };
+        let now = Instant::now();
+        let until = *hold
+            .until
+            .get_or_insert(now + super::device::RESET_HOLD_LIMIT);
         let handled = hold.delivered_at.is_some_and(|at| {
             ctx.ring_state(EVQ)
                 .and_then(|r| r.avail_idx)
-                .is_some_and(|now| now != at)
+                .is_some_and(|avail| avail != at)
         });
-        if !handled && Instant::now() < hold.until {
+        let delivered = hold.delivered_at.is_some();
+        if !handled && now < until {
             return true;
         }
         if !handled {
             crate::guest_warn!(
-                delivered = hold.delivered_at.is_some(),
+                delivered,
                 "vsock: the driver did not show it handled the transport reset; rx goes on"
             );
         }

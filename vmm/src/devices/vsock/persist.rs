@@ -50,7 +50,7 @@ impl Persist for VsockDevice {
         dev.pending_reset_event = true;
         dev.reset_hold = Some(super::device::ResetHold {
             delivered_at: None,
-            until: std::time::Instant::now() + super::device::RESET_HOLD_LIMIT,
+            until: None,
         });
         dev.scatter_host_ports()?;
         Ok(dev)

@@ -508,7 +508,7 @@ fn a_restored_device_holds_rx_until_the_driver_handled_the_reset() {
     r3.pump_until(|r| !r.ev.take_used().is_empty());
     assert!(r3.take(OP_REQUEST).is_none());
     if let Some(hold) = r3.t.lock().unwrap().device_mut().reset_hold.as_mut() {
-        hold.until = std::time::Instant::now();
+        hold.until = Some(std::time::Instant::now());
     }
     r3.expect(OP_REQUEST);
 }
