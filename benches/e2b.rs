@@ -22,7 +22,6 @@
 //! any failure with its cause.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -32,6 +31,7 @@ mod common;
 #[path = "../tests/common/e2b_sdk.rs"]
 mod e2b_sdk;
 
+use common::samples::Samples;
 use common::serve::{Serve, Started, TOKEN};
 use common::{median, percentile};
 
@@ -193,33 +193,8 @@ fn main() {
         .stderr(Stdio::inherit())
         .spawn()
         .expect("run benches/e2b_sdk.py");
-    let mut samples: BTreeMap<(String, String), Vec<f64>> = BTreeMap::new();
-    let mut order: Vec<String> = Vec::new();
-    let mut done = false;
-    for line in BufReader::new(child.stdout.take().unwrap())
-        .lines()
-        .map_while(Result::ok)
-    {
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
-            continue;
-        };
-        if v.get("done").is_some() {
-            done = true;
-            continue;
-        }
-        let (Some(op), Some(client), Some(ms)) =
-            (v["op"].as_str(), v["client"].as_str(), v["ms"].as_f64())
-        else {
-            continue;
-        };
-        if !order.iter().any(|o| o == op) {
-            order.push(op.to_string());
-        }
-        samples
-            .entry((op.to_string(), client.to_string()))
-            .or_default()
-            .push(ms);
-    }
+    let read = Samples::read(child.stdout.take().unwrap());
+    let (order, done, samples) = (read.ops(), read.done, read.by_key);
     let status = child.wait().expect("wait for the SDK driver");
     let notes = serve.stop();
     if !status.success() || !done {

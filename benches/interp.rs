@@ -11,8 +11,6 @@
 //! test` (no `--bench`) nothing runs. Needs the interpreter and E2B venvs
 //! (`scripts/setup test`).
 
-use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::process::Stdio;
 
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
@@ -23,6 +21,7 @@ mod e2b_sdk;
 #[path = "../tests/common/interp.rs"]
 mod interp;
 
+use common::samples::Samples;
 use common::{median, percentile};
 
 fn main() {
@@ -56,31 +55,11 @@ fn main() {
         .stderr(Stdio::inherit())
         .spawn()
         .expect("run benches/interp_sdk.py");
-    let mut samples: BTreeMap<(String, String), Vec<f64>> = BTreeMap::new();
-    let mut order: Vec<(String, String)> = Vec::new();
-    let mut done = false;
-    for line in BufReader::new(child.stdout.take().unwrap())
-        .lines()
-        .map_while(Result::ok)
-    {
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
-            continue;
-        };
-        if v.get("done").is_some() {
-            done = true;
-            continue;
-        }
-        let (Some(op), Some(client), Some(ms)) =
-            (v["op"].as_str(), v["client"].as_str(), v["ms"].as_f64())
-        else {
-            continue;
-        };
-        let key = (op.to_string(), client.to_string());
-        if !order.contains(&key) {
-            order.push(key.clone());
-        }
-        samples.entry(key).or_default().push(ms);
-    }
+    let Samples {
+        by_key: samples,
+        order,
+        done,
+    } = Samples::read(child.stdout.take().unwrap());
     let status = child.wait().expect("wait for the SDK driver");
     drop(server);
     if !status.success() || !done {

@@ -617,6 +617,12 @@ pub struct ServeArgs {
     /// Memory of the nested host in MiB (its sandboxes live in it).
     #[arg(long, default_value_t = 3072, value_name = "MIB")]
     pub nested_mem_mib: u32,
+    /// vCPUs of the nested host's template `base` (1 by default: under
+    /// QEMU/TCG, L1's KVM now and then lets a guest's secondary vCPU
+    /// triple-fault, at boot and after a restore; and a second emulated
+    /// vCPU adds no speed on TCG). A host with VMX/SVM builds `base` with 2.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16), value_name = "N")]
+    pub nested_vcpus: u32,
 }
 
 /// `torpor pod serve`.

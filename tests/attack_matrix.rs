@@ -200,6 +200,7 @@ fn path_of(route: &Route, id: &str) -> String {
 const NOT_SANDBOX_IDS: &[&str] = &[
     "getTemplate",
     "deleteTemplate",
+    "getPod",
     "updatePod",
     "deleteToken",
     "getOperation",

@@ -236,6 +236,7 @@ fn sandboxes_templates_and_pods_through_the_api() {
             "WATERMARK",
             "COMMITTED",
             "PSS",
+            "RESIDENT",
             "SANDBOXES"
         ]
     );
@@ -315,7 +316,7 @@ fn canned(answers: Vec<String>) -> (String, std::thread::JoinHandle<Vec<String>>
 
 #[test]
 fn http_framing_and_error_bodies() {
-    let pods = r#"{"pods":[{"id":"pod_x","memory_bytes":1073741824,"oversubscription_ratio":2.0,"high_watermark":0.5,"committed_mib":64,"pss_mib":8.5,"sandboxes":{"running":1}}]}"#;
+    let pods = r#"{"pods":[{"id":"pod_x","memory_bytes":1073741824,"oversubscription_ratio":2.0,"high_watermark":0.5,"committed_mib":64,"pss_mib":8.5,"resident_mib":7.5,"sandboxes":{"running":1}}]}"#;
     let chunked = format!(
         "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\
          Transfer-Encoding: chunked\r\n\r\n10;ext=1\r\n{}\r\n{:x}\r\n{}\r\n0\r\n\r\n",
@@ -334,7 +335,15 @@ fn http_framing_and_error_bodies() {
     let o = torpor_env(&[&["pod", "list"][..], &base].concat(), &[]);
     assert!(o.status.success(), "{}", err(&o));
     let line = row(&out(&o), "pod_x").to_string();
-    for cell in ["1024MiB", "2.0", "0.5", "64MiB", "8.5MiB", "1 running"] {
+    for cell in [
+        "1024MiB",
+        "2.0",
+        "0.5",
+        "64MiB",
+        "8.5MiB",
+        "7.5MiB",
+        "1 running",
+    ] {
         assert!(line.contains(cell), "{cell} in {line}");
     }
     let o = torpor_env(&[&["pod", "list", "--json"][..], &base].concat(), &[]);

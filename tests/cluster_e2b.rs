@@ -209,7 +209,7 @@ fn cluster_serves_e2b_and_envd_on_any_replica() {
     );
     assert_eq!(
         c.sql(&format!(
-            "SELECT status FROM operations WHERE sandbox = '{id}' AND kind = 'hibernate'"
+            "SELECT status FROM operations WHERE sandbox = '{id}' AND kind = 'hibernate_marking'"
         )),
         "done"
     );

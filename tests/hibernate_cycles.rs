@@ -25,10 +25,8 @@ use std::time::{Duration, Instant};
 
 use common::disk::SmallDisk;
 use common::serve::DataDir;
-use torpor_scheduler::model::{SandboxId, TemplateKind};
-use torpor_scheduler::service::{
-    CreateSandbox, CreateTemplate, Service, ServiceConfig, ServiceError,
-};
+use torpor_scheduler::model::SandboxId;
+use torpor_scheduler::service::{CreateSandbox, Service, ServiceError};
 use torpor_scheduler::SandboxState;
 use torpor_vmm_api::control::{Request, VmState};
 use torpor_vmm_api::lineage::Lineage;
@@ -63,24 +61,13 @@ impl Pod {
         let data = DataDir::new(name);
         let sandboxes = data.0.join("sandboxes");
         let disk = SmallDisk::mount(&sandboxes, DISK_KIB, std::process::id());
-        let mut config = ServiceConfig::new(
-            data.0.clone(),
-            PathBuf::from(env!("CARGO_BIN_EXE_torpor-vmm")),
+        let service = common::service_with_probe(
+            &data.0,
+            |_| {},
+            "fast",
+            64,
+            &format!("probe.mib={MIB} probe.ticks=1 probe.hz=100"),
         );
-        config.policy_interval_ms = 0;
-        let service = Service::open(config).expect("open the service");
-        service
-            .create_template(CreateTemplate {
-                name: "fast".into(),
-                kind: TemplateKind::Probe,
-                image: None,
-                owner: None,
-                mem_mib: 64,
-                vcpus: 1,
-                cmdline: Some(format!("probe.mib={MIB} probe.ticks=1 probe.hz=100")),
-                pod: None,
-            })
-            .expect("build the template");
         Pod {
             service,
             sandboxes,

@@ -4,12 +4,12 @@
 //! the layers below it only ([`LAYERS`]). Read from the manifests, so a new
 //! dependency that breaks this fails here rather than in review.
 
-const SERVICE_CRATES: [&str; 4] = ["scheduler", "client", "api", "cluster"];
+const SERVICE_CRATES: [&str; 5] = ["scheduler", "sandbox-api", "client", "api", "cluster"];
 
 /// Each workspace crate (its directory) and the workspace crates it may
 /// depend on: the layers, bottom first. Cargo refuses cycles; this refuses
 /// an edge the design does not have (docs/design.md, "Workspace").
-const LAYERS: [(&str, &[&str]); 11] = [
+const LAYERS: [(&str, &[&str]); 12] = [
     ("sync", &[]),
     ("vmm-api", &[]),
     ("guest-image/probe", &[]),
@@ -21,6 +21,8 @@ const LAYERS: [(&str, &[&str]); 11] = [
         "scheduler",
         &["torpor-sync", "torpor-vmm-api", "torpor-agent"],
     ),
+    // The contract: the operations, over the pod's types.
+    ("sandbox-api", &["torpor-scheduler"]),
     (
         "api",
         &[
@@ -28,6 +30,7 @@ const LAYERS: [(&str, &[&str]); 11] = [
             "torpor-vmm-api",
             "torpor-agent",
             "torpor-scheduler",
+            "torpor-sandbox-api",
             "torpor-client",
         ],
     ),
@@ -36,6 +39,7 @@ const LAYERS: [(&str, &[&str]); 11] = [
         &[
             "torpor-sync",
             "torpor-scheduler",
+            "torpor-sandbox-api",
             "torpor-client",
             "torpor-api",
         ],
@@ -51,6 +55,7 @@ const LAYERS: [(&str, &[&str]); 11] = [
             "torpor-client",
             "torpor-vmm",
             "torpor-scheduler",
+            "torpor-sandbox-api",
             "torpor-api",
             "torpor-cluster",
         ],

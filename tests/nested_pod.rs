@@ -308,10 +308,16 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
         (Sdk::Js, "sdk_envd.mjs", &["/home/user/sdk-js"][..]),
         (Sdk::Python, "sdk_control.py", &[][..]),
         (Sdk::Js, "sdk_control.mjs", &[][..]),
-        // The pause -> connect soak, bounded here (`cargo bench --bench e2b
-        // -- --soak` runs it full length): one sandbox, then five at once.
-        (Sdk::Python, "sdk_soak.py", &["base", "17", "1"][..]),
-        (Sdk::Python, "sdk_soak.py", &["base", "4", "5"][..]),
+        // A guest port (`python3 -m http.server` in the sandbox) both ways
+        // the SDKs address one: E2B's headers and `{port}-{id}.{domain}`.
+        (Sdk::Python, "sdk_ports.py", &["/tmp"][..]),
+        // The pause -> connect soak, bounded (`cargo bench --bench e2b --
+        // --soak` runs it full length, 200 cycles of one sandbox and of
+        // five at once): 4 cycles of one, then 2 of two side by side (where
+        // a wake's first agent connection was reset with the snapshot's
+        // before the vsock device held rx for the transport reset).
+        (Sdk::Python, "sdk_soak.py", &["base", "4", "1"][..]),
+        (Sdk::Python, "sdk_soak.py", &["base", "2", "2"][..]),
     ] {
         let started = Instant::now();
         run_script(
@@ -392,12 +398,18 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
     // kill -9 of serve leaves the nested host running (above); serve with
     // --no-nested-pod stops it: its forwarded port closes.
     let text = std::fs::read_to_string(&_show.0).unwrap();
-    let port = text
+    // The first line naming it is "re-attaching ... at tls:127.0.0.1:PORT)":
+    // the port is the digits only.
+    let port: u16 = text
         .lines()
         .find_map(|l| l.split(" at tls:127.0.0.1:").nth(1))
-        .and_then(|r| r.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no nested pod address in:\n{text}"))
-        .to_string();
+        .map(|r| {
+            r.chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+        })
+        .and_then(|digits| digits.parse().ok())
+        .unwrap_or_else(|| panic!("no nested pod address in:\n{text}"));
     let _ = serve.kill();
     let _ = serve.wait();
     assert!(

@@ -101,6 +101,9 @@ fn plan_prints_a_table_json_and_an_svg() {
         "wake_p99_ms",
         "mem_peak_mib",
         "mem_p99_mib",
+        "resident_peak_mib",
+        "pressure_refusals",
+        "hibernations_watermark",
         "hibernations",
         "disk_peak_bytes",
         "core_seconds",
@@ -109,6 +112,8 @@ fn plan_prints_a_table_json_and_an_svg() {
         assert!(!outcomes[2][key].is_null(), "{key} missing");
     }
     assert!(outcomes[2]["wakes"].as_u64().unwrap() >= 4);
+    // Within the pod's RAM at every ratio: recommended as before.
+    assert!(outcomes.iter().all(|o| o["infeasible"].is_null()), "{v}");
     assert_eq!(v["recommended"], 2);
 
     // Well-formed XML with its axes labelled.
@@ -132,6 +137,45 @@ fn plan_prints_a_table_json_and_an_svg() {
         .output()
         .expect("python3");
     assert!(parsed.status.success(), "{}", stderr(&parsed));
+}
+
+/// Six 512 MiB sandboxes that each dirty 400 MiB at once: 2.4 GiB
+/// resident on a 1 GiB pod at ratio 4 (all admitted), 0.8 GiB at ratio 1.
+fn overflowing() -> String {
+    let mut lines: Vec<String> = (0..6)
+        .map(|i| format!(r#"{{"t":0,"sandbox":"s{i}","event":"create","mem_mib":512}}"#))
+        .collect();
+    lines.extend((0..6).map(|i| {
+        format!(r#"{{"t":1,"sandbox":"s{i}","event":"request","duration_ms":0,"mem_mib":400}}"#)
+    }));
+    lines.join("\n") + "\n"
+}
+
+#[test]
+fn plan_never_recommends_a_setting_that_overflows_ram() {
+    let s = Scratch::new("plan-overflow");
+    let trace = s.path("t.jsonl");
+    std::fs::write(&trace, overflowing()).unwrap();
+    let o = plan(&trace, &["--max-reject-pct", "100"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.contains("RESIDENT-PEAK/RAM-MIB"), "{text}");
+    assert!(
+        text.contains("infeasible (!): ratio 4 keep-alive 5000 ms watermark 0.9: resident memory peaks at 2406 MiB, past the pod's 1024 MiB of RAM"),
+        "{text}"
+    );
+    assert!(text.contains("recommended (*): ratio 1 "), "{text}");
+    let o = plan(&trace, &["--json"]);
+    let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let infeasible: Vec<f64> = v["outcomes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|o| !o["infeasible"].is_null())
+        .map(|o| o["setting"]["ratio"].as_f64().unwrap())
+        .collect();
+    assert_eq!(infeasible, [2.0, 4.0], "{v}");
+    assert!(v["outcomes"][2]["resident_peak_mib"].as_f64().unwrap() > 1024.0);
 }
 
 #[test]

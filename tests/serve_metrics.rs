@@ -163,6 +163,15 @@ fn metrics_are_well_formed_and_move_with_activity() {
     assert!(!running.text.contains("torpor_sandbox_guest_memory"));
     let got = call("GET", &format!("/v1/sandboxes/{id}"), None).json();
     assert!(got["memory"]["pss_bytes"].as_u64().unwrap() > 0, "{got}");
+    // Resident memory (its VMM's cgroup, or its PSS without one), on the
+    // sandbox, by `sandbox` and for the pod.
+    assert!(
+        got["memory"]["resident_bytes"].as_u64().unwrap() > 0,
+        "{got}"
+    );
+    let resident = format!("torpor_sandbox_memory_resident_bytes{{sandbox=\"{id}\"}}");
+    assert!(running.get(&resident) > 0.0, "{}", running.text);
+    assert!(running.get("torpor_pod_resident_bytes{pod=\"pod_local\"}") > 0.0);
     assert!(got["memory"]["balloon_actual_mib"].is_null(), "{got}");
 
     // Hibernation ends the VMM: its faults stay counted.

@@ -11,6 +11,9 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+#[path = "../../benches/common/stats.rs"]
+#[allow(dead_code)]
+mod stats;
 
 use std::time::{Duration, Instant};
 
@@ -43,9 +46,10 @@ async fn hold(server: &Server, id: &str) -> Result<BufReader<TcpStream>, String>
     open_exec_stream(server.addr, ACME, id, &["sleep", "600"]).await
 }
 
-fn percentile(sorted: &[Duration], p: f64) -> f64 {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i].as_secs_f64() * 1000.0
+/// The `p` percentile of `samples`, in milliseconds.
+fn percentile(samples: &[Duration], p: f64) -> f64 {
+    let ms: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
+    stats::percentile(&ms, p)
 }
 
 /// `n` of other's creates and execs: their latencies, sorted.

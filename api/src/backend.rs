@@ -9,17 +9,18 @@
 //! requests, snapshots); the handlers call them through
 //! `tokio::task::spawn_blocking`.
 
-use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use torpor_scheduler::model::{HibernationKind, PodId, Sandbox, SandboxId, Template};
 use torpor_scheduler::service::history::MetricSample;
 use torpor_scheduler::service::{GuestCheck, Hibernation, LOCAL_POD};
 
 use crate::calls::{
-    map_call, CheckpointOp, CheckpointReply, ExecMode, ExecReply, FileOp, FileReply, ImageOp,
-    ImageReply, SandboxCalls, TemplateOp, TemplateReply,
+    map_call, ExecMode, ExecReply, FileOp, FileReply, ImageOp, ImageReply, SandboxCalls,
+    TemplateOp, TemplateReply,
 };
 use crate::pods::RemotePod;
+pub use torpor_sandbox_api::Lifecycle;
+use torpor_sandbox_api::{Operation, Reply};
 
 use crate::service::{
     AgentLink, Cancel, CreateSandbox, ExecRequest, ForkSandbox, GuestCall, GuestError, Outcome,
@@ -90,98 +91,6 @@ fn not_here(pod: &Option<PodId>) -> Result<(), ServiceError> {
     }
 }
 
-/// A sandbox's lifecycle call: `POST /v1/sandboxes/{id}/<name>` (with
-/// the body [`Lifecycle::body`] gives), one [`SandboxApi::lifecycle`] for
-/// all.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Lifecycle {
-    Pause,
-    Resume,
-    /// Resume or wake, and count as activity.
-    Connect,
-    Hibernate,
-    /// Hibernate with the memory after checking the guest agent: one that
-    /// does not answer is recorded, and the sandbox then wakes only by a
-    /// reboot (E2B's pause).
-    HibernateMarking,
-    /// Hibernate with the memory, refused (503) while the guest agent does
-    /// not answer (E2B's `requireHealthyGuest`).
-    HibernateStrict,
-    /// Hibernate keeping only the disk (the guest agent must answer to
-    /// sync it); the wake reboots (E2B's `memory: false`).
-    HibernateFilesystem,
-    /// Connect, waking a hibernated sandbox by a reboot from its disk
-    /// (E2B's `on_resume="reboot"`).
-    Reboot,
-}
-
-impl Lifecycle {
-    pub const ALL: [Lifecycle; 8] = [
-        Lifecycle::Pause,
-        Lifecycle::Resume,
-        Lifecycle::Connect,
-        Lifecycle::Hibernate,
-        Lifecycle::HibernateMarking,
-        Lifecycle::HibernateStrict,
-        Lifecycle::HibernateFilesystem,
-        Lifecycle::Reboot,
-    ];
-
-    /// Its route's suffix after `/v1/sandboxes/{id}` (what a relay
-    /// forwards to the sandbox's pod, with [`Self::body`]).
-    pub fn path(self) -> &'static str {
-        match self {
-            Lifecycle::Pause => "/pause",
-            Lifecycle::Resume => "/resume",
-            Lifecycle::Connect | Lifecycle::Reboot => "/connect",
-            Lifecycle::Hibernate
-            | Lifecycle::HibernateMarking
-            | Lifecycle::HibernateStrict
-            | Lifecycle::HibernateFilesystem => "/hibernate",
-        }
-    }
-
-    /// The body its route takes to mean it (none: the route's default).
-    pub fn body(self) -> Option<Value> {
-        match self {
-            Lifecycle::Pause | Lifecycle::Resume | Lifecycle::Connect | Lifecycle::Hibernate => {
-                None
-            }
-            Lifecycle::HibernateMarking => Some(json!({ "guest_check": "mark" })),
-            Lifecycle::HibernateStrict => Some(json!({ "guest_check": "require" })),
-            Lifecycle::HibernateFilesystem => Some(json!({ "mode": "filesystem" })),
-            Lifecycle::Reboot => Some(json!({ "mode": "reboot" })),
-        }
-    }
-
-    /// Its `kind` on the cluster's wire.
-    pub fn name(self) -> &'static str {
-        match self {
-            Lifecycle::HibernateMarking => "hibernate_marking",
-            Lifecycle::HibernateStrict => "hibernate_strict",
-            Lifecycle::HibernateFilesystem => "hibernate_filesystem",
-            Lifecycle::Reboot => "reboot",
-            plain => &plain.path()[1..],
-        }
-    }
-
-    /// Whether a route's last segment is a lifecycle call's.
-    pub fn is_route(segment: &str) -> bool {
-        Lifecycle::ALL
-            .into_iter()
-            .any(|op| &op.path()[1..] == segment)
-    }
-
-    /// Whether it may wake a hibernated sandbox.
-    pub fn wakes(self) -> bool {
-        matches!(
-            self,
-            Lifecycle::Resume | Lifecycle::Connect | Lifecycle::Reboot
-        )
-    }
-}
-
 /// A pod's own entry in `GET /v1/pods`: its view, reachable.
 pub fn pod_entry(view: PodView) -> Result<Value, ServiceError> {
     let mut e = serde_json::to_value(crate::wire::PodBody::from(view))
@@ -192,31 +101,23 @@ pub fn pod_entry(view: PodView) -> Result<Value, ServiceError> {
 
 /// The sandbox service as the API sees it: what each backend does its own
 /// way. Requests of one resource are one method taking the request
-/// ([`Lifecycle`], [`TemplateOp`], [`CheckpointOp`], [`ImageOp`],
-/// [`FileOp`], [`ExecMode`]).
+/// ([`Lifecycle`], [`TemplateOp`], [`ImageOp`], [`FileOp`],
+/// [`ExecMode`]); the contract's operations are one [`Operation`]
+/// ([`SandboxApi::operate`]).
 pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     /// A template call; the typed ones are [`SandboxCalls`]'
     /// (`list_templates`, `get_template`, ...).
     fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError>;
 
-    /// A checkpoint made or deleted; the typed calls are [`SandboxCalls`]'
-    /// (`checkpoint`, `delete_checkpoint`). On the pod's own service,
-    /// unless the backend sends it to the sandbox's pod itself (a cluster
-    /// replica: a command through the work queue, admitted in
-    /// PostgreSQL).
-    fn checkpoints(
-        &self,
-        id: &SandboxId,
-        op: CheckpointOp<'_>,
-    ) -> Result<CheckpointReply, ServiceError> {
-        on_pod(self, Needs::Snapshots, |s| match op {
-            CheckpointOp::Create(req) => s
-                .create_checkpoint(id, req)
-                .map(|c| CheckpointReply::Made(Box::new(c))),
-            CheckpointOp::Delete(name) => s
-                .delete_checkpoint(id, name)
-                .map(|()| CheckpointReply::Deleted),
-        })
+    /// An operation of the contract ([`Operation`]) as its caller asked
+    /// it: [`crate::dispatch`] onto this backend's methods (a checkpoint's
+    /// on the pod's own service), unless the backend takes some whole (a
+    /// cluster replica sends a checkpoint to the sandbox's pod through
+    /// its work queue, admitted in PostgreSQL). A cluster's pod worker
+    /// runs each operation of its queue through this; the typed calls
+    /// are [`SandboxCalls`]' (`checkpoint`, `delete_checkpoint`).
+    fn operate(&self, op: Operation) -> Result<Reply, ServiceError> {
+        crate::dispatch(self, op)
     }
 
     /// An images call: on the pod's own service (a pod other than this one
@@ -244,7 +145,7 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError>;
     /// Whether [`SandboxApi::create_sandbox`],
     /// [`SandboxApi::fork_sandboxes`], a template's build and
-    /// [`SandboxApi::checkpoints`] admit what they make against the
+    /// a checkpoint ([`SandboxApi::operate`]) admit what they make against the
     /// tenant's quota themselves (a cluster replica: in PostgreSQL,
     /// atomically across replicas); otherwise the API's
     /// [`crate::quota::Quotas`] do.

@@ -10,6 +10,8 @@ use torpor_scheduler::images::ImagePart;
 use torpor_scheduler::model::{Checkpoint, PodId, SandboxId, Template, TemplateId};
 use torpor_scheduler::service::guest::MAX_READ_BYTES;
 
+use torpor_sandbox_api::{Operation, Reply};
+
 use crate::backend::SandboxApi;
 use crate::service::{
     AgentLink, Cancel, CreateCheckpoint, CreateTemplate, DirListing, ExecOutput, ExecRequest,
@@ -48,22 +50,6 @@ impl TemplateReply {
     pub fn one(t: Template) -> Self {
         TemplateReply::One(Box::new(t))
     }
-}
-
-/// A checkpoint made or deleted (`/v1/sandboxes/{id}/checkpoints`):
-/// [`SandboxApi::checkpoints`]. Listing and restoring are the pod's own
-/// (a cluster relays them to the owning pod).
-#[derive(Debug, Clone)]
-pub enum CheckpointOp<'a> {
-    Create(CreateCheckpoint),
-    Delete(&'a str),
-}
-
-/// A [`CheckpointOp`]'s answer, the variant of its call.
-#[derive(Debug)]
-pub enum CheckpointReply {
-    Made(Box<Checkpoint>),
-    Deleted,
 }
 
 /// An images call (`/v1/images`): [`SandboxApi::images`].
@@ -291,22 +277,34 @@ pub trait SandboxCalls {
             _ => Err(mismatched("image list")),
         }
     }
-    /// Takes a checkpoint of sandbox `id`.
+    /// Takes a checkpoint of sandbox `id` ([`Operation::Checkpoint`]).
+    /// Listing and restoring are the pod's own (a cluster relays them to
+    /// the owning pod).
     fn checkpoint(&self, id: &SandboxId, req: CreateCheckpoint) -> Result<Checkpoint, ServiceError>
     where
         Self: SandboxApi,
     {
-        match self.checkpoints(id, CheckpointOp::Create(req))? {
-            CheckpointReply::Made(c) => Ok(*c),
+        let op = Operation::Checkpoint {
+            sandbox: id.clone(),
+            request: Box::new(req),
+        };
+        match self.operate(op)? {
+            Reply::Checkpoint { checkpoint } => Ok(*checkpoint),
             _ => Err(mismatched("checkpoint create")),
         }
     }
+    /// Deletes checkpoint `name` of sandbox `id`
+    /// ([`Operation::CheckpointDelete`]).
     fn delete_checkpoint(&self, id: &SandboxId, name: &str) -> Result<(), ServiceError>
     where
         Self: SandboxApi,
     {
-        match self.checkpoints(id, CheckpointOp::Delete(name))? {
-            CheckpointReply::Deleted => Ok(()),
+        let op = Operation::CheckpointDelete {
+            sandbox: id.clone(),
+            name: name.to_string(),
+        };
+        match self.operate(op)? {
+            Reply::CheckpointDeleted { .. } => Ok(()),
             _ => Err(mismatched("checkpoint delete")),
         }
     }

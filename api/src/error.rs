@@ -17,72 +17,8 @@ use torpor_scheduler::model::SandboxState;
 
 use crate::service::{GuestError, ServiceError};
 
-/// Error codes: the `code` field of every error body.
-pub mod code {
-    pub const INVALID_REQUEST: &str = "invalid_request";
-    pub const UNAUTHORIZED: &str = "unauthorized";
-    pub const NOT_FOUND: &str = "not_found";
-    pub const METHOD_NOT_ALLOWED: &str = "method_not_allowed";
-    pub const CONFLICT: &str = "conflict";
-    pub const UNSUPPORTED: &str = "unsupported";
-    pub const PAYLOAD_TOO_LARGE: &str = "payload_too_large";
-    pub const UNSUPPORTED_MEDIA_TYPE: &str = "unsupported_media_type";
-    pub const ADMISSION_REFUSED: &str = "admission_refused";
-    pub const INTERNAL: &str = "internal";
-    pub const NOT_IMPLEMENTED: &str = "not_implemented";
-    pub const TIMEOUT: &str = "timeout";
-    pub const FORBIDDEN: &str = "forbidden";
-    pub const NO_AGENT: &str = "no_agent";
-    pub const AGENT_ERROR: &str = "agent_error";
-    /// A remote pod did not answer (its sandboxes cannot be reached).
-    pub const POD_UNREACHABLE: &str = "pod_unreachable";
-    /// Something coming is not there yet (the nested pod's template).
-    pub const UNAVAILABLE: &str = "unavailable";
-    /// The pod's disk (or quota) is full: a snapshot could not be written.
-    pub const INSUFFICIENT_STORAGE: &str = "insufficient_storage";
-    /// A snapshot layer is corrupt or unreadable; the message names it.
-    pub const BAD_SNAPSHOT: &str = "bad_snapshot";
-    /// The sandbox's VM has ended (it failed or was stopped underneath us).
-    pub const VM_GONE: &str = "vm_gone";
-    /// A tenant's quota is used up (the body's `quota` names which).
-    pub const QUOTA_EXCEEDED: &str = "quota_exceeded";
-    /// Too many requests from one token (`Retry-After` says when to retry).
-    pub const RATE_LIMITED: &str = "rate_limited";
-    /// This host cannot do it (a Linux template without hardware
-    /// virtualization): a valid request another host could serve.
-    pub const HOST_UNSUPPORTED: &str = "host_unsupported";
-    /// The sandbox's memory was kept while its guest agent did not answer:
-    /// only a wake by a reboot (`mode: reboot`) brings it back.
-    pub const GUEST_UNRESPONSIVE: &str = "guest_unresponsive";
-
-    /// Every code (the OpenAPI document lists the same).
-    pub const ALL: &[&str] = &[
-        INVALID_REQUEST,
-        UNAUTHORIZED,
-        NOT_FOUND,
-        METHOD_NOT_ALLOWED,
-        CONFLICT,
-        UNSUPPORTED,
-        PAYLOAD_TOO_LARGE,
-        UNSUPPORTED_MEDIA_TYPE,
-        ADMISSION_REFUSED,
-        INTERNAL,
-        NOT_IMPLEMENTED,
-        TIMEOUT,
-        FORBIDDEN,
-        NO_AGENT,
-        AGENT_ERROR,
-        POD_UNREACHABLE,
-        UNAVAILABLE,
-        INSUFFICIENT_STORAGE,
-        BAD_SNAPSHOT,
-        VM_GONE,
-        QUOTA_EXCEEDED,
-        RATE_LIMITED,
-        HOST_UNSUPPORTED,
-        GUEST_UNRESPONSIVE,
-    ];
-}
+/// Error codes: the `code` field of every error body (the contract's).
+pub use torpor_sandbox_api::code;
 
 /// A VMM's classified failure as an answer. The VMM's message (host
 /// paths in it) goes to the log; the client gets the kind and, for a bad
@@ -259,6 +195,18 @@ impl std::fmt::Display for ApiError {
 
 impl std::error::Error for ApiError {}
 
+/// An operation's failure as another process is told it (a cluster's pod
+/// to its replicas): the status, code and message of this answer.
+impl From<ApiError> for torpor_sandbox_api::OpError {
+    fn from(e: ApiError) -> Self {
+        torpor_sandbox_api::OpError {
+            status: e.status.as_u16(),
+            code: e.code.to_string(),
+            message: e.message,
+        }
+    }
+}
+
 impl From<ServiceError> for ApiError {
     fn from(err: ServiceError) -> Self {
         let message = err.to_string();
@@ -275,6 +223,11 @@ impl From<ServiceError> for ApiError {
                 code::ADMISSION_REFUSED,
                 message,
             ),
+            // Memory pressure: a wait, as a rate limit's.
+            ServiceError::Pressure { retry_after_s, .. } => ApiError {
+                retry_after: Some(retry_after_s),
+                ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, code::RATE_LIMITED, message)
+            },
             ServiceError::ResourceConflict(_) => {
                 ApiError::new(StatusCode::CONFLICT, code::CONFLICT, message)
             }
@@ -341,7 +294,13 @@ impl From<ServiceError> for ApiError {
                     .copied()
                     .find(|c| *c == code)
                     .unwrap_or_else(|| code_for_status(status));
-                ApiError::new(status, code, message)
+                // A remote pod's rate limit (its memory pressure) keeps a
+                // Retry-After: a policy round, the pod's own value is not
+                // carried.
+                ApiError {
+                    retry_after: (code == code::RATE_LIMITED).then_some(1),
+                    ..ApiError::new(status, code, message)
+                }
             }
         }
     }
@@ -592,6 +551,27 @@ mod tests {
         assert_eq!(api.code, "unavailable");
         let response = api.into_response();
         assert_eq!(response.headers()[header::RETRY_AFTER], "20");
+    }
+
+    #[test]
+    fn memory_pressure_is_a_429_rate_limit_with_retry_after() {
+        let api = ApiError::from(ServiceError::Pressure {
+            resident_mib: 700,
+            hard_mib: 650,
+            retry_after_s: 1,
+        });
+        assert_eq!(api.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(api.code, code::RATE_LIMITED);
+        assert!(api.message.contains("700 MiB resident"), "{api}");
+        let response = api.into_response();
+        assert_eq!(response.headers()[header::RETRY_AFTER], "1");
+        // Through a front server, from a remote pod, too.
+        let api = ApiError::from(ServiceError::Pod {
+            status: 429,
+            code: code::RATE_LIMITED.into(),
+            message: "the pod is under memory pressure".into(),
+        });
+        assert_eq!((api.status.as_u16(), api.retry_after), (429, Some(1)));
     }
 
     #[test]

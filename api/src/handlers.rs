@@ -334,6 +334,19 @@ pub async fn list_pods<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Json<PodLi
     Ok(Json(PodList { pods }))
 }
 
+/// `GET /v1/pods/{id}`: one entry of `GET /v1/pods` (a remote pod that
+/// does not answer is `reachable: false` with the error).
+pub async fn get_pod<S: SandboxApi>(
+    State(st): Api<S>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<serde_json::Value>> {
+    let pods = call(&st, |s| s.pod_entries()).await?;
+    pods.into_iter()
+        .find(|p| p["id"] == id.as_str())
+        .map(Json)
+        .ok_or_else(|| ApiError::from(ServiceError::NotFound { kind: "pod", id }))
+}
+
 pub async fn update_pod<S: SandboxApi>(
     State(st): Api<S>,
     Path(id): Path<String>,

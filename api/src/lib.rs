@@ -56,6 +56,7 @@ pub mod auth;
 pub mod backend;
 pub mod calls;
 mod checkpoint_routes;
+pub mod dispatch;
 pub mod e2b;
 pub mod error;
 pub mod gate;
@@ -78,6 +79,7 @@ pub mod wire;
 
 pub use backend::{Lifecycle, SandboxApi};
 pub use calls::{ExecMode, ExecReply, FileOp, FileReply, SandboxCalls, TemplateOp, TemplateReply};
+pub use dispatch::dispatch;
 pub use error::ApiError;
 
 use handlers::AppState;
@@ -272,6 +274,7 @@ pub const ROUTES: &[Route] = &[
     // (pod token).
     admin("POST", "/v1/sandboxes/{id}/agent", "agentTunnel").sandbox(gate::Admit::Plain),
     admin("GET", "/v1/pods", "listPods"),
+    admin("GET", "/v1/pods/{id}", "getPod"),
     admin("PATCH", "/v1/pods/{id}", "updatePod"),
     route("GET", "/v1/images", "listImages"),
     // Admin only, checked in the handler: the body is streamed, and the
@@ -334,6 +337,7 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "unexposePort" => on(m, network_routes::unexpose_port::<S>),
         "agentTunnel" => on(m, agent_tunnel::serve::<S>),
         "listPods" => on(m, list_pods::<S>),
+        "getPod" => on(m, get_pod::<S>),
         "updatePod" => on(m, update_pod::<S>),
         "listImages" => on(m, admin_routes::list_images::<S>),
         "uploadImage" => on(m, admin_routes::upload_image::<S>),
@@ -622,13 +626,7 @@ pub async fn serve_tls_app<F>(
 where
     F: Future<Output = ()> + Send + 'static,
 {
-    let server = identity
-        .server_config()
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    let listener = tls::TlsListener::new(listener, server)?;
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    serve_tls_offering(listener, identity, false, app, shutdown).await
 }
 
 /// [`serve_tls_app`] offering HTTP/2 by ALPN beside HTTP/1.1 (the
@@ -643,12 +641,30 @@ pub async fn serve_tls_app_h2<F>(
 where
     F: Future<Output = ()> + Send + 'static,
 {
-    let server = identity
+    serve_tls_offering(listener, identity, true, app, shutdown).await
+}
+
+/// `app` over TLS with `identity`'s certificate, offering `h2` by ALPN
+/// when `h2` is set.
+async fn serve_tls_offering<F>(
+    listener: tokio::net::TcpListener,
+    identity: &tls::Identity,
+    h2: bool,
+    app: Router,
+    shutdown: F,
+) -> std::io::Result<()>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let mut server = identity
         .server_config()
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    let mut server = (*server).clone();
-    server.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    let listener = tls::TlsListener::new(listener, Arc::new(server))?;
+    if h2 {
+        let mut offering = (*server).clone();
+        offering.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        server = Arc::new(offering);
+    }
+    let listener = tls::TlsListener::new(listener, server)?;
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await

@@ -186,6 +186,10 @@ pub struct PodBody {
     pub committed_mib: u64,
     /// Measured proportional set size of its VMM processes.
     pub pss_mib: f64,
+    /// Resident memory of its sandboxes: each VMM cgroup's usage less
+    /// inactive page cache (PSS for a VMM without a cgroup); what the
+    /// pressure marks (low, high, hard) count.
+    pub resident_mib: f64,
     /// Sandboxes on it, by state.
     pub sandboxes: BTreeMap<String, u64>,
 }
@@ -196,6 +200,7 @@ impl From<PodView> for PodBody {
             pod: v.pod,
             committed_mib: v.committed_mib,
             pss_mib: v.pss_mib,
+            resident_mib: v.resident_mib,
             sandboxes: v.sandboxes,
         }
     }

@@ -9,132 +9,14 @@ mod common;
 
 use std::time::Duration;
 
+use common::ports::{
+    echo_server, guest_port, read_head, rig, str_of, websocket_echo, websocket_request, ACME,
+    DOMAIN, UMBRELLA,
+};
 use common::{Server, TOKEN};
-use serde_json::{json, Value};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::{TcpListener, TcpStream};
-use torpor_api::auth::tokens::TenantsFile;
-use torpor_api::auth::Scope;
-use torpor_api::ApiConfig;
-
-const DOMAIN: &str = "sbx.test";
-const ACME: &str = "acme-key-0123456789";
-const UMBRELLA: &str = "umbrella-key-0123456789";
-
-/// A server with the tenants acme and umbrella and the ports domain.
-async fn server(scratch: &tempfile::TempDir) -> Server {
-    let path = scratch.path().join("tenants.json");
-    let mut file = TenantsFile::default();
-    file.import("acme", Scope::Tenant, ACME).unwrap();
-    file.import("umbrella", Scope::Tenant, UMBRELLA).unwrap();
-    file.save(&path).unwrap();
-    Server::start_with(ApiConfig {
-        tenants_file: Some(path),
-        proxy_domain: Some(DOMAIN.into()),
-        ..Server::config()
-    })
-    .await
-}
-
-/// A sandbox of acme with the real agent, made through E2B's create: its
-/// create answer.
-async fn sandbox(server: &Server) -> Value {
-    let body = json!({"templateID": "probe", "metadata": {"agent": "real"}}).to_string();
-    let h = vec![
-        ("X-API-KEY", ACME.to_string()),
-        ("Content-Type", "application/json".to_string()),
-    ];
-    let r = server
-        .request("POST", "/v2/sandboxes", &h, Some(body.as_bytes()))
-        .await;
-    assert_eq!(r.status, 201, "{}", r.text());
-    r.json()
-}
-
-/// A server, acme's sandbox on it (its id, envd and traffic tokens), and
-/// the scratch directory the tenants file is in.
-struct Rig {
-    server: Server,
-    id: String,
-    envd: String,
-    traffic: String,
-    scratch: tempfile::TempDir,
-}
-
-async fn rig() -> Rig {
-    let scratch = tempfile::tempdir().unwrap();
-    let server = server(&scratch).await;
-    let created = sandbox(&server).await;
-    assert_eq!(created["domain"], DOMAIN, "{created}");
-    let field = |k: &str| str_of(&created, k).to_string();
-    Rig {
-        id: field("sandboxID"),
-        envd: field("envdAccessToken"),
-        traffic: field("trafficAccessToken"),
-        server,
-        scratch,
-    }
-}
-
-/// A listener on a free loopback port (a "guest" port) and its port.
-async fn guest_port() -> (TcpListener, u16) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    (listener, port)
-}
-
-/// Reads one HTTP/1.1 request head; its lines.
-async fn read_head<R: tokio::io::AsyncRead + Unpin>(reader: &mut BufReader<R>) -> Vec<String> {
-    let mut lines = Vec::new();
-    loop {
-        let mut line = String::new();
-        if reader.read_line(&mut line).await.unwrap() == 0 {
-            return lines;
-        }
-        let line = line.trim_end().to_string();
-        if line.is_empty() {
-            return lines;
-        }
-        lines.push(line);
-    }
-}
-
-/// A guest HTTP server: answers every request with its request line and
-/// headers as JSON (`{"line", "headers": {name: value}}`).
-async fn echo_server() -> u16 {
-    let (listener, port) = guest_port().await;
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let mut reader = BufReader::new(stream);
-                loop {
-                    let head = read_head(&mut reader).await;
-                    if head.is_empty() {
-                        return;
-                    }
-                    let headers: serde_json::Map<String, Value> = head[1..]
-                        .iter()
-                        .filter_map(|l| l.split_once(':'))
-                        .map(|(n, v)| (n.to_ascii_lowercase(), Value::from(v.trim())))
-                        .collect();
-                    let body = json!({"line": head[0], "headers": headers}).to_string();
-                    let answer = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
-                         content-length: {}\r\n\r\n{body}",
-                        body.len()
-                    );
-                    if reader.get_mut().write_all(answer.as_bytes()).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    port
-}
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
 
 /// `GET path` with these headers, `Connection: close`, raw.
 async fn get(server: &Server, path: &str, headers: &[(&str, &str)]) -> common::Reply {
@@ -147,10 +29,6 @@ async fn get(server: &Server, path: &str, headers: &[(&str, &str)]) -> common::R
     }
     raw.push_str("\r\n");
     server.raw(raw.as_bytes()).await
-}
-
-fn str_of<'a>(v: &'a Value, key: &str) -> &'a str {
-    v[key].as_str().unwrap_or_else(|| panic!("{key} in {v}"))
 }
 
 #[tokio::test]
@@ -349,42 +227,11 @@ async fn a_websocket_upgrade_passes_through() {
     let (server, id, traffic) = (&rig.server, &rig.id, &rig.traffic);
     let (listener, port) = guest_port().await;
     // The guest: accepts the upgrade, then echoes bytes back.
-    let guest = tokio::spawn(async move {
-        let (stream, _) = listener.accept().await.unwrap();
-        let mut reader = BufReader::new(stream);
-        let head = read_head(&mut reader).await;
-        let lower: Vec<String> = head.iter().map(|l| l.to_ascii_lowercase()).collect();
-        assert!(
-            lower.contains(&"upgrade: websocket".to_string()),
-            "{head:?}"
-        );
-        assert!(
-            lower.contains(&"connection: upgrade".to_string()),
-            "{head:?}"
-        );
-        reader
-            .get_mut()
-            .write_all(
-                b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n\
-                  connection: upgrade\r\nsec-websocket-accept: x\r\n\r\n",
-            )
-            .await
-            .unwrap();
-        let mut buf = [0u8; 64];
-        loop {
-            let n = reader.read(&mut buf).await.unwrap();
-            if n == 0 {
-                return;
-            }
-            reader.get_mut().write_all(&buf[..n]).await.unwrap();
-        }
-    });
+    let guest = websocket_echo(listener);
     let mut client = TcpStream::connect(server.addr).await.unwrap();
-    let request = format!(
-        "GET /ws HTTP/1.1\r\nhost: {port}-{id}.{DOMAIN}\r\nconnection: Upgrade\r\n\
-         upgrade: websocket\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
-         sec-websocket-version: 13\r\ne2b-traffic-access-token: {traffic}\r\n\r\n"
-    );
+    let request = websocket_request(&format!(
+        "host: {port}-{id}.{DOMAIN}\r\ne2b-traffic-access-token: {traffic}\r\n"
+    ));
     client.write_all(request.as_bytes()).await.unwrap();
     let exchange = async {
         let mut reader = BufReader::new(&mut client);
@@ -402,10 +249,19 @@ async fn a_websocket_upgrade_passes_through() {
         .await
         .expect("the upgraded connection echoes");
     drop(client);
-    tokio::time::timeout(Duration::from_secs(20), guest)
+    let head = tokio::time::timeout(Duration::from_secs(20), guest)
         .await
         .expect("the guest sees the end")
         .unwrap();
+    let lower: Vec<String> = head.iter().map(|l| l.to_ascii_lowercase()).collect();
+    assert!(
+        lower.contains(&"upgrade: websocket".to_string()),
+        "{head:?}"
+    );
+    assert!(
+        lower.contains(&"connection: upgrade".to_string()),
+        "{head:?}"
+    );
 }
 
 #[tokio::test]

@@ -256,6 +256,15 @@ async fn admission_past_the_ratio_is_429_and_ratio_changes_apply() {
     assert_eq!(pod["sandboxes"]["creating"], 1);
     assert_eq!(pod["address"]["kind"], "local");
     assert!(pod.get("token_hash").is_none());
+    assert_eq!(pod["resident_mib"], 10.0);
+    // One pod by its id: the same entry; another id is 404.
+    let r = server
+        .call("GET", &format!("/v1/pods/{POD_ID}"), None)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json(), pod);
+    let r = server.call("GET", "/v1/pods/pod_nowhere", None).await;
+    r.assert_error(404, "not_found");
 
     let r = server
         .call(

@@ -1,10 +1,18 @@
 //! Helpers shared by the benches: run `torpor vmm`, talk to its control
 //! socket, watch the probe's console (`restore`, `dirty`); talk HTTP to
-//! `torpor serve` (`http`: `density`, `api`; `serve`: start and stop one); and percentiles.
+//! `torpor serve` (`http`: `density`, `api`; `serve`: start and stop one); and
+//! percentiles (`stats`, which the API crate's `ports` bench shares); an SDK
+//! driver's samples (`samples`).
 #![allow(dead_code)]
 
 pub mod http;
+pub mod samples;
 pub mod serve;
+mod stats;
+
+// Not every bench takes both.
+#[allow(unused_imports)]
+pub use stats::{median, percentile};
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -74,23 +82,4 @@ pub fn shutdown(sock: &Path, mut child: Child) -> String {
     }
     assert!(status.success(), "{err}");
     err
-}
-
-pub fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    if v.is_empty() {
-        f64::NAN
-    } else {
-        v[v.len() / 2]
-    }
-}
-
-/// Nearest-rank percentile of `v` (`q` in 0..=1; NaN when empty).
-pub fn percentile(v: &[f64], q: f64) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    if s.is_empty() {
-        return f64::NAN;
-    }
-    s[((q * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1]
 }

@@ -1,9 +1,11 @@
 //! Checkpoints through a replica: taken and deleted on the sandbox's pod
 //! (which holds its snapshots) through its work queue, as the sandbox's
-//! other commands are; listed and restored on that pod (relayed).
+//! other commands are (`Cluster::command`, the replica's `operate`);
+//! listed and restored on that pod (relayed). Here: their results in
+//! PostgreSQL.
 //!
 //! - A take (`POST /v1/sandboxes/{id}/checkpoints`) is one operation of
-//!   kind `checkpoint` ([`Command::Checkpoint`]), admitted in PostgreSQL
+//!   kind `checkpoint` (`torpor_sandbox_api::Operation::Checkpoint`), admitted in PostgreSQL
 //!   against the tenant's snapshot disk with it: a snapshot of the
 //!   sandbox's memory (the quota's upper bound), counted while pending,
 //!   then as the checkpoint's row, which the result writes with the
@@ -16,47 +18,6 @@
 
 use serde_json::Value;
 use torpor_scheduler::model::{PodId, SandboxId};
-use torpor_scheduler::service::ServiceError;
-
-use super::replica::Cluster;
-use super::wire::{Command, OpOutcome};
-use torpor_api::calls::{CheckpointOp, CheckpointReply};
-use torpor_api::quota::Usage;
-
-impl Cluster {
-    pub(super) fn checkpoint_call(
-        &self,
-        id: &SandboxId,
-        op: CheckpointOp<'_>,
-    ) -> Result<CheckpointReply, ServiceError> {
-        let outcome = match op {
-            CheckpointOp::Create(request) => self.command(
-                id,
-                |sandbox| Command::Checkpoint {
-                    sandbox,
-                    request: Box::new(request),
-                },
-                |s| Some(Usage::snapshot(u64::from(s.mem_mib))),
-            )?,
-            CheckpointOp::Delete(name) => self.command(
-                id,
-                |sandbox| Command::DeleteCheckpoint {
-                    sandbox,
-                    name: name.to_string(),
-                },
-                |_| None,
-            )?,
-        };
-        match outcome {
-            OpOutcome::Checkpoint { checkpoint } => Ok(CheckpointReply::Made(checkpoint)),
-            OpOutcome::CheckpointDeleted { .. } => Ok(CheckpointReply::Deleted),
-            OpOutcome::Failed(e) => Err(e.into()),
-            other => Err(ServiceError::Internal(format!(
-                "a checkpoint of {id} answered {other:?}"
-            ))),
-        }
-    }
-}
 
 /// A checkpoint's result with its operation, in one statement: a take
 /// writes the checkpoint's row (its sandbox's tenant and memory, as the

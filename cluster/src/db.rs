@@ -12,7 +12,7 @@ use tokio_postgres::{Client, GenericClient, NoTls};
 use torpor_scheduler::model::{PodId, Sandbox, SandboxId};
 use torpor_sync::Locked;
 
-use super::wire::{Heartbeat, OpOutcome};
+use super::wire::{Heartbeat, OpOutcome, Reply};
 use super::ClusterError;
 use torpor_api::quota::Usage;
 
@@ -483,7 +483,7 @@ impl Db {
                     sandbox = coalesce(sandbox, $4)
                 WHERE id = $1 AND pod = $5 AND status = 'pending' RETURNING id)";
         match outcome {
-            OpOutcome::Sandbox { sandbox, .. } => {
+            OpOutcome::Done(Reply::Sandbox { sandbox, .. }) => {
                 let body = serde_json::to_value(sandbox)
                     .map_err(|e| ClusterError::Postgres(e.to_string()))?;
                 let sql = format!(
@@ -510,7 +510,7 @@ impl Db {
                 )
                 .await
             }
-            OpOutcome::Deleted { sandbox } => {
+            OpOutcome::Done(Reply::Deleted { sandbox }) => {
                 // A tombstone (state `deleted`, the largest generation)
                 // rather than no row: a heartbeat taken before the delete
                 // and written at the same time (another replica) could
@@ -533,7 +533,7 @@ impl Db {
                 )
                 .await
             }
-            OpOutcome::Sandboxes { sandboxes } => {
+            OpOutcome::Done(Reply::Sandboxes { sandboxes }) => {
                 // A fork's: every new sandbox's row with the operation,
                 // in the same one statement (the operation keeps its
                 // source sandbox).
@@ -569,15 +569,15 @@ impl Db {
             }
             // A template built or deleted: the pod's catalog changed with
             // the operation, in the same one statement (`catalog.rs`).
-            OpOutcome::Template { template } | OpOutcome::TemplateDeleted { template } => {
-                let built = matches!(outcome, OpOutcome::Template { .. });
+            OpOutcome::Done(Reply::Template { template } | Reply::TemplateDeleted { template }) => {
+                let built = matches!(outcome, OpOutcome::Done(Reply::Template { .. }));
                 super::catalog::finish(&c, operation, &json, pod, template, built).await
             }
-            OpOutcome::Checkpoint { checkpoint } => {
+            OpOutcome::Done(Reply::Checkpoint { checkpoint }) => {
                 let taken = (&checkpoint.sandbox, checkpoint.name.as_str());
                 super::checkpoints::finish(&c, operation, &json, pod, taken, true).await
             }
-            OpOutcome::CheckpointDeleted { sandbox, name } => {
+            OpOutcome::Done(Reply::CheckpointDeleted { sandbox, name }) => {
                 let deleted = (sandbox, name.as_str());
                 super::checkpoints::finish(&c, operation, &json, pod, deleted, false).await
             }

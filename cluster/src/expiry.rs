@@ -61,7 +61,7 @@ use torpor_scheduler::model::PodId;
 use torpor_scheduler::service::ServiceError;
 
 use super::db::{pg, Db};
-use super::wire::{OpError, OpOutcome};
+use super::wire::OpOutcome;
 use super::ClusterError;
 
 /// The default start window of a create (`--cluster-create-start-ms`).
@@ -121,7 +121,7 @@ pub fn now_ms() -> i64 {
 }
 
 fn failed(message: String) -> OpOutcome {
-    OpOutcome::Failed(OpError::from(ServiceError::Unavailable {
+    OpOutcome::Failed(super::wire::failure(ServiceError::Unavailable {
         message,
         retry_after_s: RETRY_AFTER_S,
     }))
@@ -270,7 +270,7 @@ mod tests {
         assert!(too_late(None, i64::MAX, &pod, "op_1").is_none());
         assert!(matches!(
             too_late(Some(&d), 5_001, &pod, "op_1"),
-            Some(OpOutcome::Failed(OpError { status: 503, .. }))
+            Some(OpOutcome::Failed(crate::wire::OpError { status: 503, .. }))
         ));
     }
 

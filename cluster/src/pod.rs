@@ -16,13 +16,15 @@ use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
 use rusqlite::{params, Connection, OptionalExtension};
 use torpor_scheduler::model::{PodId, Sandbox, SandboxState};
-use torpor_scheduler::service::{Owner, ServiceError};
+use torpor_scheduler::service::ServiceError;
 use torpor_sync::Locked;
 
 use torpor_api::service::SandboxFilter;
 
 use super::expiry::{self, Deadlines};
-use super::wire::{self, Command, Event, Heartbeat, OpError, OpOutcome, WorkItem, MAX_REPORTED};
+use super::wire::{
+    self, Event, Heartbeat, OpError, OpOutcome, Operation, Reply, WorkItem, MAX_REPORTED,
+};
 use super::{ClusterConfig, ClusterError};
 use torpor_api::backend::SandboxApi;
 
@@ -313,7 +315,7 @@ fn unreadable(
     );
     Some((
         op.to_string(),
-        OpOutcome::Failed(OpError::from(ServiceError::Unsupported(message))),
+        OpOutcome::Failed(wire::failure(ServiceError::Unsupported(message))),
     ))
 }
 
@@ -322,14 +324,15 @@ fn named(mut s: Sandbox, pod: &PodId) -> Sandbox {
     s
 }
 
-/// [`execute`] unless it is taken past its start deadline (refused, not
-/// run); a create (or a fork's sandboxes, or a checkpoint) that ended past
-/// its expiry deleted again (a replica may have ended its operation: `expiry.rs`).
+/// `command` through the one dispatch ([`SandboxApi::operate`]), unless it
+/// is taken past its start deadline (refused, not run); a create (or a
+/// fork's sandboxes, or a checkpoint) that ended past its expiry deleted
+/// again (a replica may have ended its operation: `expiry.rs`).
 fn in_time<S: SandboxApi>(
     service: &S,
     pod: &PodId,
     op: &str,
-    command: Command,
+    command: Operation,
     deadlines: Option<Deadlines>,
 ) -> OpOutcome {
     let deadlines = deadlines.as_ref();
@@ -337,33 +340,36 @@ fn in_time<S: SandboxApi>(
         tracing::warn!(operation = op, "taken past its start deadline: not run");
         return refused;
     }
-    let create = matches!(command, Command::Create { .. });
-    let outcome = execute(service, pod, command);
+    let create = matches!(command, Operation::Create { .. });
+    let outcome = service.operate(command).map(|r| r.on_pod(pod));
     let late = expiry::too_late(deadlines, expiry::now_ms(), pod, op);
-    match (outcome, late) {
-        (OpOutcome::Sandbox { sandbox, resumed }, Some(late)) if create => {
+    let Some(late) = late else {
+        return wire::outcome(outcome);
+    };
+    match outcome {
+        Ok(Reply::Sandbox { sandbox, resumed }) if create => {
             match service.delete_sandbox(&sandbox.id) {
                 Ok(()) => late,
                 Err(e) => {
                     // It stays: reported as made (its heartbeat lists it,
                     // so it is counted against its tenant's quota).
                     tracing::warn!(operation = op, error = %e, "a late create not deleted");
-                    OpOutcome::Sandbox { sandbox, resumed }
+                    OpOutcome::Done(Reply::Sandbox { sandbox, resumed })
                 }
             }
         }
-        (OpOutcome::Checkpoint { checkpoint }, Some(late)) => {
+        Ok(Reply::Checkpoint { checkpoint }) => {
             // As a late create: a replica may have ended its operation, so
             // nothing would count it.
             match service.delete_checkpoint(&checkpoint.sandbox, &checkpoint.name) {
                 Ok(()) => late,
                 Err(e) => {
                     tracing::warn!(operation = op, error = %e, "a late checkpoint not deleted");
-                    OpOutcome::Checkpoint { checkpoint }
+                    OpOutcome::Done(Reply::Checkpoint { checkpoint })
                 }
             }
         }
-        (OpOutcome::Sandboxes { sandboxes }, Some(late)) => {
+        Ok(Reply::Sandboxes { sandboxes }) => {
             let mut left = Vec::new();
             for fork in sandboxes {
                 if let Err(e) = service.delete_sandbox(&fork.id) {
@@ -375,96 +381,10 @@ fn in_time<S: SandboxApi>(
             if left.is_empty() {
                 late
             } else {
-                OpOutcome::Sandboxes { sandboxes: left }
+                OpOutcome::Done(Reply::Sandboxes { sandboxes: left })
             }
         }
-        (outcome, _) => outcome,
-    }
-}
-
-fn execute<S: SandboxApi>(service: &S, pod: &PodId, command: Command) -> OpOutcome {
-    let done = |r: Result<(Sandbox, bool), ServiceError>| match r {
-        Ok((s, resumed)) => OpOutcome::Sandbox {
-            sandbox: Box::new(named(s, pod)),
-            resumed,
-        },
-        Err(e) => OpOutcome::Failed(e.into()),
-    };
-    match command {
-        Command::Create {
-            mut request,
-            tenant,
-            admin,
-        } => {
-            request.owner = Some(Owner { tenant, admin });
-            request.pod = None;
-            done(service.create_sandbox(*request).map(|s| (s, false)))
-        }
-        Command::Lifecycle { sandbox, op } => done(
-            service
-                .lifecycle(&sandbox, op)
-                .map(|o| (o.sandbox, o.resumed)),
-        ),
-        Command::Delete { sandbox } => match service.delete_sandbox(&sandbox) {
-            Ok(()) => OpOutcome::Deleted { sandbox },
-            Err(e) => OpOutcome::Failed(e.into()),
-        },
-        Command::Fork {
-            sandbox,
-            mut request,
-        } => {
-            // All of them or none (`fork_sandboxes` deletes those made if
-            // one fails); each is the source's tenant's (`fork_sandbox`).
-            let count = request.count.take().unwrap_or(1);
-            if !(1..=torpor_api::service::MAX_FORK_COUNT).contains(&count) {
-                let e = ServiceError::Invalid(format!("a fork count of {count}"));
-                return OpOutcome::Failed(e.into());
-            }
-            match service.fork_sandboxes(&sandbox, *request, count) {
-                Ok(forks) => OpOutcome::Sandboxes {
-                    sandboxes: forks.into_iter().map(|s| named(s, pod)).collect(),
-                },
-                Err(e) => OpOutcome::Failed(e.into()),
-            }
-        }
-        Command::BuildTemplate {
-            mut request,
-            tenant,
-            admin,
-        } => {
-            // The tenant's own (an admin's shared), as an embedded build.
-            request.owner = Some(Owner { tenant, admin });
-            request.pod = None;
-            match service.create_template(*request) {
-                Ok(template) => OpOutcome::Template {
-                    template: Box::new(template),
-                },
-                Err(e) => OpOutcome::Failed(e.into()),
-            }
-        }
-        // Refused (409) while sandboxes of this pod use it, as embedded;
-        // answered with the template as it reads after (`deleted`).
-        Command::DeleteTemplate { template } => match service
-            .delete_template(None, template.as_str())
-            .and_then(|()| service.get_template(&template))
-        {
-            Ok(t) => OpOutcome::TemplateDeleted {
-                template: Box::new(t),
-            },
-            Err(e) => OpOutcome::Failed(e.into()),
-        },
-        Command::Checkpoint { sandbox, request } => match service.checkpoint(&sandbox, *request) {
-            Ok(c) => OpOutcome::Checkpoint {
-                checkpoint: Box::new(c),
-            },
-            Err(e) => OpOutcome::Failed(e.into()),
-        },
-        Command::DeleteCheckpoint { sandbox, name } => {
-            match service.delete_checkpoint(&sandbox, &name) {
-                Ok(()) => OpOutcome::CheckpointDeleted { sandbox, name },
-                Err(e) => OpOutcome::Failed(e.into()),
-            }
-        }
+        outcome => wire::outcome(outcome),
     }
 }
 

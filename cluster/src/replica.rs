@@ -12,7 +12,7 @@ use torpor_scheduler::service::LOCAL_POD;
 use torpor_scheduler::state::SandboxState;
 
 use super::db::{Db, NewOp, OpRow, PodRow};
-use super::wire::{self, Command, OpOutcome, WorkItem};
+use super::wire::{self, OpOutcome, Operation, Reply, WorkItem};
 use super::{ClusterConfig, ClusterError};
 use torpor_api::backend::{Lifecycle, SandboxApi};
 use torpor_api::error::code;
@@ -187,7 +187,7 @@ impl Cluster {
         &self,
         pod: &PodId,
         tenant: &str,
-        command: Command,
+        command: Operation,
         asked: Option<&Usage>,
     ) -> Result<OpOutcome, ServiceError> {
         let key = torpor_api::request_context::idempotency_key();
@@ -200,7 +200,7 @@ impl Cluster {
         &self,
         pod: &PodId,
         tenant: &str,
-        command: Command,
+        command: Operation,
         asked: Option<&Usage>,
         key: Option<String>,
     ) -> Result<OpOutcome, ServiceError> {
@@ -291,10 +291,14 @@ impl Cluster {
     }
 
     fn sandbox_of(outcome: OpOutcome) -> Result<(Sandbox, bool), ServiceError> {
-        match outcome {
-            OpOutcome::Sandbox { sandbox, resumed } => Ok((*sandbox, resumed)),
-            OpOutcome::Failed(e) => Err(e.into()),
-            OpOutcome::Deleted { sandbox } => Err(ServiceError::NotFound {
+        Self::sandbox_in(outcome.reply()?)
+    }
+
+    /// A create's or a lifecycle call's sandbox.
+    fn sandbox_in(reply: Reply) -> Result<(Sandbox, bool), ServiceError> {
+        match reply {
+            Reply::Sandbox { sandbox, resumed } => Ok((*sandbox, resumed)),
+            Reply::Deleted { sandbox } => Err(ServiceError::NotFound {
                 kind: "sandbox",
                 id: sandbox.to_string(),
             }),
@@ -306,33 +310,34 @@ impl Cluster {
 
     /// The sandboxes a fork of `id` made.
     fn forks_of(outcome: OpOutcome, id: &SandboxId) -> Result<Vec<Sandbox>, ServiceError> {
-        match outcome {
-            OpOutcome::Sandboxes { sandboxes } => Ok(sandboxes),
-            OpOutcome::Failed(e) => Err(e.into()),
+        match outcome.reply()? {
+            Reply::Sandboxes { sandboxes } => Ok(sandboxes),
             other => Err(ServiceError::Internal(format!(
                 "a fork of {id} answered {other:?}"
             ))),
         }
     }
 
-    /// A command on an existing sandbox, on its pod, admitted against its
-    /// tenant's quota for what `asks` of the sandbox (a wake's room).
-    pub(super) fn command(
-        &self,
-        id: &SandboxId,
-        make: impl FnOnce(SandboxId) -> Command,
-        asks: impl FnOnce(&Sandbox) -> Option<Usage>,
-    ) -> Result<OpOutcome, ServiceError> {
+    /// An operation on an existing sandbox (a lifecycle call, a delete, a
+    /// checkpoint's take or delete: any but a fork, whose forks' secrets
+    /// and count are its own) as a command to the sandbox's pod, admitted
+    /// against its tenant's quota for what it [`asks`] of the sandbox.
+    pub(super) fn command(&self, command: Operation) -> Result<Reply, ServiceError> {
+        let id = command
+            .sandbox()
+            .cloned()
+            .ok_or_else(|| ServiceError::Internal(format!("a {} of no sandbox", command.kind())))?;
+        let asks = asks(&command);
         self.block(async {
-            let command = make(id.clone());
-            let (sandbox, pod) = match self.owned_up(id).await {
+            let (sandbox, pod) = match self.owned_up(&id).await {
                 Ok(owned) => owned,
-                Err(e) => return self.retried(e, command.kind(), id).await,
+                Err(e) => return self.retried(e, command.kind(), &id).await,
             };
             let tenant = sandbox.tenant.clone().unwrap_or_default();
             let asked = asks(&sandbox);
             self.run(&pod.id, &tenant, command, asked.as_ref()).await
-        })
+        })?
+        .reply()
     }
 
     /// A command on sandbox `id` that failed with `e` before it was sent
@@ -357,20 +362,6 @@ impl Cluster {
         }
     }
 
-    fn outcome(
-        &self,
-        id: &SandboxId,
-        make: impl FnOnce(SandboxId) -> Command,
-        asks: impl FnOnce(&Sandbox) -> Option<Usage>,
-    ) -> Result<Outcome, ServiceError> {
-        let (sandbox, resumed) = Self::sandbox_of(self.command(id, make, asks)?)?;
-        Ok(Outcome {
-            sandbox,
-            resumed,
-            resume_ms: None,
-        })
-    }
-
     pub(super) fn remote(&self, pod: &PodRow) -> Option<RemotePod> {
         let pin = match pod
             .fingerprint
@@ -393,6 +384,26 @@ impl Cluster {
         )
         .map_err(|e| tracing::warn!(pod = %pod.id, error = %e, "a pod's address"))
         .ok()
+    }
+}
+
+/// What `op` asks of its sandbox's tenant's quota: a wake (a resume or
+/// connect of a sandbox hibernated as PostgreSQL has it) its room, counted
+/// while it is pending, then as the running sandbox; a checkpoint's take
+/// a snapshot of the sandbox's memory (the quota's upper bound), counted
+/// while pending, then as the checkpoint's row.
+fn asks(op: &Operation) -> impl FnOnce(&Sandbox) -> Option<Usage> {
+    let wakes = matches!(op, Operation::Lifecycle(call) if call.op.wakes());
+    let takes = matches!(op, Operation::Checkpoint { .. });
+    move |s| {
+        let mem = u64::from(s.mem_mib);
+        if wakes && s.state == SandboxState::Hibernated {
+            Some(Usage::wake(mem))
+        } else if takes {
+            Some(Usage::snapshot(mem))
+        } else {
+            None
+        }
     }
 }
 
@@ -435,14 +446,22 @@ impl SandboxApi for Cluster {
         self.image_call(op)
     }
 
-    /// Commands to the sandbox's pod, a checkpoint admitted in PostgreSQL
-    /// against its tenant's snapshot disk (`checkpoints.rs`).
-    fn checkpoints(
-        &self,
-        id: &SandboxId,
-        op: torpor_api::calls::CheckpointOp<'_>,
-    ) -> Result<torpor_api::calls::CheckpointReply, ServiceError> {
-        self.checkpoint_call(id, op)
+    /// An operation on an existing sandbox is a command to its pod as it
+    /// came ([`Cluster::command`]; a checkpoint's take admitted in
+    /// PostgreSQL against its tenant's snapshot disk: `checkpoints.rs`);
+    /// those that place (a create, a template's build), fork or name a
+    /// template go through the one dispatch to the methods below.
+    fn operate(&self, op: Operation) -> Result<Reply, ServiceError> {
+        match op {
+            Operation::Create { .. }
+            | Operation::Fork { .. }
+            | Operation::TemplateBuild { .. }
+            | Operation::TemplateDelete { .. } => torpor_api::dispatch(self, op),
+            Operation::Lifecycle(_)
+            | Operation::Delete { .. }
+            | Operation::Checkpoint { .. }
+            | Operation::CheckpointDelete { .. } => self.command(op),
+        }
     }
 
     fn create_sandbox(&self, mut req: CreateSandbox) -> Result<Sandbox, ServiceError> {
@@ -486,7 +505,7 @@ impl SandboxApi for Cluster {
             // never goes to the pod, the environment does.
             let token = req.access_token.take();
             let env = req.env.clone();
-            let command = Command::Create {
+            let command = Operation::Create {
                 request: Box::new(req),
                 tenant: owner.tenant.clone(),
                 admin: owner.admin,
@@ -551,7 +570,7 @@ impl SandboxApi for Cluster {
                 asked.add(&Usage::sandbox(u64::from(source.mem_mib)));
             }
             req.count = Some(count);
-            let command = Command::Fork {
+            let command = Operation::Fork {
                 sandbox: id.clone(),
                 request: Box::new(req),
             };
@@ -606,26 +625,22 @@ impl SandboxApi for Cluster {
     /// room counts while it is pending, then as the running sandbox. With
     /// the sandbox's secrets (E2B's connect shows its envd token).
     fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
-        let wakes = op.wakes();
-        let mut outcome = self.outcome(
-            id,
-            |sandbox| Command::Lifecycle { sandbox, op },
-            |s| {
-                (wakes && s.state == SandboxState::Hibernated)
-                    .then(|| Usage::wake(u64::from(s.mem_mib)))
-            },
-        )?;
-        outcome.sandbox = self.block(self.with_secrets(outcome.sandbox))?;
-        Ok(outcome)
+        let (sandbox, resumed) =
+            Self::sandbox_in(self.command(Operation::lifecycle(id.clone(), op))?)?;
+        Ok(Outcome {
+            sandbox: self.block(self.with_secrets(sandbox))?,
+            resumed,
+            resume_ms: None,
+        })
     }
     fn admits_wakes(&self) -> bool {
         true
     }
     fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
-        match self.command(id, |sandbox| Command::Delete { sandbox }, |_| None)? {
-            OpOutcome::Failed(e) => Err(e.into()),
-            _ => Ok(()),
-        }
+        self.command(Operation::Delete {
+            sandbox: id.clone(),
+        })
+        .map(drop)
     }
     /// On the sandbox's pod (`/v1` relays its `PATCH` there; E2B's
     /// timeout routes call this).

@@ -5,7 +5,7 @@
 //! - A build (`POST /v1/templates`) goes to the pod it names (`pod`, an
 //!   admin's choice) or to the pod up with the most admission headroom
 //!   (among those with its image, for a Linux template: `images.rs`): one
-//!   operation of kind `template_build` ([`Command::BuildTemplate`]), the
+//!   operation of kind `template_build` ([`Operation::TemplateBuild`]), the
 //!   template the caller's tenant's (an admin's shared), as embedded. Its
 //!   result changes that pod's catalog with the operation, so that a create
 //!   right after the 201 is placed there; past `--cluster-wait-ms` the
@@ -34,7 +34,7 @@ use torpor_scheduler::service::{CreateTemplate, Owner};
 
 use super::db::PodRow;
 use super::replica::Cluster;
-use super::wire::{Command, OpOutcome};
+use super::wire::{OpOutcome, Operation, Reply};
 use torpor_api::calls::{TemplateOp, TemplateReply};
 use torpor_api::quota::Usage;
 use torpor_api::service::ServiceError;
@@ -144,7 +144,7 @@ impl Cluster {
         // The build's VM, admitted against its tenant's quota as a create
         // is: counted while its operation is pending, on every replica.
         let asked = Usage::sandbox(u64::from(req.mem_mib));
-        let command = Command::BuildTemplate {
+        let command = Operation::TemplateBuild {
             request: Box::new(req),
             tenant: owner.tenant.clone(),
             admin: owner.admin,
@@ -152,9 +152,9 @@ impl Cluster {
         match self
             .run(&pod.id, &owner.tenant, command, Some(&asked))
             .await?
+            .reply()?
         {
-            OpOutcome::Template { template } => Ok(*template),
-            OpOutcome::Failed(e) => Err(e.into()),
+            Reply::Template { template } => Ok(*template),
             other => Err(ServiceError::Internal(format!(
                 "a template's build answered {other:?}"
             ))),
@@ -197,7 +197,7 @@ impl Cluster {
         }
         if let Some(key) = torpor_api::request_context::idempotency_key() {
             if let Some(op) = self.db.template_delete_by_key(&key, id, None).await? {
-                if let Some(OpOutcome::TemplateDeleted { template }) = op.outcome {
+                if let Some(OpOutcome::Done(Reply::TemplateDeleted { template })) = op.outcome {
                     return Ok(*template);
                 }
             }
@@ -219,9 +219,8 @@ impl Cluster {
         let Some(op) = self.db.template_delete_by_key(&key, id, tenant).await? else {
             return Ok(None);
         };
-        match self.wait(op).await? {
-            OpOutcome::TemplateDeleted { .. } => Ok(Some(())),
-            OpOutcome::Failed(e) => Err(e.into()),
+        match self.wait(op).await?.reply()? {
+            Reply::TemplateDeleted { .. } => Ok(Some(())),
             other => Err(ServiceError::Internal(format!(
                 "a template's delete answered {other:?}"
             ))),
@@ -260,12 +259,12 @@ impl Cluster {
         let mut failed = None;
         for l in &listed {
             let tenant = l.template.tenant.clone().unwrap_or_default();
-            let command = Command::DeleteTemplate {
+            let command = Operation::TemplateDelete {
                 template: id.clone(),
             };
             let key = key.as_deref().map(|k| delete_key(k, &l.pod));
             match self.run_keyed(&l.pod, &tenant, command, None, key).await? {
-                OpOutcome::TemplateDeleted { .. } => {}
+                OpOutcome::Done(Reply::TemplateDeleted { .. }) => {}
                 OpOutcome::Failed(e) => {
                     failed.get_or_insert(e);
                 }

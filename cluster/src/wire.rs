@@ -15,14 +15,12 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer, stream};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use torpor_scheduler::model::{Checkpoint, PodId, Sandbox, SandboxId, Template, TemplateId};
-use torpor_scheduler::service::{
-    CreateCheckpoint, CreateSandbox, CreateTemplate, ForkSandbox, ServiceError,
-};
+use torpor_scheduler::model::{PodId, Sandbox, Template};
+use torpor_scheduler::service::ServiceError;
 
 use super::ClusterError;
-use torpor_api::backend::Lifecycle;
 use torpor_api::error::ApiError;
+pub use torpor_sandbox_api::{OpError, OpOutcome, Operation, Reply};
 
 pub const WORK_STREAM: &str = "TORPOR_WORK";
 pub const EVENTS_STREAM: &str = "TORPOR_EVENTS";
@@ -53,267 +51,6 @@ pub fn valid_pod_id(id: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
 }
 
-/// A command to one pod.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(from = "WireCommand", into = "WireCommand")]
-pub enum Command {
-    Create {
-        request: Box<CreateSandbox>,
-        tenant: String,
-        admin: bool,
-    },
-    Lifecycle {
-        sandbox: SandboxId,
-        op: Lifecycle,
-    },
-    Delete {
-        sandbox: SandboxId,
-    },
-    /// `request.count` forks of `sandbox` (1 without it), made on its pod
-    /// (which holds its snapshots), all or none; the outcome is
-    /// [`OpOutcome::Sandboxes`].
-    Fork {
-        sandbox: SandboxId,
-        request: Box<ForkSandbox>,
-    },
-    /// A template built on the pod for `tenant` (shared if `admin`, as
-    /// embedded); the outcome is [`OpOutcome::Template`].
-    BuildTemplate {
-        request: Box<CreateTemplate>,
-        tenant: String,
-        admin: bool,
-    },
-    /// A template deleted on the pod (refused there while sandboxes use
-    /// it); the outcome is [`OpOutcome::TemplateDeleted`].
-    DeleteTemplate {
-        template: TemplateId,
-    },
-    /// A checkpoint of `sandbox` taken on its pod (which holds its
-    /// snapshots); the outcome is [`OpOutcome::Checkpoint`].
-    Checkpoint {
-        sandbox: SandboxId,
-        request: Box<CreateCheckpoint>,
-    },
-    /// A checkpoint of `sandbox` deleted on its pod; the outcome is
-    /// [`OpOutcome::CheckpointDeleted`].
-    DeleteCheckpoint {
-        sandbox: SandboxId,
-        name: String,
-    },
-}
-
-impl Command {
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Command::Create { .. } => "create",
-            Command::Lifecycle { op, .. } => op.name(),
-            Command::Delete { .. } => "delete",
-            Command::Fork { .. } => "fork",
-            Command::BuildTemplate { .. } => "template_build",
-            Command::DeleteTemplate { .. } => "template_delete",
-            Command::Checkpoint { .. } => "checkpoint",
-            Command::DeleteCheckpoint { .. } => "checkpoint_delete",
-        }
-    }
-
-    pub fn sandbox(&self) -> Option<&SandboxId> {
-        match self {
-            Command::Create { .. }
-            | Command::BuildTemplate { .. }
-            | Command::DeleteTemplate { .. } => None,
-            Command::Lifecycle { sandbox, .. }
-            | Command::Delete { sandbox }
-            | Command::Fork { sandbox, .. }
-            | Command::Checkpoint { sandbox, .. }
-            | Command::DeleteCheckpoint { sandbox, .. } => Some(sandbox),
-        }
-    }
-
-    /// The template an existing template's command is on.
-    pub fn template(&self) -> Option<&TemplateId> {
-        match self {
-            Command::DeleteTemplate { template } => Some(template),
-            _ => None,
-        }
-    }
-}
-
-/// [`Command`] as sent and journalled: each lifecycle call its own
-/// `kind`, as before [`Command::Lifecycle`], so pods, API replicas and
-/// queued messages of either build read each other.
-///
-/// `fork` is newer than the other kinds, with no version of its own: a
-/// pod built before it drops a fork's work item as unreadable (and acks
-/// it), so the operation stays pending (202, `GET /v1/operations/{id}`
-/// `pending`) and a replica built before [`OpOutcome::Sandboxes`] cannot
-/// read its result. Upgrade replicas, then pods, before forking in a
-/// cluster (the replicas first, as for heartbeats). So are
-/// `template_build` and `template_delete` (and their outcomes
-/// [`OpOutcome::Template`] and [`OpOutcome::TemplateDeleted`]): the same
-/// order before building or deleting templates through a replica. Pods of
-/// this build on fail an operation whose command they cannot read (501
-/// `unsupported`, `pod.rs`'s `unreadable`) rather than drop it, so a kind
-/// added later ends at once on a pod not yet upgraded: `checkpoint` and
-/// `checkpoint_delete` (and [`OpOutcome::Checkpoint`],
-/// [`OpOutcome::CheckpointDeleted`]) are such kinds.
-#[derive(Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-enum WireCommand {
-    Create {
-        request: Box<CreateSandbox>,
-        tenant: String,
-        admin: bool,
-    },
-    Pause {
-        sandbox: SandboxId,
-    },
-    Resume {
-        sandbox: SandboxId,
-    },
-    /// Wake (a hibernated sandbox) or resume (a paused one).
-    Connect {
-        sandbox: SandboxId,
-    },
-    Hibernate {
-        sandbox: SandboxId,
-    },
-    /// Hibernate with the memory, recording a guest agent that does not
-    /// answer (later kinds: a pod of an older build fails them as
-    /// unreadable, see above).
-    HibernateMarking {
-        sandbox: SandboxId,
-    },
-    /// Hibernate with the memory, refused while the guest agent does not
-    /// answer.
-    HibernateStrict {
-        sandbox: SandboxId,
-    },
-    /// Hibernate keeping only the disk.
-    HibernateFilesystem {
-        sandbox: SandboxId,
-    },
-    /// Connect, waking a hibernated sandbox by a reboot from its disk.
-    Reboot {
-        sandbox: SandboxId,
-    },
-    Delete {
-        sandbox: SandboxId,
-    },
-    Fork {
-        sandbox: SandboxId,
-        request: Box<ForkSandbox>,
-    },
-    TemplateBuild {
-        request: Box<CreateTemplate>,
-        tenant: String,
-        admin: bool,
-    },
-    TemplateDelete {
-        template: TemplateId,
-    },
-    Checkpoint {
-        sandbox: SandboxId,
-        request: Box<CreateCheckpoint>,
-    },
-    CheckpointDelete {
-        sandbox: SandboxId,
-        name: String,
-    },
-}
-
-impl From<WireCommand> for Command {
-    fn from(wire: WireCommand) -> Command {
-        let lifecycle = |sandbox, op| Command::Lifecycle { sandbox, op };
-        match wire {
-            WireCommand::Create {
-                request,
-                tenant,
-                admin,
-            } => Command::Create {
-                request,
-                tenant,
-                admin,
-            },
-            WireCommand::Pause { sandbox } => lifecycle(sandbox, Lifecycle::Pause),
-            WireCommand::Resume { sandbox } => lifecycle(sandbox, Lifecycle::Resume),
-            WireCommand::Connect { sandbox } => lifecycle(sandbox, Lifecycle::Connect),
-            WireCommand::Hibernate { sandbox } => lifecycle(sandbox, Lifecycle::Hibernate),
-            WireCommand::HibernateMarking { sandbox } => {
-                lifecycle(sandbox, Lifecycle::HibernateMarking)
-            }
-            WireCommand::HibernateStrict { sandbox } => {
-                lifecycle(sandbox, Lifecycle::HibernateStrict)
-            }
-            WireCommand::HibernateFilesystem { sandbox } => {
-                lifecycle(sandbox, Lifecycle::HibernateFilesystem)
-            }
-            WireCommand::Reboot { sandbox } => lifecycle(sandbox, Lifecycle::Reboot),
-            WireCommand::Delete { sandbox } => Command::Delete { sandbox },
-            WireCommand::Fork { sandbox, request } => Command::Fork { sandbox, request },
-            WireCommand::TemplateBuild {
-                request,
-                tenant,
-                admin,
-            } => Command::BuildTemplate {
-                request,
-                tenant,
-                admin,
-            },
-            WireCommand::TemplateDelete { template } => Command::DeleteTemplate { template },
-            WireCommand::Checkpoint { sandbox, request } => {
-                Command::Checkpoint { sandbox, request }
-            }
-            WireCommand::CheckpointDelete { sandbox, name } => {
-                Command::DeleteCheckpoint { sandbox, name }
-            }
-        }
-    }
-}
-
-impl From<Command> for WireCommand {
-    fn from(command: Command) -> WireCommand {
-        match command {
-            Command::Create {
-                request,
-                tenant,
-                admin,
-            } => WireCommand::Create {
-                request,
-                tenant,
-                admin,
-            },
-            Command::Lifecycle { sandbox, op } => match op {
-                Lifecycle::Pause => WireCommand::Pause { sandbox },
-                Lifecycle::Resume => WireCommand::Resume { sandbox },
-                Lifecycle::Connect => WireCommand::Connect { sandbox },
-                Lifecycle::Hibernate => WireCommand::Hibernate { sandbox },
-                Lifecycle::HibernateMarking => WireCommand::HibernateMarking { sandbox },
-                Lifecycle::HibernateStrict => WireCommand::HibernateStrict { sandbox },
-                Lifecycle::HibernateFilesystem => WireCommand::HibernateFilesystem { sandbox },
-                Lifecycle::Reboot => WireCommand::Reboot { sandbox },
-            },
-            Command::Delete { sandbox } => WireCommand::Delete { sandbox },
-            Command::Fork { sandbox, request } => WireCommand::Fork { sandbox, request },
-            Command::BuildTemplate {
-                request,
-                tenant,
-                admin,
-            } => WireCommand::TemplateBuild {
-                request,
-                tenant,
-                admin,
-            },
-            Command::DeleteTemplate { template } => WireCommand::TemplateDelete { template },
-            Command::Checkpoint { sandbox, request } => {
-                WireCommand::Checkpoint { sandbox, request }
-            }
-            Command::DeleteCheckpoint { sandbox, name } => {
-                WireCommand::CheckpointDelete { sandbox, name }
-            }
-        }
-    }
-}
-
 /// One operation for one pod. Its deadlines, if it has any, travel as
 /// headers beside it, not as fields (`expiry.rs`: an older pod refuses an
 /// unknown field).
@@ -321,77 +58,18 @@ impl From<Command> for WireCommand {
 #[serde(deny_unknown_fields)]
 pub struct WorkItem {
     pub operation: String,
-    pub command: Command,
+    /// The operation itself (the contract's, as the pod dispatches it).
+    pub command: Operation,
 }
 
-/// An operation's failure as the API answers it: status, code, message
-/// (the typed error on the pod, mapped as the pod's own API would).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct OpError {
-    pub status: u16,
-    pub code: String,
-    pub message: String,
+/// `e` as its operation's failure: what the pod's own API would answer.
+pub fn failure(e: ServiceError) -> OpError {
+    ApiError::from(e).into()
 }
 
-impl From<ServiceError> for OpError {
-    fn from(e: ServiceError) -> Self {
-        let api = ApiError::from(e);
-        OpError {
-            status: api.status.as_u16(),
-            code: api.code.to_string(),
-            message: api.message,
-        }
-    }
-}
-
-impl From<OpError> for ServiceError {
-    fn from(e: OpError) -> Self {
-        ServiceError::Pod {
-            status: e.status,
-            code: e.code,
-            message: torpor_api::pods::sanitized(&e.message),
-        }
-    }
-}
-
-/// What an operation did: the sandbox after it (none after a delete; the
-/// new ones after a fork; the template built or deleted), or the error.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", deny_unknown_fields)]
-pub enum OpOutcome {
-    Sandbox {
-        sandbox: Box<Sandbox>,
-        #[serde(default)]
-        resumed: bool,
-    },
-    Deleted {
-        sandbox: SandboxId,
-    },
-    /// A fork's sandboxes, all of its count (newer than the others: see
-    /// [`WireCommand`] on upgrading).
-    Sandboxes {
-        sandboxes: Vec<Sandbox>,
-    },
-    /// A template as its pod built it (newer still: see [`WireCommand`]).
-    Template {
-        template: Box<Template>,
-    },
-    /// A template its pod deleted, as it reads after (`state: deleted`):
-    /// a retry of the delete with its `Idempotency-Key` finds it there.
-    TemplateDeleted {
-        template: Box<Template>,
-    },
-    /// A checkpoint as its pod took it (newer still).
-    Checkpoint {
-        checkpoint: Box<Checkpoint>,
-    },
-    /// A checkpoint its pod deleted.
-    CheckpointDeleted {
-        sandbox: SandboxId,
-        name: String,
-    },
-    Failed(OpError),
+/// An operation's outcome from what the dispatch answered.
+pub fn outcome(r: Result<Reply, ServiceError>) -> OpOutcome {
+    r.map_err(failure).into()
 }
 
 /// A pod's load and reach, every heartbeat.
@@ -717,129 +395,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn lifecycle_commands_keep_their_kind_on_the_wire() {
-        for op in Lifecycle::ALL {
-            let sent = serde_json::json!({"kind": op.name(), "sandbox": "sb_1"});
-            let command: Command = serde_json::from_value(sent.clone()).unwrap();
-            assert!(matches!(
-                &command,
-                Command::Lifecycle { sandbox, op: o } if sandbox.as_str() == "sb_1" && *o == op
-            ));
-            assert_eq!(command.kind(), op.name());
-            assert_eq!(serde_json::to_value(&command).unwrap(), sent);
-        }
-        let delete = serde_json::json!({"kind": "delete", "sandbox": "sb_1"});
-        let command: Command = serde_json::from_value(delete.clone()).unwrap();
-        assert!(matches!(command, Command::Delete { .. }));
-        assert_eq!(serde_json::to_value(&command).unwrap(), delete);
-        let unknown = serde_json::json!({"kind": "lifecycle", "sandbox": "sb_1", "op": "pause"});
-        assert!(serde_json::from_value::<Command>(unknown).is_err());
-        let extra = serde_json::json!({"kind": "pause", "sandbox": "sb_1", "op": "pause"});
-        assert!(serde_json::from_value::<Command>(extra).is_err());
-    }
-
-    #[test]
-    fn a_fork_carries_its_request_and_count() {
-        let sent = serde_json::json!({
-            "kind": "fork",
-            "sandbox": "sb_1",
-            "request": {"count": 3, "metadata": {"k": "v"}, "timeout_ms": 5000},
-        });
-        let command: Command = serde_json::from_value(sent).unwrap();
-        assert_eq!(command.kind(), "fork");
-        assert_eq!(command.sandbox().map(|s| s.as_str()), Some("sb_1"));
-        let Command::Fork { request, .. } = &command else {
-            panic!("{command:?}");
-        };
-        assert_eq!(request.count, Some(3));
-        assert_eq!(request.timeout_ms, Some(5000));
-        assert_eq!(request.metadata["k"], "v");
-        let back = serde_json::to_value(&command).unwrap();
-        assert_eq!(back["kind"], "fork");
-        assert_eq!(back["request"]["count"], 3);
-        // A request field the pod does not know is refused, not dropped.
-        let odd = serde_json::json!({"kind": "fork", "sandbox": "sb_1", "request": {"cnt": 2}});
-        assert!(serde_json::from_value::<Command>(odd).is_err());
-        let outcome: OpOutcome =
-            serde_json::from_value(serde_json::json!({"sandboxes": {"sandboxes": []}})).unwrap();
-        assert!(matches!(outcome, OpOutcome::Sandboxes { sandboxes } if sandboxes.is_empty()));
-    }
-
-    #[test]
-    fn template_commands_carry_their_request_owner_and_id() {
-        let sent = serde_json::json!({
-            "kind": "template_build",
-            "request": {"name": "t1", "kind": "probe", "mem_mib": 64, "vcpus": 1, "cmdline": null},
-            "tenant": "acme",
-            "admin": false,
-        });
-        let command: Command = serde_json::from_value(sent.clone()).unwrap();
-        assert_eq!(command.kind(), "template_build");
-        assert!(command.sandbox().is_none() && command.template().is_none());
-        let Command::BuildTemplate {
-            request, tenant, ..
-        } = &command
-        else {
-            panic!("{command:?}");
-        };
-        assert_eq!((request.name.as_str(), request.mem_mib), ("t1", 64));
-        assert_eq!(tenant, "acme");
-        assert_eq!(serde_json::to_value(&command).unwrap(), sent);
-
-        let delete = serde_json::json!({"kind": "template_delete", "template": "tpl_1"});
-        let command: Command = serde_json::from_value(delete.clone()).unwrap();
-        assert_eq!(command.kind(), "template_delete");
-        assert_eq!(command.template().map(|t| t.as_str()), Some("tpl_1"));
-        assert_eq!(serde_json::to_value(&command).unwrap(), delete);
-        // A pod of this build refuses what it does not know, as an older
-        // pod refuses these (upgrade replicas, then pods).
-        let odd = serde_json::json!({"kind": "template_delete", "template": "tpl_1", "pod": "p"});
-        assert!(serde_json::from_value::<Command>(odd).is_err());
-        let gone = serde_json::json!({"template_deleted": {"template": {
-            "id": "tpl_1", "name": "t1", "kernel": "builtin:probe", "rootfs": null,
-            "snapshot_dir": null, "mem_mib": 64, "vcpus": 1, "kind": "probe",
-            "created_at": 5, "state": "deleted", "tenant": "acme",
-        }}});
-        let outcome: OpOutcome = serde_json::from_value(gone.clone()).unwrap();
-        let OpOutcome::TemplateDeleted { template } = &outcome else {
-            panic!("{outcome:?}");
-        };
-        assert_eq!(template.id.as_str(), "tpl_1");
-        assert_eq!(template.tenant.as_deref(), Some("acme"));
-        assert_eq!(serde_json::to_value(&outcome).unwrap(), gone);
-    }
-
-    #[test]
-    fn checkpoint_commands_name_their_sandbox() {
-        let take = serde_json::json!({
-            "kind": "checkpoint", "sandbox": "sbx_1", "request": {"name": "one"},
-        });
-        let command: Command = serde_json::from_value(take.clone()).unwrap();
-        assert_eq!(command.kind(), "checkpoint");
-        assert_eq!(command.sandbox().map(|s| s.as_str()), Some("sbx_1"));
-        assert!(matches!(&command, Command::Checkpoint { request, .. } if request.name == "one"));
-        assert_eq!(serde_json::to_value(&command).unwrap(), take);
-        let delete =
-            serde_json::json!({"kind": "checkpoint_delete", "sandbox": "sbx_1", "name": "one"});
-        let command: Command = serde_json::from_value(delete.clone()).unwrap();
-        assert_eq!(command.kind(), "checkpoint_delete");
-        assert_eq!(command.sandbox().map(|s| s.as_str()), Some("sbx_1"));
-        assert_eq!(serde_json::to_value(&command).unwrap(), delete);
-        let odd = serde_json::json!({"kind": "checkpoint", "sandbox": "sbx_1", "request": {"name": "one", "x": 1}});
-        assert!(serde_json::from_value::<Command>(odd).is_err());
-
-        let taken = serde_json::json!({"checkpoint": {"checkpoint": {
-            "id": "ckp_1", "sandbox": "sbx_1", "name": "one", "snapshot_dir": "/d",
-            "parent": null, "created_at": 5,
-        }}});
-        let outcome: OpOutcome = serde_json::from_value(taken.clone()).unwrap();
-        assert!(
-            matches!(&outcome, OpOutcome::Checkpoint { checkpoint } if checkpoint.name == "one")
-        );
-        assert_eq!(serde_json::to_value(&outcome).unwrap(), taken);
-        let gone = serde_json::json!({"checkpoint_deleted": {"sandbox": "sbx_1", "name": "one"}});
-        let outcome: OpOutcome = serde_json::from_value(gone.clone()).unwrap();
-        assert_eq!(serde_json::to_value(&outcome).unwrap(), gone);
+    fn a_failure_is_what_the_api_answers() {
+        let e = failure(ServiceError::Invalid("bad".into()));
+        assert_eq!((e.status, e.code.as_str()), (400, "invalid_request"));
+        assert!(matches!(
+            outcome(Err(ServiceError::Unsupported("no".into()))),
+            OpOutcome::Failed(OpError { status: 501, .. })
+        ));
     }
 
     #[test]

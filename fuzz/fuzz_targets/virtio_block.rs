@@ -37,6 +37,7 @@ fuzz_target!(|data: &[u8]| {
         base: base().to_path_buf(),
         overlay: (!read_only).then_some(overlay),
         read_only,
+        keep_overlay: false,
     })
     .expect("block device");
     let mem = guest_mem(input.rest());

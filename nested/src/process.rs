@@ -67,6 +67,10 @@ fn parse_stat(text: &str) -> Option<(char, u64)> {
     Some((state, start))
 }
 
+/// How many milliseconds [`ProcessIdentity::of`] waits for a command line
+/// that reads empty (a child still inside execve).
+const EXEC_WAIT_TRIES: u32 = 1000;
+
 fn cmdline(pid: u32) -> Option<Vec<String>> {
     let raw = fs::read(proc_path(pid, "cmdline")).ok()?;
     Some(
@@ -85,7 +89,18 @@ impl ProcessIdentity {
             detail: format!("process {pid} is gone"),
         };
         let (_, start_ticks) = stat(pid).ok_or_else(gone)?;
-        let cmdline = cmdline(pid).ok_or_else(gone)?;
+        // A child just spawned may still be inside execve: its parent
+        // resumes once the old memory is released, before the new image's
+        // arguments are set up, and until then its command line reads
+        // empty. Wait for it (briefly), or the record would never match.
+        let mut cmdline = cmdline(pid).ok_or_else(gone)?;
+        for _ in 0..EXEC_WAIT_TRIES {
+            if !cmdline.is_empty() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            cmdline = self::cmdline(pid).ok_or_else(gone)?;
+        }
         Ok(ProcessIdentity {
             pid,
             start_ticks,

@@ -49,7 +49,7 @@ i=0; until $T template list >/dev/null 2>&1 || [ $i -ge 150 ]; do sleep 0.2; i=$
 sed 's/^/serve-log /' /tmp/serve.log
 t0=$(cut -d' ' -f1 /proc/uptime)
 @TEMPLATE_CREATE_SH@
-tpl_create /tmp/tpl debian --kind linux --image debian --mem-mib 512 --vcpus 2
+tpl_create /tmp/tpl debian --kind linux --image debian --mem-mib 512 --vcpus 1
 echo "template rc=$? id=$(cat /tmp/tpl) uptime=$t0..$(cut -d' ' -f1 /proc/uptime)"
 $T template get debian | sed 's/^/template-info /'
 SBX=$($T sandbox create --template debian 2>/tmp/create.err)
@@ -174,7 +174,7 @@ fn nested_linux_sandbox_through_the_api_exec_files_hibernate_wake() {
     );
     let hostname = sbx.replace('_', "-");
     assert!(
-        o.contains(&format!("py 42 2 {hostname}\nexec2 rc=0")),
+        o.contains(&format!("py 42 1 {hostname}\nexec2 rc=0")),
         "python3 (2 vCPUs, hostname set by the resumed hook) failed:\n{o}"
     );
     assert!(

@@ -392,6 +392,12 @@ pub struct Sandbox {
 pub struct SandboxMemory {
     /// Proportional set size of its VMM process now.
     pub pss_bytes: u64,
+    /// What it holds resident now: its VMM's cgroup's memory usage less
+    /// inactive page cache (the working set; cgroup v1 or v2), or its PSS
+    /// when its VMM has no cgroup of its own (`serve --no-jail`). What the
+    /// pod's pressure marks count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resident_bytes: Option<u64>,
     /// What the pod asked the guest to give back through the balloon.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub balloon_target_mib: Option<u64>,

@@ -2,9 +2,12 @@
 //! admission (does a sandbox's memory fit the pod's memory times its
 //! oversubscription ratio) and one policy round (delete or hibernate
 //! sandboxes past their timeout, hibernate those idle past their
-//! keep-alive, then, while the pod's memory is above its high watermark,
-//! ask idle sandboxes' guests to give memory back (a balloon target) and
-//! only then hibernate the least recently used).
+//! keep-alive, then, once the pod's resident memory is above its high
+//! mark, ask idle sandboxes' guests to give memory back (a balloon target)
+//! and only then hibernate the least recently used, several at once
+//! ([`pressure_batch`]), until
+//! it is below its low mark) and the pressure gate (past the hard mark,
+//! creates and wakes wait: 429 with `Retry-After`).
 //!
 //! One home for these rules, two drivers: `torpor serve` drives them with
 //! the store, the wall clock and real VMMs (`service/policy.rs`,
@@ -24,6 +27,95 @@ pub enum PolicyReason {
     Watermark,
     /// The timeout of a sandbox whose `on_timeout` is hibernate.
     Timeout,
+}
+
+/// The pod's pressure marks, fractions of its memory, all from its high
+/// watermark `h` (`PATCH /v1/pods/{id}`): reclaim starts above `h` and
+/// goes on until resident memory is below `low` ([`LOW_MARK_OF_HIGH`] of
+/// `h`); above `hard` (halfway from `h` to all of it) creates and wakes
+/// are refused. At the default 0.9: 0.81, 0.9, 0.95.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Marks {
+    pub low: f64,
+    pub high: f64,
+    pub hard: f64,
+}
+
+/// Where reclaim stops, as a fraction of the high mark: room for a burst
+/// of activity before the next reclaim.
+pub const LOW_MARK_OF_HIGH: f64 = 0.9;
+
+/// Most pressure hibernations at once on any pod: their snapshots' writes
+/// share the pod's disk, and each holds a blocking thread.
+pub const PRESSURE_HIBERNATIONS_AT_ONCE: usize = 4;
+
+/// Pressure hibernations at once on a pod of `vcpus`: half its cores (at
+/// least one, at most [`PRESSURE_HIBERNATIONS_AT_ONCE`]), so that creates
+/// and wakes keep the other half meanwhile.
+pub fn pressure_batch(vcpus: u32) -> usize {
+    (vcpus as usize / 2).clamp(1, PRESSURE_HIBERNATIONS_AT_ONCE)
+}
+
+impl Marks {
+    /// The marks of a pod whose high watermark is `high`.
+    pub fn of(high: f64) -> Self {
+        Marks {
+            low: high * LOW_MARK_OF_HIGH,
+            high,
+            hard: high + (1.0 - high).max(0.0) / 2.0,
+        }
+    }
+}
+
+/// How resident memory stands against the marks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pressure {
+    /// At or below the high mark.
+    Normal,
+    /// Above the high mark: reclaim.
+    High,
+    /// Above the hard mark: reclaim, and refuse creates and wakes.
+    Hard,
+}
+
+/// Where `resident_bytes` stands on a pod of `memory_bytes` whose high
+/// watermark is `high`.
+pub fn pressure(memory_bytes: u64, high: f64, resident_bytes: u64) -> Pressure {
+    let marks = Marks::of(high);
+    let r = resident_bytes as f64;
+    let m = memory_bytes as f64;
+    if r > m * marks.hard {
+        Pressure::Hard
+    } else if r > m * marks.high {
+        Pressure::High
+    } else {
+        Pressure::Normal
+    }
+}
+
+/// A create or wake refused past the hard mark: resident and hard mark,
+/// in MiB.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PressureRefusal {
+    pub resident_mib: u64,
+    pub hard_mib: u64,
+}
+
+/// Whether a create or wake may start with `resident_bytes` resident on a
+/// pod of `memory_bytes` whose high watermark is `high`: refused past the
+/// hard mark (the API answers 429 `rate_limited` with `Retry-After`).
+pub fn pressure_gate(
+    memory_bytes: u64,
+    high: f64,
+    resident_bytes: u64,
+) -> Result<(), PressureRefusal> {
+    if pressure(memory_bytes, high, resident_bytes) != Pressure::Hard {
+        return Ok(());
+    }
+    Err(PressureRefusal {
+        resident_mib: resident_bytes >> 20,
+        hard_mib: (memory_bytes as f64 * Marks::of(high).hard) as u64 >> 20,
+    })
 }
 
 /// A refused admission: what was committed, asked and allowed, in MiB.
@@ -105,10 +197,15 @@ pub trait PolicyDriver {
     /// when it was left alone, `Some(true)` hibernated, `Some(false)` the
     /// hibernation failed.
     fn hibernate(&mut self, s: &Sandbox, reason: PolicyReason) -> Option<bool>;
+    /// Hibernates `batch` for memory pressure, at once (at most
+    /// [`pressure_batch`] of the pod's cores): each answer as
+    /// [`PolicyDriver::hibernate`]'s, in order.
+    fn hibernate_batch(&mut self, batch: &[Sandbox]) -> Vec<Option<bool>>;
     /// Housekeeping of a sandbox the round leaves running (is its VMM
     /// alive, its log rotated).
     fn tend(&mut self, s: &Sandbox);
-    /// The memory `s` uses now, in bytes (measured PSS for the service).
+    /// The memory `s` holds resident now, in bytes (for the service: its
+    /// cgroup's working set, `service::resident`).
     fn memory_bytes(&self, s: &Sandbox) -> u64;
     /// Asks the guest of running, idle `s` to give memory back (its
     /// balloon's target), unless it is busy, was asked already since its
@@ -146,17 +243,17 @@ pub fn run_round(d: &mut impl PolicyDriver) {
     enforce_watermark(d);
 }
 
-/// While the pod's memory is above its high watermark: first asks idle
+/// Once the pod's resident memory is above its high mark: first asks idle
 /// running sandboxes, least recently used first, to shrink (counting what
 /// they are expected to give back), then hibernates least recently used
-/// sandboxes. A shrink takes effect over seconds; the next round measures
-/// it, and hibernates if it was not enough (a sandbox is asked once per
-/// idle spell).
+/// sandboxes, [`pressure_batch`] at a time, until it is
+/// below the low mark. A shrink takes effect over seconds; the next round
+/// measures it, and hibernates if it was not enough (a sandbox is asked
+/// once per idle spell).
 pub fn enforce_watermark(d: &mut impl PolicyDriver) {
     let Some(pod) = d.pod() else {
         return;
     };
-    let limit = pod.memory_bytes as f64 * pod.high_watermark;
     let mut live: Vec<(Sandbox, u64)> = d
         .sandboxes(&[SandboxState::Running, SandboxState::Paused])
         .into_iter()
@@ -166,22 +263,41 @@ pub fn enforce_watermark(d: &mut impl PolicyDriver) {
         })
         .collect();
     let mut total: u64 = live.iter().map(|(_, m)| m).sum();
+    if pressure(pod.memory_bytes, pod.high_watermark, total) == Pressure::Normal {
+        return;
+    }
+    let low = pod.memory_bytes as f64 * Marks::of(pod.high_watermark).low;
     live.sort_by_key(|(s, _)| s.last_active_at.0);
     let now = d.now();
     for (s, _) in &live {
-        if (total as f64) <= limit {
+        if (total as f64) <= low {
             return;
         }
         if s.state == SandboxState::Running && s.last_active_at.0 < now.0 {
             total = total.saturating_sub(d.shrink(s));
         }
     }
-    for (s, freed) in live {
-        if (total as f64) <= limit {
-            break;
+    let mut coldest = live.into_iter();
+    while (total as f64) > low {
+        // As many as it takes to get below the low mark, by what each
+        // holds, at most so many at once.
+        let mut batch = Vec::new();
+        let mut expected = total;
+        while (expected as f64) > low && batch.len() < pressure_batch(pod.vcpus) {
+            let Some((s, m)) = coldest.next() else {
+                break;
+            };
+            expected = expected.saturating_sub(m);
+            batch.push((s, m));
         }
-        if let Some(true) = d.hibernate(&s, PolicyReason::Watermark) {
-            total = total.saturating_sub(freed);
+        if batch.is_empty() {
+            return;
+        }
+        let sandboxes: Vec<Sandbox> = batch.iter().map(|(s, _)| s.clone()).collect();
+        for ((_, freed), done) in batch.iter().zip(d.hibernate_batch(&sandboxes)) {
+            if done == Some(true) {
+                total = total.saturating_sub(*freed);
+            }
         }
     }
 }
@@ -206,6 +322,7 @@ mod tests {
         can_give: u64,
         shrunk: Vec<SandboxId>,
         hibernated: Vec<SandboxId>,
+        batches: usize,
     }
 
     impl PolicyDriver for Pod2 {
@@ -218,7 +335,7 @@ mod tests {
                 address: crate::model::PodAddress::Local,
                 token_hash: None,
                 memory_bytes: 1000,
-                vcpus: 1,
+                vcpus: 4,
                 disk_bytes: 0,
                 oversubscription_ratio: 1.0,
                 high_watermark: 0.5,
@@ -238,6 +355,13 @@ mod tests {
             self.hibernated.push(s.id.clone());
             Some(true)
         }
+        fn hibernate_batch(&mut self, batch: &[Sandbox]) -> Vec<Option<bool>> {
+            self.batches += 1;
+            batch
+                .iter()
+                .map(|s| self.hibernate(s, PolicyReason::Watermark))
+                .collect()
+        }
         fn tend(&mut self, _: &Sandbox) {}
         fn memory_bytes(&self, s: &Sandbox) -> u64 {
             self.boxes
@@ -252,8 +376,9 @@ mod tests {
     }
 
     fn pod2(can_give: u64) -> Pod2 {
-        // Three running sandboxes of 300 bytes on a pod whose watermark is
-        // 500: 400 too many. The oldest is active now (not asked).
+        // Three running sandboxes of 300 bytes on a pod of 1000 whose high
+        // mark is 500 and low mark 450: 450 too many. The most recently
+        // used is active now (not asked).
         let boxes = [100_000, 20_000, 30_000]
             .into_iter()
             .map(|active| {
@@ -268,24 +393,63 @@ mod tests {
             can_give,
             shrunk: Vec::new(),
             hibernated: Vec::new(),
+            batches: 0,
         }
     }
 
     #[test]
     fn idle_sandboxes_shrink_before_anything_is_hibernated() {
-        let mut d = pod2(200);
+        let mut d = pod2(300);
         enforce_watermark(&mut d);
         let ids: Vec<SandboxId> = d.boxes.iter().map(|(s, _)| s.id.clone()).collect();
-        // Idle ones, least recently used first; enough: nothing hibernated.
+        // Idle ones, least recently used first; enough to get below the
+        // low mark: nothing hibernated.
         assert_eq!(d.shrunk, vec![ids[1].clone(), ids[2].clone()]);
         assert!(d.hibernated.is_empty());
 
-        // Shrinking gives too little: then the least recently used go.
+        // Shrinking gives too little: then the least recently used go, as
+        // many as it takes to get below the low mark (not only the high
+        // one), in one batch.
         let mut d = pod2(50);
         enforce_watermark(&mut d);
         let ids: Vec<SandboxId> = d.boxes.iter().map(|(s, _)| s.id.clone()).collect();
         assert_eq!(d.shrunk, vec![ids[1].clone(), ids[2].clone()]);
-        assert_eq!(d.hibernated, vec![ids[1].clone()]);
+        assert_eq!(d.hibernated, vec![ids[1].clone(), ids[2].clone()]);
+        assert_eq!(d.batches, 1);
+    }
+
+    #[test]
+    fn pressure_hibernations_use_half_the_cores() {
+        assert_eq!(
+            [1, 2, 3, 4, 8, 64].map(pressure_batch),
+            [1, 1, 1, 2, 4, PRESSURE_HIBERNATIONS_AT_ONCE]
+        );
+    }
+
+    #[test]
+    fn nothing_is_reclaimed_at_or_below_the_high_mark() {
+        // Two sandboxes of 250: 500, at the high mark (above the low one).
+        let mut d = pod2(300);
+        d.boxes.truncate(2);
+        d.boxes.iter_mut().for_each(|b| b.1 = 250);
+        enforce_watermark(&mut d);
+        assert!(d.shrunk.is_empty() && d.hibernated.is_empty());
+    }
+
+    #[test]
+    fn the_marks_follow_the_high_watermark() {
+        let m = Marks::of(0.9);
+        assert!((m.low - 0.81).abs() < 1e-9 && (m.hard - 0.95).abs() < 1e-9);
+        let m = Marks::of(0.05);
+        assert!((m.low - 0.045).abs() < 1e-9 && (m.hard - 0.525).abs() < 1e-9);
+        assert_eq!(Marks::of(1.0).hard, 1.0);
+        const GIB: u64 = 1 << 30;
+        assert_eq!(pressure(GIB, 0.9, GIB * 9 / 10), Pressure::Normal);
+        assert_eq!(pressure(GIB, 0.9, GIB * 92 / 100), Pressure::High);
+        assert_eq!(pressure(GIB, 0.9, GIB * 96 / 100), Pressure::Hard);
+        assert!(pressure_gate(GIB, 0.9, GIB * 92 / 100).is_ok());
+        let r = pressure_gate(GIB, 0.9, GIB * 96 / 100).unwrap_err();
+        assert_eq!((r.resident_mib, r.hard_mib), (983, 972));
     }
 
     #[test]

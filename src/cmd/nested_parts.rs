@@ -25,6 +25,8 @@ pub struct NestedPodConfig {
     pub rootfs: Option<PathBuf>,
     pub interpreter: InterpreterImage,
     pub mem_mib: u32,
+    /// vCPUs of the template `base`.
+    pub vcpus: u32,
 }
 
 impl NestedPodConfig {
@@ -383,7 +385,7 @@ fn build_locally(
             kind: TemplateKind::Linux,
             image: Some(BASE.into()),
             mem_mib: 512,
-            vcpus: 2,
+            vcpus: config.vcpus,
             cmdline: None,
             pod: None,
             owner: None,
@@ -413,6 +415,7 @@ mod tests {
             rootfs: None,
             interpreter,
             mem_mib: 3072,
+            vcpus: 1,
         };
         assert_eq!(
             config(InterpreterImage::Cached).offered(),

@@ -359,7 +359,7 @@ fn boot(
         &built,
         &format!("the nested host is booting ({})", config.boot_step()),
     );
-    let script = templates::script(&secrets.fingerprint, &built);
+    let script = templates::script(&secrets.fingerprint, &built, config.vcpus);
     let built: Vec<String> = built.iter().map(|n| n.to_string()).collect();
     let work = data_dir.join(nested_record::WORK_DIR);
     let mut attempt = 1;

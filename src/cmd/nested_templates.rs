@@ -36,10 +36,10 @@ const MARK: &str = "TORPOR-NESTED-POD: template";
 /// two-vCPU guests in `nested_net`), and a sandbox of the one that passed
 /// triple-faulted during its first calls; with one, the build and the
 /// SDKs' run went through.
-fn size(name: &str) -> (u32, u32) {
+fn size(name: &str, base_vcpus: u32) -> (u32, u32) {
     match name {
         INTERPRETER => (1024, 1),
-        _ => (512, 2),
+        _ => (512, base_vcpus),
     }
 }
 
@@ -61,8 +61,8 @@ pub fn mark_failed(name: &str) -> String {
 }
 
 /// The script L1 runs: the pod, and `templates` (`base` first) built
-/// through its API one after the other.
-pub fn script(fingerprint: &Fingerprint, templates: &[&str]) -> String {
+/// through its API one after the other; `base` gets `base_vcpus`.
+pub fn script(fingerprint: &Fingerprint, templates: &[&str], base_vcpus: u32) -> String {
     let failed = mark_failed(BASE);
     let mut install = String::new();
     let mut build = String::new();
@@ -77,7 +77,7 @@ chmod 0644 "$IMAGES/{name}/vmlinux" "$IMAGES/{name}/rootfs.ext4"
 "#
             ));
         }
-        let (mib, vcpus) = size(name);
+        let (mib, vcpus) = size(name, base_vcpus);
         let (ready, failed) = (mark_ready(name), mark_failed(name));
         build.push_str(&format!(
             r#"if tpl_create /tmp/template-{name}.out {name} --kind linux --image {name} \
@@ -261,9 +261,11 @@ mod tests {
     #[test]
     fn the_script_builds_the_interpreter_after_base() {
         let fp = Fingerprint::parse(&"ab".repeat(32)).unwrap();
-        let alone = script(&fp, &[BASE]);
+        let alone = script(&fp, &[BASE], 1);
+        assert!(alone.contains("--mem-mib 512 --vcpus 1"), "{alone}");
         assert!(!alone.contains(INTERPRETER), "{alone}");
-        let both = script(&fp, &[BASE, INTERPRETER]);
+        let both = script(&fp, &[BASE, INTERPRETER], 2);
+        assert!(both.contains("--mem-mib 512 --vcpus 2"), "{both}");
         let base_at = both.find("tpl_create /tmp/template-base.out base").unwrap();
         let interp_at = both
             .find("tpl_create /tmp/template-code-interpreter-v1.out code-interpreter-v1")

@@ -257,9 +257,11 @@ fn render_table(p: &plan::Plan, cal_from: &str) -> String {
         "WAKES-REFUSED",
         "WAKE-P50-MS",
         "WAKE-P99-MS",
-        "MEM-PEAK-MIB",
+        "RESIDENT-PEAK/RAM-MIB",
         "MEM-P99-MIB",
         "HIBERNATIONS",
+        "PRESSURE-HIB",
+        "PRESSURE-429",
         "DISK-PEAK-MIB",
         "CORE-S",
     ];
@@ -269,7 +271,12 @@ fn render_table(p: &plan::Plan, cal_from: &str) -> String {
         .enumerate()
         .map(|(i, o)| {
             vec![
-                if p.recommended == Some(i) { "*" } else { "" }.to_string(),
+                match (p.recommended == Some(i), o.infeasible.is_some()) {
+                    (true, _) => "*",
+                    (false, true) => "!",
+                    (false, false) => "",
+                }
+                .to_string(),
                 o.setting.ratio.to_string(),
                 o.setting.keep_alive_ms.to_string(),
                 o.setting.high_watermark.to_string(),
@@ -279,9 +286,11 @@ fn render_table(p: &plan::Plan, cal_from: &str) -> String {
                 o.wakes_rejected.to_string(),
                 format!("{:.1}", o.wake_p50_ms),
                 format!("{:.1}", o.wake_p99_ms),
-                mib(o.mem_peak_mib),
+                format!("{}/{}", mib(o.resident_peak_mib), p.pod.memory_mib),
                 mib(o.mem_p99_mib),
                 o.hibernations.to_string(),
+                o.hibernations_watermark.to_string(),
+                o.pressure_refusals.to_string(),
                 mib(o.disk_peak_bytes / 1048576.0),
                 format!("{:.2}", o.core_seconds),
             ]
@@ -289,6 +298,15 @@ fn render_table(p: &plan::Plan, cal_from: &str) -> String {
         .collect();
     out.push_str(&super::sandbox::table(&header, &rows));
     out.push('\n');
+    for o in p.outcomes.iter().filter(|o| o.infeasible.is_some()) {
+        out.push_str(&format!(
+            "infeasible (!): ratio {} keep-alive {} ms watermark {}: {}\n",
+            o.setting.ratio,
+            o.setting.keep_alive_ms,
+            o.setting.high_watermark,
+            o.infeasible.as_deref().unwrap_or_default()
+        ));
+    }
     match p.recommended {
         Some(i) => {
             let s = p.outcomes[i].setting;

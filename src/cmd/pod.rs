@@ -36,6 +36,7 @@ fn act(c: &Client, action: PodAction) -> Result<(), Error> {
                             "-".into(),
                             "-".into(),
                             "-".into(),
+                            "-".into(),
                             why,
                         ];
                     }
@@ -46,7 +47,8 @@ fn act(c: &Client, action: PodAction) -> Result<(), Error> {
                         text(&p["oversubscription_ratio"]),
                         text(&p["high_watermark"]),
                         format!("{}MiB", text(&p["committed_mib"])),
-                        pss(&p["pss_mib"]),
+                        mib(&p["pss_mib"]),
+                        mib(&p["resident_mib"]),
                         counts(&p["sandboxes"]),
                     ]
                 })
@@ -59,6 +61,7 @@ fn act(c: &Client, action: PodAction) -> Result<(), Error> {
                 "WATERMARK",
                 "COMMITTED",
                 "PSS",
+                "RESIDENT",
                 "SANDBOXES",
             ];
             print!("{}", table(&header, &rows));
@@ -93,7 +96,8 @@ fn set(c: &Client, args: PodSetArgs) -> Result<(), Error> {
             ("ratio", text(&p["oversubscription_ratio"])),
             ("watermark", text(&p["high_watermark"])),
             ("committed", format!("{}MiB", text(&p["committed_mib"]))),
-            ("pss", pss(&p["pss_mib"])),
+            ("pss", mib(&p["pss_mib"])),
+            ("resident", mib(&p["resident_mib"])),
             ("sandboxes", counts(&p["sandboxes"])),
             ("created", when(&p["created_at"])),
         ])
@@ -124,7 +128,8 @@ fn bytes(v: &Value) -> String {
     }
 }
 
-fn pss(v: &Value) -> String {
+/// A measured size in MiB, one decimal (`-` when absent).
+fn mib(v: &Value) -> String {
     v.as_f64()
         .map_or_else(|| "-".into(), |m| format!("{m:.1}MiB"))
 }

@@ -269,6 +269,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             rootfs: args.nested_rootfs.clone(),
             interpreter: InterpreterImage::Missing("the local pod builds `base` only".into()),
             mem_mib: args.nested_mem_mib,
+            // Real VMX/SVM: none of TCG's secondary-vCPU faults.
+            vcpus: 2,
         };
         super::nested_parts::local_on_demand(nested.clone(), service.clone(), config);
     } else if !args.no_nested_pod {
@@ -277,6 +279,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             rootfs: args.nested_rootfs.clone(),
             interpreter: InterpreterImage::find(args.nested_interpreter_rootfs.clone()),
             mem_mib: args.nested_mem_mib,
+            vcpus: args.nested_vcpus,
         };
         let template = super::nested_templates::BASE;
         let interpreter = super::nested_templates::INTERPRETER;

@@ -50,6 +50,39 @@ pub fn end_service(service: &torpor_scheduler::service::Service) {
     }
 }
 
+/// An in-process service on `data` running real `torpor-vmm`s, its policy
+/// thread off (the test runs rounds itself), `config` changing the rest;
+/// with a probe template `name` of `mem_mib` whose guest runs `cmdline`.
+pub fn service_with_probe(
+    data: &Path,
+    config: impl FnOnce(&mut torpor_scheduler::service::ServiceConfig),
+    name: &str,
+    mem_mib: u32,
+    cmdline: &str,
+) -> std::sync::Arc<torpor_scheduler::service::Service> {
+    use torpor_scheduler::service::{CreateTemplate, Service, ServiceConfig};
+    let mut c = ServiceConfig::new(
+        data.to_path_buf(),
+        PathBuf::from(env!("CARGO_BIN_EXE_torpor-vmm")),
+    );
+    c.policy_interval_ms = 0;
+    config(&mut c);
+    let service = Service::open(c).expect("open the service");
+    service
+        .create_template(CreateTemplate {
+            name: name.into(),
+            kind: torpor_scheduler::model::TemplateKind::Probe,
+            image: None,
+            owner: None,
+            mem_mib,
+            vcpus: 1,
+            cmdline: Some(cmdline.into()),
+            pod: None,
+        })
+        .expect("build the probe template");
+    service
+}
+
 /// Runs `torpor` to completion with a time limit; kills it if it overstays.
 pub fn torpor(args: &[&str], limit: Duration) -> Output {
     torpor_with_env(args, &[], limit)

@@ -10,6 +10,7 @@ scratch directory (on the host agent, where the server's files go).
 Exits non-zero on the first failed check.
 """
 
+import importlib.metadata
 import os
 import socket
 import sys
@@ -22,6 +23,7 @@ TEMPLATE = os.environ.get("E2B_TEST_TEMPLATE", "probe")
 SCRATCH = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 URL = os.environ["E2B_SANDBOX_URL"]
 checks = 0
+print(f"sdk-ports: version {importlib.metadata.version('e2b')}", flush=True)
 
 
 def check(cond, what):

@@ -488,6 +488,22 @@ pub fn build_bus(
     Ok(bus)
 }
 
+/// The console-open helper thread: one write-only open (it creates, or
+/// truncates, the console file off the restore path).
+pub(crate) fn console_open_syscalls(
+    r: &mut crate::seccomp::Rules,
+) -> Result<(), crate::seccomp::SeccompError> {
+    r.allow_if(
+        libc::SYS_openat,
+        &[crate::seccomp::Arg::Masked(
+            2,
+            libc::O_ACCMODE as u64,
+            libc::O_WRONLY as u64,
+        )],
+    )?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod console_tests {
     use super::*;

@@ -294,6 +294,14 @@ pub fn crosscheck(kvm: &PageRuns, uffd_wp: &PageRuns) -> Crosscheck {
     }
 }
 
+/// Reading (and resetting) the pages written since the last snapshot.
+pub(crate) fn scan_syscalls(
+    r: &mut crate::seccomp::Rules,
+) -> Result<(), crate::seccomp::SeccompError> {
+    r.allow_values(libc::SYS_ioctl, 1, &crate::seccomp::ioctls::dirty_scan())?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,6 +8,7 @@
 
 pub mod boot;
 pub mod builder;
+mod confine;
 pub mod control;
 pub mod devices;
 pub mod dirty;

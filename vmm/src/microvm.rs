@@ -777,3 +777,20 @@ fn answer_restore(
         tracing::warn!("cannot answer the restore request: {e}");
     }
 }
+
+/// The main thread once the VM runs: waits for the end (the exit
+/// eventfd), answers a standby's restore request (socket writes are
+/// send(MSG_NOSIGNAL)) with the VM status, which carries the guest clock,
+/// and removes the control socket's file at the end. Stopping the vCPUs
+/// is their kick.
+pub(crate) fn main_syscalls(
+    r: &mut crate::seccomp::Rules,
+) -> Result<(), crate::seccomp::SeccompError> {
+    r.allow(&[libc::SYS_read, libc::SYS_sendto, libc::SYS_unlink]);
+    r.allow_values(
+        libc::SYS_ioctl,
+        1,
+        &[crate::seccomp::ioctls::kvm_get_clock()],
+    )?;
+    Ok(())
+}

@@ -257,3 +257,11 @@ pub fn restore_vm(vm: &VmFd, state: &VmState) -> Result<(), StateError> {
 pub fn guest_clock_ns(vm: &VmFd) -> Result<u64, StateError> {
     Ok(vm.get_clock().map_err(ioctl("KVM_GET_CLOCK"))?.clock)
 }
+
+/// Reading the VM-wide KVM state for a snapshot (irqchips, PIT, clock).
+pub(crate) fn read_syscalls(
+    r: &mut crate::seccomp::Rules,
+) -> Result<(), crate::seccomp::SeccompError> {
+    r.allow_values(libc::SYS_ioctl, 1, &crate::seccomp::ioctls::vm_read())?;
+    Ok(())
+}

@@ -327,18 +327,7 @@ pub fn rewrite_pod_ids(v: &mut Value, pod: &PodId) {
     }
 }
 
-/// A pod's text as we pass it on: printable characters only, at most 200.
-pub fn sanitized(text: &str) -> String {
-    let mut out: String = text
-        .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .take(200)
-        .collect();
-    if text.chars().count() > 200 {
-        out.push_str("...");
-    }
-    out
-}
+pub use torpor_sandbox_api::sanitized;
 
 #[cfg(test)]
 mod tests {

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod ports;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -140,6 +142,7 @@ impl Fake {
             pod: st.pod.clone(),
             committed_mib: committed(st),
             pss_mib: 12.5,
+            resident_mib: 10.0,
             sandboxes,
         }
     }

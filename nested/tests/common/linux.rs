@@ -143,9 +143,16 @@ pub fn linux_host_with(
     (host, scratch)
 }
 
+/// One L1 at a time in a test binary: each is QEMU/TCG with two busy vCPU
+/// threads, and two of them on a 2-core host starve each other's kernels
+/// into soft lockups (the harness then boots a fresh L1: slower than
+/// waiting).
+static ONE_L1: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Runs `script` in the nested host (boot included, within `timeout`) and
 /// logs how long each part took.
 pub fn run_logged(host: &NestedHost, what: &str, script: &str, timeout: Duration) -> RunOutput {
+    let _one = ONE_L1.lock().unwrap_or_else(|p| p.into_inner());
     let out = host
         .run(script, timeout)
         .unwrap_or_else(|e| panic!("nested run failed: {e}"));

@@ -44,10 +44,12 @@ pub struct Plan {
 }
 
 /// Plays `trace` with every setting and picks one for `target`: among
-/// those within it (wake p99 and reject %), the one that admits the most
-/// creates, then the lowest wake p99, then the least core time, then the
-/// lowest ratio. When none is within it, none is recommended and the
-/// closest (fewest rejections, then lowest wake p99) is named.
+/// the feasible ones (resident memory within the pod's RAM) within it
+/// (wake p99 and reject %), the one that admits the most creates, then
+/// the lowest wake p99, then the least core time, then the lowest ratio.
+/// When none is within it, none is recommended and the closest feasible
+/// one (fewest rejections, then lowest wake p99) is named; an infeasible
+/// setting is never either.
 pub fn plan(
     trace: &Trace,
     pod: PodShape,
@@ -60,7 +62,9 @@ pub fn plan(
         .map(|s| simulate(trace, pod, *s, &calibration))
         .collect();
     let within = |o: &Outcome| {
-        o.wake_p99_ms <= target.wake_p99_ms && o.reject_pct() <= target.max_reject_pct
+        o.infeasible.is_none()
+            && o.wake_p99_ms <= target.wake_p99_ms
+            && o.reject_pct() <= target.max_reject_pct
     };
     let best = outcomes
         .iter()
@@ -87,11 +91,14 @@ pub fn plan(
                 o.creates_admitted
             )
         }
-        None => match outcomes.iter().min_by(|a, b| {
-            a.reject_pct()
-                .total_cmp(&b.reject_pct())
-                .then(a.wake_p99_ms.total_cmp(&b.wake_p99_ms))
-        }) {
+        None => match outcomes
+            .iter()
+            .filter(|o| o.infeasible.is_none())
+            .min_by(|a, b| {
+                a.reject_pct()
+                    .total_cmp(&b.reject_pct())
+                    .then(a.wake_p99_ms.total_cmp(&b.wake_p99_ms))
+            }) {
             Some(c) => format!(
                 "no setting meets the target; the closest is ratio {} keep-alive {} ms \
                  watermark {} (rejected {:.2}%, wake p99 {:.1} ms): a larger pod is needed",
@@ -101,7 +108,10 @@ pub fn plan(
                 c.reject_pct(),
                 c.wake_p99_ms
             ),
-            None => "no setting given".into(),
+            None if outcomes.is_empty() => "no setting given".into(),
+            None => "no setting keeps resident memory within the pod's RAM \
+                     (every one is infeasible): a larger pod or a lower ratio is needed"
+                .into(),
         },
     };
     Plan {

@@ -7,16 +7,23 @@
 //!   `cores` lanes, first come first served: work queues behind work, and
 //!   a request's wake latency includes that wait.
 //! - The policy runs every `policy_interval_ms` and, as in `torpor serve`,
-//!   hibernates one sandbox after the other: the next round starts an
-//!   interval after the last hibernation of this one ends; a sandbox
-//!   used before the policy gets to it is left alone (the service
-//!   re-checks idleness under the sandbox's lock).
-//! - A sandbox's memory (what the watermark measures) is
+//!   hibernates idle sandboxes one after the other, and under memory
+//!   pressure [`policy::pressure_batch`] of its cores at once: the
+//!   next round starts an interval after the last hibernation of this one
+//!   ends; a sandbox used before the policy gets to it is left alone (the
+//!   service re-checks idleness under the sandbox's lock).
+//! - A sandbox's resident memory (what the pressure marks measure) is
 //!   `fresh_pss_mib` after a create or wake, plus what its requests dirty,
-//!   at most its size. Admission counts sizes, as the service does.
+//!   at most its size; its peak is followed at every change, not only at
+//!   policy rounds. Admission counts sizes, as the service does.
 //! - A request to a hibernated sandbox wakes it (a wake the pod cannot
-//!   admit is refused, as the service answers 429); requests that arrive
-//!   while a sandbox is being created, woken or hibernated wait for it.
+//!   admit is refused, as the service answers 429; so is a create or wake
+//!   while resident memory is past the hard mark,
+//!   [`policy::pressure_gate`]); requests that arrive while a sandbox is
+//!   being created, woken or hibernated wait for it.
+//! - A setting whose resident memory would exceed the pod's RAM is
+//!   infeasible (a real pod would swap or OOM-kill): [`Outcome::infeasible`]
+//!   says why, and the plan never recommends or names it.
 //! - A wake costs the calibration's `wake_ms`, or across its measured
 //!   spread of wakes when it has one (in a fixed order: deterministic).
 //! - A hibernation writes a snapshot of what was dirtied since the last
@@ -70,8 +77,19 @@ pub struct Outcome {
     pub wake_max_ms: f64,
     pub hibernations: u64,
     pub hibernations_idle: u64,
+    /// Hibernations under memory pressure (above the high mark).
     pub hibernations_watermark: u64,
     pub hibernations_timeout: u64,
+    /// Creates and wakes refused because resident memory was past the
+    /// hard mark (429 `rate_limited`; also counted in `creates_rejected`
+    /// and `wakes_rejected`).
+    pub pressure_refusals: u64,
+    /// Highest resident memory at any moment, against the pod's RAM.
+    pub resident_peak_mib: f64,
+    /// Why the setting cannot run on the pod (resident memory past its
+    /// RAM); `None` when it can.
+    pub infeasible: Option<String>,
+    /// Peak and p99 of the per-round samples of resident memory.
     pub mem_peak_mib: f64,
     pub mem_p99_mib: f64,
     pub committed_peak_mib: u64,
@@ -147,6 +165,8 @@ struct SimPod<'a> {
     wake_waits: Vec<f64>,
     out: Outcome,
     disk_now: f64,
+    /// Resident memory of the live sandboxes now (MiB).
+    resident_now: f64,
     /// Wakes started so far (which part of the calibration's spread the
     /// next one costs).
     wakes_started: u64,
@@ -184,15 +204,27 @@ impl SimPod<'_> {
             .sum()
     }
 
-    fn memory_mib(&self) -> f64 {
-        self.boxes
-            .iter()
-            .filter(|b| b.live && HOLDING_VMM.contains(&b.sandbox.state))
-            .map(|b| b.resident_mib)
-            .sum()
+    /// Sets sandbox `i`'s resident memory, following the pod's total and
+    /// its peak.
+    fn set_resident(&mut self, i: usize, mib: f64) {
+        let b = &mut self.boxes[i];
+        self.resident_now += mib - b.resident_mib;
+        b.resident_mib = mib;
+        self.out.resident_peak_mib = self.out.resident_peak_mib.max(self.resident_now);
     }
 
-    fn admit(&self, mem_mib: u32) -> bool {
+    /// Whether a create or wake of `mem_mib` may start: the pressure gate,
+    /// then admission, as the service checks them.
+    fn admit(&mut self, mem_mib: u32) -> bool {
+        let gate = policy::pressure_gate(
+            self.shape.memory_mib << 20,
+            self.setting.high_watermark,
+            (self.resident_now.max(0.0) * 1048576.0) as u64,
+        );
+        if gate.is_err() {
+            self.out.pressure_refusals += 1;
+            return false;
+        }
         policy::admit(
             self.shape.memory_mib,
             self.setting.ratio,
@@ -253,8 +285,9 @@ impl SimPod<'_> {
         let b = &mut self.boxes[i];
         let size = f64::from(b.sandbox.mem_mib);
         b.active_until = b.active_until.max(now + r.duration_ms as i64);
-        b.resident_mib = (b.resident_mib + f64::from(r.mem_mib)).min(size);
         b.dirty_mib = (b.dirty_mib + f64::from(r.mem_mib)).min(size);
+        let resident = (b.resident_mib + f64::from(r.mem_mib)).min(size);
+        self.set_resident(i, resident);
     }
 
     /// Work on sandbox `i` ended at `now`.
@@ -268,8 +301,8 @@ impl SimPod<'_> {
         match work {
             Work::Create | Work::Wake => {
                 b.sandbox.state = SandboxState::Running;
-                b.resident_mib = self.cal.fresh_pss_mib.min(size);
                 b.active_until = b.active_until.max(now);
+                self.set_resident(i, self.cal.fresh_pss_mib.min(size));
                 if work == Work::Wake {
                     self.out.wakes += 1;
                 }
@@ -280,7 +313,7 @@ impl SimPod<'_> {
                 b.disk_bytes += bytes;
                 self.disk_now += bytes;
                 b.dirty_mib = 0.0;
-                b.resident_mib = 0.0;
+                self.set_resident(i, 0.0);
                 self.out.hibernations += 1;
                 match reason {
                     PolicyReason::Idle => self.out.hibernations_idle += 1,
@@ -310,6 +343,7 @@ impl SimPod<'_> {
         }
         if b.live {
             self.disk_now -= b.disk_bytes;
+            self.resident_now -= b.resident_mib;
         }
         b.live = false;
         b.sandbox.state = SandboxState::Deleted;
@@ -319,7 +353,7 @@ impl SimPod<'_> {
     }
 
     fn sample(&mut self, series: &mut Vec<(f64, f64)>) {
-        let mem = self.memory_mib();
+        let mem = self.resident_now.max(0.0);
         series.push((self.now as f64 / 1000.0, mem));
         self.out.committed_peak_mib = self.out.committed_peak_mib.max(self.committed_mib());
         self.out.disk_peak_bytes = self.out.disk_peak_bytes.max(self.disk_now);
@@ -382,6 +416,29 @@ impl PolicyDriver for SimPod<'_> {
         self.start_work(i, Work::Hibernate(reason), at, ms);
         self.policy_busy_until = self.boxes[i].work.map_or(at, |(_, end)| end);
         Some(true)
+    }
+
+    /// Pressure hibernations start together, each on a lane of its own
+    /// while lanes are free; the round ends when the last one does.
+    fn hibernate_batch(&mut self, batch: &[Sandbox]) -> Vec<Option<bool>> {
+        let at = self.policy_busy_until.max(self.now);
+        let mut ends = at;
+        let answers = batch
+            .iter()
+            .map(|s| {
+                let i = index_of(&s.id)?;
+                let b = self.boxes.get(i)?;
+                if b.work.is_some() || b.active_until > self.now || !b.live {
+                    return None;
+                }
+                let ms = self.cal.hibernate_cost_ms(b.dirty_mib);
+                self.start_work(i, Work::Hibernate(PolicyReason::Watermark), at, ms);
+                ends = ends.max(self.boxes[i].work.map_or(at, |(_, end)| end));
+                Some(true)
+            })
+            .collect();
+        self.policy_busy_until = ends;
+        answers
     }
 
     fn tend(&mut self, _s: &Sandbox) {}
@@ -462,6 +519,9 @@ pub fn simulate(trace: &Trace, shape: PodShape, setting: Setting, cal: &Calibrat
             hibernations_idle: 0,
             hibernations_watermark: 0,
             hibernations_timeout: 0,
+            pressure_refusals: 0,
+            resident_peak_mib: 0.0,
+            infeasible: None,
             mem_peak_mib: 0.0,
             mem_p99_mib: 0.0,
             committed_peak_mib: 0,
@@ -471,6 +531,7 @@ pub fn simulate(trace: &Trace, shape: PodShape, setting: Setting, cal: &Calibrat
             memory_series: Vec::new(),
         },
         disk_now: 0.0,
+        resident_now: 0.0,
         wakes_started: 0,
     };
     let interval = shape.policy_interval_ms.max(1) as i64;
@@ -546,6 +607,13 @@ pub fn simulate(trace: &Trace, shape: PodShape, setting: Setting, cal: &Calibrat
     out.wake_max_ms = pod.wake_waits.last().copied().unwrap_or(0.0);
     out.disk_end_bytes = pod.disk_now;
     out.memory_series = downsample(&series, MAX_SERIES);
+    if out.resident_peak_mib > shape.memory_mib as f64 {
+        out.infeasible = Some(format!(
+            "resident memory peaks at {:.0} MiB, past the pod's {} MiB of RAM: \
+             a real pod would swap or OOM-kill; lower the ratio or add memory",
+            out.resident_peak_mib, shape.memory_mib
+        ));
+    }
     out
 }
 

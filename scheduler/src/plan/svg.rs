@@ -1,7 +1,9 @@
-//! A plan as an SVG chart an operator opens in a browser: peak memory and
-//! wake p99 against the oversubscription ratio (for the chosen keep-alive
-//! and watermark), and memory over time for the chosen setting, with the
-//! pod's memory and high watermark drawn across.
+//! A plan as an SVG chart an operator opens in a browser: peak resident
+//! memory and wake p99 against the oversubscription ratio (for the chosen
+//! keep-alive and watermark; an infeasible setting, whose resident memory
+//! would exceed the pod's RAM, ringed in red and labelled), and memory
+//! over time for the chosen setting, with the pod's memory and high
+//! watermark drawn across.
 
 use std::fmt::Write;
 
@@ -13,6 +15,8 @@ const LEFT: f64 = 80.0;
 const RIGHT: f64 = 30.0;
 const TOP: f64 = 40.0;
 const BOTTOM: f64 = 50.0;
+/// The colour of the pod's limits and of infeasible settings.
+const INFEASIBLE: &str = "#c00";
 
 /// Escapes text for XML.
 fn esc(s: &str) -> String {
@@ -142,6 +146,18 @@ impl Panel<'_> {
         }
     }
 
+    /// Rings the points of infeasible settings in red, labelled.
+    fn infeasible(&self, out: &mut String, points: &[(f64, f64, bool)]) {
+        for &(x, y, _) in points.iter().filter(|p| p.2) {
+            let (cx, cy) = (self.x(x), self.y(y));
+            let _ = writeln!(
+                out,
+                r##"<circle cx="{cx:.1}" cy="{cy:.1}" r="8" fill="none" stroke="{INFEASIBLE}" stroke-width="2"/><text x="{cx:.1}" y="{:.1}" font-size="11" fill="{INFEASIBLE}" text-anchor="middle">infeasible</text>"##,
+                cy - 12.0
+            );
+        }
+    }
+
     fn hline(&self, out: &mut String, colour: &str, v: f64, label: &str) {
         let y = self.y(v);
         let _ = writeln!(
@@ -207,22 +223,29 @@ pub fn render(plan: &Plan) -> String {
     let pod_mib = plan.pod.memory_mib as f64;
     let mem: Vec<(f64, f64)> = by_ratio
         .iter()
-        .map(|o| (o.setting.ratio, o.mem_peak_mib))
+        .map(|o| (o.setting.ratio, o.resident_peak_mib))
         .collect();
+    let marked = |v: &[(f64, f64)]| -> Vec<(f64, f64, bool)> {
+        v.iter()
+            .zip(&by_ratio)
+            .map(|(&(x, y), o)| (x, y, o.infeasible.is_some()))
+            .collect()
+    };
     let mut p = Panel {
         top: 30.0,
         title: format!(
-            "Peak memory against ratio (keep-alive {} ms, watermark {})",
+            "Peak resident memory against ratio (keep-alive {} ms, watermark {})",
             c.setting.keep_alive_ms, c.setting.high_watermark
         ),
         x_label: "oversubscription ratio",
         y_label: "peak memory (MiB)",
         x_max,
-        y_max: mem.iter().map(|m| m.1).fold(pod_mib, f64::max) * 1.05,
+        y_max: mem.iter().map(|m| m.1).fold(pod_mib, f64::max) * 1.1,
     };
     p.axes(&mut out, &ratios);
     p.hline(&mut out, "#c00", pod_mib, "pod memory");
     p.line(&mut out, "#1f77b4", &mem, true);
+    p.infeasible(&mut out, &marked(&mem));
     let wake: Vec<(f64, f64)> = by_ratio
         .iter()
         .map(|o| (o.setting.ratio, o.wake_p99_ms))
@@ -242,6 +265,7 @@ pub fn render(plan: &Plan) -> String {
     p.axes(&mut out, &ratios);
     p.hline(&mut out, "#c00", plan.target.wake_p99_ms, "target wake p99");
     p.line(&mut out, "#ff7f0e", &wake, true);
+    p.infeasible(&mut out, &marked(&wake));
     let t_max = c
         .memory_series
         .last()
@@ -258,7 +282,7 @@ pub fn render(plan: &Plan) -> String {
         x_label: "time (s)",
         y_label: "memory (MiB)",
         x_max: t_axis,
-        y_max: c.mem_peak_mib.max(pod_mib) * 1.05,
+        y_max: c.resident_peak_mib.max(pod_mib) * 1.05,
     };
     p.axes(&mut out, &t_ticks);
     p.hline(&mut out, "#c00", pod_mib, "pod memory");
@@ -276,6 +300,43 @@ pub fn render(plan: &Plan) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn infeasible_settings_are_marked() {
+        use crate::plan::{Calibration, PodShape, Setting, Target, Trace};
+        // Two 512 MiB sandboxes dirtying 400 MiB each at once on 512 MiB:
+        // infeasible at ratio 2 (both admitted), not at ratio 1.
+        let t = Trace::read(
+            "{\"t\":0,\"sandbox\":\"a\",\"event\":\"create\",\"mem_mib\":512}\n\
+             {\"t\":0,\"sandbox\":\"b\",\"event\":\"create\",\"mem_mib\":512}\n\
+             {\"t\":1,\"sandbox\":\"a\",\"event\":\"request\",\"duration_ms\":0,\"mem_mib\":400}\n\
+             {\"t\":1,\"sandbox\":\"b\",\"event\":\"request\",\"duration_ms\":0,\"mem_mib\":400}\n"
+                .as_bytes(),
+        )
+        .unwrap();
+        let pod = PodShape {
+            memory_mib: 512,
+            cores: 2,
+            policy_interval_ms: 1000,
+        };
+        let settings: Vec<Setting> = [1.0, 2.0]
+            .map(|ratio| Setting {
+                ratio,
+                keep_alive_ms: 60_000,
+                high_watermark: 0.9,
+            })
+            .to_vec();
+        let target = Target {
+            wake_p99_ms: 1e9,
+            max_reject_pct: 100.0,
+        };
+        let p = crate::plan::plan(&t, pod, &settings, target, Calibration::builtin());
+        assert!(p.outcomes[0].infeasible.is_none() && p.outcomes[1].infeasible.is_some());
+        let svg = render(&p);
+        // Ratio 2's points, in both panels against the ratio.
+        assert_eq!(svg.matches(">infeasible</text>").count(), 2, "{svg}");
+        assert_eq!(svg.matches(r#"r="8" fill="none""#).count(), 2);
+    }
 
     #[test]
     fn ticks_are_round() {

@@ -129,6 +129,8 @@ fn simulation_is_deterministic_and_the_plan_recommends() {
     assert_eq!(a.outcomes[3].creates_rejected, 0);
     let r = a.recommended.expect("a setting meets the target");
     assert_eq!(a.outcomes[r].reject_pct(), 0.0);
+    // It fits the pod's RAM at every ratio: nothing is infeasible.
+    assert!(a.outcomes.iter().all(|o| o.infeasible.is_none()), "{a:?}");
     // Nothing meets an impossible target.
     let none = plan(
         &t,
@@ -167,4 +169,69 @@ fn a_sandbox_used_before_the_policy_gets_to_it_is_left_alone() {
     assert_eq!(o.hibernations, 1, "{o:?}");
     assert_eq!(o.wakes, 1, "{o:?}");
     assert_eq!(o.wake_p99_ms, cal.wake_ms.ceil(), "{o:?}");
+}
+
+/// Four 512 MiB sandboxes that each dirty 400 MiB in the same moment:
+/// 1.6 GiB resident on a 1 GiB pod at ratio 4 (all four admitted), 0.8
+/// GiB at ratio 1 (two admitted). No policy can react between them.
+fn overflowing() -> Trace {
+    let mut lines: Vec<String> = (0..4).map(|i| create(0.0, &format!("s{i}"), 512)).collect();
+    lines.extend((0..4).map(|i| request(1.5, &format!("s{i}"), 0, 400)));
+    trace(&lines)
+}
+
+#[test]
+fn a_trace_that_overflows_ram_at_ratio_4_is_infeasible_there() {
+    let t = overflowing();
+    let cal = Calibration::builtin();
+    let four = simulate(&t, POD, setting(4.0, 3_600_000), &cal);
+    assert_eq!(four.creates_admitted, 4);
+    assert!(four.resident_peak_mib > 1600.0, "{four:?}");
+    let why = four.infeasible.as_deref().expect("ratio 4 overflows");
+    assert!(why.contains("past the pod's 1024 MiB of RAM"), "{why}");
+    let one = simulate(&t, POD, setting(1.0, 3_600_000), &cal);
+    assert_eq!(one.creates_admitted, 2);
+    assert!(one.infeasible.is_none(), "{one:?}");
+    assert!(one.resident_peak_mib <= 1024.0, "{one:?}");
+
+    // Ratio 4 admits more, yet is never recommended...
+    let settings = [setting(1.0, 3_600_000), setting(4.0, 3_600_000)];
+    let lax = Target {
+        wake_p99_ms: 1e9,
+        max_reject_pct: 100.0,
+    };
+    let p = plan(&t, POD, &settings, lax, Calibration::builtin());
+    assert_eq!(p.recommended, Some(0), "{}", p.reason);
+    // ... nor named the closest when nothing meets the target (ratio 1
+    // rejects half the creates, ratio 4 none) ...
+    let strict = Target {
+        wake_p99_ms: 1e9,
+        max_reject_pct: 0.0,
+    };
+    let p = plan(&t, POD, &settings, strict, Calibration::builtin());
+    assert_eq!(p.recommended, None);
+    assert!(p.reason.contains("the closest is ratio 1 "), "{}", p.reason);
+    // ... and alone it is reported as such.
+    let p = plan(&t, POD, &settings[1..], lax, Calibration::builtin());
+    assert_eq!(p.recommended, None);
+    assert!(p.reason.contains("every one is infeasible"), "{}", p.reason);
+}
+
+#[test]
+fn creates_past_the_hard_mark_are_refused_and_reclaim_goes_to_the_low_mark() {
+    // Three sandboxes dirty 330 MiB each: 993 MiB resident on a 1 GiB pod
+    // (within its RAM, past its hard mark: 0.95, 973 MiB). A create then
+    // is refused; the next round hibernates the coldest, one being enough
+    // to get below the low mark (0.81, 829 MiB); a later create fits.
+    let mut lines: Vec<String> = (0..3).map(|i| create(0.0, &format!("s{i}"), 512)).collect();
+    lines.extend((0..3).map(|i| request(1.1 + 0.1 * i as f64, &format!("s{i}"), 0, 330)));
+    lines.push(create(1.5, "late", 64));
+    lines.push(create(2.9, "later", 64));
+    let t = trace(&lines);
+    let o = simulate(&t, POD, setting(4.0, 3_600_000), &Calibration::builtin());
+    assert_eq!(o.pressure_refusals, 1, "{o:?}");
+    assert_eq!((o.creates_admitted, o.creates_rejected), (4, 1), "{o:?}");
+    assert_eq!(o.hibernations_watermark, 1, "{o:?}");
+    assert!(o.infeasible.is_none(), "{o:?}");
+    assert!(o.resident_peak_mib > 973.0 && o.resident_peak_mib < 1024.0);
 }

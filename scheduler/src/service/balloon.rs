@@ -127,6 +127,7 @@ impl Service {
         let handle = s.vmm.as_ref()?;
         let mut m = SandboxMemory {
             pss_bytes: vmm::pss_kib(handle.pid)? << 10,
+            resident_bytes: super::resident::resident_bytes(handle),
             ..SandboxMemory::default()
         };
         if let Some((at, before)) = self.shrunk.pss_before().get(&s.id).copied() {
@@ -168,11 +169,16 @@ impl Service {
         use prometheus_client::metrics::family::Family;
         use prometheus_client::metrics::gauge::Gauge;
         type Pick = fn(&SandboxMemory) -> Option<u64>;
-        let series: [(&str, &str, Pick); 6] = [
+        let series: [(&str, &str, Pick); 7] = [
             (
                 "torpor_sandbox_memory_pss_bytes",
                 "PSS of the sandbox's VMM process",
                 |m| Some(m.pss_bytes),
+            ),
+            (
+                "torpor_sandbox_memory_resident_bytes",
+                "Resident memory of the sandbox: its VMM cgroup's usage less inactive page cache (PSS without a cgroup)",
+                |m| m.resident_bytes,
             ),
             (
                 "torpor_sandbox_guest_memory_used_bytes",

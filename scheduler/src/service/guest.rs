@@ -243,6 +243,7 @@ impl AgentLink {
             // which reaches API clients.
             Route::Vsock(uds) => connect_vsock(uds, self.port, HANDSHAKE_LIMIT).map_err(|e| {
                 tracing::debug!(sandbox = %self.id, socket = %uds.display(), error = %e, "agent connect");
+                log_unreachable(&self.id, uds, &e);
                 self.unreachable(format!("its vsock: {e}"))
             }),
             Route::Dial { what, dial } => {
@@ -696,3 +697,36 @@ pub(super) mod tests;
 #[cfg(test)]
 #[path = "guest_hostile_tests.rs"]
 mod hostile_tests;
+
+/// When the agent of `id` cannot be reached through its vsock (`uds`),
+/// tells the operator what the guest's console and the VMM's log said last
+/// (beside the socket, if they are there), at most once every
+/// [`UNREACHABLE_LOG_EVERY`] for the whole service: a guest that stopped
+/// answering is otherwise a bare timeout.
+fn log_unreachable(id: &str, uds: &std::path::Path, error: &io::Error) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let last = LAST.load(Ordering::Relaxed);
+    if now < last.saturating_add(UNREACHABLE_LOG_EVERY.as_secs())
+        || LAST
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
+    {
+        return;
+    }
+    let Some(dir) = uds.parent() else { return };
+    let files = super::vmm::VmmFiles::in_dir(dir);
+    tracing::warn!(
+        sandbox = %id,
+        %error,
+        console = %super::vmm::log_tail(&files.console),
+        vmm = %super::vmm::log_tail(&files.log),
+        "guest agent unreachable through its vsock"
+    );
+}
+
+/// How often [`log_unreachable`] may speak.
+const UNREACHABLE_LOG_EVERY: Duration = Duration::from_secs(30);

@@ -197,15 +197,24 @@ impl Service {
         if let Ok(pods) = self.list_pods() {
             let pss = Family::<Label<String>, GaugeU64>::default();
             let committed = Family::<Label<String>, GaugeU64>::default();
+            let resident = Family::<Label<String>, GaugeU64>::default();
             for p in &pods {
                 let pod = [("pod", p.pod.id.to_string())];
                 pss.get_or_create(&pod).set((p.pss_mib * 1048576.0) as u64);
+                resident
+                    .get_or_create(&pod)
+                    .set((p.resident_mib * 1048576.0) as u64);
                 committed.get_or_create(&pod).set(p.committed_mib << 20);
             }
             reg.register(
                 "torpor_pod_pss_bytes",
                 "Measured PSS of the pod's VMM processes",
                 pss,
+            );
+            reg.register(
+                "torpor_pod_resident_bytes",
+                "Resident memory of the pod's sandboxes (their VMM cgroups' usage less inactive page cache), what its pressure marks count",
+                resident,
             );
             reg.register(
                 "torpor_pod_committed_bytes",

@@ -26,6 +26,7 @@ pub mod pool;
 mod ports;
 mod reboot;
 mod recovery;
+pub mod resident;
 mod sandbox_template;
 mod template;
 pub mod vmm;
@@ -225,6 +226,19 @@ pub enum ServiceError {
         /// Seconds after which asking again is worth it.
         retry_after_s: u64,
     },
+    /// The pod's resident memory is past its hard mark: a create or wake
+    /// waits until reclaim brings it down. 429 `rate_limited` with
+    /// `Retry-After`.
+    #[error(
+        "the pod is under memory pressure: {resident_mib} MiB resident, past its hard mark of \
+         {hard_mib} MiB; retry in {retry_after_s} s"
+    )]
+    Pressure {
+        resident_mib: u64,
+        hard_mib: u64,
+        /// Seconds after which asking again is worth it (a policy round).
+        retry_after_s: u64,
+    },
     /// Accepted, not finished yet: a cluster's command whose pod has not
     /// answered within the replica's wait. It goes on; its operation
     /// (`GET /v1/operations/{operation}`) gives the outcome. 202 with
@@ -420,6 +434,9 @@ pub struct PodView {
     pub committed_mib: u64,
     /// Measured PSS of all its VMM processes, MiB.
     pub pss_mib: f64,
+    /// Resident memory of its sandboxes, MiB: the sum of each one's
+    /// (`resident::resident_bytes`), what the pressure marks count.
+    pub resident_mib: f64,
     pub sandboxes: BTreeMap<String, u64>,
 }
 
@@ -439,6 +456,8 @@ pub struct Service {
     in_flight: policy::InFlight,
     /// Idle sandboxes whose guests the policy asked to shrink.
     shrunk: balloon::Shrunk,
+    /// The pod's resident memory as the pressure gate last measured it.
+    last_resident: resident::LastMeasure,
     stop: Arc<std::sync::atomic::AtomicBool>,
     /// Standby VMM shells for creates and wakes.
     pool: Arc<pool::StandbyPool>,
@@ -536,6 +555,7 @@ impl Service {
             history: history::History::default(),
             in_flight: policy::InFlight::default(),
             shrunk: balloon::Shrunk::default(),
+            last_resident: resident::LastMeasure::default(),
             stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             pool,
             jails,

@@ -159,8 +159,9 @@ impl Service {
 
     /// Runs `f` in one transaction with the admission of `mem_mib` more on
     /// the local pod, so that the check and what makes the memory count (an
-    /// insert, a state change in `f`) land together. A full pod is refused
-    /// (429), or with `queue` retried for up to [`QUEUE_LIMIT`]. The commit
+    /// insert, a state change in `f`) land together. A full pod, or one
+    /// whose resident memory is past its hard mark, is refused (429), or
+    /// with `queue` retried for up to [`QUEUE_LIMIT`]. The commit
     /// is relaxed (no fsync, see [`crate::store::Store::write_relaxed`]):
     /// it starts an operation whose end commits.
     pub(super) fn admit_with<T>(
@@ -194,11 +195,16 @@ impl Service {
     ) -> Result<T, ServiceError> {
         let deadline = Instant::now() + QUEUE_LIMIT;
         loop {
-            match attempt() {
-                Err(StoreError::Full { .. }) if queue && Instant::now() <= deadline => {
+            // Past the hard mark nothing is admitted, whatever the ratio.
+            let pressure = self.pressure_gate();
+            match pressure.map(|()| attempt()) {
+                Err(ServiceError::Pressure { .. }) | Ok(Err(StoreError::Full { .. }))
+                    if queue && Instant::now() <= deadline =>
+                {
                     std::thread::sleep(QUEUE_POLL);
                 }
-                other => return Ok(other?),
+                Err(e) => return Err(e),
+                Ok(other) => return Ok(other?),
             }
         }
     }
@@ -836,6 +842,11 @@ impl Service {
                         .iter()
                         .filter_map(|s| s.vmm.as_ref())
                         .map(|h| vmm::pss_kib(h.pid).unwrap_or(0) as f64 / 1024.0)
+                        .sum(),
+                    resident_mib: mine
+                        .iter()
+                        .filter_map(|s| s.vmm.as_ref())
+                        .map(|h| super::resident::resident_bytes(h).unwrap_or(0) as f64 / 1048576.0)
                         .sum(),
                     sandboxes: by_state,
                     pod,

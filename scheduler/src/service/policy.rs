@@ -1,7 +1,9 @@
 //! The policy thread: hibernate sandboxes idle past their keep-alive, then,
-//! while the pod's measured PSS is above its high watermark, hibernate the
-//! least recently used running sandboxes; delete sandboxes past their
-//! timeout; notice VMMs that died. The policy never hibernates a sandbox
+//! once the pod's resident memory (`super::resident`) is above its high
+//! mark, shrink idle guests and hibernate the least recently used running
+//! sandboxes, several at once on a pod of four cores or more, until it is
+//! below its low mark; delete
+//! sandboxes past their timeout; notice VMMs that died. The policy never hibernates a sandbox
 //! with an operation or a guest request (exec, files) in flight.
 
 use std::collections::HashMap;
@@ -106,7 +108,8 @@ impl Service {
     }
 
     /// One policy round: the rules of [`crate::policy::run_round`] on the
-    /// local pod, with the wall clock and the VMMs' measured PSS.
+    /// local pod, with the wall clock and the sandboxes' measured resident
+    /// memory.
     pub fn run_policy(&self) {
         let now = Timestamp::now();
         crate::policy::run_round(&mut ServiceDriver(self));
@@ -180,7 +183,8 @@ impl Service {
 }
 
 /// The service as the policy's driver: the store's sandboxes and pod,
-/// the wall clock, real hibernations and the VMMs' measured PSS.
+/// the wall clock, real hibernations and the sandboxes' measured resident
+/// memory.
 struct ServiceDriver<'a>(&'a Service);
 
 impl PolicyDriver for ServiceDriver<'_> {
@@ -209,7 +213,7 @@ impl PolicyDriver for ServiceDriver<'_> {
         match self.0.policy_hibernate(&s.id, reason)? {
             Ok(_) => {
                 if reason == PolicyReason::Watermark {
-                    tracing::info!(sandbox = %s.id, "pod above its high watermark; hibernated the least recently used");
+                    tracing::info!(sandbox = %s.id, "pod above its high mark; hibernated one of the least recently used");
                 }
                 Some(true)
             }
@@ -218,6 +222,23 @@ impl PolicyDriver for ServiceDriver<'_> {
                 Some(false)
             }
         }
+    }
+
+    fn hibernate_batch(&mut self, batch: &[Sandbox]) -> Vec<Option<bool>> {
+        let service = self.0;
+        std::thread::scope(|scope| {
+            let running: Vec<_> = batch
+                .iter()
+                .map(|s| {
+                    scope
+                        .spawn(move || ServiceDriver(service).hibernate(s, PolicyReason::Watermark))
+                })
+                .collect();
+            running
+                .into_iter()
+                .map(|h| h.join().unwrap_or(Some(false)))
+                .collect()
+        })
     }
 
     fn tend(&mut self, s: &Sandbox) {
@@ -236,8 +257,8 @@ impl PolicyDriver for ServiceDriver<'_> {
     fn memory_bytes(&self, s: &Sandbox) -> u64 {
         s.vmm
             .as_ref()
-            .map_or(0, |h| vmm::pss_kib(h.pid).unwrap_or(0))
-            * 1024
+            .and_then(super::resident::resident_bytes)
+            .unwrap_or(0)
     }
 }
 

@@ -243,6 +243,20 @@ pub fn answer(line: &str, vm: &dyn VmController) -> Response {
     }
 }
 
+/// The control server's own calls: its socket (accept, read requests,
+/// send answers). What it does for a request (snapshots, VM state, dirty
+/// pages, vCPU kicks) is declared by those mechanisms.
+pub(crate) fn syscalls(r: &mut crate::seccomp::Rules) -> Result<(), crate::seccomp::SeccompError> {
+    r.allow(&[
+        libc::SYS_accept4,
+        libc::SYS_read,
+        libc::SYS_recvfrom,
+        libc::SYS_sendto,
+        libc::SYS_setsockopt,
+    ]);
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::{request, ClientError, VmState};

@@ -21,6 +21,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::devices::pausable::{Pausable, PauseError, PauseGate};
 use crate::devices::virtio::{MmioTransport, QueueContext, VirtioDevice};
+use crate::seccomp::{Rules, SeccompError};
 
 const MAX_EVENTS: usize = 64;
 /// A round of work takes microseconds; this only catches a thread stuck
@@ -256,4 +257,17 @@ impl Drop for DeviceWorker {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// What every device worker's thread needs beyond the base list: the
+/// epoll loop (wait, its eventfds read, the set changed); interrupts are
+/// eventfd writes (in the base list).
+pub(crate) fn event_loop_syscalls(r: &mut Rules) -> Result<(), SeccompError> {
+    r.allow(&[
+        libc::SYS_epoll_wait,
+        libc::SYS_epoll_pwait,
+        libc::SYS_epoll_ctl,
+        libc::SYS_read,
+    ]);
+    Ok(())
 }

@@ -198,3 +198,23 @@ fn spawn_recorder(server: Weak<PageServer>, dir: PathBuf, after: Duration) {
         tracing::warn!("cannot start the working-set recorder: {e}");
     }
 }
+
+/// The working-set recorder's thread: reads the previous set, writes the
+/// new one next to the snapshot (temp file, sync, rename).
+pub(crate) fn working_set_syscalls(
+    r: &mut crate::seccomp::Rules,
+) -> Result<(), crate::seccomp::SeccompError> {
+    r.allow(&[
+        libc::SYS_openat,
+        libc::SYS_read,
+        libc::SYS_lseek,
+        libc::SYS_fsync,
+        libc::SYS_rename,
+        libc::SYS_unlink,
+        libc::SYS_statx,
+        libc::SYS_newfstatat,
+        libc::SYS_fstat,
+    ]);
+    crate::seccomp::allow_fd_flags(r)?;
+    Ok(())
+}

@@ -21,13 +21,19 @@
 //! spawns it, and the intersection would leave it less than it needs),
 //! and before the vCPUs first enter the guest. [`init`] compiles all of
 //! them once, at launch, so installing one is a single `seccomp(2)` call.
+//!
+//! This module knows no mechanism. Each one declares the calls its
+//! thread makes, next to the code that makes them (a `Declare`:
+//! `devices/worker.rs`'s event loop, `vstate/vcpu.rs`'s KVM_RUN, ...);
+//! `confine.rs` lists which declarations make up each [`ThreadKind`]'s
+//! list, a table (`Needs`) the launch gives to [`init`]. Here: the calls
+//! every thread needs (`rules.rs`'s base list, under every kind's
+//! declarations), the ioctl request numbers (`ioctls.rs`), compiling,
+//! installing, and naming a violation (`report.rs`).
 
-mod control;
-mod ioctls;
+pub(crate) mod ioctls;
 mod report;
 mod rules;
-mod vcpu;
-mod workers;
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
@@ -36,7 +42,15 @@ use std::sync::OnceLock;
 use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 use torpor_vmm_api::SeccompLevel;
 
-pub(crate) use rules::Rules;
+pub(crate) use rules::{allow_fd_flags, Arg, Rules};
+
+/// A mechanism's declaration: adds the calls it makes on a thread to that
+/// thread's list.
+pub(crate) type Declare = fn(&mut Rules) -> Result<(), SeccompError>;
+
+/// Which declarations make up a thread kind's list, beyond the base list
+/// every thread gets (`confine::needs`).
+pub(crate) type Needs = fn(ThreadKind) -> &'static [Declare];
 
 /// The kinds of thread a VMM runs, each with its own allow-list.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -93,20 +107,15 @@ impl ThreadKind {
         }
     }
 
-    /// This kind's allow-list: syscall number to the argument rules that
-    /// allow it (an empty list allows it whatever its arguments).
-    pub fn rules(self) -> Result<Rules, SeccompError> {
-        match self {
-            ThreadKind::Main => control::main_rules(),
-            ThreadKind::Control => control::control_rules(),
-            ThreadKind::Vcpu => vcpu::rules(),
-            ThreadKind::Vsock => workers::vsock_rules(),
-            ThreadKind::Net => workers::net_rules(),
-            ThreadKind::Balloon => workers::balloon_rules(),
-            ThreadKind::UffdPages => workers::uffd_rules(),
-            ThreadKind::WorkingSet => workers::working_set_rules(),
-            ThreadKind::ConsoleOpen => workers::console_open_rules(),
+    /// This kind's allow-list: the base list, then each of `needs` in
+    /// order; syscall number to the argument rules that allow it (an
+    /// empty list allows it whatever its arguments).
+    pub fn rules(self, needs: &[Declare]) -> Result<Rules, SeccompError> {
+        let mut r = rules::base()?;
+        for declare in needs {
+            declare(&mut r)?;
         }
+        Ok(r)
     }
 }
 
@@ -149,8 +158,13 @@ thread_local! {
     pub(crate) static INSTALLED: Cell<Option<ThreadKind>> = const { Cell::new(None) };
 }
 
-/// Compiles `kind`'s filter: calls outside its list get `on_mismatch`.
-pub fn compile(kind: ThreadKind, on_mismatch: SeccompAction) -> Result<BpfProgram, SeccompError> {
+/// Compiles `kind`'s filter from its `needs`: calls outside its list get
+/// `on_mismatch`.
+pub fn compile(
+    kind: ThreadKind,
+    needs: &[Declare],
+    on_mismatch: SeccompAction,
+) -> Result<BpfProgram, SeccompError> {
     let arch =
         TargetArch::try_from(std::env::consts::ARCH).map_err(|source| SeccompError::Compile {
             kind: kind.name(),
@@ -161,7 +175,7 @@ pub fn compile(kind: ThreadKind, on_mismatch: SeccompAction) -> Result<BpfProgra
         source,
     };
     let filter = SeccompFilter::new(
-        kind.rules()?.into_map(),
+        kind.rules(needs)?.into_map(),
         on_mismatch,
         SeccompAction::Allow,
         arch,
@@ -170,10 +184,10 @@ pub fn compile(kind: ThreadKind, on_mismatch: SeccompAction) -> Result<BpfProgra
     BpfProgram::try_from(filter).map_err(compile_err)
 }
 
-/// Sets this process's filters up for `level`; with [`SeccompLevel::Off`]
-/// every later [`enter`] does nothing. Call once, before any VMM thread
-/// starts.
-pub fn init(level: SeccompLevel) -> Result<(), SeccompError> {
+/// Sets this process's filters up for `level`, each kind's list made of
+/// the declarations `needs` gives it; with [`SeccompLevel::Off`] every
+/// later [`enter`] does nothing. Call once, before any VMM thread starts.
+pub fn init(level: SeccompLevel, needs: Needs) -> Result<(), SeccompError> {
     let on_mismatch = match level {
         SeccompLevel::Off => return Ok(()),
         SeccompLevel::Enforce => SeccompAction::Trap,
@@ -181,7 +195,7 @@ pub fn init(level: SeccompLevel) -> Result<(), SeccompError> {
     };
     let mut programs = BTreeMap::new();
     for kind in ThreadKind::ALL {
-        programs.insert(kind, compile(kind, on_mismatch.clone())?);
+        programs.insert(kind, compile(kind, needs(kind), on_mismatch.clone())?);
     }
     keep_malloc_within_the_filters();
     FILTERS

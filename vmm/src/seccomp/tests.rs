@@ -3,6 +3,7 @@
 //! child ended.
 
 use super::*;
+use crate::confine::needs;
 
 /// Set in the environment of a test process started by
 /// [`run_in_confined_child`].
@@ -17,7 +18,7 @@ pub(crate) fn confined_child() -> bool {
     if std::env::var_os(CHILD_ENV).is_none() {
         return false;
     }
-    init(SeccompLevel::Enforce).expect("set the filters up");
+    init(SeccompLevel::Enforce, needs).expect("set the filters up");
     true
 }
 
@@ -54,7 +55,7 @@ fn confined_child_command(name: &str) -> std::process::Command {
 /// Forks; the child installs `kind`'s enforcing filter, runs `call` and
 /// exits 0. Returns the child's wait status.
 fn in_confined_child(kind: ThreadKind, call: impl FnOnce()) -> i32 {
-    let program = compile(kind, SeccompAction::KillProcess).unwrap();
+    let program = compile(kind, needs(kind), SeccompAction::KillProcess).unwrap();
     // SAFETY: the child only makes raw system calls (no allocation, no
     // locks another thread may hold) before it _exits.
     let pid = unsafe { libc::fork() };
@@ -87,7 +88,7 @@ fn exited_cleanly(status: i32) -> bool {
 fn every_kind_compiles_for_every_level() {
     for kind in ThreadKind::ALL {
         for action in [SeccompAction::KillProcess, SeccompAction::Log] {
-            let program = compile(kind, action).unwrap();
+            let program = compile(kind, needs(kind), action).unwrap();
             assert!(!program.is_empty(), "{kind:?}");
         }
     }
@@ -96,7 +97,7 @@ fn every_kind_compiles_for_every_level() {
 #[test]
 fn nobody_may_exec_fork_or_open_network_sockets() {
     for kind in ThreadKind::ALL {
-        let rules = kind.rules().unwrap();
+        let rules = kind.rules(needs(kind)).unwrap();
         for forbidden in [
             libc::SYS_execve,
             libc::SYS_execveat,
@@ -198,7 +199,7 @@ fn the_documented_counts_are_the_filters() {
     let missing: Vec<String> = ThreadKind::ALL
         .into_iter()
         .map(|kind| {
-            let rules = kind.rules().unwrap();
+            let rules = kind.rules(needs(kind)).unwrap();
             let syscalls = rules.syscalls().count();
             let conditional = rules
                 .syscalls()

@@ -209,6 +209,39 @@ impl SnapshotError {
     }
 }
 
+/// Writing a snapshot: its files and disk overlay copies (open, write at
+/// offsets, sync, rename, truncate, directories), and, for a full
+/// snapshot, reading guest memory in first (madvise MADV_POPULATE_READ),
+/// so that a page that cannot be read is an error, not a SIGBUS
+/// (`memory.rs`).
+pub(crate) fn write_syscalls(
+    r: &mut crate::seccomp::Rules,
+) -> Result<(), crate::seccomp::SeccompError> {
+    r.allow(&[
+        libc::SYS_openat,
+        libc::SYS_pread64,
+        libc::SYS_pwrite64,
+        libc::SYS_lseek,
+        libc::SYS_fsync,
+        libc::SYS_fdatasync,
+        libc::SYS_ftruncate,
+        libc::SYS_mkdir,
+        libc::SYS_rename,
+        libc::SYS_unlink,
+        libc::SYS_statx,
+        libc::SYS_newfstatat,
+        libc::SYS_fstat,
+        libc::SYS_readlink,
+        libc::SYS_getcwd,
+    ]);
+    crate::seccomp::allow_fd_flags(r)?;
+    r.allow_if(
+        libc::SYS_madvise,
+        &[crate::seccomp::Arg::Eq(2, libc::MADV_POPULATE_READ as u64)],
+    )?;
+    Ok(())
+}
+
 /// A fresh directory under the system temp dir, removed on drop.
 #[cfg(test)]
 pub(crate) struct TestDir(tempfile::TempDir);

@@ -126,7 +126,7 @@
 
 mod layers;
 mod regions;
-mod server;
+pub(crate) mod server;
 #[cfg(test)]
 mod tests;
 

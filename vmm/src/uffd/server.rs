@@ -877,6 +877,20 @@ fn zero_fill(write: bool) -> Fill {
     }
 }
 
+/// The page server's thread: reads fault events, fills pages from the
+/// snapshot's memory files (pread) with UFFDIO_COPY/CONTINUE.
+pub(crate) fn syscalls(r: &mut crate::seccomp::Rules) -> Result<(), crate::seccomp::SeccompError> {
+    r.allow(&[
+        libc::SYS_read,
+        libc::SYS_poll,
+        libc::SYS_ppoll,
+        libc::SYS_pread64,
+    ]);
+    crate::seccomp::allow_fd_flags(r)?;
+    r.allow_values(libc::SYS_ioctl, 1, &crate::seccomp::ioctls::uffd_serve())?;
+    Ok(())
+}
+
 #[cfg(test)]
 pub(super) mod test_hooks {
     //! Access to the failure path for tests.

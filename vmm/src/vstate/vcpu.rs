@@ -485,3 +485,23 @@ fn run_vcpu(
     s.finished += 1;
     gate.changed.notify_all();
 }
+
+/// A vCPU thread's own calls: KVM_RUN, and reading its state for a
+/// snapshot, on its own thread while it is parked. Its exits' handlers
+/// (the devices) add theirs.
+pub(crate) fn vcpu_syscalls(
+    r: &mut crate::seccomp::Rules,
+) -> Result<(), crate::seccomp::SeccompError> {
+    let mut requests = vec![crate::seccomp::ioctls::kvm_run()];
+    requests.extend(crate::seccomp::ioctls::vcpu_save());
+    r.allow_values(libc::SYS_ioctl, 1, &requests)?;
+    Ok(())
+}
+
+/// Stopping vCPUs: the kick signal sent to their threads.
+pub(crate) fn kick_syscalls(
+    r: &mut crate::seccomp::Rules,
+) -> Result<(), crate::seccomp::SeccompError> {
+    r.allow_values(libc::SYS_tgkill, 2, &[crate::signals::vcpu_kick() as u64])?;
+    Ok(())
+}

@@ -19,6 +19,20 @@ pub use kind::{BlockKind, DiskConfig, OVERLAY_FILE};
 pub use persist::{BlockRestoreArgs, BlockState};
 
 use crate::devices::virtio::MmioTransport;
+use crate::seccomp::{Rules, SeccompError};
 
 /// A block device on its virtio-mmio transport: what goes on the MMIO bus.
 pub type BlockMmio = MmioTransport<BlockDevice>;
+
+/// What the block device needs on a vCPU (its requests are served on the
+/// vCPU that notified the queue): data at an offset of the image and
+/// overlay, which are already open, and flushes.
+pub(crate) fn vcpu_syscalls(r: &mut Rules) -> Result<(), SeccompError> {
+    r.allow(&[
+        libc::SYS_pread64,
+        libc::SYS_pwrite64,
+        libc::SYS_fdatasync,
+        libc::SYS_fsync,
+    ]);
+    Ok(())
+}

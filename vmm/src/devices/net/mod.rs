@@ -21,6 +21,7 @@ pub use persist::{NetRestoreArgs, NetState};
 pub use tap::{Tap, TapError, VNET_HDR_LEN};
 
 use crate::devices::virtio::MmioTransport;
+use crate::seccomp::{ioctls, Rules, SeccompError};
 
 /// A net device on its virtio-mmio transport: what goes on the MMIO bus
 /// and what its thread locks.
@@ -28,3 +29,17 @@ pub type NetMmio = MmioTransport<NetDevice>;
 
 /// The net device thread; stopped and joined on drop.
 pub type NetWorker = crate::devices::worker::DeviceWorker;
+
+/// The net worker's calls beyond its event loop: the tap's frames in and
+/// out (readv/writev on the tap descriptor opened before the guest ran).
+pub(crate) fn worker_syscalls(r: &mut Rules) -> Result<(), SeccompError> {
+    r.allow(&[libc::SYS_readv, libc::SYS_writev]);
+    Ok(())
+}
+
+/// What net needs on a vCPU: the tap's offloads follow what the guest
+/// negotiated, set when it writes DRIVER_OK (or resets) on that thread.
+pub(crate) fn vcpu_syscalls(r: &mut Rules) -> Result<(), SeccompError> {
+    r.allow_values(libc::SYS_ioctl, 1, &[ioctls::tun_set_offload()])?;
+    Ok(())
+}

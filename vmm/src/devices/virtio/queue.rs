@@ -208,6 +208,22 @@ fn ready_queue(queues: &mut [Queue], index: usize) -> Option<&mut Queue> {
     queues.get_mut(index).filter(|q| q.ready())
 }
 
+/// A queue's indices at one moment ([`QueueContext::ring_state`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingState {
+    /// The driver's available index (`None`: unreadable).
+    pub avail_idx: Option<u16>,
+    /// How far the device has taken from the available ring.
+    pub next_avail: u16,
+    /// The device's used index.
+    pub next_used: u16,
+    /// EVENT_IDX: the driver wants an interrupt once the used index passes
+    /// this (it is the last used entry the driver has seen).
+    pub used_event: Option<u16>,
+    /// The device's interrupt-status register (1: used buffers, 2: config).
+    pub interrupt_status: u32,
+}
+
 /// A device's view of its queues while it holds the transport.
 #[derive(Debug)]
 pub struct QueueContext<'a> {
@@ -302,6 +318,15 @@ impl<'a> QueueContext<'a> {
         }
     }
 
+    /// Raises the interrupt again with the status bits still pending
+    /// (none: nothing to raise).
+    pub fn raise_again(&self) {
+        let pending = self.interrupt.status();
+        if pending != 0 {
+            self.interrupt.raise(pending);
+        }
+    }
+
     /// Asks the driver to notify on new buffers; true if some arrived
     /// meanwhile (then the caller must look again).
     pub fn enable_notification(&mut self, index: usize) -> bool {
@@ -353,6 +378,29 @@ impl<'a> QueueContext<'a> {
             }
         }
         self.notify_guest(index);
+    }
+
+    /// Where queue `index`'s rings stand, for a diagnostic: what the driver
+    /// offered and the device took, what the device used, and (with
+    /// EVENT_IDX) the used index past which the driver asked to be
+    /// interrupted. `None` for a queue that is not ready.
+    pub fn ring_state(&self, index: usize) -> Option<RingState> {
+        let q = self.queues.get(index).filter(|q| q.ready())?;
+        let order = std::sync::atomic::Ordering::Acquire;
+        let avail_idx = q.avail_idx(self.mem, order).ok().map(|w| w.0);
+        // used_event sits after the available ring's entries.
+        let used_event_addr = q
+            .avail_ring()
+            .checked_add(4 + 2 * u64::from(q.size()))
+            .map(GuestAddress);
+        let used_event = used_event_addr.and_then(|a| self.mem.read_obj::<u16>(a).ok());
+        Some(RingState {
+            avail_idx,
+            next_avail: q.next_avail(),
+            next_used: q.next_used(),
+            used_event: q.event_idx_enabled().then_some(used_event).flatten(),
+            interrupt_status: self.interrupt.status(),
+        })
     }
 
     /// Takes the next chain; if there is none, asks the driver to notify on

@@ -27,6 +27,9 @@ pub enum ConnState {
     /// Host-initiated: REQUEST sent, waiting for the guest's RESPONSE.
     LocalInit {
         deadline: Instant,
+        /// When the device looks at why the guest is slow to answer
+        /// (`None` once it has).
+        nudge: Option<Instant>,
     },
     Established,
     /// The guest shut both directions; flushing what is left to the host

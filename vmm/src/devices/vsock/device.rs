@@ -86,6 +86,41 @@ pub(super) struct Timeouts {
     /// After the guest shut a connection, left-over data must reach the
     /// host within this.
     pub close: Duration,
+    /// A REQUEST unanswered this long makes the device look at the rings
+    /// (and raise an unacknowledged interrupt again): long before the
+    /// connect deadline, so a lost interrupt costs the host a delay, not
+    /// a failed connection.
+    pub nudge: Duration,
+}
+
+/// How long after a restore the device holds the rx queue back at most,
+/// waiting for the driver to show it handled the transport reset (a
+/// driver that never refills its event queue then gets its packets after
+/// all, as before the hold existed).
+pub(super) const RESET_HOLD_LIMIT: Duration = Duration::from_secs(3);
+
+/// How often a held rx queue looks whether the driver refilled its event
+/// queue.
+const RESET_POLL: Duration = Duration::from_millis(2);
+
+/// The rx queue held back after a restore. Linux handles the
+/// TRANSPORT_RESET event in a work item of its own and resets every
+/// *connected* socket then, whenever that runs: a connection the host
+/// opened in the meantime (its REQUEST delivered and accepted first, as
+/// a wake's first agent call does) would be reset with the old ones, and
+/// the host would see the agent close it. Linux refills the event buffer
+/// after handling the event, so the event queue's available index moving
+/// past where it stood when the event was delivered means the reset is
+/// done.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ResetHold {
+    /// The event queue's available index when the event went out
+    /// (`None`: not delivered yet).
+    pub delivered_at: Option<u16>,
+    /// Past this the hold ends whatever the driver did: set on the
+    /// device thread's first round after the restore, when the VM runs
+    /// (a VM restored paused may wait long before it resumes).
+    pub until: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -119,8 +154,15 @@ pub struct VsockDevice {
     next_host_port: u32,
     /// A TRANSPORT_RESET event is owed to the guest (after a restore).
     pub(super) pending_reset_event: bool,
+    /// After a restore: nothing goes to the guest's rx queue until its
+    /// driver has handled the transport reset ([`ResetHold`]).
+    pub(super) reset_hold: Option<ResetHold>,
     pub(super) scratch: Vec<u8>,
     pub(super) timeouts: Timeouts,
+    /// Host connections the guest left unanswered past the nudge time or
+    /// the connect deadline since the device thread last looked at the
+    /// rings.
+    unanswered: usize,
 }
 
 fn conn_events() -> EventSet {
@@ -156,11 +198,14 @@ impl VsockDevice {
             next_token: FIRST_DYNAMIC_TOKEN,
             next_host_port: HOST_PORT_BASE,
             pending_reset_event: false,
+            reset_hold: None,
+            unanswered: 0,
             scratch: vec![0; super::packet::MAX_PKT_PAYLOAD as usize],
             timeouts: Timeouts {
                 handshake: Duration::from_secs(5),
                 connect: Duration::from_secs(10),
                 close: Duration::from_secs(2),
+                nudge: Duration::from_secs(2),
             },
         })
     }
@@ -196,10 +241,19 @@ impl VsockDevice {
             Endpoint::Conn(_) => None,
         });
         let conns = self.conns.values().filter_map(|c| match c.state {
-            ConnState::LocalInit { deadline } | ConnState::Closing { deadline } => Some(deadline),
+            ConnState::LocalInit { deadline, nudge } => {
+                Some(nudge.map_or(deadline, |n| n.min(deadline)))
+            }
+            ConnState::Closing { deadline } => Some(deadline),
             ConnState::Established => None,
         });
-        match handshakes.chain(conns).min() {
+        // A delivered reset is watched for by polling the event queue: the
+        // driver's refill need not notify (EVENT_IDX).
+        let hold = self.reset_hold.and_then(|h| match h.delivered_at {
+            Some(_) => Some(Instant::now() + RESET_POLL),
+            None => h.until,
+        });
+        match handshakes.chain(conns).chain(hold).min() {
             None => -1,
             Some(d) => {
                 let left = d.saturating_duration_since(Instant::now()).as_millis();
@@ -231,6 +285,7 @@ impl VsockDevice {
             }
             self.process_rx(ctx);
             self.process_events(ctx);
+            self.look_at_unanswered(ctx);
         }
     }
 
@@ -355,7 +410,8 @@ impl VsockDevice {
             peer_port: port,
         };
         let deadline = Instant::now() + self.timeouts.connect;
-        let conn = Connection::new(h.stream, token, ConnState::LocalInit { deadline });
+        let nudge = Some(Instant::now() + self.timeouts.nudge);
+        let conn = Connection::new(h.stream, token, ConnState::LocalInit { deadline, nudge });
         self.endpoints.insert(token, Endpoint::Conn(key));
         self.conns.insert(key, conn);
         self.push_control(key, OP_REQUEST, 0);
@@ -458,20 +514,60 @@ impl VsockDevice {
         for token in stale {
             self.deregister(token);
         }
-        let expired: Vec<ConnKey> = self
+        let expired: Vec<(ConnKey, bool)> = self
             .conns
             .iter()
             .filter_map(|(&k, c)| match c.state {
-                ConnState::LocalInit { deadline } | ConnState::Closing { deadline }
-                    if deadline <= now =>
-                {
-                    Some(k)
-                }
+                ConnState::LocalInit { deadline, .. } if deadline <= now => Some((k, true)),
+                ConnState::Closing { deadline } if deadline <= now => Some((k, false)),
                 _ => None,
             })
             .collect();
-        for key in expired {
+        for (key, unanswered) in expired {
+            self.unanswered += usize::from(unanswered);
             self.reset_connection(key);
+        }
+        for conn in self.conns.values_mut() {
+            if let ConnState::LocalInit { nudge, .. } = &mut conn.state {
+                if nudge.is_some_and(|at| at <= now) {
+                    *nudge = None;
+                    self.unanswered += 1;
+                }
+            }
+        }
+    }
+
+    /// After a host connection went unanswered (the guest neither accepted
+    /// nor refused it within [`Timeouts::nudge`], or the connect
+    /// deadline): logs where the rings
+    /// stand, and raises the interrupt again if the driver has not
+    /// acknowledged the last one. An edge-triggered interrupt lost on its
+    /// way (seen under nested virtualization) would otherwise leave the
+    /// driver waiting for ever: it takes no rx buffers back, answers no
+    /// REQUEST, and every later connection times out too. A spurious
+    /// interrupt is harmless (the driver finds nothing new).
+    fn look_at_unanswered(&mut self, ctx: &QueueContext<'_>) {
+        if self.unanswered == 0 {
+            return;
+        }
+        let unanswered = std::mem::take(&mut self.unanswered);
+        let rx = ctx.ring_state(RXQ);
+        let tx = ctx.ring_state(TXQ);
+        let ev = ctx.ring_state(EVQ);
+        let pending = rx.map_or(0, |r| r.interrupt_status);
+        crate::guest_warn!(
+            unanswered,
+            ?rx,
+            ?tx,
+            ?ev,
+            control = self.control.len(),
+            ready = self.ready.len(),
+            connections = self.conns.len(),
+            reraised = pending != 0,
+            "vsock: the guest left host connections unanswered"
+        );
+        if pending != 0 {
+            ctx.raise_again();
         }
     }
 
@@ -523,5 +619,6 @@ impl VirtioDevice for VsockDevice {
     fn reset(&mut self) {
         self.drop_connections();
         self.pending_reset_event = false;
+        self.reset_hold = None;
     }
 }

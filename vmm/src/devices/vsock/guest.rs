@@ -177,8 +177,42 @@ impl VsockDevice {
         None
     }
 
+    /// Whether the rx queue is held back after a restore (see
+    /// [`super::device::ResetHold`]); ends the hold once the driver has
+    /// refilled its event queue, or at the hold's limit (counted from the
+    /// first look, when the VM runs).
+    fn rx_held(&mut self, ctx: &QueueContext<'_>) -> bool {
+        let Some(hold) = self.reset_hold.as_mut() else {
+            return false;
+        };
+        let now = Instant::now();
+        let until = *hold
+            .until
+            .get_or_insert(now + super::device::RESET_HOLD_LIMIT);
+        let handled = hold.delivered_at.is_some_and(|at| {
+            ctx.ring_state(EVQ)
+                .and_then(|r| r.avail_idx)
+                .is_some_and(|avail| avail != at)
+        });
+        let delivered = hold.delivered_at.is_some();
+        if !handled && now < until {
+            return true;
+        }
+        if !handled {
+            crate::guest_warn!(
+                delivered,
+                "vsock: the driver did not show it handled the transport reset; rx goes on"
+            );
+        }
+        self.reset_hold = None;
+        false
+    }
+
     /// Fills rx buffers with control packets first, then host data.
     pub(super) fn process_rx(&mut self, ctx: &mut QueueContext<'_>) {
+        if self.rx_held(ctx) {
+            return;
+        }
         let mut used = false;
         loop {
             let control = !self.control.is_empty();
@@ -300,6 +334,12 @@ impl VsockDevice {
                 0
             };
             ctx.add_used(EVQ, chain.head, len);
+            if !self.pending_reset_event {
+                let avail = ctx.ring_state(EVQ).and_then(|r| r.avail_idx);
+                if let (Some(hold), Some(at)) = (&mut self.reset_hold, avail) {
+                    hold.delivered_at = Some(at);
+                }
+            }
             ctx.notify_guest(EVQ);
         }
     }

@@ -14,7 +14,7 @@ mod testrig;
 #[cfg(test)]
 mod tests;
 mod unix;
-mod worker;
+pub(crate) mod worker;
 
 pub use conn::{ConnError, ConnKey, CONN_BUF_ALLOC, CREDIT_UPDATE_THRESHOLD};
 pub use device::{

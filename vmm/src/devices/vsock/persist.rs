@@ -2,8 +2,10 @@
 //! path. Connections are not saved: their host ends belong to the process
 //! that took the snapshot. A restored device owes the guest a
 //! VIRTIO_VSOCK_EVENT_TRANSPORT_RESET, upon which Linux resets every
-//! connected socket (listening sockets stay) and re-reads the CID, and
-//! hands out host ports the snapshot's connections did not use.
+//! connected socket (listening sockets stay) and re-reads the CID, holds
+//! its rx queue back until the driver has handled that event
+//! ([`super::device::ResetHold`]), and hands out host ports the
+//! snapshot's connections did not use.
 
 use std::path::PathBuf;
 
@@ -46,6 +48,10 @@ impl Persist for VsockDevice {
             uds_path: args.uds_path.unwrap_or_else(|| state.uds_path.clone()),
         })?;
         dev.pending_reset_event = true;
+        dev.reset_hold = Some(super::device::ResetHold {
+            delivered_at: None,
+            until: None,
+        });
         dev.scatter_host_ports()?;
         Ok(dev)
     }

@@ -135,6 +135,32 @@ impl<'a> Rig<'a> {
         write32(&mut *self.t.lock().unwrap(), 0x50, queue);
     }
 
+    /// How many times the device raised its interrupt since the last call
+    /// (the irqfd's counter, read and cleared).
+    pub fn interrupts(&self) -> u64 {
+        let t = self.t.lock().unwrap();
+        t.interrupt().eventfd().read().unwrap_or(0)
+    }
+
+    /// What Linux does after a restore: offers an event buffer at `addr`,
+    /// takes the TRANSPORT_RESET event from it, handles it, then offers
+    /// the buffer again (the refill that tells the device it is handled).
+    pub fn handle_transport_reset(&mut self, addr: u64) {
+        self.ev.push(&[(addr, 4, true)]);
+        self.notify(2);
+        self.pump_until(|r| match r.ev.take_used().first() {
+            Some(&(_, len)) => {
+                assert_eq!(len, 4);
+                true
+            }
+            None => false,
+        });
+        let event: u32 = self.mem.read_obj(GuestAddress(addr)).unwrap();
+        assert_eq!(event, EVENT_TRANSPORT_RESET);
+        self.ev.push(&[(addr, 4, true)]);
+        self.notify(2);
+    }
+
     /// A guest → host header from guest port `src` to host port `dst`.
     pub fn hdr(src: u32, dst: u32, op: u16) -> Header {
         Header {

@@ -1,0 +1,236 @@
+//! Resident memory of a sandbox, measured from its VMM's own cgroup (the
+//! jail's `torpor/...`, on cgroup v1 or v2): what the kernel charges it
+//! (guest pages, the VMM's own, shmem) less the page cache it could drop
+//! at once (`inactive_file`), the "working set" the kernel's OOM killer and
+//! reclaim see. A VMM without a cgroup of its own (`serve --no-jail`) is
+//! measured by its PSS instead. The one reader of resident memory: the
+//! pressure policy, the pressure gate of creates and wakes, the metrics
+//! and `GET /v1/pods`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use torpor_sync::Locked;
+
+use super::{vmm, Service, ServiceError, LOCAL_POD};
+use crate::model::{PodId, VmmHandle};
+use crate::store::admission::HOLDING_VMM;
+use crate::store::SandboxFilter;
+
+/// How long the pressure gate reuses a measurement of the pod's resident
+/// memory (a burst of creates reads the cgroups once), unless a create or
+/// wake passed the gate since.
+const MEASURE_REUSE: Duration = Duration::from_millis(100);
+
+/// The pod's last measured resident memory, for the pressure gate.
+#[derive(Debug, Default)]
+pub struct LastMeasure(Mutex<Option<(Instant, u64)>>);
+
+impl Service {
+    /// The local pod's resident memory now: the sum over its sandboxes
+    /// that hold a VMM.
+    pub fn pod_resident_bytes(&self) -> u64 {
+        let filter = SandboxFilter {
+            states: HOLDING_VMM.to_vec(),
+            ..Default::default()
+        };
+        // This process's mount table once for the whole pod, not per VMM.
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+        self.store
+            .list_sandboxes(&filter)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|s| s.vmm.as_ref())
+            .filter_map(|h| resident_bytes_in(h, &mounts))
+            .sum()
+    }
+
+    /// Refuses a create or wake while the local pod's resident memory is
+    /// past its hard mark ([`crate::policy::pressure_gate`]); one that
+    /// passes makes the next one measure again.
+    pub(super) fn pressure_gate(&self) -> Result<(), ServiceError> {
+        let Ok(pod) = self.store.get_pod(&PodId::new(LOCAL_POD)) else {
+            return Ok(());
+        };
+        let resident = {
+            let mut last = self.last_resident.0.locked();
+            match *last {
+                Some((at, bytes)) if at.elapsed() < MEASURE_REUSE => bytes,
+                _ => {
+                    let bytes = self.pod_resident_bytes();
+                    *last = Some((Instant::now(), bytes));
+                    bytes
+                }
+            }
+        };
+        match crate::policy::pressure_gate(pod.memory_bytes, pod.high_watermark, resident) {
+            Ok(()) => {
+                *self.last_resident.0.locked() = None;
+                Ok(())
+            }
+            Err(r) => Err(ServiceError::Pressure {
+                resident_mib: r.resident_mib,
+                hard_mib: r.hard_mib,
+                retry_after_s: self.config.policy_interval_ms.div_ceil(1000).max(1),
+            }),
+        }
+    }
+}
+
+/// The directory every jail's cgroup is made in (`torpor/<name>`).
+const JAIL_PARENT: &str = "torpor";
+
+/// The cgroup files resident memory is read from, by version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Version {
+    /// `memory.usage_in_bytes`, `memory.stat`'s `total_inactive_file`.
+    V1,
+    /// `memory.current`, `memory.stat`'s `inactive_file`.
+    V2,
+}
+
+impl Version {
+    fn files(self) -> (&'static str, &'static str) {
+        match self {
+            Version::V1 => ("memory.usage_in_bytes", "total_inactive_file"),
+            Version::V2 => ("memory.current", "inactive_file"),
+        }
+    }
+}
+
+/// The bytes `handle`'s VMM holds resident: its cgroup's working set, or
+/// its PSS when it has no cgroup of its own; `None` when it is gone.
+pub fn resident_bytes(handle: &VmmHandle) -> Option<u64> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    resident_bytes_in(handle, &mounts)
+}
+
+/// [`resident_bytes`] with this process's mount table already read.
+fn resident_bytes_in(handle: &VmmHandle, mounts: &str) -> Option<u64> {
+    cgroup_resident_bytes_in(handle.pid, mounts)
+        .or_else(|| vmm::pss_kib(handle.pid).map(|k| k << 10))
+}
+
+/// The working set of the memory cgroup `pid` is in, when that cgroup is
+/// a jail's (`torpor/<name>`); `None` otherwise or when unreadable.
+pub fn cgroup_resident_bytes(pid: u32) -> Option<u64> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
+    cgroup_resident_bytes_in(pid, &mounts)
+}
+
+/// [`cgroup_resident_bytes`] with this process's mount table (`mounts`).
+fn cgroup_resident_bytes_in(pid: u32, mounts: &str) -> Option<u64> {
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let (dir, version) = memory_cgroup_dir(&cgroups, mounts)?;
+    let (usage_file, inactive_key) = version.files();
+    let usage = read_number(&dir.join(usage_file))?;
+    let stat = std::fs::read_to_string(dir.join("memory.stat")).ok()?;
+    Some(working_set(usage, &stat, inactive_key))
+}
+
+fn read_number(path: &Path) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// `usage` less the `inactive_key` line of a `memory.stat` (`key value`
+/// lines), never below zero.
+fn working_set(usage: u64, stat: &str, inactive_key: &str) -> u64 {
+    let inactive = stat
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(' ')?;
+            (k == inactive_key).then(|| v.trim().parse::<u64>().ok())?
+        })
+        .unwrap_or(0);
+    usage.saturating_sub(inactive)
+}
+
+/// The directory of a process's jail memory cgroup from its
+/// `/proc/PID/cgroup` and this process's `/proc/self/mounts`: the v1
+/// memory hierarchy's line (`N:...memory...:/torpor/x`) or the unified
+/// one's (`0::/torpor/x`), whichever names a jail's cgroup, under the
+/// mount of that hierarchy.
+fn memory_cgroup_dir(cgroups: &str, mounts: &str) -> Option<(PathBuf, Version)> {
+    let jailed = |path: &str| {
+        let parent = Path::new(path).parent()?;
+        (parent.file_name()? == JAIL_PARENT).then(|| path.trim_start_matches('/').to_string())
+    };
+    let mount_of = |fstype: &str, option: Option<&str>| {
+        mounts.lines().find_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, dir, fs, opts) = (f.next()?, f.next()?, f.next()?, f.next()?);
+            let fits = fs == fstype && option.is_none_or(|o| opts.split(',').any(|x| x == o));
+            fits.then(|| PathBuf::from(dir))
+        })
+    };
+    cgroups.lines().find_map(|line| {
+        let mut f = line.splitn(3, ':');
+        let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
+        let rel = jailed(path)?;
+        if controllers.split(',').any(|c| c == "memory") {
+            Some((mount_of("cgroup", Some("memory"))?.join(rel), Version::V1))
+        } else if controllers.is_empty() {
+            Some((mount_of("cgroup2", None)?.join(rel), Version::V2))
+        } else {
+            None
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MOUNTS: &str = "tmpfs /sys/fs/cgroup tmpfs rw 0 0\n\
+        cgroup /sys/fs/cgroup/cpu cgroup rw,relatime,cpu 0 0\n\
+        cgroup /sys/fs/cgroup/memory cgroup rw,relatime,memory 0 0\n\
+        cgroup2 /sys/fs/cgroup/unified cgroup2 rw,relatime 0 0\n";
+
+    #[test]
+    fn a_jail_is_found_under_its_hierarchys_mount() {
+        let cases = [
+            // v1: the memory controller's line, under its mount.
+            (
+                "4:memory:/torpor/12-0-1-200001\n1:cpu:/torpor/12-0-1-200001\n0::/\n",
+                MOUNTS,
+                "/sys/fs/cgroup/memory/torpor/12-0-1-200001",
+                Version::V1,
+            ),
+            // v2: the unified line (the v1 memory line is the service's).
+            (
+                "4:memory:/process_api/x\n0::/torpor/12-0-1-200001\n",
+                "cgroup2 /sys/fs/cgroup cgroup2 rw 0 0\n",
+                "/sys/fs/cgroup/torpor/12-0-1-200001",
+                Version::V2,
+            ),
+        ];
+        for (cgroups, mounts, dir, version) in cases {
+            let found = memory_cgroup_dir(cgroups, mounts);
+            assert_eq!(found, Some((PathBuf::from(dir), version)), "{cgroups}");
+        }
+    }
+
+    #[test]
+    fn a_process_outside_a_jail_has_no_cgroup_of_its_own() {
+        // The service's own cgroup (no jail): PSS is used instead.
+        let cgroups = "4:memory:/process_api/x\n0::/\n";
+        assert_eq!(memory_cgroup_dir(cgroups, MOUNTS), None);
+        // A jail on a hierarchy this process cannot see.
+        assert_eq!(
+            memory_cgroup_dir("0::/torpor/a\n", MOUNTS.lines().next().unwrap()),
+            None
+        );
+    }
+
+    #[test]
+    fn the_working_set_leaves_out_inactive_page_cache() {
+        let v1 = "cache 400\ntotal_cache 400\ninactive_file 10\ntotal_inactive_file 300\n";
+        assert_eq!(working_set(1000, v1, Version::V1.files().1), 700);
+        let v2 = "anon 600\nfile 400\ninactive_file 300\n";
+        assert_eq!(working_set(1000, v2, Version::V2.files().1), 700);
+        // Never below zero, and no stat line: all of the usage.
+        assert_eq!(working_set(100, v2, "inactive_file"), 0);
+        assert_eq!(working_set(100, "", "inactive_file"), 100);
+    }
+}
