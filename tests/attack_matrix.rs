@@ -360,12 +360,13 @@ fn matrix(s: &Serve, label: &str) -> Vec<String> {
         .map(|(service, method, kind)| {
             let ct = match kind {
                 rpc::Kind::Unary => "application/json",
-                rpc::Kind::ServerStream => "application/connect+json",
+                rpc::Kind::ServerStream | rpc::Kind::ClientStream => "application/connect+json",
             };
             let body = match kind {
                 rpc::Kind::Unary => "{}".to_string(),
-                rpc::Kind::ServerStream => {
-                    let msg = br#"{"process":{"cmd":"true"},"path":"/"}"#;
+                rpc::Kind::ServerStream | rpc::Kind::ClientStream => {
+                    let msg =
+                        br#"{"process":{"cmd":"true"},"path":"/","start":{"process":{"pid":1}}}"#;
                     let mut framed = vec![0u8];
                     framed.extend_from_slice(&(msg.len() as u32).to_be_bytes());
                     framed.extend_from_slice(msg);

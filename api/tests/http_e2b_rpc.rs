@@ -286,6 +286,81 @@ async fn a_background_process_is_listed_reconnected_fed_and_signalled() {
     );
 }
 
+/// A client stream's body: each message enveloped, in order.
+fn client_stream(messages: &[Value]) -> Vec<u8> {
+    messages
+        .iter()
+        .flat_map(|m| Envelope::message(m.to_string().into_bytes()).encode())
+        .collect()
+}
+
+#[tokio::test]
+async fn stream_input_feeds_stdin_in_order_and_answers_once() {
+    let server = Server::start().await;
+    let envd = Envd::new(&server).await;
+    let mut req = bash("read a; read b; echo \"got $a $b\"");
+    req["stdin"] = json!(true);
+    req["tag"] = json!("reader");
+    let short = [("Connect-Timeout-Ms", "800")];
+    let (events, _) = envd.stream("process.Process/Start", req, &short).await;
+    let pid = pid_of(&events);
+    let start = json!({"start": {"process": {"pid": pid}}});
+    let data = |d: &[u8]| json!({"data": {"input": {"stdin": b64(d)}}});
+    let body = client_stream(&[
+        start.clone(),
+        data(b"one\n"),
+        json!({"keepalive": {}}),
+        data(b"two"),
+        data(b"\n"),
+    ]);
+    // Followed (by tag) while the input stream feeds it.
+    let follow = envd.stream(
+        "process.Process/Connect",
+        json!({"process": {"tag": "reader"}}),
+        &[("Keepalive-Ping-Interval", "1")],
+    );
+    let feed = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        envd.stream_raw("process.Process/StreamInput", &body, &[])
+            .await
+    };
+    let ((events, _), (messages, end_stream)) = tokio::join!(follow, feed);
+    assert_eq!((messages, end_stream), (vec![json!({})], json!({})));
+    assert_eq!(output(&events, "stdout"), "got one two\n");
+    assert_eq!(end(&events)["exitCode"], 0, "{events:?}");
+
+    // What the stream refuses, each answered in its end-of-stream message.
+    let refused = |body: Vec<u8>, code: &'static str| {
+        let envd = &envd;
+        async move {
+            let (messages, end_stream) = envd
+                .stream_raw("process.Process/StreamInput", &body, &[])
+                .await;
+            assert!(messages.is_empty(), "{messages:?}");
+            assert_eq!(end_stream["error"]["code"], code, "{end_stream}");
+        }
+    };
+    refused(client_stream(&[data(b"x")]), "invalid_argument").await;
+    refused(client_stream(&[]), "invalid_argument").await;
+    let mut cut = client_stream(&[start]);
+    cut.truncate(cut.len() - 2);
+    refused(cut, "invalid_argument").await;
+    let missing = json!({"start": {"process": {"pid": 2_147_483_646u32}}});
+    refused(client_stream(&[missing]), "not_found").await;
+    // A second `start` once the first named a running process.
+    let (events, _) = envd
+        .stream("process.Process/Start", bash("sleep 30"), &short)
+        .await;
+    let sleeper = json!({"start": {"process": {"pid": pid_of(&events)}}});
+    refused(
+        client_stream(&[sleeper.clone(), sleeper.clone()]),
+        "invalid_argument",
+    )
+    .await;
+    let kill = json!({"process": sleeper["start"]["process"], "signal": "SIGNAL_SIGKILL"});
+    envd.ok("process.Process/SendSignal", kill).await;
+}
+
 #[tokio::test]
 async fn a_pty_process_takes_input_and_resizes() {
     let server = Server::start().await;
@@ -519,8 +594,13 @@ async fn malformed_calls_are_connect_errors() {
         (501, Some("unimplemented")),
         "{v}"
     );
-    let (status, _) = envd.unary("process.Process/StreamInput", json!({})).await;
-    assert_eq!(status, 501);
+    // The client-streaming one called unary.
+    let (status, v) = envd.unary("process.Process/StreamInput", json!({})).await;
+    assert_eq!(
+        (status, v["code"].as_str()),
+        (400, Some("invalid_argument")),
+        "{v}"
+    );
     // Bad JSON, wrong field types.
     let h = envd.headers("application/json", &[]);
     let r = server

@@ -157,6 +157,7 @@ fn put(client: &mut Agent, mut file: File, up: Upload) -> Result<(), FilesError>
                 mode: up.mode,
                 create_parents: up.create_parents,
                 append: !first,
+                owner: None,
             };
             size = client
                 .write_file(req)

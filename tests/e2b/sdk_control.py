@@ -149,8 +149,19 @@ check(sbx.beta_pause() is True, "beta_pause")
 sbx.connect()
 check(sbx.get_info().state == SandboxState.RUNNING, "running after instance connect")
 
+# A filesystem-only snapshot is not offered: refused (400), never taken
+# as a full one.
+raises(
+    SandboxException,
+    lambda: sbx.create_snapshot(mode="filesystem"),
+    "filesystem-only snapshot refused",
+)
+check(
+    Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items() == [],
+    "no snapshot taken for it",
+)
 # snapshot -> create from it -> list -> delete
-snap = sbx.create_snapshot()
+snap = sbx.create_snapshot(mode="full")
 check(snap.snapshot_id.startswith("tpl_"), f"snapshot {snap}")
 snaps = Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items()
 check([s.snapshot_id for s in snaps] == [snap.snapshot_id], f"snapshots {snaps}")

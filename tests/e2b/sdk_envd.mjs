@@ -197,6 +197,21 @@ await check('watch_dir_recursive_with_entries', async () => {
   assert(withEntry.length > 0 && withEntry.at(-1).entry.path === `${d}/sub/deep.txt`, JSON.stringify(events))
 })
 
+await check('watch_dir_with_network_mounts_allowed', async () => {
+  // envd 0.6.4's opt-in (refused client-side below it); a local directory
+  // is watched the same.
+  const d = `${SCRATCH}/watched-net`
+  await sbx.files.makeDir(d)
+  const events = []
+  const h = await sbx.files.watchDir(d, (e) => events.push(e), { allowNetworkMounts: true })
+  await sbx.files.write(`${d}/new.txt`, 'x')
+  for (let i = 0; i < 50 && !events.some((e) => e.name === 'new.txt'); i++) {
+    await new Promise((r) => setTimeout(r, 100))
+  }
+  await h.stop()
+  assert(events.some((e) => e.name === 'new.txt'), JSON.stringify(events))
+})
+
 // E2B's pty connect test: a PTY made with envs, left, connected to again
 // by pid; both connections see the variable.
 await check('pty_reconnects_and_keeps_its_env', async () => {

@@ -10,6 +10,7 @@ directory in the sandbox (made if missing). Prints "sdk-envd: version X",
 one line per check, then "sdk-envd: N passed, M failed".
 """
 
+import asyncio
 import importlib.metadata
 import os
 import sys
@@ -17,7 +18,8 @@ import time
 
 import e2b
 import httpx
-from e2b import Sandbox
+from e2b import AsyncSandbox, Sandbox
+from e2b.sandbox_async.commands.command_input_handle import AsyncCommandInputHandle
 from e2b.sandbox.commands.command_handle import CommandExitException
 from e2b.exceptions import NotFoundException
 
@@ -96,6 +98,57 @@ def background_stdin_and_connect():
     h.disconnect()
 
 
+def stream_input_in_order():
+    # StreamInput (a client stream): chunks reach stdin in order.
+    h = sbx.commands.run("cat", background=True, stdin=True)
+    sbx.commands.stream_input(h.pid, ["one ", b"two ", "three\n"])
+    sbx.commands.close_stdin(h.pid)
+    r = h.wait()
+    assert r.stdout == "one two three\n", repr(r.stdout)
+    try:
+        sbx.commands.stream_input(2**31 - 2, ["x"])
+    except NotFoundException:
+        return
+    raise AssertionError("input to a missing pid did not raise NotFoundException")
+
+
+def pty_stream_input():
+    data = []
+    h = sbx.pty.create(size=e2b.PtySize(rows=24, cols=80), cwd=SCRATCH)
+    sbx.pty.stream_input(h.pid, [b"echo streamed-$((6*7))\n", b"exit 0\n"])
+    h.wait(on_pty=data.append)
+    text = b"".join(data).decode(errors="replace")
+    assert "streamed-42" in text, repr(text)
+
+
+def async_input_handle_streams_over_time():
+    # The async SDK's handle keeps one stream open, sends as it is fed and
+    # keepalives while idle (every 0.2 s here instead of the SDK's 50 s).
+    async def go():
+        a = await AsyncSandbox.connect(sbx.sandbox_id)
+        h = await a.commands.run("cat", background=True, stdin=True)
+        handle = AsyncCommandInputHandle(
+            a.commands._rpc, h.pid, "stdin", 60, a.commands._check_health,
+            _keepalive_interval=0.2,
+        )
+        await handle.send("early ")
+        await asyncio.sleep(0.1)
+        # The first chunk is in before the stream ends.
+        for _ in range(50):
+            if h.stdout == "early ":
+                break
+            await asyncio.sleep(0.1)
+        assert h.stdout == "early ", repr(h.stdout)
+        await asyncio.sleep(0.7)
+        await handle.send("late\n")
+        await handle.close()
+        await a.commands.close_stdin(h.pid)
+        r = await h.wait()
+        assert r.stdout == "early late\n", repr(r.stdout)
+
+    asyncio.run(go())
+
+
 def list_and_kill():
     h = sbx.commands.run("sleep 30", background=True)
     assert any(p.pid == h.pid for p in sbx.commands.list()), "not listed"
@@ -157,6 +210,21 @@ def watch_sees_a_new_file():
     raise AssertionError("no event for new.txt")
 
 
+def watch_with_network_mounts_allowed():
+    # envd 0.6.4's opt-in (the SDK refuses it client-side below 0.6.4); on
+    # a local directory the watch is the same.
+    d = f"{SCRATCH}/watched-net"
+    sbx.files.make_dir(d)
+    w = sbx.files.watch_dir(d, allow_network_mounts=True)
+    sbx.files.write(f"{d}/new.txt", "x")
+    for _ in range(50):
+        if any(e.name == "new.txt" for e in w.get_new_events()):
+            w.stop()
+            return
+        time.sleep(0.1)
+    raise AssertionError("no event for new.txt")
+
+
 def gzip_download_and_upload():
     # E2B's envd honours `Accept-Encoding: gzip` on downloads and
     # decompresses `Content-Encoding: gzip` uploads (the SDK's `gzip=True`).
@@ -181,6 +249,30 @@ def gzip_download_and_upload():
     assert r.content.decode() == text
 
 
+def uploads_belong_to_the_user():
+    # As envd: the file and the directories made for it are the request's
+    # user's (`user` by default on a Linux guest). Against the host's agent
+    # (probe) a user of this host is named, which only root can give to.
+    if LINUX:
+        path, user = f"{SCRATCH}/owned/deep/mine.txt", None
+        want = "user"
+    elif os.geteuid() == 0:
+        path, user = f"{SCRATCH}/owned/deep/nobodys.txt", "nobody"
+        want = "nobody"
+    else:
+        print("  (not root: only the default-user write is checked)")
+        sbx.files.write(f"{SCRATCH}/plain.txt", "x")
+        return
+    sbx.files.write(path, "x", user=user) if user else sbx.files.write(path, "x")
+    for p in (path, f"{SCRATCH}/owned/deep", f"{SCRATCH}/owned"):
+        info = sbx.files.get_info(p)
+        assert info.owner == want, (p, info)
+    many = [{"path": f"{SCRATCH}/owned/m{i}.txt", "data": "y"} for i in range(2)]
+    sbx.files.write_files(many, user=user) if user else sbx.files.write_files(many)
+    for w in many:
+        assert sbx.files.get_info(w["path"]).owner == want, w
+
+
 def remove_of_a_missing_path_is_quiet():
     # envd removes with os.RemoveAll: nothing there is no error.
     sbx.files.remove(f"{SCRATCH}/never-was")
@@ -198,7 +290,7 @@ def entry_details_as_envd():
         " && ln -sfn target.txt link && ln -sfn missing broken && ln -sfn sub dirlink"
         " && realpath . && stat -c '%U %G' target.txt && stat -c %A link"
     )
-    # Uploads are root's; a Linux guest's commands run as `user`.
+    # chown needs root; a Linux guest's commands run as `user`.
     r = sbx.commands.run(f"sudo -n sh -c \"{script}\"" if LINUX else script)
     real, owner, group, link_perms = r.stdout.split()
     f = sbx.files.get_info(f"{d}/target.txt")
@@ -388,11 +480,16 @@ checks = [
     ("run_in_cwd", run_in_cwd),
     ("exit_codes_raise", exit_codes_raise),
     ("background_stdin_and_connect", background_stdin_and_connect),
+    ("stream_input_in_order", stream_input_in_order),
+    ("pty_stream_input", pty_stream_input),
+    ("async_input_handle_streams_over_time", async_input_handle_streams_over_time),
     ("list_and_kill", list_and_kill),
     ("pty_echoes_input", pty_echoes_input),
     ("files_make_list_stat_rename_remove", files_make_list_stat_rename_remove),
     ("watch_sees_a_new_file", watch_sees_a_new_file),
+    ("watch_with_network_mounts_allowed", watch_with_network_mounts_allowed),
     ("gzip_download_and_upload", gzip_download_and_upload),
+    ("uploads_belong_to_the_user", uploads_belong_to_the_user),
     ("remove_of_a_missing_path_is_quiet", remove_of_a_missing_path_is_quiet),
     ("entry_details_as_envd", entry_details_as_envd),
     ("list_dir_walks_depth_first", list_dir_walks_depth_first),

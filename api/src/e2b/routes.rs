@@ -453,6 +453,12 @@ pub async fn create_snapshot<S: SandboxApi>(
     bytes: Bytes,
 ) -> E2bResult<Response> {
     let req: SnapshotBody = optional_body(&bytes)?;
+    if req.memory == Some(false) {
+        return Err(E2bError::bad_request(
+            "filesystem-only snapshots (`memory: false`, the SDKs' mode=\"filesystem\") are \
+             not offered: a snapshot keeps the sandbox's memory and disk (leave `memory` out)",
+        ));
+    }
     let _permit = permit(&state, &principal)?;
     let tenancy = state.tenancy.clone();
     let out = call(&state, move |s| {

@@ -18,9 +18,9 @@ use super::time;
 
 /// The envd version the create answer names. The SDKs gate features on it
 /// (`0.1.0` at least to create at all; file metadata from `0.6.2`, watch
-/// events with entries from `0.6.3`, which is what is implemented; network
-/// mounts, `0.6.4`, are not); see `docs/e2b.md`.
-pub const ENVD_VERSION: &str = "0.6.3";
+/// events with entries from `0.6.3`, `allowNetworkMounts` on watches from
+/// `0.6.4`, the newest gate of the pinned SDKs); see `docs/e2b.md`.
+pub const ENVD_VERSION: &str = "0.6.4";
 /// E2B's default `timeout` (seconds) when a create or connect leaves it
 /// out: 300 in the current E2B API (`NewSandbox.timeout`, `@default 300`);
 /// the SDKs send none unless asked (an older spec said 15, which killed
@@ -162,6 +162,10 @@ pub struct RefreshBody {
 pub struct SnapshotBody {
     #[serde(default)]
     pub name: Option<String>,
+    /// `false`: a filesystem-only snapshot (the SDKs' `mode="filesystem"`),
+    /// not offered: 400. Absent or `true`: memory and disk.
+    #[serde(default)]
+    pub memory: Option<bool>,
 }
 
 /// `POST /sandboxes/{id}/fork`.

@@ -377,6 +377,19 @@ impl<S: Read + Write> AgentClient<S> {
         mode: Option<u32>,
         create_parents: bool,
     ) -> Result<u64, ClientError> {
+        self.write_file_all_as(path, data, mode, create_parents, None)
+    }
+
+    /// [`Self::write_file_all`] whose file (and the parents it creates) go
+    /// to `owner` (1.4).
+    pub fn write_file_all_as(
+        &mut self,
+        path: &str,
+        data: &[u8],
+        mode: Option<u32>,
+        create_parents: bool,
+        owner: Option<&str>,
+    ) -> Result<u64, ClientError> {
         let mut size = 0;
         let mut chunks: Vec<&[u8]> = data.chunks(MAX_IO_CHUNK).collect();
         if chunks.is_empty() {
@@ -390,6 +403,7 @@ impl<S: Read + Write> AgentClient<S> {
                     mode,
                     create_parents,
                     append: i > 0,
+                    owner: owner.map(str::to_string),
                 })?
                 .size;
         }
@@ -535,21 +549,18 @@ impl<S: Read + Write> AgentClient<S> {
 
     /// `watch_add` (1.1): the watch's id.
     pub fn watch_add(&mut self, path: &str, recursive: bool) -> Result<u64, ClientError> {
-        self.watch_add_with(path, recursive, false)
-    }
-
-    /// `watch_add` (1.2: `include_entry`, events carry their path's stat).
-    pub fn watch_add_with(
-        &mut self,
-        path: &str,
-        recursive: bool,
-        include_entry: bool,
-    ) -> Result<u64, ClientError> {
-        let op = Op::WatchAdd(WatchAddRequest {
+        self.watch_add_with(WatchAddRequest {
             path: path.into(),
             recursive,
-            include_entry,
-        });
+            include_entry: false,
+            allow_network_mounts: false,
+        })
+    }
+
+    /// `watch_add` with every option (1.2: `include_entry`, events carry
+    /// their path's stat; 1.4: `allow_network_mounts`).
+    pub fn watch_add_with(&mut self, req: WatchAddRequest) -> Result<u64, ClientError> {
+        let op = Op::WatchAdd(req);
         match self.call(op)? {
             ReplyBody::Watch(w) => Ok(w.watch_id),
             other => Err(unexpected(&other)),

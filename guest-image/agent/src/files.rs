@@ -102,8 +102,19 @@ pub fn write_file(req: &WriteFileRequest) -> Result<Written, ErrorReply> {
             ));
         }
     }
+    let owner = req
+        .owner
+        .as_deref()
+        .map(crate::users::by_name)
+        .transpose()?;
+    // The parent directories this request creates, deepest first.
+    let mut created: Vec<&Path> = Vec::new();
     if req.create_parents {
         if let Some(parent) = path.parent() {
+            created = parent
+                .ancestors()
+                .take_while(|p| fs::symlink_metadata(p).is_err())
+                .collect();
             fs::DirBuilder::new()
                 .recursive(true)
                 .mode(0o755)
@@ -127,6 +138,14 @@ pub fn write_file(req: &WriteFileRequest) -> Result<Written, ErrorReply> {
         // files; the caller asked for exactly this.
         file.set_permissions(fs::Permissions::from_mode(mode))
             .map_err(err)?;
+    }
+    if let Some(u) = &owner {
+        for dir in created.iter().rev() {
+            std::os::unix::fs::lchown(dir, Some(u.uid), Some(u.gid))
+                .map_err(|e| ErrorReply::io(&dir.to_string_lossy(), &e))?;
+        }
+        // The open file itself: no path to race with.
+        std::os::unix::fs::fchown(&file, Some(u.uid), Some(u.gid)).map_err(err)?;
     }
     file.write_all(&req.data).map_err(err)?;
     let size = file.metadata().map_err(err)?.len();

@@ -25,7 +25,7 @@ impl fmt::Display for ProtocolVersion {
 }
 
 /// The version this crate speaks.
-pub const PROTOCOL_VERSION: ProtocolVersion = ProtocolVersion { major: 1, minor: 3 };
+pub const PROTOCOL_VERSION: ProtocolVersion = ProtocolVersion { major: 1, minor: 4 };
 
 /// This crate's version (the agent's version).
 pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -219,6 +219,11 @@ pub struct WriteFileRequest {
     /// Append instead of truncating.
     #[serde(default)]
     pub append: bool,
+    /// 1.4: the file, and the parent directories this request creates, go
+    /// to this user and its group (an unknown user is `ENOENT` before
+    /// anything is written). Absent: the agent's own user.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 /// A request naming one path (`list_dir`).

@@ -167,6 +167,11 @@ pub struct WatchAddRequest {
     /// `chmod`) carry its stat, taken when the event is read.
     #[serde(default)]
     pub include_entry: bool,
+    /// 1.4: watch a directory on a network filesystem (NFS, CIFS/SMB,
+    /// FUSE, ...), which is refused (`EREMOTE`) without it: events there
+    /// may be late or never come.
+    #[serde(default)]
+    pub allow_network_mounts: bool,
 }
 
 /// A request naming one watch.

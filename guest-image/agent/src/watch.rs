@@ -25,6 +25,39 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use torpor_sync::Locked;
 
+/// `statfs` magic numbers of network filesystems (`linux/magic.h` and
+/// the filesystems' own headers), by name.
+const NETWORK_FILESYSTEMS: &[(i64, &str)] = &[
+    (0x6969, "nfs"),
+    (0x517b, "smb"),
+    (0xff53_4d42, "cifs"),
+    (0xfe53_4d42, "smb2"),
+    (0x6573_5546, "fuse"),
+    (0x0102_1997, "9p"),
+    (0x00c3_6400, "ceph"),
+    (0x5346_414f, "afs"),
+    (0x7375_7245, "coda"),
+    (0x564c, "ncp"),
+];
+
+/// The network filesystem `path` is on, if it is on one.
+fn network_filesystem(path: &Path) -> Result<Option<&'static str>, ErrorReply> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| ErrorReply::new(libc::EINVAL, "a path with a NUL byte".to_string()))?;
+    // SAFETY: zeroed plain-data struct, filled by the kernel.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid C string and a struct of the right type.
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(ErrorReply::io(&path.to_string_lossy(), &e));
+    }
+    let magic = st.f_type as i64 & 0xffff_ffff;
+    Ok(NETWORK_FILESYSTEMS
+        .iter()
+        .find(|(m, _)| *m == magic)
+        .map(|&(_, name)| name))
+}
+
 /// Watches at once per agent.
 pub const MAX_WATCHES: usize = 64;
 /// Directories one watch follows.
@@ -318,6 +351,18 @@ impl Watches {
                 format!("{}: not a directory", req.path),
             ));
         }
+        if !req.allow_network_mounts {
+            if let Some(fs) = network_filesystem(&root)? {
+                return Err(ErrorReply::new(
+                    libc::EREMOTE,
+                    format!(
+                        "{} is on a network filesystem ({fs}), where events may be late or \
+                         never come: ask for allow_network_mounts to watch it anyway",
+                        req.path
+                    ),
+                ));
+            }
+        }
         let mut map = self.map.locked();
         if map.len() >= MAX_WATCHES {
             return Err(ErrorReply::new(
@@ -375,5 +420,24 @@ impl Watches {
         let watch = self.map.locked().remove(&id).ok_or_else(|| no_watch(id))?;
         drop(watch);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_local_directory_is_no_network_filesystem() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(network_filesystem(dir.path()).unwrap(), None);
+        assert!(network_filesystem(Path::new("/no/such/dir")).is_err());
+    }
+
+    #[test]
+    fn older_peers_leave_network_mounts_refused() {
+        let req: WatchAddRequest =
+            serde_json::from_str(r#"{"path": "/tmp", "recursive": true}"#).unwrap();
+        assert!(!req.allow_network_mounts && !req.include_entry);
     }
 }

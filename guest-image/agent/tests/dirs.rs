@@ -7,7 +7,7 @@ mod common;
 
 use common::{default_agent, ScratchPaths};
 use std::time::{Duration, Instant};
-use torpor_agent::proto::{FileKind, WatchEvent, WatchEventKind};
+use torpor_agent::proto::{FileKind, WatchAddRequest, WatchEvent, WatchEventKind};
 use torpor_agent::ClientError;
 
 fn code(e: ClientError) -> String {
@@ -204,7 +204,14 @@ fn entries_carry_st_mode_resolved_targets_metadata_and_watch_entries() {
     let mut c = agent.client();
     let d = agent.dir.path().join("m");
     std::fs::create_dir(&d).unwrap();
-    let id = c.watch_add_with(d.to_str().unwrap(), false, true).unwrap();
+    let id = c
+        .watch_add_with(WatchAddRequest {
+            path: d.to_str().unwrap().into(),
+            recursive: false,
+            include_entry: true,
+            allow_network_mounts: false,
+        })
+        .unwrap();
     let f = d.join("f");
     c.write_file_all(f.to_str().unwrap(), b"x", None, false)
         .unwrap();

@@ -61,6 +61,7 @@ fn append_mode_and_parents() {
         mode,
         create_parents,
         append,
+        owner: None,
     };
     let e = agent_error(c.write_file(write(b"x", false, None, false)));
     assert_eq!(e.code, "ENOENT");
@@ -139,8 +140,61 @@ fn errors_are_structured() {
         mode: None,
         create_parents: false,
         append: false,
+        owner: None,
     };
     assert_eq!(agent_error(c.write_file(w)).code, "EINVAL");
     // The connection is still good.
     c.ping().unwrap();
+}
+
+#[test]
+fn writes_go_to_the_owner_named() {
+    let agent = default_agent();
+    let mut c = agent.client();
+    let dir = tempfile::tempdir().unwrap();
+    // An unknown owner: refused before anything is written.
+    let ghost = dir.file("g/h.txt");
+    let e = c
+        .write_file_all_as(&ghost, b"x", None, true, Some("no-such-user-torpor"))
+        .unwrap_err();
+    assert!(
+        matches!(&e, ClientError::Agent(a) if a.code == "ENOENT"),
+        "{e:?}"
+    );
+    assert!(!dir.path().join("g").exists());
+    // SAFETY: no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    let nobody = torpor_agent::users::by_name("nobody");
+    let (0, Ok(nobody)) = (uid, nobody) else {
+        // Only root may give files away; the agent in a guest is root.
+        assert_eq!(
+            code_of(c.write_file_all_as(&dir.file("x"), b"x", None, false, Some("nobody"))),
+            "EPERM"
+        );
+        return;
+    };
+    let path = dir.file("n/o/f.txt");
+    let data = vec![7u8; MAX_IO_CHUNK + 10];
+    c.write_file_all_as(&path, &data, None, true, Some("nobody"))
+        .unwrap();
+    for p in [dir.file("n"), dir.file("n/o"), path.clone()] {
+        let st = c.stat(&p, false).unwrap();
+        assert_eq!(
+            (st.uid, st.gid),
+            (Some(nobody.uid), Some(nobody.gid)),
+            "{p}"
+        );
+    }
+    assert_eq!(
+        c.stat(&dir.file(""), false).unwrap().uid,
+        Some(0),
+        "an existing parent keeps its owner"
+    );
+    // Without an owner the file keeps the one it has.
+    c.write_file_all(&path, b"again", None, false).unwrap();
+    assert_eq!(c.stat(&path, false).unwrap().uid, Some(nobody.uid));
+}
+
+fn code_of<T: std::fmt::Debug>(r: Result<T, ClientError>) -> String {
+    agent_error(r).code
 }

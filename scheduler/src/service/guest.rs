@@ -428,9 +428,21 @@ impl AgentLink {
         data: &[u8],
         mode: Option<u32>,
     ) -> Result<u64, GuestError> {
+        self.write_file_as(path, data, mode, None)
+    }
+
+    /// [`Self::write_file`] whose file, and the parents it creates, go to
+    /// `owner` (agent 1.4).
+    pub fn write_file_as(
+        &self,
+        path: &str,
+        data: &[u8],
+        mode: Option<u32>,
+        owner: Option<&str>,
+    ) -> Result<u64, GuestError> {
         let mut client = self.connect(Some(self.file_limit))?;
         client
-            .write_file_all(path, data, mode, true)
+            .write_file_all_as(path, data, mode, true, owner)
             .map_err(|e| self.client_error(e, Some(self.file_limit)))
     }
 

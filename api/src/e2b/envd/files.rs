@@ -274,6 +274,26 @@ pub fn metadata_of(headers: &HeaderMap) -> Result<BTreeMap<String, String>, E2bE
 /// empty set is then nothing to do, a non-empty one `unimplemented`. An
 /// empty set clears what an earlier upload left, and is then all the file
 /// holds: a file gone meanwhile has nothing to clear.
+/// Writes an upload as envd does: the file, and the directories made for
+/// it, belong to the request's user (`user` by default; when the guest has
+/// no such default user, to the agent's own).
+fn write_owned(
+    link: &AgentLink,
+    path: &str,
+    data: &[u8],
+    user: Option<&str>,
+) -> Result<(), GuestError> {
+    let owner = user.unwrap_or(DEFAULT_USER);
+    match link.write_file_as(path, data, None, Some(owner)) {
+        Err(GuestError::Agent { error, .. })
+            if user.is_none() && super::rpc::unknown_user(&error) =>
+        {
+            link.write_file(path, data, None).map(drop)
+        }
+        r => r.map(drop),
+    }
+}
+
 fn store_metadata(
     link: &AgentLink,
     path: &str,
@@ -381,9 +401,9 @@ pub async fn upload<S: SandboxApi>(
         let _wake = super::wake_ticket(s, &tenancy, &id)?;
         let mut written = Vec::with_capacity(files.len());
         for (path, data) in files {
-            s.write_file(&id, &path, &data, None)?;
             let mut kept = BTreeMap::new();
             s.with_guest(&id, &mut |link| {
+                write_owned(link, &path, &data, user.as_deref())?;
                 kept = store_metadata(link, &path, &metadata)?;
                 Ok(())
             })?;

@@ -350,7 +350,7 @@ pub fn create_watcher(
     let req: WatchRequest = parse(message)?;
     let path = path_of(ctx, &req.path)?;
     let id = connect(link)?
-        .watch_add_with(&path, req.recursive, req.include_entry)
+        .watch_add_with(req.to_agent(path))
         .map_err(|e| call_err(link, e))?;
     Ok(to_value(&CreateWatcherResponse {
         watcher_id: id.to_string(),
@@ -397,7 +397,7 @@ pub fn watch_dir(
     // No overall deadline: each poll's answer within the file limit.
     let mut client = link.connect_idle(link.file_limit).map_err(guest_error)?;
     let id = client
-        .watch_add_with(&root, req.recursive, req.include_entry)
+        .watch_add_with(req.to_agent(root))
         .map_err(|e| call_err(link, e))?;
     let result = watch_loop(link, &mut client, ctx, id, out);
     let _ = client.watch_remove(id);

@@ -107,6 +107,22 @@ pub struct SendInputRequest {
     pub input: Option<ProcessInput>,
 }
 
+/// `StreamInputRequest`: a oneof of `start`, `data` and `keepalive`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct StreamInputRequest {
+    pub start: Option<SelectRequest>,
+    pub data: Option<InputData>,
+    pub keepalive: Option<Empty>,
+}
+
+/// `StreamInputRequest.DataEvent`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct InputData {
+    pub input: Option<ProcessInput>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct SendSignalRequest {
     #[serde(default)]
@@ -159,7 +175,7 @@ pub struct StartEvent {
     pub pid: u32,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Empty {}
 
 /// `ProcessEvent`: a oneof.
@@ -209,6 +225,18 @@ pub struct WatchRequest {
     pub include_entry: bool,
     #[serde(alias = "allow_network_mounts")]
     pub allow_network_mounts: bool,
+}
+
+impl WatchRequest {
+    /// The agent's `watch_add` of it, for the resolved `path`.
+    pub fn to_agent(&self, path: String) -> torpor_agent::proto::WatchAddRequest {
+        torpor_agent::proto::WatchAddRequest {
+            path,
+            recursive: self.recursive,
+            include_entry: self.include_entry,
+            allow_network_mounts: self.allow_network_mounts,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]

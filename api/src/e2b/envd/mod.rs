@@ -9,10 +9,11 @@
 //! both ways: [`encoding`]), the Connect envelope codec ([`envelope`]), and the RPCs
 //! of `process.Process` ([`process`]) and `filesystem.Filesystem`
 //! ([`filesystem`]) in Connect's JSON ([`json`]), unary and
-//! server-streaming ([`rpc`]), on the agent's protocol 1.2. Everything but
+//! server-streaming ([`rpc`]) and client-streaming (`StreamInput`:
+//! [`client_stream`]), on the agent's protocol 1.2. Everything but
 //! `/health` takes the sandbox's access token (`X-Access-Token`, issued at
-//! create as `envdAccessToken`) or an API key of its tenant. Not yet:
-//! `StreamInput`, network mounts. See `docs/e2b.md`.
+//! create as `envdAccessToken`) or an API key of its tenant. See
+//! `docs/e2b.md`.
 
 use std::sync::Arc;
 
@@ -32,6 +33,7 @@ use crate::backend::SandboxApi;
 use crate::handlers::{call, Api, AppState};
 use crate::service::ServiceError;
 
+pub mod client_stream;
 pub mod encoding;
 pub mod envelope;
 pub mod files;
@@ -204,7 +206,7 @@ async fn rpc<S: SandboxApi>(
     };
     // A streaming call holds a slot of the sandbox's tenant for as long as
     // it streams, on a thread of its own (`crate::streams`).
-    let slot = if rpc::method_kind(service, &method) == Some(rpc::Kind::ServerStream) {
+    let slot = if rpc::method_kind(service, &method).is_some_and(|k| k != rpc::Kind::Unary) {
         let tenant = owner.as_deref().unwrap_or(crate::auth::ADMIN_TENANT);
         match state.tenancy.streams.take(tenant) {
             Ok(slot) => Some(slot),

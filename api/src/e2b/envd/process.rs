@@ -14,12 +14,13 @@ use torpor_agent::proto::{AttachRequest, PtySize, SpawnRequest};
 use torpor_agent::{AgentClient, AttachEvent, ClientError, OutputKind};
 use torpor_scheduler::service::guest::{AgentLink, ExitReply, GuestStream};
 
+use super::client_stream::Messages;
 use super::envelope::ConnectError;
 use super::files::{resolve, DEFAULT_USER};
 use super::json::{
     Data, Empty, EndEvent, EnumValue, EventResponse, ListResponse, ProcessConfig, ProcessEvent,
-    ProcessInfo, ProcessSelector, SelectRequest, SendInputRequest, SendSignalRequest, StartEvent,
-    StartRequest, UpdateRequest,
+    ProcessInfo, ProcessInput, ProcessSelector, SelectRequest, SendInputRequest, SendSignalRequest,
+    StartEvent, StartRequest, StreamInputRequest, UpdateRequest,
 };
 use super::rpc::{guest_error, invalid, parse, unknown_user, CallContext, StreamTx};
 use super::Code;
@@ -282,6 +283,15 @@ pub fn send_signal(
     Ok(empty())
 }
 
+/// The bytes of a `ProcessInput` (one of `stdin` and `pty`).
+fn input_bytes(input: Option<ProcessInput>) -> Result<Vec<u8>, ConnectError> {
+    let input = input.unwrap_or_default();
+    match (input.stdin, input.pty) {
+        (Some(d), None) | (None, Some(d)) => Ok(d),
+        _ => Err(invalid("`input` must hold one of `stdin` and `pty`".into())),
+    }
+}
+
 /// `SendInput`: bytes to the process's stdin or PTY.
 pub fn send_input(
     link: &AgentLink,
@@ -289,15 +299,70 @@ pub fn send_input(
     message: &[u8],
 ) -> Result<Value, ConnectError> {
     let req: SendInputRequest = parse(message)?;
-    let input = req.input.unwrap_or_default();
-    let data = match (input.stdin, input.pty) {
-        (Some(d), None) | (None, Some(d)) => d,
-        _ => return Err(invalid("`input` must hold one of `stdin` and `pty`".into())),
-    };
+    let data = input_bytes(req.input)?;
     let mut client = connect(link)?;
     let pid = select(link, &mut client, req.process)?;
     client.input(pid, &data).map_err(|e| call_err(link, e))?;
     Ok(empty())
+}
+
+/// `StreamInput`: `start{process}`, then each `data{input}` to the
+/// process's stdin or PTY as it arrives, in order, on one agent
+/// connection; `keepalive{}` is read and dropped. Ends when the client's
+/// stream does (see [`super::client_stream`]).
+pub fn stream_input(
+    link: &AgentLink,
+    _ctx: &CallContext,
+    messages: &mut Messages,
+) -> Result<(), ConnectError> {
+    let next = |messages: &mut Messages| -> Result<Option<StreamInputRequest>, ConnectError> {
+        messages.recv().transpose()?.map(|m| parse(&m)).transpose()
+    };
+    let selector = match next(messages)? {
+        Some(StreamInputRequest {
+            start: Some(start), ..
+        }) => start.process,
+        Some(_) => {
+            return Err(invalid(
+                "the input stream's first message must be `start`".into(),
+            ))
+        }
+        None => return Err(invalid("the input stream ended before `start`".into())),
+    };
+    let mut client = connect(link)?;
+    let pid = select(link, &mut client, selector)?;
+    // Named by pid: it must run now (envd's `not_found`), not only when
+    // the first input comes, which may be much later or never.
+    let running = client.processes().map_err(|e| call_err(link, e))?;
+    if !running.iter().any(|p| p.pid == pid) {
+        return Err(not_found(format!("process {pid} not found")));
+    }
+    while let Some(req) = next(messages)? {
+        match req {
+            StreamInputRequest {
+                data: Some(data),
+                start: None,
+                keepalive: None,
+            } => {
+                let bytes = input_bytes(data.input)?;
+                client.input(pid, &bytes).map_err(|e| call_err(link, e))?;
+            }
+            StreamInputRequest {
+                keepalive: Some(_),
+                start: None,
+                data: None,
+            } => {}
+            StreamInputRequest { start: Some(_), .. } => {
+                return Err(invalid("`start` again in the same input stream".into()))
+            }
+            _ => {
+                return Err(invalid(
+                    "each message must hold one of `data` and `keepalive`".into(),
+                ))
+            }
+        }
+    }
+    Ok(())
 }
 
 /// `CloseStdin`.

@@ -169,7 +169,9 @@ fn code_of_errno(code: &str) -> Code {
         "EAGAIN" | "ENOSPC" | "EMFILE" | "ENFILE" | "EDQUOT" | "EMSGSIZE" => {
             Code::ResourceExhausted
         }
-        "EPIPE" => Code::FailedPrecondition,
+        // EREMOTE: a watch of a network filesystem without
+        // `allowNetworkMounts` (envd's FailedPrecondition).
+        "EPIPE" | "EREMOTE" => Code::FailedPrecondition,
         "ENOSYS" => Code::Unimplemented,
         _ => Code::Unknown,
     }
@@ -196,11 +198,13 @@ pub fn guest_error(e: GuestError) -> ConnectError {
 pub enum Kind {
     Unary,
     ServerStream,
+    /// The client streams, the answer is one message
+    /// ([`super::client_stream`]).
+    ClientStream,
 }
 
-/// Every envd method served, with its kind (`StreamInput`, a client
-/// stream, is not offered: the SDKs use `SendInput`). The one list: the
-/// router dispatches on it and `tests/attack_matrix.rs` attacks each.
+/// Every envd method served, with its kind. The one list: the router
+/// dispatches on it and `tests/attack_matrix.rs` attacks each.
 pub const METHODS: &[(&str, &str, Kind)] = &[
     ("process.Process", "Start", Kind::ServerStream),
     ("process.Process", "Connect", Kind::ServerStream),
@@ -209,6 +213,7 @@ pub const METHODS: &[(&str, &str, Kind)] = &[
     ("process.Process", "SendInput", Kind::Unary),
     ("process.Process", "CloseStdin", Kind::Unary),
     ("process.Process", "Update", Kind::Unary),
+    ("process.Process", "StreamInput", Kind::ClientStream),
     ("filesystem.Filesystem", "WatchDir", Kind::ServerStream),
     ("filesystem.Filesystem", "Stat", Kind::Unary),
     ("filesystem.Filesystem", "ListDir", Kind::Unary),
@@ -373,15 +378,15 @@ pub async fn handle(
         *r.status_mut() = StatusCode::UNSUPPORTED_MEDIA_TYPE;
         return r;
     }
-    if (kind == Kind::ServerStream) != streaming {
+    if (kind != Kind::Unary) != streaming {
         return fail(
             Code::InvalidArgument,
             format!(
                 "{service}/{method} is {}: call it with {}",
-                if streaming {
-                    "unary"
-                } else {
-                    "server-streaming"
+                match kind {
+                    Kind::Unary => "unary",
+                    Kind::ServerStream => "server-streaming",
+                    Kind::ClientStream => "client-streaming",
                 },
                 if streaming {
                     "application/json"
@@ -400,6 +405,12 @@ pub async fn handle(
             Code::Unimplemented,
             "compressed requests are not offered".into(),
         );
+    }
+    if kind == Kind::ClientStream {
+        return match slot {
+            Some(slot) => super::client_stream::serve(runner, ctx, body, slot).await,
+            None => fail(Code::Internal, "a stream without its slot".into()),
+        };
     }
     let limit = MAX_MESSAGE + envelope::HEADER_LEN;
     let bytes = match axum::body::to_bytes(body, limit).await {
@@ -585,7 +596,10 @@ mod tests {
                 assert!(handler(service, m).is_some(), "{service}/{m}");
             }
         }
-        assert!(method_kind("process.Process", "StreamInput").is_none());
+        assert_eq!(
+            method_kind("process.Process", "StreamInput"),
+            Some(Kind::ClientStream)
+        );
         assert!(method_kind("filesystem.Filesystem", "Start").is_none());
         assert_eq!(code_of_errno("ENOENT"), Code::NotFound);
         assert_eq!(code_of_errno("EEXIST"), Code::AlreadyExists);
