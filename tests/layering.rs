@@ -130,13 +130,217 @@ fn each_crate_depends_on_the_layers_below_it_only() {
 }
 
 /// The crates whose top-level modules import each other without cycles
-/// (a module's `crate::other` paths outside its tests). The others still
-/// have some; a crate joins this list when its cycles are gone.
+/// (a module's paths to another, as `crate::`, `super::` or `self::` paths
+/// and in `use` groups, outside its tests). The others still have some; a
+/// crate joins this list when its cycles are gone.
 const ACYCLIC: [&str; 3] = ["vmm-api", "vmm", "cluster"];
 
-/// Each top-level module of `src` (a file or a folder) and the modules it
-/// names as `crate::module`, from its code before any `#[cfg(test)]`,
-/// leaving out comments and test files.
+/// `text` with its comments, string literals and character literals
+/// blanked out (each replaced by a space), so that only code is read.
+fn code_only(text: &str) -> String {
+    let c: Vec<char> = text.chars().collect();
+    let ident = |i: usize| i < c.len() && (c[i].is_alphanumeric() || c[i] == '_');
+    let mut out = String::with_capacity(text.len());
+    let mut i = 0;
+    while i < c.len() {
+        let next = c.get(i + 1).copied();
+        if c[i] == '/' && next == Some('/') {
+            while i < c.len() && c[i] != '\n' {
+                i += 1;
+            }
+        } else if c[i] == '/' && next == Some('*') {
+            // Block comments nest.
+            let mut depth = 0;
+            while i < c.len() {
+                if c[i] == '/' && c.get(i + 1) == Some(&'*') {
+                    depth += 1;
+                    i += 2;
+                } else if c[i] == '*' && c.get(i + 1) == Some(&'/') {
+                    depth -= 1;
+                    i += 2;
+                    if depth == 0 {
+                        break;
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+            out.push(' ');
+        } else if c[i] == 'r'
+            && (i == 0 || !ident(i - 1) || (c[i - 1] == 'b' && (i == 1 || !ident(i - 2))))
+            && matches!(next, Some('"' | '#'))
+        {
+            // A raw string: `r"..."`, `r#"..."#` (or `r#ident`, code).
+            let hashes = c[i + 1..].iter().take_while(|&&h| h == '#').count();
+            if c.get(i + 1 + hashes) != Some(&'"') {
+                out.push(c[i]);
+                i += 1;
+                continue;
+            }
+            let close: Vec<char> = std::iter::once('"')
+                .chain(std::iter::repeat_n('#', hashes))
+                .collect();
+            i += 2 + hashes;
+            while i < c.len() && !c[i..].starts_with(&close) {
+                i += 1;
+            }
+            i += close.len();
+            out.push(' ');
+        } else if c[i] == '"' {
+            i += 1;
+            while i < c.len() && c[i] != '"' {
+                i += if c[i] == '\\' { 2 } else { 1 };
+            }
+            i += 1;
+            out.push(' ');
+        } else if c[i] == '\'' && (next == Some('\\') || c.get(i + 2) == Some(&'\'')) {
+            // A character literal (not a lifetime).
+            i += 1;
+            while i < c.len() && c[i] != '\'' {
+                i += if c[i] == '\\' { 2 } else { 1 };
+            }
+            i += 1;
+            out.push(' ');
+        } else {
+            out.push(c[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
+/// The tokens of `code`: identifiers (with `$crate`), `::` and single
+/// punctuation characters.
+fn tokens(code: &str) -> Vec<String> {
+    let c: Vec<char> = code.chars().collect();
+    let word = |ch: char| ch.is_alphanumeric() || ch == '_';
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < c.len() {
+        if c[i].is_whitespace() {
+            i += 1;
+        } else if word(c[i]) || (c[i] == '$' && c.get(i + 1).is_some_and(|&n| word(n))) {
+            let start = i;
+            i += 1;
+            while i < c.len() && word(c[i]) {
+                i += 1;
+            }
+            out.push(c[start..i].iter().collect());
+        } else if c[i] == ':' && c.get(i + 1) == Some(&':') {
+            out.push("::".into());
+            i += 2;
+        } else {
+            out.push(c[i].to_string());
+            i += 1;
+        }
+    }
+    out
+}
+
+/// The path or `use` tree whose first segment is `t[at]`, read in the
+/// module `here`, in a `use` group after the path `path` if any: each
+/// module it names, as its path from the crate root, into `named`.
+/// Returns the index past it.
+fn use_tree(
+    t: &[String],
+    mut at: usize,
+    mut path: Option<Vec<String>>,
+    here: &[String],
+    named: &mut Vec<Vec<String>>,
+) -> usize {
+    while let Some(segment) = t.get(at) {
+        match (segment.as_str(), path.as_mut()) {
+            ("crate" | "$crate", None) => path = Some(Vec::new()),
+            ("self", None) => path = Some(here.to_vec()),
+            ("super", None) => path = Some(here[..here.len().saturating_sub(1)].to_vec()),
+            ("super", Some(p)) => {
+                p.pop();
+            }
+            ("self", Some(_)) => {}
+            ("{", Some(p)) => {
+                // A group: each of its trees from the path so far.
+                let p = p.clone();
+                at += 1;
+                while t.get(at).is_some_and(|s| s != "}") {
+                    if t[at] == "," {
+                        at += 1;
+                        continue;
+                    }
+                    at = use_tree(t, at, Some(p.clone()), here, named).max(at + 1);
+                }
+                return at + 1;
+            }
+            ("*", _) => {}
+            (name, Some(p)) if name.starts_with(|ch: char| ch.is_alphanumeric() || ch == '_') => {
+                p.push(name.to_string());
+            }
+            // `t[at]` begins no path from a module.
+            _ => break,
+        }
+        at += 1;
+        if t.get(at).map(String::as_str) != Some("::") {
+            break;
+        }
+        at += 1;
+    }
+    if let Some(p) = path {
+        named.push(p);
+    }
+    at
+}
+
+/// The modules the code of a file names, as paths from the crate root:
+/// its `crate::`, `super::` and `self::` paths, each `use` group's trees
+/// resolved, read from `here` (the file's module, and inside an inline
+/// `mod name { ... }` from that module).
+fn named_modules(code: &str, here: &[String]) -> Vec<Vec<String>> {
+    let t = tokens(code);
+    let mut named = Vec::new();
+    let mut here = here.to_vec();
+    // Each open brace, and whether it opened an inline module.
+    let mut braces: Vec<bool> = Vec::new();
+    let mut at = 0;
+    while at < t.len() {
+        let s = t[at].as_str();
+        let after_path = at > 0 && t[at - 1] == "::";
+        if s == "mod" && t.get(at + 2).is_some_and(|b| b == "{") {
+            here.push(t[at + 1].clone());
+            braces.push(true);
+            at += 3;
+        } else if s == "{" {
+            braces.push(false);
+            at += 1;
+        } else if s == "}" {
+            if braces.pop() == Some(true) {
+                here.pop();
+            }
+            at += 1;
+        } else if matches!(s, "crate" | "$crate" | "super" | "self")
+            && !after_path
+            && t.get(at + 1).is_some_and(|c| c == "::")
+        {
+            at = use_tree(&t, at, None, &here, &mut named);
+        } else if s == "use" && t.get(at + 1).is_some_and(|b| b == "{") {
+            // `use {crate::a, super::b};`
+            at += 2;
+            while t.get(at).is_some_and(|s| s != "}") {
+                if t[at] == "," {
+                    at += 1;
+                } else {
+                    at = use_tree(&t, at, None, &here, &mut named).max(at + 1);
+                }
+            }
+            at += 1;
+        } else {
+            at += 1;
+        }
+    }
+    named
+}
+
+/// Each top-level module of `src` (a file or a folder) and the top-level
+/// modules it names (`named_modules`), from its code before any
+/// `#[cfg(test)]`, leaving out comments and test files.
 fn module_imports(src: &std::path::Path) -> std::collections::BTreeMap<String, Vec<String>> {
     use std::collections::BTreeMap;
     fn files(path: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
@@ -165,31 +369,25 @@ fn module_imports(src: &std::path::Path) -> std::collections::BTreeMap<String, V
         files(&src.join(format!("{module}.rs")), &mut paths);
         let mut names = Vec::new();
         for path in paths {
-            let text = std::fs::read_to_string(&path).unwrap();
-            let code = text.split("#[cfg(test)]").next().unwrap_or_default();
-            for line in code.lines().filter(|l| !l.trim_start().starts_with("//")) {
-                for (i, _) in line.match_indices("crate::") {
-                    let rest = &line[i + "crate::".len()..];
-                    // `crate::{a, b::c}` names several.
-                    let named: Vec<&str> = match rest.strip_prefix('{') {
-                        Some(group) => group
-                            .split('}')
-                            .next()
-                            .unwrap_or_default()
-                            .split(',')
-                            .collect(),
-                        None => vec![rest],
-                    };
-                    for n in named {
-                        let n: String = n
-                            .trim()
-                            .chars()
-                            .take_while(|c| c.is_alphanumeric() || *c == '_')
-                            .collect();
-                        if &n != module && modules.contains(&n) && !names.contains(&n) {
-                            names.push(n);
-                        }
-                    }
+            // The file's module: `a.rs` and `a/mod.rs` are `a`, `a/b.rs` is `a::b`.
+            let mut here: Vec<String> = path
+                .strip_prefix(src)
+                .unwrap()
+                .with_extension("")
+                .iter()
+                .map(|s| s.to_string_lossy().to_string())
+                .collect();
+            if here.last().is_some_and(|l| l == "mod") {
+                here.pop();
+            }
+            let code = code_only(&std::fs::read_to_string(&path).unwrap());
+            let code = code.split("#[cfg(test)]").next().unwrap_or_default();
+            for named in named_modules(code, &here) {
+                let Some(n) = named.into_iter().next() else {
+                    continue;
+                };
+                if &n != module && modules.contains(&n) && !names.contains(&n) {
+                    names.push(n);
                 }
             }
         }
@@ -258,4 +456,52 @@ fn a_cycle_is_found() {
     .map(|(m, n)| (m.to_string(), n.into_iter().map(String::from).collect()))
     .collect();
     assert_eq!(a_cycle(&imports).unwrap(), ["a", "b", "c", "a"]);
+}
+
+/// The paths a module names are read as the compiler resolves them:
+/// `super::`, `self::` and `crate::`, groups nested and over several
+/// lines, inline modules; not in comments or strings.
+#[test]
+fn relative_paths_and_use_groups_are_resolved() {
+    let code = code_only(
+        r##"
+        use super::{db::{pg, Db}, wire::{self, Event}};
+        use crate::{
+            a,
+            b::{c, d::e},
+        };
+        use self::inner::Thing;
+        pub(crate) fn f() -> super::super::outer::T { $crate::m::g() }
+        mod inner {
+            use super::sibling::X;
+        }
+        use super::after_inner;
+        // use crate::commented;
+        const S: &str = "crate::quoted";
+        const R: &str = r#"super::raw"#;
+        const C: char = '{';
+        "##,
+    );
+    let here = ["m".to_string(), "n".to_string()];
+    let named: Vec<String> = named_modules(&code, &here)
+        .into_iter()
+        .map(|p| p.join("::"))
+        .collect();
+    assert_eq!(
+        named,
+        [
+            "m::db::pg",
+            "m::db::Db",
+            "m::wire",
+            "m::wire::Event",
+            "a",
+            "b::c",
+            "b::d::e",
+            "m::n::inner::Thing",
+            "outer::T",
+            "m::g",
+            "m::n::sibling::X",
+            "m::after_inner",
+        ]
+    );
 }

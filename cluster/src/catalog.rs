@@ -7,7 +7,7 @@
 //! memory of its tenant's quota from the same list (`admission.rs`).
 //! Templates built and deleted through a replica (`templates.rs`) change
 //! the list with their result, before the pod's next heartbeat
-//! ([`MIGRATION`]).
+//! (schema version 9, `db.rs`: `CATALOG_CHANGES`, `Db::finish`).
 
 use std::time::Duration;
 
@@ -61,105 +61,6 @@ impl Db {
             .and_then(|r| r.get::<_, Option<i64>>(0))
             .and_then(|m| u64::try_from(m).ok()))
     }
-}
-
-/// Schema version 9. `operations.template`: the template a template's
-/// delete is on (a retry finds it by key and template). `pods.catalog_changes`:
-/// the templates built and deleted through the replicas that the pod's
-/// heartbeats do not list (or still list) yet, by id: `{"template": the
-/// template or null once deleted, "name": its name, "at": epoch s}`. A
-/// result writes its change with the operation (`finish`), applied to the
-/// pod's `catalog` and `templates` at once, so that a create right after a
-/// build's 201 is placed on its pod; each heartbeat applies the changes it
-/// does not confirm yet (a built template listed in the same state, a
-/// deleted one not listed) over what it lists, and keeps only those (for
-/// at most [`CHANGE_TTL_S`]): a heartbeat taken before the result (the
-/// template missing, or still `building`) and written after it (another
-/// replica) does not undo it.
-pub const MIGRATION: &str = "
-    ALTER TABLE operations ADD COLUMN template text;
-    CREATE INDEX operations_template ON operations (template) WHERE template IS NOT NULL;
-    ALTER TABLE pods ADD COLUMN catalog_changes jsonb NOT NULL DEFAULT '{}'::jsonb;
-    CREATE FUNCTION torpor_catalog(reported jsonb, changes jsonb) RETURNS jsonb
-    LANGUAGE sql IMMUTABLE AS $f$
-        SELECT coalesce(jsonb_agg(t ORDER BY n), '[]'::jsonb) FROM (
-            SELECT e AS t, r.n FROM jsonb_array_elements(reported) WITH ORDINALITY AS r(e, n)
-            WHERE NOT changes ? coalesce(e->>'id', '')
-            UNION ALL
-            SELECT c.value -> 'template', 9223372036854775807 FROM jsonb_each(changes) c
-            WHERE jsonb_typeof(c.value -> 'template') = 'object'
-        ) s
-    $f$;
-    CREATE FUNCTION torpor_catalog_names(reported text[], changes jsonb) RETURNS text[]
-    LANGUAGE sql IMMUTABLE AS $f$
-        WITH kept AS (
-            SELECT x, n FROM unnest(reported) WITH ORDINALITY AS r(x, n)
-            WHERE NOT EXISTS (SELECT 1 FROM jsonb_each(changes) c
-                WHERE jsonb_typeof(c.value -> 'template') = 'null'
-                    AND x IN (c.key, c.value->>'name'))
-        ), added AS (
-            SELECT DISTINCT v.x FROM jsonb_each(changes) c,
-                LATERAL (VALUES (c.key), (c.value->>'name')) AS v(x)
-            WHERE jsonb_typeof(c.value -> 'template') = 'object' AND v.x IS NOT NULL
-        )
-        SELECT coalesce(array_agg(x ORDER BY n), '{}'::text[]) FROM (
-            SELECT x, n FROM kept
-            UNION ALL
-            SELECT x, 9223372036854775807 FROM added WHERE x NOT IN (SELECT x FROM kept)
-        ) s
-    $f$;
-    CREATE FUNCTION torpor_catalog_pending(reported jsonb, changes jsonb) RETURNS jsonb
-    LANGUAGE sql STABLE AS $f$
-        SELECT coalesce(jsonb_object_agg(c.key, c.value), '{}'::jsonb) FROM jsonb_each(changes) c
-        WHERE (c.value->>'at')::double precision > extract(epoch FROM now()) - 60
-            AND CASE WHEN jsonb_typeof(c.value -> 'template') = 'object'
-                THEN NOT EXISTS (SELECT 1 FROM jsonb_array_elements(reported) e
-                    WHERE e->>'id' = c.key AND e->>'state' = c.value->'template'->>'state')
-                ELSE EXISTS (SELECT 1 FROM jsonb_array_elements(reported) e
-                    WHERE e->>'id' = c.key)
-            END
-    $f$";
-
-/// How long a catalog change waits for its pod's heartbeats to confirm
-/// it (the `60` of `torpor_catalog_pending`).
-pub const CHANGE_TTL_S: u64 = 60;
-
-/// A template's build or delete finished on `pod` (`Db::finish`): the
-/// operation done and the pod's catalog changed, in one statement, only
-/// while the operation was pending (a result applied once).
-pub(super) async fn finish(
-    c: &tokio_postgres::Client,
-    operation: &str,
-    outcome: &Value,
-    pod: &PodId,
-    template: &Template,
-    built: bool,
-) -> Result<u64, tokio_postgres::Error> {
-    let entry = if built {
-        serde_json::to_value(template).ok()
-    } else {
-        None
-    };
-    c.execute(
-        "WITH op AS (
-            UPDATE operations SET status = 'done', outcome = $2, finished_at = now()
-            WHERE id = $1 AND pod = $3 AND status = 'pending' RETURNING id),
-         change AS (SELECT jsonb_build_object($4::text, jsonb_build_object(
-            'template', $5::jsonb, 'name', $6::text, 'at', extract(epoch FROM now()))) AS c)
-         UPDATE pods SET catalog_changes = pods.catalog_changes || change.c,
-            catalog = torpor_catalog(pods.catalog, change.c),
-            templates = torpor_catalog_names(pods.templates, change.c)
-         FROM change WHERE pods.id = $3 AND EXISTS (SELECT 1 FROM op)",
-        &[
-            &operation,
-            outcome,
-            &pod.as_str(),
-            &template.id.as_str(),
-            &entry,
-            &template.name,
-        ],
-    )
-    .await
 }
 
 /// A template as a pod up lists it.

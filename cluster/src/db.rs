@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use tokio_postgres::{Client, GenericClient, NoTls};
-use torpor_scheduler::model::{PodId, Sandbox, SandboxId};
+use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template};
 use torpor_sync::Locked;
 
 use super::wire::{Heartbeat, OpOutcome, Reply};
@@ -130,7 +130,7 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
     // Templates built and deleted through the replicas (`catalog.rs`):
     // the template an operation is on, and each pod's catalog changes its
     // heartbeats have not confirmed yet.
-    (9, super::catalog::MIGRATION),
+    (9, CATALOG_CHANGES),
     // What a sandbox's pod keeps but never shows, for E2B's envd on any
     // replica (`guest.rs`): its envd access token, as issued (E2B's
     // connect shows it again), and its environment. Gone with its row.
@@ -164,6 +164,67 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
         "ALTER TABLE pods ADD COLUMN images text[] NOT NULL DEFAULT '{}';",
     ),
 ];
+
+/// Schema version 9. `operations.template`: the template a template's
+/// delete is on (a retry finds it by key and template). `pods.catalog_changes`:
+/// the templates built and deleted through the replicas that the pod's
+/// heartbeats do not list (or still list) yet, by id: `{"template": the
+/// template or null once deleted, "name": its name, "at": epoch s}`. A
+/// result writes its change with the operation ([`finish_template`]), applied to the
+/// pod's `catalog` and `templates` at once, so that a create right after a
+/// build's 201 is placed on its pod; each heartbeat applies the changes it
+/// does not confirm yet (a built template listed in the same state, a
+/// deleted one not listed) over what it lists, and keeps only those (for
+/// at most [`CHANGE_TTL_S`]): a heartbeat taken before the result (the
+/// template missing, or still `building`) and written after it (another
+/// replica) does not undo it.
+const CATALOG_CHANGES: &str = "
+    ALTER TABLE operations ADD COLUMN template text;
+    CREATE INDEX operations_template ON operations (template) WHERE template IS NOT NULL;
+    ALTER TABLE pods ADD COLUMN catalog_changes jsonb NOT NULL DEFAULT '{}'::jsonb;
+    CREATE FUNCTION torpor_catalog(reported jsonb, changes jsonb) RETURNS jsonb
+    LANGUAGE sql IMMUTABLE AS $f$
+        SELECT coalesce(jsonb_agg(t ORDER BY n), '[]'::jsonb) FROM (
+            SELECT e AS t, r.n FROM jsonb_array_elements(reported) WITH ORDINALITY AS r(e, n)
+            WHERE NOT changes ? coalesce(e->>'id', '')
+            UNION ALL
+            SELECT c.value -> 'template', 9223372036854775807 FROM jsonb_each(changes) c
+            WHERE jsonb_typeof(c.value -> 'template') = 'object'
+        ) s
+    $f$;
+    CREATE FUNCTION torpor_catalog_names(reported text[], changes jsonb) RETURNS text[]
+    LANGUAGE sql IMMUTABLE AS $f$
+        WITH kept AS (
+            SELECT x, n FROM unnest(reported) WITH ORDINALITY AS r(x, n)
+            WHERE NOT EXISTS (SELECT 1 FROM jsonb_each(changes) c
+                WHERE jsonb_typeof(c.value -> 'template') = 'null'
+                    AND x IN (c.key, c.value->>'name'))
+        ), added AS (
+            SELECT DISTINCT v.x FROM jsonb_each(changes) c,
+                LATERAL (VALUES (c.key), (c.value->>'name')) AS v(x)
+            WHERE jsonb_typeof(c.value -> 'template') = 'object' AND v.x IS NOT NULL
+        )
+        SELECT coalesce(array_agg(x ORDER BY n), '{}'::text[]) FROM (
+            SELECT x, n FROM kept
+            UNION ALL
+            SELECT x, 9223372036854775807 FROM added WHERE x NOT IN (SELECT x FROM kept)
+        ) s
+    $f$;
+    CREATE FUNCTION torpor_catalog_pending(reported jsonb, changes jsonb) RETURNS jsonb
+    LANGUAGE sql STABLE AS $f$
+        SELECT coalesce(jsonb_object_agg(c.key, c.value), '{}'::jsonb) FROM jsonb_each(changes) c
+        WHERE (c.value->>'at')::double precision > extract(epoch FROM now()) - 60
+            AND CASE WHEN jsonb_typeof(c.value -> 'template') = 'object'
+                THEN NOT EXISTS (SELECT 1 FROM jsonb_array_elements(reported) e
+                    WHERE e->>'id' = c.key AND e->>'state' = c.value->'template'->>'state')
+                ELSE EXISTS (SELECT 1 FROM jsonb_array_elements(reported) e
+                    WHERE e->>'id' = c.key)
+            END
+    $f$";
+
+/// How long a catalog change waits for its pod's heartbeats to confirm
+/// it (the `60` of `torpor_catalog_pending`).
+pub const CHANGE_TTL_S: u64 = 60;
 
 /// A connection to PostgreSQL, made again when it broke; and one more,
 /// for the transactions of admission (`admission.rs`), used by one task at
@@ -571,7 +632,7 @@ impl Db {
             // the operation, in the same one statement (`catalog.rs`).
             OpOutcome::Done(Reply::Template { template } | Reply::TemplateDeleted { template }) => {
                 let built = matches!(outcome, OpOutcome::Done(Reply::Template { .. }));
-                super::catalog::finish(&c, operation, &json, pod, template, built).await
+                finish_template(&c, operation, &json, pod, template, built).await
             }
             OpOutcome::Done(Reply::Checkpoint { checkpoint }) => {
                 let taken = (&checkpoint.sandbox, checkpoint.name.as_str());
@@ -809,6 +870,44 @@ impl ForkRows {
         self.bodies.push(body);
         Ok(())
     }
+}
+
+/// A template's build or delete finished on `pod` (`Db::finish`): the
+/// operation done and the pod's catalog changed, in one statement, only
+/// while the operation was pending (a result applied once).
+async fn finish_template(
+    c: &tokio_postgres::Client,
+    operation: &str,
+    outcome: &Value,
+    pod: &PodId,
+    template: &Template,
+    built: bool,
+) -> Result<u64, tokio_postgres::Error> {
+    let entry = if built {
+        serde_json::to_value(template).ok()
+    } else {
+        None
+    };
+    c.execute(
+        "WITH op AS (
+            UPDATE operations SET status = 'done', outcome = $2, finished_at = now()
+            WHERE id = $1 AND pod = $3 AND status = 'pending' RETURNING id),
+         change AS (SELECT jsonb_build_object($4::text, jsonb_build_object(
+            'template', $5::jsonb, 'name', $6::text, 'at', extract(epoch FROM now()))) AS c)
+         UPDATE pods SET catalog_changes = pods.catalog_changes || change.c,
+            catalog = torpor_catalog(pods.catalog, change.c),
+            templates = torpor_catalog_names(pods.templates, change.c)
+         FROM change WHERE pods.id = $3 AND EXISTS (SELECT 1 FROM op)",
+        &[
+            &operation,
+            outcome,
+            &pod.as_str(),
+            &template.id.as_str(),
+            &entry,
+            &template.name,
+        ],
+    )
+    .await
 }
 
 /// The newest schema migration applied to the database `c` is connected to.

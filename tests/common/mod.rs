@@ -6,6 +6,7 @@ pub mod chaos;
 pub mod cluster;
 pub mod disk;
 pub mod e2b;
+pub mod e2b_http;
 pub mod e2b_sdk;
 pub mod http;
 pub mod interp;

@@ -10,6 +10,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use torpor_nested::{NestedHost, RunOutput};
+use torpor_sync::Locked;
 
 /// The checkout: the nearest directory above the including crate's
 /// manifest that holds `scripts/`.
@@ -152,7 +153,7 @@ static ONE_L1: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// Runs `script` in the nested host (boot included, within `timeout`) and
 /// logs how long each part took.
 pub fn run_logged(host: &NestedHost, what: &str, script: &str, timeout: Duration) -> RunOutput {
-    let _one = ONE_L1.lock().unwrap_or_else(|p| p.into_inner());
+    let _one = ONE_L1.locked();
     let out = host
         .run(script, timeout)
         .unwrap_or_else(|e| panic!("nested run failed: {e}"));

@@ -27,6 +27,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use torpor_vmm_api::control::Request;
 
+use super::conclude::Undo;
 use super::layers::{commit_layer, diff_allowed, parent_checkpoint};
 use super::lifetime::{check_lifetimes, expiry};
 use super::{vmm, Outcome, Service, ServiceError, LOCAL_POD};
@@ -432,22 +433,16 @@ impl Service {
         // Once `state` is written the VMM diffs against this snapshot,
         // whatever the answer said (a reply lost to a timeout): keep it.
         let written = target.join(torpor_vmm_api::lineage::STATE_FILE).exists();
-        match result {
-            Ok(()) => Ok(Written {
-                op: op.id,
-                dir: target,
-            }),
-            Err(_) if written => Ok(Written {
-                op: op.id,
-                dir: target,
-            }),
-            Err(e) => {
-                let _ = std::fs::remove_dir_all(&target);
-                self.store
-                    .finish_operation(&op.id, OperationStatus::RolledBack, None, None)?;
-                Err(e)
-            }
-        }
+        let result = result.or_else(|e| if written { Ok(()) } else { Err(e) });
+        self.conclude(&op.id, result, Ok, |_| {
+            let _ = std::fs::remove_dir_all(&target);
+            Undo::Nothing
+        })?;
+        // Ended by the caller's commit (`commit_written`).
+        Ok(Written {
+            op: op.id,
+            dir: target,
+        })
     }
 
     /// Records a written snapshot's layers, points the source at it, lists
@@ -459,23 +454,18 @@ impl Service {
         checkpoint: Option<&Checkpoint>,
     ) -> Result<(), ServiceError> {
         let owner = LayerOwner::Sandbox(sandbox.id.clone());
-        let chain = match self.checked_chain(&owner, &written.dir) {
-            Ok(chain) => chain,
-            Err(e) => {
-                self.store.finish_operation(
-                    &written.op,
-                    OperationStatus::RolledBack,
-                    None,
-                    None,
-                )?;
-                return Err(e);
-            }
-        };
-        self.store.write(|tx| {
-            commit_layer(tx, &sandbox.id, &written.dir, &chain, checkpoint)?;
-            tx.finish_operation(&written.op, OperationStatus::Done, None, None)
-        })?;
-        Ok(())
+        self.conclude(
+            &written.op,
+            self.checked_chain(&owner, &written.dir),
+            |chain| {
+                self.store.write(|tx| {
+                    commit_layer(tx, &sandbox.id, &written.dir, &chain, checkpoint)?;
+                    tx.finish_operation(&written.op, OperationStatus::Done, None, None)
+                })?;
+                Ok(())
+            },
+            |_| Undo::Nothing,
+        )
     }
 
     /// The test hook of [`STALL_ENV`].

@@ -1,6 +1,7 @@
 //! The service without VMMs: a data directory whose store already holds a
 //! ready probe template (so opening boots nothing) and sandboxes written
-//! straight to the store. For what needs no guest: locks and lookups.
+//! straight to the store. For what needs no guest: locks, lookups, and
+//! the rollbacks of operations that fail.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixListener;
@@ -357,5 +358,56 @@ fn a_delete_ends_a_wake_waiting_for_its_agent() {
     assert_eq!(
         service.get_sandbox(&s.id).unwrap().state,
         SandboxState::Deleted
+    );
+}
+
+/// A template build that fails (no VMM executable here) leaves its
+/// template failed, saying why, its operation rolled back in the same
+/// commit (`conclude.rs`: `Undo::TemplateFailed`).
+#[test]
+fn a_failed_build_leaves_its_template_failed_and_its_operation_rolled_back() {
+    let (_dir, service, _) = service();
+    let e = service
+        .create_template(CreateTemplate {
+            name: "broken".into(),
+            kind: TemplateKind::Probe,
+            image: None,
+            mem_mib: 64,
+            vcpus: 1,
+            cmdline: None,
+            pod: None,
+            owner: None,
+        })
+        .expect_err("no VMM executable");
+    let t = service.resolve_template(None, "broken").unwrap();
+    assert_eq!(t.state, TemplateState::Failed(e.to_string()));
+    assert_eq!(service.store().interrupted_operations().unwrap(), []);
+}
+
+/// A checkpoint whose snapshot the VMM does not write (the fake answers
+/// without one) leaves nothing: no checkpoint, no snapshot directory, its
+/// operation rolled back, the sandbox as it was (`Undo::Nothing`).
+#[test]
+fn a_checkpoint_the_vmm_does_not_write_leaves_nothing() {
+    let (dir, service, template) = service();
+    let vmm = FakeVmm::start(dir.path());
+    let s = with_vmm(&service, &template, &vmm, SandboxState::Running);
+    service
+        .create_checkpoint(&s.id, CreateCheckpoint { name: "c".into() })
+        .expect_err("no snapshot written");
+    assert_eq!(service.store().interrupted_operations().unwrap(), []);
+    assert_eq!(service.store().list_checkpoints(&s.id).unwrap(), []);
+    let left: Vec<_> = std::fs::read_dir(service.sandbox_dir(&s.id))
+        .map(|d| d.map(|e| e.unwrap().file_name()).collect())
+        .unwrap_or_default();
+    assert!(
+        !left
+            .iter()
+            .any(|n| n.to_string_lossy().starts_with("ckpt-")),
+        "{left:?}"
+    );
+    assert_eq!(
+        service.get_sandbox(&s.id).unwrap().state,
+        SandboxState::Running
     );
 }

@@ -10,6 +10,7 @@
 mod balloon;
 pub mod cancel;
 mod checkpoint;
+mod conclude;
 pub mod guest;
 pub mod history;
 pub mod jail;

@@ -43,41 +43,6 @@ const QUEUE_POLL: Duration = Duration::from_millis(100);
 pub const DELETE_LOCK_WAIT: Duration = Duration::from_secs(10);
 
 impl Service {
-    /// How an operation journaled as begun ends: the one shape of create,
-    /// wake, hibernate, restore and fork. `work` is its long part (a
-    /// launch, a snapshot); on success `done` records its result, ending
-    /// the operation in that commit; on failure the operation is journaled
-    /// rolled back with `undo`'s compensating state change, and the error
-    /// returned.
-    pub(super) fn conclude<W, T>(
-        &self,
-        op: &crate::model::OperationId,
-        work: Result<W, ServiceError>,
-        done: impl FnOnce(W) -> Result<T, ServiceError>,
-        undo: impl FnOnce(&ServiceError) -> StateChange,
-    ) -> Result<T, ServiceError> {
-        match work {
-            Ok(w) => done(w),
-            Err(e) => {
-                let change = undo(&e);
-                self.roll_back(op, &change, e)
-            }
-        }
-    }
-
-    /// Journals `op` rolled back with its compensating state change, and
-    /// returns the error that caused it.
-    pub(super) fn roll_back<T>(
-        &self,
-        op: &crate::model::OperationId,
-        change: &StateChange,
-        e: ServiceError,
-    ) -> Result<T, ServiceError> {
-        self.store
-            .finish_operation(op, OperationStatus::RolledBack, None, Some(change))?;
-        Err(e)
-    }
-
     pub fn list_templates(&self) -> Result<Vec<Template>, ServiceError> {
         Ok(self.store.list_templates(false)?)
     }
@@ -725,7 +690,7 @@ impl Service {
                     self.metrics.hibernate_failed();
                     let _ = std::fs::remove_dir_all(&target);
                     let change = StateChange::failed(SandboxState::Hibernating, &e);
-                    return self.roll_back(&op.id, &change, e);
+                    return self.roll_back(&op.id, change, e);
                 }
                 let change = StateChange::new(SandboxState::Hibernating, SandboxState::Hibernated);
                 self.store

@@ -20,6 +20,7 @@ use super::linux::LINUX_CMDLINE;
 /// working set.
 pub const WORKING_SET_MS: u64 = 300;
 
+use super::conclude::Undo;
 use super::layers::template_files;
 use super::vmm::{self, VmmFiles};
 use super::{CreateTemplate, Service, ServiceError, PROBE_TEMPLATE};
@@ -153,9 +154,11 @@ impl Service {
             let layers: Vec<_> = chain.into_iter().map(|(dir, _)| dir).collect();
             self.seal_shared(&layers).map(|()| snapshot)
         });
-        match built {
-            // The snapshot, the state and the operation's end: one commit.
-            Ok(snapshot) => {
+        self.conclude(
+            &op.id,
+            built,
+            |snapshot| {
+                // The snapshot, the state and the operation's end: one commit.
                 self.store.write(|tx| {
                     tx.set_template_snapshot(&template.id, Some(&snapshot))?;
                     tx.set_template_state(&template.id, &TemplateState::Ready)?;
@@ -163,16 +166,10 @@ impl Service {
                     Ok(())
                 })?;
                 self.pool.want((template.mem_mib, template.vcpus));
-            }
-            Err(e) => {
-                self.store.write(|tx| {
-                    tx.set_template_state(&template.id, &TemplateState::Failed(e.to_string()))?;
-                    tx.finish_operation(&op.id, OperationStatus::RolledBack, None, None)
-                })?;
-                return Err(e);
-            }
-        }
-        Ok(self.store.get_template(&template.id)?)
+                Ok(self.store.get_template(&template.id)?)
+            },
+            |e| Undo::TemplateFailed(template.id.clone(), e.to_string()),
+        )
     }
 
     fn boot_and_snapshot(
