@@ -313,10 +313,13 @@ pub fn sandbox_filter(pairs: Vec<(String, String)>) -> Result<SandboxFilter, Api
                 // `metadata.KEY`, or OpenAPI's deepObject `metadata[KEY]`:
                 // everything between the first `[` and the last `]` is the
                 // key (deepObject has no escapes, and a metadata key may
-                // hold brackets).
+                // hold brackets), but not `][`, which is how a nested
+                // value (`metadata[k][0]=...`, not a string) reads: such a
+                // key is filtered by `metadata.KEY`.
                 let meta = key.strip_prefix("metadata.").or_else(|| {
                     key.strip_prefix("metadata[")
                         .and_then(|k| k.strip_suffix(']'))
+                        .filter(|k| !k.contains("]["))
                 });
                 let Some(meta) = meta.filter(|k| !k.is_empty()) else {
                     return Err(ApiError::invalid(format!(
@@ -383,6 +386,7 @@ mod tests {
             ("metadata.team", "ml"),
             ("metadata[user]", "ada"),
             ("metadata[3]!þ]", "x"),
+            ("metadata.a][b", "y"),
         ]))
         .unwrap();
         assert_eq!(
@@ -398,6 +402,7 @@ mod tests {
         assert_eq!(f.metadata["team"], "ml");
         assert_eq!(f.metadata["user"], "ada");
         assert_eq!(f.metadata["3]!þ"], "x");
+        assert_eq!(f.metadata["a][b"], "y");
         assert_eq!(sandbox_filter(vec![]).unwrap(), SandboxFilter::default());
     }
 
@@ -409,6 +414,8 @@ mod tests {
             pairs(&[("metadata.", "x")]),
             pairs(&[("metadata[]", "x")]),
             pairs(&[("metadata[k", "x")]),
+            // A nested deepObject value, not a string.
+            pairs(&[("metadata[k][0]", "x")]),
             pairs(&[("template", "a"), ("template", "b")]),
             pairs(&[("metadata.k", "a"), ("metadata.k", "b")]),
         ] {
