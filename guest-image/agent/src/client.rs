@@ -17,7 +17,7 @@ use crate::proto::{
     ResizeRequest, SignalRequest, SpawnRequest, WatchAddRequest, WatchEvents, WatchIdRequest,
 };
 use crate::proto::{
-    DirListing, ErrorReply, ExecRequest, ExitReply, FileData, FileStat, Hello, HelloReply,
+    DirListing, ErrorReply, ExecRequest, ExitReply, FileData, FileStat, FsStats, Hello, HelloReply,
     InfoReply, Op, PathRequest, ReadFileRequest, Reply, ReplyBody, Request, ResumedReply,
     ResumedRequest, StatRequest, WriteFileRequest, Written, MAX_IO_CHUNK, PROTOCOL_VERSION,
 };
@@ -426,6 +426,16 @@ impl<S: Read + Write> AgentClient<S> {
         });
         match self.call(op)? {
             ReplyBody::Stat(s) => Ok(s),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// `statfs` (1.4): the size and free space of the filesystem `path`
+    /// is on. An agent before 1.4 answers `ENOSYS` (`ClientError::Agent`).
+    /// The numbers are the guest's: a host must not trust them.
+    pub fn statfs(&mut self, path: &str) -> Result<FsStats, ClientError> {
+        match self.call(Op::Statfs(PathRequest { path: path.into() }))? {
+            ReplyBody::Statfs(s) => Ok(s),
             other => Err(unexpected(&other)),
         }
     }

@@ -1,10 +1,11 @@
 //! File operations: `read_file`, `write_file`, `list_dir`, `stat`, and
 //! (1.1) `mkdir`, `remove`, `rename`; entries carry (1.2) the whole
-//! `st_mode`, a symlink's resolved target and user metadata. Every
+//! `st_mode`, a symlink's resolved target and user metadata; (1.4)
+//! `statfs`, a filesystem's size and free space. Every
 //! failure is an [`ErrorReply`] naming the path; nothing here panics on input.
 
 use crate::proto::{
-    DirListing, ErrorReply, FileData, FileKind, FileStat, MkdirRequest, ReadFileRequest,
+    DirListing, ErrorReply, FileData, FileKind, FileStat, FsStats, MkdirRequest, ReadFileRequest,
     RenameRequest, StatRequest, WriteFileRequest, Written, MAX_DIR_ENTRIES, MAX_IO_CHUNK,
 };
 use std::fs::{self, File, Metadata, OpenOptions};
@@ -305,6 +306,34 @@ pub fn stat(req: &StatRequest) -> Result<FileStat, ErrorReply> {
     Ok(to_stat(name_of(path), &meta, path))
 }
 
+/// `statfs` (1.4): the size and free space of the filesystem `path` is
+/// on (`statvfs(3)`, counts times `f_frsize`, saturating).
+pub fn statfs(path: &str) -> Result<FsStats, ErrorReply> {
+    absolute(path)?;
+    let c = std::ffi::CString::new(path)
+        .map_err(|_| ErrorReply::new(libc::EINVAL, "path contains a NUL byte"))?;
+    // SAFETY: `struct statvfs` is plain integers: all-zero is a valid value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is NUL-terminated and `st` a writable statvfs that
+    // outlives the call.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(ErrorReply::io(path, &std::io::Error::last_os_error()));
+    }
+    // Old filesystems leave f_frsize 0: then the block size is the unit.
+    let unit = if st.f_frsize > 0 {
+        st.f_frsize as u64
+    } else {
+        st.f_bsize as u64
+    };
+    let bytes = |blocks: u64| blocks.saturating_mul(unit);
+    Ok(FsStats {
+        block_size: unit,
+        total_bytes: bytes(st.f_blocks as u64),
+        free_bytes: bytes(st.f_bfree as u64),
+        available_bytes: bytes(st.f_bavail as u64),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -319,6 +348,9 @@ mod tests {
         })
         .unwrap_err();
         assert_eq!(e.code, "EINVAL");
+        assert_eq!(statfs("tmp").unwrap_err().code, "EINVAL");
+        assert_eq!(statfs("/a\0b").unwrap_err().code, "EINVAL");
+        assert_eq!(statfs("/no/such/dir").unwrap_err().code, "ENOENT");
     }
 
     #[test]

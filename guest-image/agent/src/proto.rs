@@ -70,6 +70,8 @@ pub const KNOWN_OPS: &[&str] = &[
     "set_metadata",
     // 1.3
     "connect",
+    // 1.4
+    "statfs",
 ];
 
 /// The operations (`"op"` field).
@@ -127,6 +129,9 @@ pub enum Op {
     /// guest's loopback. → `connected`, then raw bytes both ways (no more
     /// frames); `ECONNREFUSED` when nothing listens there.
     Connect(ConnectRequest),
+    /// 1.4: the size and free space of the filesystem a path is on
+    /// (`statvfs`). → `statfs`
+    Statfs(PathRequest),
 }
 
 /// `connect` request (1.3).
@@ -226,7 +231,7 @@ pub struct WriteFileRequest {
     pub owner: Option<String>,
 }
 
-/// A request naming one path (`list_dir`).
+/// A request naming one path (`list_dir`, `remove`, 1.4 `statfs`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PathRequest {
     /// Absolute path.
@@ -321,6 +326,22 @@ pub enum ReplyBody {
     WatchEvents(WatchEvents),
     /// 1.3: to `connect`: the last frame; raw bytes follow.
     Connected,
+    /// 1.4: to `statfs`.
+    Statfs(FsStats),
+}
+
+/// `statfs` reply (1.4): `statvfs(3)` of the path, in bytes (block counts
+/// times the fragment size).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsStats {
+    /// The filesystem's fragment size (`f_frsize`), the unit of its counts.
+    pub block_size: u64,
+    /// Its size (`f_blocks`).
+    pub total_bytes: u64,
+    /// Free, including what only root may use (`f_bfree`).
+    pub free_bytes: u64,
+    /// Free for an unprivileged user (`f_bavail`).
+    pub available_bytes: u64,
 }
 
 /// `hello` reply.

@@ -493,6 +493,9 @@ impl Agent {
                 .map_or_else(ReplyBody::Error, ReplyBody::WatchEvents),
             Op::WatchRemove(req) => done(self.watches.remove(req.watch_id)),
             Op::SetMetadata(req) => done(crate::xattrs::set(&req)),
+            Op::Statfs(req) => {
+                files::statfs(&req.path).map_or_else(ReplyBody::Error, ReplyBody::Statfs)
+            }
             // Answered by the connection loop, which owns the connection.
             Op::Connect(_) => error(libc::EPROTO, "connect is handled by the connection"),
         };

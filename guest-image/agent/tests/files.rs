@@ -198,3 +198,62 @@ fn writes_go_to_the_owner_named() {
 fn code_of<T: std::fmt::Debug>(r: Result<T, ClientError>) -> String {
     agent_error(r).code
 }
+
+/// `statvfs(3)` of `path` on this side, as (fragment size, total, free,
+/// available) bytes.
+fn host_statvfs(path: &std::path::Path) -> (u64, u64, u64, u64) {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    // SAFETY: `struct statvfs` is plain integers: all-zero is a valid value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is NUL-terminated and `st` a writable statvfs that
+    // outlives the call.
+    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut st) }, 0);
+    let unit = if st.f_frsize > 0 {
+        st.f_frsize as u64
+    } else {
+        st.f_bsize as u64
+    };
+    (
+        unit,
+        st.f_blocks as u64 * unit,
+        st.f_bfree as u64 * unit,
+        st.f_bavail as u64 * unit,
+    )
+}
+
+/// `statfs` answers what `statvfs` says of the directory's filesystem:
+/// its size and block size exactly, its free space within what other
+/// writers on this machine change meanwhile.
+#[test]
+fn statfs_is_the_filesystems_size_and_free_space() {
+    let agent = default_agent();
+    let mut c = agent.client();
+    let dir = tempfile::tempdir().unwrap();
+    let before = host_statvfs(dir.path());
+    let got = c.statfs(dir.path().to_str().unwrap()).unwrap();
+    let after = host_statvfs(dir.path());
+    assert_eq!((got.block_size, got.total_bytes), (before.0, before.1));
+    assert!(got.total_bytes > 0, "{got:?}");
+    assert!(got.available_bytes <= got.free_bytes && got.free_bytes <= got.total_bytes);
+    // Others write on this machine: the free space moves a little.
+    const SLACK: u64 = 256 << 20;
+    let within = |v: u64, a: u64, b: u64| v + SLACK >= a.min(b) && v <= a.max(b) + SLACK;
+    assert!(
+        within(got.free_bytes, before.2, after.2),
+        "{got:?} {before:?} {after:?}"
+    );
+    assert!(
+        within(got.available_bytes, before.3, after.3),
+        "{got:?} {before:?} {after:?}"
+    );
+    // A file names the filesystem it is on, too.
+    std::fs::write(dir.path().join("f"), b"x").unwrap();
+    let file = c.statfs(&dir.file("f")).unwrap();
+    assert_eq!(file.total_bytes, got.total_bytes);
+
+    assert_eq!(agent_error(c.statfs("relative")).code, "EINVAL");
+    assert_eq!(agent_error(c.statfs(&dir.file("missing"))).code, "ENOENT");
+    // The connection goes on after errors.
+    c.ping().unwrap();
+}

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use torpor_agent::client::{connect_vsock, guest_text};
 pub use torpor_agent::proto::{
-    DirListing, ErrorReply, ExecRequest, ExitReply, FileKind, FileStat, ResumedReply,
+    DirListing, ErrorReply, ExecRequest, ExitReply, FileKind, FileStat, FsStats, ResumedReply,
 };
 use torpor_agent::proto::{ResumedRequest, Step, StepStatus};
 use torpor_agent::{AgentClient, ClientError, FrameError, DEFAULT_VSOCK_PORT};
@@ -86,6 +86,12 @@ pub enum GuestError {
 }
 
 impl GuestError {
+    /// Whether the agent does not know the operation (`ENOSYS`: an agent
+    /// older than the protocol version that added it).
+    pub fn is_unsupported(&self) -> bool {
+        matches!(self, GuestError::Agent { error, .. } if error.code == "ENOSYS")
+    }
+
     /// Whether this is the agent saying nothing listens on the port a
     /// `connect` asked for (E2B's "port is not open").
     pub fn is_port_closed(&self) -> bool {
@@ -210,6 +216,9 @@ pub struct AgentLink {
     pub file_limit: Duration,
     /// How long past its own timeout an exec may take in all.
     pub exec_slack: Duration,
+    /// Leave an unreachable agent unlogged (the caller logs it its own
+    /// way: the history sampler, at most once a minute per sandbox).
+    pub quiet: bool,
 }
 
 impl AgentLink {
@@ -220,6 +229,7 @@ impl AgentLink {
             port: DEFAULT_VSOCK_PORT,
             file_limit: FILE_LIMIT,
             exec_slack: EXEC_SLACK,
+            quiet: false,
         }
     }
 
@@ -238,12 +248,20 @@ impl AgentLink {
     /// A raw stream to the agent's port, before the agent protocol's
     /// greeting (the pod's end of a tunnel: the far side greets).
     pub fn connect_raw(&self) -> Result<UnixStream, GuestError> {
+        self.connect_raw_within(HANDSHAKE_LIMIT)
+    }
+
+    /// [`Self::connect_raw`], each read and write of the vsock handshake
+    /// waiting at most `limit`.
+    fn connect_raw_within(&self, limit: Duration) -> Result<UnixStream, GuestError> {
         match &self.route {
             // The socket's path is the host's: logged, never in the error,
             // which reaches API clients.
-            Route::Vsock(uds) => connect_vsock(uds, self.port, HANDSHAKE_LIMIT).map_err(|e| {
+            Route::Vsock(uds) => connect_vsock(uds, self.port, limit).map_err(|e| {
                 tracing::debug!(sandbox = %self.id, socket = %uds.display(), error = %e, "agent connect");
-                log_unreachable(&self.id, uds, &e);
+                if !self.quiet {
+                    log_unreachable(&self.id, uds, &e);
+                }
                 self.unreachable(format!("its vsock: {e}"))
             }),
             Route::Dial { what, dial } => {
@@ -302,7 +320,11 @@ impl AgentLink {
         cancel: &Cancel,
     ) -> Result<AgentClient<GuestStream>, GuestError> {
         let deadline = limit.map(|l| Instant::now() + l);
-        let stream = self.connect_raw()?;
+        // The handshake is part of the deadline too: a short one (a
+        // sample's `statfs`) must not wait the whole handshake limit.
+        let stream = self.connect_raw_within(limit.map_or(HANDSHAKE_LIMIT, |l| {
+            l.min(HANDSHAKE_LIMIT).max(Duration::from_millis(1))
+        }))?;
         cancel.attach(&stream).map_err(|e| self.unreachable(e))?;
         AgentClient::connect(GuestStream::new(stream, deadline), CLIENT_NAME)
             .map_err(|e| self.client_error(e, limit))
@@ -451,6 +473,18 @@ impl AgentLink {
         client
             .list_dir(path)
             .map_err(|e| self.client_error(e, Some(self.file_limit)))
+    }
+
+    /// The size and free space of the guest's filesystem at `path` (the
+    /// agent's `statfs`, protocol 1.4), connection, greeting and answer
+    /// within `limit` in all. An older agent is `GuestError::Agent` with
+    /// `ENOSYS` ([`GuestError::is_unsupported`]). The numbers are the
+    /// guest's: untrusted.
+    pub fn statfs(&self, path: &str, limit: Duration) -> Result<FsStats, GuestError> {
+        let mut client = self.connect(Some(limit))?;
+        client
+            .statfs(path)
+            .map_err(|e| self.client_error(e, Some(limit)))
     }
 
     /// The post-restore hook: the host's wall clock, the RNG reseeded from

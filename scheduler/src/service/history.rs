@@ -2,7 +2,10 @@
 //! sandbox ([`MAX_SAMPLES`] samples, one every [`SAMPLE_INTERVAL_MS`] by
 //! default: the last two hours), taken by the history thread from what
 //! the pod already measures (its VMM's CPU time in `/proc/PID/stat`, the
-//! guest's balloon statistics or the VMM's PSS, the template's rootfs).
+//! guest's balloon statistics or the VMM's PSS) and, for a Linux guest,
+//! its root filesystem's use as its agent's `statfs` says (within
+//! [`DISK_LIMIT`], clamped to the disk's size; else the template's rootfs
+//! size).
 //! Read by `GET /v1/sandboxes/{id}/metrics` and E2B's
 //! `GET /sandboxes/{id}/metrics`. In memory only: a restarted service
 //! starts every history again, and a deleted sandbox's goes with it.
@@ -14,8 +17,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::guest::{AgentLink, FsStats, VSOCK_FILE};
 use super::{vmm, Service, ServiceError};
-use crate::model::{Sandbox, SandboxId, Timestamp};
+use crate::model::{Sandbox, SandboxId, TemplateKind, Timestamp, VmmHandle};
 use crate::state::SandboxState;
 use crate::store::SandboxFilter;
 use torpor_sync::Locked;
@@ -24,6 +28,20 @@ use torpor_sync::Locked;
 pub const SAMPLE_INTERVAL_MS: u64 = 5_000;
 /// Samples kept per sandbox (the oldest go first).
 pub const MAX_SAMPLES: usize = 1440;
+/// Longest a sample waits for the guest's disk use (the agent's `statfs`:
+/// connection, greeting and answer), so that a slow or hostile guest
+/// cannot hold up the sampling of the others.
+pub const DISK_LIMIT: Duration = Duration::from_millis(500);
+/// Of [`DISK_LIMIT`], the longest a sample waits for the sandbox's lock
+/// (an operation working on it holds it).
+const DISK_LOCK_WAIT: Duration = Duration::from_millis(100);
+/// A sandbox's failed disk reads are logged at most this often (ms).
+const DISK_WARN_EVERY_MS: i64 = 60_000;
+/// After a disk read that failed slowly (it took half of [`DISK_LIMIT`]
+/// or more: a guest that does not answer), that sandbox's samples do not
+/// ask again for this long (ms), so that such a guest costs the sampler
+/// [`DISK_LIMIT`] once in a while, not at every sample.
+const DISK_RETRY_MS: i64 = 30_000;
 
 /// One sample of a sandbox's resource use.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -41,8 +59,13 @@ pub struct MetricSample {
     pub mem_used_bytes: u64,
     /// The sandbox's memory.
     pub mem_total_bytes: u64,
-    /// Its root filesystem's size (usage inside the guest is not measured).
+    /// What the guest's root filesystem uses (its agent's `statfs("/")`:
+    /// total less free); without an answer (no agent, an agent before
+    /// protocol 1.4, a failure or the time limit) the template's rootfs
+    /// size, as the total.
     pub disk_used_bytes: u64,
+    /// The guest's root filesystem's size (at most the disk's on the
+    /// host); without an answer, the template's rootfs size.
     pub disk_total_bytes: u64,
 }
 
@@ -53,6 +76,13 @@ struct Series {
     samples: VecDeque<MetricSample>,
     /// (pid, CPU seconds, when) at the last sample.
     last_cpu: Option<(u32, f64, Timestamp)>,
+    /// The VMM (pid) whose agent answered `statfs` with `ENOSYS`: not
+    /// asked again while that VMM runs.
+    statfs_unsupported: Option<u32>,
+    /// When a failed disk read was last logged.
+    disk_warned_at: Option<Timestamp>,
+    /// No disk read before then (a guest that did not answer in time).
+    disk_retry_at: Option<Timestamp>,
 }
 
 /// The histories of the pod's sandboxes.
@@ -140,6 +170,57 @@ impl History {
         Some(((cpu_seconds - last_s) / wall / f64::from(vcpus.max(1)) * 100.0).clamp(0.0, 100.0))
     }
 
+    /// Whether the agent of `id`'s VMM `pid` said it has no `statfs`.
+    fn statfs_unsupported(&self, id: &SandboxId, pid: u32) -> bool {
+        self.series
+            .locked()
+            .get(id)
+            .is_some_and(|s| s.statfs_unsupported == Some(pid))
+    }
+
+    /// Whether `id`'s guest may be asked for its disk use at `now` (not
+    /// while it backs off from a read that timed out).
+    fn may_read_disk(&self, id: &SandboxId, now: Timestamp) -> bool {
+        self.series
+            .locked()
+            .get(id)
+            .and_then(|s| s.disk_retry_at)
+            .is_none_or(|at| now.0 >= at.0)
+    }
+
+    /// Backs `id`'s disk reads off for [`DISK_RETRY_MS`] from `now`.
+    fn back_off_disk(&self, id: &SandboxId, now: Timestamp) {
+        self.series
+            .locked()
+            .entry(id.clone())
+            .or_default()
+            .disk_retry_at = Some(Timestamp(now.0.saturating_add(DISK_RETRY_MS)));
+    }
+
+    /// Remembers that the agent of `id`'s VMM `pid` has no `statfs`.
+    fn set_statfs_unsupported(&self, id: &SandboxId, pid: u32) {
+        self.series
+            .locked()
+            .entry(id.clone())
+            .or_default()
+            .statfs_unsupported = Some(pid);
+    }
+
+    /// Whether a failed disk read of `id` may be logged at `now` (at most
+    /// once every [`DISK_WARN_EVERY_MS`]); if so, counts it as logged.
+    fn may_warn_disk(&self, id: &SandboxId, now: Timestamp) -> bool {
+        let mut all = self.series.locked();
+        let series = all.entry(id.clone()).or_default();
+        if series
+            .disk_warned_at
+            .is_some_and(|at| now.0.saturating_sub(at.0) < DISK_WARN_EVERY_MS)
+        {
+            return false;
+        }
+        series.disk_warned_at = Some(now);
+        true
+    }
+
     /// Forgets `id`'s history (a deleted sandbox).
     pub fn forget(&self, id: &SandboxId) {
         self.series.locked().remove(id);
@@ -175,24 +256,86 @@ impl Service {
             .or_else(|| vmm::usage(handle, s.vcpus).map(|u| u.cpu_used_pct))
             .unwrap_or(0.0);
         let memory = self.read_memory(s)?;
-        let disk = self
-            .store
-            .get_template(&s.template)
-            .ok()
-            .and_then(|t| t.rootfs)
+        let template = self.store.get_template(&s.template).ok();
+        // The guest's disk is the template's rootfs (under its overlay).
+        let rootfs = template
+            .as_ref()
+            .and_then(|t| t.rootfs.as_ref())
             .and_then(|p| std::fs::metadata(p).ok())
-            .map_or(0, |m| m.len());
+            .map(|m| m.len());
+        let (disk_used_bytes, disk_total_bytes) = template
+            .filter(|t| t.kind == TemplateKind::Linux)
+            .and_then(|_| self.guest_disk(s, handle, rootfs))
+            .unwrap_or((rootfs.unwrap_or(0), rootfs.unwrap_or(0)));
         let sample = MetricSample {
             at: now,
             cpu_count: s.vcpus,
             cpu_used_pct,
             mem_used_bytes: memory.guest_used_bytes.unwrap_or(memory.pss_bytes),
             mem_total_bytes: u64::from(s.mem_mib) << 20,
-            disk_used_bytes: disk,
-            disk_total_bytes: disk,
+            disk_used_bytes,
+            disk_total_bytes,
         };
         self.history.record(&s.id, sample.clone());
         Some(sample)
+    }
+
+    /// The guest's root filesystem (used, total) as its agent's `statfs`
+    /// says, within [`DISK_LIMIT`] and clamped ([`clamp_disk`]) to the
+    /// disk's size on the host (`disk_bytes`, when known). `None` (the
+    /// sample keeps the rootfs size) when the sandbox is no longer
+    /// running on VMM `handle`, an operation holds it, its agent is older
+    /// than `statfs` (remembered for that VMM) or fails; a failure is
+    /// logged at most once a minute per sandbox, and one that took half
+    /// the limit or more is not retried for [`DISK_RETRY_MS`]. The call
+    /// neither wakes the sandbox nor counts as its activity.
+    fn guest_disk(
+        &self,
+        s: &Sandbox,
+        handle: &VmmHandle,
+        disk_bytes: Option<u64>,
+    ) -> Option<(u64, u64)> {
+        if self.history.statfs_unsupported(&s.id, handle.pid)
+            || !self.history.may_read_disk(&s.id, Timestamp::now())
+        {
+            return None;
+        }
+        let started = std::time::Instant::now();
+        {
+            // Still running on the same VMM, and no operation (a pause, a
+            // hibernation, a delete) working on it right now.
+            let _guard = self.locks.lock_within(&s.id, DISK_LOCK_WAIT)?;
+            let now = self.store.get_sandbox(&s.id).ok()?;
+            if now.state != SandboxState::Running
+                || now.vmm.as_ref().map(|h| h.pid) != Some(handle.pid)
+            {
+                return None;
+            }
+        }
+        let mut link = AgentLink::new(s.id.as_str(), self.sandbox_dir(&s.id).join(VSOCK_FILE));
+        link.quiet = true;
+        let limit = DISK_LIMIT.saturating_sub(started.elapsed());
+        match link.statfs("/", limit) {
+            Ok(st) => Some(clamp_disk(&st, disk_bytes)),
+            Err(e) if e.is_unsupported() => {
+                tracing::debug!(sandbox = %s.id, "its agent has no statfs: disk use not measured");
+                self.history.set_statfs_unsupported(&s.id, handle.pid);
+                None
+            }
+            Err(e) => {
+                if started.elapsed() >= DISK_LIMIT / 2 {
+                    self.history.back_off_disk(&s.id, Timestamp::now());
+                }
+                if self.history.may_warn_disk(&s.id, Timestamp::now()) {
+                    tracing::warn!(
+                        sandbox = %s.id,
+                        error = %e,
+                        "cannot read the guest's disk use (logged at most once a minute)"
+                    );
+                }
+                None
+            }
+        }
     }
 
     /// One round of the history thread: a sample of every running
@@ -247,6 +390,16 @@ impl Service {
     }
 }
 
+/// (used, total) bytes of a guest's filesystem from its `statfs`, which
+/// the guest may lie in: the total is at most `disk_bytes` (the disk's
+/// size on the host, when known), the used part (total less free) at most
+/// the total.
+fn clamp_disk(st: &FsStats, disk_bytes: Option<u64>) -> (u64, u64) {
+    let total = disk_bytes.map_or(st.total_bytes, |d| st.total_bytes.min(d));
+    let used = st.total_bytes.saturating_sub(st.free_bytes).min(total);
+    (used, total)
+}
+
 /// Starts the history thread (every `history_interval_ms`); it ends when
 /// the service is dropped or closed.
 pub(super) fn start(service: &Arc<Service>) {
@@ -269,6 +422,10 @@ pub(super) fn start(service: &Arc<Service>) {
         tracing::warn!("cannot start the history thread: {e}");
     }
 }
+
+#[cfg(test)]
+#[path = "history_tests.rs"]
+mod disk_tests;
 
 #[cfg(test)]
 mod tests {
