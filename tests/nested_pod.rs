@@ -91,7 +91,8 @@ fn wait_line(
             return l.to_string();
         }
         assert!(
-            !text.contains("Linux templates are unavailable"),
+            !text.contains("Linux templates are unavailable")
+                && !text.contains("the nested pod could not build"),
             "the nested pod failed:\n{text}"
         );
         if let Ok(Some(status)) = serve.try_wait() {
