@@ -35,6 +35,11 @@ pub const DISK_LIMIT: Duration = Duration::from_millis(500);
 /// Of [`DISK_LIMIT`], the longest a sample waits for the sandbox's lock
 /// (an operation working on it holds it).
 const DISK_LOCK_WAIT: Duration = Duration::from_millis(100);
+/// A guest's disk use is read at most this often (ms); the samples in
+/// between repeat the last reading. Every read is an agent connection that
+/// wakes the guest, and a filesystem's use moves slowly: once a minute
+/// keeps an idle sandbox idle.
+pub const DISK_EVERY_MS: i64 = 60_000;
 /// A sandbox's failed disk reads are logged at most this often (ms).
 const DISK_WARN_EVERY_MS: i64 = 60_000;
 /// After a disk read that failed slowly (it took half of [`DISK_LIMIT`]
@@ -83,6 +88,8 @@ struct Series {
     disk_warned_at: Option<Timestamp>,
     /// No disk read before then (a guest that did not answer in time).
     disk_retry_at: Option<Timestamp>,
+    /// The last reading of the guest's disk (used, total) and when.
+    disk_read: Option<((u64, u64), Timestamp)>,
 }
 
 /// The histories of the pod's sandboxes.
@@ -197,6 +204,26 @@ impl History {
             .disk_retry_at = Some(Timestamp(now.0.saturating_add(DISK_RETRY_MS)));
     }
 
+    /// `id`'s last disk reading, if it is younger than [`DISK_EVERY_MS`]
+    /// at `now`.
+    fn recent_disk(&self, id: &SandboxId, now: Timestamp) -> Option<(u64, u64)> {
+        self.series
+            .locked()
+            .get(id)
+            .and_then(|s| s.disk_read)
+            .filter(|(_, at)| now.0.saturating_sub(at.0) < DISK_EVERY_MS)
+            .map(|(disk, _)| disk)
+    }
+
+    /// Keeps `disk` as `id`'s last reading, taken at `now`.
+    fn set_disk_read(&self, id: &SandboxId, disk: (u64, u64), now: Timestamp) {
+        self.series
+            .locked()
+            .entry(id.clone())
+            .or_default()
+            .disk_read = Some((disk, now));
+    }
+
     /// Remembers that the agent of `id`'s VMM `pid` has no `statfs`.
     fn set_statfs_unsupported(&self, id: &SandboxId, pid: u32) {
         self.series
@@ -287,7 +314,8 @@ impl Service {
     /// running on VMM `handle`, an operation holds it, its agent is older
     /// than `statfs` (remembered for that VMM) or fails; a failure is
     /// logged at most once a minute per sandbox, and one that took half
-    /// the limit or more is not retried for [`DISK_RETRY_MS`]. The call
+    /// the limit or more is not retried for [`DISK_RETRY_MS`]. A reading
+    /// younger than [`DISK_EVERY_MS`] is repeated without asking. The call
     /// neither wakes the sandbox nor counts as its activity.
     fn guest_disk(
         &self,
@@ -295,6 +323,9 @@ impl Service {
         handle: &VmmHandle,
         disk_bytes: Option<u64>,
     ) -> Option<(u64, u64)> {
+        if let Some(disk) = self.history.recent_disk(&s.id, Timestamp::now()) {
+            return Some(disk);
+        }
         if self.history.statfs_unsupported(&s.id, handle.pid)
             || !self.history.may_read_disk(&s.id, Timestamp::now())
         {
@@ -316,7 +347,11 @@ impl Service {
         link.quiet = true;
         let limit = DISK_LIMIT.saturating_sub(started.elapsed());
         match link.statfs("/", limit) {
-            Ok(st) => Some(clamp_disk(&st, disk_bytes)),
+            Ok(st) => {
+                let disk = clamp_disk(&st, disk_bytes);
+                self.history.set_disk_read(&s.id, disk, Timestamp::now());
+                Some(disk)
+            }
             Err(e) if e.is_unsupported() => {
                 tracing::debug!(sandbox = %s.id, "its agent has no statfs: disk use not measured");
                 self.history.set_statfs_unsupported(&s.id, handle.pid);

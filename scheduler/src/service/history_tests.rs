@@ -207,6 +207,40 @@ fn the_disk_use_is_the_guests_root_filesystem_from_its_agent() {
     assert_eq!(history.first().map(disk), Some(disk(&sample)));
 }
 
+/// A reading is repeated for a minute without asking the guest again
+/// (each read wakes it); an older one is read afresh.
+#[test]
+fn the_guest_is_asked_at_most_once_a_minute() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_d, service, _vmm, s) = running_linux(Some(rootfs(dir.path())));
+    let honest = FsStats {
+        block_size: 4096,
+        total_bytes: ROOTFS,
+        free_bytes: ROOTFS / 2,
+        available_bytes: ROOTFS / 2,
+    };
+    let seen = stand_in(&service, &s, Guest::Answer(honest));
+    let first = service.sample_history(&s).expect("a sample");
+    let second = service.sample_history(&s).expect("a sample");
+    assert_eq!(disk(&first), (ROOTFS / 2, ROOTFS));
+    assert_eq!(disk(&first), disk(&second));
+    assert_eq!(seen.statfs.load(Ordering::SeqCst), 1);
+    // A minute later (the reading aged), the guest is asked again.
+    service
+        .history
+        .series
+        .locked()
+        .get_mut(&s.id)
+        .unwrap()
+        .disk_read
+        .as_mut()
+        .unwrap()
+        .1
+         .0 -= DISK_EVERY_MS;
+    service.sample_history(&s).expect("a sample");
+    assert_eq!(seen.statfs.load(Ordering::SeqCst), 2);
+}
+
 /// The guest's numbers are clamped: its filesystem is no larger than its
 /// disk on the host, and it uses no more than it has.
 #[test]
