@@ -304,6 +304,17 @@ fn console_tail(path: &Path) -> String {
     vmm::log_tail(path)
 }
 
+/// What the VMM's log says ended the guest, if it did (its own words are
+/// kept out: they may name the host's paths): a triple fault or reset
+/// shows as the agent's connection closing, which explains nothing.
+fn guest_end(files: &VmmFiles) -> &'static str {
+    if vmm::log_tail(&files.log).contains("the guest shut down (KVM_EXIT_SHUTDOWN") {
+        "; the guest shut down (a triple fault or a reset, says its VMM)"
+    } else {
+        ""
+    }
+}
+
 /// Runs the guest's [`READY_CHECK`], if it has one, until it exits (its
 /// connection is closed when this returns); a failure or a timeout fails
 /// the build with its output.
@@ -321,7 +332,8 @@ fn wait_ready_check(link: &AgentLink, files: &VmmFiles) -> Result<(), ServiceErr
     let started = std::time::Instant::now();
     let out = link.exec(req, &super::Cancel::default()).map_err(|e| {
         ServiceError::Internal(format!(
-            "the template's readiness check {READY_CHECK} did not run: {e}; console: {}",
+            "the template's readiness check {READY_CHECK} did not run: {e}{}; console: {}",
+            guest_end(files),
             console_tail(&files.console)
         ))
     })?;
@@ -347,4 +359,27 @@ fn wait_ready_check(link: &AgentLink, files: &VmmFiles) -> Result<(), ServiceErr
         "the template's readiness check {READY_CHECK} {how}: {said}; console: {}",
         console_tail(&files.console)
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_guest_that_shut_down_is_named_without_the_vmms_words() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = VmmFiles::in_dir(dir.path());
+        assert_eq!(guest_end(&files), "", "no log");
+        std::fs::write(&files.log, "WARN vsock: /secret/host/path unanswered\n").unwrap();
+        assert_eq!(guest_end(&files), "");
+        std::fs::write(
+            &files.log,
+            "WARN torpor_vmm::vstate::vcpu: the guest shut down (KVM_EXIT_SHUTDOWN: a triple \
+             fault or a reset) vcpu=0 rip=0xfff0 /secret/host/path\n",
+        )
+        .unwrap();
+        let said = guest_end(&files);
+        assert!(said.contains("the guest shut down"), "{said}");
+        assert!(!said.contains("/secret"), "{said}");
+    }
 }
