@@ -484,8 +484,13 @@ impl SandboxApi for Service {
     fn files(&self, id: &SandboxId, op: FileOp<'_>) -> Result<GuestCall<FileReply>, ServiceError> {
         Ok(match op {
             FileOp::Read { path } => map_call(Service::read_file(self, id, path)?, FileReply::Read),
-            FileOp::Write { path, data, mode } => map_call(
-                Service::write_file(self, id, path, data, mode)?,
+            FileOp::Write {
+                path,
+                data,
+                mode,
+                owner,
+            } => map_call(
+                Service::write_file_as(self, id, path, data, mode, owner)?,
                 FileReply::Written,
             ),
             FileOp::List { path } => map_call(Service::list_dir(self, id, path)?, FileReply::List),

@@ -100,11 +100,14 @@ pub enum ImageReply {
 pub enum FileOp<'a> {
     /// The file's bytes (at most [`MAX_READ_BYTES`]).
     Read { path: &'a str },
-    /// Writes (replaces) the file, creating missing parents.
+    /// Writes (replaces) the file, creating missing parents; with an
+    /// `owner`, the file and the parents it creates are that user's
+    /// (agent 1.4).
     Write {
         path: &'a str,
         data: &'a [u8],
         mode: Option<u32>,
+        owner: Option<&'a str>,
     },
     /// The directory's entries.
     List { path: &'a str },
@@ -124,9 +127,12 @@ impl FileOp<'_> {
     pub fn run(self, link: &AgentLink) -> Result<FileReply, GuestError> {
         Ok(match self {
             FileOp::Read { path } => FileReply::Read(link.read_file(path, MAX_READ_BYTES)?),
-            FileOp::Write { path, data, mode } => {
-                FileReply::Written(link.write_file(path, data, mode)?)
-            }
+            FileOp::Write {
+                path,
+                data,
+                mode,
+                owner,
+            } => FileReply::Written(link.write_file_as(path, data, mode, owner)?),
             FileOp::List { path } => FileReply::List(link.list_dir(path)?),
         })
     }
@@ -378,7 +384,27 @@ pub trait SandboxCalls {
     where
         Self: SandboxApi,
     {
-        let op = FileOp::Write { path, data, mode };
+        self.write_file_as(id, path, data, mode, None)
+    }
+    /// [`Self::write_file`] whose file, and the parents it creates, go to
+    /// `owner`.
+    fn write_file_as(
+        &self,
+        id: &SandboxId,
+        path: &str,
+        data: &[u8],
+        mode: Option<u32>,
+        owner: Option<&str>,
+    ) -> Result<GuestCall<u64>, ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        let op = FileOp::Write {
+            path,
+            data,
+            mode,
+            owner,
+        };
         value_of(self.files(id, op)?, "write", |r| match r {
             FileReply::Written(size) => Some(size),
             _ => None,

@@ -28,7 +28,7 @@ pub struct ProcessIdentity {
 pub enum NotThatProcess {
     #[error("process {pid} is gone")]
     Gone { pid: u32 },
-    #[error("process {pid} has exited (a zombie)")]
+    #[error("process {pid} has exited (a zombie, or on its way out)")]
     Exited { pid: u32 },
     #[error("the machine rebooted since process {pid} was recorded")]
     Rebooted { pid: u32 },
@@ -127,6 +127,11 @@ impl ProcessIdentity {
             return Err(NotThatProcess::Exited { pid });
         }
         let args = cmdline(pid).ok_or(NotThatProcess::Gone { pid })?;
+        // An empty command line of the recorded process (same start): it is
+        // exiting, its memory already gone, before it shows as a zombie.
+        if args.is_empty() && !self.cmdline.is_empty() {
+            return Err(NotThatProcess::Exited { pid });
+        }
         if args != self.cmdline {
             return Err(NotThatProcess::OtherCommand {
                 pid,

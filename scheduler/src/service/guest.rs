@@ -713,7 +713,20 @@ impl Service {
         data: &[u8],
         mode: Option<u32>,
     ) -> Result<GuestCall<u64>, ServiceError> {
-        self.with_agent(id, |link, _| link.write_file(path, data, mode))
+        self.write_file_as(id, path, data, mode, None)
+    }
+
+    /// [`Self::write_file`] whose file, and the parents it creates, go to
+    /// `owner` (agent 1.4).
+    pub fn write_file_as(
+        &self,
+        id: &SandboxId,
+        path: &str,
+        data: &[u8],
+        mode: Option<u32>,
+        owner: Option<&str>,
+    ) -> Result<GuestCall<u64>, ServiceError> {
+        self.with_agent(id, |link, _| link.write_file_as(path, data, mode, owner))
     }
 
     pub fn list_dir(

@@ -277,18 +277,19 @@ pub fn metadata_of(headers: &HeaderMap) -> Result<BTreeMap<String, String>, E2bE
 /// Writes an upload as envd does: the file, and the directories made for
 /// it, belong to the request's user (`user` by default; when the guest has
 /// no such default user, to the agent's own).
-fn write_owned(
-    link: &AgentLink,
+fn write_owned<S: SandboxApi>(
+    s: &S,
+    id: &SandboxId,
     path: &str,
     data: &[u8],
     user: Option<&str>,
-) -> Result<(), GuestError> {
+) -> Result<(), ServiceError> {
     let owner = user.unwrap_or(DEFAULT_USER);
-    match link.write_file_as(path, data, None, Some(owner)) {
-        Err(GuestError::Agent { error, .. })
+    match s.write_file_as(id, path, data, None, Some(owner)) {
+        Err(ServiceError::Guest(GuestError::Agent { error, .. }))
             if user.is_none() && super::rpc::unknown_user(&error) =>
         {
-            link.write_file(path, data, None).map(drop)
+            s.write_file(id, path, data, None).map(drop)
         }
         r => r.map(drop),
     }
@@ -401,9 +402,9 @@ pub async fn upload<S: SandboxApi>(
         let _wake = super::wake_ticket(s, &tenancy, &id)?;
         let mut written = Vec::with_capacity(files.len());
         for (path, data) in files {
+            write_owned(s, &id, &path, &data, user.as_deref())?;
             let mut kept = BTreeMap::new();
             s.with_guest(&id, &mut |link| {
-                write_owned(link, &path, &data, user.as_deref())?;
                 kept = store_metadata(link, &path, &metadata)?;
                 Ok(())
             })?;
