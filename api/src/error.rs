@@ -557,6 +557,7 @@ mod tests {
     fn memory_pressure_is_a_429_rate_limit_with_retry_after() {
         let api = ApiError::from(ServiceError::Pressure {
             resident_mib: 700,
+            asked_mib: 64,
             hard_mib: 650,
             retry_after_s: 1,
         });

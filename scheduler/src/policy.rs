@@ -93,27 +93,34 @@ pub fn pressure(memory_bytes: u64, high: f64, resident_bytes: u64) -> Pressure {
     }
 }
 
-/// A create or wake refused past the hard mark: resident and hard mark,
-/// in MiB.
+/// A create or wake refused by the pressure gate: resident memory, what
+/// the sandbox is expected to hold, and the hard mark, in MiB.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PressureRefusal {
     pub resident_mib: u64,
+    pub asked_mib: u64,
     pub hard_mib: u64,
 }
 
 /// Whether a create or wake may start with `resident_bytes` resident on a
-/// pod of `memory_bytes` whose high watermark is `high`: refused past the
-/// hard mark (the API answers 429 `rate_limited` with `Retry-After`).
+/// pod of `memory_bytes` whose high watermark is `high`, when the sandbox
+/// it starts is expected to hold `expected_bytes` once settled: refused
+/// when the two together would pass the hard mark (the API answers 429
+/// `rate_limited` with `Retry-After`), so that admitted work alone never
+/// takes the pod past it.
 pub fn pressure_gate(
     memory_bytes: u64,
     high: f64,
     resident_bytes: u64,
+    expected_bytes: u64,
 ) -> Result<(), PressureRefusal> {
-    if pressure(memory_bytes, high, resident_bytes) != Pressure::Hard {
+    let after = resident_bytes.saturating_add(expected_bytes);
+    if pressure(memory_bytes, high, after) != Pressure::Hard {
         return Ok(());
     }
     Err(PressureRefusal {
         resident_mib: resident_bytes >> 20,
+        asked_mib: expected_bytes.div_ceil(1 << 20),
         hard_mib: (memory_bytes as f64 * Marks::of(high).hard) as u64 >> 20,
     })
 }
@@ -447,9 +454,14 @@ mod tests {
         assert_eq!(pressure(GIB, 0.9, GIB * 9 / 10), Pressure::Normal);
         assert_eq!(pressure(GIB, 0.9, GIB * 92 / 100), Pressure::High);
         assert_eq!(pressure(GIB, 0.9, GIB * 96 / 100), Pressure::Hard);
-        assert!(pressure_gate(GIB, 0.9, GIB * 92 / 100).is_ok());
-        let r = pressure_gate(GIB, 0.9, GIB * 96 / 100).unwrap_err();
-        assert_eq!((r.resident_mib, r.hard_mib), (983, 972));
+        assert!(pressure_gate(GIB, 0.9, GIB * 92 / 100, 0).is_ok());
+        let r = pressure_gate(GIB, 0.9, GIB * 96 / 100, 0).unwrap_err();
+        assert_eq!((r.resident_mib, r.asked_mib, r.hard_mib), (983, 0, 972));
+        // What the sandbox will hold counts: 92 % resident and 4 % asked
+        // would pass the hard mark of 95 %, 2 % would not.
+        assert!(pressure_gate(GIB, 0.9, GIB * 92 / 100, GIB * 2 / 100).is_ok());
+        let r = pressure_gate(GIB, 0.9, GIB * 92 / 100, GIB * 4 / 100).unwrap_err();
+        assert_eq!((r.resident_mib, r.asked_mib, r.hard_mib), (942, 41, 972));
     }
 
     #[test]

@@ -18,9 +18,10 @@
 //!   policy rounds. Admission counts sizes, as the service does.
 //! - A request to a hibernated sandbox wakes it (a wake the pod cannot
 //!   admit is refused, as the service answers 429; so is a create or wake
-//!   while resident memory is past the hard mark,
-//!   [`policy::pressure_gate`]); requests that arrive while a sandbox is
-//!   being created, woken or hibernated wait for it.
+//!   whose sandbox, at what a running one of its size holds, would take
+//!   resident memory past the hard mark, [`policy::pressure_gate`]);
+//!   requests that arrive while a sandbox is being created, woken or
+//!   hibernated wait for it.
 //! - A setting whose resident memory would exceed the pod's RAM is
 //!   infeasible (a real pod would swap or OOM-kill): [`Outcome::infeasible`]
 //!   says why, and the plan never recommends or names it.
@@ -216,10 +217,23 @@ impl SimPod<'_> {
     /// Whether a create or wake of `mem_mib` may start: the pressure gate,
     /// then admission, as the service checks them.
     fn admit(&mut self, mem_mib: u32) -> bool {
+        // What the new sandbox will hold, as the service expects it: the
+        // most a running one of its template holds (a trace names no
+        // template: one of its size), else what a fresh one holds (the
+        // service, which cannot know, takes its size).
+        let expected_mib = self
+            .boxes
+            .iter()
+            .filter(|b| b.live && HOLDING_VMM.contains(&b.sandbox.state))
+            .filter(|b| b.sandbox.mem_mib == mem_mib)
+            .map(|b| b.resident_mib)
+            .reduce(f64::max)
+            .unwrap_or(self.cal.fresh_pss_mib.min(f64::from(mem_mib)));
         let gate = policy::pressure_gate(
             self.shape.memory_mib << 20,
             self.setting.high_watermark,
             (self.resident_now.max(0.0) * 1048576.0) as u64,
+            (expected_mib.max(0.0) * 1048576.0) as u64,
         );
         if gate.is_err() {
             self.out.pressure_refusals += 1;

@@ -30,6 +30,7 @@ use torpor_vmm_api::control::Request;
 use super::conclude::Undo;
 use super::layers::{commit_layer, diff_allowed, parent_checkpoint};
 use super::lifetime::{check_lifetimes, expiry};
+use super::resident::Ask;
 use super::{vmm, Outcome, Service, ServiceError, LOCAL_POD};
 use crate::model::{Checkpoint, CheckpointId, PodId, Sandbox, SandboxId, Timestamp};
 use crate::state::SandboxState;
@@ -242,7 +243,7 @@ impl Service {
         };
         // A hibernated sandbox's memory counts again once it is resuming.
         let op = if from == SandboxState::Hibernated {
-            self.admit_with(sandbox.mem_mib, false, begin)?
+            self.admit_with(Ask::sandbox(&sandbox), false, begin)?
         } else {
             self.store.write(begin)?
         };
@@ -298,7 +299,7 @@ impl Service {
         let source = self.store.get_sandbox(id)?;
         // Early, so that a full pod refuses before a snapshot is taken; the
         // admission that counts is the fork's insert below.
-        self.admit(source.mem_mib, req.queue)?;
+        self.admit(Ask::sandbox(&source), req.queue)?;
         let source_guard = self.lock_sandbox(id)?;
         let source = self.store.get_sandbox(id)?;
         let mut fork = Sandbox::new(
@@ -359,7 +360,7 @@ impl Service {
         // outside its directory.
         let layers: Vec<PathBuf> = chain.iter().map(|(dir, _)| dir.clone()).collect();
         self.seal_shared(&layers)?;
-        let op = self.admit_with(fork.mem_mib, false, |tx| {
+        let op = self.admit_with(Ask::sandbox(&fork), false, |tx| {
             tx.register_layers(&chain)?;
             tx.insert_sandbox(&fork)?;
             tx.begin_operation(

@@ -227,15 +227,16 @@ pub enum ServiceError {
         /// Seconds after which asking again is worth it.
         retry_after_s: u64,
     },
-    /// The pod's resident memory is past its hard mark: a create or wake
-    /// waits until reclaim brings it down. 429 `rate_limited` with
-    /// `Retry-After`.
+    /// The pod's resident memory and what the sandbox is expected to hold
+    /// would pass its hard mark: a create or wake waits until reclaim
+    /// brings it down. 429 `rate_limited` with `Retry-After`.
     #[error(
-        "the pod is under memory pressure: {resident_mib} MiB resident, past its hard mark of \
-         {hard_mib} MiB; retry in {retry_after_s} s"
+        "the pod is under memory pressure: {resident_mib} MiB resident and {asked_mib} MiB for \
+         this sandbox would pass its hard mark of {hard_mib} MiB; retry in {retry_after_s} s"
     )]
     Pressure {
         resident_mib: u64,
+        asked_mib: u64,
         hard_mib: u64,
         /// Seconds after which asking again is worth it (a policy round).
         retry_after_s: u64,

@@ -15,6 +15,7 @@ use torpor_vmm_api::launch::{Console, LaunchMode, LaunchSpec, MemoryBackend, Res
 use super::lifetime::{check_lifetimes, expiry};
 use super::locks::SandboxGuard;
 use super::pool::Shell;
+use super::resident::Ask;
 use super::vmm::{self, VmmFiles};
 use super::{
     CreateSandbox, CreateTemplate, Outcome, Owner, PodView, Service, ServiceError, LOCAL_POD,
@@ -122,46 +123,50 @@ impl Service {
         Ok(self.store.committed_mib()?)
     }
 
-    /// Runs `f` in one transaction with the admission of `mem_mib` more on
-    /// the local pod, so that the check and what makes the memory count (an
+    /// Runs `f` in one transaction with the admission of `ask` on the
+    /// local pod, so that the check and what makes the memory count (an
     /// insert, a state change in `f`) land together. A full pod, or one
-    /// whose resident memory is past its hard mark, is refused (429), or
-    /// with `queue` retried for up to [`QUEUE_LIMIT`]. The commit
-    /// is relaxed (no fsync, see [`crate::store::Store::write_relaxed`]):
-    /// it starts an operation whose end commits.
+    /// whose resident memory with what `ask` will hold would pass its hard
+    /// mark, is refused (429), or with `queue` retried for up to
+    /// [`QUEUE_LIMIT`]. The commit is relaxed (no fsync, see
+    /// [`crate::store::Store::write_relaxed`]): it starts an operation
+    /// whose end commits.
     pub(super) fn admit_with<T>(
         &self,
-        mem_mib: u32,
+        ask: Ask<'_>,
         queue: bool,
         f: impl Fn(&Tx<'_>) -> StoreResult<T>,
     ) -> Result<T, ServiceError> {
         let pod = PodId::new(LOCAL_POD);
-        self.admission_loop(queue, || {
+        self.admission_loop(&ask, true, queue, || {
             self.store.write_relaxed(|tx| {
-                tx.admit(&pod, mem_mib)?;
+                tx.admit(&pod, ask.mem_mib)?;
                 f(tx)
             })
         })
     }
 
-    /// Whether `mem_mib` more fits on the local pod now (or, with `queue`,
-    /// within [`QUEUE_LIMIT`]), without counting it: a cheap early refusal
-    /// before expensive work; the admission that counts is
-    /// [`Self::admit_with`].
-    pub(super) fn admit(&self, mem_mib: u32, queue: bool) -> Result<(), ServiceError> {
+    /// Whether `ask` fits on the local pod now (or, with `queue`, within
+    /// [`QUEUE_LIMIT`]), without counting it: a cheap early refusal before
+    /// expensive work; the admission that counts is [`Self::admit_with`].
+    pub(super) fn admit(&self, ask: Ask<'_>, queue: bool) -> Result<(), ServiceError> {
         let pod = PodId::new(LOCAL_POD);
-        self.admission_loop(queue, || self.store.read(|tx| tx.admit(&pod, mem_mib)))
+        self.admission_loop(&ask, false, queue, || {
+            self.store.read(|tx| tx.admit(&pod, ask.mem_mib))
+        })
     }
 
     fn admission_loop<T>(
         &self,
+        ask: &Ask<'_>,
+        count: bool,
         queue: bool,
         mut attempt: impl FnMut() -> StoreResult<T>,
     ) -> Result<T, ServiceError> {
         let deadline = Instant::now() + QUEUE_LIMIT;
         loop {
             // Past the hard mark nothing is admitted, whatever the ratio.
-            let pressure = self.pressure_gate();
+            let pressure = self.pressure_gate(ask, count);
             match pressure.map(|()| attempt()) {
                 Err(ServiceError::Pressure { .. }) | Ok(Err(StoreError::Full { .. }))
                     if queue && Instant::now() <= deadline =>
@@ -219,7 +224,7 @@ impl Service {
             template.mem_mib,
         );
         let mut lap = Lap::new();
-        let op = self.admit_with(template.mem_mib, req.queue, |tx| {
+        let op = self.admit_with(Ask::sandbox(&sandbox), req.queue, |tx| {
             tx.insert_sandbox(&sandbox)?;
             tx.begin_operation(
                 Some(&sandbox.id),
@@ -572,7 +577,7 @@ impl Service {
         })?;
         let change = StateChange::new(SandboxState::Hibernated, SandboxState::Resuming);
         let mut lap = Lap::new();
-        let op = self.admit_with(sandbox.mem_mib, false, |tx| {
+        let op = self.admit_with(Ask::sandbox(&sandbox), false, |tx| {
             tx.begin_operation(
                 Some(&sandbox.id),
                 OperationKind::Wake,

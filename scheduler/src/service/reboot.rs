@@ -29,6 +29,7 @@ use torpor_vmm_api::launch::{DiskSpec, KernelSource};
 
 use super::guest::{AgentLink, ExecRequest, VSOCK_FILE};
 use super::linux::{LINUX_CMDLINE, OVERLAY_FILE};
+use super::resident::Ask;
 use super::vmm::{self, VmmFiles};
 use super::{Cancel, Outcome, Service, ServiceError, PROBE_TEMPLATE};
 use crate::model::{
@@ -252,7 +253,7 @@ impl Service {
         let id = sandbox.id.clone();
         let template = self.store.get_template(&sandbox.template)?;
         let change = StateChange::new(SandboxState::Hibernated, SandboxState::Resuming);
-        let op = self.admit_with(sandbox.mem_mib, false, |tx| {
+        let op = self.admit_with(Ask::sandbox(&sandbox), false, |tx| {
             tx.begin_operation(
                 Some(&id),
                 OperationKind::Wake,

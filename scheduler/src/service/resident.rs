@@ -7,6 +7,7 @@
 //! pressure policy, the pressure gate of creates and wakes, the metrics
 //! and `GET /v1/pods`.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -14,63 +15,153 @@ use std::time::{Duration, Instant};
 use torpor_sync::Locked;
 
 use super::{vmm, Service, ServiceError, LOCAL_POD};
-use crate::model::{PodId, VmmHandle};
+use crate::model::{PodId, Sandbox, SandboxId, TemplateId, VmmHandle};
 use crate::store::admission::HOLDING_VMM;
 use crate::store::SandboxFilter;
 
 /// How long the pressure gate reuses a measurement of the pod's resident
-/// memory (a burst of creates reads the cgroups once), unless a create or
-/// wake passed the gate since.
+/// memory (a burst of creates reads the cgroups once); what the gate
+/// admits meanwhile is added to it.
 const MEASURE_REUSE: Duration = Duration::from_millis(100);
 
-/// The pod's last measured resident memory, for the pressure gate.
+/// How long after its create or wake a sandbox counts at least what its
+/// template's sandboxes hold: a restored guest's memory comes back as it
+/// touches it, so a fresh one measures less than it is about to hold.
+const SETTLE: Duration = Duration::from_secs(10);
+
+/// What a create, wake or build asks of the pressure gate.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Ask<'a> {
+    /// The sandbox it starts (none for a template build).
+    pub sandbox: Option<&'a SandboxId>,
+    /// Its template, whose settled sandboxes say what it will hold.
+    pub template: Option<&'a TemplateId>,
+    /// Its memory size: what admission counts, and what the gate expects
+    /// it to hold when no sandbox of its template has been measured.
+    pub mem_mib: u32,
+}
+
+impl<'a> Ask<'a> {
+    /// A create or wake of `sandbox`.
+    pub fn sandbox(sandbox: &'a Sandbox) -> Self {
+        Ask {
+            sandbox: Some(&sandbox.id),
+            template: Some(&sandbox.template),
+            mem_mib: sandbox.mem_mib,
+        }
+    }
+
+    /// A template build of `mem_mib` (its guest is measured as no
+    /// sandbox's).
+    pub fn build(mem_mib: u32) -> Self {
+        Ask {
+            sandbox: None,
+            template: None,
+            mem_mib,
+        }
+    }
+}
+
+/// The pod's resident memory, measured: the total, and per template the
+/// most one of its sandboxes holds.
+#[derive(Debug, Clone, Default)]
+struct Measure {
+    at: Option<Instant>,
+    total: u64,
+    most_by_template: HashMap<TemplateId, u64>,
+}
+
+/// The pressure gate's memory: the last measure, and the sandboxes it
+/// admitted within [`SETTLE`] with what each was expected to hold.
 #[derive(Debug, Default)]
-pub struct LastMeasure(Mutex<Option<(Instant, u64)>>);
+pub struct LastMeasure(Mutex<Gate>);
+
+#[derive(Debug, Default)]
+struct Gate {
+    measure: Measure,
+    admitted: HashMap<SandboxId, (Instant, u64)>,
+}
+
+impl Gate {
+    /// What a sandbox of `ask` is expected to hold once settled.
+    fn expected(&self, ask: &Ask<'_>) -> u64 {
+        ask.template
+            .and_then(|t| self.measure.most_by_template.get(t).copied())
+            .unwrap_or(u64::from(ask.mem_mib) << 20)
+    }
+}
 
 impl Service {
     /// The local pod's resident memory now: the sum over its sandboxes
     /// that hold a VMM.
     pub fn pod_resident_bytes(&self) -> u64 {
+        self.measure_resident(&HashMap::new()).total
+    }
+
+    /// The local pod's resident memory per sandbox holding a VMM, each
+    /// counted at least at what it was `admitted` to hold while it
+    /// settles.
+    fn measure_resident(&self, admitted: &HashMap<SandboxId, (Instant, u64)>) -> Measure {
         let filter = SandboxFilter {
             states: HOLDING_VMM.to_vec(),
             ..Default::default()
         };
         // This process's mount table once for the whole pod, not per VMM.
         let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-        self.store
-            .list_sandboxes(&filter)
-            .unwrap_or_default()
-            .iter()
-            .filter_map(|s| s.vmm.as_ref())
-            .filter_map(|h| resident_bytes_in(h, &mounts))
-            .sum()
+        let mut measure = Measure {
+            at: Some(Instant::now()),
+            ..Default::default()
+        };
+        for s in self.store.list_sandboxes(&filter).unwrap_or_default() {
+            // One being started may have no VMM to measure yet.
+            let bytes = s.vmm.as_ref().and_then(|h| resident_bytes_in(h, &mounts));
+            if let Some(bytes) = bytes {
+                let most = measure.most_by_template.entry(s.template).or_default();
+                *most = (*most).max(bytes);
+            }
+            let settling = admitted
+                .get(&s.id)
+                .filter(|(at, _)| at.elapsed() < SETTLE)
+                .map_or(0, |(_, expected)| *expected);
+            measure.total += bytes.unwrap_or(0).max(settling);
+        }
+        measure
     }
 
-    /// Refuses a create or wake while the local pod's resident memory is
-    /// past its hard mark ([`crate::policy::pressure_gate`]); one that
-    /// passes makes the next one measure again.
-    pub(super) fn pressure_gate(&self) -> Result<(), ServiceError> {
+    /// The pressure gate of a create or wake ([`crate::policy::pressure_gate`]):
+    /// refused when the local pod's resident memory and what `ask` is
+    /// expected to hold would pass its hard mark. With `count`, one that
+    /// passes adds what it expects to the measure the next ones reuse,
+    /// and its sandbox counts at least that while it settles.
+    pub(super) fn pressure_gate(&self, ask: &Ask<'_>, count: bool) -> Result<(), ServiceError> {
         let Ok(pod) = self.store.get_pod(&PodId::new(LOCAL_POD)) else {
             return Ok(());
         };
-        let resident = {
-            let mut last = self.last_resident.0.locked();
-            match *last {
-                Some((at, bytes)) if at.elapsed() < MEASURE_REUSE => bytes,
-                _ => {
-                    let bytes = self.pod_resident_bytes();
-                    *last = Some((Instant::now(), bytes));
-                    bytes
-                }
-            }
-        };
-        match crate::policy::pressure_gate(pod.memory_bytes, pod.high_watermark, resident) {
+        let mut gate = self.last_resident.0.locked();
+        if gate
+            .measure
+            .at
+            .is_none_or(|at| at.elapsed() >= MEASURE_REUSE)
+        {
+            gate.admitted.retain(|_, (at, _)| at.elapsed() < SETTLE);
+            gate.measure = self.measure_resident(&gate.admitted);
+        }
+        let expected = gate.expected(ask);
+        let resident = gate.measure.total;
+        match crate::policy::pressure_gate(pod.memory_bytes, pod.high_watermark, resident, expected)
+        {
             Ok(()) => {
-                *self.last_resident.0.locked() = None;
+                if count {
+                    gate.measure.total += expected;
+                    if let Some(id) = ask.sandbox {
+                        gate.admitted.insert(id.clone(), (Instant::now(), expected));
+                    }
+                }
                 Ok(())
             }
             Err(r) => Err(ServiceError::Pressure {
                 resident_mib: r.resident_mib,
+                asked_mib: r.asked_mib,
                 hard_mib: r.hard_mib,
                 retry_after_s: self.config.policy_interval_ms.div_ceil(1000).max(1),
             }),

@@ -15,6 +15,7 @@ use torpor_vmm_api::launch::{
 };
 
 use super::linux::LINUX_CMDLINE;
+use super::resident::Ask;
 
 /// The window after a template's first restore whose page touches are its
 /// working set.
@@ -304,7 +305,7 @@ impl Service {
     pub(super) fn admit_build(&self, mem_mib: u32) -> Result<BuildReservation<'_>, ServiceError> {
         let mut building = self.building_mib.locked();
         let asked = u32::try_from(*building + u64::from(mem_mib)).unwrap_or(u32::MAX);
-        self.admit(asked, false)?;
+        self.admit(Ask::build(asked), false)?;
         *building += u64::from(mem_mib);
         Ok(BuildReservation {
             service: self,
