@@ -112,17 +112,39 @@ impl Service {
             at: Some(Instant::now()),
             ..Default::default()
         };
-        for s in self.store.list_sandboxes(&filter).unwrap_or_default() {
-            // One being started may have no VMM to measure yet.
-            let bytes = s.vmm.as_ref().and_then(|h| resident_bytes_in(h, &mounts));
-            if let Some(bytes) = bytes {
-                let most = measure.most_by_template.entry(s.template).or_default();
+        let measured: Vec<(Sandbox, Option<u64>)> = self
+            .store
+            .list_sandboxes(&filter)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|s| {
+                // One being started may have no VMM to measure yet.
+                let bytes = s.vmm.as_ref().and_then(|h| resident_bytes_in(h, &mounts));
+                (s, bytes)
+            })
+            .collect();
+        for (s, bytes) in &measured {
+            if let Some(bytes) = *bytes {
+                let most = measure
+                    .most_by_template
+                    .entry(s.template.clone())
+                    .or_default();
                 *most = (*most).max(bytes);
             }
+        }
+        for (s, bytes) in &measured {
+            // While it settles, at least what its template's hold now (or,
+            // none measured, what it was admitted to hold).
             let settling = admitted
                 .get(&s.id)
                 .filter(|(at, _)| at.elapsed() < SETTLE)
-                .map_or(0, |(_, expected)| *expected);
+                .map_or(0, |(_, expected)| {
+                    measure
+                        .most_by_template
+                        .get(&s.template)
+                        .copied()
+                        .unwrap_or(*expected)
+                });
             measure.total += bytes.unwrap_or(0).max(settling);
         }
         measure
