@@ -36,8 +36,7 @@ pub(super) struct Ask<'a> {
     pub sandbox: Option<&'a SandboxId>,
     /// Its template, whose settled sandboxes say what it will hold.
     pub template: Option<&'a TemplateId>,
-    /// Its memory size: what admission counts, and what the gate expects
-    /// it to hold when no sandbox of its template has been measured.
+    /// Its memory size: what admission counts.
     pub mem_mib: u32,
 }
 
@@ -62,8 +61,8 @@ impl<'a> Ask<'a> {
     }
 }
 
-/// The pod's resident memory, measured: the total, and per template the
-/// most one of its sandboxes holds.
+/// The pod's resident memory, measured: the total, and per template what
+/// its sandboxes hold (the most a settled one holds).
 #[derive(Debug, Clone, Default)]
 struct Measure {
     at: Option<Instant>,
@@ -79,15 +78,31 @@ pub struct LastMeasure(Mutex<Gate>);
 #[derive(Debug, Default)]
 struct Gate {
     measure: Measure,
+    /// Per template, the most one of its sandboxes held when one was last
+    /// measured (kept while none runs: a wake of the last one hibernated).
+    known: HashMap<TemplateId, u64>,
     admitted: HashMap<SandboxId, (Instant, u64)>,
 }
 
 impl Gate {
-    /// What a sandbox of `ask` is expected to hold once settled.
+    /// What a sandbox of `ask` is expected to hold once settled: the most
+    /// one of its template's holds; nothing more than it will measure
+    /// when none has been measured yet (a template build's guest, a
+    /// template's first sandboxes: no guess better than a size, which
+    /// would refuse a pod at ratio 1 before it is full).
     fn expected(&self, ask: &Ask<'_>) -> u64 {
         ask.template
-            .and_then(|t| self.measure.most_by_template.get(t).copied())
-            .unwrap_or(u64::from(ask.mem_mib) << 20)
+            .and_then(|t| self.known.get(t).copied())
+            .unwrap_or(0)
+    }
+
+    /// Takes a new measure, and what it says of templates.
+    fn remeasure(&mut self, service: &Service) {
+        self.admitted.retain(|_, (at, _)| at.elapsed() < SETTLE);
+        self.measure = service.measure_resident(&self.admitted, &self.known);
+        for (t, most) in &self.measure.most_by_template {
+            self.known.insert(t.clone(), *most);
+        }
     }
 }
 
@@ -95,13 +110,18 @@ impl Service {
     /// The local pod's resident memory now: the sum over its sandboxes
     /// that hold a VMM.
     pub fn pod_resident_bytes(&self) -> u64 {
-        self.measure_resident(&HashMap::new()).total
+        self.measure_resident(&HashMap::new(), &HashMap::new())
+            .total
     }
 
     /// The local pod's resident memory per sandbox holding a VMM, each
-    /// counted at least at what it was `admitted` to hold while it
-    /// settles.
-    fn measure_resident(&self, admitted: &HashMap<SandboxId, (Instant, u64)>) -> Measure {
+    /// counted at least at what its template's hold (measured now, else
+    /// `known`, else what it was `admitted` to hold) while it settles.
+    fn measure_resident(
+        &self,
+        admitted: &HashMap<SandboxId, (Instant, u64)>,
+        known: &HashMap<TemplateId, u64>,
+    ) -> Measure {
         let filter = SandboxFilter {
             states: HOLDING_VMM.to_vec(),
             ..Default::default()
@@ -123,29 +143,41 @@ impl Service {
                 (s, bytes)
             })
             .collect();
+        let settling = |id: &SandboxId| {
+            admitted
+                .get(id)
+                .filter(|(at, _)| at.elapsed() < SETTLE)
+                .map(|(_, expected)| *expected)
+        };
+        // What a template's sandboxes hold: the most a settled one holds;
+        // while all settle, the most of what was known and what they hold.
+        let mut settled: HashMap<&TemplateId, u64> = HashMap::new();
+        let mut fresh: HashMap<&TemplateId, u64> = HashMap::new();
         for (s, bytes) in &measured {
-            if let Some(bytes) = *bytes {
-                let most = measure
-                    .most_by_template
-                    .entry(s.template.clone())
-                    .or_default();
-                *most = (*most).max(bytes);
+            let Some(bytes) = *bytes else { continue };
+            let most = match settling(&s.id) {
+                None => settled.entry(&s.template).or_default(),
+                Some(_) => fresh.entry(&s.template).or_default(),
+            };
+            *most = (*most).max(bytes);
+        }
+        for (t, most) in fresh {
+            if !settled.contains_key(t) {
+                let known = known.get(t).copied().unwrap_or(0);
+                measure.most_by_template.insert(t.clone(), most.max(known));
             }
         }
+        for (t, most) in settled {
+            measure.most_by_template.insert(t.clone(), most);
+        }
         for (s, bytes) in &measured {
-            // While it settles, at least what its template's hold now (or,
-            // none measured, what it was admitted to hold).
-            let settling = admitted
-                .get(&s.id)
-                .filter(|(at, _)| at.elapsed() < SETTLE)
-                .map_or(0, |(_, expected)| {
-                    measure
-                        .most_by_template
-                        .get(&s.template)
-                        .copied()
-                        .unwrap_or(*expected)
-                });
-            measure.total += bytes.unwrap_or(0).max(settling);
+            // While it settles, at least what its template's hold (or
+            // what it was admitted to hold).
+            let floor = settling(&s.id).map_or(0, |expected| {
+                let most = measure.most_by_template.get(&s.template);
+                most.or(known.get(&s.template)).copied().unwrap_or(expected)
+            });
+            measure.total += bytes.unwrap_or(0).max(floor);
         }
         measure
     }
@@ -165,8 +197,7 @@ impl Service {
             .at
             .is_none_or(|at| at.elapsed() >= MEASURE_REUSE)
         {
-            gate.admitted.retain(|_, (at, _)| at.elapsed() < SETTLE);
-            gate.measure = self.measure_resident(&gate.admitted);
+            gate.remeasure(self);
         }
         let expected = gate.expected(ask);
         let resident = gate.measure.total;
