@@ -8,6 +8,9 @@
 //!   or by name (the caller's answer is the same 404 as for a missing
 //!   one). For an admin (and for the service's own calls, no owner) every
 //!   template is there: ids, then shared names, then any tenant's name.
+//! - A shared template also answers to its short alias, if it has one
+//!   ([`SHARED_ALIASES`]: `code-interpreter` for E2B's
+//!   `code-interpreter-v1`), after every template really named so.
 //! - A deleted template is gone to callers; its row stays for the
 //!   sandboxes that named it, read by id by the service's own calls.
 //! - A new template's name is unique in its namespace (its tenant's, or
@@ -33,10 +36,21 @@ pub fn visible(tenant: Option<&str>, owner: Option<&Owner>) -> bool {
     }
 }
 
+/// Short aliases of shared templates' names: (alias, name).
+pub const SHARED_ALIASES: [(&str, &str); 1] = [("code-interpreter", "code-interpreter-v1")];
+
+/// The shared template name `key` is an alias of, if it is one.
+pub fn alias_target(key: &str) -> Option<&'static str> {
+    SHARED_ALIASES
+        .iter()
+        .find(|(alias, _)| *alias == key)
+        .map(|(_, name)| *name)
+}
+
 /// How well `t` answers `key` for `owner` (none: not at all, or not
 /// there for this caller); lower is better: 0 its id, 1 the caller's own
-/// name, 2 a shared template's name, 3 another tenant's name (admins and
-/// the service's own calls only).
+/// name, 2 a shared template's name, 3 a shared template's alias, 4
+/// another tenant's name (admins and the service's own calls only).
 pub fn rank(t: &Template, owner: Option<&Owner>, key: &str) -> Option<u8> {
     let by_id = t.id.as_str() == key;
     let deleted = t.state == TemplateState::Deleted;
@@ -53,13 +67,13 @@ pub fn rank(t: &Template, owner: Option<&Owner>, key: &str) -> Option<u8> {
     if by_id {
         Some(0)
     } else if t.name != key {
-        None
+        (shared && alias_target(key) == Some(t.name.as_str())).then_some(3)
     } else if own {
         Some(1)
     } else if shared {
         Some(2)
     } else {
-        Some(3)
+        Some(4)
     }
 }
 
@@ -165,6 +179,35 @@ mod tests {
         assert_eq!(rank(&gone, Some(&acme), "tpl_gone"), None);
         assert_eq!(rank(&gone, None, "tpl_gone"), Some(0));
         assert_eq!(rank(&gone, None, "old"), None);
+    }
+
+    #[test]
+    fn a_shared_template_answers_to_its_alias_after_real_names() {
+        let interp = t("tpl_i", "code-interpreter-v1", None, 1);
+        let acme = owner("acme", false);
+        let id =
+            |all: &[Template], key: &str| resolve(all, Some(&acme), key).map(|t| t.id.to_string());
+        assert_eq!(
+            id(&[interp.clone()], "code-interpreter").as_deref(),
+            Some("tpl_i")
+        );
+        assert_eq!(
+            id(&[interp.clone()], "code-interpreter-v1").as_deref(),
+            Some("tpl_i")
+        );
+        // Only a shared one has it; a template really named so comes first.
+        let theirs = t("tpl_e", "code-interpreter-v1", Some("evil"), 0);
+        assert_eq!(id(&[theirs], "code-interpreter"), None);
+        let own = t("tpl_a", "code-interpreter", Some("acme"), 2);
+        assert_eq!(
+            id(&[interp.clone(), own], "code-interpreter").as_deref(),
+            Some("tpl_a")
+        );
+        assert_eq!(id(&[interp], "interpreter"), None);
+        assert_eq!(
+            alias_target("code-interpreter"),
+            Some("code-interpreter-v1")
+        );
     }
 
     #[test]

@@ -384,6 +384,29 @@ fn a_failed_build_leaves_its_template_failed_and_its_operation_rolled_back() {
     assert_eq!(service.store().interrupted_operations().unwrap(), []);
 }
 
+/// A shared template answers to its short alias through the store
+/// (`code-interpreter` for `code-interpreter-v1`), as to its name.
+#[test]
+fn a_shared_template_is_found_by_its_alias() {
+    let (_dir, service, _) = service();
+    let _ = service.create_template(CreateTemplate {
+        name: "code-interpreter-v1".into(),
+        kind: TemplateKind::Probe,
+        image: None,
+        mem_mib: 64,
+        vcpus: 1,
+        cmdline: None,
+        pod: None,
+        owner: None,
+    });
+    let by_name = service
+        .resolve_template(None, "code-interpreter-v1")
+        .unwrap();
+    let by_alias = service.resolve_template(None, "code-interpreter").unwrap();
+    assert_eq!(by_alias.id, by_name.id);
+    assert!(service.resolve_template(None, "code-interp").is_err());
+}
+
 /// A checkpoint whose snapshot the VMM does not write (the fake answers
 /// without one) leaves nothing: no checkpoint, no snapshot directory, its
 /// operation rolled back, the sandbox as it was (`Undo::Nothing`).

@@ -62,7 +62,10 @@ impl Service {
         owner: Option<&Owner>,
         key: &str,
     ) -> Result<Template, ServiceError> {
-        let candidates = self.store.template_candidates(key)?;
+        let mut candidates = self.store.template_candidates(key)?;
+        if let Some(name) = crate::names::alias_target(key) {
+            candidates.extend(self.store.template_candidates(name)?);
+        }
         crate::names::resolve(&candidates, owner, key)
             .cloned()
             .ok_or_else(|| ServiceError::NotFound {
