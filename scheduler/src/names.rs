@@ -188,11 +188,11 @@ mod tests {
         let id =
             |all: &[Template], key: &str| resolve(all, Some(&acme), key).map(|t| t.id.to_string());
         assert_eq!(
-            id(&[interp.clone()], "code-interpreter").as_deref(),
+            id(std::slice::from_ref(&interp), "code-interpreter").as_deref(),
             Some("tpl_i")
         );
         assert_eq!(
-            id(&[interp.clone()], "code-interpreter-v1").as_deref(),
+            id(std::slice::from_ref(&interp), "code-interpreter-v1").as_deref(),
             Some("tpl_i")
         );
         // Only a shared one has it; a template really named so comes first.

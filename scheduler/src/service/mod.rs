@@ -357,6 +357,22 @@ pub struct CreateTemplate {
     pub owner: Option<Owner>,
 }
 
+impl CreateTemplate {
+    /// A shared probe template of 64 MiB and one vCPU named `name`.
+    pub fn probe(name: &str) -> Self {
+        CreateTemplate {
+            name: name.into(),
+            kind: TemplateKind::Probe,
+            image: None,
+            mem_mib: 64,
+            vcpus: 1,
+            cmdline: None,
+            pod: None,
+            owner: None,
+        }
+    }
+}
+
 /// Who makes a sandbox or a template: the tenant it will belong to, and
 /// whether that caller is an admin (who may use every template).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -53,17 +53,8 @@ impl Service {
         {
             let _ = self.store.delete_template(&stale.id);
         }
-        self.build_template(CreateTemplate {
-            name: PROBE_TEMPLATE.into(),
-            kind: TemplateKind::Probe,
-            image: None,
-            mem_mib: 64,
-            vcpus: 1,
-            cmdline: None,
-            pod: None,
-            owner: None,
-        })
-        .map(|_| ())
+        self.build_template(CreateTemplate::probe(PROBE_TEMPLATE))
+            .map(|_| ())
     }
 
     /// Registers a template and builds its snapshot.
