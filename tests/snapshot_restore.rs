@@ -143,6 +143,11 @@ fn twenty_clones(backend: &str) {
             .expect("identity line");
         assert_eq!(id.gen, Some(1));
         seeds.insert(id.seed);
+        // `torpor vmm` became the small per-VM binary a pod starts, not a
+        // VMM inside the CLI.
+        let pid = vm.vmm.0.as_ref().unwrap().id();
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap();
+        assert_eq!(exe.file_name().unwrap(), "torpor-vmm", "{}", exe.display());
     }
     assert_eq!(seeds.len(), 20, "clones must get distinct identity seeds");
     for vm in clones {

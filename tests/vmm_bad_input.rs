@@ -178,7 +178,9 @@ fn command_line_too_long() {
     expect_error(
         &["--kernel", "builtin:probe", "--cmdline", &long],
         1,
-        "invalid kernel command line",
+        // The launch spec's own bound, checked by `torpor-vmm` as for a
+        // pod's VMMs.
+        "the command line is longer than 4096 bytes",
     );
 }
 

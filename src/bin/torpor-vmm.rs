@@ -7,6 +7,12 @@
 //! serves, or `failed` with the typed reason. Exit status as `torpor vmm`:
 //! 0 when the VM ended in order, 1 when it could not start, 3 when it
 //! failed while running. Logs go to stderr (`TORPOR_LOG`).
+//!
+//! `--cli [--report]`: `torpor vmm` for people, which execs this binary
+//! with its spec on stdin so that a VM started by hand is the same small
+//! process a pod starts: no reply line (stdout is the guest's console
+//! then), errors as `torpor: error: ...` on stderr, and with `--report`
+//! the run's report as JSON on stderr at its end.
 
 use std::io::Write;
 use std::time::Instant;
@@ -15,17 +21,41 @@ use torpor_vmm_api::{LaunchReply, LaunchSpec};
 
 const EXIT_FAILURE: i32 = 1;
 
+/// How this process was asked to run.
+struct Mode {
+    /// `torpor vmm`'s exec (`--cli`): no reply line.
+    cli: bool,
+    /// With `--cli`: the report on stderr at the end.
+    report: bool,
+}
+
+fn mode() -> Mode {
+    let usage = "usage: torpor-vmm [--cli [--report]] < LAUNCH_SPEC.json  (torpor's per-VM \
+                 process; people use `torpor vmm`)";
+    let mut mode = Mode {
+        cli: false,
+        report: false,
+    };
+    for arg in std::env::args().skip(1) {
+        match arg.as_str() {
+            "--version" => {
+                println!("torpor-vmm {}", env!("CARGO_PKG_VERSION"));
+                std::process::exit(0)
+            }
+            "--cli" => mode.cli = true,
+            "--report" if mode.cli => mode.report = true,
+            _ => {
+                eprintln!("{usage}");
+                std::process::exit(2)
+            }
+        }
+    }
+    mode
+}
+
 fn main() {
     let started = Instant::now();
-    if let Some(arg) = std::env::args().nth(1) {
-        let usage = "usage: torpor-vmm < LAUNCH_SPEC.json  (torpor's per-VM process; \
-                     people use `torpor vmm`)";
-        match arg.as_str() {
-            "--version" => println!("torpor-vmm {}", env!("CARGO_PKG_VERSION")),
-            _ => eprintln!("{usage}"),
-        }
-        std::process::exit(if arg == "--version" { 0 } else { 2 });
-    }
+    let mode = mode();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("TORPOR_LOG")
@@ -36,30 +66,44 @@ fn main() {
         // tail reaches API errors and operators' greps.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    // What `torpor vmm` prints its errors as, for people.
+    let me = if mode.cli { "torpor" } else { "torpor-vmm" };
     let spec = match LaunchSpec::read_from(std::io::stdin().lock()) {
         Ok(spec) => spec,
+        Err(e) if mode.cli => {
+            eprintln!("{me}: error: {e}");
+            std::process::exit(EXIT_FAILURE);
+        }
         Err(e) => {
             reply(&LaunchReply::Failed(e));
             std::process::exit(EXIT_FAILURE);
         }
     };
     let builtins = [("probe", torpor_probe::PROBE_ELF)];
+    let cli = mode.cli;
     let result = torpor_vmm::launch::run(&spec, &builtins, move |pid| {
-        reply(&LaunchReply::Ready {
-            pid,
-            start_us: started.elapsed().as_micros() as u64,
-        })
+        if !cli {
+            reply(&LaunchReply::Ready {
+                pid,
+                start_us: started.elapsed().as_micros() as u64,
+            })
+        }
     });
     match result {
         Ok(report) => {
+            if mode.report {
+                eprintln!("{}", serde_json::to_string(&report).unwrap_or_default());
+            }
             if let Some(message) = report.exit.failure() {
-                eprintln!("torpor-vmm: error: {message}");
+                eprintln!("{me}: error: {message}");
             }
             std::process::exit(report.exit.exit_code())
         }
         Err(e) => {
-            eprintln!("torpor-vmm: error: {e}");
-            reply(&LaunchReply::Failed(e.vm_error()));
+            eprintln!("{me}: error: {e}");
+            if !mode.cli {
+                reply(&LaunchReply::Failed(e.vm_error()));
+            }
             std::process::exit(EXIT_FAILURE)
         }
     }

@@ -87,22 +87,61 @@ fn run_vm(args: VmmRunArgs) -> i32 {
             spec.seccomp.name()
         );
     }
-    let builtins = [("probe", torpor_probe::PROBE_ELF)];
-    match torpor_vmm::launch::run(&spec, &builtins, |_| {}) {
-        Ok(report) => {
-            if args.report {
-                eprintln!("{}", serde_json::to_string(&report).unwrap_or_default());
-            }
-            if let Some(message) = report.exit.failure() {
-                eprintln!("torpor: error: {message}");
-            }
-            report.exit.exit_code()
-        }
+    exec_vmm(&spec, args.report)
+}
+
+/// Becomes `torpor-vmm --cli` (the binary beside this one), its spec on
+/// stdin: a VM started by hand is the same small process a pod starts,
+/// with this process's pid, stdout (the guest's console) and stderr.
+/// Returns only when that cannot be done.
+fn exec_vmm(spec: &LaunchSpec, report: bool) -> i32 {
+    use std::io::Write;
+    use std::os::unix::process::CommandExt;
+    let vmm = match super::serve::vmm_exe() {
+        Ok(vmm) => vmm,
         Err(e) => {
             eprintln!("torpor: error: {e}");
-            EXIT_FAILURE
+            return EXIT_FAILURE;
         }
+    };
+    let text = match serde_json::to_vec(spec) {
+        Ok(text) if text.len() as u64 <= torpor_vmm_api::launch::MAX_SPEC_BYTES => text,
+        Ok(text) => {
+            eprintln!(
+                "torpor: error: the launch spec is {} bytes, more than a VMM reads",
+                text.len()
+            );
+            return EXIT_USAGE;
+        }
+        Err(e) => {
+            eprintln!("torpor: error: cannot write the launch spec: {e}");
+            return EXIT_FAILURE;
+        }
+    };
+    // The spec (at most 64 KiB, a pipe's room) is written before the exec,
+    // and the write end closed: the VMM reads it to its end.
+    let written = std::io::pipe().and_then(|(reader, mut writer)| {
+        writer.write_all(&text)?;
+        Ok(reader)
+    });
+    let reader = match written {
+        Ok(reader) => reader,
+        Err(e) => {
+            eprintln!(
+                "torpor: error: cannot hand the launch spec to {}: {e}",
+                vmm.display()
+            );
+            return EXIT_FAILURE;
+        }
+    };
+    let mut cmd = std::process::Command::new(&vmm);
+    cmd.arg("--cli").stdin(reader);
+    if report {
+        cmd.arg("--report");
     }
+    let e = cmd.exec();
+    eprintln!("torpor: error: cannot run {}: {e}", vmm.display());
+    EXIT_FAILURE
 }
 
 type Failure = (i32, String);
