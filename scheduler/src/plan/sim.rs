@@ -19,7 +19,12 @@
 //! - A request to a hibernated sandbox wakes it (a wake the pod cannot
 //!   admit is refused, as the service answers 429; so is a create or wake
 //!   whose sandbox, at what a running one of its size holds, would take
-//!   resident memory past the hard mark, [`policy::pressure_gate`]);
+//!   resident memory past the hard mark, [`policy::pressure_gate`]; as in
+//!   the service, a sandbox the gate admitted counts at least that for
+//!   [`policy::PRESSURE_SETTLE_MS`], from its admission, in the gate's
+//!   measure, so wakes admitted together do not all count on the same
+//!   room; where the service, having measured no sandbox of a template,
+//!   expects its size, the planner expects a fresh one's memory);
 //!   requests that arrive while a sandbox is being created, woken or
 //!   hibernated wait for it.
 //! - A setting whose resident memory would exceed the pod's RAM is
@@ -196,6 +201,10 @@ struct SimBox {
     disk_bytes: f64,
     /// Snapshot bytes of the hibernation under way.
     write_bytes: f64,
+    /// Until when the pressure gate counts it at least `settle_mib`, what
+    /// it expected it to hold when it admitted it.
+    settle_until: i64,
+    settle_mib: f64,
     waiting: Vec<Waiting>,
     delete_pending: bool,
 }
@@ -264,9 +273,9 @@ impl SimPod<'_> {
         self.out.resident_peak_mib = self.out.resident_peak_mib.max(self.resident_now);
     }
 
-    /// Whether a create or wake of `mem_mib` may start: the pressure gate,
-    /// then admission, as the service checks them.
-    fn admit(&mut self, mem_mib: u32) -> bool {
+    /// Whether a create or wake of sandbox `i` of `mem_mib` may start: the
+    /// pressure gate, then admission, as the service checks them.
+    fn admit(&mut self, i: usize, mem_mib: u32) -> bool {
         // What the new sandbox will hold, as the service expects it: the
         // most a running one of its template holds (a trace names no
         // template: one of its size), else what a fresh one holds (the
@@ -275,27 +284,56 @@ impl SimPod<'_> {
             .boxes
             .iter()
             .filter(|b| b.live && HOLDING_VMM.contains(&b.sandbox.state))
+            // One being created or woken has no VMM to measure yet.
+            .filter(|b| {
+                !matches!(
+                    b.sandbox.state,
+                    SandboxState::Creating | SandboxState::Resuming
+                )
+            })
             .filter(|b| b.sandbox.mem_mib == mem_mib)
             .map(|b| b.resident_mib)
             .reduce(f64::max)
             .unwrap_or(self.cal.fresh_pss_mib.min(f64::from(mem_mib)));
+        // The pod's resident memory as the gate measures it: each sandbox
+        // admitted within the settle time at least what it was expected
+        // to hold.
+        let now = self.now;
+        let measured: f64 = self
+            .boxes
+            .iter()
+            .filter(|b| b.live && HOLDING_VMM.contains(&b.sandbox.state))
+            .map(|b| {
+                if now < b.settle_until {
+                    b.resident_mib.max(b.settle_mib)
+                } else {
+                    b.resident_mib
+                }
+            })
+            .sum();
         let gate = policy::pressure_gate(
             self.shape.memory_mib << 20,
             self.setting.high_watermark,
-            (self.resident_now.max(0.0) * 1048576.0) as u64,
+            (measured.max(0.0) * 1048576.0) as u64,
             (expected_mib.max(0.0) * 1048576.0) as u64,
         );
         if gate.is_err() {
             self.out.pressure_refusals += 1;
             return false;
         }
-        policy::admit(
+        let admitted = policy::admit(
             self.shape.memory_mib,
             self.setting.ratio,
             self.committed_mib(),
             mem_mib,
         )
-        .is_ok()
+        .is_ok();
+        if admitted {
+            let b = &mut self.boxes[i];
+            b.settle_until = now.saturating_add(policy::PRESSURE_SETTLE_MS as i64);
+            b.settle_mib = expected_mib;
+        }
+        admitted
     }
 
     fn start_work(&mut self, i: usize, work: Work, at: i64, ms: f64) {
@@ -338,7 +376,7 @@ impl SimPod<'_> {
         }
         if b.sandbox.state == SandboxState::Hibernated {
             let mem = b.sandbox.mem_mib;
-            if !self.admit(mem) {
+            if !self.admit(i, mem) {
                 self.out.wakes_rejected += 1;
                 return;
             }
@@ -636,6 +674,8 @@ pub fn simulate(trace: &Trace, shape: PodShape, setting: Setting, cal: &Calibrat
                 dirty_mib: 0.0,
                 disk_bytes: 0.0,
                 write_bytes: 0.0,
+                settle_until: 0,
+                settle_mib: 0.0,
                 waiting: Vec::new(),
                 delete_pending: false,
             }
@@ -726,7 +766,7 @@ pub fn simulate(trace: &Trace, shape: PodShape, setting: Setting, cal: &Calibrat
         pod.now = e.t_ms;
         match e.kind {
             EventKind::Create => {
-                if pod.admit(e.mem_mib) {
+                if pod.admit(e.sandbox, e.mem_mib) {
                     pod.out.creates_admitted += 1;
                     let b = &mut pod.boxes[e.sandbox];
                     b.live = true;

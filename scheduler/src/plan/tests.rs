@@ -382,3 +382,27 @@ fn a_pressure_batch_shares_the_disk() {
     );
     assert!(o.infeasible.is_none(), "{o:?}");
 }
+
+#[test]
+fn wakes_admitted_together_count_on_the_room_once() {
+    // s0 and s1 dirty 400 MiB and hibernate once idle (s2 too, unused);
+    // s2, woken at 12 s, then holds 401 MiB, running. s0 and s1 are
+    // asked for at once at 20 s: the gate admits s0
+    // (401 + 401 <= 973 MiB, the hard mark), then counts it at 401 MiB
+    // while it settles, though its restore holds nothing yet, and refuses
+    // s1 (401 + 401 + 401), as the service does.
+    let t = trace(&[
+        create(0.0, "s0", 512),
+        create(0.0, "s1", 512),
+        create(0.0, "s2", 512),
+        request(0.5, "s0", 0, 400),
+        request(0.5, "s1", 0, 400),
+        request(12.0, "s2", 30_000, 400),
+        request(20.0, "s0", 0, 0),
+        request(20.0, "s1", 0, 0),
+    ]);
+    let o = simulate(&t, POD, setting(4.0, 5_000), &Calibration::builtin());
+    assert_eq!(o.hibernations_idle, 3, "{o:?}");
+    assert_eq!((o.wakes, o.wakes_rejected), (2, 1), "{o:?}");
+    assert_eq!(o.pressure_refusals, 1, "{o:?}");
+}
