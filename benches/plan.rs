@@ -26,7 +26,14 @@
 //! `cargo bench --bench plan [-- --sandboxes N --seed S]`; under
 //! `cargo test` (no `--bench`) a smoke run of 8 sandboxes whose
 //! tolerances are reported but not enforced (8 sessions give too few
-//! events for a percentage; errors still fail it).
+//! events for a percentage; errors still fail it), then the pressure
+//! mode's trace played on the planner alone (no live replay).
+//!
+//! `cargo bench --bench plan -- --pressure [--sandboxes N --seed S]`:
+//! the same comparison under memory pressure, with guests that hold
+//! memory, on a pod given a small memory budget: resident peak, pressure
+//! hibernations, pressure 429s and wake latency, plan against live, as
+//! ratios (`pressure.rs`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -36,6 +43,8 @@ use serde_json::{json, Value};
 use torpor_scheduler::plan::{self, Calibration, PodShape, Setting, Trace};
 
 mod common;
+#[path = "plan/pressure.rs"]
+mod pressure;
 
 use common::serve::{Serve, Started, REQUEST_LIMIT, TOKEN};
 use common::TORPOR;
@@ -46,6 +55,7 @@ const KEEP_ALIVE_MS: u64 = 1500;
 const POLICY_MS: u64 = 250;
 const MEM_MIB: u32 = 256;
 
+#[derive(Clone, Copy)]
 struct Opts {
     /// No `--bench` (cargo test): a small run whose tolerances are
     /// reported, not enforced (errors still fail it).
@@ -54,16 +64,27 @@ struct Opts {
     seed: u64,
     /// Fraction of the sessions the admission limit holds at once.
     fit: f64,
+    /// `--pressure`: the memory-pressure comparison (`pressure.rs`).
+    pressure: bool,
+    /// `--timeline`: with `--pressure`, resident memory second by second.
+    timeline: bool,
 }
 
 fn opts() -> Opts {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let smoke = !args.iter().any(|a| a == "--bench");
+    let pressure = args.iter().any(|a| a == "--pressure");
     let mut o = Opts {
         smoke,
-        sandboxes: if smoke { 8 } else { 24 },
+        sandboxes: match (pressure, smoke) {
+            (true, _) => pressure::SANDBOXES,
+            (false, true) => 8,
+            (false, false) => 24,
+        },
         seed: 1,
         fit: 0.5,
+        pressure,
+        timeline: args.iter().any(|a| a == "--timeline"),
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -146,10 +167,34 @@ fn r3(t: f64) -> f64 {
 struct Live {
     admitted: u64,
     rejected: u64,
+    /// Of `rejected`: refused by the pressure gate (429 under memory
+    /// pressure), not by admission.
+    rejected_pressure: u64,
     wakes: u64,
     wakes_refused: u64,
+    /// Of `wakes_refused`: by the pressure gate.
+    wakes_refused_pressure: u64,
     wake_ms: Vec<f64>,
+    /// The first pressure refusals' messages, with when (ms into the replay).
+    refusals: Vec<String>,
     errors: Vec<String>,
+}
+
+impl Live {
+    /// Keeps the first few pressure refusals: `what` at `start` + when.
+    fn refused(&mut self, start: Instant, what: &str, body: &str) {
+        if self.refusals.len() < 4 {
+            let ms = Instant::now().saturating_duration_since(start).as_millis();
+            self.refusals
+                .push(format!("{what} at {ms} ms: {}", body.trim()));
+        }
+    }
+}
+
+/// A 429 of the pressure gate (the service's `Pressure` error), not of
+/// admission.
+fn is_pressure_429(body: &str) -> bool {
+    body.contains("under memory pressure")
 }
 
 fn hibernations_ok(serve: &Serve) -> u64 {
@@ -193,7 +238,13 @@ fn replay(serve: &Serve, trace: &Trace, template: &str) -> Live {
                                     ids.lock().unwrap().insert(sb, id);
                                     l(&mut |x| x.admitted += 1);
                                 }
-                                Ok((429, _)) => l(&mut |x| x.rejected += 1),
+                                Ok((429, text)) => l(&mut |x| {
+                                    x.rejected += 1;
+                                    if is_pressure_429(&text) {
+                                        x.rejected_pressure += 1;
+                                        x.refused(start, "create", &text);
+                                    }
+                                }),
                                 other => l(&mut |x| x.errors.push(format!("create: {other:?}"))),
                             }
                         }
@@ -201,7 +252,15 @@ fn replay(serve: &Serve, trace: &Trace, template: &str) -> Live {
                         (plan::trace::EventKind::Request, Some(id)) => {
                             let t = Instant::now();
                             let path = format!("/v1/sandboxes/{id}/connect");
-                            match serve.raw("POST", &path, None, REQUEST_LIMIT) {
+                            let mut answer = serve.raw("POST", &path, None, REQUEST_LIMIT);
+                            // A sandbox in an operation (a hibernation) may
+                            // answer 409: the request waits for it, as the
+                            // planner's do.
+                            while matches!(answer, Ok((409, _))) && t.elapsed() < REQUEST_LIMIT {
+                                std::thread::sleep(Duration::from_millis(10));
+                                answer = serve.raw("POST", &path, None, REQUEST_LIMIT);
+                            }
+                            match answer {
                                 Ok((200, text)) => {
                                     let ms = t.elapsed().as_secs_f64() * 1000.0;
                                     let v: Value = serde_json::from_str(&text).unwrap_or_default();
@@ -212,9 +271,13 @@ fn replay(serve: &Serve, trace: &Trace, template: &str) -> Live {
                                         });
                                     }
                                 }
-                                Ok((429, _)) => l(&mut |x| x.wakes_refused += 1),
-                                // A running sandbox being hibernated answers
-                                // 409: a request the planner would queue.
+                                Ok((429, text)) => l(&mut |x| {
+                                    x.wakes_refused += 1;
+                                    if is_pressure_429(&text) {
+                                        x.wakes_refused_pressure += 1;
+                                        x.refused(start, "wake", &text);
+                                    }
+                                }),
                                 other => l(&mut |x| x.errors.push(format!("resume: {other:?}"))),
                             }
                         }
@@ -269,6 +332,9 @@ fn close(a: u64, b: u64, of: u64) -> bool {
 
 fn main() {
     let o = opts();
+    if o.pressure {
+        std::process::exit(pressure::run(&o));
+    }
     let scratch = tempfile::tempdir().unwrap();
     let dir = scratch.path().join("data");
     let flags: Vec<String> = [
@@ -300,6 +366,12 @@ fn main() {
     };
     drop(serve);
     drop(scratch);
+    // Smoke: the pressure mode's trace on the planner alone.
+    let code = if o.smoke && code == 0 {
+        pressure::plan_only(&o)
+    } else {
+        code
+    };
     std::process::exit(code);
 }
 

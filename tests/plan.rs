@@ -179,6 +179,54 @@ fn plan_never_recommends_a_setting_that_overflows_ram() {
 }
 
 #[test]
+fn plan_reports_the_disk_and_a_slow_one_is_infeasible() {
+    // SMALL's a and b dirty 100 MiB each and go idle together: 200 MiB
+    // of snapshots for one round, 20 MiB/s over 10 policy intervals.
+    let s = Scratch::new("plan-disk");
+    let trace = s.path("t.jsonl");
+    std::fs::write(&trace, SMALL).unwrap();
+    let o = plan(&trace, &[]);
+    let text = stdout(&o);
+    assert!(text.contains("DISK-NEED/HAVE-MIB-S"), "{text}");
+    assert!(text.contains(" 20/1000 "), "{text}");
+    assert!(
+        text.contains("disk: writes 1000 MiB/s (the calibration's)"),
+        "{text}"
+    );
+    let o = plan(&trace, &["--disk-mib-s", "10", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["disk_write_mib_s_from"], "--disk-mib-s");
+    assert_eq!(v["calibration"]["disk_write_mib_s"], 10.0);
+    for o in v["outcomes"].as_array().unwrap() {
+        assert_eq!(o["exceeds"], serde_json::json!(["disk"]), "{o}");
+        assert!(o["disk_needed_mib_s"].as_f64().unwrap() > 20.0, "{o}");
+        assert_eq!(o["disk_write_mib_s"], 10.0);
+        let backlog = o["write_backlog_peak_bytes"].as_f64().unwrap();
+        assert!(backlog > 200.0 * 1048576.0, "{o}");
+        assert!(o["snapshot_written_bytes"].as_f64().unwrap() >= backlog);
+    }
+    assert_eq!(v["recommended"], Value::Null);
+    let o = plan(&trace, &["--disk-mib-s", "10"]);
+    let text = stdout(&o);
+    assert!(
+        text.contains("infeasible (!): ratio 4 keep-alive 5000 ms watermark 0.9: hibernation writes need 20 MiB/s, past the disk's 10 MiB/s"),
+        "{text}"
+    );
+    assert!(
+        text.contains("and hibernation writes within its disk's bandwidth"),
+        "{text}"
+    );
+    let o = plan(&trace, &["--disk-mib-s", "0"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("--disk-mib-s 0 is outside"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
 fn plan_names_the_line_of_a_bad_trace() {
     let s = Scratch::new("plan-bad");
     let trace = s.path("t.jsonl");

@@ -207,8 +207,23 @@ impl Serve {
     }
 
     /// Deletes every sandbox, stops the service (SIGINT to its group, then
-    /// SIGKILL) and kills VMMs it left. Returns what it had to force.
+    /// SIGKILL), kills VMMs it left and removes its scratch directory.
+    /// Returns what it had to force.
     pub fn stop(&mut self) -> Vec<String> {
+        if self.child.is_none() {
+            return Vec::new();
+        }
+        let notes = self.stop_keeping_data();
+        if std::env::var_os("TORPOR_KEEP_SCRATCH").is_none() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+        notes
+    }
+
+    /// [`Serve::stop`] but for the scratch directory, which stays: a
+    /// [`Serve::start`] on it starts the service again on the same data
+    /// (its store, templates and snapshots).
+    pub fn stop_keeping_data(&mut self) -> Vec<String> {
         let mut notes = Vec::new();
         if self.child.is_none() {
             return notes;
@@ -237,9 +252,6 @@ impl Serve {
         }
         if !left.is_empty() {
             notes.push(format!("{} VMMs outlived torpor serve: killed", left.len()));
-        }
-        if std::env::var_os("TORPOR_KEEP_SCRATCH").is_none() {
-            let _ = std::fs::remove_dir_all(&self.dir);
         }
         notes
     }

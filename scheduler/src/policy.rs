@@ -49,6 +49,13 @@ pub const LOW_MARK_OF_HIGH: f64 = 0.9;
 /// share the pod's disk, and each holds a blocking thread.
 pub const PRESSURE_HIBERNATIONS_AT_ONCE: usize = 4;
 
+/// How long after its create or wake the pressure gate counts a sandbox
+/// at least what it expected it to hold when it admitted it (ms): a
+/// restored guest's memory comes back as it touches it, so a fresh one
+/// measures less than it is about to hold, and creates and wakes admitted
+/// meanwhile must not all count on that room.
+pub const PRESSURE_SETTLE_MS: u64 = 10_000;
+
 /// Pressure hibernations at once on a pod of `vcpus`: half its cores (at
 /// least one, at most [`PRESSURE_HIBERNATIONS_AT_ONCE`]), so that creates
 /// and wakes keep the other half meanwhile.

@@ -73,6 +73,10 @@ pub struct PlanArgs {
     /// if it exists, else the built-in default].
     #[arg(long, value_name = "FILE")]
     pub calibration: Option<PathBuf>,
+    /// The pod's disk write bandwidth, MiB/s, which hibernations' snapshot
+    /// writes share [default: the calibration's].
+    #[arg(long, value_name = "MIB_S")]
+    pub disk_mib_s: Option<f64>,
     /// The data directory whose calibration is used by default.
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
@@ -182,7 +186,20 @@ fn run_plan(a: &PlanArgs) -> Result<(), String> {
         }
     }
     let settings = settings(a)?;
-    let (cal, cal_from) = calibration(a)?;
+    let (mut cal, cal_from) = calibration(a)?;
+    let disk_from = match a.disk_mib_s {
+        Some(v) if !(v.is_finite() && v > 0.0 && v <= calibration::MAX_DISK_WRITE_MIB_S) => {
+            return Err(format!(
+                "--disk-mib-s {v} is outside (0, {}]",
+                calibration::MAX_DISK_WRITE_MIB_S
+            ));
+        }
+        Some(v) => {
+            cal.disk_write_mib_s = v;
+            "--disk-mib-s"
+        }
+        None => "calibration",
+    };
     let file =
         std::fs::File::open(path).map_err(|e| format!("cannot open {}: {e}", path.display()))?;
     let trace = Trace::read(std::io::BufReader::new(file))
@@ -204,13 +221,14 @@ fn run_plan(a: &PlanArgs) -> Result<(), String> {
     if a.json {
         let mut v = serde_json::to_value(&p).map_err(|e| e.to_string())?;
         v["calibration_file"] = serde_json::json!(cal_from);
+        v["disk_write_mib_s_from"] = serde_json::json!(disk_from);
         println!(
             "{}",
             serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?
         );
         return Ok(());
     }
-    print!("{}", render_table(&p, &cal_from));
+    print!("{}", render_table(&p, &cal_from, disk_from));
     Ok(())
 }
 
@@ -218,13 +236,24 @@ fn mib(v: f64) -> String {
     format!("{v:.0}")
 }
 
+/// A disk rate, MiB/s: whole MiB, a decimal below 10.
+fn disk_rate(v: f64) -> String {
+    if v > 0.0 && v < 10.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.0}")
+    }
+}
+
 /// The plan as text: what was played, a row per setting, the choice.
-fn render_table(p: &plan::Plan, cal_from: &str) -> String {
+fn render_table(p: &plan::Plan, cal_from: &str, disk_from: &str) -> String {
     let c = &p.calibration;
     let mut out = format!(
         "trace: {} events, {} sandboxes, {:.0} s; pod: {} MiB, {} cores, policy every {} ms\n\
          calibration: {} ({}: {}; create {:.1} ms, wake {:.1} ms{}, hibernate {:.1} ms + {:.2} ms/dirty MiB, \
-         snapshot {:.0} B + {:.0} B/dirty MiB, fresh sandbox {:.1} MiB)\n\n",
+         snapshot {:.0} B + {:.0} B/dirty MiB, fresh sandbox {:.1} MiB)\n\
+         disk: writes {:.0} MiB/s ({}); a setting whose hibernations leave more \
+         to write than that in {} policy intervals is infeasible\n\n",
         p.trace_events,
         p.trace_sandboxes,
         p.trace_seconds,
@@ -245,6 +274,13 @@ fn render_table(p: &plan::Plan, cal_from: &str) -> String {
         c.snapshot_base_bytes,
         c.snapshot_bytes_per_dirty_mib,
         c.fresh_pss_mib,
+        c.disk_write_mib_s,
+        if disk_from == "calibration" {
+            "the calibration's"
+        } else {
+            "from --disk-mib-s"
+        },
+        plan::sim::DISK_BACKLOG_INTERVALS,
     );
     let header = [
         "",
@@ -263,6 +299,7 @@ fn render_table(p: &plan::Plan, cal_from: &str) -> String {
         "PRESSURE-HIB",
         "PRESSURE-429",
         "DISK-PEAK-MIB",
+        "DISK-NEED/HAVE-MIB-S",
         "CORE-S",
     ];
     let rows: Vec<Vec<String>> = p
@@ -292,6 +329,11 @@ fn render_table(p: &plan::Plan, cal_from: &str) -> String {
                 o.hibernations_watermark.to_string(),
                 o.pressure_refusals.to_string(),
                 mib(o.disk_peak_bytes / 1048576.0),
+                format!(
+                    "{}/{}",
+                    disk_rate(o.disk_needed_mib_s),
+                    disk_rate(o.disk_write_mib_s)
+                ),
                 format!("{:.2}", o.core_seconds),
             ]
         })

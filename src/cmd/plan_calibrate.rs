@@ -5,7 +5,10 @@
 //! almost nothing and one that rewrites `--dirty-mib` MiB continuously,
 //! from which the per-dirty-MiB hibernation cost follows. Snapshot sizes
 //! are read from the service's data directory (`--data-dir`, this host);
-//! a fresh sandbox's memory from the pod's measured PSS.
+//! the disk's write bandwidth is what those hibernations wrote over the
+//! time they took (the extra bytes of a dirty MiB over its extra time,
+//! see `calibration::measured_disk_write_mib_s`); a fresh sandbox's
+//! memory from the pod's measured PSS.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -67,7 +70,8 @@ pub fn run(a: CalibrateArgs) -> i32 {
         } else {
             println!(
                 "create {:.1} ms, wake {:.1} ms (max {:.1}), hibernate {:.1} ms + {:.2} ms per dirty MiB, \
-                 snapshot {:.0} B + {:.0} B per dirty MiB, fresh sandbox {:.1} MiB PSS\n{}\nstored in {}",
+                 snapshot {:.0} B + {:.0} B per dirty MiB, disk writes {:.0} MiB/s, \
+                 fresh sandbox {:.1} MiB PSS\n{}\nstored in {}",
                 cal.create_ms,
                 cal.wake_ms,
                 cal.wake_ms_spread.last().copied().unwrap_or(cal.wake_ms),
@@ -75,6 +79,7 @@ pub fn run(a: CalibrateArgs) -> i32 {
                 cal.hibernate_ms_per_dirty_mib,
                 cal.snapshot_base_bytes,
                 cal.snapshot_bytes_per_dirty_mib,
+                cal.disk_write_mib_s,
                 cal.fresh_pss_mib,
                 cal.description,
                 out.display()
@@ -248,26 +253,39 @@ fn measure(c: &Client, a: &CalibrateArgs, data_dir: &Path) -> Result<Calibration
     let p50 = |v: &mut Vec<f64>| quantile(v, 0.5);
     let mib = f64::from(a.dirty_mib);
     let builtin = Calibration::builtin();
-    let (base, per_mib, disk_note) = if q.snapshot.is_empty() || d.snapshot.is_empty() {
+    let qh = p50(&mut q.hibernate);
+    let dh = p50(&mut d.hibernate);
+    let ms_per_mib = ((dh - qh) / mib).max(0.0);
+    let (base, per_mib, disk, disk_note) = if q.snapshot.is_empty() || d.snapshot.is_empty() {
         (
             builtin.snapshot_base_bytes,
             builtin.snapshot_bytes_per_dirty_mib,
+            builtin.disk_write_mib_s,
             format!(
-                "snapshot sizes built-in (no snapshot readable under {})",
+                "snapshot sizes built-in (no snapshot readable under {}), disk writes built-in",
                 data_dir.display()
             ),
         )
     } else {
         let qb = p50(&mut q.snapshot);
         let db = p50(&mut d.snapshot);
-        (
-            qb,
-            ((db - qb) / mib).max(0.0),
-            "snapshot sizes measured".into(),
-        )
+        let per_mib = ((db - qb) / mib).max(0.0);
+        match calibration::measured_disk_write_mib_s(per_mib, ms_per_mib, db, dh) {
+            Some(disk) => (
+                qb,
+                per_mib,
+                disk,
+                "snapshot sizes measured, disk writes measured from them".to_string(),
+            ),
+            None => (
+                qb,
+                per_mib,
+                builtin.disk_write_mib_s,
+                "snapshot sizes measured, disk writes built-in (no write time measured)"
+                    .to_string(),
+            ),
+        }
     };
-    let qh = p50(&mut q.hibernate);
-    let dh = p50(&mut d.hibernate);
     let mut create = q.create.clone();
     create.extend(&d.create);
     let mut wake = q.wake.clone();
@@ -288,10 +306,11 @@ fn measure(c: &Client, a: &CalibrateArgs, data_dir: &Path) -> Result<Calibration
         // p50 sorted it.
         wake_ms_spread: wake.iter().copied().take(calibration::MAX_SPREAD).collect(),
         hibernate_ms: qh,
-        hibernate_ms_per_dirty_mib: ((dh - qh) / mib).max(0.0),
+        hibernate_ms_per_dirty_mib: ms_per_mib,
         snapshot_base_bytes: base,
         snapshot_bytes_per_dirty_mib: per_mib,
         fresh_pss_mib: p50(&mut q.pss),
+        disk_write_mib_s: disk,
     };
     cal.validate().map_err(fail)?;
     Ok(cal)

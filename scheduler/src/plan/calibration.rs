@@ -1,5 +1,7 @@
 //! What each event costs on a host: create, wake and hibernate latencies,
-//! snapshot size per dirty MiB and a fresh sandbox's memory. Measured by
+//! snapshot size per dirty MiB, the disk's write bandwidth (which the
+//! snapshot writes of concurrent hibernations share) and a fresh
+//! sandbox's memory. Measured by
 //! `torpor plan calibrate` with real VMMs (through a live `torpor serve`),
 //! stored as JSON; or the built-in default, clearly labelled as such.
 
@@ -15,6 +17,14 @@ const MAX_FILE: u64 = 64 * 1024;
 const MAX_MS: f64 = 600_000.0;
 /// Most wake samples a calibration keeps.
 pub const MAX_SPREAD: usize = 1000;
+/// The built-in disk write bandwidth (MiB/s): the rate the built-in
+/// hibernation figures imply (1 ms more per dirty MiB, a MiB of snapshot
+/// per dirty MiB), a local NVMe disk's. A network volume gives far less
+/// (a cloud disk's baseline may be 125-250 MiB/s): measure it, or give
+/// it to `torpor plan --disk-mib-s`.
+pub const BUILTIN_DISK_WRITE_MIB_S: f64 = 1000.0;
+/// Largest disk write bandwidth a calibration may state (MiB/s).
+pub const MAX_DISK_WRITE_MIB_S: f64 = 1e6;
 
 /// The costs a plan charges, and where they come from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -48,6 +58,15 @@ pub struct Calibration {
     pub snapshot_bytes_per_dirty_mib: f64,
     /// Memory (PSS, MiB) of a sandbox that has just been created or woken.
     pub fresh_pss_mib: f64,
+    /// The pod's disk write bandwidth (MiB/s) that hibernations' snapshot
+    /// writes share. A calibration stored before it was measured reads
+    /// as [`BUILTIN_DISK_WRITE_MIB_S`].
+    #[serde(default = "builtin_disk_write_mib_s")]
+    pub disk_write_mib_s: f64,
+}
+
+fn builtin_disk_write_mib_s() -> f64 {
+    BUILTIN_DISK_WRITE_MIB_S
 }
 
 /// A calibration that cannot be used.
@@ -85,6 +104,7 @@ impl Calibration {
             snapshot_base_bytes: 64.0 * 1024.0,
             snapshot_bytes_per_dirty_mib: 1048576.0,
             fresh_pss_mib: 1.0,
+            disk_write_mib_s: BUILTIN_DISK_WRITE_MIB_S,
         }
     }
 
@@ -113,6 +133,12 @@ impl Calibration {
             if !v.is_finite() || !(0.0..=max).contains(&v) {
                 return Err(format!("{name} {v} is outside [0, {max}]"));
             }
+        }
+        let disk = self.disk_write_mib_s;
+        if !disk.is_finite() || disk <= 0.0 || disk > MAX_DISK_WRITE_MIB_S {
+            return Err(format!(
+                "disk_write_mib_s {disk} is outside (0, {MAX_DISK_WRITE_MIB_S}]"
+            ));
         }
         if self.wake_ms_spread.len() > MAX_SPREAD {
             return Err(format!("more than {MAX_SPREAD} wake samples"));
@@ -185,6 +211,37 @@ impl Calibration {
     pub fn snapshot_bytes(&self, dirty_mib: f64) -> f64 {
         self.snapshot_base_bytes + self.snapshot_bytes_per_dirty_mib * dirty_mib
     }
+
+    /// Bytes the disk writes per ms.
+    pub fn disk_bytes_per_ms(&self) -> f64 {
+        self.disk_write_mib_s * 1048576.0 / 1000.0
+    }
+}
+
+/// The disk write bandwidth (MiB/s) hibernations timed show: the extra
+/// snapshot bytes a dirty MiB costs over the extra hibernation time it
+/// costs (the marginal rate: a hibernation's fixed part is not the
+/// disk's; `bytes_per_dirty_mib` over `ms_per_dirty_mib`); when that
+/// time is not measurably positive, `bytes` over `ms`, the dirtying
+/// hibernations' whole snapshots over their whole time (a lower bound).
+/// Within (0, [`MAX_DISK_WRITE_MIB_S`]]; `None` when neither is usable.
+pub fn measured_disk_write_mib_s(
+    bytes_per_dirty_mib: f64,
+    ms_per_dirty_mib: f64,
+    bytes: f64,
+    ms: f64,
+) -> Option<f64> {
+    let rate = |b: f64, t: f64| {
+        let r = b / 1048576.0 / (t / 1000.0);
+        (b > 0.0 && t > 0.0 && r.is_finite()).then(|| r.min(MAX_DISK_WRITE_MIB_S))
+    };
+    // Under a microsecond per MiB is noise, not a measured write.
+    if ms_per_dirty_mib > 0.001 {
+        if let Some(r) = rate(bytes_per_dirty_mib, ms_per_dirty_mib) {
+            return Some(r);
+        }
+    }
+    rate(bytes, ms)
 }
 
 #[cfg(test)]
@@ -210,6 +267,25 @@ mod tests {
         assert!(bad.validate().is_err(), "unsorted");
         bad.wake_ms_spread = vec![1.0, f64::INFINITY];
         assert!(bad.validate().is_err());
+        bad.wake_ms_spread = Vec::new();
+        bad.disk_write_mib_s = 0.0;
+        assert!(bad.validate().is_err(), "no disk");
+        // A calibration stored before the disk was measured: the built-in.
+        let mut old: serde_json::Value = serde_json::to_value(&c).unwrap();
+        old.as_object_mut().unwrap().remove("disk_write_mib_s");
+        std::fs::write(&p, old.to_string()).unwrap();
+        assert_eq!(
+            Calibration::load(&p).unwrap().disk_write_mib_s,
+            BUILTIN_DISK_WRITE_MIB_S
+        );
+        // Measured: the marginal rate, else the whole one.
+        let mib = 1048576.0;
+        assert_eq!(measured_disk_write_mib_s(mib, 2.0, 0.0, 0.0), Some(500.0));
+        assert_eq!(
+            measured_disk_write_mib_s(mib, 0.0, 64.0 * mib, 400.0),
+            Some(160.0)
+        );
+        assert_eq!(measured_disk_write_mib_s(0.0, 0.0, 0.0, 0.0), None);
         // A spread is visited evenly: 1000 wakes over 4 samples.
         let mut c = Calibration::builtin();
         assert_eq!(c.wake_cost_ms(7), c.wake_ms);

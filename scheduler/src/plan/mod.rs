@@ -14,7 +14,7 @@ pub mod trace;
 use serde::Serialize;
 
 pub use calibration::{Calibration, CalibrationError};
-pub use sim::{simulate, Outcome, PodShape, Setting};
+pub use sim::{simulate, Limit, Outcome, PodShape, Setting};
 pub use trace::{Trace, TraceError};
 
 /// Most settings one plan compares.
@@ -44,7 +44,8 @@ pub struct Plan {
 }
 
 /// Plays `trace` with every setting and picks one for `target`: among
-/// the feasible ones (resident memory within the pod's RAM) within it
+/// the feasible ones (resident memory within the pod's RAM, hibernation
+/// writes within its disk's bandwidth) within it
 /// (wake p99 and reject %), the one that admits the most creates, then
 /// the lowest wake p99, then the least core time, then the lowest ratio.
 /// When none is within it, none is recommended and the closest feasible
@@ -109,9 +110,23 @@ pub fn plan(
                 c.wake_p99_ms
             ),
             None if outcomes.is_empty() => "no setting given".into(),
-            None => "no setting keeps resident memory within the pod's RAM \
-                     (every one is infeasible): a larger pod or a lower ratio is needed"
-                .into(),
+            None => {
+                let disk = outcomes.iter().any(|o| o.exceeds.contains(&Limit::Disk));
+                format!(
+                    "no setting keeps resident memory within the pod's RAM{} \
+                     (every one is infeasible): {} is needed",
+                    if disk {
+                        " and hibernation writes within its disk's bandwidth"
+                    } else {
+                        ""
+                    },
+                    if disk {
+                        "a larger pod, a faster disk or a lower ratio"
+                    } else {
+                        "a larger pod or a lower ratio"
+                    }
+                )
+            }
         },
     };
     Plan {

@@ -19,16 +19,40 @@
 //! - A request to a hibernated sandbox wakes it (a wake the pod cannot
 //!   admit is refused, as the service answers 429; so is a create or wake
 //!   whose sandbox, at what a running one of its size holds, would take
-//!   resident memory past the hard mark, [`policy::pressure_gate`]);
+//!   resident memory past the hard mark, [`policy::pressure_gate`]; as in
+//!   the service, a sandbox the gate admitted counts at least that for
+//!   [`policy::PRESSURE_SETTLE_MS`], from its admission, in the gate's
+//!   measure, so wakes admitted together do not all count on the same
+//!   room; where the service, having measured no sandbox of a template,
+//!   expects its size, the planner expects a fresh one's memory);
 //!   requests that arrive while a sandbox is being created, woken or
 //!   hibernated wait for it.
 //! - A setting whose resident memory would exceed the pod's RAM is
 //!   infeasible (a real pod would swap or OOM-kill): [`Outcome::infeasible`]
-//!   says why, and the plan never recommends or names it.
+//!   says why ([`Outcome::exceeds`]: which limit), and the plan never
+//!   recommends or names it.
 //! - A wake costs the calibration's `wake_ms`, or across its measured
 //!   spread of wakes when it has one (in a fixed order: deterministic).
 //! - A hibernation writes a snapshot of what was dirtied since the last
-//!   one; a hibernated sandbox's disk is the sum of its layers.
+//!   one; a hibernated sandbox's disk is the sum of its layers. Its work
+//!   on a lane costs the calibration's hibernation time (measured one at
+//!   a time, its write included); its snapshot write, started with it,
+//!   goes through the pod's disk (`disk_write_mib_s`), which the writes
+//!   under way share equally (a write alone takes bytes / bandwidth). It
+//!   ends, and its sandbox's memory is freed, when both are done; the
+//!   policy thread waits for it. Only the policy hibernates, one step at
+//!   a time (an idle or timeout hibernation, or a pressure batch), so the
+//!   writes sharing the disk are one step's: their ends are known when
+//!   the step starts ([`shared_writes`]).
+//! - A setting needs more hibernation bandwidth than the disk gives when
+//!   its **write backlog** (the snapshot bytes of hibernations the policy
+//!   has started or queued and not yet finished) ever holds more than the
+//!   disk writes in [`DISK_BACKLOG_INTERVALS`] policy intervals: the
+//!   policy would be that many rounds behind (keep-alives overrun,
+//!   pressure held above the high mark), and a trace that asks more of
+//!   the disk than it gives makes each round's backlog larger than the
+//!   last. Such a setting is infeasible too, its reason naming the rate
+//!   the backlog needs (its peak over that window) against the disk's.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -57,6 +81,20 @@ pub struct PodShape {
     /// Lanes the pod's lifecycle work runs on.
     pub cores: u32,
     pub policy_interval_ms: u64,
+}
+
+/// How many policy intervals of the disk's writing a setting's write
+/// backlog may hold before it is infeasible (see the module doc).
+pub const DISK_BACKLOG_INTERVALS: u64 = 10;
+
+/// A limit of the pod an infeasible setting exceeds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Limit {
+    /// Resident memory past its RAM.
+    Ram,
+    /// Hibernation writes past its disk's bandwidth.
+    Disk,
 }
 
 /// What one setting did with the trace.
@@ -88,14 +126,27 @@ pub struct Outcome {
     /// Highest resident memory at any moment, against the pod's RAM.
     pub resident_peak_mib: f64,
     /// Why the setting cannot run on the pod (resident memory past its
-    /// RAM); `None` when it can.
+    /// RAM, hibernation writes past its disk's bandwidth); `None` when it
+    /// can.
     pub infeasible: Option<String>,
+    /// The limits it exceeds (empty when feasible).
+    pub exceeds: Vec<Limit>,
     /// Peak and p99 of the per-round samples of resident memory.
     pub mem_peak_mib: f64,
     pub mem_p99_mib: f64,
     pub committed_peak_mib: u64,
     pub disk_peak_bytes: f64,
     pub disk_end_bytes: f64,
+    /// Snapshot bytes hibernations wrote.
+    pub snapshot_written_bytes: f64,
+    /// Most snapshot bytes the policy's hibernations had left to write
+    /// at once (started or queued, not finished).
+    pub write_backlog_peak_bytes: f64,
+    /// The write rate that backlog needs (MiB/s): its peak written within
+    /// [`DISK_BACKLOG_INTERVALS`] policy intervals.
+    pub disk_needed_mib_s: f64,
+    /// The disk's write bandwidth it was played with (MiB/s).
+    pub disk_write_mib_s: f64,
     /// Core time of the pod's creates, wakes and hibernations.
     pub core_seconds: f64,
     /// (seconds, memory MiB) samples, at most [`MAX_SERIES`].
@@ -148,6 +199,12 @@ struct SimBox {
     resident_mib: f64,
     dirty_mib: f64,
     disk_bytes: f64,
+    /// Snapshot bytes of the hibernation under way.
+    write_bytes: f64,
+    /// Until when the pressure gate counts it at least `settle_mib`, what
+    /// it expected it to hold when it admitted it.
+    settle_until: i64,
+    settle_mib: f64,
     waiting: Vec<Waiting>,
     delete_pending: bool,
 }
@@ -166,6 +223,8 @@ struct SimPod<'a> {
     wake_waits: Vec<f64>,
     out: Outcome,
     disk_now: f64,
+    /// Snapshot bytes of hibernations started or queued, not finished.
+    backlog_now: f64,
     /// Resident memory of the live sandboxes now (MiB).
     resident_now: f64,
     /// Wakes started so far (which part of the calibration's spread the
@@ -214,9 +273,9 @@ impl SimPod<'_> {
         self.out.resident_peak_mib = self.out.resident_peak_mib.max(self.resident_now);
     }
 
-    /// Whether a create or wake of `mem_mib` may start: the pressure gate,
-    /// then admission, as the service checks them.
-    fn admit(&mut self, mem_mib: u32) -> bool {
+    /// Whether a create or wake of sandbox `i` of `mem_mib` may start: the
+    /// pressure gate, then admission, as the service checks them.
+    fn admit(&mut self, i: usize, mem_mib: u32) -> bool {
         // What the new sandbox will hold, as the service expects it: the
         // most a running one of its template holds (a trace names no
         // template: one of its size), else what a fresh one holds (the
@@ -225,27 +284,56 @@ impl SimPod<'_> {
             .boxes
             .iter()
             .filter(|b| b.live && HOLDING_VMM.contains(&b.sandbox.state))
+            // One being created or woken has no VMM to measure yet.
+            .filter(|b| {
+                !matches!(
+                    b.sandbox.state,
+                    SandboxState::Creating | SandboxState::Resuming
+                )
+            })
             .filter(|b| b.sandbox.mem_mib == mem_mib)
             .map(|b| b.resident_mib)
             .reduce(f64::max)
             .unwrap_or(self.cal.fresh_pss_mib.min(f64::from(mem_mib)));
+        // The pod's resident memory as the gate measures it: each sandbox
+        // admitted within the settle time at least what it was expected
+        // to hold.
+        let now = self.now;
+        let measured: f64 = self
+            .boxes
+            .iter()
+            .filter(|b| b.live && HOLDING_VMM.contains(&b.sandbox.state))
+            .map(|b| {
+                if now < b.settle_until {
+                    b.resident_mib.max(b.settle_mib)
+                } else {
+                    b.resident_mib
+                }
+            })
+            .sum();
         let gate = policy::pressure_gate(
             self.shape.memory_mib << 20,
             self.setting.high_watermark,
-            (self.resident_now.max(0.0) * 1048576.0) as u64,
+            (measured.max(0.0) * 1048576.0) as u64,
             (expected_mib.max(0.0) * 1048576.0) as u64,
         );
         if gate.is_err() {
             self.out.pressure_refusals += 1;
             return false;
         }
-        policy::admit(
+        let admitted = policy::admit(
             self.shape.memory_mib,
             self.setting.ratio,
             self.committed_mib(),
             mem_mib,
         )
-        .is_ok()
+        .is_ok();
+        if admitted {
+            let b = &mut self.boxes[i];
+            b.settle_until = now.saturating_add(policy::PRESSURE_SETTLE_MS as i64);
+            b.settle_mib = expected_mib;
+        }
+        admitted
     }
 
     fn start_work(&mut self, i: usize, work: Work, at: i64, ms: f64) {
@@ -279,6 +367,8 @@ impl SimPod<'_> {
             b.work = None;
             b.sandbox.state = SandboxState::Running;
             self.out.core_seconds -= b.work_ms / 1000.0;
+            self.backlog_now -= b.write_bytes;
+            b.write_bytes = 0.0;
         }
         if b.work.is_some() {
             b.waiting.push(r);
@@ -286,7 +376,7 @@ impl SimPod<'_> {
         }
         if b.sandbox.state == SandboxState::Hibernated {
             let mem = b.sandbox.mem_mib;
-            if !self.admit(mem) {
+            if !self.admit(i, mem) {
                 self.out.wakes_rejected += 1;
                 return;
             }
@@ -323,9 +413,11 @@ impl SimPod<'_> {
             }
             Work::Hibernate(reason) => {
                 b.sandbox.state = SandboxState::Hibernated;
-                let bytes = self.cal.snapshot_bytes(b.dirty_mib);
+                let bytes = std::mem::take(&mut b.write_bytes);
                 b.disk_bytes += bytes;
                 self.disk_now += bytes;
+                self.backlog_now -= bytes;
+                self.out.snapshot_written_bytes += bytes;
                 b.dirty_mib = 0.0;
                 self.set_resident(i, 0.0);
                 self.out.hibernations += 1;
@@ -364,6 +456,58 @@ impl SimPod<'_> {
         let dropped = b.waiting.len() as u64;
         b.waiting.clear();
         self.out.requests_dropped += dropped;
+    }
+
+    /// One step of the policy thread: hibernates `step` together, once
+    /// its previous step is done, each on the first free lane, their
+    /// snapshot writes sharing the disk; the thread is busy until the
+    /// last ends. A busy sandbox (an operation holds it, or a request is
+    /// in flight) is left alone (`None`).
+    fn hibernate_step(&mut self, step: &[Sandbox], reason: PolicyReason) -> Vec<Option<bool>> {
+        let at = self.policy_busy_until.max(self.now);
+        let mut started = Vec::new();
+        let answers = step
+            .iter()
+            .map(|s| {
+                let i = index_of(&s.id)?;
+                let b = self.boxes.get(i)?;
+                if b.work.is_some() || b.active_until > self.now || !b.live {
+                    return None;
+                }
+                let (ms, bytes) = (
+                    self.cal.hibernate_cost_ms(b.dirty_mib),
+                    self.cal.snapshot_bytes(b.dirty_mib),
+                );
+                self.start_work(i, Work::Hibernate(reason), at, ms);
+                self.boxes[i].write_bytes = bytes;
+                self.backlog_now += bytes;
+                started.push((i, bytes));
+                Some(true)
+            })
+            .collect();
+        self.out.write_backlog_peak_bytes = self.out.write_backlog_peak_bytes.max(self.backlog_now);
+        let writes: Vec<(f64, f64)> = started
+            .iter()
+            .map(|&(i, bytes)| (self.boxes[i].work_start as f64, bytes))
+            .collect();
+        let mut ends = at;
+        for ((i, _), written) in started
+            .into_iter()
+            .zip(shared_writes(self.cal.disk_bytes_per_ms(), &writes))
+        {
+            let b = &mut self.boxes[i];
+            if let Some((work, lane_end)) = b.work {
+                let end = lane_end.max(written.ceil() as i64);
+                if end > lane_end {
+                    // The lane's entry is left stale (skipped).
+                    b.work = Some((work, end));
+                    self.done.push(Reverse((end, i)));
+                }
+                ends = ends.max(end);
+            }
+        }
+        self.policy_busy_until = ends;
+        answers
     }
 
     fn sample(&mut self, series: &mut Vec<(f64, f64)>) {
@@ -418,41 +562,16 @@ impl PolicyDriver for SimPod<'_> {
     }
 
     fn hibernate(&mut self, s: &Sandbox, reason: PolicyReason) -> Option<bool> {
-        let i = index_of(&s.id)?;
-        let b = self.boxes.get(i)?;
-        // Busy: an operation holds it, or a request is in flight.
-        if b.work.is_some() || b.active_until > self.now || !b.live {
-            return None;
-        }
-        let ms = self.cal.hibernate_cost_ms(b.dirty_mib);
         // The policy thread hibernates one sandbox after the other.
-        let at = self.policy_busy_until.max(self.now);
-        self.start_work(i, Work::Hibernate(reason), at, ms);
-        self.policy_busy_until = self.boxes[i].work.map_or(at, |(_, end)| end);
-        Some(true)
+        self.hibernate_step(std::slice::from_ref(s), reason)
+            .pop()
+            .flatten()
     }
 
     /// Pressure hibernations start together, each on a lane of its own
     /// while lanes are free; the round ends when the last one does.
     fn hibernate_batch(&mut self, batch: &[Sandbox]) -> Vec<Option<bool>> {
-        let at = self.policy_busy_until.max(self.now);
-        let mut ends = at;
-        let answers = batch
-            .iter()
-            .map(|s| {
-                let i = index_of(&s.id)?;
-                let b = self.boxes.get(i)?;
-                if b.work.is_some() || b.active_until > self.now || !b.live {
-                    return None;
-                }
-                let ms = self.cal.hibernate_cost_ms(b.dirty_mib);
-                self.start_work(i, Work::Hibernate(PolicyReason::Watermark), at, ms);
-                ends = ends.max(self.boxes[i].work.map_or(at, |(_, end)| end));
-                Some(true)
-            })
-            .collect();
-        self.policy_busy_until = ends;
-        answers
+        self.hibernate_step(batch, PolicyReason::Watermark)
     }
 
     fn tend(&mut self, _s: &Sandbox) {}
@@ -483,6 +602,57 @@ pub fn quantile(v: &mut [f64], q: f64) -> f64 {
     v[rank - 1]
 }
 
+/// When each of `writes` (start ms, bytes) ends on a disk that writes
+/// `bytes_per_ms`, shared equally by the writes under way (a write alone
+/// takes bytes / bandwidth; two together each get half).
+pub fn shared_writes(bytes_per_ms: f64, writes: &[(f64, f64)]) -> Vec<f64> {
+    let mut end = vec![0.0; writes.len()];
+    let mut left: Vec<f64> = writes.iter().map(|w| w.1.max(0.0)).collect();
+    let mut order: Vec<usize> = (0..writes.len()).collect();
+    order.sort_by(|&a, &b| writes[a].0.total_cmp(&writes[b].0));
+    let mut arrivals = order.into_iter().peekable();
+    let mut active: Vec<usize> = Vec::new();
+    let mut t = f64::NEG_INFINITY;
+    if !(bytes_per_ms.is_finite() && bytes_per_ms > 0.0) {
+        // No disk figure: writes take no time (validation refuses this).
+        return writes.iter().map(|w| w.0).collect();
+    }
+    loop {
+        if active.is_empty() {
+            match arrivals.peek() {
+                Some(&i) => t = t.max(writes[i].0),
+                None => return end,
+            }
+        }
+        while let Some(&i) = arrivals.peek() {
+            if writes[i].0 > t {
+                break;
+            }
+            active.push(i);
+            arrivals.next();
+        }
+        let rate = bytes_per_ms / active.len() as f64;
+        let first_done = active
+            .iter()
+            .map(|&i| left[i])
+            .fold(f64::INFINITY, f64::min);
+        let next_start = arrivals.peek().map_or(f64::INFINITY, |&i| writes[i].0);
+        let next = (t + first_done / rate).min(next_start);
+        let written = (next - t) * rate;
+        t = next;
+        active.retain(|&i| {
+            left[i] -= written;
+            // What rounding leaves of a finished write.
+            if left[i] <= 1e-9 * writes[i].1.max(1.0) {
+                end[i] = t;
+                false
+            } else {
+                true
+            }
+        });
+    }
+}
+
 /// Plays `trace` on a pod of `shape` with `setting`, charging `cal`.
 /// Deterministic: the same inputs give the same outcome.
 pub fn simulate(trace: &Trace, shape: PodShape, setting: Setting, cal: &Calibration) -> Outcome {
@@ -503,6 +673,9 @@ pub fn simulate(trace: &Trace, shape: PodShape, setting: Setting, cal: &Calibrat
                 resident_mib: 0.0,
                 dirty_mib: 0.0,
                 disk_bytes: 0.0,
+                write_bytes: 0.0,
+                settle_until: 0,
+                settle_mib: 0.0,
                 waiting: Vec::new(),
                 delete_pending: false,
             }
@@ -536,15 +709,21 @@ pub fn simulate(trace: &Trace, shape: PodShape, setting: Setting, cal: &Calibrat
             pressure_refusals: 0,
             resident_peak_mib: 0.0,
             infeasible: None,
+            exceeds: Vec::new(),
             mem_peak_mib: 0.0,
             mem_p99_mib: 0.0,
             committed_peak_mib: 0,
             disk_peak_bytes: 0.0,
             disk_end_bytes: 0.0,
+            snapshot_written_bytes: 0.0,
+            write_backlog_peak_bytes: 0.0,
+            disk_needed_mib_s: 0.0,
+            disk_write_mib_s: cal.disk_write_mib_s,
             core_seconds: 0.0,
             memory_series: Vec::new(),
         },
         disk_now: 0.0,
+        backlog_now: 0.0,
         resident_now: 0.0,
         wakes_started: 0,
     };
@@ -587,7 +766,7 @@ pub fn simulate(trace: &Trace, shape: PodShape, setting: Setting, cal: &Calibrat
         pod.now = e.t_ms;
         match e.kind {
             EventKind::Create => {
-                if pod.admit(e.mem_mib) {
+                if pod.admit(e.sandbox, e.mem_mib) {
                     pod.out.creates_admitted += 1;
                     let b = &mut pod.boxes[e.sandbox];
                     b.live = true;
@@ -621,12 +800,32 @@ pub fn simulate(trace: &Trace, shape: PodShape, setting: Setting, cal: &Calibrat
     out.wake_max_ms = pod.wake_waits.last().copied().unwrap_or(0.0);
     out.disk_end_bytes = pod.disk_now;
     out.memory_series = downsample(&series, MAX_SERIES);
+    let mut why = Vec::new();
     if out.resident_peak_mib > shape.memory_mib as f64 {
-        out.infeasible = Some(format!(
+        out.exceeds.push(Limit::Ram);
+        why.push(format!(
             "resident memory peaks at {:.0} MiB, past the pod's {} MiB of RAM: \
              a real pod would swap or OOM-kill; lower the ratio or add memory",
             out.resident_peak_mib, shape.memory_mib
         ));
+    }
+    let window_s = (DISK_BACKLOG_INTERVALS * shape.policy_interval_ms.max(1)) as f64 / 1000.0;
+    out.disk_needed_mib_s = out.write_backlog_peak_bytes / 1048576.0 / window_s;
+    if out.disk_needed_mib_s > cal.disk_write_mib_s {
+        out.exceeds.push(Limit::Disk);
+        why.push(format!(
+            "hibernation writes need {:.0} MiB/s, past the disk's {:.0} MiB/s: \
+             {:.0} MiB of snapshots left to write at once, more than the disk writes \
+             in {DISK_BACKLOG_INTERVALS} policy intervals ({window_s} s), so the policy \
+             falls behind; hibernate fewer at once (a lower ratio, a longer keep-alive) \
+             or use a faster disk",
+            out.disk_needed_mib_s,
+            cal.disk_write_mib_s,
+            out.write_backlog_peak_bytes / 1048576.0
+        ));
+    }
+    if !why.is_empty() {
+        out.infeasible = Some(why.join("; "));
     }
     out
 }

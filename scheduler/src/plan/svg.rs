@@ -1,13 +1,15 @@
 //! A plan as an SVG chart an operator opens in a browser: peak resident
 //! memory and wake p99 against the oversubscription ratio (for the chosen
 //! keep-alive and watermark; an infeasible setting, whose resident memory
-//! would exceed the pod's RAM, ringed in red and labelled), and memory
+//! would exceed the pod's RAM or whose hibernations would write more than
+//! its disk gives, ringed in red and labelled `infeasible`, `infeasible
+//! (disk)` or both), and memory
 //! over time for the chosen setting, with the pod's memory and high
 //! watermark drawn across.
 
 use std::fmt::Write;
 
-use super::{Outcome, Plan};
+use super::{Limit, Outcome, Plan};
 
 const W: f64 = 900.0;
 const PANEL_H: f64 = 260.0;
@@ -147,12 +149,15 @@ impl Panel<'_> {
     }
 
     /// Rings the points of infeasible settings in red, labelled.
-    fn infeasible(&self, out: &mut String, points: &[(f64, f64, bool)]) {
-        for &(x, y, _) in points.iter().filter(|p| p.2) {
+    fn infeasible(&self, out: &mut String, points: &[(f64, f64, Option<&str>)]) {
+        for &(x, y, label) in points {
+            let Some(label) = label else {
+                continue;
+            };
             let (cx, cy) = (self.x(x), self.y(y));
             let _ = writeln!(
                 out,
-                r##"<circle cx="{cx:.1}" cy="{cy:.1}" r="8" fill="none" stroke="{INFEASIBLE}" stroke-width="2"/><text x="{cx:.1}" y="{:.1}" font-size="11" fill="{INFEASIBLE}" text-anchor="middle">infeasible</text>"##,
+                r##"<circle cx="{cx:.1}" cy="{cy:.1}" r="8" fill="none" stroke="{INFEASIBLE}" stroke-width="2"/><text x="{cx:.1}" y="{:.1}" font-size="11" fill="{INFEASIBLE}" text-anchor="middle">{label}</text>"##,
                 cy - 12.0
             );
         }
@@ -168,6 +173,20 @@ impl Panel<'_> {
             y - 4.0,
             esc(label)
         );
+    }
+}
+
+/// How an infeasible setting's points are labelled: by the limits it
+/// exceeds (RAM alone says `infeasible`).
+fn infeasible_label(o: &Outcome) -> Option<&'static str> {
+    match (
+        o.exceeds.contains(&Limit::Ram),
+        o.exceeds.contains(&Limit::Disk),
+    ) {
+        (true, false) => Some("infeasible"),
+        (false, true) => Some("infeasible (disk)"),
+        (true, true) => Some("infeasible (RAM, disk)"),
+        (false, false) => o.infeasible.is_some().then_some("infeasible"),
     }
 }
 
@@ -225,10 +244,10 @@ pub fn render(plan: &Plan) -> String {
         .iter()
         .map(|o| (o.setting.ratio, o.resident_peak_mib))
         .collect();
-    let marked = |v: &[(f64, f64)]| -> Vec<(f64, f64, bool)> {
+    let marked = |v: &[(f64, f64)]| -> Vec<(f64, f64, Option<&'static str>)> {
         v.iter()
             .zip(&by_ratio)
-            .map(|(&(x, y), o)| (x, y, o.infeasible.is_some()))
+            .map(|(&(x, y), o)| (x, y, infeasible_label(o)))
             .collect()
     };
     let mut p = Panel {
@@ -336,6 +355,38 @@ mod tests {
         // Ratio 2's points, in both panels against the ratio.
         assert_eq!(svg.matches(">infeasible</text>").count(), 2, "{svg}");
         assert_eq!(svg.matches(r#"r="8" fill="none""#).count(), 2);
+
+        // A disk that writes 1 MiB/s and a 2 s keep-alive: ratio 1's
+        // sandbox goes idle and leaves 400 MiB to write, more than that
+        // disk writes in 10 policy intervals: infeasible for the disk
+        // alone; ratio 2 for both.
+        let t = Trace::read(
+            "{\"t\":0,\"sandbox\":\"a\",\"event\":\"create\",\"mem_mib\":512}\n\
+             {\"t\":0,\"sandbox\":\"b\",\"event\":\"create\",\"mem_mib\":512}\n\
+             {\"t\":1,\"sandbox\":\"a\",\"event\":\"request\",\"duration_ms\":0,\"mem_mib\":400}\n\
+             {\"t\":1,\"sandbox\":\"b\",\"event\":\"request\",\"duration_ms\":0,\"mem_mib\":400}\n\
+             {\"t\":5,\"sandbox\":\"a\",\"event\":\"request\",\"duration_ms\":0,\"mem_mib\":0}\n"
+                .as_bytes(),
+        )
+        .unwrap();
+        let mut slow = Calibration::builtin();
+        slow.disk_write_mib_s = 1.0;
+        let idle: Vec<Setting> = settings
+            .iter()
+            .map(|s| Setting {
+                keep_alive_ms: 2_000,
+                ..*s
+            })
+            .collect();
+        let p = crate::plan::plan(&t, pod, &idle, target, slow);
+        assert_eq!(p.outcomes[0].exceeds, [Limit::Disk], "{:?}", p.outcomes[0]);
+        let svg = render(&p);
+        assert_eq!(svg.matches(">infeasible (disk)</text>").count(), 2, "{svg}");
+        assert_eq!(
+            svg.matches(">infeasible (RAM, disk)</text>").count(),
+            2,
+            "{svg}"
+        );
     }
 
     #[test]

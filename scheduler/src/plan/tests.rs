@@ -238,3 +238,171 @@ fn creates_past_the_hard_mark_are_refused_and_reclaim_goes_to_the_low_mark() {
     assert!(o.infeasible.is_none(), "{o:?}");
     assert!(o.resident_peak_mib > 973.0 && o.resident_peak_mib < 1024.0);
 }
+
+#[test]
+fn writes_under_way_share_the_disk() {
+    use super::sim::shared_writes;
+    // 1000 bytes/ms. Alone: bytes / bandwidth.
+    assert_eq!(shared_writes(1000.0, &[(5.0, 2000.0)]), [7.0]);
+    // Two together: each at half, the smaller done first.
+    assert_eq!(
+        shared_writes(1000.0, &[(0.0, 4000.0), (0.0, 2000.0)]),
+        [6.0, 4.0]
+    );
+    // Staggered: the second shares from its start.
+    assert_eq!(
+        shared_writes(1000.0, &[(0.0, 3000.0), (1.0, 1000.0)]),
+        [4.0, 3.0]
+    );
+    // Apart: no sharing.
+    assert_eq!(
+        shared_writes(1000.0, &[(10.0, 1000.0), (0.0, 1000.0)]),
+        [11.0, 1.0]
+    );
+    assert!(shared_writes(1000.0, &[]).is_empty());
+}
+
+/// Four 128 MiB sandboxes that each dirty 100 MiB, then go idle together
+/// past a 5 s keep-alive: the round hibernates all four, 400 MiB of
+/// snapshots to write.
+fn idle_together() -> Trace {
+    let mut lines: Vec<String> = (0..4).map(|i| create(0.0, &format!("s{i}"), 128)).collect();
+    lines.extend((0..4).map(|i| request(0.5, &format!("s{i}"), 0, 100)));
+    lines.push(request(12.0, "s1", 0, 0));
+    trace(&lines)
+}
+
+#[test]
+fn a_trace_feasible_with_a_fast_disk_is_infeasible_with_a_slow_one() {
+    let t = idle_together();
+    let s = setting(4.0, 5_000);
+    let mut fast = Calibration::builtin();
+    fast.disk_write_mib_s = 1000.0;
+    let o = simulate(&t, POD, s, &fast);
+    assert_eq!(o.hibernations_idle, 4, "{o:?}");
+    // 400 MiB within 10 intervals of 1 s: 40 MiB/s needed.
+    let backlog_mib = o.write_backlog_peak_bytes / 1048576.0;
+    assert!((backlog_mib - 400.25).abs() < 0.01, "{o:?}");
+    assert!((o.disk_needed_mib_s - 40.025).abs() < 0.01, "{o:?}");
+    assert_eq!(o.disk_write_mib_s, 1000.0);
+    assert!(o.infeasible.is_none() && o.exceeds.is_empty(), "{o:?}");
+    assert_eq!(o.snapshot_written_bytes, 4.0 * fast.snapshot_bytes(100.0));
+    assert_eq!(o.wake_max_ms, fast.wake_ms.ceil(), "{o:?}");
+
+    let mut slow = fast.clone();
+    slow.disk_write_mib_s = 20.0;
+    let o = simulate(&t, POD, s, &slow);
+    assert_eq!(o.exceeds, [Limit::Disk], "{o:?}");
+    let why = o
+        .infeasible
+        .as_deref()
+        .expect("a 20 MiB/s disk cannot keep up");
+    assert!(
+        why.starts_with("hibernation writes need 40 MiB/s, past the disk's 20 MiB/s"),
+        "{why}"
+    );
+    assert!(why.contains("in 10 policy intervals (10 s)"), "{why}");
+    assert_eq!(o.hibernations_idle, 4, "{o:?}");
+    // Each hibernation writes 100 MiB alone, 5 s at 20 MiB/s, one after
+    // the other from the 6 s round: s1's runs from 11 s to 16 s, and a
+    // request to it at 12 s waits for it, then for its wake.
+    assert!(o.wake_max_ms >= 4_000.0, "{o:?}");
+
+    // The plan recommends neither, and says why when it is alone.
+    let lax = Target {
+        wake_p99_ms: 1e9,
+        max_reject_pct: 100.0,
+    };
+    let p = plan(&t, POD, &[s], lax, slow);
+    assert_eq!(p.recommended, None);
+    assert!(
+        p.reason
+            .contains("hibernation writes within its disk's bandwidth")
+            && p.reason.contains("every one is infeasible"),
+        "{}",
+        p.reason
+    );
+    let p = plan(&t, POD, &[s], lax, fast);
+    assert_eq!(p.recommended, Some(0), "{}", p.reason);
+}
+
+#[test]
+fn memory_is_freed_when_the_snapshot_is_written() {
+    // Three sandboxes dirty 330 MiB each: 993 MiB on a 1 GiB pod, past
+    // the hard mark. The 2 s round hibernates the coldest; at 2.5 s
+    // another dirties 100 MiB more. With a fast disk s0's 330 MiB are
+    // written (and freed) by then; at 100 MiB/s its write takes 3.3 s,
+    // s0 still holds its memory, and the pod passes its RAM.
+    let mut lines: Vec<String> = (0..3).map(|i| create(0.0, &format!("s{i}"), 512)).collect();
+    lines.extend((0..3).map(|i| request(1.1 + 0.1 * i as f64, &format!("s{i}"), 0, 330)));
+    lines.push(request(2.5, "s2", 0, 100));
+    let t = trace(&lines);
+    let s = setting(4.0, 3_600_000);
+    let fast = Calibration::builtin();
+    let o = simulate(&t, POD, s, &fast);
+    assert_eq!(o.hibernations_watermark, 1, "{o:?}");
+    assert!(o.infeasible.is_none(), "{o:?}");
+    let mut slow = fast.clone();
+    slow.disk_write_mib_s = 100.0;
+    let o = simulate(&t, POD, s, &slow);
+    assert_eq!(o.hibernations_watermark, 1, "{o:?}");
+    assert_eq!(o.exceeds, [Limit::Ram], "{o:?}");
+    assert!(o.resident_peak_mib > 1024.0, "{o:?}");
+    // 330 MiB left to write is within 10 s of the disk.
+    assert!(o.disk_needed_mib_s < 100.0, "{o:?}");
+}
+
+#[test]
+fn a_pressure_batch_shares_the_disk() {
+    // An 8-core pod hibernates 4 at once under pressure. Twenty 64 MiB
+    // sandboxes dirty 49 MiB each: 1000 MiB on 1 GiB, past the high mark;
+    // the 2 s round hibernates the 4 coldest, one batch, down to 800 MiB.
+    // Their writes share a 100 MiB/s disk: each gets a quarter and all
+    // four end at about 3.96 s, and only then is their memory free. A
+    // request at 3 s to the fourth coldest waits for it (written one at a
+    // time, the first would be done by 2.5 s, the fourth by 4 s; freed
+    // together, the three before it make room for its wake).
+    let pod = PodShape { cores: 8, ..POD };
+    let mut lines: Vec<String> = (0..20).map(|i| create(0.0, &format!("s{i}"), 64)).collect();
+    lines.extend((0..20).map(|i| request(1.1 + 0.01 * i as f64, &format!("s{i}"), 0, 49)));
+    lines.push(request(3.0, "s3", 0, 0));
+    let t = trace(&lines);
+    let mut cal = Calibration::builtin();
+    cal.disk_write_mib_s = 100.0;
+    let o = simulate(&t, pod, setting(4.0, 3_600_000), &cal);
+    assert_eq!(o.hibernations_watermark, 4, "{o:?}");
+    let written_mib = o.snapshot_written_bytes / 1048576.0;
+    assert!((written_mib - 4.0 * 49.0).abs() < 1.0, "{o:?}");
+    let shared_end_ms = 2000.0 + 4.0 * cal.snapshot_bytes(49.0) / cal.disk_bytes_per_ms();
+    assert_eq!(o.wakes, 1, "{o:?}");
+    let waited = o.wake_max_ms;
+    assert!(
+        waited >= shared_end_ms - 3000.0 && waited <= shared_end_ms - 3000.0 + 10.0,
+        "{waited} ms: {o:?}"
+    );
+    assert!(o.infeasible.is_none(), "{o:?}");
+}
+
+#[test]
+fn wakes_admitted_together_count_on_the_room_once() {
+    // s0 and s1 dirty 400 MiB and hibernate once idle (s2 too, unused);
+    // s2, woken at 12 s, then holds 401 MiB, running. s0 and s1 are
+    // asked for at once at 20 s: the gate admits s0
+    // (401 + 401 <= 973 MiB, the hard mark), then counts it at 401 MiB
+    // while it settles, though its restore holds nothing yet, and refuses
+    // s1 (401 + 401 + 401), as the service does.
+    let t = trace(&[
+        create(0.0, "s0", 512),
+        create(0.0, "s1", 512),
+        create(0.0, "s2", 512),
+        request(0.5, "s0", 0, 400),
+        request(0.5, "s1", 0, 400),
+        request(12.0, "s2", 30_000, 400),
+        request(20.0, "s0", 0, 0),
+        request(20.0, "s1", 0, 0),
+    ]);
+    let o = simulate(&t, POD, setting(4.0, 5_000), &Calibration::builtin());
+    assert_eq!(o.hibernations_idle, 3, "{o:?}");
+    assert_eq!((o.wakes, o.wakes_rejected), (2, 1), "{o:?}");
+    assert_eq!(o.pressure_refusals, 1, "{o:?}");
+}

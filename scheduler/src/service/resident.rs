@@ -25,9 +25,8 @@ use crate::store::SandboxFilter;
 const MEASURE_REUSE: Duration = Duration::from_millis(100);
 
 /// How long after its create or wake a sandbox counts at least what its
-/// template's sandboxes hold: a restored guest's memory comes back as it
-/// touches it, so a fresh one measures less than it is about to hold.
-const SETTLE: Duration = Duration::from_secs(10);
+/// template's sandboxes hold ([`crate::policy::PRESSURE_SETTLE_MS`]).
+const SETTLE: Duration = Duration::from_millis(crate::policy::PRESSURE_SETTLE_MS);
 
 /// What a create, wake or build asks of the pressure gate.
 #[derive(Debug, Clone, Copy)]
