@@ -80,10 +80,9 @@ const POLL: Duration = Duration::from_millis(50);
 const TOUCH_LIMIT: Duration = Duration::from_secs(30);
 const MIB: f64 = 1048576.0;
 
-/// Seconds the trace's first hog runs alone: the service's pressure gate
-/// counts a sandbox created when none of its template has been measured
-/// at its full size for 10 s (a restore settling), where the planner
-/// counts what a running one holds; past that the two agree.
+/// Seconds the trace's first hog runs alone: past the gate's 10 s of a
+/// restore settling, so that both the service and the planner count the
+/// others at what a settled one holds.
 const ALONE_S: f64 = 10.5;
 
 /// The trace: a hog created first and used every 0.5-1 s to the end,
