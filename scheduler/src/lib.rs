@@ -9,6 +9,8 @@
 //!   mutating call is one transaction, committed (and fsynced) before it
 //!   returns; an operations journal lets a restarted service find the work
 //!   a crash interrupted.
+//! - [`random`]: random bytes and hex from the kernel's CSPRNG (ids, temp
+//!   names, tokens).
 //! - [`files`]: crash-safe files for snapshots: atomic writes, and removal of
 //!   temp files and snapshot directories the store no longer references.
 //! - [`policy`]: the pod's admission and hibernation rules, driven by the
@@ -68,6 +70,7 @@ pub mod names;
 pub mod net;
 pub mod plan;
 pub mod policy;
+pub mod random;
 pub mod service;
 pub mod state;
 pub mod store;

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use tempfile::TempDir;
 
 use super::*;
-use crate::model::{random_hex, Sandbox, Template, TemplateId, TemplateState, VmmHandle};
+use crate::model::{Sandbox, Template, TemplateId, TemplateState, VmmHandle};
+use crate::random::random_hex;
 
 /// A service whose VMM executable does not exist, over a store with a
 /// ready probe template.
