@@ -272,6 +272,14 @@ pub struct Template {
     pub source: Option<SandboxId>,
 }
 
+/// Who makes a sandbox or a template: the tenant it will belong to, and
+/// whether that caller is an admin (who may use every template).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    pub tenant: String,
+    pub admin: bool,
+}
+
 /// The VMM process that runs a sandbox now: its pid, and the process's
 /// start time so that a recycled pid is never taken for it (signals go
 /// through a pidfd checked against both; see `service::vmm::stop`).

@@ -412,3 +412,15 @@ fn a_checkpoint_the_vmm_does_not_write_leaves_nothing() {
         SandboxState::Running
     );
 }
+
+#[test]
+fn shared_templates_are_read_only_for_tenants() {
+    let (_dir, _service, mut shared) = service();
+    shared.tenant = None;
+    let owner = |tenant: &str, admin| Owner {
+        tenant: tenant.into(),
+        admin,
+    };
+    assert!(may_delete(Some(&owner("acme", false)), &shared).is_err());
+    assert!(may_delete(Some(&owner("admin", true)), &shared).is_ok());
+}

@@ -43,6 +43,7 @@ use crate::model::{Pod, PodAddress, PodId, SandboxId, TemplateKind, Timestamp};
 use crate::state::{IllegalTransition, SandboxState};
 use crate::store::{Store, StoreError};
 
+pub use crate::model::Owner;
 pub use cancel::Cancel;
 pub use checkpoint::{
     validate_checkpoint_name, CreateCheckpoint, ForkSandbox, RestoreCheckpoint,
@@ -52,6 +53,7 @@ pub use guest::{AgentLink, Dialer, GuestCall, GuestError};
 pub use lifetime::{check_lifetimes, MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS};
 pub use linux::HostGuests;
 pub use metrics::Metrics;
+pub use ops::may_delete;
 pub use ports::WakeGate;
 pub use reboot::{GuestCheck, Hibernation};
 pub use sandbox_template::TemplateFromSandbox;
@@ -355,14 +357,6 @@ pub struct CreateTemplate {
     /// owner, is shared.
     #[serde(skip)]
     pub owner: Option<Owner>,
-}
-
-/// Who makes a sandbox or a template: the tenant it will belong to, and
-/// whether that caller is an admin (who may use every template).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Owner {
-    pub tenant: String,
-    pub admin: bool,
 }
 
 fn default_mem() -> u32 {
