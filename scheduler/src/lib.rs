@@ -16,6 +16,8 @@
 //! - [`policy`]: the pod's admission and hibernation rules, driven by the
 //!   service (wall clock, real VMMs) and by [`plan`] (simulated clock and
 //!   pod, from an activity trace).
+//! - [`trace`]: activity traces, as `torpor plan` reads them and `torpor
+//!   serve --record-trace` writes them.
 //! - [`net`]: the host side of sandbox networking: a namespace, tap, veth
 //!   pair and NAT per sandbox, egress policy in nftables, leftover recovery.
 //!
@@ -74,6 +76,7 @@ pub mod random;
 pub mod service;
 pub mod state;
 pub mod store;
+pub mod trace;
 
 pub use model::{
     Checkpoint, CheckpointId, OnTimeout, OperationId, Pod, PodAddress, PodId, Sandbox, SandboxId,

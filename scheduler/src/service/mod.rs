@@ -468,7 +468,7 @@ pub struct Service {
     net: Option<Arc<crate::net::NetManager>>,
     nets: Mutex<HashMap<SandboxId, crate::net::SandboxNet>>,
     /// The activity trace recorder (`serve --record-trace`).
-    recorder: Option<crate::plan::record::Recorder>,
+    recorder: Option<crate::trace::record::Recorder>,
     /// Exposed ports, with `config.net`.
     ports: Option<crate::net::ports::PortProxy>,
     /// The pod's DNS forwarder, with `config.net.dns`.
@@ -524,7 +524,7 @@ impl Service {
             None => None,
         };
         let recorder = match &config.record_trace {
-            Some(p) => Some(crate::plan::record::Recorder::start(p).map_err(|e| {
+            Some(p) => Some(crate::trace::record::Recorder::start(p).map_err(|e| {
                 ServiceError::Internal(format!("cannot record a trace to {}: {e}", p.display()))
             })?),
             None => None,
@@ -622,7 +622,7 @@ impl Service {
         &self,
         at: std::time::Instant,
         id: &SandboxId,
-        kind: crate::plan::trace::EventKind,
+        kind: crate::trace::EventKind,
         duration_ms: u64,
         mem_mib: u32,
     ) {

@@ -2,7 +2,7 @@
 //! change it begins), does the work, then journals the end with the final
 //! state, so a crash in between leaves a record recovery can act on.
 
-use crate::plan::trace::EventKind;
+use crate::trace::EventKind;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
