@@ -22,7 +22,10 @@
 //!   pair and NAT per sandbox, egress policy in nftables, leftover recovery.
 //!
 //! Dependencies point one way: this crate may use `torpor-vmm`'s control
-//! types, never the reverse. The API sits on top of it.
+//! types, never the reverse. The API sits on top of it. Its modules import
+//! each other one way too (tests/layering.rs): `random`, `state` and
+//! `trace` at the bottom, then `net`, `model`, `names`, `policy`, `files`
+//! and `images`, `store`, `service`, and `plan` on top.
 
 /// An enum stored and shown as one lowercase word: `as_str`, `Display`,
 /// `FromStr` and the list of all variants (`ALL`).
