@@ -71,7 +71,7 @@ impl Cluster {
             TemplateOp::Delete { key, owner } => {
                 let id = match self.block(self.template_for(owner, key)) {
                     Ok(t) => {
-                        torpor_scheduler::names::may_delete(owner, &t)?;
+                        torpor_scheduler::service::may_delete(owner, &t)?;
                         t.id
                     }
                     // An admin's delete by id goes on: a retry once it is

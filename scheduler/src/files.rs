@@ -12,7 +12,7 @@ use std::fs::{self, File};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
-use crate::model::random_hex;
+use crate::random::random_hex;
 
 /// Every temp file or directory name starts with this.
 pub const TEMP_PREFIX: &str = ".torpor-tmp.";

@@ -236,7 +236,7 @@ impl Images {
         let tmp_name = format!(
             "{}.upload-{}",
             part.file_name(),
-            crate::model::random_hex(8)
+            crate::random::random_hex(8)
         );
         let tmp_rel = Path::new(name).join(&tmp_name);
         let mut tmp = open_beneath(

@@ -9,16 +9,23 @@
 //!   mutating call is one transaction, committed (and fsynced) before it
 //!   returns; an operations journal lets a restarted service find the work
 //!   a crash interrupted.
+//! - [`random`]: random bytes and hex from the kernel's CSPRNG (ids, temp
+//!   names, tokens).
 //! - [`files`]: crash-safe files for snapshots: atomic writes, and removal of
 //!   temp files and snapshot directories the store no longer references.
 //! - [`policy`]: the pod's admission and hibernation rules, driven by the
 //!   service (wall clock, real VMMs) and by [`plan`] (simulated clock and
 //!   pod, from an activity trace).
+//! - [`trace`]: activity traces, as `torpor plan` reads them and `torpor
+//!   serve --record-trace` writes them.
 //! - [`net`]: the host side of sandbox networking: a namespace, tap, veth
 //!   pair and NAT per sandbox, egress policy in nftables, leftover recovery.
 //!
 //! Dependencies point one way: this crate may use `torpor-vmm`'s control
-//! types, never the reverse. The API sits on top of it.
+//! types, never the reverse. The API sits on top of it. Its modules import
+//! each other one way too (tests/layering.rs): `random`, `state` and
+//! `trace` at the bottom, then `net`, `model`, `names`, `policy`, `files`
+//! and `images`, `store`, `service`, and `plan` on top.
 
 /// An enum stored and shown as one lowercase word: `as_str`, `Display`,
 /// `FromStr` and the list of all variants (`ALL`).
@@ -68,9 +75,11 @@ pub mod names;
 pub mod net;
 pub mod plan;
 pub mod policy;
+pub mod random;
 pub mod service;
 pub mod state;
 pub mod store;
+pub mod trace;
 
 pub use model::{
     Checkpoint, CheckpointId, OnTimeout, OperationId, Pod, PodAddress, PodId, Sandbox, SandboxId,

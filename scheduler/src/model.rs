@@ -6,12 +6,13 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::io;
 use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+/// Also named here: the API and the cluster make their ids and tokens with them.
+pub use crate::random::{random_bytes, random_hex};
 pub use crate::state::SandboxState;
 
 /// A stored or received word that names no variant of an enum.
@@ -55,36 +56,6 @@ impl Timestamp {
     pub fn millis(self) -> i64 {
         self.0
     }
-}
-
-/// Fills `buf` from the kernel's CSPRNG (getrandom(2), blocking only until
-/// the pool is initialised at boot).
-pub fn random_bytes(buf: &mut [u8]) -> io::Result<()> {
-    let mut filled = 0;
-    while filled < buf.len() {
-        let rest = &mut buf[filled..];
-        // SAFETY: the pointer and length describe `rest`, a live, writable slice.
-        let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
-        if n < 0 {
-            let err = io::Error::last_os_error();
-            if err.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(err);
-        }
-        filled += n as usize;
-    }
-    Ok(())
-}
-
-/// `bytes` random bytes as lowercase hex (2 × `bytes` characters).
-///
-/// # Panics
-/// If getrandom(2) fails, which Linux ≥ 3.17 does only for a bad buffer.
-pub fn random_hex(bytes: usize) -> String {
-    let mut buf = vec![0u8; bytes];
-    random_bytes(&mut buf).expect("getrandom(2) failed");
-    buf.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Number of random hex characters after an id's prefix.
@@ -299,6 +270,14 @@ pub struct Template {
     /// snapshots), if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<SandboxId>,
+}
+
+/// Who makes a sandbox or a template: the tenant it will belong to, and
+/// whether that caller is an admin (who may use every template).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    pub tenant: String,
+    pub admin: bool,
 }
 
 /// The VMM process that runs a sandbox now: its pid, and the process's

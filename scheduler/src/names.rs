@@ -23,8 +23,7 @@
 //! front of several pods resolves over every pod's list with the same
 //! [`rank`], so that its placement picks what the pod will.
 
-use crate::model::{Template, TemplateState};
-use crate::service::Owner;
+use crate::model::{Owner, Template, TemplateState};
 
 /// Whether a template of `tenant` (none: shared) is there for `owner`:
 /// shared ones and its own; every one for an admin and for the service's
@@ -107,18 +106,6 @@ pub fn name_conflict<'a>(
         shared |= other.is_none();
     }
     (tenant.is_some() && shared).then(|| ("shared template named", name.to_string()))
-}
-
-/// Whether `owner` may delete `t` (resolved for it): an admin (or the
-/// service itself) every one, a tenant its own; shared ones are
-/// read-only for tenants (their existence is no secret: 403).
-pub fn may_delete(owner: Option<&Owner>, t: &Template) -> Result<(), crate::service::ServiceError> {
-    match owner.filter(|o| !o.admin) {
-        Some(_) if t.tenant.is_none() => Err(crate::service::ServiceError::Forbidden(
-            "shared templates are read-only for tenants".into(),
-        )),
-        _ => Ok(()),
-    }
 }
 
 #[cfg(test)]
@@ -223,8 +210,5 @@ mod tests {
         );
         assert!(name_conflict(None, "base", [Some("evil")]).is_none());
         assert!(name_conflict(None, "base", [None]).is_some());
-        let shared = t("tpl_s", "base", None, 1);
-        assert!(may_delete(Some(&owner("acme", false)), &shared).is_err());
-        assert!(may_delete(Some(&owner("admin", true)), &shared).is_ok());
     }
 }

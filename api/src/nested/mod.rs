@@ -537,7 +537,7 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
                     let id = t.id.to_string();
                     return self.local.templates(TemplateOp::Delete { key: &id, owner });
                 };
-                torpor_scheduler::names::may_delete(owner, &t)?;
+                torpor_scheduler::service::may_delete(owner, &t)?;
                 let path = format!("/v1/templates/{}", encode(t.id.as_str()));
                 pod.acting_for(acting_tenant(owner))
                     .call("DELETE", &path, None)?;

@@ -334,7 +334,7 @@ impl SandboxApi for Fake {
                 let t = torpor_scheduler::names::resolve(st.templates.values(), owner, key)
                     .cloned()
                     .ok_or_else(|| missing(key))?;
-                torpor_scheduler::names::may_delete(owner, &t)?;
+                torpor_scheduler::service::may_delete(owner, &t)?;
                 let id = &t.id;
                 if st
                     .sandboxes

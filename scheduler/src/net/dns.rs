@@ -314,7 +314,7 @@ impl State {
         }
         let mut id = [0u8; 2];
         let id = loop {
-            if crate::model::random_bytes(&mut id).is_err() {
+            if crate::random::random_bytes(&mut id).is_err() {
                 return;
             }
             let id = u16::from_be_bytes(id);

@@ -3,19 +3,19 @@
 //! policy code ([`crate::policy`]) for each candidate setting, costed by a
 //! [`calibration`] of this host; a recommendation for a stated target, and
 //! an SVG chart ([`svg`]). `torpor serve --record-trace` writes traces
-//! from live traffic ([`record`]).
+//! from live traffic ([`crate::trace::record`]).
 
 pub mod calibration;
-pub mod record;
 pub mod sim;
 pub mod svg;
-pub mod trace;
 
 use serde::Serialize;
 
 pub use calibration::{Calibration, CalibrationError};
 pub use sim::{simulate, Limit, Outcome, PodShape, Setting};
-pub use trace::{Trace, TraceError};
+// The traces it plays, also named here (`plan::trace`).
+pub use crate::trace;
+pub use crate::trace::{Trace, TraceError};
 
 /// Most settings one plan compares.
 pub const MAX_SETTINGS: usize = 256;

@@ -593,7 +593,7 @@ impl Service {
             Err(e) => {
                 // A wake the pod refused is demand the trace keeps.
                 if let (ServiceError::Admission { .. }, Ok(s)) = (&e, self.store.get_sandbox(id)) {
-                    let kind = crate::plan::trace::EventKind::Request;
+                    let kind = crate::trace::EventKind::Request;
                     self.record(started, id, kind, 0, s.mem_mib);
                 }
                 return Err(e);
@@ -619,7 +619,7 @@ impl Service {
         self.record(
             started,
             id,
-            crate::plan::trace::EventKind::Request,
+            crate::trace::EventKind::Request,
             started.elapsed().as_millis() as u64,
             outcome.sandbox.mem_mib,
         );

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use tempfile::TempDir;
 
 use super::*;
-use crate::model::{random_hex, Sandbox, Template, TemplateId, TemplateState, VmmHandle};
+use crate::model::{Sandbox, Template, TemplateId, TemplateState, VmmHandle};
+use crate::random::random_hex;
 
 /// A service whose VMM executable does not exist, over a store with a
 /// ready probe template.
@@ -416,4 +417,16 @@ fn a_checkpoint_the_vmm_does_not_write_leaves_nothing() {
         service.get_sandbox(&s.id).unwrap().state,
         SandboxState::Running
     );
+}
+
+#[test]
+fn shared_templates_are_read_only_for_tenants() {
+    let (_dir, _service, mut shared) = service();
+    shared.tenant = None;
+    let owner = |tenant: &str, admin| Owner {
+        tenant: tenant.into(),
+        admin,
+    };
+    assert!(may_delete(Some(&owner("acme", false)), &shared).is_err());
+    assert!(may_delete(Some(&owner("admin", true)), &shared).is_ok());
 }

@@ -43,6 +43,7 @@ use crate::model::{Pod, PodAddress, PodId, SandboxId, TemplateKind, Timestamp};
 use crate::state::{IllegalTransition, SandboxState};
 use crate::store::{Store, StoreError};
 
+pub use crate::model::Owner;
 pub use cancel::Cancel;
 pub use checkpoint::{
     validate_checkpoint_name, CreateCheckpoint, ForkSandbox, RestoreCheckpoint,
@@ -52,6 +53,7 @@ pub use guest::{AgentLink, Dialer, GuestCall, GuestError};
 pub use lifetime::{check_lifetimes, MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS};
 pub use linux::HostGuests;
 pub use metrics::Metrics;
+pub use ops::may_delete;
 pub use ports::WakeGate;
 pub use reboot::{GuestCheck, Hibernation};
 pub use sandbox_template::TemplateFromSandbox;
@@ -373,14 +375,6 @@ impl CreateTemplate {
     }
 }
 
-/// Who makes a sandbox or a template: the tenant it will belong to, and
-/// whether that caller is an admin (who may use every template).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Owner {
-    pub tenant: String,
-    pub admin: bool,
-}
-
 fn default_mem() -> u32 {
     64
 }
@@ -490,7 +484,7 @@ pub struct Service {
     net: Option<Arc<crate::net::NetManager>>,
     nets: Mutex<HashMap<SandboxId, crate::net::SandboxNet>>,
     /// The activity trace recorder (`serve --record-trace`).
-    recorder: Option<crate::plan::record::Recorder>,
+    recorder: Option<crate::trace::record::Recorder>,
     /// Exposed ports, with `config.net`.
     ports: Option<crate::net::ports::PortProxy>,
     /// The pod's DNS forwarder, with `config.net.dns`.
@@ -546,7 +540,7 @@ impl Service {
             None => None,
         };
         let recorder = match &config.record_trace {
-            Some(p) => Some(crate::plan::record::Recorder::start(p).map_err(|e| {
+            Some(p) => Some(crate::trace::record::Recorder::start(p).map_err(|e| {
                 ServiceError::Internal(format!("cannot record a trace to {}: {e}", p.display()))
             })?),
             None => None,
@@ -644,7 +638,7 @@ impl Service {
         &self,
         at: std::time::Instant,
         id: &SandboxId,
-        kind: crate::plan::trace::EventKind,
+        kind: crate::trace::EventKind,
         duration_ms: u64,
         mem_mib: u32,
     ) {

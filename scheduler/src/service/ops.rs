@@ -2,7 +2,7 @@
 //! change it begins), does the work, then journals the end with the final
 //! state, so a crash in between leaves a record recovery can act on.
 
-use crate::plan::trace::EventKind;
+use crate::trace::EventKind;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -43,6 +43,18 @@ const QUEUE_POLL: Duration = Duration::from_millis(100);
 /// after ending that sandbox's VMM (a wake notices within its poll).
 pub const DELETE_LOCK_WAIT: Duration = Duration::from_secs(10);
 
+/// Whether `owner` may delete `t` (resolved for it): an admin (or the
+/// service itself) every one, a tenant its own; shared ones are
+/// read-only for tenants (their existence is no secret: 403).
+pub fn may_delete(owner: Option<&Owner>, t: &Template) -> Result<(), ServiceError> {
+    match owner.filter(|o| !o.admin) {
+        Some(_) if t.tenant.is_none() => Err(ServiceError::Forbidden(
+            "shared templates are read-only for tenants".into(),
+        )),
+        _ => Ok(()),
+    }
+}
+
 impl Service {
     pub fn list_templates(&self) -> Result<Vec<Template>, ServiceError> {
         Ok(self.store.list_templates(false)?)
@@ -79,7 +91,7 @@ impl Service {
     /// 403, another tenant's not found).
     pub fn delete_template_as(&self, owner: Option<&Owner>, key: &str) -> Result<(), ServiceError> {
         let t = self.resolve_template(owner, key)?;
-        crate::names::may_delete(owner, &t)?;
+        may_delete(owner, &t)?;
         self.delete_template(&t.id)
     }
 

@@ -13,7 +13,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::{CreateCheckpoint, Service, ServiceError};
-use crate::model::{random_hex, SandboxId, Template, TemplateId, TemplateState, Timestamp};
+use crate::model::{SandboxId, Template, TemplateId, TemplateState, Timestamp};
+use crate::random::random_hex;
 use crate::store::LayerOwner;
 
 /// `POST /v1/sandboxes/{id}/template` (the API's request body).

@@ -14,6 +14,11 @@
 //!
 //! A sandbox is created once, before its requests and delete; nothing
 //! follows its delete. Every error names its line.
+//!
+//! `torpor plan` plays them ([`crate::plan`]); `torpor serve
+//! --record-trace` writes them from live traffic ([`record`]).
+
+pub mod record;
 
 use std::io::BufRead;
 

@@ -1,5 +1,5 @@
 //! `torpor serve --record-trace FILE`: live traffic written as a trace
-//! `torpor plan` reads (see [`super::trace`]). Creates (admitted or not),
+//! `torpor plan` reads (see [`super`]). Creates (admitted or not),
 //! requests (wakes, resumes, guest calls: exec, files) and deletes are
 //! queued on a bounded channel to a writer thread; when the writer falls
 //! behind, events are dropped and counted rather than slowing requests
@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::time::Instant;
 
-use super::trace::{EventKind, TraceLine, MAX_DURATION_MS, MAX_SANDBOXES};
+use super::{EventKind, TraceLine, MAX_DURATION_MS, MAX_SANDBOXES};
 
 /// Events queued for the writer at most.
 const QUEUE: usize = 16 * 1024;
@@ -172,7 +172,7 @@ impl Drop for Recorder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::trace::Trace;
+    use crate::trace::Trace;
 
     #[test]
     fn recorded_events_read_back_as_a_trace() {
