@@ -50,7 +50,7 @@ use torpor_scheduler::plan::{self, sim::quantile, Calibration, PodShape, Setting
 use torpor_scheduler::service::LOCAL_POD;
 use torpor_scheduler::store::Store;
 
-use super::{calibrate, hibernations_ok, r3, replay, Opts, Rng, POLICY_MS};
+use super::{calibrate, errors_summary, hibernations_ok, r3, replay, Opts, Rng, POLICY_MS};
 use crate::common::serve::{Serve, Started, REQUEST_LIMIT};
 
 /// Sessions of the trace unless `--sandboxes` says otherwise.
@@ -348,17 +348,7 @@ fn compare(slot: &mut Option<Serve>, o: &Opts, dir: &Path) -> Result<(), String>
 
     let text = trace(o);
     let trace = Trace::read(text.as_bytes()).map_err(|e| e.to_string())?;
-    let shape = PodShape {
-        memory_mib: budget_mib,
-        cores,
-        policy_interval_ms: POLICY_MS,
-    };
-    let setting = Setting {
-        ratio: RATIO,
-        keep_alive_ms: KEEP_ALIVE_MS,
-        high_watermark: HIGH_WATERMARK,
-    };
-    let p = plan::simulate(&trace, shape, setting, &cal);
+    let p = simulate(&trace, budget_mib, cores, &cal);
 
     let serve = &*serve;
     let before = hibernations_ok(serve);
@@ -471,16 +461,7 @@ fn compare(slot: &mut Option<Serve>, o: &Opts, dir: &Path) -> Result<(), String>
         );
     }
     if !live.errors.is_empty() {
-        return Err(format!(
-            "live errors ({}): {}",
-            live.errors.len(),
-            live.errors
-                .iter()
-                .take(5)
-                .cloned()
-                .collect::<Vec<_>>()
-                .join("; ")
-        ));
+        return Err(errors_summary(&live.errors));
     }
     if live_hibernations == 0 {
         return Err("the live run met no memory pressure: nothing was compared".into());
@@ -527,23 +508,14 @@ pub fn plan_only(o: &Opts) -> i32 {
         snapshot_base_bytes: WORKLOAD_MIB as f64 * MIB,
         ..Calibration::builtin()
     };
-    let shape = PodShape {
-        memory_mib: (hog_mib * BUDGET_HOGS).ceil() as u64,
-        cores: 2,
-        policy_interval_ms: POLICY_MS,
-    };
-    let setting = Setting {
-        ratio: RATIO,
-        keep_alive_ms: KEEP_ALIVE_MS,
-        high_watermark: HIGH_WATERMARK,
-    };
-    let p = plan::simulate(&trace, shape, setting, &cal);
+    let memory_mib = (hog_mib * BUDGET_HOGS).ceil() as u64;
+    let p = simulate(&trace, memory_mib, 2, &cal);
     println!(
         "\npressure trace on the planner alone: {} sandboxes, resident peak {:.0} of {} MiB, \
          {} pressure hibernations, {} pressure 429s, wake p99 {:.1} ms",
         o.sandboxes,
         p.resident_peak_mib,
-        shape.memory_mib,
+        memory_mib,
         p.hibernations_watermark,
         p.pressure_refusals,
         p.wake_p99_ms
@@ -553,4 +525,20 @@ pub fn plan_only(o: &Opts) -> i32 {
         return 1;
     }
     0
+}
+
+/// The trace played by the planner on a pod of `memory_mib` and `cores`
+/// at the replay's setting.
+fn simulate(trace: &Trace, memory_mib: u64, cores: u32, cal: &Calibration) -> plan::Outcome {
+    let shape = PodShape {
+        memory_mib,
+        cores,
+        policy_interval_ms: POLICY_MS,
+    };
+    let setting = Setting {
+        ratio: RATIO,
+        keep_alive_ms: KEEP_ALIVE_MS,
+        high_watermark: HIGH_WATERMARK,
+    };
+    plan::simulate(trace, shape, setting, cal)
 }
