@@ -5,7 +5,9 @@
 //! cache (warm). On a local directory, and on SeaweedFS on loopback
 //! (`scripts/object-store`) when its `weed` is installed. Prints one table.
 //!
-//! `cargo bench -p torpor-storage --bench chunks [-- --quick]`
+//! `cargo bench -p torpor-storage --bench chunks [-- --quick]`; under
+//! `cargo test` (no `--bench`) a smoke run of a few chunks on a local
+//! directory only.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -243,8 +245,18 @@ async fn run(name: &str, storage: &Storage, sizes: &Sizes, table: &mut Table) {
 }
 
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
-    let sizes = if quick {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    // `cargo test --all-targets` runs this without `--bench`: a smoke run.
+    let smoke = !args.iter().any(|a| a == "--bench");
+    let quick = args.iter().any(|a| a == "--quick");
+    let sizes = if smoke {
+        Sizes {
+            upload_chunks: 4,
+            layers: 3,
+            base_chunks: 4,
+            reads: 4,
+        }
+    } else if quick {
         Sizes {
             upload_chunks: 32,
             layers: 5,
@@ -273,7 +285,9 @@ fn main() {
         })
         .unwrap();
         run("local directory", &local, &sizes, &mut table).await;
-        if let Some(env) = seaweedfs() {
+        if smoke {
+            println!("smoke run (no --bench): the local directory only");
+        } else if let Some(env) = seaweedfs() {
             let url = format!(
                 "{}/bench-{}",
                 env["TORPOR_OBJECT_STORE"],
