@@ -15,6 +15,8 @@
 //!
 //! let out = NestedHost::builder()
 //!     .file("target/debug/torpor", "/opt/torpor/torpor")
+//!     // `torpor vmm` execs the per-VM binary beside it.
+//!     .file("target/debug/torpor-vmm", "/opt/torpor/torpor-vmm")
 //!     .run("/opt/torpor/torpor vmm --kernel builtin:probe --cmdline probe.iters=3",
 //!          Duration::from_secs(600))?;
 //! assert_eq!(out.exit_code, 0);

@@ -37,7 +37,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::linux::{binary_content, field, host_tool, linux_host_with, run_logged, torpor_vmm};
+use common::linux::{binary_content, field, host_tool, linux_host_with, run_logged};
 
 /// The test's package in its index.
 const WHEEL: &str = "tinypkg-1.0-py3-none-any.whl";
@@ -100,7 +100,6 @@ fn nested_sandbox_network_through_the_service() {
     let (host, _scratch) = linux_host_with(
         "net",
         &[
-            torpor_vmm(),
             (tool("ip"), "/usr/local/sbin/ip"),
             (tool("nft"), "/usr/local/sbin/nft"),
             (tool("curl"), "/usr/local/bin/curl"),

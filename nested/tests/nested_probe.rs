@@ -29,6 +29,11 @@ fn nested_probe_runs_on_hardware_kvm() {
     );
     let host = NestedHost::builder()
         .file(&torpor, "/opt/torpor/torpor")
+        // `torpor vmm` execs the per-VM binary beside it.
+        .file(
+            torpor.with_file_name("torpor-vmm"),
+            "/opt/torpor/torpor-vmm",
+        )
         .build()
         .unwrap_or_else(|e| {
             panic!("the nested hardware-virtualization host is not available: {e}")

@@ -133,7 +133,7 @@ grep -a ' WARN \| ERROR ' /tmp/serve.log | tail -n 20 | cut -c1-3000 | sed 's/^/
 
 #[test]
 fn nested_linux_sandbox_through_the_api_exec_files_hibernate_wake() {
-    let (host, _scratch) = linux_host("service", &[common::linux::torpor_vmm()]);
+    let (host, _scratch) = linux_host("service", &[]);
     let script = SCRIPT
         .replace("@BURST_MIB@", &BURST_MIB.to_string())
         .replace("@RETURNED_MIB@", &RETURNED_MIB.to_string())

@@ -75,17 +75,14 @@ pub fn torpor_binary() -> PathBuf {
         .join("torpor")
 }
 
-/// `torpor-vmm` (the per-VM process `torpor serve` starts) for `extra`:
-/// carried only by tests that run the service in L1, since everything
-/// carried sits in L1's RAM (initramfs).
-pub fn torpor_vmm() -> (PathBuf, &'static str) {
-    (
-        torpor_binary().with_file_name("torpor-vmm"),
-        "/opt/torpor/torpor-vmm",
-    )
+/// `torpor-vmm` beside `torpor` (the per-VM process: `torpor serve`
+/// starts it and `torpor vmm` execs it), on the host.
+pub fn torpor_vmm_binary() -> PathBuf {
+    torpor_binary().with_file_name("torpor-vmm")
 }
 
-/// The nested host carrying torpor (`/opt/torpor/torpor`), the guest kernel
+/// The nested host carrying torpor (`/opt/torpor/torpor`, `torpor-vmm`
+/// beside it), the guest kernel
 /// (`/opt/torpor/vmlinux`), a fresh rootfs (`/opt/torpor/rootfs.ext4`) and
 /// `extra` files (host path, L1 path).
 pub fn linux_host(tag: &str, extra: &[(PathBuf, &str)]) -> (NestedHost, tempfile::TempDir) {
@@ -133,6 +130,7 @@ pub fn linux_host_with(
     let mut builder = NestedHost::builder()
         .memory_mib(memory_mib)
         .file(&torpor, "/opt/torpor/torpor")
+        .file(torpor_vmm_binary(), "/opt/torpor/torpor-vmm")
         .file(&kernel, "/opt/torpor/vmlinux")
         .file(&rootfs, "/opt/torpor/rootfs.ext4");
     for (host, guest) in extra {
