@@ -56,7 +56,6 @@ pub mod auth;
 pub mod backend;
 pub mod calls;
 mod checkpoint_routes;
-pub mod dispatch;
 pub mod e2b;
 pub mod error;
 pub mod gate;
@@ -78,8 +77,9 @@ pub mod tls;
 pub mod wire;
 
 pub use backend::{Lifecycle, SandboxApi};
-pub use calls::{ExecMode, ExecReply, FileOp, FileReply, SandboxCalls, TemplateOp, TemplateReply};
-pub use dispatch::dispatch;
+pub use backend::dispatch::dispatch;
+pub use backend::typed::SandboxCalls;
+pub use calls::{ExecMode, ExecReply, FileOp, FileReply, TemplateOp, TemplateReply};
 pub use error::ApiError;
 
 use handlers::AppState;
