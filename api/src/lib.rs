@@ -69,6 +69,7 @@ pub mod pagination;
 pub mod pods;
 pub mod ports;
 pub mod quota;
+pub mod relay;
 pub mod request_context;
 pub mod service;
 pub mod streams;
@@ -518,12 +519,12 @@ impl<S: SandboxApi> Api<S> {
             let mut endpoint = endpoint::<S>(r.operation, method_filter(r.method));
             // Layers run outside in: auth, admin, redaction, the sandbox's
             // ownership (and quotas, limits), forwarding to a remote pod.
-            if pods::relay::forwards(r) {
+            if relay::forwards(r) {
                 // Inside the auth layer: only authenticated requests are
                 // forwarded (with the pod's own token).
                 endpoint = endpoint.route_layer(middleware::from_fn_with_state(
                     (Arc::clone(&service), config.max_body_bytes),
-                    pods::relay::forward::<S>,
+                    relay::forward::<S>,
                 ));
             }
             if let gate::Gated::Sandbox(cost) = r.gate {

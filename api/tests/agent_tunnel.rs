@@ -8,7 +8,7 @@ mod common;
 
 use common::{Server, TOKEN};
 use serde_json::json;
-use torpor_api::agent_tunnel::{dialer, PodLine};
+use torpor_api::pods::tunnel::{dialer, PodLine};
 use torpor_api::auth::tokens::TenantsFile;
 use torpor_api::auth::Scope;
 use torpor_api::ApiConfig;

@@ -218,7 +218,7 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     fn metrics_history(
         &self,
         id: &SandboxId,
-        range: crate::history_routes::Range,
+        range: crate::wire::Range,
     ) -> Result<Vec<MetricSample>, ServiceError> {
         on_pod(self, Needs::History, |s| {
             Service::metrics_history(s, id, range.from, range.to)
