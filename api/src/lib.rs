@@ -7,6 +7,12 @@
 //! (implemented for `torpor_scheduler::service::Service`), on tokio's
 //! blocking pool.
 //!
+//! Its modules import each other one way (tests/layering.rs): `service`,
+//! `error` and `calls` at the bottom, then `wire`, `pods`, `pagination`,
+//! `streams` and `request_context`, `backend`, `quota`, `auth`, `tenancy`,
+//! `gate` and `handlers`, the routes (`*_routes`, `agent_tunnel`, `e2b`,
+//! `relay`), and `openapi`, `ports` and `nested` on top.
+//!
 //! Every route but `/healthz` and `/v1/openapi.json` needs
 //! `Authorization: Bearer <token>` ([`auth`]). Every error, the service's
 //! and axum's own, is one JSON body ([`error`]):
@@ -77,9 +83,9 @@ pub mod tenancy;
 pub mod tls;
 pub mod wire;
 
-pub use backend::{Lifecycle, SandboxApi};
 pub use backend::dispatch::dispatch;
 pub use backend::typed::SandboxCalls;
+pub use backend::{Lifecycle, SandboxApi};
 pub use calls::{ExecMode, ExecReply, FileOp, FileReply, TemplateOp, TemplateReply};
 pub use error::ApiError;
 
@@ -305,7 +311,7 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
     use handlers::*;
     match operation {
         "health" => on(m, health),
-        "openapi" => on(m, openapi),
+        "openapi" => on(m, openapi::get),
         "metrics" => on(m, metrics::<S>),
         "listTemplates" => on(m, list_templates::<S>),
         "createTemplate" => on(m, create_template::<S>),
