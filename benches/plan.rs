@@ -326,6 +326,12 @@ fn calibrate(serve: &Serve, dir: &std::path::Path) -> Result<Calibration, String
 /// Within tolerance: `|a - b|` at most 10% of `of` (the events of that
 /// kind: creates for admitted and rejected, wake attempts for wakes and
 /// refusals, hibernations for hibernations), and never less than 2.
+/// The live replay's errors: how many, and the first five.
+fn errors_summary(errors: &[String]) -> String {
+    let first: Vec<&str> = errors.iter().take(5).map(String::as_str).collect();
+    format!("live errors ({}): {}", errors.len(), first.join("; "))
+}
+
 fn close(a: u64, b: u64, of: u64) -> bool {
     a.abs_diff(b) as f64 <= (0.1 * of as f64).max(2.0)
 }
@@ -475,16 +481,7 @@ fn run(serve: &Serve, o: &Opts, dir: &std::path::Path) -> Result<bool, String> {
         );
     }
     if !live.errors.is_empty() {
-        println!(
-            "\nlive errors ({}): {}",
-            live.errors.len(),
-            live.errors
-                .iter()
-                .take(5)
-                .cloned()
-                .collect::<Vec<_>>()
-                .join("; ")
-        );
+        println!("\n{}", errors_summary(&live.errors));
     }
     if o.smoke && !all {
         println!("\nsmoke run (no --bench): tolerances reported, not enforced");

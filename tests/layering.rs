@@ -9,8 +9,11 @@ const SERVICE_CRATES: [&str; 5] = ["scheduler", "sandbox-api", "client", "api", 
 /// Each workspace crate (its directory) and the workspace crates it may
 /// depend on: the layers, bottom first. Cargo refuses cycles; this refuses
 /// an edge the design does not have (docs/design.md, "Workspace").
-const LAYERS: [(&str, &[&str]); 12] = [
+const LAYERS: [(&str, &[&str]); 13] = [
     ("sync", &[]),
+    // Object storage: chunks, manifests, the chunk cache (nothing of the
+    // service's; the service will build on it).
+    ("storage", &["torpor-sync"]),
     ("vmm-api", &[]),
     ("guest-image/probe", &[]),
     ("guest-image/agent", &["torpor-sync"]),

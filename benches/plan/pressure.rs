@@ -50,7 +50,7 @@ use torpor_scheduler::plan::{self, sim::quantile, Calibration, PodShape, Setting
 use torpor_scheduler::service::LOCAL_POD;
 use torpor_scheduler::store::Store;
 
-use super::{calibrate, hibernations_ok, r3, replay, Opts, Rng, POLICY_MS};
+use super::{calibrate, errors_summary, hibernations_ok, r3, replay, Opts, Rng, POLICY_MS};
 use crate::common::serve::{Serve, Started, REQUEST_LIMIT};
 
 /// Sessions of the trace unless `--sandboxes` says otherwise.
@@ -185,6 +185,7 @@ fn ms_since(t: Instant) -> f64 {
 fn hog_calibration(serve: &Serve, tpl: &str, base: Calibration) -> Result<Calibration, String> {
     let (mut create, mut wake, mut hibernate, mut snapshot, mut held) =
         (vec![], vec![], vec![], vec![], vec![]);
+    let (mut restored, mut touch) = (vec![], vec![]);
     for cycle in 0..=HOG_SAMPLES {
         let t = Instant::now();
         let body = json!({"template": tpl}).to_string();
@@ -207,10 +208,22 @@ fn hog_calibration(serve: &Serve, tpl: &str, base: Calibration) -> Result<Calibr
                 .map_or(0, |d| disk_bytes(&d));
             let t = Instant::now();
             serve.expect(200, "POST", &format!("/v1/sandboxes/{id}/resume"), None)?;
-            Ok::<_, String>((mib, hibernate_ms, bytes as f64, ms_since(t)))
+            let wake_ms = ms_since(t);
+            // What the woken guest holds at once, and how long it takes
+            // to hold nine tenths of its settled memory again.
+            let restored = resident_mib(serve, &id)?;
+            let t = Instant::now();
+            while resident_mib(serve, &id)? < 0.9 * mib {
+                if t.elapsed() > TOUCH_LIMIT {
+                    return Err(format!("{id} did not touch its memory again"));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let touch = (restored, ms_since(t));
+            Ok::<_, String>((mib, hibernate_ms, bytes as f64, wake_ms, touch))
         })();
         serve.delete(&id)?;
-        let (mib, hibernate_ms, bytes, wake_ms) = result?;
+        let (mib, hibernate_ms, bytes, wake_ms, (restored_mib, touch_ms)) = result?;
         // The first cycle warms the pool's shells of this shape up.
         if cycle > 0 {
             create.push(create_ms);
@@ -218,6 +231,8 @@ fn hog_calibration(serve: &Serve, tpl: &str, base: Calibration) -> Result<Calibr
             hibernate.push(hibernate_ms);
             snapshot.push(bytes);
             wake.push(wake_ms);
+            restored.push(restored_mib);
+            touch.push(touch_ms);
         }
     }
     let p50 = |v: &mut Vec<f64>| quantile(v, 0.5);
@@ -234,7 +249,7 @@ fn hog_calibration(serve: &Serve, tpl: &str, base: Calibration) -> Result<Calibr
         description: format!(
             "plan bench --pressure: torpor plan calibrate (disk writes {:.0} MiB/s), with \
              {HOG_SAMPLES} cycles of the hog template's creates, wakes, hibernations, \
-             snapshots and settled resident memory",
+             snapshots, settled resident memory and the time a woken one takes to touch it",
             base.disk_write_mib_s
         ),
         create_ms: p50(&mut create),
@@ -246,6 +261,8 @@ fn hog_calibration(serve: &Serve, tpl: &str, base: Calibration) -> Result<Calibr
         snapshot_base_bytes: snapshot_bytes,
         snapshot_bytes_per_dirty_mib: base.snapshot_bytes_per_dirty_mib,
         fresh_pss_mib: p50(&mut held),
+        restored_pss_mib: p50(&mut restored),
+        touch_ms: p50(&mut touch),
         ..base
     };
     cal.validate()?;
@@ -348,17 +365,7 @@ fn compare(slot: &mut Option<Serve>, o: &Opts, dir: &Path) -> Result<(), String>
 
     let text = trace(o);
     let trace = Trace::read(text.as_bytes()).map_err(|e| e.to_string())?;
-    let shape = PodShape {
-        memory_mib: budget_mib,
-        cores,
-        policy_interval_ms: POLICY_MS,
-    };
-    let setting = Setting {
-        ratio: RATIO,
-        keep_alive_ms: KEEP_ALIVE_MS,
-        high_watermark: HIGH_WATERMARK,
-    };
-    let p = plan::simulate(&trace, shape, setting, &cal);
+    let p = simulate(&trace, budget_mib, cores, &cal);
 
     let serve = &*serve;
     let before = hibernations_ok(serve);
@@ -389,7 +396,8 @@ fn compare(slot: &mut Option<Serve>, o: &Opts, dir: &Path) -> Result<(), String>
          ({BUDGET_HOGS} hogs of {:.1} MiB), {cores} cores, ratio {RATIO}, watermark \
          {HIGH_WATERMARK}, keep-alive {KEEP_ALIVE_MS} ms, policy every {POLICY_MS} ms\n\
          calibration: create {:.1} ms, wake {:.1} ms (max {:.1}), hibernate {:.1} ms, \
-         snapshot {:.1} MiB, disk writes {:.0} MiB/s",
+         snapshot {:.1} MiB, disk writes {:.0} MiB/s, a woken one holds {:.1} MiB and \
+         its {:.1} MiB again after {:.0} ms",
         o.sandboxes,
         o.seed,
         trace.events.len(),
@@ -401,6 +409,9 @@ fn compare(slot: &mut Option<Serve>, o: &Opts, dir: &Path) -> Result<(), String>
         cal.hibernate_ms,
         cal.snapshot_base_bytes / MIB,
         cal.disk_write_mib_s,
+        cal.restored_pss_mib,
+        cal.fresh_pss_mib,
+        cal.touch_ms,
     );
     let live_pressure_429 = live.rejected_pressure + live.wakes_refused_pressure;
     let (live_p50, live_p99) = (
@@ -471,16 +482,7 @@ fn compare(slot: &mut Option<Serve>, o: &Opts, dir: &Path) -> Result<(), String>
         );
     }
     if !live.errors.is_empty() {
-        return Err(format!(
-            "live errors ({}): {}",
-            live.errors.len(),
-            live.errors
-                .iter()
-                .take(5)
-                .cloned()
-                .collect::<Vec<_>>()
-                .join("; ")
-        ));
+        return Err(errors_summary(&live.errors));
     }
     if live_hibernations == 0 {
         return Err("the live run met no memory pressure: nothing was compared".into());
@@ -527,23 +529,14 @@ pub fn plan_only(o: &Opts) -> i32 {
         snapshot_base_bytes: WORKLOAD_MIB as f64 * MIB,
         ..Calibration::builtin()
     };
-    let shape = PodShape {
-        memory_mib: (hog_mib * BUDGET_HOGS).ceil() as u64,
-        cores: 2,
-        policy_interval_ms: POLICY_MS,
-    };
-    let setting = Setting {
-        ratio: RATIO,
-        keep_alive_ms: KEEP_ALIVE_MS,
-        high_watermark: HIGH_WATERMARK,
-    };
-    let p = plan::simulate(&trace, shape, setting, &cal);
+    let memory_mib = (hog_mib * BUDGET_HOGS).ceil() as u64;
+    let p = simulate(&trace, memory_mib, 2, &cal);
     println!(
         "\npressure trace on the planner alone: {} sandboxes, resident peak {:.0} of {} MiB, \
          {} pressure hibernations, {} pressure 429s, wake p99 {:.1} ms",
         o.sandboxes,
         p.resident_peak_mib,
-        shape.memory_mib,
+        memory_mib,
         p.hibernations_watermark,
         p.pressure_refusals,
         p.wake_p99_ms
@@ -553,4 +546,20 @@ pub fn plan_only(o: &Opts) -> i32 {
         return 1;
     }
     0
+}
+
+/// The trace played by the planner on a pod of `memory_mib` and `cores`
+/// at the replay's setting.
+fn simulate(trace: &Trace, memory_mib: u64, cores: u32, cal: &Calibration) -> plan::Outcome {
+    let shape = PodShape {
+        memory_mib,
+        cores,
+        policy_interval_ms: POLICY_MS,
+    };
+    let setting = Setting {
+        ratio: RATIO,
+        keep_alive_ms: KEEP_ALIVE_MS,
+        high_watermark: HIGH_WATERMARK,
+    };
+    plan::simulate(trace, shape, setting, cal)
 }

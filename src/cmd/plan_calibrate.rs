@@ -310,6 +310,9 @@ fn measure(c: &Client, a: &CalibrateArgs, data_dir: &Path) -> Result<Calibration
         snapshot_base_bytes: base,
         snapshot_bytes_per_dirty_mib: per_mib,
         fresh_pss_mib: p50(&mut q.pss),
+        // A probe holds what it holds at once: no ramp to model.
+        touch_ms: 0.0,
+        restored_pss_mib: 0.0,
         disk_write_mib_s: disk,
     };
     cal.validate().map_err(fail)?;

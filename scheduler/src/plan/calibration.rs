@@ -58,6 +58,17 @@ pub struct Calibration {
     pub snapshot_bytes_per_dirty_mib: f64,
     /// Memory (PSS, MiB) of a sandbox that has just been created or woken.
     pub fresh_pss_mib: f64,
+    /// How long (ms) a created or woken sandbox takes to hold
+    /// `fresh_pss_mib`: a restored guest gets its memory back as it
+    /// touches it (a guest that works on its memory all the time, within a
+    /// second or so). Until then it holds `restored_pss_mib`. 0 (a
+    /// calibration stored before it was measured): at once.
+    #[serde(default)]
+    pub touch_ms: f64,
+    /// Memory (MiB) a sandbox holds right after its create or wake answers,
+    /// before `touch_ms` (at most `fresh_pss_mib`).
+    #[serde(default)]
+    pub restored_pss_mib: f64,
     /// The pod's disk write bandwidth (MiB/s) that hibernations' snapshot
     /// writes share. A calibration stored before it was measured reads
     /// as [`BUILTIN_DISK_WRITE_MIB_S`].
@@ -104,6 +115,8 @@ impl Calibration {
             snapshot_base_bytes: 64.0 * 1024.0,
             snapshot_bytes_per_dirty_mib: 1048576.0,
             fresh_pss_mib: 1.0,
+            touch_ms: 0.0,
+            restored_pss_mib: 1.0,
             disk_write_mib_s: BUILTIN_DISK_WRITE_MIB_S,
         }
     }
@@ -129,6 +142,8 @@ impl Calibration {
                 16.0 * 1048576.0,
             ),
             ("fresh_pss_mib", self.fresh_pss_mib, 1e6),
+            ("touch_ms", self.touch_ms, MAX_MS),
+            ("restored_pss_mib", self.restored_pss_mib, 1e6),
         ] {
             if !v.is_finite() || !(0.0..=max).contains(&v) {
                 return Err(format!("{name} {v} is outside [0, {max}]"));

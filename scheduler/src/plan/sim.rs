@@ -13,9 +13,11 @@
 //!   ends; a sandbox used before the policy gets to it is left alone (the
 //!   service re-checks idleness under the sandbox's lock).
 //! - A sandbox's resident memory (what the pressure marks measure) is
-//!   `fresh_pss_mib` after a create or wake, plus what its requests dirty,
-//!   at most its size; its peak is followed at every change, not only at
-//!   policy rounds. Admission counts sizes, as the service does.
+//!   `fresh_pss_mib` after a create or wake (with a calibrated `touch_ms`:
+//!   `restored_pss_mib` until its guest has touched its memory again, as
+//!   a restored guest gets it back), plus what its requests dirty, at most
+//!   its size; its peak is followed at every change, not only at policy
+//!   rounds. Admission counts sizes, as the service does.
 //! - A request to a hibernated sandbox wakes it (a wake the pod cannot
 //!   admit is refused, as the service answers 429; so is a create or wake
 //!   whose sandbox, at what a running one of its size holds, would take
@@ -205,6 +207,11 @@ struct SimBox {
     /// it expected it to hold when it admitted it.
     settle_until: i64,
     settle_mib: f64,
+    /// When its guest has touched its memory again after its create or
+    /// wake, and what that adds to what it holds
+    /// ([`Calibration::touch_ms`]).
+    touch_at: i64,
+    touch_mib: f64,
     waiting: Vec<Waiting>,
     delete_pending: bool,
 }
@@ -220,6 +227,10 @@ struct SimPod<'a> {
     /// When the policy thread is done with its current round's work.
     policy_busy_until: i64,
     done: BinaryHeap<Reverse<(i64, usize)>>,
+    /// Sandboxes whose guests touch their memory again, by when.
+    touches: BinaryHeap<Reverse<(i64, usize)>>,
+    /// Per sandbox size, what the pressure gate last knew one to hold.
+    known_mib: std::collections::HashMap<u32, f64>,
     wake_waits: Vec<f64>,
     out: Outcome,
     disk_now: f64,
@@ -277,28 +288,37 @@ impl SimPod<'_> {
     /// pressure gate, then admission, as the service checks them.
     fn admit(&mut self, i: usize, mem_mib: u32) -> bool {
         // What the new sandbox will hold, as the service expects it: the
-        // most a running one of its template holds (a trace names no
-        // template: one of its size), else what a fresh one holds (the
-        // service, which cannot know, takes its size).
-        let expected_mib = self
-            .boxes
-            .iter()
-            .filter(|b| b.live && HOLDING_VMM.contains(&b.sandbox.state))
-            // One being created or woken has no VMM to measure yet.
-            .filter(|b| {
-                !matches!(
-                    b.sandbox.state,
-                    SandboxState::Creating | SandboxState::Resuming
-                )
-            })
-            .filter(|b| b.sandbox.mem_mib == mem_mib)
-            .map(|b| b.resident_mib)
-            .reduce(f64::max)
+        // most a settled running one of its template holds (a trace names
+        // no template: one of its size); while none has settled, the most
+        // of what was known and what settling ones hold; never measured,
+        // what a settled one holds by the calibration.
+        let now = self.now;
+        let held = |settled: bool| {
+            self.boxes
+                .iter()
+                .filter(|b| b.live && HOLDING_VMM.contains(&b.sandbox.state))
+                // One being created or woken has no VMM to measure yet.
+                .filter(|b| {
+                    !matches!(
+                        b.sandbox.state,
+                        SandboxState::Creating | SandboxState::Resuming
+                    )
+                })
+                .filter(|b| b.sandbox.mem_mib == mem_mib && (now >= b.settle_until) == settled)
+                .map(|b| b.resident_mib)
+                .reduce(f64::max)
+        };
+        let (settled, settling) = (held(true), held(false));
+        let known = self.known_mib.get(&mem_mib).copied();
+        let expected_mib = settled
+            .or_else(|| settling.into_iter().chain(known).reduce(f64::max))
             .unwrap_or(self.cal.fresh_pss_mib.min(f64::from(mem_mib)));
+        if settled.is_some() || settling.is_some() {
+            self.known_mib.insert(mem_mib, expected_mib);
+        }
         // The pod's resident memory as the gate measures it: each sandbox
         // admitted within the settle time at least what it was expected
         // to hold.
-        let now = self.now;
         let measured: f64 = self
             .boxes
             .iter()
@@ -406,7 +426,18 @@ impl SimPod<'_> {
             Work::Create | Work::Wake => {
                 b.sandbox.state = SandboxState::Running;
                 b.active_until = b.active_until.max(now);
-                self.set_resident(i, self.cal.fresh_pss_mib.min(size));
+                let fresh = self.cal.fresh_pss_mib.min(size);
+                let held = if self.cal.touch_ms > 0.0 {
+                    // A restored guest's memory comes back as it touches it.
+                    let held = self.cal.restored_pss_mib.min(fresh);
+                    b.touch_at = now + self.cal.touch_ms.ceil() as i64;
+                    b.touch_mib = fresh - held;
+                    self.touches.push(Reverse((b.touch_at, i)));
+                    held
+                } else {
+                    fresh
+                };
+                self.set_resident(i, held);
                 if work == Work::Wake {
                     self.out.wakes += 1;
                 }
@@ -439,6 +470,20 @@ impl SimPod<'_> {
             }
             self.request(i, r);
         }
+    }
+
+    /// Sandbox `i`'s guest has touched its memory again (`at`): it holds
+    /// what a settled one holds. Stale entries (hibernated, deleted or
+    /// woken again since) change nothing.
+    fn touched(&mut self, i: usize, at: i64) {
+        let b = &self.boxes[i];
+        if !b.live || b.touch_at != at || b.sandbox.state == SandboxState::Hibernated {
+            return;
+        }
+        let size = f64::from(b.sandbox.mem_mib);
+        let held = (b.resident_mib + b.touch_mib).min(size);
+        self.boxes[i].touch_mib = 0.0;
+        self.set_resident(i, held);
     }
 
     fn delete(&mut self, i: usize) {
@@ -676,6 +721,8 @@ pub fn simulate(trace: &Trace, shape: PodShape, setting: Setting, cal: &Calibrat
                 write_bytes: 0.0,
                 settle_until: 0,
                 settle_mib: 0.0,
+                touch_at: 0,
+                touch_mib: 0.0,
                 waiting: Vec::new(),
                 delete_pending: false,
             }
@@ -690,6 +737,8 @@ pub fn simulate(trace: &Trace, shape: PodShape, setting: Setting, cal: &Calibrat
         lanes: vec![0; shape.cores.max(1) as usize],
         policy_busy_until: 0,
         done: BinaryHeap::new(),
+        touches: BinaryHeap::new(),
+        known_mib: std::collections::HashMap::new(),
         wake_waits: Vec::new(),
         out: Outcome {
             setting,
@@ -737,10 +786,11 @@ pub fn simulate(trace: &Trace, shape: PodShape, setting: Setting, cal: &Calibrat
         let next_done = pod.done.peek().map(|Reverse((t, _))| *t);
         // Internal work first at equal times: what ended is seen by what
         // arrives at the same millisecond.
-        let internal = match next_done {
-            Some(d) => d.min(next_tick),
-            None => next_tick,
-        };
+        let next_touch = pod.touches.peek().map(|Reverse((t, _))| *t);
+        let internal = [next_done, next_touch]
+            .into_iter()
+            .flatten()
+            .fold(next_tick, i64::min);
         if next_event.is_none_or(|t| internal <= t) {
             if next_event.is_none() && next_done.is_none() && internal > end {
                 break;
@@ -752,6 +802,10 @@ pub fn simulate(trace: &Trace, shape: PodShape, setting: Setting, cal: &Calibrat
                     if pod.boxes[i].work.is_some_and(|(_, e)| e == internal) {
                         pod.work_done(i);
                     }
+                }
+            } else if next_touch == Some(internal) {
+                if let Some(Reverse((_, i))) = pod.touches.pop() {
+                    pod.touched(i, internal);
                 }
             } else {
                 policy::run_round(&mut pod);

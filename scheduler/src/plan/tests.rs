@@ -406,3 +406,27 @@ fn wakes_admitted_together_count_on_the_room_once() {
     assert_eq!((o.wakes, o.wakes_rejected), (2, 1), "{o:?}");
     assert_eq!(o.pressure_refusals, 1, "{o:?}");
 }
+
+#[test]
+fn a_restored_guest_holds_its_memory_once_it_has_touched_it() {
+    // Three 512 MiB sandboxes that settle at 300 MiB each: with a touch
+    // time of 1 s they hold 10 MiB each until then, so a trace that ends
+    // at 0.5 s peaks at 30 MiB; one that goes on to 2 s at 900 MiB. With
+    // no touch time (a probe's calibration) they hold 300 MiB at once.
+    let mut cal = Calibration::builtin();
+    cal.fresh_pss_mib = 300.0;
+    cal.restored_pss_mib = 10.0;
+    cal.touch_ms = 1000.0;
+    let mut lines: Vec<String> = (0..3).map(|i| create(0.0, &format!("s{i}"), 512)).collect();
+    lines.push(request(0.5, "s0", 0, 0));
+    let short = trace(&lines);
+    let o = simulate(&short, POD, setting(4.0, 3_600_000), &cal);
+    assert!((o.resident_peak_mib - 30.0).abs() < 1.0, "{o:?}");
+    lines.push(request(2.0, "s0", 0, 0));
+    let long = trace(&lines);
+    let o = simulate(&long, POD, setting(4.0, 3_600_000), &cal);
+    assert!((o.resident_peak_mib - 900.0).abs() < 1.0, "{o:?}");
+    cal.touch_ms = 0.0;
+    let o = simulate(&short, POD, setting(4.0, 3_600_000), &cal);
+    assert!((o.resident_peak_mib - 900.0).abs() < 1.0, "{o:?}");
+}

@@ -457,6 +457,7 @@ impl Service {
             let child = self.children.locked().remove(&sandbox.id);
             self.metrics.vmm_ending(handle.pid);
             vmm::stop(handle, child);
+            self.last_resident.forget();
             // Relaxed: the operation that stops a VMM ends with a commit.
             self.store
                 .write_relaxed(|tx| tx.set_sandbox_vmm(&sandbox.id, None))?;

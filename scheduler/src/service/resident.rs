@@ -83,6 +83,15 @@ struct Gate {
     admitted: HashMap<SandboxId, (Instant, u64)>,
 }
 
+impl LastMeasure {
+    /// A VMM ended and its memory went back: the next gate measures again
+    /// rather than reuse a measure that still counts it (a wake right
+    /// after a hibernation would be refused for memory already free).
+    pub fn forget(&self) {
+        self.0.locked().measure.at = None;
+    }
+}
+
 impl Gate {
     /// What a sandbox of `ask` is expected to hold once settled: the most
     /// one of its template's holds; nothing more than it will measure

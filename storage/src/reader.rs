@@ -1,0 +1,352 @@
+//! Reading layers back: a whole layer into a directory
+//! ([`Storage::download_layer`]: sparse files with their holes kept, each
+//! file written under a temporary name, synced and renamed), or random
+//! access to a layer's files ([`LayerReader::read_at`]) that fetches only
+//! the chunks a read covers, through the shared [`ChunkCache`]: what a
+//! page server serving faults from the store needs.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::{stream, StreamExt, TryStreamExt};
+
+use crate::cache::ChunkCache;
+use crate::chunk::{self, ChunkHash};
+use crate::error::{blocking, ChunkAt, StorageError};
+use crate::manifest::{Manifest, ManifestId};
+use crate::sparse;
+use crate::store::Storage;
+
+/// How a download went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DownloadReport {
+    /// The layer.
+    pub id: ManifestId,
+    /// Its files.
+    pub files: usize,
+    /// Their lengths added up.
+    pub logical_bytes: u64,
+    /// The bytes of their chunks that are not holes.
+    pub data_bytes: u64,
+    /// What was fetched: the chunks' stored bytes.
+    pub fetched_bytes: u64,
+    /// Chunks fetched.
+    pub chunks: u64,
+    /// All-zero chunks, left as holes.
+    pub holes: u64,
+    /// The time it took.
+    pub elapsed: Duration,
+}
+
+impl Storage {
+    /// The content of the chunk `at` names, every check passed (of at most
+    /// `max_len` bytes), and its stored length.
+    pub(crate) async fn fetch_chunk(
+        &self,
+        at: &ChunkAt,
+        max_len: u64,
+    ) -> Result<(Vec<u8>, u64), StorageError> {
+        let Some(stored) = self.get(&at.hash.key()).await? else {
+            return Err(StorageError::ChunkMissing {
+                at: Box::new(at.clone()),
+            });
+        };
+        let stored_len = stored.len() as u64;
+        let hash = at.hash;
+        let raw = blocking(move || Ok(chunk::decode(&hash, &stored, max_len))).await?;
+        match raw {
+            Ok(raw) => Ok((raw, stored_len)),
+            Err(why) => Err(StorageError::ChunkCorrupt {
+                at: Box::new(at.clone()),
+                why,
+            }),
+        }
+    }
+
+    /// A random-access reader of layer `id`, through `cache`.
+    pub async fn open_layer(
+        &self,
+        id: &ManifestId,
+        cache: Arc<ChunkCache>,
+    ) -> Result<LayerReader, StorageError> {
+        let manifest = self.manifest(id).await?;
+        let files = manifest
+            .files
+            .iter()
+            .map(|f| (f.path.clone(), (f.len, f.expand())))
+            .collect();
+        Ok(LayerReader {
+            storage: self.clone(),
+            cache,
+            id: id.clone(),
+            manifest: Arc::new(manifest),
+            files,
+        })
+    }
+
+    /// Writes layer `id` into `dir` (made if missing): each file at its
+    /// length, its holes and all-zero pages left unwritten, synced, then
+    /// renamed into place; a file of that name already there is replaced.
+    pub async fn download_layer(
+        &self,
+        id: &ManifestId,
+        dir: &Path,
+    ) -> Result<DownloadReport, StorageError> {
+        let begun = Instant::now();
+        let manifest = self.manifest(id).await?;
+        let cs = manifest.chunk_size;
+        let temps = blocking({
+            let (dir, manifest) = (dir.to_path_buf(), manifest.clone());
+            move || create_temps(&dir, &manifest)
+        })
+        .await?;
+        let mut work = Vec::new();
+        for (fi, f) in manifest.files.iter().enumerate() {
+            for (i, c) in f.expand().into_iter().enumerate() {
+                if let Some(hash) = c {
+                    work.push((fi, i as u64, hash));
+                }
+            }
+        }
+        let chunks = work.len() as u64;
+        let fetched = AtomicU64::new(0);
+        let data = AtomicU64::new(0);
+        let written: Result<Vec<()>, StorageError> = stream::iter(work)
+            .map(|(fi, index, hash)| {
+                let at = ChunkAt {
+                    layer: id.clone(),
+                    file: manifest.files[fi].path.clone(),
+                    index,
+                    hash,
+                };
+                let (file, path) = (temps[fi].0.clone(), temps[fi].1.clone());
+                let (fetched, data) = (&fetched, &data);
+                async move {
+                    let (raw, stored) = self.fetch_chunk(&at, cs).await?;
+                    fetched.fetch_add(stored, Ordering::Relaxed);
+                    data.fetch_add(raw.len() as u64, Ordering::Relaxed);
+                    blocking(move || {
+                        sparse::write_sparse(&file, index * cs, &raw)
+                            .map_err(|e| StorageError::io(&path, e))
+                    })
+                    .await
+                }
+            })
+            .buffer_unordered(self.options().concurrency.max(1))
+            .try_collect()
+            .await;
+        let finished = match written {
+            Ok(_) => {
+                blocking({
+                    let (dir, manifest, temps) =
+                        (dir.to_path_buf(), manifest.clone(), temps.clone());
+                    move || finish(&dir, &manifest, &temps)
+                })
+                .await
+            }
+            Err(e) => Err(e),
+        };
+        if let Err(e) = finished {
+            for (_, temp) in &temps {
+                let _ = std::fs::remove_file(temp);
+            }
+            return Err(e);
+        }
+        Ok(DownloadReport {
+            id: id.clone(),
+            files: manifest.files.len(),
+            logical_bytes: manifest.logical_bytes(),
+            data_bytes: data.into_inner(),
+            fetched_bytes: fetched.into_inner(),
+            chunks,
+            holes: manifest
+                .files
+                .iter()
+                .map(|f| f.expand().iter().filter(|c| c.is_none()).count() as u64)
+                .sum(),
+            elapsed: begun.elapsed(),
+        })
+    }
+}
+
+/// Each file of `manifest` made under `dir` at a temporary name (mode
+/// 0600 while written), at its full length: one hole.
+fn create_temps(
+    dir: &Path,
+    manifest: &Manifest,
+) -> Result<Vec<(Arc<File>, PathBuf)>, StorageError> {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let mut out: Vec<(Arc<File>, PathBuf)> = Vec::new();
+    for f in &manifest.files {
+        let path = dir.join(&f.path);
+        let parent = path.parent().unwrap_or(dir);
+        let made = std::fs::create_dir_all(parent).map_err(|e| StorageError::io(parent, e));
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+        let temp = parent.join(format!(
+            ".{name}.tmp-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let file = made.and_then(|()| {
+            let file = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&temp)
+                .map_err(|e| StorageError::io(&temp, e))?;
+            file.set_len(f.len)
+                .map_err(|e| StorageError::io(&temp, e))?;
+            Ok(file)
+        });
+        match file {
+            Ok(file) => out.push((Arc::new(file), temp)),
+            Err(e) => {
+                for (_, t) in &out {
+                    let _ = std::fs::remove_file(t);
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Syncs each written file, gives it its mode and renames it into place;
+/// then syncs the directories.
+fn finish(
+    dir: &Path,
+    manifest: &Manifest,
+    temps: &[(Arc<File>, PathBuf)],
+) -> Result<(), StorageError> {
+    let mut dirs = Vec::new();
+    for (f, (file, temp)) in manifest.files.iter().zip(temps) {
+        file.sync_all().map_err(|e| StorageError::io(temp, e))?;
+        file.set_permissions(std::fs::Permissions::from_mode(f.mode))
+            .map_err(|e| StorageError::io(temp, e))?;
+        let path = dir.join(&f.path);
+        std::fs::rename(temp, &path).map_err(|e| StorageError::io(&path, e))?;
+        let parent = path.parent().unwrap_or(dir).to_path_buf();
+        if !dirs.contains(&parent) {
+            dirs.push(parent);
+        }
+    }
+    for d in dirs {
+        File::open(&d)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| StorageError::io(&d, e))?;
+    }
+    Ok(())
+}
+
+/// Random access to a layer's files: each read fetches the chunks it
+/// covers that the cache lacks, and only those.
+#[derive(Debug, Clone)]
+pub struct LayerReader {
+    storage: Storage,
+    cache: Arc<ChunkCache>,
+    id: ManifestId,
+    manifest: Arc<Manifest>,
+    /// Each file's length and chunks (`None` for a hole).
+    files: HashMap<String, (u64, Vec<Option<ChunkHash>>)>,
+}
+
+impl LayerReader {
+    /// The layer.
+    pub fn id(&self) -> &ManifestId {
+        &self.id
+    }
+
+    /// Its manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// The length of `file`, if the layer has it.
+    pub fn file_len(&self, file: &str) -> Option<u64> {
+        self.files.get(file).map(|(len, _)| *len)
+    }
+
+    /// `len` bytes of `file` at `offset`; holes read as zeros. Every chunk
+    /// the read covers is checked (or was, when it was cached): a corrupt
+    /// one fails the read with [`StorageError::ChunkCorrupt`] naming the
+    /// layer, the file and the chunk.
+    pub async fn read_at(
+        &self,
+        file: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, StorageError> {
+        let mut out = Vec::with_capacity(len as usize);
+        for piece in self.pieces(file, offset, len, false).await? {
+            out.extend_from_slice(&piece);
+        }
+        Ok(out)
+    }
+
+    /// Brings the chunks `len` bytes of `file` at `offset` cover into the
+    /// cache (a working set, ahead of the reads).
+    pub async fn prefetch(&self, file: &str, offset: u64, len: u64) -> Result<(), StorageError> {
+        self.pieces(file, offset, len, true).await.map(drop)
+    }
+
+    async fn pieces(
+        &self,
+        file: &str,
+        offset: u64,
+        len: u64,
+        only_fetch: bool,
+    ) -> Result<Vec<Vec<u8>>, StorageError> {
+        let Some((file_len, chunks)) = self.files.get(file) else {
+            return Err(StorageError::NoSuchFile {
+                layer: self.id.clone(),
+                file: file.to_string(),
+            });
+        };
+        let end = offset.checked_add(len).filter(|e| e <= file_len);
+        let Some(end) = end else {
+            return Err(StorageError::OutOfRange {
+                layer: self.id.clone(),
+                file: file.to_string(),
+                offset,
+                len,
+                file_len: *file_len,
+            });
+        };
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let cs = self.manifest.chunk_size;
+        stream::iter(offset / cs..=(end - 1) / cs)
+            .map(|i| {
+                let start = i * cs;
+                let lo = (offset.max(start) - start) as usize;
+                let hi = (end.min(start + cs) - start) as usize;
+                let hash = chunks[i as usize];
+                async move {
+                    let Some(hash) = hash else {
+                        return Ok(if only_fetch {
+                            Vec::new()
+                        } else {
+                            vec![0; hi - lo]
+                        });
+                    };
+                    let at = ChunkAt {
+                        layer: self.id.clone(),
+                        file: file.to_string(),
+                        index: i,
+                        hash,
+                    };
+                    let (lo, n) = if only_fetch { (0, 0) } else { (lo, hi - lo) };
+                    self.cache.read(&self.storage, &at, cs, lo, n).await
+                }
+            })
+            .buffered(self.storage.options().concurrency.max(1))
+            .try_collect()
+            .await
+    }
+}
