@@ -136,7 +136,7 @@ fn each_crate_depends_on_the_layers_below_it_only() {
 /// (a module's paths to another, as `crate::`, `super::` or `self::` paths
 /// and in `use` groups, outside its tests). The others still have some; a
 /// crate joins this list when its cycles are gone.
-const ACYCLIC: [&str; 4] = ["vmm-api", "vmm", "scheduler", "cluster"];
+const ACYCLIC: [&str; 5] = ["vmm-api", "vmm", "scheduler", "api", "cluster"];
 
 /// `text` with its comments, string literals and character literals
 /// blanked out (each replaced by a space), so that only code is read.

@@ -31,7 +31,7 @@ fn on_pod(
     let client = match tenant {
         Some(t) => client
             .clone()
-            .with_headers(&[(torpor_api::auth::ON_BEHALF_OF, t)]),
+            .with_headers(&[(torpor_api::pods::ON_BEHALF_OF, t)]),
         None => client.clone(),
     };
     let text = body.map(|b| b.to_string());

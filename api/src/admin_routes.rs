@@ -156,7 +156,10 @@ pub async fn get_tenant<S: SandboxApi>(
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
             code::NOT_FOUND,
-            format!("tenant {} not found", crate::pods::sanitized(&tenant)),
+            format!(
+                "tenant {} not found",
+                torpor_sandbox_api::sanitized(&tenant)
+            ),
         ));
     }
     let quota = st.tenancy.auth.quota(&tenant);

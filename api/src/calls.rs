@@ -1,26 +1,28 @@
-//! Operations [`SandboxApi`] takes as one typed request per resource
-//! (templates, a sandbox's files, an exec), and [`SandboxCalls`]: the typed
-//! call of each, for every backend at once.
+//! The typed requests [`SandboxApi`] takes, one per resource (templates,
+//! images, a sandbox's files, an exec), with their replies, and the helpers
+//! backends answer guest calls with ([`map_call`], [`through_tunnel`]).
 //!
 //! A backend implements one method per resource and matches the request;
-//! callers use the typed calls (`s.get_template(&id)`, `s.read_file(&id,
-//! path)`, `s.exec(..)`), which unwrap the reply of their request.
+//! callers use the typed calls of [`SandboxCalls`] (`s.get_template(&id)`,
+//! `s.read_file(&id, path)`, `s.exec(..)`), which unwrap the reply of their
+//! request.
+//!
+//! [`SandboxApi`]: crate::backend::SandboxApi
+//! [`SandboxCalls`]: crate::backend::typed::SandboxCalls
 
 use torpor_scheduler::images::ImagePart;
-use torpor_scheduler::model::{Checkpoint, PodId, SandboxId, Template, TemplateId};
+use torpor_scheduler::model::{PodId, Template};
 use torpor_scheduler::service::guest::MAX_READ_BYTES;
 
-use torpor_sandbox_api::{Operation, Reply};
-
-use crate::backend::SandboxApi;
 use crate::service::{
-    AgentLink, Cancel, CreateCheckpoint, CreateTemplate, DirListing, ExecOutput, ExecRequest,
-    ExitReply, GuestCall, GuestError, Outcome, OutputKind, Owner, ServiceError,
+    AgentLink, CreateTemplate, DirListing, ExecOutput, ExitReply, GuestCall, GuestError, Outcome,
+    OutputKind, Owner, ServiceError,
 };
 
-/// A template call (`/v1/templates`): [`SandboxApi::templates`]. A get
-/// or delete names its template by `key`, an id or a name, resolved for
-/// `owner` ([`torpor_scheduler::names`]: its own, then shared ones;
+/// A template call (`/v1/templates`):
+/// [`SandboxApi::templates`](crate::backend::SandboxApi::templates). A
+/// get or delete names its template by `key`, an id or a name, resolved
+/// for `owner` ([`torpor_scheduler::names`]: its own, then shared ones;
 /// another tenant's is not found); `owner: None` is the server's own
 /// read, which sees every template (deleted ones by id too).
 #[derive(Debug, Clone)]
@@ -52,7 +54,8 @@ impl TemplateReply {
     }
 }
 
-/// An images call (`/v1/images`): [`SandboxApi::images`].
+/// An images call (`/v1/images`):
+/// [`SandboxApi::images`](crate::backend::SandboxApi::images).
 pub enum ImageOp<'a> {
     /// The names of the images installed.
     List,
@@ -95,7 +98,7 @@ pub enum ImageReply {
 }
 
 /// A file call on a sandbox's agent (`/v1/sandboxes/{id}/files`, E2B's
-/// `/files`): [`SandboxApi::files`].
+/// `/files`): [`SandboxApi::files`](crate::backend::SandboxApi::files).
 #[derive(Debug, Clone, Copy)]
 pub enum FileOp<'a> {
     /// The file's bytes (at most [`MAX_READ_BYTES`]).
@@ -138,7 +141,8 @@ impl FileOp<'_> {
     }
 }
 
-/// Where an exec's output goes: [`SandboxApi::execute`].
+/// Where an exec's output goes:
+/// [`SandboxApi::execute`](crate::backend::SandboxApi::execute).
 pub enum ExecMode<'a> {
     /// Collected into the answer ([`ExecReply::Collected`]).
     Collect,
@@ -196,234 +200,3 @@ pub fn through_tunnel<T>(
     let value = value.ok_or_else(|| ServiceError::Internal("the agent call did not run".into()))?;
     Ok(GuestCall { outcome, value })
 }
-
-/// A backend answered `call` with another call's reply.
-fn mismatched(call: &str) -> ServiceError {
-    ServiceError::Internal(format!("the backend answered a {call} with another reply"))
-}
-
-/// A guest call's value as `T`, if its reply is of that call.
-fn value_of<R, T>(
-    call: GuestCall<R>,
-    name: &str,
-    f: fn(R) -> Option<T>,
-) -> Result<GuestCall<T>, ServiceError> {
-    let GuestCall { outcome, value } = call;
-    let value = f(value).ok_or_else(|| mismatched(name))?;
-    Ok(GuestCall { outcome, value })
-}
-
-/// The typed calls of [`SandboxApi`]'s requests, for every backend: a
-/// supertrait of it (so they are in scope wherever it is), implemented once
-/// for all of them below (so no backend writes its own).
-pub trait SandboxCalls {
-    fn list_templates(&self) -> Result<Vec<Template>, ServiceError>
-    where
-        Self: SandboxApi,
-    {
-        match self.templates(TemplateOp::List)? {
-            TemplateReply::List(list) => Ok(list),
-            _ => Err(mismatched("template list")),
-        }
-    }
-    /// Template `id`, whosever (the server's own read; a caller's is
-    /// [`SandboxCalls::resolve_template`]).
-    fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError>
-    where
-        Self: SandboxApi,
-    {
-        self.template_get(None, id.as_str())
-    }
-    /// The template `key` (id or name) names for `owner`: its own, then a
-    /// shared one; another tenant's is not found.
-    fn resolve_template(&self, owner: &Owner, key: &str) -> Result<Template, ServiceError>
-    where
-        Self: SandboxApi,
-    {
-        self.template_get(Some(owner), key)
-    }
-    /// The template `key` names for `owner` (none: the server's own read).
-    fn template_get(&self, owner: Option<&Owner>, key: &str) -> Result<Template, ServiceError>
-    where
-        Self: SandboxApi,
-    {
-        match self.templates(TemplateOp::Get { key, owner })? {
-            TemplateReply::One(t) => Ok(*t),
-            _ => Err(mismatched("template get")),
-        }
-    }
-    fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError>
-    where
-        Self: SandboxApi,
-    {
-        match self.templates(TemplateOp::Create(req))? {
-            TemplateReply::One(t) => Ok(*t),
-            _ => Err(mismatched("template create")),
-        }
-    }
-    /// Deletes the template `key` names for `owner` (none: the server's
-    /// own call): a tenant its own; a shared one is 403, another tenant's
-    /// not found.
-    fn delete_template(&self, owner: Option<&Owner>, key: &str) -> Result<(), ServiceError>
-    where
-        Self: SandboxApi,
-    {
-        match self.templates(TemplateOp::Delete { key, owner })? {
-            TemplateReply::Deleted => Ok(()),
-            _ => Err(mismatched("template delete")),
-        }
-    }
-    /// The names of the images installed (a cluster's: on the pods up).
-    fn image_names(&self) -> Result<Vec<String>, ServiceError>
-    where
-        Self: SandboxApi,
-    {
-        match self.images(ImageOp::List)? {
-            ImageReply::List(names) => Ok(names),
-            _ => Err(mismatched("image list")),
-        }
-    }
-    /// Takes a checkpoint of sandbox `id` ([`Operation::Checkpoint`]).
-    /// Listing and restoring are the pod's own (a cluster relays them to
-    /// the owning pod).
-    fn checkpoint(&self, id: &SandboxId, req: CreateCheckpoint) -> Result<Checkpoint, ServiceError>
-    where
-        Self: SandboxApi,
-    {
-        let op = Operation::Checkpoint {
-            sandbox: id.clone(),
-            request: Box::new(req),
-        };
-        match self.operate(op)? {
-            Reply::Checkpoint { checkpoint } => Ok(*checkpoint),
-            _ => Err(mismatched("checkpoint create")),
-        }
-    }
-    /// Deletes checkpoint `name` of sandbox `id`
-    /// ([`Operation::CheckpointDelete`]).
-    fn delete_checkpoint(&self, id: &SandboxId, name: &str) -> Result<(), ServiceError>
-    where
-        Self: SandboxApi,
-    {
-        let op = Operation::CheckpointDelete {
-            sandbox: id.clone(),
-            name: name.to_string(),
-        };
-        match self.operate(op)? {
-            Reply::CheckpointDeleted { .. } => Ok(()),
-            _ => Err(mismatched("checkpoint delete")),
-        }
-    }
-    /// Runs a command, its output collected; `cancel` ends it early (its
-    /// client went away): the command is killed in the guest.
-    fn exec(
-        &self,
-        id: &SandboxId,
-        req: ExecRequest,
-        cancel: &Cancel,
-    ) -> Result<GuestCall<ExecOutput>, ServiceError>
-    where
-        Self: SandboxApi,
-    {
-        value_of(
-            self.execute(id, req, cancel, ExecMode::Collect)?,
-            "exec",
-            |r| match r {
-                ExecReply::Collected(out) => Some(out),
-                _ => None,
-            },
-        )
-    }
-    /// Runs a command, its output streamed ([`ExecMode::Stream`]).
-    fn exec_streaming(
-        &self,
-        id: &SandboxId,
-        req: ExecRequest,
-        cancel: &Cancel,
-        on_start: &mut dyn FnMut(&Outcome),
-        on_output: &mut dyn FnMut(OutputKind, &[u8]),
-    ) -> Result<GuestCall<ExitReply>, ServiceError>
-    where
-        Self: SandboxApi,
-    {
-        let mode = ExecMode::Stream {
-            on_start,
-            on_output,
-        };
-        value_of(
-            self.execute(id, req, cancel, mode)?,
-            "streamed exec",
-            |r| match r {
-                ExecReply::Streamed(exit) => Some(exit),
-                _ => None,
-            },
-        )
-    }
-    /// The file's bytes.
-    fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError>
-    where
-        Self: SandboxApi,
-    {
-        value_of(
-            self.files(id, FileOp::Read { path })?,
-            "read",
-            |r| match r {
-                FileReply::Read(data) => Some(data),
-                _ => None,
-            },
-        )
-    }
-    /// Writes (replaces) a file, creating missing parents; its size.
-    fn write_file(
-        &self,
-        id: &SandboxId,
-        path: &str,
-        data: &[u8],
-        mode: Option<u32>,
-    ) -> Result<GuestCall<u64>, ServiceError>
-    where
-        Self: SandboxApi,
-    {
-        self.write_file_as(id, path, data, mode, None)
-    }
-    /// [`Self::write_file`] whose file, and the parents it creates, go to
-    /// `owner`.
-    fn write_file_as(
-        &self,
-        id: &SandboxId,
-        path: &str,
-        data: &[u8],
-        mode: Option<u32>,
-        owner: Option<&str>,
-    ) -> Result<GuestCall<u64>, ServiceError>
-    where
-        Self: SandboxApi,
-    {
-        let op = FileOp::Write {
-            path,
-            data,
-            mode,
-            owner,
-        };
-        value_of(self.files(id, op)?, "write", |r| match r {
-            FileReply::Written(size) => Some(size),
-            _ => None,
-        })
-    }
-    /// A directory's entries.
-    fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError>
-    where
-        Self: SandboxApi,
-    {
-        value_of(
-            self.files(id, FileOp::List { path })?,
-            "listing",
-            |r| match r {
-                FileReply::List(listing) => Some(listing),
-                _ => None,
-            },
-        )
-    }
-}
-
-impl<S: SandboxApi + ?Sized> SandboxCalls for S {}

@@ -89,14 +89,6 @@ pub async fn health() -> Json<Health> {
     })
 }
 
-pub async fn openapi() -> Response {
-    (
-        [(header::CONTENT_TYPE, "application/json")],
-        crate::openapi::text(),
-    )
-        .into_response()
-}
-
 pub async fn metrics<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Response> {
     let mut text = call(&st, |s| Ok(s.metrics())).await?;
     text.push_str(&st.tenancy.traffic.encode());

@@ -7,6 +7,12 @@
 //! (implemented for `torpor_scheduler::service::Service`), on tokio's
 //! blocking pool.
 //!
+//! Its modules import each other one way (tests/layering.rs): `service`,
+//! `error` and `calls` at the bottom, then `wire`, `pods`, `pagination`,
+//! `streams` and `request_context`, `backend`, `quota`, `auth`, `tenancy`,
+//! `gate` and `handlers`, the routes (`*_routes`, `agent_tunnel`, `e2b`,
+//! `relay`), and `openapi`, `ports` and `nested` on top.
+//!
 //! Every route but `/healthz` and `/v1/openapi.json` needs
 //! `Authorization: Bearer <token>` ([`auth`]). Every error, the service's
 //! and axum's own, is one JSON body ([`error`]):
@@ -56,7 +62,6 @@ pub mod auth;
 pub mod backend;
 pub mod calls;
 mod checkpoint_routes;
-pub mod dispatch;
 pub mod e2b;
 pub mod error;
 pub mod gate;
@@ -70,6 +75,7 @@ pub mod pagination;
 pub mod pods;
 pub mod ports;
 pub mod quota;
+pub mod relay;
 pub mod request_context;
 pub mod service;
 pub mod streams;
@@ -77,9 +83,10 @@ pub mod tenancy;
 pub mod tls;
 pub mod wire;
 
+pub use backend::dispatch::dispatch;
+pub use backend::typed::SandboxCalls;
 pub use backend::{Lifecycle, SandboxApi};
-pub use calls::{ExecMode, ExecReply, FileOp, FileReply, SandboxCalls, TemplateOp, TemplateReply};
-pub use dispatch::dispatch;
+pub use calls::{ExecMode, ExecReply, FileOp, FileReply, TemplateOp, TemplateReply};
 pub use error::ApiError;
 
 use handlers::AppState;
@@ -304,7 +311,7 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
     use handlers::*;
     match operation {
         "health" => on(m, health),
-        "openapi" => on(m, openapi),
+        "openapi" => on(m, openapi::get),
         "metrics" => on(m, metrics::<S>),
         "listTemplates" => on(m, list_templates::<S>),
         "createTemplate" => on(m, create_template::<S>),
@@ -518,12 +525,12 @@ impl<S: SandboxApi> Api<S> {
             let mut endpoint = endpoint::<S>(r.operation, method_filter(r.method));
             // Layers run outside in: auth, admin, redaction, the sandbox's
             // ownership (and quotas, limits), forwarding to a remote pod.
-            if pods::relay::forwards(r) {
+            if relay::forwards(r) {
                 // Inside the auth layer: only authenticated requests are
                 // forwarded (with the pod's own token).
                 endpoint = endpoint.route_layer(middleware::from_fn_with_state(
                     (Arc::clone(&service), config.max_body_bytes),
-                    pods::relay::forward::<S>,
+                    relay::forward::<S>,
                 ));
             }
             if let gate::Gated::Sandbox(cost) = r.gate {

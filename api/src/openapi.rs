@@ -1,4 +1,5 @@
-//! The OpenAPI 3.1 document served at `/v1/openapi.json`, generated.
+//! The OpenAPI 3.1 document served at `/v1/openapi.json` ([`get`]),
+//! generated.
 //!
 //! - Paths: one operation per entry of [`crate::ROUTES`] (method, path,
 //!   `operationId`, and `security: []` on public routes).
@@ -17,6 +18,8 @@
 
 use std::sync::LazyLock;
 
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value};
 use utoipa::OpenApi;
 
@@ -74,6 +77,11 @@ static TEXT: LazyLock<String> =
 /// The document as served.
 pub fn text() -> &'static str {
     &TEXT
+}
+
+/// `GET /v1/openapi.json`.
+pub async fn get() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], text()).into_response()
 }
 
 /// The document.

@@ -21,7 +21,7 @@
 //! is woken, admitted against its tenant's quotas like any wake, and kept
 //! active while a connection to its port lasts. Nothing listening on the
 //! port is E2B's 502 "port is not open". Requests and bytes are counted
-//! per sandbox ([`Traffic`], on `/metrics`).
+//! per sandbox ([`crate::tenancy::Traffic`], on `/metrics`).
 
 use std::sync::Arc;
 
@@ -29,23 +29,19 @@ use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
 use serde_json::json;
-use sha2::{Digest, Sha256};
 use torpor_scheduler::model::SandboxId;
 
 use crate::backend::SandboxApi;
 use crate::e2b::envd::files::{self, Caller, Refused};
 use crate::e2b::envd::SANDBOX_HEADER;
+use crate::e2b::TRAFFIC_HEADER;
 use crate::tenancy::Tenancy;
 
 mod forward;
 
 /// The header naming the guest port (E2B's SDKs).
 pub const PORT_HEADER: &str = "e2b-sandbox-port";
-/// The header carrying a sandbox's traffic token.
-pub const TRAFFIC_HEADER: &str = "e2b-traffic-access-token";
 /// envd's port: served by envd's routes, never proxied.
 pub const ENVD_PORT: u16 = 49983;
 
@@ -73,65 +69,6 @@ impl Addressing {
             ],
             Addressing::Host => vec![("Host", format!("{port}-{id}.{domain}"))],
         }
-    }
-}
-
-/// A sandbox's traffic token: derived from its envd access token (one
-/// way, so a traffic token handed to a browser does not open envd), 128
-/// bits as hex.
-pub fn traffic_token(access_token: &str) -> String {
-    let digest = Sha256::new()
-        .chain_update(b"torpor traffic access token\n")
-        .chain_update(access_token.as_bytes())
-        .finalize();
-    digest[..16].iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Requests and bytes through the proxy, per sandbox (kept for the life
-/// of the API process).
-#[derive(Debug, Default)]
-pub struct Traffic {
-    requests: Family<[(&'static str, String); 1], Counter>,
-    /// Bytes sent to the guest's port (requests, upgraded streams).
-    to_guest: Family<[(&'static str, String); 1], Counter>,
-    /// Bytes the guest's port sent back.
-    from_guest: Family<[(&'static str, String); 1], Counter>,
-}
-
-impl Traffic {
-    fn label(id: &SandboxId) -> [(&'static str, String); 1] {
-        [("sandbox", id.to_string())]
-    }
-
-    fn request(&self, id: &SandboxId) {
-        self.requests.get_or_create(&Self::label(id)).inc();
-    }
-
-    /// The Prometheus text of the counters (appended to `/metrics`).
-    pub fn encode(&self) -> String {
-        let mut reg = prometheus_client::registry::Registry::default();
-        for (name, help, family) in [
-            (
-                "torpor_sandbox_port_requests",
-                "Requests proxied to a guest port, by sandbox",
-                &self.requests,
-            ),
-            (
-                "torpor_sandbox_port_rx_bytes",
-                "Bytes proxied to a guest port (requests and upgraded streams), by sandbox",
-                &self.to_guest,
-            ),
-            (
-                "torpor_sandbox_port_tx_bytes",
-                "Bytes a guest port answered through the proxy, by sandbox",
-                &self.from_guest,
-            ),
-        ] {
-            reg.register(name, help, family.clone());
-        }
-        let mut out = String::new();
-        let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &reg);
-        out
     }
 }
 
@@ -458,13 +395,5 @@ mod tests {
             target(&req("8000-sb_1.sbx.example.com", &[]), None),
             Target::Routes
         );
-    }
-
-    #[test]
-    fn the_traffic_token_is_derived_one_way() {
-        let t = traffic_token("abc");
-        assert_eq!(t.len(), 32);
-        assert_ne!(t, traffic_token("abd"));
-        assert!(!t.contains("abc"));
     }
 }

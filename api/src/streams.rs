@@ -112,7 +112,7 @@ impl Default for Streams {
 
 /// Runs `f` on a thread of its own, holding `slot` until it returns.
 /// The thread enters the caller's tokio runtime, as the blocking pool's
-/// threads do: an agent tunnel to another pod (`crate::agent_tunnel`)
+/// threads do: an agent tunnel to another pod (`crate::pods::tunnel`)
 /// runs its I/O there.
 pub fn run_long(slot: StreamSlot, name: &str, f: impl FnOnce() + Send + 'static) {
     let runtime = tokio::runtime::Handle::try_current().ok();

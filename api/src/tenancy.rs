@@ -9,6 +9,8 @@
 //!   once and `per_second` of them on average (bursts of `burst`); past
 //!   either, 429 `rate_limited` with `Retry-After`. Admin tokens are not
 //!   limited.
+//! - [`Traffic`]: what the guest-port proxy (`crate::ports`) counted per
+//!   sandbox, on `/metrics`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -20,8 +22,10 @@ use axum::http::header;
 use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use serde_json::Value;
-use torpor_scheduler::model::{Sandbox, SandboxState};
+use torpor_scheduler::model::{Sandbox, SandboxId, SandboxState};
 use torpor_sync::Locked;
 
 use crate::auth::{Auth, Principal};
@@ -29,6 +33,55 @@ use crate::backend::SandboxApi;
 use crate::error::{code, ApiError};
 use crate::quota::{Quotas, Ticket, Usage};
 use crate::service::ServiceError;
+
+/// Requests and bytes through the guest-port proxy (`crate::ports`), per
+/// sandbox (kept for the life
+/// of the API process).
+#[derive(Debug, Default)]
+pub struct Traffic {
+    requests: Family<[(&'static str, String); 1], Counter>,
+    /// Bytes sent to the guest's port (requests, upgraded streams).
+    pub(crate) to_guest: Family<[(&'static str, String); 1], Counter>,
+    /// Bytes the guest's port sent back.
+    pub(crate) from_guest: Family<[(&'static str, String); 1], Counter>,
+}
+
+impl Traffic {
+    pub(crate) fn label(id: &SandboxId) -> [(&'static str, String); 1] {
+        [("sandbox", id.to_string())]
+    }
+
+    pub(crate) fn request(&self, id: &SandboxId) {
+        self.requests.get_or_create(&Self::label(id)).inc();
+    }
+
+    /// The Prometheus text of the counters (appended to `/metrics`).
+    pub fn encode(&self) -> String {
+        let mut reg = prometheus_client::registry::Registry::default();
+        for (name, help, family) in [
+            (
+                "torpor_sandbox_port_requests",
+                "Requests proxied to a guest port, by sandbox",
+                &self.requests,
+            ),
+            (
+                "torpor_sandbox_port_rx_bytes",
+                "Bytes proxied to a guest port (requests and upgraded streams), by sandbox",
+                &self.to_guest,
+            ),
+            (
+                "torpor_sandbox_port_tx_bytes",
+                "Bytes a guest port answered through the proxy, by sandbox",
+                &self.from_guest,
+            ),
+        ] {
+            reg.register(name, help, family.clone());
+        }
+        let mut out = String::new();
+        let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &reg);
+        out
+    }
+}
 
 /// Per-token limits on expensive routes (create, exec, checkpoint, fork,
 /// template build).
@@ -167,7 +220,7 @@ pub struct Tenancy<S> {
     /// Slots of long requests, per tenant.
     pub streams: Arc<crate::streams::Streams>,
     /// Requests and bytes through the guest-port proxy.
-    pub traffic: Arc<crate::ports::Traffic>,
+    pub traffic: Arc<Traffic>,
     /// The domain of guest ports' host names (`ApiConfig::proxy_domain`,
     /// lowercase, no trailing dot).
     pub domain: Option<Arc<str>>,

@@ -8,9 +8,9 @@ mod common;
 
 use common::{Server, TOKEN};
 use serde_json::json;
-use torpor_api::agent_tunnel::{dialer, PodLine};
 use torpor_api::auth::tokens::TenantsFile;
 use torpor_api::auth::Scope;
+use torpor_api::pods::tunnel::{dialer, PodLine};
 use torpor_api::ApiConfig;
 use torpor_client::Endpoint;
 use torpor_scheduler::model::SandboxId;

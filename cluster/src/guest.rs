@@ -15,7 +15,7 @@
 //!   create (its `Idempotency-Key`) keeps the first request's. The row
 //!   goes with its sandbox's (`ON DELETE CASCADE`).
 //! - The guest agent: through the owning pod's agent tunnel
-//!   ([`torpor_api::agent_tunnel::dialer`], as serve reaches its nested
+//!   ([`torpor_api::pods::tunnel::dialer`], as serve reaches its nested
 //!   pod's sandbox), the pod waking the sandbox if it is hibernated. A pod
 //!   down is 503 `unavailable`, as on `/v1`.
 //! - Snapshots (E2B's snapshot-as-template): made on the sandbox's pod
@@ -179,7 +179,7 @@ impl Cluster {
     pub(super) fn history_on_pod(
         &self,
         id: &SandboxId,
-        range: torpor_api::history_routes::Range,
+        range: torpor_api::wire::Range,
     ) -> Result<Vec<torpor_scheduler::service::history::MetricSample>, ServiceError> {
         let (_, pod) = self.pod_of(id)?;
         torpor_api::history_routes::on_remote_pod(&pod, id, range)
@@ -232,7 +232,7 @@ impl Cluster {
             }
             .into());
         }
-        let dial = torpor_api::agent_tunnel::dialer(self.rt.clone(), pod.line.clone(), id.clone());
+        let dial = torpor_api::pods::tunnel::dialer(self.rt.clone(), pod.line.clone(), id.clone());
         let link = AgentLink::dialed(id.as_str(), format!("pod {}", pod.id), dial);
         f(&link).map_err(ServiceError::Guest)?;
         let value = pod.call("GET", &Self::sandbox_path(id), None)?;

@@ -12,7 +12,7 @@
 //!   builds and deletes to a pod ([`templates`]), checkpoints' takes and
 //!   deletes to the sandbox's pod ([`checkpoints`]); the data plane
 //!   (exec, files, ports, timeouts) is relayed straight to the pod's API
-//!   (`pods::relay`). E2B's routes use the same commands; envd
+//!   (`torpor_api::relay`). E2B's routes use the same commands; envd
 //!   reaches the guest through the pod's agent tunnel, and any replica
 //!   checks a sandbox's envd token, kept in PostgreSQL ([`guest`]).
 //! - Every replica also consumes the pods' events ([`events`]): results

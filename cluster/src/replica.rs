@@ -721,7 +721,7 @@ impl SandboxApi for Cluster {
     fn metrics_history(
         &self,
         id: &SandboxId,
-        range: torpor_api::history_routes::Range,
+        range: torpor_api::wire::Range,
     ) -> Result<Vec<torpor_scheduler::service::history::MetricSample>, ServiceError> {
         self.history_on_pod(id, range)
     }

@@ -33,6 +33,7 @@ use torpor_scheduler::service::Owner;
 use torpor_sync::RwLocked;
 
 use crate::error::{code, ApiError};
+use crate::pods::ON_BEHALF_OF;
 use crate::quota::Quota;
 use store::TokenStore;
 use tokens::{digest, TenantsFile, TokenRecord, TokensError};
@@ -75,10 +76,6 @@ pub struct Principal {
     /// that tenant's sandboxes. Never set for a tenant's token.
     pub on_behalf_of: Option<String>,
 }
-
-/// The header with which an admin principal acts for a tenant
-/// ([`Principal::on_behalf_of`]); refused (403) from a tenant's token.
-pub const ON_BEHALF_OF: &str = "x-torpor-on-behalf-of";
 
 impl Principal {
     /// A principal acting for itself.

@@ -23,7 +23,7 @@ use super::routes::{live, query_pairs};
 use super::wire::SandboxMetric;
 use crate::backend::SandboxApi;
 use crate::handlers::{call, Api};
-use crate::history_routes::Range;
+use crate::wire::Range;
 
 /// E2B's step for a range of `secs` seconds (its `CalculateStep`).
 fn step_seconds(secs: i64) -> i64 {

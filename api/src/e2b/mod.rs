@@ -19,6 +19,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{on, MethodRouter};
 use axum::Router;
+use sha2::{Digest, Sha256};
 
 use crate::backend::SandboxApi;
 use crate::gate::{Admit, Gated};
@@ -43,6 +44,21 @@ pub const OPENAPI: &str = include_str!("../../e2b-openapi.json");
 
 /// The header E2B's SDKs carry the API key in.
 pub const API_KEY_HEADER: &str = "x-api-key";
+/// The header carrying a sandbox's traffic token ([`traffic_token`],
+/// `trafficAccessToken` in the create answer), which opens its guest
+/// ports (`crate::ports`).
+pub const TRAFFIC_HEADER: &str = "e2b-traffic-access-token";
+
+/// A sandbox's traffic token: derived from its envd access token (one
+/// way, so a traffic token handed to a browser does not open envd), 128
+/// bits as hex.
+pub fn traffic_token(access_token: &str) -> String {
+    let digest = Sha256::new()
+        .chain_update(b"torpor traffic access token\n")
+        .chain_update(access_token.as_bytes())
+        .finalize();
+    digest[..16].iter().map(|b| format!("{b:02x}")).collect()
+}
 
 /// Every E2B route served (paths in axum syntax, operation ids as in
 /// `api/e2b-openapi.json`).
@@ -228,5 +244,13 @@ mod tests {
             let target = &piece[..piece.find('"').unwrap()];
             assert!(d.pointer(&target[1..]).is_some(), "dangling {target}");
         }
+    }
+
+    #[test]
+    fn the_traffic_token_is_derived_one_way() {
+        let t = traffic_token("abc");
+        assert_eq!(t.len(), 32);
+        assert_ne!(t, traffic_token("abd"));
+        assert!(!t.contains("abc"));
     }
 }

@@ -347,7 +347,7 @@ impl CreatedSandbox {
             envd_version: ENVD_VERSION,
             domain: None,
             envd_access_token: s.access_token.clone(),
-            traffic_access_token: s.access_token.as_deref().map(crate::ports::traffic_token),
+            traffic_access_token: s.access_token.as_deref().map(crate::e2b::traffic_token),
         }
     }
 

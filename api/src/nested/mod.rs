@@ -13,7 +13,7 @@
 //! - placement (`create_sandbox`): among pods that have the template (or
 //!   the one pinned with `pod`), by most free admission headroom; a pod's
 //!   429 moves on to the next, 429 when every pod refuses;
-//! - routing ([`crate::pods::relay`]): every sandbox route of a nested
+//! - routing ([`crate::relay`]): every sandbox route of a nested
 //!   sandbox, and `PATCH /v1/pods/{id}` of a nested pod, is relayed as it
 //!   came and its answer passed back (a pod that does not answer: 502
 //!   `pod_unreachable`);
@@ -686,7 +686,7 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
     fn metrics_history(
         &self,
         id: &SandboxId,
-        range: crate::history_routes::Range,
+        range: crate::wire::Range,
     ) -> Result<Vec<torpor_scheduler::service::history::MetricSample>, ServiceError> {
         if let Some(e) = self.lost_error(id) {
             return Err(e);
@@ -780,7 +780,7 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
             ServiceError::Internal("the agent tunnel needs the API's runtime".into())
         })?;
-        let dial = crate::agent_tunnel::dialer(runtime, pod.line.clone(), id.clone());
+        let dial = crate::pods::tunnel::dialer(runtime, pod.line.clone(), id.clone());
         let link = AgentLink::dialed(id.as_str(), format!("pod {}", pod.id), dial);
         f(&link).map_err(ServiceError::Guest)?;
         Ok(Outcome {

@@ -1,7 +1,7 @@
 //! A nested pod's sandbox operations as typed calls: what this server's
 //! own callers (the E2B routes, envd) need of a sandbox a nested pod runs.
 //! (`/v1` requests for such a sandbox are relayed whole at the HTTP layer
-//! instead, [`crate::pods::relay`].) The pod's answers are checked like any pod
+//! instead, [`crate::relay`].) The pod's answers are checked like any pod
 //! answer: JSON of the expected shape, the pod's own id renamed to its id
 //! here, errors as the pod's status and code.
 

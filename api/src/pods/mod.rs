@@ -1,11 +1,13 @@
 //! Pods seen from an API server: how it calls a `torpor pod` (its REST
 //! API with the pod's token, over a unix socket, plain loopback TCP or TLS
-//! pinned to the pod's certificate), the pod addresses it accepts, and a
-//! pod's load for listing and placement; [`relay`] forwards a request to
-//! the pod that serves it. Both the cluster's replicas (their data plane)
-//! and `torpor serve`'s nested pod (`crate::nested`) use them.
+//! pinned to the pod's certificate; for a tenant, [`ON_BEHALF_OF`]), the
+//! pod addresses it accepts, a pod's load for listing and placement, and
+//! the API server's end of the agent tunnel ([`tunnel`]); `crate::relay`
+//! forwards a request to the pod that serves it. Both the cluster's
+//! replicas (their data plane) and `torpor serve`'s nested pod
+//! (`crate::nested`) use them.
 
-pub mod relay;
+pub mod tunnel;
 
 use std::time::Duration;
 
@@ -30,11 +32,17 @@ pub struct RemotePod {
     /// timeout).
     pub client: HttpClient,
     /// The pod's transport and token, for the agent tunnel.
-    pub line: crate::agent_tunnel::PodLine,
+    pub line: tunnel::PodLine,
     /// For reads that other answers wait on (lists, loads, placement): a
     /// pod that hangs must not hold up the other pods' part.
     lookup: HttpClient,
 }
+
+/// The header with which an admin principal acts for a tenant
+/// (`crate::auth::Principal::on_behalf_of`): a pod's request for a
+/// tenant carries it ([`RemotePod::acting_for`]); refused (403) from a
+/// tenant's token.
+pub const ON_BEHALF_OF: &str = "x-torpor-on-behalf-of";
 
 /// Longest a lookup (list, load) waits for a pod.
 pub const LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -145,7 +153,7 @@ impl RemotePod {
         )
         .map_err(|e| ServiceError::Invalid(e.to_string()))?
         .pinned(fingerprint);
-        let line = crate::agent_tunnel::PodLine {
+        let line = tunnel::PodLine {
             endpoint: client.endpoint.clone(),
             token: token.to_string(),
             pin: fingerprint,
@@ -160,14 +168,14 @@ impl RemotePod {
     }
 
     /// This pod called for `tenant` (none: as itself): every request
-    /// carries [`crate::auth::ON_BEHALF_OF`], so that what the pod makes
+    /// carries [`ON_BEHALF_OF`], so that what the pod makes
     /// is that tenant's and template names resolve in its namespace there
     /// too. A tenant's create, fork and snapshot-as-template go so.
     pub fn acting_for(&self, tenant: Option<&str>) -> RemotePod {
         let Some(tenant) = tenant else {
             return self.clone();
         };
-        let header = [(crate::auth::ON_BEHALF_OF, tenant)];
+        let header = [(ON_BEHALF_OF, tenant)];
         RemotePod {
             client: self.client.clone().with_headers(&header),
             lookup: self.lookup.clone().with_headers(&header),

@@ -23,10 +23,10 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use torpor_scheduler::model::SandboxId;
 use torpor_scheduler::service::GuestError;
 
-use super::Traffic;
 use crate::backend::SandboxApi;
 use crate::service::ServiceError;
 use crate::tenancy::Tenancy;
+use crate::tenancy::Traffic;
 
 /// What a proxied connection holds until it ends: the blocking thread
 /// that keeps the sandbox active, and the wake's admission.
@@ -182,7 +182,7 @@ fn outgoing(request: Request, upgrade: Option<&HeaderValue>) -> Request {
     for secret in [
         crate::e2b::API_KEY_HEADER,
         crate::e2b::envd::files::ACCESS_TOKEN_HEADER,
-        super::TRAFFIC_HEADER,
+        crate::e2b::TRAFFIC_HEADER,
     ] {
         parts.headers.remove(secret);
     }

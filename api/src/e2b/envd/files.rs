@@ -93,7 +93,7 @@ impl Caller {
     pub(crate) fn for_ports(headers: &HeaderMap, auth: &Auth) -> Self {
         let mut caller = Caller::of(headers, auth);
         caller.traffic = headers
-            .get(crate::ports::TRAFFIC_HEADER)
+            .get(super::super::TRAFFIC_HEADER)
             .map(|v| v.as_bytes().trim_ascii().to_vec());
         caller
     }
@@ -104,7 +104,7 @@ impl Caller {
         [
             super::super::API_KEY_HEADER,
             ACCESS_TOKEN_HEADER,
-            crate::ports::TRAFFIC_HEADER,
+            super::super::TRAFFIC_HEADER,
         ]
         .iter()
         .any(|h| headers.contains_key(*h))
@@ -145,7 +145,7 @@ impl Caller {
         {
             return Ok(());
         }
-        let traffic = crate::ports::traffic_token(issued);
+        let traffic = super::super::traffic_token(issued);
         if self
             .traffic
             .as_ref()

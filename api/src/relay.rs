@@ -21,9 +21,9 @@ use tokio::sync::{mpsc, oneshot};
 use torpor_scheduler::model::{PodId, SandboxId};
 use torpor_scheduler::service::LOCAL_POD;
 
-use super::{rewrite_pod_ids, RemotePod};
 use crate::backend::{Relay, SandboxApi};
 use crate::error::ApiError;
+use crate::pods::{rewrite_pod_ids, RemotePod};
 use crate::service::ServiceError;
 use crate::Route;
 use torpor_client::{Answer, Streaming};

@@ -2,12 +2,16 @@
 //! the real [`Service`], by `Nested` (serve with its nested pod), the cluster replica and, in
 //! tests, by an in-memory fake. It holds only what differs between them:
 //! operations only a pod serves are called on its [`Service`] through
-//! [`on_pod`], and the typed calls of its per-resource requests are
-//! [`SandboxCalls`]' (`crate::calls`), written once for every backend.
+//! [`on_pod`], and the typed calls of its per-resource requests
+//! (`crate::calls`) are [`SandboxCalls`]' ([`typed`]), written once for
+//! every backend, as the contract's operations' dispatch is ([`dispatch`]).
 //!
 //! Every method is synchronous and may block (store writes, VMM control
 //! requests, snapshots); the handlers call them through
 //! `tokio::task::spawn_blocking`.
+
+pub mod dispatch;
+pub mod typed;
 
 use serde_json::{json, Value};
 use torpor_scheduler::model::{HibernationKind, PodId, Sandbox, SandboxId, Template};
@@ -15,12 +19,13 @@ use torpor_scheduler::service::history::MetricSample;
 use torpor_scheduler::service::{GuestCheck, Hibernation, LOCAL_POD};
 
 use crate::calls::{
-    map_call, ExecMode, ExecReply, FileOp, FileReply, ImageOp, ImageReply, SandboxCalls,
-    TemplateOp, TemplateReply,
+    map_call, ExecMode, ExecReply, FileOp, FileReply, ImageOp, ImageReply, TemplateOp,
+    TemplateReply,
 };
 use crate::pods::RemotePod;
 pub use torpor_sandbox_api::Lifecycle;
 use torpor_sandbox_api::{Operation, Reply};
+use typed::SandboxCalls;
 
 use crate::service::{
     AgentLink, Cancel, CreateSandbox, ExecRequest, ForkSandbox, GuestCall, GuestError, Outcome,
@@ -110,14 +115,14 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError>;
 
     /// An operation of the contract ([`Operation`]) as its caller asked
-    /// it: [`crate::dispatch`] onto this backend's methods (a checkpoint's
-    /// on the pod's own service), unless the backend takes some whole (a
-    /// cluster replica sends a checkpoint to the sandbox's pod through
-    /// its work queue, admitted in PostgreSQL). A cluster's pod worker
+    /// it: [`dispatch`](dispatch::dispatch) onto this backend's methods
+    /// (a checkpoint's on the pod's own service), unless the backend takes
+    /// some whole (a cluster replica sends a checkpoint to the sandbox's
+    /// pod through its work queue, admitted in PostgreSQL). A cluster's pod worker
     /// runs each operation of its queue through this; the typed calls
     /// are [`SandboxCalls`]' (`checkpoint`, `delete_checkpoint`).
     fn operate(&self, op: Operation) -> Result<Reply, ServiceError> {
-        crate::dispatch(self, op)
+        dispatch::dispatch(self, op)
     }
 
     /// An images call: on the pod's own service (a pod other than this one
@@ -213,7 +218,7 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     fn metrics_history(
         &self,
         id: &SandboxId,
-        range: crate::history_routes::Range,
+        range: crate::wire::Range,
     ) -> Result<Vec<MetricSample>, ServiceError> {
         on_pod(self, Needs::History, |s| {
             Service::metrics_history(s, id, range.from, range.to)

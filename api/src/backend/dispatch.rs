@@ -6,7 +6,7 @@
 
 use torpor_sandbox_api::{LifecycleCall, Operation, Reply};
 
-use crate::backend::{on_pod, Needs, SandboxApi};
+use super::{on_pod, Needs, SandboxApi};
 use crate::service::{CreateSandbox, CreateTemplate, Owner, ServiceError, MAX_FORK_COUNT};
 
 /// Runs `op` on `s` as its caller's (a create or build is the tenant's the
