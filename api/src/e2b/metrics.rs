@@ -5,10 +5,11 @@
 //!
 //! As E2B's API: `start` and `end` are unix seconds (integers, at least
 //! 0), both included; `start` defaults to the sandbox's start and `end`
-//! to now; `start` after `end` is 400. A range of an hour or more is
-//! given in coarser steps, as E2B's (`CalculateStep`): one entry per
-//! step, the mean CPU and memory of the samples in it, stamped with the
-//! step's start.
+//! to whenever the read's own sample is taken (on the sandbox's pod,
+//! which may be a second after the replica's now); `start` after `end` is
+//! 400. A range of an hour or more is given in coarser steps, as E2B's
+//! (`CalculateStep`): one entry per step, the mean CPU and memory of the
+//! samples in it, stamped with the step's start.
 
 use std::collections::BTreeMap;
 
@@ -109,6 +110,10 @@ pub async fn get<S: SandboxApi>(
     let out = call(&state, move |s| {
         let sandbox = live(s, &id)?;
         let start = start.unwrap_or(sandbox.created_at.0.div_euclid(1000));
+        // No `end`: open-ended, so that the sample the read takes now (on
+        // the sandbox's pod, perhaps a second later than this replica's
+        // now) is in the answer.
+        let until = end;
         let end = end.unwrap_or(Timestamp::now().0.div_euclid(1000));
         if start > end {
             return Err(crate::service::ServiceError::Invalid(
@@ -117,7 +122,7 @@ pub async fn get<S: SandboxApi>(
         }
         let range = Range {
             from: Some(Timestamp(start.saturating_mul(1000))),
-            to: Some(Timestamp(end.saturating_mul(1000).saturating_add(999))),
+            to: until.map(|end| Timestamp(end.saturating_mul(1000).saturating_add(999))),
         };
         let samples = s.metrics_history(&sandbox.id, range)?;
         Ok(entries(&samples, step_seconds(end - start)))
