@@ -40,11 +40,14 @@ pub enum Error {
     /// The extra CA certificate given for the registry is not PEM.
     #[error("extra CA certificate: {0}")]
     Certificate(String),
-    /// Any other failure talking to the registry.
-    #[error("registry {registry}: {source}")]
+    /// Any other failure talking to the registry (TLS, network, the
+    /// registry's own errors).
+    #[error("registry {registry}: {detail}")]
     Registry {
         /// The registry's host (and port).
         registry: String,
+        /// The error and its causes, as one line.
+        detail: String,
         /// The client's error.
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,

@@ -332,10 +332,20 @@ fn registry_error(registry: &str, e: OciDistributionError) -> Error {
             expected: String::new(),
             actual: d.to_string(),
         },
-        other => Error::Registry {
-            registry: registry.to_string(),
-            source: Box::new(other),
-        },
+        other => {
+            // reqwest's message alone hides the cause (an unknown issuer).
+            let mut detail = other.to_string();
+            let mut cause = std::error::Error::source(&other);
+            while let Some(c) = cause {
+                detail.push_str(&format!(": {c}"));
+                cause = c.source();
+            }
+            Error::Registry {
+                registry: registry.to_string(),
+                detail,
+                source: Box::new(other),
+            }
+        }
     }
 }
 

@@ -225,9 +225,16 @@ fn is_file(root: &Root, path: &str) -> Result<bool> {
     }
 }
 
-/// The file at `path` (at most 16 MiB), its mode, uid and gid; `None`
-/// if there is none.
-fn read(root: &Root, path: &str) -> Result<Option<(Vec<u8>, u32, u32, u32)>> {
+/// A file of the image as read: its bytes, mode, uid and gid.
+struct ImageFile {
+    bytes: Vec<u8>,
+    mode: u32,
+    uid: u32,
+    gid: u32,
+}
+
+/// The file at `path` (at most 16 MiB); `None` if there is none.
+fn read(root: &Root, path: &str) -> Result<Option<ImageFile>> {
     let w = match root.walk_guest(path, Follow::Chroot, true, false) {
         Ok(w) => w,
         Err(WalkError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -252,12 +259,12 @@ fn read(root: &Root, path: &str) -> Result<Option<(Vec<u8>, u32, u32, u32)>> {
         .take(16 << 20)
         .read_to_end(&mut bytes)
         .map_err(|e| Error::io(path, e))?;
-    Ok(Some((
+    Ok(Some(ImageFile {
         bytes,
-        stat.st_mode & 0o7777,
-        stat.st_uid,
-        stat.st_gid,
-    )))
+        mode: stat.st_mode & 0o7777,
+        uid: stat.st_uid,
+        gid: stat.st_gid,
+    }))
 }
 
 /// Writes `path` (replacing whatever is there), root's, `mode`.
@@ -347,16 +354,23 @@ fn drop_externally_managed(root: &Root) -> Result<()> {
 /// The sandbox user, added to the account files unless there.
 fn add_user(root: &Root, options: &TemplateOptions) -> Result<((String, u32, u32), bool)> {
     let name = &options.user;
-    let (passwd, passwd_mode, _, _) = read(root, "/etc/passwd")?
-        .unwrap_or_else(|| (b"root:x:0:0:root:/root:/bin/sh\n".to_vec(), 0o644, 0, 0));
+    let default = |text: &[u8]| ImageFile {
+        bytes: text.to_vec(),
+        mode: 0o644,
+        uid: 0,
+        gid: 0,
+    };
+    let passwd_file =
+        read(root, "/etc/passwd")?.unwrap_or_else(|| default(b"root:x:0:0:root:/root:/bin/sh\n"));
+    let (passwd, passwd_mode) = (passwd_file.bytes, passwd_file.mode);
     let passwd = String::from_utf8_lossy(&passwd).into_owned();
     let accounts = users::accounts(&passwd);
     if let Some(a) = accounts.iter().find(|a| &a.name == name) {
         return Ok(((name.clone(), a.uid, a.gid), false));
     }
-    let (group, group_mode, _, _) =
-        read(root, "/etc/group")?.unwrap_or_else(|| (b"root:x:0:\n".to_vec(), 0o644, 0, 0));
-    let group = String::from_utf8_lossy(&group).into_owned();
+    let group_file = read(root, "/etc/group")?.unwrap_or_else(|| default(b"root:x:0:\n"));
+    let group_mode = group_file.mode;
+    let group = String::from_utf8_lossy(&group_file.bytes).into_owned();
     let groups = users::groups(&group);
     let uid = users::free_id(
         options.uid,
@@ -395,8 +409,8 @@ fn add_user(root: &Root, options: &TemplateOptions) -> Result<((String, u32, u32
         ("/etc/shadow", &lines.shadow),
         ("/etc/gshadow", &lines.gshadow),
     ] {
-        if let Some((text, mode, owner, group)) = read(root, path)? {
-            let text = String::from_utf8_lossy(&text).into_owned();
+        if let Some(file) = read(root, path)? {
+            let text = String::from_utf8_lossy(&file.bytes).into_owned();
             if path == "/etc/gshadow" && existing_group.is_some() {
                 continue;
             }
@@ -404,9 +418,9 @@ fn add_user(root: &Root, options: &TemplateOptions) -> Result<((String, u32, u32
                 root,
                 path,
                 users::append_line(&text, line).as_bytes(),
-                mode,
-                owner,
-                group,
+                file.mode,
+                file.uid,
+                file.gid,
             )?;
         }
     }
@@ -432,12 +446,12 @@ fn copy_skel(root: &Root, home: &str, uid: u32, gid: u32) -> Result<()> {
     for name in root::names(w.dir.as_fd()).map_err(|e| Error::io("/etc/skel", e))? {
         let name = name.to_string_lossy().into_owned();
         let from = format!("/etc/skel/{name}");
-        if let Some((bytes, mode, _, _)) = read(root, &from)? {
+        if let Some(file) = read(root, &from)? {
             put_owned(
                 root,
                 &format!("{home}/{name}"),
-                &bytes,
-                mode & 0o777,
+                &file.bytes,
+                file.mode & 0o777,
                 uid,
                 gid,
             )?;
