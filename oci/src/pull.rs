@@ -382,6 +382,15 @@ mod tests {
         ));
     }
 
+    /// The service spawns pulls on its runtime.
+    #[test]
+    fn a_pull_can_be_spawned() {
+        fn send<T: Send + 'static>(_: &T) {}
+        let r: Reference = "a/b".parse().unwrap();
+        let options = PullOptions::new("/nonexistent");
+        send(&async move { pull(&r, None, &options).await });
+    }
+
     #[tokio::test]
     async fn plain_http_goes_to_loopback_only() {
         let dir = tempfile::tempdir().unwrap();
