@@ -325,7 +325,7 @@ impl Parser<'_> {
 }
 
 /// The instructions this parser knows (for "before FROM" errors).
-const KNOWN: [&str; 17] = [
+const KNOWN: [&str; 18] = [
     "FROM",
     "ARG",
     "RUN",
@@ -343,6 +343,7 @@ const KNOWN: [&str; 17] = [
     "MAINTAINER",
     "STOPSIGNAL",
     "VOLUME",
+    "ONBUILD",
 ];
 
 impl Lookup for Parser<'_> {

@@ -74,6 +74,22 @@ pub struct BuildSpec {
     pub memory_mib: Option<u32>,
 }
 
+impl BuildSpec {
+    /// The spec without the registry's username and password: what may be
+    /// stored with the build or shown (its cache keys never hold them).
+    pub fn without_credentials(&self) -> BuildSpec {
+        let mut spec = self.clone();
+        if let Source::Image {
+            username, password, ..
+        } = &mut spec.from
+        {
+            *username = None;
+            *password = None;
+        }
+        spec
+    }
+}
+
 fn is_false(b: &bool) -> bool {
     !b
 }

@@ -83,6 +83,12 @@ fn json_round_trips_with_defaults_left_out() {
     assert_eq!(serde_json::from_value::<BuildSpec>(back).unwrap(), spec);
     // Printed, the password is not.
     assert!(!format!("{:?}", spec.from).contains("\"p\""));
+    let stored = serde_json::to_string(&spec.without_credentials()).unwrap();
+    assert!(
+        !stored.contains("password") && !stored.contains("username"),
+        "{stored}"
+    );
+    assert_eq!(spec.without_credentials().steps, spec.steps);
 }
 
 #[test]
