@@ -937,6 +937,31 @@ pub enum TemplateAction {
     /// Delete a template.
     #[command(visible_alias = "delete")]
     Rm(TemplateId),
+    /// Build a template from a Dockerfile in a sandbox (cached by step):
+    /// upload what COPY copies, start the build, follow its log.
+    Build(TemplateBuildArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TemplateBuildArgs {
+    /// The Dockerfile [default: CONTEXT/Dockerfile].
+    #[arg(short = 'f', long = "file", value_name = "PATH")]
+    pub file: Option<PathBuf>,
+    /// The template's name [default: the context directory's name].
+    #[arg(long, value_name = "N")]
+    pub name: Option<String>,
+    /// A build argument (ARG), `KEY=VALUE`; repeatable.
+    #[arg(long = "build-arg", value_name = "KEY=VALUE")]
+    pub build_args: Vec<String>,
+    /// Rebuild every step (no cached layer used).
+    #[arg(long)]
+    pub no_cache: bool,
+    /// Start the build and print its id without following it.
+    #[arg(long)]
+    pub detach: bool,
+    /// The build context: the directory COPY sources are relative to.
+    #[arg(value_name = "CONTEXT", default_value = ".")]
+    pub context: PathBuf,
 }
 
 #[derive(Debug, Args)]

@@ -205,6 +205,16 @@ const NOT_SANDBOX_IDS: &[&str] = &[
     "deleteToken",
     "getOperation",
     "e2bDeleteTemplate",
+    // Templates by the resolver; builds (and their files) are the
+    // tenant's own in the build registry (api/tests/http_builds.rs).
+    "renameTemplate",
+    "getBuild",
+    "cancelBuild",
+    "e2bBuildFileLink",
+    "e2bBuildFileUpload",
+    "e2bStartBuild",
+    "e2bBuildStatus",
+    "e2bTemplateTags",
 ];
 
 fn gated(routes: &[Route]) -> Vec<(Route, Admit)> {

@@ -145,7 +145,15 @@ fn each_crate_depends_on_the_layers_below_it_only() {
 /// (a module's paths to another, as `crate::`, `super::` or `self::` paths
 /// and in `use` groups, outside its tests). The others still have some; a
 /// crate joins this list when its cycles are gone.
-const ACYCLIC: [&str; 7] = ["vmm-api", "vmm", "scheduler", "api", "cluster", "oci", "build"];
+const ACYCLIC: [&str; 7] = [
+    "vmm-api",
+    "vmm",
+    "scheduler",
+    "api",
+    "cluster",
+    "oci",
+    "build",
+];
 
 /// `text` with its comments, string literals and character literals
 /// blanked out (each replaced by a space), so that only code is read.

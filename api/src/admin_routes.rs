@@ -1,16 +1,12 @@
 //! Tokens, tenants' quotas and images: the admin's routes (and what a
 //! tenant may read of them: its own quota and use, the images' names).
 
-use std::io::Read;
-use std::pin::Pin;
-
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::{Extension, Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc;
 use torpor_scheduler::images::ImagePart;
 use torpor_scheduler::model::PodId;
 
@@ -232,19 +228,13 @@ pub async fn upload_image<S: SandboxApi>(
     let part = ImagePart::parse(&part).map_err(|e| ApiError::invalid(e.to_string()))?;
     torpor_scheduler::images::check_name(&name).map_err(|e| ApiError::invalid(e.to_string()))?;
     let limit = st.max_upload_bytes;
-    let (tx, rx) = mpsc::channel::<Result<Bytes, String>>(4);
-    let pump = tokio::spawn(pump(body, tx));
     let stored = name.clone();
-    let size = call(&st, move |s| {
-        let mut reader = ChannelReader {
-            rx,
-            buf: Bytes::new(),
-        };
+    let size = crate::body::with_body(&st, body, move |s, reader| {
         let pod = on.pod.map(PodId::new);
         let install = ImageOp::Install {
             name: &stored,
             part,
-            body: &mut reader,
+            body: reader,
             limit,
             pod: pod.as_ref(),
         };
@@ -256,7 +246,6 @@ pub async fn upload_image<S: SandboxApi>(
         }
     })
     .await;
-    pump.abort();
     let size = size?;
     #[derive(Serialize)]
     struct Installed {
@@ -275,45 +264,4 @@ pub async fn upload_image<S: SandboxApi>(
         },
     )
     .into_response())
-}
-
-/// Moves the body's frames to the blocking reader, one at a time.
-async fn pump(body: Body, tx: mpsc::Sender<Result<Bytes, String>>) {
-    let mut stream = body.into_data_stream();
-    loop {
-        let next =
-            std::future::poll_fn(|cx| futures_core::Stream::poll_next(Pin::new(&mut stream), cx))
-                .await;
-        let item = match next {
-            None => return,
-            Some(Ok(b)) => Ok(b),
-            Some(Err(e)) => Err(e.to_string()),
-        };
-        let failed = item.is_err();
-        if tx.send(item).await.is_err() || failed {
-            return;
-        }
-    }
-}
-
-/// The request body as a blocking `Read` (on the blocking pool).
-struct ChannelReader {
-    rx: mpsc::Receiver<Result<Bytes, String>>,
-    buf: Bytes,
-}
-
-impl Read for ChannelReader {
-    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
-        while self.buf.is_empty() {
-            match self.rx.blocking_recv() {
-                None => return Ok(0),
-                Some(Ok(b)) => self.buf = b,
-                Some(Err(e)) => return Err(std::io::Error::other(e)),
-            }
-        }
-        let n = out.len().min(self.buf.len());
-        out[..n].copy_from_slice(&self.buf[..n]);
-        self.buf = self.buf.slice(n..);
-        Ok(n)
-    }
 }

@@ -37,6 +37,12 @@ pub enum TemplateOp<'a> {
         key: &'a str,
         owner: Option<&'a Owner>,
     },
+    /// Renamed (a rebuilt template's old one, out of its name's way).
+    Rename {
+        key: &'a str,
+        owner: Option<&'a Owner>,
+        name: &'a str,
+    },
 }
 
 /// A [`TemplateOp`]'s answer, the variant of its call.

@@ -106,8 +106,13 @@ pub async fn metrics<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Response> {
 
 /// Whether `p` sees a template entry: shared ones (no `tenant`) and its
 /// tenant's; an admin every one ([`torpor_scheduler::names::visible`]).
+/// Whether `p` sees template `entry` in a list: its own and shared ones,
+/// but no build's cache layer ([`crate::builds::plan::is_layer`]).
 fn sees_template(p: &Principal, entry: &serde_json::Value) -> bool {
     torpor_scheduler::names::visible(entry["tenant"].as_str(), Some(&p.owner()))
+        && !entry["name"]
+            .as_str()
+            .is_some_and(crate::builds::plan::is_layer)
 }
 
 pub async fn list_templates<S: SandboxApi>(
@@ -129,11 +134,22 @@ pub async fn list_templates<S: SandboxApi>(
     ))
 }
 
+/// `POST /v1/templates`: a template booted from an image
+/// ([`CreateTemplate`]), or built by steps when the body is a build spec
+/// (it has `from`: [`crate::builds::routes::create`]).
 pub async fn create_template<S: SandboxApi>(
     State(st): Api<S>,
     Extension(p): Extension<Principal>,
-    ApiJson(mut body): ApiJson<CreateTemplate>,
+    ApiJson(body): ApiJson<serde_json::Value>,
 ) -> ApiResult<Response> {
+    if body.get("from").is_some() {
+        return crate::builds::routes::create_from(&st, p, body).await;
+    }
+    let mut body: CreateTemplate = serde_json::from_value(body).map_err(|e| {
+        ApiError::invalid(format!(
+            "Failed to deserialize the JSON body into the target type: {e}"
+        ))
+    })?;
     if body.pod.is_some() && !p.is_admin() {
         return Err(forbidden(
             "building a template on a chosen pod needs an admin token",
@@ -183,6 +199,29 @@ pub async fn delete_template<S: SandboxApi>(
 ) -> ApiResult<StatusCode> {
     call(&st, move |s| s.delete_template(Some(&p.owner()), &key)).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// `PATCH /v1/templates/{id}`'s body.
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TemplatePatch {
+    /// Its new name.
+    pub name: String,
+}
+
+/// `PATCH /v1/templates/{id}`: renames it (who may delete it may rename
+/// it); a name its tenant sees taken already is 409.
+pub async fn rename_template<S: SandboxApi>(
+    State(st): Api<S>,
+    Extension(p): Extension<Principal>,
+    Path(key): Path<String>,
+    ApiJson(body): ApiJson<TemplatePatch>,
+) -> ApiResult<Response> {
+    let t = call(&st, move |s| {
+        s.rename_template(Some(&p.owner()), &key, &body.name)
+    })
+    .await?;
+    Ok(Json(t).into_response())
 }
 
 // Sandboxes.

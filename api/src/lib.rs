@@ -60,6 +60,8 @@ mod admin_routes;
 pub mod agent_tunnel;
 pub mod auth;
 pub mod backend;
+mod body;
+pub mod builds;
 pub mod calls;
 mod checkpoint_routes;
 pub mod e2b;
@@ -120,6 +122,10 @@ pub struct ApiConfig {
     /// ([`ports`]): what E2B's create and connect answers carry as
     /// `domain`. `None`: ports by E2B's headers only, `domain` null.
     pub proxy_domain: Option<String>,
+    /// Where template builds keep their records and uploaded files
+    /// (`DATA_DIR/builds`); `None`: in memory, files in a temporary
+    /// directory.
+    pub builds_dir: Option<std::path::PathBuf>,
 }
 
 /// Default [`ApiConfig::max_upload_bytes`]: 8 GiB.
@@ -140,6 +146,7 @@ impl std::fmt::Debug for ApiConfig {
             .field("max_body_bytes", &self.max_body_bytes)
             .field("request_timeout", &self.request_timeout)
             .field("proxy_domain", &self.proxy_domain)
+            .field("builds_dir", &self.builds_dir)
             .finish()
     }
 }
@@ -155,6 +162,7 @@ impl Default for ApiConfig {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             proxy_domain: None,
+            builds_dir: None,
         }
     }
 }
@@ -229,6 +237,13 @@ pub const ROUTES: &[Route] = &[
     route("GET", "/v1/templates", "listTemplates"),
     route("POST", "/v1/templates", "createTemplate"),
     route("GET", "/v1/templates/{id}", "getTemplate"),
+    route("PATCH", "/v1/templates/{id}", "renameTemplate"),
+    route("GET", "/v1/builds", "listBuilds"),
+    route("POST", "/v1/builds", "createBuild"),
+    route("GET", "/v1/builds/{id}", "getBuild"),
+    route("POST", "/v1/builds/{id}/cancel", "cancelBuild"),
+    route("GET", "/v1/build-files/{hash}", "getBuildFiles"),
+    route("PUT", "/v1/build-files/{hash}", "uploadBuildFiles"),
     route("DELETE", "/v1/templates/{id}", "deleteTemplate"),
     route("GET", "/v1/sandboxes", "listSandboxes"),
     route("POST", "/v1/sandboxes", "createSandbox"),
@@ -317,6 +332,13 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "createTemplate" => on(m, create_template::<S>),
         "getTemplate" => on(m, get_template::<S>),
         "deleteTemplate" => on(m, delete_template::<S>),
+        "renameTemplate" => on(m, rename_template::<S>),
+        "listBuilds" => on(m, builds::routes::list::<S>),
+        "createBuild" => on(m, builds::routes::create::<S>),
+        "getBuild" => on(m, builds::routes::get::<S>),
+        "cancelBuild" => on(m, builds::routes::cancel::<S>),
+        "getBuildFiles" => on(m, builds::routes::files_present::<S>),
+        "uploadBuildFiles" => on(m, builds::routes::upload::<S>),
         "listSandboxes" => on(m, list_sandboxes::<S>),
         "createSandbox" => on(m, create_sandbox::<S>),
         "getSandbox" => on(m, get_sandbox::<S>),
@@ -443,6 +465,15 @@ pub(crate) async fn limits(State(limits): State<Limits>, request: Request, next:
     }
 }
 
+/// The builds of `config`'s directory; in memory if it cannot be opened
+/// (logged).
+fn builds_of(config: &ApiConfig) -> builds::Builds {
+    builds::Builds::open(config.builds_dir.as_deref()).unwrap_or_else(|e| {
+        tracing::error!(error = %e, "the builds directory cannot be opened: builds kept in memory");
+        builds::Builds::open(None).expect("a temporary directory for build files")
+    })
+}
+
 /// The tokens (command line and tokens file), quotas and rate limits the
 /// routes share.
 fn tenancy_of<S: SandboxApi>(service: &Arc<S>, config: &ApiConfig) -> tenancy::Tenancy<S> {
@@ -470,6 +501,7 @@ fn tenancy_of<S: SandboxApi>(service: &Arc<S>, config: &ApiConfig) -> tenancy::T
             streams::DEFAULT_TOTAL,
         ),
         traffic: Arc::default(),
+        builds: Arc::new(builds_of(config)),
         domain: config
             .proxy_domain
             .as_deref()

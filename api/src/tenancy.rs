@@ -221,6 +221,8 @@ pub struct Tenancy<S> {
     pub streams: Arc<crate::streams::Streams>,
     /// Requests and bytes through the guest-port proxy.
     pub traffic: Arc<Traffic>,
+    /// Template builds and their uploaded files.
+    pub builds: Arc<crate::builds::Builds>,
     /// The domain of guest ports' host names (`ApiConfig::proxy_domain`,
     /// lowercase, no trailing dot).
     pub domain: Option<Arc<str>>,
@@ -235,6 +237,7 @@ impl<S> Clone for Tenancy<S> {
             limiter: Arc::clone(&self.limiter),
             streams: Arc::clone(&self.streams),
             traffic: Arc::clone(&self.traffic),
+            builds: Arc::clone(&self.builds),
             domain: self.domain.clone(),
         }
     }

@@ -95,6 +95,11 @@ impl Cluster {
                 self.block(self.delete_template(&id))
                     .map(|()| TemplateReply::Deleted)
             }
+            TemplateOp::Rename { .. } => Err(ServiceError::Unsupported(
+                "renaming a template is not served by a cluster yet (a rebuild of a template \
+                 in use needs it)"
+                    .into(),
+            )),
         }
     }
 

@@ -18,6 +18,7 @@ mod sandbox;
 mod sandbox_guest;
 mod serve;
 mod template;
+mod template_build;
 mod token;
 mod vmm;
 

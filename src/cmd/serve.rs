@@ -324,6 +324,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         tenants_file: Some(tenants_file),
         request_timeout,
         proxy_domain: Some(args.proxy_domain.clone()),
+        builds_dir: Some(data_dir.join("builds")),
         ..Default::default()
     };
     let proxy_identity = proxy_identity(&args, &data_dir)?;

@@ -1,4 +1,4 @@
-//! `torpor template list|get|create|rm`: the template routes of the REST
+//! `torpor template list|get|create|rm|build`: the template routes of the REST
 //! API, as tables or `--json`. Templates are named by id or by name.
 
 use serde_json::{Map, Value};
@@ -41,6 +41,7 @@ fn act(c: &Client, action: TemplateAction) -> Result<(), Error> {
             Ok(())
         }
         TemplateAction::Create(args) => create(c, args),
+        TemplateAction::Build(args) => super::template_build::build(c, args),
         TemplateAction::Rm(a) => {
             let id = resolve(c, &a.id)?;
             if c.show("DELETE", &path(&id), None)?.is_some() {

@@ -382,6 +382,9 @@ impl SandboxApi for Service {
                 Service::delete_template_as(self, owner, key)?;
                 TemplateReply::Deleted
             }
+            TemplateOp::Rename { key, owner, name } => {
+                TemplateReply::one(Service::rename_template_as(self, owner, key, name)?)
+            }
         })
     }
     fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {

@@ -93,6 +93,22 @@ pub trait SandboxCalls {
             _ => Err(mismatched("template delete")),
         }
     }
+    /// Renames the template `key` names for `owner` (as
+    /// [`Self::delete_template`] may delete it) to `name`.
+    fn rename_template(
+        &self,
+        owner: Option<&Owner>,
+        key: &str,
+        name: &str,
+    ) -> Result<Template, ServiceError>
+    where
+        Self: SandboxApi,
+    {
+        match self.templates(TemplateOp::Rename { key, owner, name })? {
+            TemplateReply::One(t) => Ok(*t),
+            _ => Err(mismatched("template rename")),
+        }
+    }
     /// The names of the images installed (a cluster's: on the pods up).
     fn image_names(&self) -> Result<Vec<String>, ServiceError>
     where

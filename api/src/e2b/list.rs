@@ -307,6 +307,7 @@ pub async fn list_v2<S: SandboxApi>(
         }
     }
     let owner = principal.owner();
+    let builds = state.tenancy.builds.clone();
     let page = call(&state, move |s| {
         if let Some(t) = &q.template {
             match s.resolve_template(&owner, t) {
@@ -350,7 +351,7 @@ pub async fn list_v2<S: SandboxApi>(
                 }
                 .encode()
             });
-        let items = page.iter().filter_map(|x| detail(s, x)).collect();
+        let items = page.iter().filter_map(|x| detail(s, &builds, x)).collect();
         Ok(Page {
             items,
             total_running,
@@ -378,6 +379,7 @@ pub async fn list_v1<S: SandboxApi>(
         .map(|m| metadata_filter(m))
         .transpose()
         .map_err(|e| E2bError::bad_request(format!("Error parsing metadata: {e}")))?;
+    let builds = state.tenancy.builds.clone();
     let out = call(&state, move |s| {
         let mut sandboxes: Vec<Sandbox> = s
             .list_sandboxes(filter)?
@@ -387,7 +389,7 @@ pub async fn list_v1<S: SandboxApi>(
         sandboxes.sort_by(|a, b| Order::Desc.cmp(&Key::of(a), &Key::of(b)));
         Ok(sandboxes
             .iter()
-            .filter_map(|x| detail(s, x))
+            .filter_map(|x| detail(s, &builds, x))
             .collect::<Vec<_>>())
     })
     .await?;

@@ -33,6 +33,7 @@ mod list;
 mod metrics;
 mod network;
 mod routes;
+mod templates;
 pub mod time;
 pub mod wire;
 
@@ -81,7 +82,34 @@ pub const ROUTES: &[Route] = &[
     route("POST", "/sandboxes/{id}/snapshots", "e2bCreateSnapshot").sandbox(Admit::Plain),
     route("GET", "/snapshots", "e2bListSnapshots"),
     route("DELETE", "/templates/{id}", "e2bDeleteTemplate"),
+    route("POST", "/v3/templates", "e2bRequestBuild"),
+    route("GET", "/templates/{id}/files/{hash}", "e2bBuildFileLink"),
+    // The upload link's PUT: no API key (the SDKs send none), its one-time
+    // token in the query instead.
+    public_route("PUT", "/templates/{id}/files/{hash}", "e2bBuildFileUpload"),
+    route(
+        "POST",
+        "/v2/templates/{id}/builds/{build_id}",
+        "e2bStartBuild",
+    ),
+    route(
+        "GET",
+        "/templates/{id}/builds/{build_id}/status",
+        "e2bBuildStatus",
+    ),
+    route("GET", "/templates/aliases/{alias}", "e2bTemplateAlias"),
+    route("POST", "/templates/tags", "e2bAssignTags"),
+    route("DELETE", "/templates/tags", "e2bRemoveTags"),
+    route("GET", "/templates/{id}/tags", "e2bTemplateTags"),
 ];
+
+/// An E2B route without the API key: what authorises it is its own.
+const fn public_route(method: &'static str, path: &'static str, operation: &'static str) -> Route {
+    Route {
+        auth: false,
+        ..route(method, path, operation)
+    }
+}
 
 fn endpoint<S: SandboxApi>(r: &Route) -> MethodRouter<AppState<S>> {
     let m = method_filter(r.method);
@@ -102,6 +130,15 @@ fn endpoint<S: SandboxApi>(r: &Route) -> MethodRouter<AppState<S>> {
         "e2bCreateSnapshot" => on(m, routes::create_snapshot::<S>),
         "e2bListSnapshots" => on(m, routes::list_snapshots::<S>),
         "e2bDeleteTemplate" => on(m, routes::delete_template::<S>),
+        "e2bRequestBuild" => on(m, templates::request::<S>),
+        "e2bBuildFileLink" => on(m, templates::file_link::<S>),
+        "e2bBuildFileUpload" => on(m, templates::upload::<S>),
+        "e2bStartBuild" => on(m, templates::start::<S>),
+        "e2bBuildStatus" => on(m, templates::status::<S>),
+        "e2bTemplateAlias" => on(m, templates::alias::<S>),
+        "e2bAssignTags" => on(m, templates::assign_tags::<S>),
+        "e2bRemoveTags" => on(m, templates::remove_tags::<S>),
+        "e2bTemplateTags" => on(m, templates::tags::<S>),
         other => panic!("E2B route table names unknown operation {other:?}"),
     }
 }
@@ -159,10 +196,12 @@ pub(crate) fn router<S: SandboxApi>(
                 crate::gate::sandbox::<S>,
             ));
         }
-        endpoint = endpoint.route_layer(middleware::from_fn_with_state(
-            tenancy.clone(),
-            require_key::<S>,
-        ));
+        if r.auth {
+            endpoint = endpoint.route_layer(middleware::from_fn_with_state(
+                tenancy.clone(),
+                require_key::<S>,
+            ));
+        }
         app = app.route(r.path, endpoint);
     }
     let with_limits = |r: Router| {
@@ -188,7 +227,13 @@ mod tests {
         let mut seen = std::collections::BTreeSet::new();
         for r in ROUTES {
             assert!(seen.insert((r.method, r.path)), "{} {}", r.method, r.path);
-            assert!(r.auth);
+            // Only the upload link's PUT goes without the API key.
+            assert_eq!(
+                r.auth,
+                r.operation != "e2bBuildFileUpload",
+                "{}",
+                r.operation
+            );
             assert!(!r.path.starts_with("/v1/"), "{}", r.path);
             assert!(
                 !crate::ROUTES.iter().any(|o| o.path == r.path),

@@ -24,6 +24,7 @@ use super::wire::{
 };
 use crate::auth::Principal;
 use crate::backend::{on_pod, Lifecycle, Needs, SandboxApi};
+use crate::builds::Builds;
 use crate::error::ApiError;
 use crate::handlers::{call, Api, AppState};
 use crate::quota::Usage;
@@ -110,14 +111,28 @@ fn disk_mb(t: Option<&Template>) -> u64 {
         .unwrap_or(0)
 }
 
-pub(super) fn detail<S: SandboxApi>(s: &S, sandbox: &Sandbox) -> Option<SandboxDetail> {
+pub(super) fn detail<S: SandboxApi>(
+    s: &S,
+    builds: &Builds,
+    sandbox: &Sandbox,
+) -> Option<SandboxDetail> {
     let template = s.get_template(&sandbox.template).ok();
     let name = template
         .as_ref()
         .map(|t| t.name.clone())
         .or_else(|| listed_name(s, &sandbox.template))
         .unwrap_or_default();
-    SandboxDetail::new(sandbox, name, disk_mb(template.as_ref()))
+    let mut d = SandboxDetail::new(sandbox, name, disk_mb(template.as_ref()))?;
+    d.template_id = super::templates::e2b_id(builds, &d.template_id);
+    Some(d)
+}
+
+/// A created (woken, forked) sandbox as E2B answers it: a built
+/// template's id is its name ([`super::templates`]).
+fn created_sandbox<S: SandboxApi>(s: &S, builds: &Builds, sandbox: &Sandbox) -> CreatedSandbox {
+    let mut c = CreatedSandbox::new(sandbox, alias(s, &sandbox.template));
+    c.template_id = super::templates::e2b_id(builds, &c.template_id);
+    c
 }
 
 /// Moves the sandbox's timeout to `secs` from now, unless it already ends
@@ -148,8 +163,10 @@ pub async fn create<S: SandboxApi>(
     Extension(principal): Extension<Principal>,
     bytes: Bytes,
 ) -> E2bResult<Response> {
-    let req: NewSandbox = body(&bytes)?;
+    let mut req: NewSandbox = body(&bytes)?;
     req.refuse_unoffered()?;
+    req.template_id =
+        super::templates::resolve_tagged(&state.tenancy.builds, &principal, &req.template_id);
     let network = req.network_policy()?;
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
     let on_timeout = if req.auto_pause == Some(true) {
@@ -178,7 +195,7 @@ pub async fn create<S: SandboxApi>(
             network,
             ..CreateSandbox::default()
         })?;
-        Ok(CreatedSandbox::new(&sandbox, alias(s, &sandbox.template)))
+        Ok(created_sandbox(s, &tenancy.builds, &sandbox))
     })
     .await?;
     let out = out.in_domain(&state.tenancy);
@@ -207,9 +224,10 @@ pub async fn update_network<S: SandboxApi>(
 
 /// `GET /sandboxes/{id}`.
 pub async fn get<S: SandboxApi>(state: Api<S>, Path(id): Path<String>) -> E2bResult<Response> {
+    let builds = state.tenancy.builds.clone();
     let out = call(&state, move |s| {
         let sandbox = live(s, &id)?;
-        detail(s, &sandbox).ok_or_else(|| gone(&id))
+        detail(s, &builds, &sandbox).ok_or_else(|| gone(&id))
     })
     .await?;
     Ok(Json(out).into_response())
@@ -309,8 +327,10 @@ async fn wake<S: SandboxApi>(
         }
         let outcome = s.lifecycle(&sandbox.id, op)?;
         let resumed = outcome.resumed;
-        let alias = alias(s, &outcome.sandbox.template);
-        Ok((resumed, CreatedSandbox::new(&outcome.sandbox, alias)))
+        Ok((
+            resumed,
+            created_sandbox(s, &tenancy.builds, &outcome.sandbox),
+        ))
     })
     .await?;
     let status = if resumed {
@@ -421,7 +441,7 @@ pub async fn fork<S: SandboxApi>(
             });
             results.push(match fork {
                 Ok(f) => ForkResult {
-                    sandbox: Some(CreatedSandbox::new(&f, alias(s, &f.template))),
+                    sandbox: Some(created_sandbox(s, &tenancy.builds, &f)),
                     error: None,
                 },
                 Err(e) => ForkResult {
@@ -499,6 +519,7 @@ pub async fn list_snapshots<S: SandboxApi>(
             // admin, not snapshotted from a tenant's sandbox).
             .filter(|t| {
                 t.state != TemplateState::Deleted
+                    && !crate::builds::plan::is_layer(&t.name)
                     && torpor_scheduler::names::visible(
                         t.tenant.as_deref(),
                         Some(&principal.owner()),

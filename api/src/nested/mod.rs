@@ -543,6 +543,28 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
                     .call("DELETE", &path, None)?;
                 Ok(TemplateReply::Deleted)
             }
+            TemplateOp::Rename { key, owner, name } => {
+                let Some((t, pod)) = self.resolve_everywhere(owner, key)?.into_iter().next() else {
+                    return Err(template_not_found(key));
+                };
+                let Some(pod) = pod else {
+                    let id = t.id.to_string();
+                    return self.local.templates(TemplateOp::Rename {
+                        key: &id,
+                        owner,
+                        name,
+                    });
+                };
+                torpor_scheduler::service::may_delete(owner, &t)?;
+                let path = format!("/v1/templates/{}", encode(t.id.as_str()));
+                let body = serde_json::json!({ "name": name });
+                let v = pod
+                    .acting_for(acting_tenant(owner))
+                    .call("PATCH", &path, Some(&body))?;
+                Ok(TemplateReply::one(
+                    serde_json::from_value(v).map_err(internal)?,
+                ))
+            }
         }
     }
     fn template_entries(&self) -> Result<Vec<Value>, ServiceError> {

@@ -37,6 +37,9 @@ pub const TOKEN: &str = "test-token-0123456789";
 pub const OTHER_TOKEN: &str = "second-token";
 pub const TEMPLATE_ID: &str = "tpl_00000000000000aa";
 pub const POD_ID: &str = "pod_local";
+/// The kernel of a fake template whose sandboxes (and the templates made
+/// from them) have the real agent: exec and files on this host.
+pub const REAL_AGENT_KERNEL: &str = "real-agent";
 /// The fake pod's physical memory.
 pub const POD_MIB: u64 = 1024;
 
@@ -112,13 +115,15 @@ impl Fake {
 
     /// The real agent's link for a sandbox with `agent=real`.
     fn real_link(&self, id: &SandboxId) -> Option<AgentLink> {
-        let real = self
-            .state
-            .lock()
-            .unwrap()
-            .sandboxes
-            .get(id)
-            .is_some_and(|s| s.metadata.get("agent").map(String::as_str) == Some("real"));
+        let st = self.state.lock().unwrap();
+        let real = st.sandboxes.get(id).is_some_and(|s| {
+            s.metadata.get("agent").map(String::as_str) == Some("real")
+                || st
+                    .templates
+                    .get(&s.template)
+                    .is_some_and(|t| t.kernel == REAL_AGENT_KERNEL)
+        });
+        drop(st);
         real.then(|| AgentLink::new(id.as_str(), self.real_agent()))
     }
 
@@ -245,11 +250,18 @@ impl Fake {
     /// The fake agent's sandbox, woken if hibernated.
     fn guest(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
         let mut st = self.state.lock().unwrap();
+        let sandbox = Self::sandbox(&mut st, id)?.clone();
+        let real_template = st
+            .templates
+            .get(&sandbox.template)
+            .is_some_and(|t| t.kernel == REAL_AGENT_KERNEL);
         let sandbox = Self::sandbox(&mut st, id)?;
-        if !matches!(
-            sandbox.metadata.get("agent").map(String::as_str),
-            Some("fake" | "real")
-        ) {
+        if !real_template
+            && !matches!(
+                sandbox.metadata.get("agent").map(String::as_str),
+                Some("fake" | "real")
+            )
+        {
             return Err(ServiceError::Guest(GuestError::NoAgent {
                 id: id.to_string(),
                 kind: TemplateKind::Probe,
@@ -347,6 +359,24 @@ impl SandboxApi for Fake {
                 }
                 st.templates.remove(id);
                 Ok(TemplateReply::Deleted)
+            }
+            TemplateOp::Rename { key, owner, name } => {
+                let t = torpor_scheduler::names::resolve(st.templates.values(), owner, key)
+                    .cloned()
+                    .ok_or_else(|| missing(key))?;
+                torpor_scheduler::service::may_delete(owner, &t)?;
+                if st
+                    .templates
+                    .values()
+                    .any(|o| o.name == name && o.tenant == t.tenant && o.id != t.id)
+                {
+                    return Err(ServiceError::ResourceConflict(format!(
+                        "template {name} already exists"
+                    )));
+                }
+                let renamed = st.templates.get_mut(&t.id).unwrap();
+                renamed.name = name.to_string();
+                Ok(TemplateReply::one(renamed.clone()))
             }
         }
     }
@@ -534,6 +564,19 @@ impl SandboxApi for Fake {
         mut mode: ExecMode<'_>,
     ) -> Result<GuestCall<ExecReply>, ServiceError> {
         let outcome = self.guest(id)?;
+        if let Some(link) = self.real_link(id) {
+            let value = match mode {
+                ExecMode::Collect => ExecReply::Collected(link.exec(req, cancel)?),
+                ExecMode::Stream {
+                    on_start,
+                    on_output,
+                } => {
+                    on_start(&outcome);
+                    ExecReply::Streamed(link.exec_streaming(req, cancel, on_output)?)
+                }
+            };
+            return Ok(GuestCall { outcome, value });
+        }
         // `sleep S`, streamed: a long request that runs until S seconds
         // have passed or its client has gone (the fairness tests).
         if let (Some("sleep"), ExecMode::Stream { on_start, .. }) =
@@ -595,6 +638,44 @@ impl SandboxApi for Fake {
             FileOp::List { path } => FileReply::List(list(&st, path)),
         };
         Ok(GuestCall { outcome, value })
+    }
+    /// A template of the sandbox's template (its kernel, memory; its
+    /// tenant's), named as asked.
+    fn template_from_sandbox(
+        &self,
+        id: &SandboxId,
+        req: torpor_api::service::TemplateFromSandbox,
+    ) -> Result<Template, ServiceError> {
+        let mut st = self.state.lock().unwrap();
+        let sandbox = Self::sandbox(&mut st, id)?.clone();
+        let name = req.name.unwrap_or_else(|| format!("{id}-snapshot"));
+        let taken = st
+            .templates
+            .values()
+            .any(|t| t.name == name && t.tenant == sandbox.tenant);
+        if taken {
+            return Err(ServiceError::ResourceConflict(format!(
+                "template {name} already exists"
+            )));
+        }
+        let base = st
+            .templates
+            .get(&sandbox.template)
+            .cloned()
+            .ok_or_else(|| ServiceError::NotFound {
+                kind: "template",
+                id: sandbox.template.to_string(),
+            })?;
+        let t = Template {
+            id: TemplateId::generate(),
+            name,
+            tenant: sandbox.tenant.clone(),
+            source: Some(id.clone()),
+            created_at: Timestamp::now(),
+            ..base
+        };
+        st.templates.insert(t.id.clone(), t.clone());
+        Ok(t)
     }
     /// A real agent (the host's filesystem and processes) behind the
     /// hybrid vsock stand-in, for sandboxes whose metadata says

@@ -95,6 +95,25 @@ impl Service {
         self.delete_template(&t.id)
     }
 
+    /// Renames the template `key` names for `owner` (a tenant its own; a
+    /// shared one is 403, another tenant's not found) to `name`: 1 to 128
+    /// characters, no control characters, free among what its tenant sees.
+    pub fn rename_template_as(
+        &self,
+        owner: Option<&Owner>,
+        key: &str,
+        name: &str,
+    ) -> Result<Template, ServiceError> {
+        if name.is_empty() || name.len() > 128 || name.chars().any(char::is_control) {
+            return Err(ServiceError::Invalid(format!(
+                "template name {name:?}: 1 to 128 characters, no control characters"
+            )));
+        }
+        let t = self.resolve_template(owner, key)?;
+        may_delete(owner, &t)?;
+        Ok(self.store.rename_template(&t.id, name)?)
+    }
+
     pub fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError> {
         self.build_template(req)
     }

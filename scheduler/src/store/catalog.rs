@@ -277,6 +277,28 @@ impl Tx<'_> {
         }
     }
 
+    /// Renames a live template; refused (`AlreadyExists`) when another
+    /// live template its tenant sees is named so.
+    pub fn rename_template(&self, id: &TemplateId, name: &str) -> Result<Template> {
+        let template = self.get_template(id)?;
+        if template.name == name {
+            return Ok(template);
+        }
+        if template.state == TemplateState::Deleted {
+            return Err(StoreError::not_found("template", id));
+        }
+        if let Some((kind, other)) =
+            self.template_name_conflict(template.tenant.as_deref(), name)?
+        {
+            return Err(StoreError::AlreadyExists { kind, id: other });
+        }
+        self.conn.execute(
+            "UPDATE templates SET name = ?2 WHERE id = ?1",
+            rusqlite::params![id, name],
+        )?;
+        self.get_template(id)
+    }
+
     /// Marks a template deleted (the row stays for the sandboxes that name
     /// it). Refused with `InUse` while any sandbox that is not deleted uses
     /// it. Deleting a deleted template is a no-op.

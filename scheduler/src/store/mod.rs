@@ -369,6 +369,7 @@ delegate! {
     write fn set_template_state(&self, id: &TemplateId, state: &TemplateState) -> Template;
     write fn set_template_snapshot(&self, id: &TemplateId, dir: Option<&Path>) -> ();
     write fn delete_template(&self, id: &TemplateId) -> Template;
+    write fn rename_template(&self, id: &TemplateId, name: &str) -> Template;
     write fn insert_sandbox_template(&self, template: &Template, source: &SandboxId) -> ();
     read fn sandbox_templates(&self, source: Option<&SandboxId>) -> Vec<(Template, SandboxId)>;
 

@@ -186,12 +186,18 @@ async fn rpc<S: SandboxApi>(
         Ok(id) => {
             let sandbox = s.get_sandbox(&id)?;
             let wake = wake_ticket(s, &tenancy, &id)?;
-            Ok(Ok((id, sandbox.env, sandbox.tenant, wake)))
+            Ok(Ok((
+                id,
+                sandbox.env,
+                sandbox.tenant,
+                wake,
+                sandbox.template,
+            )))
         }
         Err(refused) => Ok(Err(refused)),
     })
     .await;
-    let (sandbox, env, owner, wake) = match found {
+    let (sandbox, env, owner, wake, template) = match found {
         Ok(Ok(found)) => found,
         Ok(Err(files::Refused::Gone)) => {
             return refuse(Code::NotFound, format!("sandbox {id} was not found"))
@@ -219,6 +225,12 @@ async fn rpc<S: SandboxApi>(
         Ok(ctx) => ctx,
         Err(e) => return connect_error(streaming, e),
     };
+    // A built template's sandboxes start where its build ended: its last
+    // WORKDIR and USER are their processes' defaults, as on E2B.
+    if let Some(last) = state.tenancy.builds.guest_defaults(template.as_str()) {
+        ctx.workdir = last.workdir;
+        ctx.default_user = Some(last.user.split(':').next().unwrap_or("user").to_string());
+    }
     let service_arc = Arc::clone(&state.0.service);
     let (service_gone, gone_id) = (Arc::clone(&service_arc), sandbox.clone());
     ctx.gone = rpc::Gone::new(move || {

@@ -176,10 +176,10 @@ pub fn start(
     if config.cmd.is_empty() {
         return Err(invalid("`process.cmd` is empty".into()));
     }
-    let user = ctx.user.clone();
+    let user = ctx.user.clone().or_else(|| ctx.default_user.clone());
     let cwd = match config.cwd.as_deref().filter(|c| !c.is_empty()) {
         Some(c) => Some(resolve(c, user.as_deref()).map_err(|e| invalid(e.message))?),
-        None => None,
+        None => ctx.workdir.clone(),
     };
     let mut env = ctx.env.clone();
     env.extend(config.envs);

@@ -58,6 +58,12 @@ pub struct CallContext {
     pub user: Option<String>,
     /// The sandbox's environment variables (under the request's own).
     pub env: BTreeMap<String, String>,
+    /// Where a process starts when the request names no directory (a
+    /// built template's last WORKDIR); none: the user's home.
+    pub workdir: Option<String>,
+    /// Who a process runs as when the request names nobody (a built
+    /// template's last USER); none: `user`.
+    pub default_user: Option<String>,
     /// Keepalive interval of streams.
     pub keepalive: Duration,
     /// `Connect-Timeout-Ms` from now.
@@ -124,6 +130,8 @@ impl CallContext {
             sandbox,
             user,
             env,
+            workdir: None,
+            default_user: None,
             keepalive,
             deadline,
             gone: Gone::default(),

@@ -1,0 +1,202 @@
+//! `/v1`'s build routes: start a build (`POST /v1/templates` with a build
+//! spec, or `POST /v1/builds`), read one with its current step and its log
+//! from an offset, list, cancel; upload the files a COPY step copies.
+
+use axum::body::Body;
+use axum::extract::{Extension, Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::{Deserialize, Serialize};
+
+use torpor_build::spec::BuildSpec;
+
+use super::{BuildRecord, Builds};
+use crate::auth::Principal;
+use crate::backend::SandboxApi;
+use crate::error::ApiError;
+use crate::handlers::{call, created, Api, ApiResult};
+use crate::tenancy::Limited;
+use crate::wire::ApiJson;
+
+/// Whose builds `p` sees: an admin's every build (`None`), a tenant its own.
+pub(crate) fn scope(p: &Principal) -> Option<String> {
+    let owner = p.owner();
+    (!owner.admin).then_some(owner.tenant)
+}
+
+/// The tenant a build of `p`'s is recorded for (an admin's builds make
+/// shared templates: none).
+pub(crate) fn tenant_of(p: &Principal) -> Option<String> {
+    scope(p)
+}
+
+/// `GET /v1/builds/{id}`'s query.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BuildQuery {
+    /// The first log entry to return (entries before it are left out).
+    #[serde(default)]
+    pub logs_offset: usize,
+}
+
+/// A build's record with its log from an offset.
+pub fn with_logs_from(mut record: BuildRecord, offset: usize) -> BuildRecord {
+    let skip = offset.saturating_sub(record.logs_dropped);
+    record.logs.drain(..skip.min(record.logs.len()));
+    record
+}
+
+/// `GET /v1/builds/{id}`.
+pub async fn get<S: SandboxApi>(
+    State(st): Api<S>,
+    Extension(p): Extension<Principal>,
+    Path(id): Path<String>,
+    query: Result<Query<BuildQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult<Response> {
+    let Query(q) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
+    let build = st.tenancy.builds.get(&id, scope(&p).as_deref())?;
+    Ok(Json(with_logs_from(build.record(), q.logs_offset)).into_response())
+}
+
+/// `GET /v1/builds`'s answer.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct BuildList {
+    /// Newest first, without their logs.
+    pub builds: Vec<BuildRecord>,
+}
+
+/// `GET /v1/builds`.
+pub async fn list<S: SandboxApi>(
+    State(st): Api<S>,
+    Extension(p): Extension<Principal>,
+) -> ApiResult<Response> {
+    let mut builds = st.tenancy.builds.list(scope(&p).as_deref());
+    for b in &mut builds {
+        b.logs_dropped += b.logs.len();
+        b.logs.clear();
+    }
+    Ok(Json(BuildList { builds }).into_response())
+}
+
+/// `POST /v1/builds/{id}/cancel`: the build stops before its next step
+/// (the step running is killed in the guest); 409 once it has finished.
+pub async fn cancel<S: SandboxApi>(
+    State(st): Api<S>,
+    Extension(p): Extension<Principal>,
+    Path(id): Path<String>,
+) -> ApiResult<Response> {
+    let build = st.tenancy.builds.get(&id, scope(&p).as_deref())?;
+    if build.record().status.finished() {
+        return Err(ApiError::from(
+            crate::service::ServiceError::ResourceConflict(format!("build {id} has finished")),
+        ));
+    }
+    build.cancel.cancel();
+    Ok((StatusCode::ACCEPTED, Json(build.record())).into_response())
+}
+
+/// `GET /v1/build-files/{hash}`'s answer.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct FilesPresence {
+    pub hash: String,
+    pub present: bool,
+}
+
+/// `GET /v1/build-files/{hash}`: whether the caller has uploaded them.
+pub async fn files_present<S: SandboxApi>(
+    State(st): Api<S>,
+    Extension(p): Extension<Principal>,
+    Path(hash): Path<String>,
+) -> ApiResult<Response> {
+    let present = st
+        .tenancy
+        .builds
+        .files
+        .present(tenant_of(&p).as_deref(), &hash)?;
+    Ok(Json(FilesPresence { hash, present }).into_response())
+}
+
+/// `PUT /v1/build-files/{hash}`: a gzip'd tar of the files (at most the
+/// API's upload limit), the caller's.
+pub async fn upload<S: SandboxApi>(
+    State(st): Api<S>,
+    Extension(p): Extension<Principal>,
+    Path(hash): Path<String>,
+    body: Body,
+) -> ApiResult<Response> {
+    store(&st, tenant_of(&p), hash, body).await
+}
+
+/// Stores `body` as `tenant`'s files `hash`: 201 with their size.
+pub(crate) async fn store<S: SandboxApi>(
+    st: &crate::handlers::AppState<S>,
+    tenant: Option<String>,
+    hash: String,
+    body: Body,
+) -> ApiResult<Response> {
+    super::files::check_hash(&hash)?;
+    let builds: std::sync::Arc<Builds> = st.tenancy.builds.clone();
+    let limit = st.max_upload_bytes;
+    let (t, h) = (tenant.clone(), hash.clone());
+    let bytes = crate::body::with_body(st, body, move |_, reader| {
+        builds.files.store(t.as_deref(), &h, reader, limit)
+    })
+    .await?;
+    #[derive(Serialize)]
+    struct Stored {
+        hash: String,
+        bytes: u64,
+    }
+    Ok(created(
+        format!("/v1/build-files/{hash}"),
+        false,
+        Stored { hash, bytes },
+    ))
+}
+
+/// `POST /v1/builds`: `{"name": ..., <a build spec>}` (torpor-build's
+/// `BuildSpec`: `from`, `steps`, `start`, `skip_cache`, `cpu_count`,
+/// `memory_mib`): 202 with the build's record and `Location`.
+pub async fn create<S: SandboxApi>(
+    State(st): Api<S>,
+    Extension(p): Extension<Principal>,
+    ApiJson(body): ApiJson<serde_json::Value>,
+) -> ApiResult<Response> {
+    create_from(&st, p, body).await
+}
+
+/// A build of body `body` (see [`create`]) for `p`.
+pub(crate) async fn create_from<S: SandboxApi>(
+    st: &crate::handlers::AppState<S>,
+    p: Principal,
+    mut body: serde_json::Value,
+) -> ApiResult<Response> {
+    let invalid = |e: &dyn std::fmt::Display| {
+        ApiError::invalid(format!(
+            "Failed to deserialize the JSON body into the target type: {e}"
+        ))
+    };
+    let object = body
+        .as_object_mut()
+        .ok_or_else(|| ApiError::invalid("the body must be a JSON object"))?;
+    let name = match object.remove("name") {
+        Some(serde_json::Value::String(n)) => n,
+        Some(_) => return Err(invalid(&"name: a string")),
+        None => return Err(invalid(&"missing field `name`")),
+    };
+    let spec: BuildSpec = serde_json::from_value(body).map_err(|e| invalid(&e))?;
+    super::start::check_name(&name)?;
+    let _permit = st.tenancy.limiter.acquire(&p).map_err(Limited)?;
+    let tenancy = st.tenancy.clone();
+    let record = call(st, move |_| {
+        let tenant = tenant_of(&p);
+        super::start::admit_build(&tenancy, tenant.as_deref())?;
+        let prepared = super::start::prepare(&tenancy, &p, spec, &name, tenant.as_deref())?;
+        let build = tenancy.builds.begin(tenant, &name, vec!["default".into()]);
+        super::start::start(&tenancy, &p, &build, prepared);
+        Ok(build.record())
+    })
+    .await?;
+    Ok(created(format!("/v1/builds/{}", record.id), true, record))
+}

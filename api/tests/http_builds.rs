@@ -1,0 +1,291 @@
+//! Template builds through `/v1` over the fake backend whose `realbase`
+//! template's sandboxes have a real torpor-agent (on this host, behind
+//! the hybrid vsock stand-in): the executor's commands, COPY's unpack
+//! and ready checks really run; the cache, failures, cancellation and
+//! tenancy as the routes answer them. (The same builds in a Linux guest:
+//! `tests/nested_builds.rs`.) Steps run as root in a scratch directory:
+//! nothing of the host outside it is touched.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{tenants_file, Reply, Server, REAL_AGENT_KERNEL, TEMPLATE_ID};
+use serde_json::{json, Value};
+use torpor_api::ApiConfig;
+use torpor_scheduler::model::{Template, TemplateId};
+
+const ACME: &str = "acme-token-0123456789";
+const OTHER: &str = "other-token-0123456789";
+
+fn auth(token: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("Authorization", format!("Bearer {token}")),
+        ("Content-Type", "application/json".into()),
+    ]
+}
+
+async fn call(
+    server: &Server,
+    token: &str,
+    method: &str,
+    path: &str,
+    body: Option<Value>,
+) -> Reply {
+    let bytes = body.map(|b| b.to_string().into_bytes());
+    server
+        .request(method, path, &auth(token), bytes.as_deref())
+        .await
+}
+
+/// Polls build `id` until it has finished; its record.
+async fn finished(server: &Server, id: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let r = call(server, ACME, "GET", &format!("/v1/builds/{id}"), None).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        if ["ready", "error", "cancelled"].contains(&v["status"].as_str().unwrap()) {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "build {id} still {v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn build(server: &Server, body: Value) -> Value {
+    let r = call(server, ACME, "POST", "/v1/builds", Some(body)).await;
+    assert_eq!(r.status, 202, "{}", r.text());
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    finished(server, &id).await
+}
+
+fn logs(v: &Value) -> String {
+    v["logs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["message"].as_str().unwrap().to_string())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn builds_run_steps_cache_layers_and_report_failures() {
+    let scratch = tempfile::tempdir().unwrap();
+    let tenants = tenants_file(scratch.path(), &[("acme", ACME), ("other", OTHER)]);
+    let server = Server::start_with(ApiConfig {
+        tenants_file: Some(tenants),
+        builds_dir: Some(scratch.path().join("builds")),
+        ..Server::config()
+    })
+    .await;
+    {
+        let mut st = server.fake.state.lock().unwrap();
+        let probe = st.templates[&TemplateId::new(TEMPLATE_ID)].clone();
+        let real = Template {
+            id: TemplateId::new("tpl_00000000000000bb"),
+            name: "realbase".into(),
+            kernel: REAL_AGENT_KERNEL.into(),
+            tenant: None,
+            ..probe
+        };
+        st.templates.insert(real.id.clone(), real);
+    }
+    let app = scratch.path().join("app");
+    let app = app.to_str().unwrap();
+
+    // The files a COPY copies, uploaded once by their hash.
+    let context = scratch.path().join("context");
+    std::fs::create_dir_all(&context).unwrap();
+    std::fs::write(context.join("hello.txt"), "hello from the context\n").unwrap();
+    let packed = torpor_build::context::pack(&context, "hello.txt").unwrap();
+    let files = format!("/v1/build-files/{}", packed.sha256);
+    let r = call(&server, ACME, "GET", &files, None).await;
+    assert_eq!(r.json()["present"], false, "{}", r.text());
+    let r = server
+        .request("PUT", &files, &auth(ACME), Some(&packed.archive))
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let r = call(&server, ACME, "GET", &files, None).await;
+    assert_eq!(r.json()["present"], true, "{}", r.text());
+    // Another tenant has not uploaded them.
+    let r = call(&server, OTHER, "GET", &files, None).await;
+    assert_eq!(r.json()["present"], false, "{}", r.text());
+
+    let spec = |run: &str| {
+        json!({
+            "name": "web",
+            "from": {"type": "template", "name": "realbase"},
+            "steps": [
+                {"type": "user", "name": "root"},
+                {"type": "workdir", "path": app},
+                {"type": "env", "vars": {"GREETING": "hi"}},
+                {"type": "run", "cmd": run},
+                {"type": "copy", "src": "hello.txt", "dest": "copied/", "files_hash": packed.sha256},
+            ],
+            "start": {"ready": {"type": "file", "path": format!("{app}/copied/hello.txt")}},
+        })
+    };
+    let first = build(&server, spec("echo \"$GREETING from $(pwd)\" > out.txt")).await;
+    assert_eq!(first["status"], "ready", "{first}\n{}", logs(&first));
+    assert_eq!(
+        std::fs::read_to_string(format!("{app}/out.txt")).unwrap(),
+        format!("hi from {app}\n"),
+        "the RUN ran in the WORKDIR with the ENV"
+    );
+    assert_eq!(
+        std::fs::read_to_string(format!("{app}/copied/hello.txt")).unwrap(),
+        "hello from the context\n"
+    );
+    assert_eq!(first["cached_steps"], 0, "{first}");
+    assert_eq!(first["run_steps"], 6, "{first}");
+    let made = first["template_id"].as_str().unwrap().to_string();
+    let r = call(&server, ACME, "GET", "/v1/templates/web", None).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["id"], made.as_str());
+    // The cache layers are the tenant's templates, left out of its list.
+    let r = call(&server, ACME, "GET", "/v1/templates", None).await;
+    let names: Vec<String> = r.json()["templates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap().to_string())
+        .collect();
+    assert!(names.contains(&"web".to_string()), "{names:?}");
+    assert!(
+        !names.iter().any(|n| n.starts_with("build-layer")),
+        "{names:?}"
+    );
+    // The other tenant sees neither the build nor the template.
+    let id = first["id"].as_str().unwrap();
+    let r = call(&server, OTHER, "GET", &format!("/v1/builds/{id}"), None).await;
+    assert_eq!(r.status, 404, "{}", r.text());
+    let r = call(&server, OTHER, "GET", "/v1/templates/web", None).await;
+    assert_eq!(r.status, 404, "{}", r.text());
+
+    // The same build again: every step from the cache, none run (the
+    // RUN's file, removed, is not made again); the template replaced.
+    std::fs::remove_file(format!("{app}/out.txt")).unwrap();
+    let again = build(&server, spec("echo \"$GREETING from $(pwd)\" > out.txt")).await;
+    assert_eq!(again["status"], "ready", "{again}\n{}", logs(&again));
+    assert_eq!(again["cached_steps"], 6, "{again}");
+    assert_eq!(again["run_steps"], 0, "{again}");
+    assert!(logs(&again).contains("CACHED RUN echo"), "{}", logs(&again));
+    assert!(!std::path::Path::new(&format!("{app}/out.txt")).exists());
+    let r = call(&server, ACME, "GET", "/v1/templates/web", None).await;
+    assert_eq!(r.json()["id"], again["template_id"], "{}", r.text());
+
+    // A changed RUN runs again from that step on.
+    let changed = build(&server, spec("echo changed > out.txt")).await;
+    assert_eq!(changed["status"], "ready", "{changed}");
+    assert_eq!(
+        std::fs::read_to_string(format!("{app}/out.txt")).unwrap(),
+        "changed\n"
+    );
+    assert_eq!(changed["run_steps"], 6, "{changed}");
+
+    // A failing RUN: its step, instruction, exit code and output.
+    let failed = build(&server, spec("echo about to fail; exit 7")).await;
+    assert_eq!(failed["status"], "error", "{failed}");
+    let f = &failed["failure"];
+    assert_eq!(f["step"], 3, "{failed}");
+    assert_eq!(f["exit_code"], 7, "{failed}");
+    assert_eq!(
+        f["message"], "failed to run command 'echo about to fail; exit 7': exit status 7",
+        "{failed}"
+    );
+    assert!(f["instruction"]
+        .as_str()
+        .unwrap()
+        .starts_with("RUN echo about"));
+    assert!(f["output_tail"].as_str().unwrap().contains("about to fail"));
+    // The build's sandboxes are gone, its template untouched.
+    let r = call(&server, ACME, "GET", "/v1/templates/web", None).await;
+    assert_eq!(r.json()["id"], changed["template_id"], "{}", r.text());
+
+    // Cancelled while its step runs: the command is killed, no template.
+    let mut slow = spec("sleep 30");
+    slow["name"] = json!("slow");
+    let r = call(&server, ACME, "POST", "/v1/builds", Some(slow)).await;
+    assert_eq!(r.status, 202, "{}", r.text());
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let v = call(&server, ACME, "GET", &format!("/v1/builds/{id}"), None)
+            .await
+            .json();
+        if v["step"]["index"] == 3 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{v}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let started = Instant::now();
+    let r = call(
+        &server,
+        ACME,
+        "POST",
+        &format!("/v1/builds/{id}/cancel"),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 202, "{}", r.text());
+    let cancelled = finished(&server, &id).await;
+    assert_eq!(cancelled["status"], "cancelled", "{cancelled}");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the sleep was not killed"
+    );
+    let r = call(&server, ACME, "GET", "/v1/templates/slow", None).await;
+    assert_eq!(r.status, 404, "{}", r.text());
+    let r = call(
+        &server,
+        ACME,
+        "POST",
+        &format!("/v1/builds/{id}/cancel"),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 409, "{}", r.text());
+
+    // Bad input: a clear 400 each, no build.
+    for (body, says) in [
+        (
+            json!({"from": {"type": "template", "name": "realbase"}}),
+            "name",
+        ),
+        (
+            json!({"name": "x", "from": {"type": "template", "name": "realbase"}, "steps": [{"type": "frobnicate"}]}),
+            "frobnicate",
+        ),
+        (
+            json!({"name": "x", "from": {"type": "template", "name": "realbase"}, "steps": [{"type": "run", "cmd": ""}]}),
+            "cmd",
+        ),
+        (
+            json!({"name": "build-layer-x", "from": {"type": "template", "name": "realbase"}}),
+            "build-layer",
+        ),
+    ] {
+        let r = call(&server, ACME, "POST", "/v1/builds", Some(body.clone())).await;
+        assert_eq!(r.status, 400, "{body}: {}", r.text());
+        assert!(r.text().contains(says), "{body}: {}", r.text());
+    }
+    let r = call(
+        &server,
+        ACME,
+        "POST",
+        "/v1/builds",
+        Some(json!({"name": "x", "from": {"type": "template", "name": "nope"}})),
+    )
+    .await;
+    assert_eq!(r.status, 404, "{}", r.text());
+
+    // The records outlive the server: a restart reads them back.
+    let listed = call(&server, ACME, "GET", "/v1/builds", None).await.json();
+    assert_eq!(listed["builds"].as_array().unwrap().len(), 5, "{listed}");
+    let reopened = torpor_api::builds::Builds::open(Some(&scratch.path().join("builds"))).unwrap();
+    assert_eq!(reopened.list(Some("acme")).len(), 5);
+    server.shutdown().await.unwrap();
+}
