@@ -73,13 +73,23 @@ pub fn prepare<S: SandboxApi>(
     spec.validate()
         .map_err(|e| ServiceError::Invalid(e.to_string()))?;
     let owner = p.owner();
-    let (source, resolved) = match &spec.from {
-        Source::Template { name } => {
-            let template = t.service.resolve_template(&owner, name)?;
+    // An image reference that names one of the caller's templates (or a
+    // shared one: `FROM base`) is that template.
+    let named = match &spec.from {
+        Source::Template { name } => Some(t.service.resolve_template(&owner, name)?),
+        Source::Image { reference, .. } => match t.service.resolve_template(&owner, reference) {
+            Ok(template) => Some(template),
+            Err(ServiceError::NotFound { .. }) => None,
+            Err(e) => return Err(e),
+        },
+        Source::Upload { .. } => None,
+    };
+    let (source, resolved) = match named {
+        Some(template) => {
             let resolved = format!("{}@{}", template.id, template.created_at.0);
             (template, resolved)
         }
-        Source::Image { .. } | Source::Upload { .. } => {
+        None => {
             return Err(ServiceError::Unsupported(
                 "builds from OCI images are not served yet: build from a template".into(),
             ))
