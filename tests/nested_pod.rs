@@ -33,13 +33,15 @@ mod common;
 mod linux;
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use common::nested_serve::{
+    cli, listening_api, ok, serve_command, wait_line, KillOnDrop, ShowLogOnPanic, StopNestedHost,
+    TOKEN,
+};
 use common::serve::DataDir;
-use common::{complete_lines, stderr, stdout, torpor_with_env, TORPOR};
-
-const TOKEN: &str = "nested-pod-token";
+use common::{stderr, stdout};
 /// The code interpreter step's name for `--skip` (no test has it: the
 /// step is left out when this run was given `--skip` with a filter it
 /// contains, as `scripts/test` does from `tests/needs`).
@@ -59,75 +61,6 @@ fn interpreter_step_left_out() -> bool {
         }
     }
     skips.iter().any(|f| INTERP_STEP.contains(f.as_str()))
-}
-
-/// `torpor ARGS` against the serve at `api`.
-fn cli(api: &str, args: &[&str], limit: Duration) -> Output {
-    torpor_with_env(args, &[("TORPOR_API", api), ("TORPOR_TOKEN", TOKEN)], limit)
-}
-
-fn ok(out: &Output, what: &str) -> String {
-    assert!(
-        out.status.success(),
-        "{what} failed: {}{}",
-        stdout(out),
-        stderr(out)
-    );
-    stdout(out)
-}
-
-/// Waits for a line of `log` matching `pred`; fails on `torpor serve`'s
-/// nested-pod error or when serve exits.
-fn wait_line(
-    log: &Path,
-    serve: &mut std::process::Child,
-    limit: Duration,
-    pred: impl Fn(&str) -> bool,
-) -> String {
-    let deadline = Instant::now() + limit;
-    loop {
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        if let Some(l) = complete_lines(&text).find(|l| pred(l)) {
-            return l.to_string();
-        }
-        assert!(
-            !text.contains("Linux templates are unavailable")
-                && !text.contains("the nested pod could not build"),
-            "the nested pod failed:\n{text}"
-        );
-        if let Ok(Some(status)) = serve.try_wait() {
-            panic!("torpor serve exited ({status}):\n{text}");
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no matching line within {limit:?} in:\n{text}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-/// `torpor serve` on a loopback port over `data`, with the test's token.
-fn serve_command(data: &Path) -> Command {
-    let mut cmd = Command::new(TORPOR);
-    cmd.args([
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--token",
-        TOKEN,
-        "--data-dir",
-    ])
-    .arg(data);
-    cmd
-}
-
-/// The API address `torpor serve` logs to `log` once it listens.
-fn listening_api(log: &Path, serve: &mut std::process::Child) -> String {
-    let listening = wait_line(log, serve, Duration::from_secs(60), |l| {
-        l.contains("listening on http://")
-    });
-    let addr = listening.split("listening on http://").nth(1).unwrap();
-    format!("http://{}", addr.trim())
 }
 
 #[test]
@@ -611,50 +544,4 @@ fn restart_keeps_the_nested_pod(
         ok(&cli(&api, &["sandbox", "rm", id], step), "sandbox rm");
     }
     (serve, api, log)
-}
-
-/// Kills `torpor serve` when the test ends.
-struct KillOnDrop(std::process::Child);
-
-/// Stops the nested host serve left running in DATA_DIR (its record names
-/// the QEMU) when the test ends, whatever happened.
-struct StopNestedHost(std::path::PathBuf);
-
-impl Drop for StopNestedHost {
-    fn drop(&mut self) {
-        let Ok(text) = std::fs::read_to_string(self.0.join("nested-host.json")) else {
-            return;
-        };
-        let record: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-        let Some(pid) = record["host"]["process"]["pid"].as_u64() else {
-            return;
-        };
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if String::from_utf8_lossy(&cmdline).contains("qemu") {
-            // SAFETY: kill(2) of the test's own nested host's QEMU.
-            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-        }
-    }
-}
-
-/// On a failure, the tail of serve's log (with the nested pod's: its
-/// sandboxes' errors and VMM exits), before the data directory goes.
-struct ShowLogOnPanic(std::path::PathBuf);
-
-impl Drop for ShowLogOnPanic {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            let text = std::fs::read_to_string(&self.0).unwrap_or_default();
-            let lines: Vec<&str> = text.lines().collect();
-            let tail = lines[lines.len().saturating_sub(300)..].join("\n");
-            eprintln!("--- the last 300 lines of {} ---\n{tail}", self.0.display());
-        }
-    }
-}
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }

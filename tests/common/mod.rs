@@ -11,6 +11,7 @@ pub mod e2b_sdk;
 pub mod http;
 pub mod interp;
 pub mod nested_pod;
+pub mod nested_serve;
 pub mod netns;
 pub mod serve;
 pub mod snap;

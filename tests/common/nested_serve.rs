@@ -1,0 +1,129 @@
+//! `torpor serve` as the README runs it, with its nested pod (QEMU/TCG
+//! with hardware virtualization inside): started over a data directory on
+//! a loopback port, its log followed, the CLI as its client, and what
+//! stops it all when a test ends (tests/nested_pod.rs,
+//! tests/nested_builds.rs).
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use super::{complete_lines, stderr, stdout, torpor_with_env, TORPOR};
+
+/// The admin token the tests' serve is started with.
+pub const TOKEN: &str = "nested-pod-token";
+
+/// `torpor ARGS` against the serve at `api`.
+pub fn cli(api: &str, args: &[&str], limit: Duration) -> Output {
+    torpor_with_env(args, &[("TORPOR_API", api), ("TORPOR_TOKEN", TOKEN)], limit)
+}
+
+pub fn ok(out: &Output, what: &str) -> String {
+    assert!(
+        out.status.success(),
+        "{what} failed: {}{}",
+        stdout(out),
+        stderr(out)
+    );
+    stdout(out)
+}
+
+/// Waits for a line of `log` matching `pred`; fails on `torpor serve`'s
+/// nested-pod error or when serve exits.
+pub fn wait_line(
+    log: &Path,
+    serve: &mut std::process::Child,
+    limit: Duration,
+    pred: impl Fn(&str) -> bool,
+) -> String {
+    let deadline = Instant::now() + limit;
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if let Some(l) = complete_lines(&text).find(|l| pred(l)) {
+            return l.to_string();
+        }
+        assert!(
+            !text.contains("Linux templates are unavailable")
+                && !text.contains("the nested pod could not build"),
+            "the nested pod failed:\n{text}"
+        );
+        if let Ok(Some(status)) = serve.try_wait() {
+            panic!("torpor serve exited ({status}):\n{text}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no matching line within {limit:?} in:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// `torpor serve` on a loopback port over `data`, with the test's token.
+pub fn serve_command(data: &Path) -> Command {
+    let mut cmd = Command::new(TORPOR);
+    cmd.args([
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--token",
+        TOKEN,
+        "--data-dir",
+    ])
+    .arg(data);
+    cmd
+}
+
+/// The API address `torpor serve` logs to `log` once it listens.
+pub fn listening_api(log: &Path, serve: &mut std::process::Child) -> String {
+    let listening = wait_line(log, serve, Duration::from_secs(60), |l| {
+        l.contains("listening on http://")
+    });
+    let addr = listening.split("listening on http://").nth(1).unwrap();
+    format!("http://{}", addr.trim())
+}
+
+/// Kills `torpor serve` when the test ends.
+pub struct KillOnDrop(pub std::process::Child);
+
+/// Stops the nested host serve left running in DATA_DIR (its record names
+/// the QEMU) when the test ends, whatever happened.
+pub struct StopNestedHost(pub std::path::PathBuf);
+
+impl Drop for StopNestedHost {
+    fn drop(&mut self) {
+        let Ok(text) = std::fs::read_to_string(self.0.join("nested-host.json")) else {
+            return;
+        };
+        let record: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        let Some(pid) = record["host"]["process"]["pid"].as_u64() else {
+            return;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains("qemu") {
+            // SAFETY: kill(2) of the test's own nested host's QEMU.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        }
+    }
+}
+
+/// On a failure, the tail of serve's log (with the nested pod's: its
+/// sandboxes' errors and VMM exits), before the data directory goes.
+pub struct ShowLogOnPanic(pub std::path::PathBuf);
+
+impl Drop for ShowLogOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let text = std::fs::read_to_string(&self.0).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = lines[lines.len().saturating_sub(300)..].join("\n");
+            eprintln!("--- the last 300 lines of {} ---\n{tail}", self.0.display());
+        }
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
