@@ -39,31 +39,6 @@ use common::{median, percentile};
 const READY_LIMIT: Duration = Duration::from_secs(30 * 60);
 const TEMPLATE: &str = "base";
 
-/// Asks for a `base` sandbox until one is made (503 while the nested host
-/// comes up, honouring Retry-After's order of magnitude); deletes it.
-fn wait_ready(serve: &Serve) -> Result<Duration, String> {
-    let started = Instant::now();
-    loop {
-        let body = format!(r#"{{"template":"{TEMPLATE}"}}"#);
-        let (status, text) = serve.raw(
-            "POST",
-            "/v1/sandboxes",
-            Some(&body),
-            Duration::from_secs(600),
-        )?;
-        match status {
-            201 => {
-                let v: serde_json::Value =
-                    serde_json::from_str(&text).map_err(|e| e.to_string())?;
-                serve.delete(v["id"].as_str().unwrap_or_default())?;
-                return Ok(started.elapsed());
-            }
-            503 if started.elapsed() < READY_LIMIT => std::thread::sleep(Duration::from_secs(5)),
-            _ => return Err(format!("create {TEMPLATE}: {status} {text}")),
-        }
-    }
-}
-
 /// The number after `name` in `args`.
 fn flag(args: &[String], name: &str) -> Option<usize> {
     args.iter()
@@ -165,7 +140,7 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let ready = match wait_ready(&serve) {
+    let ready = match serve.wait_template(TEMPLATE, READY_LIMIT) {
         Ok(d) => d,
         Err(e) => {
             eprintln!("e2b bench: {e}\n{}", serve.log_tail(30));

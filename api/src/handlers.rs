@@ -107,12 +107,15 @@ pub async fn metrics<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Response> {
 /// Whether `p` sees a template entry: shared ones (no `tenant`) and its
 /// tenant's; an admin every one ([`torpor_scheduler::names::visible`]).
 /// Whether `p` sees template `entry` in a list: its own and shared ones,
-/// but no build's cache layer ([`crate::builds::plan::is_layer`]).
+/// but no build's cache layer ([`crate::builds::plan::is_layer`]) unless
+/// it is an admin acting for itself (the server in front of a pod finds
+/// layers in its pods' lists).
 fn sees_template(p: &Principal, entry: &serde_json::Value) -> bool {
+    let layer = entry["name"]
+        .as_str()
+        .is_some_and(crate::builds::plan::is_layer);
     torpor_scheduler::names::visible(entry["tenant"].as_str(), Some(&p.owner()))
-        && !entry["name"]
-            .as_str()
-            .is_some_and(crate::builds::plan::is_layer)
+        && (!layer || p.owner().admin)
 }
 
 pub async fn list_templates<S: SandboxApi>(

@@ -18,16 +18,30 @@ pub fn request(
     body: Option<&str>,
     limit: Duration,
 ) -> Result<(u16, String), String> {
+    let body = body.unwrap_or("");
+    request_bytes(
+        addr,
+        token,
+        method,
+        path,
+        ("application/json", body.as_bytes()),
+        limit,
+    )
+}
+
+/// [`request`] with a body of any type (`content_type`, bytes).
+pub fn request_bytes(
+    addr: &str,
+    token: &str,
+    method: &str,
+    path: &str,
+    body: (&str, &[u8]),
+    limit: Duration,
+) -> Result<(u16, String), String> {
     let endpoint = Endpoint::parse(&format!("tcp:{addr}")).map_err(|e| e.to_string())?;
     let client = HttpClient::new(endpoint, Some(token.into()), limit).map_err(|e| e.to_string())?;
-    let body = body.unwrap_or("");
     let answer = client
-        .request(
-            method,
-            path,
-            Some(("application/json", body.as_bytes())),
-            None,
-        )
+        .request(method, path, Some(body), None)
         .map_err(|e| format!("no complete answer (limit {limit:?}): {e}"))?;
     let text = String::from_utf8_lossy(&answer.body).into_owned();
     // The API answers whole JSON documents with a Content-Length.

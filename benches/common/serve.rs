@@ -161,6 +161,43 @@ impl Serve {
         parse(want, status, &text).map_err(|e| format!("{method} {path}: {e}"))
     }
 
+    /// [`Self::raw`] with a body of any type (`content_type`, bytes).
+    pub fn raw_bytes(
+        &self,
+        method: &str,
+        path: &str,
+        body: (&str, &[u8]),
+        limit: Duration,
+    ) -> Result<(u16, String), String> {
+        http::request_bytes(&self.addr, TOKEN, method, path, body, limit)
+            .map_err(|e| format!("{method} {path}: {e}"))
+    }
+
+    /// Asks for a sandbox of `template` until one is made (503 while the
+    /// nested host comes up, for the Linux templates), then deletes it; how
+    /// long it took.
+    pub fn wait_template(&self, template: &str, limit: Duration) -> Result<Duration, String> {
+        let started = Instant::now();
+        loop {
+            let body = format!(r#"{{"template":"{template}"}}"#);
+            let (status, text) = self.raw(
+                "POST",
+                "/v1/sandboxes",
+                Some(&body),
+                Duration::from_secs(600),
+            )?;
+            match status {
+                201 => {
+                    let v: Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+                    self.delete(v["id"].as_str().unwrap_or_default())?;
+                    return Ok(started.elapsed());
+                }
+                503 if started.elapsed() < limit => std::thread::sleep(Duration::from_secs(5)),
+                _ => return Err(format!("create {template}: {status} {text}")),
+            }
+        }
+    }
+
     pub fn delete(&self, id: &str) -> Result<(), String> {
         self.expect(204, "DELETE", &format!("/v1/sandboxes/{id}"), None)
             .map(drop)

@@ -28,8 +28,8 @@ use crate::tenancy::{admit, admit_create, Tenancy};
 /// How long a build's steps and waits may take.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
-    /// One RUN (or COPY) step.
-    pub step: Duration,
+    /// One RUN (or COPY) step; none: the service's longest exec.
+    pub step: Option<Duration>,
     /// The start command's ready check, from the start.
     pub ready: Duration,
     /// The build sandbox's lifetime (it is deleted when the build ends;
@@ -40,7 +40,7 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Limits {
-            step: Duration::from_secs(30 * 60),
+            step: None,
             ready: Duration::from_secs(5 * 60),
             sandbox: Duration::from_secs(2 * 3600),
         }
@@ -100,7 +100,11 @@ pub fn spawn<S: SandboxApi>(
     limits: Limits,
 ) {
     let name = format!("build-{}", build.record().id);
+    // The API's runtime, for what reaches remote pods (their agent
+    // tunnels) from the build's thread.
+    let runtime = tokio::runtime::Handle::try_current().ok();
     let spawned = std::thread::Builder::new().name(name).spawn(move || {
+        let _entered = runtime.as_ref().map(tokio::runtime::Handle::enter);
         execute(&tenancy, &principal, &build, &plan, limits);
     });
     if let Err(e) = spawned {
@@ -176,8 +180,10 @@ fn run<S: SandboxApi>(
     // The newest cached layer of an unbroken cacheable prefix.
     let mut parent = s.resolve_template(&owner, &plan.source)?;
     let mut first = 0;
+    let mut whole = true;
     for (i, step) in plan.steps.iter().enumerate() {
         if !step.cacheable {
+            whole = false;
             break;
         }
         if step.action.is_none() {
@@ -188,8 +194,16 @@ fn run<S: SandboxApi>(
                 parent = layer;
                 first = i + 1;
             }
-            None => break,
+            None => {
+                whole = false;
+                break;
+            }
         }
+    }
+    // Every step cached: the ENV, WORKDIR and USER after the last layer
+    // are in its key chain too.
+    if whole {
+        first = plan.steps.len();
     }
     let mut start_cached = false;
     if let Some(start) = &plan.start {
@@ -371,8 +385,9 @@ cd "$d" || exit 125
 case $u in root|0) exec "$@";; esac
 exec runuser -u "$u" ${g:+-g "$g"} -- "$@""#;
 
-/// The exec request of `cmd`, under [`AS_USER`].
-fn request(cmd: &GuestCommand, timeout: Duration) -> ExecRequest {
+/// The exec request of `cmd`, under [`AS_USER`]; `timeout` none: the
+/// service's longest (its `exec_timeout_ms`).
+fn request(cmd: &GuestCommand, timeout: Option<Duration>) -> ExecRequest {
     let mut argv = vec![
         "/bin/sh".to_string(),
         "-c".into(),
@@ -388,7 +403,7 @@ fn request(cmd: &GuestCommand, timeout: Duration) -> ExecRequest {
         clear_env: false,
         cwd: Some("/".into()),
         stdin: None,
-        timeout_ms: Some(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX)),
+        timeout_ms: timeout.map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
         max_output_bytes: None,
     }
 }
@@ -487,7 +502,7 @@ fn must<S: SandboxApi>(
     build: &Build,
     id: &SandboxId,
     cmd: &GuestCommand,
-    timeout: Duration,
+    timeout: Option<Duration>,
     cancel: &Cancel,
     what: &str,
 ) -> Result<(), Stop> {
@@ -589,7 +604,7 @@ fn start_and_wait<S: SandboxApi>(
             build,
             id,
             &detached,
-            READY_RUN,
+            Some(READY_RUN),
             cancel,
             "starting the start command",
         )?;
@@ -601,7 +616,7 @@ fn start_and_wait<S: SandboxApi>(
         check_cancel(cancel)?;
         runs += 1;
         let out = s
-            .exec(id, request(&start.ready, READY_RUN), cancel)
+            .exec(id, request(&start.ready, Some(READY_RUN)), cancel)
             .map_err(|e| or_cancelled(cancel, e))?
             .value;
         if out.exit.code == Some(0) {
@@ -661,8 +676,11 @@ fn snapshot_layer<S: SandboxApi>(
             );
             Ok(())
         }
-        Err(ServiceError::ResourceConflict(_)) => Ok(()),
-        Err(e) => Err(e.into()),
+        // Another build of the tenant's made it meanwhile: kept.
+        Err(e) => match cached(s, &p.owner(), &step.key) {
+            Ok(Some(_)) => Ok(()),
+            _ => Err(e.into()),
+        },
     }
 }
 
@@ -714,14 +732,17 @@ fn finish<S: SandboxApi>(
         }
     }
     let made = s.rename_template(Some(&owner), made.id.as_str(), &name)?;
-    // Retired templates no sandbox runs from any more go.
-    for old in s.list_templates()? {
-        if old.name.starts_with(RETIRED)
-            && old.tenant == made.tenant
-            && old.id != made.id
-            && s.delete_template(Some(&owner), old.id.as_str()).is_ok()
+    // Retired templates no sandbox runs from any more go (on every pod).
+    for old in s.template_entries()? {
+        let (Some(name), Some(old_id)) = (old["name"].as_str(), old["id"].as_str()) else {
+            continue;
+        };
+        if name.starts_with(RETIRED)
+            && old["tenant"].as_str() == made.tenant.as_deref()
+            && old_id != made.id.as_str()
+            && s.delete_template(Some(&owner), old_id).is_ok()
         {
-            build.log(Level::Debug, format!("deleted the retired {}", old.id));
+            build.log(Level::Debug, format!("deleted the retired {old_id}"));
         }
     }
     Ok(made)

@@ -44,6 +44,10 @@ pub use coming::{Starter, RETRY_AFTER_S};
 use torpor_client::pin::Fingerprint;
 use torpor_client::{encode, ClientError};
 
+/// Longest exec of a remote sandbox through its agent tunnel when the
+/// request names none (the service's default exec limit).
+const REMOTE_EXEC_LIMIT_MS: u64 = 600_000;
+
 /// A nested pod's sandbox as kept here.
 #[derive(Debug, Clone)]
 struct Owned {
@@ -776,7 +780,37 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
         if let Some(e) = self.lost_error(id) {
             return Err(e);
         }
-        self.local.execute(id, req, cancel, mode)
+        if self.remote_sandbox(id).is_none() {
+            return self.local.execute(id, req, cancel, mode);
+        }
+        // A remote sandbox's exec (the routes relay theirs to the pod; a
+        // template build runs its steps here) through its agent tunnel,
+        // bounded as the pod bounds its own.
+        let mut req = req;
+        req.timeout_ms.get_or_insert(REMOTE_EXEC_LIMIT_MS);
+        match mode {
+            ExecMode::Collect => crate::calls::through_tunnel(
+                |f| self.with_guest(id, f),
+                |link| link.exec(req, cancel).map(ExecReply::Collected),
+            ),
+            ExecMode::Stream {
+                on_start,
+                on_output,
+            } => {
+                on_start(&Outcome {
+                    sandbox: self.get_sandbox(id)?,
+                    resumed: false,
+                    resume_ms: None,
+                });
+                crate::calls::through_tunnel(
+                    |f| self.with_guest(id, f),
+                    |link| {
+                        link.exec_streaming(req, cancel, on_output)
+                            .map(ExecReply::Streamed)
+                    },
+                )
+            }
+        }
     }
     fn files(&self, id: &SandboxId, op: FileOp<'_>) -> Result<GuestCall<FileReply>, ServiceError> {
         if let Some(e) = self.lost_error(id) {
