@@ -623,6 +623,16 @@ pub struct ServeArgs {
     /// vCPU adds no speed on TCG). A host with VMX/SVM builds `base` with 2.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16), value_name = "N")]
     pub nested_vcpus: u32,
+    /// The static torpor-agent put into templates built from OCI images
+    /// (default: where scripts/build-agent of this checkout puts it, which
+    /// the nested pod's preparation builds; their kernel is `base`'s:
+    /// --nested-kernel, or scripts/build-guest-kernel's).
+    #[arg(long, value_name = "PATH")]
+    pub guest_agent: Option<PathBuf>,
+    /// An extra CA (PEM) the registries template builds pull from are
+    /// checked against, besides the system's roots.
+    #[arg(long, value_name = "PEM")]
+    pub registry_ca: Option<PathBuf>,
 }
 
 /// `torpor pod serve`.

@@ -126,7 +126,23 @@ pub struct ApiConfig {
     /// (`DATA_DIR/builds`); `None`: in memory, files in a temporary
     /// directory.
     pub builds_dir: Option<std::path::PathBuf>,
+    /// The guest kernel (`vmlinux`) templates built from OCI images boot
+    /// (`torpor serve`: its built-in Linux template's). Without it, and
+    /// [`ApiConfig::guest_agent`], a build from an image is 501.
+    pub guest_kernel: Option<std::path::PathBuf>,
+    /// The static torpor-agent put into templates built from OCI images.
+    pub guest_agent: Option<std::path::PathBuf>,
+    /// An extra CA (PEM) the registries builds pull from are checked
+    /// against, besides the system's roots (a private registry's).
+    pub registry_ca: Option<std::path::PathBuf>,
+    /// Free space (MiB) a template built from an OCI image has in its root
+    /// filesystem, past its content and 30% of it: room for its build's
+    /// steps.
+    pub image_headroom_mib: u64,
 }
+
+/// Default [`ApiConfig::image_headroom_mib`]: 512 MiB.
+pub const DEFAULT_IMAGE_HEADROOM_MIB: u64 = 512;
 
 /// Default [`ApiConfig::max_upload_bytes`]: 8 GiB.
 pub const DEFAULT_MAX_UPLOAD_BYTES: u64 = 8 << 30;
@@ -147,6 +163,10 @@ impl std::fmt::Debug for ApiConfig {
             .field("request_timeout", &self.request_timeout)
             .field("proxy_domain", &self.proxy_domain)
             .field("builds_dir", &self.builds_dir)
+            .field("guest_kernel", &self.guest_kernel)
+            .field("guest_agent", &self.guest_agent)
+            .field("registry_ca", &self.registry_ca)
+            .field("image_headroom_mib", &self.image_headroom_mib)
             .finish()
     }
 }
@@ -163,6 +183,10 @@ impl Default for ApiConfig {
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             proxy_domain: None,
             builds_dir: None,
+            guest_kernel: None,
+            guest_agent: None,
+            registry_ca: None,
+            image_headroom_mib: DEFAULT_IMAGE_HEADROOM_MIB,
         }
     }
 }
@@ -466,11 +490,17 @@ pub(crate) async fn limits(State(limits): State<Limits>, request: Request, next:
 }
 
 /// The builds of `config`'s directory; in memory if it cannot be opened
-/// (logged).
+/// (logged). Templates from OCI images get `config`'s kernel and agent.
 fn builds_of(config: &ApiConfig) -> builds::Builds {
-    builds::Builds::open(config.builds_dir.as_deref()).unwrap_or_else(|e| {
+    let builds = builds::Builds::open(config.builds_dir.as_deref()).unwrap_or_else(|e| {
         tracing::error!(error = %e, "the builds directory cannot be opened: builds kept in memory");
         builds::Builds::open(None).expect("a temporary directory for build files")
+    });
+    builds.with_guest(builds::image::Guest {
+        kernel: config.guest_kernel.clone(),
+        agent: config.guest_agent.clone(),
+        registry_ca: config.registry_ca.clone(),
+        headroom_mib: config.image_headroom_mib,
     })
 }
 

@@ -44,10 +44,10 @@ pub use archive::from_archive;
 pub use entry::Skipped;
 pub use error::{BombLimit, Error, Refusal, Result};
 pub use image::{Image, ImageConfig, Layer};
-pub use pull::{pull, Credentials, PullOptions, Reference};
+pub use pull::{pull, Credentials, Progress, PullEvent, PullOptions, Reference, PROGRESS_EVERY};
 pub use store::Digest;
 pub use template::{
-    make_ext4, make_template_rootfs, prepare_root, TemplateOptions, TemplateReport, AGENT,
-    TORPOR_INIT,
+    additions_digest, make_ext4, make_template_rootfs, prepare_root, TemplateOptions,
+    TemplateReport, AGENT, TORPOR_INIT,
 };
 pub use unpack::{unpack, unpack_layers, LayerFile, Limits, UnpackReport};

@@ -12,6 +12,7 @@
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -100,6 +101,87 @@ impl std::fmt::Debug for Credentials {
     }
 }
 
+/// What a pull reports as it goes, to [`PullOptions::progress`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PullEvent {
+    /// The manifest and config are read.
+    Manifest {
+        /// The manifest's digest.
+        manifest: Digest,
+        /// The config's digest.
+        config: Digest,
+        /// How many layers the image has.
+        layers: usize,
+        /// Their compressed size, all together (as the manifest says).
+        bytes: u64,
+    },
+    /// Layer `index` (0-based, bottom first) was in the blob directory
+    /// already: not downloaded.
+    LayerPresent {
+        /// Its place in the image.
+        index: usize,
+        /// Its digest.
+        digest: Digest,
+        /// Its size as the manifest says.
+        size: u64,
+    },
+    /// Layer `index` is being downloaded.
+    LayerStarted {
+        /// Its place in the image.
+        index: usize,
+        /// Its digest.
+        digest: Digest,
+        /// Its size as the manifest says.
+        size: u64,
+    },
+    /// Every [`PROGRESS_EVERY`] bytes of a layer's download.
+    LayerProgress {
+        /// Its place in the image.
+        index: usize,
+        /// Its digest.
+        digest: Digest,
+        /// Bytes downloaded so far.
+        bytes: u64,
+        /// Its size as the manifest says.
+        size: u64,
+    },
+    /// Layer `index` is downloaded and its digest checked.
+    LayerDone {
+        /// Its place in the image.
+        index: usize,
+        /// Its digest.
+        digest: Digest,
+        /// Bytes downloaded.
+        bytes: u64,
+    },
+}
+
+/// How often a download reports [`PullEvent::LayerProgress`]: 64 MiB.
+pub const PROGRESS_EVERY: u64 = 64 << 20;
+
+/// Where a pull's [`PullEvent`]s go: called on the pull's task, so it
+/// should return at once (send them on a channel, say).
+#[derive(Clone)]
+pub struct Progress(Arc<dyn Fn(PullEvent) + Send + Sync>);
+
+impl Progress {
+    /// Events to `f`.
+    pub fn new(f: impl Fn(PullEvent) + Send + Sync + 'static) -> Progress {
+        Progress(Arc::new(f))
+    }
+
+    fn emit(&self, event: PullEvent) {
+        (self.0)(event)
+    }
+}
+
+impl std::fmt::Debug for Progress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Progress(..)")
+    }
+}
+
 /// How to pull.
 #[derive(Debug, Clone)]
 pub struct PullOptions {
@@ -117,10 +199,12 @@ pub struct PullOptions {
     pub max_blob_bytes: u64,
     /// The whole pull's time limit.
     pub timeout: Duration,
+    /// Where progress goes, if anywhere.
+    pub progress: Option<Progress>,
 }
 
 impl PullOptions {
-    /// HTTPS, no extra CA, blobs up to 16 GiB, 30 minutes.
+    /// HTTPS, no extra CA, blobs up to 16 GiB, 30 minutes, no progress.
     pub fn new(blob_dir: impl Into<PathBuf>) -> PullOptions {
         PullOptions {
             blob_dir: blob_dir.into(),
@@ -129,6 +213,7 @@ impl PullOptions {
             extra_ca_pem: None,
             max_blob_bytes: 16 << 30,
             timeout: Duration::from_secs(1800),
+            progress: None,
         }
     }
 }
@@ -216,16 +301,37 @@ async fn pull_inner(
         })
         .collect();
     let layers = image::layers_of(&reference.to_string(), &descriptors, &config)?;
-    for (layer, descriptor) in layers.iter().zip(&manifest.layers) {
+    let emit = |event| {
+        if let Some(p) = &options.progress {
+            p.emit(event)
+        }
+    };
+    emit(PullEvent::Manifest {
+        manifest: manifest_digest.clone(),
+        config: config_digest.clone(),
+        layers: layers.len(),
+        bytes: layers.iter().map(|l| l.size).sum(),
+    });
+    for (index, (layer, descriptor)) in layers.iter().zip(&manifest.layers).enumerate() {
         if store.has(&layer.digest) {
+            emit(PullEvent::LayerPresent {
+                index,
+                digest: layer.digest.clone(),
+                size: layer.size,
+            });
             continue;
         }
+        emit(PullEvent::LayerStarted {
+            index,
+            digest: layer.digest.clone(),
+            size: layer.size,
+        });
         let limit = if layer.size > 0 {
             layer.size.min(options.max_blob_bytes)
         } else {
             options.max_blob_bytes
         };
-        download(
+        let bytes = download(
             &client,
             oci_ref,
             descriptor,
@@ -233,8 +339,21 @@ async fn pull_inner(
             &layer.digest,
             limit,
             &registry,
+            &|bytes| {
+                emit(PullEvent::LayerProgress {
+                    index,
+                    digest: layer.digest.clone(),
+                    bytes,
+                    size: layer.size,
+                })
+            },
         )
         .await?;
+        emit(PullEvent::LayerDone {
+            index,
+            digest: layer.digest.clone(),
+            bytes,
+        });
     }
     Ok(Image {
         store,
@@ -246,7 +365,9 @@ async fn pull_inner(
     })
 }
 
-/// Streams one blob into the store: at most `limit` bytes, checked.
+/// Streams one blob into the store: at most `limit` bytes, checked; its
+/// size. `progress` is told every [`PROGRESS_EVERY`] bytes.
+#[allow(clippy::too_many_arguments)]
 async fn download(
     client: &oci_client::Client,
     reference: &oci_client::Reference,
@@ -255,7 +376,8 @@ async fn download(
     digest: &Digest,
     limit: u64,
     registry: &str,
-) -> Result<()> {
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<u64> {
     let (temp, file) = store.temp()?;
     let result = async {
         let mut stream = client
@@ -268,7 +390,11 @@ async fn download(
         while let Some(chunk) = stream.next().await {
             let chunk =
                 chunk.map_err(|e| Error::io(format!("registry {registry}: blob {digest}"), e))?;
+            let before = written;
             written += chunk.len() as u64;
+            if written / PROGRESS_EVERY > before / PROGRESS_EVERY {
+                progress(written);
+            }
             if written > limit {
                 return Err(Error::BlobTooLarge {
                     digest: digest.to_string(),
@@ -283,11 +409,13 @@ async fn download(
         out.flush()
             .await
             .map_err(|e| Error::io(temp.display(), e))?;
-        Ok(Digest::from_hasher(hasher))
+        Ok((Digest::from_hasher(hasher), written))
     }
     .await;
     match result {
-        Ok(actual) => store.commit(&temp, digest, &actual, &format!("blob {digest}")),
+        Ok((actual, written)) => store
+            .commit(&temp, digest, &actual, &format!("blob {digest}"))
+            .map(|()| written),
         Err(e) => {
             let _ = std::fs::remove_file(&temp);
             Err(e)

@@ -46,6 +46,20 @@ pub const TORPOR_INIT: &str = "/usr/local/sbin/torpor-init";
 /// Where the agent is.
 pub const AGENT: &str = "/usr/local/bin/torpor-agent";
 
+/// What [`make_template_rootfs`] adds besides the agent, as a digest: its
+/// init, its `reboot` and the version of its layout (users, sudoers,
+/// resolver...). A cache of images made from unpacked trees keys on it,
+/// with the image's and the agent's digests, so that a change of what is
+/// added makes new images.
+pub fn additions_digest() -> crate::Digest {
+    let mut all = Vec::with_capacity(INIT.len() + REBOOT.len() + 64);
+    all.extend_from_slice(b"torpor-oci template additions v1\0");
+    all.extend_from_slice(INIT.as_bytes());
+    all.push(0);
+    all.extend_from_slice(REBOOT.as_bytes());
+    crate::Digest::of(&all)
+}
+
 /// What to add and how large an image to make.
 #[derive(Debug, Clone)]
 pub struct TemplateOptions {

@@ -220,6 +220,35 @@ impl Steps<'_> {
     }
 }
 
+/// The guest kernel and agent templates built from OCI images get (the
+/// API's `guest_kernel` and `guest_agent`): the built-in Linux template's.
+/// The kernel: `--nested-kernel`, else where this checkout's
+/// scripts/build-guest-kernel keeps it (`--path`: nothing is built; the
+/// nested pod's preparation may build it later, and a build finds it
+/// then). The agent: `--guest-agent`, else where scripts/build-agent puts
+/// it (the same). `None` when not known: image builds are 501, naming it.
+pub fn guest_files(
+    kernel: &Option<PathBuf>,
+    agent: &Option<PathBuf>,
+) -> (Option<PathBuf>, Option<PathBuf>) {
+    let printed = |script: &str| {
+        let out = Command::new(scripts_dir().join(script))
+            .arg("--path")
+            .stdin(Stdio::null())
+            .stderr(Stdio::null())
+            .output()
+            .ok()
+            .filter(|o| o.status.success())?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let line = text.lines().last()?.trim();
+        (!line.is_empty()).then(|| PathBuf::from(line))
+    };
+    (
+        kernel.clone().or_else(|| printed("build-guest-kernel")),
+        agent.clone().or_else(|| printed("build-agent")),
+    )
+}
+
 /// This checkout's `scripts/` directory, which builds the nested pod's
 /// parts.
 fn scripts_dir() -> PathBuf {

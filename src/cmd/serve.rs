@@ -319,12 +319,32 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     if args.no_nested_pod {
         super::nested_pod::stop_recorded(&nested, &data_dir);
     }
+    let (guest_kernel, guest_agent) =
+        super::nested_parts::guest_files(&args.nested_kernel, &args.guest_agent);
+    match (&guest_kernel, &guest_agent) {
+        (Some(kernel), Some(agent)) => println!(
+            "torpor serve: templates built from OCI images boot {} with the agent {}",
+            kernel.display(),
+            agent.display()
+        ),
+        (None, _) => println!(
+            "torpor serve: no guest kernel known (give --nested-kernel, or run \
+             scripts/build-guest-kernel): builds from OCI images answer 501"
+        ),
+        (_, None) => println!(
+            "torpor serve: no guest agent known (give --guest-agent): builds from OCI \
+             images answer 501"
+        ),
+    }
     let api = torpor_api::ApiConfig {
         tokens: args.token.clone(),
         tenants_file: Some(tenants_file),
         request_timeout,
         proxy_domain: Some(args.proxy_domain.clone()),
         builds_dir: Some(data_dir.join("builds")),
+        guest_kernel,
+        guest_agent,
+        registry_ca: args.registry_ca.clone(),
         ..Default::default()
     };
     let proxy_identity = proxy_identity(&args, &data_dir)?;

@@ -51,6 +51,15 @@ pub fn check_hash(hash: &str) -> Result<(), ServiceError> {
     Ok(())
 }
 
+/// The directory name of `tenant`'s files: its name in hex, so that no
+/// name is a path (`_shared` for an admin's).
+pub(crate) fn owner_dir(tenant: Option<&str>) -> String {
+    match tenant {
+        Some(t) => t.bytes().map(|b| format!("{b:02x}")).collect(),
+        None => "_shared".into(),
+    }
+}
+
 impl Files {
     /// Files kept under `dir` (`None`: a directory of this process under
     /// the system's temporary directory).
@@ -65,17 +74,12 @@ impl Files {
         })
     }
 
-    /// Where `tenant`'s file `hash` is kept (tenants by their name in hex,
-    /// so no name is a path).
+    /// Where `tenant`'s file `hash` is kept ([`owner_dir`]).
     pub fn path(&self, tenant: Option<&str>, hash: &str) -> Result<PathBuf, ServiceError> {
         check_hash(hash)?;
-        let owner = match tenant {
-            Some(t) => t.bytes().map(|b| format!("{b:02x}")).collect::<String>(),
-            None => "_shared".into(),
-        };
         Ok(self
             .dir
-            .join(owner)
+            .join(owner_dir(tenant))
             .join(format!("{}.tar.gz", hash.to_ascii_lowercase())))
     }
 

@@ -4,7 +4,9 @@
 //! each step that changed the guest, start the start command, wait for its
 //! ready check, snapshot the result as the named template — on a thread
 //! of its own (`run.rs`), through the same backend and admission as the
-//! tenant's own sandboxes.
+//! tenant's own sandboxes. A build FROM an OCI image (a registry's, or an
+//! uploaded archive) first makes it a template of the tenant's, its
+//! `base` phase ([`image`]).
 //!
 //! [`Builds`] keeps every build's record: status, the step it is on, its
 //! log, why it failed. Records are written to the builds directory as
@@ -12,12 +14,13 @@
 //! reads as failed ("the server restarted during the build").
 
 pub mod files;
+pub mod image;
 pub mod plan;
 pub mod routes;
 pub mod run;
 pub mod start;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -244,9 +247,18 @@ pub fn uuid() -> String {
 #[derive(Debug)]
 pub struct Builds {
     dir: Option<PathBuf>,
+    /// The builds directory, or one of this process's under the system's
+    /// temporary directory: builds from images keep their scratch
+    /// directories (`work/<build>/`) and what image sources resolved to
+    /// (`images/`) there.
+    root: PathBuf,
     all: Mutex<HashMap<String, Arc<Build>>>,
-    /// Uploaded build files (COPY's tars).
+    /// Uploaded build files (COPY's tars, images' archives).
     pub files: files::Files,
+    /// What templates made from images are provisioned with.
+    guest: image::Guest,
+    /// The image sources being made into templates ([`image`]).
+    making: Mutex<HashSet<String>>,
 }
 
 impl Builds {
@@ -298,11 +310,25 @@ impl Builds {
                 all.insert(record.id.clone(), Arc::new(build));
             }
         }
+        let root = dir.map(Path::to_path_buf).unwrap_or_else(|| {
+            std::env::temp_dir().join(format!("torpor-builds-{}", std::process::id()))
+        });
+        // Scratch directories of builds a restart interrupted.
+        let _ = std::fs::remove_dir_all(root.join("work"));
         Ok(Builds {
             dir: dir.map(Path::to_path_buf),
+            root,
             all: Mutex::new(all),
             files: files::Files::open(dir.map(|d| d.join("files")))?,
+            guest: image::Guest::default(),
+            making: Mutex::new(HashSet::new()),
         })
+    }
+
+    /// These builds, templates from images provisioned with `guest`.
+    pub fn with_guest(mut self, guest: image::Guest) -> Self {
+        self.guest = guest;
+        self
     }
 
     /// A new build's record, waiting, with a new id (a UUID, as E2B's

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use torpor_scheduler::model::{SandboxId, SandboxState, Template, Timestamp};
 
+use super::image::ImageError;
 use super::plan::{layer_name, Action, Plan, Start, Step};
+use super::start::Base;
 use super::{Build, BuildStatus, Failure, Level, Progress};
 use crate::auth::Principal;
 use crate::backend::SandboxApi;
@@ -76,6 +78,17 @@ impl Stop {
             },
         }
     }
+    /// The `base` phase's failure (E2B's step `base`: no step index).
+    fn base(e: ImageError) -> Stop {
+        match e {
+            ImageError::Cancelled => cancelled(),
+            e => {
+                let mut stop = Stop::error(e.to_string());
+                stop.failure.instruction = Some("base".into());
+                stop
+            }
+        }
+    }
     fn at(mut self, index: usize, label: &str) -> Stop {
         self.failure.step.get_or_insert(index);
         self.failure
@@ -91,12 +104,13 @@ impl From<ServiceError> for Stop {
     }
 }
 
-/// Starts `plan` on a thread of its own; its record says how it goes.
+/// Starts the build on a thread of its own: its base (an image made a
+/// template first), then its plan; its record says how it goes.
 pub fn spawn<S: SandboxApi>(
     tenancy: Tenancy<S>,
     principal: Principal,
     build: Arc<Build>,
-    plan: Plan,
+    base: Base,
     limits: Limits,
 ) {
     let name = format!("build-{}", build.record().id);
@@ -105,29 +119,32 @@ pub fn spawn<S: SandboxApi>(
     let runtime = tokio::runtime::Handle::try_current().ok();
     let spawned = std::thread::Builder::new().name(name).spawn(move || {
         let _entered = runtime.as_ref().map(tokio::runtime::Handle::enter);
-        execute(&tenancy, &principal, &build, &plan, limits);
+        execute(&tenancy, &principal, &build, base, limits);
     });
     if let Err(e) = spawned {
         tracing::error!("cannot start a build thread: {e}");
     }
 }
 
-/// Runs `plan` to its end, writing how it went into `build`'s record.
+/// Runs the build to its end, writing how it went into `build`'s record.
 pub fn execute<S: SandboxApi>(
     t: &Tenancy<S>,
     p: &Principal,
     build: &Build,
-    plan: &Plan,
+    base: Base,
     limits: Limits,
 ) {
     let started = Instant::now();
     build.update(|r| r.status = BuildStatus::Building);
-    build.log(
-        Level::Info,
-        format!("building template {} from {}", plan.name, plan.source),
-    );
     let mut sandbox = None;
-    let result = run(t, p, build, plan, limits, &mut sandbox);
+    let result = base.plan(t, p, build).map_err(Stop::base).and_then(|plan| {
+        build.log(
+            Level::Info,
+            format!("building template {} from {}", plan.name, plan.source),
+        );
+        build.update(|r| r.last_env = Some(plan.last.clone()));
+        run(t, p, build, &plan, limits, &mut sandbox)
+    });
     if let Some(id) = sandbox {
         if let Err(e) = t.service.delete_sandbox(&id) {
             build.log(
@@ -304,18 +321,22 @@ fn or_cancelled(cancel: &Cancel, e: ServiceError) -> Stop {
 
 fn check_cancel(cancel: &Cancel) -> Result<(), Stop> {
     if cancel.is_cancelled() {
-        return Err(Stop {
-            status: BuildStatus::Cancelled,
-            failure: Failure {
-                message: "the build was cancelled".into(),
-                step: None,
-                instruction: None,
-                exit_code: None,
-                output_tail: String::new(),
-            },
-        });
+        return Err(cancelled());
     }
     Ok(())
+}
+
+fn cancelled() -> Stop {
+    Stop {
+        status: BuildStatus::Cancelled,
+        failure: Failure {
+            message: "the build was cancelled".into(),
+            step: None,
+            instruction: None,
+            exit_code: None,
+            output_tail: String::new(),
+        },
+    }
 }
 
 /// Creates the build's sandbox from `parent`, admitted as the tenant's

@@ -1,13 +1,20 @@
 //! Starting a build: the spec checked, its source resolved for the
 //! tenant, its plan made and run on a thread of its own ([`launch`]); the
 //! one path of `/v1`'s and E2B's build routes.
+//!
+//! A template source is resolved and the build planned in the request.
+//! An OCI image (a registry's or an upload) is only checked there (its
+//! reference parses, the upload exists, the server can make images):
+//! pulling is slow, so the run makes it a template first, its `base`
+//! phase ([`super::image`]), and plans the steps from that template.
 
 use std::sync::Arc;
 
 use torpor_build::key::source_key;
 use torpor_build::spec::{BuildSpec, Source};
 
-use super::plan::{is_layer, plan};
+use super::image::{self, ImageError};
+use super::plan::{is_layer, plan, Plan};
 use super::run::{spawn, Limits};
 use super::Build;
 use crate::auth::Principal;
@@ -55,10 +62,56 @@ pub fn admit_build<S>(t: &Tenancy<S>, tenant: Option<&str>) -> Result<(), Servic
 /// A build checked and planned, ready to run.
 #[derive(Debug)]
 pub struct Prepared {
-    plan: super::plan::Plan,
+    base: Base,
     shown: Option<serde_json::Value>,
     cpu_count: Option<u32>,
     memory_mib: Option<u32>,
+}
+
+/// What a prepared build starts from.
+#[derive(Debug)]
+pub enum Base {
+    /// A template: planned already.
+    Planned(Box<Plan>),
+    /// An OCI image: made a template by the run (its `base` phase), which
+    /// then plans the steps from it.
+    Image(Box<ImageBase>),
+}
+
+/// A build from an OCI image, as the request checked it.
+#[derive(Debug)]
+pub struct ImageBase {
+    /// The spec, without credentials (they are in `request` only).
+    pub spec: BuildSpec,
+    /// The template the build makes.
+    pub name: String,
+    pub request: image::Request,
+}
+
+impl Base {
+    /// The plan; an image is made a template first (the build's log
+    /// shows how, and its failure is the build's, at step `base`).
+    pub fn plan<S: SandboxApi>(
+        self,
+        t: &Tenancy<S>,
+        p: &Principal,
+        build: &Build,
+    ) -> Result<Plan, ImageError> {
+        match self {
+            Base::Planned(plan) => Ok(*plan),
+            Base::Image(b) => {
+                let made = image::materialize(t, p, build, &b.request)?;
+                let key = source_key(&b.spec.from, &made.resolved());
+                Ok(plan(
+                    &b.spec,
+                    made.template.id.as_str(),
+                    &key,
+                    &b.name,
+                    made.start_env(),
+                ))
+            }
+        }
+    }
 }
 
 /// Checks `spec`, resolves its source for `p` and plans template `name`
@@ -84,52 +137,77 @@ pub fn prepare<S: SandboxApi>(
         },
         Source::Upload { .. } => None,
     };
-    let (source, resolved) = match named {
-        Some(template) => {
-            let resolved = format!("{}@{}", template.id, template.created_at.0);
-            (template, resolved)
+    let shown = serde_json::to_value(spec.without_credentials()).ok();
+    let (cpu_count, memory_mib) = (spec.cpu_count, spec.memory_mib);
+    let base = match named {
+        Some(source) => {
+            let resolved = format!("{}@{}", source.id, source.created_at.0);
+            // A template a build made starts where that build ended (its
+            // user, directory, variables); any other as E2B's base does.
+            let start_env = t
+                .builds
+                .made(tenant, source.id.as_str())
+                .and_then(|r| r.last_env)
+                .unwrap_or_default();
+            let key = source_key(&spec.from, &resolved);
+            Base::Planned(Box::new(plan(
+                &spec,
+                source.id.as_str(),
+                &key,
+                name,
+                start_env,
+            )))
         }
         None => {
-            return Err(ServiceError::Unsupported(
-                "builds from OCI images are not served yet: build from a template".into(),
-            ))
+            let origin = image::check(&t.builds, &spec.from, tenant)?;
+            Base::Image(Box::new(ImageBase {
+                request: image::Request {
+                    origin,
+                    skip_cache: spec.skip_cache,
+                    mem_mib: spec.memory_mib,
+                    vcpus: spec.cpu_count,
+                    runtime: None,
+                },
+                spec: spec.without_credentials(),
+                name: name.to_string(),
+            }))
         }
     };
-    // A template a build made starts where that build ended (its user,
-    // directory, variables); any other as E2B's base does.
-    let start_env = t
-        .builds
-        .made(tenant, source.id.as_str())
-        .and_then(|r| r.last_env)
-        .unwrap_or_default();
-    let key = source_key(&spec.from, &resolved);
     Ok(Prepared {
-        plan: plan(&spec, source.id.as_str(), &key, name, start_env),
-        shown: serde_json::to_value(spec.without_credentials()).ok(),
-        cpu_count: spec.cpu_count,
-        memory_mib: spec.memory_mib,
+        base,
+        shown,
+        cpu_count,
+        memory_mib,
     })
 }
 
-/// Starts `build` on its prepared plan.
+/// Starts `build` on its prepared plan. Called on the runtime's blocking
+/// pool (a handler's `call`): a pull runs on that runtime.
 pub fn start<S: SandboxApi>(t: &Tenancy<S>, p: &Principal, build: &Arc<Build>, prepared: Prepared) {
     let Prepared {
-        plan,
+        mut base,
         shown,
         cpu_count,
         memory_mib,
     } = prepared;
+    let last_env = match &mut base {
+        Base::Planned(plan) => Some(plan.last.clone()),
+        Base::Image(b) => {
+            b.request.runtime = tokio::runtime::Handle::try_current().ok();
+            None
+        }
+    };
     build.update(|r| {
         r.spec = shown;
         r.cpu_count = r.cpu_count.or(cpu_count);
         r.memory_mib = r.memory_mib.or(memory_mib);
-        r.last_env = Some(plan.last.clone());
+        r.last_env = last_env;
     });
     spawn(
         t.clone(),
         p.clone(),
         Arc::clone(build),
-        plan,
+        base,
         Limits::default(),
     );
 }

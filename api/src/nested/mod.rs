@@ -34,7 +34,9 @@ use torpor_scheduler::state::SandboxState;
 use torpor_sync::RwLocked;
 
 use crate::backend::{Lifecycle, Registry, Relay, SandboxApi};
-use crate::calls::{ExecMode, ExecReply, FileOp, FileReply, TemplateOp, TemplateReply};
+use crate::calls::{
+    ExecMode, ExecReply, FileOp, FileReply, ImageOp, ImageReply, TemplateOp, TemplateReply,
+};
 use crate::pods::{self, RemotePod};
 use crate::service::{
     AgentLink, Cancel, CreateSandbox, CreateTemplate, ExecRequest, ForkSandbox, GuestCall,
@@ -491,6 +493,23 @@ impl<L: SandboxApi> Registry for Nested<L> {
     }
 }
 
+/// A body read to at most `left` bytes: more is an error, not a cut.
+struct Limited<'a> {
+    inner: &'a mut dyn std::io::Read,
+    left: u64,
+}
+
+impl std::io::Read for Limited<'_> {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(out)?;
+        self.left = self
+            .left
+            .checked_sub(n as u64)
+            .ok_or_else(|| std::io::Error::other("the image is larger than the upload limit"))?;
+        Ok(n)
+    }
+}
+
 impl<L: SandboxApi> SandboxApi for Nested<L> {
     fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
         match op {
@@ -524,6 +543,8 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
                             kind: "pod",
                             id: p.to_string(),
                         })?;
+                        // A tenant's template is the tenant's there too.
+                        let pod = pod.acting_for(acting_tenant(req.owner.as_ref()));
                         let body = serde_json::to_value(CreateTemplate { pod: None, ..req })
                             .map_err(internal)?;
                         let v = pod.call("POST", "/v1/templates", Some(&body))?;
@@ -573,6 +594,35 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
     }
     fn template_entries(&self) -> Result<Vec<Value>, ServiceError> {
         self.templates_everywhere()
+    }
+    /// The local pod's images; an install on a nested pod (a build from an
+    /// OCI image installs its image where `base` runs) is streamed to it.
+    fn images(&self, op: ImageOp<'_>) -> Result<ImageReply, ServiceError> {
+        match op {
+            ImageOp::Install {
+                name,
+                part,
+                body,
+                limit,
+                pod: Some(p),
+            } if p.as_str() != LOCAL_POD => {
+                let pod = self.pod(p).ok_or_else(|| ServiceError::NotFound {
+                    kind: "pod",
+                    id: p.to_string(),
+                })?;
+                let path = format!("/v1/images/{}/{}", encode(name), part.as_str());
+                let mut limited = Limited {
+                    inner: body,
+                    left: limit,
+                };
+                let answer = pod.upload(&path, &mut limited)?;
+                let bytes = answer["bytes"].as_u64().ok_or_else(|| {
+                    internal(format!("pod {p}: an image upload's answer: {answer}"))
+                })?;
+                Ok(ImageReply::Installed(bytes))
+            }
+            op => self.local.images(op),
+        }
     }
     fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
         self.place(req)

@@ -17,6 +17,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use torpor_api::backend::pod_entry;
+use torpor_api::calls::{ImageOp, ImageReply};
 use torpor_api::service::{
     AgentLink, Cancel, CreateSandbox, CreateTemplate, DirListing, ExecOutput, ExecRequest,
     ExitReply, FileKind, FileStat, GuestCall, GuestError, Outcome, OutputKind, PodView,
@@ -54,6 +55,11 @@ pub struct FakeState {
     pub last_timeout: Option<(SandboxId, Option<u64>, Option<u64>)>,
     /// Files of the fake agent, by path.
     pub files: BTreeMap<String, Vec<u8>>,
+    /// Image files installed (`ImageOp::Install`): image name and file,
+    /// in order.
+    pub installs: Vec<(String, &'static str)>,
+    /// The Linux templates created, as asked.
+    pub linux_creates: Vec<CreateTemplate>,
 }
 
 /// An in-memory service with the real state rules for the operations the
@@ -63,9 +69,14 @@ pub struct FakeState {
 /// unless their metadata says `agent=fake`: then exec runs `echo` (streamed
 /// one argument per chunk), and files live in memory; or `agent=real`:
 /// then files and envd's RPCs go to a real torpor-agent on this host
-/// (behind the hybrid vsock stand-in, [`Fake::real_agent`]).
+/// (behind the hybrid vsock stand-in, [`Fake::real_agent`]). Images are
+/// installed as files in [`Fake::images`]; a Linux template of an image
+/// installed there is made (building, then ready when it is next read),
+/// without booting anything.
 pub struct Fake {
     pub state: Mutex<FakeState>,
+    /// The images directory: `NAME/vmlinux`, `NAME/rootfs.ext4`.
+    pub images: tempfile::TempDir,
     /// A real torpor-agent behind a hybrid vsock stand-in, started on
     /// first use by `with_guest` (envd's RPCs): the directory holding its
     /// sockets (removed on drop) and the stand-in's socket.
@@ -108,9 +119,37 @@ impl Fake {
                 last_filter: None,
                 last_timeout: None,
                 files: BTreeMap::new(),
+                installs: Vec::new(),
+                linux_creates: Vec::new(),
             }),
+            images: tempfile::tempdir().unwrap(),
             real_agent: Mutex::new(None),
         }
+    }
+
+    /// A Linux template of an image installed here (both files), as the
+    /// service makes it: building.
+    fn linux_template(&self, req: &CreateTemplate) -> Option<Template> {
+        let dir = self.images.path().join(req.image.as_deref()?);
+        let (kernel, rootfs) = (dir.join("vmlinux"), dir.join("rootfs.ext4"));
+        if !kernel.is_file() || !rootfs.is_file() {
+            return None;
+        }
+        Some(Template {
+            id: TemplateId::generate(),
+            name: req.name.clone(),
+            kernel: kernel.to_string_lossy().into_owned(),
+            rootfs: Some(rootfs),
+            snapshot_dir: None,
+            mem_mib: req.mem_mib,
+            vcpus: req.vcpus,
+            kind: TemplateKind::Linux,
+            created_at: Timestamp::now(),
+            state: TemplateState::Building,
+            tenant: req.owner.clone().filter(|o| !o.admin).map(|o| o.tenant),
+            image: req.image.clone(),
+            source: None,
+        })
     }
 
     /// The real agent's link for a sandbox with `agent=real`.
@@ -217,18 +256,14 @@ fn exit(code: i32) -> ExitReply {
 }
 
 impl Fake {
-    /// A new template (not stored): the create's checks and test hook.
+    /// A new probe template (not stored): the create's checks and test
+    /// hook.
     fn new_template(req: CreateTemplate) -> Result<Template, ServiceError> {
         if req.name == "panic" {
             panic!("test hook: template named panic");
         }
         if req.name.is_empty() {
             return Err(ServiceError::Invalid("template name is empty".into()));
-        }
-        if req.kind == TemplateKind::Linux {
-            return Err(ServiceError::Unsupported(
-                "no Linux templates in this build".into(),
-            ));
         }
         Ok(Template {
             id: TemplateId::generate(),
@@ -329,10 +364,25 @@ impl SandboxApi for Fake {
                 st.templates.values().cloned().collect(),
             )),
             TemplateOp::Get { key, owner } => {
-                torpor_scheduler::names::resolve(st.templates.values(), owner, key)
+                let mut t = torpor_scheduler::names::resolve(st.templates.values(), owner, key)
                     .cloned()
-                    .map(TemplateReply::one)
-                    .ok_or_else(|| missing(key))
+                    .ok_or_else(|| missing(key))?;
+                // A Linux template has booted by the time it is read again.
+                if t.kind == TemplateKind::Linux && t.state == TemplateState::Building {
+                    t.state = TemplateState::Ready;
+                    st.templates.insert(t.id.clone(), t.clone());
+                }
+                Ok(TemplateReply::one(t))
+            }
+            TemplateOp::Create(req) if req.kind == TemplateKind::Linux => {
+                let Some(t) = self.linux_template(&req) else {
+                    return Err(ServiceError::Unsupported(
+                        "no Linux templates in this build (install the image first)".into(),
+                    ));
+                };
+                st.linux_creates.push(req);
+                st.templates.insert(t.id.clone(), t.clone());
+                Ok(TemplateReply::one(t))
             }
             TemplateOp::Create(req) => {
                 drop(st);
@@ -377,6 +427,41 @@ impl SandboxApi for Fake {
                 let renamed = st.templates.get_mut(&t.id).unwrap();
                 renamed.name = name.to_string();
                 Ok(TemplateReply::one(renamed.clone()))
+            }
+        }
+    }
+
+    /// Images as files in [`Fake::images`].
+    fn images(&self, op: ImageOp<'_>) -> Result<ImageReply, ServiceError> {
+        match op {
+            ImageOp::List => Ok(ImageReply::List(
+                std::fs::read_dir(self.images.path())
+                    .unwrap()
+                    .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .collect(),
+            )),
+            ImageOp::Install {
+                name,
+                part,
+                body,
+                limit,
+                pod,
+            } => {
+                assert!(pod.is_none(), "the fake has one pod");
+                torpor_scheduler::images::check_name(name)?;
+                let dir = self.images.path().join(name);
+                std::fs::create_dir_all(&dir).unwrap();
+                let mut file = std::fs::File::create(dir.join(part.file_name())).unwrap();
+                let n = std::io::copy(&mut std::io::Read::take(body, limit), &mut file)
+                    .map_err(|e| ServiceError::Internal(e.to_string()))?;
+                let mut st = self.state.lock().unwrap();
+                st.installs.push((name.to_string(), part.file_name()));
+                Ok(ImageReply::Installed(n))
+            }
+            ImageOp::Delete(name) => {
+                std::fs::remove_dir_all(self.images.path().join(name))
+                    .map_err(|e| ServiceError::Internal(e.to_string()))?;
+                Ok(ImageReply::Deleted)
             }
         }
     }

@@ -1,173 +1,18 @@
 //! Layers made in the tests: a tar writer that can also write what a
 //! well-behaved tar library refuses to (`..` and absolute names, escaping
-//! link targets), PAX records (ownership, xattrs), gzip and zstd.
+//! link targets), PAX records (ownership, xattrs), gzip and zstd
+//! (`tarball.rs`, which the API's tests share), and the loopback registry
+//! of the registry test (`registry.rs`, shared too).
 
 #![allow(dead_code)]
 
-use std::io::Write;
+pub mod registry;
+mod tarball;
+
 use std::path::{Path, PathBuf};
 
-use tar::{EntryType, Header};
-
-/// A tar stream being written.
-pub struct Tar {
-    b: tar::Builder<Vec<u8>>,
-}
-
-/// One PAX record: `LEN key=value\n`, LEN counting itself.
-fn pax_record(key: &str, value: &[u8]) -> Vec<u8> {
-    let rest = key.len() + value.len() + 3;
-    let mut len = rest + 1;
-    while len.to_string().len() + rest != len {
-        len += 1;
-    }
-    let mut out = format!("{len} {key}=").into_bytes();
-    out.extend_from_slice(value);
-    out.push(b'\n');
-    out
-}
-
-impl Default for Tar {
-    fn default() -> Self {
-        Tar::new()
-    }
-}
-
-impl Tar {
-    pub fn new() -> Tar {
-        Tar {
-            b: tar::Builder::new(Vec::new()),
-        }
-    }
-
-    /// A header with the name and link name written as raw bytes, none
-    /// of the builder's checks.
-    fn header(name: &[u8], kind: EntryType, size: u64, mode: u32, link: &[u8]) -> Header {
-        let mut h = Header::new_ustar();
-        h.set_entry_type(kind);
-        h.set_size(size);
-        h.set_mode(mode);
-        h.set_uid(0);
-        h.set_gid(0);
-        h.set_mtime(1_600_000_000);
-        let bytes = h.as_mut_bytes();
-        assert!(name.len() <= 100 && link.len() <= 100);
-        bytes[..name.len()].copy_from_slice(name);
-        bytes[157..157 + link.len()].copy_from_slice(link);
-        h
-    }
-
-    fn append(&mut self, mut h: Header, data: &[u8]) {
-        h.set_cksum();
-        self.b.append(&h, data).unwrap();
-    }
-
-    /// PAX records for the next entry.
-    pub fn pax(&mut self, records: &[(&str, &[u8])]) -> &mut Tar {
-        let data: Vec<u8> = records.iter().flat_map(|(k, v)| pax_record(k, v)).collect();
-        let h = Tar::header(
-            b"././@PaxHeader",
-            EntryType::XHeader,
-            data.len() as u64,
-            0o644,
-            b"",
-        );
-        self.append(h, &data);
-        self
-    }
-
-    pub fn dir(&mut self, name: &str, mode: u32) -> &mut Tar {
-        let h = Tar::header(name.as_bytes(), EntryType::Directory, 0, mode, b"");
-        self.append(h, b"");
-        self
-    }
-
-    pub fn file(&mut self, name: &str, data: &[u8], mode: u32) -> &mut Tar {
-        self.file_owned(name, data, mode, 0, 0)
-    }
-
-    pub fn file_owned(
-        &mut self,
-        name: &str,
-        data: &[u8],
-        mode: u32,
-        uid: u64,
-        gid: u64,
-    ) -> &mut Tar {
-        let mut h = Tar::header(
-            name.as_bytes(),
-            EntryType::Regular,
-            data.len() as u64,
-            mode,
-            b"",
-        );
-        h.set_uid(uid);
-        h.set_gid(gid);
-        self.append(h, data);
-        self
-    }
-
-    pub fn symlink(&mut self, name: &str, target: &str) -> &mut Tar {
-        let h = Tar::header(
-            name.as_bytes(),
-            EntryType::Symlink,
-            0,
-            0o777,
-            target.as_bytes(),
-        );
-        self.append(h, b"");
-        self
-    }
-
-    pub fn hardlink(&mut self, name: &str, target: &str) -> &mut Tar {
-        let h = Tar::header(
-            name.as_bytes(),
-            EntryType::Link,
-            0,
-            0o644,
-            target.as_bytes(),
-        );
-        self.append(h, b"");
-        self
-    }
-
-    pub fn fifo(&mut self, name: &str) -> &mut Tar {
-        let h = Tar::header(name.as_bytes(), EntryType::Fifo, 0, 0o600, b"");
-        self.append(h, b"");
-        self
-    }
-
-    pub fn char_device(&mut self, name: &str, major: u32, minor: u32) -> &mut Tar {
-        let mut h = Tar::header(name.as_bytes(), EntryType::Char, 0, 0o666, b"");
-        h.set_device_major(major).unwrap();
-        h.set_device_minor(minor).unwrap();
-        self.append(h, b"");
-        self
-    }
-
-    /// An entry of any type flag.
-    pub fn raw(&mut self, name: &str, flag: u8, data: &[u8]) -> &mut Tar {
-        let h = Tar::header(
-            name.as_bytes(),
-            EntryType::new(flag),
-            data.len() as u64,
-            0o644,
-            b"",
-        );
-        self.append(h, data);
-        self
-    }
-
-    pub fn bytes(self) -> Vec<u8> {
-        self.b.into_inner().unwrap()
-    }
-}
-
-pub fn gzip(data: &[u8]) -> Vec<u8> {
-    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
-    e.write_all(data).unwrap();
-    e.finish().unwrap()
-}
+#[allow(unused_imports)] // not every test uses all of them
+pub use tarball::{gzip, layout_archive, Tar};
 
 pub fn zstd(data: &[u8]) -> Vec<u8> {
     ruzstd::encoding::compress_to_vec(data, ruzstd::encoding::CompressionLevel::Fastest)

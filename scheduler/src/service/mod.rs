@@ -51,7 +51,7 @@ pub use checkpoint::{
 };
 pub use guest::{AgentLink, Dialer, GuestCall, GuestError};
 pub use lifetime::{check_lifetimes, MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS};
-pub use linux::HostGuests;
+pub use linux::{HostGuests, LINUX_CMDLINE};
 pub use metrics::Metrics;
 pub use ops::may_delete;
 pub use ports::WakeGate;
