@@ -97,11 +97,11 @@ timer.daemon = True
 timer.start()
 
 out(f"{TAG}: version {importlib.metadata.version('e2b')}")
-run = uuid.uuid4().hex[:8]
+run_id = uuid.uuid4().hex[:8]
 # E2B's names: lowercase letters, digits, '-' and '_'.
-name = f"sdk-tpl-{run}"
-env_value = f"hello-env-{run}"
-hello = f"hello from the template context {run}\n"
+name = f"sdk-tpl-{run_id}"
+env_value = f"hello-env-{run_id}"
+hello = f"hello from the template context {run_id}\n"
 ctx = tempfile.mkdtemp(prefix="sdk-template-")
 with open(os.path.join(ctx, "hello.txt"), "w") as f:
     f.write(hello)
@@ -239,7 +239,7 @@ try:
     failing = (
         Template(file_context_path=ctx)
         .from_template(BASE)
-        .run_cmd(f"echo before-the-failure-{run}")
+        .run_cmd(f"echo before-the-failure-{run_id}")
         .run_cmd("exit 7")  # <- the failing step
     )
     fail_line = next(
@@ -267,7 +267,7 @@ try:
     bg_template = (
         Template(file_context_path=ctx)
         .from_template(BASE)
-        .run_cmd(f"echo bg-{run} > /home/user/bg.txt")
+        .run_cmd(f"echo bg-{run_id} > /home/user/bg.txt")
     )
     bg = bounded(
         "build_in_background",
