@@ -215,6 +215,7 @@ const NOT_SANDBOX_IDS: &[&str] = &[
     "e2bStartBuild",
     "e2bBuildStatus",
     "e2bTemplateTags",
+    "e2bUpdateTemplate",
 ];
 
 fn gated(routes: &[Route]) -> Vec<(Route, Admit)> {

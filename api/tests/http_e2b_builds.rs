@@ -356,6 +356,55 @@ async fn the_e2b_builder_routes_build_cache_tag_and_report_as_the_sdks_expect() 
     let (orphan, _) = follow(&server, "orphan", &build4).await;
     assert_eq!(orphan["reason"]["step"], "base", "{orphan}");
 
+    // The template lists: the built name as its templateID, no layers;
+    // another tenant sees none of them.
+    for path in ["/templates", "/v2/templates?limit=100"] {
+        let r = e2b(&server, ACME, "GET", path, None).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let list = r.json();
+        let ids: Vec<&str> = list
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["templateID"].as_str().unwrap())
+            .collect();
+        assert!(ids.contains(&"tpl-test"), "{list}");
+        assert!(!ids.iter().any(|i| i.starts_with("build-layer")), "{list}");
+        for t in list.as_array().unwrap() {
+            for key in [
+                "buildID",
+                "cpuCount",
+                "memoryMB",
+                "names",
+                "createdAt",
+                "buildStatus",
+            ] {
+                assert!(t.get(key).is_some(), "{key} missing in {t}");
+            }
+        }
+        let r = e2b(&server, OTHER, "GET", path, None).await;
+        assert!(!r.text().contains("tpl-test"), "{}", r.text());
+    }
+    let r = e2b(
+        &server,
+        ACME,
+        "PATCH",
+        "/v2/templates/tpl-test",
+        Some(json!({"public": true})),
+    )
+    .await;
+    assert_eq!(r.status, 403, "{}", r.text());
+    let r = e2b(
+        &server,
+        ACME,
+        "PATCH",
+        "/v2/templates/tpl-test",
+        Some(json!({"public": false})),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["names"], json!(["tpl-test"]));
+
     // Bad input: E2B's 400s.
     for name in ["", "Bad Name!", "ok:00000000-0000-0000-0000-000000000000"] {
         let r = e2b(

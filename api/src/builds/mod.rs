@@ -173,6 +173,21 @@ impl Build {
         self.save(&snapshot);
     }
 
+    /// Takes a waiting build for starting: true once, for the first caller
+    /// (it is building from then on); false when it is not waiting.
+    pub fn claim(&self) -> bool {
+        let snapshot = {
+            let mut r = self.record.locked();
+            if r.status != BuildStatus::Waiting {
+                return false;
+            }
+            r.status = BuildStatus::Building;
+            r.clone()
+        };
+        self.save(&snapshot);
+        true
+    }
+
     /// Ends it failed before it started (its spec or source refused).
     pub fn fail(&self, message: &str) {
         self.log(Level::Error, message);

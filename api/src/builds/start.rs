@@ -202,6 +202,8 @@ pub fn start<S: SandboxApi>(t: &Tenancy<S>, p: &Principal, build: &Arc<Build>, p
         r.cpu_count = r.cpu_count.or(cpu_count);
         r.memory_mib = r.memory_mib.or(memory_mib);
         r.last_env = last_env;
+        // Building from now: a second start of it is refused.
+        r.status = super::BuildStatus::Building;
     });
     spawn(
         t.clone(),

@@ -101,6 +101,9 @@ pub const ROUTES: &[Route] = &[
     route("POST", "/templates/tags", "e2bAssignTags"),
     route("DELETE", "/templates/tags", "e2bRemoveTags"),
     route("GET", "/templates/{id}/tags", "e2bTemplateTags"),
+    route("GET", "/templates", "e2bListTemplates"),
+    route("GET", "/v2/templates", "e2bListTemplatesV2"),
+    route("PATCH", "/v2/templates/{id}", "e2bUpdateTemplate"),
 ];
 
 /// An E2B route without the API key: what authorises it is its own.
@@ -139,6 +142,8 @@ fn endpoint<S: SandboxApi>(r: &Route) -> MethodRouter<AppState<S>> {
         "e2bAssignTags" => on(m, templates::assign_tags::<S>),
         "e2bRemoveTags" => on(m, templates::remove_tags::<S>),
         "e2bTemplateTags" => on(m, templates::tags::<S>),
+        "e2bListTemplates" | "e2bListTemplatesV2" => on(m, templates::list::<S>),
+        "e2bUpdateTemplate" => on(m, templates::update::<S>),
         other => panic!("E2B route table names unknown operation {other:?}"),
     }
 }

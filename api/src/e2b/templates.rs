@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use torpor_build::e2b::TemplateBuildStartV2;
 use torpor_build::spec::Source;
+use torpor_scheduler::model::{Template, TemplateState};
 
 use super::error::E2bError;
 use super::routes::query_pairs;
@@ -298,6 +299,9 @@ pub async fn start<S: SandboxApi>(
     let mut spec = body
         .into_spec(record.cpu_count, record.memory_mib)
         .map_err(|e| E2bError::bad_request(e.to_string()))?;
+    if !build.claim() {
+        return Err(E2bError::bad_request("build is not in waiting state"));
+    }
     // E2B's base image is torpor's `base` template.
     if let Source::Image { reference, .. } = &spec.from {
         if matches!(reference.as_str(), "e2bdev/base" | "e2bdev/base:latest") {
@@ -563,4 +567,122 @@ pub async fn tags<S: SandboxApi>(
         }
     }
     Ok(Json(seen.into_values().collect::<Vec<_>>()).into_response())
+}
+
+/// E2B's `Template` of one of the caller's templates (its fields the
+/// generated clients require).
+fn template_item(builds: &crate::builds::Builds, t: &Template) -> serde_json::Value {
+    let id = e2b_id(builds, t.id.as_str());
+    let built = builds.built_name(t.id.as_str()).is_some();
+    let alias = if built { id.clone() } else { t.name.clone() };
+    let created = super::time::format(t.created_at);
+    json!({
+        "templateID": id,
+        "buildID": t.id.to_string(),
+        "cpuCount": t.vcpus,
+        "memoryMB": t.mem_mib,
+        "diskSizeMB": 0,
+        "public": t.tenant.is_none(),
+        "aliases": [alias],
+        "names": [alias],
+        "createdAt": created,
+        "updatedAt": created,
+        "createdBy": null,
+        "lastSpawnedAt": null,
+        "spawnCount": 0,
+        "buildCount": builds.of_name(t.tenant.as_deref(), &alias).len().max(1),
+        "envdVersion": super::wire::ENVD_VERSION,
+        "buildStatus": match t.state {
+            TemplateState::Ready => "ready",
+            TemplateState::Building => "building",
+            _ => "error",
+        },
+    })
+}
+
+/// The caller's templates (its own and the shared ones), cache layers
+/// and deleted ones left out, oldest first.
+fn visible_templates<S: SandboxApi>(
+    s: &S,
+    p: &Principal,
+) -> Result<Vec<Template>, crate::service::ServiceError> {
+    let owner = p.owner();
+    Ok(s.template_entries()?
+        .into_iter()
+        .filter_map(|v| serde_json::from_value::<Template>(v).ok())
+        .filter(|t| {
+            t.state != TemplateState::Deleted
+                && !crate::builds::plan::is_layer(&t.name)
+                && torpor_scheduler::names::visible(t.tenant.as_deref(), Some(&owner))
+        })
+        .collect())
+}
+
+/// `GET /templates` (the CLI's list) and `GET /v2/templates?limit=&nextToken=`
+/// (a page, the next one's token in `X-Next-Token`): the caller's
+/// templates as E2B's `Template`s.
+pub async fn list<S: SandboxApi>(
+    state: Api<S>,
+    Extension(p): Extension<Principal>,
+    RawQuery(raw): RawQuery,
+) -> E2bResult<Response> {
+    let q = query_pairs(raw);
+    let limit = super::list::limit(&q)?;
+    let after = q
+        .get("nextToken")
+        .map(|t| super::wire::Cursor::decode(t))
+        .transpose()?;
+    let builds = state.tenancy.builds.clone();
+    let (items, next) = call(&state, move |s| {
+        let all = visible_templates(s, &p)?;
+        let key = |t: &Template| super::wire::Cursor {
+            created_at: t.created_at.0,
+            id: t.id.to_string(),
+        };
+        let (page, next) = super::wire::page(all, key, false, after.as_ref(), limit);
+        let items: Vec<serde_json::Value> =
+            page.iter().map(|t| template_item(&builds, t)).collect();
+        Ok((items, next))
+    })
+    .await?;
+    let mut response = Json(items).into_response();
+    if let Some(next) = next.and_then(|n| axum::http::HeaderValue::from_str(&n).ok()) {
+        response.headers_mut().insert("x-next-token", next);
+    }
+    Ok(response)
+}
+
+/// `PATCH /v2/templates/{id}`'s body.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TemplatePatch {
+    public: Option<bool>,
+}
+
+/// `PATCH /v2/templates/{id}` (the CLI's `template publish`): a tenant's
+/// template stays its own (`public: true` is 403: shared templates are an
+/// admin's); 200 with its names.
+pub async fn update<S: SandboxApi>(
+    state: Api<S>,
+    Extension(p): Extension<Principal>,
+    Path(key): Path<String>,
+    bytes: Bytes,
+) -> E2bResult<Response> {
+    let patch: TemplatePatch = if bytes.iter().all(u8::is_ascii_whitespace) {
+        TemplatePatch { public: None }
+    } else {
+        body(&bytes)?
+    };
+    let builds = state.tenancy.builds.clone();
+    let owner = p.owner();
+    let key = resolve_tagged(&builds, &p, &key);
+    let t = call(&state, move |s| s.resolve_template(&owner, &key)).await?;
+    if patch.public == Some(true) && t.tenant.is_some() {
+        return Err(E2bError::new(
+            StatusCode::FORBIDDEN,
+            "public templates are shared ones, made by an admin: this template stays yours",
+        ));
+    }
+    let item = template_item(&builds, &t);
+    Ok(Json(json!({"names": item["names"]})).into_response())
 }
