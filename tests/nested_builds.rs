@@ -12,7 +12,12 @@
 //! - E2B's template builder, unchanged (`tests/e2b/sdk_template.py`: build,
 //!   logs, exists, a sandbox answering on its start command's port, the
 //!   cached rebuild, a failing step with its call site, build in the
-//!   background, tags; `sdk_template.mjs`: one build and its sandbox).
+//!   background, tags; `sdk_template.mjs`: one build and its sandbox);
+//! - a build FROM an OCI image: Debian's `docker-registry` on loopback
+//!   (TLS, htpasswd), an image of the Debian tree the nested pod's `base`
+//!   was made of (`umoci`, pushed with `skopeo`), pulled with credentials
+//!   by serve, made a template in the nested pod, a RUN on it, and a
+//!   sandbox of the result started and asked what it is.
 //!
 //! Needs what tests/nested_pod.rs needs (the nested host, the guest
 //! kernel, agent and rootfs: the scripts build them, cached) and the E2B
@@ -22,8 +27,11 @@
 mod common;
 #[path = "../nested/tests/common/linux.rs"]
 mod linux;
+#[path = "../oci/tests/common/registry.rs"]
+mod registry;
 
-use std::process::Stdio;
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::e2b::{run_script, Sdk};
@@ -55,11 +63,18 @@ fn nested_template_builds_from_a_dockerfile_and_the_e2b_sdks() {
     let l1 = linux::script_path("nested-host", &["prepare"]);
     let data = DataDir::new("nested-builds");
     let _stop_l1 = StopNestedHost(data.0.join("data"));
+    // The registry first: serve trusts its CA.
+    let reg_dir = data.0.join("registry");
+    let registry = registry::start_registry(&reg_dir);
+    let ca = reg_dir.join("ca.pem");
+    std::fs::write(&ca, registry.ca_pem()).unwrap();
     let log = data.0.join("serve.log");
     let log_file = std::fs::File::create(&log).unwrap();
     let mut serve = KillOnDrop(
         serve_command(&data.0.join("data"))
             .args(["--request-timeout-ms", "900000"])
+            .arg("--registry-ca")
+            .arg(&ca)
             .env("TORPOR_NESTED_L1", &l1)
             .env("TORPOR_NESTED_ECHO", "1")
             .stdin(Stdio::null())
@@ -172,4 +187,106 @@ fn nested_template_builds_from_a_dockerfile_and_the_e2b_sdks() {
             t.elapsed().as_secs_f64()
         );
     }
+
+    oci_step(&api, &data.0, &registry);
+}
+
+/// The Debian tree `base` was made of (scripts/build-rootfs's cache).
+fn debian_tree() -> std::path::PathBuf {
+    let out = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/build-rootfs"))
+        .arg("--dry-run")
+        .output()
+        .expect("scripts/build-rootfs --dry-run");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("base tree: "))
+        .unwrap_or_else(|| panic!("no base tree in:\n{text}"));
+    let (path, state) = line.rsplit_once(' ').unwrap();
+    assert_eq!(state, "(cached)", "the nested pod built base from it: {line}");
+    std::path::PathBuf::from(path)
+}
+
+/// An OCI image (layout `dir/debian`, tag bookworm) of the Debian tree,
+/// made with umoci; its layout reference.
+fn debian_image(dir: &Path) -> String {
+    let umoci = registry::tool("umoci");
+    let limit = Duration::from_secs(600);
+    let layout = dir.join("debian");
+    let image = format!("{}:bookworm", layout.display());
+    let bundle = dir.join("debian-bundle");
+    registry::run(Command::new(&umoci).arg("init").arg("--layout").arg(&layout), limit);
+    registry::run(Command::new(&umoci).args(["new", "--image", &image]), limit);
+    registry::run(Command::new(&umoci).args(["unpack", "--image", &image]).arg(&bundle), limit);
+    registry::run(
+        Command::new("cp")
+            .arg("-a")
+            .arg(format!("{}/.", debian_tree().display()))
+            .arg(bundle.join("rootfs")),
+        limit,
+    );
+    registry::run(Command::new(&umoci).args(["repack", "--image", &image]).arg(&bundle), limit);
+    format!("oci:{image}")
+}
+
+/// A build FROM the image in the loopback registry, with credentials;
+/// a sandbox of it runs and says what it is.
+fn oci_step(api: &str, dir: &Path, registry: &registry::Registry) {
+    let t = Instant::now();
+    let image = debian_image(dir);
+    registry.push(dir, &image, "torpor/debian:bookworm");
+    eprintln!("nested_builds: the OCI image made and pushed in {:.0}s", t.elapsed().as_secs_f64());
+    let addr = api.trim_start_matches("http://");
+    let body = serde_json::json!({
+        "name": "from-oci",
+        "from": {
+            "type": "image",
+            "reference": registry.reference("torpor/debian:bookworm"),
+            "username": registry::USER,
+            "password": registry::PASSWORD,
+        },
+        "steps": [{"type": "run", "cmd": "echo built-on-the-image > /home/user/oci.txt"}],
+    });
+    let t = Instant::now();
+    let r = common::http::request(addr, "POST", "/v1/builds", Some(TOKEN), Some(&body.to_string()));
+    assert_eq!(r.status, 202, "{}", r.body);
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    let deadline = Instant::now() + Duration::from_secs(1500);
+    let done = loop {
+        let r = common::http::request(addr, "GET", &format!("/v1/builds/{id}"), Some(TOKEN), None);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        match v["status"].as_str() {
+            Some("ready") => break v,
+            Some("error" | "cancelled") => panic!("the OCI build failed: {v:#}"),
+            _ => {}
+        }
+        assert!(Instant::now() < deadline, "the OCI build is still going: {v:#}");
+        std::thread::sleep(Duration::from_secs(2));
+    };
+    let logs: Vec<&str> = done["logs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["message"].as_str())
+        .collect();
+    assert!(logs.iter().any(|l| l.contains("pull")), "{logs:#?}");
+    println!("NESTED-OCI-BUILD s={:.1}", t.elapsed().as_secs_f64());
+    let step = Duration::from_secs(1200);
+    let sbx = ok(
+        &cli(api, &["sandbox", "create", "--template", "from-oci"], step),
+        "sandbox create from the OCI build",
+    )
+    .trim()
+    .to_string();
+    let said = cli(
+        api,
+        &["sandbox", "exec", &sbx, "--", "sh", "-c", "cat /home/user/oci.txt /etc/debian_version; id -un"],
+        step,
+    );
+    let said = ok(&said, "exec in the OCI template's sandbox");
+    let lines: Vec<&str> = said.lines().collect();
+    assert_eq!(lines.first(), Some(&"built-on-the-image"), "{said}");
+    assert!(lines.get(1).is_some_and(|v| v.starts_with("12")), "bookworm: {said}");
+    ok(&cli(api, &["sandbox", "rm", &sbx], step), "sandbox rm");
 }
