@@ -5,6 +5,8 @@
 //! driver's samples (`samples`).
 #![allow(dead_code)]
 
+#[path = "../../tests/common/nested_host.rs"]
+pub mod nested_host;
 pub mod http;
 pub mod samples;
 pub mod serve;

@@ -251,6 +251,9 @@ impl Serve {
             return Vec::new();
         }
         let notes = self.stop_keeping_data();
+        // The nested host it started outlives it (a restarted serve would
+        // re-attach to it): stopped with it.
+        drop(super::nested_host::StopNestedHost(self.dir.join("data")));
         if std::env::var_os("TORPOR_KEEP_SCRATCH").is_none() {
             let _ = std::fs::remove_dir_all(&self.dir);
         }

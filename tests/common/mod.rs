@@ -10,6 +10,7 @@ pub mod e2b_http;
 pub mod e2b_sdk;
 pub mod http;
 pub mod interp;
+pub mod nested_host;
 pub mod nested_pod;
 pub mod nested_serve;
 pub mod netns;

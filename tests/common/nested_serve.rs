@@ -8,6 +8,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+pub use super::nested_host::StopNestedHost;
 use super::{complete_lines, stderr, stdout, torpor_with_env, TORPOR};
 
 /// The admin token the tests' serve is started with.
@@ -84,27 +85,6 @@ pub fn listening_api(log: &Path, serve: &mut std::process::Child) -> String {
 
 /// Kills `torpor serve` when the test ends.
 pub struct KillOnDrop(pub std::process::Child);
-
-/// Stops the nested host serve left running in DATA_DIR (its record names
-/// the QEMU) when the test ends, whatever happened.
-pub struct StopNestedHost(pub std::path::PathBuf);
-
-impl Drop for StopNestedHost {
-    fn drop(&mut self) {
-        let Ok(text) = std::fs::read_to_string(self.0.join("nested-host.json")) else {
-            return;
-        };
-        let record: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-        let Some(pid) = record["host"]["process"]["pid"].as_u64() else {
-            return;
-        };
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if String::from_utf8_lossy(&cmdline).contains("qemu") {
-            // SAFETY: kill(2) of the test's own nested host's QEMU.
-            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-        }
-    }
-}
 
 /// On a failure, the tail of serve's log (with the nested pod's: its
 /// sandboxes' errors and VMM exits), before the data directory goes.
