@@ -60,6 +60,7 @@ mod admin_routes;
 pub mod agent_tunnel;
 pub mod auth;
 pub mod backend;
+pub mod build_registry;
 mod body;
 pub mod builds;
 pub mod calls;

@@ -222,7 +222,7 @@ pub struct Tenancy<S> {
     /// Requests and bytes through the guest-port proxy.
     pub traffic: Arc<Traffic>,
     /// Template builds and their uploaded files.
-    pub builds: Arc<crate::builds::Builds>,
+    pub builds: Arc<crate::build_registry::Builds>,
     /// The domain of guest ports' host names (`ApiConfig::proxy_domain`,
     /// lowercase, no trailing dot).
     pub domain: Option<Arc<str>>,

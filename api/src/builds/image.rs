@@ -58,21 +58,7 @@ const TEMPLATE_WAIT: Duration = Duration::from_secs(20 * 60);
 /// The template's size when neither the spec nor `base` says.
 const DEFAULT_SHAPE: (u32, u32) = (512, 1);
 
-/// What templates made from images are provisioned with (the API's
-/// config: `torpor serve` gives its built-in Linux template's kernel and
-/// agent).
-#[derive(Debug, Clone, Default)]
-pub struct Guest {
-    /// The guest kernel (`vmlinux`) every such template boots.
-    pub kernel: Option<PathBuf>,
-    /// The static torpor-agent put into their root filesystems.
-    pub agent: Option<PathBuf>,
-    /// An extra CA (PEM) registries' certificates are checked against,
-    /// besides the system's.
-    pub registry_ca: Option<PathBuf>,
-    /// Free space left in a root filesystem past its content (and 30%).
-    pub headroom_mib: u64,
-}
+pub use crate::build_registry::Guest;
 
 /// Why the `base` phase failed (the build's failure message).
 #[derive(Debug, thiserror::Error)]
