@@ -35,9 +35,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::e2b::{run_script, Sdk};
+use common::nested_host::StopNestedHost;
 use common::nested_serve::{
-    cli, listening_api, ok, serve_command, wait_line, KillOnDrop, ShowLogOnPanic, StopNestedHost,
-    TOKEN,
+    cli, listening_api, ok, serve_command, wait_line, KillOnDrop, ShowLogOnPanic, TOKEN,
 };
 use common::serve::DataDir;
 use common::{stderr, stdout};
@@ -203,7 +203,10 @@ fn debian_tree() -> std::path::PathBuf {
         .find_map(|l| l.strip_prefix("base tree: "))
         .unwrap_or_else(|| panic!("no base tree in:\n{text}"));
     let (path, state) = line.rsplit_once(' ').unwrap();
-    assert_eq!(state, "(cached)", "the nested pod built base from it: {line}");
+    assert_eq!(
+        state, "(cached)",
+        "the nested pod built base from it: {line}"
+    );
     std::path::PathBuf::from(path)
 }
 
@@ -215,9 +218,20 @@ fn debian_image(dir: &Path) -> String {
     let layout = dir.join("debian");
     let image = format!("{}:bookworm", layout.display());
     let bundle = dir.join("debian-bundle");
-    registry::run(Command::new(&umoci).arg("init").arg("--layout").arg(&layout), limit);
+    registry::run(
+        Command::new(&umoci)
+            .arg("init")
+            .arg("--layout")
+            .arg(&layout),
+        limit,
+    );
     registry::run(Command::new(&umoci).args(["new", "--image", &image]), limit);
-    registry::run(Command::new(&umoci).args(["unpack", "--image", &image]).arg(&bundle), limit);
+    registry::run(
+        Command::new(&umoci)
+            .args(["unpack", "--image", &image])
+            .arg(&bundle),
+        limit,
+    );
     registry::run(
         Command::new("cp")
             .arg("-a")
@@ -225,7 +239,12 @@ fn debian_image(dir: &Path) -> String {
             .arg(bundle.join("rootfs")),
         limit,
     );
-    registry::run(Command::new(&umoci).args(["repack", "--image", &image]).arg(&bundle), limit);
+    registry::run(
+        Command::new(&umoci)
+            .args(["repack", "--image", &image])
+            .arg(&bundle),
+        limit,
+    );
     format!("oci:{image}")
 }
 
@@ -235,7 +254,10 @@ fn oci_step(api: &str, dir: &Path, registry: &registry::Registry) {
     let t = Instant::now();
     let image = debian_image(dir);
     registry.push(dir, &image, "torpor/debian:bookworm");
-    eprintln!("nested_builds: the OCI image made and pushed in {:.0}s", t.elapsed().as_secs_f64());
+    eprintln!(
+        "nested_builds: the OCI image made and pushed in {:.0}s",
+        t.elapsed().as_secs_f64()
+    );
     let addr = api.trim_start_matches("http://");
     let body = serde_json::json!({
         "name": "from-oci",
@@ -248,7 +270,13 @@ fn oci_step(api: &str, dir: &Path, registry: &registry::Registry) {
         "steps": [{"type": "run", "cmd": "echo built-on-the-image > /home/user/oci.txt"}],
     });
     let t = Instant::now();
-    let r = common::http::request(addr, "POST", "/v1/builds", Some(TOKEN), Some(&body.to_string()));
+    let r = common::http::request(
+        addr,
+        "POST",
+        "/v1/builds",
+        Some(TOKEN),
+        Some(&body.to_string()),
+    );
     assert_eq!(r.status, 202, "{}", r.body);
     let id = r.json()["id"].as_str().unwrap().to_string();
     let deadline = Instant::now() + Duration::from_secs(1500);
@@ -261,7 +289,10 @@ fn oci_step(api: &str, dir: &Path, registry: &registry::Registry) {
             Some("error" | "cancelled") => panic!("the OCI build failed: {v:#}"),
             _ => {}
         }
-        assert!(Instant::now() < deadline, "the OCI build is still going: {v:#}");
+        assert!(
+            Instant::now() < deadline,
+            "the OCI build is still going: {v:#}"
+        );
         std::thread::sleep(Duration::from_secs(2));
     };
     let logs: Vec<&str> = done["logs"]
@@ -281,12 +312,23 @@ fn oci_step(api: &str, dir: &Path, registry: &registry::Registry) {
     .to_string();
     let said = cli(
         api,
-        &["sandbox", "exec", &sbx, "--", "sh", "-c", "cat /home/user/oci.txt /etc/debian_version; id -un"],
+        &[
+            "sandbox",
+            "exec",
+            &sbx,
+            "--",
+            "sh",
+            "-c",
+            "cat /home/user/oci.txt /etc/debian_version; id -un",
+        ],
         step,
     );
     let said = ok(&said, "exec in the OCI template's sandbox");
     let lines: Vec<&str> = said.lines().collect();
     assert_eq!(lines.first(), Some(&"built-on-the-image"), "{said}");
-    assert!(lines.get(1).is_some_and(|v| v.starts_with("12")), "bookworm: {said}");
+    assert!(
+        lines.get(1).is_some_and(|v| v.starts_with("12")),
+        "bookworm: {said}"
+    );
     ok(&cli(api, &["sandbox", "rm", &sbx], step), "sandbox rm");
 }

@@ -36,9 +36,9 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use common::nested_host::StopNestedHost;
 use common::nested_serve::{
-    cli, listening_api, ok, serve_command, wait_line, KillOnDrop, ShowLogOnPanic, StopNestedHost,
-    TOKEN,
+    cli, listening_api, ok, serve_command, wait_line, KillOnDrop, ShowLogOnPanic, TOKEN,
 };
 use common::serve::DataDir;
 use common::{stderr, stdout};

@@ -107,13 +107,13 @@ pub async fn metrics<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Response> {
 /// Whether `p` sees a template entry: shared ones (no `tenant`) and its
 /// tenant's; an admin every one ([`torpor_scheduler::names::visible`]).
 /// Whether `p` sees template `entry` in a list: its own and shared ones,
-/// but no build's cache layer ([`crate::builds::plan::is_layer`]) unless
+/// but no build's cache layer ([`crate::build_registry::is_layer`]) unless
 /// it is an admin acting for itself (the server in front of a pod finds
 /// layers in its pods' lists).
 fn sees_template(p: &Principal, entry: &serde_json::Value) -> bool {
     let layer = entry["name"]
         .as_str()
-        .is_some_and(crate::builds::plan::is_layer);
+        .is_some_and(crate::build_registry::is_layer);
     torpor_scheduler::names::visible(entry["tenant"].as_str(), Some(&p.owner()))
         && (!layer || p.owner().admin)
 }
@@ -137,17 +137,14 @@ pub async fn list_templates<S: SandboxApi>(
     ))
 }
 
-/// `POST /v1/templates`: a template booted from an image
-/// ([`CreateTemplate`]), or built by steps when the body is a build spec
-/// (it has `from`: [`crate::builds::routes::create`]).
-pub async fn create_template<S: SandboxApi>(
-    State(st): Api<S>,
-    Extension(p): Extension<Principal>,
-    ApiJson(body): ApiJson<serde_json::Value>,
+/// `POST /v1/templates` of a template booted from an image
+/// ([`CreateTemplate`]; a build spec's goes to the builds:
+/// `crate::builds::routes::create_template`).
+pub(crate) async fn create_booted_template<S: SandboxApi>(
+    st: AppState<S>,
+    p: Principal,
+    body: serde_json::Value,
 ) -> ApiResult<Response> {
-    if body.get("from").is_some() {
-        return crate::builds::routes::create_from(&st, p, body).await;
-    }
     let mut body: CreateTemplate = serde_json::from_value(body).map_err(|e| {
         ApiError::invalid(format!(
             "Failed to deserialize the JSON body into the target type: {e}"

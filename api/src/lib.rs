@@ -60,8 +60,8 @@ mod admin_routes;
 pub mod agent_tunnel;
 pub mod auth;
 pub mod backend;
-pub mod build_registry;
 mod body;
+pub mod build_registry;
 pub mod builds;
 pub mod calls;
 mod checkpoint_routes;
@@ -354,7 +354,7 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "openapi" => on(m, openapi::get),
         "metrics" => on(m, metrics::<S>),
         "listTemplates" => on(m, list_templates::<S>),
-        "createTemplate" => on(m, create_template::<S>),
+        "createTemplate" => on(m, builds::routes::create_template::<S>),
         "getTemplate" => on(m, get_template::<S>),
         "deleteTemplate" => on(m, delete_template::<S>),
         "renameTemplate" => on(m, rename_template::<S>),

@@ -22,4 +22,3 @@ impl Drop for StopNestedHost {
         }
     }
 }
-

@@ -8,7 +8,6 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-pub use super::nested_host::StopNestedHost;
 use super::{complete_lines, stderr, stdout, torpor_with_env, TORPOR};
 
 /// The admin token the tests' serve is started with.

@@ -484,3 +484,17 @@ pub struct Guest {
     /// Free space left in a root filesystem past its content (and 30%).
     pub headroom_mib: u64,
 }
+
+/// The name of the cache layer of key `key`: a template of the build's
+/// tenant, left out of template lists ([`is_layer`]).
+pub fn layer_name(key: &str) -> String {
+    format!("{LAYER_PREFIX}{}", &key[..key.len().min(40)])
+}
+
+/// Whether a template name is a build's cache layer.
+pub fn is_layer(name: &str) -> bool {
+    name.starts_with(LAYER_PREFIX)
+}
+
+/// The prefix of cache layers' names.
+pub const LAYER_PREFIX: &str = "build-layer-";

@@ -159,19 +159,7 @@ pub fn plan(
     }
 }
 
-/// The name of the cache layer of key `key`: a template of the build's
-/// tenant, left out of template lists ([`is_layer`]).
-pub fn layer_name(key: &str) -> String {
-    format!("{LAYER_PREFIX}{}", &key[..key.len().min(40)])
-}
-
-/// Whether a template name is a build's cache layer.
-pub fn is_layer(name: &str) -> bool {
-    name.starts_with(LAYER_PREFIX)
-}
-
-/// The prefix of cache layers' names.
-pub const LAYER_PREFIX: &str = "build-layer-";
+pub use crate::build_registry::{is_layer, layer_name, LAYER_PREFIX};
 
 #[cfg(test)]
 mod tests {

@@ -155,6 +155,20 @@ pub(crate) async fn store<S: SandboxApi>(
     ))
 }
 
+/// `POST /v1/templates`: built by steps when the body is a build spec (it
+/// has `from`: [`create`]), else booted from an image
+/// ([`crate::handlers::create_booted_template`]).
+pub async fn create_template<S: SandboxApi>(
+    State(st): Api<S>,
+    Extension(p): Extension<Principal>,
+    ApiJson(body): ApiJson<serde_json::Value>,
+) -> ApiResult<Response> {
+    if body.get("from").is_some() {
+        return create_from(&st, p, body).await;
+    }
+    crate::handlers::create_booted_template(st, p, body).await
+}
+
 /// `POST /v1/builds`: `{"name": ..., <a build spec>}` (torpor-build's
 /// `BuildSpec`: `from`, `steps`, `start`, `skip_cache`, `cpu_count`,
 /// `memory_mib`): 202 with the build's record and `Location`.
