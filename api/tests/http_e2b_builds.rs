@@ -12,10 +12,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{tenants_file, Reply, Server, REAL_AGENT_KERNEL, TEMPLATE_ID};
+use common::{tenants_file, Reply, Server};
 use serde_json::{json, Value};
 use torpor_api::ApiConfig;
-use torpor_scheduler::model::{Template, TemplateId};
 
 const ACME: &str = "acme-token-0123456789";
 const OTHER: &str = "other-token-0123456789";
@@ -72,18 +71,7 @@ async fn the_e2b_builder_routes_build_cache_tag_and_report_as_the_sdks_expect() 
         ..Server::config()
     })
     .await;
-    {
-        let mut st = server.fake.state.lock().unwrap();
-        let probe = st.templates[&TemplateId::new(TEMPLATE_ID)].clone();
-        let real = Template {
-            id: TemplateId::new("tpl_00000000000000bb"),
-            name: "realbase".into(),
-            kernel: REAL_AGENT_KERNEL.into(),
-            tenant: None,
-            ..probe
-        };
-        st.templates.insert(real.id.clone(), real);
-    }
+    server.fake.add_real_template();
     let app = scratch.path().join("app");
     let app = app.to_str().unwrap().to_string();
 

@@ -371,9 +371,9 @@ impl Builds {
         build
     }
 
-    /// The name of the build that made template `template_id`, whoever's
-    /// (E2B calls a built template by its name: its `templateID`).
-    pub fn built_name(&self, template_id: &str) -> Option<String> {
+    /// `f` of the record of the build that made template `template_id`,
+    /// whoever's.
+    fn of_template<T>(&self, template_id: &str, f: impl FnOnce(&BuildRecord) -> T) -> Option<T> {
         self.all
             .locked()
             .values()
@@ -381,20 +381,20 @@ impl Builds {
             .find(|r| {
                 r.status == BuildStatus::Ready && r.template_id.as_deref() == Some(template_id)
             })
-            .map(|r| r.name.clone())
+            .map(|r| f(&r))
+    }
+
+    /// The name of the build that made template `template_id` (E2B calls
+    /// a built template by its name: its `templateID`).
+    pub fn built_name(&self, template_id: &str) -> Option<String> {
+        self.of_template(template_id, |r| r.name.clone())
     }
 
     /// The user, directory and variables the build that made template
     /// `template_id` ended with: its sandboxes' defaults.
     pub fn guest_defaults(&self, template_id: &str) -> Option<torpor_build::env::Environment> {
-        self.all
-            .locked()
-            .values()
-            .map(|b| b.record.locked())
-            .find(|r| {
-                r.status == BuildStatus::Ready && r.template_id.as_deref() == Some(template_id)
-            })
-            .and_then(|r| r.last_env.clone())
+        self.of_template(template_id, |r| r.last_env.clone())
+            .flatten()
     }
 
     /// `tenant`'s builds of template `name`, newest first.

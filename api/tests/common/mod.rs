@@ -166,6 +166,21 @@ impl Fake {
         real.then(|| AgentLink::new(id.as_str(), self.real_agent()))
     }
 
+    /// Adds the shared template `realbase`: the probe's, but its sandboxes
+    /// (and templates made from them) have the real agent.
+    pub fn add_real_template(&self) {
+        let mut st = self.state.lock().unwrap();
+        let probe = st.templates[&TemplateId::new(TEMPLATE_ID)].clone();
+        let real = Template {
+            id: TemplateId::new("tpl_00000000000000bb"),
+            name: "realbase".into(),
+            kernel: REAL_AGENT_KERNEL.into(),
+            tenant: None,
+            ..probe
+        };
+        st.templates.insert(real.id.clone(), real);
+    }
+
     /// The stand-in socket of the real agent, started on first use.
     pub fn real_agent(&self) -> std::path::PathBuf {
         let mut slot = self.real_agent.lock().unwrap();
