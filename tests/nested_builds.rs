@@ -31,14 +31,12 @@ mod linux;
 mod registry;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::e2b::{run_script, Sdk};
 use common::nested_host::StopNestedHost;
-use common::nested_serve::{
-    cli, listening_api, ok, serve_command, wait_line, KillOnDrop, ShowLogOnPanic, TOKEN,
-};
+use common::nested_serve::{cli, listening_api, ok, spawn_serve, wait_line, ShowLogOnPanic, TOKEN};
 use common::serve::DataDir;
 use common::{stderr, stdout};
 
@@ -69,19 +67,11 @@ fn nested_template_builds_from_a_dockerfile_and_the_e2b_sdks() {
     let ca = reg_dir.join("ca.pem");
     std::fs::write(&ca, registry.ca_pem()).unwrap();
     let log = data.0.join("serve.log");
-    let log_file = std::fs::File::create(&log).unwrap();
-    let mut serve = KillOnDrop(
-        serve_command(&data.0.join("data"))
-            .args(["--request-timeout-ms", "900000"])
-            .arg("--registry-ca")
-            .arg(&ca)
-            .env("TORPOR_NESTED_L1", &l1)
-            .env("TORPOR_NESTED_ECHO", "1")
-            .stdin(Stdio::null())
-            .stdout(log_file.try_clone().unwrap())
-            .stderr(log_file)
-            .spawn()
-            .expect("spawn torpor serve"),
+    let mut serve = spawn_serve(
+        &data.0.join("data"),
+        &l1,
+        &log,
+        &["--registry-ca".as_ref(), ca.as_os_str()],
     );
     let serve = &mut serve.0;
     let _show = ShowLogOnPanic(log.clone());

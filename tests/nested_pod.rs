@@ -38,7 +38,8 @@ use std::time::{Duration, Instant};
 
 use common::nested_host::StopNestedHost;
 use common::nested_serve::{
-    cli, listening_api, ok, serve_command, wait_line, KillOnDrop, ShowLogOnPanic, TOKEN,
+    cli, listening_api, ok, serve_command, spawn_serve, wait_line, KillOnDrop, ShowLogOnPanic,
+    TOKEN,
 };
 use common::serve::DataDir;
 use common::{stderr, stdout};
@@ -69,25 +70,8 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
     let data = DataDir::new("nested-pod");
     let _stop_l1 = StopNestedHost(data.0.join("data"));
     let log = data.0.join("serve.log");
-    let log_file = std::fs::File::create(&log).unwrap();
     let started = Instant::now();
-    let mut first = KillOnDrop(
-        serve_command(&data.0.join("data"))
-            .args(["--request-timeout-ms", "900000"])
-            // The L1 this checkout prepared (with the network modules), not
-            // whichever another checkout pointed the cache's `l1` link at.
-            .env("TORPOR_NESTED_L1", &l1)
-            // The pod's own log (L1's console) into serve's, which a
-            // failure shows (`ShowLogOnPanic`).
-            .env("TORPOR_NESTED_ECHO", "1")
-            .stdin(Stdio::null())
-            // Both streams: the nested pod's failure is said on stderr,
-            // and wait_line stops on it.
-            .stdout(log_file.try_clone().unwrap())
-            .stderr(log_file)
-            .spawn()
-            .expect("spawn torpor serve"),
-    );
+    let mut first = spawn_serve(&data.0.join("data"), &l1, &log, &[]);
     let serve = &mut first.0;
     let _show = ShowLogOnPanic(log.clone());
 

@@ -73,6 +73,29 @@ pub fn serve_command(data: &Path) -> Command {
     cmd
 }
 
+/// `torpor serve` over `data` (with `extra` flags) as the nested tests
+/// start it: 15-minute requests, the nested host of L1 directory `l1`
+/// (the one this checkout prepared, with the network modules, not
+/// whichever another checkout pointed the cache's `l1` link at), the
+/// pod's own log (L1's console) and both of serve's streams into `log`
+/// (the nested pod's failure is said on stderr, and [`wait_line`] stops
+/// on it); killed on drop.
+pub fn spawn_serve(data: &Path, l1: &Path, log: &Path, extra: &[&std::ffi::OsStr]) -> KillOnDrop {
+    let log_file = std::fs::File::create(log).unwrap();
+    KillOnDrop(
+        serve_command(data)
+            .args(["--request-timeout-ms", "900000"])
+            .args(extra)
+            .env("TORPOR_NESTED_L1", l1)
+            .env("TORPOR_NESTED_ECHO", "1")
+            .stdin(std::process::Stdio::null())
+            .stdout(log_file.try_clone().unwrap())
+            .stderr(log_file)
+            .spawn()
+            .expect("spawn torpor serve"),
+    )
+}
+
 /// The API address `torpor serve` logs to `log` once it listens.
 pub fn listening_api(log: &Path, serve: &mut std::process::Child) -> String {
     let listening = wait_line(log, serve, Duration::from_secs(60), |l| {
