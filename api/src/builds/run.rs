@@ -67,14 +67,18 @@ struct Stop {
 
 impl Stop {
     fn error(message: impl Into<String>) -> Stop {
+        Stop::exited(message, None, String::new())
+    }
+    /// A guest command's failure: its exit code and the end of its output.
+    fn exited(message: impl Into<String>, exit_code: Option<i32>, output_tail: String) -> Stop {
         Stop {
             status: BuildStatus::Error,
             failure: Failure {
                 message: message.into(),
                 step: None,
                 instruction: None,
-                exit_code: None,
-                output_tail: String::new(),
+                exit_code,
+                output_tail,
             },
         }
     }
@@ -529,19 +533,14 @@ fn must<S: SandboxApi>(
 ) -> Result<(), Stop> {
     match exec_logged(s, build, id, request(cmd, timeout), cancel)? {
         (Some(0), _) => Ok(()),
-        (code, tail) => Err(Stop {
-            status: BuildStatus::Error,
-            failure: Failure {
-                message: match code {
-                    Some(c) => format!("{what} exited with code {c}"),
-                    None => format!("{what} ended without an exit code"),
-                },
-                step: None,
-                instruction: None,
-                exit_code: code,
-                output_tail: tail,
+        (code, tail) => Err(Stop::exited(
+            match code {
+                Some(c) => format!("{what} exited with code {c}"),
+                None => format!("{what} ended without an exit code"),
             },
-        }),
+            code,
+            tail,
+        )),
     }
 }
 
@@ -650,24 +649,19 @@ fn start_and_wait<S: SandboxApi>(
                 .map(|l| l.value)
                 .unwrap_or_default();
             let from = log.len().saturating_sub(TAIL_BYTES);
-            return Err(Stop {
-                status: BuildStatus::Error,
-                failure: Failure {
-                    message: format!(
-                        "the start command was not ready after {} s (the ready check's \
-                         last run: {})",
-                        limits.ready.as_secs(),
-                        match out.exit.code {
-                            Some(c) => format!("exit code {c}"),
-                            None => "killed".into(),
-                        }
-                    ),
-                    step: None,
-                    instruction: None,
-                    exit_code: out.exit.code,
-                    output_tail: String::from_utf8_lossy(&log[from..]).into_owned(),
-                },
-            });
+            return Err(Stop::exited(
+                format!(
+                    "the start command was not ready after {} s (the ready check's \
+                     last run: {})",
+                    limits.ready.as_secs(),
+                    match out.exit.code {
+                        Some(c) => format!("exit code {c}"),
+                        None => "killed".into(),
+                    }
+                ),
+                out.exit.code,
+                String::from_utf8_lossy(&log[from..]).into_owned(),
+            ));
         }
         std::thread::sleep(READY_EVERY);
     }
