@@ -232,6 +232,11 @@ impl From<ServiceError> for ApiError {
                 ApiError::new(StatusCode::CONFLICT, code::CONFLICT, message)
             }
             ServiceError::Invalid(_) => ApiError::invalid(message),
+            ServiceError::InvalidSpec(_) => ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                code::INVALID_SPEC,
+                message,
+            ),
             ServiceError::Forbidden(_) => {
                 ApiError::new(StatusCode::FORBIDDEN, code::FORBIDDEN, message)
             }

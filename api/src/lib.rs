@@ -34,6 +34,7 @@
 //! | `Internal`, a panicking service call       | 500    | `internal`               |
 //! | `Unsupported` (the backend lacks the feature)      | 501 | `unsupported`     |
 //! | `HostUnsupported` (a Linux template on a PVM host) | 422 | `host_unsupported` |
+//! | `InvalidSpec` (a template build's value the build cannot use) | 422 | `invalid_spec` |
 //! | agent unreachable (guest gone), other agent errors, failed post-restore hook | 502 | `agent_error` |
 //! | another pod that does not answer (the nested pod, a cluster's) | 502 | `pod_unreachable` |
 //! | a remote pod's own error answer            | its status | its code     |

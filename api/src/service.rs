@@ -6,8 +6,9 @@ pub use torpor_scheduler::service::guest::{
     AgentLink, DirListing, ExecOutput, ExecRequest, ExitReply, FileKind, FileStat, OutputKind,
 };
 pub use torpor_scheduler::service::{
-    check_lifetimes, Cancel, CreateCheckpoint, CreateSandbox, CreateTemplate, ForkSandbox,
-    GuestCall, GuestError, Outcome, Owner, PodView, RestoreCheckpoint, Service, ServiceError,
-    TemplateFromSandbox, MAX_FORK_COUNT, MAX_KEEP_ALIVE_MS, MAX_TIMEOUT_MS,
+    check_lifetimes, check_template_name, Cancel, CreateCheckpoint, CreateSandbox, CreateTemplate,
+    ForkSandbox, GuestCall, GuestError, Outcome, Owner, PodView, RestoreCheckpoint, Service,
+    ServiceError, TemplateFromSandbox, MAX_FORK_COUNT, MAX_KEEP_ALIVE_MS, MAX_TEMPLATE_NAME_CHARS,
+    MAX_TIMEOUT_MS,
 };
 pub use torpor_scheduler::store::SandboxFilter;

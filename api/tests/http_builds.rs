@@ -91,8 +91,23 @@ async fn builds_run_steps_cache_layers_and_report_failures() {
     let files = format!("/v1/build-files/{}", packed.sha256);
     let r = call(&server, ACME, "GET", &files, None).await;
     assert_eq!(r.json()["present"], false, "{}", r.text());
+    // A body that does not say it is an archive: refused, nothing kept.
+    for kind in [None, Some("application/json")] {
+        let mut headers = vec![("Authorization", format!("Bearer {ACME}"))];
+        headers.extend(kind.map(|k| ("Content-Type", k.to_string())));
+        let r = server
+            .request("PUT", &files, &headers, Some(&packed.archive))
+            .await;
+        r.assert_error(415, "unsupported_media_type");
+    }
+    let r = call(&server, ACME, "GET", &files, None).await;
+    assert_eq!(r.json()["present"], false, "{}", r.text());
+    let upload = [
+        ("Authorization", format!("Bearer {ACME}")),
+        ("Content-Type", "application/gzip".to_string()),
+    ];
     let r = server
-        .request("PUT", &files, &auth(ACME), Some(&packed.archive))
+        .request("PUT", &files, &upload, Some(&packed.archive))
         .await;
     assert_eq!(r.status, 201, "{}", r.text());
     let r = call(&server, ACME, "GET", &files, None).await;
@@ -237,27 +252,45 @@ async fn builds_run_steps_cache_layers_and_report_failures() {
     .await;
     assert_eq!(r.status, 409, "{}", r.text());
 
-    // Bad input: a clear 400 each, no build.
-    for (body, says) in [
+    // Bad input, no build: a body not of the schema's shape is 400
+    // `invalid_request`; one of its shape with a value the build cannot
+    // use is 422 `invalid_spec`; each names what is wrong.
+    for (body, status, says) in [
         (
             json!({"from": {"type": "template", "name": "realbase"}}),
+            400,
             "name",
         ),
         (
             json!({"name": "x", "from": {"type": "template", "name": "realbase"}, "steps": [{"type": "frobnicate"}]}),
+            400,
             "frobnicate",
         ),
+        (json!({"name": "x", "from": {"type": null}}), 400, "null"),
         (
             json!({"name": "x", "from": {"type": "template", "name": "realbase"}, "steps": [{"type": "run", "cmd": ""}]}),
+            422,
             "cmd",
         ),
         (
             json!({"name": "build-layer-x", "from": {"type": "template", "name": "realbase"}}),
+            422,
             "build-layer",
+        ),
+        (
+            json!({"name": "x", "from": {"type": "template", "name": "realbase"}, "start": {}}),
+            422,
+            "start",
         ),
     ] {
         let r = call(&server, ACME, "POST", "/v1/builds", Some(body.clone())).await;
-        assert_eq!(r.status, 400, "{body}: {}", r.text());
+        assert_eq!(r.status, status, "{body}: {}", r.text());
+        let code = if status == 400 {
+            "invalid_request"
+        } else {
+            "invalid_spec"
+        };
+        assert_eq!(r.json()["error"]["code"], code, "{body}: {}", r.text());
         assert!(r.text().contains(says), "{body}: {}", r.text());
     }
     let r = call(

@@ -109,7 +109,10 @@ fn sha256_hex(bytes: &[u8]) -> String {
 /// Uploads `bytes` as `token`'s build files; their hash.
 async fn upload(server: &Server, token: &str, bytes: &[u8]) -> String {
     let hash = sha256_hex(bytes);
-    let headers = [("Authorization", format!("Bearer {token}"))];
+    let headers = [
+        ("Authorization", format!("Bearer {token}")),
+        ("Content-Type", "application/x-tar".to_string()),
+    ];
     let r = server
         .request(
             "PUT",
@@ -383,12 +386,12 @@ async fn builds_from_oci_images_pull_unpack_install_and_cache_per_tenant() {
     for (body, status, says) in [
         (
             json!({"name": "x", "from": {"type": "image", "reference": "UPPER/Case"}}),
-            400,
+            422,
             "UPPER/Case",
         ),
         (
             json!({"name": "x", "from": {"type": "upload", "hash": "ab".repeat(32)}}),
-            400,
+            422,
             "never uploaded",
         ),
     ] {

@@ -407,3 +407,43 @@ async fn the_e2b_builder_routes_build_cache_tag_and_report_as_the_sdks_expect() 
     }
     server.shutdown().await.unwrap();
 }
+
+/// `POST /v3/templates` starts expensive work: like `/v1`'s build start it
+/// takes a slot of the token's rate limit (429 `Retry-After` past it),
+/// and another tenant's token has its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_e2b_build_request_takes_a_slot_of_the_tokens_rate_limit() {
+    let scratch = tempfile::tempdir().unwrap();
+    let tenants = tenants_file(scratch.path(), &[("acme", ACME), ("other", OTHER)]);
+    let mut config = ApiConfig {
+        tenants_file: Some(tenants),
+        ..Server::config()
+    };
+    config.rate_limit.burst = 2;
+    config.rate_limit.per_second = 0.01;
+    let server = Server::start_with(config).await;
+    let request = |key: &'static str, n: usize| {
+        let server = &server;
+        async move {
+            e2b(
+                server,
+                key,
+                "POST",
+                "/v3/templates",
+                Some(json!({"name": format!("limited-{n}"), "cpuCount": 1, "memoryMB": 512})),
+            )
+            .await
+        }
+    };
+    for n in 0..2 {
+        let r = request(ACME, n).await;
+        assert_eq!(r.status, 202, "{}", r.text());
+    }
+    let r = request(ACME, 2).await;
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert!(r.header("retry-after").is_some(), "{}", r.text());
+    assert_eq!(r.json()["code"], 429, "E2B's error shape: {}", r.text());
+    let r = request(OTHER, 3).await;
+    assert_eq!(r.status, 202, "another token's own slots: {}", r.text());
+    server.shutdown().await.unwrap();
+}

@@ -77,6 +77,22 @@ $T sandbox exec "$SBX" -- cat /proc/sys/kernel/hostname | sed 's/^/hostname /'
 
 # --- memory comes back: virtio-balloon free page reporting ------------------
 # A witness clone of the same template keeps its template pages shared.
+# A sandbox that failed ends the script at once, with what says why.
+failed() { [ "$($T sandbox get "$1" 2>/dev/null | sed -n 's/^state: *//p')" = failed ]; }
+finish() {
+  kill $SERVE; wait
+  # What went wrong, if anything (a VMM that ended by itself is logged with
+  # its log's and its guest console's last lines).
+  grep -a ' WARN \| ERROR ' /tmp/serve.log | tail -n 20 | cut -c1-3000 | sed 's/^/serve-warn /'
+}
+abort() {
+  echo "abort: $1"
+  $T sandbox get "$W" | sed 's/^/witness-info /'
+  dmesg | tail -n 40 | sed 's/^/dmesg /'
+  free -m | sed 's/^/free /'
+  finish
+  exit 1
+}
 W=$($T sandbox create --template debian 2>/tmp/createw.err)
 echo "witness rc=$? id=$W err=$(cat /tmp/createw.err)"
 row() { $T sandbox get "$1" | sed -n "s/^$2: *//p" | sed 's/ KiB$//'; }
@@ -105,30 +121,28 @@ echo "api pss_kib=$(row "$SBX" 'host pss') guest_used_kib=$(row "$SBX" 'guest us
 # Hibernation diffs: of the guest that freed its burst, and of the witness
 # while it holds one.
 $T sandbox exec "$W" -- sh -c "setsid python3 -c \"import time; b = b'\\x01' * (@BURST_MIB@ << 20); open('/tmp/held', 'w').close(); time.sleep(3600)\" </dev/null >/dev/null 2>&1 &"
-i=0; until $T sandbox exec "$W" -- test -f /tmp/held 2>/dev/null || [ $i -ge 600 ]; do sleep 1; i=$((i+1)); done
-$T sandbox hibernate "$SBX" >/dev/null; $T sandbox hibernate "$W" >/dev/null
+i=0; until $T sandbox exec "$W" -- test -f /tmp/held 2>/dev/null || [ $i -ge 600 ] || failed "$W"; do sleep 1; i=$((i+1)); done
+failed "$W" && abort "the witness $W failed while holding its burst"
+$T sandbox hibernate "$SBX" >/dev/null; $T sandbox hibernate "$W" >/dev/null || abort "the witness $W did not hibernate"
 D1=$(row "$SBX" snapshot) D2=$(row "$W" snapshot)
 echo "diff freed_kib=$(du -sk "$D1" | cut -f1) held_kib=$(du -sk "$D2" | cut -f1)"
 # A balloon inflated across hibernation and wake.
 $T sandbox exec "$W" -- true
 bal() { $T vmm balloon --socket "$(row "$W" 'vmm socket')" "$@"; }
 num() { grep -o "\"$1\":[0-9]*" | cut -d: -f2; }
-bal --target-mib 128 >/dev/null
+bal --target-mib 128 >/dev/null || abort "the witness's balloon did not answer"
 i=0; until [ "$(bal | num actual_mib)" = 128 ] || [ $i -ge 120 ]; do sleep 1; i=$((i+1)); done
 echo "inflated actual_mib=$(bal | num actual_mib) api=$(row "$W" balloon | tr -d ' ,')"
 $T sandbox hibernate "$W" >/dev/null
 $T sandbox exec "$W" -- echo woke >/dev/null && ok=ok || ok=failed
 B=$(bal)
 echo "restored target_mib=$(echo "$B" | num target_mib) actual_mib=$(echo "$B" | num actual_mib) exec=$ok"
-bal --target-mib 0 >/dev/null
+bal --target-mib 0 >/dev/null || abort "the witness's balloon did not answer after its wake"
 i=0; until [ "$(bal | num actual_mib)" = 0 ] || [ $i -ge 120 ]; do sleep 1; i=$((i+1)); done
 echo "deflated actual_mib=$(bal | num actual_mib)"
 $T sandbox rm "$W"
 $T sandbox rm "$SBX"
-kill $SERVE; wait
-# What went wrong, if anything (a VMM that ended by itself is logged with
-# its log's and its guest console's last lines).
-grep -a ' WARN \| ERROR ' /tmp/serve.log | tail -n 20 | cut -c1-3000 | sed 's/^/serve-warn /'
+finish
 "#;
 
 #[test]
@@ -139,10 +153,13 @@ fn nested_linux_sandbox_through_the_api_exec_files_hibernate_wake() {
         .replace("@RETURNED_MIB@", &RETURNED_MIB.to_string())
         .replace("@RETURN_LIMIT_S@", &RETURN_LIMIT_S.to_string())
         .replace("@TEMPLATE_CREATE_SH@", torpor_nested::TEMPLATE_CREATE_SH);
-    let run = run_logged(&host, "nested_service", &script, Duration::from_secs(2400));
+    let run = run_logged(&host, "nested_service", &script, Duration::from_secs(1200));
     let o = &run.stdout;
     eprintln!("{o}");
     assert_ne!(run.exit_code, 97, "{o}");
+    if let Some(why) = o.lines().find(|l| l.starts_with("abort: ")) {
+        panic!("{why}:\n{o}");
+    }
 
     // The service jails its VMMs in L1 too (unjailed, it warns).
     assert!(!o.contains("without a jail"), "{o}");

@@ -37,6 +37,9 @@ pub const HOST_UNSUPPORTED: &str = "host_unsupported";
 /// The sandbox's memory was kept while its guest agent did not answer:
 /// only a wake by a reboot (`mode: reboot`) brings it back.
 pub const GUEST_UNRESPONSIVE: &str = "guest_unresponsive";
+/// A template build's body has the schema's shape but a value the build
+/// cannot use (the message names the field and step).
+pub const INVALID_SPEC: &str = "invalid_spec";
 
 /// Every code (the OpenAPI document lists the same).
 pub const ALL: &[&str] = &[
@@ -64,4 +67,5 @@ pub const ALL: &[&str] = &[
     RATE_LIMITED,
     HOST_UNSUPPORTED,
     GUEST_UNRESPONSIVE,
+    INVALID_SPEC,
 ];

@@ -174,7 +174,7 @@ pub fn check(
         } => {
             let reference: Reference = reference
                 .parse()
-                .map_err(|e: torpor_oci::Error| ServiceError::Invalid(e.to_string()))?;
+                .map_err(|e: torpor_oci::Error| ServiceError::InvalidSpec(e.to_string()))?;
             let credentials = match (username, password) {
                 (Some(u), Some(p)) => Some(Credentials {
                     username: u.clone(),
@@ -189,7 +189,7 @@ pub fn check(
         }
         Source::Upload { hash } => {
             if !builds.files.present(tenant, hash)? {
-                return Err(ServiceError::Invalid(format!(
+                return Err(ServiceError::InvalidSpec(format!(
                     "the image upload {hash} was never uploaded (PUT /v1/build-files/{hash} first)"
                 )));
             }

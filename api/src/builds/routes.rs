@@ -123,10 +123,36 @@ pub async fn upload<S: SandboxApi>(
     State(st): Api<S>,
     Extension(p): Extension<Principal>,
     Path(hash): Path<String>,
+    headers: axum::http::HeaderMap,
     body: Body,
 ) -> ApiResult<Response> {
+    let kind = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| {
+            v.split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase()
+        });
+    if !kind.as_deref().is_some_and(|k| UPLOAD_TYPES.contains(&k)) {
+        return Err(ApiError::new(
+            axum::http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            crate::error::code::UNSUPPORTED_MEDIA_TYPE,
+            format!("expected a tar archive's body with `Content-Type:` one of {UPLOAD_TYPES:?}"),
+        ));
+    }
     store(&st, tenant_of(&p), hash, body).await
 }
+
+/// The media types of a build's files upload.
+const UPLOAD_TYPES: [&str; 4] = [
+    "application/octet-stream",
+    "application/gzip",
+    "application/x-gzip",
+    "application/x-tar",
+];
 
 /// Stores `body` as `tenant`'s files `hash`: 201 with their size.
 pub(crate) async fn store<S: SandboxApi>(

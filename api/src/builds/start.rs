@@ -26,18 +26,17 @@ use crate::tenancy::Tenancy;
 /// counted against its quotas).
 pub const MAX_RUNNING_PER_TENANT: usize = 4;
 
-/// Whether `name` may name a built template: 1 to 128 characters, no
-/// control characters or `/`, not a cache layer's.
+/// Whether `name` may name a built template: a template's name
+/// ([`crate::service::check_template_name`]) without `/`, not a cache
+/// layer's. 422 `invalid_spec` otherwise, as every other build input.
 pub fn check_name(name: &str) -> Result<(), ServiceError> {
-    if name.is_empty()
-        || name.len() > 128
-        || name.chars().any(|c| c.is_control() || c == '/')
-        || is_layer(name)
-    {
-        return Err(ServiceError::Invalid(format!(
-            "template name {:?}: 1 to 128 characters, no control characters or '/', \
+    let usable = crate::service::check_template_name(name);
+    if usable.is_err() || name.contains('/') || is_layer(name) {
+        return Err(ServiceError::InvalidSpec(format!(
+            "template name {:?}: 1 to {} characters, no control characters or '/', \
              not starting with {:?}",
             name.chars().take(130).collect::<String>(),
+            crate::service::MAX_TEMPLATE_NAME_CHARS,
             super::plan::LAYER_PREFIX
         )));
     }
@@ -124,7 +123,7 @@ pub fn prepare<S: SandboxApi>(
     tenant: Option<&str>,
 ) -> Result<Prepared, ServiceError> {
     spec.validate()
-        .map_err(|e| ServiceError::Invalid(e.to_string()))?;
+        .map_err(|e| ServiceError::InvalidSpec(e.to_string()))?;
     let owner = p.owner();
     // An image reference that names one of the caller's templates (or a
     // shared one: `FROM base`) is that template.

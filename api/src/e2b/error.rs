@@ -68,6 +68,9 @@ impl From<ApiError> for E2bError {
         // past the wait is their timeout.
         let status = if e.operation.is_some() {
             StatusCode::GATEWAY_TIMEOUT
+        } else if e.code == crate::error::code::INVALID_SPEC {
+            // E2B's builder answers a build it cannot use 400.
+            StatusCode::BAD_REQUEST
         } else {
             e.status
         };

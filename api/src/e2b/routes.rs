@@ -35,7 +35,10 @@ type E2bResult<T> = Result<T, E2bError>;
 
 /// A slot of the token's rate limit (the same [`crate::tenancy::Limiter`]
 /// as `/v1`'s): 429 past it.
-fn permit<S: SandboxApi>(state: &AppState<S>, p: &Principal) -> E2bResult<Option<Permit>> {
+pub(super) fn permit<S: SandboxApi>(
+    state: &AppState<S>,
+    p: &Principal,
+) -> E2bResult<Option<Permit>> {
     state
         .tenancy
         .limiter
@@ -44,7 +47,7 @@ fn permit<S: SandboxApi>(state: &AppState<S>, p: &Principal) -> E2bResult<Option
 }
 
 /// A required JSON body; 400 with serde's reason when it does not parse.
-fn body<T: DeserializeOwned>(bytes: &Bytes) -> E2bResult<T> {
+pub(super) fn body<T: DeserializeOwned>(bytes: &Bytes) -> E2bResult<T> {
     serde_json::from_slice(bytes)
         .map_err(|e| E2bError::bad_request(format!("invalid request body: {e}")))
 }

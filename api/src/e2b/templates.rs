@@ -26,7 +26,7 @@ use torpor_build::spec::Source;
 use torpor_scheduler::model::{Template, TemplateState};
 
 use super::error::E2bError;
-use super::routes::query_pairs;
+use super::routes::{body, permit, query_pairs};
 use crate::auth::Principal;
 use crate::backend::SandboxApi;
 use crate::builds::routes::{scope, tenant_of};
@@ -61,11 +61,6 @@ pub(super) fn resolve_tagged(builds: &crate::builds::Builds, p: &Principal, key:
 
 /// Most log entries one status answer carries (E2B's cap).
 const MAX_ENTRIES: usize = 100;
-
-fn body<T: serde::de::DeserializeOwned>(bytes: &Bytes) -> E2bResult<T> {
-    serde_json::from_slice(bytes)
-        .map_err(|e| E2bError::bad_request(format!("invalid request body: {e}")))
-}
 
 /// `[namespace/]alias[:tag]`, lowercased; a namespace must be the caller's
 /// tenant.
@@ -147,6 +142,9 @@ pub async fn request<S: SandboxApi>(
     bytes: Bytes,
 ) -> E2bResult<Response> {
     let req: BuildRequest = body(&bytes)?;
+    // A build start is expensive: a slot of the token's rate limit, as
+    // `/v1`'s.
+    let _permit = permit(&state, &p)?;
     let name = req.name.or(req.alias).unwrap_or_default();
     let (alias, tag) = parse_name(&p, &name)?;
     let mut tags: Vec<String> = Vec::new();

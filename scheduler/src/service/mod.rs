@@ -172,6 +172,25 @@ impl ServiceConfig {
     }
 }
 
+/// Most characters of a template's name.
+pub const MAX_TEMPLATE_NAME_CHARS: usize = 128;
+
+/// A template's name: 1 to [`MAX_TEMPLATE_NAME_CHARS`] characters, none a
+/// control character (what a template made from a sandbox, a rename and a
+/// build's name all check; the API's schema states the same).
+pub fn check_template_name(name: &str) -> Result<(), ServiceError> {
+    let chars = name.chars().count();
+    if chars == 0 || chars > MAX_TEMPLATE_NAME_CHARS || name.chars().any(char::is_control) {
+        return Err(ServiceError::Invalid(format!(
+            "template name {:?}: 1 to {MAX_TEMPLATE_NAME_CHARS} characters, no control characters",
+            name.chars()
+                .take(MAX_TEMPLATE_NAME_CHARS + 2)
+                .collect::<String>()
+        )));
+    }
+    Ok(())
+}
+
 /// Errors the API maps to HTTP statuses.
 #[derive(Debug, thiserror::Error)]
 pub enum ServiceError {
@@ -191,6 +210,12 @@ pub enum ServiceError {
     ResourceConflict(String),
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// A template build whose body has the schema's shape but a value the
+    /// build cannot use (an empty command, a path leaving the context, a
+    /// name reserved for layers, an unparsable image reference): 422
+    /// `invalid_spec`, naming the field and step.
+    #[error("invalid build: {0}")]
+    InvalidSpec(String),
     /// The caller may see it but not do this (a tenant deleting a shared
     /// template): 403 `forbidden`.
     #[error("{0}")]

@@ -104,11 +104,7 @@ impl Service {
         key: &str,
         name: &str,
     ) -> Result<Template, ServiceError> {
-        if name.is_empty() || name.len() > 128 || name.chars().any(char::is_control) {
-            return Err(ServiceError::Invalid(format!(
-                "template name {name:?}: 1 to 128 characters, no control characters"
-            )));
-        }
+        super::check_template_name(name)?;
         let t = self.resolve_template(owner, key)?;
         may_delete(owner, &t)?;
         Ok(self.store.rename_template(&t.id, name)?)

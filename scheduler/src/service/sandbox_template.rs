@@ -39,11 +39,7 @@ impl Service {
         let name = req
             .name
             .unwrap_or_else(|| format!("{}-{}", id, random_hex(4)));
-        if name.is_empty() || name.len() > 128 || name.chars().any(char::is_control) {
-            return Err(ServiceError::Invalid(format!(
-                "template name {name:?}: 1 to 128 characters, no control characters"
-            )));
-        }
+        super::check_template_name(&name)?;
         // Before the snapshot is taken; the insert checks again.
         if let Some((kind, id)) = self
             .store
