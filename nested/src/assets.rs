@@ -1,4 +1,4 @@
-//! Where the nested host's pieces live: QEMU on the PATH, and the L1 kernel,
+//! Where the nested host's pieces live: QEMU (the cache's, else the PATH's), and the L1 kernel,
 //! its modules and busybox in the directory `scripts/nested-host prepare`
 //! fills (`${TORPOR_CACHE:-/var/cache/torpor}/nested/l1`).
 
@@ -26,16 +26,22 @@ pub struct L1Assets {
     pub version: String,
 }
 
+/// `${TORPOR_CACHE:-/var/cache/torpor}/nested`: what `scripts/nested-host
+/// prepare` fills.
+fn nested_cache() -> PathBuf {
+    env::var_os("TORPOR_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/torpor"))
+        .join("nested")
+}
+
 /// The default L1 directory: `$TORPOR_NESTED_L1`, else
 /// `${TORPOR_CACHE:-/var/cache/torpor}/nested/l1`.
 pub fn default_l1_dir() -> PathBuf {
     if let Some(dir) = env::var_os("TORPOR_NESTED_L1") {
         return PathBuf::from(dir);
     }
-    let cache = env::var_os("TORPOR_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/var/cache/torpor"));
-    cache.join("nested").join("l1")
+    nested_cache().join("l1")
 }
 
 impl L1Assets {
@@ -89,7 +95,10 @@ impl L1Assets {
     }
 }
 
-/// Finds QEMU: `$TORPOR_QEMU`, else `qemu-system-x86_64` on the PATH.
+/// Finds QEMU: `$TORPOR_QEMU`, else the one `scripts/nested-host prepare`
+/// unpacked into the cache (`.../nested/qemu/usr/bin/`: QEMU 10 from
+/// bookworm-backports, sturdier under TCG than bookworm's 7.2), else
+/// `qemu-system-x86_64` on the PATH.
 pub fn find_qemu() -> Result<PathBuf, NestedError> {
     if let Some(q) = env::var_os("TORPOR_QEMU") {
         let q = PathBuf::from(q);
@@ -101,8 +110,16 @@ pub fn find_qemu() -> Result<PathBuf, NestedError> {
             })
         };
     }
+    let cached = nested_cache()
+        .join("qemu")
+        .join("usr")
+        .join("bin")
+        .join(QEMU);
+    if cached.is_file() {
+        return Ok(cached);
+    }
     find_in_path(QEMU).ok_or_else(|| NestedError::QemuMissing {
-        searched: format!("{QEMU} on PATH"),
+        searched: format!("{} and {QEMU} on PATH", cached.display()),
     })
 }
 

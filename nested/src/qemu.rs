@@ -1,7 +1,7 @@
 //! Runs QEMU with a deadline and reads the L1 console line by line.
 
 use std::io::{BufRead, BufReader, Read};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::thread;
@@ -30,6 +30,20 @@ pub struct Launch {
     pub forwards: Vec<(u16, u16)>,
 }
 
+/// The firmware and option ROM directory of a QEMU unpacked outside
+/// `/usr` (`.../usr/bin/qemu-system-x86_64` beside `.../usr/share/qemu`,
+/// as `scripts/nested-host prepare` leaves bookworm-backports' in the
+/// cache): Debian's QEMU is not relocatable, and without `-L` it would
+/// load the system QEMU's ROMs. None for the system's own.
+fn data_dir_of(qemu: &Path) -> Option<PathBuf> {
+    let bin = qemu.parent()?;
+    if bin == Path::new("/usr/bin") || bin.file_name()? != "bin" {
+        return None;
+    }
+    let dir = bin.parent()?.join("share").join("qemu");
+    dir.is_dir().then_some(dir)
+}
+
 impl Launch {
     /// The QEMU arguments: TCG with `-cpu max` (AMD SVM + NPT emulated).
     pub fn args(&self) -> Vec<String> {
@@ -44,6 +58,10 @@ impl Launch {
         .iter()
         .map(|s| s.to_string())
         .collect();
+        if let Some(dir) = data_dir_of(&self.qemu) {
+            a.push("-L".into());
+            a.push(dir.display().to_string());
+        }
         a.push("-nic".into());
         if self.forwards.is_empty() {
             a.push("none".into());
@@ -273,6 +291,34 @@ mod tests {
         assert!(a.contains("-no-reboot"), "{a}");
         assert!(a.contains("file=/d.ext4,if=virtio,format=raw"), "{a}");
         assert!(a.contains("-nic none"), "{a}");
+    }
+
+    #[test]
+    fn a_qemu_unpacked_outside_usr_gets_its_own_firmware_directory() {
+        let root = tempfile::tempdir().unwrap();
+        let bin = root.path().join("usr/bin");
+        let share = root.path().join("usr/share/qemu");
+        std::fs::create_dir_all(&bin).unwrap();
+        std::fs::create_dir_all(&share).unwrap();
+        let unpacked = bin.join("qemu-system-x86_64");
+        assert_eq!(data_dir_of(&unpacked), Some(share.clone()));
+        let l = Launch {
+            qemu: unpacked,
+            kernel: "/k".into(),
+            initrd: "/i".into(),
+            disk: None,
+            memory_mib: 512,
+            cpus: 1,
+            cmdline: String::new(),
+            echo: false,
+            forwards: Vec::new(),
+        };
+        let a = l.args().join(" ");
+        assert!(a.contains(&format!("-L {}", share.display())), "{a}");
+        // The system's own, or one without a data directory: nothing.
+        assert_eq!(data_dir_of(Path::new("/usr/bin/qemu-system-x86_64")), None);
+        assert_eq!(data_dir_of(&root.path().join("qemu")), None);
+        assert_eq!(data_dir_of(Path::new("qemu")), None);
     }
 
     #[test]
