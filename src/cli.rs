@@ -633,6 +633,12 @@ pub struct ServeArgs {
     /// checked against, besides the system's roots.
     #[arg(long, value_name = "PEM")]
     pub registry_ca: Option<PathBuf>,
+    /// A registry (`host` or `host:port`, as image references name it)
+    /// template builds may pull from although it resolves to a loopback,
+    /// private or link-local address; repeatable. Every other such
+    /// registry is refused.
+    #[arg(long = "registry-allow-private", value_name = "HOST[:PORT]")]
+    pub private_registries: Vec<String>,
 }
 
 /// `torpor pod serve`.

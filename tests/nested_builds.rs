@@ -71,7 +71,12 @@ fn nested_template_builds_from_a_dockerfile_and_the_e2b_sdks() {
         &data.0.join("data"),
         &l1,
         &log,
-        &["--registry-ca".as_ref(), ca.as_os_str()],
+        &[
+            "--registry-ca".as_ref(),
+            ca.as_os_str(),
+            "--registry-allow-private".as_ref(),
+            format!("127.0.0.1:{}", registry.port).as_ref(),
+        ],
     );
     let serve = &mut serve.0;
     let _show = ShowLogOnPanic(log.clone());

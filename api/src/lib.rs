@@ -137,6 +137,12 @@ pub struct ApiConfig {
     /// An extra CA (PEM) the registries builds pull from are checked
     /// against, besides the system's roots (a private registry's).
     pub registry_ca: Option<std::path::PathBuf>,
+    /// Registries (`host` or `host:port`, as image references name them)
+    /// builds may pull from although they resolve to addresses that are
+    /// not global (loopback, a private network): every other such
+    /// registry is refused, so that a tenant cannot make the server reach
+    /// what only it reaches.
+    pub private_registries: Vec<String>,
     /// Free space (MiB) a template built from an OCI image has in its root
     /// filesystem, past its content and 30% of it: room for its build's
     /// steps.
@@ -168,6 +174,7 @@ impl std::fmt::Debug for ApiConfig {
             .field("guest_kernel", &self.guest_kernel)
             .field("guest_agent", &self.guest_agent)
             .field("registry_ca", &self.registry_ca)
+            .field("private_registries", &self.private_registries)
             .field("image_headroom_mib", &self.image_headroom_mib)
             .finish()
     }
@@ -188,6 +195,7 @@ impl Default for ApiConfig {
             guest_kernel: None,
             guest_agent: None,
             registry_ca: None,
+            private_registries: Vec::new(),
             image_headroom_mib: DEFAULT_IMAGE_HEADROOM_MIB,
         }
     }
@@ -502,6 +510,7 @@ fn builds_of(config: &ApiConfig) -> builds::Builds {
         kernel: config.guest_kernel.clone(),
         agent: config.guest_agent.clone(),
         registry_ca: config.registry_ca.clone(),
+        private_registries: config.private_registries.clone(),
         headroom_mib: config.image_headroom_mib,
     })
 }

@@ -5,7 +5,8 @@
 //! with umoci and pushed with skopeo. A build FROM it pulls it with the
 //! credentials, unpacks it, makes its ext4 (read back with debugfs: the
 //! agent, init, user), installs it as the tenant's image and creates a
-//! template from it, which the build's steps run on; a wrong password
+//! template from it, which the build's steps run on (a registry on
+//! loopback the operator did not name is refused); a wrong password
 //! fails the build at step `base` naming authentication; a rebuild asks
 //! no registry; `docker save` and OCI archives (skopeo's) uploaded build
 //! too; an archive with a `../` entry fails naming the entry, nothing
@@ -145,6 +146,7 @@ async fn builds_from_oci_images_pull_unpack_install_and_cache_per_tenant() {
         guest_kernel: Some(dir.join("vmlinux")),
         guest_agent: Some(dir.join("torpor-agent")),
         registry_ca: Some(registry.certs.join("ca.crt")),
+        private_registries: vec![format!("127.0.0.1:{}", registry.port)],
         image_headroom_mib: 8,
         ..Server::config()
     })
@@ -167,6 +169,18 @@ async fn builds_from_oci_images_pull_unpack_install_and_cache_per_tenant() {
     let message = f["message"].as_str().unwrap();
     assert!(message.contains("authentication"), "{message}");
     assert!(message.contains(&reference), "{message}");
+    assert!(server.fake.state.lock().unwrap().installs.is_empty());
+
+    // The same registry by a name the operator did not allow: it
+    // resolves to loopback, which no tenant may make the server reach.
+    let by_name = reference.replace("127.0.0.1:", "localhost:");
+    let mut private = spec(PASSWORD, false);
+    private["from"]["reference"] = json!(by_name);
+    let refused = build(&server, ACME, private).await;
+    assert_eq!(refused["status"], "error", "{refused}");
+    let message = refused["failure"]["message"].as_str().unwrap();
+    assert!(message.contains("not a global address"), "{message}");
+    assert!(message.contains("localhost:"), "{message}");
     assert!(server.fake.state.lock().unwrap().installs.is_empty());
 
     // The right one: pulled, unpacked, made, installed, booted.

@@ -37,6 +37,27 @@ pub enum Error {
         /// The registry's host (and port).
         registry: String,
     },
+    /// A registry that resolves to an address only this host may reach
+    /// (loopback, a private network, link-local...), under
+    /// [`crate::Reach::Global`] without naming it.
+    #[error(
+        "registry {registry} resolves to {address}, not a global address: a registry on a \
+         private network is pulled from only when the server's operator names it"
+    )]
+    NotGlobal {
+        /// The registry's host (and port).
+        registry: String,
+        /// The address that is not global.
+        address: std::net::IpAddr,
+    },
+    /// The registry's name does not resolve.
+    #[error("registry {registry} does not resolve: {detail}")]
+    Unresolved {
+        /// The registry's host (and port).
+        registry: String,
+        /// The resolver's word.
+        detail: String,
+    },
     /// The extra CA certificate given for the registry is not PEM.
     #[error("extra CA certificate: {0}")]
     Certificate(String),

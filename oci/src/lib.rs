@@ -34,6 +34,7 @@ mod entry;
 mod error;
 mod image;
 mod pull;
+mod reach;
 mod root;
 mod store;
 mod template;
@@ -45,6 +46,7 @@ pub use entry::Skipped;
 pub use error::{BombLimit, Error, Refusal, Result};
 pub use image::{Image, ImageConfig, Layer};
 pub use pull::{pull, Credentials, Progress, PullEvent, PullOptions, Reference, PROGRESS_EVERY};
+pub use reach::{is_global, Reach};
 pub use store::Digest;
 pub use template::{
     additions_digest, make_ext4, make_template_rootfs, prepare_root, TemplateOptions,

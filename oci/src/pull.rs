@@ -74,11 +74,7 @@ impl Reference {
 
     /// Whether the registry is on this host's loopback.
     pub fn is_loopback(&self) -> bool {
-        let registry = self.registry();
-        let host = match registry.strip_prefix('[') {
-            Some(rest) => rest.split(']').next().unwrap_or(rest),
-            None => registry.rsplit_once(':').map_or(registry, |(h, _)| h),
-        };
+        let (host, _) = crate::reach::host_port(self.registry());
         host == "localhost" || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
     }
 }
@@ -201,10 +197,14 @@ pub struct PullOptions {
     pub timeout: Duration,
     /// Where progress goes, if anywhere.
     pub progress: Option<Progress>,
+    /// Which registries may be reached (checked before the first
+    /// request, on the registry's addresses).
+    pub reach: crate::Reach,
 }
 
 impl PullOptions {
-    /// HTTPS, no extra CA, blobs up to 16 GiB, 30 minutes, no progress.
+    /// HTTPS, no extra CA, blobs up to 16 GiB, 30 minutes, no progress,
+    /// any registry.
     pub fn new(blob_dir: impl Into<PathBuf>) -> PullOptions {
         PullOptions {
             blob_dir: blob_dir.into(),
@@ -214,6 +214,7 @@ impl PullOptions {
             max_blob_bytes: 16 << 30,
             timeout: Duration::from_secs(1800),
             progress: None,
+            reach: crate::Reach::Any,
         }
     }
 }
@@ -243,6 +244,8 @@ async fn pull_inner(
     if options.plain_http && !options.insecure && !reference.is_loopback() {
         return Err(Error::PlainHttpRefused { registry });
     }
+    let port = if options.plain_http { 80 } else { 443 };
+    crate::reach::check(&registry, &options.reach, port).await?;
     let mut extra_roots = Vec::new();
     if let Some(pem) = &options.extra_ca_pem {
         use rustls::pki_types::pem::PemObject as _;

@@ -345,6 +345,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         guest_kernel,
         guest_agent,
         registry_ca: args.registry_ca.clone(),
+        private_registries: args.private_registries.clone(),
         ..Default::default()
     };
     let proxy_identity = proxy_identity(&args, &data_dir)?;

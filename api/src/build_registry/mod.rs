@@ -481,6 +481,9 @@ pub struct Guest {
     /// An extra CA (PEM) registries' certificates are checked against,
     /// besides the system's.
     pub registry_ca: Option<PathBuf>,
+    /// Registries pulled from whatever their addresses
+    /// ([`crate::ApiConfig::private_registries`]).
+    pub private_registries: Vec<String>,
     /// Free space left in a root filesystem past its content (and 30%).
     pub headroom_mib: u64,
 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use torpor_oci::{pull, Credentials, Image, Progress, PullEvent, PullOptions, Reference};
+use torpor_oci::{pull, Credentials, Image, Progress, PullEvent, PullOptions, Reach, Reference};
 
 use super::cache::sha256_file;
 use super::{io, ImageError, Request};
@@ -42,6 +42,9 @@ pub(super) fn pull_image(
 ) -> Result<Image, ImageError> {
     let runtime = req.runtime.clone().ok_or(ImageError::NoRuntime)?;
     let mut options = PullOptions::new(scratch.blobs());
+    options.reach = Reach::Global {
+        except: builds.guest.private_registries.clone(),
+    };
     if let Some(ca) = &builds.guest.registry_ca {
         options.extra_ca_pem = Some(std::fs::read(ca).map_err(io(ca.display()))?);
     }
