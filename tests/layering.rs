@@ -4,12 +4,20 @@
 //! the layers below it only ([`LAYERS`]). Read from the manifests, so a new
 //! dependency that breaks this fails here rather than in review.
 
-const SERVICE_CRATES: [&str; 5] = ["scheduler", "sandbox-api", "client", "api", "cluster"];
+const SERVICE_CRATES: [&str; 7] = [
+    "scheduler",
+    "sandbox-api",
+    "client",
+    "gate",
+    "e2b",
+    "api",
+    "cluster",
+];
 
 /// Each workspace crate (its directory) and the workspace crates it may
 /// depend on: the layers, bottom first. Cargo refuses cycles; this refuses
 /// an edge the design does not have (docs/design.md, "Workspace").
-const LAYERS: [(&str, &[&str]); 15] = [
+const LAYERS: [(&str, &[&str]); 17] = [
     ("sync", &[]),
     // Template builds: the spec, E2B's body, Dockerfiles, cache keys,
     // COPY archives (pure logic; the executor builds on it).
@@ -32,17 +40,42 @@ const LAYERS: [(&str, &[&str]); 15] = [
     ),
     // The contract: the operations, over the pod's types.
     ("sandbox-api", &["torpor-scheduler"]),
+    // The gate every surface reaches sandboxes through: the backend as the
+    // API holds it, tokens, tenants, quotas, limits, errors, builds.
     (
-        "api",
+        "gate",
         &[
             "torpor-sync",
             "torpor-vmm-api",
-            "torpor-agent",
             "torpor-scheduler",
             "torpor-sandbox-api",
             "torpor-client",
             "torpor-build",
             "torpor-oci",
+        ],
+    ),
+    // The surfaces, over the gate: E2B's API, envd and the guest-port
+    // router; then `/v1`, which assembles the server (and the nested pod).
+    (
+        "e2b",
+        &[
+            "torpor-sync",
+            "torpor-agent",
+            "torpor-scheduler",
+            "torpor-build",
+            "torpor-gate",
+        ],
+    ),
+    (
+        "api",
+        &[
+            "torpor-sync",
+            "torpor-agent",
+            "torpor-scheduler",
+            "torpor-sandbox-api",
+            "torpor-client",
+            "torpor-gate",
+            "torpor-e2b",
         ],
     ),
     (
@@ -52,7 +85,7 @@ const LAYERS: [(&str, &[&str]); 15] = [
             "torpor-scheduler",
             "torpor-sandbox-api",
             "torpor-client",
-            "torpor-api",
+            "torpor-gate",
         ],
     ),
     (
@@ -67,6 +100,8 @@ const LAYERS: [(&str, &[&str]); 15] = [
             "torpor-vmm",
             "torpor-scheduler",
             "torpor-sandbox-api",
+            "torpor-gate",
+            "torpor-e2b",
             "torpor-api",
             "torpor-cluster",
             "torpor-build",
@@ -145,12 +180,18 @@ fn each_crate_depends_on_the_layers_below_it_only() {
 /// (a module's paths to another, as `crate::`, `super::` or `self::` paths
 /// and in `use` groups, outside its tests). The others still have some; a
 /// crate joins this list when its cycles are gone.
-const ACYCLIC: [&str; 7] = [
+const ACYCLIC: [&str; 13] = [
+    "guest-image/agent",
     "vmm-api",
     "vmm",
+    "nested",
     "scheduler",
+    "sandbox-api",
+    "gate",
+    "e2b",
     "api",
     "cluster",
+    "storage",
     "oci",
     "build",
 ];

@@ -1,4 +1,12 @@
-//! torpor's REST API: axum routes over the sandbox service.
+//! torpor's REST API (`/v1`) and the server that assembles every surface.
+//!
+//! The crates, bottom up: the contract (torpor-sandbox-api), the gate
+//! every surface reaches sandboxes through (torpor-gate: the backend as
+//! the API holds it, tokens, tenants, quotas, rate limits, the tenancy
+//! checks, errors, builds, the remote pods), E2B's API, envd and the
+//! guest-port router (torpor-e2b), and this crate: `/v1`'s routes and
+//! OpenAPI document, the nested pod ([`nested`]) and the assembly
+//! ([`Api`]). The gate's modules are re-exported here under their names.
 //!
 //! [`router`] builds the app from [`ROUTES`] (the one list of routes, also
 //! the paths of the OpenAPI document, [`openapi`], served at
@@ -7,11 +15,8 @@
 //! (implemented for `torpor_scheduler::service::Service`), on tokio's
 //! blocking pool.
 //!
-//! Its modules import each other one way (tests/layering.rs): `service`,
-//! `error` and `calls` at the bottom, then `wire`, `pods`, `pagination`,
-//! `streams` and `request_context`, `backend`, `quota`, `auth`, `tenancy`,
-//! `gate` and `handlers`, the routes (`*_routes`, `agent_tunnel`, `e2b`,
-//! `relay`), and `openapi`, `ports` and `nested` on top.
+//! Its modules import each other one way (tests/layering.rs): the routes
+//! (`*_routes`), then `openapi` and `nested`.
 //!
 //! Every route but `/healthz` and `/v1/openapi.json` needs
 //! `Authorization: Bearer <token>` ([`auth`]). Every error, the service's
@@ -47,197 +52,44 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
-use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{header, Method, StatusCode};
-use axum::middleware::{self, Next};
-use axum::response::{IntoResponse, Response};
+use axum::extract::DefaultBodyLimit;
+use axum::middleware;
 use axum::routing::{on, MethodFilter, MethodRouter};
 use axum::serve::ListenerExt;
 use axum::Router;
 
 mod admin_routes;
-pub mod agent_tunnel;
-pub mod auth;
-pub mod backend;
-mod body;
-pub mod build_registry;
-pub mod builds;
-pub mod calls;
 mod checkpoint_routes;
-pub mod e2b;
-pub mod error;
-pub mod gate;
 pub mod guest_routes;
-mod handlers;
-pub mod history_routes;
 pub mod nested;
 mod network_routes;
 pub mod openapi;
-pub mod pagination;
-pub mod pods;
-pub mod ports;
-pub mod quota;
-pub mod relay;
-pub mod request_context;
-pub mod service;
-pub mod streams;
-pub mod tenancy;
-pub mod tls;
-pub mod wire;
 
-pub use backend::dispatch::dispatch;
-pub use backend::typed::SandboxCalls;
-pub use backend::{Lifecycle, SandboxApi};
-pub use calls::{ExecMode, ExecReply, FileOp, FileReply, TemplateOp, TemplateReply};
-pub use error::ApiError;
+// What every surface shares, the gate first (torpor-gate); the modules
+// are named here as before the split, so `torpor_api::auth` and the
+// routes' `crate::handlers` paths still hold.
+pub use torpor_gate::{
+    agent_tunnel, auth, backend, build_registry, builds, calls, error, gate, history_routes,
+    pagination, pods, quota, relay, request_context, service, streams, tenancy, tls, wire,
+};
+use torpor_gate::{body, handlers};
+pub use torpor_gate::{
+    builds_of, limits, method_filter, route, tenancy_of, too_large, ApiConfig, Limits, Route,
+    DEFAULT_IMAGE_HEADROOM_MIB, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_UPLOAD_BYTES,
+    DEFAULT_REQUEST_TIMEOUT,
+};
+// E2B's API, envd and the guest-port router (torpor-e2b).
+pub use torpor_e2b as e2b;
+pub use torpor_e2b::ports;
+
+pub use torpor_gate::dispatch;
+pub use torpor_gate::ApiError;
+pub use torpor_gate::SandboxCalls;
+pub use torpor_gate::{ExecMode, ExecReply, FileOp, FileReply, TemplateOp, TemplateReply};
+pub use torpor_gate::{Lifecycle, SandboxApi};
 
 use handlers::AppState;
-
-/// How the API runs. `Debug` shows how many tokens there are, not them.
-#[derive(Clone)]
-pub struct ApiConfig {
-    /// Admin bearer tokens (tenant `admin`) from the command line or a
-    /// pod's token file. With no tokens file either, every authenticated
-    /// route answers 401 (fail closed).
-    pub tokens: Vec<String>,
-    /// The tokens file (`DATA_DIR/tenants.json`): tenants' and admins'
-    /// tokens, stored hashed, and the tenants' quotas.
-    pub tenants_file: Option<std::path::PathBuf>,
-    /// The tokens and quotas, made already (a cluster replica's, in
-    /// PostgreSQL: [`auth::Auth::shared`]); then `tokens` and
-    /// `tenants_file` are not read.
-    pub auth: Option<auth::Auth>,
-    /// Largest image upload (`PUT /v1/images/{name}/{part}`).
-    pub max_upload_bytes: u64,
-    /// Per-token limits on expensive routes.
-    pub rate_limit: tenancy::RateLimit,
-    /// Largest request body; bigger is 413 (checked on `Content-Length`
-    /// before reading, and while reading).
-    pub max_body_bytes: usize,
-    /// Longest a request may take, body and service call included; past it
-    /// the answer is 504. The service call itself runs on to its end (its
-    /// result is in the store): read the resource to see it.
-    pub request_timeout: Duration,
-    /// The domain of guest ports' host names, `{port}-{id}.{domain}`
-    /// ([`ports`]): what E2B's create and connect answers carry as
-    /// `domain`. `None`: ports by E2B's headers only, `domain` null.
-    pub proxy_domain: Option<String>,
-    /// Where template builds keep their records and uploaded files
-    /// (`DATA_DIR/builds`); `None`: in memory, files in a temporary
-    /// directory.
-    pub builds_dir: Option<std::path::PathBuf>,
-    /// The guest kernel (`vmlinux`) templates built from OCI images boot
-    /// (`torpor serve`: its built-in Linux template's). Without it, and
-    /// [`ApiConfig::guest_agent`], a build from an image is 501.
-    pub guest_kernel: Option<std::path::PathBuf>,
-    /// The static torpor-agent put into templates built from OCI images.
-    pub guest_agent: Option<std::path::PathBuf>,
-    /// An extra CA (PEM) the registries builds pull from are checked
-    /// against, besides the system's roots (a private registry's).
-    pub registry_ca: Option<std::path::PathBuf>,
-    /// Registries (`host` or `host:port`, as image references name them)
-    /// builds may pull from although they resolve to addresses that are
-    /// not global (loopback, a private network): every other such
-    /// registry is refused, so that a tenant cannot make the server reach
-    /// what only it reaches.
-    pub private_registries: Vec<String>,
-    /// Free space (MiB) a template built from an OCI image has in its root
-    /// filesystem, past its content and 30% of it: room for its build's
-    /// steps.
-    pub image_headroom_mib: u64,
-}
-
-/// Default [`ApiConfig::image_headroom_mib`]: 512 MiB.
-pub const DEFAULT_IMAGE_HEADROOM_MIB: u64 = 512;
-
-/// Default [`ApiConfig::max_upload_bytes`]: 8 GiB.
-pub const DEFAULT_MAX_UPLOAD_BYTES: u64 = 8 << 30;
-/// Default [`ApiConfig::max_body_bytes`]: 1 MiB.
-pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
-/// Default [`ApiConfig::request_timeout`]: long enough for a template build.
-pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
-
-impl std::fmt::Debug for ApiConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ApiConfig")
-            .field("tokens", &format_args!("[{} redacted]", self.tokens.len()))
-            .field("tenants_file", &self.tenants_file)
-            .field("auth", &self.auth)
-            .field("max_upload_bytes", &self.max_upload_bytes)
-            .field("rate_limit", &self.rate_limit)
-            .field("max_body_bytes", &self.max_body_bytes)
-            .field("request_timeout", &self.request_timeout)
-            .field("proxy_domain", &self.proxy_domain)
-            .field("builds_dir", &self.builds_dir)
-            .field("guest_kernel", &self.guest_kernel)
-            .field("guest_agent", &self.guest_agent)
-            .field("registry_ca", &self.registry_ca)
-            .field("private_registries", &self.private_registries)
-            .field("image_headroom_mib", &self.image_headroom_mib)
-            .finish()
-    }
-}
-
-impl Default for ApiConfig {
-    fn default() -> Self {
-        ApiConfig {
-            tokens: Vec::new(),
-            tenants_file: None,
-            auth: None,
-            max_upload_bytes: DEFAULT_MAX_UPLOAD_BYTES,
-            rate_limit: tenancy::RateLimit::default(),
-            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
-            request_timeout: DEFAULT_REQUEST_TIMEOUT,
-            proxy_domain: None,
-            builds_dir: None,
-            guest_kernel: None,
-            guest_agent: None,
-            registry_ca: None,
-            private_registries: Vec::new(),
-            image_headroom_mib: DEFAULT_IMAGE_HEADROOM_MIB,
-        }
-    }
-}
-
-/// One route: method, path (axum syntax, as in the OpenAPI document), the
-/// OpenAPI `operationId`, whether it needs a bearer token, and whether
-/// that token must be an admin's.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Route {
-    pub method: &'static str,
-    pub path: &'static str,
-    pub operation: &'static str,
-    pub auth: bool,
-    pub admin: bool,
-    /// What the gate checks and admits before the handler ([`gate`]).
-    pub gate: gate::Gated,
-}
-
-impl Route {
-    /// The route's `{id}` is a sandbox, reached through the gate, which
-    /// admits `cost`.
-    pub(crate) const fn sandbox(mut self, cost: gate::Admit) -> Route {
-        self.gate = gate::Gated::Sandbox(cost);
-        self
-    }
-}
-
-pub(crate) const fn route(
-    method: &'static str,
-    path: &'static str,
-    operation: &'static str,
-) -> Route {
-    Route {
-        method,
-        path,
-        operation,
-        auth: true,
-        admin: false,
-        gate: gate::Gated::No,
-    }
-}
 
 /// A route only admin tokens may use (403 `forbidden` for tenants).
 const fn admin(method: &'static str, path: &'static str, operation: &'static str) -> Route {
@@ -412,141 +264,6 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "getOperation" => on(m, get_operation::<S>),
         "setQuota" => on(m, admin_routes::set_quota::<S>),
         other => panic!("route table names unknown operation {other:?}"),
-    }
-}
-
-pub(crate) fn method_filter(method: &str) -> MethodFilter {
-    match method {
-        "GET" => MethodFilter::GET,
-        "POST" => MethodFilter::POST,
-        "PUT" => MethodFilter::PUT,
-        "PATCH" => MethodFilter::PATCH,
-        "DELETE" => MethodFilter::DELETE,
-        other => panic!("route table names unknown method {other:?}"),
-    }
-}
-
-/// Limits every request shares: `max_body_bytes` (image uploads:
-/// `max_upload_bytes`) and `request_timeout`.
-#[derive(Clone, Copy)]
-pub(crate) struct Limits {
-    pub(crate) max_body_bytes: usize,
-    pub(crate) max_upload_bytes: u64,
-    pub(crate) request_timeout: Duration,
-}
-
-impl Limits {
-    fn of(config: &ApiConfig) -> Self {
-        Limits {
-            max_body_bytes: config.max_body_bytes,
-            max_upload_bytes: config.max_upload_bytes,
-            request_timeout: config.request_timeout,
-        }
-    }
-}
-
-/// Whether `path` is an image upload (its own size limit, no timeout).
-fn is_upload(method: &Method, path: &str) -> bool {
-    method == Method::PUT && path.starts_with("/v1/images/")
-}
-
-/// 413 `payload_too_large` for a body over `limit` bytes.
-pub(crate) fn too_large(limit: u64) -> Response {
-    ApiError::new(
-        StatusCode::PAYLOAD_TOO_LARGE,
-        error::code::PAYLOAD_TOO_LARGE,
-        format!("request body is larger than the limit of {limit} bytes"),
-    )
-    .into_response()
-}
-
-pub(crate) async fn limits(State(limits): State<Limits>, request: Request, next: Next) -> Response {
-    let declared = request
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    let upload = is_upload(request.method(), request.uri().path());
-    let limit = if upload {
-        limits.max_upload_bytes
-    } else {
-        limits.max_body_bytes as u64
-    };
-    if declared.is_some_and(|n| n > limit) {
-        return too_large(limit);
-    }
-    if upload {
-        // Streamed to disk at its own pace, capped by size.
-        return next.run(request).await;
-    }
-    let method: Method = request.method().clone();
-    let path = request.uri().path().to_string();
-    match tokio::time::timeout(limits.request_timeout, next.run(request)).await {
-        Ok(response) => response,
-        Err(_) => {
-            tracing::warn!(%method, %path, "request timed out");
-            ApiError::new(
-                StatusCode::GATEWAY_TIMEOUT,
-                error::code::TIMEOUT,
-                format!(
-                    "the request took longer than {:?}; an operation it started may still \
-                     complete: read the resource to see its state",
-                    limits.request_timeout
-                ),
-            )
-            .into_response()
-        }
-    }
-}
-
-/// The builds of `config`'s directory; in memory if it cannot be opened
-/// (logged). Templates from OCI images get `config`'s kernel and agent.
-fn builds_of(config: &ApiConfig) -> builds::Builds {
-    let builds = builds::Builds::open(config.builds_dir.as_deref()).unwrap_or_else(|e| {
-        tracing::error!(error = %e, "the builds directory cannot be opened: builds kept in memory");
-        builds::Builds::open(None).expect("a temporary directory for build files")
-    });
-    builds.with_guest(builds::image::Guest {
-        kernel: config.guest_kernel.clone(),
-        agent: config.guest_agent.clone(),
-        registry_ca: config.registry_ca.clone(),
-        private_registries: config.private_registries.clone(),
-        headroom_mib: config.image_headroom_mib,
-    })
-}
-
-/// The tokens (command line and tokens file), quotas and rate limits the
-/// routes share.
-fn tenancy_of<S: SandboxApi>(service: &Arc<S>, config: &ApiConfig) -> tenancy::Tenancy<S> {
-    let auth = match config.auth.clone().map_or_else(
-        || auth::Auth::new(&config.tokens, config.tenants_file.clone()),
-        Ok,
-    ) {
-        Ok(a) => a,
-        Err(e) => {
-            // Fail closed: an unreadable tokens file accepts no token of it.
-            tracing::error!(error = %e, "the tokens file cannot be read: only command-line tokens are accepted");
-            auth::Auth::new(&config.tokens, None).expect("no file to read")
-        }
-    };
-    if auth.is_empty() {
-        tracing::warn!("no API tokens configured: every authenticated route answers 401");
-    }
-    tenancy::Tenancy {
-        service: Arc::clone(service),
-        auth: auth.clone(),
-        quotas: Arc::new(quota::Quotas::default()),
-        limiter: tenancy::Limiter::new(config.rate_limit),
-        streams: streams::Streams::new(
-            config.rate_limit.streams_per_tenant,
-            streams::DEFAULT_TOTAL,
-        ),
-        traffic: Arc::default(),
-        builds: Arc::new(builds_of(config)),
-        domain: config
-            .proxy_domain
-            .as_deref()
-            .map(|d| Arc::from(d.trim_end_matches('.').to_ascii_lowercase())),
     }
 }
 
@@ -818,6 +535,17 @@ mod tests {
         }
         let public: Vec<_> = ROUTES.iter().filter(|r| !r.auth).map(|r| r.path).collect();
         assert_eq!(public, ["/healthz", "/v1/openapi.json"]);
+    }
+
+    #[test]
+    fn e2b_routes_are_apart_from_ours() {
+        for r in e2b::ROUTES {
+            assert!(
+                !ROUTES.iter().any(|o| o.path == r.path),
+                "{} is also a torpor route",
+                r.path
+            );
+        }
     }
 
     #[test]

@@ -3,8 +3,8 @@
 //! source of truth every replica counts in, atomically. In one transaction
 //! (on the connection kept for it, [`Db`]'s `admission`): the tenant's
 //! quota row is locked (`FOR UPDATE`), its use counted in one statement
-//! (its sandboxes, as [`torpor_api::quota::usage_of`] counts them, plus what
-//! its pending creates asked: [`usage`]), checked ([`torpor_api::quota::check`]), and the create journaled
+//! (its sandboxes, as [`torpor_gate::quota::usage_of`] counts them, plus what
+//! its pending creates asked: [`usage`]), checked ([`torpor_gate::quota::check`]), and the create journaled
 //! with what it asks; the commit frees the lock. A replica admitting for
 //! the same tenant at the same time waits for the lock, and its count,
 //! read after, sees that create. A create is counted while it is pending
@@ -19,7 +19,7 @@ use tokio_postgres::{Client, Transaction};
 
 use super::db::{insert_operation, pg, Db, NewOp};
 use super::ClusterError;
-use torpor_api::quota::{check, usage_of, Quota, Usage};
+use torpor_gate::quota::{check, usage_of, Quota, Usage};
 
 /// How long an admission waits for its tenant's lock before it answers
 /// 503 (another replica's admission holds it for a few reads).

@@ -14,7 +14,7 @@ use torpor_sync::Locked;
 
 use super::wire::{Heartbeat, OpOutcome, Reply};
 use super::ClusterError;
-use torpor_api::quota::Usage;
+use torpor_gate::quota::Usage;
 
 /// The advisory lock key the migrations are applied under.
 const MIGRATION_LOCK: i64 = 0x746f_7270_6f72; // "torpor"

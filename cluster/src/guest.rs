@@ -15,7 +15,7 @@
 //!   create (its `Idempotency-Key`) keeps the first request's. The row
 //!   goes with its sandbox's (`ON DELETE CASCADE`).
 //! - The guest agent: through the owning pod's agent tunnel
-//!   ([`torpor_api::pods::tunnel::dialer`], as serve reaches its nested
+//!   ([`torpor_gate::pods::tunnel::dialer`], as serve reaches its nested
 //!   pod's sandbox), the pod waking the sandbox if it is hibernated. A pod
 //!   down is 503 `unavailable`, as on `/v1`.
 //! - Snapshots (E2B's snapshot-as-template): made on the sandbox's pod
@@ -41,14 +41,14 @@ use torpor_scheduler::model::{
 use super::db::{pg, Db};
 use super::replica::Cluster;
 use super::ClusterError;
-use torpor_api::calls::{map_call, ExecMode, ExecReply};
-use torpor_api::error::code;
-use torpor_api::pods::RemotePod;
-use torpor_api::service::{
+use torpor_client::encode;
+use torpor_gate::calls::{map_call, ExecMode, ExecReply};
+use torpor_gate::error::code;
+use torpor_gate::pods::RemotePod;
+use torpor_gate::service::{
     AgentLink, Cancel, ExecRequest, GuestCall, GuestError, Outcome, ServiceError,
     TemplateFromSandbox,
 };
-use torpor_client::encode;
 
 /// How long a snapshot's answer waits for its pod's heartbeat to list it.
 const LISTED_WITHIN: Duration = Duration::from_secs(10);
@@ -179,10 +179,10 @@ impl Cluster {
     pub(super) fn history_on_pod(
         &self,
         id: &SandboxId,
-        range: torpor_api::wire::Range,
+        range: torpor_gate::wire::Range,
     ) -> Result<Vec<torpor_scheduler::service::history::MetricSample>, ServiceError> {
         let (_, pod) = self.pod_of(id)?;
-        torpor_api::history_routes::on_remote_pod(&pod, id, range)
+        torpor_gate::history_routes::on_remote_pod(&pod, id, range)
     }
 
     fn sandbox_from(pod: &RemotePod, value: Value) -> Result<Sandbox, ServiceError> {
@@ -232,7 +232,7 @@ impl Cluster {
             }
             .into());
         }
-        let dial = torpor_api::pods::tunnel::dialer(self.rt.clone(), pod.line.clone(), id.clone());
+        let dial = torpor_gate::pods::tunnel::dialer(self.rt.clone(), pod.line.clone(), id.clone());
         let link = AgentLink::dialed(id.as_str(), format!("pod {}", pod.id), dial);
         f(&link).map_err(ServiceError::Guest)?;
         let value = pod.call("GET", &Self::sandbox_path(id), None)?;
@@ -249,7 +249,7 @@ impl Cluster {
         id: &SandboxId,
         call: impl FnOnce(&AgentLink) -> Result<T, GuestError>,
     ) -> Result<GuestCall<T>, ServiceError> {
-        torpor_api::calls::through_tunnel(|f| self.tunnel(id, f), call)
+        torpor_gate::calls::through_tunnel(|f| self.tunnel(id, f), call)
     }
 
     /// A command run through the tunnel (`/v1` exec is relayed to the pod

@@ -26,8 +26,8 @@ use torpor_scheduler::service::ServiceError;
 
 use super::db::{pg, PodRow};
 use super::replica::Cluster;
-use torpor_api::calls::{ImageOp, ImageReply};
 use torpor_client::encode;
+use torpor_gate::calls::{ImageOp, ImageReply};
 
 /// A reader that fails once more than `left` bytes were read through it.
 struct Limited<'a> {

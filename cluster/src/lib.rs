@@ -3,7 +3,7 @@
 //! (`torpor pod serve --cluster ...`), sharing state in PostgreSQL
 //! ([`db`]) and talking over NATS JetStream ([`wire`]).
 //!
-//! - A replica ([`replica::Cluster`], a [`torpor_api::backend::SandboxApi`]) places a
+//! - A replica ([`replica::Cluster`], a [`torpor_gate::backend::SandboxApi`]) places a
 //!   create on a pod from the pods' heartbeats, journals the operation in
 //!   PostgreSQL, sends it to that pod's work queue and waits for its result
 //!   (up to a deadline: past it the answer is 202 with
@@ -12,7 +12,7 @@
 //!   builds and deletes to a pod ([`templates`]), checkpoints' takes and
 //!   deletes to the sandbox's pod ([`checkpoints`]); the data plane
 //!   (exec, files, ports, timeouts) is relayed straight to the pod's API
-//!   (`torpor_api::relay`). E2B's routes use the same commands; envd
+//!   (`torpor_gate::relay`). E2B's routes use the same commands; envd
 //!   reaches the guest through the pod's agent tunnel, and any replica
 //!   checks a sandbox's envd token, kept in PostgreSQL ([`guest`]).
 //! - Every replica also consumes the pods' events ([`events`]): results
@@ -60,7 +60,7 @@ pub enum ClusterError {
     Journal(String),
     /// A create refused at admission (`admission.rs`): 429.
     #[error(transparent)]
-    Quota(#[from] torpor_api::quota::QuotaExceeded),
+    Quota(#[from] torpor_gate::quota::QuotaExceeded),
 }
 
 impl From<ClusterError> for ServiceError {
@@ -69,7 +69,7 @@ impl From<ClusterError> for ServiceError {
             // The shared state or the bus is down: try again later.
             ClusterError::Postgres(_) | ClusterError::Nats(_) => ServiceError::Pod {
                 status: 503,
-                code: torpor_api::error::code::UNAVAILABLE.into(),
+                code: torpor_gate::error::code::UNAVAILABLE.into(),
                 message: format!("the cluster cannot serve this now: {e}"),
             },
             ClusterError::Quota(q) => q.into(),

@@ -19,14 +19,14 @@ use torpor_scheduler::model::{PodId, Sandbox, SandboxState};
 use torpor_scheduler::service::ServiceError;
 use torpor_sync::Locked;
 
-use torpor_api::service::SandboxFilter;
+use torpor_gate::service::SandboxFilter;
 
 use super::expiry::{self, Deadlines};
 use super::wire::{
     self, Event, Heartbeat, OpError, OpOutcome, Operation, Reply, WorkItem, MAX_REPORTED,
 };
 use super::{ClusterConfig, ClusterError};
-use torpor_api::backend::SandboxApi;
+use torpor_gate::backend::SandboxApi;
 
 /// Operations run at once.
 const CONCURRENCY: usize = 8;
@@ -254,7 +254,7 @@ async fn take<S: SandboxApi>(
             Journaled::Done(outcome) => return Ok(outcome),
             Journaled::Running => OpOutcome::Failed(OpError {
                 status: 500,
-                code: torpor_api::error::code::INTERNAL.into(),
+                code: torpor_gate::error::code::INTERNAL.into(),
                 message: format!(
                     "operation {} was interrupted by a restart of pod {pod}: read the sandbox \
                      to see its state",
@@ -395,7 +395,7 @@ fn heartbeat<S: SandboxApi>(service: &S, me: &PodIdentity) -> Result<Heartbeat, 
         .into_iter()
         .next()
         .unwrap_or_default();
-    let headroom_mib = torpor_api::pods::headroom_mib(&load);
+    let headroom_mib = torpor_gate::pods::headroom_mib(&load);
     let mut catalog = service.list_templates()?;
     let mut templates = Vec::new();
     for t in &catalog {

@@ -14,15 +14,15 @@ use torpor_scheduler::state::SandboxState;
 use super::db::{Db, NewOp, OpRow, PodRow};
 use super::wire::{self, OpOutcome, Operation, Reply, WorkItem};
 use super::{ClusterConfig, ClusterError};
-use torpor_api::backend::{Lifecycle, SandboxApi};
-use torpor_api::error::code;
-use torpor_api::pods::RemotePod;
-use torpor_api::quota::Usage;
-use torpor_api::service::{
+use torpor_client::pin::Fingerprint;
+use torpor_gate::backend::{Lifecycle, SandboxApi};
+use torpor_gate::error::code;
+use torpor_gate::pods::RemotePod;
+use torpor_gate::quota::Usage;
+use torpor_gate::service::{
     AgentLink, Cancel, CreateSandbox, ExecRequest, ForkSandbox, GuestCall, GuestError, Outcome,
     PodView, SandboxFilter, ServiceError,
 };
-use torpor_client::pin::Fingerprint;
 
 /// Placement picks at random among this many of the pods with the most
 /// headroom, so that replicas placing at once do not all pick the same.
@@ -90,25 +90,9 @@ impl Cluster {
     }
 
     /// The shared state in PostgreSQL (the tenants' tokens and quotas are
-    /// read from it too: `torpor_api::auth::Auth::shared`).
+    /// read from it too: `torpor_gate::auth::Auth::shared`).
     pub fn db(&self) -> Arc<Db> {
         self.db.clone()
-    }
-
-    /// The API's router with the request context commands need (their
-    /// `Idempotency-Key`).
-    pub fn router(api: &torpor_api::Api<Cluster>) -> axum::Router {
-        api.router().layer(axum::middleware::from_fn(
-            torpor_api::request_context::scope,
-        ))
-    }
-
-    /// The E2B routes alone (`torpor serve --cluster ... --e2b-listen`),
-    /// with the request context commands need, as [`Cluster::router`].
-    pub fn e2b_router(api: &torpor_api::Api<Cluster>) -> axum::Router {
-        api.e2b_router().layer(axum::middleware::from_fn(
-            torpor_api::request_context::scope,
-        ))
     }
 
     /// Runs `f` to its end from a blocking caller (the handlers' blocking
@@ -190,7 +174,7 @@ impl Cluster {
         command: Operation,
         asked: Option<&Usage>,
     ) -> Result<OpOutcome, ServiceError> {
-        let key = torpor_api::request_context::idempotency_key();
+        let key = torpor_gate::request_context::idempotency_key();
         self.run_keyed(pod, tenant, command, asked, key).await
     }
 
@@ -353,7 +337,7 @@ impl Cluster {
         if !matches!(e, ServiceError::NotFound { .. }) {
             return Err(e);
         }
-        let Some(key) = torpor_api::request_context::idempotency_key() else {
+        let Some(key) = torpor_gate::request_context::idempotency_key() else {
             return Err(e);
         };
         match self.db.operation_by_key(&key, kind, id).await? {
@@ -433,16 +417,16 @@ impl SandboxApi for Cluster {
     /// their catalogs in PostgreSQL (`templates.rs`).
     fn templates(
         &self,
-        op: torpor_api::calls::TemplateOp<'_>,
-    ) -> Result<torpor_api::calls::TemplateReply, ServiceError> {
+        op: torpor_gate::calls::TemplateOp<'_>,
+    ) -> Result<torpor_gate::calls::TemplateReply, ServiceError> {
         self.template_call(op)
     }
 
     /// The pods' images, indexed in PostgreSQL (`images.rs`).
     fn images(
         &self,
-        op: torpor_api::calls::ImageOp<'_>,
-    ) -> Result<torpor_api::calls::ImageReply, ServiceError> {
+        op: torpor_gate::calls::ImageOp<'_>,
+    ) -> Result<torpor_gate::calls::ImageReply, ServiceError> {
         self.image_call(op)
     }
 
@@ -456,7 +440,7 @@ impl SandboxApi for Cluster {
             Operation::Create { .. }
             | Operation::Fork { .. }
             | Operation::TemplateBuild { .. }
-            | Operation::TemplateDelete { .. } => torpor_api::dispatch(self, op),
+            | Operation::TemplateDelete { .. } => torpor_gate::dispatch(self, op),
             Operation::Lifecycle(_)
             | Operation::Delete { .. }
             | Operation::Checkpoint { .. }
@@ -587,7 +571,7 @@ impl SandboxApi for Cluster {
     fn template_from_sandbox(
         &self,
         id: &SandboxId,
-        req: torpor_api::service::TemplateFromSandbox,
+        req: torpor_gate::service::TemplateFromSandbox,
     ) -> Result<torpor_scheduler::model::Template, ServiceError> {
         self.snapshot_on_pod(id, &req)
     }
@@ -694,7 +678,7 @@ impl SandboxApi for Cluster {
                     json!({})
                 };
                 entry["id"] = json!(p.id);
-                entry["address"] = json!(torpor_api::pods::pod_address(&p.address).ok());
+                entry["address"] = json!(torpor_gate::pods::pod_address(&p.address).ok());
                 entry["reachable"] = json!(up);
                 entry["templates"] = json!(p.templates);
                 entry["images"] = json!(p.images);
@@ -721,7 +705,7 @@ impl SandboxApi for Cluster {
     fn metrics_history(
         &self,
         id: &SandboxId,
-        range: torpor_api::wire::Range,
+        range: torpor_gate::wire::Range,
     ) -> Result<Vec<torpor_scheduler::service::history::MetricSample>, ServiceError> {
         self.history_on_pod(id, range)
     }
@@ -761,15 +745,15 @@ impl SandboxApi for Cluster {
         }))
     }
 
-    fn relay(&self, to: torpor_api::backend::Relay<'_>) -> Option<RemotePod> {
+    fn relay(&self, to: torpor_gate::backend::Relay<'_>) -> Option<RemotePod> {
         let pod = match to {
-            torpor_api::backend::Relay::Sandbox { method, path, .. }
+            torpor_gate::backend::Relay::Sandbox { method, path, .. }
                 if is_command(method, path) =>
             {
                 return None
             }
-            torpor_api::backend::Relay::Sandbox { id, .. } => self.block(self.owned(id)).ok()?.1,
-            torpor_api::backend::Relay::Pod(id) => {
+            torpor_gate::backend::Relay::Sandbox { id, .. } => self.block(self.owned(id)).ok()?.1,
+            torpor_gate::backend::Relay::Pod(id) => {
                 let pod = self.block(self.db.pod(id.as_str())).ok()??;
                 if id.as_str() == LOCAL_POD {
                     return None;
@@ -791,15 +775,15 @@ impl SandboxApi for Cluster {
         id: &SandboxId,
         req: ExecRequest,
         cancel: &Cancel,
-        mode: torpor_api::calls::ExecMode<'_>,
-    ) -> Result<GuestCall<torpor_api::calls::ExecReply>, ServiceError> {
+        mode: torpor_gate::calls::ExecMode<'_>,
+    ) -> Result<GuestCall<torpor_gate::calls::ExecReply>, ServiceError> {
         self.exec_through_tunnel(id, req, cancel, mode)
     }
     fn files(
         &self,
         id: &SandboxId,
-        op: torpor_api::calls::FileOp<'_>,
-    ) -> Result<GuestCall<torpor_api::calls::FileReply>, ServiceError> {
+        op: torpor_gate::calls::FileOp<'_>,
+    ) -> Result<GuestCall<torpor_gate::calls::FileReply>, ServiceError> {
         self.guest_call(id, |link| op.run(link))
     }
     fn with_guest(

@@ -35,9 +35,9 @@ use torpor_scheduler::service::{CreateTemplate, Owner};
 use super::db::PodRow;
 use super::replica::Cluster;
 use super::wire::{OpOutcome, Operation, Reply};
-use torpor_api::calls::{TemplateOp, TemplateReply};
-use torpor_api::quota::Usage;
-use torpor_api::service::ServiceError;
+use torpor_gate::calls::{TemplateOp, TemplateReply};
+use torpor_gate::quota::Usage;
+use torpor_gate::service::ServiceError;
 
 fn template_not_found(id: &TemplateId) -> ServiceError {
     ServiceError::NotFound {
@@ -200,7 +200,7 @@ impl Cluster {
         if let Some(l) = listed.into_iter().find(|l| l.up) {
             return Ok(l.template);
         }
-        if let Some(key) = torpor_api::request_context::idempotency_key() {
+        if let Some(key) = torpor_gate::request_context::idempotency_key() {
             if let Some(op) = self.db.template_delete_by_key(&key, id, None).await? {
                 if let Some(OpOutcome::Done(Reply::TemplateDeleted { template })) = op.outcome {
                     return Ok(*template);
@@ -218,7 +218,7 @@ impl Cluster {
         id: &TemplateId,
         tenant: Option<&str>,
     ) -> Result<Option<()>, ServiceError> {
-        let Some(key) = torpor_api::request_context::idempotency_key() else {
+        let Some(key) = torpor_gate::request_context::idempotency_key() else {
             return Ok(None);
         };
         let Some(op) = self.db.template_delete_by_key(&key, id, tenant).await? else {
@@ -233,7 +233,7 @@ impl Cluster {
     }
 
     async fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError> {
-        let key = torpor_api::request_context::idempotency_key();
+        let key = torpor_gate::request_context::idempotency_key();
         let listed = self.db.listing(id, self.config.down_after).await?;
         if listed.is_empty() {
             // A retry of a delete that removed it: its first outcome.

@@ -1,7 +1,7 @@
 //! The tenants' tokens and quotas in PostgreSQL (schema version 3), shared
-//! by every replica: the [`TokenStore`] [`torpor_api::auth::Auth::shared`] caches and reads
-//! again every [`torpor_api::auth::SHARED_REFRESH`]. Kept as the embedded
-//! `tenants.json` keeps them ([`torpor_api::auth::tokens`]): a token is its
+//! by every replica: the [`TokenStore`] [`torpor_gate::auth::Auth::shared`] caches and reads
+//! again every [`torpor_gate::auth::SHARED_REFRESH`]. Kept as the embedded
+//! `tenants.json` keeps them ([`torpor_gate::auth::tokens`]): a token is its
 //! SHA-256, never the token; a tenant is the name its tokens and quota
 //! carry.
 
@@ -12,10 +12,10 @@ use torpor_scheduler::model::Timestamp;
 
 use super::db::{pg, Db};
 use super::ClusterError;
-use torpor_api::auth::store::{StoreFuture, TokenStore};
-use torpor_api::auth::tokens::{TenantsFile, TokenRecord, TokensError, MAX_TOKENS};
-use torpor_api::auth::Scope;
-use torpor_api::quota::Quota;
+use torpor_gate::auth::store::{StoreFuture, TokenStore};
+use torpor_gate::auth::tokens::{TenantsFile, TokenRecord, TokensError, MAX_TOKENS};
+use torpor_gate::auth::Scope;
+use torpor_gate::quota::Quota;
 
 const TOKEN_COLUMNS: &str = "id, tenant, scope, sha256, created_at_ms";
 

@@ -19,7 +19,7 @@ use torpor_scheduler::model::{PodId, Sandbox, Template};
 use torpor_scheduler::service::ServiceError;
 
 use super::ClusterError;
-use torpor_api::error::ApiError;
+use torpor_gate::error::ApiError;
 pub use torpor_sandbox_api::{OpError, OpOutcome, Operation, Reply};
 
 pub const WORK_STREAM: &str = "TORPOR_WORK";

@@ -87,7 +87,7 @@ pub fn serve_replica(args: ServeArgs, urls: &str) -> Result<(), String> {
                 .map_err(|e| format!("cannot listen on {e2b_listen}: {e}"))?;
             let e2b_addr = e2b.local_addr().map_err(|e| e.to_string())?;
             println!("torpor serve: E2B API on http://{e2b_addr}");
-            let app = Cluster::e2b_router(&api);
+            let app = with_request_context(api.e2b_router());
             tokio::spawn(async move {
                 if let Err(e) = torpor_api::serve_app(e2b, app, super::serve::ctrl_c()).await {
                     tracing::error!("E2B listener: {e}");
@@ -95,16 +95,24 @@ pub fn serve_replica(args: ServeArgs, urls: &str) -> Result<(), String> {
             });
         }
         if let Some(proxy_listen) = args.proxy_listen {
-            let app = Cluster::e2b_router(&api);
+            let app = with_request_context(api.e2b_router());
             super::serve::serve_proxy(app, proxy_listen, &args.proxy_domain, proxy_identity)
                 .await?;
         }
         println!("torpor serve: listening on http://{addr}");
-        let app = Cluster::router(&api);
+        let app = with_request_context(api.router());
         torpor_api::serve_app(listener, app, super::serve::ctrl_c())
             .await
             .map_err(|e| e.to_string())
     })
+}
+
+/// A replica's `app` with the request context its commands need (their
+/// `Idempotency-Key`: `torpor_api::request_context`).
+fn with_request_context(app: axum::Router) -> axum::Router {
+    app.layer(axum::middleware::from_fn(
+        torpor_api::request_context::scope,
+    ))
 }
 
 /// Starts the pod's cluster side (on the current runtime) once its API

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::chunk::ChunkHash;
-use crate::manifest::ManifestId;
+use crate::id::ManifestId;
 
 /// Where a chunk belongs: which layer, which of its files, which chunk of
 /// that file. Every error about a chunk's content names it.
@@ -178,13 +178,8 @@ pub enum StorageError {
         id: ManifestId,
     },
     /// A manifest id that is not one (it becomes an object key).
-    #[error("bad manifest id {id:?}: {why}")]
-    BadManifestId {
-        /// The id as given.
-        id: String,
-        /// The rule it breaks.
-        why: &'static str,
-    },
+    #[error(transparent)]
+    BadManifestId(#[from] crate::id::BadManifestId),
     /// A manifest that does not decode or does not hold together.
     #[error("layer {id}: invalid manifest: {why}")]
     ManifestInvalid {

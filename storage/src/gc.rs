@@ -60,8 +60,9 @@ use futures_util::{stream, StreamExt, TryStreamExt};
 
 use crate::chunk::ChunkHash;
 use crate::error::StorageError;
+use crate::id::{unique_name, ManifestId};
 use crate::lease::{Beacon, GcRecord, LeaseBody};
-use crate::manifest::{unique_name, Manifest, ManifestId};
+use crate::manifest::Manifest;
 use crate::pause::{pause, GcStage, Pause, PauseHandle};
 use crate::store::Storage;
 

@@ -18,7 +18,8 @@ use futures_util::{stream, StreamExt, TryStreamExt};
 use crate::cache::ChunkCache;
 use crate::chunk::{self, ChunkHash};
 use crate::error::{blocking, ChunkAt, StorageError};
-use crate::manifest::{Manifest, ManifestId};
+use crate::id::ManifestId;
+use crate::manifest::Manifest;
 use crate::sparse;
 use crate::store::Storage;
 

@@ -16,8 +16,9 @@ use torpor_sync::Locked;
 
 use crate::chunk::{self, ChunkHash};
 use crate::error::{blocking, StorageError};
+use crate::id::ManifestId;
 use crate::lease::{Beacon, LeaseBody};
-use crate::manifest::{check_path, FileEntry, Manifest, ManifestId, MANIFEST_VERSION};
+use crate::manifest::{check_path, FileEntry, Manifest, MANIFEST_VERSION};
 use crate::pause::{pause, Pause, PauseHandle, UploadStage};
 use crate::sparse;
 use crate::store::Storage;

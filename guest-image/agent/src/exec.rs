@@ -8,7 +8,7 @@
 //! sent again.
 
 use crate::proto::{ErrorReply, ExecRequest, ExitReply, OutputChunk, ReplyBody};
-use crate::server::Sink;
+use crate::sink::Sink;
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};

@@ -13,7 +13,7 @@ use crate::proto::{
     AttachRequest, ErrorReply, ExitReply, InputRequest, OutputChunk, ProcessInfo, PtySize,
     ReplyBody, ResizeRequest, SignalRequest, SpawnRequest, Spawned,
 };
-use crate::server::Sink;
+use crate::sink::Sink;
 use crate::users;
 use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;

@@ -217,9 +217,9 @@ pub struct WatchEvent {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub entry: Option<Box<crate::proto::FileStat>>,
+    pub entry: Option<Box<crate::proto_stat::FileStat>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub target: Option<Box<crate::proto::FileStat>>,
+    pub target: Option<Box<crate::proto_stat::FileStat>>,
 }
 
 /// `watch_events` reply.

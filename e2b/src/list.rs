@@ -26,12 +26,13 @@ use base64::Engine;
 use torpor_scheduler::model::{Sandbox, Timestamp};
 
 use super::error::E2bError;
-use super::routes::{detail, query_pairs};
-use super::wire::{e2b_state, torpor_states, SandboxDetail, MAX_LIMIT};
-use crate::auth::Principal;
-use crate::backend::SandboxApi;
-use crate::handlers::{call, Api};
-use crate::service::{SandboxFilter, ServiceError};
+use super::request::{limit, query_pairs};
+use super::routes::detail;
+use super::wire::{e2b_state, torpor_states, SandboxDetail};
+use torpor_gate::auth::Principal;
+use torpor_gate::backend::SandboxApi;
+use torpor_gate::handlers::{call, Api};
+use torpor_gate::service::{SandboxFilter, ServiceError};
 
 type E2bResult<T> = Result<T, E2bError>;
 
@@ -190,19 +191,6 @@ fn scope(principal: &Principal) -> SandboxFilter {
     SandboxFilter {
         tenant: (!principal.sees_all()).then(|| principal.owner().tenant),
         ..SandboxFilter::default()
-    }
-}
-
-/// The limit of a page: 1 to 100, 100 by default; else 400.
-pub(super) fn limit(q: &BTreeMap<String, String>) -> E2bResult<usize> {
-    match q.get("limit") {
-        None => Ok(MAX_LIMIT),
-        Some(l) => match l.parse::<usize>() {
-            Ok(n) if (1..=MAX_LIMIT).contains(&n) => Ok(n),
-            _ => Err(E2bError::bad_request(format!(
-                "limit {l:?} is not a number from 1 to {MAX_LIMIT}"
-            ))),
-        },
     }
 }
 

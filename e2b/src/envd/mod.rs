@@ -28,10 +28,10 @@ use torpor_scheduler::model::SandboxId;
 
 use super::error::E2bError;
 use super::wire::e2b_state;
-use crate::auth::Auth;
-use crate::backend::SandboxApi;
-use crate::handlers::{call, Api, AppState};
-use crate::service::ServiceError;
+use torpor_gate::auth::Auth;
+use torpor_gate::backend::SandboxApi;
+use torpor_gate::handlers::{call, Api, AppState};
+use torpor_gate::service::ServiceError;
 
 pub mod client_stream;
 pub mod encoding;
@@ -211,9 +211,9 @@ async fn rpc<S: SandboxApi>(
         Err(e) => return refuse(code_of(e.status.as_u16()), e.message),
     };
     // A streaming call holds a slot of the sandbox's tenant for as long as
-    // it streams, on a thread of its own (`crate::streams`).
+    // it streams, on a thread of its own (`torpor_gate::streams`).
     let slot = if rpc::method_kind(service, &method).is_some_and(|k| k != rpc::Kind::Unary) {
-        let tenant = owner.as_deref().unwrap_or(crate::auth::ADMIN_TENANT);
+        let tenant = owner.as_deref().unwrap_or(torpor_gate::auth::ADMIN_TENANT);
         match state.tenancy.streams.take(tenant) {
             Ok(slot) => Some(slot),
             Err(e) => return refuse(Code::ResourceExhausted, e.message),
@@ -259,19 +259,20 @@ async fn rpc<S: SandboxApi>(
 /// until the call is done; 429 `quota_exceeded` at the quota.
 pub(crate) fn wake_ticket<S: SandboxApi>(
     s: &S,
-    tenancy: &crate::tenancy::Tenancy<S>,
+    tenancy: &torpor_gate::tenancy::Tenancy<S>,
     id: &SandboxId,
-) -> Result<Option<crate::quota::Ticket>, ServiceError> {
+) -> Result<Option<torpor_gate::quota::Ticket>, ServiceError> {
     let Some(tenant) = s.sandbox_tenant(id)? else {
         return Ok(None);
     };
     let sandbox = s.get_sandbox(id)?;
     if s.admits_wakes() {
-        let limited = tenancy.auth.quota(&tenant) != crate::quota::Quota::default();
-        return crate::tenancy::wake_first(s, limited, &sandbox);
+        let limited = tenancy.auth.quota(&tenant) != torpor_gate::quota::Quota::default();
+        return torpor_gate::tenancy::wake_first(s, limited, &sandbox);
     }
-    let principal = crate::auth::Principal::new(tenant, crate::auth::Scope::Tenant, "envd");
-    crate::tenancy::admit_wake(tenancy, &principal, &sandbox)
+    let principal =
+        torpor_gate::auth::Principal::new(tenant, torpor_gate::auth::Scope::Tenant, "envd");
+    torpor_gate::tenancy::admit_wake(tenancy, &principal, &sandbox)
 }
 
 /// A service failure (unknown sandbox, failed wake, guest error) as
@@ -306,8 +307,8 @@ fn code_of(status: u16) -> Code {
 /// The envd routes.
 pub(crate) fn router<S: SandboxApi>(
     service: Arc<S>,
-    tenancy: crate::tenancy::Tenancy<S>,
-    limits: crate::Limits,
+    tenancy: torpor_gate::tenancy::Tenancy<S>,
+    limits: torpor_gate::Limits,
 ) -> Router {
     // `AppState` for `health`; the RPC routes need none.
     // Files need the sandbox's access token or the API key (see `files`).

@@ -6,11 +6,18 @@
 //! ours) and, with `torpor serve --e2b-listen ADDR`, alone on a listener of
 //! its own. Every route needs `X-API-KEY: <key>`, checked by
 //! the API's tokens (a key is a tenant's or an admin's); every route naming
-//! a sandbox goes through [`crate::gate`] (another tenant's is 404). Every error answer is E2B's
+//! a sandbox goes through [`torpor_gate::gate`] (another tenant's is 404). Every error answer is E2B's
 //! `{"code": <status>, "message": "..."}` ([`error`]), with torpor's
 //! status mapping (the table in `lib.rs`). What each route and field maps
 //! to, and what is not offered, is in `docs/e2b.md`; the routes are
-//! described in `api/e2b-openapi.json`.
+//! described in `e2b/e2b-openapi.json`.
+//!
+//! A crate of its own above the gate (torpor-gate), beside `/v1`
+//! (torpor-api, which assembles the server): the E2B routes, envd
+//! ([`envd`]) and the guest-port router ([`ports`]) reach sandboxes only
+//! through the gate's checks.
+
+#![forbid(unsafe_code)]
 
 use std::sync::Arc;
 
@@ -21,17 +28,19 @@ use axum::routing::{on, MethodRouter};
 use axum::Router;
 use sha2::{Digest, Sha256};
 
-use crate::backend::SandboxApi;
-use crate::gate::{Admit, Gated};
-use crate::handlers::AppState;
-use crate::tenancy::Tenancy;
-use crate::{method_filter, route, Limits, Route};
+use torpor_gate::backend::SandboxApi;
+use torpor_gate::gate::{Admit, Gated};
+use torpor_gate::handlers::AppState;
+use torpor_gate::tenancy::Tenancy;
+use torpor_gate::{method_filter, route, Limits, Route};
 
 pub mod envd;
 pub mod error;
 mod list;
 mod metrics;
 mod network;
+pub mod ports;
+mod request;
 mod routes;
 mod templates;
 pub mod time;
@@ -39,9 +48,9 @@ pub mod wire;
 
 pub use error::E2bError;
 
-/// The OpenAPI document of the E2B routes (`api/e2b-openapi.json`), apart
+/// The OpenAPI document of the E2B routes (`e2b/e2b-openapi.json`), apart
 /// from torpor's own: another auth scheme, another error body.
-pub const OPENAPI: &str = include_str!("../../e2b-openapi.json");
+pub const OPENAPI: &str = include_str!("../e2b-openapi.json");
 
 /// The header E2B's SDKs carry the API key in.
 pub const API_KEY_HEADER: &str = "x-api-key";
@@ -62,7 +71,7 @@ pub fn traffic_token(access_token: &str) -> String {
 }
 
 /// Every E2B route served (paths in axum syntax, operation ids as in
-/// `api/e2b-openapi.json`).
+/// `e2b/e2b-openapi.json`).
 pub const ROUTES: &[Route] = &[
     route("POST", "/sandboxes", "e2bCreateSandbox"),
     route("GET", "/sandboxes", "e2bListSandboxes"),
@@ -176,8 +185,8 @@ async fn require_key<S: SandboxApi>(
     next.run(request).await
 }
 
-/// The fallback of [`crate::e2b_router`]: 404 in E2B's shape.
-pub(crate) async fn no_route(request: Request) -> E2bError {
+/// The fallback of `torpor_api::Api::e2b_router`: 404 in E2B's shape.
+pub async fn no_route(request: Request) -> E2bError {
     E2bError::not_found(format!(
         "no route for {} {}",
         request.method(),
@@ -187,18 +196,14 @@ pub(crate) async fn no_route(request: Request) -> E2bError {
 
 /// The E2B routes, with their auth, the API's limits and E2B's error shape.
 /// No fallback: merged into the API's router, unknown paths are the API's.
-pub(crate) fn router<S: SandboxApi>(
-    service: Arc<S>,
-    tenancy: Tenancy<S>,
-    limits: Limits,
-) -> Router {
+pub fn router<S: SandboxApi>(service: Arc<S>, tenancy: Tenancy<S>, limits: Limits) -> Router {
     let mut app: Router<AppState<S>> = Router::new();
     for r in ROUTES {
         let mut endpoint = endpoint::<S>(r);
         if let Gated::Sandbox(cost) = r.gate {
             endpoint = endpoint.route_layer(middleware::from_fn_with_state(
                 (tenancy.clone(), cost),
-                crate::gate::sandbox::<S>,
+                torpor_gate::gate::sandbox::<S>,
             ));
         }
         if r.auth {
@@ -211,7 +216,7 @@ pub(crate) fn router<S: SandboxApi>(
     }
     let with_limits = |r: Router| {
         r.layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
-            .layer(middleware::from_fn_with_state(limits, crate::limits))
+            .layer(middleware::from_fn_with_state(limits, torpor_gate::limits))
     };
     let control = with_limits(app.with_state(AppState {
         service: Arc::clone(&service),
@@ -240,11 +245,6 @@ mod tests {
                 r.operation
             );
             assert!(!r.path.starts_with("/v1/"), "{}", r.path);
-            assert!(
-                !crate::ROUTES.iter().any(|o| o.path == r.path),
-                "{} is also a torpor route",
-                r.path
-            );
             method_filter(r.method);
         }
     }

@@ -21,7 +21,7 @@
 //! is woken, admitted against its tenant's quotas like any wake, and kept
 //! active while a connection to its port lasts. Nothing listening on the
 //! port is E2B's 502 "port is not open". Requests and bytes are counted
-//! per sandbox ([`crate::tenancy::Traffic`], on `/metrics`).
+//! per sandbox ([`torpor_gate::tenancy::Traffic`], on `/metrics`).
 
 use std::sync::Arc;
 
@@ -32,11 +32,11 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use torpor_scheduler::model::SandboxId;
 
-use crate::backend::SandboxApi;
-use crate::e2b::envd::files::{self, Caller, Refused};
-use crate::e2b::envd::SANDBOX_HEADER;
-use crate::e2b::TRAFFIC_HEADER;
-use crate::tenancy::Tenancy;
+use crate::envd::files::{self, Caller, Refused};
+use crate::envd::SANDBOX_HEADER;
+use crate::TRAFFIC_HEADER;
+use torpor_gate::backend::SandboxApi;
+use torpor_gate::tenancy::Tenancy;
 
 mod forward;
 
@@ -75,7 +75,7 @@ impl Addressing {
 /// What the router needs: the tenancy (tokens, quotas, the service, the
 /// domain of host names: `None`, headers only).
 pub struct Ports<S> {
-    pub(crate) tenancy: Tenancy<S>,
+    pub tenancy: Tenancy<S>,
 }
 
 impl<S> std::fmt::Debug for Ports<S> {
@@ -173,7 +173,7 @@ fn target(request: &Request, domain: Option<&str>) -> Target {
 
 /// The middleware in front of a listener's routes (see the module
 /// documentation).
-pub(crate) async fn route<S: SandboxApi>(
+pub async fn route<S: SandboxApi>(
     State(ports): State<Ports<S>>,
     mut request: Request,
     next: Next,
@@ -225,9 +225,9 @@ fn port_closed(id: &str, port: u16) -> Response {
 struct Admitted {
     sandbox: SandboxId,
     /// The wake's admission, if it is hibernated.
-    ticket: Option<crate::quota::Ticket>,
+    ticket: Option<torpor_gate::quota::Ticket>,
     /// The connection's slot among its tenant's long requests.
-    slot: crate::streams::StreamSlot,
+    slot: torpor_gate::streams::StreamSlot,
 }
 
 /// Who may reach the port: the sandbox, the wake's admission and a slot of
@@ -255,7 +255,7 @@ async fn admit<S: SandboxApi>(
         let s = &*t.service;
         match files::target(s, &shown, &caller)? {
             Ok(id) => {
-                let ticket = crate::e2b::envd::wake_ticket(s, &t, &id)?;
+                let ticket = crate::envd::wake_ticket(s, &t, &id)?;
                 let tenant = s.sandbox_tenant(&id)?;
                 Ok(Ok((id, ticket, tenant)))
             }
@@ -265,7 +265,7 @@ async fn admit<S: SandboxApi>(
     .await;
     match found {
         Ok(Ok(Ok((sandbox, ticket, tenant)))) => {
-            let tenant = tenant.as_deref().unwrap_or(crate::auth::ADMIN_TENANT);
+            let tenant = tenant.as_deref().unwrap_or(torpor_gate::auth::ADMIN_TENANT);
             match tenancy.streams.take(tenant) {
                 Ok(slot) => Ok(Admitted {
                     sandbox,
@@ -278,8 +278,8 @@ async fn admit<S: SandboxApi>(
         // Not found, not the caller's, a wrong token: one answer.
         Ok(Ok(Err(Refused::Gone | Refused::Unauthorized))) => Err(not_found(id)),
         Ok(Err(e)) => {
-            let e: crate::service::ServiceError = e;
-            let e2b = crate::e2b::E2bError::from(e);
+            let e: torpor_gate::service::ServiceError = e;
+            let e2b = crate::E2bError::from(e);
             let status = StatusCode::from_u16(e2b.code).unwrap_or(StatusCode::BAD_GATEWAY);
             Err(refusal(status, id, None, &e2b.message))
         }

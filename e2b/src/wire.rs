@@ -29,7 +29,7 @@ pub const DEFAULT_TIMEOUT_S: u64 = 300;
 /// Largest page of a list.
 pub const MAX_LIMIT: usize = 100;
 /// Largest `count` of a fork (the SDK's `MAX_FORK_COUNT`).
-pub use crate::service::MAX_FORK_COUNT;
+pub use torpor_gate::service::MAX_FORK_COUNT;
 
 /// `POST /sandboxes` (v1, `NewSandbox`) and `POST /v2/sandboxes`
 /// (`NewSandboxV2`): the same fields here.
@@ -76,7 +76,7 @@ impl NewSandbox {
             ("mcp", &self.mcp),
             ("iam", &self.iam),
         ] {
-            if value.as_ref().is_some_and(is_set) {
+            if value.as_ref().is_some_and(super::network::is_set) {
                 return Err(E2bError::bad_request(format!(
                     "`{name}` is not offered by torpor (see docs/e2b.md)"
                 )));
@@ -93,16 +93,6 @@ impl NewSandbox {
         }
         let network = self.network.clone().unwrap_or_default();
         network.policy(self.allow_internet_access).map(Some)
-    }
-}
-
-/// Set to something other than null or an empty object/array.
-pub(super) fn is_set(v: &Value) -> bool {
-    match v {
-        Value::Null => false,
-        Value::Object(m) => !m.is_empty(),
-        Value::Array(a) => !a.is_empty(),
-        _ => true,
     }
 }
 
@@ -134,8 +124,8 @@ pub struct PauseBody {
 
 impl PauseBody {
     /// The lifecycle call it asks for.
-    pub fn lifecycle(&self) -> crate::backend::Lifecycle {
-        use crate::backend::Lifecycle as L;
+    pub fn lifecycle(&self) -> torpor_gate::backend::Lifecycle {
+        use torpor_gate::backend::Lifecycle as L;
         match (self.memory, self.require_healthy_guest) {
             (Some(false), _) => L::HibernateFilesystem,
             (_, Some(true)) => L::HibernateStrict,
@@ -347,12 +337,12 @@ impl CreatedSandbox {
             envd_version: ENVD_VERSION,
             domain: None,
             envd_access_token: s.access_token.clone(),
-            traffic_access_token: s.access_token.as_deref().map(crate::e2b::traffic_token),
+            traffic_access_token: s.access_token.as_deref().map(crate::traffic_token),
         }
     }
 
     /// With the API's ports domain, if it has one.
-    pub fn in_domain<S>(mut self, tenancy: &crate::tenancy::Tenancy<S>) -> Self {
+    pub fn in_domain<S>(mut self, tenancy: &torpor_gate::tenancy::Tenancy<S>) -> Self {
         self.domain = tenancy.domain.as_deref().map(str::to_string);
         self
     }

@@ -365,7 +365,7 @@ pub async fn handle(
     method: &str,
     headers: &HeaderMap,
     body: Body,
-    slot: Option<crate::streams::StreamSlot>,
+    slot: Option<torpor_gate::streams::StreamSlot>,
 ) -> Response {
     let streaming = is_streaming(headers);
     let fail =
@@ -495,7 +495,7 @@ fn stream(
     ctx: CallContext,
     f: StreamFn,
     message: Vec<u8>,
-    slot: crate::streams::StreamSlot,
+    slot: torpor_gate::streams::StreamSlot,
 ) -> Response {
     let Some(sandbox_slot) = StreamSlot::take(&ctx.sandbox) else {
         return connect_error(
@@ -511,7 +511,7 @@ fn stream(
     };
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(STREAM_BUFFER);
     let ctx_gone = ctx.gone.clone();
-    crate::streams::run_long(slot, "envd", move || {
+    torpor_gate::streams::run_long(slot, "envd", move || {
         let _slot = sandbox_slot;
         let out = StreamTx { tx };
         let mut result = None;

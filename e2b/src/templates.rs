@@ -7,7 +7,7 @@
 //!
 //! A built template's E2B `templateID` is its name (`alias`): the same for
 //! every rebuild, resolvable wherever a template id is (sandbox creation,
-//! `DELETE /templates/{id}`). Tags name builds ([`crate::builds`]): `default`
+//! `DELETE /templates/{id}`). Tags name builds ([`torpor_gate::builds`]): `default`
 //! (the build asked for no other) makes the template named `alias`, another
 //! tag's first build the template `alias:tag`.
 
@@ -26,18 +26,18 @@ use torpor_build::spec::Source;
 use torpor_scheduler::model::{Template, TemplateState};
 
 use super::error::E2bError;
-use super::routes::{body, permit, query_pairs};
-use crate::auth::Principal;
-use crate::backend::SandboxApi;
-use crate::builds::routes::{scope, tenant_of};
-use crate::builds::{Build, BuildRecord, BuildStatus, Level};
-use crate::error::ApiError;
-use crate::handlers::{call, Api};
+use super::request::{body, limit, permit, query_pairs};
+use torpor_gate::auth::Principal;
+use torpor_gate::backend::SandboxApi;
+use torpor_gate::builds::routes::{scope, tenant_of};
+use torpor_gate::builds::{Build, BuildRecord, BuildStatus, Level};
+use torpor_gate::error::ApiError;
+use torpor_gate::handlers::{call, Api};
 
 type E2bResult<T> = Result<T, E2bError>;
 
 /// A template id as E2B sees it: a built template's is its name.
-pub(super) fn e2b_id(builds: &crate::builds::Builds, template_id: &str) -> String {
+pub(super) fn e2b_id(builds: &torpor_gate::builds::Builds, template_id: &str) -> String {
     builds
         .built_name(template_id)
         .unwrap_or_else(|| template_id.to_string())
@@ -45,7 +45,11 @@ pub(super) fn e2b_id(builds: &crate::builds::Builds, template_id: &str) -> Strin
 
 /// The template a sandbox create names: `alias:tag` of a build the
 /// caller tagged is that build's template; anything else as given.
-pub(super) fn resolve_tagged(builds: &crate::builds::Builds, p: &Principal, key: &str) -> String {
+pub(super) fn resolve_tagged(
+    builds: &torpor_gate::builds::Builds,
+    p: &Principal,
+    key: &str,
+) -> String {
     let Some((alias, tag)) = key
         .to_ascii_lowercase()
         .split_once(':')
@@ -94,7 +98,7 @@ fn parse_name(p: &Principal, text: &str) -> E2bResult<(String, Option<String>)> 
     if alias.is_empty() {
         return Err(E2bError::bad_request("Name is required"));
     }
-    if !ok(&alias, "") || crate::builds::plan::is_layer(&alias) {
+    if !ok(&alias, "") || torpor_gate::builds::plan::is_layer(&alias) {
         return Err(E2bError::bad_request(format!(
             "Invalid template name {alias:?}: lowercase letters, digits, '-' and '_'"
         )));
@@ -162,7 +166,7 @@ pub async fn request<S: SandboxApi>(
     }
     let tenancy = state.tenancy.clone();
     let tenant = tenant_of(&p);
-    crate::builds::start::admit_build(&tenancy, tenant.as_deref()).map_err(ApiError::from)?;
+    torpor_gate::builds::start::admit_build(&tenancy, tenant.as_deref()).map_err(ApiError::from)?;
     let build = tenancy.builds.begin(tenant, &alias, tags.clone());
     build.update(|r| {
         r.cpu_count = req.cpu_count;
@@ -181,7 +185,7 @@ pub async fn request<S: SandboxApi>(
 
 /// The build `build_id` of template `template` the caller sees.
 fn build_of<S>(
-    state: &crate::handlers::AppState<S>,
+    state: &torpor_gate::handlers::AppState<S>,
     p: &Principal,
     template: &str,
     build_id: &str,
@@ -203,7 +207,7 @@ fn build_of<S>(
 /// template of that name of its own).
 fn known<S: SandboxApi>(
     s: &S,
-    state_builds: &crate::builds::Builds,
+    state_builds: &torpor_gate::builds::Builds,
     p: &Principal,
     alias: &str,
 ) -> bool {
@@ -221,7 +225,7 @@ pub async fn file_link<S: SandboxApi>(
     Path((template, hash)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> E2bResult<Response> {
-    crate::builds::files::check_hash(&hash).map_err(ApiError::from)?;
+    torpor_gate::builds::files::check_hash(&hash).map_err(ApiError::from)?;
     let builds = state.tenancy.builds.clone();
     let (p2, t2) = (p.clone(), template.clone());
     let found = call(&state, move |s| Ok(known(s, &builds, &p2, &t2))).await?;
@@ -274,7 +278,7 @@ pub async fn upload<S: SandboxApi>(
         .files
         .redeem(&token, &hash)
         .map_err(ApiError::from)?;
-    crate::builds::routes::store(&state, tenant, hash, body_stream).await?;
+    torpor_gate::builds::routes::store(&state, tenant, hash, body_stream).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -310,7 +314,7 @@ pub async fn start<S: SandboxApi>(
     }
     let tenancy = state.tenancy.clone();
     call(&state, move |_| {
-        if let Err(e) = crate::builds::start::launch(&tenancy, &p, &build, spec) {
+        if let Err(e) = torpor_gate::builds::start::launch(&tenancy, &p, &build, spec) {
             build.fail(&e.to_string());
         }
         Ok(())
@@ -374,7 +378,7 @@ pub async fn status<S: SandboxApi>(
     let offset = number("logsOffset", 0)?;
     let limit = number("limit", MAX_ENTRIES)?.min(MAX_ENTRIES);
     let record = build_of(&state, &p, &template, &build_id)?.record();
-    let record = crate::builds::routes::with_logs_from(record, offset);
+    let record = torpor_gate::builds::routes::with_logs_from(record, offset);
     let entries: Vec<Entry> = record
         .logs
         .iter()
@@ -569,7 +573,7 @@ pub async fn tags<S: SandboxApi>(
 
 /// E2B's `Template` of one of the caller's templates (its fields the
 /// generated clients require).
-fn template_item(builds: &crate::builds::Builds, t: &Template) -> serde_json::Value {
+fn template_item(builds: &torpor_gate::builds::Builds, t: &Template) -> serde_json::Value {
     let id = e2b_id(builds, t.id.as_str());
     let built = builds.built_name(t.id.as_str()).is_some();
     let alias = if built { id.clone() } else { t.name.clone() };
@@ -603,14 +607,14 @@ fn template_item(builds: &crate::builds::Builds, t: &Template) -> serde_json::Va
 fn visible_templates<S: SandboxApi>(
     s: &S,
     p: &Principal,
-) -> Result<Vec<Template>, crate::service::ServiceError> {
+) -> Result<Vec<Template>, torpor_gate::service::ServiceError> {
     let owner = p.owner();
     Ok(s.template_entries()?
         .into_iter()
         .filter_map(|v| serde_json::from_value::<Template>(v).ok())
         .filter(|t| {
             t.state != TemplateState::Deleted
-                && !crate::builds::plan::is_layer(&t.name)
+                && !torpor_gate::builds::plan::is_layer(&t.name)
                 && torpor_scheduler::names::visible(t.tenant.as_deref(), Some(&owner))
         })
         .collect())
@@ -625,7 +629,7 @@ pub async fn list<S: SandboxApi>(
     RawQuery(raw): RawQuery,
 ) -> E2bResult<Response> {
     let q = query_pairs(raw);
-    let limit = super::list::limit(&q)?;
+    let limit = limit(&q)?;
     let after = q
         .get("nextToken")
         .map(|t| super::wire::Cursor::decode(t))

@@ -176,7 +176,7 @@ pub fn end_stream(error: Option<&ConnectError>) -> Envelope {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::e2b::envd::Code;
+    use crate::envd::Code;
 
     #[test]
     fn envelopes_round_trip_whatever_the_chunking() {

@@ -10,8 +10,8 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
-use crate::error::ApiError;
-use crate::service::ServiceError;
+use torpor_gate::error::ApiError;
+use torpor_gate::service::ServiceError;
 
 /// E2B's `error_code` for a resume that would restore memory kept while
 /// the guest agent did not answer (the SDK's `GuestUnresponsiveException`,
@@ -68,7 +68,7 @@ impl From<ApiError> for E2bError {
         // past the wait is their timeout.
         let status = if e.operation.is_some() {
             StatusCode::GATEWAY_TIMEOUT
-        } else if e.code == crate::error::code::INVALID_SPEC {
+        } else if e.code == torpor_gate::error::code::INVALID_SPEC {
             // E2B's builder answers a build it cannot use 400.
             StatusCode::BAD_REQUEST
         } else {
@@ -77,7 +77,7 @@ impl From<ApiError> for E2bError {
         E2bError {
             code: status.as_u16(),
             message: e.message,
-            error_code: (e.code == crate::error::code::GUEST_UNRESPONSIVE)
+            error_code: (e.code == torpor_gate::error::code::GUEST_UNRESPONSIVE)
                 .then(|| GUEST_UNRESPONSIVE_CODE.to_string()),
             retry_after: e.retry_after,
         }
@@ -166,9 +166,9 @@ mod tests {
 
     #[test]
     fn rate_limits_keep_their_retry_after() {
-        let limited = ApiError::from(crate::tenancy::Limited(std::time::Duration::from_millis(
-            2500,
-        )));
+        let limited = ApiError::from(torpor_gate::tenancy::Limited(
+            std::time::Duration::from_millis(2500),
+        ));
         let response = E2bError::from(limited).into_response();
         assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(

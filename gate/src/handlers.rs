@@ -42,12 +42,12 @@ impl<S> Clone for AppState<S> {
     }
 }
 
-pub(crate) type Api<S> = State<AppState<S>>;
-pub(crate) type ApiResult<T> = Result<T, ApiError>;
+pub type Api<S> = State<AppState<S>>;
+pub type ApiResult<T> = Result<T, ApiError>;
 
 /// Runs `f` on the service on tokio's blocking pool (service calls block on
 /// the store, VMM sockets and snapshot files).
-pub(crate) async fn call<S, T, F>(state: &AppState<S>, f: F) -> ApiResult<T>
+pub async fn call<S, T, F>(state: &AppState<S>, f: F) -> ApiResult<T>
 where
     S: SandboxApi,
     T: Send + 'static,
@@ -69,7 +69,7 @@ where
 }
 
 /// 201 with `Location`, or 202 while the resource is still being built.
-pub(crate) fn created(location: String, building: bool, body: impl serde::Serialize) -> Response {
+pub fn created(location: String, building: bool, body: impl serde::Serialize) -> Response {
     let status = if building {
         StatusCode::ACCEPTED
     } else {

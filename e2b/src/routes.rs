@@ -1,8 +1,6 @@
 //! The E2B control-plane handlers: decode E2B's JSON, call the service on
-//! the blocking pool ([`crate::handlers::call`]), answer with E2B's JSON and
+//! the blocking pool ([`torpor_gate::handlers::call`]), answer with E2B's JSON and
 //! status codes. What each route maps to is in `docs/e2b.md`.
-
-use std::collections::BTreeMap;
 
 use axum::body::Bytes;
 use axum::extract::{Extension, Path, RawQuery};
@@ -16,41 +14,21 @@ use torpor_scheduler::model::{
 };
 
 use super::error::E2bError;
-use super::list::limit;
+use super::request::{body, limit, permit, query_pairs};
 use super::wire::{
     e2b_state, page, ConnectBody, CreatedSandbox, Cursor, ForkBody, ForkResult, NewSandbox,
     PauseBody, RefreshBody, SandboxDetail, SnapshotBody, SnapshotInfo, TimeoutBody,
     DEFAULT_TIMEOUT_S, MAX_FORK_COUNT,
 };
-use crate::auth::Principal;
-use crate::backend::{on_pod, Lifecycle, Needs, SandboxApi};
-use crate::builds::Builds;
-use crate::error::ApiError;
-use crate::handlers::{call, Api, AppState};
-use crate::quota::Usage;
-use crate::service::{CreateSandbox, ForkSandbox, ServiceError, TemplateFromSandbox};
-use crate::tenancy::{admit, admit_create, admit_wake, Limited, Permit};
+use torpor_gate::auth::Principal;
+use torpor_gate::backend::{on_pod, Lifecycle, Needs, SandboxApi};
+use torpor_gate::builds::Builds;
+use torpor_gate::handlers::{call, Api};
+use torpor_gate::quota::Usage;
+use torpor_gate::service::{CreateSandbox, ForkSandbox, ServiceError, TemplateFromSandbox};
+use torpor_gate::tenancy::{admit, admit_create, admit_wake};
 
 type E2bResult<T> = Result<T, E2bError>;
-
-/// A slot of the token's rate limit (the same [`crate::tenancy::Limiter`]
-/// as `/v1`'s): 429 past it.
-pub(super) fn permit<S: SandboxApi>(
-    state: &AppState<S>,
-    p: &Principal,
-) -> E2bResult<Option<Permit>> {
-    state
-        .tenancy
-        .limiter
-        .acquire(p)
-        .map_err(|wait| ApiError::from(Limited(wait)).into())
-}
-
-/// A required JSON body; 400 with serde's reason when it does not parse.
-pub(super) fn body<T: DeserializeOwned>(bytes: &Bytes) -> E2bResult<T> {
-    serde_json::from_slice(bytes)
-        .map_err(|e| E2bError::bad_request(format!("invalid request body: {e}")))
-}
 
 /// An optional JSON body: empty is the default.
 fn optional_body<T: DeserializeOwned + Default>(bytes: &Bytes) -> E2bResult<T> {
@@ -376,13 +354,6 @@ pub async fn refresh<S: SandboxApi>(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// The query of a list: its pairs, percent-decoded.
-pub(super) fn query_pairs(raw: Option<String>) -> BTreeMap<String, String> {
-    form_urlencoded::parse(raw.unwrap_or_default().as_bytes())
-        .map(|(k, v)| (k.into_owned(), v.into_owned()))
-        .collect()
-}
-
 /// A page as JSON, with the next page's token in `x-next-token`.
 fn paged<T: serde::Serialize>(items: Vec<T>, next: Option<String>) -> Response {
     let mut response = Json(items).into_response();
@@ -522,7 +493,7 @@ pub async fn list_snapshots<S: SandboxApi>(
             // admin, not snapshotted from a tenant's sandbox).
             .filter(|t| {
                 t.state != TemplateState::Deleted
-                    && !crate::builds::plan::is_layer(&t.name)
+                    && !torpor_gate::builds::plan::is_layer(&t.name)
                     && torpor_scheduler::names::visible(
                         t.tenant.as_deref(),
                         Some(&principal.owner()),

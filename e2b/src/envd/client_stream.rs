@@ -43,12 +43,12 @@ pub async fn serve(
     runner: Runner,
     ctx: CallContext,
     body: Body,
-    slot: crate::streams::StreamSlot,
+    slot: torpor_gate::streams::StreamSlot,
 ) -> Response {
     let (tx, rx) = mpsc::channel(INPUT_BUFFER);
     let reader = tokio::spawn(read_body(body, ctx.deadline, tx));
     let (done_tx, done_rx) = oneshot::channel();
-    crate::streams::run_long(slot, "envd-input", move || {
+    torpor_gate::streams::run_long(slot, "envd-input", move || {
         let mut messages = Messages(rx);
         let mut result = None;
         let ran = runner(&mut |link| {

@@ -23,16 +23,16 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use torpor_scheduler::model::SandboxId;
 use torpor_scheduler::service::GuestError;
 
-use crate::backend::SandboxApi;
-use crate::service::ServiceError;
-use crate::tenancy::Tenancy;
-use crate::tenancy::Traffic;
+use torpor_gate::backend::SandboxApi;
+use torpor_gate::service::ServiceError;
+use torpor_gate::tenancy::Tenancy;
+use torpor_gate::tenancy::Traffic;
 
 /// What a proxied connection holds until it ends: the blocking thread
 /// that keeps the sandbox active, and the wake's admission.
 struct Held {
     _done: std::sync::mpsc::Sender<()>,
-    _ticket: Option<crate::quota::Ticket>,
+    _ticket: Option<torpor_gate::quota::Ticket>,
 }
 
 /// An open byte pipe to a guest port.
@@ -67,7 +67,7 @@ fn open_error(e: ServiceError) -> OpenError {
         }
         ServiceError::NotFound { .. } => OpenError::Gone,
         other => {
-            let e2b = crate::e2b::E2bError::from(other);
+            let e2b = crate::E2bError::from(other);
             let status = StatusCode::from_u16(e2b.code).unwrap_or(StatusCode::BAD_GATEWAY);
             OpenError::Failed(status, e2b.message)
         }
@@ -76,20 +76,20 @@ fn open_error(e: ServiceError) -> OpenError {
 
 /// Opens guest port `port` of `sandbox` (woken first if hibernated, with
 /// `ticket` its admission), on a thread of its own that holds `slot`
-/// for as long as the connection lives (`crate::streams::run_long`).
+/// for as long as the connection lives (`torpor_gate::streams::run_long`).
 pub(super) async fn open<S: SandboxApi>(
     tenancy: &Tenancy<S>,
     sandbox: &SandboxId,
     port: u16,
-    ticket: Option<crate::quota::Ticket>,
-    slot: crate::streams::StreamSlot,
+    ticket: Option<torpor_gate::quota::Ticket>,
+    slot: torpor_gate::streams::StreamSlot,
 ) -> Result<Pipe, OpenError> {
     let (stream_tx, stream_rx) =
         tokio::sync::oneshot::channel::<Result<UnixStream, ServiceError>>();
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
     let service = Arc::clone(&tenancy.service);
     let id = sandbox.clone();
-    crate::streams::run_long(slot, "port", move || {
+    torpor_gate::streams::run_long(slot, "port", move || {
         let mut stream_tx = Some(stream_tx);
         let held = service.with_guest(&id, &mut |link| {
             let raw = link.dial_port(port)?;
@@ -180,9 +180,9 @@ fn outgoing(request: Request, upgrade: Option<&HeaderValue>) -> Request {
     });
     strip_hop_by_hop(&mut parts.headers);
     for secret in [
-        crate::e2b::API_KEY_HEADER,
-        crate::e2b::envd::files::ACCESS_TOKEN_HEADER,
-        crate::e2b::TRAFFIC_HEADER,
+        crate::API_KEY_HEADER,
+        crate::envd::files::ACCESS_TOKEN_HEADER,
+        crate::TRAFFIC_HEADER,
     ] {
         parts.headers.remove(secret);
     }

@@ -13,7 +13,7 @@ use crate::handlers::{call, ApiResult, AppState};
 use crate::service::ServiceError;
 
 /// Runs `f` on the service on the blocking pool with `body` as a `Read`.
-pub(crate) async fn with_body<S, T, F>(st: &AppState<S>, body: Body, f: F) -> ApiResult<T>
+pub async fn with_body<S, T, F>(st: &AppState<S>, body: Body, f: F) -> ApiResult<T>
 where
     S: SandboxApi,
     T: Send + 'static,

@@ -20,11 +20,12 @@ use torpor_scheduler::model::Timestamp;
 use torpor_scheduler::service::history::MetricSample;
 
 use super::error::E2bError;
-use super::routes::{live, query_pairs};
+use super::request::query_pairs;
+use super::routes::live;
 use super::wire::SandboxMetric;
-use crate::backend::SandboxApi;
-use crate::handlers::{call, Api};
-use crate::wire::Range;
+use torpor_gate::backend::SandboxApi;
+use torpor_gate::handlers::{call, Api};
+use torpor_gate::wire::Range;
 
 /// E2B's step for a range of `secs` seconds (its `CalculateStep`).
 fn step_seconds(secs: i64) -> i64 {
@@ -116,7 +117,7 @@ pub async fn get<S: SandboxApi>(
         let until = end;
         let end = end.unwrap_or(Timestamp::now().0.div_euclid(1000));
         if start > end {
-            return Err(crate::service::ServiceError::Invalid(
+            return Err(torpor_gate::service::ServiceError::Invalid(
                 "Invalid time range for metrics: start time cannot be after end time".into(),
             ));
         }

@@ -28,7 +28,7 @@ use super::json::{
 };
 use super::rpc::{guest_error, invalid, parse, unknown_user, CallContext, StreamTx};
 use super::Code;
-use crate::e2b::time;
+use crate::time;
 
 /// Most entries one `ListDir` answers.
 pub const MAX_LIST_ENTRIES: usize = 50_000;

@@ -20,14 +20,14 @@ use crate::tenancy::Limited;
 use crate::wire::ApiJson;
 
 /// Whose builds `p` sees: an admin's every build (`None`), a tenant its own.
-pub(crate) fn scope(p: &Principal) -> Option<String> {
+pub fn scope(p: &Principal) -> Option<String> {
     let owner = p.owner();
     (!owner.admin).then_some(owner.tenant)
 }
 
 /// The tenant a build of `p`'s is recorded for (an admin's builds make
 /// shared templates: none).
-pub(crate) fn tenant_of(p: &Principal) -> Option<String> {
+pub fn tenant_of(p: &Principal) -> Option<String> {
     scope(p)
 }
 
@@ -155,7 +155,7 @@ const UPLOAD_TYPES: [&str; 4] = [
 ];
 
 /// Stores `body` as `tenant`'s files `hash`: 201 with their size.
-pub(crate) async fn store<S: SandboxApi>(
+pub async fn store<S: SandboxApi>(
     st: &crate::handlers::AppState<S>,
     tenant: Option<String>,
     hash: String,

@@ -41,17 +41,17 @@ use crate::service::ServiceError;
 pub struct Traffic {
     requests: Family<[(&'static str, String); 1], Counter>,
     /// Bytes sent to the guest's port (requests, upgraded streams).
-    pub(crate) to_guest: Family<[(&'static str, String); 1], Counter>,
+    pub to_guest: Family<[(&'static str, String); 1], Counter>,
     /// Bytes the guest's port sent back.
-    pub(crate) from_guest: Family<[(&'static str, String); 1], Counter>,
+    pub from_guest: Family<[(&'static str, String); 1], Counter>,
 }
 
 impl Traffic {
-    pub(crate) fn label(id: &SandboxId) -> [(&'static str, String); 1] {
+    pub fn label(id: &SandboxId) -> [(&'static str, String); 1] {
         [("sandbox", id.to_string())]
     }
 
-    pub(crate) fn request(&self, id: &SandboxId) {
+    pub fn request(&self, id: &SandboxId) {
         self.requests.get_or_create(&Self::label(id)).inc();
     }
 

@@ -29,11 +29,11 @@ use super::super::error::E2bError;
 use super::super::wire::e2b_state;
 use super::encoding::{self, Coding};
 use super::sandbox_of;
-use crate::auth::{Auth, Principal};
-use crate::backend::SandboxApi;
-use crate::handlers::{call, Api};
-use crate::service::ServiceError;
 use subtle::ConstantTimeEq;
+use torpor_gate::auth::{Auth, Principal};
+use torpor_gate::backend::SandboxApi;
+use torpor_gate::handlers::{call, Api};
+use torpor_gate::service::ServiceError;
 
 /// The user envd runs as when a request names none.
 pub const DEFAULT_USER: &str = "user";

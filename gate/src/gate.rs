@@ -210,11 +210,11 @@ pub async fn sandbox<S: SandboxApi>(
 /// The gate of the wakes no request carries: a connection to an exposed
 /// port of a hibernated sandbox, admitted against its tenant's quotas as
 /// a resume is (installed on the pod's service by [`crate::Api::new`]).
-pub(crate) struct PortWakes<S> {
+pub struct PortWakes<S> {
     /// The API's backend, weakly: the service holds this gate.
-    pub(crate) service: std::sync::Weak<S>,
-    pub(crate) auth: crate::auth::Auth,
-    pub(crate) quotas: std::sync::Arc<crate::quota::Quotas>,
+    pub service: std::sync::Weak<S>,
+    pub auth: crate::auth::Auth,
+    pub quotas: std::sync::Arc<crate::quota::Quotas>,
 }
 
 impl<S> std::fmt::Debug for PortWakes<S> {

@@ -118,7 +118,7 @@ impl E2bNetwork {
             ("maskRequestHost", &self.mask_request_host),
             ("httpsPorts", &self.https_ports),
         ] {
-            if value.as_ref().is_some_and(super::wire::is_set) {
+            if value.as_ref().is_some_and(is_set) {
                 return Err(E2bError::bad_request(format!(
                     "network.{name} is not offered by torpor (see docs/e2b.md)"
                 )));
@@ -173,6 +173,16 @@ fn subtract(net: Cidr, hole: Cidr) -> Vec<Cidr> {
             }
         })
         .collect()
+}
+
+/// Set to something other than null or an empty object/array.
+pub(super) fn is_set(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Object(m) => !m.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        _ => true,
+    }
 }
 
 #[cfg(test)]
