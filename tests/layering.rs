@@ -74,6 +74,7 @@ const LAYERS: [(&str, &[&str]); 17] = [
             "torpor-scheduler",
             "torpor-sandbox-api",
             "torpor-client",
+            "torpor-build",
             "torpor-gate",
             "torpor-e2b",
         ],

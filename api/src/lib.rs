@@ -60,18 +60,22 @@ use axum::serve::ListenerExt;
 use axum::Router;
 
 mod admin_routes;
+pub mod agent_tunnel;
+mod build_routes;
 mod checkpoint_routes;
 pub mod guest_routes;
+pub mod history_routes;
 pub mod nested;
 mod network_routes;
 pub mod openapi;
+mod sandbox_routes;
 
 // What every surface shares, the gate first (torpor-gate); the modules
 // are named here as before the split, so `torpor_api::auth` and the
 // routes' `crate::handlers` paths still hold.
 pub use torpor_gate::{
-    agent_tunnel, auth, backend, build_registry, builds, calls, error, gate, history_routes,
-    pagination, pods, quota, relay, request_context, service, streams, tenancy, tls, wire,
+    auth, backend, build_registry, builds, calls, error, gate, pagination, pods, quota, relay,
+    request_context, service, streams, tenancy, tls, wire,
 };
 use torpor_gate::{body, handlers};
 pub use torpor_gate::{
@@ -202,29 +206,29 @@ fn lifecycle<S: SandboxApi>(m: MethodFilter, op: Lifecycle) -> MethodRouter<AppS
     on(
         m,
         move |st: handlers::Api<S>, id: axum::extract::Path<String>| {
-            handlers::lifecycle_sandbox(st, id, op)
+            sandbox_routes::lifecycle_sandbox(st, id, op)
         },
     )
 }
 
 /// The handler of an operation, for the given method.
 fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<AppState<S>> {
-    use handlers::*;
+    use sandbox_routes::*;
     match operation {
         "health" => on(m, health),
         "openapi" => on(m, openapi::get),
         "metrics" => on(m, metrics::<S>),
         "listTemplates" => on(m, list_templates::<S>),
-        "createTemplate" => on(m, builds::routes::create_template::<S>),
+        "createTemplate" => on(m, build_routes::create_template::<S>),
         "getTemplate" => on(m, get_template::<S>),
         "deleteTemplate" => on(m, delete_template::<S>),
         "renameTemplate" => on(m, rename_template::<S>),
-        "listBuilds" => on(m, builds::routes::list::<S>),
-        "createBuild" => on(m, builds::routes::create::<S>),
-        "getBuild" => on(m, builds::routes::get::<S>),
-        "cancelBuild" => on(m, builds::routes::cancel::<S>),
-        "getBuildFiles" => on(m, builds::routes::files_present::<S>),
-        "uploadBuildFiles" => on(m, builds::routes::upload::<S>),
+        "listBuilds" => on(m, build_routes::list::<S>),
+        "createBuild" => on(m, build_routes::create::<S>),
+        "getBuild" => on(m, build_routes::get::<S>),
+        "cancelBuild" => on(m, build_routes::cancel::<S>),
+        "getBuildFiles" => on(m, build_routes::files_present::<S>),
+        "uploadBuildFiles" => on(m, build_routes::upload::<S>),
         "listSandboxes" => on(m, list_sandboxes::<S>),
         "createSandbox" => on(m, create_sandbox::<S>),
         "getSandbox" => on(m, get_sandbox::<S>),
@@ -232,8 +236,8 @@ fn endpoint<S: SandboxApi>(operation: &str, m: MethodFilter) -> MethodRouter<App
         "deleteSandbox" => on(m, delete_sandbox::<S>),
         "pauseSandbox" => lifecycle(m, Lifecycle::Pause),
         "resumeSandbox" => lifecycle(m, Lifecycle::Resume),
-        "connectSandbox" => on(m, handlers::connect_sandbox::<S>),
-        "hibernateSandbox" => on(m, handlers::hibernate_sandbox::<S>),
+        "connectSandbox" => on(m, sandbox_routes::connect_sandbox::<S>),
+        "hibernateSandbox" => on(m, sandbox_routes::hibernate_sandbox::<S>),
         "listCheckpoints" => on(m, checkpoint_routes::list::<S>),
         "createCheckpoint" => on(m, checkpoint_routes::create::<S>),
         "deleteCheckpoint" => on(m, checkpoint_routes::delete::<S>),

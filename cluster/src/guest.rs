@@ -182,7 +182,7 @@ impl Cluster {
         range: torpor_gate::wire::Range,
     ) -> Result<Vec<torpor_scheduler::service::history::MetricSample>, ServiceError> {
         let (_, pod) = self.pod_of(id)?;
-        torpor_gate::history_routes::on_remote_pod(&pod, id, range)
+        torpor_gate::pods::metrics_history(&pod, id, range)
     }
 
     fn sandbox_from(pod: &RemotePod, value: Value) -> Result<Sandbox, ServiceError> {

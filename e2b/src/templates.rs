@@ -29,7 +29,7 @@ use super::error::E2bError;
 use super::request::{body, limit, permit, query_pairs};
 use torpor_gate::auth::Principal;
 use torpor_gate::backend::SandboxApi;
-use torpor_gate::builds::routes::{scope, tenant_of};
+use torpor_gate::builds::surface::{scope, tenant_of};
 use torpor_gate::builds::{Build, BuildRecord, BuildStatus, Level};
 use torpor_gate::error::ApiError;
 use torpor_gate::handlers::{call, Api};
@@ -278,7 +278,7 @@ pub async fn upload<S: SandboxApi>(
         .files
         .redeem(&token, &hash)
         .map_err(ApiError::from)?;
-    torpor_gate::builds::routes::store(&state, tenant, hash, body_stream).await?;
+    torpor_gate::builds::surface::store(&state, tenant, hash, body_stream).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -378,7 +378,7 @@ pub async fn status<S: SandboxApi>(
     let offset = number("logsOffset", 0)?;
     let limit = number("limit", MAX_ENTRIES)?.min(MAX_ENTRIES);
     let record = build_of(&state, &p, &template, &build_id)?.record();
-    let record = torpor_gate::builds::routes::with_logs_from(record, offset);
+    let record = torpor_gate::builds::surface::with_logs_from(record, offset);
     let entries: Vec<Entry> = record
         .logs
         .iter()

@@ -16,8 +16,7 @@
 //! Its modules import each other one way (tests/layering.rs): `service`,
 //! `error` and `calls` at the bottom, then `wire`, `pods`, `pagination`,
 //! `streams` and `request_context`, `backend`, `quota`, `auth`, `tenancy`,
-//! `gate` and `handlers`, then `builds`, `history_routes`,
-//! `agent_tunnel` and `relay`.
+//! `gate` and `handlers`, then `builds` and `relay`.
 
 #![forbid(unsafe_code)]
 
@@ -30,7 +29,6 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::MethodFilter;
 
-pub mod agent_tunnel;
 pub mod auth;
 pub mod backend;
 pub mod body;
@@ -40,7 +38,6 @@ pub mod calls;
 pub mod error;
 pub mod gate;
 pub mod handlers;
-pub mod history_routes;
 pub mod pagination;
 pub mod pods;
 pub mod quota;

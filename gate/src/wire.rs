@@ -355,7 +355,7 @@ fn set_once<T: PartialEq>(slot: &mut Option<T>, name: &str, value: T) -> Result<
 }
 
 /// The range of a history request (`GET /v1/sandboxes/{id}/metrics`,
-/// `crate::history_routes`; E2B's metrics): `from` and `to`, ms since the
+/// `GET /v1/sandboxes/{id}/metrics`; E2B's metrics): `from` and `to`, ms since the
 /// epoch, both included, either open.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Range {
@@ -402,6 +402,14 @@ impl Range {
             format!("?{}", parts.join("&"))
         }
     }
+}
+
+/// `GET /v1/sandboxes/{id}/metrics`'s answer: a sandbox's resource use
+/// over time, the samples its pod keeps (`service/history.rs`).
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct MetricHistory {
+    /// The samples from `from` to `to`, oldest first.
+    pub samples: Vec<torpor_scheduler::service::history::MetricSample>,
 }
 
 #[cfg(test)]

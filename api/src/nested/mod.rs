@@ -768,7 +768,7 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
             return Err(e);
         }
         match self.remote_sandbox(id) {
-            Some(pod) => crate::history_routes::on_remote_pod(&pod, id, range),
+            Some(pod) => crate::pods::metrics_history(&pod, id, range),
             None => self.local.metrics_history(id, range),
         }
     }

@@ -214,7 +214,7 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     /// Sandbox `id`'s resource use over `range`, oldest first: the
     /// samples its pod keeps (`service/history.rs`). A backend whose
     /// sandboxes run on other pods asks the pod
-    /// ([`crate::history_routes::on_remote_pod`]).
+    /// ([`crate::pods::metrics_history`]).
     fn metrics_history(
         &self,
         id: &SandboxId,

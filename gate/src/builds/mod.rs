@@ -15,8 +15,8 @@
 
 pub mod image;
 pub mod plan;
-pub mod routes;
 pub mod run;
 pub mod start;
+pub mod surface;
 
 pub use crate::build_registry::*;

@@ -337,6 +337,24 @@ pub fn rewrite_pod_ids(v: &mut Value, pod: &PodId) {
 
 pub use torpor_sandbox_api::sanitized;
 
+/// Sandbox `id`'s metrics history as `pod` keeps it (its
+/// `GET /v1/sandboxes/{id}/metrics`).
+pub fn metrics_history(
+    pod: &RemotePod,
+    id: &torpor_scheduler::model::SandboxId,
+    range: crate::wire::Range,
+) -> Result<Vec<torpor_scheduler::service::history::MetricSample>, crate::service::ServiceError> {
+    let path = format!("/v1/sandboxes/{}/metrics{}", id.as_str(), range.query());
+    let value = pod.call("GET", &path, None)?;
+    serde_json::from_value::<crate::wire::MetricHistory>(value)
+        .map(|h| h.samples)
+        .map_err(|e| crate::service::ServiceError::Pod {
+            status: 502,
+            code: crate::error::code::POD_UNREACHABLE.into(),
+            message: format!("pod {}: its answer is not a metrics history ({e})", pod.id),
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

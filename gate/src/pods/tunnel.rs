@@ -1,5 +1,5 @@
 //! The API server's end of the agent tunnel (the pod's is
-//! `crate::agent_tunnel`): [`dialer`] makes a pod's `POST
+//! `torpor_api::agent_tunnel`): [`dialer`] makes a pod's `POST
 //! /v1/sandboxes/{id}/agent` with `Upgrade: torpor-agent` with hyper's
 //! client over the pod's transport ([`PodLine`]: unix socket, or TLS
 //! pinned to the pod's certificate) and hands the agent client one end of

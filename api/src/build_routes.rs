@@ -11,25 +11,14 @@ use serde::{Deserialize, Serialize};
 
 use torpor_build::spec::BuildSpec;
 
-use super::{BuildRecord, Builds};
-use crate::auth::Principal;
-use crate::backend::SandboxApi;
-use crate::error::ApiError;
-use crate::handlers::{call, created, Api, ApiResult};
-use crate::tenancy::Limited;
-use crate::wire::ApiJson;
-
-/// Whose builds `p` sees: an admin's every build (`None`), a tenant its own.
-pub fn scope(p: &Principal) -> Option<String> {
-    let owner = p.owner();
-    (!owner.admin).then_some(owner.tenant)
-}
-
-/// The tenant a build of `p`'s is recorded for (an admin's builds make
-/// shared templates: none).
-pub fn tenant_of(p: &Principal) -> Option<String> {
-    scope(p)
-}
+use torpor_gate::auth::Principal;
+use torpor_gate::backend::SandboxApi;
+use torpor_gate::builds::surface::{scope, store, tenant_of, with_logs_from};
+use torpor_gate::builds::{start, BuildRecord};
+use torpor_gate::error::ApiError;
+use torpor_gate::handlers::{call, created, Api, ApiResult};
+use torpor_gate::tenancy::Limited;
+use torpor_gate::wire::ApiJson;
 
 /// `GET /v1/builds/{id}`'s query.
 #[derive(Debug, Deserialize)]
@@ -38,13 +27,6 @@ pub struct BuildQuery {
     /// The first log entry to return (entries before it are left out).
     #[serde(default)]
     pub logs_offset: usize,
-}
-
-/// A build's record with its log from an offset.
-pub fn with_logs_from(mut record: BuildRecord, offset: usize) -> BuildRecord {
-    let skip = offset.saturating_sub(record.logs_dropped);
-    record.logs.drain(..skip.min(record.logs.len()));
-    record
 }
 
 /// `GET /v1/builds/{id}`.
@@ -154,36 +136,9 @@ const UPLOAD_TYPES: [&str; 4] = [
     "application/x-tar",
 ];
 
-/// Stores `body` as `tenant`'s files `hash`: 201 with their size.
-pub async fn store<S: SandboxApi>(
-    st: &crate::handlers::AppState<S>,
-    tenant: Option<String>,
-    hash: String,
-    body: Body,
-) -> ApiResult<Response> {
-    super::files::check_hash(&hash)?;
-    let builds: std::sync::Arc<Builds> = st.tenancy.builds.clone();
-    let limit = st.max_upload_bytes;
-    let (t, h) = (tenant.clone(), hash.clone());
-    let bytes = crate::body::with_body(st, body, move |_, reader| {
-        builds.files.store(t.as_deref(), &h, reader, limit)
-    })
-    .await?;
-    #[derive(Serialize)]
-    struct Stored {
-        hash: String,
-        bytes: u64,
-    }
-    Ok(created(
-        format!("/v1/build-files/{hash}"),
-        false,
-        Stored { hash, bytes },
-    ))
-}
-
 /// `POST /v1/templates`: built by steps when the body is a build spec (it
 /// has `from`: [`create`]), else booted from an image
-/// ([`crate::handlers::create_booted_template`]).
+/// ([`crate::sandbox_routes::create_booted_template`]).
 pub async fn create_template<S: SandboxApi>(
     State(st): Api<S>,
     Extension(p): Extension<Principal>,
@@ -192,7 +147,7 @@ pub async fn create_template<S: SandboxApi>(
     if body.get("from").is_some() {
         return create_from(&st, p, body).await;
     }
-    crate::handlers::create_booted_template(st, p, body).await
+    crate::sandbox_routes::create_booted_template(st, p, body).await
 }
 
 /// `POST /v1/builds`: `{"name": ..., <a build spec>}` (torpor-build's
@@ -208,7 +163,7 @@ pub async fn create<S: SandboxApi>(
 
 /// A build of body `body` (see [`create`]) for `p`.
 pub(crate) async fn create_from<S: SandboxApi>(
-    st: &crate::handlers::AppState<S>,
+    st: &torpor_gate::handlers::AppState<S>,
     p: Principal,
     mut body: serde_json::Value,
 ) -> ApiResult<Response> {
@@ -226,15 +181,15 @@ pub(crate) async fn create_from<S: SandboxApi>(
         None => return Err(invalid(&"missing field `name`")),
     };
     let spec: BuildSpec = serde_json::from_value(body).map_err(|e| invalid(&e))?;
-    super::start::check_name(&name)?;
+    start::check_name(&name)?;
     let _permit = st.tenancy.limiter.acquire(&p).map_err(Limited)?;
     let tenancy = st.tenancy.clone();
     let record = call(st, move |_| {
         let tenant = tenant_of(&p);
-        super::start::admit_build(&tenancy, tenant.as_deref())?;
-        let prepared = super::start::prepare(&tenancy, &p, spec, &name, tenant.as_deref())?;
+        start::admit_build(&tenancy, tenant.as_deref())?;
+        let prepared = start::prepare(&tenancy, &p, spec, &name, tenant.as_deref())?;
         let build = tenancy.builds.begin(tenant, &name, vec!["default".into()]);
-        super::start::start(&tenancy, &p, &build, prepared);
+        start::start(&tenancy, &p, &build, prepared);
         Ok(build.record())
     })
     .await?;
