@@ -8,6 +8,8 @@
 
 pub mod pin;
 
+use std::cell::Cell;
+use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -23,12 +25,55 @@ use pin::{pinned_client_config, Fingerprint};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// A runtime of its own for one exchange.
-fn runtime() -> Result<tokio::runtime::Runtime, ClientError> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| ClientError::Transport(format!("cannot start a runtime: {e}")))
+/// Where one exchange's futures run: the caller's runtime when the caller
+/// is a blocking thread of a multi-threaded one (a service's request on
+/// its blocking pool, a cluster replica's `block_in_place`: no request
+/// builds a runtime of its own), else a current-thread runtime made for
+/// the exchange (the CLI, a plain thread). A current-thread runtime of
+/// the caller's is not used: only its own `block_on` drives its I/O.
+enum Exchange {
+    Ambient(tokio::runtime::Handle),
+    Own(tokio::runtime::Runtime),
+}
+
+thread_local! {
+    /// Runtimes this thread made for one exchange (see [`Exchange`]), for
+    /// the tests.
+    static OWN_RUNTIMES: Cell<usize> = const { Cell::new(0) };
+}
+
+impl Exchange {
+    fn new() -> Result<Self, ClientError> {
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
+                return Ok(Exchange::Ambient(handle));
+            }
+        }
+        OWN_RUNTIMES.with(|n| n.set(n.get() + 1));
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map(Exchange::Own)
+            .map_err(|e| ClientError::Transport(format!("cannot start a runtime: {e}")))
+    }
+
+    fn block_on<F: Future>(&self, f: F) -> F::Output {
+        match self {
+            Exchange::Ambient(handle) => handle.block_on(f),
+            Exchange::Own(rt) => rt.block_on(f),
+        }
+    }
+
+    fn spawn<F>(&self, f: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        match self {
+            Exchange::Ambient(handle) => handle.spawn(f),
+            Exchange::Own(rt) => rt.spawn(f),
+        }
+    }
 }
 
 /// Longest wait for a connection.
@@ -263,7 +308,7 @@ impl HttpClient {
         body: Option<(&str, &[u8])>,
         streaming: Option<Streaming<'_>>,
     ) -> Result<Answer, ClientError> {
-        let rt = runtime()?;
+        let rt = Exchange::new()?;
         let request = self.build(method, path, body)?;
         let response = rt.block_on(async {
             let mut sender = self.open().await?;
@@ -285,7 +330,7 @@ impl HttpClient {
         body: &mut dyn std::io::Read,
     ) -> Result<Answer, ClientError> {
         type Chunk = Result<Frame<Bytes>, BoxError>;
-        let rt = runtime()?;
+        let rt = Exchange::new()?;
         let (tx, rx) = tokio::sync::mpsc::channel::<Chunk>(4);
         let chunks = futures_util::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|chunk| (chunk, rx))
@@ -368,7 +413,7 @@ impl HttpClient {
     /// streamed to `streaming`'s sink when it is chunked and 2xx).
     fn answer(
         &self,
-        rt: &tokio::runtime::Runtime,
+        rt: &Exchange,
         method: &str,
         response: hyper::Response<hyper::body::Incoming>,
         streaming: Option<Streaming<'_>>,
@@ -725,6 +770,50 @@ mod tests {
             head.to_ascii_lowercase().contains("content-length: 0\r\n"),
             "{head}"
         );
+    }
+
+    /// A server answering `n` requests with 200 `ok`, each on a connection
+    /// of its own.
+    fn ok_server(n: usize) -> std::net::SocketAddr {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for _ in 0..n {
+                let (mut s, _) = listener.accept().unwrap();
+                let mut head = Vec::new();
+                let mut byte = [0u8];
+                while !head.ends_with(b"\r\n\r\n") && s.read(&mut byte).unwrap() == 1 {
+                    head.push(byte[0]);
+                }
+                s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    .unwrap();
+            }
+        });
+        addr
+    }
+
+    #[test]
+    fn a_request_on_a_services_blocking_pool_runs_on_its_runtime() {
+        let addr = ok_server(2);
+        let endpoint = Endpoint::parse(&format!("tcp:{addr}")).unwrap();
+        let client = HttpClient::new(endpoint, None, Duration::from_secs(10)).unwrap();
+        let service = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let on_pool = client.clone();
+        let on_the_pool = service.spawn_blocking(move || {
+            let answer = on_pool.request("GET", "/v1/x", None, None).unwrap();
+            (answer.body, OWN_RUNTIMES.with(Cell::get))
+        });
+        let (body, made) = service.block_on(on_the_pool).unwrap();
+        assert_eq!((body.as_slice(), made), (&b"ok"[..], 0));
+        // Outside any runtime (the CLI), the exchange makes its own.
+        let answer = client.request("GET", "/v1/x", None, None).unwrap();
+        assert_eq!(answer.body, b"ok");
+        assert_eq!(OWN_RUNTIMES.with(Cell::get), 1);
     }
 
     /// What [`chunked_server`] received: the head, and the body.
