@@ -2,20 +2,27 @@
 //! memory slots registered: the costly part of a restore on these hosts),
 //! waiting on its control socket for a `restore` request. A pod keeps a few
 //! per memory size so that a restore only maps memory and loads state.
+//!
+//! The shell is served by the VMM's one control server
+//! ([`control::server::serve_standby`], on the standby helper thread): this
+//! module only says what `status`, `shutdown` and `restore` do to a shell
+//! ([`control::server::StandbyController`]); the framing, the parsing, the
+//! refusals and the answers are the server's. A restore ends that serving
+//! and hands its connection, unanswered, to the restored VM, which answers
+//! it once it runs.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use crate::builder::Timings;
-use crate::control::{self, Request, Response, VmState, VmStatus, PROTOCOL_VERSION};
+use crate::builder::{BuiltVm, Timings};
+use crate::control::server::{RestoreRequest, Restoring, StandbyController};
+use crate::control::{self, VmState, VmStatus, PROTOCOL_VERSION};
 use crate::dirty::DirtyTracking;
 use crate::exit::{ExitReason, ExitSignal};
 use crate::microvm::{launch_built, Launched, PendingRestore, Ready, RunError, RunReport, Spares};
-use crate::restore::{self, RestoreOptions};
+use crate::restore::{self, RestoreOptions, Shell};
 use crate::vstate::vcpu::{register_kick_handler, SpareThreads};
-use torpor_vmm_api::{ErrorKind, VmError};
+use torpor_vmm_api::VmError;
 
 /// Whether this process gets SIGKILL when the thread that started it
 /// ends. Set, it also ends now if that parent went while it was set.
@@ -55,17 +62,6 @@ fn standby_status(mem_mib: u64, vcpus: u16, started: Instant) -> VmStatus {
         dirty_tracking: String::new(),
         console_dropped_bytes: 0,
     }
-}
-
-fn reply(stream: &mut UnixStream, response: &Response) {
-    let line = serde_json::to_string(response).unwrap_or_default() + "\n";
-    if let Err(e) = stream.write_all(line.as_bytes()) {
-        tracing::debug!("standby answer lost: {e}");
-    }
-}
-
-fn refuse(stream: &mut UnixStream, error: VmError) {
-    reply(stream, &Response::refusal(error));
 }
 
 /// How a standby shell's waiting ended.
@@ -114,8 +110,8 @@ pub fn standby(
     }
 }
 
-/// The standby shell's helper thread: makes the shell, answers until a
-/// restore or a shutdown.
+/// The standby shell's helper thread: makes the shell, serves it until a
+/// restore or a shutdown ends it.
 fn serve(
     mem_mib: u64,
     vcpus: u16,
@@ -138,125 +134,141 @@ fn serve(
     register_kick_handler()?;
     // The vCPU threads too: a restore wakes them instead of creating them.
     // And the control server's, so a restore spawns no thread at all.
-    let mut spares = Some(Spares {
+    let spares = Spares {
         vcpus: SpareThreads::spawn(shell.vcpus.len() as u8)?,
         control: control::SpareControl::spawn().map_err(RunError::ControlThread)?,
-    });
+    };
     let exit = ExitSignal::new().map_err(RunError::ExitEvent)?;
     tracing::info!(timings = ?shell_timings, "standby shell ready");
     ready.fire();
-    loop {
-        let mut stream = match listener.accept() {
-            Ok((s, _)) => s,
+    let (stream, end) = {
+        let mut standby = Standby {
+            mem_mib,
+            vcpus,
+            started,
+            shell: Some(shell),
+            dirty_tracking,
+            exit: &exit,
+        };
+        control::server::serve_standby(&listener, &mut standby)
+    };
+    match end {
+        End::Shutdown => {
+            let _ = std::fs::remove_file(&socket);
+            Ok(Outcome::Ended(RunReport {
+                exit: ExitReason::ControlShutdown,
+                timings: shell_timings,
+                first_kvm_run_us: None,
+            }))
+        }
+        // The refusal is answered: this VMM ends.
+        End::Spent(e) => Err(e),
+        // The restored VM answers the request once it runs.
+        End::Restored {
+            built,
+            paused,
+            received,
+        } => launch_built(
+            *built,
+            Some((listener, socket)),
+            paused,
+            exit,
+            started,
+            Some(PendingRestore {
+                stream,
+                request_started: received,
+            }),
+            Some(spares),
+        )
+        .map(Outcome::Restored),
+    }
+}
+
+/// A standby shell, as its control socket serves it.
+struct Standby<'a> {
+    mem_mib: u64,
+    vcpus: u16,
+    started: Instant,
+    /// Until a restore consumes it.
+    shell: Option<Shell>,
+    dirty_tracking: DirtyTracking,
+    exit: &'a ExitSignal,
+}
+
+/// What ended a standby shell's serving.
+enum End {
+    /// A `shutdown`, answered.
+    Shutdown,
+    /// A restore: the VM, ready to launch; its request is not answered yet.
+    Restored {
+        /// Boxed: the other ends are a tenth of its size.
+        built: Box<BuiltVm>,
+        paused: bool,
+        received: Instant,
+    },
+    /// A restore that failed once the shell was consumed, answered.
+    Spent(RunError),
+}
+
+impl StandbyController for Standby<'_> {
+    type End = End;
+
+    fn status(&self) -> VmStatus {
+        standby_status(self.mem_mib, self.vcpus, self.started)
+    }
+
+    fn shutdown(&mut self) -> (VmStatus, End) {
+        (self.status(), End::Shutdown)
+    }
+
+    fn restore(&mut self, request: RestoreRequest) -> Restoring<End> {
+        let RestoreRequest {
+            spec,
+            console,
+            paused,
+            received,
+        } = request;
+        if let Err(e) = spec.check() {
+            return Restoring::Refused(e);
+        }
+        die_with_parent(false);
+        // Validate everything before the shell is consumed, so a bad
+        // request leaves this standby VMM usable.
+        let mut timings = Timings::start();
+        let Some(shell) = self.shell.take() else {
+            return Restoring::Refused(VmError::internal("this standby shell is spent"));
+        };
+        let chain = match restore::load_chain(&spec.snapshot)
+            .and_then(|c| restore::check_fits(&shell, &c).map(|()| c))
+        {
+            Ok(c) => c,
             Err(e) => {
-                tracing::warn!("standby accept failed: {e}");
-                continue;
+                self.shell = Some(shell);
+                return Restoring::Refused(e.vm_error());
             }
         };
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-        let mut line = String::new();
-        let read = stream
-            .try_clone()
-            .map(|s| BufReader::new(s).read_line(&mut line));
-        if !matches!(read, Ok(Ok(n)) if n > 0) {
-            continue;
-        }
-        let request_started = Instant::now();
-        match serde_json::from_str::<Request>(&line) {
-            Err(e) => refuse(
-                &mut stream,
-                VmError::new(ErrorKind::InvalidRequest, format!("invalid request: {e}")),
-            ),
-            Ok(Request::Status) => reply(
-                &mut stream,
-                &Response {
-                    ok: true,
-                    status: Some(standby_status(mem_mib, vcpus, started)),
-                    ..Default::default()
-                },
-            ),
-            Ok(Request::Shutdown) => {
-                reply(
-                    &mut stream,
-                    &Response {
-                        ok: true,
-                        status: Some(standby_status(mem_mib, vcpus, started)),
-                        ..Default::default()
-                    },
-                );
-                let _ = std::fs::remove_file(&socket);
-                return Ok(Outcome::Ended(RunReport {
-                    exit: ExitReason::ControlShutdown,
-                    timings: shell_timings,
-                    first_kvm_run_us: None,
-                }));
-            }
-            Ok(Request::Restore {
-                restore: spec,
-                console,
+        let opts = RestoreOptions {
+            snapshot: spec.snapshot,
+            backend: spec.backend,
+            serial: console,
+            prefetch: spec.prefetch,
+            record_working_set_ms: None,
+            virtio: crate::virtio_devices::VirtioRestorePaths {
+                disk_overlay: spec.disk_overlay,
+                vsock_uds: spec.vsock_uds,
+                net: spec.net.map(|n| *n),
+            },
+            dirty_tracking: self.dirty_tracking,
+        };
+        timings.phase("read_state");
+        match restore::restore_into(shell, chain, &opts, self.exit, timings) {
+            Ok(built) => Restoring::Started(End::Restored {
+                built: Box::new(built),
                 paused,
-            }) => {
-                if let Err(e) = spec.check() {
-                    refuse(&mut stream, e);
-                    continue;
-                }
-                die_with_parent(false);
-                // Validate everything before the shell is consumed, so a bad
-                // request leaves this standby VMM usable.
-                let mut timings = Timings::start();
-                let chain = match restore::load_chain(&spec.snapshot)
-                    .and_then(|c| restore::check_fits(&shell, &c).map(|()| c))
-                {
-                    Ok(c) => c,
-                    Err(e) => {
-                        refuse(&mut stream, e.vm_error());
-                        continue;
-                    }
-                };
-                let opts = RestoreOptions {
-                    snapshot: spec.snapshot,
-                    backend: spec.backend,
-                    serial: console,
-                    prefetch: spec.prefetch,
-                    record_working_set_ms: None,
-                    virtio: crate::virtio_devices::VirtioRestorePaths {
-                        disk_overlay: spec.disk_overlay,
-                        vsock_uds: spec.vsock_uds,
-                        net: spec.net.map(|n| *n),
-                    },
-                    dirty_tracking,
-                };
-                timings.phase("read_state");
-                let built = match restore::restore_into(shell, chain, &opts, &exit, timings) {
-                    Ok(b) => b,
-                    Err(e) => {
-                        // The shell is spent: answer, then end this VMM.
-                        refuse(&mut stream, e.vm_error());
-                        return Err(e.into());
-                    }
-                };
-                let pending = PendingRestore {
-                    stream,
-                    request_started,
-                };
-                return launch_built(
-                    built,
-                    Some((listener, socket)),
-                    paused,
-                    exit,
-                    started,
-                    Some(pending),
-                    spares.take(),
-                )
-                .map(Outcome::Restored);
-            }
-            Ok(_) => refuse(
-                &mut stream,
-                VmError::new(
-                    ErrorKind::WrongState,
-                    "this VMM is on standby: it answers status, restore and shutdown",
-                ),
-            ),
+                received,
+            }),
+            // The shell is spent: answer, then end this VMM.
+            Err(e) => Restoring::Spent(e.vm_error(), End::Spent(e.into())),
         }
     }
 }
