@@ -243,6 +243,8 @@ impl StandbyController for Standby<'_> {
         {
             Ok(c) => c,
             Err(e) => {
+                // Still a shell of its pod's: it goes with the pod again.
+                die_with_parent(true);
                 self.shell = Some(shell);
                 return Restoring::Refused(e.vm_error());
             }
