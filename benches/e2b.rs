@@ -20,6 +20,15 @@
 //! file, a PTY shell's variable, the environment and every file written
 //! before; a table of hibernate / wake / check p50 and p99 per run, and
 //! any failure with its cause.
+//!
+//! `cargo bench --bench e2b -- --interp [--rounds N] [--calls M]` measures
+//! the code interpreter instead (`benches/interp_serve.py`, the official
+//! e2b-code-interpreter SDK through serve, `code-interpreter-v1` in the
+//! nested pod, which serve offers when the interpreter's tree is cached:
+//! `scripts/setup test` with `TORPOR_NESTED_POD=1`): create -> first
+//! `run_code` result (N rounds, default 5), `run_code("1+1")` round trips,
+//! a guest port's round trip through the port router (the interpreter's
+//! `/health`) and envd's own (`files.read`), M each (default 50).
 
 use std::collections::BTreeMap;
 use std::process::Stdio;
@@ -38,6 +47,8 @@ use common::{median, percentile};
 /// The nested host's first start builds and boots: well within this.
 const READY_LIMIT: Duration = Duration::from_secs(30 * 60);
 const TEMPLATE: &str = "base";
+/// The code interpreter's template (the SDKs' default).
+const INTERP_TEMPLATE: &str = "code-interpreter-v1";
 
 /// The number after `name` in `args`.
 fn flag(args: &[String], name: &str) -> Option<usize> {
@@ -116,6 +127,26 @@ fn soak(python: &std::path::Path, url: &str, cycles: usize) -> bool {
     failed
 }
 
+/// The code interpreter through serve (`benches/interp_serve.py`): prints
+/// a table per (operation, client); true when the driver failed.
+fn interp(python: &std::path::Path, url: &str, rounds: usize, calls: usize) -> bool {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/interp_serve.py");
+    let mut child = e2b_sdk::sdk_command(python, script, url, TOKEN)
+        .args([rounds.to_string(), calls.to_string()])
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("run benches/interp_serve.py");
+    let read = Samples::read(child.stdout.take().unwrap());
+    let status = child.wait().expect("wait for the SDK driver");
+    let table = read.table();
+    println!("code interpreter through torpor serve ({INTERP_TEMPLATE}, nested pod)\n{table}");
+    let failed = !status.success() || !read.done;
+    if failed {
+        println!("e2b bench: the interpreter driver failed ({status})");
+    }
+    failed
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if !args.iter().any(|a| a == "--bench") {
@@ -140,7 +171,13 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let ready = match serve.wait_template(TEMPLATE, READY_LIMIT) {
+    let interp_mode = args.iter().any(|a| a == "--interp");
+    let template = if interp_mode {
+        INTERP_TEMPLATE
+    } else {
+        TEMPLATE
+    };
+    let ready = match serve.wait_template(template, READY_LIMIT) {
         Ok(d) => d,
         Err(e) => {
             eprintln!("e2b bench: {e}\n{}", serve.log_tail(30));
@@ -149,10 +186,19 @@ fn main() {
         }
     };
     println!(
-        "e2b bench: `{TEMPLATE}` ready {:.0}s after the first request; {rounds} rounds",
+        "e2b bench: `{template}` ready {:.0}s after the first request; {rounds} rounds",
         ready.as_secs_f64()
     );
     let url = format!("http://{}", serve.addr());
+    if interp_mode {
+        let calls = flag(&args, "--calls").unwrap_or(50);
+        let failed = interp(&python, &url, rounds, calls);
+        let notes = serve.stop();
+        if !notes.is_empty() {
+            println!("e2b bench: at stop: {notes:?}");
+        }
+        std::process::exit(i32::from(failed));
+    }
     if args.iter().any(|a| a == "--soak") {
         let cycles = flag(&args, "--cycles").unwrap_or(200);
         let failed = soak(&python, &url, cycles);

@@ -13,8 +13,6 @@
 
 use std::process::Stdio;
 
-use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
-
 mod common;
 #[path = "../tests/common/e2b_sdk.rs"]
 mod e2b_sdk;
@@ -22,7 +20,6 @@ mod e2b_sdk;
 mod interp;
 
 use common::samples::Samples;
-use common::{median, percentile};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -55,34 +52,12 @@ fn main() {
         .stderr(Stdio::inherit())
         .spawn()
         .expect("run benches/interp_sdk.py");
-    let Samples {
-        by_key: samples,
-        order,
-        done,
-    } = Samples::read(child.stdout.take().unwrap());
+    let read = Samples::read(child.stdout.take().unwrap());
     let status = child.wait().expect("wait for the SDK driver");
     drop(server);
-    if !status.success() || !done {
+    if !status.success() || !read.done {
         eprintln!("interp bench: the SDK driver failed ({status})");
         std::process::exit(1);
     }
-    let mut table = Table::new();
-    table.load_style(UTF8_FULL_CONDENSED).set_header([
-        "operation",
-        "client",
-        "n",
-        "p50 ms",
-        "p99 ms",
-    ]);
-    for key in &order {
-        let v = &samples[key];
-        table.add_row([
-            key.0.clone(),
-            key.1.clone(),
-            v.len().to_string(),
-            format!("{:.1}", median(v.clone())),
-            format!("{:.1}", percentile(v, 0.99)),
-        ]);
-    }
-    println!("{table}");
+    println!("{}", read.table());
 }

@@ -5,6 +5,10 @@
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read};
 
+use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
+
+use super::{median, percentile};
+
 /// The samples of a driver's output, keyed by (operation, client).
 pub struct Samples {
     pub by_key: BTreeMap<(String, String), Vec<f64>>,
@@ -53,5 +57,29 @@ impl Samples {
             }
         }
         ops
+    }
+
+    /// A table of every (operation, client): its samples' count, p50 and
+    /// p99 in ms, in the order they first appeared.
+    pub fn table(&self) -> Table {
+        let mut table = Table::new();
+        table.load_style(UTF8_FULL_CONDENSED).set_header([
+            "operation",
+            "client",
+            "n",
+            "p50 ms",
+            "p99 ms",
+        ]);
+        for key in &self.order {
+            let v = &self.by_key[key];
+            table.add_row([
+                key.0.clone(),
+                key.1.clone(),
+                v.len().to_string(),
+                format!("{:.1}", median(v.clone())),
+                format!("{:.1}", percentile(v, 0.99)),
+            ]);
+        }
+        table
     }
 }
