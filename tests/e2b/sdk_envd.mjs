@@ -105,6 +105,11 @@ await check('files_write_read_list_rename_remove', async () => {
   assert(info.size === 5 && info.type === 'file', JSON.stringify(info))
   const moved = await sbx.files.rename(`${d}/a.txt`, `${d}/c.txt`)
   assert(moved.name === 'c.txt', JSON.stringify(moved))
+  // Into a directory not there yet: envd makes it.
+  const deeper = await sbx.files.rename(`${d}/c.txt`, `${d}/new/c.txt`)
+  assert(deeper.path === `${d}/new/c.txt`, JSON.stringify(deeper))
+  assert((await sbx.files.getInfo(`${d}/new`)).type === 'dir', 'made parent')
+  await sbx.files.rename(`${d}/new/c.txt`, `${d}/c.txt`)
   await sbx.files.remove(`${d}/c.txt`)
   assert((await sbx.files.exists(`${d}/c.txt`)) === false, 'exists after remove')
   try {

@@ -187,6 +187,15 @@ def files_make_list_stat_rename_remove():
     assert names == ["a.txt"], names
     moved = sbx.files.rename(f"{d}/a.txt", f"{d}/b.txt")
     assert moved.name == "b.txt", moved
+    # Into directories not there yet: envd makes them, the user's (as a
+    # make_dir's).
+    deeper = sbx.files.rename(f"{d}/b.txt", f"{d}/new/deeper/b.txt")
+    assert deeper.path == f"{d}/new/deeper/b.txt", deeper
+    assert sbx.files.read(f"{d}/new/deeper/b.txt") == "hello"
+    made = sbx.files.get_info(f"{d}/new")
+    assert made.type.value == "dir", made
+    assert made.owner == sbx.files.get_info(d).owner, (made, sbx.files.get_info(d))
+    sbx.files.rename(f"{d}/new/deeper/b.txt", f"{d}/b.txt")
     sbx.files.remove(f"{d}/b.txt")
     assert not sbx.files.exists(f"{d}/b.txt")
     try:

@@ -263,16 +263,29 @@ pub fn make_dir(
             message: format!("{path} already exists"),
         });
     }
-    let owner = ctx.user.as_deref().unwrap_or(DEFAULT_USER);
-    match client.mkdir_as(&path, true, Some(owner)) {
-        Ok(_) => {}
-        Err(ClientError::Agent(e)) if ctx.user.is_none() && unknown_user(&e) => {
-            client.mkdir(&path, true).map_err(|e| call_err(link, e))?;
-        }
-        Err(e) => return Err(call_err(link, e)),
-    }
+    mkdir_for(link, &mut client, ctx, &path)?;
     let entry = entry_of(link, &mut client, &path)?;
     Ok(to_value(&EntryResponse { entry }))
+}
+
+/// Makes `path` with its missing parents, the new directories the
+/// request's user's (`user` by default; the agent's own when the guest
+/// has no `user`), as envd's `MakeDir` and `Move` do.
+fn mkdir_for(
+    link: &AgentLink,
+    client: &mut Client,
+    ctx: &CallContext,
+    path: &str,
+) -> Result<(), ConnectError> {
+    let owner = ctx.user.as_deref().unwrap_or(DEFAULT_USER);
+    match client.mkdir_as(path, true, Some(owner)) {
+        Ok(_) => Ok(()),
+        Err(ClientError::Agent(e)) if ctx.user.is_none() && unknown_user(&e) => client
+            .mkdir(path, true)
+            .map(drop)
+            .map_err(|e| call_err(link, e)),
+        Err(e) => Err(call_err(link, e)),
+    }
 }
 
 /// `Remove`: a file, a link or a whole directory; nothing there is no
@@ -288,12 +301,19 @@ pub fn remove(link: &AgentLink, ctx: &CallContext, message: &[u8]) -> Result<Val
     Ok(Value::Object(Default::default()))
 }
 
-/// `Move`: a rename within the guest's filesystem.
+/// `Move`: a rename within the guest's filesystem; the destination's
+/// missing parent directories are made first, the request's user's (as
+/// envd's `EnsureDirs`).
 pub fn rename(link: &AgentLink, ctx: &CallContext, message: &[u8]) -> Result<Value, ConnectError> {
     let req: MoveRequest = parse(message)?;
     let from = path_of(ctx, &req.source)?;
     let to = path_of(ctx, &req.destination)?;
     let mut client = connect(link)?;
+    if let Some(parent) = std::path::Path::new(&to).parent().and_then(|p| p.to_str()) {
+        if client.stat(parent, false).is_err() {
+            mkdir_for(link, &mut client, ctx, parent)?;
+        }
+    }
     client.rename(&from, &to).map_err(|e| call_err(link, e))?;
     let entry = entry_of(link, &mut client, &to)?;
     Ok(to_value(&EntryResponse { entry }))
