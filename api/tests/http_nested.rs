@@ -19,6 +19,7 @@ struct Pair {
     pod: Server,
     central: Server,
     pod_id: String,
+    nested: Arc<Nested<common::Fake>>,
 }
 
 async fn pair() -> Pair {
@@ -41,11 +42,12 @@ async fn pair_with(io_timeout: Duration) -> Pair {
     // Once only.
     let again = attach().await.unwrap().unwrap_err();
     assert!(again.to_string().contains("already attached"), "{again}");
-    let central = Server::start_over(nested, local, Server::config()).await;
+    let central = Server::start_over(Arc::clone(&nested), local, Server::config()).await;
     Pair {
         pod,
         central,
         pod_id: entry["id"].as_str().unwrap().to_string(),
+        nested,
     }
 }
 
@@ -300,6 +302,36 @@ async fn a_hung_pod_is_listed_unreachable_without_failing_the_lists() {
     let list = p.central.call("GET", "/v1/sandboxes", None).await;
     assert_eq!(list.status, 200, "{}", list.text());
     assert_eq!(list.json()["sandboxes"].as_array().unwrap().len(), 1);
+}
+
+/// The nested host's supervisor asks whether its pod is alive
+/// (`Nested::pod_answers`): a pod whose service is busy (here its state
+/// held, as a long store write holds a pod's store) still answers, so its
+/// host is not taken for dead and restarted; a pod that answers nothing
+/// does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_pod_answers_the_supervisor_a_hung_one_does_not() {
+    let p = pair_with(Duration::from_secs(2)).await;
+    let pod = torpor_scheduler::model::PodId::new(p.pod_id.clone());
+    // `busy`: the pod's service state held while asking.
+    let ask = |busy: Option<Arc<common::Fake>>| {
+        let (nested, pod) = (Arc::clone(&p.nested), pod.clone());
+        tokio::task::spawn_blocking(move || {
+            let _held = busy.as_ref().map(|f| f.state.lock().unwrap());
+            let started = std::time::Instant::now();
+            (nested.pod_answers(&pod), started.elapsed())
+        })
+    };
+    let (answer, took) = ask(Some(Arc::clone(&p.pod.fake))).await.unwrap();
+    assert!(answer.is_ok(), "{answer:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    let addr = p.pod.addr;
+    p.pod.shutdown().await.unwrap();
+    // Accepts connections (the kernel's backlog) and never answers.
+    let _hung = std::net::TcpListener::bind(addr).unwrap();
+    let (answer, _) = ask(None).await.unwrap();
+    let e = answer.unwrap_err().to_string();
+    assert!(e.contains("did not answer"), "{e}");
 }
 
 /// A template marked as coming (the nested pod's `linux` while it boots)

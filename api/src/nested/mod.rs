@@ -242,13 +242,17 @@ impl<L: SandboxApi> Nested<L> {
         }
     }
 
-    /// Whether pod `id` answers its `GET /v1/pods` now.
+    /// Whether pod `id` is alive: its server answers `GET /healthz` now
+    /// (the nested host's supervisor asks). Not its load (`GET
+    /// /v1/pods`), which reads the pod's store and measures its VMMs: a
+    /// pod busy with a template's snapshot under TCG answers that late,
+    /// and a busy host is not a dead one.
     pub fn pod_answers(&self, id: &PodId) -> Result<(), ServiceError> {
         let pod = self.pod(id).ok_or_else(|| ServiceError::NotFound {
             kind: "pod",
             id: id.to_string(),
         })?;
-        pod.load().map(drop)
+        pod.look("/healthz").map(drop)
     }
 
     /// Sends a create or fork to a nested pod; the sandbox it answers with
