@@ -360,9 +360,7 @@ fn a_restart_of_serve_keeps_the_nested_pods_sandboxes_and_a_lost_host_fails_them
         assert_eq!(v["state"], want, "{v}");
         assert_eq!(get(&rig, &bravo, id).status, 404);
         // What the pod never shows, from serve's store.
-        let kept = rig
-            .nested
-            .get_sandbox(&SandboxId::new(id.as_str()))
+        let kept = torpor_api::backend::wait(rig.nested.get_sandbox(&SandboxId::new(id.as_str())))
             .unwrap();
         assert_eq!(kept.access_token.as_deref(), Some(envd.as_str()));
         assert_eq!(kept.env.get("GREETING").map(String::as_str), Some("hello"));

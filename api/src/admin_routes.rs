@@ -160,7 +160,11 @@ pub async fn get_tenant<S: SandboxApi>(
     }
     let quota = st.tenancy.auth.quota(&tenant);
     let who = tenant.clone();
-    let usage = call(&st, move |s| Quotas::usage(s, &who, true)).await?;
+    let usage = call(&st, move |s| async move {
+        let s = &*s;
+        Quotas::usage(s, &who, true).await
+    })
+    .await?;
     Ok(Json(TenantBody {
         tenant,
         quota,
@@ -179,7 +183,11 @@ pub async fn set_quota<S: SandboxApi>(
         .await
         .map_err(tokens_error)?;
     let who = tenant.clone();
-    let usage = call(&st, move |s| Quotas::usage(s, &who, true)).await?;
+    let usage = call(&st, move |s| async move {
+        let s = &*s;
+        Quotas::usage(s, &who, true).await
+    })
+    .await?;
     Ok(Json(TenantBody {
         tenant,
         quota,
@@ -193,7 +201,7 @@ pub struct ImageList {
 }
 
 pub async fn list_images<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Json<ImageList>> {
-    let images = call(&st, |s| s.image_names()).await?;
+    let images = call(&st, |s| async move { s.image_names().await }).await?;
     Ok(Json(ImageList { images }))
 }
 
@@ -201,7 +209,11 @@ pub async fn delete_image<S: SandboxApi>(
     State(st): Api<S>,
     Path(name): Path<String>,
 ) -> ApiResult<StatusCode> {
-    call(&st, move |s| s.images(ImageOp::Delete(&name)).map(|_| ())).await?;
+    call(&st, move |s| async move {
+        let s = &*s;
+        s.images(ImageOp::Delete(&name)).await.map(|_| ())
+    })
+    .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -229,16 +241,16 @@ pub async fn upload_image<S: SandboxApi>(
     torpor_scheduler::images::check_name(&name).map_err(|e| ApiError::invalid(e.to_string()))?;
     let limit = st.max_upload_bytes;
     let stored = name.clone();
-    let size = crate::body::with_body(&st, body, move |s, reader| {
+    let size = crate::body::with_body(&st, body, move |s, mut reader| async move {
         let pod = on.pod.map(PodId::new);
         let install = ImageOp::Install {
             name: &stored,
             part,
-            body: reader,
+            body: &mut reader,
             limit,
             pod: pod.as_ref(),
         };
-        match s.images(install)? {
+        match s.images(install).await? {
             ImageReply::Installed(size) => Ok(size),
             other => Err(ServiceError::Internal(format!(
                 "an image's upload answered {other:?}"

@@ -53,7 +53,7 @@ pub async fn serve<S: SandboxApi>(
     // blocking thread for as long as the tunnel lives.
     let held = tokio::task::spawn_blocking(move || {
         let mut stream_tx = Some(stream_tx);
-        service.with_guest(&id, &mut |link| {
+        torpor_gate::backend::wait(service.with_guest(&id, &mut move |link| {
             let raw = link.connect_raw()?;
             if let Some(tx) = stream_tx.take() {
                 let _ = tx.send(raw);
@@ -61,7 +61,7 @@ pub async fn serve<S: SandboxApi>(
             // Until the tunnel ends (its sender is dropped).
             let _ = done_rx.recv();
             Ok(())
-        })
+        }))
     });
     let raw = match stream_rx.await {
         Ok(raw) => raw,

@@ -184,10 +184,10 @@ pub(crate) async fn create_from<S: SandboxApi>(
     start::check_name(&name)?;
     let _permit = st.tenancy.limiter.acquire(&p).map_err(Limited)?;
     let tenancy = st.tenancy.clone();
-    let record = call(st, move |_| {
+    let record = call(st, move |_| async move {
         let tenant = tenant_of(&p);
         start::admit_build(&tenancy, tenant.as_deref())?;
-        let prepared = start::prepare(&tenancy, &p, spec, &name, tenant.as_deref())?;
+        let prepared = start::prepare(&tenancy, &p, spec, &name, tenant.as_deref()).await?;
         let build = tenancy.builds.begin(tenant, &name, vec!["default".into()]);
         start::start(&tenancy, &p, &build, prepared);
         Ok(build.record())

@@ -1,5 +1,4 @@
-//! Checkpoint, restore and fork routes: decode, call the service on the
-//! blocking pool, encode.
+//! Checkpoint, restore and fork routes: decode, call the backend, encode.
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -29,8 +28,9 @@ pub async fn list<S: SandboxApi>(
     Path(id): Path<String>,
 ) -> ApiResult<Json<CheckpointList>> {
     let id = SandboxId::new(id);
-    let checkpoints = call(&st, move |s| {
-        on_pod(s, Needs::Snapshots, |s| s.list_checkpoints(&id))
+    let checkpoints = call(&st, move |s| async move {
+        let s = &*s;
+        on_pod(s, Needs::Snapshots, move |s| s.list_checkpoints(&id)).await
     })
     .await?;
     Ok(Json(CheckpointList { checkpoints }))
@@ -42,7 +42,11 @@ pub async fn create<S: SandboxApi>(
     ApiJson(body): ApiJson<CreateCheckpoint>,
 ) -> ApiResult<Response> {
     let id = SandboxId::new(id);
-    let checkpoint = call(&st, move |s| s.checkpoint(&id, body)).await?;
+    let checkpoint = call(&st, move |s| async move {
+        let s = &*s;
+        s.checkpoint(&id, body).await
+    })
+    .await?;
     let location = format!(
         "/v1/sandboxes/{}/checkpoints/{}",
         checkpoint.sandbox, checkpoint.name
@@ -55,7 +59,11 @@ pub async fn delete<S: SandboxApi>(
     Path((id, name)): Path<(String, String)>,
 ) -> ApiResult<StatusCode> {
     let id = SandboxId::new(id);
-    call(&st, move |s| s.delete_checkpoint(&id, &name)).await?;
+    call(&st, move |s| async move {
+        let s = &*s;
+        s.delete_checkpoint(&id, &name).await
+    })
+    .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -66,8 +74,12 @@ pub async fn restore<S: SandboxApi>(
 ) -> ApiResult<Json<OutcomeBody>> {
     let id = SandboxId::new(id);
     Ok(Json(
-        call(&st, move |s| {
-            on_pod(s, Needs::Snapshots, |s| s.restore_checkpoint(&id, body))
+        call(&st, move |s| async move {
+            let s = &*s;
+            on_pod(s, Needs::Snapshots, move |s| {
+                s.restore_checkpoint(&id, body)
+            })
+            .await
         })
         .await?
         .into(),
@@ -91,7 +103,11 @@ pub async fn fork<S: SandboxApi>(
     check_lifetimes(body.keep_alive_ms, body.timeout_ms)?;
     let id = SandboxId::new(id);
     let Some(count) = body.count.take() else {
-        let sandbox = call(&st, move |s| s.fork_sandbox(&id, body)).await?;
+        let sandbox = call(&st, move |s| async move {
+            let s = &*s;
+            s.fork_sandbox(&id, body).await
+        })
+        .await?;
         return Ok(created(
             format!("/v1/sandboxes/{}", sandbox.id),
             false,
@@ -104,7 +120,8 @@ pub async fn fork<S: SandboxApi>(
         )));
     }
     let tenancy = st.tenancy.clone();
-    let sandboxes = call(&st, move |s| {
+    let sandboxes = call(&st, move |s| async move {
+        let s = &*s;
         // The route's layer admitted one fork (`gate::sandbox`);
         // the others here, held until all are made. A backend admitting
         // its own (a cluster: all `count` at once, in PostgreSQL) has
@@ -112,14 +129,14 @@ pub async fn fork<S: SandboxApi>(
         let _more = if s.admits_creates() || count == 1 {
             None
         } else {
-            let mem = u64::from(s.get_sandbox(&id)?.mem_mib);
+            let mem = u64::from(s.get_sandbox(&id).await?.mem_mib);
             let mut more = Usage::default();
             for _ in 1..count {
                 more.add(&Usage::sandbox(mem));
             }
-            crate::tenancy::admit(&tenancy, &principal, more)?
+            crate::tenancy::admit(&tenancy, &principal, more).await?
         };
-        s.fork_sandboxes(&id, body, count)
+        s.fork_sandboxes(&id, body, count).await
     })
     .await?;
     Ok((StatusCode::CREATED, Json(ForkList { sandboxes })).into_response())
@@ -132,7 +149,11 @@ pub async fn template<S: SandboxApi>(
     ApiJson(body): ApiJson<TemplateFromSandbox>,
 ) -> ApiResult<Response> {
     let id = SandboxId::new(id);
-    let template = call(&st, move |s| s.template_from_sandbox(&id, body)).await?;
+    let template = call(&st, move |s| async move {
+        let s = &*s;
+        s.template_from_sandbox(&id, body).await
+    })
+    .await?;
     Ok(created(
         format!("/v1/templates/{}", template.id),
         false,

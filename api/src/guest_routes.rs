@@ -183,7 +183,11 @@ pub async fn exec<S: SandboxApi>(
     // exec, and the agent kills the command.
     let cancel = Cancel::default();
     let guard = cancel.on_drop();
-    let answer = call(&st, move |s| s.exec(&id, req, &cancel)).await;
+    let answer = call(&st, move |s| async move {
+        let s = &*s;
+        s.exec(&id, req, &cancel).await
+    })
+    .await;
     guard.disarm();
     Ok(Json(answer?.into()))
 }
@@ -284,13 +288,14 @@ pub async fn exec_stream<S: SandboxApi>(
     let cancel = Cancel::default();
     let guard = cancel.on_drop();
     crate::streams::run_long(slot, "exec", move || {
-        let result = service.exec_streaming(
+        // On the stream's own blocking thread.
+        let result = torpor_gate::backend::wait(service.exec_streaming(
             &id,
             req,
             &cancel,
             &mut |outcome| drop(tx.blocking_send(Event::Started(outcome.clone()))),
             &mut |kind, data| drop(tx.blocking_send(Event::Output(kind, data.to_vec()))),
-        );
+        ));
         let _ = tx.blocking_send(Event::Done(result));
     });
     let outcome = match rx.recv().await {
@@ -398,7 +403,11 @@ pub async fn read_file<S: SandboxApi>(
 ) -> ApiResult<Response> {
     let (path, _) = file_query(query, false)?;
     let id = SandboxId::new(id);
-    let got = call(&st, move |s| s.read_file(&id, &path)).await?;
+    let got = call(&st, move |s| async move {
+        let s = &*s;
+        s.read_file(&id, &path).await
+    })
+    .await?;
     let mut response = (StatusCode::OK, got.value).into_response();
     response.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -429,7 +438,11 @@ pub async fn write_file<S: SandboxApi>(
     let (path, mode) = file_query(query, true)?;
     let id = SandboxId::new(id);
     let answer_path = path.clone();
-    let done = call(&st, move |s| s.write_file(&id, &path, &body, mode)).await?;
+    let done = call(&st, move |s| async move {
+        let s = &*s;
+        s.write_file(&id, &path, &body, mode).await
+    })
+    .await?;
     Ok(Json(WrittenAnswer {
         path: answer_path,
         size: done.value,
@@ -457,7 +470,11 @@ pub async fn list_files<S: SandboxApi>(
     let (path, _) = file_query(query, false)?;
     let id = SandboxId::new(id);
     let answer_path = path.clone();
-    let got = call(&st, move |s| s.list_dir(&id, &path)).await?;
+    let got = call(&st, move |s| async move {
+        let s = &*s;
+        s.list_dir(&id, &path).await
+    })
+    .await?;
     Ok(Json(ListAnswer {
         path: answer_path,
         listing: got.value,

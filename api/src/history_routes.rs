@@ -21,6 +21,10 @@ pub async fn get<S: SandboxApi>(
 ) -> ApiResult<Json<MetricHistory>> {
     let range = Range::parse(raw.as_deref())?;
     let id = SandboxId::new(id);
-    let samples = call(&st, move |s| s.metrics_history(&id, range)).await?;
+    let samples = call(&st, move |s| async move {
+        let s = &*s;
+        s.metrics_history(&id, range).await
+    })
+    .await?;
     Ok(Json(MetricHistory { samples }))
 }

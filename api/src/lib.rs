@@ -11,9 +11,9 @@
 //! [`router`] builds the app from [`ROUTES`] (the one list of routes, also
 //! the paths of the OpenAPI document, [`openapi`], served at
 //! `/v1/openapi.json`); [`serve`] runs it on a listener until a shutdown
-//! future completes. The service is reached through [`SandboxApi`]
-//! (implemented for `torpor_scheduler::service::Service`), on tokio's
-//! blocking pool.
+//! future completes. The service is reached through [`SandboxApi`], async
+//! (implemented for `torpor_scheduler::service::Service`, whose blocking
+//! calls run on tokio's blocking pool: `torpor_gate::backend`).
 //!
 //! Its modules import each other one way (tests/layering.rs): the routes
 //! (`*_routes`), then `openapi` and `nested`.

@@ -41,8 +41,12 @@ pub async fn update_policy<S: SandboxApi>(
         ));
     }
     let id = SandboxId::new(id);
-    let sandbox = call(&st, move |s| {
-        on_pod(s, Needs::Network, |s| s.set_network_policy(&id, &patch))
+    let sandbox = call(&st, move |s| async move {
+        let s = &*s;
+        on_pod(s, Needs::Network, move |s| {
+            s.set_network_policy(&id, &patch)
+        })
+        .await
     })
     .await?;
     Ok(Json(sandbox).into_response())
@@ -53,8 +57,9 @@ pub async fn list_ports<S: SandboxApi>(
     Path(id): Path<String>,
 ) -> ApiResult<Json<PortList>> {
     let id = SandboxId::new(id);
-    let ports = call(&st, move |s| {
-        on_pod(s, Needs::Network, |s| s.list_ports(&id))
+    let ports = call(&st, move |s| async move {
+        let s = &*s;
+        on_pod(s, Needs::Network, move |s| s.list_ports(&id)).await
     })
     .await?;
     Ok(Json(PortList { ports }))
@@ -70,8 +75,12 @@ pub async fn expose_port<S: SandboxApi>(
     }
     let location = format!("/v1/sandboxes/{id}/ports/{}", body.guest_port);
     let id = SandboxId::new(id);
-    let port = call(&st, move |s| {
-        on_pod(s, Needs::Network, |s| s.expose_port(&id, body.guest_port))
+    let port = call(&st, move |s| async move {
+        let s = &*s;
+        on_pod(s, Needs::Network, move |s| {
+            s.expose_port(&id, body.guest_port)
+        })
+        .await
     })
     .await?;
     Ok(created(location, false, port))
@@ -87,8 +96,9 @@ pub async fn unexpose_port<S: SandboxApi>(
         ));
     };
     let id = SandboxId::new(id);
-    call(&st, move |s| {
-        on_pod(s, Needs::Network, |s| s.unexpose_port(&id, guest_port))
+    call(&st, move |s| async move {
+        let s = &*s;
+        on_pod(s, Needs::Network, move |s| s.unexpose_port(&id, guest_port)).await
     })
     .await?;
     Ok(StatusCode::NO_CONTENT)

@@ -1,5 +1,5 @@
-//! `/v1`'s sandbox, template and pod routes: decode, call the backend on
-//! the blocking pool ([`call`]), encode.
+//! `/v1`'s sandbox, template and pod routes: decode, call the backend
+//! ([`call`]), encode.
 
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Extension, Path, Query, State};
@@ -32,7 +32,7 @@ pub async fn health() -> Json<Health> {
 }
 
 pub async fn metrics<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Response> {
-    let mut text = call(&st, |s| Ok(s.metrics())).await?;
+    let mut text = call(&st, |s| async move { Ok(s.metrics().await) }).await?;
     text.push_str(&st.tenancy.traffic.encode());
     Ok((
         [(
@@ -67,7 +67,7 @@ pub async fn list_templates<S: SandboxApi>(
 ) -> ApiResult<Response> {
     let Query(pairs) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
     let (_, paging) = Page::split(pairs)?;
-    let mut templates = call(&st, |s| s.template_entries()).await?;
+    let mut templates = call(&st, |s| async move { s.template_entries().await }).await?;
     templates.retain(|t| sees_template(&p, t));
     let (templates, next) = page(templates, &paging);
     Ok(Page::respond(
@@ -100,16 +100,17 @@ pub(crate) async fn create_booted_template<S: SandboxApi>(
     let _permit = st.tenancy.limiter.acquire(&p).map_err(Limited)?;
     body.owner = Some(p.owner());
     let tenancy = st.tenancy.clone();
-    let template = call(&st, move |s| {
+    let template = call(&st, move |s| async move {
+        let s = &*s;
         // A build boots a VM: admitted against the tenant's quotas too,
         // here, or by a service that admits its creates itself (a cluster
         // replica, in PostgreSQL with the build's operation).
         let _ticket = if s.admits_creates() {
             None
         } else {
-            crate::tenancy::admit(&tenancy, &p, Usage::build(u64::from(body.mem_mib)))?
+            crate::tenancy::admit(&tenancy, &p, Usage::build(u64::from(body.mem_mib))).await?
         };
-        s.create_template(body)
+        s.create_template(body).await
     })
     .await?;
     let building = template.state == TemplateState::Building;
@@ -128,7 +129,11 @@ pub async fn get_template<S: SandboxApi>(
     Extension(p): Extension<Principal>,
     Path(key): Path<String>,
 ) -> ApiResult<Response> {
-    let template = call(&st, move |s| s.resolve_template(&p.owner(), &key)).await?;
+    let template = call(&st, move |s| async move {
+        let s = &*s;
+        s.resolve_template(&p.owner(), &key).await
+    })
+    .await?;
     Ok(Json(template).into_response())
 }
 
@@ -139,7 +144,11 @@ pub async fn delete_template<S: SandboxApi>(
     Extension(p): Extension<Principal>,
     Path(key): Path<String>,
 ) -> ApiResult<StatusCode> {
-    call(&st, move |s| s.delete_template(Some(&p.owner()), &key)).await?;
+    call(&st, move |s| async move {
+        let s = &*s;
+        s.delete_template(Some(&p.owner()), &key).await
+    })
+    .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -159,8 +168,9 @@ pub async fn rename_template<S: SandboxApi>(
     Path(key): Path<String>,
     ApiJson(body): ApiJson<TemplatePatch>,
 ) -> ApiResult<Response> {
-    let t = call(&st, move |s| {
-        s.rename_template(Some(&p.owner()), &key, &body.name)
+    let t = call(&st, move |s| async move {
+        let s = &*s;
+        s.rename_template(Some(&p.owner()), &key, &body.name).await
     })
     .await?;
     Ok(Json(t).into_response())
@@ -179,7 +189,11 @@ pub async fn list_sandboxes<S: SandboxApi>(
     if !p.sees_all() {
         filter.tenant = Some(p.owner().tenant);
     }
-    let sandboxes = call(&st, move |s| s.list_sandboxes(filter)).await?;
+    let sandboxes = call(&st, move |s| async move {
+        let s = &*s;
+        s.list_sandboxes(filter).await
+    })
+    .await?;
     let (sandboxes, next) = page(sandboxes, &paging);
     Ok(Page::respond(
         SandboxList {
@@ -205,9 +219,10 @@ pub async fn create_sandbox<S: SandboxApi>(
     let _permit = st.tenancy.limiter.acquire(&p).map_err(Limited)?;
     body.owner = Some(p.owner());
     let tenancy = st.tenancy.clone();
-    let sandbox = call(&st, move |s| {
-        let _ticket = crate::tenancy::admit_create(&tenancy, &p, s, &body.template)?;
-        s.create_sandbox(body)
+    let sandbox = call(&st, move |s| async move {
+        let s = &*s;
+        let _ticket = crate::tenancy::admit_create(&tenancy, &p, s, &body.template).await?;
+        s.create_sandbox(body).await
     })
     .await?;
     let building = sandbox.state == SandboxState::Creating;
@@ -223,7 +238,11 @@ pub async fn get_sandbox<S: SandboxApi>(
     Path(id): Path<String>,
 ) -> ApiResult<Response> {
     let id = SandboxId::new(id);
-    let sandbox = call(&st, move |s| s.get_sandbox(&id)).await?;
+    let sandbox = call(&st, move |s| async move {
+        let s = &*s;
+        s.get_sandbox(&id).await
+    })
+    .await?;
     Ok(Json(sandbox).into_response())
 }
 
@@ -232,7 +251,11 @@ pub async fn delete_sandbox<S: SandboxApi>(
     Path(id): Path<String>,
 ) -> ApiResult<StatusCode> {
     let id = SandboxId::new(id);
-    call(&st, move |s| s.delete_sandbox(&id)).await?;
+    call(&st, move |s| async move {
+        let s = &*s;
+        s.delete_sandbox(&id).await
+    })
+    .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -248,8 +271,10 @@ pub async fn update_sandbox<S: SandboxApi>(
     }
     check_lifetimes(patch.keep_alive_ms, patch.timeout_ms)?;
     let id = SandboxId::new(id);
-    let sandbox = call(&st, move |s| {
+    let sandbox = call(&st, move |s| async move {
+        let s = &*s;
         s.set_timeout(&id, patch.keep_alive_ms, patch.timeout_ms)
+            .await
     })
     .await?;
     Ok(Json(sandbox).into_response())
@@ -262,7 +287,14 @@ pub async fn lifecycle_sandbox<S: SandboxApi>(
     op: Lifecycle,
 ) -> ApiResult<Json<OutcomeBody>> {
     let id = SandboxId::new(id);
-    Ok(Json(call(&st, move |s| s.lifecycle(&id, op)).await?.into()))
+    Ok(Json(
+        call(&st, move |s| async move {
+            let s = &*s;
+            s.lifecycle(&id, op).await
+        })
+        .await?
+        .into(),
+    ))
 }
 
 /// `POST /v1/sandboxes/{id}/hibernate`: with an optional
@@ -296,14 +328,18 @@ pub async fn get_operation<S: SandboxApi>(
 ) -> ApiResult<Json<serde_json::Value>> {
     let tenant = (!p.is_admin()).then(|| p.tenant.clone());
     Ok(Json(
-        call(&st, move |s| s.operation(&id, tenant.as_deref())).await?,
+        call(&st, move |s| async move {
+            let s = &*s;
+            s.operation(&id, tenant.as_deref()).await
+        })
+        .await?,
     ))
 }
 
 // Pods.
 
 pub async fn list_pods<S: SandboxApi>(State(st): Api<S>) -> ApiResult<Json<PodList>> {
-    let pods = call(&st, |s| s.pod_entries()).await?;
+    let pods = call(&st, |s| async move { s.pod_entries().await }).await?;
     Ok(Json(PodList { pods }))
 }
 
@@ -313,7 +349,7 @@ pub async fn get_pod<S: SandboxApi>(
     State(st): Api<S>,
     Path(id): Path<String>,
 ) -> ApiResult<Json<serde_json::Value>> {
-    let pods = call(&st, |s| s.pod_entries()).await?;
+    let pods = call(&st, |s| async move { s.pod_entries().await }).await?;
     pods.into_iter()
         .find(|p| p["id"] == id.as_str())
         .map(Json)
@@ -331,8 +367,10 @@ pub async fn update_pod<S: SandboxApi>(
         ));
     }
     let id = PodId::new(id);
-    let view = call(&st, move |s| {
+    let view = call(&st, move |s| async move {
+        let s = &*s;
         s.set_pod(&id, patch.oversubscription_ratio, patch.high_watermark)
+            .await
     })
     .await?;
     Ok(Json(view.into()))

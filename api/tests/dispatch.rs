@@ -18,8 +18,8 @@ fn sandbox(reply: Reply) -> (Sandbox, bool) {
     }
 }
 
-#[test]
-fn each_operation_answers_its_reply() {
+#[tokio::test]
+async fn each_operation_answers_its_reply() {
     let fake = Fake::new();
     let create = Operation::Create {
         request: Box::new(CreateSandbox {
@@ -31,23 +31,25 @@ fn each_operation_answers_its_reply() {
         admin: false,
     };
     // The caller is the operation's; a pod it names is this one.
-    let (made, _) = sandbox(fake.operate(create).unwrap());
+    let (made, _) = sandbox(fake.operate(create).await.unwrap());
     assert_eq!(made.tenant.as_deref(), Some("acme"));
     assert_eq!(made.state, SandboxState::Running);
     let id = made.id.clone();
 
     let (paused, resumed) = sandbox(
         fake.operate(Operation::lifecycle(id.clone(), Lifecycle::Pause))
+            .await
             .unwrap(),
     );
     assert_eq!((paused.state, resumed), (SandboxState::Paused, false));
     // As the queue carries it: its own kind.
     let hibernate: Operation =
         serde_json::from_value(json!({"kind": "hibernate_filesystem", "sandbox": id})).unwrap();
-    let (slept, _) = sandbox(fake.operate(hibernate).unwrap());
+    let (slept, _) = sandbox(fake.operate(hibernate).await.unwrap());
     assert_eq!(slept.state, SandboxState::Hibernated);
     let (woken, resumed) = sandbox(
         fake.operate(Operation::lifecycle(id.clone(), Lifecycle::Connect))
+            .await
             .unwrap(),
     );
     assert_eq!((woken.state, resumed), (SandboxState::Running, true));
@@ -58,18 +60,25 @@ fn each_operation_answers_its_reply() {
     )
     .unwrap();
     assert!(matches!(
-        fake.operate(take),
+        fake.operate(take).await,
         Err(ServiceError::Unsupported(_))
     ));
     let forks: Operation =
         serde_json::from_value(json!({"kind": "fork", "sandbox": id, "request": {"count": 0}}))
             .unwrap();
-    assert!(matches!(fake.operate(forks), Err(ServiceError::Invalid(_))));
+    assert!(matches!(
+        fake.operate(forks).await,
+        Err(ServiceError::Invalid(_))
+    ));
 
-    let gone = fake.operate(Operation::Delete {
-        sandbox: id.clone(),
-    });
+    let gone = fake
+        .operate(Operation::Delete {
+            sandbox: id.clone(),
+        })
+        .await;
     assert!(matches!(gone, Ok(Reply::Deleted { sandbox }) if sandbox == id));
-    let again = fake.operate(Operation::lifecycle(id, Lifecycle::Resume));
+    let again = fake
+        .operate(Operation::lifecycle(id, Lifecycle::Resume))
+        .await;
     assert!(again.is_err());
 }

@@ -76,6 +76,19 @@ impl Exchange {
     }
 }
 
+/// A response's status and headers (values as text, lossily).
+fn head_of(response: &hyper::Response<hyper::body::Incoming>) -> (u16, Vec<(String, String)>) {
+    let headers = response
+        .headers()
+        .iter()
+        .map(|(n, v)| {
+            let v = String::from_utf8_lossy(v.as_bytes()).into_owned();
+            (n.as_str().to_string(), v)
+        })
+        .collect();
+    (response.status().as_u16(), headers)
+}
+
 /// Longest wait for a connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest response body accepted.
@@ -409,6 +422,63 @@ impl HttpClient {
         Ok(sender)
     }
 
+    /// One request (as [`HttpClient::request`], without streaming) from
+    /// async code, on the caller's runtime: its answer read whole
+    /// (bounded), whatever its status.
+    pub async fn fetch(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<(&str, &[u8])>,
+    ) -> Result<Answer, ClientError> {
+        let request = self.build(method, path, body)?;
+        let mut sender = self.open().await?;
+        let response = self.bounded(sender.send_request(request)).await?;
+        let (status, headers) = head_of(&response);
+        let mut answer = Answer {
+            status,
+            headers,
+            body: Vec::new(),
+        };
+        if !self.has_body(method, &response)? {
+            return Ok(answer);
+        }
+        let mut incoming = response.into_body();
+        while let Some(frame) = self
+            .bounded(async { incoming.frame().await.transpose() })
+            .await?
+        {
+            if let Ok(data) = frame.into_data() {
+                if (answer.body.len() + data.len()) as u64 > MAX_BODY {
+                    return Err(self.too_large());
+                }
+                answer.body.extend_from_slice(&data);
+            }
+        }
+        Ok(answer)
+    }
+
+    /// Whether `response` to `method` has a body to read; a declared one
+    /// over [`MAX_BODY`] is an error.
+    fn has_body(
+        &self,
+        method: &str,
+        response: &hyper::Response<hyper::body::Incoming>,
+    ) -> Result<bool, ClientError> {
+        let status = response.status().as_u16();
+        if method == "HEAD" || status == 204 || status == 304 {
+            return Ok(false);
+        }
+        let length = response
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        if length.is_some_and(|n| n > MAX_BODY) {
+            return Err(self.too_large());
+        }
+        Ok(true)
+    }
+
     /// The answer to a request: its status, headers and body (bounded;
     /// streamed to `streaming`'s sink when it is chunked and 2xx).
     fn answer(
@@ -418,15 +488,7 @@ impl HttpClient {
         response: hyper::Response<hyper::body::Incoming>,
         streaming: Option<Streaming<'_>>,
     ) -> Result<Answer, ClientError> {
-        let status = response.status().as_u16();
-        let headers: Vec<(String, String)> = response
-            .headers()
-            .iter()
-            .map(|(n, v)| {
-                let v = String::from_utf8_lossy(v.as_bytes()).into_owned();
-                (n.as_str().to_string(), v)
-            })
-            .collect();
+        let (status, headers) = head_of(&response);
         let answer = |body| Answer {
             status,
             headers: headers.clone(),
@@ -447,15 +509,8 @@ impl HttpClient {
                 sink = Some(s.on_chunk);
             }
         }
-        if method == "HEAD" || status == 204 || status == 304 {
+        if !self.has_body(method, &response)? {
             return Ok(answer(Vec::new()));
-        }
-        let length = response
-            .headers()
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-        if length.is_some_and(|n| n > MAX_BODY) {
-            return Err(self.too_large());
         }
         let mut incoming = response.into_body();
         let mut collected = Vec::new();
@@ -791,6 +846,23 @@ mod tests {
             }
         });
         addr
+    }
+
+    #[test]
+    fn an_async_fetch_runs_on_the_callers_runtime_and_reads_the_whole_answer() {
+        let addr = ok_server(1);
+        let endpoint = Endpoint::parse(&format!("tcp:{addr}")).unwrap();
+        let client = HttpClient::new(endpoint, None, Duration::from_secs(10)).unwrap();
+        // A current-thread runtime: the fetch is driven by its caller's
+        // `block_on` alone, and makes no runtime of its own.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let answer = rt.block_on(client.fetch("GET", "/v1/x", None)).unwrap();
+        assert_eq!((answer.status, answer.body.as_slice()), (200, &b"ok"[..]));
+        assert_eq!(answer.header("content-length"), Some("2"));
+        assert_eq!(OWN_RUNTIMES.with(Cell::get), 0);
     }
 
     #[test]

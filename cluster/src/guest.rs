@@ -42,6 +42,7 @@ use super::db::{pg, Db};
 use super::replica::Cluster;
 use super::ClusterError;
 use torpor_client::encode;
+use torpor_gate::backend::blocking;
 use torpor_gate::calls::{map_call, ExecMode, ExecReply};
 use torpor_gate::error::code;
 use torpor_gate::pods::RemotePod;
@@ -143,46 +144,44 @@ impl Cluster {
 
     /// Sandbox `id` (with its secrets) and its pod to call directly: 503
     /// when the pod is down.
-    fn pod_of(&self, id: &SandboxId) -> Result<(Sandbox, RemotePod), ServiceError> {
-        let (sandbox, row) = self.block(self.owned_up(id))?;
+    async fn pod_of(&self, id: &SandboxId) -> Result<(Sandbox, RemotePod), ServiceError> {
+        let (sandbox, row) = self.owned_up(id).await?;
         let pod = self.remote(&row).ok_or_else(|| {
             ServiceError::Internal(format!(
                 "pod {} has an address or fingerprint this replica cannot use",
                 row.id
             ))
         })?;
-        let sandbox = self.block(self.with_secrets(sandbox))?;
+        let sandbox = self.with_secrets(sandbox).await?;
         Ok((sandbox, pod))
     }
 
     /// A sandbox as `pod` answered it, written to its row (only over an
     /// older or equal generation of the same pod's, never bringing back
     /// a deleted one: as a heartbeat), with its secrets.
-    fn pod_answer(&self, pod: &RemotePod, value: Value) -> Result<Sandbox, ServiceError> {
+    async fn pod_answer(&self, pod: &RemotePod, value: Value) -> Result<Sandbox, ServiceError> {
         let sandbox = Self::sandbox_from(pod, value)?;
-        self.block(async {
-            let c = self.db.client().await?;
-            self.db.upsert_sandbox(&c, &pod.id, &sandbox, true).await?;
-            self.with_secrets(sandbox).await
-        })
+        let c = self.db.client().await?;
+        self.db.upsert_sandbox(&c, &pod.id, &sandbox, true).await?;
+        self.with_secrets(sandbox).await
     }
 
     /// The sandbox as its pod measures it now (its `usage` and `memory`,
     /// which the rows do not keep fresh): not written to its row.
-    pub(super) fn measured_on_pod(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
-        let (_, pod) = self.pod_of(id)?;
-        let value = pod.call("GET", &Self::sandbox_path(id), None)?;
-        self.block(self.with_secrets(Self::sandbox_from(&pod, value)?))
+    pub(super) async fn measured_on_pod(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
+        let (_, pod) = self.pod_of(id).await?;
+        let value = pod.fetch("GET", &Self::sandbox_path(id), None).await?;
+        self.with_secrets(Self::sandbox_from(&pod, value)?).await
     }
 
     /// The sandbox's metrics history, as its pod keeps it.
-    pub(super) fn history_on_pod(
+    pub(super) async fn history_on_pod(
         &self,
         id: &SandboxId,
         range: torpor_gate::wire::Range,
     ) -> Result<Vec<torpor_scheduler::service::history::MetricSample>, ServiceError> {
-        let (_, pod) = self.pod_of(id)?;
-        torpor_gate::pods::metrics_history(&pod, id, range)
+        let (_, pod) = self.pod_of(id).await?;
+        torpor_gate::pods::metrics_history(&pod, id, range).await
     }
 
     fn sandbox_from(pod: &RemotePod, value: Value) -> Result<Sandbox, ServiceError> {
@@ -201,16 +200,18 @@ impl Cluster {
     }
 
     /// The sandbox's timeouts set on its pod.
-    pub(super) fn timeout_on_pod(
+    pub(super) async fn timeout_on_pod(
         &self,
         id: &SandboxId,
         keep_alive_ms: Option<u64>,
         timeout_ms: Option<u64>,
     ) -> Result<Sandbox, ServiceError> {
-        let (_, pod) = self.pod_of(id)?;
+        let (_, pod) = self.pod_of(id).await?;
         let body = json!({"keep_alive_ms": keep_alive_ms, "timeout_ms": timeout_ms});
-        let value = pod.call("PATCH", &Self::sandbox_path(id), Some(&body))?;
-        self.pod_answer(&pod, value)
+        let value = pod
+            .fetch("PATCH", &Self::sandbox_path(id), Some(&body))
+            .await?;
+        self.pod_answer(&pod, value).await
     }
 
     /// Hands `f` the sandbox's agent through its pod's agent tunnel (the
@@ -218,13 +219,13 @@ impl Cluster {
     /// pod has it. A sandbox whose template its pod lists without an agent
     /// (the probe) is refused here, as the embedded service refuses it,
     /// before any wake.
-    pub(super) fn tunnel(
+    pub(super) async fn tunnel(
         &self,
         id: &SandboxId,
-        f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
+        f: &mut (dyn FnMut(&AgentLink) -> Result<(), GuestError> + Send),
     ) -> Result<Outcome, ServiceError> {
-        let (sandbox, pod) = self.pod_of(id)?;
-        let kind = self.block(self.db.template_kind(&pod.id, &sandbox.template))?;
+        let (sandbox, pod) = self.pod_of(id).await?;
+        let kind = self.db.template_kind(&pod.id, &sandbox.template).await?;
         if let Some(kind) = kind.filter(|k| *k != TemplateKind::Linux) {
             return Err(GuestError::NoAgent {
                 id: id.to_string(),
@@ -234,36 +235,40 @@ impl Cluster {
         }
         let dial = torpor_gate::pods::tunnel::dialer(self.rt.clone(), pod.line.clone(), id.clone());
         let link = AgentLink::dialed(id.as_str(), format!("pod {}", pod.id), dial);
-        f(&link).map_err(ServiceError::Guest)?;
-        let value = pod.call("GET", &Self::sandbox_path(id), None)?;
+        // The agent's calls block (the tunnel's connection is dialed on
+        // the runtime).
+        blocking(|| f(&link)).map_err(ServiceError::Guest)?;
+        let value = pod.fetch("GET", &Self::sandbox_path(id), None).await?;
         Ok(Outcome {
-            sandbox: self.pod_answer(&pod, value)?,
+            sandbox: self.pod_answer(&pod, value).await?,
             resumed: false,
             resume_ms: None,
         })
     }
 
     /// One call on the sandbox's agent through the tunnel.
-    pub(super) fn guest_call<T>(
+    pub(super) async fn guest_call<T: Send>(
         &self,
         id: &SandboxId,
-        call: impl FnOnce(&AgentLink) -> Result<T, GuestError>,
+        call: impl FnOnce(&AgentLink) -> Result<T, GuestError> + Send,
     ) -> Result<GuestCall<T>, ServiceError> {
-        torpor_gate::calls::through_tunnel(|f| self.tunnel(id, f), call)
+        let mut one = torpor_gate::calls::OneCall::new(call);
+        let outcome = self.tunnel(id, &mut |link| one.run(link)).await?;
+        one.finish(outcome)
     }
 
     /// A command run through the tunnel (`/v1` exec is relayed to the pod
     /// whole; this serves the other callers): the sandbox's environment
     /// under the request's, and the replica's request timeout when the
     /// request names none.
-    pub(super) fn exec_through_tunnel(
+    pub(super) async fn exec_through_tunnel(
         &self,
         id: &SandboxId,
         mut req: ExecRequest,
         cancel: &Cancel,
         mode: ExecMode<'_>,
     ) -> Result<GuestCall<ExecReply>, ServiceError> {
-        let (sandbox, _) = self.pod_of(id)?;
+        let (sandbox, _) = self.pod_of(id).await?;
         let mut env = sandbox.env.clone();
         env.append(&mut req.env);
         req.env = env;
@@ -273,7 +278,7 @@ impl Cluster {
         }
         Ok(match mode {
             ExecMode::Collect => map_call(
-                self.guest_call(id, |link| link.exec(req, cancel))?,
+                self.guest_call(id, |link| link.exec(req, cancel)).await?,
                 ExecReply::Collected,
             ),
             ExecMode::Stream {
@@ -285,25 +290,27 @@ impl Cluster {
                     resumed: false,
                     resume_ms: None,
                 };
-                let call = self.guest_call(id, |link| {
-                    on_start(&started);
-                    link.exec_streaming(req, cancel, on_output)
-                })?;
+                let call = self
+                    .guest_call(id, |link| {
+                        on_start(&started);
+                        link.exec_streaming(req, cancel, on_output)
+                    })
+                    .await?;
                 map_call(call, ExecReply::Streamed)
             }
         })
     }
 
     /// A template of the sandbox's state, on its pod.
-    pub(super) fn snapshot_on_pod(
+    pub(super) async fn snapshot_on_pod(
         &self,
         id: &SandboxId,
         req: &TemplateFromSandbox,
     ) -> Result<Template, ServiceError> {
-        let (_, pod) = self.pod_of(id)?;
+        let (_, pod) = self.pod_of(id).await?;
         let body = serde_json::to_value(req).map_err(|e| ServiceError::Internal(e.to_string()))?;
         let path = format!("{}/template", Self::sandbox_path(id));
-        let value = pod.call("POST", &path, Some(&body))?;
+        let value = pod.fetch("POST", &path, Some(&body)).await?;
         let template: Template = serde_json::from_value(value).map_err(|e| ServiceError::Pod {
             status: 502,
             code: code::POD_UNREACHABLE.into(),
@@ -311,25 +318,27 @@ impl Cluster {
         })?;
         let deadline = Instant::now() + LISTED_WITHIN;
         while self
-            .block(self.db.template_kind(&pod.id, &template.id))?
+            .db
+            .template_kind(&pod.id, &template.id)
+            .await?
             .is_none()
         {
             if Instant::now() >= deadline {
                 tracing::warn!(pod = %pod.id, template = %template.id, "a snapshot not listed yet");
                 break;
             }
-            std::thread::sleep(Duration::from_millis(50));
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
         Ok(template)
     }
 
     /// Templates made from sandboxes (from `source` only, if given), as
     /// the pods up list them.
-    pub(super) fn snapshots(
+    pub(super) async fn snapshots(
         &self,
         source: Option<&SandboxId>,
     ) -> Result<Vec<(Template, SandboxId)>, ServiceError> {
-        let listed = self.block(self.db.templates(self.config.down_after))?;
+        let listed = self.db.templates(self.config.down_after).await?;
         Ok(listed
             .into_iter()
             .filter_map(|v| serde_json::from_value::<Template>(v).ok())

@@ -27,6 +27,7 @@ use torpor_scheduler::service::ServiceError;
 use super::db::{pg, PodRow};
 use super::replica::Cluster;
 use torpor_client::encode;
+use torpor_gate::backend::blocking;
 use torpor_gate::calls::{ImageOp, ImageReply};
 
 /// A reader that fails once more than `left` bytes were read through it.
@@ -49,8 +50,8 @@ impl Read for Limited<'_> {
 }
 
 impl Cluster {
-    pub(super) fn image_call(&self, op: ImageOp<'_>) -> Result<ImageReply, ServiceError> {
-        let pods = self.block(self.db.pods())?;
+    pub(super) async fn image_call(&self, op: ImageOp<'_>) -> Result<ImageReply, ServiceError> {
+        let pods = self.db.pods().await?;
         match op {
             ImageOp::List => {
                 let mut names: Vec<String> = pods
@@ -77,7 +78,8 @@ impl Cluster {
                     left: limit,
                     over: false,
                 };
-                let answer = remote.upload(&path, &mut limited);
+                // The upload reads its body, which blocks.
+                let answer = blocking(|| remote.upload(&path, &mut limited));
                 if limited.over {
                     return Err(ImageError::TooLarge { limit }.into());
                 }
@@ -101,8 +103,8 @@ impl Cluster {
                 let path = format!("/v1/images/{}", encode(name));
                 for pod in holding {
                     let remote = self.remote(pod).ok_or_else(|| unusable(&pod.id))?;
-                    remote.call("DELETE", &path, None)?;
-                    self.block(async {
+                    remote.fetch("DELETE", &path, None).await?;
+                    async {
                         let c = self.db.client().await?;
                         c.execute(
                             "UPDATE pods SET images = array_remove(images, $2) WHERE id = $1",
@@ -110,7 +112,8 @@ impl Cluster {
                         )
                         .await
                         .map_err(pg)
-                    })?;
+                    }
+                    .await?;
                 }
                 Ok(ImageReply::Deleted)
             }

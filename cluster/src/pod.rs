@@ -26,7 +26,7 @@ use super::wire::{
     self, Event, Heartbeat, OpError, OpOutcome, Operation, Reply, WorkItem, MAX_REPORTED,
 };
 use super::{ClusterConfig, ClusterError};
-use torpor_gate::backend::SandboxApi;
+use torpor_gate::backend::{blocking, SandboxApi};
 
 /// Operations run at once.
 const CONCURRENCY: usize = 8;
@@ -249,9 +249,11 @@ async fn take<S: SandboxApi>(
     let pod = me.id.clone();
     let op = item.operation.clone();
     let op_id = op.clone();
-    let outcome = tokio::task::spawn_blocking(move || -> Result<OpOutcome, ClusterError> {
-        let outcome = match journal.begin(&item.operation)? {
-            Journaled::Done(outcome) => return Ok(outcome),
+    // The journal (SQLite) blocks; the operation is the backend's, async.
+    let outcome = async move {
+        let begun = blocking(|| journal.begin(&item.operation))?;
+        let outcome = match begun {
+            Journaled::Done(outcome) => return Ok::<_, ClusterError>(outcome),
             Journaled::Running => OpOutcome::Failed(OpError {
                 status: 500,
                 code: torpor_gate::error::code::INTERNAL.into(),
@@ -261,13 +263,12 @@ async fn take<S: SandboxApi>(
                     item.operation
                 ),
             }),
-            Journaled::New => in_time(&*service, &pod, &op_id, item.command, deadlines),
+            Journaled::New => in_time(&*service, &pod, &op_id, item.command, deadlines).await,
         };
-        journal.finish(&item.operation, &outcome)?;
+        blocking(|| journal.finish(&item.operation, &outcome))?;
         Ok(outcome)
-    })
-    .await
-    .map_err(|e| ClusterError::Journal(e.to_string()))??;
+    }
+    .await?;
     publish_result(js, &me.id, &op, outcome).await
 }
 
@@ -328,7 +329,7 @@ fn named(mut s: Sandbox, pod: &PodId) -> Sandbox {
 /// is taken past its start deadline (refused, not run); a create (or a
 /// fork's sandboxes, or a checkpoint) that ended past its expiry deleted
 /// again (a replica may have ended its operation: `expiry.rs`).
-fn in_time<S: SandboxApi>(
+async fn in_time<S: SandboxApi>(
     service: &S,
     pod: &PodId,
     op: &str,
@@ -341,14 +342,14 @@ fn in_time<S: SandboxApi>(
         return refused;
     }
     let create = matches!(command, Operation::Create { .. });
-    let outcome = service.operate(command).map(|r| r.on_pod(pod));
+    let outcome = service.operate(command).await.map(|r| r.on_pod(pod));
     let late = expiry::too_late(deadlines, expiry::now_ms(), pod, op);
     let Some(late) = late else {
         return wire::outcome(outcome);
     };
     match outcome {
         Ok(Reply::Sandbox { sandbox, resumed }) if create => {
-            match service.delete_sandbox(&sandbox.id) {
+            match service.delete_sandbox(&sandbox.id).await {
                 Ok(()) => late,
                 Err(e) => {
                     // It stays: reported as made (its heartbeat lists it,
@@ -361,7 +362,10 @@ fn in_time<S: SandboxApi>(
         Ok(Reply::Checkpoint { checkpoint }) => {
             // As a late create: a replica may have ended its operation, so
             // nothing would count it.
-            match service.delete_checkpoint(&checkpoint.sandbox, &checkpoint.name) {
+            match service
+                .delete_checkpoint(&checkpoint.sandbox, &checkpoint.name)
+                .await
+            {
                 Ok(()) => late,
                 Err(e) => {
                     tracing::warn!(operation = op, error = %e, "a late checkpoint not deleted");
@@ -372,7 +376,7 @@ fn in_time<S: SandboxApi>(
         Ok(Reply::Sandboxes { sandboxes }) => {
             let mut left = Vec::new();
             for fork in sandboxes {
-                if let Err(e) = service.delete_sandbox(&fork.id) {
+                if let Err(e) = service.delete_sandbox(&fork.id).await {
                     // As for a create: it stays, listed and counted.
                     tracing::warn!(operation = op, fork = %fork.id, error = %e, "a late fork not deleted");
                     left.push(fork);
@@ -389,14 +393,18 @@ fn in_time<S: SandboxApi>(
 }
 
 /// The pod's load and sandboxes now.
-fn heartbeat<S: SandboxApi>(service: &S, me: &PodIdentity) -> Result<Heartbeat, ServiceError> {
+async fn heartbeat<S: SandboxApi>(
+    service: &S,
+    me: &PodIdentity,
+) -> Result<Heartbeat, ServiceError> {
     let load = service
-        .pod_entries()?
+        .pod_entries()
+        .await?
         .into_iter()
         .next()
         .unwrap_or_default();
     let headroom_mib = torpor_gate::pods::headroom_mib(&load);
-    let mut catalog = service.list_templates()?;
+    let mut catalog = service.list_templates().await?;
     let mut templates = Vec::new();
     for t in &catalog {
         templates.push(t.id.to_string());
@@ -405,9 +413,9 @@ fn heartbeat<S: SandboxApi>(service: &S, me: &PodIdentity) -> Result<Heartbeat, 
     templates.sort();
     templates.dedup();
     catalog.truncate(MAX_REPORTED);
-    let mut images = service.image_names()?;
+    let mut images = service.image_names().await?;
     images.truncate(MAX_REPORTED);
-    let mut sandboxes = service.list_sandboxes(SandboxFilter::default())?;
+    let mut sandboxes = service.list_sandboxes(SandboxFilter::default()).await?;
     let running = sandboxes
         .iter()
         .filter(|s| s.state != SandboxState::Hibernated)
@@ -440,15 +448,10 @@ async fn heartbeats<S: SandboxApi>(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let (s, m) = (service.clone(), me.clone());
-        let hb = match tokio::task::spawn_blocking(move || heartbeat(&*s, &m)).await {
-            Ok(Ok(hb)) => hb,
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "heartbeat: the pod's load");
-                continue;
-            }
+        let hb = match heartbeat(&*service, &me).await {
+            Ok(hb) => hb,
             Err(e) => {
-                tracing::warn!(error = %e, "heartbeat");
+                tracing::warn!(error = %e, "heartbeat: the pod's load");
                 continue;
             }
         };

@@ -1,7 +1,6 @@
 //! An API replica: the [`SandboxApi`] over PostgreSQL and the pods' work
 //! queues. It keeps no state of its own; any replica answers any request.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -93,12 +92,6 @@ impl Cluster {
     /// read from it too: `torpor_gate::auth::Auth::shared`).
     pub fn db(&self) -> Arc<Db> {
         self.db.clone()
-    }
-
-    /// Runs `f` to its end from a blocking caller (the handlers' blocking
-    /// pool, or the routing layer on a worker thread).
-    pub(super) fn block<F: Future>(&self, f: F) -> F::Output {
-        tokio::task::block_in_place(|| self.rt.block_on(f))
     }
 
     pub(super) fn down(pod: &PodRow, why: &str) -> ServiceError {
@@ -306,22 +299,21 @@ impl Cluster {
     /// checkpoint's take or delete: any but a fork, whose forks' secrets
     /// and count are its own) as a command to the sandbox's pod, admitted
     /// against its tenant's quota for what it [`asks`] of the sandbox.
-    pub(super) fn command(&self, command: Operation) -> Result<Reply, ServiceError> {
+    pub(super) async fn command(&self, command: Operation) -> Result<Reply, ServiceError> {
         let id = command
             .sandbox()
             .cloned()
             .ok_or_else(|| ServiceError::Internal(format!("a {} of no sandbox", command.kind())))?;
         let asks = asks(&command);
-        self.block(async {
-            let (sandbox, pod) = match self.owned_up(&id).await {
-                Ok(owned) => owned,
-                Err(e) => return self.retried(e, command.kind(), &id).await,
-            };
-            let tenant = sandbox.tenant.clone().unwrap_or_default();
-            let asked = asks(&sandbox);
-            self.run(&pod.id, &tenant, command, asked.as_ref()).await
-        })?
-        .reply()
+        let (sandbox, pod) = match self.owned_up(&id).await {
+            Ok(owned) => owned,
+            Err(e) => return self.retried(e, command.kind(), &id).await?.reply(),
+        };
+        let tenant = sandbox.tenant.clone().unwrap_or_default();
+        let asked = asks(&sandbox);
+        self.run(&pod.id, &tenant, command, asked.as_ref())
+            .await?
+            .reply()
     }
 
     /// A command on sandbox `id` that failed with `e` before it was sent
@@ -415,19 +407,19 @@ impl SandboxApi for Cluster {
 
     /// Built and deleted on the pods through their work queues, read from
     /// their catalogs in PostgreSQL (`templates.rs`).
-    fn templates(
+    async fn templates(
         &self,
         op: torpor_gate::calls::TemplateOp<'_>,
     ) -> Result<torpor_gate::calls::TemplateReply, ServiceError> {
-        self.template_call(op)
+        self.template_call(op).await
     }
 
     /// The pods' images, indexed in PostgreSQL (`images.rs`).
-    fn images(
+    async fn images(
         &self,
         op: torpor_gate::calls::ImageOp<'_>,
     ) -> Result<torpor_gate::calls::ImageReply, ServiceError> {
-        self.image_call(op)
+        self.image_call(op).await
     }
 
     /// An operation on an existing sandbox is a command to its pod as it
@@ -435,25 +427,25 @@ impl SandboxApi for Cluster {
     /// PostgreSQL against its tenant's snapshot disk: `checkpoints.rs`);
     /// those that place (a create, a template's build), fork or name a
     /// template go through the one dispatch to the methods below.
-    fn operate(&self, op: Operation) -> Result<Reply, ServiceError> {
+    async fn operate(&self, op: Operation) -> Result<Reply, ServiceError> {
         match op {
             Operation::Create { .. }
             | Operation::Fork { .. }
             | Operation::TemplateBuild { .. }
-            | Operation::TemplateDelete { .. } => torpor_gate::dispatch(self, op),
+            | Operation::TemplateDelete { .. } => torpor_gate::dispatch(self, op).await,
             Operation::Lifecycle(_)
             | Operation::Delete { .. }
             | Operation::Checkpoint { .. }
-            | Operation::CheckpointDelete { .. } => self.command(op),
+            | Operation::CheckpointDelete { .. } => self.command(op).await,
         }
     }
 
-    fn create_sandbox(&self, mut req: CreateSandbox) -> Result<Sandbox, ServiceError> {
+    async fn create_sandbox(&self, mut req: CreateSandbox) -> Result<Sandbox, ServiceError> {
         let owner = req
             .owner
             .take()
             .ok_or_else(|| ServiceError::Internal("a create without its owner".into()))?;
-        self.block(async {
+        async {
             let pods = self.db.pods().await?;
             let pod = match req.pod.take() {
                 Some(want) => self.named_pod(&pods, &want, "nothing is placed on it")?,
@@ -501,20 +493,26 @@ impl SandboxApi for Cluster {
             self.keep_secrets(&mut sandbox, token.as_deref(), &env)
                 .await?;
             Ok(sandbox)
-        })
+        }
+        .await
     }
 
     /// With its secrets (`guest.rs`): envd checks its token, and gives
     /// its processes its environment.
-    fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
-        self.block(async {
+    async fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
+        async {
             let (sandbox, _) = self.owned_up(id).await?;
             self.with_secrets(sandbox).await
-        })
+        }
+        .await
     }
 
-    fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
-        let mut forks = self.fork_sandboxes(id, req, 1)?;
+    async fn fork_sandbox(
+        &self,
+        id: &SandboxId,
+        req: ForkSandbox,
+    ) -> Result<Sandbox, ServiceError> {
+        let mut forks = self.fork_sandboxes(id, req, 1).await?;
         forks
             .pop()
             .ok_or_else(|| ServiceError::Internal(format!("a fork of {id} made no sandbox")))
@@ -523,13 +521,13 @@ impl SandboxApi for Cluster {
     /// One operation on the source's pod (its snapshots are there),
     /// admitted for all `count` forks at once against the source's
     /// tenant's quota, as a create is.
-    fn fork_sandboxes(
+    async fn fork_sandboxes(
         &self,
         id: &SandboxId,
         mut req: ForkSandbox,
         count: u32,
     ) -> Result<Vec<Sandbox>, ServiceError> {
-        self.block(async {
+        async {
             let (source, pod) = match self.owned_up(id).await {
                 Ok(owned) => owned,
                 Err(e) => {
@@ -564,27 +562,28 @@ impl SandboxApi for Cluster {
                 self.keep_secrets(fork, token.as_deref(), &env).await?;
             }
             Ok(sandboxes)
-        })
+        }
+        .await
     }
 
     /// On the sandbox's pod (`guest.rs`).
-    fn template_from_sandbox(
+    async fn template_from_sandbox(
         &self,
         id: &SandboxId,
         req: torpor_gate::service::TemplateFromSandbox,
     ) -> Result<torpor_scheduler::model::Template, ServiceError> {
-        self.snapshot_on_pod(id, &req)
+        self.snapshot_on_pod(id, &req).await
     }
 
-    fn sandbox_templates(
+    async fn sandbox_templates(
         &self,
         source: Option<&SandboxId>,
     ) -> Result<Vec<(torpor_scheduler::model::Template, SandboxId)>, ServiceError> {
-        self.snapshots(source)
+        self.snapshots(source).await
     }
 
-    fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
-        let all = self.block(self.db.sandboxes(filter.tenant.as_deref()))?;
+    async fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
+        let all = self.db.sandboxes(filter.tenant.as_deref()).await?;
         Ok(all
             .into_iter()
             .filter(|s| filter.states.is_empty() || filter.states.contains(&s.state))
@@ -608,11 +607,11 @@ impl SandboxApi for Cluster {
     /// has it) is admitted there with its operation, as a create is: its
     /// room counts while it is pending, then as the running sandbox. With
     /// the sandbox's secrets (E2B's connect shows its envd token).
-    fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
+    async fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
         let (sandbox, resumed) =
-            Self::sandbox_in(self.command(Operation::lifecycle(id.clone(), op))?)?;
+            Self::sandbox_in(self.command(Operation::lifecycle(id.clone(), op)).await?)?;
         Ok(Outcome {
-            sandbox: self.block(self.with_secrets(sandbox))?,
+            sandbox: self.with_secrets(sandbox).await?,
             resumed,
             resume_ms: None,
         })
@@ -620,30 +619,31 @@ impl SandboxApi for Cluster {
     fn admits_wakes(&self) -> bool {
         true
     }
-    fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
+    async fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
         self.command(Operation::Delete {
             sandbox: id.clone(),
         })
+        .await
         .map(drop)
     }
     /// On the sandbox's pod (`/v1` relays its `PATCH` there; E2B's
     /// timeout routes call this).
-    fn set_timeout(
+    async fn set_timeout(
         &self,
         id: &SandboxId,
         keep_alive_ms: Option<u64>,
         timeout_ms: Option<u64>,
     ) -> Result<Sandbox, ServiceError> {
-        self.timeout_on_pod(id, keep_alive_ms, timeout_ms)
+        self.timeout_on_pod(id, keep_alive_ms, timeout_ms).await
     }
 
-    fn set_pod(
+    async fn set_pod(
         &self,
         id: &PodId,
         _ratio: Option<f64>,
         _high_watermark: Option<f64>,
     ) -> Result<PodView, ServiceError> {
-        let pod = self.block(self.db.pod(id.as_str()))?;
+        let pod = self.db.pod(id.as_str()).await?;
         match pod {
             Some(p) if !self.is_up(&p) => Err(Self::down(&p, "its settings cannot change now")),
             Some(_) => Err(ServiceError::Internal(format!("pod {id} was not relayed"))),
@@ -654,8 +654,8 @@ impl SandboxApi for Cluster {
         }
     }
 
-    fn metrics(&self) -> String {
-        let pods = self.block(self.db.pods()).unwrap_or_default();
+    async fn metrics(&self) -> String {
+        let pods = self.db.pods().await.unwrap_or_default();
         let up = pods.iter().filter(|p| self.is_up(p)).count();
         format!(
             "# HELP torpor_cluster_pods Pods known to the cluster, by whether they are up.\n\
@@ -666,8 +666,8 @@ impl SandboxApi for Cluster {
         )
     }
 
-    fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
-        let pods = self.block(self.db.pods())?;
+    async fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
+        let pods = self.db.pods().await?;
         Ok(pods
             .into_iter()
             .map(|p| {
@@ -692,29 +692,29 @@ impl SandboxApi for Cluster {
             .collect())
     }
 
-    fn template_entries(&self) -> Result<Vec<Value>, ServiceError> {
-        Ok(self.block(self.db.templates(self.config.down_after))?)
+    async fn template_entries(&self) -> Result<Vec<Value>, ServiceError> {
+        Ok(self.db.templates(self.config.down_after).await?)
     }
 
     /// As its pod measures it now (`guest.rs`).
-    fn measured_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
-        self.measured_on_pod(id)
+    async fn measured_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
+        self.measured_on_pod(id).await
     }
 
     /// As its pod keeps it (`guest.rs`).
-    fn metrics_history(
+    async fn metrics_history(
         &self,
         id: &SandboxId,
         range: torpor_gate::wire::Range,
     ) -> Result<Vec<torpor_scheduler::service::history::MetricSample>, ServiceError> {
-        self.history_on_pod(id, range)
+        self.history_on_pod(id, range).await
     }
 
     /// A deleted sandbox's id stays its tenant's (so it may retry, by key,
     /// what it sent before the delete: `retried`); the routes answer 404
     /// for it all the same.
-    fn sandbox_tenant(&self, id: &SandboxId) -> Result<Option<String>, ServiceError> {
-        self.block(async {
+    async fn sandbox_tenant(&self, id: &SandboxId) -> Result<Option<String>, ServiceError> {
+        async {
             match self.owned(id).await {
                 Ok((s, _)) => Ok(s.tenant),
                 Err(e @ ServiceError::NotFound { .. }) => match self.db.deleted_tenant(id).await? {
@@ -723,11 +723,12 @@ impl SandboxApi for Cluster {
                 },
                 Err(e) => Err(e),
             }
-        })
+        }
+        .await
     }
 
-    fn operation(&self, id: &str, tenant: Option<&str>) -> Result<Value, ServiceError> {
-        let op = self.block(self.db.operation(id))?;
+    async fn operation(&self, id: &str, tenant: Option<&str>) -> Result<Value, ServiceError> {
+        let op = self.db.operation(id).await?;
         let op = op
             .filter(|o| tenant.is_none_or(|t| t == o.tenant))
             .ok_or_else(|| ServiceError::NotFound {
@@ -745,16 +746,16 @@ impl SandboxApi for Cluster {
         }))
     }
 
-    fn relay(&self, to: torpor_gate::backend::Relay<'_>) -> Option<RemotePod> {
+    async fn relay(&self, to: torpor_gate::backend::Relay<'_>) -> Option<RemotePod> {
         let pod = match to {
             torpor_gate::backend::Relay::Sandbox { method, path, .. }
                 if is_command(method, path) =>
             {
                 return None
             }
-            torpor_gate::backend::Relay::Sandbox { id, .. } => self.block(self.owned(id)).ok()?.1,
+            torpor_gate::backend::Relay::Sandbox { id, .. } => self.owned(id).await.ok()?.1,
             torpor_gate::backend::Relay::Pod(id) => {
-                let pod = self.block(self.db.pod(id.as_str())).ok()??;
+                let pod = self.db.pod(id.as_str()).await.ok()??;
                 if id.as_str() == LOCAL_POD {
                     return None;
                 }
@@ -770,28 +771,28 @@ impl SandboxApi for Cluster {
     // The guest through the owning pod's agent tunnel (`guest.rs`): E2B's
     // envd and /files; `/v1`'s exec and files are relayed to the pod whole
     // (a pod down: 503 either way).
-    fn execute(
+    async fn execute(
         &self,
         id: &SandboxId,
         req: ExecRequest,
         cancel: &Cancel,
         mode: torpor_gate::calls::ExecMode<'_>,
     ) -> Result<GuestCall<torpor_gate::calls::ExecReply>, ServiceError> {
-        self.exec_through_tunnel(id, req, cancel, mode)
+        self.exec_through_tunnel(id, req, cancel, mode).await
     }
-    fn files(
+    async fn files(
         &self,
         id: &SandboxId,
         op: torpor_gate::calls::FileOp<'_>,
     ) -> Result<GuestCall<torpor_gate::calls::FileReply>, ServiceError> {
-        self.guest_call(id, |link| op.run(link))
+        self.guest_call(id, |link| op.run(link)).await
     }
-    fn with_guest(
+    async fn with_guest(
         &self,
         id: &SandboxId,
-        f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
+        f: &mut (dyn FnMut(&AgentLink) -> Result<(), GuestError> + Send),
     ) -> Result<Outcome, ServiceError> {
-        self.tunnel(id, f)
+        self.tunnel(id, f).await
     }
 }
 

@@ -61,15 +61,18 @@ pub fn delete_key(key: &str, pod: &PodId) -> String {
 }
 
 impl Cluster {
-    pub(super) fn template_call(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
+    pub(super) async fn template_call(
+        &self,
+        op: TemplateOp<'_>,
+    ) -> Result<TemplateReply, ServiceError> {
         match op {
-            TemplateOp::List => self.block(self.listed()).map(TemplateReply::List),
-            TemplateOp::Get { key, owner } => self
-                .block(self.template_for(owner, key))
-                .map(TemplateReply::one),
-            TemplateOp::Create(req) => self.block(self.build(req)).map(TemplateReply::one),
+            TemplateOp::List => self.listed().await.map(TemplateReply::List),
+            TemplateOp::Get { key, owner } => {
+                self.template_for(owner, key).await.map(TemplateReply::one)
+            }
+            TemplateOp::Create(req) => self.build(req).await.map(TemplateReply::one),
             TemplateOp::Delete { key, owner } => {
-                let id = match self.block(self.template_for(owner, key)) {
+                let id = match self.template_for(owner, key).await {
                     Ok(t) => {
                         torpor_scheduler::service::may_delete(owner, &t)?;
                         t.id
@@ -83,16 +86,15 @@ impl Cluster {
                     // that removed it: that first outcome, its own only.
                     Err(e @ ServiceError::NotFound { .. }) => {
                         let tenant = owner.map(|o| o.tenant.as_str());
-                        return match self
-                            .block(self.retried_delete(&TemplateId::new(key), tenant))?
-                        {
+                        return match self.retried_delete(&TemplateId::new(key), tenant).await? {
                             Some(()) => Ok(TemplateReply::Deleted),
                             None => Err(e),
                         };
                     }
                     Err(e) => return Err(e),
                 };
-                self.block(self.delete_template(&id))
+                self.delete_template(&id)
+                    .await
                     .map(|()| TemplateReply::Deleted)
             }
             TemplateOp::Rename { .. } => Err(ServiceError::Unsupported(

@@ -187,6 +187,19 @@ fn matches(s: &Sandbox, filter: &BTreeMap<String, String>) -> bool {
 
 /// The listing tenant: a tenant's key lists its own sandboxes; an
 /// admin's, every one.
+/// The sandboxes as E2B shows them (those it would not show left out).
+async fn details<S: SandboxApi>(
+    s: &S,
+    builds: &torpor_gate::builds::Builds,
+    sandboxes: &[Sandbox],
+) -> Vec<SandboxDetail> {
+    let mut shown = Vec::with_capacity(sandboxes.len());
+    for x in sandboxes {
+        shown.extend(detail(s, builds, x).await);
+    }
+    shown
+}
+
 fn scope(principal: &Principal) -> SandboxFilter {
     SandboxFilter {
         tenant: (!principal.sees_all()).then(|| principal.owner().tenant),
@@ -296,9 +309,10 @@ pub async fn list_v2<S: SandboxApi>(
     }
     let owner = principal.owner();
     let builds = state.tenancy.builds.clone();
-    let page = call(&state, move |s| {
+    let page = call(&state, move |s| async move {
+        let s = &*s;
         if let Some(t) = &q.template {
-            match s.resolve_template(&owner, t) {
+            match s.resolve_template(&owner, t).await {
                 Ok(found) => filter.template = Some(found.id),
                 Err(ServiceError::NotFound { .. }) => {
                     return Ok(Page {
@@ -311,7 +325,8 @@ pub async fn list_v2<S: SandboxApi>(
             }
         }
         let mut sandboxes: Vec<Sandbox> = s
-            .list_sandboxes(filter)?
+            .list_sandboxes(filter)
+            .await?
             .into_iter()
             .filter(|x| q.started_after.is_none_or(|t| x.created_at >= t))
             .filter(|x| q.metadata.as_ref().is_none_or(|m| matches(x, m)))
@@ -339,7 +354,7 @@ pub async fn list_v2<S: SandboxApi>(
                 }
                 .encode()
             });
-        let items = page.iter().filter_map(|x| detail(s, &builds, x)).collect();
+        let items = details(s, &builds, page).await;
         Ok(Page {
             items,
             total_running,
@@ -368,17 +383,16 @@ pub async fn list_v1<S: SandboxApi>(
         .transpose()
         .map_err(|e| E2bError::bad_request(format!("Error parsing metadata: {e}")))?;
     let builds = state.tenancy.builds.clone();
-    let out = call(&state, move |s| {
+    let out = call(&state, move |s| async move {
+        let s = &*s;
         let mut sandboxes: Vec<Sandbox> = s
-            .list_sandboxes(filter)?
+            .list_sandboxes(filter)
+            .await?
             .into_iter()
             .filter(|x| metadata.as_ref().is_none_or(|m| matches(x, m)))
             .collect();
         sandboxes.sort_by(|a, b| Order::Desc.cmp(&Key::of(a), &Key::of(b)));
-        Ok(sandboxes
-            .iter()
-            .filter_map(|x| detail(s, &builds, x))
-            .collect::<Vec<_>>())
+        Ok(details(s, &builds, &sandboxes).await)
     })
     .await?;
     Ok(Json(out).into_response())

@@ -108,8 +108,9 @@ pub async fn get<S: SandboxApi>(
 ) -> Result<Response, E2bError> {
     let q = query_pairs(raw);
     let (start, end) = (seconds(&q, "start")?, seconds(&q, "end")?);
-    let out = call(&state, move |s| {
-        let sandbox = live(s, &id)?;
+    let out = call(&state, move |s| async move {
+        let s = &*s;
+        let sandbox = live(s, &id).await?;
         let start = start.unwrap_or(sandbox.created_at.0.div_euclid(1000));
         // No `end`: open-ended, so that the sample the read takes now (on
         // the sandbox's pod, perhaps a second later than this replica's
@@ -125,7 +126,7 @@ pub async fn get<S: SandboxApi>(
             from: Some(Timestamp(start.saturating_mul(1000))),
             to: until.map(|end| Timestamp(end.saturating_mul(1000).saturating_add(999))),
         };
-        let samples = s.metrics_history(&sandbox.id, range)?;
+        let samples = s.metrics_history(&sandbox.id, range).await?;
         Ok(entries(&samples, step_seconds(end - start)))
     })
     .await?;

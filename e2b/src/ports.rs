@@ -251,20 +251,20 @@ async fn admit<S: SandboxApi>(
     let caller = Caller::for_ports(headers, &tenancy.auth);
     let t = tenancy.clone();
     let shown = id.to_string();
-    let found = tokio::task::spawn_blocking(move || {
+    let found: Result<_, torpor_gate::service::ServiceError> = async move {
         let s = &*t.service;
-        match files::target(s, &shown, &caller)? {
+        match files::target(s, &shown, &caller).await? {
             Ok(id) => {
-                let ticket = crate::envd::wake_ticket(s, &t, &id)?;
-                let tenant = s.sandbox_tenant(&id)?;
+                let ticket = crate::envd::wake_ticket(s, &t, &id).await?;
+                let tenant = s.sandbox_tenant(&id).await?;
                 Ok(Ok((id, ticket, tenant)))
             }
             Err(refused) => Ok(Err(refused)),
         }
-    })
+    }
     .await;
     match found {
-        Ok(Ok(Ok((sandbox, ticket, tenant)))) => {
+        Ok(Ok((sandbox, ticket, tenant))) => {
             let tenant = tenant.as_deref().unwrap_or(torpor_gate::auth::ADMIN_TENANT);
             match tenancy.streams.take(tenant) {
                 Ok(slot) => Ok(Admitted {
@@ -276,19 +276,12 @@ async fn admit<S: SandboxApi>(
             }
         }
         // Not found, not the caller's, a wrong token: one answer.
-        Ok(Ok(Err(Refused::Gone | Refused::Unauthorized))) => Err(not_found(id)),
-        Ok(Err(e)) => {
-            let e: torpor_gate::service::ServiceError = e;
+        Ok(Err(Refused::Gone | Refused::Unauthorized)) => Err(not_found(id)),
+        Err(e) => {
             let e2b = crate::E2bError::from(e);
             let status = StatusCode::from_u16(e2b.code).unwrap_or(StatusCode::BAD_GATEWAY);
             Err(refusal(status, id, None, &e2b.message))
         }
-        Err(_) => Err(refusal(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            id,
-            None,
-            "the access check failed",
-        )),
     }
 }
 

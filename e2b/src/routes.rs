@@ -1,6 +1,6 @@
-//! The E2B control-plane handlers: decode E2B's JSON, call the service on
-//! the blocking pool ([`torpor_gate::handlers::call`]), answer with E2B's JSON and
-//! status codes. What each route maps to is in `docs/e2b.md`.
+//! The E2B control-plane handlers: decode E2B's JSON, call the backend
+//! ([`torpor_gate::handlers::call`]), answer with E2B's JSON and status
+//! codes. What each route maps to is in `docs/e2b.md`.
 
 use axum::body::Bytes;
 use axum::extract::{Extension, Path, RawQuery};
@@ -53,11 +53,11 @@ fn gone(id: &str) -> ServiceError {
 }
 
 /// The sandbox if E2B would show it: not failed, not deleted (404).
-pub(super) fn live<S: SandboxApi>(s: &S, id: &str) -> Result<Sandbox, ServiceError> {
+pub(super) async fn live<S: SandboxApi>(s: &S, id: &str) -> Result<Sandbox, ServiceError> {
     if !SandboxId::is_well_formed(id) {
         return Err(gone(id));
     }
-    let sandbox = s.get_sandbox(&SandboxId::new(id))?;
+    let sandbox = s.get_sandbox(&SandboxId::new(id)).await?;
     match e2b_state(sandbox.state) {
         Some(_) => Ok(sandbox),
         None => Err(gone(id)),
@@ -65,19 +65,19 @@ pub(super) fn live<S: SandboxApi>(s: &S, id: &str) -> Result<Sandbox, ServiceErr
 }
 
 /// The template's name, E2B's `alias`.
-fn alias<S: SandboxApi>(s: &S, id: &TemplateId) -> String {
-    s.get_template(id)
-        .map(|t| t.name)
-        .ok()
-        .or_else(|| listed_name(s, id))
-        .unwrap_or_default()
+async fn alias<S: SandboxApi>(s: &S, id: &TemplateId) -> String {
+    match s.get_template(id).await {
+        Ok(t) => t.name,
+        Err(_) => listed_name(s, id).await.unwrap_or_default(),
+    }
 }
 
 /// The name of template `id` as the templates are listed: a backend that
 /// cannot read one template (a cluster replica: each pod's, listed from
 /// their heartbeats) still names it.
-fn listed_name<S: SandboxApi>(s: &S, id: &TemplateId) -> Option<String> {
+async fn listed_name<S: SandboxApi>(s: &S, id: &TemplateId) -> Option<String> {
     s.template_entries()
+        .await
         .ok()?
         .into_iter()
         .find(|t| t["id"] == id.as_str())
@@ -92,17 +92,16 @@ fn disk_mb(t: Option<&Template>) -> u64 {
         .unwrap_or(0)
 }
 
-pub(super) fn detail<S: SandboxApi>(
+pub(super) async fn detail<S: SandboxApi>(
     s: &S,
     builds: &Builds,
     sandbox: &Sandbox,
 ) -> Option<SandboxDetail> {
-    let template = s.get_template(&sandbox.template).ok();
-    let name = template
-        .as_ref()
-        .map(|t| t.name.clone())
-        .or_else(|| listed_name(s, &sandbox.template))
-        .unwrap_or_default();
+    let template = s.get_template(&sandbox.template).await.ok();
+    let name = match &template {
+        Some(t) => t.name.clone(),
+        None => listed_name(s, &sandbox.template).await.unwrap_or_default(),
+    };
     let mut d = SandboxDetail::new(sandbox, name, disk_mb(template.as_ref()))?;
     d.template_id = super::templates::e2b_id(builds, &d.template_id);
     Some(d)
@@ -110,20 +109,24 @@ pub(super) fn detail<S: SandboxApi>(
 
 /// A created (woken, forked) sandbox as E2B answers it: a built
 /// template's id is its name ([`super::templates`]).
-fn created_sandbox<S: SandboxApi>(s: &S, builds: &Builds, sandbox: &Sandbox) -> CreatedSandbox {
-    let mut c = CreatedSandbox::new(sandbox, alias(s, &sandbox.template));
+async fn created_sandbox<S: SandboxApi>(
+    s: &S,
+    builds: &Builds,
+    sandbox: &Sandbox,
+) -> CreatedSandbox {
+    let mut c = CreatedSandbox::new(sandbox, alias(s, &sandbox.template).await);
     c.template_id = super::templates::e2b_id(builds, &c.template_id);
     c
 }
 
 /// Moves the sandbox's timeout to `secs` from now, unless it already ends
 /// later or never (E2B's connect never shortens a sandbox's life).
-fn extend<S: SandboxApi>(s: &S, id: &SandboxId, secs: u64) -> Result<(), ServiceError> {
+async fn extend<S: SandboxApi>(s: &S, id: &SandboxId, secs: u64) -> Result<(), ServiceError> {
     let ms = seconds(secs, "timeout")?;
-    let current = s.get_sandbox(id)?.expires_at;
+    let current = s.get_sandbox(id).await?.expires_at;
     let wanted = Timestamp::now().0.saturating_add(ms as i64);
     if current.is_some_and(|c| c.0 < wanted) {
-        s.set_timeout(id, None, Some(ms))?;
+        s.set_timeout(id, None, Some(ms)).await?;
     }
     Ok(())
 }
@@ -162,21 +165,24 @@ pub async fn create<S: SandboxApi>(
     };
     let _permit = permit(&state, &principal)?;
     let tenancy = state.tenancy.clone();
-    let out = call(&state, move |s| {
-        let _ticket = admit_create(&tenancy, &principal, s, &req.template_id)?;
-        let sandbox = s.create_sandbox(CreateSandbox {
-            template: req.template_id,
-            timeout_ms: Some(seconds(timeout, "timeout")?),
-            metadata: req.metadata.unwrap_or_default(),
-            env: req.env_vars.unwrap_or_default(),
-            on_timeout,
-            timeout_hibernation,
-            access_token: Some(new_access_token()),
-            owner: Some(principal.owner()),
-            network,
-            ..CreateSandbox::default()
-        })?;
-        Ok(created_sandbox(s, &tenancy.builds, &sandbox))
+    let out = call(&state, move |s| async move {
+        let s = &*s;
+        let _ticket = admit_create(&tenancy, &principal, s, &req.template_id).await?;
+        let sandbox = s
+            .create_sandbox(CreateSandbox {
+                template: req.template_id,
+                timeout_ms: Some(seconds(timeout, "timeout")?),
+                metadata: req.metadata.unwrap_or_default(),
+                env: req.env_vars.unwrap_or_default(),
+                on_timeout,
+                timeout_hibernation,
+                access_token: Some(new_access_token()),
+                owner: Some(principal.owner()),
+                network,
+                ..CreateSandbox::default()
+            })
+            .await?;
+        Ok(created_sandbox(s, &tenancy.builds, &sandbox).await)
     })
     .await?;
     let out = out.in_domain(&state.tenancy);
@@ -192,11 +198,13 @@ pub async fn update_network<S: SandboxApi>(
 ) -> E2bResult<StatusCode> {
     let req: super::network::E2bNetwork = body(&bytes)?;
     let patch = req.policy(None)?;
-    call(&state, move |s| {
-        let sandbox = live(s, &id)?;
-        on_pod(s, Needs::Network, |p| {
+    call(&state, move |s| async move {
+        let s = &*s;
+        let sandbox = live(s, &id).await?;
+        on_pod(s, Needs::Network, move |p| {
             p.set_network_policy(&sandbox.id, &patch)
         })
+        .await
         .map(drop)
     })
     .await?;
@@ -206,9 +214,10 @@ pub async fn update_network<S: SandboxApi>(
 /// `GET /sandboxes/{id}`.
 pub async fn get<S: SandboxApi>(state: Api<S>, Path(id): Path<String>) -> E2bResult<Response> {
     let builds = state.tenancy.builds.clone();
-    let out = call(&state, move |s| {
-        let sandbox = live(s, &id)?;
-        detail(s, &builds, &sandbox).ok_or_else(|| gone(&id))
+    let out = call(&state, move |s| async move {
+        let s = &*s;
+        let sandbox = live(s, &id).await?;
+        detail(s, &builds, &sandbox).await.ok_or_else(|| gone(&id))
     })
     .await?;
     Ok(Json(out).into_response())
@@ -216,9 +225,10 @@ pub async fn get<S: SandboxApi>(state: Api<S>, Path(id): Path<String>) -> E2bRes
 
 /// `DELETE /sandboxes/{id}`: 204, 404 when unknown or already killed.
 pub async fn kill<S: SandboxApi>(state: Api<S>, Path(id): Path<String>) -> E2bResult<StatusCode> {
-    call(&state, move |s| {
-        let sandbox = live(s, &id)?;
-        s.delete_sandbox(&sandbox.id)
+    call(&state, move |s| async move {
+        let s = &*s;
+        let sandbox = live(s, &id).await?;
+        s.delete_sandbox(&sandbox.id).await
     })
     .await?;
     Ok(StatusCode::NO_CONTENT)
@@ -234,8 +244,9 @@ pub async fn pause<S: SandboxApi>(
     bytes: Bytes,
 ) -> E2bResult<StatusCode> {
     let op = optional_body::<PauseBody>(&bytes)?.lifecycle();
-    call(&state, move |s| {
-        let sandbox = live(s, &id)?;
+    call(&state, move |s| async move {
+        let s = &*s;
+        let sandbox = live(s, &id).await?;
         if e2b_state(sandbox.state) == Some("paused") {
             return Err(ServiceError::Conflict {
                 id: id.clone(),
@@ -243,7 +254,7 @@ pub async fn pause<S: SandboxApi>(
                 message: "the sandbox is already paused".into(),
             });
         }
-        s.lifecycle(&sandbox.id, op).map(|_| ())
+        s.lifecycle(&sandbox.id, op).await.map(|_| ())
     })
     .await?;
     Ok(StatusCode::NO_CONTENT)
@@ -291,9 +302,10 @@ async fn wake<S: SandboxApi>(
         Lifecycle::Connect
     };
     let tenancy = state.tenancy.clone();
-    let (resumed, out) = call(&state, move |s| {
-        let sandbox = live(s, &id)?;
-        let _ticket = admit_wake(&tenancy, &principal, &sandbox)?;
+    let (resumed, out) = call(&state, move |s| async move {
+        let s = &*s;
+        let sandbox = live(s, &id).await?;
+        let _ticket = admit_wake(&tenancy, &principal, &sandbox).await?;
         if refuse_running && e2b_state(sandbox.state) == Some("running") {
             return Err(ServiceError::Conflict {
                 id: id.clone(),
@@ -304,13 +316,13 @@ async fn wake<S: SandboxApi>(
         // The new deadline first: a sandbox woken past its old one would
         // meet the policy's timeout before it.
         if let Some(t) = req.timeout {
-            extend(s, &sandbox.id, t)?;
+            extend(s, &sandbox.id, t).await?;
         }
-        let outcome = s.lifecycle(&sandbox.id, op)?;
+        let outcome = s.lifecycle(&sandbox.id, op).await?;
         let resumed = outcome.resumed;
         Ok((
             resumed,
-            created_sandbox(s, &tenancy.builds, &outcome.sandbox),
+            created_sandbox(s, &tenancy.builds, &outcome.sandbox).await,
         ))
     })
     .await?;
@@ -329,10 +341,11 @@ pub async fn set_timeout<S: SandboxApi>(
     bytes: Bytes,
 ) -> E2bResult<StatusCode> {
     let req: TimeoutBody = body(&bytes)?;
-    call(&state, move |s| {
-        let sandbox = live(s, &id)?;
+    call(&state, move |s| async move {
+        let s = &*s;
+        let sandbox = live(s, &id).await?;
         let ms = seconds(req.timeout, "timeout")?;
-        s.set_timeout(&sandbox.id, None, Some(ms)).map(|_| ())
+        s.set_timeout(&sandbox.id, None, Some(ms)).await.map(|_| ())
     })
     .await?;
     Ok(StatusCode::NO_CONTENT)
@@ -346,9 +359,10 @@ pub async fn refresh<S: SandboxApi>(
     bytes: Bytes,
 ) -> E2bResult<StatusCode> {
     let req: RefreshBody = optional_body(&bytes)?;
-    call(&state, move |s| {
-        let sandbox = live(s, &id)?;
-        extend(s, &sandbox.id, req.duration.unwrap_or(DEFAULT_TIMEOUT_S))
+    call(&state, move |s| async move {
+        let s = &*s;
+        let sandbox = live(s, &id).await?;
+        extend(s, &sandbox.id, req.duration.unwrap_or(DEFAULT_TIMEOUT_S)).await
     })
     .await?;
     Ok(StatusCode::NO_CONTENT)
@@ -382,8 +396,9 @@ pub async fn fork<S: SandboxApi>(
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
     let _permit = permit(&state, &principal)?;
     let tenancy = state.tenancy.clone();
-    let out = call(&state, move |s| {
-        let source = live(s, &id)?;
+    let out = call(&state, move |s| async move {
+        let s = &*s;
+        let source = live(s, &id).await?;
         let timeout_ms = Some(seconds(timeout, "timeout")?);
         let mut results = Vec::new();
         // Each fork is admitted against the tenant's quotas; the tickets
@@ -400,22 +415,27 @@ pub async fn fork<S: SandboxApi>(
                     &principal,
                     Usage::sandbox(u64::from(source.mem_mib)),
                 )
+                .await
             };
-            let fork = admitted.and_then(|ticket| {
-                tickets.push(ticket);
-                s.fork_sandbox(
-                    &source.id,
-                    ForkSandbox {
-                        timeout_ms,
-                        metadata: super::wire::user_metadata(&source.metadata),
-                        access_token: Some(new_access_token()),
-                        ..ForkSandbox::default()
-                    },
-                )
-            });
+            let fork = match admitted {
+                Ok(ticket) => {
+                    tickets.push(ticket);
+                    s.fork_sandbox(
+                        &source.id,
+                        ForkSandbox {
+                            timeout_ms,
+                            metadata: super::wire::user_metadata(&source.metadata),
+                            access_token: Some(new_access_token()),
+                            ..ForkSandbox::default()
+                        },
+                    )
+                    .await
+                }
+                Err(e) => Err(e),
+            };
             results.push(match fork {
                 Ok(f) => ForkResult {
-                    sandbox: Some(created_sandbox(s, &tenancy.builds, &f)),
+                    sandbox: Some(created_sandbox(s, &tenancy.builds, &f).await),
                     error: None,
                 },
                 Err(e) => ForkResult {
@@ -455,14 +475,18 @@ pub async fn create_snapshot<S: SandboxApi>(
     }
     let _permit = permit(&state, &principal)?;
     let tenancy = state.tenancy.clone();
-    let out = call(&state, move |s| {
-        let sandbox = live(s, &id)?;
+    let out = call(&state, move |s| async move {
+        let s = &*s;
+        let sandbox = live(s, &id).await?;
         let _ticket = admit(
             &tenancy,
             &principal,
             Usage::snapshot(u64::from(sandbox.mem_mib)),
-        )?;
-        let t = s.template_from_sandbox(&sandbox.id, TemplateFromSandbox { name: req.name })?;
+        )
+        .await?;
+        let t = s
+            .template_from_sandbox(&sandbox.id, TemplateFromSandbox { name: req.name })
+            .await?;
         Ok(SnapshotInfo {
             snapshot_id: t.id.to_string(),
             names: vec![t.name],
@@ -483,10 +507,12 @@ pub async fn list_snapshots<S: SandboxApi>(
     let limit = limit(&q)?;
     let after = q.get("nextToken").map(|t| Cursor::decode(t)).transpose()?;
     let (sandbox, name) = (q.get("sandboxID").cloned(), q.get("name").cloned());
-    let (items, next) = call(&state, move |s| {
+    let (items, next) = call(&state, move |s| async move {
+        let s = &*s;
         let source = sandbox.map(SandboxId::new);
         let all: Vec<Template> = s
-            .sandbox_templates(source.as_ref())?
+            .sandbox_templates(source.as_ref())
+            .await?
             .into_iter()
             .map(|(t, _)| t)
             // The caller's own only (a shared template is made by an
@@ -531,8 +557,9 @@ pub async fn delete_template<S: SandboxApi>(
 ) -> E2bResult<StatusCode> {
     // Resolved for the caller on whichever pod has it (a snapshot of a
     // sandbox on another pod too): another tenant's is 404.
-    call(&state, move |s| {
-        s.delete_template(Some(&principal.owner()), &id)
+    call(&state, move |s| async move {
+        let s = &*s;
+        s.delete_template(Some(&principal.owner()), &id).await
     })
     .await?;
     Ok(StatusCode::NO_CONTENT)

@@ -205,7 +205,7 @@ fn build_of<S>(
 
 /// Whether the caller has template `alias` (built, being built, or any
 /// template of that name of its own).
-fn known<S: SandboxApi>(
+async fn known<S: SandboxApi>(
     s: &S,
     state_builds: &torpor_gate::builds::Builds,
     p: &Principal,
@@ -214,6 +214,7 @@ fn known<S: SandboxApi>(
     let tenant = tenant_of(p);
     !state_builds.of_name(tenant.as_deref(), alias).is_empty()
         || s.resolve_template(&p.owner(), alias)
+            .await
             .is_ok_and(|t| t.tenant == tenant)
 }
 
@@ -228,7 +229,11 @@ pub async fn file_link<S: SandboxApi>(
     torpor_gate::builds::files::check_hash(&hash).map_err(ApiError::from)?;
     let builds = state.tenancy.builds.clone();
     let (p2, t2) = (p.clone(), template.clone());
-    let found = call(&state, move |s| Ok(known(s, &builds, &p2, &t2))).await?;
+    let found = call(&state, move |s| async move {
+        let s = &*s;
+        Ok(known(s, &builds, &p2, &t2).await)
+    })
+    .await?;
     if !found {
         return Err(E2bError::not_found(format!(
             "template {template} not found"
@@ -313,8 +318,8 @@ pub async fn start<S: SandboxApi>(
         }
     }
     let tenancy = state.tenancy.clone();
-    call(&state, move |_| {
-        if let Err(e) = torpor_gate::builds::start::launch(&tenancy, &p, &build, spec) {
+    call(&state, move |_| async move {
+        if let Err(e) = torpor_gate::builds::start::launch(&tenancy, &p, &build, spec).await {
             build.fail(&e.to_string());
         }
         Ok(())
@@ -428,7 +433,11 @@ pub async fn alias<S: SandboxApi>(
     let (alias, tag) = parse_name(&p, &name)?;
     let builds = state.tenancy.builds.clone();
     let (p2, a2) = (p.clone(), alias.clone());
-    let found = call(&state, move |s| Ok(known(s, &builds, &p2, &a2))).await?;
+    let found = call(&state, move |s| async move {
+        let s = &*s;
+        Ok(known(s, &builds, &p2, &a2).await)
+    })
+    .await?;
     let tenant = tenant_of(&p);
     let tagged = tag.as_deref().is_none_or(|t| {
         state
@@ -604,12 +613,13 @@ fn template_item(builds: &torpor_gate::builds::Builds, t: &Template) -> serde_js
 
 /// The caller's templates (its own and the shared ones), cache layers
 /// and deleted ones left out, oldest first.
-fn visible_templates<S: SandboxApi>(
+async fn visible_templates<S: SandboxApi>(
     s: &S,
     p: &Principal,
 ) -> Result<Vec<Template>, torpor_gate::service::ServiceError> {
     let owner = p.owner();
-    Ok(s.template_entries()?
+    Ok(s.template_entries()
+        .await?
         .into_iter()
         .filter_map(|v| serde_json::from_value::<Template>(v).ok())
         .filter(|t| {
@@ -635,8 +645,9 @@ pub async fn list<S: SandboxApi>(
         .map(|t| super::wire::Cursor::decode(t))
         .transpose()?;
     let builds = state.tenancy.builds.clone();
-    let (items, next) = call(&state, move |s| {
-        let all = visible_templates(s, &p)?;
+    let (items, next) = call(&state, move |s| async move {
+        let s = &*s;
+        let all = visible_templates(s, &p).await?;
         let key = |t: &Template| super::wire::Cursor {
             created_at: t.created_at.0,
             id: t.id.to_string(),
@@ -678,7 +689,11 @@ pub async fn update<S: SandboxApi>(
     let builds = state.tenancy.builds.clone();
     let owner = p.owner();
     let key = resolve_tagged(&builds, &p, &key);
-    let t = call(&state, move |s| s.resolve_template(&owner, &key)).await?;
+    let t = call(&state, move |s| async move {
+        let s = &*s;
+        s.resolve_template(&owner, &key).await
+    })
+    .await?;
     if patch.public == Some(true) && t.tenant.is_some() {
         return Err(E2bError::new(
             StatusCode::FORBIDDEN,

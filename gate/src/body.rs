@@ -1,9 +1,11 @@
 //! A request body read by blocking code (an image's upload, a build's
-//! files): its frames moved one at a time to a `Read` on the blocking
-//! pool, so nothing holds the whole body in memory.
+//! files): its frames moved one at a time to a `Read` that blocks, so
+//! nothing holds the whole body in memory.
 
+use std::future::Future;
 use std::io::Read;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
 use tokio::sync::mpsc;
@@ -12,23 +14,22 @@ use crate::backend::SandboxApi;
 use crate::handlers::{call, ApiResult, AppState};
 use crate::service::ServiceError;
 
-/// Runs `f` on the service on the blocking pool with `body` as a `Read`.
-pub async fn with_body<S, T, F>(st: &AppState<S>, body: Body, f: F) -> ApiResult<T>
+/// The backend call `f` makes with `body` as a blocking [`BodyReader`]
+/// (read it only where blocking is allowed: [`crate::backend::blocking`]).
+pub async fn with_body<S, T, F, Fut>(st: &AppState<S>, body: Body, f: F) -> ApiResult<T>
 where
     S: SandboxApi,
     T: Send + 'static,
-    F: FnOnce(&S, &mut dyn Read) -> Result<T, ServiceError> + Send + 'static,
+    F: FnOnce(Arc<S>, BodyReader) -> Fut,
+    Fut: Future<Output = Result<T, ServiceError>> + Send + 'static,
 {
     let (tx, rx) = mpsc::channel::<Result<Bytes, String>>(4);
     let pump = tokio::spawn(pump(body, tx));
-    let out = call(st, move |s| {
-        let mut reader = ChannelReader {
-            rx,
-            buf: Bytes::new(),
-        };
-        f(s, &mut reader)
-    })
-    .await;
+    let reader = BodyReader {
+        rx,
+        buf: Bytes::new(),
+    };
+    let out = call(st, move |s| f(s, reader)).await;
     pump.abort();
     out
 }
@@ -52,13 +53,15 @@ async fn pump(body: Body, tx: mpsc::Sender<Result<Bytes, String>>) {
     }
 }
 
-/// The request body as a blocking `Read` (on the blocking pool).
-struct ChannelReader {
+/// The request body as a blocking `Read` (in
+/// [`crate::backend::blocking`] or on a blocking thread).
+#[derive(Debug)]
+pub struct BodyReader {
     rx: mpsc::Receiver<Result<Bytes, String>>,
     buf: Bytes,
 }
 
-impl Read for ChannelReader {
+impl Read for BodyReader {
     fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
         while self.buf.is_empty() {
             match self.rx.blocking_recv() {

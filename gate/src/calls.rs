@@ -70,7 +70,7 @@ pub enum ImageOp<'a> {
     Install {
         name: &'a str,
         part: ImagePart,
-        body: &'a mut dyn std::io::Read,
+        body: &'a mut (dyn std::io::Read + Send),
         limit: u64,
         pod: Option<&'a PodId>,
     },
@@ -156,8 +156,8 @@ pub enum ExecMode<'a> {
     /// chunk goes to `on_output` as the agent streams it
     /// ([`ExecReply::Streamed`]).
     Stream {
-        on_start: &'a mut dyn FnMut(&Outcome),
-        on_output: &'a mut dyn FnMut(OutputKind, &[u8]),
+        on_start: &'a mut (dyn FnMut(&Outcome) + Send),
+        on_output: &'a mut (dyn FnMut(OutputKind, &[u8]) + Send),
     },
 }
 
@@ -186,23 +186,55 @@ pub fn map_call<T, U>(call: GuestCall<T>, f: impl FnOnce(T) -> U) -> GuestCall<U
     }
 }
 
-/// One call on a sandbox's agent through `tunnel` (a backend's
-/// `with_guest`, which hands it the link to a remote agent): `call`'s value
-/// with the tunnel's outcome.
-pub fn through_tunnel<T>(
-    tunnel: impl FnOnce(
-        &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
-    ) -> Result<Outcome, ServiceError>,
-    call: impl FnOnce(&AgentLink) -> Result<T, GuestError>,
-) -> Result<GuestCall<T>, ServiceError> {
-    let mut call = Some(call);
-    let mut value = None;
-    let outcome = tunnel(&mut |link| {
-        if let Some(call) = call.take() {
-            value = Some(call(link)?);
+/// One call on a sandbox's agent handed to a backend's `with_guest` (or
+/// its tunnel to a remote agent), which hands it the link: [`OneCall::run`]
+/// is what it calls, [`OneCall::finish`] the call's value with the
+/// backend's outcome.
+pub struct OneCall<T, F> {
+    call: Option<F>,
+    value: Option<T>,
+}
+
+impl<T, F> std::fmt::Debug for OneCall<T, F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OneCall")
+    }
+}
+
+impl<T, F: FnOnce(&AgentLink) -> Result<T, GuestError>> OneCall<T, F> {
+    pub fn new(call: F) -> Self {
+        OneCall {
+            call: Some(call),
+            value: None,
+        }
+    }
+
+    /// The call on `link` (once: a second hand-over does nothing).
+    pub fn run(&mut self, link: &AgentLink) -> Result<(), GuestError> {
+        if let Some(call) = self.call.take() {
+            self.value = Some(call(link)?);
         }
         Ok(())
-    })?;
-    let value = value.ok_or_else(|| ServiceError::Internal("the agent call did not run".into()))?;
-    Ok(GuestCall { outcome, value })
+    }
+
+    /// The call's value with `outcome`, the backend's.
+    pub fn finish(self, outcome: Outcome) -> Result<GuestCall<T>, ServiceError> {
+        let value = self
+            .value
+            .ok_or_else(|| ServiceError::Internal("the agent call did not run".into()))?;
+        Ok(GuestCall { outcome, value })
+    }
+}
+
+/// One call on a sandbox's agent through `tunnel` (a backend's
+/// `with_guest`, from a thread that may block): [`OneCall`].
+pub fn through_tunnel<T: Send>(
+    tunnel: impl FnOnce(
+        &mut (dyn FnMut(&AgentLink) -> Result<(), GuestError> + Send),
+    ) -> Result<Outcome, ServiceError>,
+    call: impl FnOnce(&AgentLink) -> Result<T, GuestError> + Send,
+) -> Result<GuestCall<T>, ServiceError> {
+    let mut one = OneCall::new(call);
+    let outcome = tunnel(&mut |link| one.run(link))?;
+    one.finish(outcome)
 }

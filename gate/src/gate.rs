@@ -33,7 +33,7 @@ use torpor_scheduler::model::SandboxId;
 use crate::auth::Principal;
 use crate::backend::SandboxApi;
 use crate::error::ApiError;
-use crate::quota::{Quota, Usage};
+use crate::quota::{Quota, Ticket, Usage};
 use crate::service::ServiceError;
 use crate::tenancy::{admit, admit_wake, wake_first, Limited, Tenancy};
 
@@ -112,8 +112,8 @@ pub fn sees(principal: &Principal, tenant: Option<&str>) -> bool {
 
 /// Ok if `principal` may reach sandbox `id`: an admin always (the service
 /// answers for ids that do not exist), a tenant only its own; NotFound for
-/// every other id alike. Blocking: call it on the blocking pool.
-pub fn owned<S: SandboxApi + ?Sized>(
+/// every other id alike.
+pub async fn owned<S: SandboxApi + ?Sized>(
     service: &S,
     principal: &Principal,
     id: &SandboxId,
@@ -121,7 +121,7 @@ pub fn owned<S: SandboxApi + ?Sized>(
     if principal.sees_all() {
         return Ok(());
     }
-    match service.sandbox_tenant(id) {
+    match service.sandbox_tenant(id).await {
         Ok(t) if principal.sees(t.as_deref()) => Ok(()),
         _ => Err(sandbox_not_found(id.as_str())),
     }
@@ -165,19 +165,19 @@ pub async fn sandbox<S: SandboxApi>(
         None
     };
     // An admin owns every sandbox, and a tenant without a quota is
-    // admitted without a count: then nothing here would block (or refuse),
-    // so no hop to the blocking pool either.
+    // admitted without a count: then nothing here would refuse, so the
+    // backend is not asked.
     let counted = cost.counted() && t.auth.quota(&p.tenant) != Quota::default();
     if p.sees_all() && !counted {
         return next.run(request).await;
     }
     let guard = t.clone();
-    let checked = tokio::task::spawn_blocking(move || {
-        owned(&*guard.service, &p, &id)?;
+    let checked: Result<Option<Ticket>, ServiceError> = async {
+        owned(&*guard.service, &p, &id).await?;
         if !counted {
             return Ok(None);
         }
-        let sandbox = guard.service.get_sandbox(&id).ok();
+        let sandbox = guard.service.get_sandbox(&id).await.ok();
         let mem = sandbox.as_ref().map_or(0, |s| u64::from(s.mem_mib));
         match cost {
             Admit::Plain => Ok(None),
@@ -185,24 +185,25 @@ pub async fn sandbox<S: SandboxApi>(
             // (a cluster replica, in PostgreSQL: all of a fork's `count`
             // at once, a checkpoint with its operation).
             Admit::Fork | Admit::Snapshot if guard.service.admits_creates() => Ok(None),
-            Admit::Fork => admit(&guard, &p, Usage::sandbox(mem)),
-            Admit::Snapshot | Admit::Template => admit(&guard, &p, Usage::snapshot(mem)),
+            Admit::Fork => admit(&guard, &p, Usage::sandbox(mem)).await,
+            Admit::Snapshot | Admit::Template => admit(&guard, &p, Usage::snapshot(mem)).await,
             // A resume or connect is the wake the service admits itself.
             Admit::Resume if guard.service.admits_wakes() => Ok(None),
             // A guest route wakes that way first.
-            Admit::Wake | Admit::Exec if guard.service.admits_wakes() => {
-                sandbox.map_or(Ok(None), |s| wake_first(&*guard.service, true, &s))
-            }
-            Admit::Resume | Admit::Wake | Admit::Exec => {
-                sandbox.map_or(Ok(None), |s| admit_wake(&guard, &p, &s))
-            }
+            Admit::Wake | Admit::Exec if guard.service.admits_wakes() => match sandbox {
+                Some(s) => wake_first(&*guard.service, true, &s).await,
+                None => Ok(None),
+            },
+            Admit::Resume | Admit::Wake | Admit::Exec => match sandbox {
+                Some(s) => admit_wake(&guard, &p, &s).await,
+                None => Ok(None),
+            },
         }
-    })
+    }
     .await;
     let _ticket = match checked {
-        Ok(Ok(ticket)) => ticket,
-        Ok(Err(e)) => return ApiError::from(e).into_response(),
-        Err(_) => return ApiError::internal("the ownership check failed").into_response(),
+        Ok(ticket) => ticket,
+        Err(e) => return ApiError::from(e).into_response(),
     };
     next.run(request).await
 }
@@ -237,12 +238,13 @@ impl<S: SandboxApi> torpor_scheduler::service::WakeGate for PortWakes<S> {
             .upgrade()
             .ok_or_else(|| ServiceError::Internal("the API is stopping".into()))?;
         let quota = self.auth.quota(tenant);
-        let ticket = self.quotas.admit(
+        // Called by the pod's service on the port's blocking path.
+        let ticket = crate::backend::wait(self.quotas.admit(
             &*service,
             tenant,
             &quota,
             Usage::wake(u64::from(sandbox.mem_mib)),
-        )?;
+        ))?;
         Ok(Box::new(ticket))
     }
 }

@@ -1,9 +1,9 @@
 //! What every surface's handlers share: the state ([`AppState`]), the
-//! blocking call into the backend ([`call`]: the service's calls block on
-//! the store, VMM sockets and snapshot files) and the answer of a made
+//! call into the backend ([`call`]) and the answer of a made
 //! resource ([`created`]). The routes themselves are the surfaces'
 //! (torpor-api's `/v1`, torpor-e2b's).
 
+use std::future::Future;
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -39,19 +39,20 @@ impl<S> Clone for AppState<S> {
 pub type Api<S> = State<AppState<S>>;
 pub type ApiResult<T> = Result<T, ApiError>;
 
-/// Runs `f` on the service on tokio's blocking pool (service calls block on
-/// the store, VMM sockets and snapshot files).
-pub async fn call<S, T, F>(state: &AppState<S>, f: F) -> ApiResult<T>
+/// The backend call `f` makes, answered as the API answers it: its
+/// error as an [`ApiError`], a panic in it a 500. It runs as a task of its
+/// own (with the request's context), so a request that times out (504)
+/// or goes away leaves the call running to its end: no operation is cut
+/// in the middle. `f` gets the shared backend.
+pub async fn call<S, T, F, Fut>(state: &AppState<S>, f: F) -> ApiResult<T>
 where
     S: SandboxApi,
     T: Send + 'static,
-    F: FnOnce(&S) -> Result<T, ServiceError> + Send + 'static,
+    F: FnOnce(Arc<S>) -> Fut,
+    Fut: Future<Output = Result<T, ServiceError>> + Send + 'static,
 {
-    let service = Arc::clone(&state.service);
-    let key = crate::request_context::capture();
-    match tokio::task::spawn_blocking(move || crate::request_context::with(key, || f(&service)))
-        .await
-    {
+    let task = crate::request_context::carried(f(Arc::clone(&state.service)));
+    match tokio::spawn(task).await {
         Ok(result) => result.map_err(ApiError::from),
         Err(join) => {
             tracing::error!(error = %join, "service call panicked");

@@ -215,63 +215,69 @@ pub fn check(
 
 #[derive(Default, Debug)]
 struct TenantState {
+    /// One admission at a time: its count of the tenant's use and its
+    /// reservation are one step (held across the backend's listing).
+    admitting: tokio::sync::Mutex<()>,
     /// Admitted and not finished.
-    pending: Usage,
+    pending: Mutex<Usage>,
 }
 
 /// Admission against quotas, per tenant.
 #[derive(Default, Debug)]
 pub struct Quotas {
-    tenants: Mutex<HashMap<String, Arc<Mutex<TenantState>>>>,
+    tenants: Mutex<HashMap<String, Arc<TenantState>>>,
 }
 
 /// Admitted use, counted until dropped (the request has ended: what it
 /// made is in the service's own records by then).
 #[derive(Debug)]
 pub struct Ticket {
-    state: Arc<Mutex<TenantState>>,
+    state: Arc<TenantState>,
     asked: Usage,
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        let mut st = self.state.locked();
-        st.pending.sub(&self.asked);
+        self.state.pending.locked().sub(&self.asked);
     }
 }
 
 impl Quotas {
-    fn tenant(&self, tenant: &str) -> Arc<Mutex<TenantState>> {
+    fn tenant(&self, tenant: &str) -> Arc<TenantState> {
         let mut map = self.tenants.locked();
         Arc::clone(map.entry(tenant.to_string()).or_default())
     }
 
-    /// The tenant's current use (blocking: lists its sandboxes; with
+    /// The tenant's current use (lists its sandboxes; with
     /// `checkpoints`, lists each one's checkpoints too).
-    pub fn usage<S: SandboxApi>(
+    pub async fn usage<S: SandboxApi>(
         service: &S,
         tenant: &str,
         checkpoints: bool,
     ) -> Result<Usage, ServiceError> {
-        let sandboxes = service.list_sandboxes(SandboxFilter {
-            tenant: Some(tenant.to_string()),
-            ..Default::default()
-        })?;
+        let sandboxes = service
+            .list_sandboxes(SandboxFilter {
+                tenant: Some(tenant.to_string()),
+                ..Default::default()
+            })
+            .await?;
         let mut u = usage_of(&sandboxes);
         if checkpoints {
             for s in &sandboxes {
-                if let Ok(list) = on_pod(service, Needs::Snapshots, |p| p.list_checkpoints(&s.id)) {
+                let id = s.id.clone();
+                let listed = on_pod(service, Needs::Snapshots, move |p| p.list_checkpoints(&id));
+                if let Ok(list) = listed.await {
                     u.snapshot_disk_mib += list.len() as u64 * u64::from(s.mem_mib);
                 }
             }
-            u.snapshot_disk_mib += templates_disk(&service.list_templates()?, tenant);
+            u.snapshot_disk_mib += templates_disk(&service.list_templates().await?, tenant);
         }
         Ok(u)
     }
 
-    /// Admits `asked` more for `tenant` under `quota` (blocking). Without
-    /// any limit set, nothing is counted or listed.
-    pub fn admit<S: SandboxApi>(
+    /// Admits `asked` more for `tenant` under `quota`. Without any limit
+    /// set, nothing is counted or listed.
+    pub async fn admit<S: SandboxApi>(
         &self,
         service: &S,
         tenant: &str,
@@ -282,16 +288,19 @@ impl Quotas {
             return Ok(None);
         }
         let state = self.tenant(tenant);
-        let mut st = state.locked();
+        let turn = state.admitting.lock().await;
         let mut used = Self::usage(
             service,
             tenant,
             quota.snapshot_disk_mib.is_some() && asked.snapshot_disk_mib > 0,
-        )?;
-        used.add(&st.pending);
+        )
+        .await?;
+        let mut pending = state.pending.locked();
+        used.add(&pending);
         check(tenant, quota, &used, &asked)?;
-        st.pending.add(&asked);
-        drop(st);
+        pending.add(&asked);
+        drop(pending);
+        drop(turn);
         Ok(Some(Ticket { state, asked }))
     }
 }

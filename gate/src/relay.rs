@@ -59,9 +59,11 @@ pub async fn forward<S: SandboxApi>(
                 method: request.method().as_str(),
                 path: &path,
             })
+            .await
             .map(|p| (p, Target::Sandbox)),
         (Some("pods"), Some(id)) => service
             .relay(Relay::Pod(&PodId::new(id)))
+            .await
             .map(|p| (p, Target::Pod)),
         _ => None,
     };

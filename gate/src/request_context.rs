@@ -1,11 +1,8 @@
 //! What of a request a backend may need besides its body: its
 //! `Idempotency-Key` (the cluster returns a retried command's first
 //! outcome). [`scope`] (a layer of the cluster's router) keeps it for the
-//! request's task; [`crate::handlers::call`] hands it to the blocking
-//! thread that runs the service call, where [`idempotency_key`] reads it.
-//! Without the layer (the embedded server) there is none.
-
-use std::cell::RefCell;
+//! request's task, where the backend's calls run and [`idempotency_key`]
+//! reads it. Without the layer (the embedded server) there is none.
 
 use axum::extract::Request;
 use axum::middleware::Next;
@@ -18,10 +15,6 @@ pub const MAX_KEY_LEN: usize = 255;
 
 tokio::task_local! {
     static KEY: Option<String>;
-}
-
-thread_local! {
-    static CURRENT: RefCell<Option<String>> = const { RefCell::new(None) };
 }
 
 /// The layer: a well-formed `Idempotency-Key` (1-255 visible ASCII
@@ -48,20 +41,13 @@ pub async fn scope(request: Request, next: Next) -> Response {
     KEY.scope(key, next.run(request)).await
 }
 
-/// The current request's key, on its task (none outside [`scope`]).
-pub fn capture() -> Option<String> {
-    KEY.try_with(Clone::clone).ok().flatten()
+/// `f` with the current request's context: run as a task of its own, it
+/// still reads the request's key.
+pub fn carried<F: std::future::Future>(f: F) -> impl std::future::Future<Output = F::Output> {
+    KEY.scope(idempotency_key(), f)
 }
 
-/// Runs `f` with `key` as the thread's current key.
-pub fn with<T>(key: Option<String>, f: impl FnOnce() -> T) -> T {
-    let before = CURRENT.with(|c| c.replace(key));
-    let out = f();
-    CURRENT.with(|c| *c.borrow_mut() = before);
-    out
-}
-
-/// The key of the request this service call serves.
+/// The key of the request whose task this is (none outside [`scope`]).
 pub fn idempotency_key() -> Option<String> {
-    CURRENT.with(|c| c.borrow().clone())
+    KEY.try_with(Clone::clone).ok().flatten()
 }

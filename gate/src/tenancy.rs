@@ -243,9 +243,9 @@ impl<S> Clone for Tenancy<S> {
     }
 }
 
-/// Admits `asked` for `principal`'s tenant (blocking). Admins are
-/// counted too: quotas are per tenant, whoever asks.
-pub fn admit<S: SandboxApi>(
+/// Admits `asked` for `principal`'s tenant. Admins are counted too:
+/// quotas are per tenant, whoever asks.
+pub async fn admit<S: SandboxApi>(
     t: &Tenancy<S>,
     principal: &Principal,
     asked: Usage,
@@ -253,13 +253,14 @@ pub fn admit<S: SandboxApi>(
     let quota = t.auth.quota(&principal.tenant);
     t.quotas
         .admit(&*t.service, &principal.tenant, &quota, asked)
+        .await
 }
 
 /// Admits a create of a sandbox from `template` (id or name) for
-/// `principal`'s tenant (blocking): its memory is looked up only when the
+/// `principal`'s tenant: its memory is looked up only when the
 /// tenant's memory is limited. Not here when the service admits its
 /// creates itself ([`SandboxApi::admits_creates`]).
-pub fn admit_create<S: SandboxApi>(
+pub async fn admit_create<S: SandboxApi>(
     t: &Tenancy<S>,
     principal: &Principal,
     service: &S,
@@ -270,15 +271,15 @@ pub fn admit_create<S: SandboxApi>(
     }
     let limited = t.auth.quota(&principal.tenant).memory_mib.is_some();
     let mem = if limited {
-        template_mem(service, principal, template)
+        template_mem(service, principal, template).await
     } else {
         0
     };
-    admit(t, principal, Usage::sandbox(mem))
+    admit(t, principal, Usage::sandbox(mem)).await
 }
 
-/// Admits waking `sandbox` if it is hibernated (blocking); see [`wakes`].
-pub fn admit_wake<S: SandboxApi>(
+/// Admits waking `sandbox` if it is hibernated; see [`wakes`].
+pub async fn admit_wake<S: SandboxApi>(
     t: &Tenancy<S>,
     principal: &Principal,
     sandbox: &Sandbox,
@@ -286,7 +287,7 @@ pub fn admit_wake<S: SandboxApi>(
     if sandbox.state != SandboxState::Hibernated {
         return Ok(None);
     }
-    admit(t, principal, Usage::wake(u64::from(sandbox.mem_mib)))
+    admit(t, principal, Usage::wake(u64::from(sandbox.mem_mib))).await
 }
 
 /// Where the service admits wakes itself ([`SandboxApi::admits_wakes`]): a
@@ -294,21 +295,24 @@ pub fn admit_wake<S: SandboxApi>(
 /// (`limited`) wakes it first through the service (admitted there, 429
 /// past the quota, and the sandbox stays hibernated). No ticket: the
 /// service counts it.
-pub fn wake_first<S: SandboxApi>(
+pub async fn wake_first<S: SandboxApi>(
     service: &S,
     limited: bool,
     sandbox: &Sandbox,
 ) -> Result<Option<Ticket>, ServiceError> {
     if limited && sandbox.state == SandboxState::Hibernated {
-        service.lifecycle(&sandbox.id, crate::backend::Lifecycle::Connect)?;
+        service
+            .lifecycle(&sandbox.id, crate::backend::Lifecycle::Connect)
+            .await?;
     }
     Ok(None)
 }
 
 /// Memory of the template `key` (id or name) names for `principal`; 0 if
 /// none (the create then answers 404 itself).
-fn template_mem<S: SandboxApi>(s: &S, principal: &Principal, key: &str) -> u64 {
+async fn template_mem<S: SandboxApi>(s: &S, principal: &Principal, key: &str) -> u64 {
     s.resolve_template(&principal.owner(), key)
+        .await
         .map_or(0, |t| u64::from(t.mem_mib))
 }
 

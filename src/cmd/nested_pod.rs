@@ -603,8 +603,7 @@ fn bring_up(
         }
         std::thread::sleep(Duration::from_secs(1));
     }
-    let entries = nested
-        .template_entries()
+    let entries = torpor_api::backend::wait(nested.template_entries())
         .map_err(|e| BringUp::Failed(format!("cannot list the templates: {e}")))?;
     let listed = entries
         .iter()

@@ -130,7 +130,7 @@ wait $POD
 
 /// Whether `pod` lists template `name`, ready.
 pub fn ready_on(nested: &Nested<Service>, pod: &PodId, name: &str) -> bool {
-    nested.template_entries().is_ok_and(|entries| {
+    torpor_api::backend::wait(nested.template_entries()).is_ok_and(|entries| {
         entries
             .iter()
             .any(|t| t["name"] == name && t["pod"] == pod.as_str() && t["state"] == "ready")

@@ -33,7 +33,7 @@ use torpor_scheduler::service::LOCAL_POD;
 use torpor_scheduler::state::SandboxState;
 use torpor_sync::RwLocked;
 
-use crate::backend::{Lifecycle, Registry, Relay, SandboxApi};
+use crate::backend::{blocking, wait, Lifecycle, Registry, Relay, SandboxApi};
 use crate::calls::{
     ExecMode, ExecReply, FileOp, FileReply, ImageOp, ImageReply, TemplateOp, TemplateReply,
 };
@@ -152,7 +152,7 @@ impl<L: SandboxApi> Nested<L> {
     fn claimable(&self, id: &SandboxId, pod: &PodId) -> bool {
         SandboxId::is_well_formed(id.as_str())
             && self.owner(id).is_none_or(|o| o.pod == *pod)
-            && self.local.get_sandbox(id).is_err()
+            && wait(self.local.get_sandbox(id)).is_err()
     }
 
     /// Marks template `name` as coming (`why`: not there yet, and why) or
@@ -320,9 +320,7 @@ impl<L: SandboxApi> Nested<L> {
         }
         let mut out = Vec::new();
         if has_local {
-            let headroom = self
-                .local
-                .pod_entries()
+            let headroom = wait(self.local.pod_entries())
                 .ok()
                 .and_then(|p| p.into_iter().next())
                 .map_or(0.0, |e| pods::headroom_mib(&e));
@@ -412,9 +410,10 @@ impl<L: SandboxApi> Nested<L> {
     fn place(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
         if let Some(pinned) = req.pod.clone() {
             if pinned.as_str() == LOCAL_POD {
-                return self
-                    .local
-                    .create_sandbox(CreateSandbox { pod: None, ..req });
+                return wait(
+                    self.local
+                        .create_sandbox(CreateSandbox { pod: None, ..req }),
+                );
             }
             let pod = self.pod(&pinned).ok_or_else(|| ServiceError::NotFound {
                 kind: "pod",
@@ -426,12 +425,12 @@ impl<L: SandboxApi> Nested<L> {
         let candidates = self.candidates(&req);
         if candidates.is_empty() {
             // No pod has it: the local pod's answer (404) says so.
-            return self.local.create_sandbox(req);
+            return wait(self.local.create_sandbox(req));
         }
         let mut refusals = Vec::new();
         for (_, pod) in candidates {
             let result = match &pod {
-                None => self.local.create_sandbox(req.clone()),
+                None => wait(self.local.create_sandbox(req.clone())),
                 Some(pod) => self.create_remote(pod, req.clone()),
             };
             match result {
@@ -515,94 +514,99 @@ impl std::io::Read for Limited<'_> {
 }
 
 impl<L: SandboxApi> SandboxApi for Nested<L> {
-    fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
-        match op {
-            TemplateOp::List => self.local.templates(op),
-            TemplateOp::Get { key, owner } => {
-                // An id the local pod has for this caller: no pod asked.
-                if let Ok(t) = self.local.template_get(owner, key) {
-                    if t.id.as_str() == key {
-                        return Ok(TemplateReply::one(t));
+    async fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
+        blocking(|| {
+            match op {
+                TemplateOp::List => wait(self.local.templates(op)),
+                TemplateOp::Get { key, owner } => {
+                    // An id the local pod has for this caller: no pod asked.
+                    if let Ok(t) = wait(self.local.template_get(owner, key)) {
+                        if t.id.as_str() == key {
+                            return Ok(TemplateReply::one(t));
+                        }
+                    }
+                    match self.resolve_everywhere(owner, key)?.into_iter().next() {
+                        Some((t, _)) => Ok(TemplateReply::one(t)),
+                        None => {
+                            // A template still coming (started by this request
+                            // if on demand: any request for it is a first use).
+                            self.coming.check(key)?;
+                            Err(template_not_found(key))
+                        }
                     }
                 }
-                match self.resolve_everywhere(owner, key)?.into_iter().next() {
-                    Some((t, _)) => Ok(TemplateReply::one(t)),
-                    None => {
-                        // A template still coming (started by this request
-                        // if on demand: any request for it is a first use).
-                        self.coming.check(key)?;
-                        Err(template_not_found(key))
+                TemplateOp::Create(req) => {
+                    self.check_new_name(&req)?;
+                    match req.pod.clone() {
+                        None => wait(self.local.templates(TemplateOp::Create(req))),
+                        Some(p) if p.as_str() == LOCAL_POD => wait(
+                            self.local
+                                .templates(TemplateOp::Create(CreateTemplate { pod: None, ..req })),
+                        ),
+                        Some(p) => {
+                            let pod = self.pod(&p).ok_or_else(|| ServiceError::NotFound {
+                                kind: "pod",
+                                id: p.to_string(),
+                            })?;
+                            // A tenant's template is the tenant's there too.
+                            let pod = pod.acting_for(acting_tenant(req.owner.as_ref()));
+                            let body = serde_json::to_value(CreateTemplate { pod: None, ..req })
+                                .map_err(internal)?;
+                            let v = pod.call("POST", "/v1/templates", Some(&body))?;
+                            Ok(TemplateReply::one(
+                                serde_json::from_value(v).map_err(internal)?,
+                            ))
+                        }
                     }
                 }
-            }
-            TemplateOp::Create(req) => {
-                self.check_new_name(&req)?;
-                match req.pod.clone() {
-                    None => self.local.templates(TemplateOp::Create(req)),
-                    Some(p) if p.as_str() == LOCAL_POD => self
-                        .local
-                        .templates(TemplateOp::Create(CreateTemplate { pod: None, ..req })),
-                    Some(p) => {
-                        let pod = self.pod(&p).ok_or_else(|| ServiceError::NotFound {
-                            kind: "pod",
-                            id: p.to_string(),
-                        })?;
-                        // A tenant's template is the tenant's there too.
-                        let pod = pod.acting_for(acting_tenant(req.owner.as_ref()));
-                        let body = serde_json::to_value(CreateTemplate { pod: None, ..req })
-                            .map_err(internal)?;
-                        let v = pod.call("POST", "/v1/templates", Some(&body))?;
-                        Ok(TemplateReply::one(
-                            serde_json::from_value(v).map_err(internal)?,
-                        ))
-                    }
+                TemplateOp::Delete { key, owner } => {
+                    let Some((t, pod)) = self.resolve_everywhere(owner, key)?.into_iter().next()
+                    else {
+                        return Err(template_not_found(key));
+                    };
+                    let Some(pod) = pod else {
+                        let id = t.id.to_string();
+                        return wait(self.local.templates(TemplateOp::Delete { key: &id, owner }));
+                    };
+                    torpor_scheduler::service::may_delete(owner, &t)?;
+                    let path = format!("/v1/templates/{}", encode(t.id.as_str()));
+                    pod.acting_for(acting_tenant(owner))
+                        .call("DELETE", &path, None)?;
+                    Ok(TemplateReply::Deleted)
+                }
+                TemplateOp::Rename { key, owner, name } => {
+                    let Some((t, pod)) = self.resolve_everywhere(owner, key)?.into_iter().next()
+                    else {
+                        return Err(template_not_found(key));
+                    };
+                    let Some(pod) = pod else {
+                        let id = t.id.to_string();
+                        return wait(self.local.templates(TemplateOp::Rename {
+                            key: &id,
+                            owner,
+                            name,
+                        }));
+                    };
+                    torpor_scheduler::service::may_delete(owner, &t)?;
+                    let path = format!("/v1/templates/{}", encode(t.id.as_str()));
+                    let body = serde_json::json!({ "name": name });
+                    let v =
+                        pod.acting_for(acting_tenant(owner))
+                            .call("PATCH", &path, Some(&body))?;
+                    Ok(TemplateReply::one(
+                        serde_json::from_value(v).map_err(internal)?,
+                    ))
                 }
             }
-            TemplateOp::Delete { key, owner } => {
-                let Some((t, pod)) = self.resolve_everywhere(owner, key)?.into_iter().next() else {
-                    return Err(template_not_found(key));
-                };
-                let Some(pod) = pod else {
-                    let id = t.id.to_string();
-                    return self.local.templates(TemplateOp::Delete { key: &id, owner });
-                };
-                torpor_scheduler::service::may_delete(owner, &t)?;
-                let path = format!("/v1/templates/{}", encode(t.id.as_str()));
-                pod.acting_for(acting_tenant(owner))
-                    .call("DELETE", &path, None)?;
-                Ok(TemplateReply::Deleted)
-            }
-            TemplateOp::Rename { key, owner, name } => {
-                let Some((t, pod)) = self.resolve_everywhere(owner, key)?.into_iter().next() else {
-                    return Err(template_not_found(key));
-                };
-                let Some(pod) = pod else {
-                    let id = t.id.to_string();
-                    return self.local.templates(TemplateOp::Rename {
-                        key: &id,
-                        owner,
-                        name,
-                    });
-                };
-                torpor_scheduler::service::may_delete(owner, &t)?;
-                let path = format!("/v1/templates/{}", encode(t.id.as_str()));
-                let body = serde_json::json!({ "name": name });
-                let v = pod
-                    .acting_for(acting_tenant(owner))
-                    .call("PATCH", &path, Some(&body))?;
-                Ok(TemplateReply::one(
-                    serde_json::from_value(v).map_err(internal)?,
-                ))
-            }
-        }
+        })
     }
-    fn template_entries(&self) -> Result<Vec<Value>, ServiceError> {
-        self.templates_everywhere()
+    async fn template_entries(&self) -> Result<Vec<Value>, ServiceError> {
+        blocking(|| self.templates_everywhere())
     }
     /// The local pod's images; an install on a nested pod (a build from an
     /// OCI image installs its image where `base` runs) is streamed to it.
-    fn images(&self, op: ImageOp<'_>) -> Result<ImageReply, ServiceError> {
-        match op {
+    async fn images(&self, op: ImageOp<'_>) -> Result<ImageReply, ServiceError> {
+        blocking(|| match op {
             ImageOp::Install {
                 name,
                 part,
@@ -625,278 +629,312 @@ impl<L: SandboxApi> SandboxApi for Nested<L> {
                 })?;
                 Ok(ImageReply::Installed(bytes))
             }
-            op => self.local.images(op),
-        }
+            op => wait(self.local.images(op)),
+        })
     }
-    fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
-        self.place(req)
+    async fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
+        blocking(|| self.place(req))
     }
-    fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
-        if let Some(lost) = self.lost_sandbox(id) {
-            return lost;
-        }
-        match self.remote_sandbox(id) {
-            Some(pod) => self.with_secrets(remote::sandbox(&pod, "GET", id, "", None)?),
-            None => self.local.get_sandbox(id),
-        }
+    async fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
+        blocking(|| {
+            if let Some(lost) = self.lost_sandbox(id) {
+                return lost;
+            }
+            match self.remote_sandbox(id) {
+                Some(pod) => self.with_secrets(remote::sandbox(&pod, "GET", id, "", None)?),
+                None => wait(self.local.get_sandbox(id)),
+            }
+        })
     }
-    fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
-        let local_pod = filter.pod.as_ref().is_none_or(|p| p.as_str() == LOCAL_POD);
-        let mut out = if local_pod {
-            self.local.list_sandboxes(filter.clone())?
-        } else {
-            Vec::new()
-        };
-        let pods: Vec<RemotePod> = self
-            .remote_pods()
-            .into_iter()
-            .filter(|pod| filter.pod.as_ref().is_none_or(|p| *p == pod.id))
-            .collect();
-        let filter = &filter;
-        let lists = std::thread::scope(|scope| {
-            let handles: Vec<_> = pods
-                .iter()
-                .map(|pod| scope.spawn(move || (pod, self.list_remote(pod, filter))))
-                .collect();
-            handles
+    async fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
+        blocking(|| {
+            let local_pod = filter.pod.as_ref().is_none_or(|p| p.as_str() == LOCAL_POD);
+            let mut out = if local_pod {
+                wait(self.local.list_sandboxes(filter.clone()))?
+            } else {
+                Vec::new()
+            };
+            let pods: Vec<RemotePod> = self
+                .remote_pods()
                 .into_iter()
-                .filter_map(|h| h.join().ok())
-                .collect::<Vec<_>>()
-        });
-        for (pod, list) in lists {
-            match list {
-                Ok(list) => out.extend(list),
-                Err(e) => tracing::warn!(
-                    pod = %pod.id,
-                    error = %e,
-                    "sandboxes of an unreachable pod left out"
-                ),
+                .filter(|pod| filter.pod.as_ref().is_none_or(|p| *p == pod.id))
+                .collect();
+            let filter = &filter;
+            let lists = std::thread::scope(|scope| {
+                let handles: Vec<_> = pods
+                    .iter()
+                    .map(|pod| scope.spawn(move || (pod, self.list_remote(pod, filter))))
+                    .collect();
+                handles
+                    .into_iter()
+                    .filter_map(|h| h.join().ok())
+                    .collect::<Vec<_>>()
+            });
+            for (pod, list) in lists {
+                match list {
+                    Ok(list) => out.extend(list),
+                    Err(e) => tracing::warn!(
+                        pod = %pod.id,
+                        error = %e,
+                        "sandboxes of an unreachable pod left out"
+                    ),
+                }
             }
-        }
-        out.extend(self.lost_listed(filter));
-        out.sort_by_key(|s| s.created_at);
-        Ok(out)
+            out.extend(self.lost_listed(filter));
+            out.sort_by_key(|s| s.created_at);
+            Ok(out)
+        })
     }
-    fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
-        if let Some(e) = self.lost_error(id) {
-            return Err(e);
-        }
-        match self.remote_sandbox(id) {
-            Some(pod) => self.outcome_with_secrets(remote::outcome(&pod, id, op)?),
-            None => self.local.lifecycle(id, op),
-        }
-    }
-    fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
-        if self.lost_error(id).is_some() {
-            // Its VM is gone with its nested host: nothing left but ours.
-            return self.forget(id);
-        }
-        match self.remote_sandbox(id) {
-            Some(pod) => {
-                remote::call(&pod, "DELETE", id, "", None)?;
-                self.forget(id)
+    async fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
+        blocking(|| {
+            if let Some(e) = self.lost_error(id) {
+                return Err(e);
             }
-            None => self.local.delete_sandbox(id),
-        }
+            match self.remote_sandbox(id) {
+                Some(pod) => self.outcome_with_secrets(remote::outcome(&pod, id, op)?),
+                None => wait(self.local.lifecycle(id, op)),
+            }
+        })
     }
-    fn set_timeout(
+    async fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
+        blocking(|| {
+            if self.lost_error(id).is_some() {
+                // Its VM is gone with its nested host: nothing left but ours.
+                return self.forget(id);
+            }
+            match self.remote_sandbox(id) {
+                Some(pod) => {
+                    remote::call(&pod, "DELETE", id, "", None)?;
+                    self.forget(id)
+                }
+                None => wait(self.local.delete_sandbox(id)),
+            }
+        })
+    }
+    async fn set_timeout(
         &self,
         id: &SandboxId,
         keep_alive_ms: Option<u64>,
         timeout_ms: Option<u64>,
     ) -> Result<Sandbox, ServiceError> {
-        if let Some(e) = self.lost_error(id) {
-            return Err(e);
-        }
-        match self.remote_sandbox(id) {
-            Some(pod) => {
-                let body = serde_json::json!({
-                    "keep_alive_ms": keep_alive_ms,
-                    "timeout_ms": timeout_ms,
-                });
-                self.with_secrets(remote::sandbox(&pod, "PATCH", id, "", Some(&body))?)
+        blocking(|| {
+            if let Some(e) = self.lost_error(id) {
+                return Err(e);
             }
-            None => self.local.set_timeout(id, keep_alive_ms, timeout_ms),
-        }
+            match self.remote_sandbox(id) {
+                Some(pod) => {
+                    let body = serde_json::json!({
+                        "keep_alive_ms": keep_alive_ms,
+                        "timeout_ms": timeout_ms,
+                    });
+                    self.with_secrets(remote::sandbox(&pod, "PATCH", id, "", Some(&body))?)
+                }
+                None => wait(self.local.set_timeout(id, keep_alive_ms, timeout_ms)),
+            }
+        })
     }
-    fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
-        let mut out = self.local.pod_entries()?;
-        let remote: Vec<Value> = std::thread::scope(|scope| {
-            let handles: Vec<_> = self
-                .remote_pods()
-                .into_iter()
-                .map(|pod| scope.spawn(move || pod.entry()))
-                .collect();
-            handles.into_iter().filter_map(|h| h.join().ok()).collect()
-        });
-        out.extend(remote);
-        Ok(out)
+    async fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
+        blocking(|| {
+            let mut out = wait(self.local.pod_entries())?;
+            let remote: Vec<Value> = std::thread::scope(|scope| {
+                let handles: Vec<_> = self
+                    .remote_pods()
+                    .into_iter()
+                    .map(|pod| scope.spawn(move || pod.entry()))
+                    .collect();
+                handles.into_iter().filter_map(|h| h.join().ok()).collect()
+            });
+            out.extend(remote);
+            Ok(out)
+        })
     }
-    fn set_pod(
+    async fn set_pod(
         &self,
         id: &PodId,
         ratio: Option<f64>,
         high_watermark: Option<f64>,
     ) -> Result<PodView, ServiceError> {
-        self.local.set_pod(id, ratio, high_watermark)
+        blocking(|| wait(self.local.set_pod(id, ratio, high_watermark)))
     }
     fn registry(&self) -> Option<&dyn Registry> {
         Some(self)
     }
-    fn relay(&self, to: Relay<'_>) -> Option<RemotePod> {
-        match to {
+    async fn relay(&self, to: Relay<'_>) -> Option<RemotePod> {
+        blocking(|| match to {
             Relay::Sandbox { id, .. } => self.remote_sandbox(id),
             Relay::Pod(id) => self.pod(id),
-        }
+        })
     }
-    fn sandbox_tenant(&self, id: &SandboxId) -> Result<Option<String>, ServiceError> {
-        match self.owner(id) {
+    async fn sandbox_tenant(&self, id: &SandboxId) -> Result<Option<String>, ServiceError> {
+        blocking(|| match self.owner(id) {
             Some(o) => Ok(o.tenant),
-            None => self.local.sandbox_tenant(id),
-        }
+            None => wait(self.local.sandbox_tenant(id)),
+        })
     }
-    fn metrics(&self) -> String {
-        self.local.metrics()
+    async fn metrics(&self) -> String {
+        blocking(|| wait(self.local.metrics()))
     }
     /// The local pod's (a remote sandbox's checkpoint, network and port
     /// routes are relayed to its pod at the HTTP layer).
     fn service(&self) -> Option<&crate::service::Service> {
         self.local.service()
     }
-    fn metrics_history(
+    async fn metrics_history(
         &self,
         id: &SandboxId,
         range: crate::wire::Range,
     ) -> Result<Vec<torpor_scheduler::service::history::MetricSample>, ServiceError> {
-        if let Some(e) = self.lost_error(id) {
-            return Err(e);
-        }
-        match self.remote_sandbox(id) {
-            Some(pod) => crate::pods::metrics_history(&pod, id, range),
-            None => self.local.metrics_history(id, range),
-        }
+        blocking(|| {
+            if let Some(e) = self.lost_error(id) {
+                return Err(e);
+            }
+            match self.remote_sandbox(id) {
+                Some(pod) => wait(crate::pods::metrics_history(&pod, id, range)),
+                None => wait(self.local.metrics_history(id, range)),
+            }
+        })
     }
-    fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
-        if let Some(e) = self.lost_error(id) {
-            return Err(e);
-        }
-        match self.remote_sandbox(id) {
-            Some(pod) => self.fork_remote(&pod, id, req),
-            None => self.local.fork_sandbox(id, req),
-        }
+    async fn fork_sandbox(
+        &self,
+        id: &SandboxId,
+        req: ForkSandbox,
+    ) -> Result<Sandbox, ServiceError> {
+        blocking(|| {
+            if let Some(e) = self.lost_error(id) {
+                return Err(e);
+            }
+            match self.remote_sandbox(id) {
+                Some(pod) => self.fork_remote(&pod, id, req),
+                None => wait(self.local.fork_sandbox(id, req)),
+            }
+        })
     }
-    fn template_from_sandbox(
+    async fn template_from_sandbox(
         &self,
         id: &SandboxId,
         req: crate::service::TemplateFromSandbox,
     ) -> Result<torpor_scheduler::model::Template, ServiceError> {
-        if let Some(e) = self.lost_error(id) {
-            return Err(e);
-        }
-        let Some(pod) = self.remote_sandbox(id) else {
-            return self.local.template_from_sandbox(id, req);
-        };
-        // The template lives on the sandbox's pod, beside its layers, and
-        // is the sandbox's tenant's there (its name in that namespace).
-        let tenant = self.owner(id).and_then(|o| o.tenant);
-        remote::template(&pod.acting_for(tenant.as_deref()), id, &req)
+        blocking(|| {
+            if let Some(e) = self.lost_error(id) {
+                return Err(e);
+            }
+            let Some(pod) = self.remote_sandbox(id) else {
+                return wait(self.local.template_from_sandbox(id, req));
+            };
+            // The template lives on the sandbox's pod, beside its layers, and
+            // is the sandbox's tenant's there (its name in that namespace).
+            let tenant = self.owner(id).and_then(|o| o.tenant);
+            remote::template(&pod.acting_for(tenant.as_deref()), id, &req)
+        })
     }
-    fn sandbox_templates(
+    async fn sandbox_templates(
         &self,
         source: Option<&SandboxId>,
     ) -> Result<Vec<(torpor_scheduler::model::Template, SandboxId)>, ServiceError> {
-        let mut out = self.local.sandbox_templates(source)?;
-        // Remote ones name their source sandbox; only ours are shown.
-        for v in self.templates_everywhere()? {
-            if v["pod"] == LOCAL_POD {
-                continue;
+        blocking(|| {
+            let mut out = wait(self.local.sandbox_templates(source))?;
+            // Remote ones name their source sandbox; only ours are shown.
+            for v in self.templates_everywhere()? {
+                if v["pod"] == LOCAL_POD {
+                    continue;
+                }
+                let Ok(t) = serde_json::from_value::<Template>(v) else {
+                    continue;
+                };
+                let Some(from) = t.source.clone() else {
+                    continue;
+                };
+                let ours = self.owner(&from).is_some();
+                if ours && source.is_none_or(|s| *s == from) && t.state != TemplateState::Deleted {
+                    out.push((t, from));
+                }
             }
-            let Ok(t) = serde_json::from_value::<Template>(v) else {
-                continue;
-            };
-            let Some(from) = t.source.clone() else {
-                continue;
-            };
-            let ours = self.owner(&from).is_some();
-            if ours && source.is_none_or(|s| *s == from) && t.state != TemplateState::Deleted {
-                out.push((t, from));
-            }
-        }
-        Ok(out)
+            Ok(out)
+        })
     }
-    fn execute(
+    async fn execute(
         &self,
         id: &SandboxId,
         req: ExecRequest,
         cancel: &Cancel,
         mode: ExecMode<'_>,
     ) -> Result<GuestCall<ExecReply>, ServiceError> {
-        if let Some(e) = self.lost_error(id) {
-            return Err(e);
-        }
-        if self.remote_sandbox(id).is_none() {
-            return self.local.execute(id, req, cancel, mode);
-        }
-        // A remote sandbox's exec (the routes relay theirs to the pod; a
-        // template build runs its steps here) through its agent tunnel,
-        // bounded as the pod bounds its own.
-        let mut req = req;
-        req.timeout_ms.get_or_insert(REMOTE_EXEC_LIMIT_MS);
-        match mode {
-            ExecMode::Collect => crate::calls::through_tunnel(
-                |f| self.with_guest(id, f),
-                |link| link.exec(req, cancel).map(ExecReply::Collected),
-            ),
-            ExecMode::Stream {
-                on_start,
-                on_output,
-            } => {
-                on_start(&Outcome {
-                    sandbox: self.get_sandbox(id)?,
-                    resumed: false,
-                    resume_ms: None,
-                });
-                crate::calls::through_tunnel(
-                    |f| self.with_guest(id, f),
-                    |link| {
-                        link.exec_streaming(req, cancel, on_output)
-                            .map(ExecReply::Streamed)
-                    },
-                )
+        blocking(|| {
+            if let Some(e) = self.lost_error(id) {
+                return Err(e);
             }
-        }
+            if self.remote_sandbox(id).is_none() {
+                return wait(self.local.execute(id, req, cancel, mode));
+            }
+            // A remote sandbox's exec (the routes relay theirs to the pod; a
+            // template build runs its steps here) through its agent tunnel,
+            // bounded as the pod bounds its own.
+            let mut req = req;
+            req.timeout_ms.get_or_insert(REMOTE_EXEC_LIMIT_MS);
+            match mode {
+                ExecMode::Collect => crate::calls::through_tunnel(
+                    |f| wait(self.with_guest(id, f)),
+                    |link| link.exec(req, cancel).map(ExecReply::Collected),
+                ),
+                ExecMode::Stream {
+                    on_start,
+                    on_output,
+                } => {
+                    on_start(&Outcome {
+                        sandbox: wait(self.get_sandbox(id))?,
+                        resumed: false,
+                        resume_ms: None,
+                    });
+                    crate::calls::through_tunnel(
+                        |f| wait(self.with_guest(id, f)),
+                        |link| {
+                            link.exec_streaming(req, cancel, on_output)
+                                .map(ExecReply::Streamed)
+                        },
+                    )
+                }
+            }
+        })
     }
-    fn files(&self, id: &SandboxId, op: FileOp<'_>) -> Result<GuestCall<FileReply>, ServiceError> {
-        if let Some(e) = self.lost_error(id) {
-            return Err(e);
-        }
-        if self.remote_sandbox(id).is_none() {
-            return self.local.files(id, op);
-        }
-        crate::calls::through_tunnel(|f| self.with_guest(id, f), |link| op.run(link))
-    }
-    /// A remote sandbox's agent through its pod's agent tunnel.
-    fn with_guest(
+    async fn files(
         &self,
         id: &SandboxId,
-        f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
+        op: FileOp<'_>,
+    ) -> Result<GuestCall<FileReply>, ServiceError> {
+        blocking(|| {
+            if let Some(e) = self.lost_error(id) {
+                return Err(e);
+            }
+            if self.remote_sandbox(id).is_none() {
+                return wait(self.local.files(id, op));
+            }
+            crate::calls::through_tunnel(|f| wait(self.with_guest(id, f)), |link| op.run(link))
+        })
+    }
+    /// A remote sandbox's agent through its pod's agent tunnel.
+    async fn with_guest(
+        &self,
+        id: &SandboxId,
+        f: &mut (dyn FnMut(&AgentLink) -> Result<(), GuestError> + Send),
     ) -> Result<Outcome, ServiceError> {
-        if let Some(e) = self.lost_error(id) {
-            return Err(e);
-        }
-        let Some(pod) = self.remote_sandbox(id) else {
-            return self.local.with_guest(id, f);
-        };
-        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
-            ServiceError::Internal("the agent tunnel needs the API's runtime".into())
-        })?;
-        let dial = crate::pods::tunnel::dialer(runtime, pod.line.clone(), id.clone());
-        let link = AgentLink::dialed(id.as_str(), format!("pod {}", pod.id), dial);
-        f(&link).map_err(ServiceError::Guest)?;
-        Ok(Outcome {
-            sandbox: self.with_secrets(remote::sandbox(&pod, "GET", id, "", None)?)?,
-            resumed: false,
-            resume_ms: None,
+        blocking(|| {
+            if let Some(e) = self.lost_error(id) {
+                return Err(e);
+            }
+            let Some(pod) = self.remote_sandbox(id) else {
+                return wait(self.local.with_guest(id, f));
+            };
+            let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+                ServiceError::Internal("the agent tunnel needs the API's runtime".into())
+            })?;
+            let dial = crate::pods::tunnel::dialer(runtime, pod.line.clone(), id.clone());
+            let link = AgentLink::dialed(id.as_str(), format!("pod {}", pod.id), dial);
+            f(&link).map_err(ServiceError::Guest)?;
+            Ok(Outcome {
+                sandbox: self.with_secrets(remote::sandbox(&pod, "GET", id, "", None)?)?,
+                resumed: false,
+                resume_ms: None,
+            })
         })
     }
 }

@@ -15,7 +15,7 @@ use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template};
 use torpor_scheduler::service::{CreateTemplate, Owner};
 use torpor_scheduler::service::{Outcome, ServiceError};
 
-use crate::backend::Lifecycle;
+use crate::backend::{wait, Lifecycle};
 use crate::error::code;
 use crate::pods::{rewrite_pod_ids, RemotePod};
 
@@ -136,7 +136,7 @@ impl<L: crate::backend::SandboxApi> super::Nested<L> {
     /// Templates of every pod that answers, each with its `pod`.
     pub(super) fn templates_everywhere(&self) -> Result<Vec<Value>, ServiceError> {
         let mut out = Vec::new();
-        for t in self.local.list_templates()? {
+        for t in wait(self.local.list_templates())? {
             let mut v = serde_json::to_value(t).map_err(internal)?;
             v["pod"] = json!(LOCAL_POD);
             out.push(v);

@@ -368,7 +368,7 @@ fn list(st: &FakeState, path: &str) -> DirListing {
 }
 
 impl SandboxApi for Fake {
-    fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
+    async fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
         let mut st = self.state.lock().unwrap();
         let missing = |id: &str| ServiceError::NotFound {
             kind: "template",
@@ -447,7 +447,7 @@ impl SandboxApi for Fake {
     }
 
     /// Images as files in [`Fake::images`].
-    fn images(&self, op: ImageOp<'_>) -> Result<ImageReply, ServiceError> {
+    async fn images(&self, op: ImageOp<'_>) -> Result<ImageReply, ServiceError> {
         match op {
             ImageOp::List => Ok(ImageReply::List(
                 std::fs::read_dir(self.images.path())
@@ -481,9 +481,9 @@ impl SandboxApi for Fake {
         }
     }
 
-    fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
+    async fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
         if let Some(ms) = req.metadata.get("sleep_ms") {
-            std::thread::sleep(Duration::from_millis(ms.parse().unwrap()));
+            tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
         }
         let mut st = self.state.lock().unwrap();
         let template = torpor_scheduler::names::resolve(
@@ -525,12 +525,12 @@ impl SandboxApi for Fake {
         Ok(sandbox)
     }
 
-    fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
+    async fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
         let mut st = self.state.lock().unwrap();
         Self::sandbox(&mut st, id).map(|s| s.clone())
     }
 
-    fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
+    async fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
         let mut st = self.state.lock().unwrap();
         st.last_filter = Some(filter.clone());
         Ok(st
@@ -557,9 +557,9 @@ impl SandboxApi for Fake {
             .collect())
     }
 
-    fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
+    async fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
         use SandboxState::*;
-        let current = self.get_sandbox(id)?;
+        let current = self.get_sandbox(id).await?;
         let (from, to): (&[SandboxState], _) = match op {
             Lifecycle::Pause => (&[Running], Paused),
             Lifecycle::Connect | Lifecycle::Reboot if current.state == Running => {
@@ -590,13 +590,13 @@ impl SandboxApi for Fake {
         Ok(outcome(s.clone(), to == Running && was == Hibernated))
     }
 
-    fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
+    async fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
         use SandboxState::*;
         let from = [Creating, Running, Paused, Hibernated, Failed];
         self.transition(id, &from, Deleted).map(|_| ())
     }
 
-    fn set_timeout(
+    async fn set_timeout(
         &self,
         id: &SandboxId,
         keep_alive_ms: Option<u64>,
@@ -614,11 +614,11 @@ impl SandboxApi for Fake {
         Ok(sandbox.clone())
     }
 
-    fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
+    async fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
         Ok(vec![pod_entry(Self::view(&self.state.lock().unwrap()))?])
     }
 
-    fn set_pod(
+    async fn set_pod(
         &self,
         id: &PodId,
         ratio: Option<f64>,
@@ -645,7 +645,7 @@ impl SandboxApi for Fake {
         Ok(Self::view(&st))
     }
 
-    fn metrics(&self) -> String {
+    async fn metrics(&self) -> String {
         let st = self.state.lock().unwrap();
         format!(
             "# TYPE torpor_sandboxes gauge\ntorpor_sandboxes{{state=\"running\"}} {}\n",
@@ -656,7 +656,7 @@ impl SandboxApi for Fake {
         )
     }
 
-    fn execute(
+    async fn execute(
         &self,
         id: &SandboxId,
         req: ExecRequest,
@@ -715,7 +715,11 @@ impl SandboxApi for Fake {
         Ok(GuestCall { outcome, value })
     }
 
-    fn files(&self, id: &SandboxId, op: FileOp<'_>) -> Result<GuestCall<FileReply>, ServiceError> {
+    async fn files(
+        &self,
+        id: &SandboxId,
+        op: FileOp<'_>,
+    ) -> Result<GuestCall<FileReply>, ServiceError> {
         let outcome = self.guest(id)?;
         if let Some(link) = self.real_link(id) {
             if !matches!(op, FileOp::List { .. }) {
@@ -741,7 +745,7 @@ impl SandboxApi for Fake {
     }
     /// A template of the sandbox's template (its kernel, memory; its
     /// tenant's), named as asked.
-    fn template_from_sandbox(
+    async fn template_from_sandbox(
         &self,
         id: &SandboxId,
         req: torpor_api::service::TemplateFromSandbox,
@@ -780,10 +784,10 @@ impl SandboxApi for Fake {
     /// A real agent (the host's filesystem and processes) behind the
     /// hybrid vsock stand-in, for sandboxes whose metadata says
     /// `agent=real` (or `fake`).
-    fn with_guest(
+    async fn with_guest(
         &self,
         id: &SandboxId,
-        f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
+        f: &mut (dyn FnMut(&AgentLink) -> Result<(), GuestError> + Send),
     ) -> Result<Outcome, ServiceError> {
         let outcome = self.guest(id)?;
         let link = AgentLink::new(id.as_str(), self.real_agent());

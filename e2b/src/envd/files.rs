@@ -184,7 +184,7 @@ impl From<Refused> for E2bError {
 /// The sandbox an envd request is for, if the caller may use it; the
 /// service's error when it cannot tell (a cluster sandbox whose pod is
 /// down: 503, as its other routes).
-pub(crate) fn target<S: SandboxApi>(
+pub(crate) async fn target<S: SandboxApi>(
     s: &S,
     id: &str,
     caller: &Caller,
@@ -192,7 +192,7 @@ pub(crate) fn target<S: SandboxApi>(
     if !SandboxId::is_well_formed(id) {
         return Ok(Err(Refused::Gone));
     }
-    let sandbox = match s.get_sandbox(&SandboxId::new(id)) {
+    let sandbox = match s.get_sandbox(&SandboxId::new(id)).await {
         Ok(sandbox) => sandbox,
         Err(ServiceError::NotFound { .. }) => return Ok(Err(Refused::Gone)),
         Err(e) => return Err(e),
@@ -216,17 +216,20 @@ pub async fn download<S: SandboxApi>(
     let path = resolve(path.as_deref().unwrap_or_default(), user.as_deref())?;
     let coding = encoding::accepted(&headers)?;
     let tenancy = state.tenancy.clone();
-    let data = call(&state, move |s| match target(s, &id, &caller)? {
-        Ok(id) => {
-            let _wake = super::wake_ticket(s, &tenancy, &id)?;
-            let data = s.read_file(&id, &path)?.value;
-            // Compressed here, on the blocking thread.
-            Ok(Ok(match coding {
-                Coding::Gzip => encoding::gzip(&data),
-                Coding::Identity => data,
-            }))
+    let data = call(&state, move |s| async move {
+        let s = &*s;
+        match target(s, &id, &caller).await? {
+            Ok(id) => {
+                let _wake = super::wake_ticket(s, &tenancy, &id).await?;
+                let data = s.read_file(&id, &path).await?.value;
+                // Compressed in place (the worker hands its tasks on).
+                Ok(Ok(match coding {
+                    Coding::Gzip => torpor_gate::backend::blocking(|| encoding::gzip(&data)),
+                    Coding::Identity => data,
+                }))
+            }
+            Err(refused) => Ok(Err(refused)),
         }
-        Err(refused) => Ok(Err(refused)),
     })
     .await??;
     let mut r = (StatusCode::OK, data).into_response();
@@ -277,7 +280,7 @@ pub fn metadata_of(headers: &HeaderMap) -> Result<BTreeMap<String, String>, E2bE
 /// Writes an upload as envd does: the file, and the directories made for
 /// it, belong to the request's user (`user` by default; when the guest has
 /// no such default user, to the agent's own).
-fn write_owned<S: SandboxApi>(
+async fn write_owned<S: SandboxApi>(
     s: &S,
     id: &SandboxId,
     path: &str,
@@ -285,11 +288,11 @@ fn write_owned<S: SandboxApi>(
     user: Option<&str>,
 ) -> Result<(), ServiceError> {
     let owner = user.unwrap_or(DEFAULT_USER);
-    match s.write_file_as(id, path, data, None, Some(owner)) {
+    match s.write_file_as(id, path, data, None, Some(owner)).await {
         Err(ServiceError::Guest(GuestError::Agent { error, .. }))
             if user.is_none() && super::rpc::unknown_user(&error) =>
         {
-            s.write_file(id, path, data, None).map(drop)
+            s.write_file(id, path, data, None).await.map(drop)
         }
         r => r.map(drop),
     }
@@ -394,20 +397,22 @@ pub async fn upload<S: SandboxApi>(
         )]
     };
     let tenancy = state.tenancy.clone();
-    let written = call(&state, move |s| {
-        let id = match target(s, &id, &caller)? {
+    let written = call(&state, move |s| async move {
+        let s = &*s;
+        let id = match target(s, &id, &caller).await? {
             Ok(id) => id,
             Err(refused) => return Ok(Err(refused)),
         };
-        let _wake = super::wake_ticket(s, &tenancy, &id)?;
+        let _wake = super::wake_ticket(s, &tenancy, &id).await?;
         let mut written = Vec::with_capacity(files.len());
         for (path, data) in files {
-            write_owned(s, &id, &path, &data, user.as_deref())?;
+            write_owned(s, &id, &path, &data, user.as_deref()).await?;
             let mut kept = BTreeMap::new();
             s.with_guest(&id, &mut |link| {
                 kept = store_metadata(link, &path, &metadata)?;
                 Ok(())
-            })?;
+            })
+            .await?;
             let name = path.rsplit('/').next().unwrap_or_default().to_string();
             written.push(Written {
                 name,

@@ -29,7 +29,7 @@ use torpor_scheduler::model::SandboxId;
 use super::error::E2bError;
 use super::wire::e2b_state;
 use torpor_gate::auth::Auth;
-use torpor_gate::backend::SandboxApi;
+use torpor_gate::backend::{wait, SandboxApi};
 use torpor_gate::handlers::{call, Api, AppState};
 use torpor_gate::service::ServiceError;
 
@@ -138,12 +138,16 @@ async fn health<S: SandboxApi>(
         Err(e) => return e.into_response(),
     };
     let caller = files::Caller::of(&headers, &auth);
-    let running = call(&state, move |s| match files::target(s, &id, &caller)? {
-        Ok(id) => Ok(s
-            .get_sandbox(&id)
-            .ok()
-            .is_some_and(|x| e2b_state(x.state) == Some("running") && x.vmm.is_some())),
-        Err(_) => Ok(false),
+    let running = call(&state, move |s| async move {
+        let s = &*s;
+        match files::target(s, &id, &caller).await? {
+            Ok(id) => Ok(s
+                .get_sandbox(&id)
+                .await
+                .ok()
+                .is_some_and(|x| e2b_state(x.state) == Some("running") && x.vmm.is_some())),
+            Err(_) => Ok(false),
+        }
     })
     .await;
     match running {
@@ -182,19 +186,22 @@ async fn rpc<S: SandboxApi>(
     let caller = files::Caller::of(&headers, &auth);
     let shown = id.clone();
     let tenancy = state.tenancy.clone();
-    let found = call(&state, move |s| match files::target(s, &shown, &caller)? {
-        Ok(id) => {
-            let sandbox = s.get_sandbox(&id)?;
-            let wake = wake_ticket(s, &tenancy, &id)?;
-            Ok(Ok((
-                id,
-                sandbox.env,
-                sandbox.tenant,
-                wake,
-                sandbox.template,
-            )))
+    let found = call(&state, move |s| async move {
+        let s = &*s;
+        match files::target(s, &shown, &caller).await? {
+            Ok(id) => {
+                let sandbox = s.get_sandbox(&id).await?;
+                let wake = wake_ticket(s, &tenancy, &id).await?;
+                Ok(Ok((
+                    id,
+                    sandbox.env,
+                    sandbox.tenant,
+                    wake,
+                    sandbox.template,
+                )))
+            }
+            Err(refused) => Ok(Err(refused)),
         }
-        Err(refused) => Ok(Err(refused)),
     })
     .await;
     let (sandbox, env, owner, wake, template) = match found {
@@ -233,8 +240,9 @@ async fn rpc<S: SandboxApi>(
     }
     let service_arc = Arc::clone(&state.0.service);
     let (service_gone, gone_id) = (Arc::clone(&service_arc), sandbox.clone());
+    // Both run on the call's blocking thread.
     ctx.gone = rpc::Gone::new(move || {
-        service_gone.get_sandbox(&gone_id).map_or(true, |s| {
+        wait(service_gone.get_sandbox(&gone_id)).map_or(true, |s| {
             matches!(
                 s.state,
                 torpor_scheduler::state::SandboxState::Deleted
@@ -246,8 +254,7 @@ async fn rpc<S: SandboxApi>(
     let wake = std::sync::Mutex::new(wake);
     let runner: rpc::Runner = Arc::new(move |f| {
         let _held = &wake;
-        service_arc
-            .with_guest(&sandbox, f)
+        wait(service_arc.with_guest(&sandbox, f))
             .map(drop)
             .map_err(service_error)
     });
@@ -257,22 +264,22 @@ async fn rpc<S: SandboxApi>(
 /// Admits waking sandbox `id` against its tenant's quotas if it is
 /// hibernated (an envd call wakes it as `/v1` exec and files do): held
 /// until the call is done; 429 `quota_exceeded` at the quota.
-pub(crate) fn wake_ticket<S: SandboxApi>(
+pub(crate) async fn wake_ticket<S: SandboxApi>(
     s: &S,
     tenancy: &torpor_gate::tenancy::Tenancy<S>,
     id: &SandboxId,
 ) -> Result<Option<torpor_gate::quota::Ticket>, ServiceError> {
-    let Some(tenant) = s.sandbox_tenant(id)? else {
+    let Some(tenant) = s.sandbox_tenant(id).await? else {
         return Ok(None);
     };
-    let sandbox = s.get_sandbox(id)?;
+    let sandbox = s.get_sandbox(id).await?;
     if s.admits_wakes() {
         let limited = tenancy.auth.quota(&tenant) != torpor_gate::quota::Quota::default();
-        return torpor_gate::tenancy::wake_first(s, limited, &sandbox);
+        return torpor_gate::tenancy::wake_first(s, limited, &sandbox).await;
     }
     let principal =
         torpor_gate::auth::Principal::new(tenant, torpor_gate::auth::Scope::Tenant, "envd");
-    torpor_gate::tenancy::admit_wake(tenancy, &principal, &sandbox)
+    torpor_gate::tenancy::admit_wake(tenancy, &principal, &sandbox).await
 }
 
 /// A service failure (unknown sandbox, failed wake, guest error) as

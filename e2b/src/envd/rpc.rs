@@ -44,7 +44,9 @@ const STREAM_BUFFER: usize = 32;
 /// Runs agent work for one call: wakes the sandbox if need be and hands
 /// `f` its agent. Errors are already Connect's.
 pub type Runner = Arc<
-    dyn Fn(&mut dyn FnMut(&AgentLink) -> Result<(), GuestError>) -> Result<(), ConnectError>
+    dyn Fn(
+            &mut (dyn FnMut(&AgentLink) -> Result<(), GuestError> + Send),
+        ) -> Result<(), ConnectError>
         + Send
         + Sync,
 >;

@@ -91,15 +91,17 @@ pub(super) async fn open<S: SandboxApi>(
     let id = sandbox.clone();
     torpor_gate::streams::run_long(slot, "port", move || {
         let mut stream_tx = Some(stream_tx);
-        let held = service.with_guest(&id, &mut |link| {
+        let sent = &mut stream_tx;
+        // On the port's own blocking thread.
+        let held = torpor_gate::backend::wait(service.with_guest(&id, &mut move |link| {
             let raw = link.dial_port(port)?;
-            if let Some(tx) = stream_tx.take() {
+            if let Some(tx) = sent.take() {
                 let _ = tx.send(Ok(raw));
             }
             // Until every holder of the pipe is gone.
             let _ = done_rx.recv();
             Ok(())
-        });
+        }));
         if let (Err(e), Some(tx)) = (held, stream_tx.take()) {
             let _ = tx.send(Err(e));
         }

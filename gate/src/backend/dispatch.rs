@@ -12,7 +12,7 @@ use crate::service::{CreateSandbox, CreateTemplate, Owner, ServiceError, MAX_FOR
 /// Runs `op` on `s` as its caller's (a create or build is the tenant's the
 /// operation names, an admin's shared), here: a pod named in the request
 /// is this one.
-pub fn dispatch<S: SandboxApi + ?Sized>(s: &S, op: Operation) -> Result<Reply, ServiceError> {
+pub async fn dispatch<S: SandboxApi + ?Sized>(s: &S, op: Operation) -> Result<Reply, ServiceError> {
     Ok(match op {
         Operation::Create {
             request,
@@ -25,21 +25,21 @@ pub fn dispatch<S: SandboxApi + ?Sized>(s: &S, op: Operation) -> Result<Reply, S
                 pod: None,
                 ..*request
             };
-            let sandbox = Box::new(s.create_sandbox(request)?);
+            let sandbox = Box::new(s.create_sandbox(request).await?);
             Reply::Sandbox {
                 sandbox,
                 resumed: false,
             }
         }
         Operation::Lifecycle(LifecycleCall { op, sandbox }) => {
-            let outcome = s.lifecycle(&sandbox, op)?;
+            let outcome = s.lifecycle(&sandbox, op).await?;
             Reply::Sandbox {
                 sandbox: Box::new(outcome.sandbox),
                 resumed: outcome.resumed,
             }
         }
         Operation::Delete { sandbox } => {
-            s.delete_sandbox(&sandbox)?;
+            s.delete_sandbox(&sandbox).await?;
             Reply::Deleted { sandbox }
         }
         Operation::Fork {
@@ -53,7 +53,7 @@ pub fn dispatch<S: SandboxApi + ?Sized>(s: &S, op: Operation) -> Result<Reply, S
                 return Err(ServiceError::Invalid(format!("a fork count of {count}")));
             }
             Reply::Sandboxes {
-                sandboxes: s.fork_sandboxes(&sandbox, *request, count)?,
+                sandboxes: s.fork_sandboxes(&sandbox, *request, count).await?,
             }
         }
         // The tenant's own (an admin's shared), as an embedded build.
@@ -62,30 +62,38 @@ pub fn dispatch<S: SandboxApi + ?Sized>(s: &S, op: Operation) -> Result<Reply, S
             tenant,
             admin,
         } => Reply::Template {
-            template: Box::new(s.create_template(CreateTemplate {
-                owner: Some(Owner { tenant, admin }),
-                pod: None,
-                ..*request
-            })?),
+            template: Box::new(
+                s.create_template(CreateTemplate {
+                    owner: Some(Owner { tenant, admin }),
+                    pod: None,
+                    ..*request
+                })
+                .await?,
+            ),
         },
         // Refused (409) while sandboxes use it; answered with the template
         // as it reads after (`deleted`).
         Operation::TemplateDelete { template } => {
-            s.delete_template(None, template.as_str())?;
+            s.delete_template(None, template.as_str()).await?;
             Reply::TemplateDeleted {
-                template: Box::new(s.get_template(&template)?),
+                template: Box::new(s.get_template(&template).await?),
             }
         }
         // On the pod's own service (its snapshots are there).
         Operation::Checkpoint { sandbox, request } => Reply::Checkpoint {
-            checkpoint: Box::new(on_pod(s, Needs::Snapshots, |p| {
-                p.create_checkpoint(&sandbox, *request)
-            })?),
+            checkpoint: Box::new(
+                on_pod(s, Needs::Snapshots, move |p| {
+                    p.create_checkpoint(&sandbox, *request)
+                })
+                .await?,
+            ),
         },
         Operation::CheckpointDelete { sandbox, name } => {
-            on_pod(s, Needs::Snapshots, |p| {
-                p.delete_checkpoint(&sandbox, &name)
-            })?;
+            let (id, checkpoint) = (sandbox.clone(), name.clone());
+            on_pod(s, Needs::Snapshots, move |p| {
+                p.delete_checkpoint(&id, &checkpoint)
+            })
+            .await?;
             Reply::CheckpointDeleted { sandbox, name }
         }
     })

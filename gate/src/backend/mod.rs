@@ -6,12 +6,17 @@
 //! (`crate::calls`) are [`SandboxCalls`]' ([`typed`]), written once for
 //! every backend, as the contract's operations' dispatch is ([`dispatch`]).
 //!
-//! Every method is synchronous and may block (store writes, VMM control
-//! requests, snapshots); the handlers call them through
-//! `tokio::task::spawn_blocking`.
+//! Every call is async: a backend whose work is async (a cluster replica's
+//! PostgreSQL, NATS and its pods' APIs) runs it on the request's task; the
+//! pod's own [`Service`] blocks (store writes, VMM control requests,
+//! snapshots) and runs in [`blocking`], on the request's worker thread
+//! handed over to the blocking role, so a request makes no hop to another
+//! pool and a dropped request cannot cut a call in the middle.
 
 pub mod dispatch;
 pub mod typed;
+
+use std::future::Future;
 
 use serde_json::{json, Value};
 use torpor_scheduler::model::{HibernationKind, PodId, Sandbox, SandboxId, Template};
@@ -28,8 +33,8 @@ use torpor_sandbox_api::{Operation, Reply};
 use typed::SandboxCalls;
 
 use crate::service::{
-    AgentLink, Cancel, CreateSandbox, ExecRequest, ForkSandbox, GuestCall, GuestError, Outcome,
-    PodView, SandboxFilter, Service, ServiceError, TemplateFromSandbox,
+    AgentLink, Cancel, CreateSandbox, CreateTemplate, ExecRequest, ForkSandbox, GuestCall,
+    GuestError, Outcome, Owner, PodView, SandboxFilter, Service, ServiceError, TemplateFromSandbox,
 };
 
 fn no_checkpoints() -> ServiceError {
@@ -65,16 +70,95 @@ impl Needs {
     }
 }
 
-/// `f` on the pod's own service, or 501 naming what it `needs`: the
-/// routes of operations only a pod serves (checkpoints, network, images)
-/// call the [`Service`] through this, with no method of their own on
-/// [`SandboxApi`].
-pub fn on_pod<S: SandboxApi + ?Sized, T>(
+/// `f` on the pod's own service ([`detached`]), or 501 naming what it
+/// `needs`: the routes of operations only a pod serves (checkpoints,
+/// network, ports) call the [`Service`] through this, with no method of
+/// their own on [`SandboxApi`].
+pub async fn on_pod<S, T, F>(s: &S, needs: Needs, f: F) -> Result<T, ServiceError>
+where
+    S: SandboxApi + ?Sized,
+    T: Send + 'static,
+    F: FnOnce(&Service) -> Result<T, ServiceError> + Send + 'static,
+{
+    detached(s.service().ok_or_else(|| needs.unsupported())?, f).await
+}
+
+/// [`on_pod`] for a call that borrows what it is given (an image's body
+/// being read): run in place ([`blocking`]).
+pub fn in_pod<S: SandboxApi + ?Sized, T>(
     s: &S,
     needs: Needs,
     f: impl FnOnce(&Service) -> Result<T, ServiceError>,
 ) -> Result<T, ServiceError> {
-    f(s.service().ok_or_else(|| needs.unsupported())?)
+    let service = s.service().ok_or_else(|| needs.unsupported())?;
+    blocking(|| f(service))
+}
+
+/// Runs `f` on the pod's service on tokio's blocking pool, detached from
+/// the request that asked: a request that times out (504) or goes away
+/// leaves it running to its end, and its answer is dropped. Outside a
+/// runtime `f` just runs. A panic in `f` is a 500, the pod lives on.
+pub async fn detached<T, F>(service: &Service, f: F) -> Result<T, ServiceError>
+where
+    T: Send + 'static,
+    F: FnOnce(&Service) -> Result<T, ServiceError> + Send + 'static,
+{
+    let Some(shared) = service.shared() else {
+        return Err(ServiceError::Internal("the service is stopping".into()));
+    };
+    if tokio::runtime::Handle::try_current().is_err() {
+        return f(&shared);
+    }
+    match tokio::task::spawn_blocking(move || f(&shared)).await {
+        Ok(result) => result,
+        Err(join) => {
+            tracing::error!(error = %join, "service call panicked");
+            Err(ServiceError::Internal(
+                "the service failed while handling the request".into(),
+            ))
+        }
+    }
+}
+
+/// Waits for `f`, a backend call, from a thread that may block and is no
+/// runtime's worker (a template build's thread, an envd stream's or a
+/// guest port's blocking thread), polling it on this thread. The thread
+/// stays outside the runtime (unlike `Handle::block_on`), so what `f`
+/// calls back may block in turn (a stream's `blocking_send`); its I/O and
+/// timers are the runtime's the thread has entered, driven by that
+/// runtime's workers. Never from async code (use `.await`).
+pub fn wait<F: Future>(f: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(std::sync::Arc::new(Unpark(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        if let std::task::Poll::Ready(out) = f.as_mut().poll(&mut cx) {
+            return out;
+        }
+        // A wake before the park leaves its token: no wake is lost.
+        std::thread::park();
+    }
+}
+
+/// Runs `f`, which blocks (the pod's [`Service`]: its store, VMM control
+/// sockets, snapshot files), from async code: on a worker of a
+/// multi-thread runtime the worker becomes a blocking thread for it
+/// (`tokio::task::block_in_place`: its other tasks move to another
+/// worker); elsewhere (a plain or blocking thread, a current-thread
+/// runtime's tests) `f` just runs.
+pub fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
 }
 
 fn no_remote_pods() -> ServiceError {
@@ -112,7 +196,10 @@ pub fn pod_entry(view: PodView) -> Result<Value, ServiceError> {
 pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     /// A template call; the typed ones are [`SandboxCalls`]'
     /// (`list_templates`, `get_template`, ...).
-    fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError>;
+    fn templates(
+        &self,
+        op: TemplateOp<'_>,
+    ) -> impl Future<Output = Result<TemplateReply, ServiceError>> + Send;
 
     /// An operation of the contract ([`Operation`]) as its caller asked
     /// it: [`dispatch`](dispatch::dispatch) onto this backend's methods
@@ -121,33 +208,41 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     /// pod through its work queue, admitted in PostgreSQL). A cluster's pod worker
     /// runs each operation of its queue through this; the typed calls
     /// are [`SandboxCalls`]' (`checkpoint`, `delete_checkpoint`).
-    fn operate(&self, op: Operation) -> Result<Reply, ServiceError> {
+    fn operate(&self, op: Operation) -> impl Future<Output = Result<Reply, ServiceError>> + Send {
         dispatch::dispatch(self, op)
     }
 
     /// An images call: on the pod's own service (a pod other than this one
     /// named is 404), unless the backend reaches its pods' images itself
     /// (a cluster replica: its index in PostgreSQL, the pods' APIs).
-    fn images(&self, op: ImageOp<'_>) -> Result<ImageReply, ServiceError> {
-        on_pod(self, Needs::Images, |s| match op {
-            ImageOp::List => Ok(ImageReply::List(s.images().list())),
-            ImageOp::Install {
-                name,
-                part,
-                body,
-                limit,
-                pod,
-            } => {
-                not_here(&pod.cloned())?;
-                Ok(ImageReply::Installed(
-                    s.images().install(name, part, body, limit)?,
-                ))
-            }
-            ImageOp::Delete(name) => s.remove_image(name).map(|()| ImageReply::Deleted),
-        })
+    fn images(
+        &self,
+        op: ImageOp<'_>,
+    ) -> impl Future<Output = Result<ImageReply, ServiceError>> + Send {
+        async move {
+            in_pod(self, Needs::Images, |s| match op {
+                ImageOp::List => Ok(ImageReply::List(s.images().list())),
+                ImageOp::Install {
+                    name,
+                    part,
+                    body,
+                    limit,
+                    pod,
+                } => {
+                    not_here(&pod.cloned())?;
+                    Ok(ImageReply::Installed(
+                        s.images().install(name, part, body, limit)?,
+                    ))
+                }
+                ImageOp::Delete(name) => s.remove_image(name).map(|()| ImageReply::Deleted),
+            })
+        }
     }
 
-    fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError>;
+    fn create_sandbox(
+        &self,
+        req: CreateSandbox,
+    ) -> impl Future<Output = Result<Sandbox, ServiceError>> + Send;
     /// Whether [`SandboxApi::create_sandbox`],
     /// [`SandboxApi::fork_sandboxes`], a template's build and
     /// a checkpoint ([`SandboxApi::operate`]) admit what they make against the
@@ -165,49 +260,68 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     fn admits_wakes(&self) -> bool {
         false
     }
-    fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError>;
-    fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError>;
-    fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError>;
-    fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError>;
+    fn get_sandbox(
+        &self,
+        id: &SandboxId,
+    ) -> impl Future<Output = Result<Sandbox, ServiceError>> + Send;
+    fn list_sandboxes(
+        &self,
+        filter: SandboxFilter,
+    ) -> impl Future<Output = Result<Vec<Sandbox>, ServiceError>> + Send;
+    fn lifecycle(
+        &self,
+        id: &SandboxId,
+        op: Lifecycle,
+    ) -> impl Future<Output = Result<Outcome, ServiceError>> + Send;
+    fn delete_sandbox(
+        &self,
+        id: &SandboxId,
+    ) -> impl Future<Output = Result<(), ServiceError>> + Send;
     fn set_timeout(
         &self,
         id: &SandboxId,
         keep_alive_ms: Option<u64>,
         timeout_ms: Option<u64>,
-    ) -> Result<Sandbox, ServiceError>;
+    ) -> impl Future<Output = Result<Sandbox, ServiceError>> + Send;
 
     fn set_pod(
         &self,
         id: &PodId,
         ratio: Option<f64>,
         high_watermark: Option<f64>,
-    ) -> Result<PodView, ServiceError>;
+    ) -> impl Future<Output = Result<PodView, ServiceError>> + Send;
 
     /// Prometheus text exposition.
-    fn metrics(&self) -> String;
+    fn metrics(&self) -> impl Future<Output = String> + Send;
 
     // Pods and templates as listed (`GET /v1/pods`, `GET /v1/templates`):
     // JSON objects, so that `Nested` can add its nested pods' entries
     // (`reachable`, `error`) and each template's `pod`.
 
     /// The pods (a pod's own: its [`pod_entry`]).
-    fn pod_entries(&self) -> Result<Vec<Value>, ServiceError>;
-    fn template_entries(&self) -> Result<Vec<Value>, ServiceError> {
-        self.list_templates()?
-            .into_iter()
-            .map(|t| {
-                let mut v =
-                    serde_json::to_value(t).map_err(|e| ServiceError::Internal(e.to_string()))?;
-                v["pod"] = json!(LOCAL_POD);
-                Ok(v)
-            })
-            .collect()
+    fn pod_entries(&self) -> impl Future<Output = Result<Vec<Value>, ServiceError>> + Send;
+    fn template_entries(&self) -> impl Future<Output = Result<Vec<Value>, ServiceError>> + Send {
+        async move {
+            self.list_templates()
+                .await?
+                .into_iter()
+                .map(|t| {
+                    let mut v = serde_json::to_value(t)
+                        .map_err(|e| ServiceError::Internal(e.to_string()))?;
+                    v["pod"] = json!(LOCAL_POD);
+                    Ok(v)
+                })
+                .collect()
+        }
     }
 
     /// The sandbox with its resource use (`usage`, `memory`) measured now
     /// by its pod (E2B's metrics). A backend whose reads are not the pod's
     /// (a cluster replica reads PostgreSQL) asks the pod.
-    fn measured_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
+    fn measured_sandbox(
+        &self,
+        id: &SandboxId,
+    ) -> impl Future<Output = Result<Sandbox, ServiceError>> + Send {
         self.get_sandbox(id)
     }
 
@@ -219,16 +333,23 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
         &self,
         id: &SandboxId,
         range: crate::wire::Range,
-    ) -> Result<Vec<MetricSample>, ServiceError> {
-        on_pod(self, Needs::History, |s| {
-            Service::metrics_history(s, id, range.from, range.to)
-        })
+    ) -> impl Future<Output = Result<Vec<MetricSample>, ServiceError>> + Send {
+        let id = id.clone();
+        async move {
+            on_pod(self, Needs::History, move |s| {
+                Service::metrics_history(s, &id, range.from, range.to)
+            })
+            .await
+        }
     }
 
     /// The tenant sandbox `id` belongs to (`None`: made before tenants);
     /// `NotFound` if there is no such sandbox. The API's ownership check.
-    fn sandbox_tenant(&self, id: &SandboxId) -> Result<Option<String>, ServiceError> {
-        self.get_sandbox(id).map(|s| s.tenant)
+    fn sandbox_tenant(
+        &self,
+        id: &SandboxId,
+    ) -> impl Future<Output = Result<Option<String>, ServiceError>> + Send {
+        async move { self.get_sandbox(id).await.map(|s| s.tenant) }
     }
 
     // Remote pods (the nested pod and the cluster). A single pod keeps
@@ -241,17 +362,22 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     }
     /// The remote pod a request is relayed to as it came (routing layer):
     /// the pod that owns the sandbox, the pod named; `None` serves it here.
-    fn relay(&self, _to: Relay<'_>) -> Option<RemotePod> {
-        None
+    fn relay(&self, _to: Relay<'_>) -> impl Future<Output = Option<RemotePod>> + Send {
+        async { None }
     }
     /// A command's journal entry (`GET /v1/operations/{id}`), of `tenant`
     /// only if given: a cluster journals its commands; others have none.
-    fn operation(&self, id: &str, _tenant: Option<&str>) -> Result<Value, ServiceError> {
+    fn operation(
+        &self,
+        id: &str,
+        _tenant: Option<&str>,
+    ) -> impl Future<Output = Result<Value, ServiceError>> + Send {
         // Without a cluster no operation is journaled under this route.
-        Err(ServiceError::NotFound {
+        let e = ServiceError::NotFound {
             kind: "operation (operations are journaled by a cluster, torpor serve --cluster, only)",
             id: id.chars().take(64).collect(),
-        })
+        };
+        async { Err(e) }
     }
 
     /// The pod's own in-process service (`Service` itself; `Nested`'s
@@ -268,8 +394,12 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     // (the API tests' in-memory fake) keeps these defaults, which answer
     // 501 `unsupported`.
 
-    fn fork_sandbox(&self, _id: &SandboxId, _req: ForkSandbox) -> Result<Sandbox, ServiceError> {
-        Err(no_checkpoints())
+    fn fork_sandbox(
+        &self,
+        _id: &SandboxId,
+        _req: ForkSandbox,
+    ) -> impl Future<Output = Result<Sandbox, ServiceError>> + Send {
+        async { Err(no_checkpoints()) }
     }
     /// `count` forks of `id` (`req.count` is ignored), all or none: one
     /// [`SandboxApi::fork_sandbox`] after another, and those made deleted
@@ -280,39 +410,41 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
         id: &SandboxId,
         mut req: ForkSandbox,
         count: u32,
-    ) -> Result<Vec<Sandbox>, ServiceError> {
-        req.count = None;
-        let mut made: Vec<Sandbox> = Vec::new();
-        for _ in 0..count {
-            match self.fork_sandbox(id, req.clone()) {
-                Ok(fork) => made.push(fork),
-                Err(e) => {
-                    for fork in &made {
-                        if let Err(undo) = self.delete_sandbox(&fork.id) {
-                            tracing::warn!(fork = %fork.id, error = %undo, "a fork left after its request failed");
+    ) -> impl Future<Output = Result<Vec<Sandbox>, ServiceError>> + Send {
+        async move {
+            req.count = None;
+            let mut made: Vec<Sandbox> = Vec::new();
+            for _ in 0..count {
+                match self.fork_sandbox(id, req.clone()).await {
+                    Ok(fork) => made.push(fork),
+                    Err(e) => {
+                        for fork in &made {
+                            if let Err(undo) = self.delete_sandbox(&fork.id).await {
+                                tracing::warn!(fork = %fork.id, error = %undo, "a fork left after its request failed");
+                            }
                         }
+                        return Err(e);
                     }
-                    return Err(e);
                 }
             }
+            Ok(made)
         }
-        Ok(made)
     }
     /// Snapshot-as-template (`POST /v1/sandboxes/{id}/template`).
     fn template_from_sandbox(
         &self,
         _id: &SandboxId,
         _req: TemplateFromSandbox,
-    ) -> Result<Template, ServiceError> {
-        Err(no_checkpoints())
+    ) -> impl Future<Output = Result<Template, ServiceError>> + Send {
+        async { Err(no_checkpoints()) }
     }
     /// Templates made from sandboxes (from `source` only, if given), each
     /// with its source.
     fn sandbox_templates(
         &self,
         _source: Option<&SandboxId>,
-    ) -> Result<Vec<(Template, SandboxId)>, ServiceError> {
-        Ok(Vec::new())
+    ) -> impl Future<Output = Result<Vec<(Template, SandboxId)>, ServiceError>> + Send {
+        async { Ok(Vec::new()) }
     }
     // Guest access (exec and files), each waking a hibernated sandbox first.
     /// Runs a command (`cancel` ends it early: the command is killed in
@@ -324,17 +456,21 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
         req: ExecRequest,
         cancel: &Cancel,
         mode: ExecMode<'_>,
-    ) -> Result<GuestCall<ExecReply>, ServiceError>;
+    ) -> impl Future<Output = Result<GuestCall<ExecReply>, ServiceError>> + Send;
     /// A file call on the sandbox's agent; the typed ones are
     /// [`SandboxCalls`]' (`read_file`, `write_file`, `list_dir`).
-    fn files(&self, id: &SandboxId, op: FileOp<'_>) -> Result<GuestCall<FileReply>, ServiceError>;
+    fn files(
+        &self,
+        id: &SandboxId,
+        op: FileOp<'_>,
+    ) -> impl Future<Output = Result<GuestCall<FileReply>, ServiceError>> + Send;
     /// Wakes the sandbox if needed and hands `f` its agent (E2B's envd
     /// RPCs, which make their own connections to it).
     fn with_guest(
         &self,
         id: &SandboxId,
-        f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
-    ) -> Result<Outcome, ServiceError>;
+        f: &mut (dyn FnMut(&AgentLink) -> Result<(), GuestError> + Send),
+    ) -> impl Future<Output = Result<Outcome, ServiceError>> + Send;
 }
 
 /// A request the routing layer may relay to a remote pod:
@@ -367,149 +503,238 @@ pub fn registry<S: SandboxApi + ?Sized>(s: &S) -> Result<&dyn Registry, ServiceE
     s.registry().ok_or_else(no_remote_pods)
 }
 
+/// The pod's own service: each call [`detached`] on the blocking pool
+/// with what it needs owned; the calls that hand it callbacks (a streamed
+/// exec, [`SandboxApi::with_guest`]), made from threads that may block,
+/// run in place ([`blocking`]).
 impl SandboxApi for Service {
-    fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
-        Ok(match op {
-            TemplateOp::List => TemplateReply::List(Service::list_templates(self)?),
-            TemplateOp::Get { key, owner } => {
-                TemplateReply::one(Service::resolve_template(self, owner, key)?)
-            }
-            TemplateOp::Create(req) => {
-                not_here(&req.pod)?;
-                TemplateReply::one(Service::create_template(self, req)?)
-            }
-            TemplateOp::Delete { key, owner } => {
-                Service::delete_template_as(self, owner, key)?;
-                TemplateReply::Deleted
-            }
+    async fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
+        enum Owned {
+            List,
+            Get(String, Option<Owner>),
+            Create(Box<CreateTemplate>),
+            Delete(String, Option<Owner>),
+            Rename(String, Option<Owner>, String),
+        }
+        let op = match op {
+            TemplateOp::List => Owned::List,
+            TemplateOp::Get { key, owner } => Owned::Get(key.into(), owner.cloned()),
+            TemplateOp::Create(req) => Owned::Create(Box::new(req)),
+            TemplateOp::Delete { key, owner } => Owned::Delete(key.into(), owner.cloned()),
             TemplateOp::Rename { key, owner, name } => {
-                TemplateReply::one(Service::rename_template_as(self, owner, key, name)?)
+                Owned::Rename(key.into(), owner.cloned(), name.into())
+            }
+        };
+        detached(self, move |s| {
+            Ok(match op {
+                Owned::List => TemplateReply::List(Service::list_templates(s)?),
+                Owned::Get(key, owner) => {
+                    TemplateReply::one(Service::resolve_template(s, owner.as_ref(), &key)?)
+                }
+                Owned::Create(req) => {
+                    not_here(&req.pod)?;
+                    TemplateReply::one(Service::create_template(s, *req)?)
+                }
+                Owned::Delete(key, owner) => {
+                    Service::delete_template_as(s, owner.as_ref(), &key)?;
+                    TemplateReply::Deleted
+                }
+                Owned::Rename(key, owner, name) => {
+                    TemplateReply::one(Service::rename_template_as(s, owner.as_ref(), &key, &name)?)
+                }
+            })
+        })
+        .await
+    }
+    async fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
+        detached(self, move |s| {
+            not_here(&req.pod)?;
+            Service::create_sandbox(s, req)
+        })
+        .await
+    }
+    async fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
+        let id = id.clone();
+        detached(self, move |s| Service::get_sandbox(s, &id)).await
+    }
+    async fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
+        detached(self, move |s| Service::list_sandboxes(s, filter)).await
+    }
+    async fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
+        let id = id.clone();
+        detached(self, move |s| {
+            let id = &id;
+            match op {
+                Lifecycle::Pause => Service::pause(s, id),
+                Lifecycle::Resume => Service::resume(s, id),
+                Lifecycle::Connect => Service::connect(s, id),
+                Lifecycle::Hibernate => Service::hibernate(s, id),
+                Lifecycle::HibernateMarking => Service::hibernate_as(
+                    s,
+                    id,
+                    Hibernation {
+                        kind: HibernationKind::Memory,
+                        guest: GuestCheck::Mark,
+                    },
+                ),
+                Lifecycle::HibernateStrict => Service::hibernate_as(
+                    s,
+                    id,
+                    Hibernation {
+                        kind: HibernationKind::Memory,
+                        guest: GuestCheck::Require,
+                    },
+                ),
+                Lifecycle::HibernateFilesystem => {
+                    Service::hibernate_as(s, id, Hibernation::FILESYSTEM)
+                }
+                Lifecycle::Reboot => Service::reboot(s, id),
             }
         })
+        .await
     }
-    fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
-        not_here(&req.pod)?;
-        Service::create_sandbox(self, req)
+    async fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
+        let id = id.clone();
+        detached(self, move |s| Service::delete_sandbox(s, &id)).await
     }
-    fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
-        Service::get_sandbox(self, id)
-    }
-    fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
-        Service::list_sandboxes(self, filter)
-    }
-    fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
-        match op {
-            Lifecycle::Pause => Service::pause(self, id),
-            Lifecycle::Resume => Service::resume(self, id),
-            Lifecycle::Connect => Service::connect(self, id),
-            Lifecycle::Hibernate => Service::hibernate(self, id),
-            Lifecycle::HibernateMarking => Service::hibernate_as(
-                self,
-                id,
-                Hibernation {
-                    kind: HibernationKind::Memory,
-                    guest: GuestCheck::Mark,
-                },
-            ),
-            Lifecycle::HibernateStrict => Service::hibernate_as(
-                self,
-                id,
-                Hibernation {
-                    kind: HibernationKind::Memory,
-                    guest: GuestCheck::Require,
-                },
-            ),
-            Lifecycle::HibernateFilesystem => {
-                Service::hibernate_as(self, id, Hibernation::FILESYSTEM)
-            }
-            Lifecycle::Reboot => Service::reboot(self, id),
-        }
-    }
-    fn delete_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
-        Service::delete_sandbox(self, id)
-    }
-    fn set_timeout(
+    async fn set_timeout(
         &self,
         id: &SandboxId,
         keep_alive_ms: Option<u64>,
         timeout_ms: Option<u64>,
     ) -> Result<Sandbox, ServiceError> {
-        Service::set_timeout(self, id, keep_alive_ms, timeout_ms)
+        let id = id.clone();
+        detached(self, move |s| {
+            Service::set_timeout(s, &id, keep_alive_ms, timeout_ms)
+        })
+        .await
     }
-    fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
-        Service::list_pods(self)?
-            .into_iter()
-            .map(pod_entry)
-            .collect()
+    async fn pod_entries(&self) -> Result<Vec<Value>, ServiceError> {
+        detached(self, |s| {
+            Service::list_pods(s)?.into_iter().map(pod_entry).collect()
+        })
+        .await
     }
-    fn set_pod(
+    async fn set_pod(
         &self,
         id: &PodId,
         ratio: Option<f64>,
         high_watermark: Option<f64>,
     ) -> Result<PodView, ServiceError> {
-        Service::set_pod(self, id, ratio, high_watermark)
+        let id = id.clone();
+        detached(self, move |s| {
+            Service::set_pod(s, &id, ratio, high_watermark)
+        })
+        .await
     }
-    fn metrics(&self) -> String {
-        Service::metrics(self)
+    async fn metrics(&self) -> String {
+        detached(self, |s| Ok(Service::metrics(s)))
+            .await
+            .unwrap_or_default()
     }
-    fn fork_sandbox(&self, id: &SandboxId, req: ForkSandbox) -> Result<Sandbox, ServiceError> {
-        Service::fork_sandbox(self, id, req)
+    async fn fork_sandbox(
+        &self,
+        id: &SandboxId,
+        req: ForkSandbox,
+    ) -> Result<Sandbox, ServiceError> {
+        let id = id.clone();
+        detached(self, move |s| Service::fork_sandbox(s, &id, req)).await
     }
-    fn template_from_sandbox(
+    async fn template_from_sandbox(
         &self,
         id: &SandboxId,
         req: TemplateFromSandbox,
     ) -> Result<Template, ServiceError> {
-        Service::template_from_sandbox(self, id, req)
+        let id = id.clone();
+        detached(self, move |s| Service::template_from_sandbox(s, &id, req)).await
     }
-    fn sandbox_templates(
+    async fn sandbox_templates(
         &self,
         source: Option<&SandboxId>,
     ) -> Result<Vec<(Template, SandboxId)>, ServiceError> {
-        Service::sandbox_templates(self, source)
+        let source = source.cloned();
+        detached(self, move |s| {
+            Service::sandbox_templates(s, source.as_ref())
+        })
+        .await
     }
-    fn execute(
+    async fn execute(
         &self,
         id: &SandboxId,
         req: ExecRequest,
         cancel: &Cancel,
         mode: ExecMode<'_>,
     ) -> Result<GuestCall<ExecReply>, ServiceError> {
-        Ok(match mode {
+        match mode {
             ExecMode::Collect => {
-                map_call(Service::exec(self, id, req, cancel)?, ExecReply::Collected)
+                let (id, cancel) = (id.clone(), cancel.clone());
+                detached(self, move |s| {
+                    Ok(map_call(
+                        Service::exec(s, &id, req, &cancel)?,
+                        ExecReply::Collected,
+                    ))
+                })
+                .await
             }
             ExecMode::Stream {
                 on_start,
                 on_output,
-            } => map_call(
-                Service::exec_streaming(self, id, req, cancel, on_start, on_output)?,
-                ExecReply::Streamed,
-            ),
-        })
+            } => blocking(|| {
+                Ok(map_call(
+                    Service::exec_streaming(self, id, req, cancel, on_start, on_output)?,
+                    ExecReply::Streamed,
+                ))
+            }),
+        }
     }
-    fn files(&self, id: &SandboxId, op: FileOp<'_>) -> Result<GuestCall<FileReply>, ServiceError> {
-        Ok(match op {
-            FileOp::Read { path } => map_call(Service::read_file(self, id, path)?, FileReply::Read),
+    async fn files(
+        &self,
+        id: &SandboxId,
+        op: FileOp<'_>,
+    ) -> Result<GuestCall<FileReply>, ServiceError> {
+        let id = id.clone();
+        match op {
+            FileOp::Read { path } => {
+                let path = path.to_string();
+                detached(self, move |s| {
+                    Ok(map_call(
+                        Service::read_file(s, &id, &path)?,
+                        FileReply::Read,
+                    ))
+                })
+                .await
+            }
             FileOp::Write {
                 path,
                 data,
                 mode,
                 owner,
-            } => map_call(
-                Service::write_file_as(self, id, path, data, mode, owner)?,
-                FileReply::Written,
-            ),
-            FileOp::List { path } => map_call(Service::list_dir(self, id, path)?, FileReply::List),
-        })
+            } => {
+                let (path, data) = (path.to_string(), data.to_vec());
+                let owner = owner.map(str::to_string);
+                detached(self, move |s| {
+                    Ok(map_call(
+                        Service::write_file_as(s, &id, &path, &data, mode, owner.as_deref())?,
+                        FileReply::Written,
+                    ))
+                })
+                .await
+            }
+            FileOp::List { path } => {
+                let path = path.to_string();
+                detached(self, move |s| {
+                    Ok(map_call(Service::list_dir(s, &id, &path)?, FileReply::List))
+                })
+                .await
+            }
+        }
     }
-    fn with_guest(
+    async fn with_guest(
         &self,
         id: &SandboxId,
-        f: &mut dyn FnMut(&AgentLink) -> Result<(), GuestError>,
+        f: &mut (dyn FnMut(&AgentLink) -> Result<(), GuestError> + Send),
     ) -> Result<Outcome, ServiceError> {
-        Service::with_guest(self, id, f)
+        blocking(|| Service::with_guest(self, id, f))
     }
     fn service(&self) -> Option<&Service> {
         Some(self)

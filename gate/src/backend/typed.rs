@@ -37,60 +37,88 @@ fn value_of<R, T>(
 /// supertrait of it (so they are in scope wherever it is), implemented once
 /// for all of them below (so no backend writes its own).
 pub trait SandboxCalls {
-    fn list_templates(&self) -> Result<Vec<Template>, ServiceError>
+    fn list_templates(
+        &self,
+    ) -> impl std::future::Future<Output = Result<Vec<Template>, ServiceError>> + Send
     where
         Self: SandboxApi,
     {
-        match self.templates(TemplateOp::List)? {
-            TemplateReply::List(list) => Ok(list),
-            _ => Err(mismatched("template list")),
+        async move {
+            match self.templates(TemplateOp::List).await? {
+                TemplateReply::List(list) => Ok(list),
+                _ => Err(mismatched("template list")),
+            }
         }
     }
     /// Template `id`, whosever (the server's own read; a caller's is
     /// [`SandboxCalls::resolve_template`]).
-    fn get_template(&self, id: &TemplateId) -> Result<Template, ServiceError>
+    fn get_template(
+        &self,
+        id: &TemplateId,
+    ) -> impl std::future::Future<Output = Result<Template, ServiceError>> + Send
     where
         Self: SandboxApi,
     {
-        self.template_get(None, id.as_str())
+        async move { self.template_get(None, id.as_str()).await }
     }
     /// The template `key` (id or name) names for `owner`: its own, then a
     /// shared one; another tenant's is not found.
-    fn resolve_template(&self, owner: &Owner, key: &str) -> Result<Template, ServiceError>
+    fn resolve_template(
+        &self,
+        owner: &Owner,
+        key: &str,
+    ) -> impl std::future::Future<Output = Result<Template, ServiceError>> + Send
     where
         Self: SandboxApi,
     {
-        self.template_get(Some(owner), key)
+        async move { self.template_get(Some(owner), key).await }
     }
     /// The template `key` names for `owner` (none: the server's own read).
-    fn template_get(&self, owner: Option<&Owner>, key: &str) -> Result<Template, ServiceError>
+    fn template_get(
+        &self,
+        owner: Option<&Owner>,
+        key: &str,
+    ) -> impl std::future::Future<Output = Result<Template, ServiceError>> + Send
     where
         Self: SandboxApi,
     {
-        match self.templates(TemplateOp::Get { key, owner })? {
-            TemplateReply::One(t) => Ok(*t),
-            _ => Err(mismatched("template get")),
+        async move {
+            match self.templates(TemplateOp::Get { key, owner }).await? {
+                TemplateReply::One(t) => Ok(*t),
+                _ => Err(mismatched("template get")),
+            }
         }
     }
-    fn create_template(&self, req: CreateTemplate) -> Result<Template, ServiceError>
+    fn create_template(
+        &self,
+        req: CreateTemplate,
+    ) -> impl std::future::Future<Output = Result<Template, ServiceError>> + Send
     where
         Self: SandboxApi,
     {
-        match self.templates(TemplateOp::Create(req))? {
-            TemplateReply::One(t) => Ok(*t),
-            _ => Err(mismatched("template create")),
+        async move {
+            match self.templates(TemplateOp::Create(req)).await? {
+                TemplateReply::One(t) => Ok(*t),
+                _ => Err(mismatched("template create")),
+            }
         }
     }
     /// Deletes the template `key` names for `owner` (none: the server's
     /// own call): a tenant its own; a shared one is 403, another tenant's
     /// not found.
-    fn delete_template(&self, owner: Option<&Owner>, key: &str) -> Result<(), ServiceError>
+    fn delete_template(
+        &self,
+        owner: Option<&Owner>,
+        key: &str,
+    ) -> impl std::future::Future<Output = Result<(), ServiceError>> + Send
     where
         Self: SandboxApi,
     {
-        match self.templates(TemplateOp::Delete { key, owner })? {
-            TemplateReply::Deleted => Ok(()),
-            _ => Err(mismatched("template delete")),
+        async move {
+            match self.templates(TemplateOp::Delete { key, owner }).await? {
+                TemplateReply::Deleted => Ok(()),
+                _ => Err(mismatched("template delete")),
+            }
         }
     }
     /// Renames the template `key` names for `owner` (as
@@ -100,54 +128,75 @@ pub trait SandboxCalls {
         owner: Option<&Owner>,
         key: &str,
         name: &str,
-    ) -> Result<Template, ServiceError>
+    ) -> impl std::future::Future<Output = Result<Template, ServiceError>> + Send
     where
         Self: SandboxApi,
     {
-        match self.templates(TemplateOp::Rename { key, owner, name })? {
-            TemplateReply::One(t) => Ok(*t),
-            _ => Err(mismatched("template rename")),
+        async move {
+            match self
+                .templates(TemplateOp::Rename { key, owner, name })
+                .await?
+            {
+                TemplateReply::One(t) => Ok(*t),
+                _ => Err(mismatched("template rename")),
+            }
         }
     }
     /// The names of the images installed (a cluster's: on the pods up).
-    fn image_names(&self) -> Result<Vec<String>, ServiceError>
+    fn image_names(
+        &self,
+    ) -> impl std::future::Future<Output = Result<Vec<String>, ServiceError>> + Send
     where
         Self: SandboxApi,
     {
-        match self.images(ImageOp::List)? {
-            ImageReply::List(names) => Ok(names),
-            _ => Err(mismatched("image list")),
+        async move {
+            match self.images(ImageOp::List).await? {
+                ImageReply::List(names) => Ok(names),
+                _ => Err(mismatched("image list")),
+            }
         }
     }
     /// Takes a checkpoint of sandbox `id` ([`Operation::Checkpoint`]).
     /// Listing and restoring are the pod's own (a cluster relays them to
     /// the owning pod).
-    fn checkpoint(&self, id: &SandboxId, req: CreateCheckpoint) -> Result<Checkpoint, ServiceError>
+    fn checkpoint(
+        &self,
+        id: &SandboxId,
+        req: CreateCheckpoint,
+    ) -> impl std::future::Future<Output = Result<Checkpoint, ServiceError>> + Send
     where
         Self: SandboxApi,
     {
-        let op = Operation::Checkpoint {
-            sandbox: id.clone(),
-            request: Box::new(req),
-        };
-        match self.operate(op)? {
-            Reply::Checkpoint { checkpoint } => Ok(*checkpoint),
-            _ => Err(mismatched("checkpoint create")),
+        async move {
+            let op = Operation::Checkpoint {
+                sandbox: id.clone(),
+                request: Box::new(req),
+            };
+            match self.operate(op).await? {
+                Reply::Checkpoint { checkpoint } => Ok(*checkpoint),
+                _ => Err(mismatched("checkpoint create")),
+            }
         }
     }
     /// Deletes checkpoint `name` of sandbox `id`
     /// ([`Operation::CheckpointDelete`]).
-    fn delete_checkpoint(&self, id: &SandboxId, name: &str) -> Result<(), ServiceError>
+    fn delete_checkpoint(
+        &self,
+        id: &SandboxId,
+        name: &str,
+    ) -> impl std::future::Future<Output = Result<(), ServiceError>> + Send
     where
         Self: SandboxApi,
     {
-        let op = Operation::CheckpointDelete {
-            sandbox: id.clone(),
-            name: name.to_string(),
-        };
-        match self.operate(op)? {
-            Reply::CheckpointDeleted { .. } => Ok(()),
-            _ => Err(mismatched("checkpoint delete")),
+        async move {
+            let op = Operation::CheckpointDelete {
+                sandbox: id.clone(),
+                name: name.to_string(),
+            };
+            match self.operate(op).await? {
+                Reply::CheckpointDeleted { .. } => Ok(()),
+                _ => Err(mismatched("checkpoint delete")),
+            }
         }
     }
     /// Runs a command, its output collected; `cancel` ends it early (its
@@ -157,18 +206,20 @@ pub trait SandboxCalls {
         id: &SandboxId,
         req: ExecRequest,
         cancel: &Cancel,
-    ) -> Result<GuestCall<ExecOutput>, ServiceError>
+    ) -> impl std::future::Future<Output = Result<GuestCall<ExecOutput>, ServiceError>> + Send
     where
         Self: SandboxApi,
     {
-        value_of(
-            self.execute(id, req, cancel, ExecMode::Collect)?,
-            "exec",
-            |r| match r {
-                ExecReply::Collected(out) => Some(out),
-                _ => None,
-            },
-        )
+        async move {
+            value_of(
+                self.execute(id, req, cancel, ExecMode::Collect).await?,
+                "exec",
+                |r| match r {
+                    ExecReply::Collected(out) => Some(out),
+                    _ => None,
+                },
+            )
+        }
     }
     /// Runs a command, its output streamed ([`ExecMode::Stream`]).
     fn exec_streaming(
@@ -176,38 +227,46 @@ pub trait SandboxCalls {
         id: &SandboxId,
         req: ExecRequest,
         cancel: &Cancel,
-        on_start: &mut dyn FnMut(&Outcome),
-        on_output: &mut dyn FnMut(OutputKind, &[u8]),
-    ) -> Result<GuestCall<ExitReply>, ServiceError>
+        on_start: &mut (dyn FnMut(&Outcome) + Send),
+        on_output: &mut (dyn FnMut(OutputKind, &[u8]) + Send),
+    ) -> impl std::future::Future<Output = Result<GuestCall<ExitReply>, ServiceError>> + Send
     where
         Self: SandboxApi,
     {
-        let mode = ExecMode::Stream {
-            on_start,
-            on_output,
-        };
-        value_of(
-            self.execute(id, req, cancel, mode)?,
-            "streamed exec",
-            |r| match r {
-                ExecReply::Streamed(exit) => Some(exit),
-                _ => None,
-            },
-        )
+        async move {
+            let mode = ExecMode::Stream {
+                on_start,
+                on_output,
+            };
+            value_of(
+                self.execute(id, req, cancel, mode).await?,
+                "streamed exec",
+                |r| match r {
+                    ExecReply::Streamed(exit) => Some(exit),
+                    _ => None,
+                },
+            )
+        }
     }
     /// The file's bytes.
-    fn read_file(&self, id: &SandboxId, path: &str) -> Result<GuestCall<Vec<u8>>, ServiceError>
+    fn read_file(
+        &self,
+        id: &SandboxId,
+        path: &str,
+    ) -> impl std::future::Future<Output = Result<GuestCall<Vec<u8>>, ServiceError>> + Send
     where
         Self: SandboxApi,
     {
-        value_of(
-            self.files(id, FileOp::Read { path })?,
-            "read",
-            |r| match r {
-                FileReply::Read(data) => Some(data),
-                _ => None,
-            },
-        )
+        async move {
+            value_of(
+                self.files(id, FileOp::Read { path }).await?,
+                "read",
+                |r| match r {
+                    FileReply::Read(data) => Some(data),
+                    _ => None,
+                },
+            )
+        }
     }
     /// Writes (replaces) a file, creating missing parents; its size.
     fn write_file(
@@ -216,11 +275,11 @@ pub trait SandboxCalls {
         path: &str,
         data: &[u8],
         mode: Option<u32>,
-    ) -> Result<GuestCall<u64>, ServiceError>
+    ) -> impl std::future::Future<Output = Result<GuestCall<u64>, ServiceError>> + Send
     where
         Self: SandboxApi,
     {
-        self.write_file_as(id, path, data, mode, None)
+        async move { self.write_file_as(id, path, data, mode, None).await }
     }
     /// [`Self::write_file`] whose file, and the parents it creates, go to
     /// `owner`.
@@ -231,34 +290,42 @@ pub trait SandboxCalls {
         data: &[u8],
         mode: Option<u32>,
         owner: Option<&str>,
-    ) -> Result<GuestCall<u64>, ServiceError>
+    ) -> impl std::future::Future<Output = Result<GuestCall<u64>, ServiceError>> + Send
     where
         Self: SandboxApi,
     {
-        let op = FileOp::Write {
-            path,
-            data,
-            mode,
-            owner,
-        };
-        value_of(self.files(id, op)?, "write", |r| match r {
-            FileReply::Written(size) => Some(size),
-            _ => None,
-        })
+        async move {
+            let op = FileOp::Write {
+                path,
+                data,
+                mode,
+                owner,
+            };
+            value_of(self.files(id, op).await?, "write", |r| match r {
+                FileReply::Written(size) => Some(size),
+                _ => None,
+            })
+        }
     }
     /// A directory's entries.
-    fn list_dir(&self, id: &SandboxId, path: &str) -> Result<GuestCall<DirListing>, ServiceError>
+    fn list_dir(
+        &self,
+        id: &SandboxId,
+        path: &str,
+    ) -> impl std::future::Future<Output = Result<GuestCall<DirListing>, ServiceError>> + Send
     where
         Self: SandboxApi,
     {
-        value_of(
-            self.files(id, FileOp::List { path })?,
-            "listing",
-            |r| match r {
-                FileReply::List(listing) => Some(listing),
-                _ => None,
-            },
-        )
+        async move {
+            value_of(
+                self.files(id, FileOp::List { path }).await?,
+                "listing",
+                |r| match r {
+                    FileReply::List(listing) => Some(listing),
+                    _ => None,
+                },
+            )
+        }
     }
 }
 

@@ -41,7 +41,7 @@ use torpor_scheduler::model::Template;
 
 use super::{Build, Builds, Level};
 use crate::auth::Principal;
-use crate::backend::SandboxApi;
+use crate::backend::{wait, SandboxApi};
 use crate::service::{Owner, ServiceError};
 use crate::tenancy::Tenancy;
 
@@ -368,7 +368,7 @@ pub fn materialize<S: SandboxApi>(
 /// The template's memory and vCPUs: the spec's, else `base`'s, else
 /// [`DEFAULT_SHAPE`].
 fn shape<S: SandboxApi>(s: &S, owner: &Owner, req: &Request) -> (u32, u32) {
-    let base = s.resolve_template(owner, "base").ok();
+    let base = wait(s.resolve_template(owner, "base")).ok();
     (
         req.mem_mib
             .or(base.as_ref().map(|b| b.mem_mib))
@@ -387,7 +387,7 @@ fn cached<S: SandboxApi>(
     build: &Build,
     names: &Names,
 ) -> Result<Option<Template>, ImageError> {
-    let found = match s.resolve_template(owner, &names.template) {
+    let found = match wait(s.resolve_template(owner, &names.template)) {
         Ok(t) => t,
         Err(ServiceError::NotFound { .. }) => return Ok(None),
         Err(e) => return Err(e.into()),

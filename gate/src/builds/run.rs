@@ -20,7 +20,7 @@ use super::plan::{layer_name, Action, Plan, Start, Step};
 use super::start::Base;
 use super::{Build, BuildStatus, Failure, Level, Progress};
 use crate::auth::Principal;
-use crate::backend::SandboxApi;
+use crate::backend::{wait, SandboxApi};
 use crate::quota::Usage;
 use torpor_build::env::GuestCommand;
 
@@ -118,11 +118,17 @@ pub fn spawn<S: SandboxApi>(
     limits: Limits,
 ) {
     let name = format!("build-{}", build.record().id);
-    // The API's runtime, for what reaches remote pods (their agent
-    // tunnels) from the build's thread.
-    let runtime = tokio::runtime::Handle::try_current().ok();
+    // The API's runtime: the build's thread waits there for its backend
+    // calls ([`wait`]) and what reaches remote pods (their agent tunnels).
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        build.update(|r| {
+            r.status = BuildStatus::Error;
+            r.failure = Some(Stop::error("a build started outside the API's runtime").failure);
+        });
+        return;
+    };
     let spawned = std::thread::Builder::new().name(name).spawn(move || {
-        let _entered = runtime.as_ref().map(tokio::runtime::Handle::enter);
+        let _entered = runtime.enter();
         execute(&tenancy, &principal, &build, base, limits);
     });
     if let Err(e) = spawned {
@@ -150,7 +156,7 @@ pub fn execute<S: SandboxApi>(
         run(t, p, build, &plan, limits, &mut sandbox)
     });
     if let Some(id) = sandbox {
-        if let Err(e) = t.service.delete_sandbox(&id) {
+        if let Err(e) = wait(t.service.delete_sandbox(&id)) {
             build.log(
                 Level::Warn,
                 format!("cannot delete the build's sandbox {id}: {e}"),
@@ -199,7 +205,7 @@ fn run<S: SandboxApi>(
     let owner = p.owner();
     let total = plan.total();
     // The newest cached layer of an unbroken cacheable prefix.
-    let mut parent = s.resolve_template(&owner, &plan.source)?;
+    let mut parent = wait(s.resolve_template(&owner, &plan.source))?;
     let mut first = 0;
     let mut whole = true;
     for (i, step) in plan.steps.iter().enumerate() {
@@ -297,7 +303,7 @@ fn cached<S: SandboxApi>(
     owner: &crate::service::Owner,
     key: &str,
 ) -> Result<Option<Template>, ServiceError> {
-    match s.resolve_template(owner, &layer_name(key)) {
+    match wait(s.resolve_template(owner, &layer_name(key))) {
         Ok(t) => Ok(Some(t)),
         Err(ServiceError::NotFound { .. }) => Ok(None),
         Err(e) => Err(e),
@@ -363,8 +369,8 @@ fn create<S: SandboxApi>(
         ..CreateSandbox::default()
     };
     let sandbox = {
-        let _ticket = admit_create(t, p, s, &req.template)?;
-        s.create_sandbox(req)?
+        let _ticket = wait(admit_create(t, p, s, &req.template))?;
+        wait(s.create_sandbox(req))?
     };
     build.log(
         Level::Info,
@@ -384,7 +390,7 @@ fn create<S: SandboxApi>(
             )));
         }
         std::thread::sleep(Duration::from_millis(200));
-        state = s.get_sandbox(&sandbox.id)?.state;
+        state = wait(s.get_sandbox(&sandbox.id))?.state;
     }
     if state != SandboxState::Running {
         return Err(Stop::error(format!(
@@ -503,8 +509,7 @@ fn exec_logged<S: SandboxApi>(
             build.log(level, text);
         }
     };
-    let exit = s
-        .exec_streaming(id, req, cancel, &mut |_| {}, &mut on_output)
+    let exit = wait(s.exec_streaming(id, req, cancel, &mut |_| {}, &mut on_output))
         .map_err(|e| or_cancelled(cancel, e))?;
     if !pending.is_empty() {
         build.log(Level::Info, String::from_utf8_lossy(&pending).into_owned());
@@ -572,7 +577,7 @@ fn act<S: SandboxApi>(
             let short = &hash[..hash.len().min(16)];
             let tar = format!("/tmp/.torpor-copy-{short}.tar");
             let stage = format!("/tmp/.torpor-copy-{short}");
-            s.write_file(id, &tar, &data, Some(0o600))?;
+            wait(s.write_file(id, &tar, &data, Some(0o600)))?;
             let mode = plan.mode.map(|m| format!("{m:o}")).unwrap_or_default();
             let cwd = plan.cwd.clone().unwrap_or_default();
             let args = [
@@ -635,8 +640,7 @@ fn start_and_wait<S: SandboxApi>(
     loop {
         check_cancel(cancel)?;
         runs += 1;
-        let out = s
-            .exec(id, request(&start.ready, Some(READY_RUN)), cancel)
+        let out = wait(s.exec(id, request(&start.ready, Some(READY_RUN)), cancel))
             .map_err(|e| or_cancelled(cancel, e))?
             .value;
         if out.exit.code == Some(0) {
@@ -644,8 +648,7 @@ fn start_and_wait<S: SandboxApi>(
             return Ok(());
         }
         if Instant::now() + READY_EVERY > deadline {
-            let log = s
-                .read_file(id, "/tmp/.torpor-start.log")
+            let log = wait(s.read_file(id, "/tmp/.torpor-start.log"))
                 .map(|l| l.value)
                 .unwrap_or_default();
             let from = log.len().saturating_sub(TAIL_BYTES);
@@ -677,13 +680,13 @@ fn snapshot_layer<S: SandboxApi>(
     step: &Step,
 ) -> Result<(), Stop> {
     let s = &*t.service;
-    let mem = u64::from(s.get_sandbox(id)?.mem_mib);
-    let _ticket = admit(t, p, Usage::snapshot(mem))?;
+    let mem = u64::from(wait(s.get_sandbox(id))?.mem_mib);
+    let _ticket = wait(admit(t, p, Usage::snapshot(mem)))?;
     let name = layer_name(&step.key);
     let req = crate::service::TemplateFromSandbox {
         name: Some(name.clone()),
     };
-    match s.template_from_sandbox(id, req) {
+    match wait(s.template_from_sandbox(id, req)) {
         Ok(layer) => {
             build.log(
                 Level::Debug,
@@ -727,35 +730,35 @@ fn finish<S: SandboxApi>(
     let s = &*t.service;
     let owner = p.owner();
     let name = template_name(&plan.name, &build.record().tags);
-    let mem = u64::from(s.get_sandbox(id)?.mem_mib);
-    let _ticket = admit(t, p, Usage::snapshot(mem))?;
+    let mem = u64::from(wait(s.get_sandbox(id))?.mem_mib);
+    let _ticket = wait(admit(t, p, Usage::snapshot(mem)))?;
     let staged = format!("{STAGED}{}", build.record().id);
-    let made = s.template_from_sandbox(
+    let made = wait(s.template_from_sandbox(
         id,
         crate::service::TemplateFromSandbox {
             name: Some(staged.clone()),
         },
-    )?;
-    if let Ok(old) = s.resolve_template(&owner, &name) {
+    ))?;
+    if let Ok(old) = wait(s.resolve_template(&owner, &name)) {
         if old.tenant == made.tenant {
             let retired = format!("{RETIRED}{}", old.id);
-            s.rename_template(Some(&owner), old.id.as_str(), &retired)?;
+            wait(s.rename_template(Some(&owner), old.id.as_str(), &retired))?;
             build.log(
                 Level::Info,
                 format!("the previous {name} ({}) retired", old.id),
             );
         }
     }
-    let made = s.rename_template(Some(&owner), made.id.as_str(), &name)?;
+    let made = wait(s.rename_template(Some(&owner), made.id.as_str(), &name))?;
     // Retired templates no sandbox runs from any more go (on every pod).
-    for old in s.template_entries()? {
+    for old in wait(s.template_entries())? {
         let (Some(name), Some(old_id)) = (old["name"].as_str(), old["id"].as_str()) else {
             continue;
         };
         if name.starts_with(RETIRED)
             && old["tenant"].as_str() == made.tenant.as_deref()
             && old_id != made.id.as_str()
-            && s.delete_template(Some(&owner), old_id).is_ok()
+            && wait(s.delete_template(Some(&owner), old_id)).is_ok()
         {
             build.log(Level::Debug, format!("deleted the retired {old_id}"));
         }

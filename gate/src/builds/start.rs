@@ -114,8 +114,8 @@ impl Base {
 }
 
 /// Checks `spec`, resolves its source for `p` and plans template `name`
-/// of `tenant` (blocking: call it on the blocking pool).
-pub fn prepare<S: SandboxApi>(
+/// of `tenant`.
+pub async fn prepare<S: SandboxApi>(
     t: &Tenancy<S>,
     p: &Principal,
     spec: BuildSpec,
@@ -128,12 +128,14 @@ pub fn prepare<S: SandboxApi>(
     // An image reference that names one of the caller's templates (or a
     // shared one: `FROM base`) is that template.
     let named = match &spec.from {
-        Source::Template { name } => Some(t.service.resolve_template(&owner, name)?),
-        Source::Image { reference, .. } => match t.service.resolve_template(&owner, reference) {
-            Ok(template) => Some(template),
-            Err(ServiceError::NotFound { .. }) => None,
-            Err(e) => return Err(e),
-        },
+        Source::Template { name } => Some(t.service.resolve_template(&owner, name).await?),
+        Source::Image { reference, .. } => {
+            match t.service.resolve_template(&owner, reference).await {
+                Ok(template) => Some(template),
+                Err(ServiceError::NotFound { .. }) => None,
+                Err(e) => return Err(e),
+            }
+        }
         Source::Upload { .. } => None,
     };
     let shown = serde_json::to_value(spec.without_credentials()).ok();
@@ -180,8 +182,8 @@ pub fn prepare<S: SandboxApi>(
     })
 }
 
-/// Starts `build` on its prepared plan. Called on the runtime's blocking
-/// pool (a handler's `call`): a pull runs on that runtime.
+/// Starts `build` on its prepared plan, from the API's runtime: a pull
+/// runs on that runtime.
 pub fn start<S: SandboxApi>(t: &Tenancy<S>, p: &Principal, build: &Arc<Build>, prepared: Prepared) {
     let Prepared {
         mut base,
@@ -215,14 +217,14 @@ pub fn start<S: SandboxApi>(t: &Tenancy<S>, p: &Principal, build: &Arc<Build>, p
 
 /// [`prepare`]s `spec` for `build` and [`start`]s it; an error leaves the
 /// build waiting (the caller fails it or answers the error).
-pub fn launch<S: SandboxApi>(
+pub async fn launch<S: SandboxApi>(
     t: &Tenancy<S>,
     p: &Principal,
     build: &Arc<Build>,
     spec: BuildSpec,
 ) -> Result<(), ServiceError> {
     let record = build.record();
-    let prepared = prepare(t, p, spec, &record.name, record.tenant.as_deref())?;
+    let prepared = prepare(t, p, spec, &record.name, record.tenant.as_deref()).await?;
     start(t, p, build, prepared);
     Ok(())
 }

@@ -10,6 +10,7 @@ use super::{BuildRecord, Builds};
 use crate::auth::Principal;
 use crate::backend::SandboxApi;
 use crate::handlers::{created, ApiResult};
+use crate::service::ServiceError;
 
 /// Whose builds `p` sees: an admin's every build (`None`), a tenant its own.
 pub fn scope(p: &Principal) -> Option<String> {
@@ -41,8 +42,14 @@ pub async fn store<S: SandboxApi>(
     let builds: std::sync::Arc<Builds> = st.tenancy.builds.clone();
     let limit = st.max_upload_bytes;
     let (t, h) = (tenant.clone(), hash.clone());
-    let bytes = crate::body::with_body(st, body, move |_, reader| {
-        builds.files.store(t.as_deref(), &h, reader, limit)
+    // Stored by a blocking thread of its own: the body's frames come on
+    // the request's runtime meanwhile.
+    let bytes = crate::body::with_body(st, body, move |_, mut reader| async move {
+        tokio::task::spawn_blocking(move || {
+            builds.files.store(t.as_deref(), &h, &mut reader, limit)
+        })
+        .await
+        .map_err(|e| ServiceError::Internal(format!("storing build files: {e}")))?
     })
     .await?;
     #[derive(Serialize)]

@@ -244,6 +244,23 @@ impl RemotePod {
         self.json(answer, method, path)
     }
 
+    /// [`RemotePod::call`] from async code, on the caller's runtime.
+    pub async fn fetch(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Value, ServiceError> {
+        let text = body.map(|b| b.to_string());
+        let body = text.as_deref().map(|t| ("application/json", t.as_bytes()));
+        let answer = self
+            .client
+            .fetch(method, path, body)
+            .await
+            .map_err(|e| self.unreachable(&e))?;
+        self.json(answer, method, path)
+    }
+
     fn json(&self, answer: Answer, method: &str, path: &str) -> Result<Value, ServiceError> {
         if !answer.is_success() {
             return Err(self.error(&answer));
@@ -339,13 +356,13 @@ pub use torpor_sandbox_api::sanitized;
 
 /// Sandbox `id`'s metrics history as `pod` keeps it (its
 /// `GET /v1/sandboxes/{id}/metrics`).
-pub fn metrics_history(
+pub async fn metrics_history(
     pod: &RemotePod,
     id: &torpor_scheduler::model::SandboxId,
     range: crate::wire::Range,
 ) -> Result<Vec<torpor_scheduler::service::history::MetricSample>, crate::service::ServiceError> {
     let path = format!("/v1/sandboxes/{}/metrics{}", id.as_str(), range.query());
-    let value = pod.call("GET", &path, None)?;
+    let value = pod.fetch("GET", &path, None).await?;
     serde_json::from_value::<crate::wire::MetricHistory>(value)
         .map(|h| h.samples)
         .map_err(|e| crate::service::ServiceError::Pod {

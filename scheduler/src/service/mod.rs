@@ -480,6 +480,9 @@ pub struct PodView {
 /// The service.
 #[derive(Debug)]
 pub struct Service {
+    /// Itself, shared: what a caller that holds only `&Service` hands to
+    /// another thread ([`Service::shared`]).
+    me: std::sync::Weak<Service>,
     config: ServiceConfig,
     store: Store,
     /// Per-sandbox operation locks (only held ones are kept).
@@ -584,6 +587,7 @@ impl Service {
             nets: Mutex::new(HashMap::new()),
             dns: Mutex::new(None),
             wake_gate: std::sync::OnceLock::new(),
+            me: me.clone(),
             config,
             store,
             locks: locks::SandboxLocks::default(),
@@ -693,6 +697,12 @@ impl Service {
 
     fn sandbox_dir(&self, id: &SandboxId) -> PathBuf {
         self.config.data_dir.join("sandboxes").join(id.as_str())
+    }
+
+    /// This service, shared (every `Service` is made shared by
+    /// [`Service::new`]; `None` only while it is being dropped).
+    pub fn shared(&self) -> Option<Arc<Service>> {
+        self.me.upgrade()
     }
 
     pub fn metrics_registry(&self) -> &Metrics {

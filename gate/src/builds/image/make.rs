@@ -12,7 +12,7 @@ use super::cache::Names;
 use super::fetch::{mib, Scratch};
 use super::{configured, io, ImageError, TEMPLATE_WAIT};
 use crate::auth::Principal;
-use crate::backend::SandboxApi;
+use crate::backend::{wait, SandboxApi};
 use crate::builds::{Build, Level};
 use crate::calls::ImageOp;
 use crate::quota::Usage;
@@ -91,13 +91,13 @@ pub(super) fn make<S: SandboxApi>(
         };
         let mut file = std::fs::File::open(path).map_err(io(path.display()))?;
         let len = file.metadata().map_err(io(path.display()))?.len();
-        s.images(ImageOp::Install {
+        wait(s.images(ImageOp::Install {
             name: &names.image,
             part,
             body: &mut file,
             limit: len,
             pod: pod.as_ref(),
-        })
+        }))
         .map_err(install)?;
     }
     let on = pod
@@ -122,14 +122,16 @@ pub(super) fn make<S: SandboxApi>(
         let _ticket = if s.admits_creates() {
             None
         } else {
-            admit(t, p, Usage::build(u64::from(shape.0)))?
+            wait(admit(t, p, Usage::build(u64::from(shape.0))))?
         };
-        s.create_template(req)
+        wait(s.create_template(req))
     };
     let template = match created {
         Ok(template) => template,
         // Made meanwhile (by a build on another replica).
-        Err(ServiceError::ResourceConflict(_)) => s.resolve_template(&owner, &names.template)?,
+        Err(ServiceError::ResourceConflict(_)) => {
+            wait(s.resolve_template(&owner, &names.template))?
+        }
         Err(e) => return Err(e.into()),
     };
     say(format!(
@@ -150,7 +152,7 @@ pub(super) fn make<S: SandboxApi>(
 /// when it is on another pod (the nested pod, a cluster's), else this
 /// one (`None`).
 fn linux_pod<S: SandboxApi>(s: &S) -> Option<PodId> {
-    let entries = s.template_entries().ok()?;
+    let entries = wait(s.template_entries()).ok()?;
     let base = entries
         .iter()
         .find(|e| e["name"] == "base" && e["tenant"].is_null() && e["kind"] == "linux")?;
@@ -174,7 +176,7 @@ pub(super) fn wait_ready<S: SandboxApi>(
         match &template.state {
             TemplateState::Ready => return Ok(template),
             TemplateState::Failed(reason) => {
-                let _ = s.delete_template(None, template.id.as_str());
+                let _ = wait(s.delete_template(None, template.id.as_str()));
                 return Err(failed(reason.clone()));
             }
             TemplateState::Deleted => return Err(failed("it was deleted".into())),
@@ -190,6 +192,6 @@ pub(super) fn wait_ready<S: SandboxApi>(
             });
         }
         std::thread::sleep(Duration::from_millis(500));
-        template = s.get_template(&template.id)?;
+        template = wait(s.get_template(&template.id))?;
     }
 }
