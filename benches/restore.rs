@@ -4,9 +4,14 @@
 //! PSS per clone with 20 clones of one template.
 //!
 //! Under `cargo test` (no `--bench` argument) it makes a one-run smoke pass.
-//! `cargo bench --bench restore [-- --runs N --quick]` prints tables of
-//! medians. Compare rows of one run; the machine's noise (2 shared cores)
-//! moves absolute numbers from run to run.
+//! `cargo bench --bench restore [-- --runs N --quick --only TABLE --ab DIR]`
+//! prints tables of medians. `--only` (repeatable) runs just those tables:
+//! start (the VMM process's start), seccomp, restore, jail (its cost),
+//! snapshots, pss (per clone). `--ab DIR` runs the start, jail and PSS
+//! rows twice, A with DIR's `torpor` and `torpor-vmm` (another build
+//! copied aside), B with this tree's. Compare rows of one run; the
+//! machine's noise (2 shared cores) moves absolute numbers from run to
+//! run.
 
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -17,7 +22,45 @@ mod common;
 use torpor_scheduler::service::vmm::pss_kib;
 use torpor_vmm_api::jail::CLI_JAIL_UID;
 
-use common::{call, iter_lines, median, shutdown, spawn, wait_socket, wait_until, TORPOR_VMM};
+use common::{call, iter_lines, median, shutdown, wait_socket, wait_until, TORPOR, TORPOR_VMM};
+
+/// With `--ab DIR`: the rows that measure the VMM process run twice, A
+/// with DIR's `torpor` and `torpor-vmm` (another build, copied aside),
+/// B with this tree's, so that one run compares them. None: this tree's.
+static SIDE_A: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
+
+/// The `torpor` (`name` "torpor") or `torpor-vmm` binary of the side
+/// being measured.
+fn exe(name: &str) -> PathBuf {
+    match &*SIDE_A.lock().unwrap() {
+        Some(dir) => dir.join(name),
+        None if name == "torpor" => PathBuf::from(TORPOR),
+        None => PathBuf::from(TORPOR_VMM),
+    }
+}
+
+/// Runs `f` once per side (A then B with `--ab`), its label prefixed.
+fn sides<T>(ab: &Option<PathBuf>, mut f: impl FnMut(&str) -> T) -> Vec<T> {
+    let mut out = Vec::new();
+    if ab.is_some() {
+        *SIDE_A.lock().unwrap() = ab.clone();
+        out.push(f("A "));
+    }
+    *SIDE_A.lock().unwrap() = None;
+    out.push(f(if ab.is_some() { "B " } else { "" }));
+    out
+}
+
+/// `torpor ARGS` of the side being measured.
+fn spawn(args: &[&str]) -> Child {
+    std::process::Command::new(exe("torpor"))
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn torpor")
+}
 const BACKENDS: &[&str] = &["file", "uffd", "uffd-shared"];
 
 /// Boots a probe with `mib` MiB of workload, lets it run `iters` iterations,
@@ -252,6 +295,16 @@ fn spawn_standby(mem: u64, sock: &Path, extra: &[&str]) -> Child {
     spawn(&args)
 }
 
+/// `/bin/true` from spawn to its exit, in µs.
+fn true_spawn() -> f64 {
+    let t0 = Instant::now();
+    let status = std::process::Command::new("/bin/true")
+        .status()
+        .expect("spawn /bin/true");
+    assert!(status.success());
+    t0.elapsed().as_micros() as f64
+}
+
 /// A standby VMM process from spawn: to its control socket accepting, and
 /// (for `torpor-vmm`, which answers one) to its `ready` line, in µs.
 fn vmm_start(dir: &Path, mem: u64, small: bool, jail: bool, i: usize) -> (f64, Option<f64>) {
@@ -261,7 +314,7 @@ fn vmm_start(dir: &Path, mem: u64, small: bool, jail: bool, i: usize) -> (f64, O
     let _ = std::fs::remove_file(&sock);
     let t0 = Instant::now();
     let mut child = if small {
-        let mut c = Command::new(TORPOR_VMM)
+        let mut c = Command::new(exe("torpor-vmm"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -294,7 +347,7 @@ fn vmm_start(dir: &Path, mem: u64, small: bool, jail: bool, i: usize) -> (f64, O
 /// without a jail and in `torpor vmm`'s own (cgroup, namespaces,
 /// pivot_root, uid; a standby shell is jailed when it starts, so its
 /// restore pays nothing more).
-fn jail_cost(dir: &Path, snap: &Path, mem: u64, runs: usize) {
+fn jail_cost(dir: &Path, snap: &Path, mem: u64, runs: usize, ab: &Option<PathBuf>) {
     // The VMM writes snapshot files 0600; a jailed VMM of another uid
     // reads them once sealed read-only for all, as the pod does.
     for entry in std::fs::read_dir(snap).unwrap().flatten() {
@@ -307,19 +360,22 @@ fn jail_cost(dir: &Path, snap: &Path, mem: u64, runs: usize) {
         "", "cold->running", "cold->next line", "standby->running", "standby->next line"
     );
     for (label, jail) in [("no jail", false), ("jail", true)] {
-        let cold: Vec<(f64, f64)> = (0..runs)
-            .map(|_| cold_restore(dir, snap, "file", false, jail))
-            .collect();
-        let warm: Vec<(f64, f64)> = (0..runs)
-            .map(|_| standby_restore(dir, snap, "file", mem, false, jail))
-            .collect();
-        println!(
-            "{label:<21} {:>13.0} µs {:>13.0} µs {:>15.0} µs {:>15.0} µs",
-            median(cold.iter().map(|x| x.0).collect()),
-            median(cold.iter().map(|x| x.1).collect()),
-            median(warm.iter().map(|x| x.0).collect()),
-            median(warm.iter().map(|x| x.1).collect()),
-        );
+        sides(ab, |side| {
+            let cold: Vec<(f64, f64)> = (0..runs)
+                .map(|_| cold_restore(dir, snap, "file", false, jail))
+                .collect();
+            let warm: Vec<(f64, f64)> = (0..runs)
+                .map(|_| standby_restore(dir, snap, "file", mem, false, jail))
+                .collect();
+            println!(
+                "{:<21} {:>13.0} µs {:>13.0} µs {:>15.0} µs {:>15.0} µs",
+                format!("{side}{label}"),
+                median(cold.iter().map(|x| x.0).collect()),
+                median(cold.iter().map(|x| x.1).collect()),
+                median(warm.iter().map(|x| x.0).collect()),
+                median(warm.iter().map(|x| x.1).collect()),
+            );
+        });
     }
 }
 
@@ -336,133 +392,182 @@ fn main() {
     let smoke = !args.iter().any(|a| a == "--bench");
     let runs = if smoke { 1 } else { runs };
     let quick = smoke || args.iter().any(|a| a == "--quick");
+    let only: Vec<&str> = args
+        .windows(2)
+        .filter(|w| w[0] == "--only")
+        .map(|w| w[1].as_str())
+        .collect();
+    let table = |name: &str| only.is_empty() || only.contains(&name);
+    let ab: Option<PathBuf> = args
+        .windows(2)
+        .find(|w| w[0] == "--ab")
+        .map(|w| PathBuf::from(&w[1]));
     let dir = tempfile::tempdir().unwrap();
     let sizes: &[u64] = if quick { &[256] } else { &[256, 2048] };
     println!("torpor restore benchmark ({runs} runs per cell, medians)");
-    println!(
-        "\n== VMM process start, standby 256 MiB ({} runs)",
-        runs.max(5)
-    );
-    println!(
-        "{:<26} {:>18} {:>18}",
-        "process", "spawn->socket", "spawn->ready"
-    );
+    if table("start") {
+        println!(
+            "\n== VMM process start, standby 256 MiB ({} runs)",
+            runs.max(5)
+        );
+        println!(
+            "{:<26} {:>18} {:>18}",
+            "process", "spawn->socket", "spawn->ready"
+        );
+        // The floor: a process that does nothing, spawn to exit.
+        let floor: Vec<f64> = (0..runs.max(5)).map(|_| true_spawn()).collect();
+        println!(
+            "{:<26} {:>15.0} µs {:>18}",
+            "/bin/true (to exit)",
+            median(floor),
+            "-"
+        );
+    }
     // Jailed runs are `torpor vmm`'s own jail (uid CLI_JAIL_UID): the
     // directory it writes in must be its.
     std::os::unix::fs::chown(dir.path(), Some(CLI_JAIL_UID), Some(CLI_JAIL_UID)).unwrap();
-    for (label, small, jail) in [
+    let starts = [
         ("torpor-vmm (LaunchSpec)", true, false),
         ("torpor vmm --standby", false, false),
         ("torpor vmm --standby, jail", false, true),
-    ] {
-        let starts: Vec<(f64, Option<f64>)> = (0..runs.max(5))
-            .map(|i| vmm_start(dir.path(), 256, small, jail, i))
-            .collect();
-        let ready: Vec<f64> = starts.iter().filter_map(|s| s.1).collect();
-        println!(
-            "{label:<26} {:>15.0} µs {:>18}",
-            median(starts.iter().map(|s| s.0).collect()),
-            if ready.is_empty() {
-                "-".to_string()
-            } else {
-                format!("{:.0} µs", median(ready))
+    ];
+    for (label, small, jail) in starts.into_iter().filter(|_| table("start")) {
+        // A and B alternate run by run, so that both see the same load.
+        let mut runs_ab: Vec<Vec<(f64, Option<f64>)>> = Vec::new();
+        for i in 0..runs.max(5) {
+            let one = sides(&ab, |_| vmm_start(dir.path(), 256, small, jail, i));
+            runs_ab.resize(one.len(), Vec::new());
+            for (side, r) in one.into_iter().enumerate() {
+                runs_ab[side].push(r);
             }
-        );
-    }
-    // What the per-thread seccomp filters cost a standby restore (the main
-    // thread installs its filter, one seccomp(2) call, on that path).
-    let (snap, _) = make_template(dir.path(), "seccomp", 256, 8);
-    println!("\n== seccomp, standby restore 256 MiB, file backend ({runs} runs)");
-    println!(
-        "{:<21} {:>18} {:>18}",
-        "filters", "standby->running", "standby->next line"
-    );
-    for (label, flags) in [
-        ("enforce", &["--seccomp", "enforce", "--no-jail"]),
-        ("off", &["--seccomp", "off", "--no-jail"]),
-    ] {
-        let warm: Vec<(f64, f64)> = (0..runs)
-            .map(|_| standby_restore_with(dir.path(), &snap, "file", 256, false, flags))
-            .collect();
-        println!(
-            "{label:<21} {:>15.0} µs {:>15.0} µs",
-            median(warm.iter().map(|x| x.0).collect()),
-            median(warm.iter().map(|x| x.1).collect()),
-        );
-    }
-    let _ = std::fs::remove_dir_all(&snap);
-    for &mem in sizes {
-        let (snap, _) = make_template(dir.path(), &format!("t{mem}"), mem, 8);
-        println!("\n== guest memory {mem} MiB (probe workload 8 MiB)");
-        println!(
-            "{:<21} {:>16} {:>16} {:>18} {:>18}",
-            "backend", "cold->running", "cold->next line", "standby->running", "standby->next line"
-        );
-        record_working_set(dir.path(), &snap);
-        let rows = [
-            ("file", false),
-            ("uffd", false),
-            ("uffd-shared", false),
-            ("uffd", true),
-            ("uffd-shared", true),
-        ];
-        for (backend, prefetch) in rows {
-            let cold: Vec<(f64, f64)> = (0..runs)
-                .map(|_| cold_restore(dir.path(), &snap, backend, prefetch, false))
-                .collect();
-            let warm: Vec<(f64, f64)> = (0..runs)
-                .map(|_| standby_restore(dir.path(), &snap, backend, mem, prefetch, false))
-                .collect();
-            let label = if prefetch {
-                format!("{backend}+prefetch")
-            } else {
-                backend.to_string()
-            };
+        }
+        let names = sides(&ab, |side| side.to_string());
+        for (side, starts) in names.iter().zip(runs_ab) {
+            let ready: Vec<f64> = starts.iter().filter_map(|s| s.1).collect();
             println!(
-                "{label:<21} {:>13.0} µs {:>13.0} µs {:>15.0} µs {:>15.0} µs",
-                median(cold.iter().map(|x| x.0).collect()),
-                median(cold.iter().map(|x| x.1).collect()),
+                "{:<26} {:>15.0} µs {:>18}",
+                format!("{side}{label}"),
+                median(starts.iter().map(|s| s.0).collect()),
+                if ready.is_empty() {
+                    "-".to_string()
+                } else {
+                    format!("{:.0} µs", median(ready))
+                }
+            );
+        }
+    }
+    if table("seccomp") {
+        // What the per-thread seccomp filters cost a standby restore (the main
+        // thread installs its filter, one seccomp(2) call, on that path).
+        let (snap, _) = make_template(dir.path(), "seccomp", 256, 8);
+        println!("\n== seccomp, standby restore 256 MiB, file backend ({runs} runs)");
+        println!(
+            "{:<21} {:>18} {:>18}",
+            "filters", "standby->running", "standby->next line"
+        );
+        for (label, flags) in [
+            ("enforce", &["--seccomp", "enforce", "--no-jail"]),
+            ("off", &["--seccomp", "off", "--no-jail"]),
+        ] {
+            let warm: Vec<(f64, f64)> = (0..runs)
+                .map(|_| standby_restore_with(dir.path(), &snap, "file", 256, false, flags))
+                .collect();
+            println!(
+                "{label:<21} {:>15.0} µs {:>15.0} µs",
                 median(warm.iter().map(|x| x.0).collect()),
                 median(warm.iter().map(|x| x.1).collect()),
             );
         }
-
-        jail_cost(dir.path(), &snap, mem, runs);
-
-        println!("\nsnapshots ({mem} MiB guest)");
-        println!(
-            "{:<22} {:>12} {:>14} {:>12}",
-            "kind", "latency", "on disk", "pages"
-        );
-        for (label, pct) in [
-            ("diff ~1% dirty", 1u64),
-            ("diff ~10% dirty", 10),
-            ("diff ~50% dirty", 50),
-        ] {
-            let mib = (mem * pct / 100).max(1);
-            let (base, full) = make_template(dir.path(), &format!("d{mem}-{pct}"), mem, mib);
-            if pct == 50 {
-                let f = &full["snapshot"];
+        let _ = std::fs::remove_dir_all(&snap);
+    }
+    for &mem in sizes {
+        if !["restore", "jail", "snapshots", "pss"]
+            .iter()
+            .any(|t| table(t))
+        {
+            break;
+        }
+        let (snap, _) = make_template(dir.path(), &format!("t{mem}"), mem, 8);
+        if table("restore") {
+            println!("\n== guest memory {mem} MiB (probe workload 8 MiB)");
+            println!(
+                "{:<21} {:>16} {:>16} {:>18} {:>18}",
+                "backend",
+                "cold->running",
+                "cold->next line",
+                "standby->running",
+                "standby->next line"
+            );
+            record_working_set(dir.path(), &snap);
+            let rows = [
+                ("file", false),
+                ("uffd", false),
+                ("uffd-shared", false),
+                ("uffd", true),
+                ("uffd-shared", true),
+            ];
+            for (backend, prefetch) in rows {
+                let cold: Vec<(f64, f64)> = (0..runs)
+                    .map(|_| cold_restore(dir.path(), &snap, backend, prefetch, false))
+                    .collect();
+                let warm: Vec<(f64, f64)> = (0..runs)
+                    .map(|_| standby_restore(dir.path(), &snap, backend, mem, prefetch, false))
+                    .collect();
+                let label = if prefetch {
+                    format!("{backend}+prefetch")
+                } else {
+                    backend.to_string()
+                };
                 println!(
-                    "{:<22} {:>9.1} ms {:>10.1} MiB {:>12}",
-                    format!("full ({mib} MiB data)"),
-                    f["duration_us"].as_f64().unwrap() / 1000.0,
-                    f["memory_allocated_bytes"].as_f64().unwrap() / 1048576.0,
-                    f["pages"]
+                    "{label:<21} {:>13.0} µs {:>13.0} µs {:>15.0} µs {:>15.0} µs",
+                    median(cold.iter().map(|x| x.0).collect()),
+                    median(cold.iter().map(|x| x.1).collect()),
+                    median(warm.iter().map(|x| x.0).collect()),
+                    median(warm.iter().map(|x| x.1).collect()),
                 );
             }
-            let d = &diff_snapshot(dir.path(), &base, &format!("diff{mem}-{pct}"))["snapshot"];
-            println!(
-                "{:<22} {:>9.1} ms {:>10.1} MiB {:>12}",
-                format!("{label} ({mib} MiB)"),
-                d["duration_us"].as_f64().unwrap() / 1000.0,
-                d["memory_allocated_bytes"].as_f64().unwrap() / 1048576.0,
-                d["pages"]
-            );
-            let _ = std::fs::remove_dir_all(&base);
         }
 
-        if mem == 256 {
+        if table("jail") {
+            jail_cost(dir.path(), &snap, mem, runs, &ab);
+        }
+
+        if table("snapshots") {
+            println!("\nsnapshots ({mem} MiB guest)");
+            println!(
+                "{:<22} {:>12} {:>14} {:>12}",
+                "kind", "latency", "on disk", "pages"
+            );
+            for (label, pct) in [
+                ("diff ~1% dirty", 1u64),
+                ("diff ~10% dirty", 10),
+                ("diff ~50% dirty", 50),
+            ] {
+                let mib = (mem * pct / 100).max(1);
+                let (base, full) = make_template(dir.path(), &format!("d{mem}-{pct}"), mem, mib);
+                if pct == 50 {
+                    let f = &full["snapshot"];
+                    println!(
+                        "{:<22} {:>9.1} ms {:>10.1} MiB {:>12}",
+                        format!("full ({mib} MiB data)"),
+                        f["duration_us"].as_f64().unwrap() / 1000.0,
+                        f["memory_allocated_bytes"].as_f64().unwrap() / 1048576.0,
+                        f["pages"]
+                    );
+                }
+                let d = &diff_snapshot(dir.path(), &base, &format!("diff{mem}-{pct}"))["snapshot"];
+                println!(
+                    "{:<22} {:>9.1} ms {:>10.1} MiB {:>12}",
+                    format!("{label} ({mib} MiB)"),
+                    d["duration_us"].as_f64().unwrap() / 1000.0,
+                    d["memory_allocated_bytes"].as_f64().unwrap() / 1048576.0,
+                    d["pages"]
+                );
+                let _ = std::fs::remove_dir_all(&base);
+            }
+        }
+
+        if mem == 256 && table("pss") {
             let (pss_snap, _) = make_template(dir.path(), "pss", mem, 2);
             println!(
                 "\nPSS per clone, 20 clones of one template ({mem} MiB guest, 2 MiB workload)"
@@ -472,11 +577,14 @@ fn main() {
                 "backend", "paused", "running", "running - 2 MiB dirtied"
             );
             for backend in BACKENDS {
-                let (paused, running) = clone_pss(dir.path(), &pss_snap, backend);
-                println!(
-                    "{backend:<12} {paused:>10.2} MiB {running:>10.2} MiB {:>22.2} MiB",
-                    running - 2.0
-                );
+                sides(&ab, |side| {
+                    let (paused, running) = clone_pss(dir.path(), &pss_snap, backend);
+                    println!(
+                        "{:<12} {paused:>10.2} MiB {running:>10.2} MiB {:>22.2} MiB",
+                        format!("{side}{backend}"),
+                        running - 2.0
+                    );
+                });
             }
         }
     }

@@ -59,8 +59,9 @@ pub fn run(
         None => std::process::id(),
     };
     let ready = Ready::new(move || on_ready(pid));
-    // Compiled now, installed by each thread as it starts (crate::seccomp),
-    // each kind's list made of its mechanisms' declarations (crate::confine).
+    // Compiled by the first thread that installs one, installed by each
+    // thread as it starts (crate::seccomp), each kind's list made of its
+    // mechanisms' declarations (crate::confine).
     crate::seccomp::init(spec.seccomp, crate::confine::needs)?;
     let socket = spec.control_socket.clone();
     match &spec.mode {

@@ -77,10 +77,13 @@ enum Outcome {
 /// snapshots tracked with `dirty_tracking`. `ready` fires once the shell
 /// is made and its socket serves.
 ///
-/// The shell is made and served on a helper thread while this (main)
-/// thread confines itself at once, off any restore's path (installing a
-/// filter costs ~0.15 ms here): the helper hands over the launched VM and
-/// ends, and the main thread lets the vCPUs run once it has.
+/// The socket is bound here first, before any thread starts: on a busy
+/// host a new thread can wait milliseconds for a CPU, and the pod waits
+/// for the socket. The shell is then made and served on a helper thread
+/// while this (main) thread confines itself at once, off any restore's
+/// path (installing a filter costs ~0.15 ms here): the helper hands over
+/// the launched VM and ends, and the main thread lets the vCPUs run once
+/// it has.
 pub fn standby(
     mem_mib: u64,
     vcpus: u16,
@@ -88,11 +91,13 @@ pub fn standby(
     dirty_tracking: DirtyTracking,
     ready: Ready,
 ) -> Result<RunReport, RunError> {
+    let listener = control::bind(&socket)?;
     let (done, outcome) = std::sync::mpsc::channel();
     let helper = std::thread::Builder::new()
         .name("standby".into())
         .spawn(move || {
-            let _ = done.send(serve(mem_mib, vcpus, socket, dirty_tracking, ready));
+            let served = serve(mem_mib, vcpus, socket, listener, dirty_tracking, ready);
+            let _ = done.send(served);
         })
         .map_err(RunError::StandbyThread)?;
     crate::seccomp::install(crate::seccomp::ThreadKind::Main)?;
@@ -116,6 +121,7 @@ fn serve(
     mem_mib: u64,
     vcpus: u16,
     socket: PathBuf,
+    listener: std::os::unix::net::UnixListener,
     dirty_tracking: DirtyTracking,
     mut ready: Ready,
 ) -> Result<Outcome, RunError> {
@@ -123,8 +129,8 @@ fn serve(
     // A shell is its pod's: if the process that made it ends (a test, a
     // crashed service), nothing will ever hand it a snapshot, so it goes
     // too. Once restored it is a sandbox, which outlives service restarts.
+    // (Armed on this thread, which re-arms and clears it later.)
     die_with_parent(true);
-    let listener = control::bind(&socket)?;
     let mut shell_timings = Timings::start();
     let mut shell = restore::create_shell(mem_mib, vcpus, dirty_tracking, &mut shell_timings)?;
     // Its console-open thread too: installing a thread's seccomp filter

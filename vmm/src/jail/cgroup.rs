@@ -216,10 +216,20 @@ fn enable_v2_controllers(root: &Path, name: &str) -> Result<(), CgroupError> {
 
 impl Cgroup {
     /// Moves the calling process into the cgroup (`0`: the writer itself,
-    /// whatever pid namespace it is in).
+    /// whatever pid namespace it is in). The process must be
+    /// single-threaded: on cgroup v1 its one thread is moved (`tasks`),
+    /// which moves all of it, and the kernel then takes no global lock;
+    /// moving a whole process (`cgroup.procs`) takes the write side of
+    /// the threadgroup lock, which waits for an RCU grace period (7 ms on
+    /// the development host, most of what the jail cost). v2 moves no
+    /// thread alone out of its domain: `cgroup.procs` there.
     pub fn join_self(&self) -> Result<(), CgroupError> {
+        let file = match self.hierarchy {
+            Hierarchy::V1(_) => "tasks",
+            Hierarchy::V2(_) => "cgroup.procs",
+        };
         for d in &self.dirs {
-            write(&d.join("cgroup.procs"), "0")?;
+            write(&d.join(file), "0")?;
         }
         Ok(())
     }

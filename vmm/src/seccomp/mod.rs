@@ -19,8 +19,11 @@
 //! the main thread installs its own last, after it has spawned every other
 //! long-lived thread (a thread inherits the filters of the thread that
 //! spawns it, and the intersection would leave it less than it needs),
-//! and before the vCPUs first enter the guest. [`init`] compiles all of
-//! them once, at launch, so installing one is a single `seccomp(2)` call.
+//! and before the vCPUs first enter the guest. [`init`] only records the
+//! level: the first [`install`] compiles every kind's filter at once (so
+//! later ones are a single `seccomp(2)` call), off the start's own path
+//! where it can: a standby shell's main thread compiles them while its
+//! helper binds the control socket and makes the VM.
 //!
 //! This module knows no mechanism. Each one declares the calls its
 //! thread makes, next to the code that makes them (a `Declare`:
@@ -139,6 +142,10 @@ pub enum SeccompError {
     },
     #[error("seccomp filters were already set up for this process")]
     AlreadyInitialized,
+    /// The one compilation of every filter failed (its error, as text:
+    /// each thread that installs a filter reports it).
+    #[error("{0}")]
+    Compiled(String),
     #[error("cannot install the {what} handler: {source}")]
     Handler {
         what: &'static str,
@@ -151,7 +158,36 @@ struct Filters {
     programs: BTreeMap<ThreadKind, BpfProgram>,
 }
 
-static FILTERS: OnceLock<Filters> = OnceLock::new();
+/// What [`init`] set up: the filters are compiled from it when the first
+/// thread installs one.
+struct Setup {
+    on_mismatch: SeccompAction,
+    needs: Needs,
+}
+
+static SETUP: OnceLock<Setup> = OnceLock::new();
+
+static FILTERS: OnceLock<Result<Filters, String>> = OnceLock::new();
+
+/// The process's compiled filters, compiled now if no thread did before;
+/// None when filters are off.
+fn filters() -> Option<Result<&'static Filters, SeccompError>> {
+    let setup = SETUP.get()?;
+    let compiled = FILTERS.get_or_init(|| {
+        let mut programs = BTreeMap::new();
+        for kind in ThreadKind::ALL {
+            let program = compile(kind, (setup.needs)(kind), setup.on_mismatch.clone())
+                .map_err(|e| e.to_string())?;
+            programs.insert(kind, program);
+        }
+        Ok(Filters { programs })
+    });
+    Some(
+        compiled
+            .as_ref()
+            .map_err(|e| SeccompError::Compiled(e.clone())),
+    )
+}
 
 thread_local! {
     /// The kind whose filter this thread runs under, once installed.
@@ -185,21 +221,18 @@ pub fn compile(
 }
 
 /// Sets this process's filters up for `level`, each kind's list made of
-/// the declarations `needs` gives it; with [`SeccompLevel::Off`] every
-/// later [`enter`] does nothing. Call once, before any VMM thread starts.
+/// the declarations `needs` gives it (compiled by the first [`install`]);
+/// with [`SeccompLevel::Off`] every later [`enter`] does nothing. Call
+/// once, before any VMM thread starts.
 pub fn init(level: SeccompLevel, needs: Needs) -> Result<(), SeccompError> {
     let on_mismatch = match level {
         SeccompLevel::Off => return Ok(()),
         SeccompLevel::Enforce => SeccompAction::Trap,
         SeccompLevel::Log => SeccompAction::Log,
     };
-    let mut programs = BTreeMap::new();
-    for kind in ThreadKind::ALL {
-        programs.insert(kind, compile(kind, needs(kind), on_mismatch.clone())?);
-    }
     keep_malloc_within_the_filters();
-    FILTERS
-        .set(Filters { programs })
+    SETUP
+        .set(Setup { on_mismatch, needs })
         .map_err(|_| SeccompError::AlreadyInitialized)?;
     // Before any thread enters a filter: Rust std's own SIGSEGV/SIGBUS
     // handler makes a call no filter allows (report.rs).
@@ -239,12 +272,13 @@ fn keep_malloc_within_the_filters() {
 /// already runs under it (a spare vCPU thread given its job) is left as
 /// it is. Does nothing when filters are off.
 pub fn install(kind: ThreadKind) -> Result<(), SeccompError> {
-    let Some(filters) = FILTERS.get() else {
-        return Ok(());
-    };
     if INSTALLED.with(|k| k.get()) == Some(kind) {
         return Ok(());
     }
+    let Some(filters) = filters() else {
+        return Ok(());
+    };
+    let filters = filters?;
     let program = &filters.programs[&kind];
     seccompiler::apply_filter(program).map_err(|source| SeccompError::Install {
         kind: kind.name(),
