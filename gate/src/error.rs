@@ -287,6 +287,16 @@ impl From<ServiceError> for ApiError {
                 quota: Some(QuotaInfo { quota, limit, used }),
                 ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, code::QUOTA_EXCEEDED, message)
             },
+            // A corrupt or missing chunk: the layer (and chunk) named.
+            ServiceError::ObjectStore(e) if e.is_bad_layer() => ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                code::BAD_SNAPSHOT,
+                message,
+            ),
+            ServiceError::ObjectStore(_) => ApiError {
+                retry_after: Some(1),
+                ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, code::UNAVAILABLE, message)
+            },
             ServiceError::Guest(g) => guest_error(&g, message),
             ServiceError::Vm(e) => vm_error(&e),
             ServiceError::Pod { status, code, .. } => {

@@ -77,6 +77,20 @@ pub enum Operation {
         sandbox: SandboxId,
         name: String,
     },
+    /// A hibernated sandbox of a pod down for good, moved to this pod from
+    /// the object store (its snapshot, and its template if this pod lacks
+    /// it); the reply is [`Reply::Sandbox`], still hibernated. Newer still:
+    /// a pod that cannot read it fails it (501).
+    Adopt {
+        sandbox: Box<Sandbox>,
+        template: Box<Template>,
+    },
+    /// A template another pod built, fetched from the object store and
+    /// registered on this pod under its id; the reply is
+    /// [`Reply::Template`]. As new as `adopt`.
+    TemplateAdopt {
+        template: Box<Template>,
+    },
     /// A lifecycle call, its `kind` its own ([`LifecycleCall`]); the reply
     /// is [`Reply::Sandbox`].
     #[serde(untagged)]
@@ -109,6 +123,8 @@ impl Operation {
             Operation::TemplateDelete { .. } => "template_delete",
             Operation::Checkpoint { .. } => "checkpoint",
             Operation::CheckpointDelete { .. } => "checkpoint_delete",
+            Operation::Adopt { .. } => "adopt",
+            Operation::TemplateAdopt { .. } => "template_adopt",
         }
     }
 
@@ -117,7 +133,9 @@ impl Operation {
         match self {
             Operation::Create { .. }
             | Operation::TemplateBuild { .. }
-            | Operation::TemplateDelete { .. } => None,
+            | Operation::TemplateDelete { .. }
+            | Operation::TemplateAdopt { .. } => None,
+            Operation::Adopt { sandbox, .. } => Some(&sandbox.id),
             Operation::Lifecycle(LifecycleCall { sandbox, .. })
             | Operation::Delete { sandbox }
             | Operation::Fork { sandbox, .. }
@@ -130,6 +148,7 @@ impl Operation {
     pub fn template(&self) -> Option<&TemplateId> {
         match self {
             Operation::TemplateDelete { template } => Some(template),
+            Operation::TemplateAdopt { template } => Some(&template.id),
             _ => None,
         }
     }

@@ -82,6 +82,18 @@ pub fn dispatch<S: SandboxApi + ?Sized>(s: &S, op: Operation) -> Result<Reply, S
                 p.create_checkpoint(&sandbox, *request)
             })?),
         },
+        // On the pod's own service: its disk and its object store.
+        Operation::Adopt { sandbox, template } => Reply::Sandbox {
+            sandbox: Box::new(on_pod(s, Needs::Snapshots, |p| {
+                p.adopt_sandbox(*sandbox, *template)
+            })?),
+            resumed: false,
+        },
+        Operation::TemplateAdopt { template } => Reply::Template {
+            template: Box::new(on_pod(s, Needs::Snapshots, |p| {
+                p.adopt_template(*template)
+            })?),
+        },
         Operation::CheckpointDelete { sandbox, name } => {
             on_pod(s, Needs::Snapshots, |p| {
                 p.delete_checkpoint(&sandbox, &name)

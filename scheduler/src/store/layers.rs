@@ -206,4 +206,30 @@ impl Tx<'_> {
         )?;
         Ok(dead)
     }
+
+    /// Records that layer `dir` is stored in the object store as
+    /// `manifest` (a layer's files never change once written).
+    pub fn record_layer_object(&self, dir: &Path, manifest: &str) -> Result<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO layer_objects (dir, manifest, stored_at) VALUES (?1, ?2, ?3) \
+                 ON CONFLICT (dir) DO UPDATE SET manifest = excluded.manifest, \
+                 stored_at = excluded.stored_at",
+            )?
+            .execute(params![
+                path_text(dir, "layer")?,
+                manifest,
+                Timestamp::now()
+            ])?;
+        Ok(())
+    }
+
+    /// The manifest layer `dir` is stored as in the object store, if any.
+    pub fn layer_object(&self, dir: &Path) -> Result<Option<String>> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT manifest FROM layer_objects WHERE dir = ?1")?
+            .query_row([path_text(dir, "layer")?], |r| r.get(0))
+            .optional()?)
+    }
 }
