@@ -98,6 +98,14 @@ fn hibernated_on_pod1(c: &Cluster) -> (String, u64, String) {
     (id, last, manifest)
 }
 
+/// The lines of `part`'s log that say `what`.
+fn print_log_lines(c: &Cluster, part: &str, what: &str) {
+    let log = std::fs::read_to_string(c.dir.join(format!("{part}.log"))).unwrap_or_default();
+    for line in log.lines().filter(|l| l.contains(what)) {
+        println!("{part}: {line}");
+    }
+}
+
 /// The chunk hashes a manifest names.
 fn chunks_of(objects: &Path, manifest: &str) -> Vec<String> {
     let text = std::fs::read(objects.join("manifests").join(manifest)).unwrap();
@@ -113,6 +121,8 @@ fn chunks_of(objects: &Path, manifest: &str) -> Vec<String> {
 
 #[test]
 fn cluster_hibernated_sandboxes_and_templates_outlive_a_lost_pod() {
+    // The pods log what each upload and download took.
+    std::env::set_var("TORPOR_LOG", "warn,torpor_scheduler::service::objects=info");
     let c = Cluster::up("store");
     for api in ["api1", "api2"] {
         c.kill(api);
@@ -134,6 +144,9 @@ fn cluster_hibernated_sandboxes_and_templates_outlive_a_lost_pod() {
     let (id, last, _) = hibernated_on_pod1(&c);
     let (bad, _, bad_manifest) = hibernated_on_pod1(&c);
 
+    // What the uploads took, as pod1 logged them.
+    print_log_lines(&c, "pod1", "snapshot layer stored");
+
     // pod1 is lost for good.
     c.kill("pod1");
     std::thread::sleep(Duration::from_secs(5));
@@ -149,6 +162,8 @@ fn cluster_hibernated_sandboxes_and_templates_outlive_a_lost_pod() {
     assert_eq!(w["sandbox"]["pod"], "pod2", "{w}");
     assert_eq!(w["resumed"], true, "{w}");
     println!("wake on another pod from the object store, through a replica: {ms:.1} ms");
+    println!("its restore on pod2: {}", w["sandbox"]["restore"]);
+    print_log_lines(&c, "pod2", "object store");
     let after = iterations(&c, 2, &id, 2);
     assert!(
         after[0].0 > last && after[0].0 <= last + 1,
