@@ -122,7 +122,13 @@ fn store_hibernations_are_stored_and_fetched_back() {
     let woken = service.resume(&id).expect("wake");
     assert_eq!(woken.sandbox.state, SandboxState::Running);
     guest_iterates(&data.0, &id);
-    // Once more, the template stored already: the steady state.
-    hibernate(&service, &id).unwrap();
+    // Once more, the template stored already: the steady state. The
+    // snapshot it woke from is gone, and its manifest with it.
+    let last = hibernate(&service, &id).unwrap();
+    assert!(!objects.join("manifests").join(&again).exists());
+    // Deleted: its last manifest goes; the template's stays.
     service.delete_sandbox(&id).unwrap();
+    assert!(!objects.join("manifests").join(&last).exists());
+    let kept = template.stored_snapshot.unwrap();
+    assert!(objects.join("manifests").join(&kept).exists());
 }

@@ -636,6 +636,9 @@ impl Service {
         if service.config.history_interval_ms > 0 {
             history::start(&service);
         }
+        if service.objects.is_some() {
+            objects::start_gc(&service);
+        }
         Ok(service)
     }
 

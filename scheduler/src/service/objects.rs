@@ -11,10 +11,12 @@
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use torpor_storage::{
-    DownloadReport, ManifestId, Storage, StorageError, StoreConfig, UploadReport,
+    DownloadReport, GcReport, ManifestId, Storage, StorageError, StoreConfig, UploadReport,
 };
 use torpor_vmm_api::lineage::{Lineage, LINEAGE_FILE, STATE_FILE};
 
@@ -50,6 +52,13 @@ pub enum ObjectStoreError {
         dir: PathBuf,
         #[source]
         source: std::io::Error,
+    },
+    /// A manifest could not be deleted, or a collection failed.
+    #[error("object store manifest {id}: {source}")]
+    Manifest {
+        id: String,
+        #[source]
+        source: StorageError,
     },
     /// The object store's runtime is gone (the service is closing).
     #[error("the object store's runtime stopped")]
@@ -191,7 +200,94 @@ impl ObjectStore {
     }
 }
 
+impl ObjectStore {
+    /// Deletes manifest `id` (its chunks go with the next collection).
+    pub fn delete_manifest(&self, id: &ManifestId) -> Result<bool, ObjectStoreError> {
+        let (storage, m) = (self.storage.clone(), id.clone());
+        self.run(async move { storage.delete_manifest(&m).await })?
+            .map_err(|source| ObjectStoreError::Manifest {
+                id: id.as_str().to_string(),
+                source,
+            })
+    }
+
+    /// A garbage collection: the chunks no manifest names deleted
+    /// (torpor-storage's mark and sweep, safe against uploads).
+    pub fn collect_garbage(&self) -> Result<GcReport, ObjectStoreError> {
+        let storage = self.storage.clone();
+        self.run(async move { storage.collect_garbage().await })?
+            .map_err(|source| ObjectStoreError::Manifest {
+                id: "(collection)".into(),
+                source,
+            })
+    }
+}
+
+/// How often a pod collects the object store's garbage.
+const GC_EVERY: Duration = Duration::from_secs(3600);
+
+/// Starts the thread that collects the object store's garbage every
+/// [`GC_EVERY`] while the service runs.
+pub(super) fn start_gc(service: &Arc<Service>) {
+    let weak = Arc::downgrade(service);
+    let stop = Arc::clone(&service.stop);
+    let spawned = std::thread::Builder::new()
+        .name("torpor-objects-gc".into())
+        .spawn(move || loop {
+            let started = Instant::now();
+            while started.elapsed() < GC_EVERY {
+                if stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_secs(1));
+            }
+            let Some(service) = weak.upgrade() else {
+                return;
+            };
+            let Some(objects) = &service.objects else {
+                return;
+            };
+            match objects.collect_garbage() {
+                Ok(r) => tracing::info!(
+                    chunks = r.chunks,
+                    deleted = r.deleted,
+                    bytes = r.deleted_bytes,
+                    "object store collected"
+                ),
+                Err(e) => tracing::warn!("object store collection: {e}"),
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("cannot start the object store's collector: {e}");
+    }
+}
+
 impl Service {
+    /// The manifests of the layers this pod uploaded whose files went
+    /// (their sandbox or template deleted, an older hibernation of a
+    /// sandbox that hibernated again), deleted from the object store;
+    /// their chunks go with the next collection.
+    pub(super) fn drop_dead_manifests(&self) {
+        let Some(objects) = &self.objects else {
+            return;
+        };
+        let dead = match self.store.forget_dead_layer_objects() {
+            Ok(dead) => dead,
+            Err(e) => {
+                tracing::warn!("cannot list the stored layers that went: {e}");
+                return;
+            }
+        };
+        for m in dead {
+            let deleted = ManifestId::parse(&m)
+                .map_err(|e| e.to_string())
+                .and_then(|id| objects.delete_manifest(&id).map_err(|e| e.to_string()));
+            if let Err(e) = deleted {
+                tracing::warn!(manifest = m, "cannot delete a stored layer's manifest: {e}");
+            }
+        }
+    }
+
     /// Uploads layer `dir` to the object store unless it is there already
     /// (a layer never changes once written); its manifest, or None without
     /// an object store.
@@ -212,7 +308,8 @@ impl Service {
             ms = report.elapsed.as_millis() as u64,
             "snapshot layer stored"
         );
-        self.store.record_layer_object(dir, report.id.as_str())?;
+        self.store
+            .record_layer_object(dir, report.id.as_str(), true)?;
         Ok(Some(report.id.as_str().to_string()))
     }
 
@@ -281,7 +378,7 @@ impl Service {
             ms = report.elapsed.as_millis() as u64,
             "snapshot layer fetched from the object store"
         );
-        self.store.record_layer_object(dir, manifest)?;
+        self.store.record_layer_object(dir, manifest, false)?;
         Ok(true)
     }
 
@@ -334,7 +431,7 @@ impl Service {
         self.store.write(|tx| {
             tx.insert_template(&here)?;
             tx.register_layers(&[(dir.clone(), None)])?;
-            tx.record_layer_object(&dir, manifest)
+            tx.record_layer_object(&dir, manifest, false)
         })?;
         self.seal_shared(std::slice::from_ref(&dir))?;
         self.pool.want((here.mem_mib, here.vcpus));
@@ -398,7 +495,7 @@ impl Service {
         self.store.write(|tx| {
             tx.insert_sandbox(&here)?;
             tx.register_layers(&[(dir.clone(), None)])?;
-            tx.record_layer_object(&dir, manifest)
+            tx.record_layer_object(&dir, manifest, false)
         })?;
         tracing::info!(
             sandbox = %here.id,

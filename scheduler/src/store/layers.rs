@@ -208,17 +208,21 @@ impl Tx<'_> {
     }
 
     /// Records that layer `dir` is stored in the object store as
-    /// `manifest` (a layer's files never change once written).
-    pub fn record_layer_object(&self, dir: &Path, manifest: &str) -> Result<()> {
+    /// `manifest` (a layer's files never change once written), uploaded by
+    /// this pod or fetched (a layer this pod uploaded stays its upload when
+    /// it fetches it back).
+    pub fn record_layer_object(&self, dir: &Path, manifest: &str, uploaded: bool) -> Result<()> {
         self.conn
             .prepare_cached(
-                "INSERT INTO layer_objects (dir, manifest, stored_at) VALUES (?1, ?2, ?3) \
+                "INSERT INTO layer_objects (dir, manifest, uploaded, stored_at) \
+                 VALUES (?1, ?2, ?3, ?4) \
                  ON CONFLICT (dir) DO UPDATE SET manifest = excluded.manifest, \
-                 stored_at = excluded.stored_at",
+                 uploaded = max(uploaded, excluded.uploaded), stored_at = excluded.stored_at",
             )?
             .execute(params![
                 path_text(dir, "layer")?,
                 manifest,
+                uploaded,
                 Timestamp::now()
             ])?;
         Ok(())
@@ -231,5 +235,27 @@ impl Tx<'_> {
             .prepare_cached("SELECT manifest FROM layer_objects WHERE dir = ?1")?
             .query_row([path_text(dir, "layer")?], |r| r.get(0))
             .optional()?)
+    }
+
+    /// Forgets the object store's record of every layer no root reaches
+    /// (the layers [`Tx::collect_dead_layers`] forgets, and roots gone
+    /// that were never recorded as layers); the manifests of those this
+    /// pod uploaded, which its caller deletes from the store.
+    pub fn forget_dead_layer_objects(&self) -> Result<Vec<String>> {
+        let uploaded: Vec<String> = self
+            .conn
+            .prepare(&format!(
+                "{LIVE_LAYERS} SELECT manifest FROM layer_objects \
+                 WHERE uploaded = 1 AND dir NOT IN (SELECT dir FROM live)"
+            ))?
+            .query_map([], |r| r.get(0))?
+            .collect::<rusqlite::Result<_>>()?;
+        self.conn.execute(
+            &format!(
+                "{LIVE_LAYERS} DELETE FROM layer_objects WHERE dir NOT IN (SELECT dir FROM live)"
+            ),
+            [],
+        )?;
+        Ok(uploaded)
     }
 }
