@@ -35,7 +35,7 @@ async fn consume(js: &jetstream::Context, db: &Db) -> Result<(), ClusterError> {
     .await?;
     while let Some(message) = messages.next().await {
         let message = message?;
-        match handle(db, &message.subject, &message.payload).await {
+        match handle(js, db, &message.subject, &message.payload).await {
             Ok(()) => {}
             // Not the shape of an event, or from another pod than its
             // subject's: dropped (acked) with a log line.
@@ -65,7 +65,12 @@ enum Handled {
     Failed(ClusterError),
 }
 
-async fn handle(db: &Db, subject: &str, payload: &[u8]) -> Result<(), Handled> {
+async fn handle(
+    js: &jetstream::Context,
+    db: &Db,
+    subject: &str,
+    payload: &[u8],
+) -> Result<(), Handled> {
     let event: Event = serde_json::from_slice(payload)
         .map_err(|e| Handled::Rejected(format!("not an event: {e}")))?;
     let pod = match &event {
@@ -79,7 +84,12 @@ async fn handle(db: &Db, subject: &str, payload: &[u8]) -> Result<(), Handled> {
     match &event {
         Event::Heartbeat { pod, heartbeat } => {
             heartbeat.check(pod).map_err(Handled::Rejected)?;
-            db.heartbeat(pod, heartbeat).await
+            db.heartbeat(pod, heartbeat)
+                .await
+                .map_err(Handled::Failed)?;
+            // A pod back from being lost still lists the sandboxes moved
+            // away meanwhile (`moved.rs`): it is asked to release them.
+            super::moved::release_strays(js, db, pod, heartbeat).await
         }
         Event::Result {
             pod,

@@ -451,12 +451,12 @@ impl SandboxApi for Cluster {
             | Operation::Checkpoint { .. }
             | Operation::CheckpointDelete { .. } => self.command(op),
             // Only a replica sends them, to a pod (`moved.rs`).
-            Operation::Adopt { .. } | Operation::TemplateAdopt { .. } => {
-                Err(ServiceError::Unsupported(format!(
-                    "{} is sent by a replica to a pod, not asked of one",
-                    op.kind()
-                )))
-            }
+            Operation::Adopt { .. }
+            | Operation::Release { .. }
+            | Operation::TemplateAdopt { .. } => Err(ServiceError::Unsupported(format!(
+                "{} is sent by a replica to a pod, not asked of one",
+                op.kind()
+            ))),
         }
     }
 

@@ -85,6 +85,13 @@ pub enum Operation {
         sandbox: Box<Sandbox>,
         template: Box<Template>,
     },
+    /// A hibernated sandbox moved away to another pod while this one was
+    /// lost: forgotten here (its files removed, its manifests left to the
+    /// pod it moved to); the reply is [`Reply::Deleted`]. As new as
+    /// `adopt`.
+    Release {
+        sandbox: SandboxId,
+    },
     /// A template another pod built, fetched from the object store and
     /// registered on this pod under its id; the reply is
     /// [`Reply::Template`]. As new as `adopt`.
@@ -124,6 +131,7 @@ impl Operation {
             Operation::Checkpoint { .. } => "checkpoint",
             Operation::CheckpointDelete { .. } => "checkpoint_delete",
             Operation::Adopt { .. } => "adopt",
+            Operation::Release { .. } => "release",
             Operation::TemplateAdopt { .. } => "template_adopt",
         }
     }
@@ -136,6 +144,7 @@ impl Operation {
             | Operation::TemplateDelete { .. }
             | Operation::TemplateAdopt { .. } => None,
             Operation::Adopt { sandbox, .. } => Some(&sandbox.id),
+            Operation::Release { sandbox } => Some(sandbox),
             Operation::Lifecycle(LifecycleCall { sandbox, .. })
             | Operation::Delete { sandbox }
             | Operation::Fork { sandbox, .. }

@@ -229,6 +229,30 @@ pub fn outlive_a_lost_pod(c: &Cluster, objects: Option<&Path>) {
     if let Some(objects) = objects {
         corrupted_chunk_fails_the_wake(c, objects, &bad, &bad_manifest);
     }
+    // pod1 comes back: it releases the sandbox that moved away (asked
+    // by a replica from its heartbeat), and wakes the one that did not
+    // move from its own disk.
+    c.start("pod1");
+    let deadline = Instant::now() + WAIT;
+    while c.pod_sandboxes(1).iter().any(|s| s["id"] == id.as_str()) {
+        assert!(Instant::now() < deadline, "pod1 still holds {id}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let log = std::fs::read_to_string(c.dir.join("pod1.log")).unwrap();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("released a sandbox that moved") && l.contains(&id)),
+        "pod1's log:\n{log}"
+    );
+    let mut woken = c.call(2, "POST", &format!("/v1/sandboxes/{bad}/connect"), None);
+    while woken.status == 503 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+        woken = c.call(2, "POST", &format!("/v1/sandboxes/{bad}/connect"), None);
+    }
+    assert_eq!(woken.status, 200, "{}", woken.body);
+    assert_eq!(woken.json()["sandbox"]["pod"], "pod1", "{}", woken.body);
+    assert_exact(&iterations(c, 1, &bad, 2), "back on pod1");
+
     // Nothing else is affected.
     let r = c.call(2, "GET", &path, None);
     assert_eq!(r.json()["state"], "running", "{}", r.body);

@@ -89,6 +89,10 @@ pub fn dispatch<S: SandboxApi + ?Sized>(s: &S, op: Operation) -> Result<Reply, S
             })?),
             resumed: false,
         },
+        Operation::Release { sandbox } => {
+            on_pod(s, Needs::Snapshots, |p| p.release_sandbox(&sandbox))?;
+            Reply::Deleted { sandbox }
+        }
         Operation::TemplateAdopt { template } => Reply::Template {
             template: Box::new(on_pod(s, Needs::Snapshots, |p| {
                 p.adopt_template(*template)

@@ -524,6 +524,31 @@ impl Service {
         Ok(self.store.get_sandbox(&sandbox.id)?)
     }
 
+    /// Forgets a hibernated sandbox that moved to another pod while this
+    /// one was lost (a replica asks, `release`): deleted here, its files
+    /// removed, the manifests of its snapshots left in the object store
+    /// for the pod it moved to. A sandbox not hibernated here is refused.
+    pub fn release_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
+        {
+            let _guard = self.lock_sandbox(id)?;
+            let s = self.store.get_sandbox(id)?;
+            match s.state {
+                SandboxState::Deleted => return Ok(()),
+                SandboxState::Hibernated => {}
+                state => {
+                    return Err(ServiceError::Conflict {
+                        id: id.to_string(),
+                        state,
+                        message: "only a hibernated sandbox is released to another pod".into(),
+                    })
+                }
+            }
+            self.store.disown_layer_objects(&self.sandbox_dir(id))?;
+        }
+        tracing::warn!(sandbox = %id, "released a sandbox that moved to another pod");
+        self.delete_sandbox(id)
+    }
+
     /// The snapshot of `sandbox` (hibernated) on this pod's disk, fetched
     /// from the object store if it is not; the ms the fetch took, if one
     /// was needed.

@@ -237,6 +237,17 @@ impl Tx<'_> {
             .optional()?)
     }
 
+    /// Marks the layers under `dir` (a sandbox's directory) as not this
+    /// pod's uploads: their manifests stay when their files go (the
+    /// sandbox moved to another pod, which uses them).
+    pub fn disown_layer_objects(&self, dir: &Path) -> Result<usize> {
+        let prefix = format!("{}/", path_text(dir, "layer")?);
+        Ok(self.conn.execute(
+            "UPDATE layer_objects SET uploaded = 0 WHERE substr(dir, 1, length(?1)) = ?1",
+            [prefix],
+        )?)
+    }
+
     /// Forgets the object store's record of every layer no root reaches
     /// (the layers [`Tx::collect_dead_layers`] forgets, and roots gone
     /// that were never recorded as layers); the manifests of those this

@@ -438,6 +438,7 @@ delegate! {
     write fn record_layer_object(&self, dir: &Path, manifest: &str, uploaded: bool) -> ();
     read fn layer_object(&self, dir: &Path) -> Option<String>;
     write fn forget_dead_layer_objects(&self) -> Vec<String>;
+    write fn disown_layer_objects(&self, dir: &Path) -> usize;
 
     write fn begin_operation(
         &self,
