@@ -146,9 +146,11 @@ impl Cluster {
             })?;
         tracing::warn!(sandbox = %id, from = %from.id, to = %to.id, "moving a hibernated sandbox of a lost pod");
         let tenant = sandbox.tenant.clone().unwrap_or_default();
+        let (_, env) = self.db.secrets(id).await?;
         let adopt = Operation::Adopt {
             sandbox: Box::new(sandbox),
             template: Box::new(template),
+            env,
         };
         let adopted = match self
             .run_keyed(&to.id, &tenant, adopt, None, None)

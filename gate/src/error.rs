@@ -293,10 +293,19 @@ impl From<ServiceError> for ApiError {
                 code::BAD_SNAPSHOT,
                 message,
             ),
-            ServiceError::ObjectStore(_) => ApiError {
-                retry_after: Some(1),
-                ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, code::UNAVAILABLE, message)
-            },
+            // The store unreachable or refusing: its detail names the
+            // store and may name host paths (the log has it).
+            ServiceError::ObjectStore(_) => {
+                tracing::warn!(error = %message, "object store");
+                ApiError {
+                    retry_after: Some(1),
+                    ..ApiError::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        code::UNAVAILABLE,
+                        "the object store is unavailable (the server's log has the details)",
+                    )
+                }
+            }
             ServiceError::Guest(g) => guest_error(&g, message),
             ServiceError::Vm(e) => vm_error(&e),
             ServiceError::Pod { status, code, .. } => {

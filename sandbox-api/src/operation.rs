@@ -84,6 +84,10 @@ pub enum Operation {
     Adopt {
         sandbox: Box<Sandbox>,
         template: Box<Template>,
+        /// The sandbox's environment (never in its serialized form):
+        /// its commands' on the new pod, as on the old.
+        #[serde(default)]
+        env: std::collections::BTreeMap<String, String>,
     },
     /// A hibernated sandbox moved away to another pod while this one was
     /// lost: forgotten here (its files removed, its manifests left to the

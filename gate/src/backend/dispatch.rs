@@ -8,6 +8,7 @@ use torpor_sandbox_api::{LifecycleCall, Operation, Reply};
 
 use super::{on_pod, Needs, SandboxApi};
 use crate::service::{CreateSandbox, CreateTemplate, Owner, ServiceError, MAX_FORK_COUNT};
+use torpor_scheduler::model::Sandbox;
 
 /// Runs `op` on `s` as its caller's (a create or build is the tenant's the
 /// operation names, an admin's shared), here: a pod named in the request
@@ -83,9 +84,13 @@ pub fn dispatch<S: SandboxApi + ?Sized>(s: &S, op: Operation) -> Result<Reply, S
             })?),
         },
         // On the pod's own service: its disk and its object store.
-        Operation::Adopt { sandbox, template } => Reply::Sandbox {
+        Operation::Adopt {
+            sandbox,
+            template,
+            env,
+        } => Reply::Sandbox {
             sandbox: Box::new(on_pod(s, Needs::Snapshots, |p| {
-                p.adopt_sandbox(*sandbox, *template)
+                p.adopt_sandbox(Sandbox { env, ..*sandbox }, *template)
             })?),
             resumed: false,
         },
