@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use torpor_storage::{
     DownloadReport, GcReport, ManifestId, Storage, StorageError, StoreConfig, UploadReport,
 };
+use torpor_sync::Locked;
 use torpor_vmm_api::lineage::{Lineage, LINEAGE_FILE, STATE_FILE};
 
 use super::{Service, ServiceError};
@@ -387,6 +388,10 @@ impl Service {
     /// template registered here under the same id, ready. A template
     /// already here is answered as it is.
     pub fn adopt_template(&self, template: Template) -> Result<Template, ServiceError> {
+        // One adoption at a time: two of one template (two sandboxes of it
+        // moved at once) would fetch into the same place.
+        static ADOPTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _one = ADOPTING.locked();
         if let Ok(t) = self.store.get_template(&template.id) {
             if t.state != TemplateState::Deleted {
                 return Ok(t);
