@@ -7,78 +7,20 @@
 //! that pod and runs there; a create from a template no pod up lists has
 //! a pod up fetch it ([`Operation::TemplateAdopt`]) and is placed there.
 //!
+//! A lost pod that comes back is asked to release what moved
+//! (`events.rs`'s `release_strays`).
+//!
 //! Placement of a move: the pods up with admission headroom, those that
 //! list the sandbox's template first (its chunks are in their cache),
 //! then by headroom.
 
-use async_nats::jetstream;
-use torpor_scheduler::model::{random_hex, PodId, Sandbox, SandboxId, Template, TemplateId};
+use torpor_scheduler::model::{Sandbox, SandboxId, Template, TemplateId};
 use torpor_scheduler::state::SandboxState;
 
-use super::db::{pg, Db, NewOp, PodRow};
+use super::db::PodRow;
 use super::replica::Cluster;
-use super::wire::{self, Heartbeat, Operation, Reply, WorkItem};
-use super::ClusterError;
+use super::wire::{Operation, Reply};
 use torpor_gate::service::ServiceError;
-
-/// The hibernated sandboxes `pod`'s heartbeat lists whose rows are
-/// another pod's (moved away while `pod` was lost): a `release` sent to
-/// `pod` for each, once (journaled with a key of the sandbox and the pod;
-/// its result changes no row, the sandbox being the other pod's).
-pub async fn release_strays(
-    js: &jetstream::Context,
-    db: &Db,
-    pod: &PodId,
-    hb: &Heartbeat,
-) -> Result<(), ClusterError> {
-    let hibernated: Vec<String> = hb
-        .sandboxes
-        .iter()
-        .filter(|s| s.state == SandboxState::Hibernated)
-        .map(|s| s.id.to_string())
-        .collect();
-    if hibernated.is_empty() {
-        return Ok(());
-    }
-    let strays = db
-        .client()
-        .await?
-        .query(
-            "SELECT id, coalesce(tenant, '') FROM sandboxes
-             WHERE id = ANY($1) AND pod <> $2 AND state <> 'deleted'",
-            &[&hibernated, &pod.as_str()],
-        )
-        .await
-        .map_err(pg)?;
-    for row in strays {
-        let (sandbox, tenant): (String, String) = (row.get(0), row.get(1));
-        let sandbox = SandboxId::new(sandbox);
-        let id = format!("op_{}", random_hex(12));
-        let key = format!("release-{sandbox}-{pod}");
-        let new = NewOp {
-            id: &id,
-            kind: "release",
-            sandbox: Some(&sandbox),
-            template: None,
-            pod,
-            tenant: &tenant,
-            idempotency_key: Some(&key),
-            deadlines: None,
-        };
-        let (op, fresh) = db.begin_operation(&new, None).await?;
-        if !fresh {
-            continue;
-        }
-        tracing::warn!(%sandbox, %pod, "a pod back from lost holds a sandbox that moved: released");
-        let item = WorkItem {
-            operation: op.id.clone(),
-            command: Operation::Release { sandbox },
-        };
-        let headers = async_nats::HeaderMap::new();
-        wire::publish_with(js, wire::work_subject(pod), Some(&op.id), headers, &item).await?;
-    }
-    Ok(())
-}
 
 impl Cluster {
     /// Whether `pod` has been silent long enough to be lost for good.
