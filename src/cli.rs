@@ -383,6 +383,16 @@ pub struct ServiceFlags {
     /// running sandbox's metrics still samples it).
     #[arg(long, default_value_t = torpor_scheduler::service::history::SAMPLE_INTERVAL_MS)]
     pub history_interval_ms: u64,
+    /// The object store hibernations and templates are uploaded to, so
+    /// that any pod of a cluster sharing it wakes a sandbox whose pod is
+    /// gone: a directory (`/var/lib/torpor/objects`, `file:///...`) or an
+    /// S3-compatible bucket (`s3://bucket/prefix`, endpoint and keys from
+    /// AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID,
+    /// AWS_SECRET_ACCESS_KEY). A hibernation then writes a full snapshot
+    /// and answers once it is durable there. Unset: snapshots stay on this
+    /// pod's disk only.
+    #[arg(long, value_name = "DIR|s3://BUCKET/PREFIX")]
+    pub object_store: Option<String>,
     /// Default keep-alive of a sandbox before it is hibernated when idle
     /// (at most 30 days).
     #[arg(long, default_value_t = 300_000,
@@ -565,6 +575,12 @@ pub struct ServeArgs {
     /// sandboxes answer 503 until it is back).
     #[arg(long, value_name = "MS", default_value_t = 4_000)]
     pub cluster_down_after_ms: u64,
+    /// In a cluster: a pod without a heartbeat for this long is lost for
+    /// good: its hibernated sandboxes whose snapshots are in the object
+    /// store (pods' --object-store) wake on another pod when next used, and
+    /// its stored templates create on other pods.
+    #[arg(long, value_name = "MS", default_value_t = 60_000)]
+    pub cluster_lost_after_ms: u64,
     /// In a cluster: a create's pod must start it within this of its
     /// admission, else it refuses it; past that and
     /// --cluster-create-grace-ms, a replica ends its operation as failed

@@ -23,7 +23,7 @@ const LAYERS: [(&str, &[&str]); 17] = [
     // COPY archives (pure logic; the executor builds on it).
     ("build", &[]),
     // Object storage: chunks, manifests, the chunk cache (nothing of the
-    // service's; the service will build on it).
+    // service's; the scheduler builds on it).
     ("storage", &["torpor-sync"]),
     // OCI images into template root filesystems (nothing of the
     // service's; the template builder will build on it).
@@ -36,7 +36,14 @@ const LAYERS: [(&str, &[&str]); 17] = [
     ("vmm", &["torpor-sync", "torpor-vmm-api"]),
     (
         "scheduler",
-        &["torpor-sync", "torpor-vmm-api", "torpor-agent"],
+        // torpor-storage: hibernations and templates uploaded to, and
+        // fetched from, the object store (`service/objects.rs`).
+        &[
+            "torpor-sync",
+            "torpor-vmm-api",
+            "torpor-agent",
+            "torpor-storage",
+        ],
     ),
     // The contract: the operations, over the pod's types.
     ("sandbox-api", &["torpor-scheduler"]),

@@ -808,6 +808,37 @@ impl Db {
         Ok(row.as_ref().map(Self::pod_row))
     }
 
+    /// Moves sandbox `s` from pod `from` (down) to pod `to`, which adopted
+    /// it from the object store: its row is `to`'s from now on (only
+    /// `to`'s results and heartbeats change it). False if the row is no
+    /// longer `from`'s.
+    pub async fn move_sandbox(
+        &self,
+        s: &Sandbox,
+        from: &PodId,
+        to: &PodId,
+    ) -> Result<bool, ClusterError> {
+        let c = self.client().await?;
+        let body = serde_json::to_value(s).map_err(|e| ClusterError::Postgres(e.to_string()))?;
+        let n = c
+            .execute(
+                "UPDATE sandboxes SET pod = $3, state = $4, generation = $5, body = $6,
+                    updated_at = now()
+                 WHERE id = $1 AND pod = $2",
+                &[
+                    &s.id.as_str(),
+                    &from.as_str(),
+                    &to.as_str(),
+                    &s.state.as_str(),
+                    &(s.generation as i64),
+                    &body,
+                ],
+            )
+            .await
+            .map_err(pg)?;
+        Ok(n == 1)
+    }
+
     /// A sandbox and its pod's id.
     pub async fn sandbox(&self, id: &SandboxId) -> Result<Option<(Sandbox, PodId)>, ClusterError> {
         let c = self.client().await?;

@@ -1,7 +1,9 @@
 //! The API tier's side of the pods' events: every replica pulls from the
 //! one durable consumer [`wire::API_CONSUMER`]; each event is written to
 //! PostgreSQL and acked after that commit (a replica dying before the ack
-//! leaves it for another, and writing one twice changes nothing).
+//! leaves it for another, and writing one twice changes nothing). A
+//! heartbeat of a pod back from being lost that lists sandboxes moved
+//! away meanwhile (`moved.rs`) has each released on it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,8 +11,11 @@ use std::time::Duration;
 use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
 
-use super::db::Db;
-use super::wire::{self, Event};
+use torpor_scheduler::model::{random_hex, PodId, SandboxId};
+use torpor_scheduler::state::SandboxState;
+
+use super::db::{pg, Db, NewOp};
+use super::wire::{self, Event, Heartbeat, Operation, WorkItem};
 use super::ClusterError;
 
 /// Runs until the process ends, starting over after any failure.
@@ -35,7 +40,7 @@ async fn consume(js: &jetstream::Context, db: &Db) -> Result<(), ClusterError> {
     .await?;
     while let Some(message) = messages.next().await {
         let message = message?;
-        match handle(db, &message.subject, &message.payload).await {
+        match handle(js, db, &message.subject, &message.payload).await {
             Ok(()) => {}
             // Not the shape of an event, or from another pod than its
             // subject's: dropped (acked) with a log line.
@@ -65,7 +70,12 @@ enum Handled {
     Failed(ClusterError),
 }
 
-async fn handle(db: &Db, subject: &str, payload: &[u8]) -> Result<(), Handled> {
+async fn handle(
+    js: &jetstream::Context,
+    db: &Db,
+    subject: &str,
+    payload: &[u8],
+) -> Result<(), Handled> {
     let event: Event = serde_json::from_slice(payload)
         .map_err(|e| Handled::Rejected(format!("not an event: {e}")))?;
     let pod = match &event {
@@ -79,7 +89,12 @@ async fn handle(db: &Db, subject: &str, payload: &[u8]) -> Result<(), Handled> {
     match &event {
         Event::Heartbeat { pod, heartbeat } => {
             heartbeat.check(pod).map_err(Handled::Rejected)?;
-            db.heartbeat(pod, heartbeat).await
+            db.heartbeat(pod, heartbeat)
+                .await
+                .map_err(Handled::Failed)?;
+            // A pod back from being lost still lists the sandboxes moved
+            // away meanwhile (`moved.rs`): it is asked to release them.
+            release_strays(js, db, pod, heartbeat).await
         }
         Event::Result {
             pod,
@@ -88,4 +103,63 @@ async fn handle(db: &Db, subject: &str, payload: &[u8]) -> Result<(), Handled> {
         } => db.finish(pod, operation, outcome).await,
     }
     .map_err(Handled::Failed)
+}
+
+/// The hibernated sandboxes `pod`'s heartbeat lists whose rows are
+/// another pod's (moved away while `pod` was lost): a `release` sent to
+/// `pod` for each, once (journaled with a key of the sandbox and the pod;
+/// its result changes no row, the sandbox being the other pod's).
+async fn release_strays(
+    js: &jetstream::Context,
+    db: &Db,
+    pod: &PodId,
+    hb: &Heartbeat,
+) -> Result<(), ClusterError> {
+    let hibernated: Vec<String> = hb
+        .sandboxes
+        .iter()
+        .filter(|s| s.state == SandboxState::Hibernated)
+        .map(|s| s.id.to_string())
+        .collect();
+    if hibernated.is_empty() {
+        return Ok(());
+    }
+    let strays = db
+        .client()
+        .await?
+        .query(
+            "SELECT id, coalesce(tenant, '') FROM sandboxes
+             WHERE id = ANY($1) AND pod <> $2 AND state <> 'deleted'",
+            &[&hibernated, &pod.as_str()],
+        )
+        .await
+        .map_err(pg)?;
+    for row in strays {
+        let (sandbox, tenant): (String, String) = (row.get(0), row.get(1));
+        let sandbox = SandboxId::new(sandbox);
+        let id = format!("op_{}", random_hex(12));
+        let key = format!("release-{sandbox}-{pod}");
+        let new = NewOp {
+            id: &id,
+            kind: "release",
+            sandbox: Some(&sandbox),
+            template: None,
+            pod,
+            tenant: &tenant,
+            idempotency_key: Some(&key),
+            deadlines: None,
+        };
+        let (op, fresh) = db.begin_operation(&new, None).await?;
+        if !fresh {
+            continue;
+        }
+        tracing::warn!(%sandbox, %pod, "a pod back from lost holds a sandbox that moved: released");
+        let item = WorkItem {
+            operation: op.id.clone(),
+            command: Operation::Release { sandbox },
+        };
+        let headers = async_nats::HeaderMap::new();
+        wire::publish_with(js, wire::work_subject(pod), Some(&op.id), headers, &item).await?;
+    }
+    Ok(())
 }

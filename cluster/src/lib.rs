@@ -33,6 +33,7 @@ pub mod events;
 pub mod expiry;
 pub mod guest;
 pub mod images;
+pub mod moved;
 pub mod pod;
 pub mod replica;
 pub mod templates;
@@ -126,6 +127,10 @@ pub struct ClusterConfig {
     pub wait: Duration,
     /// A pod silent this long is down.
     pub down_after: Duration,
+    /// A pod silent this long is lost for good: its hibernated sandboxes
+    /// stored in the object store are moved to a pod up when next used,
+    /// and its stored templates are fetched by pods up (`moved.rs`).
+    pub lost_after: Duration,
     /// A pod's heartbeat period.
     pub heartbeat: Duration,
     /// Each data-plane call to a pod.
@@ -146,6 +151,7 @@ impl ClusterConfig {
             urls,
             wait: Duration::from_secs(20),
             down_after: Duration::from_secs(4),
+            lost_after: Duration::from_secs(60),
             heartbeat: Duration::from_secs(1),
             io_timeout: Duration::from_secs(60),
             create_start: expiry::DEFAULT_START,

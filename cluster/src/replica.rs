@@ -131,7 +131,7 @@ impl Cluster {
     }
 
     /// A sandbox, its pod, and whether that pod is up.
-    async fn owned(&self, id: &SandboxId) -> Result<(Sandbox, PodRow), ServiceError> {
+    pub(super) async fn owned(&self, id: &SandboxId) -> Result<(Sandbox, PodRow), ServiceError> {
         let (sandbox, pod) = self
             .db
             .sandbox(id)
@@ -307,7 +307,12 @@ impl Cluster {
         let asks = asks(&command);
         let (sandbox, pod) = match self.owned_up(&id).await {
             Ok(owned) => owned,
-            Err(e) => return self.retried(e, command.kind(), &id).await?.reply(),
+            // Its pod down: moved to one up if its snapshot is in the
+            // object store (`moved.rs`).
+            Err(e) => match self.moved(&id, e).await {
+                Ok(owned) => owned,
+                Err(e) => return self.retried(e, command.kind(), &id).await?.reply(),
+            },
         };
         let tenant = sandbox.tenant.clone().unwrap_or_default();
         let asked = asks(&sandbox);
@@ -437,6 +442,13 @@ impl SandboxApi for Cluster {
             | Operation::Delete { .. }
             | Operation::Checkpoint { .. }
             | Operation::CheckpointDelete { .. } => self.command(op).await,
+            // Only a replica sends them, to a pod (`moved.rs`).
+            Operation::Adopt { .. }
+            | Operation::Release { .. }
+            | Operation::TemplateAdopt { .. } => Err(ServiceError::Unsupported(format!(
+                "{} is sent by a replica to a pod, not asked of one",
+                op.kind()
+            ))),
         }
     }
 
@@ -447,9 +459,22 @@ impl SandboxApi for Cluster {
             .ok_or_else(|| ServiceError::Internal("a create without its owner".into()))?;
         async {
             let pods = self.db.pods().await?;
-            let pod = match req.pod.take() {
-                Some(want) => self.named_pod(&pods, &want, "nothing is placed on it")?,
-                None => match place(
+            // A template no pod up lists, stored in the object store: the
+            // pod that fetches it (`moved.rs`).
+            let up_lists = pods
+                .iter()
+                .any(|p| self.is_up(p) && p.templates.contains(&req.template));
+            let fetched = match (&req.pod, up_lists) {
+                (None, false) => {
+                    self.template_elsewhere(&pods, &req.template, &owner.tenant)
+                        .await?
+                }
+                _ => None,
+            };
+            let pod = match (req.pod.take(), fetched.as_ref()) {
+                (Some(want), _) => self.named_pod(&pods, &want, "nothing is placed on it")?,
+                (None, Some(p)) => p,
+                (None, None) => match place(
                     &pods,
                     &req.template,
                     self.config.down_after,

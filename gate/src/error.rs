@@ -287,6 +287,25 @@ impl From<ServiceError> for ApiError {
                 quota: Some(QuotaInfo { quota, limit, used }),
                 ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, code::QUOTA_EXCEEDED, message)
             },
+            // A corrupt or missing chunk: the layer (and chunk) named.
+            ServiceError::ObjectStore(e) if e.is_bad_layer() => ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                code::BAD_SNAPSHOT,
+                message,
+            ),
+            // The store unreachable or refusing: its detail names the
+            // store and may name host paths (the log has it).
+            ServiceError::ObjectStore(_) => {
+                tracing::warn!(error = %message, "object store");
+                ApiError {
+                    retry_after: Some(1),
+                    ..ApiError::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        code::UNAVAILABLE,
+                        "the object store is unavailable (the server's log has the details)",
+                    )
+                }
+            }
             ServiceError::Guest(g) => guest_error(&g, message),
             ServiceError::Vm(e) => vm_error(&e),
             ServiceError::Pod { status, code, .. } => {

@@ -77,6 +77,31 @@ pub enum Operation {
         sandbox: SandboxId,
         name: String,
     },
+    /// A hibernated sandbox of a pod down for good, moved to this pod from
+    /// the object store (its snapshot, and its template if this pod lacks
+    /// it); the reply is [`Reply::Sandbox`], still hibernated. Newer still:
+    /// a pod that cannot read it fails it (501).
+    Adopt {
+        sandbox: Box<Sandbox>,
+        template: Box<Template>,
+        /// The sandbox's environment (never in its serialized form):
+        /// its commands' on the new pod, as on the old.
+        #[serde(default)]
+        env: std::collections::BTreeMap<String, String>,
+    },
+    /// A hibernated sandbox moved away to another pod while this one was
+    /// lost: forgotten here (its files removed, its manifests left to the
+    /// pod it moved to); the reply is [`Reply::Deleted`]. As new as
+    /// `adopt`.
+    Release {
+        sandbox: SandboxId,
+    },
+    /// A template another pod built, fetched from the object store and
+    /// registered on this pod under its id; the reply is
+    /// [`Reply::Template`]. As new as `adopt`.
+    TemplateAdopt {
+        template: Box<Template>,
+    },
     /// A lifecycle call, its `kind` its own ([`LifecycleCall`]); the reply
     /// is [`Reply::Sandbox`].
     #[serde(untagged)]
@@ -109,6 +134,9 @@ impl Operation {
             Operation::TemplateDelete { .. } => "template_delete",
             Operation::Checkpoint { .. } => "checkpoint",
             Operation::CheckpointDelete { .. } => "checkpoint_delete",
+            Operation::Adopt { .. } => "adopt",
+            Operation::Release { .. } => "release",
+            Operation::TemplateAdopt { .. } => "template_adopt",
         }
     }
 
@@ -117,7 +145,10 @@ impl Operation {
         match self {
             Operation::Create { .. }
             | Operation::TemplateBuild { .. }
-            | Operation::TemplateDelete { .. } => None,
+            | Operation::TemplateDelete { .. }
+            | Operation::TemplateAdopt { .. } => None,
+            Operation::Adopt { sandbox, .. } => Some(&sandbox.id),
+            Operation::Release { sandbox } => Some(sandbox),
             Operation::Lifecycle(LifecycleCall { sandbox, .. })
             | Operation::Delete { sandbox }
             | Operation::Fork { sandbox, .. }
@@ -130,6 +161,7 @@ impl Operation {
     pub fn template(&self) -> Option<&TemplateId> {
         match self {
             Operation::TemplateDelete { template } => Some(template),
+            Operation::TemplateAdopt { template } => Some(&template.id),
             _ => None,
         }
     }

@@ -270,6 +270,10 @@ pub struct Template {
     /// snapshots), if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<SandboxId>,
+    /// The manifest its snapshot is stored as in the pod's object store
+    /// (`serve --object-store`), from which a pod that lacks it fetches it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_snapshot: Option<String>,
 }
 
 /// Who makes a sandbox or a template: the tenant it will belong to, and
@@ -338,6 +342,11 @@ pub struct Sandbox {
     /// Its latest snapshot directory (hibernation or checkpoint), if any.
     #[schema(value_type = Option<String>)]
     pub snapshot: Option<PathBuf>,
+    /// The manifest that snapshot is stored as in the pod's object store
+    /// (`serve --object-store`), once a hibernation uploaded it: any pod
+    /// of the store can wake it from there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_snapshot: Option<String>,
     /// Its VMM process, while one runs.
     pub vmm: Option<VmmHandle>,
     /// Incremented by the store on every state change.
@@ -513,6 +522,7 @@ impl Sandbox {
             created_at: now,
             last_active_at: now,
             snapshot: None,
+            stored_snapshot: None,
             vmm: None,
             generation: 0,
             restore: None,
@@ -646,6 +656,7 @@ mod tests {
             tenant: None,
             image: None,
             source: None,
+            stored_snapshot: None,
         };
         let v = serde_json::to_value(&t).unwrap();
         assert_eq!(v["state"], "ready");

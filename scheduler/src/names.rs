@@ -128,6 +128,7 @@ mod tests {
             tenant: tenant.map(str::to_string),
             image: None,
             source: None,
+            stored_snapshot: None,
         }
     }
 

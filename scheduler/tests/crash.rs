@@ -48,6 +48,7 @@ fn template() -> Template {
         tenant: None,
         image: None,
         source: None,
+        stored_snapshot: None,
     }
 }
 

@@ -27,6 +27,7 @@ pub fn serve_replica(args: ServeArgs, urls: &str) -> Result<(), String> {
     let mut config = config(urls)?;
     config.wait = Duration::from_millis(args.cluster_wait_ms.max(1));
     config.down_after = Duration::from_millis(args.cluster_down_after_ms.max(1));
+    config.lost_after = Duration::from_millis(args.cluster_lost_after_ms.max(1));
     config.io_timeout = Duration::from_millis(args.service.request_timeout_ms.max(1));
     config.create_start = Duration::from_millis(args.cluster_create_start_ms);
     config.create_grace = Duration::from_millis(args.cluster_create_grace_ms);

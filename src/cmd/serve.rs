@@ -201,6 +201,7 @@ fn open_service(
     config.host = host_guests().clone();
     config.policy_interval_ms = flags.policy_interval_ms;
     config.history_interval_ms = flags.history_interval_ms;
+    config.object_store = flags.object_store.clone();
     config.default_keep_alive_ms = flags.keep_alive_ms;
     config.exec_timeout_ms = flags.exec_timeout_ms.max(1);
     config.standby_pool = flags.standby_pool;
@@ -213,6 +214,9 @@ fn open_service(
         config.net = Some(sandbox_networking(flags)?);
     }
     println!("{who}: data dir {}", data_dir.display());
+    if let Some(store) = &config.object_store {
+        println!("{who}: snapshots stored in {store}");
+    }
     let host = &config.host;
     let kinds: Vec<&str> = host.kinds().iter().map(|k| k.as_str()).collect();
     println!(

@@ -1,5 +1,6 @@
 //! torpor-storage: snapshot layers in object storage (issue 29's
-//! foundation; the service does not use it yet).
+//! foundation; the scheduler stores hibernations and templates through
+//! it: `scheduler/src/service/objects.rs`).
 //!
 //! A layer directory (a snapshot's `state` and `memory`, a disk's diff)
 //! is uploaded as content-addressed chunks, compressed and checksummed,

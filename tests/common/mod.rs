@@ -16,6 +16,7 @@ pub mod nested_serve;
 pub mod netns;
 pub mod serve;
 pub mod snap;
+pub mod store;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};

@@ -99,6 +99,7 @@ impl Fake {
             tenant: None,
             image: None,
             source: None,
+            stored_snapshot: None,
         };
         let pod = Pod {
             id: PodId::new(POD_ID),
@@ -149,6 +150,7 @@ impl Fake {
             tenant: req.owner.clone().filter(|o| !o.admin).map(|o| o.tenant),
             image: req.image.clone(),
             source: None,
+            stored_snapshot: None,
         })
     }
 
@@ -294,6 +296,7 @@ impl Fake {
             tenant: req.owner.filter(|o| !o.admin).map(|o| o.tenant),
             image: req.image,
             source: None,
+            stored_snapshot: None,
         })
     }
 

@@ -8,6 +8,7 @@ use torpor_sandbox_api::{LifecycleCall, Operation, Reply};
 
 use super::{on_pod, Needs, SandboxApi};
 use crate::service::{CreateSandbox, CreateTemplate, Owner, ServiceError, MAX_FORK_COUNT};
+use torpor_scheduler::model::Sandbox;
 
 /// Runs `op` on `s` as its caller's (a create or build is the tenant's the
 /// operation names, an admin's shared), here: a pod named in the request
@@ -86,6 +87,30 @@ pub async fn dispatch<S: SandboxApi + ?Sized>(s: &S, op: Operation) -> Result<Re
                     p.create_checkpoint(&sandbox, *request)
                 })
                 .await?,
+            ),
+        },
+        // On the pod's own service: its disk and its object store.
+        Operation::Adopt {
+            sandbox,
+            template,
+            env,
+        } => Reply::Sandbox {
+            sandbox: Box::new(
+                on_pod(s, Needs::Snapshots, move |p| {
+                    p.adopt_sandbox(Sandbox { env, ..*sandbox }, *template)
+                })
+                .await?,
+            ),
+            resumed: false,
+        },
+        Operation::Release { sandbox } => {
+            let id = sandbox.clone();
+            on_pod(s, Needs::Snapshots, move |p| p.release_sandbox(&id)).await?;
+            Reply::Deleted { sandbox }
+        }
+        Operation::TemplateAdopt { template } => Reply::Template {
+            template: Box::new(
+                on_pod(s, Needs::Snapshots, move |p| p.adopt_template(*template)).await?,
             ),
         },
         Operation::CheckpointDelete { sandbox, name } => {

@@ -158,6 +158,8 @@ impl Service {
                 }
             }
         }
+        // And their manifests in the object store, if this pod stored them.
+        self.drop_dead_manifests();
     }
 
     /// A deleted sandbox's files: its checkpoints' names go, then every

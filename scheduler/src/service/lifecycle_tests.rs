@@ -41,6 +41,7 @@ pub(super) fn service_with(
         tenant: None,
         image: None,
         source: None,
+        stored_snapshot: None,
     };
     Store::open(dir.path())
         .unwrap()

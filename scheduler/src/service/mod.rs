@@ -21,6 +21,7 @@ mod linux;
 mod locks;
 mod metrics;
 mod network;
+pub mod objects;
 mod ops;
 mod policy;
 pub mod pool;
@@ -120,6 +121,10 @@ pub struct ServiceConfig {
     /// Sample every running sandbox's resource use into its history every
     /// this many ms (0 turns the thread off; a read still samples).
     pub history_interval_ms: u64,
+    /// The object store hibernations and templates are uploaded to
+    /// (`--object-store`: a directory or `s3://bucket/prefix`); None keeps
+    /// snapshots on this pod's disk only.
+    pub object_store: Option<String>,
 }
 
 /// How Linux sandboxes are networked (see `crate::net`).
@@ -168,6 +173,7 @@ impl ServiceConfig {
             net: None,
             record_trace: None,
             history_interval_ms: history::SAMPLE_INTERVAL_MS,
+            object_store: None,
         }
     }
 }
@@ -231,6 +237,11 @@ pub enum ServiceError {
     HostUnsupported(String),
     #[error("internal error: {0}")]
     Internal(String),
+    /// A snapshot layer could not be stored in or fetched from the object
+    /// store (the error names the layer, and a bad chunk its manifest,
+    /// file and index).
+    #[error(transparent)]
+    ObjectStore(Box<objects::ObjectStoreError>),
     /// Exec and files: the guest agent could not do it (see [`GuestError`]).
     #[error(transparent)]
     Guest(#[from] GuestError),
@@ -520,6 +531,8 @@ pub struct Service {
     /// Admission of the wakes no API request carries (traffic to an
     /// exposed port), installed by the API's gate.
     wake_gate: std::sync::OnceLock<Arc<dyn ports::WakeGate>>,
+    /// The object store snapshots are uploaded to, with `--object-store`.
+    objects: Option<objects::ObjectStore>,
 }
 
 impl Service {
@@ -573,6 +586,11 @@ impl Service {
             })?),
             None => None,
         };
+        let objects = config
+            .object_store
+            .as_deref()
+            .map(objects::ObjectStore::open)
+            .transpose()?;
         let ports_ip = config.net.as_ref().map(|n| n.ports_ip);
         let service = Arc::new_cyclic(|me: &std::sync::Weak<Self>| Self {
             recorder,
@@ -588,6 +606,7 @@ impl Service {
             dns: Mutex::new(None),
             wake_gate: std::sync::OnceLock::new(),
             me: me.clone(),
+            objects,
             config,
             store,
             locks: locks::SandboxLocks::default(),
@@ -620,6 +639,9 @@ impl Service {
         }
         if service.config.history_interval_ms > 0 {
             history::start(&service);
+        }
+        if service.objects.is_some() {
+            objects::start_gc(&service);
         }
         Ok(service)
     }

@@ -606,6 +606,10 @@ impl Service {
         let snapshot = sandbox.snapshot.clone().ok_or_else(|| {
             ServiceError::Internal(format!("hibernated sandbox {} has no snapshot", sandbox.id))
         })?;
+        // Not on this pod's disk (another pod hibernated it, or the local
+        // copy is gone): fetched whole from the object store first.
+        let fetch_ms =
+            self.snapshot_here(&sandbox.id, &snapshot, sandbox.stored_snapshot.as_deref())?;
         let change = StateChange::new(SandboxState::Hibernated, SandboxState::Resuming);
         let mut lap = Lap::new();
         let op = self.admit_with(Ask::sandbox(&sandbox), false, |tx| {
@@ -636,6 +640,9 @@ impl Service {
                     tx.get_sandbox(&sandbox.id)
                 })?;
                 report.phases.insert(0, ("admit".into(), admit_ms));
+                if let Some(ms) = fetch_ms {
+                    report.phases.insert(0, ("fetch".into(), ms));
+                }
                 report.phase("commit", lap.next());
                 let ms = started.elapsed().as_secs_f64() * 1000.0;
                 self.metrics.observe_resume(ms);
@@ -695,6 +702,9 @@ impl Service {
         let path = can(Operation::Hibernate, sandbox.state)
             .map_err(|e| ServiceError::illegal(id, e, "hibernate"))?;
         if path.is_empty() {
+            // Hibernated already: a snapshot whose upload failed is
+            // uploaded now (a hibernation is retried by asking again).
+            let sandbox = self.store_hibernation(sandbox)?;
             return Ok(Outcome {
                 sandbox,
                 resumed: false,
@@ -712,7 +722,10 @@ impl Service {
             &json!({ "snapshot": target, "from": sandbox.state }),
             Some(&change),
         )?;
-        let diff = super::layers::diff_allowed(sandbox.snapshot.as_deref());
+        // With an object store, a full snapshot: it restores alone, on any
+        // pod (the store keeps what it shares with older layers once).
+        let diff =
+            self.objects.is_none() && super::layers::diff_allowed(sandbox.snapshot.as_deref());
         // One request: pause, snapshot and exit in the VMM; on failure the
         // VMM leaves the VM as it was (running or paused).
         self.conclude(
@@ -731,12 +744,16 @@ impl Service {
                 let change = StateChange::new(SandboxState::Hibernating, SandboxState::Hibernated);
                 self.store
                     .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
-                self.metrics
-                    .observe_hibernate(started.elapsed().as_secs_f64() * 1000.0);
                 // A full snapshot leaves the old chain to nothing.
                 self.remove_dead_layers();
+                // Acknowledged once the snapshot is durable in the object
+                // store, if there is one (hibernated here either way: a
+                // failed upload is retried by the next hibernate).
+                let sandbox = self.store_hibernation(self.store.get_sandbox(id)?)?;
+                self.metrics
+                    .observe_hibernate(started.elapsed().as_secs_f64() * 1000.0);
                 Ok(Outcome {
-                    sandbox: self.store.get_sandbox(id)?,
+                    sandbox,
                     resumed: false,
                     resume_ms: None,
                 })

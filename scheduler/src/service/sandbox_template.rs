@@ -86,6 +86,7 @@ impl Service {
             tenant: source.tenant.clone(),
             image: base.image.clone(),
             source: Some(id.clone()),
+            stored_snapshot: None,
         };
         let inserted = self.store.insert_sandbox_template(&template, id);
         // The layer is the template's now (or, on failure, nobody's named

@@ -110,6 +110,7 @@ impl Service {
             created_at: Timestamp::now(),
             state: TemplateState::Building,
             source: None,
+            stored_snapshot: None,
         };
         let op = self.store.write(|tx| {
             tx.insert_template(&template)?;
@@ -158,6 +159,11 @@ impl Service {
                     Ok(())
                 })?;
                 self.pool.want((template.mem_mib, template.vcpus));
+                // Stored for other pods; failing that, its first sandbox's
+                // hibernation stores it.
+                if let Err(e) = self.store_layer(&snapshot) {
+                    tracing::warn!(template = %template.id, "cannot store the template's snapshot: {e}");
+                }
                 Ok(self.store.get_template(&template.id)?)
             },
             |e| Undo::TemplateFailed(template.id.clone(), e.to_string()),

@@ -20,7 +20,8 @@ const TEMPLATE_COLUMNS: &str = "id, name, kernel, rootfs, snapshot_dir, mem_mib,
 /// snapshotted from, if any.
 const TEMPLATE_SELECT: &str = "id, name, kernel, rootfs, snapshot_dir, mem_mib, vcpus, kind, \
     state, failure_reason, created_at, tenant, image, \
-    (SELECT sandbox FROM template_sources WHERE template_sources.template = templates.id) AS source";
+    (SELECT sandbox FROM template_sources WHERE template_sources.template = templates.id) AS source, \
+    (SELECT manifest FROM layer_objects WHERE layer_objects.dir = snapshot_dir) AS stored_snapshot";
 const POD_COLUMNS: &str = "id, address, token_hash, memory_bytes, vcpus, disk_bytes, \
     oversubscription_ratio, high_watermark, created_at";
 pub(super) const CHECKPOINT_COLUMNS: &str = "id, sandbox, name, snapshot_dir, parent, created_at";
@@ -52,6 +53,7 @@ fn template_from_row(row: &Row<'_>) -> rusqlite::Result<Template> {
         tenant: row.get("tenant")?,
         image: row.get("image")?,
         source: row.get("source")?,
+        stored_snapshot: row.get("stored_snapshot")?,
     })
 }
 

@@ -206,4 +206,67 @@ impl Tx<'_> {
         )?;
         Ok(dead)
     }
+
+    /// Records that layer `dir` is stored in the object store as
+    /// `manifest` (a layer's files never change once written), uploaded by
+    /// this pod or fetched (a layer this pod uploaded stays its upload when
+    /// it fetches it back).
+    pub fn record_layer_object(&self, dir: &Path, manifest: &str, uploaded: bool) -> Result<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO layer_objects (dir, manifest, uploaded, stored_at) \
+                 VALUES (?1, ?2, ?3, ?4) \
+                 ON CONFLICT (dir) DO UPDATE SET manifest = excluded.manifest, \
+                 uploaded = max(uploaded, excluded.uploaded), stored_at = excluded.stored_at",
+            )?
+            .execute(params![
+                path_text(dir, "layer")?,
+                manifest,
+                uploaded,
+                Timestamp::now()
+            ])?;
+        Ok(())
+    }
+
+    /// The manifest layer `dir` is stored as in the object store, if any.
+    pub fn layer_object(&self, dir: &Path) -> Result<Option<String>> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT manifest FROM layer_objects WHERE dir = ?1")?
+            .query_row([path_text(dir, "layer")?], |r| r.get(0))
+            .optional()?)
+    }
+
+    /// Marks the layers under `dir` (a sandbox's directory) as not this
+    /// pod's uploads: their manifests stay when their files go (the
+    /// sandbox moved to another pod, which uses them).
+    pub fn disown_layer_objects(&self, dir: &Path) -> Result<usize> {
+        let prefix = format!("{}/", path_text(dir, "layer")?);
+        Ok(self.conn.execute(
+            "UPDATE layer_objects SET uploaded = 0 WHERE substr(dir, 1, length(?1)) = ?1",
+            [prefix],
+        )?)
+    }
+
+    /// Forgets the object store's record of every layer no root reaches
+    /// (the layers [`Tx::collect_dead_layers`] forgets, and roots gone
+    /// that were never recorded as layers); the manifests of those this
+    /// pod uploaded, which its caller deletes from the store.
+    pub fn forget_dead_layer_objects(&self) -> Result<Vec<String>> {
+        let uploaded: Vec<String> = self
+            .conn
+            .prepare(&format!(
+                "{LIVE_LAYERS} SELECT manifest FROM layer_objects \
+                 WHERE uploaded = 1 AND dir NOT IN (SELECT dir FROM live)"
+            ))?
+            .query_map([], |r| r.get(0))?
+            .collect::<rusqlite::Result<_>>()?;
+        self.conn.execute(
+            &format!(
+                "{LIVE_LAYERS} DELETE FROM layer_objects WHERE dir NOT IN (SELECT dir FROM live)"
+            ),
+            [],
+        )?;
+        Ok(uploaded)
+    }
 }

@@ -435,6 +435,10 @@ delegate! {
     read fn known_layers(&self, owner: &LayerOwner) -> Vec<KnownLayer>;
     write fn collect_dead_layers(&self) -> Vec<PathBuf>;
     read fn live_layers(&self) -> Vec<PathBuf>;
+    write fn record_layer_object(&self, dir: &Path, manifest: &str, uploaded: bool) -> ();
+    read fn layer_object(&self, dir: &Path) -> Option<String>;
+    write fn forget_dead_layer_objects(&self) -> Vec<String>;
+    write fn disown_layer_objects(&self, dir: &Path) -> usize;
 
     write fn begin_operation(
         &self,

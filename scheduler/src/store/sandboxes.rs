@@ -15,6 +15,13 @@ const COLUMNS: &str = "id, template, pod, mem_mib, vcpus, keep_alive_ms, expires
     failure_reason, created_at, last_active_at, snapshot, vmm_pid, vmm_socket, generation, \
     vmm_start, tenant, on_timeout, access_token, timeout_hibernation, disk_only, \
     guest_unresponsive_at_pause";
+/// What a sandbox is read with: its columns and the manifest its snapshot
+/// is stored as in the object store, if it is.
+const SELECT: &str = "id, template, pod, mem_mib, vcpus, keep_alive_ms, expires_at, state, \
+    failure_reason, created_at, last_active_at, snapshot, vmm_pid, vmm_socket, generation, \
+    vmm_start, tenant, on_timeout, access_token, timeout_hibernation, disk_only, \
+    guest_unresponsive_at_pause, \
+    (SELECT manifest FROM layer_objects WHERE layer_objects.dir = snapshot) AS stored_snapshot";
 
 /// A sandbox's key/value tables.
 #[derive(Clone, Copy)]
@@ -72,6 +79,7 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
         created_at: row.get("created_at")?,
         last_active_at: row.get("last_active_at")?,
         snapshot: get_path(row, "snapshot")?,
+        stored_snapshot: row.get("stored_snapshot")?,
         vmm: pid.zip(socket).map(|(pid, control_socket)| VmmHandle {
             pid,
             start_time,
@@ -217,7 +225,7 @@ impl Tx<'_> {
     pub fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox> {
         let mut s = self
             .conn
-            .prepare_cached(&format!("SELECT {COLUMNS} FROM sandboxes WHERE id = ?1"))?
+            .prepare_cached(&format!("SELECT {SELECT} FROM sandboxes WHERE id = ?1"))?
             .query_row([id], from_row)
             .optional()?
             .ok_or_else(|| StoreError::not_found("sandbox", id))?;
@@ -241,7 +249,7 @@ impl Tx<'_> {
 
     /// Sandboxes matching `filter`, oldest first.
     pub fn list_sandboxes(&self, filter: &SandboxFilter) -> Result<Vec<Sandbox>> {
-        let mut sql = format!("SELECT {COLUMNS} FROM sandboxes s WHERE 1");
+        let mut sql = format!("SELECT {SELECT} FROM sandboxes s WHERE 1");
         let mut args: Vec<Value> = Vec::new();
         fn arg(v: String, args: &mut Vec<Value>) -> String {
             args.push(Value::Text(v));

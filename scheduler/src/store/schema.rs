@@ -203,8 +203,21 @@ CREATE TABLE nested_sandboxes (
 ) STRICT, WITHOUT ROWID;
 "#;
 
+/// Version 10: the snapshot layers in the object store (`serve
+/// --object-store`): each layer directory's manifest there, which a pod
+/// without the files downloads, and whether this pod uploaded it (its
+/// manifest is deleted with the layer) or fetched it (`service/objects.rs`).
+const V10: &str = r#"
+CREATE TABLE layer_objects (
+    dir       TEXT PRIMARY KEY,
+    manifest  TEXT NOT NULL,
+    uploaded  INTEGER NOT NULL CHECK (uploaded IN (0, 1)),
+    stored_at TEXT NOT NULL
+) STRICT, WITHOUT ROWID;
+"#;
+
 /// Every migration, in order.
-pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7, V8, V9];
+pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7, V8, V9, V10];
 
 /// The schema version this build writes.
 pub const CURRENT_VERSION: i64 = MIGRATIONS.len() as i64;

@@ -31,6 +31,7 @@ pub(super) fn template(name: &str) -> Template {
         tenant: None,
         image: None,
         source: None,
+        stored_snapshot: None,
     }
 }
 

@@ -381,7 +381,7 @@ fn env_and_on_timeout_round_trip_and_a_version_2_store_upgrades() {
          CREATE UNIQUE INDEX templates_live_name ON templates (name) WHERE state != 'deleted'; \
          ALTER TABLE sandboxes DROP COLUMN on_timeout; DROP TABLE sandbox_env; \
          DROP TABLE template_sources; ALTER TABLE sandboxes DROP COLUMN access_token; ALTER TABLE sandboxes DROP COLUMN vmm_start; \
-         DROP TABLE sandbox_network; DROP TABLE nested_sandboxes; \
+         DROP TABLE sandbox_network; DROP TABLE nested_sandboxes; DROP TABLE layer_objects; \
          DROP INDEX sandboxes_tenant; ALTER TABLE sandboxes DROP COLUMN tenant; \
          ALTER TABLE templates DROP COLUMN tenant; ALTER TABLE templates DROP COLUMN image; \
          ALTER TABLE sandboxes DROP COLUMN timeout_hibernation; \

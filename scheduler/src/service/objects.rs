@@ -1,0 +1,579 @@
+//! Snapshot layers in the object store (`serve --object-store`, issue 29):
+//! a hibernation's snapshot and a template's are uploaded through
+//! torpor-storage (chunks, manifests: `storage/`), each layer once, and
+//! recorded by directory in the store (`layer_objects`); a wake whose
+//! snapshot is not on this pod's disk, and a pod adopting a sandbox or a
+//! template another pod made, download the layer whole into its place.
+//!
+//! With an object store a hibernation writes a full snapshot: its layer
+//! alone restores (the state names no parent directory of another pod),
+//! and the store keeps the chunks it shares with the template's once.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use torpor_storage::{
+    DownloadReport, GcReport, ManifestId, Storage, StorageError, StoreConfig, UploadReport,
+};
+use torpor_sync::Locked;
+use torpor_vmm_api::lineage::{Lineage, LINEAGE_FILE, STATE_FILE};
+
+use super::{Service, ServiceError};
+use crate::model::{PodId, Sandbox, SandboxId, Template, TemplateKind, TemplateState, Timestamp};
+use crate::state::SandboxState;
+
+/// Why a layer could not be stored or fetched.
+#[derive(Debug, thiserror::Error)]
+pub enum ObjectStoreError {
+    /// The store named by `--object-store` could not be opened.
+    #[error("object store {url}: {source}")]
+    Open {
+        url: String,
+        #[source]
+        source: StorageError,
+    },
+    /// An upload or download of one layer failed (a corrupt or missing
+    /// chunk names the manifest, the file and the chunk).
+    #[error("snapshot layer {}: {source}", layer_name(dir))]
+    Layer {
+        dir: PathBuf,
+        #[source]
+        source: StorageError,
+    },
+    /// A layer fetched that is not a full snapshot: it would need layers
+    /// of another pod under it.
+    #[error("snapshot layer {}: {why}", layer_name(dir))]
+    NotPortable { dir: PathBuf, why: String },
+    /// A local file of a layer being fetched.
+    #[error("snapshot layer {}: {source}", layer_name(dir))]
+    Io {
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A manifest could not be deleted, or a collection failed.
+    #[error("object store manifest {id}: {source}")]
+    Manifest {
+        id: String,
+        #[source]
+        source: StorageError,
+    },
+    /// The object store's runtime is gone (the service is closing).
+    #[error("the object store's runtime stopped")]
+    Stopped,
+}
+
+impl From<ObjectStoreError> for ServiceError {
+    fn from(e: ObjectStoreError) -> Self {
+        ServiceError::ObjectStore(Box::new(e))
+    }
+}
+
+impl ObjectStoreError {
+    /// Whether the store holds something wrong (a corrupt or missing chunk,
+    /// a bad manifest, a layer that cannot move), rather than being
+    /// unreachable for now.
+    pub fn is_bad_layer(&self) -> bool {
+        match self {
+            Self::Layer { source, .. } => matches!(
+                source,
+                StorageError::ChunkCorrupt { .. }
+                    | StorageError::ChunkMissing { .. }
+                    | StorageError::ManifestNotFound { .. }
+                    | StorageError::ManifestInvalid { .. }
+                    | StorageError::BadManifestId(_)
+            ),
+            Self::NotPortable { .. } => true,
+            _ => false,
+        }
+    }
+}
+
+/// A layer as errors name it: its owner's directory and its own
+/// (`<sandbox id>/snap-3`), never the pod's host path.
+fn layer_name(dir: &Path) -> String {
+    let mut parts: Vec<String> = dir
+        .components()
+        .rev()
+        .take(2)
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect();
+    parts.reverse();
+    parts.join("/")
+}
+
+/// A pod's object store: torpor-storage's [`Storage`] and the runtime its
+/// requests run on (the service's calls are blocking).
+pub struct ObjectStore {
+    storage: Storage,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl std::fmt::Debug for ObjectStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ObjectStore")
+            .field("store", &self.storage.describe())
+            .finish()
+    }
+}
+
+impl Drop for ObjectStore {
+    fn drop(&mut self) {
+        // Allowed from any context, async or not.
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl ObjectStore {
+    /// Opens the store `url` names (`--object-store`: a directory, or
+    /// `s3://bucket/prefix` with the usual AWS_* variables).
+    pub fn open(url: &str) -> Result<Self, ObjectStoreError> {
+        let open = |source| ObjectStoreError::Open {
+            url: url.to_string(),
+            source,
+        };
+        let config = StoreConfig::parse(url).map_err(|e| open(e.into()))?;
+        let storage = Storage::open(&config).map_err(open)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("torpor-objects")
+            .enable_all()
+            .build()
+            .map_err(|e| {
+                open(StorageError::Io {
+                    path: PathBuf::from(url),
+                    source: e,
+                })
+            })?;
+        Ok(Self {
+            storage,
+            runtime: Some(runtime),
+        })
+    }
+
+    /// The store as its configuration prints.
+    pub fn describe(&self) -> &str {
+        self.storage.describe()
+    }
+
+    /// Runs `fut` on the store's runtime and waits for it (from any
+    /// thread: no runtime is entered here).
+    fn run<T: Send + 'static>(
+        &self,
+        fut: impl Future<Output = T> + Send + 'static,
+    ) -> Result<T, ObjectStoreError> {
+        let rt = self.runtime.as_ref().ok_or(ObjectStoreError::Stopped)?;
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        rt.spawn(async move {
+            let _ = tx.send(fut.await);
+        });
+        rx.recv().map_err(|_| ObjectStoreError::Stopped)
+    }
+
+    /// Uploads layer `dir`; durable once this returns.
+    pub fn upload(&self, dir: &Path) -> Result<UploadReport, ObjectStoreError> {
+        let (storage, d) = (self.storage.clone(), dir.to_path_buf());
+        self.run(async move { storage.upload_layer(&d).await })?
+            .map_err(|source| ObjectStoreError::Layer {
+                dir: dir.to_path_buf(),
+                source,
+            })
+    }
+
+    /// Downloads layer `id` into `into` (made if missing).
+    pub fn download(
+        &self,
+        id: &ManifestId,
+        dir: &Path,
+        into: &Path,
+    ) -> Result<DownloadReport, ObjectStoreError> {
+        let (storage, id, d) = (self.storage.clone(), id.clone(), into.to_path_buf());
+        self.run(async move { storage.download_layer(&id, &d).await })?
+            .map_err(|source| ObjectStoreError::Layer {
+                dir: dir.to_path_buf(),
+                source,
+            })
+    }
+}
+
+impl ObjectStore {
+    /// Deletes manifest `id` (its chunks go with the next collection).
+    pub fn delete_manifest(&self, id: &ManifestId) -> Result<bool, ObjectStoreError> {
+        let (storage, m) = (self.storage.clone(), id.clone());
+        self.run(async move { storage.delete_manifest(&m).await })?
+            .map_err(|source| ObjectStoreError::Manifest {
+                id: id.as_str().to_string(),
+                source,
+            })
+    }
+
+    /// A garbage collection: the chunks no manifest names deleted
+    /// (torpor-storage's mark and sweep, safe against uploads).
+    pub fn collect_garbage(&self) -> Result<GcReport, ObjectStoreError> {
+        let storage = self.storage.clone();
+        self.run(async move { storage.collect_garbage().await })?
+            .map_err(|source| ObjectStoreError::Manifest {
+                id: "(collection)".into(),
+                source,
+            })
+    }
+}
+
+/// How often a pod collects the object store's garbage.
+const GC_EVERY: Duration = Duration::from_secs(3600);
+
+/// Starts the thread that collects the object store's garbage every
+/// [`GC_EVERY`] while the service runs.
+pub(super) fn start_gc(service: &Arc<Service>) {
+    let weak = Arc::downgrade(service);
+    let stop = Arc::clone(&service.stop);
+    let spawned = std::thread::Builder::new()
+        .name("torpor-objects-gc".into())
+        .spawn(move || loop {
+            let started = Instant::now();
+            while started.elapsed() < GC_EVERY {
+                if stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_secs(1));
+            }
+            let Some(service) = weak.upgrade() else {
+                return;
+            };
+            let Some(objects) = &service.objects else {
+                return;
+            };
+            match objects.collect_garbage() {
+                Ok(r) => tracing::info!(
+                    chunks = r.chunks,
+                    deleted = r.deleted,
+                    bytes = r.deleted_bytes,
+                    "object store collected"
+                ),
+                Err(e) => tracing::warn!("object store collection: {e}"),
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("cannot start the object store's collector: {e}");
+    }
+}
+
+impl Service {
+    /// The manifests of the layers this pod uploaded whose files went
+    /// (their sandbox or template deleted, an older hibernation of a
+    /// sandbox that hibernated again), deleted from the object store;
+    /// their chunks go with the next collection.
+    pub(super) fn drop_dead_manifests(&self) {
+        let Some(objects) = &self.objects else {
+            return;
+        };
+        let dead = match self.store.forget_dead_layer_objects() {
+            Ok(dead) => dead,
+            Err(e) => {
+                tracing::warn!("cannot list the stored layers that went: {e}");
+                return;
+            }
+        };
+        for m in dead {
+            let deleted = ManifestId::parse(&m)
+                .map_err(|e| e.to_string())
+                .and_then(|id| objects.delete_manifest(&id).map_err(|e| e.to_string()));
+            if let Err(e) = deleted {
+                tracing::warn!(manifest = m, "cannot delete a stored layer's manifest: {e}");
+            }
+        }
+    }
+
+    /// Uploads layer `dir` to the object store unless it is there already
+    /// (a layer never changes once written); its manifest, or None without
+    /// an object store.
+    pub(super) fn store_layer(&self, dir: &Path) -> Result<Option<String>, ServiceError> {
+        let Some(objects) = &self.objects else {
+            return Ok(None);
+        };
+        if let Some(m) = self.store.layer_object(dir)? {
+            return Ok(Some(m));
+        }
+        let report = objects.upload(dir)?;
+        tracing::info!(
+            layer = %dir.display(),
+            manifest = report.id.as_str(),
+            bytes = report.data_bytes,
+            new_bytes = report.new_bytes,
+            sent = report.uploaded_bytes,
+            ms = report.elapsed.as_millis() as u64,
+            "snapshot layer stored"
+        );
+        self.store
+            .record_layer_object(dir, report.id.as_str(), true)?;
+        Ok(Some(report.id.as_str().to_string()))
+    }
+
+    /// Makes sure layer `dir` (a full snapshot) is on this pod's disk:
+    /// downloaded whole from `manifest` when it is not, its lineage that of
+    /// a full snapshot at `dir`. Whether it was fetched.
+    pub(super) fn fetch_layer(&self, dir: &Path, manifest: &str) -> Result<bool, ServiceError> {
+        if dir.join(STATE_FILE).exists() {
+            return Ok(false);
+        }
+        let objects = self.objects.as_ref().ok_or_else(|| {
+            ServiceError::Unsupported(format!(
+                "snapshot layer {} is not on this pod and it has no object store \
+                 (--object-store)",
+                dir.display()
+            ))
+        })?;
+        let id = ManifestId::parse(manifest)
+            .map_err(|e| ServiceError::Internal(format!("layer {}: {e}", dir.display())))?;
+        let io = |source| ObjectStoreError::Io {
+            dir: dir.to_path_buf(),
+            source,
+        };
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let parent = dir.parent().unwrap_or(dir);
+        std::fs::create_dir_all(parent).map_err(io)?;
+        let temp = parent.join(format!(".{name}.fetch"));
+        let _ = std::fs::remove_dir_all(&temp);
+        let fetched = (|| -> Result<DownloadReport, ObjectStoreError> {
+            let report = objects.download(&id, dir, &temp)?;
+            // Only a full snapshot restores alone; its lineage is rewritten
+            // for where it is now (the VMM that wrote it was elsewhere).
+            let text = std::fs::read(temp.join(LINEAGE_FILE)).map_err(io)?;
+            let lineage: Lineage =
+                serde_json::from_slice(&text).map_err(|e| ObjectStoreError::NotPortable {
+                    dir: dir.to_path_buf(),
+                    why: format!("its lineage: {e}"),
+                })?;
+            if lineage.depth() != 1 {
+                return Err(ObjectStoreError::NotPortable {
+                    dir: dir.to_path_buf(),
+                    why: format!("a diff of {} layers, not a full snapshot", lineage.depth()),
+                });
+            }
+            Lineage::base(dir)
+                .write(&temp)
+                .map_err(|e| io(std::io::Error::other(e.to_string())))?;
+            std::fs::rename(&temp, dir).map_err(io)?;
+            Ok(report)
+        })();
+        let report = match fetched {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&temp);
+                return Err(e.into());
+            }
+        };
+        tracing::info!(
+            layer = %dir.display(),
+            manifest,
+            bytes = report.data_bytes,
+            fetched = report.fetched_bytes,
+            ms = report.elapsed.as_millis() as u64,
+            "snapshot layer fetched from the object store"
+        );
+        self.store.record_layer_object(dir, manifest, false)?;
+        Ok(true)
+    }
+
+    /// A template another pod built, stored in the object store: its
+    /// snapshot fetched into this pod's template directory and the
+    /// template registered here under the same id, ready. A template
+    /// already here is answered as it is.
+    pub fn adopt_template(&self, template: Template) -> Result<Template, ServiceError> {
+        // One adoption at a time: two of one template (two sandboxes of it
+        // moved at once) would fetch into the same place.
+        static ADOPTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _one = ADOPTING.locked();
+        if let Ok(t) = self.store.get_template(&template.id) {
+            if t.state != TemplateState::Deleted {
+                return Ok(t);
+            }
+        }
+        if template.kind != TemplateKind::Probe {
+            // A Linux template's kernel and root filesystem are the
+            // images of the pod that built it.
+            return Err(ServiceError::Unsupported(format!(
+                "template {}: only probe templates move between pods yet",
+                template.id
+            )));
+        }
+        let (Some(from), Some(manifest)) = (&template.snapshot_dir, &template.stored_snapshot)
+        else {
+            return Err(ServiceError::Unsupported(format!(
+                "template {} is not in the object store",
+                template.id
+            )));
+        };
+        let dir = self
+            .template_dir(&template.id)
+            .join(from.file_name().unwrap_or_else(|| "snapshot".as_ref()));
+        self.fetch_layer(&dir, manifest)?;
+        // Each pod builds its own `probe`: another's keeps its id, and its
+        // name if that is free here.
+        let name = match self
+            .store
+            .template_name_conflict(template.tenant.as_deref(), &template.name)?
+        {
+            Some(_) => format!("{}@{}", template.name, template.id),
+            None => template.name.clone(),
+        };
+        let here = Template {
+            name,
+            snapshot_dir: Some(dir.clone()),
+            state: TemplateState::Ready,
+            source: None,
+            stored_snapshot: None,
+            ..template
+        };
+        self.store.write(|tx| {
+            tx.insert_template(&here)?;
+            tx.register_layers(&[(dir.clone(), None)])?;
+            tx.record_layer_object(&dir, manifest, false)
+        })?;
+        self.seal_shared(std::slice::from_ref(&dir))?;
+        self.pool.want((here.mem_mib, here.vcpus));
+        tracing::info!(template = %here.id, "adopted a template from the object store");
+        Ok(self.store.get_template(&here.id)?)
+    }
+
+    /// A hibernated sandbox of another pod (one marked down for good),
+    /// stored in the object store: its template adopted if this pod lacks
+    /// it, its snapshot fetched into its directory here, and the sandbox
+    /// registered here, hibernated (the next wake restores it). A sandbox
+    /// already here is answered as it is.
+    pub fn adopt_sandbox(
+        &self,
+        sandbox: Sandbox,
+        template: Template,
+    ) -> Result<Sandbox, ServiceError> {
+        let _guard = self.lock_sandbox(&sandbox.id)?;
+        if let Ok(s) = self.store.get_sandbox(&sandbox.id) {
+            if s.state != SandboxState::Deleted {
+                return Ok(s);
+            }
+        }
+        if sandbox.state != SandboxState::Hibernated || sandbox.disk_only {
+            return Err(ServiceError::Conflict {
+                id: sandbox.id.to_string(),
+                state: sandbox.state,
+                message: "only a sandbox hibernated with its memory moves to another pod".into(),
+            });
+        }
+        let (Some(from), Some(manifest)) = (&sandbox.snapshot, &sandbox.stored_snapshot) else {
+            return Err(ServiceError::Unsupported(format!(
+                "sandbox {}'s snapshot is not in the object store",
+                sandbox.id
+            )));
+        };
+        if template.id != sandbox.template {
+            return Err(ServiceError::Invalid(format!(
+                "sandbox {} is of template {}, not {}",
+                sandbox.id, sandbox.template, template.id
+            )));
+        }
+        let started = Instant::now();
+        self.adopt_template(template)?;
+        let dir = self
+            .sandbox_dir(&sandbox.id)
+            .join(from.file_name().unwrap_or_else(|| "snapshot".as_ref()));
+        self.fetch_layer(&dir, manifest)?;
+        let here = Sandbox {
+            pod: Some(PodId::new(super::LOCAL_POD)),
+            snapshot: Some(dir.clone()),
+            stored_snapshot: None,
+            vmm: None,
+            restore: None,
+            network: None,
+            usage: None,
+            memory: None,
+            last_active_at: Timestamp::now(),
+            ..sandbox
+        };
+        self.store.write(|tx| {
+            tx.insert_sandbox(&here)?;
+            tx.register_layers(&[(dir.clone(), None)])?;
+            tx.record_layer_object(&dir, manifest, false)
+        })?;
+        tracing::info!(
+            sandbox = %here.id,
+            ms = started.elapsed().as_millis() as u64,
+            "adopted a hibernated sandbox from the object store"
+        );
+        Ok(self.store.get_sandbox(&here.id)?)
+    }
+
+    /// A hibernated sandbox's snapshot, and its template's, uploaded to
+    /// the object store unless they are there; the sandbox as it reads
+    /// after (with its `stored_snapshot`). Without a store, as it is.
+    pub(super) fn store_hibernation(&self, sandbox: Sandbox) -> Result<Sandbox, ServiceError> {
+        let portable = self.objects.is_some()
+            && sandbox.state == SandboxState::Hibernated
+            && !sandbox.disk_only
+            && sandbox.stored_snapshot.is_none();
+        let Some(snapshot) = sandbox.snapshot.as_deref().filter(|_| portable) else {
+            return Ok(sandbox);
+        };
+        // The template's too: a pod that adopts the sandbox needs it.
+        if let Some(dir) = self.store.get_template(&sandbox.template)?.snapshot_dir {
+            self.store_layer(&dir)?;
+        }
+        self.store_layer(snapshot)?;
+        Ok(self.store.get_sandbox(&sandbox.id)?)
+    }
+
+    /// Forgets a hibernated sandbox that moved to another pod while this
+    /// one was lost (a replica asks, `release`): deleted here, its files
+    /// removed, the manifests of its snapshots left in the object store
+    /// for the pod it moved to. A sandbox not hibernated here is refused.
+    pub fn release_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
+        {
+            let _guard = self.lock_sandbox(id)?;
+            let s = self.store.get_sandbox(id)?;
+            match s.state {
+                SandboxState::Deleted => return Ok(()),
+                SandboxState::Hibernated => {}
+                state => {
+                    return Err(ServiceError::Conflict {
+                        id: id.to_string(),
+                        state,
+                        message: "only a hibernated sandbox is released to another pod".into(),
+                    })
+                }
+            }
+            self.store.disown_layer_objects(&self.sandbox_dir(id))?;
+        }
+        tracing::warn!(sandbox = %id, "released a sandbox that moved to another pod");
+        self.delete_sandbox(id)
+    }
+
+    /// The snapshot of `sandbox` (hibernated) on this pod's disk, fetched
+    /// from the object store if it is not; the ms the fetch took, if one
+    /// was needed.
+    pub(super) fn snapshot_here(
+        &self,
+        id: &SandboxId,
+        snapshot: &Path,
+        stored: Option<&str>,
+    ) -> Result<Option<f64>, ServiceError> {
+        if snapshot.join(STATE_FILE).exists() {
+            return Ok(None);
+        }
+        let Some(manifest) = stored else {
+            return Err(ServiceError::Internal(format!(
+                "sandbox {id}'s snapshot {} is gone and not in the object store",
+                snapshot.display()
+            )));
+        };
+        let started = Instant::now();
+        self.fetch_layer(snapshot, manifest)?;
+        Ok(Some(started.elapsed().as_secs_f64() * 1000.0))
+    }
+}

