@@ -37,14 +37,7 @@ fn guest_iterates(data: &Path, id: &SandboxId) -> Vec<(u64, u64)> {
         assert!(Instant::now() < deadline, "{id}: {iters:?} in {WAIT:?}");
         std::thread::sleep(Duration::from_millis(5));
     };
-    for (i, &(n, sum)) in iters.iter().enumerate() {
-        assert_eq!(n, iters[0].0 + i as u64, "{id}: {iters:?}");
-        assert_eq!(
-            sum,
-            torpor_probe::iteration_checksum(MIB, n),
-            "{id}: {iters:?}"
-        );
-    }
+    common::snap::assert_exact_sequence(&iters, MIB);
     iters
 }
 

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use super::cluster::Cluster;
+use super::snap::assert_exact_sequence;
 
 /// The replicas' flags: a pod silent 4 s is lost for good.
 const API_ARGS: &str = "--cluster-down-after-ms 3000 --cluster-lost-after-ms 4000";
@@ -48,19 +49,6 @@ fn iterations(c: &Cluster, pod: u16, id: &str, at_least: usize) -> Vec<(u64, u64
     }
 }
 
-/// Consecutive iterations, each reading what the one before it wrote.
-fn assert_exact(iters: &[(u64, u64)], what: &str) {
-    for (i, &(n, sum)) in iters.iter().enumerate() {
-        assert_eq!(n, iters[0].0 + i as u64, "{what}: {iters:?}");
-        assert_eq!(
-            sum,
-            torpor_probe::iteration_checksum(MIB, n),
-            "{what}: iteration {n} read memory iteration {} did not write",
-            n - 1
-        );
-    }
-}
-
 fn post(c: &Cluster, n: u16, path: &str, body: Option<&str>, status: u16) -> Value {
     let r = c.call(n, "POST", path, body);
     assert_eq!(r.status, status, "POST {path}: {}", r.body);
@@ -80,7 +68,7 @@ fn hibernated_on_pod1(c: &Cluster) -> (String, u64, String) {
     let id = s["id"].as_str().unwrap().to_string();
     assert_eq!(s["pod"], "pod1", "{s}");
     let before = iterations(c, 1, &id, 2);
-    assert_exact(&before, "on pod1");
+    assert_exact_sequence(&before, MIB);
     let started = Instant::now();
     let h = post(c, 2, &format!("/v1/sandboxes/{id}/hibernate"), None, 200);
     println!(
@@ -202,7 +190,7 @@ pub fn outlive_a_lost_pod(c: &Cluster, objects: Option<&Path>) {
         after[0].0 > last && after[0].0 <= last + 1,
         "pod1 ran up to {last}, pod2 goes on from {after:?}"
     );
-    assert_exact(&after, "on pod2");
+    assert_exact_sequence(&after, MIB);
     let r = c.call(1, "GET", &path, None);
     assert_eq!(r.json()["pod"], "pod2", "{}", r.body);
     // It lives on pod2 now: hibernated and woken again there.
@@ -210,7 +198,7 @@ pub fn outlive_a_lost_pod(c: &Cluster, objects: Option<&Path>) {
     assert_eq!(h["sandbox"]["pod"], "pod2", "{h}");
     let w = post(c, 1, &format!("{path}/connect"), None, 200);
     assert_eq!(w["sandbox"]["state"], "running", "{w}");
-    assert_exact(&iterations(c, 2, &id, 2), "on pod2, woken again");
+    assert_exact_sequence(&iterations(c, 2, &id, 2), MIB);
 
     // The template pod1 built creates on pod2.
     let s = post(
@@ -223,7 +211,7 @@ pub fn outlive_a_lost_pod(c: &Cluster, objects: Option<&Path>) {
     assert_eq!(s["pod"], "pod2", "{s}");
     assert_eq!(s["state"], "running", "{s}");
     let made = s["id"].as_str().unwrap().to_string();
-    assert_exact(&iterations(c, 2, &made, 2), "from pod1's template");
+    assert_exact_sequence(&iterations(c, 2, &made, 2), MIB);
 
     // A chunk corrupted in the store: the wake fails naming it.
     if let Some(objects) = objects {
@@ -251,7 +239,7 @@ pub fn outlive_a_lost_pod(c: &Cluster, objects: Option<&Path>) {
     }
     assert_eq!(woken.status, 200, "{}", woken.body);
     assert_eq!(woken.json()["sandbox"]["pod"], "pod1", "{}", woken.body);
-    assert_exact(&iterations(c, 1, &bad, 2), "back on pod1");
+    assert_exact_sequence(&iterations(c, 1, &bad, 2), MIB);
 
     // Nothing else is affected.
     let r = c.call(2, "GET", &path, None);
