@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 mod admin;
+mod plan;
 pub use admin::*;
+pub use plan::*;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -49,7 +51,7 @@ pub enum Command {
     /// service's own admission and hibernation policy for each candidate
     /// ratio, keep-alive and watermark; `plan calibrate` measures this
     /// host's costs.
-    Plan(Box<crate::cmd::plan::PlanCommand>),
+    Plan(Box<PlanCommand>),
     /// Write the built-in probe guest kernel (an ELF) to a file.
     ProbeImage {
         /// Where to write it.

@@ -512,6 +512,35 @@ fn the_acyclic_crates_modules_import_each_other_without_cycles() {
     }
 }
 
+/// The `torpor` binary (the root package): `cli` (its arguments) below
+/// `cmd`, and `cmd`'s command modules one way (the shared ones, `client`,
+/// `output` and `server`, below the commands that use them).
+#[test]
+fn the_binarys_modules_import_each_other_without_cycles() {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    for dir in [src.clone(), src.join("cmd")] {
+        let mut imports = module_imports(&dir);
+        imports.remove("mod");
+        assert!(
+            imports.len() >= 3,
+            "{}: too few modules read",
+            dir.display()
+        );
+        if let Some(cycle) = a_cycle(&imports) {
+            panic!(
+                "{}'s modules import in a cycle: {}",
+                dir.display(),
+                cycle.join(" -> ")
+            );
+        }
+    }
+    let top = module_imports(&src);
+    assert!(
+        !top["cli"].contains(&"cmd".to_string()),
+        "cli imports cmd: {top:?}"
+    );
+}
+
 /// The check sees a cycle when there is one.
 #[test]
 fn a_cycle_is_found() {

@@ -3,8 +3,8 @@
 
 use serde_json::{json, Map, Value};
 
-use super::client::{encode, Client, Error};
-use super::sandbox::{age, path, table, text};
+use super::client::{encode, path, Client, Error};
+use super::output::{age, table, text};
 use crate::cli::{CheckpointArgs, ForkArgs};
 
 pub fn create(c: &Client, a: &CheckpointArgs) -> Result<(), Error> {

@@ -57,7 +57,7 @@ impl Client {
             .or_else(|| std::env::var("TORPOR_API").ok().filter(|s| !s.is_empty()))
             .unwrap_or_else(|| DEFAULT_API.to_string());
         let endpoint = Endpoint::parse(&url).map_err(|e| e.to_string())?;
-        let file = super::serve::default_data_dir().join("token");
+        let file = super::server::default_data_dir().join("token");
         let env = std::env::var("TORPOR_TOKEN").ok().filter(|s| !s.is_empty());
         let (token, token_source) = if let Some(t) = &args.token {
             (Some(t.clone()), "the token given with --token".to_string())
@@ -137,7 +137,7 @@ impl Client {
             return Ok(Some(v));
         }
         if !raw.trim().is_empty() {
-            println!("{}", super::sandbox::pretty(&raw));
+            println!("{}", super::output::pretty(&raw));
         }
         Ok(None)
     }
@@ -269,7 +269,7 @@ impl Client {
                          $TORPOR_TOKEN, or the token file in `torpor serve`'s data directory \
                          (DATA_DIR/token; by default {}): use one the server was started with.",
                         self.url,
-                        super::serve::default_data_dir().join("token").display()
+                        super::server::default_data_dir().join("token").display()
                     );
                 }
             }
@@ -300,3 +300,8 @@ fn api_error(method: &str, path: &str, status: u16, text: &str) -> Error {
 }
 
 pub use torpor_client::encode;
+
+/// The API path of sandbox `id`, then `rest`.
+pub(super) fn path(id: &str, rest: &str) -> String {
+    format!("/v1/sandboxes/{}{rest}", encode(id))
+}

@@ -34,7 +34,7 @@ pub fn serve_replica(args: ServeArgs, urls: &str) -> Result<(), String> {
     let data_dir = args
         .data_dir
         .clone()
-        .unwrap_or_else(super::serve::default_data_dir);
+        .unwrap_or_else(super::server::default_data_dir);
     {
         use std::os::unix::fs::DirBuilderExt;
         std::fs::DirBuilder::new()
@@ -49,9 +49,9 @@ pub fn serve_replica(args: ServeArgs, urls: &str) -> Result<(), String> {
     let seed_path = data_dir.join(TENANTS_FILE);
     let seed = TenantsFile::load(&seed_path).map_err(|e| e.to_string())?;
     let request_timeout = config.wait + Duration::from_secs(5);
-    let proxy_identity = super::serve::proxy_identity(&args, &data_dir)?;
+    let proxy_identity = super::server::proxy_identity(&args, &data_dir)?;
     let listen: SocketAddr = args.listen;
-    super::serve::runtime()?.block_on(async move {
+    super::server::runtime()?.block_on(async move {
         let cluster = Cluster::connect(config).await.map_err(|e| e.to_string())?;
         println!(
             "torpor serve: cluster replica (PostgreSQL schema migrated, JetStream streams ready)"
@@ -90,19 +90,19 @@ pub fn serve_replica(args: ServeArgs, urls: &str) -> Result<(), String> {
             println!("torpor serve: E2B API on http://{e2b_addr}");
             let app = with_request_context(api.e2b_router());
             tokio::spawn(async move {
-                if let Err(e) = torpor_api::serve_app(e2b, app, super::serve::ctrl_c()).await {
+                if let Err(e) = torpor_api::serve_app(e2b, app, super::server::ctrl_c()).await {
                     tracing::error!("E2B listener: {e}");
                 }
             });
         }
         if let Some(proxy_listen) = args.proxy_listen {
             let app = with_request_context(api.e2b_router());
-            super::serve::serve_proxy(app, proxy_listen, &args.proxy_domain, proxy_identity)
+            super::server::serve_proxy(app, proxy_listen, &args.proxy_domain, proxy_identity)
                 .await?;
         }
         println!("torpor serve: listening on http://{addr}");
         let app = with_request_context(api.router());
-        torpor_api::serve_app(listener, app, super::serve::ctrl_c())
+        torpor_api::serve_app(listener, app, super::server::ctrl_c())
             .await
             .map_err(|e| e.to_string())
     })

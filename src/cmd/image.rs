@@ -2,7 +2,7 @@
 //! from, through the REST API (upload and rm need an admin token).
 
 use super::client::{encode, Client, Error};
-use super::sandbox::text;
+use super::output::text;
 use crate::cli::{ImageAction, ImageCommand};
 
 pub fn run(cmd: ImageCommand) -> i32 {

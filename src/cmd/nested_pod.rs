@@ -30,7 +30,7 @@ use torpor_scheduler::service::Service;
 use super::nested_parts::{prepare, NestedPodConfig, Parts, Steps};
 use super::nested_record;
 use super::nested_templates::{self as templates, Later, BASE, INTERPRETER, POD_PORT};
-use super::serve::token_file;
+use super::server::token_file;
 use torpor_api::tls::{self, Identity};
 use torpor_client::pin::Fingerprint;
 
@@ -322,7 +322,7 @@ fn boot(
 ) -> Result<(RunningHost, PodId, Vec<String>), String> {
     let exe =
         std::env::current_exe().map_err(|e| format!("cannot find the torpor executable: {e}"))?;
-    let vmm = super::serve::vmm_exe()?;
+    let vmm = super::server::vmm_exe()?;
     let Parts {
         kernel,
         rootfs,

@@ -10,41 +10,18 @@
 //! see `calibration::measured_disk_write_mib_s`); a fresh sandbox's
 //! memory from the pod's measured PSS.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use clap::Args;
 use serde_json::{json, Value};
 use torpor_scheduler::plan::{calibration, sim::quantile, Calibration};
 
 use super::client::{Client, Error};
 use super::EXIT_FAILURE;
-use crate::cli::ClientArgs;
+use crate::cli::CalibrateArgs;
 
 /// Longest wait for a template build.
 const BUILD_LIMIT: Duration = Duration::from_secs(300);
-
-#[derive(Debug, Args)]
-pub struct CalibrateArgs {
-    #[command(flatten)]
-    pub client: ClientArgs,
-    /// Samples per figure.
-    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=200))]
-    pub samples: u32,
-    /// Memory of the probe sandboxes, MiB.
-    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(16..=4096))]
-    pub mem_mib: u32,
-    /// What the dirtying probe rewrites, MiB (less than --mem-mib).
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=2048))]
-    pub dirty_mib: u32,
-    /// The service's data directory, to read snapshot sizes from
-    /// [default: the default data directory].
-    #[arg(long, value_name = "DIR")]
-    pub data_dir: Option<PathBuf>,
-    /// Where to store the calibration [default: DATA_DIR/plan-calibration.json].
-    #[arg(long, value_name = "FILE")]
-    pub out: Option<PathBuf>,
-}
 
 pub fn run(a: CalibrateArgs) -> i32 {
     if a.dirty_mib + 8 > a.mem_mib {
@@ -56,7 +33,7 @@ pub fn run(a: CalibrateArgs) -> i32 {
     let data_dir = a
         .data_dir
         .clone()
-        .unwrap_or_else(super::serve::default_data_dir);
+        .unwrap_or_else(super::server::default_data_dir);
     let out = a
         .out
         .clone()

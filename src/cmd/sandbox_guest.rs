@@ -6,8 +6,8 @@ use std::io::{Read, Write};
 use serde_json::{json, Map, Value};
 use torpor_agent::b64;
 
-use super::client::{encode, Client, Error};
-use super::sandbox::{path, table, text};
+use super::client::{encode, path, Client, Error};
+use super::output::{table, text};
 use super::EXIT_FAILURE;
 use crate::cli::{ClientArgs, ExecArgs, FilesAction};
 
@@ -182,7 +182,7 @@ pub fn files(c: &Client, action: FilesAction) -> Result<(), Error> {
             if c.json {
                 println!(
                     "{}",
-                    super::sandbox::pretty(&String::from_utf8_lossy(&answer))
+                    super::output::pretty(&String::from_utf8_lossy(&answer))
                 );
             } else {
                 let v: Value = serde_json::from_slice(&answer).unwrap_or_default();

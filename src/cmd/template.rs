@@ -4,7 +4,7 @@
 use serde_json::{Map, Value};
 
 use super::client::{encode, Client, Error};
-use super::sandbox::{fields, table, text, when};
+use super::output::{fields, table, text, when};
 use crate::cli::{TemplateAction, TemplateCommand, TemplateCreateArgs, TemplateKindArg};
 
 pub fn run(cmd: TemplateCommand) -> i32 {

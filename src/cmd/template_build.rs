@@ -15,7 +15,7 @@ use torpor_build::dockerfile::parse;
 use torpor_build::validate::SpecError;
 
 use super::client::{Client, Error};
-use super::sandbox::text;
+use super::output::text;
 use crate::cli::TemplateBuildArgs;
 
 /// How often the build is polled.

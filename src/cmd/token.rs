@@ -5,7 +5,7 @@
 use serde_json::json;
 
 use super::client::{encode, Client, Error};
-use super::sandbox::{table, text, when};
+use super::output::{table, text, when};
 use crate::cli::{TokenAction, TokenCommand};
 
 pub fn run(cmd: TokenCommand) -> i32 {

@@ -97,7 +97,7 @@ fn run_vm(args: VmmRunArgs) -> i32 {
 fn exec_vmm(spec: &LaunchSpec, report: bool) -> i32 {
     use std::io::Write;
     use std::os::unix::process::CommandExt;
-    let vmm = match super::serve::vmm_exe() {
+    let vmm = match super::server::vmm_exe() {
         Ok(vmm) => vmm,
         Err(e) => {
             eprintln!("torpor: error: {e}");
