@@ -7,11 +7,13 @@
 //! every backend, as the contract's operations' dispatch is ([`dispatch`]).
 //!
 //! Every call is async: a backend whose work is async (a cluster replica's
-//! PostgreSQL, NATS and its pods' APIs) runs it on the request's task; the
+//! PostgreSQL, NATS and its pods' APIs) runs it on the caller's task; the
 //! pod's own [`Service`] blocks (store writes, VMM control requests,
-//! snapshots) and runs in [`blocking`], on the request's worker thread
-//! handed over to the blocking role, so a request makes no hop to another
-//! pool and a dropped request cannot cut a call in the middle.
+//! snapshots): each call runs [`detached`] on tokio's blocking pool, and
+//! those that hand it callbacks in place ([`blocking`]). A thread that is
+//! no runtime worker waits for a call with [`wait`]. The handlers run each
+//! call as a task of its own (`crate::handlers::call`), so a request that
+//! times out or goes away cuts no operation in the middle.
 
 pub mod dispatch;
 pub mod typed;
