@@ -17,7 +17,13 @@
 //!   (TLS, htpasswd), an image of the Debian tree the nested pod's `base`
 //!   was made of (`umoci`, pushed with `skopeo`), pulled with credentials
 //!   by serve, made a template in the nested pod, a RUN on it, and a
-//!   sandbox of the result started and asked what it is.
+//!   sandbox of the result started and asked what it is;
+//! - the code interpreter (issue 27): `code-interpreter-v1`, which the
+//!   nested pod builds after `base` when the interpreter's image is there
+//!   (`scripts/setup test` builds it), through the official
+//!   e2b-code-interpreter SDKs, Python and JS, with only the E2B
+//!   variables set (`tests/e2b/sdk_interp_serve.py`, `.mjs`); left out
+//!   with `--skip nested_code_interpreter` (`tests/needs` says when).
 //!
 //! Needs what tests/nested_pod.rs needs (the nested host, the guest
 //! kernel, agent and rootfs: the scripts build them, cached) and the E2B
@@ -36,7 +42,10 @@ use std::time::{Duration, Instant};
 
 use common::e2b::{run_script, Sdk};
 use common::nested_host::StopNestedHost;
-use common::nested_serve::{cli, listening_api, ok, spawn_serve, wait_line, ShowLogOnPanic, TOKEN};
+use common::nested_serve::{
+    cli, code_interpreter_step, interpreter_offered, listening_api, ok, spawn_serve, wait_line,
+    ShowLogOnPanic, TOKEN,
+};
 use common::serve::DataDir;
 use common::{stderr, stdout};
 
@@ -81,6 +90,7 @@ fn nested_template_builds_from_a_dockerfile_and_the_e2b_sdks() {
     let serve = &mut serve.0;
     let _show = ShowLogOnPanic(log.clone());
     let api = listening_api(&log, serve);
+    let interp = interpreter_offered("nested_builds", &std::fs::read_to_string(&log).unwrap());
     let started = Instant::now();
     // The first request for `base` starts the nested pod (503 meanwhile).
     let early = cli(&api, &["template", "get", "base"], Duration::from_secs(60));
@@ -184,6 +194,9 @@ fn nested_template_builds_from_a_dockerfile_and_the_e2b_sdks() {
     }
 
     oci_step(&api, &data.0, &registry);
+    if interp {
+        code_interpreter_step("nested_builds", &api, &log, serve, started);
+    }
 }
 
 /// The Debian tree `base` was made of (scripts/build-rootfs's cache).

@@ -19,7 +19,7 @@
 //! the key set (`tests/e2b/sdk_interp_serve.py`: state, callbacks, errors,
 //! a PNG, a DataFrame, bash, a timeout, pause -> connect, kill; and
 //! `sdk_interp_serve.mjs`: create -> runCode -> kill). `scripts/test` leaves
-//! it out (`--skip nested_pod_code_interpreter`, from `tests/needs`) when
+//! it out (`--skip nested_code_interpreter`, from `tests/needs`) when
 //! the image or the SDKs are missing; run directly, it fails saying what is
 //! missing.
 //!
@@ -38,32 +38,11 @@ use std::time::{Duration, Instant};
 
 use common::nested_host::StopNestedHost;
 use common::nested_serve::{
-    cli, listening_api, ok, serve_command, spawn_serve, wait_line, KillOnDrop, ShowLogOnPanic,
-    TOKEN,
+    cli, code_interpreter_step, interpreter_offered, listening_api, ok, serve_command, spawn_serve,
+    wait_line, KillOnDrop, ShowLogOnPanic, TOKEN,
 };
 use common::serve::DataDir;
 use common::{stderr, stdout};
-/// The code interpreter step's name for `--skip` (no test has it: the
-/// step is left out when this run was given `--skip` with a filter it
-/// contains, as `scripts/test` does from `tests/needs`).
-const INTERP_STEP: &str = "nested_pod_code_interpreter";
-
-/// Whether this run leaves the code interpreter step out: libtest's
-/// `--skip FILTER` (or `--skip=FILTER`) arguments, as it matches them
-/// against test names.
-fn interpreter_step_left_out() -> bool {
-    let args: Vec<String> = std::env::args().collect();
-    let mut skips = Vec::new();
-    for (i, arg) in args.iter().enumerate() {
-        if arg == "--skip" {
-            skips.extend(args.get(i + 1).cloned());
-        } else if let Some(filter) = arg.strip_prefix("--skip=") {
-            skips.push(filter.to_string());
-        }
-    }
-    skips.iter().any(|f| INTERP_STEP.contains(f.as_str()))
-}
-
 #[test]
 fn nested_serve_runs_linux_templates_in_a_nested_pod() {
     let l1 = linux::script_path("nested-host", &["prepare"]);
@@ -84,16 +63,7 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
         "{text}"
     );
     assert!(!text.contains("starting the nested host"), "{text}");
-    let interp = !interpreter_step_left_out();
-    if interp {
-        assert!(
-            text.contains("`code-interpreter-v1` (the code interpreter) is offered too"),
-            "serve does not offer the code interpreter: its image is missing (scripts/setup \
-             test builds it; `--skip {INTERP_STEP}` leaves this step out):\n{text}"
-        );
-    } else {
-        eprintln!("nested_pod: the code interpreter step is left out (--skip {INTERP_STEP})");
-    }
+    let interp = interpreter_offered("nested_pod", &text);
     // The first request for `base` starts it and is a clear 503 saying
     // what it waits for, with Retry-After.
     let addr = api.trim_start_matches("http://").to_string();
@@ -254,7 +224,7 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
     }
 
     if interp {
-        code_interpreter_step(&api, &log, serve, started);
+        code_interpreter_step("nested_pod", &api, &log, serve, started);
     }
 
     ok(
@@ -373,43 +343,6 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
         "pod list",
     );
     assert!(!pods.contains(&pod), "{pods}");
-}
-
-/// `code-interpreter-v1`, built by the nested pod after `base`: once it is
-/// ready, the real code interpreter SDKs (Python: the long round, JS:
-/// create -> runCode -> kill) through serve at `api`, each call bounded by
-/// 120 s (TCG); the timings they measured are printed.
-fn code_interpreter_step(api: &str, log: &Path, serve: &mut std::process::Child, started: Instant) {
-    use common::e2b::{run_script, Sdk};
-    let ready = wait_line(log, serve, Duration::from_secs(30 * 60), |l| {
-        l.contains("template `code-interpreter-v1` ready in the nested host")
-    });
-    eprintln!(
-        "nested_pod: {ready} (test saw it after {:.0}s)",
-        started.elapsed().as_secs_f64()
-    );
-    for (sdk, script, limit) in [
-        (Sdk::Python, "sdk_interp_serve.py", 1800),
-        (Sdk::Js, "sdk_interp_serve.mjs", 600),
-    ] {
-        let began = Instant::now();
-        let out = run_script(
-            sdk,
-            script,
-            &["120"],
-            api,
-            TOKEN,
-            &[],
-            Duration::from_secs(limit),
-        );
-        for line in out.lines().filter(|l| l.starts_with("timing: ")) {
-            eprintln!("nested_pod: {script} {line}");
-        }
-        eprintln!(
-            "nested_pod: {script} passed in {:.0}s",
-            began.elapsed().as_secs_f64()
-        );
-    }
 }
 
 /// kill -9 of serve with a running and a hibernated Linux sandbox of a

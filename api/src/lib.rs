@@ -310,6 +310,31 @@ impl<S: SandboxApi> Api<S> {
         }
     }
 
+    /// Builds shared template `name` from `spec` as the service's operator
+    /// (the command line's admin token), through the same checks, backend
+    /// and admission as `POST /v1/builds` with an admin token, its ready
+    /// check waited for up to `ready`: the service's own templates (the
+    /// nested pod's `code-interpreter-v1`). The build, to follow.
+    pub async fn build_shared(
+        &self,
+        name: &str,
+        spec: torpor_build::spec::BuildSpec,
+        ready: std::time::Duration,
+    ) -> Result<Arc<build_registry::Build>, service::ServiceError> {
+        use torpor_gate::builds::{run, start};
+        start::check_name(name)?;
+        let p = auth::Principal::new(auth::ADMIN_TENANT, auth::Scope::Admin, "command-line");
+        let t = &self.tenancy;
+        let prepared = start::prepare(t, &p, spec, name, None).await?;
+        let build = t.builds.begin(None, name, vec!["default".into()]);
+        let limits = run::Limits {
+            ready,
+            ..run::Limits::default()
+        };
+        start::start_within(t, &p, &build, prepared, limits);
+        Ok(build)
+    }
+
     /// The API as an axum router: `/v1` and E2B's routes.
     pub fn router(&self) -> Router {
         let (service, config, tenancy) = (Arc::clone(&self.service), &self.config, &self.tenancy);

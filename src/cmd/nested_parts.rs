@@ -16,7 +16,7 @@ use torpor_api::nested::Nested;
 use torpor_nested::L1Assets;
 use torpor_scheduler::service::Service;
 
-use super::nested_templates::{BASE, INTERPRETER};
+use super::nested_templates::{Builder, BASE, INTERPRETER};
 
 /// What the nested pod is made of (`None`: built from this checkout).
 #[derive(Clone)]
@@ -27,6 +27,8 @@ pub struct NestedPodConfig {
     pub mem_mib: u32,
     /// vCPUs of the template `base`.
     pub vcpus: u32,
+    /// Serve's API once made: builds `code-interpreter-v1`.
+    pub builder: Builder,
 }
 
 impl NestedPodConfig {
@@ -445,6 +447,7 @@ mod tests {
             interpreter,
             mem_mib: 3072,
             vcpus: 1,
+            builder: Builder::default(),
         };
         assert_eq!(
             config(InterpreterImage::Cached).offered(),

@@ -278,7 +278,7 @@ fn spawn_host(
                     .record()
                     .map(|r| templates::console_file(&r.work_dir))
                     .unwrap_or_default();
-                let mut later = Later::new(&built, console);
+                let mut later = Later::new(&built, console, config.builder.clone());
                 later.coming(&nested, &pod);
                 let why = supervise(&nested, &mut running, &pod, &mut later, started);
                 eprintln!(

@@ -1,17 +1,25 @@
 //! The templates the nested pod builds, in order: `base`, then
-//! `code-interpreter-v1` (E2B's code interpreter, the image of
-//! `scripts/build-rootfs --variant interpreter`) when serve has that image.
-//! The script L1 runs: install their images, serve the pod, build them
-//! through its API, and say on the console how each went; and how serve
-//! follows the templates that come after `base` (console marks and the
-//! pod's template list) while the host runs.
+//! `code-interpreter-v1` (E2B's code interpreter) when serve has its image
+//! (`scripts/build-rootfs --variant interpreter`: the packages and the
+//! server). The script L1 runs: install their images, serve the pod, make
+//! them templates through its API (the interpreter's image as the hidden
+//! layer [`INTERPRETER_LAYER`]), and say on the console how each went; and
+//! how serve follows the templates that come after `base` (console marks
+//! and the pod's template list) while the host runs: `code-interpreter-v1`
+//! is built by serve's template builder from that layer
+//! ([`INTERPRETER_SPEC`]: its start command, the server, snapshotted
+//! running once it answers).
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
+use torpor_api::build_registry::{Build, BuildStatus};
 use torpor_api::nested::Nested;
-use torpor_api::SandboxApi;
+use torpor_api::{Api, SandboxApi};
+use torpor_build::spec::BuildSpec;
 use torpor_client::pin::Fingerprint;
 use torpor_scheduler::model::PodId;
 use torpor_scheduler::service::Service;
@@ -20,6 +28,29 @@ use torpor_scheduler::service::Service;
 pub const BASE: &str = "base";
 /// E2B's code interpreter template (`e2b-code-interpreter`'s default).
 pub const INTERPRETER: &str = "code-interpreter-v1";
+/// The interpreter's image made a template by the pod (booted, its
+/// packages and server in it, nothing started): what
+/// [`INTERPRETER_SPEC`] builds from. A build layer's name, so lists hide it.
+pub const INTERPRETER_LAYER: &str = "build-layer-code-interpreter-v1-image";
+/// `code-interpreter-v1`'s build spec: from [`INTERPRETER_LAYER`], the
+/// server as its start command, ready once it answers `/health`.
+pub const INTERPRETER_SPEC: &str = include_str!("../../guest-image/interpreter/template.json");
+/// How long the interpreter's start command may take to answer: its
+/// kernels load numpy, pandas and matplotlib (minutes under the nested
+/// host's TCG).
+const INTERPRETER_READY: Duration = Duration::from_secs(15 * 60);
+
+/// Serve's API, once it is made: the template builder the nested pod's
+/// follower builds `code-interpreter-v1` with.
+pub type Builder = Arc<OnceLock<ServeApi>>;
+
+/// Serve's API and the runtime it runs on (a build's thread waits there
+/// for its backend calls, so it starts on it).
+pub struct ServeApi {
+    pub api: Api<Nested<Service>>,
+    pub runtime: tokio::runtime::Handle,
+}
+
 /// The pod's port inside L1.
 pub const POD_PORT: u16 = 7801;
 /// Where L1 finds the interpreter's rootfs (carried on the payload disk).
@@ -38,7 +69,7 @@ const MARK: &str = "TORPOR-NESTED-POD: template";
 /// SDKs' run went through.
 fn size(name: &str, base_vcpus: u32) -> (u32, u32) {
     match name {
-        INTERPRETER => (1024, 1),
+        INTERPRETER | INTERPRETER_LAYER => (1024, 1),
         _ => (512, base_vcpus),
     }
 }
@@ -67,20 +98,27 @@ pub fn script(fingerprint: &Fingerprint, templates: &[&str], base_vcpus: u32) ->
     let mut install = String::new();
     let mut build = String::new();
     for name in templates {
-        // The interpreter boots `base`'s kernel with its own rootfs.
-        if *name == INTERPRETER {
+        // The interpreter boots `base`'s kernel with its own rootfs, as
+        // the layer serve's builder starts its server in.
+        let image: &str = name;
+        let name = if image == INTERPRETER {
+            INTERPRETER_LAYER
+        } else {
+            image
+        };
+        if image == INTERPRETER {
             install.push_str(&format!(
-                r#"mkdir -p "$IMAGES/{name}"
-cp "$IMAGES/{BASE}/vmlinux" "$IMAGES/{name}/vmlinux"
-mv "$(readlink -f {INTERPRETER_ROOTFS})" "$IMAGES/{name}/rootfs.ext4"
-chmod 0644 "$IMAGES/{name}/vmlinux" "$IMAGES/{name}/rootfs.ext4"
+                r#"mkdir -p "$IMAGES/{image}"
+cp "$IMAGES/{BASE}/vmlinux" "$IMAGES/{image}/vmlinux"
+mv "$(readlink -f {INTERPRETER_ROOTFS})" "$IMAGES/{image}/rootfs.ext4"
+chmod 0644 "$IMAGES/{image}/vmlinux" "$IMAGES/{image}/rootfs.ext4"
 "#
             ));
         }
         let (mib, vcpus) = size(name, base_vcpus);
         let (ready, failed) = (mark_ready(name), mark_failed(name));
         build.push_str(&format!(
-            r#"if tpl_create /tmp/template-{name}.out {name} --kind linux --image {name} \
+            r#"if tpl_create /tmp/template-{name}.out {name} --kind linux --image {image} \
      --mem-mib {mib} --vcpus {vcpus}; then
   echo '{ready}'
 else
@@ -138,20 +176,26 @@ pub fn ready_on(nested: &Nested<Service>, pod: &PodId, name: &str) -> bool {
 }
 
 /// Follows the templates a running nested host builds after `base`: each
-/// is coming (503 with why) until the pod lists it ready or the console
-/// says it failed.
+/// is coming (503 with why) until the pod lists it ready or building it
+/// failed. `code-interpreter-v1` is built by serve's template builder once
+/// the pod has its image's layer.
 pub struct Later {
     pending: Vec<String>,
     marks: ConsoleMarks,
+    builder: Builder,
+    /// `code-interpreter-v1`'s build, once started.
+    building: Option<Arc<Build>>,
 }
 
 impl Later {
     /// `names` (besides `base`) built by the host whose console file is
-    /// `console`, on `pod`.
-    pub fn new(names: &[String], console: PathBuf) -> Self {
+    /// `console`, `code-interpreter-v1` with `builder`.
+    pub fn new(names: &[String], console: PathBuf, builder: Builder) -> Self {
         Later {
             pending: names.iter().filter(|n| *n != BASE).cloned().collect(),
             marks: ConsoleMarks::new(console),
+            builder,
+            building: None,
         }
     }
 
@@ -167,34 +211,125 @@ impl Later {
         }
     }
 
-    /// Looks at the console and the pod once: templates that became ready
-    /// are there (said), those whose build failed answer why.
+    /// Looks at the console, the pod and the builds once: templates that
+    /// became ready are there (said), those whose build failed answer why.
     pub fn check(&mut self, nested: &Nested<Service>, pod: &PodId, since: std::time::Instant) {
         if self.pending.is_empty() {
             return;
         }
         let lines = self.marks.scan();
+        let (builder, building) = (&self.builder, &mut self.building);
         self.pending.retain(|name| {
-            let failed = mark_failed(name);
-            if let Some(line) = lines.iter().find(|l| l.contains(&failed)) {
-                let why = line.split(&failed).nth(1).unwrap_or("").trim();
-                eprintln!("torpor serve: the nested pod could not build `{name}`: {why}");
-                nested.template_coming(name, Some(format!("building it failed: {why}")));
-                return false;
+            let made = if name == INTERPRETER {
+                interpreter(nested, pod, &lines, builder, building)
+            } else {
+                made_by_pod(nested, pod, &lines, name)
+            };
+            match made {
+                Made::Not => true,
+                Made::Failed(why) => {
+                    eprintln!("torpor serve: the nested pod could not build `{name}`: {why}");
+                    nested.template_coming(name, Some(format!("building it failed: {why}")));
+                    false
+                }
+                Made::Ready => {
+                    nested.template_coming(name, None);
+                    println!(
+                        "torpor serve: template `{name}` ready in the nested host (pod {pod}) \
+                         {:.0}s after it started",
+                        since.elapsed().as_secs_f64()
+                    );
+                    false
+                }
             }
-            let ready = mark_ready(name);
-            if lines.iter().any(|l| l.contains(&ready)) || ready_on(nested, pod, name) {
-                nested.template_coming(name, None);
-                println!(
-                    "torpor serve: template `{name}` ready in the nested host (pod {pod}) \
-                     {:.0}s after it started",
-                    since.elapsed().as_secs_f64()
-                );
-                return false;
-            }
-            true
         });
     }
+}
+
+/// Where a template after `base` is.
+enum Made {
+    Not,
+    Ready,
+    Failed(String),
+}
+
+/// Template `name` as the pod makes it: its console marks (`lines`), or
+/// the pod listing it ready.
+fn made_by_pod(nested: &Nested<Service>, pod: &PodId, lines: &[String], name: &str) -> Made {
+    let failed = mark_failed(name);
+    if let Some(line) = lines.iter().find(|l| l.contains(&failed)) {
+        let why = line.split(&failed).nth(1).unwrap_or("").trim();
+        return Made::Failed(why.to_string());
+    }
+    let ready = mark_ready(name);
+    if lines.iter().any(|l| l.contains(&ready)) || ready_on(nested, pod, name) {
+        return Made::Ready;
+    }
+    Made::Not
+}
+
+/// `code-interpreter-v1`: once the pod made [`INTERPRETER_LAYER`], built
+/// by serve's template builder from [`INTERPRETER_SPEC`] (when serve's API
+/// is up), and ready when that build is. A host serve re-attached to that
+/// has it already is not built again.
+fn interpreter(
+    nested: &Nested<Service>,
+    pod: &PodId,
+    lines: &[String],
+    builder: &Builder,
+    building: &mut Option<Arc<Build>>,
+) -> Made {
+    if let Some(build) = building {
+        let record = build.record();
+        return match record.status {
+            BuildStatus::Ready => Made::Ready,
+            BuildStatus::Error | BuildStatus::Cancelled => Made::Failed(
+                record
+                    .failure
+                    .map(|f| f.message)
+                    .unwrap_or_else(|| "the build was cancelled".into()),
+            ),
+            BuildStatus::Waiting | BuildStatus::Building => Made::Not,
+        };
+    }
+    if ready_on(nested, pod, INTERPRETER) {
+        return Made::Ready;
+    }
+    match made_by_pod(nested, pod, lines, INTERPRETER_LAYER) {
+        Made::Ready => {}
+        other => return other,
+    }
+    let Some(serve) = builder.get() else {
+        // Serve's API is not made yet: the next look (the pod lists the
+        // layer ready).
+        return Made::Not;
+    };
+    let spec = match interpreter_spec() {
+        Ok(spec) => spec,
+        Err(e) => return Made::Failed(e),
+    };
+    let started =
+        serve
+            .runtime
+            .block_on(serve.api.build_shared(INTERPRETER, spec, INTERPRETER_READY));
+    match started {
+        Ok(build) => {
+            println!(
+                "torpor serve: building `{INTERPRETER}` on the nested pod with the template \
+                 builder (build {}): its server started and snapshotted once it answers",
+                build.record().id
+            );
+            *building = Some(build);
+            Made::Not
+        }
+        Err(e) => Made::Failed(format!("its build could not start: {e}")),
+    }
+}
+
+/// [`INTERPRETER_SPEC`], parsed.
+pub fn interpreter_spec() -> Result<BuildSpec, String> {
+    serde_json::from_str(INTERPRETER_SPEC)
+        .map_err(|e| format!("guest-image/interpreter/template.json: {e}"))
 }
 
 /// Lines of L1's console file with [`MARK`] in them, read on from where
@@ -267,13 +402,49 @@ mod tests {
         let both = script(&fp, &[BASE, INTERPRETER], 2);
         assert!(both.contains("--mem-mib 512 --vcpus 2"), "{both}");
         let base_at = both.find("tpl_create /tmp/template-base.out base").unwrap();
+        // The interpreter's image becomes the layer its build starts from.
         let interp_at = both
-            .find("tpl_create /tmp/template-code-interpreter-v1.out code-interpreter-v1")
+            .find(&format!(
+                "tpl_create /tmp/template-{INTERPRETER_LAYER}.out {INTERPRETER_LAYER} \
+                 --kind linux --image {INTERPRETER}"
+            ))
             .unwrap();
         assert!(base_at < interp_at, "{both}");
         assert!(both.contains("--mem-mib 1024 --vcpus 1"), "{both}");
-        assert!(both.contains(&mark_ready(INTERPRETER)), "{both}");
+        assert!(both.contains(&mark_ready(INTERPRETER_LAYER)), "{both}");
         assert!(both.contains(INTERPRETER_ROOTFS), "{both}");
+    }
+
+    #[test]
+    fn the_interpreter_is_built_from_its_layer_with_its_server_as_start_command() {
+        use torpor_build::ready::ReadyCheck;
+        use torpor_build::spec::Source;
+        let spec = interpreter_spec().unwrap();
+        spec.validate().unwrap();
+        assert_eq!(
+            spec.from,
+            Source::Template {
+                name: INTERPRETER_LAYER.into()
+            }
+        );
+        assert!(torpor_api::build_registry::is_layer(INTERPRETER_LAYER));
+        let start = spec.start.unwrap();
+        assert_eq!(
+            start.cmd.as_deref(),
+            Some("/usr/local/lib/torpor-interpreter/start")
+        );
+        assert_eq!(
+            start.ready,
+            Some(ReadyCheck::Url {
+                url: "http://127.0.0.1:49999/health".into(),
+                status: None
+            })
+        );
+        // The start command is the image's (scripts/build-rootfs puts the
+        // variant's files there), and executable.
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/guest-image/interpreter/start");
+        let mode = std::fs::metadata(script).unwrap().permissions();
+        assert_ne!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o111, 0);
     }
 
     #[test]

@@ -211,6 +211,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     let tenants_file = tenants_file(&args, &data_dir)?;
     let request_timeout = Duration::from_millis(args.service.request_timeout_ms.max(1));
     let nested = Nested::new(service.clone(), request_timeout);
+    // The template builder the nested pod's follower builds
+    // `code-interpreter-v1` with: serve's API, once made below.
+    let builder = super::nested_templates::Builder::default();
     if data_dir.join("federation.db").exists() {
         println!(
             "torpor serve: {} (pods registered by an earlier torpor) is no longer read: \
@@ -229,6 +232,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             mem_mib: args.nested_mem_mib,
             // Real VMX/SVM: none of TCG's secondary-vCPU faults.
             vcpus: 2,
+            builder: builder.clone(),
         };
         super::nested_parts::local_on_demand(nested.clone(), service.clone(), config);
     } else if !args.no_nested_pod {
@@ -238,6 +242,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             interpreter: InterpreterImage::find(args.nested_interpreter_rootfs.clone()),
             mem_mib: args.nested_mem_mib,
             vcpus: args.nested_vcpus,
+            builder: builder.clone(),
         };
         let template = super::nested_templates::BASE;
         let interpreter = super::nested_templates::INTERPRETER;
@@ -325,6 +330,11 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
         // One API for every listener: tokens, quotas and rate limits shared.
         let api = torpor_api::Api::new(nested, api);
+        // Set once: a second set (none is made) would be refused.
+        let _ = builder.set(super::nested_templates::ServeApi {
+            api: api.clone(),
+            runtime: tokio::runtime::Handle::current(),
+        });
         if let Some(e2b_listen) = args.e2b_listen {
             let e2b = tokio::net::TcpListener::bind(e2b_listen)
                 .await

@@ -129,3 +129,83 @@ impl Drop for KillOnDrop {
         let _ = self.0.wait();
     }
 }
+
+/// The code interpreter step's name for `--skip` (no test has it: the
+/// step is left out when this run was given `--skip` with a filter it
+/// contains, as `scripts/test` does from `tests/needs`).
+pub const INTERP_STEP: &str = "nested_code_interpreter";
+
+/// Whether this run leaves the code interpreter step out: libtest's
+/// `--skip FILTER` (or `--skip=FILTER`) arguments, as it matches them
+/// against test names.
+fn interpreter_step_left_out() -> bool {
+    let args: Vec<String> = std::env::args().collect();
+    let mut skips = Vec::new();
+    for (i, arg) in args.iter().enumerate() {
+        if arg == "--skip" {
+            skips.extend(args.get(i + 1).cloned());
+        } else if let Some(filter) = arg.strip_prefix("--skip=") {
+            skips.push(filter.to_string());
+        }
+    }
+    skips.iter().any(|f| INTERP_STEP.contains(f.as_str()))
+}
+
+/// Whether test `who` runs the code interpreter step: unless it is left
+/// out, serve's log (`text`, from its start) must say it offers
+/// `code-interpreter-v1`.
+pub fn interpreter_offered(who: &str, text: &str) -> bool {
+    if interpreter_step_left_out() {
+        eprintln!("{who}: the code interpreter step is left out (--skip {INTERP_STEP})");
+        return false;
+    }
+    assert!(
+        text.contains("`code-interpreter-v1` (the code interpreter) is offered too"),
+        "serve does not offer the code interpreter: its image is missing (scripts/setup \
+         test builds it; `--skip {INTERP_STEP}` leaves this step out):\n{text}"
+    );
+    true
+}
+
+/// `code-interpreter-v1`, built after `base` for the nested pod: once it
+/// is ready, the real code interpreter SDKs (Python: the long round, JS:
+/// create -> runCode -> kill) through serve at `api`, each call bounded
+/// by 120 s (TCG); the timings they measured are printed.
+pub fn code_interpreter_step(
+    who: &str,
+    api: &str,
+    log: &Path,
+    serve: &mut std::process::Child,
+    started: Instant,
+) {
+    use super::e2b::{run_script, Sdk};
+    let ready = wait_line(log, serve, Duration::from_secs(30 * 60), |l| {
+        l.contains("template `code-interpreter-v1` ready in the nested host")
+    });
+    eprintln!(
+        "{who}: {ready} (test saw it after {:.0}s)",
+        started.elapsed().as_secs_f64()
+    );
+    for (sdk, script, limit) in [
+        (Sdk::Python, "sdk_interp_serve.py", 1800),
+        (Sdk::Js, "sdk_interp_serve.mjs", 600),
+    ] {
+        let began = Instant::now();
+        let out = run_script(
+            sdk,
+            script,
+            &["120"],
+            api,
+            TOKEN,
+            &[],
+            Duration::from_secs(limit),
+        );
+        for line in out.lines().filter(|l| l.starts_with("timing: ")) {
+            eprintln!("{who}: {script} {line}");
+        }
+        eprintln!(
+            "{who}: {script} passed in {:.0}s",
+            began.elapsed().as_secs_f64()
+        );
+    }
+}

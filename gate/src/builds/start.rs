@@ -185,6 +185,18 @@ pub async fn prepare<S: SandboxApi>(
 /// Starts `build` on its prepared plan, from the API's runtime: a pull
 /// runs on that runtime.
 pub fn start<S: SandboxApi>(t: &Tenancy<S>, p: &Principal, build: &Arc<Build>, prepared: Prepared) {
+    start_within(t, p, build, prepared, Limits::default())
+}
+
+/// [`start`] within `limits` (the service's own templates: a start
+/// command slower to be ready than a tenant's may be).
+pub fn start_within<S: SandboxApi>(
+    t: &Tenancy<S>,
+    p: &Principal,
+    build: &Arc<Build>,
+    prepared: Prepared,
+    limits: Limits,
+) {
     let Prepared {
         mut base,
         shown,
@@ -206,13 +218,7 @@ pub fn start<S: SandboxApi>(t: &Tenancy<S>, p: &Principal, build: &Arc<Build>, p
         // Building from now: a second start of it is refused.
         r.status = super::BuildStatus::Building;
     });
-    spawn(
-        t.clone(),
-        p.clone(),
-        Arc::clone(build),
-        base,
-        Limits::default(),
-    );
+    spawn(t.clone(), p.clone(), Arc::clone(build), base, limits);
 }
 
 /// [`prepare`]s `spec` for `build` and [`start`]s it; an error leaves the
