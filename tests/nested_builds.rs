@@ -13,6 +13,9 @@
 //!   logs, exists, a sandbox answering on its start command's port, the
 //!   cached rebuild, a failing step with its call site, build in the
 //!   background, tags; `sdk_template.mjs`: one build and its sandbox);
+//! - a guest port of a `base` sandbox reached both ways E2B's SDKs address
+//!   one (`tests/e2b/sdk_ports.py`: `E2b-Sandbox-Port` headers and the
+//!   `{port}-{id}.{domain}` host name);
 //! - a build FROM an OCI image: Debian's `docker-registry` on loopback
 //!   (TLS, htpasswd), an image of the Debian tree the nested pod's `base`
 //!   was made of (`umoci`, pushed with `skopeo`), pulled with credentials
@@ -192,6 +195,23 @@ fn nested_template_builds_from_a_dockerfile_and_the_e2b_sdks() {
             t.elapsed().as_secs_f64()
         );
     }
+
+    // A guest port of a `base` sandbox (`python3 -m http.server`) both
+    // ways the SDKs address one: E2B's headers and `{port}-{id}.{domain}`.
+    let t = Instant::now();
+    run_script(
+        Sdk::Python,
+        "sdk_ports.py",
+        &["/tmp"],
+        &api,
+        TOKEN,
+        &base,
+        step,
+    );
+    eprintln!(
+        "nested_builds: sdk_ports.py passed in {:.0}s",
+        t.elapsed().as_secs_f64()
+    );
 
     oci_step(&api, &data.0, &registry);
     if interp {

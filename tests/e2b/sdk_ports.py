@@ -5,8 +5,9 @@ E2B_SANDBOX_URL (what the code interpreter SDKs do) and the host name
 `sandbox.get_host(port)` (sent as the Host header to the same address, so
 that no DNS is needed). Run by api/tests/http_e2b_sdk.rs against a probe
 sandbox whose agent is a real one on this host (the "guest" is the host),
-and by tests/nested_pod.rs against `base` (E2B_TEST_TEMPLATE). argv[1]: a
-scratch directory (on the host agent, where the server's files go).
+and by tests/nested_pod.rs and tests/nested_builds.rs against `base`
+(E2B_TEST_TEMPLATE). argv[1]: a scratch directory (on the host agent,
+where the server's files go).
 Exits non-zero on the first failed check.
 """
 
