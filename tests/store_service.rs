@@ -253,13 +253,29 @@ fn store_s3_stopped_mid_upload_loses_no_sandbox() {
     // The store back: a hibernate asked again stores the snapshot; gone
     // from the disk, the wake fetches it and the guest goes on.
     proxy.restore();
-    let stored = hibernate(&service, &id).expect("stored once the store is back");
+    hibernate(&service, &id).expect("stored once the store is back");
     evict(&service, &id);
     cold_wake(&service, &id);
     guest_iterates_mib(&data.0, &id, WORK);
 
+    // Down while its snapshot is only in the store: the wake fails and
+    // leaves it hibernated; back, the wake fetches it.
+    let stored = hibernate(&service, &id).expect("stored");
+    evict(&service, &id);
+    proxy.cut();
+    let e = service.resume(&id).unwrap_err();
+    println!("a cold wake with the store down: {e}");
+    assert!(matches!(e, ServiceError::ObjectStore(_)), "{e}");
+    assert_eq!(
+        service.get_sandbox(&id).unwrap().state,
+        SandboxState::Hibernated
+    );
+    proxy.restore();
+    cold_wake(&service, &id);
+    guest_iterates_mib(&data.0, &id, WORK);
+
     // What a client was told is stored is still there: the template's
-    // layer, and the last hibernation's until the sandbox went on.
+    // layer, and the last hibernation's while the sandbox ran on from it.
     let direct = torpor_storage::StoreConfig::parse_with_env(&url, |k| {
         if k == "AWS_ENDPOINT_URL" {
             Some(env["AWS_ENDPOINT_URL"].clone())

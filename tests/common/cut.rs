@@ -82,6 +82,11 @@ impl CutProxy {
         self.state.cut_at.store(now + more, Ordering::SeqCst);
     }
 
+    /// Cuts now.
+    pub fn cut(&self) {
+        self.state.cut_now();
+    }
+
     /// Whether it is cut.
     pub fn is_cut(&self) -> bool {
         self.state.cut.load(Ordering::SeqCst)
