@@ -10,8 +10,9 @@
 //! must lose no sandbox and no stored layer, a wake from the pod's disk
 //! and, once the store is back, a stored and cold-woken sandbox following;
 //! and a garbage collection of another pod (no grace) looping while
-//! sandboxes hibernate and wake cold, which must take no chunk a
-//! hibernation's manifest or a wake needs (the leases of torpor-storage).
+//! a sandbox hibernates and wakes cold and another pod adopts it, which
+//! must take no chunk a hibernation's manifest, a wake or an adoption
+//! needs (the leases of torpor-storage).
 
 mod common;
 
@@ -370,13 +371,39 @@ fn store_gc_racing_hibernations_and_cold_wakes_takes_nothing_they_need() {
         hibernate(&service, &id).unwrap();
         println!("round {round}: {m} stored, woken cold, hibernated again");
     }
+    // Another pod adopts it (as a replica moves a lost pod's sandbox)
+    // while the collector runs: the template's layer and the sandbox's
+    // fetched there; this pod releases its copy, keeping the manifests.
+    let other = DataDir::new("store-gc-race-adopter");
+    let adopter = common::service_with_probe(
+        &other.0,
+        |c| c.object_store = Some(objects.display().to_string()),
+        "slow",
+        64,
+        &format!("probe.mib={WORK} probe.ticks=1 probe.hz=1"),
+    );
+    let sandbox = service.get_sandbox(&id).unwrap();
+    let template = service
+        .list_templates()
+        .unwrap()
+        .into_iter()
+        .find(|t| t.id == sandbox.template)
+        .unwrap();
+    adopter
+        .adopt_sandbox(sandbox, template)
+        .expect("adopted by another pod");
+    service.release_sandbox(&id).unwrap();
+    adopter.resume(&id).expect("a wake on the other pod");
+    guest_iterates_mib(&other.0, &id, WORK);
+    hibernate(&adopter, &id).unwrap();
+    evict(&adopter, &id);
+    cold_wake(&adopter, &id);
+    guest_iterates_mib(&other.0, &id, WORK);
+
     stop.store(true, Ordering::SeqCst);
     let (runs, deleted) = collector.join().unwrap();
     println!("the collector ran {runs} times and deleted {deleted} chunks");
     // It had teeth: the older snapshots' own chunks went.
     assert!(runs >= 4 && deleted > 0, "{runs} runs, {deleted} deleted");
-    evict(&service, &id);
-    cold_wake(&service, &id);
-    guest_iterates_mib(&data.0, &id, WORK);
-    service.delete_sandbox(&id).unwrap();
+    adopter.delete_sandbox(&id).unwrap();
 }
