@@ -23,8 +23,15 @@
 //! one run shows what the jail costs each operation (as root only: without
 //! root the service cannot jail, and every row runs unjailed, noted).
 //!
+//! The object store (issue 29, `api/store.rs`): `torpor serve
+//! --object-store` on a directory and on SeaweedFS's S3 (when `weed` is
+//! installed), a 256 MiB probe hibernated with its upload, woken warm
+//! (its snapshot on the pod's disk) and cold (removed first: downloaded),
+//! the cold wake split into download and restore; its own table, run with
+//! the others or alone (`--only store`; not in the smoke run).
+//!
 //! `cargo bench --bench api [-- --quick --runs N --clones N --secs S
-//! --threads T --only pool|nopool|default|file|uffd|uffd-shared|256|2048|jail|nojail
+//! --threads T --only pool|nopool|default|file|uffd|uffd-shared|256|2048|jail|nojail|store
 //! --ab PATH]`
 //! (`--only` repeats and takes comma lists: OR within a dimension, AND
 //! across). Defaults: 30 samples, 100 clones, 30 s, 4 threads, 256 MiB and
@@ -96,6 +103,7 @@ const ONLY: &[&str] = &[
     "2048",
     "jail",
     "nojail",
+    "store",
 ];
 
 fn usage(msg: &str) -> ! {
@@ -176,8 +184,17 @@ impl Opts {
         self.only.iter().any(|o| o == w)
     }
 
+    /// Whether the object-store table runs (`--only store`, or every
+    /// table but the smoke run's).
+    fn store(&self) -> bool {
+        self.has("store") || (self.only.is_empty() && !self.smoke)
+    }
+
     /// The configurations to run, in table order, per guest size.
     fn configs(&self) -> Vec<Config> {
+        if !self.only.is_empty() && self.only.iter().all(|w| w == "store") {
+            return Vec::new();
+        }
         let sized: Vec<u32> = SIZES
             .into_iter()
             .filter(|m| self.has(&m.to_string()))
@@ -423,6 +440,8 @@ struct Results {
 
 #[path = "api/measure.rs"]
 mod measure;
+#[path = "api/store.rs"]
+mod store;
 #[path = "api/table.rs"]
 mod table;
 
@@ -439,7 +458,7 @@ struct Ran {
 fn main() {
     let o = Opts::parse();
     let configs = o.configs();
-    if configs.is_empty() {
+    if configs.is_empty() && !o.store() {
         usage("--only leaves no configuration");
     }
     if o.smoke {
@@ -503,7 +522,15 @@ fn main() {
         }
         done.push((*cfg, r));
     }
+    // The object store's table, printed as it ends.
+    if o.store() && !store::run(&o, scratch.path()) {
+        failed = true;
+    }
     drop(scratch);
+    if configs.is_empty() {
+        // `--only store`: its table is all.
+        std::process::exit(i32::from(failed));
+    }
 
     println!(
         "\ntorpor API benchmark: `torpor serve` per configuration, one client over loopback \

@@ -5,7 +5,7 @@ use super::*;
 use torpor_sync::Locked;
 
 /// POST /v1/sandboxes -> 201 running: (id, answer, ms).
-fn create(serve: &Serve, template: &str) -> Result<(String, Value, f64), String> {
+pub(super) fn create(serve: &Serve, template: &str) -> Result<(String, Value, f64), String> {
     let body = json!({"template": template, "metadata": {"bench": "api"}}).to_string();
     let t = Instant::now();
     let (status, text) = serve.raw("POST", "/v1/sandboxes", Some(&body), REQUEST_LIMIT)?;
@@ -20,7 +20,12 @@ fn create(serve: &Serve, template: &str) -> Result<(String, Value, f64), String>
 
 /// POST /v1/sandboxes/{id}/{op} -> 200 with the sandbox in `state`:
 /// (answer, ms).
-fn lifecycle(serve: &Serve, id: &str, op: &str, state: &str) -> Result<(Value, f64), String> {
+pub(super) fn lifecycle(
+    serve: &Serve,
+    id: &str,
+    op: &str,
+    state: &str,
+) -> Result<(Value, f64), String> {
     let path = format!("/v1/sandboxes/{id}/{op}");
     let t = Instant::now();
     let (status, text) = serve.raw("POST", &path, None, REQUEST_LIMIT)?;
@@ -102,7 +107,11 @@ fn new_lines(path: &Path, before: &[u8]) -> usize {
 
 /// Polls (100 µs grain) until `path` has a probe line `before` did not;
 /// when, or an error at `deadline`.
-fn wait_new_line(path: &Path, before: &[u8], deadline: Instant) -> Result<Instant, String> {
+pub(super) fn wait_new_line(
+    path: &Path,
+    before: &[u8],
+    deadline: Instant,
+) -> Result<Instant, String> {
     loop {
         if new_lines(path, before) > 0 {
             return Ok(Instant::now());
@@ -143,7 +152,7 @@ fn par_for(
 }
 
 /// Lets the standby pool refill after a burst.
-fn settle() {
+pub(super) fn settle() {
     std::thread::sleep(Duration::from_millis(1000));
 }
 

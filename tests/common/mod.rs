@@ -4,6 +4,7 @@
 
 pub mod chaos;
 pub mod cluster;
+pub mod cut;
 pub mod disk;
 pub mod e2b;
 pub mod e2b_http;

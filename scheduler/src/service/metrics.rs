@@ -96,6 +96,14 @@ pub struct Metrics {
     wakes: Outcomes,
     hibernations: Outcomes,
     execs: Outcomes,
+    /// Object store (`--object-store`): layers uploaded and fetched by
+    /// result, their time, and the bytes they moved.
+    uploads: Outcomes,
+    fetches: Outcomes,
+    upload_ms: Histogram,
+    fetch_ms: Histogram,
+    sent_bytes: Counter,
+    fetched_bytes: Counter,
     faults: Mutex<FaultBook>,
 }
 
@@ -117,6 +125,12 @@ impl Default for Metrics {
             wakes: outcomes(),
             hibernations: outcomes(),
             execs: outcomes(),
+            uploads: outcomes(),
+            fetches: outcomes(),
+            upload_ms: Histogram::new(BUCKETS_MS),
+            fetch_ms: Histogram::new(BUCKETS_MS),
+            sent_bytes: Counter::default(),
+            fetched_bytes: Counter::default(),
             faults: Mutex::default(),
         }
     }
@@ -166,6 +180,26 @@ impl Metrics {
     pub fn observe_exec(&self, ms: f64, ok: bool) {
         self.exec.observe(ms);
         self.execs.get_or_create(&result(ok)).inc();
+    }
+
+    /// A layer upload to the object store: its time and the (compressed)
+    /// bytes it sent, or None when it failed.
+    pub fn observe_upload(&self, ms: f64, sent: Option<u64>) {
+        self.uploads.get_or_create(&result(sent.is_some())).inc();
+        if let Some(bytes) = sent {
+            self.upload_ms.observe(ms);
+            self.sent_bytes.inc_by(bytes);
+        }
+    }
+
+    /// A layer fetched whole from the object store: its time and the
+    /// (compressed) bytes it read, or None when it failed.
+    pub fn observe_fetch(&self, ms: f64, fetched: Option<u64>) {
+        self.fetches.get_or_create(&result(fetched.is_some())).inc();
+        if let Some(bytes) = fetched {
+            self.fetch_ms.observe(ms);
+            self.fetched_bytes.inc_by(bytes);
+        }
     }
 
     /// A sandbox VMM about to be stopped: its page faults stay counted.
@@ -260,6 +294,16 @@ impl Service {
                 "Execs through the guest agent by result (failed: no exit status)",
                 &m.execs,
             ),
+            (
+                "torpor_object_store_uploads",
+                "Snapshot layers uploaded to the object store by result",
+                &m.uploads,
+            ),
+            (
+                "torpor_object_store_fetches",
+                "Snapshot layers fetched whole from the object store by result",
+                &m.fetches,
+            ),
         ] {
             reg.register(name, help, family.clone());
         }
@@ -279,9 +323,29 @@ impl Service {
                 "Duration of execs through the guest agent, in ms",
                 &m.exec,
             ),
+            (
+                "torpor_object_store_upload_ms",
+                "Duration of snapshot layer uploads to the object store that succeeded, in ms",
+                &m.upload_ms,
+            ),
+            (
+                "torpor_object_store_fetch_ms",
+                "Duration of whole snapshot layer fetches from the object store that succeeded, in ms",
+                &m.fetch_ms,
+            ),
         ] {
             reg.register(name, help, histogram.clone());
         }
+        reg.register(
+            "torpor_object_store_sent_bytes",
+            "Bytes uploads sent to the object store (new chunks, compressed and framed)",
+            m.sent_bytes.clone(),
+        );
+        reg.register(
+            "torpor_object_store_fetched_bytes",
+            "Bytes fetched from the object store by whole-layer fetches (compressed and framed)",
+            m.fetched_bytes.clone(),
+        );
         let mut out = String::new();
         // Writing to a `String` cannot fail.
         let _ = prometheus_text::encode(&mut out, &reg);

@@ -299,7 +299,12 @@ impl Service {
         if let Some(m) = self.store.layer_object(dir)? {
             return Ok(Some(m));
         }
-        let report = objects.upload(dir)?;
+        let started = Instant::now();
+        let uploaded = objects.upload(dir);
+        let ms = started.elapsed().as_secs_f64() * 1000.0;
+        self.metrics
+            .observe_upload(ms, uploaded.as_ref().ok().map(|r| r.uploaded_bytes));
+        let report = uploaded?;
         tracing::info!(
             layer = %dir.display(),
             manifest = report.id.as_str(),
@@ -342,6 +347,7 @@ impl Service {
         std::fs::create_dir_all(parent).map_err(io)?;
         let temp = parent.join(format!(".{name}.fetch"));
         let _ = std::fs::remove_dir_all(&temp);
+        let started = Instant::now();
         let fetched = (|| -> Result<DownloadReport, ObjectStoreError> {
             let report = objects.download(&id, dir, &temp)?;
             // Only a full snapshot restores alone; its lineage is rewritten
@@ -364,6 +370,9 @@ impl Service {
             std::fs::rename(&temp, dir).map_err(io)?;
             Ok(report)
         })();
+        let ms = started.elapsed().as_secs_f64() * 1000.0;
+        self.metrics
+            .observe_fetch(ms, fetched.as_ref().ok().map(|r| r.fetched_bytes));
         let report = match fetched {
             Ok(r) => r,
             Err(e) => {
