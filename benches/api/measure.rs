@@ -84,6 +84,25 @@ fn restore_counts(serve: &Serve) -> Option<BTreeMap<String, f64>> {
     (!out.is_empty()).then_some(out)
 }
 
+/// The sum of the series of counter `name` (its `_total`, any labels) in
+/// the service's metrics; None without it.
+fn counter(serve: &Serve, name: &str) -> Option<f64> {
+    let (status, text) = serve.raw("GET", "/metrics", None, REQUEST_LIMIT).ok()?;
+    if status != 200 {
+        return None;
+    }
+    let total = format!("{name}_total");
+    let values: Vec<f64> = text
+        .lines()
+        .filter(|l| {
+            let series = l.split([' ', '{']).next().unwrap_or_default();
+            series == name || series == total
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .collect();
+    (!values.is_empty()).then(|| values.iter().sum())
+}
+
 /// Complete `TORPOR-PROBE` lines in `text`.
 fn probe_lines(text: &[u8]) -> usize {
     let end = text.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
@@ -233,6 +252,7 @@ fn measure_sustained(serve: &Serve, tpl: &str, threads: usize, secs: f64) -> Sus
     let (tx, rx) = mpsc::sync_channel::<String>(threads * 2);
     let rx = Mutex::new(rx);
     let out = Mutex::new(Sustained::default());
+    let made = counter(serve, "torpor_standby_shells_made");
     let start = Instant::now();
     let ends: Mutex<Vec<Instant>> = Mutex::new(Vec::new());
     std::thread::scope(|s| {
@@ -287,7 +307,42 @@ fn measure_sustained(serve: &Serve, tpl: &str, threads: usize, secs: f64) -> Sus
     let mut o = out.into_inner_locked();
     let end = ends.into_inner_locked().into_iter().max();
     o.secs = end.map_or(secs, |e| (e - start).as_secs_f64());
+    o.refills = made
+        .zip(counter(serve, "torpor_standby_shells_made"))
+        .map(|(before, after)| after - before);
     o
+}
+
+/// `n` creates released at once (a thread each, behind one barrier), then
+/// deleted.
+fn measure_burst(serve: &Serve, tpl: &str, n: usize, threads: usize) -> Result<Burst, String> {
+    let gate = std::sync::Barrier::new(n);
+    let out = Mutex::new(Burst {
+        fired: n,
+        ..Burst::default()
+    });
+    let made: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..n {
+            s.spawn(|| {
+                gate.wait();
+                let done = create(serve, tpl);
+                let mut o = out.locked();
+                match done {
+                    Ok((id, v, took)) => {
+                        o.lat.push(took);
+                        let path = restore_of(&v).and_then(|r| r.path);
+                        o.standby += usize::from(path.as_deref() == Some("standby"));
+                        made.locked().push(id);
+                    }
+                    Err(e) => o.errors.push(e),
+                }
+            });
+        }
+    });
+    let made = made.into_inner_locked();
+    par_for(made.len(), threads, |i| serve.delete(&made[i]))?;
+    Ok(out.into_inner_locked())
 }
 
 /// `n` clones: created and paused at once, PSS; resumed until each printed
@@ -374,7 +429,7 @@ pub(super) fn measure(
         cfg.mem,
         Some(FAST_CMDLINE),
     )?;
-    if let Some(note) = admit(serve, o.clones, cfg.mem)? {
+    if let Some(note) = admit(serve, o.clones.max(BURST), cfg.mem)? {
         r.notes.push(note);
     }
     settle();
@@ -399,6 +454,19 @@ pub(super) fn measure(
             errors[0]
         ));
     }
+    settle();
+    // The smoke run (`cargo test`) fires a few.
+    let n = if o.smoke { o.clones } else { BURST };
+    step(&format!("burst of {n} creates at once"));
+    let b = measure_burst(serve, &tpl, n, o.threads)?;
+    if !b.errors.is_empty() {
+        r.notes.push(format!(
+            "burst: {} of {n} not answered 201, first: {}",
+            b.errors.len(),
+            b.errors[0]
+        ));
+    }
+    r.burst = Some(b);
     settle();
     step(&format!("PSS of {} clones", o.clones));
     measure_pss(serve, &tpl, o.clones, o.threads, r)?;

@@ -52,6 +52,8 @@ where
     Fut: Future<Output = Result<T, ServiceError>> + Send + 'static,
 {
     let task = crate::request_context::carried(f(Arc::clone(&state.service)));
+    // Its own task: the pod's service runs in place on it (`detached`).
+    let task = crate::backend::own_task(task);
     match tokio::spawn(task).await {
         Ok(result) => result.map_err(ApiError::from),
         Err(join) => {

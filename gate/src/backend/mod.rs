@@ -96,10 +96,27 @@ pub fn in_pod<S: SandboxApi + ?Sized, T>(
     blocking(|| f(service))
 }
 
-/// Runs `f` on the pod's service on tokio's blocking pool, detached from
-/// the request that asked: a request that times out (504) or goes away
-/// leaves it running to its end, and its answer is dropped. Outside a
-/// runtime `f` just runs. A panic in `f` is a 500, the pod lives on.
+tokio::task_local! {
+    /// Set on a request's own call task ([`own_task`]): a call already
+    /// detached from its request.
+    static OWN_TASK: ();
+}
+
+/// `f` as a request's own call task (`crate::handlers::call` spawns it):
+/// [`detached`] runs the service in place there, the task being detached
+/// from the request already.
+pub fn own_task<F: Future>(f: F) -> impl Future<Output = F::Output> {
+    OWN_TASK.scope((), f)
+}
+
+/// Runs `f` on the pod's service detached from the request that asked: a
+/// request that times out (504) or goes away leaves it running to its
+/// end, and its answer is dropped. On a request's own call task
+/// ([`own_task`], already detached) it runs in place on that task's
+/// thread ([`blocking`]: no hand-off to the blocking pool's thread and
+/// back, each a wake-up on a busy host); elsewhere (a middleware, a pod
+/// worker) on tokio's blocking pool. Outside a runtime `f` just runs. A
+/// panic in `f` is a 500, the pod lives on.
 pub async fn detached<T, F>(service: &Service, f: F) -> Result<T, ServiceError>
 where
     T: Send + 'static,
@@ -108,18 +125,32 @@ where
     let Some(shared) = service.shared() else {
         return Err(ServiceError::Internal("the service is stopping".into()));
     };
-    if tokio::runtime::Handle::try_current().is_err() {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return f(&shared);
+    };
+    let in_place = OWN_TASK.try_with(|()| ()).is_ok()
+        && runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread;
+    if in_place {
+        let run = std::panic::AssertUnwindSafe(move || f(&shared));
+        return match blocking(|| std::panic::catch_unwind(run)) {
+            Ok(result) => result,
+            Err(_) => {
+                tracing::error!("service call panicked");
+                Err(service_panicked())
+            }
+        };
     }
     match tokio::task::spawn_blocking(move || f(&shared)).await {
         Ok(result) => result,
         Err(join) => {
             tracing::error!(error = %join, "service call panicked");
-            Err(ServiceError::Internal(
-                "the service failed while handling the request".into(),
-            ))
+            Err(service_panicked())
         }
     }
+}
+
+fn service_panicked() -> ServiceError {
+    ServiceError::Internal("the service failed while handling the request".into())
 }
 
 /// Waits for `f`, a backend call, from a thread that may block and is no

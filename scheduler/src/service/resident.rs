@@ -65,6 +65,9 @@ impl<'a> Ask<'a> {
 #[derive(Debug, Clone, Default)]
 struct Measure {
     at: Option<Instant>,
+    /// A VMM ended since it was taken ([`LastMeasure::forget`]): it
+    /// counts memory already free, so it may admit but not refuse.
+    stale: bool,
     total: u64,
     most_by_template: HashMap<TemplateId, u64>,
 }
@@ -84,11 +87,14 @@ struct Gate {
 }
 
 impl LastMeasure {
-    /// A VMM ended and its memory went back: the next gate measures again
-    /// rather than reuse a measure that still counts it (a wake right
-    /// after a hibernation would be refused for memory already free).
+    /// A VMM ended and its memory went back: the measure still counts
+    /// it, so the next gate measures again before it refuses (a wake
+    /// right after a hibernation would be refused for memory already
+    /// free); what the over-count admits anyway it admits without a
+    /// new measure, so a create after each delete does not list and read
+    /// every VMM's cgroup again.
     pub fn forget(&self) {
-        self.0.locked().measure.at = None;
+        self.0.locked().measure.stale = true;
     }
 }
 
@@ -208,9 +214,16 @@ impl Service {
             gate.remeasure(self);
         }
         let expected = gate.expected(ask);
-        let resident = gate.measure.total;
-        match crate::policy::pressure_gate(pod.memory_bytes, pod.high_watermark, resident, expected)
-        {
+        let check = |resident| {
+            crate::policy::pressure_gate(pod.memory_bytes, pod.high_watermark, resident, expected)
+        };
+        let mut verdict = check(gate.measure.total);
+        if verdict.is_err() && gate.measure.stale {
+            // It counts a VMM that ended: refuse only on a fresh measure.
+            gate.remeasure(self);
+            verdict = check(gate.measure.total);
+        }
+        match verdict {
             Ok(()) => {
                 if count {
                     gate.measure.total += expected;

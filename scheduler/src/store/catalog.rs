@@ -238,7 +238,7 @@ impl Tx<'_> {
         } else {
             "WHERE state != 'deleted'"
         };
-        let mut stmt = self.conn.prepare(&format!(
+        let mut stmt = self.conn.prepare_cached(&format!(
             "SELECT {TEMPLATE_SELECT} FROM templates {filter} ORDER BY created_at, id"
         ))?;
         let rows = stmt
@@ -379,7 +379,7 @@ impl Tx<'_> {
 
     /// Every pod, oldest first.
     pub fn list_pods(&self) -> Result<Vec<Pod>> {
-        let mut stmt = self.conn.prepare(&format!(
+        let mut stmt = self.conn.prepare_cached(&format!(
             "SELECT {POD_COLUMNS} FROM pods ORDER BY created_at, id"
         ))?;
         let rows = stmt
@@ -391,7 +391,7 @@ impl Tx<'_> {
     fn update_pod(&self, id: &PodId, sql: &str, params: &[&dyn rusqlite::ToSql]) -> Result<Pod> {
         let mut all: Vec<&dyn rusqlite::ToSql> = vec![id];
         all.extend_from_slice(params);
-        match self.conn.execute(sql, &*all)? {
+        match self.conn.prepare_cached(sql)?.execute(&*all)? {
             0 => Err(StoreError::not_found("pod", id)),
             _ => self.get_pod(id),
         }

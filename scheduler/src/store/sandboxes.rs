@@ -285,7 +285,8 @@ impl Tx<'_> {
             ));
         }
         sql.push_str(" ORDER BY created_at, id");
-        let mut stmt = self.conn.prepare(&sql)?;
+        // Its text differs only by filter shape (the values are bound).
+        let mut stmt = self.conn.prepare_cached(&sql)?;
         let mut found = stmt
             .query_map(params_from_iter(args), from_row)?
             .collect::<rusqlite::Result<Vec<_>>>()?;
