@@ -37,6 +37,34 @@ fn guest_iterates(data: &Path, id: &SandboxId) -> Vec<(u64, u64)> {
     guest_iterates_mib(data, id, MIB)
 }
 
+/// A service of `data` on object store `store` with a probe template
+/// `name` (64 MiB, a workload of `mib` MiB, `hz` iterations a second), and
+/// a sandbox of it whose guest iterates.
+fn iterating_sandbox(
+    data: &Path,
+    store: String,
+    name: &str,
+    mib: u32,
+    hz: u32,
+) -> (Arc<Service>, SandboxId) {
+    let service = common::service_with_probe(
+        data,
+        |c| c.object_store = Some(store),
+        name,
+        64,
+        &format!("probe.mib={mib} probe.ticks=1 probe.hz={hz}"),
+    );
+    let id = service
+        .create_sandbox(CreateSandbox {
+            template: name.into(),
+            ..Default::default()
+        })
+        .expect("create")
+        .id;
+    guest_iterates_mib(data, &id, mib);
+    (service, id)
+}
+
 /// [`guest_iterates`] of a probe whose workload is `mib` MiB.
 fn guest_iterates_mib(data: &Path, id: &SandboxId, mib: u32) -> Vec<(u64, u64)> {
     let console = data.join("sandboxes").join(id.as_str()).join("console.log");
@@ -72,21 +100,7 @@ fn hibernate(service: &Arc<Service>, id: &SandboxId) -> Result<String, ServiceEr
 fn store_hibernations_are_stored_and_fetched_back() {
     let data = DataDir::new("store-service");
     let objects = data.0.join("objects");
-    let service = common::service_with_probe(
-        &data.0,
-        |c| c.object_store = Some(objects.display().to_string()),
-        "fast",
-        64,
-        &format!("probe.mib={MIB} probe.ticks=1 probe.hz=100"),
-    );
-    let id = service
-        .create_sandbox(CreateSandbox {
-            template: "fast".into(),
-            ..Default::default()
-        })
-        .expect("create")
-        .id;
-    guest_iterates(&data.0, &id);
+    let (service, id) = iterating_sandbox(&data.0, objects.display().to_string(), "fast", MIB, 100);
 
     // Stored, a full snapshot: it restores alone.
     let manifest = hibernate(&service, &id).unwrap();
@@ -190,21 +204,7 @@ fn store_s3_stopped_mid_upload_loses_no_sandbox() {
         std::process::id()
     );
     let data = DataDir::new("store-outage");
-    let service = common::service_with_probe(
-        &data.0,
-        |c| c.object_store = Some(url.clone()),
-        "fast",
-        64,
-        &format!("probe.mib={WORK} probe.ticks=1 probe.hz=100"),
-    );
-    let id = service
-        .create_sandbox(CreateSandbox {
-            template: "fast".into(),
-            ..Default::default()
-        })
-        .expect("create")
-        .id;
-    guest_iterates_mib(&data.0, &id, WORK);
+    let (service, id) = iterating_sandbox(&data.0, url.clone(), "fast", WORK, 100);
     hibernate(&service, &id).expect("stored while the store is up");
     let template = service
         .list_templates()
@@ -310,21 +310,7 @@ fn store_gc_racing_hibernations_and_cold_wakes_takes_nothing_they_need() {
     const WORK: u32 = 8;
     let data = DataDir::new("store-gc-race");
     let objects = data.0.join("objects");
-    let service = common::service_with_probe(
-        &data.0,
-        |c| c.object_store = Some(objects.display().to_string()),
-        "slow",
-        64,
-        &format!("probe.mib={WORK} probe.ticks=1 probe.hz=1"),
-    );
-    let id = service
-        .create_sandbox(CreateSandbox {
-            template: "slow".into(),
-            ..Default::default()
-        })
-        .expect("create")
-        .id;
-    guest_iterates_mib(&data.0, &id, WORK);
+    let (service, id) = iterating_sandbox(&data.0, objects.display().to_string(), "slow", WORK, 1);
     hibernate(&service, &id).unwrap();
 
     // Another pod's collector, without the grace period: whatever no

@@ -12,10 +12,11 @@
 //! p50/p95, and the target (cold wake p50 <= 150 ms, release)
 //! marked.
 
-use std::process::Command;
-
 use super::measure::{create, lifecycle, settle, wait_new_line};
 use super::*;
+
+#[path = "../../tests/common/seaweedfs.rs"]
+mod weed;
 
 /// The guest's memory.
 const STORE_MEM: u32 = 256;
@@ -77,48 +78,12 @@ fn counters(serve: &Serve) -> Result<Counters, String> {
     })
 }
 
-/// SeaweedFS's variables (`scripts/object-store start`), its scratch
-/// directory; None (why) without a `weed` binary.
+/// SeaweedFS's variables, its scratch directory; why not (the S3 row is
+/// left out) without a `weed` binary.
 fn seaweedfs(scratch: &Path) -> Result<(Env, PathBuf), String> {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/object-store");
-    let weed = Command::new(&script).arg("weed").output();
-    if !weed.is_ok_and(|o| o.status.success()) {
-        return Err(
-            "no SeaweedFS weed binary (scripts/object-store install): S3 row left out".into(),
-        );
-    }
-    let base = (0..200u16)
-        .map(|i| 20000 + ((std::process::id() as u16).wrapping_add(i * 37) % 2500) * 16)
-        .find(|b| (0..8).all(|k| std::net::TcpListener::bind(("127.0.0.1", b + k)).is_ok()))
-        .ok_or("eight free loopback ports")?;
     let dir = scratch.join("seaweedfs");
-    let out = Command::new(&script)
-        .arg("start")
-        .env("TORPOR_OBJECT_STORE_DIR", &dir)
-        .env("TORPOR_OBJECT_STORE_PORT", base.to_string())
-        .env("TORPOR_OBJECT_STORE_PARENT", std::process::id().to_string())
-        .output()
-        .map_err(|e| format!("scripts/object-store start: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "scripts/object-store start: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    let env = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.strip_prefix("export ")?.split_once('='))
-        .map(|(k, v)| (k.to_string(), v.trim_matches('\'').to_string()))
-        .collect();
+    let env = weed::start(&dir).map_err(|e| format!("{e}: S3 row left out"))?;
     Ok((env, dir))
-}
-
-fn stop_seaweedfs(dir: &Path) {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/object-store");
-    let _ = Command::new(script)
-        .arg("stop")
-        .env("TORPOR_OBJECT_STORE_DIR", dir)
-        .output();
 }
 
 /// The sandbox's snapshot directories on the pod's disk removed: the
@@ -273,7 +238,7 @@ pub(super) fn run(o: &Opts, scratch: &Path) -> bool {
         done.push(r);
     }
     if let Some(dir) = weed {
-        stop_seaweedfs(&dir);
+        weed::stop(&dir);
     }
     print_store_table(&done, runs, &notes);
     ok

