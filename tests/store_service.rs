@@ -393,3 +393,86 @@ fn store_gc_racing_hibernations_and_cold_wakes_takes_nothing_they_need() {
     assert!(runs >= 4 && deleted > 0, "{runs} runs, {deleted} deleted");
     adopter.delete_sandbox(&id).unwrap();
 }
+
+#[test]
+fn store_two_sandboxes_of_one_template_hibernating_at_once_store_its_layer_once() {
+    use torpor_scheduler::model::TemplateKind;
+    use torpor_scheduler::service::{CreateTemplate, ServiceConfig};
+    let data = DataDir::new("store-once");
+    let objects = data.0.join("objects");
+    let mut c = ServiceConfig::new(
+        data.0.clone(),
+        std::path::PathBuf::from(env!("CARGO_BIN_EXE_torpor-vmm")),
+    );
+    c.policy_interval_ms = 0;
+    c.object_store = Some(objects.display().to_string());
+    let service = Service::open(c).expect("open the service");
+    // The store fails while the template is made: its layer is not
+    // stored then, so its sandboxes' hibernations store it.
+    let aside = data.0.join("objects-aside");
+    std::fs::rename(&objects, &aside).unwrap();
+    std::fs::write(&objects, b"not a directory").unwrap();
+    service
+        .create_template(CreateTemplate {
+            name: "fast".into(),
+            kind: TemplateKind::Probe,
+            image: None,
+            owner: None,
+            mem_mib: 64,
+            vcpus: 1,
+            cmdline: Some(format!("probe.mib={MIB} probe.ticks=1 probe.hz=100")),
+            pod: None,
+        })
+        .expect("build the probe template");
+    std::fs::remove_file(&objects).unwrap();
+    std::fs::rename(&aside, &objects).unwrap();
+    let ids: Vec<SandboxId> = (0..2)
+        .map(|_| {
+            let id = service
+                .create_sandbox(CreateSandbox {
+                    template: "fast".into(),
+                    ..Default::default()
+                })
+                .expect("create")
+                .id;
+            guest_iterates(&data.0, &id);
+            id
+        })
+        .collect();
+    // Both at once: each stores the template's layer before its own.
+    let start = Arc::new(std::sync::Barrier::new(ids.len()));
+    let stored: Vec<String> = ids
+        .iter()
+        .map(|id| {
+            let (service, start, id) = (Arc::clone(&service), Arc::clone(&start), id.clone());
+            std::thread::spawn(move || {
+                start.wait();
+                hibernate(&service, &id).expect("hibernate")
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect();
+    // What the store holds is what the service records: every template's
+    // layer (the built-in one's too) and the two hibernations, and no
+    // second upload of the template's layer left behind by the record
+    // that lost.
+    let mut expected: Vec<String> = service
+        .list_templates()
+        .unwrap()
+        .into_iter()
+        .filter_map(|t| t.stored_snapshot)
+        .chain(stored)
+        .collect();
+    expected.sort();
+    let mut on_store: Vec<String> = std::fs::read_dir(objects.join("manifests"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    on_store.sort();
+    assert_eq!(on_store, expected);
+    for id in &ids {
+        service.delete_sandbox(id).unwrap();
+    }
+}

@@ -9,6 +9,7 @@
 //! alone restores (the state names no parent directory of another pod),
 //! and the store keeps the chunks it shares with the template's once.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -110,6 +111,9 @@ fn layer_name(dir: &Path) -> String {
 pub struct ObjectStore {
     storage: Storage,
     runtime: Option<tokio::runtime::Runtime>,
+    /// A lock per layer being stored ([`ObjectStore::layer_lock`]): two
+    /// sandboxes of one template hibernating at once store its layer once.
+    storing: std::sync::Mutex<HashMap<PathBuf, Arc<std::sync::Mutex<()>>>>,
 }
 
 impl std::fmt::Debug for ObjectStore {
@@ -153,7 +157,26 @@ impl ObjectStore {
         Ok(Self {
             storage,
             runtime: Some(runtime),
+            storing: Default::default(),
         })
+    }
+
+    /// Runs `f` holding layer `dir`'s lock; the lock's entry goes with its
+    /// last holder.
+    fn with_layer_lock<T>(&self, dir: &Path, f: impl FnOnce() -> T) -> T {
+        let lock = Arc::clone(self.storing.locked().entry(dir.to_path_buf()).or_default());
+        let out = {
+            // The guarded value is (): a poisoned lock guards nothing broken.
+            let _held = lock.locked();
+            f()
+        };
+        let mut storing = self.storing.locked();
+        // Ours and the map's: no one else holds or waits for it (taking
+        // another reference needs the map's lock, which this holds).
+        if Arc::strong_count(&lock) == 2 {
+            storing.remove(dir);
+        }
+        out
     }
 
     /// The store as its configuration prints.
@@ -296,6 +319,17 @@ impl Service {
         let Some(objects) = &self.objects else {
             return Ok(None);
         };
+        // Checked, uploaded and recorded under the layer's lock: another
+        // hibernation storing the same layer (its template's) meanwhile
+        // finds it recorded rather than uploading it a second time.
+        objects.with_layer_lock(dir, || self.store_layer_locked(objects, dir))
+    }
+
+    fn store_layer_locked(
+        &self,
+        objects: &ObjectStore,
+        dir: &Path,
+    ) -> Result<Option<String>, ServiceError> {
         if let Some(m) = self.store.layer_object(dir)? {
             return Ok(Some(m));
         }
