@@ -14,7 +14,9 @@
 //! sustained creates per second (client threads creating, two threads
 //! deleting behind them) with the standby pool's refills per second (the
 //! service's `torpor_standby_shells_made` over the same time); a burst of
-//! 50 creates fired at once (all answered? p50/p95/max); PSS per paused and per running clone (sum of the
+//! 50 creates fired at once (all answered? p50/p95/max, the shells ready
+//! when it was fired, and the pool's refill rate: shells made from the
+//! burst until the pool holds as many again, its sandboxes deleted); PSS per paused and per running clone (sum of the
 //! clones' VMM processes' PSS / clones). The table marks the issue's
 //! targets met or missed. A field the service does not answer (yet) prints
 //! as "-"; a configuration whose `serve` rejects a flag is skipped with a
@@ -433,6 +435,11 @@ struct Burst {
     lat: Vec<f64>,
     standby: usize,
     errors: Vec<String>,
+    /// Shells ready when it was fired (`torpor_standby_shells`).
+    ready_before: Option<f64>,
+    /// Shells made from its start until the pool held as many again (its
+    /// sandboxes deleted), and the seconds that took.
+    refill: Option<(f64, f64)>,
 }
 
 /// Everything measured for one configuration.

@@ -6,8 +6,10 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 mod admin;
+mod client;
 mod plan;
 pub use admin::*;
+pub use client::*;
 pub use plan::*;
 
 #[derive(Debug, Parser)]
@@ -395,6 +397,20 @@ pub struct ServiceFlags {
     /// pod's disk only.
     #[arg(long, value_name = "DIR|s3://BUCKET/PREFIX")]
     pub object_store: Option<String>,
+    /// With --object-store: every running or paused sandbox's state is
+    /// snapshotted (full) and stored there every N seconds, so that if
+    /// this pod is lost for good the sandbox wakes on another pod from a
+    /// state at most about N s old (the guest stops for the snapshot's
+    /// write). Unset or 0: off, and such a sandbox is lost with its pod.
+    #[arg(long, value_name = "N", requires = "object_store")]
+    pub checkpoint_interval_s: Option<u64>,
+    /// A cold wake (snapshot only in the object store) restores once the
+    /// layer's small files and its working set are here; the rest of its
+    /// memory arrives while the guest runs, a fault on a page not yet
+    /// here fetching its chunk first. Needs `--memory-backend uffd`
+    /// (other backends wake eagerly).
+    #[arg(long)]
+    pub lazy_wake: bool,
     /// Default keep-alive of a sandbox before it is hibernated when idle
     /// (at most 30 days).
     #[arg(long, default_value_t = 300_000,
@@ -409,10 +425,24 @@ pub struct ServiceFlags {
     #[arg(long, default_value_t = torpor_scheduler::service::DEFAULT_EXEC_TIMEOUT_MS, value_name = "N")]
     pub exec_timeout_ms: u64,
     /// Standby VMM shells kept ready per (memory, vCPUs) shape of the
-    /// pod's templates; creates and wakes take one instead of starting a
-    /// VMM (0 turns the pool off).
+    /// pod's templates when idle; creates and wakes take one instead of
+    /// starting a VMM (0 turns the pool off).
     #[arg(long, default_value_t = torpor_scheduler::service::DEFAULT_STANDBY_POOL, value_name = "N")]
     pub standby_pool: usize,
+    /// Most standby shells per shape the pool grows to under bursts: it
+    /// keeps as many as the most creates and wakes of a shape in one
+    /// second, never more than the pod could still admit, none past
+    /// --standby-pool while memory is above the high mark (set it to
+    /// --standby-pool for a fixed pool).
+    #[arg(long, default_value_t = torpor_scheduler::service::pool::DEFAULT_MAX, value_name = "N")]
+    pub standby_pool_max: usize,
+    /// How long after its largest burst the pool stays grown before it
+    /// shrinks back to --standby-pool (stopping the shells beyond).
+    #[arg(long, default_value_t = torpor_scheduler::service::pool::DEFAULT_IDLE_MS, value_name = "N")]
+    pub standby_pool_idle_ms: u64,
+    /// Standby shells made at once (0: one per core).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub standby_refill_threads: usize,
     /// How restored guest memory is mapped: `file` (page-cache sharing,
     /// the default), `uffd-shared` (shared, faults observed, working set
     /// prefetched) or `uffd` (private copies of every touched page).
@@ -630,11 +660,19 @@ pub struct ServeArgs {
     /// The root filesystem of `code-interpreter-v1` (default: made with
     /// this checkout's agent from the tree `scripts/build-rootfs --variant
     /// interpreter` cached; without either it is not offered).
-    #[arg(long, value_name = "EXT4")]
+    #[arg(long, value_name = "EXT4", conflicts_with = "no_nested_interpreter")]
     pub nested_interpreter_rootfs: Option<PathBuf>,
+    /// Leave `code-interpreter-v1` out of the nested host, even with its
+    /// image there (`base` only: one guest fewer running in L1).
+    #[arg(long)]
+    pub no_nested_interpreter: bool,
     /// Memory of the nested host in MiB (its sandboxes live in it).
     #[arg(long, default_value_t = 3072, value_name = "MIB")]
     pub nested_mem_mib: u32,
+    /// vCPUs of the nested host itself (L1; QEMU/TCG runs one thread per
+    /// vCPU).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64), value_name = "N")]
+    pub nested_host_cpus: u32,
     /// vCPUs of the nested host's template `base` (1 by default: under
     /// QEMU/TCG, L1's KVM now and then lets a guest's secondary vCPU
     /// triple-fault, at boot and after a restore; and a second emulated
@@ -657,6 +695,12 @@ pub struct ServeArgs {
     /// registry is refused.
     #[arg(long = "registry-allow-private", value_name = "HOST[:PORT]")]
     pub private_registries: Vec<String>,
+    /// Most bytes an E2B volume's files hold (MiB); a write past it is 413.
+    #[arg(long, default_value_t = 10 * 1024, value_parser = clap::value_parser!(u64).range(1..), value_name = "MIB")]
+    pub volume_max_mib: u64,
+    /// Most E2B volumes a tenant has; another create is 400.
+    #[arg(long, default_value_t = 100, value_name = "N")]
+    pub volumes_per_tenant: usize,
 }
 
 /// `torpor pod serve`.
@@ -722,323 +766,6 @@ pub struct ClientArgs {
     /// Print the API's JSON answer as it is (pretty) instead of a table.
     #[arg(long, global = true)]
     pub json: bool,
-}
-
-#[derive(Debug, Args)]
-pub struct SandboxCommand {
-    #[command(flatten)]
-    pub client: ClientArgs,
-    #[command(subcommand)]
-    pub action: SandboxAction,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum SandboxAction {
-    /// Create a sandbox from a template (restored from its snapshot) and
-    /// print its id.
-    Create(SandboxCreateArgs),
-    /// List sandboxes: ID, STATE, TEMPLATE, MEM, AGE, LAST ACTIVE, METADATA.
-    #[command(visible_alias = "ls")]
-    List(SandboxListArgs),
-    /// Show one sandbox.
-    Get(SandboxId),
-    /// Run a command in a sandbox (Linux templates) and exit with its
-    /// status (128+N when killed by signal N, 124 when it timed out).
-    /// Wakes a hibernated sandbox.
-    Exec(ExecArgs),
-    /// Read, write or list files in a sandbox (Linux templates).
-    #[command(subcommand)]
-    Files(FilesAction),
-    /// Pause a running sandbox's vCPUs (its VMM stays).
-    Pause(SandboxId),
-    /// Resume a paused sandbox, or wake a hibernated one (says which, and
-    /// how long the wake took).
-    Resume(SandboxId),
-    /// Connect to a sandbox: it runs afterwards (resumed or woken as
-    /// needed) and counts as active.
-    Connect(SandboxId),
-    /// Hibernate a sandbox: snapshot it and end its VMM.
-    Hibernate(SandboxId),
-    /// Delete a sandbox (its VMM and snapshots go, but for layers its forks
-    /// still sit on).
-    #[command(visible_alias = "delete")]
-    Rm(SandboxId),
-    /// Take a named checkpoint of a running, paused or hibernated sandbox
-    /// (it stays in the state it was in).
-    Checkpoint(CheckpointArgs),
-    /// List a sandbox's checkpoints: NAME, ID, PARENT, AGE.
-    Checkpoints(SandboxId),
-    /// Delete a checkpoint (its snapshot layers stay while forks or the
-    /// sandbox's later snapshots sit on them).
-    RmCheckpoint(CheckpointArgs),
-    /// Replace a sandbox's VM with one restored from its checkpoint NAME;
-    /// it runs afterwards.
-    Restore(CheckpointArgs),
-    /// Create a new sandbox from the checkpoint NAME of sandbox ID or,
-    /// without NAME, from a fresh snapshot of its current state; print the
-    /// new sandbox's id.
-    Fork(ForkArgs),
-}
-
-#[derive(Debug, Args)]
-pub struct CheckpointArgs {
-    /// The sandbox id (sbx_...).
-    #[arg(value_name = "ID")]
-    pub id: String,
-    /// The checkpoint's name (1-64 of A-Z a-z 0-9 . _ -).
-    #[arg(value_name = "NAME")]
-    pub name: String,
-}
-
-#[derive(Debug, Args)]
-pub struct ForkArgs {
-    /// The source sandbox id (sbx_...).
-    #[arg(value_name = "ID")]
-    pub id: String,
-    /// The source's checkpoint [default: a fresh snapshot of its state].
-    #[arg(value_name = "NAME")]
-    pub name: Option<String>,
-    /// Idle time after which the fork is hibernated, in ms.
-    #[arg(long, value_name = "N")]
-    pub keep_alive_ms: Option<u64>,
-    /// Delete the fork this many ms after creation.
-    #[arg(long, value_name = "N")]
-    pub timeout_ms: Option<u64>,
-    /// Metadata pair of the fork (repeatable).
-    #[arg(long = "meta", value_name = "K=V", value_parser = key_value)]
-    pub meta: Vec<(String, String)>,
-    /// Wait for capacity instead of being refused when the pod is full.
-    #[arg(long)]
-    pub queue: bool,
-}
-
-#[derive(Debug, Args)]
-pub struct SandboxId {
-    /// The sandbox id (sbx_...).
-    #[arg(value_name = "ID")]
-    pub id: String,
-}
-
-/// The states a sandbox can be in (for `sandbox list --state`).
-pub const SANDBOX_STATES: &[&str] = &[
-    "creating",
-    "running",
-    "paused",
-    "hibernating",
-    "hibernated",
-    "resuming",
-    "deleted",
-    "failed",
-];
-
-#[derive(Debug, Args)]
-pub struct SandboxCreateArgs {
-    /// Template name or id.
-    #[arg(long, value_name = "NAME")]
-    pub template: String,
-    /// Idle time after which it is hibernated, in ms [default: the
-    /// service's, `torpor serve --keep-alive-ms`].
-    #[arg(long, value_name = "N")]
-    pub keep_alive_ms: Option<u64>,
-    /// Delete it this many ms after creation, whatever its activity.
-    #[arg(long, value_name = "N")]
-    pub timeout_ms: Option<u64>,
-    /// Metadata pair (repeatable).
-    #[arg(long = "meta", value_name = "K=V", value_parser = key_value)]
-    pub meta: Vec<(String, String)>,
-    /// Wait for capacity instead of being refused (HTTP 429) when the pod is
-    /// full.
-    #[arg(long)]
-    pub queue: bool,
-    /// Place it on this pod (see `torpor pod list`) instead of letting the
-    /// server choose.
-    #[arg(long, value_name = "ID")]
-    pub pod: Option<String>,
-}
-
-#[derive(Debug, Args)]
-pub struct SandboxListArgs {
-    /// Only sandboxes in this state (repeatable: any of them).
-    #[arg(long, value_name = "S", value_parser = clap::builder::PossibleValuesParser::new(SANDBOX_STATES))]
-    pub state: Vec<String>,
-    /// Only sandboxes of this template (name or id).
-    #[arg(long, value_name = "T")]
-    pub template: Option<String>,
-    /// Only sandboxes with this metadata pair (repeatable: all of them).
-    #[arg(long = "meta", value_name = "K=V", value_parser = key_value)]
-    pub meta: Vec<(String, String)>,
-}
-
-#[derive(Debug, Args)]
-pub struct ExecArgs {
-    /// The sandbox id (sbx_...).
-    #[arg(value_name = "ID")]
-    pub id: String,
-    /// Kill the command after this many ms (0: no limit; the API still
-    /// ends the request after its own limit, 120 s by default).
-    #[arg(long, value_name = "N", default_value_t = 0)]
-    pub timeout_ms: u64,
-    /// Working directory in the guest.
-    #[arg(long, value_name = "DIR")]
-    pub cwd: Option<String>,
-    /// Environment variable for the command (repeatable).
-    #[arg(long = "env", value_name = "K=V", value_parser = key_value)]
-    pub env: Vec<(String, String)>,
-    /// Send this command's stdin to the command's stdin.
-    #[arg(long)]
-    pub stdin: bool,
-    /// Print output as the command writes it (the API's NDJSON stream)
-    /// instead of when it ends.
-    #[arg(long)]
-    pub stream: bool,
-    /// The program and its arguments, after `--`.
-    #[arg(last = true, required = true, value_name = "ARGV")]
-    pub argv: Vec<String>,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum FilesAction {
-    /// Print a file of the guest (or write it to --out).
-    Get(FileGetArgs),
-    /// Write a file of the guest from --from (default: stdin); parent
-    /// directories are created.
-    Put(FilePutArgs),
-    /// List a directory of the guest: KIND, MODE, SIZE, NAME.
-    Ls(FileLsArgs),
-}
-
-#[derive(Debug, Args)]
-pub struct FileGetArgs {
-    #[arg(value_name = "ID")]
-    pub id: String,
-    /// Absolute path in the guest.
-    #[arg(value_name = "PATH")]
-    pub path: String,
-    /// Write it here instead of stdout.
-    #[arg(long, value_name = "FILE")]
-    pub out: Option<PathBuf>,
-}
-
-#[derive(Debug, Args)]
-pub struct FilePutArgs {
-    #[arg(value_name = "ID")]
-    pub id: String,
-    /// Absolute path in the guest.
-    #[arg(value_name = "PATH")]
-    pub path: String,
-    /// The local file to send [default: stdin].
-    #[arg(long, value_name = "FILE")]
-    pub from: Option<PathBuf>,
-    /// Permission bits, octal (e.g. 755).
-    #[arg(long, value_name = "OCTAL")]
-    pub mode: Option<String>,
-}
-
-#[derive(Debug, Args)]
-pub struct FileLsArgs {
-    #[arg(value_name = "ID")]
-    pub id: String,
-    /// Absolute path of a directory in the guest.
-    #[arg(value_name = "PATH")]
-    pub path: String,
-}
-
-/// `K=V` into its two halves.
-fn key_value(s: &str) -> Result<(String, String), String> {
-    match s.split_once('=') {
-        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
-        _ => Err(format!("expected KEY=VALUE, got {s:?}")),
-    }
-}
-
-#[derive(Debug, Args)]
-pub struct TemplateCommand {
-    #[command(flatten)]
-    pub client: ClientArgs,
-    #[command(subcommand)]
-    pub action: TemplateAction,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum TemplateAction {
-    /// List templates: ID, NAME, KIND, STATE, MEM.
-    #[command(visible_alias = "ls")]
-    List,
-    /// Show one template.
-    Get(TemplateId),
-    /// Create a template (booted once and snapshotted) and print its id.
-    Create(TemplateCreateArgs),
-    /// Delete a template.
-    #[command(visible_alias = "delete")]
-    Rm(TemplateId),
-    /// Build a template from a Dockerfile in a sandbox (cached by step):
-    /// upload what COPY copies, start the build, follow its log.
-    Build(TemplateBuildArgs),
-}
-
-#[derive(Debug, Args)]
-pub struct TemplateBuildArgs {
-    /// The Dockerfile [default: CONTEXT/Dockerfile].
-    #[arg(short = 'f', long = "file", value_name = "PATH")]
-    pub file: Option<PathBuf>,
-    /// The template's name [default: the context directory's name].
-    #[arg(long, value_name = "N")]
-    pub name: Option<String>,
-    /// A build argument (ARG), `KEY=VALUE`; repeatable.
-    #[arg(long = "build-arg", value_name = "KEY=VALUE")]
-    pub build_args: Vec<String>,
-    /// Rebuild every step (no cached layer used).
-    #[arg(long)]
-    pub no_cache: bool,
-    /// Start the build and print its id without following it.
-    #[arg(long)]
-    pub detach: bool,
-    /// The build context: the directory COPY sources are relative to.
-    #[arg(value_name = "CONTEXT", default_value = ".")]
-    pub context: PathBuf,
-}
-
-#[derive(Debug, Args)]
-pub struct TemplateId {
-    /// The template id (tpl_...) or name.
-    #[arg(value_name = "ID")]
-    pub id: String,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum TemplateKindArg {
-    /// The freestanding probe guest (runs natively, even on PVM hosts).
-    Probe,
-    /// A Linux kernel and rootfs with torpor-agent (needs VMX/SVM: on a
-    /// PVM host, run the service in the nested host).
-    Linux,
-}
-
-#[derive(Debug, Args)]
-pub struct TemplateCreateArgs {
-    /// Its name (unique among live templates).
-    #[arg(long, value_name = "N")]
-    pub name: String,
-    /// What it boots.
-    #[arg(long, value_enum)]
-    pub kind: TemplateKindArg,
-    /// Guest memory in MiB [default: the service's, 64].
-    #[arg(long, value_name = "N")]
-    pub mem_mib: Option<u32>,
-    /// Number of vCPUs [default: the service's, 1].
-    #[arg(long, value_name = "N")]
-    pub vcpus: Option<u32>,
-    /// Linux: the image to build it from (its name: `torpor image list`;
-    /// a kernel and a root filesystem with torpor-agent, never written:
-    /// the guest writes to its own overlay).
-    #[arg(long, value_name = "NAME")]
-    pub image: Option<String>,
-    /// The kernel command line [default: the service's for the kind].
-    #[arg(long, value_name = "ARGS")]
-    pub cmdline: Option<String>,
-    /// Build it on this pod (templates are per pod) [default: the local pod].
-    #[arg(long, value_name = "ID")]
-    pub pod: Option<String>,
 }
 
 fn parse_net(text: &str) -> Result<torpor_vmm_api::NetSpec, String> {

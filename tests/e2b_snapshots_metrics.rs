@@ -1,12 +1,15 @@
 //! The E2B-compatible control plane of `torpor serve` on loopback with the
 //! probe template, what hangs off a sandbox: snapshots (templates of its
-//! state) and forks, and its metrics history. The sandbox's own routes
+//! state, or of its disk only) and forks, and its metrics history. The sandbox's own routes
 //! (lifecycle, lists, auth, `--e2b-listen`, envd) are in `e2b_routes.rs`.
 
 mod common;
 
+use std::time::{Duration, Instant};
+
 use common::e2b_http::{assert_e2b_error, id_of, E2b, KEY};
 use common::http::request;
+use common::probe_iterations;
 use common::serve::DataDir;
 
 /// E2B's metrics from the pod's history (sampled every 200 ms here),
@@ -254,4 +257,149 @@ fn snapshots_and_forks() {
         "/v2/sandboxes",
         Some(r#"{"templateID":"probe"}"#),
     );
+}
+
+/// The probe's iterations in a sandbox's console (its current VMM's).
+fn iterations(data: &DataDir, id: &str) -> Vec<u64> {
+    let console = data.0.join("sandboxes").join(id).join("console.log");
+    let text = std::fs::read_to_string(console).unwrap_or_default();
+    probe_iterations(&text)
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect()
+}
+
+/// Waits until the sandbox's probe has run `at_least` iterations; them.
+fn wait_iterations(data: &DataDir, id: &str, at_least: usize) -> Vec<u64> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let seen = iterations(data, id);
+        if seen.len() >= at_least {
+            return seen;
+        }
+        assert!(Instant::now() < deadline, "{id} ran {seen:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `memory: false` (the SDKs' `mode="filesystem"`): a snapshot of the disk
+/// only. A sandbox made from it is a new boot (the probe counts from 1
+/// again), one made from a full snapshot restores (it counts on), and the
+/// source runs on untouched; listed and deleted as any snapshot, and kept
+/// across a restart of the service.
+#[test]
+fn filesystem_only_snapshots() {
+    let data = DataDir::new("e2b-fssnap");
+    let s = E2b::start(&data.0, &[]);
+    let id = id_of(&s.create(r#"{"templateID":"probe","timeout":300}"#));
+    // Restored from the probe template: it counts on from the template's.
+    let before = wait_iterations(&data, &id, 2);
+    assert!(before[0] > 1, "{before:?}");
+
+    let snapshots = format!("/sandboxes/{id}/snapshots");
+    // An answer and its snapshot's id.
+    let take = |body: &str| {
+        let v = s.expect(201, "POST", &snapshots, Some(body));
+        let id = v["snapshotID"].as_str().unwrap().to_string();
+        assert!(id.starts_with("tpl_"), "{v}");
+        (v, id)
+    };
+    let (disk, disk_id) = take(r#"{"name":"disk","memory":false}"#);
+    assert_eq!(disk["names"], serde_json::json!(["disk"]));
+    let (full, full_id) = take(r#"{"name":"full","memory":true}"#);
+    // The same answer's shape either way (an unnamed one's name is made
+    // as for a full one: `snapshots_and_forks`).
+    assert_eq!(
+        disk.as_object().unwrap().keys().collect::<Vec<_>>(),
+        full.as_object().unwrap().keys().collect::<Vec<_>>()
+    );
+    let (_, unnamed_id) = take(r#"{"memory":false}"#);
+    // Bad input: a 400 that says what is wrong, nothing taken.
+    for bad in [r#"{"memory":"filesystem"}"#, r#"{"memory":0}"#, "[1]"] {
+        let r = s.call("POST", &snapshots, Some(bad));
+        assert_e2b_error(&r, 400);
+        assert!(r.json()["message"].as_str().unwrap().contains("memory") || bad == "[1]");
+    }
+    // A taken name is taken whatever the mode.
+    assert_e2b_error(
+        &s.call(
+            "POST",
+            &snapshots,
+            Some(r#"{"name":"full","memory":false}"#),
+        ),
+        409,
+    );
+    let listed = s.expect(200, "GET", &format!("/snapshots?sandboxID={id}"), None);
+    let mut ids: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["snapshotID"].as_str().unwrap())
+        .collect();
+    ids.sort();
+    let mut want = vec![disk_id.as_str(), full_id.as_str(), unnamed_id.as_str()];
+    want.sort();
+    assert_eq!(ids, want, "{listed}");
+    let named = s.expect(200, "GET", "/snapshots?name=disk", None);
+    assert_eq!(named, serde_json::json!([disk]));
+
+    // The source ran on: the same boot, counting on.
+    assert_eq!(
+        s.expect(200, "GET", &format!("/sandboxes/{id}"), None)["state"],
+        "running"
+    );
+    let taken = iterations(&data, &id).len();
+    let after = wait_iterations(&data, &id, taken + 1);
+    let expected: Vec<u64> = (before[0]..before[0] + after.len() as u64).collect();
+    assert_eq!(after, expected, "the source restarted or skipped");
+
+    // From the disk: a new boot, the probe's first iteration again.
+    let booted = id_of(&s.create(&format!(r#"{{"templateID":"{disk_id}","timeout":60}}"#)));
+    assert_eq!(
+        s.expect(200, "GET", &format!("/sandboxes/{booted}"), None)["templateID"],
+        disk_id.as_str()
+    );
+    let seq = wait_iterations(&data, &booted, 2);
+    assert_eq!(&seq[..2], &[1, 2], "a boot counts from 1: {seq:?}");
+    // From the full snapshot: a restore, counting on from the source's.
+    let restored = id_of(&s.create(&format!(r#"{{"templateID":"{full_id}","timeout":60}}"#)));
+    let seq = wait_iterations(&data, &restored, 2);
+    assert!(seq[0] > before[1], "a restore counts on: {seq:?}");
+    assert_eq!(seq[1], seq[0] + 1, "{seq:?}");
+
+    // The booted sandbox lives as any other: a memory pause and a wake
+    // restore it, counting on.
+    s.expect(204, "POST", &format!("/sandboxes/{booted}/pause"), None);
+    let paused_at = *iterations(&data, &booted).last().unwrap();
+    s.expect(
+        201,
+        "POST",
+        &format!("/v2/sandboxes/{booted}/connect"),
+        None,
+    );
+    let seq = wait_iterations(&data, &booted, 1);
+    assert!(seq[0] > paused_at, "woken by a restore: {seq:?}");
+
+    // A restart keeps the snapshot (its directory is no orphan).
+    let dir = data.0.join("templates").join(&disk_id);
+    assert!(dir.join("cmdline").exists());
+    s.serve.kill9();
+    let s = E2b::start(&data.0, &[]);
+    assert!(dir.join("cmdline").exists(), "the restart removed it");
+    let again = id_of(&s.create(&format!(r#"{{"templateID":"{disk_id}","timeout":60}}"#)));
+    assert_eq!(wait_iterations(&data, &again, 1)[0], 1);
+
+    // Deleting: refused while sandboxes use it, then its directory goes.
+    assert_e2b_error(
+        &s.call("DELETE", &format!("/templates/{disk_id}"), None),
+        409,
+    );
+    for sbx in [&booted, &again] {
+        s.expect(204, "DELETE", &format!("/sandboxes/{sbx}"), None);
+    }
+    s.expect(204, "DELETE", &format!("/templates/{disk_id}"), None);
+    assert!(!dir.exists(), "{} stays", dir.display());
+    s.expect(204, "DELETE", &format!("/templates/{unnamed_id}"), None);
+    let listed = s.expect(200, "GET", &format!("/snapshots?sandboxID={id}"), None);
+    assert_eq!(listed, serde_json::json!([full]), "{listed}");
 }

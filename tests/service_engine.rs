@@ -8,7 +8,8 @@
 //! paused sandbox paused (it used to come back running) and a running one
 //! running; a full disk under a hibernation is `NoSpace` (507 in the API),
 //! not an internal error; a standby shell restored for a wake whose VMM
-//! handle was never recorded (the pod stopped dead) is ended on restart.
+//! handle was never recorded (the pod stopped dead) is ended on restart;
+//! the pool grows under a burst and shrinks back when idle.
 
 mod common;
 
@@ -152,6 +153,69 @@ fn without_a_pool_creates_restore_cold() {
         "{metrics}"
     );
     service.delete_sandbox(&sandbox.id).unwrap();
+}
+
+/// A gauge or counter of the service's metrics (the first series of
+/// `name`), 0 when absent.
+fn metric(service: &Service, name: &str) -> u64 {
+    service
+        .metrics()
+        .lines()
+        .find(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !done() {
+        assert!(Instant::now() < deadline, "{what} within {WAIT:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A burst of creates grows the pool past its minimum: its target to the
+/// burst's size and shells made up to it; idle past
+/// `standby_pool_idle_ms`, it shrinks back to the minimum, stopping the
+/// shells beyond. Fails with a fixed pool (the target stays 1).
+#[test]
+fn the_pool_grows_under_a_burst_and_shrinks_when_idle() {
+    const BURST: usize = 6;
+    let data = DataDir::new("engine-pool-adaptive");
+    let mut config = ServiceConfig::new(
+        data.0.clone(),
+        PathBuf::from(env!("CARGO_BIN_EXE_torpor-vmm")),
+    );
+    config.policy_interval_ms = 0;
+    config.standby_pool = 1;
+    config.standby_pool_max = BURST;
+    // Long enough for the shells to be made on a loaded host before the
+    // burst is forgotten.
+    config.standby_pool_idle_ms = 10_000;
+    let service = Service::open(config).expect("open the service");
+    wait_for_shell(&service);
+    assert_eq!(metric(&service, "torpor_standby_shells_target"), 1);
+
+    let made: Vec<_> = std::thread::scope(|s| {
+        let creates: Vec<_> = (0..BURST).map(|_| s.spawn(|| create(&service))).collect();
+        creates.into_iter().map(|c| c.join().unwrap()).collect()
+    });
+    wait_until("the pool grows to the burst", || {
+        metric(&service, "torpor_standby_shells") == BURST as u64
+    });
+    assert_eq!(
+        metric(&service, "torpor_standby_shells_target"),
+        BURST as u64
+    );
+    for s in &made {
+        service.delete_sandbox(&s.id).unwrap();
+    }
+    wait_until("the pool shrinks back to its minimum", || {
+        metric(&service, "torpor_standby_shells") == 1
+            && metric(&service, "torpor_standby_shells_target") == 1
+    });
+    assert!(metric(&service, "torpor_standby_shells_shrunk_total") >= (BURST - 1) as u64);
+    service.close();
 }
 
 /// The directory the next hibernation of `sandbox` writes.

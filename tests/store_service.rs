@@ -16,6 +16,7 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -24,7 +25,7 @@ use std::time::{Duration, Instant};
 use common::cut::CutProxy;
 use common::serve::DataDir;
 use torpor_scheduler::model::SandboxId;
-use torpor_scheduler::service::{CreateSandbox, Service, ServiceError};
+use torpor_scheduler::service::{CreateSandbox, Service, ServiceConfig, ServiceError};
 use torpor_scheduler::SandboxState;
 use torpor_vmm_api::lineage::Lineage;
 
@@ -47,9 +48,24 @@ fn iterating_sandbox(
     mib: u32,
     hz: u32,
 ) -> (Arc<Service>, SandboxId) {
+    iterating_sandbox_with(data, store, name, mib, hz, |_| {})
+}
+
+/// [`iterating_sandbox`] with more of the service's configuration.
+fn iterating_sandbox_with(
+    data: &Path,
+    store: String,
+    name: &str,
+    mib: u32,
+    hz: u32,
+    more: impl FnOnce(&mut ServiceConfig),
+) -> (Arc<Service>, SandboxId) {
     let service = common::service_with_probe(
         data,
-        |c| c.object_store = Some(store),
+        |c| {
+            c.object_store = Some(store);
+            more(c);
+        },
         name,
         64,
         &format!("probe.mib={mib} probe.ticks=1 probe.hz={hz}"),
@@ -188,21 +204,7 @@ fn metric(service: &Arc<Service>, series: &str) -> f64 {
 #[test]
 fn store_s3_stopped_mid_upload_loses_no_sandbox() {
     const WORK: u32 = 8;
-    let env = common::store::seaweedfs();
-    let upstream = env["AWS_ENDPOINT_URL"]
-        .trim_start_matches("http://")
-        .to_string();
-    let proxy = CutProxy::start(&upstream);
-    for (k, v) in &env {
-        std::env::set_var(k, v);
-    }
-    // The service reaches the store only through the proxy.
-    std::env::set_var("AWS_ENDPOINT_URL", proxy.url());
-    let url = format!(
-        "{}/outage-{}",
-        env["TORPOR_OBJECT_STORE"],
-        std::process::id()
-    );
+    let (proxy, url, env) = store_behind_proxy("outage");
     let data = DataDir::new("store-outage");
     let (service, id) = iterating_sandbox(&data.0, url.clone(), "fast", WORK, 100);
     hibernate(&service, &id).expect("stored while the store is up");
@@ -475,4 +477,201 @@ fn store_two_sandboxes_of_one_template_hibernating_at_once_store_its_layer_once(
     for id in &ids {
         service.delete_sandbox(id).unwrap();
     }
+}
+
+/// SeaweedFS behind a proxy the test slows and cuts (the service reaches
+/// the store only through it); the store's URL and SeaweedFS's variables.
+fn store_behind_proxy(name: &str) -> (CutProxy, String, HashMap<String, String>) {
+    let env = common::store::seaweedfs();
+    let upstream = env["AWS_ENDPOINT_URL"]
+        .trim_start_matches("http://")
+        .to_string();
+    let proxy = CutProxy::start(&upstream);
+    for (k, v) in &env {
+        std::env::set_var(k, v);
+    }
+    std::env::set_var("AWS_ENDPOINT_URL", proxy.url());
+    let url = format!(
+        "{}/{name}-{}",
+        env["TORPOR_OBJECT_STORE"],
+        std::process::id()
+    );
+    (proxy, url, env)
+}
+
+/// Lazy wakes (`serve --lazy-wake`, uffd backend).
+fn lazy(c: &mut ServiceConfig) {
+    c.lazy_wake = true;
+    c.memory_backend = torpor_vmm_api::MemoryBackend::Uffd;
+}
+
+/// Whether the layer the sandbox runs from still has its memory file
+/// arriving.
+fn arriving(service: &Arc<Service>, id: &SandboxId) -> bool {
+    let snapshot = service.get_sandbox(id).unwrap().snapshot.unwrap();
+    snapshot.join(".arriving").exists()
+}
+
+#[test]
+fn store_lazy_wake_answers_before_the_layer_arrived() {
+    const WORK: u32 = 16;
+    let (proxy, url, _) = store_behind_proxy("lazy");
+    let data = DataDir::new("store-lazy");
+    let (service, id) = iterating_sandbox_with(&data.0, url, "fast", WORK, 100, lazy);
+    hibernate(&service, &id).expect("stored");
+    evict(&service, &id);
+
+    // A slow store: every 16 KiB of an answer waits 4 ms, so the layer's
+    // 16 MiB of workload take seconds; the wake answers long before.
+    proxy.slow(Duration::from_millis(4));
+    let started = Instant::now();
+    cold_wake(&service, &id);
+    let waking = started.elapsed();
+    let still = arriving(&service, &id);
+    println!("lazy cold wake through a slow store: {waking:?}, memory still arriving: {still}");
+    assert!(
+        still,
+        "the whole layer arrived before the wake answered ({waking:?})"
+    );
+    // The guest goes on with its exact sequence while its memory arrives.
+    guest_iterates_mib(&data.0, &id, WORK);
+    proxy.slow(Duration::ZERO);
+    // A hibernation waits for the rest, then stores a complete snapshot,
+    // which wakes cold again (eager or lazy alike).
+    hibernate(&service, &id).expect("hibernated after the memory arrived");
+    evict(&service, &id);
+    cold_wake(&service, &id);
+    guest_iterates_mib(&data.0, &id, WORK);
+    service.delete_sandbox(&id).unwrap();
+}
+
+#[test]
+fn store_cut_mid_lazy_fetch_fails_cleanly_and_a_later_wake_succeeds() {
+    const WORK: u32 = 16;
+    let (proxy, url, _) = store_behind_proxy("lazy-cut");
+    let data = DataDir::new("store-lazy-cut");
+    let (service, id) = iterating_sandbox_with(&data.0, url, "fast", WORK, 100, lazy);
+    let stored = hibernate(&service, &id).expect("stored");
+    evict(&service, &id);
+
+    // The store stops while the memory file is arriving: the sandbox's
+    // VMM is stopped and the sandbox is back to its hibernation, its
+    // stored snapshot untouched, its partial local copy gone.
+    proxy.slow(Duration::from_millis(4));
+    cold_wake(&service, &id);
+    assert!(arriving(&service, &id), "the layer arrived before the cut");
+    proxy.cut();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let s = loop {
+        let s = service.get_sandbox(&id).unwrap();
+        if s.state != SandboxState::Running || Instant::now() > deadline {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    println!("after the cut: {:?} ({:?})", s.state, s.failure_reason);
+    assert_eq!(s.state, SandboxState::Hibernated, "{s:?}");
+    assert_eq!(s.stored_snapshot.as_deref(), Some(stored.as_str()));
+    assert!(!s.snapshot.as_ref().unwrap().exists(), "{s:?}");
+
+    // Back: the next wake fetches it again and the guest goes on.
+    proxy.slow(Duration::ZERO);
+    proxy.restore();
+    cold_wake(&service, &id);
+    guest_iterates_mib(&data.0, &id, WORK);
+    service.delete_sandbox(&id).unwrap();
+}
+
+#[test]
+fn store_lazy_wake_of_a_corrupt_chunk_fails_naming_the_layer() {
+    let data = DataDir::new("store-lazy-corrupt");
+    let objects = data.0.join("objects");
+    let (service, id) = iterating_sandbox_with(
+        &data.0,
+        objects.display().to_string(),
+        "fast",
+        MIB,
+        100,
+        lazy,
+    );
+    let manifest = hibernate(&service, &id).unwrap();
+    evict(&service, &id);
+
+    // Every chunk of its memory file corrupted (the originals kept): the
+    // first one the wake fetches fails its checksum, and the wake.
+    let text = std::fs::read(objects.join("manifests").join(&manifest)).unwrap();
+    let m: serde_json::Value = serde_json::from_slice(&text).unwrap();
+    let memory = m["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["path"] == "memory")
+        .unwrap();
+    let mut kept = Vec::new();
+    for hash in memory["chunks"].as_array().unwrap().iter() {
+        let Some(hash) = hash.as_str() else { continue };
+        let path = objects.join("chunks").join(&hash[..2]).join(hash);
+        let good = std::fs::read(&path).unwrap();
+        let mut bad = good.clone();
+        let last = bad.len() - 1;
+        bad[last] ^= 0x40;
+        std::fs::write(&path, &bad).unwrap();
+        kept.push((path, good));
+    }
+    assert!(!kept.is_empty());
+    let e = service.resume(&id).unwrap_err();
+    println!("a lazy wake of a corrupt layer: {e}");
+    let message = e.to_string();
+    assert!(
+        message.contains(&manifest) && message.contains("corrupt"),
+        "{message}"
+    );
+    assert!(matches!(e, ServiceError::ObjectStore(_)), "{e}");
+    assert_eq!(
+        service.get_sandbox(&id).unwrap().state,
+        SandboxState::Hibernated
+    );
+
+    // The store repaired: the wake fetches it and the guest goes on.
+    for (path, good) in kept {
+        std::fs::write(path, good).unwrap();
+    }
+    cold_wake(&service, &id);
+    guest_iterates(&data.0, &id);
+    service.delete_sandbox(&id).unwrap();
+}
+
+#[test]
+fn a_sandbox_failed_here_is_released_to_the_pod_it_moved_to() {
+    // A pod killed with its VMMs finds its copy failed when it comes
+    // back; the replica then asks it to release that copy (the sandbox
+    // moved meanwhile), which must not be refused as a conflict.
+    let data = DataDir::new("release-failed");
+    let service = common::service_with_probe(&data.0, |_| {}, "p", 64, "probe.ticks=1");
+    let id = service
+        .create_sandbox(CreateSandbox {
+            template: "p".into(),
+            ..Default::default()
+        })
+        .expect("create")
+        .id;
+    let pid = service.get_sandbox(&id).unwrap().vmm.unwrap().pid;
+    let killed = std::process::Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success(), "kill {pid}: {killed}");
+    let deadline = Instant::now() + WAIT;
+    while service.get_sandbox(&id).unwrap().state != SandboxState::Failed {
+        assert!(Instant::now() < deadline, "the sandbox never failed");
+        service.run_policy();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    service
+        .release_sandbox(&id)
+        .expect("a failed copy is released");
+    assert!(matches!(
+        service.get_sandbox(&id).map(|s| s.state),
+        Ok(SandboxState::Deleted) | Err(_)
+    ));
 }

@@ -47,7 +47,7 @@ pub async fn serve<S: SandboxApi>(
     let upgrade = hyper::upgrade::on(&mut request);
     let id = SandboxId::new(&id);
     let (stream_tx, stream_rx) = tokio::sync::oneshot::channel::<UnixStream>();
-    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<Ended>();
     let service = Arc::clone(&state.service);
     // The agent stream is opened, and the sandbox kept active, on a
     // blocking thread for as long as the tunnel lives.
@@ -58,8 +58,16 @@ pub async fn serve<S: SandboxApi>(
             if let Some(tx) = stream_tx.take() {
                 let _ = tx.send(raw);
             }
-            // Until the tunnel ends (its sender is dropped).
-            let _ = done_rx.recv();
+            // Until the tunnel ends (its sender says how, or is dropped).
+            // The agent's end closing first is no news by itself (a
+            // guest port's server hung up); a guest that shut down under
+            // it is: the operator learns what its console and VMM said.
+            if let Ok(Ended::ByTheAgent) = done_rx.recv() {
+                let end = link.guest_end();
+                if !end.is_empty() {
+                    link.log_dropped(&format!("the agent tunnel ended{end}"));
+                }
+            }
             Ok(())
         }))
     });
@@ -74,16 +82,14 @@ pub async fn serve<S: SandboxApi>(
         }
     };
     tokio::spawn(async move {
-        let pumped = async {
-            raw.set_nonblocking(true)?;
-            let mut agent = tokio::net::UnixStream::from_std(raw)?;
-            let mut client = TokioIo::new(upgrade.await.map_err(io::Error::other)?);
-            tokio::io::copy_bidirectional(&mut client, &mut agent).await
+        let ended = match pump(raw, upgrade).await {
+            Ok(ended) => ended,
+            Err(e) => {
+                tracing::debug!("agent tunnel ended: {e}");
+                Ended::ByTheClient
+            }
         };
-        if let Err(e) = pumped.await {
-            tracing::debug!("agent tunnel ended: {e}");
-        }
-        drop(done_tx);
+        let _ = done_tx.send(ended);
     });
     let mut response = Response::new(Body::empty());
     *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
@@ -91,4 +97,47 @@ pub async fn serve<S: SandboxApi>(
     headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     headers.insert(header::UPGRADE, HeaderValue::from_static(PROTOCOL));
     response
+}
+
+/// Which end of a tunnel closed first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ended {
+    /// The API server's end (the usual way: its call is done).
+    ByTheClient,
+    /// The guest's agent, with the API server's end still open.
+    ByTheAgent,
+}
+
+/// Copies both ways until both ends are closed, each end's close passed
+/// on to the other; says which closed first.
+async fn pump(raw: UnixStream, upgrade: hyper::upgrade::OnUpgrade) -> io::Result<Ended> {
+    use tokio::io::AsyncWriteExt;
+    raw.set_nonblocking(true)?;
+    let agent = tokio::net::UnixStream::from_std(raw)?;
+    let client = TokioIo::new(upgrade.await.map_err(io::Error::other)?);
+    let (mut from_client, mut to_client) = tokio::io::split(client);
+    let (mut from_agent, mut to_agent) = agent.into_split();
+    let up = async {
+        let copied = tokio::io::copy(&mut from_client, &mut to_agent).await;
+        let _ = to_agent.shutdown().await;
+        copied
+    };
+    let down = async {
+        let copied = tokio::io::copy(&mut from_agent, &mut to_client).await;
+        let _ = to_client.shutdown().await;
+        copied
+    };
+    tokio::pin!(up, down);
+    tokio::select! {
+        copied = &mut up => {
+            copied?;
+            down.await?;
+            Ok(Ended::ByTheClient)
+        }
+        copied = &mut down => {
+            copied?;
+            up.await?;
+            Ok(Ended::ByTheAgent)
+        }
+    }
 }

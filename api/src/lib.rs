@@ -75,7 +75,7 @@ mod sandbox_routes;
 // routes' `crate::handlers` paths still hold.
 pub use torpor_gate::{
     auth, backend, build_registry, builds, calls, error, gate, pagination, pods, quota, relay,
-    request_context, service, streams, tenancy, tls, wire,
+    request_context, service, streams, tenancy, tls, volumes, wire,
 };
 use torpor_gate::{body, handlers};
 pub use torpor_gate::{

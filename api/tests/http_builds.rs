@@ -207,6 +207,58 @@ async fn builds_run_steps_cache_layers_and_report_failures() {
     let r = call(&server, ACME, "GET", "/v1/templates/web", None).await;
     assert_eq!(r.json()["id"], changed["template_id"], "{}", r.text());
 
+    // A guest lost in a step (its agent's connection closed, as when a
+    // guest crashes): the build goes on in a new sandbox from the layers
+    // cached so far, once; lost again, it fails with why.
+    let lossy = |name: &str, marker: &str| {
+        json!({
+            "name": name,
+            "from": {"type": "template", "name": "realbase"},
+            "steps": [
+                {"type": "user", "name": "root"},
+                {"type": "workdir", "path": app},
+                {"type": "run", "cmd": format!("echo first > first-{name}.txt")},
+                {"type": "run", "cmd": format!("echo {marker} > {name}.txt")},
+            ],
+        })
+    };
+    server.fake.lose_guest("lost-once-marker", 1);
+    let once = build(&server, lossy("lossy", "lost-once-marker")).await;
+    assert_eq!(once["status"], "ready", "{once}\n{}", logs(&once));
+    let said = logs(&once);
+    assert!(
+        said.contains(
+            "closed the connection; the build goes on in a new sandbox from the \
+             layers cached so far (attempt 2 of 2)"
+        ),
+        "{said}"
+    );
+    assert!(said.contains("CACHED RUN echo first"), "{said}");
+    assert_eq!(
+        std::fs::read_to_string(format!("{app}/lossy.txt")).unwrap(),
+        "lost-once-marker\n"
+    );
+    server.fake.lose_guest("lost-twice-marker", 2);
+    let twice = build(&server, lossy("lossier", "lost-twice-marker")).await;
+    assert_eq!(twice["status"], "error", "{twice}");
+    let f = &twice["failure"];
+    assert!(
+        f["message"]
+            .as_str()
+            .unwrap()
+            .contains("the agent closed the connection"),
+        "{twice}"
+    );
+    assert_eq!(f["step"], 3, "{twice}");
+    assert_eq!(
+        logs(&twice).matches("attempt 2 of 2").count(),
+        1,
+        "{}",
+        logs(&twice)
+    );
+    let r = call(&server, ACME, "GET", "/v1/templates/lossier", None).await;
+    assert_eq!(r.status, 404, "{}", r.text());
+
     // Cancelled while its step runs: the command is killed, no template.
     let mut slow = spec("sleep 30");
     slow["name"] = json!("slow");
@@ -305,8 +357,8 @@ async fn builds_run_steps_cache_layers_and_report_failures() {
 
     // The records outlive the server: a restart reads them back.
     let listed = call(&server, ACME, "GET", "/v1/builds", None).await.json();
-    assert_eq!(listed["builds"].as_array().unwrap().len(), 5, "{listed}");
+    assert_eq!(listed["builds"].as_array().unwrap().len(), 7, "{listed}");
     let reopened = torpor_api::builds::Builds::open(Some(&scratch.path().join("builds"))).unwrap();
-    assert_eq!(reopened.list(Some("acme")).len(), 5);
+    assert_eq!(reopened.list(Some("acme")).len(), 7);
     server.shutdown().await.unwrap();
 }

@@ -316,6 +316,9 @@ fn measure_sustained(serve: &Serve, tpl: &str, threads: usize, secs: f64) -> Sus
 /// `n` creates released at once (a thread each, behind one barrier), then
 /// deleted.
 fn measure_burst(serve: &Serve, tpl: &str, n: usize, threads: usize) -> Result<Burst, String> {
+    let ready_before = counter(serve, "torpor_standby_shells");
+    let made_before = counter(serve, "torpor_standby_shells_made");
+    let fired = Instant::now();
     let gate = std::sync::Barrier::new(n);
     let out = Mutex::new(Burst {
         fired: n,
@@ -342,7 +345,30 @@ fn measure_burst(serve: &Serve, tpl: &str, n: usize, threads: usize) -> Result<B
     });
     let made = made.into_inner_locked();
     par_for(made.len(), threads, |i| serve.delete(&made[i]))?;
-    Ok(out.into_inner_locked())
+    let mut out = out.into_inner_locked();
+    out.ready_before = ready_before;
+    out.refill = refill_after(serve, ready_before, made_before, fired);
+    Ok(out)
+}
+
+/// Shells made from `start` (the burst) until the pool holds `ready`
+/// again (at most 10 s past its deletes), and the seconds that took; None
+/// without the pool's metrics.
+fn refill_after(
+    serve: &Serve,
+    ready: Option<f64>,
+    before: Option<f64>,
+    start: Instant,
+) -> Option<(f64, f64)> {
+    let (ready, before) = (ready.filter(|r| *r > 0.0)?, before?);
+    let deleted = Instant::now();
+    while counter(serve, "torpor_standby_shells")? < ready
+        && deleted.elapsed() < Duration::from_secs(10)
+    {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let made = counter(serve, "torpor_standby_shells_made")? - before;
+    Some((made, start.elapsed().as_secs_f64()))
 }
 
 /// `n` clones: created and paused at once, PSS; resumed until each printed

@@ -249,6 +249,13 @@ fn rows(o: &Opts) -> Vec<Row> {
             let b = r.burst.as_ref()?;
             (!b.lat.is_empty()).then(|| 100.0 * b.standby as f64 / b.lat.len() as f64)
         }),
+        row("  shells ready at the burst", Fmt::Count, |r| {
+            r.burst.as_ref()?.ready_before
+        }),
+        row("  pool refill, burst to full (shells/s)", Fmt::Rate, |r| {
+            let (made, secs) = r.burst.as_ref()?.refill?;
+            (secs > 0.0).then(|| made / secs)
+        }),
         goal(
             row("PSS / paused clone", Fmt::Mib, |r| r.pss_paused),
             "<= 0.8 MiB",

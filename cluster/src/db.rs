@@ -163,6 +163,23 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
         12,
         "ALTER TABLE pods ADD COLUMN images text[] NOT NULL DEFAULT '{}';",
     ),
+    // The tenants' secrets, E2B's `/secrets` on any replica
+    // (`secrets.rs`): the current version's value, a name unique per
+    // tenant.
+    (
+        13,
+        "CREATE TABLE secrets (
+        id text PRIMARY KEY,
+        tenant text NOT NULL,
+        name text NOT NULL,
+        version bigint NOT NULL,
+        value text NOT NULL,
+        metadata jsonb NOT NULL DEFAULT '{}'::jsonb,
+        created_at_ms bigint NOT NULL,
+        updated_at_ms bigint NOT NULL,
+        UNIQUE (tenant, name)
+    );",
+    ),
 ];
 
 /// Schema version 9. `operations.template`: the template a template's
@@ -723,7 +740,7 @@ impl Db {
         let row = c
             .query_opt(
                 "SELECT tenant FROM operations
-                 WHERE sandbox = $1 AND kind = 'delete' AND status = 'done' LIMIT 1",
+                 WHERE sandbox = $1 AND kind IN ('delete', 'forget') AND status = 'done' LIMIT 1",
                 &[&id.as_str()],
             )
             .await

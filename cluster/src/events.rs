@@ -105,61 +105,97 @@ async fn handle(
     .map_err(Handled::Failed)
 }
 
-/// The hibernated sandboxes `pod`'s heartbeat lists whose rows are
-/// another pod's (moved away while `pod` was lost): a `release` sent to
-/// `pod` for each, once (journaled with a key of the sandbox and the pod;
-/// its result changes no row, the sandbox being the other pod's).
+/// What `pod`'s heartbeat lists that is no longer its own, asked of it
+/// once each (journaled with a key of the sandbox and the pod; the
+/// result changes no row): a `release` of each sandbox whose row is
+/// another pod's (moved away while `pod` was lost: hibernated, or running
+/// from a durable checkpoint), and a `delete`
+/// of each sandbox deleted while `pod` was lost (its row a tombstone of
+/// `pod`'s, by a `forget` operation: `moved.rs`'s `delete_lost`), whose
+/// VMM may still run there.
 async fn release_strays(
     js: &jetstream::Context,
     db: &Db,
     pod: &PodId,
     hb: &Heartbeat,
 ) -> Result<(), ClusterError> {
-    let hibernated: Vec<String> = hb
+    let live: Vec<String> = hb
         .sandboxes
         .iter()
-        .filter(|s| s.state == SandboxState::Hibernated)
+        .filter(|s| s.state != SandboxState::Deleted)
         .map(|s| s.id.to_string())
         .collect();
-    if hibernated.is_empty() {
+    if live.is_empty() {
         return Ok(());
     }
-    let strays = db
-        .client()
-        .await?
-        .query(
-            "SELECT id, coalesce(tenant, '') FROM sandboxes
-             WHERE id = ANY($1) AND pod <> $2 AND state <> 'deleted'",
-            &[&hibernated, &pod.as_str()],
-        )
-        .await
-        .map_err(pg)?;
-    for row in strays {
-        let (sandbox, tenant): (String, String) = (row.get(0), row.get(1));
-        let sandbox = SandboxId::new(sandbox);
-        let id = format!("op_{}", random_hex(12));
-        let key = format!("release-{sandbox}-{pod}");
-        let new = NewOp {
-            id: &id,
-            kind: "release",
-            sandbox: Some(&sandbox),
-            template: None,
-            pod,
-            tenant: &tenant,
-            idempotency_key: Some(&key),
-            deadlines: None,
-        };
-        let (op, fresh) = db.begin_operation(&new, None).await?;
-        if !fresh {
-            continue;
+    // What moved away (hibernated, or running from the durable checkpoint
+    // it moved from) is released; what was deleted while the pod was
+    // lost is deleted there.
+    const MOVED: &str = "SELECT id, coalesce(tenant, '') FROM sandboxes
+        WHERE id = ANY($1) AND pod <> $2 AND state <> 'deleted'";
+    const FORGOTTEN: &str = "SELECT s.id, coalesce(s.tenant, '') FROM sandboxes s
+        WHERE s.id = ANY($1) AND s.pod = $2 AND s.state = 'deleted'
+            AND EXISTS (SELECT 1 FROM operations o WHERE o.sandbox = s.id
+                AND o.pod = $2 AND o.kind = 'forget' AND o.status = 'done')";
+    for (sql, kind, key) in [(MOVED, "release", "release"), (FORGOTTEN, "delete", "reap")] {
+        let rows = db
+            .client()
+            .await?
+            .query(sql, &[&live, &pod.as_str()])
+            .await
+            .map_err(pg)?;
+        for row in rows {
+            let sandbox = SandboxId::new(row.get::<_, String>(0));
+            let tenant: String = row.get(1);
+            tracing::warn!(%sandbox, %pod, kind, "a pod back from lost holds a sandbox no longer its own");
+            let command = if kind == "release" {
+                Operation::Release {
+                    sandbox: sandbox.clone(),
+                }
+            } else {
+                Operation::Delete {
+                    sandbox: sandbox.clone(),
+                }
+            };
+            let key = format!("{key}-{sandbox}-{pod}");
+            ask_once(js, db, pod, &sandbox, &tenant, kind, &key, command).await?;
         }
-        tracing::warn!(%sandbox, %pod, "a pod back from lost holds a sandbox that moved: released");
-        let item = WorkItem {
-            operation: op.id.clone(),
-            command: Operation::Release { sandbox },
-        };
-        let headers = async_nats::HeaderMap::new();
-        wire::publish_with(js, wire::work_subject(pod), Some(&op.id), headers, &item).await?;
     }
     Ok(())
+}
+
+/// `command` on `sandbox`, journaled for `pod` under idempotency `key`
+/// and sent to it, unless an operation of that key exists.
+#[allow(clippy::too_many_arguments)]
+async fn ask_once(
+    js: &jetstream::Context,
+    db: &Db,
+    pod: &PodId,
+    sandbox: &SandboxId,
+    tenant: &str,
+    kind: &str,
+    key: &str,
+    command: Operation,
+) -> Result<(), ClusterError> {
+    let id = format!("op_{}", random_hex(12));
+    let new = NewOp {
+        id: &id,
+        kind,
+        sandbox: Some(sandbox),
+        template: None,
+        pod,
+        tenant,
+        idempotency_key: Some(key),
+        deadlines: None,
+    };
+    let (op, fresh) = db.begin_operation(&new, None).await?;
+    if !fresh {
+        return Ok(());
+    }
+    let item = WorkItem {
+        operation: op.id.clone(),
+        command,
+    };
+    let headers = async_nats::HeaderMap::new();
+    wire::publish_with(js, wire::work_subject(pod), Some(&op.id), headers, &item).await
 }

@@ -36,6 +36,7 @@ pub mod images;
 pub mod moved;
 pub mod pod;
 pub mod replica;
+pub mod secrets;
 pub mod templates;
 pub mod tenants;
 pub mod wire;

@@ -13,19 +13,98 @@
 //! Placement of a move: the pods up with admission headroom, those that
 //! list the sandbox's template first (its chunks are in their cache),
 //! then by headroom.
+//!
+//! A running (or paused) sandbox of a lost pod whose pod stored durable
+//! checkpoints of it (`--checkpoint-interval-s`: the scheduler's
+//! `durable.rs`) moves as the hibernated sandbox its last checkpoint is,
+//! and wakes as it was then.
+//!
+//! A sandbox of a lost pod that cannot move (running or paused without a
+//! durable checkpoint, or hibernated without a stored snapshot: its state
+//! went with the pod)
+//! reads as [`SandboxState::Lost`], saying why in `failure_reason`; every
+//! command on it but a delete answers 409 naming that state, and a delete
+//! is journaled and finished here (a tombstone, its quota freed) without
+//! its pod. Should that pod come back, its heartbeat still lists the
+//! sandbox, and it is asked to delete it (`events.rs`).
 
-use torpor_scheduler::model::{Sandbox, SandboxId, Template, TemplateId};
+use torpor_scheduler::model::{random_hex, Sandbox, SandboxId, Template, TemplateId};
+use torpor_scheduler::service::durable::has_durable_checkpoint;
 use torpor_scheduler::state::SandboxState;
 
-use super::db::PodRow;
+use super::db::{NewOp, PodRow};
 use super::replica::Cluster;
-use super::wire::{Operation, Reply};
+use super::wire::{OpOutcome, Operation, Reply};
 use torpor_gate::service::ServiceError;
+
+/// Whether `sandbox` can move to another pod through the object store:
+/// hibernated with its memory, its snapshot stored; or running (or
+/// paused) from a durable checkpoint its pod stored
+/// (`--checkpoint-interval-s`), which it then wakes from, as it was then.
+fn movable(sandbox: &Sandbox) -> bool {
+    match sandbox.state {
+        SandboxState::Hibernated => !sandbox.disk_only && sandbox.stored_snapshot.is_some(),
+        SandboxState::Running | SandboxState::Paused => has_durable_checkpoint(sandbox),
+        _ => false,
+    }
+}
 
 impl Cluster {
     /// Whether `pod` has been silent long enough to be lost for good.
-    fn is_lost(&self, pod: &PodRow) -> bool {
+    pub(super) fn is_lost(&self, pod: &PodRow) -> bool {
         pod.silent_s >= self.config.lost_after.as_secs_f64()
+    }
+
+    /// `sandbox` of `pod` as a client reads it: [`SandboxState::Lost`],
+    /// saying why, when that pod is lost for good and the sandbox cannot
+    /// move; else as its row has it.
+    pub(super) fn lost_view(&self, mut sandbox: Sandbox, pod: &PodRow) -> Sandbox {
+        let gone = matches!(sandbox.state, SandboxState::Deleted | SandboxState::Lost);
+        if self.is_lost(pod) && !movable(&sandbox) && !gone {
+            sandbox.failure_reason = Some(lost_reason(&sandbox, pod));
+            sandbox.state = SandboxState::Lost;
+            sandbox.vmm = None;
+        }
+        sandbox
+    }
+
+    /// A delete of sandbox `id` whose pod is lost for good and which
+    /// cannot move: journaled for that pod and finished here at once (the
+    /// tombstone a pod's own delete leaves, its quota freed); `None` when
+    /// the sandbox is not such a one (the delete goes the usual way).
+    pub(super) async fn delete_lost(&self, id: &SandboxId) -> Result<Option<Reply>, ServiceError> {
+        let Ok((sandbox, pod)) = self.owned(id).await else {
+            return Ok(None);
+        };
+        if self.is_up(&pod) || !self.is_lost(&pod) || movable(&sandbox) {
+            return Ok(None);
+        }
+        let op_id = format!("op_{}", random_hex(12));
+        let key = torpor_gate::request_context::idempotency_key();
+        let tenant = sandbox.tenant.clone().unwrap_or_default();
+        let new = NewOp {
+            id: &op_id,
+            // Not a pod's delete: `events.rs` asks the pod to delete it
+            // should it come back.
+            kind: "forget",
+            sandbox: Some(id),
+            template: None,
+            pod: &pod.id,
+            tenant: &tenant,
+            idempotency_key: key.as_deref(),
+            deadlines: None,
+        };
+        let (op, fresh) = self.db.begin_operation(&new, None).await?;
+        let reply = Reply::Deleted {
+            sandbox: id.clone(),
+        };
+        if fresh {
+            self.db
+                .finish(&pod.id, &op.id, &OpOutcome::Done(reply.clone()))
+                .await?;
+        }
+        tracing::warn!(sandbox = %id, pod = %pod.id, "deleted a sandbox lost with its pod");
+        Ok(Some(reply))
     }
 
     /// Sandbox `id`, whose pod failed the command with `e` (down): moved
@@ -42,15 +121,12 @@ impl Cluster {
         if self.is_up(&from) || !self.is_lost(&from) {
             return Err(e);
         }
-        if sandbox.state != SandboxState::Hibernated || sandbox.stored_snapshot.is_none() {
-            return Err(Self::down(
-                &from,
-                &format!(
-                    "sandbox {id} is {} and its snapshot is not in the object store: \
-                     it is lost with its pod",
-                    sandbox.state
-                ),
-            ));
+        if !movable(&sandbox) {
+            return Err(ServiceError::Conflict {
+                id: id.to_string(),
+                state: SandboxState::Lost,
+                message: format!("{}; it can only be deleted", lost_reason(&sandbox, &from)),
+            });
         }
         let template = self
             .stored_template(&sandbox.template)
@@ -86,9 +162,17 @@ impl Cluster {
                     from.id
                 ),
             })?;
-        tracing::warn!(sandbox = %id, from = %from.id, to = %to.id, "moving a hibernated sandbox of a lost pod");
+        tracing::warn!(sandbox = %id, from = %from.id, to = %to.id, state = %sandbox.state,
+            stored_at = ?sandbox.stored_at, "moving a sandbox of a lost pod");
         let tenant = sandbox.tenant.clone().unwrap_or_default();
         let (_, env) = self.db.secrets(id).await?;
+        // A running one moves as the hibernated sandbox its durable
+        // checkpoint is.
+        let sandbox = Sandbox {
+            state: SandboxState::Hibernated,
+            vmm: None,
+            ..sandbox
+        };
         let adopt = Operation::Adopt {
             sandbox: Box::new(sandbox),
             template: Box::new(template),
@@ -161,4 +245,22 @@ impl Cluster {
             ))),
         }
     }
+}
+
+/// Why `sandbox` of lost pod `pod` is lost (no host path in it: tenants
+/// read it).
+fn lost_reason(sandbox: &Sandbox, pod: &PodRow) -> String {
+    let kept = if sandbox.state == SandboxState::Hibernated {
+        "hibernated without its snapshot in the object store".to_string()
+    } else {
+        format!(
+            "{}, its state in no durable checkpoint (`--checkpoint-interval-s`)",
+            sandbox.state
+        )
+    };
+    format!(
+        "its pod {} was lost for good (no heartbeat for {:.0} s) while it was {kept}: \
+         its state went with the pod",
+        pod.id, pod.silent_s
+    )
 }

@@ -305,7 +305,15 @@ impl Cluster {
             .cloned()
             .ok_or_else(|| ServiceError::Internal(format!("a {} of no sandbox", command.kind())))?;
         let asks = asks(&command);
-        let (sandbox, pod) = match self.owned_up(&id).await {
+        let owned = self.owned_up(&id).await;
+        // Its pod lost for good with the sandbox's state: a delete is
+        // done here (`moved.rs`).
+        if owned.is_err() && matches!(command, Operation::Delete { .. }) {
+            if let Some(reply) = self.delete_lost(&id).await? {
+                return Ok(reply);
+            }
+        }
+        let (sandbox, pod) = match owned {
             Ok(owned) => owned,
             // Its pod down: moved to one up if its snapshot is in the
             // object store (`moved.rs`).
@@ -408,6 +416,11 @@ impl SandboxApi for Cluster {
     /// (`admission.rs`).
     fn admits_creates(&self) -> bool {
         true
+    }
+
+    /// In PostgreSQL, shared by every replica (`secrets.rs`).
+    fn secret_store(&self) -> Option<&dyn torpor_gate::secrets::SecretStore> {
+        Some(&*self.db)
     }
 
     /// Built and deleted on the pods through their work queues, read from
@@ -524,9 +537,21 @@ impl SandboxApi for Cluster {
 
     /// With its secrets (`guest.rs`): envd checks its token, and gives
     /// its processes its environment.
+    /// A sandbox of a pod lost for good that cannot move reads as lost
+    /// (`moved.rs`); of a pod only down, 503.
     async fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
         async {
-            let (sandbox, _) = self.owned_up(id).await?;
+            let sandbox = match self.owned_up(id).await {
+                Ok((sandbox, _)) => sandbox,
+                Err(e) => {
+                    let (sandbox, pod) = self.owned(id).await?;
+                    let sandbox = self.lost_view(sandbox, &pod);
+                    if sandbox.state != torpor_scheduler::state::SandboxState::Lost {
+                        return Err(e);
+                    }
+                    sandbox
+                }
+            };
             self.with_secrets(sandbox).await
         }
         .await
@@ -609,8 +634,16 @@ impl SandboxApi for Cluster {
 
     async fn list_sandboxes(&self, filter: SandboxFilter) -> Result<Vec<Sandbox>, ServiceError> {
         let all = self.db.sandboxes(filter.tenant.as_deref()).await?;
+        let pods = self.db.pods().await?;
+        // Those of a pod lost for good as they read (`moved.rs`).
+        let all =
+            all.into_iter().map(
+                |s| match pods.iter().find(|p| s.pod.as_ref() == Some(&p.id)) {
+                    Some(pod) => self.lost_view(s, pod),
+                    None => s,
+                },
+            );
         Ok(all
-            .into_iter()
             .filter(|s| filter.states.is_empty() || filter.states.contains(&s.state))
             .filter(|s| filter.template.as_ref().is_none_or(|t| &s.template == t))
             .filter(|s| {

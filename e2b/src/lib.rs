@@ -42,8 +42,11 @@ mod network;
 pub mod ports;
 mod request;
 mod routes;
+mod secrets;
 mod templates;
 pub mod time;
+mod volume_content;
+mod volumes;
 pub mod wire;
 
 pub use error::E2bError;
@@ -113,6 +116,41 @@ pub const ROUTES: &[Route] = &[
     route("GET", "/templates", "e2bListTemplates"),
     route("GET", "/v2/templates", "e2bListTemplatesV2"),
     route("PATCH", "/v2/templates/{id}", "e2bUpdateTemplate"),
+    route("POST", "/volumes", "e2bCreateVolume"),
+    route("GET", "/volumes", "e2bListVolumes"),
+    route("GET", "/volumes/{id}", "e2bGetVolume"),
+    route("DELETE", "/volumes/{id}", "e2bDeleteVolume"),
+    // The volume content API: the volume's token (`Authorization:
+    // Bearer`), not the API key, checked by each handler.
+    public_route("GET", "/volumecontent/{id}/dir", "e2bVolumeContentListDir"),
+    public_route("POST", "/volumecontent/{id}/dir", "e2bVolumeContentMakeDir"),
+    public_route(
+        "GET",
+        "/volumecontent/{id}/file",
+        "e2bVolumeContentReadFile",
+    ),
+    public_route(
+        "PUT",
+        "/volumecontent/{id}/file",
+        "e2bVolumeContentWriteFile",
+    ),
+    public_route("GET", "/volumecontent/{id}/path", "e2bVolumeContentGetPath"),
+    public_route(
+        "PATCH",
+        "/volumecontent/{id}/path",
+        "e2bVolumeContentPatchPath",
+    ),
+    public_route(
+        "DELETE",
+        "/volumecontent/{id}/path",
+        "e2bVolumeContentDeletePath",
+    ),
+    // Secrets: the caller's tenant's only ({id} is a secret's id or name).
+    route("POST", "/secrets", "e2bCreateSecret"),
+    route("GET", "/secrets", "e2bListSecrets"),
+    route("GET", "/secrets/{id}", "e2bGetSecret"),
+    route("POST", "/secrets/{id}", "e2bUpdateSecret"),
+    route("DELETE", "/secrets/{id}", "e2bDeleteSecret"),
 ];
 
 /// An E2B route without the API key: what authorises it is its own.
@@ -153,6 +191,22 @@ fn endpoint<S: SandboxApi>(r: &Route) -> MethodRouter<AppState<S>> {
         "e2bTemplateTags" => on(m, templates::tags::<S>),
         "e2bListTemplates" | "e2bListTemplatesV2" => on(m, templates::list::<S>),
         "e2bUpdateTemplate" => on(m, templates::update::<S>),
+        "e2bCreateVolume" => on(m, volumes::create::<S>),
+        "e2bListVolumes" => on(m, volumes::list::<S>),
+        "e2bGetVolume" => on(m, volumes::get::<S>),
+        "e2bDeleteVolume" => on(m, volumes::delete::<S>),
+        "e2bVolumeContentListDir" => on(m, volume_content::list_dir),
+        "e2bVolumeContentMakeDir" => on(m, volume_content::make_dir),
+        "e2bVolumeContentReadFile" => on(m, volume_content::read_file),
+        "e2bVolumeContentWriteFile" => on(m, volume_content::write_file::<S>),
+        "e2bVolumeContentGetPath" => on(m, volume_content::get_path),
+        "e2bVolumeContentPatchPath" => on(m, volume_content::patch_path),
+        "e2bVolumeContentDeletePath" => on(m, volume_content::delete_path),
+        "e2bCreateSecret" => on(m, secrets::create::<S>),
+        "e2bListSecrets" => on(m, secrets::list::<S>),
+        "e2bGetSecret" => on(m, secrets::get::<S>),
+        "e2bUpdateSecret" => on(m, secrets::update::<S>),
+        "e2bDeleteSecret" => on(m, secrets::delete::<S>),
         other => panic!("E2B route table names unknown operation {other:?}"),
     }
 }
@@ -198,6 +252,8 @@ pub async fn no_route(request: Request) -> E2bError {
 /// No fallback: merged into the API's router, unknown paths are the API's.
 pub fn router<S: SandboxApi>(service: Arc<S>, tenancy: Tenancy<S>, limits: Limits) -> Router {
     let mut app: Router<AppState<S>> = Router::new();
+    // The volume content API answers errors of its own shape: no `normalize`.
+    let mut content: Router<AppState<S>> = Router::new();
     for r in ROUTES {
         let mut endpoint = endpoint::<S>(r);
         if let Gated::Sandbox(cost) = r.gate {
@@ -212,18 +268,24 @@ pub fn router<S: SandboxApi>(service: Arc<S>, tenancy: Tenancy<S>, limits: Limit
                 require_key::<S>,
             ));
         }
-        app = app.route(r.path, endpoint);
+        if r.operation.starts_with("e2bVolumeContent") {
+            content = content.route(r.path, endpoint);
+        } else {
+            app = app.route(r.path, endpoint);
+        }
     }
     let with_limits = |r: Router| {
         r.layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
             .layer(middleware::from_fn_with_state(limits, torpor_gate::limits))
     };
-    let control = with_limits(app.with_state(AppState {
+    let state = AppState {
         service: Arc::clone(&service),
         tenancy: tenancy.clone(),
         max_upload_bytes: limits.max_upload_bytes,
-    }))
-    .layer(middleware::from_fn(error::normalize));
+    };
+    let control = with_limits(app.with_state(state.clone()))
+        .layer(middleware::from_fn(error::normalize))
+        .merge(with_limits(content.with_state(state)));
     // envd's answers are Connect's, not E2B's error body: no `normalize`.
     control.merge(with_limits(envd::router(service, tenancy, limits)))
 }
@@ -237,10 +299,11 @@ mod tests {
         let mut seen = std::collections::BTreeSet::new();
         for r in ROUTES {
             assert!(seen.insert((r.method, r.path)), "{} {}", r.method, r.path);
-            // Only the upload link's PUT goes without the API key.
+            // Only the upload link's PUT and the volume content API (the
+            // volume's token) go without the API key.
             assert_eq!(
                 r.auth,
-                r.operation != "e2bBuildFileUpload",
+                r.operation != "e2bBuildFileUpload" && !r.operation.starts_with("e2bVolumeContent"),
                 "{}",
                 r.operation
             );
@@ -272,7 +335,13 @@ mod tests {
                         let target = r["$ref"].as_str().unwrap();
                         let pointer = target.strip_prefix('#').unwrap();
                         let schema = &d.pointer(pointer).unwrap()["content"]["application/json"];
-                        assert_eq!(schema["schema"]["$ref"], "#/components/schemas/Error");
+                        // The volume content API's errors carry the status as a string.
+                        let error = if path.starts_with("/volumecontent/") {
+                            "#/components/schemas/VolumeContentError"
+                        } else {
+                            "#/components/schemas/Error"
+                        };
+                        assert_eq!(schema["schema"]["$ref"], error, "{method} {path}");
                     }
                 }
             }

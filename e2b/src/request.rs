@@ -7,7 +7,7 @@ use axum::body::Bytes;
 use serde::de::DeserializeOwned;
 
 use super::error::E2bError;
-use super::wire::MAX_LIMIT;
+use super::wire::{Cursor, MAX_LIMIT};
 use torpor_gate::auth::Principal;
 use torpor_gate::backend::SandboxApi;
 use torpor_gate::error::ApiError;
@@ -46,6 +46,18 @@ pub(super) fn limit(q: &BTreeMap<String, String>) -> E2bResult<usize> {
             ))),
         },
     }
+}
+
+/// A page of a list ordered by creation: its [`limit`] and the cursor of
+/// `nextToken` (a previous page's `x-next-token`; empty is none), 400
+/// for a token we did not give.
+pub(super) fn page_query(q: &BTreeMap<String, String>) -> E2bResult<(usize, Option<Cursor>)> {
+    let after = q
+        .get("nextToken")
+        .filter(|t| !t.is_empty())
+        .map(|t| Cursor::decode(t))
+        .transpose()?;
+    Ok((limit(q)?, after))
 }
 
 /// The query of a list: its pairs, percent-decoded.

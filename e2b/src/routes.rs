@@ -14,7 +14,7 @@ use torpor_scheduler::model::{
 };
 
 use super::error::E2bError;
-use super::request::{body, limit, permit, query_pairs};
+use super::request::{body, page_query, permit, query_pairs};
 use super::wire::{
     e2b_state, page, ConnectBody, CreatedSandbox, Cursor, ForkBody, ForkResult, NewSandbox,
     PauseBody, RefreshBody, SandboxDetail, SnapshotBody, SnapshotInfo, TimeoutBody,
@@ -148,6 +148,11 @@ pub async fn create<S: SandboxApi>(
     bytes: Bytes,
 ) -> E2bResult<Response> {
     let mut req: NewSandbox = body(&bytes)?;
+    super::volumes::refuse_mounts(
+        &state.tenancy.volumes,
+        &principal,
+        req.volume_mounts.as_ref(),
+    )?;
     req.refuse_unoffered()?;
     req.template_id =
         super::templates::resolve_tagged(&state.tenancy.builds, &principal, &req.template_id);
@@ -369,7 +374,7 @@ pub async fn refresh<S: SandboxApi>(
 }
 
 /// A page as JSON, with the next page's token in `x-next-token`.
-fn paged<T: serde::Serialize>(items: Vec<T>, next: Option<String>) -> Response {
+pub(super) fn paged<T: serde::Serialize>(items: Vec<T>, next: Option<String>) -> Response {
     let mut response = Json(items).into_response();
     if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
         response.headers_mut().insert("x-next-token", token);
@@ -459,7 +464,8 @@ pub async fn fork<S: SandboxApi>(
 
 /// `POST /sandboxes/{id}/snapshots`: a template of the sandbox's current
 /// state (snapshot-as-template); `snapshotID` is its id, `templateID` of a
-/// create takes it, it outlives the sandbox.
+/// create takes it, it outlives the sandbox. `memory: false` (the SDKs'
+/// `mode="filesystem"`) keeps its disk only: a create from it boots.
 pub async fn create_snapshot<S: SandboxApi>(
     state: Api<S>,
     Extension(principal): Extension<Principal>,
@@ -467,12 +473,10 @@ pub async fn create_snapshot<S: SandboxApi>(
     bytes: Bytes,
 ) -> E2bResult<Response> {
     let req: SnapshotBody = optional_body(&bytes)?;
-    if req.memory == Some(false) {
-        return Err(E2bError::bad_request(
-            "filesystem-only snapshots (`memory: false`, the SDKs' mode=\"filesystem\") are \
-             not offered: a snapshot keeps the sandbox's memory and disk (leave `memory` out)",
-        ));
-    }
+    let mode = match req.memory {
+        Some(false) => HibernationKind::Filesystem,
+        None | Some(true) => HibernationKind::Memory,
+    };
     let _permit = permit(&state, &principal)?;
     let tenancy = state.tenancy.clone();
     let out = call(&state, move |s| async move {
@@ -485,7 +489,13 @@ pub async fn create_snapshot<S: SandboxApi>(
         )
         .await?;
         let t = s
-            .template_from_sandbox(&sandbox.id, TemplateFromSandbox { name: req.name })
+            .template_from_sandbox(
+                &sandbox.id,
+                TemplateFromSandbox {
+                    name: req.name,
+                    mode,
+                },
+            )
             .await?;
         Ok(SnapshotInfo {
             snapshot_id: t.id.to_string(),
@@ -504,8 +514,7 @@ pub async fn list_snapshots<S: SandboxApi>(
     RawQuery(raw): RawQuery,
 ) -> E2bResult<Response> {
     let q = query_pairs(raw);
-    let limit = limit(&q)?;
-    let after = q.get("nextToken").map(|t| Cursor::decode(t)).transpose()?;
+    let (limit, after) = page_query(&q)?;
     let (sandbox, name) = (q.get("sandboxID").cloned(), q.get("name").cloned());
     let (items, next) = call(&state, move |s| async move {
         let s = &*s;

@@ -26,7 +26,7 @@ use torpor_build::spec::Source;
 use torpor_scheduler::model::{Template, TemplateState};
 
 use super::error::E2bError;
-use super::request::{body, limit, permit, query_pairs};
+use super::request::{body, page_query, permit, query_pairs};
 use torpor_gate::auth::Principal;
 use torpor_gate::backend::SandboxApi;
 use torpor_gate::builds::surface::{scope, tenant_of};
@@ -639,11 +639,7 @@ pub async fn list<S: SandboxApi>(
     RawQuery(raw): RawQuery,
 ) -> E2bResult<Response> {
     let q = query_pairs(raw);
-    let limit = limit(&q)?;
-    let after = q
-        .get("nextToken")
-        .map(|t| super::wire::Cursor::decode(t))
-        .transpose()?;
+    let (limit, after) = page_query(&q)?;
     let builds = state.tenancy.builds.clone();
     let (items, next) = call(&state, move |s| async move {
         let s = &*s;

@@ -152,10 +152,24 @@ pub struct RefreshBody {
 pub struct SnapshotBody {
     #[serde(default)]
     pub name: Option<String>,
-    /// `false`: a filesystem-only snapshot (the SDKs' `mode="filesystem"`),
-    /// not offered: 400. Absent or `true`: memory and disk.
-    #[serde(default)]
+    /// `false`: a filesystem-only snapshot (the SDKs' `mode="filesystem"`):
+    /// the disk only, a create from it boots. Absent or `true`: memory and
+    /// disk. Anything else is 400 naming the field.
+    #[serde(default, deserialize_with = "snapshot_memory")]
     pub memory: Option<bool>,
+}
+
+/// `memory` of a snapshot: a boolean or null; the error says which values
+/// mean what (the SDKs' two modes).
+fn snapshot_memory<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<bool>, D::Error> {
+    match Option::<Value>::deserialize(d)? {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(b)),
+        Some(other) => Err(serde::de::Error::custom(format!(
+            "`memory` is true (memory and disk: the SDKs' mode=\"full\") or false (the disk \
+             only: mode=\"filesystem\"), not {other}"
+        ))),
+    }
 }
 
 /// `POST /sandboxes/{id}/fork`.
@@ -286,15 +300,16 @@ pub struct ForkResult {
 }
 
 /// E2B's two states: `running` (running, being created or resumed) and
-/// `paused` (paused, hibernating, hibernated). Failed and deleted
-/// sandboxes have none: E2B shows them as gone (404, not listed).
+/// `paused` (paused, hibernating, hibernated). Failed, lost (with its pod)
+/// and deleted sandboxes have none: E2B shows them as gone (404, not
+/// listed), as E2B's own do when their node dies.
 pub fn e2b_state(state: SandboxState) -> Option<&'static str> {
     match state {
         SandboxState::Creating | SandboxState::Running | SandboxState::Resuming => Some("running"),
         SandboxState::Paused | SandboxState::Hibernating | SandboxState::Hibernated => {
             Some("paused")
         }
-        SandboxState::Failed | SandboxState::Deleted => None,
+        SandboxState::Failed | SandboxState::Lost | SandboxState::Deleted => None,
     }
 }
 
@@ -482,7 +497,10 @@ mod tests {
         for s in SandboxState::ALL {
             match e2b_state(*s) {
                 Some(e) => assert!(torpor_states(e).unwrap().contains(s)),
-                None => assert!(matches!(s, SandboxState::Failed | SandboxState::Deleted)),
+                None => assert!(matches!(
+                    s,
+                    SandboxState::Failed | SandboxState::Lost | SandboxState::Deleted
+                )),
             }
         }
         assert!(torpor_states("killed").is_none());

@@ -14,7 +14,7 @@
 //! [`gate::sandbox`] or the [`tenancy`] checks it wraps.
 //!
 //! Its modules import each other one way (tests/layering.rs): `service`,
-//! `error` and `calls` at the bottom, then `wire`, `pods`, `pagination`,
+//! `error`, `calls` and `volumes` (E2B's volumes) at the bottom, then `wire`, `pods`, `pagination`,
 //! `streams` and `request_context`, `backend`, `quota`, `auth`, `tenancy`,
 //! `gate` and `handlers`, then `builds` and `relay`.
 
@@ -43,10 +43,12 @@ pub mod pods;
 pub mod quota;
 pub mod relay;
 pub mod request_context;
+pub mod secrets;
 pub mod service;
 pub mod streams;
 pub mod tenancy;
 pub mod tls;
+pub mod volumes;
 pub mod wire;
 
 pub use backend::dispatch::dispatch;
@@ -108,6 +110,11 @@ pub struct ApiConfig {
     /// filesystem, past its content and 30% of it: room for its build's
     /// steps.
     pub image_headroom_mib: u64,
+    /// Where E2B's volumes are kept (`DATA_DIR/volumes`,
+    /// [`volumes::Volumes`]); `None`: no volume is made.
+    pub volumes_dir: Option<std::path::PathBuf>,
+    /// How many volumes a tenant has and how big each is.
+    pub volume_limits: volumes::Limits,
 }
 
 /// Default [`ApiConfig::image_headroom_mib`]: 512 MiB.
@@ -137,6 +144,8 @@ impl std::fmt::Debug for ApiConfig {
             .field("registry_ca", &self.registry_ca)
             .field("private_registries", &self.private_registries)
             .field("image_headroom_mib", &self.image_headroom_mib)
+            .field("volumes_dir", &self.volumes_dir)
+            .field("volume_limits", &self.volume_limits)
             .finish()
     }
 }
@@ -158,6 +167,8 @@ impl Default for ApiConfig {
             registry_ca: None,
             private_registries: Vec::new(),
             image_headroom_mib: DEFAULT_IMAGE_HEADROOM_MIB,
+            volumes_dir: None,
+            volume_limits: volumes::Limits::default(),
         }
     }
 }
@@ -226,9 +237,11 @@ impl Limits {
     }
 }
 
-/// Whether `path` is an image upload (its own size limit, no timeout).
+/// Whether `path` is an upload (its own size limit, no timeout): an
+/// image's, or a file of an E2B volume's (whose size its volume bounds).
 pub fn is_upload(method: &Method, path: &str) -> bool {
-    method == Method::PUT && path.starts_with("/v1/images/")
+    method == Method::PUT
+        && (path.starts_with("/v1/images/") || path.starts_with("/volumecontent/"))
 }
 
 /// 413 `payload_too_large` for a body over `limit` bytes.
@@ -296,6 +309,18 @@ pub fn builds_of(config: &ApiConfig) -> builds::Builds {
     })
 }
 
+/// The volumes of `config`'s directory; none if it cannot be opened
+/// (logged).
+pub fn volumes_of(config: &ApiConfig) -> volumes::Volumes {
+    match &config.volumes_dir {
+        None => volumes::Volumes::none(),
+        Some(dir) => volumes::Volumes::open(dir.clone(), config.volume_limits).unwrap_or_else(|e| {
+            tracing::error!(error = %e, dir = %dir.display(), "the volumes directory cannot be opened: no volumes");
+            volumes::Volumes::none()
+        }),
+    }
+}
+
 /// The tokens (command line and tokens file), quotas and rate limits the
 /// routes share.
 pub fn tenancy_of<S: SandboxApi>(service: &Arc<S>, config: &ApiConfig) -> tenancy::Tenancy<S> {
@@ -324,6 +349,7 @@ pub fn tenancy_of<S: SandboxApi>(service: &Arc<S>, config: &ApiConfig) -> tenanc
         ),
         traffic: Arc::default(),
         builds: Arc::new(builds_of(config)),
+        volumes: Arc::new(volumes_of(config)),
         domain: config
             .proxy_domain
             .as_deref()

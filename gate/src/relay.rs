@@ -282,7 +282,10 @@ async fn stream(
     }
 }
 
-struct Chunks(mpsc::Receiver<Bytes>);
+/// A response body of the chunks a blocking producer sends (a relayed
+/// answer, a file read by a blocking thread).
+#[derive(Debug)]
+pub struct Chunks(pub mpsc::Receiver<Bytes>);
 
 impl futures_core::Stream for Chunks {
     type Item = Result<Bytes, Infallible>;

@@ -223,6 +223,8 @@ pub struct Tenancy<S> {
     pub traffic: Arc<Traffic>,
     /// Template builds and their uploaded files.
     pub builds: Arc<crate::build_registry::Builds>,
+    /// E2B's volumes.
+    pub volumes: Arc<crate::volumes::Volumes>,
     /// The domain of guest ports' host names (`ApiConfig::proxy_domain`,
     /// lowercase, no trailing dot).
     pub domain: Option<Arc<str>>,
@@ -238,6 +240,7 @@ impl<S> Clone for Tenancy<S> {
             streams: Arc::clone(&self.streams),
             traffic: Arc::clone(&self.traffic),
             builds: Arc::clone(&self.builds),
+            volumes: Arc::clone(&self.volumes),
             domain: self.domain.clone(),
         }
     }

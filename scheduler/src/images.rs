@@ -103,8 +103,9 @@ pub fn check_name(name: &str) -> Result<(), ImageError> {
 
 /// `openat2(dir, rel, flags, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS |
 /// RESOLVE_NO_MAGICLINKS)`: `rel` resolved inside `dir` only, through no
-/// symlink at all.
-fn open_beneath(dir: &File, rel: &Path, flags: i32, mode: u32) -> std::io::Result<File> {
+/// symlink at all. The one such opener of the service's directories
+/// (E2B's volumes resolve every path with it too: `torpor_gate::volumes`).
+pub fn open_beneath(dir: &File, rel: &Path, flags: i32, mode: u32) -> std::io::Result<File> {
     let rel = std::ffi::CString::new(rel.as_os_str().as_bytes())
         .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
     // SAFETY: open_how is plain integers: all zeros is a valid value.

@@ -236,7 +236,9 @@ impl fmt::Display for TemplateState {
     }
 }
 
-/// A snapshot of a booted, idle guest that sandboxes are restored from.
+/// A snapshot of a booted, idle guest that sandboxes are restored from (or,
+/// made from a sandbox keeping its disk only, booted from:
+/// [`Template::boots_from_disk`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Template {
     pub id: TemplateId,
@@ -274,6 +276,15 @@ pub struct Template {
     /// (`serve --object-store`), from which a pod that lacks it fetches it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stored_snapshot: Option<String>,
+}
+
+impl Template {
+    /// A filesystem-only snapshot of a sandbox (made from it, ready, with
+    /// no snapshot): its sandboxes boot over a copy of the disk it keeps
+    /// in its directory instead of restoring.
+    pub fn boots_from_disk(&self) -> bool {
+        self.state == TemplateState::Ready && self.snapshot_dir.is_none() && self.source.is_some()
+    }
 }
 
 /// Who makes a sandbox or a template: the tenant it will belong to, and
@@ -347,6 +358,11 @@ pub struct Sandbox {
     /// of the store can wake it from there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stored_snapshot: Option<String>,
+    /// When `stored_snapshot` was stored. For a sandbox running from a
+    /// durable checkpoint (`--checkpoint-interval-s`), the time of its
+    /// last durable state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_at: Option<Timestamp>,
     /// Its VMM process, while one runs.
     pub vmm: Option<VmmHandle>,
     /// Incremented by the store on every state change.
@@ -523,6 +539,7 @@ impl Sandbox {
             last_active_at: now,
             snapshot: None,
             stored_snapshot: None,
+            stored_at: None,
             vmm: None,
             generation: 0,
             restore: None,

@@ -29,6 +29,12 @@ str_enum! {
         /// Broken, with a reason; it can be deleted or recovered from its
         /// last snapshot.
         Failed => "failed",
+        /// Its pod was lost for good while it held state that is nowhere
+        /// else (running, paused, or hibernated without a stored snapshot):
+        /// that state went with the pod. Only a cluster's replicas put a
+        /// sandbox here (`torpor_cluster`'s `moved.rs`), never a pod; it
+        /// can only be deleted.
+        Lost => "lost",
     }
 }
 
@@ -74,6 +80,15 @@ pub const TRANSITIONS: &[(SandboxState, SandboxState)] = &[
     // failed: deleted, or recovered from its last snapshot (by policy).
     (Failed, Resuming),
     (Failed, Deleted),
+    // lost with its pod (a cluster's replica decides): deleted only.
+    (Creating, Lost),
+    (Running, Lost),
+    (Paused, Lost),
+    (Hibernating, Lost),
+    (Hibernated, Lost),
+    (Resuming, Lost),
+    (Failed, Lost),
+    (Lost, Deleted),
     // deleted: terminal.
 ];
 
@@ -202,13 +217,20 @@ mod tests {
     /// The table written out once more, as the expected set of legal pairs.
     fn expected_legal(from: SandboxState, to: SandboxState) -> bool {
         match from {
-            Creating => matches!(to, Running | Failed | Deleted),
-            Running => matches!(to, Paused | Hibernating | Resuming | Failed | Deleted),
-            Paused => matches!(to, Running | Hibernating | Resuming | Failed | Deleted),
-            Hibernating => matches!(to, Hibernated | Running | Paused | Failed | Deleted),
-            Hibernated => matches!(to, Resuming | Failed | Deleted),
-            Resuming => matches!(to, Running | Hibernated | Failed | Deleted),
-            Failed => matches!(to, Resuming | Deleted),
+            Creating => matches!(to, Running | Failed | Deleted | Lost),
+            Running => matches!(
+                to,
+                Paused | Hibernating | Resuming | Failed | Deleted | Lost
+            ),
+            Paused => matches!(
+                to,
+                Running | Hibernating | Resuming | Failed | Deleted | Lost
+            ),
+            Hibernating => matches!(to, Hibernated | Running | Paused | Failed | Deleted | Lost),
+            Hibernated => matches!(to, Resuming | Failed | Deleted | Lost),
+            Resuming => matches!(to, Running | Hibernated | Failed | Deleted | Lost),
+            Failed => matches!(to, Resuming | Deleted | Lost),
+            Lost => matches!(to, Deleted),
             Deleted => false,
         }
     }
@@ -245,8 +267,13 @@ mod tests {
             );
             assert_eq!(
                 transition(s, Failed).is_ok(),
-                !matches!(s, Deleted | Failed),
+                !matches!(s, Deleted | Failed | Lost),
                 "{s} -> failed"
+            );
+            assert_eq!(
+                transition(s, Lost).is_ok(),
+                !matches!(s, Deleted | Lost),
+                "{s} -> lost"
             );
             assert!(transition(Deleted, s).is_err(), "deleted -> {s}");
         }

@@ -25,6 +25,8 @@ pub struct NestedPodConfig {
     pub rootfs: Option<PathBuf>,
     pub interpreter: InterpreterImage,
     pub mem_mib: u32,
+    /// vCPUs of the nested host (L1) itself.
+    pub host_cpus: u32,
     /// vCPUs of the template `base`.
     pub vcpus: u32,
     /// Serve's API once made: builds `code-interpreter-v1`.
@@ -446,6 +448,7 @@ mod tests {
             rootfs: None,
             interpreter,
             mem_mib: 3072,
+            host_cpus: 2,
             vcpus: 1,
             builder: Builder::default(),
         };

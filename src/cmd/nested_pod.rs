@@ -332,6 +332,7 @@ fn boot(
     let mut built = vec![BASE];
     let mut host = NestedHost::builder()
         .memory_mib(config.mem_mib)
+        .cpus(config.host_cpus)
         .spare_mib(SPARE_MIB)
         .l1_dir(l1)
         .file(exe, "/opt/torpor/torpor")

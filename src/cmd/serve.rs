@@ -163,9 +163,17 @@ fn open_service(
     config.policy_interval_ms = flags.policy_interval_ms;
     config.history_interval_ms = flags.history_interval_ms;
     config.object_store = flags.object_store.clone();
+    config.checkpoint_interval = flags
+        .checkpoint_interval_s
+        .filter(|&n| n > 0)
+        .map(std::time::Duration::from_secs);
+    config.lazy_wake = flags.lazy_wake;
     config.default_keep_alive_ms = flags.keep_alive_ms;
     config.exec_timeout_ms = flags.exec_timeout_ms.max(1);
     config.standby_pool = flags.standby_pool;
+    config.standby_pool_max = flags.standby_pool_max;
+    config.standby_pool_idle_ms = flags.standby_pool_idle_ms;
+    config.standby_refill_threads = flags.standby_refill_threads;
     config.memory_backend = flags.memory_backend.backend();
     config.dirty_tracking = flags.dirty_tracking.tracking();
     config.images_dir = flags.images_dir.clone();
@@ -177,6 +185,12 @@ fn open_service(
     println!("{who}: data dir {}", data_dir.display());
     if let Some(store) = &config.object_store {
         println!("{who}: snapshots stored in {store}");
+        if let Some(every) = config.checkpoint_interval {
+            println!(
+                "{who}: running sandboxes checkpointed there every {} s",
+                every.as_secs()
+            );
+        }
     }
     let host = &config.host;
     let kinds: Vec<&str> = host.kinds().iter().map(|k| k.as_str()).collect();
@@ -230,6 +244,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             rootfs: args.nested_rootfs.clone(),
             interpreter: InterpreterImage::Missing("the local pod builds `base` only".into()),
             mem_mib: args.nested_mem_mib,
+            host_cpus: args.nested_host_cpus,
             // Real VMX/SVM: none of TCG's secondary-vCPU faults.
             vcpus: 2,
             builder: builder.clone(),
@@ -239,8 +254,13 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         let config = super::nested_parts::NestedPodConfig {
             kernel: args.nested_kernel.clone(),
             rootfs: args.nested_rootfs.clone(),
-            interpreter: InterpreterImage::find(args.nested_interpreter_rootfs.clone()),
+            interpreter: if args.no_nested_interpreter {
+                InterpreterImage::Missing("--no-nested-interpreter".into())
+            } else {
+                InterpreterImage::find(args.nested_interpreter_rootfs.clone())
+            },
             mem_mib: args.nested_mem_mib,
+            host_cpus: args.nested_host_cpus,
             vcpus: args.nested_vcpus,
             builder: builder.clone(),
         };
@@ -305,6 +325,11 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         request_timeout,
         proxy_domain: Some(args.proxy_domain.clone()),
         builds_dir: Some(data_dir.join("builds")),
+        volumes_dir: Some(data_dir.join("volumes")),
+        volume_limits: torpor_api::volumes::Limits {
+            per_tenant: args.volumes_per_tenant,
+            bytes: args.volume_max_mib << 20,
+        },
         guest_kernel,
         guest_agent,
         registry_ca: args.registry_ca.clone(),

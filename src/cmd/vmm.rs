@@ -157,6 +157,7 @@ fn launch_spec(args: &VmmRunArgs) -> Result<LaunchSpec, Failure> {
                 disk_overlay: args.disk_overlay.clone(),
                 vsock_uds: args.vsock_uds.clone(),
                 net: args.net.clone().map(Box::new),
+                lazy_map: None,
             },
             paused: args.paused,
             record_working_set_ms: args.record_working_set_ms,

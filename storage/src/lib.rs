@@ -42,6 +42,6 @@ pub use gc::{GcOptions, GcReport};
 pub use id::{BadManifestId, ManifestId};
 pub use manifest::{ChunkRun, FileEntry, Manifest, MANIFEST_VERSION};
 pub use pause::{GcStage, PauseHandle, UploadStage};
-pub use reader::{DownloadReport, LayerReader};
+pub use reader::{DownloadReport, LayerReader, LazyFile};
 pub use store::{Storage, StorageOptions};
 pub use upload::{UploadOptions, UploadReport};

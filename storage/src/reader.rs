@@ -19,7 +19,7 @@ use crate::cache::ChunkCache;
 use crate::chunk::{self, ChunkHash};
 use crate::error::{blocking, ChunkAt, StorageError};
 use crate::id::ManifestId;
-use crate::manifest::Manifest;
+use crate::manifest::{FileEntry, Manifest};
 use crate::sparse;
 use crate::store::Storage;
 
@@ -98,6 +98,50 @@ impl Storage {
         id: &ManifestId,
         dir: &Path,
     ) -> Result<DownloadReport, StorageError> {
+        self.download_layer_except(id, dir, None)
+            .await
+            .map(|(report, _)| report)
+    }
+
+    /// [`Storage::download_layer`] but for file `lazy`, which is made at
+    /// its length, a hole, and renamed into place with the others: its
+    /// chunks are fetched afterwards, in any order, through the
+    /// [`LazyFile`] returned (a cold wake's memory file, fetched while the
+    /// guest runs). The report counts what was fetched here.
+    pub async fn download_layer_lazy(
+        &self,
+        id: &ManifestId,
+        dir: &Path,
+        lazy: &str,
+    ) -> Result<(DownloadReport, LazyFile), StorageError> {
+        let (report, file) = self.download_layer_except(id, dir, Some(lazy)).await?;
+        let Some((file, entry, chunk_size)) = file else {
+            return Err(StorageError::NoSuchFile {
+                layer: id.clone(),
+                file: lazy.to_string(),
+            });
+        };
+        Ok((
+            report,
+            LazyFile {
+                storage: self.clone(),
+                id: id.clone(),
+                local: dir.join(&entry.path),
+                chunks: entry.expand(),
+                path: entry.path,
+                len: entry.len,
+                chunk_size,
+                file,
+            },
+        ))
+    }
+
+    async fn download_layer_except(
+        &self,
+        id: &ManifestId,
+        dir: &Path,
+        except: Option<&str>,
+    ) -> Result<(DownloadReport, Option<(Arc<File>, FileEntry, u64)>), StorageError> {
         let begun = Instant::now();
         let manifest = self.manifest(id).await?;
         let cs = manifest.chunk_size;
@@ -107,7 +151,12 @@ impl Storage {
         })
         .await?;
         let mut work = Vec::new();
+        let mut lazy = None;
         for (fi, f) in manifest.files.iter().enumerate() {
+            if Some(f.path.as_str()) == except {
+                lazy = Some((temps[fi].0.clone(), f.clone(), cs));
+                continue;
+            }
             for (i, c) in f.expand().into_iter().enumerate() {
                 if let Some(hash) = c {
                     work.push((fi, i as u64, hash));
@@ -158,7 +207,7 @@ impl Storage {
             }
             return Err(e);
         }
-        Ok(DownloadReport {
+        let report = DownloadReport {
             id: id.clone(),
             files: manifest.files.len(),
             logical_bytes: manifest.logical_bytes(),
@@ -171,7 +220,80 @@ impl Storage {
                 .map(|f| f.expand().iter().filter(|c| c.is_none()).count() as u64)
                 .sum(),
             elapsed: begun.elapsed(),
+        };
+        Ok((report, lazy))
+    }
+}
+
+/// A file of a downloaded layer whose chunks arrive later
+/// ([`Storage::download_layer_lazy`]): made at its length, a hole; each
+/// [`LazyFile::fetch`] writes one chunk, checked, its zero pages left
+/// unwritten.
+#[derive(Debug)]
+pub struct LazyFile {
+    storage: Storage,
+    id: ManifestId,
+    path: String,
+    local: PathBuf,
+    file: Arc<File>,
+    chunk_size: u64,
+    chunks: Vec<Option<ChunkHash>>,
+    len: u64,
+}
+
+impl LazyFile {
+    /// The chunk size.
+    pub fn chunk_size(&self) -> u64 {
+        self.chunk_size
+    }
+
+    /// The file's length.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the file is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Its chunks.
+    pub fn chunks(&self) -> u64 {
+        self.chunks.len() as u64
+    }
+
+    /// Whether chunk `i` is a hole (nothing to fetch; past the end too).
+    pub fn is_hole(&self, i: u64) -> bool {
+        !matches!(self.chunks.get(i as usize), Some(Some(_)))
+    }
+
+    /// Fetches chunk `i` (a hole is nothing) and writes it into the file,
+    /// every check passed: a corrupt chunk fails with
+    /// [`StorageError::ChunkCorrupt`] naming the layer, the file and the
+    /// chunk. The bytes fetched.
+    pub async fn fetch(&self, i: u64) -> Result<u64, StorageError> {
+        let Some(Some(hash)) = self.chunks.get(i as usize).copied() else {
+            return Ok(0);
+        };
+        let at = ChunkAt {
+            layer: self.id.clone(),
+            file: self.path.clone(),
+            index: i,
+            hash,
+        };
+        let (raw, stored) = self.storage.fetch_chunk(&at, self.chunk_size).await?;
+        let (file, path, offset) = (self.file.clone(), self.local.clone(), i * self.chunk_size);
+        blocking(move || {
+            sparse::write_sparse(&file, offset, &raw).map_err(|e| StorageError::io(&path, e))
         })
+        .await?;
+        Ok(stored)
+    }
+
+    /// Syncs the file (every chunk written).
+    pub async fn sync(&self) -> Result<(), StorageError> {
+        let (file, path) = (self.file.clone(), self.local.clone());
+        blocking(move || file.sync_all().map_err(|e| StorageError::io(&path, e))).await
     }
 }
 

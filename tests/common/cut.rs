@@ -3,7 +3,8 @@
 //! until it is cut, at once or once the client has sent a given number of
 //! bytes more (mid-request: the store "stops" in the middle of an
 //! upload). Cut, every open connection is shut down and each new one
-//! closed as soon as it is accepted; restored, it forwards again.
+//! closed as soon as it is accepted; restored, it forwards again. It can
+//! also be made slow: each read of the server's answers delayed.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -19,6 +20,9 @@ struct State {
     cut_at: AtomicU64,
     /// The open connections' sockets, both sides, to shut down when cut.
     open: Mutex<Vec<TcpStream>>,
+    /// Microseconds each read of the server's answers waits before it is
+    /// forwarded (a slow store).
+    delay_us: AtomicU64,
 }
 
 impl State {
@@ -62,9 +66,9 @@ impl CutProxy {
                     open.push(server.try_clone().unwrap());
                 }
                 let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-                let up = st.clone();
-                std::thread::spawn(move || pump(client, server, Some(up)));
-                std::thread::spawn(move || pump(s2, c2, None));
+                let (up, down) = (st.clone(), st.clone());
+                std::thread::spawn(move || pump(client, server, Some(up), None));
+                std::thread::spawn(move || pump(s2, c2, None, Some(down)));
             }
         });
         Self { addr, state }
@@ -92,6 +96,14 @@ impl CutProxy {
         self.state.cut.load(Ordering::SeqCst)
     }
 
+    /// Makes the store slow: each read of its answers (up to 16 KiB) waits
+    /// `per_read` before it is forwarded (zero: at once again).
+    pub fn slow(&self, per_read: std::time::Duration) {
+        self.state
+            .delay_us
+            .store(per_read.as_micros() as u64, Ordering::SeqCst);
+    }
+
     /// Forwards again.
     pub fn restore(&self) {
         self.state.cut_at.store(u64::MAX, Ordering::SeqCst);
@@ -100,8 +112,14 @@ impl CutProxy {
 }
 
 /// Copies `from` to `to` until either closes or the proxy is cut; the
-/// client's side (`counted`) counts what it sends and cuts at the mark.
-fn pump(mut from: TcpStream, mut to: TcpStream, counted: Option<Arc<State>>) {
+/// client's side (`counted`) counts what it sends and cuts at the mark;
+/// the server's (`slowed`) waits the proxy's delay before each write.
+fn pump(
+    mut from: TcpStream,
+    mut to: TcpStream,
+    counted: Option<Arc<State>>,
+    slowed: Option<Arc<State>>,
+) {
     let mut buf = [0u8; 16 * 1024];
     loop {
         let n = match from.read(&mut buf) {
@@ -109,6 +127,15 @@ fn pump(mut from: TcpStream, mut to: TcpStream, counted: Option<Arc<State>>) {
             Ok(n) => n,
         };
         let mut n = n;
+        if let Some(st) = &slowed {
+            let us = st.delay_us.load(Ordering::SeqCst);
+            if us > 0 {
+                std::thread::sleep(std::time::Duration::from_micros(us));
+            }
+            if st.cut.load(Ordering::SeqCst) {
+                break;
+            }
+        }
         if let Some(st) = &counted {
             if st.cut.load(Ordering::SeqCst) {
                 break;

@@ -82,9 +82,15 @@ pub fn serve_command(data: &Path) -> Command {
 /// on it); killed on drop.
 pub fn spawn_serve(data: &Path, l1: &Path, log: &Path, extra: &[&std::ffi::OsStr]) -> KillOnDrop {
     let log_file = std::fs::File::create(log).unwrap();
+    let mut serve = serve_command(data);
+    serve.args(["--request-timeout-ms", "900000"]);
+    // The code interpreter step left out: nothing builds its template
+    // beside the test's own guests either.
+    if interpreter_step_left_out() {
+        serve.arg("--no-nested-interpreter");
+    }
     KillOnDrop(
-        serve_command(data)
-            .args(["--request-timeout-ms", "900000"])
+        serve
             .args(extra)
             .env("TORPOR_NESTED_L1", l1)
             .env("TORPOR_NESTED_ECHO", "1")
@@ -116,11 +122,36 @@ impl Drop for ShowLogOnPanic {
     fn drop(&mut self) {
         if std::thread::panicking() {
             let text = std::fs::read_to_string(&self.0).unwrap_or_default();
-            let lines: Vec<&str> = text.lines().collect();
-            let tail = lines[lines.len().saturating_sub(300)..].join("\n");
-            eprintln!("--- the last 300 lines of {} ---\n{tail}", self.0.display());
+            eprintln!(
+                "--- the last 300 lines of {} (of L1's kernel lines, {KERNEL_LINES} in a \
+                 row at most) ---\n{}",
+                self.0.display(),
+                log_tail(&text, 300)
+            );
         }
     }
+}
+
+/// How many of L1's kernel lines (`L1| [ 12.3] ...`) in a row
+/// [`log_tail`] keeps.
+const KERNEL_LINES: usize = 60;
+
+/// The last `n` lines of serve's log, of each run of L1's kernel lines
+/// only the first [`KERNEL_LINES`]: a crashing L1 kernel repeats its dump
+/// for hundreds of lines, which would push out everything that led to it.
+fn log_tail(text: &str, n: usize) -> String {
+    let mut run = 0;
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            let is_kernel = l
+                .strip_prefix("L1| ")
+                .is_some_and(|rest| rest.trim_start().starts_with('['));
+            run = if is_kernel { run + 1 } else { 0 };
+            run <= KERNEL_LINES
+        })
+        .collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 impl Drop for KillOnDrop {

@@ -3,7 +3,9 @@
 //! on SeaweedFS): a hibernation answers once its snapshot is stored, a
 //! pod lost for good has its hibernated sandboxes woken on the other pod
 //! (the probe continuing its exact sequence) and its template created
-//! from there; a corrupted chunk fails the wake naming the layer.
+//! from there; a corrupted chunk fails the wake naming the layer; a
+//! sandbox running on the lost pod reads as lost and can be deleted, and
+//! is deleted on that pod when it comes back.
 #![allow(dead_code)]
 
 use std::collections::HashMap;
@@ -85,6 +87,47 @@ fn hibernated_on_pod1(c: &Cluster) -> (String, u64, String) {
     (id, last, manifest)
 }
 
+/// Sandbox `id`, running on pod1 when pod1 was lost for good: it reads
+/// as lost through either replica (alone and in the list), every command
+/// but a delete answers 409 naming that state, and a delete succeeds
+/// without its pod.
+fn lost_with_its_pod(c: &Cluster, id: &str) {
+    let path = format!("/v1/sandboxes/{id}");
+    for n in [1, 2] {
+        let r = c.call(n, "GET", &path, None);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let s = r.json();
+        assert_eq!(s["state"], "lost", "{s}");
+        let why = s["failure_reason"].as_str().unwrap_or_default();
+        assert!(
+            why.contains("pod1 was lost for good") && why.contains("running"),
+            "{s}"
+        );
+        let listed = c.call(n, "GET", "/v1/sandboxes", None).json();
+        let listed = listed["sandboxes"]
+            .as_array()
+            .and_then(|a| a.iter().find(|s| s["id"] == id))
+            .cloned()
+            .unwrap_or_else(|| panic!("{id} not listed: {listed}"));
+        assert_eq!(listed["state"], "lost", "{listed}");
+    }
+    println!(
+        "read after its pod was lost: {}",
+        c.call(1, "GET", &path, None).body
+    );
+    for command in ["connect", "hibernate", "pause"] {
+        let r = c.call(2, "POST", &format!("{path}/{command}"), None);
+        assert_eq!(r.status, 409, "{command}: {}", r.body);
+        assert!(r.body.contains("lost"), "{command}: {}", r.body);
+    }
+    let r = c.call(2, "DELETE", &path, None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    for n in [1, 2] {
+        let r = c.call(n, "GET", &path, None);
+        assert_eq!(r.status, 404, "{}", r.body);
+    }
+}
+
 /// The lines of `part`'s log that say `what`.
 fn print_log_lines(c: &Cluster, part: &str, what: &str) {
     let log = std::fs::read_to_string(c.dir.join(format!("{part}.log"))).unwrap_or_default();
@@ -163,6 +206,16 @@ pub fn outlive_a_lost_pod(c: &Cluster, objects: Option<&Path>) {
     let (id, last, _) = hibernated_on_pod1(c);
     let (bad, _, bad_manifest) = hibernated_on_pod1(c);
 
+    // And one running there, never hibernated: its state is on pod1 only.
+    let s = post(
+        c,
+        1,
+        "/v1/sandboxes",
+        Some(r#"{"template":"probe","pod":"pod1"}"#),
+        201,
+    );
+    let running = s["id"].as_str().unwrap().to_string();
+
     // What the uploads took, as pod1 logged them.
     print_log_lines(c, "pod1", "snapshot layer stored");
 
@@ -172,6 +225,8 @@ pub fn outlive_a_lost_pod(c: &Cluster, objects: Option<&Path>) {
     let path = format!("/v1/sandboxes/{id}");
     let r = c.call(1, "GET", &path, None);
     println!("read while its pod is lost: {} {}", r.status, r.body);
+
+    lost_with_its_pod(c, &running);
 
     // A wake through the API: moved to pod2, its memory intact.
     let started = Instant::now();
@@ -230,6 +285,18 @@ pub fn outlive_a_lost_pod(c: &Cluster, objects: Option<&Path>) {
             .any(|l| l.contains("released a sandbox that moved") && l.contains(&id)),
         "pod1's log:\n{log}"
     );
+    // And it deletes the one deleted while it was lost, whose VMM it
+    // found still running.
+    while c
+        .pod_sandboxes(1)
+        .iter()
+        .any(|s| s["id"] == running.as_str())
+    {
+        assert!(Instant::now() < deadline, "pod1 still holds {running}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let r = c.call(1, "GET", &format!("/v1/sandboxes/{running}"), None);
+    assert_eq!(r.status, 404, "{}", r.body);
     let mut woken = c.call(2, "POST", &format!("/v1/sandboxes/{bad}/connect"), None);
     while woken.status == 503 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(200));
@@ -259,4 +326,87 @@ pub fn seaweedfs() -> HashMap<String, String> {
         .unwrap_or_else(|e| panic!("{e}"))
         .into_iter()
         .collect()
+}
+
+/// Durable checkpoints (pods with `--checkpoint-interval-s`) on cluster
+/// `c`: a sandbox running on pod1, checkpointed there, wakes on pod2 once
+/// pod1 is lost for good, as it was at its last checkpoint (the probe
+/// going on with its exact sequence from an iteration pod1 ran); pod1,
+/// back, releases its copy (its VMM stopped).
+pub fn durable_checkpoints_outlive_a_lost_pod(c: &Cluster) {
+    for api in ["api1", "api2"] {
+        c.kill(api);
+        c.start_api(api, API_ARGS);
+    }
+    let s = post(
+        c,
+        1,
+        "/v1/sandboxes",
+        Some(r#"{"template":"probe","pod":"pod1"}"#),
+        201,
+    );
+    let id = s["id"].as_str().unwrap().to_string();
+    let path = format!("/v1/sandboxes/{id}");
+    // Three iterations run, then a checkpoint stored after them.
+    let before = iterations(c, 1, &id, 3);
+    let after_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let deadline = Instant::now() + WAIT;
+    let checkpointed = loop {
+        let r = c.call(2, "GET", &path, None).json();
+        let durable = r["snapshot"]
+            .as_str()
+            .and_then(|p| Path::new(p).file_name())
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("durable-"));
+        if durable && r["stored_snapshot"].is_string() && r["stored_at"].as_i64() > Some(after_ms) {
+            break r;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no durable checkpoint after {before:?}: {r}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(checkpointed["state"], "running", "{checkpointed}");
+    print_log_lines(c, "pod1", "durable checkpoint stored");
+
+    // pod1 is lost for good, the sandbox running there.
+    c.kill("pod1");
+    let last = iterations(c, 1, &id, 3).last().unwrap().0;
+    std::thread::sleep(Duration::from_secs(5));
+    let started = Instant::now();
+    let w = post(c, 2, &format!("{path}/connect"), None, 200);
+    println!(
+        "wake on another pod from a durable checkpoint: {:.1} ms",
+        started.elapsed().as_secs_f64() * 1000.0
+    );
+    assert_eq!(w["sandbox"]["state"], "running", "{w}");
+    assert_eq!(w["sandbox"]["pod"], "pod2", "{w}");
+    let woken = iterations(c, 2, &id, 2);
+    assert_exact_sequence(&woken, MIB);
+    // It goes on from an iteration pod1 ran after the first three: not
+    // the template's start, not past what pod1 reached.
+    let first = woken[0].0;
+    assert!(
+        first > before[2].0 && first <= last + 1,
+        "pod1 ran {before:?} .. {last}, pod2 goes on from {woken:?}"
+    );
+    println!(
+        "pod1 reached iteration {last}; pod2 went on from {first} ({} lost)",
+        last + 1 - first
+    );
+
+    // pod1 comes back: it releases its copy, still running there.
+    c.start("pod1");
+    let deadline = Instant::now() + WAIT;
+    while c.pod_sandboxes(1).iter().any(|s| s["id"] == id.as_str()) {
+        assert!(Instant::now() < deadline, "pod1 still holds {id}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let r = c.call(1, "GET", &path, None);
+    assert_eq!(r.json()["pod"], "pod2", "{}", r.body);
+    assert_eq!(c.call(1, "DELETE", &path, None).status, 204);
 }

@@ -8,6 +8,7 @@
 import { createRequire } from 'node:module'
 import { randomUUID } from 'node:crypto'
 import path from 'node:path'
+import { checks } from './checks.mjs'
 
 // ESM ignores NODE_PATH: resolve the SDK from the install it names.
 const require = createRequire(path.join(process.env.NODE_PATH, 'noop.js'))
@@ -19,25 +20,7 @@ const TEMPLATE = process.env.E2B_TEST_TEMPLATE ?? 'probe'
 // Per request: the SDK's 60 s default is short for forks and snapshots of
 // a Linux guest in the nested host under TCG on a busy machine.
 const SLOW = { requestTimeoutMs: 600_000 }
-let checks = 0
-
-function check(cond, what) {
-  if (!cond) {
-    console.error(`e2b-sdk-js: FAILED: ${what}`)
-    process.exit(1)
-  }
-  checks += 1
-}
-
-async function raises(cls, fn, what) {
-  try {
-    await fn()
-  } catch (e) {
-    check(e instanceof cls, `${what}: raised ${e?.constructor?.name}: ${e?.message}`)
-    return
-  }
-  check(false, `${what}: did not raise ${cls.name}`)
-}
+const { check, raises, passed } = checks('e2b-sdk-js')
 
 console.log(`e2b-sdk-js: version ${version}`)
 const run = randomUUID().slice(0, 8)
@@ -170,4 +153,4 @@ try {
 }
 for (const s of listed) await s.kill()
 
-console.log(`e2b-sdk-js: ${checks} passed, 0 failed`)
+passed()

@@ -13,6 +13,9 @@ import sys
 import time
 import uuid
 
+import httpx
+
+from checks import Checks
 from e2b import Sandbox, SandboxQuery, SandboxState
 from e2b.exceptions import (
     AuthenticationException,
@@ -22,26 +25,8 @@ from e2b.exceptions import (
 )
 
 TEMPLATE = os.environ.get("E2B_TEST_TEMPLATE", "probe")
-checks = 0
-
-
-def check(cond, what):
-    global checks
-    if not cond:
-        print(f"e2b-sdk: FAILED: {what}", file=sys.stderr)
-        sys.exit(1)
-    checks += 1
-
-
-def raises(exc, fn, what):
-    try:
-        fn()
-    except exc:
-        check(True, what)
-        return
-    except Exception as e:  # the wrong exception
-        check(False, f"{what}: raised {type(e).__name__}: {e}")
-    check(False, f"{what}: did not raise {exc.__name__}")
+_checks = Checks("e2b-sdk")
+check, raises = _checks.check, _checks.raises
 
 
 print(f"e2b-sdk: version {importlib.metadata.version('e2b')}")
@@ -149,12 +134,40 @@ check(sbx.beta_pause() is True, "beta_pause")
 sbx.connect()
 check(sbx.get_info().state == SandboxState.RUNNING, "running after instance connect")
 
-# A filesystem-only snapshot is not offered: refused (400), never taken
-# as a full one.
+# A filesystem-only snapshot (the disk only): a sandbox made from it boots
+# from that disk and answers; the source runs on; the same answer's shape
+# as a full one's.
+fs_snap = sbx.create_snapshot(mode="filesystem")
+check(fs_snap.snapshot_id.startswith("tpl_"), f"filesystem snapshot {fs_snap}")
+check(
+    len(fs_snap.names) == 1 and fs_snap.names[0].startswith(sbx.sandbox_id),
+    f"filesystem snapshot names {fs_snap.names}",
+)
+check(sbx.get_info().state == SandboxState.RUNNING, "source running after its snapshot")
+booted = Sandbox.create(template=fs_snap.snapshot_id, timeout=60)
+check(booted.sandbox_id != sbx.sandbox_id, "a new sandbox from the disk")
+check(booted.get_info().state == SandboxState.RUNNING, "sandbox from a filesystem snapshot")
+check(booted.is_running() is True, "it answers")
+listed = [s.snapshot_id for s in Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items()]
+check(listed == [fs_snap.snapshot_id], f"filesystem snapshot listed {listed}")
+booted.kill()
+check(Sandbox.delete_snapshot(fs_snap.snapshot_id) is True, "delete filesystem snapshot")
+check(Sandbox.delete_snapshot(fs_snap.snapshot_id) is False, "filesystem snapshot gone")
+# An unknown mode: the SDK refuses it; the API answers a bad `memory` with a
+# 400 that names it, and takes nothing.
 raises(
-    SandboxException,
-    lambda: sbx.create_snapshot(mode="filesystem"),
-    "filesystem-only snapshot refused",
+    InvalidArgumentException,
+    lambda: sbx.create_snapshot(mode="disk"),
+    "unknown snapshot mode refused by the SDK",
+)
+bad = httpx.post(
+    f"{os.environ['E2B_API_URL']}/sandboxes/{sbx.sandbox_id}/snapshots",
+    headers={"X-API-KEY": os.environ["E2B_API_KEY"]},
+    json={"memory": "filesystem"},
+)
+check(
+    bad.status_code == 400 and "memory" in bad.json()["message"],
+    f"a bad memory value: {bad.status_code} {bad.text}",
 )
 check(
     Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items() == [],
@@ -202,4 +215,4 @@ raises(AuthenticationException, lambda: Sandbox.list(api_key="wrong").next_items
 for o in others:
     o.kill()
 
-print(f"e2b-sdk: {checks} passed, 0 failed")
+_checks.passed()

@@ -6,7 +6,9 @@ the server in the sandbox (tests/nested_pod.rs, against the nested pod).
 
 State across run_code calls, on_stdout, ZeroDivisionError by name, a
 matplotlib PNG, a DataFrame as HTML, bash, a timeout then a working call,
-pause -> Sandbox.connect -> a variable from before the pause, kill. Each
+pause -> Sandbox.connect -> a variable from before the pause, a
+filesystem-only snapshot -> a sandbox from it (the file, a new boot id;
+the source's unchanged), kill. Each
 call is bounded by argv[1] seconds (default 120: the nested pod's guests run
 under TCG). Prints "sdk-interp-serve: version X" (the e2b version),
 "timing: NAME SECONDS" lines, one line per check, then
@@ -145,6 +147,26 @@ def state_survives_pause_and_connect():
     assert r.text == "still here 41", r
 
 
+def a_filesystem_snapshot_boots_with_the_files():
+    boot_id = "cat /proc/sys/kernel/random/boot_id"
+    sbx.commands.run("echo kept > ~/fs-snapshot.txt", timeout=CALL)
+    before = sbx.commands.run(boot_id, timeout=CALL).stdout
+    t = time.monotonic()
+    snap = sbx.create_snapshot(mode="filesystem", request_timeout=CONTROL)
+    timing("filesystem snapshot", time.monotonic() - t)
+    t = time.monotonic()
+    new = Sandbox.create(template=snap.snapshot_id, timeout=600, request_timeout=CONTROL)
+    timing("create from a filesystem snapshot", time.monotonic() - t)
+    try:
+        kept = new.commands.run("cat ~/fs-snapshot.txt", timeout=CALL).stdout
+        assert kept == "kept\n", kept
+        assert new.commands.run(boot_id, timeout=CALL).stdout != before, "not a new boot"
+        assert sbx.commands.run(boot_id, timeout=CALL).stdout == before, "the source rebooted"
+    finally:
+        new.kill()
+        Sandbox.delete_snapshot(snap.snapshot_id)
+
+
 check("create, then state is kept across calls", first_call_and_state_across_calls)
 check("run_code('1+1') round trips", round_trips)
 check("stdout reaches the callback", stdout_reaches_the_callback)
@@ -154,6 +176,7 @@ check("a DataFrame is HTML", a_dataframe_is_html)
 check("bash runs in its own kernel", bash_runs_in_its_own_kernel)
 check("a timeout interrupts and the next call works", a_timeout_interrupts_and_the_next_call_works)
 check("state survives pause and connect", state_survives_pause_and_connect)
+check("a filesystem snapshot boots with the files", a_filesystem_snapshot_boots_with_the_files)
 try:
     sbx.kill()
     passed += 1

@@ -18,21 +18,15 @@ import sys
 import time
 
 import httpx
+from checks import Checks
 from e2b import Sandbox
 
 TEMPLATE = os.environ.get("E2B_TEST_TEMPLATE", "probe")
 SCRATCH = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 URL = os.environ["E2B_SANDBOX_URL"]
-checks = 0
+_checks = Checks("sdk-ports")
+check, raises = _checks.check, _checks.raises
 print(f"sdk-ports: version {importlib.metadata.version('e2b')}", flush=True)
-
-
-def check(cond, what):
-    global checks
-    if not cond:
-        print(f"sdk-ports: FAILED: {what}", file=sys.stderr)
-        sys.exit(1)
-    checks += 1
 
 
 def free_port():
@@ -94,4 +88,4 @@ check("port is not open" in answer.json()["message"], f"closed port: {answer.tex
 
 server.kill()
 sbx.kill()
-print(f"sdk-ports: {checks} passed, 0 failed")
+_checks.passed()

@@ -105,6 +105,10 @@ pub fn restore_exposes_of(
     if let Some(p) = &restore.vsock_uds {
         out.push(Expose::read_write(parent(p)));
     }
+    if let Some(p) = &restore.lazy_map {
+        // The VMM posts wanted chunks in it.
+        out.push(Expose::read_write(parent(p)));
+    }
     if restore.backend == MemoryBackend::UffdShared {
         // The pod makes the shmem copies: see crate::shmem.
         out.push(Expose::read_only(crate::shmem::SHM_DIR));

@@ -156,6 +156,11 @@ pub struct RestoreSpec {
     /// control protocol's restore request small.)
     #[serde(default)]
     pub net: Option<Box<NetSpec>>,
+    /// The snapshot's memory file is still arriving (a cold wake from the
+    /// object store): the map file ([`crate::lazy`]) its page server waits
+    /// on before it reads a chunk. `uffd` backend only.
+    #[serde(default)]
+    pub lazy_map: Option<PathBuf>,
 }
 
 /// A kernel to boot: a file, or one built into the VMM binary.
@@ -643,6 +648,7 @@ impl RestoreSpec {
             disk_overlay: None,
             vsock_uds: None,
             net: None,
+            lazy_map: None,
         }
     }
 
@@ -653,6 +659,15 @@ impl RestoreSpec {
         }
         if let Some(p) = &self.vsock_uds {
             absolute("vsock socket", p)?;
+        }
+        if let Some(p) = &self.lazy_map {
+            absolute("lazy map", p)?;
+            if self.backend != MemoryBackend::Uffd {
+                return Err(VmError::new(
+                    ErrorKind::InvalidRequest,
+                    "a lazily fetched memory file needs the uffd backend",
+                ));
+            }
         }
         if let Some(n) = &self.net {
             n.check()?;

@@ -13,6 +13,8 @@
 //! - [`lineage`]: the small record written with each snapshot layer that
 //!   names its chain, so nobody reads layers' state to list it.
 //!
+//! - [`lazy`]: the map a lazily fetched memory file is shared through
+//!   (present bits, wanted chunks) while a cold wake runs.
 //! - [`shmem`]: `uffd-shared`'s shared template copies.
 //!
 //! Depends on serde (and libc): the scheduler links this, not KVM, vm-memory or
@@ -24,6 +26,7 @@ pub mod exposes;
 pub mod host;
 pub mod jail;
 pub mod launch;
+pub mod lazy;
 pub mod lineage;
 pub mod shmem;
 pub mod sparse;

@@ -8,7 +8,6 @@
 //! `/dev/shm` read-only and only open it.
 
 use std::fs::File;
-use std::io::Write;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
@@ -42,7 +41,7 @@ pub fn open_or_make(base: &File) -> std::io::Result<(File, PathBuf)> {
         .map_or(0, |d| d.as_nanos());
     let tmp = path.with_extension(format!("tmp{}-{nanos}", std::process::id()));
     let mut out = File::create(&tmp)?;
-    let made = copy_sparse(base, &mut out, meta.len())
+    let made = crate::sparse::copy_sparse(base, &mut out, meta.len())
         .and_then(|()| out.set_permissions(std::fs::Permissions::from_mode(0o644)))
         .and_then(|()| std::fs::rename(&tmp, &path));
     if let Err(e) = made {
@@ -57,22 +56,4 @@ pub fn open_or_make(base: &File) -> std::io::Result<(File, PathBuf)> {
 pub fn ensure(base_path: &Path) -> std::io::Result<PathBuf> {
     let base = File::open(base_path)?;
     open_or_make(&base).map(|(_, path)| path)
-}
-
-/// Copies only the data extents of `src`, so holes stay holes (zero pages
-/// cost no shmem).
-fn copy_sparse(src: &File, dst: &mut File, len: u64) -> std::io::Result<()> {
-    use std::os::unix::fs::FileExt;
-    dst.set_len(len)?;
-    let mut buf = vec![0u8; 1 << 20];
-    for (start, size) in crate::sparse::data_extents(src, len)? {
-        let (mut off, end) = (start, start + size);
-        while off < end {
-            let n = ((end - off) as usize).min(buf.len());
-            src.read_exact_at(&mut buf[..n], off)?;
-            dst.write_all_at(&buf[..n], off)?;
-            off += n as u64;
-        }
-    }
-    dst.flush()
 }

@@ -41,6 +41,26 @@ pub fn allocated_bytes(file: &File) -> std::io::Result<u64> {
     Ok(file.metadata()?.blocks().saturating_mul(512))
 }
 
+/// Copies only the data extents of `src`'s first `len` bytes into `dst`
+/// (sized to `len`), so holes stay holes: zero pages of a memory file cost
+/// no shmem, and a disk overlay's copy holds the chunks the original does.
+pub fn copy_sparse(src: &File, dst: &mut File, len: u64) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::FileExt;
+    dst.set_len(len)?;
+    let mut buf = vec![0u8; 1 << 20];
+    for (start, size) in data_extents(src, len)? {
+        let (mut off, end) = (start, start + size);
+        while off < end {
+            let n = ((end - off) as usize).min(buf.len());
+            src.read_exact_at(&mut buf[..n], off)?;
+            dst.write_all_at(&buf[..n], off)?;
+            off += n as u64;
+        }
+    }
+    dst.flush()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -68,5 +88,24 @@ mod tests {
         assert!(extents[0].0 <= 1 << 20 && extents[0].0 + extents[0].1 >= (1 << 20) + 4096);
         assert!(extents[1].0 <= 8 << 20 && extents[1].0 + extents[1].1 >= (8 << 20) + 8192);
         assert!(allocated_bytes(&f).unwrap() >= 12288);
+
+        // A copy holds the same bytes and the same extents (a disk
+        // overlay's copy holds the same chunks).
+        let mut copy = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.path().join("copy"))
+            .unwrap();
+        copy_sparse(&f, &mut copy, len).unwrap();
+        assert_eq!(copy.metadata().unwrap().len(), len);
+        assert_eq!(data_extents(&copy, len).unwrap(), extents);
+        let (mut a, mut b) = (vec![0u8; 8192], vec![0u8; 8192]);
+        for at in [0, 1 << 20, 8 << 20] {
+            f.read_exact_at(&mut a, at).unwrap();
+            copy.read_exact_at(&mut b, at).unwrap();
+            assert_eq!(a, b, "at {at}");
+        }
     }
 }

@@ -110,6 +110,7 @@ pub fn run(
                 backend: restore.backend,
                 serial: spec.console.clone(),
                 prefetch: restore.prefetch,
+                lazy_map: restore.lazy_map.clone(),
                 record_working_set_ms: *record_working_set_ms,
                 virtio: VirtioRestorePaths {
                     disk_overlay: restore.disk_overlay.clone(),

@@ -260,6 +260,7 @@ impl StandbyController for Standby<'_> {
             backend: spec.backend,
             serial: console,
             prefetch: spec.prefetch,
+            lazy_map: spec.lazy_map,
             record_working_set_ms: None,
             virtio: crate::virtio_devices::VirtioRestorePaths {
                 disk_overlay: spec.disk_overlay,

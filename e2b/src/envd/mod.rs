@@ -247,6 +247,7 @@ async fn rpc<S: SandboxApi>(
                 s.state,
                 torpor_scheduler::state::SandboxState::Deleted
                     | torpor_scheduler::state::SandboxState::Failed
+                    | torpor_scheduler::state::SandboxState::Lost
             )
         })
     });

@@ -16,6 +16,7 @@
 //! times out or goes away cuts no operation in the middle.
 
 pub mod dispatch;
+mod secrets;
 pub mod typed;
 
 use std::future::Future;
@@ -421,6 +422,14 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     /// `Nested` relays a nested sandbox's routes at the HTTP layer.
     fn service(&self) -> Option<&Service> {
         None
+    }
+
+    /// Where the tenants' secrets are kept (E2B's `/secrets`): the pod's
+    /// own store, unless the backend keeps them elsewhere (a cluster
+    /// replica: PostgreSQL); none, 501.
+    fn secret_store(&self) -> Option<&dyn crate::secrets::SecretStore> {
+        self.service()
+            .map(|s| s as &dyn crate::secrets::SecretStore)
     }
 
     // Fork and snapshot-as-template need snapshots: a backend without them

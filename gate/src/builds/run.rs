@@ -26,6 +26,7 @@ use torpor_build::env::GuestCommand;
 
 use crate::service::{Cancel, CreateSandbox, ExecRequest, OutputKind, ServiceError};
 use crate::tenancy::{admit, admit_create, Tenancy};
+use torpor_scheduler::service::GuestError;
 
 /// How long a build's steps and waits may take.
 #[derive(Debug, Clone, Copy)]
@@ -58,11 +59,19 @@ const READY_EVERY: Duration = Duration::from_millis(500);
 /// One run of the ready check.
 const READY_RUN: Duration = Duration::from_secs(30);
 
+/// How many times a build runs its plan when its sandbox's guest is
+/// lost (see [`Stop::guest_lost`]).
+const ATTEMPTS: u32 = 2;
+
 /// How a build ended badly.
 #[derive(Debug)]
 struct Stop {
     status: BuildStatus,
     failure: Failure,
+    /// The build's sandbox stopped answering (its guest crashed, shut
+    /// down or dropped the agent's connection) rather than a step
+    /// failing: the plan may run again from the layers cached so far.
+    guest_lost: bool,
 }
 
 impl Stop {
@@ -80,6 +89,7 @@ impl Stop {
                 exit_code,
                 output_tail,
             },
+            guest_lost: false,
         }
     }
     /// The `base` phase's failure (E2B's step `base`: no step index).
@@ -104,7 +114,11 @@ impl Stop {
 
 impl From<ServiceError> for Stop {
     fn from(e: ServiceError) -> Stop {
-        Stop::error(e.to_string())
+        let guest_lost = matches!(e, ServiceError::Guest(GuestError::Unreachable { .. }));
+        Stop {
+            guest_lost,
+            ..Stop::error(e.to_string())
+        }
     }
 }
 
@@ -146,23 +160,40 @@ pub fn execute<S: SandboxApi>(
 ) {
     let started = Instant::now();
     build.update(|r| r.status = BuildStatus::Building);
-    let mut sandbox = None;
     let result = base.plan(t, p, build).map_err(Stop::base).and_then(|plan| {
         build.log(
             Level::Info,
             format!("building template {} from {}", plan.name, plan.source),
         );
         build.update(|r| r.last_env = Some(plan.last.clone()));
-        run(t, p, build, &plan, limits, &mut sandbox)
-    });
-    if let Some(id) = sandbox {
-        if let Err(e) = wait(t.service.delete_sandbox(&id)) {
-            build.log(
-                Level::Warn,
-                format!("cannot delete the build's sandbox {id}: {e}"),
-            );
+        let mut attempt = 1;
+        loop {
+            let mut sandbox = None;
+            let result = run(t, p, build, &plan, limits, &mut sandbox);
+            if let Some(id) = &sandbox {
+                if let Err(e) = wait(t.service.delete_sandbox(id)) {
+                    build.log(
+                        Level::Warn,
+                        format!("cannot delete the build's sandbox {id}: {e}"),
+                    );
+                }
+            }
+            match result {
+                Err(stop) if stop.guest_lost && attempt < ATTEMPTS => {
+                    attempt += 1;
+                    build.log(
+                        Level::Warn,
+                        format!(
+                            "{}; the build goes on in a new sandbox from the layers cached \
+                             so far (attempt {attempt} of {ATTEMPTS})",
+                            stop.failure.message
+                        ),
+                    );
+                }
+                result => break result,
+            }
         }
-    }
+    });
     let took = started.elapsed().as_secs_f64();
     match result {
         Ok(template) => {
@@ -346,6 +377,7 @@ fn cancelled() -> Stop {
             exit_code: None,
             output_tail: String::new(),
         },
+        guest_lost: false,
     }
 }
 
@@ -685,6 +717,7 @@ fn snapshot_layer<S: SandboxApi>(
     let name = layer_name(&step.key);
     let req = crate::service::TemplateFromSandbox {
         name: Some(name.clone()),
+        ..Default::default()
     };
     match wait(s.template_from_sandbox(id, req)) {
         Ok(layer) => {
@@ -737,6 +770,7 @@ fn finish<S: SandboxApi>(
         id,
         crate::service::TemplateFromSandbox {
             name: Some(staged.clone()),
+            ..Default::default()
         },
     ))?;
     if let Ok(old) = wait(s.resolve_template(&owner, &name)) {

@@ -138,9 +138,9 @@ fn holds_snapshot(state: SandboxState) -> bool {
 }
 
 /// A snapshot just written by a live VMM, not yet committed.
-struct Written {
+pub(super) struct Written {
     op: crate::model::OperationId,
-    dir: PathBuf,
+    pub(super) dir: PathBuf,
 }
 
 impl Service {
@@ -401,7 +401,7 @@ impl Service {
     /// Journals the operation, pauses the VMM (if running), writes a diff
     /// snapshot on what it runs from into `target`, and lets it run again;
     /// the caller commits the result. On failure nothing is left.
-    fn snapshot_live(
+    pub(super) fn snapshot_live(
         &self,
         sandbox: &Sandbox,
         kind: OperationKind,
@@ -415,7 +415,9 @@ impl Service {
             .store
             .begin_operation(Some(&sandbox.id), kind, &detail, None)?;
         let was_running = sandbox.state == SandboxState::Running;
-        let diff = diff_allowed(sandbox.snapshot.as_deref());
+        // A durable checkpoint is stored alone: full, as a hibernation to
+        // the object store is.
+        let diff = kind != OperationKind::Durable && diff_allowed(sandbox.snapshot.as_deref());
         let result = (|| {
             if was_running {
                 vmm::call(&handle, &Request::Pause)?;
@@ -448,7 +450,7 @@ impl Service {
 
     /// Records a written snapshot's layers, points the source at it, lists
     /// the checkpoint (if any) and ends the operation: one transaction.
-    fn commit_written(
+    pub(super) fn commit_written(
         &self,
         sandbox: &Sandbox,
         written: &Written,

@@ -11,6 +11,7 @@
 use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -260,7 +261,7 @@ impl AgentLink {
             Route::Vsock(uds) => connect_vsock(uds, self.port, limit).map_err(|e| {
                 tracing::debug!(sandbox = %self.id, socket = %uds.display(), error = %e, "agent connect");
                 if !self.quiet {
-                    log_unreachable(&self.id, uds, &e);
+                    log_unreachable(&self.id, uds, &e, &REFUSED_LOGGED);
                 }
                 self.unreachable(format!("its vsock: {e}"))
             }),
@@ -301,7 +302,13 @@ impl AgentLink {
                 id,
                 reason: guest_text(&e.to_string()),
             },
-            other => self.unreachable(other),
+            other => {
+                // A connection the agent dropped after the handshake: the
+                // guest's console and the VMM's log say why, if anything,
+                // and the error says so when the guest shut down.
+                self.log_dropped(&other.to_string());
+                self.unreachable(format!("{other}{}", self.guest_end()))
+            }
         }
     }
 
@@ -357,6 +364,27 @@ impl AgentLink {
             .connect_port(port)
             .map_err(|e| self.client_error(e, Some(limit)))?;
         piped.into_inner().map_err(|e| self.unreachable(e))
+    }
+
+    /// What the VMM's log says ended the guest (`"; the guest shut down
+    /// ..."`), or `""`: nothing, or a dialed link (its far end knows).
+    pub fn guest_end(&self) -> &'static str {
+        match &self.route {
+            Route::Vsock(uds) => uds.parent().map_or("", |dir| {
+                super::linux::guest_end(&super::vmm::VmmFiles::in_dir(dir))
+            }),
+            Route::Dial { .. } => "",
+        }
+    }
+
+    /// Tells the operator that the agent dropped a connection it had
+    /// accepted (`why`), with what the guest's console and the VMM's log
+    /// said last (rate-limited; nothing for a quiet link or a dialed one,
+    /// whose far end logs).
+    pub fn log_dropped(&self, why: &str) {
+        if let (Route::Vsock(uds), false) = (&self.route, self.quiet) {
+            log_unreachable(&self.id, uds, &why, &CLOSED_LOGGED);
+        }
     }
 
     /// Maps a client error of a call on a connection from [`Self::connect`]
@@ -760,17 +788,22 @@ mod hostile_tests;
 /// When the agent of `id` cannot be reached through its vsock (`uds`),
 /// tells the operator what the guest's console and the VMM's log said last
 /// (beside the socket, if they are there), at most once every
-/// [`UNREACHABLE_LOG_EVERY`] for the whole service: a guest that stopped
+/// [`UNREACHABLE_LOG_EVERY`] for the whole service (`last_logged`: of
+/// this kind): a guest that stopped
 /// answering is otherwise a bare timeout.
-fn log_unreachable(id: &str, uds: &std::path::Path, error: &io::Error) {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static LAST: AtomicU64 = AtomicU64::new(0);
+fn log_unreachable(
+    id: &str,
+    uds: &std::path::Path,
+    error: &dyn std::fmt::Display,
+    last_logged: &AtomicU64,
+) {
+    use std::sync::atomic::Ordering;
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let last = LAST.load(Ordering::Relaxed);
+    let last = last_logged.load(Ordering::Relaxed);
     if now < last.saturating_add(UNREACHABLE_LOG_EVERY.as_secs())
-        || LAST
+        || last_logged
             .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
             .is_err()
     {
@@ -783,9 +816,17 @@ fn log_unreachable(id: &str, uds: &std::path::Path, error: &io::Error) {
         %error,
         console = %super::vmm::log_tail(&files.console),
         vmm = %super::vmm::log_tail(&files.log),
-        "guest agent unreachable through its vsock"
+        "guest agent unreachable through its vsock, or it dropped a connection"
     );
 }
 
-/// How often [`log_unreachable`] may speak.
+/// When [`log_unreachable`] last spoke of a guest that refused or never
+/// answered a connection (every booting guest does that for a while).
+static REFUSED_LOGGED: AtomicU64 = AtomicU64::new(0);
+
+/// When [`log_unreachable`] last spoke of an agent that dropped a
+/// connection it had accepted (rarer, and never part of a boot).
+static CLOSED_LOGGED: AtomicU64 = AtomicU64::new(0);
+
+/// How often [`log_unreachable`] may speak (of each kind).
 const UNREACHABLE_LOG_EVERY: Duration = Duration::from_secs(30);

@@ -316,10 +316,30 @@ fn a_gone_agent_is_unreachable_not_a_hang() {
     // The agent accepts, then dies.
     let dir2 = tempfile::tempdir().unwrap();
     let hangup = vsock_agent(dir2.path(), Arc::new(FakeOps::new()), Behaviour::HangUp);
-    assert!(matches!(
-        hangup.read_file("/etc/hostname", MAX_READ_BYTES),
-        Err(GuestError::Unreachable { .. })
-    ));
+    match hangup.read_file("/etc/hostname", MAX_READ_BYTES) {
+        Err(e @ GuestError::Unreachable { .. }) => {
+            let shown = e.to_string();
+            assert!(!shown.contains("shut down"), "{shown}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // The same, after its VMM said the guest shut down (a triple fault):
+    // the error says so, without the VMM's own words.
+    let files = super::super::vmm::VmmFiles::in_dir(dir2.path());
+    std::fs::write(
+        &files.log,
+        "WARN torpor_vmm::vstate::vcpu: the guest shut down (KVM_EXIT_SHUTDOWN: a triple \
+         fault or a reset) vcpu=0 rip=0xfff0\n",
+    )
+    .unwrap();
+    match hangup.exec(exec_req(&["true"]), &Cancel::default()) {
+        Err(e @ GuestError::Unreachable { .. }) => {
+            let shown = e.to_string();
+            assert!(shown.contains("the guest shut down"), "{shown}");
+            assert!(!shown.contains("rip="), "{shown}");
+        }
+        other => panic!("{other:?}"),
+    }
     // Waiting for an agent stops as soon as the VM is known to be gone.
     let started = Instant::now();
     match refused.resumed("sbx_x", || Err("the sandbox's VMM exited".into())) {

@@ -18,6 +18,7 @@ use torpor_sync::Locked;
 use torpor_vmm_api::jail::{self, Expose, JailSpec};
 use torpor_vmm_api::{LaunchMode, LaunchSpec, MemoryBackend, RestoreSpec};
 
+pub use super::inject::inject;
 use super::{vmm, ServiceError};
 
 /// The range of uids jailed VMMs run as.
@@ -290,7 +291,7 @@ fn sweep_stale_cgroups() {
     }
 }
 
-fn internal(what: &str, e: impl std::fmt::Display) -> ServiceError {
+pub(super) fn internal(what: &str, e: impl std::fmt::Display) -> ServiceError {
     ServiceError::Internal(format!("{what}: {e}"))
 }
 
@@ -506,160 +507,9 @@ fn walk_fd(fd: &OwnedFd, shown: &Path, depth: usize, how: Walk) -> Result<(), Se
     Ok(())
 }
 
-fn cstring(path: &Path) -> Result<CString, ServiceError> {
+pub(super) fn cstring(path: &Path) -> Result<CString, ServiceError> {
     CString::new(path.as_os_str().as_bytes())
         .map_err(|_| ServiceError::Internal(format!("path with NUL: {}", path.display())))
-}
-
-// Kernel ABI (include/uapi/linux/mount.h).
-const OPEN_TREE_CLONE: libc::c_uint = 1;
-const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 4;
-
-/// Mounts `exposes` into the jail of the running VMM `pid` (a standby
-/// shell being handed a sandbox), each at its own path, read-only where
-/// asked. The trees are cloned here, in the host's mount namespace, then
-/// attached from a thread that enters the jail's (a thread of its own: it
-/// leaves the service's file system context with `unshare(CLONE_FS)`).
-pub fn inject(pid: u32, exposes: &[Expose]) -> Result<(), ServiceError> {
-    let ns = std::fs::File::open(format!("/proc/{pid}/ns/mnt"))
-        .map_err(|e| internal("open the jail's mount namespace", e))?;
-    let mut sorted = exposes.to_vec();
-    sorted.sort_by_key(|e| e.path.components().count());
-    let mut trees = Vec::with_capacity(sorted.len());
-    for e in &sorted {
-        let c = cstring(&e.path)?;
-        // SAFETY: a NUL-terminated path alive for the call; the returned
-        // descriptor is owned below.
-        let fd = unsafe {
-            libc::syscall(
-                libc::SYS_open_tree,
-                libc::AT_FDCWD,
-                c.as_ptr(),
-                OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
-            )
-        };
-        if fd < 0 {
-            return Err(internal(
-                &format!("clone the mount of {}", e.path.display()),
-                std::io::Error::last_os_error(),
-            ));
-        }
-        // SAFETY: a descriptor the kernel just returned, owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-        let is_dir = std::fs::metadata(&e.path)
-            .map(|m| m.is_dir())
-            .unwrap_or(true);
-        trees.push((e.clone(), fd, is_dir));
-    }
-    std::thread::Builder::new()
-        .name("jail-inject".into())
-        .spawn(move || attach(ns, trees))
-        .map_err(|e| internal("start the jail injector", e))?
-        .join()
-        .map_err(|_| ServiceError::Internal("the jail injector panicked".into()))?
-}
-
-/// Runs on its own thread, which never leaves the jail's namespace again.
-fn attach(ns: std::fs::File, trees: Vec<(Expose, OwnedFd, bool)>) -> Result<(), ServiceError> {
-    let sys = |ret: libc::c_long, what: &str| {
-        if ret < 0 {
-            Err(internal(what, std::io::Error::last_os_error()))
-        } else {
-            Ok(())
-        }
-    };
-    sys(
-        // SAFETY: unshare takes flags only.
-        unsafe { libc::unshare(libc::CLONE_FS) } as _,
-        "unshare CLONE_FS",
-    )?;
-    // This thread's own umask now (CLONE_FS holds it): mount points get
-    // 0755 whatever the service's is.
-    // SAFETY: umask takes and returns a mode only.
-    unsafe { libc::umask(0) };
-    sys(
-        // SAFETY: setns takes a descriptor we own and flags.
-        unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNS) } as _,
-        "enter the jail's mount namespace",
-    )?;
-    let root = c"/";
-    let remount = |flags: libc::c_ulong| {
-        // SAFETY: NUL-terminated literal; null source, type and data.
-        let ret = unsafe {
-            libc::mount(
-                std::ptr::null(),
-                root.as_ptr(),
-                std::ptr::null(),
-                libc::MS_REMOUNT | libc::MS_NOSUID | libc::MS_NOEXEC | flags,
-                std::ptr::null(),
-            )
-        };
-        sys(ret as _, "remount the jail's root")
-    };
-    // The jail's root tmpfs is read-only; mount points are made in it.
-    remount(0)?;
-    let result = (|| {
-        for (e, fd, is_dir) in &trees {
-            if *is_dir {
-                std::fs::DirBuilder::new()
-                    .recursive(true)
-                    .mode(0o755)
-                    .create(&e.path)
-                    .map_err(|err| {
-                        internal(&format!("mkdir {} in the jail", e.path.display()), err)
-                    })?;
-            } else if !e.path.exists() {
-                if let Some(p) = e.path.parent() {
-                    let _ = std::fs::DirBuilder::new()
-                        .recursive(true)
-                        .mode(0o755)
-                        .create(p);
-                }
-                std::fs::File::create(&e.path).map_err(|err| {
-                    internal(&format!("create {} in the jail", e.path.display()), err)
-                })?;
-            }
-            let target = cstring(&e.path)?;
-            // SAFETY: a detached tree's descriptor we own, an empty path
-            // and a NUL-terminated target, alive for the call.
-            let ret = unsafe {
-                libc::syscall(
-                    libc::SYS_move_mount,
-                    fd.as_raw_fd(),
-                    c"".as_ptr(),
-                    libc::AT_FDCWD,
-                    target.as_ptr(),
-                    MOVE_MOUNT_F_EMPTY_PATH,
-                )
-            };
-            sys(ret, &format!("mount {} into the jail", e.path.display()))?;
-            let mut flags = libc::MS_BIND
-                | libc::MS_REMOUNT
-                | libc::MS_NOSUID
-                | libc::MS_NODEV
-                | libc::MS_NOEXEC;
-            if e.read_only {
-                flags |= libc::MS_RDONLY;
-            }
-            // SAFETY: a NUL-terminated target; null source, type and data.
-            let ret = unsafe {
-                libc::mount(
-                    std::ptr::null(),
-                    target.as_ptr(),
-                    std::ptr::null(),
-                    flags,
-                    std::ptr::null(),
-                )
-            };
-            sys(
-                ret as _,
-                &format!("restrict {} in the jail", e.path.display()),
-            )?;
-        }
-        Ok(())
-    })();
-    remount(libc::MS_RDONLY)?;
-    result
 }
 
 /// For `uffd-shared`: the shmem copy of the snapshot's base memory file,

@@ -234,7 +234,7 @@ impl Service {
         let from = text("from").and_then(|s| s.parse::<SandboxState>().ok());
         let snapshot = text("snapshot").map(PathBuf::from);
         match op.kind {
-            OperationKind::Checkpoint | OperationKind::Fork => {
+            OperationKind::Checkpoint | OperationKind::Fork | OperationKind::Durable => {
                 let Some(snapshot) = snapshot else {
                     self.store
                         .finish_operation(&op.id, OperationStatus::RolledBack, None, None)?;

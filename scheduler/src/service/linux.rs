@@ -307,7 +307,7 @@ fn console_tail(path: &Path) -> String {
 /// What the VMM's log says ended the guest, if it did (its own words are
 /// kept out: they may name the host's paths): a triple fault or reset
 /// shows as the agent's connection closing, which explains nothing.
-fn guest_end(files: &VmmFiles) -> &'static str {
+pub(super) fn guest_end(files: &VmmFiles) -> &'static str {
     if vmm::log_tail(&files.log).contains("the guest shut down (KVM_EXIT_SHUTDOWN") {
         "; the guest shut down (a triple fault or a reset, says its VMM)"
     } else {

@@ -104,6 +104,8 @@ pub struct Metrics {
     fetch_ms: Histogram,
     sent_bytes: Counter,
     fetched_bytes: Counter,
+    /// Bytes lazy wakes fetched after their restore started.
+    arrived_bytes: Counter,
     faults: Mutex<FaultBook>,
 }
 
@@ -131,6 +133,7 @@ impl Default for Metrics {
             fetch_ms: Histogram::new(BUCKETS_MS),
             sent_bytes: Counter::default(),
             fetched_bytes: Counter::default(),
+            arrived_bytes: Counter::default(),
             faults: Mutex::default(),
         }
     }
@@ -200,6 +203,11 @@ impl Metrics {
             self.fetch_ms.observe(ms);
             self.fetched_bytes.inc_by(bytes);
         }
+    }
+
+    /// A lazy wake's memory file arrived: the bytes fetched meanwhile.
+    pub fn observe_arrival(&self, bytes: u64) {
+        self.arrived_bytes.inc_by(bytes);
     }
 
     /// A sandbox VMM about to be stopped: its page faults stay counted.
@@ -343,8 +351,13 @@ impl Service {
         );
         reg.register(
             "torpor_object_store_fetched_bytes",
-            "Bytes fetched from the object store by whole-layer fetches (compressed and framed)",
+            "Bytes fetched from the object store before a restore (whole layers; a lazy wake's small files and working set), compressed and framed",
             m.fetched_bytes.clone(),
+        );
+        reg.register(
+            "torpor_object_store_arrived_bytes",
+            "Bytes lazy wakes fetched from the object store while their guest ran",
+            m.arrived_bytes.clone(),
         );
         let mut out = String::new();
         // Writing to a `String` cannot fail.
@@ -370,11 +383,25 @@ impl Service {
             reg.register(name, help, ConstCounter::new(n));
         }
         let pool = self.pool.stats();
-        reg.register(
-            "torpor_standby_shells",
-            "Standby shells ready in the pool",
-            ConstGauge::new(pool.ready as u64),
-        );
+        for (name, help, n) in [
+            (
+                "torpor_standby_shells",
+                "Standby shells ready in the pool",
+                pool.ready,
+            ),
+            (
+                "torpor_standby_shells_target",
+                "Standby shells the pool aims at now (its minimum per shape, grown by bursts)",
+                pool.target,
+            ),
+            (
+                "torpor_standby_shells_making",
+                "Standby shells being made now",
+                pool.making,
+            ),
+        ] {
+            reg.register(name, help, ConstGauge::new(n as u64));
+        }
         for (name, help, n) in [
             (
                 "torpor_standby_shells_made",
@@ -390,6 +417,11 @@ impl Service {
                 "torpor_standby_shells_missed",
                 "Creates and wakes that found no standby shell ready",
                 pool.missed,
+            ),
+            (
+                "torpor_standby_shells_shrunk",
+                "Standby shells stopped as the pool shrank back after a burst",
+                pool.shrunk,
             ),
         ] {
             reg.register(name, help, ConstCounter::new(n));

@@ -11,11 +11,14 @@ mod balloon;
 pub mod cancel;
 mod checkpoint;
 mod conclude;
+pub mod durable;
 pub mod guest;
 pub mod history;
+mod inject;
 pub mod jail;
 mod layer_gate;
 mod layers;
+mod lazy;
 mod lifetime;
 mod linux;
 mod locks;
@@ -64,8 +67,8 @@ pub const LOCAL_POD: &str = "pod_local";
 /// The built-in probe template's name.
 pub const PROBE_TEMPLATE: &str = "probe";
 
-/// Standby shells per shape unless configured: enough to absorb a burst
-/// of creates on a small host while the pool refills (a shell is a KVM VM
+/// Standby shells per shape kept when idle unless configured (the pool
+/// grows past it with bursts, `pool::PoolConfig`; a shell is a KVM VM
 /// with untouched memory: it costs page tables, not guest RAM).
 pub const DEFAULT_STANDBY_POOL: usize = 4;
 
@@ -96,9 +99,16 @@ pub struct ServiceConfig {
     /// through the page cache, the fastest restore and the smallest clone
     /// here; see docs/service.md, "Memory backend").
     pub memory_backend: torpor_vmm_api::MemoryBackend,
-    /// Standby shells kept per (memory, vCPUs) shape of the templates; 0
-    /// turns the pool off.
+    /// Standby shells kept per (memory, vCPUs) shape of the templates
+    /// when idle; 0 turns the pool off.
     pub standby_pool: usize,
+    /// Most standby shells per shape a burst grows the pool to.
+    pub standby_pool_max: usize,
+    /// How long after a burst the pool keeps room for one as large before
+    /// it shrinks back to `standby_pool`, in ms.
+    pub standby_pool_idle_ms: u64,
+    /// Standby shells made at once (0: one per core).
+    pub standby_refill_threads: usize,
     /// Where every VMM's diff snapshots take dirty pages from.
     pub dirty_tracking: torpor_vmm_api::DirtyTracking,
     /// Timeout of an exec that names none, and the longest one may name
@@ -125,6 +135,15 @@ pub struct ServiceConfig {
     /// (`--object-store`: a directory or `s3://bucket/prefix`); None keeps
     /// snapshots on this pod's disk only.
     pub object_store: Option<String>,
+    /// With an object store: how often every running or paused sandbox's
+    /// state is checkpointed there (`--checkpoint-interval-s`,
+    /// `durable.rs`); None: never.
+    pub checkpoint_interval: Option<std::time::Duration>,
+    /// A cold wake (snapshot only in the object store) restores once the
+    /// layer's small files are here and lets the memory file arrive while
+    /// the guest runs (`serve --lazy-wake`; `uffd` backend only, others
+    /// wake eagerly). Off by default: docs/cluster.md, "The wake path".
+    pub lazy_wake: bool,
 }
 
 /// How Linux sandboxes are networked (see `crate::net`).
@@ -162,6 +181,9 @@ impl ServiceConfig {
             host: HostGuests::probe_only("not probed"),
             memory_backend: torpor_vmm_api::MemoryBackend::File,
             standby_pool: DEFAULT_STANDBY_POOL,
+            standby_pool_max: pool::DEFAULT_MAX,
+            standby_pool_idle_ms: pool::DEFAULT_IDLE_MS,
+            standby_refill_threads: 0,
             dirty_tracking: torpor_vmm_api::DirtyTracking::Kvm,
             default_keep_alive_ms: 5 * 60 * 1000,
             default_ratio: 4.0,
@@ -174,6 +196,8 @@ impl ServiceConfig {
             record_trace: None,
             history_interval_ms: history::SAMPLE_INTERVAL_MS,
             object_store: None,
+            checkpoint_interval: None,
+            lazy_wake: false,
         }
     }
 }
@@ -533,6 +557,8 @@ pub struct Service {
     wake_gate: std::sync::OnceLock<Arc<dyn ports::WakeGate>>,
     /// The object store snapshots are uploaded to, with `--object-store`.
     objects: Option<objects::ObjectStore>,
+    /// Memory files still arriving after a lazy cold wake, by sandbox.
+    lazy: lazy::Arrivals,
 }
 
 impl Service {
@@ -569,7 +595,12 @@ impl Service {
         let pool = pool::StandbyPool::new(
             config.data_dir.join("pool"),
             config.vmm_exe.clone(),
-            config.standby_pool,
+            pool::PoolConfig {
+                min: config.standby_pool,
+                max: config.standby_pool_max,
+                idle: std::time::Duration::from_millis(config.standby_pool_idle_ms),
+                refill_threads: config.standby_refill_threads,
+            },
             config.dirty_tracking,
             jails.clone().map(|j| (j, config.memory_backend)),
         )?;
@@ -607,6 +638,7 @@ impl Service {
             wake_gate: std::sync::OnceLock::new(),
             me: me.clone(),
             objects,
+            lazy: lazy::Arrivals::default(),
             config,
             store,
             locks: locks::SandboxLocks::default(),
@@ -633,6 +665,10 @@ impl Service {
                 service.pool.want((t.mem_mib, t.vcpus));
             }
         }
+        let me = Arc::downgrade(&service);
+        service.pool.set_room(Box::new(move |shape| {
+            me.upgrade().map_or(0, |s| s.standby_room(shape))
+        }));
         service.pool.start();
         if service.config.policy_interval_ms > 0 {
             policy::start(&service);
@@ -642,6 +678,9 @@ impl Service {
         }
         if service.objects.is_some() {
             objects::start_gc(&service);
+            if let Some(every) = service.config.checkpoint_interval {
+                durable::start(&service, every);
+            }
         }
         Ok(service)
     }

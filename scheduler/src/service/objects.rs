@@ -184,9 +184,22 @@ impl ObjectStore {
         self.storage.describe()
     }
 
+    /// The store.
+    pub(super) fn storage(&self) -> &Storage {
+        &self.storage
+    }
+
+    /// Starts `fut` on the store's runtime (a lazy wake's background
+    /// fetch); nothing once the service is closing.
+    pub(super) fn spawn(&self, fut: impl Future<Output = ()> + Send + 'static) {
+        if let Some(rt) = &self.runtime {
+            rt.spawn(fut);
+        }
+    }
+
     /// Runs `fut` on the store's runtime and waits for it (from any
     /// thread: no runtime is entered here).
-    fn run<T: Send + 'static>(
+    pub(super) fn run<T: Send + 'static>(
         &self,
         fut: impl Future<Output = T> + Send + 'static,
     ) -> Result<T, ObjectStoreError> {
@@ -245,6 +258,45 @@ impl ObjectStore {
                 source,
             })
     }
+}
+
+/// Where layer `dir` is fetched to before it is renamed into place (its
+/// parent made, anything left there by an earlier fetch removed).
+pub(super) fn fetch_temp(dir: &Path) -> std::io::Result<PathBuf> {
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let parent = dir.parent().unwrap_or(dir);
+    std::fs::create_dir_all(parent)?;
+    let temp = parent.join(format!(".{name}.fetch"));
+    let _ = std::fs::remove_dir_all(&temp);
+    Ok(temp)
+}
+
+/// Checks that the layer fetched into `temp` is a full snapshot (only
+/// that restores alone) and rewrites its lineage for where it goes, `dir`
+/// (the VMM that wrote it was elsewhere).
+pub(super) fn make_portable(temp: &Path, dir: &Path) -> Result<(), ObjectStoreError> {
+    let io = |source| ObjectStoreError::Io {
+        dir: dir.to_path_buf(),
+        source,
+    };
+    let text = std::fs::read(temp.join(LINEAGE_FILE)).map_err(io)?;
+    let lineage: Lineage =
+        serde_json::from_slice(&text).map_err(|e| ObjectStoreError::NotPortable {
+            dir: dir.to_path_buf(),
+            why: format!("its lineage: {e}"),
+        })?;
+    if lineage.depth() != 1 {
+        return Err(ObjectStoreError::NotPortable {
+            dir: dir.to_path_buf(),
+            why: format!("a diff of {} layers, not a full snapshot", lineage.depth()),
+        });
+    }
+    Lineage::base(dir)
+        .write(temp)
+        .map_err(|e| io(std::io::Error::other(e.to_string())))
 }
 
 /// How often a pod collects the object store's garbage.
@@ -373,34 +425,11 @@ impl Service {
             dir: dir.to_path_buf(),
             source,
         };
-        let name = dir
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let parent = dir.parent().unwrap_or(dir);
-        std::fs::create_dir_all(parent).map_err(io)?;
-        let temp = parent.join(format!(".{name}.fetch"));
-        let _ = std::fs::remove_dir_all(&temp);
+        let temp = fetch_temp(dir).map_err(io)?;
         let started = Instant::now();
         let fetched = (|| -> Result<DownloadReport, ObjectStoreError> {
             let report = objects.download(&id, dir, &temp)?;
-            // Only a full snapshot restores alone; its lineage is rewritten
-            // for where it is now (the VMM that wrote it was elsewhere).
-            let text = std::fs::read(temp.join(LINEAGE_FILE)).map_err(io)?;
-            let lineage: Lineage =
-                serde_json::from_slice(&text).map_err(|e| ObjectStoreError::NotPortable {
-                    dir: dir.to_path_buf(),
-                    why: format!("its lineage: {e}"),
-                })?;
-            if lineage.depth() != 1 {
-                return Err(ObjectStoreError::NotPortable {
-                    dir: dir.to_path_buf(),
-                    why: format!("a diff of {} layers, not a full snapshot", lineage.depth()),
-                });
-            }
-            Lineage::base(dir)
-                .write(&temp)
-                .map_err(|e| io(std::io::Error::other(e.to_string())))?;
+            make_portable(&temp, dir)?;
             std::fs::rename(&temp, dir).map_err(io)?;
             Ok(report)
         })();
@@ -572,22 +601,31 @@ impl Service {
         Ok(self.store.get_sandbox(&sandbox.id)?)
     }
 
-    /// Forgets a hibernated sandbox that moved to another pod while this
-    /// one was lost (a replica asks, `release`): deleted here, its files
-    /// removed, the manifests of its snapshots left in the object store
-    /// for the pod it moved to. A sandbox not hibernated here is refused.
+    /// Forgets a sandbox that moved to another pod while this one was
+    /// lost (a replica asks, `release`): hibernated, or running from the
+    /// durable checkpoint it moved from (`durable.rs`), or failed here
+    /// (its VMM died with the pod); deleted here (its
+    /// VMM, if any, stopped), its files removed, the manifests of its
+    /// snapshots left in the object store for the pod it moved to.
     pub fn release_sandbox(&self, id: &SandboxId) -> Result<(), ServiceError> {
         {
             let _guard = self.lock_sandbox(id)?;
             let s = self.store.get_sandbox(id)?;
             match s.state {
                 SandboxState::Deleted => return Ok(()),
-                SandboxState::Hibernated => {}
+                // Failed: its VMM is gone (killed with the pod, found
+                // dead at its restart): nothing here is newer than the
+                // copy that moved.
+                SandboxState::Hibernated | SandboxState::Failed => {}
+                SandboxState::Running | SandboxState::Paused
+                    if super::durable::has_durable_checkpoint(&s) => {}
                 state => {
                     return Err(ServiceError::Conflict {
                         id: id.to_string(),
                         state,
-                        message: "only a hibernated sandbox is released to another pod".into(),
+                        message: "only a hibernated or failed sandbox, or one running from a \
+                                  durable checkpoint, is released to another pod"
+                            .into(),
                     })
                 }
             }
@@ -606,6 +644,9 @@ impl Service {
         snapshot: &Path,
         stored: Option<&str>,
     ) -> Result<Option<f64>, ServiceError> {
+        // A layer whose memory file never finished arriving is fetched
+        // again.
+        self.drop_partial_layer(id, snapshot);
         if snapshot.join(STATE_FILE).exists() {
             return Ok(None);
         }
@@ -616,7 +657,11 @@ impl Service {
             )));
         };
         let started = Instant::now();
-        self.fetch_layer(snapshot, manifest)?;
+        if self.lazy_wake() {
+            self.fetch_layer_lazy(id, snapshot, manifest)?;
+        } else {
+            self.fetch_layer(snapshot, manifest)?;
+        }
         Ok(Some(started.elapsed().as_secs_f64() * 1000.0))
     }
 }

@@ -116,7 +116,8 @@ impl Service {
 
     /// Deletes a template: a built one's directory goes; a sandbox's
     /// (snapshot-as-template) leaves its layers to the layer collection,
-    /// which removes them once nothing else sits on them.
+    /// which removes them once nothing else sits on them; a filesystem-only
+    /// one's directory (its disk) goes.
     pub fn delete_template(&self, id: &TemplateId) -> Result<(), ServiceError> {
         let t = self.store.delete_template(id)?;
         let own = self.template_dir(id);
@@ -128,6 +129,10 @@ impl Service {
                 let _ = std::fs::remove_dir_all(dir);
             }
             Some(_) => self.remove_dead_layers(),
+            // A filesystem-only snapshot's disk and command line.
+            None if t.source.is_some() => {
+                let _ = std::fs::remove_dir_all(own);
+            }
             None => {}
         }
         Ok(())
@@ -209,21 +214,22 @@ impl Service {
         }
     }
 
-    /// Creates a sandbox from a ready template: restore of its snapshot.
+    /// Creates a sandbox from a ready template: restore of its snapshot,
+    /// or a boot from the disk a filesystem-only one keeps.
     pub fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
         check_lifetimes(req.keep_alive_ms, req.timeout_ms)?;
         // Another tenant's template is not there for this caller.
         let template = self.resolve_template(req.owner.as_ref(), &req.template)?;
-        let Some(snapshot) = template
+        let snapshot = template
             .snapshot_dir
             .clone()
-            .filter(|_| template.state == TemplateState::Ready)
-        else {
+            .filter(|_| template.state == TemplateState::Ready);
+        if snapshot.is_none() && !template.boots_from_disk() {
             return Err(ServiceError::Invalid(format!(
                 "template {} is not ready",
                 template.id
             )));
-        };
+        }
         let keep_alive = req
             .keep_alive_ms
             .unwrap_or(self.config.default_keep_alive_ms);
@@ -259,29 +265,42 @@ impl Service {
             tx.begin_operation(
                 Some(&sandbox.id),
                 OperationKind::Create,
-                &json!({ "snapshot": snapshot }),
+                &match &snapshot {
+                    Some(snapshot) => json!({ "snapshot": snapshot }),
+                    None => json!({ "boot": true }),
+                },
                 None,
             )
         })?;
         let admit_ms = lap.next();
+        let launched = match &snapshot {
+            Some(snapshot) => self
+                .launch_vmm(&sandbox, &template, snapshot)
+                .map(|l| (l.handle, Some(l.report))),
+            None => self
+                .boot_from_disk(&sandbox, &template)
+                .map(|handle| (handle, None)),
+        };
         self.conclude(
             &op.id,
-            self.launch_vmm(&sandbox, &template, &snapshot),
-            |Launched { mut report, handle }| {
+            launched,
+            |(handle, report)| {
                 // The VMM, the operation's end, the state and the snapshot
-                // the VMM runs from: one commit, relaxed: what it records
-                // is a running VMM, which a power cut ends anyway; a crash
-                // of this process keeps it.
+                // the VMM runs from (none after a boot): one commit,
+                // relaxed: what it records is a running VMM, which a power
+                // cut ends anyway; a crash of this process keeps it.
                 lap.next();
                 let change = StateChange::new(SandboxState::Creating, SandboxState::Running);
                 let mut created = self.record_vmm(&sandbox, &handle, |tx| {
-                    tx.set_sandbox_snapshot(&sandbox.id, Some(&snapshot))?;
+                    tx.set_sandbox_snapshot(&sandbox.id, snapshot.as_deref())?;
                     tx.finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
                     tx.get_sandbox(&sandbox.id)
                 })?;
-                report.phases.insert(0, ("admit".into(), admit_ms));
-                report.phase("commit", lap.next());
-                created.restore = Some(report);
+                created.restore = report.map(|mut report| {
+                    report.phases.insert(0, ("admit".into(), admit_ms));
+                    report.phase("commit", lap.next());
+                    report
+                });
                 Ok(created)
             },
             |e| StateChange::failed(SandboxState::Creating, e),
@@ -355,6 +374,9 @@ impl Service {
         // The template's recorded working set, installed eagerly (uffd
         // backends; `file` maps the page cache, which needs no prefetch).
         restore.prefetch = backend != MemoryBackend::File;
+        // A memory file still arriving (a lazy cold wake): the page server
+        // waits on its map.
+        restore.lazy_map = self.lazy.map_for(id, snapshot);
         self.guest_restore_paths(id, template, &mut restore)?;
         // A jailed VMM joins its sandbox's network namespace as it starts
         // (as root, before it drops its rights): a shell made earlier sits
@@ -370,12 +392,10 @@ impl Service {
         // Mounting the sandbox's files into a jailed shell, apart from the
         // restore round trip.
         let mut jail_ms = 0.0;
-        // Held to the end of this step: the pool refills behind it.
-        let (shell, _restoring) = shell.map_or((None, None), |(s, r)| (Some(s), Some(r)));
         let from_shell = shell.and_then(|shell| {
             let jailed = self.jail_shell(&shell, &dir, &restore, &layers, &template_files);
             jail_ms = lap.next();
-            let up = jailed.and_then(|()| restore_into_shell(shell, &files, &restore));
+            let up = jailed.and_then(|()| shell.restore_into(&files, &restore));
             match up {
                 Ok(up) => Some(up),
                 Err(e) => {
@@ -625,7 +645,10 @@ impl Service {
             .store
             .get_template(&sandbox.template)
             .map_err(ServiceError::from)
-            .and_then(|template| self.launch_vmm(&sandbox, &template, &snapshot));
+            .and_then(|template| self.launch_vmm(&sandbox, &template, &snapshot))
+            // A restore that failed because its memory file stopped
+            // arriving answers the store's error, naming the layer.
+            .map_err(|e| self.lazy_error(&sandbox.id).unwrap_or(e));
         self.conclude(
             &op.id,
             launched,
@@ -712,6 +735,9 @@ impl Service {
             });
         }
         let handle = Self::running_handle(&sandbox)?.clone();
+        // A memory file still arriving is waited for: the snapshot is
+        // taken from a complete one.
+        self.settle_lazy(id)?;
         let target = self
             .sandbox_dir(id)
             .join(format!("snap-{}", sandbox.generation + 1));
@@ -782,6 +808,7 @@ impl Service {
             tx.begin_operation(Some(id), OperationKind::Delete, &json!({}), None)
         })?;
         self.stop_vmm(&sandbox)?;
+        self.lazy.cancel(id);
         self.close_ports(&sandbox);
         self.forget_memory(id);
         self.forget_history(id);
@@ -897,55 +924,6 @@ impl Service {
     /// Where templates keep their files.
     pub(super) fn template_dir(&self, id: &TemplateId) -> PathBuf {
         self.config.data_dir.join("templates").join(id.as_str())
-    }
-}
-
-/// Hands a standby shell the sandbox's files and snapshot: its socket and
-/// log move into the sandbox's directory (the open files follow), then one
-/// `restore` request. A shell that refuses is stopped.
-fn restore_into_shell(
-    shell: Shell,
-    files: &VmmFiles,
-    restore: &RestoreSpec,
-) -> Result<(std::process::Child, VmmHandle, u64), ServiceError> {
-    let Shell {
-        child,
-        handle: shell_handle,
-        log,
-        uid: _,
-    } = shell;
-    let moved = std::fs::rename(&shell_handle.control_socket, &files.socket)
-        .and_then(|()| std::fs::rename(&log, &files.log));
-    if let Some(shell_dir) = shell_handle.control_socket.parent() {
-        // Empty now; in the shell's jail the mount goes with it.
-        let _ = std::fs::remove_dir(shell_dir);
-    }
-    let handle = VmmHandle {
-        pid: shell_handle.pid,
-        start_time: shell_handle.start_time,
-        control_socket: files.socket.clone(),
-    };
-    if let Err(e) = moved {
-        vmm::stop(&shell_handle, Some(child));
-        let _ = std::fs::remove_file(&files.socket);
-        return Err(ServiceError::Internal(format!(
-            "move the shell's files: {e}"
-        )));
-    }
-    let req = Request::Restore {
-        restore: restore.clone(),
-        console: Console::file(&files.console),
-        paused: false,
-    };
-    match vmm::call(&handle, &req) {
-        Ok(answer) => {
-            let us = answer.restore.map_or(0, |r| r.request_to_running_us);
-            Ok((child, handle, us))
-        }
-        Err(e) => {
-            vmm::stop(&handle, Some(child));
-            Err(e)
-        }
     }
 }
 

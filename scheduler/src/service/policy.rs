@@ -142,7 +142,9 @@ impl Service {
             }
         };
         let gone = exited.is_some() || s.vmm.as_ref().is_some_and(|h| !vmm::alive(h));
-        if !gone {
+        // A VMM whose memory file stopped arriving: its sandbox goes back
+        // to its hibernation (`lazy.rs`), not to failed.
+        if !gone || self.lazy.failing(&s.id) {
             return;
         }
         let _guard = self.locks.lock(&s.id);

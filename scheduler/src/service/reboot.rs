@@ -146,7 +146,7 @@ impl Service {
 
     /// Whether the sandbox's guest agent answers a connection within
     /// [`GUEST_CHECK_LIMIT`]; why not otherwise.
-    fn guest_answers(&self, id: &SandboxId) -> Result<(), String> {
+    pub(super) fn guest_answers(&self, id: &SandboxId) -> Result<(), String> {
         let link = AgentLink::new(id.as_str(), self.sandbox_dir(id).join(VSOCK_FILE));
         link.connect(Some(GUEST_CHECK_LIMIT))
             .map(drop)
@@ -213,7 +213,7 @@ impl Service {
 
     /// Runs `sync` in the guest: what it wrote reaches its disk before
     /// the VMM ends.
-    fn sync_guest(&self, id: &SandboxId) -> Result<(), ServiceError> {
+    pub(super) fn sync_guest(&self, id: &SandboxId) -> Result<(), ServiceError> {
         let link = AgentLink::new(id.as_str(), self.sandbox_dir(id).join(VSOCK_FILE));
         let req = ExecRequest {
             argv: vec!["sync".into()],
@@ -297,7 +297,11 @@ impl Service {
     /// and its `resumed` hook ran, within [`BOOT_LIMIT`]; a delete ends
     /// the wait). The VMM is recorded while it boots, so a delete finds
     /// it; on failure it is stopped.
-    fn boot_vmm(&self, sandbox: &Sandbox, template: &Template) -> Result<VmmHandle, ServiceError> {
+    pub(super) fn boot_vmm(
+        &self,
+        sandbox: &Sandbox,
+        template: &Template,
+    ) -> Result<VmmHandle, ServiceError> {
         let id = &sandbox.id;
         let dir = self.sandbox_dir(id);
         std::fs::create_dir_all(&dir)
@@ -381,7 +385,7 @@ impl Service {
     /// The kernel command line `template` was built with (kept in its
     /// directory), or its kind's default (a snapshot-as-template, a
     /// template built before the command line was kept).
-    fn template_cmdline(&self, template: &Template) -> String {
+    pub(super) fn template_cmdline(&self, template: &Template) -> String {
         let kept = self
             .template_dir(&template.id)
             .join(super::template::CMDLINE_FILE);

@@ -204,6 +204,12 @@ impl Service {
             live.insert(self.sandbox_dir(&s.id).join("ctl.sock"));
             live.insert(self.sandbox_dir(&s.id).join("console.log"));
         }
+        // A filesystem-only snapshot's directory holds its disk.
+        for t in self.store.list_templates(false)? {
+            if t.boots_from_disk() {
+                live.insert(self.template_dir(&t.id));
+            }
+        }
         for sub in ["sandboxes", "templates"] {
             let dir = self.config.data_dir.join(sub);
             match cleanup_orphans(&dir, &live) {

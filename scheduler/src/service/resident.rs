@@ -121,6 +121,13 @@ impl Gate {
 }
 
 impl Service {
+    /// The local pod's resident memory as the pressure gate last measured
+    /// it (None before its first measure), without measuring.
+    pub(super) fn last_resident_bytes(&self) -> Option<u64> {
+        let gate = self.last_resident.0.locked();
+        gate.measure.at.map(|_| gate.measure.total)
+    }
+
     /// The local pod's resident memory now: the sum over its sandboxes
     /// that hold a VMM.
     pub fn pod_resident_bytes(&self) -> u64 {

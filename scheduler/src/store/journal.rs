@@ -33,6 +33,9 @@ str_enum! {
         Restore => "restore",
         /// A new sandbox from a checkpoint.
         Fork => "fork",
+        /// A running sandbox's state snapshotted for the object store
+        /// (`--checkpoint-interval-s`; the sandbox runs on from it).
+        Durable => "durable_checkpoint",
         /// Boot of a template and its snapshot.
         BuildTemplate => "build_template",
     }

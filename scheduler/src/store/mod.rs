@@ -1,11 +1,13 @@
 //! The durable store: SQLite in the data directory (`<data_dir>/torpor.db`).
 //!
-//! - WAL journal, `synchronous=FULL`: a commit is on disk (WAL fsynced)
-//!   before the call returns, so the API may answer once a call is back.
-//!   The exception, [`Store::write_relaxed`], commits without the fsync
-//!   what a power cut would end anyway (a running VMM's state): it survives
-//!   any crash of the process at once, and a power cut from the next
-//!   durable commit on.
+//! - WAL journal, group commit ([`sync`]): a commit is on disk (WAL
+//!   fsynced) before [`Store::write`] returns, so the API may answer once a
+//!   call is back; the fsync runs after the connection's lock is released
+//!   and one fsync covers every commit that waited for it. The exception,
+//!   [`Store::write_relaxed`], does not wait for an fsync: for what a power
+//!   cut would end anyway (a running VMM's state); it survives any crash
+//!   of the process at once, and a power cut from the next durable commit
+//!   on.
 //! - Every mutating call is one `IMMEDIATE` transaction; several calls that
 //!   must land together go through [`Store::write`] with one closure (for
 //!   example "sandbox → hibernating" and "journal: hibernate started").
@@ -21,9 +23,9 @@
 //!   the process dies, even by SIGKILL).
 //!
 //! Threads: [`Store`] is `Send + Sync` and serialises calls on one
-//! connection behind a mutex. Calls are short (well under a millisecond,
-//! plus an fsync per commit) but they block: async callers run them in
-//! `tokio::task::spawn_blocking`.
+//! connection behind a mutex. Calls are short (well under a millisecond;
+//! a durable write then waits for its group's fsync, without the mutex)
+//! but they block: async callers run them off the async workers.
 
 pub mod admission;
 mod catalog;
@@ -33,7 +35,9 @@ mod nested;
 mod network;
 mod sandboxes;
 pub mod schema;
+pub mod secrets;
 mod sql;
+mod sync;
 #[cfg(test)]
 mod tests;
 
@@ -54,6 +58,7 @@ pub use journal::{OperationKind, OperationRecord, OperationStatus, StateChange};
 pub use layers::{KnownLayer, LayerOwner};
 pub use nested::NestedSandbox;
 pub use sandboxes::SandboxFilter;
+pub use secrets::{NewSecret, SecretInfo, SecretUpdate, SecretValue};
 
 use crate::model::{
     Checkpoint, CheckpointId, OperationId, Pod, PodId, Sandbox, SandboxId, SandboxNetwork,
@@ -182,6 +187,11 @@ pub struct Store {
     commits: AtomicU64,
     /// Commits without an fsync ([`Store::write_relaxed`]).
     relaxed: AtomicU64,
+    /// The group commit: fsyncs outside the connection's lock.
+    sync: sync::GroupSync,
+    /// Tests: hooks around each group commit's fsync.
+    #[cfg(test)]
+    hooks: std::sync::OnceLock<Box<dyn sync::SyncHooks>>,
     /// Holds the data directory's flock for as long as the store lives.
     _lock: File,
 }
@@ -220,6 +230,9 @@ impl Store {
         schema::configure(&conn)?;
         schema::check_integrity(&conn)?;
         let version = schema::migrate(&mut conn)?;
+        let sync = sync::GroupSync::new(db.clone());
+        // The migrations committed under synchronous=NORMAL.
+        sync.sync_all()?;
         fs::set_permissions(&db, fs::Permissions::from_mode(0o600))
             .map_err(|e| StoreError::io(format!("chmod {}", db.display()), e))?;
         crate::files::fsync_dir(&dir)
@@ -230,6 +243,9 @@ impl Store {
             dir,
             commits: AtomicU64::new(0),
             relaxed: AtomicU64::new(0),
+            sync,
+            #[cfg(test)]
+            hooks: std::sync::OnceLock::new(),
             _lock: lock,
         })
     }
@@ -246,37 +262,56 @@ impl Store {
     }
 
     /// Runs `f` in one transaction, committed (durably) if `f` returns Ok and
-    /// rolled back if it returns an error or panics.
+    /// rolled back if it returns an error or panics. The commit is written
+    /// under the connection's lock; its fsync (shared with the commits that
+    /// meet it, [`sync`]) is waited for after the lock is released.
     pub fn write<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
+        let (out, seq) = self.commit(f)?;
+        self.durable(seq)?;
+        Ok(out)
+    }
+
+    /// [`Store::write`] without waiting for the fsync: when this returns
+    /// the commit is in the WAL in the OS's page cache, so any crash of
+    /// this process (kill -9 included) keeps it, and the next durable
+    /// commit's fsync (any [`Store::write`]; the WAL is synced in order) or
+    /// checkpoint puts it on disk. Only a power cut or kernel crash before
+    /// then can lose it. For state a power cut ends anyway: a running VMM's
+    /// (create, wake, pause, resume, last activity) and the first steps of
+    /// an operation whose last step commits durably. Never for what
+    /// outlives a power cut on its own (snapshots, deletions, templates).
+    pub fn write_relaxed<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
+        let (out, _) = self.commit(f)?;
+        self.relaxed.fetch_add(1, Ordering::Relaxed);
+        Ok(out)
+    }
+
+    /// One transaction of `f`, committed under the connection's lock
+    /// (`synchronous=NORMAL`: no fsync); its group commit number.
+    fn commit<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<(T, u64)> {
         let mut conn = self.lock();
+        self.sync.check()?;
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let out = f(&Tx { conn: &tx })?;
         tx.commit()?;
         self.commits.fetch_add(1, Ordering::Relaxed);
-        Ok(out)
+        Ok((out, self.sync.committed()))
     }
 
-    /// [`Store::write`] without the fsync: when this returns the commit is
-    /// in the WAL in the OS's page cache, so any crash of this process
-    /// (kill -9 included) keeps it, and the next durable commit (any
-    /// [`Store::write`], which fsyncs the whole WAL) or checkpoint puts it
-    /// on disk. Only a power cut or kernel crash before then can lose it.
-    /// For state a power cut ends anyway: a running VMM's (create, wake,
-    /// pause, resume, last activity) and the first steps of an operation
-    /// whose last step commits durably. Never for what outlives a power
-    /// cut on its own (snapshots, deletions, templates).
-    pub fn write_relaxed<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
-        let conn = self.lock();
-        conn.execute_batch("PRAGMA synchronous = NORMAL")?;
-        // Declared before the transaction, so dropped after it: back to
-        // FULL however this ends (an error, a panic in `f`).
-        let _full = FullSync(&conn);
-        let tx = rusqlite::Transaction::new_unchecked(&conn, TransactionBehavior::Immediate)?;
-        let out = f(&Tx { conn: &tx })?;
-        tx.commit()?;
-        self.commits.fetch_add(1, Ordering::Relaxed);
-        self.relaxed.fetch_add(1, Ordering::Relaxed);
-        Ok(out)
+    /// Waits until commit `seq` is durable.
+    fn durable(&self, seq: u64) -> Result<()> {
+        #[cfg(test)]
+        if let Some(h) = self.hooks.get() {
+            return self.sync.wait(seq, Some((h.as_ref(), self)));
+        }
+        self.sync.wait(seq, None)
+    }
+
+    /// How many fsyncs the store's commits cost (a group commit's fsync
+    /// covers every commit that waited for it): [`Store::commits`] less
+    /// [`Store::relaxed_commits`] over this is how many commits share one.
+    pub fn syncs(&self) -> u64 {
+        self.sync.syncs()
     }
 
     /// How many of [`Store::commits`] were [`Store::write_relaxed`]'s (not
@@ -287,7 +322,8 @@ impl Store {
 
     /// How many write transactions this store has committed since it was
     /// opened, durable or relaxed: what an operation costs. Those not
-    /// counted by [`Store::relaxed_commits`] were one fsync of the WAL each.
+    /// counted by [`Store::relaxed_commits`] waited for an fsync of the WAL
+    /// ([`Store::syncs`]).
     pub fn commits(&self) -> u64 {
         self.commits.load(Ordering::Relaxed)
     }
@@ -305,20 +341,6 @@ impl Store {
     /// The schema version the store is at.
     pub fn schema_version(&self) -> Result<i64> {
         schema::version(&self.lock())
-    }
-}
-
-/// Sets the connection back to `synchronous=FULL` when dropped (after a
-/// [`Store::write_relaxed`]).
-struct FullSync<'c>(&'c Connection);
-
-impl Drop for FullSync<'_> {
-    fn drop(&mut self) {
-        if let Err(e) = self.0.execute_batch("PRAGMA synchronous = FULL") {
-            // Not expected (the pragma takes no lock); every later commit
-            // would go without its fsync, so say so loudly.
-            tracing::error!("store: cannot set synchronous=FULL again: {e}");
-        }
     }
 }
 

@@ -21,7 +21,9 @@ const SELECT: &str = "id, template, pod, mem_mib, vcpus, keep_alive_ms, expires_
     failure_reason, created_at, last_active_at, snapshot, vmm_pid, vmm_socket, generation, \
     vmm_start, tenant, on_timeout, access_token, timeout_hibernation, disk_only, \
     guest_unresponsive_at_pause, \
-    (SELECT manifest FROM layer_objects WHERE layer_objects.dir = snapshot) AS stored_snapshot";
+    (SELECT manifest FROM layer_objects WHERE layer_objects.dir = snapshot) AS stored_snapshot, \
+    (SELECT CAST(stored_at AS INTEGER) FROM layer_objects WHERE layer_objects.dir = snapshot) \
+    AS stored_at";
 
 /// A sandbox's key/value tables.
 #[derive(Clone, Copy)]
@@ -80,6 +82,7 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
         last_active_at: row.get("last_active_at")?,
         snapshot: get_path(row, "snapshot")?,
         stored_snapshot: row.get("stored_snapshot")?,
+        stored_at: row.get("stored_at")?,
         vmm: pid.zip(socket).map(|(pid, control_socket)| VmmHandle {
             pid,
             start_time,

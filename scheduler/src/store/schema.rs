@@ -216,13 +216,32 @@ CREATE TABLE layer_objects (
 ) STRICT, WITHOUT ROWID;
 "#;
 
+/// Version 11: the tenants' secrets (E2B's `/secrets`, `secrets.rs`): the
+/// current version's value, never read by a route; a name unique per
+/// tenant.
+const V11: &str = r#"
+CREATE TABLE secrets (
+    id         TEXT PRIMARY KEY,
+    tenant     TEXT NOT NULL,
+    name       TEXT NOT NULL CHECK (length(name) BETWEEN 1 AND 128),
+    version    INTEGER NOT NULL CHECK (version >= 1),
+    value      TEXT NOT NULL,
+    metadata   TEXT NOT NULL DEFAULT '{}',
+    created_at INTEGER NOT NULL,
+    updated_at INTEGER NOT NULL,
+    UNIQUE (tenant, name)
+) STRICT;
+"#;
+
 /// Every migration, in order.
-pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7, V8, V9, V10];
+pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11];
 
 /// The schema version this build writes.
 pub const CURRENT_VERSION: i64 = MIGRATIONS.len() as i64;
 
-/// WAL, synchronous=FULL, foreign keys; each read back to make sure it took.
+/// WAL, synchronous=NORMAL (commits write the WAL; the store's group
+/// commit fsyncs it, `store::sync`), foreign keys; each read back to make
+/// sure it took.
 pub(super) fn configure(conn: &Connection) -> Result<()> {
     let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
     if !mode.eq_ignore_ascii_case("wal") {
@@ -231,11 +250,11 @@ pub(super) fn configure(conn: &Connection) -> Result<()> {
             detail: format!("SQLite kept {mode:?} instead of WAL"),
         });
     }
-    conn.pragma_update(None, "synchronous", "FULL")?;
+    conn.pragma_update(None, "synchronous", "NORMAL")?;
     conn.pragma_update(None, "foreign_keys", true)?;
     let sync: i64 = conn.query_row("PRAGMA synchronous", [], |r| r.get(0))?;
     let fk: i64 = conn.query_row("PRAGMA foreign_keys", [], |r| r.get(0))?;
-    if sync != 2 || fk != 1 {
+    if sync != 1 || fk != 1 {
         return Err(StoreError::Invalid {
             what: "pragmas",
             detail: format!("synchronous={sync} foreign_keys={fk}"),

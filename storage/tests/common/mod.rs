@@ -569,8 +569,15 @@ pub async fn upload_waits_for_a_running_gc_then_repairs(b: &Backend) {
 
     let new = b.dir("new");
     layer(&new, &[700, 701, 702]);
+    // The upload is held once its pending manifest is written, so it has
+    // reached its check of the collections before the one paused ends
+    // (on a loaded machine, a sleep alone let the collection end before
+    // the upload had begun: nothing to recheck).
+    let (opts, mut up_pause) = UploadOptions::pause_at(UploadStage::ManifestPending);
     let storage = b.storage.clone();
-    let upload = tokio::spawn(async move { storage.upload_layer(&new).await });
+    let upload = tokio::spawn(async move { storage.upload_layer_with(&new, opts).await });
+    up_pause.reached().await;
+    up_pause.resume();
     tokio::time::sleep(Duration::from_millis(500) + b.tick).await;
     assert!(!upload.is_finished(), "the upload waits for the collection");
     gc_pause.resume();

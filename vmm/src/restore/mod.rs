@@ -44,6 +44,10 @@ pub struct RestoreOptions {
     pub serial: SerialOutput,
     /// Install the pages of the snapshot's recorded working set eagerly.
     pub prefetch: bool,
+    /// The map file of a memory file still arriving from the object store
+    /// (`torpor_vmm_api::lazy`): the page server waits for a chunk's
+    /// present bit before it reads the chunk (uffd backend).
+    pub lazy_map: Option<PathBuf>,
     /// Record pages first touched in this window after restore (uffd).
     pub record_working_set_ms: Option<u64>,
     /// The clone's own disk overlay and vsock socket.

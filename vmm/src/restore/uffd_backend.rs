@@ -133,6 +133,29 @@ pub fn start(
         let pages = layer.pages.clone().unwrap_or_default();
         diffs.push((clone(&layer.file)?, pages));
     }
+    let mut layers = Layers::new(base, diffs);
+    if let Some(path) = &opts.lazy_map {
+        if backend != RestoreBackend::Uffd || !diff_layers.is_empty() {
+            return Err(backend_err(
+                backend,
+                "a lazily fetched memory file needs the uffd backend and a full snapshot",
+            ));
+        }
+        let memory_len = base_layer
+            .file
+            .metadata()
+            .map_err(|e| backend_err(backend, format!("memory file: {e}")))?
+            .len();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| backend_err(backend, format!("lazy map {}: {e}", path.display())))?;
+        let map =
+            torpor_vmm_api::lazy::VmmMap::open(&file, &path.display().to_string(), memory_len)
+                .map_err(|e| backend_err(backend, e.to_string()))?;
+        layers = layers.with_lazy_base(map);
+    }
     let server_opts = ServerOptions {
         mode: if backend == RestoreBackend::UffdShared {
             Mode::Minor
@@ -155,9 +178,8 @@ pub fn start(
     // mapped (anonymous, or privately mapped from the shmem template), and
     // they stay mapped until the returned value (which owns the server) is
     // dropped after every vCPU has stopped.
-    let server =
-        unsafe { PageServer::start(regions, Layers::new(base, diffs), server_opts, on_failure) }
-            .map_err(|e| backend_err(backend, e.to_string()))?;
+    let server = unsafe { PageServer::start(regions, layers, server_opts, on_failure) }
+        .map_err(|e| backend_err(backend, e.to_string()))?;
     let server = Arc::new(server);
     if let Some(ms) = opts.record_working_set_ms {
         spawn_recorder(

@@ -6,6 +6,8 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
+use torpor_vmm_api::lazy::VmmMap;
+
 use crate::snapshot::PageRuns;
 
 use super::{UffdError, PAGE_SIZE};
@@ -50,6 +52,9 @@ impl LayerFile {
 pub struct Layers {
     base: LayerFile,
     diffs: Vec<(LayerFile, PageRuns)>,
+    /// The base is still arriving (a cold wake): a chunk is read once its
+    /// present bit is set.
+    lazy: Option<VmmMap>,
 }
 
 impl Layers {
@@ -61,7 +66,16 @@ impl Layers {
                 .into_iter()
                 .map(|(file, runs)| (LayerFile::new(file), runs))
                 .collect(),
+            lazy: None,
         }
+    }
+
+    /// The base is a memory file still arriving, as `map` tells: every read
+    /// of it waits for the chunks it covers (posting them as wanted), and
+    /// fails when the pod's fetch failed or a chunk's deadline passed.
+    pub fn with_lazy_base(mut self, map: VmmMap) -> Self {
+        self.lazy = Some(map);
+        self
     }
 
     /// The layer page `page` is read from: the newest diff holding it, else
@@ -140,6 +154,11 @@ impl Layers {
     ) -> Result<(), String> {
         let file = self.file(source);
         let offset = page * PAGE_SIZE as u64;
+        if let (Source::Base, Some(map)) = (source, &self.lazy) {
+            map.wait_range(offset, buf.len() as u64).map_err(|e| {
+                format!("cannot read page {page} of {}: {e}", self.describe(source))
+            })?;
+        }
         let mut done = 0;
         while done < buf.len() {
             match file.file.read_at(&mut buf[done..], offset + done as u64) {

@@ -11,8 +11,11 @@ use crate::state::SandboxState::*;
 fn committed_memory_counts_sandboxes_that_hold_a_vmm() {
     let (_dir, store, t) = setup();
     assert_eq!(store.committed_mib().unwrap(), 0);
+    // Every state a pod's store holds (`lost` is a cluster replica's).
     for &state in SandboxState::ALL {
-        sandbox_in(&store, &t, state);
+        if state != SandboxState::Lost {
+            sandbox_in(&store, &t, state);
+        }
     }
     // 64 MiB each: creating, running, paused, hibernating, resuming.
     assert_eq!(store.committed_mib().unwrap(), 5 * 64);
