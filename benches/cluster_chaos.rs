@@ -3,14 +3,17 @@
 //! (`scripts/cluster`: PostgreSQL, nats-server, two pods, two replicas)
 //! while a driver injects `--faults N` faults (default 100): kill -9 of a
 //! random replica, pod or nats-server, or a restart of PostgreSQL, each
-//! followed by a restart of what it hit. At the end: every operation
-//! acknowledged to a client is reflected in the final state, no sandbox
+//! followed by a restart of what it hit, and once a pod lost for good
+//! (killed with its VMMs, never restarted; `--no-pod-loss` leaves it out).
+//! At the end: every operation acknowledged to a client is reflected in
+//! the final state, every sandbox acknowledged hibernated wakes (those of
+//! the lost pod on the other one, from the object store), no sandbox
 //! exists twice, no VMM runs unaccounted for, no JetStream message is left
 //! unacked. Prints operations attempted, acknowledged, retried, faults per
 //! kind, lost (must be 0); exits 1 when a check fails.
 //!
 //! `cargo bench --bench cluster_chaos [-- --faults N --clients N --seed S
-//! --pause-ms LO,HI]`. `tests/cluster_chaos.rs` is the bounded version (10
+//! --pause-ms LO,HI --no-pod-loss]`. `tests/cluster_chaos.rs` is the bounded version (10
 //! faults) `scripts/test` runs; under `cargo test` (no `--bench`) this
 //! prints how to run it. Needs PostgreSQL and nats-server (`scripts/setup test`
 //! installs them). Every process it starts is stopped at its end, also on
@@ -20,13 +23,12 @@
 mod tests_common;
 
 use tests_common::chaos::{self, Chaos};
-use tests_common::cluster::Cluster;
 
 fn usage(msg: &str) -> ! {
     eprintln!("cluster_chaos: {msg}");
     eprintln!(
         "usage: cargo bench --bench cluster_chaos [-- --faults N --clients N --seed S \
-         --pause-ms LO,HI]"
+         --pause-ms LO,HI --no-pod-loss]"
     );
     std::process::exit(2);
 }
@@ -45,6 +47,7 @@ fn main() {
         clients: 2,
         seed: chaos::seed(),
         pause_ms: (300, 1500),
+        lose_pod: true,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -61,6 +64,7 @@ fn main() {
             "--faults" => o.faults = number("--faults", value("--faults")) as usize,
             "--clients" => o.clients = number("--clients", value("--clients")).max(1) as usize,
             "--seed" => o.seed = number("--seed", value("--seed")),
+            "--no-pod-loss" => o.lose_pod = false,
             "--pause-ms" => {
                 let v = value("--pause-ms");
                 let (lo, hi) = v
@@ -79,7 +83,7 @@ fn main() {
         o.faults, o.clients, o.seed
     );
     let report = {
-        let c = Cluster::up_with("chaos-bench", chaos::POD_ARGS);
+        let c = chaos::cluster("chaos-bench");
         chaos::run(&c, &o)
     };
     println!("{}", report.table());

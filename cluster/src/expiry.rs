@@ -34,6 +34,18 @@
 //! listed and counted against its tenant's quota (nothing runs uncounted)
 //! until it is deleted or times out.
 //!
+//! A pod lost for good (silent past
+//! [`ClusterConfig::lost_after`](super::ClusterConfig)) answers nothing
+//! more: the same sweep ends its pending operations that make nothing new
+//! (lifecycle calls, deletes, checkpoints: [`Db::fail_operations_of_lost_pods`])
+//! as failed (409 `conflict`: waiting does not help), so neither the request waiting for one nor a retry with its
+//! `Idempotency-Key` waits for ever (before, a retry published the work
+//! item again to the lost pod and answered 202 each time). A new request
+//! takes the lost pod's paths (`moved.rs`: a hibernated sandbox moves, a
+//! running one reads `lost`). Creates and forks keep their deadlines: a
+//! pod that comes back runs what it had taken, and a create it makes
+//! within its window must not read failed.
+//!
 //! Where the sweep runs: a periodic task in every replica
 //! ([`run`], every [`sweep_period`]), not admission. Admission would free
 //! the quota only of a tenant that creates again, while `GET
@@ -201,14 +213,65 @@ impl Db {
     }
 }
 
+/// The outcome of an operation whose pod was lost for good before it
+/// answered (`%s`: its pod, its id), with its error's JSON path.
+fn lost_outcome(lost_after: Duration) -> Result<serde_json::Value, ClusterError> {
+    // 409, not 503: waiting does not help, and a retry with the same key
+    // reads this failure; a new request goes the lost pod's way.
+    let outcome = OpOutcome::Failed(super::wire::failure(ServiceError::ResourceConflict(
+        format!(
+            "pod %s was lost for good (no heartbeat for more than {} s) before it answered \
+             operation %s: ended as failed; what it may have done went with that pod. Read the \
+             sandbox and send a new request to act on it ({AGAIN})",
+            lost_after.as_secs()
+        ),
+    )));
+    serde_json::to_value(outcome).map_err(|e| ClusterError::Schema(e.to_string()))
+}
+
+/// Kinds a pod lost for good keeps pending (they make something new a pod
+/// that comes back may still make within their deadlines).
+const KEPT_WHEN_LOST: [&str; 3] = ["create", "fork", "template_build"];
+
+impl Db {
+    /// Ends as failed (409 `conflict`) every pending operation but a
+    /// create, fork or template build whose pod has been silent for
+    /// `lost_after` (lost for good); their ids. One statement over pending
+    /// rows only, like [`Db::expire_operations`].
+    pub async fn fail_operations_of_lost_pods(
+        &self,
+        lost_after: Duration,
+    ) -> Result<Vec<String>, ClusterError> {
+        let outcome = lost_outcome(lost_after)?;
+        let kept: Vec<&str> = KEPT_WHEN_LOST.to_vec();
+        let rows = self
+            .client()
+            .await?
+            .query(
+                "UPDATE operations o SET status = 'failed', finished_at = now(),
+                    outcome = jsonb_set($1::jsonb, '{failed,message}',
+                        to_jsonb(format($1::jsonb #>> '{failed,message}', o.pod, o.id)))
+                 FROM pods p
+                 WHERE o.status = 'pending' AND o.pod = p.id AND NOT (o.kind = ANY($3))
+                    AND extract(epoch FROM now() - p.last_heartbeat)::double precision >= $2
+                 RETURNING o.id",
+                &[&outcome, &lost_after.as_secs_f64(), &kept],
+            )
+            .await
+            .map_err(pg)?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+}
+
 /// How often a replica sweeps: a quarter of the grace, within 100 ms and
 /// 5 s (an expired create holds its quota at most that much longer).
 pub fn sweep_period(grace: Duration) -> Duration {
     (grace / 4).clamp(Duration::from_millis(100), Duration::from_secs(5))
 }
 
-/// A replica's sweep, until the process ends.
-pub async fn run(db: Arc<Db>, period: Duration) {
+/// A replica's sweep, until the process ends: expired operations, and
+/// those of pods lost for good (silent `lost_after`).
+pub async fn run(db: Arc<Db>, period: Duration, lost_after: Duration) {
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -219,6 +282,13 @@ pub async fn run(db: Arc<Db>, period: Duration) {
             }
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "the sweep of expired operations"),
+        }
+        match db.fail_operations_of_lost_pods(lost_after).await {
+            Ok(ended) if !ended.is_empty() => {
+                tracing::warn!(operations = ?ended, "ended operations of pods lost for good");
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "the sweep of lost pods' operations"),
         }
     }
 }
@@ -287,6 +357,16 @@ mod tests {
             serde_json::from_value::<OpOutcome>(v).unwrap(),
             OpOutcome::Failed(_)
         ));
+    }
+
+    #[test]
+    fn a_lost_pods_outcome_reads_as_a_failure_naming_both() {
+        let v = lost_outcome(Duration::from_secs(60)).unwrap();
+        assert_eq!(v["failed"]["status"], 409);
+        let m = v["failed"]["message"].as_str().unwrap();
+        assert_eq!(m.matches("%s").count(), 2, "{m}");
+        assert!(!m.replace("%s", "").contains('%'), "{m}");
+        assert!(m.contains("lost for good") && m.contains("60 s"), "{m}");
     }
 
     #[test]

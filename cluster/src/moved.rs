@@ -95,14 +95,40 @@ impl Cluster {
             deadlines: None,
         };
         let (op, fresh) = self.db.begin_operation(&new, None).await?;
-        let reply = Reply::Deleted {
-            sandbox: id.clone(),
-        };
-        if fresh {
+        // A retry's key names the first request's operation: this forget,
+        // or a delete sent to the pod before it was lost.
+        let same = matches!(op.kind.as_str(), "forget" | "delete")
+            && op.sandbox.as_deref() == Some(id.as_str());
+        if !fresh && !same {
+            return Err(ServiceError::ResourceConflict(format!(
+                "Idempotency-Key was used for another request: operation {} ({} of {})",
+                op.id,
+                op.kind,
+                op.sandbox.as_deref().unwrap_or("a new sandbox")
+            )));
+        }
+        // Finished here unless it has an outcome already (a forget's, or
+        // the failure the sweep gave a delete the lost pod never answered:
+        // `expiry.rs`); a delete still pending is finished as the forget
+        // would be. Its outcome read back: the sweep may have ended it
+        // first.
+        if op.outcome.is_none() {
+            let reply = Reply::Deleted {
+                sandbox: id.clone(),
+            };
             self.db
-                .finish(&pod.id, &op.id, &OpOutcome::Done(reply.clone()))
+                .finish(&pod.id, &op.id, &OpOutcome::Done(reply))
                 .await?;
         }
+        let outcome = self
+            .db
+            .operation(&op.id)
+            .await?
+            .and_then(|row| row.outcome)
+            .ok_or_else(|| {
+                ServiceError::Internal(format!("operation {} has no outcome once finished", op.id))
+            })?;
+        let reply = outcome.reply()?;
         tracing::warn!(sandbox = %id, pod = %pod.id, "deleted a sandbox lost with its pod");
         Ok(Some(reply))
     }

@@ -79,7 +79,7 @@ impl Cluster {
         wire::ensure_streams(&js).await?;
         tokio::spawn(super::events::run(js.clone(), db.clone()));
         let sweep = super::expiry::sweep_period(config.create_grace);
-        tokio::spawn(super::expiry::run(db.clone(), sweep));
+        tokio::spawn(super::expiry::run(db.clone(), sweep, config.lost_after));
         Ok(Arc::new(Cluster {
             rt: tokio::runtime::Handle::current(),
             db,
@@ -330,24 +330,25 @@ impl Cluster {
     }
 
     /// A command on sandbox `id` that failed with `e` before it was sent
-    /// (the sandbox is gone): if it is a retry (by its `Idempotency-Key`)
-    /// of one sent before, that one's outcome (a retried delete's, or a
-    /// fork's whose source was deleted since), else `e`.
+    /// (the sandbox is gone, or its pod down or lost): if it is a retry
+    /// (by its `Idempotency-Key`) of one sent before, that one's outcome
+    /// once it has one (a retried delete's, a fork's whose source was
+    /// deleted since, or the failure the sweep gave an operation of a pod
+    /// lost since: `expiry.rs`), waited for only when the sandbox is gone;
+    /// else `e`.
     async fn retried(
         &self,
         e: ServiceError,
         kind: &str,
         id: &SandboxId,
     ) -> Result<OpOutcome, ServiceError> {
-        if !matches!(e, ServiceError::NotFound { .. }) {
-            return Err(e);
-        }
         let Some(key) = torpor_gate::request_context::idempotency_key() else {
             return Err(e);
         };
+        let gone = matches!(e, ServiceError::NotFound { .. });
         match self.db.operation_by_key(&key, kind, id).await? {
-            Some(op) => self.wait(op).await,
-            None => Err(e),
+            Some(op) if gone || op.outcome.is_some() => self.wait(op).await,
+            _ => Err(e),
         }
     }
 

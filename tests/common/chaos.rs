@@ -3,9 +3,13 @@
 //! hibernates, wakes and deletes with idempotency keys through random
 //! replicas while a driver injects faults (kill -9 of a replica, a pod or
 //! nats-server; a restart of PostgreSQL), each followed by a restart of
-//! what it hit. Then the checks: every operation acknowledged to a client
-//! is reflected in the final state; no sandbox exists twice; no VMM runs
-//! that no pod accounts for; no JetStream message is left unacked.
+//! what it hit, and, with [`Chaos::lose_pod`], once a pod lost for good
+//! (killed with its VMMs, as its machine would be, and never restarted:
+//! its hibernated sandboxes wake on the other pod from the object store,
+//! its running ones read `lost`). Then the checks: every operation
+//! acknowledged to a client is reflected in the final state, and every
+//! sandbox acknowledged hibernated wakes; no sandbox exists twice; no VMM
+//! runs that no pod accounts for; no JetStream message is left unacked.
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -22,6 +26,9 @@ use super::http::HttpResponse;
 /// counted against sandboxes) and no idle policy (states change only by
 /// the clients' commands).
 pub const POD_ARGS: &str = "--policy-interval-ms 0 --standby-pool 0";
+/// The replicas': a pod silent 3 s is down, 8 s lost for good (a pod a
+/// fault killed is back well within that).
+pub const API_ARGS: &str = "--cluster-down-after-ms 3000 --cluster-lost-after-ms 8000";
 /// An operation gets a definite answer within this, retries included
 /// (a pod's unacked work item comes again after the consumer's 10 s ack
 /// wait; a pod down holds its queue until it is back).
@@ -32,6 +39,8 @@ const REQUEST_LIMIT: Duration = Duration::from_secs(60);
 const MAX_LIVE: usize = 4;
 
 pub const KINDS: [&str; 4] = ["replica", "pod", "nats", "postgres"];
+/// The fault [`Chaos::lose_pod`] adds once.
+pub const POD_LOST: &str = "pod lost for good";
 
 /// What to run.
 pub struct Chaos {
@@ -40,6 +49,14 @@ pub struct Chaos {
     pub seed: u64,
     /// Pause between faults, ms (a random one in this range).
     pub pause_ms: (u64, u64),
+    /// Whether one of the faults, a third to two thirds into the run, is a
+    /// pod lost for good.
+    pub lose_pod: bool,
+}
+
+/// The cluster the run needs, started ([`POD_ARGS`], [`API_ARGS`]).
+pub fn cluster(name: &str) -> Cluster {
+    Cluster::up_with_api(name, POD_ARGS, API_ARGS)
 }
 
 /// What happened and what the checks found.
@@ -51,8 +68,24 @@ pub struct Report {
     /// Operations whose definite answer was an error (not acknowledged).
     pub refused: usize,
     pub faults: BTreeMap<&'static str, usize>,
-    /// Acknowledged operations the final state does not reflect.
+    /// Acknowledged operations the final state does not reflect, and
+    /// sandboxes acknowledged hibernated that did not wake.
     pub lost: Vec<String>,
+    /// Sandboxes acknowledged hibernated, woken at the end (of them, on
+    /// the pod lost for good).
+    pub woken: usize,
+    pub woken_from_lost_pod: usize,
+    /// Sandboxes hibernated on the pod lost for good when it was lost,
+    /// and of them, those on the other pod at the end (moved by a wake
+    /// during the run or at the end) and those a client deleted.
+    pub hibernated_on_lost_pod: Vec<String>,
+    pub moved_from_lost_pod: usize,
+    pub deleted_from_lost_pod: usize,
+    /// Sandboxes running on the pod lost for good, read `lost` at the end
+    /// (their state went with the pod: not an acknowledged operation lost).
+    pub running_lost_with_pod: usize,
+    /// The pod lost for good.
+    pub lost_pod: Option<u16>,
     /// Sandboxes more than once (on two pods, or a create made twice).
     pub doubled: Vec<String>,
     /// VMMs no pod accounts for, and sandboxes a pod says run without one.
@@ -74,12 +107,33 @@ impl Report {
         row("acknowledged".into(), self.acknowledged);
         row("retried (requests)".into(), self.retried);
         row("answered with an error".into(), self.refused);
-        for kind in KINDS {
+        for kind in KINDS.into_iter().chain([POD_LOST]) {
             row(
                 format!("faults: {kind}"),
                 self.faults.get(kind).copied().unwrap_or(0),
             );
         }
+        row("hibernated, woken at the end".into(), self.woken);
+        row(
+            "  of them moved from the lost pod".into(),
+            self.woken_from_lost_pod,
+        );
+        row(
+            "running on the lost pod, read lost".into(),
+            self.running_lost_with_pod,
+        );
+        row(
+            "hibernated on the lost pod when lost".into(),
+            self.hibernated_on_lost_pod.len(),
+        );
+        row(
+            "  of them on the other pod at the end".into(),
+            self.moved_from_lost_pod,
+        );
+        row(
+            "  of them deleted by a client".into(),
+            self.deleted_from_lost_pod,
+        );
         row("lost (must be 0)".into(), self.lost.len());
         row("doubled sandboxes".into(), self.doubled.len());
         row("unaccounted VMMs".into(), self.stray_vmms.len());
@@ -264,18 +318,63 @@ fn client(c: &Cluster, n: usize, seed: u64, stop: &AtomicBool, counters: &Counte
     model
 }
 
-/// Injects `chaos.faults` faults, each followed by a restart of what it hit.
-fn driver(c: &Cluster, chaos: &Chaos, faults: &Mutex<BTreeMap<&'static str, usize>>) {
+/// Injects `chaos.faults` faults, each followed by a restart of what it
+/// hit but the pod lost for good ([`Chaos::lose_pod`]), which it sets in
+/// `lost`.
+fn driver(
+    c: &Cluster,
+    chaos: &Chaos,
+    faults: &Mutex<BTreeMap<&'static str, usize>>,
+    lost: &Mutex<Option<(u16, Vec<String>)>>,
+) {
     let mut rng = Rng::new(chaos.seed ^ 0x5eed);
     let (lo, hi) = chaos.pause_ms;
+    let third = chaos.faults / 3;
+    let loss_at = chaos
+        .lose_pod
+        .then(|| third + rng.below(third as u64 + 1) as usize);
     for i in 0..chaos.faults {
         std::thread::sleep(Duration::from_millis(
             lo + rng.below(hi.saturating_sub(lo) + 1),
         ));
+        let gone = lost.lock().unwrap().as_ref().map(|(pod, _)| *pod);
+        if loss_at == Some(i) {
+            // The pod holding more hibernated sandboxes (the loss
+            // is about them), either on a tie.
+            let hibernated = |n: u16| -> Vec<String> {
+                c.pod_sandboxes(n)
+                    .iter()
+                    .filter(|s| s["state"] == "hibernated")
+                    .map(|s| s["id"].as_str().unwrap_or_default().to_string())
+                    .collect()
+            };
+            let (one, two) = (hibernated(1), hibernated(2));
+            let first = 1 + rng.below(2) as u16;
+            let pod = match one.len().cmp(&two.len()) {
+                std::cmp::Ordering::Greater => 1,
+                std::cmp::Ordering::Less => 2,
+                std::cmp::Ordering::Equal => first,
+            };
+            let held = if pod == 1 { one } else { two };
+            eprintln!(
+                "chaos: fault {}/{}: pod{pod} lost for good, {} sandbox(es) hibernated there",
+                i + 1,
+                chaos.faults,
+                held.len()
+            );
+            lose_pod(c, pod);
+            *lost.lock().unwrap() = Some((pod, held));
+            *faults.lock().unwrap().entry(POD_LOST).or_default() += 1;
+            continue;
+        }
         let kind = KINDS[rng.below(KINDS.len() as u64) as usize];
         let part = match kind {
             "replica" => format!("api{}", 1 + rng.below(2)),
-            "pod" => format!("pod{}", 1 + rng.below(2)),
+            // The pod lost stays so: the other one.
+            "pod" => match gone {
+                Some(pod) => format!("pod{}", 3 - pod),
+                None => format!("pod{}", 1 + rng.below(2)),
+            },
             other => other.to_string(),
         };
         eprintln!("chaos: fault {}/{}: {kind} ({part})", i + 1, chaos.faults);
@@ -291,12 +390,32 @@ fn driver(c: &Cluster, chaos: &Chaos, faults: &Mutex<BTreeMap<&'static str, usiz
     }
 }
 
+/// Pod `pod` gone as its machine would go: `kill -9` of it and of every
+/// VMM it ran; never restarted.
+fn lose_pod(c: &Cluster, pod: u16) {
+    c.kill(&format!("pod{pod}"));
+    let pids: Vec<String> = c
+        .vmms()
+        .iter()
+        .filter(|v| v.pod == pod)
+        .map(|v| v.pid.to_string())
+        .collect();
+    if !pids.is_empty() {
+        // Some may have ended meanwhile: the status is not checked.
+        let _ = std::process::Command::new("kill")
+            .arg("-9")
+            .args(&pids)
+            .status();
+    }
+}
+
 /// Runs the workload and the faults, then checks the cluster.
 pub fn run(c: &Cluster, chaos: &Chaos) -> Report {
     let started = Instant::now();
     let counters = Counters::default();
     let stop = AtomicBool::new(false);
     let faults = Mutex::new(BTreeMap::new());
+    let lost = Mutex::new(None::<(u16, Vec<String>)>);
     let models: Vec<Model> = std::thread::scope(|s| {
         let clients: Vec<_> = (0..chaos.clients)
             .map(|n| {
@@ -306,8 +425,9 @@ pub fn run(c: &Cluster, chaos: &Chaos) -> Report {
             })
             .collect();
         // The clients stop with the driver, also when it panics.
-        let driven =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| driver(c, chaos, &faults)));
+        let driven = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            driver(c, chaos, &faults, &lost)
+        }));
         stop.store(true, Ordering::Relaxed);
         let models = clients.into_iter().map(|h| h.join().unwrap()).collect();
         if let Err(panic) = driven {
@@ -323,10 +443,20 @@ pub fn run(c: &Cluster, chaos: &Chaos) -> Report {
         faults: faults.into_inner().unwrap(),
         ..Report::default()
     };
-    c.wait_pods(2);
+    if let Some((pod, held)) = lost.into_inner().unwrap() {
+        report.lost_pod = Some(pod);
+        report.hibernated_on_lost_pod = held;
+    }
+    c.wait_pods(if report.lost_pod.is_some() { 1 } else { 2 });
     check_state(c, &models, &mut report);
+    check_wakes(c, chaos.seed, &models, &mut report);
+    check_moved(c, &models, &mut report);
     check_vmms(c, &mut report);
-    report.unacked = c.unacked_messages(Duration::from_secs(30));
+    // What the lost pod was sent stays unacked in its consumer: its
+    // operations are ended by the replicas (`expiry.rs`).
+    let lost_consumer = report.lost_pod.map(|p| format!("pod-pod{p}"));
+    let skip: Vec<&str> = lost_consumer.iter().map(String::as_str).collect();
+    report.unacked = c.unacked_messages_but(Duration::from_secs(30), &skip);
     report.elapsed = started.elapsed();
     report
 }
@@ -351,6 +481,12 @@ fn check_state(c: &Cluster, models: &[Model], report: &mut Report) {
         for (id, (k, acknowledged)) in &model.sandboxes {
             known.insert(id.clone());
             let state = listed.get(id).and_then(|s| s["state"].as_str());
+            let pod = listed.get(id).and_then(|s| s["pod"].as_str());
+            let on_lost_pod = report.lost_pod.map(|p| format!("pod{p}")).as_deref() == pod;
+            if *acknowledged && *k == Known::Running && state == Some("lost") && on_lost_pod {
+                report.running_lost_with_pod += 1;
+                continue;
+            }
             let ok = !acknowledged
                 || match k {
                     Known::Running => state == Some("running"),
@@ -368,7 +504,7 @@ fn check_state(c: &Cluster, models: &[Model], report: &mut Report) {
     // Each pod's own sandboxes: none on two pods; none the clients do not
     // know beyond the creates answered with an error.
     let mut on: BTreeMap<String, Vec<u16>> = BTreeMap::new();
-    for pod in [1, 2] {
+    for pod in [1, 2].into_iter().filter(|p| Some(*p) != report.lost_pod) {
         for s in c.pod_sandboxes(pod) {
             on.entry(s["id"].as_str().unwrap().to_string())
                 .or_default()
@@ -390,6 +526,65 @@ fn check_state(c: &Cluster, models: &[Model], report: &mut Report) {
     }
 }
 
+/// Every sandbox acknowledged hibernated (and so listed) wakes through a
+/// replica, running on a pod up: those of the pod lost for good move to
+/// the other one from the object store.
+fn check_wakes(c: &Cluster, seed: u64, models: &[Model], report: &mut Report) {
+    let mut rng = Rng::new(seed ^ 0x3a4e);
+    let counters = Counters::default();
+    let listed = listed(c);
+    let lost_pod = report.lost_pod.map(|p| format!("pod{p}"));
+    for model in models {
+        for (id, (k, acknowledged)) in &model.sandboxes {
+            let Some(before) = listed.get(id) else {
+                continue;
+            };
+            if !(*acknowledged && *k == Known::Hibernated && before["state"] == "hibernated") {
+                continue;
+            }
+            let key = format!("chaos-{seed:x}-wake-{id}");
+            let path = format!("/v1/sandboxes/{id}/connect");
+            let r = definite(c, &mut rng, &counters, "POST", &path, Some(&key), None);
+            let after = (r.status == 200).then(|| r.json()["sandbox"].clone());
+            let running = after.as_ref().is_some_and(|s| s["state"] == "running");
+            let pod = after.as_ref().and_then(|s| s["pod"].as_str());
+            if !running || pod.is_none() || pod == lost_pod.as_deref() {
+                report.lost.push(format!(
+                    "sandbox {id}: acknowledged hibernated on {}, its wake answered {} {}",
+                    before["pod"], r.status, r.body
+                ));
+                continue;
+            }
+            report.woken += 1;
+            if before["pod"].as_str() == lost_pod.as_deref() {
+                report.woken_from_lost_pod += 1;
+            }
+        }
+    }
+}
+
+/// What became of the sandboxes hibernated on the pod lost for good: each
+/// is on the other pod now, or a client deleted it (acknowledged);
+/// anything else is lost.
+fn check_moved(c: &Cluster, models: &[Model], report: &mut Report) {
+    let listed = listed(c);
+    let lost_pod = report.lost_pod.map(|p| format!("pod{p}"));
+    for id in report.hibernated_on_lost_pod.clone() {
+        let deleted = models
+            .iter()
+            .any(|m| m.sandboxes.get(&id) == Some(&(Known::Deleted, true)));
+        match listed.get(&id) {
+            None if deleted => report.deleted_from_lost_pod += 1,
+            Some(s) if s["pod"].as_str() != lost_pod.as_deref() => report.moved_from_lost_pod += 1,
+            other => report.lost.push(format!(
+                "sandbox {id}: hibernated on the lost pod, at the end {}",
+                other.map_or("not listed (no delete acknowledged)".to_string(), |s| s
+                    .to_string())
+            )),
+        }
+    }
+}
+
 /// Every VMM under the cluster's directory is a running or paused sandbox
 /// of the pod it belongs to, and every such sandbox has one. Pods restart
 /// and re-attach: a few tries.
@@ -398,7 +593,10 @@ fn check_vmms(c: &Cluster, report: &mut Report) {
     loop {
         let mut problems = Vec::new();
         let vmms = c.vmms();
-        for pod in [1u16, 2] {
+        for pod in [1u16, 2]
+            .into_iter()
+            .filter(|p| Some(*p) != report.lost_pod)
+        {
             let live: BTreeSet<String> = c
                 .pod_sandboxes(pod)
                 .iter()

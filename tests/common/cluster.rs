@@ -23,6 +23,8 @@ pub struct Cluster {
     /// Whether the pods serve TLS (`TORPOR_CLUSTER_POD_TLS`) rather than
     /// plain TCP on loopback.
     pub pod_tls: bool,
+    /// The replicas' flags, also when a fault restarts one.
+    pub api_args: String,
 }
 
 /// A VMM of the cluster: its process, the pod whose data directory it
@@ -108,7 +110,16 @@ impl Cluster {
         Self::up_as(name, pod_args, false)
     }
 
+    /// [`Cluster::up_with`] with these replica flags too.
+    pub fn up_with_api(name: &str, pod_args: &str, api_args: &str) -> Self {
+        Self::up_full(name, pod_args, false, api_args)
+    }
+
     fn up_as(name: &str, pod_args: &str, pod_tls: bool) -> Self {
+        Self::up_full(name, pod_args, pod_tls, API_ARGS)
+    }
+
+    fn up_full(name: &str, pod_args: &str, pod_tls: bool, api_args: &str) -> Self {
         let dir =
             std::env::temp_dir().join(format!("torpor-cluster-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -120,6 +131,7 @@ impl Cluster {
             token: String::new(),
             pod_args: pod_args.to_string(),
             pod_tls,
+            api_args: api_args.to_string(),
         };
         let out = c.script(&["up"]);
         c.token = std::fs::read_to_string(c.dir.join("admin-token")).unwrap();
@@ -157,7 +169,6 @@ impl Cluster {
         request(&self.api(n), method, path, Some(&self.token), body)
     }
 
-    /// `METHOD path` on replica `n` with these headers too.
     /// Sets `tenant`'s quota (JSON) through replica `n`; it must answer 200.
     pub fn set_quota(&self, n: u16, tenant: &str, quota: &str) {
         let r = self.call(
@@ -169,6 +180,7 @@ impl Cluster {
         assert_eq!(r.status, 200, "{}", r.body);
     }
 
+    /// `METHOD path` on replica `n` with these headers too.
     pub fn call_with(
         &self,
         n: u16,
@@ -225,7 +237,7 @@ impl Cluster {
 
     fn script(&self, args: &[&str]) -> Output {
         let pods = (self.pod_args.as_str(), self.pod_tls);
-        script_with(&self.dir, self.port, args, pods, API_ARGS)
+        script_with(&self.dir, self.port, args, pods, &self.api_args)
     }
 
     /// `kill -9` of one part (`postgres`, `nats`, `pod1`, `pod2`, `api1`,
@@ -346,6 +358,12 @@ impl Cluster {
     /// for `limit` until both streams and their consumers are empty (the
     /// pods' heartbeats keep coming); what was left at the last look.
     pub fn unacked_messages(&self, limit: Duration) -> Vec<String> {
+        self.unacked_messages_but(limit, &[])
+    }
+
+    /// [`Cluster::unacked_messages`] but for the consumers named `skip`
+    /// (a pod lost for good keeps what it was sent).
+    pub fn unacked_messages_but(&self, limit: Duration, skip: &[&str]) -> Vec<String> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -361,8 +379,12 @@ impl Cluster {
                     .map_err(|e| e.to_string())
             });
             let left: Vec<String> = match look {
-                Ok(all) => all
-                    .iter()
+                Ok(mut all) => all
+                    .iter_mut()
+                    .map(|b| {
+                        b.consumers.retain(|c| !skip.contains(&c.0.as_str()));
+                        &*b
+                    })
                     .filter(|b| !b.is_empty())
                     .map(|b| format!("{b:?}"))
                     .collect(),

@@ -215,13 +215,54 @@ pub fn outlive_a_lost_pod(c: &Cluster, objects: Option<&Path>) {
         201,
     );
     let running = s["id"].as_str().unwrap().to_string();
+    let s = post(
+        c,
+        1,
+        "/v1/sandboxes",
+        Some(r#"{"template":"probe","pod":"pod1"}"#),
+        201,
+    );
+    let doomed = s["id"].as_str().unwrap().to_string();
 
     // What the uploads took, as pod1 logged them.
     print_log_lines(c, "pod1", "snapshot layer stored");
 
     // pod1 is lost for good.
     c.kill("pod1");
-    std::thread::sleep(Duration::from_secs(5));
+    // A command sent before the replicas know: journaled and published to
+    // pod1, which never answers. Once pod1 is lost for good the replicas
+    // end it as failed, and a retry with its key reads that failure
+    // (before: 202 after the replica's 20 s wait, and each retry published
+    // it to pod1 again and answered 202).
+    // A delete sent alike, retried with its key once pod1 is lost: the
+    // same failure (before: 204 while the sandbox stayed, read `lost`),
+    // and a new delete is done without pod1.
+    let key = [("Idempotency-Key", "to-a-pod-about-to-be-lost")];
+    let hibernate = format!("/v1/sandboxes/{running}/hibernate");
+    let delete_key = [("Idempotency-Key", "delete-to-a-pod-about-to-be-lost")];
+    let delete = format!("/v1/sandboxes/{doomed}");
+    let never_answered = |r: &super::http::HttpResponse, what: &str| {
+        assert_eq!(r.status, 409, "{what}: {}", r.body);
+        assert!(
+            r.body.contains("pod1 was lost for good") && r.body.contains("answered operation"),
+            "{what}: {}",
+            r.body
+        );
+    };
+    std::thread::scope(|scope| {
+        let deleted = scope.spawn(|| c.call_with(1, "DELETE", &delete, &delete_key, None));
+        for attempt in ["first", "retry"] {
+            never_answered(&c.call_with(2, "POST", &hibernate, &key, None), attempt);
+        }
+        never_answered(&deleted.join().unwrap(), "delete");
+    });
+    never_answered(
+        &c.call_with(2, "DELETE", &delete, &delete_key, None),
+        "delete retried",
+    );
+    assert_eq!(c.call(1, "GET", &delete, None).json()["state"], "lost");
+    assert_eq!(c.call(2, "DELETE", &delete, None).status, 204);
+    assert_eq!(c.call(1, "GET", &delete, None).status, 404);
     let path = format!("/v1/sandboxes/{id}");
     let r = c.call(1, "GET", &path, None);
     println!("read while its pod is lost: {} {}", r.status, r.body);
