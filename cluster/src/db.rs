@@ -15,6 +15,7 @@ use torpor_sync::Locked;
 use super::wire::{Heartbeat, OpOutcome, Reply};
 use super::ClusterError;
 use torpor_gate::quota::Usage;
+use torpor_gate::service::ServiceError;
 
 /// The advisory lock key the migrations are applied under.
 const MIGRATION_LOCK: i64 = 0x746f_7270_6f72; // "torpor"
@@ -355,6 +356,19 @@ pub struct OpRow {
     /// Its `start_by` and `expires_at`, unix ms (`expiry.rs`).
     pub start_by_ms: Option<i64>,
     pub expires_ms: Option<i64>,
+}
+
+impl OpRow {
+    /// The answer to a request whose `Idempotency-Key` names this
+    /// operation but which asks for something else (409).
+    pub fn key_used_elsewhere(&self) -> ServiceError {
+        ServiceError::ResourceConflict(format!(
+            "Idempotency-Key was used for another request: operation {} ({} of {})",
+            self.id,
+            self.kind,
+            self.sandbox.as_deref().unwrap_or("a new sandbox")
+        ))
+    }
 }
 
 impl Db {

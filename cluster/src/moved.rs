@@ -100,12 +100,7 @@ impl Cluster {
         let same = matches!(op.kind.as_str(), "forget" | "delete")
             && op.sandbox.as_deref() == Some(id.as_str());
         if !fresh && !same {
-            return Err(ServiceError::ResourceConflict(format!(
-                "Idempotency-Key was used for another request: operation {} ({} of {})",
-                op.id,
-                op.kind,
-                op.sandbox.as_deref().unwrap_or("a new sandbox")
-            )));
+            return Err(op.key_used_elsewhere());
         }
         // Finished here unless it has an outcome already (a forget's, or
         // the failure the sweep gave a delete the lost pod never answered:

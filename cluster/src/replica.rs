@@ -204,12 +204,7 @@ impl Cluster {
                 .template()
                 .is_none_or(|t| op.template.as_deref() == Some(t.as_str()));
             if op.kind != command.kind() || !same_sandbox || !same_template {
-                return Err(ServiceError::ResourceConflict(format!(
-                    "Idempotency-Key was used for another request: operation {} ({} of {})",
-                    op.id,
-                    op.kind,
-                    op.sandbox.as_deref().unwrap_or("a new sandbox")
-                )));
+                return Err(op.key_used_elsewhere());
             }
         }
         // A retry of an operation still pending publishes its work item
