@@ -3,7 +3,8 @@
 //! snapshot is gone from the pod's disk downloads it (the restore's
 //! `fetch` phase) and the probe goes on with its exact sequence; an upload
 //! that fails answers the error with the sandbox hibernated on the disk,
-//! and a hibernate asked again stores it.
+//! and a hibernate asked again stores it, as does the pod when it starts
+//! again.
 //!
 //! Two faults (issue 29): the store stopping in the middle of an upload
 //! (S3 on SeaweedFS behind a proxy the test cuts: `common/cut.rs`), which
@@ -477,6 +478,50 @@ fn store_two_sandboxes_of_one_template_hibernating_at_once_store_its_layer_once(
     for id in &ids {
         service.delete_sandbox(id).unwrap();
     }
+}
+
+#[test]
+fn store_a_hibernation_left_unstored_is_stored_when_the_pod_starts_again() {
+    // The chaos run's pod lost for good held a sandbox hibernated without
+    // its snapshot in the store: the pod had stopped between the
+    // hibernation and its upload, and nothing uploaded it after, so it was
+    // lost with the pod. Here the upload fails (the store cut), the
+    // service stops, and the one started on the same data stores it.
+    const WORK: u32 = 8;
+    let (proxy, url, _) = store_behind_proxy("pending");
+    let data = DataDir::new("store-pending");
+    let (service, id) = iterating_sandbox(&data.0, url.clone(), "fast", WORK, 100);
+    proxy.cut();
+    let e = service.hibernate(&id).unwrap_err();
+    assert!(matches!(e, ServiceError::ObjectStore(_)), "{e}");
+    let s = service.get_sandbox(&id).unwrap();
+    assert_eq!(s.state, SandboxState::Hibernated);
+    assert!(s.stored_snapshot.is_none(), "{s:?}");
+    service.close();
+    drop(service);
+
+    proxy.restore();
+    let mut c = ServiceConfig::new(
+        data.0.clone(),
+        std::path::PathBuf::from(env!("CARGO_BIN_EXE_torpor-vmm")),
+    );
+    c.policy_interval_ms = 0;
+    c.object_store = Some(url);
+    let again = Service::open(c).expect("open the service again");
+    let deadline = Instant::now() + WAIT;
+    while again.get_sandbox(&id).unwrap().stored_snapshot.is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the hibernation is still not stored {WAIT:?} after the start"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // What was stored is the whole of it: gone from the disk, the wake
+    // fetches it and the guest goes on.
+    evict(&again, &id);
+    cold_wake(&again, &id);
+    guest_iterates_mib(&data.0, &id, WORK);
+    again.delete_sandbox(&id).unwrap();
 }
 
 /// SeaweedFS behind a proxy the test slows and cuts (the service reaches

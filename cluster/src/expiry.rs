@@ -42,9 +42,12 @@
 //! `Idempotency-Key` waits for ever (before, a retry published the work
 //! item again to the lost pod and answered 202 each time). A new request
 //! takes the lost pod's paths (`moved.rs`: a hibernated sandbox moves, a
-//! running one reads `lost`). Creates and forks keep their deadlines: a
-//! pod that comes back runs what it had taken, and a create it makes
-//! within its window must not read failed.
+//! running one reads `lost`). Creates and forks (and template builds) are
+//! ended so only once past their start deadline (and [`SKEW_MARGIN`]): a
+//! pod that comes back before it would still make what it took, which must
+//! not read failed; after it, it refuses the item ([`not_started`]). So a
+//! create placed on a pod that died for good has its answer after
+//! `create_start` (120 s by default) rather than its expiry's 420.
 //!
 //! Where the sweep runs: a periodic task in every replica
 //! ([`run`], every [`sweep_period`]), not admission. Admission would free
@@ -229,15 +232,22 @@ fn lost_outcome(lost_after: Duration) -> Result<serde_json::Value, ClusterError>
     serde_json::to_value(outcome).map_err(|e| ClusterError::Schema(e.to_string()))
 }
 
-/// Kinds a pod lost for good keeps pending (they make something new a pod
-/// that comes back may still make within their deadlines).
+/// Kinds a pod lost for good keeps pending until their start deadline
+/// (they make something new a pod that comes back may still make before
+/// it).
 const KEPT_WHEN_LOST: [&str; 3] = ["create", "fork", "template_build"];
 
+/// How far past an operation's start deadline (PostgreSQL's clock) a
+/// lost pod's create is ended: a pod whose clock is behind by less still
+/// refuses it when it comes back.
+pub const SKEW_MARGIN: Duration = Duration::from_secs(2);
+
 impl Db {
-    /// Ends as failed (409 `conflict`) every pending operation but a
-    /// create, fork or template build whose pod has been silent for
-    /// `lost_after` (lost for good); their ids. One statement over pending
-    /// rows only, like [`Db::expire_operations`].
+    /// Ends as failed (409 `conflict`) every pending operation whose pod
+    /// has been silent for `lost_after` (lost for good), a create, fork or
+    /// template build only once past its start deadline and
+    /// [`SKEW_MARGIN`]; their ids. One statement over pending rows only,
+    /// like [`Db::expire_operations`].
     pub async fn fail_operations_of_lost_pods(
         &self,
         lost_after: Duration,
@@ -252,10 +262,17 @@ impl Db {
                     outcome = jsonb_set($1::jsonb, '{failed,message}',
                         to_jsonb(format($1::jsonb #>> '{failed,message}', o.pod, o.id)))
                  FROM pods p
-                 WHERE o.status = 'pending' AND o.pod = p.id AND NOT (o.kind = ANY($3))
+                 WHERE o.status = 'pending' AND o.pod = p.id
                     AND extract(epoch FROM now() - p.last_heartbeat)::double precision >= $2
+                    AND (NOT (o.kind = ANY($3))
+                        OR extract(epoch FROM now() - o.start_by)::double precision > $4)
                  RETURNING o.id",
-                &[&outcome, &lost_after.as_secs_f64(), &kept],
+                &[
+                    &outcome,
+                    &lost_after.as_secs_f64(),
+                    &kept,
+                    &SKEW_MARGIN.as_secs_f64(),
+                ],
             )
             .await
             .map_err(pg)?;

@@ -75,10 +75,14 @@ pub struct Report {
     /// the pod lost for good).
     pub woken: usize,
     pub woken_from_lost_pod: usize,
-    /// Sandboxes hibernated on the pod lost for good when it was lost,
-    /// and of them, those on the other pod at the end (moved by a wake
-    /// during the run or at the end) and those a client deleted.
+    /// Sandboxes hibernated on the pod lost for good when it was lost, as
+    /// the replicas knew them, their snapshots stored; of them, those on
+    /// the other pod at the end (moved by a wake during the run or at the
+    /// end) and those a client deleted.
     pub hibernated_on_lost_pod: Vec<String>,
+    /// Sandboxes hibernated there whose snapshot was not stored (were its
+    /// hibernation acknowledged, the state check would count it lost).
+    pub unstored_on_lost_pod: Vec<String>,
     pub moved_from_lost_pod: usize,
     pub deleted_from_lost_pod: usize,
     /// Sandboxes running on the pod lost for good, read `lost` at the end
@@ -125,6 +129,10 @@ impl Report {
         row(
             "hibernated on the lost pod when lost".into(),
             self.hibernated_on_lost_pod.len(),
+        );
+        row(
+            "  without a stored snapshot (not counted)".into(),
+            self.unstored_on_lost_pod.len(),
         );
         row(
             "  of them on the other pod at the end".into(),
@@ -325,7 +333,7 @@ fn driver(
     c: &Cluster,
     chaos: &Chaos,
     faults: &Mutex<BTreeMap<&'static str, usize>>,
-    lost: &Mutex<Option<(u16, Vec<String>)>>,
+    lost: &Mutex<Option<(u16, Vec<Value>)>>,
 ) {
     let mut rng = Rng::new(chaos.seed ^ 0x5eed);
     let (lo, hi) = chaos.pause_ms;
@@ -340,12 +348,16 @@ fn driver(
         let gone = lost.lock().unwrap().as_ref().map(|(pod, _)| *pod);
         if loss_at == Some(i) {
             // The pod holding more hibernated sandboxes (the loss
-            // is about them), either on a tie.
-            let hibernated = |n: u16| -> Vec<String> {
-                c.pod_sandboxes(n)
-                    .iter()
-                    .filter(|s| s["state"] == "hibernated")
-                    .map(|s| s["id"].as_str().unwrap_or_default().to_string())
+            // is about them), either on a tie; as the replicas know
+            // them (what a pod did but could not report yet is not
+            // known to be there).
+            let known = listed_now(c);
+            let hibernated = |n: u16| -> Vec<Value> {
+                let pod = format!("pod{n}");
+                known
+                    .values()
+                    .filter(|s| s["state"] == "hibernated" && s["pod"] == pod.as_str())
+                    .cloned()
                     .collect()
             };
             let (one, two) = (hibernated(1), hibernated(2));
@@ -415,7 +427,7 @@ pub fn run(c: &Cluster, chaos: &Chaos) -> Report {
     let counters = Counters::default();
     let stop = AtomicBool::new(false);
     let faults = Mutex::new(BTreeMap::new());
-    let lost = Mutex::new(None::<(u16, Vec<String>)>);
+    let lost = Mutex::new(None::<(u16, Vec<Value>)>);
     let models: Vec<Model> = std::thread::scope(|s| {
         let clients: Vec<_> = (0..chaos.clients)
             .map(|n| {
@@ -445,7 +457,14 @@ pub fn run(c: &Cluster, chaos: &Chaos) -> Report {
     };
     if let Some((pod, held)) = lost.into_inner().unwrap() {
         report.lost_pod = Some(pod);
-        report.hibernated_on_lost_pod = held;
+        for s in held {
+            let id = s["id"].as_str().unwrap_or_default().to_string();
+            if s["stored_snapshot"].is_string() {
+                report.hibernated_on_lost_pod.push(id);
+            } else {
+                report.unstored_on_lost_pod.push(id);
+            }
+        }
     }
     c.wait_pods(if report.lost_pod.is_some() { 1 } else { 2 });
     check_state(c, &models, &mut report);
@@ -459,6 +478,32 @@ pub fn run(c: &Cluster, chaos: &Chaos) -> Report {
     report.unacked = c.unacked_messages_but(Duration::from_secs(30), &skip);
     report.elapsed = started.elapsed();
     report
+}
+
+/// [`listed`] while faults come and go: through either replica, until
+/// one answers (30 s).
+fn listed_now(c: &Cluster) -> BTreeMap<String, Value> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        for n in [1, 2] {
+            match c.try_call(n, "GET", "/v1/sandboxes", &[], None, REQUEST_LIMIT) {
+                Ok(r) if r.status == 200 => {
+                    return r.json()["sandboxes"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|s| (s["id"].as_str().unwrap().to_string(), s.clone()))
+                        .collect()
+                }
+                _ => {}
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no replica lists the sandboxes in 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// The sandboxes in PostgreSQL (through a replica).

@@ -362,6 +362,11 @@ pub fn outlive_a_lost_pod(c: &Cluster, objects: Option<&Path>) {
 /// scratch directory, stopped when this process ends): its variables
 /// (`TORPOR_OBJECT_STORE`, `AWS_*`).
 pub fn seaweedfs() -> HashMap<String, String> {
+    // One server per test binary: its tests start it one at a time (the
+    // first starts it, the others find it running), since two starts at
+    // once in one directory would each remove the other's.
+    static STARTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = STARTING.lock().unwrap_or_else(|e| e.into_inner());
     let dir = std::env::temp_dir().join(format!("torpor-object-store-{}", std::process::id()));
     super::seaweedfs::start(&dir)
         .unwrap_or_else(|e| panic!("{e}"))

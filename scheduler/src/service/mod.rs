@@ -677,7 +677,7 @@ impl Service {
             history::start(&service);
         }
         if service.objects.is_some() {
-            objects::start_gc(&service);
+            objects::start_upkeep(&service);
             if let Some(every) = service.config.checkpoint_interval {
                 durable::start(&service, every);
             }

@@ -25,6 +25,7 @@ use torpor_vmm_api::lineage::{Lineage, LINEAGE_FILE, STATE_FILE};
 use super::{Service, ServiceError};
 use crate::model::{PodId, Sandbox, SandboxId, Template, TemplateKind, TemplateState, Timestamp};
 use crate::state::SandboxState;
+use crate::store::SandboxFilter;
 
 /// Why a layer could not be stored or fetched.
 #[derive(Debug, thiserror::Error)]
@@ -302,43 +303,101 @@ pub(super) fn make_portable(temp: &Path, dir: &Path) -> Result<(), ObjectStoreEr
 /// How often a pod collects the object store's garbage.
 const GC_EVERY: Duration = Duration::from_secs(3600);
 
-/// Starts the thread that collects the object store's garbage every
-/// [`GC_EVERY`] while the service runs.
-pub(super) fn start_gc(service: &Arc<Service>) {
+/// How often a pod stores the hibernations not in the object store yet
+/// (the first pass at its start).
+const STORE_AGAIN_EVERY: Duration = Duration::from_secs(30);
+
+/// Starts the thread that keeps the object store while the service runs:
+/// at once and every [`STORE_AGAIN_EVERY`], the hibernations not stored
+/// yet ([`Service::store_pending_hibernations`]); every [`GC_EVERY`], the
+/// garbage collected.
+pub(super) fn start_upkeep(service: &Arc<Service>) {
     let weak = Arc::downgrade(service);
     let stop = Arc::clone(&service.stop);
     let spawned = std::thread::Builder::new()
-        .name("torpor-objects-gc".into())
-        .spawn(move || loop {
-            let started = Instant::now();
-            while started.elapsed() < GC_EVERY {
+        .name("torpor-objects".into())
+        .spawn(move || {
+            let (mut stored_at, mut collected_at) = (None::<Instant>, Instant::now());
+            loop {
                 if stop.load(Ordering::SeqCst) {
                     return;
                 }
+                let Some(service) = weak.upgrade() else {
+                    return;
+                };
+                let Some(objects) = &service.objects else {
+                    return;
+                };
+                if stored_at.is_none_or(|t| t.elapsed() >= STORE_AGAIN_EVERY) {
+                    service.store_pending_hibernations();
+                    stored_at = Some(Instant::now());
+                }
+                if collected_at.elapsed() >= GC_EVERY {
+                    match objects.collect_garbage() {
+                        Ok(r) => tracing::info!(
+                            chunks = r.chunks,
+                            deleted = r.deleted,
+                            bytes = r.deleted_bytes,
+                            "object store collected"
+                        ),
+                        Err(e) => tracing::warn!("object store collection: {e}"),
+                    }
+                    collected_at = Instant::now();
+                }
+                drop(service);
                 std::thread::sleep(Duration::from_secs(1));
-            }
-            let Some(service) = weak.upgrade() else {
-                return;
-            };
-            let Some(objects) = &service.objects else {
-                return;
-            };
-            match objects.collect_garbage() {
-                Ok(r) => tracing::info!(
-                    chunks = r.chunks,
-                    deleted = r.deleted,
-                    bytes = r.deleted_bytes,
-                    "object store collected"
-                ),
-                Err(e) => tracing::warn!("object store collection: {e}"),
             }
         });
     if let Err(e) = spawned {
-        tracing::warn!("cannot start the object store's collector: {e}");
+        tracing::warn!("cannot start the object store's upkeep: {e}");
     }
 }
 
 impl Service {
+    /// Stores every hibernation not in the object store yet: a pod stopped
+    /// between a hibernation and its upload (the hibernation journaled,
+    /// the upload never done), or a store down when it hibernated (its
+    /// request answered the store's error, the sandbox hibernated on this
+    /// pod's disk). Until stored, such a sandbox would go with this pod
+    /// were it lost. A sandbox busy with another operation waits for the
+    /// next pass. How many were stored.
+    pub fn store_pending_hibernations(&self) -> usize {
+        let filter = SandboxFilter {
+            states: vec![SandboxState::Hibernated],
+            ..SandboxFilter::default()
+        };
+        let pending = match self.store.list_sandboxes(&filter) {
+            Ok(list) => list,
+            Err(e) => {
+                tracing::warn!("cannot list the hibernations to store: {e}");
+                return 0;
+            }
+        };
+        let mut stored = 0;
+        for s in pending
+            .iter()
+            .filter(|s| !s.disk_only && s.snapshot.is_some() && s.stored_snapshot.is_none())
+        {
+            let Some(_guard) = self.locks.try_lock(&s.id) else {
+                continue;
+            };
+            let now = self
+                .store
+                .get_sandbox(&s.id)
+                .map_err(ServiceError::from)
+                .and_then(|now| self.store_hibernation(now));
+            match now {
+                Ok(now) if now.stored_snapshot.is_some() => {
+                    stored += 1;
+                    tracing::info!(sandbox = %s.id, "a hibernation not stored yet is stored");
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(sandbox = %s.id, "a hibernation not stored yet: {e}"),
+            }
+        }
+        stored
+    }
+
     /// The manifests of the layers this pod uploaded whose files went
     /// (their sandbox or template deleted, an older hibernation of a
     /// sandbox that hibernated again), deleted from the object store;
