@@ -205,7 +205,7 @@ fn metric(service: &Arc<Service>, series: &str) -> f64 {
 #[test]
 fn store_s3_stopped_mid_upload_loses_no_sandbox() {
     const WORK: u32 = 8;
-    let (proxy, url, env) = store_behind_proxy("outage");
+    let (proxy, url, env, _one) = store_behind_proxy("outage");
     let data = DataDir::new("store-outage");
     let (service, id) = iterating_sandbox(&data.0, url.clone(), "fast", WORK, 100);
     hibernate(&service, &id).expect("stored while the store is up");
@@ -488,7 +488,7 @@ fn store_a_hibernation_left_unstored_is_stored_when_the_pod_starts_again() {
     // lost with the pod. Here the upload fails (the store cut), the
     // service stops, and the one started on the same data stores it.
     const WORK: u32 = 8;
-    let (proxy, url, _) = store_behind_proxy("pending");
+    let (proxy, url, _, _one) = store_behind_proxy("pending");
     let data = DataDir::new("store-pending");
     let (service, id) = iterating_sandbox(&data.0, url.clone(), "fast", WORK, 100);
     proxy.cut();
@@ -524,9 +524,18 @@ fn store_a_hibernation_left_unstored_is_stored_when_the_pod_starts_again() {
     again.delete_sandbox(&id).unwrap();
 }
 
+/// Held by a test whose service reaches the store through its proxy.
+type OneAtATime = std::sync::MutexGuard<'static, ()>;
+
 /// SeaweedFS behind a proxy the test slows and cuts (the service reaches
-/// the store only through it); the store's URL and SeaweedFS's variables.
-fn store_behind_proxy(name: &str) -> (CutProxy, String, HashMap<String, String>) {
+/// the store only through it); the store's URL, SeaweedFS's variables,
+/// and a guard the test holds to its end: the proxy's address is in the
+/// process's environment (`AWS_ENDPOINT_URL`, which a service reads when
+/// it opens), so two such tests at once would open their services on
+/// each other's proxy (one's cut then missed its upload: seen in CI).
+fn store_behind_proxy(name: &str) -> (CutProxy, String, HashMap<String, String>, OneAtATime) {
+    static PROXIED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let one = PROXIED.lock().unwrap_or_else(|e| e.into_inner());
     let env = common::store::seaweedfs();
     let upstream = env["AWS_ENDPOINT_URL"]
         .trim_start_matches("http://")
@@ -541,7 +550,7 @@ fn store_behind_proxy(name: &str) -> (CutProxy, String, HashMap<String, String>)
         env["TORPOR_OBJECT_STORE"],
         std::process::id()
     );
-    (proxy, url, env)
+    (proxy, url, env, one)
 }
 
 /// Lazy wakes (`serve --lazy-wake`, uffd backend).
@@ -560,7 +569,7 @@ fn arriving(service: &Arc<Service>, id: &SandboxId) -> bool {
 #[test]
 fn store_lazy_wake_answers_before_the_layer_arrived() {
     const WORK: u32 = 16;
-    let (proxy, url, _) = store_behind_proxy("lazy");
+    let (proxy, url, _, _one) = store_behind_proxy("lazy");
     let data = DataDir::new("store-lazy");
     let (service, id) = iterating_sandbox_with(&data.0, url, "fast", WORK, 100, lazy);
     hibernate(&service, &id).expect("stored");
@@ -593,7 +602,7 @@ fn store_lazy_wake_answers_before_the_layer_arrived() {
 #[test]
 fn store_cut_mid_lazy_fetch_fails_cleanly_and_a_later_wake_succeeds() {
     const WORK: u32 = 16;
-    let (proxy, url, _) = store_behind_proxy("lazy-cut");
+    let (proxy, url, _, _one) = store_behind_proxy("lazy-cut");
     let data = DataDir::new("store-lazy-cut");
     let (service, id) = iterating_sandbox_with(&data.0, url, "fast", WORK, 100, lazy);
     let stored = hibernate(&service, &id).expect("stored");
