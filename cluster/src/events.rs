@@ -164,8 +164,16 @@ async fn release_strays(
     Ok(())
 }
 
+/// How long after a stray's `release` or `delete` ended, with the pod
+/// still listing the sandbox, it is asked again (a release that failed,
+/// say on a sandbox still being recovered at the pod's start, is not
+/// the last word).
+const ASK_AGAIN_AFTER_S: f64 = 10.0;
+
 /// `command` on `sandbox`, journaled for `pod` under idempotency `key`
-/// and sent to it, unless an operation of that key exists.
+/// and sent to it, unless an operation of that key is pending or ended
+/// less than [`ASK_AGAIN_AFTER_S`] ago: an older one gives up its key
+/// (renamed `key#id`, kept in the journal) and the command is sent anew.
 #[allow(clippy::too_many_arguments)]
 async fn ask_once(
     js: &jetstream::Context,
@@ -188,7 +196,27 @@ async fn ask_once(
         idempotency_key: Some(key),
         deadlines: None,
     };
-    let (op, fresh) = db.begin_operation(&new, None).await?;
+    let (mut op, mut fresh) = db.begin_operation(&new, None).await?;
+    if !fresh && op.status != "pending" {
+        // One replica renames the key (the row's condition), so one new
+        // operation follows however many replicas saw the heartbeat.
+        let renamed = db
+            .client()
+            .await?
+            .execute(
+                "UPDATE operations SET idempotency_key = idempotency_key || '#' || id
+                 WHERE id = $1 AND status <> 'pending'
+                   AND finished_at < now() - make_interval(secs => $2)",
+                &[&op.id, &ASK_AGAIN_AFTER_S],
+            )
+            .await
+            .map_err(pg)?;
+        if renamed == 1 {
+            tracing::warn!(%sandbox, %pod, kind, previous = %op.id, status = %op.status,
+                outcome = ?op.outcome, "asking a pod again to let go of a sandbox no longer its own");
+            (op, fresh) = db.begin_operation(&new, None).await?;
+        }
+    }
     if !fresh {
         return Ok(());
     }

@@ -445,7 +445,16 @@ pub fn durable_checkpoints_outlive_a_lost_pod(c: &Cluster) {
         last + 1 - first
     );
 
-    // pod1 comes back: it releases its copy, still running there.
+    // pod1 comes back: it releases its copy, still running there. A
+    // release asked of it before, which failed, does not stand in the
+    // way: it is asked again.
+    c.sql(&format!(
+        "INSERT INTO operations (id, kind, sandbox, pod, tenant, idempotency_key, status,
+             finished_at)
+         SELECT 'op_failedrelease', 'release', id, 'pod1', coalesce(tenant, ''),
+             'release-{id}-pod1', 'failed', now() - interval '1 minute'
+         FROM sandboxes WHERE id = '{id}'"
+    ));
     c.start("pod1");
     let deadline = Instant::now() + WAIT;
     while c.pod_sandboxes(1).iter().any(|s| s["id"] == id.as_str()) {
