@@ -14,7 +14,9 @@
 //! * an upload holds `leases/<id>` from before it looks at any chunk until
 //!   after its manifest is written. Once its chunks are stored it writes
 //!   the manifest it is about to publish into the lease (the *pending*
-//!   manifest, at store time `X`);
+//!   manifest), then writes the lease once more: `X` is the store time of
+//!   that second write, sent once the first returned (a store stamps a
+//!   write before it is listed: `X` is after the pending manifest was);
 //! * a collection holds `gc/<run>` from its start (store time `T0`) until
 //!   it has deleted its last chunk, then marks it finished (kept
 //!   `gc_record_retention`, 24 h).
@@ -323,26 +325,39 @@ impl Storage {
         Ok(())
     }
 
-    /// For an upload whose lease began at `started` and holds its pending
-    /// manifest since `pending` (store times): waits for the collections
-    /// that began at or before `pending` to end, then whether any of them
-    /// ran after `started` (so its chunks must be looked for again).
+    /// For an upload whose lease began at `started` (a store time) and
+    /// holds its pending manifest (written just before): waits for the
+    /// collections that may have listed the leases before that manifest
+    /// was in its lease to end, then whether any of them ran after
+    /// `started` (so its chunks must be looked for again).
+    ///
+    /// Which collections: those that began at or before the store time of
+    /// a write sent after the pending manifest's write returned (the
+    /// first touch here), not the pending write's own time. A store
+    /// stamps a write before it is visible (a directory store's file
+    /// takes its time when written, then is renamed into place), so a
+    /// collection could begin after that stamp and still list the lease
+    /// without the manifest; one that began after a write sent once the
+    /// manifest was visible cannot. With the pending write's own time,
+    /// `store_gc_racing_hibernations_and_cold_wakes_takes_nothing_they_need`
+    /// (tests/store_service.rs) lost a chunk about one run in four.
     pub(crate) async fn collections_overlapping(
         &self,
         id: &ManifestId,
         lease: &Beacon,
         started: i64,
-        pending: i64,
     ) -> Result<bool, StorageError> {
         let since = Instant::now();
         let opts = self.options();
+        let mut visible = None;
         loop {
             let now = lease.touch().await?;
+            let visible = *visible.get_or_insert(now);
             let runs: Vec<RunSeen> = self
                 .gc_runs()
                 .await?
                 .into_iter()
-                .filter(|r| r.record.started_ms.is_none_or(|t| t <= pending))
+                .filter(|r| r.record.started_ms.is_none_or(|t| t <= visible))
                 .collect();
             let ttl = |r: &RunSeen| i64::try_from(r.record.ttl_ms).unwrap_or(i64::MAX);
             let running = runs

@@ -257,14 +257,11 @@ impl Storage {
         // From here on every collection that lists the leases spares the
         // manifest's chunks; those that listed them before are waited for.
         body.manifest = Some(manifest.clone());
-        let pending = lease
+        lease
             .write(serde_json::to_vec(&*body).expect("json"))
             .await?;
         opts.reached(UploadStage::ManifestPending).await;
-        if self
-            .collections_overlapping(id, lease, started, pending)
-            .await?
-        {
+        if self.collections_overlapping(id, lease, started).await? {
             report.rechecked = true;
             report.restored_chunks = self.restore_missing(files, &manifest).await?;
         }
