@@ -411,6 +411,15 @@ pub struct ServiceFlags {
     /// (other backends wake eagerly).
     #[arg(long)]
     pub lazy_wake: bool,
+    /// With --object-store, when a hibernation is answered: `stored` (the
+    /// default) once its snapshot is durable in the object store; `local`
+    /// once it is durable on this pod's disk, the upload following at once
+    /// in the background (retried every 30 s while the store fails). The
+    /// risk of `local`: a pod lost for good before the upload ends loses
+    /// the hibernated sandboxes not stored yet (the API shows them without
+    /// `stored_snapshot` until then).
+    #[arg(long, value_enum, default_value_t = HibernateAckArg::Stored, requires = "object_store")]
+    pub hibernate_ack: HibernateAckArg,
     /// Default keep-alive of a sandbox before it is hibernated when idle
     /// (at most 30 days).
     #[arg(long, default_value_t = 300_000,
@@ -522,6 +531,23 @@ pub struct ServiceFlags {
     /// [default: the first nameserver of /etc/resolv.conf].
     #[arg(long, value_name = "IP:PORT", requires = "sandbox_network")]
     pub sandbox_dns_upstream: Option<std::net::SocketAddr>,
+}
+
+/// When a hibernation with an object store is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum HibernateAckArg {
+    Stored,
+    Local,
+}
+
+impl HibernateAckArg {
+    pub fn ack(self) -> torpor_scheduler::service::objects::HibernateAck {
+        use torpor_scheduler::service::objects::HibernateAck;
+        match self {
+            HibernateAckArg::Stored => HibernateAck::Stored,
+            HibernateAckArg::Local => HibernateAck::Local,
+        }
+    }
 }
 
 /// The memory backends a pod restores with.

@@ -346,12 +346,23 @@ fn store_gc_racing_hibernations_and_cold_wakes_takes_nothing_they_need() {
         }
     });
 
+    let counters = || {
+        (
+            metric(&service, "torpor_object_store_layer_data_bytes_total"),
+            metric(&service, "torpor_object_store_new_bytes_total"),
+        )
+    };
+    let (mut named, mut added) = (0.0, 0.0);
     for round in 0..4 {
         // Woken from the disk, hibernated at once: the upload races the
         // collector over the chunks it shares with the manifest just
         // dropped.
         service.resume(&id).expect("wake");
+        let before = counters();
         let m = hibernate(&service, &id).unwrap();
+        let after = counters();
+        named += after.0 - before.0;
+        added += after.1 - before.1;
         // Gone from the disk: the wake downloads every chunk while the
         // collector runs.
         evict(&service, &id);
@@ -360,6 +371,15 @@ fn store_gc_racing_hibernations_and_cold_wakes_takes_nothing_they_need() {
         hibernate(&service, &id).unwrap();
         println!("round {round}: {m} stored, woken cold, hibernated again");
     }
+    // Those hibernations named the workload the store held already: the
+    // dedupe ratio's counters (`/metrics`) say so.
+    println!(
+        "hibernated at once after a wake: layers named {named} data bytes, the store added {added}"
+    );
+    assert!(
+        named > 0.0 && added < named / 2.0,
+        "named {named}, added {added}"
+    );
     // Another pod adopts it (as a replica moves a lost pod's sandbox)
     // while the collector runs: the template's layer and the sandbox's
     // fetched there; this pod releases its copy, keeping the manifests.
@@ -522,6 +542,46 @@ fn store_a_hibernation_left_unstored_is_stored_when_the_pod_starts_again() {
     cold_wake(&again, &id);
     guest_iterates_mib(&data.0, &id, WORK);
     again.delete_sandbox(&id).unwrap();
+}
+
+#[test]
+fn store_a_hibernation_acknowledged_locally_is_stored_right_after() {
+    // `--hibernate-ack local`: the hibernation answers once its snapshot
+    // is on the pod's disk, before the upload (here slowed to take
+    // seconds), and the upkeep thread stores it at once, not at its next
+    // 30 s pass.
+    const WORK: u32 = 8;
+    let (proxy, url, _, _one) = store_behind_proxy("local-ack");
+    let data = DataDir::new("store-local-ack");
+    let (service, id) = iterating_sandbox_with(&data.0, url, "fast", WORK, 100, |c| {
+        c.hibernate_ack = torpor_scheduler::service::objects::HibernateAck::Local;
+    });
+    proxy.slow(Duration::from_millis(4));
+    let s = service.hibernate(&id).expect("hibernate").sandbox;
+    assert_eq!(s.state, SandboxState::Hibernated);
+    assert!(
+        s.stored_snapshot.is_none(),
+        "answered after the upload: {s:?}"
+    );
+    let answered = Instant::now();
+    proxy.slow(Duration::ZERO);
+    let deadline = answered + Duration::from_secs(10);
+    while service.get_sandbox(&id).unwrap().stored_snapshot.is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "not stored 10 s after the hibernation answered"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    println!(
+        "stored {:.1} s after the answer",
+        answered.elapsed().as_secs_f64()
+    );
+    // What the background stored is the whole of it.
+    evict(&service, &id);
+    cold_wake(&service, &id);
+    guest_iterates_mib(&data.0, &id, WORK);
+    service.delete_sandbox(&id).unwrap();
 }
 
 /// Held by a test whose service reaches the store through its proxy.

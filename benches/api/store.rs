@@ -53,6 +53,9 @@ struct StoreRuns {
     fetched: Vec<f64>,
     /// Bytes a lazy cold wake's memory file fetched while the guest ran.
     arrived: Vec<f64>,
+    /// Sandboxes of one template hibernated once each, the data bytes
+    /// their layers named and the content bytes their new chunks added.
+    dedupe: Option<(usize, f64, f64)>,
     notes: Vec<String>,
     failed: bool,
 }
@@ -64,6 +67,9 @@ struct Counters {
     fetched: f64,
     arrived: f64,
     upload_ms: f64,
+    /// Layers' data bytes uploaded, and the content bytes stored for them.
+    data: f64,
+    new: f64,
 }
 
 fn counters(serve: &Serve) -> Result<Counters, String> {
@@ -83,6 +89,8 @@ fn counters(serve: &Serve) -> Result<Counters, String> {
         fetched: value("torpor_object_store_fetched_bytes_total"),
         arrived: value("torpor_object_store_arrived_bytes_total"),
         upload_ms: value("torpor_object_store_upload_ms_sum"),
+        data: value("torpor_object_store_layer_data_bytes_total"),
+        new: value("torpor_object_store_new_bytes_total"),
     })
 }
 
@@ -146,8 +154,14 @@ fn wake(serve: &Serve, id: &str) -> Result<(f64, f64, Option<f64>), String> {
     Ok((api, (seen - t).as_secs_f64() * 1000.0, fetch))
 }
 
-fn measure_store(serve: &Serve, runs: usize, r: &mut StoreRuns) -> Result<(), String> {
-    let step = |what: &str| eprintln!("api: [store {}] {what}", r.name);
+fn measure_store(
+    serve: &Serve,
+    runs: usize,
+    dedupe: usize,
+    r: &mut StoreRuns,
+) -> Result<(), String> {
+    let name = r.name.clone();
+    let step = |what: &str| eprintln!("api: [store {name}] {what}");
     step("building the template");
     let cmdline = format!("probe.mib={STORE_WORKLOAD_MIB} probe.ticks=1 probe.hz=1000");
     let tpl = serve.build_template("bench-store", STORE_MEM, Some(&cmdline))?;
@@ -190,7 +204,25 @@ fn measure_store(serve: &Serve, runs: usize, r: &mut StoreRuns) -> Result<(), St
             arriving = Some(before.arrived);
         }
     }
-    serve.delete(&id)
+    serve.delete(&id)?;
+    if dedupe > 0 {
+        step(&format!(
+            "dedupe: {dedupe} sandboxes of the template, each hibernated once"
+        ));
+        let before = counters(serve)?;
+        let mut ids = Vec::with_capacity(dedupe);
+        for _ in 0..dedupe {
+            let (id, _, _) = create(serve, &tpl)?;
+            hibernate(serve, &id, r, false)?;
+            ids.push(id);
+        }
+        let after = counters(serve)?;
+        r.dedupe = Some((dedupe, after.data - before.data, after.new - before.new));
+        for id in &ids {
+            serve.delete(id)?;
+        }
+    }
+    Ok(())
 }
 
 /// Runs the table's stores; prints it. Whether everything ran.
@@ -246,7 +278,14 @@ pub(super) fn run(o: &Opts, scratch: &Path) -> bool {
         };
         match Serve::start(&dir, &flags) {
             Started::Up(mut serve) => {
-                if let Err(e) = measure_store(&serve, runs, &mut r) {
+                // The dedupe of a template's sandboxes, once (the chunks
+                // are the same whatever the store).
+                let dedupe = match (i, o.quick) {
+                    (0, true) => 20,
+                    (0, false) => 100,
+                    _ => 0,
+                };
+                if let Err(e) = measure_store(&serve, runs, dedupe, &mut r) {
                     r.failed = true;
                     r.notes.push(format!(
                         "FAILED: {e}\n      serve log ends:\n{}",
@@ -356,6 +395,18 @@ fn print_store_table(done: &[StoreRuns], runs: usize, notes: &[String]) {
                 mib(&r.fetched),
                 percentile(&rest, 0.5),
                 p(&r.warm, 0.5)
+            );
+        }
+        if let Some((n, data, new)) = r.dedupe {
+            println!(
+                "  {}: dedupe of {n} sandboxes of one template, each hibernated once (full \
+                 layers): their layers name {:.1} MiB of data, the store added {:.1} MiB of \
+                 chunks for them: {:.2}x ({:.2} MiB per sandbox)",
+                r.name,
+                data / 1048576.0,
+                new / 1048576.0,
+                if new > 0.0 { data / new } else { f64::NAN },
+                new / 1048576.0 / n as f64
             );
         }
         for n in &r.notes {

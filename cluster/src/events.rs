@@ -130,9 +130,15 @@ async fn release_strays(
     }
     // What moved away (hibernated, or running from the durable checkpoint
     // it moved from) is released; what was deleted while the pod was
-    // lost is deleted there.
-    const MOVED: &str = "SELECT id, coalesce(tenant, '') FROM sandboxes
-        WHERE id = ANY($1) AND pod <> $2 AND state <> 'deleted'";
+    // lost is deleted there. Not what this pod is adopting: between its
+    // adopt's end and the replica's move of the row, the row still names
+    // the pod it moves from (an adopt ended 30 s ago whose row never
+    // moved, its replica gone, is a stray again).
+    const MOVED: &str = "SELECT s.id, coalesce(s.tenant, '') FROM sandboxes s
+        WHERE s.id = ANY($1) AND s.pod <> $2 AND s.state <> 'deleted'
+            AND NOT EXISTS (SELECT 1 FROM operations o WHERE o.sandbox = s.id
+                AND o.pod = $2 AND o.kind = 'adopt'
+                AND (o.status = 'pending' OR o.finished_at > now() - interval '30 seconds'))";
     const FORGOTTEN: &str = "SELECT s.id, coalesce(s.tenant, '') FROM sandboxes s
         WHERE s.id = ANY($1) AND s.pod = $2 AND s.state = 'deleted'
             AND EXISTS (SELECT 1 FROM operations o WHERE o.sandbox = s.id

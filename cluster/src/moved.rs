@@ -28,7 +28,7 @@
 //! its pod. Should that pod come back, its heartbeat still lists the
 //! sandbox, and it is asked to delete it (`events.rs`).
 
-use torpor_scheduler::model::{random_hex, Sandbox, SandboxId, Template, TemplateId};
+use torpor_scheduler::model::{random_hex, Sandbox, SandboxId, Template, TemplateId, Timestamp};
 use torpor_scheduler::service::durable::has_durable_checkpoint;
 use torpor_scheduler::state::SandboxState;
 
@@ -62,6 +62,7 @@ impl Cluster {
         let gone = matches!(sandbox.state, SandboxState::Deleted | SandboxState::Lost);
         if self.is_lost(pod) && !movable(&sandbox) && !gone {
             sandbox.failure_reason = Some(lost_reason(&sandbox, pod));
+            sandbox.last_durable_at = own_stored_at(&sandbox);
             sandbox.state = SandboxState::Lost;
             sandbox.vmm = None;
         }
@@ -268,11 +269,32 @@ impl Cluster {
     }
 }
 
+/// When the sandbox's own latest snapshot (a hibernation it was woken
+/// from, in its directory `.../<id>/snap-N`) was stored; none for one
+/// that runs from its template's snapshot (never hibernated: its template
+/// is durable, not anything it did).
+fn own_stored_at(sandbox: &Sandbox) -> Option<Timestamp> {
+    let own = sandbox
+        .snapshot
+        .as_deref()
+        .and_then(|p| p.parent())
+        .and_then(|p| p.file_name())
+        .is_some_and(|n| n == sandbox.id.as_str());
+    sandbox.stored_at.filter(|_| own)
+}
+
 /// Why `sandbox` of lost pod `pod` is lost (no host path in it: tenants
 /// read it).
 fn lost_reason(sandbox: &Sandbox, pod: &PodRow) -> String {
     let kept = if sandbox.state == SandboxState::Hibernated {
         "hibernated without its snapshot in the object store".to_string()
+    } else if let Some(at) = own_stored_at(sandbox) {
+        format!(
+            "{} past its last durable state (`last_durable_at`, {} ms since the epoch), \
+             in no durable checkpoint since (`--checkpoint-interval-s`)",
+            sandbox.state,
+            at.millis()
+        )
     } else {
         format!(
             "{}, its state in no durable checkpoint (`--checkpoint-interval-s`)",

@@ -363,6 +363,12 @@ pub struct Sandbox {
     /// last durable state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stored_at: Option<Timestamp>,
+    /// A sandbox `lost` with its pod (a cluster's pod lost for good): the
+    /// time of its own last state durable in the object store (its
+    /// `stored_at`: a hibernation it was woken from since, which it ran
+    /// past), none when it never had one (its template's is not its own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_durable_at: Option<Timestamp>,
     /// Its VMM process, while one runs.
     pub vmm: Option<VmmHandle>,
     /// Incremented by the store on every state change.
@@ -540,6 +546,7 @@ impl Sandbox {
             snapshot: None,
             stored_snapshot: None,
             stored_at: None,
+            last_durable_at: None,
             vmm: None,
             generation: 0,
             restore: None,

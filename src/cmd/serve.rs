@@ -168,6 +168,7 @@ fn open_service(
         .filter(|&n| n > 0)
         .map(std::time::Duration::from_secs);
     config.lazy_wake = flags.lazy_wake;
+    config.hibernate_ack = flags.hibernate_ack.ack();
     config.default_keep_alive_ms = flags.keep_alive_ms;
     config.exec_timeout_ms = flags.exec_timeout_ms.max(1);
     config.standby_pool = flags.standby_pool;

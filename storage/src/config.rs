@@ -12,12 +12,15 @@
 //! `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY` (both required: no
 //! instance-profile lookup), `AWS_SESSION_TOKEN` (optional) and
 //! `AWS_ALLOW_HTTP`. A plain-`http://` endpoint is taken on loopback
-//! (a test server) and elsewhere only with `AWS_ALLOW_HTTP=true`.
+//! (a test server) and elsewhere only with `AWS_ALLOW_HTTP=true`. What
+//! the variables leave unset comes from the AWS shared files of
+//! `AWS_PROFILE` (`~/.aws/credentials`, `~/.aws/config`: [`crate::profile`]).
 
 use std::fmt;
 use std::path::PathBuf;
 
 use crate::error::ConfigError;
+use crate::profile::Profile;
 
 /// Where the objects live.
 #[derive(Clone, PartialEq, Eq)]
@@ -219,10 +222,12 @@ impl StoreConfig {
         url: &str,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Self, ConfigError> {
-        let set = |k: &str| env(k).filter(|v| !v.is_empty());
         match StoreUrl::parse(url)? {
             StoreUrl::Local(dir) => Ok(Self::Local { dir }),
             StoreUrl::S3 { bucket, prefix } => {
+                let var = |k: &str| env(k).filter(|v| !v.is_empty());
+                let profile = Profile::load(&var)?;
+                let set = |k: &str| var(k).or_else(|| profile.get(k));
                 let need = |var: &'static str| {
                     set(var).ok_or(ConfigError::MissingCredentials {
                         url: url.to_string(),
@@ -235,7 +240,9 @@ impl StoreConfig {
                     None => false,
                     Some(v) => parse_bool("AWS_ALLOW_HTTP", &v)?,
                 };
-                let endpoint = set("AWS_ENDPOINT_URL").or_else(|| set("AWS_ENDPOINT"));
+                let endpoint = var("AWS_ENDPOINT_URL")
+                    .or_else(|| var("AWS_ENDPOINT"))
+                    .or_else(|| profile.get("AWS_ENDPOINT_URL"));
                 if let Some(e) = &endpoint {
                     check_endpoint(e, allow_http)?;
                 }
@@ -243,8 +250,9 @@ impl StoreConfig {
                     bucket,
                     prefix,
                     endpoint,
-                    region: set("AWS_REGION")
-                        .or_else(|| set("AWS_DEFAULT_REGION"))
+                    region: var("AWS_REGION")
+                        .or_else(|| var("AWS_DEFAULT_REGION"))
+                        .or_else(|| profile.get("AWS_REGION"))
                         .unwrap_or_else(|| "us-east-1".into()),
                     access_key_id,
                     secret_access_key,
@@ -444,5 +452,55 @@ mod tests {
         ] {
             assert!(check_endpoint(ok, false).is_ok(), "{ok}");
         }
+    }
+
+    #[test]
+    fn s3_settings_from_a_profile_where_the_environment_is_silent() {
+        let dir = tempfile::tempdir().unwrap();
+        let creds = dir.path().join("credentials");
+        std::fs::write(
+            &creds,
+            "[ci]\naws_access_key_id = FILEKEY\naws_secret_access_key = FILESECRET\n",
+        )
+        .unwrap();
+        let config = dir.path().join("config");
+        std::fs::write(
+            &config,
+            "[profile ci]\nregion = file-region\nendpoint_url = http://127.0.0.1:9\n",
+        )
+        .unwrap();
+        let (creds, config) = (creds.display().to_string(), config.display().to_string());
+        let files = [
+            ("AWS_SHARED_CREDENTIALS_FILE", creds.as_str()),
+            ("AWS_CONFIG_FILE", config.as_str()),
+            ("AWS_PROFILE", "ci"),
+        ];
+        let StoreConfig::S3(s3) = StoreConfig::parse_with_env("s3://snaps", env(&files)).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(s3.access_key_id, "FILEKEY");
+        assert_eq!(s3.secret_access_key, "FILESECRET");
+        assert_eq!(s3.region, "file-region");
+        assert_eq!(s3.endpoint.as_deref(), Some("http://127.0.0.1:9"));
+        // The environment comes first, AWS_DEFAULT_REGION before the file.
+        let mut vars = files.to_vec();
+        vars.extend(KEYS);
+        vars.push(("AWS_DEFAULT_REGION", "env-region"));
+        vars.push(("AWS_ENDPOINT", "http://127.0.0.1:10"));
+        let StoreConfig::S3(s3) = StoreConfig::parse_with_env("s3://snaps", env(&vars)).unwrap()
+        else {
+            panic!()
+        };
+        assert_ne!(s3.access_key_id, "FILEKEY");
+        assert_eq!(s3.region, "env-region");
+        assert_eq!(s3.endpoint.as_deref(), Some("http://127.0.0.1:10"));
+        // A local store reads no file, even a missing one.
+        let gone = [("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/creds")];
+        assert!(StoreConfig::parse_with_env("/tmp/objects", env(&gone)).is_ok());
+        assert!(matches!(
+            StoreConfig::parse_with_env("s3://snaps", env(&gone)),
+            Err(ConfigError::ProfileFile { .. })
+        ));
     }
 }

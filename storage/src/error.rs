@@ -94,12 +94,26 @@ pub enum ConfigError {
         url: String,
     },
     /// An S3 store without its keys.
-    #[error("object store {url:?}: {var} is not set (the S3 store's access key id and secret key come from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)")]
+    #[error("object store {url:?}: {var} is not set (the S3 store's access key id and secret key come from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the AWS_PROFILE's section of ~/.aws/credentials)")]
     MissingCredentials {
         /// The URL as given.
         url: String,
         /// The variable missing.
         var: &'static str,
+    },
+    /// `AWS_PROFILE` names a profile neither shared file has.
+    #[error("AWS_PROFILE {profile:?} is in neither the credentials nor the config file (~/.aws/credentials, ~/.aws/config, or AWS_SHARED_CREDENTIALS_FILE, AWS_CONFIG_FILE)")]
+    MissingProfile {
+        /// The profile's name.
+        profile: String,
+    },
+    /// A shared credentials or config file that cannot be read.
+    #[error("AWS profile file {path:?}: {why}")]
+    ProfileFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        why: String,
     },
     /// An endpoint that is not an `http(s)://host[:port]` URL.
     #[error("object store endpoint {endpoint:?}: {why}")]

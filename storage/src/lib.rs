@@ -29,6 +29,7 @@ mod id;
 mod lease;
 mod manifest;
 mod pause;
+mod profile;
 mod reader;
 mod sparse;
 mod store;

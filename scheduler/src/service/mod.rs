@@ -139,6 +139,11 @@ pub struct ServiceConfig {
     /// state is checkpointed there (`--checkpoint-interval-s`,
     /// `durable.rs`); None: never.
     pub checkpoint_interval: Option<std::time::Duration>,
+    /// With an object store: when a hibernation is answered
+    /// (`--hibernate-ack`): once its snapshot is durable in the store (the
+    /// default), or once it is durable on this pod's disk, the upload
+    /// following in the background ([`objects::HibernateAck`]).
+    pub hibernate_ack: objects::HibernateAck,
     /// A cold wake (snapshot only in the object store) restores once the
     /// layer's small files are here and lets the memory file arrive while
     /// the guest runs (`serve --lazy-wake`; `uffd` backend only, others
@@ -198,6 +203,7 @@ impl ServiceConfig {
             object_store: None,
             checkpoint_interval: None,
             lazy_wake: false,
+            hibernate_ack: objects::HibernateAck::Stored,
         }
     }
 }
@@ -620,7 +626,7 @@ impl Service {
         let objects = config
             .object_store
             .as_deref()
-            .map(objects::ObjectStore::open)
+            .map(|url| objects::ObjectStore::open(url, config.hibernate_ack))
             .transpose()?;
         let ports_ip = config.net.as_ref().map(|n| n.ports_ip);
         let service = Arc::new_cyclic(|me: &std::sync::Weak<Self>| Self {

@@ -109,8 +109,26 @@ fn layer_name(dir: &Path) -> String {
 
 /// A pod's object store: torpor-storage's [`Storage`] and the runtime its
 /// requests run on (the service's calls are blocking).
+/// When a hibernation is answered, with an object store.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum HibernateAck {
+    /// Once its snapshot is durable in the object store: a pod lost for
+    /// good loses no sandbox a client was told is hibernated.
+    #[default]
+    Stored,
+    /// Once it is durable on the pod's disk; the upkeep thread uploads it
+    /// right after (and every [`STORE_AGAIN_EVERY`] while the store
+    /// fails). Faster answers, at a risk: until stored, the hibernated
+    /// sandbox goes with its pod were the pod lost for good.
+    Local,
+}
+
 pub struct ObjectStore {
     storage: Storage,
+    ack: HibernateAck,
+    /// A hibernation answered before its upload (`HibernateAck::Local`)
+    /// asks the upkeep thread to store it now, not at its next pass.
+    store_soon: std::sync::atomic::AtomicBool,
     runtime: Option<tokio::runtime::Runtime>,
     /// A lock per layer being stored ([`ObjectStore::layer_lock`]): two
     /// sandboxes of one template hibernating at once store its layer once.
@@ -137,7 +155,7 @@ impl Drop for ObjectStore {
 impl ObjectStore {
     /// Opens the store `url` names (`--object-store`: a directory, or
     /// `s3://bucket/prefix` with the usual AWS_* variables).
-    pub fn open(url: &str) -> Result<Self, ObjectStoreError> {
+    pub fn open(url: &str, ack: HibernateAck) -> Result<Self, ObjectStoreError> {
         let open = |source| ObjectStoreError::Open {
             url: url.to_string(),
             source,
@@ -157,6 +175,8 @@ impl ObjectStore {
             })?;
         Ok(Self {
             storage,
+            ack,
+            store_soon: Default::default(),
             runtime: Some(runtime),
             storing: Default::default(),
         })
@@ -328,7 +348,8 @@ pub(super) fn start_upkeep(service: &Arc<Service>) {
                 let Some(objects) = &service.objects else {
                     return;
                 };
-                if stored_at.is_none_or(|t| t.elapsed() >= STORE_AGAIN_EVERY) {
+                let soon = objects.store_soon.swap(false, Ordering::SeqCst);
+                if soon || stored_at.is_none_or(|t| t.elapsed() >= STORE_AGAIN_EVERY) {
                     service.store_pending_hibernations();
                     stored_at = Some(Instant::now());
                 }
@@ -447,8 +468,7 @@ impl Service {
         let started = Instant::now();
         let uploaded = objects.upload(dir);
         let ms = started.elapsed().as_secs_f64() * 1000.0;
-        self.metrics
-            .observe_upload(ms, uploaded.as_ref().ok().map(|r| r.uploaded_bytes));
+        self.metrics.observe_upload(ms, uploaded.as_ref().ok());
         let report = uploaded?;
         tracing::info!(
             layer = %dir.display(),
@@ -639,6 +659,19 @@ impl Service {
             "adopted a hibernated sandbox from the object store"
         );
         Ok(self.store.get_sandbox(&here.id)?)
+    }
+
+    /// A hibernation just taken, answered as `--hibernate-ack` says: stored
+    /// now ([`Self::store_hibernation`]), or left to the upkeep thread,
+    /// asked to store it at once.
+    pub(super) fn hibernation_taken(&self, sandbox: Sandbox) -> Result<Sandbox, ServiceError> {
+        match &self.objects {
+            Some(o) if o.ack == HibernateAck::Local => {
+                o.store_soon.store(true, Ordering::SeqCst);
+                Ok(sandbox)
+            }
+            _ => self.store_hibernation(sandbox),
+        }
     }
 
     /// A hibernated sandbox's snapshot, and its template's, uploaded to

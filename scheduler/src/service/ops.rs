@@ -773,10 +773,11 @@ impl Service {
                 // A full snapshot leaves the old chain to nothing.
                 self.remove_dead_layers();
                 // Acknowledged once the snapshot is durable in the object
-                // store, if there is one (hibernated here either way: a
-                // failed upload is retried by the next hibernate, and by
-                // the pod's upkeep: `objects.rs`).
-                let sandbox = self.store_hibernation(self.store.get_sandbox(id)?)?;
+                // store, if there is one, unless `--hibernate-ack local`
+                // (hibernated here either way: a failed upload is retried
+                // by the next hibernate, and by the pod's upkeep:
+                // `objects.rs`).
+                let sandbox = self.hibernation_taken(self.store.get_sandbox(id)?)?;
                 self.metrics
                     .observe_hibernate(started.elapsed().as_secs_f64() * 1000.0);
                 Ok(Outcome {

@@ -83,6 +83,8 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
         snapshot: get_path(row, "snapshot")?,
         stored_snapshot: row.get("stored_snapshot")?,
         stored_at: row.get("stored_at")?,
+        // Only a replica's view of a lost sandbox has it.
+        last_durable_at: None,
         vmm: pid.zip(socket).map(|(pid, control_socket)| VmmHandle {
             pid,
             start_time,
