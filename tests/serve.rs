@@ -4,7 +4,8 @@
 
 mod common;
 
-use std::path::Path;
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -417,4 +418,93 @@ fn kill_9_of_serve_leaves_no_standby_shell_behind() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(!taken.exists());
+}
+
+/// A snapshot's `working-set`: little-endian u64 page numbers.
+fn working_set(dir: &Path) -> Vec<u64> {
+    let bytes = std::fs::read(dir.join(torpor_vmm_api::lineage::WORKING_SET_FILE))
+        .unwrap_or_else(|e| panic!("{}: no working set: {e}", dir.display()));
+    assert_eq!(bytes.len() % 8, 0, "{}", dir.display());
+    bytes
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// The probe's iteration lines in a sandbox's console, once there are `n`.
+fn wait_iterations(data: &Path, id: &str, n: usize) {
+    let console = data.join("sandboxes").join(id).join("console.log");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let iters = std::fs::read_to_string(&console)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(torpor_probe::parse_iter_line)
+            .count();
+        if iters >= n {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{id}: {iters} iterations");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_uffd_sandboxs_hibernation_records_the_pages_its_guest_was_given() {
+    // With a uffd backend a sandbox's hibernation layer has a working set
+    // of its own: every page its page server installed since the restore
+    // (the template's prefetched set, then what the guest faulted in), so
+    // that its wake prefetches what the sandbox itself used, not only what
+    // its template touched in its first 300 ms.
+    let d = data("serve-working-set");
+    let s = Serve::start(&d.0, &["--memory-backend", "uffd"]);
+    let templates = s.ok("GET", "/v1/templates", None);
+    let probe = templates["templates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "probe")
+        .expect("built-in probe template");
+    let template_dir = PathBuf::from(probe["snapshot_dir"].as_str().expect("snapshot_dir"));
+    let template_set = working_set(&template_dir);
+    assert!(!template_set.is_empty());
+
+    let id = s.create(r#"{"template":"probe"}"#);
+    wait_iterations(&d.0, &id, 3);
+    let h = s.ok("POST", &format!("/v1/sandboxes/{id}/hibernate"), None);
+    assert_eq!(h["sandbox"]["state"], "hibernated", "{h}");
+    let layer = PathBuf::from(h["sandbox"]["snapshot"].as_str().expect("snapshot"));
+    let set = working_set(&layer);
+    let unique: HashSet<u64> = set.iter().copied().collect();
+    let template: HashSet<u64> = template_set.iter().copied().collect();
+    let beyond = unique.difference(&template).count();
+    println!(
+        "template set {} pages, hibernation's {} ({beyond} beyond the template's)",
+        template.len(),
+        set.len()
+    );
+    assert_eq!(unique.len(), set.len(), "a page twice in {set:?}");
+    assert!(beyond > 0, "no page beyond the template's set");
+    // The probe's 1 MiB workload, rewritten every iteration, is in it.
+    assert!(beyond >= 256, "{beyond} pages beyond the template's set");
+    // The set the wake prefetches (its own, then the template's): the
+    // guest goes on.
+    let w = s.ok("POST", &format!("/v1/sandboxes/{id}/resume"), None);
+    assert_eq!(w["sandbox"]["state"], "running", "{w}");
+    let woken = std::fs::read_to_string(d.0.join("sandboxes").join(&id).join("console.log"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(torpor_probe::parse_iter_line)
+        .count();
+    wait_iterations(&d.0, &id, woken + 2);
+    // A snapshot taken by this VMM (woken with its set prefetched) records
+    // the pages it installed again, the prefetched ones among them.
+    let h = s.ok("POST", &format!("/v1/sandboxes/{id}/hibernate"), None);
+    let again = PathBuf::from(h["sandbox"]["snapshot"].as_str().expect("snapshot"));
+    assert_ne!(again, layer);
+    let set2: HashSet<u64> = working_set(&again).into_iter().collect();
+    assert!(
+        unique.difference(&set2).count() * 10 <= unique.len(),
+        "the second hibernation's set lost more than a tenth of the first's"
+    );
 }

@@ -12,8 +12,14 @@ use serde::{Deserialize, Serialize};
 /// The file that commits a snapshot layer (written last).
 pub const STATE_FILE: &str = "state";
 /// Pages a restore touched first, recorded beside a snapshot (u64 page
-/// numbers, little endian) and prefetched by later restores.
+/// numbers, little endian) and prefetched by later restores: a template's
+/// (its first ms after a restore, ascending), or a snapshot's taken by a
+/// VMM whose memory a userfaultfd page server serves (the pages it
+/// installed since its restore, in that order).
 pub const WORKING_SET_FILE: &str = "working-set";
+/// Most pages a working set holds (a writer keeps the first ones, a
+/// reader ignores a longer file).
+pub const MAX_WORKING_SET_PAGES: u64 = 1 << 22;
 /// The layer's lineage record.
 pub const LINEAGE_FILE: &str = "lineage.json";
 /// Deepest chain a VMM restores or records.

@@ -171,6 +171,10 @@ pub struct BuiltVm {
     pub backend: &'static str,
     /// Whatever must outlive the vCPUs (a userfaultfd page server).
     pub keepalive: Option<Box<dyn std::any::Any + Send>>,
+    /// The pages a uffd backend's page server installed, which a snapshot
+    /// records as its working set (None for a boot and the `file`
+    /// backend, which install no page themselves).
+    pub installed_pages: Option<crate::restore::InstalledPages>,
     pub msr_indices: Vec<u32>,
     pub virtio: crate::virtio_devices::VirtioDevices,
     pub dirty_tracking: DirtyTracking,
@@ -275,6 +279,7 @@ pub fn build(
         vmm_dirty: PageRuns::default(),
         backend: backend.name(),
         keepalive: None,
+        installed_pages: None,
         msr_indices,
         virtio,
         dirty_tracking: config.dirty_tracking,

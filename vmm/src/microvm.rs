@@ -120,6 +120,8 @@ struct Controller {
     lineage: Mutex<SnapshotLineage>,
     dirty_tracking: DirtyTracking,
     wp_tracker: Option<WpTracker>,
+    /// A uffd backend's installed pages: each snapshot's working set.
+    installed_pages: Option<crate::restore::InstalledPages>,
 }
 
 /// The dirty set of one snapshot and what reading it cost.
@@ -317,6 +319,7 @@ impl Controller {
                 generation: self.generation,
                 taken_unix_ns: crate::identity::unix_now_ns(),
             };
+            self.write_working_set(&dir);
             record.write(&dir).map_err(|e| match e {
                 torpor_vmm_api::lineage::LineageError::Write { source, .. } => {
                     io("write the lineage record in", source)
@@ -356,6 +359,25 @@ impl Controller {
             dirty_crosscheck: dirty_set.crosscheck,
             lineage: record.layers,
         })
+    }
+}
+
+impl Controller {
+    /// Records the pages the page server installed since the restore as
+    /// the working set of snapshot `dir` (written before its state, whose
+    /// directory sync makes it durable too), which later restores from it
+    /// prefetch. Best effort: a snapshot without one restores all the same.
+    fn write_working_set(&self, dir: &Path) {
+        let Some(installed) = &self.installed_pages else {
+            return;
+        };
+        match installed.write(dir) {
+            Ok(pages) => tracing::debug!(?pages, "working set recorded in {}", dir.display()),
+            Err(e) => {
+                tracing::warn!("cannot record the working set in {}: {e}", dir.display());
+                let _ = std::fs::remove_file(dir.join(torpor_vmm_api::lineage::WORKING_SET_FILE));
+            }
+        }
     }
 }
 
@@ -601,6 +623,7 @@ pub fn launch_built(
         }),
         dirty_tracking: built.dirty_tracking,
         wp_tracker: built.wp_tracker,
+        installed_pages: built.installed_pages,
     });
     // Before the control server answers: a status answer means it is done.
     release_freed_heap();

@@ -1,8 +1,9 @@
 //! Lazy cold wakes (`serve --lazy-wake`, issue 29): a wake whose snapshot
 //! is only in the object store downloads the layer's small files (state,
 //! lineage, working set), makes its memory file at full length (a hole),
-//! fetches the chunks of the recorded working set, and restores; the rest
-//! of the memory file arrives in the background while the guest runs.
+//! fetches the first chunks of the recorded working set, and restores; the
+//! rest of the memory file arrives in the background while the guest runs,
+//! the working set's other chunks first.
 //! The pod and the VMM share a map file in the sandbox's directory
 //! (`torpor_vmm_api::lazy`): a present bit per chunk, which the pod sets
 //! once a chunk is written, checked; and a ring of wanted chunks, which
@@ -31,7 +32,7 @@ use std::time::{Duration, Instant};
 use torpor_storage::{LazyFile, ManifestId, StorageError};
 use torpor_sync::Locked;
 use torpor_vmm_api::lazy::{FetchState, PodMap, LAZY_MAP_FILE};
-use torpor_vmm_api::lineage::WORKING_SET_FILE;
+use torpor_vmm_api::lineage::{MAX_WORKING_SET_PAGES, WORKING_SET_FILE};
 
 use super::objects::ObjectStoreError;
 use super::{Service, ServiceError};
@@ -51,8 +52,12 @@ const WANTED: usize = 8;
 /// How often the background fetch looks at the wanted ring while its
 /// fetches are in flight.
 const WANTED_POLL: Duration = Duration::from_millis(1);
-/// Longest working set read back (pages).
-const MAX_WORKING_SET_PAGES: usize = 1 << 22;
+/// Most bytes of the working set's chunks fetched before the restore; its
+/// other chunks come first in the background. A sandbox's snapshot records
+/// every page its guest was given since its wake (a probe rewriting 16 MiB
+/// has them all in it): fetched whole first, the wake would wait for about
+/// all of its memory, as an eager one does.
+const BEFORE_RESTORE_BYTES: u64 = 4 << 20;
 
 /// How an arrival ended.
 enum Outcome {
@@ -137,11 +142,20 @@ impl Arrivals {
 
 /// The chunks of `chunk_size` bytes a working set's pages fall in, in
 /// the order first touched, once each.
+///
+/// The layer's own set only: a lazily fetched layer is a full snapshot
+/// (the object store keeps only those: `objects::make_portable` rewrites
+/// its lineage to itself alone), so it has no parent layers whose sets a
+/// union could take, and its template's layer may not be on this pod. A
+/// uffd-backed VMM's snapshot records every page installed since its
+/// restore, the ones prefetched from its own chain's sets (its
+/// template's among them) included, so the sets of the layers before it
+/// are in its own.
 fn working_set_chunks(dir: &Path, chunk_size: u64, chunks: u64) -> Vec<u64> {
     let Ok(bytes) = std::fs::read(dir.join(WORKING_SET_FILE)) else {
         return Vec::new();
     };
-    if !bytes.len().is_multiple_of(8) || bytes.len() / 8 > MAX_WORKING_SET_PAGES {
+    if !bytes.len().is_multiple_of(8) || bytes.len() as u64 / 8 > MAX_WORKING_SET_PAGES {
         return Vec::new();
     }
     let mut seen = vec![false; chunks as usize];
@@ -224,11 +238,14 @@ impl Service {
                 return Err(e.into());
             }
         };
-        // The working set before the restore: what the guest touches first.
-        let first: Vec<u64> = working_set_chunks(dir, file.chunk_size(), file.chunks())
+        // The working set's first chunks before the restore: what the guest
+        // touches first; its other chunks first in the background.
+        let mut first: Vec<u64> = working_set_chunks(dir, file.chunk_size(), file.chunks())
             .into_iter()
             .filter(|&i| !file.is_hole(i))
             .collect();
+        let then = first.split_off(first.len().min(before_restore_chunks(file.chunk_size())));
+        let then_len = then.len();
         let f = Arc::clone(&file);
         let want = first.clone();
         let got = objects.run(async move {
@@ -292,13 +309,14 @@ impl Service {
             manifest,
             fetched = eager_bytes + first_bytes,
             working_set_chunks = first.len(),
+            working_set_chunks_later = then_len,
             chunks = file.chunks(),
             ms = ms as u64,
             "snapshot layer's small files fetched; its memory file arrives while the guest runs"
         );
         let (me, sid, a) = (self.me.clone(), id.clone(), Arc::clone(&arrival));
         objects.spawn(async move {
-            let outcome = arrive(file, map, &a).await;
+            let outcome = arrive(file, map, then, &a).await;
             let failed = matches!(outcome, Outcome::Failed(..));
             a.end(outcome);
             if failed && !a.cancel.load(Ordering::SeqCst) {
@@ -421,10 +439,17 @@ impl Service {
     }
 }
 
-/// Fetches the chunks of `file` not yet present, wanted ones first, marks
-/// each present once written; then syncs the file, removes the layer's
-/// marker and marks the map complete.
-async fn arrive(file: Arc<LazyFile>, mut map: PodMap, a: &Arrival) -> Outcome {
+/// The working set's chunks of `chunk_size` fetched before a restore: at
+/// least one.
+fn before_restore_chunks(chunk_size: u64) -> usize {
+    (BEFORE_RESTORE_BYTES / chunk_size.max(1)).max(1) as usize
+}
+
+/// Fetches the chunks of `file` not yet present, wanted ones first, then
+/// those of `then` (the working set's rest) in its order, then the others
+/// in order; marks each present once written; then syncs the file,
+/// removes the layer's marker and marks the map complete.
+async fn arrive(file: Arc<LazyFile>, mut map: PodMap, then: Vec<u64>, a: &Arrival) -> Outcome {
     let fail = |map: &PodMap, e: Option<StorageError>, text: String| {
         let _ = map.set_state(FetchState::Failed);
         Outcome::Failed(e, text)
@@ -433,6 +458,7 @@ async fn arrive(file: Arc<LazyFile>, mut map: PodMap, a: &Arrival) -> Outcome {
     let n = file.chunks();
     let mut asked: Vec<bool> = (0..n).map(|i| map.is_present(i)).collect();
     let mut next = 0u64;
+    let mut then = then.into_iter().filter(|&i| i < n);
     let mut front: VecDeque<u64> = VecDeque::new();
     let mut flight = tokio::task::JoinSet::new();
     let (mut in_order, mut wanted) = (0usize, 0usize);
@@ -454,13 +480,18 @@ async fn arrive(file: Arc<LazyFile>, mut map: PodMap, a: &Arrival) -> Outcome {
             wanted += 1;
         }
         while in_order < BACKGROUND {
-            while next < n && asked[next as usize] {
-                next += 1;
-            }
-            if next >= n {
-                break;
-            }
-            let i = next;
+            let i = match then.find(|&i| !asked[i as usize]) {
+                Some(i) => i,
+                None => {
+                    while next < n && asked[next as usize] {
+                        next += 1;
+                    }
+                    if next >= n {
+                        break;
+                    }
+                    next
+                }
+            };
             asked[i as usize] = true;
             let f = Arc::clone(&file);
             flight.spawn(async move { (i, false, f.fetch(i).await) });

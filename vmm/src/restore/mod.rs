@@ -26,6 +26,7 @@ pub use chain::{load_chain, LayerFile, SnapshotChain};
 use file_backend::map_file_layers;
 pub(crate) use file_backend::map_fixed_private;
 pub use shell::{create_shell, Shell};
+pub use uffd_backend::InstalledPages;
 
 /// Longest chain of diff snapshots we follow before assuming a loop.
 pub use torpor_vmm_api::lineage::MAX_CHAIN_DEPTH;
@@ -196,7 +197,7 @@ pub fn restore_into(
     }
     let state = &chain.state;
     let spans = crate::dirty::guest_spans(&shell.mem);
-    let (keepalive, wp_tracker) = match opts.backend {
+    let (keepalive, installed_pages, wp_tracker) = match opts.backend {
         RestoreBackend::File => {
             map_file_layers(&shell.mem, &chain)?;
             let tracker = if opts.dirty_tracking.uffd_wp() {
@@ -206,7 +207,9 @@ pub fn restore_into(
             } else {
                 None
             };
-            (None, tracker)
+            // The kernel maps the files: no page server sees what the
+            // guest touches, so its snapshots record no working set.
+            (None, None, tracker)
         }
         RestoreBackend::Uffd | RestoreBackend::UffdShared => {
             // The page server registers and protects the memory itself
@@ -217,7 +220,9 @@ pub fn restore_into(
             } else {
                 None
             };
-            (Some(server), tracker)
+            let installed = server.installed_pages();
+            let keepalive: Box<dyn std::any::Any + Send> = Box::new(server);
+            (Some(keepalive), Some(installed), tracker)
         }
     };
     t.phase("memory_map");
@@ -266,6 +271,7 @@ pub fn restore_into(
         vmm_dirty,
         backend: opts.backend.name(),
         keepalive,
+        installed_pages,
         msr_indices: shell.msr_indices,
         virtio,
         dirty_tracking: opts.dirty_tracking,

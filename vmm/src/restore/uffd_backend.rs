@@ -17,11 +17,12 @@ use crate::restore::{
 use crate::snapshot::{self, PAGE_SIZE};
 use crate::uffd::{Layers, Mode, PageServer, Region, ServerOptions};
 
+/// Longest working set we read back (a corrupt file must not eat memory)
+/// or write.
+use torpor_vmm_api::lineage::MAX_WORKING_SET_PAGES;
 /// The working set recorded after a restore, next to the snapshot's state:
 /// little-endian u64 page numbers.
 pub use torpor_vmm_api::lineage::WORKING_SET_FILE;
-/// Longest working set we read back (a corrupt file must not eat memory).
-const MAX_WORKING_SET_PAGES: u64 = 1 << 22;
 
 fn backend_err(backend: RestoreBackend, reason: impl Into<String>) -> RestoreError {
     RestoreError::Backend {
@@ -46,20 +47,32 @@ pub fn read_working_set(dir: &Path) -> Vec<u64> {
         .collect()
 }
 
-/// The working set of the newest layer of `chain` that has one: a wake
-/// from a sandbox's diff layer prefetches what its template recorded.
+/// The working sets of `chain`'s layers, newest first, each page once (at
+/// most [`MAX_WORKING_SET_PAGES`]): a wake from a sandbox's layer
+/// prefetches what the sandbox used before its snapshot, then the pages of
+/// older layers' sets (its template's among them) not in it.
 fn chain_working_set(chain: &SnapshotChain) -> Vec<u64> {
-    chain
-        .layers
-        .iter()
-        .rev()
-        .map(|l| read_working_set(&l.dir))
-        .find(|set| !set.is_empty())
-        .unwrap_or_default()
+    union_newest_first(chain.layers.iter().rev().map(|l| read_working_set(&l.dir)))
+}
+
+/// `sets` one after the other, each page once, at most
+/// [`MAX_WORKING_SET_PAGES`].
+fn union_newest_first(sets: impl Iterator<Item = Vec<u64>>) -> Vec<u64> {
+    let mut seen = std::collections::HashSet::new();
+    let mut out = Vec::new();
+    for page in sets.flatten() {
+        if out.len() as u64 >= MAX_WORKING_SET_PAGES {
+            break;
+        }
+        if seen.insert(page) {
+            out.push(page);
+        }
+    }
+    out
 }
 
 /// Writes a working set atomically (temp name, then rename).
-fn write_working_set(dir: &Path, pages: &[u64]) -> std::io::Result<()> {
+pub(crate) fn write_working_set(dir: &Path, pages: &[u64]) -> std::io::Result<()> {
     let tmp = dir.join(format!(".{WORKING_SET_FILE}.{}", std::process::id()));
     let mut f = File::create(&tmp)?;
     let bytes: Vec<u8> = pages.iter().flat_map(|p| p.to_le_bytes()).collect();
@@ -82,7 +95,36 @@ fn shmem_template(base: &File, base_path: &Path) -> Result<(File, PathBuf), Rest
 
 /// What keeps a uffd-backed VM's memory served.
 pub struct UffdMemory {
-    _server: Arc<PageServer>,
+    server: Arc<PageServer>,
+}
+
+impl UffdMemory {
+    /// What the VM's snapshots read their working set from.
+    pub fn installed_pages(&self) -> InstalledPages {
+        InstalledPages(Arc::downgrade(&self.server))
+    }
+}
+
+/// The pages a uffd-backed VM's page server installed since the restore
+/// (by a fault or the prefetch), for a snapshot to record as its working
+/// set. Weak: the page server's life is the VM's memory's, not the
+/// snapshot path's.
+#[derive(Debug, Clone)]
+pub struct InstalledPages(Weak<PageServer>);
+
+impl InstalledPages {
+    /// Writes them as `dir`'s working set (see
+    /// [`PageServer::installed`]); the number of pages, or `None` when the
+    /// page server is gone.
+    pub fn write(&self, dir: &Path) -> std::io::Result<Option<usize>> {
+        let Some(server) = self.0.upgrade() else {
+            return Ok(None);
+        };
+        let pages = server.installed();
+        drop(server);
+        write_working_set(dir, &pages)?;
+        Ok(Some(pages.len()))
+    }
 }
 
 /// Starts serving the chain's pages into `mem`.
@@ -91,7 +133,7 @@ pub fn start(
     chain: &SnapshotChain,
     opts: &RestoreOptions,
     exit: &ExitSignal,
-) -> Result<Box<dyn std::any::Any + Send>, RestoreError> {
+) -> Result<UffdMemory, RestoreError> {
     let backend = opts.backend;
     let clone = |f: &File| {
         f.try_clone()
@@ -188,7 +230,7 @@ pub fn start(
             Duration::from_millis(ms),
         );
     }
-    Ok(Box::new(UffdMemory { _server: server }))
+    Ok(UffdMemory { server })
 }
 
 /// After the recording window, saves the pages first touched in it next to
@@ -239,4 +281,24 @@ pub(crate) fn working_set_syscalls(
     ]);
     crate::seccomp::allow_fd_flags(r)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sets_are_joined_newest_first_each_page_once() {
+        let newest = tempfile::tempdir().unwrap();
+        let template = tempfile::tempdir().unwrap();
+        write_working_set(newest.path(), &[40, 7, 41, 2]).unwrap();
+        write_working_set(template.path(), &[1, 2, 3, 7]).unwrap();
+        assert_eq!(read_working_set(newest.path()), vec![40, 7, 41, 2]);
+        let none = tempfile::tempdir().unwrap();
+        let sets = [newest.path(), none.path(), template.path()].map(read_working_set);
+        assert_eq!(
+            union_newest_first(sets.into_iter()),
+            vec![40, 7, 41, 2, 1, 3]
+        );
+    }
 }

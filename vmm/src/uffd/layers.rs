@@ -143,6 +143,18 @@ impl Layers {
         Ok(())
     }
 
+    /// Whether `pages` pages from `page` of `source` can be read without
+    /// waiting: always, unless the base is still arriving and a chunk
+    /// they fall in is not there yet.
+    pub(crate) fn arrived(&self, source: Source, page: u64, pages: u64) -> bool {
+        let (Source::Base, Some(map)) = (source, &self.lazy) else {
+            return true;
+        };
+        let size = map.chunk_size();
+        let (start, end) = (page * PAGE_SIZE as u64, (page + pages) * PAGE_SIZE as u64);
+        (start / size..end.div_ceil(size)).all(|i| map.is_present(i))
+    }
+
     /// Reads `buf.len() / PAGE_SIZE` consecutive pages starting at `page` from
     /// `source`. A short read (the file was truncated) or an I/O error is a
     /// message naming the page and the file.

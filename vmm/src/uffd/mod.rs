@@ -75,7 +75,10 @@
 //! [`ServerOptions::record_for`] records the pages that *fault* within that
 //! window after `start` ([`PageServer::working_set`]); prefetched pages never
 //! fault, so a caller that wants the next prefetch list takes the union of the
-//! two.
+//! two. [`PageServer::installed`] lists every page installed since `start`,
+//! by a fault or the prefetch, once each, in that order, for the whole run:
+//! a snapshot's working set. With a base still arriving (a lazy wake), the
+//! prefetch leaves out pages whose chunk is not there yet; they fault in.
 //!
 //! # Failure
 //!

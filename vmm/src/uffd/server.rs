@@ -19,6 +19,7 @@ use super::{
     FailureHandler, Layers, Mode, Region, ServerOptions, Source, UffdError, PAGE_SIZE,
     PREFETCH_BATCH,
 };
+use torpor_vmm_api::lineage::MAX_WORKING_SET_PAGES;
 
 // The userfaultfd crate creates the descriptor, registers ranges and reads
 // events; the fill ioctls are issued directly because the crate loses the
@@ -87,6 +88,9 @@ struct Shared {
     failures: AtomicU64,
     prefetch_done: AtomicBool,
     working_set: Mutex<Vec<u64>>,
+    /// Every page installed since start, by a fault or the prefetch, once
+    /// each, in that order, at most [`MAX_WORKING_SET_PAGES`].
+    installed: Mutex<Vec<u64>>,
 }
 
 /// A running page server. Dropping it stops the server thread and closes the
@@ -171,7 +175,10 @@ impl PageServer {
             prefetch: opts.install_first,
             next_prefetch: 0,
             prefetch_skipped: 0,
+            prefetch_unarrived: 0,
+            skip_unarrived: false,
             record_until: opts.record_for.and_then(|d| registered.checked_add(d)),
+            seen: PageSet::new(ends.iter().map(|&(_, end)| end).max().unwrap_or(0)),
             shared: Arc::clone(&shared),
             buf: PageBuf::new_boxed(),
             pending: Vec::with_capacity(EVENT_BATCH),
@@ -186,6 +193,10 @@ impl PageServer {
             .store(opts.prefetch.is_empty(), Ordering::Release);
         worker.prefetch = opts.prefetch;
         (worker.next_prefetch, worker.prefetch_skipped) = (0, 0);
+        // The prefetch proper does not wait for a memory file still
+        // arriving: a fault waiting behind it would wait for a chunk the
+        // guest may not need yet. Pages not arrived fault in instead.
+        worker.skip_unarrived = true;
         let thread = std::thread::Builder::new()
             .name("uffd-pages".into())
             .spawn(move || {
@@ -230,6 +241,15 @@ impl PageServer {
         pages.sort_unstable();
         pages.dedup();
         pages
+    }
+
+    /// Every page installed since start, by a fault or by the prefetch
+    /// (the pages `install_first` named among them), each once, in the
+    /// order first installed: what a snapshot of this VM records as its
+    /// working set. At most [`MAX_WORKING_SET_PAGES`]: the first ones.
+    /// A page the guest discards and touches again keeps its first place.
+    pub fn installed(&self) -> Vec<u64> {
+        self.shared.installed.locked().clone()
     }
 
     /// The mode the server was started in.
@@ -556,7 +576,14 @@ struct Worker {
     prefetch: Vec<u64>,
     next_prefetch: usize,
     prefetch_skipped: u64,
+    /// Prefetch pages left out because their chunk had not arrived.
+    prefetch_unarrived: u64,
+    /// Leave out prefetch pages whose chunk has not arrived (after the
+    /// `install_first` pages, which wait for theirs).
+    skip_unarrived: bool,
     record_until: Option<Instant>,
+    /// The pages in `shared.installed` (or past its cap).
+    seen: PageSet,
     shared: Arc<Shared>,
     buf: Box<PageBuf>,
     pending: Vec<(bool, bool, usize)>,
@@ -639,7 +666,19 @@ impl Worker {
         Ok(())
     }
 
+    /// Notes `page` as installed: the first time only, one push under the
+    /// lock (a page is installed once unless the guest discards it).
+    fn note_installed(&mut self, page: u64) {
+        if self.seen.insert(page) {
+            let mut installed = self.shared.installed.locked();
+            if (installed.len() as u64) < MAX_WORKING_SET_PAGES {
+                installed.push(page);
+            }
+        }
+    }
+
     fn record(&mut self, page: u64) {
+        self.note_installed(page);
         if let Some(until) = self.record_until {
             if Instant::now() < until {
                 self.shared.working_set.locked().push(page);
@@ -785,6 +824,11 @@ impl Worker {
             }
         }
         self.next_prefetch += n;
+        if self.skip_unarrived && !self.layers.arrived(source, first, n as u64) {
+            self.prefetch_unarrived += n as u64;
+            self.finish_prefetch_if_done();
+            return Ok(());
+        }
         let dst = region.host_addr + (first - region.first_page) as usize * PAGE_SIZE;
 
         let installed = if self.mode == Mode::Minor && source == Source::Base {
@@ -821,6 +865,9 @@ impl Worker {
         self.shared
             .prefetched
             .fetch_add(installed, Ordering::Relaxed);
+        for p in first..first + n as u64 {
+            self.note_installed(p);
+        }
         self.finish_prefetch_if_done();
         Ok(())
     }
@@ -858,11 +905,33 @@ impl Worker {
         tracing::debug!(
             pages = self.prefetch.len(),
             installed = self.shared.prefetched.load(Ordering::Relaxed),
+            not_arrived = self.prefetch_unarrived,
             "prefetch done"
         );
         self.shared.prefetch_done.store(true, Ordering::Release);
         self.prefetch = Vec::new();
         self.next_prefetch = 0;
+    }
+}
+
+/// A set of page numbers below a bound, one bit each (allocated zeroed,
+/// so the kernel backs only the words written).
+struct PageSet(Vec<u64>);
+
+impl PageSet {
+    fn new(pages: u64) -> PageSet {
+        PageSet(vec![0; pages.div_ceil(64) as usize])
+    }
+
+    /// Adds `page`; whether it was new (a page past the bound never is).
+    fn insert(&mut self, page: u64) -> bool {
+        let Some(word) = self.0.get_mut((page / 64) as usize) else {
+            return false;
+        };
+        let bit = 1u64 << (page % 64);
+        let new = *word & bit == 0;
+        *word |= bit;
+        new
     }
 }
 

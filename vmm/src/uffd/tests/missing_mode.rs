@@ -185,6 +185,46 @@ fn working_set_is_the_pages_touched_in_the_window() {
 }
 
 #[test]
+fn installed_pages_are_recorded_for_the_whole_run_once_each_in_order() {
+    // Outside any record window (none, or one that has ended): every page
+    // installed, the first time only, in the order first installed.
+    let fx = Fixture::new();
+    let mem = Mapping::anonymous(PAGES as usize * PS);
+    let (server, _f) = start(vec![mem.region(0)], fx.layers(), missing(vec![], None));
+    read_pages(&mem, 0, &[9, 3, 7, 3, 1000, 0, 9]);
+    assert_eq!(server.installed(), vec![9, 3, 7, 1000, 0]);
+    assert!(server.working_set().is_empty());
+    drop(server);
+
+    let mem = Mapping::anonymous(PAGES as usize * PS);
+    let (server, _f) = start(
+        vec![mem.region(0)],
+        fx.layers(),
+        missing(vec![], Some(Duration::from_millis(50))),
+    );
+    read_pages(&mem, 0, &[5, 1]);
+    std::thread::sleep(Duration::from_millis(100));
+    read_pages(&mem, 0, &[2, 5, 1500]);
+    assert_eq!(server.working_set(), vec![1, 5]);
+    assert_eq!(server.installed(), vec![5, 1, 2, 1500]);
+    // A page the guest discards is served again, but keeps its place.
+    discard_pages(&mem, &[1]);
+    read_pages(&mem, 0, &[1, 4]);
+    assert_eq!(server.installed(), vec![5, 1, 2, 1500, 4]);
+    drop(server);
+
+    // Pages the server installs itself (first, then the prefetch) are in
+    // it too, in the order installed; a fault's page before them.
+    let mem = Mapping::anonymous(PAGES as usize * PS);
+    let mut opts = missing(vec![100, 101, 50], None);
+    opts.install_first = vec![7];
+    let (server, _f) = start(vec![mem.region(0)], fx.layers(), opts);
+    wait_until("the prefetch", || server.stats().prefetch_done);
+    read_pages(&mem, 0, &[3, 100]);
+    assert_eq!(server.installed(), vec![7, 100, 101, 50, 3]);
+}
+
+#[test]
 fn no_recording_without_a_window() {
     let fx = Fixture::new();
     let mem = Mapping::anonymous(PAGES as usize * PS);
@@ -468,5 +508,52 @@ fn pages_installed_by_start_need_no_fault() {
         vec![Some(Fixture::expected(3)), Some(0)]
     );
     assert_eq!(server.stats().faults, 0);
+    assert!(failures.try_recv().is_err());
+}
+
+#[test]
+fn the_prefetch_leaves_out_chunks_not_arrived_and_faults_wait_for_them() {
+    // A base still arriving in 16 KiB chunks, chunks 0 (pages 0-3) and 25
+    // (pages 100-103) there: the prefetch installs their pages and leaves
+    // page 50 (chunk 12) to fault in, rather than wait for it with faults
+    // queued behind it; `install_first` pages wait for theirs.
+    let fx = Fixture::new();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(torpor_vmm_api::lazy::LAZY_MAP_FILE);
+    let len = PAGES * PS as u64;
+    let deadline = Duration::from_secs(20);
+    let mut pod =
+        torpor_vmm_api::lazy::PodMap::create(&path, 4 * PS as u64, len, deadline).unwrap();
+    pod.mark_present(0).unwrap();
+    pod.mark_present(25).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    let map = torpor_vmm_api::lazy::VmmMap::open(&f, "map", len).unwrap();
+    let layers = Layers::new(fx.base.handle(), vec![]).with_lazy_base(map);
+    let mem = Mapping::anonymous(PAGES as usize * PS);
+    let mut opts = missing(vec![0, 1, 2, 50, 100], None);
+    opts.install_first = vec![1];
+    let (server, failures) = start(vec![mem.region(0)], layers, opts);
+    wait_until("the prefetch", || server.stats().prefetch_done);
+    let resident = mem.resident();
+    assert!(resident[0] && resident[1] && resident[2] && resident[100]);
+    assert!(
+        !resident[50],
+        "a page whose chunk has not arrived was prefetched"
+    );
+    assert_eq!(server.installed(), vec![1, 0, 2, 100]);
+    // Its fault waits for the chunk, then is served.
+    let reader = std::thread::spawn({
+        let addr = mem.addr + 50 * PS;
+        move || read_page(addr)
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!reader.is_finished());
+    pod.mark_present(12).unwrap();
+    assert_eq!(reader.join().unwrap(), Some(0));
+    assert_eq!(server.installed(), vec![1, 0, 2, 100, 50]);
     assert!(failures.try_recv().is_err());
 }
