@@ -789,3 +789,56 @@ fn a_sandbox_failed_here_is_released_to_the_pod_it_moved_to() {
         Ok(SandboxState::Deleted) | Err(_)
     ));
 }
+
+#[test]
+fn store_lazy_adoption_leaves_the_layer_to_the_wake() {
+    // A pod with lazy wakes adopting a sandbox (as a replica moves a lost
+    // pod's) fetches none of its layer: the wake does, lazily, and
+    // answers before the memory has arrived; the probe goes on with its
+    // exact sequence there.
+    const WORK: u32 = 16;
+    let (proxy, url, _, _one) = store_behind_proxy("lazy-adopt");
+    let data = DataDir::new("store-lazy-adopt-from");
+    let (service, id) = iterating_sandbox_with(&data.0, url.clone(), "fast", WORK, 100, lazy);
+    hibernate(&service, &id).expect("stored");
+    let other = DataDir::new("store-lazy-adopt-to");
+    let adopter = common::service_with_probe(
+        &other.0,
+        |c| {
+            c.object_store = Some(url.clone());
+            lazy(c);
+        },
+        "fast",
+        64,
+        &format!("probe.mib={WORK} probe.ticks=1 probe.hz=100"),
+    );
+    let sandbox = service.get_sandbox(&id).unwrap();
+    let template = service
+        .list_templates()
+        .unwrap()
+        .into_iter()
+        .find(|t| t.id == sandbox.template)
+        .unwrap();
+    let adopted = adopter
+        .adopt_sandbox(sandbox, template)
+        .expect("adopted by another pod");
+    let layer = adopted.snapshot.clone().expect("its snapshot's place");
+    assert!(
+        !layer.join("memory").exists(),
+        "the adoption fetched the memory file: {}",
+        layer.display()
+    );
+    service.release_sandbox(&id).unwrap();
+    // A slow store: the wake answers long before the layer's 16 MiB.
+    proxy.slow(Duration::from_millis(4));
+    let woken = adopter
+        .resume(&id)
+        .expect("a lazy wake on the adopting pod");
+    assert_eq!(woken.sandbox.state, SandboxState::Running);
+    let still = arriving(&adopter, &id);
+    println!("lazy wake of an adopted sandbox, memory still arriving: {still}");
+    assert!(still, "the whole layer arrived before the wake answered");
+    guest_iterates_mib(&other.0, &id, WORK);
+    proxy.slow(Duration::ZERO);
+    adopter.delete_sandbox(&id).unwrap();
+}

@@ -635,7 +635,12 @@ impl Service {
         let dir = self
             .sandbox_dir(&sandbox.id)
             .join(from.file_name().unwrap_or_else(|| "snapshot".as_ref()));
-        self.fetch_layer(&dir, manifest)?;
+        // With lazy wakes the wake that follows fetches it (its small files
+        // and working set, the rest of its memory while the guest runs:
+        // `snapshot_here`); else it is fetched whole now.
+        if !self.lazy_wake() {
+            self.fetch_layer(&dir, manifest)?;
+        }
         let here = Sandbox {
             pod: Some(PodId::new(super::LOCAL_POD)),
             snapshot: Some(dir.clone()),
