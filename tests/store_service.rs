@@ -398,6 +398,7 @@ fn store_gc_racing_hibernations_and_cold_wakes_takes_nothing_they_need() {
         .into_iter()
         .find(|t| t.id == sandbox.template)
         .unwrap();
+    let moved = sandbox.stored_snapshot.clone().expect("stored");
     adopter
         .adopt_sandbox(sandbox, template)
         .expect("adopted by another pod");
@@ -405,6 +406,12 @@ fn store_gc_racing_hibernations_and_cold_wakes_takes_nothing_they_need() {
     adopter.resume(&id).expect("a wake on the other pod");
     guest_iterates_mib(&other.0, &id, WORK);
     hibernate(&adopter, &id).unwrap();
+    // The manifest it moved with is the adopter's to drop once the layer
+    // goes (before: left in the store for good, and its chunks with it).
+    assert!(
+        !objects.join("manifests").join(&moved).exists(),
+        "the manifest {moved} it moved with is still in the store"
+    );
     evict(&adopter, &id);
     cold_wake(&adopter, &id);
     guest_iterates_mib(&other.0, &id, WORK);

@@ -175,11 +175,17 @@ async fn release_strays(
 /// say on a sandbox still being recovered at the pod's start, is not
 /// the last word).
 const ASK_AGAIN_AFTER_S: f64 = 10.0;
+/// How often a stray is asked in all: one a pod keeps refusing (say a copy
+/// it runs, which no release takes) is left to an operator (the warnings
+/// in the replicas' logs, the failed operations in the journal), the
+/// journal not growing by an operation every [`ASK_AGAIN_AFTER_S`].
+const ASK_AT_MOST: i64 = 10;
 
 /// `command` on `sandbox`, journaled for `pod` under idempotency `key`
 /// and sent to it, unless an operation of that key is pending or ended
 /// less than [`ASK_AGAIN_AFTER_S`] ago: an older one gives up its key
-/// (renamed `key#id`, kept in the journal) and the command is sent anew.
+/// (renamed `key#id`, kept in the journal) and the command is sent anew,
+/// [`ASK_AT_MOST`] times in all.
 #[allow(clippy::too_many_arguments)]
 async fn ask_once(
     js: &jetstream::Context,
@@ -212,8 +218,10 @@ async fn ask_once(
             .execute(
                 "UPDATE operations SET idempotency_key = idempotency_key || '#' || id
                  WHERE id = $1 AND status <> 'pending'
-                   AND finished_at < now() - make_interval(secs => $2)",
-                &[&op.id, &ASK_AGAIN_AFTER_S],
+                   AND finished_at < now() - make_interval(secs => $2)
+                   AND (SELECT count(*) FROM operations p WHERE p.tenant = operations.tenant
+                        AND starts_with(p.idempotency_key, $3::text || '#')) < $4::bigint - 1",
+                &[&op.id, &ASK_AGAIN_AFTER_S, &key, &ASK_AT_MOST],
             )
             .await
             .map_err(pg)?;

@@ -11,12 +11,17 @@ use serde::{Deserialize, Serialize};
 
 /// The file that commits a snapshot layer (written last).
 pub const STATE_FILE: &str = "state";
-/// Pages a restore touched first, recorded beside a snapshot (u64 page
-/// numbers, little endian) and prefetched by later restores: a template's
-/// (its first ms after a restore, ascending), or a snapshot's taken by a
-/// VMM whose memory a userfaultfd page server serves (the pages it
-/// installed since its restore, in that order).
+/// Pages a restore touched first, recorded beside a template's snapshot
+/// (u64 page numbers, little endian; its first ms after a restore,
+/// ascending) and prefetched by later restores.
 pub const WORKING_SET_FILE: &str = "working-set";
+/// The pages a sandbox's guest was given since its restore, recorded
+/// beside a snapshot taken by a VMM whose memory a userfaultfd page server
+/// serves (the format of [`WORKING_SET_FILE`], in the order first
+/// installed). A lazy wake fetches their chunks first once the guest runs;
+/// no restore prefetches them (a whole run's pages, installed eagerly,
+/// slowed wakes: docs/history.md, "Object storage").
+pub const TOUCHED_FILE: &str = "touched";
 /// Most pages a working set holds (a writer keeps the first ones, a
 /// reader ignores a longer file).
 pub const MAX_WORKING_SET_PAGES: u64 = 1 << 22;

@@ -319,7 +319,7 @@ impl Controller {
                 generation: self.generation,
                 taken_unix_ns: crate::identity::unix_now_ns(),
             };
-            self.write_working_set(&dir);
+            self.write_touched(&dir);
             record.write(&dir).map_err(|e| match e {
                 torpor_vmm_api::lineage::LineageError::Write { source, .. } => {
                     io("write the lineage record in", source)
@@ -363,11 +363,12 @@ impl Controller {
 }
 
 impl Controller {
-    /// Records the pages the page server installed since the restore as
-    /// the working set of snapshot `dir` (written before its state, whose
-    /// directory sync makes it durable too), which later restores from it
-    /// prefetch. Best effort: a snapshot without one restores all the same.
-    fn write_working_set(&self, dir: &Path) {
+    /// Records the pages the page server installed since the restore
+    /// beside snapshot `dir` (`TOUCHED_FILE`, written before its state,
+    /// whose directory sync makes it durable too), whose chunks a lazy wake
+    /// from it fetches first. Best effort: a snapshot without it restores
+    /// all the same.
+    fn write_touched(&self, dir: &Path) {
         let Some(installed) = &self.installed_pages else {
             return;
         };
@@ -375,7 +376,7 @@ impl Controller {
             Ok(pages) => tracing::debug!(?pages, "working set recorded in {}", dir.display()),
             Err(e) => {
                 tracing::warn!("cannot record the working set in {}: {e}", dir.display());
-                let _ = std::fs::remove_file(dir.join(torpor_vmm_api::lineage::WORKING_SET_FILE));
+                let _ = std::fs::remove_file(dir.join(torpor_vmm_api::lineage::TOUCHED_FILE));
             }
         }
     }

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use torpor_storage::{LazyFile, ManifestId, StorageError};
 use torpor_sync::Locked;
 use torpor_vmm_api::lazy::{FetchState, PodMap, LAZY_MAP_FILE};
-use torpor_vmm_api::lineage::{MAX_WORKING_SET_PAGES, WORKING_SET_FILE};
+use torpor_vmm_api::lineage::{MAX_WORKING_SET_PAGES, TOUCHED_FILE, WORKING_SET_FILE};
 
 use super::objects::ObjectStoreError;
 use super::{Service, ServiceError};
@@ -53,10 +53,9 @@ const WANTED: usize = 8;
 /// fetches are in flight.
 const WANTED_POLL: Duration = Duration::from_millis(1);
 /// Most bytes of the working set's chunks fetched before the restore; its
-/// other chunks come first in the background. A sandbox's snapshot records
-/// every page its guest was given since its wake (a probe rewriting 16 MiB
-/// has them all in it): fetched whole first, the wake would wait for about
-/// all of its memory, as an eager one does.
+/// other chunks come first in the background (a large set fetched whole
+/// first would make the wake wait for about all of the memory, as an
+/// eager one does).
 const BEFORE_RESTORE_BYTES: u64 = 4 << 20;
 
 /// How an arrival ended.
@@ -140,19 +139,19 @@ impl Arrivals {
     }
 }
 
-/// The chunks of `chunk_size` bytes a working set's pages fall in, in
-/// the order first touched, once each.
+/// The chunks of `chunk_size` bytes the pages of file `name` of layer
+/// `dir` fall in (a working set, [`WORKING_SET_FILE`], or the pages the
+/// guest was given, [`TOUCHED_FILE`]), in their order, once each.
 ///
 /// The layer's own set only: a lazily fetched layer is a full snapshot
 /// (the object store keeps only those: `objects::make_portable` rewrites
 /// its lineage to itself alone), so it has no parent layers whose sets a
 /// union could take, and its template's layer may not be on this pod. A
 /// uffd-backed VMM's snapshot records every page installed since its
-/// restore, the ones prefetched from its own chain's sets (its
-/// template's among them) included, so the sets of the layers before it
-/// are in its own.
-fn working_set_chunks(dir: &Path, chunk_size: u64, chunks: u64) -> Vec<u64> {
-    let Ok(bytes) = std::fs::read(dir.join(WORKING_SET_FILE)) else {
+/// restore in `touched`, the ones prefetched from its own chain's sets
+/// (its template's among them) included.
+fn working_set_chunks(dir: &Path, name: &str, chunk_size: u64, chunks: u64) -> Vec<u64> {
+    let Ok(bytes) = std::fs::read(dir.join(name)) else {
         return Vec::new();
     };
     if !bytes.len().is_multiple_of(8) || bytes.len() as u64 / 8 > MAX_WORKING_SET_PAGES {
@@ -239,12 +238,17 @@ impl Service {
             }
         };
         // The working set's first chunks before the restore: what the guest
-        // touches first; its other chunks first in the background.
-        let mut first: Vec<u64> = working_set_chunks(dir, file.chunk_size(), file.chunks())
-            .into_iter()
-            .filter(|&i| !file.is_hole(i))
-            .collect();
-        let then = first.split_off(first.len().min(before_restore_chunks(file.chunk_size())));
+        // touches first; its other chunks first in the background, then
+        // those of the pages the guest was given before its snapshot (a
+        // whole run's: fetched before the restore, they slowed the wake).
+        let chunks = |name| {
+            working_set_chunks(dir, name, file.chunk_size(), file.chunks())
+                .into_iter()
+                .filter(|&i| !file.is_hole(i))
+        };
+        let mut first: Vec<u64> = chunks(WORKING_SET_FILE).collect();
+        let mut then = first.split_off(first.len().min(before_restore_chunks(file.chunk_size())));
+        then.extend(chunks(TOUCHED_FILE));
         let then_len = then.len();
         let f = Arc::clone(&file);
         let want = first.clone();

@@ -653,10 +653,13 @@ impl Service {
             last_active_at: Timestamp::now(),
             ..sandbox
         };
+        // The layer's manifest is this pod's from now on (the pod it came
+        // from disowns its copy's when it releases it): dropped here once
+        // the layer goes, as a layer this pod uploaded.
         self.store.write(|tx| {
             tx.insert_sandbox(&here)?;
             tx.register_layers(&[(dir.clone(), None)])?;
-            tx.record_layer_object(&dir, manifest, false)
+            tx.record_layer_object(&dir, manifest, true)
         })?;
         tracing::info!(
             sandbox = %here.id,

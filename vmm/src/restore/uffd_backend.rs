@@ -47,10 +47,10 @@ pub fn read_working_set(dir: &Path) -> Vec<u64> {
         .collect()
 }
 
-/// The working sets of `chain`'s layers, newest first, each page once (at
-/// most [`MAX_WORKING_SET_PAGES`]): a wake from a sandbox's layer
-/// prefetches what the sandbox used before its snapshot, then the pages of
-/// older layers' sets (its template's among them) not in it.
+/// The working sets of `chain`'s layers (templates' recorded windows),
+/// newest first, each page once (at most [`MAX_WORKING_SET_PAGES`]). Not
+/// the pages a sandbox's snapshot records it was given (`TOUCHED_FILE`):
+/// a whole run's pages, prefetched, slowed wakes (docs/history.md).
 fn chain_working_set(chain: &SnapshotChain) -> Vec<u64> {
     union_newest_first(chain.layers.iter().rev().map(|l| read_working_set(&l.dir)))
 }
@@ -73,12 +73,17 @@ fn union_newest_first(sets: impl Iterator<Item = Vec<u64>>) -> Vec<u64> {
 
 /// Writes a working set atomically (temp name, then rename).
 pub(crate) fn write_working_set(dir: &Path, pages: &[u64]) -> std::io::Result<()> {
-    let tmp = dir.join(format!(".{WORKING_SET_FILE}.{}", std::process::id()));
+    write_pages(dir, WORKING_SET_FILE, pages)
+}
+
+/// Writes pages to `dir/name` atomically (temp name, then rename).
+fn write_pages(dir: &Path, name: &str, pages: &[u64]) -> std::io::Result<()> {
+    let tmp = dir.join(format!(".{name}.{}", std::process::id()));
     let mut f = File::create(&tmp)?;
     let bytes: Vec<u8> = pages.iter().flat_map(|p| p.to_le_bytes()).collect();
     f.write_all(&bytes)?;
     f.sync_all()?;
-    std::fs::rename(&tmp, dir.join(WORKING_SET_FILE))
+    std::fs::rename(&tmp, dir.join(name))
 }
 
 /// The shared shmem copy of the base memory file (see
@@ -122,7 +127,7 @@ impl InstalledPages {
         };
         let pages = server.installed();
         drop(server);
-        write_working_set(dir, &pages)?;
+        write_pages(dir, torpor_vmm_api::lineage::TOUCHED_FILE, &pages)?;
         Ok(Some(pages.len()))
     }
 }
