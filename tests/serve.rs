@@ -74,13 +74,7 @@ fn lifecycle_and_illegal_transitions() {
         request(&s.0.addr, "GET", "/healthz", None, None).status,
         200
     );
-    let templates = s.ok("GET", "/v1/templates", None);
-    let probe = templates["templates"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|t| t["name"] == "probe")
-        .expect("built-in probe template");
+    let probe = probe_template(&s);
     assert_eq!(probe["state"], "ready");
 
     let id = s.create(r#"{"template":"probe","metadata":{"team":"a"}}"#);
@@ -432,6 +426,18 @@ fn pages(dir: &Path, name: &str) -> Vec<u64> {
         .collect()
 }
 
+/// The built-in probe template as `GET /v1/templates` lists it.
+fn probe_template(s: &Serve) -> serde_json::Value {
+    let templates = s.ok("GET", "/v1/templates", None);
+    templates["templates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "probe")
+        .expect("built-in probe template")
+        .clone()
+}
+
 /// The probe's iteration lines in a sandbox's console, once there are `n`.
 fn wait_iterations(data: &Path, id: &str, n: usize) {
     let console = data.join("sandboxes").join(id).join("console.log");
@@ -460,13 +466,7 @@ fn a_uffd_sandboxs_hibernation_records_the_pages_its_guest_was_given() {
     use torpor_vmm_api::lineage::{TOUCHED_FILE, WORKING_SET_FILE};
     let d = data("serve-working-set");
     let s = Serve::start(&d.0, &["--memory-backend", "uffd"]);
-    let templates = s.ok("GET", "/v1/templates", None);
-    let probe = templates["templates"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|t| t["name"] == "probe")
-        .expect("built-in probe template");
+    let probe = probe_template(&s);
     let template_dir = PathBuf::from(probe["snapshot_dir"].as_str().expect("snapshot_dir"));
     let template_set = pages(&template_dir, WORKING_SET_FILE);
     assert!(!template_set.is_empty());

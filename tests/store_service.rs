@@ -192,6 +192,25 @@ fn cold_wake(service: &Arc<Service>, id: &SandboxId) {
     );
 }
 
+/// Sandbox `id` as `service` holds it, and its template: what another
+/// pod adopting it is given.
+fn sandbox_and_template(
+    service: &Arc<Service>,
+    id: &SandboxId,
+) -> (
+    torpor_scheduler::model::Sandbox,
+    torpor_scheduler::model::Template,
+) {
+    let sandbox = service.get_sandbox(id).unwrap();
+    let template = service
+        .list_templates()
+        .unwrap()
+        .into_iter()
+        .find(|t| t.id == sandbox.template)
+        .unwrap();
+    (sandbox, template)
+}
+
 /// A metric's value in the service's exposition (0 when absent).
 fn metric(service: &Arc<Service>, series: &str) -> f64 {
     service
@@ -391,13 +410,7 @@ fn store_gc_racing_hibernations_and_cold_wakes_takes_nothing_they_need() {
         64,
         &format!("probe.mib={WORK} probe.ticks=1 probe.hz=1"),
     );
-    let sandbox = service.get_sandbox(&id).unwrap();
-    let template = service
-        .list_templates()
-        .unwrap()
-        .into_iter()
-        .find(|t| t.id == sandbox.template)
-        .unwrap();
+    let (sandbox, template) = sandbox_and_template(&service, &id);
     let moved = sandbox.stored_snapshot.clone().expect("stored");
     adopter
         .adopt_sandbox(sandbox, template)
@@ -819,13 +832,7 @@ fn store_lazy_adoption_leaves_the_layer_to_the_wake() {
         64,
         &format!("probe.mib={WORK} probe.ticks=1 probe.hz=100"),
     );
-    let sandbox = service.get_sandbox(&id).unwrap();
-    let template = service
-        .list_templates()
-        .unwrap()
-        .into_iter()
-        .find(|t| t.id == sandbox.template)
-        .unwrap();
+    let (sandbox, template) = sandbox_and_template(&service, &id);
     let adopted = adopter
         .adopt_sandbox(sandbox, template)
         .expect("adopted by another pod");
