@@ -353,31 +353,35 @@ impl Service {
         ] {
             reg.register(name, help, histogram.clone());
         }
-        reg.register(
-            "torpor_object_store_sent_bytes",
-            "Bytes uploads sent to the object store (new chunks, compressed and framed)",
-            m.sent_bytes.clone(),
-        );
-        reg.register(
-            "torpor_object_store_layer_data_bytes",
-            "Data bytes (not holes) of the snapshot layers uploaded to the object store",
-            m.layer_data_bytes.clone(),
-        );
-        reg.register(
-            "torpor_object_store_new_bytes",
-            "Content bytes of the chunks uploads added to the object store (uncompressed): layer_data_bytes over this is the dedupe ratio",
-            m.new_bytes.clone(),
-        );
-        reg.register(
-            "torpor_object_store_fetched_bytes",
-            "Bytes fetched from the object store before a restore (whole layers; a lazy wake's small files and working set), compressed and framed",
-            m.fetched_bytes.clone(),
-        );
-        reg.register(
-            "torpor_object_store_arrived_bytes",
-            "Bytes lazy wakes fetched from the object store while their guest ran",
-            m.arrived_bytes.clone(),
-        );
+        for (name, help, counter) in [
+            (
+                "torpor_object_store_sent_bytes",
+                "Bytes uploads sent to the object store (new chunks, compressed and framed)",
+                &m.sent_bytes,
+            ),
+            (
+                "torpor_object_store_layer_data_bytes",
+                "Data bytes (not holes) of the snapshot layers uploaded to the object store",
+                &m.layer_data_bytes,
+            ),
+            (
+                "torpor_object_store_new_bytes",
+                "Content bytes of the chunks uploads added to the object store (uncompressed): layer_data_bytes over this is the dedupe ratio",
+                &m.new_bytes,
+            ),
+            (
+                "torpor_object_store_fetched_bytes",
+                "Bytes fetched from the object store before a restore (whole layers; a lazy wake's small files and working set), compressed and framed",
+                &m.fetched_bytes,
+            ),
+            (
+                "torpor_object_store_arrived_bytes",
+                "Bytes lazy wakes fetched from the object store while their guest ran",
+                &m.arrived_bytes,
+            ),
+        ] {
+            reg.register(name, help, counter.clone());
+        }
         let mut out = String::new();
         // Writing to a `String` cannot fail.
         let _ = prometheus_text::encode(&mut out, &reg);
