@@ -174,7 +174,7 @@ pub struct BuiltVm {
     /// The pages a uffd backend's page server installed, which a snapshot
     /// records as its working set (None for a boot and the `file`
     /// backend, which install no page themselves).
-    pub installed_pages: Option<crate::restore::InstalledPages>,
+    pub installed_pages: Option<crate::uffd::InstalledPages>,
     pub msr_indices: Vec<u32>,
     pub virtio: crate::virtio_devices::VirtioDevices,
     pub dirty_tracking: DirtyTracking,

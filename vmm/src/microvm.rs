@@ -121,7 +121,7 @@ struct Controller {
     dirty_tracking: DirtyTracking,
     wp_tracker: Option<WpTracker>,
     /// A uffd backend's installed pages: each snapshot's working set.
-    installed_pages: Option<crate::restore::InstalledPages>,
+    installed_pages: Option<crate::uffd::InstalledPages>,
 }
 
 /// The dirty set of one snapshot and what reading it cost.

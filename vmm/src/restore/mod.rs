@@ -26,7 +26,6 @@ pub use chain::{load_chain, LayerFile, SnapshotChain};
 use file_backend::map_file_layers;
 pub(crate) use file_backend::map_fixed_private;
 pub use shell::{create_shell, Shell};
-pub use uffd_backend::InstalledPages;
 
 /// Longest chain of diff snapshots we follow before assuming a loop.
 pub use torpor_vmm_api::lineage::MAX_CHAIN_DEPTH;

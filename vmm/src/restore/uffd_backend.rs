@@ -3,7 +3,6 @@
 //! `uffd-shared`, working-set prefetch and recording.
 
 use std::fs::File;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -15,7 +14,7 @@ use crate::restore::{
     map_fixed_private, RestoreBackend, RestoreError, RestoreOptions, SnapshotChain,
 };
 use crate::snapshot::{self, PAGE_SIZE};
-use crate::uffd::{Layers, Mode, PageServer, Region, ServerOptions};
+use crate::uffd::{InstalledPages, Layers, Mode, PageServer, Region, ServerOptions};
 
 /// Longest working set we read back (a corrupt file must not eat memory)
 /// or write.
@@ -73,17 +72,7 @@ fn union_newest_first(sets: impl Iterator<Item = Vec<u64>>) -> Vec<u64> {
 
 /// Writes a working set atomically (temp name, then rename).
 pub(crate) fn write_working_set(dir: &Path, pages: &[u64]) -> std::io::Result<()> {
-    write_pages(dir, WORKING_SET_FILE, pages)
-}
-
-/// Writes pages to `dir/name` atomically (temp name, then rename).
-fn write_pages(dir: &Path, name: &str, pages: &[u64]) -> std::io::Result<()> {
-    let tmp = dir.join(format!(".{name}.{}", std::process::id()));
-    let mut f = File::create(&tmp)?;
-    let bytes: Vec<u8> = pages.iter().flat_map(|p| p.to_le_bytes()).collect();
-    f.write_all(&bytes)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, dir.join(name))
+    crate::uffd::write_pages(dir, WORKING_SET_FILE, pages)
 }
 
 /// The shared shmem copy of the base memory file (see
@@ -106,29 +95,7 @@ pub struct UffdMemory {
 impl UffdMemory {
     /// What the VM's snapshots read their working set from.
     pub fn installed_pages(&self) -> InstalledPages {
-        InstalledPages(Arc::downgrade(&self.server))
-    }
-}
-
-/// The pages a uffd-backed VM's page server installed since the restore
-/// (by a fault or the prefetch), for a snapshot to record as its working
-/// set. Weak: the page server's life is the VM's memory's, not the
-/// snapshot path's.
-#[derive(Debug, Clone)]
-pub struct InstalledPages(Weak<PageServer>);
-
-impl InstalledPages {
-    /// Writes them as `dir`'s working set (see
-    /// [`PageServer::installed`]); the number of pages, or `None` when the
-    /// page server is gone.
-    pub fn write(&self, dir: &Path) -> std::io::Result<Option<usize>> {
-        let Some(server) = self.0.upgrade() else {
-            return Ok(None);
-        };
-        let pages = server.installed();
-        drop(server);
-        write_pages(dir, torpor_vmm_api::lineage::TOUCHED_FILE, &pages)?;
-        Ok(Some(pages.len()))
+        InstalledPages::of(&self.server)
     }
 }
 

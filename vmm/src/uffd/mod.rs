@@ -127,6 +127,7 @@
 //! installs the page protected unless a write fault asked for it, so
 //! `PAGEMAP_SCAN` reports exactly the pages written after the restore.
 
+mod installed;
 mod layers;
 mod regions;
 pub(crate) mod server;
@@ -135,6 +136,8 @@ mod tests;
 
 use std::time::Duration;
 
+pub(crate) use installed::write_pages;
+pub use installed::InstalledPages;
 pub use layers::{Layers, Source};
 pub use server::{PageServer, Stats};
 
