@@ -109,6 +109,15 @@ fn layer_name(dir: &Path) -> String {
 
 /// A pod's object store: torpor-storage's [`Storage`] and the runtime its
 /// requests run on (the service's calls are blocking).
+/// What a pass of [`Service::store_pending_hibernations`] did.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct PendingStored {
+    /// Hibernations stored.
+    pub stored: usize,
+    /// Hibernations left for a later pass: their sandbox was busy.
+    pub busy: usize,
+}
+
 /// When a hibernation is answered, with an object store.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum HibernateAck {
@@ -350,7 +359,12 @@ pub(super) fn start_upkeep(service: &Arc<Service>) {
                 };
                 let soon = objects.store_soon.swap(false, Ordering::SeqCst);
                 if soon || stored_at.is_none_or(|t| t.elapsed() >= STORE_AGAIN_EVERY) {
-                    service.store_pending_hibernations();
+                    // One held by its operation (a hibernation answered
+                    // before its upload, still returning) is tried again
+                    // at the next tick, not at the next pass.
+                    if service.store_pending_hibernations().busy > 0 {
+                        objects.store_soon.store(true, Ordering::SeqCst);
+                    }
                     stored_at = Some(Instant::now());
                 }
                 if collected_at.elapsed() >= GC_EVERY {
@@ -381,8 +395,8 @@ impl Service {
     /// request answered the store's error, the sandbox hibernated on this
     /// pod's disk). Until stored, such a sandbox would go with this pod
     /// were it lost. A sandbox busy with another operation waits for the
-    /// next pass. How many were stored.
-    pub fn store_pending_hibernations(&self) -> usize {
+    /// next pass. How many were stored, and how many were busy.
+    pub(super) fn store_pending_hibernations(&self) -> PendingStored {
         let filter = SandboxFilter {
             states: vec![SandboxState::Hibernated],
             ..SandboxFilter::default()
@@ -391,15 +405,16 @@ impl Service {
             Ok(list) => list,
             Err(e) => {
                 tracing::warn!("cannot list the hibernations to store: {e}");
-                return 0;
+                return PendingStored::default();
             }
         };
-        let mut stored = 0;
+        let mut out = PendingStored::default();
         for s in pending
             .iter()
             .filter(|s| !s.disk_only && s.snapshot.is_some() && s.stored_snapshot.is_none())
         {
             let Some(_guard) = self.locks.try_lock(&s.id) else {
+                out.busy += 1;
                 continue;
             };
             let now = self
@@ -409,14 +424,14 @@ impl Service {
                 .and_then(|now| self.store_hibernation(now));
             match now {
                 Ok(now) if now.stored_snapshot.is_some() => {
-                    stored += 1;
+                    out.stored += 1;
                     tracing::info!(sandbox = %s.id, "a hibernation not stored yet is stored");
                 }
                 Ok(_) => {}
                 Err(e) => tracing::warn!(sandbox = %s.id, "a hibernation not stored yet: {e}"),
             }
         }
-        stored
+        out
     }
 
     /// The manifests of the layers this pod uploaded whose files went
