@@ -107,8 +107,6 @@ fn layer_name(dir: &Path) -> String {
     parts.join("/")
 }
 
-/// A pod's object store: torpor-storage's [`Storage`] and the runtime its
-/// requests run on (the service's calls are blocking).
 /// What a pass of [`Service::store_pending_hibernations`] did.
 #[derive(Debug, Default, Clone, Copy)]
 pub(super) struct PendingStored {
@@ -132,6 +130,8 @@ pub enum HibernateAck {
     Local,
 }
 
+/// A pod's object store: torpor-storage's [`Storage`] and the runtime its
+/// requests run on (the service's calls are blocking).
 pub struct ObjectStore {
     storage: Storage,
     ack: HibernateAck,
