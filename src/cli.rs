@@ -420,6 +420,13 @@ pub struct ServiceFlags {
     /// `stored_snapshot` until then).
     #[arg(long, value_enum, default_value_t = HibernateAckArg::Stored, requires = "object_store")]
     pub hibernate_ack: HibernateAckArg,
+    /// With --object-store: the bound, in MiB, of this pod's chunk cache
+    /// (`<data-dir>/chunk-cache`), which every snapshot layer fetched here
+    /// reads its chunks through: chunks this pod's sandboxes share (most of
+    /// those of one template) are fetched from the store once. Least
+    /// recently used chunks go first; 0 turns it off.
+    #[arg(long, value_name = "MIB", default_value_t = torpor_scheduler::service::DEFAULT_CHUNK_CACHE_MIB)]
+    pub chunk_cache_mib: u64,
     /// Default keep-alive of a sandbox before it is hibernated when idle
     /// (at most 30 days).
     #[arg(long, default_value_t = 300_000,

@@ -221,6 +221,73 @@ fn metric(service: &Arc<Service>, series: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// Two sandboxes of one template, hibernated and stored, woken cold one
+/// after the other: the second's fetch reads the chunks the first
+/// brought (those of the template's memory they share: the probe's 8 MiB
+/// workload as the template's snapshot left it, the next iteration a
+/// minute away) from the pod's chunk cache, not from the store.
+#[test]
+fn store_cold_wakes_of_one_templates_sandboxes_share_the_chunk_cache() {
+    let data = DataDir::new("store-cache");
+    let objects = data.0.join("objects");
+    let service = common::service_with_probe(
+        &data.0,
+        |c| c.object_store = Some(objects.display().to_string()),
+        "slow",
+        64,
+        "probe.mib=8 probe.ticks=600 probe.hz=10",
+    );
+    let ids: Vec<SandboxId> = (0..2)
+        .map(|_| {
+            service
+                .create_sandbox(CreateSandbox {
+                    template: "slow".into(),
+                    ..Default::default()
+                })
+                .expect("create")
+                .id
+        })
+        .collect();
+    for id in &ids {
+        hibernate(&service, id).unwrap();
+        evict(&service, id);
+    }
+    assert!(
+        data.0.join("chunk-cache").is_dir(),
+        "no cache in the data directory"
+    );
+    let fetched = |s: &Arc<Service>| metric(s, "torpor_chunk_cache_fetched_bytes");
+    let hits = |s: &Arc<Service>| metric(s, "torpor_chunk_cache_hits");
+    assert_eq!((fetched(&service), hits(&service)), (0.0, 0.0));
+    cold_wake(&service, &ids[0]);
+    let first = fetched(&service);
+    assert!(first > 0.0, "the first cold wake fetched nothing");
+    cold_wake(&service, &ids[1]);
+    let second = fetched(&service) - first;
+    let hit = hits(&service);
+    println!(
+        "cold wakes of two sandboxes of one template: fetched {first} B, then {second} B \
+         and {hit} chunks from the cache"
+    );
+    // The workload's 8 chunks at least.
+    assert!(
+        hit >= 8.0,
+        "the second wake read {hit} chunks from the cache"
+    );
+    assert!(second < first / 2.0, "fetched {first} B, then {second} B");
+    for id in &ids {
+        assert_eq!(
+            service.get_sandbox(id).unwrap().state,
+            SandboxState::Running
+        );
+    }
+    assert!(metric(&service, "torpor_chunk_cache_bytes") > 0.0);
+    assert_eq!(
+        metric(&service, "torpor_chunk_cache_limit_bytes"),
+        (torpor_scheduler::service::DEFAULT_CHUNK_CACHE_MIB << 20) as f64
+    );
+}
+
 #[test]
 fn store_s3_stopped_mid_upload_loses_no_sandbox() {
     const WORK: u32 = 8;

@@ -57,14 +57,17 @@ impl Cluster {
 
     /// `sandbox` of `pod` as a client reads it: [`SandboxState::Lost`],
     /// saying why, when that pod is lost for good and the sandbox cannot
-    /// move; else as its row has it.
+    /// move; else as its row has it, but with no VMM when that pod is
+    /// lost (one that moves runs nowhere until a command moves it).
     pub(super) fn lost_view(&self, mut sandbox: Sandbox, pod: &PodRow) -> Sandbox {
         let gone = matches!(sandbox.state, SandboxState::Deleted | SandboxState::Lost);
+        if self.is_lost(pod) {
+            sandbox.vmm = None;
+        }
         if self.is_lost(pod) && !movable(&sandbox) && !gone {
             sandbox.failure_reason = Some(lost_reason(&sandbox, pod));
             sandbox.last_durable_at = own_stored_at(&sandbox);
             sandbox.state = SandboxState::Lost;
-            sandbox.vmm = None;
         }
         sandbox
     }

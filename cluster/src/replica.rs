@@ -533,19 +533,19 @@ impl SandboxApi for Cluster {
 
     /// With its secrets (`guest.rs`): envd checks its token, and gives
     /// its processes its environment.
-    /// A sandbox of a pod lost for good that cannot move reads as lost
-    /// (`moved.rs`); of a pod only down, 503.
+    /// A sandbox of a pod lost for good reads as its list shows it
+    /// (`moved.rs`): lost if it cannot move, else as its row has it (a
+    /// command moves it); of a pod only down, 503.
     async fn get_sandbox(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
         async {
             let sandbox = match self.owned_up(id).await {
                 Ok((sandbox, _)) => sandbox,
                 Err(e) => {
                     let (sandbox, pod) = self.owned(id).await?;
-                    let sandbox = self.lost_view(sandbox, &pod);
-                    if sandbox.state != torpor_scheduler::state::SandboxState::Lost {
+                    if !self.is_lost(&pod) {
                         return Err(e);
                     }
-                    sandbox
+                    self.lost_view(sandbox, &pod)
                 }
             };
             self.with_secrets(sandbox).await

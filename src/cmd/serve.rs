@@ -169,6 +169,7 @@ fn open_service(
         .map(std::time::Duration::from_secs);
     config.lazy_wake = flags.lazy_wake;
     config.hibernate_ack = flags.hibernate_ack.ack();
+    config.chunk_cache_mib = flags.chunk_cache_mib;
     config.default_keep_alive_ms = flags.keep_alive_ms;
     config.exec_timeout_ms = flags.exec_timeout_ms.max(1);
     config.standby_pool = flags.standby_pool;

@@ -227,6 +227,31 @@ impl ChunkCache {
         offset: usize,
         len: usize,
     ) -> Result<Vec<u8>, StorageError> {
+        let (buf, _) = self.get(storage, at, max_len, Some((offset, len))).await?;
+        Ok(buf)
+    }
+
+    /// The whole chunk `at` names (of at most `max_len` bytes), from the
+    /// cache or fetched from `storage` into it, and the stored bytes
+    /// fetched for it (0 from the cache).
+    pub(crate) async fn chunk(
+        &self,
+        storage: &Storage,
+        at: &ChunkAt,
+        max_len: u64,
+    ) -> Result<(Vec<u8>, u64), StorageError> {
+        self.get(storage, at, max_len, None).await
+    }
+
+    /// The chunk's bytes in `range` (offset, length; all of it if none)
+    /// and the stored bytes fetched.
+    async fn get(
+        &self,
+        storage: &Storage,
+        at: &ChunkAt,
+        max_len: u64,
+        range: Option<(usize, usize)>,
+    ) -> Result<(Vec<u8>, u64), StorageError> {
         loop {
             if self.lru.locked().touch(&at.hash) {
                 let path = self.path(&at.hash);
@@ -237,6 +262,13 @@ impl ChunkCache {
                         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
                         Err(e) => return Err(StorageError::io(&path, e)),
                     };
+                    let (offset, len) = match range {
+                        Some(r) => r,
+                        None => {
+                            let len = file.metadata().map_err(|e| StorageError::io(&path, e))?;
+                            (0, len.len() as usize)
+                        }
+                    };
                     let mut buf = vec![0u8; len];
                     file.read_exact_at(&mut buf, offset as u64)
                         .map_err(|e| StorageError::io(&path, e))?;
@@ -245,7 +277,7 @@ impl ChunkCache {
                 .await?;
                 if let Some(buf) = got {
                     self.hits.fetch_add(1, Ordering::Relaxed);
-                    return Ok(buf);
+                    return Ok((buf, 0));
                 }
                 self.lru.locked().remove(&at.hash);
             }
@@ -263,25 +295,29 @@ impl ChunkCache {
             let fetched = self.fetch(storage, at, max_len).await;
             drop(held);
             self.fetching.locked().remove(&at.hash);
-            let raw = fetched?;
-            return Ok(raw[offset..offset + len].to_vec());
+            let (raw, stored) = fetched?;
+            return Ok(match range {
+                Some((offset, len)) => (raw[offset..offset + len].to_vec(), stored),
+                None => (raw, stored),
+            });
         }
     }
 
-    /// Fetches the chunk `at` names, checks it and caches it; its content.
+    /// Fetches the chunk `at` names, checks it and caches it; its content
+    /// and its stored length.
     async fn fetch(
         &self,
         storage: &Storage,
         at: &ChunkAt,
         max_len: u64,
-    ) -> Result<Vec<u8>, StorageError> {
+    ) -> Result<(Vec<u8>, u64), StorageError> {
         let (raw, stored_len) = storage.fetch_chunk(at, max_len).await?;
         self.fetches.fetch_add(1, Ordering::Relaxed);
         self.fetched_bytes.fetch_add(stored_len, Ordering::Relaxed);
         let size = raw.len() as u64;
         if size > self.limit {
             // Larger than the whole cache: served, not kept.
-            return Ok(raw);
+            return Ok((raw, stored_len));
         }
         // Room first, so that the directory never holds more than the
         // limit: the victims' files go before this one is written.
@@ -309,7 +345,7 @@ impl ChunkCache {
             }
             std::fs::write(&temp, &raw).map_err(|e| StorageError::io(&temp, e))?;
             std::fs::rename(&temp, &path).map_err(|e| StorageError::io(&path, e))?;
-            Ok(raw)
+            Ok((raw, stored_len))
         })
         .await;
         let mut lru = self.lru.locked();

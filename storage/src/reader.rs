@@ -36,8 +36,12 @@ pub struct DownloadReport {
     pub data_bytes: u64,
     /// What was fetched: the chunks' stored bytes.
     pub fetched_bytes: u64,
-    /// Chunks fetched.
+    /// Chunks the layer's files name (fetched, or read from the chunk
+    /// cache).
     pub chunks: u64,
+    /// Of them, read from the chunk cache ([`Storage::with_cache`]):
+    /// nothing fetched.
+    pub from_cache: u64,
     /// All-zero chunks, left as holes.
     pub holes: u64,
     /// The time it took.
@@ -66,6 +70,17 @@ impl Storage {
                 at: Box::new(at.clone()),
                 why,
             }),
+        }
+    }
+
+    /// The content of the chunk `at` names (of at most `max_len` bytes)
+    /// and the stored bytes fetched for it: through the store's chunk
+    /// cache when it has one ([`Storage::with_cache`]; nothing fetched
+    /// when it holds the chunk), else from the store.
+    async fn chunk(&self, at: &ChunkAt, max_len: u64) -> Result<(Vec<u8>, u64), StorageError> {
+        match self.cache() {
+            Some(cache) => cache.chunk(self, at, max_len).await,
+            None => self.fetch_chunk(at, max_len).await,
         }
     }
 
@@ -166,6 +181,7 @@ impl Storage {
         let chunks = work.len() as u64;
         let fetched = AtomicU64::new(0);
         let data = AtomicU64::new(0);
+        let cached = AtomicU64::new(0);
         let written: Result<Vec<()>, StorageError> = stream::iter(work)
             .map(|(fi, index, hash)| {
                 let at = ChunkAt {
@@ -175,10 +191,11 @@ impl Storage {
                     hash,
                 };
                 let (file, path) = (temps[fi].0.clone(), temps[fi].1.clone());
-                let (fetched, data) = (&fetched, &data);
+                let (fetched, data, cached) = (&fetched, &data, &cached);
                 async move {
-                    let (raw, stored) = self.fetch_chunk(&at, cs).await?;
+                    let (raw, stored) = self.chunk(&at, cs).await?;
                     fetched.fetch_add(stored, Ordering::Relaxed);
+                    cached.fetch_add(u64::from(stored == 0), Ordering::Relaxed);
                     data.fetch_add(raw.len() as u64, Ordering::Relaxed);
                     blocking(move || {
                         sparse::write_sparse(&file, index * cs, &raw)
@@ -214,6 +231,7 @@ impl Storage {
             data_bytes: data.into_inner(),
             fetched_bytes: fetched.into_inner(),
             chunks,
+            from_cache: cached.into_inner(),
             holes: manifest
                 .files
                 .iter()
@@ -281,7 +299,7 @@ impl LazyFile {
             index: i,
             hash,
         };
-        let (raw, stored) = self.storage.fetch_chunk(&at, self.chunk_size).await?;
+        let (raw, stored) = self.storage.chunk(&at, self.chunk_size).await?;
         let (file, path, offset) = (self.file.clone(), self.local.clone(), i * self.chunk_size);
         blocking(move || {
             sparse::write_sparse(&file, offset, &raw).map_err(|e| StorageError::io(&path, e))

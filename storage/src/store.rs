@@ -22,6 +22,7 @@ use object_store::path::Path as Key;
 use object_store::prefix::PrefixStore;
 use object_store::{BackoffConfig, ClientOptions, ObjectStore, ObjectStoreExt, RetryConfig};
 
+use crate::cache::ChunkCache;
 use crate::chunk::DEFAULT_CHUNK_SIZE;
 use crate::config::{check_endpoint, StoreConfig};
 use crate::error::StorageError;
@@ -100,6 +101,9 @@ struct Inner {
     store: Arc<dyn ObjectStore>,
     label: String,
     options: StorageOptions,
+    /// Where downloads and lazy files take their chunks from first
+    /// ([`Storage::with_cache`]).
+    cache: Option<Arc<ChunkCache>>,
 }
 
 impl std::fmt::Debug for Storage {
@@ -184,6 +188,7 @@ impl Storage {
                 store,
                 label,
                 options,
+                cache: None,
             }),
         })
     }
@@ -195,8 +200,29 @@ impl Storage {
                 store: self.inner.store.clone(),
                 label: self.inner.label.clone(),
                 options,
+                cache: self.inner.cache.clone(),
             }),
         }
+    }
+
+    /// The same store whose layer downloads and lazy files
+    /// ([`Storage::download_layer`], [`crate::LazyFile`]) read their chunks
+    /// through `cache`: a chunk another layer brought to this host is not
+    /// fetched again (a pod's sandboxes of one template share most).
+    pub fn with_cache(&self, cache: Arc<ChunkCache>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                store: self.inner.store.clone(),
+                label: self.inner.label.clone(),
+                options: self.inner.options.clone(),
+                cache: Some(cache),
+            }),
+        }
+    }
+
+    /// The chunk cache downloads go through, if any.
+    pub fn cache(&self) -> Option<&Arc<ChunkCache>> {
+        self.inner.cache.as_ref()
     }
 
     /// The store, as its configuration prints.

@@ -39,6 +39,11 @@ async fn local_lru_cache_holds_its_bound() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_downloads_through_the_cache_fetch_only_what_it_lacks() {
+    common::downloads_through_the_cache_fetch_only_what_it_lacks(&backend()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_deleted_manifest_unshared_chunks_are_collected() {
     common::deleted_manifest_unshared_chunks_are_collected(&backend()).await;
 }

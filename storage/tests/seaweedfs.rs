@@ -101,6 +101,7 @@ mod seaweedfs_ {
         dedupe_across_layers_sharing_most_chunks,
         corrupted_chunk_is_detected_and_named,
         lru_cache_holds_its_bound,
+        downloads_through_the_cache_fetch_only_what_it_lacks,
         deleted_manifest_unshared_chunks_are_collected,
         gc_spares_the_chunks_of_an_upload_in_progress,
         gc_taking_a_reused_chunk_mid_upload_is_repaired,

@@ -84,7 +84,13 @@ pub struct Report {
     /// hibernation acknowledged, the state check would count it lost).
     pub unstored_on_lost_pod: Vec<String>,
     pub moved_from_lost_pod: usize,
+    /// Of them, those still there at the end (no command came for them
+    /// during the run), moved by a wake at the end.
+    pub moved_at_the_end: usize,
     pub deleted_from_lost_pod: usize,
+    /// Of them, those a client changed between the listing and the kill
+    /// (a wake the pod answered: a later generation), which went with it.
+    pub changed_before_the_kill: usize,
     /// Sandboxes running on the pod lost for good, read `lost` at the end
     /// (their state went with the pod: not an acknowledged operation lost).
     pub running_lost_with_pod: usize,
@@ -139,8 +145,16 @@ impl Report {
             self.moved_from_lost_pod,
         );
         row(
+            "    moved by a wake at the end".into(),
+            self.moved_at_the_end,
+        );
+        row(
             "  of them deleted by a client".into(),
             self.deleted_from_lost_pod,
+        );
+        row(
+            "  of them changed before the kill".into(),
+            self.changed_before_the_kill,
         );
         row("lost (must be 0)".into(), self.lost.len());
         row("doubled sandboxes".into(), self.doubled.len());
@@ -455,12 +469,14 @@ pub fn run(c: &Cluster, chaos: &Chaos) -> Report {
         faults: faults.into_inner().unwrap(),
         ..Report::default()
     };
+    let mut held_then = BTreeMap::new();
     if let Some((pod, held)) = lost.into_inner().unwrap() {
         report.lost_pod = Some(pod);
         for s in held {
             let id = s["id"].as_str().unwrap_or_default().to_string();
             if s["stored_snapshot"].is_string() {
-                report.hibernated_on_lost_pod.push(id);
+                report.hibernated_on_lost_pod.push(id.clone());
+                held_then.insert(id, s);
             } else {
                 report.unstored_on_lost_pod.push(id);
             }
@@ -469,7 +485,7 @@ pub fn run(c: &Cluster, chaos: &Chaos) -> Report {
     c.wait_pods(if report.lost_pod.is_some() { 1 } else { 2 });
     check_state(c, &models, &mut report);
     check_wakes(c, chaos.seed, &models, &mut report);
-    check_moved(c, &models, &mut report);
+    check_moved(c, chaos.seed, &models, &held_then, &mut report);
     check_vmms(c, &mut report);
     // What the lost pod was sent stays unacked in its consumer: its
     // operations are ended by the replicas (`expiry.rs`).
@@ -608,21 +624,56 @@ fn check_wakes(c: &Cluster, seed: u64, models: &[Model], report: &mut Report) {
     }
 }
 
-/// What became of the sandboxes hibernated on the pod lost for good: each
-/// is on the other pod now, or a client deleted it (acknowledged);
-/// anything else is lost.
-fn check_moved(c: &Cluster, models: &[Model], report: &mut Report) {
+/// What became of the sandboxes hibernated on the pod lost for good
+/// (`held`: as listed just before the kill): each is on the other pod
+/// now, or a client deleted it (acknowledged); one still listed on the
+/// lost pod, hibernated (no command came for it), moves with a wake now.
+/// One a client changed after the listing, before the kill (its
+/// generation later, read lost: a wake the pod answered) went with the
+/// pod; anything else is lost.
+fn check_moved(
+    c: &Cluster,
+    seed: u64,
+    models: &[Model],
+    held: &BTreeMap<String, Value>,
+    report: &mut Report,
+) {
+    let mut rng = Rng::new(seed ^ 0x40fe);
+    let counters = Counters::default();
     let listed = listed(c);
     let lost_pod = report.lost_pod.map(|p| format!("pod{p}"));
     for id in report.hibernated_on_lost_pod.clone() {
         let deleted = models
             .iter()
             .any(|m| m.sandboxes.get(&id) == Some(&(Known::Deleted, true)));
+        let then = held[&id]["generation"].as_u64().unwrap_or_default();
         match listed.get(&id) {
             None if deleted => report.deleted_from_lost_pod += 1,
             Some(s) if s["pod"].as_str() != lost_pod.as_deref() => report.moved_from_lost_pod += 1,
+            Some(s) if s["state"] == "hibernated" => {
+                let key = format!("chaos-{seed:x}-move-{id}");
+                let path = format!("/v1/sandboxes/{id}/connect");
+                let r = definite(c, &mut rng, &counters, "POST", &path, Some(&key), None);
+                let after = (r.status == 200).then(|| r.json()["sandbox"].clone());
+                let pod = after.as_ref().and_then(|s| s["pod"].as_str());
+                if after.as_ref().is_some_and(|s| s["state"] == "running")
+                    && pod.is_some()
+                    && pod != lost_pod.as_deref()
+                {
+                    report.moved_from_lost_pod += 1;
+                    report.moved_at_the_end += 1;
+                } else {
+                    report.lost.push(format!(
+                        "sandbox {id}: hibernated on the lost pod, its wake at the end answered {} {}",
+                        r.status, r.body
+                    ));
+                }
+            }
+            Some(s) if s["state"] == "lost" && s["generation"].as_u64() > Some(then) => {
+                report.changed_before_the_kill += 1;
+            }
             other => report.lost.push(format!(
-                "sandbox {id}: hibernated on the lost pod, at the end {}",
+                "sandbox {id}: hibernated on the lost pod (generation {then}), at the end {}",
                 other.map_or("not listed (no delete acknowledged)".to_string(), |s| s
                     .to_string())
             )),

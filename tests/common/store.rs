@@ -271,8 +271,20 @@ pub fn outlive_a_lost_pod(c: &Cluster, objects: Option<&Path>) {
     assert_eq!(c.call(2, "DELETE", &delete, None).status, 204);
     assert_eq!(c.call(1, "GET", &delete, None).status, 404);
     let path = format!("/v1/sandboxes/{id}");
-    let r = c.call(1, "GET", &path, None);
-    println!("read while its pod is lost: {} {}", r.status, r.body);
+    // Read while its pod is lost, before a command moves it: its row,
+    // running nowhere (before: 503 for good, as if pod1 were only down).
+    for n in [1, 2] {
+        let r = c.call(n, "GET", &path, None);
+        println!("read while its pod is lost: {} {}", r.status, r.body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let s = r.json();
+        assert_eq!(s["state"], "hibernated", "{s}");
+        assert_eq!(s["pod"], "pod1", "{s}");
+        assert!(
+            s["vmm"].is_null() && s["stored_snapshot"].is_string(),
+            "{s}"
+        );
+    }
 
     lost_with_its_pod(c, &running, None);
     lost_with_its_pod(c, &woken, Some(&durable_at));

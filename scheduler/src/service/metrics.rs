@@ -449,6 +449,53 @@ impl Service {
         ] {
             reg.register(name, help, ConstCounter::new(n));
         }
+        self.register_chunk_cache(reg);
+    }
+
+    /// The pod's chunk cache (`--chunk-cache-mib`), when it has one.
+    fn register_chunk_cache(&self, reg: &mut Registry) {
+        let Some(cache) = self.objects.as_ref().and_then(|o| o.storage().cache()) else {
+            return;
+        };
+        let s = cache.stats();
+        for (name, help, n) in [
+            (
+                "torpor_chunk_cache_hits",
+                "Chunks of fetched layers read from the pod's chunk cache",
+                s.hits,
+            ),
+            (
+                "torpor_chunk_cache_fetches",
+                "Chunks the pod's chunk cache fetched from the object store",
+                s.fetches,
+            ),
+            (
+                "torpor_chunk_cache_fetched_bytes",
+                "Stored bytes the pod's chunk cache fetched from the object store",
+                s.fetched_bytes,
+            ),
+            (
+                "torpor_chunk_cache_evictions",
+                "Chunks the pod's chunk cache dropped to stay within its bound",
+                s.evictions,
+            ),
+        ] {
+            reg.register(name, help, ConstCounter::new(n));
+        }
+        for (name, help, n) in [
+            (
+                "torpor_chunk_cache_bytes",
+                "Bytes of chunks in the pod's chunk cache",
+                s.bytes,
+            ),
+            (
+                "torpor_chunk_cache_limit_bytes",
+                "The bound of the pod's chunk cache (--chunk-cache-mib)",
+                cache.limit(),
+            ),
+        ] {
+            reg.register(name, help, ConstGauge::new(n));
+        }
     }
 }
 

@@ -78,6 +78,9 @@ pub const DEFAULT_DELETED_RETENTION_MS: u64 = 7 * 24 * 3600 * 1000;
 /// Default (and largest) exec timeout: 10 minutes.
 pub const DEFAULT_EXEC_TIMEOUT_MS: u64 = 10 * 60 * 1000;
 
+/// Default bound of a pod's chunk cache (`--chunk-cache-mib`): 1 GiB.
+pub const DEFAULT_CHUNK_CACHE_MIB: u64 = 1024;
+
 /// How the service runs.
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
@@ -149,6 +152,12 @@ pub struct ServiceConfig {
     /// the guest runs (`serve --lazy-wake`; `uffd` backend only, others
     /// wake eagerly). Off by default: docs/cluster.md, "The wake path".
     pub lazy_wake: bool,
+    /// With an object store: the bound of the pod's chunk cache
+    /// (`--chunk-cache-mib`, in [`ServiceConfig::chunk_cache_dir`]), which
+    /// every layer fetched on this pod reads its chunks through, so that
+    /// chunks its sandboxes share (those of one template) are fetched
+    /// once; least recently used first out. 0: no cache.
+    pub chunk_cache_mib: u64,
 }
 
 /// How Linux sandboxes are networked (see `crate::net`).
@@ -179,6 +188,11 @@ impl Default for SandboxNetworking {
 }
 
 impl ServiceConfig {
+    /// Where the pod's chunk cache is ([`ServiceConfig::chunk_cache_mib`]).
+    pub fn chunk_cache_dir(&self) -> PathBuf {
+        self.data_dir.join("chunk-cache")
+    }
+
     pub fn new(data_dir: PathBuf, vmm_exe: PathBuf) -> Self {
         Self {
             data_dir,
@@ -204,6 +218,7 @@ impl ServiceConfig {
             checkpoint_interval: None,
             lazy_wake: false,
             hibernate_ack: objects::HibernateAck::Stored,
+            chunk_cache_mib: DEFAULT_CHUNK_CACHE_MIB,
         }
     }
 }
@@ -626,7 +641,12 @@ impl Service {
         let objects = config
             .object_store
             .as_deref()
-            .map(|url| objects::ObjectStore::open(url, config.hibernate_ack))
+            .map(|url| {
+                let cache = config.chunk_cache_dir();
+                let limit = config.chunk_cache_mib << 20;
+                let cache = (limit > 0).then_some((cache.as_path(), limit));
+                objects::ObjectStore::open(url, config.hibernate_ack, cache)
+            })
             .transpose()?;
         let ports_ip = config.net.as_ref().map(|n| n.ports_ip);
         let service = Arc::new_cyclic(|me: &std::sync::Weak<Self>| Self {

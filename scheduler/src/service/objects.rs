@@ -17,7 +17,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use torpor_storage::{
-    DownloadReport, GcReport, ManifestId, Storage, StorageError, StoreConfig, UploadReport,
+    ChunkCache, DownloadReport, GcReport, ManifestId, Storage, StorageError, StoreConfig,
+    UploadReport,
 };
 use torpor_sync::Locked;
 use torpor_vmm_api::lineage::{Lineage, LINEAGE_FILE, STATE_FILE};
@@ -163,14 +164,23 @@ impl Drop for ObjectStore {
 
 impl ObjectStore {
     /// Opens the store `url` names (`--object-store`: a directory, or
-    /// `s3://bucket/prefix` with the usual AWS_* variables).
-    pub fn open(url: &str, ack: HibernateAck) -> Result<Self, ObjectStoreError> {
+    /// `s3://bucket/prefix` with the usual AWS_* variables), its layers
+    /// fetched through the pod's chunk cache `cache` (a directory and its
+    /// bound in bytes; `--chunk-cache-mib`) when there is one.
+    pub fn open(
+        url: &str,
+        ack: HibernateAck,
+        cache: Option<(&Path, u64)>,
+    ) -> Result<Self, ObjectStoreError> {
         let open = |source| ObjectStoreError::Open {
             url: url.to_string(),
             source,
         };
         let config = StoreConfig::parse(url).map_err(|e| open(e.into()))?;
-        let storage = Storage::open(&config).map_err(open)?;
+        let mut storage = Storage::open(&config).map_err(open)?;
+        if let Some((dir, limit)) = cache {
+            storage = storage.with_cache(ChunkCache::open(dir, limit).map_err(open)?);
+        }
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("torpor-objects")

@@ -211,7 +211,17 @@ impl Tx<'_> {
     /// `manifest` (a layer's files never change once written), uploaded by
     /// this pod or fetched (a layer this pod uploaded stays its upload when
     /// it fetches it back).
+    ///
+    /// A sandbox whose latest snapshot `dir` is moves to a new generation:
+    /// its `stored_snapshot` changed without a state change, and a copy of
+    /// its row taken before (a heartbeat read late by a cluster replica,
+    /// which keeps the highest generation) must not replace the one that
+    /// has it.
     pub fn record_layer_object(&self, dir: &Path, manifest: &str, uploaded: bool) -> Result<()> {
+        let text = path_text(dir, "layer")?;
+        self.conn
+            .prepare_cached("UPDATE sandboxes SET generation = generation + 1 WHERE snapshot = ?1")?
+            .execute([&text])?;
         self.conn
             .prepare_cached(
                 "INSERT INTO layer_objects (dir, manifest, uploaded, stored_at) \
@@ -219,12 +229,7 @@ impl Tx<'_> {
                  ON CONFLICT (dir) DO UPDATE SET manifest = excluded.manifest, \
                  uploaded = max(uploaded, excluded.uploaded), stored_at = excluded.stored_at",
             )?
-            .execute(params![
-                path_text(dir, "layer")?,
-                manifest,
-                uploaded,
-                Timestamp::now()
-            ])?;
+            .execute(params![text, manifest, uploaded, Timestamp::now()])?;
         Ok(())
     }
 

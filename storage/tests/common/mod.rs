@@ -415,6 +415,61 @@ pub async fn lru_cache_holds_its_bound(b: &Backend) {
     assert!(!victim.exists() && !cache_dir.join(".tmp-1-1").exists());
 }
 
+/// Downloads through a store with a chunk cache fetch only what the cache
+/// lacks: a second layer sharing most chunks with one downloaded before
+/// fetches only its own; the same layer again fetches nothing; the files
+/// are the same either way.
+pub async fn downloads_through_the_cache_fetch_only_what_it_lacks(b: &Backend) {
+    let seeds: Vec<u64> = (300..308).collect();
+    let (one, two) = (b.dir("one"), b.dir("two"));
+    layer(&one, &seeds);
+    let mut changed = seeds.clone();
+    changed[5] = 999;
+    layer(&two, &changed);
+    let first = b.storage.upload_layer(&one).await.unwrap();
+    let second = b.storage.upload_layer(&two).await.unwrap();
+    let cache = ChunkCache::open(&b.dir("cache"), 64 * MIB).unwrap();
+    let cached = b.storage.with_cache(cache.clone());
+
+    let a = cached.download_layer(&first.id, &b.dir("a")).await.unwrap();
+    assert_eq!(a.from_cache, 0, "{a:?}");
+    assert!(a.fetched_bytes > 0, "{a:?}");
+    // The second layer: only its changed memory chunk is not cached (its
+    // state and disk diff are the first's too).
+    let d = cached
+        .download_layer(&second.id, &b.dir("d"))
+        .await
+        .unwrap();
+    assert_eq!(d.chunks - d.from_cache, 1, "{d:?}");
+    assert!(d.fetched_bytes < a.fetched_bytes / 3, "{a:?} {d:?}");
+    assert_same_tree(&two, &b.dir("d"), &["memory", "state", "disks/root.diff"]);
+    // The first again: all from the cache.
+    let again = cached
+        .download_layer(&first.id, &b.dir("again"))
+        .await
+        .unwrap();
+    assert_eq!(
+        (again.from_cache, again.fetched_bytes),
+        (again.chunks, 0),
+        "{again:?}"
+    );
+    assert_same_tree(
+        &one,
+        &b.dir("again"),
+        &["memory", "state", "disks/root.diff"],
+    );
+    let s = cache.stats();
+    assert_eq!(s.fetches, a.chunks + 1, "{s:?}");
+    // Without the cache, all of it again.
+    let plain = b
+        .storage
+        .download_layer(&first.id, &b.dir("plain"))
+        .await
+        .unwrap();
+    assert_eq!(plain.from_cache, 0);
+    assert_eq!(plain.fetched_bytes, a.fetched_bytes);
+}
+
 fn dir_bytes(dir: &Path) -> u64 {
     let mut total = 0;
     for e in std::fs::read_dir(dir).unwrap().filter_map(|e| e.ok()) {

@@ -206,3 +206,32 @@ fn live_layers_are_the_roots_and_the_recorded_layers_they_reach() {
     let want = vec![p("/a/snap1"), p("/a/snap2"), p("/b/forged"), p(tpl)];
     assert_eq!(live, want);
 }
+
+#[test]
+fn storing_a_sandboxs_latest_snapshot_moves_it_to_a_new_generation() {
+    let (_dir, store, t) = setup();
+    let a = sandbox_in(&store, &t, Hibernated);
+    let b = sandbox_in(&store, &t, Hibernated);
+    set_snapshot(&store, &a, "/a/snap2");
+    set_snapshot(&store, &b, "/b/snap1");
+    let before = (
+        store.get_sandbox(&a.id).unwrap(),
+        store.get_sandbox(&b.id).unwrap(),
+    );
+    assert!(before.0.stored_snapshot.is_none());
+    store
+        .record_layer_object(Path::new("/a/snap2"), "m-a", true)
+        .unwrap();
+    // An older layer of b's: b's latest is not stored, its row unchanged.
+    store
+        .record_layer_object(Path::new("/b/snap0"), "m-b", true)
+        .unwrap();
+    let after = (
+        store.get_sandbox(&a.id).unwrap(),
+        store.get_sandbox(&b.id).unwrap(),
+    );
+    assert_eq!(after.0.stored_snapshot.as_deref(), Some("m-a"));
+    assert_eq!(after.0.generation, before.0.generation + 1);
+    assert_eq!(after.1.generation, before.1.generation);
+    assert!(after.1.stored_snapshot.is_none());
+}
