@@ -56,6 +56,10 @@ struct StoreRuns {
     /// Sandboxes of one template hibernated once each, the data bytes
     /// their layers named and the content bytes their new chunks added.
     dedupe: Option<(usize, f64, f64)>,
+    /// Two of those sandboxes woken cold one after the other, the pod's
+    /// chunk cache emptied first: bytes each wake fetched (the second
+    /// reads what they share from the cache) and their API ms.
+    siblings: Option<[(f64, f64); 2]>,
     notes: Vec<String>,
     failed: bool,
 }
@@ -102,9 +106,17 @@ fn seaweedfs(scratch: &Path) -> Result<(Env, PathBuf), String> {
     Ok((env, dir))
 }
 
-/// The sandbox's snapshot directories on the pod's disk removed: the
-/// next wake finds none, as on a pod that never held it.
+/// The sandbox's snapshot directories on the pod's disk removed, and
+/// the pod's chunk cache emptied: the next wake finds none of it, as on a
+/// pod that never held it (the cache's index learns of it when a read
+/// finds a chunk's file gone, and fetches it again).
 fn evict(serve: &Serve, id: &str) -> Result<usize, String> {
+    let cache = serve.data().join("chunk-cache");
+    if let Ok(fans) = std::fs::read_dir(&cache) {
+        for fan in fans.flatten().filter(|e| e.path().is_dir()) {
+            std::fs::remove_dir_all(fan.path()).map_err(|e| e.to_string())?;
+        }
+    }
     let dir = serve.data().join("sandboxes").join(id);
     let mut n = 0;
     for e in std::fs::read_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))? {
@@ -218,6 +230,18 @@ fn measure_store(
         }
         let after = counters(serve)?;
         r.dedupe = Some((dedupe, after.data - before.data, after.new - before.new));
+        step("two of them woken cold, the chunk cache empty before the first");
+        let mut siblings = [(0.0, 0.0); 2];
+        for id in &ids[..2] {
+            evict(serve, id)?;
+        }
+        for (i, id) in ids[..2].iter().enumerate() {
+            let before = counters(serve)?;
+            let (api, _, fetch) = wake(serve, id)?;
+            fetch.ok_or("a cold wake without a fetch phase")?;
+            siblings[i] = (counters(serve)?.fetched - before.fetched, api);
+        }
+        r.siblings = Some(siblings);
         for id in &ids {
             serve.delete(id)?;
         }
@@ -407,6 +431,16 @@ fn print_store_table(done: &[StoreRuns], runs: usize, notes: &[String]) {
                 new / 1048576.0,
                 if new > 0.0 { data / new } else { f64::NAN },
                 new / 1048576.0 / n as f64
+            );
+        }
+        if let Some([(first, first_ms), (second, second_ms)]) = r.siblings {
+            println!(
+                "  {}: two of them woken cold through the pod's chunk cache (empty before the \
+                 first): the first fetched {:.2} MiB ({first_ms:.1} ms), the second {:.2} MiB \
+                 ({second_ms:.1} ms), the chunks they share read from the cache",
+                r.name,
+                first / 1048576.0,
+                second / 1048576.0
             );
         }
         for n in &r.notes {

@@ -371,7 +371,10 @@ pub struct Sandbox {
     pub last_durable_at: Option<Timestamp>,
     /// Its VMM process, while one runs.
     pub vmm: Option<VmmHandle>,
-    /// Incremented by the store on every state change.
+    /// Incremented by the store on every state change, and when its
+    /// latest snapshot is stored in the object store (`stored_snapshot`
+    /// appears without a state change): a copy of the row never replaces
+    /// one of a later generation.
     pub generation: u64,
     /// The tenant it belongs to (none: made before tenants existed, only
     /// an admin sees it).

@@ -639,7 +639,7 @@ pub async fn upload_waits_for_a_running_gc_then_repairs(b: &Backend) {
     let gc = gc.await.unwrap().unwrap();
     assert_eq!(gc.deleted, 4, "{gc:?}");
     let up = upload.await.unwrap().unwrap();
-    assert!(up.rechecked);
+    assert!(up.rechecked, "{up:?} {gc:?}");
     assert_eq!(up.restored_chunks, 4, "{up:?}");
     assert!(every_chunk_exists(&b.storage, &up.id).await);
     b.storage
