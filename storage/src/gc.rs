@@ -221,7 +221,8 @@ impl Storage {
         // Uploads in progress first, then the manifests: an upload's
         // manifest is written before its lease goes.
         for lease in self.list("leases").await? {
-            let Some(bytes) = self.get(&lease.key).await? else {
+            // The version read, with its own time (see `gc_runs`).
+            let Some((bytes, lease)) = self.get_with_meta(&lease.key).await? else {
                 continue;
             };
             let body: LeaseBody =
@@ -290,7 +291,12 @@ impl Storage {
     pub(crate) async fn gc_runs(&self) -> Result<Vec<RunSeen>, StorageError> {
         let mut out = Vec::new();
         for m in self.list("gc").await? {
-            let Some(bytes) = self.get(&m.key).await? else {
+            // The time of the version read, not the listing's: a record
+            // finished between the two read with the listing's time made
+            // a collection that ended after an upload began look over
+            // before it (`upload_waits_for_a_running_gc_then_repairs`
+            // failed one run in about 30 under load).
+            let Some((bytes, m)) = self.get_with_meta(&m.key).await? else {
                 continue;
             };
             // A record that does not read counts as running since ever.

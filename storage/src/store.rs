@@ -262,13 +262,25 @@ impl Storage {
 
     /// The object at `key`, `None` if there is none.
     pub(crate) async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StorageError> {
+        Ok(self.get_with_meta(key).await?.map(|(bytes, _)| bytes))
+    }
+
+    /// The object at `key` and what the store says of that version of it
+    /// (its modification time is the one of these bytes: a listing's may
+    /// be of the version before, were the object written in between),
+    /// `None` if there is none.
+    pub(crate) async fn get_with_meta(
+        &self,
+        key: &str,
+    ) -> Result<Option<(Vec<u8>, Meta)>, StorageError> {
         let got = match self.inner.store.get(&Key::from(key)).await {
             Ok(got) => got,
             Err(object_store::Error::NotFound { .. }) => return Ok(None),
             Err(e) => return Err(self.err("get", key, e)),
         };
+        let meta = Meta::from(got.meta.clone());
         match got.bytes().await {
-            Ok(b) => Ok(Some(b.to_vec())),
+            Ok(b) => Ok(Some((b.to_vec(), meta))),
             Err(object_store::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(self.err("get", key, e)),
         }
