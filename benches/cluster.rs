@@ -12,6 +12,9 @@
 //!   phases add up to `--secs`.
 //! - latency: `--samples` sequential create → hibernate → wake → delete by
 //!   one client.
+//! - wake on another pod: `--samples` sandboxes hibernated on pod1 (their
+//!   snapshots in the pods' shared object store), pod1 killed and lost,
+//!   each woken by one client: moved to pod2 (adopt, fetch, restore).
 //!
 //! `cargo bench --bench cluster [-- --secs S --threads T --samples N]`
 //! (defaults 5 s, 4 threads, 20 samples). Needs PostgreSQL and nats-server
@@ -261,6 +264,53 @@ fn cluster(o: &Opts) -> Figures {
     measure("cluster", &t, o)
 }
 
+/// The replicas' flags of the cross-pod run: a pod silent 4 s is lost.
+const MOVE_API_ARGS: &str = "--cluster-down-after-ms 3000 --cluster-lost-after-ms 4000";
+
+/// Wakes on another pod: `samples` sandboxes created on pod1 and
+/// hibernated (stored in the pods' shared object store), pod1 killed and
+/// counted lost by the replicas, then each woken by one client: the
+/// replica has pod2 adopt it (its layer fetched through pod2's chunk
+/// cache), moves its row, and the wake restores there. The ms of each
+/// wake through the API.
+fn cross_pod(o: &Opts) -> Vec<f64> {
+    let c = Cluster::up_with_api("bench-move", tests_common::cluster::POD_ARGS, MOVE_API_ARGS);
+    let t = Target {
+        addrs: vec![c.api(1), c.api(2)],
+        token: c.token.clone(),
+    };
+    eprintln!(
+        "cluster bench: cross-pod wakes: {} sandboxes hibernated on pod1",
+        o.samples
+    );
+    let on_pod1 = r#"{"template":"probe","pod":"pod1"}"#;
+    let ids: Vec<String> = (0..o.samples)
+        .map(|i| {
+            let v = t.expect(i, 201, "POST", "/v1/sandboxes", Some(on_pod1));
+            let id = v["id"].as_str().unwrap().to_string();
+            t.hibernate(i + 1, &id);
+            id
+        })
+        .collect();
+    c.kill("pod1");
+    // Lost once silent past the replicas' limit (and their next read).
+    std::thread::sleep(Duration::from_millis(5500));
+    eprintln!("cluster bench: cross-pod wakes: pod1 lost, waking each on pod2");
+    let mut took = Vec::with_capacity(ids.len());
+    for (i, id) in ids.iter().enumerate() {
+        let started = Instant::now();
+        let path = format!("/v1/sandboxes/{id}/connect");
+        let v = t.expect(i, 200, "POST", &path, None);
+        took.push(ms(started));
+        assert_eq!(v["sandbox"]["pod"], "pod2", "{v}");
+        assert_eq!(v["resumed"], true, "{v}");
+    }
+    for (i, id) in ids.iter().enumerate() {
+        t.delete(i, id);
+    }
+    took
+}
+
 fn p(v: &[f64], q: f64) -> f64 {
     percentile(v, q)
 }
@@ -277,6 +327,7 @@ fn main() {
     let o = opts(&args);
     let e = embedded(&o);
     let c = cluster(&o);
+    let moved = cross_pod(&o);
     let mut table = Table::new();
     table.load_style(UTF8_FULL_CONDENSED);
     table.set_header(vec![
@@ -311,5 +362,20 @@ fn main() {
             ]);
         }
     }
+    for (label, q) in [("p50", 0.5), ("p99", 0.99)] {
+        table.add_row(vec![
+            format!("wake on another pod, its own lost {label}, ms (1 client)"),
+            "-".to_string(),
+            format!("{:.1}", p(&moved, q)),
+            String::new(),
+        ]);
+    }
     println!("{table}");
+    println!(
+        "wake on another pod: {} probe sandboxes (64 MiB) hibernated on pod1 with their \
+         snapshots stored, pod1 killed and lost (4 s), each woken through a replica: pod2 \
+         adopts it (the layer fetched through its chunk cache), the row moves, the wake \
+         restores",
+        moved.len()
+    );
 }
