@@ -643,7 +643,7 @@ impl Service {
             .as_deref()
             .map(|url| {
                 let cache = config.chunk_cache_dir();
-                let limit = config.chunk_cache_mib << 20;
+                let limit = config.chunk_cache_mib.saturating_mul(1 << 20);
                 let cache = (limit > 0).then_some((cache.as_path(), limit));
                 objects::ObjectStore::open(url, config.hibernate_ack, cache)
             })
