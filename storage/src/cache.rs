@@ -23,7 +23,6 @@ use torpor_sync::Locked;
 
 use crate::chunk::ChunkHash;
 use crate::error::{blocking, ChunkAt, StorageError};
-use crate::store::Storage;
 
 /// The cache's counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -97,6 +96,18 @@ impl Lru {
         }
         out
     }
+}
+
+/// Where a [`ChunkCache`] fetches a chunk it lacks: the object store
+/// (`Storage`, in `reader.rs`; the cache names no store, which holds it).
+pub(crate) trait ChunkSource: Sync {
+    /// The content of the chunk `at` names, every check passed (of at
+    /// most `max_len` bytes), and its stored length.
+    fn fetch_chunk(
+        &self,
+        at: &ChunkAt,
+        max_len: u64,
+    ) -> impl std::future::Future<Output = Result<(Vec<u8>, u64), StorageError>> + Send;
 }
 
 /// A bounded chunk cache on local disk, shared by all readers.
@@ -218,36 +229,36 @@ impl ChunkCache {
     }
 
     /// `len` bytes at `offset` of the chunk `at` names (of at most
-    /// `max_len` bytes), from the cache or fetched from `storage` into it.
+    /// `max_len` bytes), from the cache or fetched from `source` into it.
     pub(crate) async fn read(
         &self,
-        storage: &Storage,
+        source: &impl ChunkSource,
         at: &ChunkAt,
         max_len: u64,
         offset: usize,
         len: usize,
     ) -> Result<Vec<u8>, StorageError> {
-        let (buf, _) = self.get(storage, at, max_len, Some((offset, len))).await?;
+        let (buf, _) = self.get(source, at, max_len, Some((offset, len))).await?;
         Ok(buf)
     }
 
     /// The whole chunk `at` names (of at most `max_len` bytes), from the
-    /// cache or fetched from `storage` into it, and the stored bytes
+    /// cache or fetched from `source` into it, and the stored bytes
     /// fetched for it (0 from the cache).
     pub(crate) async fn chunk(
         &self,
-        storage: &Storage,
+        source: &impl ChunkSource,
         at: &ChunkAt,
         max_len: u64,
     ) -> Result<(Vec<u8>, u64), StorageError> {
-        self.get(storage, at, max_len, None).await
+        self.get(source, at, max_len, None).await
     }
 
     /// The chunk's bytes in `range` (offset, length; all of it if none)
     /// and the stored bytes fetched.
     async fn get(
         &self,
-        storage: &Storage,
+        source: &impl ChunkSource,
         at: &ChunkAt,
         max_len: u64,
         range: Option<(usize, usize)>,
@@ -292,7 +303,7 @@ impl ChunkCache {
                 // Another reader fetched it while this one waited.
                 continue;
             }
-            let fetched = self.fetch(storage, at, max_len).await;
+            let fetched = self.fetch(source, at, max_len).await;
             drop(held);
             self.fetching.locked().remove(&at.hash);
             let (raw, stored) = fetched?;
@@ -307,11 +318,11 @@ impl ChunkCache {
     /// and its stored length.
     async fn fetch(
         &self,
-        storage: &Storage,
+        source: &impl ChunkSource,
         at: &ChunkAt,
         max_len: u64,
     ) -> Result<(Vec<u8>, u64), StorageError> {
-        let (raw, stored_len) = storage.fetch_chunk(at, max_len).await?;
+        let (raw, stored_len) = source.fetch_chunk(at, max_len).await?;
         self.fetches.fetch_add(1, Ordering::Relaxed);
         self.fetched_bytes.fetch_add(stored_len, Ordering::Relaxed);
         let size = raw.len() as u64;

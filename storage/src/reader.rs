@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::{stream, StreamExt, TryStreamExt};
 
-use crate::cache::ChunkCache;
+use crate::cache::{ChunkCache, ChunkSource};
 use crate::chunk::{self, ChunkHash};
 use crate::error::{blocking, ChunkAt, StorageError};
 use crate::id::ManifestId;
@@ -48,10 +48,10 @@ pub struct DownloadReport {
     pub elapsed: Duration,
 }
 
-impl Storage {
+impl ChunkSource for Storage {
     /// The content of the chunk `at` names, every check passed (of at most
     /// `max_len` bytes), and its stored length.
-    pub(crate) async fn fetch_chunk(
+    async fn fetch_chunk(
         &self,
         at: &ChunkAt,
         max_len: u64,
@@ -72,7 +72,9 @@ impl Storage {
             }),
         }
     }
+}
 
+impl Storage {
     /// The content of the chunk `at` names (of at most `max_len` bytes)
     /// and the stored bytes fetched for it: through the store's chunk
     /// cache when it has one ([`Storage::with_cache`]; nothing fetched
