@@ -272,6 +272,16 @@ pub(super) fn ended(pid: u32) -> bool {
     })
 }
 
+/// Whether process `pid` ends within `limit` (a SIGKILL is delivered
+/// asynchronously: its target may still run for a moment after `kill`).
+pub(super) fn ends_within(pid: u32, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while !ended(pid) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    ended(pid)
+}
+
 /// A sandbox with a stand-in VMM, in `state`, stored.
 pub(super) fn with_vmm(
     service: &Service,
@@ -303,11 +313,7 @@ fn a_delete_ends_the_vmm_an_operation_waits_on() {
         std::thread::spawn(move || {
             let _guard = service.locks.lock(&id);
             held_tx.send(()).unwrap();
-            let deadline = Instant::now() + Duration::from_secs(60);
-            while !ended(pid) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            ended(pid)
+            ends_within(pid, Duration::from_secs(60))
         })
     };
     held.recv().unwrap();
@@ -356,7 +362,10 @@ fn a_delete_ends_a_wake_waiting_for_its_agent() {
     service.delete_sandbox(&s.id).expect("the delete");
     let error = waker.join().unwrap();
     assert!(error.contains("being deleted"), "{error}");
-    assert!(ended(vmm.handle.pid), "the wake's VMM was stopped");
+    assert!(
+        ends_within(vmm.handle.pid, Duration::from_secs(5)),
+        "the wake's VMM was stopped"
+    );
     assert_eq!(
         service.get_sandbox(&s.id).unwrap().state,
         SandboxState::Deleted

@@ -5,11 +5,12 @@
 //! guests, real VMMs) is in `tests/service_reboot.rs`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use torpor_agent::FakeOps;
 
 use super::guest::tests::{vsock_agent, Behaviour};
-use super::lifecycle_tests::{ended, service_with, with_vmm, FakeVmm};
+use super::lifecycle_tests::{ends_within, service_with, with_vmm, FakeVmm};
 use super::*;
 use crate::model::{HibernationKind, Sandbox, Template, TemplateId};
 
@@ -91,7 +92,10 @@ fn a_filesystem_hibernation_keeps_the_disk_and_a_failed_boot_leaves_it_hibernate
     assert!(out.sandbox.disk_only, "{:?}", out.sandbox);
     assert_eq!(out.sandbox.snapshot, None);
     assert_eq!(out.sandbox.vmm, None);
-    assert!(ended(vmm.handle.pid), "its VMM was ended");
+    assert!(
+        ends_within(vmm.handle.pid, Duration::from_secs(5)),
+        "its VMM was ended"
+    );
     assert_eq!(std::fs::read(&overlay).unwrap(), b"the sandbox's disk");
     // A checkpoint needs a snapshot it does not have.
     assert!(matches!(
