@@ -236,6 +236,7 @@ fn checkpoint_restore_and_fork_continue_from_the_checkpoint() {
 
     // Restore the source from c1: its console starts again at the same
     // iteration as the fork's, with the same checksums.
+    let old_first = s.iterations(&src)[0].0;
     let out = s.ok(
         "POST",
         &format!("/v1/sandboxes/{src}/restore"),
@@ -243,6 +244,16 @@ fn checkpoint_restore_and_fork_continue_from_the_checkpoint() {
     );
     assert_eq!(out["sandbox"]["state"], "running", "{out}");
     assert_eq!(out["resumed"], false);
+    // The new run's console replaces the old one: until it does, the old
+    // run's lines already pass the wait (CI read them once).
+    let deadline = Instant::now() + WAIT;
+    while s.iterations(&src).first().map(|i| i.0) == Some(old_first) {
+        assert!(
+            Instant::now() < deadline,
+            "the restored run's console never replaced the old one"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     s.wait_iteration(&src, fork_first + 3);
     let restored = s.iterations(&src);
     assert_eq!(assert_continuous(&restored), fork_first, "{restored:?}");
