@@ -35,12 +35,11 @@ where
     Fut: Future<Output = Result<T, ServiceError>> + Send + 'static,
 {
     let (tx, rx) = mpsc::channel::<Result<Bytes, String>>(4);
-    let pump = tokio::spawn(pump(body, tx));
+    let mut pump = tokio::spawn(pump(body, tx));
     let reader = BodyReader {
         rx,
         buf: Bytes::new(),
     };
-    let mut pump = pump;
     let out = call(st, move |s| f(s, reader)).await;
     // The reader is gone with `f`: the pump drains what is left (nothing
     // when `f` read it all; the rest of one it refused midway, whose
