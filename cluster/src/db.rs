@@ -839,15 +839,17 @@ impl Db {
         Ok(row.as_ref().map(Self::pod_row))
     }
 
-    /// Moves sandbox `s` from pod `from` (down) to pod `to`, which adopted
-    /// it from the object store: its row is `to`'s from now on (only
-    /// `to`'s results and heartbeats change it). False if the row is no
-    /// longer `from`'s.
+    /// Moves sandbox `s` from pod `from` (lost, or up without room for
+    /// its wake) to pod `to`, which adopted it from the object store: its
+    /// row is `to`'s from now on (only `to`'s results and heartbeats
+    /// change it). False if the row is no longer `from`'s, or no longer at
+    /// `generation` when one is given.
     pub async fn move_sandbox(
         &self,
         s: &Sandbox,
         from: &PodId,
         to: &PodId,
+        generation: Option<u64>,
     ) -> Result<bool, ClusterError> {
         let c = self.client().await?;
         let body = serde_json::to_value(s).map_err(|e| ClusterError::Postgres(e.to_string()))?;
@@ -855,7 +857,7 @@ impl Db {
             .execute(
                 "UPDATE sandboxes SET pod = $3, state = $4, generation = $5, body = $6,
                     updated_at = now()
-                 WHERE id = $1 AND pod = $2",
+                 WHERE id = $1 AND pod = $2 AND ($7::bigint IS NULL OR generation = $7)",
                 &[
                     &s.id.as_str(),
                     &from.as_str(),
@@ -863,6 +865,7 @@ impl Db {
                     &s.state.as_str(),
                     &(s.generation as i64),
                     &body,
+                    &generation.map(|g| g as i64),
                 ],
             )
             .await

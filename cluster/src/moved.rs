@@ -7,12 +7,18 @@
 //! that pod and runs there; a create from a template no pod up lists has
 //! a pod up fetch it ([`Operation::TemplateAdopt`]) and is placed there.
 //!
-//! A lost pod that comes back is asked to release what moved
-//! (`events.rs`'s `release_strays`).
+//! A wake of a hibernated sandbox whose pod is up but has no admission
+//! headroom for it (by its last heartbeat) moves the same way to a pod
+//! with room, when its snapshot is stored ([`Cluster::roomier`]): a wake
+//! need not go where the snapshot was taken, however full that pod is.
 //!
-//! Placement of a move: the pods up with admission headroom, those that
-//! list the sandbox's template first (its chunks are in their cache),
-//! then by headroom.
+//! A pod that still holds a sandbox moved away (one back from lost, or
+//! one up that had no room) is asked to release it (`events.rs`'s
+//! `release_strays`, on its next heartbeat).
+//!
+//! Placement of a move: the pods up with admission headroom for the
+//! sandbox's memory, those that list its template first (its chunks are
+//! in their cache), then by headroom.
 //!
 //! A running (or paused) sandbox of a lost pod whose pod stored durable
 //! checkpoints of it (`--checkpoint-interval-s`: the scheduler's
@@ -166,20 +172,7 @@ impl Cluster {
                 )
             })?;
         let pods = self.db.pods().await?;
-        let key = sandbox.template.to_string();
-        let mut fit: Vec<&PodRow> = pods
-            .iter()
-            .filter(|p| p.id != from.id && self.is_up(p) && p.headroom_mib > 0.0)
-            .collect();
-        fit.sort_by(|a, b| {
-            let has = |p: &PodRow| p.templates.contains(&key);
-            has(b)
-                .cmp(&has(a))
-                .then(b.headroom_mib.total_cmp(&a.headroom_mib))
-        });
-        let to = fit
-            .first()
-            .copied()
+        let to = move_target(&pods, &sandbox, &from, |p| self.is_up(p))
             .cloned()
             .ok_or_else(|| ServiceError::Admission {
                 message: format!(
@@ -189,8 +182,71 @@ impl Cluster {
             })?;
         tracing::warn!(sandbox = %id, from = %from.id, to = %to.id, state = %sandbox.state,
             stored_at = ?sandbox.stored_at, "moving a sandbox of a lost pod");
+        self.adopt_on(sandbox, template, &from, &to, None).await
+    }
+
+    /// Sandbox `sandbox` of pod `from` (up), which a wake is for: when
+    /// `from` has no admission headroom for its memory by its last
+    /// heartbeat, the sandbox is hibernated with its snapshot stored (its
+    /// current state: what a wake on `from` would restore) and so is its
+    /// template, and another pod up has the room, moved there as a lost
+    /// pod's sandbox is (adopted, its row moved, `from` asked by its next
+    /// heartbeat to release its copy: `events.rs`'s `release_strays`), and
+    /// woken there; else left where it is (its pod then answers the wake,
+    /// refusing it if it is full). A move that fails leaves it where it
+    /// is too (logged): the wake is tried on its pod.
+    pub(super) async fn roomier(
+        &self,
+        sandbox: Sandbox,
+        from: PodRow,
+    ) -> Result<(Sandbox, PodRow), ServiceError> {
+        let hibernated = sandbox.state == SandboxState::Hibernated && movable(&sandbox);
+        if !hibernated || from.headroom_mib >= f64::from(sandbox.mem_mib) {
+            return Ok((sandbox, from));
+        }
+        let pods = self.db.pods().await?;
+        let Some(to) = move_target(&pods, &sandbox, &from, |p| self.is_up(p)).cloned() else {
+            return Ok((sandbox, from));
+        };
+        let Some(template) = self.stored_template(&sandbox.template).await? else {
+            return Ok((sandbox, from));
+        };
+        let id = sandbox.id.clone();
+        tracing::info!(sandbox = %id, from = %from.id, to = %to.id,
+            from_headroom_mib = from.headroom_mib, mem_mib = sandbox.mem_mib,
+            "waking a sandbox on another pod: its own has no room for it");
+        let generation = sandbox.generation;
+        match self
+            .adopt_on(sandbox.clone(), template, &from, &to, Some(generation))
+            .await
+        {
+            Ok(moved) => Ok(moved),
+            Err(e) => {
+                tracing::warn!(sandbox = %id, to = %to.id, error = %e,
+                    "could not move a sandbox to a pod with room; waking it on its own");
+                Ok((sandbox, from))
+            }
+        }
+    }
+
+    /// Has pod `to` adopt `sandbox` (hibernated with its snapshot stored,
+    /// or running from a durable checkpoint, which it moves as) of pod
+    /// `from`, with its template, then moves its row to `to` (only if
+    /// still `from`'s, and at `generation` if given: another replica may
+    /// have moved it meanwhile, or its pod changed it; `to`'s copy is then
+    /// a stray its heartbeats have released). The sandbox and its pod as
+    /// they are after.
+    async fn adopt_on(
+        &self,
+        sandbox: Sandbox,
+        template: Template,
+        from: &PodRow,
+        to: &PodRow,
+        generation: Option<u64>,
+    ) -> Result<(Sandbox, PodRow), ServiceError> {
+        let id = sandbox.id.clone();
         let tenant = sandbox.tenant.clone().unwrap_or_default();
-        let (_, env) = self.db.secrets(id).await?;
+        let (_, env) = self.db.secrets(&id).await?;
         // A running one moves as the hibernated sandbox its durable
         // checkpoint is.
         let sandbox = Sandbox {
@@ -215,11 +271,11 @@ impl Cluster {
                 )))
             }
         };
-        // Its row is the adopting pod's from now on (only if still the
-        // lost pod's: another replica may have moved it meanwhile).
-        self.db.move_sandbox(&adopted, &from.id, &to.id).await?;
-        let (sandbox, pod) = self.owned(id).await?;
-        Ok((sandbox, pod))
+        // Its row is the adopting pod's from now on.
+        self.db
+            .move_sandbox(&adopted, &from.id, &to.id, generation)
+            .await?;
+        self.owned(&id).await
     }
 
     /// Template `id` as a pod (up or not) lists it with its snapshot in the
@@ -270,6 +326,27 @@ impl Cluster {
             ))),
         }
     }
+}
+
+/// Where a sandbox of pod `from` moves: a pod `up` but `from` with the
+/// admission headroom for its memory, those that list its template
+/// first (the template's chunks, most of a sibling's, are on their disk
+/// and in their chunk cache), then by headroom.
+fn move_target<'a>(
+    pods: &'a [PodRow],
+    sandbox: &Sandbox,
+    from: &PodRow,
+    up: impl Fn(&PodRow) -> bool,
+) -> Option<&'a PodRow> {
+    let key = sandbox.template.to_string();
+    let has = |p: &PodRow| p.templates.contains(&key);
+    pods.iter()
+        .filter(|p| p.id != from.id && up(p) && p.headroom_mib >= f64::from(sandbox.mem_mib))
+        .max_by(|a, b| {
+            has(a)
+                .cmp(&has(b))
+                .then(a.headroom_mib.total_cmp(&b.headroom_mib))
+        })
 }
 
 /// When the sandbox's own latest snapshot (a hibernation it was woken

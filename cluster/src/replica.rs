@@ -300,6 +300,7 @@ impl Cluster {
             .cloned()
             .ok_or_else(|| ServiceError::Internal(format!("a {} of no sandbox", command.kind())))?;
         let asks = asks(&command);
+        let wakes = matches!(&command, Operation::Lifecycle(call) if call.op.wakes());
         let owned = self.owned_up(&id).await;
         // Its pod lost for good with the sandbox's state: a delete is
         // done here (`moved.rs`).
@@ -316,6 +317,12 @@ impl Cluster {
                 Ok(owned) => owned,
                 Err(e) => return self.retried(e, command.kind(), &id).await?.reply(),
             },
+        };
+        // A wake its pod has no room for goes where there is (`moved.rs`).
+        let (sandbox, pod) = if wakes {
+            self.roomier(sandbox, pod).await?
+        } else {
+            (sandbox, pod)
         };
         let tenant = sandbox.tenant.clone().unwrap_or_default();
         let asked = asks(&sandbox);

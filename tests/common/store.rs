@@ -184,6 +184,70 @@ fn corrupted_chunk_fails_the_wake(c: &Cluster, objects: &Path, bad: &str, bad_ma
     );
 }
 
+/// Pod `n`'s oversubscription ratio, set through replica 1 (relayed to
+/// the pod), once the replicas read its new headroom (`headroom_ok`) from
+/// its heartbeats.
+fn set_ratio(c: &Cluster, n: u16, ratio: f64, headroom_ok: impl Fn(f64) -> bool) {
+    let body = format!(r#"{{"oversubscription_ratio":{ratio}}}"#);
+    let r = c.call(1, "PATCH", &format!("/v1/pods/pod{n}"), Some(&body));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let pods = c.pods();
+        let headroom = pods
+            .iter()
+            .find(|p| p["id"] == format!("pod{n}").as_str())
+            .and_then(|p| p["headroom_mib"].as_f64());
+        if headroom.is_some_and(&headroom_ok) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "pod{n}'s headroom: {pods:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A sandbox hibernated on pod1, woken when pod1 (up) has no admission
+/// room for it: woken on pod2 from the object store (the probe going on
+/// with its exact sequence), and pod1's copy released (before: the wake
+/// went to pod1, which refused it, 429, however much room pod2 had).
+pub fn wake_where_there_is_room(c: &Cluster) {
+    let (id, last, _) = hibernated_on_pod1(c);
+    let ratio = c
+        .pods()
+        .iter()
+        .find(|p| p["id"] == "pod1")
+        .and_then(|p| p["oversubscription_ratio"].as_f64())
+        .expect("pod1's ratio");
+    // pod1's room: less than a probe's memory.
+    set_ratio(c, 1, 0.001, |h| h < 64.0);
+    let path = format!("/v1/sandboxes/{id}");
+    let started = Instant::now();
+    let w = post(c, 2, &format!("{path}/connect"), None, 200);
+    let ms = started.elapsed().as_secs_f64() * 1000.0;
+    assert_eq!(w["sandbox"]["state"], "running", "{w}");
+    assert_eq!(w["sandbox"]["pod"], "pod2", "{w}");
+    println!("wake on another pod, its own full, through a replica: {ms:.1} ms");
+    let after = iterations(c, 2, &id, 2);
+    assert!(
+        after[0].0 > last && after[0].0 <= last + 1,
+        "pod1 ran up to {last}, pod2 goes on from {after:?}"
+    );
+    assert_exact_sequence(&after, MIB);
+    // pod1 is asked to release its copy (by its next heartbeat).
+    let deadline = Instant::now() + WAIT;
+    while c.pod_sandboxes(1).iter().any(|s| s["id"] == id.as_str()) {
+        assert!(Instant::now() < deadline, "pod1 still holds {id}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    for n in [1, 2] {
+        let r = c.call(n, "GET", &path, None);
+        assert_eq!(r.json()["pod"], "pod2", "{}", r.body);
+    }
+    let r = c.call(1, "DELETE", &path, None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    set_ratio(c, 1, ratio, |h| h >= 64.0);
+}
+
 /// The scenario on cluster `c`, whose pods share an object store (at
 /// `objects` if it is a directory): two sandboxes and a template on pod1,
 /// pod1 lost, the first woken on pod2, the template created from on pod2,
@@ -203,6 +267,9 @@ pub fn outlive_a_lost_pod(c: &Cluster, objects: Option<&Path>) {
         201,
     );
     let template = t["id"].as_str().unwrap().to_string();
+
+    // A wake its pod (up) has no room for goes to the other pod.
+    wake_where_there_is_room(c);
 
     // Two sandboxes hibernated on pod1, their snapshots stored.
     let (id, last, _) = hibernated_on_pod1(c);

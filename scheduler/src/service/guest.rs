@@ -263,7 +263,8 @@ impl AgentLink {
                 if !self.quiet {
                     log_unreachable(&self.id, uds, &e, &REFUSED_LOGGED);
                 }
-                self.unreachable(format!("its vsock: {e}"))
+                // A refusal by a VMM whose guest shut down says so.
+                self.unreachable(format!("its vsock: {e}{}", self.guest_end()))
             }),
             Route::Dial { what, dial } => {
                 dial().map_err(|e| self.unreachable(format!("{what}: {e}")))

@@ -313,6 +313,25 @@ fn a_gone_agent_is_unreachable_not_a_hang() {
         }
         other => panic!("{other:?}"),
     }
+    // Refused by a VMM whose guest shut down: the error says that, not
+    // only the refusal (a guest's triple fault read as an agent refusing).
+    std::fs::write(
+        super::super::vmm::VmmFiles::in_dir(dir.path()).log,
+        "WARN torpor_vmm::vstate::vcpu: the guest shut down (KVM_EXIT_SHUTDOWN: a triple \
+         fault or a reset) vcpu=0 rip=0xfff0\n",
+    )
+    .unwrap();
+    match refused.list_dir("/") {
+        Err(e @ GuestError::Unreachable { .. }) => {
+            let shown = e.to_string();
+            assert!(
+                shown.contains("refused") && shown.contains("the guest shut down"),
+                "{shown}"
+            );
+            assert!(!shown.contains("rip="), "{shown}");
+        }
+        other => panic!("{other:?}"),
+    }
     // The agent accepts, then dies.
     let dir2 = tempfile::tempdir().unwrap();
     let hangup = vsock_agent(dir2.path(), Arc::new(FakeOps::new()), Behaviour::HangUp);
