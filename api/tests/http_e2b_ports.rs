@@ -105,6 +105,88 @@ async fn a_guest_port_answers_through_both_addressing_styles() {
     );
 }
 
+/// E2B's `network.maskRequestHost` (with `allowPublicTraffic: false`,
+/// which torpor's ports always are): the guest gets the mask as `Host`,
+/// `${PORT}` its port, and the caller's `Host` in `X-Forwarded-Host`;
+/// the detail shows it. A mask that is not a host is 400 in E2B's words,
+/// as is `allowPublicTraffic: false` without `secure`.
+#[tokio::test]
+async fn a_masked_request_host_is_what_the_guest_sees() {
+    let rig = rig().await;
+    let server = &rig.server;
+    let h = vec![
+        ("X-API-KEY", ACME.to_string()),
+        ("Content-Type", "application/json".to_string()),
+    ];
+    let create = |network: &str, secure: bool| {
+        format!(
+            r#"{{"templateID":"probe","metadata":{{"agent":"real"}},"secure":{secure},"network":{network}}}"#
+        )
+    };
+    let masked = create(
+        r#"{"allowPublicTraffic":false,"maskRequestHost":"localhost:${PORT}"}"#,
+        true,
+    );
+    let r = server
+        .request("POST", "/v2/sandboxes", &h, Some(masked.as_bytes()))
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let created = r.json();
+    let (id, traffic) = (
+        str_of(&created, "sandboxID"),
+        str_of(&created, "trafficAccessToken"),
+    );
+    let port = echo_server().await;
+    let host = format!("{port}-{id}.{DOMAIN}");
+    let r = get(
+        server,
+        "/",
+        &[("Host", &host), ("E2B-Traffic-Access-Token", traffic)],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let seen = r.json();
+    assert_eq!(
+        seen["headers"]["host"],
+        format!("localhost:{port}"),
+        "{seen}"
+    );
+    assert_eq!(seen["headers"]["x-forwarded-host"], host.as_str(), "{seen}");
+    // Without a credential: E2B's 403, as for every sandbox here.
+    let r = get(server, "/", &[("Host", &host)]).await;
+    assert_eq!(r.status, 403, "{}", r.text());
+    let detail = server
+        .request("GET", &format!("/sandboxes/{id}"), &h, None)
+        .await
+        .json();
+    assert_eq!(
+        detail["network"]["maskRequestHost"], "localhost:${PORT}",
+        "{detail}"
+    );
+    assert_eq!(detail["network"]["allowPublicTraffic"], false, "{detail}");
+
+    for (network, secure, says) in [
+        (
+            r#"{"maskRequestHost":"a b"}"#,
+            true,
+            "mask request host is not valid: a b",
+        ),
+        (r#"{"maskRequestHost":"bücher.de"}"#, true, "is not ASCII"),
+        (
+            r#"{"allowPublicTraffic":false}"#,
+            false,
+            "You cannot create a sandbox without public access",
+        ),
+    ] {
+        let body = create(network, secure);
+        let r = server
+            .request("POST", "/v2/sandboxes", &h, Some(body.as_bytes()))
+            .await;
+        assert_eq!(r.status, 400, "{network}: {}", r.text());
+        assert!(r.text().contains(says), "{network}: {}", r.text());
+    }
+}
+
 #[tokio::test]
 async fn refusals_answer_as_e2b_proxy_does_and_tell_nobody_what_exists() {
     let rig = rig().await;

@@ -111,6 +111,46 @@ impl E2bNetwork {
         })
     }
 
+    /// A create's `maskRequestHost` ([`torpor_scheduler::model::check_ingress_host`]):
+    /// the `Host` its guest ports are sent, if given. `allowPublicTraffic:
+    /// false` asks for nothing more: torpor's ports always ask for a
+    /// credential (`crate::ports`).
+    pub fn ingress_host(&self) -> Result<Option<String>, E2bError> {
+        match &self.mask_request_host {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(host)) => torpor_scheduler::model::check_ingress_host(host)
+                .map(|()| Some(host.clone()))
+                .map_err(E2bError::bad_request),
+            Some(other) => Err(E2bError::bad_request(format!(
+                "mask request host is not valid: {other}"
+            ))),
+        }
+    }
+
+    /// This without what a create reads apart ([`Self::ingress_host`]):
+    /// the egress part, which [`Self::policy`] reads.
+    pub fn egress(&self) -> Self {
+        E2bNetwork {
+            mask_request_host: None,
+            allow_public_traffic: None,
+            ..self.clone()
+        }
+    }
+
+    /// Whether it asks for an egress policy (any field [`Self::policy`]
+    /// reads or refuses).
+    pub fn asks_egress(&self) -> bool {
+        let set = |v: &Option<Value>| v.as_ref().is_some_and(is_set);
+        self.allow_out.is_some()
+            || self.deny_out.is_some()
+            || self.allow_internet_access.is_some()
+            || set(&self.egress_proxy)
+            || set(&self.rules)
+            || set(&self.https_ports)
+            || self.allow_public_traffic == Some(false)
+            || set(&self.mask_request_host)
+    }
+
     fn refuse_unoffered(&self) -> Result<(), E2bError> {
         for (name, value) in [
             ("egressProxy", &self.egress_proxy),
@@ -126,8 +166,8 @@ impl E2bNetwork {
         }
         if self.allow_public_traffic == Some(false) {
             return Err(E2bError::bad_request(
-                "network.allowPublicTraffic false is not offered by torpor: exposed ports are \
-                 reached through the pod (see docs/e2b.md)",
+                "network.allowPublicTraffic cannot be changed after the create: a sandbox's \
+                 ports always ask for a credential (see docs/e2b.md)",
             ));
         }
         Ok(())
@@ -270,12 +310,37 @@ mod tests {
             r#"{"denyOut":["10.0.0.1/8"]}"#,
             r#"{"egressProxy":{"address":"socks5://x"}}"#,
             r#"{"rules":{"api.example.com":[{}]}}"#,
+            // A PUT cannot change what the create set of the ports.
             r#"{"maskRequestHost":"x"}"#,
             r#"{"allowPublicTraffic":false}"#,
         ] {
             let e = net(body).policy(None).unwrap_err();
             assert_eq!(e.code, 400, "{body}: {}", e.message);
         }
+        // A create reads them apart: the mask checked in E2B's words.
+        let masked = net(r#"{"maskRequestHost":"localhost:${PORT}","allowPublicTraffic":false}"#);
+        assert_eq!(
+            masked.ingress_host().unwrap().as_deref(),
+            Some("localhost:${PORT}")
+        );
+        assert!(!masked.egress().asks_egress());
+        masked.egress().policy(None).unwrap();
+        for bad in [
+            r#"{"maskRequestHost":"a b"}"#,
+            r#"{"maskRequestHost":"h/x"}"#,
+            r#"{"maskRequestHost":""}"#,
+            r#"{"maskRequestHost":5}"#,
+        ] {
+            let e = net(bad).ingress_host().unwrap_err();
+            assert!(
+                e.message.starts_with("mask request host is not valid"),
+                "{bad}: {e:?}"
+            );
+        }
+        let e = net(r#"{"maskRequestHost":"bücher.example"}"#)
+            .ingress_host()
+            .unwrap_err();
+        assert!(e.message.contains("is not ASCII"), "{e:?}");
         // Defaults and nulls are fine, and dnsServers is read.
         net(r#"{"allowPublicTraffic":true,"egressProxy":null,"dnsServers":["8.8.8.8"]}"#)
             .policy(None)

@@ -224,6 +224,9 @@ fn port_closed(id: &str, port: u16) -> Response {
 /// A caller admitted to a sandbox's port.
 struct Admitted {
     sandbox: SandboxId,
+    /// The `Host` its guest ports are sent, if it says one
+    /// (`Sandbox::ingress_host`, E2B's `maskRequestHost`).
+    ingress_host: Option<String>,
     /// The wake's admission, if it is hibernated.
     ticket: Option<torpor_gate::quota::Ticket>,
     /// The connection's slot among its tenant's long requests.
@@ -253,22 +256,24 @@ async fn admit<S: SandboxApi>(
     let shown = id.to_string();
     let found: Result<_, torpor_gate::service::ServiceError> = async move {
         let s = &*t.service;
-        match files::target(s, &shown, &caller).await? {
-            Ok(id) => {
+        match files::target_sandbox(s, &shown, &caller).await? {
+            Ok(sandbox) => {
+                let id = sandbox.id;
                 let ticket = crate::envd::wake_ticket(s, &t, &id).await?;
                 let tenant = s.sandbox_tenant(&id).await?;
-                Ok(Ok((id, ticket, tenant)))
+                Ok(Ok((id, sandbox.ingress_host, ticket, tenant)))
             }
             Err(refused) => Ok(Err(refused)),
         }
     }
     .await;
     match found {
-        Ok(Ok((sandbox, ticket, tenant))) => {
+        Ok(Ok((sandbox, ingress_host, ticket, tenant))) => {
             let tenant = tenant.as_deref().unwrap_or(torpor_gate::auth::ADMIN_TENANT);
             match tenancy.streams.take(tenant) {
                 Ok(slot) => Ok(Admitted {
                     sandbox,
+                    ingress_host,
                     ticket,
                     slot,
                 }),
@@ -294,6 +299,7 @@ async fn proxy<S: SandboxApi>(
 ) -> Response {
     let Admitted {
         sandbox,
+        ingress_host,
         ticket,
         slot,
     } = match admit(&tenancy, &id, request.headers()).await {
@@ -309,7 +315,8 @@ async fn proxy<S: SandboxApi>(
             return refusal(status, &id, Some(port), &message)
         }
     };
-    forward::send(pipe, request, Arc::clone(&tenancy.traffic), sandbox)
+    let host = ingress_host.map(|h| torpor_scheduler::model::ingress_host_for(&h, port));
+    forward::send(pipe, request, host, Arc::clone(&tenancy.traffic), sandbox)
         .await
         .unwrap_or_else(|message| refusal(StatusCode::BAD_GATEWAY, &id, Some(port), &message))
 }

@@ -156,6 +156,7 @@ pub async fn create<S: SandboxApi>(
     req.refuse_unoffered()?;
     req.template_id =
         super::templates::resolve_tagged(&state.tenancy.builds, &principal, &req.template_id);
+    let ingress_host = req.ingress_host()?;
     let network = req.network_policy()?;
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
     let on_timeout = if req.auto_pause == Some(true) {
@@ -184,6 +185,7 @@ pub async fn create<S: SandboxApi>(
                 access_token: Some(new_access_token()),
                 owner: Some(principal.owner()),
                 network,
+                ingress_host,
                 ..CreateSandbox::default()
             })
             .await?;

@@ -59,6 +59,11 @@ pub struct NewSandbox {
     /// E2B's API too).
     #[serde(default, rename = "allow_internet_access")]
     pub allow_internet_access: Option<bool>,
+    /// E2B's secured envd (an access token): torpor's envd always asks
+    /// for one; `false` only refuses `network.allowPublicTraffic: false`,
+    /// as E2B does.
+    #[serde(default)]
+    pub secure: Option<bool>,
     // Asked for but not offered: refused when set (see `refuse_unoffered`).
     #[serde(default)]
     pub volume_mounts: Option<Value>,
@@ -85,14 +90,41 @@ impl NewSandbox {
         Ok(())
     }
 
+    /// The `Host` its guest ports are to be sent (`network.maskRequestHost`),
+    /// checked; 400 in E2B's words for one that is not a host, and for
+    /// `allowPublicTraffic: false` with `secure: false`.
+    pub fn ingress_host(&self) -> Result<Option<String>, E2bError> {
+        let Some(network) = &self.network else {
+            return Ok(None);
+        };
+        if network.allow_public_traffic == Some(false) && self.secure == Some(false) {
+            return Err(E2bError::bad_request(
+                "You cannot create a sandbox without public access unless you enable secure \
+                 envd access via 'secure' flag.",
+            ));
+        }
+        network.ingress_host()
+    }
+
     /// The egress policy asked for; `None` when neither `network` nor
     /// `allow_internet_access` is given (the pod's default then).
     pub fn network_policy(&self) -> Result<Option<torpor_scheduler::net::PolicyPatch>, E2bError> {
-        if self.network.is_none() && self.allow_internet_access.is_none() {
+        // Its ports' part is read apart (`ingress_host`).
+        let network = self
+            .network
+            .as_ref()
+            .map(super::network::E2bNetwork::egress);
+        if !network
+            .as_ref()
+            .is_some_and(super::network::E2bNetwork::asks_egress)
+            && self.allow_internet_access.is_none()
+        {
             return Ok(None);
         }
-        let network = self.network.clone().unwrap_or_default();
-        network.policy(self.allow_internet_access).map(Some)
+        network
+            .unwrap_or_default()
+            .policy(self.allow_internet_access)
+            .map(Some)
     }
 }
 
@@ -241,6 +273,19 @@ pub struct SandboxDetail {
         skip_serializing_if = "Option::is_none"
     )]
     pub envd_unresponsive_at_pause: Option<bool>,
+    /// Its ports' side of `SandboxNetworkConfig`.
+    pub network: DetailNetwork,
+}
+
+/// What `SandboxDetail.network` tells of a sandbox's ports: never public
+/// (a credential is always asked: `crate::ports`), and the `Host` they
+/// are sent, if the create masked it.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DetailNetwork {
+    pub allow_public_traffic: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mask_request_host: Option<String>,
 }
 
 /// What the sandbox's timeout does (`SandboxLifecycle`).
@@ -382,6 +427,10 @@ impl SandboxDetail {
             domain: None,
             lifecycle: Lifecycle::of(s),
             envd_unresponsive_at_pause: s.guest_unresponsive_at_pause.then_some(true),
+            network: DetailNetwork {
+                allow_public_traffic: false,
+                mask_request_host: s.ingress_host.clone(),
+            },
         })
     }
 }

@@ -345,6 +345,12 @@ pub struct Sandbox {
     /// `X-Access-Token`, if one was issued. Never shown but to its creator.
     #[serde(default, skip_serializing)]
     pub access_token: Option<String>,
+    /// The `Host` its guest ports are sent (E2B's `maskRequestHost`), its
+    /// `${PORT}` the port's number, the caller's own `Host` then in
+    /// `X-Forwarded-Host`; none: the caller's `Host` as it came. Never
+    /// for envd's port. Checked by [`check_ingress_host`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ingress_host: Option<String>,
     pub state: SandboxState,
     /// Why it failed (kept when a failed sandbox is deleted).
     pub failure_reason: Option<String>,
@@ -523,6 +529,39 @@ impl RestorePath {
     }
 }
 
+/// What an [`Sandbox::ingress_host`] writes for the guest port's number.
+pub const INGRESS_PORT_PLACEHOLDER: &str = "${PORT}";
+
+/// Longest [`Sandbox::ingress_host`].
+pub const MAX_INGRESS_HOST: usize = 255;
+
+/// Checks a `Host` to send a sandbox's guest ports (E2B's
+/// `maskRequestHost`: `HOST[:PORT]`, `${PORT}` anywhere for the port's
+/// number), in E2B's words when it is refused: ASCII letters, digits and
+/// `.-_:[]` only (so it is a header's value and one name), not empty, at
+/// most [`MAX_INGRESS_HOST`] characters.
+pub fn check_ingress_host(host: &str) -> Result<(), String> {
+    if !host.is_ascii() {
+        return Err(format!(
+            "mask request host '{host}' is not ASCII. Please use ASCII characters only."
+        ));
+    }
+    let bare = host.replace(INGRESS_PORT_PLACEHOLDER, "1");
+    let plain = bare
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || ".-_:[]".contains(c));
+    if host.is_empty() || host.len() > MAX_INGRESS_HOST || !plain {
+        return Err(format!("mask request host is not valid: {host}"));
+    }
+    Ok(())
+}
+
+/// The `Host` guest port `port` is sent by a sandbox whose
+/// [`Sandbox::ingress_host`] is `mask`.
+pub fn ingress_host_for(mask: &str, port: u16) -> String {
+    mask.replace(INGRESS_PORT_PLACEHOLDER, &port.to_string())
+}
+
 impl Sandbox {
     /// A new sandbox in `creating`, not yet placed, active now.
     pub fn new(template: TemplateId, mem_mib: u32, vcpus: u32, keep_alive_ms: u64) -> Self {
@@ -539,6 +578,7 @@ impl Sandbox {
             timeout_hibernation: HibernationKind::Memory,
             disk_only: false,
             guest_unresponsive_at_pause: false,
+            ingress_host: None,
             metadata: BTreeMap::new(),
             env: BTreeMap::new(),
             access_token: None,

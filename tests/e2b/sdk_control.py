@@ -112,6 +112,26 @@ check(rest == made[2:] and not asc.has_next, f"asc second page {rest}")
 workers = Sandbox.list(query=SandboxQuery(metadata={"run": run, "role": "worker"})).next_items()
 check(len(workers) == 2, f"workers {workers}")
 
+# the ports' network settings: kept and shown as E2B's API does
+masked = Sandbox.create(
+    template=TEMPLATE,
+    timeout=60,
+    metadata={"run": run, "role": "masked"},
+    network={"allow_public_traffic": False, "mask_request_host": "localhost:${PORT}"},
+)
+net = masked.get_info().network or {}
+check(
+    net.get("mask_request_host") == "localhost:${PORT}" and net.get("allow_public_traffic") is False,
+    f"masked sandbox's network {net}",
+)
+masked.kill()
+raises(
+    SandboxException,
+    lambda: Sandbox.create(template=TEMPLATE, network={"mask_request_host": "not a host"}),
+    "a mask that is not a host (400)",
+    contains="400: mask request host is not valid: not a host",
+)
+
 # pause (hibernation) -> 409 on the second -> connect wakes it
 check(sbx.pause() is True, "pause")
 check(Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED, "paused state")

@@ -547,6 +547,7 @@ impl SandboxApi for Fake {
         );
         sandbox.metadata = req.metadata;
         sandbox.access_token = req.access_token;
+        sandbox.ingress_host = req.ingress_host;
         sandbox.env = req.env;
         sandbox.tenant = req.owner.filter(|o| !o.admin).map(|o| o.tenant);
         sandbox.pod = Some(st.pod.id.clone());

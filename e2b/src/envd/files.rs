@@ -189,6 +189,15 @@ pub(crate) async fn target<S: SandboxApi>(
     id: &str,
     caller: &Caller,
 ) -> Result<Result<SandboxId, Refused>, ServiceError> {
+    Ok(target_sandbox(s, id, caller).await?.map(|s| s.id))
+}
+
+/// [`target`], the sandbox as it read.
+pub(crate) async fn target_sandbox<S: SandboxApi>(
+    s: &S,
+    id: &str,
+    caller: &Caller,
+) -> Result<Result<Sandbox, Refused>, ServiceError> {
     if !SandboxId::is_well_formed(id) {
         return Ok(Err(Refused::Gone));
     }
@@ -200,7 +209,7 @@ pub(crate) async fn target<S: SandboxApi>(
     if e2b_state(sandbox.state).is_none() {
         return Ok(Err(Refused::Gone));
     }
-    Ok(caller.may_use(&sandbox).map(|()| sandbox.id))
+    Ok(caller.may_use(&sandbox).map(|()| sandbox))
 }
 
 /// `GET /files`.

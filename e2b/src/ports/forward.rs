@@ -28,6 +28,9 @@ use torpor_gate::service::ServiceError;
 use torpor_gate::tenancy::Tenancy;
 use torpor_gate::tenancy::Traffic;
 
+/// Where a masked request's own `Host` goes (E2B's proxy's header).
+const FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
 /// What a proxied connection holds until it ends: the blocking thread
 /// that keeps the sandbox active, and the wake's admission.
 struct Held {
@@ -171,8 +174,10 @@ fn upgrade_of(headers: &HeaderMap) -> Option<HeaderValue> {
 
 /// The request as the guest gets it: HTTP/1.1, origin-form, `Host` kept
 /// (or made from an HTTP/2 authority), hop-by-hop headers and the
-/// caller's credentials dropped.
-fn outgoing(request: Request, upgrade: Option<&HeaderValue>) -> Request {
+/// caller's credentials dropped. With `masked` (the sandbox's
+/// `ingress_host` for this port, E2B's `maskRequestHost`), `Host` is
+/// that, the caller's in `X-Forwarded-Host`, as E2B's proxy sends.
+fn outgoing(request: Request, upgrade: Option<&HeaderValue>, masked: Option<&str>) -> Request {
     let (mut parts, body) = request.into_parts();
     let host = parts.headers.get(header::HOST).cloned().or_else(|| {
         parts
@@ -188,8 +193,18 @@ fn outgoing(request: Request, upgrade: Option<&HeaderValue>) -> Request {
     ] {
         parts.headers.remove(secret);
     }
-    if let Some(host) = host {
-        parts.headers.insert(header::HOST, host);
+    let masked = masked.and_then(|m| HeaderValue::from_str(m).ok());
+    match (host, masked) {
+        (host, Some(masked)) => {
+            if let Some(host) = host {
+                parts.headers.insert(FORWARDED_HOST, host);
+            }
+            parts.headers.insert(header::HOST, masked);
+        }
+        (Some(host), None) => {
+            parts.headers.insert(header::HOST, host);
+        }
+        (None, None) => {}
     }
     if let Some(protocol) = upgrade {
         parts
@@ -212,6 +227,7 @@ fn outgoing(request: Request, upgrade: Option<&HeaderValue>) -> Request {
 pub(super) async fn send(
     pipe: Pipe,
     mut request: Request,
+    masked: Option<String>,
     traffic: Arc<Traffic>,
     sandbox: SandboxId,
 ) -> Result<Response, String> {
@@ -233,7 +249,7 @@ pub(super) async fn send(
     });
     let upgrade = upgrade_of(request.headers());
     let client_side = upgrade.is_some().then(|| hyper::upgrade::on(&mut request));
-    let out = outgoing(request, upgrade.as_ref());
+    let out = outgoing(request, upgrade.as_ref(), masked.as_deref());
     let mut response = sender
         .send_request(out)
         .await
@@ -326,7 +342,7 @@ mod tests {
             .header("x-kept", "yes")
             .body(Body::empty())
             .unwrap();
-        let out = outgoing(request, None);
+        let out = outgoing(request, None, None);
         assert_eq!(out.uri(), "/a?b=1");
         assert_eq!(out.version(), Version::HTTP_11);
         let h = out.headers();
@@ -347,6 +363,27 @@ mod tests {
     }
 
     #[test]
+    fn a_masked_host_replaces_the_callers_which_is_forwarded() {
+        let request = Request::builder()
+            .uri("/p")
+            .header("host", "8000-sb.example.com")
+            .body(Body::empty())
+            .unwrap();
+        let out = outgoing(request, None, Some("localhost:8000"));
+        assert_eq!(out.headers()[header::HOST], "localhost:8000");
+        assert_eq!(out.headers()["x-forwarded-host"], "8000-sb.example.com");
+        // Unmasked, nothing is forwarded.
+        let request = Request::builder()
+            .uri("/p")
+            .header("host", "h")
+            .body(Body::empty())
+            .unwrap();
+        let out = outgoing(request, None, None);
+        assert_eq!(out.headers()[header::HOST], "h");
+        assert!(!out.headers().contains_key("x-forwarded-host"));
+    }
+
+    #[test]
     fn an_upgrade_is_kept_as_asked() {
         let request = Request::builder()
             .uri("/ws")
@@ -356,7 +393,7 @@ mod tests {
             .body(Body::empty())
             .unwrap();
         let protocol = upgrade_of(request.headers()).unwrap();
-        let out = outgoing(request, Some(&protocol));
+        let out = outgoing(request, Some(&protocol), None);
         assert_eq!(out.headers()["connection"], "upgrade");
         assert_eq!(out.headers()["upgrade"], "websocket");
     }

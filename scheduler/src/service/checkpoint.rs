@@ -322,6 +322,8 @@ impl Service {
         });
         fork.on_timeout = req.on_timeout.unwrap_or(source.on_timeout);
         fork.access_token = req.access_token;
+        // And its guest ports' `Host`, as its egress policy.
+        fork.ingress_host = source.ingress_host.clone();
         fork.pod = Some(PodId::new(LOCAL_POD));
         fork.expires_at = req
             .timeout_ms

@@ -503,6 +503,10 @@ pub struct CreateSandbox {
     /// is left out is the default's (pods with sandbox networking only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<crate::net::PolicyPatch>,
+    /// The `Host` its guest ports are sent through the port router
+    /// (E2B's `maskRequestHost`; `${PORT}` the port): [`crate::model::Sandbox::ingress_host`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ingress_host: Option<String>,
     /// Who asks (set by the API from the token, never from the body); the
     /// sandbox is `owner.tenant`'s.
     #[serde(skip)]

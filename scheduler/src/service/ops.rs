@@ -245,6 +245,10 @@ impl Service {
         sandbox.on_timeout = req.on_timeout;
         sandbox.timeout_hibernation = req.timeout_hibernation;
         sandbox.access_token = req.access_token;
+        if let Some(host) = &req.ingress_host {
+            crate::model::check_ingress_host(host).map_err(ServiceError::Invalid)?;
+        }
+        sandbox.ingress_host = req.ingress_host;
         sandbox.network = self.initial_network(req.network.as_ref())?;
         sandbox.pod = Some(PodId::new(LOCAL_POD));
         sandbox.expires_at = req

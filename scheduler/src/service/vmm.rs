@@ -208,9 +208,12 @@ pub fn cap_log(path: &Path, max: u64) -> std::io::Result<bool> {
 
 /// The last lines of a VMM's stderr log or a guest's console, for
 /// operators' messages: at most five lines from the file's last 4 KiB,
-/// each cut to 240 characters, control characters dropped (a console is
+/// each cut to 1,200 characters, control characters dropped (a console is
 /// the guest's to write).
 pub fn log_tail(path: &Path) -> String {
+    // Whole lines: the vsock device's ring states run past 240 characters
+    // (their transmit and event rings were cut off in the soak's log).
+    const LOG_LINE_CHARS: usize = 1200;
     const WINDOW: u64 = 4096;
     let mut tail = Vec::new();
     if let Ok(mut file) = std::fs::File::open(path) {
@@ -224,7 +227,12 @@ pub fn log_tail(path: &Path) -> String {
         .rev()
         .filter(|l| !l.trim().is_empty())
         .take(5)
-        .map(|l| l.chars().filter(|c| !c.is_control()).take(240).collect())
+        .map(|l| {
+            l.chars()
+                .filter(|c| !c.is_control())
+                .take(LOG_LINE_CHARS)
+                .collect()
+        })
         .collect();
     lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
 }

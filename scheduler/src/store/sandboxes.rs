@@ -14,13 +14,13 @@ use crate::state::{transition, SandboxState};
 const COLUMNS: &str = "id, template, pod, mem_mib, vcpus, keep_alive_ms, expires_at, state, \
     failure_reason, created_at, last_active_at, snapshot, vmm_pid, vmm_socket, generation, \
     vmm_start, tenant, on_timeout, access_token, timeout_hibernation, disk_only, \
-    guest_unresponsive_at_pause";
+    guest_unresponsive_at_pause, ingress_host";
 /// What a sandbox is read with: its columns and the manifest its snapshot
 /// is stored as in the object store, if it is.
 const SELECT: &str = "id, template, pod, mem_mib, vcpus, keep_alive_ms, expires_at, state, \
     failure_reason, created_at, last_active_at, snapshot, vmm_pid, vmm_socket, generation, \
     vmm_start, tenant, on_timeout, access_token, timeout_hibernation, disk_only, \
-    guest_unresponsive_at_pause, \
+    guest_unresponsive_at_pause, ingress_host, \
     (SELECT manifest FROM layer_objects WHERE layer_objects.dir = snapshot) AS stored_snapshot, \
     (SELECT CAST(stored_at AS INTEGER) FROM layer_objects WHERE layer_objects.dir = snapshot) \
     AS stored_at";
@@ -74,6 +74,7 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
         disk_only: row.get("disk_only")?,
         guest_unresponsive_at_pause: row.get("guest_unresponsive_at_pause")?,
         access_token: row.get("access_token")?,
+        ingress_host: row.get("ingress_host")?,
         metadata: BTreeMap::new(),
         env: BTreeMap::new(),
         state: row.get("state")?,
@@ -146,7 +147,7 @@ impl Tx<'_> {
         self.conn
             .prepare_cached(&format!(
                 "INSERT INTO sandboxes ({COLUMNS}) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22)"
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23)"
             ))?
             .execute(params![
                 s.id,
@@ -174,6 +175,7 @@ impl Tx<'_> {
                 s.timeout_hibernation,
                 s.disk_only,
                 s.guest_unresponsive_at_pause,
+                s.ingress_host,
             ])?;
         self.write_pairs(Pairs::Metadata, &s.id, &s.metadata)?;
         self.write_pairs(Pairs::Env, &s.id, &s.env)?;

@@ -233,8 +233,14 @@ CREATE TABLE secrets (
 ) STRICT;
 "#;
 
+/// Version 12: the `Host` a sandbox's guest ports see (E2B's
+/// `maskRequestHost`, `Sandbox::ingress_host`).
+const V12: &str = r#"
+ALTER TABLE sandboxes ADD COLUMN ingress_host TEXT;
+"#;
+
 /// Every migration, in order.
-pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11];
+pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12];
 
 /// The schema version this build writes.
 pub const CURRENT_VERSION: i64 = MIGRATIONS.len() as i64;

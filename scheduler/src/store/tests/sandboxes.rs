@@ -374,8 +374,10 @@ fn env_and_on_timeout_round_trip_and_a_version_2_store_upgrades() {
     s.env.insert("API_KEY".into(), "secret".into());
     s.on_timeout = OnTimeout::Hibernate;
     s.access_token = Some("tok".into());
+    s.ingress_host = Some("localhost:${PORT}".into());
     store.insert_sandbox(&s).unwrap();
     let back = store.get_sandbox(&s.id).unwrap();
+    assert_eq!(back.ingress_host.as_deref(), Some("localhost:${PORT}"));
     assert_eq!(back.env, s.env);
     assert_eq!(back.on_timeout, OnTimeout::Hibernate);
     assert_eq!(back.access_token.as_deref(), Some("tok"));
@@ -397,6 +399,7 @@ fn env_and_on_timeout_round_trip_and_a_version_2_store_upgrades() {
          ALTER TABLE sandboxes DROP COLUMN timeout_hibernation; \
          ALTER TABLE sandboxes DROP COLUMN disk_only; \
          ALTER TABLE sandboxes DROP COLUMN guest_unresponsive_at_pause; \
+         ALTER TABLE sandboxes DROP COLUMN ingress_host; \
          UPDATE schema_version SET version = 2;",
     )
     .unwrap();
@@ -408,6 +411,7 @@ fn env_and_on_timeout_round_trip_and_a_version_2_store_upgrades() {
         assert_eq!(old.on_timeout, OnTimeout::Delete, "the old behaviour");
         assert!(old.env.is_empty());
         assert!(old.access_token.is_none());
+        assert!(old.ingress_host.is_none());
         // Version 8: memory hibernations, nothing marked.
         assert_eq!(
             old.timeout_hibernation,
