@@ -97,6 +97,25 @@ await raises(
 const rest = await asc.nextItems()
 check(order(rest) === order(listed.slice(2)) && !asc.hasNext, `asc second page ${order(rest)}`)
 
+// the ports' network settings: kept and shown as E2B's API does
+const masked = await Sandbox.create(TEMPLATE, {
+  ...SLOW,
+  timeoutMs: 60_000,
+  metadata: { run, role: 'masked' },
+  network: { allowPublicTraffic: false, maskRequestHost: 'localhost:${PORT}' },
+})
+const net = (await masked.getInfo()).network ?? {}
+check(
+  net.maskRequestHost === 'localhost:${PORT}' && net.allowPublicTraffic === false,
+  `masked sandbox's network ${JSON.stringify(net)}`,
+)
+await masked.kill()
+await raises(
+  SandboxError,
+  () => Sandbox.create(TEMPLATE, { ...SLOW, network: { maskRequestHost: 'not a host' } }),
+  'a mask that is not a host (400)',
+)
+
 // pause (hibernation) -> already paused -> connect wakes it
 check((await sbx.pause(SLOW)) === true, 'pause')
 check((await Sandbox.getInfo(sbx.sandboxId)).state === 'paused', 'paused state')
