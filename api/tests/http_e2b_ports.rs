@@ -31,6 +31,19 @@ async fn get(server: &Server, path: &str, headers: &[(&str, &str)]) -> common::R
     server.raw(raw.as_bytes()).await
 }
 
+/// `GET /` by host name `host` with traffic token `traffic` (`get_host`'s
+/// way): it must answer 200; what the echoing guest saw.
+async fn seen_by_host(server: &Server, host: &str, traffic: &str) -> Value {
+    let r = get(
+        server,
+        "/",
+        &[("Host", host), ("E2B-Traffic-Access-Token", traffic)],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()
+}
+
 #[tokio::test]
 async fn a_guest_port_answers_through_both_addressing_styles() {
     let rig = rig().await;
@@ -60,14 +73,7 @@ async fn a_guest_port_answers_through_both_addressing_styles() {
 
     // get_host(port)'s way: the host name, with the traffic token.
     let host = format!("{port}-{id}.{DOMAIN}:7700");
-    let r = get(
-        server,
-        "/",
-        &[("Host", &host), ("E2B-Traffic-Access-Token", traffic)],
-    )
-    .await;
-    assert_eq!(r.status, 200, "{}", r.text());
-    let seen = r.json();
+    let seen = seen_by_host(server, &host, traffic).await;
     assert_eq!(seen["line"], "GET / HTTP/1.1");
     assert_eq!(seen["headers"]["host"], host.as_str(), "{seen}");
     assert!(seen["headers"].get("e2b-traffic-access-token").is_none());
@@ -138,14 +144,7 @@ async fn a_masked_request_host_is_what_the_guest_sees() {
     );
     let port = echo_server().await;
     let host = format!("{port}-{id}.{DOMAIN}");
-    let r = get(
-        server,
-        "/",
-        &[("Host", &host), ("E2B-Traffic-Access-Token", traffic)],
-    )
-    .await;
-    assert_eq!(r.status, 200, "{}", r.text());
-    let seen = r.json();
+    let seen = seen_by_host(server, &host, traffic).await;
     assert_eq!(
         seen["headers"]["host"],
         format!("localhost:{port}"),
@@ -360,13 +359,7 @@ async fn traffic_wakes_a_hibernated_sandbox() {
     let state = || async { server.call("GET", &path, None).await.json()["state"].clone() };
     assert_eq!(state().await, "hibernated");
     let host = format!("{port}-{id}.{DOMAIN}");
-    let r = get(
-        server,
-        "/",
-        &[("Host", &host), ("E2B-Traffic-Access-Token", traffic)],
-    )
-    .await;
-    assert_eq!(r.status, 200, "{}", r.text());
+    seen_by_host(server, &host, traffic).await;
     assert_eq!(state().await, "running");
 }
 
