@@ -202,6 +202,21 @@ fn main() {
     if args.iter().any(|a| a == "--soak") {
         let cycles = flag(&args, "--cycles").unwrap_or(200);
         let failed = soak(&python, &url, cycles);
+        if failed {
+            // The nested host's console has the pod's log (each failure's
+            // VMM log and guest console), gone with the host at the stop:
+            // a copy is kept for whoever looks next.
+            let console = dir.path().join("data/nested-host/console.log");
+            let kept = std::env::temp_dir()
+                .join(format!("torpor-soak-{}-console.log", std::process::id()));
+            match std::fs::copy(&console, &kept) {
+                Ok(_) => println!(
+                    "e2b bench: the nested host's console (the pod's log) is kept at {}",
+                    kept.display()
+                ),
+                Err(e) => println!("e2b bench: {}: {e}", console.display()),
+            }
+        }
         let notes = serve.stop();
         if !notes.is_empty() {
             println!("e2b bench: at stop: {notes:?}");
