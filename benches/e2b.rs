@@ -206,15 +206,25 @@ fn main() {
             // The nested host's console has the pod's log (each failure's
             // VMM log and guest console), gone with the host at the stop:
             // a copy is kept for whoever looks next.
-            let console = dir.path().join("data/nested-host/console.log");
-            let kept = std::env::temp_dir()
-                .join(format!("torpor-soak-{}-console.log", std::process::id()));
-            match std::fs::copy(&console, &kept) {
-                Ok(_) => println!(
-                    "e2b bench: the nested host's console (the pod's log) is kept at {}",
-                    kept.display()
-                ),
-                Err(e) => println!("e2b bench: {}: {e}", console.display()),
+            // The console of a host that died and was replaced too.
+            let work = dir.path().join("data/nested-host");
+            let consoles = [
+                (work.join("console.log"), "console"),
+                (torpor_nested::previous_console(&work), "previous-console"),
+            ];
+            for (i, (console, name)) in consoles.iter().enumerate() {
+                if i > 0 && !console.exists() {
+                    continue;
+                }
+                let kept = std::env::temp_dir()
+                    .join(format!("torpor-soak-{}-{name}.log", std::process::id()));
+                match std::fs::copy(console, &kept) {
+                    Ok(_) => println!(
+                        "e2b bench: the nested host's {name} (the pod's log) is kept at {}",
+                        kept.display()
+                    ),
+                    Err(e) => println!("e2b bench: {}: {e}", console.display()),
+                }
             }
         }
         let notes = serve.stop();

@@ -46,7 +46,7 @@ pub use assets::{find_qemu, L1Assets};
 use image::Carried;
 pub use process::{NotThatProcess, ProcessIdentity};
 pub use qemu::STALL_LIMIT;
-pub use running::{AdoptError, HostRecord, RunningHost, CONSOLE_FILE};
+pub use running::{previous_console, AdoptError, HostRecord, RunningHost, CONSOLE_FILE};
 
 /// Whether an L1 console line is its kernel saying it is wedged: a soft
 /// lockup, an RCU stall, a lost timer, or a panic. Under TCG these do not

@@ -27,6 +27,25 @@ use torpor_sync::Locked;
 use crate::process::{NotThatProcess, ProcessIdentity};
 use crate::{qemu, NestedError, NestedHost, WorkDir};
 
+/// Where [`NestedHost::start_detached`] keeps the console of the host that
+/// ran in `work_dir` before: `<work_dir>.previous-console.log`.
+pub fn previous_console(work_dir: &Path) -> std::path::PathBuf {
+    let mut name = work_dir.file_name().unwrap_or_default().to_os_string();
+    name.push(".previous-console.log");
+    work_dir.with_file_name(name)
+}
+
+/// Moves the console of the host that ran in `work_dir` (if any) to
+/// [`previous_console`], replacing the one kept there before.
+fn keep_previous_console(work_dir: &Path) -> Result<(), NestedError> {
+    let console = work_dir.join(CONSOLE_FILE);
+    if !console.is_file() {
+        return Ok(());
+    }
+    let kept = previous_console(work_dir);
+    fs::rename(&console, &kept).map_err(|e| crate::io_err(&kept, e))
+}
+
 /// Console lines kept for [`RunningHost::console_tail`].
 const KEEP_LINES: usize = 200;
 /// QEMU's console, in the work directory.
@@ -87,9 +106,10 @@ impl NestedHost {
     /// [`NestedHost::start`], but QEMU outlives this process: no death
     /// signal, a process group of its own (a terminal's ctrl-c is not
     /// its), dropping the host leaves it running, and its images and
-    /// console stay in `work_dir` (emptied first). [`RunningHost::record`]
-    /// and [`RunningHost::adopt`] find it again; [`RunningHost::kill`]
-    /// stops it.
+    /// console stay in `work_dir` (emptied first; the console of the host
+    /// that was there is kept beside it, [`previous_console`]: why it
+    /// ended). [`RunningHost::record`] and [`RunningHost::adopt`] find it
+    /// again; [`RunningHost::kill`] stops it.
     pub fn start_detached(
         &self,
         script: &str,
@@ -97,6 +117,7 @@ impl NestedHost {
         work_dir: &Path,
     ) -> Result<RunningHost, NestedError> {
         if work_dir.exists() {
+            keep_previous_console(work_dir)?;
             fs::remove_dir_all(work_dir).map_err(|e| crate::io_err(work_dir, e))?;
         }
         self.spawn(script, guest_ports, WorkDir::kept(work_dir)?, true)
@@ -450,6 +471,25 @@ mod tests {
             RunningHost::adopt(&record, false),
             Err(AdoptError::NotRunning(_))
         ));
+    }
+
+    #[test]
+    fn the_console_of_the_host_before_is_kept_beside_the_work_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path().join("nested-host");
+        fs::create_dir(&work).unwrap();
+        keep_previous_console(&work).unwrap();
+        let kept = previous_console(&work);
+        assert_eq!(kept, dir.path().join("nested-host.previous-console.log"));
+        assert!(!kept.exists(), "no console, nothing kept");
+        fs::write(work.join(CONSOLE_FILE), "Kernel panic\n").unwrap();
+        keep_previous_console(&work).unwrap();
+        assert_eq!(fs::read_to_string(&kept).unwrap(), "Kernel panic\n");
+        assert!(!work.join(CONSOLE_FILE).exists());
+        // The next host's replaces it.
+        fs::write(work.join(CONSOLE_FILE), "second\n").unwrap();
+        keep_previous_console(&work).unwrap();
+        assert_eq!(fs::read_to_string(&kept).unwrap(), "second\n");
     }
 
     #[test]

@@ -185,8 +185,13 @@ impl Service {
             } else {
                 std::fs::remove_file(&path)
             };
-            if let Err(e) = removed {
-                tracing::warn!("cannot remove {}: {e}", path.display());
+            // Gone already: another delete's collection removed the
+            // same dead layer after this listing.
+            match removed {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    tracing::warn!("cannot remove {}: {e}", path.display());
+                }
+                _ => {}
             }
         }
         let _ = std::fs::remove_dir(&dir);
