@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::{probe_iterations, stderr, stdout, wait_for_line, Scratch, Vmm};
-use torpor_vmm::control::{request, Request, VmState};
+use torpor_vmm::control::{call, request, Request, VmState};
 
 const BOOT_LIMIT: Duration = Duration::from_secs(30);
 
@@ -153,4 +153,67 @@ fn pause_stops_the_counter_and_resume_continues_it() {
     let out = vmm.wait(BOOT_LIMIT);
     assert_eq!(out.status.code(), Some(0), "stderr:\n{}", stderr(&out));
     assert!(!sock.exists(), "control socket left behind");
+}
+
+#[test]
+fn vcpu_state_reads_a_running_guest_and_lets_it_run_on() {
+    let dir = Scratch::new("vcpu-state");
+    let serial = dir.path("console.log");
+    let sock = dir.path("ctl.sock");
+    let vmm = Vmm::spawn(&[
+        "--kernel",
+        "builtin:probe",
+        "--mem-mib",
+        "64",
+        "--vcpus",
+        "2",
+        "--cmdline",
+        "probe.mib=1 probe.ticks=2 probe.hz=100",
+        "--serial",
+        serial.to_str().unwrap(),
+        "--control-socket",
+        sock.to_str().unwrap(),
+    ]);
+    wait_for_line(&serial, BOOT_LIMIT, |l| {
+        l.starts_with("TORPOR-PROBE ITER n=3 ")
+    });
+    let t = Duration::from_secs(10);
+    let answer = call(&sock, &Request::VcpuState, t).unwrap();
+    assert_eq!(answer.status.unwrap().state, VmState::Running);
+    let states = answer.vcpus.expect("vcpu_state answers the vCPUs");
+    assert_eq!(
+        states.vcpus.iter().map(|v| v.index).collect::<Vec<_>>(),
+        [0, 1]
+    );
+    let boot = &states.vcpus[0];
+    // The probe runs in long mode under the VMM's paging, its LAPIC timer
+    // periodic on vector 0x20 at 1e9 / hz counts, the APIC enabled.
+    assert_ne!(boot.efer & (1 << 10), 0, "EFER.LMA: {boot:?}");
+    assert_ne!(boot.cr0 & (1 << 31), 0, "CR0.PG: {boot:?}");
+    assert_eq!(boot.apic.timer_lvt & 0xff, 0x20, "{boot:?}");
+    assert_eq!(boot.apic.timer_initial_count, 10_000_000, "{boot:?}");
+    assert_ne!(boot.apic.svr & 0x100, 0, "APIC software-enabled: {boot:?}");
+
+    // Read, then let run: the counter goes on with the exact sequence.
+    let count = |p: &std::path::Path| probe_iterations(&std::fs::read_to_string(p).unwrap()).len();
+    let want = count(&serial) as u64 + 3;
+    wait_for_line(&serial, BOOT_LIMIT, |l| {
+        l.starts_with(&format!("TORPOR-PROBE ITER n={want} "))
+    });
+    let seen = probe_iterations(&std::fs::read_to_string(&serial).unwrap());
+    let expected = torpor_probe::expected_checksums(1, seen.len() as u64);
+    assert_eq!(seen.iter().map(|x| x.1).collect::<Vec<_>>(), expected);
+
+    // A paused VM is read as it is and stays paused.
+    request(&sock, &Request::Pause, t).unwrap();
+    let answer = call(&sock, &Request::VcpuState, t).unwrap();
+    assert_eq!(answer.status.unwrap().state, VmState::Paused);
+    assert_eq!(answer.vcpus.unwrap().vcpus.len(), 2);
+    assert_eq!(
+        request(&sock, &Request::Status, t).unwrap().state,
+        VmState::Paused
+    );
+    request(&sock, &Request::Shutdown, t).unwrap();
+    let out = vmm.wait(BOOT_LIMIT);
+    assert_eq!(out.status.code(), Some(0), "stderr:\n{}", stderr(&out));
 }

@@ -12,6 +12,7 @@ use torpor_vmm::control::server::answer;
 use torpor_vmm::control::{
     BalloonStatus, Request, Response, SnapshotInfo, VmController, VmState, VmStatus,
 };
+use torpor_vmm_api::vcpus::VcpuStates;
 use torpor_vmm_api::VmError;
 
 struct Idle;
@@ -68,6 +69,13 @@ impl VmController for Idle {
     }
     fn balloon(&self) -> Result<BalloonStatus, VmError> {
         Ok(BalloonStatus::default())
+    }
+    fn vcpu_state(&self) -> Result<VcpuStates, VmError> {
+        Ok(VcpuStates {
+            vcpus: Vec::new(),
+            ioapic: Vec::new(),
+            ioapic_irr: 0,
+        })
     }
 }
 

@@ -35,6 +35,7 @@ fn control_request(action: VmmAction) -> i32 {
         VmmAction::Pause(s) => (s.socket, Request::Pause),
         VmmAction::Resume(s) => (s.socket, Request::Resume),
         VmmAction::Shutdown(s) => (s.socket, Request::Shutdown),
+        VmmAction::Vcpus(s) => (s.socket, Request::VcpuState),
         VmmAction::Exec(args) => return super::guest::exec(args),
         VmmAction::Resumed(args) => return super::guest::resumed(args),
         VmmAction::Ping(args) => return super::guest::ping(args),

@@ -17,10 +17,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{ErrorKind, VmError};
 use crate::launch::{Console, RestoreSpec};
+use crate::vcpus::VcpuStates;
 
 /// Version of the control protocol, reported in every status.
-/// (3: `set_balloon` and `balloon_stats`.)
-pub const PROTOCOL_VERSION: u32 = 3;
+/// (3: `set_balloon` and `balloon_stats`; 4: `vcpu_state`.)
+pub const PROTOCOL_VERSION: u32 = 4;
 /// Longest request line a VMM reads, and longest answer a client reads.
 pub const MAX_LINE: u64 = 64 * 1024;
 
@@ -72,6 +73,12 @@ pub enum Request {
     /// The balloon's target, actual size, counters and the guest's last
     /// memory statistics (and asks the guest for fresh ones).
     BalloonStats,
+    /// Where each vCPU stands and which interrupts wait for it (registers,
+    /// pending events, the local APIC, the IOAPIC's pins): for a guest
+    /// that stopped answering. A running VM is paused while its vCPUs
+    /// are read (their threads save their own state) and runs on; a
+    /// paused one stays paused.
+    VcpuState,
 }
 
 /// Timings of a restore into a standby VMM.
@@ -231,6 +238,8 @@ pub struct Response {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub balloon: Option<BalloonStatus>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vcpus: Option<VcpuStates>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kind: Option<ErrorKind>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -341,6 +350,10 @@ mod tests {
         );
         let r: Request = serde_json::from_str(r#"{"op":"shutdown"}"#).unwrap();
         assert_eq!(r, Request::Shutdown);
+        assert_eq!(
+            serde_json::to_string(&Request::VcpuState).unwrap(),
+            r#"{"op":"vcpu_state"}"#
+        );
         assert!(serde_json::from_str::<Request>(r#"{"op":"explode"}"#).is_err());
         let e: Response = serde_json::from_str(r#"{"ok":false,"error":"x"}"#).unwrap();
         assert_eq!(e.vm_error().unwrap().kind, ErrorKind::Internal);

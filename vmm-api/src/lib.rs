@@ -30,6 +30,7 @@ pub mod lazy;
 pub mod lineage;
 pub mod shmem;
 pub mod sparse;
+pub mod vcpus;
 
 pub use error::{ErrorKind, VmError};
 pub use jail::JailSpec;

@@ -22,6 +22,7 @@ use crate::vm_state::{self, DeviceStates, MachineConfig, MemoryLayer, MicrovmSta
 use crate::vstate::vcpu::{register_kick_handler, VcpuSet};
 use crate::vstate::vm::Vm;
 use torpor_vmm_api::lineage::Lineage;
+use torpor_vmm_api::vcpus::VcpuStates;
 use torpor_vmm_api::{ErrorKind, VmError};
 
 /// Errors of a VMM run, before the guest starts.
@@ -407,6 +408,39 @@ fn canonical_chain(chain: &[PathBuf]) -> Vec<PathBuf> {
         .collect()
 }
 
+impl Controller {
+    /// The `vcpu_state` answer: a running VM paused for the reading (each
+    /// vCPU's thread saves its own state) and let run again; a paused
+    /// one read as it is.
+    fn read_vcpu_state(&self) -> Result<VcpuStates, VmError> {
+        self.refuse_if_ending()?;
+        let paused_here = self.vcpus.pause_if_running();
+        if !paused_here && !self.vcpus.is_paused() {
+            return Err(VmError::new(
+                ErrorKind::WrongState,
+                "the vCPUs are not running yet (or are ending)",
+            ));
+        }
+        let saved = self.save_vcpus();
+        if paused_here {
+            self.vcpus.resume();
+        }
+        let vcpus = saved?
+            .iter()
+            .enumerate()
+            .map(|(i, s)| crate::vstate::report::vcpu(i as u8, s))
+            .collect();
+        let chip = vm_state::get_irqchip(&self.vm.fd, kvm_bindings::KVM_IRQCHIP_IOAPIC)
+            .map_err(|e| VmError::internal(e.to_string()))?;
+        let (ioapic, ioapic_irr) = crate::vstate::report::ioapic(&chip);
+        Ok(VcpuStates {
+            vcpus,
+            ioapic,
+            ioapic_irr,
+        })
+    }
+}
+
 impl VmController for Controller {
     fn status(&self) -> VmStatus {
         let state = if self.exit.reason().is_some() {
@@ -479,6 +513,10 @@ impl VmController for Controller {
     fn set_balloon(&self, target_mib: u64) -> Result<BalloonStatus, VmError> {
         self.refuse_if_ending()?;
         self.virtio.set_balloon(target_mib).map_err(balloon_error)
+    }
+
+    fn vcpu_state(&self) -> Result<VcpuStates, VmError> {
+        self.read_vcpu_state()
     }
 
     fn balloon(&self) -> Result<BalloonStatus, VmError> {

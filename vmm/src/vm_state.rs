@@ -212,7 +212,7 @@ fn write_msrs(vcpu: &VcpuFd, entries: &[kvm_msr_entry]) -> Result<(), StateError
     Ok(())
 }
 
-fn get_irqchip(vm: &VmFd, chip_id: u32) -> Result<kvm_irqchip, StateError> {
+pub(crate) fn get_irqchip(vm: &VmFd, chip_id: u32) -> Result<kvm_irqchip, StateError> {
     let mut chip = kvm_irqchip {
         chip_id,
         ..Default::default()

@@ -788,7 +788,9 @@ mod hostile_tests;
 
 /// When the agent of `id` cannot be reached through its vsock (`uds`),
 /// tells the operator what the guest's console and the VMM's log said last
-/// (beside the socket, if they are there), at most once every
+/// (beside the socket, if they are there) and where its vCPUs stand (the
+/// VMM's `vcpu_state`: a guest that takes no interrupt shows why), at
+/// most once every
 /// [`UNREACHABLE_LOG_EVERY`] for the whole service (`last_logged`: of
 /// this kind): a guest that stopped
 /// answering is otherwise a bare timeout.
@@ -817,6 +819,7 @@ fn log_unreachable(
         %error,
         console = %super::vmm::log_tail(&files.console),
         vmm = %super::vmm::log_tail(&files.log),
+        vcpus = %super::vmm::vcpu_state_text(&files.socket),
         "guest agent unreachable through its vsock, or it dropped a connection"
     );
 }

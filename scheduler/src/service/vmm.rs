@@ -253,6 +253,18 @@ pub fn peek(handle: &VmmHandle, req: &Request) -> Option<Response> {
     control::call(&handle.control_socket, req, STATUS_LIMIT).ok()
 }
 
+/// What the VMM at `socket` says of its vCPUs (`vcpu_state`: registers,
+/// pending events, APIC and IOAPIC), as one log field for an operator
+/// looking at a guest that stopped answering, or why there is none. The
+/// answer is the VMM's, parsed into its typed form and only logged.
+pub fn vcpu_state_text(socket: &Path) -> String {
+    match control::call(socket, &Request::VcpuState, STATUS_LIMIT) {
+        Ok(Response { vcpus: Some(v), .. }) => serde_json::to_string(&v).unwrap_or_default(),
+        Ok(_) => "(the VMM answered without its vCPUs)".into(),
+        Err(e) => format!("(none: {e})"),
+    }
+}
+
 fn vm_error(handle: &VmmHandle, e: control::ClientError) -> VmError {
     let mut e = e.into_vm_error();
     e.message = format!("VMM {}: {}", handle.pid, e.message);

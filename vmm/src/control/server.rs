@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use torpor_sync::Locked;
 
 use super::{BalloonStatus, Request, Response, SnapshotInfo, VmStatus, MAX_LINE};
+use torpor_vmm_api::vcpus::VcpuStates;
 use torpor_vmm_api::{Console, ErrorKind as VmErrorKind, RestoreSpec, VmError};
 
 /// How long a connection may stay silent before it is dropped.
@@ -40,6 +41,9 @@ pub trait VmController: Send + Sync + 'static {
     fn set_balloon(&self, target_mib: u64) -> Result<BalloonStatus, VmError>;
     /// The balloon's state; asks the guest for fresh statistics.
     fn balloon(&self) -> Result<BalloonStatus, VmError>;
+    /// Where the vCPUs stand (a running VM is paused for the reading and
+    /// runs on).
+    fn vcpu_state(&self) -> Result<VcpuStates, VmError>;
 }
 
 /// What a standby shell does for the requests it takes (`status`,
@@ -309,18 +313,31 @@ fn parse(line: &str) -> Result<Request, VmError> {
         .map_err(|e| VmError::new(VmErrorKind::InvalidRequest, format!("invalid request: {e}")))
 }
 
+/// What an answer carries beside the VM's status.
+enum Extra {
+    Nothing,
+    Snapshot(SnapshotInfo),
+    Balloon(BalloonStatus),
+    Vcpus(VcpuStates),
+}
+
 /// The answer carrying `status` (and what else the request asked for).
-fn answered(
-    result: Result<(VmStatus, Option<SnapshotInfo>, Option<BalloonStatus>), VmError>,
-) -> Response {
+fn answered(result: Result<(VmStatus, Extra), VmError>) -> Response {
     match result {
-        Ok((status, snapshot, balloon)) => Response {
-            ok: true,
-            status: Some(status),
-            snapshot,
-            balloon,
-            ..Default::default()
-        },
+        Ok((status, extra)) => {
+            let mut r = Response {
+                ok: true,
+                status: Some(status),
+                ..Default::default()
+            };
+            match extra {
+                Extra::Nothing => {}
+                Extra::Snapshot(i) => r.snapshot = Some(i),
+                Extra::Balloon(b) => r.balloon = Some(b),
+                Extra::Vcpus(v) => r.vcpus = Some(v),
+            }
+            r
+        }
         Err(e) => Response::refusal(e),
     }
 }
@@ -330,20 +347,21 @@ fn answered(
 pub fn answer(line: &str, vm: &dyn VmController) -> Response {
     answered(parse(line).and_then(|request| {
         match request {
-            Request::Status => Ok((vm.status(), None, None)),
-            Request::Pause => vm.pause().map(|s| (s, None, None)),
-            Request::Resume => vm.resume().map(|s| (s, None, None)),
-            Request::Shutdown => vm.shutdown().map(|s| (s, None, None)),
+            Request::Status => Ok((vm.status(), Extra::Nothing)),
+            Request::Pause => vm.pause().map(|s| (s, Extra::Nothing)),
+            Request::Resume => vm.resume().map(|s| (s, Extra::Nothing)),
+            Request::Shutdown => vm.shutdown().map(|s| (s, Extra::Nothing)),
             Request::Snapshot { path, diff } => vm
                 .snapshot(&path, diff)
-                .map(|i| (vm.status(), Some(i), None)),
+                .map(|i| (vm.status(), Extra::Snapshot(i))),
             Request::Hibernate { path, diff } => vm
                 .hibernate(&path, diff)
-                .map(|i| (vm.status(), Some(i), None)),
+                .map(|i| (vm.status(), Extra::Snapshot(i))),
             Request::SetBalloon { target_mib } => vm
                 .set_balloon(target_mib)
-                .map(|b| (vm.status(), None, Some(b))),
-            Request::BalloonStats => vm.balloon().map(|b| (vm.status(), None, Some(b))),
+                .map(|b| (vm.status(), Extra::Balloon(b))),
+            Request::BalloonStats => vm.balloon().map(|b| (vm.status(), Extra::Balloon(b))),
+            Request::VcpuState => vm.vcpu_state().map(|v| (vm.status(), Extra::Vcpus(v))),
             Request::Restore { .. } => Err(VmError::new(
                 VmErrorKind::WrongState,
                 "this VMM already runs a VM; restore goes to a standby VMM",
@@ -368,10 +386,10 @@ fn answer_standby<E>(line: &str, shell: &mut dyn StandbyController<End = E>) -> 
     let received = Instant::now();
     match parse(line) {
         Err(e) => Step::Answer(Response::refusal(e)),
-        Ok(Request::Status) => Step::Answer(answered(Ok((shell.status(), None, None)))),
+        Ok(Request::Status) => Step::Answer(answered(Ok((shell.status(), Extra::Nothing)))),
         Ok(Request::Shutdown) => {
             let (status, end) = shell.shutdown();
-            Step::AnswerThenEnd(answered(Ok((status, None, None))), end)
+            Step::AnswerThenEnd(answered(Ok((status, Extra::Nothing))), end)
         }
         Ok(Request::Restore {
             restore: spec,
@@ -466,6 +484,9 @@ mod tests {
         }
         fn balloon(&self) -> Result<BalloonStatus, VmError> {
             Err(VmError::new(VmErrorKind::Unsupported, "no balloon"))
+        }
+        fn vcpu_state(&self) -> Result<VcpuStates, VmError> {
+            Err(VmError::new(VmErrorKind::NotPaused, "no vCPUs"))
         }
     }
 

@@ -5,5 +5,6 @@ pub mod cpuid;
 pub mod kvm;
 pub mod memory;
 pub mod regs;
+pub mod report;
 pub mod vcpu;
 pub mod vm;

@@ -323,6 +323,16 @@ impl VcpuSet {
         }
     }
 
+    /// Pauses the vCPUs if they run (not held before their release,
+    /// paused already or ending); true if this call paused them.
+    pub fn pause_if_running(&self) -> bool {
+        if self.gate.lock().target != Target::Run {
+            return false;
+        }
+        self.pause();
+        true
+    }
+
     /// Runs `task` on every paused vCPU, each on its own thread, and waits
     /// for all of them. Returns false if the vCPUs are not paused.
     pub fn run_on_paused(&self, task: ParkedTask) -> bool {
