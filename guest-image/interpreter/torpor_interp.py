@@ -76,6 +76,9 @@ KERNEL_MODULES = {"python3": "ipykernel_launcher", "bash": "bash_kernel", "deno"
 FENCED = {"deno"}
 # Kernels that listen on TCP only (Deno's implements no IPC transport).
 TCP_ONLY = {"deno"}
+# Run silently in each new kernel of a spec: Deno's has no CommonJS
+# `require`, which E2B's Node kernel has and much JavaScript calls.
+PRELUDES = {"deno": 'globalThis.require = (await import("node:module")).createRequire(Deno.cwd() + "/");\nundefined;'}
 # How long the fences after one execution may take in all: they run
 # nothing, but wait for the kernel's queued output, and for whatever the
 # cell left running on its event loop (a busy loop in a timer).
@@ -276,6 +279,17 @@ class Context:
             raise
         self.kc = kc
 
+    def prepare(self):
+        """Runs the spec's prelude in a new kernel (not on the manager thread)."""
+        prelude = PRELUDES.get(LANGUAGES[self.language])
+        if prelude and self.kc is not None:
+            self.run(prelude, lambda m: None, lambda: False, silent=True)
+
+    def restart_kernel(self):
+        """Restarts the kernel and prepares the new one."""
+        self.server.manage(self.restart)
+        self.prepare()
+
     def restart(self):
         if self.kc is not None:
             self.kc.stop_channels()
@@ -326,7 +340,7 @@ class Context:
                 if time.monotonic() - checked > 1:
                     checked = time.monotonic()
                     if not self.server.manage(self.km.is_alive):
-                        self.server.manage(self.restart)
+                        self.restart_kernel()
                         emit({
                             "type": "error",
                             "name": "KernelDied",
@@ -415,7 +429,7 @@ class Context:
                 # A kernel that exits on the interrupt is restarted at once.
                 if not self.server.manage(self.km.is_alive):
                     log.warning("context %s: the kernel exited on the interrupt; restarting it", self.id)
-                    self.server.manage(self.restart)
+                    self.restart_kernel()
                     return
                 continue
             if (
@@ -426,7 +440,7 @@ class Context:
                 self.shell_reply(msg_id, timeout=2.0)
                 return
         log.warning("context %s: the kernel did not stop after an interrupt; restarting it", self.id)
-        self.server.manage(self.restart)
+        self.restart_kernel()
 
 
 class Interpreter:
@@ -457,6 +471,7 @@ class Interpreter:
         ctx = Context(self, language, cwd)
         try:
             self.manage(ctx.start)
+            ctx.prepare()
         except Exception as e:  # noqa: BLE001 - the kernel's own error, reported
             log.exception("starting a %s kernel", language)
             self.manage(ctx.shutdown)
@@ -501,7 +516,7 @@ class Interpreter:
         finally:
             ctx.restarting.clear()
         try:
-            self.manage(ctx.restart)
+            ctx.restart_kernel()
         finally:
             ctx.lock.release()
 

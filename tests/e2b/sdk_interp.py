@@ -218,6 +218,9 @@ def javascript_console_log_is_stdout():
     assert "".join(r.logs.stdout) == "Hello, World!\nagain\n", r.logs
     esm = sbx.run_code("import { readFileSync } from 'fs'\nconsole.log(typeof readFileSync)", language="js")
     assert esm.logs.stdout == ["function\n"], esm.logs
+    # CommonJS as in E2B's Node kernel.
+    cjs = sbx.run_code("const { join } = require('path')\nconsole.log(join('a', 'b'))", language="js")
+    assert cjs.logs.stdout == ["a/b\n"], (cjs.logs, cjs.error)
 
 
 def javascript_output_and_value_belong_to_their_call():
@@ -286,6 +289,7 @@ def a_new_javascript_context_is_separate():
     sbx.restart_code_context(ctx)
     gone = sbx.run_code("kept", context=ctx)
     assert gone.error is not None and gone.error.name == "ReferenceError", gone
+    assert sbx.run_code("typeof require", context=ctx).text == "function"
     sbx.remove_code_context(ctx)
     assert ctx.id not in [c.id for c in sbx.list_code_contexts()]
     ts = sbx.create_code_context(language="ts")
