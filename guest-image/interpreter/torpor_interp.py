@@ -26,7 +26,7 @@ interrupts its kernel; the context's next execution waits until the kernel is
 idle again. Output per execution is bounded (--max-output-bytes): past the
 bound a stderr message marks the cut and the rest is dropped while the
 execution goes on. Python standard library plus jupyter_client; see
-docs/e2b.md ("Interpreter").
+docs/interpreter.md.
 """
 
 import argparse
