@@ -1,13 +1,15 @@
 //! The code interpreter server (`guest-image/interpreter/torpor_interp.py`)
 //! under the official, pinned `e2b-code-interpreter` Python SDK, on the host:
 //! the server runs from the interpreter venv (ipykernel, jupyter_client,
-//! bash_kernel, numpy, pandas, matplotlib: `guest-image/interpreter/
+//! bash_kernel, deno, numpy, pandas, matplotlib: `guest-image/interpreter/
 //! requirements.txt`) on a loopback port, and `tests/e2b/sdk_interp.py`
 //! drives it with `E2B_SANDBOX_URL` pointing there: state across calls,
 //! stdout/stderr callbacks, errors by name, a matplotlib PNG, a DataFrame as
 //! HTML, env vars, contexts (fresh, restarted, removed), a timeout that
-//! interrupts the kernel, bash, and the output bound; and
-//! `tests/e2b/sdk_interp.mjs` with the pinned `@e2b/code-interpreter`
+//! interrupts the kernel, bash, the output bound, and JavaScript and
+//! TypeScript in Deno's kernel (`language="js"`/`"ts"`: state, stdout, the
+//! last value, errors by name, typed code, contexts, env vars, a timeout);
+//! and `tests/e2b/sdk_interp.mjs` with the pinned `@e2b/code-interpreter`
 //! (a shorter round of the same).
 //!
 //! The venvs: `$TORPOR_INTERP_VENV` (else what `scripts/setup env` says;

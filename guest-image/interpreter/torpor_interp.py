@@ -3,7 +3,8 @@
 
 Speaks the protocol the `e2b-code-interpreter` SDKs (Python and JS) use on
 port 49999 and drives real Jupyter kernels through `jupyter_client` (ipykernel
-for Python, bash_kernel for bash), one kernel per context:
+for Python, bash_kernel for bash, Deno's own kernel for JavaScript and
+TypeScript), one kernel per context:
 
   GET    /health                   200 "OK" once the default Python kernel is up
   POST   /execute                  {code, context_id | language, env_vars}
@@ -25,11 +26,12 @@ interrupts its kernel; the context's next execution waits until the kernel is
 idle again. Output per execution is bounded (--max-output-bytes): past the
 bound a stderr message marks the cut and the rest is dropped while the
 execution goes on. Python standard library plus jupyter_client; see
-docs/e2b.md ("Interpreter").
+docs/interpreter.md.
 """
 
 import argparse
 import asyncio
+import importlib.util
 import inspect
 import json
 import logging
@@ -57,9 +59,30 @@ from jupyter_client.kernelspec import KernelSpecManager
 log = logging.getLogger("torpor-interp")
 
 KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
-# Language names as the SDKs send them -> our kernel spec names.
-LANGUAGES = {"python": "python3", "bash": "bash"}
-ALIASES = {"python3": "python", "sh": "bash", "shell": "bash"}
+# Language names as the SDKs send them -> our kernel spec names (kernels/).
+# JavaScript and TypeScript both run in Deno's kernel, as E2B runs both in
+# one JavaScript kernel; each keeps its own default context, as on E2B.
+LANGUAGES = {"python": "python3", "bash": "bash", "javascript": "deno", "typescript": "deno"}
+ALIASES = {"python3": "python", "sh": "bash", "shell": "bash", "js": "javascript", "ts": "typescript"}
+# Each spec runs `python3 -m MODULE`: a language whose module is not
+# installed is not offered (400), rather than a kernel that never answers.
+KERNEL_MODULES = {"python3": "ipykernel_launcher", "bash": "bash_kernel", "deno": "deno"}
+# Kernels whose output can trail their idle status: Deno's publishes a
+# cell's stdout and value from a queue drained beside its requests, under
+# the parent of whichever request is current when it drains. An execution
+# of such a kernel ends only once a fence (a silent empty execution) went
+# by with no output arriving meanwhile; output under a fence is the
+# execution's.
+FENCED = {"deno"}
+# Kernels that listen on TCP only (Deno's implements no IPC transport).
+TCP_ONLY = {"deno"}
+# Run silently in each new kernel of a spec: Deno's has no CommonJS
+# `require`, which E2B's Node kernel has and much JavaScript calls.
+PRELUDES = {"deno": 'globalThis.require = (await import("node:module")).createRequire(Deno.cwd() + "/");\nundefined;'}
+# How long the fences after one execution may take in all: they run
+# nothing, but wait for the kernel's queued output, and for whatever the
+# cell left running on its event loop (a busy loop in a timer).
+FENCE_TIMEOUT = 10.0
 MAX_BODY = 16 << 20
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Bundle keys -> the SDKs' Result fields; anything else goes under "extra".
@@ -88,13 +111,25 @@ class InterpError(Exception):
         self.message = message
 
 
+def offered_languages():
+    """The languages whose kernel is installed."""
+    return {
+        lang
+        for lang, spec in LANGUAGES.items()
+        if importlib.util.find_spec(KERNEL_MODULES[spec]) is not None
+    }
+
+
+OFFERED = offered_languages()
+
+
 def normalize_language(language):
     lang = (language or "python").strip().lower()
     lang = ALIASES.get(lang, lang)
-    if lang not in LANGUAGES:
+    if lang not in OFFERED:
         raise InterpError(
             HTTPStatus.BAD_REQUEST,
-            f"language {lang!r} has no kernel in this sandbox (available: {', '.join(sorted(LANGUAGES))})",
+            f"language {lang!r} has no kernel in this sandbox (available: {', '.join(sorted(OFFERED))})",
         )
     return lang
 
@@ -172,6 +207,21 @@ def env_code(language, env):
             "del __torpor_env, __k, __v"
         )
         return setup, restore
+    if language in ("javascript", "typescript"):
+        # Deno.env is process.env; the snippets leave no names and no value.
+        keys = json.dumps(sorted(env))
+        setup = (
+            f"globalThis.__torpor_env = Object.fromEntries({keys}.map((k) => [k, Deno.env.get(k)]));\n"
+            f"for (const [k, v] of Object.entries({json.dumps(env)})) Deno.env.set(k, v);\n"
+            "undefined;"
+        )
+        restore = (
+            "for (const [k, v] of Object.entries(globalThis.__torpor_env ?? {})) "
+            "v === undefined ? Deno.env.delete(k) : Deno.env.set(k, v);\n"
+            "delete globalThis.__torpor_env;\n"
+            "undefined;"
+        )
+        return setup, restore
     setup, restore = [], []
     for k, v in sorted(env.items()):
         setup.append(f"__torpor_set_{k}=${{{k}+x}}; __torpor_val_{k}=${{{k}-}}; export {k}={shlex.quote(v)}")
@@ -194,6 +244,7 @@ class Context:
         self.id = str(uuid.uuid4())
         self.language = language
         self.cwd = cwd
+        self.fenced = LANGUAGES[language] in FENCED
         self.lock = threading.Lock()
         self.restarting = threading.Event()
         self.km = None
@@ -205,13 +256,15 @@ class Context:
     # --- lifecycle (on the server's manager thread) ------------------------
     def start(self):
         # IPC sockets in the server's private directory, not TCP ports
-        # other processes in the guest could reach.
-        km = KernelManager(
-            kernel_name=LANGUAGES[self.language],
-            kernel_spec_manager=self.server.specs,
-            transport="ipc",
-            ip=os.path.join(self.server.runtime, self.id),
-        )
+        # other processes in the guest could reach; Deno's kernel speaks
+        # TCP only: loopback ports, its messages signed with the
+        # connection's random key as every kernel's are.
+        spec = LANGUAGES[self.language]
+        if spec in TCP_ONLY:
+            where = {"transport": "tcp", "ip": "127.0.0.1"}
+        else:
+            where = {"transport": "ipc", "ip": os.path.join(self.server.runtime, self.id)}
+        km = KernelManager(kernel_name=spec, kernel_spec_manager=self.server.specs, **where)
         km.start_kernel(cwd=self.cwd)
         self.km = km
         self._connect()
@@ -225,6 +278,17 @@ class Context:
             kc.stop_channels()
             raise
         self.kc = kc
+
+    def prepare(self):
+        """Runs the spec's prelude in a new kernel (not on the manager thread)."""
+        prelude = PRELUDES.get(LANGUAGES[self.language])
+        if prelude and self.kc is not None:
+            self.run(prelude, lambda m: None, lambda: False, silent=True)
+
+    def restart_kernel(self):
+        """Restarts the kernel and prepares the new one."""
+        self.server.manage(self.restart)
+        self.prepare()
 
     def restart(self):
         if self.kc is not None:
@@ -249,22 +313,34 @@ class Context:
         if kc is None:
             raise InterpError(HTTPStatus.SERVICE_UNAVAILABLE, "the context's kernel is not running")
         msg_id = kc.execute(code, silent=silent, store_history=not silent, allow_stdin=False, stop_on_error=True)
+        # The execution's output comes as children of its request, or (a
+        # fenced kernel's, trailing) of its fence's.
+        parents = {msg_id}
+        fence = None
+        fence_deadline = None
+        quiet = True  # no output since the current fence was sent
+        reply = None
         errored = False
         checked = time.monotonic()
         while True:
             if gone():
+                if fence is not None:
+                    raise Cancelled()  # the execution is over: nothing to interrupt
                 self.interrupt_until_idle(msg_id)
                 raise Cancelled()
             if self.restarting.is_set():
                 emit({"type": "error", "name": "ContextRestarting", "value": "Context was restarted", "traceback": ""})
                 return
+            if fence is not None and time.monotonic() > fence_deadline:
+                log.warning("context %s: output still trailing %.0f s after an execution", self.id, FENCE_TIMEOUT)
+                break
             try:
                 msg = get_msg(kc.iopub_channel, 0.2)
             except Empty:
                 if time.monotonic() - checked > 1:
                     checked = time.monotonic()
                     if not self.server.manage(self.km.is_alive):
-                        self.server.manage(self.restart)
+                        self.restart_kernel()
                         emit({
                             "type": "error",
                             "name": "KernelDied",
@@ -273,18 +349,35 @@ class Context:
                         })
                         return
                 continue
-            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+            parent = msg.get("parent_header", {}).get("msg_id")
+            if parent not in parents:
                 continue
             kind, content = msg["msg_type"], msg["content"]
+            if kind in ("stream", "execute_result", "display_data", "error"):
+                quiet = False
             if kind == "status":
-                if content.get("execution_state") == "idle":
-                    break
+                if content.get("execution_state") != "idle":
+                    continue
+                if parent == fence:
+                    self.shell_reply(fence, timeout=2.0)
+                    if quiet:
+                        break
+                elif parent == msg_id and reply is None:
+                    reply = self.shell_reply(msg_id)
+                    if reply is None or silent or not self.fenced:
+                        break
+                    fence_deadline = time.monotonic() + FENCE_TIMEOUT
+                else:
+                    continue
+                fence = kc.execute("", silent=True, store_history=False, allow_stdin=False, stop_on_error=False)
+                parents.add(fence)
+                quiet = True
             elif kind == "stream":
                 name = "stderr" if content.get("name") == "stderr" else "stdout"
                 emit({"type": name, "text": content.get("text", ""), "timestamp": timestamp(msg)})
             elif kind == "execute_input":
                 count = content.get("execution_count")
-                if count is not None:
+                if count is not None and parent == msg_id:
                     emit({"type": "number_of_executions", "execution_count": count})
             elif kind == "execute_result":
                 emit(result_message(content, True))
@@ -293,7 +386,6 @@ class Context:
             elif kind == "error" and not errored:
                 errored = True
                 emit(self.error_message(content))
-        reply = self.shell_reply(msg_id)
         if reply is None:
             return
         status = reply["content"].get("status")
@@ -326,7 +418,7 @@ class Context:
 
     def interrupt_until_idle(self, msg_id):
         """Interrupts the kernel and waits until it is idle; a kernel that
-        will not be interrupted is restarted."""
+        will not be interrupted, or exits on the interrupt, is restarted."""
         log.info("context %s: client gone, interrupting the kernel", self.id)
         self.server.manage(self.km.interrupt_kernel)
         deadline = time.monotonic() + self.server.interrupt_grace
@@ -334,6 +426,11 @@ class Context:
             try:
                 msg = get_msg(self.kc.iopub_channel, 0.2)
             except Empty:
+                # A kernel that exits on the interrupt is restarted at once.
+                if not self.server.manage(self.km.is_alive):
+                    log.warning("context %s: the kernel exited on the interrupt; restarting it", self.id)
+                    self.restart_kernel()
+                    return
                 continue
             if (
                 msg.get("parent_header", {}).get("msg_id") == msg_id
@@ -343,7 +440,7 @@ class Context:
                 self.shell_reply(msg_id, timeout=2.0)
                 return
         log.warning("context %s: the kernel did not stop after an interrupt; restarting it", self.id)
-        self.server.manage(self.restart)
+        self.restart_kernel()
 
 
 class Interpreter:
@@ -374,6 +471,7 @@ class Interpreter:
         ctx = Context(self, language, cwd)
         try:
             self.manage(ctx.start)
+            ctx.prepare()
         except Exception as e:  # noqa: BLE001 - the kernel's own error, reported
             log.exception("starting a %s kernel", language)
             self.manage(ctx.shutdown)
@@ -418,7 +516,7 @@ class Interpreter:
         finally:
             ctx.restarting.clear()
         try:
-            self.manage(ctx.restart)
+            ctx.restart_kernel()
         finally:
             ctx.lock.release()
 

@@ -43,8 +43,8 @@ pub struct InterpServer {
 }
 
 impl InterpServer {
-    /// Starts the server with its contexts' home in `dir/home` and the
-    /// output bound `max_output` bytes.
+    /// Starts the server with its contexts' home in `dir/home`, Deno's
+    /// caches in `dir/deno` and the output bound `max_output` bytes.
     pub fn start(dir: &Path, max_output: usize) -> Self {
         let py = interp_python();
         assert!(
@@ -58,7 +58,10 @@ impl InterpServer {
         // stdout to a file, not a pipe: the kernels inherit it, and nothing
         // would read a pipe after the first line.
         let out = dir.join("server.out");
+        // Deno's kernel keeps its caches in DENO_DIR (else under $HOME):
+        // the scratch directory's.
         let mut child = Command::new(&py)
+            .env("DENO_DIR", dir.join("deno"))
             .arg(format!("{REPO}/guest-image/interpreter/torpor_interp.py"))
             .args(["--listen", "127.0.0.1:0", "--max-output-bytes"])
             .arg(max_output.to_string())

@@ -96,5 +96,48 @@ await check('bash runs in its own kernel', async () => {
   assert(r.logs.stdout.join('') === '42\n', JSON.stringify(r.logs))
 })
 
+// JavaScript and TypeScript (Deno's kernel), as E2B's JS SDK tests use them.
+await check('javascript keeps state and returns the last value', async () => {
+  await sbx.runCode('let jsCount = 40', { language: 'js' })
+  const r = await sbx.runCode('jsCount + 2', { language: 'javascript' })
+  assert(r.text === '42', JSON.stringify(r.results))
+  assert(r.results[0].isMainResult, 'not the main result')
+  const awaited = await sbx.runCode("await Promise.resolve('Hello World!')", { language: 'js' })
+  assert(awaited.text === 'Hello World!', JSON.stringify(awaited.results))
+})
+
+await check('javascript console.log is stdout', async () => {
+  const lines = []
+  const r = await sbx.runCode('console.log("Hello World!")', { language: 'js', onStdout: (m) => lines.push(m.line) })
+  assert(lines.join('') === 'Hello World!\n', JSON.stringify(lines))
+  assert(JSON.stringify(r.logs.stdout) === '["Hello World!\\n"]', JSON.stringify(r.logs))
+})
+
+await check('a thrown javascript error comes back by name', async () => {
+  const r = await sbx.runCode("console.log('before')\nthrow new RangeError('too far')", { language: 'js' })
+  assert(r.error?.name === 'RangeError', JSON.stringify(r.error))
+  assert(r.error.value === 'too far', r.error.value)
+  assert(r.logs.stdout.join('') === 'before\n', JSON.stringify(r.logs))
+})
+
+await check('typescript runs typed code', async () => {
+  const r = await sbx.runCode('const message: string = "Hello World!"; console.log(message)', { language: 'ts' })
+  assert(r.logs.stdout.join('') === 'Hello World!\n', JSON.stringify(r.logs))
+  const typed = await sbx.runCode('type Pair = [number, number]\nconst p: Pair = [6, 7]\np[0] * p[1]', {
+    language: 'typescript',
+  })
+  assert(typed.text === '42', JSON.stringify(typed.results))
+})
+
+await check('a new javascript context is separate', async () => {
+  const ctx = await sbx.createCodeContext({ language: 'js' })
+  assert(ctx.language === 'javascript', JSON.stringify(ctx))
+  const r = await sbx.runCode('typeof jsCount', { context: ctx })
+  assert(r.text === 'undefined', JSON.stringify(r.results))
+  await sbx.removeCodeContext(ctx.id)
+  const still = await sbx.runCode('jsCount', { language: 'js' })
+  assert(still.text === '40', JSON.stringify(still.results))
+})
+
 console.log(`sdk-interp-js: ${passed} passed, ${failed} failed`)
 process.exit(failed ? 1 : 0)
