@@ -11,13 +11,18 @@
 //! rows twice, A with DIR's `torpor` and `torpor-vmm` (another build
 //! copied aside), B with this tree's. Compare rows of one run; the
 //! machine's noise (2 shared cores) moves absolute numbers from run to
-//! run.
+//! run. `--compare firecracker=PATH [--samples N --clones N]` runs
+//! torpor-vmm side by side with that Firecracker binary instead
+//! (`restore/compare.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::{Duration, Instant};
 
 mod common;
+// Not `benches/compare.rs`: cargo would take that for a bench of its own.
+#[path = "restore/compare.rs"]
+mod compare;
 
 use torpor_scheduler::service::vmm::pss_kib;
 use torpor_vmm_api::jail::CLI_JAIL_UID;
@@ -381,6 +386,30 @@ fn jail_cost(dir: &Path, snap: &Path, mem: u64, runs: usize, ab: &Option<PathBuf
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if let Some(spec) = args.windows(2).find(|w| w[0] == "--compare").map(|w| &w[1]) {
+        let other = compare::Other::parse(spec).unwrap_or_else(|e| {
+            eprintln!("{e}");
+            std::process::exit(2);
+        });
+        let number = |flag: &str, default: usize| {
+            args.windows(2).find(|w| w[0] == flag).map_or(default, |w| {
+                w[1].parse().unwrap_or_else(|_| {
+                    eprintln!("{flag} {}: expected a number", w[1]);
+                    std::process::exit(2);
+                })
+            })
+        };
+        compare::run(
+            &other,
+            number("--samples", 10).max(1),
+            number("--clones", 20).max(1),
+        );
+        return;
+    }
+    if args.last().is_some_and(|a| a == "--compare") {
+        eprintln!("--compare: expected NAME=PATH, e.g. firecracker=PATH");
+        std::process::exit(2);
+    }
     let runs: usize = args
         .iter()
         .position(|a| a == "--runs")
