@@ -174,6 +174,15 @@ impl Cluster {
         self.with_secrets(Self::sandbox_from(&pod, value)?).await
     }
 
+    /// The sandbox as its pod has it now, written to its row (as a
+    /// heartbeat would: over an older or equal generation of that pod's
+    /// only), with its secrets.
+    pub(super) async fn refreshed_on_pod(&self, id: &SandboxId) -> Result<Sandbox, ServiceError> {
+        let (_, pod) = self.pod_of(id).await?;
+        let value = pod.fetch("GET", &Self::sandbox_path(id), None).await?;
+        self.pod_answer(&pod, value).await
+    }
+
     /// The sandbox's metrics history, as its pod keeps it.
     pub(super) async fn history_on_pod(
         &self,

@@ -11,6 +11,22 @@
 //! headroom for it (by its last heartbeat) moves the same way to a pod
 //! with room, when its snapshot is stored ([`Cluster::roomier`]): a wake
 //! need not go where the snapshot was taken, however full that pod is.
+//! So does one its pod refuses for room although its last heartbeat
+//! showed room ([`Cluster::woken_elsewhere`]): the heartbeat was stale,
+//! or what refused was not that headroom (the pod's memory pressure, its
+//! jail's uids). Only such a refusal moves it ([`refused_for_room`]: 429
+//! `admission_refused` or `rate_limited` from the pod; never a tenant's
+//! quota, the same on every pod, nor any other failure), once: the wake
+//! is run again on a pod up with room but the refusing one, under the
+//! request's `Idempotency-Key` with `#moved` added. With no such pod the
+//! client gets the pod's 429, saying that no other pod had room; a move
+//! that fails leaves the sandbox where it was, hibernated, and the client
+//! the pod's 429. A guest call (`/v1` exec and files, envd) of a tenant
+//! with a quota wakes a hibernated sandbox first as a `connect` through
+//! the replica (`torpor_gate::tenancy::wake_first`), so it moves the
+//! same way; one of an admin or of a tenant without a quota goes to the
+//! pod (relayed, or through its agent tunnel), which wakes the sandbox
+//! itself: a refusal there is the pod's 429 as yet.
 //!
 //! A pod that still holds a sandbox moved away (one back from lost, or
 //! one up that had no room) is asked to release it (`events.rs`'s
@@ -34,13 +50,17 @@
 //! its pod. Should that pod come back, its heartbeat still lists the
 //! sandbox, and it is asked to delete it (`events.rs`).
 
-use torpor_scheduler::model::{random_hex, Sandbox, SandboxId, Template, TemplateId, Timestamp};
+use torpor_scheduler::model::{
+    random_hex, PodId, Sandbox, SandboxId, Template, TemplateId, Timestamp,
+};
 use torpor_scheduler::service::durable::has_durable_checkpoint;
 use torpor_scheduler::state::SandboxState;
 
 use super::db::{NewOp, PodRow};
 use super::replica::Cluster;
-use super::wire::{OpOutcome, Operation, Reply};
+use super::wire::{OpError, OpOutcome, Operation, Reply};
+use torpor_gate::error::code as error_code;
+use torpor_gate::quota::Usage;
 use torpor_gate::service::ServiceError;
 
 /// Whether `sandbox` can move to another pod through the object store:
@@ -187,14 +207,13 @@ impl Cluster {
 
     /// Sandbox `sandbox` of pod `from` (up), which a wake is for: when
     /// `from` has no admission headroom for its memory by its last
-    /// heartbeat, the sandbox is hibernated with its snapshot stored (its
-    /// current state: what a wake on `from` would restore) and so is its
-    /// template, and another pod up has the room, moved there as a lost
-    /// pod's sandbox is (adopted, its row moved, `from` asked by its next
-    /// heartbeat to release its copy: `events.rs`'s `release_strays`), and
-    /// woken there; else left where it is (its pod then answers the wake,
-    /// refusing it if it is full). A move that fails leaves it where it
-    /// is too (logged): the wake is tried on its pod.
+    /// heartbeat and the sandbox is hibernated with its snapshot stored
+    /// (its current state: what a wake on `from` would restore), moved to
+    /// a pod up with room ([`Cluster::move_for_room`]) and woken there;
+    /// else left where it is (its pod then answers the wake, and should
+    /// it refuse it for room, [`Cluster::woken_elsewhere`] moves it then).
+    /// A move that fails leaves it where it is too (logged): the wake is
+    /// tried on its pod.
     pub(super) async fn roomier(
         &self,
         sandbox: Sandbox,
@@ -204,27 +223,106 @@ impl Cluster {
         if !hibernated || from.headroom_mib >= f64::from(sandbox.mem_mib) {
             return Ok((sandbox, from));
         }
+        let why = "its own pod has no room for it by its last heartbeat";
+        match self.move_for_room(&sandbox, &from, why).await? {
+            Ok(moved) => Ok(moved),
+            Err(_) => Ok((sandbox, from)),
+        }
+    }
+
+    /// A wake (`command`) of sandbox `id` that its pod `from` refused for
+    /// room (`refusal`, [`refused_for_room`]) although its last heartbeat
+    /// showed room (it changed since, or what refused it was not that
+    /// headroom: its memory pressure, its jail's uids): the sandbox, still
+    /// `from`'s and hibernated with its snapshot stored as `from` has it
+    /// now (as the refused wake left it), moved as [`Cluster::roomier`]
+    /// moves one, to a pod up with room but `from`, and the wake run
+    /// there, once (admitted against its tenant's quota for `asked` again:
+    /// the refused one no longer counts), under the request's
+    /// `Idempotency-Key` with `#moved` added (a retry of the request,
+    /// whose first wake is the refused one, gets this one's outcome).
+    /// Else `refusal`: saying that no other pod up had room when none had,
+    /// as it came when the sandbox cannot move or its move failed (it is
+    /// then where it was, hibernated, and wakes there once its pod has
+    /// room).
+    pub(super) async fn woken_elsewhere(
+        &self,
+        id: &SandboxId,
+        from: &PodId,
+        command: Operation,
+        asked: Option<Usage>,
+        refusal: ServiceError,
+    ) -> Result<Reply, ServiceError> {
+        let key = torpor_gate::request_context::idempotency_key().map(|k| format!("{k}#moved"));
+        if let Some(key) = &key {
+            if let Some(op) = self.db.operation_by_key(key, command.kind(), id).await? {
+                return self.wait(op).await?.reply();
+            }
+        }
+        let (_, pod) = self.owned(id).await?;
+        if pod.id != *from {
+            return Err(refusal);
+        }
+        // As its pod has it now, its row brought up to it: the refused
+        // wake moved it to `resuming` and back, each a new generation,
+        // which its row has only from a later heartbeat (the move is
+        // made only at the generation read).
+        let Ok(sandbox) = self.refreshed_on_pod(id).await else {
+            return Err(refusal);
+        };
+        let hibernated = sandbox.state == SandboxState::Hibernated && movable(&sandbox);
+        if sandbox.pod.as_ref() != Some(from) || !hibernated {
+            return Err(refusal);
+        }
+        let why = format!("its own pod refused to wake it: {refusal}");
+        let (sandbox, to) = match self.move_for_room(&sandbox, &pod, &why).await? {
+            Ok((_, to)) if to.id == *from => return Err(refusal),
+            Ok(moved) => moved,
+            Err(Unmoved::NoRoom) => return Err(no_other_room(refusal, id)),
+            Err(Unmoved::Failed) => return Err(refusal),
+        };
+        let tenant = sandbox.tenant.clone().unwrap_or_default();
+        self.run_keyed(&to.id, &tenant, command, asked.as_ref(), key)
+            .await?
+            .reply()
+    }
+
+    /// Moves `sandbox` (hibernated, its snapshot stored) of pod `from`
+    /// (up) for a wake `from` has no room for (`why`, logged): adopted by
+    /// a pod up but `from` with room ([`move_target`]), which its template
+    /// must be stored for, as a lost pod's sandbox is (`adopt_on`: its row
+    /// moved only if still `from`'s at the generation read, `from` asked
+    /// by its next heartbeat to release its copy: `events.rs`'s
+    /// `release_strays`). The sandbox and its pod as its row has them
+    /// after (still `from` if `from` changed it meanwhile); else why it
+    /// did not move (a failed adopt logged): it is where it was.
+    async fn move_for_room(
+        &self,
+        sandbox: &Sandbox,
+        from: &PodRow,
+        why: &str,
+    ) -> Result<Result<(Sandbox, PodRow), Unmoved>, ServiceError> {
         let pods = self.db.pods().await?;
-        let Some(to) = move_target(&pods, &sandbox, &from, |p| self.is_up(p)).cloned() else {
-            return Ok((sandbox, from));
+        let Some(to) = move_target(&pods, sandbox, from, |p| self.is_up(p)).cloned() else {
+            return Ok(Err(Unmoved::NoRoom));
         };
         let Some(template) = self.stored_template(&sandbox.template).await? else {
-            return Ok((sandbox, from));
+            return Ok(Err(Unmoved::Failed));
         };
-        let id = sandbox.id.clone();
+        let id = &sandbox.id;
         tracing::info!(sandbox = %id, from = %from.id, to = %to.id,
-            from_headroom_mib = from.headroom_mib, mem_mib = sandbox.mem_mib,
-            "waking a sandbox on another pod: its own has no room for it");
-        let generation = sandbox.generation;
+            from_headroom_mib = from.headroom_mib, mem_mib = sandbox.mem_mib, why,
+            "waking a sandbox on another pod");
+        let generation = Some(sandbox.generation);
         match self
-            .adopt_on(sandbox.clone(), template, &from, &to, Some(generation))
+            .adopt_on(sandbox.clone(), template, from, &to, generation)
             .await
         {
-            Ok(moved) => Ok(moved),
+            Ok(moved) => Ok(Ok(moved)),
             Err(e) => {
                 tracing::warn!(sandbox = %id, to = %to.id, error = %e,
-                    "could not move a sandbox to a pod with room; waking it on its own");
-                Ok((sandbox, from))
+                    "could not move a sandbox to a pod with room; it stays on its own");
+                Ok(Err(Unmoved::Failed))
             }
         }
     }
@@ -328,6 +426,46 @@ impl Cluster {
     }
 }
 
+/// Why [`Cluster::move_for_room`] left a sandbox where it was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unmoved {
+    /// No other pod up has admission headroom for it.
+    NoRoom,
+    /// Its template is not stored, or the adopt failed.
+    Failed,
+}
+
+/// Whether `e`, a pod's answer to a wake, refused it for room that
+/// another pod may have: the pod's admission (429 `admission_refused`:
+/// its memory's headroom, its jail's uids) or its memory pressure (429
+/// `rate_limited`). Not a tenant's quota (429 `quota_exceeded`, the same
+/// on every pod, and admitted by the replica before the pod is asked)
+/// nor any other failure: those do not move the sandbox.
+pub(super) fn refused_for_room(e: &ServiceError) -> bool {
+    match e {
+        ServiceError::Admission { .. } | ServiceError::Pressure { .. } => true,
+        ServiceError::Pod {
+            status: 429, code, ..
+        } => code == error_code::ADMISSION_REFUSED || code == error_code::RATE_LIMITED,
+        _ => false,
+    }
+}
+
+/// `refusal` (a wake's, [`refused_for_room`]) of sandbox `id`, as its pod
+/// answered it (status, code), saying that no other pod up had room.
+fn no_other_room(refusal: ServiceError, id: &SandboxId) -> ServiceError {
+    let OpError {
+        status,
+        code,
+        message,
+    } = super::wire::failure(refusal);
+    ServiceError::Pod {
+        status,
+        code,
+        message: format!("{message}; no other pod up had admission headroom to take sandbox {id}"),
+    }
+}
+
 /// Where a sandbox of pod `from` moves: a pod `up` but `from` with the
 /// admission headroom for its memory, those that list its template
 /// first (the template's chunks, most of a sibling's, are on their disk
@@ -386,4 +524,142 @@ fn lost_reason(sandbox: &Sandbox, pod: &PodRow) -> String {
          its state went with the pod",
         pod.id, pod.silent_s
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replica::tests::pod;
+    use crate::ClusterError;
+    use torpor_gate::quota::QuotaExceeded;
+
+    /// `e` as a replica reads it from its pod's operation: the failure the
+    /// pod journaled (`wire::failure`), back as the error it stands for.
+    fn from_pod(e: ServiceError) -> ServiceError {
+        super::super::wire::failure(e).into()
+    }
+
+    fn quota() -> QuotaExceeded {
+        QuotaExceeded {
+            tenant: "acme".into(),
+            quota: "memory_mib",
+            limit: 64,
+            used: 64,
+            asked: 64,
+        }
+    }
+
+    #[test]
+    fn only_a_pods_refusal_for_room_moves_a_wake() {
+        let full = || ServiceError::Admission {
+            message: "all 1 jail uids are in use by running VMMs".into(),
+        };
+        let pressed = || ServiceError::Pressure {
+            resident_mib: 900,
+            asked_mib: 64,
+            hard_mib: 950,
+            retry_after_s: 1,
+        };
+        // Its admission (its memory, its jail's uids) and its memory
+        // pressure: as the pod answers them, and typed.
+        for e in [full(), pressed()] {
+            assert!(refused_for_room(&e), "{e:?}");
+            let e = from_pod(e);
+            assert!(refused_for_room(&e), "{e:?}");
+        }
+        // A tenant's quota: refused by the replica's admission (before the
+        // pod), or by a pod; the same on every pod.
+        let quota_refusals = [
+            ServiceError::from(ClusterError::Quota(quota())),
+            from_pod(quota().into()),
+        ];
+        for e in quota_refusals {
+            assert!(!refused_for_room(&e), "{e:?}");
+        }
+        // Nor anything else the pod answers.
+        let id = SandboxId::new("sbx_0123456789abcdef");
+        let others = [
+            ServiceError::Conflict {
+                id: id.to_string(),
+                state: SandboxState::Running,
+                message: "m".into(),
+            },
+            ServiceError::NotFound {
+                kind: "sandbox",
+                id: id.to_string(),
+            },
+            ServiceError::GuestUnresponsive { id: id.to_string() },
+            ServiceError::Unavailable {
+                message: "m".into(),
+                retry_after_s: 1,
+            },
+            ServiceError::HostUnsupported("m".into()),
+            ServiceError::Pod {
+                status: 503,
+                code: error_code::UNAVAILABLE.into(),
+                message: "pod1 is down".into(),
+            },
+            // A 429 of no known refusal for room.
+            ServiceError::Pod {
+                status: 429,
+                code: error_code::QUOTA_EXCEEDED.into(),
+                message: "m".into(),
+            },
+        ];
+        for e in others {
+            assert!(!refused_for_room(&e), "{e:?}");
+            let e = from_pod(e);
+            assert!(!refused_for_room(&e), "{e:?}");
+        }
+    }
+
+    #[test]
+    fn a_refusal_nowhere_else_has_room_for_says_so() {
+        let id = SandboxId::new("sbx_0123456789abcdef");
+        let refusal = from_pod(ServiceError::Pressure {
+            resident_mib: 900,
+            asked_mib: 64,
+            hard_mib: 950,
+            retry_after_s: 1,
+        });
+        match no_other_room(refusal, &id) {
+            ServiceError::Pod {
+                status,
+                code,
+                message,
+            } => {
+                assert_eq!((status, code.as_str()), (429, error_code::RATE_LIMITED));
+                assert!(message.contains("memory pressure"), "{message}");
+                assert!(
+                    message.ends_with(&format!(
+                        "no other pod up had admission headroom to take sandbox {id}"
+                    )),
+                    "{message}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_move_goes_to_another_pod_up_with_room_those_with_the_template_first() {
+        let mut sandbox = Sandbox::new(TemplateId::new("probe"), 64, 1, 1000);
+        sandbox.state = SandboxState::Hibernated;
+        let from = pod("pod1", 4096.0, 0.1, &["probe"]);
+        let up = |p: &PodRow| p.silent_s < 3.0;
+        let pods = [
+            from.clone(),
+            pod("small", 32.0, 0.1, &["probe"]),
+            pod("down", 4096.0, 9.0, &["probe"]),
+            pod("bare", 2048.0, 0.1, &[]),
+            pod("cached", 128.0, 0.1, &["probe"]),
+        ];
+        let to = move_target(&pods, &sandbox, &from, up).map(|p| p.id.as_str());
+        assert_eq!(to, Some("cached"));
+        // Without it, the one with the most headroom; never the refusing
+        // pod, however much room its heartbeat showed.
+        let to = move_target(&pods[..4], &sandbox, &from, up).map(|p| p.id.as_str());
+        assert_eq!(to, Some("bare"));
+        assert!(move_target(&pods[..3], &sandbox, &from, up).is_none());
+    }
 }

@@ -326,9 +326,19 @@ impl Cluster {
         };
         let tenant = sandbox.tenant.clone().unwrap_or_default();
         let asked = asks(&sandbox);
-        self.run(&pod.id, &tenant, command, asked.as_ref())
+        let reply = self
+            .run(&pod.id, &tenant, command.clone(), asked.as_ref())
             .await?
-            .reply()
+            .reply();
+        match reply {
+            // A wake its pod refused for room goes where there is
+            // (`moved.rs`), once.
+            Err(refusal) if wakes && super::moved::refused_for_room(&refusal) => {
+                self.woken_elsewhere(&id, &pod.id, command, asked, refusal)
+                    .await
+            }
+            reply => reply,
+        }
     }
 
     /// A command on sandbox `id` that failed with `e` before it was sent
@@ -858,10 +868,12 @@ impl SandboxApi for Cluster {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn pod(id: &str, headroom: f64, silent: f64, templates: &[&str]) -> PodRow {
+    /// A pod's row: `headroom` MiB, silent for `silent` s, listing
+    /// `templates`.
+    pub(crate) fn pod(id: &str, headroom: f64, silent: f64, templates: &[&str]) -> PodRow {
         PodRow {
             id: PodId::new(id),
             address: "tcp:127.0.0.1:1".into(),

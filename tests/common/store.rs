@@ -5,7 +5,8 @@
 //! (the probe continuing its exact sequence) and its template created
 //! from there; a corrupted chunk fails the wake naming the layer; a
 //! sandbox running on the lost pod reads as lost and can be deleted, and
-//! is deleted on that pod when it comes back.
+//! is deleted on that pod when it comes back; a wake its pod (up) refuses
+//! for room is moved to the other pod (`tests/cluster_wake_refused.rs`).
 #![allow(dead_code)]
 
 use std::collections::HashMap;
@@ -14,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::cluster::Cluster;
+use super::cluster::{as_token, tenant_token, Cluster, SHARED_WITHIN};
 use super::snap::assert_exact_sequence;
 
 /// The replicas' flags: a pod silent 4 s is lost for good.
@@ -55,16 +56,26 @@ fn post(c: &Cluster, n: u16, path: &str, body: Option<&str>, status: u16) -> Val
     r.json()
 }
 
+/// A probe sandbox created on pod1 through replica 1; asked again while
+/// pod1 answers 429 (on a pod that runs one VMM at a time, the last one's
+/// may still be ending).
+fn created_on_pod1(c: &Cluster) -> Value {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let body = r#"{"template":"probe","pod":"pod1"}"#;
+        let r = c.call(1, "POST", "/v1/sandboxes", Some(body));
+        if r.status != 429 || Instant::now() >= deadline {
+            assert_eq!(r.status, 201, "{}", r.body);
+            return r.json();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// A probe sandbox on pod1, running two iterations, then hibernated: its
 /// id, its last iteration, and its snapshot's manifest.
 fn hibernated_on_pod1(c: &Cluster) -> (String, u64, String) {
-    let s = post(
-        c,
-        1,
-        "/v1/sandboxes",
-        Some(r#"{"template":"probe","pod":"pod1"}"#),
-        201,
-    );
+    let s = created_on_pod1(c);
     let id = s["id"].as_str().unwrap().to_string();
     assert_eq!(s["pod"], "pod1", "{s}");
     let before = iterations(c, 1, &id, 2);
@@ -246,6 +257,199 @@ pub fn wake_where_there_is_room(c: &Cluster) {
     let r = c.call(1, "DELETE", &path, None);
     assert_eq!(r.status, 204, "{}", r.body);
     set_ratio(c, 1, ratio, |h| h >= 64.0);
+}
+
+/// A wake pod1 refuses for room while its heartbeats show room: pod1 runs
+/// at most one VMM (`--jail-uids 1`: `TORPOR_CLUSTER_POD1_JAIL_UIDS`),
+/// which a sandbox running there holds, so that its admission answers a
+/// wake 429 `admission_refused` whatever its memory's headroom. The wake
+/// is moved to pod2 and answers from there (its retry by key the same),
+/// the probe going on with its exact sequence, pod1's copy released
+/// (before: pod1's 429, however much room pod2 had). With pod2 full too,
+/// such a wake answers pod1's 429 saying that no other pod had room, the
+/// sandbox still pod1's, hibernated, and woken there once pod1 has a VMM
+/// to spare. Then a tenant's exec (`guest_call_of_a_tenant_moves`).
+pub fn wake_refused_by_its_pod(c: &Cluster) {
+    let (id, last, _) = hibernated_on_pod1(c);
+    let (stays, stays_last, _) = hibernated_on_pod1(c);
+    // pod1's one VMM: a sandbox running there.
+    let busy = created_on_pod1(c)["id"].as_str().unwrap().to_string();
+    let pod1 = c.pods().into_iter().find(|p| p["id"] == "pod1").unwrap();
+    assert!(
+        pod1["headroom_mib"].as_f64().is_some_and(|h| h >= 64.0),
+        "pod1's heartbeat shows room for a probe: {pod1}"
+    );
+
+    let path = format!("/v1/sandboxes/{id}");
+    let connect = format!("{path}/connect");
+    let key = [("Idempotency-Key", "a-wake-pod1-refuses")];
+    let started = Instant::now();
+    let r = c.call_with(2, "POST", &connect, &key, None);
+    let ms = started.elapsed().as_secs_f64() * 1000.0;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let w = r.json();
+    assert_eq!(w["sandbox"]["state"], "running", "{w}");
+    assert_eq!(w["sandbox"]["pod"], "pod2", "{w}");
+    println!("wake refused by its pod, moved to another, through a replica: {ms:.1} ms");
+    print_log_lines(c, "api2", "waking a sandbox on another pod");
+    let after = iterations(c, 2, &id, 2);
+    assert!(
+        after[0].0 > last && after[0].0 <= last + 1,
+        "pod1 ran up to {last}, pod2 goes on from {after:?}"
+    );
+    assert_exact_sequence(&after, MIB);
+    // Its retry (by its key, through the other replica): the same answer.
+    let r = c.call_with(1, "POST", &connect, &key, None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["sandbox"]["pod"], "pod2", "{}", r.body);
+    // pod1 is asked to release its copy (by its next heartbeat).
+    let deadline = Instant::now() + WAIT;
+    while c.pod_sandboxes(1).iter().any(|s| s["id"] == id.as_str()) {
+        assert!(Instant::now() < deadline, "pod1 still holds {id}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    for n in [1, 2] {
+        let r = c.call(n, "GET", &path, None);
+        assert_eq!(r.json()["pod"], "pod2", "{}", r.body);
+    }
+
+    // pod2 full too: pod1's refusal, saying so; the sandbox stays.
+    let ratio = c
+        .pods()
+        .iter()
+        .find(|p| p["id"] == "pod2")
+        .and_then(|p| p["oversubscription_ratio"].as_f64())
+        .expect("pod2's ratio");
+    set_ratio(c, 2, 0.001, |h| h < 64.0);
+    let stays_path = format!("/v1/sandboxes/{stays}");
+    let r = c.call(1, "POST", &format!("{stays_path}/connect"), None);
+    assert_eq!(r.status, 429, "{}", r.body);
+    let error = &r.json()["error"];
+    assert_eq!(error["code"], "admission_refused", "{}", r.body);
+    let message = error["message"].as_str().unwrap();
+    assert!(
+        message.contains("jail uids") && message.contains("no other pod up had admission headroom"),
+        "{message}"
+    );
+    for n in [1, 2] {
+        let s = c.call(n, "GET", &stays_path, None).json();
+        assert_eq!(
+            (&s["state"], &s["pod"]),
+            (&"hibernated".into(), &"pod1".into()),
+            "{s}"
+        );
+    }
+    let held = c.pod_sandboxes(1);
+    assert!(
+        held.iter()
+            .any(|s| s["id"] == stays.as_str() && s["state"] == "hibernated"),
+        "pod1 holds {stays} hibernated: {held:?}"
+    );
+    // pod1 spares its VMM: the wake is pod1's again (asked again while
+    // the running sandbox's VMM ends).
+    assert_eq!(
+        c.call(1, "DELETE", &format!("/v1/sandboxes/{busy}"), None)
+            .status,
+        204
+    );
+    let deadline = Instant::now() + WAIT;
+    let w = loop {
+        let r = c.call(1, "POST", &format!("{stays_path}/connect"), None);
+        if r.status != 429 || Instant::now() >= deadline {
+            assert_eq!(r.status, 200, "{}", r.body);
+            break r.json();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(w["sandbox"]["pod"], "pod1", "{w}");
+    let after = iterations(c, 1, &stays, 2);
+    assert!(
+        after[0].0 > stays_last && after[0].0 <= stays_last + 1,
+        "pod1 ran up to {stays_last}, then goes on from {after:?}"
+    );
+    assert_exact_sequence(&after, MIB);
+    set_ratio(c, 2, ratio, |h| h >= 64.0);
+    for gone in [&path, &stays_path] {
+        assert_eq!(c.call(1, "DELETE", gone, None).status, 204);
+    }
+    guest_call_of_a_tenant_moves(c);
+}
+
+/// A probe sandbox of the tenant of `token` created through replica 1
+/// and placed on pod `n` (a tenant names no pod: made again until
+/// placement picks it, those placed on the other pod deleted, and asked
+/// again while a pod refuses it).
+fn tenant_sandbox_on(c: &Cluster, token: &str, n: u16) -> String {
+    let body = Some(r#"{"template":"probe"}"#);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let r = as_token(c, 1, token, "POST", "/v1/sandboxes", body);
+        match r.status {
+            201 if r.json()["pod"] == format!("pod{n}").as_str() => {
+                return r.json()["id"].as_str().unwrap().to_string();
+            }
+            201 => {
+                let other = format!("/v1/sandboxes/{}", r.json()["id"].as_str().unwrap());
+                assert_eq!(as_token(c, 1, token, "DELETE", &other, None).status, 204);
+            }
+            429 => std::thread::sleep(Duration::from_millis(100)),
+            _ => panic!("{} {}", r.status, r.body),
+        }
+        assert!(Instant::now() < deadline, "no sandbox placed on pod{n}");
+    }
+}
+
+/// The same refusal met by a guest call (exec) of a tenant with a quota
+/// (whose calls on a hibernated sandbox a replica wakes first, as a
+/// `connect`): the wake moves to pod2 and the exec goes there (a probe
+/// has no agent: 422). A wake refused by the tenant's quota (429
+/// `quota_exceeded`, the same on every pod) does not move it.
+fn guest_call_of_a_tenant_moves(c: &Cluster) {
+    let (token, _) = tenant_token(c, 1, "mover");
+    c.set_quota(1, "mover", r#"{"running_sandboxes":1}"#);
+    // Replica 1 reads the tenants again within this (its guard wakes a
+    // sandbox first only for a tenant with a quota).
+    std::thread::sleep(SHARED_WITHIN);
+    let id = tenant_sandbox_on(c, &token, 1);
+    let path = format!("/v1/sandboxes/{id}");
+    let r = as_token(c, 1, &token, "POST", &format!("{path}/hibernate"), None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    // pod1's one VMM taken (an admin's sandbox), the tenant's quota by
+    // one running on pod2.
+    let busy = created_on_pod1(c)["id"].as_str().unwrap().to_string();
+    let running = tenant_sandbox_on(c, &token, 2);
+    let r = as_token(c, 1, &token, "POST", &format!("{path}/connect"), None);
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "quota_exceeded", "{}", r.body);
+    let s = as_token(c, 1, &token, "GET", &path, None).json();
+    assert_eq!(
+        (&s["state"], &s["pod"]),
+        (&"hibernated".into(), &"pod1".into()),
+        "{s}"
+    );
+    let r = as_token(
+        c,
+        1,
+        &token,
+        "DELETE",
+        &format!("/v1/sandboxes/{running}"),
+        None,
+    );
+    assert_eq!(r.status, 204, "{}", r.body);
+    // Room in the quota: an exec wakes it first, which pod1 refuses.
+    let exec = format!("{path}/exec");
+    let r = as_token(c, 1, &token, "POST", &exec, Some(r#"{"argv":["true"]}"#));
+    assert_eq!(r.status, 422, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "no_agent", "{}", r.body);
+    let s = as_token(c, 1, &token, "GET", &path, None).json();
+    assert_eq!(
+        (&s["state"], &s["pod"]),
+        (&"running".into(), &"pod2".into()),
+        "{s}"
+    );
+    for gone in [path, format!("/v1/sandboxes/{busy}")] {
+        assert_eq!(c.call(1, "DELETE", &gone, None).status, 204);
+    }
 }
 
 /// The scenario on cluster `c`, whose pods share an object store (at
