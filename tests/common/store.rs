@@ -244,16 +244,7 @@ pub fn wake_where_there_is_room(c: &Cluster) {
         "pod1 ran up to {last}, pod2 goes on from {after:?}"
     );
     assert_exact_sequence(&after, MIB);
-    // pod1 is asked to release its copy (by its next heartbeat).
-    let deadline = Instant::now() + WAIT;
-    while c.pod_sandboxes(1).iter().any(|s| s["id"] == id.as_str()) {
-        assert!(Instant::now() < deadline, "pod1 still holds {id}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    for n in [1, 2] {
-        let r = c.call(n, "GET", &path, None);
-        assert_eq!(r.json()["pod"], "pod2", "{}", r.body);
-    }
+    released_by_pod1(c, id.as_str(), &path);
     let r = c.call(1, "DELETE", &path, None);
     assert_eq!(r.status, 204, "{}", r.body);
     set_ratio(c, 1, ratio, |h| h >= 64.0);
@@ -302,16 +293,7 @@ pub fn wake_refused_by_its_pod(c: &Cluster) {
     let r = c.call_with(1, "POST", &connect, &key, None);
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.json()["sandbox"]["pod"], "pod2", "{}", r.body);
-    // pod1 is asked to release its copy (by its next heartbeat).
-    let deadline = Instant::now() + WAIT;
-    while c.pod_sandboxes(1).iter().any(|s| s["id"] == id.as_str()) {
-        assert!(Instant::now() < deadline, "pod1 still holds {id}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    for n in [1, 2] {
-        let r = c.call(n, "GET", &path, None);
-        assert_eq!(r.json()["pod"], "pod2", "{}", r.body);
-    }
+    released_by_pod1(c, id.as_str(), &path);
 
     // pod2 full too: pod1's refusal, saying so; the sandbox stays.
     let ratio = c
@@ -775,4 +757,18 @@ pub fn durable_checkpoints_outlive_a_lost_pod(c: &Cluster) {
     let r = c.call(1, "GET", &path, None);
     assert_eq!(r.json()["pod"], "pod2", "{}", r.body);
     assert_eq!(c.call(1, "DELETE", &path, None).status, 204);
+}
+
+/// pod1 is asked to release its copy of sandbox `id` moved to pod2 (by its
+/// next heartbeat), and both replicas say it is pod2's (`path`: its URL).
+fn released_by_pod1(c: &Cluster, id: &str, path: &str) {
+    let deadline = Instant::now() + WAIT;
+    while c.pod_sandboxes(1).iter().any(|s| s["id"] == id) {
+        assert!(Instant::now() < deadline, "pod1 still holds {id}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    for n in [1, 2] {
+        let r = c.call(n, "GET", path, None);
+        assert_eq!(r.json()["pod"], "pod2", "{}", r.body);
+    }
 }
