@@ -707,10 +707,11 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 3072, value_name = "MIB")]
     pub nested_mem_mib: u32,
     /// vCPUs of the nested host itself (L1; QEMU/TCG runs one thread per
-    /// vCPU). 1 by default: with 2, restored L2 guests triple-faulted or
-    /// stopped taking interrupts in 3 to 38 of every 100 sandbox cycles of
-    /// the five-at-once soak (and L1's kernel panicked now and then); with
-    /// 1, none in 200 (docs/history.md, session 35).
+    /// vCPU). 1 by default: on a quiet host, restored L2 guests
+    /// triple-faulted or stopped taking interrupts in 3 to 38 of every 100
+    /// sandbox cycles of the five-at-once soak with 2 (and L1's kernel
+    /// panicked now and then), in none of 200 with 1 (docs/history.md,
+    /// sessions 35 and 36).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64), value_name = "N")]
     pub nested_host_cpus: u32,
     /// vCPUs of the nested host's template `base` (1 by default: under
