@@ -14,7 +14,7 @@
 //! So does one its pod refuses for room although its last heartbeat
 //! showed room ([`Cluster::woken_elsewhere`]): the heartbeat was stale,
 //! or what refused was not that headroom (the pod's memory pressure, its
-//! jail's uids). Only such a refusal moves it ([`refused_for_room`]: 429
+//! jail's uids). Only such a refusal moves it ([`Cluster::refused_for_room`]: 429
 //! `admission_refused` or `rate_limited` from the pod; never a tenant's
 //! quota, the same on every pod, nor any other failure), once: the wake
 //! is run again on a pod up with room but the refusing one, under the
@@ -231,7 +231,7 @@ impl Cluster {
     }
 
     /// A wake (`command`) of sandbox `id` that its pod `from` refused for
-    /// room (`refusal`, [`refused_for_room`]) although its last heartbeat
+    /// room (`refusal`, [`Cluster::refused_for_room`]) although its last heartbeat
     /// showed room (it changed since, or what refused it was not that
     /// headroom: its memory pressure, its jail's uids): the sandbox, still
     /// `from`'s and hibernated with its snapshot stored as `from` has it
@@ -435,23 +435,25 @@ enum Unmoved {
     Failed,
 }
 
-/// Whether `e`, a pod's answer to a wake, refused it for room that
-/// another pod may have: the pod's admission (429 `admission_refused`:
-/// its memory's headroom, its jail's uids) or its memory pressure (429
-/// `rate_limited`). Not a tenant's quota (429 `quota_exceeded`, the same
-/// on every pod, and admitted by the replica before the pod is asked)
-/// nor any other failure: those do not move the sandbox.
-pub(super) fn refused_for_room(e: &ServiceError) -> bool {
-    match e {
-        ServiceError::Admission { .. } | ServiceError::Pressure { .. } => true,
-        ServiceError::Pod {
-            status: 429, code, ..
-        } => code == error_code::ADMISSION_REFUSED || code == error_code::RATE_LIMITED,
-        _ => false,
+impl Cluster {
+    /// Whether `e`, a pod's answer to a wake, refused it for room that
+    /// another pod may have: the pod's admission (429 `admission_refused`:
+    /// its memory's headroom, its jail's uids) or its memory pressure (429
+    /// `rate_limited`). Not a tenant's quota (429 `quota_exceeded`, the same
+    /// on every pod, and admitted by the replica before the pod is asked)
+    /// nor any other failure: those do not move the sandbox.
+    pub(super) fn refused_for_room(e: &ServiceError) -> bool {
+        match e {
+            ServiceError::Admission { .. } | ServiceError::Pressure { .. } => true,
+            ServiceError::Pod {
+                status: 429, code, ..
+            } => code == error_code::ADMISSION_REFUSED || code == error_code::RATE_LIMITED,
+            _ => false,
+        }
     }
 }
 
-/// `refusal` (a wake's, [`refused_for_room`]) of sandbox `id`, as its pod
+/// `refusal` (a wake's, [`Cluster::refused_for_room`]) of sandbox `id`, as its pod
 /// answered it (status, code), saying that no other pod up had room.
 fn no_other_room(refusal: ServiceError, id: &SandboxId) -> ServiceError {
     let OpError {
@@ -563,9 +565,9 @@ mod tests {
         // Its admission (its memory, its jail's uids) and its memory
         // pressure: as the pod answers them, and typed.
         for e in [full(), pressed()] {
-            assert!(refused_for_room(&e), "{e:?}");
+            assert!(Cluster::refused_for_room(&e), "{e:?}");
             let e = from_pod(e);
-            assert!(refused_for_room(&e), "{e:?}");
+            assert!(Cluster::refused_for_room(&e), "{e:?}");
         }
         // A tenant's quota: refused by the replica's admission (before the
         // pod), or by a pod; the same on every pod.
@@ -574,7 +576,7 @@ mod tests {
             from_pod(quota().into()),
         ];
         for e in quota_refusals {
-            assert!(!refused_for_room(&e), "{e:?}");
+            assert!(!Cluster::refused_for_room(&e), "{e:?}");
         }
         // Nor anything else the pod answers.
         let id = SandboxId::new("sbx_0123456789abcdef");
@@ -607,9 +609,9 @@ mod tests {
             },
         ];
         for e in others {
-            assert!(!refused_for_room(&e), "{e:?}");
+            assert!(!Cluster::refused_for_room(&e), "{e:?}");
             let e = from_pod(e);
-            assert!(!refused_for_room(&e), "{e:?}");
+            assert!(!Cluster::refused_for_room(&e), "{e:?}");
         }
     }
 

@@ -333,7 +333,7 @@ impl Cluster {
         match reply {
             // A wake its pod refused for room goes where there is
             // (`moved.rs`), once.
-            Err(refusal) if wakes && super::moved::refused_for_room(&refusal) => {
+            Err(refusal) if wakes && Self::refused_for_room(&refusal) => {
                 self.woken_elsewhere(&id, &pod.id, command, asked, refusal)
                     .await
             }

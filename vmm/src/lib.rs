@@ -29,6 +29,7 @@ pub mod snapshot;
 pub mod standby;
 pub mod uffd;
 pub mod uffd_abi;
+pub mod vcpu_report;
 pub mod virtio_devices;
 pub mod vm_state;
 pub mod vstate;

@@ -428,11 +428,11 @@ impl Controller {
         let vcpus = saved?
             .iter()
             .enumerate()
-            .map(|(i, s)| crate::vstate::report::vcpu(i as u8, s))
+            .map(|(i, s)| crate::vcpu_report::vcpu(i as u8, s))
             .collect();
         let chip = vm_state::get_irqchip(&self.vm.fd, kvm_bindings::KVM_IRQCHIP_IOAPIC)
             .map_err(|e| VmError::internal(e.to_string()))?;
-        let (ioapic, ioapic_irr) = crate::vstate::report::ioapic(&chip);
+        let (ioapic, ioapic_irr) = crate::vcpu_report::ioapic(&chip);
         Ok(VcpuStates {
             vcpus,
             ioapic,

@@ -5,6 +5,5 @@ pub mod cpuid;
 pub mod kvm;
 pub mod memory;
 pub mod regs;
-pub mod report;
 pub mod vcpu;
 pub mod vm;

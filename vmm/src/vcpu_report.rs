@@ -1,7 +1,8 @@
 //! The `vcpu_state` answer made from KVM's structures: what a saved
 //! vCPU's registers, events and local APIC page say, and the IOAPIC's
 //! redirection table, in the control protocol's terms
-//! ([`torpor_vmm_api::vcpus`]).
+//! ([`torpor_vmm_api::vcpus`]). Beside `vm_state`, whose saved vCPU it
+//! reads (not in `vstate`: `vm_state` imports from there).
 
 use kvm_bindings::{
     kvm_irqchip, kvm_lapic_state, KVM_MP_STATE_HALTED, KVM_MP_STATE_INIT_RECEIVED,
