@@ -520,25 +520,39 @@ impl AgentLink {
     /// the clone's own seed (the identity page the VMM wrote at restore),
     /// the hostname and identity file. Fails unless the clock, the reseed,
     /// the hostname and the identity all took.
+    ///
+    /// A connection the guest closes during the call is tried once more
+    /// on a new one, within the same wait: a restored guest's driver
+    /// that handles the transport reset late (a starved guest, past the
+    /// vsock device's hold) closes whatever it had accepted by then. The
+    /// hook is idempotent (the clock set again, one more reseed).
     pub fn resumed(
         &self,
         sandbox_id: &str,
-        alive: impl FnMut() -> Result<(), String>,
+        mut alive: impl FnMut() -> Result<(), String>,
     ) -> Result<ResumedReply, GuestError> {
-        let mut client = self.connect_waiting(AGENT_WAIT, alive)?;
-        let wall_clock_ns = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
-        let req = ResumedRequest {
-            wall_clock_ns: Some(wall_clock_ns),
+        let started = Instant::now();
+        let mut client = self.connect_waiting(AGENT_WAIT, &mut alive)?;
+        let req = |now: SystemTime| ResumedRequest {
+            wall_clock_ns: Some(
+                now.duration_since(UNIX_EPOCH)
+                    .map(|d| d.as_nanos() as u64)
+                    .unwrap_or(0),
+            ),
             seed: None,
             hostname: Some(hostname_for(sandbox_id)),
             sandbox_id: Some(sandbox_id.to_string()),
         };
-        let reply = client
-            .resumed(req)
-            .map_err(|e| self.client_error(e, Some(self.file_limit)))?;
+        let reply = match client.resumed(req(SystemTime::now())) {
+            Err(e) if closed_by_the_guest(&e) => {
+                tracing::info!(sandbox = %sandbox_id, "the guest closed the resume hook's connection ({e}); once more");
+                let wait = AGENT_WAIT.saturating_sub(started.elapsed());
+                let mut client = self.connect_waiting(wait, &mut alive)?;
+                client.resumed(req(SystemTime::now()))
+            }
+            other => other,
+        }
+        .map_err(|e| self.client_error(e, Some(self.file_limit)))?;
         let steps: [(&str, &Step); 5] = [
             ("identity page", &reply.identity_page),
             ("clock", &reply.clock),
@@ -781,6 +795,22 @@ impl Service {
 #[cfg(test)]
 #[path = "guest_tests.rs"]
 pub(super) mod tests;
+
+/// Whether `e` is the guest closing (or resetting) a connection it had
+/// accepted, as opposed to an answer, a timeout or a protocol fault.
+fn closed_by_the_guest(e: &ClientError) -> bool {
+    match e {
+        ClientError::Closed => true,
+        ClientError::Frame(FrameError::Io(e)) => matches!(
+            e.kind(),
+            io::ErrorKind::ConnectionReset
+                | io::ErrorKind::BrokenPipe
+                | io::ErrorKind::UnexpectedEof
+                | io::ErrorKind::ConnectionAborted
+        ),
+        _ => false,
+    }
+}
 
 #[cfg(test)]
 #[path = "guest_hostile_tests.rs"]

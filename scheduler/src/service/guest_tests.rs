@@ -5,6 +5,7 @@
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -37,6 +38,24 @@ pub(in crate::service) enum Behaviour {
     Refuse,
     /// Say OK, then hang up (the agent died).
     HangUp,
+    /// The first connection greets as the agent does, reads one request
+    /// and closes (a restored guest's driver handling its transport reset
+    /// late); the others are the agent's.
+    CloseFirstCall,
+}
+
+/// Greets as the agent does, reads one request, then closes.
+fn greet_then_close(mut conn: UnixStream) {
+    use torpor_agent::frame::{encode_frame, read_message, MAX_FRAME};
+    conn.write_all(b"OK 1073741824\n").unwrap();
+    let Ok(Some(hello)) = read_message::<torpor_agent::proto::Request>(&mut conn, MAX_FRAME) else {
+        return;
+    };
+    let reply = serde_json::json!({"id": hello.id, "type": "hello",
+        "protocol": {"major": 1, "minor": 4}, "agent_version": "closing"});
+    conn.write_all(&encode_frame(&reply, MAX_FRAME).unwrap())
+        .unwrap();
+    let _ = read_message::<torpor_agent::proto::Request>(&mut conn, MAX_FRAME);
 }
 
 /// A hybrid vsock socket in `dir` in front of a real agent with `ops`.
@@ -48,14 +67,21 @@ pub(in crate::service) fn vsock_agent(
     let uds = dir.join(VSOCK_FILE);
     let listener = UnixListener::bind(&uds).unwrap();
     let agent = Agent::new(AgentConfig::new(ops));
+    let closed_one = Arc::new(AtomicBool::new(false));
     std::thread::spawn(move || {
         for conn in listener.incoming() {
             let Ok(mut conn) = conn else { return };
             let agent = Arc::clone(&agent);
+            let closed_one = Arc::clone(&closed_one);
             std::thread::spawn(move || {
                 let line = read_line(&mut conn);
                 match behaviour {
-                    Behaviour::Agent if line == format!("CONNECT {DEFAULT_VSOCK_PORT}") => {
+                    Behaviour::CloseFirstCall if !closed_one.swap(true, Ordering::SeqCst) => {
+                        greet_then_close(conn)
+                    }
+                    Behaviour::Agent | Behaviour::CloseFirstCall
+                        if line == format!("CONNECT {DEFAULT_VSOCK_PORT}") =>
+                    {
                         conn.write_all(b"OK 1073741824\n").unwrap();
                         agent.serve_connection(Stream::Unix(conn));
                     }
@@ -259,6 +285,35 @@ fn resumed_sets_clock_reseeds_from_the_page_and_names_the_host() {
     );
     assert!(calls.contains(&FakeCall::SetHostname("sbx-0123456789abcdef".into())));
     assert!(calls.contains(&FakeCall::WriteIdentity("sbx_0123456789abcdef".into())));
+}
+
+#[test]
+fn resumed_goes_on_when_the_guest_closes_its_first_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let page = IdentityPage {
+        generation: 2,
+        seed: [9; 32],
+        wall_clock_ns: 1,
+    };
+    let ops = Arc::new(FakeOps::new().root(true).page(page));
+    let link = vsock_agent(dir.path(), ops.clone(), Behaviour::CloseFirstCall);
+    let reply = link.resumed("sbx_0123456789abcdef", || Ok(())).unwrap();
+    assert_eq!(reply.generation, Some(2));
+    assert!(
+        ops.calls().contains(&FakeCall::WriteUrandom(vec![9; 32])),
+        "{:?}",
+        ops.calls()
+    );
+    // Other calls are not tried again: an exec may have run.
+    let dir = tempfile::tempdir().unwrap();
+    let ops = Arc::new(FakeOps::new().root(true));
+    let link = vsock_agent(dir.path(), ops, Behaviour::CloseFirstCall);
+    match link.exec(exec_req(&["true"]), &Cancel::default()) {
+        Err(GuestError::Unreachable { reason, .. }) => {
+            assert!(reason.contains("closed the connection"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
 }
 
 #[test]
