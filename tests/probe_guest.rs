@@ -97,16 +97,24 @@ fn timer_paces_the_idle_loop() {
     );
 }
 
-#[test]
-fn pause_stops_the_counter_and_resume_continues_it() {
-    let dir = Scratch::new("pause-resume");
+/// A probe VM of `vcpus` ticking at 100 Hz, its console in a file and a
+/// control socket (in the returned scratch directory), past its 3rd
+/// iteration.
+fn probe_with_control(
+    name: &str,
+    vcpus: u8,
+) -> (Scratch, std::path::PathBuf, std::path::PathBuf, Vmm) {
+    let dir = Scratch::new(name);
     let serial = dir.path("console.log");
     let sock = dir.path("ctl.sock");
-    let mut vmm = Vmm::spawn(&[
+    let vcpus = vcpus.to_string();
+    let vmm = Vmm::spawn(&[
         "--kernel",
         "builtin:probe",
         "--mem-mib",
         "64",
+        "--vcpus",
+        &vcpus,
         "--cmdline",
         "probe.mib=1 probe.ticks=2 probe.hz=100",
         "--serial",
@@ -117,6 +125,12 @@ fn pause_stops_the_counter_and_resume_continues_it() {
     wait_for_line(&serial, BOOT_LIMIT, |l| {
         l.starts_with("TORPOR-PROBE ITER n=3 ")
     });
+    (dir, serial, sock, vmm)
+}
+
+#[test]
+fn pause_stops_the_counter_and_resume_continues_it() {
+    let (_dir, serial, sock, mut vmm) = probe_with_control("pause-resume", 1);
     let t = Duration::from_secs(10);
     assert_eq!(
         request(&sock, &Request::Status, t).unwrap().state,
@@ -157,26 +171,7 @@ fn pause_stops_the_counter_and_resume_continues_it() {
 
 #[test]
 fn vcpu_state_reads_a_running_guest_and_lets_it_run_on() {
-    let dir = Scratch::new("vcpu-state");
-    let serial = dir.path("console.log");
-    let sock = dir.path("ctl.sock");
-    let vmm = Vmm::spawn(&[
-        "--kernel",
-        "builtin:probe",
-        "--mem-mib",
-        "64",
-        "--vcpus",
-        "2",
-        "--cmdline",
-        "probe.mib=1 probe.ticks=2 probe.hz=100",
-        "--serial",
-        serial.to_str().unwrap(),
-        "--control-socket",
-        sock.to_str().unwrap(),
-    ]);
-    wait_for_line(&serial, BOOT_LIMIT, |l| {
-        l.starts_with("TORPOR-PROBE ITER n=3 ")
-    });
+    let (_dir, serial, sock, vmm) = probe_with_control("vcpu-state", 2);
     let t = Duration::from_secs(10);
     let answer = call(&sock, &Request::VcpuState, t).unwrap();
     assert_eq!(answer.status.unwrap().state, VmState::Running);
