@@ -311,6 +311,14 @@ fn cross_pod(o: &Opts) -> Vec<f64> {
     took
 }
 
+fn met(ok: bool) -> &'static str {
+    if ok {
+        "ok"
+    } else {
+        "MISS"
+    }
+}
+
 fn p(v: &[f64], q: f64) -> f64 {
     percentile(v, q)
 }
@@ -335,30 +343,44 @@ fn main() {
         "embedded (1 torpor serve)".to_string(),
         "cluster (2 replicas, 2 pods)".to_string(),
         "queue adds".to_string(),
+        "target (issue 31)".to_string(),
     ]);
     let rate = |v: f64| format!("{v:.1}");
+    // Cluster / embedded, against >= 0.8x.
+    let ratio = |c: f64, e: f64| {
+        let r = c / e;
+        format!("{r:.2}x of embedded, >= 0.8x: {}", met(r >= 0.8))
+    };
     table.add_row(vec![
         format!("creates/s ({} clients, {} s)", o.threads, o.secs),
         rate(e.creates_per_s),
         rate(c.creates_per_s),
         String::new(),
+        ratio(c.creates_per_s, e.creates_per_s),
     ]);
     table.add_row(vec![
         format!("wakes/s ({} clients)", o.threads),
         rate(e.wakes_per_s),
         rate(c.wakes_per_s),
         String::new(),
+        ratio(c.wakes_per_s, e.wakes_per_s),
     ]);
     for (what, ev, cv) in [
         ("create", &e.create_ms, &c.create_ms),
         ("wake", &e.wake_ms, &c.wake_ms),
     ] {
         for (label, q) in [("p50", 0.5), ("p99", 0.99)] {
+            let adds = p(cv, q) - p(ev, q);
             table.add_row(vec![
                 format!("{what} {label}, ms (1 client)"),
                 format!("{:.1}", p(ev, q)),
                 format!("{:.1}", p(cv, q)),
-                format!("{:+.1}", p(cv, q) - p(ev, q)),
+                format!("{adds:+.1}"),
+                if q == 0.5 {
+                    format!("queue adds <= 5 ms: {}", met(adds <= 5.0))
+                } else {
+                    String::new()
+                },
             ]);
         }
     }
@@ -367,6 +389,7 @@ fn main() {
             format!("wake on another pod, its own lost {label}, ms (1 client)"),
             "-".to_string(),
             format!("{:.1}", p(&moved, q)),
+            String::new(),
             String::new(),
         ]);
     }

@@ -15,7 +15,6 @@
 //! --all-targets` runs it) it makes a smoke run with 4 sandboxes.
 
 use std::io::{BufRead, BufReader};
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -202,18 +201,6 @@ fn cpu_cores(pids: &[u64], window: Duration) -> f64 {
     (ticks() - c0) / hz / t0.elapsed().as_secs_f64()
 }
 
-/// Allocated bytes under `p` (what du counts).
-fn du(p: &Path) -> u64 {
-    let Ok(m) = std::fs::symlink_metadata(p) else {
-        return 0;
-    };
-    if !m.is_dir() {
-        return m.blocks() * 512;
-    }
-    let entries = std::fs::read_dir(p).into_iter().flatten().flatten();
-    m.blocks() * 512 + entries.map(|e| du(&e.path())).sum::<u64>()
-}
-
 fn arg(args: &[String], name: &str, default: usize) -> usize {
     let Some(i) = args.iter().position(|a| a == name) else {
         return default;
@@ -385,9 +372,15 @@ fn main() {
     let (serve_pss, serve_rss) = pss_rss(serve_pid);
     let kern_now = kernel_mem();
     let sbx_dir = data_dir().join("sandboxes");
-    let hib_disk: u64 = hibernated.iter().map(|(id, _)| du(&sbx_dir.join(id))).sum();
-    let run_disk: u64 = running.iter().map(|(id, _)| du(&sbx_dir.join(id))).sum();
-    let tmpl_disk = du(&data_dir().join("templates"));
+    let hib_disk: u64 = hibernated
+        .iter()
+        .map(|(id, _)| torpor_storage::allocated_bytes(&sbx_dir.join(id)))
+        .sum();
+    let run_disk: u64 = running
+        .iter()
+        .map(|(id, _)| torpor_storage::allocated_bytes(&sbx_dir.join(id)))
+        .sum();
+    let tmpl_disk = torpor_storage::allocated_bytes(&data_dir().join("templates"));
     let ram_total = vmm_pss + serve_pss;
 
     // 4. Wake random hibernated sandboxes, hibernating each again after.

@@ -348,6 +348,35 @@ fn vmm_start(dir: &Path, mem: u64, small: bool, jail: bool, i: usize) -> (f64, O
     (to_socket, to_ready)
 }
 
+/// Issue 31's targets for a VMM process (this machine, the probe guest).
+const SPAWN_TARGET_US: f64 = 800.0;
+const JAIL_TARGET_US: f64 = 500.0;
+const PSS_TARGET_MIB: f64 = 0.5;
+
+/// "target: ok" or "target: MISS".
+fn met(ok: bool, target: &str) -> String {
+    format!("{target}: {}", if ok { "ok" } else { "MISS" })
+}
+
+/// The start table's targets: `torpor-vmm`'s spawn -> socket, and what
+/// the jail adds to `torpor vmm --standby`'s; beside the floor (a
+/// process that does nothing), which no exec'd VMM can start under.
+fn start_targets(vmm_us: f64, jail_us: f64, floor_us: Option<f64>) {
+    println!(
+        "targets: torpor-vmm spawn -> socket {vmm_us:.0} µs, {}; the jail adds {jail_us:.0} \
+         µs, {}",
+        met(vmm_us <= SPAWN_TARGET_US, "<= 800 µs"),
+        met(jail_us <= JAIL_TARGET_US, "<= 500 µs"),
+    );
+    if let Some(floor) = floor_us {
+        println!(
+            "  (the floor, /bin/true spawned to its exit, is {floor:.0} µs here: {:.0} % of the \
+             spawn target)",
+            100.0 * floor / SPAWN_TARGET_US
+        );
+    }
+}
+
 /// The jail's cost at the VMM level, file backend: the same restores
 /// without a jail and in `torpor vmm`'s own (cgroup, namespaces,
 /// pivot_root, uid; a standby shell is jailed when it starts, so its
@@ -434,6 +463,7 @@ fn main() {
     let dir = tempfile::tempdir().unwrap();
     let sizes: &[u64] = if quick { &[256] } else { &[256, 2048] };
     println!("torpor restore benchmark ({runs} runs per cell, medians)");
+    let mut start_floor = None;
     if table("start") {
         println!(
             "\n== VMM process start, standby 256 MiB ({} runs)",
@@ -445,16 +475,18 @@ fn main() {
         );
         // The floor: a process that does nothing, spawn to exit.
         let floor: Vec<f64> = (0..runs.max(5)).map(|_| true_spawn()).collect();
+        let floor = median(floor);
         println!(
             "{:<26} {:>15.0} µs {:>18}",
-            "/bin/true (to exit)",
-            median(floor),
-            "-"
+            "/bin/true (to exit)", floor, "-"
         );
+        start_floor = Some(floor);
     }
     // Jailed runs are `torpor vmm`'s own jail (uid CLI_JAIL_UID): the
     // directory it writes in must be its.
     std::os::unix::fs::chown(dir.path(), Some(CLI_JAIL_UID), Some(CLI_JAIL_UID)).unwrap();
+    // This tree's spawn -> socket medians, by row, for the targets.
+    let mut to_socket: Vec<f64> = Vec::new();
     let starts = [
         ("torpor-vmm (LaunchSpec)", true, false),
         ("torpor vmm --standby", false, false),
@@ -473,10 +505,14 @@ fn main() {
         let names = sides(&ab, |side| side.to_string());
         for (side, starts) in names.iter().zip(runs_ab) {
             let ready: Vec<f64> = starts.iter().filter_map(|s| s.1).collect();
+            let socket = median(starts.iter().map(|s| s.0).collect());
+            if !side.starts_with('A') {
+                to_socket.push(socket);
+            }
             println!(
                 "{:<26} {:>15.0} µs {:>18}",
                 format!("{side}{label}"),
-                median(starts.iter().map(|s| s.0).collect()),
+                socket,
                 if ready.is_empty() {
                     "-".to_string()
                 } else {
@@ -484,6 +520,9 @@ fn main() {
                 }
             );
         }
+    }
+    if let [vmm, plain, jailed] = to_socket[..] {
+        start_targets(vmm, jailed - plain, start_floor);
     }
     if table("seccomp") {
         // What the per-thread seccomp filters cost a standby restore (the main
@@ -609,9 +648,13 @@ fn main() {
                 sides(&ab, |side| {
                     let (paused, running) = clone_pss(dir.path(), &pss_snap, backend);
                     println!(
-                        "{:<12} {paused:>10.2} MiB {running:>10.2} MiB {:>22.2} MiB",
+                        "{:<12} {paused:>10.2} MiB {running:>10.2} MiB {:>22.2} MiB  {}",
                         format!("{side}{backend}"),
-                        running - 2.0
+                        running - 2.0,
+                        met(
+                            paused <= PSS_TARGET_MIB,
+                            &format!("paused <= {PSS_TARGET_MIB} MiB")
+                        ),
                     );
                 });
             }

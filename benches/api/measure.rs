@@ -218,7 +218,8 @@ fn measure_pause(serve: &Serve, tpl: &str, runs: usize, r: &mut Results) -> Resu
 /// Hibernate, then wake (resume -> 200, -> first new console line), of one
 /// fast-paced sandbox, `runs` times after a warm-up.
 fn measure_wake(serve: &Serve, fast: &str, runs: usize, r: &mut Results) -> Result<(), String> {
-    let (id, _, _) = create(serve, fast)?;
+    let (id, created, _) = create(serve, fast)?;
+    let mem_mib = created["mem_mib"].as_f64();
     let console = serve.console(&id);
     wait_new_line(&console, b"", Instant::now() + LINE_LIMIT)?;
     for i in 0..=runs {
@@ -235,6 +236,9 @@ fn measure_wake(serve: &Serve, fast: &str, runs: usize, r: &mut Results) -> Resu
         let seen = wait_new_line(&console, &before, t + LINE_LIMIT)?;
         if i > 0 {
             r.hibernate.push(h);
+            if let Some(pct) = mem_mib.and_then(|m| newest_snapshot_pct(serve, &id, m)) {
+                r.hibernate_dirty_pct.push(pct);
+            }
             r.wake.push(Sample {
                 api_ms: api,
                 restore: restore_of(&v),
@@ -243,6 +247,29 @@ fn measure_wake(serve: &Serve, fast: &str, runs: usize, r: &mut Results) -> Resu
         }
     }
     serve.delete(&id)
+}
+
+/// Sandbox `id`'s newest snapshot layer (`snap-N` in its directory) on
+/// disk (allocated blocks: a diff's memory file is sparse), as a % of
+/// `mem_mib`.
+fn newest_snapshot_pct(serve: &Serve, id: &str, mem_mib: f64) -> Option<f64> {
+    let dir = serve.data().join("sandboxes").join(id);
+    let newest = std::fs::read_dir(&dir)
+        .ok()?
+        .flatten()
+        .filter_map(|e| {
+            let n: u64 = e
+                .file_name()
+                .to_str()?
+                .strip_prefix("snap-")?
+                .parse()
+                .ok()?;
+            Some((n, e.path()))
+        })
+        .max_by_key(|(n, _)| *n)?
+        .1;
+    let bytes = torpor_storage::allocated_bytes(&newest);
+    (mem_mib > 0.0).then(|| 100.0 * bytes as f64 / (mem_mib * 1048576.0))
 }
 
 /// Creates from `threads` threads for `secs`, `DELETERS` threads deleting

@@ -141,19 +141,6 @@ fn flags() -> Vec<String> {
     .to_vec()
 }
 
-/// Bytes allocated on disk under `dir`.
-fn disk_bytes(dir: &Path) -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    let entries = std::fs::read_dir(dir).into_iter().flatten().flatten();
-    entries
-        .map(|e| match e.metadata() {
-            Ok(m) if m.is_dir() => disk_bytes(&e.path()),
-            Ok(m) => m.blocks() * 512,
-            Err(_) => 0,
-        })
-        .sum()
-}
-
 fn resident_mib(serve: &Serve, id: &str) -> Result<f64, String> {
     let s = serve.expect(200, "GET", &format!("/v1/sandboxes/{id}"), None)?;
     Ok(s["memory"]["resident_bytes"].as_f64().unwrap_or(0.0) / MIB)
@@ -205,7 +192,7 @@ fn hog_calibration(serve: &Serve, tpl: &str, base: Calibration) -> Result<Calibr
                 .rev()
                 .map(|g| dir.join(format!("snap-{g}")))
                 .find(|d| d.is_dir())
-                .map_or(0, |d| disk_bytes(&d));
+                .map_or(0, |d| torpor_storage::allocated_bytes(&d));
             let t = Instant::now();
             serve.expect(200, "POST", &format!("/v1/sandboxes/{id}/resume"), None)?;
             let wake_ms = ms_since(t);

@@ -106,30 +106,13 @@ fn local_pss_mib(c: &Client) -> Result<f64, Error> {
         .unwrap_or(0.0))
 }
 
-/// Bytes allocated on disk under `dir` (sparse files count their data).
-fn disk_bytes(dir: &Path) -> Option<u64> {
-    use std::os::unix::fs::MetadataExt;
-    let mut total = 0;
-    for e in std::fs::read_dir(dir).ok()? {
-        let e = e.ok()?;
-        let m = e.metadata().ok()?;
-        total += if m.is_dir() {
-            disk_bytes(&e.path())?
-        } else {
-            m.blocks() * 512
-        };
-    }
-    Some(total)
-}
-
 /// The newest snapshot directory of sandbox `id`: its bytes on disk.
 fn snapshot_bytes(data_dir: &Path, id: &str, generation: u64) -> Option<u64> {
-    disk_bytes(
-        &data_dir
-            .join("sandboxes")
-            .join(id)
-            .join(format!("snap-{generation}")),
-    )
+    let dir = data_dir
+        .join("sandboxes")
+        .join(id)
+        .join(format!("snap-{generation}"));
+    dir.is_dir().then(|| torpor_storage::allocated_bytes(&dir))
 }
 
 /// One probe's figures: create, hibernate, wake ms; snapshot bytes; PSS.

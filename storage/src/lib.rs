@@ -44,5 +44,6 @@ pub use id::{BadManifestId, ManifestId};
 pub use manifest::{ChunkRun, FileEntry, Manifest, MANIFEST_VERSION};
 pub use pause::{GcStage, PauseHandle, UploadStage};
 pub use reader::{DownloadReport, LayerReader, LazyFile};
+pub use sparse::allocated_bytes;
 pub use store::{Storage, StorageOptions};
 pub use upload::{UploadOptions, UploadReport};

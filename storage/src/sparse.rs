@@ -83,6 +83,22 @@ pub(crate) fn write_sparse(file: &File, offset: u64, data: &[u8]) -> std::io::Re
     Ok(())
 }
 
+/// Bytes allocated on disk under `path` (what `du` counts: a sparse
+/// file's holes cost nothing; a directory is walked, links not followed).
+/// What cannot be read counts 0.
+pub fn allocated_bytes(path: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(m) = std::fs::symlink_metadata(path) else {
+        return 0;
+    };
+    let own = m.blocks() * 512;
+    if !m.is_dir() {
+        return own;
+    }
+    let entries = std::fs::read_dir(path).into_iter().flatten().flatten();
+    own + entries.map(|e| allocated_bytes(&e.path())).sum::<u64>()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
