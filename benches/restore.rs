@@ -310,6 +310,46 @@ fn true_spawn() -> f64 {
     t0.elapsed().as_micros() as f64
 }
 
+/// As [`vmm_start`]'s `torpor-vmm` row, the process forked by a fork
+/// server (`torpor-vmm --fork-server`, started before: untimed) as a pod
+/// starts its VMMs by default.
+fn vmm_fork_start(dir: &Path, mem: u64, i: usize) -> (f64, f64) {
+    use std::io::{BufRead, Write};
+    use torpor_scheduler::service::vmm_process::{self, SpawnMode};
+    assert_eq!(vmm_process::spawn_mode(), SpawnMode::Fork);
+    let sock = dir.join(format!("fork-{i}.sock"));
+    let _ = std::fs::remove_file(&sock);
+    let (spec_in, mut spec_out) = std::io::pipe().unwrap();
+    let (reply_in, reply_out) = std::io::pipe().unwrap();
+    let null = std::fs::File::create("/dev/null").unwrap();
+    let t0 = Instant::now();
+    let mut child = vmm_process::start(
+        &exe("torpor-vmm"),
+        spec_in.into(),
+        reply_out.into(),
+        null.into(),
+    )
+    .expect("fork torpor-vmm");
+    let spec = serde_json::json!({
+        "control_socket": sock,
+        "mode": {"kind": "standby", "mem_mib": mem, "vcpus": 1}
+    });
+    spec_out.write_all(spec.to_string().as_bytes()).unwrap();
+    drop(spec_out);
+    wait_socket(&sock);
+    let to_socket = t0.elapsed().as_micros() as f64;
+    let mut line = String::new();
+    std::io::BufReader::new(reply_in)
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.contains("ready"), "{line}");
+    let to_ready = t0.elapsed().as_micros() as f64;
+    assert!(child.forked(), "the fork server did not fork it");
+    call(&sock, r#"{"op":"shutdown"}"#);
+    assert!(child.wait().unwrap().success());
+    (to_socket, to_ready)
+}
+
 /// A standby VMM process from spawn: to its control socket accepting, and
 /// (for `torpor-vmm`, which answers one) to its `ready` line, in µs.
 fn vmm_start(dir: &Path, mem: u64, small: bool, jail: bool, i: usize) -> (f64, Option<f64>) {
@@ -358,14 +398,15 @@ fn met(ok: bool, target: &str) -> String {
     format!("{target}: {}", if ok { "ok" } else { "MISS" })
 }
 
-/// The start table's targets: `torpor-vmm`'s spawn -> socket, and what
-/// the jail adds to `torpor vmm --standby`'s; beside the floor (a
-/// process that does nothing), which no exec'd VMM can start under.
-fn start_targets(vmm_us: f64, jail_us: f64, floor_us: Option<f64>) {
+/// The start table's targets: `torpor-vmm`'s spawn -> socket, exec'd and
+/// forked (as a pod starts it), and what the jail adds to `torpor vmm
+/// --standby`'s; beside the floor (a process that does nothing), which no
+/// exec'd VMM can start under.
+fn start_targets(exec_us: f64, fork_us: f64, jail_us: f64, floor_us: Option<f64>) {
     println!(
-        "targets: torpor-vmm spawn -> socket {vmm_us:.0} µs, {}; the jail adds {jail_us:.0} \
-         µs, {}",
-        met(vmm_us <= SPAWN_TARGET_US, "<= 800 µs"),
+        "targets: torpor-vmm spawn -> socket, forked {fork_us:.0} µs, {} (exec'd {exec_us:.0} \
+         µs); the jail adds {jail_us:.0} µs, {}",
+        met(fork_us <= SPAWN_TARGET_US, "<= 800 µs"),
         met(jail_us <= JAIL_TARGET_US, "<= 500 µs"),
     );
     if let Some(floor) = floor_us {
@@ -521,8 +562,28 @@ fn main() {
             );
         }
     }
-    if let [vmm, plain, jailed] = to_socket[..] {
-        start_targets(vmm, jailed - plain, start_floor);
+    if table("start") {
+        // The first fork starts the fork server: untimed.
+        vmm_fork_start(dir.path(), 256, 0);
+        // This tree's only (a baseline may not have a fork server).
+        let forks: Vec<(f64, f64)> = (1..=runs.max(5))
+            .map(|i| vmm_fork_start(dir.path(), 256, i))
+            .collect();
+        let socket = median(forks.iter().map(|f| f.0).collect());
+        println!(
+            "{:<26} {:>15.0} µs {:>15.0} µs",
+            if ab.is_some() {
+                "B torpor-vmm, forked"
+            } else {
+                "torpor-vmm, forked"
+            },
+            socket,
+            median(forks.iter().map(|f| f.1).collect()),
+        );
+        to_socket.push(socket);
+    }
+    if let [exec, plain, jailed, forked] = to_socket[..] {
+        start_targets(exec, forked, jailed - plain, start_floor);
     }
     if table("seccomp") {
         // What the per-thread seccomp filters cost a standby restore (the main

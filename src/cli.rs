@@ -468,6 +468,12 @@ pub struct ServiceFlags {
     /// prefetched) or `uffd` (private copies of every touched page).
     #[arg(long, value_enum, default_value_t = PodBackendArg::File)]
     pub memory_backend: PodBackendArg,
+    /// How VMM processes start: forked by one `torpor-vmm --fork-server`
+    /// (the default: no exec per VMM, and the VMMs share its relocated
+    /// pages; a server forks 256 VMMs, then a new one takes over) or each
+    /// exec'd.
+    #[arg(long, value_enum, default_value_t = VmmSpawnArg::Fork)]
+    pub vmm_spawn: VmmSpawnArg,
     /// Where hibernation diffs take dirty pages from: KVM's dirty log (the
     /// default: cheapest to collect here) or userfaultfd write-protection.
     #[arg(long, value_enum, default_value_t = DirtyTrackingArg::Kvm)]
@@ -557,6 +563,23 @@ impl HibernateAckArg {
         match self {
             HibernateAckArg::Stored => HibernateAck::Stored,
             HibernateAckArg::Local => HibernateAck::Local,
+        }
+    }
+}
+
+/// How a pod starts its VMM processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum VmmSpawnArg {
+    Fork,
+    Exec,
+}
+
+impl VmmSpawnArg {
+    pub fn mode(self) -> torpor_scheduler::service::vmm_process::SpawnMode {
+        use torpor_scheduler::service::vmm_process::SpawnMode;
+        match self {
+            VmmSpawnArg::Fork => SpawnMode::Fork,
+            VmmSpawnArg::Exec => SpawnMode::Exec,
         }
     }
 }

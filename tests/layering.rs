@@ -113,6 +113,7 @@ const LAYERS: [(&str, &[&str]); 17] = [
             "torpor-api",
             "torpor-cluster",
             "torpor-build",
+            "torpor-storage",
         ],
     ),
 ];

@@ -8,6 +8,10 @@
 //! 0 when the VM ended in order, 1 when it could not start, 3 when it
 //! failed while running. Logs go to stderr (`TORPOR_LOG`).
 //!
+//! `--fork-server`: a pod's fork server (`torpor_vmm_api::fork`): stdin is
+//! the socket its requests come on; each forked child goes on as above
+//! with the request's descriptors as its stdin, stdout and stderr.
+//!
 //! `--cli [--report]`: `torpor vmm` for people, which execs this binary
 //! with its spec on stdin so that a VM started by hand is the same small
 //! process a pod starts: no reply line (stdout is the guest's console
@@ -27,14 +31,17 @@ struct Mode {
     cli: bool,
     /// With `--cli`: the report on stderr at the end.
     report: bool,
+    /// `--fork-server`: fork a VMM per request on stdin.
+    fork_server: bool,
 }
 
 fn mode() -> Mode {
-    let usage = "usage: torpor-vmm [--cli [--report]] < LAUNCH_SPEC.json  (torpor's per-VM \
-                 process; people use `torpor vmm`)";
+    let usage = "usage: torpor-vmm [--cli [--report] | --fork-server] < LAUNCH_SPEC.json  \
+                 (torpor's per-VM process; people use `torpor vmm`)";
     let mut mode = Mode {
         cli: false,
         report: false,
+        fork_server: false,
     };
     for arg in std::env::args().skip(1) {
         match arg.as_str() {
@@ -42,7 +49,8 @@ fn mode() -> Mode {
                 println!("torpor-vmm {}", env!("CARGO_PKG_VERSION"));
                 std::process::exit(0)
             }
-            "--cli" => mode.cli = true,
+            "--cli" if !mode.fork_server => mode.cli = true,
+            "--fork-server" if !mode.cli => mode.fork_server = true,
             "--report" if mode.cli => mode.report = true,
             _ => {
                 eprintln!("{usage}");
@@ -54,7 +62,7 @@ fn mode() -> Mode {
 }
 
 fn main() {
-    let started = Instant::now();
+    let mut started = Instant::now();
     let mode = mode();
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -66,6 +74,11 @@ fn main() {
         // tail reaches API errors and operators' greps.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    if mode.fork_server {
+        fork_child();
+        // A forked VMM: its start is the fork, not the server's exec.
+        started = Instant::now();
+    }
     // What `torpor vmm` prints its errors as, for people.
     let me = if mode.cli { "torpor" } else { "torpor-vmm" };
     let spec = match LaunchSpec::read_from(std::io::stdin().lock()) {
@@ -106,6 +119,25 @@ fn main() {
             }
             std::process::exit(EXIT_FAILURE)
         }
+    }
+}
+
+/// Serves fork requests on stdin; returns in each forked child, whose
+/// stdin, stdout and stderr are then its request's.
+fn fork_child() {
+    use std::os::fd::AsFd;
+    let socket = match std::io::stdin().as_fd().try_clone_to_owned() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("torpor-vmm: error: the fork server's socket: {e}");
+            std::process::exit(EXIT_FAILURE)
+        }
+    };
+    if let Err(e) = torpor_vmm::fork_server::serve(socket) {
+        // Its stderr may not be its log yet: the reply line may not reach
+        // the pod either, which then sees the child exit without one.
+        eprintln!("torpor-vmm: error: {e}");
+        std::process::exit(EXIT_FAILURE)
     }
 }
 

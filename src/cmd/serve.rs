@@ -177,6 +177,7 @@ fn open_service(
     config.standby_pool_idle_ms = flags.standby_pool_idle_ms;
     config.standby_refill_threads = flags.standby_refill_threads;
     config.memory_backend = flags.memory_backend.backend();
+    torpor_scheduler::service::vmm_process::set_spawn_mode(flags.vmm_spawn.mode());
     config.dirty_tracking = flags.dirty_tracking.tracking();
     config.images_dir = flags.images_dir.clone();
     config.deleted_retention_ms = flags.deleted_retention_ms;

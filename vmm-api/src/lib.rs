@@ -13,6 +13,8 @@
 //! - [`lineage`]: the small record written with each snapshot layer that
 //!   names its chain, so nobody reads layers' state to list it.
 //!
+//! - [`fork`]: the VMM fork server's requests and replies (a pod's VMMs
+//!   forked from one `torpor-vmm` rather than exec'd).
 //! - [`lazy`]: the map a lazily fetched memory file is shared through
 //!   (present bits, wanted chunks) while a cold wake runs.
 //! - [`shmem`]: `uffd-shared`'s shared template copies.
@@ -23,6 +25,7 @@
 pub mod control;
 pub mod error;
 pub mod exposes;
+pub mod fork;
 pub mod host;
 pub mod jail;
 pub mod launch;

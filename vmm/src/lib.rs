@@ -14,6 +14,7 @@ pub mod devices;
 pub mod dirty;
 pub mod doctor;
 pub mod exit;
+pub mod fork_server;
 pub mod fsmagic;
 pub mod identity;
 pub mod jail;

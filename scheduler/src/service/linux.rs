@@ -15,8 +15,8 @@
 //! Linux guests need VMX/SVM: on a PVM host (software KVM) they are refused
 //! with `Unsupported` and pointed to the nested host.
 
+use super::vmm_process::VmmChild;
 use std::path::{Path, PathBuf};
-use std::process::Child;
 use std::time::Duration;
 
 use torpor_vmm_api::launch::{DiskSpec, KernelSource, RestoreSpec};
@@ -287,7 +287,7 @@ impl Service {
 }
 
 /// `Ok` while the VMM process runs; its exit and log otherwise.
-fn vm_alive(child: &mut Child, files: &VmmFiles) -> Result<(), String> {
+fn vm_alive(child: &mut VmmChild, files: &VmmFiles) -> Result<(), String> {
     match child.try_wait() {
         Ok(None) => Ok(()),
         Ok(Some(status)) => Err(format!(

@@ -35,10 +35,10 @@ pub mod resident;
 mod sandbox_template;
 mod template;
 pub mod vmm;
+pub mod vmm_process;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::process::Child;
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
@@ -548,7 +548,7 @@ pub struct Service {
     /// Per-sandbox operation locks (only held ones are kept).
     locks: locks::SandboxLocks,
     /// VMM processes this service started (others were re-attached).
-    children: Mutex<HashMap<SandboxId, Child>>,
+    children: Mutex<HashMap<SandboxId, vmm_process::VmmChild>>,
     metrics: Metrics,
     /// Each running sandbox's resource use over time.
     history: history::History,

@@ -25,9 +25,9 @@
 //! mounts the sandbox's directory and snapshot layers into its jail (see
 //! `jail::inject`), then sends the restore.
 
+use super::vmm_process::VmmChild;
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
-use std::process::Child;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -150,7 +150,7 @@ impl Demand {
 /// A shell waiting for a restore.
 #[derive(Debug)]
 pub struct Shell {
-    pub child: Child,
+    pub child: VmmChild,
     pub handle: VmmHandle,
     pub log: PathBuf,
     /// The jail's uid (None: unjailed).
@@ -165,7 +165,7 @@ impl Shell {
         self,
         files: &VmmFiles,
         restore: &RestoreSpec,
-    ) -> Result<(Child, VmmHandle, u64), ServiceError> {
+    ) -> Result<(VmmChild, VmmHandle, u64), ServiceError> {
         let Shell {
             child,
             handle: shell_handle,

@@ -7,14 +7,13 @@
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use torpor_vmm_api::control::{self, Request, Response, SnapshotInfo, VmStatus};
 use torpor_vmm_api::{LaunchReply, LaunchSpec, VmError};
 
+use super::vmm_process::{self, VmmChild};
 use super::ServiceError;
 use crate::model::VmmHandle;
 
@@ -54,7 +53,7 @@ impl VmmFiles {
 /// A started VMM: its process, its handle, and how long it took.
 #[derive(Debug)]
 pub struct Spawned {
-    pub child: Child,
+    pub child: VmmChild,
     pub handle: VmmHandle,
     /// From spawn to its `ready` line.
     pub spawn_us: u64,
@@ -75,24 +74,19 @@ pub fn spawn(exe: &Path, spec: &LaunchSpec, log: &Path) -> Result<Spawned, Servi
     let _ = std::fs::remove_file(&socket);
     let log_file = create_private(log, spec.jail.as_ref().map(|j| j.uid))
         .map_err(|e| internal(&format!("create VMM log {}", log.display()), e))?;
-    let mut child = Command::new(exe)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(log_file)
-        .process_group(0)
-        .spawn()
+    let pipes = std::io::pipe().and_then(|spec| Ok((spec, std::io::pipe()?)));
+    let ((spec_in, mut spec_out), (reply_in, reply_out)) =
+        pipes.map_err(|e| internal("make the VMM's pipes", e))?;
+    let mut child = vmm_process::start(exe, spec_in.into(), reply_out.into(), log_file.into())
         .map_err(|e| internal(&format!("spawn {}", exe.display()), e))?;
     let text = serde_json::to_vec(spec).map_err(|e| internal("encode the launch spec", e))?;
-    let written = child
-        .stdin
-        .take()
-        .map(|mut stdin| stdin.write_all(&text))
-        .unwrap_or(Ok(()));
+    let written = spec_out.write_all(&text);
+    drop(spec_out);
     let reply = match written {
-        Ok(()) => read_reply(&mut child, START_LIMIT),
+        Ok(()) => read_reply(reply_in, &mut child, START_LIMIT),
         Err(e) => Err(internal("hand the VMM its launch spec", e)),
     };
-    let failed = |child: &mut Child, e: ServiceError| {
+    let failed = |child: &mut VmmChild, e: ServiceError| {
         let _ = child.kill();
         let _ = child.wait();
         Err(e)
@@ -136,12 +130,11 @@ pub fn create_private(path: &Path, uid: Option<u32>) -> std::io::Result<File> {
 }
 
 /// Waits up to `limit` for the VMM's one reply line on its stdout.
-fn read_reply(child: &mut Child, limit: Duration) -> Result<LaunchReply, ServiceError> {
-    let Some(stdout) = child.stdout.take() else {
-        return Err(ServiceError::Internal(
-            "the VMM's stdout is not a pipe".into(),
-        ));
-    };
+fn read_reply(
+    stdout: std::io::PipeReader,
+    child: &mut VmmChild,
+    limit: Duration,
+) -> Result<LaunchReply, ServiceError> {
     let mut pfd = libc::pollfd {
         fd: stdout.as_raw_fd(),
         events: libc::POLLIN,
@@ -478,7 +471,7 @@ pub fn signal(handle: &VmmHandle, sig: libc::c_int) -> bool {
 }
 
 /// Asks the VMM to stop, then makes sure it has: SIGKILL after a grace time.
-pub fn stop(handle: &VmmHandle, child: Option<Child>) {
+pub fn stop(handle: &VmmHandle, child: Option<VmmChild>) {
     let _ = control::request(
         &handle.control_socket,
         &Request::Shutdown,
