@@ -36,7 +36,7 @@
 //!
 //! `cargo bench --bench api [-- --quick --runs N --clones N --secs S
 //! --threads T --only pool|nopool|default|file|uffd|uffd-shared|256|2048|jail|nojail|store
-//! --ab PATH]`
+//! --ab PATH --flame DIR]`
 //! (`--only` repeats and takes comma lists: OR within a dimension, AND
 //! across). Defaults: 30 samples, 100 clones, 30 s, 4 threads, 256 MiB and
 //! 2 GiB; `--quick`: 10 samples, 20 clones, 5 s, 256 MiB only. Without
@@ -47,6 +47,20 @@
 //! build, its `torpor-vmm` beside it: column "A") then with this one ("B"),
 //! `--rounds N` times over, so a change is measured against its baseline
 //! on the same machine at nearly the same time.
+//!
+//! `--flame DIR` (with `--bench`; `api/flame.rs`): a flame graph of the
+//! create requests and one of the wake requests per configuration column,
+//! from `perf record -a -e cpu-clock --call-graph dwarf` enabled around
+//! each sample's request, kept for `torpor serve` and the processes it
+//! started (its VMMs), folded and drawn with inferno:
+//! `DIR/NAME-create.svg` and `DIR/NAME-wake.svg` (NAME the configuration,
+//! e.g. `256-mib-default`) beside their `.folded` stacks. The bench prints
+//! each graph's path, its CPU time by process, its top 5 functions by self
+//! time and its top 5 torpor functions with the library and kernel frames
+//! under them. perf runs only over those two phases, stopped by SIGINT
+//! (also when a phase fails); without perf, or if it refuses, the bench
+//! says why and runs without graphs. Sampling slows the requests it
+//! samples: their times in that run are not comparable with others.
 //!
 //! The templates are built through the API (`POST /v1/templates`, kind
 //! probe): one at the service's probe pace (an iteration a second) for
@@ -96,6 +110,8 @@ struct Opts {
     ab: Option<PathBuf>,
     /// `--rounds`: how often the A/B pairs repeat.
     rounds: usize,
+    /// `--flame`: where the flame graphs of creates and wakes go.
+    flame: Option<PathBuf>,
 }
 
 const ONLY: &[&str] = &[
@@ -116,7 +132,7 @@ fn usage(msg: &str) -> ! {
     eprintln!("api bench: {msg}");
     eprintln!(
         "usage: cargo bench --bench api [-- --quick --runs N --clones N --secs S --threads T \
-         --only {} --ab PATH --rounds N]",
+         --only {} --ab PATH --rounds N --flame DIR]",
         ONLY.join("|")
     );
     std::process::exit(2);
@@ -143,6 +159,7 @@ impl Opts {
             only: Vec::new(),
             ab: None,
             rounds: 1,
+            flame: None,
         };
         let mut it = args.iter();
         while let Some(a) = it.next() {
@@ -166,6 +183,12 @@ impl Opts {
                         usage(&format!("--ab {v}: not a torpor with torpor-vmm beside it"));
                     }
                     o.ab = Some(exe);
+                }
+                "--flame" => {
+                    let v = it
+                        .next()
+                        .unwrap_or_else(|| usage("--flame needs a directory"));
+                    o.flame = Some(PathBuf::from(v));
                 }
                 "--only" => {
                     let v = it.next().unwrap_or_else(|| usage("--only needs a value"));
@@ -460,11 +483,15 @@ struct Results {
     pss_paused: Option<f64>,
     pss_running: Option<f64>,
     shells_pss: Option<(usize, f64)>,
+    /// `--flame`: each graph written, and its top functions by self time.
+    flame: Vec<String>,
     backend_seen: BTreeMap<String, usize>,
     notes: Vec<String>,
     failed: bool,
 }
 
+#[path = "api/flame.rs"]
+mod flame;
 #[path = "api/measure.rs"]
 mod measure;
 #[path = "api/store.rs"]
@@ -490,6 +517,20 @@ fn main() {
     }
     if o.smoke {
         eprintln!("api: no --bench argument (cargo test): smoke run of the default configuration");
+    }
+    // Flame graphs, if asked for and perf records here (never in the
+    // smoke run).
+    let mut flame_off = None;
+    let mut flame = match &o.flame {
+        Some(_) if o.smoke => {
+            flame_off = Some("ignored without --bench (the smoke run)".to_string());
+            None
+        }
+        Some(dir) => flame::Flame::new(dir).map_err(|e| flame_off = Some(e)).ok(),
+        None => None,
+    };
+    if let (Some(dir), Some(why)) = (&o.flame, &flame_off) {
+        eprintln!("api: --flame {}: no flame graphs: {why}", dir.display());
     }
     let scratch = tempfile::tempdir().unwrap_or_else(|e| {
         eprintln!("api bench: a scratch directory: {e}");
@@ -534,7 +575,7 @@ fn main() {
             }
         };
         let mut r = Results::default();
-        if let Err(e) = measure(&serve, cfg, &o, &mut r) {
+        if let Err(e) = measure(&serve, cfg, &o, flame.as_mut(), &mut r) {
             failed = true;
             r.failed = true;
             r.notes.push(format!(
@@ -576,6 +617,24 @@ fn main() {
         };
         for s in summary.iter().chain(notes) {
             println!("  note: {s}");
+        }
+        if let Some(dir) = &o.flame {
+            println!(
+                "\n== probe template {mem} MiB: flame graphs of the create and wake requests \
+                 (--flame {}; top {} functions by self time)",
+                dir.display(),
+                flame::TOP
+            );
+            match &flame_off {
+                Some(why) => println!("  none: {why}"),
+                None => {
+                    let lines: Vec<&String> = done.iter().flat_map(|(_, r)| &r.flame).collect();
+                    if lines.is_empty() {
+                        println!("  none written (see the notes)");
+                    }
+                    lines.iter().for_each(|l| println!("  {l}"));
+                }
+            }
         }
     }
     println!(

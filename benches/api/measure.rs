@@ -2,6 +2,7 @@
 //! through its REST API and fills the root's `Results`.
 
 use super::*;
+use flame::{Flame, Profile};
 use torpor_sync::Locked;
 
 /// POST /v1/sandboxes -> 201 running: (id, answer, ms).
@@ -176,14 +177,23 @@ pub(super) fn settle() {
 }
 
 /// `runs` sequential creates (each deleted before the next), after one
-/// warm-up.
-fn measure_creates(serve: &Serve, tpl: &str, runs: usize, r: &mut Results) -> Result<(), String> {
+/// warm-up; each create's request profiled in `prof`.
+fn measure_creates(
+    serve: &Serve,
+    tpl: &str,
+    runs: usize,
+    r: &mut Results,
+    prof: &mut Profile,
+) -> Result<(), String> {
     let (id, _, _) = create(serve, tpl)?;
     serve.delete(&id)?;
     settle();
     let before = restore_counts(serve);
     for _ in 0..runs {
-        let (id, v, took) = create(serve, tpl)?;
+        prof.on();
+        let created = create(serve, tpl);
+        prof.off();
+        let (id, v, took) = created?;
         r.create.push(Sample {
             api_ms: took,
             restore: restore_of(&v),
@@ -216,8 +226,15 @@ fn measure_pause(serve: &Serve, tpl: &str, runs: usize, r: &mut Results) -> Resu
 }
 
 /// Hibernate, then wake (resume -> 200, -> first new console line), of one
-/// fast-paced sandbox, `runs` times after a warm-up.
-fn measure_wake(serve: &Serve, fast: &str, runs: usize, r: &mut Results) -> Result<(), String> {
+/// fast-paced sandbox, `runs` times after a warm-up; each sample's resume
+/// request profiled in `prof`.
+fn measure_wake(
+    serve: &Serve,
+    fast: &str,
+    runs: usize,
+    r: &mut Results,
+    prof: &mut Profile,
+) -> Result<(), String> {
     let (id, created, _) = create(serve, fast)?;
     let mem_mib = created["mem_mib"].as_f64();
     let console = serve.console(&id);
@@ -226,9 +243,14 @@ fn measure_wake(serve: &Serve, fast: &str, runs: usize, r: &mut Results) -> Resu
         let (_, h) = lifecycle(serve, &id, "hibernate", "hibernated")?;
         let before = std::fs::read(&console).unwrap_or_default();
         let path = format!("/v1/sandboxes/{id}/resume");
+        if i > 0 {
+            prof.on();
+        }
         let t = Instant::now();
-        let (status, text) = serve.raw("POST", &path, None, REQUEST_LIMIT)?;
+        let answer = serve.raw("POST", &path, None, REQUEST_LIMIT);
         let api = ms(t);
+        prof.off();
+        let (status, text) = answer?;
         let v = parse(200, status, &text).map_err(|e| format!("wake: {e}"))?;
         if v["resumed"] != true || v["sandbox"]["state"] != "running" {
             return Err(format!("resume of hibernated {id} did not wake it: {v}"));
@@ -472,6 +494,7 @@ pub(super) fn measure(
     serve: &Serve,
     cfg: &Config,
     o: &Opts,
+    mut flame: Option<&mut Flame>,
     r: &mut Results,
 ) -> Result<(), String> {
     let step = |what: &str| eprintln!("api: [{}] {what}", cfg.name());
@@ -486,12 +509,22 @@ pub(super) fn measure(
         r.notes.push(note);
     }
     settle();
+    // `--flame`: perf runs over the sequential creates and the wakes only,
+    // and is stopped (on drop) when they fail.
+    let mut profile = |phase: &str, r: &mut Results| match flame.as_deref_mut() {
+        Some(f) => f.start(serve.pid(), &cfg.name(), phase, r),
+        None => Profile::none(),
+    };
     step(&format!("{} creates", o.runs));
-    measure_creates(serve, &tpl, o.runs, r)?;
+    let mut prof = profile("create", r);
+    measure_creates(serve, &tpl, o.runs, r, &mut prof)?;
+    prof.finish(r);
     step(&format!("{} pause/resume", o.runs));
     measure_pause(serve, &tpl, o.runs, r)?;
     step(&format!("{} hibernate/wake", o.runs));
-    measure_wake(serve, &fast, o.runs, r)?;
+    let mut prof = profile("wake", r);
+    measure_wake(serve, &fast, o.runs, r, &mut prof)?;
+    prof.finish(r);
     settle();
     step(&format!(
         "sustained creates, {} threads, {} s",
