@@ -34,6 +34,7 @@ pub mod expiry;
 pub mod guest;
 pub mod images;
 pub mod moved;
+pub mod placement;
 pub mod pod;
 pub mod replica;
 pub mod secrets;

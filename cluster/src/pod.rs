@@ -16,6 +16,7 @@ use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
 use rusqlite::{params, Connection, OptionalExtension};
 use torpor_scheduler::model::{PodId, Sandbox, SandboxState};
+use torpor_scheduler::service::held::{LayerHeld, MAX_LAYERS_HELD};
 use torpor_scheduler::service::ServiceError;
 use torpor_sync::Locked;
 
@@ -415,6 +416,7 @@ async fn heartbeat<S: SandboxApi>(
     catalog.truncate(MAX_REPORTED);
     let mut images = service.image_names().await?;
     images.truncate(MAX_REPORTED);
+    let layers = layers_held(service).await;
     let mut sandboxes = service.list_sandboxes(SandboxFilter::default()).await?;
     let running = sandboxes
         .iter()
@@ -432,10 +434,27 @@ async fn heartbeat<S: SandboxApi>(
         templates,
         catalog,
         images,
+        layers,
         running,
         hibernated,
         sandboxes,
     })
+}
+
+/// How much of each stored layer the pod holds, for placement (none from
+/// a backend without its own service, or when they cannot be read: the
+/// heartbeat goes without them).
+async fn layers_held<S: SandboxApi>(service: &S) -> Vec<LayerHeld> {
+    let Some(own) = service.service() else {
+        return Vec::new();
+    };
+    match torpor_gate::backend::detached(own, |s| s.layers_held(MAX_LAYERS_HELD)).await {
+        Ok(layers) => layers,
+        Err(e) => {
+            tracing::warn!(error = %e, "heartbeat: the layers held");
+            Vec::new()
+        }
+    }
 }
 
 async fn heartbeats<S: SandboxApi>(
