@@ -183,7 +183,7 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
     );",
     ),
     // How much of each stored layer a pod holds (`placement.rs`).
-    (14, super::placement::LAYERS_COLUMN),
+    (14, super::layers::LAYERS_COLUMN),
 ];
 
 /// Schema version 9. `operations.template`: the template a template's
@@ -493,7 +493,7 @@ impl Db {
                 &(hb.hibernated as i64),
                 &catalog,
                 &hb.images,
-                &super::placement::layers_json(&hb.layers),
+                &super::layers::layers_json(&hb.layers),
             ],
         )
         .await
@@ -814,7 +814,7 @@ impl Db {
             hibernated: r.get(8),
             silent_s: r.get(9),
             images: r.get(10),
-            layers: super::placement::layers_of(r.get(11)),
+            layers: super::layers::layers_of(r.get(11)),
         }
     }
 

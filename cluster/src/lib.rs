@@ -33,6 +33,7 @@ pub mod events;
 pub mod expiry;
 pub mod guest;
 pub mod images;
+pub mod layers;
 pub mod moved;
 pub mod placement;
 pub mod pod;

@@ -10,18 +10,18 @@
 //! are whole on its disk, else those its chunk cache has
 //! (`torpor_scheduler::service::held`; at most 256 layers, the most held
 //! first). The replica writes them to the pod's row (`pods.layers`,
-//! schema version 14) and scores each pod up by the bytes it holds of
-//! the needed layers: a create's, its template's layers as that pod lists
-//! it; a wake's, its template's layer and its own snapshot's. The pods
-//! within an eighth of the best score ([`CLOSE`]) rank first, by headroom
-//! (a move: those listing the template first, as before); a create then
-//! picks at random among the first `PLACEMENT_CHOICES` of them. A pod
-//! that reports no layers (no object store, an older build) scores 0, so
-//! with no figures anywhere placement is what it was: by headroom.
+//! schema version 14, `layers.rs`) and scores each pod up by the bytes it
+//! holds of the needed layers: a create's, its template's layers as that
+//! pod lists it; a wake's, its template's layer and its own snapshot's.
+//! The pods within an eighth of the best score ([`CLOSE`]) rank first, by
+//! headroom (a move: those listing the template first, as before); a
+//! create then picks at random among the first `PLACEMENT_CHOICES` of
+//! them. A pod that reports no layers (no object store, an older build)
+//! scores 0, so with no figures anywhere placement is what it was: by
+//! headroom.
 
 use std::collections::HashSet;
 
-use serde_json::Value;
 use torpor_scheduler::model::Sandbox;
 #[cfg(test)]
 use torpor_scheduler::model::TemplateId;
@@ -29,24 +29,9 @@ use torpor_scheduler::service::held::LayerHeld;
 
 use super::db::PodRow;
 
-/// Schema version 14: each pod's layers as its last heartbeat listed them.
-pub(super) const LAYERS_COLUMN: &str =
-    "ALTER TABLE pods ADD COLUMN layers jsonb NOT NULL DEFAULT '[]'::jsonb";
-
 /// Scores within this fraction of the best tie (1/8: a few chunks more of
 /// a large layer do not outweigh headroom).
 pub const CLOSE: (u64, u64) = (1, 8);
-
-/// A heartbeat's layers as the row keeps them.
-pub(super) fn layers_json(layers: &[LayerHeld]) -> Value {
-    serde_json::to_value(layers).unwrap_or_else(|_| Value::Array(Vec::new()))
-}
-
-/// A row's layers (none if they do not read: placement then goes by
-/// headroom).
-pub(super) fn layers_of(v: Value) -> Vec<LayerHeld> {
-    serde_json::from_value(v).unwrap_or_default()
-}
 
 /// The bytes `pod` holds of the layers `needed` picks, each layer once.
 fn held_of(pod: &PodRow, needed: impl Fn(&LayerHeld) -> bool) -> u64 {
@@ -115,7 +100,27 @@ pub fn ranked<'a>(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::replica::tests::pod;
+    use torpor_scheduler::model::PodId;
+
+    /// A pod's row: `headroom` MiB, silent for `silent` s, listing
+    /// `templates` (as `replica.rs`'s tests make one: not imported, which
+    /// would make the modules import each other).
+    fn pod(id: &str, headroom: f64, silent: f64, templates: &[&str]) -> PodRow {
+        PodRow {
+            id: PodId::new(id),
+            address: "tcp:127.0.0.1:1".into(),
+            token: "t".into(),
+            fingerprint: None,
+            load: serde_json::Value::Null,
+            templates: templates.iter().map(|t| t.to_string()).collect(),
+            headroom_mib: headroom,
+            layers: Vec::new(),
+            running: 0,
+            hibernated: 0,
+            silent_s: silent,
+            images: Vec::new(),
+        }
+    }
 
     /// `p` holding `held` of `bytes` of layer `layer`, `of` whose it is.
     pub(crate) fn holding(mut p: PodRow, layer: &str, of: &str, bytes: u64, held: u64) -> PodRow {
