@@ -488,12 +488,13 @@ fn move_target<'a>(
     up: impl Fn(&PodRow) -> bool,
 ) -> Option<&'a PodRow> {
     let key = sandbox.template.to_string();
+    let whole = placement::template_bytes(pods, &key);
     let fit = pods
         .iter()
         .filter(|p| p.id != from.id && up(p) && p.headroom_mib >= f64::from(sandbox.mem_mib));
     let (ranked, _) = placement::ranked(
         fit,
-        |p| placement::sandbox_held(p, sandbox, template_layer),
+        |p| placement::sandbox_held(p, sandbox, template_layer, whole),
         |p| p.templates.contains(&key),
     );
     ranked.first().copied()

@@ -33,34 +33,68 @@ use super::db::PodRow;
 /// a large layer do not outweigh headroom).
 pub const CLOSE: (u64, u64) = (1, 8);
 
-/// The bytes `pod` holds of the layers `needed` picks, each layer once.
-fn held_of(pod: &PodRow, needed: impl Fn(&LayerHeld) -> bool) -> u64 {
+/// The bytes and the bytes held of the layers `pod` reports that
+/// `needed` picks, each layer once; none if it reports none of them.
+fn held_of(pod: &PodRow, needed: impl Fn(&LayerHeld) -> bool) -> Option<(u64, u64)> {
     let mut seen = HashSet::new();
     pod.layers
         .iter()
         .filter(|l| needed(l) && seen.insert(l.layer.as_str()))
-        .map(|l| l.held.min(l.bytes))
-        .sum()
+        .map(|l| (l.bytes, l.held.min(l.bytes)))
+        .reduce(|a, b| (a.0 + b.0, a.1 + b.1))
+}
+
+/// Whether `l` is a layer of template `key` (its id or name).
+fn of_template(l: &LayerHeld, key: &str) -> bool {
+    l.of == key || l.name.as_deref() == Some(key)
+}
+
+/// The bytes of template `key`'s layers, the most any of `pods` reports:
+/// what a pod that lists the template but reports none of its layers
+/// (not stored from that pod yet) is taken to hold, its files being whole
+/// on its disk as those of every template a pod lists are.
+pub fn template_bytes<'a>(pods: impl IntoIterator<Item = &'a PodRow>, key: &str) -> u64 {
+    pods.into_iter()
+        .filter_map(|p| held_of(p, |l| of_template(l, key)))
+        .map(|(bytes, _)| bytes)
+        .max()
+        .unwrap_or(0)
 }
 
 /// The bytes `pod` holds of template `key`'s layers (by id or name, as
-/// that pod lists it): what a create from it there need not fetch.
-pub fn template_held(pod: &PodRow, key: &str) -> u64 {
-    held_of(pod, |l| l.of == key || l.name.as_deref() == Some(key))
+/// that pod lists it): what a create from it there need not fetch;
+/// `whole` ([`template_bytes`]) when it lists the template but reports
+/// none of its layers.
+pub fn template_held(pod: &PodRow, key: &str, whole: u64) -> u64 {
+    match held_of(pod, |l| of_template(l, key)) {
+        Some((_, held)) => held,
+        None if pod.templates.iter().any(|t| t == key) => whole,
+        None => 0,
+    }
 }
 
 /// The bytes `pod` holds of what a wake of `sandbox` on it needs: its own
 /// snapshot's layer, and its template's (`template_layer`, the manifest
 /// the template is stored as, or the layer of the template by its id as
-/// that pod lists it).
-pub fn sandbox_held(pod: &PodRow, sandbox: &Sandbox, template_layer: Option<&str>) -> u64 {
+/// that pod lists it; `whole`, [`template_bytes`], when it lists the
+/// template but reports none of its layers).
+pub fn sandbox_held(
+    pod: &PodRow,
+    sandbox: &Sandbox,
+    template_layer: Option<&str>,
+    whole: u64,
+) -> u64 {
     let own = sandbox.stored_snapshot.as_deref();
-    let template = sandbox.template.as_str();
-    held_of(pod, |l| {
-        Some(l.layer.as_str()) == own
-            || Some(l.layer.as_str()) == template_layer
-            || l.of == template
-    })
+    let key = sandbox.template.as_str();
+    let templates = |l: &LayerHeld| Some(l.layer.as_str()) == template_layer || of_template(l, key);
+    let reported = held_of(pod, |l| Some(l.layer.as_str()) == own || templates(l));
+    let listed = pod.templates.iter().any(|t| t == key);
+    let unreported = if listed && !pod.layers.iter().any(templates) {
+        whole
+    } else {
+        0
+    };
+    reported.map_or(0, |h| h.1) + unreported
 }
 
 /// Whether `score` ties with `best` ([`CLOSE`]).
@@ -161,14 +195,19 @@ pub(crate) mod tests {
             ),
             pod("none", 4000.0, 0.1, &["t"]),
         ];
-        let (order, top) = ranked(&pods, |p| template_held(p, "t"), |_| false);
+        let whole = template_bytes(&pods, "t");
+        assert_eq!(whole, 100 * MIB);
+        let (order, top) = ranked(&pods, |p| template_held(p, "t", whole), |_| false);
         let ids: Vec<&str> = order.iter().map(|p| p.id.as_str()).collect();
         // 90 of 100 MiB ties with 100 (within an eighth): by headroom.
-        assert_eq!(ids, ["full", "near", "some", "none"]);
-        assert_eq!(top, 2);
+        // `none` lists the template but reports no layer of it (not stored
+        // from there yet): whole on its disk, it ties too.
+        assert_eq!(ids, ["none", "full", "near", "some"]);
+        assert_eq!(top, 3);
         // Nothing held anywhere: all tie, by headroom.
         let bare = [pod("a", 10.0, 0.1, &[]), pod("b", 20.0, 0.1, &[])];
-        let (order, top) = ranked(&bare, |p| template_held(p, "t"), |_| false);
+        let whole = template_bytes(&bare, "t");
+        let (order, top) = ranked(&bare, |p| template_held(p, "t", whole), |_| false);
         assert_eq!((order[0].id.as_str(), top), ("b", 2));
     }
 
@@ -177,11 +216,16 @@ pub(crate) mod tests {
         let p = holding(pod("p", 1.0, 0.1, &["t"]), "m1", "t", 10, 10);
         let p = holding(p, "m1", "t", 10, 10);
         let p = holding(p, "m2", "sbx_1", 5, 9);
-        assert_eq!(template_held(&p, "t"), 10);
+        assert_eq!(template_held(&p, "t", 99), 10);
         let mut s = Sandbox::new(TemplateId::new("t"), 64, 1, 1000);
         s.stored_snapshot = Some("m2".into());
-        assert_eq!(sandbox_held(&p, &s, Some("m1")), 15);
+        assert_eq!(sandbox_held(&p, &s, Some("m1"), 99), 15);
         s.stored_snapshot = None;
-        assert_eq!(sandbox_held(&p, &s, None), 10);
+        assert_eq!(sandbox_held(&p, &s, None, 99), 10);
+        // A pod listing the template, none of its layers reported: whole.
+        let bare = pod("q", 1.0, 0.1, &["t"]);
+        assert_eq!(template_held(&bare, "t", 99), 99);
+        assert_eq!(sandbox_held(&bare, &s, Some("m1"), 99), 99);
+        assert_eq!(template_held(&pod("r", 1.0, 0.1, &[]), "t", 99), 0);
     }
 }

@@ -52,13 +52,18 @@ pub fn place<'a>(
     choices: usize,
     random: u64,
 ) -> Option<&'a PodRow> {
-    let fit = pods
+    let fit: Vec<&PodRow> = pods
         .iter()
         .filter(|p| p.silent_s < down_after.as_secs_f64())
         .filter(|p| p.templates.iter().any(|t| t == template))
-        .filter(|p| p.headroom_mib > 0.0);
-    let (ranked, top) =
-        placement::ranked(fit, |p| placement::template_held(p, template), |_| false);
+        .filter(|p| p.headroom_mib > 0.0)
+        .collect();
+    let whole = placement::template_bytes(pods, template);
+    let (ranked, top) = placement::ranked(
+        fit,
+        |p| placement::template_held(p, template, whole),
+        |_| false,
+    );
     let n = top.min(choices.max(1));
     if n == 0 {
         return None;
@@ -922,7 +927,9 @@ pub(super) mod tests {
                 .collect()
         };
         // `warm` holds most of the template's layer (in its cache: still
-        // arriving), `cold` and `roomy` little of it, with far more room.
+        // arriving), `cold` and `roomy` little or none of it, with far
+        // more room. (A pod listing the template but reporting none of its
+        // layers is taken to hold it whole: `placement.rs`.)
         let warm = holding(
             pod("warm", 100.0, 0.1, &["probe"]),
             "m1",
@@ -937,7 +944,13 @@ pub(super) mod tests {
             256 * MIB,
             16 * MIB,
         );
-        let roomy = pod("roomy", 4000.0, 0.1, &["probe"]);
+        let roomy = holding(
+            pod("roomy", 4000.0, 0.1, &["probe"]),
+            "m1",
+            "probe",
+            256 * MIB,
+            0,
+        );
         assert_eq!(
             picks(&[warm.clone(), cold.clone(), roomy.clone()]),
             ["warm".to_string()].into()
