@@ -10,6 +10,7 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio_postgres::{Client, GenericClient, NoTls};
 use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template};
+use torpor_scheduler::service::held::LayerHeld;
 use torpor_sync::Locked;
 
 use super::wire::{Heartbeat, OpOutcome, Reply};
@@ -181,6 +182,8 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
         UNIQUE (tenant, name)
     );",
     ),
+    // How much of each stored layer a pod holds (`placement.rs`).
+    (14, super::layers::LAYERS_COLUMN),
 ];
 
 /// Schema version 9. `operations.template`: the template a template's
@@ -280,6 +283,8 @@ pub struct PodRow {
     pub hibernated: i64,
     /// Seconds since its last heartbeat (the database's clock).
     pub silent_s: f64,
+    /// How much of each stored layer it holds, as its last heartbeat said.
+    pub layers: Vec<LayerHeld>,
 }
 
 /// An operation to journal.
@@ -467,11 +472,11 @@ impl Db {
         // the template away again: `catalog.rs`).
         c.execute(
             "INSERT INTO pods (id, address, token, fingerprint, load, templates, headroom_mib,
-                running, hibernated, catalog, images, last_heartbeat)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, now())
+                running, hibernated, catalog, images, layers, last_heartbeat)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, now())
              ON CONFLICT (id) DO UPDATE SET address = $2, token = $3, fingerprint = $4,
                 load = $5, headroom_mib = $7, running = $8, hibernated = $9, images = $11,
-                last_heartbeat = now(),
+                layers = $12, last_heartbeat = now(),
                 templates = torpor_catalog_names($6,
                     torpor_catalog_pending($10, pods.catalog_changes)),
                 catalog = torpor_catalog($10, torpor_catalog_pending($10, pods.catalog_changes)),
@@ -488,6 +493,7 @@ impl Db {
                 &(hb.hibernated as i64),
                 &catalog,
                 &hb.images,
+                &super::layers::layers_json(&hb.layers),
             ],
         )
         .await
@@ -808,12 +814,13 @@ impl Db {
             hibernated: r.get(8),
             silent_s: r.get(9),
             images: r.get(10),
+            layers: super::layers::layers_of(r.get(11)),
         }
     }
 
     const POD_COLUMNS: &'static str = "id, address, token, fingerprint, load, templates,
         headroom_mib, running, hibernated,
-        extract(epoch FROM now() - last_heartbeat)::double precision, images";
+        extract(epoch FROM now() - last_heartbeat)::double precision, images, layers";
 
     pub async fn pods(&self) -> Result<Vec<PodRow>, ClusterError> {
         let c = self.client().await?;

@@ -33,8 +33,10 @@
 //! `release_strays`, on its next heartbeat).
 //!
 //! Placement of a move: the pods up with admission headroom for the
-//! sandbox's memory, those that list its template first (its chunks are
-//! in their cache), then by headroom.
+//! sandbox's memory, those holding the most bytes of its layers (its
+//! template's and its own snapshot's, on their disk or in their chunk
+//! cache: `placement.rs`) first, then those that list its template, then
+//! by headroom.
 //!
 //! A running (or paused) sandbox of a lost pod whose pod stored durable
 //! checkpoints of it (`--checkpoint-interval-s`: the scheduler's
@@ -57,6 +59,7 @@ use torpor_scheduler::service::durable::has_durable_checkpoint;
 use torpor_scheduler::state::SandboxState;
 
 use super::db::{NewOp, PodRow};
+use super::placement;
 use super::replica::Cluster;
 use super::wire::{OpError, OpOutcome, Operation, Reply};
 use torpor_gate::error::code as error_code;
@@ -192,7 +195,8 @@ impl Cluster {
                 )
             })?;
         let pods = self.db.pods().await?;
-        let to = move_target(&pods, &sandbox, &from, |p| self.is_up(p))
+        let layer = template.stored_snapshot.as_deref();
+        let to = move_target(&pods, &sandbox, &from, layer, |p| self.is_up(p))
             .cloned()
             .ok_or_else(|| ServiceError::Admission {
                 message: format!(
@@ -303,10 +307,12 @@ impl Cluster {
         why: &str,
     ) -> Result<Result<(Sandbox, PodRow), Unmoved>, ServiceError> {
         let pods = self.db.pods().await?;
-        let Some(to) = move_target(&pods, sandbox, from, |p| self.is_up(p)).cloned() else {
+        let template = self.stored_template(&sandbox.template).await?;
+        let layer = template.as_ref().and_then(|t| t.stored_snapshot.as_deref());
+        let Some(to) = move_target(&pods, sandbox, from, layer, |p| self.is_up(p)).cloned() else {
             return Ok(Err(Unmoved::NoRoom));
         };
-        let Some(template) = self.stored_template(&sandbox.template).await? else {
+        let Some(template) = template else {
             return Ok(Err(Unmoved::Failed));
         };
         let id = &sandbox.id;
@@ -469,24 +475,29 @@ fn no_other_room(refusal: ServiceError, id: &SandboxId) -> ServiceError {
 }
 
 /// Where a sandbox of pod `from` moves: a pod `up` but `from` with the
-/// admission headroom for its memory, those that list its template
-/// first (the template's chunks, most of a sibling's, are on their disk
-/// and in their chunk cache), then by headroom.
+/// admission headroom for its memory; of them, those holding the most
+/// bytes of its layers (its own snapshot's, and its template's, stored
+/// as `template_layer`: on their disk or in their chunk cache,
+/// `placement.rs`), then those that list its template (its chunks, most
+/// of a sibling's, are on their disk), then by headroom.
 fn move_target<'a>(
     pods: &'a [PodRow],
     sandbox: &Sandbox,
     from: &PodRow,
+    template_layer: Option<&str>,
     up: impl Fn(&PodRow) -> bool,
 ) -> Option<&'a PodRow> {
     let key = sandbox.template.to_string();
-    let has = |p: &PodRow| p.templates.contains(&key);
-    pods.iter()
-        .filter(|p| p.id != from.id && up(p) && p.headroom_mib >= f64::from(sandbox.mem_mib))
-        .max_by(|a, b| {
-            has(a)
-                .cmp(&has(b))
-                .then(a.headroom_mib.total_cmp(&b.headroom_mib))
-        })
+    let whole = placement::template_bytes(pods, &key);
+    let fit = pods
+        .iter()
+        .filter(|p| p.id != from.id && up(p) && p.headroom_mib >= f64::from(sandbox.mem_mib));
+    let (ranked, _) = placement::ranked(
+        fit,
+        |p| placement::sandbox_held(p, sandbox, template_layer, whole),
+        |p| p.templates.contains(&key),
+    );
+    ranked.first().copied()
 }
 
 /// When the sandbox's own latest snapshot (a hibernation it was woken
@@ -531,6 +542,7 @@ fn lost_reason(sandbox: &Sandbox, pod: &PodRow) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::placement::tests::holding;
     use crate::replica::tests::pod;
     use crate::ClusterError;
     use torpor_gate::quota::QuotaExceeded;
@@ -656,12 +668,59 @@ mod tests {
             pod("bare", 2048.0, 0.1, &[]),
             pod("cached", 128.0, 0.1, &["probe"]),
         ];
-        let to = move_target(&pods, &sandbox, &from, up).map(|p| p.id.as_str());
+        let to = move_target(&pods, &sandbox, &from, None, up).map(|p| p.id.as_str());
         assert_eq!(to, Some("cached"));
         // Without it, the one with the most headroom; never the refusing
         // pod, however much room its heartbeat showed.
-        let to = move_target(&pods[..4], &sandbox, &from, up).map(|p| p.id.as_str());
+        let to = move_target(&pods[..4], &sandbox, &from, None, up).map(|p| p.id.as_str());
         assert_eq!(to, Some("bare"));
-        assert!(move_target(&pods[..3], &sandbox, &from, up).is_none());
+        assert!(move_target(&pods[..3], &sandbox, &from, None, up).is_none());
+    }
+
+    #[test]
+    fn a_move_goes_where_most_of_the_sandboxs_chunks_are() {
+        const MIB: u64 = 1 << 20;
+        let mut sandbox = Sandbox::new(TemplateId::new("tpl_1"), 64, 1, 1000);
+        sandbox.state = SandboxState::Hibernated;
+        sandbox.stored_snapshot = Some("m-own".into());
+        let from = pod("pod1", 4096.0, 0.1, &["tpl_1"]);
+        let up = |p: &PodRow| p.silent_s < 3.0;
+        // Both list the template (its 200 MiB layer on their disk); `warm`
+        // also has most of the sandbox's own 256 MiB layer in its cache.
+        let warm = holding(
+            pod("warm", 128.0, 0.1, &["tpl_1"]),
+            "m-tpl",
+            "tpl_1",
+            200 * MIB,
+            200 * MIB,
+        );
+        let warm = holding(warm, "m-own", "sbx_x", 256 * MIB, 230 * MIB);
+        let cold = holding(
+            pod("cold", 4000.0, 0.1, &["tpl_1"]),
+            "m-tpl",
+            "tpl_1",
+            200 * MIB,
+            200 * MIB,
+        );
+        let pods = [from.clone(), cold.clone(), warm.clone()];
+        let to = move_target(&pods, &sandbox, &from, Some("m-tpl"), up).map(|p| p.id.as_str());
+        assert_eq!(to, Some("warm"));
+        // A close tie (an eighth) falls back to headroom.
+        let cold2 = holding(cold.clone(), "m-own", "sbx_x", 256 * MIB, 200 * MIB);
+        let pods = [from.clone(), cold2, warm.clone()];
+        let to = move_target(&pods, &sandbox, &from, Some("m-tpl"), up).map(|p| p.id.as_str());
+        assert_eq!(to, Some("cold"));
+        // A pod down never wins, however much it holds; nor one without
+        // room, nor the pod it moves from.
+        let mut down = warm.clone();
+        down.silent_s = 9.0;
+        let mut full = warm.clone();
+        full.id = PodId::new("full");
+        full.headroom_mib = 32.0;
+        let mut from_warm = warm.clone();
+        from_warm.id = from.id.clone();
+        let pods = [from_warm, down, full, cold];
+        let to = move_target(&pods, &sandbox, &from, Some("m-tpl"), up).map(|p| p.id.as_str());
+        assert_eq!(to, Some("cold"));
     }
 }

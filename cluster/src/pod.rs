@@ -16,6 +16,7 @@ use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
 use rusqlite::{params, Connection, OptionalExtension};
 use torpor_scheduler::model::{PodId, Sandbox, SandboxState};
+use torpor_scheduler::service::held::{LayerHeld, MAX_LAYERS_HELD};
 use torpor_scheduler::service::ServiceError;
 use torpor_sync::Locked;
 
@@ -123,11 +124,18 @@ pub async fn run<S: SandboxApi>(
     let nats = super::connect_nats(&config.urls.nats).await?;
     let js = jetstream::new(nats);
     wire::ensure_streams(&js).await?;
+    let layers = Arc::new(Mutex::new(Vec::new()));
+    tokio::spawn(layer_figures(
+        service.clone(),
+        layers.clone(),
+        config.heartbeat,
+    ));
     tokio::spawn(heartbeats(
         service.clone(),
         me.clone(),
         js.clone(),
         config.heartbeat,
+        layers,
     ));
     let running = Arc::new(Mutex::new(HashSet::new()));
     let permits = Arc::new(tokio::sync::Semaphore::new(CONCURRENCY));
@@ -396,6 +404,7 @@ async fn in_time<S: SandboxApi>(
 async fn heartbeat<S: SandboxApi>(
     service: &S,
     me: &PodIdentity,
+    layers: &Mutex<Vec<LayerHeld>>,
 ) -> Result<Heartbeat, ServiceError> {
     let load = service
         .pod_entries()
@@ -415,6 +424,7 @@ async fn heartbeat<S: SandboxApi>(
     catalog.truncate(MAX_REPORTED);
     let mut images = service.image_names().await?;
     images.truncate(MAX_REPORTED);
+    let layers = layers.locked().clone();
     let mut sandboxes = service.list_sandboxes(SandboxFilter::default()).await?;
     let running = sandboxes
         .iter()
@@ -432,10 +442,36 @@ async fn heartbeat<S: SandboxApi>(
         templates,
         catalog,
         images,
+        layers,
         running,
         hibernated,
         sandboxes,
     })
+}
+
+/// Keeps `out` to how much of each stored layer the pod holds, for
+/// placement (`placement.rs`), read again every `period` (at least 1 s)
+/// apart from the heartbeats: reading a manifest the pod has not read
+/// yet goes to the object store, which must not hold a heartbeat up
+/// (they carry the last figures). None from a backend without its own
+/// service; the last figures kept when they cannot be read.
+async fn layer_figures<S: SandboxApi>(
+    service: Arc<S>,
+    out: Arc<Mutex<Vec<LayerHeld>>>,
+    period: Duration,
+) {
+    let mut tick = tokio::time::interval(period.max(Duration::from_secs(1)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(own) = service.service() else {
+            return;
+        };
+        match torpor_gate::backend::detached(own, |s| s.layers_held(MAX_LAYERS_HELD)).await {
+            Ok(layers) => *out.locked() = layers,
+            Err(e) => tracing::warn!(error = %e, "the layers held, for placement"),
+        }
+    }
 }
 
 async fn heartbeats<S: SandboxApi>(
@@ -443,12 +479,13 @@ async fn heartbeats<S: SandboxApi>(
     me: PodIdentity,
     js: jetstream::Context,
     period: Duration,
+    layers: Arc<Mutex<Vec<LayerHeld>>>,
 ) {
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let hb = match heartbeat(&*service, &me).await {
+        let hb = match heartbeat(&*service, &me, &layers).await {
             Ok(hb) => hb,
             Err(e) => {
                 tracing::warn!(error = %e, "heartbeat: the pod's load");

@@ -11,6 +11,7 @@ use torpor_scheduler::service::LOCAL_POD;
 use torpor_scheduler::state::SandboxState;
 
 use super::db::{Db, NewOp, OpRow, PodRow};
+use super::placement;
 use super::wire::{self, OpOutcome, Operation, Reply, WorkItem};
 use super::{ClusterConfig, ClusterError};
 use torpor_client::pin::Fingerprint;
@@ -41,8 +42,9 @@ pub struct Cluster {
     pub(super) config: ClusterConfig,
 }
 
-/// Where a placement goes: the pods up, by headroom (most first), and the
-/// pods with `template`; then at random among the first `choices`.
+/// Where a placement goes: of the pods up with `template` and headroom,
+/// those holding the most bytes of its layers, by headroom (most first:
+/// `placement.rs`); then at random among the first `choices` of them.
 pub fn place<'a>(
     pods: &'a [PodRow],
     template: &str,
@@ -50,18 +52,23 @@ pub fn place<'a>(
     choices: usize,
     random: u64,
 ) -> Option<&'a PodRow> {
-    let mut fit: Vec<&PodRow> = pods
+    let fit: Vec<&PodRow> = pods
         .iter()
         .filter(|p| p.silent_s < down_after.as_secs_f64())
         .filter(|p| p.templates.iter().any(|t| t == template))
         .filter(|p| p.headroom_mib > 0.0)
         .collect();
-    fit.sort_by(|a, b| b.headroom_mib.total_cmp(&a.headroom_mib));
-    fit.truncate(choices.max(1));
-    if fit.is_empty() {
+    let whole = placement::template_bytes(pods, template);
+    let (ranked, top) = placement::ranked(
+        fit,
+        |p| placement::template_held(p, template, whole),
+        |_| false,
+    );
+    let n = top.min(choices.max(1));
+    if n == 0 {
         return None;
     }
-    Some(fit[(random % fit.len() as u64) as usize])
+    Some(ranked[(random % n as u64) as usize])
 }
 
 fn random_u64() -> u64 {
@@ -882,6 +889,7 @@ pub(super) mod tests {
             load: Value::Null,
             templates: templates.iter().map(|t| t.to_string()).collect(),
             headroom_mib: headroom,
+            layers: Vec::new(),
             running: 0,
             hibernated: 0,
             silent_s: silent,
@@ -906,6 +914,71 @@ pub(super) mod tests {
         assert_eq!(picks, ["a", "e"].map(String::from).into());
         assert_eq!(place(&pods, "probe", down, 1, 7).unwrap().id.as_str(), "e");
         assert!(place(&pods, "linux", down, 2, 0).is_none());
+    }
+
+    #[test]
+    fn placement_prefers_the_pod_holding_the_templates_chunks() {
+        use crate::placement::tests::holding;
+        const MIB: u64 = 1 << 20;
+        let down = Duration::from_secs(4);
+        let picks = |pods: &[PodRow]| -> std::collections::BTreeSet<String> {
+            (0..8)
+                .map(|r| place(pods, "probe", down, 2, r).unwrap().id.to_string())
+                .collect()
+        };
+        // `warm` holds most of the template's layer (in its cache: still
+        // arriving), `cold` and `roomy` little or none of it, with far
+        // more room. (A pod listing the template but reporting none of its
+        // layers is taken to hold it whole: `placement.rs`.)
+        let warm = holding(
+            pod("warm", 100.0, 0.1, &["probe"]),
+            "m1",
+            "probe",
+            256 * MIB,
+            240 * MIB,
+        );
+        let cold = holding(
+            pod("cold", 900.0, 0.1, &["probe"]),
+            "m1",
+            "probe",
+            256 * MIB,
+            16 * MIB,
+        );
+        let roomy = holding(
+            pod("roomy", 4000.0, 0.1, &["probe"]),
+            "m1",
+            "probe",
+            256 * MIB,
+            0,
+        );
+        assert_eq!(
+            picks(&[warm.clone(), cold.clone(), roomy.clone()]),
+            ["warm".to_string()].into()
+        );
+        // Close ties (within an eighth) fall back to headroom: the best
+        // two by headroom, at random.
+        let near = holding(
+            pod("near", 500.0, 0.1, &["probe"]),
+            "m1",
+            "probe",
+            256 * MIB,
+            230 * MIB,
+        );
+        let warm2 = holding(
+            pod("warm2", 50.0, 0.1, &["probe"]),
+            "m1",
+            "probe",
+            256 * MIB,
+            256 * MIB,
+        );
+        assert_eq!(
+            picks(&[warm.clone(), near, warm2, cold.clone()]),
+            ["near", "warm"].map(String::from).into()
+        );
+        // A down pod never wins, however much it holds.
+        let mut gone = warm.clone();
+        gone.silent_s = 9.0;
+        assert_eq!(picks(&[gone, cold, roomy]), ["cold".to_string()].into());
     }
 
     #[test]

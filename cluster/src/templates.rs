@@ -303,6 +303,7 @@ mod tests {
             load: Value::Null,
             templates: Vec::new(),
             headroom_mib: headroom,
+            layers: Vec::new(),
             running: 0,
             hibernated: 0,
             silent_s: silent,

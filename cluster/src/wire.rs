@@ -16,6 +16,7 @@ use async_nats::jetstream::{self, consumer, stream};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use torpor_scheduler::model::{PodId, Sandbox, Template};
+use torpor_scheduler::service::held::{LayerHeld, MAX_LAYERS_HELD};
 use torpor_scheduler::service::ServiceError;
 
 use super::ClusterError;
@@ -98,12 +99,22 @@ pub struct Heartbeat {
     /// before it was sent), for the cluster's images index.
     #[serde(default)]
     pub images: Vec<String>,
+    /// How much of each stored layer it holds (its templates' and its
+    /// hibernated sandboxes'; at most [`MAX_LAYERS_HELD`], the most held
+    /// first; none from a pod without an object store or built before it
+    /// was sent), for placement (`placement.rs`).
+    #[serde(default)]
+    pub layers: Vec<LayerHeld>,
     pub running: u64,
     pub hibernated: u64,
     /// Every sandbox it holds, as it is now (states changed by the pod
     /// itself: keep-alive hibernation, timeouts).
     pub sandboxes: Vec<Sandbox>,
 }
+
+/// Longest manifest id, template or sandbox id and template name a
+/// heartbeat's layers carry.
+pub const MAX_LAYER_NAME: usize = 128;
 
 /// Most entries a heartbeat's lists carry (a pod truncates its own; past
 /// it, sandboxes' states come with results only).
@@ -124,6 +135,23 @@ impl Heartbeat {
                     "pod {pod} reports {n} {what}, more than {MAX_REPORTED}"
                 ));
             }
+        }
+        if self.layers.len() > MAX_LAYERS_HELD {
+            return Err(format!(
+                "pod {pod} reports {} layers, more than {MAX_LAYERS_HELD}",
+                self.layers.len()
+            ));
+        }
+        if let Some(l) = self.layers.iter().find(|l| {
+            [Some(&l.layer), Some(&l.of), l.name.as_ref()]
+                .into_iter()
+                .flatten()
+                .any(|t| t.len() > MAX_LAYER_NAME)
+        }) {
+            let shown: String = l.layer.chars().take(64).collect();
+            return Err(format!(
+                "pod {pod} reports a layer named past {MAX_LAYER_NAME} bytes: {shown:?}"
+            ));
         }
         if let Some(s) = self
             .sandboxes
@@ -425,5 +453,45 @@ mod tests {
         let many: Vec<String> = (0..=MAX_REPORTED).map(|i| format!("i{i}")).collect();
         let e = beat(serde_json::json!(many)).check(&pod).unwrap_err();
         assert!(e.contains("more than 2000"), "{e}");
+    }
+
+    #[test]
+    fn a_heartbeat_carries_its_layers_within_bounds() {
+        let pod = PodId::new("pod1");
+        let beat = |layers: Value| -> Result<Heartbeat, serde_json::Error> {
+            serde_json::from_value(serde_json::json!({
+                "address": "tcp:127.0.0.1:1", "token": "t", "fingerprint": null,
+                "load": {}, "headroom_mib": 1.0, "templates": [], "layers": layers,
+                "running": 0, "hibernated": 0, "sandboxes": [],
+            }))
+        };
+        let one = |i: usize| {
+            serde_json::json!({"layer": format!("1767225600000-{i:016x}"), "of": "tpl_1",
+                "name": "probe", "bytes": 4 << 20, "held": 3 << 20})
+        };
+        let hb = beat(serde_json::json!([one(0)])).unwrap();
+        hb.check(&pod).unwrap();
+        assert_eq!(hb.layers[0].held, 3 << 20);
+        assert_eq!(hb.layers[0].name.as_deref(), Some("probe"));
+        // A pod built before them sends none.
+        let old = serde_json::json!({
+            "address": "tcp:127.0.0.1:1", "token": "t", "fingerprint": null,
+            "load": {}, "headroom_mib": 1.0, "templates": [],
+            "running": 0, "hibernated": 0, "sandboxes": [],
+        });
+        assert!(serde_json::from_value::<Heartbeat>(old)
+            .unwrap()
+            .layers
+            .is_empty());
+        let many: Vec<Value> = (0..=MAX_LAYERS_HELD).map(one).collect();
+        let e = beat(Value::Array(many)).unwrap().check(&pod).unwrap_err();
+        assert!(e.contains("more than 256"), "{e}");
+        let mut long = one(1);
+        long["of"] = Value::String("x".repeat(MAX_LAYER_NAME + 1));
+        let e = beat(serde_json::json!([long]))
+            .unwrap()
+            .check(&pod)
+            .unwrap_err();
+        assert!(e.contains("past 128 bytes"), "{e}");
     }
 }

@@ -223,6 +223,18 @@ impl ChunkCache {
         self.lru.locked().entries.contains_key(hash)
     }
 
+    /// The bytes of those of `hashes` that are cached (each counted once
+    /// however often it comes): how much of a layer this host holds.
+    pub fn cached_bytes<'a>(&self, hashes: impl IntoIterator<Item = &'a ChunkHash>) -> u64 {
+        let lru = self.lru.locked();
+        let mut seen = std::collections::HashSet::new();
+        hashes
+            .into_iter()
+            .filter(|h| seen.insert(**h))
+            .filter_map(|h| lru.entries.get(h).map(|(size, _)| *size))
+            .sum()
+    }
+
     fn path(&self, hash: &ChunkHash) -> PathBuf {
         let hex = hash.to_hex();
         self.dir.join(&hex[..2]).join(hex)

@@ -112,6 +112,22 @@ impl Manifest {
             .collect()
     }
 
+    /// Every stored chunk it names, once each, with its length (the last
+    /// chunk of a file may be short), in the order first named.
+    pub fn chunk_lengths(&self) -> Vec<(ChunkHash, u64)> {
+        let mut seen = HashSet::new();
+        let mut out = Vec::new();
+        for f in &self.files {
+            for (i, c) in f.expand().iter().enumerate() {
+                if let Some(h) = c.filter(|h| seen.insert(*h)) {
+                    let start = i as u64 * self.chunk_size;
+                    out.push((h, (f.len - start).min(self.chunk_size)));
+                }
+            }
+        }
+        out
+    }
+
     /// The files' lengths added up.
     pub fn logical_bytes(&self) -> u64 {
         self.files.iter().map(|f| f.len).sum()
@@ -237,6 +253,9 @@ mod tests {
         assert_eq!(Manifest::from_bytes("x", &bytes).unwrap(), m);
         assert_eq!(m.chunk_set().len(), 2);
         assert_eq!(m.data_bytes(), 2 * 4096);
+        let a = ChunkHash::of(b"a");
+        let b = ChunkHash::of(b"b");
+        assert_eq!(m.chunk_lengths(), [(a, 4096), (b, 4096)]);
         assert_eq!(m.logical_bytes(), 5 * 4096 + 100);
     }
 

@@ -98,6 +98,39 @@ fn hibernated_on_pod1(c: &Cluster) -> (String, u64, String) {
     (id, last, manifest)
 }
 
+/// Waits until pod `pod`'s row lists layer `manifest` of `of` as its
+/// heartbeats report it (`pods.layers`), all of its bytes held; and its
+/// templates' layers beside it.
+fn layer_reported(c: &Cluster, pod: &str, manifest: &str, of: &str) {
+    let deadline = Instant::now() + WAIT;
+    let query = format!(
+        "SELECT l->>'of', l->>'bytes', l->>'held' FROM pods, jsonb_array_elements(layers) l \
+         WHERE id = '{pod}' AND l->>'layer' = '{manifest}'"
+    );
+    loop {
+        let row = c.sql(&query);
+        let fields: Vec<&str> = row.split('|').collect();
+        if let [who, bytes, held] = fields[..] {
+            let bytes: u64 = bytes.parse().unwrap();
+            assert_eq!(who, of, "{row}");
+            assert!(bytes > 0, "{row}");
+            assert_eq!(held.parse::<u64>().unwrap(), bytes, "{row}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{pod} never reported layer {manifest}: {}",
+            c.sql(&format!("SELECT layers FROM pods WHERE id = '{pod}'"))
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let templates = c.sql(&format!(
+        "SELECT count(*) FROM pods, jsonb_array_elements(layers) l \
+         WHERE id = '{pod}' AND l->>'of' LIKE 'tpl_%' AND (l->>'held')::bigint > 0"
+    ));
+    assert_ne!(templates, "0", "{pod} lists no template layer held");
+}
+
 /// Sandbox `id`, running on pod1 when pod1 was lost for good: it reads
 /// as lost through either replica (alone and in the list), every command
 /// but a delete answers 409 naming that state, and a delete succeeds
@@ -458,7 +491,10 @@ pub fn outlive_a_lost_pod(c: &Cluster, objects: Option<&Path>) {
     wake_where_there_is_room(c);
 
     // Two sandboxes hibernated on pod1, their snapshots stored.
-    let (id, last, _) = hibernated_on_pod1(c);
+    let (id, last, manifest) = hibernated_on_pod1(c);
+    // Its heartbeats list the layer, all of it held (on its disk), for
+    // placement (`cluster/src/placement.rs`).
+    layer_reported(c, "pod1", &manifest, &id);
     let (bad, _, bad_manifest) = hibernated_on_pod1(c);
 
     // And one running there, never hibernated: its state is on pod1 only.

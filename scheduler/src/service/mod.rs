@@ -13,6 +13,7 @@ mod checkpoint;
 mod conclude;
 pub mod durable;
 pub mod guest;
+pub mod held;
 pub mod history;
 mod inject;
 pub mod jail;

@@ -143,6 +143,8 @@ pub struct ObjectStore {
     /// A lock per layer being stored ([`ObjectStore::layer_lock`]): two
     /// sandboxes of one template hibernating at once store its layer once.
     storing: std::sync::Mutex<HashMap<PathBuf, Arc<std::sync::Mutex<()>>>>,
+    /// The manifests whose chunks placement's figures counted (`held.rs`).
+    pub(super) known: super::held::KnownManifests,
 }
 
 impl std::fmt::Debug for ObjectStore {
@@ -198,6 +200,7 @@ impl ObjectStore {
             store_soon: Default::default(),
             runtime: Some(runtime),
             storing: Default::default(),
+            known: Default::default(),
         })
     }
 

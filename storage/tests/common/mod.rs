@@ -430,10 +430,25 @@ pub async fn downloads_through_the_cache_fetch_only_what_it_lacks(b: &Backend) {
     let second = b.storage.upload_layer(&two).await.unwrap();
     let cache = ChunkCache::open(&b.dir("cache"), 64 * MIB).unwrap();
     let cached = b.storage.with_cache(cache.clone());
+    // How much of each layer the cache holds (a cluster's placement).
+    let chunks_of = |m: torpor_storage::Manifest| m.chunk_lengths();
+    let one_chunks = chunks_of(b.storage.manifest(&first.id).await.unwrap());
+    let two_chunks = chunks_of(b.storage.manifest(&second.id).await.unwrap());
+    let held = |chunks: &[(torpor_storage::ChunkHash, u64)]| {
+        cache.cached_bytes(chunks.iter().map(|(h, _)| h))
+    };
+    let total = |chunks: &[(torpor_storage::ChunkHash, u64)]| -> u64 {
+        chunks.iter().map(|(_, n)| n).sum()
+    };
+    assert_eq!(held(&one_chunks), 0);
 
     let a = cached.download_layer(&first.id, &b.dir("a")).await.unwrap();
     assert_eq!(a.from_cache, 0, "{a:?}");
     assert!(a.fetched_bytes > 0, "{a:?}");
+    assert_eq!(held(&one_chunks), total(&one_chunks));
+    // All of the second but its changed memory chunk.
+    let missing = total(&two_chunks) - held(&two_chunks);
+    assert!(missing > 0 && missing <= MIB, "{missing}");
     // The second layer: only its changed memory chunk is not cached (its
     // state and disk diff are the first's too).
     let d = cached
