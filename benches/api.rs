@@ -474,8 +474,12 @@ struct Results {
     wake: Vec<Sample>,
     wake_line: Vec<f64>,
     hibernate: Vec<f64>,
-    /// Each hibernation's snapshot on disk, % of the guest's memory.
+    /// Each hibernation's memory layer on disk, % of the guest's memory.
     hibernate_dirty_pct: Vec<f64>,
+    /// The hibernations' phases (`hibernation.phases`), ms, by name.
+    hibernate_phases: BTreeMap<String, Vec<f64>>,
+    /// The VMM's own pause + snapshot (`hibernation.vmm_ms`).
+    hibernate_vmm: Vec<f64>,
     pause: Vec<f64>,
     resume: Vec<f64>,
     sustained: Option<Sustained>,

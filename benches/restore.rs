@@ -210,25 +210,25 @@ fn standby_restore_with(
 /// and running (after two iterations of the workload).
 /// One clone of [`clone_pss`]: exec'd by `torpor vmm`, or forked by the
 /// fork server as a pod starts its VMMs.
-enum Clone {
+enum CloneVm {
     Exec(Child),
     Forked(torpor_scheduler::service::vmm_process::VmmChild),
 }
 
-impl Clone {
+impl CloneVm {
     fn id(&self) -> u32 {
         match self {
-            Clone::Exec(c) => c.id(),
-            Clone::Forked(c) => c.id(),
+            CloneVm::Exec(c) => c.id(),
+            CloneVm::Forked(c) => c.id(),
         }
     }
 
     fn shutdown(self, sock: &Path) {
         match self {
-            Clone::Exec(c) => {
+            CloneVm::Exec(c) => {
                 shutdown(sock, c);
             }
-            Clone::Forked(mut c) => {
+            CloneVm::Forked(mut c) => {
                 call(sock, r#"{"op":"shutdown"}"#);
                 assert!(c.wait().unwrap().success());
             }
@@ -237,7 +237,7 @@ impl Clone {
 }
 
 /// A clone of `snap` restored paused by a VMM the fork server forked.
-fn forked_clone(snap: &Path, backend: &str, sock: &Path, console: &Path) -> Clone {
+fn forked_clone(snap: &Path, backend: &str, sock: &Path, console: &Path) -> CloneVm {
     use std::io::Write;
     let (spec_in, mut spec_out) = std::io::pipe().unwrap();
     let null = || {
@@ -261,11 +261,11 @@ fn forked_clone(snap: &Path, backend: &str, sock: &Path, console: &Path) -> Clon
         "console": {"to": "file", "path": console},
     });
     spec_out.write_all(spec.to_string().as_bytes()).unwrap();
-    Clone::Forked(child)
+    CloneVm::Forked(child)
 }
 
 fn clone_pss(dir: &Path, snap: &Path, backend: &str, forked: bool) -> (f64, f64) {
-    let clones: Vec<(Clone, PathBuf, PathBuf)> = (0..20)
+    let clones: Vec<(CloneVm, PathBuf, PathBuf)> = (0..20)
         .map(|i| {
             let sock = dir.join(format!("pss{i}.sock"));
             let console = dir.join(format!("pss{i}.log"));
@@ -286,10 +286,10 @@ fn clone_pss(dir: &Path, snap: &Path, backend: &str, forked: bool) -> (f64, f64)
                 "--control-socket",
                 sock.to_str().unwrap(),
             ]);
-            (Clone::Exec(child), sock, console)
+            (CloneVm::Exec(child), sock, console)
         })
         .collect();
-    let pss = |clones: &[(Clone, PathBuf, PathBuf)]| {
+    let pss = |clones: &[(CloneVm, PathBuf, PathBuf)]| {
         median(
             clones
                 .iter()

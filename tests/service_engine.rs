@@ -106,7 +106,24 @@ fn creates_and_wakes_take_standby_shells(backend: MemoryBackend) {
     );
     guest_runs(&data, sandbox.id.as_str());
 
-    service.hibernate(&sandbox.id).expect("hibernate");
+    let hibernated = service.hibernate(&sandbox.id).expect("hibernate");
+    // The answer says where the hibernation's time went and what it wrote.
+    let h = hibernated
+        .sandbox
+        .hibernation
+        .expect("a hibernation report");
+    let names: Vec<&str> = h.phases.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        ["begin", "vmm", "stop", "record", "commit", "store"],
+        "{h:?}"
+    );
+    let phases: f64 = h.phases.iter().map(|(_, ms)| ms).sum();
+    assert!(
+        h.vmm_ms > 0.0 && h.ms >= phases && phases >= h.vmm_ms,
+        "{h:?}"
+    );
+    assert!(h.diff && h.memory_bytes > 0, "{h:?}");
     wait_for_shell(&service);
     let woken = service.resume(&sandbox.id).expect("wake");
     assert!(woken.resumed);

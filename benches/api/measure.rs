@@ -240,7 +240,7 @@ fn measure_wake(
     let console = serve.console(&id);
     wait_new_line(&console, b"", Instant::now() + LINE_LIMIT)?;
     for i in 0..=runs {
-        let (_, h) = lifecycle(serve, &id, "hibernate", "hibernated")?;
+        let (hibernated, h) = lifecycle(serve, &id, "hibernate", "hibernated")?;
         let before = std::fs::read(&console).unwrap_or_default();
         let path = format!("/v1/sandboxes/{id}/resume");
         if i > 0 {
@@ -258,8 +258,23 @@ fn measure_wake(
         let seen = wait_new_line(&console, &before, t + LINE_LIMIT)?;
         if i > 0 {
             r.hibernate.push(h);
-            if let Some(pct) = mem_mib.and_then(|m| newest_snapshot_pct(serve, &id, m)) {
-                r.hibernate_dirty_pct.push(pct);
+            let report = &hibernated["sandbox"]["hibernation"];
+            if let (Some(bytes), Some(mem)) = (report["memory_bytes"].as_f64(), mem_mib) {
+                r.hibernate_dirty_pct
+                    .push(100.0 * bytes / (mem * 1048576.0));
+            }
+            if let Some(phases) = report["phases"].as_array() {
+                for phase in phases {
+                    if let (Some(name), Some(ms)) = (phase[0].as_str(), phase[1].as_f64()) {
+                        r.hibernate_phases
+                            .entry(name.to_string())
+                            .or_default()
+                            .push(ms);
+                    }
+                }
+            }
+            if let Some(ms) = report["vmm_ms"].as_f64() {
+                r.hibernate_vmm.push(ms);
             }
             r.wake.push(Sample {
                 api_ms: api,
@@ -269,29 +284,6 @@ fn measure_wake(
         }
     }
     serve.delete(&id)
-}
-
-/// Sandbox `id`'s newest snapshot layer (`snap-N` in its directory) on
-/// disk (allocated blocks: a diff's memory file is sparse), as a % of
-/// `mem_mib`.
-fn newest_snapshot_pct(serve: &Serve, id: &str, mem_mib: f64) -> Option<f64> {
-    let dir = serve.data().join("sandboxes").join(id);
-    let newest = std::fs::read_dir(&dir)
-        .ok()?
-        .flatten()
-        .filter_map(|e| {
-            let n: u64 = e
-                .file_name()
-                .to_str()?
-                .strip_prefix("snap-")?
-                .parse()
-                .ok()?;
-            Some((n, e.path()))
-        })
-        .max_by_key(|(n, _)| *n)?
-        .1;
-    let bytes = torpor_storage::allocated_bytes(&newest);
-    (mem_mib > 0.0).then(|| 100.0 * bytes as f64 / (mem_mib * 1048576.0))
 }
 
 /// Creates from `threads` threads for `secs`, `DELETERS` threads deleting

@@ -212,6 +212,9 @@ fn rows(o: &Opts) -> Vec<Row> {
         row("  its diff, % of guest memory p50", Fmt::Pct2, |r| {
             p(&r.hibernate_dirty_pct, 0.5)
         }),
+        row("  VMM snapshot (vmm_ms) p50", Fmt::Ms, |r| {
+            p(&r.hibernate_vmm, 0.5)
+        }),
         goal(
             row(&format!("creates/s ({t} threads)"), Fmt::Rate, |r| {
                 let s = r.sustained.as_ref()?;
@@ -280,6 +283,28 @@ fn rows(o: &Opts) -> Vec<Row> {
             r.shells_pss.map(|s| s.1)
         }),
     ]);
+    // Where a hibernation's time goes, after the rows above (moved under
+    // the hibernate row when printed).
+    let at = rows
+        .iter()
+        .position(|r| r.label.starts_with("  VMM snapshot (vmm_ms)"))
+        .map_or(rows.len(), |i| i + 1);
+    let phases = [
+        ("begin", "journal start"),
+        ("vmm", "request round trip"),
+        ("stop", "VMM exit"),
+        ("record", "layers checked"),
+        ("commit", "operation end"),
+        ("store", "upload, bookkeeping"),
+    ];
+    for (i, (phase, what)) in phases.into_iter().enumerate() {
+        rows.insert(
+            at + i,
+            row(&format!("    {phase}: {what} p50"), Fmt::Ms, move |r| {
+                p(r.hibernate_phases.get(phase)?, 0.5)
+            }),
+        );
+    }
     rows
 }
 

@@ -4,7 +4,8 @@
 //! with such a binary. One table of medians for 256 MiB and 1 GiB guests:
 //! spawn to the control/API socket, boot to the probe's READY line, full
 //! snapshot (pause + create), restore to the guest's next ITER line and
-//! PSS per paused clone.
+//! PSS per paused clone; and torpor-vmm forked by its fork server (as a pod
+//! starts it) against the other's exec'd spawn and PSS.
 //!
 //! Both sides run the same way: no jail (no `jailer` for Firecracker),
 //! one vCPU, the probe's 8 MiB workload at one tick, the `file` memory
@@ -239,6 +240,25 @@ fn torpor_pss(dir: &Path, snap: &Path, clones: usize) -> f64 {
     pss
 }
 
+/// As [`torpor_pss`], each clone forked by the fork server.
+fn torpor_pss_forked(dir: &Path, snap: &Path, clones: usize) -> f64 {
+    let vms: Vec<(super::CloneVm, PathBuf)> = (0..clones)
+        .map(|i| {
+            let (sock, console) = paths(dir, &format!("t-fpss{i}"));
+            (super::forked_clone(snap, "file", &sock, &console), sock)
+        })
+        .collect();
+    for (_, sock) in &vms {
+        wait_socket(sock);
+        call(sock, r#"{"op":"status"}"#);
+    }
+    let pss = median(vms.iter().map(|(c, _)| pss_mib(c.id())).collect());
+    for (clone, sock) in vms {
+        clone.shutdown(&sock);
+    }
+    pss
+}
+
 fn pss_mib(pid: u32) -> f64 {
     pss_kib(pid).map_or(f64::NAN, |k| k as f64 / 1024.0)
 }
@@ -423,7 +443,7 @@ struct Column {
     rows: Vec<(f64, f64)>,
 }
 
-const ROWS: [(&str, &str); 7] = [
+const ROWS: [(&str, &str); 9] = [
     ("spawn -> API/control socket", "ms"),
     ("boot: spawn -> probe READY", "ms"),
     ("full snapshot (pause + create)", "ms"),
@@ -431,6 +451,10 @@ const ROWS: [(&str, &str); 7] = [
     ("restore request (standby / load)", "ms"),
     ("restore request -> next ITER", "ms"),
     ("PSS per paused clone", "MiB"),
+    // torpor-vmm forked by its fork server, as a pod starts it, against
+    // the other's exec'd figure of the row above (it has no such server).
+    ("spawn -> control socket, forked / exec'd", "ms"),
+    ("PSS per paused clone, forked / exec'd", "MiB"),
 ];
 
 fn one_size(
@@ -486,6 +510,14 @@ fn one_size(
     }
     t[6].push(torpor_pss(dir, &t_snap, clones));
     f[6].push(fc_pss(bin, dir, &f_snap, clones));
+    // The first fork starts the fork server: untimed.
+    super::vmm_fork_start(dir, mem, 0);
+    for i in 1..=samples {
+        t[7].push(super::vmm_fork_start(dir, mem, i).0);
+    }
+    f[7] = f[0].clone();
+    t[8].push(torpor_pss_forked(dir, &t_snap, clones));
+    f[8] = f[6].clone();
     let _ = std::fs::remove_dir_all(&t_snap);
     let _ = std::fs::remove_dir_all(&f_snap);
     let ms = |v: &Vec<f64>, unit: &str| {

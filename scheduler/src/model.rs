@@ -390,6 +390,10 @@ pub struct Sandbox {
     /// started it (not stored).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore: Option<RestoreReport>,
+    /// How the hibernation went, in the answer to the hibernate that took
+    /// it (not stored).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hibernation: Option<HibernateReport>,
     /// Its egress policy, exposed ports and traffic, on a pod with
     /// sandbox networking.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -512,6 +516,35 @@ impl RestoreReport {
     }
 }
 
+/// How a hibernation went: where its time went, and what it wrote.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct HibernateReport {
+    /// Service side: from the request's start to the answer, in ms.
+    pub ms: f64,
+    /// VMM side: its pause and snapshot, as it measured them, in ms.
+    pub vmm_ms: f64,
+    /// A diff on the snapshot the VM ran from (else a full snapshot).
+    pub diff: bool,
+    /// Bytes the snapshot's memory layer occupies on disk (the dirty
+    /// pages of a diff).
+    pub memory_bytes: u64,
+    /// Where the time went, in ms, in order: `begin` (the journal's start,
+    /// one commit), `vmm` (the request that pauses, snapshots and ends the
+    /// VM, round trip), `stop` (the VMM process's exit), `record` (the
+    /// layers checked and recorded), `commit` (the operation's end),
+    /// `store` (the upload to the object store when acknowledged there;
+    /// otherwise the local bookkeeping).
+    #[serde(default)]
+    pub phases: Vec<(String, f64)>,
+}
+
+impl HibernateReport {
+    /// Adds phase `name` of `ms`.
+    pub fn phase(&mut self, name: &str, ms: f64) {
+        self.phases.push((name.to_string(), ms));
+    }
+}
+
 /// Which way a VM came up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
@@ -593,6 +626,7 @@ impl Sandbox {
             vmm: None,
             generation: 0,
             restore: None,
+            hibernation: None,
             tenant: None,
             network: None,
             usage: None,

@@ -15,7 +15,7 @@
 //! The store is a local directory (the embedded default) or an
 //! S3-compatible bucket, through the `object_store` crate
 //! ([`StoreConfig::parse`] reads `--object-store`). Layout and rules:
-//! docs/cluster.md, "Object storage: chunks and manifests".
+//! docs/storage.md, "Object storage: chunks and manifests".
 //!
 //! Everything is async on tokio; file I/O, hashing and compression run on
 //! its blocking pool.

@@ -1,6 +1,6 @@
 //! A lazily fetched memory file: what the pod and a restored VMM share
 //! while a snapshot layer's `memory` arrives from the object store after
-//! the restore started (a cold wake, issue 29; docs/cluster.md, "The wake
+//! the restore started (a cold wake, issue 29; docs/storage.md, "The wake
 //! path").
 //!
 //! The pod makes the layer's memory file at its full length (a hole) and,

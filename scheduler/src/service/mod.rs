@@ -14,6 +14,7 @@ mod conclude;
 pub mod durable;
 pub mod guest;
 pub mod held;
+mod hibernate;
 pub mod history;
 mod inject;
 pub mod jail;
@@ -151,7 +152,7 @@ pub struct ServiceConfig {
     /// A cold wake (snapshot only in the object store) restores once the
     /// layer's small files are here and lets the memory file arrive while
     /// the guest runs (`serve --lazy-wake`; `uffd` backend only, others
-    /// wake eagerly). Off by default: docs/cluster.md, "The wake path".
+    /// wake eagerly). Off by default: docs/storage.md, "The wake path".
     pub lazy_wake: bool,
     /// With an object store: the bound of the pod's chunk cache
     /// (`--chunk-cache-mib`, in [`ServiceConfig::chunk_cache_dir`]), which

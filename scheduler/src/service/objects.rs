@@ -675,6 +675,7 @@ impl Service {
             stored_snapshot: None,
             vmm: None,
             restore: None,
+            hibernation: None,
             network: None,
             usage: None,
             memory: None,

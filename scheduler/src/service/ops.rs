@@ -715,90 +715,6 @@ impl Service {
         })
     }
 
-    /// Hibernates: pause, diff snapshot on the snapshot it runs from (full
-    /// past `MAX_DIFF_DEPTH` layers), end the VMM.
-    pub fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        let _guard = self.lock_sandbox(id)?;
-        self.hibernate_locked(id)
-    }
-
-    /// [`Self::hibernate`] with the sandbox's lock held.
-    pub(super) fn hibernate_locked(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
-        let started = Instant::now();
-        let sandbox = self.store.get_sandbox(id)?;
-        let path = can(Operation::Hibernate, sandbox.state)
-            .map_err(|e| ServiceError::illegal(id, e, "hibernate"))?;
-        if path.is_empty() {
-            // Hibernated already: a snapshot whose upload failed is
-            // uploaded now (a hibernation is retried by asking again).
-            let sandbox = self.store_hibernation(sandbox)?;
-            return Ok(Outcome {
-                sandbox,
-                resumed: false,
-                resume_ms: None,
-            });
-        }
-        let handle = Self::running_handle(&sandbox)?.clone();
-        // A memory file still arriving is waited for: the snapshot is
-        // taken from a complete one.
-        self.settle_lazy(id)?;
-        let target = self
-            .sandbox_dir(id)
-            .join(format!("snap-{}", sandbox.generation + 1));
-        let change = StateChange::new(sandbox.state, SandboxState::Hibernating);
-        let op = self.store.begin_operation(
-            Some(id),
-            OperationKind::Hibernate,
-            &json!({ "snapshot": target, "from": sandbox.state }),
-            Some(&change),
-        )?;
-        // With an object store, a full snapshot: it restores alone, on any
-        // pod (the store keeps what it shares with older layers once).
-        let diff =
-            self.objects.is_none() && super::layers::diff_allowed(sandbox.snapshot.as_deref());
-        // One request: pause, snapshot and exit in the VMM; on failure the
-        // VMM leaves the VM as it was (running or paused).
-        self.conclude(
-            &op.id,
-            vmm::hibernate(&handle, &target, diff),
-            |_| {
-                self.stop_vmm(&sandbox)?;
-                if let Err(e) = self.set_snapshot_and_layers(id, &target) {
-                    // The VMM reported a chain the gate refuses: its
-                    // snapshot is not used, and its VM is gone.
-                    self.metrics.hibernate_failed();
-                    let _ = std::fs::remove_dir_all(&target);
-                    let change = StateChange::failed(SandboxState::Hibernating, &e);
-                    return self.roll_back(&op.id, change, e);
-                }
-                let change = StateChange::new(SandboxState::Hibernating, SandboxState::Hibernated);
-                self.store
-                    .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
-                // A full snapshot leaves the old chain to nothing.
-                self.remove_dead_layers();
-                // Acknowledged once the snapshot is durable in the object
-                // store, if there is one, unless `--hibernate-ack local`
-                // (hibernated here either way: a failed upload is retried
-                // by the next hibernate, and by the pod's upkeep:
-                // `objects.rs`).
-                let sandbox = self.hibernation_taken(self.store.get_sandbox(id)?)?;
-                self.metrics
-                    .observe_hibernate(started.elapsed().as_secs_f64() * 1000.0);
-                Ok(Outcome {
-                    sandbox,
-                    resumed: false,
-                    resume_ms: None,
-                })
-            },
-            |_| {
-                self.metrics.hibernate_failed();
-                let _ = std::fs::remove_dir_all(&target);
-                // Back to where it came from: a paused sandbox stays paused.
-                StateChange::new(SandboxState::Hibernating, sandbox.state)
-            },
-        )
-    }
-
     /// Deletes a sandbox: its VMM and files go, its row stays as deleted.
     /// It does not wait behind another operation on the sandbox
     /// ([`Self::lock_for_delete`]).
@@ -934,14 +850,14 @@ impl Service {
 }
 
 /// Milliseconds between successive calls.
-struct Lap(Instant);
+pub(super) struct Lap(Instant);
 
 impl Lap {
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         Lap(Instant::now())
     }
 
-    fn next(&mut self) -> f64 {
+    pub(super) fn next(&mut self) -> f64 {
         let now = Instant::now();
         let ms = now.duration_since(self.0).as_secs_f64() * 1000.0;
         self.0 = now;

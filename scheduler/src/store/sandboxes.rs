@@ -93,6 +93,7 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
         }),
         generation: get_u64(row, "generation")?,
         restore: None,
+        hibernation: None,
         tenant: row.get("tenant")?,
         network: None,
         usage: None,
