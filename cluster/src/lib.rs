@@ -41,6 +41,8 @@ pub mod replica;
 pub mod secrets;
 pub mod templates;
 pub mod tenants;
+#[cfg(test)]
+mod test_pods;
 pub mod wire;
 
 use std::time::Duration;

@@ -542,8 +542,7 @@ fn lost_reason(sandbox: &Sandbox, pod: &PodRow) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::placement::tests::holding;
-    use crate::replica::tests::pod;
+    use crate::test_pods::{holding, pod};
     use crate::ClusterError;
     use torpor_gate::quota::QuotaExceeded;
 

@@ -877,25 +877,7 @@ impl SandboxApi for Cluster {
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
-
-    /// A pod's row: `headroom` MiB, silent for `silent` s, listing
-    /// `templates`.
-    pub(crate) fn pod(id: &str, headroom: f64, silent: f64, templates: &[&str]) -> PodRow {
-        PodRow {
-            id: PodId::new(id),
-            address: "tcp:127.0.0.1:1".into(),
-            token: "t".into(),
-            fingerprint: None,
-            load: Value::Null,
-            templates: templates.iter().map(|t| t.to_string()).collect(),
-            headroom_mib: headroom,
-            layers: Vec::new(),
-            running: 0,
-            hibernated: 0,
-            silent_s: silent,
-            images: Vec::new(),
-        }
-    }
+    use crate::test_pods::pod;
 
     #[test]
     fn placement_takes_pods_up_with_the_template_and_headroom() {
@@ -918,7 +900,7 @@ pub(super) mod tests {
 
     #[test]
     fn placement_prefers_the_pod_holding_the_templates_chunks() {
-        use crate::placement::tests::holding;
+        use crate::test_pods::holding;
         const MIB: u64 = 1 << 20;
         let down = Duration::from_secs(4);
         let picks = |pods: &[PodRow]| -> std::collections::BTreeSet<String> {

@@ -292,32 +292,15 @@ impl Cluster {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::Value;
-
-    fn pod(id: &str, headroom: f64, silent: f64) -> PodRow {
-        PodRow {
-            id: PodId::new(id),
-            address: "tcp:127.0.0.1:1".into(),
-            token: "t".into(),
-            fingerprint: None,
-            load: Value::Null,
-            templates: Vec::new(),
-            headroom_mib: headroom,
-            layers: Vec::new(),
-            running: 0,
-            hibernated: 0,
-            silent_s: silent,
-            images: Vec::new(),
-        }
-    }
+    use crate::test_pods::pod;
 
     #[test]
     fn a_build_goes_to_the_pod_up_with_the_most_headroom() {
         let pods = [
-            pod("a", 100.0, 0.5),
-            pod("b", 900.0, 9.0),
-            pod("c", 500.0, 0.1),
-            pod("d", 0.0, 0.1),
+            pod("a", 100.0, 0.5, &[]),
+            pod("b", 900.0, 9.0, &[]),
+            pod("c", 500.0, 0.1, &[]),
+            pod("d", 0.0, 0.1, &[]),
         ];
         let up = |p: &PodRow| p.silent_s < 4.0;
         // b has the most but is down.
