@@ -246,7 +246,7 @@ fn the_fork_server_refuses_malformed_requests_goes_on_and_ends_with_its_socket()
     let server = Server::start();
     let (r, w) = std::io::pipe().unwrap();
     let (a, b): (OwnedFd, OwnedFd) = (r.into(), w.into());
-    let fork = ForkRequest::Fork.to_bytes();
+    let fork = ForkRequest::Fork {}.to_bytes();
     match server.ask(&fork, &[&a]) {
         ForkReply::Failed { message, .. } => {
             assert!(message.contains("3 descriptors"), "{message}")

@@ -64,11 +64,11 @@ pub fn serve(socket: OwnedFd) -> Result<(), ChildSetupError> {
                 errno: None,
                 message: e,
             },
-            (Ok(ForkRequest::Fork), n) if n != FORK_FDS => ForkReply::Failed {
+            (Ok(ForkRequest::Fork {}), n) if n != FORK_FDS => ForkReply::Failed {
                 errno: None,
                 message: format!("a fork request carries {FORK_FDS} descriptors, not {n}"),
             },
-            (Ok(ForkRequest::Fork), _) => match clone_parent() {
+            (Ok(ForkRequest::Fork {}), _) => match clone_parent() {
                 Ok(0) => return become_child(socket, received.fds),
                 Ok(pid) => ForkReply::Forked { pid: pid as u32 },
                 Err(e) => ForkReply::Failed {

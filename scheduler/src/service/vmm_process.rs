@@ -224,7 +224,7 @@ impl Server {
         control.push(SendAncillaryMessage::ScmRights(&borrowed));
         sendmsg(
             &self.socket,
-            &[IoSlice::new(&ForkRequest::Fork.to_bytes())],
+            &[IoSlice::new(&ForkRequest::Fork {}.to_bytes())],
             &mut control,
             SendFlags::NOSIGNAL,
         )?;
