@@ -106,7 +106,23 @@ fn creates_and_wakes_take_standby_shells(backend: MemoryBackend) {
     );
     guest_runs(&data, sandbox.id.as_str());
 
+    let old_vmm = sandbox.vmm.as_ref().expect("a running sandbox's VMM").pid;
     let hibernated = service.hibernate(&sandbox.id).expect("hibernate");
+    // Answered without waiting for the VMM's exit; the reaper sees it end
+    // (reaped: no zombie left either), and the sandbox records no VMM.
+    assert_eq!(hibernated.sandbox.vmm, None);
+    assert!(
+        ends_within(old_vmm, Duration::from_secs(10)),
+        "the hibernated VMM {old_vmm} still runs"
+    );
+    let reaped = Instant::now() + Duration::from_secs(10);
+    while Path::new(&format!("/proc/{old_vmm}")).exists() && Instant::now() < reaped {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        !Path::new(&format!("/proc/{old_vmm}")).exists(),
+        "the hibernated VMM {old_vmm} was not reaped"
+    );
     // The answer says where the hibernation's time went and what it wrote.
     let h = hibernated
         .sandbox

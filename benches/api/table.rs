@@ -292,7 +292,7 @@ fn rows(o: &Opts) -> Vec<Row> {
     let phases = [
         ("begin", "journal start"),
         ("vmm", "request round trip"),
-        ("stop", "VMM exit"),
+        ("stop", "VMM exit handed off"),
         ("record", "layers checked"),
         ("commit", "operation end"),
         ("store", "upload, bookkeeping"),

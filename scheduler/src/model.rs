@@ -530,7 +530,9 @@ pub struct HibernateReport {
     pub memory_bytes: u64,
     /// Where the time went, in ms, in order: `begin` (the journal's start,
     /// one commit), `vmm` (the request that pauses, snapshots and ends the
-    /// VM, round trip), `stop` (the VMM process's exit), `record` (the
+    /// VM, round trip), `stop` (the VMM process's exit handed to a thread
+    /// the sandbox's next operation waits for; waited for in full when the
+    /// policy hibernates to free memory), `record` (the
     /// layers checked and recorded), `commit` (the operation's end),
     /// `store` (the upload to the object store when acknowledged there;
     /// otherwise the local bookkeeping).

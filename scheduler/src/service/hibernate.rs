@@ -14,16 +14,32 @@ use crate::model::{HibernateReport, SandboxId};
 use crate::state::{can, Operation, SandboxState};
 use crate::store::{OperationKind, OperationStatus, StateChange};
 
+/// Whether a hibernation waits for its VMM's exit before it returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Exit {
+    /// A client's: answered without the exit (the reaper waits for it).
+    Later,
+    /// The policy's, freeing memory: done when the memory is free.
+    Waited,
+}
+
 impl Service {
     /// Hibernates: pause, diff snapshot on the snapshot it runs from (full
     /// past `MAX_DIFF_DEPTH` layers), end the VMM.
+    /// The answer does not wait for the VMM's exit (it was told to exit
+    /// with the snapshot): the reaper does.
     pub fn hibernate(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
         let _guard = self.lock_sandbox(id)?;
-        self.hibernate_locked(id)
+        self.hibernate_locked(id, Exit::Later)
     }
 
-    /// [`Self::hibernate`] with the sandbox's lock held.
-    pub(super) fn hibernate_locked(&self, id: &SandboxId) -> Result<Outcome, ServiceError> {
+    /// [`Self::hibernate`] with the sandbox's lock held; `exit`: whether
+    /// it returns before the VMM's exit.
+    pub(super) fn hibernate_locked(
+        &self,
+        id: &SandboxId,
+        exit: Exit,
+    ) -> Result<Outcome, ServiceError> {
         let started = Instant::now();
         let mut lap = Lap::new();
         let sandbox = self.store.get_sandbox(id)?;
@@ -73,7 +89,10 @@ impl Service {
                     memory_bytes: info.memory_allocated_bytes,
                     phases: vec![("begin".into(), begin_ms), ("vmm".into(), vmm_ms)],
                 };
-                self.stop_vmm(&sandbox)?;
+                match exit {
+                    Exit::Later => self.stop_exiting_vmm(&sandbox)?,
+                    Exit::Waited => self.stop_vmm(&sandbox)?,
+                }
                 report.phase("stop", lap.next());
                 if let Err(e) = self.set_snapshot_and_layers(id, &target) {
                     // The VMM reported a chain the gate refuses: its

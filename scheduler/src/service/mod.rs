@@ -551,6 +551,8 @@ pub struct Service {
     locks: locks::SandboxLocks,
     /// VMM processes this service started (others were re-attached).
     children: Mutex<HashMap<SandboxId, vmm_process::VmmChild>>,
+    /// Waits for the exits of VMMs a hibernation told to exit.
+    reaper: vmm_process::Reaper,
     metrics: Metrics,
     /// Each running sandbox's resource use over time.
     history: history::History,
@@ -675,6 +677,7 @@ impl Service {
             store,
             locks: locks::SandboxLocks::default(),
             children: Mutex::new(HashMap::new()),
+            reaper: vmm_process::Reaper::default(),
             metrics: Metrics::default(),
             history: history::History::default(),
             in_flight: policy::InFlight::default(),

@@ -492,10 +492,29 @@ impl Service {
 
     /// Stops the sandbox's VMM, if it has one.
     pub(super) fn stop_vmm(&self, sandbox: &Sandbox) -> Result<(), ServiceError> {
+        self.stop_vmm_as(sandbox, false)
+    }
+
+    /// [`Self::stop_vmm`] for a VMM already told to exit (a hibernation's):
+    /// its control socket's file is removed now (a VMM started next for
+    /// the sandbox binds its own there) and the wait for its exit is left
+    /// to the reaper ([`super::vmm_process::Reaper`]), so the operation
+    /// answers without it.
+    pub(super) fn stop_exiting_vmm(&self, sandbox: &Sandbox) -> Result<(), ServiceError> {
+        self.stop_vmm_as(sandbox, true)
+    }
+
+    fn stop_vmm_as(&self, sandbox: &Sandbox, later: bool) -> Result<(), ServiceError> {
         if let Some(handle) = &sandbox.vmm {
             let child = self.children.locked().remove(&sandbox.id);
             self.metrics.vmm_ending(handle.pid);
-            vmm::stop(handle, child);
+            if later {
+                let _ = std::fs::remove_file(&handle.control_socket);
+                let handle = handle.clone();
+                self.reaper.reap(move || vmm::reap_exiting(&handle, child));
+            } else {
+                vmm::stop(handle, child);
+            }
             self.last_resident.forget();
             // Relaxed: the operation that stops a VMM ends with a commit.
             self.store

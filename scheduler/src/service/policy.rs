@@ -88,7 +88,7 @@ impl Service {
             && self.store.get_sandbox(id).ok()?.timeout_hibernation
                 == crate::model::HibernationKind::Filesystem;
         if !filesystem {
-            return Some(self.hibernate_locked(id));
+            return Some(self.hibernate_locked(id, super::hibernate::Exit::Waited));
         }
         // A timeout that keeps only the disk; while the guest agent does
         // not answer (no sync possible) it keeps the memory instead, marked.

@@ -129,7 +129,7 @@ impl Service {
         }
         match h.kind {
             HibernationKind::Memory => {
-                let outcome = self.hibernate_locked(id)?;
+                let outcome = self.hibernate_locked(id, super::hibernate::Exit::Later)?;
                 if answers.is_err() {
                     tracing::warn!(sandbox = %id, "hibernated while its guest agent did not answer");
                     self.store.set_sandbox_hibernation(id, false, true)?;

@@ -477,6 +477,13 @@ pub fn stop(handle: &VmmHandle, child: Option<VmmChild>) {
         &Request::Shutdown,
         Duration::from_secs(5),
     );
+    reap_exiting(handle, child);
+    let _ = std::fs::remove_file(&handle.control_socket);
+}
+
+/// Waits for the exit of a VMM told to exit (5 s at most, then SIGKILL)
+/// and reaps it; its control socket's file is left alone.
+pub fn reap_exiting(handle: &VmmHandle, child: Option<VmmChild>) {
     let deadline = Instant::now() + Duration::from_secs(5);
     match child {
         Some(mut c) => {
@@ -513,7 +520,6 @@ pub fn stop(handle: &VmmHandle, child: Option<VmmChild>) {
             signal(handle, libc::SIGKILL);
         }
     }
-    let _ = std::fs::remove_file(&handle.control_socket);
 }
 
 /// A `torpor-vmm` process found by its log rather than a handle: its

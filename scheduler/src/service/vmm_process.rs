@@ -292,3 +292,112 @@ fn fork_from_server(exe: &Path, fds: [&OwnedFd; FORK_FDS]) -> std::io::Result<u3
     }
     forked
 }
+
+/// A job of the [`Reaper`].
+type ReapJob = Box<dyn FnOnce() + Send>;
+
+/// Waits for VMMs already told to exit (a hibernation's: the VMM ends
+/// itself once its snapshot is written) on a thread of its own, so the
+/// operation that ended them answers without waiting for the kernel's
+/// teardown of the process (its memory, its VM, a jail's cgroup and pid
+/// namespace: about 1.5 ms, at times 15 to 30 ms). Jobs run in order, on
+/// one thread started with the first; dropping the reaper waits for the
+/// jobs queued.
+#[derive(Default)]
+pub struct Reaper {
+    queue: Mutex<Option<std::sync::mpsc::Sender<ReapJob>>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Reaper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reaper").finish_non_exhaustive()
+    }
+}
+
+impl Reaper {
+    /// Runs `job` on the reaper's thread, or here if no thread can be
+    /// started.
+    pub fn reap(&self, job: impl FnOnce() + Send + 'static) {
+        let mut queue = self.queue.locked();
+        if queue.is_none() {
+            let (tx, rx) = std::sync::mpsc::channel::<ReapJob>();
+            let spawned = std::thread::Builder::new()
+                .name("torpor-reaper".into())
+                .spawn(move || {
+                    for job in rx {
+                        job();
+                    }
+                });
+            match spawned {
+                Ok(thread) => {
+                    *self.thread.locked() = Some(thread);
+                    *queue = Some(tx);
+                }
+                Err(e) => {
+                    drop(queue);
+                    tracing::warn!("cannot start the reaper's thread, reaping here: {e}");
+                    job();
+                    return;
+                }
+            }
+        }
+        if let Some(Err(std::sync::mpsc::SendError(job))) =
+            queue.as_ref().map(|tx| tx.send(Box::new(job) as ReapJob))
+        {
+            // The thread is gone (a job panicked): a new one next time.
+            *queue = None;
+            drop(queue);
+            job();
+        }
+    }
+}
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        self.queue.locked().take();
+        if let Some(thread) = self.thread.locked().take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod reaper_tests {
+    use super::Reaper;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// Jobs run off the caller's thread (the first waits for a release
+    /// the caller sends after queueing them all), in order, and dropping
+    /// the reaper waits for every job queued.
+    #[test]
+    fn jobs_run_apart_in_order_and_the_end_waits_for_them() {
+        let reaper = Reaper::default();
+        let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let here = std::thread::current().id();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let first = Arc::clone(&order);
+        reaper.reap(move || {
+            let got = released.recv_timeout(Duration::from_secs(30)).is_ok();
+            first.lock().unwrap().push(if got { 0 } else { 99 });
+        });
+        for n in 1..3 {
+            let order = Arc::clone(&order);
+            reaper.reap(move || {
+                assert_ne!(std::thread::current().id(), here);
+                order.lock().unwrap().push(n);
+            });
+        }
+        release.send(()).unwrap();
+        let done = Arc::new(AtomicUsize::new(0));
+        let d = Arc::clone(&done);
+        reaper.reap(move || {
+            d.fetch_add(1, Ordering::SeqCst);
+        });
+        drop(reaper);
+        assert_eq!(*order.lock().unwrap(), vec![0, 1, 2]);
+        assert_eq!(done.load(Ordering::SeqCst), 1);
+    }
+}
