@@ -112,16 +112,8 @@ fn creates_and_wakes_take_standby_shells(backend: MemoryBackend) {
     // (reaped: no zombie left either), and the sandbox records no VMM.
     assert_eq!(hibernated.sandbox.vmm, None);
     assert!(
-        ends_within(old_vmm, Duration::from_secs(10)),
-        "the hibernated VMM {old_vmm} still runs"
-    );
-    let reaped = Instant::now() + Duration::from_secs(10);
-    while Path::new(&format!("/proc/{old_vmm}")).exists() && Instant::now() < reaped {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(
-        !Path::new(&format!("/proc/{old_vmm}")).exists(),
-        "the hibernated VMM {old_vmm} was not reaped"
+        reaped_within(old_vmm, Duration::from_secs(10)),
+        "the hibernated VMM {old_vmm} still runs or was not reaped"
     );
     // The answer says where the hibernation's time went and what it wrote.
     let h = hibernated
@@ -153,7 +145,13 @@ fn creates_and_wakes_take_standby_shells(backend: MemoryBackend) {
         backend.name()
     );
     assert!(metrics.contains(&line), "{line} missing from:\n{metrics}");
+    // A delete answers without the VMM's exit too; the reaper sees it end.
+    let woken_vmm = service.get_sandbox(&sandbox.id).unwrap().vmm.unwrap().pid;
     service.delete_sandbox(&sandbox.id).unwrap();
+    assert!(
+        reaped_within(woken_vmm, Duration::from_secs(10)),
+        "the deleted sandbox's VMM {woken_vmm} still runs or was not reaped"
+    );
     service.close();
 }
 
@@ -327,6 +325,20 @@ fn a_full_disk_under_a_hibernation_is_no_space() {
         SandboxState::Running
     );
     service.delete_sandbox(&sandbox.id).unwrap();
+}
+
+/// Whether process `pid` is gone within `limit`: ended and reaped (the
+/// test process is the parent of an unjailed VMM, forked by the fork
+/// server with `CLONE_PARENT`).
+fn reaped_within(pid: u32, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while Path::new(&format!("/proc/{pid}")).exists() {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    true
 }
 
 /// Whether process `pid` has ended (gone, or a zombie not reaped yet)

@@ -294,6 +294,7 @@ fn measure_sustained(serve: &Serve, tpl: &str, threads: usize, secs: f64) -> Sus
     let rx = Mutex::new(rx);
     let out = Mutex::new(Sustained::default());
     let made = counter(serve, "torpor_standby_shells_made");
+    let cpu = CpuSpent::now();
     let start = Instant::now();
     let ends: Mutex<Vec<Instant>> = Mutex::new(Vec::new());
     std::thread::scope(|s| {
@@ -346,6 +347,7 @@ fn measure_sustained(serve: &Serve, tpl: &str, threads: usize, secs: f64) -> Sus
         drop(tx);
     });
     let mut o = out.into_inner_locked();
+    o.cpu = CpuSpent::since(cpu);
     let end = ends.into_inner_locked().into_iter().max();
     o.secs = end.map_or(secs, |e| (e - start).as_secs_f64());
     o.refills = made

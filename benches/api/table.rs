@@ -228,6 +228,21 @@ fn rows(o: &Opts) -> Vec<Row> {
             let s = r.sustained.as_ref()?;
             Some(s.refills? / s.secs)
         }),
+        row("  CPU ms per create (+delete)", Fmt::Ms, |r| {
+            let s = r.sustained.as_ref()?;
+            let c = s.cpu?;
+            (s.creates > 0).then(|| c.busy_ms / s.creates as f64)
+        }),
+        row("  CPU busy meanwhile", Fmt::Pct, |r| {
+            let c = r.sustained.as_ref()?.cpu?;
+            let all = c.busy_ms + c.idle_ms;
+            (all > 0.0).then(|| 100.0 * c.busy_ms / all)
+        }),
+        row("  ceiling at that CPU cost (/s)", Fmt::Rate, |r| {
+            let s = r.sustained.as_ref()?;
+            let c = s.cpu?;
+            (c.busy_ms > 0.0).then(|| c.cpus as f64 * 1000.0 * s.creates as f64 / c.busy_ms)
+        }),
         row("  create p50 under load", Fmt::Ms, |r| {
             p(&r.sustained.as_ref()?.lat, 0.5)
         }),

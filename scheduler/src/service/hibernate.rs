@@ -90,7 +90,7 @@ impl Service {
                     phases: vec![("begin".into(), begin_ms), ("vmm".into(), vmm_ms)],
                 };
                 match exit {
-                    Exit::Later => self.stop_exiting_vmm(&sandbox)?,
+                    Exit::Later => self.stop_vmm_unwaited(&sandbox, false)?,
                     Exit::Waited => self.stop_vmm(&sandbox)?,
                 }
                 report.phase("stop", lap.next());

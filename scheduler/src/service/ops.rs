@@ -492,23 +492,34 @@ impl Service {
 
     /// Stops the sandbox's VMM, if it has one.
     pub(super) fn stop_vmm(&self, sandbox: &Sandbox) -> Result<(), ServiceError> {
-        self.stop_vmm_as(sandbox, false)
+        self.stop_vmm_as(sandbox, None)
     }
 
-    /// [`Self::stop_vmm`] for a VMM already told to exit (a hibernation's):
-    /// its control socket's file is removed now (a VMM started next for
-    /// the sandbox binds its own there) and the wait for its exit is left
-    /// to the reaper ([`super::vmm_process::Reaper`]), so the operation
-    /// answers without it.
-    pub(super) fn stop_exiting_vmm(&self, sandbox: &Sandbox) -> Result<(), ServiceError> {
-        self.stop_vmm_as(sandbox, true)
+    /// [`Self::stop_vmm`] without waiting for the VMM's exit: a VMM not
+    /// yet told to (`tell`: a delete's) is asked to exit (killed if it
+    /// does not answer), a hibernation's already was; its control
+    /// socket's file is removed now (a VMM started next for the sandbox
+    /// binds its own there) and the wait for its exit is left to the
+    /// reaper ([`super::vmm_process::Reaper`]), so the operation answers
+    /// without the kernel's teardown of the process.
+    pub(super) fn stop_vmm_unwaited(
+        &self,
+        sandbox: &Sandbox,
+        tell: bool,
+    ) -> Result<(), ServiceError> {
+        self.stop_vmm_as(sandbox, Some(tell))
     }
 
-    fn stop_vmm_as(&self, sandbox: &Sandbox, later: bool) -> Result<(), ServiceError> {
+    /// `unwaited`: None waits for the exit; Some(tell) as
+    /// [`Self::stop_vmm_unwaited`].
+    fn stop_vmm_as(&self, sandbox: &Sandbox, unwaited: Option<bool>) -> Result<(), ServiceError> {
         if let Some(handle) = &sandbox.vmm {
             let child = self.children.locked().remove(&sandbox.id);
             self.metrics.vmm_ending(handle.pid);
-            if later {
+            if let Some(tell) = unwaited {
+                if tell {
+                    vmm::tell_to_exit(handle, Duration::from_secs(5));
+                }
                 let _ = std::fs::remove_file(&handle.control_socket);
                 let handle = handle.clone();
                 self.reaper.reap(move || vmm::reap_exiting(&handle, child));
@@ -748,7 +759,8 @@ impl Service {
         let op = self.store.write_relaxed(|tx| {
             tx.begin_operation(Some(id), OperationKind::Delete, &json!({}), None)
         })?;
-        self.stop_vmm(&sandbox)?;
+        // Answered without the VMM's exit: the reaper waits for it.
+        self.stop_vmm_unwaited(&sandbox, true)?;
         self.lazy.cancel(id);
         self.close_ports(&sandbox);
         self.forget_memory(id);

@@ -481,6 +481,15 @@ pub fn stop(handle: &VmmHandle, child: Option<VmmChild>) {
     let _ = std::fs::remove_file(&handle.control_socket);
 }
 
+/// Asks the VMM to exit (a shutdown request, answered before it ends)
+/// and, if it does not answer within `limit`, kills it; returns without
+/// waiting for the exit ([`reap_exiting`] does).
+pub fn tell_to_exit(handle: &VmmHandle, limit: Duration) {
+    if control::request(&handle.control_socket, &Request::Shutdown, limit).is_err() {
+        signal(handle, libc::SIGKILL);
+    }
+}
+
 /// Waits for the exit of a VMM told to exit (5 s at most, then SIGKILL)
 /// and reaps it; its control socket's file is left alone.
 pub fn reap_exiting(handle: &VmmHandle, child: Option<VmmChild>) {
