@@ -213,6 +213,41 @@ fn assert_jailed(data: &DataDir, sandbox: &Sandbox, others: &[&Sandbox]) {
         probe.is_err(),
         "the template's layer is writable in the jail"
     );
+    // Its /proc holds processes only: no /proc/net (the unix sockets of
+    // every VMM in the shared network namespace), no /proc/sys.
+    for hidden in ["net", "sys", "meminfo"] {
+        assert!(
+            !root.join("proc").join(hidden).exists(),
+            "/proc/{hidden} is visible in the jail"
+        );
+    }
+    assert!(root.join("proc/self/maps").exists() || root.join("proc/1/maps").exists());
+    // The network namespace is the pod's shared empty one, the same for
+    // every VMM without a sandbox network: a loopback interface and
+    // nothing else.
+    let net = std::fs::read_link(format!("/proc/{pid}/ns/net")).unwrap();
+    // (nsenter is util-linux's, in every Debian; /proc/net is the
+    // network namespace of the process reading it.)
+    let dev = std::process::Command::new("nsenter")
+        .args([&format!("--net=/proc/{pid}/ns/net"), "cat", "/proc/net/dev"])
+        .output()
+        .unwrap();
+    let dev = String::from_utf8_lossy(&dev.stdout).into_owned();
+    let links: Vec<&str> = dev
+        .lines()
+        .filter_map(|l| l.split_once(':').map(|(name, _)| name.trim()))
+        .collect();
+    assert_eq!(links, ["lo"], "{dev}");
+    for other in others {
+        let theirs = other.vmm.as_ref().map(|v| v.pid);
+        if let Some(theirs) = theirs {
+            assert_eq!(
+                std::fs::read_link(format!("/proc/{theirs}/ns/net")).unwrap(),
+                net,
+                "VMMs {pid} and {theirs} are in different network namespaces"
+            );
+        }
+    }
     for other in others {
         let dir = data.join("sandboxes").join(other.id.as_str());
         assert!(dir.exists());

@@ -181,6 +181,11 @@ struct Recording {
     phase: String,
     title: String,
     root: u32,
+    /// Every process when the recording started, pid -> (ppid, name),
+    /// from /proc: perf's events give the parents of processes forked
+    /// while it records (enabled) only, and a wake or create restores
+    /// into a standby shell forked before.
+    before: HashMap<u32, (u32, String)>,
     /// Its control and acknowledgement FIFOs, once open.
     fifos: Option<(File, File)>,
     /// A control command that failed (the graph is still drawn).
@@ -229,6 +234,7 @@ impl Recording {
             phase: phase.to_string(),
             title: format!("{phase}: {config}"),
             root,
+            before: processes(),
             fifos: None,
             failed: None,
         };
@@ -305,7 +311,7 @@ impl Recording {
     fn draw(&self) -> Result<Vec<String>, String> {
         let data = Self::path(&self.dir, &self.stem, "data");
         let tasks = perf_script(&data, &["--show-task-events", "-F", "pid,tid"], None)?;
-        let names = tree(&tasks, self.root);
+        let names = tree(&tasks, self.root, &self.before);
         if names.is_empty() {
             return Err(format!("perf saw no process of pid {}", self.root));
         }
@@ -469,9 +475,13 @@ fn perf_script(data: &Path, args: &[&str], pids: Option<&str>) -> Result<String,
 /// The processes of `root`'s tree in perf's task events (its fork and
 /// comm records, the running processes' synthesized first), by pid, each
 /// with its name (its main thread's last comm, else its parent's).
-fn tree(tasks: &str, root: u32) -> BTreeMap<u32, String> {
+fn tree(tasks: &str, root: u32, before: &HashMap<u32, (u32, String)>) -> BTreeMap<u32, String> {
     let mut comm: HashMap<u32, String> = HashMap::new();
     let mut parent: HashMap<u32, u32> = HashMap::new();
+    for (&pid, (ppid, name)) in before {
+        parent.insert(pid, *ppid);
+        comm.insert(pid, name.clone());
+    }
     for line in tasks.lines() {
         if let Some(rest) = line.split("PERF_RECORD_FORK(").nth(1) {
             // FORK(pid:tid):(ppid:ptid): a new process when pid != ppid.
@@ -513,6 +523,35 @@ fn tree(tasks: &str, root: u32) -> BTreeMap<u32, String> {
                 Some(&pp) if pp != p => p = pp,
                 _ => break,
             }
+        }
+    }
+    out
+}
+
+/// Every process now: pid -> (ppid, name), from `/proc/PID/stat`.
+fn processes() -> HashMap<u32, (u32, String)> {
+    let mut out = HashMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in dir.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // pid (name) state ppid ...; the name may hold ')' and spaces.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let name = stat[open + 1..close].to_string();
+        let ppid = stat[close + 1..]
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse().ok());
+        if let Some(ppid) = ppid {
+            out.insert(pid, (ppid, name));
         }
     }
     out

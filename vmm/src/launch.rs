@@ -54,6 +54,11 @@ pub fn run(
         }
         _ => spec,
     };
+    // Read once, before the jail's /proc (its processes only) hides
+    // /proc/meminfo: every restore checks its size against it.
+    if spec.jail.is_some() {
+        let _ = crate::vstate::memory::host_memory_bytes();
+    }
     let pid = match &spec.jail {
         Some(jail) => crate::jail::enter(jail)?.host_pid,
         None => std::process::id(),

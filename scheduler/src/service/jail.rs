@@ -61,6 +61,57 @@ pub struct Jails {
     /// Names cgroups uniquely per VMM.
     started: AtomicU64,
     instance: u64,
+    /// The network namespace jailed VMMs without a sandbox network join
+    /// ([`SharedNetns`]); None: each makes its own.
+    netns: Option<SharedNetns>,
+}
+
+/// One empty network namespace (a loopback interface, down; no route, no
+/// other interface) that the pod's jailed VMMs without a sandbox network
+/// join instead of each making its own: making a network namespace was
+/// the largest single cost of a jailed VMM's start (`copy_net_ns`, 12 %
+/// of the CPU spent over the API bench's creates, plus its teardown in a
+/// kernel worker at every exit). Held open by the pod (the namespace ends
+/// with it) and named to VMMs as `/proc/<pod pid>/fd/<fd>`, which a VMM
+/// opens as root before it enters its jail. What sharing gives up and why
+/// it is kept small: docs/security.md ("The jail").
+#[derive(Debug)]
+struct SharedNetns {
+    _fd: OwnedFd,
+    path: PathBuf,
+}
+
+impl SharedNetns {
+    /// Made on a thread of its own, which leaves the namespace when it
+    /// ends; None where a namespace cannot be made (not root).
+    fn make() -> Option<Self> {
+        let made = std::thread::spawn(|| -> std::io::Result<OwnedFd> {
+            // SAFETY: unshare takes a flag; it moves only this thread,
+            // which ends right after, into a new network namespace.
+            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            std::fs::File::open("/proc/thread-self/ns/net").map(OwnedFd::from)
+        })
+        .join();
+        match made {
+            Ok(Ok(fd)) => {
+                let path = PathBuf::from(format!(
+                    "/proc/{}/fd/{}",
+                    std::process::id(),
+                    fd.as_raw_fd()
+                ));
+                Some(Self { _fd: fd, path })
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(
+                    "no shared network namespace for jailed VMMs (each makes its own): {e}"
+                );
+                None
+            }
+            Err(_) => None,
+        }
+    }
 }
 
 /// Pods opened by this process so far.
@@ -98,6 +149,7 @@ impl Jails {
             cursor: AtomicU32::new(0),
             started: AtomicU64::new(0),
             instance: INSTANCES.fetch_add(1, Ordering::Relaxed),
+            netns: SharedNetns::make(),
         })
     }
 
@@ -205,7 +257,12 @@ impl Jails {
                 fsize: Some(fsize),
                 ..Default::default()
             },
-            namespaces: Default::default(),
+            namespaces: jail::Namespaces {
+                // A VMM with a sandbox network joins that one instead
+                // (`torpor_vmm::launch`).
+                join_net: self.netns.as_ref().map(|n| n.path.clone()),
+                ..Default::default()
+            },
         }
     }
 

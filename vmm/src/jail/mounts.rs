@@ -144,13 +144,21 @@ pub fn build(spec: &JailSpec, nodes: &[DeviceNode]) -> Result<(), JailError> {
     make_devices(spec, root, nodes)?;
     let proc_dir = root.join("proc");
     mkdir(&proc_dir, 0o555)?;
+    // Its processes only (`subset=pid`, Linux 5.8): no /proc/net, whose
+    // unix-socket table would list the sockets of every VMM sharing the
+    // pod's network namespace, nor /proc/sys and the host-wide files. An
+    // older kernel refuses the option: the whole /proc of its pid
+    // namespace then.
+    let proc_flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    let source = Some(Path::new("proc"));
     mount(
-        Some(Path::new("proc")),
+        source,
         &proc_dir,
         Some("proc"),
-        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-        None,
-    )?;
+        proc_flags,
+        Some("subset=pid"),
+    )
+    .or_else(|_| mount(source, &proc_dir, Some("proc"), proc_flags, None))?;
     pivot(root)
 }
 
