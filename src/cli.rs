@@ -373,6 +373,11 @@ pub struct VmmRunArgs {
     /// `PATH:ro` read-only), e.g. where snapshots are written.
     #[arg(long, value_name = "PATH[:ro]", conflicts_with = "no_jail")]
     pub jail_expose: Vec<String>,
+    /// Join this network namespace (`/run/netns/NAME`, `/proc/PID/ns/net`)
+    /// instead of making a new one: how a pod's VMMs without a network
+    /// share one empty namespace (docs/vmm.md, "The jail").
+    #[arg(long, value_name = "PATH", conflicts_with = "no_jail")]
+    pub jail_netns: Option<PathBuf>,
     /// Run without a jail, with the caller's privileges (development only:
     /// a guest that escapes owns what the caller owns).
     #[arg(long)]

@@ -242,7 +242,10 @@ fn cli_jail(args: &VmmRunArgs, spec: &LaunchSpec) -> Result<JailSpec, Failure> {
         devices: torpor_vmm_api::exposes::devices_for(spec),
         cgroup,
         rlimits: Default::default(),
-        namespaces: Default::default(),
+        namespaces: jail::Namespaces {
+            join_net: args.jail_netns.clone(),
+            ..Default::default()
+        },
     })
 }
 
