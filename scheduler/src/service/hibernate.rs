@@ -107,8 +107,13 @@ impl Service {
                 self.store
                     .finish_operation(&op.id, OperationStatus::Done, None, Some(&change))?;
                 report.phase("commit", lap.next());
-                // A full snapshot leaves the old chain to nothing.
-                self.remove_dead_layers();
+                // A full snapshot leaves the old chain to nothing; a diff
+                // sits on the snapshot the sandbox ran from, so no layer
+                // dies with it (and the sweep, a recursive query over
+                // every layer, is 0.4 ms of a 5 ms hibernation).
+                if !report.diff {
+                    self.remove_dead_layers();
+                }
                 // Acknowledged once the snapshot is durable in the object
                 // store, if there is one, unless `--hibernate-ack local`
                 // (hibernated here either way: a failed upload is retried
