@@ -360,27 +360,6 @@ fn spawn_standby(mem: u64, sock: &Path, extra: &[&str]) -> Child {
     spawn(&args)
 }
 
-/// An empty network namespace held open by this process, as a pod makes
-/// the one its VMMs share, and the path that names it to them; None where
-/// none can be made (not root).
-fn shared_netns() -> Option<(std::os::fd::OwnedFd, String)> {
-    use std::os::fd::AsRawFd;
-    let fd = std::thread::spawn(|| {
-        // SAFETY: unshare takes a flag; it moves only this thread, which
-        // ends right after, into a new network namespace.
-        if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
-            return None;
-        }
-        std::fs::File::open("/proc/thread-self/ns/net")
-            .ok()
-            .map(std::os::fd::OwnedFd::from)
-    })
-    .join()
-    .ok()??;
-    let path = format!("/proc/{}/fd/{}", std::process::id(), fd.as_raw_fd());
-    Some((fd, path))
-}
-
 /// `/bin/true` from spawn to its exit, in µs.
 fn true_spawn() -> f64 {
     let t0 = Instant::now();
@@ -611,8 +590,8 @@ fn main() {
     let mut to_socket: Vec<f64> = Vec::new();
     // A pod's jailed VMMs share one empty network namespace: made here as
     // a pod makes it, and named to the jailed row's second run.
-    let netns = shared_netns();
-    let netns_arg = netns.as_ref().map(|(_, p)| p.as_str()).unwrap_or("");
+    let netns = torpor_scheduler::service::jail::SharedNetns::make();
+    let netns_arg = netns.as_ref().and_then(|n| n.path().to_str()).unwrap_or("");
     let pod_jail = ["--jail-netns", netns_arg];
     let mut starts: Vec<(&str, bool, &[&str])> = vec![
         ("torpor-vmm (LaunchSpec)", true, &["--no-jail"]),

@@ -75,8 +75,9 @@ pub struct Jails {
 /// with it) and named to VMMs as `/proc/<pod pid>/fd/<fd>`, which a VMM
 /// opens as root before it enters its jail. What sharing gives up and why
 /// it is kept small: docs/security.md ("The jail").
+/// (The restore bench makes one the same way for its pod-like row.)
 #[derive(Debug)]
-struct SharedNetns {
+pub struct SharedNetns {
     _fd: OwnedFd,
     path: PathBuf,
 }
@@ -84,7 +85,7 @@ struct SharedNetns {
 impl SharedNetns {
     /// Made on a thread of its own, which leaves the namespace when it
     /// ends; None where a namespace cannot be made (not root).
-    fn make() -> Option<Self> {
+    pub fn make() -> Option<Self> {
         let made = std::thread::spawn(|| -> std::io::Result<OwnedFd> {
             // SAFETY: unshare takes a flag; it moves only this thread,
             // which ends right after, into a new network namespace.
@@ -111,6 +112,12 @@ impl SharedNetns {
             }
             Err(_) => None,
         }
+    }
+
+    /// The path that names it to a VMM (`/proc/<pid>/fd/<fd>`), valid
+    /// while this is held.
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 }
 
