@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use serde_json::json;
 
-use super::ops::Lap;
+use super::ops::{Lap, VmmEnd};
 use super::vmm;
 use super::{Outcome, Service, ServiceError};
 use crate::model::{HibernateReport, SandboxId};
@@ -89,10 +89,13 @@ impl Service {
                     memory_bytes: info.memory_allocated_bytes,
                     phases: vec![("begin".into(), begin_ms), ("vmm".into(), vmm_ms)],
                 };
-                match exit {
-                    Exit::Later => self.stop_vmm_unwaited(&sandbox, false)?,
-                    Exit::Waited => self.stop_vmm(&sandbox)?,
-                }
+                self.end_vmm(
+                    &sandbox,
+                    match exit {
+                        Exit::Later => VmmEnd::Told,
+                        Exit::Waited => VmmEnd::Wait,
+                    },
+                )?;
                 report.phase("stop", lap.next());
                 if let Err(e) = self.set_snapshot_and_layers(id, &target) {
                     // The VMM reported a chain the gate refuses: its

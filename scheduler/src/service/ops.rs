@@ -55,6 +55,19 @@ pub fn may_delete(owner: Option<&Owner>, t: &Template) -> Result<(), ServiceErro
     }
 }
 
+/// How [`Service::end_vmm`] ends a VMM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum VmmEnd {
+    /// Asked to exit, SIGKILL after a grace time, waited for.
+    Wait,
+    /// Asked to exit (SIGKILL if it does not answer), not waited for: a
+    /// delete's.
+    Ask,
+    /// Already told to exit (a hibernation's VMM ends itself after its
+    /// snapshot), not waited for.
+    Told,
+}
+
 impl Service {
     pub fn list_templates(&self) -> Result<Vec<Template>, ServiceError> {
         Ok(self.store.list_templates(false)?)
@@ -492,39 +505,28 @@ impl Service {
 
     /// Stops the sandbox's VMM, if it has one.
     pub(super) fn stop_vmm(&self, sandbox: &Sandbox) -> Result<(), ServiceError> {
-        self.stop_vmm_as(sandbox, None)
+        self.end_vmm(sandbox, VmmEnd::Wait)
     }
 
-    /// [`Self::stop_vmm`] without waiting for the VMM's exit: a VMM not
-    /// yet told to (`tell`: a delete's) is asked to exit (killed if it
-    /// does not answer), a hibernation's already was; its control
-    /// socket's file is removed now (a VMM started next for the sandbox
-    /// binds its own there) and the wait for its exit is left to the
-    /// reaper ([`super::vmm_process::Reaper`]), so the operation answers
-    /// without the kernel's teardown of the process.
-    pub(super) fn stop_vmm_unwaited(
-        &self,
-        sandbox: &Sandbox,
-        tell: bool,
-    ) -> Result<(), ServiceError> {
-        self.stop_vmm_as(sandbox, Some(tell))
-    }
-
-    /// `unwaited`: None waits for the exit; Some(tell) as
-    /// [`Self::stop_vmm_unwaited`].
-    fn stop_vmm_as(&self, sandbox: &Sandbox, unwaited: Option<bool>) -> Result<(), ServiceError> {
+    /// Ends the sandbox's VMM, if it has one, as `how` says. Unless it
+    /// waits, its control socket's file is removed now (a VMM started
+    /// next for the sandbox binds its own there) and the wait for its
+    /// exit is left to the reaper ([`super::vmm_process::Reaper`]), so
+    /// the operation answers without the kernel's teardown of the process.
+    pub(super) fn end_vmm(&self, sandbox: &Sandbox, how: VmmEnd) -> Result<(), ServiceError> {
         if let Some(handle) = &sandbox.vmm {
             let child = self.children.locked().remove(&sandbox.id);
             self.metrics.vmm_ending(handle.pid);
-            if let Some(tell) = unwaited {
-                if tell {
-                    vmm::tell_to_exit(handle, Duration::from_secs(5));
+            match how {
+                VmmEnd::Wait => vmm::stop(handle, child),
+                VmmEnd::Ask | VmmEnd::Told => {
+                    if how == VmmEnd::Ask {
+                        vmm::tell_to_exit(handle, Duration::from_secs(5));
+                    }
+                    let _ = std::fs::remove_file(&handle.control_socket);
+                    let handle = handle.clone();
+                    self.reaper.reap(move || vmm::reap_exiting(&handle, child));
                 }
-                let _ = std::fs::remove_file(&handle.control_socket);
-                let handle = handle.clone();
-                self.reaper.reap(move || vmm::reap_exiting(&handle, child));
-            } else {
-                vmm::stop(handle, child);
             }
             self.last_resident.forget();
             // Relaxed: the operation that stops a VMM ends with a commit.
@@ -760,7 +762,7 @@ impl Service {
             tx.begin_operation(Some(id), OperationKind::Delete, &json!({}), None)
         })?;
         // Answered without the VMM's exit: the reaper waits for it.
-        self.stop_vmm_unwaited(&sandbox, true)?;
+        self.end_vmm(&sandbox, VmmEnd::Ask)?;
         self.lazy.cancel(id);
         self.close_ports(&sandbox);
         self.forget_memory(id);
