@@ -13,8 +13,9 @@
 
 use crate::frame::{read_message, write_message, FrameError, MAX_FRAME};
 use crate::proto::{
-    AttachRequest, InputRequest, MkdirRequest, PidRequest, ProcessInfo, RenameRequest,
-    ResizeRequest, SignalRequest, SpawnRequest, WatchAddRequest, WatchEvents, WatchIdRequest,
+    AttachRequest, InputRequest, MkdirRequest, MountVolumesRequest, PidRequest, ProcessInfo,
+    RenameRequest, ResizeRequest, SignalRequest, SpawnRequest, VolumeMount, WatchAddRequest,
+    WatchEvents, WatchIdRequest,
 };
 use crate::proto::{
     DirListing, ErrorReply, ExecRequest, ExitReply, FileData, FileStat, FsStats, Hello, HelloReply,
@@ -436,6 +437,16 @@ impl<S: Read + Write> AgentClient<S> {
     pub fn statfs(&mut self, path: &str) -> Result<FsStats, ClientError> {
         match self.call(Op::Statfs(PathRequest { path: path.into() }))? {
             ReplyBody::Statfs(s) => Ok(s),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// `mount_volumes` (1.5): mounts each volume over NFS from the host
+    /// (`crate::volumes`); volumes already mounted at their paths are
+    /// left. An agent before 1.5 answers `ENOSYS`.
+    pub fn mount_volumes(&mut self, mounts: Vec<VolumeMount>) -> Result<(), ClientError> {
+        match self.call(Op::MountVolumes(MountVolumesRequest { mounts }))? {
+            ReplyBody::Done => Ok(()),
             other => Err(unexpected(&other)),
         }
     }

@@ -26,6 +26,7 @@ pub mod sink;
 pub mod standin;
 pub mod system;
 pub mod users;
+pub mod volumes;
 pub mod vsock;
 pub mod watch;
 pub mod xattrs;

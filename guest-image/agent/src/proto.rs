@@ -25,7 +25,7 @@ impl fmt::Display for ProtocolVersion {
 }
 
 /// The version this crate speaks.
-pub const PROTOCOL_VERSION: ProtocolVersion = ProtocolVersion { major: 1, minor: 4 };
+pub const PROTOCOL_VERSION: ProtocolVersion = ProtocolVersion { major: 1, minor: 5 };
 
 /// This crate's version (the agent's version).
 pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -72,6 +72,8 @@ pub const KNOWN_OPS: &[&str] = &[
     "connect",
     // 1.4
     "statfs",
+    // 1.5
+    "mount_volumes",
 ];
 
 /// The operations (`"op"` field).
@@ -132,6 +134,25 @@ pub enum Op {
     /// 1.4: the size and free space of the filesystem a path is on
     /// (`statvfs`). → `statfs`
     Statfs(PathRequest),
+    /// 1.5: mount volumes over NFS from the host (E2B's `volumeMounts`,
+    /// `crate::volumes`). → `done`
+    MountVolumes(MountVolumesRequest),
+}
+
+/// `mount_volumes` request (1.5).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MountVolumesRequest {
+    /// The volumes; the same call again mounts only what is not mounted.
+    pub mounts: Vec<VolumeMount>,
+}
+
+/// One volume at one path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeMount {
+    /// The volume's name (the NFS export `/<name>` the host serves).
+    pub name: String,
+    /// Absolute path in the guest.
+    pub path: String,
 }
 
 /// `connect` request (1.3).
@@ -640,7 +661,8 @@ mod tests {
         for op in KNOWN_OPS {
             let json = serde_json::json!({"id": 1, "op": op, "protocol": {"major": 1, "minor": 0},
                 "argv": ["x"], "path": "/", "data": "", "pid": 1, "signal": 15, "cols": 80,
-                "rows": 24, "from": "/a", "to": "/b", "watch_id": 1, "port": 8080});
+                "rows": 24, "from": "/a", "to": "/b", "watch_id": 1, "port": 8080,
+                "mounts": []});
             serde_json::from_value::<Request>(json).unwrap_or_else(|e| panic!("{op}: {e}"));
         }
     }

@@ -15,6 +15,7 @@ use crate::proto::{ProcessList, WatchId};
 use crate::resumed;
 pub use crate::sink::{Sink, StreamGuard, MAX_STREAMS};
 use crate::system::{self, SystemOps};
+use crate::volumes::{RelayConfig, Volumes};
 use crate::vsock::{VsockListener, VsockStream};
 use crate::watch::Watches;
 use std::io::{self, Read, Write};
@@ -40,6 +41,8 @@ pub struct AgentConfig {
     pub ops: Arc<dyn SystemOps>,
     /// Log connections and protocol errors to stderr.
     pub verbose: bool,
+    /// Where `mount_volumes`' relay listens and what it reaches (1.5).
+    pub volume_relay: RelayConfig,
 }
 
 impl AgentConfig {
@@ -51,6 +54,7 @@ impl AgentConfig {
             max_processes: 256,
             ops,
             verbose: false,
+            volume_relay: RelayConfig::default(),
         }
     }
 }
@@ -176,6 +180,8 @@ pub struct Agent {
     procs: Procs,
     /// Directory watches (1.1), shared by every connection.
     watches: Watches,
+    /// The volumes' relay (1.5).
+    volumes: Volumes,
 }
 
 impl Agent {
@@ -186,6 +192,7 @@ impl Agent {
             cfg,
             started: Instant::now(),
             watches: Watches::default(),
+            volumes: Volumes::default(),
         })
     }
 
@@ -417,6 +424,11 @@ impl Agent {
                 files::statfs(&req.path).map_or_else(ReplyBody::Error, ReplyBody::Statfs)
             }
             // Answered by the connection loop, which owns the connection.
+            Op::MountVolumes(req) => done(self.volumes.mount(
+                &req,
+                &self.cfg.volume_relay,
+                &*self.cfg.ops,
+            )),
             Op::Connect(_) => error(libc::EPROTO, "connect is handled by the connection"),
         };
         Some(body)

@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, FileExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -129,6 +130,10 @@ pub trait SystemOps: Send + Sync + std::fmt::Debug {
     /// Sends a gratuitous ARP for every IPv4 address of every interface
     /// that is up (not loopback); returns them as `interface address`.
     fn announce_network(&self) -> io::Result<Vec<String>>;
+    /// 1.5: mounts the NFS export `source` at `target` (created with its
+    /// parents when missing) with the kernel's text `options`; a `target`
+    /// that already has `source` mounted is left as it is.
+    fn mount_nfs(&self, source: &str, target: &Path, options: &str) -> io::Result<()>;
 }
 
 /// The real system calls.
@@ -233,6 +238,49 @@ impl SystemOps for RealOps {
         }
         Ok(done)
     }
+
+    fn mount_nfs(&self, source: &str, target: &Path, options: &str) -> io::Result<()> {
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
+        if nfs_mounted(&mountinfo, source, target) {
+            return Ok(());
+        }
+        std::fs::create_dir_all(target)?;
+        let c = |s: &[u8]| {
+            std::ffi::CString::new(s).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+        };
+        let (src, dst) = (c(source.as_bytes())?, c(target.as_os_str().as_bytes())?);
+        let (fstype, data) = (c(b"nfs")?, c(options.as_bytes())?);
+        // SAFETY: every pointer is a NUL-terminated string alive for the call.
+        cvt(unsafe {
+            libc::mount(
+                src.as_ptr(),
+                dst.as_ptr(),
+                fstype.as_ptr(),
+                0,
+                data.as_ptr().cast(),
+            )
+        })
+    }
+}
+
+/// Whether `/proc/self/mountinfo` text lists an NFS mount of `source` at
+/// `target` (mount points are octal-escaped there).
+pub fn nfs_mounted(mountinfo: &str, source: &str, target: &Path) -> bool {
+    let mut want = String::new();
+    for ch in target.to_string_lossy().chars() {
+        match ch {
+            ' ' | '\t' | '\n' | '\\' => want.push_str(&format!("\\{:03o}", ch as u32)),
+            c => want.push(c),
+        }
+    }
+    mountinfo.lines().any(|line| {
+        let (before, after) = line.split_once(" - ").unwrap_or((line, ""));
+        let point = before.split(' ').nth(4);
+        let mut after = after.split(' ');
+        point == Some(want.as_str())
+            && after.next().is_some_and(|t| t.starts_with("nfs"))
+            && after.next() == Some(source)
+    })
 }
 
 /// Writes `data` to a temporary sibling and renames it over `path`, creating
@@ -269,6 +317,15 @@ pub enum FakeCall {
     ReadIdentityPage,
     /// `announce_network()`.
     AnnounceNetwork,
+    /// `mount_nfs(source, target, options)`.
+    MountNfs {
+        /// The export.
+        source: String,
+        /// Where.
+        target: PathBuf,
+        /// The options.
+        options: String,
+    },
 }
 
 /// A [`SystemOps`] that changes nothing and records every call (tests, and
@@ -355,6 +412,14 @@ impl SystemOps for FakeOps {
         self.record(FakeCall::AnnounceNetwork, "AnnounceNetwork")?;
         Ok(vec!["eth0 172.16.0.2".into()])
     }
+    fn mount_nfs(&self, source: &str, target: &Path, options: &str) -> io::Result<()> {
+        let call = FakeCall::MountNfs {
+            source: source.into(),
+            target: target.into(),
+            options: options.into(),
+        };
+        self.record(call, "MountNfs")
+    }
 }
 
 /// The current hostname (`gethostname`, no NSS).
@@ -406,6 +471,22 @@ pub fn kernel_release() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_nfs_mount_is_found_in_mountinfo_by_source_and_escaped_point() {
+        let info = "22 1 254:0 / / rw,relatime - ext4 /dev/vda rw\n\
+            40 22 0:35 / /mnt/my\\040data rw,relatime - nfs 127.0.0.1:/data rw,vers=3\n\
+            41 22 0:36 / /mnt/b rw shared:3 - nfs 127.0.0.1:/b rw\n";
+        assert!(nfs_mounted(
+            info,
+            "127.0.0.1:/data",
+            Path::new("/mnt/my data")
+        ));
+        assert!(nfs_mounted(info, "127.0.0.1:/b", Path::new("/mnt/b")));
+        assert!(!nfs_mounted(info, "127.0.0.1:/other", Path::new("/mnt/b")));
+        assert!(!nfs_mounted(info, "/dev/vda", Path::new("/")));
+        assert!(!nfs_mounted(info, "127.0.0.1:/data", Path::new("/mnt/my")));
+    }
 
     #[test]
     fn page_round_trip_and_bad_magic() {
