@@ -64,6 +64,8 @@ use crate::ROUTES;
     torpor_scheduler::state::SandboxState,
     torpor_scheduler::service::CreateTemplate,
     torpor_scheduler::service::CreateSandbox,
+    torpor_scheduler::service::VolumeMountRequest,
+    torpor_scheduler::model::MountedVolume,
     torpor_scheduler::service::CreateCheckpoint,
     torpor_scheduler::service::RestoreCheckpoint,
     torpor_scheduler::service::ForkSandbox,

@@ -221,7 +221,8 @@ pub async fn create_sandbox<S: SandboxApi>(
     let tenancy = st.tenancy.clone();
     let sandbox = call(&st, move |s| async move {
         let s = &*s;
-        let _ticket = crate::tenancy::admit_create(&tenancy, &p, s, &body.template).await?;
+        let mut body = body;
+        let _ticket = crate::tenancy::admit_create(&tenancy, &p, s, &mut body).await?;
         s.create_sandbox(body).await
     })
     .await?;

@@ -148,11 +148,7 @@ pub async fn create<S: SandboxApi>(
     bytes: Bytes,
 ) -> E2bResult<Response> {
     let mut req: NewSandbox = body(&bytes)?;
-    super::volumes::refuse_mounts(
-        &state.tenancy.volumes,
-        &principal,
-        req.volume_mounts.as_ref(),
-    )?;
+    let volume_mounts = super::volumes::mounts(req.volume_mounts.as_ref())?;
     req.refuse_unoffered()?;
     req.template_id =
         super::templates::resolve_tagged(&state.tenancy.builds, &principal, &req.template_id);
@@ -173,22 +169,22 @@ pub async fn create<S: SandboxApi>(
     let tenancy = state.tenancy.clone();
     let out = call(&state, move |s| async move {
         let s = &*s;
-        let _ticket = admit_create(&tenancy, &principal, s, &req.template_id).await?;
-        let sandbox = s
-            .create_sandbox(CreateSandbox {
-                template: req.template_id,
-                timeout_ms: Some(seconds(timeout, "timeout")?),
-                metadata: req.metadata.unwrap_or_default(),
-                env: req.env_vars.unwrap_or_default(),
-                on_timeout,
-                timeout_hibernation,
-                access_token: Some(new_access_token()),
-                owner: Some(principal.owner()),
-                network,
-                ingress_host,
-                ..CreateSandbox::default()
-            })
-            .await?;
+        let mut create = CreateSandbox {
+            template: req.template_id,
+            timeout_ms: Some(seconds(timeout, "timeout")?),
+            metadata: req.metadata.unwrap_or_default(),
+            env: req.env_vars.unwrap_or_default(),
+            on_timeout,
+            timeout_hibernation,
+            access_token: Some(new_access_token()),
+            owner: Some(principal.owner()),
+            network,
+            ingress_host,
+            volume_mounts,
+            ..CreateSandbox::default()
+        };
+        let _ticket = admit_create(&tenancy, &principal, s, &mut create).await?;
+        let sandbox = s.create_sandbox(create).await?;
         Ok(created_sandbox(s, &tenancy.builds, &sandbox).await)
     })
     .await?;

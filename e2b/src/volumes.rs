@@ -17,7 +17,8 @@ use super::request::{body, permit};
 use torpor_gate::auth::Principal;
 use torpor_gate::backend::SandboxApi;
 use torpor_gate::handlers::Api;
-use torpor_gate::volumes::{Volume, VolumeError, Volumes};
+use torpor_gate::service::VolumeMountRequest;
+use torpor_gate::volumes::{Volume, VolumeError};
 
 type E2bResult<T> = Result<T, E2bError>;
 
@@ -147,36 +148,29 @@ pub async fn delete<S: SandboxApi>(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-/// Why a sandbox cannot mount a volume.
-pub const NO_MOUNTS: &str =
-    "volumeMounts is not offered by torpor: mounting a volume into a sandbox \
-     needs a shared filesystem device (virtio-fs or virtio-9p) in the VMM, which torpor's VMM \
-     does not have; read and write a volume's files through the volume content API instead \
-     (see docs/e2b.md)";
-
-/// `volumeMounts` on create (`[{"name", "path"}]`): empty or null is no
-/// mount; a volume named that the tenant does not have is 404 (as E2B's),
-/// any other mount 400 ([`NO_MOUNTS`]).
-pub fn refuse_mounts(volumes: &Volumes, p: &Principal, mounts: Option<&Value>) -> E2bResult<()> {
-    let Some(mounts) = mounts else { return Ok(()) };
+/// `volumeMounts` on create (`[{"name", "path"}]`; null or empty: none),
+/// as the gate resolves them (`torpor_gate::tenancy::admit_create`: a
+/// volume the tenant does not have is 404, as E2B's).
+pub fn mounts(mounts: Option<&Value>) -> E2bResult<Vec<VolumeMountRequest>> {
     let items = match mounts {
-        Value::Null => return Ok(()),
-        Value::Array(a) if a.is_empty() => return Ok(()),
-        Value::Array(a) => a,
-        _ => {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(a)) => a,
+        Some(_) => {
             return Err(E2bError::bad_request(
                 "volumeMounts is a list of {name, path}",
             ))
         }
     };
-    let tenant = p.owner().tenant;
-    for m in items {
-        let name = m.get("name").and_then(Value::as_str).ok_or_else(|| {
-            E2bError::bad_request("each of volumeMounts has a `name` and a `path`")
-        })?;
-        if volumes.by_name(&tenant, name).is_none() {
-            return Err(E2bError::not_found(format!("volume {name:?} not found")));
-        }
-    }
-    Err(E2bError::bad_request(NO_MOUNTS))
+    items
+        .iter()
+        .map(|m| {
+            let field = |k: &str| m.get(k).and_then(Value::as_str).map(str::to_string);
+            match (field("name"), field("path")) {
+                (Some(name), Some(path)) => Ok(VolumeMountRequest { name, path }),
+                _ => Err(E2bError::bad_request(
+                    "each of volumeMounts has a `name` and a `path`",
+                )),
+            }
+        })
+        .collect()
 }

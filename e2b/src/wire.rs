@@ -64,9 +64,10 @@ pub struct NewSandbox {
     /// as E2B does.
     #[serde(default)]
     pub secure: Option<bool>,
-    // Asked for but not offered: refused when set (see `refuse_unoffered`).
+    /// Volumes to mount (`crate::volumes::mounts`).
     #[serde(default)]
     pub volume_mounts: Option<Value>,
+    // Asked for but not offered: refused when set (see `refuse_unoffered`).
     #[serde(default)]
     pub mcp: Option<Value>,
     #[serde(default)]
@@ -76,11 +77,7 @@ pub struct NewSandbox {
 impl NewSandbox {
     /// 400 for a field that asks for something torpor does not offer.
     pub fn refuse_unoffered(&self) -> Result<(), E2bError> {
-        for (name, value) in [
-            ("volumeMounts", &self.volume_mounts),
-            ("mcp", &self.mcp),
-            ("iam", &self.iam),
-        ] {
+        for (name, value) in [("mcp", &self.mcp), ("iam", &self.iam)] {
             if value.as_ref().is_some_and(super::network::is_set) {
                 return Err(E2bError::bad_request(format!(
                     "`{name}` is not offered by torpor (see docs/e2b.md)"

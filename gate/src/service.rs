@@ -8,7 +8,7 @@ pub use torpor_scheduler::service::guest::{
 pub use torpor_scheduler::service::{
     check_lifetimes, check_template_name, Cancel, CreateCheckpoint, CreateSandbox, CreateTemplate,
     ForkSandbox, GuestCall, GuestError, Outcome, Owner, PodView, RestoreCheckpoint, Service,
-    ServiceError, TemplateFromSandbox, MAX_FORK_COUNT, MAX_KEEP_ALIVE_MS, MAX_TEMPLATE_NAME_CHARS,
-    MAX_TIMEOUT_MS,
+    ServiceError, TemplateFromSandbox, VolumeMountRequest, MAX_FORK_COUNT, MAX_KEEP_ALIVE_MS,
+    MAX_TEMPLATE_NAME_CHARS, MAX_TIMEOUT_MS,
 };
 pub use torpor_scheduler::store::SandboxFilter;

@@ -259,16 +259,32 @@ pub async fn admit<S: SandboxApi>(
         .await
 }
 
-/// Admits a create of a sandbox from `template` (id or name) for
-/// `principal`'s tenant: its memory is looked up only when the
-/// tenant's memory is limited. Not here when the service admits its
-/// creates itself ([`SandboxApi::admits_creates`]).
+/// Admits `req`, a create of a sandbox from a template (id or name), for
+/// `principal`'s tenant: the volumes it mounts are resolved to the
+/// tenant's (`req.volumes`, the only place they are set; a name the
+/// tenant has no volume of is 404), and its memory is looked up only when
+/// the tenant's memory is limited. The quota is not checked here when the
+/// service admits its creates itself ([`SandboxApi::admits_creates`]).
 pub async fn admit_create<S: SandboxApi>(
     t: &Tenancy<S>,
     principal: &Principal,
     service: &S,
-    template: &str,
+    req: &mut crate::service::CreateSandbox,
 ) -> Result<Option<Ticket>, ServiceError> {
+    req.volumes = t
+        .volumes
+        .resolve_mounts(&principal.tenant, &req.volume_mounts)
+        .map_err(|e| match e {
+            crate::volumes::VolumeError::NotFound(name) => ServiceError::NotFound {
+                kind: "volume",
+                id: name,
+            },
+            other => ServiceError::Invalid(other.to_string()),
+        })?;
+    if !req.volumes.is_empty() && !service.mounts_volumes() {
+        return Err(ServiceError::Invalid(crate::volumes::NO_MOUNTS.into()));
+    }
+    let template = req.template.as_str();
     if service.admits_creates() {
         return Ok(None);
     }

@@ -309,6 +309,17 @@ pub struct VmmHandle {
     pub control_socket: PathBuf,
 }
 
+/// A volume mounted in a sandbox's guest (E2B's `volumeMounts`): which of
+/// its tenant's volumes (`id`, resolved from the name by the API's gate,
+/// never taken from a request), the name the guest mounts it by (the NFS
+/// export `/<name>`) and where.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct MountedVolume {
+    pub id: String,
+    pub name: String,
+    pub path: String,
+}
+
 /// One microVM session, running or not.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Sandbox {
@@ -336,6 +347,10 @@ pub struct Sandbox {
     /// (E2B's `envdUnresponsiveAtPause`): it wakes only by a reboot.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub guest_unresponsive_at_pause: bool,
+    /// Its tenant's volumes mounted in its guest (E2B's `volumeMounts`),
+    /// served by its pod over NFS while its VMM runs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<MountedVolume>,
     pub metadata: BTreeMap<String, String>,
     /// Environment variables set for every command run in it (under the
     /// command's own). Never shown: they may hold secrets.
@@ -613,6 +628,7 @@ impl Sandbox {
             timeout_hibernation: HibernationKind::Memory,
             disk_only: false,
             guest_unresponsive_at_pause: false,
+            volumes: Vec::new(),
             ingress_host: None,
             metadata: BTreeMap::new(),
             env: BTreeMap::new(),

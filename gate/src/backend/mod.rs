@@ -286,6 +286,12 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     fn admits_creates(&self) -> bool {
         false
     }
+    /// Whether its sandboxes can mount their tenant's volumes
+    /// ([`CreateSandbox::volumes`]); a create naming volumes is refused
+    /// otherwise.
+    fn mounts_volumes(&self) -> bool {
+        false
+    }
     /// Whether [`SandboxApi::lifecycle`] admits a wake (a resume or
     /// connect of a hibernated sandbox) against the tenant's quota itself,
     /// so that a guest route on a hibernated sandbox wakes it that way

@@ -392,7 +392,7 @@ fn create<S: SandboxApi>(
 ) -> Result<SandboxId, Stop> {
     let s = &*t.service;
     let record = build.record();
-    let req = CreateSandbox {
+    let mut req = CreateSandbox {
         template: parent.id.to_string(),
         timeout_ms: Some(u64::try_from(limits.sandbox.as_millis()).unwrap_or(u64::MAX)),
         metadata: BTreeMap::from([("torpor.build".to_string(), record.id.clone())]),
@@ -401,7 +401,7 @@ fn create<S: SandboxApi>(
         ..CreateSandbox::default()
     };
     let sandbox = {
-        let _ticket = wait(admit_create(t, p, s, &req.template))?;
+        let _ticket = wait(admit_create(t, p, s, &mut req))?;
         wait(s.create_sandbox(req))?
     };
     build.log(

@@ -17,9 +17,10 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use crate::service::VolumeMountRequest;
 use serde::{Deserialize, Serialize};
 use subtle::ConstantTimeEq;
-use torpor_scheduler::model::Timestamp;
+use torpor_scheduler::model::{MountedVolume, Timestamp};
 use torpor_sync::Locked;
 
 /// Default [`Limits::per_tenant`].
@@ -117,6 +118,13 @@ fn make_private_dir(dir: &Path) -> io::Result<()> {
         .mode(0o700)
         .create(dir)
 }
+
+/// Why a create naming volumes is refused where sandboxes cannot mount
+/// them ([`crate::backend::SandboxApi::mounts_volumes`]).
+pub const NO_MOUNTS: &str =
+    "volumeMounts is not offered by this server yet: a volume cannot be mounted into a \
+     sandbox here; read and write a volume's files through the volume content API instead \
+     (see docs/e2b.md)";
 
 impl Volumes {
     /// The volumes in `dir` (made, mode 0700, if missing); a volume
@@ -246,6 +254,30 @@ impl Volumes {
             .cloned()
     }
 
+    /// The volumes a create names (E2B's `volumeMounts`), resolved to
+    /// `tenant`'s: a name the tenant has no volume of is
+    /// [`VolumeError::NotFound`]. The only place a sandbox's
+    /// [`MountedVolume`] ids come from.
+    pub fn resolve_mounts(
+        &self,
+        tenant: &str,
+        mounts: &[VolumeMountRequest],
+    ) -> Result<Vec<MountedVolume>, VolumeError> {
+        mounts
+            .iter()
+            .map(|m| {
+                let v = self
+                    .by_name(tenant, &m.name)
+                    .ok_or_else(|| VolumeError::NotFound(format!("{:?}", m.name)))?;
+                Ok(MountedVolume {
+                    id: v.record.id.clone(),
+                    name: m.name.clone(),
+                    path: m.path.clone(),
+                })
+            })
+            .collect()
+    }
+
     /// Destroys `tenant`'s volume `id`: its record and every file.
     pub fn delete(&self, tenant: &str, id: &str) -> Result<(), VolumeError> {
         let volume = {
@@ -316,6 +348,44 @@ mod tests {
         let t = tempfile::tempdir().unwrap();
         let v = Volumes::open(t.path().join("volumes"), limits).unwrap();
         (t, v)
+    }
+
+    #[test]
+    fn mounts_resolve_to_the_tenants_own_volumes_only() {
+        let (_t, v) = volumes(Limits::default());
+        let mine = v.create("acme", "data").unwrap();
+        let theirs = v.create("other", "secret").unwrap();
+        let m = |name: &str, path: &str| VolumeMountRequest {
+            name: name.into(),
+            path: path.into(),
+        };
+        let got = v.resolve_mounts("acme", &[m("data", "/mnt/d")]).unwrap();
+        assert_eq!(
+            got,
+            [MountedVolume {
+                id: mine.record.id.clone(),
+                name: "data".into(),
+                path: "/mnt/d".into()
+            }]
+        );
+        // Another tenant's volume is not there for this one, by its name
+        // or by its id.
+        for name in ["secret", theirs.record.id.as_str()] {
+            let e = v.resolve_mounts("acme", &[m("data", "/a"), m(name, "/b")]);
+            assert!(matches!(e, Err(VolumeError::NotFound(_))), "{e:?}");
+        }
+        assert!(v.resolve_mounts("acme", &[]).unwrap().is_empty());
+        // What the scheduler then checks: the resolved list covers the
+        // request, or the create is refused.
+        let mut req = crate::service::CreateSandbox {
+            volume_mounts: vec![m("data", "/mnt/d")],
+            ..Default::default()
+        };
+        assert!(req.resolved_volumes().is_err(), "unresolved mounts pass");
+        req.volumes = got;
+        assert_eq!(req.resolved_volumes().unwrap().len(), 1);
+        req.volumes[0].path = "/elsewhere".into();
+        assert!(req.resolved_volumes().is_err(), "a changed path passes");
     }
 
     #[test]

@@ -509,10 +509,48 @@ pub struct CreateSandbox {
     /// (E2B's `maskRequestHost`; `${PORT}` the port): [`crate::model::Sandbox::ingress_host`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ingress_host: Option<String>,
+    /// Volumes of its tenant to mount in its guest, by name (E2B's
+    /// `volumeMounts`; Linux templates only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<VolumeMountRequest>,
+    /// `volume_mounts` resolved by the API's gate to the owner's volumes
+    /// (never from the body: a create whose `volume_mounts` are not all
+    /// resolved here is refused).
+    #[serde(skip)]
+    pub volumes: Vec<crate::model::MountedVolume>,
     /// Who asks (set by the API from the token, never from the body); the
     /// sandbox is `owner.tenant`'s.
     #[serde(skip)]
     pub owner: Option<Owner>,
+}
+
+/// A volume to mount, as a create names it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeMountRequest {
+    /// The volume's name (its tenant's).
+    pub name: String,
+    /// Absolute path in the guest.
+    pub path: String,
+}
+
+impl CreateSandbox {
+    /// The volumes to mount: `volumes` when it resolves every one of
+    /// `volume_mounts` (same names and paths, in order), else why not.
+    pub fn resolved_volumes(&self) -> Result<Vec<crate::model::MountedVolume>, ServiceError> {
+        let same = self.volumes.len() == self.volume_mounts.len()
+            && self
+                .volumes
+                .iter()
+                .zip(&self.volume_mounts)
+                .all(|(v, m)| v.name == m.name && v.path == m.path && !v.id.is_empty());
+        if !same {
+            return Err(ServiceError::Invalid(
+                "volume mounts were not resolved to the tenant's volumes".into(),
+            ));
+        }
+        Ok(self.volumes.clone())
+    }
 }
 
 /// The result of an operation, and whether it had to wake the sandbox.

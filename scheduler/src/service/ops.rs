@@ -231,6 +231,7 @@ impl Service {
     /// or a boot from the disk a filesystem-only one keeps.
     pub fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {
         check_lifetimes(req.keep_alive_ms, req.timeout_ms)?;
+        let volumes = req.resolved_volumes()?;
         // Another tenant's template is not there for this caller.
         let template = self.resolve_template(req.owner.as_ref(), &req.template)?;
         let snapshot = template
@@ -262,6 +263,13 @@ impl Service {
             crate::model::check_ingress_host(host).map_err(ServiceError::Invalid)?;
         }
         sandbox.ingress_host = req.ingress_host;
+        sandbox.volumes = volumes;
+        if !sandbox.volumes.is_empty() {
+            // The pod does not serve volumes to its guests yet.
+            return Err(ServiceError::Invalid(
+                "this pod cannot mount volumes into its sandboxes".into(),
+            ));
+        }
         sandbox.network = self.initial_network(req.network.as_ref())?;
         sandbox.pod = Some(PodId::new(LOCAL_POD));
         sandbox.expires_at = req

@@ -14,13 +14,13 @@ use crate::state::{transition, SandboxState};
 const COLUMNS: &str = "id, template, pod, mem_mib, vcpus, keep_alive_ms, expires_at, state, \
     failure_reason, created_at, last_active_at, snapshot, vmm_pid, vmm_socket, generation, \
     vmm_start, tenant, on_timeout, access_token, timeout_hibernation, disk_only, \
-    guest_unresponsive_at_pause, ingress_host";
+    guest_unresponsive_at_pause, ingress_host, volumes";
 /// What a sandbox is read with: its columns and the manifest its snapshot
 /// is stored as in the object store, if it is.
 const SELECT: &str = "id, template, pod, mem_mib, vcpus, keep_alive_ms, expires_at, state, \
     failure_reason, created_at, last_active_at, snapshot, vmm_pid, vmm_socket, generation, \
     vmm_start, tenant, on_timeout, access_token, timeout_hibernation, disk_only, \
-    guest_unresponsive_at_pause, ingress_host, \
+    guest_unresponsive_at_pause, ingress_host, volumes, \
     (SELECT manifest FROM layer_objects WHERE layer_objects.dir = snapshot) AS stored_snapshot, \
     (SELECT CAST(stored_at AS INTEGER) FROM layer_objects WHERE layer_objects.dir = snapshot) \
     AS stored_at";
@@ -75,6 +75,12 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
         guest_unresponsive_at_pause: row.get("guest_unresponsive_at_pause")?,
         access_token: row.get("access_token")?,
         ingress_host: row.get("ingress_host")?,
+        volumes: match row.get::<_, Option<String>>("volumes")? {
+            None => Vec::new(),
+            Some(json) => serde_json::from_str(&json).map_err(|e| {
+                rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, e.into())
+            })?,
+        },
         metadata: BTreeMap::new(),
         env: BTreeMap::new(),
         state: row.get("state")?,
@@ -99,6 +105,19 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<Sandbox> {
         usage: None,
         memory: None,
     })
+}
+
+/// A sandbox's volumes as stored: NULL for none, else a JSON list.
+fn volumes_json(volumes: &[crate::model::MountedVolume]) -> Result<Option<String>> {
+    if volumes.is_empty() {
+        return Ok(None);
+    }
+    serde_json::to_string(volumes)
+        .map(Some)
+        .map_err(|e| StoreError::Invalid {
+            what: "volumes",
+            detail: e.to_string(),
+        })
 }
 
 /// A VMM's start time as SQL.
@@ -148,7 +167,7 @@ impl Tx<'_> {
         self.conn
             .prepare_cached(&format!(
                 "INSERT INTO sandboxes ({COLUMNS}) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23)"
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24)"
             ))?
             .execute(params![
                 s.id,
@@ -177,6 +196,7 @@ impl Tx<'_> {
                 s.disk_only,
                 s.guest_unresponsive_at_pause,
                 s.ingress_host,
+                volumes_json(&s.volumes)?,
             ])?;
         self.write_pairs(Pairs::Metadata, &s.id, &s.metadata)?;
         self.write_pairs(Pairs::Env, &s.id, &s.env)?;

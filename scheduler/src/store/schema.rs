@@ -239,8 +239,14 @@ const V12: &str = r#"
 ALTER TABLE sandboxes ADD COLUMN ingress_host TEXT;
 "#;
 
+/// Version 13: the volumes mounted in a sandbox (E2B's `volumeMounts`,
+/// `Sandbox::volumes`), a JSON list; NULL for none.
+const V13: &str = r#"
+ALTER TABLE sandboxes ADD COLUMN volumes TEXT;
+"#;
+
 /// Every migration, in order.
-pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12];
+pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12, V13];
 
 /// The schema version this build writes.
 pub const CURRENT_VERSION: i64 = MIGRATIONS.len() as i64;

@@ -375,9 +375,15 @@ fn env_and_on_timeout_round_trip_and_a_version_2_store_upgrades() {
     s.on_timeout = OnTimeout::Hibernate;
     s.access_token = Some("tok".into());
     s.ingress_host = Some("localhost:${PORT}".into());
+    s.volumes = vec![crate::model::MountedVolume {
+        id: "vol_1".into(),
+        name: "data".into(),
+        path: "/mnt/data".into(),
+    }];
     store.insert_sandbox(&s).unwrap();
     let back = store.get_sandbox(&s.id).unwrap();
     assert_eq!(back.ingress_host.as_deref(), Some("localhost:${PORT}"));
+    assert_eq!(back.volumes, s.volumes);
     assert_eq!(back.env, s.env);
     assert_eq!(back.on_timeout, OnTimeout::Hibernate);
     assert_eq!(back.access_token.as_deref(), Some("tok"));
@@ -400,6 +406,7 @@ fn env_and_on_timeout_round_trip_and_a_version_2_store_upgrades() {
          ALTER TABLE sandboxes DROP COLUMN disk_only; \
          ALTER TABLE sandboxes DROP COLUMN guest_unresponsive_at_pause; \
          ALTER TABLE sandboxes DROP COLUMN ingress_host; \
+         ALTER TABLE sandboxes DROP COLUMN volumes; \
          UPDATE schema_version SET version = 2;",
     )
     .unwrap();
@@ -412,6 +419,7 @@ fn env_and_on_timeout_round_trip_and_a_version_2_store_upgrades() {
         assert!(old.env.is_empty());
         assert!(old.access_token.is_none());
         assert!(old.ingress_host.is_none());
+        assert!(old.volumes.is_empty());
         // Version 8: memory hibernations, nothing marked.
         assert_eq!(
             old.timeout_hibernation,
