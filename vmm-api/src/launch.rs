@@ -729,6 +729,17 @@ impl LaunchReply {
     }
 }
 
+
+/// Where a guest's vsock connection to host port `port` goes: the unix
+/// socket `<uds_path>_<port>` beside the VMM's hybrid vsock socket
+/// `uds_path` (Firecracker's convention), which something on the host
+/// listens on.
+pub fn guest_target(uds_path: &std::path::Path, port: u32) -> PathBuf {
+    let mut name = uds_path.as_os_str().to_owned();
+    name.push(format!("_{port}"));
+    PathBuf::from(name)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

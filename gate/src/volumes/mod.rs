@@ -32,7 +32,7 @@ pub const MAX_NAME: usize = 128;
 /// A volume's record in its directory.
 const RECORD: &str = "volume.json";
 /// A volume's files in its directory.
-const CONTENT: &str = "content";
+use torpor_scheduler::service::mounts::CONTENT;
 
 /// How many volumes a tenant has and how big each is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

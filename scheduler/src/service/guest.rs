@@ -516,6 +516,19 @@ impl AgentLink {
             .map_err(|e| self.client_error(e, Some(limit)))
     }
 
+    /// Mounts the sandbox's volumes in its guest (agent protocol 1.5,
+    /// `torpor_agent::volumes`), within `limit`.
+    pub fn mount_volumes(
+        &self,
+        mounts: Vec<torpor_agent::proto::VolumeMount>,
+        limit: Duration,
+    ) -> Result<(), GuestError> {
+        let mut client = self.connect(Some(limit))?;
+        client
+            .mount_volumes(mounts)
+            .map_err(|e| self.client_error(e, Some(limit)))
+    }
+
     /// The post-restore hook: the host's wall clock, the RNG reseeded from
     /// the clone's own seed (the identity page the VMM wrote at restore),
     /// the hostname and identity file. Fails unless the clock, the reseed,

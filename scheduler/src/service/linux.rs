@@ -271,16 +271,18 @@ impl Service {
                 Err("the sandbox's VMM exited".to_string())
             }
         };
-        match link.resumed(id.as_str(), alive) {
-            Ok(reply) => {
-                tracing::debug!(sandbox = %id, generation = ?reply.generation, "resumed hook ran");
-                Ok(())
-            }
+        let up = link.resumed(id.as_str(), alive).map_err(ServiceError::from);
+        let up = up.and_then(|reply| {
+            tracing::debug!(sandbox = %id, generation = ?reply.generation, "resumed hook ran");
+            super::mounts::mount_in_guest(&link, &sandbox.volumes)
+        });
+        match up {
+            Ok(()) => Ok(()),
             Err(e) => {
                 let mut started = sandbox.clone();
                 started.vmm = Some(handle.clone());
                 let _ = self.stop_vmm(&started);
-                Err(e.into())
+                Err(e)
             }
         }
     }

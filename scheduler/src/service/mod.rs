@@ -25,6 +25,7 @@ mod lifetime;
 mod linux;
 mod locks;
 mod metrics;
+pub mod mounts;
 mod network;
 pub mod objects;
 mod ops;
@@ -160,6 +161,10 @@ pub struct ServiceConfig {
     /// chunks its sandboxes share (those of one template) are fetched
     /// once; least recently used first out. 0: no cache.
     pub chunk_cache_mib: u64,
+    /// Where the tenants' volumes are (`ROOT/ID/content/`, the API's
+    /// `torpor_gate::volumes`), for the sandboxes that mount them
+    /// ([`mounts`]); `None`: this pod mounts none.
+    pub volumes_dir: Option<PathBuf>,
 }
 
 /// How Linux sandboxes are networked (see `crate::net`).
@@ -221,6 +226,7 @@ impl ServiceConfig {
             lazy_wake: false,
             hibernate_ack: objects::HibernateAck::Stored,
             chunk_cache_mib: DEFAULT_CHUNK_CACHE_MIB,
+            volumes_dir: None,
         }
     }
 }
@@ -591,6 +597,8 @@ pub struct Service {
     children: Mutex<HashMap<SandboxId, vmm_process::VmmChild>>,
     /// Waits for the exits of VMMs a hibernation told to exit.
     reaper: vmm_process::Reaper,
+    /// The volumes its sandboxes mount, served while their VMMs run.
+    mounts: mounts::Mounts,
     metrics: Metrics,
     /// Each running sandbox's resource use over time.
     history: history::History,
@@ -695,6 +703,7 @@ impl Service {
             })
             .transpose()?;
         let ports_ip = config.net.as_ref().map(|n| n.ports_ip);
+        let mounts = mounts::Mounts::new(config.volumes_dir.clone());
         let service = Arc::new_cyclic(|me: &std::sync::Weak<Self>| Self {
             recorder,
             ports: net.as_ref().zip(ports_ip).map(|(m, ip)| {
@@ -716,6 +725,7 @@ impl Service {
             locks: locks::SandboxLocks::default(),
             children: Mutex::new(HashMap::new()),
             reaper: vmm_process::Reaper::default(),
+            mounts,
             metrics: Metrics::default(),
             history: history::History::default(),
             in_flight: policy::InFlight::default(),

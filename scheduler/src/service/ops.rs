@@ -263,13 +263,20 @@ impl Service {
             crate::model::check_ingress_host(host).map_err(ServiceError::Invalid)?;
         }
         sandbox.ingress_host = req.ingress_host;
-        sandbox.volumes = volumes;
-        if !sandbox.volumes.is_empty() {
-            // The pod does not serve volumes to its guests yet.
-            return Err(ServiceError::Invalid(
-                "this pod cannot mount volumes into its sandboxes".into(),
-            ));
+        if !volumes.is_empty() {
+            if !self.mounts.offered() {
+                return Err(ServiceError::Invalid(
+                    "this pod cannot mount volumes into its sandboxes".into(),
+                ));
+            }
+            if template.kind != TemplateKind::Linux {
+                return Err(ServiceError::Invalid(format!(
+                    "volumes mount only into Linux sandboxes; template {} is a {}",
+                    template.id, template.kind
+                )));
+            }
         }
+        sandbox.volumes = volumes;
         sandbox.network = self.initial_network(req.network.as_ref())?;
         sandbox.pod = Some(PodId::new(LOCAL_POD));
         sandbox.expires_at = req
@@ -393,6 +400,8 @@ impl Service {
         let dir = self.sandbox_dir(id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| ServiceError::Internal(format!("create {}: {e}", dir.display())))?;
+        // Before the jail is set up, which gives its socket to the VMM.
+        self.mounts.serve(sandbox, &dir)?;
         let files = VmmFiles::in_dir(&dir);
         let backend = self.config.memory_backend;
         let mut restore = RestoreSpec::new(snapshot, backend);
@@ -537,6 +546,7 @@ impl Service {
                 }
             }
             self.last_resident.forget();
+            self.mounts.stop(&sandbox.id);
             // Relaxed: the operation that stops a VMM ends with a commit.
             self.store
                 .write_relaxed(|tx| tx.set_sandbox_vmm(&sandbox.id, None))?;

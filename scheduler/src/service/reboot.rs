@@ -306,6 +306,7 @@ impl Service {
         let dir = self.sandbox_dir(id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| ServiceError::Internal(format!("create {}: {e}", dir.display())))?;
+        self.mounts.serve(sandbox, &dir)?;
         let files = VmmFiles::in_dir(&dir);
         // A new boot's console: readiness is read from it.
         let _ = std::fs::remove_file(&files.console);

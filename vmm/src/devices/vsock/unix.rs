@@ -77,12 +77,7 @@ impl Drop for Listener {
     }
 }
 
-/// Where a guest connection to host port `port` goes.
-pub fn guest_target(uds_path: &Path, port: u32) -> PathBuf {
-    let mut name = uds_path.as_os_str().to_owned();
-    name.push(format!("_{port}"));
-    PathBuf::from(name)
-}
+pub use torpor_vmm_api::launch::guest_target;
 
 /// Connects without blocking: a host listener whose backlog is full fails
 /// the connection (EAGAIN) instead of stalling the device thread.

@@ -1,0 +1,164 @@
+//! A sandbox's volumes (E2B's `volumeMounts`) served to its guest while its
+//! VMM runs: before each VMM of a sandbox with volumes starts, the pod
+//! serves them over NFS ([`crate::volumes`]) on the unix socket the VMM
+//! sends the guest's vsock connections to host port 2049
+//! (`<sandbox dir>/vsock.sock_2049`, bound before the jail is set up, so
+//! that the jail's set-up gives it to the VMM's user); after the guest's
+//! `resumed` hook the agent mounts each one (`mount_volumes`, idempotent).
+//! Ending the VMM ends the serving.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use torpor_agent::proto::VolumeMount;
+use torpor_agent::volumes::VOLUMES_PORT;
+use torpor_sync::Locked;
+
+use super::guest::{AgentLink, VSOCK_FILE};
+use super::ServiceError;
+use crate::model::{MountedVolume, Sandbox, SandboxId};
+use crate::volumes::{VolumeExport, VolumeHandle, VolumeServer};
+
+/// The longest a guest's `mount_volumes` may take (each mount's MOUNT and
+/// first NFS calls go through the relay to this pod).
+const MOUNT_LIMIT: Duration = Duration::from_secs(30);
+
+/// The content directory of the volume `id` under a pod's volumes
+/// directory (the API's `torpor_gate::volumes` layout:
+/// `ROOT/ID/content/`), or `None` for an id that is not one.
+pub fn content_dir(root: &Path, id: &str) -> Option<PathBuf> {
+    let plain = (1..=64).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    plain.then(|| root.join(id).join(CONTENT))
+}
+
+/// The name of a volume's content directory in its own directory.
+pub const CONTENT: &str = "content";
+
+/// The pod's volume serving: its server (started on first use) and what
+/// each sandbox has served now.
+#[derive(Debug)]
+pub struct Mounts {
+    /// Where the volumes are (`ServiceConfig::volumes_dir`); `None`: this
+    /// pod mounts none.
+    root: Option<PathBuf>,
+    server: Mutex<Option<VolumeServer>>,
+    served: Mutex<HashMap<SandboxId, VolumeHandle>>,
+}
+
+impl Mounts {
+    /// Serving from the volumes under `root`, if any.
+    pub fn new(root: Option<PathBuf>) -> Self {
+        Mounts {
+            root,
+            server: Mutex::new(None),
+            served: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Whether this pod mounts volumes into its sandboxes.
+    pub fn offered(&self) -> bool {
+        self.root.is_some()
+    }
+
+    /// The exports of `volumes`: each one's content directory, which must
+    /// exist (a volume destroyed since is 404).
+    fn exports(&self, volumes: &[MountedVolume]) -> Result<Vec<VolumeExport>, ServiceError> {
+        let root = self.root.as_deref().ok_or_else(|| {
+            ServiceError::Invalid("this pod cannot mount volumes into its sandboxes".into())
+        })?;
+        volumes
+            .iter()
+            .map(|v| {
+                let dir = content_dir(root, &v.id)
+                    .filter(|d| d.is_dir())
+                    .ok_or_else(|| ServiceError::NotFound {
+                        kind: "volume",
+                        id: v.name.clone(),
+                    })?;
+                Ok(VolumeExport {
+                    name: v.name.clone(),
+                    dir,
+                })
+            })
+            .collect()
+    }
+
+    /// Serves `sandbox`'s volumes (none: nothing) on the socket its VMM in
+    /// `dir` connects to, replacing what it had served.
+    pub fn serve(&self, sandbox: &Sandbox, dir: &Path) -> Result<(), ServiceError> {
+        self.stop(&sandbox.id);
+        if sandbox.volumes.is_empty() {
+            return Ok(());
+        }
+        let exports = self.exports(&sandbox.volumes)?;
+        let socket = torpor_vmm_api::launch::guest_target(
+            &dir.join(VSOCK_FILE),
+            u32::from(VOLUMES_PORT),
+        );
+        let handle = {
+            let mut server = self.server.locked();
+            if server.is_none() {
+                *server = Some(VolumeServer::start().map_err(internal)?);
+            }
+            let server = server.as_ref().expect("started above");
+            server.serve(&socket, exports).map_err(internal)?
+        };
+        self.served.locked().insert(sandbox.id.clone(), handle);
+        Ok(())
+    }
+
+    /// Stops serving `id`'s volumes (its VMM ended).
+    pub fn stop(&self, id: &SandboxId) {
+        let handle = self.served.locked().remove(id);
+        drop(handle);
+    }
+
+    /// Whether `id`'s volumes are served now.
+    pub fn serving(&self, id: &SandboxId) -> bool {
+        self.served.locked().contains_key(id)
+    }
+}
+
+fn internal(e: crate::volumes::VolumeError) -> ServiceError {
+    ServiceError::Internal(format!("volumes: {e}"))
+}
+
+/// Has the guest behind `link` mount `volumes` (those already mounted are
+/// left as they are).
+pub fn mount_in_guest(link: &AgentLink, volumes: &[MountedVolume]) -> Result<(), ServiceError> {
+    if volumes.is_empty() {
+        return Ok(());
+    }
+    let mounts = volumes
+        .iter()
+        .map(|v| VolumeMount {
+            name: v.name.clone(),
+            path: v.path.clone(),
+        })
+        .collect();
+    link.mount_volumes(mounts, MOUNT_LIMIT).map_err(|e| {
+        ServiceError::Invalid(format!("the guest could not mount its volumes: {e}"))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn content_dirs_are_under_the_root_for_plain_ids_only() {
+        let root = Path::new("/data/volumes");
+        assert_eq!(
+            content_dir(root, "vol_0a1b"),
+            Some(PathBuf::from("/data/volumes/vol_0a1b/content"))
+        );
+        for bad in ["", "..", "a/b", "../x", "a b", &"x".repeat(65)] {
+            assert_eq!(content_dir(root, bad), None, "{bad:?}");
+        }
+    }
+}
