@@ -12,14 +12,9 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use nfs3_server::nfs3_types::nfs3::{
-    createverf3, fattr3, filename3, ftype3, nfspath3, nfsstat3, nfstime3, sattr3, set_atime,
-    set_mode3, set_mtime, set_size3, specdata3, stable_how,
-};
-use nfs3_server::vfs::{
-    DirEntryPlus, FileHandle, NextResult, NfsFileSystem, NfsReadFileSystem, ReadDirPlusIterator,
-};
-use rustix::fs::{AtFlags, Mode, OFlags, Stat, Timespec, Timestamps, CWD};
+use nfs3_server::nfs3_types::nfs3::{fattr3, ftype3, nfsstat3, nfstime3, specdata3};
+use nfs3_server::vfs::{DirEntryPlus, FileHandle};
+use rustix::fs::{AtFlags, Stat};
 
 use crate::images::open_beneath;
 
@@ -35,7 +30,7 @@ const MAX_IDS: usize = 1 << 20;
 /// The longest name a directory entry may have.
 const NAME_MAX: usize = 255;
 
-type Res<T> = Result<T, nfsstat3>;
+pub(super) type Res<T> = Result<T, nfsstat3>;
 
 /// A file handle: the export's tag (random per [`super::VolumeServer::serve`]),
 /// the volume (0 the virtual root, `i + 1` the `i`th volume) and the
@@ -89,7 +84,7 @@ pub(super) struct Volume {
 }
 
 /// What a handle names.
-enum Target<'a> {
+pub(super) enum Target<'a> {
     Root,
     Object {
         vol: u32,
@@ -101,7 +96,7 @@ enum Target<'a> {
 
 /// The state shared by every connection of one export.
 #[derive(Debug)]
-struct Inner {
+pub(super) struct Inner {
     tag: u64,
     volumes: Vec<Volume>,
     /// (volume, inode) → path relative to the volume's root.
@@ -134,8 +129,13 @@ impl VolumeFs {
         }
     }
 
+    /// The virtual root's handle.
+    pub(super) fn root(&self) -> Handle {
+        self.inner.root_handle()
+    }
+
     /// Runs `f` on the runtime's blocking threads (file system calls).
-    async fn blocking<T: Send + 'static>(
+    pub(super) async fn blocking<T: Send + 'static>(
         &self,
         f: impl FnOnce(&Inner) -> Res<T> + Send + 'static,
     ) -> Res<T> {
@@ -174,17 +174,17 @@ pub(super) fn status_of_errno(errno: i32) -> nfsstat3 {
     }
 }
 
-fn io_status(e: std::io::Error) -> nfsstat3 {
+pub(super) fn io_status(e: std::io::Error) -> nfsstat3 {
     e.raw_os_error()
         .map_or(nfsstat3::NFS3ERR_IO, status_of_errno)
 }
 
-fn rx_status(e: rustix::io::Errno) -> nfsstat3 {
+pub(super) fn rx_status(e: rustix::io::Errno) -> nfsstat3 {
     status_of_errno(e.raw_os_error())
 }
 
 /// A name a client may create: no `/`, no NUL, not `.` or `..`, not empty.
-fn new_name(name: &[u8]) -> Res<&OsStr> {
+pub(super) fn new_name(name: &[u8]) -> Res<&OsStr> {
     match name {
         b"." | b".." => Err(nfsstat3::NFS3ERR_EXIST),
         _ => existing_name(name),
@@ -193,7 +193,7 @@ fn new_name(name: &[u8]) -> Res<&OsStr> {
 
 /// A name a client may look up or remove (`.` and `..` are handled, or
 /// refused, by the caller).
-fn existing_name(name: &[u8]) -> Res<&OsStr> {
+pub(super) fn existing_name(name: &[u8]) -> Res<&OsStr> {
     if name.is_empty() || name.contains(&b'/') || name.contains(&0) {
         return Err(nfsstat3::NFS3ERR_ACCES);
     }
@@ -226,7 +226,7 @@ fn kind(st: &Stat) -> ftype3 {
 }
 
 /// The NFS attributes of a host object of volume `vol`.
-fn attrs(vol: u32, st: &Stat) -> fattr3 {
+pub(super) fn attrs(vol: u32, st: &Stat) -> fattr3 {
     let size = u64::try_from(st.st_size).unwrap_or(0);
     fattr3 {
         type_: kind(st),
@@ -249,15 +249,15 @@ fn fileid(vol: u32, ino: u64) -> u64 {
     ino ^ (u64::from(vol) << 56)
 }
 
-fn is_dir(st: &Stat) -> bool {
+pub(super) fn is_dir(st: &Stat) -> bool {
     st.st_mode & libc::S_IFMT == libc::S_IFDIR
 }
 
-fn is_link(st: &Stat) -> bool {
+pub(super) fn is_link(st: &Stat) -> bool {
     st.st_mode & libc::S_IFMT == libc::S_IFLNK
 }
 
-fn is_file(st: &Stat) -> bool {
+pub(super) fn is_file(st: &Stat) -> bool {
     st.st_mode & libc::S_IFMT == libc::S_IFREG
 }
 
@@ -272,21 +272,21 @@ fn dot(rel: &Path) -> &Path {
 
 /// The magic link of an open descriptor, to change the object it holds
 /// (never a symbolic link: callers check) without naming a path again.
-fn proc_path(fd: &impl AsRawFd) -> PathBuf {
+pub(super) fn proc_path(fd: &impl AsRawFd) -> PathBuf {
     PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
 }
 
 impl Inner {
-    fn ids(&self) -> MutexGuard<'_, HashMap<(u32, u64), PathBuf>> {
+    pub(super) fn ids(&self) -> MutexGuard<'_, HashMap<(u32, u64), PathBuf>> {
         self.ids.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn root_handle(&self) -> Handle {
+    pub(super) fn root_handle(&self) -> Handle {
         Handle::new(self.tag, 0, ROOT_INO)
     }
 
     /// Remembers where an object is, and answers its handle.
-    fn remember(&self, vol: u32, ino: u64, rel: PathBuf) -> Handle {
+    pub(super) fn remember(&self, vol: u32, ino: u64, rel: PathBuf) -> Handle {
         let volume_root = self.volumes[vol as usize - 1].ino == ino && rel.as_os_str().is_empty();
         if !volume_root {
             let mut ids = self.ids();
@@ -300,7 +300,7 @@ impl Inner {
         Handle::new(self.tag, vol, ino)
     }
 
-    fn resolve(&self, h: &Handle) -> Res<Target<'_>> {
+    pub(super) fn resolve(&self, h: &Handle) -> Res<Target<'_>> {
         if h.tag() != self.tag {
             return Err(nfsstat3::NFS3ERR_STALE);
         }
@@ -334,7 +334,7 @@ impl Inner {
 
     /// Opens the object at `rel` (never through a symbolic link, never
     /// outside the volume) and checks it is still inode `ino`.
-    fn open(volume: &Volume, rel: &Path, ino: u64, flags: i32) -> Res<(File, Stat)> {
+    pub(super) fn open(volume: &Volume, rel: &Path, ino: u64, flags: i32) -> Res<(File, Stat)> {
         let file = open_beneath(&volume.root, dot(rel), flags | libc::O_NOFOLLOW, 0).map_err(
             |e| match e.raw_os_error() {
                 Some(libc::ENOENT | libc::ENOTDIR | libc::EXDEV) => nfsstat3::NFS3ERR_STALE,
@@ -350,7 +350,7 @@ impl Inner {
 
     /// A directory of a volume, open (`O_PATH`) to make or remove names in
     /// it; the virtual root is read-only.
-    fn dir(&self, h: &Handle) -> Res<(u32, PathBuf, File)> {
+    pub(super) fn dir(&self, h: &Handle) -> Res<(u32, PathBuf, File)> {
         match self.resolve(h)? {
             Target::Root => Err(nfsstat3::NFS3ERR_ROFS),
             Target::Object {
@@ -383,13 +383,13 @@ impl Inner {
             rdev: specdata3::default(),
             fsid: 0,
             fileid: ROOT_FILEID,
-            atime: self.started.clone(),
-            mtime: self.started.clone(),
-            ctime: self.started.clone(),
+            atime: self.started,
+            mtime: self.started,
+            ctime: self.started,
         }
     }
 
-    fn getattr(&self, h: &Handle) -> Res<fattr3> {
+    pub(super) fn getattr(&self, h: &Handle) -> Res<fattr3> {
         match self.resolve(h)? {
             Target::Root => Ok(self.root_attrs()),
             Target::Object {
@@ -401,7 +401,7 @@ impl Inner {
         }
     }
 
-    fn lookup(&self, h: &Handle, name: &[u8]) -> Res<Handle> {
+    pub(super) fn lookup(&self, h: &Handle, name: &[u8]) -> Res<Handle> {
         let (vol, volume, rel, ino) = match self.resolve(h)? {
             Target::Root => {
                 if name == b"." || name == b".." {
@@ -443,7 +443,7 @@ impl Inner {
         Ok(self.remember(vol, st.st_ino, rel.join(name)))
     }
 
-    fn read(&self, h: &Handle, offset: u64, count: u32) -> Res<(Vec<u8>, bool)> {
+    pub(super) fn read(&self, h: &Handle, offset: u64, count: u32) -> Res<(Vec<u8>, bool)> {
         let Target::Object {
             volume, rel, ino, ..
         } = self.resolve(h)?
@@ -469,7 +469,7 @@ impl Inner {
         Ok((buf, offset + done as u64 >= size))
     }
 
-    fn readlink(&self, h: &Handle) -> Res<Vec<u8>> {
+    pub(super) fn readlink(&self, h: &Handle) -> Res<Vec<u8>> {
         let Target::Object {
             volume, rel, ino, ..
         } = self.resolve(h)?
@@ -484,7 +484,7 @@ impl Inner {
         Ok(target.into_bytes())
     }
 
-    fn readdir(&self, h: &Handle) -> Res<Vec<DirEntryPlus<Handle>>> {
+    pub(super) fn readdir(&self, h: &Handle) -> Res<Vec<DirEntryPlus<Handle>>> {
         let mut out = Vec::new();
         let (vol, volume, rel, ino) = match self.resolve(h)? {
             Target::Root => {
@@ -538,416 +538,5 @@ impl Inner {
             });
         }
         Ok(out)
-    }
-
-    fn setattr(&self, h: &Handle, set: &sattr3) -> Res<fattr3> {
-        let Target::Object {
-            vol,
-            volume,
-            rel,
-            ino,
-        } = self.resolve(h)?
-        else {
-            return Err(nfsstat3::NFS3ERR_ROFS);
-        };
-        let (obj, st) = Self::open(volume, &rel, ino, libc::O_PATH)?;
-        Self::apply(&obj, &st, set)?;
-        let st = rustix::fs::fstat(&obj).map_err(rx_status)?;
-        Ok(attrs(vol, &st))
-    }
-
-    /// Applies mode, size and times to the object `obj` holds (uid and gid
-    /// are accepted and ignored). A symbolic link takes none of them.
-    fn apply(obj: &File, st: &Stat, set: &sattr3) -> Res<()> {
-        let wants_change = matches!(set.mode, set_mode3::Some(_))
-            || matches!(set.size, set_size3::Some(_))
-            || !matches!(set.atime, set_atime::DONT_CHANGE)
-            || !matches!(set.mtime, set_mtime::DONT_CHANGE);
-        if !wants_change {
-            return Ok(());
-        }
-        if is_link(st) {
-            return Err(nfsstat3::NFS3ERR_NOTSUPP);
-        }
-        let path = proc_path(obj);
-        if let set_size3::Some(size) = set.size {
-            if is_dir(st) {
-                return Err(nfsstat3::NFS3ERR_ISDIR);
-            }
-            if !is_file(st) {
-                return Err(nfsstat3::NFS3ERR_INVAL);
-            }
-            let f = std::fs::OpenOptions::new()
-                .write(true)
-                .open(&path)
-                .map_err(io_status)?;
-            f.set_len(size).map_err(io_status)?;
-        }
-        if let set_mode3::Some(mode) = set.mode {
-            rustix::fs::chmod(&path, Mode::from_raw_mode(mode & 0o7777)).map_err(rx_status)?;
-        }
-        let ts = |t: Option<&nfstime3>, now: bool| match (t, now) {
-            (Some(t), _) => Timespec {
-                tv_sec: i64::from(t.seconds),
-                tv_nsec: t.nseconds.into(),
-            },
-            (None, true) => Timespec {
-                tv_sec: 0,
-                tv_nsec: rustix::fs::UTIME_NOW,
-            },
-            (None, false) => Timespec {
-                tv_sec: 0,
-                tv_nsec: rustix::fs::UTIME_OMIT,
-            },
-        };
-        let atime = match &set.atime {
-            set_atime::DONT_CHANGE => ts(None, false),
-            set_atime::SET_TO_SERVER_TIME => ts(None, true),
-            set_atime::SET_TO_CLIENT_TIME(t) => ts(Some(t), false),
-        };
-        let mtime = match &set.mtime {
-            set_mtime::DONT_CHANGE => ts(None, false),
-            set_mtime::SET_TO_SERVER_TIME => ts(None, true),
-            set_mtime::SET_TO_CLIENT_TIME(t) => ts(Some(t), false),
-        };
-        if atime.tv_nsec != rustix::fs::UTIME_OMIT || mtime.tv_nsec != rustix::fs::UTIME_OMIT {
-            let times = Timestamps {
-                last_access: atime,
-                last_modification: mtime,
-            };
-            rustix::fs::utimensat(CWD, &path, &times, AtFlags::empty()).map_err(rx_status)?;
-        }
-        Ok(())
-    }
-
-    fn write(&self, h: &Handle, offset: u64, data: &[u8], stable: stable_how) -> Res<fattr3> {
-        let Target::Object {
-            vol,
-            volume,
-            rel,
-            ino,
-        } = self.resolve(h)?
-        else {
-            return Err(nfsstat3::NFS3ERR_ISDIR);
-        };
-        let (file, st) = Self::open(volume, &rel, ino, libc::O_WRONLY).map_err(|e| match e {
-            nfsstat3::NFS3ERR_ISDIR => nfsstat3::NFS3ERR_INVAL,
-            e => e,
-        })?;
-        if !is_file(&st) {
-            return Err(nfsstat3::NFS3ERR_INVAL);
-        }
-        file.write_all_at(data, offset).map_err(io_status)?;
-        if stable != stable_how::UNSTABLE {
-            file.sync_data().map_err(io_status)?;
-        }
-        let st = rustix::fs::fstat(&file).map_err(rx_status)?;
-        Ok(attrs(vol, &st))
-    }
-
-    fn create(&self, h: &Handle, name: &[u8], set: &sattr3) -> Res<(Handle, fattr3)> {
-        let (vol, rel, dir) = self.dir(h)?;
-        let name = new_name(name)?;
-        let mode = match set.mode {
-            set_mode3::Some(m) => m & 0o7777,
-            set_mode3::None => 0o644,
-        };
-        let base = OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NOCTTY;
-        let file = match rustix::fs::openat(
-            &dir,
-            name,
-            base | OFlags::CREATE | OFlags::EXCL,
-            Mode::from_raw_mode(mode),
-        ) {
-            Ok(fd) => {
-                // The umask may have taken bits: the client's mode it is.
-                rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode)).map_err(rx_status)?;
-                File::from(fd)
-            }
-            // UNCHECKED: an existing file is opened and takes the attributes.
-            Err(rustix::io::Errno::EXIST) => {
-                File::from(rustix::fs::openat(&dir, name, base, Mode::empty()).map_err(rx_status)?)
-            }
-            Err(e) => return Err(rx_status(e)),
-        };
-        let st = rustix::fs::fstat(&file).map_err(rx_status)?;
-        Self::apply(&file, &st, set)?;
-        let st = rustix::fs::fstat(&file).map_err(rx_status)?;
-        let handle = self.remember(vol, st.st_ino, rel.join(name));
-        Ok((handle, attrs(vol, &st)))
-    }
-
-    /// EXCLUSIVE: the verifier is kept in the new file's atime and mtime
-    /// (as Linux's knfsd does), so a retransmitted create finds its file.
-    fn create_exclusive(&self, h: &Handle, name: &[u8], verf: &createverf3) -> Res<Handle> {
-        let (vol, rel, dir) = self.dir(h)?;
-        let name = new_name(name)?;
-        let a = u32::from_be_bytes([verf.0[0], verf.0[1], verf.0[2], verf.0[3]]);
-        let m = u32::from_be_bytes([verf.0[4], verf.0[5], verf.0[6], verf.0[7]]);
-        let flags = OFlags::WRONLY
-            | OFlags::NOFOLLOW
-            | OFlags::CLOEXEC
-            | OFlags::NOCTTY
-            | OFlags::CREATE
-            | OFlags::EXCL;
-        match rustix::fs::openat(&dir, name, flags, Mode::from_raw_mode(0o600)) {
-            Ok(fd) => {
-                let times = Timestamps {
-                    last_access: Timespec {
-                        tv_sec: i64::from(a),
-                        tv_nsec: 0,
-                    },
-                    last_modification: Timespec {
-                        tv_sec: i64::from(m),
-                        tv_nsec: 0,
-                    },
-                };
-                rustix::fs::futimens(&fd, &times).map_err(rx_status)?;
-                let st = rustix::fs::fstat(&fd).map_err(rx_status)?;
-                Ok(self.remember(vol, st.st_ino, rel.join(name)))
-            }
-            Err(rustix::io::Errno::EXIST) => {
-                let st =
-                    rustix::fs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW).map_err(rx_status)?;
-                let ours = is_file(&st)
-                    && st.st_atime == i64::from(a)
-                    && st.st_mtime == i64::from(m)
-                    && st.st_size == 0;
-                if ours {
-                    Ok(self.remember(vol, st.st_ino, rel.join(name)))
-                } else {
-                    Err(nfsstat3::NFS3ERR_EXIST)
-                }
-            }
-            Err(e) => Err(rx_status(e)),
-        }
-    }
-
-    fn mkdir(&self, h: &Handle, name: &[u8]) -> Res<(Handle, fattr3)> {
-        let (vol, rel, dir) = self.dir(h)?;
-        let name = new_name(name)?;
-        rustix::fs::mkdirat(&dir, name, Mode::from_raw_mode(0o755)).map_err(rx_status)?;
-        let st = rustix::fs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW).map_err(rx_status)?;
-        Ok((
-            self.remember(vol, st.st_ino, rel.join(name)),
-            attrs(vol, &st),
-        ))
-    }
-
-    fn symlink(&self, h: &Handle, name: &[u8], target: &[u8]) -> Res<(Handle, fattr3)> {
-        let (vol, rel, dir) = self.dir(h)?;
-        let name = new_name(name)?;
-        if target.is_empty() || target.contains(&0) {
-            return Err(nfsstat3::NFS3ERR_INVAL);
-        }
-        rustix::fs::symlinkat(OsStr::from_bytes(target), &dir, name).map_err(rx_status)?;
-        let st = rustix::fs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW).map_err(rx_status)?;
-        Ok((
-            self.remember(vol, st.st_ino, rel.join(name)),
-            attrs(vol, &st),
-        ))
-    }
-
-    /// REMOVE and RMDIR (the crate sends both here): a directory is
-    /// removed as one, anything else unlinked.
-    fn remove(&self, h: &Handle, name: &[u8]) -> Res<()> {
-        let (vol, _, dir) = self.dir(h)?;
-        let name = existing_name(name)?;
-        let st = rustix::fs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW).map_err(rx_status)?;
-        let flags = if is_dir(&st) {
-            AtFlags::REMOVEDIR
-        } else {
-            AtFlags::empty()
-        };
-        rustix::fs::unlinkat(&dir, name, flags).map_err(rx_status)?;
-        if st.st_nlink <= 1 || is_dir(&st) {
-            self.ids().remove(&(vol, st.st_ino));
-        }
-        Ok(())
-    }
-
-    /// Within one volume only (across volumes: XDEV); what the table knows
-    /// under the old name is known under the new one after.
-    fn rename(&self, from: &Handle, from_name: &[u8], to: &Handle, to_name: &[u8]) -> Res<()> {
-        let (from_vol, from_rel, from_dir) = self.dir(from)?;
-        let (to_vol, to_rel, to_dir) = self.dir(to)?;
-        if from_vol != to_vol {
-            return Err(nfsstat3::NFS3ERR_XDEV);
-        }
-        let from_name = existing_name(from_name)?;
-        let to_name = new_name(to_name)?;
-        rustix::fs::renameat(&from_dir, from_name, &to_dir, to_name).map_err(rx_status)?;
-        let old = from_rel.join(from_name);
-        let new = to_rel.join(to_name);
-        for ((vol, _), rel) in self.ids().iter_mut() {
-            if *vol == from_vol {
-                if let Ok(rest) = rel.strip_prefix(&old) {
-                    // (`join("")` would add a trailing `/`.)
-                    *rel = if rest.as_os_str().is_empty() {
-                        new.clone()
-                    } else {
-                        new.join(rest)
-                    };
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn commit(&self, h: &Handle) -> Res<()> {
-        if let Target::Object {
-            volume, rel, ino, ..
-        } = self.resolve(h)?
-        {
-            let (file, st) = Self::open(volume, &rel, ino, libc::O_PATH)?;
-            if is_file(&st) {
-                let f = File::open(proc_path(&file)).map_err(io_status)?;
-                f.sync_all().map_err(io_status)?;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// A directory's entries from a cookie on (cookie `n`: after the `n`th).
-#[derive(Debug)]
-pub(super) struct Entries {
-    entries: std::vec::IntoIter<DirEntryPlus<Handle>>,
-}
-
-impl ReadDirPlusIterator<Handle> for Entries {
-    async fn next(&mut self) -> NextResult<DirEntryPlus<Handle>> {
-        match self.entries.next() {
-            Some(e) => NextResult::Ok(e),
-            None => NextResult::Eof,
-        }
-    }
-}
-
-impl NfsReadFileSystem for VolumeFs {
-    type Handle = Handle;
-
-    fn root_dir(&self) -> Handle {
-        self.inner.root_handle()
-    }
-
-    async fn lookup(&self, dir: &Handle, name: &filename3<'_>) -> Res<Handle> {
-        let (dir, name) = (*dir, name.as_ref().to_vec());
-        self.blocking(move |fs| fs.lookup(&dir, &name)).await
-    }
-
-    async fn getattr(&self, id: &Handle) -> Res<fattr3> {
-        let id = *id;
-        self.blocking(move |fs| fs.getattr(&id)).await
-    }
-
-    async fn read(&self, id: &Handle, offset: u64, count: u32) -> Res<(Vec<u8>, bool)> {
-        let id = *id;
-        self.blocking(move |fs| fs.read(&id, offset, count)).await
-    }
-
-    async fn readdirplus(
-        &self,
-        dir: &Handle,
-        cookie: u64,
-    ) -> Res<impl ReadDirPlusIterator<Handle>> {
-        let dir = *dir;
-        let mut all = self.blocking(move |fs| fs.readdir(&dir)).await?;
-        for (i, e) in all.iter_mut().enumerate() {
-            e.cookie = i as u64 + 1;
-        }
-        let skip = usize::try_from(cookie).unwrap_or(usize::MAX).min(all.len());
-        Ok(Entries {
-            entries: all.split_off(skip).into_iter(),
-        })
-    }
-
-    async fn readlink(&self, id: &Handle) -> Res<nfspath3<'_>> {
-        let id = *id;
-        self.blocking(move |fs| fs.readlink(&id))
-            .await
-            .map(Into::into)
-    }
-}
-
-impl NfsFileSystem for VolumeFs {
-    async fn setattr(&self, id: &Handle, set: sattr3) -> Res<fattr3> {
-        let id = *id;
-        self.blocking(move |fs| fs.setattr(&id, &set)).await
-    }
-
-    async fn write(
-        &self,
-        id: &Handle,
-        offset: u64,
-        data: &[u8],
-        stable: stable_how,
-    ) -> Res<(fattr3, stable_how)> {
-        let (id, data) = (*id, data.to_vec());
-        let attrs = self
-            .blocking(move |fs| fs.write(&id, offset, &data, stable))
-            .await?;
-        Ok((attrs, stable))
-    }
-
-    async fn create(
-        &self,
-        dir: &Handle,
-        name: &filename3<'_>,
-        set: sattr3,
-    ) -> Res<(Handle, fattr3)> {
-        let (dir, name) = (*dir, name.as_ref().to_vec());
-        self.blocking(move |fs| fs.create(&dir, &name, &set)).await
-    }
-
-    async fn create_exclusive(
-        &self,
-        dir: &Handle,
-        name: &filename3<'_>,
-        verf: createverf3,
-    ) -> Res<Handle> {
-        let (dir, name) = (*dir, name.as_ref().to_vec());
-        self.blocking(move |fs| fs.create_exclusive(&dir, &name, &verf))
-            .await
-    }
-
-    async fn mkdir(&self, dir: &Handle, name: &filename3<'_>) -> Res<(Handle, fattr3)> {
-        let (dir, name) = (*dir, name.as_ref().to_vec());
-        self.blocking(move |fs| fs.mkdir(&dir, &name)).await
-    }
-
-    async fn remove(&self, dir: &Handle, name: &filename3<'_>) -> Res<()> {
-        let (dir, name) = (*dir, name.as_ref().to_vec());
-        self.blocking(move |fs| fs.remove(&dir, &name)).await
-    }
-
-    async fn rename<'a>(
-        &self,
-        from: &Handle,
-        from_name: &filename3<'a>,
-        to: &Handle,
-        to_name: &filename3<'a>,
-    ) -> Res<()> {
-        let (from, to) = (*from, *to);
-        let (from_name, to_name) = (from_name.as_ref().to_vec(), to_name.as_ref().to_vec());
-        self.blocking(move |fs| fs.rename(&from, &from_name, &to, &to_name))
-            .await
-    }
-
-    async fn symlink<'a>(
-        &self,
-        dir: &Handle,
-        name: &filename3<'a>,
-        target: &nfspath3<'a>,
-        _attr: &sattr3,
-    ) -> Res<(Handle, fattr3)> {
-        let (dir, name, target) = (*dir, name.as_ref().to_vec(), target.as_ref().to_vec());
-        self.blocking(move |fs| fs.symlink(&dir, &name, &target))
-            .await
-    }
-
-    async fn commit(&self, id: &Handle, _offset: u64, _count: u32) -> Res<()> {
-        let id = *id;
-        self.blocking(move |fs| fs.commit(&id)).await
     }
 }

@@ -68,7 +68,9 @@
 //!   FSSTAT, FSINFO, PATHCONF. LINK and MKNOD are refused by the crate
 //!   (`PROC_UNAVAIL`).
 
+mod change;
 mod fs;
+mod nfs;
 mod serve;
 #[cfg(test)]
 mod tests;
