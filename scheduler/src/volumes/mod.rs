@@ -13,8 +13,9 @@
 //! # How it is served
 //!
 //! The protocol (RPC record marking, XDR, MOUNT and NFS procedures) is the
-//! `nfs3_server` crate's, over our filesystem ([`fs`]). That crate listens
-//! on TCP only, so a [`VolumeServer`] owns one thread in a network
+//! `nfs3_server` crate's, over our filesystem (`fs.rs`: resolution and
+//! reads; `change.rs`: writes and names; `nfs.rs`: the crate's traits).
+//! That crate listens on TCP only, so a [`VolumeServer`] owns one thread in a network
 //! namespace of its own (only `lo`, up), running a current-thread tokio
 //! runtime: each served sandbox has an NFS listener on `127.0.0.1:0` there,
 //! unreachable from the host's namespace, and the runtime accepts on the
@@ -67,6 +68,11 @@
 //!   sorted, the cookie an index into them), SYMLINK, READLINK, COMMIT,
 //!   FSSTAT, FSINFO, PATHCONF. LINK and MKNOD are refused by the crate
 //!   (`PROC_UNAVAIL`).
+//! - **Not here yet.** The volume's size limit (`serve --volume-max-mib`)
+//!   is the content API's: NFS writes do not count against it. FSSTAT
+//!   answers the crate's fixed figures (1 TiB free), not the host's. The
+//!   content API's files being written (`.torpor-tmp.*`) show in listings
+//!   until renamed.
 
 mod change;
 mod fs;

@@ -75,6 +75,9 @@ impl VolumeServer {
     /// Serve `exports` (one sandbox's volumes) to connections on the unix
     /// socket at `socket` (bound now, a stale file replaced, mode 0600).
     /// Dropping the handle stops serving and removes the socket file.
+    /// Blocks the calling thread until the export's listener is bound on
+    /// the server's thread (a round trip; at most 30 s before
+    /// [`VolumeError::Stopped`]).
     pub fn serve(
         &self,
         socket: &Path,
