@@ -8,10 +8,10 @@ use std::path::{Path, PathBuf};
 
 use nfs3_client::nfs3_types::mount::{dirpath, mountstat3};
 use nfs3_client::nfs3_types::nfs3::{
-    createhow3, diropargs3, ftype3, nfs_fh3, nfsstat3, sattr3, set_mode3, set_size3, set_uid3,
-    stable_how, symlinkdata3, CREATE3args, GETATTR3args, LOOKUP3args, MKDIR3args, Nfs3Option,
-    Nfs3Result, READ3args, READDIRPLUS3args, READLINK3args, REMOVE3args, RENAME3args, SETATTR3args,
-    SYMLINK3args, WRITE3args,
+    createhow3, createverf3, diropargs3, ftype3, nfs_fh3, nfsstat3, sattr3, set_mode3, set_size3,
+    set_uid3, stable_how, symlinkdata3, CREATE3args, GETATTR3args, LOOKUP3args, MKDIR3args,
+    Nfs3Option, Nfs3Result, READ3args, READDIRPLUS3args, READLINK3args, REMOVE3args, RENAME3args,
+    SETATTR3args, SYMLINK3args, WRITE3args,
 };
 use nfs3_client::nfs3_types::xdr_codec::Opaque;
 use nfs3_client::tokio::TokioIo;
@@ -116,6 +116,14 @@ impl Nfs {
             } else {
                 createhow3::UNCHECKED(attrs)
             },
+        };
+        res(self.0.create(&args).await.unwrap()).map(|ok| fh(ok.obj))
+    }
+
+    async fn create_exclusive(&mut self, dir: &Fh, name: &str, verf: u8) -> Result<Fh, nfsstat3> {
+        let args = CREATE3args {
+            where_: dirop(dir, name),
+            how: createhow3::EXCLUSIVE(createverf3([verf; 8])),
         };
         res(self.0.create(&args).await.unwrap()).map(|ok| fh(ok.obj))
     }
@@ -297,9 +305,29 @@ async fn writes_land_at_their_offsets_and_read_back() {
     let meta = std::fs::metadata(vol.dir.join("f.bin")).unwrap();
     assert_eq!((meta.len(), meta.permissions().mode() & 0o777), (2, 0o600));
     assert_eq!(nfs.getattr(&f).await.unwrap().uid, 1000);
-    // A directory is not written.
+    // A directory is not written; one whose owner bits lack write takes
+    // no new names (the pod may be root: the server checks).
     let d = nfs.mkdir(&root, "d").await.unwrap();
     assert_eq!(nfs.write(&d, 0, b"x").await, Err(nfsstat3::NFS3ERR_INVAL));
+    let read_only = sattr3 {
+        mode: set_mode3::Some(0o555),
+        ..Default::default()
+    };
+    nfs.setattr(&d, read_only).await.unwrap();
+    assert_eq!(
+        nfs.create(&d, "no", false).await,
+        Err(nfsstat3::NFS3ERR_ACCES)
+    );
+    assert!(!vol.dir.join("d/no").exists());
+
+    // EXCLUSIVE: a retransmission (same verifier) finds its file, another
+    // verifier does not.
+    let x = nfs.create_exclusive(&root, "x", 7).await.unwrap();
+    assert_eq!(nfs.create_exclusive(&root, "x", 7).await, Ok(x));
+    assert_eq!(
+        nfs.create_exclusive(&root, "x", 8).await,
+        Err(nfsstat3::NFS3ERR_EXIST)
+    );
 }
 
 #[tokio::test]
