@@ -20,12 +20,14 @@
 //!   serve --record-trace` writes them.
 //! - [`net`]: the host side of sandbox networking: a namespace, tap, veth
 //!   pair and NAT per sandbox, egress policy in nftables, leftover recovery.
+//! - [`volumes`]: E2B's volumes served to guests over NFSv3, from a network
+//!   namespace of the pod's own.
 //!
 //! Dependencies point one way: this crate may use `torpor-vmm`'s control
 //! types, never the reverse. The API sits on top of it. Its modules import
 //! each other one way too (tests/layering.rs): `random`, `state` and
 //! `trace` at the bottom, then `net`, `model`, `names`, `policy`, `files`
-//! and `images`, `store`, `service`, and `plan` on top.
+//! and `images`, `volumes`, `store`, `service`, and `plan` on top.
 
 /// An enum stored and shown as one lowercase word: `as_str`, `Display`,
 /// `FromStr` and the list of all variants (`ALL`).
@@ -80,6 +82,7 @@ pub mod service;
 pub mod state;
 pub mod store;
 pub mod trace;
+pub mod volumes;
 
 pub use model::{
     Checkpoint, CheckpointId, OnTimeout, OperationId, Pod, PodAddress, PodId, Sandbox, SandboxId,
