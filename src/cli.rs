@@ -436,6 +436,12 @@ pub struct ServiceFlags {
     /// recently used chunks go first; 0 turns it off.
     #[arg(long, value_name = "MIB", default_value_t = torpor_scheduler::service::DEFAULT_CHUNK_CACHE_MIB)]
     pub chunk_cache_mib: u64,
+    /// Where the tenants' volumes (E2B's `Volume`) are, for the Linux
+    /// sandboxes that mount them (`volumeMounts`): `<data-dir>/volumes`,
+    /// where `torpor serve` keeps them, unless given (a nested pod: the
+    /// outer server's, shared into its host).
+    #[arg(long, value_name = "DIR")]
+    pub volumes_dir: Option<std::path::PathBuf>,
     /// Default keep-alive of a sandbox before it is hibernated when idle
     /// (at most 30 days).
     #[arg(long, default_value_t = 300_000,

@@ -25,15 +25,19 @@ use std::time::{Duration, Instant};
 
 use common::serve::DataDir;
 use torpor_agent::server::Stream;
-use torpor_agent::{Agent, AgentConfig, FakeOps, IdentityPage, DEFAULT_VSOCK_PORT};
+use torpor_agent::volumes::{RelayConfig, Upstream, VOLUMES_PORT};
+use torpor_agent::{Agent, AgentConfig, FakeCall, FakeOps, IdentityPage, DEFAULT_VSOCK_PORT};
+use torpor_scheduler::model::MountedVolume;
 use torpor_scheduler::model::{SandboxId, Template, TemplateId, TemplateState, Timestamp};
 use torpor_scheduler::service::guest::{hostname_for, ExecRequest, VSOCK_FILE};
+use torpor_scheduler::service::VolumeMountRequest;
 use torpor_scheduler::service::{
     Cancel, CreateSandbox, GuestError, Service, ServiceConfig, ServiceError, LOCAL_POD,
     PROBE_TEMPLATE,
 };
 use torpor_scheduler::store::SandboxFilter;
 use torpor_scheduler::{PodId, SandboxState, TemplateKind};
+use torpor_vmm_api::launch::guest_target;
 
 const LINUX: &str = "linux-on-probe";
 const WAIT: Duration = Duration::from_secs(60);
@@ -75,6 +79,11 @@ struct Harness {
 
 impl Harness {
     fn new(name: &str, exec_timeout_ms: u64) -> Self {
+        Harness::with(name, exec_timeout_ms, |_| {})
+    }
+
+    /// With `tweak` applied to the service's configuration.
+    fn with(name: &str, exec_timeout_ms: u64, tweak: impl FnOnce(&mut ServiceConfig)) -> Self {
         let data = DataDir::new(name);
         let mut config = ServiceConfig::new(
             data.0.clone(),
@@ -82,6 +91,7 @@ impl Harness {
         );
         config.policy_interval_ms = 0; // the tests run the policy themselves
         config.exec_timeout_ms = exec_timeout_ms;
+        tweak(&mut config);
         let service = Service::open(config).expect("open the service");
         let probe = service
             .list_templates()
@@ -141,7 +151,14 @@ impl Harness {
                         .join(s.id.as_str())
                         .join(VSOCK_FILE);
                     let ops = ops.lock().unwrap().clone();
-                    serve_agent(UnixListener::bind(&uds).expect("bind vsock socket"), ops);
+                    // Its volumes' relay sends guest connections where the
+                    // VMM would: the pod's socket beside the vsock one.
+                    let relay = RelayConfig {
+                        port: 0,
+                        upstream: Upstream::Unix(guest_target(&uds, u32::from(VOLUMES_PORT))),
+                    };
+                    let listener = UnixListener::bind(&uds).expect("bind vsock socket");
+                    serve_agent(listener, ops, relay);
                     served.push((s.id.clone(), vmm.pid));
                 }
                 std::thread::sleep(Duration::from_millis(5));
@@ -182,8 +199,10 @@ impl Drop for Harness {
 
 /// Accepts hybrid vsock connections (`CONNECT <port>` → `OK <n>`) and hands
 /// them to a real agent.
-fn serve_agent(listener: UnixListener, ops: Arc<FakeOps>) {
-    let agent = Agent::new(AgentConfig::new(ops));
+fn serve_agent(listener: UnixListener, ops: Arc<FakeOps>, relay: RelayConfig) {
+    let mut cfg = AgentConfig::new(ops);
+    cfg.volume_relay = relay;
+    let agent = Agent::new(cfg);
     std::thread::spawn(move || {
         for conn in listener.incoming() {
             let Ok(mut conn) = conn else { return };
@@ -523,4 +542,172 @@ fn a_client_that_goes_away_cancels_its_exec() {
         assert_eq!(h.state(&id), SandboxState::Running, "{route}");
     }
     drop(api);
+}
+
+/// Reads `file` of the volume mounted as `export` through the guest's
+/// relay on `port` (as the guest kernel's NFS client would: MOUNT, then
+/// LOOKUP and READ on a connection of their own).
+fn read_through_relay(port: u16, export: &str, file: &str) -> Result<Vec<u8>, String> {
+    use nfs3_client::nfs3_types::mount::dirpath;
+    use nfs3_client::nfs3_types::nfs3::{diropargs3, nfs_fh3, LOOKUP3args, Nfs3Result, READ3args};
+    use nfs3_client::nfs3_types::xdr_codec::Opaque;
+    use nfs3_client::tokio::TokioIo;
+    use nfs3_client::{MountClient, Nfs3Client};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let dial = || tokio::net::TcpStream::connect(("127.0.0.1", port));
+        let mut mnt = MountClient::new(TokioIo::new(dial().await.map_err(|e| e.to_string())?));
+        let root = mnt
+            .mnt(dirpath(Opaque::borrowed(export.as_bytes())))
+            .await
+            .map_err(|e| format!("MOUNT {export}: {e}"))?;
+        let root = nfs_fh3 {
+            data: Opaque::owned(root.fhandle.0.to_vec()),
+        };
+        let mut nfs = Nfs3Client::new(TokioIo::new(dial().await.map_err(|e| e.to_string())?));
+        let looked = nfs
+            .lookup(&LOOKUP3args {
+                what: diropargs3 {
+                    dir: root,
+                    name: file.as_bytes().into(),
+                },
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+        let Nfs3Result::Ok(found) = looked else {
+            return Err(format!("LOOKUP {file} failed"));
+        };
+        let read = nfs
+            .read(&READ3args {
+                file: found.object,
+                offset: 0,
+                count: 4096,
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+        match read {
+            Nfs3Result::Ok(ok) => Ok(ok.data.to_vec()),
+            Nfs3Result::Err((stat, _)) => Err(format!("READ: {stat:?}")),
+        }
+    })
+}
+
+#[test]
+fn a_sandboxs_volumes_are_served_to_its_guest_while_its_vmm_runs() {
+    let h = Harness::with("serve-service-volumes", 60_000, |c| {
+        c.volumes_dir = Some(c.data_dir.join("volumes"));
+    });
+    let content = h.data.0.join("volumes/vol_0123456789ab/content");
+    std::fs::create_dir_all(&content).unwrap();
+    std::fs::write(content.join("hello.txt"), b"from the host").unwrap();
+    let ops = good_ops();
+    h.set_ops(ops.clone());
+    let asked = vec![VolumeMountRequest {
+        name: "data".into(),
+        path: "/mnt/data".into(),
+    }];
+    let resolved = vec![MountedVolume {
+        id: "vol_0123456789ab".into(),
+        name: "data".into(),
+        path: "/mnt/data".into(),
+    }];
+    let create = |template: &str, volumes: Vec<MountedVolume>| {
+        h.service.create_sandbox(CreateSandbox {
+            template: template.into(),
+            volume_mounts: asked.clone(),
+            volumes,
+            ..Default::default()
+        })
+    };
+    // Mounts the gate did not resolve, and a probe (no agent to mount
+    // them), are refused before anything starts.
+    let e = create(LINUX, Vec::new()).expect_err("unresolved mounts");
+    assert!(e.to_string().contains("not resolved"), "{e}");
+    let e = create(PROBE_TEMPLATE, resolved.clone()).expect_err("a probe with volumes");
+    assert!(e.to_string().contains("Linux"), "{e}");
+
+    let id = create(LINUX, resolved).expect("create with a volume").id;
+    assert_eq!(
+        h.service.get_sandbox(&id).unwrap().volumes[0].path,
+        "/mnt/data"
+    );
+    let socket = h
+        .data
+        .0
+        .canonicalize()
+        .unwrap()
+        .join("sandboxes")
+        .join(id.as_str())
+        .join(format!("{VSOCK_FILE}_2049"));
+    assert!(socket.exists(), "no volume socket while the VMM runs");
+    // The agent was asked to mount it, from its relay.
+    let port = ops
+        .calls()
+        .iter()
+        .find_map(|c| match c {
+            FakeCall::MountNfs {
+                source,
+                target,
+                options,
+            } => {
+                assert_eq!(
+                    (source.as_str(), target.as_path()),
+                    ("127.0.0.1:/data", std::path::Path::new("/mnt/data"))
+                );
+                let port = options.split(',').find_map(|o| o.strip_prefix("port="));
+                Some(port.unwrap().parse::<u16>().unwrap())
+            }
+            _ => None,
+        })
+        .expect("no mount_volumes call reached the agent");
+    // What the guest kernel would read through that relay: the pod's NFS
+    // server, the volume's file.
+    assert_eq!(
+        read_through_relay(port, "/data", "hello.txt").unwrap(),
+        b"from the host"
+    );
+    assert!(read_through_relay(port, "/other", "hello.txt").is_err());
+
+    // Hibernated: nothing served. Woken: served again, and mounted again
+    // (an agent already holding the mount leaves it).
+    h.service.hibernate(&id).unwrap();
+    assert!(
+        !socket.exists(),
+        "a hibernated sandbox's volumes are still served"
+    );
+    h.service.resume(&id).unwrap();
+    assert!(socket.exists());
+    let mounts = ops
+        .calls()
+        .iter()
+        .filter(|c| matches!(c, FakeCall::MountNfs { .. }))
+        .count();
+    assert_eq!(mounts, 2, "{:?}", ops.calls());
+    std::fs::write(content.join("later.txt"), b"after the wake").unwrap();
+    let (_, pid) = h.last_vmm();
+    assert!(alive(pid));
+    let port = ops
+        .calls()
+        .iter()
+        .rev()
+        .find_map(|c| match c {
+            FakeCall::MountNfs { options, .. } => options
+                .split(',')
+                .find_map(|o| o.strip_prefix("port="))
+                .map(|p| p.parse::<u16>().unwrap()),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(
+        read_through_relay(port, "/data", "later.txt").unwrap(),
+        b"after the wake"
+    );
+    h.service.delete_sandbox(&id).unwrap();
+    assert!(
+        !socket.exists(),
+        "a deleted sandbox's volumes are still served"
+    );
 }

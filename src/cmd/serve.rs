@@ -170,6 +170,12 @@ fn open_service(
     config.lazy_wake = flags.lazy_wake;
     config.hibernate_ack = flags.hibernate_ack.ack();
     config.chunk_cache_mib = flags.chunk_cache_mib;
+    config.volumes_dir = Some(
+        flags
+            .volumes_dir
+            .clone()
+            .unwrap_or_else(|| data_dir.join("volumes")),
+    );
     config.default_keep_alive_ms = flags.keep_alive_ms;
     config.exec_timeout_ms = flags.exec_timeout_ms.max(1);
     config.standby_pool = flags.standby_pool;

@@ -729,7 +729,6 @@ impl LaunchReply {
     }
 }
 
-
 /// Where a guest's vsock connection to host port `port` goes: the unix
 /// socket `<uds_path>_<port>` beside the VMM's hybrid vsock socket
 /// `uds_path` (Firecracker's convention), which something on the host

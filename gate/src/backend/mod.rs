@@ -556,6 +556,9 @@ pub fn registry<S: SandboxApi + ?Sized>(s: &S) -> Result<&dyn Registry, ServiceE
 /// exec, [`SandboxApi::with_guest`]), made from threads that may block,
 /// run in place ([`blocking`]).
 impl SandboxApi for Service {
+    fn mounts_volumes(&self) -> bool {
+        Service::mounts_volumes(self)
+    }
     async fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
         enum Owned {
             List,

@@ -96,17 +96,17 @@ impl Mounts {
             return Ok(());
         }
         let exports = self.exports(&sandbox.volumes)?;
-        let socket = torpor_vmm_api::launch::guest_target(
-            &dir.join(VSOCK_FILE),
-            u32::from(VOLUMES_PORT),
-        );
+        let socket =
+            torpor_vmm_api::launch::guest_target(&dir.join(VSOCK_FILE), u32::from(VOLUMES_PORT));
         let handle = {
             let mut server = self.server.locked();
             if server.is_none() {
                 *server = Some(VolumeServer::start().map_err(internal)?);
             }
             let server = server.as_ref().expect("started above");
-            server.serve(&socket, exports).map_err(internal)?
+            server
+                .serve(&socket, exports, tag_of(&sandbox.id))
+                .map_err(internal)?
         };
         self.served.locked().insert(sandbox.id.clone(), handle);
         Ok(())
@@ -122,6 +122,15 @@ impl Mounts {
     pub fn serving(&self, id: &SandboxId) -> bool {
         self.served.locked().contains_key(id)
     }
+}
+
+/// The tag of `id`'s export: the same for each of its VMMs and across
+/// restarts of the pod (FNV-1a of its id), so that its guest's mounts go
+/// on after a wake.
+fn tag_of(id: &SandboxId) -> u64 {
+    id.as_str().bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 fn internal(e: crate::volumes::VolumeError) -> ServiceError {
@@ -141,9 +150,8 @@ pub fn mount_in_guest(link: &AgentLink, volumes: &[MountedVolume]) -> Result<(),
             path: v.path.clone(),
         })
         .collect();
-    link.mount_volumes(mounts, MOUNT_LIMIT).map_err(|e| {
-        ServiceError::Invalid(format!("the guest could not mount its volumes: {e}"))
-    })
+    link.mount_volumes(mounts, MOUNT_LIMIT)
+        .map_err(|e| ServiceError::Invalid(format!("the guest could not mount its volumes: {e}")))
 }
 
 #[cfg(test)]

@@ -227,6 +227,12 @@ impl Service {
         }
     }
 
+    /// Whether this pod mounts volumes into its Linux sandboxes
+    /// (`ServiceConfig::volumes_dir`).
+    pub fn mounts_volumes(&self) -> bool {
+        self.mounts.offered()
+    }
+
     /// Creates a sandbox from a ready template: restore of its snapshot,
     /// or a boot from the disk a filesystem-only one keeps.
     pub fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {

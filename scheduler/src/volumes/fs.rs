@@ -261,6 +261,45 @@ pub(super) fn is_file(st: &Stat) -> bool {
     st.st_mode & libc::S_IFMT == libc::S_IFREG
 }
 
+/// The most entries [`find`] looks at in one volume.
+const MAX_WALK: usize = 1 << 18;
+
+/// Where in `volume` the object of inode `ino` is: a breadth-first walk
+/// from its root through directories only (never a symbolic link), at most
+/// [`MAX_WALK`] entries; `None` when it is not there (removed: the handle
+/// is stale).
+fn find(volume: &Volume, ino: u64) -> Option<PathBuf> {
+    let mut queue = std::collections::VecDeque::from([PathBuf::new()]);
+    let mut seen = 0usize;
+    while let Some(rel) = queue.pop_front() {
+        let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW;
+        let Ok(dir) = open_beneath(&volume.root, dot(&rel), flags, 0) else {
+            continue;
+        };
+        let Ok(entries) = rustix::fs::Dir::read_from(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_bytes();
+            if name == b"." || name == b".." {
+                continue;
+            }
+            seen += 1;
+            if seen > MAX_WALK {
+                return None;
+            }
+            let path = rel.join(OsStr::from_bytes(name));
+            if entry.ino() == ino {
+                return Some(path);
+            }
+            if entry.file_type() == rustix::fs::FileType::Directory {
+                queue.push_back(path);
+            }
+        }
+    }
+    None
+}
+
 /// `rel`, or `.` for the volume's root.
 fn dot(rel: &Path) -> &Path {
     if rel.as_os_str().is_empty() {
@@ -319,10 +358,18 @@ impl Inner {
         let rel = if h.ino() == volume.ino {
             PathBuf::new()
         } else {
-            self.ids()
-                .get(&(vol, h.ino()))
-                .cloned()
-                .ok_or(nfsstat3::NFS3ERR_STALE)?
+            let known = self.ids().get(&(vol, h.ino())).cloned();
+            match known {
+                Some(rel) => rel,
+                // A handle from before this export (the guest's mount went
+                // on across a wake or a restart of the pod): found again
+                // by its inode.
+                None => {
+                    let rel = find(volume, h.ino()).ok_or(nfsstat3::NFS3ERR_STALE)?;
+                    self.remember(vol, h.ino(), rel.clone());
+                    rel
+                }
+            }
         };
         Ok(Target::Object {
             vol,

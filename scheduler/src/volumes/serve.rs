@@ -78,15 +78,20 @@ impl VolumeServer {
     /// Blocks the calling thread until the export's listener is bound on
     /// the server's thread (a round trip; at most 30 s before
     /// [`VolumeError::Stopped`]).
+    ///
+    /// `tag` is in every handle of the export: the same sandbox served
+    /// again (its next VMM after a wake, or after a restart of the pod)
+    /// with the same tag and the same exports in the same order keeps
+    /// every handle its guest holds valid, so its mounts go on without a
+    /// remount; another tag's handles are STALE.
     pub fn serve(
         &self,
         socket: &Path,
         exports: Vec<VolumeExport>,
+        tag: u64,
     ) -> Result<VolumeHandle, VolumeError> {
         let volumes = open_exports(exports)?;
-        let mut tag = [0u8; 8];
-        crate::random::random_bytes(&mut tag).map_err(VolumeError::Random)?;
-        let fs = VolumeFs::new(u64::from_le_bytes(tag), volumes);
+        let fs = VolumeFs::new(tag, volumes);
         let (listener, socket_id) = bind_socket(socket)?;
         let (ready, bound) = mpsc::channel();
         let (stop, stopped) = oneshot::channel();
@@ -146,18 +151,15 @@ impl Drop for VolumeHandle {
     }
 }
 
-/// The crate's handle generation, and so its write verifier: one per
-/// process (its start), so that every export's handles reach our own
-/// check (the tag: another sandbox's handle is STALE) and a restarted
-/// pod's clients see STALE handles and a new verifier.
+/// The crate's handle generation, and so its write verifier: one
+/// constant, so that handles a guest holds stay valid across a restart of
+/// the pod (our own checks, the tag and the inode, decide what a handle
+/// names). The verifier exists to tell a client that unstable writes it
+/// sent may be lost; this server writes them to the host's page cache,
+/// which a restart of the pod keeps (a crash of the host does not: the
+/// same as knfsd's verifier across a crash, which changes).
 fn generation() -> u64 {
-    static GENERATION: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *GENERATION.get_or_init(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_millis() as u64
-    })
+    u64::from_le_bytes(*b"torpor-v")
 }
 
 type Started = (tokio::runtime::Handle, oneshot::Sender<()>, u64);

@@ -228,8 +228,52 @@ impl Nfs {
     }
 }
 
+/// Serves `exports` with a tag of their own (another sandbox's).
 fn serve(server: &VolumeServer, socket: &Path, exports: Vec<VolumeExport>) -> VolumeHandle {
-    server.serve(socket, exports).unwrap()
+    static TAGS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let tag = TAGS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    server.serve(socket, exports, tag).unwrap()
+}
+
+#[tokio::test]
+async fn handles_outlive_the_export_and_the_server_for_the_same_tag() {
+    let s = Scratch::new();
+    let data = s.volume("data");
+    std::fs::create_dir_all(data.dir.join("d/e")).unwrap();
+    std::fs::write(data.dir.join("d/e/f"), b"kept").unwrap();
+    std::fs::write(data.dir.join("gone"), b"x").unwrap();
+    let sock = s.socket("a.sock");
+    let (f, e, gone) = {
+        let server = VolumeServer::start().unwrap();
+        let _h = server.serve(&sock, vec![data.clone()], 7).unwrap();
+        let mut nfs = Nfs::connect(&sock).await;
+        let root = mount(&sock, "/data").await.unwrap();
+        let d = nfs.lookup(&root, "d").await.unwrap();
+        let e = nfs.lookup(&d, "e").await.unwrap();
+        let f = nfs.lookup(&e, "f").await.unwrap();
+        let gone = nfs.lookup(&root, "gone").await.unwrap();
+        (f, e, gone)
+    };
+    // The pod restarted: a new server, the sandbox served again with its
+    // tag. The guest's handles still name the same objects.
+    std::fs::remove_file(data.dir.join("gone")).unwrap();
+    let server = VolumeServer::start().unwrap();
+    let _h = server.serve(&sock, vec![data.clone()], 7).unwrap();
+    let mut nfs = Nfs::connect(&sock).await;
+    assert_eq!(nfs.read(&f, 0, 4).await.unwrap().0, b"kept");
+    assert!(nfs.lookup(&e, "f").await.is_ok());
+    assert_eq!(
+        nfs.getattr(&gone).await.err(),
+        Some(nfsstat3::NFS3ERR_STALE)
+    );
+    // Another tag (another sandbox) on the same volume: stale.
+    let other = s.socket("b.sock");
+    let _o = server.serve(&other, vec![data], 8).unwrap();
+    let mut on_other = Nfs::connect(&other).await;
+    assert_eq!(
+        on_other.getattr(&f).await.err(),
+        Some(nfsstat3::NFS3ERR_STALE)
+    );
 }
 
 #[tokio::test]
@@ -561,12 +605,12 @@ async fn the_socket_is_private_replaced_and_removed() {
         dir: s.dir.path().into(),
     };
     assert!(matches!(
-        server.serve(&sock, vec![bad]),
+        server.serve(&sock, vec![bad], 1),
         Err(VolumeError::BadName(_))
     ));
     let twice = vec![s.volume("x"), s.volume("x")];
     assert!(matches!(
-        server.serve(&sock, twice),
+        server.serve(&sock, twice, 1),
         Err(VolumeError::DuplicateName(_))
     ));
     let missing = VolumeExport {
@@ -574,7 +618,7 @@ async fn the_socket_is_private_replaced_and_removed() {
         dir: s.dir.path().join("missing"),
     };
     assert!(matches!(
-        server.serve(&sock, vec![missing]),
+        server.serve(&sock, vec![missing], 1),
         Err(VolumeError::OpenVolume { .. })
     ));
     assert!(!sock.exists());
