@@ -4,7 +4,8 @@
 //! listing, metadata, remove, destroy; `..`, `/etc/passwd` and a planted
 //! symbolic link stay inside the volume; another tenant's key and another
 //! volume's token are refused; `volumeMounts` is 404 for an unknown
-//! volume, 400 for a known one. The same through the JS SDK's `Volume`
+//! volume, 400 for a known one into a probe (no agent to mount it). The
+//! mount itself: `tests/serve_service.rs`. The same through the JS SDK's `Volume`
 //! (`tests/e2b/sdk_volumes.mjs`). `scripts/test` leaves each out without
 //! its SDK (tests/needs).
 

@@ -75,6 +75,32 @@ echo "clock host=$(date +%s) guest=$(sed -n 's/.*"stdout": *"\([0-9]*\).*/\1/p' 
 echo "after-wake: $($T sandbox exec "$SBX" -- cat /root/api/note.txt)"
 $T sandbox exec "$SBX" -- cat /proc/sys/kernel/hostname | sed 's/^/hostname /'
 
+# --- a volume in the guest (E2B's volumeMounts: NFS through the agent) -----
+# Made through E2B's volume API, a file put in it on the host side, then a
+# sandbox that mounts it (`/v1`'s volume_mounts): reads, writes, a process
+# with its working directory and an open file in it across a hibernation.
+api() { wget -q -O - --header "Content-Type: application/json" "$@"; }
+VOL=$(api --header "X-API-KEY: nested-token" --post-data '{"name":"shared"}' \
+  http://127.0.0.1:7700/volumes | sed -n 's/.*"volumeID": *"\([^"]*\)".*/\1/p')
+echo "volume id=$VOL"
+printf 'from-the-host\n' >"/tmp/data/volumes/$VOL/content/hello.txt"
+VS=$(api --header "Authorization: Bearer nested-token" \
+  --post-data '{"template":"debian","volume_mounts":[{"name":"shared","path":"/mnt/shared"}]}' \
+  http://127.0.0.1:7700/v1/sandboxes | sed -n 's/.*"id": *"\(sbx_[^"]*\)".*/\1/p')
+echo "volume-sandbox id=$VS"
+vx() { $T sandbox exec "$VS" -- timeout 60 "$@"; }
+echo "volume-read: $(vx cat /mnt/shared/hello.txt)"
+vx sh -c 'echo from-the-guest >/mnt/shared/guest.txt && mkdir -p /mnt/shared/d && echo kept >/mnt/shared/d/f'
+echo "volume-write rc=$?"
+echo "volume-host: $(cat "/tmp/data/volumes/$VOL/content/guest.txt") $(cat "/tmp/data/volumes/$VOL/content/d/f")"
+echo "volume-owner: $(vx stat -c '%u:%g' /mnt/shared/guest.txt)"
+vx sh -c 'cd /mnt/shared/d && setsid sh -c "exec 3</mnt/shared/d/f; while sleep 1; do :; done" </dev/null >/dev/null 2>&1 &'
+$T sandbox hibernate "$VS" >/dev/null; echo "volume-hibernate rc=$?"
+printf 'while-hibernated\n' >"/tmp/data/volumes/$VOL/content/later.txt"
+echo "volume-after-wake: $(vx cat /mnt/shared/guest.txt /mnt/shared/later.txt | tr '\n' ' ')"
+echo "volume-cwd: $(vx sh -c 'for p in $(pgrep -f "exec 3<"); do readlink /proc/$p/cwd; cat /proc/$p/fd/3; done' | tr '\n' ' ')"
+$T sandbox rm "$VS"
+
 # --- memory comes back: virtio-balloon free page reporting ------------------
 # A witness clone of the same template keeps its template pages shared.
 # A sandbox that failed ends the script at once, with what says why.
@@ -198,6 +224,18 @@ fn nested_linux_sandbox_through_the_api_exec_files_hibernate_wake() {
         o.contains("to-stderr\nexec3 rc=5"),
         "exit status not passed through:\n{o}"
     );
+    // A volume mounted in the guest over NFS: both ways, owned by the
+    // guest's `user`, and across a hibernation a process's working
+    // directory and open file in it, and what the host wrote meanwhile.
+    assert!(o.contains("volume-read: from-the-host\n"), "{o}");
+    assert!(o.contains("volume-write rc=0"), "{o}");
+    assert!(o.contains("volume-host: from-the-guest kept\n"), "{o}");
+    assert!(o.contains("volume-owner: 1000:1000\n"), "{o}");
+    assert!(
+        o.contains("volume-after-wake: from-the-guest while-hibernated \n"),
+        "{o}"
+    );
+    assert!(o.contains("volume-cwd: /mnt/shared/d kept \n"), "{o}");
     // The stream delivered s1 while the command still ran (3 s before s2).
     let at = |tag: &str| -> f64 {
         field(o, &format!("streamed {tag}"), "at")

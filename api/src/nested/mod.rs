@@ -346,6 +346,9 @@ impl<L: SandboxApi> Nested<L> {
         pod: &RemotePod,
         mut req: CreateSandbox,
     ) -> Result<Sandbox, ServiceError> {
+        if !req.volumes.is_empty() {
+            return Err(ServiceError::Invalid(NO_REMOTE_MOUNTS.into()));
+        }
         req.pod = None;
         let tenant = req.owner.as_ref().map(|o| o.tenant.clone());
         let body = serde_json::to_value(&req).map_err(internal)?;
@@ -513,7 +516,14 @@ impl std::io::Read for Limited<'_> {
     }
 }
 
+/// Why a sandbox on another pod (the nested pod) cannot mount volumes.
+const NO_REMOTE_MOUNTS: &str = "volumes cannot be mounted into sandboxes of a nested or remote \
+     pod yet, only into the Linux sandboxes of the server's own pod (see docs/e2b.md)";
+
 impl<L: SandboxApi> SandboxApi for Nested<L> {
+    fn mounts_volumes(&self) -> bool {
+        self.local.mounts_volumes()
+    }
     async fn templates(&self, op: TemplateOp<'_>) -> Result<TemplateReply, ServiceError> {
         blocking(|| {
             match op {
