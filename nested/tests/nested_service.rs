@@ -94,11 +94,11 @@ vx sh -c 'echo from-the-guest >/mnt/shared/guest.txt && mkdir -p /mnt/shared/d &
 echo "volume-write rc=$?"
 echo "volume-host: $(cat "/tmp/data/volumes/$VOL/content/guest.txt") $(cat "/tmp/data/volumes/$VOL/content/d/f")"
 echo "volume-owner: $(vx stat -c '%u:%g' /mnt/shared/guest.txt)"
-vx sh -c 'cd /mnt/shared/d && setsid sh -c "exec 3</mnt/shared/d/f; while sleep 1; do :; done" </dev/null >/dev/null 2>&1 &'
+vx sh -c 'cd /mnt/shared/d && setsid sh -c "echo \$\$ >/tmp/volpid; exec 3</mnt/shared/d/f; while sleep 1; do :; done" </dev/null >/dev/null 2>&1 &'
 $T sandbox hibernate "$VS" >/dev/null; echo "volume-hibernate rc=$?"
 printf 'while-hibernated\n' >"/tmp/data/volumes/$VOL/content/later.txt"
 echo "volume-after-wake: $(vx cat /mnt/shared/guest.txt /mnt/shared/later.txt | tr '\n' ' ')"
-echo "volume-cwd: $(vx sh -c 'for p in $(pgrep -f "exec 3<"); do readlink /proc/$p/cwd; cat /proc/$p/fd/3; done' | tr '\n' ' ')"
+echo "volume-cwd: $(vx sh -c 'p=$(cat /tmp/volpid); readlink /proc/$p/cwd; cat /proc/$p/fd/3' | tr '\n' ' ')"
 $T sandbox rm "$VS"
 
 # --- memory comes back: virtio-balloon free page reporting ------------------
