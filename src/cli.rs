@@ -60,6 +60,14 @@ pub enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// What the nested host's QEMU runs for each volume connection of its
+    /// pod: stdin and stdout piped to `torpor serve`'s volume gateway.
+    /// Writes nothing else (its stderr is the connection too).
+    #[command(hide = true)]
+    NestedVolumePipe {
+        /// The gateway's unix socket.
+        socket: PathBuf,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -440,8 +448,13 @@ pub struct ServiceFlags {
     /// sandboxes that mount them (`volumeMounts`): `<data-dir>/volumes`,
     /// where `torpor serve` keeps them, unless given (a nested pod: the
     /// outer server's, shared into its host).
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", conflicts_with = "volumes_relay")]
     pub volumes_dir: Option<std::path::PathBuf>,
+    /// A nested pod's: send its sandboxes' volume connections to this
+    /// address (the volume gateway of the `torpor serve` in front of it,
+    /// which has the volumes) instead of serving volumes itself.
+    #[arg(long, value_name = "ADDR")]
+    pub volumes_relay: Option<std::net::SocketAddr>,
     /// Default keep-alive of a sandbox before it is hibernated when idle
     /// (at most 30 days).
     #[arg(long, default_value_t = 300_000,

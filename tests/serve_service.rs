@@ -608,6 +608,7 @@ fn a_sandboxs_volumes_are_served_to_its_guest_while_its_vmm_runs() {
     let asked = vec![VolumeMountRequest {
         name: "data".into(),
         path: "/mnt/data".into(),
+        id: None,
     }];
     let resolved = vec![MountedVolume {
         id: "vol_0123456789ab".into(),
@@ -710,4 +711,105 @@ fn a_sandboxs_volumes_are_served_to_its_guest_while_its_vmm_runs() {
         !socket.exists(),
         "a deleted sandbox's volumes are still served"
     );
+}
+
+/// The nested pod's way: the pod has no volumes and relays each volume
+/// connection of a sandbox (`--volumes-relay`) to an address whose
+/// connections, as QEMU's guest forward does, each start `torpor
+/// nested-volume-pipe GATEWAY` with the connection as its stdin and
+/// stdout; serve's gateway then serves what it recorded for the sandbox.
+#[test]
+fn a_nested_pods_volumes_are_relayed_to_the_servers_gateway() {
+    use std::collections::HashMap;
+    use std::os::fd::OwnedFd;
+    use std::process::{Command, Stdio};
+    use torpor_scheduler::service::mounts::Mounts;
+    use torpor_scheduler::service::volume_gateway::VolumeGateway;
+
+    // The server in front: the volumes, and its gateway.
+    let outer = DataDir::new("serve-service-gateway");
+    let content = outer.0.join("volumes/vol_0123456789ab/content");
+    std::fs::create_dir_all(&content).unwrap();
+    std::fs::write(content.join("hello.txt"), b"from the outer host").unwrap();
+    let recorded: Arc<Mutex<HashMap<SandboxId, Vec<MountedVolume>>>> = Arc::default();
+    let lookup = recorded.clone();
+    let gateway_socket = outer.0.join("nested-volumes.sock");
+    let _gateway = VolumeGateway::start(
+        &gateway_socket,
+        Arc::new(Mounts::new(Some(outer.0.join("volumes")), None)),
+        Arc::new(move |id: &SandboxId| lookup.lock().unwrap().get(id).cloned()),
+    )
+    .unwrap();
+    // QEMU's guest forward, as a TCP listener here.
+    let qemu = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let relay = qemu.local_addr().unwrap();
+    let pipe_to = gateway_socket.clone();
+    std::thread::spawn(move || {
+        for conn in qemu.incoming() {
+            let Ok(conn) = conn else { return };
+            let fd = OwnedFd::from(conn);
+            let _ = Command::new(env!("CARGO_BIN_EXE_torpor"))
+                .arg("nested-volume-pipe")
+                .arg(&pipe_to)
+                .stdin(Stdio::from(fd.try_clone().unwrap()))
+                .stdout(Stdio::from(fd))
+                .stderr(Stdio::null())
+                .spawn();
+        }
+    });
+
+    // The nested pod: no volumes of its own.
+    let h = Harness::with("serve-service-relay", 60_000, |c| {
+        c.volumes_relay = Some(relay);
+    });
+    let ops = good_ops();
+    h.set_ops(ops.clone());
+    let volumes = vec![MountedVolume {
+        id: "vol_0123456789ab".into(),
+        name: "data".into(),
+        path: "/mnt/data".into(),
+    }];
+    let id = h
+        .service
+        .create_sandbox(CreateSandbox {
+            template: LINUX.into(),
+            volume_mounts: vec![VolumeMountRequest {
+                name: "data".into(),
+                path: "/mnt/data".into(),
+                id: Some("vol_0123456789ab".into()),
+            }],
+            volumes: volumes.clone(),
+            ..Default::default()
+        })
+        .expect("create with a relayed volume")
+        .id;
+    let port = ops
+        .calls()
+        .iter()
+        .find_map(|c| match c {
+            FakeCall::MountNfs { options, .. } => options
+                .split(',')
+                .find_map(|o| o.strip_prefix("port="))
+                .map(|p| p.parse::<u16>().unwrap()),
+            _ => None,
+        })
+        .expect("no mount_volumes call reached the agent");
+    // Until serve has recorded the sandbox's volumes, its gateway serves
+    // it nothing (the connection is closed: raw bytes, since the NFS
+    // client waits forever on a closed stream); then the guest reads the
+    // outer host's file.
+    let mut raw = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    raw.write_all(&[0x80, 0, 0, 4, 0, 0, 0, 0]).unwrap();
+    assert_eq!(
+        raw.read(&mut [0u8; 64]).unwrap(),
+        0,
+        "served a sandbox it has no record of"
+    );
+    recorded.lock().unwrap().insert(id.clone(), volumes);
+    assert_eq!(
+        read_through_relay(port, "/data", "hello.txt").unwrap(),
+        b"from the outer host"
+    );
+    h.service.delete_sandbox(&id).unwrap();
 }

@@ -166,7 +166,11 @@ pub fn mounts(mounts: Option<&Value>) -> E2bResult<Vec<VolumeMountRequest>> {
         .map(|m| {
             let field = |k: &str| m.get(k).and_then(Value::as_str).map(str::to_string);
             match (field("name"), field("path")) {
-                (Some(name), Some(path)) => Ok(VolumeMountRequest { name, path }),
+                (Some(name), Some(path)) => Ok(VolumeMountRequest {
+                    name,
+                    path,
+                    id: None,
+                }),
                 _ => Err(E2bError::bad_request(
                     "each of volumeMounts has a `name` and a `path`",
                 )),

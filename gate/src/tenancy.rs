@@ -25,7 +25,7 @@ use axum::response::{IntoResponse, Response};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use serde_json::Value;
-use torpor_scheduler::model::{Sandbox, SandboxId, SandboxState};
+use torpor_scheduler::model::{MountedVolume, Sandbox, SandboxId, SandboxState};
 use torpor_sync::Locked;
 
 use crate::auth::{Auth, Principal};
@@ -271,16 +271,39 @@ pub async fn admit_create<S: SandboxApi>(
     service: &S,
     req: &mut crate::service::CreateSandbox,
 ) -> Result<Option<Ticket>, ServiceError> {
-    req.volumes = t
-        .volumes
-        .resolve_mounts(&principal.tenant, &req.volume_mounts)
-        .map_err(|e| match e {
-            crate::volumes::VolumeError::NotFound(name) => ServiceError::NotFound {
-                kind: "volume",
-                id: name,
-            },
-            other => ServiceError::Invalid(other.to_string()),
-        })?;
+    req.volumes = if req.volume_mounts.iter().any(|m| m.id.is_some()) {
+        // Resolved by the server in front of this pod, which calls it with
+        // an admin's token for the tenant: taken as it says.
+        if !(principal.is_admin() && principal.on_behalf_of.is_some()) {
+            return Err(ServiceError::Invalid(
+                "a volume mount's id is set by the server in front of a pod, not in a request"
+                    .into(),
+            ));
+        }
+        req.volume_mounts
+            .iter()
+            .map(|m| {
+                let id = m.id.clone().ok_or_else(|| {
+                    ServiceError::Invalid(format!("volume mount {:?} has no id", m.name))
+                })?;
+                Ok(MountedVolume {
+                    id,
+                    name: m.name.clone(),
+                    path: m.path.clone(),
+                })
+            })
+            .collect::<Result<_, ServiceError>>()?
+    } else {
+        t.volumes
+            .resolve_mounts(&principal.owner().tenant, &req.volume_mounts)
+            .map_err(|e| match e {
+                crate::volumes::VolumeError::NotFound(name) => ServiceError::NotFound {
+                    kind: "volume",
+                    id: name,
+                },
+                other => ServiceError::Invalid(other.to_string()),
+            })?
+    };
     if !req.volumes.is_empty() && !service.mounts_volumes() {
         return Err(ServiceError::Invalid(crate::volumes::NO_MOUNTS.into()));
     }

@@ -183,6 +183,7 @@ pub struct NestedHostBuilder {
     qemu: Option<PathBuf>,
     extra_cmdline: String,
     spare_mib: u64,
+    guest_commands: Vec<(String, String)>,
 }
 
 impl Default for NestedHostBuilder {
@@ -196,6 +197,7 @@ impl Default for NestedHostBuilder {
             qemu: None,
             extra_cmdline: String::new(),
             spare_mib: 0,
+            guest_commands: Vec::new(),
         }
     }
 }
@@ -249,6 +251,16 @@ impl NestedHostBuilder {
         self
     }
 
+    /// L1's TCP connections to `addr` (`IP:PORT` in QEMU's user network,
+    /// e.g. `10.0.2.100:2049`) each start `argv` on the host, its stdin
+    /// and stdout the connection (QEMU's `guestfwd=...-cmd:`). Only for
+    /// a host with a network (forwarded ports); no argument may hold
+    /// white space, a quote, a backslash or a comma.
+    pub fn guest_command(mut self, addr: impl Into<String>, argv: &[&str]) -> Self {
+        self.guest_commands.push((addr.into(), argv.join(" ")));
+        self
+    }
+
     /// Appends to the L1 kernel command line.
     pub fn cmdline(mut self, extra: impl Into<String>) -> Self {
         self.extra_cmdline = extra.into();
@@ -270,6 +282,22 @@ impl NestedHostBuilder {
             Some(dir) => L1Assets::from_dir(dir)?,
             None => L1Assets::locate()?,
         };
+        for (addr, cmd) in &self.guest_commands {
+            let plain = |s: &str| {
+                !s.is_empty()
+                    && !s
+                        .chars()
+                        .any(|c| c.is_whitespace() || matches!(c, '\'' | '"' | '\\' | ','))
+            };
+            if !plain(addr) || !cmd.split(' ').all(plain) {
+                return Err(NestedError::BadGuestPath {
+                    path: format!("{addr} {cmd}"),
+                    why: "a guest command's address and words are plain (no white space, \
+                          quotes, backslashes or commas)"
+                        .into(),
+                });
+            }
+        }
         let mut carried = Vec::new();
         for (host, guest) in self.files {
             if !host.is_file() {
@@ -287,6 +315,7 @@ impl NestedHostBuilder {
             echo: self.echo,
             extra_cmdline: self.extra_cmdline,
             spare_mib: self.spare_mib,
+            guest_commands: self.guest_commands,
         })
     }
 
@@ -307,6 +336,7 @@ pub struct NestedHost {
     echo: bool,
     extra_cmdline: String,
     spare_mib: u64,
+    guest_commands: Vec<(String, String)>,
 }
 
 impl NestedHost {
@@ -401,6 +431,11 @@ impl NestedHost {
             cpus: self.cpus,
             cmdline,
             echo: self.echo,
+            guest_commands: if net {
+                self.guest_commands.clone()
+            } else {
+                Vec::new()
+            },
             forwards,
         })
     }

@@ -28,6 +28,9 @@ pub struct Launch {
     /// TCP forwards from 127.0.0.1:host to L1's guest port, (host, guest),
     /// over QEMU's user network; none: L1 has no network card.
     pub forwards: Vec<(u16, u16)>,
+    /// L1's connections to an address of the user network that start a
+    /// command on the host, (`IP:PORT`, command line); only with forwards.
+    pub guest_commands: Vec<(String, String)>,
 }
 
 /// The firmware and option ROM directory of a QEMU unpacked outside
@@ -70,6 +73,11 @@ impl Launch {
                 .forwards
                 .iter()
                 .map(|(host, guest)| format!(",hostfwd=tcp:127.0.0.1:{host}-:{guest}"))
+                .chain(
+                    self.guest_commands
+                        .iter()
+                        .map(|(addr, cmd)| format!(",guestfwd=tcp:{addr}-cmd:{cmd}")),
+                )
                 .collect();
             a.push(format!("user,model=virtio-net-pci{fwd}"));
         }
@@ -284,6 +292,7 @@ mod tests {
             cmdline: "console=ttyS0".into(),
             echo: false,
             forwards: Vec::new(),
+            guest_commands: Vec::new(),
         };
         let a = l.args().join(" ");
         assert!(a.contains("-accel tcg,thread=multi -cpu max"), "{a}");
@@ -312,6 +321,7 @@ mod tests {
             cmdline: String::new(),
             echo: false,
             forwards: Vec::new(),
+            guest_commands: Vec::new(),
         };
         let a = l.args().join(" ");
         assert!(a.contains(&format!("-L {}", share.display())), "{a}");
@@ -333,10 +343,14 @@ mod tests {
             cmdline: String::new(),
             echo: false,
             forwards: vec![(40123, 7801)],
+            guest_commands: vec![("10.0.2.100:2049".into(), "/bin/torpor pipe /s".into())],
         };
         let a = l.args().join(" ");
         assert!(
-            a.contains("-nic user,model=virtio-net-pci,hostfwd=tcp:127.0.0.1:40123-:7801"),
+            a.contains(
+                "-nic user,model=virtio-net-pci,hostfwd=tcp:127.0.0.1:40123-:7801,\
+                 guestfwd=tcp:10.0.2.100:2049-cmd:/bin/torpor pipe /s"
+            ),
             "{a}"
         );
     }

@@ -41,6 +41,12 @@ pub fn dispatch(cli: Cli) -> i32 {
         Command::Token(c) => token::run(c),
         Command::Pod(c) => pod::run(c),
         Command::Plan(c) => plan::run(*c),
+        Command::NestedVolumePipe { socket } => {
+            match torpor_scheduler::service::volume_gateway::pipe_stdio(&socket) {
+                Ok(()) => EXIT_OK,
+                Err(_) => EXIT_FAILURE,
+            }
+        }
         Command::ProbeImage { out } => match std::fs::write(&out, torpor_probe::PROBE_ELF) {
             Ok(()) => EXIT_OK,
             Err(e) => {

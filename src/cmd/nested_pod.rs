@@ -24,7 +24,8 @@ use std::time::{Duration, Instant};
 use torpor_api::nested::{Nested, Starter};
 use torpor_api::SandboxApi;
 use torpor_nested::{NestedHost, RunningHost};
-use torpor_scheduler::model::PodId;
+use torpor_scheduler::model::{PodId, SandboxId};
+use torpor_scheduler::service::volume_gateway::VolumeGateway;
 use torpor_scheduler::service::Service;
 
 use super::nested_parts::{prepare, NestedPodConfig, Parts, Steps};
@@ -40,6 +41,29 @@ use torpor_client::pin::Fingerprint;
 const SPARE_MIB: u64 = 32 << 10;
 /// How long L1 may take from QEMU start to the pod answering.
 const BOOT_LIMIT: Duration = Duration::from_secs(900);
+
+/// The unix socket of serve's volume gateway for its nested host.
+fn volume_socket(data_dir: &Path) -> PathBuf {
+    data_dir.join("nested-volumes.sock")
+}
+
+/// Serve's volume gateway for the nested pod's sandboxes (their volumes
+/// are on this host): it serves each connection the nested host's QEMU
+/// hands to `torpor nested-volume-pipe` the volumes serve recorded for the
+/// sandbox it names. Lives as long as the value.
+pub fn volume_gateway(
+    nested: &Arc<Nested<Service>>,
+    service: &Arc<Service>,
+    data_dir: &Path,
+) -> Result<VolumeGateway, String> {
+    let of = nested.clone();
+    VolumeGateway::start(
+        &volume_socket(data_dir),
+        service.volume_mounts(),
+        Arc::new(move |id: &SandboxId| of.volumes_of(id)),
+    )
+    .map_err(|e| e.to_string())
+}
 
 /// Offers the nested pod's templates on demand: the first request for any
 /// of them calls [`start`], once.
@@ -323,6 +347,8 @@ fn boot(
     let exe =
         std::env::current_exe().map_err(|e| format!("cannot find the torpor executable: {e}"))?;
     let vmm = super::server::vmm_exe()?;
+    let (pipe_exe, gateway) = (exe.display().to_string(), volume_socket(data_dir));
+    let gateway = gateway.display().to_string();
     let Parts {
         kernel,
         rootfs,
@@ -335,6 +361,10 @@ fn boot(
         .cpus(config.host_cpus)
         .spare_mib(SPARE_MIB)
         .l1_dir(l1)
+        .guest_command(
+            templates::VOLUMES_ADDR,
+            &[&pipe_exe, "nested-volume-pipe", &gateway],
+        )
         .file(exe, "/opt/torpor/torpor")
         .file(vmm, "/opt/torpor/torpor-vmm")
         .file(&kernel, "/opt/torpor/vmlinux")

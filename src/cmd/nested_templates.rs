@@ -53,6 +53,11 @@ pub struct ServeApi {
 
 /// The pod's port inside L1.
 pub const POD_PORT: u16 = 7801;
+/// Where the nested pod sends its sandboxes' volume connections: an
+/// address of QEMU's user network whose connections QEMU hands to `torpor
+/// nested-volume-pipe`, which pipes them to serve's volume gateway
+/// (`nested_pod::volume_gateway`).
+pub const VOLUMES_ADDR: &str = "10.0.2.100:2049";
 /// Where L1 finds the interpreter's rootfs (carried on the payload disk).
 pub const INTERPRETER_ROOTFS: &str = "/opt/torpor/interp-rootfs.ext4";
 
@@ -151,6 +156,7 @@ TORPOR_LOG=warn,torpor_scheduler::service::linux=info \
 $T pod serve --listen tcp:0.0.0.0:{POD_PORT} --token-file /opt/torpor/pod.token \
    --tls-cert /opt/torpor/pod-cert.pem --tls-key /opt/torpor/pod-key.pem \
    --data-dir /payload/pod --images-dir "$IMAGES" --request-timeout-ms 1800000 \
+   --volumes-relay {VOLUMES_ADDR} \
    2>&1 | tee /tmp/pod.log &
 # The pod's log is on L1's console too: `torpor serve` shows its tail when
 # the nested host fails, and all of it with TORPOR_NESTED_ECHO=1.

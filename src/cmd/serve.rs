@@ -170,12 +170,12 @@ fn open_service(
     config.lazy_wake = flags.lazy_wake;
     config.hibernate_ack = flags.hibernate_ack.ack();
     config.chunk_cache_mib = flags.chunk_cache_mib;
-    config.volumes_dir = Some(
-        flags
-            .volumes_dir
-            .clone()
-            .unwrap_or_else(|| data_dir.join("volumes")),
-    );
+    config.volumes_relay = flags.volumes_relay;
+    config.volumes_dir = match (&flags.volumes_dir, flags.volumes_relay) {
+        (Some(dir), _) => Some(dir.clone()),
+        (None, Some(_)) => None,
+        (None, None) => Some(data_dir.join("volumes")),
+    };
     config.default_keep_alive_ms = flags.keep_alive_ms;
     config.exec_timeout_ms = flags.exec_timeout_ms.max(1);
     config.standby_pool = flags.standby_pool;
@@ -244,6 +244,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             data_dir.join("federation.db").display()
         );
     }
+    // Serves the nested pod's sandboxes their volumes, while serve runs.
+    let mut volume_gateway = None;
     if host_guests().linux_refusal().is_none() {
         if args.nested_pod {
             println!("torpor serve: the local pod runs Linux itself; --nested-pod is not needed");
@@ -288,6 +290,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
                  made from the cached tree of scripts/build-rootfs --variant interpreter"
             ),
         }
+        volume_gateway = Some(super::nested_pod::volume_gateway(
+            &nested, &service, &data_dir,
+        )?);
         if super::nested_pod::resume(&nested, &data_dir, &config)? {
             println!(
                 "torpor serve: the nested host for Linux templates ran before this start: \
@@ -397,6 +402,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             }
         }
         .map_err(|e| e.to_string())?;
+        drop(volume_gateway);
         service.close();
         Ok::<(), String>(())
     })

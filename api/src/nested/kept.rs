@@ -29,6 +29,7 @@ impl Owned {
                 env: s.env,
                 last_seen: s.last_seen,
                 lost: s.lost,
+                volumes: s.volumes,
             },
         )
     }
@@ -42,6 +43,7 @@ impl Owned {
             env: self.env.clone(),
             last_seen: self.last_seen.clone(),
             lost: self.lost.clone(),
+            volumes: self.volumes.clone(),
         }
     }
 }
@@ -64,6 +66,17 @@ impl<L: SandboxApi> super::Nested<L> {
         };
         self.owners.write_locked().insert(id, owned);
         stored.map_err(|e| internal(format!("recording a nested sandbox: {e}")))
+    }
+
+    /// The volumes this server resolved for its nested sandbox `id`, while
+    /// it is not lost (what its volume gateway serves it).
+    pub fn volumes_of(
+        &self,
+        id: &SandboxId,
+    ) -> Option<Vec<torpor_scheduler::model::MountedVolume>> {
+        let owners = self.owners.read_locked();
+        let owned = owners.get(id).filter(|o| o.lost.is_none())?;
+        Some(owned.volumes.clone())
     }
 
     /// Forgets `id` (deleted).

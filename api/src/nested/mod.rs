@@ -28,7 +28,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use serde_json::Value;
-use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template, TemplateState};
+use torpor_scheduler::model::{MountedVolume, PodId, Sandbox, SandboxId, Template, TemplateState};
 use torpor_scheduler::service::LOCAL_POD;
 use torpor_scheduler::state::SandboxState;
 use torpor_sync::RwLocked;
@@ -63,6 +63,9 @@ struct Owned {
     last_seen: Option<Sandbox>,
     /// Why it is gone (its nested host stopped), once it is.
     lost: Option<String>,
+    /// The volumes it mounts, as this server resolved them: what its
+    /// volume gateway serves it ([`volumes`]).
+    volumes: Vec<MountedVolume>,
 }
 
 /// The local pod and the nested pods.
@@ -264,7 +267,7 @@ impl<L: SandboxApi> Nested<L> {
         path: &str,
         body: Value,
         tenant: Option<&str>,
-        (access_token, env): (Option<String>, BTreeMap<String, String>),
+        (access_token, env, volumes): Kept,
     ) -> Result<Value, ServiceError> {
         let answer = pod.send("POST", path, Some(&body))?;
         if !answer.is_success() {
@@ -294,6 +297,7 @@ impl<L: SandboxApi> Nested<L> {
             env,
             last_seen: serde_json::from_value(v.clone()).ok(),
             lost: None,
+            volumes,
         };
         self.keep(id, owned)?;
         Ok(v)
@@ -346,13 +350,20 @@ impl<L: SandboxApi> Nested<L> {
         pod: &RemotePod,
         mut req: CreateSandbox,
     ) -> Result<Sandbox, ServiceError> {
-        if !req.volumes.is_empty() {
-            return Err(ServiceError::Invalid(NO_REMOTE_MOUNTS.into()));
-        }
         req.pod = None;
+        // The pod takes the volumes as this server resolved them (its
+        // gate trusts ids only from the server in front of it), and this
+        // server's volume gateway serves them.
+        for (m, v) in req.volume_mounts.iter_mut().zip(&req.volumes) {
+            m.id = Some(v.id.clone());
+        }
         let tenant = req.owner.as_ref().map(|o| o.tenant.clone());
         let body = serde_json::to_value(&req).map_err(internal)?;
-        let secrets = (req.access_token.clone(), req.env.clone());
+        let secrets = (
+            req.access_token.clone(),
+            req.env.clone(),
+            req.volumes.clone(),
+        );
         // A tenant's create is that tenant's on the pod too, from a
         // template of its namespace there.
         let acting = pod.acting_for(acting_tenant(req.owner.as_ref()));
@@ -402,6 +413,8 @@ impl<L: SandboxApi> Nested<L> {
                 env: BTreeMap::new(),
                 last_seen: Some(s.clone()),
                 lost: None,
+                // Not known: a create that failed mounts nothing.
+                volumes: Vec::new(),
             };
             if let Err(e) = self.keep(s.id, owned) {
                 tracing::warn!(pod = %pod.id, error = %e, "a sandbox of a failed create is not in the store");
@@ -516,9 +529,9 @@ impl std::io::Read for Limited<'_> {
     }
 }
 
-/// Why a sandbox on another pod (the nested pod) cannot mount volumes.
-const NO_REMOTE_MOUNTS: &str = "volumes cannot be mounted into sandboxes of a nested or remote \
-     pod yet, only into the Linux sandboxes of the server's own pod (see docs/e2b.md)";
+/// What a remote sandbox's record keeps that its pod never shows: its
+/// envd token, its environment, its volumes.
+type Kept = (Option<String>, BTreeMap<String, String>, Vec<MountedVolume>);
 
 impl<L: SandboxApi> SandboxApi for Nested<L> {
     fn mounts_volumes(&self) -> bool {

@@ -125,12 +125,23 @@ impl<L: crate::backend::SandboxApi> super::Nested<L> {
     ) -> Result<Value, ServiceError> {
         let owner = self.owner(source);
         let tenant = owner.as_ref().and_then(|o| o.tenant.clone());
+        // A fork's guest has its source's volumes mounted.
+        let volumes = owner
+            .as_ref()
+            .map(|o| o.volumes.clone())
+            .unwrap_or_default();
         let mut env = owner.map(|o| o.env).unwrap_or_default();
         env.extend(req.env);
         // For the source's tenant on the pod too: the pod checks that the
         // source is that tenant's, and the fork is.
         let pod = pod.acting_for(tenant.as_deref());
-        self.place_remote(&pod, path, body, tenant.as_deref(), (req.access_token, env))
+        self.place_remote(
+            &pod,
+            path,
+            body,
+            tenant.as_deref(),
+            (req.access_token, env, volumes),
+        )
     }
 
     /// Templates of every pod that answers, each with its `pod`.

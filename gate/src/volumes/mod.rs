@@ -358,6 +358,7 @@ mod tests {
         let m = |name: &str, path: &str| VolumeMountRequest {
             name: name.into(),
             path: path.into(),
+            id: None,
         };
         let got = v.resolve_mounts("acme", &[m("data", "/mnt/d")]).unwrap();
         assert_eq!(

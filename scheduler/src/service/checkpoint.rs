@@ -324,6 +324,8 @@ impl Service {
         fork.access_token = req.access_token;
         // And its guest ports' `Host`, as its egress policy.
         fork.ingress_host = source.ingress_host.clone();
+        // Its guest has its source's volumes mounted.
+        fork.volumes = source.volumes.clone();
         fork.pod = Some(PodId::new(LOCAL_POD));
         fork.expires_at = req
             .timeout_ms

@@ -39,6 +39,7 @@ mod sandbox_template;
 mod template;
 pub mod vmm;
 pub mod vmm_process;
+pub mod volume_gateway;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -165,6 +166,11 @@ pub struct ServiceConfig {
     /// `torpor_gate::volumes`), for the sandboxes that mount them
     /// ([`mounts`]); `None`: this pod mounts none.
     pub volumes_dir: Option<PathBuf>,
+    /// A nested pod's: where its sandboxes' volume connections go instead
+    /// (the volume gateway of the server in front of it, which has the
+    /// volumes; [`crate::volumes::RelayHandle`]). Used when
+    /// `volumes_dir` is `None`.
+    pub volumes_relay: Option<std::net::SocketAddr>,
 }
 
 /// How Linux sandboxes are networked (see `crate::net`).
@@ -227,6 +233,7 @@ impl ServiceConfig {
             hibernate_ack: objects::HibernateAck::Stored,
             chunk_cache_mib: DEFAULT_CHUNK_CACHE_MIB,
             volumes_dir: None,
+            volumes_relay: None,
         }
     }
 }
@@ -538,6 +545,11 @@ pub struct VolumeMountRequest {
     pub name: String,
     /// Absolute path in the guest.
     pub path: String,
+    /// The volume's id, as the server in front of this pod resolved it
+    /// (an admin acting for the tenant: the nested pod's server); refused
+    /// from anyone else.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
 }
 
 impl CreateSandbox {
@@ -598,7 +610,7 @@ pub struct Service {
     /// Waits for the exits of VMMs a hibernation told to exit.
     reaper: vmm_process::Reaper,
     /// The volumes its sandboxes mount, served while their VMMs run.
-    mounts: mounts::Mounts,
+    mounts: Arc<mounts::Mounts>,
     metrics: Metrics,
     /// Each running sandbox's resource use over time.
     history: history::History,
@@ -703,7 +715,10 @@ impl Service {
             })
             .transpose()?;
         let ports_ip = config.net.as_ref().map(|n| n.ports_ip);
-        let mounts = mounts::Mounts::new(config.volumes_dir.clone());
+        let mounts = Arc::new(mounts::Mounts::new(
+            config.volumes_dir.clone(),
+            config.volumes_relay,
+        ));
         let service = Arc::new_cyclic(|me: &std::sync::Weak<Self>| Self {
             recorder,
             ports: net.as_ref().zip(ports_ip).map(|(m, ip)| {

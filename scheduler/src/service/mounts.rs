@@ -8,6 +8,7 @@
 //! Ending the VMM ends the serving.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -44,17 +45,29 @@ pub const CONTENT: &str = "content";
 #[derive(Debug)]
 pub struct Mounts {
     /// Where the volumes are (`ServiceConfig::volumes_dir`); `None`: this
-    /// pod mounts none.
+    /// pod serves none itself.
     root: Option<PathBuf>,
+    /// Where a nested pod sends its sandboxes' volume connections instead
+    /// (`ServiceConfig::volumes_relay`: the server in front of it, which
+    /// has the volumes).
+    relay: Option<SocketAddr>,
     server: Mutex<Option<VolumeServer>>,
-    served: Mutex<HashMap<SandboxId, VolumeHandle>>,
+    served: Mutex<HashMap<SandboxId, Served>>,
+}
+
+/// One sandbox's volumes being served, or relayed.
+#[derive(Debug)]
+enum Served {
+    Here(#[allow(dead_code)] VolumeHandle),
+    Relayed(#[allow(dead_code)] crate::volumes::RelayHandle),
 }
 
 impl Mounts {
-    /// Serving from the volumes under `root`, if any.
-    pub fn new(root: Option<PathBuf>) -> Self {
+    /// Serving from the volumes under `root`, or relaying to `relay`.
+    pub fn new(root: Option<PathBuf>, relay: Option<SocketAddr>) -> Self {
         Mounts {
             root,
+            relay,
             server: Mutex::new(None),
             served: Mutex::new(HashMap::new()),
         }
@@ -62,7 +75,7 @@ impl Mounts {
 
     /// Whether this pod mounts volumes into its sandboxes.
     pub fn offered(&self) -> bool {
-        self.root.is_some()
+        self.root.is_some() || self.relay.is_some()
     }
 
     /// The exports of `volumes`: each one's content directory, which must
@@ -88,34 +101,49 @@ impl Mounts {
             .collect()
     }
 
+    /// Serves `volumes` (the sandbox `id`'s) on `socket` for as long as
+    /// the handle lives: a sandbox's own, or, in the server in front of a
+    /// nested pod, for each connection the pod relays.
+    pub fn export(
+        &self,
+        id: &SandboxId,
+        volumes: &[MountedVolume],
+        socket: &Path,
+    ) -> Result<VolumeHandle, ServiceError> {
+        let exports = self.exports(volumes)?;
+        let mut server = self.server.locked();
+        if server.is_none() {
+            *server = Some(VolumeServer::start().map_err(internal)?);
+        }
+        let server = server.as_ref().expect("started above");
+        server.serve(socket, exports, tag_of(id)).map_err(internal)
+    }
+
     /// Serves `sandbox`'s volumes (none: nothing) on the socket its VMM in
-    /// `dir` connects to, replacing what it had served.
+    /// `dir` connects to, replacing what it had served: from this pod's
+    /// volumes, or relayed to the server in front of it.
     pub fn serve(&self, sandbox: &Sandbox, dir: &Path) -> Result<(), ServiceError> {
         self.stop(&sandbox.id);
         if sandbox.volumes.is_empty() {
             return Ok(());
         }
-        let exports = self.exports(&sandbox.volumes)?;
         let socket =
             torpor_vmm_api::launch::guest_target(&dir.join(VSOCK_FILE), u32::from(VOLUMES_PORT));
-        let handle = {
-            let mut server = self.server.locked();
-            if server.is_none() {
-                *server = Some(VolumeServer::start().map_err(internal)?);
-            }
-            let server = server.as_ref().expect("started above");
-            server
-                .serve(&socket, exports, tag_of(&sandbox.id))
-                .map_err(internal)?
+        let served = match (&self.root, self.relay) {
+            (None, Some(relay)) => Served::Relayed(
+                crate::volumes::RelayHandle::start(&socket, relay, &sandbox.id)
+                    .map_err(internal)?,
+            ),
+            _ => Served::Here(self.export(&sandbox.id, &sandbox.volumes, &socket)?),
         };
-        self.served.locked().insert(sandbox.id.clone(), handle);
+        self.served.locked().insert(sandbox.id.clone(), served);
         Ok(())
     }
 
     /// Stops serving `id`'s volumes (its VMM ended).
     pub fn stop(&self, id: &SandboxId) {
-        let handle = self.served.locked().remove(id);
-        drop(handle);
+        let served = self.served.locked().remove(id);
+        drop(served);
     }
 
     /// Whether `id`'s volumes are served now.

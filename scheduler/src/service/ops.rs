@@ -233,6 +233,12 @@ impl Service {
         self.mounts.offered()
     }
 
+    /// This pod's volume serving (what serve's volume gateway exports its
+    /// nested pod's sandboxes' volumes with).
+    pub fn volume_mounts(&self) -> std::sync::Arc<super::mounts::Mounts> {
+        self.mounts.clone()
+    }
+
     /// Creates a sandbox from a ready template: restore of its snapshot,
     /// or a boot from the disk a filesystem-only one keeps.
     pub fn create_sandbox(&self, req: CreateSandbox) -> Result<Sandbox, ServiceError> {

@@ -58,6 +58,15 @@ impl Service {
         req: TemplateFromSandbox,
     ) -> Result<Template, ServiceError> {
         let source = self.store.get_sandbox(id)?;
+        if !source.volumes.is_empty() {
+            // Its guest has them mounted: a sandbox restored from the
+            // template would hold mounts nothing serves.
+            return Err(ServiceError::Conflict {
+                id: id.to_string(),
+                state: source.state,
+                message: "a sandbox with volumes mounted cannot be made a template".into(),
+            });
+        }
         let base = self.store.get_template(&source.template)?;
         let name = req
             .name

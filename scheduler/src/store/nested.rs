@@ -23,6 +23,9 @@ pub struct NestedSandbox {
     pub last_seen: Option<Sandbox>,
     /// Why it is gone (its nested host stopped), once it is.
     pub lost: Option<String>,
+    /// The volumes it mounts, as serve resolved them (serve's volume
+    /// gateway serves these to it, whatever the pod says).
+    pub volumes: Vec<crate::model::MountedVolume>,
 }
 
 fn invalid(what: &'static str, e: serde_json::Error) -> StoreError {
@@ -32,9 +35,11 @@ fn invalid(what: &'static str, e: serde_json::Error) -> StoreError {
     }
 }
 
-const COLUMNS: &str = "id, pod, tenant, access_token, env, last_seen, lost";
+const COLUMNS: &str = "id, pod, tenant, access_token, env, last_seen, lost, volumes";
 
-fn from_row(r: &Row<'_>) -> rusqlite::Result<(NestedSandbox, String, Option<String>)> {
+type RowParts = (NestedSandbox, String, Option<String>, Option<String>);
+
+fn from_row(r: &Row<'_>) -> rusqlite::Result<RowParts> {
     Ok((
         NestedSandbox {
             id: r.get(0)?,
@@ -44,16 +49,20 @@ fn from_row(r: &Row<'_>) -> rusqlite::Result<(NestedSandbox, String, Option<Stri
             env: BTreeMap::new(),
             last_seen: None,
             lost: r.get(6)?,
+            volumes: Vec::new(),
         },
         r.get(4)?,
         r.get(5)?,
+        r.get(7)?,
     ))
 }
 
-fn parse(
-    (mut s, env, last_seen): (NestedSandbox, String, Option<String>),
-) -> Result<NestedSandbox> {
+fn parse((mut s, env, last_seen, volumes): RowParts) -> Result<NestedSandbox> {
     s.env = serde_json::from_str(&env).map_err(|e| invalid("a nested sandbox's env", e))?;
+    if let Some(v) = volumes {
+        s.volumes =
+            serde_json::from_str(&v).map_err(|e| invalid("a nested sandbox's volumes", e))?;
+    }
     s.last_seen = last_seen
         .map(|j| serde_json::from_str(&j))
         .transpose()
@@ -71,12 +80,17 @@ impl Tx<'_> {
             .map(serde_json::to_string)
             .transpose()
             .map_err(|e| invalid("a sandbox", e))?;
+        let volumes = (!s.volumes.is_empty())
+            .then(|| serde_json::to_string(&s.volumes))
+            .transpose()
+            .map_err(|e| invalid("volumes", e))?;
         self.conn
             .prepare_cached(
-                "INSERT INTO nested_sandboxes (id, pod, tenant, access_token, env, last_seen, lost) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) \
+                "INSERT INTO nested_sandboxes \
+                 (id, pod, tenant, access_token, env, last_seen, lost, volumes) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) \
                  ON CONFLICT (id) DO UPDATE SET pod = ?2, tenant = ?3, access_token = ?4, \
-                 env = ?5, last_seen = ?6, lost = ?7",
+                 env = ?5, last_seen = ?6, lost = ?7, volumes = ?8",
             )?
             .execute(params![
                 s.id,
@@ -85,7 +99,8 @@ impl Tx<'_> {
                 s.access_token,
                 env,
                 last_seen,
-                s.lost
+                s.lost,
+                volumes
             ])?;
         Ok(())
     }

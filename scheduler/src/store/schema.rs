@@ -245,8 +245,14 @@ const V13: &str = r#"
 ALTER TABLE sandboxes ADD COLUMN volumes TEXT;
 "#;
 
+/// Version 14: the volumes a nested pod's sandbox mounts, as serve
+/// resolved them (`NestedSandbox::volumes`), a JSON list; NULL for none.
+const V14: &str = r#"
+ALTER TABLE nested_sandboxes ADD COLUMN volumes TEXT;
+"#;
+
 /// Every migration, in order.
-pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12, V13];
+pub const MIGRATIONS: &[&str] = &[V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12, V13, V14];
 
 /// The schema version this build writes.
 pub const CURRENT_VERSION: i64 = MIGRATIONS.len() as i64;

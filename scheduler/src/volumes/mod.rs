@@ -77,12 +77,14 @@
 mod change;
 mod fs;
 mod nfs;
+mod relay;
 mod serve;
 #[cfg(test)]
 mod tests;
 
 use std::path::PathBuf;
 
+pub use relay::{greeting, read_greeting, RelayHandle, MAX_GREETING};
 pub use serve::{VolumeHandle, VolumeServer};
 
 /// One volume of a sandbox: the name it is mounted by (`127.0.0.1:/NAME`)

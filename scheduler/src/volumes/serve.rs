@@ -254,7 +254,7 @@ fn open_exports(exports: Vec<VolumeExport>) -> Result<Vec<Volume>, VolumeError> 
 
 /// Binds the unix socket at `path` (a stale non-directory there removed),
 /// mode 0600, non-blocking; answers it and its (device, inode).
-fn bind_socket(path: &Path) -> Result<(StdUnixListener, (u64, u64)), VolumeError> {
+pub(super) fn bind_socket(path: &Path) -> Result<(StdUnixListener, (u64, u64)), VolumeError> {
     let err = |source| VolumeError::Socket {
         path: path.to_path_buf(),
         source,

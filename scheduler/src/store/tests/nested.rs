@@ -17,6 +17,7 @@ fn nested(id: &SandboxId, pod: &str, tenant: &str) -> NestedSandbox {
         env: BTreeMap::from([("GREETING".to_string(), "hello".to_string())]),
         last_seen: None,
         lost: None,
+        volumes: Vec::new(),
     }
 }
 
@@ -29,6 +30,11 @@ fn nested_sandboxes_survive_a_reopen_and_are_marked_lost_with_their_pod() {
     let a = nested(&SandboxId::generate(), "pod_aaaa", "alpha");
     let mut b = nested(&SandboxId::generate(), "pod_bbbb", "bravo");
     b.access_token = None;
+    b.volumes = vec![crate::model::MountedVolume {
+        id: "vol_1".into(),
+        name: "data".into(),
+        path: "/mnt/data".into(),
+    }];
     store.put_nested_sandbox(&a).unwrap();
     store.put_nested_sandbox(&b).unwrap();
     store.set_nested_last_seen(&a.id, &answer).unwrap();
@@ -42,6 +48,11 @@ fn nested_sandboxes_survive_a_reopen_and_are_marked_lost_with_their_pod() {
     assert_eq!(got.last_seen.as_ref().map(|s| &s.id), Some(&answer.id));
     assert_eq!(got.lost, None);
     assert_eq!(store.nested_sandboxes().unwrap().len(), 2);
+    assert!(got.volumes.is_empty());
+    assert_eq!(
+        store.get_nested_sandbox(&b.id).unwrap().unwrap().volumes,
+        b.volumes
+    );
 
     // pod_aaaa's host is still there; every other pod's sandboxes are lost.
     let n = store
