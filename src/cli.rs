@@ -453,8 +453,13 @@ pub struct ServiceFlags {
     /// A nested pod's: send its sandboxes' volume connections to this
     /// address (the volume gateway of the `torpor serve` in front of it,
     /// which has the volumes) instead of serving volumes itself.
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", requires = "volumes_relay_token_file")]
     pub volumes_relay: Option<std::net::SocketAddr>,
+    /// With --volumes-relay: the file holding the token the pod proves
+    /// itself with to that gateway (its own token, which the server in
+    /// front of it made).
+    #[arg(long, value_name = "FILE", requires = "volumes_relay")]
+    pub volumes_relay_token_file: Option<std::path::PathBuf>,
     /// Default keep-alive of a sandbox before it is hibernated when idle
     /// (at most 30 days).
     #[arg(long, default_value_t = 300_000,

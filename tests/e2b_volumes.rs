@@ -49,6 +49,21 @@ fn run_against_serve(name: &str, sdk: Sdk, script: &str) -> String {
         .as_str()
         .expect("a token")
         .to_string();
+    // A volume id in a create is the gate's to set (or the server in
+    // front of a pod's, with an admin token): a tenant's is refused.
+    let forged = request(
+        &serve.addr,
+        "POST",
+        "/v1/sandboxes",
+        Some(&other),
+        Some(
+            &json!({"template": "probe", "volume_mounts": [
+                {"name": "x", "path": "/mnt/x", "id": "vol_0123456789ab"}]})
+            .to_string(),
+        ),
+    );
+    assert_eq!(forged.status, 400, "{}", forged.body);
+    assert!(forged.body.contains("volume mount's id"), "{}", forged.body);
     let volumes = data.0.join("volumes");
     let url = serve.url();
     let out = run_script(

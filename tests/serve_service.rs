@@ -725,6 +725,7 @@ fn a_nested_pods_volumes_are_relayed_to_the_servers_gateway() {
     use std::process::{Command, Stdio};
     use torpor_scheduler::service::mounts::Mounts;
     use torpor_scheduler::service::volume_gateway::VolumeGateway;
+    use torpor_scheduler::volumes::{greeting, VolumesRelay};
 
     // The server in front: the volumes, and its gateway.
     let outer = DataDir::new("serve-service-gateway");
@@ -738,6 +739,7 @@ fn a_nested_pods_volumes_are_relayed_to_the_servers_gateway() {
         &gateway_socket,
         Arc::new(Mounts::new(Some(outer.0.join("volumes")), None)),
         Arc::new(move |id: &SandboxId| lookup.lock().unwrap().get(id).cloned()),
+        "pod-token".into(),
     )
     .unwrap();
     // QEMU's guest forward, as a TCP listener here.
@@ -760,7 +762,10 @@ fn a_nested_pods_volumes_are_relayed_to_the_servers_gateway() {
 
     // The nested pod: no volumes of its own.
     let h = Harness::with("serve-service-relay", 60_000, |c| {
-        c.volumes_relay = Some(relay);
+        c.volumes_relay = Some(VolumesRelay {
+            addr: relay,
+            token: "pod-token".into(),
+        });
     });
     let ops = good_ops();
     h.set_ops(ops.clone());
@@ -810,6 +815,19 @@ fn a_nested_pods_volumes_are_relayed_to_the_servers_gateway() {
     assert_eq!(
         read_through_relay(port, "/data", "hello.txt").unwrap(),
         b"from the outer host"
+    );
+    // A connection to the gateway without the pod's token gets nothing.
+    let mut forged = UnixStream::connect(&gateway_socket).unwrap();
+    forged
+        .write_all(greeting("guessed", &id).as_bytes())
+        .unwrap();
+    forged
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    assert_eq!(
+        forged.read(&mut [0u8; 64]).unwrap(),
+        0,
+        "served without the token"
     );
     h.service.delete_sandbox(&id).unwrap();
 }

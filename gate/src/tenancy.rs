@@ -273,8 +273,9 @@ pub async fn admit_create<S: SandboxApi>(
 ) -> Result<Option<Ticket>, ServiceError> {
     req.volumes = if req.volume_mounts.iter().any(|m| m.id.is_some()) {
         // Resolved by the server in front of this pod, which calls it with
-        // an admin's token for the tenant: taken as it says.
-        if !(principal.is_admin() && principal.on_behalf_of.is_some()) {
+        // the pod's admin token (for the tenant, or for itself): taken as
+        // it says. A tenant's token never sets them.
+        if !principal.is_admin() {
             return Err(ServiceError::Invalid(
                 "a volume mount's id is set by the server in front of a pod, not in a request"
                     .into(),

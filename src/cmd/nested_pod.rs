@@ -57,10 +57,14 @@ pub fn volume_gateway(
     data_dir: &Path,
 ) -> Result<VolumeGateway, String> {
     let of = nested.clone();
+    // The pod proves itself with its own token (the address is in the
+    // nested host's network).
+    let token = PodSecrets::load(data_dir)?.token;
     VolumeGateway::start(
         &volume_socket(data_dir),
         service.volume_mounts(),
         Arc::new(move |id: &SandboxId| of.volumes_of(id)),
+        token,
     )
     .map_err(|e| e.to_string())
 }

@@ -156,7 +156,7 @@ TORPOR_LOG=warn,torpor_scheduler::service::linux=info \
 $T pod serve --listen tcp:0.0.0.0:{POD_PORT} --token-file /opt/torpor/pod.token \
    --tls-cert /opt/torpor/pod-cert.pem --tls-key /opt/torpor/pod-key.pem \
    --data-dir /payload/pod --images-dir "$IMAGES" --request-timeout-ms 1800000 \
-   --volumes-relay {VOLUMES_ADDR} \
+   --volumes-relay {VOLUMES_ADDR} --volumes-relay-token-file /opt/torpor/pod.token \
    2>&1 | tee /tmp/pod.log &
 # The pod's log is on L1's console too: `torpor serve` shows its tail when
 # the nested host fails, and all of it with TORPOR_NESTED_ECHO=1.

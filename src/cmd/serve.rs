@@ -170,7 +170,16 @@ fn open_service(
     config.lazy_wake = flags.lazy_wake;
     config.hibernate_ack = flags.hibernate_ack.ack();
     config.chunk_cache_mib = flags.chunk_cache_mib;
-    config.volumes_relay = flags.volumes_relay;
+    config.volumes_relay = match (flags.volumes_relay, &flags.volumes_relay_token_file) {
+        (Some(addr), Some(file)) => {
+            let token = std::fs::read_to_string(file)
+                .map_err(|e| format!("cannot read {}: {e}", file.display()))?
+                .trim()
+                .to_string();
+            Some(torpor_scheduler::volumes::VolumesRelay { addr, token })
+        }
+        _ => None,
+    };
     config.volumes_dir = match (&flags.volumes_dir, flags.volumes_relay) {
         (Some(dir), _) => Some(dir.clone()),
         (None, Some(_)) => None,

@@ -170,7 +170,7 @@ pub struct ServiceConfig {
     /// (the volume gateway of the server in front of it, which has the
     /// volumes; [`crate::volumes::RelayHandle`]). Used when
     /// `volumes_dir` is `None`.
-    pub volumes_relay: Option<std::net::SocketAddr>,
+    pub volumes_relay: Option<crate::volumes::VolumesRelay>,
 }
 
 /// How Linux sandboxes are networked (see `crate::net`).
@@ -546,8 +546,8 @@ pub struct VolumeMountRequest {
     /// Absolute path in the guest.
     pub path: String,
     /// The volume's id, as the server in front of this pod resolved it
-    /// (an admin acting for the tenant: the nested pod's server); refused
-    /// from anyone else.
+    /// (with an admin token: the nested pod's server); refused from a
+    /// tenant's token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub id: Option<String>,
 }
@@ -717,7 +717,7 @@ impl Service {
         let ports_ip = config.net.as_ref().map(|n| n.ports_ip);
         let mounts = Arc::new(mounts::Mounts::new(
             config.volumes_dir.clone(),
-            config.volumes_relay,
+            config.volumes_relay.clone(),
         ));
         let service = Arc::new_cyclic(|me: &std::sync::Weak<Self>| Self {
             recorder,

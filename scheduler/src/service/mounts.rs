@@ -8,7 +8,6 @@
 //! Ending the VMM ends the serving.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -20,7 +19,7 @@ use torpor_sync::Locked;
 use super::guest::{AgentLink, VSOCK_FILE};
 use super::ServiceError;
 use crate::model::{MountedVolume, Sandbox, SandboxId};
-use crate::volumes::{VolumeExport, VolumeHandle, VolumeServer};
+use crate::volumes::{VolumeExport, VolumeHandle, VolumeServer, VolumesRelay};
 
 /// The longest a guest's `mount_volumes` may take (each mount's MOUNT and
 /// first NFS calls go through the relay to this pod).
@@ -50,7 +49,7 @@ pub struct Mounts {
     /// Where a nested pod sends its sandboxes' volume connections instead
     /// (`ServiceConfig::volumes_relay`: the server in front of it, which
     /// has the volumes).
-    relay: Option<SocketAddr>,
+    relay: Option<VolumesRelay>,
     server: Mutex<Option<VolumeServer>>,
     served: Mutex<HashMap<SandboxId, Served>>,
 }
@@ -64,7 +63,7 @@ enum Served {
 
 impl Mounts {
     /// Serving from the volumes under `root`, or relaying to `relay`.
-    pub fn new(root: Option<PathBuf>, relay: Option<SocketAddr>) -> Self {
+    pub fn new(root: Option<PathBuf>, relay: Option<VolumesRelay>) -> Self {
         Mounts {
             root,
             relay,
@@ -129,7 +128,7 @@ impl Mounts {
         }
         let socket =
             torpor_vmm_api::launch::guest_target(&dir.join(VSOCK_FILE), u32::from(VOLUMES_PORT));
-        let served = match (&self.root, self.relay) {
+        let served = match (&self.root, &self.relay) {
             (None, Some(relay)) => Served::Relayed(
                 crate::volumes::RelayHandle::start(&socket, relay, &sandbox.id)
                     .map_err(internal)?,

@@ -30,6 +30,12 @@ const GREETING_LIMIT: Duration = Duration::from_secs(10);
 /// them (`None`: not one of its sandboxes, or none).
 pub type VolumesOf = dyn Fn(&SandboxId) -> Option<Vec<MountedVolume>> + Send + Sync;
 
+/// Whether `given` is `token` (in constant time).
+fn same_token(given: &str, token: &str) -> bool {
+    use subtle::ConstantTimeEq;
+    given.as_bytes().ct_eq(token.as_bytes()).into()
+}
+
 /// The gateway, accepting until dropped.
 #[derive(Debug)]
 pub struct VolumeGateway {
@@ -47,6 +53,7 @@ impl VolumeGateway {
         socket: &Path,
         mounts: Arc<Mounts>,
         volumes_of: Arc<VolumesOf>,
+        token: String,
     ) -> Result<Self, ServiceError> {
         let io = |e: io::Error| {
             ServiceError::Internal(format!("volume gateway {}: {e}", socket.display()))
@@ -66,7 +73,7 @@ impl VolumeGateway {
         std::fs::create_dir_all(&dir).map_err(io)?;
         let thread = std::thread::Builder::new()
             .name("volume-gateway".into())
-            .spawn(move || accept(&listener, &mounts, &*volumes_of, &dir, &flag))
+            .spawn(move || accept(&listener, &mounts, &*volumes_of, &token, &dir, &flag))
             .map_err(io)?;
         Ok(VolumeGateway {
             socket: socket.to_path_buf(),
@@ -80,6 +87,7 @@ fn accept(
     listener: &UnixListener,
     mounts: &Arc<Mounts>,
     volumes_of: &VolumesOf,
+    token: &str,
     dir: &Path,
     stop: &AtomicBool,
 ) {
@@ -91,7 +99,11 @@ fn accept(
         let Ok(mut conn) = conn else { continue };
         let _ = conn.set_read_timeout(Some(GREETING_LIMIT));
         let id = match read_greeting(&mut conn) {
-            Ok(id) => id,
+            Ok((given, id)) if same_token(&given, token) => id,
+            Ok(_) => {
+                tracing::warn!("a volume gateway connection had a wrong token: closed");
+                continue;
+            }
             Err(e) => {
                 tracing::warn!("a volume gateway connection did not name a sandbox: {e}");
                 continue;

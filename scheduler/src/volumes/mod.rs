@@ -84,7 +84,7 @@ mod tests;
 
 use std::path::PathBuf;
 
-pub use relay::{greeting, read_greeting, RelayHandle, MAX_GREETING};
+pub use relay::{greeting, read_greeting, RelayHandle, VolumesRelay, MAX_GREETING};
 pub use serve::{VolumeHandle, VolumeServer};
 
 /// One volume of a sandbox: the name it is mounted by (`127.0.0.1:/NAME`)

@@ -3,9 +3,11 @@
 //! accepts a sandbox's guest connections on the same socket as a pod that
 //! serves them itself (`<vsock uds>_2049`) and pipes each one to that
 //! server (QEMU's user network forwards the address to the server's
-//! volume gateway), after one line naming the sandbox ([`greeting`]). The
-//! server serves the volumes it recorded for that sandbox: the pod names
-//! the sandbox, never a volume.
+//! volume gateway), after one line naming the sandbox and carrying the
+//! pod's token ([`greeting`]: the address is one of the nested host's
+//! network, which a guest with a network could reach too). The server
+//! serves the volumes it recorded for that sandbox: the pod names the
+//! sandbox, never a volume.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
@@ -24,19 +26,39 @@ use crate::model::SandboxId;
 /// The first word of a relayed connection's first line.
 const GREETING: &str = "TORPOR-VOLUMES/1";
 /// The longest first line a gateway reads.
-pub const MAX_GREETING: usize = 128;
+pub const MAX_GREETING: usize = 256;
 /// How long the pod waits for the server's gateway to take a connection.
 const CONNECT_LIMIT: Duration = Duration::from_secs(10);
 
-/// The line a relayed connection starts with: which sandbox it is for.
-pub fn greeting(id: &SandboxId) -> String {
-    format!("{GREETING} {id}\n")
+/// Where a nested pod relays its sandboxes' volume connections, and the
+/// token it proves itself with (the pod's own, which the server in front
+/// of it made).
+#[derive(Clone, PartialEq, Eq)]
+pub struct VolumesRelay {
+    /// The server's volume gateway, as the pod reaches it.
+    pub addr: SocketAddr,
+    /// 1 to 128 printable ASCII characters, no spaces.
+    pub token: String,
+}
+
+impl std::fmt::Debug for VolumesRelay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VolumesRelay")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The line a relayed connection starts with: the pod's token and which
+/// sandbox it is for.
+pub fn greeting(token: &str, id: &SandboxId) -> String {
+    format!("{GREETING} {token} {id}\n")
 }
 
 /// Reads a relayed connection's first line (at most [`MAX_GREETING`]
 /// bytes, one byte at a time: what follows is the client's NFS) and
-/// answers the sandbox it names.
-pub fn read_greeting(conn: &mut impl Read) -> io::Result<SandboxId> {
+/// answers the token and the sandbox it names.
+pub fn read_greeting(conn: &mut impl Read) -> io::Result<(String, SandboxId)> {
     let mut line = Vec::new();
     let mut byte = [0u8; 1];
     while line.len() < MAX_GREETING {
@@ -46,16 +68,19 @@ pub fn read_greeting(conn: &mut impl Read) -> io::Result<SandboxId> {
         if byte[0] == b'\n' {
             let bad = || io::Error::new(io::ErrorKind::InvalidData, "not a volume relay greeting");
             let text = std::str::from_utf8(&line).map_err(|_| bad())?;
-            let id = text
+            let (token, id) = text
                 .strip_prefix(GREETING)
                 .and_then(|r| r.strip_prefix(' '))
-                .filter(|id| {
-                    id.starts_with("sbx_")
+                .and_then(|r| r.split_once(' '))
+                .filter(|(token, id)| {
+                    (1..=128).contains(&token.len())
+                        && token.bytes().all(|b| b.is_ascii_graphic())
+                        && id.starts_with("sbx_")
                         && id.len() <= 64
                         && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
                 })
                 .ok_or_else(bad)?;
-            return Ok(SandboxId::new(id));
+            return Ok((token.to_string(), SandboxId::new(id)));
         }
         line.push(byte[0]);
     }
@@ -77,8 +102,9 @@ pub struct RelayHandle {
 
 impl RelayHandle {
     /// Accepts on `socket` (bound now, a stale file replaced, mode 0600)
-    /// and pipes each connection to `to`, greeted with `id`.
-    pub fn start(socket: &Path, to: SocketAddr, id: &SandboxId) -> Result<Self, VolumeError> {
+    /// and pipes each connection to `to`'s address, greeted with its token
+    /// and `id`.
+    pub fn start(socket: &Path, to: &VolumesRelay, id: &SandboxId) -> Result<Self, VolumeError> {
         let (listener, socket_id) = bind_socket(socket)?;
         listener
             .set_nonblocking(false)
@@ -87,10 +113,10 @@ impl RelayHandle {
                 source,
             })?;
         let stop = Arc::new(AtomicBool::new(false));
-        let (flag, hello) = (stop.clone(), greeting(id));
+        let (flag, hello, addr) = (stop.clone(), greeting(&to.token, id), to.addr);
         let thread = std::thread::Builder::new()
             .name("volume-relay".into())
-            .spawn(move || accept(&listener, to, &hello, &flag))
+            .spawn(move || accept(&listener, addr, &hello, &flag))
             .map_err(VolumeError::Runtime)?;
         Ok(RelayHandle {
             socket: socket.to_path_buf(),
@@ -161,8 +187,8 @@ mod tests {
     #[test]
     fn greetings_name_a_sandbox_and_nothing_else() {
         let id = SandboxId::new("sbx_0123456789abcdef");
-        let mut line = io::Cursor::new(format!("{}NFS...", greeting(&id)));
-        assert_eq!(read_greeting(&mut line).unwrap(), id);
+        let mut line = io::Cursor::new(format!("{}NFS...", greeting("t0k3n", &id)));
+        assert_eq!(read_greeting(&mut line).unwrap(), ("t0k3n".to_string(), id));
         let mut rest = String::new();
         line.read_to_string(&mut rest).unwrap();
         assert_eq!(
@@ -170,15 +196,16 @@ mod tests {
             "the greeting's reader took the client's bytes"
         );
         for bad in [
-            "TORPOR-VOLUMES/1 ../etc\n",
-            "TORPOR-VOLUMES/1 sbx_a b\n",
-            "TORPOR-VOLUMES/2 sbx_a\n",
+            "TORPOR-VOLUMES/1 t ../etc\n",
+            "TORPOR-VOLUMES/1 t sbx_a b\n",
+            "TORPOR-VOLUMES/1 sbx_a\n",
+            "TORPOR-VOLUMES/2 t sbx_a\n",
             "sbx_a\n",
-            "TORPOR-VOLUMES/1 sbx_a",
+            "TORPOR-VOLUMES/1 t sbx_a",
         ] {
             assert!(read_greeting(&mut io::Cursor::new(bad)).is_err(), "{bad:?}");
         }
-        let long = format!("TORPOR-VOLUMES/1 sbx_{}\n", "a".repeat(200));
+        let long = format!("TORPOR-VOLUMES/1 t sbx_{}\n", "a".repeat(300));
         assert!(read_greeting(&mut io::Cursor::new(long)).is_err());
     }
 
@@ -189,11 +216,16 @@ mod tests {
         let to = server.local_addr().unwrap();
         let id = SandboxId::new("sbx_00aa");
         let socket = dir.path().join("vsock.sock_2049");
-        let relay = RelayHandle::start(&socket, to, &id).unwrap();
+        let to = VolumesRelay {
+            addr: to,
+            token: "tok".into(),
+        };
+        let relay = RelayHandle::start(&socket, &to, &id).unwrap();
         let echo = std::thread::spawn(move || {
             for _ in 0..2 {
                 let (mut c, _) = server.accept().unwrap();
-                let who = read_greeting(&mut c).unwrap();
+                let (token, who) = read_greeting(&mut c).unwrap();
+                assert_eq!(token, "tok");
                 let mut buf = [0u8; 3];
                 c.read_exact(&mut buf).unwrap();
                 c.write_all(format!("{who}:").as_bytes()).unwrap();
