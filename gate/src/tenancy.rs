@@ -271,6 +271,11 @@ pub async fn admit_create<S: SandboxApi>(
     service: &S,
     req: &mut crate::service::CreateSandbox,
 ) -> Result<Option<Ticket>, ServiceError> {
+    if req.id.is_some() && !principal.is_admin() {
+        return Err(ServiceError::Invalid(
+            "a sandbox's id is chosen by the server, not in a request".into(),
+        ));
+    }
     req.volumes = if req.volume_mounts.iter().any(|m| m.id.is_some()) {
         // Resolved by the server in front of this pod, which calls it with
         // the pod's admin token (for the tenant, or for itself): taken as

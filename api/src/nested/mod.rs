@@ -358,6 +358,26 @@ impl<L: SandboxApi> Nested<L> {
             m.id = Some(v.id.clone());
         }
         let tenant = req.owner.as_ref().map(|o| o.tenant.clone());
+        // The guest mounts its volumes during the create, through this
+        // server's gateway, which must know them by then: the id is chosen
+        // here and the sandbox recorded before the pod is asked.
+        let early = if req.volumes.is_empty() {
+            None
+        } else {
+            let id = SandboxId::generate();
+            req.id = Some(id.clone());
+            let owned = Owned {
+                pod: pod.id.clone(),
+                tenant: tenant.clone(),
+                access_token: req.access_token.clone(),
+                env: req.env.clone(),
+                last_seen: None,
+                lost: None,
+                volumes: req.volumes.clone(),
+            };
+            self.keep(id.clone(), owned)?;
+            Some(id)
+        };
         let body = serde_json::to_value(&req).map_err(internal)?;
         let secrets = (
             req.access_token.clone(),
@@ -371,14 +391,30 @@ impl<L: SandboxApi> Nested<L> {
         {
             Ok(v) => v,
             // Refused before anything was made: nothing to look for.
-            Err(e @ (ServiceError::Admission { .. } | ServiceError::Invalid(_))) => return Err(e),
-            Err(e @ ServiceError::Pod { status, .. }) if status < 500 => return Err(e),
+            Err(e @ (ServiceError::Admission { .. } | ServiceError::Invalid(_))) => {
+                return Err(self.unrecord(early, e))
+            }
+            Err(e @ ServiceError::Pod { status, .. }) if status < 500 => {
+                return Err(self.unrecord(early, e))
+            }
             Err(e) => {
+                // Recorded early: it stays, as reclaim would record it.
                 self.reclaim(pod);
                 return Err(e);
             }
         };
         self.with_secrets(serde_json::from_value(v).map_err(internal)?)
+    }
+
+    /// Forgets a sandbox recorded before its create, which the pod refused
+    /// (nothing was made); `e`.
+    fn unrecord(&self, early: Option<SandboxId>, e: ServiceError) -> ServiceError {
+        if let Some(id) = early {
+            if let Err(forgot) = self.forget(&id) {
+                tracing::warn!(sandbox = %id, error = %forgot, "a refused create's record stays");
+            }
+        }
+        e
     }
 
     /// After a create the pod did not answer with a sandbox (it failed

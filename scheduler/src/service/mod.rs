@@ -485,6 +485,12 @@ fn default_vcpus() -> u32 {
 pub struct CreateSandbox {
     /// Template id or name.
     pub template: String,
+    /// The new sandbox's id, chosen by the server in front of this pod
+    /// (with an admin token: the nested pod's server, which must know it
+    /// before the guest mounts its volumes); generated when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>)]
+    pub id: Option<crate::model::SandboxId>,
     /// Idle time before it is hibernated; at most [`MAX_KEEP_ALIVE_MS`].
     #[serde(default)]
     pub keep_alive_ms: Option<u64>,

@@ -265,6 +265,14 @@ impl Service {
             template.vcpus,
             keep_alive,
         );
+        if let Some(id) = req.id {
+            if !SandboxId::is_well_formed(id.as_str()) {
+                return Err(ServiceError::Invalid(format!(
+                    "sandbox id {id:?} is malformed"
+                )));
+            }
+            sandbox.id = id;
+        }
         sandbox.metadata = req.metadata;
         sandbox.tenant = req.owner.map(|o| o.tenant);
         sandbox.env = req.env;
