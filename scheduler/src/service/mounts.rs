@@ -178,7 +178,7 @@ pub fn mount_in_guest(link: &AgentLink, volumes: &[MountedVolume]) -> Result<(),
         })
         .collect();
     link.mount_volumes(mounts, MOUNT_LIMIT)
-        .map_err(|e| ServiceError::Invalid(format!("the guest could not mount its volumes: {e}")))
+        .map_err(|e| ServiceError::Internal(format!("the guest could not mount its volumes: {e}")))
 }
 
 #[cfg(test)]
