@@ -544,6 +544,18 @@ fn a_client_that_goes_away_cancels_its_exec() {
     drop(api);
 }
 
+/// The agent's relay port the last `mount_volumes` mounted from (its
+/// options' `port=`).
+fn relay_port(ops: &FakeOps) -> Option<u16> {
+    ops.calls().iter().rev().find_map(|c| match c {
+        FakeCall::MountNfs { options, .. } => options
+            .split(',')
+            .find_map(|o| o.strip_prefix("port="))
+            .map(|p| p.parse().unwrap()),
+        _ => None,
+    })
+}
+
 /// Reads `file` of the volume mounted as `export` through the guest's
 /// relay on `port` (as the guest kernel's NFS client would: MOUNT, then
 /// LOOKUP and READ on a connection of their own).
@@ -645,25 +657,15 @@ fn a_sandboxs_volumes_are_served_to_its_guest_while_its_vmm_runs() {
         .join(format!("{VSOCK_FILE}_2049"));
     assert!(socket.exists(), "no volume socket while the VMM runs");
     // The agent was asked to mount it, from its relay.
-    let port = ops
-        .calls()
-        .iter()
-        .find_map(|c| match c {
-            FakeCall::MountNfs {
-                source,
-                target,
-                options,
-            } => {
-                assert_eq!(
-                    (source.as_str(), target.as_path()),
-                    ("127.0.0.1:/data", std::path::Path::new("/mnt/data"))
-                );
-                let port = options.split(',').find_map(|o| o.strip_prefix("port="));
-                Some(port.unwrap().parse::<u16>().unwrap())
-            }
-            _ => None,
-        })
-        .expect("no mount_volumes call reached the agent");
+    let asked_mount = ops.calls().into_iter().find_map(|c| match c {
+        FakeCall::MountNfs { source, target, .. } => Some((source, target)),
+        _ => None,
+    });
+    assert_eq!(
+        asked_mount,
+        Some(("127.0.0.1:/data".to_string(), PathBuf::from("/mnt/data")))
+    );
+    let port = relay_port(&ops).expect("no mount_volumes call reached the agent");
     // What the guest kernel would read through that relay: the pod's NFS
     // server, the volume's file.
     assert_eq!(
@@ -690,18 +692,7 @@ fn a_sandboxs_volumes_are_served_to_its_guest_while_its_vmm_runs() {
     std::fs::write(content.join("later.txt"), b"after the wake").unwrap();
     let (_, pid) = h.last_vmm();
     assert!(alive(pid));
-    let port = ops
-        .calls()
-        .iter()
-        .rev()
-        .find_map(|c| match c {
-            FakeCall::MountNfs { options, .. } => options
-                .split(',')
-                .find_map(|o| o.strip_prefix("port="))
-                .map(|p| p.parse::<u16>().unwrap()),
-            _ => None,
-        })
-        .unwrap();
+    let port = relay_port(&ops).expect("no mount after the wake");
     assert_eq!(
         read_through_relay(port, "/data", "later.txt").unwrap(),
         b"after the wake"
@@ -788,17 +779,7 @@ fn a_nested_pods_volumes_are_relayed_to_the_servers_gateway() {
         })
         .expect("create with a relayed volume")
         .id;
-    let port = ops
-        .calls()
-        .iter()
-        .find_map(|c| match c {
-            FakeCall::MountNfs { options, .. } => options
-                .split(',')
-                .find_map(|o| o.strip_prefix("port="))
-                .map(|p| p.parse::<u16>().unwrap()),
-            _ => None,
-        })
-        .expect("no mount_volumes call reached the agent");
+    let port = relay_port(&ops).expect("no mount_volumes call reached the agent");
     // Until serve has recorded the sandbox's volumes, its gateway serves
     // it nothing (the connection is closed: raw bytes, since the NFS
     // client waits forever on a closed stream); then the guest reads the

@@ -21,7 +21,7 @@ use std::time::Duration;
 use super::mounts::Mounts;
 use super::ServiceError;
 use crate::model::{MountedVolume, SandboxId};
-use crate::volumes::read_greeting;
+use crate::volumes::{both_ways, read_greeting};
 
 /// How long a connection may take to name its sandbox.
 const GREETING_LIMIT: Duration = Duration::from_secs(10);
@@ -138,16 +138,7 @@ fn pipe(
     let export = mounts.export(id, volumes, socket)?;
     let io = |e: io::Error| ServiceError::Internal(format!("volume export: {e}"));
     let nfs = UnixStream::connect(socket).map_err(io)?;
-    let (mut from_pod, mut to_nfs) = (conn.try_clone().map_err(io)?, nfs.try_clone().map_err(io)?);
-    let up = std::thread::spawn(move || {
-        let _ = io::copy(&mut from_pod, &mut to_nfs);
-        let _ = to_nfs.shutdown(std::net::Shutdown::Write);
-    });
-    let (mut from_nfs, mut to_pod) = (nfs, conn);
-    let _ = io::copy(&mut from_nfs, &mut to_pod);
-    let _ = to_pod.shutdown(std::net::Shutdown::Both);
-    let _ = from_nfs.shutdown(std::net::Shutdown::Both);
-    let _ = up.join();
+    both_ways(conn, nfs).map_err(io)?;
     drop(export);
     Ok(())
 }

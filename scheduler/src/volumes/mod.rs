@@ -84,7 +84,9 @@ mod tests;
 
 use std::path::PathBuf;
 
-pub use relay::{greeting, read_greeting, RelayHandle, VolumesRelay, MAX_GREETING};
+pub use relay::{
+    both_ways, greeting, read_greeting, Duplex, RelayHandle, VolumesRelay, MAX_GREETING,
+};
 pub use serve::{VolumeHandle, VolumeServer};
 
 /// One volume of a sandbox: the name it is mounted by (`127.0.0.1:/NAME`)

@@ -150,15 +150,48 @@ fn pipe(guest: UnixStream, to: SocketAddr, hello: &str) -> io::Result<()> {
     let mut server = TcpStream::connect_timeout(&to, CONNECT_LIMIT)?;
     let _ = server.set_nodelay(true);
     server.write_all(hello.as_bytes())?;
-    let (mut from_guest, mut to_server) = (guest.try_clone()?, server.try_clone()?);
+    both_ways(guest, server)
+}
+
+/// A connection [`both_ways`] pipes.
+pub trait Duplex: Read + Write + Send + Sized + 'static {
+    /// Another handle on it.
+    fn another(&self) -> io::Result<Self>;
+    /// `shutdown(2)`.
+    fn end(&self, how: Shutdown);
+}
+
+impl Duplex for UnixStream {
+    fn another(&self) -> io::Result<Self> {
+        self.try_clone()
+    }
+    fn end(&self, how: Shutdown) {
+        let _ = self.shutdown(how);
+    }
+}
+
+impl Duplex for TcpStream {
+    fn another(&self) -> io::Result<Self> {
+        self.try_clone()
+    }
+    fn end(&self, how: Shutdown) {
+        let _ = self.shutdown(how);
+    }
+}
+
+/// Copies `a` to `b` and `b` to `a` until `b` ends (or either fails): `a`
+/// ending shuts `b`'s writing side (its peer sees the end and may still
+/// answer); then both are shut.
+pub fn both_ways(a: impl Duplex, b: impl Duplex) -> io::Result<()> {
+    let (mut from_a, mut to_b) = (a.another()?, b.another()?);
     let up = std::thread::spawn(move || {
-        let _ = io::copy(&mut from_guest, &mut to_server);
-        let _ = to_server.shutdown(Shutdown::Write);
+        let _ = io::copy(&mut from_a, &mut to_b);
+        to_b.end(Shutdown::Write);
     });
-    let (mut from_server, mut to_guest) = (server, guest);
-    let _ = io::copy(&mut from_server, &mut to_guest);
-    let _ = to_guest.shutdown(Shutdown::Both);
-    let _ = from_server.shutdown(Shutdown::Both);
+    let (mut from_b, mut to_a) = (b, a);
+    let _ = io::copy(&mut from_b, &mut to_a);
+    to_a.end(Shutdown::Both);
+    from_b.end(Shutdown::Both);
     let _ = up.join();
     Ok(())
 }
