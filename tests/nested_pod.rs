@@ -193,20 +193,25 @@ fn nested_serve_runs_linux_templates_in_a_nested_pod() {
     let base = [("E2B_TEST_TEMPLATE", "base")];
     // A volume mounted in a Linux sandbox of the nested pod: served by
     // this server's volume gateway through the pod's relay.
-    let started_mounts = Instant::now();
-    run_script(
-        Sdk::Python,
-        "sdk_volume_mounts.py",
-        &[],
-        &api,
-        TOKEN,
-        &[("E2B_TEST_TEMPLATE", "base"), ("E2B_VOLUME_API_URL", &api)],
-        Duration::from_secs(1200),
-    );
-    eprintln!(
-        "nested_pod: sdk_volume_mounts.py passed in {:.0}s",
-        started_mounts.elapsed().as_secs_f64()
-    );
+    for (sdk, script) in [
+        (Sdk::Python, "sdk_volume_mounts.py"),
+        (Sdk::Js, "sdk_volume_mounts.mjs"),
+    ] {
+        let started_mounts = Instant::now();
+        run_script(
+            sdk,
+            script,
+            &[],
+            &api,
+            TOKEN,
+            &[("E2B_TEST_TEMPLATE", "base"), ("E2B_VOLUME_API_URL", &api)],
+            Duration::from_secs(1200),
+        );
+        eprintln!(
+            "nested_pod: {script} passed in {:.0}s",
+            started_mounts.elapsed().as_secs_f64()
+        );
+    }
     for (sdk, script, args) in [
         (Sdk::Python, "sdk_envd.py", &["/home/user/sdk-py"][..]),
         (Sdk::Js, "sdk_envd.mjs", &["/home/user/sdk-js"][..]),

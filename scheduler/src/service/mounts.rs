@@ -57,8 +57,10 @@ pub struct Mounts {
 /// One sandbox's volumes being served, or relayed.
 #[derive(Debug)]
 enum Served {
-    Here(#[allow(dead_code)] VolumeHandle),
-    Relayed(#[allow(dead_code)] crate::volumes::RelayHandle),
+    /// Held for its drop, which ends the serving.
+    Here { _export: VolumeHandle },
+    /// Held for its drop, which ends the relaying.
+    Relayed { _relay: crate::volumes::RelayHandle },
 }
 
 impl Mounts {
@@ -129,11 +131,13 @@ impl Mounts {
         let socket =
             torpor_vmm_api::launch::guest_target(&dir.join(VSOCK_FILE), u32::from(VOLUMES_PORT));
         let served = match (&self.root, &self.relay) {
-            (None, Some(relay)) => Served::Relayed(
-                crate::volumes::RelayHandle::start(&socket, relay, &sandbox.id)
+            (None, Some(relay)) => Served::Relayed {
+                _relay: crate::volumes::RelayHandle::start(&socket, relay, &sandbox.id)
                     .map_err(internal)?,
-            ),
-            _ => Served::Here(self.export(&sandbox.id, &sandbox.volumes, &socket)?),
+            },
+            _ => Served::Here {
+                _export: self.export(&sandbox.id, &sandbox.volumes, &socket)?,
+            },
         };
         self.served.locked().insert(sandbox.id.clone(), served);
         Ok(())
@@ -143,11 +147,6 @@ impl Mounts {
     pub fn stop(&self, id: &SandboxId) {
         let served = self.served.locked().remove(id);
         drop(served);
-    }
-
-    /// Whether `id`'s volumes are served now.
-    pub fn serving(&self, id: &SandboxId) -> bool {
-        self.served.locked().contains_key(id)
     }
 }
 
