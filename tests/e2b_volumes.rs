@@ -62,7 +62,7 @@ fn run_against_serve(name: &str, sdk: Sdk, script: &str) -> String {
             .to_string(),
         ),
     );
-    assert_eq!(forged.status, 400, "{}", forged.body);
+    assert_eq!(forged.status, 403, "{}", forged.body);
     assert!(forged.body.contains("volume mount's id"), "{}", forged.body);
     let volumes = data.0.join("volumes");
     let url = serve.url();

@@ -271,45 +271,51 @@ pub async fn admit_create<S: SandboxApi>(
     service: &S,
     req: &mut crate::service::CreateSandbox,
 ) -> Result<Option<Ticket>, ServiceError> {
+    torpor_scheduler::service::mounts::check_requests(&req.volume_mounts)?;
     if req.id.is_some() && !principal.is_admin() {
-        return Err(ServiceError::Invalid(
-            "a sandbox's id is chosen by the server, not in a request".into(),
+        return Err(ServiceError::Forbidden(
+            "a sandbox's id is chosen by the server: giving one needs an admin token".into(),
         ));
     }
-    req.volumes = if req.volume_mounts.iter().any(|m| m.id.is_some()) {
-        // Resolved by the server in front of this pod, which calls it with
-        // the pod's admin token (for the tenant, or for itself): taken as
-        // it says. A tenant's token never sets them.
-        if !principal.is_admin() {
-            return Err(ServiceError::Invalid(
-                "a volume mount's id is set by the server in front of a pod, not in a request"
-                    .into(),
-            ));
-        }
-        req.volume_mounts
-            .iter()
-            .map(|m| {
-                let id = m.id.clone().ok_or_else(|| {
-                    ServiceError::Invalid(format!("volume mount {:?} has no id", m.name))
-                })?;
-                Ok(MountedVolume {
-                    id,
-                    name: m.name.clone(),
-                    path: m.path.clone(),
-                })
-            })
-            .collect::<Result<_, ServiceError>>()?
-    } else {
-        t.volumes
-            .resolve_mounts(&principal.owner().tenant, &req.volume_mounts)
-            .map_err(|e| match e {
-                crate::volumes::VolumeError::NotFound(name) => ServiceError::NotFound {
-                    kind: "volume",
-                    id: name,
-                },
-                other => ServiceError::Invalid(other.to_string()),
-            })?
-    };
+    // A mount with an id was resolved by the server in front of this pod,
+    // which calls it with the pod's admin token (for the tenant, or for
+    // itself): taken as it says. A tenant's token never gives ids.
+    if req.volume_mounts.iter().any(|m| m.id.is_some()) && !principal.is_admin() {
+        return Err(ServiceError::Forbidden(
+            "a volume mount's id is set by the server in front of a pod: giving one needs \
+             an admin token"
+                .into(),
+        ));
+    }
+    let by_name: Vec<_> = req
+        .volume_mounts
+        .iter()
+        .filter(|m| m.id.is_none())
+        .cloned()
+        .collect();
+    let mut resolved = t
+        .volumes
+        .resolve_mounts(&principal.owner().tenant, &by_name)
+        .map_err(|e| match e {
+            crate::volumes::VolumeError::NotFound(name) => ServiceError::NotFound {
+                kind: "volume",
+                id: name,
+            },
+            other => ServiceError::Invalid(other.to_string()),
+        })?
+        .into_iter();
+    req.volumes = req
+        .volume_mounts
+        .iter()
+        .filter_map(|m| match &m.id {
+            Some(id) => Some(MountedVolume {
+                id: id.clone(),
+                name: m.name.clone(),
+                path: m.path.clone(),
+            }),
+            None => resolved.next(),
+        })
+        .collect();
     if !req.volumes.is_empty() && !service.mounts_volumes() {
         return Err(ServiceError::Invalid(crate::volumes::NO_MOUNTS.into()));
     }

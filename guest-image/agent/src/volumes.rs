@@ -83,7 +83,7 @@ impl Volumes {
         relay: &RelayConfig,
         ops: &dyn SystemOps,
     ) -> Result<(), ErrorReply> {
-        check(req)?;
+        check_mounts(&req.mounts)?;
         let port = self.relay_port(relay)?;
         for m in &req.mounts {
             let source = format!("127.0.0.1:/{}", m.name);
@@ -117,14 +117,15 @@ impl Volumes {
 
 /// The names and paths E2B accepts: a volume name of `[a-zA-Z0-9_-]`, 1 to
 /// 128, and an absolute path that is not `/`, without `.`/`..` parts;
-/// no path twice.
-fn check(req: &MountVolumesRequest) -> Result<(), ErrorReply> {
-    if req.mounts.len() > MAX_MOUNTS {
+/// no path twice; at most [`MAX_MOUNTS`]. The host checks a create's
+/// mounts with it too, before anything starts.
+pub fn check_mounts(mounts: &[crate::proto::VolumeMount]) -> Result<(), ErrorReply> {
+    if mounts.len() > MAX_MOUNTS {
         let msg = format!("at most {MAX_MOUNTS} volumes per sandbox");
         return Err(ErrorReply::new(libc::EINVAL, msg));
     }
     let mut seen = std::collections::BTreeSet::new();
-    for m in &req.mounts {
+    for m in mounts {
         let good_name = (1..=128).contains(&m.name.len())
             && m.name
                 .bytes()

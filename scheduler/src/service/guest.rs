@@ -53,8 +53,8 @@ const CLIENT_NAME: &str = "torpor-service";
 pub enum GuestError {
     /// The sandbox's template has no agent (probe guests).
     #[error(
-        "sandbox {id} runs a {kind} template, which has no guest agent: exec and files \
-         need a sandbox of a Linux template"
+        "sandbox {id} runs a {kind} template, which has no guest agent: exec, files and \
+         volumes need a sandbox of a Linux template"
     )]
     NoAgent { id: String, kind: TemplateKind },
     /// No connection to the agent, or it broke (guest gone, agent dead).

@@ -36,6 +36,29 @@ pub fn content_dir(root: &Path, id: &str) -> Option<PathBuf> {
     plain.then(|| root.join(id).join(CONTENT))
 }
 
+/// Checks a create's volume mounts as the guest's agent will
+/// (`torpor_agent::volumes::check_mounts`: names, paths, how many), and
+/// the ids a server in front of the pod gave, before anything starts.
+pub fn check_requests(mounts: &[super::VolumeMountRequest]) -> Result<(), ServiceError> {
+    let asked: Vec<VolumeMount> = mounts
+        .iter()
+        .map(|m| VolumeMount {
+            name: m.name.clone(),
+            path: m.path.clone(),
+        })
+        .collect();
+    torpor_agent::volumes::check_mounts(&asked)
+        .map_err(|e| ServiceError::Invalid(format!("volume mounts: {}", e.message)))?;
+    for id in mounts.iter().filter_map(|m| m.id.as_deref()) {
+        if !id.starts_with("vol_") || content_dir(Path::new("/"), id).is_none() {
+            return Err(ServiceError::Invalid(format!(
+                "volume id {id:?} is malformed"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The name of a volume's content directory in its own directory.
 pub const CONTENT: &str = "content";
 
@@ -80,13 +103,16 @@ impl Mounts {
     }
 
     /// The exports of `volumes`: each one's content directory, which must
-    /// exist (a volume destroyed since is 404).
+    /// exist (a volume destroyed since is 404); a volume mounted at two
+    /// paths is exported once.
     fn exports(&self, volumes: &[MountedVolume]) -> Result<Vec<VolumeExport>, ServiceError> {
         let root = self.root.as_deref().ok_or_else(|| {
             ServiceError::Invalid("this pod cannot mount volumes into its sandboxes".into())
         })?;
+        let mut seen = std::collections::BTreeSet::new();
         volumes
             .iter()
+            .filter(|v| seen.insert(v.name.as_str()))
             .map(|v| {
                 let dir = content_dir(root, &v.id)
                     .filter(|d| d.is_dir())

@@ -290,10 +290,12 @@ impl Service {
                 ));
             }
             if template.kind != TemplateKind::Linux {
-                return Err(ServiceError::Invalid(format!(
-                    "volumes mount only into Linux sandboxes; template {} is a {}",
-                    template.id, template.kind
-                )));
+                // No agent in its guest to mount them.
+                return Err(super::guest::GuestError::NoAgent {
+                    id: sandbox.id.to_string(),
+                    kind: template.kind,
+                }
+                .into());
             }
         }
         sandbox.volumes = volumes;
