@@ -171,9 +171,17 @@ extern "C" fn on_sigsys(_signal: libc::c_int, info: *mut libc::siginfo_t, _ctx: 
     // socket, so this traps again with SIGSYS blocked and the kernel kills
     // the process with it; the call does not return.
     unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
-    // Only reached if some filter let the call through: stop all the same.
-    // SAFETY: _exit ends the process at once.
-    unsafe { libc::_exit(128 + libc::SIGSYS) };
+    // Only reached on a thread without a filter, which a SIGSYS sent with
+    // kill(2) may land on: the process dies of SIGSYS all the same (its
+    // default action), so that its parent sees what a seccomp kill looks
+    // like. SIGSYS is blocked while this handler runs: raised with the
+    // default action, it is delivered as the handler returns.
+    // SAFETY: signal(2) and raise(3) are async-signal-safe and take no
+    // pointers but the handler value.
+    unsafe {
+        libc::signal(libc::SIGSYS, libc::SIG_DFL);
+        libc::raise(libc::SIGSYS);
+    }
 }
 
 /// SIGSEGV or SIGBUS: reports, then returns. The kernel restored the
