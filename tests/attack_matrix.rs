@@ -781,4 +781,44 @@ fn named(s: &Serve) {
             (unknown.status, unknown.body.clone())
         );
     }
+
+    // 11: evil cannot mount acme's volume: by its name (E2B and /v1) it is
+    // not there (404); by its id, a tenant may not name one (403). A
+    // cluster keeps no volumes (503): the attempts are refused the same.
+    let vol = s.e2b(
+        &acme,
+        "POST",
+        "/volumes",
+        Some(&json!({"name": "acme-data"})),
+    );
+    let vol_id = match vol.status {
+        201 => vol.json()["volumeID"].as_str().unwrap().to_string(),
+        status => {
+            assert_eq!(status, 503, "{}", vol.body);
+            "vol_000000000000000000000000".to_string()
+        }
+    };
+    let mount = json!([{"name": "acme-data", "path": "/mnt/d"}]);
+    let r = s.e2b(
+        &evil,
+        "POST",
+        "/sandboxes",
+        Some(&json!({"templateID": "probe", "volumeMounts": mount})),
+    );
+    assert_eq!(r.status, 404, "{}", r.body);
+    let r = s.v1(
+        &evil,
+        "POST",
+        "/v1/sandboxes",
+        Some(&json!({"template": "probe", "volume_mounts": mount})),
+    );
+    assert_eq!(r.status, 404, "{}", r.body);
+    let r = s.v1(
+        &evil,
+        "POST",
+        "/v1/sandboxes",
+        Some(&json!({"template": "probe", "volume_mounts":
+            [{"name": "acme-data", "path": "/mnt/d", "id": vol_id}]})),
+    );
+    assert_eq!(r.status, 403, "{}", r.body);
 }
