@@ -460,6 +460,11 @@ pub struct ServiceFlags {
     /// front of it made).
     #[arg(long, value_name = "FILE", requires = "volumes_relay")]
     pub volumes_relay_token_file: Option<std::path::PathBuf>,
+    /// Most bytes an E2B volume's files hold (MiB), whether written through
+    /// the volume content API (past it: 413) or by a sandbox through its
+    /// mount (past it: the guest's write fails with EDQUOT).
+    #[arg(long, default_value_t = torpor_scheduler::volumes::usage::DEFAULT_LIMIT >> 20, value_parser = clap::value_parser!(u64).range(1..), value_name = "MIB")]
+    pub volume_max_mib: u64,
     /// Default keep-alive of a sandbox before it is hibernated when idle
     /// (at most 30 days).
     #[arg(long, default_value_t = 300_000,
@@ -788,9 +793,6 @@ pub struct ServeArgs {
     /// registry is refused.
     #[arg(long = "registry-allow-private", value_name = "HOST[:PORT]")]
     pub private_registries: Vec<String>,
-    /// Most bytes an E2B volume's files hold (MiB); a write past it is 413.
-    #[arg(long, default_value_t = 10 * 1024, value_parser = clap::value_parser!(u64).range(1..), value_name = "MIB")]
-    pub volume_max_mib: u64,
     /// Most E2B volumes a tenant has; another create is 400.
     #[arg(long, default_value_t = 100, value_name = "N")]
     pub volumes_per_tenant: usize,

@@ -728,7 +728,11 @@ fn a_nested_pods_volumes_are_relayed_to_the_servers_gateway() {
     let gateway_socket = outer.0.join("nested-volumes.sock");
     let _gateway = VolumeGateway::start(
         &gateway_socket,
-        Arc::new(Mounts::new(Some(outer.0.join("volumes")), None)),
+        Arc::new(Mounts::new(
+            Some(outer.0.join("volumes")),
+            None,
+            torpor_scheduler::volumes::usage::DEFAULT_LIMIT,
+        )),
         Arc::new(move |id: &SandboxId| lookup.lock().unwrap().get(id).cloned()),
         "pod-token".into(),
     )

@@ -43,7 +43,7 @@ mv "$(readlink -f /opt/torpor/vmlinux)" "$(readlink -f /opt/torpor/rootfs.ext4)"
 # Restore), so the burst below needs more than 512 + 96 MiB.
 $T serve --data-dir /tmp/data --token nested-token --keep-alive-ms 3600000 \
    --images-dir "$IMAGES" --request-timeout-ms 600000 \
-   --sandbox-memory-max-mib 1280 >/tmp/serve.log 2>&1 &
+   --sandbox-memory-max-mib 1280 --volume-max-mib 4 >/tmp/serve.log 2>&1 &
 SERVE=$!
 i=0; until $T template list >/dev/null 2>&1 || [ $i -ge 150 ]; do sleep 0.2; i=$((i+1)); done
 sed 's/^/serve-log /' /tmp/serve.log
@@ -99,6 +99,13 @@ $T sandbox hibernate "$VS" >/dev/null; echo "volume-hibernate rc=$?"
 printf 'while-hibernated\n' >"/tmp/data/volumes/$VOL/content/later.txt"
 echo "volume-after-wake: $(vx cat /mnt/shared/guest.txt /mnt/shared/later.txt | tr '\n' ' ')"
 echo "volume-cwd: $(vx sh -c 'p=$(cat /tmp/volpid); readlink /proc/$p/cwd; cat /proc/$p/fd/3' | tr '\n' ' ')"
+# The volume's size limit (--volume-max-mib 4) holds for what the guest
+# writes: the write past it fails, the host's file stops short, and a
+# removal frees the room again.
+echo "volume-quota: $(vx sh -c 'dd if=/dev/zero of=/mnt/shared/big bs=1M count=8 conv=fsync 2>&1; echo rc=$?' | grep -o 'Disk quota exceeded\|rc=[0-9]*' | sort -u | tr '\n' ' ')"
+echo "volume-quota-size: $(stat -c %s "/tmp/data/volumes/$VOL/content/big")"
+vx rm -f /mnt/shared/big
+echo "volume-quota-freed: $(vx sh -c 'head -c 3000000 /dev/zero >/mnt/shared/again && sync && echo ok')"
 $T sandbox rm "$VS"
 
 # --- memory comes back: virtio-balloon free page reporting ------------------
@@ -236,6 +243,20 @@ fn nested_linux_sandbox_through_the_api_exec_files_hibernate_wake() {
         "{o}"
     );
     assert!(o.contains("volume-cwd: /mnt/shared/d kept \n"), "{o}");
+    // Past --volume-max-mib the guest's write fails (EDQUOT), the volume
+    // holds no more than its limit, and a removal frees the room.
+    assert!(
+        o.contains("volume-quota: Disk quota exceeded rc=1 \n"),
+        "{o}"
+    );
+    let size: u64 = o
+        .split("volume-quota-size: ")
+        .nth(1)
+        .and_then(|r| r.lines().next())
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no size of the file written past the limit:\n{o}"));
+    assert!(size <= 4 << 20, "{size} bytes past a 4 MiB volume:\n{o}");
+    assert!(o.contains("volume-quota-freed: ok\n"), "{o}");
     // The stream delivered s1 while the command still ran (3 s before s2).
     let at = |tag: &str| -> f64 {
         field(o, &format!("streamed {tag}"), "at")

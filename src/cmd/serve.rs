@@ -185,6 +185,7 @@ fn open_service(
         (None, Some(_)) => None,
         (None, None) => Some(data_dir.join("volumes")),
     };
+    config.volume_max_bytes = flags.volume_max_mib << 20;
     config.default_keep_alive_ms = flags.keep_alive_ms;
     config.exec_timeout_ms = flags.exec_timeout_ms.max(1);
     config.standby_pool = flags.standby_pool;
@@ -351,7 +352,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         volumes_dir: Some(data_dir.join("volumes")),
         volume_limits: torpor_api::volumes::Limits {
             per_tenant: args.volumes_per_tenant,
-            bytes: args.volume_max_mib << 20,
+            bytes: args.service.volume_max_mib << 20,
         },
         guest_kernel,
         guest_agent,

@@ -19,10 +19,11 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use rustix::fs::{AtFlags, FileType, Gid, Mode, OFlags, RenameFlags, Stat, Uid};
 use torpor_scheduler::model::Timestamp;
+use torpor_scheduler::volumes::usage::Usage;
 
 /// Most entries one directory listing returns.
 pub const MAX_LIST_ENTRIES: usize = 10_000;
@@ -217,8 +218,9 @@ impl Meta {
 #[derive(Debug)]
 pub struct Content {
     root: PathBuf,
-    used: AtomicU64,
-    limit: u64,
+    /// Shared with the NFS server guests write through
+    /// (`torpor_scheduler::volumes::usage`).
+    usage: Arc<Usage>,
 }
 
 fn io_err<'a>(op: &'static str, path: &'a VolumePath) -> impl FnOnce(io::Error) -> FsError + 'a {
@@ -344,21 +346,17 @@ impl Content {
             .recursive(true)
             .mode(0o700)
             .create(&root)?;
-        let used = usage(&root)?;
-        Ok(Content {
-            root,
-            used: AtomicU64::new(used),
-            limit,
-        })
+        let usage = Usage::of(&root, limit)?;
+        Ok(Content { root, usage })
     }
 
     /// Bytes its files hold.
     pub fn used(&self) -> u64 {
-        self.used.load(Ordering::Relaxed)
+        self.usage.used()
     }
 
     pub fn limit(&self) -> u64 {
-        self.limit
+        self.usage.limit()
     }
 
     fn root(&self, path: &VolumePath) -> Result<File, FsError> {
@@ -640,20 +638,13 @@ impl Content {
 
     /// Counts `n` more bytes: 413 past the limit.
     fn reserve(&self, n: u64) -> Result<(), FsError> {
-        let before = self.used.fetch_add(n, Ordering::AcqRel);
-        if before.saturating_add(n) > self.limit {
-            self.used.fetch_sub(n, Ordering::AcqRel);
-            return Err(FsError::TooLarge { limit: self.limit });
-        }
-        Ok(())
+        self.usage
+            .reserve(n)
+            .map_err(|e| FsError::TooLarge { limit: e.limit })
     }
 
     fn release(&self, n: u64) {
-        let _ = self
-            .used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
-                Some(u.saturating_sub(n))
-            });
+        self.usage.release(n)
     }
 }
 
@@ -742,24 +733,6 @@ fn remove_tree(parent: BorrowedFd<'_>, name: &OsStr, path: &VolumePath) -> Resul
     rustix::fs::unlinkat(parent, name, AtFlags::REMOVEDIR)
         .map_err(|e| io_err("remove", path)(e.into()))?;
     Ok(freed)
-}
-
-/// Bytes the regular files under `root` hold (no link followed).
-pub fn usage(root: &Path) -> io::Result<u64> {
-    let mut total = 0u64;
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        for e in std::fs::read_dir(&dir)? {
-            let e = e?;
-            let meta = e.path().symlink_metadata()?;
-            if meta.is_dir() {
-                stack.push(e.path());
-            } else if meta.is_file() {
-                total += meta.len();
-            }
-        }
-    }
-    Ok(total)
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ use torpor_sync::Locked;
 /// Default [`Limits::per_tenant`].
 pub const DEFAULT_PER_TENANT: usize = 100;
 /// Default [`Limits::bytes`]: 10 GiB.
-pub const DEFAULT_BYTES: u64 = 10 << 30;
+pub const DEFAULT_BYTES: u64 = torpor_scheduler::volumes::usage::DEFAULT_LIMIT;
 /// Longest volume name.
 pub const MAX_NAME: usize = 128;
 /// A volume's record in its directory.

@@ -171,6 +171,10 @@ pub struct ServiceConfig {
     /// volumes; [`crate::volumes::RelayHandle`]). Used when
     /// `volumes_dir` is `None`.
     pub volumes_relay: Option<crate::volumes::VolumesRelay>,
+    /// The most bytes a volume's files may hold (`--volume-max-mib`): what
+    /// guests write through their mounts counts, with what the content
+    /// API writes, against it ([`crate::volumes::usage`]).
+    pub volume_max_bytes: u64,
 }
 
 /// How Linux sandboxes are networked (see `crate::net`).
@@ -234,6 +238,7 @@ impl ServiceConfig {
             chunk_cache_mib: DEFAULT_CHUNK_CACHE_MIB,
             volumes_dir: None,
             volumes_relay: None,
+            volume_max_bytes: crate::volumes::usage::DEFAULT_LIMIT,
         }
     }
 }
@@ -724,6 +729,7 @@ impl Service {
         let mounts = Arc::new(mounts::Mounts::new(
             config.volumes_dir.clone(),
             config.volumes_relay.clone(),
+            config.volume_max_bytes,
         ));
         let service = Arc::new_cyclic(|me: &std::sync::Weak<Self>| Self {
             recorder,

@@ -73,6 +73,8 @@ pub struct Mounts {
     /// (`ServiceConfig::volumes_relay`: the server in front of it, which
     /// has the volumes).
     relay: Option<VolumesRelay>,
+    /// The most bytes a volume's files may hold.
+    limit: u64,
     server: Mutex<Option<VolumeServer>>,
     served: Mutex<HashMap<SandboxId, Served>>,
 }
@@ -87,11 +89,13 @@ enum Served {
 }
 
 impl Mounts {
-    /// Serving from the volumes under `root`, or relaying to `relay`.
-    pub fn new(root: Option<PathBuf>, relay: Option<VolumesRelay>) -> Self {
+    /// Serving from the volumes under `root`, each limited to `limit`
+    /// bytes, or relaying to `relay`.
+    pub fn new(root: Option<PathBuf>, relay: Option<VolumesRelay>, limit: u64) -> Self {
         Mounts {
             root,
             relay,
+            limit,
             server: Mutex::new(None),
             served: Mutex::new(HashMap::new()),
         }
@@ -123,6 +127,7 @@ impl Mounts {
                 Ok(VolumeExport {
                     name: v.name.clone(),
                     dir,
+                    limit: self.limit,
                 })
             })
             .collect()

@@ -16,6 +16,18 @@ use super::fs::{
     attrs, existing_name, io_status, is_dir, is_file, is_link, new_name, proc_path, rx_status,
     Handle, Inner, Res, Target,
 };
+use super::usage::{OverLimit, Usage};
+
+/// A file's size in bytes.
+fn size_of(st: &Stat) -> u64 {
+    st.st_size.max(0) as u64
+}
+
+/// A change past the volume's limit: the guest's write fails with
+/// `EDQUOT` ("Disk quota exceeded").
+fn over_limit(_: OverLimit) -> nfsstat3 {
+    nfsstat3::NFS3ERR_DQUOT
+}
 
 impl Inner {
     pub(super) fn setattr(&self, h: &Handle, set: &sattr3) -> Res<fattr3> {
@@ -29,14 +41,15 @@ impl Inner {
             return Err(nfsstat3::NFS3ERR_ROFS);
         };
         let (obj, st) = Self::open(volume, &rel, ino, libc::O_PATH)?;
-        Self::apply(&obj, &st, set)?;
+        Self::apply(&obj, &st, set, &volume.usage)?;
         let st = rustix::fs::fstat(&obj).map_err(rx_status)?;
         Ok(attrs(vol, &st))
     }
 
     /// Applies mode, size and times to the object `obj` holds (uid and gid
-    /// are accepted and ignored). A symbolic link takes none of them.
-    fn apply(obj: &File, st: &Stat, set: &sattr3) -> Res<()> {
+    /// are accepted and ignored). A symbolic link takes none of them. A
+    /// size past the volume's limit is `NFS3ERR_DQUOT`.
+    fn apply(obj: &File, st: &Stat, set: &sattr3, usage: &Usage) -> Res<()> {
         let wants_change = matches!(set.mode, set_mode3::Some(_))
             || matches!(set.size, set_size3::Some(_))
             || !matches!(set.atime, set_atime::DONT_CHANGE)
@@ -59,7 +72,12 @@ impl Inner {
                 .write(true)
                 .open(&path)
                 .map_err(io_status)?;
-            f.set_len(size).map_err(io_status)?;
+            let old = size_of(st);
+            usage.resize(old, size).map_err(over_limit)?;
+            if let Err(e) = f.set_len(size) {
+                let _ = usage.resize(size, old);
+                return Err(io_status(e));
+            }
         }
         if let set_mode3::Some(mode) = set.mode {
             rustix::fs::chmod(&path, Mode::from_raw_mode(mode & 0o7777)).map_err(rx_status)?;
@@ -121,7 +139,18 @@ impl Inner {
         if !is_file(&st) {
             return Err(nfsstat3::NFS3ERR_INVAL);
         }
-        file.write_all_at(data, offset).map_err(io_status)?;
+        // The growth is counted before it is written; what a failed write
+        // did not grow is given back after.
+        let old = size_of(&st);
+        let end = offset.saturating_add(data.len() as u64);
+        volume.usage.resize(old, end.max(old)).map_err(over_limit)?;
+        if let Err(e) = file.write_all_at(data, offset) {
+            let now = rustix::fs::fstat(&file)
+                .map(|st| size_of(&st))
+                .unwrap_or(old);
+            let _ = volume.usage.resize(end.max(old), now);
+            return Err(io_status(e));
+        }
         if stable != stable_how::UNSTABLE {
             file.sync_data().map_err(io_status)?;
         }
@@ -155,7 +184,7 @@ impl Inner {
             Err(e) => return Err(rx_status(e)),
         };
         let st = rustix::fs::fstat(&file).map_err(rx_status)?;
-        Self::apply(&file, &st, set)?;
+        Self::apply(&file, &st, set, self.usage(vol))?;
         let st = rustix::fs::fstat(&file).map_err(rx_status)?;
         let handle = self.remember(vol, st.st_ino, rel.join(name));
         Ok((handle, attrs(vol, &st)))
@@ -251,6 +280,9 @@ impl Inner {
         rustix::fs::unlinkat(&dir, name, flags).map_err(rx_status)?;
         if st.st_nlink <= 1 || is_dir(&st) {
             self.ids().remove(&(vol, st.st_ino));
+            if is_file(&st) {
+                self.usage(vol).release(size_of(&st));
+            }
         }
         Ok(())
     }
@@ -271,7 +303,14 @@ impl Inner {
         }
         let from_name = existing_name(from_name)?;
         let to_name = new_name(to_name)?;
+        // A regular file (its last link) renamed over is freed.
+        let replaced = rustix::fs::statat(&to_dir, to_name, AtFlags::SYMLINK_NOFOLLOW)
+            .ok()
+            .filter(|st| is_file(st) && st.st_nlink <= 1);
         rustix::fs::renameat(&from_dir, from_name, &to_dir, to_name).map_err(rx_status)?;
+        if let Some(st) = replaced {
+            self.usage(to_vol).release(size_of(&st));
+        }
         let old = from_rel.join(from_name);
         let new = to_rel.join(to_name);
         for ((vol, _), rel) in self.ids().iter_mut() {

@@ -81,6 +81,8 @@ pub(super) struct Volume {
     pub(super) name: String,
     pub(super) root: File,
     pub(super) ino: u64,
+    /// The bytes its files hold, against its limit.
+    pub(super) usage: Arc<super::usage::Usage>,
 }
 
 /// What a handle names.
@@ -397,6 +399,11 @@ impl Inner {
 
     /// A directory of a volume, open (`O_PATH`) to make or remove names in
     /// it; the virtual root is read-only.
+    /// The count of the bytes volume `vol`'s files hold.
+    pub(super) fn usage(&self, vol: u32) -> &super::usage::Usage {
+        &self.volumes[vol as usize - 1].usage
+    }
+
     pub(super) fn dir(&self, h: &Handle) -> Res<(u32, PathBuf, File)> {
         match self.resolve(h)? {
             Target::Root => Err(nfsstat3::NFS3ERR_ROFS),

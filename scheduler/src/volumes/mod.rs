@@ -68,8 +68,13 @@
 //!   sorted, the cookie an index into them), SYMLINK, READLINK, COMMIT,
 //!   FSSTAT, FSINFO, PATHCONF. LINK and MKNOD are refused by the crate
 //!   (`PROC_UNAVAIL`).
-//! - **Not here yet.** The volume's size limit (`serve --volume-max-mib`)
-//!   is the content API's: NFS writes do not count against it. FSSTAT
+//! - **Size limit.** What a guest writes counts against the volume's
+//!   limit (`--volume-max-mib`), in one count per volume shared with the
+//!   content API ([`usage`]): a WRITE or SETATTR that would grow the
+//!   volume's files past it is refused whole with `NFS3ERR_DQUOT` (the
+//!   guest's `write`, `fsync` or `close` fails with `EDQUOT`); REMOVE, a
+//!   shrinking SETATTR and a RENAME over a file free their bytes.
+//! - **Not here yet.** FSSTAT
 //!   answers the crate's fixed figures (1 TiB free), not the host's. The
 //!   content API's files being written (`.torpor-tmp.*`) show in listings
 //!   until renamed.
@@ -81,6 +86,7 @@ mod relay;
 mod serve;
 #[cfg(test)]
 mod tests;
+pub mod usage;
 
 use std::path::PathBuf;
 
@@ -97,6 +103,9 @@ pub struct VolumeExport {
     pub name: String,
     /// The volume's content directory (`DATA_DIR/volumes/ID/content/`).
     pub dir: PathBuf,
+    /// The most bytes its files may hold ([`usage::Usage`], shared with
+    /// the content API's count of the same directory).
+    pub limit: u64,
 }
 
 /// Why a volume server or one sandbox's export could not start.

@@ -18,6 +18,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinSet;
 
 use super::fs::{Volume, VolumeFs};
+use super::usage::Usage;
 use super::{is_volume_name, VolumeError, VolumeExport};
 
 /// How long [`VolumeServer::serve`] waits for the server's thread.
@@ -230,7 +231,7 @@ fn private_netns() -> io::Result<()> {
 fn open_exports(exports: Vec<VolumeExport>) -> Result<Vec<Volume>, VolumeError> {
     let mut seen = HashSet::new();
     let mut volumes = Vec::with_capacity(exports.len());
-    for VolumeExport { name, dir } in exports {
+    for VolumeExport { name, dir, limit } in exports {
         if !is_volume_name(&name) {
             return Err(VolumeError::BadName(name));
         }
@@ -241,9 +242,15 @@ fn open_exports(exports: Vec<VolumeExport>) -> Result<Vec<Volume>, VolumeError> 
             .read(true)
             .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
             .open(&dir)
-            .and_then(|f| Ok((f.metadata()?.ino(), f)));
+            .and_then(|f| Ok((f.metadata()?.ino(), f)))
+            .and_then(|(ino, f)| Ok((ino, f, Usage::of(&dir, limit)?)));
         match root {
-            Ok((ino, root)) => volumes.push(Volume { name, root, ino }),
+            Ok((ino, root, usage)) => volumes.push(Volume {
+                name,
+                root,
+                ino,
+                usage,
+            }),
             Err(source) => {
                 return Err(VolumeError::OpenVolume { name, dir, source });
             }

@@ -43,6 +43,9 @@ fn dirop<'a>(dir: &Fh, name: &'a str) -> diropargs3<'a> {
     }
 }
 
+/// The limit of a test's volumes, unless it sets its own.
+const LIMIT: u64 = super::usage::DEFAULT_LIMIT;
+
 /// A scratch directory with volume directories in it.
 struct Scratch {
     dir: tempfile::TempDir,
@@ -60,6 +63,7 @@ impl Scratch {
         VolumeExport {
             name: name.into(),
             dir,
+            limit: LIMIT,
         }
     }
     fn socket(&self, name: &str) -> PathBuf {
@@ -310,6 +314,71 @@ async fn mount_answers_only_the_sandboxs_volumes() {
     let alpha = mount(&sock, "/alpha").await.unwrap();
     assert_eq!(nfs.lookup(&root, "alpha").await.unwrap(), alpha);
     assert!(nfs.names(&alpha).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn writes_count_against_the_volumes_limit_shared_with_the_content_api() {
+    let s = Scratch::new();
+    let server = VolumeServer::start().unwrap();
+    let sock = s.socket("q.sock");
+    let vol = VolumeExport {
+        limit: 100,
+        ..s.volume("q")
+    };
+    std::fs::write(vol.dir.join("before"), [7u8; 10]).unwrap();
+    let _h = serve(&server, &sock, vec![vol.clone()]);
+    // The content API's count of the same directory is the server's.
+    let api = super::usage::Usage::of(&vol.dir, 5).unwrap();
+    assert_eq!((api.used(), api.limit()), (10, 100));
+    let root = mount(&sock, "/q").await.unwrap();
+    let mut nfs = Nfs::connect(&sock).await;
+
+    let f = nfs.create(&root, "f", false).await.unwrap();
+    assert_eq!(nfs.write(&f, 0, &[1; 60]).await, Ok(60));
+    assert_eq!(api.used(), 70);
+    // Past the limit: refused whole, nothing written or counted.
+    assert_eq!(
+        nfs.write(&f, 50, &[2; 41]).await,
+        Err(nfsstat3::NFS3ERR_DQUOT)
+    );
+    assert_eq!(std::fs::metadata(vol.dir.join("f")).unwrap().len(), 60);
+    assert_eq!(api.used(), 70);
+    // Rewriting bytes a file has takes nothing more.
+    assert_eq!(nfs.write(&f, 20, &[3; 40]).await, Ok(40));
+    assert_eq!(api.used(), 70);
+    // Growing by truncation counts; past the limit it is refused too.
+    let size = |n| sattr3 {
+        size: set_size3::Some(n),
+        ..Default::default()
+    };
+    assert_eq!(
+        nfs.setattr(&f, size(91)).await,
+        Err(nfsstat3::NFS3ERR_DQUOT)
+    );
+    nfs.setattr(&f, size(90)).await.unwrap();
+    assert_eq!(api.used(), 100);
+    // Full: neither the content API nor the guest gets a byte more.
+    assert_eq!(api.reserve(1), Err(super::usage::OverLimit { limit: 100 }));
+    let g = nfs.create(&root, "g", false).await.unwrap();
+    assert_eq!(nfs.write(&g, 0, &[4]).await, Err(nfsstat3::NFS3ERR_DQUOT));
+    // Shrinking frees; what the content API reserves (a file it is
+    // writing), the guest cannot take.
+    nfs.setattr(&f, size(30)).await.unwrap();
+    assert_eq!(api.used(), 40);
+    api.reserve(55).unwrap();
+    assert_eq!(
+        nfs.write(&g, 0, &[4; 6]).await,
+        Err(nfsstat3::NFS3ERR_DQUOT)
+    );
+    assert_eq!(nfs.write(&g, 0, &[4; 5]).await, Ok(5));
+    api.release(55);
+    assert_eq!(api.used(), 45);
+    // Renaming over a file and removing one free their bytes.
+    nfs.rename(&root, "g", &root, "before").await.unwrap();
+    assert_eq!(api.used(), 35, "the 10 bytes renamed over are freed");
+    nfs.remove(&root, "f").await.unwrap();
+    assert_eq!(api.used(), 5);
+    assert_eq!(api.used(), super::usage::count(&vol.dir).unwrap());
 }
 
 #[tokio::test]
@@ -603,6 +672,7 @@ async fn the_socket_is_private_replaced_and_removed() {
     let bad = VolumeExport {
         name: "a/b".into(),
         dir: s.dir.path().into(),
+        limit: LIMIT,
     };
     assert!(matches!(
         server.serve(&sock, vec![bad], 1),
@@ -616,6 +686,7 @@ async fn the_socket_is_private_replaced_and_removed() {
     let missing = VolumeExport {
         name: "m".into(),
         dir: s.dir.path().join("missing"),
+        limit: LIMIT,
     };
     assert!(matches!(
         server.serve(&sock, vec![missing], 1),

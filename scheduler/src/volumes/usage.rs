@@ -1,0 +1,161 @@
+//! A volume's size limit (`serve --volume-max-mib`): the bytes its files
+//! hold, counted once per content directory in this process and shared by
+//! everything that writes there — the content API (`torpor_gate::volumes`)
+//! and the NFS server its guests write through ([`super::VolumeServer`]) —
+//! so that neither can take a volume past its limit behind the other's
+//! back.
+//!
+//! The count starts as the sum of the sizes of the regular files under the
+//! directory (no link followed) when it is first asked for, and then
+//! follows each change made through either path: a write that grows a file
+//! reserves the growth first (refused past the limit), a truncation, a
+//! removal or a replacement releases what it freed. Sizes are apparent
+//! sizes (`st_size`), as a tenant listing the volume sees them.
+
+use std::collections::HashMap;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use torpor_sync::Locked;
+
+/// The default limit of a volume: 10 GiB.
+pub const DEFAULT_LIMIT: u64 = 10 << 30;
+
+/// A change refused because it would take the volume past its limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the volume is limited to {limit} bytes: this write would take it past that")]
+pub struct OverLimit {
+    /// The volume's limit, in bytes.
+    pub limit: u64,
+}
+
+/// The bytes one volume's files hold, against its limit.
+#[derive(Debug)]
+pub struct Usage {
+    used: AtomicU64,
+    limit: u64,
+}
+
+/// Every volume counted in this process, by its content directory
+/// (canonical); an entry lives as long as someone holds its [`Usage`].
+fn book() -> &'static Mutex<HashMap<PathBuf, Weak<Usage>>> {
+    static BOOK: OnceLock<Mutex<HashMap<PathBuf, Weak<Usage>>>> = OnceLock::new();
+    BOOK.get_or_init(Default::default)
+}
+
+impl Usage {
+    /// The count of the content directory `root` (which must exist): the
+    /// one this process already keeps for it, or a new one limited to
+    /// `limit` bytes, its files counted now.
+    pub fn of(root: &Path, limit: u64) -> io::Result<Arc<Usage>> {
+        let key = std::fs::canonicalize(root)?;
+        let mut book = book().locked();
+        if let Some(usage) = book.get(&key).and_then(Weak::upgrade) {
+            return Ok(usage);
+        }
+        book.retain(|_, u| u.strong_count() > 0);
+        let usage = Arc::new(Usage {
+            used: AtomicU64::new(count(&key)?),
+            limit,
+        });
+        book.insert(key, Arc::downgrade(&usage));
+        Ok(usage)
+    }
+
+    /// Bytes its files hold.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// Bytes they may hold.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// Counts `n` more bytes, or refuses them past the limit (nothing
+    /// counted then).
+    pub fn reserve(&self, n: u64) -> Result<(), OverLimit> {
+        if n == 0 {
+            return Ok(());
+        }
+        let before = self.used.fetch_add(n, Ordering::AcqRel);
+        if before.saturating_add(n) > self.limit {
+            self.used.fetch_sub(n, Ordering::AcqRel);
+            return Err(OverLimit { limit: self.limit });
+        }
+        Ok(())
+    }
+
+    /// Counts `n` bytes fewer (never below 0).
+    pub fn release(&self, n: u64) {
+        let _ = self
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
+                Some(u.saturating_sub(n))
+            });
+    }
+
+    /// A file going from `old` to `new` bytes: the growth reserved (or
+    /// refused), a shrink released.
+    pub fn resize(&self, old: u64, new: u64) -> Result<(), OverLimit> {
+        if new > old {
+            self.reserve(new - old)
+        } else {
+            self.release(old - new);
+            Ok(())
+        }
+    }
+}
+
+/// Bytes the regular files under `root` hold (no link followed).
+pub fn count(root: &Path) -> io::Result<u64> {
+    let mut total = 0u64;
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir)? {
+            let e = e?;
+            let meta = e.path().symlink_metadata()?;
+            if meta.is_dir() {
+                stack.push(e.path());
+            } else if meta.is_file() {
+                total += meta.len();
+            }
+        }
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_count_per_directory_counted_from_disk_and_limited() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        std::fs::write(dir.path().join("sub/a"), vec![0u8; 300]).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", dir.path().join("link")).unwrap();
+        let a = Usage::of(dir.path(), 1000).unwrap();
+        assert_eq!(a.used(), 300, "files only, links not followed");
+        // Another path to the same directory shares the count (and its
+        // limit, whatever the second caller asks).
+        let b = Usage::of(&dir.path().join("sub/.."), 5).unwrap();
+        assert!(Arc::ptr_eq(&a, &b));
+        assert_eq!(b.limit(), 1000);
+        b.reserve(700).unwrap();
+        assert_eq!(a.used(), 1000);
+        assert_eq!(a.reserve(1), Err(OverLimit { limit: 1000 }));
+        assert_eq!(a.used(), 1000, "a refusal counts nothing");
+        a.resize(700, 100).unwrap();
+        assert_eq!(b.used(), 400);
+        assert_eq!(a.resize(100, 800), Err(OverLimit { limit: 1000 }));
+        a.release(10_000);
+        assert_eq!(a.used(), 0);
+        // Once nobody holds it, the directory is counted again.
+        drop((a, b));
+        let c = Usage::of(dir.path(), 2000).unwrap();
+        assert_eq!((c.used(), c.limit()), (300, 2000));
+    }
+}
