@@ -661,3 +661,60 @@ fn a_wake_changes_nothing_outside_its_own_directory() {
     }
     service.close();
 }
+
+/// `torpor vmm` jailed (the CLI's own jail: the VMM is pid 1 of its pid
+/// namespace, its supervisor outside) stops on SIGTERM, SIGINT and SIGHUP
+/// as an unjailed one does: the supervisor passes the signal on, and the
+/// VMM, which as a namespace's init would ignore a signal it has no
+/// handler for, ends with the shell's 128 + signal. Before, it ran on and
+/// its supervisor waited for it.
+#[test]
+fn a_jailed_cli_vmm_stops_on_a_termination_signal() {
+    use std::os::unix::process::ExitStatusExt;
+    assert!(root());
+    let scratch = common::Scratch::new("jail-signal");
+    let uid = torpor_vmm_api::jail::CLI_JAIL_UID;
+    std::os::unix::fs::chown(&scratch.0, Some(uid), Some(uid)).unwrap();
+    for (signal, name) in [
+        (libc::SIGTERM, "TERM"),
+        (libc::SIGINT, "INT"),
+        (libc::SIGHUP, "HUP"),
+    ] {
+        let sock = scratch.0.join(format!("{name}.sock"));
+        let mut child = std::process::Command::new(common::TORPOR)
+            .args(["vmm", "--standby", "--mem-mib", "64", "--control-socket"])
+            .arg(&sock)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        common::wait_for(WAIT, || sock.exists());
+        let vmm = std::fs::read_to_string(format!("/proc/{}/task/{0}/children", child.id()))
+            .unwrap_or_default();
+        assert!(
+            !vmm.trim().is_empty(),
+            "SIG{name}: no jailed VMM under its supervisor"
+        );
+        // SAFETY: kill with a pid we spawned and a signal number.
+        assert_eq!(unsafe { libc::kill(child.id() as i32, signal) }, 0);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("SIG{name}: the jailed VMM still runs 10 s after the signal");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(
+            (status.code(), status.signal()),
+            (Some(128 + signal), None),
+            "SIG{name}"
+        );
+        assert!(!sock.exists() || std::os::unix::net::UnixStream::connect(&sock).is_err());
+    }
+}

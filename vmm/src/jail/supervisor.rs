@@ -8,6 +8,9 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use super::cgroup::Cgroup;
 use super::{sys, JailError, EXIT_OOM};
 
+/// The signals the supervisor passes on and the VMM ends on.
+const TERMINATING: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
+
 /// The VMM's pid, for the supervisor's signal handler.
 static VMM_PID: AtomicI32 = AtomicI32::new(0);
 
@@ -19,6 +22,16 @@ extern "C" fn forward(signal: libc::c_int) {
         // SAFETY: kill is async-signal-safe.
         unsafe { libc::kill(pid, signal) };
     }
+}
+
+/// The VMM's end on a termination signal. As pid 1 of its namespace it
+/// would ignore one it has no handler for (the kernel protects a
+/// namespace's init), so the supervisor's forwarded SIGTERM, SIGINT or
+/// SIGHUP — `torpor vmm` stopped with Ctrl-C or `kill` — would leave it
+/// running: it exits as the default action would have ended it.
+extern "C" fn end_on(signal: libc::c_int) {
+    // SAFETY: _exit is async-signal-safe.
+    unsafe { libc::_exit(128 + signal) };
 }
 
 /// Forks the VMM into a new pid namespace. Returns, in the VMM, its pid as
@@ -52,6 +65,10 @@ pub fn fork_supervised(cgroup: Option<&Cgroup>) -> Result<u32, JailError> {
             // The supervisor died before telling: nobody waits for us.
             std::process::exit(1);
         }
+        for signal in TERMINATING {
+            // SAFETY: the handler only calls _exit.
+            unsafe { libc::signal(signal, end_on as *const () as libc::sighandler_t) };
+        }
         return Ok(u32::from_ne_bytes(buf));
     }
     let bytes = (pid as u32).to_ne_bytes();
@@ -70,7 +87,7 @@ pub fn fork_supervised(cgroup: Option<&Cgroup>) -> Result<u32, JailError> {
         }
     }
     VMM_PID.store(pid, Ordering::Relaxed);
-    for signal in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+    for signal in TERMINATING {
         // SAFETY: the handler only loads an atomic and calls kill.
         unsafe { libc::signal(signal, forward as *const () as libc::sighandler_t) };
     }
