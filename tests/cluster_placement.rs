@@ -154,7 +154,7 @@ fn cluster_creates_go_where_their_templates_bytes_are_then_by_headroom() {
     let deadline = Instant::now() + WAIT;
     loop {
         let (one, two) = headrooms(&c);
-        if one < two && one > 1024.0 {
+        if one < two && one > 256.0 {
             println!("headroom: pod1 {one:.0} MiB, pod2 {two:.0} MiB");
             break;
         }
