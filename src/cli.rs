@@ -720,6 +720,13 @@ pub struct ServeArgs {
     #[arg(long, value_name = "MS",
           default_value_t = torpor_cluster::expiry::DEFAULT_GRACE.as_millis() as u64)]
     pub cluster_create_grace_ms: u64,
+    /// In a cluster: a create picks at random among this many of the pods
+    /// ranked first (those holding the most bytes of its template's
+    /// layers, then by admission headroom), so that replicas placing at
+    /// once do not all pick the same pod; 1 always picks the first.
+    #[arg(long, value_name = "N",
+          default_value_t = torpor_cluster::replica::PLACEMENT_CHOICES)]
+    pub cluster_placement_choices: usize,
     /// Serve the API over TLS with a self-signed certificate made on first
     /// start in DATA_DIR/tls (its fingerprint is printed; clients pin it
     /// with --api-fingerprint), or with --tls-cert/--tls-key.

@@ -148,6 +148,9 @@ pub struct ClusterConfig {
     /// before a replica ends it as failed and frees its quota
     /// (`expiry.rs`): longer than a create takes once started.
     pub create_grace: Duration,
+    /// A create picks at random among this many of the pods ranked first
+    /// (`replica::PLACEMENT_CHOICES` by default; 1: always the first).
+    pub placement_choices: usize,
 }
 
 impl ClusterConfig {
@@ -161,6 +164,7 @@ impl ClusterConfig {
             io_timeout: Duration::from_secs(60),
             create_start: expiry::DEFAULT_START,
             create_grace: expiry::DEFAULT_GRACE,
+            placement_choices: replica::PLACEMENT_CHOICES,
         }
     }
 }

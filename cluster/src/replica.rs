@@ -24,8 +24,9 @@ use torpor_gate::service::{
     PodView, SandboxFilter, ServiceError,
 };
 
-/// Placement picks at random among this many of the pods with the most
-/// headroom, so that replicas placing at once do not all pick the same.
+/// Placement picks at random among this many of the pods ranked first
+/// (`placement.rs`), so that replicas placing at once do not all pick the
+/// same (the default of `ClusterConfig::placement_choices`).
 pub const PLACEMENT_CHOICES: usize = 2;
 
 /// How often a waiting replica reads its operation's row at first, and
@@ -511,7 +512,7 @@ impl SandboxApi for Cluster {
                     &pods,
                     &req.template,
                     self.config.down_after,
-                    PLACEMENT_CHOICES,
+                    self.config.placement_choices,
                     random_u64(),
                 ) {
                     Some(p) => p,

@@ -31,6 +31,7 @@ pub fn serve_replica(args: ServeArgs, urls: &str) -> Result<(), String> {
     config.io_timeout = Duration::from_millis(args.service.request_timeout_ms.max(1));
     config.create_start = Duration::from_millis(args.cluster_create_start_ms);
     config.create_grace = Duration::from_millis(args.cluster_create_grace_ms);
+    config.placement_choices = args.cluster_placement_choices.max(1);
     let data_dir = args
         .data_dir
         .clone()

@@ -145,6 +145,8 @@ pub struct ObjectStore {
     storing: std::sync::Mutex<HashMap<PathBuf, Arc<std::sync::Mutex<()>>>>,
     /// The manifests whose chunks placement's figures counted (`held.rs`).
     pub(super) known: super::held::KnownManifests,
+    /// The layers of sandboxes this pod released (`held.rs`).
+    pub(super) let_go: super::held::LetGo,
 }
 
 impl std::fmt::Debug for ObjectStore {
@@ -201,6 +203,7 @@ impl ObjectStore {
             runtime: Some(runtime),
             storing: Default::default(),
             known: Default::default(),
+            let_go: Default::default(),
         })
     }
 
@@ -759,6 +762,11 @@ impl Service {
                 }
             }
             self.store.disown_layer_objects(&self.sandbox_dir(id))?;
+            // What this pod's chunk cache keeps of it still counts for
+            // placement (a move back).
+            if let (Some(objects), Some(layer)) = (&self.objects, &s.stored_snapshot) {
+                objects.let_go.remember(layer, id.as_str());
+            }
         }
         tracing::warn!(sandbox = %id, "released a sandbox that moved to another pod");
         self.delete_sandbox(id)

@@ -1,0 +1,186 @@
+//! Placement by bytes held (issue 29, `cluster/src/placement.rs`) on the
+//! loopback cluster, end to end: the pods' heartbeats report the bytes
+//! they hold of each stored layer (`scheduler/src/service/held.rs`), the
+//! replicas keep them in `pods.layers`, and a create goes to the pod that
+//! holds the most of its template's layers, then by admission headroom.
+//!
+//! A template is built on pod1 and stored (a directory object store);
+//! pod2 fetches it while pod1 is down (a create from a template no pod up
+//! lists), so both list it, whole. pod1 is given less headroom than pod2
+//! (a smaller oversubscription ratio, through a replica). The replicas
+//! pick the first pod ranked (`--cluster-placement-choices 1`, not at
+//! random among the first two), so each outcome is one pod:
+//!
+//! - both hold the template's layer whole: creates go by headroom, to pod2;
+//! - pod2's copy still arriving (the `.arriving` marker a lazy fetch
+//!   leaves in a layer's directory until its memory file is whole,
+//!   `scheduler/src/service/lazy.rs`; the pods keep no chunk cache,
+//!   `--chunk-cache-mib 0`, so pod2 holds none of it): creates go to pod1,
+//!   which holds it all, although pod2 has more headroom (a headroom-only
+//!   rule sends them to pod2);
+//! - the marker gone: to pod2 again.
+//!
+//! Needs postgres and nats-server (tests/needs leaves it out without
+//! them).
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::cluster::{Cluster, API_ARGS, POD_ARGS};
+use serde_json::Value;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// What a layer being fetched holds until its memory file is whole
+/// (`scheduler/src/service/lazy.rs`'s `ARRIVING`).
+const ARRIVING: &str = ".arriving";
+
+/// Pod `pod`'s entry in `GET /v1/pods`.
+fn pod_entry(c: &Cluster, pod: &str) -> Value {
+    c.pods()
+        .into_iter()
+        .find(|p| p["id"] == pod)
+        .unwrap_or_else(|| panic!("{pod} is not listed"))
+}
+
+/// Waits until replica 1 reads pod `pod` as reachable (`true`) or not.
+fn wait_reachable(c: &Cluster, pod: &str, reachable: bool) {
+    let deadline = Instant::now() + WAIT;
+    while pod_entry(c, pod)["reachable"] != reachable {
+        assert!(
+            Instant::now() < deadline,
+            "{pod} never read reachable={reachable}: {:?}",
+            c.pods()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The layer of template `id` pod `pod`'s row lists (`pods.layers`, from
+/// its heartbeats) once `ok(bytes, held)` holds of it: its manifest, its
+/// bytes and how many of them the pod holds.
+fn layer_of(c: &Cluster, pod: &str, id: &str, ok: impl Fn(u64, u64) -> bool) -> (String, u64, u64) {
+    let query = format!(
+        "SELECT l->>'layer', l->>'bytes', l->>'held' FROM pods, jsonb_array_elements(layers) l \
+         WHERE id = '{pod}' AND l->>'of' = '{id}'"
+    );
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let row = c.sql(&query);
+        if let [layer, bytes, held] = row.split('|').collect::<Vec<_>>()[..] {
+            let (bytes, held) = (bytes.parse().unwrap(), held.parse().unwrap());
+            if ok(bytes, held) {
+                return (layer.to_string(), bytes, held);
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{pod}'s layer of {id} never reported as wanted: {row:?}; its layers: {}",
+            c.sql(&format!("SELECT layers FROM pods WHERE id = '{pod}'"))
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A sandbox of template `id` created through replica `n` (placed by
+/// the replica) and deleted: the pod it was placed on.
+fn placed(c: &Cluster, n: u16, id: &str) -> String {
+    let body = format!(r#"{{"template":"{id}"}}"#);
+    let r = c.call(n, "POST", "/v1/sandboxes", Some(&body));
+    assert_eq!(r.status, 201, "{}", r.body);
+    let s = r.json();
+    let pod = s["pod"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{s}"))
+        .to_string();
+    let path = format!("/v1/sandboxes/{}", s["id"].as_str().unwrap());
+    let r = c.call(n, "DELETE", &path, None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    pod
+}
+
+/// The pods' headroom as the replicas read it: (pod1's, pod2's).
+fn headrooms(c: &Cluster) -> (f64, f64) {
+    let of = |pod| pod_entry(c, pod)["headroom_mib"].as_f64().unwrap();
+    (of("pod1"), of("pod2"))
+}
+
+/// Template `id`'s snapshot directory on pod `n` (its own API).
+fn snapshot_dir(c: &Cluster, n: u16, id: &str) -> PathBuf {
+    let path = format!("/v1/templates/{id}");
+    let r = common::http::request(&c.pod_api(n), "GET", &path, Some(&c.pod_token(n)), None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let dir = r.json()["snapshot_dir"].as_str().map(PathBuf::from);
+    let dir = dir.unwrap_or_else(|| panic!("no snapshot_dir: {}", r.body));
+    assert!(dir.starts_with(c.dir.join(format!("pod{n}"))), "{dir:?}");
+    dir
+}
+
+#[test]
+fn cluster_creates_go_where_their_templates_bytes_are_then_by_headroom() {
+    let c = Cluster::up_with_api(
+        "placement",
+        &format!("{POD_ARGS} --standby-pool 0 --chunk-cache-mib 0"),
+        &format!("{API_ARGS} --cluster-placement-choices 1"),
+    );
+
+    // Built on pod1, stored: pod1 reports its layer, all of it held.
+    let body = r#"{"name":"placed","kind":"probe","mem_mib":64,"pod":"pod1"}"#;
+    let r = c.call(1, "POST", "/v1/templates", Some(body));
+    assert_eq!(r.status, 201, "{}", r.body);
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    let (manifest, bytes, _) = layer_of(&c, "pod1", &id, |b, h| b > 0 && h == b);
+
+    // pod2 fetches it while pod1 is down: a create from a template no pod
+    // up lists goes to a pod up, which fetches it from the object store.
+    c.stop("pod1");
+    wait_reachable(&c, "pod1", false);
+    assert_eq!(placed(&c, 2, &id), "pod2");
+    c.start("pod1");
+    c.wait_pods(2);
+    let (layer, _, _) = layer_of(&c, "pod2", &id, |b, h| b == bytes && h == b);
+    assert_eq!(layer, manifest);
+
+    // pod1's headroom: half its ratio's, less than pod2's (a probe's
+    // memory still fits on it many times over).
+    let ratio = pod_entry(&c, "pod1")["oversubscription_ratio"]
+        .as_f64()
+        .expect("pod1's ratio");
+    let body = format!(r#"{{"oversubscription_ratio":{}}}"#, ratio / 2.0);
+    let r = c.call(1, "PATCH", "/v1/pods/pod1", Some(&body));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let (one, two) = headrooms(&c);
+        if one < two && one > 256.0 {
+            println!("headroom: pod1 {one:.0} MiB, pod2 {two:.0} MiB");
+            break;
+        }
+        assert!(Instant::now() < deadline, "headroom {one} and {two} MiB");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // Both hold it whole: the held bytes tie, headroom decides.
+    for n in [1, 2] {
+        assert_eq!(placed(&c, n, &id), "pod2", "both hold it: by headroom");
+    }
+
+    // pod2's copy still arriving, none of it held there: pod1 holds the
+    // most, and takes the creates whatever pod2's headroom.
+    let arriving = snapshot_dir(&c, 2, &id).join(ARRIVING);
+    std::fs::write(&arriving, b"").unwrap();
+    layer_of(&c, "pod2", &id, |b, h| b == bytes && h == 0);
+    layer_of(&c, "pod1", &id, |b, h| b == bytes && h == b);
+    let (one, two) = headrooms(&c);
+    assert!(one < two, "pod1's headroom {one} MiB, pod2's {two} MiB");
+    for n in [1, 2, 1] {
+        assert_eq!(placed(&c, n, &id), "pod1", "only pod1 holds its bytes");
+    }
+
+    // Whole on pod2 again: by headroom again.
+    std::fs::remove_file(&arriving).unwrap();
+    layer_of(&c, "pod2", &id, |b, h| b == bytes && h == b);
+    assert_eq!(placed(&c, 2, &id), "pod2", "both hold it again");
+}
