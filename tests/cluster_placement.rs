@@ -20,6 +20,9 @@
 //!   rule sends them to pod2);
 //! - the marker gone: to pod2 again.
 //!
+//! The replicas' waits for those creates are woken by their outcomes'
+//! notifications (`cluster/src/finished.rs`), which their metrics count.
+//!
 //! Needs postgres and nats-server (tests/needs leaves it out without
 //! them).
 
@@ -183,4 +186,23 @@ fn cluster_creates_go_where_their_templates_bytes_are_then_by_headroom() {
     std::fs::remove_file(&arriving).unwrap();
     layer_of(&c, "pod2", &id, |b, h| b == bytes && h == b);
     assert_eq!(placed(&c, 2, &id), "pod2", "both hold it again");
+
+    // Each replica heard the outcomes as they were written
+    // (`cluster/src/finished.rs`): its waits were woken, not only polled.
+    for n in [1, 2] {
+        let r = c.call(n, "GET", "/metrics", None);
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert!(
+            r.body.contains("\ntorpor_cluster_outcome_listening 1\n"),
+            "replica {n}: {}",
+            r.body
+        );
+        let woke: u64 = r
+            .body
+            .lines()
+            .find_map(|l| l.strip_prefix("torpor_cluster_outcome_wakeups_total "))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("replica {n}: no wakeups counted: {}", r.body));
+        assert!(woke > 0, "replica {n}: no wait woken by its outcome");
+    }
 }

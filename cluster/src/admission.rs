@@ -17,7 +17,7 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio_postgres::{Client, Transaction};
 
-use super::db::{insert_operation, pg, Db, NewOp};
+use super::db::{insert_operation, pg, Db, NewOp, OpRow};
 use super::ClusterError;
 use torpor_gate::quota::{check, usage_of, Quota, Usage};
 
@@ -27,10 +27,14 @@ const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Db {
     /// Journals the create `op` if its tenant's quota admits `asked`
-    /// more: true if journaled, false if its tenant used its idempotency
+    /// more: its row if journaled, none if its tenant used its idempotency
     /// key already (that create was admitted then: not counted again);
     /// [`ClusterError::Quota`] past the quota.
-    pub(super) async fn admit(&self, op: &NewOp<'_>, asked: &Usage) -> Result<bool, ClusterError> {
+    pub(super) async fn admit(
+        &self,
+        op: &NewOp<'_>,
+        asked: &Usage,
+    ) -> Result<Option<OpRow>, ClusterError> {
         let mut conn = self.admission.lock().await;
         let client = match conn.take().filter(|c| !c.is_closed()) {
             Some(c) => conn.insert(c),
@@ -46,7 +50,11 @@ impl Db {
     }
 }
 
-async fn admit_on(c: &mut Client, op: &NewOp<'_>, asked: &Usage) -> Result<bool, ClusterError> {
+async fn admit_on(
+    c: &mut Client,
+    op: &NewOp<'_>,
+    asked: &Usage,
+) -> Result<Option<OpRow>, ClusterError> {
     let tx = c.transaction().await.map_err(pg)?;
     tx.batch_execute(&format!(
         "SET LOCAL lock_timeout = '{}ms'",
@@ -73,7 +81,7 @@ async fn admit_on(c: &mut Client, op: &NewOp<'_>, asked: &Usage) -> Result<bool,
             .await
             .map_err(pg)?;
         if used.is_some() {
-            return Ok(false);
+            return Ok(None);
         }
     }
     if quota != Quota::default() {

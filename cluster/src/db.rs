@@ -184,6 +184,8 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
     ),
     // How much of each stored layer a pod holds (`placement.rs`).
     (14, super::layers::LAYERS_COLUMN),
+    // An operation's end notified to the replicas waiting for it.
+    (15, super::finished::NOTIFY_TRIGGER),
 ];
 
 /// Schema version 9. `operations.template`: the template a template's
@@ -315,19 +317,23 @@ pub(super) async fn insert_operation(
     c: &impl GenericClient,
     op: &NewOp<'_>,
     asked: Option<&Usage>,
-) -> Result<bool, ClusterError> {
+) -> Result<Option<OpRow>, ClusterError> {
     let asked = asked
         .map(serde_json::to_value)
         .transpose()
         .map_err(|e| ClusterError::Schema(format!("a create's usage: {e}")))?;
+    // The row as inserted (no second read): what the request gave, and
+    // the deadlines the database's clock set.
     let inserted = c
-        .execute(
+        .query_opt(
             "INSERT INTO operations (id, kind, sandbox, pod, tenant, idempotency_key, asked,
                 start_by, expires_at, template)
              VALUES ($1, $2, $3, $4, $5, $6, $7, now() + $8::bigint * interval '1 millisecond',
                 now() + ($8::bigint + $9::bigint) * interval '1 millisecond', $10)
              ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL
-             DO NOTHING",
+             DO NOTHING
+             RETURNING status, (extract(epoch FROM start_by) * 1000)::bigint,
+                (extract(epoch FROM expires_at) * 1000)::bigint",
             &[
                 &op.id,
                 &op.kind,
@@ -343,7 +349,18 @@ pub(super) async fn insert_operation(
         )
         .await
         .map_err(pg)?;
-    Ok(inserted == 1)
+    Ok(inserted.map(|r| OpRow {
+        id: op.id.to_string(),
+        kind: op.kind.to_string(),
+        sandbox: op.sandbox.map(|s| s.to_string()),
+        template: op.template.map(str::to_string),
+        pod: op.pod.to_string(),
+        tenant: op.tenant.to_string(),
+        status: r.get(0),
+        outcome: None,
+        start_by_ms: r.get(1),
+        expires_ms: r.get(2),
+    }))
 }
 
 /// An operation row.
@@ -706,9 +723,10 @@ impl Db {
             None => insert_operation(&*self.client().await?, op, None).await?,
         };
         let (id, tenant, idempotency_key) = (op.id, op.tenant, op.idempotency_key);
-        let row = if inserted {
-            self.operation(id).await?
-        } else {
+        if let Some(row) = inserted {
+            return Ok((row, true));
+        }
+        let row = {
             let key = idempotency_key.unwrap_or_default();
             let row = self
                 .client()
@@ -725,7 +743,7 @@ impl Db {
             }
         };
         let row = row.ok_or_else(|| ClusterError::Postgres(format!("operation {id} vanished")))?;
-        Ok((row, inserted))
+        Ok((row, false))
     }
 
     /// The `kind` operation on `sandbox` journaled with `key` (the

@@ -31,6 +31,7 @@ pub mod checkpoints;
 pub mod db;
 pub mod events;
 pub mod expiry;
+pub mod finished;
 pub mod guest;
 pub mod images;
 pub mod layers;

@@ -11,6 +11,7 @@ use torpor_scheduler::service::LOCAL_POD;
 use torpor_scheduler::state::SandboxState;
 
 use super::db::{Db, NewOp, OpRow, PodRow};
+use super::finished::Finished;
 use super::placement;
 use super::wire::{self, OpOutcome, Operation, Reply, WorkItem};
 use super::{ClusterConfig, ClusterError};
@@ -30,9 +31,13 @@ use torpor_gate::service::{
 pub const PLACEMENT_CHOICES: usize = 2;
 
 /// How often a waiting replica reads its operation's row at first, and
-/// for how long (then doubling up to 100 ms).
+/// for how long (then doubling up to 100 ms), while it hears no
+/// notifications of outcomes (`finished.rs`).
 const POLL_FAST: Duration = Duration::from_millis(3);
 const POLL_FAST_FOR: Duration = Duration::from_millis(300);
+/// How often it reads the row at first while it hears them (woken
+/// otherwise): a fallback for an outcome written without one.
+const POLL_LISTENING: Duration = Duration::from_millis(25);
 
 /// The replica.
 #[derive(Debug)]
@@ -41,6 +46,8 @@ pub struct Cluster {
     pub(super) db: Arc<Db>,
     js: jetstream::Context,
     pub(super) config: ClusterConfig,
+    /// Wakes [`Cluster::wait`] when its operation's outcome is written.
+    finished: Arc<Finished>,
 }
 
 /// Where a placement goes: of the pods up with `template` and headroom,
@@ -88,11 +95,17 @@ impl Cluster {
         tokio::spawn(super::events::run(js.clone(), db.clone()));
         let sweep = super::expiry::sweep_period(config.create_grace);
         tokio::spawn(super::expiry::run(db.clone(), sweep, config.lost_after));
+        let finished = Arc::new(Finished::default());
+        tokio::spawn(super::finished::listen(
+            config.urls.postgres.clone(),
+            finished.clone(),
+        ));
         Ok(Arc::new(Cluster {
             rt: tokio::runtime::Handle::current(),
             db,
             js,
             config,
+            finished,
         }))
     }
 
@@ -243,7 +256,9 @@ impl Cluster {
     pub(super) async fn wait(&self, op: OpRow) -> Result<OpOutcome, ServiceError> {
         let started = Instant::now();
         let deadline = started + self.config.wait;
-        let mut pause = POLL_FAST;
+        let waiting = self.finished.wait_for(&op.id);
+        let listening = self.finished.listening();
+        let mut pause = if listening { POLL_LISTENING } else { POLL_FAST };
         loop {
             if let Some(row) = self.db.operation(&op.id).await? {
                 if let Some(outcome) = row.outcome {
@@ -260,10 +275,12 @@ impl Cluster {
                     pod: op.pod,
                 });
             }
-            tokio::time::sleep(pause).await;
-            // Most commands finish within the first period: polled every
-            // POLL_FAST (a primary-key read) so that the answer waits at
-            // most that long for it; then less and less often.
+            // Woken by the outcome's notification, else read again after
+            // `pause`. Without notifications most commands finish within
+            // the first period: polled every POLL_FAST (a primary-key
+            // read) so that the answer waits at most that long for it;
+            // then less and less often.
+            let _ = tokio::time::timeout(pause, waiting.notified()).await;
             if started.elapsed() >= POLL_FAST_FOR {
                 pause = (pause * 2).min(Duration::from_millis(100));
             }
@@ -740,8 +757,16 @@ impl SandboxApi for Cluster {
             "# HELP torpor_cluster_pods Pods known to the cluster, by whether they are up.\n\
              # TYPE torpor_cluster_pods gauge\n\
              torpor_cluster_pods{{state=\"up\"}} {up}\n\
-             torpor_cluster_pods{{state=\"down\"}} {}\n",
-            pods.len() - up
+             torpor_cluster_pods{{state=\"down\"}} {}\n\
+             # HELP torpor_cluster_outcome_listening Whether this replica hears operations' outcomes as they are written (else its waits poll).\n\
+             # TYPE torpor_cluster_outcome_listening gauge\n\
+             torpor_cluster_outcome_listening {}\n\
+             # HELP torpor_cluster_outcome_wakeups_total Waits of this replica woken by their operation's outcome notification.\n\
+             # TYPE torpor_cluster_outcome_wakeups_total counter\n\
+             torpor_cluster_outcome_wakeups_total {}\n",
+            pods.len() - up,
+            u8::from(self.finished.listening()),
+            self.finished.woke(),
         )
     }
 
