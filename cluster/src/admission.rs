@@ -10,14 +10,16 @@
 //! read after, sees that create. A create is counted while it is pending
 //! (its `asked`), then as its sandbox (written with its outcome in one
 //! statement, `Db::finish`), never both or neither; a failed create no
-//! more. A tenant without a quota row is not locked or counted.
+//! more. A tenant without a quota row is not locked or counted: its
+//! create is journaled in one statement that checks there is none
+//! (`insert_operation_unless_quota`), on the connection requests share.
 
 use std::time::Duration;
 
 use serde_json::Value;
 use tokio_postgres::{Client, Transaction};
 
-use super::db::{insert_operation, pg, Db, NewOp, OpRow};
+use super::db::{insert_operation, insert_operation_unless_quota, pg, Db, NewOp, OpRow};
 use super::ClusterError;
 use torpor_gate::quota::{check, usage_of, Quota, Usage};
 
@@ -35,6 +37,13 @@ impl Db {
         op: &NewOp<'_>,
         asked: &Usage,
     ) -> Result<Option<OpRow>, ClusterError> {
+        // A tenant without a quota row has nothing to lock or count: one
+        // statement on the shared connection (which requests share at
+        // once), not a transaction on the one kept for admissions.
+        let shared = self.client().await?;
+        if let Some(inserted) = insert_operation_unless_quota(&*shared, op, asked).await? {
+            return Ok(inserted);
+        }
         let mut conn = self.admission.lock().await;
         let client = match conn.take().filter(|c| !c.is_closed()) {
             Some(c) => conn.insert(c),

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::Value;
+use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, GenericClient, NoTls};
 use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template};
 use torpor_scheduler::service::held::LayerHeld;
@@ -318,49 +319,114 @@ pub(super) async fn insert_operation(
     op: &NewOp<'_>,
     asked: Option<&Usage>,
 ) -> Result<Option<OpRow>, ClusterError> {
-    let asked = asked
-        .map(serde_json::to_value)
-        .transpose()
-        .map_err(|e| ClusterError::Schema(format!("a create's usage: {e}")))?;
-    // The row as inserted (no second read): what the request gave, and
-    // the deadlines the database's clock set.
-    let inserted = c
-        .query_opt(
-            "INSERT INTO operations (id, kind, sandbox, pod, tenant, idempotency_key, asked,
-                start_by, expires_at, template)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, now() + $8::bigint * interval '1 millisecond',
-                now() + ($8::bigint + $9::bigint) * interval '1 millisecond', $10)
-             ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL
-             DO NOTHING
-             RETURNING status, (extract(epoch FROM start_by) * 1000)::bigint,
-                (extract(epoch FROM expires_at) * 1000)::bigint",
-            &[
-                &op.id,
-                &op.kind,
-                &op.sandbox.map(|s| s.as_str()),
-                &op.pod.as_str(),
-                &op.tenant,
-                &op.idempotency_key,
-                &asked,
-                &op.deadlines.map(|d| ms(d.0)),
-                &op.deadlines.map(|d| ms(d.1)),
-                &op.template,
-            ],
-        )
+    let values = Values::of(op, asked)?;
+    let row = c
+        .query_opt(&insert_sql(false), &values.params(op))
         .await
         .map_err(pg)?;
-    Ok(inserted.map(|r| OpRow {
+    Ok(row.map(|r| inserted_row(op, &r, 0)))
+}
+
+/// [`insert_operation`] unless `op`'s tenant has a quota row, in one
+/// statement: `None` if it has one (its admission then locks and counts
+/// it: `admission.rs`), else what [`insert_operation`] answers.
+pub(super) async fn insert_operation_unless_quota(
+    c: &impl GenericClient,
+    op: &NewOp<'_>,
+    asked: &Usage,
+) -> Result<Option<Option<OpRow>>, ClusterError> {
+    let values = Values::of(op, Some(asked))?;
+    let r = c
+        .query_one(&insert_sql(true), &values.params(op))
+        .await
+        .map_err(pg)?;
+    if r.get::<_, bool>(0) {
+        return Ok(None);
+    }
+    let inserted: Option<String> = r.get(1);
+    Ok(Some(inserted.map(|_| inserted_row(op, &r, 1))))
+}
+
+/// The parameters of [`insert_sql`] that are not `NewOp` fields as they
+/// are.
+struct Values<'a> {
+    sandbox: Option<&'a str>,
+    pod: &'a str,
+    asked: Option<Value>,
+    start: Option<i64>,
+    grace: Option<i64>,
+}
+
+impl<'a> Values<'a> {
+    fn of(op: &NewOp<'a>, asked: Option<&Usage>) -> Result<Self, ClusterError> {
+        Ok(Values {
+            sandbox: op.sandbox.map(|s| s.as_str()),
+            pod: op.pod.as_str(),
+            asked: asked
+                .map(serde_json::to_value)
+                .transpose()
+                .map_err(|e| ClusterError::Schema(format!("a create's usage: {e}")))?,
+            start: op.deadlines.map(|d| ms(d.0)),
+            grace: op.deadlines.map(|d| ms(d.1)),
+        })
+    }
+
+    fn params<'b>(&'b self, op: &'b NewOp<'_>) -> [&'b (dyn ToSql + Sync); 10] {
+        [
+            &op.id,
+            &op.kind,
+            &self.sandbox,
+            &self.pod,
+            &op.tenant,
+            &op.idempotency_key,
+            &self.asked,
+            &self.start,
+            &self.grace,
+            &op.template,
+        ]
+    }
+}
+
+/// The insert of an operation (parameters: [`insert_params`]), returning
+/// its status and deadlines (none on its tenant's idempotency key used
+/// already). `guarded`: only if its tenant has no quota row, the first
+/// column saying whether it has one.
+fn insert_sql(guarded: bool) -> String {
+    let values = "$1::text, $2::text, $3::text, $4::text, $5::text, $6::text, $7::jsonb,
+        now() + $8::bigint * interval '1 millisecond',
+        now() + ($8::bigint + $9::bigint) * interval '1 millisecond', $10::text";
+    let insert = "INSERT INTO operations (id, kind, sandbox, pod, tenant, idempotency_key,
+        asked, start_by, expires_at, template)";
+    let rest = "ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL
+        DO NOTHING
+        RETURNING status, (extract(epoch FROM start_by) * 1000)::bigint,
+            (extract(epoch FROM expires_at) * 1000)::bigint";
+    if guarded {
+        format!(
+            "WITH q AS (SELECT EXISTS (SELECT 1 FROM tenant_quotas WHERE tenant = $5) AS quota),
+             ins AS ({insert} SELECT {values} FROM q WHERE NOT q.quota {rest})
+             SELECT q.quota, ins.* FROM q LEFT JOIN ins ON true"
+        )
+    } else {
+        format!("{insert} VALUES ({values}) {rest}")
+    }
+}
+
+/// The row as inserted (no second read): what the request gave, and the
+/// status and deadlines the insert returned from column `at` on.
+fn inserted_row(op: &NewOp<'_>, r: &tokio_postgres::Row, at: usize) -> OpRow {
+    OpRow {
         id: op.id.to_string(),
         kind: op.kind.to_string(),
         sandbox: op.sandbox.map(|s| s.to_string()),
         template: op.template.map(str::to_string),
         pod: op.pod.to_string(),
         tenant: op.tenant.to_string(),
-        status: r.get(0),
+        status: r.get(at),
         outcome: None,
-        start_by_ms: r.get(1),
-        expires_ms: r.get(2),
-    }))
+        start_by_ms: r.get(at + 1),
+        expires_ms: r.get(at + 2),
+    }
 }
 
 /// An operation row.

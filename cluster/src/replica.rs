@@ -280,7 +280,10 @@ impl Cluster {
             // the first period: polled every POLL_FAST (a primary-key
             // read) so that the answer waits at most that long for it;
             // then less and less often.
-            let _ = tokio::time::timeout(pause, waiting.notified()).await;
+            // Never past the deadline (a wait of 1 ms answers 202 for a
+            // command that takes longer, however soon it is woken).
+            let left = deadline.saturating_duration_since(Instant::now());
+            let _ = tokio::time::timeout(pause.min(left), waiting.notified()).await;
             if started.elapsed() >= POLL_FAST_FOR {
                 pause = (pause * 2).min(Duration::from_millis(100));
             }
