@@ -103,7 +103,7 @@ echo "volume-cwd: $(vx sh -c 'p=$(cat /tmp/volpid); readlink /proc/$p/cwd; cat /
 # writes: the write past it fails, the host's file stops short, and a
 # removal frees the room again.
 echo "volume-quota: $(vx sh -c 'dd if=/dev/zero of=/mnt/shared/big bs=1M count=8 conv=fsync 2>&1; echo rc=$?' | grep -o 'Disk quota exceeded\|rc=[0-9]*' | sort -u | tr '\n' ' ')"
-echo "volume-quota-size: $(stat -c %s "/tmp/data/volumes/$VOL/content/big")"
+echo "volume-quota-file size=$(stat -c %s "/tmp/data/volumes/$VOL/content/big")"
 vx rm -f /mnt/shared/big
 echo "volume-quota-freed: $(vx sh -c 'head -c 3000000 /dev/zero >/mnt/shared/again && sync && echo ok')"
 $T sandbox rm "$VS"
@@ -249,11 +249,8 @@ fn nested_linux_sandbox_through_the_api_exec_files_hibernate_wake() {
         o.contains("volume-quota: Disk quota exceeded rc=1 \n"),
         "{o}"
     );
-    let size: u64 = o
-        .split("volume-quota-size: ")
-        .nth(1)
-        .and_then(|r| r.lines().next())
-        .and_then(|n| n.trim().parse().ok())
+    let size: u64 = field(o, "volume-quota-file", "size")
+        .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no size of the file written past the limit:\n{o}"));
     assert!(size <= 4 << 20, "{size} bytes past a 4 MiB volume:\n{o}");
     assert!(o.contains("volume-quota-freed: ok\n"), "{o}");
