@@ -7,7 +7,7 @@
 //! memory of its tenant's quota from the same list (`admission.rs`).
 //! Templates built and deleted through a replica (`templates.rs`) change
 //! the list with their result, before the pod's next heartbeat
-//! (schema version 9, `db.rs`: `CATALOG_CHANGES`, `Db::finish`).
+//! (schema version 9, `schema.rs`: `CATALOG_CHANGES`; `db.rs`: `Db::finish`).
 
 use std::time::Duration;
 

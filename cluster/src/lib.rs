@@ -39,6 +39,7 @@ pub mod moved;
 pub mod placement;
 pub mod pod;
 pub mod replica;
+pub mod schema;
 pub mod secrets;
 pub mod templates;
 pub mod tenants;
