@@ -98,11 +98,35 @@ mod tests {
     use std::net::TcpListener;
     use std::os::unix::net::UnixStream;
 
+    /// A loopback port nothing listens on, held (bound, not listening)
+    /// while the returned descriptor lives: a port freed instead could be
+    /// taken by a test running beside (CI saw `dial` connect).
+    fn closed_port() -> (std::os::fd::OwnedFd, u16) {
+        use std::os::fd::FromRawFd;
+        // SAFETY: socket takes integers; the descriptor is owned below.
+        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        // SAFETY: a descriptor the kernel just returned, owned by nobody else.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        // SAFETY: sockaddr_in is plain integers, valid all zero.
+        let mut addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+        addr.sin_family = libc::AF_INET as libc::sa_family_t;
+        addr.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
+        let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        use std::os::fd::AsRawFd;
+        // SAFETY: `addr` is a sockaddr_in of `len` bytes, alive for both
+        // calls; getsockname writes at most `len` bytes into it.
+        unsafe {
+            let p = (&mut addr as *mut libc::sockaddr_in).cast::<libc::sockaddr>();
+            assert_eq!(libc::bind(fd.as_raw_fd(), p, len), 0);
+            assert_eq!(libc::getsockname(fd.as_raw_fd(), p, &mut len), 0);
+        }
+        (fd, u16::from_be(addr.sin_port))
+    }
+
     #[test]
     fn a_closed_port_is_refused_with_its_errno() {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = l.local_addr().unwrap().port();
-        drop(l);
+        let (_held, port) = closed_port();
         let e = dial(port).unwrap_err();
         assert_eq!(e.code, "ECONNREFUSED", "{e}");
         assert_eq!(dial(0).unwrap_err().code, "EINVAL");
