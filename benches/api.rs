@@ -77,6 +77,7 @@ use serde_json::{json, Value};
 
 mod common;
 
+use common::cpu::CpuSpent;
 use common::percentile;
 use common::serve::{parse, Serve, Started, REQUEST_LIMIT};
 use torpor_scheduler::service::vmm::pss_kib;
@@ -451,44 +452,6 @@ struct Sustained {
     /// The machine's CPU time (every process, ms) spent meanwhile, and its
     /// idle time: `/proc/stat` before and after.
     cpu: Option<CpuSpent>,
-}
-
-/// CPU time spent over an interval, from `/proc/stat`'s `cpu` line.
-#[derive(Clone, Copy, Debug, Default)]
-struct CpuSpent {
-    busy_ms: f64,
-    idle_ms: f64,
-    cpus: usize,
-}
-
-impl CpuSpent {
-    /// The `cpu` line's (busy, idle) jiffies, as ms.
-    fn now() -> Option<(f64, f64)> {
-        let stat = std::fs::read_to_string("/proc/stat").ok()?;
-        let line = stat.lines().find(|l| l.starts_with("cpu "))?;
-        let v: Vec<f64> = line
-            .split_whitespace()
-            .skip(1)
-            .filter_map(|f| f.parse().ok())
-            .collect();
-        // user nice system idle iowait irq softirq steal (guest is in user).
-        let at = |i: usize| v.get(i).copied().unwrap_or(0.0);
-        // SAFETY: sysconf reads a constant.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-        let ms = 1000.0 / hz.max(1.0);
-        let busy = at(0) + at(1) + at(2) + at(5) + at(6) + at(7);
-        Some((busy * ms, (at(3) + at(4)) * ms))
-    }
-
-    fn since(before: Option<(f64, f64)>) -> Option<Self> {
-        let (b0, i0) = before?;
-        let (b1, i1) = Self::now()?;
-        Some(Self {
-            busy_ms: b1 - b0,
-            idle_ms: i1 - i0,
-            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        })
-    }
 }
 
 /// Creates fired at once (`BURST` threads released together).

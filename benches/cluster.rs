@@ -1,7 +1,9 @@
 //! Cluster throughput: creates/s and wakes/s through two API replicas and
 //! two pods (`scripts/cluster`: PostgreSQL, nats-server, `torpor pod serve
 //! --cluster` ×2, `torpor serve --cluster` ×2, on loopback) against the
-//! embedded single `torpor serve` on the same machine, and the latency the
+//! embedded single `torpor serve` on the same machine (both storing their
+//! hibernations in a local object store, as `scripts/cluster` has its
+//! pods do by default), and the latency the
 //! queue adds (p50/p99 of one client's create and wake, cluster minus
 //! embedded), as a table.
 //!
@@ -9,7 +11,11 @@
 //!   `--secs`, alternating replicas; one thread deletes behind them.
 //! - wakes/s: `--threads` × 2 sandboxes hibernated, then woken all at once
 //!   by the clients; rounds (hibernate untimed, wake timed) until the wake
-//!   phases add up to `--secs`.
+//!   phases add up to `--secs`. Where those wakes' time went: their p50
+//!   through the API and the service's part (`restore.ms`), and the CPU
+//!   the machine spent per wake (`/proc/stat`), by process (`/proc/<pid>`:
+//!   `torpor serve`, replicas, pods, VMMs, PostgreSQL, nats-server, the
+//!   bench's clients).
 //! - latency: `--samples` sequential create → hibernate → wake → delete by
 //!   one client.
 //! - wake on another pod: `--samples` sandboxes hibernated on pod1 (their
@@ -22,6 +28,7 @@
 //! runs. The machine is shared: compare the columns of one run. Every
 //! process the bench starts is stopped at its end, also on a panic.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
@@ -33,6 +40,7 @@ mod common;
 #[path = "../tests/common/mod.rs"]
 mod tests_common;
 
+use common::cpu::{self, CpuSpent};
 use common::percentile;
 use common::serve::{Serve, Started, TOKEN};
 use tests_common::cluster::Cluster;
@@ -125,9 +133,14 @@ impl Target {
         assert_eq!(v["sandbox"]["state"], "hibernated", "{v}");
     }
 
-    fn wake(&self, i: usize, id: &str) {
+    /// Wakes `id`; the service's own time for it (`restore.ms` of the
+    /// sandbox answered: the pod's, in a cluster), if it says.
+    fn wake(&self, i: usize, id: &str) -> Option<f64> {
         let v = self.expect(i, 200, "POST", &format!("/v1/sandboxes/{id}/connect"), None);
         assert_eq!(v["resumed"], true, "{v}");
+        v["restore"]["ms"]
+            .as_f64()
+            .or_else(|| v["sandbox"]["restore"]["ms"].as_f64())
     }
 }
 
@@ -136,6 +149,14 @@ impl Target {
 struct Figures {
     creates_per_s: f64,
     wakes_per_s: f64,
+    /// The wakes of `wakes_per_s`: each one's time through the API and
+    /// the service's part of it (ms), and the machine's CPU time spent
+    /// over their timed phases.
+    loaded_wake_ms: Vec<f64>,
+    loaded_service_ms: Vec<f64>,
+    loaded_cpu: Option<CpuSpent>,
+    /// That CPU time by process role (`common::cpu::spent_by_role`), ms.
+    loaded_roles: BTreeMap<String, f64>,
     create_ms: Vec<f64>,
     wake_ms: Vec<f64>,
 }
@@ -181,34 +202,56 @@ fn creates_per_s(t: &Target, o: &Opts) -> f64 {
 
 /// Wakes of `threads` × 2 hibernated sandboxes by `threads` clients, in
 /// rounds, until the timed wake phases add up to `secs`.
-fn wakes_per_s(t: &Target, o: &Opts) -> f64 {
+fn wakes_per_s(t: &Target, o: &Opts, f: &mut Figures) {
     let ids: Vec<String> = (0..o.threads * 2).map(|i| t.create(i)).collect();
     let mut woken = 0usize;
     let mut timed = Duration::ZERO;
+    let mut cpu = CpuSpent::default();
+    let samples = Mutex::new(Vec::new());
     while timed.as_secs_f64() < o.secs {
         for (i, id) in ids.iter().enumerate() {
             t.hibernate(i, id);
         }
         let queue = Mutex::new(ids.clone());
+        let processes = cpu::by_process();
+        let before = CpuSpent::now();
         let started = Instant::now();
         std::thread::scope(|s| {
             for c in 0..o.threads {
-                let queue = &queue;
+                let (queue, samples) = (&queue, &samples);
                 s.spawn(move || loop {
                     let Some(id) = queue.lock().unwrap().pop() else {
                         return;
                     };
-                    t.wake(c, &id);
+                    let at = Instant::now();
+                    let service = t.wake(c, &id);
+                    samples.lock().unwrap().push((ms(at), service));
                 });
             }
         });
         timed += started.elapsed();
+        // The machine's figure first: the second reading of every process
+        // is the bench's own work, not the wakes'.
+        if let Some(spent) = CpuSpent::since(before) {
+            cpu.busy_ms += spent.busy_ms;
+            cpu.idle_ms += spent.idle_ms;
+            cpu.cpus = spent.cpus;
+        }
+        let spent_by = cpu::spent_by_role(&processes, &cpu::by_process());
+        for (role, ms) in spent_by {
+            *f.loaded_roles.entry(role).or_insert(0.0) += ms;
+        }
         woken += ids.len();
     }
     for (i, id) in ids.iter().enumerate() {
         t.delete(i, id);
     }
-    woken as f64 / timed.as_secs_f64()
+    f.wakes_per_s = woken as f64 / timed.as_secs_f64();
+    for (api, service) in samples.into_inner().unwrap() {
+        f.loaded_wake_ms.push(api);
+        f.loaded_service_ms.extend(service);
+    }
+    f.loaded_cpu = (cpu.cpus > 0).then_some(cpu);
 }
 
 /// One client's create and wake latencies, `samples` of each.
@@ -232,7 +275,7 @@ fn measure(name: &str, t: &Target, o: &Opts) -> Figures {
     eprintln!("cluster bench: {name}: creates/s, {} clients", o.threads);
     f.creates_per_s = creates_per_s(t, o);
     eprintln!("cluster bench: {name}: wakes/s, {} clients", o.threads);
-    f.wakes_per_s = wakes_per_s(t, o);
+    wakes_per_s(t, o, &mut f);
     let left = t.expect(0, 200, "GET", "/v1/sandboxes", None);
     assert_eq!(
         left["sandboxes"].as_array().map(Vec::len),
@@ -244,7 +287,15 @@ fn measure(name: &str, t: &Target, o: &Opts) -> Figures {
 
 fn embedded(o: &Opts) -> Figures {
     let dir = tempfile::tempdir().expect("scratch dir");
-    let serve = match Serve::start(dir.path(), &[]) {
+    // Its hibernations stored as the cluster's pods store theirs
+    // (`scripts/cluster`: a local object store by default): a full
+    // snapshot uploaded before the hibernation is acknowledged. Without
+    // it the two columns would compare two kinds of hibernation, not the
+    // queue.
+    let objects = dir.path().join("objects");
+    let store = objects.to_str().expect("a UTF-8 scratch dir");
+    let flags = ["--object-store".to_string(), store.to_string()];
+    let serve = match Serve::start(dir.path(), &flags) {
         Started::Up(s) => s,
         Started::Rejected(why) | Started::Failed(why) => panic!("torpor serve: {why}"),
     };
@@ -364,6 +415,81 @@ fn main() {
         rate(c.wakes_per_s),
         String::new(),
         ratio(c.wakes_per_s, e.wakes_per_s),
+    ]);
+    // Where the loaded wakes' time went: the API's answer, the service's
+    // part of it, and the CPU the machine spent per wake.
+    let loaded = |v: &[f64]| {
+        if v.is_empty() {
+            "-".to_string()
+        } else {
+            format!("{:.1}", p(v, 0.5))
+        }
+    };
+    table.add_row(vec![
+        format!("wake under load p50, ms ({} clients): API", o.threads),
+        loaded(&e.loaded_wake_ms),
+        loaded(&c.loaded_wake_ms),
+        String::new(),
+        String::new(),
+    ]);
+    table.add_row(vec![
+        "  of which the service's restore (restore.ms)".to_string(),
+        loaded(&e.loaded_service_ms),
+        loaded(&c.loaded_service_ms),
+        String::new(),
+        String::new(),
+    ]);
+    let cpu = |f: &Figures| match f.loaded_cpu {
+        Some(c) if !f.loaded_wake_ms.is_empty() => format!(
+            "{:.1} ({:.0}% idle)",
+            c.busy_ms / f.loaded_wake_ms.len() as f64,
+            100.0 * c.idle_ms / (c.busy_ms + c.idle_ms).max(1.0)
+        ),
+        _ => "-".to_string(),
+    };
+    table.add_row(vec![
+        "  CPU per wake under load, ms (machine idle)".to_string(),
+        cpu(&e),
+        cpu(&c),
+        String::new(),
+        String::new(),
+    ]);
+    // That CPU by process: where the cluster's extra time goes.
+    let roles: std::collections::BTreeSet<&String> =
+        e.loaded_roles.keys().chain(c.loaded_roles.keys()).collect();
+    let per_wake = |f: &Figures, role: &str| match f.loaded_roles.get(role) {
+        Some(ms) if !f.loaded_wake_ms.is_empty() => {
+            format!("{:.2}", ms / f.loaded_wake_ms.len() as f64)
+        }
+        _ => "-".to_string(),
+    };
+    for role in roles {
+        table.add_row(vec![
+            format!("    of which {role}"),
+            per_wake(&e, role),
+            per_wake(&c, role),
+            String::new(),
+            String::new(),
+        ]);
+    }
+    // What no process alive at the phase's end was charged with: processes
+    // that ended meanwhile, interrupts, the kernel's own threads.
+    let unattributed = |f: &Figures| match f.loaded_cpu {
+        Some(c) if !f.loaded_wake_ms.is_empty() => {
+            let charged: f64 = f.loaded_roles.values().sum();
+            format!(
+                "{:.2}",
+                (c.busy_ms - charged).max(0.0) / f.loaded_wake_ms.len() as f64
+            )
+        }
+        _ => "-".to_string(),
+    };
+    table.add_row(vec![
+        "    of which no process left (exited, interrupts)".to_string(),
+        unattributed(&e),
+        unattributed(&c),
+        String::new(),
+        String::new(),
     ]);
     for (what, ev, cv) in [
         ("create", &e.create_ms, &c.create_ms),

@@ -5,6 +5,7 @@
 //! driver's samples (`samples`).
 #![allow(dead_code)]
 
+pub mod cpu;
 pub mod http;
 // Shared with the tests; a bench that also includes tests/common (the
 // cluster's) loads this file twice, which is harmless here.

@@ -41,7 +41,7 @@ impl Db {
         // statement on the shared connection (which requests share at
         // once), not a transaction on the one kept for admissions.
         let shared = self.client().await?;
-        if let Some(inserted) = insert_operation_unless_quota(&*shared, op, asked).await? {
+        if let Some(inserted) = insert_operation_unless_quota(&shared, op, asked).await? {
             return Ok(inserted);
         }
         let mut conn = self.admission.lock().await;

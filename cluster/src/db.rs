@@ -4,12 +4,14 @@
 //! outcome), and the tenants' tokens and quotas (`tenants.rs`). The schema is versioned (`schema.rs`'s [`MIGRATIONS`]) and migrated at
 //! start under an advisory lock, so replicas starting together are safe.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::Value;
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Client, GenericClient, NoTls};
+use tokio_postgres::{Client, GenericClient, NoTls, Statement};
 use torpor_scheduler::model::{PodId, Sandbox, SandboxId, Template};
 use torpor_scheduler::service::held::LayerHeld;
 use torpor_sync::Locked;
@@ -31,12 +33,97 @@ const TOMBSTONE: i64 = i64::MAX;
 /// it (the `60` of `torpor_catalog_pending`).
 pub const CHANGE_TTL_S: u64 = 60;
 
-/// A connection to PostgreSQL, made again when it broke; and one more,
-/// for the transactions of admission (`admission.rs`), used by one task at
-/// a time.
+/// How many connections [`Db::client`] spreads statements over. One
+/// connection runs its statements one after another in one backend, each
+/// commit waiting for its WAL flush: every read of every request waited
+/// behind every other request's commit (and no two commits shared a
+/// flush).
+pub const CONNECTIONS: usize = 4;
+
+/// How many statements a connection keeps prepared (past it, it starts
+/// over: the statements are the code's, a few dozen).
+const MAX_PREPARED: usize = 256;
+
+/// A shared connection, and the statements prepared on it: a statement
+/// run by its text alone is parsed, planned and described on every call
+/// (two round trips); one of [`Conn::prepared`] once per connection.
+pub struct Conn {
+    client: Client,
+    statements: Mutex<HashMap<String, Statement>>,
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conn").finish_non_exhaustive()
+    }
+}
+
+impl std::ops::Deref for Conn {
+    type Target = Client;
+    fn deref(&self) -> &Client {
+        &self.client
+    }
+}
+
+impl Conn {
+    /// `sql` prepared on this connection, once.
+    pub async fn prepared(&self, sql: &str) -> Result<Statement, ClusterError> {
+        if let Some(s) = self.statements.locked().get(sql) {
+            return Ok(s.clone());
+        }
+        let statement = self.client.prepare(sql).await.map_err(pg)?;
+        let mut statements = self.statements.locked();
+        if statements.len() >= MAX_PREPARED {
+            statements.clear();
+        }
+        statements.insert(sql.to_string(), statement.clone());
+        Ok(statement)
+    }
+
+    /// The row `sql` (prepared) reads, if any. A failure forgets the
+    /// statement (say its plan outdated by a migration): the next call
+    /// prepares it again.
+    pub async fn query_opt_prepared(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Option<tokio_postgres::Row>, ClusterError> {
+        let statement = self.prepared(sql).await?;
+        let row = self.client.query_opt(&statement, params).await;
+        row.map_err(|e| {
+            self.forget(sql);
+            pg(e)
+        })
+    }
+
+    /// How many rows `sql` (prepared) changed; a failure as
+    /// [`Conn::query_opt_prepared`]'s.
+    pub async fn execute_prepared(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, ClusterError> {
+        let statement = self.prepared(sql).await?;
+        let n = self.client.execute(&statement, params).await;
+        n.map_err(|e| {
+            self.forget(sql);
+            pg(e)
+        })
+    }
+
+    /// Forgets `sql`'s statement after it failed.
+    pub fn forget(&self, sql: &str) {
+        self.statements.locked().remove(sql);
+    }
+}
+
+/// [`CONNECTIONS`] connections to PostgreSQL, taken in turn, each made
+/// again when it broke; and one more, for the transactions of admission
+/// (`admission.rs`), used by one task at a time.
 pub struct Db {
     url: String,
-    client: Mutex<Option<Arc<Client>>>,
+    clients: [Mutex<Option<Arc<Conn>>>; CONNECTIONS],
+    next: AtomicUsize,
     pub(super) admission: tokio::sync::Mutex<Option<Client>>,
 }
 
@@ -112,15 +199,16 @@ pub(super) async fn insert_operation(
 /// statement: `None` if it has one (its admission then locks and counts
 /// it: `admission.rs`), else what [`insert_operation`] answers.
 pub(super) async fn insert_operation_unless_quota(
-    c: &impl GenericClient,
+    c: &Conn,
     op: &NewOp<'_>,
     asked: &Usage,
 ) -> Result<Option<Option<OpRow>>, ClusterError> {
     let values = Values::of(op, Some(asked))?;
+    let sql = insert_sql(true);
     let r = c
-        .query_one(&insert_sql(true), &values.params(op))
-        .await
-        .map_err(pg)?;
+        .query_opt_prepared(&sql, &values.params(op))
+        .await?
+        .ok_or_else(|| ClusterError::Postgres("an operation's insert returned no row".into()))?;
     if r.get::<_, bool>(0) {
         return Ok(None);
     }
@@ -245,19 +333,27 @@ impl Db {
     pub async fn open(url: &str) -> Result<Db, ClusterError> {
         let db = Db {
             url: url.to_string(),
-            client: Mutex::new(None),
+            clients: Default::default(),
+            next: AtomicUsize::new(0),
             admission: tokio::sync::Mutex::new(None),
         };
         db.migrate().await?;
         Ok(db)
     }
 
-    pub(super) async fn client(&self) -> Result<Arc<Client>, ClusterError> {
-        if let Some(c) = self.client.locked().as_ref().filter(|c| !c.is_closed()) {
+    /// The next of the shared connections (statements only: a
+    /// transaction or a session's lock takes a connection of its own,
+    /// [`Db::connect`]).
+    pub(super) async fn client(&self) -> Result<Arc<Conn>, ClusterError> {
+        let slot = &self.clients[self.next.fetch_add(1, Ordering::Relaxed) % CONNECTIONS];
+        if let Some(c) = slot.locked().as_ref().filter(|c| !c.is_closed()) {
             return Ok(c.clone());
         }
-        let client = Arc::new(self.connect().await?);
-        *self.client.locked() = Some(client.clone());
+        let client = Arc::new(Conn {
+            client: self.connect().await?,
+            statements: Mutex::default(),
+        });
+        *slot.locked() = Some(client.clone());
         Ok(client)
     }
 
@@ -323,7 +419,7 @@ impl Db {
 
     /// The schema version in force.
     pub async fn schema_version(&self) -> Result<i32, ClusterError> {
-        applied_version(&*self.client().await?).await
+        applied_version(&**self.client().await?).await
     }
 
     pub async fn heartbeat(&self, pod: &PodId, hb: &Heartbeat) -> Result<(), ClusterError> {
@@ -334,7 +430,7 @@ impl Db {
         // changes of builds and deletes it has not listed yet (a heartbeat
         // taken before a build's result, written after it, does not take
         // the template away again: `catalog.rs`).
-        c.execute(
+        c.execute_prepared(
             "INSERT INTO pods (id, address, token, fingerprint, load, templates, headroom_mib,
                 running, hibernated, catalog, images, layers, last_heartbeat)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, now())
@@ -360,22 +456,43 @@ impl Db {
                 &super::layers::layers_json(&hb.layers),
             ],
         )
-        .await
-        .map_err(pg)?;
-        let mut present = Vec::with_capacity(hb.sandboxes.len());
-        for s in &hb.sandboxes {
-            present.push(s.id.as_str().to_string());
-            self.upsert_sandbox(&c, pod, s, true).await?;
+        .await?;
+        // Its sandboxes in one statement, as `upsert_sandbox` writes each
+        // (one statement, and one commit, per sandbox held the replica's
+        // connection for as many round trips and WAL flushes).
+        let mut rows = SandboxRows::default();
+        let mut listed = std::collections::HashSet::new();
+        for s in hb.sandboxes.iter().filter(|s| listed.insert(&s.id)) {
+            rows.push(s)?;
         }
+        c.execute_prepared(
+            "INSERT INTO sandboxes (id, pod, tenant, state, generation, body)
+             SELECT n.id, $1::text, n.tenant, n.state, n.generation, n.body
+             FROM unnest($2::text[], $3::text[], $4::text[], $5::bigint[], $6::jsonb[])
+                AS n(id, tenant, state, generation, body)
+             WHERE NOT EXISTS (SELECT 1 FROM operations
+                WHERE sandbox = n.id AND kind = 'delete' AND status = 'done')
+             ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state,
+                generation = EXCLUDED.generation, body = EXCLUDED.body, updated_at = now()
+             WHERE sandboxes.pod = $1 AND sandboxes.generation <= EXCLUDED.generation",
+            &[
+                &pod.as_str(),
+                &rows.ids,
+                &rows.tenants,
+                &rows.states,
+                &rows.generations,
+                &rows.bodies,
+            ],
+        )
+        .await?;
         // What the pod no longer holds (deleted by its timeout) and no
         // operation touched lately.
-        c.execute(
+        c.execute_prepared(
             "DELETE FROM sandboxes WHERE pod = $1 AND NOT (id = ANY($2))
                 AND updated_at < now() - interval '30 seconds'",
-            &[&pod.as_str(), &present],
+            &[&pod.as_str(), &rows.ids],
         )
-        .await
-        .map_err(pg)?;
+        .await?;
         Ok(())
     }
 
@@ -456,21 +573,28 @@ impl Db {
                         updated_at = now()
                      WHERE sandboxes.pod = $5 AND sandboxes.generation <= $8"
                 );
-                c.execute(
-                    &sql,
-                    &[
-                        &operation,
-                        &status,
-                        &json,
-                        &sandbox.id.as_str(),
-                        &pod.as_str(),
-                        &sandbox.tenant,
-                        &sandbox.state.as_str(),
-                        &(sandbox.generation as i64),
-                        &body,
-                    ],
-                )
-                .await
+                // A create's and a wake's: prepared once.
+                let statement = c.prepared(&sql).await?;
+                let n = c
+                    .execute(
+                        &statement,
+                        &[
+                            &operation,
+                            &status,
+                            &json,
+                            &sandbox.id.as_str(),
+                            &pod.as_str(),
+                            &sandbox.tenant,
+                            &sandbox.state.as_str(),
+                            &(sandbox.generation as i64),
+                            &body,
+                        ],
+                    )
+                    .await;
+                if n.is_err() {
+                    c.forget(&sql);
+                }
+                n
             }
             OpOutcome::Done(Reply::Deleted { sandbox }) => {
                 // A tombstone (state `deleted`, the largest generation)
@@ -499,7 +623,7 @@ impl Db {
                 // A fork's: every new sandbox's row with the operation,
                 // in the same one statement (the operation keeps its
                 // source sandbox).
-                let mut columns = ForkRows::default();
+                let mut columns = SandboxRows::default();
                 for s in sandboxes {
                     columns.push(s)?;
                 }
@@ -567,7 +691,7 @@ impl Db {
     ) -> Result<(OpRow, bool), ClusterError> {
         let inserted = match asked {
             Some(asked) => self.admit(op, asked).await?,
-            None => insert_operation(&*self.client().await?, op, None).await?,
+            None => insert_operation(&**self.client().await?, op, None).await?,
         };
         let (id, tenant, idempotency_key) = (op.id, op.tenant, op.idempotency_key);
         if let Some(row) = inserted {
@@ -636,15 +760,14 @@ impl Db {
     pub async fn operation(&self, id: &str) -> Result<Option<OpRow>, ClusterError> {
         let c = self.client().await?;
         let row = c
-            .query_opt(
+            .query_opt_prepared(
                 "SELECT id, kind, sandbox, pod, tenant, status, outcome,
                     (extract(epoch FROM start_by) * 1000)::bigint,
                     (extract(epoch FROM expires_at) * 1000)::bigint, template
                  FROM operations WHERE id = $1",
                 &[&id],
             )
-            .await
-            .map_err(pg)?;
+            .await?;
         row.map(|r| {
             let outcome: Option<Value> = r.get(6);
             Ok(OpRow {
@@ -667,19 +790,24 @@ impl Db {
     }
 
     fn pod_row(r: &tokio_postgres::Row) -> PodRow {
+        Self::pod_row_at(r, 0)
+    }
+
+    /// The pod of row `r`'s [`Db::POD_COLUMNS`] from column `at` on.
+    fn pod_row_at(r: &tokio_postgres::Row, at: usize) -> PodRow {
         PodRow {
-            id: PodId::new(r.get::<_, String>(0)),
-            address: r.get(1),
-            token: r.get(2),
-            fingerprint: r.get(3),
-            load: r.get(4),
-            templates: r.get(5),
-            headroom_mib: r.get(6),
-            running: r.get(7),
-            hibernated: r.get(8),
-            silent_s: r.get(9),
-            images: r.get(10),
-            layers: super::layers::layers_of(r.get(11)),
+            id: PodId::new(r.get::<_, String>(at)),
+            address: r.get(at + 1),
+            token: r.get(at + 2),
+            fingerprint: r.get(at + 3),
+            load: r.get(at + 4),
+            templates: r.get(at + 5),
+            headroom_mib: r.get(at + 6),
+            running: r.get(at + 7),
+            hibernated: r.get(at + 8),
+            silent_s: r.get(at + 9),
+            images: r.get(at + 10),
+            layers: super::layers::layers_of(r.get(at + 11)),
         }
     }
 
@@ -745,18 +873,43 @@ impl Db {
         Ok(n == 1)
     }
 
-    /// A sandbox and its pod's id.
-    pub async fn sandbox(&self, id: &SandboxId) -> Result<Option<(Sandbox, PodId)>, ClusterError> {
+    /// Sandbox `id` and its pod's row (none if the pod is unknown), in
+    /// one statement.
+    pub async fn sandbox_and_pod(
+        &self,
+        id: &SandboxId,
+    ) -> Result<Option<(Sandbox, PodId, Option<PodRow>)>, ClusterError> {
         let c = self.client().await?;
         let row = c
-            .query_opt(
-                &format!("SELECT body, pod FROM sandboxes WHERE id = $1 AND state <> '{DELETED}'"),
+            .query_opt_prepared(
+                &format!(
+                    "SELECT s.body, s.pod, p.* FROM sandboxes s
+                     LEFT JOIN LATERAL (SELECT {} FROM pods WHERE pods.id = s.pod) p ON true
+                     WHERE s.id = $1 AND s.state <> '{DELETED}'",
+                    Self::POD_COLUMNS
+                ),
                 &[&id.as_str()],
             )
-            .await
-            .map_err(pg)?;
-        row.map(|r| Self::sandbox_of(r.get(0), r.get(1)))
-            .transpose()
+            .await?;
+        let Some(r) = row else { return Ok(None) };
+        let (sandbox, pod) = Self::sandbox_of(r.get(0), r.get(1))?;
+        let known = r.get::<_, Option<String>>(2).is_some();
+        Ok(Some((sandbox, pod, known.then(|| Self::pod_row_at(&r, 2)))))
+    }
+
+    /// The tenant of sandbox `id` (none for an admin's), without its body.
+    pub async fn sandbox_tenant(
+        &self,
+        id: &SandboxId,
+    ) -> Result<Option<Option<String>>, ClusterError> {
+        let c = self.client().await?;
+        let row = c
+            .query_opt_prepared(
+                &format!("SELECT tenant FROM sandboxes WHERE id = $1 AND state <> '{DELETED}'"),
+                &[&id.as_str()],
+            )
+            .await?;
+        Ok(row.map(|r| r.get(0)))
     }
 
     pub(super) fn sandbox_of(body: Value, pod: String) -> Result<(Sandbox, PodId), ClusterError> {
@@ -787,9 +940,10 @@ impl Db {
     }
 }
 
-/// A fork's new sandboxes as the columns of their rows ([`Db::finish`]).
+/// Sandboxes as the columns of their rows, written in one statement: a
+/// fork's new ones ([`Db::finish`]), a heartbeat's ([`Db::heartbeat`]).
 #[derive(Default)]
-struct ForkRows {
+struct SandboxRows {
     ids: Vec<String>,
     tenants: Vec<Option<String>>,
     states: Vec<String>,
@@ -797,7 +951,7 @@ struct ForkRows {
     bodies: Vec<Value>,
 }
 
-impl ForkRows {
+impl SandboxRows {
     fn push(&mut self, s: &Sandbox) -> Result<(), ClusterError> {
         let body = serde_json::to_value(s).map_err(|e| ClusterError::Postgres(e.to_string()))?;
         self.ids.push(s.id.as_str().to_string());

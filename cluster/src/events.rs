@@ -1,6 +1,7 @@
 //! The API tier's side of the pods' events: every replica pulls from the
 //! one durable consumer [`wire::API_CONSUMER`]; each event is written to
-//! PostgreSQL and acked after that commit (a replica dying before the ack
+//! PostgreSQL (up to [`AT_ONCE`] at a time, a pod's heartbeats in order)
+//! and acked after that commit (a replica dying before the ack
 //! leaves it for another, and writing one twice changes nothing). A
 //! heartbeat of a pod back from being lost that lists sandboxes moved
 //! away meanwhile (`moved.rs`) has each released on it.
@@ -10,6 +11,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
+use tokio::sync::Semaphore;
 
 use torpor_scheduler::model::{random_hex, PodId, SandboxId};
 use torpor_scheduler::state::SandboxState;
@@ -28,41 +30,67 @@ pub async fn run(js: jetstream::Context, db: Arc<Db>) {
     }
 }
 
-async fn consume(js: &jetstream::Context, db: &Db) -> Result<(), ClusterError> {
+/// How many events a replica writes at once. One at a time, every result
+/// waited for the commit (and the ack) of the one before it.
+const AT_ONCE: usize = 32;
+
+async fn consume(js: &jetstream::Context, db: &Arc<Db>) -> Result<(), ClusterError> {
     let mut messages = wire::durable_messages(
         js,
         wire::EVENTS_STREAM,
         wire::API_CONSUMER,
         "torpor.events.*",
         wire::ACK_WAIT,
-        32,
+        AT_ONCE,
     )
     .await?;
+    let room = Arc::new(Semaphore::new(AT_ONCE));
+    // A pod's heartbeats are written in the order they come (each replaces
+    // the pod's row, and the last one written must be the newest);
+    // results are written each once by its operation's condition, a
+    // sandbox's row by its generation, in any order.
+    let heartbeats = Arc::new(tokio::sync::Mutex::new(()));
     while let Some(message) = messages.next().await {
         let message = message?;
-        match handle(js, db, &message.subject, &message.payload).await {
-            Ok(()) => {}
-            // Not the shape of an event, or from another pod than its
-            // subject's: dropped (acked) with a log line.
-            Err(Handled::Rejected(why)) => {
-                tracing::warn!(subject = %message.subject, %why, "pod event rejected");
-            }
-            // Not acked: delivered again in a second (PostgreSQL may be
-            // back by then).
-            Err(Handled::Failed(e)) => {
-                tracing::warn!(error = %e, "pod event not written; it comes again");
-                let again = AckKind::Nak(Some(Duration::from_secs(1)));
-                if let Err(e) = message.ack_with(again).await {
-                    tracing::warn!(error = %e, "pod event nak");
-                }
-                continue;
-            }
-        }
-        if let Err(e) = wire::ack_confirmed(&message).await {
-            tracing::warn!(error = %e, "pod event ack");
-        }
+        let permit = room.clone().acquire_owned().await.expect("never closed");
+        let (js, db, heartbeats) = (js.clone(), db.clone(), heartbeats.clone());
+        tokio::spawn(async move {
+            settle(&js, &db, &heartbeats, &message).await;
+            drop(permit);
+        });
     }
     Ok(())
+}
+
+/// Writes `message`'s event and acks it; a failed write is delivered
+/// again.
+async fn settle(
+    js: &jetstream::Context,
+    db: &Db,
+    heartbeats: &tokio::sync::Mutex<()>,
+    message: &jetstream::Message,
+) {
+    match handle(js, db, heartbeats, &message.subject, &message.payload).await {
+        Ok(()) => {}
+        // Not the shape of an event, or from another pod than its
+        // subject's: dropped (acked) with a log line.
+        Err(Handled::Rejected(why)) => {
+            tracing::warn!(subject = %message.subject, %why, "pod event rejected");
+        }
+        // Not acked: delivered again in a second (PostgreSQL may be
+        // back by then).
+        Err(Handled::Failed(e)) => {
+            tracing::warn!(error = %e, "pod event not written; it comes again");
+            let again = AckKind::Nak(Some(Duration::from_secs(1)));
+            if let Err(e) = message.ack_with(again).await {
+                tracing::warn!(error = %e, "pod event nak");
+            }
+            return;
+        }
+    }
+    if let Err(e) = wire::ack_confirmed(message).await {
+        tracing::warn!(error = %e, "pod event ack");
+    }
 }
 
 enum Handled {
@@ -73,6 +101,7 @@ enum Handled {
 async fn handle(
     js: &jetstream::Context,
     db: &Db,
+    heartbeats: &tokio::sync::Mutex<()>,
     subject: &str,
     payload: &[u8],
 ) -> Result<(), Handled> {
@@ -89,6 +118,7 @@ async fn handle(
     match &event {
         Event::Heartbeat { pod, heartbeat } => {
             heartbeat.check(pod).map_err(Handled::Rejected)?;
+            let _in_order = heartbeats.lock().await;
             db.heartbeat(pod, heartbeat)
                 .await
                 .map_err(Handled::Failed)?;

@@ -7,8 +7,9 @@
 //! `Db::finish` on whichever replica consumed it, `expiry.rs`, a
 //! checkpoint's — and delivered once its transaction commits). Every
 //! replica keeps one PostgreSQL connection that `LISTEN`s on it
-//! ([`listen`]) and wakes its own waiters for that id ([`Finished`]). A
-//! waiter still reads the row itself — first, and then whenever it is
+//! ([`listen`]) and wakes every one of its own waiters for that id
+//! ([`Finished`]). A waiter still reads the row itself — first (unless it
+//! registered before the operation was sent), and then whenever it is
 //! woken or its fallback period passes — so a notification lost (the
 //! listening connection down) costs latency, never an answer.
 
@@ -47,7 +48,7 @@ const RECONNECT: Duration = Duration::from_millis(500);
 /// outcome's notification arrives.
 #[derive(Debug, Default)]
 pub struct Finished {
-    waiting: Mutex<HashMap<String, Arc<Notify>>>,
+    waiting: Mutex<HashMap<String, Arc<Signal>>>,
     /// Whether the listening connection is up (`LISTEN` done): waiters
     /// fall back to fast polling while it is not.
     listening: AtomicBool,
@@ -55,28 +56,53 @@ pub struct Finished {
     woke: AtomicU64,
 }
 
+/// An operation's notification, shared by every request of this replica
+/// that waits for it.
+#[derive(Debug, Default)]
+struct Signal {
+    /// Set once the notification arrived (an operation ends once).
+    arrived: AtomicBool,
+    notify: Notify,
+}
+
 /// One request's wait for operation `op`: registered until dropped.
 #[derive(Debug)]
 pub struct Waiting<'a> {
     finished: &'a Finished,
     op: String,
-    notify: Arc<Notify>,
+    signal: Arc<Signal>,
+    /// Whether a call already returned for the notification.
+    seen: bool,
 }
 
 impl Waiting<'_> {
-    /// Until the operation's notification arrives (at once if it arrived
-    /// since the last call).
-    pub async fn notified(&self) {
-        self.notify.notified().await
+    /// Until the operation's notification arrives: at once if it arrived
+    /// since the wait was registered and no call returned for it yet;
+    /// never again after (an operation ends once).
+    pub async fn notified(&mut self) {
+        // Made before the flag is read: a wake in between reaches it.
+        let notified = self.signal.notify.notified();
+        if self.signal.arrived.load(Ordering::Acquire) {
+            if !self.seen {
+                self.seen = true;
+                return;
+            }
+            return std::future::pending().await;
+        }
+        notified.await;
+        self.seen = true;
     }
 }
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         let mut waiting = self.finished.waiting.locked();
-        if waiting
-            .get(&self.op)
-            .is_some_and(|n| Arc::ptr_eq(n, &self.notify))
+        // The last of its waiters (the map holds one more; waits are
+        // made and ended under the lock).
+        if Arc::strong_count(&self.signal) == 2
+            && waiting
+                .get(&self.op)
+                .is_some_and(|n| Arc::ptr_eq(n, &self.signal))
         {
             waiting.remove(&self.op);
         }
@@ -87,7 +113,7 @@ impl Finished {
     /// Registers a wait for `op`'s outcome (before its row is first read,
     /// so that a notification in between is kept).
     pub fn wait_for(&self, op: &str) -> Waiting<'_> {
-        let notify = self
+        let signal = self
             .waiting
             .locked()
             .entry(op.to_string())
@@ -96,7 +122,8 @@ impl Finished {
         Waiting {
             finished: self,
             op: op.to_string(),
-            notify,
+            signal,
+            seen: false,
         }
     }
 
@@ -111,9 +138,11 @@ impl Finished {
     }
 
     fn wake(&self, op: &str) {
-        if let Some(n) = self.waiting.locked().get(op) {
-            // A permit is kept if the waiter is between two reads.
-            n.notify_one();
+        if let Some(s) = self.waiting.locked().get(op) {
+            // Kept for a waiter between two reads (the flag), every
+            // waiter of it woken.
+            s.arrived.store(true, Ordering::Release);
+            s.notify.notify_waiters();
             self.woke.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -176,7 +205,7 @@ mod tests {
     #[tokio::test]
     async fn a_wake_reaches_its_waiter_even_before_it_waits_and_ends_with_it() {
         let finished = Finished::default();
-        let waiting = finished.wait_for("op_a");
+        let mut waiting = finished.wait_for("op_a");
         // Woken between two reads of its row: the permit is kept.
         finished.wake("op_a");
         finished.wake("op_other");
@@ -188,5 +217,40 @@ mod tests {
         assert!(finished.waiting.locked().is_empty());
         finished.wake("op_a");
         assert_eq!(finished.woke(), 1);
+    }
+
+    #[tokio::test]
+    async fn every_waiter_of_one_operation_is_woken_and_the_last_ends_it() {
+        let finished = Finished::default();
+        let mut first = finished.wait_for("op_a");
+        let mut second = finished.wait_for("op_a");
+        let both = async {
+            tokio::join!(first.notified(), second.notified());
+        };
+        let woken = async {
+            tokio::task::yield_now().await;
+            finished.wake("op_a");
+        };
+        tokio::time::timeout(Duration::from_secs(5), async { tokio::join!(both, woken) })
+            .await
+            .expect("both waiters were woken by the one notification");
+        assert_eq!(finished.woke(), 1);
+        drop(first);
+        // The second still waits: its registration stays.
+        assert_eq!(finished.waiting.locked().len(), 1);
+        // A waiter woken once is not woken again (its next wait is its
+        // fallback period's, not a busy loop).
+        let again = tokio::time::timeout(Duration::from_millis(50), second.notified()).await;
+        assert!(again.is_err(), "a notification wakes a waiter once");
+        drop(second);
+        let mut late = finished.wait_for("op_a");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), late.notified())
+                .await
+                .is_err(),
+            "a wait registered after the last one ended starts afresh"
+        );
+        drop(late);
+        assert!(finished.waiting.locked().is_empty());
     }
 }

@@ -62,12 +62,11 @@ impl Db {
     pub async fn secrets(&self, id: &SandboxId) -> Result<Secrets, ClusterError> {
         let c = self.client().await?;
         let row = c
-            .query_opt(
+            .query_opt_prepared(
                 "SELECT access_token, env FROM sandbox_secrets WHERE sandbox = $1",
                 &[&id.as_str()],
             )
-            .await
-            .map_err(pg)?;
+            .await?;
         let Some(row) = row else {
             return Ok((None, BTreeMap::new()));
         };

@@ -38,6 +38,7 @@ pub mod layers;
 pub mod moved;
 pub mod placement;
 pub mod pod;
+pub mod queue;
 pub mod replica;
 pub mod schema;
 pub mod secrets;

@@ -2,18 +2,18 @@
 //! queues. It keeps no state of its own; any replica answers any request.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_nats::jetstream;
 use serde_json::{json, Value};
-use torpor_scheduler::model::{random_bytes, random_hex, PodId, Sandbox, SandboxId};
+use torpor_scheduler::model::{random_bytes, PodId, Sandbox, SandboxId};
 use torpor_scheduler::service::LOCAL_POD;
 use torpor_scheduler::state::SandboxState;
 
-use super::db::{Db, NewOp, OpRow, PodRow};
+use super::db::{Db, PodRow};
 use super::finished::Finished;
 use super::placement;
-use super::wire::{self, OpOutcome, Operation, Reply, WorkItem};
+use super::wire::{self, OpOutcome, Operation, Reply};
 use super::{ClusterConfig, ClusterError};
 use torpor_client::pin::Fingerprint;
 use torpor_gate::backend::{Lifecycle, SandboxApi};
@@ -30,24 +30,15 @@ use torpor_gate::service::{
 /// same (the default of `ClusterConfig::placement_choices`).
 pub const PLACEMENT_CHOICES: usize = 2;
 
-/// How often a waiting replica reads its operation's row at first, and
-/// for how long (then doubling up to 100 ms), while it hears no
-/// notifications of outcomes (`finished.rs`).
-const POLL_FAST: Duration = Duration::from_millis(3);
-const POLL_FAST_FOR: Duration = Duration::from_millis(300);
-/// How often it reads the row at first while it hears them (woken
-/// otherwise): a fallback for an outcome written without one.
-const POLL_LISTENING: Duration = Duration::from_millis(25);
-
 /// The replica.
 #[derive(Debug)]
 pub struct Cluster {
     pub(super) rt: tokio::runtime::Handle,
     pub(super) db: Arc<Db>,
-    js: jetstream::Context,
+    pub(super) js: jetstream::Context,
     pub(super) config: ClusterConfig,
     /// Wakes [`Cluster::wait`] when its operation's outcome is written.
-    finished: Arc<Finished>,
+    pub(super) finished: Arc<Finished>,
 }
 
 /// Where a placement goes: of the pods up with `template` and headroom,
@@ -153,18 +144,18 @@ impl Cluster {
 
     /// A sandbox, its pod, and whether that pod is up.
     pub(super) async fn owned(&self, id: &SandboxId) -> Result<(Sandbox, PodRow), ServiceError> {
-        let (sandbox, pod) = self
-            .db
-            .sandbox(id)
-            .await?
-            .ok_or_else(|| ServiceError::NotFound {
-                kind: "sandbox",
-                id: id.to_string(),
-            })?;
-        let pod = self.db.pod(pod.as_str()).await?.ok_or_else(|| {
+        let (sandbox, pod, row) =
+            self.db
+                .sandbox_and_pod(id)
+                .await?
+                .ok_or_else(|| ServiceError::NotFound {
+                    kind: "sandbox",
+                    id: id.to_string(),
+                })?;
+        let row = row.ok_or_else(|| {
             ServiceError::Internal(format!("sandbox {id} names unknown pod {pod}"))
         })?;
-        Ok((sandbox, pod))
+        Ok((sandbox, row))
     }
 
     pub(super) async fn owned_up(&self, id: &SandboxId) -> Result<(Sandbox, PodRow), ServiceError> {
@@ -176,118 +167,6 @@ impl Cluster {
             ));
         }
         Ok((sandbox, pod))
-    }
-
-    /// Journals `command` for `pod` (a create admitted against its
-    /// tenant's quota for what it `asked`), queues it, and waits for its
-    /// outcome.
-    pub(super) async fn run(
-        &self,
-        pod: &PodId,
-        tenant: &str,
-        command: Operation,
-        asked: Option<&Usage>,
-    ) -> Result<OpOutcome, ServiceError> {
-        let key = torpor_gate::request_context::idempotency_key();
-        self.run_keyed(pod, tenant, command, asked, key).await
-    }
-
-    /// [`Cluster::run`] with this idempotency `key` rather than the
-    /// request's.
-    pub(super) async fn run_keyed(
-        &self,
-        pod: &PodId,
-        tenant: &str,
-        command: Operation,
-        asked: Option<&Usage>,
-        key: Option<String>,
-    ) -> Result<OpOutcome, ServiceError> {
-        let id = format!("op_{}", random_hex(12));
-        let new = NewOp {
-            id: &id,
-            kind: command.kind(),
-            sandbox: command.sandbox(),
-            template: command.template().map(|t| t.as_str()),
-            pod,
-            tenant,
-            idempotency_key: key.as_deref(),
-            // What holds quota while pending is ended if its pod does not
-            // run it in time (`expiry.rs`).
-            deadlines: asked.map(|_| (self.config.create_start, self.config.create_grace)),
-        };
-        let (op, fresh) = self.db.begin_operation(&new, asked).await?;
-        if !fresh {
-            // A retry: the first request's outcome, if it was the same.
-            let same_sandbox = command
-                .sandbox()
-                .is_none_or(|s| op.sandbox.as_deref() == Some(s.as_str()));
-            let same_template = command
-                .template()
-                .is_none_or(|t| op.template.as_deref() == Some(t.as_str()));
-            if op.kind != command.kind() || !same_sandbox || !same_template {
-                return Err(op.key_used_elsewhere());
-            }
-        }
-        // A retry of an operation still pending publishes its work item
-        // again, to the pod it was placed on: the first request may have
-        // ended (its replica killed, NATS down) between the journal and
-        // the publish. The stream drops a copy within its duplicate window
-        // (the operation id is the message id) and the pod's journal runs
-        // an operation once.
-        if fresh || op.outcome.is_none() {
-            let item = WorkItem {
-                operation: op.id.clone(),
-                command,
-            };
-            let placed = PodId::new(op.pod.clone());
-            // Its deadlines as journaled: a retry does not extend them.
-            let mut headers = async_nats::HeaderMap::new();
-            if let Some(d) = super::expiry::Deadlines::of(op.start_by_ms, op.expires_ms) {
-                d.add_to(&mut headers);
-            }
-            let subject = wire::work_subject(&placed);
-            wire::publish_with(&self.js, subject, Some(&op.id), headers, &item).await?;
-        }
-        self.wait(op).await
-    }
-
-    /// The outcome of `op` once its pod answered; past the wait,
-    /// [`ServiceError::Accepted`] (202 with `/v1/operations/{id}`).
-    pub(super) async fn wait(&self, op: OpRow) -> Result<OpOutcome, ServiceError> {
-        let started = Instant::now();
-        let deadline = started + self.config.wait;
-        let waiting = self.finished.wait_for(&op.id);
-        let listening = self.finished.listening();
-        let mut pause = if listening { POLL_LISTENING } else { POLL_FAST };
-        loop {
-            if let Some(row) = self.db.operation(&op.id).await? {
-                if let Some(outcome) = row.outcome {
-                    return Ok(outcome);
-                }
-            }
-            if Instant::now() >= deadline {
-                // It goes on: 202 with the operation to poll (a retry with
-                // the same Idempotency-Key waits for it again).
-                return Err(ServiceError::Accepted {
-                    operation: op.id,
-                    kind: op.kind,
-                    sandbox: op.sandbox,
-                    pod: op.pod,
-                });
-            }
-            // Woken by the outcome's notification, else read again after
-            // `pause`. Without notifications most commands finish within
-            // the first period: polled every POLL_FAST (a primary-key
-            // read) so that the answer waits at most that long for it;
-            // then less and less often.
-            // Never past the deadline (a wait of 1 ms answers 202 for a
-            // command that takes longer, however soon it is woken).
-            let left = deadline.saturating_duration_since(Instant::now());
-            let _ = tokio::time::timeout(pause.min(left), waiting.notified()).await;
-            if started.elapsed() >= POLL_FAST_FOR {
-                pause = (pause * 2).min(Duration::from_millis(100));
-            }
-        }
     }
 
     fn sandbox_of(outcome: OpOutcome) -> Result<(Sandbox, bool), ServiceError> {
@@ -707,10 +586,16 @@ impl SandboxApi for Cluster {
     /// room counts while it is pending, then as the running sandbox. With
     /// the sandbox's secrets (E2B's connect shows its envd token).
     async fn lifecycle(&self, id: &SandboxId, op: Lifecycle) -> Result<Outcome, ServiceError> {
-        let (sandbox, resumed) =
-            Self::sandbox_in(self.command(Operation::lifecycle(id.clone(), op)).await?)?;
+        // Its secrets read while the command runs (a lifecycle call
+        // changes neither).
+        let (reply, secrets) = tokio::join!(
+            self.command(Operation::lifecycle(id.clone(), op)),
+            self.db.secrets(id)
+        );
+        let (mut sandbox, resumed) = Self::sandbox_in(reply?)?;
+        (sandbox.access_token, sandbox.env) = secrets?;
         Ok(Outcome {
-            sandbox: self.with_secrets(sandbox).await?,
+            sandbox,
             resumed,
             resume_ms: None,
         })
@@ -821,17 +706,13 @@ impl SandboxApi for Cluster {
     /// what it sent before the delete: `retried`); the routes answer 404
     /// for it all the same.
     async fn sandbox_tenant(&self, id: &SandboxId) -> Result<Option<String>, ServiceError> {
-        async {
-            match self.owned(id).await {
-                Ok((s, _)) => Ok(s.tenant),
-                Err(e @ ServiceError::NotFound { .. }) => match self.db.deleted_tenant(id).await? {
-                    Some(tenant) => Ok(Some(tenant)),
-                    None => Err(e),
-                },
-                Err(e) => Err(e),
-            }
+        match self.db.sandbox_tenant(id).await? {
+            Some(tenant) => Ok(tenant),
+            None => match self.db.deleted_tenant(id).await? {
+                Some(tenant) => Ok(Some(tenant)),
+                None => Err(torpor_gate::gate::sandbox_not_found(id.as_str())),
+            },
         }
-        .await
     }
 
     async fn operation(&self, id: &str, tenant: Option<&str>) -> Result<Value, ServiceError> {
