@@ -528,33 +528,12 @@ fn tree(tasks: &str, root: u32, before: &HashMap<u32, (u32, String)>) -> BTreeMa
     out
 }
 
-/// Every process now: pid -> (ppid, name), from `/proc/PID/stat`.
+/// Every process now: pid -> (ppid, name).
 fn processes() -> HashMap<u32, (u32, String)> {
-    let mut out = HashMap::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return out;
-    };
-    for e in dir.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // pid (name) state ppid ...; the name may hold ')' and spaces.
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-            continue;
-        };
-        let name = stat[open + 1..close].to_string();
-        let ppid = stat[close + 1..]
-            .split_whitespace()
-            .nth(1)
-            .and_then(|p| p.parse().ok());
-        if let Some(ppid) = ppid {
-            out.insert(pid, (ppid, name));
-        }
-    }
-    out
+    crate::common::cpu::processes()
+        .into_iter()
+        .map(|(pid, p)| (pid, (p.ppid, p.name)))
+        .collect()
 }
 
 /// `perf script` output with each sample's comm replaced by its process's

@@ -42,15 +42,23 @@ impl CpuSpent {
     }
 }
 
-/// CPU time (ms) each process has used so far, by pid, with what it is
-/// to a bench ([`role`]): `/proc/<pid>/stat`'s utime + stime.
-pub fn by_process() -> HashMap<u32, (String, f64)> {
+/// A process as `/proc/<pid>/stat` shows it.
+#[derive(Clone, Debug)]
+pub struct Proc {
+    pub ppid: u32,
+    pub name: String,
+    /// Its CPU time so far (utime + stime), ms.
+    pub cpu_ms: f64,
+}
+
+/// Every process now, by pid.
+pub fn processes() -> HashMap<u32, Proc> {
     // SAFETY: sysconf reads a constant.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     let ms = 1000.0 / hz.max(1.0);
-    let mut procs = HashMap::new();
+    let mut out = HashMap::new();
     let Ok(dir) = std::fs::read_dir("/proc") else {
-        return HashMap::new();
+        return out;
     };
     for entry in dir.flatten() {
         let Some(pid) = entry
@@ -63,23 +71,35 @@ pub fn by_process() -> HashMap<u32, (String, f64)> {
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
             continue;
         };
-        // The command name is in parentheses and may hold spaces.
+        // pid (name) state ppid ...; the name may hold ')' and spaces.
         let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
             continue;
         };
-        let comm = stat[open + 1..close].to_string();
         let rest: Vec<&str> = stat[close + 1..].split_whitespace().collect();
         // After the name: state(0) ppid(1) ... utime(11) stime(12).
-        let at = |i: usize| {
-            rest.get(i)
-                .and_then(|v| v.parse::<f64>().ok())
-                .unwrap_or(0.0)
+        let at = |i: usize| rest.get(i).and_then(|v| v.parse::<f64>().ok());
+        let Some(ppid) = at(1) else {
+            continue;
         };
-        procs.insert(pid, (comm, at(1) as u32, (at(11) + at(12)) * ms));
+        out.insert(
+            pid,
+            Proc {
+                ppid: ppid as u32,
+                name: stat[open + 1..close].to_string(),
+                cpu_ms: (at(11).unwrap_or(0.0) + at(12).unwrap_or(0.0)) * ms,
+            },
+        );
     }
+    out
+}
+
+/// CPU time (ms) each process has used so far, by pid, with what it is
+/// to a bench ([`role`]).
+pub fn by_process() -> HashMap<u32, (String, f64)> {
+    let procs = processes();
     procs
         .iter()
-        .map(|(pid, (_, _, spent))| (*pid, (role(*pid, &procs), *spent)))
+        .map(|(pid, p)| (*pid, (role(*pid, &procs), p.cpu_ms)))
         .collect()
 }
 
@@ -87,12 +107,12 @@ pub fn by_process() -> HashMap<u32, (String, f64)> {
 /// `torpor serve`, a cluster's replicas or pods, PostgreSQL, nats-server;
 /// a process under a pod or `torpor serve` (a VMM, its jail) is one of the
 /// VMMs; else other.
-fn role(pid: u32, procs: &HashMap<u32, (String, u32, f64)>) -> String {
+fn role(pid: u32, procs: &HashMap<u32, Proc>) -> String {
     let own = |pid: u32| -> Option<&'static str> {
         if pid == std::process::id() {
             return Some("the bench's clients");
         }
-        let (comm, _, _) = procs.get(&pid)?;
+        let comm = &procs.get(&pid)?.name;
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         let has = |a: &[u8]| cmdline.split(|b| *b == 0).any(|x| x == a);
         match comm.as_str() {
@@ -110,10 +130,10 @@ fn role(pid: u32, procs: &HashMap<u32, (String, u32, f64)>) -> String {
     // Up its parents to the first that has a role (at most 16).
     let mut at = pid;
     for _ in 0..16 {
-        let Some((_, parent, _)) = procs.get(&at) else {
+        let Some(p) = procs.get(&at) else {
             break;
         };
-        at = *parent;
+        at = p.ppid;
         match own(at) {
             Some("pods" | "torpor serve") => return "VMMs".into(),
             Some(role) => return role.into(),
