@@ -54,6 +54,9 @@ pub enum FsError {
     /// Past the volume's size (413).
     #[error("the volume is limited to {limit} bytes: this write would take it past that")]
     TooLarge { limit: u64 },
+    /// Past the volume's entries (413): files, directories and links.
+    #[error("the volume is limited to {limit} files, directories and links: this would take it past that")]
+    TooManyEntries { limit: u64 },
     /// A system call failed (500).
     #[error("{op} {path}: {source}")]
     Io {
@@ -71,7 +74,7 @@ impl FsError {
             FsError::Invalid(_) => 400,
             FsError::NotFound(_) => 404,
             FsError::Conflict(_) => 409,
-            FsError::TooLarge { .. } => 413,
+            FsError::TooLarge { .. } | FsError::TooManyEntries { .. } => 413,
             FsError::Io { .. } => 500,
         }
     }
@@ -454,8 +457,16 @@ impl Content {
         for (i, name) in names.iter().enumerate() {
             so_far = so_far.child(name);
             let last = i + 1 == names.len();
-            let made = match rustix::fs::mkdirat(&dir, name.as_os_str(), Mode::from_raw_mode(0o700))
-            {
+            let mkdir = rustix::fs::mkdirat(&dir, name.as_os_str(), Mode::from_raw_mode(0o700));
+            if mkdir.is_ok() {
+                // A new entry: taken back past the volume's limit on them
+                // (an existing directory needs none).
+                if let Err(e) = self.add_entry() {
+                    let _ = rustix::fs::unlinkat(&dir, name.as_os_str(), AtFlags::REMOVEDIR);
+                    return Err(e);
+                }
+            }
+            let made = match mkdir {
                 Ok(()) => true,
                 Err(rustix::io::Errno::EXIST) => {
                     let st = stat_in(dir.as_fd(), name, &so_far)?;
@@ -550,18 +561,24 @@ impl Content {
                     path.shown()
                 )))
             }
-            Ok(st) => st.size,
-            Err(FsError::NotFound(_)) => 0,
+            Ok(st) => Some(st.size),
+            Err(FsError::NotFound(_)) => None,
             Err(e) => return Err(e),
         };
         let temp = format!("{TEMP_PREFIX}{}", torpor_scheduler::random::random_hex(8));
+        // The new name (the temporary one, renamed into place) is an entry;
+        // one it replaces is one fewer once the rename is done.
+        self.add_entry()?;
         let fd = rustix::fs::openat(
             &dir,
             temp.as_str(),
             OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
             Mode::from_raw_mode(0o600),
         )
-        .map_err(|e| io_err("create", path)(e.into()))?;
+        .map_err(|e| {
+            self.usage.remove_entries(1);
+            io_err("create", path)(e.into())
+        })?;
         let mut file = File::from(fd);
         let mut written = 0u64;
         let result = (|| {
@@ -597,9 +614,13 @@ impl Content {
         if let Err(e) = result {
             let _ = rustix::fs::unlinkat(&dir, temp.as_str(), AtFlags::empty());
             self.release(written);
+            self.usage.remove_entries(1);
             return Err(e);
         }
-        self.release(replaced);
+        if let Some(size) = replaced {
+            self.release(size);
+            self.usage.remove_entries(1);
+        }
         stat_in(dir.as_fd(), name, path)
     }
 
@@ -630,9 +651,13 @@ impl Content {
         } else {
             rustix::fs::unlinkat(&dir, name, AtFlags::empty())
                 .map_err(|e| io_err("remove", path)(e.into()))?;
-            st.size
+            Freed {
+                bytes: st.size,
+                entries: 1,
+            }
         };
-        self.release(freed);
+        self.release(freed.bytes);
+        self.usage.remove_entries(freed.entries);
         Ok(())
     }
 
@@ -645,6 +670,13 @@ impl Content {
 
     fn release(&self, n: u64) {
         self.usage.release(n)
+    }
+
+    /// Counts one more entry: 413 past the limit on them.
+    fn add_entry(&self) -> Result<(), FsError> {
+        self.usage
+            .add_entry()
+            .map_err(|e| FsError::TooManyEntries { limit: e.limit })
     }
 }
 
@@ -704,10 +736,20 @@ fn names_in(dir: &OwnedFd, path: &VolumePath) -> Result<Vec<OsString>, FsError> 
     Ok(names)
 }
 
+/// What a removal freed.
+#[derive(Debug, Default)]
+struct Freed {
+    /// Bytes its files held.
+    bytes: u64,
+    /// Its entries, itself included.
+    entries: u64,
+}
+
 /// Removes directory `name` in `parent` and all it holds, each entry
-/// relative to its directory's descriptor, no link followed; the bytes
-/// its files held.
-fn remove_tree(parent: BorrowedFd<'_>, name: &OsStr, path: &VolumePath) -> Result<u64, FsError> {
+/// relative to its directory's descriptor, no link followed; what that
+/// freed. (Whatever it removed before a failure stays counted: the
+/// volume's count is then high, which refuses early, never late.)
+fn remove_tree(parent: BorrowedFd<'_>, name: &OsStr, path: &VolumePath) -> Result<Freed, FsError> {
     let dir = rustix::fs::openat(
         parent,
         name,
@@ -715,23 +757,27 @@ fn remove_tree(parent: BorrowedFd<'_>, name: &OsStr, path: &VolumePath) -> Resul
         Mode::empty(),
     )
     .map_err(|e| on_the_way(path, e.into()))?;
-    let mut freed = 0u64;
+    let mut freed = Freed::default();
     for n in names_in(&dir, path)? {
         let child = path.child(&n);
         let st = rustix::fs::statat(&dir, n.as_os_str(), AtFlags::SYMLINK_NOFOLLOW)
             .map_err(|e| io_err("stat", &child)(e.into()))?;
         if kind_of(&st) == EntryType::Directory {
-            freed += remove_tree(dir.as_fd(), &n, &child)?;
+            let under = remove_tree(dir.as_fd(), &n, &child)?;
+            freed.bytes += under.bytes;
+            freed.entries += under.entries;
         } else {
             rustix::fs::unlinkat(&dir, n.as_os_str(), AtFlags::empty())
                 .map_err(|e| io_err("remove", &child)(e.into()))?;
+            freed.entries += 1;
             if kind_of(&st) == EntryType::File {
-                freed += st.st_size.max(0) as u64;
+                freed.bytes += st.st_size.max(0) as u64;
             }
         }
     }
     rustix::fs::unlinkat(parent, name, AtFlags::REMOVEDIR)
         .map_err(|e| io_err("remove", path)(e.into()))?;
+    freed.entries += 1;
     Ok(freed)
 }
 

@@ -246,3 +246,55 @@ fn files_dirs_metadata_and_limits() {
     assert!(matches!(c.remove(&p("/")), Err(FsError::NotFound(_))));
     assert!(matches!(c.remove(&p("/d")), Err(FsError::NotFound(_))));
 }
+
+#[test]
+fn new_names_count_against_the_volumes_limit_on_entries() {
+    use torpor_scheduler::volumes::usage::{count, MIN_ENTRIES};
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("content");
+    std::fs::create_dir(&root).unwrap();
+    for i in 0..MIN_ENTRIES - 4 {
+        std::fs::write(root.join(format!("old{i}")), b"").unwrap();
+    }
+    // 100 bytes: the floor of entries.
+    let c = Content::open(root.clone(), 100).unwrap();
+    assert_eq!(c.usage.entries(), MIN_ENTRIES - 4);
+    write(&c, "/a", b"", false).unwrap();
+    c.make_dir(&p("/d/e/f"), &Meta::default(), true).unwrap();
+    assert_eq!(c.usage.entries(), MIN_ENTRIES);
+    // Full: no new file or directory, nothing left behind.
+    assert!(matches!(
+        write(&c, "/b", b"", false),
+        Err(FsError::TooManyEntries { limit }) if limit == MIN_ENTRIES
+    ));
+    assert!(matches!(
+        c.make_dir(&p("/g"), &Meta::default(), false),
+        Err(FsError::TooManyEntries { .. })
+    ));
+    assert!(!root.join("b").exists() && !root.join("g").exists());
+    assert_eq!(
+        c.list(&p("/"), 1).unwrap().len() as u64,
+        MIN_ENTRIES - 2,
+        "no temporary file left"
+    );
+    assert_eq!(c.usage.entries(), MIN_ENTRIES, "a refusal counts nothing");
+    // A directory that exists takes nothing more; a file replaced is
+    // written under a temporary name first, which needs room for one.
+    c.make_dir(&p("/d/e/f"), &Meta::default(), true).unwrap();
+    assert!(matches!(
+        write(&c, "/a", b"new", true),
+        Err(FsError::TooManyEntries { .. })
+    ));
+    assert_eq!(c.usage.entries(), MIN_ENTRIES);
+    // Removing a tree gives back each of its entries.
+    c.remove(&p("/d")).unwrap();
+    assert_eq!(c.usage.entries(), MIN_ENTRIES - 3);
+    write(&c, "/a", b"new", true).unwrap();
+    assert_eq!(
+        c.usage.entries(),
+        MIN_ENTRIES - 3,
+        "a replacement takes none"
+    );
+    write(&c, "/b", b"", false).unwrap();
+    assert_eq!(c.usage.entries(), count(&root).unwrap().entries);
+}

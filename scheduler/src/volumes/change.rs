@@ -10,13 +10,13 @@ use nfs3_server::nfs3_types::nfs3::{
     createverf3, fattr3, nfsstat3, nfstime3, sattr3, set_atime, set_mode3, set_mtime, set_size3,
     stable_how,
 };
-use rustix::fs::{AtFlags, Mode, OFlags, Stat, Timespec, Timestamps, CWD};
+use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags, Stat, Timespec, Timestamps, CWD};
 
 use super::fs::{
     attrs, existing_name, io_status, is_dir, is_file, is_link, new_name, proc_path, rx_status,
     Handle, Inner, Res, Target,
 };
-use super::usage::{OverLimit, Usage};
+use super::usage::{OverLimit, TooManyEntries, Usage};
 
 /// A file's size in bytes.
 fn size_of(st: &Stat) -> u64 {
@@ -27,6 +27,26 @@ fn size_of(st: &Stat) -> u64 {
 /// `EDQUOT` ("Disk quota exceeded").
 fn over_limit(_: OverLimit) -> nfsstat3 {
     nfsstat3::NFS3ERR_DQUOT
+}
+
+/// A new name past the volume's limit on entries: the guest's create
+/// fails with `EDQUOT` too.
+fn too_many(_: TooManyEntries) -> nfsstat3 {
+    nfsstat3::NFS3ERR_DQUOT
+}
+
+/// What `made` made, counted if it is a new name (its `bool`): past the
+/// volume's limit on entries the name is taken back (`undo`) and the call
+/// refused. (Made first, so that an existing name is never refused.)
+fn counted<T>(usage: &Usage, made: Res<(T, bool)>, undo: impl FnOnce()) -> Res<T> {
+    let (value, new) = made?;
+    if new {
+        if let Err(e) = usage.add_entry() {
+            undo();
+            return Err(too_many(e));
+        }
+    }
+    Ok(value)
 }
 
 impl Inner {
@@ -166,23 +186,32 @@ impl Inner {
             set_mode3::None => 0o644,
         };
         let base = OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NOCTTY;
-        let file = match rustix::fs::openat(
-            &dir,
-            name,
-            base | OFlags::CREATE | OFlags::EXCL,
-            Mode::from_raw_mode(mode),
-        ) {
-            Ok(fd) => {
-                // The umask may have taken bits: the client's mode it is.
-                rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode)).map_err(rx_status)?;
-                File::from(fd)
+        let made = (|| {
+            match rustix::fs::openat(
+                &dir,
+                name,
+                base | OFlags::CREATE | OFlags::EXCL,
+                Mode::from_raw_mode(mode),
+            ) {
+                Ok(fd) => {
+                    // The umask may have taken bits: the client's mode it is.
+                    rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode)).map_err(rx_status)?;
+                    Ok((File::from(fd), true))
+                }
+                // UNCHECKED: an existing file is opened and takes the
+                // attributes (no new entry).
+                Err(rustix::io::Errno::EXIST) => Ok((
+                    File::from(
+                        rustix::fs::openat(&dir, name, base, Mode::empty()).map_err(rx_status)?,
+                    ),
+                    false,
+                )),
+                Err(e) => Err(rx_status(e)),
             }
-            // UNCHECKED: an existing file is opened and takes the attributes.
-            Err(rustix::io::Errno::EXIST) => {
-                File::from(rustix::fs::openat(&dir, name, base, Mode::empty()).map_err(rx_status)?)
-            }
-            Err(e) => return Err(rx_status(e)),
-        };
+        })();
+        let file = counted(self.usage(vol), made, || {
+            let _ = rustix::fs::unlinkat(&dir, name, AtFlags::empty());
+        })?;
         let st = rustix::fs::fstat(&file).map_err(rx_status)?;
         Self::apply(&file, &st, set, self.usage(vol))?;
         let st = rustix::fs::fstat(&file).map_err(rx_status)?;
@@ -208,8 +237,16 @@ impl Inner {
             | OFlags::NOCTTY
             | OFlags::CREATE
             | OFlags::EXCL;
-        match rustix::fs::openat(&dir, name, flags, Mode::from_raw_mode(0o600)) {
-            Ok(fd) => {
+        let made = match rustix::fs::openat(&dir, name, flags, Mode::from_raw_mode(0o600)) {
+            Ok(fd) => Ok((Some(fd), true)),
+            Err(rustix::io::Errno::EXIST) => Ok((None, false)),
+            Err(e) => Err(rx_status(e)),
+        };
+        let made = counted(self.usage(vol), made, || {
+            let _ = rustix::fs::unlinkat(&dir, name, AtFlags::empty());
+        })?;
+        match made {
+            Some(fd) => {
                 let times = Timestamps {
                     last_access: Timespec {
                         tv_sec: i64::from(a),
@@ -224,7 +261,7 @@ impl Inner {
                 let st = rustix::fs::fstat(&fd).map_err(rx_status)?;
                 Ok(self.remember(vol, st.st_ino, rel.join(name)))
             }
-            Err(rustix::io::Errno::EXIST) => {
+            None => {
                 let st =
                     rustix::fs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW).map_err(rx_status)?;
                 let ours = is_file(&st)
@@ -237,14 +274,18 @@ impl Inner {
                     Err(nfsstat3::NFS3ERR_EXIST)
                 }
             }
-            Err(e) => Err(rx_status(e)),
         }
     }
 
     pub(super) fn mkdir(&self, h: &Handle, name: &[u8]) -> Res<(Handle, fattr3)> {
         let (vol, rel, dir) = self.dir(h)?;
         let name = new_name(name)?;
-        rustix::fs::mkdirat(&dir, name, Mode::from_raw_mode(0o755)).map_err(rx_status)?;
+        let made = rustix::fs::mkdirat(&dir, name, Mode::from_raw_mode(0o755))
+            .map(|()| ((), true))
+            .map_err(rx_status);
+        counted(self.usage(vol), made, || {
+            let _ = rustix::fs::unlinkat(&dir, name, AtFlags::REMOVEDIR);
+        })?;
         let st = rustix::fs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW).map_err(rx_status)?;
         Ok((
             self.remember(vol, st.st_ino, rel.join(name)),
@@ -258,7 +299,12 @@ impl Inner {
         if target.is_empty() || target.contains(&0) {
             return Err(nfsstat3::NFS3ERR_INVAL);
         }
-        rustix::fs::symlinkat(OsStr::from_bytes(target), &dir, name).map_err(rx_status)?;
+        let made = rustix::fs::symlinkat(OsStr::from_bytes(target), &dir, name)
+            .map(|()| ((), true))
+            .map_err(rx_status);
+        counted(self.usage(vol), made, || {
+            let _ = rustix::fs::unlinkat(&dir, name, AtFlags::empty());
+        })?;
         let st = rustix::fs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW).map_err(rx_status)?;
         Ok((
             self.remember(vol, st.st_ino, rel.join(name)),
@@ -278,6 +324,7 @@ impl Inner {
             AtFlags::empty()
         };
         rustix::fs::unlinkat(&dir, name, flags).map_err(rx_status)?;
+        self.usage(vol).remove_entries(1);
         if st.st_nlink <= 1 || is_dir(&st) {
             self.ids().remove(&(vol, st.st_ino));
             if is_file(&st) {
@@ -303,13 +350,24 @@ impl Inner {
         }
         let from_name = existing_name(from_name)?;
         let to_name = new_name(to_name)?;
-        // A regular file (its last link) renamed over is freed.
-        let replaced = rustix::fs::statat(&to_dir, to_name, AtFlags::SYMLINK_NOFOLLOW)
-            .ok()
-            .filter(|st| is_file(st) && st.st_nlink <= 1);
-        rustix::fs::renameat(&from_dir, from_name, &to_dir, to_name).map_err(rx_status)?;
-        if let Some(st) = replaced {
-            self.usage(to_vol).release(size_of(&st));
+        // Onto a free name nothing is replaced; onto a taken one, what it
+        // replaces is counted off once (`rename_over`).
+        match rustix::fs::renameat_with(
+            &from_dir,
+            from_name,
+            &to_dir,
+            to_name,
+            RenameFlags::NOREPLACE,
+        ) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::EXIST) => {
+                self.rename_over(to_vol, (&from_dir, from_name), (&to_dir, to_name))?
+            }
+            // A file system without the flag.
+            Err(rustix::io::Errno::INVAL) => {
+                self.rename_plainly(to_vol, (&from_dir, from_name), (&to_dir, to_name))?
+            }
+            Err(e) => return Err(rx_status(e)),
         }
         let old = from_rel.join(from_name);
         let new = to_rel.join(to_name);
@@ -322,6 +380,90 @@ impl Inner {
                     } else {
                         new.join(rest)
                     };
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A rename onto a name that is taken, so that what it replaces is
+    /// counted off exactly once whatever runs beside it: the two names are
+    /// exchanged (atomically), then the old object, now under the source
+    /// name, is removed by this call's own unlink, which succeeds for one
+    /// caller only (a REMOVE of the same name at the same time finds it
+    /// gone, or removes it instead and the exchange finds the name free).
+    /// Rename's rules hold: a directory only over an empty directory, a
+    /// non-directory only over a non-directory, and onto another link of
+    /// the same file nothing happens.
+    fn rename_over(&self, vol: u32, from: (&File, &OsStr), to: (&File, &OsStr)) -> Res<()> {
+        let nofollow = AtFlags::SYMLINK_NOFOLLOW;
+        let src = rustix::fs::statat(from.0, from.1, nofollow).map_err(rx_status)?;
+        let dst = rustix::fs::statat(to.0, to.1, nofollow).map_err(rx_status)?;
+        if (src.st_dev, src.st_ino) == (dst.st_dev, dst.st_ino) {
+            return Ok(());
+        }
+        match (is_dir(&src), is_dir(&dst)) {
+            (true, false) => return Err(nfsstat3::NFS3ERR_NOTDIR),
+            (false, true) => return Err(nfsstat3::NFS3ERR_ISDIR),
+            _ => {}
+        }
+        let exchange = |a: (&File, &OsStr), b: (&File, &OsStr)| {
+            rustix::fs::renameat_with(a.0, a.1, b.0, b.1, RenameFlags::EXCHANGE)
+        };
+        match exchange(from, to) {
+            Ok(()) => {}
+            // A file system without exchange.
+            Err(rustix::io::Errno::INVAL) => return self.rename_plainly(vol, from, to),
+            // Taken no more: a plain move, nothing replaced.
+            Err(rustix::io::Errno::NOENT) => {
+                return rustix::fs::renameat_with(
+                    from.0,
+                    from.1,
+                    to.0,
+                    to.1,
+                    RenameFlags::NOREPLACE,
+                )
+                .map_err(rx_status)
+            }
+            Err(e) => return Err(rx_status(e)),
+        }
+        let old = rustix::fs::statat(from.0, from.1, nofollow).map_err(rx_status)?;
+        let flags = if is_dir(&old) {
+            AtFlags::REMOVEDIR
+        } else {
+            AtFlags::empty()
+        };
+        if let Err(e) = rustix::fs::unlinkat(from.0, from.1, flags) {
+            // (A directory not empty: refused, the two names put back.)
+            let _ = exchange(from, to);
+            return Err(rx_status(e));
+        }
+        self.usage(vol).remove_entries(1);
+        if old.st_nlink <= 1 || is_dir(&old) {
+            self.ids().remove(&(vol, old.st_ino));
+            if is_file(&old) {
+                self.usage(vol).release(size_of(&old));
+            }
+        }
+        Ok(())
+    }
+
+    /// A rename on a file system that has neither `RENAME_NOREPLACE` nor
+    /// `RENAME_EXCHANGE`: what the name held just before counted off (a
+    /// REMOVE of it at the same moment may count it off too: the count
+    /// then reads low by one).
+    fn rename_plainly(&self, vol: u32, from: (&File, &OsStr), to: (&File, &OsStr)) -> Res<()> {
+        let nofollow = AtFlags::SYMLINK_NOFOLLOW;
+        let replaced = rustix::fs::statat(to.0, to.1, nofollow).ok();
+        rustix::fs::renameat(from.0, from.1, to.0, to.1).map_err(rx_status)?;
+        if let Some(st) = replaced {
+            // (Onto another link of the same file nothing is removed.)
+            let same = rustix::fs::statat(to.0, to.1, nofollow)
+                .is_ok_and(|now| (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino));
+            if !same {
+                self.usage(vol).remove_entries(1);
+                if is_file(&st) && st.st_nlink <= 1 {
+                    self.usage(vol).release(size_of(&st));
                 }
             }
         }

@@ -378,7 +378,91 @@ async fn writes_count_against_the_volumes_limit_shared_with_the_content_api() {
     assert_eq!(api.used(), 35, "the 10 bytes renamed over are freed");
     nfs.remove(&root, "f").await.unwrap();
     assert_eq!(api.used(), 5);
-    assert_eq!(api.used(), super::usage::count(&vol.dir).unwrap());
+    assert_eq!(api.used(), super::usage::count(&vol.dir).unwrap().bytes);
+}
+
+#[tokio::test]
+async fn new_names_count_against_the_volumes_limit_on_entries() {
+    use super::usage::MIN_ENTRIES;
+    let s = Scratch::new();
+    let server = VolumeServer::start().unwrap();
+    let sock = s.socket("e.sock");
+    // 100 bytes: the floor of entries, MIN_ENTRIES.
+    let vol = VolumeExport {
+        limit: 100,
+        ..s.volume("e")
+    };
+    for i in 0..MIN_ENTRIES - 4 {
+        std::fs::write(vol.dir.join(format!("old{i}")), b"").unwrap();
+    }
+    let _h = serve(&server, &sock, vec![vol.clone()]);
+    let api = super::usage::Usage::of(&vol.dir, 5).unwrap();
+    assert_eq!(api.entries(), MIN_ENTRIES - 4);
+    let root = mount(&sock, "/e").await.unwrap();
+    let mut nfs = Nfs::connect(&sock).await;
+
+    // Each kind of new name takes one: a file, a directory, a link, an
+    // exclusive create.
+    nfs.create(&root, "a", false).await.unwrap();
+    let d = nfs.mkdir(&root, "d").await.unwrap();
+    nfs.symlink(&root, "l", "a").await.unwrap();
+    nfs.create_exclusive(&root, "x", 1).await.unwrap();
+    assert_eq!(api.entries(), MIN_ENTRIES);
+    // Full: no new name of any kind, however empty; nothing made.
+    for refused in [
+        nfs.create(&root, "y", false).await.map(|_| ()),
+        nfs.mkdir(&d, "e").await.map(|_| ()),
+        nfs.symlink(&root, "m", "a").await.map(|_| ()),
+        nfs.create_exclusive(&root, "z", 2).await.map(|_| ()),
+    ] {
+        assert_eq!(refused, Err(nfsstat3::NFS3ERR_DQUOT));
+    }
+    for name in ["y", "d/e", "m", "z"] {
+        assert!(!vol.dir.join(name).exists(), "{name} was not made");
+    }
+    assert_eq!(api.entries(), MIN_ENTRIES, "a refusal counts nothing");
+    // An existing name takes nothing more (UNCHECKED, a retried EXCLUSIVE).
+    nfs.create(&root, "a", false).await.unwrap();
+    nfs.create_exclusive(&root, "x", 1).await.unwrap();
+    // Removing one and renaming over one each give one back.
+    nfs.remove(&root, "l").await.unwrap();
+    nfs.create(&root, "y", false).await.unwrap();
+    nfs.rename(&root, "y", &root, "a").await.unwrap();
+    nfs.mkdir(&d, "e").await.unwrap();
+    assert_eq!(api.entries(), MIN_ENTRIES);
+    // Rename's rules, each counted: a directory over an empty one takes
+    // its place; over one not empty, over a file, or a file over a
+    // directory, nothing moves; onto its own name nothing happens.
+    for name in ["x", "a", "old0"] {
+        nfs.remove(&root, name).await.unwrap();
+    }
+    nfs.mkdir(&root, "empty").await.unwrap();
+    let full = nfs.mkdir(&root, "full").await.unwrap();
+    nfs.create(&full, "in", false).await.unwrap();
+    let before = api.entries();
+    assert_eq!(
+        nfs.rename(&root, "d", &root, "full").await,
+        Err(nfsstat3::NFS3ERR_NOTEMPTY)
+    );
+    assert_eq!(
+        nfs.rename(&root, "d", &full, "in").await,
+        Err(nfsstat3::NFS3ERR_NOTDIR)
+    );
+    assert_eq!(
+        nfs.rename(&full, "in", &root, "empty").await,
+        Err(nfsstat3::NFS3ERR_ISDIR)
+    );
+    nfs.rename(&full, "in", &full, "in").await.unwrap();
+    assert_eq!(api.entries(), before, "nothing moved, nothing counted");
+    assert!(vol.dir.join("d/e").is_dir() && vol.dir.join("full/in").is_file());
+    nfs.rename(&root, "d", &root, "empty").await.unwrap();
+    assert_eq!(api.entries(), before - 1);
+    assert!(vol.dir.join("empty/e").is_dir() && !vol.dir.join("d").exists());
+    // The content API and the server keep one count, the disk's.
+    assert_eq!(
+        api.entries(),
+        super::usage::count(&vol.dir).unwrap().entries
+    );
 }
 
 #[tokio::test]

@@ -11,6 +11,13 @@
 //! reserves the growth first (refused past the limit), a truncation, a
 //! removal or a replacement releases what it freed. Sizes are apparent
 //! sizes (`st_size`), as a tenant listing the volume sees them.
+//!
+//! Its entries (the names of files, directories and links under it) are
+//! counted and limited the same way: an empty file costs the host an inode
+//! whatever its size, so a guest making empty files or directories without
+//! end would exhaust the host's file system while its bytes stayed at
+//! nothing. The limit is the volume's bytes over [`BYTES_PER_ENTRY`] (at
+//! least [`MIN_ENTRIES`]): 2,621,440 entries for the default 10 GiB.
 
 use std::collections::HashMap;
 use std::io;
@@ -31,11 +38,44 @@ pub struct OverLimit {
     pub limit: u64,
 }
 
-/// The bytes one volume's files hold, against its limit.
+/// What one entry counts against a volume's limit on entries: the volume
+/// may hold its limit in bytes over this many entries.
+pub const BYTES_PER_ENTRY: u64 = 4096;
+/// The fewest entries a volume may hold, however small its limit.
+pub const MIN_ENTRIES: u64 = 1024;
+
+/// A new entry refused because the volume holds as many as it may.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the volume is limited to {limit} files, directories and links: this would take it past that"
+)]
+pub struct TooManyEntries {
+    /// The volume's limit on entries.
+    pub limit: u64,
+}
+
+/// The most entries a volume limited to `limit` bytes may hold.
+pub fn max_entries(limit: u64) -> u64 {
+    (limit / BYTES_PER_ENTRY).max(MIN_ENTRIES)
+}
+
+/// The bytes one volume's files hold and its entries, against their
+/// limits.
 #[derive(Debug)]
 pub struct Usage {
     used: AtomicU64,
     limit: u64,
+    entries: AtomicU64,
+    max_entries: u64,
+}
+
+/// What [`count`] found under a directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Counted {
+    /// Bytes its regular files hold.
+    pub bytes: u64,
+    /// Its entries (every name under it, the directory itself not).
+    pub entries: u64,
 }
 
 /// Every volume counted in this process, by its content directory
@@ -56,9 +96,12 @@ impl Usage {
             return Ok(usage);
         }
         book.retain(|_, u| u.strong_count() > 0);
+        let counted = count(&key)?;
         let usage = Arc::new(Usage {
-            used: AtomicU64::new(count(&key)?),
+            used: AtomicU64::new(counted.bytes),
             limit,
+            entries: AtomicU64::new(counted.entries),
+            max_entries: max_entries(limit),
         });
         book.insert(key, Arc::downgrade(&usage));
         Ok(usage)
@@ -97,6 +140,39 @@ impl Usage {
             });
     }
 
+    /// Entries under it.
+    pub fn entries(&self) -> u64 {
+        self.entries.load(Ordering::Relaxed)
+    }
+
+    /// Entries it may hold.
+    pub fn max_entries(&self) -> u64 {
+        self.max_entries
+    }
+
+    /// Counts one more entry (before it is made), or refuses it past the
+    /// limit (nothing counted then).
+    pub fn add_entry(&self) -> Result<(), TooManyEntries> {
+        let before = self.entries.fetch_add(1, Ordering::AcqRel);
+        if before >= self.max_entries {
+            self.entries.fetch_sub(1, Ordering::AcqRel);
+            return Err(TooManyEntries {
+                limit: self.max_entries,
+            });
+        }
+        Ok(())
+    }
+
+    /// Counts `n` entries fewer (never below 0): removed, or counted by
+    /// [`Usage::add_entry`] and then not made.
+    pub fn remove_entries(&self, n: u64) {
+        let _ = self
+            .entries
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
+                Some(u.saturating_sub(n))
+            });
+    }
+
     /// A file going from `old` to `new` bytes: the growth reserved (or
     /// refused), a shrink released.
     pub fn resize(&self, old: u64, new: u64) -> Result<(), OverLimit> {
@@ -109,22 +185,27 @@ impl Usage {
     }
 }
 
-/// Bytes the regular files under `root` hold (no link followed).
-pub fn count(root: &Path) -> io::Result<u64> {
-    let mut total = 0u64;
+/// The bytes the regular files under `root` hold and its entries (no
+/// link followed).
+pub fn count(root: &Path) -> io::Result<Counted> {
+    let mut counted = Counted {
+        bytes: 0,
+        entries: 0,
+    };
     let mut stack = vec![root.to_path_buf()];
     while let Some(dir) = stack.pop() {
         for e in std::fs::read_dir(&dir)? {
             let e = e?;
+            counted.entries += 1;
             let meta = e.path().symlink_metadata()?;
             if meta.is_dir() {
                 stack.push(e.path());
             } else if meta.is_file() {
-                total += meta.len();
+                counted.bytes += meta.len();
             }
         }
     }
-    Ok(total)
+    Ok(counted)
 }
 
 #[cfg(test)]
@@ -139,6 +220,7 @@ mod tests {
         std::os::unix::fs::symlink("/etc/passwd", dir.path().join("link")).unwrap();
         let a = Usage::of(dir.path(), 1000).unwrap();
         assert_eq!(a.used(), 300, "files only, links not followed");
+        assert_eq!(a.entries(), 3, "sub, sub/a and link");
         // Another path to the same directory shares the count (and its
         // limit, whatever the second caller asks).
         let b = Usage::of(&dir.path().join("sub/.."), 5).unwrap();
@@ -157,5 +239,29 @@ mod tests {
         drop((a, b));
         let c = Usage::of(dir.path(), 2000).unwrap();
         assert_eq!((c.used(), c.limit()), (300, 2000));
+    }
+
+    #[test]
+    fn entries_are_limited_by_the_volumes_bytes_and_counted_back() {
+        assert_eq!(max_entries(10 << 30), 2_621_440);
+        assert_eq!(
+            max_entries(4 << 20),
+            MIN_ENTRIES,
+            "a small volume keeps the floor"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        for i in 0..MIN_ENTRIES - 2 {
+            std::fs::write(dir.path().join(i.to_string()), b"").unwrap();
+        }
+        let u = Usage::of(dir.path(), 1 << 20).unwrap();
+        assert_eq!(u.entries(), MIN_ENTRIES - 2);
+        u.add_entry().unwrap();
+        u.add_entry().unwrap();
+        assert_eq!(u.add_entry(), Err(TooManyEntries { limit: MIN_ENTRIES }));
+        assert_eq!(u.entries(), MIN_ENTRIES, "a refusal counts nothing");
+        u.remove_entries(1);
+        u.add_entry().unwrap();
+        u.remove_entries(u64::MAX);
+        assert_eq!(u.entries(), 0);
     }
 }
