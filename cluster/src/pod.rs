@@ -76,15 +76,15 @@ impl Journal {
     /// Records `op` as running unless the journal has it; what it had.
     pub fn begin(&self, op: &str) -> Result<Journaled, ClusterError> {
         let db = self.db.locked();
+        // Prepared once each (the connection's statement cache).
         let row: Option<Option<String>> = db
-            .query_row("SELECT outcome FROM operations WHERE id = ?1", [op], |r| {
-                r.get(0)
-            })
-            .optional()
+            .prepare_cached("SELECT outcome FROM operations WHERE id = ?1")
+            .and_then(|mut s| s.query_row([op], |r| r.get(0)).optional())
             .map_err(journal_err)?;
         match row {
             None => {
-                db.execute("INSERT INTO operations (id) VALUES (?1)", [op])
+                db.prepare_cached("INSERT INTO operations (id) VALUES (?1)")
+                    .and_then(|mut s| s.execute([op]))
                     .map_err(journal_err)?;
                 Ok(Journaled::New)
             }
@@ -99,11 +99,9 @@ impl Journal {
         let text =
             serde_json::to_string(outcome).map_err(|e| ClusterError::Journal(e.to_string()))?;
         let db = self.db.locked();
-        db.execute(
-            "UPDATE operations SET outcome = ?2 WHERE id = ?1",
-            params![op, text],
-        )
-        .map_err(journal_err)?;
+        db.prepare_cached("UPDATE operations SET outcome = ?2 WHERE id = ?1")
+            .and_then(|mut s| s.execute(params![op, text]))
+            .map_err(journal_err)?;
         Ok(())
     }
 }

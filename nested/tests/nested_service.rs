@@ -106,6 +106,13 @@ echo "volume-quota: $(vx sh -c 'dd if=/dev/zero of=/mnt/shared/big bs=1M count=8
 echo "volume-quota-file size=$(stat -c %s "/tmp/data/volumes/$VOL/content/big")"
 vx rm -f /mnt/shared/big
 echo "volume-quota-freed: $(vx sh -c 'head -c 3000000 /dev/zero >/mnt/shared/again && sync && echo ok')"
+# Its entries too (4 MiB: at most 1,024 names): empty files stop being
+# made at the limit, the host holds no more, and removing them frees it.
+# (Over a thousand creates through NFS under TCG: more than vx's minute.)
+echo "volume-entries: $($T sandbox exec "$VS" -- timeout 300 sh -c 'mkdir /mnt/shared/many && cd /mnt/shared/many && seq -f f%g 0 1099 | xargs touch 2>&1 | grep -m1 -o "Disk quota exceeded"; echo made=$(ls | wc -l)' | tr '\n' ' ')"
+echo "volume-entries-host n=$(ls "/tmp/data/volumes/$VOL/content/many" | wc -l)"
+vx rm -rf /mnt/shared/many
+echo "volume-entries-freed: $(vx sh -c ': >/mnt/shared/after && echo ok')"
 $T sandbox rm "$VS"
 
 # --- memory comes back: virtio-balloon free page reporting ------------------
@@ -254,6 +261,23 @@ fn nested_linux_sandbox_through_the_api_exec_files_hibernate_wake() {
         .unwrap_or_else(|| panic!("no size of the file written past the limit:\n{o}"));
     assert!(size <= 4 << 20, "{size} bytes past a 4 MiB volume:\n{o}");
     assert!(o.contains("volume-quota-freed: ok\n"), "{o}");
+    // Past its entries (1,024 at 4 MiB) no name more is made: the guest's
+    // create fails with EDQUOT, and the host holds what the guest made.
+    let made: u64 = field(o, "volume-entries:", "made")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count of the entries made:\n{o}"));
+    assert!((1000..1024).contains(&made), "{made} entries made:\n{o}");
+    assert!(
+        o.contains(&format!(
+            "volume-entries: Disk quota exceeded made={made} \n"
+        )),
+        "{o}"
+    );
+    assert!(
+        o.contains(&format!("volume-entries-host n={made}\n")),
+        "{o}"
+    );
+    assert!(o.contains("volume-entries-freed: ok\n"), "{o}");
     // The stream delivered s1 while the command still ran (3 s before s2).
     let at = |tag: &str| -> f64 {
         field(o, &format!("streamed {tag}"), "at")
