@@ -28,6 +28,7 @@
 pub mod admission;
 pub mod catalog;
 pub mod checkpoints;
+pub mod conn;
 pub mod db;
 pub mod events;
 pub mod expiry;

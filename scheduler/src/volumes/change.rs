@@ -324,14 +324,21 @@ impl Inner {
             AtFlags::empty()
         };
         rustix::fs::unlinkat(&dir, name, flags).map_err(rx_status)?;
+        self.unlinked(vol, &st);
+        Ok(())
+    }
+
+    /// A name of volume `vol` unlinked by this call, which `st` showed
+    /// just before: one entry fewer, and if it was the object's last name,
+    /// its handle forgotten and a regular file's bytes freed.
+    fn unlinked(&self, vol: u32, st: &Stat) {
         self.usage(vol).remove_entries(1);
-        if st.st_nlink <= 1 || is_dir(&st) {
+        if st.st_nlink <= 1 || is_dir(st) {
             self.ids().remove(&(vol, st.st_ino));
-            if is_file(&st) {
-                self.usage(vol).release(size_of(&st));
+            if is_file(st) {
+                self.usage(vol).release(size_of(st));
             }
         }
-        Ok(())
     }
 
     /// Within one volume only (across volumes: XDEV); what the table knows
@@ -438,13 +445,7 @@ impl Inner {
             let _ = exchange(from, to);
             return Err(rx_status(e));
         }
-        self.usage(vol).remove_entries(1);
-        if old.st_nlink <= 1 || is_dir(&old) {
-            self.ids().remove(&(vol, old.st_ino));
-            if is_file(&old) {
-                self.usage(vol).release(size_of(&old));
-            }
-        }
+        self.unlinked(vol, &old);
         Ok(())
     }
 

@@ -123,9 +123,7 @@ impl Usage {
         if n == 0 {
             return Ok(());
         }
-        let before = self.used.fetch_add(n, Ordering::AcqRel);
-        if before.saturating_add(n) > self.limit {
-            self.used.fetch_sub(n, Ordering::AcqRel);
+        if !add_within(&self.used, n, self.limit) {
             return Err(OverLimit { limit: self.limit });
         }
         Ok(())
@@ -133,11 +131,7 @@ impl Usage {
 
     /// Counts `n` bytes fewer (never below 0).
     pub fn release(&self, n: u64) {
-        let _ = self
-            .used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
-                Some(u.saturating_sub(n))
-            });
+        take(&self.used, n)
     }
 
     /// Entries under it.
@@ -153,9 +147,7 @@ impl Usage {
     /// Counts one more entry (before it is made), or refuses it past the
     /// limit (nothing counted then).
     pub fn add_entry(&self) -> Result<(), TooManyEntries> {
-        let before = self.entries.fetch_add(1, Ordering::AcqRel);
-        if before >= self.max_entries {
-            self.entries.fetch_sub(1, Ordering::AcqRel);
+        if !add_within(&self.entries, 1, self.max_entries) {
             return Err(TooManyEntries {
                 limit: self.max_entries,
             });
@@ -166,11 +158,7 @@ impl Usage {
     /// Counts `n` entries fewer (never below 0): removed, or counted by
     /// [`Usage::add_entry`] and then not made.
     pub fn remove_entries(&self, n: u64) {
-        let _ = self
-            .entries
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
-                Some(u.saturating_sub(n))
-            });
+        take(&self.entries, n)
     }
 
     /// A file going from `old` to `new` bytes: the growth reserved (or
@@ -183,6 +171,24 @@ impl Usage {
             Ok(())
         }
     }
+}
+
+/// Adds `n` to `count` unless that takes it past `limit` (then nothing is
+/// added): whether it was added.
+fn add_within(count: &AtomicU64, n: u64, limit: u64) -> bool {
+    let before = count.fetch_add(n, Ordering::AcqRel);
+    if before.saturating_add(n) > limit {
+        count.fetch_sub(n, Ordering::AcqRel);
+        return false;
+    }
+    true
+}
+
+/// Takes `n` from `count`, never below 0.
+fn take(count: &AtomicU64, n: u64) {
+    let _ = count.fetch_update(Ordering::AcqRel, Ordering::Acquire, |c| {
+        Some(c.saturating_sub(n))
+    });
 }
 
 /// The bytes the regular files under `root` hold and its entries (no
