@@ -1,6 +1,6 @@
 //! The API tier's side of the pods' events: every replica pulls from the
 //! one durable consumer [`wire::API_CONSUMER`]; each event is written to
-//! PostgreSQL (up to [`AT_ONCE`] at a time, a pod's heartbeats in order)
+//! PostgreSQL (up to [`AT_ONCE`] at a time, heartbeats one at a time)
 //! and acked after that commit (a replica dying before the ack
 //! leaves it for another, and writing one twice changes nothing). A
 //! heartbeat of a pod back from being lost that lists sandboxes moved
@@ -45,10 +45,11 @@ async fn consume(js: &jetstream::Context, db: &Arc<Db>) -> Result<(), ClusterErr
     )
     .await?;
     let room = Arc::new(Semaphore::new(AT_ONCE));
-    // A pod's heartbeats are written in the order they come (each replaces
-    // the pod's row, and the last one written must be the newest);
-    // results are written each once by its operation's condition, a
-    // sandbox's row by its generation, in any order.
+    // Heartbeats are written one at a time (a pod's come a second apart,
+    // so the one before has long taken the lock; two replicas could always
+    // write two of them out of order, and the next heartbeat replaces the
+    // pod's row again); results are written each once by its operation's
+    // condition, a sandbox's row by its generation, in any order.
     let heartbeats = Arc::new(tokio::sync::Mutex::new(()));
     while let Some(message) = messages.next().await {
         let message = message?;
