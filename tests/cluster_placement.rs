@@ -23,18 +23,28 @@
 //! The replicas' waits for those creates are woken by their outcomes'
 //! notifications (`cluster/src/finished.rs`), which their metrics count.
 //!
+//! A wake moves by the same rule (`cluster/src/moved.rs`' `move_target`),
+//! on a cluster of three pods: a sandbox hibernated on pod1, which is then
+//! lost, wakes on pod2, which holds its template's layer, although pod3
+//! lists the template too (its copy still arriving) and has more
+//! headroom; one whose template every pod holds wakes on pod3.
+//!
 //! Needs postgres and nats-server (tests/needs leaves it out without
 //! them).
 
 mod common;
 
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::cluster::{Cluster, API_ARGS, POD_ARGS};
 use serde_json::Value;
 
 const WAIT: Duration = Duration::from_secs(30);
+
+/// One cluster of this file at a time (two would share two cores).
+static ONE_CLUSTER: Mutex<()> = Mutex::new(());
 
 /// What a layer being fetched holds until its memory file is whole
 /// (`scheduler/src/service/lazy.rs`'s `ARRIVING`).
@@ -123,6 +133,7 @@ fn snapshot_dir(c: &Cluster, n: u16, id: &str) -> PathBuf {
 
 #[test]
 fn cluster_creates_go_where_their_templates_bytes_are_then_by_headroom() {
+    let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
     let c = Cluster::up_with_api(
         "placement",
         &format!("{POD_ARGS} --standby-pool 0 --chunk-cache-mib 0"),
@@ -205,4 +216,133 @@ fn cluster_creates_go_where_their_templates_bytes_are_then_by_headroom() {
             .unwrap_or_else(|| panic!("replica {n}: no wakeups counted: {}", r.body));
         assert!(woke > 0, "replica {n}: no wait woken by its outcome");
     }
+}
+
+/// Pod `pod`'s ratio set to `factor` times its own, through replica 1;
+/// waits until the replicas read its headroom lower.
+fn scale_ratio(c: &Cluster, pod: &str, factor: f64) {
+    let before = pod_entry(c, pod)["headroom_mib"].as_f64().unwrap();
+    let ratio = pod_entry(c, pod)["oversubscription_ratio"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{pod}'s ratio"));
+    let body = format!(r#"{{"oversubscription_ratio":{}}}"#, ratio * factor);
+    let r = c.call(1, "PATCH", &format!("/v1/pods/{pod}"), Some(&body));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let deadline = Instant::now() + WAIT;
+    while pod_entry(c, pod)["headroom_mib"].as_f64().unwrap() >= before {
+        assert!(
+            Instant::now() < deadline,
+            "{pod}'s headroom stayed {before} MiB"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A sandbox of `template` made on pod1 and hibernated there (its
+/// snapshot stored): its id.
+fn hibernated_on_pod1(c: &Cluster, template: &str) -> String {
+    let body = format!(r#"{{"template":"{template}","pod":"pod1"}}"#);
+    let r = c.call(1, "POST", "/v1/sandboxes", Some(&body));
+    assert_eq!(r.status, 201, "{}", r.body);
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    let r = c.call(2, "POST", &format!("/v1/sandboxes/{id}/hibernate"), None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(
+        r.json()["sandbox"]["stored_snapshot"].is_string(),
+        "{}",
+        r.body
+    );
+    id
+}
+
+/// Wakes `id` through replica `n`, asked again while its pod is down
+/// but not yet lost (503): the pod it runs on after.
+fn woken_on(c: &Cluster, n: u16, id: &str) -> String {
+    let deadline = Instant::now() + WAIT;
+    let r = loop {
+        let r = c.call(n, "POST", &format!("/v1/sandboxes/{id}/connect"), None);
+        if r.status != 503 || Instant::now() >= deadline {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(r.status, 200, "{}", r.body);
+    let s = c
+        .call(n, "GET", &format!("/v1/sandboxes/{id}"), None)
+        .json();
+    assert_eq!(s["state"], "running", "{s}");
+    s["pod"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{s}"))
+        .to_string()
+}
+
+#[test]
+fn cluster_a_lost_pods_sandbox_wakes_where_its_templates_bytes_are_then_by_headroom() {
+    let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let c = Cluster::up_pods(
+        "moves",
+        3,
+        &format!("{POD_ARGS} --standby-pool 0 --chunk-cache-mib 0"),
+        &format!("{API_ARGS} --cluster-lost-after-ms 4000"),
+    );
+
+    // A template built on pod1 and stored; pod2, then pod3, fetch it
+    // while they are the one pod up (a create from a template no pod up
+    // lists), so all three hold its layer whole.
+    c.stop("pod3");
+    let body = r#"{"name":"moving","kind":"probe","mem_mib":64,"pod":"pod1"}"#;
+    let r = c.call(1, "POST", "/v1/templates", Some(body));
+    assert_eq!(r.status, 201, "{}", r.body);
+    let template = r.json()["id"].as_str().unwrap().to_string();
+    let (_, bytes, _) = layer_of(&c, "pod1", &template, |b, h| b > 0 && h == b);
+    c.stop("pod1");
+    wait_reachable(&c, "pod1", false);
+    wait_reachable(&c, "pod3", false);
+    assert_eq!(placed(&c, 2, &template), "pod2");
+    c.start("pod3");
+    c.stop("pod2");
+    wait_reachable(&c, "pod2", false);
+    wait_reachable(&c, "pod3", true);
+    assert_eq!(placed(&c, 1, &template), "pod3");
+    c.start("pod1");
+    c.start("pod2");
+    c.wait_pods(3);
+    for pod in ["pod2", "pod3"] {
+        layer_of(&c, pod, &template, |b, h| b == bytes && h == b);
+    }
+
+    // Two sandboxes hibernated on pod1: one of that template, one of the
+    // built-in probe every pod has.
+    let held = hibernated_on_pod1(&c, &template);
+    let everywhere = hibernated_on_pod1(&c, "probe");
+
+    // pod2's headroom below pod3's: by headroom alone, both would go to
+    // pod3.
+    scale_ratio(&c, "pod2", 0.5);
+    let of = |pod| pod_entry(&c, pod)["headroom_mib"].as_f64().unwrap();
+    let (two, three) = (of("pod2"), of("pod3"));
+    assert!(
+        two < three && two > 256.0,
+        "pod2 {two} MiB, pod3 {three} MiB"
+    );
+    // pod3's copy still arriving: it lists the template but holds none
+    // of its bytes (by listing alone, the two would tie, and headroom
+    // would pick pod3).
+    std::fs::write(snapshot_dir(&c, 3, &template).join(ARRIVING), b"").unwrap();
+    layer_of(&c, "pod3", &template, |b, h| b == bytes && h == 0);
+
+    // pod1 is lost; each sandbox wakes on the pod its rule picks.
+    c.kill("pod1");
+    wait_reachable(&c, "pod1", false);
+    assert_eq!(
+        woken_on(&c, 2, &held),
+        "pod2",
+        "the pod holding its template's bytes ranks first"
+    );
+    assert_eq!(
+        woken_on(&c, 1, &everywhere),
+        "pod3",
+        "held bytes tie: the pod with the most headroom"
+    );
 }

@@ -1,7 +1,8 @@
 //! A loopback cluster for the tests, started by `scripts/cluster` (the one
 //! way a cluster is started) in a scratch directory with its own ports:
-//! PostgreSQL, nats-server, pods `pod1` and `pod2`, replicas `api1` and
-//! `api2`. Stopped (`scripts/cluster down`) on drop.
+//! PostgreSQL, nats-server, pods `pod1` and `pod2` (and more with
+//! [`Cluster::up_pods`]), replicas `api1` and `api2`. Stopped
+//! (`scripts/cluster down`) on drop.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
@@ -25,6 +26,8 @@ pub struct Cluster {
     pub pod_tls: bool,
     /// The replicas' flags, also when a fault restarts one.
     pub api_args: String,
+    /// How many pods (`TORPOR_CLUSTER_PODS`).
+    pub pods: u16,
 }
 
 /// A VMM of the cluster: its process, the pod whose data directory it
@@ -53,11 +56,12 @@ fn script_with(
     dir: &Path,
     port: u16,
     args: &[&str],
-    (pod_args, pod_tls): (&str, bool),
+    (pod_args, pod_tls, pods): (&str, bool, u16),
     api_args: &str,
 ) -> Output {
     let out = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster"))
         .args(args)
+        .env("TORPOR_CLUSTER_PODS", pods.to_string())
         .env("TORPOR_CLUSTER_POD_TLS", if pod_tls { "1" } else { "" })
         .env("TORPOR_CLUSTER_DIR", dir)
         .env("TORPOR_CLUSTER_PORT", port.to_string())
@@ -75,26 +79,30 @@ fn script_with(
     out
 }
 
-/// Six consecutive loopback ports nobody holds, below the kernel's
+/// Nine consecutive loopback ports nobody holds ([`PORTS`]), below the kernel's
 /// ephemeral range (20000-32767), where no client connection of another
 /// test can take one between this check and the servers' binds. The
 /// search starts from the process id and how many clusters it started
 /// before, so test binaries running side by side start apart.
 fn free_ports() -> u16 {
     const FIRST: u16 = 20_000;
-    const SLOTS: u16 = (32_768 - FIRST) / 6;
+    const SLOTS: u16 = (32_768 - FIRST) / PORTS;
     let start = (std::process::id() % u32::from(SLOTS)) as u16
         + STARTED.fetch_add(1, Ordering::Relaxed) * 7;
     (0..SLOTS)
-        .map(|i| FIRST + (start + i) % SLOTS * 6)
+        .map(|i| FIRST + (start + i) % SLOTS * PORTS)
         .find(|&base| {
-            (base..base + 6).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
+            (base..base + PORTS).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
         })
-        .expect("six free loopback ports below 32768")
+        .expect("nine free loopback ports below 32768")
 }
 
+/// The ports of one cluster (`scripts/cluster`): postgres, nats, pod1,
+/// pod2, api1, api2, then pod3 to pod5.
+const PORTS: u16 = 9;
+
 impl Cluster {
-    /// `name` makes the directory; the six ports are [`free_ports`].
+    /// `name` makes the directory; the ports are [`free_ports`].
     pub fn up(name: &str) -> Self {
         Self::up_with(name, POD_ARGS)
     }
@@ -112,14 +120,19 @@ impl Cluster {
 
     /// [`Cluster::up_with`] with these replica flags too.
     pub fn up_with_api(name: &str, pod_args: &str, api_args: &str) -> Self {
-        Self::up_full(name, pod_args, false, api_args)
+        Self::up_full(name, (pod_args, false, 2), api_args)
+    }
+
+    /// [`Cluster::up_with_api`] with `pods` pods (2 to 5).
+    pub fn up_pods(name: &str, pods: u16, pod_args: &str, api_args: &str) -> Self {
+        Self::up_full(name, (pod_args, false, pods), api_args)
     }
 
     fn up_as(name: &str, pod_args: &str, pod_tls: bool) -> Self {
-        Self::up_full(name, pod_args, pod_tls, API_ARGS)
+        Self::up_full(name, (pod_args, pod_tls, 2), API_ARGS)
     }
 
-    fn up_full(name: &str, pod_args: &str, pod_tls: bool, api_args: &str) -> Self {
+    fn up_full(name: &str, (pod_args, pod_tls, pods): (&str, bool, u16), api_args: &str) -> Self {
         let dir =
             std::env::temp_dir().join(format!("torpor-cluster-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -132,11 +145,12 @@ impl Cluster {
             pod_args: pod_args.to_string(),
             pod_tls,
             api_args: api_args.to_string(),
+            pods,
         };
         let out = c.script(&["up"]);
         c.token = std::fs::read_to_string(c.dir.join("admin-token")).unwrap();
         println!("{}", String::from_utf8_lossy(&out.stdout));
-        c.wait_pods(2);
+        c.wait_pods(usize::from(pods));
         c
     }
 
@@ -154,9 +168,15 @@ impl Cluster {
         format!("127.0.0.1:{}", self.port + 3 + n)
     }
 
-    /// `http` address of pod 1 or 2's own API (its token: `pod_token`).
+    /// `http` address of pod `n`'s own API (its token: `pod_token`).
     pub fn pod_api(&self, n: u16) -> String {
-        format!("127.0.0.1:{}", self.port + 1 + n)
+        // pod1 and pod2 sit between nats and the replicas, the others after.
+        let port = if n <= 2 {
+            self.port + 1 + n
+        } else {
+            self.port + 3 + n
+        };
+        format!("127.0.0.1:{port}")
     }
 
     /// Pod 1 or 2's own admin token.
@@ -236,7 +256,7 @@ impl Cluster {
     }
 
     fn script(&self, args: &[&str]) -> Output {
-        let pods = (self.pod_args.as_str(), self.pod_tls);
+        let pods = (self.pod_args.as_str(), self.pod_tls, self.pods);
         script_with(&self.dir, self.port, args, pods, &self.api_args)
     }
 
@@ -269,7 +289,7 @@ impl Cluster {
 
     /// (Re)starts replica `api1` or `api2` with these flags.
     pub fn start_api(&self, part: &str, api_args: &str) {
-        let pods = (self.pod_args.as_str(), self.pod_tls);
+        let pods = (self.pod_args.as_str(), self.pod_tls, self.pods);
         script_with(&self.dir, self.port, &["start", part], pods, api_args);
     }
 
@@ -281,7 +301,7 @@ impl Cluster {
     /// Pod `n`'s own sandboxes (its API, its token), as it holds them;
     /// retried for 30 s while it restarts.
     pub fn pod_sandboxes(&self, n: u16) -> Vec<Value> {
-        let addr = format!("127.0.0.1:{}", self.port + 1 + n);
+        let addr = self.pod_api(n);
         let token = std::fs::read_to_string(self.dir.join(format!("pod{n}/token"))).unwrap();
         let auth = format!("Bearer {}", token.trim());
         let deadline = Instant::now() + Duration::from_secs(30);

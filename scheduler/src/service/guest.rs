@@ -8,7 +8,7 @@
 //! share a stream. Every request first wakes a hibernated sandbox
 //! (`ensure_running`) and says whether it did ([`GuestCall`]).
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
@@ -23,6 +23,10 @@ pub use torpor_agent::proto::{
 use torpor_agent::proto::{ResumedRequest, Step, StepStatus};
 use torpor_agent::{AgentClient, ClientError, FrameError, DEFAULT_VSOCK_PORT};
 pub use torpor_agent::{ExecOutput, OutputKind};
+
+#[path = "guest_stream.rs"]
+mod stream;
+pub use stream::{Check, GuestStream};
 
 use super::{Cancel, Outcome, Service, ServiceError};
 use crate::model::{SandboxId, TemplateKind, Timestamp};
@@ -39,6 +43,9 @@ const PORT_CONNECT_LIMIT: Duration = Duration::from_secs(11);
 const FILE_LIMIT: Duration = Duration::from_secs(60);
 /// How long past its own timeout an exec's answer may take.
 const EXEC_SLACK: Duration = Duration::from_secs(30);
+/// How long an exec's connection may stay silent before the guest is
+/// asked whether it still answers, and how long it has to answer.
+pub const LIVENESS_EVERY: Duration = Duration::from_secs(30);
 /// How long after a restore the agent may take to accept again.
 const AGENT_WAIT: Duration = Duration::from_secs(60);
 /// Largest file `read_file` returns whole.
@@ -107,80 +114,6 @@ pub struct GuestCall<T> {
     pub value: T,
 }
 
-/// The connection to one guest's agent under the request's overall
-/// deadline: each read or write waits at most for what is left of it, so
-/// a guest that dribbles bytes or never answers fails the request on time.
-#[derive(Debug)]
-pub struct GuestStream {
-    inner: UnixStream,
-    deadline: Option<Instant>,
-    /// Without a deadline: longest wait for any one read or write.
-    idle: Option<Duration>,
-}
-
-impl GuestStream {
-    pub fn new(inner: UnixStream, deadline: Option<Instant>) -> Self {
-        GuestStream {
-            inner,
-            deadline,
-            idle: None,
-        }
-    }
-
-    /// The connection, its timeouts cleared.
-    pub fn into_inner(self) -> io::Result<UnixStream> {
-        self.inner.set_read_timeout(None)?;
-        self.inner.set_write_timeout(None)?;
-        Ok(self.inner)
-    }
-
-    /// What is left of the deadline (`None`: no deadline, then the idle
-    /// limit, if any, bounds each read and write).
-    fn left(&self) -> io::Result<Option<Duration>> {
-        let Some(deadline) = self.deadline else {
-            return Ok(self.idle);
-        };
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the request's deadline passed",
-            ));
-        }
-        Ok(Some(left))
-    }
-}
-
-/// A socket timeout reads as `WouldBlock`: both are the deadline.
-fn timed_out(e: io::Error) -> io::Error {
-    match e.kind() {
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
-            io::Error::new(io::ErrorKind::TimedOut, "the request's deadline passed")
-        }
-        _ => e,
-    }
-}
-
-impl Read for GuestStream {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let left = self.left()?;
-        self.inner.set_read_timeout(left)?;
-        self.inner.read(buf).map_err(timed_out)
-    }
-}
-
-impl Write for GuestStream {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        let left = self.left()?;
-        self.inner.set_write_timeout(left)?;
-        self.inner.write(buf).map_err(timed_out)
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        self.inner.flush()
-    }
-}
-
 /// Opens a byte stream to a guest's agent port, past any handshake of
 /// the way there: the API server's tunnel through the pod that runs the
 /// sandbox (`POST /v1/sandboxes/{id}/agent`).
@@ -220,6 +153,11 @@ pub struct AgentLink {
     /// Leave an unreachable agent unlogged (the caller logs it its own
     /// way: the history sampler, at most once a minute per sandbox).
     pub quiet: bool,
+    /// How long an exec may hear nothing before the guest is asked, on a
+    /// connection of its own, whether it still answers; the answer must
+    /// come within the same time. A guest that stopped fails the exec
+    /// within twice this, not at the exec's timeout.
+    pub liveness: Duration,
 }
 
 impl AgentLink {
@@ -231,6 +169,7 @@ impl AgentLink {
             file_limit: FILE_LIMIT,
             exec_slack: EXEC_SLACK,
             quiet: false,
+            liveness: LIVENESS_EVERY,
         }
     }
 
@@ -338,6 +277,28 @@ impl AgentLink {
             .map_err(|e| self.client_error(e, limit))
     }
 
+    /// [`Self::connect_cancellable`] for an exec: its reads check that
+    /// the guest still answers after each [`AgentLink::liveness`] of
+    /// silence ([`GuestStream::check_liveness`]).
+    fn connect_exec(
+        &self,
+        limit: Option<Duration>,
+        cancel: &Cancel,
+    ) -> Result<AgentClient<GuestStream>, GuestError> {
+        let every = self.liveness;
+        let link = self.clone();
+        let check: Check = Box::new(move || {
+            link.connect(Some(every)).map(drop).map_err(|e| match e {
+                GuestError::Deadline { .. } => format!("no greeting within {every:?}"),
+                GuestError::Unreachable { reason, .. } => reason,
+                other => other.to_string(),
+            })
+        });
+        let mut client = self.connect_cancellable(limit, cancel)?;
+        client.stream_mut().check_liveness(every, check);
+        Ok(client)
+    }
+
     /// A greeted connection for a long stream (an attach, a watch): no
     /// overall deadline, but each read or write waits at most `idle` (the
     /// agent's keepalives must arrive sooner), handshake included.
@@ -432,7 +393,7 @@ impl AgentLink {
     /// `cancel` ends it early: the agent kills the command's process group.
     pub fn exec(&self, req: ExecRequest, cancel: &Cancel) -> Result<ExecOutput, GuestError> {
         let limit = self.exec_limit(&req);
-        let mut client = self.connect_cancellable(limit, cancel)?;
+        let mut client = self.connect_exec(limit, cancel)?;
         let out = client
             .exec_collect(req)
             .map_err(|e| self.exec_error(e, limit, cancel));
@@ -449,7 +410,7 @@ impl AgentLink {
         on_output: &mut dyn FnMut(OutputKind, &[u8]),
     ) -> Result<ExitReply, GuestError> {
         let limit = self.exec_limit(&req);
-        let mut client = self.connect_cancellable(limit, cancel)?;
+        let mut client = self.connect_exec(limit, cancel)?;
         let out = client
             .exec(req, |kind, data| on_output(kind, data))
             .map_err(|e| self.exec_error(e, limit, cancel));

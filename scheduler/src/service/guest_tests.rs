@@ -38,6 +38,9 @@ pub(in crate::service) enum Behaviour {
     Refuse,
     /// Say OK, then hang up (the agent died).
     HangUp,
+    /// The first connection is the agent's; every later one is never
+    /// answered (a guest that stopped while a call ran on it).
+    StallAfterFirst,
     /// The first connection greets as the agent does, reads one request
     /// and closes (a restored guest's driver handling its transport reset
     /// late); the others are the agent's.
@@ -79,7 +82,11 @@ pub(in crate::service) fn vsock_agent(
                     Behaviour::CloseFirstCall if !closed_one.swap(true, Ordering::SeqCst) => {
                         greet_then_close(conn)
                     }
-                    Behaviour::Agent | Behaviour::CloseFirstCall
+                    Behaviour::StallAfterFirst if closed_one.swap(true, Ordering::SeqCst) => {
+                        // Held without a word until the host gives up.
+                        let _ = conn.read(&mut [0u8; 1]);
+                    }
+                    Behaviour::Agent | Behaviour::CloseFirstCall | Behaviour::StallAfterFirst
                         if line == format!("CONNECT {DEFAULT_VSOCK_PORT}") =>
                     {
                         conn.write_all(b"OK 1073741824\n").unwrap();
@@ -345,6 +352,56 @@ fn resumed_fails_clearly_when_a_step_fails() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+#[test]
+fn an_exec_on_a_guest_that_stops_answering_fails_within_two_checks() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut link = vsock_agent(
+        dir.path(),
+        Arc::new(FakeOps::new()),
+        Behaviour::StallAfterFirst,
+    );
+    link.liveness = Duration::from_millis(300);
+    let started = Instant::now();
+    // Silent for 20 s, with a 20 s timeout: without the check, the exec
+    // would wait for all of it.
+    let mut req = exec_req(&["sleep", "20"]);
+    req.timeout_ms = Some(20_000);
+    match link.exec(req, &Cancel::default()) {
+        Err(e @ GuestError::Unreachable { .. }) => {
+            let shown = e.to_string();
+            assert!(shown.contains("stopped answering"), "{shown}");
+            assert!(!shown.contains(dir.path().to_str().unwrap()), "{shown}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the stalled guest held the exec for {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_silent_exec_on_a_guest_that_answers_runs_to_its_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut link = vsock_agent(dir.path(), Arc::new(FakeOps::new()), Behaviour::Agent);
+    // Checked about ten times while the command says nothing.
+    link.liveness = Duration::from_millis(100);
+    let req = exec_req(&["sh", "-c", "sleep 1; echo done"]);
+    let out = link.exec(req, &Cancel::default()).unwrap();
+    assert_eq!(out.stdout, b"done\n");
+    let mut chunks = Vec::new();
+    let exit = link
+        .exec_streaming(
+            exec_req(&["sh", "-c", "echo a; sleep 1; echo b"]),
+            &Cancel::default(),
+            &mut |_, data| chunks.push(data.to_vec()),
+        )
+        .unwrap();
+    assert_eq!(exit.code, Some(0));
+    assert_eq!(chunks.concat(), b"a\nb\n");
 }
 
 #[test]
