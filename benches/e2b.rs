@@ -13,10 +13,10 @@
 //! `cargo bench --bench e2b [-- --rounds N]` (default 5); under `cargo
 //! test` (no `--bench`) nothing runs: the nested host's start-up is minutes.
 //!
-//! `cargo bench --bench e2b -- --soak [--cycles N]` runs the pause →
-//! connect soak instead (`tests/e2b/sdk_soak.py`, which tests/nested_pod.rs
-//! runs bounded): one sandbox, then five side by side, N cycles each
-//! (default 200), every cycle checking a background process, a held open
+//! `cargo bench --bench e2b -- --soak [--cycles N] [--sandboxes M]` runs
+//! the pause → connect soak instead (`tests/e2b/sdk_soak.py`, which
+//! tests/nested_pod.rs runs bounded): one sandbox, then five side by side
+//! (only M at once with `--sandboxes M`), N cycles each (default 200), every cycle checking a background process, a held open
 //! file, a PTY shell's variable, the environment and every file written
 //! before; a table of hibernate / wake / check p50 and p99 per run, and
 //! any failure with its cause.
@@ -58,9 +58,10 @@ fn flag(args: &[String], name: &str) -> Option<usize> {
         .and_then(|v| v.parse().ok())
 }
 
-/// The soak, one sandbox then five at once, `cycles` each: prints a table
-/// and every failure; true when any run failed.
-fn soak(python: &std::path::Path, url: &str, cycles: usize) -> bool {
+/// The soak, each of `runs` sandboxes at once (one, then five by
+/// default), `cycles` each: prints a table and every failure; true when
+/// any run failed.
+fn soak(python: &std::path::Path, url: &str, cycles: usize, runs: &[usize]) -> bool {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b/sdk_soak.py");
     let mut table = Table::new();
     table.load_style(UTF8_FULL_CONDENSED).set_header([
@@ -74,7 +75,7 @@ fn soak(python: &std::path::Path, url: &str, cycles: usize) -> bool {
         "check p99",
     ]);
     let mut failed = false;
-    for sandboxes in [1usize, 5] {
+    for &sandboxes in runs {
         let started = Instant::now();
         let out = e2b_sdk::sdk_command(python, script, url, TOKEN)
             .args([TEMPLATE, &cycles.to_string(), &sandboxes.to_string()])
@@ -207,7 +208,8 @@ fn main() {
     }
     if args.iter().any(|a| a == "--soak") {
         let cycles = flag(&args, "--cycles").unwrap_or(200);
-        let failed = soak(&python, &url, cycles);
+        let runs = flag(&args, "--sandboxes").map_or(vec![1, 5], |m| vec![m.max(1)]);
+        let failed = soak(&python, &url, cycles, &runs);
         if failed {
             // The nested host's console has the pod's log (each failure's
             // VMM log and guest console), gone with the host at the stop:
