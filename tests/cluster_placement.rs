@@ -140,12 +140,7 @@ fn cluster_creates_go_where_their_templates_bytes_are_then_by_headroom() {
         &format!("{API_ARGS} --cluster-placement-choices 1"),
     );
 
-    // Built on pod1, stored: pod1 reports its layer, all of it held.
-    let body = r#"{"name":"placed","kind":"probe","mem_mib":64,"pod":"pod1"}"#;
-    let r = c.call(1, "POST", "/v1/templates", Some(body));
-    assert_eq!(r.status, 201, "{}", r.body);
-    let id = r.json()["id"].as_str().unwrap().to_string();
-    let (manifest, bytes, _) = layer_of(&c, "pod1", &id, |b, h| b > 0 && h == b);
+    let (id, manifest, bytes) = stored_on_pod1(&c, "placed");
 
     // pod2 fetches it while pod1 is down: a create from a template no pod
     // up lists goes to a pod up, which fetches it from the object store.
@@ -159,12 +154,7 @@ fn cluster_creates_go_where_their_templates_bytes_are_then_by_headroom() {
 
     // pod1's headroom: half its ratio's, less than pod2's (a probe's
     // memory still fits on it many times over).
-    let ratio = pod_entry(&c, "pod1")["oversubscription_ratio"]
-        .as_f64()
-        .expect("pod1's ratio");
-    let body = format!(r#"{{"oversubscription_ratio":{}}}"#, ratio / 2.0);
-    let r = c.call(1, "PATCH", "/v1/pods/pod1", Some(&body));
-    assert_eq!(r.status, 200, "{}", r.body);
+    scale_ratio(&c, "pod1", 0.5);
     let deadline = Instant::now() + WAIT;
     loop {
         let (one, two) = headrooms(&c);
@@ -216,6 +206,17 @@ fn cluster_creates_go_where_their_templates_bytes_are_then_by_headroom() {
             .unwrap_or_else(|| panic!("replica {n}: no wakeups counted: {}", r.body));
         assert!(woke > 0, "replica {n}: no wait woken by its outcome");
     }
+}
+
+/// A probe template `name` built on pod1 and stored: pod1 reports its
+/// layer, all of it held. Its id, manifest and bytes.
+fn stored_on_pod1(c: &Cluster, name: &str) -> (String, String, u64) {
+    let body = format!(r#"{{"name":"{name}","kind":"probe","mem_mib":64,"pod":"pod1"}}"#);
+    let r = c.call(1, "POST", "/v1/templates", Some(&body));
+    assert_eq!(r.status, 201, "{}", r.body);
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    let (manifest, bytes, _) = layer_of(c, "pod1", &id, |b, h| b > 0 && h == b);
+    (id, manifest, bytes)
 }
 
 /// Pod `pod`'s ratio set to `factor` times its own, through replica 1;
@@ -291,11 +292,7 @@ fn cluster_a_lost_pods_sandbox_wakes_where_its_templates_bytes_are_then_by_headr
     // while they are the one pod up (a create from a template no pod up
     // lists), so all three hold its layer whole.
     c.stop("pod3");
-    let body = r#"{"name":"moving","kind":"probe","mem_mib":64,"pod":"pod1"}"#;
-    let r = c.call(1, "POST", "/v1/templates", Some(body));
-    assert_eq!(r.status, 201, "{}", r.body);
-    let template = r.json()["id"].as_str().unwrap().to_string();
-    let (_, bytes, _) = layer_of(&c, "pod1", &template, |b, h| b > 0 && h == b);
+    let (template, _, bytes) = stored_on_pod1(&c, "moving");
     c.stop("pod1");
     wait_reachable(&c, "pod1", false);
     wait_reachable(&c, "pod3", false);
