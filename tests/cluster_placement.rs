@@ -43,6 +43,10 @@ use serde_json::Value;
 
 const WAIT: Duration = Duration::from_secs(30);
 
+/// The pods' flags of both tests: no standby shells, and no chunk cache,
+/// so a layer marked as still arriving holds none of its bytes.
+const NO_CACHE: &str = "--standby-pool 0 --chunk-cache-mib 0";
+
 /// One cluster of this file at a time (two would share two cores).
 static ONE_CLUSTER: Mutex<()> = Mutex::new(());
 
@@ -136,7 +140,7 @@ fn cluster_creates_go_where_their_templates_bytes_are_then_by_headroom() {
     let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
     let c = Cluster::up_with_api(
         "placement",
-        &format!("{POD_ARGS} --standby-pool 0 --chunk-cache-mib 0"),
+        &format!("{POD_ARGS} {NO_CACHE}"),
         &format!("{API_ARGS} --cluster-placement-choices 1"),
     );
 
@@ -284,7 +288,7 @@ fn cluster_a_lost_pods_sandbox_wakes_where_its_templates_bytes_are_then_by_headr
     let c = Cluster::up_pods(
         "moves",
         3,
-        &format!("{POD_ARGS} --standby-pool 0 --chunk-cache-mib 0"),
+        &format!("{POD_ARGS} {NO_CACHE}"),
         &format!("{API_ARGS} --cluster-lost-after-ms 4000"),
     );
 
