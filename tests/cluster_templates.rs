@@ -318,17 +318,35 @@ fn pod_images(c: &Cluster, n: u16) -> Vec<String> {
         .collect()
 }
 
-/// The images index (`cluster/src/images.rs`): an image uploaded
-/// through a replica is streamed to the pod named and stays on its disk;
-/// PostgreSQL lists it from that pod's heartbeats, so any replica lists it
-/// and a Linux template's build goes to the pod that has it; a delete
-/// through a replica removes it from that pod and the index.
+/// Pod `n`'s images directory, and the cluster's object store (a
+/// directory: `scripts/cluster`'s default).
+fn images_dir(c: &Cluster, n: u16) -> std::path::PathBuf {
+    c.dir.join(format!("pod{n}/data/images"))
+}
+
+/// Waits until `check` holds, within the time the cluster shares state in.
+fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    let t0 = std::time::Instant::now();
+    while !check() {
+        assert!(t0.elapsed() < common::cluster::SHARED_WITHIN, "{what}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// Images in the cluster (`cluster/src/images.rs`,
+/// `scheduler/src/service/stored_images.rs`): an image uploaded through
+/// a replica is streamed to the pod named, which stores it in the pods'
+/// shared object store and names it there before answering; every pod
+/// then lists it, PostgreSQL indexes it from their heartbeats, and a
+/// Linux build on a pod that never had it fetches it, byte for byte; a
+/// delete through a replica removes it from every pod and from the store.
 fn images_are_indexed_in_postgresql(c: &Cluster, admin: &str, acme: &str) {
     let auth = format!("Bearer {admin}");
     let octets = [
         ("Authorization", auth.as_str()),
         ("Content-Type", "application/octet-stream"),
     ];
+    let mut uploaded = Vec::new();
     for part in ["kernel", "rootfs"] {
         let path = format!("/v1/images/img-a/{part}?pod=pod2");
         let body = format!("{part} bytes, streamed through replica 1");
@@ -336,9 +354,20 @@ fn images_are_indexed_in_postgresql(c: &Cluster, admin: &str, acme: &str) {
         assert_eq!(r.status, 201, "{}", r.body);
         assert_eq!(r.json()["bytes"], body.len(), "{}", r.body);
         assert_eq!(r.json()["part"], part, "{}", r.body);
+        uploaded.push(body);
     }
+    let named = c.dir.join("objects/names/images/img-a");
+    assert!(
+        named.is_file(),
+        "not named in the store: {}",
+        named.display()
+    );
     assert!(pod_images(c, 2).contains(&"img-a".to_string()));
-    assert!(!pod_images(c, 1).contains(&"img-a".to_string()));
+    // pod1 lists it from the store, without a copy of its own yet.
+    eventually("pod1 does not list the stored image", || {
+        pod_images(c, 1).contains(&"img-a".to_string())
+    });
+    assert!(!images_dir(c, 1).join("img-a").exists());
     // Refused: a tenant's upload, an unknown pod.
     let r = as_token(c, 1, acme, "PUT", "/v1/images/img-b/kernel", Some("k"));
     assert_eq!(r.status, 403, "{}", r.body);
@@ -351,30 +380,22 @@ fn images_are_indexed_in_postgresql(c: &Cluster, admin: &str, acme: &str) {
     );
     assert_eq!(r.status, 404, "{}", r.body);
 
-    // Indexed from pod2's next heartbeat: listed through either replica,
-    // to a tenant too (names only); the pods' list says where.
-    let t0 = std::time::Instant::now();
-    loop {
-        let r = as_token(c, 2, acme, "GET", "/v1/images", None);
-        assert_eq!(r.status, 200, "{}", r.body);
-        if r.json()["images"]
+    // Indexed from the pods' next heartbeats: listed through either
+    // replica, to a tenant too (names only); the pods' list says where.
+    eventually("not indexed for both pods", || {
+        c.sql("SELECT string_agg(id, ',' ORDER BY id) FROM pods WHERE 'img-a' = ANY(images)")
+            == "pod1,pod2"
+    });
+    let r = as_token(c, 2, acme, "GET", "/v1/images", None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(
+        r.json()["images"]
             .as_array()
             .unwrap()
             .iter()
-            .any(|i| i == "img-a")
-        {
-            break;
-        }
-        assert!(
-            t0.elapsed() < common::cluster::SHARED_WITHIN,
-            "not indexed: {}",
-            r.body
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-    assert_eq!(
-        c.sql("SELECT id FROM pods WHERE 'img-a' = ANY(images)"),
-        "pod2"
+            .any(|i| i == "img-a"),
+        "{}",
+        r.body
     );
     let pods = c.call(1, "GET", "/v1/pods", None).json();
     let holders: Vec<_> = pods["pods"]
@@ -384,35 +405,42 @@ fn images_are_indexed_in_postgresql(c: &Cluster, admin: &str, acme: &str) {
         .filter(|p| p["images"].as_array().unwrap().iter().any(|i| i == "img-a"))
         .map(|p| p["id"].clone())
         .collect();
-    assert_eq!(holders, ["pod2"], "{pods}");
+    assert_eq!(holders, ["pod1", "pod2"], "{pods}");
 
-    // A Linux template naming it is built on pod2, the pod that has it
-    // (on a host without VMX/SVM pod2 answers 422 host_unsupported; an
-    // image no pod has is 400 at the replica).
-    let linux = Some(r#"{"name":"lin","kind":"linux","image":"img-a","mem_mib":512}"#);
-    let r = keyed(c, 2, acme, "lin-1", "POST", "/v1/templates", linux);
-    assert_ne!(r.status, 400, "{}", r.body);
+    // A Linux template naming it, built on pod1: pod1 fetches the image
+    // from the store first (then, on a host without VMX/SVM, answers 422
+    // host_unsupported; an image nobody has is 400 at the replica).
+    let linux = Some(r#"{"name":"lin","kind":"linux","image":"img-a","mem_mib":512,"pod":"pod1"}"#);
+    let r = keyed(c, 2, admin, "lin-1", "POST", "/v1/templates", linux);
+    assert!(![400, 404].contains(&r.status), "{}", r.body);
     assert_eq!(
         c.sql("SELECT pod FROM operations WHERE idempotency_key = 'lin-1'"),
-        "pod2"
+        "pod1"
     );
+    eventually("pod1 did not fetch the image", || {
+        images_dir(c, 1).join("img-a/rootfs.ext4").is_file()
+    });
+    for (file, body) in ["vmlinux", "rootfs.ext4"].iter().zip(&uploaded) {
+        let got = std::fs::read_to_string(images_dir(c, 1).join("img-a").join(file)).unwrap();
+        assert_eq!(&got, body, "{file} fetched by pod1");
+    }
     let none = Some(r#"{"name":"lin","kind":"linux","image":"img-z","mem_mib":512}"#);
     let r = as_token(c, 1, acme, "POST", "/v1/templates", none);
     assert_eq!(r.status, 400, "{}", r.body);
     assert!(r.body.contains("img-z"), "{}", r.body);
 
-    // Deleted through replica 2: gone from pod2 and from the index.
+    // Deleted through replica 2: gone from both pods, the store and the
+    // index.
     let r = as_token(c, 2, admin, "DELETE", "/v1/images/img-a", None);
     assert_eq!(r.status, 204, "{}", r.body);
-    assert!(!pod_images(c, 2).contains(&"img-a".to_string()));
-    let t0 = std::time::Instant::now();
-    while c.sql("SELECT count(*) FROM pods WHERE 'img-a' = ANY(images)") != "0" {
-        assert!(
-            t0.elapsed() < common::cluster::SHARED_WITHIN,
-            "still indexed"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
+    assert!(!named.exists(), "still named in the store");
+    for n in [1, 2] {
+        assert!(!images_dir(c, n).join("img-a").exists(), "pod{n}'s copy");
+        assert!(!pod_images(c, n).contains(&"img-a".to_string()), "pod{n}");
     }
+    eventually("still indexed", || {
+        c.sql("SELECT count(*) FROM pods WHERE 'img-a' = ANY(images)") == "0"
+    });
     let r = as_token(c, 1, admin, "DELETE", "/v1/images/img-a", None);
     assert_eq!(r.status, 404, "{}", r.body);
 }

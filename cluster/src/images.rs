@@ -2,7 +2,11 @@
 //! `images` column of its row, schema version 12) from its heartbeats, so
 //! any replica lists them, places a Linux template's build on a pod that
 //! has its image (`templates.rs`), and reaches the pods that hold one.
-//! An image's bytes stay on the pods' disks, as snapshots do.
+//! An image's bytes are on the pods' disks and, when the pods share an
+//! object store, in the store too: every pod then lists the images stored
+//! there with its own and fetches one a build names when it lacks it
+//! (`scheduler/src/service/stored_images.rs`), so an image outlives the pod
+//! it was uploaded to.
 //!
 //! - `GET /v1/images`: the images of the pods up (each name once; `GET
 //!   /v1/pods` shows which pod has which).
@@ -10,9 +14,10 @@
 //!   the replica to the pod named, else to the pod up with the most
 //!   admission headroom (the one a build goes to), within the replica's
 //!   own upload limit too; indexed from that pod's next heartbeat.
-//! - `DELETE /v1/images/{name}`: on every pod that lists it (any of them
-//!   down: 503 and nothing deleted; a pod whose template uses it refuses,
-//!   409, as embedded), unlisted with each pod's answer.
+//! - `DELETE /v1/images/{name}`: on every pod that lists it but those
+//!   lost for good (any of them down: 503 and nothing deleted; a pod
+//!   whose template uses it refuses, 409, as embedded), unlisted with each
+//!   pod's answer; the first removes it from the object store.
 //!
 //! Uploads and deletes are admin calls to the pods' APIs, as the data
 //! plane is (an upload is a stream, not a message), not commands through
@@ -90,9 +95,12 @@ impl Cluster {
                 Ok(ImageReply::Installed(bytes))
             }
             ImageOp::Delete(name) => {
+                // A pod lost for good holds nothing any more: its copy
+                // went with it, and a stored image is removed from the
+                // store by any pod that still lists it.
                 let holding: Vec<&PodRow> = pods
                     .iter()
-                    .filter(|p| p.images.iter().any(|i| i == name))
+                    .filter(|p| p.images.iter().any(|i| i == name) && !self.is_lost(p))
                     .collect();
                 if holding.is_empty() {
                     return Err(ImageError::NotFound(name.to_string()).into());

@@ -137,6 +137,29 @@ pub struct Images {
     dir: PathBuf,
 }
 
+/// Where [`Images::stage`] and [`Images::fetch_dir`] put their
+/// directories, inside the images directory.
+const STAGE_PREFIX: &str = ".stage-";
+const FETCH_PREFIX: &str = ".fetch-";
+
+/// A working directory inside the images directory (an image staged for
+/// its upload, or being fetched), removed with whatever it still holds
+/// when dropped.
+#[derive(Debug)]
+pub struct ImageDir(PathBuf);
+
+impl ImageDir {
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for ImageDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// An image's checked files, as paths under the images directory.
 #[derive(Debug, Clone)]
 pub struct ImageFiles {
@@ -157,7 +180,86 @@ impl Images {
         }
         let dir = std::fs::canonicalize(&dir)
             .map_err(|e| ImageError::Io(format!("resolve the images directory: {e}")))?;
+        // What a stop in the middle of storing or fetching an image left
+        // (no image name starts with `.`).
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with(STAGE_PREFIX) || name.starts_with(FETCH_PREFIX) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
         Ok(Images { dir })
+    }
+
+    /// Image `name`'s two files, hard-linked into a directory of their
+    /// own for an upload to read while new parts may be installed (an
+    /// installed file is never written again, only replaced); removed
+    /// when the returned guard drops.
+    pub fn stage(&self, name: &str) -> Result<ImageDir, ImageError> {
+        let files = self.resolve(name)?;
+        let dir = self.dir.join(format!(
+            "{STAGE_PREFIX}{name}-{}",
+            crate::random::random_hex(8)
+        ));
+        let staged = ImageDir(dir.clone());
+        std::fs::create_dir(&dir)
+            .map_err(|e| ImageError::Io(format!("stage image {name}: {e}")))?;
+        for (from, file) in [(files.kernel, KERNEL_FILE), (files.rootfs, ROOTFS_FILE)] {
+            std::fs::hard_link(&from, dir.join(file))
+                .map_err(|e| ImageError::Io(format!("stage image {name}: {e}")))?;
+        }
+        Ok(staged)
+    }
+
+    /// An empty place to fetch image `name` into before
+    /// [`Images::place`] installs it; removed when the guard drops.
+    pub fn fetch_dir(&self, name: &str) -> Result<ImageDir, ImageError> {
+        check_name(name)?;
+        Ok(ImageDir(self.dir.join(format!(
+            "{FETCH_PREFIX}{name}-{}",
+            crate::random::random_hex(8)
+        ))))
+    }
+
+    /// Installs the image fetched into `fetched` as image `name`: both
+    /// files regular (no links, nothing else), sealed as an upload is,
+    /// renamed into place whole. Refused when `name` is already here,
+    /// even in part.
+    pub fn place(&self, name: &str, fetched: &ImageDir) -> Result<ImageFiles, ImageError> {
+        check_name(name)?;
+        let unusable = |file| ImageError::Unusable {
+            name: name.to_string(),
+            file,
+        };
+        for file in [KERNEL_FILE, ROOTFS_FILE] {
+            let path = fetched.path().join(file);
+            match std::fs::symlink_metadata(&path) {
+                Ok(m) if m.is_file() => {}
+                _ => return Err(unusable(file)),
+            }
+            std::fs::set_permissions(
+                &path,
+                <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o644),
+            )
+            .map_err(|e| ImageError::Io(format!("seal fetched image {name}: {e}")))?;
+        }
+        std::fs::set_permissions(
+            fetched.path(),
+            <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o700),
+        )
+        .map_err(|e| ImageError::Io(format!("fetched image {name}: {e}")))?;
+        // rename(2) onto a directory that exists (empty or not) fails or
+        // replaces an empty one; either way no half image is mixed in.
+        let to = self.dir.join(name);
+        if std::fs::symlink_metadata(&to).is_ok() {
+            return Err(ImageError::Io(format!(
+                "image {name} is here in part: upload its missing part or delete it"
+            )));
+        }
+        std::fs::rename(fetched.path(), &to)
+            .map_err(|e| ImageError::Io(format!("install fetched image {name}: {e}")))?;
+        self.resolve(name)
     }
 
     pub fn dir(&self) -> &Path {

@@ -202,6 +202,22 @@ pub enum StorageError {
         /// What is wrong.
         why: String,
     },
+    /// A name for a layer that cannot be one (it becomes an object key).
+    #[error(
+        "bad name {name:?}: 1 to 100 of A-Z, a-z, 0-9, `.`, `_` and `-`, not starting with `.`"
+    )]
+    BadName {
+        /// The name as given (cut short).
+        name: String,
+    },
+    /// A name's object that does not decode.
+    #[error("{key}: invalid name object: {why}")]
+    NameInvalid {
+        /// Its key.
+        key: String,
+        /// What is wrong.
+        why: String,
+    },
     /// A chunk a manifest names is not in the store.
     #[error("{at}: missing from the object store")]
     ChunkMissing {

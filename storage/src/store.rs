@@ -11,6 +11,7 @@
 //! | `manifests/<id>`             | a layer's manifest (JSON)              |
 //! | `leases/<id>`                | an upload in progress                  |
 //! | `gc/<run>`                   | a garbage collection, running or done  |
+//! | `names/<space>/<name>`       | the manifest a name stands for (JSON)  |
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -72,3 +72,8 @@ async fn local_upload_waits_for_a_running_gc_then_repairs() {
 async fn local_a_stale_lease_is_removed() {
     common::a_stale_lease_is_removed(&backend()).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_named_layers_point_at_their_manifests() {
+    common::named_layers_point_at_their_manifests(&backend()).await;
+}

@@ -108,5 +108,6 @@ mod seaweedfs_ {
         gc_spares_the_pending_manifest_of_an_upload,
         upload_waits_for_a_running_gc_then_repairs,
         a_stale_lease_is_removed,
+        named_layers_point_at_their_manifests,
     );
 }

@@ -255,7 +255,7 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
     ) -> impl Future<Output = Result<ImageReply, ServiceError>> + Send {
         async move {
             in_pod(self, Needs::Images, |s| match op {
-                ImageOp::List => Ok(ImageReply::List(s.images().list())),
+                ImageOp::List => Ok(ImageReply::List(s.image_names())),
                 ImageOp::Install {
                     name,
                     part,
@@ -265,7 +265,7 @@ pub trait SandboxApi: SandboxCalls + Send + Sync + 'static {
                 } => {
                     not_here(&pod.cloned())?;
                     Ok(ImageReply::Installed(
-                        s.images().install(name, part, body, limit)?,
+                        s.install_image(name, part, body, limit)?,
                     ))
                 }
                 ImageOp::Delete(name) => s.remove_image(name).map(|()| ImageReply::Deleted),

@@ -134,7 +134,8 @@ impl Service {
         })?;
         // The image is checked first: a bad name or file is 400 on every
         // host, before anything else is looked at.
-        let files = self.images.resolve(name)?;
+        // Fetched from the object store when this pod lacks it.
+        let files = self.resolve_image(name)?;
         if let Some(why) = self.config.host.linux_refusal() {
             return Err(ServiceError::HostUnsupported(why));
         }

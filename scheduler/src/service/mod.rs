@@ -36,6 +36,7 @@ mod reboot;
 mod recovery;
 pub mod resident;
 mod sandbox_template;
+mod stored_images;
 mod template;
 pub mod vmm;
 pub mod vmm_process;

@@ -50,6 +50,13 @@ pub enum ObjectStoreError {
     /// of another pod under it.
     #[error("snapshot layer {}: {why}", layer_name(dir))]
     NotPortable { dir: PathBuf, why: String },
+    /// An image stored, fetched, named or unnamed (`stored_images.rs`).
+    #[error("image {name} in the object store: {source}")]
+    Image {
+        name: String,
+        #[source]
+        source: StorageError,
+    },
     /// A local file of a layer being fetched.
     #[error("snapshot layer {}: {source}", layer_name(dir))]
     Io {
@@ -81,7 +88,7 @@ impl ObjectStoreError {
     /// unreachable for now.
     pub fn is_bad_layer(&self) -> bool {
         match self {
-            Self::Layer { source, .. } => matches!(
+            Self::Layer { source, .. } | Self::Image { source, .. } => matches!(
                 source,
                 StorageError::ChunkCorrupt { .. }
                     | StorageError::ChunkMissing { .. }
@@ -143,6 +150,9 @@ pub struct ObjectStore {
     /// A lock per layer being stored ([`ObjectStore::layer_lock`]): two
     /// sandboxes of one template hibernating at once store its layer once.
     storing: std::sync::Mutex<HashMap<PathBuf, Arc<std::sync::Mutex<()>>>>,
+    /// The images named in the store, as last listed
+    /// (`stored_images.rs`).
+    pub(super) image_names: super::stored_images::StoredNames,
     /// The manifests whose chunks placement's figures counted (`held.rs`).
     pub(super) known: super::held::KnownManifests,
     /// The layers of sandboxes this pod released (`held.rs`).
@@ -202,6 +212,7 @@ impl ObjectStore {
             store_soon: Default::default(),
             runtime: Some(runtime),
             storing: Default::default(),
+            image_names: Default::default(),
             known: Default::default(),
             let_go: Default::default(),
         })
@@ -209,7 +220,7 @@ impl ObjectStore {
 
     /// Runs `f` holding layer `dir`'s lock; the lock's entry goes with its
     /// last holder.
-    fn with_layer_lock<T>(&self, dir: &Path, f: impl FnOnce() -> T) -> T {
+    pub(super) fn with_layer_lock<T>(&self, dir: &Path, f: impl FnOnce() -> T) -> T {
         let lock = Arc::clone(self.storing.locked().entry(dir.to_path_buf()).or_default());
         let out = {
             // The guarded value is (): a poisoned lock guards nothing broken.

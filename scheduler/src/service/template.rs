@@ -279,8 +279,9 @@ impl Drop for BuildReservation<'_> {
 }
 
 impl Service {
-    /// Removes an installed image unless a live template was built from it
-    /// (its snapshot's disk still reads the rootfs).
+    /// Removes an image (here, and from the object store: see
+    /// `stored_images.rs`) unless a live template of this pod was built
+    /// from it (its snapshot's disk still reads the rootfs).
     pub fn remove_image(&self, name: &str) -> Result<(), ServiceError> {
         crate::images::check_name(name)?;
         if let Some(t) = self
@@ -294,7 +295,7 @@ impl Service {
             }
             .into());
         }
-        Ok(self.images.remove(name)?)
+        self.remove_image_files(name)
     }
 
     /// Admits a template build of `mem_mib`: refused (429) when it does not

@@ -13,8 +13,8 @@ use std::time::Duration;
 use object_store::path::Path as Key;
 use object_store::ObjectStoreExt;
 use torpor_storage::{
-    ChunkCache, ChunkHash, GcOptions, GcStage, ManifestId, Storage, StorageError, StorageOptions,
-    UploadOptions, UploadStage,
+    ChunkCache, ChunkHash, GcOptions, GcStage, ManifestId, NameSpace, Storage, StorageError,
+    StorageOptions, UploadOptions, UploadStage,
 };
 
 pub const MIB: u64 = 1 << 20;
@@ -547,6 +547,52 @@ pub async fn deleted_manifest_unshared_chunks_are_collected(b: &Backend) {
     });
     let gc = patient.collect_garbage().await.unwrap();
     assert_eq!((gc.deleted, gc.spared_young), (0, gc.chunks), "{gc:?}");
+}
+
+/// A name stands for one manifest at a time: written, read, moved to
+/// another upload (the one it named before is returned for its writer to
+/// delete), listed, removed; a collection keeps a named layer's chunks;
+/// a name that cannot be a key is refused before any request.
+pub async fn named_layers_point_at_their_manifests(b: &Backend) {
+    let space = NameSpace::Images;
+    let (a, c) = (b.dir("a"), b.dir("c"));
+    layer(&a, &[400, 401]);
+    layer(&c, &[400, 402]);
+    let la = b.storage.upload_layer(&a).await.unwrap();
+    let lc = b.storage.upload_layer(&c).await.unwrap();
+    assert_eq!(b.storage.named_layer(space, "deb").await.unwrap(), None);
+    let before = b.storage.name_layer(space, "deb", &la.id).await.unwrap();
+    assert_eq!(before, None);
+    assert_eq!(
+        b.storage.name_layer(space, "deb", &la.id).await.unwrap(),
+        None,
+        "the same manifest again is not one to delete"
+    );
+    b.storage.name_layer(space, "alp", &la.id).await.unwrap();
+    let before = b.storage.name_layer(space, "deb", &lc.id).await.unwrap();
+    assert_eq!(before.as_ref(), Some(&la.id));
+    assert_eq!(
+        b.storage.named_layer(space, "deb").await.unwrap().as_ref(),
+        Some(&lc.id)
+    );
+    assert_eq!(b.storage.names(space).await.unwrap(), ["alp", "deb"]);
+    b.tick().await;
+    let gc = b.storage.collect_garbage().await.unwrap();
+    assert_eq!(gc.deleted, 0, "{gc:?}");
+    let back = b.dir("back");
+    b.storage.download_layer(&lc.id, &back).await.unwrap();
+    assert_same_tree(&c, &back, &["memory", "state", "disks/root.diff"]);
+
+    let removed = b.storage.remove_name(space, "deb").await.unwrap();
+    assert_eq!(removed.as_ref(), Some(&lc.id));
+    assert_eq!(b.storage.remove_name(space, "deb").await.unwrap(), None);
+    assert_eq!(b.storage.names(space).await.unwrap(), ["alp"]);
+    for bad in ["", ".x", "a/b", "../m"] {
+        let e = b.storage.named_layer(space, bad).await.unwrap_err();
+        assert!(matches!(e, StorageError::BadName { .. }), "{bad}: {e}");
+        let e = b.storage.name_layer(space, bad, &la.id).await.unwrap_err();
+        assert!(matches!(e, StorageError::BadName { .. }), "{bad}: {e}");
+    }
 }
 
 /// A collection while an upload has stored its chunks but not written its
