@@ -746,6 +746,59 @@ fn store_lazy_wake_answers_before_the_layer_arrived() {
     service.delete_sandbox(&id).unwrap();
 }
 
+/// A pod that stops while a lazy wake's memory file is arriving: the
+/// sandbox's VMM runs on (its faults on chunks not here wait), and the
+/// service started again on the same data re-attaches to it and goes on
+/// fetching, the chunks the VMM waits for first. The guest keeps its
+/// exact sequence throughout, the file arrives whole, and the next
+/// hibernation stores a snapshot that wakes cold again. Before, nobody
+/// fetched after the restart: the VMM's first fault on a missing chunk
+/// failed at the map's deadline (20 s) and the sandbox with it.
+#[test]
+fn store_lazy_wake_goes_on_across_a_restart_of_its_pod() {
+    const WORK: u32 = 16;
+    let (proxy, url, _, _one) = store_behind_proxy("lazy-restart");
+    let data = DataDir::new("store-lazy-restart");
+    let (service, id) = iterating_sandbox_with(&data.0, url.clone(), "fast", WORK, 100, lazy);
+    hibernate(&service, &id).expect("stored");
+    evict(&service, &id);
+    proxy.slow(Duration::from_millis(4));
+    cold_wake(&service, &id);
+    assert!(arriving(&service, &id), "the layer arrived before the stop");
+    let pid = service.get_sandbox(&id).unwrap().vmm.expect("its VMM").pid;
+    service.close();
+    drop(service);
+    // Down for a moment, as a restarted pod is.
+    std::thread::sleep(Duration::from_secs(1));
+
+    let mut c = ServiceConfig::new(
+        data.0.clone(),
+        std::path::PathBuf::from(env!("CARGO_BIN_EXE_torpor-vmm")),
+    );
+    c.policy_interval_ms = 0;
+    c.object_store = Some(url);
+    lazy(&mut c);
+    let again = Service::open(c).expect("open the service again");
+    let s = again.get_sandbox(&id).unwrap();
+    assert_eq!(s.state, SandboxState::Running, "{s:?}");
+    assert_eq!(s.vmm.as_ref().map(|v| v.pid), Some(pid), "{s:?}");
+    proxy.slow(Duration::ZERO);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while arriving(&again, &id) {
+        let s = again.get_sandbox(&id).unwrap();
+        assert_eq!(s.state, SandboxState::Running, "{s:?}");
+        assert!(Instant::now() < deadline, "the memory file never arrived");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    println!("the memory file arrived after the restart");
+    guest_iterates_mib(&data.0, &id, WORK);
+    hibernate(&again, &id).expect("hibernated after the memory arrived");
+    evict(&again, &id);
+    cold_wake(&again, &id);
+    guest_iterates_mib(&data.0, &id, WORK);
+    again.delete_sandbox(&id).unwrap();
+}
+
 #[test]
 fn store_cut_mid_lazy_fetch_fails_cleanly_and_a_later_wake_succeeds() {
     const WORK: u32 = 16;

@@ -241,6 +241,15 @@ pub enum StorageError {
         /// The file asked for.
         file: String,
     },
+    /// A local copy of a layer's file that is not what its manifest says
+    /// (a lazy fetch resumed over a file of another length).
+    #[error("{}: {why}", path.display())]
+    LocalMismatch {
+        /// The local file.
+        path: PathBuf,
+        /// How it differs.
+        why: String,
+    },
     /// A read past a file's end.
     #[error("layer {layer}, file {file}: read of {len} bytes at {offset} passes its end ({file_len} bytes)")]
     OutOfRange {

@@ -153,6 +153,49 @@ impl Storage {
         ))
     }
 
+    /// A [`LazyFile`] over `file`, the local copy at `local` of file
+    /// `name` of layer `id` that an earlier [`Storage::download_layer_lazy`]
+    /// made and did not finish (a pod that stopped while it arrived): its
+    /// chunks fetched from here on are written into it again. The caller
+    /// opened `file` (writable) as it trusts it; its length must be the
+    /// manifest's.
+    pub async fn resume_lazy(
+        &self,
+        id: &ManifestId,
+        name: &str,
+        local: &Path,
+        file: File,
+    ) -> Result<LazyFile, StorageError> {
+        let manifest = self.manifest(id).await?;
+        let entry = manifest
+            .file(name)
+            .cloned()
+            .ok_or_else(|| StorageError::NoSuchFile {
+                layer: id.clone(),
+                file: name.to_string(),
+            })?;
+        let len = file
+            .metadata()
+            .map_err(|e| StorageError::io(local, e))?
+            .len();
+        if len != entry.len {
+            return Err(StorageError::LocalMismatch {
+                path: local.to_path_buf(),
+                why: format!("{len} bytes where the manifest has {}", entry.len),
+            });
+        }
+        Ok(LazyFile {
+            storage: self.clone(),
+            id: id.clone(),
+            local: local.to_path_buf(),
+            chunks: entry.expand(),
+            path: entry.path,
+            len: entry.len,
+            chunk_size: manifest.chunk_size,
+            file: Arc::new(file),
+        })
+    }
+
     async fn download_layer_except(
         &self,
         id: &ManifestId,

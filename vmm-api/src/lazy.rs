@@ -177,6 +177,53 @@ impl PodMap {
         })
     }
 
+    /// The map a pod made earlier at `path` and stopped with (a pod
+    /// started again while the memory file still arrives), opened by the
+    /// caller as `file` (writable, as it trusts it): checked against the
+    /// memory file it describes (`chunk_size`, `file_len`). The present
+    /// bits there are not read back (see the module): every chunk counts as
+    /// absent here until marked again, and the whole wanted ring is read
+    /// once more, so the chunks the VMM waits for come first.
+    pub fn reopen(
+        path: &Path,
+        file: File,
+        chunk_size: u64,
+        file_len: u64,
+    ) -> Result<Self, LazyError> {
+        let invalid = |why: String| LazyError::Invalid {
+            path: path.display().to_string(),
+            why,
+        };
+        let mut head = [0u8; HEAD_AT as usize + 4];
+        file.read_exact_at(&mut head, 0)
+            .map_err(|source| LazyError::Io {
+                path: path.display().to_string(),
+                source,
+            })?;
+        let u64_at = |at: usize| u64::from_le_bytes(head[at..at + 8].try_into().expect("8 bytes"));
+        if head[0..4] != MAGIC || head[4..8] != VERSION.to_le_bytes() {
+            return Err(invalid("not a lazy map of this version".into()));
+        }
+        let chunks = file_len.div_ceil(chunk_size.max(1));
+        if u64_at(8) != chunk_size || u64_at(16) != chunks || u64_at(24) != file_len {
+            return Err(invalid(format!(
+                "it describes {} chunks of {} bytes ({} bytes), not the memory file's \
+                 {chunks} of {chunk_size} ({file_len})",
+                u64_at(16),
+                u64_at(8),
+                u64_at(24)
+            )));
+        }
+        let wanted_head = u32::from_le_bytes(head[HEAD_AT as usize..].try_into().expect("4 bytes"));
+        Ok(Self {
+            file,
+            chunks,
+            present: vec![0u8; chunks.div_ceil(8) as usize],
+            seen: wanted_head.saturating_sub(WANTED_SLOTS as u32),
+            ignored: 0,
+        })
+    }
+
     /// The chunk count.
     pub fn chunks(&self) -> u64 {
         self.chunks
@@ -483,6 +530,45 @@ mod tests {
         assert_eq!(waiter, Ok(()));
         pod.set_state(FetchState::Complete).unwrap();
         assert!(vmm.is_present(0));
+    }
+
+    /// A pod started again reopens the map its predecessor made: the
+    /// VMM's bits stay as they were, the wanted chunks it posted before
+    /// come first again, and a map of another memory file is refused.
+    #[test]
+    fn a_map_reopened_after_its_pod_stopped() {
+        let (dir, mut pod, vmm) = pair(10 * MIB);
+        pod.mark_present(1).unwrap();
+        vmm.post_wanted(4);
+        vmm.post_wanted(6);
+        drop(pod);
+        let path = dir.path().join(LAZY_MAP_FILE);
+        let open = || {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .unwrap()
+        };
+        let mut again = PodMap::reopen(&path, open(), MIB, 10 * MIB).unwrap();
+        assert_eq!(again.chunks(), 10);
+        assert!(vmm.is_present(1), "what the pod before marked stays");
+        assert!(!again.is_present(1), "not read back");
+        assert_eq!(again.take_wanted(), vec![4, 6]);
+        again.mark_present(4).unwrap();
+        assert!(vmm.is_present(4));
+        vmm.post_wanted(8);
+        assert_eq!(again.take_wanted(), vec![8]);
+        for (cs, len) in [(2 * MIB, 10 * MIB), (MIB, 11 * MIB), (MIB, 10 * MIB - 4096)] {
+            let e = PodMap::reopen(&path, open(), cs, len).unwrap_err();
+            assert!(matches!(e, LazyError::Invalid { .. }), "{e}");
+        }
+        std::fs::write(
+            &path,
+            b"not a map at all, but long enough to read a header from it",
+        )
+        .unwrap();
+        assert!(PodMap::reopen(&path, open(), MIB, 10 * MIB).is_err());
     }
 
     #[test]

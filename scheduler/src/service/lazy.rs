@@ -36,7 +36,7 @@ use torpor_vmm_api::lineage::{MAX_WORKING_SET_PAGES, TOUCHED_FILE, WORKING_SET_F
 
 use super::objects::ObjectStoreError;
 use super::{Service, ServiceError};
-use crate::model::SandboxId;
+use crate::model::{Sandbox, SandboxId};
 use crate::state::SandboxState;
 
 /// In a layer whose memory file is still arriving.
@@ -219,7 +219,8 @@ impl Service {
         let file = Arc::new(file);
         let placed = (|| -> Result<PodMap, ObjectStoreError> {
             super::objects::make_portable(&temp, dir)?;
-            std::fs::write(temp.join(ARRIVING), b"").map_err(io)?;
+            // The manifest, for a pod started again while it arrives.
+            std::fs::write(temp.join(ARRIVING), manifest).map_err(io)?;
             std::fs::rename(&temp, dir).map_err(io)?;
             let path = self.sandbox_dir(id).join(LAZY_MAP_FILE);
             let mut map = PodMap::create(&path, file.chunk_size(), file.len(), FAULT_DEADLINE)
@@ -289,6 +290,38 @@ impl Service {
                 return Err(layer(e).into());
             }
         };
+        let ms = started.elapsed().as_secs_f64() * 1000.0;
+        self.metrics
+            .observe_fetch(ms, Some(eager_bytes + first_bytes));
+        tracing::info!(
+            layer = %dir.display(),
+            manifest,
+            fetched = eager_bytes + first_bytes,
+            working_set_chunks = first.len(),
+            working_set_chunks_later = then_len,
+            chunks = file.chunks(),
+            ms = ms as u64,
+            "snapshot layer's small files fetched; its memory file arrives while the guest runs"
+        );
+        self.start_arrival(id, dir, manifest, file, map, then);
+        Ok(())
+    }
+
+    /// Registers the arrival of layer `dir`'s memory file for sandbox
+    /// `id` and fetches its chunks not present yet in the background
+    /// ([`arrive`]), `then` first after the wanted ones.
+    fn start_arrival(
+        &self,
+        id: &SandboxId,
+        dir: &Path,
+        manifest: &str,
+        file: Arc<LazyFile>,
+        map: PodMap,
+        then: Vec<u64>,
+    ) {
+        let Some(objects) = &self.objects else {
+            return;
+        };
         let arrival = Arc::new(Arrival {
             dir: dir.to_path_buf(),
             map: self.sandbox_dir(id).join(LAZY_MAP_FILE),
@@ -305,19 +338,6 @@ impl Service {
         {
             old.cancel.store(true, Ordering::SeqCst);
         }
-        let ms = started.elapsed().as_secs_f64() * 1000.0;
-        self.metrics
-            .observe_fetch(ms, Some(eager_bytes + first_bytes));
-        tracing::info!(
-            layer = %dir.display(),
-            manifest,
-            fetched = eager_bytes + first_bytes,
-            working_set_chunks = first.len(),
-            working_set_chunks_later = then_len,
-            chunks = file.chunks(),
-            ms = ms as u64,
-            "snapshot layer's small files fetched; its memory file arrives while the guest runs"
-        );
         let (me, sid, a) = (self.me.clone(), id.clone(), Arc::clone(&arrival));
         objects.spawn(async move {
             let outcome = arrive(file, map, then, &a).await;
@@ -334,7 +354,74 @@ impl Service {
                     });
             }
         });
-        Ok(())
+    }
+
+    /// A sandbox re-attached at the start of this service (its VMM ran on
+    /// while the service was down) whose memory file was still arriving:
+    /// the fetch goes on where the VMM waits for it, every chunk not a
+    /// hole written again (what the stopped service wrote is not known
+    /// here), the chunks its page server asks for first. Its VMM's faults
+    /// wait up to the map's deadline, so a service back within it loses
+    /// nothing. Whether a fetch was resumed.
+    ///
+    /// The map lies in the directory the sandbox's (jailed) VMM owns, the
+    /// layer below it: each file is opened beneath the data directory
+    /// through no symlink and must have one link, the layer's be this
+    /// service's (sealed), so a VMM cannot point these writes at a file of
+    /// the host.
+    pub(super) fn resume_lazy(&self, sandbox: &Sandbox) -> Result<bool, ServiceError> {
+        let (Some(objects), Some(dir)) = (&self.objects, sandbox.snapshot.as_deref()) else {
+            return Ok(false);
+        };
+        let id = &sandbox.id;
+        let map_path = self.sandbox_dir(id).join(LAZY_MAP_FILE);
+        if !dir.join(ARRIVING).exists() || !map_path.exists() {
+            return Ok(false);
+        }
+        let bad = |why: String| {
+            ServiceError::Internal(format!(
+                "sandbox {id}: its memory file was arriving and cannot go on: {why}"
+            ))
+        };
+        let mine = |path: &Path, write: bool, owner| -> Result<std::fs::File, ServiceError> {
+            open_made_here(&self.config.data_dir, path, write, owner)
+                .map_err(|e| bad(format!("{}: {e}", path.display())))
+        };
+        let mut text = String::new();
+        std::io::Read::read_to_string(
+            &mut mine(&dir.join(ARRIVING), false, Owner::Service)?,
+            &mut text,
+        )
+        .map_err(|e| bad(e.to_string()))?;
+        let manifest = text.trim().to_string();
+        let mid = ManifestId::parse(&manifest).map_err(|e| bad(e.to_string()))?;
+        let memory_path = dir.join(MEMORY_FILE);
+        let memory = mine(&memory_path, true, Owner::Service)?;
+        let map_file = mine(&map_path, true, Owner::Any)?;
+        let (storage, m, local) = (objects.storage().clone(), mid.clone(), memory_path.clone());
+        let file = objects
+            .run(async move { storage.resume_lazy(&m, MEMORY_FILE, &local, memory).await })?
+            .map_err(|source| ObjectStoreError::Layer {
+                dir: dir.to_path_buf(),
+                source,
+            })?;
+        let mut map = PodMap::reopen(&map_path, map_file, file.chunk_size(), file.len())
+            .map_err(|e| bad(e.to_string()))?;
+        for i in (0..file.chunks()).filter(|&i| file.is_hole(i)) {
+            map.mark_present(i).map_err(|e| bad(e.to_string()))?;
+        }
+        let then = [WORKING_SET_FILE, TOUCHED_FILE]
+            .into_iter()
+            .flat_map(|name| working_set_chunks(dir, name, file.chunk_size(), file.chunks()))
+            .collect();
+        tracing::info!(
+            sandbox = %id,
+            layer = %dir.display(),
+            manifest,
+            "its memory file was still arriving when the service stopped: the fetch goes on"
+        );
+        self.start_arrival(id, dir, &manifest, Arc::new(file), map, then);
+        Ok(true)
     }
 
     /// The error of `id`'s lazy fetch, if it failed: what a wake that
@@ -443,6 +530,48 @@ impl Service {
     }
 }
 
+/// Who must own a file [`open_made_here`] opens.
+#[derive(Clone, Copy)]
+enum Owner {
+    /// This process's user: a layer's file, sealed (the VMM owns none).
+    Service,
+    /// Anyone: the lazy map, in the VMM's own directory, which the jail
+    /// gave it with the directory. A file there with one link is the
+    /// pod's map or one the VMM made itself, never a file of the host.
+    Any,
+}
+
+/// `path` (beneath `data_dir`) opened through no symlink, for writing too
+/// when `write`; refused unless it is a regular file with one link (not a
+/// hard link a VMM made to a file of the host) owned as `owner` says.
+fn open_made_here(
+    data_dir: &Path,
+    path: &Path,
+    write: bool,
+    owner: Owner,
+) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::MetadataExt;
+    let rel = path
+        .strip_prefix(data_dir)
+        .map_err(|_| std::io::Error::other("not in the data directory"))?;
+    let root = std::fs::File::open(data_dir)?;
+    let flags = if write { libc::O_RDWR } else { libc::O_RDONLY } | libc::O_NOFOLLOW;
+    let file = crate::images::open_beneath(&root, rel, flags, 0)?;
+    let meta = file.metadata()?;
+    // SAFETY: geteuid has no arguments and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let owned = match owner {
+        Owner::Service => meta.uid() == me,
+        Owner::Any => true,
+    };
+    if !meta.is_file() || !owned || meta.nlink() != 1 {
+        return Err(std::io::Error::other(
+            "not a file this service made (its type, owner or links)",
+        ));
+    }
+    Ok(file)
+}
+
 /// The working set's chunks of `chunk_size` fetched before a restore: at
 /// least one.
 fn before_restore_chunks(chunk_size: u64) -> usize {
@@ -541,4 +670,44 @@ async fn arrive(file: Arc<LazyFile>, mut map: PodMap, then: Vec<u64>, a: &Arriva
         "snapshot layer's memory file arrived"
     );
     Outcome::Done { bytes }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a resumed fetch opens in a VMM's directory: a file with one
+    /// link, through no symlink, inside the data directory; a layer's file
+    /// only if the service owns it.
+    #[test]
+    fn a_resumed_fetch_opens_only_files_the_pod_made() {
+        let data = tempfile::tempdir().unwrap();
+        let dir = data.path().join("sandboxes/s1");
+        std::fs::create_dir_all(&dir).unwrap();
+        let map = dir.join(LAZY_MAP_FILE);
+        std::fs::write(&map, b"map").unwrap();
+        let open = |p: &Path, owner| open_made_here(data.path(), p, true, owner);
+        open(&map, Owner::Any).unwrap();
+        open(&map, Owner::Service).unwrap();
+
+        let host = data.path().join("host-file");
+        std::fs::write(&host, b"host").unwrap();
+        let link = dir.join("symlinked");
+        std::os::unix::fs::symlink(&host, &link).unwrap();
+        assert!(open(&link, Owner::Any).is_err(), "a symlink");
+        let hard = dir.join("hardlinked");
+        std::fs::hard_link(&host, &hard).unwrap();
+        assert!(open(&hard, Owner::Any).is_err(), "a second link");
+        let through = data.path().join("through");
+        std::os::unix::fs::symlink(&dir, &through).unwrap();
+        assert!(open(&through.join(LAZY_MAP_FILE), Owner::Any).is_err());
+        assert!(open(Path::new("/etc/hostname"), Owner::Any).is_err());
+        assert!(open(&dir, Owner::Any).is_err(), "a directory");
+        // SAFETY: geteuid has no arguments and cannot fail.
+        if unsafe { libc::geteuid() } == 0 {
+            std::os::unix::fs::lchown(&map, Some(4242), Some(4242)).unwrap();
+            open(&map, Owner::Any).unwrap();
+            assert!(open(&map, Owner::Service).is_err(), "another's file");
+        }
+    }
 }

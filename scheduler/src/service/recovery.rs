@@ -128,7 +128,13 @@ impl Service {
                 if let Some(jails) = &self.jails {
                     jails.note_running(h.pid);
                 }
-                tracing::info!(sandbox = %sandbox.id, pid = h.pid, "re-attached to its VMM")
+                tracing::info!(sandbox = %sandbox.id, pid = h.pid, "re-attached to its VMM");
+                // A lazy wake's memory file still arriving: the fetch the
+                // stopped service ran goes on (else its VMM's next fault on
+                // a missing chunk fails it at the map's deadline).
+                if let Err(e) = self.resume_lazy(sandbox) {
+                    tracing::warn!(sandbox = %sandbox.id, "{e}");
+                }
             }
             _ => {
                 tracing::warn!(sandbox = %sandbox.id, "its VMM is gone; marking it failed");
