@@ -424,9 +424,11 @@ pub struct ServiceFlags {
     /// A cold wake (snapshot only in the object store) restores once the
     /// layer's small files and its working set are here; the rest of its
     /// memory arrives while the guest runs, a fault on a page not yet
-    /// here fetching its chunk first. Needs `--memory-backend uffd`
-    /// (other backends wake eagerly).
-    #[arg(long)]
+    /// here fetching its chunk first (such a restore takes the `uffd`
+    /// backend, whatever --memory-backend says). Off by default: a lazy
+    /// adoption moves a sandbox before its layer was read whole
+    /// (docs/storage.md, "The wake path").
+    #[arg(long, requires = "object_store")]
     pub lazy_wake: bool,
     /// With --object-store, when a hibernation is answered: `stored` (the
     /// default) once its snapshot is durable in the object store; `local`

@@ -117,6 +117,8 @@ fn hibernate(service: &Arc<Service>, id: &SandboxId) -> Result<String, ServiceEr
 fn store_hibernations_are_stored_and_fetched_back() {
     let data = DataDir::new("store-service");
     let objects = data.0.join("objects");
+    // Eager wakes (the default): the whole layer before the restore, on
+    // the pod's own backend (the lazy tests are below).
     let (service, id) = iterating_sandbox(&data.0, objects.display().to_string(), "fast", MIB, 100);
 
     // Stored, a full snapshot: it restores alone.
@@ -141,6 +143,8 @@ fn store_hibernations_are_stored_and_fetched_back() {
         report.phases.iter().any(|(p, _)| p == "fetch"),
         "{report:?}"
     );
+    assert_eq!(report.backend, "file", "{report:?}");
+    assert!(!snapshot.join(".arriving").exists(), "fetched whole");
     guest_iterates(&data.0, &id);
 
     // The store fails (its directory replaced by a file): the hibernation
@@ -181,7 +185,7 @@ fn evict(service: &Arc<Service>, id: &SandboxId) {
 }
 
 /// A wake that must download the snapshot (the restore's `fetch` phase).
-fn cold_wake(service: &Arc<Service>, id: &SandboxId) {
+fn cold_wake(service: &Arc<Service>, id: &SandboxId) -> torpor_scheduler::model::RestoreReport {
     let woken = service
         .resume(id)
         .expect("a cold wake from the object store");
@@ -190,6 +194,7 @@ fn cold_wake(service: &Arc<Service>, id: &SandboxId) {
         report.phases.iter().any(|(p, _)| p == "fetch"),
         "{report:?}"
     );
+    report
 }
 
 /// Sandbox `id` as `service` holds it, and its template: what another
@@ -700,8 +705,14 @@ fn store_behind_proxy(name: &str) -> (CutProxy, String, HashMap<String, String>,
     (proxy, url, env, one)
 }
 
-/// Lazy wakes (`serve --lazy-wake`, uffd backend).
+/// Lazy wakes (`serve --lazy-wake`) on the default `file` backend: a
+/// lazy restore takes `uffd` for itself.
 fn lazy(c: &mut ServiceConfig) {
+    c.lazy_wake = true;
+}
+
+/// Lazy wakes on a pod whose backend is `uffd` for every restore.
+fn lazy_uffd(c: &mut ServiceConfig) {
     c.lazy_wake = true;
     c.memory_backend = torpor_vmm_api::MemoryBackend::Uffd;
 }
@@ -726,8 +737,10 @@ fn store_lazy_wake_answers_before_the_layer_arrived() {
     // 16 MiB of workload take seconds; the wake answers long before.
     proxy.slow(Duration::from_millis(4));
     let started = Instant::now();
-    cold_wake(&service, &id);
+    let report = cold_wake(&service, &id);
     let waking = started.elapsed();
+    // The pod's backend is `file`; the page server is uffd's.
+    assert_eq!(report.backend, "uffd", "{report:?}");
     let still = arriving(&service, &id);
     println!("lazy cold wake through a slow store: {waking:?}, memory still arriving: {still}");
     assert!(
@@ -846,7 +859,7 @@ fn store_lazy_wake_of_a_corrupt_chunk_fails_naming_the_layer() {
         "fast",
         MIB,
         100,
-        lazy,
+        lazy_uffd,
     );
     let manifest = hibernate(&service, &id).unwrap();
     evict(&service, &id);

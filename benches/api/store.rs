@@ -10,10 +10,10 @@
 //! from `/metrics`), warm and cold wake (API time; the cold one split
 //! into the download, the restore report's `fetch` phase, and the rest),
 //! p50/p95, and the target (cold wake p50 <= 150 ms, release)
-//! marked. Each store runs twice: eager (the default `file` backend: the
-//! whole layer before the restore) and lazy (`--memory-backend uffd
-//! --lazy-wake`: the layer's small files and working set before it, the
-//! memory file arriving while the guest runs; "arrived MiB").
+//! marked. Each store runs twice: eager (the default: the whole layer
+//! before the restore) and lazy (`--lazy-wake`: the layer's small files
+//! and working set before it, the memory file arriving while the guest
+//! runs, that restore on `uffd`; "arrived MiB").
 
 use super::measure::{create, lifecycle, settle, wait_new_line};
 use super::*;
@@ -259,9 +259,10 @@ pub(super) fn run(o: &Opts, scratch: &Path) -> bool {
         scratch.join("store-objects").display().to_string(),
         Vec::new(),
     )];
-    // Each store twice: eager (the default `file` backend, the whole
-    // layer before the restore) and lazy (`uffd`, `--lazy-wake`).
-    const LAZY: [&str; 3] = ["--memory-backend", "uffd", "--lazy-wake"];
+    // Each store twice: eager (the default: the whole layer before the
+    // restore) and lazy (`--lazy-wake`: that restore on `uffd`, warm
+    // wakes on the default `file` backend).
+    const LAZY: [&str; 1] = ["--lazy-wake"];
     let weed = match seaweedfs(scratch) {
         Ok((env, dir)) => {
             let url = format!(
@@ -280,7 +281,7 @@ pub(super) fn run(o: &Opts, scratch: &Path) -> bool {
     let mut ok = true;
     let rows = stores.into_iter().flat_map(|(name, url, env)| {
         [
-            (name.clone(), url.clone(), env.clone(), false),
+            (format!("{name}, eager"), url.clone(), env.clone(), false),
             (format!("{name}, lazy"), format!("{url}-lazy"), env, true),
         ]
     });

@@ -171,11 +171,10 @@ fn working_set_chunks(dir: &Path, name: &str, chunk_size: u64, chunks: u64) -> V
 }
 
 impl Service {
-    /// Whether a cold wake fetches its memory file lazily here.
+    /// Whether a cold wake fetches its memory file lazily here (its
+    /// restore then takes the `uffd` backend: `ops.rs`, `launch_vmm`).
     pub(super) fn lazy_wake(&self) -> bool {
-        self.config.lazy_wake
-            && self.objects.is_some()
-            && self.config.memory_backend == torpor_vmm_api::MemoryBackend::Uffd
+        self.config.lazy_wake && self.objects.is_some()
     }
 
     /// The layer `dir` of sandbox `id` from `manifest`, all but its memory

@@ -153,9 +153,10 @@ pub struct ServiceConfig {
     /// following in the background ([`objects::HibernateAck`]).
     pub hibernate_ack: objects::HibernateAck,
     /// A cold wake (snapshot only in the object store) restores once the
-    /// layer's small files are here and lets the memory file arrive while
-    /// the guest runs (`serve --lazy-wake`; `uffd` backend only, others
-    /// wake eagerly). Off by default: docs/storage.md, "The wake path".
+    /// layer's small files and its working set are here and lets the
+    /// memory file arrive while the guest runs, its restore on the `uffd`
+    /// backend (`serve --lazy-wake`; off by default): docs/storage.md,
+    /// "The wake path".
     pub lazy_wake: bool,
     /// With an object store: the bound of the pod's chunk cache
     /// (`--chunk-cache-mib`, in [`ServiceConfig::chunk_cache_dir`]), which

@@ -425,14 +425,20 @@ impl Service {
         // Before the jail is set up, which gives its socket to the VMM.
         self.mounts.serve(sandbox, &dir)?;
         let files = VmmFiles::in_dir(&dir);
-        let backend = self.config.memory_backend;
+        // A memory file still arriving (a lazy cold wake): the page server
+        // waits on its map. Only the `uffd` backend has one (the others map
+        // the file), so such a restore takes it whatever the pod's; the
+        // sandbox's next wake from its disk takes the pod's again.
+        let lazy_map = self.lazy.map_for(id, snapshot);
+        let backend = match lazy_map {
+            Some(_) => MemoryBackend::Uffd,
+            None => self.config.memory_backend,
+        };
         let mut restore = RestoreSpec::new(snapshot, backend);
         // The template's recorded working set, installed eagerly (uffd
         // backends; `file` maps the page cache, which needs no prefetch).
         restore.prefetch = backend != MemoryBackend::File;
-        // A memory file still arriving (a lazy cold wake): the page server
-        // waits on its map.
-        restore.lazy_map = self.lazy.map_for(id, snapshot);
+        restore.lazy_map = lazy_map;
         self.guest_restore_paths(id, template, &mut restore)?;
         // A jailed VMM joins its sandbox's network namespace as it starts
         // (as root, before it drops its rights): a shell made earlier sits
