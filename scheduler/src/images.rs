@@ -82,14 +82,11 @@ impl ImagePart {
 }
 
 /// A plain name (images, tenants): 1 to 64 characters of a-z, A-Z, 0-9,
-/// `.`, `_` and `-`, not starting with `.` (so no `/`, no `..`).
+/// `.`, `_` and `-`, not starting with `.` (so no `/`, no `..`): the
+/// object store's rule for names ([`torpor_storage::is_storable_name`],
+/// which images are stored under), shorter.
 pub fn is_plain_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= MAX_IMAGE_NAME
-        && !name.starts_with('.')
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    name.len() <= MAX_IMAGE_NAME && torpor_storage::is_storable_name(name)
 }
 
 /// Refuses anything but a plain name ([`is_plain_name`]).
